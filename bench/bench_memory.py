@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Memory of a SPES node against a full-model (DiLoCo/centralized) node: measured and from the shapes.
+
+    .venv/bin/python bench/bench_memory.py           # configs/small.yaml measured + the paper's 1B analytically
+    .venv/bin/python bench/bench_memory.py --quick   # configs/tiny.yaml measured + the 1B analytically
+
+Measured: each node kind runs in its own fresh process (so peak RSS is its own): build the real model and
+AdamW, run two training steps on one micro-batch, and read the bytes of the trainable parameters, of the
+`.grad` tensors after backward and of the optimizer state after the step, and the process's peak RSS
+(`ru_maxrss`) against its RSS before the model existed. Analytic: `spes.model.analytic_param_counts`
+with fp32 weights and gradients and two fp32 AdamW moments per trained parameter (8 bytes); the measured
+figures must agree within 5%. The paper's 1B config (`configs/spes_1b/node_0.yaml`) is counted on the
+meta device and analytically (no weights are allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from common import MIB, REPO_ROOT, format_table, machine_info, parser, run_child, write_results
+
+from spes.config import TrainConfig, load_config
+from spes.model import Transformer, analytic_param_counts, count_params
+from spes.optim import build_optimizer, optimizer_state_bytes
+from spes.trainer import language_model_loss
+
+FP32 = 4
+ADAM_MOMENTS = 2
+TOLERANCE = 0.05
+PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
+KINDS = {"spes": [], "full": ["--using_spes=false"]}
+MINIATURE = ["--model.d_model=16", "--model.n_heads=2", "--model.n_layers=1", "--model.mlp_hidden_size=16",
+             "--model.vocab_size=64", "--model.embedding_size=64", "--model.max_sequence_length=8"]
+
+
+def node_config(path: Path, kind: str) -> TrainConfig:
+    """Peer 0 of a SPES run, or the same model trained whole (centralized / a DiLoCo peer)."""
+    cfg, _ = load_config(path, KINDS[kind])
+    return cfg
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def build(cfg: TrainConfig) -> tuple[Transformer, torch.optim.Optimizer]:
+    with torch.device("meta"):
+        model = Transformer.for_run(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(cfg.seed)
+    return model, build_optimizer(model, cfg.optimizer)
+
+
+def train_steps(cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer, steps: int) -> tuple[int, int]:
+    """`steps` steps on one random micro-batch; returns (gradient bytes after the last backward, tokens per step)."""
+    batch = torch.randint(0, cfg.model.vocab_size, (cfg.device_train_microbatch_size, cfg.model.max_sequence_length + 1))
+    grad_bytes = 0
+    for _ in range(steps):
+        out = model(batch[:, :-1])
+        (language_model_loss(out.logits, batch[:, 1:]) + out.lb_loss + out.z_loss).backward()
+        grad_bytes = tensor_bytes([p.grad for p in model.parameters() if p.grad is not None])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return grad_bytes, batch.shape[0] * (batch.shape[1] - 1)
+
+
+def measure_node(path: Path, kind: str) -> dict[str, Any]:
+    """Run in a fresh process: real model + AdamW, two steps on one micro-batch; bytes and peak RSS.
+
+    A miniature of the same model trains first, so that the libraries' lazily loaded kernels and thread
+    pools are already in the baseline RSS and the peak above it is the node's own.
+    """
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = node_config(path, kind)
+    mini, _ = load_config(path, KINDS[kind] + MINIATURE)
+    train_steps(mini, *build(mini), steps=2)
+    rss_before = psutil.Process().memory_info().rss
+    model, optimizer = build(cfg)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    grad_bytes, tokens = train_steps(cfg, model, optimizer, steps=2)
+    return {
+        "kind": kind, "params": sum(p.numel() for p in params), "trainable_params": sum(p.numel() for p in trainable),
+        "param_bytes": tensor_bytes(params), "trainable_bytes": tensor_bytes(trainable), "grad_bytes": grad_bytes,
+        "optimizer_bytes": optimizer_state_bytes(optimizer),
+        "tokens_per_step": tokens,
+        "rss_before_bytes": rss_before,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def analytic(cfg: TrainConfig, kind: str) -> dict[str, int]:
+    """fp32 weights, fp32 gradients of the trained parameters, two fp32 AdamW moments per trained parameter."""
+    trained = cfg.spes_config.num_train_experts_per_node if kind == "spes" else None
+    counts = analytic_param_counts(cfg.model, trained)
+    static = FP32 * counts.total + FP32 * counts.trainable + ADAM_MOMENTS * FP32 * counts.trainable
+    return {"params": counts.total, "trainable_params": counts.trainable, "param_bytes": FP32 * counts.total,
+            "trainable_bytes": FP32 * counts.trainable, "grad_bytes": FP32 * counts.trainable,
+            "optimizer_bytes": ADAM_MOMENTS * FP32 * counts.trainable, "static_bytes": static}
+
+
+def meta_counts(cfg: TrainConfig) -> dict[str, int]:
+    """Parameter counts read off the real module tree on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        counts = count_params(Transformer.for_run(cfg))
+    return {"params": counts.total, "trainable_params": counts.trainable}
+
+
+def rel_err(measured: float, expected: float) -> float:
+    return abs(measured - expected) / expected if expected else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("bench_memory", __doc__)
+    p.add_argument("--child", choices=sorted(KINDS), help=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, default=None, help="config measured for real (default: small, quick: tiny)")
+    args = p.parse_args(argv)
+    config = args.config or REPO_ROOT / "configs" / ("tiny.yaml" if args.quick else "small.yaml")
+    if args.child:
+        print(json.dumps(measure_node(config, args.child)))
+        return 0
+
+    measured_rows, checks, rows = {}, [], []
+    for kind in KINDS:
+        m = run_child(Path(__file__), ["--child", kind, "--config", str(config)])
+        a = analytic(node_config(config, kind), kind)
+        m["static_bytes"] = m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
+        m["peak_minus_before_bytes"] = m["peak_rss_bytes"] - m["rss_before_bytes"]
+        for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes"):
+            err = rel_err(m[key], a[key])
+            checks.append({"kind": kind, "figure": key, "measured": m[key], "analytic": a[key], "rel_err": err,
+                           "within_5pct": err <= TOLERANCE})
+        measured_rows[kind] = {"measured": m, "analytic": a}
+        rows.append([kind, f"{m['params'] / 1e6:.2f}M", f"{m['trainable_params'] / 1e6:.2f}M",
+                     f"{m['param_bytes'] / MIB:.1f}", f"{m['grad_bytes'] / MIB:.1f}", f"{m['optimizer_bytes'] / MIB:.1f}",
+                     f"{m['static_bytes'] / MIB:.1f}", f"{a['static_bytes'] / MIB:.1f}",
+                     f"{m['peak_minus_before_bytes'] / MIB:.1f}"])
+    s, f = (measured_rows[k]["measured"] for k in ("spes", "full"))
+    ratios = {key: s[key] / f[key] for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes",
+                                              "peak_minus_before_bytes")}
+    print(f"measured on {config.relative_to(REPO_ROOT)} (one micro-batch of {s['tokens_per_step']} tokens, fp32, CPU):")
+    print(format_table(["node", "params", "trained", "weights MiB", "grads MiB", "AdamW MiB", "static MiB",
+                        "analytic MiB", "peak RSS - base MiB"], rows))
+    print("SPES / full: " + ", ".join(f"{k.replace('_bytes', '')} {v:.3f}" for k, v in ratios.items()))
+    worst = max(c["rel_err"] for c in checks)
+    print(f"measured vs analytic: worst relative error {worst:.2%} ({'OK' if worst <= TOLERANCE else 'OVER 5%'})")
+
+    paper = {}
+    paper_rows = []
+    for kind in KINDS:
+        cfg = node_config(PAPER_1B, kind)
+        a, meta = analytic(cfg, kind), meta_counts(cfg)
+        err = max(rel_err(meta[k], a[k]) for k in meta)
+        paper[kind] = {"analytic": a, "meta_device": meta, "meta_vs_analytic_rel_err": err}
+        paper_rows.append([kind, f"{a['params'] / 1e9:.3f}B", f"{a['trainable_params'] / 1e9:.3f}B",
+                           f"{a['param_bytes'] / 2**30:.2f}", f"{a['grad_bytes'] / 2**30:.2f}",
+                           f"{a['optimizer_bytes'] / 2**30:.2f}", f"{a['static_bytes'] / 2**30:.2f}", f"{err:.1e}"])
+    ps, pf = paper["spes"]["analytic"], paper["full"]["analytic"]
+    print(f"\npaper 1B config ({PAPER_1B.relative_to(REPO_ROOT)}), fp32 weights + grads + AdamW, one replica:")
+    print(format_table(["node", "params", "trained", "weights GiB", "grads GiB", "AdamW GiB", "static GiB",
+                        "meta vs analytic"], paper_rows))
+    print(f"SPES / full static memory: {ps['static_bytes'] / pf['static_bytes']:.3f} "
+          f"(saves {(pf['static_bytes'] - ps['static_bytes']) / 2**30:.2f} GiB per replica)")
+
+    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
+                             "config": str(config.relative_to(REPO_ROOT)), "measured": measured_rows,
+                             "ratios_spes_over_full": ratios, "checks": checks, "paper_1b": paper})
+    return 0 if worst <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+#!/usr/bin/env python
+"""Sync throughput: one SPES round of a >1 GB model through a real server, against a raw TCP socket.
+
+    .venv/bin/python bench/bench_sync.py                       # 1.24 GB fp32 model, 2 peers, fp32 and bf16 wire
+    .venv/bin/python bench/bench_sync.py --profile             # also py-spy profiles of the server and peer 0
+    .venv/bin/python bench/bench_sync.py --quick               # configs/tiny.yaml's model, one round
+
+The model is named and shaped like the real one (the paper's 1B widths with 3 layers and a 50k vocabulary,
+16 experts in 2 ownership blocks, so 2 peers of 8 experts): each peer uploads the shared tensors and its
+block and downloads the shared tensors and the other block. Everything is a separate process on loopback:
+`python -m spes.server` and one process per peer (`SyncClient.sync`), once with tensor payloads over gRPC and
+once over the raw-TCP data plane (`--data_port`, spes.sync.transport). The baseline, in the same run, is a
+raw TCP server process and one client process per peer moving exactly the same byte counts: each client
+sends its upload bytes, the server waits until every upload is in (the round barrier) and sends each client
+its download bytes. Peers build their tensors and connect first, then all start on one signal; a round's
+time runs from the first start to the last finish. Throughput = all bytes moved (every peer's up + down)
+/ round time. `--profile` needs py-spy (`pip install py-spy`; not a project dependency) and writes the
+hottest lines of the server and of peer 0 into the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from common import REPO_ROOT, RESULTS_DIR, format_table, machine_info, manifest_bytes, manifest_of, parser, \
+    write_results
+
+from spes.config import load_config
+from spes.launch import free_port
+from spes.sync.merge import download_names, trainable_names
+from spes.sync.wire import payload_bytes
+
+PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
+FULL_MODEL = ["--model.n_layers=3", "--model.vocab_size=50304", "--model.embedding_size=50304",
+              "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=8"]
+QUICK_MODEL = ["--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4"]
+QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
+HEADER = struct.Struct("<QQ")  # raw protocol: upload bytes, download bytes; then the payloads
+SCRIPT = Path(__file__).resolve()
+
+
+# -- the processes ---------------------------------------------------------------------------------------------
+def wait_for_go() -> None:
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() != "GO":
+        raise SystemExit("orchestrator went away")
+
+
+def grpc_peer(config: Path, overrides: list[str], peer: int, addr: str, wire: str, rounds: int, plane: str) -> None:
+    """A SPES peer: real SyncClient, random fp32 tensors for what it trains; one JSON line per round."""
+    from spes.sync.client import SyncClient
+
+    cfg = load_config(config, overrides)[0]
+    manifest = manifest_of(cfg)
+    names = trainable_names(list(manifest), peer, "spes")
+    gen = torch.Generator().manual_seed(peer)
+    tensors = {n: torch.randn(manifest[n], generator=gen) for n in names}
+    with SyncClient(addr, peer_id=peer, num_peers=cfg.spes_config.num_peers, experts_per_peer=cfg.expert_block_size(),
+                    mode="spes", wire_dtype=wire, rpc_timeout_s=600, round_timeout_s=900, data_plane=plane,
+                    reuse_buffers=True) as client:  # as spes.sync.peer.PeerSync
+        client.join(manifest, names)
+        for r in range(1, rounds + 1):
+            wait_for_go()
+            start = time.time()
+            _, stats = client.sync(r, tensors)
+            print(json.dumps({"start": start, "end": time.time(), "up": stats.bytes_up, "down": stats.bytes_down}),
+                  flush=True)
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> None:
+    while view:
+        n = conn.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection mid-transfer")
+        view = view[n:]
+
+
+def raw_server(port: int, peers: int, rounds: int, max_bytes: int) -> None:
+    """The baseline server: per round, receive every client's upload, then (barrier) send each its download."""
+    listener = socket.create_server(("127.0.0.1", port))
+    print("LISTENING", flush=True)
+    conns = [listener.accept()[0] for _ in range(peers)]
+    barrier = threading.Barrier(peers)
+
+    outbox = bytearray(max_bytes)  # read-only, shared by every connection
+
+    def serve(conn: socket.socket) -> None:
+        inbox = bytearray(max_bytes)
+        header = bytearray(HEADER.size)
+        for _ in range(rounds):
+            _recv_into(conn, memoryview(header))
+            up, down = HEADER.unpack(header)
+            _recv_into(conn, memoryview(inbox)[:up])
+            barrier.wait()
+            conn.sendall(memoryview(outbox)[:down])
+
+    threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def raw_peer(port: int, up: int, down: int, rounds: int) -> None:
+    """The baseline client: the same byte counts as a SPES peer, straight through a socket."""
+    outbox = memoryview(torch.empty(up, dtype=torch.uint8).random_().numpy())
+    inbox = bytearray(down)
+    conn = socket.create_connection(("127.0.0.1", port))
+    for _ in range(rounds):
+        wait_for_go()
+        start = time.time()
+        conn.sendall(HEADER.pack(len(outbox), down))
+        conn.sendall(outbox)
+        _recv_into(conn, memoryview(inbox))
+        print(json.dumps({"start": start, "end": time.time(), "up": len(outbox), "down": down}), flush=True)
+    conn.close()
+
+
+# -- the orchestrator ------------------------------------------------------------------------------------------
+def spawn(args: list[str], log: Path | None = None) -> subprocess.Popen:
+    out: IO[Any] | int = open(log, "w") if log is not None else subprocess.PIPE
+    return subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.PIPE
+                            if log is None else subprocess.STDOUT, text=True, cwd=REPO_ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
+
+def expect_line(proc: subprocess.Popen, what: str) -> str:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        err = proc.stderr.read() if proc.stderr is not None else ""
+        raise RuntimeError(f"a benchmark process exited before {what}: {err[-2000:]}")
+    return line.strip()
+
+
+def run_rounds(peers: list[subprocess.Popen], rounds: int, profile_pids: list[tuple[str, int]], profile_dir: Path | None
+               ) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Release all peers at once for each round; per round: wall seconds and bytes moved (all peers).
+
+    With `profile_dir`, the peers run one more round, under py-spy, whose time is not among the results.
+    """
+    results, profiles = [], {}
+    for r in range(rounds + (profile_dir is not None)):
+        for p in peers:
+            if expect_line(p, "READY") != "READY":
+                raise RuntimeError("peer did not report READY")
+        profiled = r == rounds
+        spies = start_profilers(profile_pids, profile_dir) if profiled and profile_dir is not None else []
+        for p in peers:
+            assert p.stdin is not None
+            p.stdin.write("GO\n")
+            p.stdin.flush()
+        records = [json.loads(expect_line(p, "its round result")) for p in peers]
+        if profiled:
+            profiles = stop_profilers(spies)
+            continue
+        wall = max(x["end"] for x in records) - min(x["start"] for x in records)
+        moved = sum(x["up"] + x["down"] for x in records)
+        results.append({"round": r + 1, "seconds": wall, "bytes": moved, "gb_s": moved / wall / 1e9,
+                        "up_per_peer": [x["up"] for x in records], "down_per_peer": [x["down"] for x in records]})
+    return results, profiles
+
+
+def start_profilers(pids: list[tuple[str, int]], out: Path) -> list[tuple[str, subprocess.Popen, Path]]:
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("error: --profile needs py-spy on PATH (pip install py-spy)")
+    out.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, pid in pids:
+        path = out / f"{name}.txt"
+        spies.append((name, subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
+                                              "--nonblocking", "-o", str(path)], stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL), path))
+    time.sleep(2.0)  # let py-spy attach before the round starts
+    return spies
+
+
+def stop_profilers(spies: list[tuple[str, subprocess.Popen, Path]]) -> dict[str, Any]:
+    """Stop py-spy (SIGINT writes its output) and summarize: the hottest source lines by own samples."""
+    summary = {}
+    for name, proc, path in spies:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        summary[name] = hottest_lines(path)
+    return summary
+
+
+def hottest_lines(path: Path, top: int = 12) -> dict[str, Any]:
+    """From py-spy's collapsed stacks: samples per leaf frame (own time) and per frame on the stack (inclusive)."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f.strip() for f in stack.split(";")][1:]  # drop the thread name
+        if not frames:
+            continue
+        n = int(count)
+        total += n
+        own[frames[-1]] += n
+        for frame in set(frames):
+            inclusive[frame] += n
+    return {"samples": total, "own": [[f, n / total] for f, n in own.most_common(top)],
+            "inclusive": [[f, n / total] for f, n in inclusive.most_common(top * 2)]}
+
+
+def wait_for_log(path: Path, needle: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and needle in path.read_text():
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode}); see {path}")
+        time.sleep(0.2)
+    raise RuntimeError(f"{needle!r} did not appear in {path} within {timeout:.0f}s")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, rounds: int, workdir: Path, profile: bool
+               ) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
+    """SPES rounds with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp")."""
+    cfg = load_config(config, overrides)[0]
+    port = free_port()
+    log = workdir / f"server_{wire}_{plane}.log"
+    server = spawn(["-m", "spes.server", "--total_peers", str(cfg.spes_config.num_peers),
+                    "--num_train_experts_per_node", str(cfg.expert_block_size()), "--host", "127.0.0.1",
+                    "--port", str(port), "--merge_interval", "0", "--round_timeout", "900",
+                    "--data_port", "0" if plane == "tcp" else "-1"], log)
+    procs = [server]
+    try:
+        wait_for_log(log, "listening", server)
+        peers = [spawn([str(SCRIPT), "--role", "grpc-peer", "--config", str(config), "--peer-id", str(p), "--port",
+                        str(port), "--wire", wire, "--plane", plane, "--rounds", str(rounds + profile),
+                        *[f"--override={o}" for o in overrides]])
+                 for p in range(cfg.spes_config.num_peers)]
+        procs += peers
+        pids = [("server", server.pid), ("peer0", peers[0].pid)]
+        results, profiles = run_rounds(peers, rounds, pids, workdir / f"profile_{wire}_{plane}" if profile else None)
+    finally:
+        stop(procs)
+    aggregation = [float(line.split("aggregation ")[1].split(" s")[0]) for line in log.read_text().splitlines()
+                   if "aggregation " in line]
+    return results, profiles, aggregation
+
+
+def bench_raw(up: list[int], down: list[int], rounds: int) -> list[dict[str, float]]:
+    port = free_port()
+    server = spawn([str(SCRIPT), "--role", "raw-server", "--port", str(port), "--peers", str(len(up)),
+                    "--rounds", str(rounds), "--max-bytes", str(max(up + down))])
+    procs = [server]
+    try:
+        expect_line(server, "LISTENING")
+        peers = [spawn([str(SCRIPT), "--role", "raw-peer", "--port", str(port), "--up", str(u), "--down", str(d),
+                        "--rounds", str(rounds)]) for u, d in zip(up, down)]
+        procs += peers
+        results, _ = run_rounds(peers, rounds, [], None)
+    finally:
+        stop(procs)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("bench_sync", __doc__)
+    p.add_argument("--role", choices=["grpc-peer", "raw-server", "raw-peer"], default=None, help="(internal)")
+    p.add_argument("--config", type=Path, default=None, help="(internal) model config of a peer")
+    p.add_argument("--override", action="append", default=[], help="(internal) config override of a peer")
+    p.add_argument("--peer-id", type=int, default=0, help="(internal)")
+    p.add_argument("--port", type=int, default=0, help="(internal)")
+    p.add_argument("--peers", type=int, default=2, help="(internal)")
+    p.add_argument("--up", type=int, default=0, help="(internal)")
+    p.add_argument("--down", type=int, default=0, help="(internal)")
+    p.add_argument("--max-bytes", type=int, default=0, help="(internal)")
+    p.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="(internal)")
+    p.add_argument("--plane", choices=["grpc", "tcp"], default="grpc", help="(internal) where tensor payloads go")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 3, quick 1)")
+    p.add_argument("--profile", action="store_true", help="py-spy profiles of the server and peer 0 in one more, "
+                   "untimed, fp32 round")
+    args = p.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 3)
+    if args.role == "grpc-peer":
+        grpc_peer(args.config, args.override, args.peer_id, f"127.0.0.1:{args.port}", args.wire, rounds, args.plane)
+        return 0
+    if args.role == "raw-server":
+        raw_server(args.port, args.peers, rounds, args.max_bytes)
+        return 0
+    if args.role == "raw-peer":
+        raw_peer(args.port, args.up, args.down, rounds)
+        return 0
+
+    config, overrides = (QUICK_CONFIG, QUICK_MODEL) if args.quick else (PAPER_1B, FULL_MODEL)
+    cfg = load_config(config, overrides)[0]
+    manifest = manifest_of(cfg)
+    workdir = RESULTS_DIR / ("bench_sync_quick" if args.quick else "bench_sync")
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"model: {manifest_bytes(manifest) / 1e9:.2f} GB fp32, {len(manifest)} tensors, "
+          f"{cfg.spes_config.num_peers} peers x {cfg.expert_block_size()} experts; {rounds} round(s) each")
+    measurements: dict[str, Any] = {}
+    rows = []
+    for wire in ("fp32",) if args.quick else ("fp32", "bf16"):
+        names = list(manifest)
+        peers = range(cfg.spes_config.num_peers)
+        up = [sum(payload_bytes(manifest[n], wire) for n in trainable_names(names, q, "spes")) for q in peers]
+        down = [sum(payload_bytes(manifest[n], wire) for n in download_names(names, q, "spes", False)) for q in peers]
+        raw = bench_raw(up, down, rounds)
+        best_raw = min(raw, key=lambda x: x["seconds"])
+        for plane in ("grpc", "tcp"):
+            spes, profiles, aggregation = bench_spes(config, overrides, wire, plane, rounds, workdir,
+                                                     args.profile and wire == "fp32")
+            best = min(spes, key=lambda x: x["seconds"])
+            agg = min(aggregation) if aggregation else 0.0
+            ratio = best_raw["seconds"] / best["seconds"]
+            ratio_no_agg = best_raw["seconds"] / max(best["seconds"] - agg, 1e-9)
+            measurements[f"{wire}_{plane}"] = {
+                "spes_rounds": spes, "raw_rounds": raw, "server_aggregation_s": aggregation,
+                "spes_over_raw_throughput": ratio, "spes_over_raw_excluding_aggregation": ratio_no_agg,
+                "profiles": profiles}
+            rows.append([wire, plane, f"{best['bytes'] / 1e9:.2f}", f"{best['seconds']:.2f}", f"{best['gb_s']:.2f}",
+                         f"{agg:.2f}", f"{best_raw['seconds']:.2f}", f"{best_raw['gb_s']:.2f}", f"{ratio:.1%}",
+                         f"{ratio_no_agg:.1%}"])
+    print(format_table(["wire", "payloads over", "GB moved", "SPES round s", "GB/s", "of which aggregation s",
+                        "raw TCP s", "raw GB/s", "SPES / raw", "excl. aggregation"], rows))
+    for key, m in measurements.items():
+        for name, prof in m["profiles"].items():
+            print(f"\nprofile of the {name} ({key} round, {prof['samples']} samples), hottest lines by own time:")
+            for frame, share in prof["own"]:
+                print(f"  {share:6.1%}  {frame}")
+    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
+                             "config": str(config.relative_to(REPO_ROOT)), "overrides": overrides,
+                             "model_bytes_fp32": manifest_bytes(manifest), "rounds": rounds,
+                             "measurements": measurements})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Training speed of one node: tokens/s per MoE backend (`torch`, `grouped_mm`), SPES node vs full-model node.
+
+    .venv/bin/python bench/bench_train.py                   # configs/small.yaml on the CPU
+    .venv/bin/python bench/bench_train.py --quick           # configs/tiny.yaml, one timed step each
+    .venv/bin/python bench/bench_train.py --device cuda     # on a GPU: amp_bf16, tokens/s, MFU, peak memory
+
+Each variant is a real node (model built as `spes.train` builds it, AdamW over its trainable parameters)
+and a real optimizer step (`Trainer.train_step`: micro-batches, clipping, schedule) on the config's global
+batch of random token ids. The variants are timed in turns (variant A step, variant B step, ...) so that
+a change in the machine's load hits all of them alike; the median step is reported. MFU uses
+`spes.model.tflops_per_token` (6 x active matmul parameters + attention) against the GPU's bf16 peak;
+on the CPU the achieved GFLOP/s are shown instead.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import REPO_ROOT, format_table, machine_info, parser, write_results
+
+from spes.config import TrainConfig, load_config
+from spes.distributed import DistInfo
+from spes.model import Transformer, tflops_per_token
+from spes.monitor import peak_flops
+from spes.optim import build_optimizer
+from spes.trainer import Trainer
+
+BACKENDS = ("torch", "grouped_mm")
+KINDS = {"spes": [], "full": ["--using_spes=false"]}
+
+
+@dataclass
+class Variant:
+    name: str
+    backend: str
+    kind: str
+    cfg: TrainConfig
+    trainer: Trainer
+    step_seconds: list[float]
+
+
+def build_variant(config: Path, backend: str, kind: str, device: torch.device, save_folder: str) -> Variant:
+    """A node as `spes.train` builds it (peer 0 for SPES), with its optimizer and trainer."""
+    extra = ["--precision=amp_bf16"] if device.type == "cuda" else []
+    cfg, _ = load_config(config, [f"--model.moe_backend={backend}", f"--save_folder={save_folder}",
+                                  *KINDS[kind], *extra])
+    with torch.device("meta"):
+        model = Transformer.for_run(cfg)
+    model.to_empty(device=device)
+    model.init_weights(cfg.seed)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    trainer = Trainer(cfg=cfg, model=model, optimizer=optimizer, loader=None, info=info,  # type: ignore[arg-type]
+                      log=lambda _line: None)
+    return Variant(f"{kind}/{backend}", backend, kind, cfg, trainer, [])
+
+
+def timed_step(variant: Variant, batch: torch.Tensor) -> float:
+    device = variant.trainer.info.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    variant.trainer.train_step(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("bench_train", __doc__)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
+    p.add_argument("--config", type=Path, default=None, help="node config (default: small, quick: tiny)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 5, quick 1)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda needs a CUDA GPU and a CUDA build of torch; this machine has neither")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    config = args.config or REPO_ROOT / "configs" / ("tiny.yaml" if args.quick else "small.yaml")
+    steps = args.steps or (1 if args.quick else 5)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        variants = [build_variant(config, b, k, device, f"{tmp}/{k}_{b}") for b in BACKENDS for k in KINDS]
+        cfg = variants[0].cfg
+        gen = torch.Generator().manual_seed(0)
+        batch = torch.randint(0, cfg.model.vocab_size, (cfg.global_train_batch_size, cfg.model.max_sequence_length + 1),
+                              generator=gen)
+        tokens = cfg.global_train_batch_size * cfg.model.max_sequence_length
+        for v in variants:  # warm-up: first-call allocations, AdamW state
+            timed_step(v, batch)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        peaks: dict[str, int] = {}
+        for _ in range(steps):
+            for v in variants:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                v.step_seconds.append(timed_step(v, batch))
+                if device.type == "cuda":
+                    peaks[v.name] = max(peaks.get(v.name, 0), torch.cuda.max_memory_allocated(device))
+
+    flops = tflops_per_token(cfg.model) * 1e12
+    peak = peak_flops(device)
+    base = statistics.median(next(v for v in variants if v.name == "full/torch").step_seconds)
+    results: list[dict[str, Any]] = []
+    rows = []
+    for v in variants:
+        median = statistics.median(v.step_seconds)
+        tps = tokens / median
+        r: dict[str, Any] = {"variant": v.name, "backend": v.backend, "kind": v.kind, "step_seconds": v.step_seconds,
+                             "median_step_s": median, "tokens_per_s": tps, "gflops": tps * flops / 1e9,
+                             "speed_vs_full_torch": base / median,
+                             "trainable_params": sum(p.numel() for p in v.trainer.trainable)}
+        if peak is not None:
+            r["mfu"] = tps * flops / peak
+        if v.name in peaks:
+            r["peak_memory_bytes"] = peaks[v.name]
+        results.append(r)
+        rows.append([v.name, f"{median:.3f}", f"{tps:,.0f}", f"{r['gflops']:.1f}", f"{r['speed_vs_full_torch']:.2f}"]
+                    + ([f"{r['mfu']:.1%}"] if "mfu" in r else [])
+                    + ([f"{r['peak_memory_bytes'] / 2**30:.2f}"] if "peak_memory_bytes" in r else []))
+    headers = ["node/backend", "step s", "tokens/s", "GFLOP/s", "vs full/torch"]
+    headers += ["MFU"] if peak is not None else []
+    headers += ["peak GiB"] if peaks else []
+    print(f"{config.relative_to(REPO_ROOT)} on {device}: global batch {cfg.global_train_batch_size} x "
+          f"{cfg.model.max_sequence_length} tokens, micro-batch {cfg.device_train_microbatch_size}, "
+          f"{cfg.precision}, median of {steps} step(s), torch threads {torch.get_num_threads()}")
+    print(format_table(headers, rows))
+    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
+                             "device": str(device), "config": str(config.relative_to(REPO_ROOT)),
+                             "tokens_per_step": tokens, "tflops_per_token": flops / 1e12, "results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Shared plumbing of the benchmarks: result files, machine facts, tables and timing.
+
+Every benchmark in `bench/` prints a table and writes its figures as JSON to `bench/results/<name>.json`
+(gitignored; summaries go to `docs/`). Each records the machine's load average next to its figures,
+because the CPU is shared and a ratio measured in one run is the only figure worth comparing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spes.config import TrainConfig
+from spes.model import Transformer
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+GIB = 2**30
+MIB = 2**20
+
+
+def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark has: --quick and --out."""
+    p = argparse.ArgumentParser(prog=f"bench/{name}.py", description=(doc or "").split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run (what CI runs)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{name}.json", help="where the JSON results go")
+    return p
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on, including the load average (other users share the CPU)."""
+    load1, load5, load15 = os.getloadavg()
+    return {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "load_avg_1_5_15": [round(load1, 2), round(load5, 2), round(load15, 2)]}
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    """Write the results JSON atomically (temp file in the same directory + os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    print(f"saved {path}")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A right-aligned plain-text table; floats are shown with 3 significant decimals unless pre-formatted."""
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 1000 else f"{v:,.0f}"
+        if isinstance(v, int):
+            return f"{v:,d}"
+        return str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls (after one untimed warm-up call): the least-disturbed figure."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def run_child(script: Path, args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 600) -> dict:
+    """Run `python script args` and parse the JSON object it prints on its last stdout line."""
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=REPO_ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script.name} {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def manifest_of(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a node of this run synchronizes, read off the real model on the meta device.
+
+    Synthetic workloads built from this are named and shaped exactly like a real model's (shared tensors and
+    `blocks.{l}.ffn.experts.{w1,v1,w2}.{b}` ownership blocks), so the server treats them as it would a model.
+    """
+    with torch.device("meta"):
+        model = Transformer.for_run(cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def manifest_bytes(manifest: dict[str, tuple[int, ...]], names: Sequence[str] | None = None, itemsize: int = 4) -> int:
+    """Bytes of the named tensors (default: all) at `itemsize` bytes per element."""
+    total = 0
+    for name in manifest if names is None else names:
+        numel = 1
+        for d in manifest[name]:
+            numel *= d
+        total += numel * itemsize
+    return total

@@ -1,0 +1,324 @@
+#!/usr/bin/env python
+"""Mini-reproduction of the paper's comparison: centralized vs SPES vs DiLoCo at the same token budget.
+
+    .venv/bin/python bench/mini_repro.py                 # ~30 min on 2 cores: runs, plot, docs/mini_repro.md
+    .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
+    .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
+
+Three real runs on the default local corpus (data/default, built by
+`data_process_scripts/build_default_corpus.py --output_dir data/default`), each through the project's own
+entry points, with the same model, initialization, learning-rate schedule and number of steps:
+
+  (a) centralized: one `python -m spes.train` with `using_spes=false` and a batch of 4 x the peer batch;
+  (b) SPES: `python -m spes.launch` (a parameter server and 4 peers, each owning 2 of the 8 experts);
+  (c) DiLoCo/FedAvg: the same launcher with `--dilico` (every peer trains and the server averages everything).
+
+So every run sees the same number of tokens per step and in total. The SPES and DiLoCo curves are the
+validation loss of the merged global model right after a sync (what every peer holds then); their
+pre-sync local losses are kept too. Bytes communicated are the payload bytes every peer sent and received
+(the client's counters), summed over peers. Outputs: `<out>/<run>/` (logs, metrics.jsonl),
+`<out>/mini_repro.json`, and in `--docs`: `mini_repro.png` and `mini_repro.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from common import REPO_ROOT, RESULTS_DIR, machine_info, parser, write_results
+
+from spes.config import load_config
+from spes.model import analytic_param_counts
+
+CONFIG = "configs/tiny.yaml"
+PEERS = 4
+RUNS = ("centralized", "spes", "diloco")
+LABELS = {"centralized": "centralized (1 trainer, 4x batch)", "spes": "SPES (4 peers)", "diloco": "DiLoCo (4 peers)"}
+COLORS = {"centralized": "black", "spes": "tab:red", "diloco": "tab:blue"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One mini-reproduction's sizes; `quick` is a smoke test of the same pipeline."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    mlp_hidden_size: int
+    seq_len: int
+    peer_batch: int
+    steps: int
+    sync_steps: int
+    eval_interval: int
+    eval_batches: int
+    eval_batch_size: int
+    learning_rate: float
+    warmup: int
+    merge_interval: int
+    merge_alpha_start: float
+    merge_decay_steps: int
+
+    def overrides(self, tokenizer: str, train: str, valid: str) -> list[str]:
+        """The config overrides shared by all three runs (configs/tiny.yaml underneath)."""
+        return [
+            f"--model.d_model={self.d_model}", f"--model.n_layers={self.n_layers}", f"--model.n_heads={self.n_heads}",
+            f"--model.mlp_hidden_size={self.mlp_hidden_size}", f"--model.max_sequence_length={self.seq_len}",
+            f"--max_duration={self.steps}st", f"--scheduler.t_warmup={self.warmup}",
+            f"--optimizer.learning_rate={self.learning_rate}", f"--spes_config.sync_steps={self.sync_steps}",
+            f"--eval_interval={self.eval_interval}", f"--eval_subset_num_batches={self.eval_batches}",
+            f"--device_eval_batch_size={self.eval_batch_size}", f"--device_train_microbatch_size={self.peer_batch}",
+            f"--tokenizer.identifier={tokenizer}", f"--data.paths=[{train}]", f"--data.validation_paths=[{valid}]",
+            "--save_interval=null", f"--log_interval={self.sync_steps}",
+        ]
+
+
+FULL = Setup(d_model=128, n_layers=4, n_heads=4, mlp_hidden_size=256, seq_len=128, peer_batch=8, steps=400,
+             sync_steps=10, eval_interval=20, eval_batches=4, eval_batch_size=16, learning_rate=2e-3, warmup=20,
+             merge_interval=20, merge_alpha_start=0.05, merge_decay_steps=160)
+QUICK = Setup(d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=128, seq_len=64, peer_batch=4, steps=6,
+              sync_steps=3, eval_interval=3, eval_batches=1, eval_batch_size=4, learning_rate=2e-3, warmup=2,
+              merge_interval=3, merge_alpha_start=0.05, merge_decay_steps=6)
+
+
+def run_commands(setup: Setup, common: list[str], out: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The command and environment of each run: one torch thread per training process.
+
+    NOTE: on a shared 2-core machine one process with 2 threads ran ~3x slower per token than with 1
+    (its threads wait on each other whenever one is descheduled), so every process gets one thread.
+    """
+    py = sys.executable
+    merge = ["--merge_interval", str(setup.merge_interval), "--merge_alpha_start", str(setup.merge_alpha_start),
+             "--merge_decay_steps", str(setup.merge_decay_steps)]
+    launch = [py, "-m", "spes.launch", CONFIG, "--threads", "1", "--timeout", "7200", *merge]
+    return {
+        "centralized": ([py, "-m", "spes.train", CONFIG, *common, "--using_spes=false",
+                         f"--global_train_batch_size={PEERS * setup.peer_batch}",
+                         f"--save_folder={out / 'centralized'}"], {"OMP_NUM_THREADS": "1"}),
+        "spes": ([*launch, "--out", str(out / "spes"), "--", *common], {}),
+        "diloco": ([*launch, "--dilico", "--out", str(out / "diloco"), "--", *common], {}),
+    }
+
+
+def run_all(setup: Setup, common: list[str], out: Path) -> dict[str, float]:
+    """Run the three trainings one after the other (they share the CPU fairly that way); wall seconds each."""
+    walls = {}
+    for name, (cmd, env) in run_commands(setup, common, out).items():
+        log_path = out / f"{name}.log"
+        (out / name).mkdir(parents=True, exist_ok=True)
+        (out / name / "metrics.jsonl").unlink(missing_ok=True)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
+        started = time.time()
+        with open(log_path, "w") as log:
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **env}).returncode
+        walls[name] = time.time() - started
+        if code != 0:
+            raise SystemExit(f"error: the {name} run failed with exit code {code}; see {log_path}")
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
+    (out / "walls.json").write_text(json.dumps(walls))
+    return walls
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise SystemExit(f"error: {path} is missing: run without --report-only first")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def collect(setup: Setup, out: Path) -> dict[str, Any]:
+    """Curves per run: (step, global tokens, val loss) and, for synced runs, cumulative bytes over all peers."""
+    tokens_per_step = PEERS * setup.peer_batch * setup.seq_len
+    curves: dict[str, Any] = {}
+    central = [r for r in _records(out / "centralized" / "metrics.jsonl") if "val_loss" in r]
+    curves["centralized"] = {"step": [r["step"] for r in central],
+                             "tokens": [r["step"] * tokens_per_step for r in central],
+                             "val_loss": [r["val_loss"] for r in central], "bytes": [0] * len(central)}
+    for name in ("spes", "diloco"):
+        peers = [_records(out / name / f"node{p}" / "metrics.jsonl") for p in range(PEERS)]
+        cumulative: dict[int, float] = {}
+        total = 0.0
+        for step in sorted({r["step"] for recs in peers for r in recs if "sync_s" in r}):
+            total += sum(r["sync_mb_up"] + r["sync_mb_down"] for recs in peers for r in recs
+                         if r["step"] == step and "sync_s" in r) * 2**20
+            cumulative[step] = total
+        evals = [r for r in peers[0] if "merged_val_loss" in r]
+        steps = [r["step"] for r in evals]
+        merged_by_peer = [[r["merged_val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
+        local_by_peer = [[r["val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
+        curves[name] = {
+            "step": steps, "tokens": [s * tokens_per_step for s in steps],
+            "val_loss": [r["merged_val_loss"] for r in evals],
+            "merged_spread_across_peers": max(max(v) - min(v) for v in zip(*merged_by_peer)),
+            "local_val_loss_mean": [sum(v) / PEERS for v in zip(*local_by_peer)],
+            "bytes": [cumulative[s] for s in steps],
+            "bytes_per_peer_round_up": peers[0][-1].get("sync_mb_up", 0.0) * 2**20,
+            "bytes_per_peer_round_down": [r["sync_mb_down"] * 2**20 for r in peers[0] if "sync_s" in r],
+            "rounds": len(cumulative), "merge_rounds": sum(bool(r.get("merged")) for r in peers[0] if "sync_s" in r),
+            "sync_seconds_peer0": sum(r["sync_s"] for r in peers[0] if "sync_s" in r),
+        }
+    return curves
+
+
+def plot(curves: dict[str, Any], path: Path, title: str) -> None:
+    """Two panels: validation loss against tokens, and against bytes communicated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.6), constrained_layout=True)
+    for name in RUNS:
+        c = curves[name]
+        ax_t.plot([t / 1e6 for t in c["tokens"]], c["val_loss"], "o-", color=COLORS[name], label=LABELS[name])
+        if "local_val_loss_mean" in c:
+            ax_t.plot([t / 1e6 for t in c["tokens"]], c["local_val_loss_mean"], ":", color=COLORS[name], alpha=0.7,
+                      label=f"{name}: local model before sync (mean of peers)")
+    ax_t.set_xlabel("training tokens seen by the whole run (millions)")
+    ax_t.set_ylabel("validation loss (nats/token)")
+    ax_t.set_title("validation loss vs tokens")
+    ax_t.grid(alpha=0.3)
+    ax_t.legend(fontsize=8)
+    for name in ("spes", "diloco"):
+        c = curves[name]
+        ax_b.plot([b / 2**20 for b in c["bytes"]], c["val_loss"], "o-", color=COLORS[name], label=LABELS[name])
+    ax_b.axhline(curves["centralized"]["val_loss"][-1], color=COLORS["centralized"], ls="--",
+                 label="centralized, final (no inter-node traffic)")
+    ax_b.set_xlabel("bytes communicated, all peers, up + down (MiB, fp32 wire)")
+    ax_b.set_ylabel("validation loss of the merged model")
+    ax_b.set_title("validation loss vs communication")
+    ax_b.grid(alpha=0.3)
+    ax_b.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params: dict[str, int],
+           machine: dict[str, Any], png: str) -> str:
+    """The markdown report: setup, final figures, the curves as a table."""
+    tokens_total = setup.steps * PEERS * setup.peer_batch * setup.seq_len
+    base = curves["centralized"]["val_loss"][-1]
+    lines = [
+        "# Mini-reproduction: centralized vs SPES vs DiLoCo", "",
+        "Generated by `bench/mini_repro.py` (re-run it to refresh this file and the plot). "
+        "All three runs use the same model, initialization, data order seeds, learning-rate schedule and "
+        f"number of steps ({setup.steps}); the centralized batch is {PEERS} x the peer batch, so every run "
+        f"trains on {tokens_total:,} tokens of the default local corpus (Python stdlib + man pages).", "",
+        "## Setup", "",
+        "| | |", "|---|---|",
+        f"| model | d_model {setup.d_model}, {setup.n_layers} layers, {setup.n_heads} heads, 8 experts top-2 "
+        f"(expert width {setup.mlp_hidden_size // 2}), vocab 4096, sequence {setup.seq_len} |",
+        f"| parameters | {params['total'] / 1e6:.2f}M total, {params['active'] / 1e6:.2f}M active per token, "
+        f"{params['spes_trainable'] / 1e6:.2f}M trained per SPES peer |",
+        f"| batch | peer {setup.peer_batch} x {setup.seq_len} tokens; centralized {PEERS * setup.peer_batch} x "
+        f"{setup.seq_len} |",
+        f"| optimizer | AdamW, peak lr {setup.learning_rate}, cosine to 10% after {setup.warmup} warm-up steps |",
+        f"| sync | every {setup.sync_steps} steps ({setup.steps // setup.sync_steps} rounds), fp32 on the wire |",
+        f"| SPES merge warm-up | every {setup.merge_interval} steps, alpha {setup.merge_alpha_start} decaying to 0 "
+        f"at step {setup.merge_decay_steps}, top-4 |",
+        f"| validation | first {setup.eval_batches * setup.eval_batch_size} windows of data/default/valid every "
+        f"{setup.eval_interval} steps (SPES/DiLoCo: the merged model right after the sync) |",
+        f"| machine | {machine['cpus']} CPU cores shared with other users, load average "
+        f"{machine['load_avg_1_5_15'][0]} at the end; torch {machine['torch']} |", "",
+        "## Results", "",
+        "| run | final val loss | val ppl | vs centralized | MiB up per peer-round | MiB down per peer-round "
+        "| MiB communicated (all peers) | wall s | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in RUNS:
+        c = curves[name]
+        loss = c["val_loss"][-1]
+        if name == "centralized":
+            up = down = total = "0"
+        else:
+            downs = c["bytes_per_peer_round_down"]
+            up = f"{c['bytes_per_peer_round_up'] / 2**20:.2f}"
+            down = f"{min(downs) / 2**20:.2f}" + (f" ({max(downs) / 2**20:.2f} on merge rounds)"
+                                                   if max(downs) != min(downs) else "")
+            total = f"{c['bytes'][-1] / 2**20:,.0f}"
+        lines.append(f"| {LABELS[name]} | {loss:.4f} | {2.718281828 ** loss:.1f} | {100 * (loss - base) / base:+.2f}% "
+                     f"| {up} | {down} | {total} | {walls.get(name, float('nan')):.0f} "
+                     f"| {tokens_total / walls[name] if name in walls else float('nan'):,.0f} |")
+    lines += ["", f"![validation loss against tokens and bytes]({png})", "", "## Curves (validation loss)", "",
+              "| step | tokens | centralized | SPES (merged) | SPES local (mean) | DiLoCo (merged) | DiLoCo local (mean) |",
+              "|---|---|---|---|---|---|---|"]
+    spes, dil = curves["spes"], curves["diloco"]
+    for i, step in enumerate(curves["centralized"]["step"]):
+        j = spes["step"].index(step) if step in spes["step"] else None
+        k = dil["step"].index(step) if step in dil["step"] else None
+
+        def at(c: dict[str, Any], key: str, idx: int | None) -> str:
+            return "-" if idx is None else f"{c[key][idx]:.4f}"
+
+        lines.append(f"| {step} | {curves['centralized']['tokens'][i]:,} | {curves['centralized']['val_loss'][i]:.4f} "
+                     f"| {at(spes, 'val_loss', j)} | {at(spes, 'local_val_loss_mean', j)} | {at(dil, 'val_loss', k)} "
+                     f"| {at(dil, 'local_val_loss_mean', k)} |")
+    lines += ["", f"All peers hold the same merged model after a sync (largest spread of the merged validation loss "
+              f"across peers: SPES {spes['merged_spread_across_peers']:.2e}, DiLoCo "
+              f"{dil['merged_spread_across_peers']:.2e}).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("mini_repro", __doc__)
+    p.add_argument("--runs", type=Path, default=None, help="run directory (default: bench/results/mini_repro[_quick])")
+    p.add_argument("--docs", type=Path, default=None, help="where mini_repro.md/.png go (default: docs/; quick: --runs)")
+    p.add_argument("--report-only", action="store_true", help="only re-collect, re-plot and re-write the report")
+    p.add_argument("--tokenizer", default="data/default/tokenizer", help="tokenizer directory (4096 tokens)")
+    p.add_argument("--train", default="data/default/train/*.npy", help="training shards (glob)")
+    p.add_argument("--valid", default="data/default/valid/*.npy", help="validation shards (glob)")
+    p.set_defaults(out=None)
+    args = p.parse_args(argv)
+    setup = QUICK if args.quick else FULL
+    runs = args.runs or RESULTS_DIR / ("mini_repro_quick" if args.quick else "mini_repro")
+    docs = args.docs or (runs if args.quick else REPO_ROOT / "docs")
+    out_json = args.out or (runs / "mini_repro.json" if args.quick else RESULTS_DIR / "mini_repro.json")
+    if not (REPO_ROOT / args.tokenizer).exists() and not Path(args.tokenizer).exists():
+        raise SystemExit(f"error: tokenizer {args.tokenizer!r} not found; build the default corpus with "
+                         "`python data_process_scripts/build_default_corpus.py --output_dir data/default`")
+    common = setup.overrides(args.tokenizer, args.train, args.valid)
+    cfg, _ = load_config(REPO_ROOT / CONFIG, common)
+    counts = analytic_param_counts(cfg.model)
+    params = {"total": counts.total, "active": counts.active_per_token,
+              "spes_trainable": analytic_param_counts(cfg.model, cfg.spes_config.num_train_experts_per_node).trainable}
+
+    runs.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
+    else:
+        walls = run_all(setup, common, runs)
+    curves = collect(setup, runs)
+    machine = machine_info()
+    png = docs / "mini_repro.png"
+    plot(curves, png, f"{params['total'] / 1e6:.1f}M-parameter MoE, {PEERS} peers, "
+                      f"{setup.steps * PEERS * setup.peer_batch * setup.seq_len / 1e6:.2f}M tokens per run, "
+                      f"sync every {setup.sync_steps} steps")
+    md = report(setup, curves, walls, params, machine, png.name)
+    tmp = docs / f".mini_repro.md.tmp-{os.getpid()}"
+    tmp.write_text(md)
+    os.replace(tmp, docs / "mini_repro.md")
+
+    header = f"{'run':>12}  {'final val':>9}  {'vs central':>10}  {'MiB comm':>9}  {'wall s':>7}"
+    print(header + "\n" + "-" * len(header))
+    base = curves["centralized"]["val_loss"][-1]
+    for name in RUNS:
+        c = curves[name]
+        print(f"{name:>12}  {c['val_loss'][-1]:9.4f}  {100 * (c['val_loss'][-1] - base) / base:+9.2f}%  "
+              f"{c['bytes'][-1] / 2**20:9.1f}  {walls.get(name, float('nan')):7.0f}")
+    print(f"wrote {docs / 'mini_repro.md'} and {png}")
+    write_results(out_json, {"mode": "quick" if args.quick else "full", "machine": machine, "setup": asdict(setup),
+                             "params": params, "walls_s": walls, "curves": curves})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

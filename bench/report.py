@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Plot the full benchmark results (bench/results/*.json) into docs/benchmarks.png for docs/benchmarks.md.
+
+    .venv/bin/python bench/report.py [--results bench/results] [--png docs/benchmarks.png]
+
+Six panels: memory of the paper's 1B node (analytic) and of the small node (measured), bytes on the wire
+per peer per round for the 1B, sync throughput against raw TCP, aggregation against memcpy, and training
+tokens/s per MoE backend. A panel whose JSON is missing says so instead of failing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from common import REPO_ROOT, RESULTS_DIR
+
+GIB, MIB = 2**30, 2**20
+
+
+def _load(results: Path, name: str) -> dict[str, Any] | None:
+    path = results / f"{name}.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data if data.get("mode") == "full" else None
+
+
+def _stacked(ax: Any, groups: dict[str, dict[str, float]], unit: str, title: str) -> None:
+    """Stacked bars: one bar per group, one segment per part (weights, grads, AdamW)."""
+    names = list(groups)
+    parts = list(next(iter(groups.values())))
+    bottoms = [0.0] * len(names)
+    for part, color in zip(parts, ("tab:gray", "tab:orange", "tab:purple")):
+        values = [groups[n][part] for n in names]
+        ax.bar(names, values, bottom=bottoms, label=part, color=color)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    for i, total in enumerate(bottoms):
+        ax.text(i, total, f"{total:.2f}" if total < 100 else f"{total:.0f}", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel(unit)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def panel_memory_1b(ax: Any, mem: dict[str, Any]) -> None:
+    groups = {f"{kind} node": {"weights": v["analytic"]["param_bytes"] / GIB, "grads": v["analytic"]["grad_bytes"] / GIB,
+                               "AdamW": v["analytic"]["optimizer_bytes"] / GIB}
+              for kind, v in mem["paper_1b"].items()}
+    _stacked(ax, groups, "GiB (fp32, one replica)", "paper 1B: static training memory (analytic)")
+
+
+def panel_memory_small(ax: Any, mem: dict[str, Any]) -> None:
+    groups = {f"{kind} node": {"weights": v["measured"]["param_bytes"] / MIB, "grads": v["measured"]["grad_bytes"] / MIB,
+                               "AdamW": v["measured"]["optimizer_bytes"] / MIB}
+              for kind, v in mem["measured"].items()}
+    _stacked(ax, groups, "MiB", f"{mem['config']}: measured (bars) and peak RSS above baseline (x)")
+    peaks = [v["measured"]["peak_minus_before_bytes"] / MIB for v in mem["measured"].values()]
+    ax.plot(list(groups), peaks, "kx", markersize=9)
+
+
+def panel_wire(ax: Any, wire: dict[str, Any]) -> None:
+    schemes = wire["paper_1b"]["schemes"]
+    names = list(schemes)
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [schemes[n]["up"] / GIB for n in names], 0.4, label="up")
+    ax.bar([i + 0.2 for i in x], [schemes[n]["down"] / GIB for n in names], 0.4, label="down (plain round)")
+    ax.set_xticks(list(x), [n.replace("_", "\n") for n in names], fontsize=7)
+    ax.set_ylabel("GiB per peer per round")
+    ax.set_title("paper 1B: bytes on the wire per peer per round", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def panel_sync(ax: Any, sync: dict[str, Any]) -> None:
+    wires = list(sync["measurements"])
+    best = {w: (max(r["gb_s"] for r in m["grpc_rounds"]), max(r["gb_s"] for r in m["raw_rounds"]))
+            for w, m in sync["measurements"].items()}
+    x = range(len(wires))
+    ax.bar([i - 0.2 for i in x], [best[w][0] for w in wires], 0.4, label="SPES round (server + peers)")
+    ax.bar([i + 0.2 for i in x], [best[w][1] for w in wires], 0.4, label="raw TCP, same bytes")
+    for i, w in enumerate(wires):
+        ax.text(i - 0.2, best[w][0], f"{best[w][0] / best[w][1]:.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [f"{w} wire" for w in wires])
+    ax.set_ylabel("GB/s (all peers, up + down)")
+    ax.set_title(f"sync of a {sync['model_bytes_fp32'] / 1e9:.2f} GB model on loopback", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def panel_aggregate(ax: Any, agg: dict[str, Any]) -> None:
+    rows = agg["results"]
+    short = {"spes plain round": "SPES", "spes merge round": "SPES+merge", "diloco average": "DiLoCo"}
+    labels = [f"{short.get(r['case'], r['case'])}\n{r['dtype']}" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.27 for i in x], [r["aggregate_gb_s"] for r in rows], 0.27, label="aggregate_round")
+    ax.bar(list(x), [r["memcpy_gb_s"] for r in rows], 0.27, label="clone (memcpy into new memory)")
+    ax.bar([i + 0.27 for i in x], [r["copy_into_gb_s"] for r in rows], 0.27, label="copy_ (into reused memory)")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("GB/s of uploads")
+    ax.set_title(f"round math on {agg['model_bytes_fp32'] / 1e9:.2f} GB, {agg['peers']} peers", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def panel_train(ax: Any, train: dict[str, Any]) -> None:
+    rows = train["results"]
+    ax.bar([r["variant"].replace("/", "\n") for r in rows], [r["tokens_per_s"] for r in rows],
+           color=["tab:red" if r["kind"] == "spes" else "tab:blue" for r in rows])
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{train['config']} on {train['device']}: training speed", fontsize=9)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=RESULTS_DIR, help="directory of the benchmarks' JSON")
+    p.add_argument("--png", type=Path, default=REPO_ROOT / "docs" / "benchmarks.png", help="output image")
+    args = p.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: list[tuple[str, Callable[[Any, dict[str, Any]], None]]] = [
+        ("bench_memory", panel_memory_1b), ("bench_memory", panel_memory_small), ("bench_wire", panel_wire),
+        ("bench_sync", panel_sync), ("bench_aggregate", panel_aggregate), ("bench_train", panel_train)]
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), constrained_layout=True)
+    for ax, (name, draw) in zip(axes.flat, panels):
+        data = _load(args.results, name)
+        if data is None:
+            ax.text(0.5, 0.5, f"no full {name} results", ha="center", va="center")
+            ax.set_axis_off()
+            continue
+        draw(ax, data)
+        ax.grid(axis="y", alpha=0.3)
+    args.png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.png.with_name(f".{args.png.stem}.tmp-{os.getpid()}{args.png.suffix}")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, args.png)
+    print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Turn a spes checkpoint into a Hugging Face model directory (OLMoE, Qwen3-MoE or Mixtral, whichever
+# computes exactly what the run's model computes; see spes/hf.py).
+#
+#   eval_scripts/convert_to_hf.sh <RUN_DIR> <SAVE_STEP> <MODEL_SIZE> [export flags...]
+#     RUN_DIR     a save folder, e.g. output/spes_1b/node0
+#     SAVE_STEP   a step number (its step<N> directory) or "latest"
+#     MODEL_SIZE  a label for the output directory name, e.g. 1B
+#   writes $HF_ROOT/<MODEL_SIZE>-step<N> (HF_ROOT defaults to <RUN_DIR>/hf) and prints its path.
+#   Extra flags go to `python -m spes.hf export`, e.g. --dtype bfloat16 --tokenizer <dir> --overwrite.
+#
+# Env: PYTHON (default .venv/bin/python of this repo, else python3), HF_ROOT.
+set -euo pipefail
+
+if [ "$#" -lt 3 ]; then
+  echo "usage: $0 <RUN_DIR> <SAVE_STEP|latest> <MODEL_SIZE> [spes.hf export flags...]" >&2
+  exit 2
+fi
+RUN_DIR=$1
+SAVE_STEP=$2
+MODEL_SIZE=$3
+shift 3
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=python3
+HF_ROOT=${HF_ROOT:-$RUN_DIR/hf}
+
+if [ "$SAVE_STEP" = latest ]; then
+  if [ ! -f "$RUN_DIR/latest" ]; then
+    echo "error: $RUN_DIR/latest not found: is $RUN_DIR a spes save folder with a checkpoint?" >&2
+    exit 2
+  fi
+  STEP_NAME=$(tr -d '[:space:]' < "$RUN_DIR/latest")
+else
+  STEP_NAME=step$SAVE_STEP
+fi
+
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec env PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m spes.hf export --run_dir "$RUN_DIR" \
+  --step "$SAVE_STEP" --out "$HF_ROOT/$MODEL_SIZE-$STEP_NAME" "$@"

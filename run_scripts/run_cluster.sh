@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=spes
+#SBATCH --ntasks-per-node=1
+# A whole SPES run under SLURM: one task per node, each node an independent DDP/FSDP trainer, and the
+# parameter server on the first node. Submit from the repository root:
+#
+#   sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 run_scripts/run_cluster.sh [--section.key=value ...]
+#
+# The batch step (which SLURM runs on the allocation's first node) starts the parameter server there,
+# waits until it listens, then `srun`s this script once per task; each task is node <SLURM_PROCID> of
+# the run and starts `torchrun --standalone` over its own GPUs, so a node's DDP/FSDP process group never
+# leaves the node and nodes meet only at the server. When every node is done the server is stopped.
+#
+# Env (defaults in brackets):
+#   CONFIG_DIR [configs/spes_1b]  CONFIG [$CONFIG_DIR/node_<id>.yaml]: each node's config
+#   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else 1]: training processes per node
+#   PORT [50051]: server port on the first node; SERVER_HOST [first host of SLURM_JOB_NODELIST]
+#   TOTAL_PEERS / NUM_TRAIN_EXPERTS_PER_NODE: read from the config; MERGE_* as in run_parameter_server.sh
+#   SPES_ROOT [SLURM_SUBMIT_DIR]: the repository; PYTHON [.venv/bin/python, else python3]
+#   LOG_DIR [output/slurm-<job id>]: where the server log goes (node output: the job's output, by task)
+# Per node: --spes_config.peer_id=<id>, --data.seed=6198+1000*<id>, --spes_config.server_addr=<host>:<port>;
+# extra arguments are passed to every node's trainer after these and win over them.
+set -euo pipefail
+
+ROOT=${SPES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
+cd "$ROOT"
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+CONFIG_DIR=${CONFIG_DIR:-configs/spes_1b}
+PORT=${PORT:-50051}
+
+die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
+[ -n "${SLURM_JOB_ID:-}" ] || die "not inside a SLURM job; submit with: sbatch --nodes=N run_scripts/run_cluster.sh"
+config_of() { echo "${CONFIG:-$CONFIG_DIR/node_$1.yaml}"; }
+
+if [ "${SPES_CLUSTER_ROLE:-batch}" = node ]; then
+  # ---- one task per node ----
+  NODE_ID=${SLURM_PROCID:?SLURM_PROCID is not set: this part runs under srun}
+  NPROC=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+  CFG=$(config_of "$NODE_ID")
+  [ -f "$CFG" ] || die "config $CFG not found (set CONFIG or CONFIG_DIR)"
+  DATA_SEED=$((6198 + 1000 * NODE_ID))
+  echo "node $NODE_ID on $(hostname): $NPROC process(es), config $CFG, data seed $DATA_SEED, server $SERVER_ADDR"
+  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m spes.train "$CFG" \
+    --spes_config.peer_id="$NODE_ID" --data.seed="$DATA_SEED" --spes_config.server_addr="$SERVER_ADDR" "$@"
+fi
+
+# ---- the batch step, on the first node ----
+NUM_NODES=${SLURM_NTASKS:-${SLURM_JOB_NUM_NODES:-1}}
+FIRST_HOST=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n1)
+SERVER_HOST=${SERVER_HOST:-$FIRST_HOST}
+CFG0=$(config_of 0)
+[ -f "$CFG0" ] || die "config $CFG0 not found (set CONFIG or CONFIG_DIR)"
+# The server's settings come from the run's config (with the same overrides), so they cannot disagree.
+read -r CFG_PEERS CFG_BLOCK CFG_MODE < <("$PYTHON" - "$CFG0" "$@" <<'EOF'
+import sys
+from spes.config import load_config
+cfg, _ = load_config(sys.argv[1], [a for a in sys.argv[2:] if a.startswith("--")])
+print(cfg.spes_config.num_peers, cfg.expert_block_size(), "diloco" if cfg.using_dilico else "spes")
+EOF
+) || die "cannot read $CFG0 with the given overrides"
+[ "$CFG_PEERS" -eq "$NUM_NODES" ] || die "the config has spes_config.num_peers=$CFG_PEERS but the job runs \
+$NUM_NODES task(s); submit with --nodes=$CFG_PEERS --ntasks-per-node=1 (or override --spes_config.num_peers)"
+export TOTAL_PEERS=${TOTAL_PEERS:-$CFG_PEERS} NUM_TRAIN_EXPERTS_PER_NODE=${NUM_TRAIN_EXPERTS_PER_NODE:-$CFG_BLOCK} PORT
+LOG_DIR=${LOG_DIR:-output/slurm-$SLURM_JOB_ID}
+mkdir -p "$LOG_DIR"
+echo "job $SLURM_JOB_ID: $NUM_NODES node(s), parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log)"
+PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh --mode "$CFG_MODE" > "$LOG_DIR/server.log" 2>&1 &
+SERVER_PID=$!
+trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
+for _ in $(seq 1 120); do
+  grep -q "listening" "$LOG_DIR/server.log" 2>/dev/null && break
+  kill -0 "$SERVER_PID" 2>/dev/null || { cat "$LOG_DIR/server.log" >&2; die "the parameter server exited"; }
+  sleep 0.5
+done
+grep -q "listening" "$LOG_DIR/server.log" || die "the parameter server did not start within 60 s"
+
+export SPES_CLUSTER_ROLE=node SERVER_ADDR="$SERVER_HOST:$PORT"
+# NOTE: srun gives a task one CPU unless told otherwise; a node's trainer wants all of its node's CPUs.
+CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-$(( ${SLURM_CPUS_ON_NODE:-1} / ${SLURM_NTASKS_PER_NODE:-1} ))}
+srun --kill-on-bad-exit=1 --label --ntasks="$NUM_NODES" --cpus-per-task="$(( CPUS_PER_TASK > 0 ? CPUS_PER_TASK : 1 ))" \
+  bash "$ROOT/run_scripts/run_cluster.sh" "$@"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv and install spes with its test extras. Idempotent: re-running with everything installed
+# takes about a second (a stamp keyed on pyproject.toml). torch is installed first and pinned, so no other
+# package can pull a multi-GB CUDA build on CPU machines (see ../shared/ENVIRONMENT.md).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+PYTHON=${PYTHON:-python3}
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+stamp="$VENV/.spes-installed"
+key="torch=$TORCH_VERSION $(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && "$VENV/bin/python" -c "import spes, torch" 2>/dev/null; then
+  exit 0
+fi
+echo "setup: installing torch==$TORCH_VERSION and spes[dev] into $VENV (a few minutes the first time)"
+pip_install() {  # NOTE: drops pip's "Location ... is ignored" notes about this machine's extra index
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
+pip_install "torch==$TORCH_VERSION"
+pip_install -e ".[dev]"
+echo "$key" > "$stamp"

@@ -1,0 +1,527 @@
+"""Atomic, pickle-free checkpoints, unsharded and sharded, behind one `latest` pointer.
+
+Layout of a save folder:
+    step<N>/           unsharded: the main rank writes the whole state
+        model.safetensors   the full model state, fp32
+        optim.safetensors   optimizer state tensors, keyed `<param fqn>/<state key>`
+        meta.json           kind, step, optimizer param groups, trainer state (step, tokens, data, RNG), file sizes
+        config.yaml         the resolved run config
+    step<N>-sharded/   sharded (FSDP): every rank writes its shards through torch.distributed.checkpoint
+        shard-<r>-model-00001-of-00001.safetensors   rank r's pieces of `model/<fqn>` and `optim/<fqn>/<key>`,
+                                                     with their offsets in the safetensors header
+        meta.json, config.yaml                       as above (kind "sharded", world_size)
+    latest             the name of the newest complete checkpoint of either kind
+
+Both kinds are written into a temporary sibling directory and renamed into place only when complete;
+then `latest` is replaced atomically. A crash at any moment leaves `latest` naming a complete checkpoint
+(or absent). Nothing is unpickled: safetensors and JSON only; the sharded reader takes tensor offsets from
+the safetensors headers, not from DCP's pickled `.metadata`. A sharded checkpoint loads into any number
+of ranks (DCP reshards on load) and `python -m spes.unshard` turns it into the unsharded layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from spes.moe import fuse_expert_blocks, split_expert_blocks
+
+MODEL_FILE, OPTIM_FILE, META_FILE, CONFIG_FILE, LATEST = (
+    "model.safetensors", "optim.safetensors", "meta.json", "config.yaml", "latest")
+SHARDED_SUFFIX = "-sharded"
+MODEL_KEY, OPTIM_KEY = "model/", "optim/"  # prefixes of the tensors in a sharded checkpoint
+_STEP_DIR = re.compile(r"^step(\d+)(-sharded)?$")
+Kind = Literal["unsharded", "sharded"]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or does not fit this run; the message says which file."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    model: dict[str, torch.Tensor]
+    optim: dict[str, Any] | None
+    trainer: dict[str, Any]
+    config: dict[str, Any]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a small file via a temp file in the same directory and os.replace."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the other users of a shared cluster
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _flatten_optim(optim_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """{'state': {fqn: {key: tensor}}, 'param_groups': [...]} -> ({'fqn/key': tensor}, JSON-able groups)."""
+    tensors = {}
+    for fqn, state in optim_state["state"].items():
+        for key, value in state.items():
+            tensors[f"{fqn}/{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_state["param_groups"]]
+    return tensors, groups
+
+
+def _unflatten_optim(tensors: Mapping[str, torch.Tensor], groups: list[dict]) -> dict[str, Any]:
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        fqn, name = key.rsplit("/", 1)
+        state.setdefault(fqn, {})[name] = t
+    groups = [dict(g) for g in groups]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def save_checkpoint(save_folder: str | Path, step: int, *, model_state: Mapping[str, torch.Tensor],
+                    optim_state: dict[str, Any] | None, trainer_state: dict[str, Any], config: dict[str, Any],
+                    keep: int = -1) -> Path:
+    """Write the unsharded `step<step>/` atomically, point `latest` at it, keep the `keep` newest (-1: all)."""
+    folder = Path(save_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(folder)
+    tmp = folder / f".step{step}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        write_unsharded(tmp, step, model_state=model_state, optim_state=optim_state, trainer_state=trainer_state,
+                        config=config)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _publish(tmp, folder / f"step{step}", "unsharded", keep)
+
+
+def write_unsharded(directory: Path, step: int, *, model_state: Mapping[str, torch.Tensor],
+                    optim_state: dict[str, Any] | None, trainer_state: dict[str, Any], config: dict[str, Any]) -> None:
+    """The files of an unsharded checkpoint into an existing (temporary) directory, fsynced."""
+    save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, directory / MODEL_FILE)
+    groups: list[dict] = []
+    if optim_state is not None:
+        tensors, groups = _flatten_optim(optim_state)
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, directory / OPTIM_FILE)
+    _write_meta(directory, {"kind": "unsharded", "step": step, "trainer": trainer_state,
+                            "optim_param_groups": groups}, config)
+
+
+def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any]) -> None:
+    """config.yaml, then meta.json with the sizes of every file (the completeness check on load); all fsynced."""
+    (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
+    sizes = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META_FILE}
+    (directory / META_FILE).write_text(json.dumps({**meta, "files": sizes}, indent=1))
+    for p in directory.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, final: Path, kind: Kind, keep: int) -> Path:
+    """Rename a complete temporary checkpoint into place, then point `latest` at it, then prune its kind."""
+    folder = final.parent
+    if final.exists():
+        stale = folder / f".{final.name}.old-{os.getpid()}"
+        os.replace(final, stale)
+        os.replace(tmp, final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(folder)
+    write_atomic(folder / LATEST, f"{final.name}\n".encode())
+    if keep > 0:
+        for old in list_checkpoints(folder, kind)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+_TEMPORARY = re.compile(r"^\.(step\d+(-sharded)?)\.(tmp|old)|^\.latest\.")
+
+
+def remove_stale_temporaries(save_folder: Path) -> None:
+    """Delete what saves killed midway left behind (one process writes a save folder at a time).
+
+    A checkpoint moved aside to be replaced (`.<name>.old-<pid>`) goes back in place if the kill came
+    before its replacement arrived.
+    """
+    for p in save_folder.iterdir():
+        m = _TEMPORARY.match(p.name)
+        if m is None:
+            continue
+        if m.group(3) == "old" and not (save_folder / m.group(1)).exists() and (p / META_FILE).is_file():
+            os.replace(p, save_folder / m.group(1))
+        elif p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """This rank's view of model + optimizer as flat `model/<fqn>`, `optim/<fqn>/<key>` tensors (DTensors under
+    FSDP), and the optimizer's param groups."""
+    flat = {MODEL_KEY + k: v for k, v in get_model_state_dict(model).items()}
+    tensors, groups = _flatten_optim(get_optimizer_state_dict(model, optimizer))
+    flat.update({OPTIM_KEY + k: v for k, v in tensors.items()})
+    return flat, groups
+
+
+def save_sharded_checkpoint(save_folder: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            trainer_state: dict[str, Any], config: dict[str, Any], keep: int = -1) -> Path:
+    """Write `step<step>-sharded/` from every rank (a collective), point `latest` at it, keep `keep` newest.
+
+    Every rank writes its own shard file into one temporary directory; rank 0 adds meta.json once all are
+    written, then renames and updates `latest`. Any rank's failure fails the save on every rank, before
+    anything is published.
+    """
+    folder = Path(save_folder)
+    final = folder / f"step{step}{SHARDED_SUFFIX}"
+    tmp = folder / f".{final.name}.tmp"
+    main = _rank() == 0
+    if main:
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(folder)
+        tmp.mkdir()
+    _barrier()
+    flat, groups = training_state(model, optimizer)
+    with _single_process_quiet():
+        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
+                 no_dist=not dist.is_initialized())
+    del flat
+    ok, error = True, None
+    if main:
+        try:
+            _write_meta(tmp, {"kind": "sharded", "step": step, "world_size": _world(), "trainer": trainer_state,
+                              "optim_param_groups": groups}, config)
+            _publish(tmp, final, "sharded", keep)
+        except Exception as e:  # noqa: BLE001 -- re-raised below after telling the other ranks
+            ok, error = False, e
+    if not _all_ok(ok):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"rank 0 failed to finish {final}; see its log")
+    return final
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process: without a process group that is what we ask for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _all_ok(ok: bool) -> bool:
+    """Whether every rank reports ok (a collective)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32,
+                        device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding and validating
+
+
+def list_checkpoints(save_folder: str | Path, kind: Kind | None = None) -> list[Path]:
+    """Complete-looking checkpoint directories (of one kind, or both), oldest first."""
+    folder = Path(save_folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m is None or not p.is_dir():
+            continue
+        sharded = m.group(2) is not None
+        if kind is None or sharded == (kind == "sharded"):
+            found.append((int(m.group(1)), sharded, p))
+    return [p for *_, p in sorted(found)]
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory as given, or the one a save folder's `latest` names."""
+    p = Path(path)
+    if (p / META_FILE).is_file():
+        return p
+    if (p / LATEST).is_file():
+        target = p / (p / LATEST).read_text().strip()
+        moved_aside = sorted(p.glob(f".{target.name}.old-*/{META_FILE}"))
+        if not target.exists() and moved_aside:  # killed while replacing it: the old copy is complete
+            return moved_aside[0].parent
+        if not (target / META_FILE).is_file():
+            raise CheckpointError(f"{p / LATEST} names {target.name}, which is missing or incomplete; "
+                                  f"pass one of {[c.name for c in list_checkpoints(p)]} explicitly")
+        return target
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint not found: {p}")
+    raise CheckpointError(f"{p} is neither a checkpoint directory (no {META_FILE}) nor a save folder (no {LATEST})")
+
+
+def _read_meta(step_dir: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint, after checking every file it lists is there at its recorded size."""
+    meta_path = step_dir / META_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({e}); use an earlier checkpoint") from None
+    for name, size in meta.get("files", {}).items():
+        f = step_dir / name
+        if not f.is_file() or f.stat().st_size != size:
+            raise CheckpointError(f"{f}: missing or truncated (expected {size} bytes); the checkpoint is corrupt, "
+                                  f"use an earlier one")
+    return meta
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether the checkpoint at `path` (or named by a save folder's `latest`) is a sharded one."""
+    return _read_meta(resolve_checkpoint(path)).get("kind") == "sharded"
+
+
+def _sharded_shapes(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every tensor of a sharded checkpoint, from its safetensors headers."""
+    try:
+        metadata = HuggingFaceStorageReader(str(step_dir)).read_metadata()
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{step_dir}: unreadable shard files ({e}); the checkpoint is corrupt, use an earlier "
+                              f"one") from None
+    entries = metadata.state_dict_metadata.items()
+    return {k: (tuple(md.size), md.properties.dtype) for k, md in entries}  # type: ignore[union-attr]
+
+
+def check_model_compatible(ckpt_model: Mapping[str, Any], model_state: Mapping[str, Any], source: Path) -> None:
+    """Refuse a checkpoint of another model config before anything is loaded.
+
+    Values may be tensors or shapes; under FSDP a DTensor's shape is the global one.
+    """
+    missing = sorted(set(model_state) - set(ckpt_model))
+    unexpected = sorted(set(ckpt_model) - set(model_state))
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: checkpoint does not match this model config: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]} (was it written with other model or spes_config keys?)")
+    for name, t in model_state.items():
+        want, have = _shape(t), _shape(ckpt_model[name])
+        if want != have:
+            raise CheckpointError(f"{source}: tensor {name} has shape {have} in the checkpoint but {want} in this "
+                                  f"model config (was it written with other model keys?)")
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(t.shape) if hasattr(t, "shape") else tuple(t)
+
+
+def _check_optim_compatible(ckpt_fqns: set[str], trainable: set[str], source: Path) -> None:
+    """Refuse optimizer state for other parameters (e.g. a checkpoint of another SPES peer)."""
+    if ckpt_fqns and ckpt_fqns != trainable:
+        extra, lacking = sorted(ckpt_fqns - trainable), sorted(trainable - ckpt_fqns)
+        raise CheckpointError(f"{source}: the optimizer state is for other parameters than this run trains "
+                              f"(checkpoint only: {extra[:3]}, run only: {lacking[:3]}); was it written by another "
+                              f"spes_config.peer_id or with using_spes/using_dilico set otherwise?")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def load_checkpoint(path: str | Path, *, with_optim: bool = True) -> Checkpoint:
+    """Load a whole checkpoint of either kind into this process; every problem is a CheckpointError naming the file.
+
+    A sharded checkpoint is assembled from its shard files without any process group.
+    """
+    step_dir = resolve_checkpoint(path)
+    meta = _read_meta(step_dir)
+    config = yaml.safe_load((step_dir / CONFIG_FILE).read_text()) if (step_dir / CONFIG_FILE).is_file() else {}
+    if meta.get("kind") == "sharded":
+        model, optim_tensors = _read_sharded(step_dir, with_optim)
+        optim = _unflatten_optim(optim_tensors, meta["optim_param_groups"]) if optim_tensors else None
+    else:
+        model = _load_tensors(step_dir / MODEL_FILE)
+        optim = None
+        if with_optim and (step_dir / OPTIM_FILE).is_file():
+            optim = _unflatten_optim(_load_tensors(step_dir / OPTIM_FILE), meta["optim_param_groups"])
+    return Checkpoint(path=step_dir, model=model, optim=optim, trainer=meta["trainer"], config=config)
+
+
+def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Only the model tensors of a checkpoint (for export and evaluation)."""
+    return load_checkpoint(path, with_optim=False).model
+
+
+def _read_sharded(step_dir: Path, with_optim: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Whole tensors of a sharded checkpoint: (model, flat optimizer state)."""
+    shapes = _sharded_shapes(step_dir)
+    wanted = {k: v for k, v in shapes.items() if k.startswith(MODEL_KEY) or (with_optim and k.startswith(OPTIM_KEY))}
+    target = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in wanted.items()}
+    _dcp_load(target, step_dir, no_dist=True)
+    model = {k[len(MODEL_KEY):]: v for k, v in target.items() if k.startswith(MODEL_KEY)}
+    optim = {k[len(OPTIM_KEY):]: v for k, v in target.items() if k.startswith(OPTIM_KEY)}
+    return model, optim
+
+
+def _dcp_load(target: dict[str, Any], step_dir: Path, *, no_dist: bool) -> None:
+    try:
+        with _single_process_quiet():
+            dcp.load(target, storage_reader=HuggingFaceStorageReader(str(step_dir)), no_dist=no_dist)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{step_dir}: cannot read the shards ({str(e).splitlines()[0]}); the checkpoint is "
+                              f"corrupt or incomplete, use an earlier one") from None
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the checkpoint is corrupt, "
+                              f"use an earlier one") from None
+
+
+def restore(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpoint:
+    """Load a checkpoint of either kind into a parallelized (single, DDP or FSDP2) model and its optimizer.
+
+    A collective when a process group exists: every rank calls it. Sharded checkpoints are resharded to
+    this run's ranks by DCP; unsharded ones are read whole by every rank and sharded in place. The model
+    and optimizer must fit (same tensor names and shapes, same trainable set), else CheckpointError before
+    anything is loaded. Returns the checkpoint's path, trainer state and config (no tensors).
+    """
+    step_dir = resolve_checkpoint(path)
+    meta = _read_meta(step_dir)
+    config = yaml.safe_load((step_dir / CONFIG_FILE).read_text()) if (step_dir / CONFIG_FILE).is_file() else {}
+    model_state = get_model_state_dict(model)
+    trainable = {n for n, p in _named_parameters(model) if p.requires_grad}
+    if meta.get("kind") == "sharded":
+        shapes = _sharded_shapes(step_dir)
+        check_model_compatible({k[len(MODEL_KEY):]: s for k, (s, _) in shapes.items() if k.startswith(MODEL_KEY)},
+                               model_state, step_dir)
+        _check_optim_compatible({k[len(OPTIM_KEY):].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)},
+                                trainable, step_dir)
+        flat, _ = training_state(model, optimizer)
+        _dcp_load(flat, step_dir, no_dist=not dist.is_initialized())
+        set_model_state_dict(model, {k[len(MODEL_KEY):]: v for k, v in flat.items() if k.startswith(MODEL_KEY)})
+        optim_tensors = {k[len(OPTIM_KEY):]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
+        set_optimizer_state_dict(model, optimizer, _unflatten_optim(optim_tensors, meta["optim_param_groups"]))
+    else:
+        ckpt = load_checkpoint(step_dir)
+        reblocked = _reblock(ckpt.model, model_state) if set(ckpt.model) != set(model_state) else None
+        if reblocked is not None:  # another expert layout (e.g. centralized -> SPES): start anew from the weights
+            ckpt = replace(ckpt, model=reblocked, optim=None, trainer={})
+        check_model_compatible(ckpt.model, model_state, step_dir)
+        full = StateDictOptions(full_state_dict=True)
+        if ckpt.optim is not None:
+            _check_optim_compatible(set(ckpt.optim["state"]), trainable, step_dir)
+        set_model_state_dict(model, ckpt.model, options=full)
+        if ckpt.optim is not None:
+            set_optimizer_state_dict(model, optimizer, ckpt.optim, options=full)
+        return Checkpoint(path=step_dir, model={}, optim=None, trainer=ckpt.trainer, config=config)
+    return Checkpoint(path=step_dir, model={}, optim=None, trainer=meta["trainer"], config=config)
+
+
+def _reblock(weights: dict[str, torch.Tensor], model_state: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    """`weights` re-blocked to the model's expert-block size, or None if that does not make them fit.
+
+    Optimizer and trainer state cannot follow (frozen blocks have no moments), so the caller starts a
+    new run from these weights.
+    """
+    block = next((t.shape[0] for n, t in model_state.items() if n.endswith(".experts.w1.0")), None)
+    if block is None:
+        return None
+    reblocked = split_expert_blocks(fuse_expert_blocks(weights), block)
+    return reblocked if set(reblocked) == set(model_state) else None
+
+
+def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameter names as in state dicts (without DDP's `module.` prefix)."""
+    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
+    return inner.named_parameters()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Unsharding
+
+
+def unshard(sharded: str | Path, out_dir: str | Path) -> Path:
+    """Turn a sharded checkpoint (or a save folder whose `latest` is one) into an unsharded checkpoint at `out_dir`.
+
+    The result has the same model, optimizer and trainer state, loads with `load_checkpoint` and resumes
+    training with any number of ranks. `out_dir` must not exist yet; it appears complete or not at all.
+    """
+    src = resolve_checkpoint(sharded)
+    out = Path(out_dir)
+    meta = _read_meta(src)
+    if meta.get("kind") != "sharded":
+        raise CheckpointError(f"{src} is already an unsharded checkpoint (it has {MODEL_FILE}); nothing to do")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        suggestion = src.parent / src.name.removesuffix(SHARDED_SUFFIX)
+        raise FileExistsError(f"{out} already exists; choose a new directory (e.g. {suggestion})")
+    ckpt = load_checkpoint(src)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_unsharded(tmp, int(meta["step"]), model_state=ckpt.model, optim_state=ckpt.optim,
+                        trainer_state=ckpt.trainer, config=ckpt.config)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,549 @@
+"""Typed run configuration: OLMo-style YAML with `${...}` interpolation and `--section.key=value` overrides.
+
+YAML is only a storage format here. A file is read with OmegaConf (for interpolation and dotted
+overrides), resolved to plain Python values, and then checked against the dataclasses below by
+`from_dict`, which reports unknown keys with a "did you mean" hint and wrong types with the key,
+the value and the expected type. Cross-field consistency (head sizes, expert ownership, batch
+divisibility) is checked in `TrainConfig.__post_init__`, before any work starts.
+
+Every key of the first SPES implementation's configs is accepted. The few that change nothing here
+(`INERT_KEYS`) are named together in one warning at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user-fixable problem with a config file or override: the message names the key and what to do."""
+
+
+def _f(default: Any, doc: str) -> Any:
+    """A dataclass field with a default and a one-line doc (shown by `--help`)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
+def _sub(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc})
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The OLMoE-style decoder (see `spes.model`)."""
+
+    d_model: int = _f(768, "hidden size")
+    n_heads: int = _f(12, "attention heads")
+    n_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (default: n_heads)")
+    n_layers: int = _f(12, "decoder blocks")
+    mlp_hidden_size: int | None = _f(None, "MLP hidden size; each SwiGLU expert is mlp_hidden_size / 2 wide")
+    mlp_ratio: int = _f(4, "mlp_hidden_size = mlp_ratio * d_model when mlp_hidden_size is not set")
+    weight_tying: bool = _f(False, "tie input embedding and LM head (must be false: untied, as in OLMoE)")
+    alibi: bool = _f(False, "ALiBi positions (not supported: RoPE is used)")
+    rope: bool = _f(True, "rotary position embeddings (must be true)")
+    rope_theta: float = _f(10000.0, "RoPE base frequency")
+    flash_attention: bool = _f(False, "inert: attention always uses torch scaled_dot_product_attention")
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    attention_layer_norm: bool = _f(False, "QK-norm: RMSNorm on queries and keys")
+    attention_layer_norm_with_affine: bool = _f(True, "learnable scale in the QK-norm")
+    attention_layer_norm_over_head: bool = _f(False, "QK-norm per head (Qwen3) instead of over all heads (OLMoE)")
+    include_bias: bool = _f(False, "biases in linear layers (must be false)")
+    block_type: Literal["moe"] = _f("moe", "decoder block type")
+    layer_norm_type: Literal["rms"] = _f("rms", "normalization (RMSNorm)")
+    layer_norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    layer_norm_with_affine: bool = _f(True, "learnable RMSNorm scale")
+    bias_for_layer_norm: bool = _f(False, "bias in norms (must be false)")
+    activation_type: Literal["swiglu"] = _f("swiglu", "expert activation")
+    residual_dropout: float = _f(0.0, "dropout on residual branches")
+    embedding_dropout: float = _f(0.0, "dropout on embeddings")
+    max_sequence_length: int = _f(2048, "training sequence length in tokens")
+    vocab_size: int = _f(50280, "tokenizer vocabulary size")
+    embedding_size: int | None = _f(None, "rows of the embedding/LM head (>= vocab_size; padded for speed)")
+    eos_token_id: int = _f(0, "end-of-document token id")
+    pad_token_id: int = _f(1, "padding token id")
+    init_device: str | None = _f(None, "inert: models are built on the meta device and materialized")
+    init_fn: Literal["normal"] = _f("normal", "weight init: truncated normal")
+    init_std: float = _f(0.02, "init standard deviation")
+    init_cutoff_factor: float | None = _f(3.0, "truncate init at +-cutoff * std (null: no truncation)")
+    using_custom_moe_impl: bool = _f(False, "inert: spes always uses its own MoE")
+    moe_log_expert_assignment: bool = _f(False, "log tokens per expert with the training metrics")
+    moe_top_k: int = _f(2, "experts per token")
+    moe_num_experts: int = _f(8, "experts per MoE layer")
+    moe_dropless: bool = _f(True, "dropless routing (must be true)")
+    moe_mlp_impl: str = _f("sparse", "inert: megablocks MLP kind; see moe_backend")
+    moe_backend: Literal["torch", "grouped_mm", "megablocks"] = _f(
+        "torch", "expert compute: torch (sort + per-expert matmul), grouped_mm, megablocks (GPU only)"
+    )
+    moe_zloss_weight: float = _f(0.001, "router z-loss weight")
+    moe_loss_weight: float = _f(0.01, "load-balancing loss weight")
+    moe_normalize_expert_weights: float | bool | None = _f(
+        None, "renormalize the top-k routing weights (p-norm; true means p=1, weights sum to 1)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.mlp_hidden_size is None:
+            self.mlp_hidden_size = self.mlp_ratio * self.d_model
+        if self.embedding_size is None:
+            self.embedding_size = self.vocab_size
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
+                 f"must be divisible by model.n_heads={self.n_heads}")
+        _require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
+                 f"must divide model.n_heads={self.n_heads}")
+        _require((self.d_model // self.n_heads) % 2 == 0, "model.d_model", self.d_model,
+                 "head size d_model / n_heads must be even for RoPE")
+        _require(self.mlp_hidden_size % 2 == 0, "model.mlp_hidden_size", self.mlp_hidden_size,
+                 "must be even (each expert is mlp_hidden_size / 2 wide)")
+        _require(self.embedding_size >= self.vocab_size, "model.embedding_size", self.embedding_size,
+                 f"must be >= model.vocab_size={self.vocab_size}")
+        _require(1 <= self.moe_top_k <= self.moe_num_experts, "model.moe_top_k", self.moe_top_k,
+                 f"must be in [1, moe_num_experts={self.moe_num_experts}]")
+        for key, ok in (("weight_tying", not self.weight_tying), ("alibi", not self.alibi), ("rope", self.rope),
+                        ("include_bias", not self.include_bias), ("bias_for_layer_norm", not self.bias_for_layer_norm),
+                        ("moe_dropless", self.moe_dropless)):
+            _require(ok, f"model.{key}", getattr(self, key), "is not supported by the OLMoE-style model of spes")
+
+    @property
+    def expert_hidden_size(self) -> int:
+        """Width F of one SwiGLU expert (the reference config family uses mlp_hidden_size / 2)."""
+        assert self.mlp_hidden_size is not None
+        return self.mlp_hidden_size // 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def normalize_expert_weights_p(self) -> float | None:
+        """The p of the top-k weight renormalization, or None for none."""
+        value = self.moe_normalize_expert_weights
+        if value is None or value is False:
+            return None
+        return 1.0 if value is True else float(value)
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: Literal["adamw"] = _f("adamw", "optimizer")
+    learning_rate: float = _f(4e-4, "peak learning rate")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    weight_decay: float = _f(0.1, "decoupled weight decay")
+    decay_norm_and_bias: bool = _f(False, "apply weight decay to norm weights")
+    decay_embeddings: bool = _f(False, "apply weight decay to embeddings")
+    betas: list[float] = _f([0.9, 0.95], "AdamW betas")
+    metrics_log_interval: int | None = _f(None, "inert: optimizer metrics are logged every log_interval steps")
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    name: Literal["cosine_with_warmup", "linear_with_warmup", "constant"] = _f(
+        "cosine_with_warmup", "learning-rate schedule")
+    units: Literal["steps", "tokens"] = _f("steps", "unit of t_warmup and t_max")
+    t_warmup: int = _f(100, "linear warm-up length")
+    t_max: int | None = _f(None, "schedule length (default: the run's max_duration)")
+    alpha_f: float = _f(0.1, "final learning rate as a fraction of the peak")
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    identifier: str = _f("data/default/tokenizer", "local tokenizer directory or tokenizer.json (never downloaded)")
+    truncate_direction: str = _f("right", "inert")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    paths: list[str] = _f([], "token shards: .npy files, globs, or a .txt file listing them")
+    validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
+    seed: int = _f(6198, "data order seed (each SPES node uses its own, e.g. 6198 + 1000 * node)")
+    memmap_dtype: str | None = _f(None, "expected shard dtype (uint16/uint32); default: as written by tokenize_data")
+    num_workers: int = _f(0, "data loader worker processes")
+    pad_direction: str = _f("right", "inert")
+    drop_last: bool = _f(True, "drop the last incomplete global batch of an epoch")
+    pin_memory: bool = _f(False, "pin host memory (GPU runs)")
+    prefetch_factor: int | None = _f(None, "inert")
+    persistent_workers: bool = _f(False, "inert")
+    timeout: int = _f(0, "inert")
+    instance_filter: dict | None = _f(None, "inert: repetition filter of OLMo")
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    wrapping_strategy: Literal["by_block"] | None = _f("by_block", "FSDP2 fully_shard per decoder block")
+    precision: Literal["mixed", "pure", "float"] = _f("mixed", "mixed: bf16 compute, fp32 reduce under amp_bf16")
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = _f(
+        "FULL_SHARD", "FULL_SHARD reshards after forward; SHARD_GRAD_OP keeps params gathered")
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    grad_sync_mode: str = _f("batch", "inert")
+    find_unused_params: bool = _f(False, "DDP find_unused_parameters")
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    name: str | None = _f(None, "inert: metrics go to <save_folder>/metrics.jsonl")
+    project: str | None = _f(None, "inert")
+    group: str | None = _f(None, "inert")
+    log_interval: int = _f(1, "inert")
+    entity: str | None = _f(None, "inert")
+
+
+@dataclass(kw_only=True)
+class SpeedMonitorConfig:
+    window_size: int = _f(20, "steps averaged for tokens/s")
+
+
+@dataclass(kw_only=True)
+class SpesConfig:
+    """Where this node sits in the SPES run and how it talks to the parameter server."""
+
+    num_peers: int = _f(4, "nodes in the run")
+    peer_id: int = _f(0, "this node, in [0, num_peers)")
+    num_train_experts_per_node: int = _f(2, "k: peer p owns experts [p*k, (p+1)*k) of every MoE layer")
+    sync_steps: int = _f(100, "local steps between synchronizations")
+    server_addr: str = _f("127.0.0.1:50051", "parameter server host:port")
+    using_decayed_aux_loss: bool = _f(False, "scale own experts' load-balancing counts 0.7 -> 1.0 over 20% of training")
+    decayed_factor_update_steps: int = _f(100, "refresh interval of the decayed load-balancing factor")
+    wire_dtype: Literal["fp32", "bf16"] = _f("fp32", "transport precision (the trainer keeps fp32)")
+    data_plane: Literal["auto", "grpc", "tcp"] = _f(
+        "auto", "tensor payloads: auto = the raw-TCP data plane when the server advertises one (--data_port), "
+        "else gRPC; grpc = always gRPC; tcp = require the data plane")
+    token_file: str | None = _f(None, "file holding the run's shared secret (or env SPES_TOKEN)")
+    tls_ca: str | None = _f(None, "CA certificate to verify the server (enables TLS)")
+    tls_cert: str | None = _f(None, "client certificate for mutual TLS")
+    tls_key: str | None = _f(None, "client key for mutual TLS")
+    rpc_timeout_s: float = _f(120.0, "deadline of one RPC")
+    round_timeout_s: float = _f(3600.0, "longest wait for the other peers to finish a round")
+    max_retries: int = _f(8, "retries of a failed RPC (exponential backoff with jitter; 8 ride out a ~90 s server restart)")
+    eval_after_sync: bool = _f(True, "also evaluate the merged global model right after a sync on eval steps")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One node's run."""
+
+    run_name: str = _f("spes", "name of the run")
+    seed: int = _f(6198, "model init and dropout seed")
+    dry_run: bool = _f(False, "inert")
+    no_pre_train_checkpoint: bool = _f(True, "skip the checkpoint at step 0")
+    compile: dict | bool | None = _f(None, "inert")
+    fused_loss: bool | None = _f(None, "inert")
+    softmax_auxiliary_loss: bool = _f(False, "add a z-loss on the output logits")
+    auxiliary_loss_multiplier: float = _f(1e-4, "weight of the output-logit z-loss")
+    using_spes: bool = _f(True, "synchronize with a SPES parameter server (false: centralized training)")
+    using_dilico: bool = _f(False, "DiLoCo/FedAvg baseline: train everything, server averages everything")
+    load_path: str | None = _f(None, "checkpoint directory to start from")
+    max_duration: str | int = _f("1000st", "training length: steps ('1000st' or 1000) or tokens ('2e9T')")
+    stop_at: int | None = _f(None, "stop at this step even if max_duration is larger")
+    global_train_batch_size: int = _f(512, "sequences per optimizer step on this node (all ranks)")
+    device_train_microbatch_size: int = _f(8, "sequences per forward/backward on one rank")
+    device_eval_batch_size: int = _f(8, "sequences per validation forward")
+    precision: Literal["fp32", "amp_bf16"] = _f("amp_bf16", "amp_bf16: bf16 autocast with fp32 master weights")
+    distributed_strategy: Literal["single", "ddp", "fsdp"] | None = _f(
+        "single", "how the node's ranks share work (launched with torchrun)")
+    fsdp: FSDPConfig = _sub(FSDPConfig, "FSDP2 settings")
+    ddp: DDPConfig = _sub(DDPConfig, "DDP settings")
+    activation_checkpointing: Literal["whole_layer", "fine_grained", "one_in_two", "one_in_four"] | bool | None = _f(
+        None, "recompute activations: whole_layer, fine_grained (attention + experts), one_in_N layers")
+    max_grad_norm: float | None = _f(1.0, "clip the global gradient norm")
+    max_grad_norm_ratio: float | None = _f(None, "inert")
+    eval_interval: int | None = _f(None, "steps between validation-loss evaluations")
+    eval_subset_num_batches: int = _f(-1, "validation batches per evaluation (-1: all)")
+    save_folder: str = _f("output/${run_name}", "where checkpoints and metrics go")
+    save_overwrite: bool = _f(False, "inert: checkpoints are always written atomically")
+    save_interval: int | None = _f(1000, "steps between (sharded under FSDP) checkpoints")
+    save_interval_ephemeral: int | None = _f(None, "inert")
+    save_num_checkpoints_to_keep: int = _f(-1, "keep this many recent checkpoints (-1: all)")
+    sharded_checkpointer: str | None = _f(None, "inert: torch.distributed.checkpoint is used")
+    save_interval_unsharded: int | None = _f(None, "steps between unsharded (single-file) checkpoints")
+    save_num_unsharded_checkpoints_to_keep: int = _f(-1, "keep this many unsharded checkpoints (-1: all)")
+    log_interval: int = _f(1, "steps between console/JSONL metric lines")
+    model: ModelConfig = _sub(ModelConfig, "the model")
+    optimizer: OptimizerConfig = _sub(OptimizerConfig, "the optimizer")
+    scheduler: SchedulerConfig = _sub(SchedulerConfig, "the learning-rate schedule")
+    tokenizer: TokenizerConfig = _sub(TokenizerConfig, "the tokenizer")
+    data: DataConfig = _sub(DataConfig, "training and validation data")
+    wandb: WandbConfig | None = _f(None, "inert (metrics are written as JSONL)")
+    speed_monitor: SpeedMonitorConfig = _sub(SpeedMonitorConfig, "throughput logging")
+    evaluators: list[dict] = _f([], "inert: in-loop validation uses data.validation_paths")
+    spes_config: SpesConfig = _sub(SpesConfig, "SPES node settings")
+
+    def __post_init__(self) -> None:
+        m, s = self.model, self.spes_config
+        _require(self.global_train_batch_size > 0, "global_train_batch_size", self.global_train_batch_size,
+                 "must be > 0")
+        _require(self.device_train_microbatch_size > 0, "device_train_microbatch_size",
+                 self.device_train_microbatch_size, "must be > 0")
+        _require(self.device_eval_batch_size > 0, "device_eval_batch_size", self.device_eval_batch_size, "must be > 0")
+        _require(self.global_train_batch_size % self.device_train_microbatch_size == 0, "global_train_batch_size",
+                 self.global_train_batch_size,
+                 f"must be divisible by device_train_microbatch_size={self.device_train_microbatch_size}")
+        parse_duration(self.max_duration)
+        if self.sync_enabled:
+            _require(s.num_peers >= 1, "spes_config.num_peers", s.num_peers, "must be >= 1")
+            _require(0 <= s.peer_id < s.num_peers, "spes_config.peer_id", s.peer_id,
+                     f"must be in [0, num_peers={s.num_peers})")
+            _require(s.sync_steps >= 1, "spes_config.sync_steps", s.sync_steps, "must be >= 1")
+            _require(s.decayed_factor_update_steps >= 1, "spes_config.decayed_factor_update_steps",
+                     s.decayed_factor_update_steps, "must be >= 1")
+            _require(re.fullmatch(r"\[?[\w.:-]+\]?:\d+", s.server_addr) is not None, "spes_config.server_addr",
+                     s.server_addr, "must be host:port")
+        if self.using_spes and not self.using_dilico:
+            k = s.num_train_experts_per_node
+            _require(k >= 1, "spes_config.num_train_experts_per_node", k, "must be >= 1")
+            # NOTE: peer p owns [p*k, min((p+1)*k, E)); every expert needs an owner, while peers past the last
+            # block (P*k > E, as in the upcycled 9B run: 8 experts, 8 peers x 2) train only the shared parameters.
+            _require(s.num_peers * k >= m.moe_num_experts, "model.moe_num_experts", m.moe_num_experts,
+                     f"has experts no peer owns: num_peers={s.num_peers} x num_train_experts_per_node={k} "
+                     f"covers only {s.num_peers * k} (e.g. set num_train_experts_per_node="
+                     f"{math.ceil(m.moe_num_experts / s.num_peers)})")
+
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether this node meets a parameter server (SPES or the DiLoCo baseline)."""
+        return self.using_spes or self.using_dilico
+
+    def owned_experts(self) -> tuple[int, int] | None:
+        """The expert range [lo, hi) this node trains, or None when it trains every expert."""
+        if not self.using_spes or self.using_dilico:
+            return None
+        k, p, e = self.spes_config.num_train_experts_per_node, self.spes_config.peer_id, self.model.moe_num_experts
+        return min(p * k, e), min((p + 1) * k, e)
+
+    def expert_block_size(self) -> int:
+        """Experts per stored block: k under SPES (one block per peer), all of them otherwise."""
+        owned = self.owned_experts()
+        return self.spes_config.num_train_experts_per_node if owned is not None else self.model.moe_num_experts
+
+
+# Keys that are accepted for compatibility with the first implementation's configs but change nothing.
+INERT_KEYS = frozenset({
+    "dry_run", "compile", "fused_loss", "max_grad_norm_ratio", "save_overwrite", "save_interval_ephemeral",
+    "sharded_checkpointer", "evaluators", "wandb", "model.flash_attention", "model.init_device",
+    "model.using_custom_moe_impl", "model.moe_mlp_impl", "optimizer.metrics_log_interval",
+    "tokenizer.truncate_direction", "data.pad_direction", "data.prefetch_factor", "data.persistent_workers",
+    "data.timeout", "data.instance_filter", "ddp.grad_sync_mode",
+})
+
+
+def _require(ok: bool, key: str, value: Any, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {value!r} {what}")
+
+
+_DURATION = re.compile(r"^\s*([0-9.eE+]+)\s*(st|T|ep)?\s*$")
+
+
+def parse_duration(value: str | int) -> tuple[int, Literal["steps", "tokens"]]:
+    """`1000`/`'1000st'` -> (1000, 'steps'); `'2e9T'` -> (2000000000, 'tokens')."""
+    if isinstance(value, int):
+        return value, "steps"
+    match = _DURATION.match(str(value))
+    try:
+        if match is None or match.group(2) == "ep":
+            raise ValueError(value)
+        amount = int(float(match.group(1)))
+    except ValueError:
+        raise ConfigError(
+            f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')") from None
+    return amount, "tokens" if match.group(2) == "T" else "steps"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading: YAML + overrides -> plain dict -> checked dataclasses.
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> tuple[TrainConfig, list[str]]:
+    """Load a run config from YAML plus `--section.key=value` overrides.
+
+    Returns the config and the list of inert keys the user set (for one warning at start).
+    """
+    where = f"{path}" if path is not None else "config"
+    try:
+        base = OmegaConf.create({}) if path is None else OmegaConf.load(_existing(path))
+        dotlist = [_override_to_dotlist(o) for o in overrides]
+        _check_override_keys(dotlist)
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
+        raw = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: cannot read config: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: a config file must be a YAML mapping of keys to values")
+    if "save_folder" not in raw:
+        raw["save_folder"] = f"output/{raw.get('run_name', 'spes')}"
+    inert = sorted(k for k in _flat_keys(raw) if k in INERT_KEYS)
+    return from_dict(TrainConfig, raw, where=where), inert
+
+
+def _existing(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"config file not found: {p} (pass a YAML file, e.g. configs/tiny.yaml)")
+    return p
+
+
+def _override_to_dotlist(arg: str) -> str:
+    """`--model.d_model=128` -> `model.d_model=128`."""
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body:
+        raise ConfigError(f"override {arg!r} must look like --section.key=value")
+    return body
+
+
+def _check_override_keys(dotlist: list[str]) -> None:
+    for item in dotlist:
+        key = item.split("=", 1)[0]
+        _lookup_field(TrainConfig, key.split("."), where=f"command line (--{item})")
+
+
+def _lookup_field(cls: type, parts: list[str], *, where: str, prefix: str = "") -> None:
+    """Raise ConfigError unless the dotted key names a field (free-form dict fields accept anything below)."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    head = parts[0]
+    if head not in names:
+        raise ConfigError(_unknown_key_message(prefix, head, names, where))
+    sub = _dataclass_in(typing.get_type_hints(cls)[head])
+    if len(parts) > 1 and sub is not None:
+        _lookup_field(sub, parts[1:], where=where, prefix=f"{prefix}{head}.")
+
+
+def _unknown_key_message(prefix: str, key: str, valid: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
+    return f"{where}: unknown config key '{prefix}{key}'{hint}"
+
+
+def _flat_keys(d: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in d.items():
+        keys.append(prefix + k)
+        if isinstance(v, dict) and prefix + k not in INERT_KEYS:
+            keys.extend(_flat_keys(v, prefix + k + "."))
+    return keys
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass inside `X` or `X | None`, if any."""
+    if dataclasses.is_dataclass(hint):
+        return hint  # type: ignore[return-value]
+    for arg in typing.get_args(hint):
+        if dataclasses.is_dataclass(arg):
+            return arg  # type: ignore[return-value]
+    return None
+
+
+def from_dict(cls: type, data: dict[str, Any], *, where: str = "config", prefix: str = "") -> Any:
+    """Build dataclass `cls` from a plain dict, checking every key and type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise ConfigError(_unknown_key_message(prefix, str(key), names, where))
+        kwargs[key] = _coerce(value, hints[key], prefix + str(key), where)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
+    """Check `value` against type `hint`, converting only where it is lossless (int -> float, '1e-3' -> float)."""
+    sub = _dataclass_in(hint)
+    if sub is not None and isinstance(value, dict):
+        return from_dict(sub, value, where=where, prefix=key + ".")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key, where)
+            except ConfigError:
+                continue
+        raise _type_error(key, value, hint, where)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: config key '{key}' = {value!r} must be one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(key, value, hint, where)
+        (item,) = args or (Any,)
+        return [_coerce(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if hint is Any:
+        return value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise _type_error(key, value, hint, where)
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise _type_error(key, value, hint, where)
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _type_error(key, value, hint, where)
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _type_error(key, value, hint, where)
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise _type_error(key, value, hint, where)
+    if isinstance(value, hint):
+        return value
+    raise _type_error(key, value, hint, where)
+
+
+def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:
+    plain = typing.get_origin(hint) is None and hasattr(hint, "__name__")
+    expected = hint.__name__ if plain else str(hint).replace("typing.", "")
+    return ConfigError(f"{where}: config key '{key}' = {value!r} has the wrong type: expected {expected}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data (saved with every checkpoint)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_help(cls: type = TrainConfig, prefix: str = "") -> list[str]:
+    """One line per key: dotted name, type, default and doc, for `--help`."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_in(hints[f.name])
+        if sub is not None and f.default is not None:
+            lines.append(f"  {prefix}{f.name}.*  -- {f.metadata.get('doc', '')}")
+            lines.extend(config_help(sub, prefix + f.name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        type_name = str(hints[f.name]).replace("typing.", "")
+        lines.append(f"  --{prefix}{f.name}={default!r}  [{type_name}]  {f.metadata.get('doc', '')}")
+    return lines

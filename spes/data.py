@@ -1,0 +1,380 @@
+"""Training data for spes: token shards on disk, fixed-length windows over them, and a resumable loader.
+
+`data_process_scripts/tokenize_data.py` writes flat 1-D `.npy` token shards, each with a JSON
+sidecar `<shard>.npy.json` written last (a shard without one is incomplete and refused here).
+The trainer reads them as
+
+    ds = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
+    loader = BatchLoader(ds, batch_size=cfg.global_train_batch_size, seed=cfg.data.seed, rank=r, world_size=w)
+    batch = next(loader)  # LongTensor (global_batch // world_size, seq_len), this rank's slice
+
+Each peer passes its own `data.seed`, so peers see the data in different orders; a loader's
+`state_dict()` is three integers, enough to resume mid-epoch without reading skipped data.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+log = logging.getLogger(__name__)
+
+SIDECAR_SUFFIX = ".json"
+SHARD_FORMAT_VERSION = 1
+_GLOB_CHARS = frozenset("*?[")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard's sidecar records about it; its presence marks the shard as complete."""
+
+    tokenizer_fingerprint: str
+    """sha256 of the tokenizer.json the tokens came from."""
+    vocab_size: int
+    eos_token_id: int
+    dtype: str
+    num_tokens: int
+    num_documents: int
+    """Documents whose EOS lies in this shard (a document may start in the previous shard)."""
+    source_files: tuple[str, ...]
+    format_version: int = SHARD_FORMAT_VERSION
+
+
+def sidecar_path(shard: str | os.PathLike[str]) -> Path:
+    """`<shard>.npy.json`: the sidecar that marks `shard` as complete."""
+    shard = Path(shard)
+    return shard.with_name(shard.name + SIDECAR_SUFFIX)
+
+
+def write_shard_info(shard: Path, info: ShardInfo) -> None:
+    """Write the sidecar of a finished shard atomically (temp file in the same dir + rename)."""
+    final = sidecar_path(shard)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(info), indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, final)
+
+
+def read_shard_info(shard: str | os.PathLike[str]) -> ShardInfo:
+    """The sidecar of `shard`; ValueError naming the file when it is missing or malformed."""
+    path = sidecar_path(shard)
+    if not path.is_file():
+        raise ValueError(
+            f"token shard {shard} has no sidecar {path.name}: it is incomplete (tokenization interrupted?). "
+            f"Delete it and rerun data_process_scripts/tokenize_data.py, or list only complete shards with "
+            f"data_process_scripts/list_processed_files.sh"
+        )
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw["source_files"] = tuple(raw["source_files"])
+        info = ShardInfo(**raw)
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"sidecar {path} is malformed ({err}); rerun tokenize_data.py for this shard") from err
+    if info.format_version != SHARD_FORMAT_VERSION:
+        raise ValueError(f"sidecar {path} has format_version {info.format_version}; this spes reads "
+                         f"version {SHARD_FORMAT_VERSION}")
+    return info
+
+
+def resolve_paths(
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], base_dir: Path | None = None
+) -> list[Path]:
+    """Expand `data.paths` entries into shard files, in order.
+
+    An entry is a file, a glob (sorted matches, `**` allowed), a directory (its `*.npy`, sorted) or
+    a `.txt` list file with one path or glob per line (relative lines are relative to the list
+    file; what list_processed_files.sh writes). Relative entries are relative to `base_dir`
+    (default: the working directory). Repeats are kept, so listing a shard twice upsamples it.
+    """
+    entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not entries:
+        raise ValueError("data.paths is empty: give token shard files, globs, directories or .txt list files")
+    resolved: list[Path] = []
+    for entry in entries:
+        resolved.extend(_resolve_entry(str(entry), base_dir))
+    return resolved
+
+
+def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = None) -> list[Path]:
+    path = Path(entry).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    where = f" (listed in {list_file})" if list_file else ""
+    if _GLOB_CHARS & set(entry):
+        matches = [Path(m) for m in sorted(glob.glob(str(path), recursive=True)) if os.path.isfile(m)]
+        if not matches:
+            raise FileNotFoundError(f"data path pattern {entry!r}{where} matches no file")
+        return matches
+    if path.is_dir():
+        matches = sorted(path.glob("*.npy"))
+        if not matches:
+            raise FileNotFoundError(f"data directory {entry!r}{where} holds no .npy token shards")
+        return matches
+    if not path.is_file():
+        raise FileNotFoundError(f"data path {entry!r}{where} does not exist")
+    if path.suffix == ".txt" and list_file is None:
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
+        listed = [p for ln in lines if ln and not ln.startswith("#") for p in _resolve_entry(ln, path.parent, path)]
+        if not listed:
+            raise ValueError(f"data list file {path} names no shards")
+        return listed
+    return [path]
+
+
+class TokenSequenceDataset:
+    """Fixed-length windows of `seq_len` tokens over memory-mapped token shards.
+
+    Window `i` is a contiguous slice of one shard; windows never cross a shard's end and each
+    shard's last `num_tokens % seq_len` tokens are dropped. Shards are opened lazily per process
+    (so DataLoader workers map them themselves instead of receiving copies).
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike[str]], seq_len: int, memmap_dtype: str | None = None):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if not paths:
+            raise ValueError("TokenSequenceDataset needs at least one token shard")
+        self.seq_len = seq_len
+        self.paths = [Path(p) for p in paths]
+        for path in self.paths:
+            if path.suffix != ".npy":
+                raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
+        want_dtype = np.dtype(memmap_dtype) if memmap_dtype is not None else None
+        self.shard_infos = [read_shard_info(p) for p in self.paths]
+        self._arrays: list[np.ndarray | None] = [None] * len(self.paths)
+        lengths = []
+        for index, (path, info) in enumerate(zip(self.paths, self.shard_infos)):
+            array = self._array(index)
+            if array.ndim != 1 or array.dtype != np.dtype(info.dtype) or len(array) != info.num_tokens:
+                raise ValueError(
+                    f"token shard {path} does not match its sidecar (array {array.dtype} {array.shape}, sidecar "
+                    f"{info.dtype} ({info.num_tokens},)); rerun tokenize_data.py for it"
+                )
+            if want_dtype is not None and array.dtype != want_dtype:
+                raise ValueError(
+                    f"token shard {path} holds {array.dtype} tokens but data.memmap_dtype is {want_dtype}; "
+                    f"set data.memmap_dtype={array.dtype} or leave it unset to use the shards' dtype"
+                )
+            lengths.append(len(array))
+        fingerprints = {info.tokenizer_fingerprint for info in self.shard_infos}
+        if len(fingerprints) > 1:
+            first = self.shard_infos[0].tokenizer_fingerprint
+            odd = next(p for p, i in zip(self.paths, self.shard_infos) if i.tokenizer_fingerprint != first)
+            raise ValueError(f"token shards were made with different tokenizers: {self.paths[0]} and {odd}; "
+                             f"tokenize all data with the same tokenizer")
+        self.fingerprint = self.shard_infos[0].tokenizer_fingerprint
+        self.num_tokens = int(sum(lengths))
+        # window_starts[k] = index of shard k's first window; the last entry is the window count.
+        self._window_starts = np.concatenate([[0], np.cumsum([n // seq_len for n in lengths])]).astype(np.int64)
+
+    def _array(self, index: int) -> np.ndarray:
+        array = self._arrays[index]
+        if array is None:
+            array = np.load(self.paths[index], mmap_mode="r", allow_pickle=False)
+            self._arrays[index] = array
+        return array
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_arrays"] = [None] * len(self.paths)
+        return state
+
+    def __len__(self) -> int:
+        return int(self._window_starts[-1])
+
+    def _window(self, i: int) -> np.ndarray:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"window {i} out of range for a dataset of {len(self)} windows")
+        i %= len(self)
+        shard = int(np.searchsorted(self._window_starts, i, side="right")) - 1
+        start = (i - int(self._window_starts[shard])) * self.seq_len
+        return self._array(shard)[start : start + self.seq_len]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        """Window `i` as a LongTensor of shape (seq_len,)."""
+        return torch.from_numpy(self._window(int(i)).astype(np.int64))
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Windows `indices` stacked into a LongTensor (len(indices), seq_len)."""
+        out = np.empty((len(indices), self.seq_len), dtype=np.int64)
+        for row, i in enumerate(indices):
+            out[row] = self._window(int(i))
+        return torch.from_numpy(out)
+
+
+class BatchLoader:
+    """Infinite, resumable iterator of this rank's slice of each global batch.
+
+    Epoch `e` visits the windows in the order `numpy.random.default_rng([seed, e]).permutation(N)`
+    (or 0..N-1 without shuffle); global batch `k` of the epoch is positions `[k*B, (k+1)*B)` of that
+    order and rank `r` takes rows `[r*B/w, (r+1)*B/w)` of it. With `drop_last=False` an epoch's last,
+    short batch is completed with the epoch's first windows, so every batch has the same shape.
+    The state is (epoch, position of the next batch in the epoch's order, seed): resuming from it
+    yields exactly the batches an uninterrupted run would have.
+    """
+
+    def __init__(
+        self,
+        dataset: TokenSequenceDataset,
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        shuffle: bool = True,
+    ):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        if batch_size < 1 or batch_size % world_size:
+            raise ValueError(f"global_train_batch_size={batch_size} must be a positive multiple of the "
+                             f"world size {world_size}")
+        if seed < 0:
+            raise ValueError(f"data.seed={seed} must be >= 0")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers={num_workers} must be >= 0")
+        if drop_last and len(dataset) < batch_size:
+            raise ValueError(
+                f"the dataset has {len(dataset)} sequences of {dataset.seq_len} tokens, fewer than one global "
+                f"batch of {batch_size}: add data, lower global_train_batch_size, or set data.drop_last=false"
+            )
+        if len(dataset) == 0:
+            raise ValueError(f"the dataset has no sequence of {dataset.seq_len} tokens (shards too short)")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.num_workers = num_workers
+        self.drop_last = drop_last
+        self.shuffle = shuffle
+        self.pin_memory = pin_memory and torch.accelerator.is_available()
+        if pin_memory and not self.pin_memory:
+            log.info("data.pin_memory is set but no accelerator is available; batches are not pinned")
+        self.epoch = 0
+        self.position = 0
+        self._batches: Iterator[torch.Tensor] | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Global batches in one epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the next batch comes from: everything needed to resume exactly."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from `state` (from `state_dict()`); skipped batches are not read."""
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing:
+            raise ValueError(f"data loader state lacks {sorted(missing)}")
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"data loader state was saved with data.seed={state['seed']} but this run uses "
+                             f"data.seed={self.seed}; resume with the same seed or start the data from scratch")
+        if int(state["epoch"]) < 0 or int(state["position"]) < 0:
+            raise ValueError(f"data loader state {state} has a negative epoch or position")
+        self.close()
+        self.epoch, self.position = self._normalize(int(state["epoch"]), int(state["position"]))
+
+    def close(self) -> None:
+        """Stop DataLoader workers, if any; iteration restarts them from the current state."""
+        self._batches = None
+
+    def __iter__(self) -> BatchLoader:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self._batches is None:
+            self._batches = self._start_batches()
+        batch = next(self._batches)
+        self.epoch, self.position = self._normalize(self.epoch, self.position + self.batch_size)
+        return batch
+
+    def _epoch_done(self, position: int) -> bool:
+        """Whether no batch of the epoch starts at `position`."""
+        n = len(self.dataset)
+        return position >= n or (self.drop_last and position + self.batch_size > n)
+
+    def _normalize(self, epoch: int, position: int) -> tuple[int, int]:
+        """(epoch, position) of the batch starting at `position`, rolling over to the next epoch."""
+        return (epoch + 1, 0) if self._epoch_done(position) else (epoch, position)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        n = len(self.dataset)
+        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+
+    def _rank_indices(self) -> Iterator[np.ndarray]:
+        """This rank's window indices of each global batch, from the current state on."""
+        epoch, position = self.epoch, self.position
+        per_rank = self.batch_size // self.world_size
+        while True:
+            order = self._epoch_order(epoch)
+            while not self._epoch_done(position):
+                batch = order[position : position + self.batch_size]
+                if len(batch) < self.batch_size:
+                    batch = np.concatenate([batch, np.resize(order, self.batch_size - len(batch))])
+                yield batch[self.rank * per_rank : (self.rank + 1) * per_rank]
+                position += self.batch_size
+            epoch, position = epoch + 1, 0
+
+    def _start_batches(self) -> Iterator[torch.Tensor]:
+        if self.num_workers == 0:
+            return (self._maybe_pin(self.dataset.get_batch(idx)) for idx in self._rank_indices())
+        loader = DataLoader(
+            self.dataset,  # type: ignore[arg-type]  # map-style: __len__ and __getitem__
+            batch_sampler=_IndexStream(self),
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
+        return iter(loader)
+
+    def _maybe_pin(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.pin_memory() if self.pin_memory else batch
+
+
+class _IndexStream:
+    """The loader's index stream as a DataLoader batch sampler (DataLoader keeps batches in order)."""
+
+    def __init__(self, loader: BatchLoader):
+        self._loader = loader
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (idx.tolist() for idx in self._loader._rank_indices())
+
+
+def iterate_eval_batches(
+    dataset: TokenSequenceDataset,
+    batch_size: int,
+    max_batches: int | None = None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterator[torch.Tensor]:
+    """Windows 0..N-1 in order, in batches of `batch_size` (the last may be shorter).
+
+    The same batches every call, so validation losses are comparable across steps and runs.
+    At most `max_batches` batches in all; with `world_size > 1` rank `r` gets batches r, r+w, ...
+    """
+    if batch_size < 1:
+        raise ValueError(f"eval batch_size must be >= 1, got {batch_size}")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    num_batches = math.ceil(len(dataset) / batch_size)
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+    for b in range(rank, num_batches, world_size):
+        yield dataset.get_batch(range(b * batch_size, min((b + 1) * batch_size, len(dataset))))

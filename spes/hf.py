@@ -1,0 +1,615 @@
+"""Hugging Face export and import of spes checkpoints, through one declarative key map.
+
+A spes model maps exactly onto one of three `transformers` MoE architectures, chosen by its
+attention options (`choose_family`):
+
+| spes model options                                   | Hugging Face architecture  |
+|------------------------------------------------------|----------------------------|
+| `attention_layer_norm`, over all heads (OLMoE)        | `OlmoeForCausalLM`         |
+| `attention_layer_norm` + `attention_layer_norm_over_head` (Qwen3) | `Qwen3MoeForCausalLM` |
+| no QK-norm, `moe_normalize_expert_weights: true`      | `MixtralForCausalLM`       |
+
+Every other combination is refused with a message naming the setting. In particular a model
+without QK-norm and without top-k renormalization has no exact HF equivalent: OLMoE and Qwen3-MoE
+always apply an RMSNorm to queries and keys (a ones-weight RMSNorm still rescales, so it is not an
+identity), and Mixtral always renormalizes the top-k weights. Renormalization by a p-norm other than
+p=1 is refused too (HF divides by the sum). Norms without a learnable scale (`*_with_affine: false`)
+are exported as ones, which is exact.
+
+Names: the table `SHARED_KEYS` (+ `QK_NORM_KEYS` and each family's router/expert keys) maps spes
+names to HF names, `{l}` standing for the layer and `{e}` for the expert. A spes expert tensor is
+one fused `(E, ...)` tensor per kind (see `fuse_expert_blocks`); an HF template holding `{e}` takes
+expert `e` of it, transposed (`w1[e]` is `(D, F)`, HF `gate_proj.weight` is `(F, D)`). HF
+directories are written in the per-expert layout of the published checkpoints (what
+`save_pretrained` writes); `transformers` fuses experts on load.
+
+Commands (see `--help`):
+    python -m spes.hf export --checkpoint output/run/node0/step1000 --out hf/run-step1000
+    python -m spes.hf export --run_dir output/run/node0 --step latest --out hf/run-latest
+    python -m spes.hf import --hf path/to/OLMoE-1B-7B --out output/olmoe-init/step0 --block_size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from spes.checkpoint import (CONFIG_FILE, LATEST, list_checkpoints, load_model_state, resolve_checkpoint,
+                             save_checkpoint)
+from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config, to_dict
+from spes.moe import fuse_expert_blocks, split_expert_blocks
+from spes.tokenizer import check_vocab, load_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_SHARD_BYTES = 5 * 1024**3
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Expert blocks <-> one fused tensor per kind (pure)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The key map (declarative)
+
+# spes name -> HF name, common to every decoder family here (the dense Llama/Qwen3 ones of spes.upcycle too).
+SHARED_KEYS: dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "blocks.{l}.attn_norm.weight": "model.layers.{l}.input_layernorm.weight",
+    "blocks.{l}.attn.q_proj.weight": "model.layers.{l}.self_attn.q_proj.weight",
+    "blocks.{l}.attn.k_proj.weight": "model.layers.{l}.self_attn.k_proj.weight",
+    "blocks.{l}.attn.v_proj.weight": "model.layers.{l}.self_attn.v_proj.weight",
+    "blocks.{l}.attn.o_proj.weight": "model.layers.{l}.self_attn.o_proj.weight",
+    "blocks.{l}.ffn_norm.weight": "model.layers.{l}.post_attention_layernorm.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+QK_NORM_KEYS: dict[str, str] = {
+    "blocks.{l}.attn.q_norm.weight": "model.layers.{l}.self_attn.q_norm.weight",
+    "blocks.{l}.attn.k_norm.weight": "model.layers.{l}.self_attn.k_norm.weight",
+}
+_QWEN_STYLE_MOE_KEYS: dict[str, str] = {
+    "blocks.{l}.ffn.router.weight": "model.layers.{l}.mlp.gate.weight",
+    "blocks.{l}.ffn.experts.w1": "model.layers.{l}.mlp.experts.{e}.gate_proj.weight",
+    "blocks.{l}.ffn.experts.v1": "model.layers.{l}.mlp.experts.{e}.up_proj.weight",
+    "blocks.{l}.ffn.experts.w2": "model.layers.{l}.mlp.experts.{e}.down_proj.weight",
+}
+_MIXTRAL_MOE_KEYS: dict[str, str] = {
+    "blocks.{l}.ffn.router.weight": "model.layers.{l}.block_sparse_moe.gate.weight",
+    "blocks.{l}.ffn.experts.w1": "model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight",
+    "blocks.{l}.ffn.experts.v1": "model.layers.{l}.block_sparse_moe.experts.{e}.w3.weight",
+    "blocks.{l}.ffn.experts.w2": "model.layers.{l}.block_sparse_moe.experts.{e}.w2.weight",
+}
+
+# spes ModelConfig field <-> HF config attribute, for every family.
+CONFIG_KEYS: dict[str, str] = {
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "max_sequence_length": "max_position_embeddings",
+    "layer_norm_eps": "rms_norm_eps",
+    "embedding_size": "vocab_size",
+    "init_std": "initializer_range",
+}
+_MOE_CONFIG_KEYS: dict[str, str] = {"moe_top_k": "num_experts_per_tok", "moe_loss_weight": "router_aux_loss_coef"}
+
+
+@dataclass(frozen=True)
+class HFFamily:
+    """One Hugging Face MoE architecture and how a spes model is written in it."""
+
+    model_type: str
+    architecture: str
+    config_class: str
+    qk_norm: Literal["full", "per_head", "none"]
+    keys: dict[str, str]
+    """router and expert keys (spes -> HF), added to SHARED_KEYS (and QK_NORM_KEYS)."""
+    num_experts_attr: str
+    expert_width_attr: str
+    renormalizes: Literal["config", "always"]
+    """'config': `norm_topk_prob` chooses; 'always': the architecture always renormalizes."""
+    fixed: dict[str, Any] = field(default_factory=dict)
+    """HF config values spes requires: written on export, checked on import."""
+    extra: dict[str, str] = field(default_factory=dict)
+    """Further HF attributes that hold a spes value: HF attribute -> 'expert_width' | 'head_dim'."""
+
+    def key_map(self) -> dict[str, str]:
+        qk = QK_NORM_KEYS if self.qk_norm != "none" else {}
+        return {**SHARED_KEYS, **qk, **self.keys}
+
+
+OLMOE = HFFamily(
+    model_type="olmoe", architecture="OlmoeForCausalLM", config_class="OlmoeConfig", qk_norm="full",
+    keys=_QWEN_STYLE_MOE_KEYS, num_experts_attr="num_experts", expert_width_attr="intermediate_size",
+    renormalizes="config", fixed={"hidden_act": "silu", "attention_bias": False, "clip_qkv": None},
+)
+QWEN3_MOE = HFFamily(
+    model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig", qk_norm="per_head",
+    keys=_QWEN_STYLE_MOE_KEYS, num_experts_attr="num_experts", expert_width_attr="moe_intermediate_size",
+    renormalizes="config",
+    fixed={"hidden_act": "silu", "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "use_sliding_window": False},
+    extra={"intermediate_size": "expert_width", "head_dim": "head_dim"},
+)
+MIXTRAL = HFFamily(
+    model_type="mixtral", architecture="MixtralForCausalLM", config_class="MixtralConfig", qk_norm="none",
+    keys=_MIXTRAL_MOE_KEYS, num_experts_attr="num_local_experts", expert_width_attr="intermediate_size",
+    renormalizes="always", fixed={"hidden_act": "silu", "sliding_window": None},
+    extra={"head_dim": "head_dim"},
+)
+FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (OLMOE, QWEN3_MOE, MIXTRAL)}
+
+
+def choose_family(m: ModelConfig) -> HFFamily:
+    """The HF architecture that computes exactly what this spes model computes, or a ValueError naming why none."""
+    p = m.normalize_expert_weights_p
+    if p is not None and p != 1.0:
+        raise ValueError(
+            f"config key 'model.moe_normalize_expert_weights' = {m.moe_normalize_expert_weights!r}: a p-norm with "
+            f"p != 1 has no Hugging Face equivalent (HF MoE models divide the top-k weights by their sum, p=1, "
+            f"or do not renormalize)")
+    if m.attention_layer_norm:
+        return QWEN3_MOE if m.attention_layer_norm_over_head else OLMOE
+    if p == 1.0:
+        return MIXTRAL
+    raise ValueError(
+        "config key 'model.attention_layer_norm' = False with 'model.moe_normalize_expert_weights' unset has no "
+        "exact Hugging Face architecture: OLMoE and Qwen3-MoE always RMS-normalize queries and keys, Mixtral always "
+        "renormalizes the top-k weights. Train with attention_layer_norm: true (OLMoE) or "
+        "moe_normalize_expert_weights: true (Mixtral) to export")
+
+
+def hf_config_dict(family: HFFamily, m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """Keyword arguments of the family's `transformers` config class for this spes model."""
+    values: dict[str, Any] = {hf: getattr(m, spes) for spes, hf in {**CONFIG_KEYS, **_MOE_CONFIG_KEYS}.items()}
+    derived = {"expert_width": m.expert_hidden_size, "head_dim": m.head_dim}
+    values.update({
+        family.num_experts_attr: m.moe_num_experts,
+        family.expert_width_attr: m.expert_hidden_size,
+        **{attr: derived[what] for attr, what in family.extra.items()},
+        **family.fixed,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rope_theta)},
+        "eos_token_id": m.eos_token_id,
+        "pad_token_id": m.pad_token_id,
+        "bos_token_id": None,
+        "tie_word_embeddings": False,
+        "architectures": [family.architecture],
+        "dtype": dtype,
+    })
+    if family.renormalizes == "config":
+        values["norm_topk_prob"] = m.normalize_expert_weights_p == 1.0
+    return values
+
+
+def check_hf_config(hf: Any, fixed: Mapping[str, Any], where: str) -> float:
+    """Refuse HF config settings spes cannot compute; returns the RoPE theta."""
+    for attr, want in fixed.items():
+        have = getattr(hf, attr, want)
+        if have != want:
+            raise ValueError(f"{where}: '{attr}' = {have!r} is not supported by spes (needs {want!r})")
+    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta")}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{where}: 'rope_parameters.rope_type' = {rope['rope_type']!r} is not supported by spes "
+                         f"(plain RoPE only)")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    if head_dim * hf.num_attention_heads != hf.hidden_size:
+        raise ValueError(f"{where}: 'head_dim' = {head_dim} with {hf.num_attention_heads} heads != hidden_size "
+                         f"{hf.hidden_size}; spes needs head_dim = hidden_size / num_attention_heads")
+    return float(rope["rope_theta"])
+
+
+def model_config_from_hf(family: HFFamily, hf: Any, *, vocab_size: int | None = None) -> dict[str, Any]:
+    """spes `model:` settings of an HF config object (attribute access), refusing what spes cannot compute."""
+    rope_theta = check_hf_config(hf, family.fixed, f"Hugging Face config ({family.model_type})")
+    cfg: dict[str, Any] = {spes: getattr(hf, attr) for spes, attr in {**CONFIG_KEYS, **_MOE_CONFIG_KEYS}.items()}
+    width = getattr(hf, family.expert_width_attr)
+    normalized = family.renormalizes == "always" or bool(getattr(hf, "norm_topk_prob", False))
+    cfg.update(
+        mlp_hidden_size=2 * width,
+        moe_num_experts=getattr(hf, family.num_experts_attr),
+        moe_normalize_expert_weights=True if normalized else None,
+        rope_theta=rope_theta,
+        attention_layer_norm=family.qk_norm != "none",
+        attention_layer_norm_over_head=family.qk_norm == "per_head",
+        vocab_size=vocab_size if vocab_size is not None else hf.vocab_size,
+    )
+    cfg["eos_token_id"] = _single_id(getattr(hf, "eos_token_id", None), default=0)
+    cfg["pad_token_id"] = _single_id(getattr(hf, "pad_token_id", None), default=cfg["eos_token_id"])
+    return cfg
+
+
+def _single_id(value: Any, *, default: int) -> int:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return default if value is None else int(value)
+
+
+def _layered(template: str, n_layers: int) -> list[tuple[int | None, str]]:
+    return [(l, template.format(l=l, e="{e}")) for l in range(n_layers)] if "{l}" in template else [(None, template)]
+
+
+def implicit_norm_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """spes norm keys that do not exist because the norm has no learnable scale (exported as ones)."""
+    assert m.n_kv_heads is not None
+    shapes: dict[str, tuple[int, ...]] = {}
+    if not m.layer_norm_with_affine:
+        shapes["norm.weight"] = (m.d_model,)
+        for l in range(m.n_layers):
+            shapes[f"blocks.{l}.attn_norm.weight"] = shapes[f"blocks.{l}.ffn_norm.weight"] = (m.d_model,)
+    if m.attention_layer_norm and not m.attention_layer_norm_with_affine:
+        per_head = m.attention_layer_norm_over_head
+        for l in range(m.n_layers):
+            shapes[f"blocks.{l}.attn.q_norm.weight"] = (m.head_dim if per_head else m.n_heads * m.head_dim,)
+            shapes[f"blocks.{l}.attn.k_norm.weight"] = (m.head_dim if per_head else m.n_kv_heads * m.head_dim,)
+    return shapes
+
+
+def spes_to_hf(state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m: ModelConfig, *,
+               layer: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of one part of a fused spes state: the global tensors (layer=None) or one layer's.
+
+    `keys` is a key map (spes template -> HF template), e.g. `HFFamily.key_map()`.
+
+    Tensors are returned as views (experts transposed); the writer makes them contiguous.
+    """
+    ones = implicit_norm_shapes(m)
+    for spes_t, hf_t in keys.items():
+        if ("{l}" in spes_t) != (layer is not None):
+            continue
+        spes_key, hf_key = spes_t.format(l=layer), hf_t.format(l=layer, e="{e}")
+        if spes_key in ones and spes_key not in state:
+            yield hf_key, torch.ones(ones[spes_key])
+            continue
+        if spes_key not in state:
+            raise ValueError(f"checkpoint has no tensor '{spes_key}' (expected for this model config); is it a "
+                             f"checkpoint of this model?")
+        tensor = state[spes_key]
+        if "{e}" in hf_key:
+            for e in range(tensor.shape[0]):
+                yield hf_key.format(e=e), tensor[e].T
+        else:
+            yield hf_key, tensor
+
+
+def hf_to_spes(hf_state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m: ModelConfig, *,
+               architecture: str) -> dict[str, torch.Tensor]:
+    """The fused spes state of an HF state (per-expert layout); refuses missing and unused HF tensors.
+
+    An HF model with tied embeddings (no `lm_head.weight`) gets an untied copy: spes is always untied.
+    """
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+
+    def take(key: str) -> torch.Tensor:
+        if key not in hf_state:
+            raise ValueError(f"Hugging Face weights have no tensor '{key}' (expected for {architecture})")
+        used.add(key)
+        return hf_state[key]
+
+    for spes_t, hf_t in keys.items():
+        for layer, hf_key in _layered(hf_t, m.n_layers):
+            spes_key = spes_t.format(l=layer)
+            if "{e}" in hf_key:
+                out[spes_key] = torch.stack([take(hf_key.format(e=e)).T for e in range(m.moe_num_experts)])
+            elif hf_key == "lm_head.weight" and hf_key not in hf_state:
+                out[spes_key] = take("model.embed_tokens.weight").clone()
+            else:
+                out[spes_key] = take(hf_key)
+    unused = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"Hugging Face weights hold {len(unused)} tensors spes has no place for (e.g. "
+                         f"{unused[:3]}); biases, shared experts and dense layers are not supported")
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files
+
+
+class SafetensorsState(Mapping[str, torch.Tensor]):
+    """Tensors of one or more .safetensors files (an HF model's shards), each read when accessed."""
+
+    def __init__(self, files: Iterable[Path]) -> None:
+        self._where: dict[str, Path] = {}
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    self._where[key] = path
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        with safe_open(str(self._where[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def resolve_step(run_dir: str | Path, step: str | int) -> Path:
+    """The checkpoint of a save folder: `step<N>` (else `step<N>-sharded`) for an int, or what `latest` names."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory {run} does not exist (expected a spes save_folder, e.g. "
+                                f"output/<run_name>/node0)")
+    steps = [p.name for p in list_checkpoints(run)]
+    available = f"available: {', '.join(steps)}" if steps else "it holds no step<N> directories: is it a spes run?"
+    if str(step) == "latest":
+        if not (run / LATEST).is_file():
+            raise FileNotFoundError(f"{run} has no '{LATEST}' file naming the latest checkpoint; {available}")
+        return resolve_checkpoint(run)
+    if not re.fullmatch(r"\d+", str(step)):
+        raise ValueError(f"checkpoint step must be an integer or 'latest', got {step!r}")
+    for path in (run / f"step{int(step)}", run / f"step{int(step)}-sharded"):  # unsharded preferred
+        if path.is_dir():
+            return path
+    raise FileNotFoundError(f"checkpoint {run / f'step{int(step)}'} does not exist; {available}")
+
+
+def load_step_config(step_dir: Path) -> TrainConfig:
+    """The run config saved with a checkpoint step."""
+    path = step_dir / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{step_dir} is not a spes checkpoint: it has no {CONFIG_FILE} (expected a "
+                                f"<save_folder>/step<N> directory written by spes training)")
+    cfg, _ = load_config(path)
+    return cfg
+
+
+def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, *,
+                      max_shard_bytes: int = MAX_SHARD_BYTES, dtype: torch.dtype | None = None) -> list[str]:
+    """Write tensors as `model.safetensors`, or as HF shards + `model.safetensors.index.json`, streaming.
+
+    Shards get temporary names until their count is known. Returns the file names written.
+    """
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = total_bytes = 0
+    tmp_names: list[str] = []
+    weight_map: dict[str, str] = {}
+
+    def flush() -> None:
+        name = f".shard-{len(tmp_names):05d}.tmp"
+        save_file(pending, str(out_dir / name), metadata={"format": "pt"})
+        tmp_names.append(name)
+        weight_map.update(dict.fromkeys(pending, name))
+        pending.clear()
+
+    for key, tensor in tensors:
+        tensor = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + nbytes > max_shard_bytes:
+            flush()
+            pending_bytes = 0
+        pending[key] = tensor
+        pending_bytes += nbytes
+        total_bytes += nbytes
+    flush()
+    if len(tmp_names) == 1:
+        os.replace(out_dir / tmp_names[0], out_dir / "model.safetensors")
+        return ["model.safetensors"]
+    final = {tmp: f"model-{i + 1:05d}-of-{len(tmp_names):05d}.safetensors" for i, tmp in enumerate(tmp_names)}
+    for tmp, name in final.items():
+        os.replace(out_dir / tmp, out_dir / name)
+    index = {"metadata": {"total_size": total_bytes},
+             "weight_map": {key: final[tmp] for key, tmp in sorted(weight_map.items())}}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return [*final.values(), "model.safetensors.index.json"]
+
+
+def read_hf_weights(hf_dir: Path) -> SafetensorsState:
+    """The weights of an HF model directory (safetensors only: pickled .bin files are never loaded)."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        return SafetensorsState(hf_dir / f for f in files)
+    single = hf_dir / "model.safetensors"
+    if single.is_file():
+        return SafetensorsState([single])
+    extra = " (pytorch_model.bin found: spes never unpickles weights; re-save it with safetensors)" \
+        if (hf_dir / "pytorch_model.bin").exists() else ""
+    raise FileNotFoundError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json{extra}")
+
+
+def read_hf_config(hf_dir: Path, supported: Mapping[str, Any]) -> tuple[Any, Any]:
+    """(transformers config, the matching entry of `supported`) of an HF directory, or a clear error."""
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory: it has no config.json")
+    model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+    if model_type not in supported:
+        raise ValueError(f"{hf_dir}: model_type {model_type!r} is not supported here; expected one of "
+                         f"{sorted(supported)}")
+    from transformers import AutoConfig  # optional dependency (pip install -e .[hf])
+
+    return AutoConfig.from_pretrained(str(hf_dir), local_files_only=True), supported[model_type]
+
+
+def copy_tokenizer(src: Path, dst: Path, *, vocab_size: int | None = None) -> None:
+    """Copy a local tokenizer (a directory or a bare tokenizer.json) into `dst` as an HF tokenizer directory."""
+    loaded = load_tokenizer(src)  # clear FileNotFoundError/ValueError if it is not a tokenizer
+    if vocab_size is not None:
+        check_vocab(loaded.vocab_size, vocab_size, None)
+    dst.mkdir(parents=True, exist_ok=True)
+    src_dir = loaded.path.parent
+    for name in _TOKENIZER_FILES:
+        if (src_dir / name).is_file():
+            shutil.copyfile(src_dir / name, dst / name)
+    if not (dst / "tokenizer_config.json").is_file():
+        tokens = {"eos_token": loaded.tokenizer.id_to_token(loaded.eos_token_id),
+                  "pad_token": loaded.tokenizer.id_to_token(loaded.pad_token_id)}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **tokens}
+        (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+class _StagingDir:
+    """A temporary sibling directory that replaces `target` on success and vanishes on failure."""
+
+    def __init__(self, target: Path, overwrite: bool) -> None:
+        _refuse_existing(target, overwrite)
+        self.target = target
+        self.path = target.parent / f".{target.name}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> Path:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.path.mkdir(parents=True)
+        return self.path
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        if self.target.exists():
+            shutil.rmtree(self.target)
+        os.replace(self.path, self.target)
+
+
+def _refuse_existing(target: Path, overwrite: bool) -> None:
+    if target.exists() and any(target.iterdir()) and not overwrite:
+        raise FileExistsError(f"{target} already exists and is not empty; pass --overwrite to replace it")
+
+
+def write_step_dir(out: str | Path, state: Mapping[str, torch.Tensor], cfg: TrainConfig, *,
+                   tokenizer: Path | None = None, overwrite: bool = False) -> Path:
+    """Write `state` (fused experts) as the spes checkpoint `<save_folder>/step<N>` named by `out`.
+
+    The experts are split into the config's blocks; the checkpoint has no optimizer or trainer state,
+    so a run with `load_path` pointing at it starts at step 0 from these weights. A tokenizer is
+    copied to `<save_folder>/tokenizer` and the config pointed at it.
+    """
+    out = Path(out).absolute()
+    match = re.fullmatch(r"step(\d+)", out.name)
+    if match is None:
+        raise ValueError(f"--out {out} must be a checkpoint step directory named step<N>, e.g. "
+                         f"output/<run_name>/step0")
+    _refuse_existing(out, overwrite)
+    if tokenizer is not None:
+        with _StagingDir(out.parent / "tokenizer", overwrite=True) as tmp:
+            copy_tokenizer(tokenizer, tmp, vocab_size=cfg.model.vocab_size)
+        cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, identifier=str(out.parent / "tokenizer")))
+    blocks = split_expert_blocks(state, cfg.expert_block_size())
+    return save_checkpoint(out.parent, int(match.group(1)),
+                           model_state={k: v.float().contiguous() for k, v in blocks.items()},
+                           optim_state=None, trainer_state={}, config=to_dict(cfg))
+
+
+def run_config_for(model: dict[str, Any], *, block_size: int, run_name: str) -> TrainConfig:
+    """A TrainConfig for a model imported from elsewhere, with experts stored in blocks of `block_size`.
+
+    Blocks smaller than E mean a SPES layout of ceil(E / block_size) peers; E means one block
+    (centralized). A run that starts from it may use its own layout.
+    """
+    num_experts = model["moe_num_experts"]
+    if not 1 <= block_size <= num_experts:
+        raise ValueError(f"--block_size must be in [1, {num_experts}] (the number of experts), got {block_size}")
+    spes = SpesConfig(num_peers=math.ceil(num_experts / block_size), num_train_experts_per_node=block_size)
+    return TrainConfig(run_name=run_name, save_folder=f"output/{run_name}", using_spes=block_size < num_experts,
+                       model=ModelConfig(**model), spes_config=spes, tokenizer=TokenizerConfig())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Commands
+
+
+def export_checkpoint(step_dir: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
+                      dtype: str = "float32", overwrite: bool = False,
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """spes checkpoint (a step directory, or a save folder meaning its latest) -> HF model directory."""
+    step = resolve_checkpoint(step_dir)
+    cfg = load_step_config(step)
+    m = cfg.model
+    family = choose_family(m)
+    if dtype not in _DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    tok = Path(tokenizer) if tokenizer is not None else Path(cfg.tokenizer.identifier)
+    if not tok.exists():
+        raise FileNotFoundError(f"tokenizer {tok} not found (from config key 'tokenizer.identifier' of "
+                                f"{step / 'config.yaml'}); pass --tokenizer <dir> with the run's tokenizer")
+    state = load_model_state(step)
+    import transformers  # optional dependency (pip install -e .[hf])
+
+    config = getattr(transformers, family.config_class)(**hf_config_dict(family, m, dtype))
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from spes_to_hf(state, family.key_map(), m)
+        for layer in range(m.n_layers):
+            prefix = f"blocks.{layer}."
+            part = fuse_expert_blocks({k: state[k] for k in state if k.startswith(prefix)})
+            yield from spes_to_hf(part, family.key_map(), m, layer=layer)
+
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _StagingDir(out, overwrite) as tmp:
+        copy_tokenizer(tok, tmp, vocab_size=m.vocab_size)
+        write_safetensors(tensors(), tmp, max_shard_bytes=max_shard_bytes, dtype=_DTYPES[dtype])
+        config.save_pretrained(str(tmp))
+    return out
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, *, block_size: int | None = None,
+              overwrite: bool = False) -> Path:
+    """HF OLMoE / Qwen3-MoE / Mixtral directory -> spes checkpoint step directory (bit-exact in fp32)."""
+    src = Path(hf_dir)
+    hf_config, family = read_hf_config(src, FAMILIES)
+    has_tokenizer = (src / "tokenizer.json").is_file()
+    vocab = load_tokenizer(src).vocab_size if has_tokenizer else None
+    model = model_config_from_hf(family, hf_config, vocab_size=vocab)
+    cfg = run_config_for(model, block_size=block_size or model["moe_num_experts"],
+                         run_name=f"import-{src.absolute().name}")
+    state = hf_to_spes(read_hf_weights(src), family.key_map(), cfg.model, architecture=family.architecture)
+    return write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spes.hf", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="spes checkpoint -> Hugging Face model directory")
+    where = exp.add_mutually_exclusive_group(required=True)
+    where.add_argument("--checkpoint", help="a checkpoint step directory (<save_folder>/step<N>), or a save "
+                                            "folder (its latest checkpoint)")
+    where.add_argument("--run_dir", help="a save folder; the step comes from --step")
+    exp.add_argument("--step", default="latest", help="with --run_dir: a step number or 'latest' (default)")
+    exp.add_argument("--out", required=True, help="output Hugging Face model directory")
+    exp.add_argument("--tokenizer", help="tokenizer directory (default: the run config's tokenizer.identifier)")
+    exp.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="weight dtype (default float32)")
+    exp.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors shard in GiB (default 5)")
+    exp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    imp = sub.add_parser("import", help="Hugging Face MoE directory -> spes checkpoint step directory")
+    imp.add_argument("--hf", required=True, help=f"HF model directory, model_type one of {sorted(FAMILIES)}")
+    imp.add_argument("--out", required=True, help="output checkpoint step directory, e.g. output/myrun/step0 "
+                                                  "(the tokenizer goes to output/myrun/tokenizer)")
+    imp.add_argument("--block_size", type=int, help="experts per stored block: num_train_experts_per_node of the "
+                                                   "SPES run (default: all experts in one block)")
+    imp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            step = Path(args.checkpoint) if args.checkpoint else resolve_step(args.run_dir, args.step)
+            out = export_checkpoint(step, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
+                                    overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+        else:
+            out = import_hf(args.hf, args.out, block_size=args.block_size, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

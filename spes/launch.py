@@ -1,0 +1,183 @@
+"""Run a whole SPES run on this machine: one parameter server and N peers as real processes on loopback.
+
+    python -m spes.launch configs/tiny.yaml --out output/quickstart
+    python -m spes.launch configs/tiny.yaml --dilico          # the DiLoCo/FedAvg baseline
+    python -m spes.launch configs/tiny.yaml -- --max_duration=200st   # overrides for every peer
+
+This is the quickstart's engine and a way to try a configuration before renting nodes: each peer is the
+same `python -m spes.train` a real node runs (with its own `peer_id` and data seed 6198 + 1000 * id),
+the server is the same `python -m spes.server`. At the end it prints a summary table and exits 0 with
+every child gone; if any process fails, the others are stopped and the exit code is non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from spes.config import ConfigError, load_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m spes.launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="node config (YAML); peer_id, data seed, server address and save folder are set here")
+    p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
+    p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
+    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument("--merge_interval", type=int, default=20, help="merge warm-up every N steps")
+    p.add_argument("--merge_alpha_start", type=float, default=0.05, help="warm-up alpha at step 0")
+    p.add_argument("--merge_decay_steps", type=int, default=200, help="steps over which alpha decays to 0")
+    p.add_argument("--merge_topk", type=int, default=4, help="similar experts averaged into each expert")
+    p.add_argument("--wire_dtype", choices=["fp32", "bf16"], default="fp32", help="transport precision")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
+    return p.parse_args(argv), overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        extra = ["--using_dilico=true"] if args.dilico else []
+        cfg, _ = load_config(args.config, overrides + extra)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = args.port or free_port()
+    peers = cfg.spes_config.num_peers
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
+    server_cmd = [sys.executable, "-m", "spes.server", "--total_peers", str(peers), "--num_train_experts_per_node",
+                  str(cfg.expert_block_size()), "--port", str(port), "--host", "127.0.0.1", "--data_port", "0",
+                  "--merge_interval", str(args.merge_interval), "--merge_alpha_start", str(args.merge_alpha_start),
+                  "--merge_decay_steps", str(args.merge_decay_steps), "--merge_topk", str(args.merge_topk),
+                  "--mode", "diloco" if args.dilico else "spes", "--state_dir", str(out / "server_state")]
+    procs: dict[str, subprocess.Popen] = {}
+    started = time.time()
+    try:
+        procs["server"] = _spawn(server_cmd, out / "server.log", env)
+        for i in range(peers):
+            peer_cmd = [sys.executable, "-m", "spes.train", args.config, *overrides, *extra,
+                        f"--spes_config.peer_id={i}", f"--data.seed={6198 + 1000 * i}",
+                        f"--spes_config.server_addr=127.0.0.1:{port}", f"--spes_config.wire_dtype={args.wire_dtype}",
+                        f"--save_folder={out}/node{i}"]
+            procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
+        print(f"started server on 127.0.0.1:{port} and {peers} peers; logs in {out}/ (following peer0.log)")
+        code = _wait(procs, out / "peer0.log", args.timeout)
+    finally:
+        _stop_all(procs)
+    if code != 0:
+        return code
+    summary = summarize(out, peers, time.time() - started)
+    print(format_summary(summary))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def _spawn(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait(procs: dict[str, subprocess.Popen], follow: Path, timeout: float) -> int:
+    """Follow one peer's log until every peer exits; stop early on the first failure."""
+    deadline = time.time() + timeout
+    peers = {k: p for k, p in procs.items() if k != "server"}
+    offset = 0
+    while True:
+        offset = _echo_new(follow, offset)
+        failed = [k for k, p in procs.items() if p.poll() not in (None, 0)]
+        if failed:
+            for k in failed:
+                print(f"error: {k} exited with code {procs[k].returncode}; see its log", file=sys.stderr)
+            return 1
+        if all(p.poll() == 0 for p in peers.values()):
+            _echo_new(follow, offset)
+            return 0
+        if time.time() > deadline:
+            print(f"error: run did not finish within {timeout:.0f}s", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+
+
+def _echo_new(path: Path, offset: int) -> int:
+    """Print the complete lines appended to `path` since byte `offset`; return the new offset."""
+    if not path.exists():
+        return offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        chunk = f.read()
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    for line in complete.decode(errors="replace").splitlines():
+        print(f"  [peer0] {line}", flush=True)
+    return offset + len(complete)
+
+
+def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def summarize(out: Path, peers: int, seconds: float) -> dict[str, Any]:
+    """Per-peer figures read back from each node's metrics.jsonl."""
+    rows = []
+    for i in range(peers):
+        records = [json.loads(line) for line in (out / f"node{i}" / "metrics.jsonl").read_text().splitlines()]
+        syncs = [r for r in records if "sync_s" in r]
+        evals = [r for r in records if "val_loss" in r]
+        merged = [r for r in records if "merged_val_loss" in r]
+        rows.append({
+            "peer": i, "steps": records[-1]["step"], "final_loss": records[-1]["loss"],
+            "val_local_last": evals[-1]["val_loss"] if evals else None,
+            "val_merged_first": merged[0]["merged_val_loss"] if merged else None,
+            "val_merged_last": merged[-1]["merged_val_loss"] if merged else None,
+            "rounds": len(syncs), "merge_rounds": sum(bool(r.get("merged")) for r in syncs),
+            "mb_up": sum(r["sync_mb_up"] for r in syncs), "mb_down": sum(r["sync_mb_down"] for r in syncs),
+            "sync_s": sum(r["sync_s"] for r in syncs),
+        })
+    return {"peers": rows, "wall_s": seconds}
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    def f(v: Any, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    head = (f"{'peer':>4} {'steps':>6} {'loss':>8} {'val local':>10} {'merged val':>11} {'-> last':>8} "
+            f"{'rounds':>7} {'merges':>7} {'MB up':>8} {'MB down':>8} {'sync s':>7}")
+    lines = ["", "SPES run summary (val = validation loss; merged val at the first and the last sync)", head,
+             "-" * len(head)]
+    for r in summary["peers"]:
+        lines.append(f"{r['peer']:>4} {r['steps']:>6} {f(r['final_loss'], '.4f'):>8} {f(r['val_local_last'], '.4f'):>10} "
+                     f"{f(r['val_merged_first'], '.4f'):>11} {f(r['val_merged_last'], '.4f'):>8} "
+                     f"{r['rounds']:>7} {r['merge_rounds']:>7} {r['mb_up']:>8.2f} {r['mb_down']:>8.2f} "
+                     f"{r['sync_s']:>7.2f}")
+    lines.append(f"wall time {summary['wall_s']:.0f}s; every process exited cleanly")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,256 @@
+"""The OLMoE-style decoder: pre-norm blocks of RoPE attention (optional QK-norm, GQA) and a dropless MoE.
+
+The model is plain PyTorch: data/tensor parallelism is applied from outside (`spes.distributed`),
+and its Hugging Face mapping lives in `spes.hf`. Build it on the meta device and materialize with
+`init_weights`, so a large config costs nothing until it is placed:
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model, block_size=..., trainable_block=...)
+    model.to_empty(device="cpu"); model.init_weights(seed)
+
+Shape legend: B batch, S sequence, D d_model, H heads, G kv heads, Hd head size, V embedding rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from spes.config import ModelConfig, TrainConfig
+from spes.moe import ExpertBlocks, MoE, init_truncated_normal_
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (bf16 mean-of-squares loses too much), cast back to the input dtype."""
+
+    def __init__(self, size: int, eps: float, affine: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size)) if affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        return y.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (S, Hd) for rotate-half RoPE (the layout of Llama/OLMo/HF)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x_BHSd: torch.Tensor, cos_SHd: torch.Tensor, sin_SHd: torch.Tensor) -> torch.Tensor:
+    half = x_BHSd.shape[-1] // 2
+    rotated = torch.cat([-x_BHSd[..., half:], x_BHSd[..., :half]], dim=-1)
+    return (x_BHSd.float() * cos_SHd + rotated.float() * sin_SHd).to(x_BHSd.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with RoPE, grouped KV heads and optional QK-norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.n_kv_heads is not None
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.dropout = cfg.attention_dropout
+        d, hd = cfg.d_model, cfg.head_dim
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.per_head_norm = cfg.attention_layer_norm_over_head
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.attention_layer_norm:
+            affine = cfg.attention_layer_norm_with_affine
+            q_size, k_size = (hd, hd) if self.per_head_norm else (self.n_heads * hd, self.n_kv_heads * hd)
+            self.q_norm = RMSNorm(q_size, cfg.layer_norm_eps, affine)
+            self.k_norm = RMSNorm(k_size, cfg.layer_norm_eps, affine)
+
+    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
+        if self.q_norm is not None and self.k_norm is not None and not self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # OLMoE: one norm over all heads
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        k = k.view(B, S, self.n_kv_heads, self.head_dim)
+        v = v.view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and self.per_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: one norm per head
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, cos[:S], sin[:S]), apply_rope(k, cos[:S], sin[:S])
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: x + attn(norm(x)), then x + moe(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, block_size: int, trainable_block: int | None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
+        self.ffn = MoE(d_model=cfg.d_model, hidden=cfg.expert_hidden_size, num_experts=cfg.moe_num_experts,
+                       top_k=cfg.moe_top_k, block_size=block_size, trainable_block=trainable_block,
+                       num_layers=cfg.n_layers, lb_weight=cfg.moe_loss_weight, z_weight=cfg.moe_zloss_weight,
+                       normalize_p=cfg.normalize_expert_weights_p, backend=cfg.moe_backend)
+        self.dropout = nn.Dropout(cfg.residual_dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin))
+        y, aux = self.ffn(self.ffn_norm(x))
+        return x + self.dropout(y), aux.lb_loss, aux.z_loss, aux.tokens_per_expert
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (B, S, V) in the compute dtype
+    lb_loss: torch.Tensor  # summed over layers, weighted
+    z_loss: torch.Tensor  # summed over layers, weighted
+    tokens_per_expert: torch.Tensor  # (L, E)
+
+
+class Transformer(nn.Module):
+    """Embedding -> n_layers x Block -> RMSNorm -> untied LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, block_size: int | None = None, trainable_block: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        assert cfg.embedding_size is not None
+        block_size = block_size or cfg.moe_num_experts
+        self.embed = nn.Embedding(cfg.embedding_size, cfg.d_model)
+        self.embed_dropout = nn.Dropout(cfg.embedding_dropout)
+        self.blocks = nn.ModuleList(
+            Block(cfg, block_size=block_size, trainable_block=trainable_block) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
+        cos, sin = rope_tables(cfg.max_sequence_length, cfg.head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig) -> Transformer:
+        """The model a node of this run builds: under SPES, expert blocks per peer and only its own trainable."""
+        owned = cfg.owned_experts()
+        trainable = None if owned is None else cfg.spes_config.peer_id
+        return cls(cfg.model, block_size=cfg.expert_block_size(), trainable_block=trainable)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Truncated-normal init of every matrix (OLMo `init_fn: normal`), ones for norms; deterministic in `seed`.
+
+        Each expert kind of a layer is drawn as one (E, ...) tensor and then split into blocks, so every
+        block layout (SPES peers, DiLoCo, centralized) starts from the same weights.
+        """
+        cfg = self.cfg
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.reset_parameters()
+            for module in self.modules():
+                if isinstance(module, nn.ParameterList):
+                    continue  # expert blocks, drawn whole below
+                for p in module.parameters(recurse=False):
+                    if p.ndim >= 2:
+                        init_truncated_normal_(p, cfg.init_std, cfg.init_cutoff_factor)
+                if isinstance(module, ExpertBlocks):
+                    for blocks in (module.w1, module.v1, module.w2):
+                        full = torch.empty(cfg.moe_num_experts, *blocks[0].shape[1:], device=blocks[0].device)
+                        init_truncated_normal_(full, cfg.init_std, cfg.init_cutoff_factor)
+                        for (lo, hi), p in zip(module.bounds, blocks):
+                            p.copy_(full[lo:hi])
+        finally:
+            torch.random.set_rng_state(gen_state)
+        cos, sin = rope_tables(cfg.max_sequence_length, cfg.head_dim, cfg.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def set_own_count_scale(self, factor: float) -> None:
+        """Apply the SPES decayed load-balancing factor to every MoE layer."""
+        for block in self.blocks:
+            block.ffn.set_own_count_scale(factor)
+
+    def forward(self, input_ids_BS: torch.Tensor) -> ModelOutput:
+        if input_ids_BS.shape[-1] > self.rope_cos.shape[0]:
+            raise ValueError(f"a sequence of {input_ids_BS.shape[-1]} tokens is longer than "
+                             f"model.max_sequence_length={self.rope_cos.shape[0]}: raise it or feed shorter windows")
+        x = self.embed_dropout(self.embed(input_ids_BS))
+        lb = z = x.new_zeros((), dtype=torch.float32)
+        counts = []
+        for block in self.blocks:
+            x, lb_l, z_l, tpe = block(x, self.rope_cos, self.rope_sin)
+            lb, z = lb + lb_l, z + z_l
+            counts.append(tpe)
+        logits = self.lm_head(self.norm(x))
+        return ModelOutput(logits=logits, lb_loss=lb, z_loss=z, tokens_per_expert=torch.stack(counts))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameter accounting
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active_per_token: int
+    trainable: int
+
+    def describe(self) -> str:
+        return (f"parameters: total {self.total / 1e6:,.2f}M | active per token {self.active_per_token / 1e6:,.2f}M"
+                f" | trainable on this node {self.trainable / 1e6:,.2f}M")
+
+
+def count_params(model: Transformer) -> ParamCounts:
+    """Counts read off the model (works on the meta device)."""
+    cfg = model.cfg
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = total - expert + expert * cfg.moe_top_k // cfg.moe_num_experts
+    return ParamCounts(total=total, active_per_token=active, trainable=trainable)
+
+
+def analytic_param_counts(cfg: ModelConfig, trained_experts: int | None = None) -> ParamCounts:
+    """The same counts from the config alone (the test's independent check)."""
+    assert cfg.embedding_size is not None and cfg.n_kv_heads is not None
+    d, hd, f, e = cfg.d_model, cfg.head_dim, cfg.expert_hidden_size, cfg.moe_num_experts
+    attn = d * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    if cfg.attention_layer_norm and cfg.attention_layer_norm_with_affine:
+        attn += 2 * hd if cfg.attention_layer_norm_over_head else (cfg.n_heads + cfg.n_kv_heads) * hd
+    norms = 2 * d if cfg.layer_norm_with_affine else 0
+    router, one_expert = e * d, 3 * d * f
+    shared = cfg.n_layers * (attn + norms + router) + 2 * cfg.embedding_size * d
+    shared += d if cfg.layer_norm_with_affine else 0
+    trained = e if trained_experts is None else trained_experts
+    return ParamCounts(
+        total=shared + cfg.n_layers * e * one_expert,
+        active_per_token=shared + cfg.n_layers * cfg.moe_top_k * one_expert,
+        trainable=shared + cfg.n_layers * trained * one_expert,
+    )
+
+
+def tflops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (6 x active matmul params + attention), for MFU."""
+    counts = analytic_param_counts(cfg)
+    assert cfg.embedding_size is not None
+    matmul_active = counts.active_per_token - cfg.embedding_size * cfg.d_model
+    attn = 12 * cfg.n_layers * cfg.d_model * cfg.max_sequence_length / 2
+    return (6 * matmul_active + attn) / 1e12

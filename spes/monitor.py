@@ -1,0 +1,74 @@
+"""Training metrics: a windowed throughput meter, one readable console line per log step, and JSONL on disk.
+
+Kept apart from the trainer loop (OLMo-core's callbacks in spirit): the loop hands over a dict of
+numbers, this module formats and stores them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 peak FLOP/s per device, for MFU (vendor datasheets).
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class SpeedMonitor:
+    """Tokens/s over the last `window` steps (excluding time spent in sync and evaluation)."""
+
+    def __init__(self, window: int) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.samples.append((tokens, seconds))
+
+    def tokens_per_second(self) -> float:
+        seconds = sum(s for _, s in self.samples)
+        return sum(t for t, _ in self.samples) / seconds if seconds > 0 else 0.0
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    filled = int(width * done / max(total, 1))
+    return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / max(total, 1):3.0f}%"
+
+
+def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
+    """`step 120/1000 [##.....]  12% | loss 5.4321 | lb 0.0101 | ...` from whatever metrics are present."""
+    parts = [f"step {step}/{max_steps} {progress_bar(step, max_steps)}"]
+    fmt = {"loss": ".4f", "ce": ".4f", "lb_loss": ".4f", "z_loss": ".5f", "lr": ".2e", "grad_norm": ".3f",
+           "tokens_per_s": ",.0f", "mfu": ".1%", "val_loss": ".4f", "val_ppl": ".2f", "merged_val_loss": ".4f",
+           "sync_s": ".2f", "sync_mb_up": ".1f", "sync_mb_down": ".1f", "eta_min": ".1f"}
+    for key, spec in fmt.items():
+        if key in metrics and metrics[key] is not None:
+            parts.append(f"{key} {format(metrics[key], spec)}")
+    return " | ".join(parts)
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to `<save_folder>/metrics.jsonl` (main rank only)."""
+
+    def __init__(self, folder: str | Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = Path(folder) / "metrics.jsonl"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.start = time.time()
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": round(time.time() - self.start, 3), **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,1 @@
+"""The SPES synchronization path: wire format, merge math, gRPC server and client."""

@@ -1,0 +1,513 @@
+"""The peer's side of the SPES protocol: join the run, then per round upload and download tensors.
+
+One rank per node owns a `SyncClient`; the trainer broadcasts what `sync` returns to its other ranks.
+
+    with SyncClient("server:50051", peer_id=0, num_peers=4, experts_per_peer=4, mode="spes",
+                    token=os.environ["SPES_TOKEN"]) as client:
+        client.join(manifest, trainable)                 # name -> shape of every tensor; names trained here
+        global_tensors, stats = client.sync(step, {n: params[n] for n in trainable})
+
+Every RPC carries a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, bytes that fail their
+CRC-32C in either direction) are retried with exponential backoff and jitter, which is safe because the server
+treats a repeated (peer, round) upload as a no-op. `sync` also recovers on its own from a server restart:
+told it has not joined, it joins again; told the server holds no upload of it for the round, it uploads
+again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed
+without it) catches up: `sync` returns the latest global model, every tensor of it, with
+`SyncStats.caught_up` set and `round` the server's step, and the caller continues from there. Other failures
+raise `SyncError` carrying the gRPC status code and the server's explanation. The token is never logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Literal, TypeVar
+
+import grpc
+import torch
+
+from spes.sync import transport
+from spes.sync.merge import Mode, download_names
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.wire import PROTOCOL_VERSION, REASON_KEY, TensorDecoder, encode_tensors, grpc_options, read_file, \
+    wire_torch_dtype
+
+log = logging.getLogger("spes.client")
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 30.0
+MAX_RECOVERIES = 4
+T = TypeVar("T")
+DataPlane = Literal["auto", "grpc", "tcp"]
+
+
+class SyncError(RuntimeError):
+    """A synchronization RPC failed; `code` is the gRPC status (None for client-side checks).
+
+    `reason` is the server's machine-readable `spes-reason` ('' if none, see protos/spes.proto);
+    `retryable` says whether sending the same request again may succeed.
+    """
+
+    def __init__(
+        self, message: str, code: grpc.StatusCode | None = None, *, reason: str = "", retryable: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.retryable = code, reason, retryable
+
+
+def failure_of(what: str, err: grpc.RpcError) -> SyncError:
+    """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed."""
+    reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
+    return classify(what, err.code(), err.details(), reason)
+
+
+def classify(what: str, code: grpc.StatusCode, details: str, reason: str) -> SyncError:
+    """A refusal from either plane as a SyncError: transient codes and corrupt bytes are retryable."""
+    retryable = (code in RETRYABLE and reason != "round_timeout") or reason == "corrupt"
+    return SyncError(f"{what} failed ({code.name}): {details}", code, reason=reason, retryable=retryable)
+
+
+def refusal_of(what: str, frame: transport.Frame) -> SyncError:
+    """A data-plane error frame as a SyncError (an unknown code counts as UNKNOWN)."""
+    code = getattr(grpc.StatusCode, str(frame.get("code")), grpc.StatusCode.UNKNOWN)
+    return classify(what, code, str(frame.get("message", "")), str(frame.get("reason", "")))
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one `sync` call cost and what the server did in that round."""
+
+    seconds: float
+    bytes_up: int
+    bytes_down: int
+    round: int
+    merged: bool
+    alpha: float
+    peers: tuple[int, ...] = ()
+    """Peers whose uploads built the round (fewer than all when a quorum round closed without some)."""
+    caught_up: bool = False
+    """True when this peer had fallen behind: the result is the whole global model of round `round`."""
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """The server's view of the run (`SyncClient.status`); rounds are -1 when there is none."""
+
+    current_round: int
+    open_round: int
+    total_peers: int
+    peers_joined: tuple[int, ...]
+    peers_uploaded: tuple[int, ...]
+    bytes_in: int
+    bytes_out: int
+    mode: str
+    round_peers: tuple[int, ...] = ()
+    missing_peers: tuple[int, ...] = ()
+    dead_peer_policy: str = "wait"
+    persistent: bool = False
+
+
+def backoff_s(attempt: int) -> float:
+    """Exponential backoff with jitter: uniform in [d/2, d] with d = min(cap, base * 2**attempt)."""
+    delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
+    return random.uniform(delay / 2, delay)
+
+
+class SyncClient:
+    """A peer's connection to the parameter server (thread-compatible, not thread-safe).
+
+    With `reuse_buffers`, downloads land in buffers kept from round to round (no fresh memory to fault in
+    per round), so a `sync` result is only valid until the next call: for callers that copy it out at once,
+    as the trainer does.
+    """
+
+    def __init__(
+        self,
+        server_addr: str,
+        *,
+        peer_id: int,
+        num_peers: int,
+        experts_per_peer: int,
+        mode: Mode,
+        wire_dtype: str = "fp32",
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        rpc_timeout_s: float = 60.0,
+        round_timeout_s: float = 3600.0,
+        max_retries: int = 5,
+        max_message_mb: int = 64,
+        data_plane: DataPlane = "auto",
+        reuse_buffers: bool = False,
+    ) -> None:
+        if mode not in ("spes", "diloco"):
+            raise ValueError(f"mode must be 'spes' or 'diloco', got {mode!r}")
+        if not 0 <= peer_id < num_peers:
+            raise ValueError(f"peer_id {peer_id} is outside [0, num_peers={num_peers})")
+        wire_torch_dtype(wire_dtype)
+        if rpc_timeout_s <= 0 or round_timeout_s <= 0 or max_retries < 0:
+            raise ValueError(
+                f"need rpc_timeout_s > 0, round_timeout_s > 0, max_retries >= 0; got "
+                f"{rpc_timeout_s}, {round_timeout_s}, {max_retries}"
+            )
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key (mutual TLS) must be given together")
+        if data_plane not in ("auto", "grpc", "tcp"):
+            raise ValueError(f"data_plane must be 'auto', 'grpc' or 'tcp', got {data_plane!r}")
+        self.server_addr, self.peer_id, self.num_peers = server_addr, peer_id, num_peers
+        self.experts_per_peer, self.mode, self.wire_dtype = experts_per_peer, mode, wire_dtype
+        self.rpc_timeout_s, self.round_timeout_s, self.max_retries = rpc_timeout_s, round_timeout_s, max_retries
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.data_plane, self._token = data_plane, token
+        self._data_port = 0
+        self._data_tls = transport.client_tls(tls_ca, tls_cert, tls_key) if data_plane != "grpc" else None
+        options = grpc_options(max_message_mb)
+        if tls_ca is not None or tls_cert is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=read_file(tls_ca, "tls_ca") if tls_ca else None,
+                private_key=read_file(tls_key, "tls_key") if tls_key else None,
+                certificate_chain=read_file(tls_cert, "tls_cert") if tls_cert else None,
+            )
+            self._channel = grpc.secure_channel(server_addr, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(server_addr, options=options)
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+        self._manifest: dict[str, tuple[int, ...]] | None = None
+        self._trainable: list[str] = []
+        self._join_request: pb.JoinRequest | None = None
+        self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
+
+    # -- public API ---------------------------------------------------------------------------
+    def join(self, manifest: Mapping[str, tuple[int, ...]], trainable: list[str]) -> int:
+        """Announce the model (name -> shape of every tensor) and the names this peer trains.
+
+        Returns the server's latest completed round (-1 before the first one).
+        """
+        shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.items()}
+        unknown = [n for n in trainable if n not in shapes]
+        if unknown:
+            raise ValueError(f"trainable names not in the manifest: {unknown[:5]}")
+        self._join_request = pb.JoinRequest(
+            peer_id=self.peer_id,
+            total_peers=self.num_peers,
+            experts_per_peer=self.experts_per_peer,
+            mode=self.mode,
+            wire_dtype=self.wire_dtype,
+            manifest=[pb.TensorSpec(name=n, shape=s) for n, s in shapes.items()],
+            trainable=list(trainable),
+            protocol=PROTOCOL_VERSION,
+        )
+        current = self._join()
+        self._manifest, self._trainable = shapes, list(trainable)
+        return current
+
+    def sync(self, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], SyncStats]:
+        """Upload this peer's trained `tensors` for round `step`, wait for the round, return the global tensors.
+
+        The result holds fp32 CPU tensors for every name this peer must load: shared tensors and the
+        experts it does not own (its own too on merge rounds; everything in DiLoCo mode, and everything
+        when `stats.caught_up`, in which case `stats.round` is the step to continue from).
+        """
+        manifest = self._require_joined()
+        self._check_upload(tensors, manifest)
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.round_timeout_s
+        ordered = {name: tensors[name] for name in self._trainable}
+
+        def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, dict[str, torch.Tensor], int]]:
+            sent = self._upload(step, ordered, self._until(deadline))
+            return sent, self._download(step, manifest, self._until(deadline), full=False)
+
+        caught_up = False
+        try:
+            sent, (info, downloaded, received) = self._retrying("sync", exchange, deadline=deadline,
+                                                                recover=self._recover)
+        except SyncError as err:
+            if err.reason != "stale_round":
+                raise
+            log.warning("peer %d is behind the run (%s): loading the latest global model", self.peer_id, err)
+            sent, (info, downloaded, received), caught_up = 0, self._latest(step, manifest, deadline), True
+        stats = SyncStats(
+            seconds=time.perf_counter() - start,
+            bytes_up=sent,
+            bytes_down=received,
+            round=info.round,
+            merged=info.merged,
+            alpha=info.alpha,
+            peers=tuple(info.peers),
+            caught_up=caught_up,
+        )
+        return downloaded, stats
+
+    def status(self) -> ServerStatus:
+        """The server's current round, peers and traffic counters."""
+        reply = self._retrying(
+            "status",
+            lambda timeout: self._stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self._metadata),
+            per_attempt_s=self.rpc_timeout_s,
+        )
+        return ServerStatus(
+            current_round=reply.current_round,
+            open_round=reply.open_round,
+            total_peers=reply.total_peers,
+            peers_joined=tuple(reply.peers_joined),
+            peers_uploaded=tuple(reply.peers_uploaded),
+            bytes_in=reply.bytes_in,
+            bytes_out=reply.bytes_out,
+            mode=reply.mode,
+            round_peers=tuple(reply.round_peers),
+            missing_peers=tuple(reply.missing_peers),
+            dead_peer_policy=reply.dead_peer_policy,
+            persistent=reply.persistent,
+        )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- transfers ----------------------------------------------------------------------------
+    def _join(self) -> int:
+        request = self._join_request
+        assert request is not None
+        reply = self._retrying(
+            "join",
+            lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
+            per_attempt_s=self.rpc_timeout_s,
+        )
+        if self.data_plane == "tcp" and not reply.data_port:
+            raise SyncError("data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
+                            "(or use data_plane='auto')", grpc.StatusCode.FAILED_PRECONDITION)
+        self._data_port = reply.data_port if self.data_plane != "grpc" else 0
+        return reply.current_round
+
+    def _upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> int:
+        """One upload attempt; returns the payload bytes sent."""
+        if self._data_port:
+            return self._upload_tcp(step, tensors, timeout)
+        sent = 0
+
+        def messages() -> Iterator[pb.UploadMessage]:
+            nonlocal sent
+            yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=self.peer_id, round=step))
+            for chunk in encode_tensors(tensors, self.wire_dtype):
+                sent += len(chunk.data)
+                yield pb.UploadMessage(chunk=chunk)
+
+        reply = self._stub.Upload(messages(), timeout=timeout, metadata=self._metadata)
+        if reply.duplicate:
+            log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
+        return sent
+
+    def _download(
+        self, step: int, manifest: dict[str, tuple[int, ...]], timeout: float, *, full: bool
+    ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
+        """One download attempt: RoundInfo, then exactly the announced tensors, validated."""
+        if self._data_port:
+            return self._download_tcp(step, manifest, timeout, full=full)
+        responses = self._stub.Download(
+            pb.DownloadRequest(peer_id=self.peer_id, round=step, full=full), timeout=timeout, metadata=self._metadata
+        )
+        try:
+            first = next(responses, None)
+            if first is None or not first.HasField("info"):
+                raise SyncError(f"round {step}: the server's download did not start with its RoundInfo")
+            info = first.info
+            names = self._check_info(step, info, manifest, full=full)
+            decoder = TensorDecoder({n: manifest[n] for n in names}, self.wire_dtype, into=self._buffers)
+            for message in responses:
+                if not message.HasField("chunk"):
+                    raise SyncError(f"round {step}: a second RoundInfo arrived inside the download")
+                decoder.feed(message.chunk)
+            tensors = decoder.finish()
+        except ValueError as exc:  # damaged or cut short in transit: fetching it again may succeed
+            raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
+        finally:
+            responses.cancel()
+        return info, {name: tensors[name].float() for name in names}, decoder.bytes_received
+
+    def _check_info(self, step: int, info: pb.RoundInfo, manifest: dict[str, tuple[int, ...]], *, full: bool
+                    ) -> list[str]:
+        """The names the server announced, which must be exactly those this peer expects for round `step`."""
+        names = list(info.names)
+        expected = list(manifest) if full else download_names(list(manifest), self.peer_id, self.mode, info.merged)
+        if info.round != step or sorted(names) != sorted(expected):
+            raise SyncError(
+                f"round {step}: the server announced round {info.round} with {len(names)} tensors, "
+                f"this peer expected round {step} with {len(expected)}"
+            )
+        return names
+
+    # -- raw-TCP data plane (spes.sync.transport) ----------------------------------------------------
+    def _data_connection(self, op: str, step: int, timeout: float, *, full: bool = False) -> socket.socket:
+        """A data-plane connection to the server's host with the handshake sent; socket errors are retryable."""
+        host = self.server_addr.rsplit(":", 1)[0].strip("[]")
+        try:
+            sock = transport.connect(host, self._data_port, self._data_tls, min(timeout, self.rpc_timeout_s))
+        except OSError as exc:
+            raise SyncError(f"{op} round {step}: data plane {host}:{self._data_port} unreachable: {exc}",
+                            grpc.StatusCode.UNAVAILABLE, retryable=True) from None
+        try:
+            transport.send_hello(sock, {"op": op, "peer_id": self.peer_id, "step": step, "full": full,
+                                        "token": self._token, "timeout_s": timeout})
+        except OSError as exc:
+            sock.close()
+            raise SyncError(f"{op} round {step}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE,
+                            retryable=True) from None
+        return sock
+
+    def _reply(self, sock: socket.socket, what: str) -> transport.Frame:
+        frame = transport.recv_frame(sock)
+        if frame.get("status") == "error":
+            raise refusal_of(what, frame)
+        return frame
+
+    def _upload_tcp(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> int:
+        sock = self._data_connection("upload", step, timeout)
+        what, sent = f"upload of round {step}", 0
+        try:
+            with sock:
+                reply = self._reply(sock, what)
+                if reply.get("status") == "send":
+                    try:
+                        sent = transport.send_tensors(sock, tensors, self.wire_dtype)
+                    except OSError:
+                        pass  # NOTE: the server may have refused mid-stream: its reply says why
+                    sock.settimeout(timeout)
+                    reply = self._reply(sock, what)
+        except OSError as exc:
+            raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
+        if reply.get("duplicate"):
+            log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
+        return sent
+
+    def _download_tcp(
+        self, step: int, manifest: dict[str, tuple[int, ...]], timeout: float, *, full: bool
+    ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
+        sock = self._data_connection("download", step, timeout, full=full)
+        what = f"download of round {step}"
+        try:
+            with sock:
+                sock.settimeout(timeout)  # NOTE: the first reply waits for the whole round
+                frame = self._reply(sock, what)
+                info = pb.RoundInfo(round=frame.get("round"), merged=frame.get("merged"), alpha=frame.get("alpha"),
+                                    names=frame.get("names"), peers=frame.get("peers"))
+                names = self._check_info(step, info, manifest, full=full)
+                sock.settimeout(min(timeout, self.rpc_timeout_s))
+                decoder = TensorDecoder({n: manifest[n] for n in names}, self.wire_dtype, into=self._buffers)
+                tensors = transport.recv_tensors(sock, decoder, len(names))
+        except OSError as exc:
+            raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
+        except (ValueError, TypeError) as exc:  # damaged in transit: fetching it again may succeed
+            raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
+        return info, {name: tensors[name].float() for name in names}, decoder.bytes_received
+
+    def _latest(
+        self, step: int, manifest: dict[str, tuple[int, ...]], deadline: float
+    ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
+        """Every tensor of the server's latest completed round, for a peer at `step` that fell behind."""
+        latest = self.status().current_round
+        if latest < step:
+            raise SyncError(
+                f"round {step} was refused as old, yet the server's latest completed round is {latest}: "
+                "do all peers use the same sync_steps?", grpc.StatusCode.FAILED_PRECONDITION
+            )
+        log.warning("peer %d continues from the server's round %d (it was at step %d)", self.peer_id, latest, step)
+        return self._retrying(
+            "catch-up download",
+            lambda timeout: self._download(latest, manifest, timeout, full=True),
+            deadline=deadline,
+            recover=self._recover,
+        )
+
+    def _recover(self, failure: SyncError) -> bool:
+        """React to what the server said: join again after a restart, upload again when it lost the round."""
+        if failure.reason == "not_joined":
+            log.warning("the server does not know peer %d (restarted?): joining again", self.peer_id)
+            self._join()
+            return True
+        if failure.reason == "unknown_round":
+            log.warning("the server holds no upload of peer %d for this round: uploading again", self.peer_id)
+            return True
+        return False
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _require_joined(self) -> dict[str, tuple[int, ...]]:
+        if self._manifest is None:
+            raise SyncError("call join(manifest, trainable) before sync()")
+        return self._manifest
+
+    def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: dict[str, tuple[int, ...]]) -> None:
+        missing = [n for n in self._trainable if n not in tensors]
+        extra = [n for n in tensors if n not in set(self._trainable)]
+        if missing or extra:
+            raise ValueError(
+                f"sync() needs exactly the trainable tensors announced at join: missing {missing[:5]}, "
+                f"unexpected {extra[:5]}"
+            )
+        for name in self._trainable:
+            if tuple(tensors[name].shape) != manifest[name]:
+                raise ValueError(
+                    f"tensor {name!r} has shape {list(tensors[name].shape)}, the manifest says {list(manifest[name])}"
+                )
+
+    def _until(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise SyncError(
+                f"the round did not finish within round_timeout_s={self.round_timeout_s}",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        return left
+
+    def _retrying(
+        self,
+        what: str,
+        attempt: Callable[[float], T],
+        *,
+        per_attempt_s: float | None = None,
+        deadline: float | None = None,
+        recover: Callable[[SyncError], bool] | None = None,
+    ) -> T:
+        """Run `attempt(timeout)`; retry transient failures up to max_retries times with backoff before `deadline`.
+
+        `recover(failure)` may repair the cause of a non-transient failure and return True to try again
+        at once (at most MAX_RECOVERIES times).
+        """
+        failures = recoveries = 0
+        while True:
+            timeout = per_attempt_s if per_attempt_s is not None else math.inf
+            if deadline is not None:
+                timeout = min(timeout, self._until(deadline))
+            try:
+                return attempt(timeout)
+            except grpc.RpcError as err:
+                failure = failure_of(what, err)
+            except SyncError as err:
+                failure = err
+            if recover is not None and recoveries < MAX_RECOVERIES and recover(failure):
+                recoveries += 1
+                continue
+            if not failure.retryable or failures >= self.max_retries:
+                raise failure
+            delay = backoff_s(failures)
+            if deadline is not None:
+                delay = min(delay, max(0.0, deadline - time.monotonic()))
+            failures += 1
+            log.warning("%s; retry %d/%d in %.1f s", failure, failures, self.max_retries, delay)
+            time.sleep(delay)

@@ -1,0 +1,91 @@
+"""The trainer's side of a SPES round: gather what this node trained, exchange it, load the global model.
+
+One rank per node (rank 0) talks to the parameter server; the others take part only in the collective
+gather and load (`spes.distributed.gather_full` / `load_full`, one whole tensor at a time, frozen experts
+never gathered), so under DDP and FSDP2 every rank ends the round holding the same global weights.
+Weights are loaded in place (`copy_` into the existing parameters or their shards), so the local AdamW
+state is kept, as in the paper. A node the run has moved past (restarted from an older checkpoint, or left out of a
+quorum round) loads the whole global model and reports `caught_up_to`, the step the trainer continues from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from spes.config import ConfigError, TrainConfig
+from spes.distributed import DistInfo, gather_full, load_full, unwrap
+from spes.sync.client import SyncClient
+
+
+def read_token(token_file: str | None) -> str | None:
+    """The run's shared secret: `spes_config.token_file`, else the SPES_TOKEN environment variable."""
+    if token_file:
+        path = Path(token_file)
+        if not path.is_file():
+            raise ConfigError(f"config key 'spes_config.token_file' = {token_file!r}: file not found")
+        return path.read_text().strip()
+    return os.environ.get("SPES_TOKEN") or None
+
+
+class PeerSync:
+    """Pushes this node's trained tensors and pulls the global model every `sync_steps` steps."""
+
+    def __init__(self, cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> None:
+        self.model, self.info, self.log = model, info, log
+        self.distributed = info.world_size > 1
+        named = list(unwrap(model).named_parameters())  # NOTE: DDP's own names carry a `module.` prefix
+        self.trainable = [n for n, p in named if p.requires_grad]
+        self.shapes = {n: tuple(p.shape) for n, p in named}
+        s = cfg.spes_config
+        self.client: SyncClient | None = None
+        if info.is_main:
+            self.client = SyncClient(
+                s.server_addr, peer_id=s.peer_id, num_peers=s.num_peers,
+                experts_per_peer=cfg.expert_block_size(),
+                mode="diloco" if cfg.using_dilico else "spes", wire_dtype=s.wire_dtype, token=read_token(s.token_file),
+                tls_ca=s.tls_ca, tls_cert=s.tls_cert, tls_key=s.tls_key, rpc_timeout_s=s.rpc_timeout_s,
+                round_timeout_s=s.round_timeout_s, max_retries=s.max_retries, data_plane=s.data_plane,
+                reuse_buffers=True)  # NOTE: `load_full` copies every result into the model at once
+
+    def join(self) -> None:
+        """Announce this node's model manifest; the server refuses a node whose model differs from the run's."""
+        if self.client is not None:
+            current = self.client.join(self.shapes, self.trainable)
+            self.log(f"joined parameter server (current round: step {current}); "
+                     f"uploading {len(self.trainable)} of {len(self.shapes)} tensors per round")
+
+    def sync(self, step: int) -> dict[str, Any]:
+        """One round at `step`; returns metrics (seconds, MB up/down, whether the merge warm-up ran)."""
+        upload = gather_full(self.model, self.trainable, self.info)
+        metrics: dict[str, Any] = {}
+        downloaded: dict[str, torch.Tensor] = {}
+        caught_up_to = -1
+        if self.client is not None:
+            downloaded, stats = self.client.sync(step, upload)
+            metrics = {"sync_s": stats.seconds, "sync_mb_up": stats.bytes_up / 2**20,
+                       "sync_mb_down": stats.bytes_down / 2**20, "sync_round": stats.round,
+                       "merged": stats.merged, "merge_alpha": stats.alpha}
+            if stats.caught_up:
+                caught_up_to = stats.round
+                self.log(f"step {step}: this node had fallen behind the run; loaded the whole global model of "
+                         f"round {stats.round} and continues from step {stats.round}")
+        del upload
+        load_full(self.model, downloaded, self.info)
+        if self.distributed:  # every rank's trainer must continue from the same step
+            flag = torch.tensor([caught_up_to], device=self.info.device)
+            dist.broadcast(flag, src=0)
+            caught_up_to = int(flag.item())
+        if caught_up_to >= 0:
+            metrics["caught_up_to"] = caught_up_to
+        return metrics
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()

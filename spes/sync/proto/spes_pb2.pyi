@@ -1,0 +1,165 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("peer_id", "total_peers", "experts_per_peer", "mode", "wire_dtype", "manifest", "trainable", "protocol")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_PER_PEER_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    peer_id: int
+    total_peers: int
+    experts_per_peer: int
+    mode: str
+    wire_dtype: str
+    manifest: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    trainable: _containers.RepeatedScalarFieldContainer[str]
+    protocol: int
+    def __init__(self, peer_id: _Optional[int] = ..., total_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("current_round", "open_round", "data_port")
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    current_round: int
+    open_round: int
+    data_port: int
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
+
+class UploadMeta(_message.Message):
+    __slots__ = ("peer_id", "round")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    peer_id: int
+    round: int
+    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class TensorHeader(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "num_bytes", "crc32c")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    num_bytes: int
+    crc32c: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("header", "offset", "data", "crc32c")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    header: TensorHeader
+    offset: int
+    data: bytes
+    crc32c: int
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+
+class UploadMessage(_message.Message):
+    __slots__ = ("meta", "chunk")
+    META_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    meta: UploadMeta
+    chunk: TensorChunk
+    def __init__(self, meta: _Optional[_Union[UploadMeta, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("round", "duplicate", "uploaded_peers")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    duplicate: bool
+    uploaded_peers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., duplicate: _Optional[bool] = ..., uploaded_peers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("peer_id", "round", "full")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    peer_id: int
+    round: int
+    full: bool
+    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
+
+class RoundInfo(_message.Message):
+    __slots__ = ("round", "merged", "alpha", "names", "peers")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    merged: bool
+    alpha: float
+    names: _containers.RepeatedScalarFieldContainer[str]
+    peers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., merged: _Optional[bool] = ..., alpha: _Optional[float] = ..., names: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DownloadMessage(_message.Message):
+    __slots__ = ("info", "chunk")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    info: RoundInfo
+    chunk: TensorChunk
+    def __init__(self, info: _Optional[_Union[RoundInfo, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("current_round", "open_round", "total_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent")
+    CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_JOINED_FIELD_NUMBER: _ClassVar[int]
+    PEERS_UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_PEERS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_PEERS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ROUND_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DEAD_PEER_POLICY_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    PERSISTENT_FIELD_NUMBER: _ClassVar[int]
+    current_round: int
+    open_round: int
+    total_peers: int
+    peers_joined: _containers.RepeatedScalarFieldContainer[int]
+    peers_uploaded: _containers.RepeatedScalarFieldContainer[int]
+    bytes_in: int
+    bytes_out: int
+    mode: str
+    round_peers: _containers.RepeatedScalarFieldContainer[int]
+    missing_peers: _containers.RepeatedScalarFieldContainer[int]
+    open_round_age_s: float
+    dead_peer_policy: str
+    rounds_completed: int
+    persistent: bool
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., total_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ...) -> None: ...

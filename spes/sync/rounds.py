@@ -1,0 +1,446 @@
+"""Round bookkeeping of the parameter server: who may upload what, when a round may close, and its global model.
+
+The gRPC shell (`spes.sync.server`) calls `RoundState` under its lock and `build_global` on its aggregation
+thread; nothing here touches sockets or files, so every rule is tested directly (tests/test_rounds.py).
+
+A round is keyed by the global step at which the peers synchronize. It opens with its first verified upload
+and closes when every peer is in, or, under `--dead_peer_policy quorum`, once `--round_timeout` seconds have
+passed since it opened and enough peers are in:
+
+- shared tensors are averaged over the peers that arrived (in peer order, so the result is reproducible);
+- an expert block whose owner did not arrive keeps its value in the previous global model;
+- the very first round has no previous global model, so in SPES mode it cannot close without every owner
+  of an expert block (`close_blocker` says so, and the waiting downloads fail with that message).
+
+Under `wait` (the reference behaviour) a round closes only with every peer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+import torch
+
+from spes.sync.merge import (
+    MergeConfig,
+    Mode,
+    OuterConfig,
+    aggregate_round,
+    mean_over_peers,
+    outer_nesterov_step,
+    parse_expert_block,
+    round_alpha,
+    trainable_names,
+)
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.wire import PROTOCOL_VERSION, WIRE_DTYPES
+
+DeadPeerPolicy = Literal["wait", "quorum"]
+Shape = tuple[int, ...]
+Tensors = dict[str, torch.Tensor]
+
+
+class Refused(Exception):
+    """A request the server turns down: the gRPC status, a message saying what to do, a machine-readable reason.
+
+    `reason` is sent as trailing metadata `spes-reason` (see protos/spes.proto) when the client can react
+    to it on its own; empty otherwise.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.code, self.reason = code, reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundPolicy:
+    """When a round may close without every peer (the server's --round_timeout/--dead_peer_policy/--min_peers)."""
+
+    num_peers: int
+    """Peers in the run."""
+    timeout_s: float = 3600.0
+    """Seconds after a round's first upload after which it has timed out."""
+    dead_peer_policy: DeadPeerPolicy = "wait"
+    """`wait`: never close without every peer (downloads fail after the timeout); `quorum`: close with those in."""
+    min_peers: int | None = None
+    """Fewest peers a quorum round needs; None means a majority (num_peers // 2 + 1)."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"--round_timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.dead_peer_policy not in ("wait", "quorum"):
+            raise ValueError(f"--dead_peer_policy must be 'wait' or 'quorum', got {self.dead_peer_policy!r}")
+        if self.min_peers is not None and not 1 <= self.min_peers <= self.num_peers:
+            raise ValueError(f"--min_peers must be in [1, total_peers={self.num_peers}], got {self.min_peers}")
+
+    @property
+    def quorum(self) -> int:
+        return self.min_peers if self.min_peers is not None else self.num_peers // 2 + 1
+
+
+@dataclass(frozen=True)
+class RoundSnapshot:
+    """A consistent picture of the round state (for Status, logs and persistence)."""
+
+    open_round: int | None
+    completed_round: int | None
+    uploaded_peers: tuple[int, ...]
+    round_peers: tuple[int, ...]
+    aggregating: bool
+    merged: bool
+    alpha: float
+    open_age_s: float
+
+
+class RoundState:
+    """One open round collecting uploads, and the latest completed round's global model.
+
+    Not thread-safe by itself: the server calls it under its condition's lock. Memory held: the global
+    model (+ DiLoCo momentum) and the committed uploads of the open round, handed to the aggregator (and
+    dropped from here) when the round closes.
+    """
+
+    def __init__(self, num_peers: int) -> None:
+        self.num_peers = num_peers
+        self.open_round: int | None = None
+        self.opened_at = 0.0
+        self.uploaded: set[int] = set()
+        self.staged: dict[int, Tensors] = {}
+        self.aggregating = False
+        self.completed_round: int | None = None
+        self.completed_peers: frozenset[int] = frozenset()
+        self.global_model: Tensors = {}
+        self.outer_momentum: Tensors = {}
+        self.merged = False
+        self.alpha = 0.0
+        self.failure: tuple[int, str] | None = None
+
+    def missing_peers(self) -> list[int]:
+        return [p for p in range(self.num_peers) if p not in self.uploaded]
+
+    def admit(self, peer: int, step: int) -> bool:
+        """May `peer` upload round `step`? True: already committed (idempotent no-op); raises Refused if not."""
+        if step == self.completed_round and peer in self.completed_peers:
+            return True
+        if self.open_round is not None:
+            if step == self.open_round and (peer in self.uploaded or not self.aggregating):
+                return peer in self.uploaded
+            if step == self.open_round:
+                raise Refused(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"round {step} timed out and is closing without peer {peer}; retry to catch up once it completes",
+                    "busy",
+                )
+            if step < self.open_round:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"round {step} is old: round {self.open_round} is open now",
+                    "stale_round",
+                )
+            if self.aggregating:
+                raise Refused(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"round {step} cannot open while round {self.open_round} is being aggregated; retry shortly",
+                    "busy",
+                )
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"round {step} is ahead of the open round {self.open_round}, which still waits for peers "
+                f"{self.missing_peers()}: do all peers use the same sync_steps?",
+                "future_round",
+            )
+        if self.completed_round is not None and step <= self.completed_round:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"round {step} is old: round {self.completed_round} has already completed"
+                + ("" if step < self.completed_round else f" without peer {peer}"),
+                "stale_round",
+            )
+        return False
+
+    def stage_upload(self, peer: int, step: int, tensors: Tensors) -> bool:
+        """Commit a complete, verified upload; opens the round if needed. True when every peer is in."""
+        if self.open_round is None:
+            self.open_round, self.opened_at, self.failure = step, time.monotonic(), None
+        assert step == self.open_round and peer not in self.uploaded and not self.aggregating
+        self.failure = None
+        self.uploaded.add(peer)
+        self.staged[peer] = tensors
+        return len(self.uploaded) == self.num_peers
+
+    def check_download(self, peer: int, step: int, full: bool) -> bool:
+        """May a download of round `step` be served now (True), wait (False), or never (raises Refused)?"""
+        if self.completed_round == step:
+            return True
+        if self.failure is not None and self.failure[0] == step:
+            raise Refused(grpc.StatusCode.INTERNAL, self.failure[1])
+        if self.completed_round is not None and step < self.completed_round:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"round {step} is no longer available: the latest completed round is {self.completed_round}",
+                "stale_round",
+            )
+        if step != self.open_round or (peer not in self.uploaded and not full):
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the server holds no upload of peer {peer} for round {step} (open round: {self.open_round}, "
+                f"latest completed: {self.completed_round}): upload it first",
+                "unknown_round",
+            )
+        return False
+
+    def seconds_left(self, policy: RoundPolicy, now: float | None = None) -> float:
+        """Seconds until the open round times out (0 once it has; inf while it is aggregating)."""
+        if self.open_round is None or self.aggregating:
+            return float("inf")
+        now = time.monotonic() if now is None else now
+        return max(0.0, self.opened_at + policy.timeout_s - now)
+
+    def must_close(self, policy: RoundPolicy, owners: frozenset[int], now: float | None = None) -> bool:
+        """True when the open round timed out and may close with the peers in (quorum).
+
+        Raises Refused (reason `round_timeout`, naming the missing peers) when it timed out and may not.
+        """
+        if self.seconds_left(policy, now) > 0:
+            return False
+        blocker = self.close_blocker(policy, owners)
+        if blocker:
+            raise Refused(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"round {self.open_round} did not complete within --round_timeout={policy.timeout_s:g} s of its "
+                f"first upload: {blocker}",
+                "round_timeout",
+            )
+        return True
+
+    def close_blocker(self, policy: RoundPolicy, owners: frozenset[int]) -> str:
+        """Why the open round cannot close with the peers in now ('' when it can); `owners` own expert blocks."""
+        missing = self.missing_peers()
+        if policy.dead_peer_policy == "wait":
+            return f"still waiting for peers {missing} (--dead_peer_policy wait needs every peer)"
+        if len(self.uploaded) < policy.quorum:
+            return f"only peers {sorted(self.uploaded)} arrived, fewer than --min_peers={policy.quorum}"
+        unseen = sorted(owners & set(missing)) if not self.global_model else []
+        if unseen:
+            return (
+                f"still waiting for peers {missing}: no global copy of the experts of peers {unseen} exists "
+                "before the first round completes, so the first round needs every expert owner"
+            )
+        return ""
+
+    def take_uploads(self) -> dict[int, Tensors]:
+        """Hand the round's uploads to the aggregator (they are no longer held here); the round is aggregating."""
+        assert self.uploaded and not self.aggregating
+        self.aggregating = True
+        uploads, self.staged = self.staged, {}
+        return uploads
+
+    def complete(self, step: int, global_model: Tensors, outer_momentum: Tensors, merged: bool, alpha: float) -> None:
+        """Publish the global model of round `step`, built from the uploads of `self.uploaded`."""
+        assert step == self.open_round and self.aggregating
+        self.restore(step, self.uploaded, global_model, outer_momentum, merged, alpha)
+
+    def restore(
+        self, step: int, peers: set[int] | frozenset[int], global_model: Tensors, outer_momentum: Tensors,
+        merged: bool, alpha: float,
+    ) -> None:
+        """Make round `step` the latest completed one (also how a restarted server resumes); no round is open."""
+        self.completed_round, self.completed_peers = step, frozenset(peers)
+        self.global_model, self.outer_momentum = global_model, outer_momentum
+        self.merged, self.alpha = merged, alpha
+        self.open_round, self.uploaded, self.staged, self.aggregating = None, set(), {}, False
+        self.failure = None
+
+    def fail(self, step: int, message: str) -> None:
+        """Aggregation failed: drop the uploads so the peers can upload round `step` again."""
+        self.failure = (step, message)
+        self.uploaded, self.staged, self.aggregating = set(), {}, False
+
+    def snapshot(self) -> RoundSnapshot:
+        return RoundSnapshot(
+            open_round=self.open_round,
+            completed_round=self.completed_round,
+            uploaded_peers=tuple(sorted(self.uploaded)),
+            round_peers=tuple(sorted(self.completed_peers)),
+            aggregating=self.aggregating,
+            merged=self.merged,
+            alpha=self.alpha,
+            open_age_s=time.monotonic() - self.opened_at if self.open_round is not None else 0.0,
+        )
+
+
+def expert_owners(names: list[str], mode: Mode) -> frozenset[int]:
+    """Peers that own an expert block of the model (none in DiLoCo mode, where every tensor is averaged)."""
+    if mode == "diloco":
+        return frozenset()
+    return frozenset(parsed.block for n in names if (parsed := parse_expert_block(n)) is not None)
+
+
+def _groups(names: list[str], mode: Mode) -> list[list[str]]:
+    """Tensors aggregated together: each SPES layer's expert blocks (the merge needs the whole layer), else one."""
+    layers: dict[str, list[str]] = {}
+    groups: list[list[str]] = []
+    for name in sorted(names):
+        parsed = parse_expert_block(name) if mode == "spes" else None
+        if parsed is None:
+            groups.append([name])
+        else:
+            layers.setdefault(parsed.prefix, []).append(name)
+    return groups + list(layers.values())
+
+
+def _layer_blocks(
+    group: list[str], uploads: dict[int, Tensors], previous: Mapping[str, torch.Tensor], num_peers: int
+) -> dict[int, Tensors]:
+    """Each peer's expert blocks of one layer, taken out of `uploads`; a missing owner's from `previous`."""
+    blocks: dict[int, Tensors] = {p: {} for p in range(num_peers)}
+    for name in group:
+        owner = parse_expert_block(name).block  # type: ignore[union-attr]
+        blocks[owner][name] = uploads[owner].pop(name) if owner in uploads else previous[name]
+    return blocks
+
+
+def build_global(
+    uploads: dict[int, Tensors],
+    *,
+    names: list[str],
+    previous: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor],
+    num_peers: int,
+    experts_per_peer: int,
+    mode: Mode,
+    step: int,
+    merge: MergeConfig,
+    outer: OuterConfig,
+) -> tuple[Tensors, Tensors]:
+    """Round `step`'s global model (and DiLoCo momentum) from the uploads of the peers that arrived.
+
+    With every peer in, this equals `aggregate_round` (+ `outer_nesterov_step` in DiLoCo mode) over all
+    uploads. With some missing (quorum), shared tensors are averaged over the arrived peers and a missing
+    owner's expert blocks come from `previous`. Tensors come out in the order of `names`. `uploads` is emptied
+    tensor by tensor as it is consumed
+    (one SPES layer's experts at a time, as the merge needs the whole layer), so the server holds the
+    remaining uploads, the previous global model and the growing new one, never more.
+    """
+    arrived = sorted(uploads)
+    new_global: Tensors = {}
+    new_momentum: Tensors = {}
+    nesterov = mode == "diloco" and outer.optimizer == "nesterov" and bool(previous)
+    for group in _groups(names, mode):
+        if mode == "spes" and parse_expert_block(group[0]) is not None:
+            blocks = _layer_blocks(group, uploads, previous, num_peers)
+            new_global.update(aggregate_round(blocks, num_peers=num_peers, experts_per_peer=experts_per_peer,
+                                              mode="spes", step=step, merge=merge))
+            continue
+        # NOTE: summed in peer order, exactly like aggregate_round's mean when every peer arrived; the
+        # uploads are consumed here, so the sum accumulates in place in the first one.
+        (name,) = group
+        mean = {name: mean_over_peers([uploads[p].pop(name) for p in arrived], reuse_first=True)}
+        if nesterov:  # NOTE: the first round has no previous global model; its mean becomes the starting point.
+            buf = {name: momentum[name]} if name in momentum else {}
+            mean, buf = outer_nesterov_step({name: previous[name]}, mean, buf, lr=outer.lr, momentum=outer.momentum)
+            new_momentum.update(buf)
+        new_global.update(mean)
+    return {name: new_global[name] for name in names}, new_momentum
+
+
+def round_merge_alpha(step: int, mode: Mode, merge: MergeConfig) -> float:
+    """The merge warm-up strength applied in round `step` (0 in DiLoCo mode and on non-merge rounds)."""
+    return round_alpha(step, merge) if mode == "spes" else 0.0
+
+
+def describe_names(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_join(
+    request: pb.JoinRequest, *, num_peers: int, experts_per_peer: int, mode: Mode
+) -> tuple[dict[str, Shape], list[str]]:
+    """Validate a Join against the run: settings, wire dtype, manifest, and the names the peer claims to train.
+
+    Returns (name -> shape of every tensor, the names it trains); raises Refused saying what differs.
+    """
+    peer = request.peer_id
+    if request.protocol != PROTOCOL_VERSION:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"peer {peer} speaks wire protocol v{request.protocol} but this server speaks v{PROTOCOL_VERSION}: "
+            "run the same spes version on the server and every node",
+        )
+    if not 0 <= peer < num_peers:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer_id {peer} is outside [0, {num_peers}) for this run")
+    for what, theirs, ours in (
+        ("total_peers", request.total_peers, num_peers),
+        ("num_train_experts_per_node", request.experts_per_peer, experts_per_peer),
+        ("mode", request.mode, mode),
+    ):
+        if theirs != ours:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer} has {what}={theirs!r} but the server runs with {what}={ours!r}",
+            )
+    if request.wire_dtype not in WIRE_DTYPES:
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"peer {peer}: unknown wire_dtype {request.wire_dtype!r}, use one of {sorted(WIRE_DTYPES)}",
+        )
+    shapes = {spec.name: tuple(int(d) for d in spec.shape) for spec in request.manifest}
+    if len(shapes) != len(request.manifest):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}: the manifest names a tensor twice")
+    try:
+        check_manifest(shapes, num_peers=num_peers, experts_per_peer=experts_per_peer, mode=mode)
+    except ValueError as exc:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}: {exc}") from None
+    given = list(request.trainable)
+    expected = set(trainable_names(list(shapes), peer, mode))
+    if len(set(given)) != len(given) or set(given) != expected:
+        wrong, lacking = sorted(set(given) - expected), sorted(expected - set(given))
+        raise Refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"peer {peer} in {mode} mode must train exactly the shared tensors"
+            + (" and its own expert blocks" if mode == "spes" else " and all experts")
+            + (f"; it also claims {describe_names(wrong)}" if wrong else "")
+            + (f"; it lacks {describe_names(lacking)}" if lacking else "")
+            + ("; it lists a name twice" if not (wrong or lacking) else ""),
+        )
+    return shapes, given
+
+
+def check_manifest(shapes: Mapping[str, Shape], *, num_peers: int, experts_per_peer: int, mode: Mode) -> None:
+    """Validate a model manifest's expert blocks against the run's ownership layout (ValueError)."""
+    if not shapes:
+        raise ValueError("the manifest is empty: send the name and shape of every tensor of the model")
+    for name, shape in shapes.items():
+        if any(d < 0 for d in shape):
+            raise ValueError(f"tensor {name!r} has a negative dimension in shape {list(shape)}")
+        parsed = parse_expert_block(name)
+        if parsed is None:
+            continue
+        if not shape or shape[0] > experts_per_peer:
+            raise ValueError(
+                f"expert block {name!r} has shape {list(shape)}: dim 0 must hold "
+                f"<= num_train_experts_per_node={experts_per_peer} experts"
+            )
+        if mode == "spes" and parsed.block >= num_peers:
+            raise ValueError(
+                f"expert block {name!r} would be owned by peer {parsed.block}, but the run has only {num_peers} peers"
+            )
+
+
+def manifest_differences(known: Mapping[str, Shape], given: Mapping[str, Shape]) -> str:
+    """A human-readable list of how `given` differs from `known` ('' when equal)."""
+    problems = []
+    missing = sorted(set(known) - set(given))
+    extra = sorted(set(given) - set(known))
+    reshaped = sorted(n for n in set(known) & set(given) if tuple(known[n]) != tuple(given[n]))
+    if missing:
+        problems.append(f"missing {describe_names(missing)}")
+    if extra:
+        problems.append(f"unknown {describe_names(extra)}")
+    problems.extend(f"{n!r} has shape {list(given[n])}, the run's is {list(known[n])}" for n in reshaped[:5])
+    return "; ".join(problems)

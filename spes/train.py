@@ -1,0 +1,152 @@
+"""Train one SPES node (or a centralized / DiLoCo run) from a YAML config.
+
+    # one process
+    python -m spes.train configs/tiny.yaml --spes_config.peer_id=0
+    # one node, 4 GPUs (DDP or FSDP2 per `distributed_strategy`)
+    torchrun --standalone --nproc_per_node=4 -m spes.train configs/spes_1b/node_0.yaml
+    # several nodes: run_scripts/run_single_node.sh <node_id> on each, or run_scripts/run_cluster.sh under SLURM
+
+Any key can be overridden as `--section.key=value`; `--resume` continues from `<save_folder>/latest`.
+Order of construction: config -> process group -> model on meta -> weights -> parallelize -> optimizer
+-> data -> sync client -> trainer -> fit, torn down in `finally`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from spes.checkpoint import Checkpoint, restore
+from spes.config import ConfigError, TrainConfig, config_help, load_config
+from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, resolve_paths
+from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed
+from spes.model import Transformer, count_params
+from spes.optim import build_optimizer, optimizer_state_bytes
+from spes.tokenizer import check_vocab, load_tokenizer
+from spes.trainer import Trainer
+
+USAGE = """usage: python -m spes.train CONFIG.yaml [--section.key=value ...] [--resume]
+
+Train one node of a SPES run (or a centralized / DiLoCo run) described by an OLMo-style YAML file.
+  CONFIG.yaml          e.g. configs/tiny.yaml, configs/spes_1b/node_0.yaml
+  --section.key=value  override any key, e.g. --spes_config.peer_id=1 --data.seed=7198
+  --resume             continue from <save_folder>/latest (same as --load_path=<save_folder>)
+  --help               this text and every config key with its default
+"""
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str], bool]:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE + "\nconfig keys:\n" + "\n".join(config_help()))
+        raise SystemExit(0)
+    positional = [a for a in argv if not a.startswith("--")]
+    if len(positional) > 1:
+        raise ConfigError(f"expected one config file, got {positional}; overrides must look like --section.key=value")
+    overrides = [a for a in argv if a.startswith("--") and a != "--resume"]
+    return (positional[0] if positional else None), overrides, "--resume" in argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        path, overrides, resume = parse_args(argv)
+        if path is None:
+            raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
+        cfg, inert = load_config(path, overrides)
+        if resume:
+            cfg.load_path = cfg.save_folder
+        return run(cfg, inert)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError, CheckpointError and data errors are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+@dataclass
+class Node:
+    """Everything a node trains with, built in the documented order."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loader: BatchLoader
+    eval_batches: Callable[[], Iterator[torch.Tensor]] | None
+    checkpoint: Checkpoint | None
+
+
+def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> Node:
+    """Model on meta -> weights -> parallelize -> optimizer -> checkpoint (either kind, any rank count) -> data."""
+    tokenizer = load_tokenizer(cfg.tokenizer.identifier)
+    check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
+    torch.manual_seed(cfg.seed)
+    with torch.device("meta"):
+        model = Transformer.for_run(cfg)
+    model.to_empty(device=info.device)
+    model.init_weights(cfg.seed)
+    log(count_params(model).describe())
+
+    model = parallelize(model, cfg, info)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    ckpt = None
+    if cfg.load_path:
+        ckpt = restore(cfg.load_path, model, optimizer)
+        log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
+
+    dataset = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
+    if dataset.fingerprint != tokenizer.fingerprint:
+        log(f"warning: the training shards were written with another tokenizer (fingerprint {dataset.fingerprint[:12]}) "
+            f"than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier")
+    loader = BatchLoader(
+        dataset,
+        batch_size=cfg.global_train_batch_size, seed=cfg.data.seed, rank=info.rank, world_size=info.world_size,
+        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, drop_last=cfg.data.drop_last)
+    return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=_validation(cfg), checkpoint=ckpt)
+
+
+def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:
+    info = init_distributed(cfg)
+    log = print if info.is_main else (lambda _msg: None)
+    syncer = None
+    finished = False
+    try:
+        if inert:
+            log(f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}")
+        node = build_node(cfg, info, log)
+        if cfg.sync_enabled:
+            from spes.sync.peer import PeerSync
+
+            syncer = PeerSync(cfg, node.model, info, log=log)
+            syncer.join()
+        trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=info,
+                          eval_batches=node.eval_batches, syncer=syncer, log=log)
+        if node.checkpoint is not None:
+            trainer.load_state_dict(node.checkpoint.trainer)
+        trainer.fit()
+        log(f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
+            f"{optimizer_state_bytes(node.optimizer) / 2**20:.1f} MiB")
+        finished = True
+        return 0
+    finally:
+        if syncer is not None:
+            syncer.close()
+        shutdown_distributed(clean=finished)
+
+
+def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None:
+    """A callable returning a fresh iterator of validation batches, or None without validation data."""
+    if not cfg.data.validation_paths or not cfg.eval_interval:
+        return None
+    dataset = TokenSequenceDataset(resolve_paths(cfg.data.validation_paths), cfg.model.max_sequence_length,
+                                   cfg.data.memmap_dtype)
+    limit = None if cfg.eval_subset_num_batches < 0 else cfg.eval_subset_num_batches
+
+    def batches() -> Iterator[torch.Tensor]:
+        return iterate_eval_batches(dataset, cfg.device_eval_batch_size, limit)
+
+    return batches
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""The node's training loop: gradient accumulation, clipping, schedules, logging, evaluation, SPES sync, checkpoints.
+
+The loop is generic: what is SPES-specific is that the model was built with only its own expert block
+trainable (`Transformer.for_run`) and that, every `sync_steps` steps, `PeerSync.sync` exchanges weights
+with the parameter server. Everything with state has `state_dict()` / `load_state_dict()`, so exact
+resume is one path: model + optimizer + `Trainer.state_dict()` (step, tokens, data position, RNG).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from spes.checkpoint import save_checkpoint, save_sharded_checkpoint
+from spes.config import TrainConfig, parse_duration, to_dict
+from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
+from spes.model import tflops_per_token
+from spes.moe import decayed_lb_factor
+from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
+from spes.optim import lr_at, set_lr
+
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class Loader(Protocol):
+    def __iter__(self) -> Iterator[torch.Tensor]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Syncer(Protocol):
+    def sync(self, step: int) -> dict[str, Any]: ...
+
+
+def max_steps_of(cfg: TrainConfig) -> int:
+    """`max_duration` in steps (tokens are converted with the global batch), capped by `stop_at`."""
+    amount, unit = parse_duration(cfg.max_duration)
+    tokens_per_step = cfg.global_train_batch_size * cfg.model.max_sequence_length
+    steps = amount if unit == "steps" else math.ceil(amount / tokens_per_step)
+    return min(steps, cfg.stop_at) if cfg.stop_at is not None else steps
+
+
+def schedule_length(cfg: TrainConfig) -> int:
+    """`scheduler.t_max` in steps (default: the run's length)."""
+    amount, unit = parse_duration(cfg.max_duration)
+    t_max = cfg.scheduler.t_max or (amount if unit == "steps" and cfg.scheduler.units == "steps" else None)
+    if t_max is None:
+        return max_steps_of(cfg)
+    if cfg.scheduler.units == "tokens":
+        return math.ceil(t_max / (cfg.global_train_batch_size * cfg.model.max_sequence_length))
+    return t_max
+
+
+def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy in fp32."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+
+
+def _encode_rng() -> dict[str, str]:
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def _decode_rng(state: dict[str, str]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+
+
+class StopRequest:
+    """First Ctrl-C / SIGTERM asks to save and stop at the next step boundary; a second one aborts."""
+
+    def __init__(self, announce: Callable[[str], None]) -> None:
+        self.requested = False
+        self.announce = announce
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.announce(f"received {signal.Signals(signum).name}: saving a checkpoint after this step "
+                      f"(press Ctrl-C again to abort without saving)")
+
+
+class Trainer:
+    def __init__(self, *, cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Loader,
+                 info: DistInfo, eval_batches: Callable[[], Iterator[torch.Tensor]] | None = None,
+                 syncer: Syncer | None = None, log: Callable[[str], None] = print) -> None:
+        self.cfg, self.model, self.optimizer, self.loader, self.info = cfg, model, optimizer, loader, info
+        self.eval_batches, self.syncer, self.log = eval_batches, syncer, log
+        self.step, self.tokens = 0, 0
+        self.max_steps, self.t_max = max_steps_of(cfg), schedule_length(cfg)
+        self.micro_batches = cfg.global_train_batch_size // info.world_size // cfg.device_train_microbatch_size
+        self.speed = SpeedMonitor(cfg.speed_monitor.window_size)
+        self.metrics = MetricsLog(cfg.save_folder, enabled=info.is_main)
+        self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "amp_bf16")
+        self.flops_per_token = tflops_per_token(cfg.model) * 1e12
+        self.peak = peak_flops(info.device)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.last_saved = -1
+        self.history: list[dict[str, Any]] = []
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens, "data": self.loader.state_dict(), "rng": _encode_rng()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens = state.get("step", 0), state.get("tokens", 0)
+        if "data" in state:
+            self.loader.load_state_dict(state["data"])
+        if "rng" in state:
+            _decode_rng(state["rng"])
+        self.last_saved = self.step
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        """Train to `max_steps`; returns the logged metric records."""
+        batches = iter(self.loader)
+        if self.step >= self.max_steps:
+            self.log(f"nothing to do: checkpoint is at step {self.step}, max_duration is {self.max_steps} steps")
+            return self.history
+        with StopRequest(self.log) as stop:
+            while self.step < self.max_steps:
+                started = time.perf_counter()
+                metrics = self.train_step(next(batches))
+                tokens = self.cfg.global_train_batch_size * self.cfg.model.max_sequence_length
+                self.speed.record(tokens, time.perf_counter() - started)
+                self.after_step(metrics)
+                if self._stop_requested(stop):
+                    self.save()
+                    self.log(f"stopped at step {self.step}; resume with --resume (or load_path={self.cfg.save_folder})")
+                    raise SystemExit(130)
+        if self.last_saved != self.step and self.cfg.save_interval is not None:
+            self.save()
+        return self.history
+
+    def _stop_requested(self, stop: StopRequest) -> bool:
+        flag = torch.tensor([float(stop.requested)])
+        return bool(all_reduce_mean(flag, self.info).item() > 0)
+
+    def train_step(self, batch: torch.Tensor) -> dict[str, Any]:
+        """One optimizer step over this rank's share of the global batch, in micro-batches."""
+        self.model.train()
+        self._apply_decayed_aux_factor()
+        batch = batch.to(self.info.device, non_blocking=True)
+        sums = torch.zeros(3, device=self.info.device)
+        micro = batch.split(self.cfg.device_train_microbatch_size)
+        for i, mb in enumerate(micro):
+            with grad_sync(self.model, i == len(micro) - 1), self.autocast:
+                out = self.model(mb[:, :-1])
+                ce = language_model_loss(out.logits, mb[:, 1:])
+                loss = ce + out.lb_loss + out.z_loss
+                if self.cfg.softmax_auxiliary_loss:
+                    loss = loss + self.cfg.auxiliary_loss_multiplier * torch.logsumexp(
+                        out.logits.float(), dim=-1).square().mean()
+            (loss / len(micro)).backward()
+            sums += torch.stack([ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+        self.step += 1
+        self.tokens += self.cfg.global_train_batch_size * self.cfg.model.max_sequence_length
+        lr = lr_at(self.step, self.cfg.scheduler, self.cfg.optimizer.learning_rate, self.t_max)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        ce, lb, z = all_reduce_mean(sums, self.info).tolist()
+        return {"loss": ce + lb + z, "ce": ce, "lb_loss": lb, "z_loss": z, "lr": lr,
+                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
+
+    def _apply_decayed_aux_factor(self) -> None:
+        spes = self.cfg.spes_config
+        if spes.using_decayed_aux_loss and self.cfg.owned_experts() is not None:
+            factor = decayed_lb_factor(self.step, self.max_steps, spes.decayed_factor_update_steps)
+            unwrap(self.model).set_own_count_scale(factor)  # type: ignore[operator]
+
+    def after_step(self, metrics: dict[str, Any]) -> None:
+        """Evaluation, SPES sync, logging and checkpointing that follow an optimizer step."""
+        cfg, step = self.cfg, self.step
+        eval_now = self.eval_batches is not None and cfg.eval_interval and (
+            step % cfg.eval_interval == 0 or step == self.max_steps)
+        sync_now = self.syncer is not None and step % cfg.spes_config.sync_steps == 0
+        if eval_now:
+            metrics["val_loss"] = self.evaluate()
+            metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
+        if sync_now:
+            assert self.syncer is not None
+            metrics.update(self.syncer.sync(step))
+            if metrics.get("caught_up_to", step) != step:  # this node had fallen behind: continue at the run's step
+                self.step = step = metrics["caught_up_to"]
+            if eval_now and cfg.spes_config.eval_after_sync:
+                metrics["merged_val_loss"] = self.evaluate()
+        tps = self.speed.tokens_per_second()
+        metrics["tokens_per_s"] = tps
+        metrics["tokens"] = self.tokens
+        if self.peak is not None:
+            metrics["mfu"] = tps / self.info.world_size * self.flops_per_token / self.peak
+        if tps > 0:
+            tokens_left = (self.max_steps - step) * cfg.global_train_batch_size * cfg.model.max_sequence_length
+            metrics["eta_min"] = tokens_left / tps / 60
+        if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or sync_now:
+            self.history.append({"step": step, **metrics})
+            self.metrics.write(step, metrics)
+            if self.info.is_main:
+                self.log(format_line(step, self.max_steps, metrics))
+        if cfg.save_interval and step % cfg.save_interval == 0:
+            self.save()
+        if cfg.save_interval_unsharded and step % cfg.save_interval_unsharded == 0 and (
+                self.last_saved != step or uses_fsdp(cfg, self.info)):
+            self.save(unsharded=True)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation cross entropy over the validation batches (every rank runs the same batches)."""
+        assert self.eval_batches is not None
+        self.model.eval()
+        total, count = torch.zeros((), device=self.info.device), 0
+        for batch in self.eval_batches():
+            batch = batch.to(self.info.device)
+            with self.autocast:
+                out = self.model(batch[:, :-1])
+            total += language_model_loss(out.logits, batch[:, 1:]) * batch.shape[0]
+            count += batch.shape[0]
+        self.model.train()
+        return float(total / max(count, 1))
+
+    def save(self, unsharded: bool = False) -> None:
+        """A checkpoint (a collective): sharded under FSDP, every rank writing its shards; else (or when
+        `unsharded`) the whole state gathered to the main rank, which writes it."""
+        cfg = self.cfg
+        if uses_fsdp(cfg, self.info) and not unsharded:
+            path = save_sharded_checkpoint(cfg.save_folder, self.step, model=self.model, optimizer=self.optimizer,
+                                           trainer_state=self.state_dict(), config=to_dict(cfg),
+                                           keep=cfg.save_num_checkpoints_to_keep)
+            self.log(f"saved sharded checkpoint {path}")
+        else:
+            model_state = get_model_state_dict(self.model, options=FULL_STATE)
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE)
+            keep = cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
+            if self.info.is_main:
+                path = save_checkpoint(cfg.save_folder, self.step, model_state=model_state, optim_state=optim_state,
+                                       trainer_state=self.state_dict(), config=to_dict(cfg), keep=keep)
+                self.log(f"saved checkpoint {path}")
+        self.last_saved = self.step

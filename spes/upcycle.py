@@ -1,0 +1,260 @@
+"""Sparse upcycling: start a spes MoE from a dense Hugging Face Llama- or Qwen3-style checkpoint.
+
+Attention, norms and embeddings are copied (tied embeddings are untied: spes has its own LM head).
+The dense SwiGLU MLP (gate, up, down) becomes the experts in one of two ways:
+
+* copy (default): every expert is a full copy of the dense MLP, so `model.mlp_hidden_size` must be
+  2 x the dense `intermediate_size` (an expert is mlp_hidden_size / 2 wide; with `mlp_ratio` that is
+  mlp_ratio * d_model / 2). The 9B upcycled SPES config does this with Qwen3-1.7B (6144 = 6 * 2048 / 2).
+* partition (`--partition`): the dense intermediate dimension is cut into E equal slices and
+  expert e holds slice e (gate/up columns, down rows), so the expert width is intermediate_size / E.
+  The dense MLP is the sum of all slices.
+
+The router is chosen so that the upcycled model starts out computing the dense model. With a
+router that is all zeros every expert has probability 1/E, so each of the k chosen experts gets
+the weight u = 1/E without renormalization, or u = k^(-1/p) with p-norm renormalization (1/k for
+p=1). Scaling each expert's down projection by s then gives
+
+    copy:       MoE(x) = sum_{k chosen} w_e * s * MLP(x)   -> exact for s = 1 / (k u)
+    partition:  MoE(x) = sum_{k chosen} w_e * s * MLP_e(x) -> each slice counts once for s = 1 / u,
+                and the sum is the whole MLP only when top_k = E.
+
+With renormalized weights that sum to one (p=1) the copy mode is exact for *any* router, so the
+router gets the model's normal random init (s = 1): tokens spread over the experts from the first
+step and the copies drift apart. This is the recommended setting (the 9B config uses it).
+
+In the other copy modes exactness needs the zero router, but that start is symmetric: every token
+picks the same top-k experts (torch.topk breaks ties the same way each time), and experts with
+identical weights and identical router rows receive identical gradients, so they stay tied for good
+(seen: 4 experts train as 2 distinct pairs). So these modes default to a tiny random router
+(std TIE_BREAKING_STD = 1e-4), which starts within about router_std * sqrt(d_model) (relative) of the
+dense model -- 1.5e-5 in the logits of a test model -- and lets the experts separate;
+`--router_std 0` gives the exact, tied start. Partition with top_k = E is exact with the zero router
+(the slices differ, so nothing is tied); with top_k < E it is an approximation (random router,
+s = 1/u): each token sees k of the E slices.
+
+    python -m spes.upcycle --hf path/to/Qwen3-1.7B --config configs/upcycled_9b/node_0.yaml \\
+        --out output/spes_upcycled_9b/init/step0 [--partition] [--section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from spes.config import ModelConfig, TrainConfig, load_config
+from spes.hf import (CONFIG_KEYS, QK_NORM_KEYS, SHARED_KEYS, check_hf_config, copy_tokenizer, hf_to_spes,
+                     read_hf_config, read_hf_weights, write_step_dir)
+from spes.moe import init_truncated_normal_
+from spes.tokenizer import check_vocab, load_tokenizer
+
+TIE_BREAKING_STD = 1e-4
+DENSE_MLP_KEYS: dict[str, str] = {
+    "blocks.{l}.mlp.gate": "model.layers.{l}.mlp.gate_proj.weight",
+    "blocks.{l}.mlp.up": "model.layers.{l}.mlp.up_proj.weight",
+    "blocks.{l}.mlp.down": "model.layers.{l}.mlp.down_proj.weight",
+}
+
+
+@dataclass(frozen=True)
+class DenseFamily:
+    """A dense HF decoder that spes can upcycle."""
+
+    model_type: str
+    architecture: str
+    qk_norm: Literal["per_head", "none"]
+    fixed: dict[str, Any]
+    """HF config values spes requires."""
+
+    def key_map(self) -> dict[str, str]:
+        qk = QK_NORM_KEYS if self.qk_norm == "per_head" else {}
+        return {**SHARED_KEYS, **qk, **DENSE_MLP_KEYS}
+
+
+DENSE_FAMILIES: dict[str, DenseFamily] = {
+    "llama": DenseFamily("llama", "LlamaForCausalLM", "none",
+                         {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
+    "qwen3": DenseFamily("qwen3", "Qwen3ForCausalLM", "per_head",
+                         {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False}),
+}
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """How the dense MLP becomes experts (see the module docstring for the derivation)."""
+
+    partition: bool
+    router_std: float
+    """std of the (truncated-normal) router init; 0 means an all-zero router"""
+    down_scale: float
+    exact: bool
+    """whether the upcycled model computes exactly the dense model at step 0"""
+    tied: bool
+    """whether experts start with identical weights and identical router rows (they then stay tied)"""
+
+
+def expert_plan(*, num_experts: int, top_k: int, normalize_p: float | None, partition: bool, init_std: float,
+                router_std: float | None = None) -> ExpertPlan:
+    """Router init and down-projection scale that make the upcycled MoE start as the dense model.
+
+    `router_std` (None: automatic) overrides the router init std; 0 means all zeros.
+    """
+    uniform_weight = 1.0 / num_experts if normalize_p is None else top_k ** (-1.0 / normalize_p)
+    if partition:
+        every_expert = top_k == num_experts
+        std = router_std if router_std is not None else (0.0 if every_expert else init_std)
+        return ExpertPlan(partition=True, router_std=std, down_scale=1.0 / uniform_weight,
+                          exact=every_expert and std == 0.0, tied=False)
+    if normalize_p == 1.0:
+        std = router_std if router_std is not None else init_std
+        return ExpertPlan(partition=False, router_std=std, down_scale=1.0, exact=True, tied=std == 0.0)
+    std = router_std if router_std is not None else TIE_BREAKING_STD
+    return ExpertPlan(partition=False, router_std=std, down_scale=1.0 / (top_k * uniform_weight), exact=std == 0.0,
+                      tied=std == 0.0)
+
+
+def check_dense_match(m: ModelConfig, hf: Any, family: DenseFamily, *, partition: bool) -> None:
+    """Refuse a spes model config that does not have the dense model's shapes and options."""
+    where = f"dense Hugging Face config ({family.model_type})"
+    rope_theta = check_hf_config(hf, family.fixed, where)
+    wanted: dict[str, Any] = {spes: getattr(hf, attr) for spes, attr in CONFIG_KEYS.items()
+                              if spes not in ("max_sequence_length", "init_std")}
+    wanted.update(rope_theta=rope_theta, attention_layer_norm=family.qk_norm != "none",
+                  layer_norm_with_affine=True)
+    if family.qk_norm != "none":
+        wanted.update(attention_layer_norm_over_head=True, attention_layer_norm_with_affine=True)
+    for key, value in wanted.items():
+        if getattr(m, key) != value:
+            raise ValueError(f"config key 'model.{key}' = {getattr(m, key)!r} must be {value!r} to match the {where}")
+    dense_width, num_experts = hf.intermediate_size, m.moe_num_experts
+    if partition:
+        if dense_width % num_experts != 0:
+            raise ValueError(f"--partition: the dense intermediate_size {dense_width} does not split into "
+                             f"model.moe_num_experts={num_experts} equal slices")
+        width, how = dense_width // num_experts, f"2 * intermediate_size / moe_num_experts = 2 * {dense_width} / " \
+                                                 f"{num_experts}"
+    else:
+        width, how = dense_width, f"2 * intermediate_size = 2 * {dense_width} (each expert is a full copy)"
+    if m.expert_hidden_size != width:
+        raise ValueError(f"config key 'model.mlp_hidden_size' = {m.mlp_hidden_size} must be {2 * width}: experts are "
+                         f"mlp_hidden_size / 2 wide and must be {how}; set it (or mlp_ratio) accordingly")
+
+
+def upcycle_state(dense: Mapping[str, torch.Tensor], m: ModelConfig, plan: ExpertPlan, *,
+                  seed: int) -> dict[str, torch.Tensor]:
+    """Fused spes MoE state from a dense spes-named state (`blocks.{l}.mlp.{gate,up,down}` in HF layout)."""
+    num_experts = m.moe_num_experts
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        out = {k: v for k, v in dense.items() if ".mlp." not in k}
+        for layer in range(m.n_layers):
+            gate_DI = dense[f"blocks.{layer}.mlp.gate"].T
+            up_DI = dense[f"blocks.{layer}.mlp.up"].T
+            down_ID = dense[f"blocks.{layer}.mlp.down"].T * plan.down_scale
+            prefix = f"blocks.{layer}.ffn"
+            if plan.partition:
+                d, width = gate_DI.shape[0], m.expert_hidden_size
+                out[f"{prefix}.experts.w1"] = gate_DI.reshape(d, num_experts, width).permute(1, 0, 2).contiguous()
+                out[f"{prefix}.experts.v1"] = up_DI.reshape(d, num_experts, width).permute(1, 0, 2).contiguous()
+                out[f"{prefix}.experts.w2"] = down_ID.reshape(num_experts, width, d).contiguous()
+            else:
+                for kind, weight in (("w1", gate_DI), ("v1", up_DI), ("w2", down_ID)):
+                    out[f"{prefix}.experts.{kind}"] = weight.unsqueeze(0).repeat(num_experts, 1, 1)
+            router = torch.zeros(num_experts, m.d_model)
+            if plan.router_std > 0:
+                init_truncated_normal_(router, plan.router_std, m.init_cutoff_factor)
+            out[f"{prefix}.router.weight"] = router
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return out
+
+
+def make_random_dense(m: ModelConfig, out: str | Path, *, model_type: str = "qwen3", partition: bool = False,
+                      tokenizer: Path | None = None, seed: int = 0) -> Path:
+    """Write a randomly initialized dense HF model that `m` can upcycle (demos and tests; no download needed)."""
+    import transformers  # optional dependency (pip install -e .[hf])
+
+    family = DENSE_FAMILIES[model_type]
+    width = m.expert_hidden_size * (m.moe_num_experts if partition else 1)
+    config_class = getattr(transformers, family.architecture.replace("ForCausalLM", "Config"))
+    config = config_class(**{attr: getattr(m, spes) for spes, attr in CONFIG_KEYS.items()}, **family.fixed,
+                          intermediate_size=width, head_dim=m.head_dim, tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
+                          eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = getattr(transformers, family.architecture)(config)
+    path = Path(out)
+    model.save_pretrained(str(path))
+    if tokenizer is not None:
+        copy_tokenizer(tokenizer, path, vocab_size=m.vocab_size)
+    return path
+
+
+def upcycle(hf_dir: str | Path, cfg: TrainConfig, out: str | Path, *, partition: bool = False,
+            router_std: float | None = None, overwrite: bool = False) -> tuple[Path, ExpertPlan]:
+    """Dense HF directory + spes run config -> spes checkpoint step directory `out`."""
+    src = Path(hf_dir)
+    hf_config, family = read_hf_config(src, DENSE_FAMILIES)
+    m = cfg.model
+    check_dense_match(m, hf_config, family, partition=partition)
+    has_tokenizer = (src / "tokenizer.json").is_file()
+    if has_tokenizer:
+        check_vocab(load_tokenizer(src).vocab_size, m.vocab_size, m.embedding_size)
+    dense = hf_to_spes(read_hf_weights(src), family.key_map(), m, architecture=family.architecture)
+    plan = expert_plan(num_experts=m.moe_num_experts, top_k=m.moe_top_k, normalize_p=m.normalize_expert_weights_p,
+                       partition=partition, init_std=m.init_std, router_std=router_std)
+    state = upcycle_state(dense, m, plan, seed=cfg.seed)
+    step = write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
+    return step, plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spes.upcycle", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf", required=True, help=f"dense HF model directory, model_type one of "
+                                                    f"{sorted(DENSE_FAMILIES)}")
+    parser.add_argument("--config", required=True, help="the spes run config (YAML) the MoE is built from")
+    parser.add_argument("--out", help="output checkpoint step directory, e.g. output/run/init/step0; "
+                                                     "point the run's load_path at it")
+    parser.add_argument("--partition", action="store_true",
+                        help="split the dense intermediate dim across experts instead of copying it into each")
+    parser.add_argument("--router_std", type=float,
+                        help="router init std, overriding the automatic choice (see above); 0 = all zeros, the exact "
+                             "start of the copy modes without sum-to-one top-k weights (experts then stay tied)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--make_random_dense", choices=sorted(DENSE_FAMILIES),
+                        help="demo/testing only: write a random dense model of this type that --config can upcycle "
+                             "to --hf (with the config's tokenizer when it exists), then exit")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        cfg, _ = load_config(args.config, overrides)
+        if args.make_random_dense:
+            tokenizer = Path(cfg.tokenizer.identifier)
+            print(make_random_dense(cfg.model, args.hf, model_type=args.make_random_dense, partition=args.partition,
+                                    tokenizer=tokenizer if tokenizer.exists() else None, seed=cfg.seed))
+            return 0
+        if args.out is None:
+            raise ValueError("--out is required: the checkpoint step directory to write, e.g. output/run/init/step0")
+        step, plan = upcycle(args.hf, cfg, args.out, partition=args.partition, router_std=args.router_std,
+                             overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    router = f"random, std {plan.router_std:g}" if plan.router_std > 0 else "zeros"
+    print(f"{step}  (router {router}, down projection x {plan.down_scale:g}, "
+          f"{'equals the dense model at step 0' if plan.exact else 'approximates the dense model'})")
+    if plan.tied:
+        print("note: every expert and every router row starts identical, so they get identical gradients and stay "
+              "tied; for training, leave --router_std at its default", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

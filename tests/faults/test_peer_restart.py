@@ -1,0 +1,143 @@
+"""Real trainers: a crashed peer resumes from its checkpoint and rejoins the run, exactly or by catching up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from spes.config import load_config
+from spes.distributed import DistInfo
+from spes.sync.merge import MergeConfig
+from spes.sync.peer import PeerSync
+from spes.train import build_node
+from spes.trainer import Trainer
+from sync_helpers import running_server
+
+REPO = Path(__file__).resolve().parents[2]
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+MERGE = MergeConfig(interval=4, alpha_start=0.05, decay_steps=100, topk=2)
+STEPS = 8
+
+
+class Crash(RuntimeError):
+    """The simulated crash of a node between two steps."""
+
+
+class CrashingLoader:
+    """A node's data loader that dies when asked for batch `crash_at` (0-based): the node crashes mid-run."""
+
+    def __init__(self, inner: Any, crash_at: int) -> None:
+        self.inner, self.crash_at = inner, crash_at
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for i, batch in enumerate(self.inner):
+            if i == self.crash_at:
+                raise Crash(f"simulated crash before step {i + 1}")
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+class Recording:
+    """Wraps PeerSync; keeps each sync's metrics and the weights right after it."""
+
+    def __init__(self, inner: PeerSync) -> None:
+        self.inner = inner
+        self.after: dict[int, dict[str, torch.Tensor]] = {}
+        self.metrics: dict[int, dict[str, Any]] = {}
+
+    def sync(self, step: int) -> dict[str, Any]:
+        metrics = self.inner.sync(step)
+        self.metrics[step] = metrics
+        self.after[step] = {n: t.detach().clone() for n, t in self.inner.model.state_dict().items()}
+        return metrics
+
+
+def node(corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | None = None,
+         crash_at: int | None = None) -> tuple[Trainer, Recording]:
+    """One peer as `python -m spes.train configs/tiny.yaml` would build it (--resume: `load_path`)."""
+    cfg, _ = load_config(str(REPO / "configs" / "tiny.yaml"), [
+        *corpus.overrides(tmp_path / f"node{peer}"), f"--spes_config.peer_id={peer}", "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4", f"--spes_config.server_addr={addr}",
+        "--spes_config.sync_steps=2", f"--max_duration={STEPS}st", f"--data.seed={6198 + 1000 * peer}",
+        "--eval_interval=null", "--save_interval=2", "--save_num_checkpoints_to_keep=-1",
+        "--spes_config.rpc_timeout_s=30",
+        "--spes_config.round_timeout_s=60", "--spes_config.max_retries=8"])
+    cfg.load_path = load_path
+    built = build_node(cfg, CPU, log=lambda _m: None)
+    sync = PeerSync(cfg, built.model, CPU, log=lambda _m: None)
+    sync.join()
+    loader = built.loader if crash_at is None else CrashingLoader(built.loader, crash_at)
+    recording = Recording(sync)
+    trainer = Trainer(cfg=cfg, model=built.model, optimizer=built.optimizer, loader=loader, info=CPU,
+                      syncer=recording, log=lambda _m: None)
+    if built.checkpoint is not None:
+        trainer.load_state_dict(built.checkpoint.trainer)
+    return trainer, recording
+
+
+def run(trainer: Trainer, recording: Recording) -> Trainer:
+    try:
+        trainer.fit()
+    finally:
+        recording.inner.close()
+    return trainer
+
+
+def crash_then_resume(corpus: Any, tmp_path: Path, addr: str, crash_at: int, resume_from: str) -> tuple[Trainer,
+                                                                                                       Recording]:
+    """Peer 1 crashes before batch `crash_at`, then restarts from `resume_from` (in its save folder; '.': latest)."""
+    with pytest.raises(Crash):
+        run(*node(corpus, tmp_path, addr, 1, crash_at=crash_at))
+    trainer, recording = node(corpus, tmp_path, addr, 1, load_path=str(tmp_path / "node1" / resume_from))
+    return run(trainer, recording), recording
+
+
+def final_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in trainer.model.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_crashed_peer_resumes_from_its_checkpoint_and_the_run_is_exact(tiny_corpus: Any, tmp_path: Path) -> None:
+    reference = {}
+    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(run, *node(tiny_corpus, tmp_path / "ref", addr, p)) for p in range(2)]
+        reference = {p: final_weights(f.result(timeout=240)) for p, f in enumerate(runs)}
+    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+        steady = pool.submit(run, *node(tiny_corpus, tmp_path / "crash", addr, 0))
+        # NOTE: crash before step 5, after the step-4 sync and checkpoint; the server waits at round 6 meanwhile.
+        restarted = pool.submit(crash_then_resume, tiny_corpus, tmp_path / "crash", addr, 4, ".")  # its latest
+        got = {1: final_weights(restarted.result(timeout=240)[0]), 0: final_weights(steady.result(timeout=240))}
+    for peer in range(2):
+        assert sorted(got[peer]) == sorted(reference[peer])
+        for name, tensor in reference[peer].items():
+            assert torch.equal(got[peer][name], tensor), (peer, name)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_peer_resumed_from_an_older_checkpoint_catches_up_with_the_run(tiny_corpus: Any, tmp_path: Path) -> None:
+    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+        trainer0, recording0 = node(tiny_corpus, tmp_path, addr, 0)
+        steady = pool.submit(run, trainer0, recording0)
+        # NOTE: crash before step 7 (rounds 2..6 done), resume from step 2: the run has moved on to round 6.
+        restarted = pool.submit(crash_then_resume, tiny_corpus, tmp_path, addr, 6, "step2")
+        trainer1, recording1 = restarted.result(timeout=240)
+        steady.result(timeout=240)
+    assert recording1.metrics[4]["caught_up_to"] == 6 and sorted(recording1.metrics) == [4, 8]
+    assert trainer1.step == STEPS
+    for name, tensor in recording0.after[6].items():  # peer 0 holds the whole global model after round 6
+        assert torch.equal(recording1.after[4][name], tensor), name
+    weights = [final_weights(trainer0), final_weights(trainer1)]
+    shared = [n for n in weights[0] if ".experts." not in n]
+    assert shared and all(torch.equal(weights[0][n], weights[1][n]) for n in shared)

@@ -1,0 +1,72 @@
+"""A bounded soak: 30 rounds with 3 peers against a real server process; its memory, threads and fds stay flat."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+from fault_helpers import assert_exact, fault_free, proc_usage, server_process
+from sync_helpers import peer_upload, running_server, sync_all, tiny_manifest
+
+from spes.sync.client import SyncClient
+from spes.sync.merge import MergeConfig, trainable_names
+
+ROUNDS, WARMUP, PEERS = 30, 10, 3
+MANIFEST = tiny_manifest(num_blocks=PEERS, d=64, f=32)
+SMALL = tiny_manifest()
+MERGE = MergeConfig(interval=5, alpha_start=0.5, decay_steps=1000, topk=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_soak_thirty_rounds_without_growth(tmp_path: Path) -> None:
+    args = ["--total_peers", str(PEERS), "--num_train_experts_per_node", "2", "--merge_interval", "5",
+            "--merge_alpha_start", "0.5", "--merge_decay_steps", "1000", "--merge_topk", "2",
+            "--state_dir", str(tmp_path / "state")]
+    usage = {}
+    with server_process(tmp_path / "server.log", args) as server, ExitStack() as stack:
+        clients = [stack.enter_context(SyncClient(server.addr, peer_id=p, num_peers=PEERS, experts_per_peer=2,
+                                                  mode="spes", rpc_timeout_s=10, round_timeout_s=30))
+                   for p in range(PEERS)]
+        for peer, client in enumerate(clients):
+            client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
+        for step in range(1, ROUNDS + 1):
+            uploads = {p: peer_upload(MANIFEST, p, "spes", seed=step) for p in range(PEERS)}
+            results = sync_all(clients, step, uploads)
+            if step in (WARMUP, ROUNDS):
+                usage[step] = proc_usage(server.proc.pid)
+        status = clients[0].status()
+    last = fault_free({ROUNDS: uploads}, num_peers=PEERS, mode="spes", merge=MERGE)
+    assert_exact(results[0][0], last)
+    assert status.current_round == ROUNDS and status.persistent
+    warm, end = usage[WARMUP], usage[ROUNDS]
+    print(f"\nserver after {WARMUP} rounds: {warm}; after {ROUNDS}: {end}")
+    assert end["rss"] - warm["rss"] < 8 * 2**20, (warm, end)
+    assert end["threads"] <= warm["threads"] + 2 and end["fds"] <= warm["fds"], (warm, end)
+
+
+def test_servers_and_clients_leave_no_threads_or_descriptors_behind() -> None:
+    """In one process: start, use and stop servers and clients repeatedly; threads and fds return to baseline."""
+
+    def cycle() -> None:
+        with running_server(total_peers=2) as (_, addr), ExitStack() as stack:
+            clients = [stack.enter_context(SyncClient(addr, peer_id=p, num_peers=2, experts_per_peer=2, mode="spes"))
+                       for p in range(2)]
+            for peer, client in enumerate(clients):
+                client.join(SMALL, trainable_names(list(SMALL), peer, "spes"))
+            for step in (1, 2):
+                sync_all(clients, step, {p: peer_upload(SMALL, p, "spes", seed=step) for p in range(2)})
+
+    def settled() -> tuple[int, int]:
+        time.sleep(0.7)  # grpc's own cancel-after-grace thread lives for the 0.5 s grace
+        return threading.active_count(), len(os.listdir("/proc/self/fd"))
+
+    cycle()
+    baseline = settled()
+    for _ in range(4):
+        cycle()
+    assert settled() == baseline

@@ -1,0 +1,117 @@
+"""Smoke tests of the benchmarks: every `bench/*.py --quick` runs and writes sane JSON; the pure helpers are right.
+
+Performance itself is never asserted here (the CPU is shared): the benchmarks report ratios measured side by
+side, and docs/benchmarks.md holds the full runs. Only exact facts are checked (byte counts, parameter counts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import Corpus
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+sys.path.insert(0, str(BENCH))
+
+
+def run_bench(name: str, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[dict, str]:
+    """Run `bench/<name>.py --quick --out <tmp>/<name>.json`; return its JSON and stdout."""
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick", "--out", str(out), *extra],
+                          capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_format_table_aligns_columns() -> None:
+    from common import format_table
+
+    lines = format_table(["a", "bbb"], [[1, 2.5], ["xyz", 12345.0]]).splitlines()
+    assert len({len(line) for line in lines}) == 1
+    assert lines[3].endswith("12,345")
+
+
+def test_hottest_lines_counts_own_and_inclusive_samples(tmp_path: Path) -> None:
+    from bench_sync import hottest_lines
+
+    path = tmp_path / "raw.txt"
+    path.write_text("thread (1);main (a.py:1);feed (wire.py:9) 3\nthread (1);main (a.py:1) 1\n")
+    summary = hottest_lines(path)
+    assert summary["samples"] == 4
+    assert dict(map(tuple, summary["own"])) == {"feed (wire.py:9)": 0.75, "main (a.py:1)": 0.25}
+    assert dict(map(tuple, summary["inclusive"]))["main (a.py:1)"] == 1.0
+
+
+def test_paper_run_has_19_merge_rounds_of_500() -> None:
+    from bench_wire import PAPER_1B, PAPER_MERGE, merge_round_share
+
+    from spes.config import load_config
+
+    assert merge_round_share(load_config(PAPER_1B)[0], PAPER_MERGE) == (19, 500)
+
+
+@pytest.mark.timeout(120)
+def test_bench_wire_quick_measured_equals_analytic(tmp_path: Path) -> None:
+    results, stdout = run_bench("bench_wire", tmp_path)
+    assert results["checks"] and all(c["equal"] for c in results["checks"])
+    assert results["targets"]["spes_bf16_over_reference"] <= 0.5
+    assert results["targets"]["spes_bf16_saving_vs_diloco_bf16"] >= 1 / 3
+    assert "measured = analytic for every peer and round: yes" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_memory_quick_within_5_percent(tmp_path: Path) -> None:
+    results, _ = run_bench("bench_memory", tmp_path)
+    assert all(c["within_5pct"] for c in results["checks"])
+    spes, full = results["paper_1b"]["spes"], results["paper_1b"]["full"]
+    assert spes["meta_vs_analytic_rel_err"] == 0 and full["meta_vs_analytic_rel_err"] == 0
+    assert spes["analytic"]["static_bytes"] < full["analytic"]["static_bytes"]
+
+
+@pytest.mark.timeout(240)
+def test_bench_aggregate_quick(tmp_path: Path) -> None:
+    results, _ = run_bench("bench_aggregate", tmp_path)
+    cases = {(r["case"], r["dtype"]) for r in results["results"]}
+    assert ("spes merge round", "fp32") in cases and ("diloco average", "bf16") in cases
+    assert all(r["aggregate_gb_s"] > 0 and r["memcpy_gb_s"] > 0 for r in results["results"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_sync_quick(tmp_path: Path) -> None:
+    results, _ = run_bench("bench_sync", tmp_path)
+    for plane in ("grpc", "tcp"):
+        m = results["measurements"][f"fp32_{plane}"]
+        assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0
+        assert m["spes_over_raw_throughput"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_train_quick(tmp_path: Path) -> None:
+    results, _ = run_bench("bench_train", tmp_path)
+    assert {r["variant"] for r in results["results"]} == {"spes/torch", "full/torch", "spes/grouped_mm",
+                                                          "full/grouped_mm"}
+    spes = next(r for r in results["results"] if r["variant"] == "spes/torch")
+    full = next(r for r in results["results"] if r["variant"] == "full/torch")
+    assert spes["trainable_params"] < full["trainable_params"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
+    results, stdout = run_bench("mini_repro", tmp_path, "--runs", str(tmp_path / "runs"), "--docs",
+                                str(tmp_path / "docs"), "--tokenizer", str(tiny_corpus.tokenizer), "--train",
+                                tiny_corpus.train, "--valid", tiny_corpus.valid, timeout=580)
+    assert (tmp_path / "docs" / "mini_repro.png").stat().st_size > 0
+    assert "| SPES (4 peers) |" in (tmp_path / "docs" / "mini_repro.md").read_text()
+    for run in ("centralized", "spes", "diloco"):
+        assert results["curves"][run]["val_loss"]
+    assert results["curves"]["spes"]["bytes"][-1] < results["curves"]["diloco"]["bytes"][-1]

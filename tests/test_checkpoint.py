@@ -1,0 +1,261 @@
+"""Checkpoints: unsharded and sharded layouts, `latest`, pruning, crash safety, unsharding, refusing a
+checkpoint of another config, and resuming on a different number of ranks (2 -> 1, 1 -> 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_helpers import SMALL_NODE, child_env, run_logged, torchrun
+from spes.checkpoint import (LATEST, CheckpointError, list_checkpoints, load_checkpoint, resolve_checkpoint, restore,
+                             save_checkpoint, save_sharded_checkpoint, unshard)
+from spes.config import TrainConfig, load_config, to_dict
+from spes.model import Transformer
+from spes.optim import build_optimizer
+
+TINY = "configs/tiny.yaml"
+PEER0 = ["--model.moe_num_experts=4", "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=2"]
+
+
+def _node(*overrides: str, steps: int = 1) -> tuple[TrainConfig, Transformer, torch.optim.Optimizer]:
+    """A SPES peer's model and AdamW after `steps` real optimizer steps on random tokens (deterministic)."""
+    cfg = load_config(TINY, [*SMALL_NODE, *PEER0, *overrides])[0]
+    model = Transformer.for_run(cfg)
+    model.init_weights(cfg.seed)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=gen)
+        out = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return cfg, model, optimizer
+
+
+def _save_unsharded(folder: Path, step: int, cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer,
+                    keep: int = -1) -> Path:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return save_checkpoint(folder, step, model_state=model.state_dict(),
+                           optim_state=get_optimizer_state_dict(model, optimizer), trainer_state={"step": step},
+                           config=to_dict(cfg), keep=keep)
+
+
+def _save_sharded(folder: Path, step: int, cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer,
+                  keep: int = -1) -> Path:
+    return save_sharded_checkpoint(folder, step, model=model, optimizer=optimizer, trainer_state={"step": step},
+                                   config=to_dict(cfg), keep=keep)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layouts, latest, pruning (one process: DCP runs without a process group)
+
+
+def test_sharded_and_unsharded_checkpoints_hold_the_same_state_and_restore_exactly(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node(steps=2)
+    sharded = _save_sharded(tmp_path, 2, cfg, model, optimizer)
+    plain = _save_unsharded(tmp_path, 3, cfg, model, optimizer)
+    assert sharded.name == "step2-sharded" and plain.name == "step3"
+    assert sorted(p.name for p in sharded.iterdir()) == ["config.yaml", "meta.json",
+                                                        "shard-00001-model-00001-of-00001.safetensors"]
+    assert not list(tmp_path.glob(".*"))  # no temporary directories left behind
+    a, b = load_checkpoint(sharded), load_checkpoint(plain)
+    _assert_same_state(a.model, b.model)
+    assert a.optim is not None and b.optim is not None and a.optim["state"].keys() == b.optim["state"].keys()
+    for fqn in a.optim["state"]:
+        _assert_same_state(a.optim["state"][fqn], b.optim["state"][fqn])
+    assert all(".experts." not in fqn or fqn.endswith(".0") for fqn in a.optim["state"])  # frozen: no Adam state
+
+    _, fresh, fresh_optim = _node(steps=0)
+    restored = restore(sharded, fresh, fresh_optim)
+    assert restored.trainer == {"step": 2}
+    _assert_same_state(fresh.state_dict(), model.state_dict())
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        if p.requires_grad:
+            _assert_same_state(fresh_optim.state[p], optimizer.state[q])
+
+
+def test_latest_follows_the_newest_save_of_either_kind_and_pruning_is_per_kind(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node()
+    for step in (1, 2, 3):
+        _save_sharded(tmp_path, step, cfg, model, optimizer, keep=2)
+        assert resolve_checkpoint(tmp_path).name == f"step{step}-sharded"
+    _save_unsharded(tmp_path, 4, cfg, model, optimizer, keep=1)
+    _save_unsharded(tmp_path, 5, cfg, model, optimizer, keep=1)
+    assert (tmp_path / LATEST).read_text().strip() == "step5"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step2-sharded", "step3-sharded", "step5"]
+    assert [p.name for p in list_checkpoints(tmp_path, "sharded")] == ["step2-sharded", "step3-sharded"]
+    _save_sharded(tmp_path, 6, cfg, model, optimizer, keep=2)
+    assert resolve_checkpoint(tmp_path).name == "step6-sharded"
+
+
+def test_unshard_command_writes_the_unsharded_layout(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node(steps=2)
+    _save_sharded(tmp_path / "run", 2, cfg, model, optimizer)
+    _save_unsharded(tmp_path / "reference", 2, cfg, model, optimizer)
+    out = tmp_path / "unsharded"
+    proc = subprocess.run([sys.executable, "-m", "spes.unshard", str(tmp_path / "run"), str(out)],
+                          capture_output=True, text=True, timeout=60, env=child_env())
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "meta.json", "model.safetensors",
+                                                    "optim.safetensors"]
+    a, b = load_checkpoint(out), load_checkpoint(tmp_path / "reference" / "step2")
+    _assert_same_state(a.model, b.model)
+    assert a.optim is not None and b.optim is not None
+    assert a.optim["param_groups"] == b.optim["param_groups"] and a.trainer == b.trainer
+    with pytest.raises(FileExistsError, match="already exists"):
+        unshard(tmp_path / "run", out)
+    with pytest.raises(CheckpointError, match="already an unsharded checkpoint"):
+        unshard(out, tmp_path / "again")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Crash safety
+
+
+def test_a_save_failing_midway_leaves_latest_on_the_previous_complete_checkpoint(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node()
+    _save_unsharded(tmp_path, 1, cfg, model, optimizer)
+
+    class FailsHalfway(dict):
+        def items(self):  # type: ignore[no-untyped-def]
+            for i, item in enumerate(super().items()):
+                if i == len(self) // 2:
+                    raise OSError("disk full (simulated)")
+                yield item
+
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path, 2, model_state=FailsHalfway(model.state_dict()), optim_state=None, trainer_state={},
+                        config={})
+    with pytest.raises(TypeError):  # trainer state that cannot be written: fails after every shard is on disk
+        save_sharded_checkpoint(tmp_path, 3, model=model, optimizer=optimizer, trainer_state={"bad": object()},
+                                config={})
+    assert resolve_checkpoint(tmp_path).name == "step1"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step1"]
+    load_checkpoint(tmp_path)
+
+
+def _save_forever(folder: str) -> None:
+    """Checkpoint a 16 MiB state again and again, alternating kinds (run in a child process that gets killed)."""
+    cfg, model, optimizer = _node("--model.d_model=64", "--model.n_heads=4", "--model.n_layers=4",
+                                  "--model.mlp_hidden_size=512")
+    for step in range(1, 10_000):
+        save = _save_sharded if step % 2 else _save_unsharded
+        save(Path(folder), step, cfg, model, optimizer, keep=2)
+        print(step, flush=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_killing_the_process_during_saves_never_leaves_a_corrupt_latest(tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    code = f"import test_checkpoint; test_checkpoint._save_forever({str(folder)!r})"
+    for delay in (0.0, 0.2):  # a save takes ~0.1 s here: kills land inside one (or between two)
+        proc = subprocess.Popen([sys.executable, "-c", code], env=child_env(), stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        assert proc.stdout is not None and proc.stdout.readline()  # one more save completed
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        ckpt = load_checkpoint(folder)  # checks every file's size and reads every tensor
+        assert ckpt.model and ckpt.optim is not None
+    cfg, model, optimizer = _node()
+    _save_sharded(folder, 10_000, cfg, model, optimizer)  # the next save clears what the killed ones left
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Refusing checkpoints that do not fit
+
+
+def test_checkpoint_of_another_model_config_is_refused_before_loading(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node()
+    sharded = _save_sharded(tmp_path, 1, cfg, model, optimizer)
+    plain = _save_unsharded(tmp_path, 2, cfg, model, optimizer)
+    _, wider, wider_optim = _node("--model.d_model=48", steps=0)
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    for path in (sharded, plain):
+        with pytest.raises(CheckpointError, match=r"has shape \(4096, 32\) in the checkpoint but \(4096, 48\)"):
+            restore(path, wider, wider_optim)
+    _assert_same_state(wider.state_dict(), before)
+    _, other_peer, other_optim = _node("--spes_config.peer_id=1", steps=0)
+    for path in (sharded, plain):
+        with pytest.raises(CheckpointError, match="optimizer state is for other parameters.*peer_id"):
+            restore(path, other_peer, other_optim)
+
+
+def test_training_from_a_checkpoint_of_another_config_exits_2_before_training(tiny_corpus, tmp_path: Path) -> None:
+    cfg, model, optimizer = _node()
+    _save_sharded(tmp_path / "old", 1, cfg, model, optimizer)
+    proc = subprocess.run([sys.executable, "-m", "spes.train", TINY, *SMALL_NODE, *PEER0, "--using_spes=false",
+                           "--model.n_layers=3", *tiny_corpus.overrides(tmp_path / "new"),
+                           f"--load_path={tmp_path / 'old'}"], capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert proc.returncode == 2
+    assert "checkpoint does not match this model config" in proc.stderr and "step " not in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resuming on another number of ranks continues the loss curve
+
+
+def _losses(folder: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_resume_on_another_number_of_ranks_continues_the_loss_curve(tiny_corpus, tmp_path: Path) -> None:
+    """FSDP x 2 saves sharded at step 4 -> one process resumes and saves unsharded at 6 -> FSDP x 2 resumes.
+
+    All three follow the uninterrupted FSDP x 2 curve (fp32 on CPU, within 1e-5); the unshard command turns
+    the FSDP run's last sharded checkpoint into one equal to what the single process wrote at the same step.
+    """
+    common = [TINY, *SMALL_NODE, "--using_spes=false", "--max_duration=8st", "--data.validation_paths=[]"]
+    a, b, c = tmp_path / "fsdp2", tmp_path / "single", tmp_path / "fsdp2_again"
+    torchrun(2, ["-m", "spes.train", *common, *tiny_corpus.overrides(a), "--distributed_strategy=fsdp",
+                 "--save_interval=4"], log=tmp_path / "a.log", timeout=180)
+    assert [p.name for p in list_checkpoints(a)] == ["step4-sharded", "step8-sharded"]
+    single_run = run_logged([sys.executable, "-m", "spes.train", *common, *tiny_corpus.overrides(b),
+                             "--save_interval=2", f"--load_path={a / 'step4-sharded'}"], tmp_path / "b.log", timeout=180)
+    assert single_run.returncode == 0, single_run.stdout[-3000:]
+    torchrun(2, ["-m", "spes.train", *common, *tiny_corpus.overrides(c), "--distributed_strategy=fsdp",
+                 "--save_interval=null", f"--load_path={b / 'step6'}"], log=tmp_path / "c.log", timeout=180)
+    reference, single, again = _losses(a), _losses(b), _losses(c)
+    assert sorted(single) == [5, 6, 7, 8] and sorted(again) == [7, 8]
+    for step, loss in {**single, **again}.items():
+        assert abs(loss - reference[step]) < 1e-5, f"step {step}: {loss} vs uninterrupted {reference[step]}"
+
+    unshard(a / "step8-sharded", tmp_path / "unsharded8")
+    from_fsdp, from_single = load_checkpoint(tmp_path / "unsharded8"), load_checkpoint(b / "step8")
+    assert from_fsdp.trainer["data"] == from_single.trainer["data"]
+    for name, t in from_single.model.items():
+        torch.testing.assert_close(from_fsdp.model[name], t, rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_kill_while_replacing_a_checkpoint_of_the_same_step_keeps_it_loadable(tmp_path: Path) -> None:
+    """Re-saving step N moves the old step<N> aside before the new one takes its name; a kill in between
+    leaves `latest` naming a missing directory, so the moved copy is used, and put back by the next save."""
+    cfg, model, optimizer = _node()
+    _save_unsharded(tmp_path, 1, cfg, model, optimizer)
+    os.replace(tmp_path / "step1", tmp_path / ".step1.old-999")  # the state right after the first rename
+    assert load_checkpoint(tmp_path).path.name == ".step1.old-999"
+    _save_sharded(tmp_path, 2, cfg, model, optimizer)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step1", "step2-sharded"]
+    load_checkpoint(tmp_path / "step1")

@@ -1,0 +1,365 @@
+"""End-to-end tests of SyncClient against a real in-process gRPC server on loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_cert
+
+from spes.sync.client import SyncClient, SyncError, backoff_s
+from spes.sync.merge import (
+    MergeConfig,
+    Mode,
+    OuterConfig,
+    aggregate_round,
+    download_names,
+    mean_over_peers,
+    outer_nesterov_step,
+    parse_expert_block,
+    trainable_names,
+)
+from spes.sync.server import ServerConfig, start_server
+
+NO_MERGE = MergeConfig(interval=0)
+
+
+@contextmanager
+def joined_clients(
+    addr: str,
+    manifest: dict[str, tuple[int, ...]],
+    *,
+    mode: Mode = "spes",
+    num_peers: int = 2,
+    k: int = 2,
+    **kwargs: object,
+) -> Iterator[list[SyncClient]]:
+    with ExitStack() as stack:
+        clients = []
+        for peer in range(num_peers):
+            client = stack.enter_context(
+                SyncClient(
+                    addr,
+                    peer_id=peer,
+                    num_peers=num_peers,
+                    experts_per_peer=k,
+                    mode=mode,
+                    rpc_timeout_s=10,
+                    round_timeout_s=30,
+                    **kwargs,
+                )
+            )
+            client.join(manifest, trainable_names(list(manifest), peer, mode))
+            clients.append(client)
+        yield clients
+
+
+def check_round(results: dict, uploads: dict, manifest: dict, *, mode: Mode, step: int, merge: MergeConfig) -> None:
+    """Each peer got exactly what it needs, equal to aggregate_round over the uploads."""
+    want = aggregate_round(uploads, num_peers=len(uploads), experts_per_peer=2, mode=mode, step=step, merge=merge)
+    for peer, (got, stats) in results.items():
+        assert stats.round == step
+        assert sorted(got) == sorted(download_names(list(manifest), peer, mode, stats.merged))
+        for name, tensor in got.items():
+            assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+            torch.testing.assert_close(tensor, want[name], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["spes", "diloco"])
+def test_two_peers_three_rounds(mode: Mode) -> None:
+    manifest = tiny_manifest(num_blocks=2 if mode == "spes" else 1, k=2)
+    with running_server(mode=mode, merge=NO_MERGE) as (_, addr), joined_clients(addr, manifest, mode=mode) as clients:
+        for step in (10, 20, 30):
+            uploads = {p: peer_upload(manifest, p, mode, seed=step) for p in range(2)}
+            results = sync_all(clients, step, uploads)
+            check_round(results, uploads, manifest, mode=mode, step=step, merge=NO_MERGE)
+            assert not any(stats.merged for _, stats in results.values())
+            assert all(stats.bytes_up > 0 and stats.bytes_down > 0 for _, stats in results.values())
+        status = clients[0].status()
+        assert status.current_round == 30 and status.open_round == -1 and status.peers_joined == (0, 1)
+
+
+@pytest.mark.timeout(60)
+def test_diloco_outer_nesterov_over_rounds() -> None:
+    manifest = tiny_manifest(num_blocks=1, k=2)
+    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+    with (
+        running_server(mode="diloco", outer=outer) as (_, addr),
+        joined_clients(addr, manifest, mode="diloco") as clients,
+    ):
+        global_model: dict[str, torch.Tensor] = {}
+        momentum: dict[str, torch.Tensor] = {}
+        for step in (1, 2, 3):
+            uploads = {p: peer_upload(manifest, p, "diloco", seed=step) for p in range(2)}
+            mean = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="diloco", step=step)
+            if global_model:  # the first round's mean is the starting point
+                global_model, momentum = outer_nesterov_step(global_model, mean, momentum, lr=0.7, momentum=0.9)
+            else:
+                global_model = mean
+            got, _ = sync_all(clients, step, uploads)[1]
+            for name, tensor in got.items():
+                torch.testing.assert_close(tensor, global_model[name], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_merge_round_returns_owners_changed_experts() -> None:
+    manifest = tiny_manifest(num_blocks=2, k=2)
+    merge = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
+    with running_server(merge=merge) as (_, addr), joined_clients(addr, manifest) as clients:
+        for step in (100, 150):
+            uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
+            results = sync_all(clients, step, uploads)
+            check_round(results, uploads, manifest, mode="spes", step=step, merge=merge)
+            got, stats = results[1]
+            own = "blocks.0.ffn.experts.w1.1"
+            if step == 100:
+                assert stats.merged and stats.alpha == pytest.approx(0.45)
+                assert not torch.equal(got[own], uploads[1][own])  # the owner gets its merged experts back
+            else:
+                assert not stats.merged and own not in got
+
+
+@pytest.mark.timeout(60)
+def test_bf16_wire_halves_traffic_and_rounds_to_bf16() -> None:
+    manifest = tiny_manifest(k=2)
+    with running_server(merge=NO_MERGE) as (_, addr):
+        with joined_clients(addr, manifest, wire_dtype="bf16") as clients:
+            uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)}
+            results = sync_all(clients, 5, uploads)
+    wire = {p: {n: t.bfloat16() for n, t in up.items()} for p, up in uploads.items()}
+    want = aggregate_round(wire, num_peers=2, experts_per_peer=2, mode="spes", step=5)
+    got, stats = results[0]
+    assert stats.bytes_up == sum(t.numel() * 2 for t in uploads[0].values())
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, want[name].bfloat16().float(), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_or_missing_token_is_unauthenticated() -> None:
+    manifest = tiny_manifest()
+    trainable = trainable_names(list(manifest), 0, "spes")
+    with running_server(token=TOKEN) as (server, addr):
+        for token in (None, "wrong-token"):
+            with SyncClient(
+                addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", token=token, rpc_timeout_s=5
+            ) as client:
+                with pytest.raises(SyncError) as err:
+                    client.join(manifest, trainable)
+                assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(SyncError) as err:
+                    client.status()
+                assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        assert server.servicer.state.snapshot().completed_round is None and not server.servicer._peers
+        with joined_clients(addr, manifest, token=TOKEN) as clients:
+            uploads = {p: peer_upload(manifest, p, "spes", seed=2) for p in range(2)}
+            assert sync_all(clients, 1, uploads)[0][1].round == 1
+
+
+@pytest.mark.timeout(60)
+def test_tls_and_mutual_tls(tmp_path: Path) -> None:
+    ca_crt, _, ca_cert, ca_key = write_cert(tmp_path, "ca", is_ca=True)
+    srv_crt, srv_key, _, _ = write_cert(tmp_path, "server", issuer=(ca_cert, ca_key))
+    cli_crt, cli_key, _, _ = write_cert(tmp_path, "client", issuer=(ca_cert, ca_key))
+    manifest = tiny_manifest()
+    uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
+    tls = {"tls_cert": str(srv_crt), "tls_key": str(srv_key)}
+    with running_server(**tls) as (_, addr), joined_clients(addr, manifest, tls_ca=str(ca_crt)) as clients:
+        assert sync_all(clients, 1, uploads)[1][1].round == 1
+    with running_server(**tls, tls_client_ca=str(ca_crt)) as (_, addr):
+        with joined_clients(addr, manifest, tls_ca=str(ca_crt), tls_cert=str(cli_crt), tls_key=str(cli_key)) as clients:
+            assert sync_all(clients, 1, uploads)[0][1].round == 1
+        with SyncClient(
+            addr,
+            peer_id=0,
+            num_peers=2,
+            experts_per_peer=2,
+            mode="spes",
+            tls_ca=str(ca_crt),
+            rpc_timeout_s=3,
+            max_retries=0,
+        ) as anonymous:
+            with pytest.raises(SyncError) as err:  # no client certificate: the handshake fails
+                anonymous.status()
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.timeout(60)
+def test_download_honours_round_deadline_when_a_peer_never_comes() -> None:
+    manifest = tiny_manifest()
+    with running_server() as (_, addr):
+        with SyncClient(
+            addr,
+            peer_id=0,
+            num_peers=2,
+            experts_per_peer=2,
+            mode="spes",
+            rpc_timeout_s=5,
+            round_timeout_s=1.5,
+            max_retries=1,
+        ) as client:
+            client.join(manifest, trainable_names(list(manifest), 0, "spes"))
+            start = time.monotonic()
+            with pytest.raises(SyncError) as err:
+                client.sync(1, peer_upload(manifest, 0, "spes", seed=4))
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - start < 6
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_client_retries_until_the_server_comes_up() -> None:
+    port = free_port()
+    manifest = tiny_manifest()
+    started: list = []
+
+    def start_later() -> None:
+        time.sleep(1.0)
+        started.append(start_server(ServerConfig(host="127.0.0.1", port=port, total_peers=2, experts_per_peer=2)))
+
+    thread = threading.Thread(target=start_later)
+    thread.start()
+    try:
+        with SyncClient(
+            f"127.0.0.1:{port}", peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", rpc_timeout_s=2, max_retries=6
+        ) as client:
+            assert client.join(manifest, trainable_names(list(manifest), 0, "spes")) == -1
+    finally:
+        thread.join()
+        for server in started:
+            server.stop(grace_s=0)
+
+
+def test_backoff_is_exponential_with_jitter() -> None:
+    for attempt in range(8):
+        cap = min(30.0, 0.5 * 2**attempt)
+        assert cap / 2 <= backoff_s(attempt) <= cap
+
+
+def test_client_checks_its_own_inputs() -> None:
+    manifest = tiny_manifest()
+    with pytest.raises(ValueError, match="peer_id 2"):
+        SyncClient("127.0.0.1:1", peer_id=2, num_peers=2, experts_per_peer=2, mode="spes")
+    with pytest.raises(ValueError, match="wire dtype"):
+        SyncClient("127.0.0.1:1", peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", wire_dtype="fp8")
+    with SyncClient("127.0.0.1:1", peer_id=0, num_peers=2, experts_per_peer=2, mode="spes") as client:
+        with pytest.raises(SyncError, match="join"):
+            client.sync(1, {})
+        client._manifest, client._trainable = manifest, trainable_names(list(manifest), 0, "spes")
+        with pytest.raises(ValueError, match="missing"):
+            client.sync(1, {})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_loopback_throughput() -> None:
+    """~64 MiB per peer up and the same down through real gRPC; prints MiB/s (not a pass/fail threshold)."""
+    num_mb = 64
+    manifest = {"embed.weight": (num_mb * 2**18,)}  # shared: averaged, downloaded by both
+    with running_server(mode="diloco") as (_, addr), joined_clients(addr, manifest, mode="diloco") as clients:
+        uploads = {p: {"embed.weight": torch.randn(manifest["embed.weight"])} for p in range(2)}
+        start = time.perf_counter()
+        results = sync_all(clients, 1, uploads)
+        seconds = time.perf_counter() - start
+    moved = sum(stats.bytes_up + stats.bytes_down for _, stats in results.values()) / 2**20
+    print(f"\nloopback: {moved:.0f} MiB through upload+download in {seconds:.2f} s = {moved / seconds:.0f} MiB/s")
+    torch.testing.assert_close(
+        results[0][0]["embed.weight"], (uploads[0]["embed.weight"] + uploads[1]["embed.weight"]) / 2
+    )
+
+
+def oracle_quorum(uploads: dict, previous: dict, manifest: dict, num_peers: int) -> dict[str, torch.Tensor]:
+    """Shared tensors averaged over the peers that arrived; expert blocks from their owner, else `previous`."""
+    want = {}
+    for name in manifest:
+        parsed = parse_expert_block(name)
+        if parsed is None:
+            want[name] = mean_over_peers([uploads[p][name] for p in sorted(uploads)])
+        else:
+            want[name] = uploads[parsed.block][name] if parsed.block in uploads else previous[name]
+    return want
+
+
+@pytest.mark.timeout(60)
+def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None:
+    manifest = tiny_manifest(num_blocks=3)
+    policy = {"total_peers": 3, "merge": NO_MERGE, "dead_peer_policy": "quorum", "round_timeout_s": 1.0}
+    with running_server(**policy) as (_, addr), joined_clients(addr, manifest, num_peers=3) as clients:
+        uploads_10 = {p: peer_upload(manifest, p, "spes", seed=10) for p in range(3)}
+        sync_all(clients, 10, uploads_10)
+        previous = aggregate_round(uploads_10, num_peers=3, experts_per_peer=2, mode="spes", step=10)
+        uploads = {p: peer_upload(manifest, p, "spes", seed=20) for p in range(2)}
+        start = time.monotonic()
+        results = sync_all(clients[:2], 20, uploads)  # peer 2 is "dead"
+        assert 0.9 < time.monotonic() - start < 10
+        want = oracle_quorum(uploads, previous, manifest, 3)
+        for peer, (got, stats) in results.items():
+            assert stats.peers == (0, 1) and not stats.caught_up
+            for name, tensor in got.items():
+                assert torch.equal(tensor, want[name]), name
+        assert clients[0].status().round_peers == (0, 1)
+        late, stats = clients[2].sync(20, peer_upload(manifest, 2, "spes", seed=20))
+        assert stats.caught_up and stats.round == 20 and stats.bytes_up == 0
+        assert sorted(late) == sorted(manifest)  # every tensor, its own stale experts included
+        for name, tensor in late.items():
+            assert torch.equal(tensor, want[name]), name
+        assert torch.equal(late["blocks.0.ffn.experts.w1.2"], uploads_10[2]["blocks.0.ffn.experts.w1.2"])
+        uploads = {p: peer_upload(manifest, p, "spes", seed=30) for p in range(3)}
+        assert all(s.peers == (0, 1, 2) for _, s in sync_all(clients, 30, uploads).values())
+
+
+@pytest.mark.timeout(60)
+def test_the_first_quorum_round_needs_every_expert_owner() -> None:
+    manifest = tiny_manifest()
+    with running_server(dead_peer_policy="quorum", min_peers=1, round_timeout_s=0.5) as (_, addr):
+        with joined_clients(addr, manifest) as clients:
+            with pytest.raises(SyncError, match="the first round needs every expert owner") as err:
+                clients[0].sync(1, peer_upload(manifest, 0, "spes", seed=1))
+            assert err.value.reason == "round_timeout" and err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.timeout(90)
+def test_a_server_restart_mid_round_is_transparent_to_the_peers(tmp_path: Path) -> None:
+    manifest = tiny_manifest(num_blocks=1)
+    port = free_port()
+    settings = {"host": "127.0.0.1", "port": port, "total_peers": 2, "experts_per_peer": 2, "mode": "diloco",
+                "outer": OuterConfig(optimizer="nesterov"), "state_dir": str(tmp_path)}
+    server = start_server(ServerConfig(**settings))
+    try:
+        with joined_clients(f"127.0.0.1:{port}", manifest, mode="diloco", max_retries=8) as clients:
+            uploads = {step: {p: peer_upload(manifest, p, "diloco", seed=step) for p in range(2)} for step in (1, 2, 3)}
+            sync_all(clients, 1, uploads[1])
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(clients[0].sync, 2, uploads[2][0])
+                while clients[1].status().peers_uploaded != (0,):
+                    time.sleep(0.05)
+                server.stop(grace_s=0)
+                server = start_server(ServerConfig(**settings))  # same state_dir: resumes at round 1
+                late = clients[1].sync(2, uploads[2][1])
+                got = waiting.result(timeout=60)
+            final = sync_all(clients, 3, uploads[3])
+    finally:
+        server.stop(grace_s=0)
+    want: dict = {}
+    momentum: dict = {}
+    for step in (1, 2, 3):
+        mean = aggregate_round(uploads[step], num_peers=2, experts_per_peer=2, mode="diloco", step=step)
+        want, momentum = outer_nesterov_step(want, mean, momentum, lr=0.7, momentum=0.9) if want else (mean, {})
+        if step == 2:
+            for name in want:
+                assert torch.equal(got[0][name], want[name]) and torch.equal(late[0][name], want[name])
+    for name in want:
+        assert torch.equal(final[0][0][name], want[name]), name

@@ -1,0 +1,156 @@
+"""run_scripts/run_cluster.sh under a real one-host SLURM: slurmctld + slurmd configured in a temp dir
+(SLURM_CONF), the tiny config as a 2-node SPES run (2 tasks on this host), the parameter server on
+"node" 0. Needs Debian's slurm-wlm (installed here with apt-get when missing and possible) and root
+(slurmd launches the job steps); the test is skipped, saying why, only when those cannot be had.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import REPO, SMALL_NODE, child_env, run_logged
+from spes.launch import free_port
+
+SCRIPT = REPO / "run_scripts" / "run_cluster.sh"
+SLURM_BINARIES = ("sbatch", "scontrol", "slurmctld", "slurmd")
+
+
+def _ensure_slurm() -> str | None:
+    """None when SLURM can run here, else the reason it cannot (after trying to install it)."""
+    if os.geteuid() != 0:
+        return "slurmd must run as root to launch job steps; run the test suite as root"
+    if all(shutil.which(b) for b in SLURM_BINARIES):
+        return None
+    if shutil.which("apt-get") is None:
+        return "SLURM is not installed and there is no apt-get to install Debian's slurm-wlm"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "slurm-wlm"]
+    proc = subprocess.run(install, capture_output=True, text=True, timeout=600, env=env)
+    if proc.returncode != 0:
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=300, env=env)
+        proc = subprocess.run(install, capture_output=True, text=True, timeout=600, env=env)
+    if proc.returncode != 0 or not all(shutil.which(b) for b in SLURM_BINARIES):
+        return f"cannot install slurm-wlm with apt-get: {proc.stderr.strip()[-300:]}"
+    return None
+
+
+@dataclass(frozen=True)
+class Slurm:
+    conf: Path
+    root: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return child_env(SLURM_CONF=str(self.conf), **extra)
+
+
+def _write_conf(root: Path, host: str) -> Path:
+    """A one-node cluster without munge (auth/none, cred/none), state and logs under `root`."""
+    cpus = os.cpu_count() or 1
+    (root / "state").mkdir()
+    (root / "spool").mkdir()
+    conf = root / "slurm.conf"
+    conf.write_text(f"""ClusterName=spestest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+""")
+    return conf
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+    reason = _ensure_slurm()
+    if reason is not None:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("slurm")
+    cluster = Slurm(conf=_write_conf(root, socket.gethostname().split(".")[0]), root=root)
+    daemons = [subprocess.Popen([daemon, "-D", "-f", str(cluster.conf)], env=cluster.env(), cwd=root,
+                                stdout=open(root / f"{daemon}.out", "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True) for daemon in ("slurmctld", "slurmd")]
+    try:
+        deadline = time.time() + 60
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                                           env=cluster.env()).stdout:
+            if time.time() > deadline or any(d.poll() is not None for d in daemons):
+                pytest.fail(f"the one-host SLURM did not come up; see {root}/slurmctld.log and slurmd.log")
+            time.sleep(0.5)
+        yield cluster
+    finally:
+        subprocess.run(["scancel", "--full", "--partition=debug"], env=cluster.env(), capture_output=True, timeout=30)
+        for daemon in daemons:
+            os.killpg(daemon.pid, 15)
+        for daemon in daemons:
+            daemon.wait(timeout=30)
+
+
+def test_outside_a_slurm_job_the_script_says_how_to_submit(tmp_path: Path) -> None:
+    env = {k: v for k, v in child_env().items() if not k.startswith("SLURM_")}
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env=env)
+    assert proc.returncode == 2 and "submit with: sbatch --nodes=N" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_job_with_fewer_tasks_than_the_config_has_peers_is_refused(slurm: Slurm, tmp_path: Path) -> None:
+    """The batch step checks the config against the allocation before starting anything."""
+    env = slurm.env(SLURM_JOB_ID="1", SLURM_NTASKS="3", SLURM_JOB_NODELIST=socket.gethostname().split(".")[0],
+                    SLURM_SUBMIT_DIR=str(REPO), CONFIG="configs/tiny.yaml")
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=60, env=env)
+    assert proc.returncode == 2
+    assert "spes_config.num_peers=4 but the job runs 3 task(s)" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sbatch_runs_a_two_node_spes_run_with_its_server(slurm: Slurm, tiny_corpus, tmp_path: Path) -> None:
+    """sbatch of run_cluster.sh: 2 tasks = 2 nodes of one process each, 2 sync rounds, then everything stops."""
+    run = tmp_path / "run"
+    run.mkdir()
+    overrides = [*SMALL_NODE, "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4",
+                 "--spes_config.sync_steps=2", "--max_duration=4st", "--save_interval=null",
+                 f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
+                 "--data.validation_paths=[]", f"--save_folder={run}/node${{spes_config.peer_id}}"]
+    env = slurm.env(CONFIG="configs/tiny.yaml", NPROC_PER_NODE="1", PORT=str(free_port()), LOG_DIR=str(run / "logs"),
+                    PYTHON=sys.executable)
+    job = subprocess.run(["sbatch", "--wait", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+                          f"--output={run}/job.out", str(SCRIPT), *overrides],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    out = (run / "job.out").read_text() if (run / "job.out").exists() else "(no job output)"
+    assert job.returncode == 0, f"{job.stderr}\n{out[-4000:]}"
+    for node, seed in ((0, 6198), (1, 7198)):
+        assert f"{node}: node {node} on" in out and f"data seed {seed}" in out
+        records = [json.loads(line) for line in (run / f"node{node}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "sync_s" in r] == [2, 4], f"node {node} did not finish its rounds"
+    assert "listening" in (run / "logs" / "server.log").read_text()

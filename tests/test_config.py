@@ -1,0 +1,439 @@
+"""Tests of spes.config: every shipped YAML loads, interpolation and `--section.key=value` overrides work,
+user mistakes are reported by key, and a config file of the first SPES implementation loads unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import textwrap
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from spes.config import INERT_KEYS, ConfigError, TrainConfig, config_help, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED = sorted(CONFIGS.rglob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shipped configs
+
+
+def test_configs_are_shipped() -> None:
+    names = {str(p.relative_to(CONFIGS)) for p in SHIPPED}
+    expected = {"tiny.yaml", "small.yaml", "centralized_1b.yaml"}
+    expected |= {f"{family}/node_{n}.yaml" for family in ("spes_1b", "diloco_1b") for n in range(4)}
+    assert expected <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_shipped_config_loads_and_validates(path: Path) -> None:
+    cfg, inert = load_config(path)
+    assert isinstance(cfg, TrainConfig)
+    assert "${" not in cfg.save_folder  # interpolation resolved
+    assert inert == [], f"{path.name} sets keys that change nothing: {inert}"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_shipped_config_comments_every_key(path: Path) -> None:
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        key_with_value = re.match(r"^\s*[A-Za-z_]\w*:\s*[^\s#]", line)
+        if key_with_value and "#" not in line:
+            pytest.fail(f"{path.name}:{number}: key without a comment (meaning, type, default): {line.strip()}")
+
+
+@pytest.mark.parametrize("family", ["spes_1b", "diloco_1b"])
+def test_node_files_differ_only_in_peer_and_data_seed(family: str) -> None:
+    configs = [load_config(CONFIGS / family / f"node_{n}.yaml")[0] for n in range(4)]
+    for n, cfg in enumerate(configs):
+        assert cfg.spes_config.peer_id == n and cfg.data.seed == 6198 + 1000 * n
+        assert cfg.save_folder == f"output/{cfg.run_name}/node{n}"
+        same = dataclasses.replace(cfg, spes_config=configs[0].spes_config, data=configs[0].data,
+                                   save_folder=configs[0].save_folder)
+        assert same == configs[0]
+
+
+def test_paper_1b_config_values() -> None:
+    cfg = load_config(CONFIGS / "spes_1b" / "node_0.yaml")[0]
+    m, s = cfg.model, cfg.spes_config
+    assert (m.d_model, m.n_heads, m.n_layers, m.mlp_hidden_size, m.expert_hidden_size) == (768, 12, 12, 4096, 2048)
+    assert (m.moe_num_experts, m.moe_top_k, m.max_sequence_length, m.rope_theta) == (16, 2, 2048, 500000.0)
+    assert (m.vocab_size, m.embedding_size, m.attention_layer_norm) == (151665, 151936, True)
+    assert (m.init_std, m.init_cutoff_factor, m.moe_zloss_weight, m.moe_loss_weight) == (0.02, 3.0, 0.001, 0.01)
+    assert (s.num_peers, s.num_train_experts_per_node, s.sync_steps) == (4, 4, 100)
+    assert cfg.owned_experts() == (0, 4) and cfg.precision == "amp_bf16" and cfg.distributed_strategy == "fsdp"
+    assert cfg.optimizer.betas == [0.9, 0.95] and cfg.scheduler.name == "cosine_with_warmup"
+    diloco = load_config(CONFIGS / "diloco_1b" / "node_0.yaml")[0]
+    assert diloco.using_dilico and diloco.sync_enabled and diloco.owned_experts() is None
+    central = load_config(CONFIGS / "centralized_1b.yaml")[0]
+    assert not central.sync_enabled and central.owned_experts() is None
+    assert central.global_train_batch_size == 4 * cfg.global_train_batch_size
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Interpolation and overrides
+
+
+def test_interpolation_follows_overrides(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        run_name: demo
+        save_folder: output/${run_name}/node${spes_config.peer_id}
+        wandb:
+          name: ${run_name}-wandb
+        spes_config:
+          peer_id: 0
+    """)
+    cfg, _ = load_config(path)
+    assert cfg.save_folder == "output/demo/node0" and cfg.wandb is not None and cfg.wandb.name == "demo-wandb"
+    cfg, _ = load_config(path, ["--spes_config.peer_id=3", "--run_name=other"])
+    assert cfg.save_folder == "output/other/node3" and cfg.wandb is not None and cfg.wandb.name == "other-wandb"
+
+
+def test_save_folder_defaults_to_the_run_name(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "run_name: abc\n"))[0].save_folder == "output/abc"
+
+
+def test_overrides_are_typed(tmp_path: Path) -> None:
+    cfg, _ = load_config(CONFIGS / "tiny.yaml", [
+        "--model.d_model=128", "--model.n_heads=8", "--optimizer.betas=[0.8,0.99]", "--optimizer.learning_rate=1e-3",
+        "--spes_config.server_addr=10.0.0.7:6000", "--data.paths=[a.npy,shards/*.npy]", "--data.seed=7198",
+        "--max_duration=2e6T", "--eval_interval=null", "--model.n_kv_heads=2",
+    ])
+    assert cfg.model.d_model == 128 and cfg.model.n_heads == 8 and cfg.model.n_kv_heads == 2
+    assert cfg.optimizer.betas == [0.8, 0.99] and cfg.optimizer.learning_rate == 1e-3
+    assert cfg.spes_config.server_addr == "10.0.0.7:6000" and cfg.data.paths == ["a.npy", "shards/*.npy"]
+    assert cfg.data.seed == 7198 and cfg.max_duration == "2e6T" and cfg.eval_interval is None
+
+
+def test_overrides_without_a_file() -> None:
+    cfg, _ = load_config(None, ["--model.moe_num_experts=8", "--spes_config.num_train_experts_per_node=2"])
+    assert cfg.owned_experts() == (0, 2) and cfg.expert_block_size() == 2
+
+
+def test_override_must_have_a_value() -> None:
+    with pytest.raises(ConfigError, match=r"--model\.d_model.*--section\.key=value"):
+        load_config(CONFIGS / "tiny.yaml", ["--model.d_model"])
+
+
+def test_missing_file() -> None:
+    with pytest.raises(FileNotFoundError, match="no_such.yaml"):
+        load_config("no_such.yaml")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Mistakes a user can make
+
+
+@pytest.mark.parametrize(("yaml_text", "wrong", "suggested"), [
+    ("model:\n  d_modle: 64\n", "model.d_modle", "model.d_model"),
+    ("sav_folder: out\n", "sav_folder", "save_folder"),
+    ("spes_config:\n  sync_step: 10\n", "spes_config.sync_step", "spes_config.sync_steps"),
+    ("data:\n  seeds: 1\n", "data.seeds", "data.seed"),
+])
+def test_unknown_key_in_file_names_the_closest_valid_key(tmp_path: Path, yaml_text: str, wrong: str,
+                                                         suggested: str) -> None:
+    path = write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert str(path) in message and f"'{wrong}'" in message and f"did you mean '{suggested}'" in message
+
+
+@pytest.mark.parametrize(("override", "wrong", "suggested"), [
+    ("--spes_config.peer_ID=1", "spes_config.peer_ID", "spes_config.peer_id"),
+    ("--model.moe_topk=4", "model.moe_topk", "model.moe_top_k"),
+    ("--learning_rate=1e-3", "learning_rate", None),
+])
+def test_unknown_key_in_override(override: str, wrong: str, suggested: str | None) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny.yaml", [override])
+    message = str(err.value)
+    assert "command line" in message and override in message and f"'{wrong}'" in message
+    assert (f"did you mean '{suggested}'" in message) if suggested else ("valid keys here: run_name" in message)
+
+
+@pytest.mark.parametrize(("yaml_text", "key", "value", "expected"), [
+    ("model:\n  n_layers: two\n", "model.n_layers", "'two'", "int"),
+    ("model:\n  n_layers: 2.5\n", "model.n_layers", "2.5", "int"),
+    ("using_spes: 'yes'\n", "using_spes", "'yes'", "bool"),
+    ("optimizer:\n  betas: 0.9\n", "optimizer.betas", "0.9", "list[float]"),
+    ("optimizer:\n  betas: [0.9, high]\n", "optimizer.betas[1]", "'high'", "float"),
+    ("spes_config:\n  server_addr: 50051\n", "spes_config.server_addr", "50051", "str"),
+    ("model: 5\n", "model", "5", "ModelConfig"),
+])
+def test_wrong_type_names_key_value_and_expected_type(tmp_path: Path, yaml_text: str, key: str, value: str,
+                                                      expected: str) -> None:
+    path = write(tmp_path, yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert str(path) in message and f"'{key}' = {value}" in message and f"expected {expected}" in message
+
+
+@pytest.mark.parametrize(("yaml_text", "key", "value", "value_of_the_wrong_override"), [
+    ("precision: fp16\n", "precision", "'fp16'", "['fp32', 'amp_bf16']"),
+    ("model:\n  moe_backend: cuda\n", "model.moe_backend", "'cuda'", "'grouped_mm'"),
+])
+def test_choice_outside_the_allowed_values(tmp_path: Path, yaml_text: str, key: str, value: str,
+                                           value_of_the_wrong_override: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, yaml_text))
+    assert f"'{key}' = {value} must be one of" in str(err.value) and value_of_the_wrong_override in str(err.value)
+
+
+@pytest.mark.parametrize(("overrides", "key", "hint"), [
+    (["--model.d_model=66"], "model.d_model", "divisible by model.n_heads=4"),
+    (["--model.d_model=68"], "model.d_model", "d_model / n_heads must be even for RoPE"),
+    (["--model.n_kv_heads=3"], "model.n_kv_heads", "must divide model.n_heads=4"),
+    (["--model.embedding_size=4000"], "model.embedding_size", ">= model.vocab_size=4096"),
+    (["--model.moe_top_k=9"], "model.moe_top_k", "moe_num_experts=8"),
+    (["--model.mlp_hidden_size=129"], "model.mlp_hidden_size", "must be even"),
+    (["--model.weight_tying=true"], "model.weight_tying", "not supported"),
+    (["--spes_config.num_train_experts_per_node=1"], "model.moe_num_experts", "num_train_experts_per_node=2"),
+    (["--model.moe_num_experts=16"], "model.moe_num_experts", "num_peers=4 x num_train_experts_per_node=2"),
+    (["--global_train_batch_size=20"], "global_train_batch_size", "device_train_microbatch_size=8"),
+    (["--device_train_microbatch_size=0"], "device_train_microbatch_size", "> 0"),
+    (["--spes_config.peer_id=4"], "spes_config.peer_id", "[0, num_peers=4)"),
+    (["--spes_config.peer_id=-1"], "spes_config.peer_id", "[0, num_peers=4)"),
+    (["--spes_config.server_addr=localhost"], "spes_config.server_addr", "host:port"),
+    (["--spes_config.sync_steps=0"], "spes_config.sync_steps", ">= 1"),
+    (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
+    (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
+])
+def test_inconsistent_settings_are_caught(overrides: list[str], key: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS / "tiny.yaml", overrides)
+    message = str(err.value)
+    assert f"'{key}'" in message and hint in message
+
+
+def test_ownership_is_not_checked_when_every_expert_trains() -> None:
+    for mode in (["--using_dilico=true"], ["--using_spes=false"]):
+        cfg, _ = load_config(CONFIGS / "tiny.yaml", [*mode, "--spes_config.num_train_experts_per_node=16"])
+        assert cfg.owned_experts() is None and cfg.expert_block_size() == 8
+
+
+def test_inert_keys_are_reported(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        compile: null
+        model:
+          flash_attention: true
+          init_device: meta
+        wandb:
+          project: spes
+        data:
+          instance_filter:
+            repetition_max_period: 13
+    """)
+    _, inert = load_config(path)
+    assert inert == ["compile", "data.instance_filter", "model.flash_attention", "model.init_device", "wandb"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A config file of the first implementation, with every key it knows (data paths and tokenizer aside)
+
+FIRST_IMPLEMENTATION = """
+run_name: spes_moe_1b_4nodes
+seed: 6198
+dry_run: false
+no_pre_train_checkpoint: true
+wandb:
+  name: ${run_name}
+  project: spes
+  group: null
+  log_interval: 10
+model:
+  d_model: 768
+  n_heads: 12
+  n_kv_heads: null
+  n_layers: 12
+  mlp_hidden_size: 4096
+  mlp_ratio: 4
+  weight_tying: false
+  alibi: false
+  rope: true
+  rope_theta: 500000
+  flash_attention: true
+  attention_dropout: 0.0
+  attention_layer_norm: true
+  attention_layer_norm_with_affine: true
+  attention_layer_norm_over_head: false
+  include_bias: false
+  block_type: moe
+  layer_norm_type: rms
+  layer_norm_eps: 1e-6
+  layer_norm_with_affine: true
+  bias_for_layer_norm: false
+  activation_type: swiglu
+  residual_dropout: 0.0
+  embedding_dropout: 0.0
+  max_sequence_length: 2048
+  vocab_size: 151665
+  embedding_size: 151665
+  eos_token_id: 151643
+  pad_token_id: 151643
+  init_device: meta
+  init_fn: normal
+  init_std: 0.02
+  init_cutoff_factor: 3
+  using_custom_moe_impl: true
+  moe_log_expert_assignment: false
+  moe_top_k: 2
+  moe_num_experts: 16
+  moe_dropless: true
+  moe_mlp_impl: sparse
+  moe_zloss_weight: 0.001
+  moe_loss_weight: 0.01
+  moe_normalize_expert_weights: 1.0
+compile: null
+softmax_auxiliary_loss: true
+auxiliary_loss_multiplier: 1e-5
+fused_loss: true
+using_spes: true
+using_dilico: false
+spes_config:
+  num_peers: 4
+  peer_id: 1
+  num_train_experts_per_node: 4
+  sync_steps: 100
+  server_addr: 127.0.0.1:50051
+  using_decayed_aux_loss: true
+  decayed_factor_update_steps: 100
+optimizer:
+  name: adamw
+  learning_rate: 5.0e-4
+  eps: 1.0e-8
+  weight_decay: 0.1
+  decay_norm_and_bias: true
+  decay_embeddings: true
+  betas:
+  - 0.9
+  - 0.95
+  metrics_log_interval: 5
+scheduler:
+  name: cosine_with_warmup
+  units: steps
+  t_warmup: 2000
+  t_max: 50000
+  alpha_f: 0.1
+tokenizer:
+  identifier: Qwen/Qwen2.5-0.5B
+  truncate_direction: right
+save_folder: output/${run_name}/node${spes_config.peer_id}
+save_overwrite: false
+save_interval: 10000
+save_interval_ephemeral: null
+save_num_checkpoints_to_keep: 1
+sharded_checkpointer: torch_new
+save_interval_unsharded: 5000
+save_num_unsharded_checkpoints_to_keep: 5
+load_path: null
+max_duration: 50000
+stop_at: 50000
+global_train_batch_size: 1024
+device_train_microbatch_size: 8
+device_eval_batch_size: 4
+precision: amp_bf16
+distributed_strategy: fsdp
+fsdp:
+  wrapping_strategy: by_block
+  precision: mixed
+  sharding_strategy: FULL_SHARD
+ddp:
+  grad_sync_mode: batch
+  find_unused_params: false
+activation_checkpointing: fine_grained
+max_grad_norm: 1.0
+max_grad_norm_ratio: null
+speed_monitor:
+  window_size: 1
+eval_interval: 2500
+eval_subset_num_batches: -1
+evaluators:
+  - label: piqa
+    type: downstream
+  - label: arc_easy
+    type: downstream
+data:
+  pad_direction: right
+  seed: 7198
+  num_workers: 4
+  drop_last: true
+  pin_memory: true
+  prefetch_factor: 8
+  persistent_workers: true
+  memmap_dtype: uint32
+  timeout: 0
+  instance_filter:
+    repetition_max_period: 13
+    repetition_min_period: 1
+    repetition_max_count: 32
+  paths:
+    - data/SlimPajama-627B/030_000012.npy
+    - data/SlimPajama-627B/013_000007.npy
+"""
+
+
+def test_first_implementation_config_loads_unchanged(tmp_path: Path) -> None:
+    cfg, inert = load_config(write(tmp_path, FIRST_IMPLEMENTATION))
+    assert inert == sorted(INERT_KEYS)
+    assert cfg.save_folder == "output/spes_moe_1b_4nodes/node1" and cfg.wandb is not None
+    assert cfg.wandb.name == "spes_moe_1b_4nodes"
+    m = cfg.model
+    assert (m.d_model, m.n_kv_heads, m.expert_hidden_size, m.layer_norm_eps, m.init_cutoff_factor) == (
+        768, 12, 2048, 1e-6, 3.0)
+    assert m.normalize_expert_weights_p == 1.0 and cfg.auxiliary_loss_multiplier == 1e-5
+    assert cfg.max_duration == 50000 and cfg.stop_at == 50000 and cfg.activation_checkpointing == "fine_grained"
+    assert cfg.owned_experts() == (4, 8) and cfg.spes_config.using_decayed_aux_loss
+    assert [e["label"] for e in cfg.evaluators] == ["piqa", "arc_easy"]
+    assert cfg.data.instance_filter == {"repetition_max_period": 13, "repetition_min_period": 1,
+                                        "repetition_max_count": 32}
+    assert cfg.ddp.find_unused_params is False and cfg.fsdp.sharding_strategy == "FULL_SHARD"
+
+
+def test_first_implementation_key_set_is_complete() -> None:
+    """The inline file above lists every key the first implementation knew, each section complete."""
+    raw = yaml.safe_load(FIRST_IMPLEMENTATION)
+    sections = {"model", "optimizer", "scheduler", "tokenizer", "wandb", "speed_monitor", "data", "fsdp", "ddp",
+                "spes_config", "evaluators"}
+    scalar_keys = {
+        "run_name", "seed", "dry_run", "no_pre_train_checkpoint", "compile", "fused_loss", "softmax_auxiliary_loss",
+        "auxiliary_loss_multiplier", "using_spes", "using_dilico", "load_path", "max_duration", "stop_at",
+        "global_train_batch_size", "device_train_microbatch_size", "device_eval_batch_size", "precision",
+        "distributed_strategy", "activation_checkpointing", "max_grad_norm", "max_grad_norm_ratio", "eval_interval",
+        "eval_subset_num_batches", "save_folder", "save_overwrite", "save_interval", "save_interval_ephemeral",
+        "save_num_checkpoints_to_keep", "sharded_checkpointer", "save_interval_unsharded",
+        "save_num_unsharded_checkpoints_to_keep",
+    }
+    assert set(raw) == scalar_keys | sections
+    # keys spes added beyond the first implementation's
+    added = {"moe_backend", "validation_paths", "entity", "wire_dtype", "token_file", "tls_ca", "tls_cert", "tls_key",
+             "rpc_timeout_s", "round_timeout_s", "max_retries", "eval_after_sync", "data_plane"}
+    hints = typing.get_type_hints(TrainConfig)
+    for section in sections - {"evaluators"}:
+        cls = next(t for t in (hints[section], *typing.get_args(hints[section])) if dataclasses.is_dataclass(t))
+        assert set(raw[section]) == {f.name for f in dataclasses.fields(cls)} - added, section
+
+
+def test_every_key_has_a_doc() -> None:
+    lines = config_help()
+    assert any(line.strip().startswith("--spes_config.peer_id=") for line in lines)
+    for line in lines:
+        assert not line.rstrip().endswith("]"), f"key without a doc: {line}"
+
+
+def test_peers_past_the_last_expert_block_own_nothing() -> None:
+    """The reference rule [p*k, min((p+1)*k, E)) allows P*k > E (the upcycled 9B run: 8 experts, 8 peers x 2)."""
+    overrides = ["--spes_config.num_peers=8", "--spes_config.num_train_experts_per_node=2"]
+    assert load_config(CONFIGS / "tiny.yaml", [*overrides, "--spes_config.peer_id=3"])[0].owned_experts() == (6, 8)
+    cfg, _ = load_config(CONFIGS / "tiny.yaml", [*overrides, "--spes_config.peer_id=5"])
+    assert cfg.owned_experts() == (8, 8)

@@ -1,0 +1,219 @@
+"""Tests of spes.data: path resolution, the windowed dataset, the resumable batch loader, eval batches."""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from data_fixtures import write_token_shard
+
+from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, resolve_paths, sidecar_path
+
+SEQ_LEN = 4
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> list[Path]:
+    """Three shards of consecutive integers (103, 50 and 7 tokens) so each window shows where it came from."""
+    sizes = [103, 50, 7]
+    starts = np.cumsum([0] + sizes[:-1])
+    return [write_token_shard(tmp_path / f"part_{i:05d}.npy", np.arange(s, s + n, dtype=np.uint16))
+            for i, (s, n) in enumerate(zip(starts, sizes))]
+
+
+@pytest.fixture
+def dataset(shards: list[Path]) -> TokenSequenceDataset:
+    return TokenSequenceDataset(shards, SEQ_LEN)
+
+
+def _take(loader: BatchLoader, n: int) -> list[torch.Tensor]:
+    return [next(loader) for _ in range(n)]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# --- resolve_paths ------------------------------------------------------------------------------
+
+
+def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: list[Path], tmp_path: Path) -> None:
+    listing = tmp_path / "lists" / "files.txt"
+    listing.parent.mkdir()
+    listing.write_text(f"# complete shards\n{shards[2]}\n\n../part_00000.npy\n")
+    assert resolve_paths(str(shards[1])) == [shards[1]]
+    assert resolve_paths(str(tmp_path / "part_*.npy")) == shards
+    assert resolve_paths([tmp_path]) == shards
+    assert resolve_paths(["lists/files.txt", "part_0000[1].npy"], base_dir=tmp_path) == [
+        shards[2], tmp_path / "lists" / ".." / "part_00000.npy", shards[1]]
+
+
+@pytest.mark.parametrize("entry", ["nothing_*.npy", "missing.npy", "empty_dir"])
+def test_resolve_paths_names_the_entry_that_matches_nothing(entry: str, tmp_path: Path) -> None:
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(entry)):
+        resolve_paths([entry], base_dir=tmp_path)
+
+
+def test_resolve_paths_refuses_an_empty_list() -> None:
+    with pytest.raises(ValueError, match="data.paths is empty"):
+        resolve_paths([])
+
+
+# --- TokenSequenceDataset -----------------------------------------------------------------------
+
+
+def test_windows_stay_inside_shards_and_drop_remainders(dataset: TokenSequenceDataset) -> None:
+    assert dataset.num_tokens == 160
+    assert len(dataset) == 103 // SEQ_LEN + 50 // SEQ_LEN + 7 // SEQ_LEN == 38
+    windows = [dataset[i] for i in range(len(dataset))]
+    assert all(w.dtype == torch.long and w.shape == (SEQ_LEN,) for w in windows)
+    assert all(torch.equal(w, torch.arange(int(w[0]), int(w[0]) + SEQ_LEN)) for w in windows)
+    starts = [int(w[0]) for w in windows]
+    assert starts[24] == 96 and starts[25] == 103 and starts[36] == 103 + 44 and starts[37] == 153
+    assert torch.equal(dataset[-1], windows[-1])
+    with pytest.raises(IndexError):
+        dataset[len(dataset)]
+
+
+def test_dataset_refuses_a_shard_without_sidecar(shards: list[Path]) -> None:
+    sidecar_path(shards[1]).unlink()
+    with pytest.raises(ValueError, match=f"{shards[1]}.*incomplete"):
+        TokenSequenceDataset(shards, SEQ_LEN)
+
+
+def test_dataset_refuses_a_dtype_other_than_memmap_dtype(shards: list[Path]) -> None:
+    with pytest.raises(ValueError, match=f"{shards[0]} holds uint16.*memmap_dtype is uint32"):
+        TokenSequenceDataset(shards, SEQ_LEN, memmap_dtype="uint32")
+    assert len(TokenSequenceDataset(shards, SEQ_LEN, memmap_dtype="uint16")) == 38
+
+
+def test_dataset_refuses_shard_and_sidecar_that_disagree(tmp_path: Path) -> None:
+    path = write_token_shard(tmp_path / "a.npy", np.arange(10, dtype=np.uint16))
+    write_token_shard(tmp_path / "b.npy", np.arange(10, dtype=np.uint32), with_sidecar=False)
+    (tmp_path / "b.npy").replace(path)  # a uint32 array under a uint16 sidecar
+    with pytest.raises(ValueError, match="does not match its sidecar"):
+        TokenSequenceDataset([path], SEQ_LEN)
+
+
+def test_dataset_refuses_shards_from_different_tokenizers(tmp_path: Path) -> None:
+    a = write_token_shard(tmp_path / "a.npy", np.arange(10, dtype=np.uint16), fingerprint="a" * 64)
+    b = write_token_shard(tmp_path / "b.npy", np.arange(10, dtype=np.uint16), fingerprint="b" * 64)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        TokenSequenceDataset([a, b], SEQ_LEN)
+
+
+def test_pickled_dataset_maps_its_shards_again_instead_of_copying(dataset: TokenSequenceDataset) -> None:
+    dataset[0]
+    clone = pickle.loads(pickle.dumps(dataset))
+    assert all(a is None for a in clone._arrays)
+    assert torch.equal(clone[37], dataset[37])
+
+
+# --- BatchLoader --------------------------------------------------------------------------------
+
+
+def test_same_seed_same_order_other_seed_other_order(dataset: TokenSequenceDataset) -> None:
+    first = _take(BatchLoader(dataset, batch_size=8, seed=6198), 6)
+    assert _same(first, _take(BatchLoader(dataset, batch_size=8, seed=6198), 6))
+    assert not _same(first, _take(BatchLoader(dataset, batch_size=8, seed=7198), 6))
+    assert all(b.shape == (8, SEQ_LEN) and b.dtype == torch.long for b in first)
+
+
+def test_each_epoch_is_a_new_permutation_and_epochs_roll_over(dataset: TokenSequenceDataset) -> None:
+    loader = BatchLoader(dataset, batch_size=9, seed=0)  # 38 windows: 4 batches an epoch, 2 dropped
+    assert loader.batches_per_epoch == 4
+    epochs = [torch.cat(_take(loader, 4))[:, 0].tolist() for _ in range(3)]
+    all_starts = {int(dataset[i][0]) for i in range(len(dataset))}
+    for starts in epochs:
+        assert len(set(starts)) == 36 and set(starts) <= all_starts
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert loader.state_dict() == {"epoch": 3, "position": 0, "seed": 0}
+
+
+def test_ranks_take_disjoint_slices_of_the_same_global_batch(dataset: TokenSequenceDataset) -> None:
+    whole = _take(BatchLoader(dataset, batch_size=12, seed=3), 5)
+    parts = [_take(BatchLoader(dataset, batch_size=12, seed=3, rank=r, world_size=3), 5) for r in range(3)]
+    for step, batch in enumerate(whole):
+        assert all(p[step].shape == (4, SEQ_LEN) for p in parts)
+        assert torch.equal(torch.cat([p[step] for p in parts]), batch)
+
+
+def test_resume_mid_epoch_yields_the_same_batches(dataset: TokenSequenceDataset) -> None:
+    uninterrupted = _take(BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2), 20)
+    first = BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2)
+    head = _take(first, 3)
+    state = first.state_dict()
+    assert state == {"epoch": 0, "position": 18, "seed": 11}
+    resumed = BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    assert _same(head + _take(resumed, 17), uninterrupted)
+
+
+def test_resume_at_an_epoch_boundary_and_after_reloading_state(dataset: TokenSequenceDataset) -> None:
+    uninterrupted = _take(BatchLoader(dataset, batch_size=19, seed=5), 7)
+    loader = BatchLoader(dataset, batch_size=19, seed=5)
+    _take(loader, 2)
+    assert loader.state_dict() == {"epoch": 1, "position": 0, "seed": 5}
+    _take(loader, 3)
+    loader.load_state_dict({"epoch": 1, "position": 0, "seed": 5})  # rewind a live loader
+    assert _same(_take(loader, 5), uninterrupted[2:])
+
+
+def test_load_state_dict_refuses_another_seed(dataset: TokenSequenceDataset) -> None:
+    loader = BatchLoader(dataset, batch_size=4, seed=1)
+    with pytest.raises(ValueError, match="data.seed=2"):
+        loader.load_state_dict({"epoch": 0, "position": 4, "seed": 2})
+
+
+@pytest.mark.timeout(60)
+def test_worker_processes_yield_the_same_batches(dataset: TokenSequenceDataset) -> None:
+    expected = _take(BatchLoader(dataset, batch_size=4, seed=9), 15)
+    loader = BatchLoader(dataset, batch_size=4, seed=9, num_workers=2, pin_memory=True)
+    try:
+        head = _take(loader, 5)
+        state = loader.state_dict()
+        loader.load_state_dict(state)  # restarts the workers from the state, not from what they prefetched
+        assert _same(head + _take(loader, 10), expected)
+    finally:
+        loader.close()
+
+
+def test_without_drop_last_every_window_is_seen_and_shapes_stay_fixed(dataset: TokenSequenceDataset) -> None:
+    loader = BatchLoader(dataset, batch_size=16, seed=2, drop_last=False)
+    assert loader.batches_per_epoch == 3
+    epoch = _take(loader, 3)
+    assert all(b.shape == (16, SEQ_LEN) for b in epoch)
+    assert len({int(s) for s in torch.cat(epoch)[:, 0]}) == len(dataset)
+    assert loader.state_dict()["epoch"] == 1
+
+
+def test_no_shuffle_reads_in_order(dataset: TokenSequenceDataset) -> None:
+    batch = next(BatchLoader(dataset, batch_size=4, seed=0, shuffle=False))
+    assert batch[:, 0].tolist() == [0, 4, 8, 12]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"batch_size": 10, "world_size": 3}, "multiple of the world size"), ({"batch_size": 39}, "fewer than one"),
+     ({"batch_size": 4, "rank": 2, "world_size": 2}, "rank=2"), ({"batch_size": 4, "seed": -1}, "data.seed")],
+)
+def test_loader_refuses_impossible_settings(dataset: TokenSequenceDataset, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchLoader(dataset, **{"seed": 0, **kwargs})
+
+
+# --- iterate_eval_batches -----------------------------------------------------------------------
+
+
+def test_eval_batches_are_fixed_and_cover_the_dataset_in_order(dataset: TokenSequenceDataset) -> None:
+    batches = list(iterate_eval_batches(dataset, 16, None))
+    assert [b.shape[0] for b in batches] == [16, 16, 6]
+    assert torch.equal(torch.cat(batches), torch.stack([dataset[i] for i in range(len(dataset))]))
+    assert len(list(iterate_eval_batches(dataset, 16, 2))) == 2
+    ranks = [list(iterate_eval_batches(dataset, 16, None, rank=r, world_size=2)) for r in range(2)]
+    assert [len(r) for r in ranks] == [2, 1] and torch.equal(ranks[1][0], batches[1])

@@ -1,0 +1,62 @@
+"""The local launcher (server + peers as real processes) and the per-node launch script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_local_run_finishes_with_summary_and_no_leftover_processes(tiny_corpus, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    overrides = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
+                 f"--data.validation_paths=[{tiny_corpus.valid}]", "--spes_config.num_peers=2",
+                 "--spes_config.num_train_experts_per_node=4", "--max_duration=8st", "--spes_config.sync_steps=4",
+                 "--eval_interval=4", "--eval_subset_num_batches=1", "--save_interval=null"]
+    proc = subprocess.run([sys.executable, "-m", "spes.launch", TINY, "--out", str(out), "--merge_interval", "8",
+                           "--", *overrides], cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SPES run summary" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["rounds"] for r in summary["peers"]] == [2, 2]
+    assert [r["merge_rounds"] for r in summary["peers"]] == [1, 1]
+    merged = {r["val_merged_last"] for r in summary["peers"]}
+    assert len(merged) == 1  # both peers evaluate the same global model after the last sync
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
+
+
+def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--",
+                           "--spes_config.num_peerz=2"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "did you mean 'spes_config.num_peers'" in proc.stderr
+    assert not (tmp_path / "server.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_run_single_node_uses_the_node_config_seed_and_overrides(tiny_corpus, tmp_path: Path) -> None:
+    env = {**os.environ, "CONFIG": TINY, "NPROC_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "run_scripts/run_single_node.sh", "2", "--using_spes=false", "--max_duration=2st",
+                           *tiny_corpus.overrides(tmp_path), "--eval_interval=null"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "data seed 8198" in proc.stdout
+    config = (tmp_path / "step2" / "config.yaml").read_text()
+    assert "seed: 8198" in config and "peer_id: 2" in config
+
+
+def test_run_single_node_needs_a_node_id() -> None:
+    proc = subprocess.run(["bash", "run_scripts/run_single_node.sh"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage" in proc.stderr

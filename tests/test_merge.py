@@ -1,0 +1,228 @@
+"""Tests for spes.sync.merge: the SPES round math against naive loops and hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sync_helpers import peer_upload, tiny_manifest
+
+from spes.moe import parse_expert_block
+from spes.sync.merge import (
+    MergeConfig,
+    OuterConfig,
+    aggregate_round,
+    download_names,
+    is_merge_round,
+    mean_over_peers,
+    merge_alpha,
+    merge_experts,
+    outer_nesterov_step,
+    round_alpha,
+    trainable_names,
+)
+
+
+def naive_merge(w1: torch.Tensor, v1: torch.Tensor, w2: torch.Tensor, alpha: float, topk: int) -> list[torch.Tensor]:
+    """The paper's rule written as plain loops: one expert at a time, donors from pre-merge values."""
+    num_experts = w1.shape[0]
+    k = min(topk, num_experts - 1)
+    out = [w.clone() for w in (w1, v1, w2)]
+    for i in range(num_experts):
+        sims = []
+        for j in range(num_experts):
+            if j != i:
+                cos = torch.nn.functional.cosine_similarity(w1[i].flatten(), w1[j].flatten(), dim=0)
+                sims.append((-cos.item(), j))
+        donors = [j for _, j in sorted(sims)[:k]]
+        for orig, new in zip((w1, v1, w2), out):
+            task_vector = sum(orig[j] - orig[i] for j in donors) / k
+            new[i] = orig[i] + alpha * task_vector
+    return out
+
+
+def random_layer(
+    num_experts: int, seed: int, d: int = 6, f: int = 5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(num_experts, d, f, generator=gen),
+        torch.randn(num_experts, d, f, generator=gen),
+        torch.randn(num_experts, f, d, generator=gen),
+    )
+
+
+def test_trainable_and_download_names() -> None:
+    names = list(tiny_manifest(num_layers=1))
+    own = trainable_names(names, 1, "spes")
+    assert "blocks.0.ffn.experts.w1.1" in own and "blocks.0.ffn.experts.w1.0" not in own and "embed.weight" in own
+    assert trainable_names(names, 1, "diloco") == names
+    down = download_names(names, 1, "spes", merged=False)
+    assert "blocks.0.ffn.experts.w1.0" in down and "blocks.0.ffn.experts.w1.1" not in down and "embed.weight" in down
+    assert download_names(names, 1, "spes", merged=True) == names
+
+
+def test_alpha_schedule() -> None:
+    assert merge_alpha(0, 0.05, 10000) == 0.05
+    assert merge_alpha(5000, 0.05, 10000) == pytest.approx(0.025)
+    assert merge_alpha(10000, 0.05, 10000) == 0.0
+    assert merge_alpha(20000, 0.05, 10000) == 0.0
+    assert is_merge_round(0, 500, 0.05, 10000)
+    assert is_merge_round(500, 500, 0.05, 10000)
+    assert not is_merge_round(501, 500, 0.05, 10000)
+    assert not is_merge_round(10000, 500, 0.05, 10000)  # multiple of the interval but alpha is 0
+    assert not is_merge_round(500, 0, 0.05, 10000)
+    cfg = MergeConfig(interval=500, alpha_start=0.05, decay_steps=10000)
+    assert round_alpha(1500, cfg) == pytest.approx(0.05 * 0.85)
+    assert round_alpha(1501, cfg) == 0.0 and round_alpha(1500, None) == 0.0
+
+
+@pytest.mark.parametrize("num_experts,topk", [(8, 4), (5, 2), (3, 4), (2, 1), (4, 3)])
+def test_merge_matches_naive_loop(num_experts: int, topk: int) -> None:
+    w1, v1, w2 = random_layer(num_experts, seed=num_experts * 10 + topk)
+    got = merge_experts(w1, v1, w2, alpha=0.3, topk=topk)
+    for g, want in zip(got, naive_merge(w1, v1, w2, alpha=0.3, topk=topk)):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_merge_hand_computed() -> None:
+    # Three 1x1 "experts" with w1 along distinct directions of a 2-vector: e0=(1,0), e1=(1,0.1), e2=(0,1).
+    w1 = torch.tensor([[[1.0, 0.0]], [[1.0, 0.1]], [[0.0, 1.0]]])
+    v1 = torch.tensor([[[1.0, 1.0]], [[3.0, 3.0]], [[5.0, 5.0]]])
+    w2 = torch.tensor([[[2.0], [0.0]], [[4.0], [0.0]], [[8.0], [0.0]]])
+    new_w1, new_v1, new_w2 = merge_experts(w1, v1, w2, alpha=0.5, topk=1)
+    # Nearest others: 0 -> 1, 1 -> 0, 2 -> 1. theta_i + 0.5 * (theta_j - theta_i) is the midpoint.
+    torch.testing.assert_close(new_v1[:, 0, 0], torch.tensor([2.0, 2.0, 4.0]))
+    torch.testing.assert_close(new_w2[:, 0, 0], torch.tensor([3.0, 3.0, 6.0]))
+    torch.testing.assert_close(new_w1[2, 0], torch.tensor([0.5, 0.55]))
+    # topk=2 with 3 experts: each takes the mean of both others.
+    _, v1_all, _ = merge_experts(w1, v1, w2, alpha=1.0, topk=2)
+    torch.testing.assert_close(v1_all[:, 0, 0], torch.tensor([4.0, 3.0, 2.0]))
+
+
+def test_merge_alpha_zero_is_bit_identical() -> None:
+    w1, v1, w2 = random_layer(4, seed=1)
+    for got, orig in zip(merge_experts(w1, v1, w2, alpha=0.0, topk=2), (w1, v1, w2)):
+        assert torch.equal(got, orig)
+
+
+def test_merge_topk_clipped_to_other_experts() -> None:
+    w1, v1, w2 = random_layer(3, seed=2)
+    clipped = merge_experts(w1, v1, w2, alpha=0.2, topk=100)
+    exact = merge_experts(w1, v1, w2, alpha=0.2, topk=2)
+    for a, b in zip(clipped, exact):
+        assert torch.equal(a, b)
+    single = merge_experts(w1[:1], v1[:1], w2[:1], alpha=0.2, topk=4)  # no other expert: unchanged
+    assert torch.equal(single[0], w1[:1])
+
+
+def test_merge_is_permutation_equivariant_and_deterministic() -> None:
+    w1, v1, w2 = random_layer(8, seed=3)
+    perm = torch.randperm(8, generator=torch.Generator().manual_seed(0))
+    base = merge_experts(w1, v1, w2, alpha=0.1, topk=3)
+    permuted = merge_experts(w1[perm], v1[perm], w2[perm], alpha=0.1, topk=3)
+    for a, b in zip(base, permuted):
+        torch.testing.assert_close(a[perm], b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(base, merge_experts(w1, v1, w2, alpha=0.1, topk=3)):
+        assert torch.equal(a, b)
+
+
+def test_merge_with_identical_experts_is_deterministic() -> None:
+    w1 = torch.ones(4, 2, 2)  # every similarity ties: donors are the lowest other indices
+    v1 = torch.arange(4.0).reshape(4, 1, 1).expand(4, 2, 2).contiguous()
+    new_v1 = merge_experts(w1, v1, v1.transpose(1, 2).contiguous(), alpha=1.0, topk=1)[1]
+    torch.testing.assert_close(new_v1[:, 0, 0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
+def test_aggregate_spes_takes_owners_and_averages_shared() -> None:
+    manifest = tiny_manifest(num_layers=2, num_blocks=2, k=2)
+    uploads = {p: peer_upload(manifest, p, "spes", seed=0) for p in range(2)}
+    out = aggregate_round(
+        uploads, num_peers=2, experts_per_peer=2, mode="spes", step=7, merge=MergeConfig(interval=500)
+    )
+    assert set(out) == set(manifest)
+    for name in manifest:
+        parsed = parse_expert_block(name)
+        if parsed is None:
+            torch.testing.assert_close(out[name], (uploads[0][name] + uploads[1][name]) / 2)
+        else:
+            assert torch.equal(out[name], uploads[parsed.block][name])
+        assert out[name].dtype == torch.float32
+
+
+def test_aggregate_spes_merge_round_matches_layerwise_merge() -> None:
+    manifest = tiny_manifest(num_layers=2, num_blocks=2, k=2)
+    uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)}
+    cfg = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
+    out = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=200, merge=cfg)
+    alpha = merge_alpha(200, 0.5, 1000)
+    for layer in range(2):
+        prefix = f"blocks.{layer}.ffn.experts"
+        stacked = [torch.cat([uploads[b][f"{prefix}.{kind}.{b}"] for b in range(2)]) for kind in ("w1", "v1", "w2")]
+        want = naive_merge(*stacked, alpha=alpha, topk=2)
+        for kind, w in zip(("w1", "v1", "w2"), want):
+            for b in range(2):
+                torch.testing.assert_close(out[f"{prefix}.{kind}.{b}"], w[2 * b : 2 * b + 2], rtol=1e-5, atol=1e-6)
+    # Past decay the same interval multiple changes nothing.
+    late = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1000, merge=cfg)
+    assert torch.equal(late["blocks.0.ffn.experts.w1.1"], uploads[1]["blocks.0.ffn.experts.w1.1"])
+
+
+def test_aggregate_diloco_averages_everything_in_bf16_too() -> None:
+    manifest = tiny_manifest(num_layers=1, num_blocks=1, k=4)
+    uploads = {p: {n: t.bfloat16() for n, t in peer_upload(manifest, p, "diloco", seed=2).items()} for p in range(3)}
+    out = aggregate_round(
+        uploads, num_peers=3, experts_per_peer=4, mode="diloco", step=0, merge=MergeConfig(interval=1, alpha_start=1.0)
+    )
+    for name in manifest:
+        torch.testing.assert_close(out[name], sum(uploads[p][name].float() for p in range(3)) / 3)
+
+
+def test_mean_in_place_equals_the_copying_mean() -> None:
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(5, 7, generator=gen) for _ in range(3)]
+    want = mean_over_peers(tensors)
+    assert torch.equal(want, (tensors[0] + tensors[1] + tensors[2]) / 3)
+    first = tensors[0].clone()
+    got = mean_over_peers([first, *tensors[1:]], reuse_first=True)
+    assert got is first and torch.equal(got, want)
+    half = tensors[0].bfloat16()  # not fp32: never reused, whatever the caller says
+    assert mean_over_peers([half, *tensors[1:]], reuse_first=True) is not half
+
+
+def test_aggregate_rejects_incomplete_uploads() -> None:
+    manifest = tiny_manifest(num_layers=1)
+    uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
+    with pytest.raises(ValueError, match="one upload per peer"):
+        aggregate_round({0: uploads[0]}, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+    uploads[0]["blocks.0.ffn.experts.w1.1"] = uploads[1].pop("blocks.0.ffn.experts.w1.1")  # sent by a non-owner
+    with pytest.raises(ValueError, match="owner, peer 1"):
+        aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+    uploads[1]["blocks.0.ffn.experts.w1.1"] = uploads[0].pop("blocks.0.ffn.experts.w1.1")
+    del uploads[0]["embed.weight"]
+    with pytest.raises(ValueError, match="embed.weight"):
+        aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+
+
+def test_outer_nesterov_matches_torch_sgd() -> None:
+    gen = torch.Generator().manual_seed(4)
+    theta = {"a": torch.randn(5, generator=gen), "b": torch.randn(2, 3, generator=gen)}
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in theta.items()}
+    sgd = torch.optim.SGD(params.values(), lr=0.7, momentum=0.9, nesterov=True)
+    buf: dict[str, torch.Tensor] = {}
+    for _ in range(3):
+        mean = {n: t + torch.randn(t.shape, generator=gen) for n, t in theta.items()}
+        for n, p in params.items():
+            p.grad = p.detach() - mean[n]
+        sgd.step()
+        theta, buf = outer_nesterov_step(theta, mean, buf, lr=0.7, momentum=0.9)
+        for n, p in params.items():
+            torch.testing.assert_close(theta[n], p.detach())
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="topk"):
+        MergeConfig(topk=0)
+    with pytest.raises(ValueError, match="decay_steps"):
+        MergeConfig(decay_steps=0)
+    with pytest.raises(ValueError, match="outer optimizer"):
+        OuterConfig(optimizer="adam")  # type: ignore[arg-type]

@@ -1,0 +1,185 @@
+"""Tests of spes.model: parameter accounting of the shipped configs, expert freezing under SPES (no gradient,
+no optimizer state, bit-identical frozen experts), causality, layout-independent init, and bf16 autocast."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spes.config import TrainConfig, load_config
+from spes.model import Transformer, analytic_param_counts, count_params
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def tiny(*overrides: str) -> TrainConfig:
+    return load_config(CONFIGS / "tiny.yaml", list(overrides))[0]
+
+
+def built(cfg: TrainConfig, seed: int = 0) -> Transformer:
+    """The node's model, built on the meta device and materialized on the CPU as the trainer does."""
+    with torch.device("meta"):
+        model = Transformer.for_run(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def test_paper_1b_parameter_counts() -> None:
+    cfg = load_config(CONFIGS / "spes_1b" / "node_0.yaml")[0]
+    with torch.device("meta"):
+        model = Transformer.for_run(cfg)
+    counts = count_params(model)
+    assert counts == analytic_param_counts(cfg.model, trained_experts=4)
+    # The same numbers written out: d=768, L=12, 16 experts of width 2048, 151936 embedding rows, QK-norm.
+    d, layers, experts, width, rows = 768, 12, 16, 2048, 151936
+    per_layer_shared = 4 * d * d + 2 * d + 2 * d + experts * d  # q,k,v,o + QK-norm + 2 RMSNorms + router
+    shared = layers * per_layer_shared + 2 * rows * d + d  # + embedding, LM head, final norm
+    one_expert = 3 * d * width
+    assert counts.total == shared + layers * experts * one_expert == 1_167_840_000
+    assert counts.active_per_token == shared + layers * 2 * one_expert == 375_116_544
+    assert counts.trainable == shared + layers * 4 * one_expert == 488_362_752
+
+
+@pytest.mark.parametrize("path", ["diloco_1b/node_2.yaml", "centralized_1b.yaml"])
+def test_baselines_train_every_parameter(path: str) -> None:
+    cfg = load_config(CONFIGS / path)[0]
+    with torch.device("meta"):
+        counts = count_params(Transformer.for_run(cfg))
+    assert counts == analytic_param_counts(cfg.model)
+    assert counts.trainable == counts.total == 1_167_840_000
+
+
+@pytest.mark.parametrize("overrides", [
+    ["--model.n_kv_heads=2"],
+    ["--model.attention_layer_norm=true", "--model.attention_layer_norm_over_head=true", "--model.n_kv_heads=2"],
+    ["--model.attention_layer_norm=true", "--model.attention_layer_norm_with_affine=false"],
+    ["--model.mlp_hidden_size=null", "--model.mlp_ratio=3"],
+    ["--model.embedding_size=4160"],
+    ["--model.layer_norm_with_affine=false"],
+])
+def test_param_counts_of_model_variants(overrides: list[str]) -> None:
+    cfg = tiny(*overrides)
+    model = built(cfg)
+    assert count_params(model) == analytic_param_counts(cfg.model, trained_experts=2)
+    m, attn = cfg.model, model.blocks[0].attn
+    assert attn.k_proj.weight.shape == (m.n_kv_heads * m.head_dim, m.d_model)
+    if m.attention_layer_norm and m.attention_layer_norm_with_affine:
+        q_norm_size = m.head_dim if m.attention_layer_norm_over_head else m.d_model
+        assert attn.q_norm is not None and attn.q_norm.weight is not None
+        assert attn.q_norm.weight.shape == (q_norm_size,)
+    assert model.blocks[0].ffn.experts.w1[0].shape == (2, m.d_model, m.mlp_hidden_size // 2)
+    logits = model(torch.randint(0, m.vocab_size, (2, 16))).logits
+    assert logits.shape == (2, 16, m.embedding_size) and bool(torch.isfinite(logits).all())
+
+
+def test_mlp_ratio_sets_the_expert_width() -> None:
+    cfg = tiny("--model.mlp_hidden_size=null", "--model.mlp_ratio=3")
+    assert cfg.model.mlp_hidden_size == 3 * 64 and cfg.model.expert_hidden_size == 96
+
+
+def test_only_the_owned_block_and_shared_parameters_train() -> None:
+    model = built(tiny("--spes_config.peer_id=1"))
+    for name, p in model.named_parameters():
+        expert = re.fullmatch(r"blocks\.\d+\.ffn\.experts\.(w1|v1|w2)\.(\d+)", name)
+        assert p.requires_grad == (expert is None or expert.group(2) == "1"), name
+    assert sum(".experts." in n for n, p in model.named_parameters() if p.requires_grad) == 2 * 3  # layers x kinds
+
+
+def loss_of(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    out = model(ids)
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    return ce + out.lb_loss + out.z_loss
+
+
+def test_frozen_experts_stay_bit_identical_without_grad_or_optimizer_state() -> None:
+    torch.manual_seed(0)
+    model = built(tiny("--spes_config.peer_id=2"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(model, torch.randint(0, 4096, (4, 32))).backward()
+        optimizer.step()
+
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert not torch.equal(p, before[name]), f"{name} did not train"
+        else:
+            assert ".experts." in name and not name.endswith(".2")
+            assert p.grad is None and torch.equal(p, before[name]), f"frozen {name} changed"
+    state = optimizer.state_dict()["state"]
+    assert len(state) == len(trainable)
+    moment_bytes = sum(t.numel() * t.element_size() for s in state.values() for k, t in s.items() if k != "step")
+    assert moment_bytes == 2 * 4 * count_params(model).trainable  # exp_avg + exp_avg_sq in fp32
+    assert all(s["step"].numel() == 1 for s in state.values())
+
+
+def test_causal() -> None:
+    model = built(tiny()).eval()
+    ids = torch.randint(0, 4096, (2, 48), generator=torch.Generator().manual_seed(3))
+    changed = ids.clone()
+    changed[:, 30] = (ids[:, 30] + 1) % 4096
+    with torch.no_grad():
+        a, b = model(ids).logits, model(changed).logits
+    torch.testing.assert_close(a[:, :30], b[:, :30], atol=1e-6, rtol=0)
+    assert not torch.allclose(a[:, 30:], b[:, 30:])
+
+
+def test_init_is_identical_across_block_layouts_and_devices() -> None:
+    cfg = tiny()
+    layouts = [Transformer(cfg.model, block_size=k, trainable_block=0 if k < 8 else None) for k in (2, 3, 8)]
+    for model in layouts:
+        model.init_weights(1234)
+    layouts.append(built(cfg, seed=1234))  # meta -> to_empty -> init, block size 2
+
+    def flat(model: Transformer) -> dict[str, torch.Tensor]:
+        """Every parameter, with each expert kind of a layer joined into one (E, ...) tensor."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters():
+            key = re.sub(r"\.\d+$", "", name) if ".experts." in name else name
+            out[key] = torch.cat([out[key], p.detach()]) if key in out else p.detach()
+        return out
+
+    reference = flat(layouts[0])
+    assert reference["blocks.0.ffn.experts.w1"].shape[0] == 8
+    for model in layouts[1:]:
+        other = flat(model)
+        assert other.keys() == reference.keys()
+        for key in reference:
+            assert torch.equal(other[key], reference[key]), key
+    assert not torch.equal(flat(built(cfg, seed=1235))["blocks.0.ffn.experts.w1"], reference["blocks.0.ffn.experts.w1"])
+
+
+def test_init_is_truncated_normal() -> None:
+    model = built(load_config(CONFIGS / "small.yaml")[0])
+    w = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if p.ndim >= 2])
+    assert w.abs().max() <= 3 * 0.02 + 1e-7
+    assert w.std().item() == pytest.approx(0.02 * 0.986, rel=0.02)  # std of N(0,1) truncated at +-3 is 0.9866
+
+
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+def test_bf16_autocast_forward_and_backward_on_cpu(backend: str) -> None:
+    model = built(tiny(f"--model.moe_backend={backend}"))
+    ids = torch.randint(0, 4096, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids)
+        loss = loss_of(model, ids)
+    assert out.logits.dtype == torch.bfloat16 and bool(torch.isfinite(out.logits.float()).all())
+    loss.backward()
+    owned = model.blocks[0].ffn.experts.w1[0]
+    assert owned.grad is not None and owned.grad.dtype == torch.float32 and bool(torch.isfinite(owned.grad).all())
+    with torch.no_grad():
+        fp32 = model(ids).logits
+    torch.testing.assert_close(out.logits.float(), fp32, atol=0.1, rtol=0.1)
+
+
+def test_sequence_longer_than_max_sequence_length_is_refused() -> None:
+    model = built(tiny())
+    with pytest.raises(ValueError, match="max_sequence_length=64"):
+        model(torch.zeros(1, 65, dtype=torch.long))

@@ -1,0 +1,240 @@
+"""Tests of spes.moe: every expert backend against a naive per-token loop, the auxiliary losses and their
+SPES decayed factor, top-k weight normalization and dropless routing."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spes.moe import (
+    ExpertBlock,
+    MoE,
+    decayed_lb_factor,
+    fuse_expert_blocks,
+    init_truncated_normal_,
+    load_balancing_loss,
+    parse_expert_block,
+    router_z_loss,
+    split_expert_blocks,
+)
+
+D, HIDDEN, E, K = 16, 12, 8, 2
+BACKENDS = ["torch", "grouped_mm"]
+
+
+def make_moe(backend: str = "torch", *, block_size: int = 2, trainable_block: int | None = None,
+             normalize_p: float | None = None, num_layers: int = 1, seed: int = 0) -> MoE:
+    """A small MoE with weights large enough that routing and expert outputs are far from trivial."""
+    moe = MoE(d_model=D, hidden=HIDDEN, num_experts=E, top_k=K, block_size=block_size,
+              trainable_block=trainable_block, num_layers=num_layers, lb_weight=0.01, z_weight=0.001,
+              normalize_p=normalize_p, backend=backend)  # type: ignore[arg-type]
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            init_truncated_normal_(p, 0.3, 3.0)
+    return moe
+
+
+def full_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All experts of the layer as (E, ...) tensors, concatenated from the ownership blocks (differentiably)."""
+    ex = moe.experts
+    return torch.cat(list(ex.w1)), torch.cat(list(ex.v1)), torch.cat(list(ex.w2))
+
+
+def naive_moe_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The definition: each token visits its top-k experts one at a time and sums their weighted SwiGLU outputs."""
+    x_TD = x.reshape(-1, x.shape[-1])
+    w1, v1, w2 = full_experts(moe)
+    probs = torch.softmax(x_TD @ moe.router.weight.T, dim=-1)
+    rows = []
+    for t in range(x_TD.shape[0]):
+        weights, experts = torch.topk(probs[t], moe.top_k)
+        if moe.normalize_p is not None:
+            weights = weights / weights.abs().pow(moe.normalize_p).sum().pow(1 / moe.normalize_p)
+        out = torch.zeros(x_TD.shape[-1])
+        for w, e in zip(weights, experts.tolist()):
+            h = F.silu(x_TD[t] @ w1[e]) * (x_TD[t] @ v1[e])
+            out = out + w * (h @ w2[e])
+        rows.append(out)
+    return torch.stack(rows).reshape(x.shape)
+
+
+def grads_of(moe: MoE, x: torch.Tensor, forward) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Gradients of a real loss (MSE against a fixed target) w.r.t. the input and every trainable parameter."""
+    moe.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    target = torch.linspace(-1.0, 1.0, x.numel()).reshape(x.shape)
+    loss = F.mse_loss(forward(moe, x), target)
+    loss.backward()
+    grads = {"input": x.grad.clone()}
+    grads.update({n: p.grad.clone() for n, p in moe.named_parameters() if p.grad is not None})
+    return grads
+
+
+def module_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    return moe(x)[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", [2, 3, 8])
+@pytest.mark.parametrize("normalize_p", [None, 1.0])
+def test_backend_matches_naive_loop_forward_and_gradients(backend: str, block_size: int,
+                                                          normalize_p: float | None) -> None:
+    moe = make_moe(backend, block_size=block_size, normalize_p=normalize_p)
+    x = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(moe(x)[0], naive_moe_forward(moe, x), atol=1e-5, rtol=1e-5)
+
+    got, want = grads_of(moe, x, module_forward), grads_of(moe, x, naive_moe_forward)
+    assert got.keys() == want.keys()
+    assert len(got) == 1 + 1 + 3 * len(moe.experts.bounds)  # input, router, every block of w1/v1/w2
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_blocks_get_no_gradient(backend: str) -> None:
+    moe = make_moe(backend, block_size=2, trainable_block=1)
+    grads = grads_of(moe, torch.randn(4, 9, D), module_forward)
+    assert sorted(n for n in grads if n.startswith("experts.")) == ["experts.v1.1", "experts.w1.1", "experts.w2.1"]
+    assert "router.weight" in grads
+    assert all(p.grad is None for n, p in moe.named_parameters() if n.startswith("experts.") and not n.endswith(".1"))
+
+
+def test_megablocks_backend_missing_is_a_clear_error() -> None:
+    if importlib.util.find_spec("megablocks") is not None and importlib.util.find_spec("grouped_gemm") is not None:
+        pytest.skip("megablocks is installed here")
+    with pytest.raises(ValueError, match=r"model\.moe_backend.*megablocks.*torch or grouped_mm"):
+        make_moe("megablocks")
+
+
+def test_load_balancing_loss_by_hand() -> None:
+    probs = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.6, 0.3, 0.1], [0.2, 0.2, 0.6]])
+    counts = torch.tensor([2, 1, 1])
+    # E * w / (L * T * K) * sum_e count_e * mean_t p_te = 3 * 0.01 / (2 * 4 * 1) * (2*0.4 + 1*0.375 + 1*0.225)
+    got = load_balancing_loss(probs, counts, top_k=1, weight=0.01, num_layers=2)
+    assert got.item() == pytest.approx(0.00375 * 1.4, rel=1e-6)
+    scaled = load_balancing_loss(probs, counts, top_k=1, weight=0.01, num_layers=2,
+                                 count_scale_E=torch.tensor([0.7, 1.0, 1.0]))
+    assert scaled.item() == pytest.approx(0.00375 * (0.7 * 2 * 0.4 + 0.375 + 0.225), rel=1e-6)
+
+
+def test_router_z_loss_by_hand() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    lse = [math.log(math.exp(1) + math.exp(2) + math.exp(3)), math.log(3.0)]
+    want = 0.001 / 4 * (lse[0] ** 2 + lse[1] ** 2) / 2
+    assert router_z_loss(logits, weight=0.001, num_layers=4).item() == pytest.approx(want, rel=1e-6)
+
+
+def test_module_aux_losses_follow_the_formulas() -> None:
+    moe = make_moe(block_size=2, trainable_block=1, num_layers=3)
+    x = torch.randn(5, 6, D)
+    _, aux = moe(x)
+    x_TD = x.reshape(-1, D)
+    logits = x_TD @ moe.router.weight.T
+    probs = logits.softmax(-1)
+    counts = torch.bincount(probs.topk(K, dim=-1).indices.reshape(-1), minlength=E).float()
+    torch.testing.assert_close(aux.tokens_per_expert, counts.long())
+    assert int(aux.tokens_per_expert.sum()) == x_TD.shape[0] * K
+    lb = E * 0.01 / (3 * x_TD.shape[0] * K) * (counts * probs.mean(0)).sum()
+    torch.testing.assert_close(aux.lb_loss, lb)
+    torch.testing.assert_close(aux.z_loss, 0.001 / 3 * torch.logsumexp(logits, -1).square().mean())
+
+    moe.set_own_count_scale(0.7)  # the trainable block 1 holds experts 2 and 3
+    scale = torch.tensor([1.0, 1.0, 0.7, 0.7, 1.0, 1.0, 1.0, 1.0])
+    scaled_lb = E * 0.01 / (3 * x_TD.shape[0] * K) * (scale * counts * probs.mean(0)).sum()
+    torch.testing.assert_close(moe(x)[1].lb_loss, scaled_lb)
+
+
+def test_decayed_lb_factor_schedule() -> None:
+    max_steps, every = 1000, 10  # ramp over the first 200 steps, refreshed every 10
+    assert decayed_lb_factor(0, max_steps, every) == pytest.approx(0.7)
+    assert decayed_lb_factor(50, max_steps, every) == pytest.approx(0.775)
+    assert decayed_lb_factor(100, max_steps, every) == pytest.approx(0.85)
+    assert decayed_lb_factor(200, max_steps, every) == pytest.approx(1.0)
+    assert decayed_lb_factor(999, max_steps, every) == pytest.approx(1.0)
+    assert decayed_lb_factor(5000, max_steps, every) == pytest.approx(1.0)
+    # constant between refreshes, then the next point of the line
+    at_refresh = decayed_lb_factor(100, max_steps, every)
+    assert all(decayed_lb_factor(s, max_steps, every) == at_refresh for s in range(100, 110))
+    assert decayed_lb_factor(110, max_steps, every) == pytest.approx(0.7 + 0.3 * 110 / 200)
+    values = [decayed_lb_factor(s, max_steps, 1) for s in range(0, 201, 20)]
+    steps = [b - a for a, b in zip(values, values[1:])]
+    assert steps == pytest.approx([0.03] * 10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_normalized_topk_weights_sum_to_one(backend: str) -> None:
+    """With identical experts the output is (sum of the top-k weights) x expert(x): 1 x when normalized."""
+    x = torch.randn(4, 5, D)
+    outputs = {}
+    for p in (None, 1.0):
+        moe = make_moe(backend, normalize_p=p)
+        with torch.no_grad():
+            for blocks in (moe.experts.w1, moe.experts.v1, moe.experts.w2):
+                first = blocks[0][0].clone()
+                for block in blocks:
+                    block.copy_(first.expand_as(block))
+        outputs[p] = moe(x)[0]
+    w1, v1, w2 = (b[0][0] for b in (moe.experts.w1, moe.experts.v1, moe.experts.w2))
+    one_expert = (F.silu(x @ w1) * (x @ v1)) @ w2
+    torch.testing.assert_close(outputs[1.0], one_expert, atol=1e-5, rtol=1e-5)
+    ratio = (outputs[None].norm(dim=-1) / one_expert.norm(dim=-1))
+    assert bool(((ratio > 2 / E) & (ratio < 1 - 1e-3)).all())  # unnormalized top-2 of 8 probabilities
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropless_when_every_token_picks_the_same_experts(backend: str) -> None:
+    moe = make_moe(backend, block_size=2)
+    x = torch.randn(6, 8, D) * 0.1
+    x[..., 0] = 1.0  # a constant feature the router reads: experts 0 then 1 win for every token
+    with torch.no_grad():
+        moe.router.weight[:, 0] = torch.tensor([20.0, 10.0, 0, 0, 0, 0, 0, 0])
+    y, aux = moe(x)
+    tokens = x.shape[0] * x.shape[1]
+    assert aux.tokens_per_expert.tolist() == [tokens, tokens, 0, 0, 0, 0, 0, 0]
+    torch.testing.assert_close(y, naive_moe_forward(moe, x), atol=1e-5, rtol=1e-5)
+    assert bool((y.norm(dim=-1) > 0).all())  # no token was dropped
+
+
+def test_parse_expert_block() -> None:
+    assert parse_expert_block("blocks.3.ffn.experts.w1.2") == ExpertBlock("blocks.3.ffn.experts", "w1", 2)
+    assert parse_expert_block("blocks.0.ffn.experts.w2.10") == ExpertBlock("blocks.0.ffn.experts", "w2", 10)
+    for shared in (
+        "blocks.3.ffn.router.weight",
+        "embed.weight",
+        "blocks.1.ffn.experts.w3.0",
+        "blocks.1.ffn.experts.w1.01",
+    ):
+        assert parse_expert_block(shared) is None
+
+
+def test_fuse_split_round_trip_uneven_blocks() -> None:
+    full = {"blocks.0.ffn.experts.w1": torch.randn(5, 3, 2), "blocks.0.ffn.experts.w2": torch.randn(5, 2, 3),
+            "embed.weight": torch.randn(4, 3)}
+    blocks = split_expert_blocks(full, 2)
+    assert [tuple(blocks[f"blocks.0.ffn.experts.w1.{b}"].shape) for b in range(3)] == [(2, 3, 2), (2, 3, 2), (1, 3, 2)]
+    fused = fuse_expert_blocks(blocks)
+    assert fused.keys() == full.keys() and all(torch.equal(fused[k], full[k]) for k in full)
+
+
+def test_fuse_refuses_missing_block() -> None:
+    with pytest.raises(ValueError, match="not numbered"):
+        fuse_expert_blocks({"x.experts.w1.0": torch.zeros(1, 1, 1), "x.experts.w1.2": torch.zeros(1, 1, 1)})
+
+
+def test_trainable_block_without_tokens_still_gets_a_zero_gradient() -> None:
+    """DDP needs every trainable parameter in each backward, even when no token routed to the owned block."""
+    from spes.moe import ExpertBlocks
+
+    blocks = ExpertBlocks(num_experts=4, block_size=2, d_model=8, hidden=8, trainable_block=1)
+    for p in [*blocks.w1, *blocks.v1, *blocks.w2]:
+        torch.nn.init.normal_(p)
+    x = torch.randn(5, 8, requires_grad=True)
+    blocks(x, [3, 2, 0, 0]).square().sum().backward()
+    for kind in (blocks.w1, blocks.v1, blocks.w2):
+        assert kind[0].grad is None  # frozen
+        assert kind[1].grad is not None and not kind[1].grad.any()  # owned, untouched by tokens

@@ -1,0 +1,544 @@
+"""Tests of the parameter server over real gRPC with raw stubs: refusals, rounds, auth, health, shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
+
+from spes.sync.client import SyncClient, SyncError
+from spes.sync.merge import Mode, trainable_names
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.server import build_parser, config_from_args
+from spes.sync.wire import PROTOCOL_VERSION, checksum, encode_tensors
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = tiny_manifest()
+StatusCode = grpc.StatusCode
+
+
+def join_request(
+    peer: int,
+    *,
+    manifest: dict[str, tuple[int, ...]] = MANIFEST,
+    mode: Mode = "spes",
+    k: int = 2,
+    total: int = 2,
+    wire: str = "fp32",
+    trainable: list[str] | None = None,
+) -> pb.JoinRequest:
+    if trainable is None:
+        trainable = trainable_names(list(manifest), peer, mode)
+    return pb.JoinRequest(
+        peer_id=peer,
+        total_peers=total,
+        experts_per_peer=k,
+        mode=mode,
+        wire_dtype=wire,
+        manifest=[pb.TensorSpec(name=n, shape=s) for n, s in manifest.items()],
+        trainable=trainable,
+        protocol=PROTOCOL_VERSION,
+    )
+
+
+def upload_messages(peer: int, step: int, chunks: list[pb.TensorChunk]) -> Iterator[pb.UploadMessage]:
+    yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=peer, round=step))
+    for chunk in chunks:
+        yield pb.UploadMessage(chunk=chunk)
+
+
+def good_chunks(peer: int, seed: int = 0) -> list[pb.TensorChunk]:
+    return list(encode_tensors(peer_upload(MANIFEST, peer, "spes", seed), "fp32"))
+
+
+@contextmanager
+def stub_for(addr: str) -> Iterator[pb_grpc.ParameterServerStub]:
+    with grpc.insecure_channel(addr) as channel:
+        yield pb_grpc.ParameterServerStub(channel)
+
+
+def expect_code(code: StatusCode, match: str, call: object, *args: object, **kwargs: object) -> str:
+    """Expect the call to fail with `code` and details matching `match`; returns its spes-reason ('' if none)."""
+    with pytest.raises(grpc.RpcError) as err:
+        result = call(*args, timeout=10, **kwargs)  # type: ignore[operator]
+        if not isinstance(result, (pb.JoinReply, pb.UploadReply, pb.StatusReply)):
+            list(result)  # drain a server stream
+    assert err.value.code() == code, err.value.details()
+    assert re.search(match, err.value.details()), err.value.details()
+    return next((v for k, v in err.value.trailing_metadata() or () if k == "spes-reason"), "")
+
+
+def finish_round(addr: str, step: int) -> None:
+    """Both peers upload good tensors for `step` and download the result."""
+    with stub_for(addr) as stub:
+        for peer in range(2):
+            assert not stub.Upload(upload_messages(peer, step, good_chunks(peer, step)), timeout=10).duplicate
+        for peer in range(2):
+            messages = list(stub.Download(pb.DownloadRequest(peer_id=peer, round=step), timeout=10))
+            assert messages[0].info.round == step and len(messages) > 1
+
+
+@pytest.mark.timeout(60)
+def test_bad_joins_are_refused_and_change_nothing() -> None:
+    with running_server() as (server, addr), stub_for(addr) as stub:
+        first = stub.Join(join_request(0), timeout=10)
+        assert (first.current_round, first.open_round) == (-1, -1)
+        expect_code(StatusCode.INVALID_ARGUMENT, r"peer_id 2 is outside \[0, 2\)", stub.Join, join_request(2))
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            "num_train_experts_per_node=3 but the server runs with num_train_experts_per_node=2",
+            stub.Join,
+            join_request(1, k=3),
+        )
+        expect_code(StatusCode.FAILED_PRECONDITION, "mode='diloco'", stub.Join, join_request(1, mode="diloco"))
+        expect_code(StatusCode.FAILED_PRECONDITION, "total_peers=3", stub.Join, join_request(1, total=3))
+        expect_code(StatusCode.INVALID_ARGUMENT, "unknown wire_dtype 'fp8'", stub.Join, join_request(1, wire="fp8"))
+        reshaped = {**MANIFEST, "embed.weight": (17, 8)}
+        expect_code(
+            StatusCode.INVALID_ARGUMENT,
+            r"'embed.weight' has shape \[17, 8\], the run's is \[16, 8\]",
+            stub.Join,
+            join_request(1, manifest=reshaped),
+        )
+        extra = {**MANIFEST, "rogue.weight": (2,)}
+        expect_code(StatusCode.INVALID_ARGUMENT, "unknown 'rogue.weight'", stub.Join, join_request(1, manifest=extra))
+        greedy = trainable_names(list(MANIFEST), 1, "spes") + ["blocks.0.ffn.experts.w1.0"]
+        expect_code(
+            StatusCode.INVALID_ARGUMENT,
+            "also claims 'blocks.0.ffn.experts.w1.0'",
+            stub.Join,
+            join_request(1, trainable=greedy),
+        )
+        assert stub.Status(pb.StatusRequest(), timeout=10).peers_joined == [0]
+        assert stub.Join(join_request(1), timeout=10).current_round == -1
+        finish_round(addr, 10)
+        assert server.servicer.state.completed_round == 10
+
+
+@pytest.mark.timeout(60)
+def test_bad_uploads_are_refused_and_the_round_still_completes(tmp_path: Path) -> None:
+    with running_server() as (server, addr), stub_for(addr) as stub:
+        expect_code(
+            StatusCode.FAILED_PRECONDITION, "peer 0 has not joined", stub.Upload, upload_messages(0, 1, good_chunks(0))
+        )
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        chunks = good_chunks(0)
+
+        wrong_shape = list(encode_tensors({"embed.weight": torch.zeros(8, 16)}, "fp32"))
+        expect_code(
+            StatusCode.INVALID_ARGUMENT,
+            r"'embed.weight': shape \[8, 16\] on the wire, expected \[16, 8\]",
+            stub.Upload,
+            upload_messages(0, 1, wrong_shape),
+        )
+        not_owned = list(encode_tensors({"blocks.0.ffn.experts.w1.1": torch.zeros(2, 8, 4)}, "fp32"))
+        expect_code(
+            StatusCode.INVALID_ARGUMENT,
+            "'blocks.0.ffn.experts.w1.1' is not expected",
+            stub.Upload,
+            upload_messages(0, 1, not_owned),
+        )
+
+        marker = tmp_path / "pwned"
+
+        class Exploit:
+            def __reduce__(self) -> tuple[object, tuple[str]]:
+                return (os.system, (f"touch {marker}",))
+
+        evil = pickle.dumps(Exploit())
+        header = pb.TensorHeader(
+            name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=len(evil), crc32c=checksum(evil)
+        )
+        evil_chunk = pb.TensorChunk(header=header, offset=0, data=evil, crc32c=checksum(evil))
+        expect_code(
+            StatusCode.INVALID_ARGUMENT, "'embed.weight': header says", stub.Upload, upload_messages(0, 1, [evil_chunk])
+        )
+        assert not marker.exists()
+
+        expect_code(
+            StatusCode.INVALID_ARGUMENT,
+            r"stream ended before 1 expected tensor\(s\) arrived",
+            stub.Upload,
+            upload_messages(0, 1, chunks[:-1]),
+        )
+        corrupted = [pb.TensorChunk() for _ in chunks]
+        for copy, chunk in zip(corrupted, chunks):
+            copy.CopyFrom(chunk)
+        corrupted[3].data = bytes(len(corrupted[3].data))
+        reason = expect_code(StatusCode.INVALID_ARGUMENT, "fails its CRC-32C", stub.Upload,
+                             upload_messages(0, 1, corrupted))
+        assert reason == "corrupt"  # the client sends such an upload again
+        for bad in (float("nan"), -float("inf")):
+            poisoned = torch.zeros(16, 8)
+            poisoned[3, 5] = bad
+            first = list(encode_tensors({"embed.weight": poisoned}, "fp32"))
+            expect_code(StatusCode.INVALID_ARGUMENT, "'embed.weight' holds NaN or Inf values", stub.Upload,
+                        upload_messages(0, 1, first + chunks[1:]))
+        twice = chunks[:1] + chunks
+        expect_code(StatusCode.INVALID_ARGUMENT, "'embed.weight' sent twice", stub.Upload, upload_messages(0, 1, twice))
+        expect_code(
+            StatusCode.INVALID_ARGUMENT,
+            "must start with its UploadMeta",
+            stub.Upload,
+            iter([pb.UploadMessage(chunk=chunks[0])]),
+        )
+
+        assert server.servicer.state.snapshot().open_round is None  # nothing was committed
+        finish_round(addr, 1)
+
+
+@pytest.mark.timeout(60)
+def test_old_future_and_repeated_rounds() -> None:
+    with running_server() as (server, addr), stub_for(addr) as stub:
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        finish_round(addr, 10)
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            "round 5 is old: round 10 has already completed",
+            stub.Upload,
+            upload_messages(0, 5, good_chunks(0)),
+        )
+        again = stub.Upload(upload_messages(0, 10, good_chunks(0)), timeout=10)
+        assert again.duplicate and list(again.uploaded_peers) == [0, 1]
+
+        assert not stub.Upload(upload_messages(0, 20, good_chunks(0)), timeout=10).duplicate
+        assert stub.Upload(upload_messages(0, 20, good_chunks(0)), timeout=10).duplicate  # idempotent
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            r"round 30 is ahead of the open round 20, which still waits "
+            r"for peers \[1\]",
+            stub.Upload,
+            upload_messages(1, 30, good_chunks(1)),
+        )
+        assert stub.Upload(upload_messages(1, 10, good_chunks(1)), timeout=10).duplicate  # still committed
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            "round 5 is old: round 20 is open",
+            stub.Upload,
+            upload_messages(1, 5, good_chunks(1)),
+        )
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            "holds no upload of peer 1 for round 99",
+            stub.Download,
+            pb.DownloadRequest(peer_id=1, round=99),
+        )
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            "holds no upload of peer 1 for round 20",
+            stub.Download,
+            pb.DownloadRequest(peer_id=1, round=20),
+        )
+        status = stub.Status(pb.StatusRequest(), timeout=10)
+        assert (status.current_round, status.open_round, list(status.peers_uploaded)) == (10, 20, [0])
+        assert stub.Upload(upload_messages(1, 20, good_chunks(1)), timeout=10).uploaded_peers == [0, 1]
+        messages = list(stub.Download(pb.DownloadRequest(peer_id=0, round=20), timeout=10))
+        assert messages[0].info.round == 20
+        assert server.servicer.state.staged == {}  # uploads are freed once the round is built
+
+
+@pytest.mark.timeout(60)
+def test_download_waits_then_times_out_on_the_server_round_timeout() -> None:
+    with running_server(round_timeout_s=0.5) as (_, addr), stub_for(addr) as stub:
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        stub.Upload(upload_messages(0, 1, good_chunks(0)), timeout=10)
+        start = time.monotonic()
+        reason = expect_code(
+            StatusCode.DEADLINE_EXCEEDED,
+            r"round 1 did not complete within --round_timeout=0.5 s of its first upload: still waiting for peers \[1\]",
+            stub.Download,
+            pb.DownloadRequest(peer_id=0, round=1),
+        )
+        assert reason == "round_timeout" and 0.4 < time.monotonic() - start < 5
+        status = stub.Status(pb.StatusRequest(), timeout=10)
+        assert (status.open_round, list(status.missing_peers), status.dead_peer_policy) == (1, [1], "wait")
+        stub.Upload(upload_messages(1, 1, good_chunks(1)), timeout=10)  # the round stayed open: a late peer
+        assert list(stub.Download(pb.DownloadRequest(peer_id=0, round=1), timeout=10))[0].info.peers == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_wakes_waiting_downloads() -> None:
+    with running_server() as (server, addr), stub_for(addr) as stub:
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        stub.Upload(upload_messages(0, 1, good_chunks(0)), timeout=10)
+        codes: list[StatusCode] = []
+
+        def wait_for_round() -> None:
+            try:
+                list(stub.Download(pb.DownloadRequest(peer_id=0, round=1), timeout=30))
+            except grpc.RpcError as err:
+                codes.append(err.code())
+
+        waiter = threading.Thread(target=wait_for_round)
+        waiter.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        server.stop(grace_s=1.0)
+        waiter.join(timeout=10)
+        assert codes == [StatusCode.UNAVAILABLE] and time.monotonic() - start < 3
+
+
+@pytest.mark.timeout(60)
+def test_every_call_needs_the_token_and_health_reports_serving() -> None:
+    with running_server(token=TOKEN) as (server, addr), grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", TOKEN),)):
+            expect_code(
+                StatusCode.UNAUTHENTICATED, "missing or wrong token", stub.Join, join_request(0), metadata=metadata
+            )
+            expect_code(
+                StatusCode.UNAUTHENTICATED,
+                "missing or wrong token",
+                stub.Upload,
+                upload_messages(0, 1, good_chunks(0)),
+                metadata=metadata,
+            )
+            expect_code(
+                StatusCode.UNAUTHENTICATED,
+                "missing or wrong token",
+                stub.Download,
+                pb.DownloadRequest(peer_id=0, round=1),
+                metadata=metadata,
+            )
+            expect_code(
+                StatusCode.UNAUTHENTICATED, "missing or wrong token", stub.Status, pb.StatusRequest(), metadata=metadata
+            )
+            expect_code(
+                StatusCode.UNAUTHENTICATED,
+                "missing or wrong token",
+                health.Check,
+                health_pb2.HealthCheckRequest(),
+                metadata=metadata,
+            )
+        assert not server.servicer._peers
+        good = (("authorization", f"Bearer {TOKEN}"),)
+        reply = health.Check(
+            health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer"), timeout=10, metadata=good
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert stub.Join(join_request(0), timeout=10, metadata=good).current_round == -1
+
+
+def status_fields(stub: pb_grpc.ParameterServerStub, metadata: tuple = ()) -> dict[str, object]:
+    """Status minus the clock-driven open_round_age_s."""
+    reply = stub.Status(pb.StatusRequest(), timeout=10, metadata=metadata)
+    return {f.name: v for f, v in reply.ListFields() if f.name != "open_round_age_s"}
+
+
+@pytest.mark.timeout(60)
+def test_bad_token_changes_no_state_and_no_token_is_ever_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    good = (("authorization", f"Bearer {TOKEN}"),)
+    bad = (("authorization", "Bearer wrong-token-42"),)
+    with running_server(token=TOKEN) as (_, addr), stub_for(addr) as stub:
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10, metadata=good)
+        stub.Upload(upload_messages(0, 1, good_chunks(0)), timeout=10, metadata=good)
+        before = status_fields(stub, good)
+        assert before["peers_uploaded"] == [0] and before["bytes_in"] > 0
+        for peer, step in ((1, 1), (0, 1), (1, 2)):
+            expect_code(StatusCode.UNAUTHENTICATED, "missing or wrong token", stub.Upload,
+                        upload_messages(peer, step, good_chunks(peer)), metadata=bad)
+        expect_code(StatusCode.UNAUTHENTICATED, "missing or wrong token", stub.Join, join_request(1), metadata=bad)
+        assert status_fields(stub, good) == before
+        with SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes", token="wrong-token-42",
+                        rpc_timeout_s=5, max_retries=1) as client:
+            with pytest.raises(SyncError, match="UNAUTHENTICATED"):
+                client.join(MANIFEST, trainable_names(list(MANIFEST), 1, "spes"))
+        assert status_fields(stub, good) == before
+    assert "refused /spes.v1.ParameterServer/Upload: missing or wrong token" in caplog.text
+    assert TOKEN not in caplog.text and "wrong-token-42" not in caplog.text
+
+
+def overrunning_upload(counter: list[int], num_chunks: int = 20_000) -> Iterator[pb.UploadMessage]:
+    """embed.weight (512 bytes by the manifest) followed by ~10 MB more of it; counts what was pulled."""
+    data = bytes(512)
+    header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512, crc32c=checksum(data))
+    yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=1))
+    for i in range(num_chunks):
+        counter[0] += 1
+        chunk = pb.TensorChunk(header=header if i == 0 else None, offset=512 * i, data=data, crc32c=checksum(data))
+        yield pb.UploadMessage(chunk=chunk)
+
+
+@pytest.mark.timeout(60)
+def test_oversized_uploads_are_refused_before_they_are_read() -> None:
+    with running_server() as (server, addr), stub_for(addr) as stub:
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        pulled = [0]
+        expect_code(StatusCode.INVALID_ARGUMENT, "'embed.weight': chunk at offset 512 overruns the header's 512 bytes",
+                    stub.Upload, overrunning_upload(pulled))
+        assert pulled[0] < 2_000, pulled  # the rest of the stream was never sent
+        huge = bytes(5 * 2**20)  # one message larger than --max_message_mb=4: gRPC refuses it unread
+        header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512, crc32c=0)
+        message = pb.TensorChunk(header=header, offset=0, data=huge, crc32c=checksum(huge))
+        expect_code(StatusCode.RESOURCE_EXHAUSTED, "", stub.Upload, upload_messages(0, 1, [message]))
+        assert server.servicer.state.snapshot().open_round is None and status_fields(stub)["bytes_in"] == 512
+        finish_round(addr, 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
+    state_dir = str(tmp_path / "state")
+    with running_server(state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        finish_round(addr, 10)
+        first = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
+        stub.Upload(upload_messages(0, 20, good_chunks(0)), timeout=10)  # round 20 open: not persisted
+    with running_server(state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
+        status = stub.Status(pb.StatusRequest(), timeout=10)
+        assert (status.current_round, status.open_round, list(status.round_peers), status.persistent) == (
+            10, -1, [0, 1], True)
+        reason = expect_code(StatusCode.FAILED_PRECONDITION, "peer 0 has not joined this server: call Join first",
+                             stub.Download, pb.DownloadRequest(peer_id=0, round=10))
+        assert reason == "not_joined"
+        bad = {**MANIFEST, "embed.weight": (17, 8)}
+        expect_code(StatusCode.INVALID_ARGUMENT, r"'embed.weight' has shape \[17, 8\], the run's is \[16, 8\]",
+                    stub.Join, join_request(0, manifest=bad))  # the persisted manifest is the run's
+        for peer in range(2):
+            assert stub.Join(join_request(peer), timeout=10).current_round == 10
+        assert stub.Upload(upload_messages(1, 10, good_chunks(1)), timeout=10).duplicate
+        again = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
+        assert again == first  # byte for byte the same global model
+        reason = expect_code(StatusCode.FAILED_PRECONDITION, "holds no upload of peer 0 for round 20", stub.Download,
+                             pb.DownloadRequest(peer_id=0, round=20))
+        assert reason == "unknown_round"
+        finish_round(addr, 20)
+    with pytest.raises(ValueError, match="written by a run with mode='spes'"):
+        with running_server(state_dir=state_dir, mode="diloco"):
+            pass
+
+
+def start_subprocess_server(env_extra: dict[str, str], args: list[str]) -> tuple[subprocess.Popen[str], int]:
+    env = {**os.environ, "PYTHON": sys.executable, **env_extra}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        match = re.search(r"listening on [\d.]+:(\d+)", line)
+        if match:
+            return proc, int(match.group(1))
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"server did not start: {proc.stderr.read()}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_real_server_process_serves_a_round_and_exits_0_on_sigterm() -> None:
+    env = {"TOTAL_PEERS": "2", "NUM_TRAIN_EXPERTS_PER_NODE": "2", "PORT": "0", "SPES_TOKEN": TOKEN}
+    proc, port = start_subprocess_server(env, ["bash", "run_scripts/run_parameter_server.sh", "--host", "127.0.0.1"])
+    try:
+        clients = [
+            SyncClient(
+                f"127.0.0.1:{port}",
+                peer_id=p,
+                num_peers=2,
+                experts_per_peer=2,
+                mode="spes",
+                token=TOKEN,
+                rpc_timeout_s=10,
+                round_timeout_s=30,
+            )
+            for p in range(2)
+        ]
+        for peer, client in enumerate(clients):
+            client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
+        results = sync_all(clients, 500, {p: peer_upload(MANIFEST, p, "spes", seed=9) for p in range(2)})
+        assert results[0][1].merged and results[0][1].alpha == pytest.approx(0.01 * (1 - 500 / 10000))
+        for client in clients:
+            client.close()
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - start < 5
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+        assert "round 500 complete: peers 2" in log and "merged yes" in log
+        assert TOKEN not in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_sigint_also_exits_0_and_help_works() -> None:
+    proc, _ = start_subprocess_server(
+        {},
+        [
+            sys.executable,
+            "-m",
+            "spes.server",
+            "--total_peers",
+            "1",
+            "--num_train_experts_per_node",
+            "1",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+        ],
+    )
+    try:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    help_text = subprocess.run(
+        [sys.executable, "-m", "spes.server", "--help"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    for flag in ("--total_peers", "--merge_topk", "--token_file", "--tls_client_ca", "--outer_optimizer"):
+        assert flag in help_text
+
+
+def test_command_line_builds_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    base = ["--total_peers", "4", "--num_train_experts_per_node", "2"]
+    monkeypatch.setenv("SPES_TOKEN", "from-env")
+    cfg = config_from_args(build_parser().parse_args(base + ["--merge_topk", "2", "--mode", "diloco"]))
+    assert (cfg.total_peers, cfg.experts_per_peer, cfg.mode, cfg.merge.topk, cfg.token) == (
+        4,
+        2,
+        "diloco",
+        2,
+        "from-env",
+    )
+    assert "from-env" not in repr(cfg)
+    secret = tmp_path / "secret"
+    secret.write_text("from-file\n")
+    assert config_from_args(build_parser().parse_args(base + ["--token_file", str(secret)])).token == "from-file"
+    secret.write_text("  \n")
+    with pytest.raises(ValueError, match="is empty"):
+        config_from_args(build_parser().parse_args(base + ["--token_file", str(secret)]))
+    with pytest.raises(FileNotFoundError, match="--token_file"):
+        config_from_args(build_parser().parse_args(base + ["--token_file", str(tmp_path / "nope")]))
+    with pytest.raises(ValueError, match="--tls_cert and --tls_key"):
+        config_from_args(build_parser().parse_args(base + ["--tls_cert", "x.crt"]))

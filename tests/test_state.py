@@ -1,0 +1,82 @@
+"""Persistence of the server's round state: exact round trip, the commit point, refusing foreign or damaged state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from sync_helpers import tiny_manifest
+
+from spes.sync.state import STATE_FILE, SavedRound, load_round, save_round
+
+MANIFEST = tiny_manifest()
+RUN = {"total_peers": 2, "experts_per_peer": 2, "mode": "spes"}
+
+
+def saved(step: int, seed: int = 0, momentum: bool = True) -> SavedRound:
+    gen = torch.Generator().manual_seed(seed)
+    model = {n: torch.randn(s, generator=gen) for n, s in MANIFEST.items()}
+    buf = {"embed.weight": torch.randn(MANIFEST["embed.weight"], generator=gen)} if momentum else {}
+    return SavedRound(step, (0, 1), True, 0.0123456789, dict(MANIFEST), model, buf)
+
+
+def assert_equal(got: SavedRound, want: SavedRound) -> None:
+    assert (got.step, got.peers, got.merged, got.alpha, got.manifest) == (
+        want.step, want.peers, want.merged, want.alpha, want.manifest)
+    for ours, theirs in ((got.global_model, want.global_model), (got.momentum, want.momentum)):
+        assert sorted(ours) == sorted(theirs)
+        for name in theirs:
+            assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
+
+
+def test_fresh_directory_has_no_state(tmp_path: Path) -> None:
+    assert load_round(tmp_path / "nothing", RUN) is None
+    assert load_round(tmp_path, RUN) is None
+
+
+def test_round_trip_is_exact_and_old_rounds_are_pruned(tmp_path: Path) -> None:
+    save_round(tmp_path, saved(10, seed=1), RUN)
+    assert_equal(load_round(tmp_path, RUN), saved(10, seed=1))  # type: ignore[arg-type]
+    (tmp_path / ".round-20.safetensors.abc.tmp").write_bytes(b"half a file")  # left by a crash
+    save_round(tmp_path, saved(20, seed=2, momentum=False), RUN)
+    assert_equal(load_round(tmp_path, RUN), saved(20, seed=2, momentum=False))  # type: ignore[arg-type]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-20.safetensors", STATE_FILE]
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    assert record["round"] == 20 and record["manifest"]["embed.weight"] == [16, 8]
+
+
+def test_state_json_is_the_commit_point(tmp_path: Path) -> None:
+    """A crash after the tensor file of round 30 was written but before state.json was replaced keeps round 20."""
+    save_round(tmp_path, saved(20, seed=2), RUN)
+    (tmp_path / "round-30.safetensors").write_bytes((tmp_path / "round-20.safetensors").read_bytes())
+    (tmp_path / f".{STATE_FILE}.xyz.tmp").write_text("{ half")
+    assert_equal(load_round(tmp_path, RUN), saved(20, seed=2))  # type: ignore[arg-type]
+
+
+def test_state_of_another_run_is_refused(tmp_path: Path) -> None:
+    save_round(tmp_path, saved(10), RUN)
+    with pytest.raises(ValueError, match=r"state.json: written by a run with total_peers=2, this server has "
+                       r"total_peers=4; restart with the same settings or use a fresh --state_dir"):
+        load_round(tmp_path, {**RUN, "total_peers": 4})
+    with pytest.raises(ValueError, match="mode='spes', this server has mode='diloco'"):
+        load_round(tmp_path, {**RUN, "mode": "diloco"})
+
+
+def test_damaged_state_is_refused_with_the_file_named(tmp_path: Path) -> None:
+    tensor_file = save_round(tmp_path, saved(10), RUN)
+    tensor_file.write_bytes(tensor_file.read_bytes()[:-4])
+    with pytest.raises(ValueError, match="round-10.safetensors has .* bytes, state.json recorded"):
+        load_round(tmp_path, RUN)
+    tensor_file.unlink()
+    with pytest.raises(FileNotFoundError, match="round-10.safetensors, which is missing"):
+        load_round(tmp_path, RUN)
+    (tmp_path / STATE_FILE).write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a spes server state"):
+        load_round(tmp_path, RUN)
+    other = tmp_path / "other"
+    bad = saved(10)
+    save_round(other, SavedRound(10, (0,), False, 0.0, {"x": (3,)}, bad.global_model, {}), RUN)
+    with pytest.raises(ValueError, match="do not match the manifest"):
+        load_round(other, RUN)

@@ -1,0 +1,167 @@
+"""The training loop on a real (small) corpus: exact resume, freezing, accumulation, stop-and-save, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from spes.config import load_config
+from spes.distributed import DistInfo
+from spes.optim import optimizer_state_bytes
+from spes.train import build_node, main
+from spes.trainer import Trainer, max_steps_of
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+QUIET = ["--eval_interval=null", "--log_interval=1000"]
+
+
+def metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def centralized(corpus, folder: Path, *extra: str) -> list[str]:  # type: ignore[no-untyped-def]
+    return [TINY, "--using_spes=false", *corpus.overrides(folder), *QUIET, *extra]
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_corpus, tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ["--max_duration=12st", "--save_interval=6", "--log_interval=1"]
+    assert main(centralized(tiny_corpus, straight, *common)) == 0
+    assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6")) == 0
+    assert main(centralized(tiny_corpus, resumed, *common, "--resume")) == 0
+    a, b = metrics(straight), metrics(resumed)
+    assert [r["step"] for r in b] == list(range(1, 13))
+    for x, y in zip(a, b, strict=True):
+        assert abs(x["loss"] - y["loss"]) <= 1e-6, (x["step"], x["loss"], y["loss"])
+    wa, wb = load_file(straight / "step12" / "model.safetensors"), load_file(resumed / "step12" / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _node(corpus, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
+    cfg, _ = load_config(TINY, [*corpus.overrides(tmp_path), *QUIET, "--save_interval=null", *extra])
+    node = build_node(cfg, CPU, log=lambda _m: None)
+    trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=CPU,
+                      log=lambda _m: None)
+    return cfg, node, trainer
+
+
+def test_spes_node_trains_only_its_own_experts(tiny_corpus, tmp_path: Path) -> None:
+    cfg, node, trainer = _node(tiny_corpus, tmp_path, "--spes_config.peer_id=1", "--max_duration=4st")
+    before = {n: p.detach().clone() for n, p in node.model.named_parameters()}
+    trainer.fit()
+    for name, p in node.model.named_parameters():
+        changed = not torch.equal(before[name], p.detach())
+        if ".experts." in name:
+            owned = name.endswith(".1")  # peer 1 owns block 1
+            assert p.requires_grad == owned and changed == owned, name
+            if not owned:
+                assert p.grad is None
+        else:
+            assert p.requires_grad and changed, name
+    trainable = sum(p.numel() for p in node.model.parameters() if p.requires_grad)
+    moments = 2 * 4 * trainable  # exp_avg + exp_avg_sq in fp32
+    steps = 4 * sum(1 for p in node.model.parameters() if p.requires_grad)  # one fp32 step counter per tensor
+    assert optimizer_state_bytes(node.optimizer) == moments + steps
+
+
+def test_gradient_accumulation_matches_one_big_microbatch(tiny_corpus, tmp_path: Path) -> None:
+    """Cross entropy is linear in the micro-batches; the load-balancing loss is not (per micro-batch, as in OLMo)."""
+    runs = []
+    for micro in (4, 16):
+        _, _, trainer = _node(tiny_corpus, tmp_path / str(micro), "--using_spes=false", "--max_duration=3st",
+                              f"--device_train_microbatch_size={micro}", "--log_interval=1")
+        runs.append(trainer.fit())
+    small, big = runs
+    assert small[0]["ce"] == pytest.approx(big[0]["ce"], abs=1e-6)
+    assert small[0]["grad_norm"] == pytest.approx(big[0]["grad_norm"], rel=1e-3)
+    assert [r["ce"] for r in small] == pytest.approx([r["ce"] for r in big], abs=1e-3)
+
+
+def test_bf16_autocast_trains_on_cpu(tiny_corpus, tmp_path: Path) -> None:
+    _, _, trainer = _node(tiny_corpus, tmp_path, "--using_spes=false", "--precision=amp_bf16", "--max_duration=2st")
+    history = trainer.fit()
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in history)
+
+
+def test_duration_in_tokens_is_converted_to_steps() -> None:
+    cfg, _ = load_config(TINY, ["--max_duration=2048T"])  # 16 sequences x 64 tokens per step
+    assert max_steps_of(cfg) == 2
+
+
+def test_validation_loss_is_logged_before_and_after_nothing_else(tiny_corpus, tmp_path: Path) -> None:
+    assert main([TINY, "--using_spes=false", *tiny_corpus.overrides(tmp_path), "--max_duration=4st",
+                 "--eval_interval=2", "--eval_subset_num_batches=2", "--save_interval=null"]) == 0
+    evals = [r for r in metrics(tmp_path) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert evals[-1]["val_ppl"] == pytest.approx(torch.tensor(evals[-1]["val_loss"]).exp().item(), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_corpus, tmp_path: Path) -> None:
+    args = centralized(tiny_corpus, tmp_path, "--max_duration=100000st", "--save_interval=null", "--log_interval=1")
+    proc = subprocess.Popen([sys.executable, "-m", "spes.train", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    latest = (tmp_path / "latest").read_text().strip()
+    step = int(latest.removeprefix("step"))
+    assert step >= 1 and "--resume" in out
+    assert main(centralized(tiny_corpus, tmp_path, f"--max_duration={step + 1}st", "--resume")) == 0
+    assert (tmp_path / f"step{step + 1}").is_dir()
+
+
+def test_bad_inputs_exit_2_with_one_line(tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cases = [
+        ([str(tmp_path / "missing.yaml")], "config file not found"),
+        ([TINY, "--model.d_mdoel=3"], "did you mean 'model.d_model'"),
+        ([TINY, "--model.n_layers=two"], "'model.n_layers' = 'two'"),
+        ([TINY, "--using_spes=false", *tiny_corpus.overrides(tmp_path), "--model.vocab_size=999",
+          "--model.embedding_size=999"], "vocab"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert expected in err and len(err.splitlines()) == 1, err
+
+
+def test_corrupt_checkpoint_is_refused_and_older_ones_untouched(tiny_corpus, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    args = centralized(tiny_corpus, tmp_path, "--max_duration=4st", "--save_interval=2")
+    assert main(args) == 0
+    good = (tmp_path / "step2" / "model.safetensors").read_bytes()
+    target = tmp_path / "step4" / "model.safetensors"
+    target.write_bytes(target.read_bytes()[:100])
+    assert main([*args, "--max_duration=6st", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "step4/model.safetensors" in err and "corrupt" in err
+    assert (tmp_path / "step2" / "model.safetensors").read_bytes() == good
+
+
+def test_a_centralized_checkpoint_seeds_a_spes_node(tiny_corpus, tmp_path: Path) -> None:
+    """Expert blocks are re-blocked across layouts; the SPES node starts at step 0 from those weights."""
+    central = tmp_path / "central"
+    assert main(centralized(tiny_corpus, central, "--max_duration=2st", "--save_interval=2")) == 0
+    cfg, node, trainer = _node(tiny_corpus, tmp_path / "spes", f"--load_path={central}", "--max_duration=1st")
+    saved = load_file(central / "step2" / "model.safetensors")
+    assert torch.equal(torch.cat(list(node.model.blocks[0].ffn.experts.w1)), saved["blocks.0.ffn.experts.w1.0"])
+    assert node.checkpoint is not None and node.checkpoint.trainer == {}
+    assert [p.requires_grad for p in node.model.blocks[0].ffn.experts.w1] == [True, False, False, False]

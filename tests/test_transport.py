@@ -1,0 +1,197 @@
+"""The raw-TCP data plane (spes.sync.transport) against a real in-process server on loopback."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_cert
+from test_client import NO_MERGE, check_round, joined_clients
+
+from spes.sync import transport
+from spes.sync.merge import Mode
+from spes.sync.server import ParameterServer
+from spes.sync.wire import checksum
+
+
+def raw_upload(server: ParameterServer, *, peer: int = 0, step: int = 1, token: str | None = TOKEN) -> socket.socket:
+    """A hand-driven data-plane upload connection, handshake sent."""
+    sock = transport.connect("127.0.0.1", server.data_port, None, timeout_s=10)
+    transport.send_hello(sock, {"op": "upload", "peer_id": peer, "step": step, "full": False, "token": token})
+    return sock
+
+
+def nothing_staged(server: ParameterServer) -> bool:
+    snap = server.servicer.state.snapshot()
+    return snap.open_round is None and snap.completed_round is None and not snap.uploaded_peers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["spes", "diloco"])
+def test_two_peers_two_rounds_over_the_data_plane(mode: Mode) -> None:
+    manifest = tiny_manifest(num_blocks=2 if mode == "spes" else 1, k=2)
+    with (
+        running_server(mode=mode, merge=NO_MERGE, data_port=0) as (server, addr),
+        joined_clients(addr, manifest, mode=mode, data_plane="tcp") as clients,
+    ):
+        assert server.data_port > 0 and all(client._data_port == server.data_port for client in clients)
+        for step in (10, 20):
+            uploads = {p: peer_upload(manifest, p, mode, seed=step) for p in range(2)}
+            results = sync_all(clients, step, uploads)
+            check_round(results, uploads, manifest, mode=mode, step=step, merge=NO_MERGE)
+        up = sum(t.numel() * 4 for p in range(2) for t in uploads[p].values())
+        assert results[0][1].bytes_up + results[1][1].bytes_up == up
+        assert clients[0].status().bytes_in == 2 * up
+
+
+@pytest.mark.timeout(60)
+def test_bf16_over_the_data_plane_equals_the_grpc_path() -> None:
+    manifest = tiny_manifest(k=2)
+    uploads = {p: peer_upload(manifest, p, "spes", seed=4) for p in range(2)}
+    got = {}
+    for plane, port in (("tcp", 0), ("grpc", -1)):
+        with running_server(merge=NO_MERGE, data_port=port) as (_, addr):
+            with joined_clients(addr, manifest, wire_dtype="bf16", data_plane=plane) as clients:
+                got[plane] = sync_all(clients, 5, uploads)
+    for peer in range(2):
+        assert got["tcp"][peer][1].bytes_down == got["grpc"][peer][1].bytes_down
+        for name, tensor in got["grpc"][peer][0].items():
+            torch.testing.assert_close(got["tcp"][peer][0][name], tensor, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_wrong_or_missing_token_is_refused_without_state_change() -> None:
+    manifest = tiny_manifest()
+    with running_server(token=TOKEN, data_port=0) as (server, addr), joined_clients(addr, manifest, token=TOKEN):
+        for token in (None, "wrong-token", TOKEN + "x"):
+            with raw_upload(server, token=token) as sock:
+                reply = transport.recv_frame(sock)
+            assert reply["status"] == "error" and reply["reason"] == "unauthenticated"
+            assert reply["code"] == "UNAUTHENTICATED"
+        assert nothing_staged(server)
+
+
+@pytest.mark.timeout(60)
+def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
+    manifest = tiny_manifest()
+    uploads = {p: peer_upload(manifest, p, "spes", seed=6) for p in range(2)}
+    with running_server(merge=NO_MERGE, data_port=0) as (server, addr), joined_clients(addr, manifest) as clients:
+        with raw_upload(server, token=None) as sock:
+            assert transport.recv_frame(sock) == {"status": "send"}
+            for name, tensor in uploads[0].items():
+                data = bytearray(tensor.numpy().tobytes())
+                crc = checksum(data)
+                data[len(data) // 2] ^= 0x40  # one bit flipped in transit, after the crc was taken
+                transport.send_frame(sock, {"name": name, "dtype": "fp32", "shape": list(tensor.shape),
+                                            "num_bytes": len(data), "crc32c": crc})
+                sock.sendall(data)
+            reply = transport.recv_frame(sock)
+        assert reply["status"] == "error" and reply["reason"] == "corrupt", reply
+        assert nothing_staged(server)
+        results = sync_all(clients, 1, uploads)  # the clients' own (clean) uploads of the same round
+        check_round(results, uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20], "num_bytes": 1 << 42, "crc32c": 0},
+        {"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 1 << 40, "crc32c": 0},
+        {"name": "not.in.the.model", "dtype": "fp32", "shape": [4], "num_bytes": 16, "crc32c": 0},
+        {"name": "embed.weight", "dtype": "bf16", "shape": [16, 8], "num_bytes": 256, "crc32c": 0},
+        {"name": "embed.weight", "dtype": "fp32", "shape": "16x8", "num_bytes": 512, "crc32c": 0},
+    ],
+)
+def test_bad_headers_are_refused_before_any_payload(header: dict) -> None:
+    manifest = tiny_manifest()
+    with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
+        with raw_upload(server, token=None) as sock:
+            assert transport.recv_frame(sock) == {"status": "send"}
+            transport.send_frame(sock, header)  # and no payload: the refusal must come without it
+            reply = transport.recv_frame(sock)
+        assert reply["status"] == "error" and reply["code"] == "INVALID_ARGUMENT", reply
+        assert nothing_staged(server)
+
+
+@pytest.mark.timeout(60)
+def test_a_duplicated_tensor_is_refused() -> None:
+    manifest = tiny_manifest()
+    upload = peer_upload(manifest, 0, "spes", seed=7)
+    name = next(iter(upload))
+    with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
+        with raw_upload(server, token=None) as sock:
+            assert transport.recv_frame(sock) == {"status": "send"}
+            transport.send_tensors(sock, {name: upload[name]}, "fp32")
+            transport.send_tensors(sock, {name: upload[name]}, "fp32")
+            reply = transport.recv_frame(sock)
+        assert reply["status"] == "error" and "sent twice" in reply["message"]
+        assert nothing_staged(server)
+
+
+class _Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.timeout(60)
+def test_a_pickle_blob_is_only_ever_bytes(tmp_path: Path) -> None:
+    manifest = tiny_manifest()
+    marker = tmp_path / "pwned"
+    blob = pickle.dumps(_Exploit(marker))
+    name = "embed.weight"
+    num_bytes = 16 * 8 * 4
+    payload = (blob * (num_bytes // len(blob) + 1))[:num_bytes]
+    with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
+        with raw_upload(server, token=None) as sock:  # as a payload with a valid CRC-32C
+            assert transport.recv_frame(sock) == {"status": "send"}
+            transport.send_frame(sock, {"name": name, "dtype": "fp32", "shape": [16, 8], "num_bytes": num_bytes,
+                                        "crc32c": checksum(payload)})
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)  # the rest of the upload never comes
+            assert sock.recv(1 << 16) == b""  # the server dropped the broken-off upload
+        assert nothing_staged(server)
+        with raw_upload(server, token=None) as sock:  # as a control frame
+            assert transport.recv_frame(sock) == {"status": "send"}
+            sock.sendall(len(blob).to_bytes(4, "little") + blob)
+            assert sock.recv(1 << 16) == b""  # dropped: not JSON
+    assert not marker.exists()
+
+
+@pytest.mark.timeout(60)
+def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
+    ca_crt, _, ca_cert, ca_key = write_cert(tmp_path, "ca", is_ca=True)
+    srv_crt, srv_key, _, _ = write_cert(tmp_path, "server", issuer=(ca_cert, ca_key))
+    cli_crt, cli_key, _, _ = write_cert(tmp_path, "client", issuer=(ca_cert, ca_key))
+    manifest = tiny_manifest()
+    uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
+    tls = {"tls_cert": str(srv_crt), "tls_key": str(srv_key), "data_port": 0}
+    with (
+        running_server(**tls, merge=NO_MERGE) as (_, addr),
+        joined_clients(addr, manifest, tls_ca=str(ca_crt), data_plane="tcp") as clients,
+    ):
+        check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
+    with running_server(**tls, tls_client_ca=str(ca_crt), merge=NO_MERGE) as (server, addr):
+        with joined_clients(addr, manifest, tls_ca=str(ca_crt), tls_cert=str(cli_crt), tls_key=str(cli_key),
+                            data_plane="tcp") as clients:
+            check_round(sync_all(clients, 2, uploads), uploads, manifest, mode="spes", step=2, merge=NO_MERGE)
+        with pytest.raises(OSError):  # a plain-TCP client cannot speak to the TLS data plane
+            with raw_upload(server, token=None) as sock:
+                transport.recv_frame(sock)
+
+
+@pytest.mark.timeout(30)
+def test_tcp_needs_an_advertised_data_port() -> None:
+    manifest = tiny_manifest()
+    with running_server() as (_, addr):
+        with pytest.raises(Exception, match="--data_port"):
+            with joined_clients(addr, manifest, data_plane="tcp"):
+                pass
+        with joined_clients(addr, manifest) as clients:  # auto falls back to gRPC
+            assert sync_all(clients, 1, {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)})
