@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from spes.atomic import write_atomic
 from spes.config import TrainConfig
 from spes.model import Transformer
 
@@ -48,10 +49,7 @@ def machine_info() -> dict[str, Any]:
 
 def write_results(path: Path, results: dict[str, Any]) -> None:
     """Write the results JSON atomically (temp file in the same directory + os.replace)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(results, indent=1) + "\n")
     print(f"saved {path}")
 
 

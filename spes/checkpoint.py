@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from spes.atomic import fsync_dir, write_atomic
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 
 MODEL_FILE, OPTIM_FILE, META_FILE, CONFIG_FILE, LATEST = (
@@ -70,22 +70,6 @@ class Checkpoint:
     optim: dict[str, Any] | None
     trainer: dict[str, Any]
     config: dict[str, Any]
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write a small file via a temp file in the same directory and os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the other users of a shared cluster
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _flatten_optim(optim_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -164,8 +148,8 @@ def _publish(tmp: Path, final: Path, kind: Kind, keep: int) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(folder)
-    write_atomic(folder / LATEST, f"{final.name}\n".encode())
+    fsync_dir(folder)
+    write_atomic(folder / LATEST, f"{final.name}\n")
     if keep > 0:
         for old in list_checkpoints(folder, kind)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -191,14 +175,6 @@ def remove_stale_temporaries(save_folder: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from spes.atomic import write_atomic
+
 log = logging.getLogger(__name__)
 
 SIDECAR_SUFFIX = ".json"
@@ -59,10 +61,7 @@ def sidecar_path(shard: str | os.PathLike[str]) -> Path:
 
 def write_shard_info(shard: Path, info: ShardInfo) -> None:
     """Write the sidecar of a finished shard atomically (temp file in the same dir + rename)."""
-    final = sidecar_path(shard)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(info), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, final)
+    write_atomic(sidecar_path(shard), json.dumps(asdict(info), indent=2) + "\n")
 
 
 def read_shard_info(shard: str | os.PathLike[str]) -> ShardInfo:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from spes.atomic import write_atomic
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|padding|>"
 # NOTE: names other tokenizers use for their end-of-document token, tried in this order when a
@@ -186,15 +188,8 @@ def train_byte_level_bpe(
     special = {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000_000,
               "clean_up_tokenization_spaces": False, **special}
-    _write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True))
-    _write_atomic(out / "special_tokens_map.json", json.dumps(special, indent=2))
+    write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True))
+    write_atomic(out / "special_tokens_map.json", json.dumps(special, indent=2))
     # NOTE: written last: a directory without tokenizer_config.json is an interrupted save.
-    _write_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2))
+    write_atomic(out / "tokenizer_config.json", json.dumps(config, indent=2))
     return load_tokenizer(out)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same directory and a rename."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -7,6 +7,7 @@ import datetime
 import ipaddress
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,7 +77,7 @@ def sync_all(
         return {p: future.result(timeout=timeout_s) for p, future in futures.items()}
 
 
-def write_cert(
+def _write_cert(
     directory: Path,
     name: str,
     *,
@@ -110,3 +111,20 @@ def write_cert(
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return cert_path, key_path, cert, key
+
+
+@dataclass(frozen=True)
+class Pki:
+    """A CA and a server and a client certificate it signed, as the keyword arguments the server/client take."""
+
+    ca: str
+    server: dict[str, str]
+    client: dict[str, str]
+
+
+def write_pki(directory: Path) -> Pki:
+    ca_crt, _, ca_cert, ca_key = _write_cert(directory, "ca", is_ca=True)
+    srv_crt, srv_key, _, _ = _write_cert(directory, "server", issuer=(ca_cert, ca_key))
+    cli_crt, cli_key, _, _ = _write_cert(directory, "client", issuer=(ca_cert, ca_key))
+    return Pki(ca=str(ca_crt), server={"tls_cert": str(srv_crt), "tls_key": str(srv_key)},
+               client={"tls_cert": str(cli_crt), "tls_key": str(cli_key)})

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_cert
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 
 from spes.sync.client import SyncClient, SyncError, backoff_s
 from spes.sync.merge import (
@@ -30,6 +30,11 @@ from spes.sync.merge import (
 from spes.sync.server import ServerConfig, start_server
 
 NO_MERGE = MergeConfig(interval=0)
+
+
+def first_peer(addr: str, **kwargs: object) -> SyncClient:
+    """Peer 0 of a 2-peer SPES run with 2 experts each (the tiny manifest's layout)."""
+    return SyncClient(addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", **kwargs)
 
 
 @contextmanager
@@ -149,9 +154,7 @@ def test_wrong_or_missing_token_is_unauthenticated() -> None:
     trainable = trainable_names(list(manifest), 0, "spes")
     with running_server(token=TOKEN) as (server, addr):
         for token in (None, "wrong-token"):
-            with SyncClient(
-                addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", token=token, rpc_timeout_s=5
-            ) as client:
+            with first_peer(addr, token=token, rpc_timeout_s=5) as client:
                 with pytest.raises(SyncError) as err:
                     client.join(manifest, trainable)
                 assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
@@ -166,27 +169,16 @@ def test_wrong_or_missing_token_is_unauthenticated() -> None:
 
 @pytest.mark.timeout(60)
 def test_tls_and_mutual_tls(tmp_path: Path) -> None:
-    ca_crt, _, ca_cert, ca_key = write_cert(tmp_path, "ca", is_ca=True)
-    srv_crt, srv_key, _, _ = write_cert(tmp_path, "server", issuer=(ca_cert, ca_key))
-    cli_crt, cli_key, _, _ = write_cert(tmp_path, "client", issuer=(ca_cert, ca_key))
+    pki = write_pki(tmp_path)
     manifest = tiny_manifest()
     uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
-    tls = {"tls_cert": str(srv_crt), "tls_key": str(srv_key)}
-    with running_server(**tls) as (_, addr), joined_clients(addr, manifest, tls_ca=str(ca_crt)) as clients:
+    tls = pki.server
+    with running_server(**tls) as (_, addr), joined_clients(addr, manifest, tls_ca=pki.ca) as clients:
         assert sync_all(clients, 1, uploads)[1][1].round == 1
-    with running_server(**tls, tls_client_ca=str(ca_crt)) as (_, addr):
-        with joined_clients(addr, manifest, tls_ca=str(ca_crt), tls_cert=str(cli_crt), tls_key=str(cli_key)) as clients:
+    with running_server(**tls, tls_client_ca=pki.ca) as (_, addr):
+        with joined_clients(addr, manifest, tls_ca=pki.ca, **pki.client) as clients:
             assert sync_all(clients, 1, uploads)[0][1].round == 1
-        with SyncClient(
-            addr,
-            peer_id=0,
-            num_peers=2,
-            experts_per_peer=2,
-            mode="spes",
-            tls_ca=str(ca_crt),
-            rpc_timeout_s=3,
-            max_retries=0,
-        ) as anonymous:
+        with first_peer(addr, tls_ca=pki.ca, rpc_timeout_s=3, max_retries=0) as anonymous:
             with pytest.raises(SyncError) as err:  # no client certificate: the handshake fails
                 anonymous.status()
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
@@ -196,16 +188,7 @@ def test_tls_and_mutual_tls(tmp_path: Path) -> None:
 def test_download_honours_round_deadline_when_a_peer_never_comes() -> None:
     manifest = tiny_manifest()
     with running_server() as (_, addr):
-        with SyncClient(
-            addr,
-            peer_id=0,
-            num_peers=2,
-            experts_per_peer=2,
-            mode="spes",
-            rpc_timeout_s=5,
-            round_timeout_s=1.5,
-            max_retries=1,
-        ) as client:
+        with first_peer(addr, rpc_timeout_s=5, round_timeout_s=1.5, max_retries=1) as client:
             client.join(manifest, trainable_names(list(manifest), 0, "spes"))
             start = time.monotonic()
             with pytest.raises(SyncError) as err:
@@ -233,9 +216,7 @@ def test_client_retries_until_the_server_comes_up() -> None:
     thread = threading.Thread(target=start_later)
     thread.start()
     try:
-        with SyncClient(
-            f"127.0.0.1:{port}", peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", rpc_timeout_s=2, max_retries=6
-        ) as client:
+        with first_peer(f"127.0.0.1:{port}", rpc_timeout_s=2, max_retries=6) as client:
             assert client.join(manifest, trainable_names(list(manifest), 0, "spes")) == -1
     finally:
         thread.join()
@@ -254,8 +235,8 @@ def test_client_checks_its_own_inputs() -> None:
     with pytest.raises(ValueError, match="peer_id 2"):
         SyncClient("127.0.0.1:1", peer_id=2, num_peers=2, experts_per_peer=2, mode="spes")
     with pytest.raises(ValueError, match="wire dtype"):
-        SyncClient("127.0.0.1:1", peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", wire_dtype="fp8")
-    with SyncClient("127.0.0.1:1", peer_id=0, num_peers=2, experts_per_peer=2, mode="spes") as client:
+        first_peer("127.0.0.1:1", wire_dtype="fp8")
+    with first_peer("127.0.0.1:1") as client:
         with pytest.raises(SyncError, match="join"):
             client.sync(1, {})
         client._manifest, client._trainable = manifest, trainable_names(list(manifest), 0, "spes")

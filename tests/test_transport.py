@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_cert
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 from test_client import NO_MERGE, check_round, joined_clients
 
 from spes.sync import transport
@@ -166,19 +166,17 @@ def test_a_pickle_blob_is_only_ever_bytes(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
-    ca_crt, _, ca_cert, ca_key = write_cert(tmp_path, "ca", is_ca=True)
-    srv_crt, srv_key, _, _ = write_cert(tmp_path, "server", issuer=(ca_cert, ca_key))
-    cli_crt, cli_key, _, _ = write_cert(tmp_path, "client", issuer=(ca_cert, ca_key))
+    pki = write_pki(tmp_path)
     manifest = tiny_manifest()
     uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
-    tls = {"tls_cert": str(srv_crt), "tls_key": str(srv_key), "data_port": 0}
+    tls = {**pki.server, "data_port": 0}
     with (
         running_server(**tls, merge=NO_MERGE) as (_, addr),
-        joined_clients(addr, manifest, tls_ca=str(ca_crt), data_plane="tcp") as clients,
+        joined_clients(addr, manifest, tls_ca=pki.ca, data_plane="tcp") as clients,
     ):
         check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
-    with running_server(**tls, tls_client_ca=str(ca_crt), merge=NO_MERGE) as (server, addr):
-        with joined_clients(addr, manifest, tls_ca=str(ca_crt), tls_cert=str(cli_crt), tls_key=str(cli_key),
+    with running_server(**tls, tls_client_ca=pki.ca, merge=NO_MERGE) as (server, addr):
+        with joined_clients(addr, manifest, tls_ca=pki.ca, **pki.client,
                             data_plane="tcp") as clients:
             check_round(sync_all(clients, 2, uploads), uploads, manifest, mode="spes", step=2, merge=NO_MERGE)
         with pytest.raises(OSError):  # a plain-TCP client cannot speak to the TLS data plane

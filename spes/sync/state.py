@@ -16,10 +16,8 @@ read with safetensors, the rest is JSON.
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from spes.atomic import write_atomic
 
 STATE_FILE = "state.json"
 FORMAT = 1
@@ -50,29 +50,6 @@ class SavedRound:
     momentum: Tensors
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
-    """Call `write(temp_path)` for a temp file beside `path`, fsync it and move it into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any]) -> Path:
     """Persist `saved` for the run described by `run` (JSON-able settings that must not change on restart)."""
     directory = Path(state_dir)
@@ -80,7 +57,7 @@ def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any])
     tensor_file = directory / f"round-{saved.step}.safetensors"
     # NOTE: safetensors writes straight from each tensor's memory: no second copy of the model is made.
     tensors = {**saved.global_model, **{MOMENTUM_PREFIX + n: t for n, t in saved.momentum.items()}}
-    _write_atomic(tensor_file, lambda tmp: save_file({n: t.contiguous() for n, t in tensors.items()}, tmp))
+    write_atomic(tensor_file, lambda tmp: save_file({n: t.contiguous() for n, t in tensors.items()}, tmp))
     record = {
         "format": FORMAT,
         "round": saved.step,
@@ -93,7 +70,7 @@ def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any])
         "tensor_file_bytes": tensor_file.stat().st_size,
     }
     data = (json.dumps(record, indent=1) + "\n").encode()
-    _write_atomic(directory / STATE_FILE, lambda tmp: Path(tmp).write_bytes(data))
+    write_atomic(directory / STATE_FILE, data)
     for old in directory.iterdir():
         if (_ROUND_FILE.match(old.name) and old.name != tensor_file.name) or old.name.endswith(".tmp"):
             old.unlink(missing_ok=True)

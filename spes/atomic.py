@@ -1,0 +1,43 @@
+"""Files that appear whole or not at all.
+
+A reader (a resuming trainer, a restarted server, the next pipeline stage) must never see half a file, whatever
+kills the writer: each file is written to a temporary name in the same directory, fsynced, renamed over the
+target (atomic on POSIX) and the directory is fsynced so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make the renames and creations inside `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[str], None]) -> None:
+    """Give `path` the contents `data` (bytes, UTF-8 text, or a function that writes the temp path it is given)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if not callable(data):
+                f.write(data.encode() if isinstance(data, str) else data)
+        if callable(data):
+            data(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from the other users of a shared cluster
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)

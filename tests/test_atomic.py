@@ -1,0 +1,29 @@
+from pathlib import Path
+
+import pytest
+
+from spes.atomic import write_atomic
+
+
+def test_bytes_text_and_writer_functions_all_land_whole(tmp_path: Path) -> None:
+    write_atomic(tmp_path / "a" / "b.bin", b"\x00\x01")
+    write_atomic(tmp_path / "t.txt", "héllo\n")
+    write_atomic(tmp_path / "f.txt", lambda tmp: Path(tmp).write_text("from a writer"))
+    assert (tmp_path / "a" / "b.bin").read_bytes() == b"\x00\x01"
+    assert (tmp_path / "t.txt").read_text(encoding="utf-8") == "héllo\n"
+    assert (tmp_path / "f.txt").read_text() == "from a writer"
+    assert (tmp_path / "t.txt").stat().st_mode & 0o777 == 0o644
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    target = tmp_path / "state.json"
+    write_atomic(target, "old")
+
+    def crash(tmp: str) -> None:
+        Path(tmp).write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(target, crash)
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
