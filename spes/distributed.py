@@ -101,10 +101,11 @@ def init_distributed(cfg: TrainConfig) -> DistInfo:
 def shutdown_distributed(clean: bool) -> None:
     """Leave the process group.
 
-    NOTE: on a clean exit every rank first meets at a barrier. gloo's worker threads drop finished work
-    (which holds tensors with Python objects, so needs the GIL) slightly after `wait()` returns; if the
-    process group is freed at that moment by a dying DDP/FSDP wrapper, which holds the GIL and joins those
-    threads, the process hangs at exit. Waiting on a barrier (GIL released) lets them finish first.
+    NOTE: gloo's worker threads free finished work (tensors with Python objects: they need the GIL) a moment
+    after `wait()` returns, and freeing the process group joins those threads. The Python handle frees it with
+    the GIL released; DDP's C++ reducer, if it holds the last reference, does not, and the process hangs at
+    exit. So the caller drops every DDP wrapper first (spes.train.run), and on a clean exit the ranks meet at a
+    barrier so no rank leaves while another still talks to it.
     """
     if not dist.is_initialized():
         return

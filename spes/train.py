@@ -13,7 +13,9 @@ Order of construction: config -> process group -> model on meta -> weights -> pa
 
 from __future__ import annotations
 
+import gc
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -107,13 +109,29 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
 
 def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:
     info = init_distributed(cfg)
-    log = print if info.is_main else (lambda _msg: None)
-    syncer = None
     finished = False
     try:
-        if inert:
-            log(f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}")
-        node = build_node(cfg, info, log)
+        _train(cfg, info, inert)
+        finished = True
+        return 0
+    except BaseException as e:
+        # NOTE: the traceback's frames still hold the DDP wrapper; freed after the process group is gone, its
+        # C++ reducer would tear gloo down with the GIL held (see shutdown_distributed). Drop them first.
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        gc.collect()  # and the reference cycles that may hold it
+        shutdown_distributed(clean=finished)
+
+
+def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
+    """Build the node and fit it; every reference to the wrapped model dies with this frame."""
+    log = print if info.is_main else (lambda _msg: None)
+    if inert:
+        log(f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}")
+    node = build_node(cfg, info, log)
+    syncer = None
+    try:
         if cfg.sync_enabled:
             from spes.sync.peer import PeerSync
 
@@ -126,12 +144,9 @@ def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:
         trainer.fit()
         log(f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
             f"{optimizer_state_bytes(node.optimizer) / 2**20:.1f} MiB")
-        finished = True
-        return 0
     finally:
         if syncer is not None:
             syncer.close()
-        shutdown_distributed(clean=finished)
 
 
 def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None:
