@@ -134,6 +134,41 @@ def _frozen_comm_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     }
 
 
+def _teardown_worker(args: dict[str, Any], info: DistInfo) -> list[int]:
+    """`spes.train.run` under DDP, once to the end and once failing mid-fit: how many DDP wrappers are alive when
+    it leaves the process group (the harness leaves it afterwards)."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    import spes.train as train
+
+    alive: list[int] = []
+    train.shutdown_distributed = lambda clean: alive.append(  # type: ignore[assignment]
+        sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects()))
+    cfg = _cfg("--distributed_strategy=ddp", "--using_spes=false", "--max_duration=2st", "--save_interval=null",
+               *args["overrides"])
+    train.run(cfg)
+
+    def boom(self: object) -> None:
+        raise RuntimeError("boom")
+
+    train.Trainer.fit = boom  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="boom"):
+        train.run(cfg)
+    return alive
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_no_ddp_wrapper_outlives_the_run_into_process_group_teardown(tiny_corpus, tmp_path: Path) -> None:
+    """A DDP reducer freed after the process group tears gloo down with the GIL held, which can hang the process
+    at exit (seen in CI): `run` must drop every wrapper, on success and on error, before it leaves the group."""
+    overrides = [*tiny_corpus.overrides(tmp_path / "run"), "--data.validation_paths=[]"]
+    ranks = run_ranks(2, "test_distributed:_teardown_worker", {"overrides": overrides}, tmp_path / "ranks")
+    assert ranks == [[0, 0], [0, 0]]
+
+
 def _numel(shapes: dict[str, list[int]], world: int = 1) -> int:
     """Elements of these tensors, dim 0 padded to a multiple of `world` (as FSDP2 pads its shards)."""
     return sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) if s else 1 for s in shapes.values())
