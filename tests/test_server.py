@@ -255,6 +255,38 @@ def test_old_future_and_repeated_rounds() -> None:
         assert server.servicer.state.staged == {}  # uploads are freed once the round is built
 
 
+def global_ptrs(server: object) -> set[int]:
+    return {t.data_ptr() for t in server.servicer.state.global_model.values()}  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(60)
+def test_upload_buffers_are_reused_but_never_while_a_download_reads_them() -> None:
+    """A round's global model lives in its uploads' buffers. Later uploads reuse them (no fresh memory per
+    round), except while a download of that round is still being sent: then its bytes must stay put."""
+    with running_server() as (server, addr), stub_for(addr) as stub:
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        finish_round(addr, 1)
+        first = global_ptrs(server)
+        finish_round(addr, 2)
+        finish_round(addr, 3)
+        assert first & global_ptrs(server), "round 3 was received into fresh memory, not round 1's buffers"
+
+        servicer = server.servicer
+        ready = servicer.download(0, 3, True, lambda: True, 5.0)  # a download of round 3 that is not done yet
+        assert ready is not None
+        held = ready[2]
+        before = {n: t.clone() for n, t in held.items()}
+        read = {t.data_ptr() for t in held.values()}
+        for step in (4, 5, 6):
+            finish_round(addr, step)
+            assert not read & global_ptrs(server)
+        assert all(torch.equal(held[n], before[n]) for n in held)
+        assert 3 in servicer._retired
+        servicer.download_done(3, 0)
+        assert not servicer._retired and not servicer._readers
+
+
 @pytest.mark.timeout(60)
 def test_download_waits_then_times_out_on_the_server_round_timeout() -> None:
     with running_server(round_timeout_s=0.5) as (_, addr), stub_for(addr) as stub:

@@ -24,14 +24,17 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from spes.sync.buffers import BufferPool
 from spes.sync.merge import MergeConfig, Mode, OuterConfig, download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -51,7 +54,7 @@ from spes.sync.rounds import (
 from spes.sync import transport
 from spes.sync.state import SavedRound, load_round, save_round
 from spes.sync.wire import REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder, encode_tensors, grpc_options, \
-    read_file
+    read_file, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
 
@@ -157,6 +160,11 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         self._aggregator: threading.Thread | None = None
         self._encoded: dict[str, EncodedModel] = {}
         """The latest round's global model per wire dtype, each tensor encoded once for every download."""
+        self._pool = BufferPool()
+        self._readers: dict[int, int] = {}
+        """Downloads in flight per completed round: its tensors are reused only once none reads them."""
+        self._retired: dict[int, list[torch.Tensor]] = {}
+        """Superseded global models that downloads still read, by round."""
         self.data_port = 0
         """Port of the running data plane, advertised at Join (0: none); set by `start_server`."""
         saved = load_round(cfg.state_dir, cfg.run_identity()) if cfg.state_dir else None
@@ -186,6 +194,8 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                     self._learn_manifest(shapes)
                     log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
                 self._peers[peer] = PeerInfo(request.wire_dtype, tuple(trainable))
+                self._pool.set_limits(Counter((shapes[n], wire_torch_dtype(info.wire_dtype))
+                                              for info in self._peers.values() for n in info.trainable))
                 snap = self.state.snapshot()
         except Refused as exc:
             self._abort(context, exc)
@@ -223,6 +233,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
         with self._cond:
             if self.state.admit(peer, step):  # a concurrent retry of this upload won the race
+                self._pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)
             if self.state.stage_upload(peer, step, tensors):
                 self._close_round(step)
@@ -231,16 +242,21 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
 
     def _receive(self, feed: Callable[[TensorDecoder], None], peer: int, step: int, info: PeerInfo,
                  manifest: dict[str, Shape]) -> Tensors | None:
-        """Decode and verify one upload into buffers sized by the manifest; None if the peer went away."""
-        decoder = TensorDecoder({n: manifest[n] for n in info.trainable}, info.wire_dtype, require_finite=True)
+        """Decode and verify one upload into kept buffers sized by the manifest; None if the peer went away."""
+        dtype = wire_torch_dtype(info.wire_dtype)
+        buffers = {n: self._pool.take(manifest[n], dtype) for n in info.trainable}
+        decoder = TensorDecoder({n: manifest[n] for n in info.trainable}, info.wire_dtype, into=buffers,
+                                require_finite=True)
         try:
             feed(decoder)
             tensors = decoder.finish()
         except (grpc.RpcError, OSError):
             log.warning("upload of peer %d for round %d broke off after %d bytes; nothing was kept",
                         peer, step, decoder.bytes_received)
+            self._pool.give(buffers.values())
             return None
         except ValueError as exc:
+            self._pool.give(buffers.values())
             reason = "corrupt" if isinstance(exc, CorruptChunk) else ""
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}",
                           reason) from None
@@ -270,11 +286,14 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         with self._cond:  # NOTE: only this thread replaces these, in `complete` below.
             previous, momentum, peers = self.state.global_model, self.state.outer_momentum, set(self.state.uploaded)
             manifest = dict(self._manifest or {})
+        received = [t for upload in uploads.values() for t in upload.values()]
         try:
             global_model, new_momentum = build_global(
                 uploads, names=list(manifest), previous=previous, momentum=momentum, num_peers=cfg.total_peers,
                 experts_per_peer=cfg.experts_per_peer, mode=cfg.mode, step=step, merge=cfg.merge, outer=cfg.outer)
             del uploads, previous, momentum
+            self._pool.give(received, keep=[*global_model.values(), *new_momentum.values()])  # merged or converted
+            del received
             if cfg.state_dir:
                 saved = SavedRound(step, tuple(sorted(peers)), alpha > 0, alpha, manifest, global_model, new_momentum)
                 save_round(cfg.state_dir, saved, cfg.run_identity())
@@ -285,7 +304,11 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 self._cond.notify_all()
             return
         with self._cond:
+            superseded = self.state.completed_round
+            if superseded is not None:
+                self._retired[superseded] = list(self.state.global_model.values())
             self.state.complete(step, global_model, new_momentum, merged=alpha > 0, alpha=alpha)
+            self._release_retired()
             self._encoded = {}
             self._rounds_completed += 1
             bytes_in, bytes_out = self._round_bytes_in, self._bytes_out - self._logged_bytes_out
@@ -308,21 +331,21 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         if ready is None:
             return
         info, round_info, tensors, encoded = ready
-        yield pb.DownloadMessage(info=round_info)
         sent = 0
         try:
+            yield pb.DownloadMessage(info=round_info)
             for chunk in encode_tensors(tensors, info.wire_dtype, encoded=encoded):
                 sent += len(chunk.data)
                 yield pb.DownloadMessage(chunk=chunk)
         finally:
-            self.count_sent(sent)
+            self.download_done(round_info.round, sent)
 
     def download(self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None
                  ) -> tuple[PeerInfo, pb.RoundInfo, Tensors, EncodedModel] | None:
         """Wait for round `step` and select what `peer` gets, whatever carries it; None if the caller went away.
 
         Raises `Refused`. The caller sends the tensors in their encoded forms (shared by every download of the
-        round) and reports the bytes with `count_sent`.
+        round) and must then call `download_done`, however the sending ends.
         """
         with self._cond:
             info, _ = self._joined(peer)
@@ -334,13 +357,26 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             encoded = self._encoded.get(info.wire_dtype)
             if encoded is None:
                 encoded = self._encoded[info.wire_dtype] = EncodedModel(global_model, info.wire_dtype)
+            self._readers[step] = self._readers.get(step, 0) + 1
         names = list(global_model) if full else download_names(list(global_model), peer, self.cfg.mode, merged)
         round_info = pb.RoundInfo(round=step, merged=merged, alpha=alpha, names=names, peers=sorted(peers))
         return info, round_info, {n: global_model[n] for n in names}, encoded
 
-    def count_sent(self, num_bytes: int) -> None:
+    def download_done(self, step: int, num_bytes: int) -> None:
+        """A download of round `step` ended (sent or broken off) after `num_bytes` of payload."""
         with self._cond:
             self._bytes_out += num_bytes
+            self._readers[step] -= 1
+            if not self._readers[step]:
+                del self._readers[step]
+                self._release_retired()
+
+    def _release_retired(self) -> None:
+        """Give the pool the superseded rounds no download reads any more (lock held)."""
+        read = [t for step, tensors in self._retired.items() if step in self._readers for t in tensors]
+        keep = [*self.state.global_model.values(), *self.state.outer_momentum.values(), *read]
+        for step in [s for s in self._retired if s not in self._readers]:
+            self._pool.give(self._retired.pop(step), keep=keep)
 
     def _await_round(self, peer: int, step: int, full: bool, is_active: Callable[[], bool],
                      time_left_s: float | None) -> bool:
@@ -415,14 +451,14 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         if ready is None:
             return
         info, round_info, tensors, encoded = ready
-        transport.send_frame(sock, {"status": "ok", "round": round_info.round, "merged": round_info.merged,
-                                    "alpha": round_info.alpha, "names": list(round_info.names),
-                                    "peers": list(round_info.peers)})
         sent = 0
         try:
+            transport.send_frame(sock, {"status": "ok", "round": round_info.round, "merged": round_info.merged,
+                                        "alpha": round_info.alpha, "names": list(round_info.names),
+                                        "peers": list(round_info.peers)})
             sent = transport.send_tensors(sock, tensors, info.wire_dtype, encoded)
         finally:
-            self.count_sent(sent)
+            self.download_done(round_info.round, sent)
 
     # -- Status -------------------------------------------------------------------------------
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
