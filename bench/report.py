@@ -76,15 +76,15 @@ def panel_wire(ax: Any, wire: dict[str, Any]) -> None:
 
 
 def panel_sync(ax: Any, sync: dict[str, Any]) -> None:
-    wires = list(sync["measurements"])
-    best = {w: (max(r["gb_s"] for r in m["grpc_rounds"]), max(r["gb_s"] for r in m["raw_rounds"]))
-            for w, m in sync["measurements"].items()}
-    x = range(len(wires))
-    ax.bar([i - 0.2 for i in x], [best[w][0] for w in wires], 0.4, label="SPES round (server + peers)")
-    ax.bar([i + 0.2 for i in x], [best[w][1] for w in wires], 0.4, label="raw TCP, same bytes")
-    for i, w in enumerate(wires):
-        ax.text(i - 0.2, best[w][0], f"{best[w][0] / best[w][1]:.0%}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x), [f"{w} wire" for w in wires])
+    runs = list(sync["measurements"])  # e.g. fp32_grpc, fp32_tcp: wire dtype and where payloads go
+    best = {k: (max(r["gb_s"] for r in m["spes_rounds"]), max(r["gb_s"] for r in m["raw_rounds"]))
+            for k, m in sync["measurements"].items()}
+    x = range(len(runs))
+    ax.bar([i - 0.2 for i in x], [best[k][0] for k in runs], 0.4, label="SPES round (server + peers)")
+    ax.bar([i + 0.2 for i in x], [best[k][1] for k in runs], 0.4, label="raw TCP, same bytes")
+    for i, k in enumerate(runs):
+        ax.text(i - 0.2, best[k][0], f"{best[k][0] / best[k][1]:.0%}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [k.replace("_", " wire\n").replace("tcp", "TCP data plane") for k in runs], fontsize=8)
     ax.set_ylabel("GB/s (all peers, up + down)")
     ax.set_title(f"sync of a {sync['model_bytes_fp32'] / 1e9:.2f} GB model on loopback", fontsize=9)
     ax.legend(fontsize=7)

@@ -91,6 +91,16 @@ def test_bench_sync_quick(tmp_path: Path) -> None:
         m = results["measurements"][f"fp32_{plane}"]
         assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0
         assert m["spes_over_raw_throughput"] > 0
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from report import panel_sync
+
+    fig, ax = plt.subplots()
+    panel_sync(ax, results)  # docs/benchmarks.png draws the full run's JSON, same keys
+    assert len(ax.patches) == 2 * len(results["measurements"])
+    plt.close(fig)
 
 
 @pytest.mark.slow
