@@ -221,8 +221,8 @@ class SpesConfig:
     decayed_factor_update_steps: int = _f(100, "refresh interval of the decayed load-balancing factor")
     wire_dtype: Literal["fp32", "bf16"] = _f("fp32", "transport precision (the trainer keeps fp32)")
     data_plane: Literal["auto", "grpc", "tcp"] = _f(
-        "auto", "tensor payloads: auto = the raw-TCP data plane when the server advertises one (--data_port), "
-        "else gRPC; grpc = always gRPC; tcp = require the data plane")
+        "auto", "tensor payloads: auto = the raw-TCP data plane when the server advertises one (--data_port) "
+        "and it answers from this node, else gRPC; grpc = always gRPC; tcp = require the data plane")
     token_file: str | None = _f(None, "file holding the run's shared secret (or env SPES_TOKEN)")
     tls_ca: str | None = _f(None, "CA certificate to verify the server (enables TLS)")
     tls_cert: str | None = _f(None, "client certificate for mutual TLS")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 import socket
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 from test_client import NO_MERGE, check_round, joined_clients
 
+from spes.launch import free_port
 from spes.sync import transport
 from spes.sync.merge import Mode
 from spes.sync.server import ParameterServer
@@ -182,6 +184,23 @@ def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
         with pytest.raises(OSError):  # a plain-TCP client cannot speak to the TLS data plane
             with raw_upload(server, token=None) as sock:
                 transport.recv_frame(sock)
+
+
+@pytest.mark.timeout(60)
+def test_auto_falls_back_to_grpc_when_the_data_port_does_not_answer(caplog: pytest.LogCaptureFixture) -> None:
+    """A firewall may pass the gRPC port only: `auto` checks the advertised data port at join and, when it does
+    not answer from here, sends payloads over gRPC instead of failing every transfer."""
+    manifest = tiny_manifest()
+    uploads = {p: peer_upload(manifest, p, "spes", seed=4) for p in range(2)}
+    with running_server(data_port=0, merge=NO_MERGE) as (server, addr):
+        server.servicer.data_port = free_port()  # advertise a port nobody listens on
+        with caplog.at_level(logging.WARNING, logger="spes.client"), joined_clients(addr, manifest) as clients:
+            assert all(c._data_port == 0 for c in clients)
+            check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
+        assert "does not answer from here" in caplog.text and "over gRPC" in caplog.text
+        server.servicer.data_port = server.data_port  # the real one answers: it is used
+        with joined_clients(addr, manifest) as clients:
+            assert all(c._data_port == server.data_port for c in clients)
 
 
 @pytest.mark.timeout(30)

@@ -45,6 +45,7 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 MAX_RECOVERIES = 4
+PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
 T = TypeVar("T")
 DataPlane = Literal["auto", "grpc", "tcp"]
 
@@ -294,7 +295,21 @@ class SyncClient:
             raise SyncError("data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
                             "(or use data_plane='auto')", grpc.StatusCode.FAILED_PRECONDITION)
         self._data_port = reply.data_port if self.data_plane != "grpc" else 0
+        if self.data_plane == "auto" and self._data_port:
+            self._probe_data_plane()
         return reply.current_round
+
+    def _probe_data_plane(self) -> None:
+        """`auto`: use the advertised data plane only if it answers from here (a firewall may pass only gRPC)."""
+        timeout = min(self.rpc_timeout_s, PROBE_TIMEOUT_S)
+        try:
+            with self._data_connection("ping", -1, timeout) as sock:
+                self._reply(sock, "data-plane ping")
+        except (SyncError, OSError) as exc:
+            log.warning("the server's data plane (port %d) does not answer from here (%s): tensor payloads go over "
+                        "gRPC, several times slower. Open that port, or set spes_config.data_plane=grpc to skip "
+                        "this check", self._data_port, exc)
+            self._data_port = 0
 
     def _upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> int:
         """One upload attempt; returns the payload bytes sent."""

@@ -418,6 +418,9 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 "secret", "unauthenticated"))
             return
         op, peer, step = hello.get("op"), hello.get("peer_id"), hello.get("step")
+        if op == "ping":  # a client checking at join that this port is reachable from where it runs
+            transport.send_frame(sock, {"status": "ok"})
+            return
         try:
             if not isinstance(peer, int) or not isinstance(step, int) or op not in ("upload", "download"):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,

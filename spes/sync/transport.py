@@ -8,9 +8,10 @@ byte of payload is read, CRC-32C checked after). Nothing received is ever unpick
 
 A connection carries one operation:
 
-    client -> MAGIC, VERSION, {"op": "upload"|"download", "peer_id", "step", "full", "token", "timeout_s"}
+    client -> MAGIC, VERSION, {"op": "upload"|"download"|"ping", "peer_id", "step", "full", "token", "timeout_s"}
     upload:   server -> {"status": "send"} | final reply;  client -> tensors;  server -> final reply
     download: server -> {"status": "ok", "round", "merged", "alpha", "names", "peers"} | error;  server -> tensors
+    ping:     server -> {"status": "ok"} | error  (a client in `auto` mode checks the port is reachable)
 
 A control frame is a 4-byte little-endian length and a JSON object of at most `MAX_FRAME_BYTES`. An error
 frame is {"status": "error", "code": <gRPC status name>, "reason": <spes-reason>, "message"}, so the
