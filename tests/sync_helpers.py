@@ -115,16 +115,25 @@ def _write_cert(
 
 @dataclass(frozen=True)
 class Pki:
-    """A CA and a server and a client certificate it signed, as the keyword arguments the server/client take."""
+    """A CA with a server certificate it signed; paths come as the keyword arguments the server/client take."""
 
+    directory: Path
     ca: str
     server: dict[str, str]
-    client: dict[str, str]
+    ca_cert: x509.Certificate
+    ca_key: ec.EllipticCurvePrivateKey
+
+    def issue(self, name: str) -> dict[str, str]:
+        """A client certificate with common name `name`, signed by the CA: {"tls_cert": ..., "tls_key": ...}."""
+        crt, key, _, _ = _write_cert(self.directory, name, issuer=(self.ca_cert, self.ca_key))
+        return {"tls_cert": str(crt), "tls_key": str(key)}
+
+    @property
+    def client(self) -> dict[str, str]:
+        return self.issue("client")
 
 
 def write_pki(directory: Path) -> Pki:
     ca_crt, _, ca_cert, ca_key = _write_cert(directory, "ca", is_ca=True)
     srv_crt, srv_key, _, _ = _write_cert(directory, "server", issuer=(ca_cert, ca_key))
-    cli_crt, cli_key, _, _ = _write_cert(directory, "client", issuer=(ca_cert, ca_key))
-    return Pki(ca=str(ca_crt), server={"tls_cert": str(srv_crt), "tls_key": str(srv_key)},
-               client={"tls_cert": str(cli_crt), "tls_key": str(cli_key)})
+    return Pki(directory, str(ca_crt), {"tls_cert": str(srv_crt), "tls_key": str(srv_key)}, ca_cert, ca_key)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 
+from spes.sync import transport
 from spes.sync.client import SyncClient, SyncError, backoff_s
 from spes.sync.merge import (
     MergeConfig,
@@ -45,8 +47,10 @@ def joined_clients(
     mode: Mode = "spes",
     num_peers: int = 2,
     k: int = 2,
+    per_peer: Callable[[int], dict[str, Any]] | None = None,
     **kwargs: object,
 ) -> Iterator[list[SyncClient]]:
+    """Peers 0..num_peers-1, joined; `per_peer(p)` adds peer p's own arguments (e.g. its certificate)."""
     with ExitStack() as stack:
         clients = []
         for peer in range(num_peers):
@@ -60,6 +64,7 @@ def joined_clients(
                     rpc_timeout_s=10,
                     round_timeout_s=30,
                     **kwargs,
+                    **(per_peer(peer) if per_peer else {}),
                 )
             )
             client.join(manifest, trainable_names(list(manifest), peer, mode))
@@ -182,6 +187,33 @@ def test_tls_and_mutual_tls(tmp_path: Path) -> None:
             with pytest.raises(SyncError) as err:  # no client certificate: the handshake fails
                 anonymous.status()
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("plane", ["grpc", "tcp"])
+def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: str) -> None:
+    """With --tls_peer_ids a node holding the token and a valid certificate still cannot act as another peer."""
+    pki = write_pki(tmp_path)
+    certs = {p: pki.issue(f"peer-{p}") for p in range(2)}
+    manifest = tiny_manifest()
+    uploads = {p: peer_upload(manifest, p, "spes", seed=5) for p in range(2)}
+    tls = {**pki.server, "tls_client_ca": pki.ca, "tls_peer_ids": True, "data_port": 0, "token": TOKEN}
+    with running_server(**tls, merge=NO_MERGE) as (server, addr):
+        with joined_clients(addr, manifest, tls_ca=pki.ca, token=TOKEN, data_plane=plane,
+                            per_peer=certs.__getitem__) as clients:
+            check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
+        with SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes", tls_ca=pki.ca, token=TOKEN,
+                        rpc_timeout_s=5, max_retries=0, **certs[0]) as impostor:
+            with pytest.raises(SyncError) as err:
+                impostor.join(manifest, trainable_names(list(manifest), 1, "spes"))
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "'peer-1'" in str(err.value)
+        context = transport.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
+        with transport.connect("127.0.0.1", server.data_port, context, 5) as sock:  # the data plane checks too
+            transport.send_hello(sock, {"op": "upload", "peer_id": 1, "step": 2, "token": TOKEN})
+            assert transport.recv_frame(sock)["code"] == "PERMISSION_DENIED"
+        assert server.servicer.state.snapshot().open_round is None
+    with pytest.raises(ValueError, match="--tls_peer_ids .* needs mutual TLS"):
+        ServerConfig(total_peers=2, experts_per_peer=2, tls_peer_ids=True)
 
 
 @pytest.mark.timeout(60)

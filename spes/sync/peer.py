@@ -10,28 +10,17 @@ quorum round) loads the whole global model and reports `caught_up_to`, the step 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from spes.config import ConfigError, TrainConfig
+from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
+from spes.sync.auth import read_token
 from spes.sync.client import SyncClient
-
-
-def read_token(token_file: str | None) -> str | None:
-    """The run's shared secret: `spes_config.token_file`, else the SPES_TOKEN environment variable."""
-    if token_file:
-        path = Path(token_file)
-        if not path.is_file():
-            raise ConfigError(f"config key 'spes_config.token_file' = {token_file!r}: file not found")
-        return path.read_text().strip()
-    return os.environ.get("SPES_TOKEN") or None
 
 
 class PeerSync:
@@ -49,7 +38,8 @@ class PeerSync:
             self.client = SyncClient(
                 s.server_addr, peer_id=s.peer_id, num_peers=s.num_peers,
                 experts_per_peer=cfg.expert_block_size(),
-                mode="diloco" if cfg.using_dilico else "spes", wire_dtype=s.wire_dtype, token=read_token(s.token_file),
+                mode="diloco" if cfg.using_dilico else "spes", wire_dtype=s.wire_dtype,
+                token=read_token(s.token_file, "config key 'spes_config.token_file'"),
                 tls_ca=s.tls_ca, tls_cert=s.tls_cert, tls_key=s.tls_key, rpc_timeout_s=s.rpc_timeout_s,
                 round_timeout_s=s.round_timeout_s, max_retries=s.max_retries, data_plane=s.data_plane,
                 reuse_buffers=True)  # NOTE: `load_full` copies every result into the model at once

@@ -15,11 +15,8 @@ TLS/mTLS from PEM files, and nothing received is ever unpickled (see `spes.sync.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import hmac
 import logging
 import math
-import os
 import signal
 import socket
 import threading
@@ -34,6 +31,15 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from spes.sync import auth
+from spes.sync.auth import (
+    TokenAuthInterceptor,
+    check_peer_identity,
+    grpc_common_name,
+    read_token,
+    tls_common_name,
+    token_matches,
+)
 from spes.sync.buffers import BufferPool
 from spes.sync.merge import MergeConfig, Mode, OuterConfig, download_names
 from spes.sync.proto import spes_pb2 as pb
@@ -61,7 +67,6 @@ log = logging.getLogger("spes.server")
 SERVICE_NAME = "spes.v1.ParameterServer"
 DATA_POLL_S = 1.0
 DATA_IO_TIMEOUT_S = 120.0
-TOKEN_ENV = "SPES_TOKEN"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +103,8 @@ class ServerConfig:
     """PEM private key of the server."""
     tls_client_ca: str | None = None
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    tls_peer_ids: bool = False
+    """With mutual TLS: a node may only act as the peer its certificate names (common name `peer-<id>`)."""
     max_message_mb: int = 4
     """gRPC message size limit in MiB: chunks are 1 MiB, so a larger message is refused unread."""
     data_port: int = -1
@@ -121,6 +128,9 @@ class ServerConfig:
             raise ValueError("--tls_cert and --tls_key must be given together")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key")
+        if self.tls_peer_ids and self.tls_client_ca is None:
+            raise ValueError("--tls_peer_ids binds peer ids to client certificates: it needs mutual TLS "
+                             "(--tls_client_ca, --tls_cert, --tls_key)")
         if self.token is not None and not self.token:
             raise ValueError("the auth token is empty: put a non-empty secret in SPES_TOKEN or --token_file")
 
@@ -182,6 +192,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         cfg, peer = self.cfg, request.peer_id
         try:
+            self._check_identity(peer, context)
             shapes, trainable = check_join(request, num_peers=cfg.total_peers, experts_per_peer=cfg.experts_per_peer,
                                            mode=cfg.mode)
             with self._cond:
@@ -215,6 +226,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             first = next(request_iterator, None)
             if first is None or not first.HasField("meta"):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
+            self._check_identity(first.meta.peer_id, context)
             return self.upload(first.meta.peer_id, first.meta.round, feed)
         except Refused as exc:
             self._abort(context, exc)
@@ -324,6 +336,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def Download(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.DownloadMessage]:
         context.add_callback(self._wake)
         try:
+            self._check_identity(request.peer_id, context)
             ready = self.download(request.peer_id, request.round, request.full, context.is_active,
                                   context.time_remaining())
         except Refused as exc:
@@ -411,7 +424,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def serve_data(self, sock: socket.socket) -> None:
         """One data-plane operation: the same round logic as Upload/Download, the payload as raw bytes."""
         hello = transport.recv_hello(sock)
-        if not transport.token_matches(hello.get("token"), self.cfg.token):
+        if not token_matches(hello.get("token"), self.cfg.token):
             log.warning("refused a data-plane connection: missing or wrong token")
             transport.close_after_error(sock, transport.error_frame(
                 "UNAUTHENTICATED", "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared "
@@ -425,6 +438,8 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             if not isinstance(peer, int) or not isinstance(step, int) or op not in ("upload", "download"):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"bad data-plane request: op {op!r}, peer_id {peer!r}, step {step!r}")
+            if self.cfg.tls_peer_ids:
+                check_peer_identity(peer, tls_common_name(sock))
             if op == "upload":
                 self._serve_upload(sock, peer, step)
             else:
@@ -492,6 +507,10 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                           f"peer {peer} has not joined this server: call Join first", "not_joined")
         return self._peers[peer], self._manifest
 
+    def _check_identity(self, peer: int, context: grpc.ServicerContext) -> None:
+        if self.cfg.tls_peer_ids:
+            check_peer_identity(peer, grpc_common_name(context))
+
     @staticmethod
     def _abort(context: grpc.ServicerContext, exc: Refused) -> NoReturn:
         log.warning("refused (%s): %s", exc.code.name, exc)
@@ -512,51 +531,6 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
 
 def _or_minus_one(value: int | None) -> int:
     return -1 if value is None else value
-
-
-def _token_digest(value: str) -> bytes:
-    return hashlib.sha256(value.encode()).digest()
-
-
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every call whose `authorization: Bearer <token>` metadata is missing or wrong (UNAUTHENTICATED).
-
-    The comparison is constant-time over SHA-256 digests, so neither content nor length leaks; a refused
-    call never reaches a handler and its request is never deserialized, so it changes no state.
-    """
-
-    def __init__(self, token: str) -> None:
-        self._digest = _token_digest(f"Bearer {token}")
-
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = metadata.get("authorization", "")
-        handler = continuation(handler_call_details)
-        if isinstance(given, str) and hmac.compare_digest(_token_digest(given), self._digest):
-            return handler
-        log.warning("refused %s: missing or wrong token", handler_call_details.method)
-        return None if handler is None else _deny_like(handler)
-
-
-def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that only answers UNAUTHENTICATED (no deserializing)."""
-
-    def deny(_request: Any, context: grpc.ServicerContext) -> NoReturn:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret")
-        raise AssertionError("unreachable: context.abort raises")
-
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    return kinds[(handler.request_streaming, handler.response_streaming)](deny)
 
 
 class ParameterServer:
@@ -619,16 +593,6 @@ def start_server(cfg: ServerConfig) -> ParameterServer:
     return ParameterServer(server, servicer, health_servicer, port, executor, data_plane)
 
 
-def read_token(token_file: str | None) -> str | None:
-    """The run's shared secret from --token_file, else the SPES_TOKEN environment variable, else None."""
-    if token_file is not None:
-        token = read_file(token_file, "--token_file").decode().strip()
-        if not token:
-            raise ValueError(f"--token_file {token_file!r} is empty: write the run's shared secret into it")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m spes.server",
@@ -679,10 +643,12 @@ def build_parser() -> argparse.ArgumentParser:
     outer.add_argument("--outer_momentum", type=float, default=0.9, help="outer Nesterov momentum")
     sec = add("security")
     sec.add_argument("--token_file", default=None,
-                     help=f"file holding the run's shared secret (default: env {TOKEN_ENV}; neither: no auth)")
+                     help=f"file holding the run's shared secret (default: env {auth.TOKEN_ENV}; neither: no auth)")
     sec.add_argument("--tls_cert", default=None, help="PEM certificate chain (enables TLS)")
     sec.add_argument("--tls_key", default=None, help="PEM private key for --tls_cert")
     sec.add_argument("--tls_client_ca", default=None, help="PEM CA that must have signed client certificates (mTLS)")
+    sec.add_argument("--tls_peer_ids", action="store_true",
+                     help="with mTLS, a node may only act as the peer its certificate names (CN peer-<id>)")
     parser.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
@@ -695,8 +661,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           decay_steps=args.merge_decay_steps, topk=args.merge_topk),
         outer=OuterConfig(optimizer=args.outer_optimizer, lr=args.outer_lr, momentum=args.outer_momentum),
         round_timeout_s=args.round_timeout, dead_peer_policy=args.dead_peer_policy, min_peers=args.min_peers,
-        state_dir=args.state_dir, token=read_token(args.token_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca, max_message_mb=args.max_message_mb, data_port=args.data_port,
+        state_dir=args.state_dir, token=read_token(args.token_file, "--token_file"), tls_cert=args.tls_cert,
+        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_peer_ids=args.tls_peer_ids,
+        max_message_mb=args.max_message_mb, data_port=args.data_port,
     )
 
 

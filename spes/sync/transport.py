@@ -20,8 +20,6 @@ client's retry/re-join/catch-up logic treats both planes alike (see protos/spes.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import select
@@ -105,15 +103,6 @@ def recv_hello(sock: socket.socket) -> Frame:
     if magic != MAGIC or version != VERSION:
         raise TransportError(f"not a SPES data-plane v{VERSION} client (magic {magic!r}, version {version})")
     return recv_frame(sock)
-
-
-def token_matches(given: object, token: str | None) -> bool:
-    """Constant-time comparison over SHA-256 digests (neither content nor length leaks); None: no auth."""
-    if token is None:
-        return True
-    if not isinstance(given, str):
-        return False
-    return hmac.compare_digest(hashlib.sha256(given.encode()).digest(), hashlib.sha256(token.encode()).digest())
 
 
 # -- tensors ------------------------------------------------------------------------------------------------------
