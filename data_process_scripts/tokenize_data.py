@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 import zstandard
 from tqdm import tqdm
 
-from spes.data import ShardInfo, write_shard_info
+from spes.shards import ShardInfo, write_shard_info
 from spes.tokenizer import LoadedTokenizer, load_tokenizer
 
 SUPPORTED_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")

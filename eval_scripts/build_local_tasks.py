@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spes.data import read_shard_info, resolve_paths
+from spes.shards import read_shard_info, resolve_paths
 from spes.tokenizer import load_tokenizer
 
 NEXT_TEXT_FILE, PPL_FILE, MANIFEST_FILE = "spes_next_text.jsonl", "spes_heldout_ppl.jsonl", "manifest.json"

@@ -24,10 +24,11 @@ from torch import nn
 
 from spes.checkpoint import Checkpoint, restore
 from spes.config import ConfigError, TrainConfig, config_help, load_config
-from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, resolve_paths
+from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
+from spes.shards import resolve_paths
 from spes.tokenizer import check_vocab, load_tokenizer
 from spes.trainer import Trainer
 

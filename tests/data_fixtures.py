@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from spes.data import ShardInfo, write_shard_info
+from spes.shards import ShardInfo, write_shard_info
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS_DIR = REPO_ROOT / "data_process_scripts"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from data_fixtures import import_script
 
-from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, read_shard_info, resolve_paths
+from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
+from spes.shards import read_shard_info, resolve_paths
 from spes.tokenizer import check_vocab, load_tokenizer
 
 build_default_corpus = import_script("build_default_corpus")

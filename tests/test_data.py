@@ -1,9 +1,8 @@
-"""Tests of spes.data: path resolution, the windowed dataset, the resumable batch loader, eval batches."""
+"""Tests of spes.data: the windowed dataset, the resumable batch loader, eval batches."""
 
 from __future__ import annotations
 
 import pickle
-import re
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,8 @@ import pytest
 import torch
 from data_fixtures import write_token_shard
 
-from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, resolve_paths, sidecar_path
+from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
+from spes.shards import sidecar_path
 
 SEQ_LEN = 4
 
@@ -36,32 +36,6 @@ def _take(loader: BatchLoader, n: int) -> list[torch.Tensor]:
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-# --- resolve_paths ------------------------------------------------------------------------------
-
-
-def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: list[Path], tmp_path: Path) -> None:
-    listing = tmp_path / "lists" / "files.txt"
-    listing.parent.mkdir()
-    listing.write_text(f"# complete shards\n{shards[2]}\n\n../part_00000.npy\n")
-    assert resolve_paths(str(shards[1])) == [shards[1]]
-    assert resolve_paths(str(tmp_path / "part_*.npy")) == shards
-    assert resolve_paths([tmp_path]) == shards
-    assert resolve_paths(["lists/files.txt", "part_0000[1].npy"], base_dir=tmp_path) == [
-        shards[2], tmp_path / "lists" / ".." / "part_00000.npy", shards[1]]
-
-
-@pytest.mark.parametrize("entry", ["nothing_*.npy", "missing.npy", "empty_dir"])
-def test_resolve_paths_names_the_entry_that_matches_nothing(entry: str, tmp_path: Path) -> None:
-    (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(FileNotFoundError, match=re.escape(entry)):
-        resolve_paths([entry], base_dir=tmp_path)
-
-
-def test_resolve_paths_refuses_an_empty_list() -> None:
-    with pytest.raises(ValueError, match="data.paths is empty"):
-        resolve_paths([])
 
 
 # --- TokenSequenceDataset -----------------------------------------------------------------------

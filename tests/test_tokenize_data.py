@@ -24,7 +24,8 @@ from data_fixtures import (
     write_lines,
 )
 
-from spes.data import TokenSequenceDataset, read_shard_info, sidecar_path
+from spes.data import TokenSequenceDataset
+from spes.shards import read_shard_info, sidecar_path
 from spes.tokenizer import LoadedTokenizer
 
 tokenize_data = import_script("tokenize_data")
