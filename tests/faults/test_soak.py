@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -63,10 +64,12 @@ def test_servers_and_clients_leave_no_threads_or_descriptors_behind() -> None:
 
     def settled() -> tuple[int, int]:
         time.sleep(0.7)  # grpc's own cancel-after-grace thread lives for the 0.5 s grace
+        gc.collect()  # NOTE: earlier tests' channels and sockets may still wait for the collector
         return threading.active_count(), len(os.listdir("/proc/self/fd"))
 
     cycle()
-    baseline = settled()
+    threads, fds = settled()
     for _ in range(4):
         cycle()
-    assert settled() == baseline
+    now_threads, now_fds = settled()
+    assert now_threads <= threads and now_fds <= fds, f"threads {threads} -> {now_threads}, fds {fds} -> {now_fds}"
