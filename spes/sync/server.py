@@ -31,8 +31,8 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from spes.sync import auth
 from spes.sync.auth import (
+    TOKEN_ENV,
     TokenAuthInterceptor,
     check_peer_identity,
     grpc_common_name,
@@ -643,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     outer.add_argument("--outer_momentum", type=float, default=0.9, help="outer Nesterov momentum")
     sec = add("security")
     sec.add_argument("--token_file", default=None,
-                     help=f"file holding the run's shared secret (default: env {auth.TOKEN_ENV}; neither: no auth)")
+                     help=f"file holding the run's shared secret (default: env {TOKEN_ENV}; neither: no auth)")
     sec.add_argument("--tls_cert", default=None, help="PEM certificate chain (enables TLS)")
     sec.add_argument("--tls_key", default=None, help="PEM private key for --tls_cert")
     sec.add_argument("--tls_client_ca", default=None, help="PEM CA that must have signed client certificates (mTLS)")
