@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from spes.config import ModelConfig, TrainConfig
 from spes.moe import ExpertBlocks, MoE, init_truncated_normal_
@@ -126,6 +127,14 @@ class ModelOutput:
     tokens_per_expert: torch.Tensor  # (L, E)
 
 
+def assign_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Give `param` the values of the whole tensor `whole`: all of them, or this rank's shard of an FSDP2 DTensor."""
+    if isinstance(param, DTensor):
+        whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(whole)
+
+
 class Transformer(nn.Module):
     """Embedding -> n_layers x Block -> RMSNorm -> untied LM head."""
 
@@ -156,7 +165,9 @@ class Transformer(nn.Module):
         """Truncated-normal init of every matrix (OLMo `init_fn: normal`), ones for norms; deterministic in `seed`.
 
         Each expert kind of a layer is drawn as one (E, ...) tensor and then split into blocks, so every
-        block layout (SPES peers, DiLoCo, centralized) starts from the same weights.
+        block layout (SPES peers, DiLoCo, centralized) starts from the same weights. Each tensor is drawn
+        whole, one at a time, so a model already sharded by FSDP2 (on meta, then `to_empty`) gets exactly the
+        values an unsharded one would, while no rank ever holds more than one whole tensor.
         """
         cfg = self.cfg
         gen_state = torch.random.get_rng_state()
@@ -170,13 +181,15 @@ class Transformer(nn.Module):
                     continue  # expert blocks, drawn whole below
                 for p in module.parameters(recurse=False):
                     if p.ndim >= 2:
-                        init_truncated_normal_(p, cfg.init_std, cfg.init_cutoff_factor)
+                        full = torch.empty(p.shape, device=p.device)
+                        init_truncated_normal_(full, cfg.init_std, cfg.init_cutoff_factor)
+                        assign_whole(p, full)
                 if isinstance(module, ExpertBlocks):
                     for blocks in (module.w1, module.v1, module.w2):
                         full = torch.empty(cfg.moe_num_experts, *blocks[0].shape[1:], device=blocks[0].device)
                         init_truncated_normal_(full, cfg.init_std, cfg.init_cutoff_factor)
                         for (lo, hi), p in zip(module.bounds, blocks):
-                            p.copy_(full[lo:hi])
+                            assign_whole(p, full[lo:hi])
         finally:
             torch.random.set_rng_state(gen_state)
         cos, sin = rope_tables(cfg.max_sequence_length, cfg.head_dim, cfg.rope_theta, device=self.rope_cos.device)

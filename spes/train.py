@@ -7,8 +7,9 @@
     # several nodes: run_scripts/run_single_node.sh <node_id> on each, or run_scripts/run_cluster.sh under SLURM
 
 Any key can be overridden as `--section.key=value`; `--resume` continues from `<save_folder>/latest`.
-Order of construction: config -> process group -> model on meta -> weights -> parallelize -> optimizer
--> data -> sync client -> trainer -> fit, torn down in `finally`.
+Order of construction: config -> process group -> model on meta -> weights -> parallelize (under FSDP2:
+parallelize, then each rank's shards of the weights) -> optimizer -> data -> sync client -> trainer -> fit,
+torn down in `finally`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import nn
 from spes.checkpoint import Checkpoint, restore
 from spes.config import ConfigError, TrainConfig, config_help, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
-from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed
+from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
 from spes.shards import resolve_paths
@@ -80,17 +81,23 @@ class Node:
 
 
 def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> Node:
-    """Model on meta -> weights -> parallelize -> optimizer -> checkpoint (either kind, any rank count) -> data."""
+    """Model on meta -> weights -> parallelize -> optimizer -> checkpoint (either kind, any rank count) -> data.
+
+    Under FSDP2 the model is sharded while still on meta and each rank allocates only its shards.
+    """
     tokenizer = load_tokenizer(cfg.tokenizer.identifier)
     check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
         model = Transformer.for_run(cfg)
-    model.to_empty(device=info.device)
-    model.init_weights(cfg.seed)
     log(count_params(model).describe())
-
-    model = parallelize(model, cfg, info)
+    sharded = uses_fsdp(cfg, info)
+    if sharded:
+        model = parallelize(model, cfg, info)
+    model.to_empty(device=info.device)
+    unwrap(model).init_weights(cfg.seed)
+    if not sharded:  # NOTE: DDP broadcasts rank 0's weights at wrapping, so they must exist first
+        model = parallelize(model, cfg, info)
     optimizer = build_optimizer(model, cfg.optimizer)
     ckpt = None
     if cfg.load_path:

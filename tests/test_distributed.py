@@ -174,9 +174,28 @@ def _numel(shapes: dict[str, list[int]], world: int = 1) -> int:
     return sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) if s else 1 for s in shapes.values())
 
 
+def _sharded_init_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any] | None:
+    """FSDP2 as spes.train builds it: sharded on meta, then each rank allocates and initializes its shards."""
+    if args["strategy"] != "fsdp":
+        return None
+    from spes.distributed import parallelize
+    from spes.model import Transformer
+
+    cfg = _cfg(*SPES_PEER, "--distributed_strategy=fsdp")
+    with torch.device("meta"):
+        model = parallelize(Transformer.for_run(cfg), cfg, info)
+    model.to_empty(device="cpu")
+    model.init_weights(cfg.seed)
+    plain = dict(_fresh(cfg).named_parameters())
+    return {"equal": all(torch.equal(p.full_tensor(), plain[n]) for n, p in model.named_parameters()),
+            "local_fraction": sum(p.to_local().numel() for p in model.parameters()) / sum(
+                p.numel() for p in plain.values())}
+
+
 def _two_rank_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
-    """Both checks below in one launch (process start-up dominates on 2 cores)."""
-    return {"comm": _frozen_comm_worker(args, info), "sync": _gather_load_worker(args, info)}
+    """The checks below in one launch (process start-up dominates on 2 cores)."""
+    return {"comm": _frozen_comm_worker(args, info), "sync": _gather_load_worker(args, info),
+            "init": _sharded_init_worker(args, info)}
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
@@ -277,6 +296,17 @@ def test_activation_checkpointing_keeps_parameter_names_and_values() -> None:
 def _losses(save_folder: Path) -> list[float]:
     records = [json.loads(line) for line in (save_folder / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in records if "loss" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_ranks_initialize_only_their_shards_to_the_unsharded_values(two_ranks: tuple[str, list[Any]]) -> None:
+    strategy, ranks = two_ranks
+    if strategy != "fsdp":
+        pytest.skip("sharded initialization is FSDP2's")
+    for rank in ranks:
+        assert rank["init"]["equal"]  # the same weights as one process draws
+        assert rank["init"]["local_fraction"] <= 0.55  # about half of every tensor, never the whole model
 
 
 @pytest.mark.slow
