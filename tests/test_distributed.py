@@ -300,10 +300,9 @@ def _losses(save_folder: Path) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("two_ranks", ["fsdp"], indirect=True)
 def test_fsdp_ranks_initialize_only_their_shards_to_the_unsharded_values(two_ranks: tuple[str, list[Any]]) -> None:
-    strategy, ranks = two_ranks
-    if strategy != "fsdp":
-        pytest.skip("sharded initialization is FSDP2's")
+    _, ranks = two_ranks
     for rank in ranks:
         assert rank["init"]["equal"]  # the same weights as one process draws
         assert rank["init"]["local_fraction"] <= 0.55  # about half of every tensor, never the whole model
