@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO_ROOT / "data_process_scripts"))
 from build_default_corpus import collect_documents  # noqa: E402
 from tokenize_data import tokenize_files  # noqa: E402
 
+from spes.atomic import write_atomic  # noqa: E402
 from spes.data import BatchLoader, TokenSequenceDataset  # noqa: E402
 from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe  # noqa: E402
 
@@ -109,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokenize": tokenize,
         "read": read,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp_results = RESULTS.with_name(f".{RESULTS.name}.tmp-{os.getpid()}")
-    tmp_results.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp_results, RESULTS)
+    write_atomic(RESULTS, json.dumps(results, indent=2) + "\n")
     print(f"saved {RESULTS.relative_to(REPO_ROOT)}")
     return 0
 

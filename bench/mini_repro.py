@@ -33,6 +33,7 @@ from typing import Any
 
 from common import REPO_ROOT, RESULTS_DIR, machine_info, parser, write_results
 
+from spes.atomic import write_atomic
 from spes.config import load_config
 from spes.model import analytic_param_counts
 
@@ -195,11 +196,8 @@ def plot(curves: dict[str, Any], path: Path, title: str) -> None:
     ax_b.grid(alpha=0.3)
     ax_b.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=110)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".")))
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params: dict[str, int],
@@ -303,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{setup.steps * PEERS * setup.peer_batch * setup.seq_len / 1e6:.2f}M tokens per run, "
                       f"sync every {setup.sync_steps} steps")
     md = report(setup, curves, walls, params, machine, png.name)
-    tmp = docs / f".mini_repro.md.tmp-{os.getpid()}"
-    tmp.write_text(md)
-    os.replace(tmp, docs / "mini_repro.md")
+    write_atomic(docs / "mini_repro.md", md)
 
     header = f"{'run':>12}  {'final val':>9}  {'vs central':>10}  {'MiB comm':>9}  {'wall s':>7}"
     print(header + "\n" + "-" * len(header))

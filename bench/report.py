@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common import REPO_ROOT, RESULTS_DIR
+
+from spes.atomic import write_atomic
 
 GIB, MIB = 2**30, 2**20
 
@@ -134,11 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         draw(ax, data)
         ax.grid(axis="y", alpha=0.3)
-    args.png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.png.with_name(f".{args.png.stem}.tmp-{os.getpid()}{args.png.suffix}")
-    fig.savefig(tmp, dpi=100)
+    write_atomic(args.png, lambda tmp: fig.savefig(tmp, dpi=100, format=args.png.suffix.lstrip(".")))
     plt.close(fig)
-    os.replace(tmp, args.png)
     print(f"wrote {args.png}")
     return 0
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from tokenize_data import TextChunk, TokenizeSummary, tokenize_chunks
 
+from spes.atomic import write_atomic
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 MAN_ROOT = Path("/usr/share/man")
@@ -273,9 +274,7 @@ def build_corpus(output_dir: Path, *, max_mb: float, vocab_size: int, stdlib_roo
                            "bytes": _size(splits[split])} for split, s in summaries.items()},
         "build_seconds": round(time.perf_counter() - started, 1),
     }
-    tmp = output_dir / f".corpus.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(corpus, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, output_dir / "corpus.json")
+    write_atomic(output_dir / "corpus.json", json.dumps(corpus, indent=2) + "\n")
     return corpus
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import re
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spes.atomic import write_atomic
 from spes.shards import read_shard_info, resolve_paths
 from spes.tokenizer import load_tokenizer
 
@@ -161,11 +161,7 @@ def documents_from_text(files: Sequence[str]) -> list[str]:
 
 
 def _write_jsonl(path: Path, rows: Sequence[dict[str, object]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def build(docs: Sequence[str], out: Path, s: TaskSettings, *, source: str) -> dict[str, object]:
@@ -190,9 +186,7 @@ def build(docs: Sequence[str], out: Path, s: TaskSettings, *, source: str) -> di
     _write_jsonl(out / PPL_FILE, ppl)
     manifest = {**wanted, "source": source, "documents": len(docs), "next_text_items": len(items),
                 "ppl_documents": len(ppl)}
-    tmp = manifest_path.with_name(f".{MANIFEST_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, manifest_path)
+    write_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return {**manifest, "skipped": False}
 
 

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from spes.atomic import write_atomic
+
 REFERENCE_TASKS: dict[str, int] = {
     "sciq": 0, "piqa": 0, "winogrande": 0, "arc_easy": 0, "social_iqa": 0, "openbookqa": 0, "boolq": 0,
     "arc_challenge": 25, "hellaswag": 10,
@@ -122,9 +124,7 @@ def summarize(out_dir: Path) -> int:
     table = markdown(tasks, status)
     for name, text in (("results.json", json.dumps({"tasks": tasks, "reference_status": status}, indent=2)),
                        ("results.md", table)):
-        tmp = out_dir / f".{name}.tmp-{os.getpid()}"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, out_dir / name)
+        write_atomic(out_dir / name, text)
     print(table, end="")
     return 0
 
