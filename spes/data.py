@@ -29,6 +29,7 @@ from spes.shards import read_shard_info
 
 log = logging.getLogger(__name__)
 
+
 class TokenSequenceDataset:
     """Fixed-length windows of `seq_len` tokens over memory-mapped token shards.
 

@@ -181,7 +181,7 @@ class Transformer(nn.Module):
                     continue  # expert blocks, drawn whole below
                 for p in module.parameters(recurse=False):
                     if p.ndim >= 2:
-                        full = torch.empty(p.shape, device=p.device)
+                        full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
                         init_truncated_normal_(full, cfg.init_std, cfg.init_cutoff_factor)
                         assign_whole(p, full)
                 if isinstance(module, ExpertBlocks):

@@ -112,5 +112,3 @@ def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = N
             raise ValueError(f"data list file {path} names no shards")
         return listed
     return [path]
-
-

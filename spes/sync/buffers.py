@@ -18,8 +18,6 @@ from collections.abc import Iterable, Mapping
 import torch
 
 Shape = tuple[int, ...]
-
-
 Key = tuple[Shape, torch.dtype]
 
 

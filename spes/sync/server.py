@@ -192,7 +192,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         cfg, peer = self.cfg, request.peer_id
         try:
-            self._check_identity(peer, context)
+            self._check_identity(peer, lambda: grpc_common_name(context))
             shapes, trainable = check_join(request, num_peers=cfg.total_peers, experts_per_peer=cfg.experts_per_peer,
                                            mode=cfg.mode)
             with self._cond:
@@ -226,7 +226,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             first = next(request_iterator, None)
             if first is None or not first.HasField("meta"):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
-            self._check_identity(first.meta.peer_id, context)
+            self._check_identity(first.meta.peer_id, lambda: grpc_common_name(context))
             return self.upload(first.meta.peer_id, first.meta.round, feed)
         except Refused as exc:
             self._abort(context, exc)
@@ -336,7 +336,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def Download(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.DownloadMessage]:
         context.add_callback(self._wake)
         try:
-            self._check_identity(request.peer_id, context)
+            self._check_identity(request.peer_id, lambda: grpc_common_name(context))
             ready = self.download(request.peer_id, request.round, request.full, context.is_active,
                                   context.time_remaining())
         except Refused as exc:
@@ -438,8 +438,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             if not isinstance(peer, int) or not isinstance(step, int) or op not in ("upload", "download"):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"bad data-plane request: op {op!r}, peer_id {peer!r}, step {step!r}")
-            if self.cfg.tls_peer_ids:
-                check_peer_identity(peer, tls_common_name(sock))
+            self._check_identity(peer, lambda: tls_common_name(sock))
             if op == "upload":
                 self._serve_upload(sock, peer, step)
             else:
@@ -507,9 +506,10 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                           f"peer {peer} has not joined this server: call Join first", "not_joined")
         return self._peers[peer], self._manifest
 
-    def _check_identity(self, peer: int, context: grpc.ServicerContext) -> None:
+    def _check_identity(self, peer: int, common_name: Callable[[], str | None]) -> None:
+        """With --tls_peer_ids: the caller's certificate (its common name, from either plane) must name `peer`."""
         if self.cfg.tls_peer_ids:
-            check_peer_identity(peer, grpc_common_name(context))
+            check_peer_identity(peer, common_name())
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, exc: Refused) -> NoReturn:
