@@ -13,7 +13,9 @@ once over the raw-TCP data plane (`--data_port`, spes.sync.transport). The basel
 raw TCP server process and one client process per peer moving exactly the same byte counts: each client
 sends its upload bytes, the server waits until every upload is in (the round barrier) and sends each client
 its download bytes. Peers build their tensors and connect first, then all start on one signal; a round's
-time runs from the first start to the last finish. Throughput = all bytes moved (every peer's up + down)
+time runs from the first start to the last finish. The first `--warmup` rounds of either side run untimed:
+the server receives into buffers freed by earlier rounds (spes.sync.buffers), so its first two rounds touch
+fresh memory, as the raw baseline's first round does. Throughput = all bytes moved (every peer's up + down)
 / round time. `--profile` needs py-spy (`pip install py-spy`; not a project dependency) and writes the
 hottest lines of the server and of peer 0 into the results.
 """
@@ -147,18 +149,19 @@ def expect_line(proc: subprocess.Popen, what: str) -> str:
     return line.strip()
 
 
-def run_rounds(peers: list[subprocess.Popen], rounds: int, profile_pids: list[tuple[str, int]], profile_dir: Path | None
-               ) -> tuple[list[dict[str, float]], dict[str, Any]]:
-    """Release all peers at once for each round; per round: wall seconds and bytes moved (all peers).
+def run_rounds(peers: list[subprocess.Popen], warmup: int, rounds: int, profile_pids: list[tuple[str, int]],
+               profile_dir: Path | None) -> tuple[list[dict[str, float]], dict[str, Any]]:
+    """Release all peers at once for each round; per timed round: wall seconds and bytes moved (all peers).
 
-    With `profile_dir`, the peers run one more round, under py-spy, whose time is not among the results.
+    The first `warmup` rounds are not among the results. With `profile_dir`, the peers run one more round,
+    under py-spy, whose time is not among them either.
     """
     results, profiles = [], {}
-    for r in range(rounds + (profile_dir is not None)):
+    for r in range(warmup + rounds + (profile_dir is not None)):
         for p in peers:
             if expect_line(p, "READY") != "READY":
                 raise RuntimeError("peer did not report READY")
-        profiled = r == rounds
+        profiled = r == warmup + rounds
         spies = start_profilers(profile_pids, profile_dir) if profiled and profile_dir is not None else []
         for p in peers:
             assert p.stdin is not None
@@ -168,9 +171,11 @@ def run_rounds(peers: list[subprocess.Popen], rounds: int, profile_pids: list[tu
         if profiled:
             profiles = stop_profilers(spies)
             continue
+        if r < warmup:
+            continue
         wall = max(x["end"] for x in records) - min(x["start"] for x in records)
         moved = sum(x["up"] + x["down"] for x in records)
-        results.append({"round": r + 1, "seconds": wall, "bytes": moved, "gb_s": moved / wall / 1e9,
+        results.append({"round": r + 1 - warmup, "seconds": wall, "bytes": moved, "gb_s": moved / wall / 1e9,
                         "up_per_peer": [x["up"] for x in records], "down_per_peer": [x["down"] for x in records]})
     return results, profiles
 
@@ -242,8 +247,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, rounds: int, workdir: Path, profile: bool
-               ) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
+def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, warmup: int, rounds: int, workdir: Path,
+               profile: bool) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
     """SPES rounds with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp")."""
     cfg = load_config(config, overrides)[0]
     port = free_port()
@@ -256,30 +261,31 @@ def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, rounds
     try:
         wait_for_log(log, "listening", server)
         peers = [spawn([str(SCRIPT), "--role", "grpc-peer", "--config", str(config), "--peer-id", str(p), "--port",
-                        str(port), "--wire", wire, "--plane", plane, "--rounds", str(rounds + profile),
+                        str(port), "--wire", wire, "--plane", plane, "--rounds", str(warmup + rounds + profile),
                         *[f"--override={o}" for o in overrides]])
                  for p in range(cfg.spes_config.num_peers)]
         procs += peers
         pids = [("server", server.pid), ("peer0", peers[0].pid)]
-        results, profiles = run_rounds(peers, rounds, pids, workdir / f"profile_{wire}_{plane}" if profile else None)
+        profile_dir = workdir / f"profile_{wire}_{plane}" if profile else None
+        results, profiles = run_rounds(peers, warmup, rounds, pids, profile_dir)
     finally:
         stop(procs)
     aggregation = [float(line.split("aggregation ")[1].split(" s")[0]) for line in log.read_text().splitlines()
                    if "aggregation " in line]
-    return results, profiles, aggregation
+    return results, profiles, aggregation[warmup : warmup + rounds]
 
 
-def bench_raw(up: list[int], down: list[int], rounds: int) -> list[dict[str, float]]:
+def bench_raw(up: list[int], down: list[int], warmup: int, rounds: int) -> list[dict[str, float]]:
     port = free_port()
     server = spawn([str(SCRIPT), "--role", "raw-server", "--port", str(port), "--peers", str(len(up)),
-                    "--rounds", str(rounds), "--max-bytes", str(max(up + down))])
+                    "--rounds", str(warmup + rounds), "--max-bytes", str(max(up + down))])
     procs = [server]
     try:
         expect_line(server, "LISTENING")
         peers = [spawn([str(SCRIPT), "--role", "raw-peer", "--port", str(port), "--up", str(u), "--down", str(d),
-                        "--rounds", str(rounds)]) for u, d in zip(up, down)]
+                        "--rounds", str(warmup + rounds)]) for u, d in zip(up, down)]
         procs += peers
-        results, _ = run_rounds(peers, rounds, [], None)
+        results, _ = run_rounds(peers, warmup, rounds, [], None)
     finally:
         stop(procs)
     return results
@@ -298,11 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", type=int, default=0, help="(internal)")
     p.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="(internal)")
     p.add_argument("--plane", choices=["grpc", "tcp"], default="grpc", help="(internal) where tensor payloads go")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 3, quick 1)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 5, quick 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2, quick 0)")
     p.add_argument("--profile", action="store_true", help="py-spy profiles of the server and peer 0 in one more, "
                    "untimed, fp32 round")
     args = p.parse_args(argv)
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)
     if args.role == "grpc-peer":
         grpc_peer(args.config, args.override, args.peer_id, f"127.0.0.1:{args.port}", args.wire, rounds, args.plane)
         return 0
@@ -319,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = RESULTS_DIR / ("bench_sync_quick" if args.quick else "bench_sync")
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"model: {manifest_bytes(manifest) / 1e9:.2f} GB fp32, {len(manifest)} tensors, "
-          f"{cfg.spes_config.num_peers} peers x {cfg.expert_block_size()} experts; {rounds} round(s) each")
+          f"{cfg.spes_config.num_peers} peers x {cfg.expert_block_size()} experts; "
+          f"{warmup} untimed + {rounds} timed round(s) each")
     measurements: dict[str, Any] = {}
     rows = []
     for wire in ("fp32",) if args.quick else ("fp32", "bf16"):
@@ -327,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         peers = range(cfg.spes_config.num_peers)
         up = [sum(payload_bytes(manifest[n], wire) for n in trainable_names(names, q, "spes")) for q in peers]
         down = [sum(payload_bytes(manifest[n], wire) for n in download_names(names, q, "spes", False)) for q in peers]
-        raw = bench_raw(up, down, rounds)
+        raw = bench_raw(up, down, warmup, rounds)
         best_raw = min(raw, key=lambda x: x["seconds"])
         for plane in ("grpc", "tcp"):
-            spes, profiles, aggregation = bench_spes(config, overrides, wire, plane, rounds, workdir,
+            spes, profiles, aggregation = bench_spes(config, overrides, wire, plane, warmup, rounds, workdir,
                                                      args.profile and wire == "fp32")
             best = min(spes, key=lambda x: x["seconds"])
             agg = min(aggregation) if aggregation else 0.0
@@ -352,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {share:6.1%}  {frame}")
     write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
                              "config": str(config.relative_to(REPO_ROOT)), "overrides": overrides,
-                             "model_bytes_fp32": manifest_bytes(manifest), "rounds": rounds,
+                             "model_bytes_fp32": manifest_bytes(manifest), "warmup_rounds": warmup, "rounds": rounds,
                              "measurements": measurements})
     return 0
 

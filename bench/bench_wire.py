@@ -13,7 +13,7 @@ What each scheme moves per peer and round (payload bytes; the selection is the p
 The 1B figures come from the config's shapes; the small (or tiny) config is also measured through a real
 parameter server on loopback (4 `SyncClient`s, one SPES non-merge round, one merge round, one DiLoCo round
 per wire dtype) and must equal the analytic figures byte for byte. Protobuf framing (headers, offsets,
-crc32s, ~1 MiB chunks) is measured by serializing the messages of one upload, and reported as overhead.
+checksums, ~1 MiB chunks) is measured by serializing the messages of one upload, and reported as overhead.
 An amortized figure weights merge rounds by how often they occur in the config's run (merge every 500
 steps while alpha > 0, alpha decaying to 0 at step 10000: the paper's launch settings).
 """

@@ -223,7 +223,8 @@ def test_check_join() -> None:
     assert shapes == MANIFEST and "blocks.0.ffn.experts.w1.1" in trainable
     for request, match in [
         (join(2), r"peer_id 2 is outside \[0, 2\)"),
-        (join(0, protocol=0), "speaks wire protocol v0 but this server speaks v2"),
+        (join(0, protocol=0), "speaks wire protocol v0 but this server speaks v3"),
+        (join(0, protocol=2), "speaks wire protocol v2 but this server speaks v3"),  # CRC-32C checksums
         (join(0, mode="diloco"), "mode='diloco' but the server runs with mode='spes'"),
         (join(0, wire_dtype="fp8"), "unknown wire_dtype 'fp8'"),
         (join(0, trainable=NAMES), "also claims 'blocks.0.ffn.experts.v1.1'"),

@@ -20,9 +20,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
+from test_client import check_round, joined_clients
 
+from spes.moe import parse_expert_block
+from spes.sync import wire
 from spes.sync.client import SyncClient, SyncError
-from spes.sync.merge import Mode, trainable_names
+from spes.sync.merge import MergeConfig, Mode, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.server import build_parser, config_from_args
@@ -164,9 +167,9 @@ def test_bad_uploads_are_refused_and_the_round_still_completes(tmp_path: Path) -
 
         evil = pickle.dumps(Exploit())
         header = pb.TensorHeader(
-            name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=len(evil), crc32c=checksum(evil)
+            name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=len(evil), checksum=checksum(evil)
         )
-        evil_chunk = pb.TensorChunk(header=header, offset=0, data=evil, crc32c=checksum(evil))
+        evil_chunk = pb.TensorChunk(header=header, offset=0, data=evil, checksum=checksum(evil))
         expect_code(
             StatusCode.INVALID_ARGUMENT, "'embed.weight': header says", stub.Upload, upload_messages(0, 1, [evil_chunk])
         )
@@ -182,7 +185,7 @@ def test_bad_uploads_are_refused_and_the_round_still_completes(tmp_path: Path) -
         for copy, chunk in zip(corrupted, chunks):
             copy.CopyFrom(chunk)
         corrupted[3].data = bytes(len(corrupted[3].data))
-        reason = expect_code(StatusCode.INVALID_ARGUMENT, "fails its CRC-32C", stub.Upload,
+        reason = expect_code(StatusCode.INVALID_ARGUMENT, "fails its checksum", stub.Upload,
                              upload_messages(0, 1, corrupted))
         assert reason == "corrupt"  # the client sends such an upload again
         for bad in (float("nan"), -float("inf")):
@@ -406,11 +409,11 @@ def test_bad_token_changes_no_state_and_no_token_is_ever_logged(caplog: pytest.L
 def overrunning_upload(counter: list[int], num_chunks: int = 20_000) -> Iterator[pb.UploadMessage]:
     """embed.weight (512 bytes by the manifest) followed by ~10 MB more of it; counts what was pulled."""
     data = bytes(512)
-    header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512, crc32c=checksum(data))
+    header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512, checksum=checksum(data))
     yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=1))
     for i in range(num_chunks):
         counter[0] += 1
-        chunk = pb.TensorChunk(header=header if i == 0 else None, offset=512 * i, data=data, crc32c=checksum(data))
+        chunk = pb.TensorChunk(header=header if i == 0 else None, offset=512 * i, data=data, checksum=checksum(data))
         yield pb.UploadMessage(chunk=chunk)
 
 
@@ -424,8 +427,8 @@ def test_oversized_uploads_are_refused_before_they_are_read() -> None:
                     stub.Upload, overrunning_upload(pulled))
         assert pulled[0] < 2_000, pulled  # the rest of the stream was never sent
         huge = bytes(5 * 2**20)  # one message larger than --max_message_mb=4: gRPC refuses it unread
-        header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512, crc32c=0)
-        message = pb.TensorChunk(header=header, offset=0, data=huge, crc32c=checksum(huge))
+        header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512, checksum=0)
+        message = pb.TensorChunk(header=header, offset=0, data=huge, checksum=checksum(huge))
         expect_code(StatusCode.RESOURCE_EXHAUSTED, "", stub.Upload, upload_messages(0, 1, [message]))
         assert server.servicer.state.snapshot().open_round is None and status_fields(stub)["bytes_in"] == 512
         finish_round(addr, 1)
@@ -574,3 +577,25 @@ def test_command_line_builds_the_config(tmp_path: Path, monkeypatch: pytest.Monk
         config_from_args(build_parser().parse_args(base + ["--token_file", str(tmp_path / "nope")]))
     with pytest.raises(ValueError, match="--tls_cert and --tls_key"):
         config_from_args(build_parser().parse_args(base + ["--tls_cert", "x.crt"]))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plane", ["grpc", "tcp"])
+def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts taken verbatim from their owners go out under the checksum verified on receipt; averaged and
+    merged tensors are hashed anew. Every peer's download is still checked against its checksums."""
+    hashed: list[torch.Tensor] = []
+    encode_whole = wire.encode_whole
+    monkeypatch.setattr(wire, "encode_whole", lambda t, dtype: hashed.append(t) or encode_whole(t, dtype))
+    manifest = tiny_manifest()
+    experts = {n for n in manifest if parse_expert_block(n) is not None}
+    merge = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
+    with running_server(merge=merge, data_port=0 if plane == "tcp" else -1) as (server, addr), \
+            joined_clients(addr, manifest, data_plane=plane) as clients:
+        for step, merged in ((50, False), (100, True), (150, False)):
+            hashed.clear()
+            uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
+            check_round(sync_all(clients, step, uploads), uploads, manifest, mode="spes", step=step, merge=merge)
+            global_model = server.servicer.state.global_model
+            again = {n for n, t in global_model.items() if any(t is h for h in hashed)}
+            assert again == (set(manifest) if merged else set(manifest) - experts), step

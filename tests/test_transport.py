@@ -16,7 +16,7 @@ from spes.launch import free_port
 from spes.sync import transport
 from spes.sync.merge import Mode
 from spes.sync.server import ParameterServer
-from spes.sync.wire import checksum
+from spes.sync.wire import DIGEST, checksum
 
 
 def raw_upload(server: ParameterServer, *, peer: int = 0, step: int = 1, token: str | None = TOKEN) -> socket.socket:
@@ -85,11 +85,11 @@ def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
             assert transport.recv_frame(sock) == {"status": "send"}
             for name, tensor in uploads[0].items():
                 data = bytearray(tensor.numpy().tobytes())
-                crc = checksum(data)
-                data[len(data) // 2] ^= 0x40  # one bit flipped in transit, after the crc was taken
+                digest = checksum(data)
+                data[len(data) // 2] ^= 0x40  # one bit flipped in transit, after the checksum was taken
                 transport.send_frame(sock, {"name": name, "dtype": "fp32", "shape": list(tensor.shape),
-                                            "num_bytes": len(data), "crc32c": crc})
-                sock.sendall(data)
+                                            "num_bytes": len(data)})
+                sock.sendall(data + DIGEST.pack(digest))
             reply = transport.recv_frame(sock)
         assert reply["status"] == "error" and reply["reason"] == "corrupt", reply
         assert nothing_staged(server)
@@ -101,11 +101,11 @@ def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
 @pytest.mark.parametrize(
     "header",
     [
-        {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20], "num_bytes": 1 << 42, "crc32c": 0},
-        {"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 1 << 40, "crc32c": 0},
-        {"name": "not.in.the.model", "dtype": "fp32", "shape": [4], "num_bytes": 16, "crc32c": 0},
-        {"name": "embed.weight", "dtype": "bf16", "shape": [16, 8], "num_bytes": 256, "crc32c": 0},
-        {"name": "embed.weight", "dtype": "fp32", "shape": "16x8", "num_bytes": 512, "crc32c": 0},
+        {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20], "num_bytes": 1 << 42},
+        {"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 1 << 40},
+        {"name": "not.in.the.model", "dtype": "fp32", "shape": [4], "num_bytes": 16},
+        {"name": "embed.weight", "dtype": "bf16", "shape": [16, 8], "num_bytes": 256},
+        {"name": "embed.weight", "dtype": "fp32", "shape": "16x8", "num_bytes": 512},
     ],
 )
 def test_bad_headers_are_refused_before_any_payload(header: dict) -> None:
@@ -151,11 +151,10 @@ def test_a_pickle_blob_is_only_ever_bytes(tmp_path: Path) -> None:
     num_bytes = 16 * 8 * 4
     payload = (blob * (num_bytes // len(blob) + 1))[:num_bytes]
     with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
-        with raw_upload(server, token=None) as sock:  # as a payload with a valid CRC-32C
+        with raw_upload(server, token=None) as sock:  # as a payload with a valid checksum
             assert transport.recv_frame(sock) == {"status": "send"}
-            transport.send_frame(sock, {"name": name, "dtype": "fp32", "shape": [16, 8], "num_bytes": num_bytes,
-                                        "crc32c": checksum(payload)})
-            sock.sendall(payload)
+            transport.send_frame(sock, {"name": name, "dtype": "fp32", "shape": [16, 8], "num_bytes": num_bytes})
+            sock.sendall(payload + DIGEST.pack(checksum(payload)))
             sock.shutdown(socket.SHUT_WR)  # the rest of the upload never comes
             assert sock.recv(1 << 16) == b""  # the server dropped the broken-off upload
         assert nothing_staged(server)

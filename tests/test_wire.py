@@ -16,14 +16,19 @@ import torch
 from spes.sync import wire
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.wire import (
+    DIGEST,
+    Checksum,
     CorruptChunk,
     EncodedModel,
     TensorDecoder,
+    VerifiedChecksums,
     checksum,
     decode_tensors,
     encode_tensor,
     encode_tensors,
+    finite,
     payload_bytes,
+    write_raw,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,22 +59,34 @@ def test_round_trip(wire_dtype: str, chunk_bytes: int) -> None:
         assert torch.equal(out[name], t.to(want_dtype))
 
 
-def test_payload_is_raw_little_endian_with_crcs() -> None:
+def test_payload_is_raw_little_endian_with_checksums() -> None:
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     chunks = list(encode_tensor("t", t, "fp32", chunk_bytes=10))
     payload = b"".join(c.data for c in chunks)
     assert payload == np.arange(6, dtype="<f4").tobytes()
     header = chunks[0].header
     assert (header.name, header.dtype, list(header.shape), header.num_bytes) == ("t", "fp32", [2, 3], 24)
-    assert header.crc32c == checksum(payload)
+    assert header.checksum == checksum(payload)
     assert [c.offset for c in chunks] == [0, 10, 20] and not chunks[1].HasField("header")
-    assert all(c.crc32c == checksum(c.data) for c in chunks)
+    assert all(c.checksum == checksum(c.data) for c in chunks)
     assert payload_bytes((2, 3), "bf16") == 12
 
 
-def test_checksum_is_crc32c() -> None:
-    assert checksum(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720, Castagnoli)
-    assert checksum(b"56789", checksum(b"1234")) == 0xE3069283
+def test_checksum_is_xxh3_64_and_streams() -> None:
+    assert checksum(b"") == 0x2D06800538D394C2  # XXH3_64bits of the empty input, seed 0 (xxHash's test vector)
+    streamed = Checksum()
+    for piece in (b"1234", b"", b"56789"):
+        streamed.update(piece)
+    assert streamed.intdigest() == checksum(b"123456789")
+    assert checksum(b"123456789") != checksum(b"123456788")
+
+
+def test_finite_is_exact_even_when_the_fast_sum_overflows() -> None:
+    big = torch.full((4,), 3e38)  # finite values whose sum overflows to +inf: the exact check must pass them
+    assert not torch.isfinite(big.sum()) and finite(big) and finite(big.bfloat16()) and finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert not finite(torch.tensor([1.0, bad, -1.0]))
+    assert not finite(torch.tensor([float("inf"), -float("inf")]))  # NaN sum; min/max show the infinities
 
 
 @pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
@@ -120,29 +137,34 @@ def test_require_finite_refuses_nan_and_inf_wherever_they_are(bad: float, wire_d
 def test_raw_stream_is_checked_piece_by_piece(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(wire, "PIECE_BYTES", 64)
     t = torch.randn(50, 3)
-    data = memoryview(t.numpy().tobytes())
     header = next(encode_tensor("w", t, "fp32")).header
 
-    def source(payload: memoryview) -> Callable[[memoryview], None]:
+    def raw(tensor: torch.Tensor) -> bytearray:
+        stream = bytearray()
+        assert write_raw(tensor, "fp32", stream.extend) == 600
+        assert stream[600:] == DIGEST.pack(checksum(stream[:600]))  # the payload, then its checksum
+        return stream
+
+    def source(stream: bytearray) -> Callable[[memoryview], None]:
         offset = 0
 
         def read_into(buf: memoryview) -> None:
             nonlocal offset
-            buf[:] = payload[offset : offset + len(buf)]
+            buf[:] = stream[offset : offset + len(buf)]
             offset += len(buf)
         return read_into
 
     decoder = TensorDecoder({"w": (50, 3)}, "fp32", require_finite=True)
-    decoder.feed_raw(header, source(data))
+    decoder.feed_raw(header, source(raw(t)))
     assert torch.equal(decoder.finish()["w"], t) and decoder.bytes_received == 600
-    flipped = bytearray(data)
-    flipped[300] ^= 1
-    with pytest.raises(CorruptChunk, match="'w': payload CRC-32C"):
-        TensorDecoder({"w": (50, 3)}, "fp32").feed_raw(header, source(memoryview(flipped)))
+    for flip in (300, 603):  # a bit flipped in the payload, or in the trailing checksum
+        flipped = raw(t)
+        flipped[flip] ^= 1
+        with pytest.raises(CorruptChunk, match="'w': payload checksum"):
+            TensorDecoder({"w": (50, 3)}, "fp32").feed_raw(header, source(flipped))
     t[40, 0] = float("nan")
     with pytest.raises(ValueError, match="'w' holds NaN or Inf"):
-        nan_data = memoryview(t.numpy().tobytes())
-        TensorDecoder({"w": (50, 3)}, "fp32", require_finite=True).feed_raw(header, source(nan_data))
+        TensorDecoder({"w": (50, 3)}, "fp32", require_finite=True).feed_raw(header, source(raw(t)))
 
 
 def test_decoder_counts_bytes_and_accepts_subset_via_finish_names() -> None:
@@ -187,13 +209,13 @@ def test_rejects_wrong_byte_length() -> None:
 def test_rejects_corrupted_chunk() -> None:
     chunks = chunks_of("w", torch.randn(100))
     chunks[2].data = b"\x00" + chunks[2].data[1:]
-    expect_error(chunks, {"w": (100,)}, "'w': chunk at offset 128 fails its CRC-32C")
+    expect_error(chunks, {"w": (100,)}, "'w': chunk at offset 128 fails its checksum")
 
 
-def test_rejects_payload_crc_mismatch() -> None:
+def test_rejects_payload_checksum_mismatch() -> None:
     chunks = chunks_of("w", torch.randn(100))
-    chunks[0].header.crc32c ^= 1
-    expect_error(chunks, {"w": (100,)}, "'w': payload CRC-32C")
+    chunks[0].header.checksum ^= 1
+    expect_error(chunks, {"w": (100,)}, "'w': payload checksum")
 
 
 def test_rejects_truncated_tensor_and_missing_tensor() -> None:
@@ -211,7 +233,7 @@ def test_rejects_lost_reordered_or_headless_chunks() -> None:
     chunks = chunks_of("w", torch.randn(100))
     expect_error([chunks[0], chunks[2]], {"w": (100,)}, "offset 128, expected offset 64")
     expect_error(chunks[1:], {"w": (100,)}, "without a tensor header")
-    overrun = pb.TensorChunk(offset=384, data=b"x" * 64, crc32c=checksum(b"x" * 64))
+    overrun = pb.TensorChunk(offset=384, data=b"x" * 64, checksum=checksum(b"x" * 64))
     expect_error(chunks[:-1] + [overrun], {"w": (100,)}, "overruns")
 
 
@@ -228,8 +250,8 @@ class _Exploit:
 def test_pickle_payload_is_never_deserialized(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     evil = pickle.dumps(_Exploit(str(marker)))
-    header = pb.TensorHeader(name="w", dtype="fp32", shape=[4], num_bytes=len(evil), crc32c=checksum(evil))
-    chunk = pb.TensorChunk(header=header, offset=0, data=evil, crc32c=checksum(evil))
+    header = pb.TensorHeader(name="w", dtype="fp32", shape=[4], num_bytes=len(evil), checksum=checksum(evil))
+    chunk = pb.TensorChunk(header=header, offset=0, data=evil, checksum=checksum(evil))
     expect_error([chunk], {"w": (4,)}, "'w': header says")
     chunk.header.shape[:] = [len(evil) // 4]
     expect_error([chunk], {"w": (4,)}, "'w': shape")
@@ -250,3 +272,14 @@ def test_committed_stubs_are_up_to_date(tmp_path: Path) -> None:
         assert (tmp_path / name).read_text() == (committed / name).read_text(), (
             f"spes/sync/proto/{name} is stale: run run_scripts/gen_protos.sh after editing protos/spes.proto"
         )
+
+
+def test_verified_checksums_hold_only_while_the_very_tensor_is_unchanged() -> None:
+    kept, averaged, other = torch.randn(8), torch.randn(8), torch.randn(8)
+    verified = VerifiedChecksums()
+    verified.record({"kept": kept, "averaged": averaged, "gone": torch.randn(8)}, {"kept": 1, "averaged": 2, "gone": 3},
+                    "fp32")
+    averaged.add_(1.0)  # written in place since it was received
+    model = {"kept": kept, "averaged": averaged, "gone": torch.randn(8), "other": other}
+    assert verified.known(model, "fp32") == {"kept": (kept, 1)}
+    assert verified.known(model, "bf16") == {}  # recorded for another wire dtype

@@ -8,7 +8,7 @@ One rank per node owns a `SyncClient`; the trainer broadcasts what `sync` return
         global_tensors, stats = client.sync(step, {n: params[n] for n in trainable})
 
 Every RPC carries a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, bytes that fail their
-CRC-32C in either direction) are retried with exponential backoff and jitter, which is safe because the server
+checksum in either direction) are retried with exponential backoff and jitter, which is safe because the server
 treats a repeated (peer, round) upload as a no-op. `sync` also recovers on its own from a server restart:
 told it has not joined, it joins again; told the server holds no upload of it for the round, it uploads
 again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed

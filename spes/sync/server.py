@@ -59,8 +59,8 @@ from spes.sync.rounds import (
 )
 from spes.sync import transport
 from spes.sync.state import SavedRound, load_round, save_round
-from spes.sync.wire import REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder, encode_tensors, grpc_options, \
-    read_file, wire_torch_dtype
+from spes.sync.wire import REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder, VerifiedChecksums, encode_tensors, \
+    grpc_options, read_file, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
 
@@ -171,6 +171,8 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         self._encoded: dict[str, EncodedModel] = {}
         """The latest round's global model per wire dtype, each tensor encoded once for every download."""
         self._pool = BufferPool()
+        self._checksums = VerifiedChecksums()
+        """Of every staged upload: downloads send the experts taken from it verbatim without hashing them again."""
         self._readers: dict[int, int] = {}
         """Downloads in flight per completed round: its tensors are reused only once none reads them."""
         self._retired: dict[int, list[torch.Tensor]] = {}
@@ -240,21 +242,26 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             info, manifest = self._joined(peer)
             if self.state.admit(peer, step):
                 return self._upload_reply(step, duplicate=True)
-        tensors = self._receive(feed, peer, step, info, manifest)
-        if tensors is None:
+        received = self._receive(feed, peer, step, info, manifest)
+        if received is None:
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
+        tensors, checksums = received
         with self._cond:
             if self.state.admit(peer, step):  # a concurrent retry of this upload won the race
                 self._pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)
+            self._checksums.record(tensors, checksums, info.wire_dtype)
             if self.state.stage_upload(peer, step, tensors):
                 self._close_round(step)
             self._cond.notify_all()
             return self._upload_reply(step, duplicate=False)
 
     def _receive(self, feed: Callable[[TensorDecoder], None], peer: int, step: int, info: PeerInfo,
-                 manifest: dict[str, Shape]) -> Tensors | None:
-        """Decode and verify one upload into kept buffers sized by the manifest; None if the peer went away."""
+                 manifest: dict[str, Shape]) -> tuple[Tensors, dict[str, int]] | None:
+        """Decode and verify one upload into kept buffers sized by the manifest: the tensors and their checksums.
+
+        None if the peer went away.
+        """
         dtype = wire_torch_dtype(info.wire_dtype)
         buffers = {n: self._pool.take(manifest[n], dtype) for n in info.trainable}
         decoder = TensorDecoder({n: manifest[n] for n in info.trainable}, info.wire_dtype, into=buffers,
@@ -276,7 +283,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             with self._cond:
                 self._bytes_in += decoder.bytes_received
                 self._round_bytes_in += decoder.bytes_received
-        return tensors
+        return tensors, decoder.checksums
 
     def _upload_reply(self, step: int, *, duplicate: bool) -> pb.UploadReply:
         snap = self.state.snapshot()
@@ -369,7 +376,8 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             peers = state.completed_peers
             encoded = self._encoded.get(info.wire_dtype)
             if encoded is None:
-                encoded = self._encoded[info.wire_dtype] = EncodedModel(global_model, info.wire_dtype)
+                known = self._checksums.known(global_model, info.wire_dtype)
+                encoded = self._encoded[info.wire_dtype] = EncodedModel(global_model, info.wire_dtype, known)
             self._readers[step] = self._readers.get(step, 0) + 1
         names = list(global_model) if full else download_names(list(global_model), peer, self.cfg.mode, merged)
         round_info = pb.RoundInfo(round=step, merged=merged, alpha=alpha, names=names, peers=sorted(peers))

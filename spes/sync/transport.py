@@ -1,10 +1,11 @@
 """The raw-TCP data plane: tensor payloads over a plain (or TLS) socket, gRPC staying the control plane.
 
 gRPC-Python copies every message several times, which caps a round far below what the network can move.
-Here a tensor is one small JSON header frame followed by exactly `num_bytes` raw little-endian bytes,
-sent straight from the tensor's memory and received with `recv_into` straight into a buffer sized by the
-*receiver's* manifest (`TensorDecoder.feed_raw`: the same header checks as the gRPC path, done before a
-byte of payload is read, CRC-32C checked after). Nothing received is ever unpickled.
+Here a tensor is one small JSON header frame, exactly `num_bytes` raw little-endian bytes and their
+XXH3-64 as 8 bytes (`write_raw`), sent straight from the tensor's memory and received with `recv_into`
+straight into a buffer sized by the *receiver's* manifest (`TensorDecoder.feed_raw`: the same header checks
+as the gRPC path, done before a byte of payload is read, checksum verified after). Nothing received is ever
+unpickled.
 
 A connection carries one operation:
 
@@ -34,8 +35,7 @@ from typing import Any
 import torch
 
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.wire import PROTOCOL_VERSION, Encoded, TensorDecoder, byte_view, encode_whole, payload_bytes, \
-    read_file
+from spes.sync.wire import PROTOCOL_VERSION, Encoded, TensorDecoder, payload_bytes, read_file, write_raw
 
 log = logging.getLogger("spes.transport")
 
@@ -108,24 +108,21 @@ def recv_hello(sock: socket.socket) -> Frame:
 # -- tensors ------------------------------------------------------------------------------------------------------
 def send_tensors(sock: socket.socket, tensors: Mapping[str, torch.Tensor], wire_dtype: str,
                  encoded: Mapping[str, Encoded] | None = None) -> int:
-    """Send every tensor as a header frame and its raw payload (zero-copy `sendall`); returns payload bytes.
+    """Send every tensor as a header frame, its raw payload (zero-copy `sendall`) and checksum; returns payload bytes.
 
-    `encoded` holds wire forms and checksums computed once for several receivers (`encode_model`).
+    `encoded` holds wire forms and checksums computed once for several receivers (`EncodedModel`).
     """
     sent = 0
     for name, tensor in tensors.items():
-        wire, crc = encoded[name] if encoded is not None else encode_whole(tensor, wire_dtype)
-        data = byte_view(wire)
         send_frame(sock, {"name": name, "dtype": wire_dtype, "shape": list(tensor.shape),
-                          "num_bytes": payload_bytes(tuple(tensor.shape), wire_dtype), "crc32c": crc})
-        sock.sendall(data)
-        sent += len(data)
+                          "num_bytes": payload_bytes(tuple(tensor.shape), wire_dtype)})
+        sent += write_raw(tensor, wire_dtype, sock.sendall, None if encoded is None else encoded[name])
     return sent
 
 
 def header_of(frame: Frame) -> pb.TensorHeader:
     """A header frame as a `TensorHeader` for `TensorDecoder`; ValueError when a field has the wrong type."""
-    fields = {"name": str, "dtype": str, "shape": list, "num_bytes": int, "crc32c": int}
+    fields = {"name": str, "dtype": str, "shape": list, "num_bytes": int}
     for key, kind in fields.items():
         if not isinstance(frame.get(key), kind) or isinstance(frame.get(key), bool):
             raise ValueError(f"tensor header field {key!r} is missing or not a {kind.__name__}: {frame.get(key)!r}")

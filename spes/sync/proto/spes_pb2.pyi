@@ -53,30 +53,30 @@ class UploadMeta(_message.Message):
     def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "num_bytes", "crc32c")
+    __slots__ = ("name", "dtype", "shape", "num_bytes", "checksum")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
-    crc32c: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    checksum: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("header", "offset", "data", "crc32c")
+    __slots__ = ("header", "offset", "data", "checksum")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     header: TensorHeader
     offset: int
     data: bytes
-    crc32c: int
-    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    checksum: int
+    def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class UploadMessage(_message.Message):
     __slots__ = ("meta", "chunk")
