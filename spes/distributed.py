@@ -247,9 +247,11 @@ def load_full(model: nn.Module, tensors: dict[str, torch.Tensor], info: DistInfo
     for name in names:
         p = params[name]
         if info.is_main:
-            full = tensors[name].to(info.device, p.dtype)
+            full = tensors[name]
             if tuple(full.shape) != tuple(p.shape):
                 raise ValueError(f"received {name} of shape {tuple(full.shape)}, the model has {tuple(p.shape)}")
+            if info.world_size > 1 or isinstance(p, DTensor):  # broadcast and sharding need p's device and dtype
+                full = full.to(info.device, p.dtype)
         else:
             full = torch.empty(p.shape, dtype=p.dtype, device=info.device)
         if info.world_size > 1:

@@ -7,6 +7,7 @@ import torch
 from sync_helpers import peer_upload, tiny_manifest
 
 from spes.moe import parse_expert_block
+from spes.sync import merge
 from spes.sync.merge import (
     MergeConfig,
     OuterConfig,
@@ -187,6 +188,30 @@ def test_mean_in_place_equals_the_copying_mean() -> None:
     assert got is first and torch.equal(got, want)
     half = tensors[0].bfloat16()  # not fp32: never reused, whatever the caller says
     assert mean_over_peers([half, *tensors[1:]], reuse_first=True) is not half
+
+
+def test_bf16_uploads_are_widened_exactly_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(merge, "_WIDEN_ELEMS", 7)  # pieces that split rows, and a shorter last one
+    gen = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(5, 9, generator=gen).bfloat16() for _ in range(3)]
+    got = mean_over_peers(tensors)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, (tensors[0].float() + tensors[1].float() + tensors[2].float()) / 3)
+
+
+def test_aggregate_keeps_experts_in_their_upload_dtype() -> None:
+    manifest = tiny_manifest(num_layers=1, num_blocks=2, k=2)
+    uploads = {p: {n: t.bfloat16() for n, t in peer_upload(manifest, p, "spes", seed=5).items()} for p in range(2)}
+    out = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1, merge=MergeConfig(interval=0))
+    for name in manifest:
+        parsed = parse_expert_block(name)
+        if parsed is None:
+            assert out[name].dtype == torch.float32
+        else:  # the very upload: widening it would only be undone to send it back in bf16
+            assert out[name] is uploads[parsed.block][name]
+    merged = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=100,
+                             merge=MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=1))
+    assert all(t.dtype == torch.float32 for t in merged.values())
 
 
 def test_aggregate_rejects_incomplete_uploads() -> None:

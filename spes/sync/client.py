@@ -214,9 +214,11 @@ class SyncClient:
     def sync(self, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], SyncStats]:
         """Upload this peer's trained `tensors` for round `step`, wait for the round, return the global tensors.
 
-        The result holds fp32 CPU tensors for every name this peer must load: shared tensors and the
-        experts it does not own (its own too on merge rounds; everything in DiLoCo mode, and everything
-        when `stats.caught_up`, in which case `stats.round` is the step to continue from).
+        The result holds CPU tensors in the wire dtype for every name this peer must load: shared tensors
+        and the experts it does not own (its own too on merge rounds; everything in DiLoCo mode, and
+        everything when `stats.caught_up`, in which case `stats.round` is the step to continue from).
+        bf16 tensors stay bf16: the caller's `copy_` into its parameters widens them anyway, and widening
+        here would cost a fresh fp32 copy of the download every round.
         """
         manifest = self._require_joined()
         self._check_upload(tensors, manifest)
@@ -354,7 +356,7 @@ class SyncClient:
             raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
         finally:
             responses.cancel()
-        return info, {name: tensors[name].float() for name in names}, decoder.bytes_received
+        return info, {name: tensors[name] for name in names}, decoder.bytes_received
 
     def _check_info(self, step: int, info: pb.RoundInfo, manifest: dict[str, tuple[int, ...]], *, full: bool
                     ) -> list[str]:
@@ -430,7 +432,7 @@ class SyncClient:
             raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
         except (ValueError, TypeError) as exc:  # damaged in transit: fetching it again may succeed
             raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
-        return info, {name: tensors[name].float() for name in names}, decoder.bytes_received
+        return info, {name: tensors[name] for name in names}, decoder.bytes_received
 
     def _latest(
         self, step: int, manifest: dict[str, tuple[int, ...]], deadline: float

@@ -31,7 +31,9 @@ from spes.sync.proto import spes_pb2 as pb
 
 PROTOCOL_VERSION = 3  # 3: XXH3-64 checksums; 2: CRC-32C; before it (unversioned): zlib CRC-32
 CHUNK_BYTES = 1 << 20
-PIECE_BYTES = 8 << 20  # a raw stream is received, checksummed and checked this much at a time, while in cache
+# NOTE: a raw stream is sent, received, checksummed and checked this much at a time, so each piece is checked
+# while in the core's L2 cache: measured on loopback, 1 MiB pieces check at 62-68 GB/s against 26-37 for 8 MiB.
+PIECE_BYTES = 1 << 20
 _CONVERT_ELEMS = 1 << 20
 DIGEST = struct.Struct("<Q")  # a raw stream's trailer: the payload's XXH3-64, little-endian
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -103,8 +105,8 @@ def _require_little_endian() -> None:
         raise RuntimeError("spes.sync.wire needs a little-endian host (x86-64/aarch64); this one is big-endian")
 
 
-def _wire_pieces(tensor: torch.Tensor, wire_dtype: str) -> Iterator[memoryview]:
-    """The tensor's little-endian wire bytes, converted `_CONVERT_ELEMS` elements at a time.
+def _wire_pieces(tensor: torch.Tensor, wire_dtype: str, elems: int = _CONVERT_ELEMS) -> Iterator[memoryview]:
+    """The tensor's little-endian wire bytes, converted `elems` elements at a time.
 
     A CPU tensor already in the wire dtype is viewed, not copied; any other is cast one piece at a time,
     so encoding never holds a second full copy of a large tensor.
@@ -112,8 +114,8 @@ def _wire_pieces(tensor: torch.Tensor, wire_dtype: str) -> Iterator[memoryview]:
     _require_little_endian()
     flat = tensor.detach().reshape(-1)
     dtype = WIRE_DTYPES[wire_dtype]
-    for start in range(0, flat.numel(), _CONVERT_ELEMS):
-        piece = flat[start : start + _CONVERT_ELEMS].to(device="cpu", dtype=dtype).contiguous()
+    for start in range(0, flat.numel(), elems):
+        piece = flat[start : start + elems].to(device="cpu", dtype=dtype).contiguous()
         yield memoryview(piece.view(torch.uint8).numpy())
 
 
@@ -253,7 +255,7 @@ def write_raw(tensor: torch.Tensor, wire_dtype: str, write: Callable[[memoryview
         write(DIGEST.pack(encoded[1]))
         return len(data)
     digest, written = Checksum(), 0
-    for piece in _wire_pieces(tensor, wire_dtype):
+    for piece in _wire_pieces(tensor, wire_dtype, PIECE_BYTES // _ITEMSIZE[wire_dtype]):
         digest.update(piece)
         write(piece)
         written += len(piece)
