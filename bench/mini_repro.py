@@ -4,6 +4,7 @@
     .venv/bin/python bench/mini_repro.py                 # ~30 min on 2 cores: runs, plot, docs/mini_repro.md
     .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
     .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
+    .venv/bin/python bench/mini_repro.py --seed 7        # the same with another model-init and data-order seed
 
 Three real runs on the default local corpus (data/default, built by
 `data_process_scripts/build_default_corpus.py --output_dir data/default`), each through the project's own
@@ -18,6 +19,10 @@ validation loss of the merged global model right after a sync (what every peer h
 pre-sync local losses are kept too. Bytes communicated are the payload bytes every peer sent and received
 (the client's counters), summed over peers. Outputs: `<out>/<run>/` (logs, metrics.jsonl),
 `<out>/mini_repro.json`, and in `--docs`: `mini_repro.png` and `mini_repro.md`.
+
+`--seed S` sets the model initialization seed and the data-order seeds (S for the centralized run and peer 0,
+S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
+seed's report in docs/ lists the final losses of every other seed found in bench/results/.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from spes.config import load_config
 from spes.model import analytic_param_counts
 
 CONFIG = "configs/tiny.yaml"
+DEFAULT_SEED = 6198  # configs/tiny.yaml's `seed` and `data.seed`
 PEERS = 4
 RUNS = ("centralized", "spes", "diloco")
 LABELS = {"centralized": "centralized (1 trainer, 4x batch)", "spes": "SPES (4 peers)", "diloco": "DiLoCo (4 peers)"}
@@ -65,9 +71,10 @@ class Setup:
     merge_alpha_start: float
     merge_decay_steps: int
 
-    def overrides(self, tokenizer: str, train: str, valid: str) -> list[str]:
+    def overrides(self, tokenizer: str, train: str, valid: str, seed: int) -> list[str]:
         """The config overrides shared by all three runs (configs/tiny.yaml underneath)."""
         return [
+            f"--seed={seed}", f"--data.seed={seed}",
             f"--model.d_model={self.d_model}", f"--model.n_layers={self.n_layers}", f"--model.n_heads={self.n_heads}",
             f"--model.mlp_hidden_size={self.mlp_hidden_size}", f"--model.max_sequence_length={self.seq_len}",
             f"--max_duration={self.steps}st", f"--scheduler.t_warmup={self.warmup}",
@@ -200,8 +207,38 @@ def plot(curves: dict[str, Any], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def seed_table(finals: dict[int, dict[str, float]]) -> list[str]:
+    """Final validation losses per seed, and how SPES compares, with the mean over seeds."""
+    lines = ["## Seeds", "",
+             "Final validation loss per seed (model initialization and data order; `--seed`):", "",
+             "| seed | centralized | SPES | DiLoCo | SPES vs centralized | SPES vs DiLoCo | DiLoCo vs centralized |",
+             "|---|---|---|---|---|---|---|"]
+
+    def row(label: str, f: dict[str, float]) -> str:
+        c, sp, dl = f["centralized"], f["spes"], f["diloco"]
+        return (f"| {label} | {c:.4f} | {sp:.4f} | {dl:.4f} | {100 * (sp - c) / c:+.2f}% "
+                f"| {100 * (sp - dl) / dl:+.2f}% | {100 * (dl - c) / c:+.2f}% |")
+
+    lines += [row(str(seed), finals[seed]) for seed in sorted(finals)]
+    if len(finals) > 1:
+        lines.append(row(f"mean of {len(finals)}", {r: sum(f[r] for f in finals.values()) / len(finals) for r in RUNS}))
+    return [*lines, ""]
+
+
+def finals_by_seed(setup: Setup, seed: int, curves: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """This run's final losses and those of every other full seed run found in bench/results/."""
+    finals = {seed: {name: curves[name]["val_loss"][-1] for name in RUNS}}
+    found = {DEFAULT_SEED: RESULTS_DIR / "mini_repro"}
+    found.update({int(d.name.removeprefix("mini_repro_seed")): d for d in RESULTS_DIR.glob("mini_repro_seed*")})
+    for other_seed, other in sorted(found.items()):
+        if other_seed not in finals and (other / "walls.json").is_file():
+            other_curves = collect(setup, other)
+            finals[other_seed] = {name: other_curves[name]["val_loss"][-1] for name in RUNS}
+    return finals
+
+
 def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params: dict[str, int],
-           machine: dict[str, Any], png: str) -> str:
+           machine: dict[str, Any], png: str, finals: dict[int, dict[str, float]]) -> str:
     """The markdown report: setup, final figures, the curves as a table."""
     tokens_total = setup.steps * PEERS * setup.peer_batch * setup.seq_len
     base = curves["centralized"]["val_loss"][-1]
@@ -262,7 +299,7 @@ def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params
                      f"| {at(dil, 'local_val_loss_mean', k)} |")
     lines += ["", f"All peers hold the same merged model after a sync (largest spread of the merged validation loss "
               f"across peers: SPES {spes['merged_spread_across_peers']:.2e}, DiLoCo "
-              f"{dil['merged_spread_across_peers']:.2e}).", ""]
+              f"{dil['merged_spread_across_peers']:.2e}).", "", *seed_table(finals)]
     return "\n".join(lines)
 
 
@@ -274,16 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default="data/default/tokenizer", help="tokenizer directory (4096 tokens)")
     p.add_argument("--train", default="data/default/train/*.npy", help="training shards (glob)")
     p.add_argument("--valid", default="data/default/valid/*.npy", help="validation shards (glob)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                   help="model-init and data-order seed (default %(default)s)")
     p.set_defaults(out=None)
     args = p.parse_args(argv)
     setup = QUICK if args.quick else FULL
-    runs = args.runs or RESULTS_DIR / ("mini_repro_quick" if args.quick else "mini_repro")
-    docs = args.docs or (runs if args.quick else REPO_ROOT / "docs")
-    out_json = args.out or (runs / "mini_repro.json" if args.quick else RESULTS_DIR / "mini_repro.json")
+    default = args.seed == DEFAULT_SEED and not args.quick
+    name = "mini_repro_quick" if args.quick else "mini_repro" if default else f"mini_repro_seed{args.seed}"
+    runs = args.runs or RESULTS_DIR / name
+    docs = args.docs or (REPO_ROOT / "docs" if default else runs)
+    out_json = args.out or (RESULTS_DIR / "mini_repro.json" if default else runs / "mini_repro.json")
     if not (REPO_ROOT / args.tokenizer).exists() and not Path(args.tokenizer).exists():
         raise SystemExit(f"error: tokenizer {args.tokenizer!r} not found; build the default corpus with "
                          "`python data_process_scripts/build_default_corpus.py --output_dir data/default`")
-    common = setup.overrides(args.tokenizer, args.train, args.valid)
+    common = setup.overrides(args.tokenizer, args.train, args.valid, args.seed)
     cfg, _ = load_config(REPO_ROOT / CONFIG, common)
     counts = analytic_param_counts(cfg.model)
     params = {"total": counts.total, "active": counts.active_per_token,
@@ -300,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     plot(curves, png, f"{params['total'] / 1e6:.1f}M-parameter MoE, {PEERS} peers, "
                       f"{setup.steps * PEERS * setup.peer_batch * setup.seq_len / 1e6:.2f}M tokens per run, "
                       f"sync every {setup.sync_steps} steps")
-    md = report(setup, curves, walls, params, machine, png.name)
+    finals = {args.seed: {n: curves[n]["val_loss"][-1] for n in RUNS}} if args.quick else \
+        finals_by_seed(setup, args.seed, curves)
+    md = report(setup, curves, walls, params, machine, png.name, finals)
     write_atomic(docs / "mini_repro.md", md)
 
     header = f"{'run':>12}  {'final val':>9}  {'vs central':>10}  {'MiB comm':>9}  {'wall s':>7}"
@@ -311,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>12}  {c['val_loss'][-1]:9.4f}  {100 * (c['val_loss'][-1] - base) / base:+9.2f}%  "
               f"{c['bytes'][-1] / 2**20:9.1f}  {walls.get(name, float('nan')):7.0f}")
     print(f"wrote {docs / 'mini_repro.md'} and {png}")
-    write_results(out_json, {"mode": "quick" if args.quick else "full", "machine": machine, "setup": asdict(setup),
+    write_results(out_json, {"mode": "quick" if args.quick else "full", "seed": args.seed, "machine": machine,
+                             "setup": asdict(setup),
                              "params": params, "walls_s": walls, "curves": curves})
     return 0
 

@@ -5,7 +5,8 @@
     python -m spes.launch configs/tiny.yaml -- --max_duration=200st   # overrides for every peer
 
 This is the quickstart's engine and a way to try a configuration before renting nodes: each peer is the
-same `python -m spes.train` a real node runs (with its own `peer_id` and data seed 6198 + 1000 * id),
+same `python -m spes.train` a real node runs (with its own `peer_id` and data seed `data.seed` + 1000 * id,
+6198 + 1000 * id by default),
 the server is the same `python -m spes.server`. At the end it prints a summary table and exits 0 with
 every child gone; if any process fails, the others are stopped and the exit code is non-zero.
 """
@@ -73,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         procs["server"] = _spawn(server_cmd, out / "server.log", env)
+        seeds = [cfg.data.seed + 1000 * i for i in range(peers)]
         for i in range(peers):
             peer_cmd = [sys.executable, "-m", "spes.train", args.config, *overrides, *extra,
-                        f"--spes_config.peer_id={i}", f"--data.seed={6198 + 1000 * i}",
+                        f"--spes_config.peer_id={i}", f"--data.seed={seeds[i]}",
                         f"--spes_config.server_addr=127.0.0.1:{port}", f"--spes_config.wire_dtype={args.wire_dtype}",
                         f"--save_folder={out}/node{i}"]
             procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
-        print(f"started server on 127.0.0.1:{port} and {peers} peers; logs in {out}/ (following peer0.log)")
+        print(f"started server on 127.0.0.1:{port} and {peers} peers (data seeds {seeds}); logs in {out}/ "
+              "(following peer0.log)")
         code = _wait(procs, out / "peer0.log", args.timeout)
     finally:
         _stop_all(procs)

@@ -119,9 +119,11 @@ def test_bench_train_quick(tmp_path: Path) -> None:
 def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
     results, stdout = run_bench("mini_repro", tmp_path, "--runs", str(tmp_path / "runs"), "--docs",
                                 str(tmp_path / "docs"), "--tokenizer", str(tiny_corpus.tokenizer), "--train",
-                                tiny_corpus.train, "--valid", tiny_corpus.valid, timeout=580)
+                                tiny_corpus.train, "--valid", tiny_corpus.valid, "--seed", "7", timeout=580)
     assert (tmp_path / "docs" / "mini_repro.png").stat().st_size > 0
-    assert "| SPES (4 peers) |" in (tmp_path / "docs" / "mini_repro.md").read_text()
+    report = (tmp_path / "docs" / "mini_repro.md").read_text()
+    assert "| SPES (4 peers) |" in report and "## Seeds" in report and "\n| 7 | " in report
+    assert results["seed"] == 7
     for run in ("centralized", "spes", "diloco"):
         assert results["curves"][run]["val_loss"]
     assert results["curves"]["spes"]["bytes"][-1] < results["curves"]["diloco"]["bytes"][-1]

@@ -22,11 +22,12 @@ def test_local_run_finishes_with_summary_and_no_leftover_processes(tiny_corpus, 
     overrides = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
                  f"--data.validation_paths=[{tiny_corpus.valid}]", "--spes_config.num_peers=2",
                  "--spes_config.num_train_experts_per_node=4", "--max_duration=8st", "--spes_config.sync_steps=4",
-                 "--eval_interval=4", "--eval_subset_num_batches=1", "--save_interval=null"]
+                 "--eval_interval=4", "--eval_subset_num_batches=1", "--save_interval=null", "--data.seed=100"]
     proc = subprocess.run([sys.executable, "-m", "spes.launch", TINY, "--out", str(out), "--merge_interval", "8",
                            "--", *overrides], cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SPES run summary" in proc.stdout
+    assert "data seeds [100, 1100]" in proc.stdout  # each peer's data order: the config's seed + 1000 * id
     summary = json.loads((out / "summary.json").read_text())
     assert [r["rounds"] for r in summary["peers"]] == [2, 2]
     assert [r["merge_rounds"] for r in summary["peers"]] == [1, 1]
