@@ -20,12 +20,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
-from test_client import check_round, joined_clients
+from test_client import NO_MERGE, check_round, joined_clients
 
 from spes.moe import parse_expert_block
 from spes.sync import wire
 from spes.sync.client import SyncClient, SyncError
-from spes.sync.merge import MergeConfig, Mode, trainable_names
+from spes.sync.merge import MergeConfig, Mode, aggregate_round, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.server import build_parser, config_from_args
@@ -599,3 +599,24 @@ def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatc
             global_model = server.servicer.state.global_model
             again = {n for n, t in global_model.items() if any(t is h for h in hashed)}
             assert again == (set(manifest) if merged else set(manifest) - experts), step
+
+
+@pytest.mark.timeout(60)
+def test_bf16_rounds_sum_their_fp32_means_into_kept_buffers() -> None:
+    """Shared tensors uploaded in bf16 are averaged in fp32: from round 3 on into round 1's buffers, not fresh
+    memory (the means are retired with round 1 once round 2 replaces it and round 1's downloads are done)."""
+    manifest = tiny_manifest()
+    pointers = []
+    with running_server(merge=NO_MERGE) as (server, addr), \
+            joined_clients(addr, manifest, wire_dtype="bf16") as clients:
+        for step in (1, 2, 3):
+            uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
+            results = sync_all(clients, step, uploads)
+            wire = {p: {n: t.bfloat16() for n, t in up.items()} for p, up in uploads.items()}
+            want = aggregate_round(wire, num_peers=2, experts_per_peer=2, mode="spes", step=step)
+            for peer, (got, _) in results.items():
+                for name, tensor in got.items():
+                    torch.testing.assert_close(tensor, want[name].bfloat16(), rtol=0, atol=0)
+            global_model = server.servicer.state.global_model
+            pointers.append({t.data_ptr() for t in global_model.values() if t.dtype == torch.float32})
+    assert pointers[0] and pointers[2] == pointers[0] and not pointers[1] & pointers[0]

@@ -120,14 +120,19 @@ def merge_experts(
     return apply(w1), apply(v1), apply(w2)
 
 
-def mean_over_peers(tensors: list[torch.Tensor], *, reuse_first: bool = False) -> torch.Tensor:
+def mean_over_peers(tensors: list[torch.Tensor], *, reuse_first: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Element-wise fp32 mean, summed in the given (fixed peer) order for reproducibility.
 
     With `reuse_first` the sum accumulates in `tensors[0]` when it is fp32 (a caller that owns it saves
-    allocating and copying a whole tensor); the result is the same either way.
+    allocating and copying a whole tensor); otherwise in `out` when given (an fp32 tensor of the same shape,
+    e.g. a buffer kept from an earlier round), else in a new tensor. The result is the same either way.
     """
     first = tensors[0]
-    total = first if reuse_first and first.dtype == torch.float32 else first.to(torch.float32, copy=True)
+    if reuse_first and first.dtype == torch.float32:
+        total = first
+    else:
+        total = first.to(torch.float32, copy=True) if out is None else out.copy_(first)
     for tensor in tensors[1:]:
         if tensor.dtype == torch.float32:
             total.add_(tensor)

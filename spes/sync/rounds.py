@@ -18,7 +18,7 @@ Under `wait` (the reference behaviour) a round closes only with every peer.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -316,6 +316,7 @@ def build_global(
     step: int,
     merge: MergeConfig,
     outer: OuterConfig,
+    empty: Callable[[Shape, torch.dtype], torch.Tensor] | None = None,
 ) -> tuple[Tensors, Tensors]:
     """Round `step`'s global model (and DiLoCo momentum) from the uploads of the peers that arrived.
 
@@ -324,7 +325,8 @@ def build_global(
     owner's expert blocks come from `previous`. Tensors come out in the order of `names`. `uploads` is emptied
     tensor by tensor as it is consumed
     (one SPES layer's experts at a time, as the merge needs the whole layer), so the server holds the
-    remaining uploads, the previous global model and the growing new one, never more.
+    remaining uploads, the previous global model and the growing new one, never more. `empty(shape, dtype)`
+    supplies the fp32 tensor a mean of narrower (bf16) uploads is summed into (default: a new one).
     """
     arrived = sorted(uploads)
     new_global: Tensors = {}
@@ -339,7 +341,11 @@ def build_global(
         # NOTE: summed in peer order, exactly like aggregate_round's mean when every peer arrived; the
         # uploads are consumed here, so the sum accumulates in place in the first one.
         (name,) = group
-        mean = {name: mean_over_peers([uploads[p].pop(name) for p in arrived], reuse_first=True)}
+        tensors = [uploads[p].pop(name) for p in arrived]
+        out = None
+        if empty is not None and tensors[0].dtype != torch.float32:  # a bf16 mean is summed in fp32
+            out = empty(tuple(tensors[0].shape), torch.float32)
+        mean = {name: mean_over_peers(tensors, reuse_first=True, out=out)}
         if nesterov:  # NOTE: the first round has no previous global model; its mean becomes the starting point.
             buf = {name: momentum[name]} if name in momentum else {}
             mean, buf = outer_nesterov_step({name: previous[name]}, mean, buf, lr=outer.lr, momentum=outer.momentum)

@@ -31,6 +31,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from spes.moe import parse_expert_block
 from spes.sync.auth import (
     TOKEN_ENV,
     TokenAuthInterceptor,
@@ -190,6 +191,17 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def _learn_manifest(self, shapes: dict[str, Shape]) -> None:
         self._manifest, self._owners = shapes, expert_owners(list(shapes), self.cfg.mode)
 
+    def _buffer_limits(self) -> Counter[tuple[Shape, torch.dtype]]:
+        """What one round takes from the pool: every joined peer's uploads, and the fp32 sums of shared
+        tensors uploaded narrower than fp32 (lock held)."""
+        assert self._manifest is not None
+        limits = Counter((self._manifest[n], wire_torch_dtype(info.wire_dtype))
+                         for info in self._peers.values() for n in info.trainable)
+        narrow = {n for info in self._peers.values() if info.wire_dtype != "fp32" for n in info.trainable}
+        averaged = [n for n in narrow if self.cfg.mode == "diloco" or parse_expert_block(n) is None]
+        limits.update((self._manifest[n], torch.float32) for n in averaged)
+        return limits
+
     # -- Join ---------------------------------------------------------------------------------
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         cfg, peer = self.cfg, request.peer_id
@@ -207,8 +219,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                     self._learn_manifest(shapes)
                     log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
                 self._peers[peer] = PeerInfo(request.wire_dtype, tuple(trainable))
-                self._pool.set_limits(Counter((shapes[n], wire_torch_dtype(info.wire_dtype))
-                                              for info in self._peers.values() for n in info.trainable))
+                self._pool.set_limits(self._buffer_limits())
                 snap = self.state.snapshot()
         except Refused as exc:
             self._abort(context, exc)
@@ -309,7 +320,8 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         try:
             global_model, new_momentum = build_global(
                 uploads, names=list(manifest), previous=previous, momentum=momentum, num_peers=cfg.total_peers,
-                experts_per_peer=cfg.experts_per_peer, mode=cfg.mode, step=step, merge=cfg.merge, outer=cfg.outer)
+                experts_per_peer=cfg.experts_per_peer, mode=cfg.mode, step=step, merge=cfg.merge, outer=cfg.outer,
+                empty=self._pool.take)
             del uploads, previous, momentum
             self._pool.give(received, keep=[*global_model.values(), *new_momentum.values()])  # merged or converted
             del received
