@@ -225,16 +225,17 @@ def seed_table(finals: dict[int, dict[str, float]]) -> list[str]:
     return [*lines, ""]
 
 
-def finals_by_seed(setup: Setup, seed: int, curves: dict[str, Any]) -> dict[int, dict[str, float]]:
-    """This run's final losses and those of every other full seed run found in bench/results/."""
-    finals = {seed: {name: curves[name]["val_loss"][-1] for name in RUNS}}
+def final_losses(curves: dict[str, Any]) -> dict[str, float]:
+    """Each run's validation loss at the end."""
+    return {name: curves[name]["val_loss"][-1] for name in RUNS}
+
+
+def other_seeds(setup: Setup, seed: int) -> dict[int, dict[str, float]]:
+    """Final losses of the full runs of every other seed found in bench/results/."""
     found = {DEFAULT_SEED: RESULTS_DIR / "mini_repro"}
     found.update({int(d.name.removeprefix("mini_repro_seed")): d for d in RESULTS_DIR.glob("mini_repro_seed*")})
-    for other_seed, other in sorted(found.items()):
-        if other_seed not in finals and (other / "walls.json").is_file():
-            other_curves = collect(setup, other)
-            finals[other_seed] = {name: other_curves[name]["val_loss"][-1] for name in RUNS}
-    return finals
+    return {other: final_losses(collect(setup, runs)) for other, runs in sorted(found.items())
+            if other != seed and (runs / "walls.json").is_file()}
 
 
 def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params: dict[str, int],
@@ -341,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(curves, png, f"{params['total'] / 1e6:.1f}M-parameter MoE, {PEERS} peers, "
                       f"{setup.steps * PEERS * setup.peer_batch * setup.seq_len / 1e6:.2f}M tokens per run, "
                       f"sync every {setup.sync_steps} steps")
-    finals = {args.seed: {n: curves[n]["val_loss"][-1] for n in RUNS}} if args.quick else \
-        finals_by_seed(setup, args.seed, curves)
+    finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(setup, args.seed))}
     md = report(setup, curves, walls, params, machine, png.name, finals)
     write_atomic(docs / "mini_repro.md", md)
 
