@@ -3,6 +3,9 @@
 A reader (a resuming trainer, a restarted server, the next pipeline stage) must never see half a file, whatever
 kills the writer: each file is written to a temporary name in the same directory, fsynced, renamed over the
 target (atomic on POSIX) and the directory is fsynced so the rename itself survives a power cut.
+The file gets the mode a plain `open()` would give it (0666 less the process umask, 0644 typically), so the
+other users of a shared cluster can read checkpoints, exports and logs (spes writes no secrets: the token,
+key and certificate files are the user's own).
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def umask_mode() -> int:
+    """The mode `open()` gives a new file under the current umask."""
+    umask = os.umask(0o022)  # NOTE: reading the umask means setting it; put it straight back
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[str], None]) -> None:
     """Give `path` the contents `data` (bytes, UTF-8 text, or a function that writes the temp path it is given)."""
     path = Path(path)
@@ -35,7 +45,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[str
             data(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from the other users of a shared cluster
+        os.chmod(tmp, umask_mode())  # NOTE: mkstemp creates 0600 files, hidden from the cluster's other users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

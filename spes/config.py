@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -248,6 +249,9 @@ class TrainConfig:
     using_spes: bool = _f(True, "synchronize with a SPES parameter server (false: centralized training)")
     using_dilico: bool = _f(False, "DiLoCo/FedAvg baseline: train everything, server averages everything")
     load_path: str | None = _f(None, "checkpoint directory to start from")
+    try_load_latest_save: bool = _f(
+        False, "resume from save_folder's latest checkpoint when there is one, else start from load_path (or "
+        "fresh): what a requeued job wants (--resume=auto)")
     max_duration: str | int = _f("1000st", "training length: steps ('1000st' or 1000) or tokens ('2e9T')")
     stop_at: int | None = _f(None, "stop at this step even if max_duration is larger")
     global_train_batch_size: int = _f(512, "sequences per optimizer step on this node (all ranks)")
@@ -262,6 +266,9 @@ class TrainConfig:
         None, "recompute activations: whole_layer, fine_grained (attention + experts), one_in_N layers")
     max_grad_norm: float | None = _f(1.0, "clip the global gradient norm")
     max_grad_norm_ratio: float | None = _f(None, "inert")
+    skip_nonfinite_steps: int = _f(
+        0, "skip the update of up to this many steps in a row whose loss or gradient norm is NaN/inf (0: stop at "
+        "the first, naming the step)")
     eval_interval: int | None = _f(None, "steps between validation-loss evaluations")
     eval_subset_num_batches: int = _f(-1, "validation batches per evaluation (-1: all)")
     save_folder: str = _f("output/${run_name}", "where checkpoints and metrics go")
@@ -294,6 +301,7 @@ class TrainConfig:
                  self.global_train_batch_size,
                  f"must be divisible by device_train_microbatch_size={self.device_train_microbatch_size}")
         parse_duration(self.max_duration)
+        _require(self.skip_nonfinite_steps >= 0, "skip_nonfinite_steps", self.skip_nonfinite_steps, "must be >= 0")
         if self.sync_enabled:
             _require(s.num_peers >= 1, "spes_config.num_peers", s.num_peers, "must be >= 1")
             _require(0 <= s.peer_id < s.num_peers, "spes_config.peer_id", s.peer_id,
@@ -377,11 +385,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     try:
         base = OmegaConf.create({}) if path is None else OmegaConf.load(_existing(path))
         dotlist = [_override_to_dotlist(o) for o in overrides]
-        _check_override_keys(dotlist)
+        _check_overrides(dotlist)
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
         raw = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: cannot read config: {str(e).splitlines()[0]}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: a config file must be a YAML mapping of keys to values")
     if "save_folder" not in raw:
@@ -405,21 +415,38 @@ def _override_to_dotlist(arg: str) -> str:
     return body
 
 
-def _check_override_keys(dotlist: list[str]) -> None:
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML syntax error as one line: where (1-based line and column) and what."""
+    mark = getattr(e, "problem_mark", None)
+    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    what = " ".join(str(getattr(e, "problem", None) or e).split())
+    return f"{at}not valid YAML ({what}); check the indentation, colons and brackets there"
+
+
+def _check_overrides(dotlist: list[str]) -> None:
+    """Every override names a key and has a value of its type, so a bad one blames the command line."""
     for item in dotlist:
-        key = item.split("=", 1)[0]
-        _lookup_field(TrainConfig, key.split("."), where=f"command line (--{item})")
+        key, _, text = item.partition("=")
+        where = f"command line (--{item})"
+        hint = _lookup_field(TrainConfig, key.split("."), where=where)
+        if hint is not None and _dataclass_in(hint) is None and "${" not in text:
+            value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+            for part in key.split("."):
+                value = value[part]
+            _coerce(value, hint, key, where)
 
 
-def _lookup_field(cls: type, parts: list[str], *, where: str, prefix: str = "") -> None:
-    """Raise ConfigError unless the dotted key names a field (free-form dict fields accept anything below)."""
+def _lookup_field(cls: type, parts: list[str], *, where: str, prefix: str = "") -> Any:
+    """The type of the field a dotted key names (None below a free-form dict field); ConfigError if none."""
     names = [f.name for f in dataclasses.fields(cls)]
     head = parts[0]
     if head not in names:
         raise ConfigError(_unknown_key_message(prefix, head, names, where))
-    sub = _dataclass_in(typing.get_type_hints(cls)[head])
-    if len(parts) > 1 and sub is not None:
-        _lookup_field(sub, parts[1:], where=where, prefix=f"{prefix}{head}.")
+    hint = typing.get_type_hints(cls)[head]
+    if len(parts) == 1:
+        return hint
+    sub = _dataclass_in(hint)
+    return None if sub is None else _lookup_field(sub, parts[1:], where=where, prefix=f"{prefix}{head}.")
 
 
 def _unknown_key_message(prefix: str, key: str, valid: list[str], where: str) -> str:
@@ -525,7 +552,11 @@ def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
 def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:
     plain = typing.get_origin(hint) is None and hasattr(hint, "__name__")
     expected = hint.__name__ if plain else str(hint).replace("typing.", "")
-    return ConfigError(f"{where}: config key '{key}' = {value!r} has the wrong type: expected {expected}")
+    hint_list = ""
+    if isinstance(value, str) and list in (typing.get_origin(hint), *map(typing.get_origin, typing.get_args(hint))):
+        written = f"--{key}=[{value}]" if where.startswith("command line") else f"{key}: [{value}]"
+        hint_list = f"; write a list: {written}"
+    return ConfigError(f"{where}: config key '{key}' = {value!r} has the wrong type: expected {expected}{hint_list}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

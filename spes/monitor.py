@@ -7,12 +7,15 @@ numbers, this module formats and stores them.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from spes.atomic import write_atomic
 
 # Dense bf16 peak FLOP/s per device, for MFU (vendor datasheets).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12}
@@ -72,3 +75,20 @@ class MetricsLog:
         record = {"step": step, "time": round(time.time() - self.start, 3), **metrics}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def truncate(self, step: int) -> None:
+        """Drop the rows past `step`: a resumed (or restarted) run logs those steps again, each step once."""
+        if not self.enabled or not self.path.is_file():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [ln for ln in lines if _step_of(ln) <= step]
+        if len(kept) != len(lines):
+            write_atomic(self.path, "".join(kept))
+
+
+def _step_of(line: str) -> float:
+    """The step of a metrics row; a row cut short by a kill counts as past every step (it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from spes.checkpoint import save_checkpoint, save_sharded_checkpoint
 from spes.config import TrainConfig, parse_duration, to_dict
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
+from spes.guard import NonFiniteError, all_finite, check_weights_finite
 from spes.model import tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
@@ -125,6 +126,7 @@ class Trainer:
         self.peak = peak_flops(info.device)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.last_saved = -1
+        self.nonfinite_in_a_row = 0
         self.history: list[dict[str, Any]] = []
 
     # -- state ------------------------------------------------------------------------------------------------
@@ -143,6 +145,7 @@ class Trainer:
     def fit(self) -> list[dict[str, Any]]:
         """Train to `max_steps`; returns the logged metric records."""
         batches = iter(self.loader)
+        self.metrics.truncate(self.step)  # rows of an earlier attempt past this step are history that did not happen
         if self.step >= self.max_steps:
             self.log(f"nothing to do: checkpoint is at step {self.step}, max_duration is {self.max_steps} steps")
             return self.history
@@ -184,15 +187,35 @@ class Trainer:
             sums += torch.stack([ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        finite, (ce, lb, z, norm) = all_finite(torch.cat([sums, grad_norm.reshape(1).to(sums)]), self.info)
+        if finite:
+            self.nonfinite_in_a_row = 0
+        else:
+            self._skip_nonfinite(ce + lb + z, norm)
         self.step += 1
         self.tokens += self.cfg.global_train_batch_size * self.cfg.model.max_sequence_length
         lr = lr_at(self.step, self.cfg.scheduler, self.cfg.optimizer.learning_rate, self.t_max)
         set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        if finite:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        ce, lb, z = all_reduce_mean(sums, self.info).tolist()
-        return {"loss": ce + lb + z, "ce": ce, "lb_loss": lb, "z_loss": z, "lr": lr,
-                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
+        return {"loss": ce + lb + z, "ce": ce, "lb_loss": lb, "z_loss": z, "lr": lr, "grad_norm": norm}
+
+    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
+        """Drop the update of a step whose loss or gradient norm is NaN/inf; stop after `skip_nonfinite_steps`
+        such steps in a row (by default at the first), before anything non-finite reaches weights or disk."""
+        self.nonfinite_in_a_row += 1
+        allowed = self.cfg.skip_nonfinite_steps
+        what = f"step {self.step + 1}: loss {loss} / grad_norm {grad_norm} is not finite"
+        if self.nonfinite_in_a_row > allowed:
+            in_a_row = f" ({self.nonfinite_in_a_row} steps in a row)" if allowed else ""
+            raise NonFiniteError(
+                f"{what}{in_a_row}; stopped without applying it or saving (the newest checkpoint in "
+                f"{self.cfg.save_folder} is untouched). Resume from an earlier checkpoint with a lower "
+                f"optimizer.learning_rate or a max_grad_norm, or set skip_nonfinite_steps=N to skip up to N bad "
+                f"steps in a row")
+        self.log(f"warning: {what}; its update is skipped ({self.nonfinite_in_a_row} of at most {allowed} in a row)")
 
     def _apply_decayed_aux_factor(self) -> None:
         spes = self.cfg.spes_config
@@ -254,6 +277,9 @@ class Trainer:
         """A checkpoint (a collective): sharded under FSDP, every rank writing its shards; else (or when
         `unsharded`) the whole state gathered to the main rank, which writes it."""
         cfg = self.cfg
+        check_weights_finite(self.model, self.info, f"not saving the checkpoint of step {self.step}",
+                             f"the newest checkpoint in {cfg.save_folder} is kept; resume from it with a lower "
+                             f"optimizer.learning_rate")
         if uses_fsdp(cfg, self.info) and not unsharded:
             path = save_sharded_checkpoint(cfg.save_folder, self.step, model=self.model, optimizer=self.optimizer,
                                            trainer_state=self.state_dict(), config=to_dict(cfg),

@@ -1,0 +1,48 @@
+"""The non-finite guard: a NaN or inf loss, gradient norm or weight stops the run before it spreads.
+
+A non-finite step must never reach the optimizer (it would poison every weight), a checkpoint (rotation would
+then delete the last good one) or the parameter server. Every check is agreed on by all ranks of the node with
+one all-reduce, so under DDP/FSDP no rank goes on alone while the others stop (and none waits forever in a
+collective the others left).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from spes.distributed import DistInfo, all_reduce_mean
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced (or was given) NaN/inf values; the message names the step or checkpoint and what to do."""
+
+
+def all_finite(values: torch.Tensor, info: DistInfo) -> tuple[bool, list[float]]:
+    """Whether every rank's `values` are finite, and their mean over ranks (one collective).
+
+    NOTE: the mean of a set holding a NaN or an inf is not finite, so the flag needs no second reduce.
+    """
+    mean = all_reduce_mean(values.float(), info).tolist()
+    return all(math.isfinite(v) for v in mean), mean
+
+
+def first_nonfinite_parameter(model: nn.Module) -> str | None:
+    """The name of this rank's first parameter (or local shard) holding NaN/inf, or None."""
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not bool(torch.isfinite(local.detach()).all()):
+            return name
+    return None
+
+
+def check_weights_finite(model: nn.Module, info: DistInfo, what: str, fix: str) -> None:
+    """Raise NonFiniteError on every rank if any rank holds a non-finite weight; `what` names the weights (e.g.
+    "the checkpoint of step 80"), `fix` says what to do."""
+    bad = first_nonfinite_parameter(model)
+    ok, _ = all_finite(torch.tensor([0.0 if bad is None else math.inf], device=info.device), info)
+    if not ok:
+        where = f" ({bad})" if bad is not None else " (on another rank)"
+        raise NonFiniteError(f"{what}: the model weights hold NaN/inf{where}; {fix}")

@@ -1,0 +1,100 @@
+"""The non-finite guard on a real (small) corpus: a NaN stops the run naming the step, or is skipped N times in a
+row; no checkpoint of NaN weights is written or trained from, and the last good checkpoint survives rotation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from spes.config import load_config
+from spes.distributed import DistInfo
+from spes.guard import NonFiniteError, all_finite, first_nonfinite_parameter
+from spes.train import build_node, main
+from spes.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+QUIET = ["--using_spes=false", "--eval_interval=null", "--log_interval=1"]
+
+
+def _trainer(corpus, folder: Path, *extra: str) -> tuple[Trainer, list[str]]:  # type: ignore[no-untyped-def]
+    cfg, _ = load_config(TINY, [*corpus.overrides(folder), *QUIET, *extra])
+    node = build_node(cfg, CPU, log=lambda _m: None)
+    logged: list[str] = []
+    trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=CPU,
+                      log=logged.append)
+    if node.checkpoint is not None:
+        trainer.load_state_dict(node.checkpoint.trainer)
+    return trainer, logged
+
+
+def test_all_finite_and_the_first_bad_parameter() -> None:
+    assert all_finite(torch.tensor([1.0, 2.0]), CPU) == (True, [1.0, 2.0])
+    assert not all_finite(torch.tensor([1.0, float("inf")]), CPU)[0]
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert first_nonfinite_parameter(model) is None
+    with torch.no_grad():
+        model[1].bias[0] = float("nan")
+    assert first_nonfinite_parameter(model) == "1.bias"
+
+
+def test_a_nan_step_stops_the_run_naming_it_and_keeps_the_last_checkpoint(tiny_corpus, tmp_path: Path) -> None:
+    """The issue's run: with keep=1, a NaN at step 3 must neither be applied nor saved nor delete step2."""
+    trainer, _ = _trainer(tiny_corpus, tmp_path, "--max_duration=4st", "--save_interval=1",
+                          "--save_num_checkpoints_to_keep=1", "--stop_at=2")
+    trainer.fit()
+    good = (tmp_path / "step2" / "model.safetensors").read_bytes()
+    trainer, _ = _trainer(tiny_corpus, tmp_path, "--max_duration=4st", "--save_interval=1",
+                          "--save_num_checkpoints_to_keep=1", f"--load_path={tmp_path}")
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("nan"))
+    with pytest.raises(NonFiniteError, match=r"^step 3: loss nan / grad_norm nan is not finite; stopped"):
+        trainer.fit()
+    assert trainer.step == 2
+    assert (tmp_path / "latest").read_text().strip() == "step2"
+    assert (tmp_path / "step2" / "model.safetensors").read_bytes() == good
+    assert not (tmp_path / "step3").exists()
+
+
+def test_skip_nonfinite_steps_skips_that_many_in_a_row_then_stops(tiny_corpus, tmp_path: Path) -> None:
+    trainer, logged = _trainer(tiny_corpus, tmp_path, "--max_duration=10st", "--save_interval=null",
+                               "--skip_nonfinite_steps=2")
+    with torch.no_grad():
+        next(trainer.model.parameters()).fill_(float("nan"))
+    with pytest.raises(NonFiniteError, match=r"^step 3: .* \(3 steps in a row\)"):
+        trainer.fit()
+    skipped = [m for m in logged if "update is skipped" in m]
+    assert [m.split(":")[0] for m in skipped] == ["warning", "warning"] and "step 2:" in skipped[1]
+
+
+def test_a_skipped_step_leaves_the_weights_unchanged(tiny_corpus, tmp_path: Path) -> None:
+    trainer, _ = _trainer(tiny_corpus, tmp_path, "--max_duration=10st", "--save_interval=null",
+                          "--skip_nonfinite_steps=1")
+    head = dict(trainer.model.named_parameters())["lm_head.weight"]
+    with torch.no_grad():
+        head[0, 0] = float("inf")  # every logit row meets it: the loss is NaN, the weights stay finite elsewhere
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    metrics = trainer.train_step(next(iter(trainer.loader)))
+    assert metrics["loss"] != metrics["loss"] and trainer.step == 1 and trainer.nonfinite_in_a_row == 1
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_checkpoint_of_nan_weights_is_refused_at_start_in_one_line(tiny_corpus, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    args = [TINY, *tiny_corpus.overrides(tmp_path), *QUIET, "--max_duration=2st", "--save_interval=2"]
+    assert main(args) == 0
+    weights = tmp_path / "step2" / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[0]
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, weights)  # same size: the checkpoint still looks complete
+    capsys.readouterr()
+    assert main([*args, "--max_duration=4st", "--resume"]) == 4
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "step2" in err and "NaN/inf" in err and name in err, err
+    assert not (tmp_path / "step4").exists()
