@@ -18,8 +18,11 @@
 #   TOTAL_PEERS / NUM_TRAIN_EXPERTS_PER_NODE: read from the config; MERGE_* as in run_parameter_server.sh
 #   SPES_ROOT [SLURM_SUBMIT_DIR]: the repository; PYTHON [.venv/bin/python, else python3]
 #   LOG_DIR [output/slurm-<job id>]: where the server log goes (node output: the job's output, by task)
-# Per node: --spes_config.peer_id=<id>, --data.seed=6198+1000*<id>, --spes_config.server_addr=<host>:<port>;
-# extra arguments are passed to every node's trainer after these and win over them.
+#   STATE_DIR [the parent of node 0's save_folder, /server_state]: the server's rounds, kept across jobs
+# Per node: --spes_config.peer_id=<id>, --data.seed=6198+1000*<id>, --spes_config.server_addr=<host>:<port>,
+# --resume=auto; extra arguments are passed to every node's trainer after these and win over them.
+# A requeued (or resubmitted) job continues where it stopped: the server restores its last round from
+# STATE_DIR and every node resumes from its save_folder's latest checkpoint (or starts fresh if it has none).
 set -euo pipefail
 
 ROOT=${SPES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
@@ -40,8 +43,10 @@ if [ "${SPES_CLUSTER_ROLE:-batch}" = node ]; then
   [ -f "$CFG" ] || die "config $CFG not found (set CONFIG or CONFIG_DIR)"
   DATA_SEED=$((6198 + 1000 * NODE_ID))
   echo "node $NODE_ID on $(hostname): $NPROC process(es), config $CFG, data seed $DATA_SEED, server $SERVER_ADDR"
-  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" -m spes.train "$CFG" \
-    --spes_config.peer_id="$NODE_ID" --data.seed="$DATA_SEED" --spes_config.server_addr="$SERVER_ADDR" "$@"
+  # NOTE: spes.torchrun is torchrun ending a failed node with its one-line error, not a ChildFailedError block
+  exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC" -m spes.train "$CFG" \
+    --spes_config.peer_id="$NODE_ID" --data.seed="$DATA_SEED" --spes_config.server_addr="$SERVER_ADDR" \
+    --resume=auto "$@"
 fi
 
 # ---- the batch step, on the first node ----
@@ -51,25 +56,34 @@ SERVER_HOST=${SERVER_HOST:-$FIRST_HOST}
 CFG0=$(config_of 0)
 [ -f "$CFG0" ] || die "config $CFG0 not found (set CONFIG or CONFIG_DIR)"
 # The server's settings come from the run's config (with the same overrides), so they cannot disagree.
-read -r CFG_PEERS CFG_BLOCK CFG_MODE < <("$PYTHON" - "$CFG0" "$@" <<'EOF'
+SETTINGS=$("$PYTHON" - "$CFG0" "$@" 2>&1 <<'EOF'
 import sys
+from pathlib import Path
 from spes.config import load_config
-cfg, _ = load_config(sys.argv[1], [a for a in sys.argv[2:] if a.startswith("--")])
-print(cfg.spes_config.num_peers, cfg.expert_block_size(), "diloco" if cfg.using_dilico else "spes")
+try:
+    cfg, _ = load_config(sys.argv[1], [a for a in sys.argv[2:] if a.startswith("--") and not a.startswith("--resume")])
+except (ValueError, FileNotFoundError) as e:
+    sys.exit(f"error: {e}")
+print(cfg.spes_config.num_peers, cfg.expert_block_size(), "diloco" if cfg.using_dilico else "spes",
+      Path(cfg.save_folder).parent / "server_state")
 EOF
-) || die "cannot read $CFG0 with the given overrides"
+) || die "${SETTINGS#error: }"
+read -r CFG_PEERS CFG_BLOCK CFG_MODE CFG_STATE_DIR <<< "$(tail -n1 <<< "$SETTINGS")"
 [ "$CFG_PEERS" -eq "$NUM_NODES" ] || die "the config has spes_config.num_peers=$CFG_PEERS but the job runs \
 $NUM_NODES task(s); submit with --nodes=$CFG_PEERS --ntasks-per-node=1 (or override --spes_config.num_peers)"
 export TOTAL_PEERS=${TOTAL_PEERS:-$CFG_PEERS} NUM_TRAIN_EXPERTS_PER_NODE=${NUM_TRAIN_EXPERTS_PER_NODE:-$CFG_BLOCK} PORT
 LOG_DIR=${LOG_DIR:-output/slurm-$SLURM_JOB_ID}
+STATE_DIR=${STATE_DIR:-$CFG_STATE_DIR}
 mkdir -p "$LOG_DIR"
-echo "job $SLURM_JOB_ID: $NUM_NODES node(s), parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log)"
-PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh --mode "$CFG_MODE" > "$LOG_DIR/server.log" 2>&1 &
+echo "job $SLURM_JOB_ID: $NUM_NODES node(s), parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log, \
+state $STATE_DIR)"
+PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh --mode "$CFG_MODE" --state_dir "$STATE_DIR" \
+  > "$LOG_DIR/server.log" 2>&1 &
 SERVER_PID=$!
 trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do
   grep -q "listening" "$LOG_DIR/server.log" 2>/dev/null && break
-  kill -0 "$SERVER_PID" 2>/dev/null || { cat "$LOG_DIR/server.log" >&2; die "the parameter server exited"; }
+  kill -0 "$SERVER_PID" 2>/dev/null || die "the parameter server exited: $(tail -n1 "$LOG_DIR/server.log")"
   sleep 0.5
 done
 grep -q "listening" "$LOG_DIR/server.log" || die "the parameter server did not start within 60 s"

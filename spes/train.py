@@ -1,20 +1,25 @@
 """Train one SPES node (or a centralized / DiLoCo run) from a YAML config.
 
-    # one process
+    # one process, no parameter server (centralized)
+    python -m spes.train configs/tiny.yaml --using_spes=false
+    # one process, one SPES node (a parameter server must be running)
     python -m spes.train configs/tiny.yaml --spes_config.peer_id=0
     # one node, 4 GPUs (DDP or FSDP2 per `distributed_strategy`)
     torchrun --standalone --nproc_per_node=4 -m spes.train configs/spes_1b/node_0.yaml
     # several nodes: run_scripts/run_single_node.sh <node_id> on each, or run_scripts/run_cluster.sh under SLURM
 
-Any key can be overridden as `--section.key=value`; `--resume` continues from `<save_folder>/latest`.
-Order of construction: config -> process group -> model on meta -> weights -> parallelize (under FSDP2:
-parallelize, then each rank's shards of the weights) -> optimizer -> data -> sync client -> trainer -> fit,
-torn down in `finally`.
+Any key can be overridden as `--section.key=value`; `--resume` continues from `<save_folder>/latest`, and
+`--resume=auto` (`try_load_latest_save: true`) does when a checkpoint exists there and starts fresh otherwise.
+A failure the user can cause or meet ends in one line `error: ...` on stderr and a non-zero exit.
+Order of construction: config -> process group -> data (checked before any model exists) -> model on meta ->
+weights -> parallelize (under FSDP2: parallelize, then each rank's shards of the weights) -> optimizer ->
+sync client -> trainer -> fit, torn down in `finally`.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -23,35 +28,48 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from spes.checkpoint import Checkpoint, restore
+from spes.checkpoint import Checkpoint, list_checkpoints, restore
 from spes.config import ConfigError, TrainConfig, config_help, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
+from spes.guard import NonFiniteError, check_weights_finite
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
 from spes.shards import resolve_paths
+from spes.sync.client import SyncError
 from spes.tokenizer import check_vocab, load_tokenizer
+from spes.torchrun import ERROR_DIR_ENV
 from spes.trainer import Trainer
 
-USAGE = """usage: python -m spes.train CONFIG.yaml [--section.key=value ...] [--resume]
+USAGE = """usage: python -m spes.train CONFIG.yaml [--section.key=value ...] [--resume[=auto]]
 
 Train one node of a SPES run (or a centralized / DiLoCo run) described by an OLMo-style YAML file.
   CONFIG.yaml          e.g. configs/tiny.yaml, configs/spes_1b/node_0.yaml
   --section.key=value  override any key, e.g. --spes_config.peer_id=1 --data.seed=7198
   --resume             continue from <save_folder>/latest (same as --load_path=<save_folder>)
+  --resume=auto        continue from it if it exists, else start fresh (same as --try_load_latest_save=true)
   --help               this text and every config key with its default
 """
 
 
-def parse_args(argv: list[str]) -> tuple[str | None, list[str], bool]:
+# What a user can cause or meet: each ends the run with its message as one line and this exit code.
+USER_ERRORS: dict[type[BaseException], int] = {ValueError: 2, FileNotFoundError: 2, SyncError: 3, NonFiniteError: 4}
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str], str | None]:
+    """(config file, overrides, resume: None, "always" or "auto")."""
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + "\nconfig keys:\n" + "\n".join(config_help()))
         raise SystemExit(0)
     positional = [a for a in argv if not a.startswith("--")]
     if len(positional) > 1:
         raise ConfigError(f"expected one config file, got {positional}; overrides must look like --section.key=value")
-    overrides = [a for a in argv if a.startswith("--") and a != "--resume"]
-    return (positional[0] if positional else None), overrides, "--resume" in argv
+    flags = [a for a in argv if a == "--resume" or a.startswith("--resume=")]
+    if any(a not in ("--resume", "--resume=auto") for a in flags):
+        raise ConfigError(f"command line: {flags[0]!r} is not an option; use --resume or --resume=auto")
+    overrides = [a for a in argv if a.startswith("--") and a not in flags]
+    resume = None if not flags else ("auto" if flags[-1] == "--resume=auto" else "always")
+    return (positional[0] if positional else None), overrides, resume
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +79,41 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
         cfg, inert = load_config(path, overrides)
-        if resume:
+        if resume == "always":
             cfg.load_path = cfg.save_folder
+        cfg.try_load_latest_save |= resume == "auto"
         return run(cfg, inert)
-    except (ValueError, FileNotFoundError) as e:  # ConfigError, CheckpointError and data errors are ValueErrors
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except tuple(USER_ERRORS) as e:
+        return _report(e)
+
+
+def _report(e: BaseException) -> int:
+    """Print the failure as one line (and leave it for `spes.torchrun`); its exit code."""
+    line = f"error: {e}".replace("\n", " ")
+    print(line, file=sys.stderr, flush=True)
+    if os.environ.get(ERROR_DIR_ENV):
+        with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+            f.write(line + "\n")
+    return next(code for kind, code in USER_ERRORS.items() if isinstance(e, kind))
+
+
+def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
+    """The checkpoint to load: save_folder's latest under `try_load_latest_save` when it has one, else load_path."""
+    if cfg.try_load_latest_save:
+        if list_checkpoints(cfg.save_folder):
+            return cfg.save_folder
+        log(f"no checkpoint in {cfg.save_folder} yet: starting "
+            f"{'from ' + cfg.load_path if cfg.load_path else 'fresh'}")
+    return cfg.load_path
+
+
+def check_shard_vocab(dataset: TokenSequenceDataset, embedding_size: int) -> None:
+    """Refuse shards whose token ids may exceed the embedding (they would crash mid-step), naming the first."""
+    for path, info in zip(dataset.paths, dataset.shard_infos):
+        if info.vocab_size > embedding_size:
+            raise ValueError(f"token shard {path} was written with a vocabulary of {info.vocab_size} but the model "
+                             f"embeds only {embedding_size} ids (model.embedding_size); re-tokenize it with "
+                             f"tokenizer.identifier's tokenizer or drop it from data.paths")
 
 
 @dataclass
@@ -81,12 +128,24 @@ class Node:
 
 
 def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> Node:
-    """Model on meta -> weights -> parallelize -> optimizer -> checkpoint (either kind, any rank count) -> data.
+    """Data (checked first: a wrong path or vocabulary fails in seconds) -> model on meta -> weights ->
+    parallelize -> optimizer -> checkpoint (either kind, any rank count).
 
     Under FSDP2 the model is sharded while still on meta and each rank allocates only its shards.
     """
     tokenizer = load_tokenizer(cfg.tokenizer.identifier)
     check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
+    dataset = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
+    assert cfg.model.embedding_size is not None  # set from vocab_size in ModelConfig.__post_init__
+    check_shard_vocab(dataset, cfg.model.embedding_size)
+    if dataset.fingerprint != tokenizer.fingerprint:
+        log(f"warning: the training shards were written with another tokenizer (fingerprint {dataset.fingerprint[:12]}) "
+            f"than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier")
+    loader = BatchLoader(
+        dataset,
+        batch_size=cfg.global_train_batch_size, seed=cfg.data.seed, rank=info.rank, world_size=info.world_size,
+        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, drop_last=cfg.data.drop_last)
+    eval_batches = _validation(cfg)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
         model = Transformer.for_run(cfg)
@@ -100,19 +159,12 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         model = parallelize(model, cfg, info)
     optimizer = build_optimizer(model, cfg.optimizer)
     ckpt = None
-    if cfg.load_path:
-        ckpt = restore(cfg.load_path, model, optimizer)
+    load_path = _start_from(cfg, log)
+    if load_path:
+        ckpt = restore(load_path, model, optimizer)
+        check_weights_finite(model, info, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
         log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
-
-    dataset = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
-    if dataset.fingerprint != tokenizer.fingerprint:
-        log(f"warning: the training shards were written with another tokenizer (fingerprint {dataset.fingerprint[:12]}) "
-            f"than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier")
-    loader = BatchLoader(
-        dataset,
-        batch_size=cfg.global_train_batch_size, seed=cfg.data.seed, rank=info.rank, world_size=info.world_size,
-        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, drop_last=cfg.data.drop_last)
-    return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=_validation(cfg), checkpoint=ckpt)
+    return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)
 
 
 def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:

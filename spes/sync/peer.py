@@ -20,7 +20,7 @@ from torch import nn
 from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.sync.auth import read_token
-from spes.sync.client import SyncClient
+from spes.sync.client import SyncClient, SyncError
 
 
 class PeerSync:
@@ -46,10 +46,15 @@ class PeerSync:
 
     def join(self) -> None:
         """Announce this node's model manifest; the server refuses a node whose model differs from the run's."""
+        error = None
         if self.client is not None:
-            current = self.client.join(self.shapes, self.trainable)
-            self.log(f"joined parameter server (current round: step {current}); "
-                     f"uploading {len(self.trainable)} of {len(self.shapes)} tensors per round")
+            try:
+                current = self.client.join(self.shapes, self.trainable)
+                self.log(f"joined parameter server (current round: step {current}); "
+                         f"uploading {len(self.trainable)} of {len(self.shapes)} tensors per round")
+            except SyncError as e:
+                error = e
+        self._agree(error, "join the parameter server")
 
     def sync(self, step: int) -> dict[str, Any]:
         """One round at `step`; returns metrics (seconds, MB up/down, whether the merge warm-up ran)."""
@@ -57,8 +62,14 @@ class PeerSync:
         metrics: dict[str, Any] = {}
         downloaded: dict[str, torch.Tensor] = {}
         caught_up_to = -1
+        error = None
         if self.client is not None:
-            downloaded, stats = self.client.sync(step, upload)
+            try:
+                downloaded, stats = self.client.sync(step, upload)
+            except SyncError as e:
+                error = e
+        self._agree(error, f"synchronize at step {step}")
+        if self.client is not None:
             metrics = {"sync_s": stats.seconds, "sync_mb_up": stats.bytes_up / 2**20,
                        "sync_mb_down": stats.bytes_down / 2**20, "sync_round": stats.round,
                        "merged": stats.merged, "merge_alpha": stats.alpha}
@@ -75,6 +86,17 @@ class PeerSync:
         if caught_up_to >= 0:
             metrics["caught_up_to"] = caught_up_to
         return metrics
+
+    def _agree(self, error: SyncError | None, what: str) -> None:
+        """Raise on every rank when rank 0's exchange with the server failed: the other ranks would otherwise wait
+        in the next collective until torchrun kills them, with a traceback instead of the reason."""
+        if self.distributed:
+            flag = torch.tensor([int(error is not None)], device=self.info.device)
+            dist.broadcast(flag, src=0)
+            if flag.item() and error is None:
+                raise SyncError(f"rank 0 failed to {what}; its error line says why")
+        if error is not None:
+            raise error
 
     def close(self) -> None:
         if self.client is not None:

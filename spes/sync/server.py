@@ -19,13 +19,14 @@ import logging
 import math
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import torch
@@ -64,6 +65,7 @@ from spes.sync.wire import REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder
     grpc_options, read_file, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
+T = TypeVar("T")
 
 SERVICE_NAME = "spes.v1.ParameterServer"
 DATA_POLL_S = 1.0
@@ -595,22 +597,33 @@ def start_server(cfg: ServerConfig) -> ParameterServer:
             root_certificates=read_file(cfg.tls_client_ca, "--tls_client_ca") if cfg.tls_client_ca else None,
             require_client_auth=cfg.tls_client_ca is not None,
         )
-        port = server.add_secure_port(address, credentials)
+        port = _bind(lambda: server.add_secure_port(address, credentials), address, "--port")
     else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise ValueError(f"could not bind {address}: is the port in use?")
+        port = _bind(lambda: server.add_insecure_port(address), address, "--port")
     data_plane = None
     if cfg.data_port >= 0:
-        data_plane = transport.DataPlaneListener(
-            cfg.host, cfg.data_port, servicer.serve_data, tls=transport.server_tls(cfg.tls_cert, cfg.tls_key,
-                                                                                 cfg.tls_client_ca),
-            max_connections=4 * cfg.total_peers + 8, io_timeout_s=DATA_IO_TIMEOUT_S)
+        tls = transport.server_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        data_plane = _bind(lambda: transport.DataPlaneListener(
+            cfg.host, cfg.data_port, servicer.serve_data, tls=tls, max_connections=4 * cfg.total_peers + 8,
+            io_timeout_s=DATA_IO_TIMEOUT_S), f"{cfg.host}:{cfg.data_port}", "--data_port")
         servicer.data_port = data_plane.port
     server.start()
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     return ParameterServer(server, servicer, health_servicer, port, executor, data_plane)
+
+
+def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
+    """`listen()`, with a failure to bind (grpc: RuntimeError or port 0; sockets: OSError) as one ValueError."""
+    try:
+        bound = listen()
+    except (RuntimeError, OSError) as exc:
+        raise ValueError(f"cannot listen on {address} ({exc}): is another server using the port? stop it or pick "
+                         f"another {flag}") from None
+    if bound == 0:
+        raise ValueError(f"cannot listen on {address}: is another server using the port? stop it or pick another "
+                         f"{flag}")
+    return bound
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -699,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         server = start_server(cfg)
     except (ValueError, FileNotFoundError) as exc:
-        parser.error(str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     shown = replace(cfg, port=server.port)  # the token field is repr=False: never logged
     log.info("spes parameter server listening on %s:%d (data plane %s, auth %s, tls %s) %s", cfg.host, server.port,
              server.data_port or "off",

@@ -1,0 +1,42 @@
+"""`torchrun` as spes's launch scripts use it: a failed run ends with the failing rank's one-line error.
+
+    python -m spes.torchrun --standalone --nproc_per_node=4 -m spes.train configs/spes_1b/node_0.yaml
+
+Takes torchrun's arguments unchanged. Plain torchrun follows a child's clean `error: ...` line with a ~35-line
+`ChildFailedError` traceback; here each rank of `spes.train` leaves its line in a temporary directory
+(`SPES_ERROR_DIR`) and the lowest rank's line (rank 0 talks to the server and writes checkpoints: its line
+names the culprit, the others' say that rank 0 failed) is printed last, with the first failure's exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ERROR_DIR_ENV = "SPES_ERROR_DIR"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory(prefix="spes-errors-") as errors:
+        os.environ[ERROR_DIR_ENV] = errors
+        try:
+            run(args)
+            return 0
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            lines = sorted(Path(errors).glob("rank*.txt"), key=lambda p: int(p.stem.removeprefix("rank")))
+            line = (lines[0].read_text().strip() if lines else
+                    f"error: rank {rank} of {args.training_script} exited with code {failure.exitcode}; see its "
+                    f"output above")
+            print(line, file=sys.stderr, flush=True)
+            return failure.exitcode if failure.exitcode > 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

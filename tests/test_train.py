@@ -1,0 +1,159 @@
+"""`python -m spes.train` as users meet it: every failure ends in one line and a non-zero exit (no traceback),
+also under torchrun through the project's scripts; `--resume=auto` continues a killed run where it stopped."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from data_fixtures import write_token_shard
+from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
+
+from spes.launch import free_port
+from spes.train import parse_args
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+FAST = ["--using_spes=false", "--eval_interval=null", "--log_interval=1", "--save_interval=null", "--max_duration=2st"]
+
+
+def train(tmp_path: Path, *args: str, timeout: float = 90, name: str = "train.log") -> tuple[int, str]:
+    proc = run_logged([sys.executable, "-m", "spes.train", *args], tmp_path / name, timeout=timeout)
+    return proc.returncode, proc.stdout
+
+
+def assert_one_line(code: int, out: str, *expected: str) -> str:
+    """A non-zero exit, no traceback, and the last line the error naming `expected`."""
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    assert code != 0 and "Traceback" not in out and last.startswith("error: "), out[-3000:]
+    assert all(e in last for e in expected), last
+    return last
+
+
+def test_resume_flags_are_parsed() -> None:
+    assert parse_args(["c.yaml", "--resume"])[2] == "always"
+    assert parse_args(["c.yaml", "--resume=auto", "--seed=1"]) == ("c.yaml", ["--seed=1"], "auto")
+    assert parse_args(["c.yaml"])[2] is None
+
+
+def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ...]]]:  # type: ignore[no-untyped-def]
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model:\n  d_model: 64\n n_heads: [4\n")
+    big_vocab = write_token_shard(tmp_path / "big_vocab.npy", np.arange(4096, dtype=np.uint16))
+    data = corpus.overrides(tmp_path / "out")
+    return [
+        ([str(tmp_path / "missing.yaml")], ("config file not found",)),
+        ([str(bad_yaml)], ("bad.yaml", "line 3", "not valid YAML")),
+        ([TINY, "--model.d_mdoel=3"], ("command line", "did you mean 'model.d_model'")),
+        ([TINY, "--model.d_model=abc"], ("command line (--model.d_model=abc)", "expected int")),
+        ([TINY, "--data.paths=x.npy"], ("command line", "--data.paths=[x.npy]")),
+        ([TINY, "--resume=yes"], ("--resume=auto",)),
+        ([TINY, *data, *FAST, f"--data.paths=[{tmp_path}/nothing/*.npy]"], ("matches no file",)),
+        ([TINY, *data, *FAST, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("no_tokenizer",)),
+        ([TINY, *data, *FAST, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.embedding_size")),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_config_data_and_tokenizer_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
+    for i, (argv, expected) in enumerate(_config_cases(tmp_path, tiny_corpus)):
+        code, out = train(tmp_path, *argv, name=f"case{i}.log")
+        assert_one_line(code, out, *expected)
+        assert "parameters" not in out, "the model was built before the data was checked"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
+    """No server; a server of another run layout; a round the other peer never joins."""
+    node = [TINY, *tiny_corpus.overrides(tmp_path / "node"), *SMALL_NODE, "--spes_config.max_retries=0",
+            "--spes_config.rpc_timeout_s=5", "--max_duration=2st", "--save_interval=null"]
+    code, out = train(tmp_path, *node, f"--spes_config.server_addr=127.0.0.1:{free_port()}", name="nobody.log")
+    assert_one_line(code, out, "127.0.0.1")
+    with parameter_server(tmp_path / "server.log", "--total_peers", "2", "--num_train_experts_per_node", "4",
+                          "--round_timeout", "3") as addr:
+        code, out = train(tmp_path, *node, f"--spes_config.server_addr={addr}", name="layout.log")
+        assert_one_line(code, out, "total_peers")
+        two = ["--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4", "--spes_config.sync_steps=1",
+               "--spes_config.round_timeout_s=20"]
+        code, out = train(tmp_path, *node, *two, f"--spes_config.server_addr={addr}", name="timeout.log")
+        assert_one_line(code, out, "round")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_busy_port_is_one_line(tmp_path: Path) -> None:
+    with parameter_server(tmp_path / "first.log", "--total_peers", "1", "--num_train_experts_per_node", "8") as addr:
+        port = addr.rsplit(":", 1)[1]
+        proc = run_logged([sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", port,
+                           "--total_peers", "1", "--num_train_experts_per_node", "8"], tmp_path / "second.log",
+                          timeout=60)
+    assert_one_line(proc.returncode, proc.stdout, f"127.0.0.1:{port}", "--port")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_under_torchrun_the_scripts_end_with_the_error_line(tiny_corpus, tmp_path: Path) -> None:
+    """run_single_node.sh with 2 ranks and no server: the culprit's line comes last, no ChildFailedError block."""
+    env = child_env(CONFIG=TINY, NPROC_PER_NODE="2", PYTHON=sys.executable)
+    cmd = ["bash", str(REPO / "run_scripts" / "run_single_node.sh"), "0", *tiny_corpus.overrides(tmp_path / "node"),
+           *SMALL_NODE, "--distributed_strategy=ddp", "--spes_config.max_retries=0", "--spes_config.rpc_timeout_s=5",
+           f"--spes_config.server_addr=127.0.0.1:{free_port()}", "--max_duration=2st"]
+    proc = run_logged(cmd, tmp_path / "node.log", timeout=150, env=env)
+    assert "ChildFailedError" not in proc.stdout
+    assert_one_line(proc.returncode, proc.stdout, "127.0.0.1")
+    code, out = run_logged([*cmd, "--model.d_model=abc"], tmp_path / "bad.log", timeout=150, env=env).returncode, \
+        (tmp_path / "bad.log").read_text()
+    assert_one_line(code, out, "command line (--model.d_model=abc)")
+
+
+def test_the_readme_single_process_command_runs(tiny_corpus, tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("Single process:")).split("`")[1]
+    assert command.startswith("python -m spes.train ")
+    argv = command.split()[3:]
+    code, out = train(tmp_path, *argv, *tiny_corpus.overrides(tmp_path / "out"), "--max_duration=2st",
+                      "--eval_interval=null", "--save_interval=null")
+    assert code == 0 and "done: step 2" in out, out[-3000:]
+
+
+def _steps(folder: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_requeued_run_continues_from_its_last_checkpoint(tiny_corpus, tmp_path: Path) -> None:
+    """Kill -9 mid-run and launch the same command again (what a SLURM requeue does): it resumes from the last
+    checkpoint, and metrics.jsonl holds every step once, in order."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "spes.train", TINY, *tiny_corpus.overrides(out), "--using_spes=false",
+           "--eval_interval=null", "--log_interval=1", "--save_interval=5", "--max_duration=60st",
+           "--save_num_checkpoints_to_keep=1", "--resume=auto"]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / "latest").exists() or len(_steps(out)) < 7:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    first = (tmp_path / "first.log").read_text()
+    assert "no checkpoint in" in first and "starting fresh" in first
+    saved = int((out / "latest").read_text().strip().removeprefix("step"))
+    assert 5 <= saved < 60 and max(_steps(out)) > saved  # rows past the checkpoint: they must go
+    again = run_logged(cmd, tmp_path / "second.log", timeout=150)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert f"loaded {out / f'step{saved}'} (step {saved})" in again.stdout
+    assert f"step {saved + 1}/60" in again.stdout and "step 1/60" not in again.stdout
+    assert _steps(out) == list(range(1, 61))
