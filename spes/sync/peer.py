@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,6 +34,7 @@ class PeerSync:
         self.trainable = [n for n, p in named if p.requires_grad]
         self.shapes = {n: tuple(p.shape) for n, p in named}
         s = cfg.spes_config
+        self.server_addr = s.server_addr
         self.client: SyncClient | None = None
         if info.is_main:
             self.client = SyncClient(
@@ -95,6 +97,9 @@ class PeerSync:
             dist.broadcast(flag, src=0)
             if flag.item() and error is None:
                 raise SyncError(f"rank 0 failed to {what}; its error line says why")
+        if error is not None and error.code == grpc.StatusCode.UNAVAILABLE:
+            raise SyncError(f"{error}; is the parameter server running at spes_config.server_addr={self.server_addr} "
+                            f"and reachable from this node?", error.code) from None
         if error is not None:
             raise error
 

@@ -617,9 +617,11 @@ def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
     """`listen()`, with a failure to bind (grpc: RuntimeError or port 0; sockets: OSError) as one ValueError."""
     try:
         bound = listen()
-    except (RuntimeError, OSError) as exc:
-        raise ValueError(f"cannot listen on {address} ({exc}): is another server using the port? stop it or pick "
-                         f"another {flag}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {address} ({exc.strerror}): stop the process using it or pick another "
+                         f"{flag}") from None
+    except RuntimeError:  # grpc's text adds nothing: it only says that binding failed
+        bound = 0
     if bound == 0:
         raise ValueError(f"cannot listen on {address}: is another server using the port? stop it or pick another "
                          f"{flag}")
