@@ -32,6 +32,14 @@ def umask_mode() -> int:
     return 0o666 & ~umask
 
 
+def follow_umask(directory: str | os.PathLike[str]) -> None:
+    """Give every file under `directory` the umask's mode (safetensors' `save_file` creates 0600 files)."""
+    mode = umask_mode()
+    for p in Path(directory).rglob("*"):
+        if p.is_file():
+            os.chmod(p, mode)
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[str], None]) -> None:
     """Give `path` the contents `data` (bytes, UTF-8 text, or a function that writes the temp path it is given)."""
     path = Path(path)

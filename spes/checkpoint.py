@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from spes.atomic import fsync_dir, write_atomic
+from spes.atomic import follow_umask, fsync_dir, write_atomic
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 
 MODEL_FILE, OPTIM_FILE, META_FILE, CONFIG_FILE, LATEST = (
@@ -129,10 +129,12 @@ def write_unsharded(directory: Path, step: int, *, model_state: Mapping[str, tor
 
 
 def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any]) -> None:
-    """config.yaml, then meta.json with the sizes of every file (the completeness check on load); all fsynced."""
+    """config.yaml, then meta.json with the sizes of every file (the completeness check on load); all given the
+    umask's mode and fsynced."""
     (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
     sizes = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META_FILE}
     (directory / META_FILE).write_text(json.dumps({**meta, "files": sizes}, indent=1))
+    follow_umask(directory)
     for p in directory.iterdir():
         with open(p, "rb") as f:
             os.fsync(f.fileno())

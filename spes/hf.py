@@ -47,6 +47,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from spes.atomic import follow_umask
 from spes.checkpoint import (CONFIG_FILE, LATEST, list_checkpoints, load_model_state, resolve_checkpoint,
                              save_checkpoint)
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config, to_dict
@@ -473,6 +474,7 @@ class _StagingDir:
         if exc_type is not None:
             shutil.rmtree(self.path, ignore_errors=True)
             return
+        follow_umask(self.path)
         if self.target.exists():
             shutil.rmtree(self.target)
         os.replace(self.path, self.target)

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,15 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path: Path) ->
         write_atomic(target, crash)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_files_get_the_umask_mode_like_open(tmp_path: Path) -> None:
+    """Checkpoints, exports and logs must be readable by whom the user's umask allows (not mkstemp's 0600)."""
+    old = os.umask(0o027)
+    try:
+        write_atomic(tmp_path / "ckpt.json", "{}")
+        (tmp_path / "plain.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "ckpt.json").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "plain.json").stat().st_mode & 0o777 == 0o640

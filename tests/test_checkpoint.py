@@ -259,3 +259,16 @@ def test_a_kill_while_replacing_a_checkpoint_of_the_same_step_keeps_it_loadable(
     _save_sharded(tmp_path, 2, cfg, model, optimizer)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step1", "step2-sharded"]
     load_checkpoint(tmp_path / "step1")
+
+
+def test_checkpoints_of_both_kinds_follow_the_umask(tmp_path: Path) -> None:
+    """A shared cluster's other users can read what the umask lets them read (0644/0755 under umask 022)."""
+    cfg, model, optimizer = _node()
+    old = os.umask(0o022)
+    try:
+        _save_unsharded(tmp_path, 1, cfg, model, optimizer)
+        _save_sharded(tmp_path, 2, cfg, model, optimizer)
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in tmp_path.rglob("*")}
+    assert modes and all(m == (0o755 if (tmp_path / p).is_dir() else 0o644) for p, m in modes.items()), modes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,9 @@ def test_export_sharded_with_index_loads(tmp_path: Path, tokenizer: LoadedTokeni
     out = hf.export_checkpoint(step_dir, tmp_path / "hf", max_shard_bytes=40_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2 and not (out / "model.safetensors").exists()
+    umask = os.umask(0o022)
+    os.umask(umask)  # the files get what open() would give them: readable by the cluster's other users under 022
+    assert {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()} == {0o666 & ~umask}
     ids = torch.randint(0, tokenizer.vocab_size, (1, 9))
     with torch.no_grad():
         assert_close(hf_logits(out, ids)[1], model(ids).logits, atol=1e-4, rtol=0)

@@ -40,3 +40,18 @@ def test_metrics_jsonl_only_on_the_main_rank(tmp_path: Path) -> None:
 
 def test_no_mfu_peak_on_cpu() -> None:
     assert peak_flops(torch.device("cpu")) is None
+
+
+def test_truncate_keeps_each_step_once_after_a_resume(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path, enabled=True)
+    for step in range(1, 8):
+        log.write(step, {"loss": float(step)})
+    with open(log.path, "a") as f:
+        f.write('{"step": 8, "lo')  # a row cut short by a kill
+    log.truncate(5)  # resumed from the checkpoint of step 5
+    for step in range(6, 9):
+        log.write(step, {"loss": -float(step)})
+    rows = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["loss"] for r in rows[4:6]] == [5.0, -6.0]
+    MetricsLog(tmp_path / "fresh", enabled=True).truncate(0)  # nothing written yet: nothing to do
