@@ -3,10 +3,12 @@ row; no checkpoint of NaN weights is written or trained from, and the last good 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist_helpers import SMALL_NODE, run_logged
 from safetensors.torch import load_file, save_file
 
 from spes.config import load_config
@@ -98,3 +100,20 @@ def test_a_checkpoint_of_nan_weights_is_refused_at_start_in_one_line(tiny_corpus
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "step2" in err and "NaN/inf" in err and name in err, err
     assert not (tmp_path / "step4").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_every_rank_stops_at_the_same_bad_step(strategy: str, tiny_corpus, tmp_path: Path) -> None:
+    """An absurd learning rate overflows the weights at step 1; under DDP/FSDP both ranks agree that step 3 is
+    the second bad one in a row (none hangs in a collective) and spes.torchrun ends with that one line."""
+    cmd = [sys.executable, "-m", "spes.torchrun", "--standalone", "--nproc_per_node=2", "-m", "spes.train", TINY,
+           *tiny_corpus.overrides(tmp_path), *SMALL_NODE, *QUIET, f"--distributed_strategy={strategy}",
+           "--optimizer.learning_rate=1e30", "--max_duration=6st", "--save_interval=1", "--skip_nonfinite_steps=1"]
+    proc = run_logged(cmd, tmp_path / "run.log", timeout=150)
+    last = proc.stdout.strip().splitlines()[-1]
+    assert proc.returncode == 4 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert last.startswith("error: step 3: ") and "(2 steps in a row)" in last, last
+    saved = sorted(p.name for p in tmp_path.glob("step*"))
+    assert saved == (["step1-sharded", "step2-sharded"] if strategy == "fsdp" else ["step1", "step2"]), saved
