@@ -109,7 +109,9 @@ def _wait(procs: dict[str, subprocess.Popen], follow: Path, timeout: float) -> i
         failed = [k for k, p in procs.items() if p.poll() not in (None, 0)]
         if failed:
             for k in failed:
-                print(f"error: {k} exited with code {procs[k].returncode}; see its log", file=sys.stderr)
+                print(f"{k} exited with code {procs[k].returncode}; its log: {follow.parent / f'{k}.log'}",
+                      file=sys.stderr)
+            print(_last_line(follow.parent / f"{failed[0]}.log") or f"error: {failed[0]} failed", file=sys.stderr)
             return 1
         if all(p.poll() == 0 for p in peers.values()):
             _echo_new(follow, offset)
@@ -118,6 +120,12 @@ def _wait(procs: dict[str, subprocess.Popen], follow: Path, timeout: float) -> i
             print(f"error: run did not finish within {timeout:.0f}s", file=sys.stderr)
             return 1
         time.sleep(0.5)
+
+
+def _last_line(log: Path) -> str | None:
+    """A failed child's own one-line error (`error: ...`), if its log ends with one."""
+    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    return lines[-1] if lines and lines[-1].startswith("error: ") else None
 
 
 def _echo_new(path: Path, offset: int) -> int:

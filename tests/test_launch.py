@@ -61,3 +61,14 @@ def test_run_single_node_uses_the_node_config_seed_and_overrides(tiny_corpus, tm
 def test_run_single_node_needs_a_node_id() -> None:
     proc = subprocess.run(["bash", "run_scripts/run_single_node.sh"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 2 and "usage" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_failing_peer_ends_the_local_run_with_its_error_line(tiny_corpus, tmp_path: Path) -> None:
+    overrides = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tmp_path}/none/*.npy]",
+                 "--spes_config.num_peers=1", "--spes_config.num_train_experts_per_node=8"]
+    proc = subprocess.run([sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path / "run"), "--",
+                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data path pattern"), proc.stderr
