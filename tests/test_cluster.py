@@ -154,3 +154,52 @@ def test_sbatch_runs_a_two_node_spes_run_with_its_server(slurm: Slurm, tiny_corp
         records = [json.loads(line) for line in (run / f"node{node}" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if "sync_s" in r] == [2, 4], f"node {node} did not finish its rounds"
     assert "listening" in (run / "logs" / "server.log").read_text()
+
+
+def _latest_step(folder: Path) -> int:
+    latest = folder / "latest"
+    return int(latest.read_text().strip().removeprefix("step")) if latest.is_file() else 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_killed_job_submitted_again_continues_where_it_stopped(slurm: Slurm, tiny_corpus, tmp_path: Path) -> None:
+    """The whole job cancelled mid-run (scancel --signal=KILL: the batch step dies at once, SLURM stops the
+    nodes' steps), then the same sbatch again: the server restores its last round from --state_dir, every node
+    resumes from its last checkpoint (--resume=auto), and each node's metrics.jsonl holds every step once."""
+    run = tmp_path / "run"
+    run.mkdir()
+    overrides = [*SMALL_NODE, "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4",
+                 "--spes_config.sync_steps=2", "--max_duration=30st", "--save_interval=2",
+                 f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
+                 "--data.validation_paths=[]", f"--save_folder={run}/node${{spes_config.peer_id}}"]
+
+    def submit(attempt: int, *wait: str) -> subprocess.CompletedProcess[str]:
+        env = slurm.env(CONFIG="configs/tiny.yaml", NPROC_PER_NODE="1", PORT=str(free_port()),
+                        LOG_DIR=str(run / f"logs{attempt}"), PYTHON=sys.executable)
+        return subprocess.run(["sbatch", *wait, "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
+                               f"--output={run}/job{attempt}.out", str(SCRIPT), *overrides],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+    first = submit(1)
+    assert first.returncode == 0, first.stderr
+    job = first.stdout.strip().split(";")[0]
+    deadline = time.time() + 180
+    while min(_latest_step(run / "node0"), _latest_step(run / "node1")) < 6:
+        assert time.time() < deadline, (run / "job1.out").read_text()[-3000:]
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--full", "--signal=KILL", job], env=slurm.env(), check=True, timeout=30)
+    while job in subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm.env(), capture_output=True, text=True,
+                                timeout=30).stdout.split():
+        time.sleep(0.5)
+    saved = {node: _latest_step(run / f"node{node}") for node in (0, 1)}
+    assert all(6 <= s < 30 for s in saved.values()), saved
+
+    second = submit(2, "--wait")
+    out = (run / "job2.out").read_text() if (run / "job2.out").exists() else "(no job output)"
+    assert second.returncode == 0, f"{second.stderr}\n{out[-4000:]}"
+    assert "resumed from" in (run / "logs2" / "server.log").read_text()
+    for node, step in saved.items():
+        assert f"loaded {run}/node{node}/step{step} (step {step})" in out, out[-4000:]
+        steps = [json.loads(line)["step"] for line in (run / f"node{node}" / "metrics.jsonl").read_text().splitlines()]
+        assert steps == list(range(1, 31)), steps
