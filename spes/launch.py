@@ -42,9 +42,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
-    p.add_argument("--merge_interval", type=int, default=20, help="merge warm-up every N steps")
-    p.add_argument("--merge_alpha_start", type=float, default=0.05, help="warm-up alpha at step 0")
-    p.add_argument("--merge_decay_steps", type=int, default=200, help="steps over which alpha decays to 0")
+    # NOTE: the server's defaults (paper scale); short local runs such as the quickstart pass their own values.
+    p.add_argument("--merge_interval", type=int, default=500, help="merge warm-up every N steps")
+    p.add_argument("--merge_alpha_start", type=float, default=0.01, help="warm-up alpha at step 0")
+    p.add_argument("--merge_decay_steps", type=int, default=10000, help="steps over which alpha decays to 0")
     p.add_argument("--merge_topk", type=int, default=4, help="similar experts averaged into each expert")
     p.add_argument("--wire_dtype", choices=["fp32", "bf16"], default="fp32", help="transport precision")
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
