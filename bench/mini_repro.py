@@ -81,6 +81,7 @@ class Setup:
             f"--optimizer.learning_rate={self.learning_rate}", f"--spes_config.sync_steps={self.sync_steps}",
             f"--eval_interval={self.eval_interval}", f"--eval_subset_num_batches={self.eval_batches}",
             f"--device_eval_batch_size={self.eval_batch_size}", f"--device_train_microbatch_size={self.peer_batch}",
+            f"--global_train_batch_size={self.peer_batch}",  # a peer's batch; the centralized run overrides it
             f"--tokenizer.identifier={tokenizer}", f"--data.paths=[{train}]", f"--data.validation_paths=[{valid}]",
             "--save_interval=null", f"--log_interval={self.sync_steps}",
         ]
