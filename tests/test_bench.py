@@ -156,3 +156,28 @@ def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
     for run in ("centralized", "spes", "diloco"):
         assert results["curves"][run]["val_loss"]
     assert results["curves"]["spes"]["bytes"][-1] < results["curves"]["diloco"]["bytes"][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
+    results, stdout = run_bench("mini_repro_memory", tmp_path, "--runs", str(tmp_path / "runs"), "--docs",
+                                str(tmp_path / "docs"), "--tokenizer", str(tiny_corpus.tokenizer), "--train",
+                                tiny_corpus.train, "--valid", tiny_corpus.valid, timeout=880)
+    sizes = results["sizes"]
+    budget = sizes["budget"]["total"]
+    # measured: the SPES node at the large size fits the budget, the next size up and DiLoCo at the large size do not
+    assert sizes["large"] > sizes["small"] and sizes["spes_nodes"][str(sizes["large"])]["total"] <= budget
+    assert sizes["spes_nodes"][str(sizes["large"] + 4)]["total"] > budget and sizes["full_large"]["total"] > budget
+    tokens = results["tokens"]
+    assert {t for name, t in tokens.items() if name != "single_small"} == {6 * 16 * 64}
+    assert tokens["single_small"] == 6 * 4 * 64
+    report = (tmp_path / "docs" / "mini_repro_memory.md").read_text()
+    assert "SPES-specific cost" in report and "25% of the run" in report and "OVER the budget" in report
+    assert (tmp_path / "docs" / "mini_repro_memory.png").stat().st_size > 0
+
+    def merged(arm: str) -> bool:
+        lines = (tmp_path / "runs" / "seed6198" / arm / "node0" / "metrics.jsonl").read_text().splitlines()
+        return any(json.loads(line).get("merged") for line in lines)
+
+    assert merged("spes_large") and not merged("spes_large_nomerge")
