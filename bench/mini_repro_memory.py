@@ -274,12 +274,17 @@ def report(setup: Setup, sizes: dict[str, Any], per_seed: dict[int, dict[str, An
               gap_row("merge warm-up: SPES vs SPES without it", SPES_ARM, "spes_large_nomerge"),
               gap_row("SPES (large) vs one node alone", SPES_ARM, "single_small")]
     cross = crossing(means[SPES_ARM], means[BASELINE])
-    end = means[SPES_ARM]["val_loss"][-1] - base
-    verdict = ("SPES at equal memory ends below DiLoCo" if end < 0 else
-               "SPES at equal memory does NOT beat DiLoCo by the end of this run")
-    lines += ["", f"**{verdict}** ({pct(means[SPES_ARM]['val_loss'][-1], base)} at the end, mean of "
-              f"{len(seeds)} seeds); " + (f"the two curves cross at step {cross}." if cross is not None else
-                                          "the two curves do not cross within the run."), ""]
+    per_seed_gap = [per_seed[s][SPES_ARM]["val_loss"][-1] - per_seed[s][BASELINE]["val_loss"][-1] for s in seeds]
+    if all(g < 0 for g in per_seed_gap):
+        verdict = "SPES at equal memory ends below DiLoCo in every seed"
+    elif all(g > 0 for g in per_seed_gap):
+        verdict = "SPES at equal memory does NOT beat DiLoCo: it ends above it in every seed"
+    else:
+        verdict = "No consistent winner at equal memory: the sign of SPES minus DiLoCo differs between seeds"
+    lines += ["", f"**{verdict}** (mean {pct(means[SPES_ARM]['val_loss'][-1], base)} at the end; per seed "
+              + ", ".join(f"{s}: {g:+.4f} nats" for s, g in zip(seeds, per_seed_gap)) + "); "
+              + (f"the mean curves cross at step {cross}." if cross is not None else
+                 "the mean curves do not cross within the run."), ""]
     return "\n".join(lines)
 
 
