@@ -1,8 +1,9 @@
 """Shared plumbing of the benchmarks: result files, machine facts, tables and timing.
 
-Every benchmark in `bench/` prints a table and writes its figures as JSON to `bench/results/<name>.json`
-(gitignored; summaries go to `docs/`). Each records the machine's load average next to its figures,
-because the CPU is shared and a ratio measured in one run is the only figure worth comparing.
+Every benchmark in `bench/` prints a table and writes its figures as JSON to `bench/results/<name>.json`;
+summaries go to `docs/`, and the JSON records behind published figures are committed (run directories
+stay ignored). Each record holds the command, the git commit and the machine, including its load
+average, because the CPU is shared and a ratio measured in one run is the only figure worth comparing.
 """
 
 from __future__ import annotations
@@ -47,9 +48,22 @@ def machine_info() -> dict[str, Any]:
             "load_avg_1_5_15": [round(load1, 2), round(load5, 2), round(load15, 2)]}
 
 
+def git_commit() -> str:
+    """The checked-out commit, with `-dirty` when tracked files differ from it ("unknown" outside git)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def write_results(path: Path, results: dict[str, Any]) -> None:
-    """Write the results JSON atomically (temp file in the same directory + os.replace)."""
-    write_atomic(path, json.dumps(results, indent=1) + "\n")
+    """Write the results JSON atomically, with the command and commit that produced it."""
+    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(), **results}
+    write_atomic(path, json.dumps(record, indent=1) + "\n")
     print(f"saved {path}")
 
 

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, RESULTS_DIR, machine_info, parser, write_results
+from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, parser, write_results
 
 from spes.atomic import write_atomic
 from spes.config import load_config
@@ -81,6 +81,7 @@ class Setup:
             f"--optimizer.learning_rate={self.learning_rate}", f"--spes_config.sync_steps={self.sync_steps}",
             f"--eval_interval={self.eval_interval}", f"--eval_subset_num_batches={self.eval_batches}",
             f"--device_eval_batch_size={self.eval_batch_size}", f"--device_train_microbatch_size={self.peer_batch}",
+            f"--global_train_batch_size={self.peer_batch}",  # a peer's batch; the centralized run overrides it
             f"--tokenizer.identifier={tokenizer}", f"--data.paths=[{train}]", f"--data.validation_paths=[{valid}]",
             "--save_interval=null", f"--log_interval={self.sync_steps}",
         ]
@@ -94,7 +95,7 @@ QUICK = Setup(d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=128, seq_len=64
               merge_interval=3, merge_alpha_start=0.05, merge_decay_steps=6)
 
 
-def run_commands(setup: Setup, common: list[str], out: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
+def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
     """The command and environment of each run: one torch thread per training process.
 
     NOTE: on a shared 2-core machine one process with 2 threads ran ~3x slower per token than with 1
@@ -113,10 +114,13 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> dict[str, tuple[
     }
 
 
-def run_all(setup: Setup, common: list[str], out: Path) -> dict[str, float]:
-    """Run the three trainings one after the other (they share the CPU fairly that way); wall seconds each."""
+Commands = dict[str, tuple[list[str], dict[str, str]]]
+
+
+def run_all(commands: Commands, out: Path) -> dict[str, float]:
+    """Run the trainings one after the other (they share the CPU fairly that way); wall seconds each."""
     walls = {}
-    for name, (cmd, env) in run_commands(setup, common, out).items():
+    for name, (cmd, env) in commands.items():
         log_path = out / f"{name}.log"
         (out / name).mkdir(parents=True, exist_ok=True)
         (out / name / "metrics.jsonl").unlink(missing_ok=True)
@@ -139,38 +143,82 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def collect(setup: Setup, out: Path) -> dict[str, Any]:
-    """Curves per run: (step, global tokens, val loss) and, for synced runs, cumulative bytes over all peers."""
-    tokens_per_step = PEERS * setup.peer_batch * setup.seq_len
-    curves: dict[str, Any] = {}
-    central = [r for r in _records(out / "centralized" / "metrics.jsonl") if "val_loss" in r]
-    curves["centralized"] = {"step": [r["step"] for r in central],
-                             "tokens": [r["step"] * tokens_per_step for r in central],
-                             "val_loss": [r["val_loss"] for r in central], "bytes": [0] * len(central)}
-    for name in ("spes", "diloco"):
-        peers = [_records(out / name / f"node{p}" / "metrics.jsonl") for p in range(PEERS)]
-        cumulative: dict[int, float] = {}
-        total = 0.0
-        for step in sorted({r["step"] for recs in peers for r in recs if "sync_s" in r}):
-            total += sum(r["sync_mb_up"] + r["sync_mb_down"] for recs in peers for r in recs
-                         if r["step"] == step and "sync_s" in r) * 2**20
-            cumulative[step] = total
-        evals = [r for r in peers[0] if "merged_val_loss" in r]
-        steps = [r["step"] for r in evals]
-        merged_by_peer = [[r["merged_val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
-        local_by_peer = [[r["val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
-        curves[name] = {
-            "step": steps, "tokens": [s * tokens_per_step for s in steps],
-            "val_loss": [r["merged_val_loss"] for r in evals],
-            "merged_spread_across_peers": max(max(v) - min(v) for v in zip(*merged_by_peer)),
-            "local_val_loss_mean": [sum(v) / PEERS for v in zip(*local_by_peer)],
-            "bytes": [cumulative[s] for s in steps],
-            "bytes_per_peer_round_up": peers[0][-1].get("sync_mb_up", 0.0) * 2**20,
-            "bytes_per_peer_round_down": [r["sync_mb_down"] * 2**20 for r in peers[0] if "sync_s" in r],
-            "rounds": len(cumulative), "merge_rounds": sum(bool(r.get("merged")) for r in peers[0] if "sync_s" in r),
-            "sync_seconds_peer0": sum(r["sync_s"] for r in peers[0] if "sync_s" in r),
-        }
-    return curves
+def _tokens_at(records: list[dict[str, Any]], step: int, where: Path) -> int:
+    """The trainer's own `tokens` counter at `step` (it logs every sync and evaluation step)."""
+    for r in records:
+        if r["step"] == step and "tokens" in r:
+            return int(r["tokens"])
+    raise SystemExit(f"error: {where} logged no `tokens` at step {step}: the run is incomplete or too old; re-run it")
+
+
+def central_curve(run: Path) -> dict[str, Any]:
+    """A single trainer's validation curve, with the tokens it logged."""
+    path = run / "metrics.jsonl"
+    records = _records(path)
+    evals = [r for r in records if "val_loss" in r]
+    return {"step": [r["step"] for r in evals], "tokens": [_tokens_at(records, r["step"], path) for r in evals],
+            "tokens_final": int(records[-1]["tokens"]), "val_loss": [r["val_loss"] for r in evals],
+            "bytes": [0] * len(evals)}
+
+
+def peers_curve(run: Path) -> dict[str, Any]:
+    """A SPES/DiLoCo run's curve: the merged model's validation loss after each evaluated sync, tokens summed
+    over the peers' own counters, and cumulative bytes sent and received by all peers."""
+    paths = [run / f"node{p}" / "metrics.jsonl" for p in range(PEERS)]
+    peers = [_records(path) for path in paths]
+    cumulative: dict[int, float] = {}
+    total = 0.0
+    for step in sorted({r["step"] for recs in peers for r in recs if "sync_s" in r}):
+        total += sum(r["sync_mb_up"] + r["sync_mb_down"] for recs in peers for r in recs
+                     if r["step"] == step and "sync_s" in r) * 2**20
+        cumulative[step] = total
+    evals = [r for r in peers[0] if "merged_val_loss" in r]
+    steps = [r["step"] for r in evals]
+    merged_by_peer = [[r["merged_val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
+    local_by_peer = [[r["val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
+    return {
+        "step": steps,
+        "tokens": [sum(_tokens_at(recs, s, path) for recs, path in zip(peers, paths)) for s in steps],
+        "tokens_final": sum(int(recs[-1]["tokens"]) for recs in peers),
+        "tokens_final_per_peer": [int(recs[-1]["tokens"]) for recs in peers],
+        "val_loss": [r["merged_val_loss"] for r in evals],
+        "merged_spread_across_peers": max(max(v) - min(v) for v in zip(*merged_by_peer)),
+        "local_val_loss_mean": [sum(v) / PEERS for v in zip(*local_by_peer)],
+        "bytes": [cumulative[s] for s in steps],
+        "bytes_per_peer_round_up": peers[0][-1].get("sync_mb_up", 0.0) * 2**20,
+        "bytes_per_peer_round_down": [r["sync_mb_down"] * 2**20 for r in peers[0] if "sync_s" in r],
+        "rounds": len(cumulative), "merge_rounds": sum(bool(r.get("merged")) for r in peers[0] if "sync_s" in r),
+        "sync_seconds_peer0": sum(r["sync_s"] for r in peers[0] if "sync_s" in r),
+    }
+
+
+def collect(out: Path) -> dict[str, Any]:
+    """Curves of the three runs. Token counts are what the trainers logged (the `tokens` metric), summed over
+    a run's peers; never computed from the setup, so a wrong batch shows up here instead of in a mislabelled axis.
+    """
+    return {"centralized": central_curve(out / "centralized"), "spes": peers_curve(out / "spes"),
+            "diloco": peers_curve(out / "diloco")}
+
+
+def check_equal_tokens(curves: dict[str, Any], where: Path) -> None:
+    """Refuse to report unless every run trained on the same measured tokens, in total and at every evaluation.
+
+    The report's claim is a comparison at equal tokens; it holds only if the centralized run's logged count
+    equals the sum over each decentralized run's peers.
+    """
+    base = curves["centralized"]
+    for name in RUNS[1:]:
+        c = curves[name]
+        if c["tokens_final"] != base["tokens_final"]:
+            raise SystemExit(
+                f"error: unequal token budgets in {where}: centralized trained on {base['tokens_final']:,} tokens, "
+                f"{name} on {c['tokens_final']:,} (peers {c['tokens_final_per_peer']}); every peer's "
+                f"global_train_batch_size must be the centralized one / {PEERS}. No report written.")
+        at_central = dict(zip(base["step"], base["tokens"]))
+        for step, tokens in zip(c["step"], c["tokens"]):
+            if step in at_central and at_central[step] != tokens:
+                raise SystemExit(f"error: unequal tokens at step {step} in {where}: centralized {at_central[step]:,}, "
+                                 f"{name} {tokens:,}. No report written.")
 
 
 def plot(curves: dict[str, Any], path: Path, title: str) -> None:
@@ -230,18 +278,50 @@ def final_losses(curves: dict[str, Any]) -> dict[str, float]:
     return {name: curves[name]["val_loss"][-1] for name in RUNS}
 
 
-def other_seeds(setup: Setup, seed: int) -> dict[int, dict[str, float]]:
-    """Final losses of the full runs of every other seed found in bench/results/."""
+def other_seeds(seed: int) -> dict[int, dict[str, float]]:
+    """Final losses of the full runs of every other seed found in bench/results/ (each checked for equal tokens)."""
     found = {DEFAULT_SEED: RESULTS_DIR / "mini_repro"}
-    found.update({int(d.name.removeprefix("mini_repro_seed")): d for d in RESULTS_DIR.glob("mini_repro_seed*")})
-    return {other: final_losses(collect(setup, runs)) for other, runs in sorted(found.items())
-            if other != seed and (runs / "walls.json").is_file()}
+    found.update({int(d.name.removeprefix("mini_repro_seed")): d for d in RESULTS_DIR.glob("mini_repro_seed*")
+                  if d.is_dir()})
+    finals = {}
+    for other, runs in sorted(found.items()):
+        if other != seed and (runs / "walls.json").is_file():
+            curves = collect(runs)
+            check_equal_tokens(curves, runs)
+            finals[other] = final_losses(curves)
+    return finals
+
+
+# What docs/mini_repro.md said before issue 13, and why its numbers changed (kept in the generated report).
+CORRECTION = [
+    "## Correction (issue 13)", "",
+    "An earlier version of this report overstated both decentralized runs. The script set each peer's "
+    "micro-batch but not its `global_train_batch_size`, so every peer kept `configs/tiny.yaml`'s 16 sequences "
+    "per step: SPES and DiLoCo each trained on 3,276,800 tokens while the centralized run trained on "
+    "1,638,400, and the report's \"every run trains on 1,638,400 tokens\" and the plot's token axis were "
+    "computed from the setup instead of read from the trainers. With twice the data, it reported SPES "
+    "+4.63% / +5.06% and DiLoCo +1.32% / +1.01% above centralized (seeds 6198 / 7).", "",
+    "Now every peer trains on a quarter of the centralized batch; token counts are the trainers' own `tokens` "
+    "metric, summed over peers, and the script refuses to write a report unless the centralized count equals "
+    "each decentralized run's sum. The runs also use the reference's loss scalings adopted at the same time "
+    "(router z-loss summed over layers, warm-up from 10% of the peak; see [differences.md](differences.md)), "
+    "which apply to all three runs alike.", "",
+]
+
+
+def measured_tokens_line(curves: dict[str, Any]) -> str:
+    """The token counts the trainers logged, as one sentence."""
+    parts = [f"centralized {curves['centralized']['tokens_final']:,}"]
+    for name in RUNS[1:]:
+        per_peer = curves[name]["tokens_final_per_peer"]
+        parts.append(f"{name} {curves[name]['tokens_final']:,} (= " + " + ".join(f"{t:,}" for t in per_peer) + ")")
+    return "Tokens trained on, as logged by the trainers (`tokens` metric): " + "; ".join(parts) + "."
 
 
 def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params: dict[str, int],
-           machine: dict[str, Any], png: str, finals: dict[int, dict[str, float]]) -> str:
-    """The markdown report: setup, final figures, the curves as a table."""
-    tokens_total = setup.steps * PEERS * setup.peer_batch * setup.seq_len
+           machine: dict[str, Any], png: str, finals: dict[int, dict[str, float]], correction: bool) -> str:
+    """The markdown report: setup, final figures, the curves as a table (tokens as measured, checked equal)."""
+    tokens_total = curves["centralized"]["tokens_final"]
     base = curves["centralized"]["val_loss"][-1]
     lines = [
         "# Mini-reproduction: centralized vs SPES vs DiLoCo", "",
@@ -249,6 +329,8 @@ def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params
         "All three runs use the same model, initialization, data order seeds, learning-rate schedule and "
         f"number of steps ({setup.steps}); the centralized batch is {PEERS} x the peer batch, so every run "
         f"trains on {tokens_total:,} tokens of the default local corpus (Python stdlib + man pages).", "",
+        measured_tokens_line(curves), "",
+        *(CORRECTION if correction else []),
         "## Setup", "",
         "| | |", "|---|---|",
         f"| model | d_model {setup.d_model}, {setup.n_layers} layers, {setup.n_heads} heads, 8 experts top-2 "
@@ -257,7 +339,8 @@ def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params
         f"{params['spes_trainable'] / 1e6:.2f}M trained per SPES peer |",
         f"| batch | peer {setup.peer_batch} x {setup.seq_len} tokens; centralized {PEERS * setup.peer_batch} x "
         f"{setup.seq_len} |",
-        f"| optimizer | AdamW, peak lr {setup.learning_rate}, cosine to 10% after {setup.warmup} warm-up steps |",
+        f"| optimizer | AdamW, peak lr {setup.learning_rate}, linear warm-up from 10% over {setup.warmup} steps, "
+        "cosine to 10% |",
         f"| sync | every {setup.sync_steps} steps ({setup.steps // setup.sync_steps} rounds), fp32 on the wire |",
         f"| SPES merge warm-up | every {setup.merge_interval} steps, alpha {setup.merge_alpha_start} decaying to 0 "
         f"at step {setup.merge_decay_steps}, top-4 |",
@@ -321,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "mini_repro_quick" if args.quick else "mini_repro" if default else f"mini_repro_seed{args.seed}"
     runs = args.runs or RESULTS_DIR / name
     docs = args.docs or (REPO_ROOT / "docs" if default else runs)
-    out_json = args.out or (RESULTS_DIR / "mini_repro.json" if default else runs / "mini_repro.json")
+    out_json = args.out or RESULTS_DIR / f"{name}.json"
     if not (REPO_ROOT / args.tokenizer).exists() and not Path(args.tokenizer).exists():
         raise SystemExit(f"error: tokenizer {args.tokenizer!r} not found; build the default corpus with "
                          "`python data_process_scripts/build_default_corpus.py --output_dir data/default`")
@@ -334,18 +417,23 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     if args.report_only:
         walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
+        run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
     else:
-        walls = run_all(setup, common, runs)
-    curves = collect(setup, runs)
-    machine = machine_info()
+        walls = run_all(run_commands(setup, common, runs), runs)
+        run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
+        write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
+    curves = collect(runs)
+    check_equal_tokens(curves, runs)
+    machine = (run_info or {}).get("machine") or machine_info()
     png = docs / "mini_repro.png"
     plot(curves, png, f"{params['total'] / 1e6:.1f}M-parameter MoE, {PEERS} peers, "
-                      f"{setup.steps * PEERS * setup.peer_batch * setup.seq_len / 1e6:.2f}M tokens per run, "
+                      f"{curves['centralized']['tokens_final'] / 1e6:.2f}M tokens per run (measured), "
                       f"sync every {setup.sync_steps} steps")
-    finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(setup, args.seed))}
-    md = report(setup, curves, walls, params, machine, png.name, finals)
+    finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(args.seed))}
+    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick)
     write_atomic(docs / "mini_repro.md", md)
 
+    print(measured_tokens_line(curves))
     header = f"{'run':>12}  {'final val':>9}  {'vs central':>10}  {'MiB comm':>9}  {'wall s':>7}"
     print(header + "\n" + "-" * len(header))
     base = curves["centralized"]["val_loss"][-1]
@@ -355,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{c['bytes'][-1] / 2**20:9.1f}  {walls.get(name, float('nan')):7.0f}")
     print(f"wrote {docs / 'mini_repro.md'} and {png}")
     write_results(out_json, {"mode": "quick" if args.quick else "full", "seed": args.seed, "machine": machine,
-                             "setup": asdict(setup),
-                             "params": params, "walls_s": walls, "curves": curves})
+                             "run": run_info, "setup": asdict(setup), "params": params, "walls_s": walls,
+                             "tokens": {name: curves[name]["tokens_final"] for name in RUNS}, "curves": curves})
     return 0
 
 

@@ -166,6 +166,23 @@ class TokenizerConfig:
 
 
 @dataclass(kw_only=True)
+class InstanceFilterConfig:
+    """OLMo's repetition filter: a window holding a token period repeated too often is left out of the loss."""
+
+    repetition_max_period: int = _f(13, "longest period (in tokens) checked for repeats")
+    repetition_min_period: int = _f(1, "shortest period (in tokens) checked for repeats")
+    repetition_max_count: int = _f(32, "a window with this many consecutive repeats of one period is filtered")
+
+    def __post_init__(self) -> None:
+        _require(self.repetition_min_period >= 1, "data.instance_filter.repetition_min_period",
+                 self.repetition_min_period, "must be >= 1")
+        _require(self.repetition_max_period >= self.repetition_min_period, "data.instance_filter.repetition_max_period",
+                 self.repetition_max_period, f"must be >= repetition_min_period={self.repetition_min_period}")
+        _require(self.repetition_max_count >= 2, "data.instance_filter.repetition_max_count",
+                 self.repetition_max_count, "must be >= 2")
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     paths: list[str] = _f([], "token shards: .npy files, globs, or a .txt file listing them")
     validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
@@ -178,7 +195,8 @@ class DataConfig:
     prefetch_factor: int | None = _f(None, "inert")
     persistent_workers: bool = _f(False, "inert")
     timeout: int = _f(0, "inert")
-    instance_filter: dict | None = _f(None, "inert: repetition filter of OLMo")
+    instance_filter: InstanceFilterConfig | None = _f(
+        None, "leave windows with a long run of a repeated token period out of the loss (null: keep all)")
 
 
 @dataclass(kw_only=True)
@@ -219,7 +237,7 @@ class SpesConfig:
     sync_steps: int = _f(100, "local steps between synchronizations")
     server_addr: str = _f("127.0.0.1:50051", "parameter server host:port")
     using_decayed_aux_loss: bool = _f(False, "scale own experts' load-balancing counts 0.7 -> 1.0 over 20% of training")
-    decayed_factor_update_steps: int = _f(100, "refresh interval of the decayed load-balancing factor")
+    decayed_factor_update_steps: int = _f(500, "refresh interval of the decayed load-balancing factor (1.0 before it)")
     wire_dtype: Literal["fp32", "bf16"] = _f("fp32", "transport precision (the trainer keeps fp32)")
     data_plane: Literal["auto", "grpc", "tcp"] = _f(
         "auto", "tensor payloads: auto = the raw-TCP data plane when the server advertises one (--data_port) "
@@ -345,7 +363,7 @@ INERT_KEYS = frozenset({
     "sharded_checkpointer", "evaluators", "wandb", "model.flash_attention", "model.init_device",
     "model.using_custom_moe_impl", "model.moe_mlp_impl", "optimizer.metrics_log_interval",
     "tokenizer.truncate_direction", "data.pad_direction", "data.prefetch_factor", "data.persistent_workers",
-    "data.timeout", "data.instance_filter", "ddp.grad_sync_mode",
+    "data.timeout", "ddp.grad_sync_mode",
 })
 
 

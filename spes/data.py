@@ -277,3 +277,22 @@ def iterate_eval_batches(
         num_batches = min(num_batches, max_batches)
     for b in range(rank, num_batches, world_size):
         yield dataset.get_batch(range(b * batch_size, min((b + 1) * batch_size, len(dataset))))
+
+
+def repetitive_instances(tokens_BS: torch.Tensor, *, min_period: int, max_period: int, max_count: int) -> torch.Tensor:
+    """(B,) bool: which windows hold at least `max_count` consecutive repeats of one token period.
+
+    OLMo's `data.instance_filter` (the reference leaves such windows out of the loss). A period `p` in
+    [min_period, max_period] repeats where `x[t] == x[t - p]`; a run of `r` such positions is a periodic
+    stretch of `r + p` tokens, i.e. `(r + p) // p` whole repeats of its first `p` tokens.
+    """
+    batch, length = tokens_BS.shape
+    found = torch.zeros(batch, dtype=torch.bool, device=tokens_BS.device)
+    for period in range(min_period, min(max_period, length - 1) + 1):
+        same_BL = tokens_BS[:, period:] == tokens_BS[:, :-period]
+        pos_L = torch.arange(same_BL.shape[1], device=tokens_BS.device)
+        # run length ending at t = t - (last position <= t where the tokens differed)
+        last_break_BL = torch.where(same_BL, -1, pos_L).cummax(dim=1).values
+        longest_B = (pos_L - last_break_BL).amax(dim=1)
+        found |= (longest_B + period) // period >= max_count
+    return found

@@ -42,10 +42,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
-    p.add_argument("--merge_interval", type=int, default=20, help="merge warm-up every N steps")
-    p.add_argument("--merge_alpha_start", type=float, default=0.05, help="warm-up alpha at step 0")
-    p.add_argument("--merge_decay_steps", type=int, default=200, help="steps over which alpha decays to 0")
+    # NOTE: the server's defaults (paper scale); short local runs such as the quickstart pass their own values.
+    p.add_argument("--merge_interval", type=int, default=500, help="merge warm-up every N steps")
+    p.add_argument("--merge_alpha_start", type=float, default=0.01, help="warm-up alpha at step 0")
+    p.add_argument("--merge_decay_steps", type=int, default=10000, help="steps over which alpha decays to 0")
     p.add_argument("--merge_topk", type=int, default=4, help="similar experts averaged into each expert")
+    p.add_argument("--outer_optimizer", choices=("none", "nesterov"), default="none",
+                   help="DiLoCo mode: none = plain mean of the uploads (the paper's baseline); nesterov = DiLoCo's "
+                   "outer Nesterov step (the server's --outer_lr/--outer_momentum defaults)")
     p.add_argument("--wire_dtype", choices=["fp32", "bf16"], default="fp32", help="transport precision")
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                   str(cfg.expert_block_size()), "--port", str(port), "--host", "127.0.0.1", "--data_port", "0",
                   "--merge_interval", str(args.merge_interval), "--merge_alpha_start", str(args.merge_alpha_start),
                   "--merge_decay_steps", str(args.merge_decay_steps), "--merge_topk", str(args.merge_topk),
-                  "--mode", "diloco" if args.dilico else "spes", "--state_dir", str(out / "server_state")]
+                  "--mode", "diloco" if args.dilico else "spes", "--outer_optimizer", args.outer_optimizer,
+                  "--state_dir", str(out / "server_state")]
     procs: dict[str, subprocess.Popen] = {}
     started = time.time()
     try:
@@ -168,7 +173,7 @@ def summarize(out: Path, peers: int, seconds: float) -> dict[str, Any]:
             "val_merged_last": merged[-1]["merged_val_loss"] if merged else None,
             "rounds": len(syncs), "merge_rounds": sum(bool(r.get("merged")) for r in syncs),
             "mb_up": sum(r["sync_mb_up"] for r in syncs), "mb_down": sum(r["sync_mb_down"] for r in syncs),
-            "sync_s": sum(r["sync_s"] for r in syncs),
+            "sync_s": sum(r["sync_s"] for r in syncs), "tokens": records[-1].get("tokens"),
         })
     return {"peers": rows, "wall_s": seconds}
 

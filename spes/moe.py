@@ -84,19 +84,22 @@ class MoEAux:
     """Per-layer auxiliary terms, summed over layers by the model."""
 
     lb_loss: torch.Tensor  # scalar, already weighted and divided by the number of layers
-    z_loss: torch.Tensor  # scalar, already weighted and divided by the number of layers
+    z_loss: torch.Tensor  # scalar, already weighted (summed over layers as is, as in the reference)
     tokens_per_expert: torch.Tensor  # (E,) int64
 
 
 def decayed_lb_factor(step: int, max_steps: int, update_steps: int) -> float:
     """SPES decayed load-balancing factor for the node's own experts.
 
-    Rises linearly from 0.7 to 1.0 over the first 20% of `max_steps`, then stays at 1.0; it is
-    refreshed every `update_steps` steps (so it is constant between refreshes):
+    As in the reference: 1.0 until the first step that is a positive multiple of `update_steps`; from
+    then on it is set at those steps only (constant in between), rising linearly from 0.7 to 1.0 over
+    the first 20% of `max_steps` and staying at 1.0 after:
         s = update_steps * floor(step / update_steps)
-        factor = 0.7 + 0.3 * min(s / (0.2 * max_steps), 1)
+        factor = 1.0 if s == 0 else 0.7 + 0.3 * min(s / (0.2 * max_steps), 1)
     """
     refreshed = (step // update_steps) * update_steps
+    if refreshed == 0:
+        return 1.0
     ramp = max(0.2 * max_steps, 1e-12)
     return 0.7 + 0.3 * min(refreshed / ramp, 1.0)
 
@@ -119,9 +122,13 @@ def load_balancing_loss(
     return scale * torch.dot(counts, probs_TE.mean(dim=0))
 
 
-def router_z_loss(logits_TE: torch.Tensor, *, weight: float, num_layers: int) -> torch.Tensor:
-    """ST-MoE router z-loss of one layer: w / L * mean_t(logsumexp(logits_t)^2)."""
-    return weight / num_layers * torch.logsumexp(logits_TE, dim=-1).square().mean()
+def router_z_loss(logits_TE: torch.Tensor, *, weight: float) -> torch.Tensor:
+    """ST-MoE router z-loss of one layer: w * mean_t(logsumexp(logits_t)^2).
+
+    NOTE: not divided by the number of layers: the reference (MegaBlocks) returns this per layer and its
+    trainer sums the layers' terms, so the model-level z-loss is L times one layer's.
+    """
+    return weight * torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
 class ExpertBlocks(nn.Module):
@@ -250,7 +257,7 @@ class MoE(nn.Module):
         aux = MoEAux(
             lb_loss=load_balancing_loss(probs_TE, tokens_per_expert_E, top_k=self.top_k, weight=self.lb_weight,
                                         num_layers=self.num_layers, count_scale_E=self.own_count_scale),
-            z_loss=router_z_loss(logits_TE, weight=self.z_weight, num_layers=self.num_layers),
+            z_loss=router_z_loss(logits_TE, weight=self.z_weight),
             tokens_per_expert=tokens_per_expert_E,
         )
         return y_TD.reshape(shape), aux

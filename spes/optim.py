@@ -14,6 +14,8 @@ from torch import nn
 
 from spes.config import OptimizerConfig, SchedulerConfig
 
+WARMUP_START_FRACTION = 0.1  # OLMo's `warmup_min_lr` default: 10% of the peak
+
 
 def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     """Two groups: matrices with weight decay; norms (and embeddings, by default) without."""
@@ -42,14 +44,16 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW
 def lr_at(step: int, cfg: SchedulerConfig, peak_lr: float, t_max: int) -> float:
     """Learning rate for optimizer step `step` (1-based; in the scheduler's units).
 
-    Warm-up is linear from 0 to `peak_lr` over `t_warmup`; then
+    Warm-up is linear from 10% of `peak_lr` (at step 0) to `peak_lr` over `t_warmup`, as OLMo does when no
+    minimum is given (the reference's configs give none); then
     cosine_with_warmup: lr = min + (peak - min) * (1 + cos(pi * (t - t_warmup) / (t_max - t_warmup))) / 2,
     linear_with_warmup: a straight line from peak to min; constant: peak. min = alpha_f * peak.
     """
     if cfg.name == "constant":
         return peak_lr
     if step < cfg.t_warmup:
-        return peak_lr * step / max(cfg.t_warmup, 1)
+        start = WARMUP_START_FRACTION * peak_lr
+        return start + (peak_lr - start) * step / max(cfg.t_warmup, 1)
     floor = cfg.alpha_f * peak_lr
     progress = min((step - cfg.t_warmup) / max(t_max - cfg.t_warmup, 1), 1.0)
     if cfg.name == "linear_with_warmup":

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from spes.checkpoint import save_checkpoint, save_sharded_checkpoint
 from spes.config import TrainConfig, parse_duration, to_dict
+from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
 from spes.model import tflops_per_token
@@ -66,9 +67,18 @@ def schedule_length(cfg: TrainConfig) -> int:
     return t_max
 
 
+IGNORE_INDEX = -100  # a label left out of the loss (a window dropped by data.instance_filter)
+
+
 def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy in fp32."""
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+    """Next-token cross entropy in fp32, summed over the kept labels and divided by all labels.
+
+    NOTE: as in OLMo, ignored labels still count in the denominator, so a filtered window adds zero
+    (and a micro-batch with every window filtered gives 0, not NaN).
+    """
+    total = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE_INDEX,
+                            reduction="sum")
+    return total / labels_BS.numel()
 
 
 def _encode_rng() -> dict[str, str]:
@@ -178,7 +188,7 @@ class Trainer:
         for i, mb in enumerate(micro):
             with grad_sync(self.model, i == len(micro) - 1), self.autocast:
                 out = self.model(mb[:, :-1])
-                ce = language_model_loss(out.logits, mb[:, 1:])
+                ce = language_model_loss(out.logits, self._labels(mb))
                 loss = ce + out.lb_loss + out.z_loss
                 if self.cfg.softmax_auxiliary_loss:
                     loss = loss + self.cfg.auxiliary_loss_multiplier * torch.logsumexp(
@@ -216,6 +226,16 @@ class Trainer:
                 f"optimizer.learning_rate or a max_grad_norm, or set skip_nonfinite_steps=N to skip up to N bad "
                 f"steps in a row")
         self.log(f"warning: {what}; its update is skipped ({self.nonfinite_in_a_row} of at most {allowed} in a row)")
+
+    def _labels(self, batch_BS: torch.Tensor) -> torch.Tensor:
+        """Next-token labels; windows caught by `data.instance_filter` are left out of the loss."""
+        labels = batch_BS[:, 1:]
+        flt = self.cfg.data.instance_filter
+        if flt is None:
+            return labels
+        drop_B = repetitive_instances(batch_BS, min_period=flt.repetition_min_period,
+                                      max_period=flt.repetition_max_period, max_count=flt.repetition_max_count)
+        return labels.masked_fill(drop_B.unsqueeze(1), IGNORE_INDEX)
 
     def _apply_decayed_aux_factor(self) -> None:
         spes = self.cfg.spes_config

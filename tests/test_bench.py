@@ -114,6 +114,28 @@ def test_bench_train_quick(tmp_path: Path) -> None:
     assert spes["trainable_params"] < full["trainable_params"]
 
 
+def _metrics(folder: Path, tokens_per_step: int, steps: int = 4) -> None:
+    folder.mkdir(parents=True)
+    lines = [{"step": s, "tokens": s * tokens_per_step, "val_loss": 5.0, "merged_val_loss": 5.0, "sync_s": 0.1,
+              "sync_mb_up": 1.0, "sync_mb_down": 1.0} for s in range(2, steps + 1, 2)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_mini_repro_refuses_unequal_token_budgets(tmp_path: Path) -> None:
+    from mini_repro import check_equal_tokens, collect
+
+    _metrics(tmp_path / "centralized", 4 * 512)
+    for run in ("spes", "diloco"):
+        for p in range(4):
+            _metrics(tmp_path / run / f"node{p}", 512 if run == "spes" else 1024)  # DiLoCo peers: twice the batch
+    curves = collect(tmp_path)
+    assert curves["spes"]["tokens"] == curves["centralized"]["tokens"] == [4096, 8192]
+    with pytest.raises(SystemExit, match=r"centralized trained on 8,192 tokens, diloco on 16,384"):
+        check_equal_tokens(curves, tmp_path)
+    curves["diloco"] = curves["spes"]
+    check_equal_tokens(curves, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
@@ -123,7 +145,39 @@ def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
     assert (tmp_path / "docs" / "mini_repro.png").stat().st_size > 0
     report = (tmp_path / "docs" / "mini_repro.md").read_text()
     assert "| SPES (4 peers) |" in report and "## Seeds" in report and "\n| 7 | " in report
-    assert results["seed"] == 7
+    assert results["seed"] == 7 and results["commit"] and "mini_repro.py" in results["command"]
+    # the equal-token invariant on the trainers' own counters: 6 steps x 16 (centralized) or 4 x 4 (peers) x 64
+    peer_tokens = [[json.loads(line)["tokens"] for line in (tmp_path / "runs" / run / f"node{p}" / "metrics.jsonl")
+                    .read_text().splitlines()][-1] for run in ("spes", "diloco") for p in range(4)]
+    assert peer_tokens == [6 * 4 * 64] * 8
+    assert results["tokens"] == {"centralized": 6 * 16 * 64, "spes": 6 * 16 * 64, "diloco": 6 * 16 * 64}
+    assert "centralized 6,144; spes 6,144 (= 1,536 + 1,536 + 1,536 + 1,536)" in report
+    assert "6,144" in stdout
     for run in ("centralized", "spes", "diloco"):
         assert results["curves"][run]["val_loss"]
     assert results["curves"]["spes"]["bytes"][-1] < results["curves"]["diloco"]["bytes"][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
+    results, stdout = run_bench("mini_repro_memory", tmp_path, "--runs", str(tmp_path / "runs"), "--docs",
+                                str(tmp_path / "docs"), "--tokenizer", str(tiny_corpus.tokenizer), "--train",
+                                tiny_corpus.train, "--valid", tiny_corpus.valid, timeout=880)
+    sizes = results["sizes"]
+    budget = sizes["budget"]["total"]
+    # measured: the SPES node at the large size fits the budget, the next size up and DiLoCo at the large size do not
+    assert sizes["large"] > sizes["small"] and sizes["spes_nodes"][str(sizes["large"])]["total"] <= budget
+    assert sizes["spes_nodes"][str(sizes["large"] + 4)]["total"] > budget and sizes["full_large"]["total"] > budget
+    tokens = results["tokens"]
+    assert {t for name, t in tokens.items() if name != "single_small"} == {6 * 16 * 64}
+    assert tokens["single_small"] == 6 * 4 * 64
+    report = (tmp_path / "docs" / "mini_repro_memory.md").read_text()
+    assert "SPES-specific cost" in report and "25% of the run" in report and "OVER the budget" in report
+    assert (tmp_path / "docs" / "mini_repro_memory.png").stat().st_size > 0
+
+    def merged(arm: str) -> bool:
+        lines = (tmp_path / "runs" / "seed6198" / arm / "node0" / "metrics.jsonl").read_text().splitlines()
+        return any(json.loads(line).get("merged") for line in lines)
+
+    assert merged("spes_large") and not merged("spes_large_nomerge")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spes.config import INERT_KEYS, ConfigError, TrainConfig, config_help, load_config
+from spes.config import INERT_KEYS, ConfigError, InstanceFilterConfig, TrainConfig, config_help, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = sorted(CONFIGS.rglob("*.yaml"))
@@ -208,6 +208,8 @@ def test_choice_outside_the_allowed_values(tmp_path: Path, yaml_text: str, key: 
     (["--spes_config.sync_steps=0"], "spes_config.sync_steps", ">= 1"),
     (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
     (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
+    (["--data.instance_filter.repetition_max_count=1"], "data.instance_filter.repetition_max_count", ">= 2"),
+    (["--data.instance_filter.repetition_min_period=0"], "data.instance_filter.repetition_min_period", ">= 1"),
 ])
 def test_inconsistent_settings_are_caught(overrides: list[str], key: str, hint: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -235,7 +237,7 @@ def test_inert_keys_are_reported(tmp_path: Path) -> None:
             repetition_max_period: 13
     """)
     _, inert = load_config(path)
-    assert inert == ["compile", "data.instance_filter", "model.flash_attention", "model.init_device", "wandb"]
+    assert inert == ["compile", "model.flash_attention", "model.init_device", "wandb"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -395,8 +397,8 @@ def test_first_implementation_config_loads_unchanged(tmp_path: Path) -> None:
     assert cfg.max_duration == 50000 and cfg.stop_at == 50000 and cfg.activation_checkpointing == "fine_grained"
     assert cfg.owned_experts() == (4, 8) and cfg.spes_config.using_decayed_aux_loss
     assert [e["label"] for e in cfg.evaluators] == ["piqa", "arc_easy"]
-    assert cfg.data.instance_filter == {"repetition_max_period": 13, "repetition_min_period": 1,
-                                        "repetition_max_count": 32}
+    assert cfg.data.instance_filter == InstanceFilterConfig(repetition_max_period=13, repetition_min_period=1,
+                                                            repetition_max_count=32)
     assert cfg.ddp.find_unused_params is False and cfg.fsdp.sharding_strategy == "FULL_SHARD"
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from data_fixtures import write_token_shard
 
-from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
+from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, repetitive_instances
 from spes.shards import sidecar_path
 
 SEQ_LEN = 4
@@ -191,3 +191,27 @@ def test_eval_batches_are_fixed_and_cover_the_dataset_in_order(dataset: TokenSeq
     assert len(list(iterate_eval_batches(dataset, 16, 2))) == 2
     ranks = [list(iterate_eval_batches(dataset, 16, None, rank=r, world_size=2)) for r in range(2)]
     assert [len(r) for r in ranks] == [2, 1] and torch.equal(ranks[1][0], batches[1])
+
+
+def test_repetition_filter_on_crafted_windows() -> None:
+    """OLMo's defaults (periods 1..13, 32 repeats): a window is filtered only by a long enough run of one period."""
+    rng = torch.Generator().manual_seed(0)
+    noise = torch.randint(100, 4000, (200,), generator=rng)  # no period repeats in random ids this sparse
+    period3 = torch.tensor([7, 8, 9])
+
+    def window(run: torch.Tensor) -> torch.Tensor:
+        return torch.cat([noise[:40], run, noise[40:200 - len(run)]])
+
+    batch = torch.stack([
+        noise,                              # kept
+        window(period3.repeat(32)),         # 32 repeats of a 3-token period: filtered
+        window(period3.repeat(31)),         # 31 repeats: kept
+        window(torch.full((32,), 5)),       # one token 32 times (period 1): filtered
+        window(torch.arange(14).repeat(8)),  # period 14 is longer than max_period: kept
+    ])
+    got = repetitive_instances(batch, min_period=1, max_period=13, max_count=32)
+    assert got.tolist() == [False, True, False, True, False]
+    assert repetitive_instances(batch, min_period=1, max_period=14, max_count=8).tolist() == [
+        False, True, True, True, True]
+    # 32 equal tokens are only 16 repeats of period 2: without period 1 that window is kept
+    assert repetitive_instances(batch, min_period=2, max_period=13, max_count=32)[3].item() is False

@@ -125,8 +125,8 @@ def test_load_balancing_loss_by_hand() -> None:
 def test_router_z_loss_by_hand() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
     lse = [math.log(math.exp(1) + math.exp(2) + math.exp(3)), math.log(3.0)]
-    want = 0.001 / 4 * (lse[0] ** 2 + lse[1] ** 2) / 2
-    assert router_z_loss(logits, weight=0.001, num_layers=4).item() == pytest.approx(want, rel=1e-6)
+    want = 0.001 * (lse[0] ** 2 + lse[1] ** 2) / 2  # the reference's per-layer term: not divided by the layers
+    assert router_z_loss(logits, weight=0.001).item() == pytest.approx(want, rel=1e-6)
 
 
 def test_module_aux_losses_follow_the_formulas() -> None:
@@ -141,7 +141,7 @@ def test_module_aux_losses_follow_the_formulas() -> None:
     assert int(aux.tokens_per_expert.sum()) == x_TD.shape[0] * K
     lb = E * 0.01 / (3 * x_TD.shape[0] * K) * (counts * probs.mean(0)).sum()
     torch.testing.assert_close(aux.lb_loss, lb)
-    torch.testing.assert_close(aux.z_loss, 0.001 / 3 * torch.logsumexp(logits, -1).square().mean())
+    torch.testing.assert_close(aux.z_loss, 0.001 * torch.logsumexp(logits, -1).square().mean())
 
     moe.set_own_count_scale(0.7)  # the trainable block 1 holds experts 2 and 3
     scale = torch.tensor([1.0, 1.0, 0.7, 0.7, 1.0, 1.0, 1.0, 1.0])
@@ -151,7 +151,9 @@ def test_module_aux_losses_follow_the_formulas() -> None:
 
 def test_decayed_lb_factor_schedule() -> None:
     max_steps, every = 1000, 10  # ramp over the first 200 steps, refreshed every 10
-    assert decayed_lb_factor(0, max_steps, every) == pytest.approx(0.7)
+    # as in the reference: 1.0 until the first refresh step, then the ramp's value at that step
+    assert all(decayed_lb_factor(s, max_steps, every) == 1.0 for s in range(every))
+    assert decayed_lb_factor(10, max_steps, every) == pytest.approx(0.7 + 0.3 * 10 / 200)
     assert decayed_lb_factor(50, max_steps, every) == pytest.approx(0.775)
     assert decayed_lb_factor(100, max_steps, every) == pytest.approx(0.85)
     assert decayed_lb_factor(200, max_steps, every) == pytest.approx(1.0)
@@ -161,9 +163,9 @@ def test_decayed_lb_factor_schedule() -> None:
     at_refresh = decayed_lb_factor(100, max_steps, every)
     assert all(decayed_lb_factor(s, max_steps, every) == at_refresh for s in range(100, 110))
     assert decayed_lb_factor(110, max_steps, every) == pytest.approx(0.7 + 0.3 * 110 / 200)
-    values = [decayed_lb_factor(s, max_steps, 1) for s in range(0, 201, 20)]
+    values = [decayed_lb_factor(s, max_steps, 1) for s in range(20, 201, 20)]
     steps = [b - a for a, b in zip(values, values[1:])]
-    assert steps == pytest.approx([0.03] * 10)
+    assert steps == pytest.approx([0.03] * 9)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -14,8 +14,8 @@ from spes.optim import build_optimizer, lr_at, param_groups
 
 def test_cosine_with_warmup_hand_values() -> None:
     cfg = SchedulerConfig(name="cosine_with_warmup", t_warmup=10, alpha_f=0.1)
-    assert lr_at(0, cfg, 1.0, 110) == 0.0
-    assert lr_at(5, cfg, 1.0, 110) == pytest.approx(0.5)
+    assert lr_at(0, cfg, 1.0, 110) == pytest.approx(0.1)  # the reference (OLMo) warms up from 10% of the peak
+    assert lr_at(5, cfg, 1.0, 110) == pytest.approx(0.1 + 0.9 * 0.5)
     assert lr_at(10, cfg, 1.0, 110) == pytest.approx(1.0)
     assert lr_at(60, cfg, 1.0, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(110, cfg, 1.0, 110) == pytest.approx(0.1)

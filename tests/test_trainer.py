@@ -18,7 +18,7 @@ from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.optim import optimizer_state_bytes
 from spes.train import build_node, main
-from spes.trainer import Trainer, max_steps_of
+from spes.trainer import IGNORE_INDEX, Trainer, language_model_loss, max_steps_of
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -86,6 +86,18 @@ def test_gradient_accumulation_matches_one_big_microbatch(tiny_corpus, tmp_path:
     assert small[0]["ce"] == pytest.approx(big[0]["ce"], abs=1e-6)
     assert small[0]["grad_norm"] == pytest.approx(big[0]["grad_norm"], rel=1e-3)
     assert [r["ce"] for r in small] == pytest.approx([r["ce"] for r in big], abs=1e-3)
+
+
+def test_instance_filter_leaves_repetitive_windows_out_of_the_loss(tiny_corpus, tmp_path: Path) -> None:
+    _, _, trainer = _node(tiny_corpus, tmp_path, "--using_spes=false", "--data.instance_filter.repetition_max_count=32")
+    batch = torch.stack([torch.arange(65) % 50 + 10, torch.full((65,), 7)])  # period 50 (kept), period 1 (dropped)
+    labels = trainer._labels(batch)
+    assert torch.equal(labels[0], batch[0, 1:]) and bool((labels[1] == IGNORE_INDEX).all())
+    logits = torch.randn(2, 64, 4096)
+    # OLMo's normalization: the dropped window still counts in the denominator
+    want = torch.nn.functional.cross_entropy(logits[0], batch[0, 1:]) / 2
+    torch.testing.assert_close(language_model_loss(logits, labels), want)
+    assert language_model_loss(logits, torch.full((2, 64), IGNORE_INDEX)).item() == 0.0
 
 
 def test_bf16_autocast_trains_on_cpu(tiny_corpus, tmp_path: Path) -> None:
