@@ -105,7 +105,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
 
     dataset = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
-    if dataset.fingerprint != tokenizer.fingerprint:
+    if dataset.fingerprint is not None and dataset.fingerprint != tokenizer.fingerprint:
         log(f"warning: the training shards were written with another tokenizer (fingerprint {dataset.fingerprint[:12]}) "
             f"than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier")
     loader = BatchLoader(
