@@ -8,8 +8,8 @@ Reads `.jsonl`, `.jsonl.gz`, `.jsonl.zst` (one JSON object per line, text in `--
 `.parquet` (a string column `--text_field`). Every document gets EOS appended and all of them are
 concatenated into shards `<output_prefix>_00000.npy`, ... (1-D numpy arrays of at most
 `--max_shard_bytes` bytes; a document may continue in the next shard). Each shard appears under
-its final name only once complete and its JSON sidecar `<shard>.npy.json` is written after it, so a
-shard without a sidecar is incomplete and spes refuses it. Malformed lines are reported as
+its final name only once complete (it is written as `<shard>.partial`, which spes refuses) and its JSON
+sidecar `<shard>.npy.json`, recording the tokenizer, is written after it. Malformed lines are reported as
 `file:line: reason`, counted and skipped; the output is the same for any `--processes`.
 
 The functions here are also the library behind build_default_corpus.py and bench/bench_data.py.
@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 import zstandard
 from tqdm import tqdm
 
-from spes.shards import ShardInfo, write_shard_info
+from spes.shards import PARTIAL_SUFFIX, ShardInfo, write_shard_info
 from spes.tokenizer import LoadedTokenizer, load_tokenizer
 
 SUPPORTED_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -317,7 +317,7 @@ class ShardWriter:
         if self._filled == 0:
             return
         path = Path(f"{self.output_prefix}_{len(self.shards):05d}.npy")
-        tmp = path.with_name(path.name + ".partial")
+        tmp = path.with_name(path.name + PARTIAL_SUFFIX)
         try:
             array = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(self._filled,))
             array[:] = self._buffer[: self._filled]

@@ -9,7 +9,12 @@ document each). Written to --out:
     spes_next_text.jsonl    multiple choice: which of N continuations really follows the context?
                             One real continuation, N-1 from other held-out documents.
     spes_heldout_ppl.jsonl  held-out documents for loglikelihood_rolling (word/byte perplexity, bits per byte)
-    manifest.json           inputs' fingerprint, settings and counts; written last
+    manifest.json           inputs' fingerprint, settings, counts and the runnable tasks; written last
+
+With `--max_tokens N` (eval_full.sh passes the model's context length) every continuation is cut at
+whitespace to fit a quarter of the window in the model's tokenizer (`--window_tokenizer`), so
+lm-eval never meets a continuation longer than the model can read; a window too short for the
+multiple-choice task leaves it out, with the reason in the manifest.
 
 The output is a pure function of the documents and the settings (seeded `random.Random`), and a
 rebuild with the same inputs and settings is skipped.
@@ -34,10 +39,12 @@ import numpy as np
 
 from spes.atomic import write_atomic
 from spes.shards import read_shard_info, resolve_paths
-from spes.tokenizer import load_tokenizer
+from spes.tokenizer import LoadedTokenizer, load_tokenizer
 
 NEXT_TEXT_FILE, PPL_FILE, MANIFEST_FILE = "spes_next_text.jsonl", "spes_heldout_ppl.jsonl", "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+MIN_CHOICE_WINDOW = 16
+"""Tokens below which a context plus a few words of continuation cannot be told apart meaningfully."""
 _WHITESPACE = re.compile(r"\s")
 
 
@@ -53,6 +60,8 @@ class TaskSettings:
     num_ppl_docs: int = 100
     ppl_min_chars: int = 200
     ppl_max_chars: int = 4000
+    max_tokens: int = 0
+    """The model's context length in tokens (0: no limit); continuations fit a quarter of it."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,9 +91,32 @@ def _windows(docs: Sequence[str], s: TaskSettings) -> list[tuple[int, str, str]]
     return out
 
 
-def next_text_items(docs: Sequence[str], s: TaskSettings) -> list[dict[str, object]]:
-    """Multiple-choice items: a context, its real continuation and continuations of other documents."""
+def fit_tokens(text: str, budget: int, tokenizer: LoadedTokenizer) -> str | None:
+    """`text` cut at whitespace to at most `budget` tokens, or None when not even its first word fits."""
+    while text.strip():
+        count = len(tokenizer.encode_batch([text])[0])
+        if count <= budget:
+            return text
+        target = max(1, len(text) * budget // count)
+        cut = max((m.start() for m in _WHITESPACE.finditer(text, 1, target + 1)), default=-1)
+        if cut <= 0 or not text[:cut].strip():
+            return None
+        text = text[:cut]
+    return None
+
+
+def next_text_items(docs: Sequence[str], s: TaskSettings,
+                    tokenizer: LoadedTokenizer | None = None) -> list[dict[str, object]]:
+    """Multiple-choice items: a context, its real continuation and continuations of other documents.
+
+    With `s.max_tokens`, every continuation is first cut to `max_tokens // 4` tokens of `tokenizer`.
+    """
     windows = _windows(docs, s)
+    if s.max_tokens:
+        if tokenizer is None:
+            raise ValueError("max_tokens needs the model's tokenizer (--window_tokenizer)")
+        fitted = ((d, c, fit_tokens(t, s.max_tokens // 4, tokenizer)) for d, c, t in windows)
+        windows = [(d, c, t) for d, c, t in fitted if t is not None]
     rng = random.Random(s.seed)
     order = list(range(len(windows)))
     rng.shuffle(order)
@@ -164,19 +196,32 @@ def _write_jsonl(path: Path, rows: Sequence[dict[str, object]]) -> None:
     write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
-def build(docs: Sequence[str], out: Path, s: TaskSettings, *, source: str) -> dict[str, object]:
-    """Write the task files and manifest to `out` (skipped when the manifest already matches)."""
+def build(docs: Sequence[str], out: Path, s: TaskSettings, *, source: str,
+          tokenizer: LoadedTokenizer | None = None) -> dict[str, object]:
+    """Write the task files and manifest to `out` (skipped when the manifest already matches).
+
+    `tokenizer` (the model's) is needed with `s.max_tokens`. The manifest's `tasks` lists what can run;
+    `skipped_tasks` maps each left-out task to a one-line reason.
+    """
     digest = hashlib.sha256()
     for text in docs:
         digest.update(hashlib.sha256(text.encode("utf-8")).digest())
-    wanted = {"format_version": FORMAT_VERSION, "documents_sha256": digest.hexdigest(), "settings": asdict(s)}
+    wanted = {"format_version": FORMAT_VERSION, "documents_sha256": digest.hexdigest(), "settings": asdict(s),
+              "window_tokenizer": tokenizer.fingerprint if tokenizer is not None and s.max_tokens else None}
     manifest_path = out / MANIFEST_FILE
     if manifest_path.is_file() and (out / NEXT_TEXT_FILE).is_file() and (out / PPL_FILE).is_file():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         if all(manifest.get(k) == v for k, v in wanted.items()):
             return {**manifest, "skipped": True}
-    items, ppl = next_text_items(docs, s), perplexity_docs(docs, s)
-    if not items or not ppl:
+    skipped = {}
+    if s.max_tokens and s.max_tokens < MIN_CHOICE_WINDOW:
+        items = []
+        skipped["spes_next_text"] = (f"the model's context of {s.max_tokens} tokens is shorter than the "
+                                     f"{MIN_CHOICE_WINDOW} a context and a continuation need")
+    else:
+        items = next_text_items(docs, s, tokenizer)
+    ppl = perplexity_docs(docs, s)
+    if (not items and not skipped) or not ppl:
         raise ValueError(f"{source}: {len(docs)} documents give {len(items)} multiple-choice items and {len(ppl)} "
                          f"perplexity documents; the held-out text is too small for these settings (lower "
                          f"--context_chars/--continuation_chars/--ppl_min_chars)")
@@ -184,8 +229,9 @@ def build(docs: Sequence[str], out: Path, s: TaskSettings, *, source: str) -> di
     manifest_path.unlink(missing_ok=True)  # NOTE: the manifest marks a complete build, so it goes first and last
     _write_jsonl(out / NEXT_TEXT_FILE, items)
     _write_jsonl(out / PPL_FILE, ppl)
+    tasks = [name for name in ("spes_next_text", "spes_heldout_ppl") if name not in skipped]
     manifest = {**wanted, "source": source, "documents": len(docs), "next_text_items": len(items),
-                "ppl_documents": len(ppl)}
+                "ppl_documents": len(ppl), "tasks": tasks, "skipped_tasks": skipped}
     write_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return {**manifest, "skipped": False}
 
@@ -198,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--text", nargs="+", help="held-out .jsonl ('text' field) or .txt files")
     parser.add_argument("--tokenizer", help="with --shards: the tokenizer the shards were made with")
     parser.add_argument("--out", required=True, help="output directory of the task data (e.g. data/eval_tasks)")
+    parser.add_argument("--window_tokenizer", help="with --max_tokens: the model's tokenizer (an HF model "
+                                                   "directory or tokenizer directory)")
     defaults = asdict(TaskSettings())
     for name, value in defaults.items():
         parser.add_argument(f"--{name}", type=int, default=value, help=f"(default {value})")
@@ -216,13 +264,16 @@ def main(argv: list[str] | None = None) -> int:
             docs, source = documents_from_shards(args.shards, args.tokenizer), " ".join(args.shards)
         else:
             docs, source = documents_from_text(args.text), " ".join(args.text)
-        summary = build(docs, Path(args.out), settings, source=source)
+        window_tok = load_tokenizer(args.window_tokenizer) if args.window_tokenizer else None
+        summary = build(docs, Path(args.out), settings, source=source, tokenizer=window_tok)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     state = "up to date" if summary["skipped"] else "built"
     print(f"{args.out}: {state}: {summary['next_text_items']} multiple-choice items, {summary['ppl_documents']} "
           f"perplexity documents from {summary['documents']} held-out documents")
+    for task, reason in dict(summary.get("skipped_tasks") or {}).items():
+        print(f"skipped {task}: {reason}")
     return 0
 
 

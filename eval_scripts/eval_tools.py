@@ -3,9 +3,9 @@
 
     python eval_scripts/eval_tools.py available [--status status.json]
         Prints one line "<shots> <task,task,...>" per few-shot setting, for the reference tasks whose
-        data sets are in the local Hugging Face datasets cache. Nothing is downloaded: the check runs
-        with HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set. The missing ones are named on stderr (and in
-        --status, for the report).
+        data sets are in the local Hugging Face datasets cache or, when HF_HUB_OFFLINE is not 1 and the
+        Hub answers, can be downloaded. The missing ones are named on stderr (and in --status, for the
+        report).
     python eval_scripts/eval_tools.py summarize <out_dir>
         Collects the lm_eval result files under <out_dir>/raw into <out_dir>/results.json and
         <out_dir>/results.md (a markdown table), and prints the table.
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from spes.atomic import write_atomic
+from spes.hub import hub_offline, hub_reachable
 
 REFERENCE_TASKS: dict[str, int] = {
     "sciq": 0, "piqa": 0, "winogrande": 0, "arc_easy": 0, "social_iqa": 0, "openbookqa": 0, "boolq": 0,
@@ -33,7 +34,8 @@ STATUS_FILE = "reference_status.json"
 
 
 def dataset_is_local(path: str, name: str | None) -> bool:
-    """Whether `datasets` can build this data set from the local cache alone (offline mode set by `main`)."""
+    """Whether `datasets` can build this data set: from the local cache alone in offline mode (set by `main`),
+    else from the cache or the Hub."""
     import datasets
 
     try:
@@ -65,8 +67,9 @@ def available(status_path: Path | None) -> int:
         status_path.write_text(json.dumps(status, indent=2), encoding="utf-8")
     missing = [f"{t} ({s['dataset']})" for t, s in status.items() if not s["available"]]
     if missing:
-        print(f"reference tasks skipped, their data sets are not in the local Hugging Face cache (never "
-              f"downloaded here): {', '.join(missing)}", file=sys.stderr)
+        why = "not in the local Hugging Face cache (HF_HUB_OFFLINE=1 or the Hub is unreachable)" if hub_offline() \
+            else "neither in the local Hugging Face cache nor downloadable"
+        print(f"reference tasks skipped, their data sets are {why}: {', '.join(missing)}", file=sys.stderr)
     by_shots: dict[int, list[str]] = {}
     for task, s in status.items():
         if s["available"]:
@@ -137,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     summ = sub.add_parser("summarize", help="lm_eval results -> results.json + results.md")
     summ.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
-    # NOTE: read by huggingface_hub/datasets when they are imported, so set before any of them is.
-    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    # NOTE: read by huggingface_hub/datasets when they are imported, so set before any of them is. Without
+    # a reachable Hub, offline mode turns minutes of retries into an immediate "not cached".
+    if args.command == "available" and (hub_offline() or not hub_reachable()):
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     return available(args.status) if args.command == "available" else summarize(args.out_dir)
 
 

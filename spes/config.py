@@ -215,11 +215,20 @@ class DDPConfig:
 
 @dataclass(kw_only=True)
 class WandbConfig:
-    name: str | None = _f(None, "inert: metrics go to <save_folder>/metrics.jsonl")
-    project: str | None = _f(None, "inert")
-    group: str | None = _f(None, "inert")
-    log_interval: int = _f(1, "inert")
-    entity: str | None = _f(None, "inert")
+    """Setting this section logs to Weights & Biases (`pip install -e '.[wandb]'`; WANDB_MODE=offline works)."""
+
+    name: str | None = _f(None, "W&B run name (default: run_name)")
+    project: str | None = _f(None, "W&B project (default: spes)")
+    group: str | None = _f(None, "W&B group, e.g. the run name shared by all nodes")
+    log_interval: int = _f(1, "log every N-th metrics step (evaluations always)")
+    entity: str | None = _f(None, "W&B team or user (default: yours)")
+
+
+@dataclass(kw_only=True)
+class TensorBoardConfig:
+    """Setting this section writes TensorBoard event files (`pip install -e '.[tensorboard]'`)."""
+
+    log_dir: str | None = _f(None, "event file directory (default: <save_folder>/tensorboard)")
 
 
 @dataclass(kw_only=True)
@@ -260,7 +269,8 @@ class TrainConfig:
     seed: int = _f(6198, "model init and dropout seed")
     dry_run: bool = _f(False, "inert")
     no_pre_train_checkpoint: bool = _f(True, "skip the checkpoint at step 0")
-    compile: dict | bool | None = _f(None, "inert")
+    compile: dict | bool | None = _f(
+        None, "torch.compile each decoder block: true, or {mode, fullgraph, dynamic, backend}; null/false: eager")
     fused_loss: bool | None = _f(None, "inert")
     softmax_auxiliary_loss: bool = _f(False, "add a z-loss on the output logits")
     auxiliary_loss_multiplier: float = _f(1e-4, "weight of the output-logit z-loss")
@@ -303,9 +313,11 @@ class TrainConfig:
     scheduler: SchedulerConfig = _sub(SchedulerConfig, "the learning-rate schedule")
     tokenizer: TokenizerConfig = _sub(TokenizerConfig, "the tokenizer")
     data: DataConfig = _sub(DataConfig, "training and validation data")
-    wandb: WandbConfig | None = _f(None, "inert (metrics are written as JSONL)")
+    wandb: WandbConfig | None = _f(None, "Weights & Biases logging (null: off; metrics.jsonl is always written)")
+    tensorboard: TensorBoardConfig | None = _f(None, "TensorBoard event files (null: off)")
     speed_monitor: SpeedMonitorConfig = _sub(SpeedMonitorConfig, "throughput logging")
-    evaluators: list[dict] = _f([], "inert: in-loop validation uses data.validation_paths")
+    evaluators: list[dict] = _f([], "downstream tasks every eval_interval steps via lm-eval: "
+                                    "[{label: piqa, type: downstream, limit: 200}, ...] (see spes.evaluators)")
     spes_config: SpesConfig = _sub(SpesConfig, "SPES node settings")
 
     def __post_init__(self) -> None:
@@ -359,8 +371,8 @@ class TrainConfig:
 
 # Keys that are accepted for compatibility with the first implementation's configs but change nothing.
 INERT_KEYS = frozenset({
-    "dry_run", "compile", "fused_loss", "max_grad_norm_ratio", "save_overwrite", "save_interval_ephemeral",
-    "sharded_checkpointer", "evaluators", "wandb", "model.flash_attention", "model.init_device",
+    "dry_run", "fused_loss", "max_grad_norm_ratio", "save_overwrite", "save_interval_ephemeral",
+    "sharded_checkpointer", "model.flash_attention", "model.init_device",
     "model.using_custom_moe_impl", "model.moe_mlp_impl", "optimizer.metrics_log_interval",
     "tokenizer.truncate_direction", "data.pad_direction", "data.prefetch_factor", "data.persistent_workers",
     "data.timeout", "ddp.grad_sync_mode",

@@ -1,8 +1,8 @@
 """Training data for spes: token shards on disk, fixed-length windows over them, and a resumable loader.
 
 `data_process_scripts/tokenize_data.py` writes flat 1-D `.npy` token shards, each with a JSON
-sidecar `<shard>.npy.json` written last (a shard without one is incomplete and refused here).
-The trainer reads them as
+sidecar `<shard>.npy.json` written last; headerless OLMo-format token files without a sidecar are
+read too (see `spes.shards`). The trainer reads them as
 
     ds = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
     loader = BatchLoader(ds, batch_size=cfg.global_train_batch_size, seed=cfg.data.seed, rank=r, world_size=w)
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from spes.shards import read_shard_info
+from spes.shards import PARTIAL_SUFFIX, find_shard_info, open_token_array
 
 log = logging.getLogger(__name__)
 
@@ -46,32 +46,46 @@ class TokenSequenceDataset:
         self.seq_len = seq_len
         self.paths = [Path(p) for p in paths]
         for path in self.paths:
+            if path.name.endswith(PARTIAL_SUFFIX):
+                raise ValueError(f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
+                                 f"and rerun tokenize_data.py, or leave it out of data.paths")
             if path.suffix != ".npy":
                 raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
         want_dtype = np.dtype(memmap_dtype) if memmap_dtype is not None else None
-        self.shard_infos = [read_shard_info(p) for p in self.paths]
+        self.memmap_dtype = memmap_dtype
+        self.shard_infos = [find_shard_info(p) for p in self.paths]
         self._arrays: list[np.ndarray | None] = [None] * len(self.paths)
         lengths = []
         for index, (path, info) in enumerate(zip(self.paths, self.shard_infos)):
             array = self._array(index)
-            if array.ndim != 1 or array.dtype != np.dtype(info.dtype) or len(array) != info.num_tokens:
+            if info is not None and (
+                    array.ndim != 1 or array.dtype != np.dtype(info.dtype) or len(array) != info.num_tokens):
                 raise ValueError(
                     f"token shard {path} does not match its sidecar (array {array.dtype} {array.shape}, sidecar "
                     f"{info.dtype} ({info.num_tokens},)); rerun tokenize_data.py for it"
                 )
+            if array.ndim != 1:
+                raise ValueError(f"token shard {path} holds a {array.ndim}-D array; token shards are 1-D")
             if want_dtype is not None and array.dtype != want_dtype:
                 raise ValueError(
                     f"token shard {path} holds {array.dtype} tokens but data.memmap_dtype is {want_dtype}; "
                     f"set data.memmap_dtype={array.dtype} or leave it unset to use the shards' dtype"
                 )
             lengths.append(len(array))
-        fingerprints = {info.tokenizer_fingerprint for info in self.shard_infos}
+        bare = [p for p, i in zip(self.paths, self.shard_infos) if i is None]
+        if bare:
+            more = f" and {len(bare) - 1} more" if len(bare) > 1 else ""
+            log.warning(f"note: token shard {bare[0]}{more} has no .npy.json sidecar (OLMo format): read as "
+                        f"{self._array(self.paths.index(bare[0])).dtype} tokens; its tokenizer cannot be checked")
+        known = [(p, i) for p, i in zip(self.paths, self.shard_infos) if i is not None]
+        fingerprints = {info.tokenizer_fingerprint for _, info in known}
         if len(fingerprints) > 1:
-            first = self.shard_infos[0].tokenizer_fingerprint
-            odd = next(p for p, i in zip(self.paths, self.shard_infos) if i.tokenizer_fingerprint != first)
-            raise ValueError(f"token shards were made with different tokenizers: {self.paths[0]} and {odd}; "
+            first = known[0][1].tokenizer_fingerprint
+            odd = next(p for p, i in known if i.tokenizer_fingerprint != first)
+            raise ValueError(f"token shards were made with different tokenizers: {known[0][0]} and {odd}; "
                              f"tokenize all data with the same tokenizer")
-        self.fingerprint = self.shard_infos[0].tokenizer_fingerprint
+        self.fingerprint: str | None = known[0][1].tokenizer_fingerprint if known else None
+        """The tokenizer fingerprint the sidecars record; None when no shard has a sidecar."""
         self.num_tokens = int(sum(lengths))
         # window_starts[k] = index of shard k's first window; the last entry is the window count.
         self._window_starts = np.concatenate([[0], np.cumsum([n // seq_len for n in lengths])]).astype(np.int64)
@@ -79,7 +93,7 @@ class TokenSequenceDataset:
     def _array(self, index: int) -> np.ndarray:
         array = self._arrays[index]
         if array is None:
-            array = np.load(self.paths[index], mmap_mode="r", allow_pickle=False)
+            array = open_token_array(self.paths[index], self.memmap_dtype)
             self._arrays[index] = array
         return array
 

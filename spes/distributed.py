@@ -120,8 +120,9 @@ def uses_fsdp(cfg: TrainConfig, info: DistInfo) -> bool:
 
 
 def parallelize(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> nn.Module:
-    """Activation checkpointing, then DDP or FSDP2 per block, as the config asks."""
+    """Activation checkpointing, torch.compile per block, then DDP or FSDP2 per block, as the config asks."""
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
+    apply_compile(model, cfg.compile)
     if info.world_size == 1 or cfg.distributed_strategy in (None, "single"):
         return model
     if cfg.distributed_strategy == "ddp":
@@ -176,6 +177,31 @@ def apply_activation_checkpointing(model: nn.Module, mode: str | bool | None) ->
             continue
         for module in (block.attn, block.ffn) if mode == "fine_grained" else (block,):
             module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+
+
+COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend")
+
+
+def apply_compile(model: nn.Module, options: dict | bool | None) -> None:
+    """`torch.compile` each decoder block in place, as torchtitan does (config key `compile`).
+
+    Per block rather than the whole model: one block's graph is compiled once and reused by every
+    layer, compile time does not grow with depth, and the MoE's data-dependent routing breaks only
+    the graph it lives in. `Module.compile` keeps parameter names, which checkpoints and the sync
+    path rely on. null/false (the default, on every device) keeps eager mode; true uses the defaults;
+    a mapping passes `mode`, `fullgraph`, `dynamic`, `backend` on (OLMo's `compile:` section).
+    """
+    if not options:
+        return
+    kwargs = dict(options) if isinstance(options, dict) else {}
+    unknown = sorted(set(kwargs) - set(COMPILE_OPTIONS))
+    if unknown:
+        raise ConfigError(f"config key 'compile.{unknown[0]}' is not a torch.compile option spes passes on; "
+                          f"use {list(COMPILE_OPTIONS)}")
+    if kwargs.get("mode") == "default":
+        kwargs.pop("mode")  # OLMo's configs spell torch's default mode out
+    for block in model.blocks:  # type: ignore[attr-defined]
+        block.compile(**kwargs)
 
 
 @contextlib.contextmanager

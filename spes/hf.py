@@ -27,6 +27,7 @@ Commands (see `--help`):
     python -m spes.hf export --checkpoint output/run/node0/step1000 --out hf/run-step1000
     python -m spes.hf export --run_dir output/run/node0 --step latest --out hf/run-latest
     python -m spes.hf import --hf path/to/OLMoE-1B-7B --out output/olmoe-init/step0 --block_size 16
+    python -m spes.hf import --hf allenai/OLMoE-1B-7B-0924 --out output/olmoe-init/step0   # a Hub id
 """
 
 from __future__ import annotations
@@ -52,12 +53,11 @@ from spes.checkpoint import (CONFIG_FILE, LATEST, list_checkpoints, load_model_s
                              save_checkpoint)
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config, to_dict
 from spes.moe import fuse_expert_blocks, split_expert_blocks
+from spes.hub import TOKENIZER_FILES, resolve
 from spes.tokenizer import check_vocab, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_SHARD_BYTES = 5 * 1024**3
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -447,7 +447,7 @@ def copy_tokenizer(src: Path, dst: Path, *, vocab_size: int | None = None) -> No
         check_vocab(loaded.vocab_size, vocab_size, None)
     dst.mkdir(parents=True, exist_ok=True)
     src_dir = loaded.path.parent
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         if (src_dir / name).is_file():
             shutil.copyfile(src_dir / name, dst / name)
     if not (dst / "tokenizer_config.json").is_file():
@@ -533,15 +533,23 @@ def export_checkpoint(step_dir: str | Path, out_dir: str | Path, *, tokenizer: s
     """spes checkpoint (a step directory, or a save folder meaning its latest) -> HF model directory."""
     step = resolve_checkpoint(step_dir)
     cfg = load_step_config(step)
-    m = cfg.model
+    choose_family(cfg.model)  # refuse an unexportable model before reading any weights
+    try:
+        tok = resolve(tokenizer if tokenizer is not None else cfg.tokenizer.identifier, what="tokenizer",
+                      files=TOKENIZER_FILES)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err} (from config key 'tokenizer.identifier' of {step / 'config.yaml'}); pass "
+                                f"--tokenizer <dir> with the run's tokenizer") from None
+    return export_state(load_model_state(step), cfg.model, out_dir, tokenizer=tok, dtype=dtype, overwrite=overwrite,
+                        max_shard_bytes=max_shard_bytes)
+
+
+def export_state(state: Mapping[str, torch.Tensor], m: ModelConfig, out_dir: str | Path, *, tokenizer: Path,
+                 dtype: str = "float32", overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """A spes model state dict (experts in blocks, as trained or stored) -> HF model directory `out_dir`."""
     family = choose_family(m)
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    tok = Path(tokenizer) if tokenizer is not None else Path(cfg.tokenizer.identifier)
-    if not tok.exists():
-        raise FileNotFoundError(f"tokenizer {tok} not found (from config key 'tokenizer.identifier' of "
-                                f"{step / 'config.yaml'}); pass --tokenizer <dir> with the run's tokenizer")
-    state = load_model_state(step)
     import transformers  # optional dependency (pip install -e .[hf])
 
     config = getattr(transformers, family.config_class)(**hf_config_dict(family, m, dtype))
@@ -556,7 +564,7 @@ def export_checkpoint(step_dir: str | Path, out_dir: str | Path, *, tokenizer: s
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _StagingDir(out, overwrite) as tmp:
-        copy_tokenizer(tok, tmp, vocab_size=m.vocab_size)
+        copy_tokenizer(tokenizer, tmp, vocab_size=m.vocab_size)
         write_safetensors(tensors(), tmp, max_shard_bytes=max_shard_bytes, dtype=_DTYPES[dtype])
         config.save_pretrained(str(tmp))
     return out
@@ -564,14 +572,14 @@ def export_checkpoint(step_dir: str | Path, out_dir: str | Path, *, tokenizer: s
 
 def import_hf(hf_dir: str | Path, out: str | Path, *, block_size: int | None = None,
               overwrite: bool = False) -> Path:
-    """HF OLMoE / Qwen3-MoE / Mixtral directory -> spes checkpoint step directory (bit-exact in fp32)."""
-    src = Path(hf_dir)
+    """HF OLMoE / Qwen3-MoE / Mixtral directory or Hub id -> spes checkpoint step directory (bit-exact in fp32)."""
+    src = resolve(hf_dir, what="--hf")
     hf_config, family = read_hf_config(src, FAMILIES)
     has_tokenizer = (src / "tokenizer.json").is_file()
     vocab = load_tokenizer(src).vocab_size if has_tokenizer else None
     model = model_config_from_hf(family, hf_config, vocab_size=vocab)
     cfg = run_config_for(model, block_size=block_size or model["moe_num_experts"],
-                         run_name=f"import-{src.absolute().name}")
+                         run_name=f"import-{Path(hf_dir).absolute().name}")
     state = hf_to_spes(read_hf_weights(src), family.key_map(), cfg.model, architecture=family.architecture)
     return write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
 
@@ -592,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors shard in GiB (default 5)")
     exp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     imp = sub.add_parser("import", help="Hugging Face MoE directory -> spes checkpoint step directory")
-    imp.add_argument("--hf", required=True, help=f"HF model directory, model_type one of {sorted(FAMILIES)}")
+    imp.add_argument("--hf", required=True, help=f"HF model directory or Hub id (local cache first, see spes.hub), "
+                                                f"model_type one of {sorted(FAMILIES)}")
     imp.add_argument("--out", required=True, help="output checkpoint step directory, e.g. output/myrun/step0 "
                                                   "(the tokenizer goes to output/myrun/tokenizer)")
     imp.add_argument("--block_size", type=int, help="experts per stored block: num_train_experts_per_node of the "

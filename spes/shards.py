@@ -1,7 +1,14 @@
-"""Token shards on disk: flat 1-D `.npy` token arrays, each with a JSON sidecar `<shard>.npy.json`.
+"""Token shards on disk: flat 1-D token arrays named `.npy`, with or without a JSON sidecar `<shard>.npy.json`.
 
-`data_process_scripts/tokenize_data.py` writes a shard, then its sidecar (atomically, last), so a shard
-without a sidecar is incomplete and is refused. This module is the format and the path resolution of
+Two formats are read:
+- spes's own (`data_process_scripts/tokenize_data.py`): a real `.npy` (numpy header) written as
+  `<shard>.npy.partial` and renamed once complete, then its sidecar, which records the tokenizer
+  fingerprint, vocabulary and dtype so data and tokenizer cannot be mixed up. A half-written shard
+  keeps its `.partial` name and is never matched as a shard.
+- OLMo's / Dolma's (and the first SPES implementation's `tokenize_data.py`): a headerless flat memmap
+  named `.npy`, read with `data.memmap_dtype` (uint16 when unset, OLMo's default). Nothing about its
+  tokenizer can be checked.
+A sidecar, when present, is always checked. This module is the format and the path resolution of
 `data.paths`; it imports no torch, so tokenization workers start light (the dataset lives in `spes.data`).
 """
 
@@ -14,9 +21,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from spes.atomic import write_atomic
 
 SIDECAR_SUFFIX = ".json"
+PARTIAL_SUFFIX = ".partial"
+NPY_MAGIC = b"\x93NUMPY"
+DEFAULT_MEMMAP_DTYPE = "uint16"
+"""What OLMo reads a headerless token file as when `data.memmap_dtype` is unset."""
+MEMMAP_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int32", "int64")
 SHARD_FORMAT_VERSION = 1
 _GLOB_CHARS = frozenset("*?[")
 
@@ -50,13 +64,20 @@ def write_shard_info(shard: Path, info: ShardInfo) -> None:
 
 def read_shard_info(shard: str | os.PathLike[str]) -> ShardInfo:
     """The sidecar of `shard`; ValueError naming the file when it is missing or malformed."""
+    info = find_shard_info(shard)
+    if info is None:
+        raise ValueError(
+            f"token shard {shard} has no sidecar {sidecar_path(shard).name}, so its tokenizer is unknown; "
+            f"tokenize the text with data_process_scripts/tokenize_data.py to get one"
+        )
+    return info
+
+
+def find_shard_info(shard: str | os.PathLike[str]) -> ShardInfo | None:
+    """The sidecar of `shard`, or None when it has none (an OLMo-format file); ValueError when malformed."""
     path = sidecar_path(shard)
     if not path.is_file():
-        raise ValueError(
-            f"token shard {shard} has no sidecar {path.name}: it is incomplete (tokenization interrupted?). "
-            f"Delete it and rerun data_process_scripts/tokenize_data.py, or list only complete shards with "
-            f"data_process_scripts/list_processed_files.sh"
-        )
+        return None
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
         raw["source_files"] = tuple(raw["source_files"])
@@ -67,6 +88,29 @@ def read_shard_info(shard: str | os.PathLike[str]) -> ShardInfo:
         raise ValueError(f"sidecar {path} has format_version {info.format_version}; this spes reads "
                          f"version {SHARD_FORMAT_VERSION}")
     return info
+
+
+def has_npy_header(shard: str | os.PathLike[str]) -> bool:
+    """Whether `shard` starts with the numpy `.npy` magic (else it is a headerless flat memmap)."""
+    with open(shard, "rb") as f:
+        return f.read(len(NPY_MAGIC)) == NPY_MAGIC
+
+
+def open_token_array(shard: str | os.PathLike[str], memmap_dtype: str | None = None) -> np.ndarray:
+    """A read-only 1-D memory map of a shard's tokens: a real `.npy` as stored, a headerless file as a
+    flat array of `memmap_dtype` (uint16 when None)."""
+    if has_npy_header(shard):
+        return np.load(shard, mmap_mode="r", allow_pickle=False)
+    dtype = np.dtype(memmap_dtype or DEFAULT_MEMMAP_DTYPE)
+    if dtype.name not in MEMMAP_DTYPES:
+        raise ValueError(f"data.memmap_dtype={memmap_dtype!r} is not a token dtype; use one of {list(MEMMAP_DTYPES)}")
+    size = os.path.getsize(shard)
+    if size % dtype.itemsize:
+        raise ValueError(f"headerless token file {shard} has {size} bytes, not a multiple of {dtype.itemsize} "
+                         f"(data.memmap_dtype={dtype.name}); set data.memmap_dtype to the dtype it was written with")
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(shard, dtype=dtype, mode="r")
 
 
 def resolve_paths(

@@ -1,9 +1,9 @@
 """Tokenizers for spes: load a local Hugging Face tokenizer, train a byte-level BPE, check vocab sizes.
 
 The trainer, the tokenization script and the default-corpus builder all meet here. Only the
-light `tokenizers` library is used (never `transformers`), and nothing is ever downloaded: a
-tokenizer is a local directory holding `tokenizer.json` (what `transformers.AutoTokenizer`
-reads) or a bare `tokenizer.json` file.
+light `tokenizers` library is used (never `transformers`): a tokenizer is a directory holding
+`tokenizer.json` (what `transformers.AutoTokenizer` reads), a bare `tokenizer.json` file, or a
+Hugging Face Hub id such as `Qwen/Qwen2.5-0.5B` (local cache first, see `spes.hub`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from spes.atomic import write_atomic
+from spes.hub import TOKENIZER_FILES, resolve
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|padding|>"
@@ -59,12 +60,15 @@ class LoadedTokenizer:
 
 
 def load_tokenizer(identifier: str | os.PathLike[str]) -> LoadedTokenizer:
-    """Load a tokenizer from a local directory (with tokenizer.json) or a tokenizer.json file.
+    """Load a tokenizer from a directory (with tokenizer.json), a tokenizer.json file or a Hub id.
 
     EOS and pad come from the directory's tokenizer_config.json when it names them, else from
     well-known token names; a tokenizer without a pad token pads with EOS.
     """
-    path = Path(identifier).expanduser()
+    try:
+        path = resolve(identifier, what="tokenizer", files=TOKENIZER_FILES)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{err}. {_TRAIN_HINT}") from None
     if path.is_dir():
         json_path = path / "tokenizer.json"
         if not json_path.is_file():
@@ -72,13 +76,8 @@ def load_tokenizer(identifier: str | os.PathLike[str]) -> LoadedTokenizer:
                 f"tokenizer directory {path} has no tokenizer.json (only fast Hugging Face tokenizers are "
                 f"supported). {_TRAIN_HINT}"
             )
-    elif path.is_file():
-        json_path = path
     else:
-        raise FileNotFoundError(
-            f"tokenizer {str(identifier)!r} is not a local directory or tokenizer.json file; spes never "
-            f"downloads tokenizers (no hub access). {_TRAIN_HINT}"
-        )
+        json_path = path
     raw = json_path.read_bytes()
     try:
         tokenizer = Tokenizer.from_str(raw.decode("utf-8"))

@@ -110,7 +110,7 @@ def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
 def check_shard_vocab(dataset: TokenSequenceDataset, embedding_size: int) -> None:
     """Refuse shards whose token ids may exceed the embedding (they would crash mid-step), naming the first."""
     for path, info in zip(dataset.paths, dataset.shard_infos):
-        if info.vocab_size > embedding_size:
+        if info is not None and info.vocab_size > embedding_size:  # NOTE: a bare OLMo file records none
             raise ValueError(f"token shard {path} was written with a vocabulary of {info.vocab_size} but the model "
                              f"embeds only {embedding_size} ids (model.embedding_size); re-tokenize it with "
                              f"tokenizer.identifier's tokenizer or drop it from data.paths")
@@ -138,7 +138,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     dataset = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
     assert cfg.model.embedding_size is not None  # set from vocab_size in ModelConfig.__post_init__
     check_shard_vocab(dataset, cfg.model.embedding_size)
-    if dataset.fingerprint != tokenizer.fingerprint:
+    if dataset.fingerprint is not None and dataset.fingerprint != tokenizer.fingerprint:
         log(f"warning: the training shards were written with another tokenizer (fingerprint {dataset.fingerprint[:12]}) "
             f"than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier")
     loader = BatchLoader(

@@ -34,6 +34,7 @@ from spes.model import tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
 from spes.optim import lr_at, set_lr
+from spes.tracking import Trackers
 
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -131,6 +132,7 @@ class Trainer:
         self.micro_batches = cfg.global_train_batch_size // info.world_size // cfg.device_train_microbatch_size
         self.speed = SpeedMonitor(cfg.speed_monitor.window_size)
         self.metrics = MetricsLog(cfg.save_folder, enabled=info.is_main)
+        self.trackers = Trackers(cfg, enabled=info.is_main)
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "amp_bf16")
         self.flops_per_token = tflops_per_token(cfg.model) * 1e12
         self.peak = peak_flops(info.device)
@@ -172,6 +174,7 @@ class Trainer:
                     raise SystemExit(130)
         if self.last_saved != self.step and self.cfg.save_interval is not None:
             self.save()
+        self.trackers.close()
         return self.history
 
     def _stop_requested(self, stop: StopRequest) -> bool:
@@ -270,6 +273,7 @@ class Trainer:
         if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or sync_now:
             self.history.append({"step": step, **metrics})
             self.metrics.write(step, metrics)
+            self.trackers.log(step, metrics)
             if self.info.is_main:
                 self.log(format_line(step, self.max_steps, metrics))
         if cfg.save_interval and step % cfg.save_interval == 0:

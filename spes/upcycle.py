@@ -51,6 +51,7 @@ import torch
 from spes.config import ModelConfig, TrainConfig, load_config
 from spes.hf import (CONFIG_KEYS, QK_NORM_KEYS, SHARED_KEYS, check_hf_config, copy_tokenizer, hf_to_spes,
                      read_hf_config, read_hf_weights, write_step_dir)
+from spes.hub import resolve
 from spes.moe import init_truncated_normal_
 from spes.tokenizer import check_vocab, load_tokenizer
 
@@ -199,8 +200,8 @@ def make_random_dense(m: ModelConfig, out: str | Path, *, model_type: str = "qwe
 
 def upcycle(hf_dir: str | Path, cfg: TrainConfig, out: str | Path, *, partition: bool = False,
             router_std: float | None = None, overwrite: bool = False) -> tuple[Path, ExpertPlan]:
-    """Dense HF directory + spes run config -> spes checkpoint step directory `out`."""
-    src = Path(hf_dir)
+    """Dense HF directory (or Hub id) + spes run config -> spes checkpoint step directory `out`."""
+    src = resolve(hf_dir, what="--hf")
     hf_config, family = read_hf_config(src, DENSE_FAMILIES)
     m = cfg.model
     check_dense_match(m, hf_config, family, partition=partition)
@@ -218,7 +219,8 @@ def upcycle(hf_dir: str | Path, cfg: TrainConfig, out: str | Path, *, partition:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spes.upcycle", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf", required=True, help=f"dense HF model directory, model_type one of "
+    parser.add_argument("--hf", required=True, help=f"dense HF model directory or Hub id (e.g. Qwen/Qwen3-1.7B; local cache "
+                                                    f"first), model_type one of "
                                                     f"{sorted(DENSE_FAMILIES)}")
     parser.add_argument("--config", required=True, help="the spes run config (YAML) the MoE is built from")
     parser.add_argument("--out", help="output checkpoint step directory, e.g. output/run/init/step0; "

@@ -237,7 +237,7 @@ def test_inert_keys_are_reported(tmp_path: Path) -> None:
             repetition_max_period: 13
     """)
     _, inert = load_config(path)
-    assert inert == ["compile", "model.flash_attention", "model.init_device", "wandb"]
+    assert inert == ["model.flash_attention", "model.init_device"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -54,10 +54,53 @@ def test_windows_stay_inside_shards_and_drop_remainders(dataset: TokenSequenceDa
         dataset[len(dataset)]
 
 
-def test_dataset_refuses_a_shard_without_sidecar(shards: list[Path]) -> None:
-    sidecar_path(shards[1]).unlink()
-    with pytest.raises(ValueError, match=f"{shards[1]}.*incomplete"):
-        TokenSequenceDataset(shards, SEQ_LEN)
+def _write_olmo_tokens(path: Path, tokens: np.ndarray) -> Path:
+    """A token file as OLMo / Dolma / the first SPES implementation's tokenize_data.py write it: a flat
+    np.memmap of the raw tokens, no numpy header, no sidecar."""
+    array = np.memmap(path, dtype=tokens.dtype, mode="w+", shape=tokens.shape)
+    array[:] = tokens
+    array.flush()
+    del array
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
+def test_headerless_olmo_files_are_read_with_memmap_dtype(tmp_path: Path, dtype: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    tokens = np.arange(70_000, 70_000 + 41, dtype=np.uint64).astype(dtype)  # > uint16 unless uint16
+    paths = [_write_olmo_tokens(tmp_path / f"part-{i}-00000.npy", tokens) for i in range(2)]
+    assert not sidecar_path(paths[0]).exists() and paths[0].read_bytes()[:6] != b"\x93NUMPY"
+    with caplog.at_level("WARNING"):
+        ds = TokenSequenceDataset(paths, SEQ_LEN, memmap_dtype=dtype)
+    assert ds.fingerprint is None and len(ds) == 2 * (41 // SEQ_LEN) and ds.num_tokens == 82
+    assert torch.equal(ds[1], torch.from_numpy(tokens[SEQ_LEN:2 * SEQ_LEN].astype(np.int64)))
+    notes = [r.getMessage() for r in caplog.records if "no .npy.json sidecar" in r.getMessage()]
+    assert len(notes) == 1 and f"{paths[0]} and 1 more" in notes[0] and dtype in notes[0]
+    assert "cannot be checked" in notes[0]
+
+
+def test_headerless_file_defaults_to_uint16_and_a_wrong_dtype_is_named(tmp_path: Path) -> None:
+    path = _write_olmo_tokens(tmp_path / "a.npy", np.arange(9, dtype=np.uint16))  # 18 bytes
+    assert torch.equal(TokenSequenceDataset([path], SEQ_LEN)[1], torch.arange(4, 8))
+    with pytest.raises(ValueError, match=f"{path} has 18 bytes.*memmap_dtype=uint32"):
+        TokenSequenceDataset([path], SEQ_LEN, memmap_dtype="uint32")
+
+
+def test_real_npy_without_sidecar_and_mixed_with_spes_shards(shards: list[Path], tmp_path: Path) -> None:
+    plain = tmp_path / "plain.npy"
+    np.save(plain, np.arange(500, 508, dtype=np.uint16))
+    olmo = _write_olmo_tokens(tmp_path / "olmo.npy", np.arange(900, 908, dtype=np.uint16))
+    ds = TokenSequenceDataset([shards[0], plain, olmo], SEQ_LEN, memmap_dtype="uint16")
+    assert ds.fingerprint is not None and len(ds) == 25 + 2 + 2
+    assert int(ds[25][0]) == 500 and int(ds[27][0]) == 900
+
+
+def test_dataset_refuses_a_half_written_shard(tmp_path: Path) -> None:
+    partial = tmp_path / "part_00000.npy.partial"
+    np.save(tmp_path / "x.npy", np.arange(8, dtype=np.uint16))
+    (tmp_path / "x.npy").replace(partial)
+    with pytest.raises(ValueError, match=f"{partial} is half-written"):
+        TokenSequenceDataset([partial], SEQ_LEN)
 
 
 def test_dataset_refuses_a_dtype_other_than_memmap_dtype(shards: list[Path]) -> None:

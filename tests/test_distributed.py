@@ -449,3 +449,66 @@ def test_every_fsdp_setting_trains_and_keeps_ranks_consistent(tmp_path: Path) ->
         assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], name
         tolerance = 2e-2 if name == "amp_bf16_mixed" else 1e-5  # fp32: the same math whatever the sharding
         assert max(abs(a - b) for a, b in zip(losses, reference)) < tolerance, (name, losses, reference)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compile: torch.compile per decoder block
+
+
+def _train_two_steps(compile_option: dict | bool | None) -> tuple[list[float], torch.nn.Module]:
+    """Two AdamW steps of configs/tiny.yaml's model as SPES peer 1 (experts 2-3 trainable) on fixed tokens."""
+    from spes.distributed import apply_compile
+    from spes.model import Transformer
+    from spes.trainer import language_model_loss
+
+    cfg = load_config(TINY, ["--spes_config.peer_id=1"])[0]
+    torch.manual_seed(0)
+    model = Transformer.for_run(cfg)
+    model.init_weights(cfg.seed)
+    apply_compile(model, compile_option)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(2):
+        out = model(tokens[:, :-1])
+        loss = language_model_loss(out.logits, tokens[:, 1:]) + out.lb_loss + out.z_loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_compiled_blocks_match_eager_and_frozen_experts_stay_frozen() -> None:
+    """Inductor on the CPU (it needs a C compiler): about 3 minutes on 2 cores, mostly compilation."""
+    eager_losses, eager = _train_two_steps(None)
+    compiled_losses, compiled = _train_two_steps({"mode": "default", "fullgraph": False})
+    assert all(b._compiled_call_impl is not None for b in compiled.blocks)
+    assert compiled_losses == pytest.approx(eager_losses, abs=1e-4)
+    names = [n for n, _ in eager.named_parameters()]
+    assert names == [n for n, _ in compiled.named_parameters()]  # Module.compile keeps the names
+    from spes.model import Transformer
+
+    cfg = load_config(TINY, ["--spes_config.peer_id=1"])[0]
+    fresh = Transformer.for_run(cfg)
+    fresh.init_weights(cfg.seed)
+    start = dict(fresh.named_parameters())
+    for name, p in compiled.named_parameters():
+        moved = not torch.equal(p.detach(), start[name].detach())
+        assert moved == p.requires_grad, name  # trainable params moved, frozen experts did not
+        assert p.grad is None
+    assert any(not p.requires_grad for p in compiled.parameters())
+
+
+def test_compile_options_are_checked() -> None:
+    from spes.distributed import apply_compile
+    from spes.model import Transformer
+
+    model = Transformer.for_run(_cfg())
+    apply_compile(model, None)
+    apply_compile(model, False)
+    assert all(not hasattr(b, "_compiled_call_impl") or b._compiled_call_impl is None for b in model.blocks)
+    with pytest.raises(ConfigError, match=r"'compile.modee' is not a torch.compile option"):
+        apply_compile(model, {"modee": "default"})

@@ -67,6 +67,25 @@ def test_build_skips_when_up_to_date_and_refuses_tiny_input(tmp_path: Path) -> N
         build.build(["short text"], tmp_path / "x", settings, source="test")
 
 
+def test_continuations_fit_the_model_window_and_too_short_a_window_skips_the_task(
+        tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    build = script("build_local_tasks")
+    settings = build.TaskSettings(num_choice_items=10, context_chars=200, continuation_chars=300, max_tokens=40)
+    items = build.next_text_items(DOCS, settings, tokenizer)
+    assert len(items) == 10
+    lengths = [len(tokenizer.encode_batch([c])[0]) for item in items for c in item["choices"]]
+    assert max(lengths) <= 40 // 4 and min(lengths) >= 1
+    for item in items:  # still the real continuation, cut at a word
+        assert item["context"] + item["choices"][item["label"]] in DOCS[item["doc"]]
+    built = build.build(DOCS, tmp_path / "ok", settings, source="test", tokenizer=tokenizer)
+    assert built["tasks"] == ["spes_next_text", "spes_heldout_ppl"] and built["skipped_tasks"] == {}
+    short = build.TaskSettings(num_choice_items=10, max_tokens=build.MIN_CHOICE_WINDOW - 1)
+    built = build.build(DOCS, tmp_path / "short", short, source="test", tokenizer=tokenizer)
+    assert built["tasks"] == ["spes_heldout_ppl"] and built["next_text_items"] == 0
+    assert "context of 15 tokens is shorter than the 16" in built["skipped_tasks"]["spes_next_text"]
+    assert build.fit_tokens(" " + "x" * 500, 2, tokenizer) is None  # one word longer than the budget
+
+
 def test_documents_from_shards_round_trip_the_text(tiny_corpus) -> None:  # type: ignore[no-untyped-def]
     build = script("build_local_tasks")
     docs = build.documents_from_shards([tiny_corpus.valid], str(tiny_corpus.tokenizer))
@@ -164,3 +183,50 @@ def test_convert_and_evaluate_end_to_end(tiny_corpus, tmp_path: Path) -> None:  
     assert results["reference_status"]["hellaswag"] == {"shots": 10, "dataset": "Rowan/hellaswag",
                                                         "available": False}
     assert "| spes_next_text | 0 | acc |" in (tmp_path / "eval" / "results.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quickstart_model_converts_loads_generates_and_evaluates(tiny_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The newcomer chain on the quickstart's own output: spes.launch configs/tiny.yaml (server + 4 peers, as
+    run_scripts/quickstart.sh, shorter) -> convert_to_hf.sh -> from_pretrained + generate -> eval_full.sh at the
+    model's 64-token window."""
+    import transformers
+
+    run = tmp_path / "quickstart"
+    data = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
+            f"--data.validation_paths=[{tiny_corpus.valid}]", "--max_duration=20st", "--eval_interval=10",
+            "--eval_subset_num_batches=1", "--log_interval=10"]
+    done = subprocess.run([sys.executable, "-m", "spes.launch", str(REPO / "configs" / "tiny.yaml"), "--out", str(run),
+                           "--merge_interval", "10", "--", *data], cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    done = subprocess.run([str(SCRIPTS / "convert_to_hf.sh"), str(run / "node0"), "latest", "tiny"], env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    hf_dir = run / "node0" / "hf" / "tiny-step20"
+    assert done.stdout.strip() == str(hf_dir)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    prompt = tok("def main(", return_tensors="pt")
+    generated = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert generated.shape[1] > prompt["input_ids"].shape[1] and tok.decode(generated[0]).startswith("def main(")
+    assert model.config.max_position_embeddings == 64
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "valid").symlink_to(Path(tiny_corpus.valid).parent)
+    (corpus / "tokenizer").symlink_to(tiny_corpus.tokenizer)
+    env = {**ENV, "EVAL_SOURCE": str(corpus), "EVAL_DATA": str(tmp_path / "tasks"), "LIMIT": "6",
+           "BUILD_ARGS": "--num_choice_items 20 --num_ppl_docs 4"}
+    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), str(hf_dir), str(tmp_path / "eval")], env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    tasks = json.loads((tmp_path / "eval" / "results.json").read_text())["tasks"]
+    assert tasks["spes_next_text"]["samples"] == 6 and 0.0 <= tasks["spes_next_text"]["metrics"]["acc"]["value"] <= 1
+    assert tasks["spes_heldout_ppl"]["metrics"]["bits_per_byte"]["value"] > 0
+    manifest = json.loads((tmp_path / "tasks" / "manifest.json").read_text())
+    assert manifest["settings"]["max_tokens"] == 64

@@ -51,8 +51,10 @@ def test_transformers_autotokenizer_loads_the_directory_offline(
     assert hf(text, add_special_tokens=False)["input_ids"] == tokenizer.encode_batch([text])[0]
 
 
-def test_hub_name_gives_a_clear_no_download_error() -> None:
-    with pytest.raises(FileNotFoundError, match="never downloads.*train_tokenizer.py"):
+def test_uncached_hub_id_offline_gives_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty Hub cache (tests/test_hub.py fills one)
+    with pytest.raises(FileNotFoundError, match="'Qwen/Qwen2.5-0.5B' is not a local path.*HF_HUB_OFFLINE=1.*"
+                                                "train_tokenizer.py"):
         load_tokenizer("Qwen/Qwen2.5-0.5B")
 
 

@@ -1,0 +1,97 @@
+"""Hugging Face Hub ids wherever spes takes a tokenizer or model directory.
+
+`tokenizer.identifier`, `spes.upcycle --hf` and `spes.hf import --hf` accept either a local path or a
+Hub id such as `Qwen/Qwen2.5-0.5B`, resolved the way `transformers` users expect:
+
+1. a local file or directory of that name;
+2. the local Hub cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), laid out
+   as `models--<org>--<name>/{refs/main, snapshots/<rev>/...}`;
+3. a download into that cache, unless `HF_HUB_OFFLINE=1` (or the Hub does not answer).
+
+Only the files spes reads are fetched (JSON, safetensors, tokenizer files: never pickled weights).
+The environment is read at call time, so a test or a launcher may set `HF_HOME` after import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from urllib.parse import urlparse
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.jinja")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def hub_offline() -> bool:
+    """Whether `HF_HUB_OFFLINE` forbids downloads (read now, not at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hub endpoint (`HF_ENDPOINT`, default huggingface.co) accepts a TCP connection now.
+
+    A quick probe, so that a machine without internet gets an immediate answer instead of minutes of
+    retries inside `huggingface_hub` / `datasets`.
+    """
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def hub_cache_dir() -> Path:
+    """The Hub cache `huggingface_hub` uses with the current environment."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def looks_like_repo_id(identifier: str) -> bool:
+    """`org/name` (or a bare canonical name like `gpt2`), not a path."""
+    return bool(_REPO_ID.match(identifier)) and not identifier.startswith((".", "~")) and ".." not in identifier
+
+
+def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[str] = MODEL_FILES) -> Path:
+    """A local path for `identifier`: the path itself, its Hub cache snapshot, or a fresh download.
+
+    `what` names the thing in errors (e.g. "tokenizer.identifier"); `files` are the glob patterns
+    downloaded. FileNotFoundError naming the id and the cache when it is neither local, cached nor reachable.
+    """
+    path = Path(identifier).expanduser()
+    if path.exists():
+        return path
+    name = str(identifier)
+    if not looks_like_repo_id(name):
+        raise FileNotFoundError(f"{what} {name!r} is not a local file or directory (and not a Hugging Face Hub id "
+                                f"like 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"{what} {name!r} is not a local path; reading it from the Hugging Face Hub needs "
+                                f"huggingface_hub (pip install -e '.[hf]')") from None
+    cache = hub_cache_dir()
+    try:
+        return Path(snapshot_download(name, cache_dir=cache, local_files_only=True))
+    except Exception:  # noqa: BLE001  # LocalEntryNotFoundError, or an incomplete cache entry
+        pass
+    if hub_offline() or not hub_reachable():
+        why = "HF_HUB_OFFLINE=1 forbids downloading it" if hub_offline() else "the Hub is not reachable from here"
+        raise FileNotFoundError(
+            f"{what} {name!r} is not a local path and not in the Hugging Face cache {cache}, and {why}: run once "
+            f"online (or `hf download {name}`), set HF_HOME to the cache that holds it, or pass a local directory")
+    try:
+        return Path(snapshot_download(name, cache_dir=cache, allow_patterns=list(files)))
+    except Exception as err:  # noqa: BLE001  # network, auth and not-found errors all mean the same to the user
+        raise FileNotFoundError(
+            f"{what} {name!r} is not a local path, not in the Hugging Face cache {cache}, and could not be "
+            f"downloaded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); check the id, "
+            f"your network and HF_TOKEN, or pass a local directory") from None

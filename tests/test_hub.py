@@ -1,0 +1,99 @@
+"""Hub ids through spes.hub: local path first, then a Hub cache laid out by the test under HF_HOME; never the network."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from spes import hf, hub, upcycle
+from spes.checkpoint import load_model_state
+from spes.tokenizer import LoadedTokenizer, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cache_repo(hf_home: Path, repo_id: str, files_from: Path) -> Path:
+    """Lay out `repo_id` in the Hub cache under `hf_home` as huggingface_hub does: refs/main names a snapshot."""
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / REVISION
+    shutil.copytree(files_from, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(REVISION)
+    return snapshot
+
+
+@pytest.fixture
+def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "hf_home"
+    home.mkdir()
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    return home
+
+
+def test_tokenizer_identifier_from_the_hub_cache(hf_home: Path, tokenizer: LoadedTokenizer) -> None:
+    snapshot = cache_repo(hf_home, "Qwen/Qwen2.5-0.5B", tokenizer.path.parent)
+    loaded = load_tokenizer("Qwen/Qwen2.5-0.5B")
+    assert loaded.path == snapshot / "tokenizer.json" and loaded.fingerprint == tokenizer.fingerprint
+
+
+def test_local_path_comes_before_the_cache(hf_home: Path, tokenizer: LoadedTokenizer, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    cache_repo(hf_home, "org/tok", tokenizer.path.parent)
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tokenizer.path.parent, tmp_path / "org" / "tok")
+    assert load_tokenizer("org/tok").path == Path("org/tok/tokenizer.json")
+
+
+def test_offline_and_not_cached_names_the_id(hf_home: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"tokenizer 'Qwen/NotCached' is not a local path and not in the "
+                                                r"Hugging Face cache .*HF_HUB_OFFLINE=1"):
+        load_tokenizer("Qwen/NotCached")
+    with pytest.raises(FileNotFoundError, match=r"--hf 'org/missing-model'.*HF_HUB_OFFLINE=1"):
+        hf.import_hf("org/missing-model", hf_home / "out" / "step0")
+
+
+def test_unreachable_hub_is_an_immediate_error(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
+    assert not hub.hub_reachable()
+    with pytest.raises(FileNotFoundError, match="'org/tok' is not a local path.*the Hub is not reachable"):
+        hub.resolve("org/tok", what="tokenizer")
+
+
+def test_paths_that_are_not_ids_are_named(hf_home: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"tokenizer './no/such/dir' is not a local file or directory"):
+        load_tokenizer("./no/such/dir")
+    assert hub.looks_like_repo_id("Qwen/Qwen3-1.7B") and hub.looks_like_repo_id("gpt2")
+    assert not hub.looks_like_repo_id("../x/y") and not hub.looks_like_repo_id("/abs/path")
+
+
+def test_hf_import_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
+    from test_hf import CASES, make_checkpoint
+
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    exported = hf.export_checkpoint(step_dir, tmp_path / "exported")
+    cache_repo(hf_home, "allenai/Tiny-OLMoE", exported)
+    back = hf.import_hf("allenai/Tiny-OLMoE", tmp_path / "back" / "step0", block_size=2)
+    before, after = load_model_state(step_dir), load_model_state(back)
+    assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_upcycle_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    config = str(REPO / "configs" / "upcycle_tiny.yaml")
+    overrides = [f"--tokenizer.identifier={tokenizer.path.parent}", f"--model.vocab_size={tokenizer.vocab_size}",
+                 f"--model.embedding_size={tokenizer.vocab_size}"]
+    assert upcycle.main(["--config", config, "--hf", str(tmp_path / "dense"), "--make_random_dense", "qwen3",
+                         *overrides]) == 0
+    cache_repo(hf_home, "Qwen/Tiny-Dense", tmp_path / "dense")
+    out = tmp_path / "init" / "step0"
+    assert upcycle.main(["--config", config, "--hf", "Qwen/Tiny-Dense", "--out", str(out), *overrides]) == 0
+    assert "equals the dense model at step 0" in capsys.readouterr().out
+    assert upcycle.main(["--config", config, "--hf", "Qwen/Not-There", "--out", str(tmp_path / "x" / "step0"),
+                         *overrides]) == 2
+    assert "'Qwen/Not-There' is not a local path" in capsys.readouterr().err

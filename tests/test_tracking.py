@@ -1,0 +1,105 @@
+"""Dashboards: a real training run logs to W&B (offline) and TensorBoard; both are read back from disk."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from spes.config import ConfigError, TensorBoardConfig, TrainConfig, WandbConfig
+from spes.tracking import Trackers
+from spes.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wandb_records(path: Path) -> list[object]:
+    """The protobuf records of a W&B offline run file (a LevelDB-style log: 7-byte file header, then 32 KiB
+    blocks of records with a 7-byte header each: crc32, little-endian length, type 1 full / 2-3-4 pieces)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    records, pos, block, piece = [], 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        piece += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(piece)
+            records.append(record)
+            piece = b""
+    return records
+
+
+def wandb_history(run_dir: Path) -> tuple[object, dict[int, dict[str, float]]]:
+    """(the run record, step -> logged scalars) of the one offline run under `run_dir`."""
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    run, history = None, {}
+    for record in wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = record.run
+        elif kind == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history[int(items["_step"])] = items
+    return run, history
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_training_run_logs_every_metric_to_wandb_offline_and_tensorboard(
+        tiny_corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.chdir(tmp_path)
+    args = [str(REPO / "configs" / "tiny.yaml"), "--using_spes=false", *tiny_corpus.overrides(tmp_path / "run"),
+            "--max_duration=4st", "--eval_interval=2", "--save_interval=null", "--wandb.project=spes-test",
+            "--wandb.name=tiny-node0", "--wandb.group=tiny", f"--tensorboard.log_dir={tmp_path / 'tb'}"]
+    assert main(args) == 0
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3, 4] and "val_loss" in lines[1]
+
+    run, history = wandb_history(tmp_path / "run")
+    assert (run.display_name, run.run_group, run.project) == ("tiny-node0", "tiny", "spes-test")
+    config = {c.key: json.loads(c.value_json) for c in run.config.update}
+    assert config["model"]["d_model"] == 64 and config["max_duration"] == "4st"
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    for record in lines:
+        step = record["step"]
+        for key, value in record.items():
+            if key in ("step", "time") or not isinstance(value, (int, float)):
+                continue
+            assert history[step][key] == pytest.approx(value), (key, step)
+            assert scalars[key][step] == pytest.approx(value, rel=1e-6), (key, step)  # TB stores float32
+
+
+def test_trackers_are_off_by_default_and_off_the_main_rank(tmp_path: Path) -> None:
+    assert Trackers(TrainConfig(save_folder=str(tmp_path)), enabled=True).trackers == []
+    cfg = TrainConfig(save_folder=str(tmp_path), wandb=WandbConfig(), tensorboard=TensorBoardConfig())
+    assert Trackers(cfg, enabled=False).trackers == []
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("section, extra", [("wandb", "wandb"), ("tensorboard", "tensorboard")])
+def test_missing_package_names_the_extra(section: str, extra: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # None in sys.modules makes `import` raise ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    cfg = TrainConfig(save_folder=str(tmp_path), **{section: WandbConfig() if section == "wandb"
+                                                    else TensorBoardConfig()})
+    with pytest.raises(ConfigError, match=rf"'{section}' is set but the {extra} package is not installed: "
+                                          rf"pip install -e '\.\[{extra}\]'"):
+        Trackers(cfg, enabled=True)
