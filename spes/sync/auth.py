@@ -35,6 +35,8 @@ def read_token(token_file: str | None, what: str) -> str | None:
     """The run's shared secret from `token_file` (named `what` in errors), else $SPES_TOKEN, else None."""
     if token_file:
         token = read_file(token_file, what).decode().strip()
+        if os.stat(token_file).st_mode & 0o077:
+            log.warning("%s %s is readable by group or others: run `chmod 600 %s`", what, token_file, token_file)
         if not token:
             raise ValueError(f"{what} {token_file!r} is empty: write the run's shared secret into it")
         return token

@@ -22,7 +22,9 @@ from __future__ import annotations
 import logging
 import math
 import random
+import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -32,7 +34,10 @@ from typing import Literal, TypeVar
 import grpc
 import torch
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from spes.sync import transport
+from spes.sync.guard import PEER_KEY, SESSION_KEY
 from spes.sync.merge import Mode, download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -46,6 +51,11 @@ BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 MAX_RECOVERIES = 4
 PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
+PRESENCE_RETRY_S = 1.0
+"""A joined client keeps a presence stream open (see `spes.sync.guard`), reopened this soon after it breaks."""
+RETRY_REASONS = frozenset({"corrupt", "busy", "duplicate_peer"})
+"""Refusals worth the same request again later: damaged bytes, a server at its stream limits, and a peer id
+still held by a process that may have died (admitted once it has been silent for --peer_liveness)."""
 T = TypeVar("T")
 DataPlane = Literal["auto", "grpc", "tcp"]
 
@@ -72,7 +82,7 @@ def failure_of(what: str, err: grpc.RpcError) -> SyncError:
 
 def classify(what: str, code: grpc.StatusCode, details: str, reason: str) -> SyncError:
     """A refusal from either plane as a SyncError: transient codes and corrupt bytes are retryable."""
-    retryable = (code in RETRYABLE and reason != "round_timeout") or reason == "corrupt"
+    retryable = (code in RETRYABLE and reason != "round_timeout") or reason in RETRY_REASONS
     return SyncError(f"{what} failed ({code.name}): {details}", code, reason=reason, retryable=retryable)
 
 
@@ -167,7 +177,9 @@ class SyncClient:
         self.server_addr, self.peer_id, self.num_peers = server_addr, peer_id, num_peers
         self.experts_per_peer, self.mode, self.wire_dtype = experts_per_peer, mode, wire_dtype
         self.rpc_timeout_s, self.round_timeout_s, self.max_retries = rpc_timeout_s, round_timeout_s, max_retries
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._session = secrets.token_hex(8)  # this process, told apart from another claiming the same peer id
+        self._metadata: tuple[tuple[str, str], ...] = ((SESSION_KEY, self._session), (PEER_KEY, str(peer_id)),
+                                                       *((("authorization", f"Bearer {token}"),) if token else ()))
         self.data_plane, self._token = data_plane, token
         self._data_port = 0
         self._data_tls = transport.client_tls(tls_ca, tls_cert, tls_key) if data_plane != "grpc" else None
@@ -186,6 +198,9 @@ class SyncClient:
         self._trainable: list[str] = []
         self._join_request: pb.JoinRequest | None = None
         self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
+        self._closed = threading.Event()
+        self._presence: threading.Thread | None = None
+        self._presence_call: grpc.Future | None = None
 
     # -- public API ---------------------------------------------------------------------------
     def join(self, manifest: Mapping[str, tuple[int, ...]], trainable: list[str]) -> int:
@@ -274,7 +289,30 @@ class SyncClient:
         )
 
     def close(self) -> None:
+        self._closed.set()
+        call = self._presence_call
+        if call is not None:
+            call.cancel()
+        if self._presence is not None:
+            self._presence.join(timeout=self.rpc_timeout_s)
         self._channel.close()
+
+    def _keep_present(self) -> None:
+        """Hold a health Watch stream with this process's session open while joined: the server's proof that
+        this process still acts as its peer (a second process claiming the id is refused meanwhile)."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        while not self._closed.is_set():
+            call = health.Watch(health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer"),
+                                metadata=self._metadata)
+            self._presence_call = call
+            if self._closed.is_set():
+                call.cancel()
+            try:
+                for _ in call:
+                    pass
+            except grpc.RpcError as err:
+                log.debug("presence stream of peer %d ended: %s", self.peer_id, err.code())
+            self._closed.wait(PRESENCE_RETRY_S)
 
     def __enter__(self) -> SyncClient:
         return self
@@ -293,6 +331,10 @@ class SyncClient:
             lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
             per_attempt_s=self.rpc_timeout_s,
         )
+        if self._presence is None:
+            self._presence = threading.Thread(target=self._keep_present, name=f"spes-presence-{self.peer_id}",
+                                              daemon=True)
+            self._presence.start()
         if self.data_plane == "tcp" and not reply.data_port:
             raise SyncError("data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
                             "(or use data_plane='auto')", grpc.StatusCode.FAILED_PRECONDITION)
@@ -381,7 +423,7 @@ class SyncClient:
                             grpc.StatusCode.UNAVAILABLE, retryable=True) from None
         try:
             transport.send_hello(sock, {"op": op, "peer_id": self.peer_id, "step": step, "full": full,
-                                        "token": self._token, "timeout_s": timeout})
+                                        "token": self._token, "timeout_s": timeout, "session": self._session})
         except OSError as exc:
             sock.close()
             raise SyncError(f"{op} round {step}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE,

@@ -17,6 +17,7 @@ Under `wait` (the reference behaviour) a round closes only with every peer.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ from spes.sync.merge import (
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.wire import PROTOCOL_VERSION, WIRE_DTYPES
 
+MAX_MODEL_GB = 48.0
+"""Default --max_model_gb: the paper's largest config (configs/upcycled_9b, 9.4B parameters) is 37.7 GB in fp32."""
+MAX_TENSORS = 16384
+"""Default --max_tensors: configs/upcycled_9b has 591 tensors."""
 DeadPeerPolicy = Literal["wait", "quorum"]
 Shape = tuple[int, ...]
 Tensors = dict[str, torch.Tensor]
@@ -365,13 +370,21 @@ def describe_names(names: list[str], limit: int = 5) -> str:
 
 
 def check_join(
-    request: pb.JoinRequest, *, num_peers: int, experts_per_peer: int, mode: Mode
+    request: pb.JoinRequest, *, num_peers: int, experts_per_peer: int, mode: Mode,
+    max_tensors: int = MAX_TENSORS, max_model_gb: float | None = MAX_MODEL_GB,
 ) -> tuple[dict[str, Shape], list[str]]:
     """Validate a Join against the run: settings, wire dtype, manifest, and the names the peer claims to train.
 
-    Returns (name -> shape of every tensor, the names it trains); raises Refused saying what differs.
+    The manifest's tensor count is checked before anything else is read and its size (fp32) against
+    `max_model_gb` (None: unbounded, when the server knows the run's model), so no buffer is ever sized by
+    a peer's numbers past those bounds. Returns (name -> shape of every tensor, the names it trains);
+    raises Refused saying what differs.
     """
     peer = request.peer_id
+    for what, count in (("manifest", len(request.manifest)), ("trainable list", len(request.trainable))):
+        if count > max_tensors:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"peer {peer}'s {what} names {count} tensors, more than --max_tensors={max_tensors}")
     if request.protocol != PROTOCOL_VERSION:
         raise Refused(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -402,6 +415,11 @@ def check_join(
         check_manifest(shapes, num_peers=num_peers, experts_per_peer=experts_per_peer, mode=mode)
     except ValueError as exc:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}: {exc}") from None
+    size_gb = 4 * sum(math.prod(shape) for shape in shapes.values()) / 1e9
+    if max_model_gb is not None and size_gb > max_model_gb:
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"peer {peer}'s manifest declares a model of {size_gb:.4g} GB in fp32, more than "
+                      f"--max_model_gb={max_model_gb:g} (start the server with the run's YAML, or raise the limit)")
     given = list(request.trainable)
     expected = set(trainable_names(list(shapes), peer, mode))
     if len(set(given)) != len(given) or set(given) != expected:

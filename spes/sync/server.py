@@ -15,6 +15,7 @@ TLS/mTLS from PEM files, and nothing received is ever unpickled (see `spes.sync.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import math
 import signal
@@ -26,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import grpc
 import torch
@@ -43,10 +44,13 @@ from spes.sync.auth import (
     token_matches,
 )
 from spes.sync.buffers import BufferPool
+from spes.sync.guard import SESSION_KEY, UNARY_RESERVE, GuardedHealth, Sessions, StreamGuard, Ticket
 from spes.sync.merge import MergeConfig, Mode, OuterConfig, download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.rounds import (
+    MAX_MODEL_GB,
+    MAX_TENSORS,
     DeadPeerPolicy,
     Refused,
     RoundPolicy,
@@ -61,15 +65,19 @@ from spes.sync.rounds import (
 )
 from spes.sync import transport
 from spes.sync.state import SavedRound, load_round, save_round
-from spes.sync.wire import REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder, VerifiedChecksums, encode_tensors, \
-    grpc_options, read_file, wire_torch_dtype
+from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder, \
+    VerifiedChecksums, encode_tensors, grpc_options, read_file, wire_torch_dtype
+
+if TYPE_CHECKING:
+    from spes.config import TrainConfig
 
 log = logging.getLogger("spes.server")
 T = TypeVar("T")
 
 SERVICE_NAME = "spes.v1.ParameterServer"
 DATA_POLL_S = 1.0
-DATA_IO_TIMEOUT_S = 120.0
+DATA_MAX_FRAME_BYTES = 1 << 20
+"""Largest control frame the server reads (a hello or a tensor header: a few hundred bytes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +120,22 @@ class ServerConfig:
     """gRPC message size limit in MiB: chunks are 1 MiB, so a larger message is refused unread."""
     data_port: int = -1
     """TCP port of the raw data plane for tensor payloads (`spes.sync.transport`); 0: OS-chosen, -1: disabled."""
+    stream_idle_timeout_s: float = 60.0
+    """A stream (either plane) that neither receives nor sends a message for this long is closed, its upload dropped."""
+    max_streams: int = 64
+    """Upload/Download streams served at once per plane; more are refused with RESOURCE_EXHAUSTED."""
+    max_streams_per_peer: int = 6
+    """Streams one peer id may hold open at once (both planes together)."""
+    peer_liveness_s: float = 10.0
+    """A joined peer without a presence stream heard from within this long is live (see `spes.sync.guard`)."""
+    max_model_gb: float = MAX_MODEL_GB
+    """Largest model (GB of fp32, 1e9 bytes) a Join's manifest may declare when the run's YAML is not given."""
+    max_tensors: int = MAX_TENSORS
+    """Most tensors a Join's manifest may declare."""
+    expected_manifest: dict[str, Shape] | None = field(default=None, repr=False)
+    """Every tensor of the run's model (from its YAML, `manifest_of_run`): joins must declare exactly this."""
+    insecure: bool = False
+    """Allow a non-loopback bind without a token, or with a token but without TLS."""
 
     def __post_init__(self) -> None:
         if self.total_peers < 1:
@@ -136,6 +160,23 @@ class ServerConfig:
                              "(--tls_client_ca, --tls_cert, --tls_key)")
         if self.token is not None and not self.token:
             raise ValueError("the auth token is empty: put a non-empty secret in SPES_TOKEN or --token_file")
+        for flag, value in (("--stream_idle_timeout", self.stream_idle_timeout_s), ("--max_model_gb", self.max_model_gb),
+                            ("--peer_liveness", self.peer_liveness_s), ("--max_streams", self.max_streams),
+                            ("--max_streams_per_peer", self.max_streams_per_peer), ("--max_tensors", self.max_tensors)):
+            if not value > 0:
+                raise ValueError(f"{flag} must be > 0, got {value}")
+
+    def check_exposure(self) -> None:
+        """Refuse to serve off loopback without a token, or a token in clear text, unless `insecure` (ValueError)."""
+        if self.insecure or _is_loopback(self.host):
+            return
+        if self.token is None:
+            raise ValueError(f"--host {self.host} is reachable from other machines and no token is set: anyone could "
+                             "join the run. Set SPES_TOKEN or --token_file (with --tls_cert/--tls_key), bind "
+                             "--host 127.0.0.1, or pass --insecure on a trusted network")
+        if self.tls_cert is None:
+            raise ValueError(f"--host {self.host} is reachable from other machines and the token would travel in "
+                             "clear text: add --tls_cert/--tls_key, or pass --insecure on a trusted network")
 
     def policy(self) -> RoundPolicy:
         return RoundPolicy(num_peers=self.total_peers, timeout_s=self.round_timeout_s,
@@ -182,8 +223,16 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         """Superseded global models that downloads still read, by round."""
         self.data_port = 0
         """Port of the running data plane, advertised at Join (0: none); set by `start_server`."""
+        self.guard = StreamGuard(idle_timeout_s=cfg.stream_idle_timeout_s, max_streams=cfg.max_streams,
+                                 max_per_peer=cfg.max_streams_per_peer)
+        self.sessions = Sessions(cfg.peer_liveness_s)
+        if cfg.expected_manifest is not None:
+            self._learn_manifest(dict(cfg.expected_manifest))
         saved = load_round(cfg.state_dir, cfg.run_identity()) if cfg.state_dir else None
         if saved is not None:
+            if cfg.expected_manifest is not None and manifest_differences(cfg.expected_manifest, saved.manifest):
+                raise ValueError(f"--state_dir {cfg.state_dir} holds a different model than the run's YAML: "
+                                 f"{manifest_differences(cfg.expected_manifest, saved.manifest)}")
             self.state.restore(saved.step, set(saved.peers), saved.global_model, saved.momentum, saved.merged,
                                saved.alpha)
             self._learn_manifest(saved.manifest)
@@ -206,45 +255,57 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
 
     # -- Join ---------------------------------------------------------------------------------
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        cfg, peer = self.cfg, request.peer_id
+        cfg, peer, address = self.cfg, request.peer_id, context.peer()
         try:
             self._check_identity(peer, lambda: grpc_common_name(context))
-            shapes, trainable = check_join(request, num_peers=cfg.total_peers, experts_per_peer=cfg.experts_per_peer,
-                                           mode=cfg.mode)
+            shapes, trainable = check_join(
+                request, num_peers=cfg.total_peers, experts_per_peer=cfg.experts_per_peer, mode=cfg.mode,
+                max_tensors=cfg.max_tensors,
+                max_model_gb=None if cfg.expected_manifest is not None else cfg.max_model_gb)
             with self._cond:
                 if self._manifest is not None:
                     diff = manifest_differences(self._manifest, shapes)
                     if diff:
+                        whose = "the run's YAML" if cfg.expected_manifest is not None else "the run's"
                         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"peer {peer}'s model differs from the run's: {diff}")
+                                      f"peer {peer}'s model differs from {whose}: {diff}")
                 else:
                     self._learn_manifest(shapes)
                     log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
+                note = self.sessions.join(peer, _metadata(context, SESSION_KEY), address)
                 self._peers[peer] = PeerInfo(request.wire_dtype, tuple(trainable))
                 self._pool.set_limits(self._buffer_limits())
                 snap = self.state.snapshot()
         except Refused as exc:
             self._abort(context, exc)
-        log.info("peer %d joined (wire %s, uploads %d tensors)", peer, request.wire_dtype, len(trainable))
+        log.info("peer %d joined from %s%s (wire %s, uploads %d tensors)", peer, address, note, request.wire_dtype,
+                 len(trainable))
         return pb.JoinReply(current_round=_or_minus_one(snap.completed_round),
                             open_round=_or_minus_one(snap.open_round), data_port=self.data_port)
 
     # -- Upload -------------------------------------------------------------------------------
     def Upload(self, request_iterator: Iterator[pb.UploadMessage], context: grpc.ServicerContext) -> pb.UploadReply:
         def feed(decoder: TensorDecoder) -> None:
-            for message in request_iterator:
+            for message in messages:
                 if not message.HasField("chunk"):
                     raise ValueError("UploadMeta sent twice in one upload")
                 decoder.feed(message.chunk)
 
         try:
-            first = next(request_iterator, None)
-            if first is None or not first.HasField("meta"):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
-            self._check_identity(first.meta.peer_id, lambda: grpc_common_name(context))
-            return self.upload(first.meta.peer_id, first.meta.round, feed)
+            with self.guard.grpc_ticket(context) as ticket:
+                messages = _watched(request_iterator, ticket)
+                first = next(messages, None)
+                if first is None or not first.HasField("meta"):
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
+                peer = first.meta.peer_id
+                self._check_identity(peer, lambda: grpc_common_name(context))
+                ticket.claim(peer)
+                self._heard(peer, _metadata(context, SESSION_KEY))
+                return self.upload(peer, first.meta.round, feed)
         except Refused as exc:
             self._abort(context, exc)
+        except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
+            return pb.UploadReply()
 
     def upload(self, peer: int, step: int, feed: Callable[[TensorDecoder], None]) -> pb.UploadReply:
         """One upload through the round rules, whatever carries it (gRPC stream or raw-TCP data plane).
@@ -357,22 +418,32 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def Download(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.DownloadMessage]:
         context.add_callback(self._wake)
         try:
-            self._check_identity(request.peer_id, lambda: grpc_common_name(context))
-            ready = self.download(request.peer_id, request.round, request.full, context.is_active,
-                                  context.time_remaining())
+            ticket = self.guard.grpc_ticket(context)
         except Refused as exc:
             self._abort(context, exc)
-        if ready is None:
-            return
-        info, round_info, tensors, encoded = ready
-        sent = 0
-        try:
-            yield pb.DownloadMessage(info=round_info)
-            for chunk in encode_tensors(tensors, info.wire_dtype, encoded=encoded):
-                sent += len(chunk.data)
-                yield pb.DownloadMessage(chunk=chunk)
-        finally:
-            self.download_done(round_info.round, sent)
+        with ticket:
+            try:
+                self._check_identity(request.peer_id, lambda: grpc_common_name(context))
+                ticket.claim(request.peer_id)
+                self._heard(request.peer_id, _metadata(context, SESSION_KEY))
+                ticket.wait_for_round(True)
+                ready = self.download(request.peer_id, request.round, request.full, context.is_active,
+                                      context.time_remaining())
+                ticket.wait_for_round(False)
+            except Refused as exc:
+                self._abort(context, exc)
+            if ready is None:
+                return
+            info, round_info, tensors, encoded = ready
+            sent = 0
+            try:
+                yield pb.DownloadMessage(info=round_info)
+                for chunk in encode_tensors(tensors, info.wire_dtype, encoded=encoded):
+                    ticket.touch()  # the previous message went out
+                    sent += len(chunk.data)
+                    yield pb.DownloadMessage(chunk=chunk)
+            finally:
+                self.download_done(round_info.round, sent)
 
     def download(self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None
                  ) -> tuple[PeerInfo, pb.RoundInfo, Tensors, EncodedModel] | None:
@@ -444,8 +515,11 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
 
     # -- raw-TCP data plane (spes.sync.transport) -------------------------------------------------
     def serve_data(self, sock: socket.socket) -> None:
-        """One data-plane operation: the same round logic as Upload/Download, the payload as raw bytes."""
-        hello = transport.recv_hello(sock)
+        """One data-plane operation: the same round logic as Upload/Download, the payload as raw bytes.
+
+        Every receive is bounded by --stream_idle_timeout (the socket's timeout, set by the listener).
+        """
+        hello = transport.recv_hello(sock, DATA_MAX_FRAME_BYTES)
         if not token_matches(hello.get("token"), self.cfg.token):
             log.warning("refused a data-plane connection: missing or wrong token")
             transport.close_after_error(sock, transport.error_frame(
@@ -461,10 +535,13 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                               f"bad data-plane request: op {op!r}, peer_id {peer!r}, step {step!r}")
             self._check_identity(peer, lambda: tls_common_name(sock))
-            if op == "upload":
-                self._serve_upload(sock, peer, step)
-            else:
-                self._serve_download(sock, peer, step, bool(hello.get("full")), hello.get("timeout_s"))
+            with self.guard.admit(None, total=False) as ticket:  # NOTE: the listener bounds the total
+                ticket.claim(peer)
+                self._heard(peer, str(hello.get("session") or ""))
+                if op == "upload":
+                    self._serve_upload(sock, peer, step)
+                else:
+                    self._serve_download(sock, peer, step, bool(hello.get("full")), hello.get("timeout_s"))
         except Refused as exc:
             log.warning("refused (%s): %s", exc.code.name, exc)
             transport.close_after_error(sock, transport.error_frame(exc.code.name, str(exc), exc.reason))
@@ -475,7 +552,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         def feed(decoder: TensorDecoder) -> None:
             nonlocal received
             transport.send_frame(sock, {"status": "send"})
-            transport.recv_tensors(sock, decoder, len(decoder.expected))
+            transport.recv_tensors(sock, decoder, len(decoder.expected), DATA_MAX_FRAME_BYTES)
             received = True
 
         reply = self.upload(peer, step, feed)
@@ -528,6 +605,22 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                           f"peer {peer} has not joined this server: call Join first", "not_joined")
         return self._peers[peer], self._manifest
 
+    def presence(self, peer: int, session: str, address: str) -> Callable[[], None]:
+        """A peer process's presence stream opened (see `spes.sync.guard`); returns what to call when it ends."""
+        with self._cond:
+            self.sessions.present(peer, session, address)
+
+        def ended() -> None:
+            with self._cond:
+                self.sessions.absent(peer, session)
+
+        return ended
+
+    def _heard(self, peer: int, session: str) -> None:
+        """A call of `session` for `peer`: refresh its liveness, refuse it if another process replaced it."""
+        with self._cond:
+            self.sessions.heard(peer, session)
+
     def _check_identity(self, peer: int, common_name: Callable[[], str | None]) -> None:
         """With --tls_peer_ids: the caller's certificate (its common name, from either plane) must name `peer`."""
         if self.cfg.tls_peer_ids:
@@ -549,6 +642,29 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             aggregator = self._aggregator
         if aggregator is not None:
             aggregator.join(timeout=grace_s)
+        self.guard.stop()
+
+
+def _metadata(context: grpc.ServicerContext, key: str) -> str:
+    """The value of invocation metadata `key` ('' when absent)."""
+    return next((str(v) for k, v in (context.invocation_metadata() or ()) if k == key), "")
+
+
+def _watched(messages: Iterator[pb.UploadMessage], ticket: Ticket) -> Iterator[pb.UploadMessage]:
+    """The stream's messages, each one resetting its idle clock; TimeoutError if the watchdog ended it."""
+    for message in messages:
+        ticket.touch()
+        yield message
+    ticket.check()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _or_minus_one(value: int | None) -> int:
@@ -578,17 +694,27 @@ class ParameterServer:
 
 def start_server(cfg: ServerConfig) -> ParameterServer:
     """Restore `cfg.state_dir` if it holds a round, then bind and start the server (non-blocking)."""
+    cfg.check_exposure()
     servicer = SpesServicer(cfg)
+    try:
+        return _serve(cfg, servicer)
+    except BaseException:
+        servicer.guard.stop()
+        raise
+
+
+def _serve(cfg: ServerConfig, servicer: SpesServicer) -> ParameterServer:
     interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token is not None else []
-    executor = futures.ThreadPoolExecutor(max_workers=4 * cfg.total_peers + 8, thread_name_prefix="spes-rpc")
+    # NOTE: streams hold at most `max_streams` threads (StreamGuard); the rest serve Join, Status and health.
+    executor = futures.ThreadPoolExecutor(max_workers=cfg.max_streams + UNARY_RESERVE, thread_name_prefix="spes-rpc")
     server = grpc.server(
         executor,
         interceptors=interceptors,
         # NOTE: no SO_REUSEPORT: a second server on the same port must fail, not share the peers' calls.
-        options=[*grpc_options(cfg.max_message_mb), ("grpc.so_reuseport", 0)],
+        options=[*grpc_options(cfg.max_message_mb), ("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS],
     )
     pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
+    health_servicer = GuardedHealth(servicer.guard, servicer.presence)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert is not None and cfg.tls_key is not None:
@@ -604,8 +730,8 @@ def start_server(cfg: ServerConfig) -> ParameterServer:
     if cfg.data_port >= 0:
         tls = transport.server_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
         data_plane = _bind(lambda: transport.DataPlaneListener(
-            cfg.host, cfg.data_port, servicer.serve_data, tls=tls, max_connections=4 * cfg.total_peers + 8,
-            io_timeout_s=DATA_IO_TIMEOUT_S), f"{cfg.host}:{cfg.data_port}", "--data_port")
+            cfg.host, cfg.data_port, servicer.serve_data, tls=tls, max_connections=cfg.max_streams,
+            io_timeout_s=cfg.stream_idle_timeout_s), f"{cfg.host}:{cfg.data_port}", "--data_port")
         servicer.data_port = data_plane.port
     server.start()
     for service in ("", SERVICE_NAME):
@@ -641,12 +767,19 @@ def build_parser() -> argparse.ArgumentParser:
         "resume. See README 'Security'.",
     )
     add = parser.add_argument_group
+    parser.add_argument("run", nargs="?", metavar="RUN.yaml", default=None,
+                        help="a node YAML of the run (optional): the server then computes the model's manifest "
+                        "itself and refuses any node whose model differs; --total_peers, "
+                        "--num_train_experts_per_node and --mode default to the YAML's")
     run = add("run")
-    run.add_argument("--total_peers", type=int, required=True, help="number of peers (nodes) in the run")
-    run.add_argument("--num_train_experts_per_node", type=int, required=True,
-                     help="experts per ownership block; peer p owns experts [p*k, (p+1)*k) of every layer")
-    run.add_argument("--mode", choices=("spes", "diloco"), default="spes",
-                     help="spes: experts from their owners + averaged shared params; diloco: average everything")
+    run.add_argument("--total_peers", type=int, default=None, help="number of peers (nodes) in the run (required "
+                     "without RUN.yaml)")
+    run.add_argument("--num_train_experts_per_node", type=int, default=None,
+                     help="experts per ownership block; peer p owns experts [p*k, (p+1)*k) of every layer (required "
+                     "without RUN.yaml)")
+    run.add_argument("--mode", choices=("spes", "diloco"), default=None,
+                     help="spes: experts from their owners + averaged shared params; diloco: average everything "
+                     "(default: the YAML's, else spes)")
     run.add_argument("--state_dir", default=None,
                      help="persist every completed round here (atomically) and resume from it on restart")
     rounds = add("rounds and dead peers")
@@ -664,6 +797,23 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--data_port", type=int, default=-1,
                      help="TCP port of the raw data plane for tensor payloads, ~10x faster than gRPC (0: let the OS "
                      "choose, advertised to peers at Join; -1: disabled, tensors go over gRPC)")
+    limits = add("limits (what no peer, careless or hostile, may exceed)")
+    limits.add_argument("--stream_idle_timeout", type=float, default=60.0,
+                        help="close an upload/download stream (either plane) that sends nothing for this many "
+                        "seconds (DEADLINE_EXCEEDED); its partial upload is dropped")
+    limits.add_argument("--max_streams", type=int, default=64,
+                        help="upload/download streams served at once per plane; more: RESOURCE_EXHAUSTED")
+    limits.add_argument("--max_streams_per_peer", type=int, default=6,
+                        help="streams one peer id may hold open at once; more: RESOURCE_EXHAUSTED")
+    limits.add_argument("--max_model_gb", type=float, default=MAX_MODEL_GB,
+                        help="without RUN.yaml: largest model (GB in fp32) a join may declare (the paper's 9B "
+                        "upcycled config is 37.7 GB)")
+    limits.add_argument("--max_tensors", type=int, default=MAX_TENSORS,
+                        help="most tensors a join's manifest may declare (the 9B upcycled config has 591)")
+    limits.add_argument("--peer_liveness", type=float, default=10.0,
+                        help="a second process joining with a live peer's peer_id is refused (ALREADY_EXISTS); a "
+                        "peer is live while its presence stream is open (spes clients keep one), or, a client "
+                        "without one, when heard from within this many seconds")
     merge = add("expert-merging warm-up (spes mode)")
     merge.add_argument("--merge_interval", type=int, default=500,
                        help="merge on steps that are multiples of this (<=0: never)")
@@ -684,14 +834,50 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls_client_ca", default=None, help="PEM CA that must have signed client certificates (mTLS)")
     sec.add_argument("--tls_peer_ids", action="store_true",
                      help="with mTLS, a node may only act as the peer its certificate names (CN peer-<id>)")
+    sec.add_argument("--insecure", action="store_true",
+                     help="allow a non-loopback --host without a token, or with a token but without TLS (refused "
+                     "otherwise: anyone on the network could join, or read the token)")
     parser.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
 
+def manifest_of_run(path: str) -> tuple[dict[str, Shape], TrainConfig]:
+    """The name and shape of every tensor of the run's model (built on the meta device) and the run's config."""
+    from spes.config import load_config  # NOTE: lazy, so a server without RUN.yaml never imports the model
+    from spes.model import Transformer
+
+    cfg, _ = load_config(path)
+    with torch.device("meta"):
+        model = Transformer.for_run(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}, cfg
+
+
+def _run_settings(args: argparse.Namespace) -> tuple[int, int, Mode, dict[str, Shape] | None]:
+    """--total_peers, --num_train_experts_per_node, --mode and the expected manifest: from the flags and RUN.yaml,
+    which must agree."""
+    given = {"--total_peers": args.total_peers, "--num_train_experts_per_node": args.num_train_experts_per_node,
+             "--mode": args.mode}
+    manifest = None
+    if args.run is not None:
+        manifest, run = manifest_of_run(args.run)
+        of_run = {"--total_peers": run.spes_config.num_peers, "--num_train_experts_per_node": run.expert_block_size(),
+                  "--mode": "diloco" if run.using_dilico else "spes"}
+        for flag, value in given.items():
+            if value is not None and value != of_run[flag]:
+                raise ValueError(f"{flag}={value} disagrees with {args.run}, whose run has {of_run[flag]}: drop the "
+                                 "flag or fix the YAML")
+        given = of_run
+    missing = [flag for flag in ("--total_peers", "--num_train_experts_per_node") if given[flag] is None]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)} required (or give the run's YAML as RUN.yaml)")
+    return given["--total_peers"], given["--num_train_experts_per_node"], given["--mode"] or "spes", manifest
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    total_peers, experts_per_peer, mode, manifest = _run_settings(args)
     return ServerConfig(
-        total_peers=args.total_peers, experts_per_peer=args.num_train_experts_per_node, host=args.host,
-        port=args.port, mode=args.mode,
+        total_peers=total_peers, experts_per_peer=experts_per_peer, host=args.host,
+        port=args.port, mode=mode,
         merge=MergeConfig(interval=args.merge_interval, alpha_start=args.merge_alpha_start,
                           decay_steps=args.merge_decay_steps, topk=args.merge_topk),
         outer=OuterConfig(optimizer=args.outer_optimizer, lr=args.outer_lr, momentum=args.outer_momentum),
@@ -699,6 +885,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         state_dir=args.state_dir, token=read_token(args.token_file, "--token_file"), tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_peer_ids=args.tls_peer_ids,
         max_message_mb=args.max_message_mb, data_port=args.data_port,
+        stream_idle_timeout_s=args.stream_idle_timeout, max_streams=args.max_streams,
+        max_streams_per_peer=args.max_streams_per_peer, peer_liveness_s=args.peer_liveness,
+        max_model_gb=args.max_model_gb, max_tensors=args.max_tensors, expected_manifest=manifest,
+        insecure=args.insecure,
     )
 
 

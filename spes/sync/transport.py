@@ -21,6 +21,7 @@ client's retry/re-join/catch-up logic treats both planes alike (see protos/spes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -35,7 +36,8 @@ from typing import Any
 import torch
 
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.wire import PROTOCOL_VERSION, Encoded, TensorDecoder, payload_bytes, read_file, write_raw
+from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, PROTOCOL_VERSION, Encoded, TensorDecoder, payload_bytes, \
+    read_file, write_raw
 
 log = logging.getLogger("spes.transport")
 
@@ -68,13 +70,13 @@ def send_frame(sock: socket.socket, frame: Frame) -> None:
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def recv_frame(sock: socket.socket) -> Frame:
-    """One JSON control frame; its length is checked before it is read."""
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> Frame:
+    """One JSON control frame; its length is checked against `limit` before anything is allocated or read."""
     head = bytearray(_LENGTH.size)
     recv_exactly(sock, memoryview(head))
     (length,) = _LENGTH.unpack(head)
-    if length > MAX_FRAME_BYTES:
-        raise TransportError(f"control frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if length > limit:
+        raise TransportError(f"control frame of {length} bytes exceeds the {limit}-byte limit")
     data = bytearray(length)
     recv_exactly(sock, memoryview(data))
     try:
@@ -95,14 +97,14 @@ def send_hello(sock: socket.socket, request: Frame) -> None:
     send_frame(sock, request)
 
 
-def recv_hello(sock: socket.socket) -> Frame:
+def recv_hello(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> Frame:
     """The client's handshake: magic and version first, so a stray connection is refused unread."""
     head = bytearray(_PREAMBLE.size)
     recv_exactly(sock, memoryview(head))
     magic, version = _PREAMBLE.unpack(head)
     if magic != MAGIC or version != VERSION:
         raise TransportError(f"not a SPES data-plane v{VERSION} client (magic {magic!r}, version {version})")
-    return recv_frame(sock)
+    return recv_frame(sock, limit)
 
 
 # -- tensors ------------------------------------------------------------------------------------------------------
@@ -134,10 +136,11 @@ def header_of(frame: Frame) -> pb.TensorHeader:
         raise ValueError(f"tensor header {frame.get('name')!r}: {exc}") from None
 
 
-def recv_tensors(sock: socket.socket, decoder: TensorDecoder, count: int) -> dict[str, torch.Tensor]:
+def recv_tensors(sock: socket.socket, decoder: TensorDecoder, count: int,
+                 limit: int = MAX_FRAME_BYTES) -> dict[str, torch.Tensor]:
     """Receive `count` tensors into `decoder`'s manifest-sized buffers; every header is checked before its payload."""
     for _ in range(count):
-        decoder.feed_raw(header_of(recv_frame(sock)), lambda buf: recv_exactly(sock, buf))
+        decoder.feed_raw(header_of(recv_frame(sock, limit)), lambda buf: recv_exactly(sock, buf))
     return decoder.finish()
 
 
@@ -182,10 +185,20 @@ def client_tls(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLCont
     return context
 
 
+def tune(sock: socket.socket) -> None:
+    """No Nagle delay; TCP keepalive so a vanished other end is noticed within KEEPALIVE_S + KEEPALIVE_TIMEOUT_S."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_TIMEOUT_S // 2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 2)
+
+
 def connect(host: str, port: int, tls: ssl.SSLContext | None, timeout_s: float) -> socket.socket:
     """A data-plane connection (TLS-wrapped when `tls`), every blocking call bounded by `timeout_s`."""
     sock = socket.create_connection((host, port), timeout=timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    tune(sock)
     if tls is None:
         return sock
     try:
@@ -200,7 +213,9 @@ class DataPlaneListener:
     """Accepts data-plane connections on its own thread, one bounded handler thread per connection.
 
     `handle(sock)` owns the (TLS-wrapped) socket for one operation; the listener closes it afterwards.
-    Past `max_connections` concurrent connections a new one is answered "busy" (the client retries).
+    Past `max_connections` concurrent connections a new one is refused with RESOURCE_EXHAUSTED, reason "busy"
+    (the client retries). Every receive is bounded by `io_timeout_s`; a connection that sends nothing for that
+    long is answered DEADLINE_EXCEEDED and closed.
     """
 
     def __init__(self, host: str, port: int, handle: Callable[[socket.socket], None], *,
@@ -225,9 +240,9 @@ class DataPlaneListener:
                     return
                 raise
             conn.settimeout(self._io_timeout_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune(conn)
             if not self._slots.acquire(blocking=False):
-                threading.Thread(target=self._refuse_busy, args=(conn,), daemon=True).start()
+                self._refuse_busy(conn)
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="spes-data-conn", daemon=True).start()
 
@@ -236,6 +251,11 @@ class DataPlaneListener:
             if self._tls is not None:
                 conn = self._tls.wrap_socket(conn, server_side=True)
             self._handle(conn)
+        except TimeoutError:
+            log.warning("data-plane connection idle for %g s: closed (--stream_idle_timeout)", self._io_timeout_s)
+            with contextlib.suppress(OSError):
+                send_frame(conn, error_frame("DEADLINE_EXCEEDED", f"nothing received for --stream_idle_timeout="
+                                             f"{self._io_timeout_s:g} s: connection closed, nothing it sent was kept"))
         except (OSError, TransportError) as exc:
             log.warning("data-plane connection dropped: %s", exc)
         finally:
@@ -243,10 +263,13 @@ class DataPlaneListener:
             self._slots.release()
 
     def _refuse_busy(self, conn: socket.socket) -> None:
+        """Answer "busy" without a thread: a plain socket takes the short frame at once; a TLS one (whose
+        handshake could stall) is closed, which the client also retries."""
         try:
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)
-            send_frame(conn, error_frame("UNAVAILABLE", "too many data-plane connections: retry shortly", "busy"))
+            if self._tls is None:
+                conn.settimeout(0.1)
+                send_frame(conn, error_frame("RESOURCE_EXHAUSTED", "too many data-plane connections: retry "
+                                             "shortly", "busy"))
         except OSError:
             pass
         finally:

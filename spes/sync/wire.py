@@ -45,16 +45,27 @@ Shape = tuple[int, ...]
 Encoded = tuple[torch.Tensor, int]  # a tensor's wire form (contiguous CPU tensor of the wire dtype) and its checksum
 
 
+KEEPALIVE_S = 20
+"""Seconds between HTTP/2 keepalive pings (both ends, also on idle connections)."""
+KEEPALIVE_TIMEOUT_S = 10
+"""A ping unanswered this long closes the connection: a vanished peer or server is noticed within 30 s."""
+KEEPALIVE_SERVER_OPTIONS = [
+    # NOTE: grpc servers by default refuse pings more often than every 5 minutes (GOAWAY too_many_pings).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
     """Channel options shared by server and client: message limits and keepalive for long round waits."""
     limit = max_message_mb * 2**20
     return [
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", limit),
-        ("grpc.keepalive_time_ms", 60_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_S * 1000),
         ("grpc.http2.max_pings_without_data", 0),
         # NOTE: grpc's default reconnect backoff grows to 120 s, longer than our own retry schedule.
         ("grpc.max_reconnect_backoff_ms", 5_000),

@@ -1,0 +1,278 @@
+"""What keeps the parameter server answering under hostile or careless load: stream limits, idle deadlines, sessions.
+
+A synchronous gRPC server serves every call on a thread of a bounded pool, so a stream that never sends its
+next message would hold a thread for ever, and enough of them would stop the server (Status included).
+`StreamGuard` bounds that:
+
+- every Upload/Download stream (both planes) takes a slot: at most `max_streams` in all and `max_per_peer` for
+  one peer id; past either the call is refused at once with RESOURCE_EXHAUSTED (reason `busy`, retried by
+  clients with backoff). The pool has `max_streams + UNARY_RESERVE` threads, so Join, Status and the health
+  check always find one;
+- a watchdog cancels every stream that has neither received nor sent a message for `idle_timeout_s` with
+  DEADLINE_EXCEEDED, unless it is waiting for its round (a Download blocked on the other peers is not idle;
+  the round timeout and the caller's own deadline bound that wait). The handler then sees the stream end,
+  and `Ticket.check` turns that into `TimeoutError`, so a partial upload is discarded like a broken one.
+
+`Sessions` tells a second live process claiming a joined peer id from a restarted one. Each `SyncClient`
+sends a random per-process session id with every call (gRPC metadata `spes-session`, data-plane field
+`session`) and, once joined, keeps one presence stream open: a standard health `Watch` call carrying its
+session. The stream lasts exactly as long as the process's connection: it ends at once when the process dies
+(its kernel closes the socket) and within the keepalive time (`spes.sync.wire.KEEPALIVE_S`) when the host or
+the network goes away. A Join for a peer id whose current session holds a presence stream (or, never having
+opened one, was heard from within `liveness_s`) is refused with ALREADY_EXISTS naming both addresses;
+otherwise the new process replaces the old one, whose later calls are refused (reason `superseded`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health
+
+from spes.sync.rounds import Refused
+
+log = logging.getLogger("spes.server")
+
+UNARY_RESERVE = 16
+"""Handler threads beyond the stream slots: Join, Status and the health check never wait behind streams."""
+SESSION_KEY = "spes-session"
+"""gRPC metadata key carrying a client process's random session id."""
+PEER_KEY = "spes-peer"
+"""gRPC metadata key naming the peer id a heartbeat (Status call) is sent for."""
+
+
+def cancel_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """End a server call from another thread with `code` (grpc's public `cancel()` can only say CANCELLED)."""
+    try:
+        # NOTE: grpc-python's server context has no public way to end a call from another thread with a status;
+        # its core call object does (grpc_call_cancel_with_status).
+        context._rpc_event.call.cancel(code.value[0], details)  # type: ignore[attr-defined]
+    except AttributeError:
+        context.cancel()
+
+
+class Ticket:
+    """One admitted stream: its activity clock, peer claim and how the watchdog ends it."""
+
+    def __init__(self, guard: StreamGuard, cancel: Callable[[str], None] | None) -> None:
+        self._guard, self._cancel = guard, cancel
+        self.peer: int | None = None
+        self.last_active = time.monotonic()
+        self.waiting = False
+        self.expired = False
+
+    def touch(self) -> None:
+        """A message went in or out: the stream is alive."""
+        self.last_active = time.monotonic()
+
+    def wait_for_round(self, waiting: bool) -> None:
+        """While True the stream waits on the round, not on its client, and is never idle."""
+        self.waiting = waiting
+        self.touch()
+
+    def claim(self, peer: int) -> None:
+        """Count this stream against `peer`'s limit (once its peer id is known); raises Refused past it."""
+        self._guard._claim(self, peer)
+
+    def check(self) -> None:
+        """Raise TimeoutError if the watchdog ended this stream (its end then means nothing was received)."""
+        if self.expired:
+            raise TimeoutError(f"no message for --stream_idle_timeout={self._guard.idle_timeout_s:g} s")
+
+    def expire(self) -> None:
+        self.expired = True
+        if self._cancel is not None:
+            self._cancel(f"no message for --stream_idle_timeout={self._guard.idle_timeout_s:g} s: stream closed, "
+                         "nothing it sent was kept")
+
+    def close(self) -> None:
+        self._guard._release(self)
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+class StreamGuard:
+    """Stream slots (total and per peer) and the idle-stream watchdog; thread-safe. Stop with `stop()`."""
+
+    def __init__(self, *, idle_timeout_s: float, max_streams: int, max_per_peer: int) -> None:
+        self.idle_timeout_s, self.max_streams, self.max_per_peer = idle_timeout_s, max_streams, max_per_peer
+        self._lock = threading.Lock()
+        self._tickets: set[Ticket] = set()
+        self._per_peer: dict[int, int] = {}
+        self._stopping = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="spes-stream-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def admit(self, cancel: Callable[[str], None] | None, *, total: bool = True) -> Ticket:
+        """A slot for a new stream, or Refused RESOURCE_EXHAUSTED; `cancel(details)` ends it when idle.
+
+        `total=False`: counted against its peer only, not watched (the data plane's listener bounds its
+        connections and its socket timeouts bound every receive).
+        """
+        with self._lock:
+            if not total:
+                return Ticket(self, cancel)
+            if len(self._tickets) >= self.max_streams:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"the server already serves --max_streams={self.max_streams} streams: retry shortly",
+                              "busy")
+            ticket = Ticket(self, cancel)
+            self._tickets.add(ticket)
+            return ticket
+
+    def grpc_ticket(self, context: grpc.ServicerContext) -> Ticket:
+        """`admit` for a gRPC call, ended with DEADLINE_EXCEEDED when idle."""
+        return self.admit(lambda details: cancel_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, details))
+
+    def _claim(self, ticket: Ticket, peer: int) -> None:
+        with self._lock:
+            if ticket.peer is not None:
+                return
+            if self._per_peer.get(peer, 0) >= self.max_per_peer:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"peer {peer} already has --max_streams_per_peer={self.max_per_peer} streams open: "
+                              "retry shortly", "busy")
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+            ticket.peer = peer
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._tickets.discard(ticket)
+            if ticket.peer is not None:
+                self._per_peer[ticket.peer] -= 1
+                if not self._per_peer[ticket.peer]:
+                    del self._per_peer[ticket.peer]
+                ticket.peer = None
+
+    @property
+    def open_streams(self) -> int:
+        with self._lock:
+            return len(self._tickets)
+
+    def _watch(self) -> None:
+        period = min(1.0, self.idle_timeout_s / 4)
+        while not self._stopping.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                idle = [t for t in self._tickets
+                        if not t.waiting and not t.expired and now - t.last_active > self.idle_timeout_s]
+            for ticket in idle:
+                log.warning("stream of peer %s idle for %.0f s: closed (--stream_idle_timeout)",
+                            "unknown" if ticket.peer is None else ticket.peer, now - ticket.last_active)
+                ticket.expire()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._watchdog.join(timeout=2.0)
+
+
+class GuardedHealth(health.HealthServicer):
+    """The gRPC health service. Its Watch streams (long-lived by design) hold slots of the guard; one carrying a
+    peer's session (metadata `spes-peer`, `spes-session`) is that process's presence (`on_presence`)."""
+
+    def __init__(self, guard: StreamGuard, on_presence: Callable[[int, str, str], Callable[[], None]]) -> None:
+        super().__init__()
+        self._guard, self._on_presence = guard, on_presence
+
+    def Watch(self, request: object, context: grpc.ServicerContext, send_response_callback: object = None) -> object:
+        metadata = dict(context.invocation_metadata() or ())
+        peer, session = str(metadata.get(PEER_KEY, "")), str(metadata.get(SESSION_KEY, ""))
+        try:
+            ticket = self._guard.grpc_ticket(context)
+            if peer.isdigit() and session:
+                try:
+                    ticket.claim(int(peer))
+                    context.add_callback(self._on_presence(int(peer), session, context.peer()))
+                except Refused:
+                    ticket.close()
+                    raise
+        except Refused as exc:
+            context.abort(exc.code, str(exc))
+        ticket.wait_for_round(True)  # a watch waits on the server's state, never idle
+        context.add_callback(ticket.close)
+        return super().Watch(request, context, send_response_callback)
+
+
+@dataclass
+class Session:
+    """The process currently acting as a peer id: its session id, address, when it was last heard from and
+    how many presence streams it holds open."""
+
+    session: str
+    address: str
+    last_seen: float
+    presence: int = 0
+    watched: bool = False
+    """It has opened a presence stream: from then on it is live exactly while one is open."""
+
+    def live(self, now: float, liveness_s: float) -> bool:
+        return self.presence > 0 if self.watched else now - self.last_seen < liveness_s
+
+
+class Sessions:
+    """Which process is each joined peer id; not thread-safe (the server calls it under its lock)."""
+
+    def __init__(self, liveness_s: float) -> None:
+        self.liveness_s = liveness_s
+        self._by_peer: dict[int, Session] = {}
+
+    def join(self, peer: int, session: str, address: str) -> str:
+        """Record `session` as peer `peer`; raises Refused ALREADY_EXISTS while another session of it is live.
+
+        Returns a note for the join log ('' for a first join or the same process joining again).
+        """
+        now = time.monotonic()
+        current = self._by_peer.get(peer)
+        note = ""
+        if current is not None and current.session == session:
+            current.address, current.last_seen = address, now
+            return ""
+        if current is not None:
+            if current.live(now, self.liveness_s):
+                raise Refused(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"peer_id {peer} is already joined by a live process at {current.address}; this join came "
+                    f"from {address}: give every node its own spes_config.peer_id (a restarted node is admitted "
+                    "as soon as its old process's connection is gone)", "duplicate_peer")
+            note = f" (replaces the process at {current.address}, whose connection is gone)"
+        self._by_peer[peer] = Session(session, address, now)
+        return note
+
+    def present(self, peer: int, session: str, address: str) -> None:
+        """A presence stream of `session` opened (a process that is not, or no longer, joined may re-register)."""
+        current = self._by_peer.get(peer)
+        if current is None or (current.session != session and not current.live(time.monotonic(), self.liveness_s)):
+            current = self._by_peer[peer] = Session(session, address, time.monotonic())
+        if current.session == session:
+            current.presence += 1
+            current.watched = True
+
+    def absent(self, peer: int, session: str) -> None:
+        """A presence stream of `session` ended."""
+        current = self._by_peer.get(peer)
+        if current is not None and current.session == session:
+            current.presence -= 1
+
+    def heard(self, peer: int, session: str) -> None:
+        """A call of `session` for `peer` arrived; refuses a session another process of that peer replaced."""
+        current = self._by_peer.get(peer)
+        if current is None or not session:
+            return
+        if current.session != session:
+            raise Refused(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"peer_id {peer} has been taken over by another process at {current.address}: this process "
+                f"stops; give every node its own spes_config.peer_id", "superseded")
+        current.last_seen = time.monotonic()
+
+    def forget(self) -> None:
+        self._by_peer.clear()
