@@ -2,11 +2,12 @@
 
     python -m spes.preflight --gpu [CONFIG.yaml] [--section.key=value ...]
 
-On a machine with CUDA: a bf16 forward and backward of one decoder block of the config (its MoE backend,
-megablocks included, and `torch.compile` when the config's `compile` is set) with tokens/s, MFU and peak
-memory; with several GPUs it re-launches itself under torchrun for an NCCL all-reduce across them (bus
-bandwidth) and one FSDP2 training step of a two-layer version of the model. Without CUDA it says so in one
-line and checks nothing.
+On a machine with CUDA: a bf16 forward and backward of one decoder block of the config through its MoE backend
+(`model.moe_backend`: megablocks or grouped_mm when the config picks them) with tokens/s, MFU and peak memory;
+with several GPUs it re-launches itself under torchrun for an NCCL all-reduce across them (bus bandwidth) and
+one FSDP2 training step of a two-layer version of the model. The trainer never calls `torch.compile` (the
+config's `compile` key is inert), so there is no compiled path to smoke. Without CUDA it says so in one line
+and checks nothing.
 """
 
 from __future__ import annotations
@@ -30,69 +31,90 @@ ITERS = 5
 ALL_REDUCE_BYTES = 256 << 20
 
 
-def peak_flops(name: str) -> tuple[float, str]:
+def peak_flops(device: torch.device) -> tuple[float, str]:
+    """The device's peak rate for MFU: a GPU's datasheet bf16 figure, else its measured matmul rate."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
         if key in name:
             return flops, "datasheet"
-    return matmul_flops_per_s("cuda"), "measured matmul"
+    return matmul_flops_per_s(device.type), "measured matmul"
 
 
-def timed(step: Callable[[], None]) -> float:
-    """Seconds per call of `step` on the GPU, after one warm-up call."""
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory(device: torch.device) -> str:
+    return gib(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else "n/a (CPU)"
+
+
+def timed(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds per call of `step`, after one warm-up call."""
     step()
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(ITERS):
         step()
-    torch.cuda.synchronize()
+    synchronize(device)
     return (time.perf_counter() - start) / ITERS
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def check_block(cfg: object, device: torch.device) -> Check:
     """bf16 autocast forward + backward of one decoder block on one micro-batch."""
     from spes.config import TrainConfig
-    from spes.model import Block, rope_tables, tflops_per_token
+    from spes.model import Block, analytic_param_counts, rope_tables
 
     assert isinstance(cfg, TrainConfig)
     m = cfg.model
     owned = cfg.owned_experts()
     block = Block(m, block_size=cfg.expert_block_size(),
                   trainable_block=None if owned is None else cfg.spes_config.peer_id).to(device)
-    run = torch.compile(block) if cfg.compile else block
     cos, sin = rope_tables(m.max_sequence_length, m.head_dim, m.rope_theta, device=device)
     x = torch.randn(cfg.device_train_microbatch_size, m.max_sequence_length, m.d_model, device=device,
                     requires_grad=True)
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y, lb, z, _ = run(x, cos, sin)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y, lb, z, _ = block(x, cos, sin)
         (y.float().square().mean() + lb + z).backward()
 
-    torch.cuda.reset_peak_memory_stats(device)
-    seconds = timed(step)
+    reset_peak_memory(device)
+    seconds = timed(step, device)
     tokens = x.shape[0] * x.shape[1]
-    flops = tflops_per_token(m) * 1e12 / m.n_layers * tokens
-    peak, source = peak_flops(torch.cuda.get_device_name(device))
-    return ok("block", f"one block (d_model {m.d_model}, {m.moe_num_experts} experts, backend {m.moe_backend}"
-              f"{', torch.compile' if cfg.compile else ''}), micro-batch {x.shape[0]} x {x.shape[1]}: "
-              f"{tokens / seconds:,.0f} tokens/s, MFU {flops / seconds / peak:.1%} (of {peak / 1e12:,.0f} TFLOP/s, "
-              f"{source}), peak memory {gib(torch.cuda.max_memory_allocated(device))}")
+    assert m.embedding_size is not None
+    counts = analytic_param_counts(m)
+    # NOTE: a block's active matmul parameters: all active ones but the embedding, LM head and final norm
+    per_block = (counts.active_per_token - 2 * m.embedding_size * m.d_model - m.d_model) / m.n_layers
+    flops = (6 * per_block + 6 * m.d_model * m.max_sequence_length) * tokens
+    peak, source = peak_flops(device)
+    return ok("block", f"one block (d_model {m.d_model}, {m.moe_num_experts} experts, backend {m.moe_backend}), "
+              f"micro-batch {x.shape[0]} x {x.shape[1]}: "
+              f"{tokens / seconds:,.0f} tokens/s, MFU {flops / seconds / peak:.1%} (of {peak / 1e12:,.3g} TFLOP/s, "
+              f"{source}), peak memory {peak_memory(device)}")
 
 
-def check_all_reduce(world: int, device: torch.device) -> Check:
+def check_all_reduce(world: int, device: torch.device, num_bytes: int = ALL_REDUCE_BYTES) -> Check:
+    """All-reduce of `num_bytes` of bf16 ones across the node's ranks: bus bandwidth, and the sum checked."""
     import torch.distributed as dist
 
     if world == 1:
         return skip("nccl", "one GPU: no all-reduce to test")
-    x = torch.full((ALL_REDUCE_BYTES // 2,), 1.0, dtype=torch.bfloat16, device=device)
-    seconds = timed(lambda: dist.all_reduce(x))
+    x = torch.full((num_bytes // 2,), 1.0, dtype=torch.bfloat16, device=device)
+    seconds = timed(lambda: dist.all_reduce(x), device)
     x.fill_(1.0)
     dist.all_reduce(x)
     if not bool((x == world).all()):
         return fail("nccl", f"all-reduce of ones over {world} GPUs did not give {world}",
                     "check the NCCL installation and the GPUs' interconnect (NCCL_DEBUG=INFO)")
-    bus = 2 * (world - 1) / world * ALL_REDUCE_BYTES / seconds
-    return ok("nccl", f"all-reduce of {ALL_REDUCE_BYTES >> 20} MiB bf16 over {world} GPUs: {seconds * 1e3:.1f} ms, "
+    bus = 2 * (world - 1) / world * num_bytes / seconds
+    return ok("nccl", f"all-reduce of {gib(num_bytes)} bf16 over {world} {dist.get_backend()} ranks: "
+              f"{seconds * 1e3:.1f} ms, "
               f"bus bandwidth {bus / 1e9:,.1f} GB/s")
 
 
@@ -118,19 +140,18 @@ def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Chec
     optimizer = build_optimizer(model, small.optimizer)
     batch = torch.randint(0, small.model.vocab_size, (small.device_train_microbatch_size,
                                                        small.model.max_sequence_length + 1), device=device)
-    torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     start = time.perf_counter()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(batch[:, :-1])
     loss = language_model_loss(out.logits, batch[:, 1:]) + out.lb_loss + out.z_loss
     loss.backward()
     optimizer.step()
-    torch.cuda.synchronize()
+    synchronize(device)
     if not torch.isfinite(loss):
         return fail("fsdp", f"loss {loss.item()} after one FSDP2 step", "check the model config and precision")
-    return ok("fsdp", f"one FSDP2 step of a {small.model.n_layers}-layer model over {world} GPUs: loss "
-              f"{loss.item():.3f}, {time.perf_counter() - start:.2f} s (first step, compiles kernels), peak memory "
-              f"{gib(torch.cuda.max_memory_allocated(device))}")
+    return ok("fsdp", f"one FSDP2 step of a {small.model.n_layers}-layer model over {world} ranks: loss "
+              f"{loss.item():.3f}, {time.perf_counter() - start:.2f} s (first step), peak memory {peak_memory(device)}")
 
 
 def guarded(name: str, check: Callable[[], Check]) -> Check:

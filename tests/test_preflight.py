@@ -221,13 +221,6 @@ def test_model_state_bytes_count_what_the_node_builds(node: list[str]) -> None:
     assert activation_bytes_per_sequence(ckpt) < activation_bytes_per_sequence(cfg)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_gpu_check_says_in_one_line_that_there_is_no_cuda(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--gpu"]) == 0
-    out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and out[0].startswith("gpu: no CUDA device")
-
-
 # -- the launch scripts -------------------------------------------------------------------------------------------
 def stand_in_python(tmp_path: Path, devices: str) -> Path:
     """An interpreter that answers the device count like spes.preflight on a machine with `devices` GPUs and
@@ -284,3 +277,18 @@ def test_run_single_node_preflight_for_real(server: str, node: list[str]) -> Non
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "node 0: 1 process(es) on the CPU" in proc.stdout
     assert "preflight passed" in proc.stdout
+
+
+def test_run_cluster_nodes_launch_on_every_device_their_interpreter_counts(tmp_path: Path) -> None:
+    python = stand_in_python(tmp_path, 'echo "${NPROC_PER_NODE:-8} 8 CUDA GPU(s) (stand-in)"; exit 0')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "NPROC_PER_NODE"}
+    env.update(SLURM_JOB_ID="1", SPES_CLUSTER_ROLE="node", SLURM_PROCID="1", SERVER_ADDR="10.0.0.1:50051",
+               CONFIG=TINY, PYTHON=str(python))
+    script = ["bash", "run_scripts/run_cluster.sh"]
+    proc = subprocess.run(script, cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "node 1 on" in proc.stdout and "8 process(es) on 8 CUDA GPU(s) (stand-in)" in proc.stdout
+    assert "RUN -m torch.distributed.run --standalone --nproc_per_node=8 -m spes.train" in proc.stdout
+    proc = subprocess.run(script, cwd=REPO, capture_output=True, text=True, env={**env, "SLURM_GPUS_ON_NODE": "2"},
+                          timeout=60)
+    assert "--nproc_per_node=2 " in proc.stdout  # what SLURM allotted wins over the count
