@@ -27,14 +27,20 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
+def shard_for(path: Path, tokenizer: LoadedTokenizer, vocab_size: int) -> Path:
+    """128 sequences of 64 random ids below `vocab_size`, recorded as written with `tokenizer`."""
+    tokens = np.random.default_rng(0).integers(0, vocab_size, 64 * 128).astype(np.uint16)
+    shard = write_token_shard(path, tokens, with_sidecar=False)
+    write_shard_info(shard, ShardInfo(tokenizer_fingerprint=tokenizer.fingerprint, vocab_size=vocab_size,
+                                      eos_token_id=0, dtype="uint16", num_tokens=len(tokens), num_documents=1,
+                                      source_files=("synthetic",)))
+    return shard
+
+
 @pytest.fixture
 def node(tmp_path: Path, tokenizer: LoadedTokenizer) -> list[str]:
     """Overrides that make configs/tiny.yaml (peer 0 of 4, 2 experts each) a node with real local data."""
-    tokens = np.random.default_rng(0).integers(0, tokenizer.vocab_size, 64 * 128).astype(np.uint16)
-    shard = write_token_shard(tmp_path / "train.npy", tokens, with_sidecar=False)
-    write_shard_info(shard, ShardInfo(tokenizer_fingerprint=tokenizer.fingerprint, vocab_size=tokenizer.vocab_size,
-                                      eos_token_id=0, dtype="uint16", num_tokens=len(tokens), num_documents=1,
-                                      source_files=("synthetic",)))
+    shard = shard_for(tmp_path / "train.npy", tokenizer, tokenizer.vocab_size)
     return [TINY, f"--model.vocab_size={tokenizer.vocab_size}", f"--model.embedding_size={tokenizer.vocab_size}",
             f"--tokenizer.identifier={tokenizer.path}", f"--data.paths=[{shard}]", "--max_duration=4st",
             f"--save_folder={tmp_path / 'out'}", "--spes_config.rpc_timeout_s=10", "--link_mb=2"]
@@ -144,12 +150,17 @@ def test_a_missing_data_path_fails_the_data_check(server: str, node: list[str], 
     assert status(server) == before
 
 
-def test_too_few_tokens_or_another_vocabulary_fail_the_data_check(server: str, node: list[str],
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_too_few_tokens_or_another_vocabulary_fail_the_data_check(
+        server: str, node: list[str], tokenizer: LoadedTokenizer, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", "--max_duration=100st")
     assert rc == 1 and lines["data"].startswith("FAIL")
     assert "128 sequences" in lines["data"] and "the run reads 1,600" in lines["data"]
     assert "shorten max_duration" in lines["data"]
+    other = shard_for(tmp_path / "other.npy", tokenizer, 1000)
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{other}]")
+    assert rc == 1 and lines["data"].startswith("FAIL")
+    assert "written for a vocabulary of 1000" in lines["data"] and "re-tokenize" in lines["data"]
 
 
 def test_a_config_that_cannot_fit_the_memory_budget_fails_the_memory_check(
@@ -268,6 +279,7 @@ def test_run_single_node_refuses_to_guess_when_its_interpreter_cannot_count(tmp_
     assert "RUN" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_run_single_node_preflight_for_real(server: str, node: list[str]) -> None:
     """The script's --preflight end to end with the project's interpreter (no stand-in)."""
     proc = subprocess.run(["bash", "run_scripts/run_single_node.sh", "0", "--preflight", *node[1:],
@@ -292,3 +304,34 @@ def test_run_cluster_nodes_launch_on_every_device_their_interpreter_counts(tmp_p
     proc = subprocess.run(script, cwd=REPO, capture_output=True, text=True, env={**env, "SLURM_GPUS_ON_NODE": "2"},
                           timeout=60)
     assert "--nproc_per_node=2 " in proc.stdout  # what SLURM allotted wins over the count
+
+
+# -- the link test's server side ----------------------------------------------------------------------------------
+def test_the_link_test_is_authenticated_bounded_and_counted_nowhere(token: None) -> None:
+    import grpc
+
+    from spes.sync import transport
+    from spes.sync.proto import spes_pb2 as pb
+    from spes.sync.proto import spes_pb2_grpc as pb_grpc
+
+    with running_server(total_peers=4, experts_per_peer=2, token=TOKEN, data_port=0) as (srv, addr):
+        before = status(addr)
+        for plane in ("grpc", "tcp"):
+            with SyncClient(addr, peer_id=0, num_peers=4, experts_per_peer=2, mode="spes", token=TOKEN,
+                            data_plane=plane) as client:  # type: ignore[arg-type]
+                client._use_data_plane(pb.JoinReply(data_port=srv.data_port))
+                assert client.measure_link(3 << 20).plane == plane
+        with grpc.insecure_channel(addr) as channel:
+            probe = pb_grpc.ParameterServerStub(channel).Probe
+            for bearer, size, code in (("wrong", 1, grpc.StatusCode.UNAUTHENTICATED),
+                                       (TOKEN, transport.PROBE_MAX_BYTES + 1, grpc.StatusCode.INVALID_ARGUMENT)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(probe(iter([pb.ProbeMessage(reply_bytes=size)]), timeout=10,
+                               metadata=(("authorization", f"Bearer {bearer}"),)))
+                assert refused.value.code() == code
+        for secret, size, name in (("wrong", 1, "UNAUTHENTICATED"),
+                                   (TOKEN, transport.PROBE_MAX_BYTES + 1, "INVALID_ARGUMENT")):
+            with transport.connect("127.0.0.1", srv.data_port, None, 10) as sock:
+                transport.send_hello(sock, {"op": "probe", "token": secret, "up_bytes": size, "down_bytes": 0})
+                assert transport.recv_frame(sock)["code"] == name
+        assert status(addr) == before

@@ -231,11 +231,11 @@ class SyncClient:
         if not 0 < num_bytes <= transport.PROBE_MAX_BYTES:
             raise ValueError(f"a link test moves 1 to {transport.PROBE_MAX_BYTES} bytes each way, got {num_bytes}")
         rtts = []
-        for _ in range(pings):
-            start = time.perf_counter()
-            self._stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s, metadata=self._metadata)
-            rtts.append(time.perf_counter() - start)
         try:
+            for _ in range(pings):
+                start = time.perf_counter()
+                self._stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s, metadata=self._metadata)
+                rtts.append(time.perf_counter() - start)
             up_s, down_s = self._probe_tcp(num_bytes) if self._data_port else self._probe_grpc(num_bytes)
         except grpc.RpcError as err:
             raise failure_of("link test", err) from None

@@ -32,12 +32,12 @@ def model_manifest(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], list[s
 def sync_client(cfg: TrainConfig, **overrides: Any) -> SyncClient:
     """A client for this node's `spes_config` (`overrides`: SyncClient keywords that replace the config's)."""
     s = cfg.spes_config
-    settings: dict[str, Any] = dict(
-        peer_id=s.peer_id, num_peers=s.num_peers, experts_per_peer=cfg.expert_block_size(),
-        mode="diloco" if cfg.using_dilico else "spes", wire_dtype=s.wire_dtype,
-        token=read_token(s.token_file, "config key 'spes_config.token_file'"), tls_ca=s.tls_ca, tls_cert=s.tls_cert,
-        tls_key=s.tls_key, rpc_timeout_s=s.rpc_timeout_s, round_timeout_s=s.round_timeout_s,
-        max_retries=s.max_retries, data_plane=s.data_plane)
+    settings: dict[str, Any] = {
+        "peer_id": s.peer_id, "num_peers": s.num_peers, "experts_per_peer": cfg.expert_block_size(),
+        "mode": "diloco" if cfg.using_dilico else "spes", "wire_dtype": s.wire_dtype,
+        "token": read_token(s.token_file, "config key 'spes_config.token_file'"), "tls_ca": s.tls_ca,
+        "tls_cert": s.tls_cert, "tls_key": s.tls_key, "rpc_timeout_s": s.rpc_timeout_s,
+        "round_timeout_s": s.round_timeout_s, "max_retries": s.max_retries, "data_plane": s.data_plane}
     return SyncClient(s.server_addr, **{**settings, **overrides})
 
 
