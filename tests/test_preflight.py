@@ -43,7 +43,8 @@ def node(tmp_path: Path, tokenizer: LoadedTokenizer) -> list[str]:
     shard = shard_for(tmp_path / "train.npy", tokenizer, tokenizer.vocab_size)
     return [TINY, f"--model.vocab_size={tokenizer.vocab_size}", f"--model.embedding_size={tokenizer.vocab_size}",
             f"--tokenizer.identifier={tokenizer.path}", f"--data.paths=[{shard}]", "--max_duration=4st",
-            f"--save_folder={tmp_path / 'out'}", "--spes_config.rpc_timeout_s=10", "--link_mb=2"]
+            f"--save_folder={tmp_path / 'out'}", "--spes_config.rpc_timeout_s=10", "--link_mb=2",
+            "--step_time_s=10"]  # NOTE: a stated step time, so a loaded CPU cannot make the link check fail
 
 
 @pytest.fixture
@@ -230,6 +231,14 @@ def test_model_state_bytes_count_what_the_node_builds(node: list[str]) -> None:
     assert memory_need(fsdp, 4)[0] == -(-state.total // 4)
     ckpt, _ = load_config(node[0], [*node[1:3], "--activation_checkpointing=whole_layer"])
     assert activation_bytes_per_sequence(ckpt) < activation_bytes_per_sequence(cfg)
+
+
+def test_without_a_stated_step_time_it_is_estimated_from_flops_and_a_matmul_test(node: list[str]) -> None:
+    from spes.preflight import estimated_step_s, find_devices
+
+    cfg, _ = load_config(node[0], node[1:3])
+    seconds, how = estimated_step_s(cfg, find_devices(1))
+    assert 0 < seconds < 60 and how.startswith("estimated from") and "TFLOP/s measured matmul rate" in how
 
 
 # -- the launch scripts -------------------------------------------------------------------------------------------
