@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -33,6 +34,9 @@ from spes.distributed import check_launch
 from spes.model import Transformer, analytic_param_counts, tflops_per_token
 from spes.sync.auth import TOKEN_ENV
 from spes.trainer import max_steps_of
+
+if TYPE_CHECKING:
+    from spes.sync.client import SyncClient
 
 GIB = 2**30
 FP32 = 4
@@ -216,7 +220,8 @@ def wire_bytes(shapes: dict[str, tuple[int, ...]], names: list[str], wire_dtype:
     return sum(math.prod(shapes[n]) for n in names) * (2 if wire_dtype == "bf16" else FP32)
 
 
-def check_server(cfg: TrainConfig) -> tuple[list[Check], object | None]:
+def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable: list[str]
+                 ) -> tuple[list[Check], SyncClient | None]:
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
     from spes.sync.client import SyncError
     from spes.sync.peer import sync_client
@@ -229,7 +234,6 @@ def check_server(cfg: TrainConfig) -> tuple[list[Check], object | None]:
         client = sync_client(cfg, max_retries=0, rpc_timeout_s=min(s.rpc_timeout_s, 15.0))
     except (ValueError, FileNotFoundError) as exc:
         return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
-    shapes, trainable = manifest(cfg)
     mode = "diloco" if cfg.using_dilico else "spes"
     settings = (f"mode {mode}, {s.num_peers} peers, {cfg.expert_block_size()} experts per block, peer {s.peer_id}, "
                 f"manifest of {len(shapes)} tensors")
@@ -251,11 +255,12 @@ def check_server(cfg: TrainConfig) -> tuple[list[Check], object | None]:
         if code in fixes:
             return [fail("server", f"{s.server_addr}: {exc}", fixes[code]),
                     skip("settings", "not checked: the server refused or did not answer")], None
-        protocol = "protocol" in str(exc)
-        return [ok("server", f"{s.server_addr} reachable, credentials accepted ({security})")
-                if not protocol else fail("server", str(exc), "run the same spes version on the server and every node"),
+        if "wire protocol" in str(exc):
+            return [fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
+                    skip("settings", "not checked: the server speaks another protocol")], None
+        return [ok("server", f"{s.server_addr} reachable, credentials accepted ({security})"),
                 fail("settings", str(exc), "make this node's config match the run's (the server's flags and the "
-                     "other nodes' configs)") if not protocol else skip("settings", "not checked")], None
+                     "other nodes' configs)")], None
     known = "matches the run's" if checked else "will set the run's (no peer has joined yet)"
     return [ok("server", f"{s.server_addr} reachable, protocol v{PROTOCOL_VERSION}, credentials accepted ({security})"),
             ok("settings", f"{settings}: the server accepts them; the manifest {known}")], client
@@ -264,7 +269,8 @@ def check_server(cfg: TrainConfig) -> tuple[list[Check], object | None]:
 def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
     """Seconds per optimizer step from the config's FLOPs and this device's measured matmul rate (MFU 40% on GPU)."""
     flops = tflops_per_token(cfg.model) * 1e12 * cfg.global_train_batch_size * cfg.model.max_sequence_length
-    rate = matmul_flops_per_s(devices.kind) * devices.nproc
+    # NOTE: each GPU adds its rate; CPU processes share the cores one measurement already used
+    rate = matmul_flops_per_s(devices.kind) * (devices.nproc if devices.kind == "cuda" else 1)
     efficiency = 0.4 if devices.kind == "cuda" else 1.0
     return flops / (rate * efficiency), (f"estimated from {flops / 1e12:,.2f} TFLOP per step at "
                                          f"{rate / 1e12:,.2f} TFLOP/s measured matmul rate"
@@ -287,18 +293,16 @@ def matmul_flops_per_s(kind: str, seconds: float = 0.3) -> float:
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
-def check_link(cfg: TrainConfig, client: object, devices: Devices, link_bytes: int, step_s: float | None,
-               max_fraction: float) -> Check:
-    from spes.sync.client import SyncClient, SyncError
+def check_link(cfg: TrainConfig, client: SyncClient, shapes: dict[str, tuple[int, ...]], trainable: list[str],
+               devices: Devices, link_bytes: int, step_s: float | None, max_fraction: float) -> Check:
+    from spes.sync.client import SyncError
     from spes.sync.merge import download_names
 
-    assert isinstance(client, SyncClient)
     s = cfg.spes_config
     try:
         stats = client.measure_link(link_bytes)
     except SyncError as exc:
         return fail("link", str(exc), "check the network between this node and the server (and its data port)")
-    shapes, trainable = manifest(cfg)
     mode = "diloco" if cfg.using_dilico else "spes"
     up = wire_bytes(shapes, trainable, s.wire_dtype)
     down = wire_bytes(shapes, download_names(list(shapes), s.peer_id, mode, False), s.wire_dtype)
@@ -394,14 +398,15 @@ def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
     checks = [check_devices(cfg, devices)]
     budget = int(args.memory_budget_gb * GIB) if args.memory_budget_gb is not None else None
     checks.append(check_memory(cfg, devices, budget))
-    server_checks, client = check_server(cfg)
+    shapes, trainable = manifest(cfg)
+    server_checks, client = check_server(cfg, shapes, trainable)
     checks.extend(server_checks)
     if client is not None:
         try:
-            checks.append(check_link(cfg, client, devices, int(args.link_mb * 2**20), args.step_time_s,
-                                     args.max_sync_fraction))
+            checks.append(check_link(cfg, client, shapes, trainable, devices, int(args.link_mb * 2**20),
+                                     args.step_time_s, args.max_sync_fraction))
         finally:
-            client.close()  # type: ignore[attr-defined]
+            client.close()
     elif cfg.sync_enabled:
         checks.append(skip("link", "not measured: the server check did not pass"))
     checks.append(check_disk(cfg))

@@ -344,3 +344,15 @@ def test_the_link_test_is_authenticated_bounded_and_counted_nowhere(token: None)
                 transport.send_hello(sock, {"op": "probe", "token": secret, "up_bytes": size, "down_bytes": 0})
                 assert transport.recv_frame(sock)["code"] == name
         assert status(addr) == before
+
+
+def test_another_protocol_version_fails_the_server_check(server: str, node: list[str],
+                                                         capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import spes.sync.client
+
+    monkeypatch.setattr(spes.sync.client, "PROTOCOL_VERSION", 2)  # a node running an older spes
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}")
+    assert rc == 1
+    assert lines["server"].startswith("FAIL") and "speaks wire protocol v2" in lines["server"]
+    assert "-> run the same spes version" in lines["server"] and lines["settings"].startswith("skip")
