@@ -194,7 +194,7 @@ def check_memory(cfg: TrainConfig, devices: Devices, budget_bytes: int | None) -
     largest = max(0, int((usable - static) // per_seq)) if per_seq else 0
     detail = (f"needs {gib(need)} per process (model state {gib(static)}: {state.params / 1e6:,.1f}M weights, "
               f"{state.trained / 1e6:,.1f}M trained with grads + AdamW; activations ~{gib(micro * per_seq)} for "
-              f"micro-batch {micro}) of {gib(have)} ({where}, {USABLE_MEMORY:.0%} usable); "
+              f"micro-batch {micro}) of {gib(have)} ({where}; {gib(usable)} usable at {USABLE_MEMORY:.0%}); "
               f"largest micro-batch that fits: {largest}")
     if need <= usable:
         return ok("memory", detail)
@@ -202,8 +202,10 @@ def check_memory(cfg: TrainConfig, devices: Devices, budget_bytes: int | None) -
         fix = ("the model state alone does not fit: shard it with distributed_strategy=fsdp over more GPUs "
                "(NPROC_PER_NODE), or use a device with more memory")
     else:
-        fix = (f"set device_train_microbatch_size to at most {largest} (global_train_batch_size must stay divisible "
-               f"by it), or enable activation_checkpointing=whole_layer")
+        per_rank = cfg.global_train_batch_size // devices.nproc
+        fitting = max(m for m in range(1, max(largest, 1) + 1) if per_rank % m == 0)
+        fix = (f"set device_train_microbatch_size={fitting} (the largest that fits and divides the "
+               f"{per_rank} sequences per process and step), or enable activation_checkpointing=whole_layer")
     return fail("memory", detail, fix)
 
 
@@ -272,8 +274,8 @@ def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
     # NOTE: each GPU adds its rate; CPU processes share the cores one measurement already used
     rate = matmul_flops_per_s(devices.kind) * (devices.nproc if devices.kind == "cuda" else 1)
     efficiency = 0.4 if devices.kind == "cuda" else 1.0
-    return flops / (rate * efficiency), (f"estimated from {flops / 1e12:,.2f} TFLOP per step at "
-                                         f"{rate / 1e12:,.2f} TFLOP/s measured matmul rate"
+    return flops / (rate * efficiency), (f"estimated from {flops / 1e12:.3g} TFLOP per step at "
+                                         f"{rate / 1e12:.3g} TFLOP/s measured matmul rate"
                                          + (" x 40% MFU" if devices.kind == "cuda" else ""))
 
 
@@ -345,7 +347,7 @@ def check_disk(cfg: TrainConfig) -> Check:
     kept = saves(steps, cfg.save_interval, cfg.save_num_checkpoints_to_keep, final=True) + saves(
         steps, cfg.save_interval_unsharded, cfg.save_num_unsharded_checkpoints_to_keep, final=False)
     need = (kept + 1) * size if kept else 0  # NOTE: the next checkpoint is written before the oldest is pruned
-    detail = (f"{folder}: {gib(free)} free; checkpoints of {gib(size)} (weights + AdamW), {kept} kept + 1 being "
+    detail = (f"{cfg.save_folder}: {gib(free)} free; checkpoints of {gib(size)} (weights + AdamW), {kept} kept + 1 being "
               f"written = {gib(need)}")
     if need <= free:
         return ok("disk", detail)
