@@ -7,9 +7,9 @@
 Measured: each node kind runs in its own fresh process (so peak RSS is its own): build the real model and
 AdamW, run two training steps on one micro-batch, and read the bytes of the trainable parameters, of the
 `.grad` tensors after backward and of the optimizer state after the step, and the process's peak RSS
-(`ru_maxrss`) against its RSS before the model existed. Analytic: `spes.model.analytic_param_counts`
-with fp32 weights and gradients and two fp32 AdamW moments per trained parameter (8 bytes); the measured
-figures must agree within 5%. The paper's 1B config (`configs/spes_1b/node_0.yaml`) is counted on the
+(`ru_maxrss`) against its RSS before the model existed. Analytic: `spes.preflight.model_state_bytes`
+(fp32 weights and gradients, two fp32 AdamW moments per trained parameter); the measured figures must agree
+within 5%. The peak is also set beside the node preflight's whole estimate (model state + activations). The paper's 1B config (`configs/spes_1b/node_0.yaml`) is counted on the
 meta device and analytically (no weights are allocated).
 """
 
@@ -28,12 +28,11 @@ import torch
 from common import MIB, REPO_ROOT, format_table, machine_info, parser, run_child, write_results
 
 from spes.config import TrainConfig, load_config
-from spes.model import Transformer, analytic_param_counts, count_params
+from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
+from spes.preflight import FP32, memory_need, model_state_bytes
 from spes.trainer import language_model_loss
 
-FP32 = 4
-ADAM_MOMENTS = 2
 TOLERANCE = 0.05
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 KINDS = {"spes": [], "full": ["--using_spes=false"]}
@@ -98,14 +97,13 @@ def measure_node(path: Path, kind: str) -> dict[str, Any]:
     }
 
 
-def analytic(cfg: TrainConfig, kind: str) -> dict[str, int]:
-    """fp32 weights, fp32 gradients of the trained parameters, two fp32 AdamW moments per trained parameter."""
-    trained = cfg.spes_config.num_train_experts_per_node if kind == "spes" else None
-    counts = analytic_param_counts(cfg.model, trained)
-    static = FP32 * counts.total + FP32 * counts.trainable + ADAM_MOMENTS * FP32 * counts.trainable
-    return {"params": counts.total, "trainable_params": counts.trainable, "param_bytes": FP32 * counts.total,
-            "trainable_bytes": FP32 * counts.trainable, "grad_bytes": FP32 * counts.trainable,
-            "optimizer_bytes": ADAM_MOMENTS * FP32 * counts.trainable, "static_bytes": static}
+def analytic(cfg: TrainConfig) -> dict[str, int]:
+    """fp32 weights, fp32 gradients of the trained parameters, two fp32 AdamW moments per trained parameter
+    (`spes.preflight.model_state_bytes`, what the node preflight plans with)."""
+    state = model_state_bytes(cfg)
+    return {"params": state.params, "trainable_params": state.trained, "param_bytes": state.weights,
+            "trainable_bytes": FP32 * state.trained, "grad_bytes": state.grads, "optimizer_bytes": state.optimizer,
+            "static_bytes": state.total}
 
 
 def meta_counts(cfg: TrainConfig) -> dict[str, int]:
@@ -132,9 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     measured_rows, checks, rows = {}, [], []
     for kind in KINDS:
         m = run_child(Path(__file__), ["--child", kind, "--config", str(config)])
-        a = analytic(node_config(config, kind), kind)
+        a = analytic(node_config(config, kind))
         m["static_bytes"] = m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
         m["peak_minus_before_bytes"] = m["peak_rss_bytes"] - m["rss_before_bytes"]
+        static, per_seq = memory_need(node_config(config, kind), 1)
+        m["preflight_estimate_bytes"] = static + node_config(config, kind).device_train_microbatch_size * per_seq
         for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes"):
             err = rel_err(m[key], a[key])
             checks.append({"kind": kind, "figure": key, "measured": m[key], "analytic": a[key], "rel_err": err,
@@ -143,13 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([kind, f"{m['params'] / 1e6:.2f}M", f"{m['trainable_params'] / 1e6:.2f}M",
                      f"{m['param_bytes'] / MIB:.1f}", f"{m['grad_bytes'] / MIB:.1f}", f"{m['optimizer_bytes'] / MIB:.1f}",
                      f"{m['static_bytes'] / MIB:.1f}", f"{a['static_bytes'] / MIB:.1f}",
-                     f"{m['peak_minus_before_bytes'] / MIB:.1f}"])
+                     f"{m['peak_minus_before_bytes'] / MIB:.1f}", f"{m['preflight_estimate_bytes'] / MIB:.1f}"])
     s, f = (measured_rows[k]["measured"] for k in ("spes", "full"))
     ratios = {key: s[key] / f[key] for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes",
                                               "peak_minus_before_bytes")}
     print(f"measured on {config.relative_to(REPO_ROOT)} (one micro-batch of {s['tokens_per_step']} tokens, fp32, CPU):")
     print(format_table(["node", "params", "trained", "weights MiB", "grads MiB", "AdamW MiB", "static MiB",
-                        "analytic MiB", "peak RSS - base MiB"], rows))
+                        "analytic MiB", "peak RSS - base MiB", "preflight estimate MiB"], rows))
     print("SPES / full: " + ", ".join(f"{k.replace('_bytes', '')} {v:.3f}" for k, v in ratios.items()))
     worst = max(c["rel_err"] for c in checks)
     print(f"measured vs analytic: worst relative error {worst:.2%} ({'OK' if worst <= TOLERANCE else 'OVER 5%'})")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     paper_rows = []
     for kind in KINDS:
         cfg = node_config(PAPER_1B, kind)
-        a, meta = analytic(cfg, kind), meta_counts(cfg)
+        a, meta = analytic(cfg), meta_counts(cfg)
         err = max(rel_err(meta[k], a[k]) for k in meta)
         paper[kind] = {"analytic": a, "meta_device": meta, "meta_vs_analytic_rel_err": err}
         paper_rows.append([kind, f"{a['params'] / 1e9:.3f}B", f"{a['trainable_params'] / 1e9:.3f}B",

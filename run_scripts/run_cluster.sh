@@ -13,7 +13,7 @@
 #
 # Env (defaults in brackets):
 #   CONFIG_DIR [configs/spes_1b]  CONFIG [$CONFIG_DIR/node_<id>.yaml]: each node's config
-#   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else 1]: training processes per node
+#   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else every GPU the node's $PYTHON sees, else 1]: processes per node
 #   PORT [50051]: server port on the first node; SERVER_HOST [first host of SLURM_JOB_NODELIST]
 #   TOTAL_PEERS / NUM_TRAIN_EXPERTS_PER_NODE: read from the config; MERGE_* as in run_parameter_server.sh
 #   SPES_ROOT [SLURM_SUBMIT_DIR]: the repository; PYTHON [.venv/bin/python, else python3]
@@ -38,11 +38,14 @@ config_of() { echo "${CONFIG:-$CONFIG_DIR/node_$1.yaml}"; }
 if [ "${SPES_CLUSTER_ROLE:-batch}" = node ]; then
   # ---- one task per node ----
   NODE_ID=${SLURM_PROCID:?SLURM_PROCID is not set: this part runs under srun}
-  NPROC=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
   CFG=$(config_of "$NODE_ID")
   [ -f "$CFG" ] || die "config $CFG not found (set CONFIG or CONFIG_DIR)"
+  DEVICES=$(NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}} "$PYTHON" -m spes.preflight --devices) ||
+    die "$PYTHON could not count the devices of $(hostname): run run_scripts/setup.sh there, or set NPROC_PER_NODE"
+  NPROC=${DEVICES%% *}
   DATA_SEED=$((6198 + 1000 * NODE_ID))
-  echo "node $NODE_ID on $(hostname): $NPROC process(es), config $CFG, data seed $DATA_SEED, server $SERVER_ADDR"
+  echo "node $NODE_ID on $(hostname): $NPROC process(es) on ${DEVICES#* }, config $CFG, data seed $DATA_SEED," \
+    "server $SERVER_ADDR"
   # NOTE: spes.torchrun is torchrun ending a failed node with its one-line error, not a ChildFailedError block
   exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC" -m spes.train "$CFG" \
     --spes_config.peer_id="$NODE_ID" --data.seed="$DATA_SEED" --spes_config.server_addr="$SERVER_ADDR" \

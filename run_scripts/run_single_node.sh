@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
 # Launch one SPES node: torchrun over this machine's devices with configs/.../node_<id>.yaml.
 #   run_scripts/run_single_node.sh <node_id> [--resume[=auto]] [--section.key=value ...]
+#   run_scripts/run_single_node.sh <node_id> --preflight [--section.key=value ...]   # check the node, train nothing
 # Env: CONFIG_DIR (default configs/spes_1b), CONFIG (default $CONFIG_DIR/node_<id>.yaml),
-#      NPROC_PER_NODE (default: number of GPUs, or 1 on a CPU machine), DATA_SEED (default 6198 + 1000 * id).
+#      NPROC_PER_NODE (default: every GPU, or 1 on a CPU machine, counted by $PYTHON), DATA_SEED (default
+#      6198 + 1000 * id), PYTHON (default .venv/bin/python, else python3).
 # Extra arguments are passed through as overrides and win over the defaults set here. spes.torchrun is torchrun
 # that ends a failed run with the failing node's one-line error instead of a ChildFailedError traceback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || ! [[ "$1" =~ ^[0-9]+$ ]]; then
-  echo "usage: $0 <node_id> [--resume] [--section.key=value ...]" >&2
+  echo "usage: $0 <node_id> [--resume | --preflight] [--section.key=value ...]" >&2
   exit 2
 fi
 NODE_ID=$1; shift
 CONFIG_DIR=${CONFIG_DIR:-configs/spes_1b}
 CONFIG=${CONFIG:-$CONFIG_DIR/node_${NODE_ID}.yaml}
-if [ -z "${NPROC_PER_NODE:-}" ]; then
-  NPROC_PER_NODE=$(python3 -c "import torch; print(max(torch.cuda.device_count(), 1))" 2>/dev/null || echo 1)
-fi
 DATA_SEED=${DATA_SEED:-$((6198 + 1000 * NODE_ID))}
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 [ -f "$CONFIG" ] || { echo "error: config $CONFIG not found (set CONFIG or CONFIG_DIR)" >&2; exit 2; }
-echo "node $NODE_ID: $NPROC_PER_NODE process(es), config $CONFIG, data seed $DATA_SEED"
+# NOTE: the devices are counted by the interpreter that trains: another one (the system python3) may lack torch.
+DEVICES=$(NPROC_PER_NODE=${NPROC_PER_NODE:-} "$PYTHON" -m spes.preflight --devices) || {
+  echo "error: $PYTHON could not count this machine's devices (see above): run run_scripts/setup.sh, set PYTHON to" \
+    "the project's interpreter, or set NPROC_PER_NODE" >&2; exit 2; }
+NPROC_PER_NODE=${DEVICES%% *}
+ARGS=(--spes_config.peer_id="$NODE_ID" --data.seed="$DATA_SEED")
+PREFLIGHT=0
+for arg in "$@"; do
+  if [ "$arg" = --preflight ]; then PREFLIGHT=1; else ARGS+=("$arg"); fi
+done
+echo "node $NODE_ID: $NPROC_PER_NODE process(es) on ${DEVICES#* }, config $CONFIG, data seed $DATA_SEED"
+if [ "$PREFLIGHT" = 1 ]; then
+  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${ARGS[@]}"
+fi
 exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m spes.train "$CONFIG" \
-  --spes_config.peer_id="$NODE_ID" --data.seed="$DATA_SEED" "$@"
+  "${ARGS[@]}"

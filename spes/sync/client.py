@@ -126,6 +126,16 @@ class ServerStatus:
     persistent: bool = False
 
 
+@dataclass(frozen=True)
+class LinkStats:
+    """What `SyncClient.measure_link` measured: the plane, round-trip time and throughput each way."""
+
+    plane: Literal["tcp", "grpc"]
+    rtt_s: float
+    up_bytes_per_s: float
+    down_bytes_per_s: float
+
+
 def backoff_s(attempt: int) -> float:
     """Exponential backoff with jitter: uniform in [d/2, d] with d = min(cap, base * 2**attempt)."""
     delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
@@ -209,22 +219,45 @@ class SyncClient:
         Returns the server's latest completed round (-1 before the first one).
         """
         shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.items()}
-        unknown = [n for n in trainable if n not in shapes]
-        if unknown:
-            raise ValueError(f"trainable names not in the manifest: {unknown[:5]}")
-        self._join_request = pb.JoinRequest(
-            peer_id=self.peer_id,
-            total_peers=self.num_peers,
-            experts_per_peer=self.experts_per_peer,
-            mode=self.mode,
-            wire_dtype=self.wire_dtype,
-            manifest=[pb.TensorSpec(name=n, shape=s) for n, s in shapes.items()],
-            trainable=list(trainable),
-            protocol=PROTOCOL_VERSION,
-        )
+        self._join_request = self._request(shapes, trainable, dry_run=False)
         current = self._join()
         self._manifest, self._trainable = shapes, list(trainable)
         return current
+
+    def check_join(self, manifest: Mapping[str, tuple[int, ...]], trainable: list[str]) -> bool:
+        """Preflight: the server runs every check of `join` (token, certificate, protocol, settings, manifest)
+        and registers nothing. Afterwards `measure_link` uses the plane `sync` would.
+
+        Returns whether the manifest was compared with the run's (False: no peer has joined the server yet).
+        """
+        shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.items()}
+        request = self._request(shapes, trainable, dry_run=True)
+        reply = self._retrying(
+            "preflight join",
+            lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
+            per_attempt_s=self.rpc_timeout_s,
+        )
+        self._use_data_plane(reply)
+        return reply.manifest_checked
+
+    def measure_link(self, num_bytes: int, pings: int = 5) -> LinkStats:
+        """Round-trip time (fastest of `pings` Status calls) and throughput of `num_bytes` each way over the
+        plane `sync` uses (call `check_join` or `join` first); the server counts none of it."""
+        if not 0 < num_bytes <= transport.PROBE_MAX_BYTES:
+            raise ValueError(f"a link test moves 1 to {transport.PROBE_MAX_BYTES} bytes each way, got {num_bytes}")
+        rtts = []
+        try:
+            for _ in range(pings):
+                start = time.perf_counter()
+                self._stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s, metadata=self._metadata)
+                rtts.append(time.perf_counter() - start)
+            up_s, down_s = self._probe_tcp(num_bytes) if self._data_port else self._probe_grpc(num_bytes)
+        except grpc.RpcError as err:
+            raise failure_of("link test", err) from None
+        except OSError as exc:
+            raise SyncError(f"link test broke off: {exc}", grpc.StatusCode.UNAVAILABLE) from None
+        return LinkStats(plane="tcp" if self._data_port else "grpc", rtt_s=min(rtts),
+                         up_bytes_per_s=num_bytes / up_s, down_bytes_per_s=num_bytes / down_s)
 
     def sync(self, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], SyncStats]:
         """Upload this peer's trained `tensors` for round `step`, wait for the round, return the global tensors.
@@ -323,6 +356,22 @@ class SyncClient:
         self.close()
 
     # -- transfers ----------------------------------------------------------------------------
+    def _request(self, shapes: dict[str, tuple[int, ...]], trainable: list[str], *, dry_run: bool) -> pb.JoinRequest:
+        unknown = [n for n in trainable if n not in shapes]
+        if unknown:
+            raise ValueError(f"trainable names not in the manifest: {unknown[:5]}")
+        return pb.JoinRequest(
+            peer_id=self.peer_id,
+            total_peers=self.num_peers,
+            experts_per_peer=self.experts_per_peer,
+            mode=self.mode,
+            wire_dtype=self.wire_dtype,
+            manifest=[pb.TensorSpec(name=n, shape=s) for n, s in shapes.items()],
+            trainable=list(trainable),
+            protocol=PROTOCOL_VERSION,
+            dry_run=dry_run,
+        )
+
     def _join(self) -> int:
         request = self._join_request
         assert request is not None
@@ -335,13 +384,17 @@ class SyncClient:
             self._presence = threading.Thread(target=self._keep_present, name=f"spes-presence-{self.peer_id}",
                                               daemon=True)
             self._presence.start()
+        self._use_data_plane(reply)
+        return reply.current_round
+
+    def _use_data_plane(self, reply: pb.JoinReply) -> None:
+        """Pick the plane for tensor payloads from the port the server advertised at Join."""
         if self.data_plane == "tcp" and not reply.data_port:
             raise SyncError("data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
                             "(or use data_plane='auto')", grpc.StatusCode.FAILED_PRECONDITION)
         self._data_port = reply.data_port if self.data_plane != "grpc" else 0
         if self.data_plane == "auto" and self._data_port:
             self._probe_data_plane()
-        return reply.current_round
 
     def _probe_data_plane(self) -> None:
         """`auto`: use the advertised data plane only if it answers from here (a firewall may pass only gRPC)."""
@@ -412,8 +465,42 @@ class SyncClient:
             )
         return names
 
+    def _probe_grpc(self, num_bytes: int) -> tuple[float, float]:
+        """Link test over gRPC: (seconds to send `num_bytes`, seconds to receive them)."""
+        def messages() -> Iterator[pb.ProbeMessage]:
+            yield pb.ProbeMessage(reply_bytes=num_bytes)
+            chunk = bytes(min(num_bytes, transport.PROBE_CHUNK_BYTES))
+            for offset in range(0, num_bytes, len(chunk)):
+                yield pb.ProbeMessage(data=chunk[: num_bytes - offset])
+
+        start = time.perf_counter()
+        responses = self._stub.Probe(messages(), timeout=self.rpc_timeout_s, metadata=self._metadata)
+        try:
+            next(responses)  # the server's acknowledgement: it has read every byte
+            up_s = time.perf_counter() - start
+            start = time.perf_counter()
+            received = sum(len(message.data) for message in responses)
+        finally:
+            responses.cancel()
+        if received != num_bytes:
+            raise SyncError(f"link test: the server sent {received} bytes back, asked for {num_bytes}")
+        return up_s, time.perf_counter() - start
+
+    def _probe_tcp(self, num_bytes: int) -> tuple[float, float]:
+        """Link test over the raw-TCP data plane: (seconds to send `num_bytes`, seconds to receive them)."""
+        with self._data_connection("probe", -1, self.rpc_timeout_s, up_bytes=num_bytes, down_bytes=num_bytes) as sock:
+            self._reply(sock, "link test")  # {"status": "send"}
+            start = time.perf_counter()
+            transport.send_zeros(sock, num_bytes)
+            self._reply(sock, "link test")  # {"status": "ok"}: the server has read every byte
+            up_s = time.perf_counter() - start
+            start = time.perf_counter()
+            transport.recv_discard(sock, num_bytes)
+            return up_s, time.perf_counter() - start
+
     # -- raw-TCP data plane (spes.sync.transport) ----------------------------------------------------
-    def _data_connection(self, op: str, step: int, timeout: float, *, full: bool = False) -> socket.socket:
+    def _data_connection(self, op: str, step: int, timeout: float, *, full: bool = False, **extra: int
+                         ) -> socket.socket:
         """A data-plane connection to the server's host with the handshake sent; socket errors are retryable."""
         host = self.server_addr.rsplit(":", 1)[0].strip("[]")
         try:
@@ -423,7 +510,8 @@ class SyncClient:
                             grpc.StatusCode.UNAVAILABLE, retryable=True) from None
         try:
             transport.send_hello(sock, {"op": op, "peer_id": self.peer_id, "step": step, "full": full,
-                                        "token": self._token, "timeout_s": timeout, "session": self._session})
+                                        "token": self._token, "timeout_s": timeout, "session": self._session,
+                                        **extra})
         except OSError as exc:
             sock.close()
             raise SyncError(f"{op} round {step}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE,

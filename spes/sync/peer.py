@@ -24,27 +24,36 @@ from spes.sync.auth import read_token
 from spes.sync.client import SyncClient, SyncError
 
 
+def model_manifest(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """What a node announces at Join: name -> shape of every parameter, and the names it trains."""
+    named = list(model.named_parameters())
+    return {n: tuple(p.shape) for n, p in named}, [n for n, p in named if p.requires_grad]
+
+
+def sync_client(cfg: TrainConfig, **overrides: Any) -> SyncClient:
+    """A client for this node's `spes_config` (`overrides`: SyncClient keywords that replace the config's)."""
+    s = cfg.spes_config
+    settings: dict[str, Any] = {
+        "peer_id": s.peer_id, "num_peers": s.num_peers, "experts_per_peer": cfg.expert_block_size(),
+        "mode": "diloco" if cfg.using_dilico else "spes", "wire_dtype": s.wire_dtype,
+        "token": read_token(s.token_file, "config key 'spes_config.token_file'"), "tls_ca": s.tls_ca,
+        "tls_cert": s.tls_cert, "tls_key": s.tls_key, "rpc_timeout_s": s.rpc_timeout_s,
+        "round_timeout_s": s.round_timeout_s, "max_retries": s.max_retries, "data_plane": s.data_plane}
+    return SyncClient(s.server_addr, **{**settings, **overrides})
+
+
 class PeerSync:
     """Pushes this node's trained tensors and pulls the global model every `sync_steps` steps."""
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> None:
         self.model, self.info, self.log = model, info, log
         self.distributed = info.world_size > 1
-        named = list(unwrap(model).named_parameters())  # NOTE: DDP's own names carry a `module.` prefix
-        self.trainable = [n for n, p in named if p.requires_grad]
-        self.shapes = {n: tuple(p.shape) for n, p in named}
-        s = cfg.spes_config
-        self.server_addr = s.server_addr
+        self.shapes, self.trainable = model_manifest(unwrap(model))  # NOTE: DDP's own names carry a `module.` prefix
+        self.server_addr = cfg.spes_config.server_addr
         self.client: SyncClient | None = None
         if info.is_main:
-            self.client = SyncClient(
-                s.server_addr, peer_id=s.peer_id, num_peers=s.num_peers,
-                experts_per_peer=cfg.expert_block_size(),
-                mode="diloco" if cfg.using_dilico else "spes", wire_dtype=s.wire_dtype,
-                token=read_token(s.token_file, "config key 'spes_config.token_file'"),
-                tls_ca=s.tls_ca, tls_cert=s.tls_cert, tls_key=s.tls_key, rpc_timeout_s=s.rpc_timeout_s,
-                round_timeout_s=s.round_timeout_s, max_retries=s.max_retries, data_plane=s.data_plane,
-                reuse_buffers=True)  # NOTE: `load_full` copies every result into the model at once
+            # NOTE: `load_full` copies every result into the model at once, so the client may reuse its buffers
+            self.client = sync_client(cfg, reuse_buffers=True)
 
     def join(self) -> None:
         """Announce this node's model manifest; the server refuses a node whose model differs from the run's."""

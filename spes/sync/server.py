@@ -269,7 +269,11 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                         whose = "the run's YAML" if cfg.expected_manifest is not None else "the run's"
                         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                       f"peer {peer}'s model differs from {whose}: {diff}")
-                else:
+                if request.dry_run:  # preflight: every check above, nothing registered
+                    log.info("preflight of peer %d: its settings and model match the run", peer)
+                    return pb.JoinReply(current_round=-1, open_round=-1, data_port=self.data_port,
+                                        manifest_checked=self._manifest is not None)
+                if self._manifest is None:
                     self._learn_manifest(shapes)
                     log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
                 note = self.sessions.join(peer, _metadata(context, SESSION_KEY), address)
@@ -530,6 +534,9 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         if op == "ping":  # a client checking at join that this port is reachable from where it runs
             transport.send_frame(sock, {"status": "ok"})
             return
+        if op == "probe":  # preflight's link test: counted in no traffic figure
+            transport.serve_probe(sock, hello)
+            return
         try:
             if not isinstance(peer, int) or not isinstance(step, int) or op not in ("upload", "download"):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
@@ -575,6 +582,23 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             sent = transport.send_tensors(sock, tensors, info.wire_dtype, encoded)
         finally:
             self.download_done(round_info.round, sent)
+
+    # -- Probe (preflight link test) -----------------------------------------------------------
+    def Probe(self, request_iterator: Iterator[pb.ProbeMessage], context: grpc.ServicerContext
+              ) -> Iterator[pb.ProbeMessage]:
+        """Read the client's bytes, acknowledge, send `reply_bytes` back; counted in no traffic figure."""
+        reply_bytes, received = 0, 0
+        for index, message in enumerate(request_iterator):
+            if index == 0:
+                reply_bytes = message.reply_bytes
+            received += len(message.data)
+            if received > transport.PROBE_MAX_BYTES or reply_bytes > transport.PROBE_MAX_BYTES:
+                self._abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                             f"a link test moves at most {transport.PROBE_MAX_BYTES} bytes each way"))
+        yield pb.ProbeMessage()
+        chunk = bytes(min(reply_bytes, transport.PROBE_CHUNK_BYTES))
+        for offset in range(0, reply_bytes, len(chunk) or 1):
+            yield pb.ProbeMessage(data=chunk[: reply_bytes - offset])
 
     # -- Status -------------------------------------------------------------------------------
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:

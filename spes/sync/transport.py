@@ -13,6 +13,8 @@ A connection carries one operation:
     upload:   server -> {"status": "send"} | final reply;  client -> tensors;  server -> final reply
     download: server -> {"status": "ok", "round", "merged", "alpha", "names", "peers"} | error;  server -> tensors
     ping:     server -> {"status": "ok"} | error  (a client in `auto` mode checks the port is reachable)
+    probe:    hello also has "up_bytes", "down_bytes" (preflight's link test, counted nowhere):
+              server -> {"status": "send"} | error;  client -> up_bytes raw;  server -> {"status": "ok"}, down_bytes raw
 
 A control frame is a 4-byte little-endian length and a JSON object of at most `MAX_FRAME_BYTES`. An error
 frame is {"status": "error", "code": <gRPC status name>, "reason": <spes-reason>, "message"}, so the
@@ -47,6 +49,9 @@ MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 _PREAMBLE = struct.Struct("<4sH")
 _RECV_PIECE = 8 << 20
+PROBE_MAX_BYTES = 256 << 20
+"""Most bytes a link test (`probe` here, `Probe` over gRPC) moves each way."""
+PROBE_CHUNK_BYTES = 1 << 20
 Frame = dict[str, Any]
 
 
@@ -157,6 +162,42 @@ def peer_closed(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+# -- link test (python -m spes.preflight) -------------------------------------------------------------------------
+def _probe_size(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= PROBE_MAX_BYTES:
+        raise ValueError(f"a link test moves 0 to {PROBE_MAX_BYTES} bytes each way, got {value!r}")
+    return value
+
+
+def send_zeros(sock: socket.socket, num_bytes: int) -> None:
+    """Send `num_bytes` zero bytes (link-test payload)."""
+    chunk = bytes(min(num_bytes, PROBE_CHUNK_BYTES))
+    for offset in range(0, num_bytes, PROBE_CHUNK_BYTES):
+        sock.sendall(memoryview(chunk)[: min(PROBE_CHUNK_BYTES, num_bytes - offset)])
+
+
+def recv_discard(sock: socket.socket, num_bytes: int) -> None:
+    """Read and drop exactly `num_bytes` bytes (link-test payload)."""
+    sink = memoryview(bytearray(min(num_bytes, PROBE_CHUNK_BYTES)))
+    while num_bytes > 0:
+        piece = min(num_bytes, len(sink))
+        recv_exactly(sock, sink[:piece])
+        num_bytes -= piece
+
+
+def serve_probe(sock: socket.socket, hello: Frame) -> None:
+    """The server's side of a link test (the hello is already authenticated)."""
+    try:
+        up, down = _probe_size(hello.get("up_bytes")), _probe_size(hello.get("down_bytes"))
+    except ValueError as exc:
+        close_after_error(sock, error_frame("INVALID_ARGUMENT", str(exc)))
+        return
+    send_frame(sock, {"status": "send"})
+    recv_discard(sock, up)
+    send_frame(sock, {"status": "ok"})
+    send_zeros(sock, down)
 
 
 # -- TLS ----------------------------------------------------------------------------------------------------------

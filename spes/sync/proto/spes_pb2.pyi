@@ -15,7 +15,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer_id", "total_peers", "experts_per_peer", "mode", "wire_dtype", "manifest", "trainable", "protocol")
+    __slots__ = ("peer_id", "total_peers", "experts_per_peer", "mode", "wire_dtype", "manifest", "trainable", "protocol", "dry_run")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PEERS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_PER_PEER_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class JoinRequest(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
     total_peers: int
     experts_per_peer: int
@@ -32,17 +33,20 @@ class JoinRequest(_message.Message):
     manifest: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     trainable: _containers.RepeatedScalarFieldContainer[str]
     protocol: int
-    def __init__(self, peer_id: _Optional[int] = ..., total_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, peer_id: _Optional[int] = ..., total_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("current_round", "open_round", "data_port")
+    __slots__ = ("current_round", "open_round", "data_port", "manifest_checked")
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_CHECKED_FIELD_NUMBER: _ClassVar[int]
     current_round: int
     open_round: int
     data_port: int
-    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
+    manifest_checked: bool
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ..., manifest_checked: _Optional[bool] = ...) -> None: ...
 
 class UploadMeta(_message.Message):
     __slots__ = ("peer_id", "round")
@@ -127,6 +131,14 @@ class DownloadMessage(_message.Message):
     info: RoundInfo
     chunk: TensorChunk
     def __init__(self, info: _Optional[_Union[RoundInfo, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class ProbeMessage(_message.Message):
+    __slots__ = ("data", "reply_bytes")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    REPLY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    reply_bytes: int
+    def __init__(self, data: _Optional[bytes] = ..., reply_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

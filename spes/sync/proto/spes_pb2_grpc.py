@@ -54,6 +54,11 @@ class ParameterServerStub:
                 request_serializer=spes__pb2.StatusRequest.SerializeToString,
                 response_deserializer=spes__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Probe = channel.stream_stream(
+                '/spes.v1.ParameterServer/Probe',
+                request_serializer=spes__pb2.ProbeMessage.SerializeToString,
+                response_deserializer=spes__pb2.ProbeMessage.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -87,6 +92,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request_iterator, context):
+        """Link test of `python -m spes.preflight` over gRPC: the client streams ProbeMessages carrying bytes, the
+        server answers one empty message once it has read them all, then `reply_bytes` bytes. Counted nowhere.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +122,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=spes__pb2.StatusRequest.FromString,
                     response_serializer=spes__pb2.StatusReply.SerializeToString,
+            ),
+            'Probe': grpc.stream_stream_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=spes__pb2.ProbeMessage.FromString,
+                    response_serializer=spes__pb2.ProbeMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +237,33 @@ class ParameterServer:
             '/spes.v1.ParameterServer/Status',
             spes__pb2.StatusRequest.SerializeToString,
             spes__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/spes.v1.ParameterServer/Probe',
+            spes__pb2.ProbeMessage.SerializeToString,
+            spes__pb2.ProbeMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,496 @@
+"""Node preflight: before a week-long run, prove in about a minute that this node can take part.
+
+    python -m spes.preflight configs/spes_1b/node_3.yaml --spes_config.peer_id=3 [--section.key=value ...]
+    run_scripts/run_single_node.sh 3 --preflight          # the same, with the launch script's settings
+    python -m spes.preflight --gpu [CONFIG]               # CUDA smoke test (spes.gpu_check)
+
+Prints one line per check with what it measured: the devices the launch will use; the memory this node's
+config needs (model state + activations of one micro-batch) against what a device has; the parameter server
+(reachable, protocol, token and certificates accepted, run settings and model manifest match: a dry join that
+changes nothing on the server); the link (round-trip time and throughput each way over the plane the node will
+use, the predicted seconds per round and the fraction of time spent not training); free disk where checkpoints
+go; and the training data. Exit status: 0 all passed, 1 some failed (named, each with what to do), 2 bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import psutil
+import torch
+
+from spes.config import ConfigError, TrainConfig, load_config
+from spes.distributed import check_launch
+from spes.model import Transformer, analytic_param_counts, tflops_per_token
+from spes.sync.auth import TOKEN_ENV
+from spes.trainer import max_steps_of
+
+if TYPE_CHECKING:
+    from spes.sync.client import SyncClient
+
+GIB = 2**30
+FP32 = 4
+ADAM_MOMENTS = 2
+USABLE_MEMORY = 0.9
+"""Fraction of a device's memory a run may plan for (the rest: allocator slack, CUDA context, fragmentation)."""
+SAMPLE_TOKENS = 1 << 20
+"""Tokens read from the start of each shard to check their ids against the vocabulary."""
+TARGET_SYNC_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the report: passed, failed (with what to do) or skipped (could not be measured)."""
+
+    name: str
+    status: str  # "ok" | "FAIL" | "skip"
+    detail: str
+    fix: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAIL"
+
+
+def ok(name: str, detail: str) -> Check:
+    return Check(name, "ok", detail)
+
+
+def fail(name: str, detail: str, fix: str) -> Check:
+    return Check(name, "FAIL", detail, fix)
+
+
+def skip(name: str, detail: str) -> Check:
+    return Check(name, "skip", detail)
+
+
+def gib(num_bytes: float) -> str:
+    """A size in GiB, or MiB below one GiB."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+# -- devices ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Devices:
+    """What the launch will use: `nproc` processes on CUDA GPUs (their memory) or on the CPU (its RAM)."""
+
+    nproc: int
+    kind: str  # "cuda" | "cpu"
+    memory_bytes: int
+    """Memory one process may use: the smallest GPU's, or the host's available RAM shared by the processes."""
+    describe: str
+
+
+def find_devices(nproc: int | None) -> Devices:
+    """The devices of this machine and how many processes the launch scripts start (NPROC_PER_NODE or all GPUs)."""
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_gpus:
+        props = [torch.cuda.get_device_properties(i) for i in range(num_gpus)]
+        names = sorted({p.name for p in props})
+        count = nproc or num_gpus
+        return Devices(count, "cuda", min(p.total_memory for p in props),
+                       f"{num_gpus} CUDA GPU(s) ({', '.join(names)}, {gib(min(p.total_memory for p in props))} each); "
+                       f"the launch uses {count} process(es)")
+    count = nproc or 1
+    available = psutil.virtual_memory().available
+    return Devices(count, "cpu", available // count,
+                   f"the CPU (no CUDA GPU), {os.cpu_count()} cores, {gib(available)} RAM available; the launch uses "
+                   f"{count} process(es)")
+
+
+def check_devices(cfg: TrainConfig, devices: Devices) -> Check:
+    num_gpus = torch.cuda.device_count() if devices.kind == "cuda" else 0
+    env = {"WORLD_SIZE": str(devices.nproc), "RANK": "0", "LOCAL_RANK": str(devices.nproc - 1),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    try:
+        check_launch(cfg, env, num_gpus)
+    except ConfigError as exc:
+        return fail("devices", devices.describe, str(exc))
+    return ok("devices", devices.describe)
+
+
+# -- memory -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StateBytes:
+    """Model state of one replica: fp32 weights of every parameter (frozen experts too), fp32 gradients and two
+    fp32 AdamW moments of the parameters this node trains."""
+
+    params: int
+    trained: int
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def model_state_bytes(cfg: TrainConfig) -> StateBytes:
+    """From the config alone (`spes.model.analytic_param_counts`); bench/bench_memory.py checks it against a run."""
+    owned = cfg.owned_experts()
+    counts = analytic_param_counts(cfg.model, None if owned is None else owned[1] - owned[0])
+    return StateBytes(params=counts.total, trained=counts.trainable, weights=FP32 * counts.total,
+                      grads=FP32 * counts.trainable, optimizer=ADAM_MOMENTS * FP32 * counts.trainable)
+
+
+def activation_bytes_per_sequence(cfg: TrainConfig) -> int:
+    """Estimated activation memory kept for backward per sequence of a micro-batch.
+
+    Per token and layer: attention keeps ~10 d values (norm, q/k/v, output, residual) and, on the math path,
+    n_heads x seq attention probabilities; the MoE keeps the router logits and per routed copy its input and
+    output (2 d) and four expert-hidden values. Activation checkpointing keeps only a layer's input for the
+    recomputed layers (fine-grained: ~4 d). The logits cost three fp32 copies (logits, log-softmax, gradient).
+    """
+    m = cfg.model
+    d, s, f = m.d_model, m.max_sequence_length, m.expert_hidden_size
+    full_layer = 10 * d + m.n_heads * s + m.moe_num_experts + m.moe_top_k * (2 * d + 4 * f)
+    mode = cfg.activation_checkpointing
+    if mode in ("whole_layer", True):
+        per_layer = [d] * (m.n_layers - 1) + [full_layer]
+    elif mode == "fine_grained":
+        per_layer = [4 * d] * (m.n_layers - 1) + [full_layer]
+    elif mode in ("one_in_two", "one_in_four"):
+        every = 2 if mode == "one_in_two" else 4
+        per_layer = [d if i % every == 0 else full_layer for i in range(m.n_layers)]
+    else:
+        per_layer = [full_layer] * m.n_layers
+    element = 2 if cfg.precision == "amp_bf16" else FP32
+    assert m.embedding_size is not None
+    return s * (sum(per_layer) * element + 3 * FP32 * m.embedding_size)
+
+
+def memory_need(cfg: TrainConfig, nproc: int) -> tuple[int, int]:
+    """(model-state bytes one process holds, activation bytes per sequence): FSDP2 shards the state over the
+    node's processes, DDP adds gradient buckets as large as the gradients."""
+    state = model_state_bytes(cfg)
+    per_rank = state.total
+    if nproc > 1 and cfg.distributed_strategy == "fsdp" and cfg.fsdp.sharding_strategy != "NO_SHARD":
+        per_rank = math.ceil(state.total / nproc)
+    elif nproc > 1 and cfg.distributed_strategy == "ddp":
+        per_rank += state.grads
+    return per_rank, activation_bytes_per_sequence(cfg)
+
+
+def check_memory(cfg: TrainConfig, devices: Devices, budget_bytes: int | None) -> Check:
+    state = model_state_bytes(cfg)
+    static, per_seq = memory_need(cfg, devices.nproc)
+    micro = cfg.device_train_microbatch_size
+    have = budget_bytes if budget_bytes is not None else devices.memory_bytes
+    where = "the stated budget" if budget_bytes is not None else ("the smallest GPU" if devices.kind == "cuda"
+                                                                 else "available RAM per process")
+    usable = USABLE_MEMORY * have
+    need = static + micro * per_seq
+    largest = max(0, int((usable - static) // per_seq)) if per_seq else 0
+    detail = (f"needs {gib(need)} per process (model state {gib(static)}: {state.params / 1e6:,.1f}M weights, "
+              f"{state.trained / 1e6:,.1f}M trained with grads + AdamW; activations ~{gib(micro * per_seq)} for "
+              f"micro-batch {micro}) of {gib(have)} ({where}; {gib(usable)} usable at {USABLE_MEMORY:.0%}); "
+              f"largest micro-batch that fits: {largest}")
+    if need <= usable:
+        return ok("memory", detail)
+    if static > usable:
+        fix = ("the model state alone does not fit: shard it with distributed_strategy=fsdp over more GPUs "
+               "(NPROC_PER_NODE), or use a device with more memory")
+    else:
+        per_rank = cfg.global_train_batch_size // devices.nproc
+        fitting = max(m for m in range(1, max(largest, 1) + 1) if per_rank % m == 0)
+        fix = (f"set device_train_microbatch_size={fitting} (the largest that fits and divides the "
+               f"{per_rank} sequences per process and step), or enable activation_checkpointing=whole_layer")
+    return fail("memory", detail, fix)
+
+
+# -- server and link ----------------------------------------------------------------------------------------------
+def manifest(cfg: TrainConfig) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """The manifest this node would announce at Join, read off the model built on the meta device."""
+    from spes.sync.peer import model_manifest
+
+    with torch.device("meta"):
+        return model_manifest(Transformer.for_run(cfg))
+
+
+def wire_bytes(shapes: dict[str, tuple[int, ...]], names: list[str], wire_dtype: str) -> int:
+    return sum(math.prod(shapes[n]) for n in names) * (2 if wire_dtype == "bf16" else FP32)
+
+
+def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable: list[str]
+                 ) -> tuple[list[Check], SyncClient | None]:
+    """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
+    from spes.sync.client import SyncError
+    from spes.sync.peer import sync_client
+    from spes.sync.wire import PROTOCOL_VERSION
+
+    s = cfg.spes_config
+    if not cfg.sync_enabled:
+        return [skip("server", "centralized run (using_spes=false): no parameter server")], None
+    try:
+        client = sync_client(cfg, max_retries=0, rpc_timeout_s=min(s.rpc_timeout_s, 15.0))
+    except (ValueError, FileNotFoundError) as exc:
+        return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
+    mode = "diloco" if cfg.using_dilico else "spes"
+    settings = (f"mode {mode}, {s.num_peers} peers, {cfg.expert_block_size()} experts per block, peer {s.peer_id}, "
+                f"manifest of {len(shapes)} tensors")
+    parts = ("token" if s.token_file or os.environ.get(TOKEN_ENV) else "", "TLS" if s.tls_ca or s.tls_cert else "",
+             f"client certificate {s.tls_cert}" if s.tls_cert else "")
+    security = ", ".join(p for p in parts if p) or "no token, no TLS"
+    try:
+        checked = client.check_join(shapes, trainable)
+    except SyncError as exc:
+        client.close()
+        code = exc.code.name if exc.code is not None else ""
+        fixes = {
+            "UNAVAILABLE": "start the server, or check spes_config.server_addr, the firewall and spes_config.tls_ca",
+            "DEADLINE_EXCEEDED": "the server does not answer in time: check spes_config.server_addr and the network",
+            "UNAUTHENTICATED": "set SPES_TOKEN (or spes_config.token_file) to the run's shared secret",
+            "PERMISSION_DENIED": "use the client certificate issued for this peer (common name peer-<peer_id>) "
+                                 "in spes_config.tls_cert/tls_key, or check spes_config.peer_id",
+        }
+        if code in fixes:
+            return [fail("server", f"{s.server_addr}: {exc}", fixes[code]),
+                    skip("settings", "not checked: the server refused or did not answer")], None
+        if "wire protocol" in str(exc):
+            return [fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
+                    skip("settings", "not checked: the server speaks another protocol")], None
+        return [ok("server", f"{s.server_addr} reachable, credentials accepted ({security})"),
+                fail("settings", str(exc), "make this node's config match the run's (the server's flags and the "
+                     "other nodes' configs)")], None
+    known = "matches the run's" if checked else "will set the run's (no peer has joined yet)"
+    return [ok("server", f"{s.server_addr} reachable, protocol v{PROTOCOL_VERSION}, credentials accepted ({security})"),
+            ok("settings", f"{settings}: the server accepts them; the manifest {known}")], client
+
+
+def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
+    """Seconds per optimizer step from the config's FLOPs and this device's measured matmul rate (MFU 40% on GPU)."""
+    flops = tflops_per_token(cfg.model) * 1e12 * cfg.global_train_batch_size * cfg.model.max_sequence_length
+    # NOTE: each GPU adds its rate; CPU processes share the cores one measurement already used
+    rate = matmul_flops_per_s(devices.kind) * (devices.nproc if devices.kind == "cuda" else 1)
+    efficiency = 0.4 if devices.kind == "cuda" else 1.0
+    return flops / (rate * efficiency), (f"estimated from {flops / 1e12:.3g} TFLOP per step at "
+                                         f"{rate / 1e12:.3g} TFLOP/s measured matmul rate"
+                                         + (" x 40% MFU" if devices.kind == "cuda" else ""))
+
+
+def matmul_flops_per_s(kind: str, seconds: float = 0.3) -> float:
+    """The device's dense matmul rate (bf16 on CUDA, fp32 on the CPU), measured for about `seconds`."""
+    n = 4096 if kind == "cuda" else 512
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    a = torch.randn(n, n, device=kind, dtype=dtype)
+    b = torch.randn(n, n, device=kind, dtype=dtype)
+    a @ b  # warm-up
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+        if kind == "cuda":
+            torch.cuda.synchronize()
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def check_link(cfg: TrainConfig, client: SyncClient, shapes: dict[str, tuple[int, ...]], trainable: list[str],
+               devices: Devices, link_bytes: int, step_s: float | None, max_fraction: float) -> Check:
+    from spes.sync.client import SyncError
+    from spes.sync.merge import download_names
+
+    s = cfg.spes_config
+    try:
+        stats = client.measure_link(link_bytes)
+    except SyncError as exc:
+        return fail("link", str(exc), "check the network between this node and the server (and its data port)")
+    mode = "diloco" if cfg.using_dilico else "spes"
+    up = wire_bytes(shapes, trainable, s.wire_dtype)
+    down = wire_bytes(shapes, download_names(list(shapes), s.peer_id, mode, False), s.wire_dtype)
+    # NOTE: an upload and a download each open a connection and exchange a request and a reply: ~4 round trips.
+    round_s = up / stats.up_bytes_per_s + down / stats.down_bytes_per_s + 4 * stats.rtt_s
+    how = "measured (--step_time_s)"
+    if step_s is None:
+        step_s, how = estimated_step_s(cfg, devices)
+    fraction = round_s / (s.sync_steps * step_s + round_s)
+    detail = (f"{stats.plane} plane: RTT {stats.rtt_s * 1e3:.1f} ms, up {stats.up_bytes_per_s / 2**20:,.0f} MiB/s, "
+              f"down {stats.down_bytes_per_s / 2**20:,.0f} MiB/s ({link_bytes / 2**20:g} MiB each way); a round moves "
+              f"{gib(up)} up + {gib(down)} down ({s.wire_dtype}): ~{round_s:.3g} s; step ~{step_s:.3g} s "
+              f"({how}); at sync_steps={s.sync_steps} the node waits on the link "
+              f"{fraction:.1%} of the time")
+    if fraction <= max_fraction:
+        return ok("link", detail)
+    steps_needed = math.ceil(round_s * (1 - TARGET_SYNC_FRACTION) / (TARGET_SYNC_FRACTION * step_s))
+    return fail("link", detail, f"raise spes_config.sync_steps to {steps_needed} (link time <= "
+                f"{TARGET_SYNC_FRACTION:.0%}), use spes_config.wire_dtype=bf16 (half the bytes), or a faster link"
+                + ("; open the server's --data_port to this node (gRPC is several times slower)"
+                   if stats.plane == "grpc" else ""))
+
+
+# -- disk and data ------------------------------------------------------------------------------------------------
+def saves(max_steps: int, interval: int | None, keep: int, final: bool) -> int:
+    """How many checkpoints of one kind exist at the end of the run (written, then pruned to `keep`)."""
+    if not interval:
+        return 0
+    written = max_steps // interval + (1 if final and max_steps % interval else 0)
+    return min(written, keep) if keep > 0 else written
+
+
+def check_disk(cfg: TrainConfig) -> Check:
+    folder = Path(cfg.save_folder).expanduser().absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    state = model_state_bytes(cfg)
+    size = state.weights + state.optimizer
+    steps = max_steps_of(cfg)
+    kept = saves(steps, cfg.save_interval, cfg.save_num_checkpoints_to_keep, final=True) + saves(
+        steps, cfg.save_interval_unsharded, cfg.save_num_unsharded_checkpoints_to_keep, final=False)
+    need = (kept + 1) * size if kept else 0  # NOTE: the next checkpoint is written before the oldest is pruned
+    detail = (f"{cfg.save_folder}: {gib(free)} free; checkpoints of {gib(size)} (weights + AdamW), {kept} kept + 1 being "
+              f"written = {gib(need)}")
+    if need <= free:
+        return ok("disk", detail)
+    return fail("disk", detail, f"free {gib(need - free)} there, point save_folder at a larger disk, or lower "
+                f"save_num_checkpoints_to_keep")
+
+
+def check_data(cfg: TrainConfig) -> Check:
+    from spes.data import TokenSequenceDataset
+    from spes.shards import resolve_paths
+    from spes.tokenizer import check_vocab, load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer.identifier)
+        check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        return fail("data", f"tokenizer {cfg.tokenizer.identifier}: {exc}", "fix tokenizer.identifier / model.vocab_size")
+    paths = []
+    for entry in cfg.data.paths or [""]:
+        try:
+            paths.extend(resolve_paths([entry] if entry else []))
+        except (ValueError, FileNotFoundError) as exc:
+            return fail("data", str(exc), "fix data.paths (files, globs, directories or .txt lists of .npy shards)")
+    try:
+        dataset = TokenSequenceDataset(paths, cfg.model.max_sequence_length, cfg.data.memmap_dtype)
+    except (ValueError, OSError) as exc:
+        return fail("data", str(exc), "fix or re-tokenize the shard named above")
+    for path, info in zip(dataset.paths, dataset.shard_infos):
+        tokens = np.load(path, mmap_mode="r")[:SAMPLE_TOKENS]
+        top = int(tokens.max()) if len(tokens) else 0
+        if info.vocab_size != tokenizer.vocab_size or top >= tokenizer.vocab_size:
+            return fail("data", f"{path}: written for a vocabulary of {info.vocab_size} (largest id seen {top}), the "
+                        f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
+                        "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used")
+    same = dataset.fingerprint == tokenizer.fingerprint
+    need = max_steps_of(cfg) * cfg.global_train_batch_size
+    detail = (f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dataset.shard_infos[0].dtype}, "
+              f"{dataset.num_tokens:,} tokens = {len(dataset):,} sequences of {cfg.model.max_sequence_length}; the run "
+              f"reads {need:,} (max_duration x global_train_batch_size)"
+              + ("" if same else "; note: written with another tokenizer file of the same vocabulary size"))
+    if len(dataset) >= need:
+        return ok("data", detail)
+    return fail("data", detail, f"add shards to data.paths or shorten max_duration (the data would be read "
+                f"{need / max(len(dataset), 1):.1f} times)")
+
+
+# -- the report ---------------------------------------------------------------------------------------------------
+def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
+    devices = find_devices(args.nproc)
+    checks = [check_devices(cfg, devices)]
+    budget = int(args.memory_budget_gb * GIB) if args.memory_budget_gb is not None else None
+    checks.append(check_memory(cfg, devices, budget))
+    shapes, trainable = manifest(cfg)
+    server_checks, client = check_server(cfg, shapes, trainable)
+    checks.extend(server_checks)
+    if client is not None:
+        try:
+            checks.append(check_link(cfg, client, shapes, trainable, devices, int(args.link_mb * 2**20),
+                                     args.step_time_s, args.max_sync_fraction))
+        finally:
+            client.close()
+    elif cfg.sync_enabled:
+        checks.append(skip("link", "not measured: the server check did not pass"))
+    checks.append(check_disk(cfg))
+    checks.append(check_data(cfg))
+    return checks
+
+
+def report(checks: list[Check], out: Callable[[str], None] = print) -> int:
+    """Print one line per check (and what to do under a failed one); 1 if any failed."""
+    for check in checks:
+        out(f"{check.status:<4}  {check.name:<8}  {check.detail}")
+        if check.fix:
+            out(f"{'':<4}  {'':<8}  -> {check.fix}")
+    failed = [c.name for c in checks if c.failed]
+    if failed:
+        out(f"preflight FAILED: {', '.join(failed)} (see the -> lines); fix and run again")
+        return 1
+    out("preflight passed: this node is ready to start")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m spes.preflight",
+        usage="python -m spes.preflight CONFIG.yaml [--section.key=value ...] [options] | --gpu [CONFIG.yaml]",
+        description="Check that this node can take part in the run CONFIG.yaml describes: devices, memory, the "
+        "parameter server (a dry join: nothing changes on the server), the link, disk and data. One line per check; "
+        "exit 1 naming the failed checks, 2 for a bad config.",
+        epilog="Config keys are overridden as --section.key=value, exactly as for spes.train.")
+    parser.add_argument("config", nargs="?", help="the node's YAML config")
+    parser.add_argument("--gpu", action="store_true",
+                        help="instead: CUDA smoke test (bf16 block fwd+bwd, NCCL all-reduce, FSDP2 step)")
+    parser.add_argument("--devices", action="store_true",
+                        help="instead: print the number of processes the launch starts and the devices (one line)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="processes the launch starts (default: NPROC_PER_NODE, else every GPU, else 1)")
+    parser.add_argument("--memory_budget_gb", type=float, default=None,
+                        help="memory one process may use, GiB (default: the smallest GPU's, or available RAM)")
+    parser.add_argument("--link_mb", type=float, default=16.0, help="MiB sent each way by the link test")
+    parser.add_argument("--step_time_s", type=float, default=None,
+                        help="measured seconds per optimizer step (default: estimated from FLOPs and a matmul test)")
+    parser.add_argument("--max_sync_fraction", type=float, default=0.5,
+                        help="fail the link check when the node would wait on the link more than this fraction")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)  # NOTE: every other --key=value is a config override
+    stray = [a for a in overrides if not a.startswith("--")]
+    if stray:
+        parser.error(f"unexpected arguments {stray}: give one config file; overrides look like --section.key=value")
+    if args.gpu:
+        from spes.gpu_check import main as gpu_main
+
+        return gpu_main(args.config, overrides)
+    env_nproc = os.environ.get("NPROC_PER_NODE")
+    if args.nproc is None and env_nproc:
+        if not env_nproc.isdigit():
+            parser.error(f"NPROC_PER_NODE={env_nproc!r} must be a positive integer")
+        args.nproc = int(env_nproc)
+    if args.nproc is not None and args.nproc < 1:
+        parser.error(f"--nproc (or NPROC_PER_NODE) must be >= 1, got {args.nproc}")
+    if args.devices:  # for the launch scripts: `<processes> <what they run on>`
+        devices = find_devices(args.nproc)
+        print(devices.nproc, devices.describe.split(";")[0])
+        return 0
+    if args.config is None:
+        parser.error("no config file given, e.g. python -m spes.preflight configs/tiny.yaml")
+    if not 0 < args.link_mb <= 256:
+        parser.error(f"--link_mb must be in (0, 256], got {args.link_mb}")
+    try:
+        cfg, _ = load_config(args.config, overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    s = cfg.spes_config
+    print(f"preflight of {args.config}: peer {s.peer_id} of {s.num_peers}, server {s.server_addr}"
+          if cfg.sync_enabled else f"preflight of {args.config} (centralized run)")
+    return report(run_checks(cfg, args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
