@@ -375,3 +375,21 @@ def test_another_protocol_version_fails_the_server_check(server: str, node: list
     assert rc == 1
     assert lines["server"].startswith("FAIL") and "speaks wire protocol v2" in lines["server"]
     assert "-> run the same spes version" in lines["server"] and lines["settings"].startswith("skip")
+
+
+def test_a_server_older_than_preflight_is_named(token: None, node: list[str], capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from spes.sync.server import SpesServicer
+
+    join = SpesServicer.Join
+
+    def old_join(self: SpesServicer, request: object, context: object) -> object:
+        request.dry_run = False  # type: ignore[attr-defined]  # NOTE: a server that knows no dry_run field
+        return join(self, request, context)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SpesServicer, "Join", old_join)
+    with running_server(total_peers=4, experts_per_peer=2, token=TOKEN) as (_, addr):
+        rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={addr}")
+    assert rc == 1
+    assert lines["server"].startswith("FAIL") and "predates preflight" in lines["server"]
+    assert "-> update the parameter server" in lines["server"]
