@@ -257,6 +257,10 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
         if code in fixes:
             return [fail("server", f"{s.server_addr}: {exc}", fixes[code]),
                     skip("settings", "not checked: the server refused or did not answer")], None
+        if exc.reason == "old_server":
+            return [fail("server", f"{s.server_addr}: {exc}", "update the parameter server to this spes version (the "
+                         "training protocol is the same); its settings were accepted"),
+                    skip("settings", "not checked by an older server")], None
         if "wire protocol" in str(exc):
             return [fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
                     skip("settings", "not checked: the server speaks another protocol")], None

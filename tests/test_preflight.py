@@ -173,7 +173,7 @@ def test_a_config_that_cannot_fit_the_memory_budget_fails_the_memory_check(
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--memory_budget_gb={budget_gb}")
     assert rc == 1
     assert lines["memory"].startswith("FAIL") and "largest micro-batch that fits: 2" in lines["memory"]
-    assert "device_train_microbatch_size to at most 2" in lines["memory"]
+    assert "device_train_microbatch_size=2 (the largest that fits and divides the 16" in lines["memory"]
     assert [n for n, line in lines.items() if line.startswith("FAIL")] == ["memory"]
     assert status(server) == before
 
@@ -239,6 +239,25 @@ def test_without_a_stated_step_time_it_is_estimated_from_flops_and_a_matmul_test
     cfg, _ = load_config(node[0], node[1:3])
     seconds, how = estimated_step_s(cfg, find_devices(1))
     assert 0 < seconds < 60 and how.startswith("estimated from") and "TFLOP/s measured matmul rate" in how
+
+
+def test_more_processes_than_the_strategy_can_use_fail_the_devices_check(
+        server: str, node: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", "--nproc=2")
+    assert rc == 1
+    assert lines["devices"].startswith("FAIL") and "the launch uses 2 process(es)" in lines["devices"]
+    assert "'distributed_strategy' = 'single' cannot run on 2 processes" in lines["devices"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+def test_devices_answers_the_launch_scripts_in_one_line(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NPROC_PER_NODE", raising=False)
+    assert main(["--devices"]) == 0
+    assert capsys.readouterr().out.startswith("1 the CPU (no CUDA GPU)")
+    monkeypatch.setenv("NPROC_PER_NODE", "3")
+    assert main(["--devices"]) == 0
+    assert capsys.readouterr().out.startswith("3 the CPU")
 
 
 # -- the launch scripts -------------------------------------------------------------------------------------------
@@ -356,3 +375,21 @@ def test_another_protocol_version_fails_the_server_check(server: str, node: list
     assert rc == 1
     assert lines["server"].startswith("FAIL") and "speaks wire protocol v2" in lines["server"]
     assert "-> run the same spes version" in lines["server"] and lines["settings"].startswith("skip")
+
+
+def test_a_server_older_than_preflight_is_named(token: None, node: list[str], capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from spes.sync.server import SpesServicer
+
+    join = SpesServicer.Join
+
+    def old_join(self: SpesServicer, request: object, context: object) -> object:
+        request.dry_run = False  # type: ignore[attr-defined]  # NOTE: a server that knows no dry_run field
+        return join(self, request, context)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SpesServicer, "Join", old_join)
+    with running_server(total_peers=4, experts_per_peer=2, token=TOKEN) as (_, addr):
+        rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={addr}")
+    assert rc == 1
+    assert lines["server"].startswith("FAIL") and "predates preflight" in lines["server"]
+    assert "-> update the parameter server" in lines["server"]

@@ -237,6 +237,9 @@ class SyncClient:
             lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
             per_attempt_s=self.rpc_timeout_s,
         )
+        if not reply.dry_run:
+            raise SyncError("the server predates preflight and took this dry join as a real Join (it now counts "
+                            f"peer {self.peer_id} as joined)", grpc.StatusCode.FAILED_PRECONDITION, reason="old_server")
         self._use_data_plane(reply)
         return reply.manifest_checked
 

@@ -272,7 +272,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 if request.dry_run:  # preflight: every check above, nothing registered
                     log.info("preflight of peer %d: its settings and model match the run", peer)
                     return pb.JoinReply(current_round=-1, open_round=-1, data_port=self.data_port,
-                                        manifest_checked=self._manifest is not None)
+                                        manifest_checked=self._manifest is not None, dry_run=True)
                 if self._manifest is None:
                     self._learn_manifest(shapes)
                     log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))

@@ -37,16 +37,18 @@ class JoinRequest(_message.Message):
     def __init__(self, peer_id: _Optional[int] = ..., total_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("current_round", "open_round", "data_port", "manifest_checked")
+    __slots__ = ("current_round", "open_round", "data_port", "manifest_checked", "dry_run")
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     current_round: int
     open_round: int
     data_port: int
     manifest_checked: bool
-    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ..., manifest_checked: _Optional[bool] = ...) -> None: ...
+    dry_run: bool
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ..., manifest_checked: _Optional[bool] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class UploadMeta(_message.Message):
     __slots__ = ("peer_id", "round")
