@@ -11,6 +11,7 @@ names the culprit, the others' say that rank 0 failed) is printed last, with the
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +20,7 @@ ERROR_DIR_ENV = "SPES_ERROR_DIR"
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -36,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"output above")
             print(line, file=sys.stderr, flush=True)
             return failure.exitcode if failure.exitcode > 0 else 1
+        except SignalException as e:  # torchrun has passed the signal on to the ranks and waited for them
+            name = signal.Signals(e.sigval).name
+            print(f"error: stopped by {name}: each rank was asked to save a checkpoint at its next step and stop; "
+                  f"continue with --resume (or --resume=auto)", file=sys.stderr, flush=True)
+            return 128 + e.sigval
 
 
 if __name__ == "__main__":

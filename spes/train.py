@@ -52,8 +52,14 @@ Train one node of a SPES run (or a centralized / DiLoCo run) described by an OLM
 """
 
 
-# What a user can cause or meet: each ends the run with its message as one line and this exit code.
-USER_ERRORS: dict[type[BaseException], int] = {ValueError: 2, FileNotFoundError: 2, SyncError: 3, NonFiniteError: 4}
+# What a user can cause or meet: each ends the run with its message as one line and this exit code (the first
+# that matches). OSError: a full disk or an unwritable save_folder; KeyboardInterrupt: a second Ctrl-C.
+USER_ERRORS: dict[type[BaseException], int] = {
+    ValueError: 2, FileNotFoundError: 2, SyncError: 3, NonFiniteError: 4, torch.OutOfMemoryError: 5, OSError: 6,
+    KeyboardInterrupt: 130}
+HINTS: dict[type[BaseException], str] = {
+    torch.OutOfMemoryError: "lower device_train_microbatch_size or set activation_checkpointing",
+    KeyboardInterrupt: "interrupted without saving; resume from the last checkpoint with --resume"}
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], str | None]:
@@ -89,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(e: BaseException) -> int:
     """Print the failure as one line (and leave it for `spes.torchrun`); its exit code."""
-    line = f"error: {e}".replace("\n", " ")
+    hint = next((h for kind, h in HINTS.items() if isinstance(e, kind)), None)
+    line = "error: " + "; ".join(" ".join(part.split()) for part in (str(e), hint) if part)
     print(line, file=sys.stderr, flush=True)
     if os.environ.get(ERROR_DIR_ENV):
         with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:

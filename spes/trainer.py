@@ -257,6 +257,8 @@ class Trainer:
             metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
         if sync_now:
             assert self.syncer is not None
+            check_weights_finite(self.model, self.info, f"not uploading the weights of step {step}",
+                                 "the server keeps the last good round; resume from an earlier checkpoint")
             metrics.update(self.syncer.sync(step))
             if metrics.get("caught_up_to", step) != step:  # this node had fallen behind: continue at the run's step
                 self.step = step = metrics["caught_up_to"]

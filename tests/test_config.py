@@ -439,3 +439,24 @@ def test_peers_past_the_last_expert_block_own_nothing() -> None:
     assert load_config(CONFIGS / "tiny.yaml", [*overrides, "--spes_config.peer_id=3"])[0].owned_experts() == (6, 8)
     cfg, _ = load_config(CONFIGS / "tiny.yaml", [*overrides, "--spes_config.peer_id=5"])
     assert cfg.owned_experts() == (8, 8)
+
+
+def test_a_yaml_syntax_error_is_one_line_with_its_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "model:\n  d_model: 64\n n_heads: [4\n"))
+    assert "line 3, column 2: not valid YAML" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("--model.d_model=abc", "command line (--model.d_model=abc): config key 'model.d_model' = 'abc'"),
+    ("--data.paths=x.npy", "write a list: --data.paths=[x.npy]"),
+    ("--skip_nonfinite_steps=-1", "'skip_nonfinite_steps' = -1 must be >= 0"),
+])
+def test_a_bad_override_value_blames_the_command_line(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(CONFIGS / "tiny.yaml", [override])
+
+
+def test_a_list_written_as_a_string_in_yaml_gets_the_yaml_hint(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=re.escape("write a list: data.paths: [x.npy]")):
+        load_config(write(tmp_path, "data:\n  paths: x.npy\n"))

@@ -109,9 +109,8 @@ def test_under_torchrun_the_scripts_end_with_the_error_line(tiny_corpus, tmp_pat
     proc = run_logged(cmd, tmp_path / "node.log", timeout=150, env=env)
     assert "ChildFailedError" not in proc.stdout
     assert_one_line(proc.returncode, proc.stdout, "127.0.0.1")
-    code, out = run_logged([*cmd, "--model.d_model=abc"], tmp_path / "bad.log", timeout=150, env=env).returncode, \
-        (tmp_path / "bad.log").read_text()
-    assert_one_line(code, out, "command line (--model.d_model=abc)")
+    bad = run_logged([*cmd, "--model.d_model=abc"], tmp_path / "bad.log", timeout=150, env=env)
+    assert_one_line(bad.returncode, bad.stdout, "command line (--model.d_model=abc)")
 
 
 def test_the_readme_single_process_command_runs(tiny_corpus, tmp_path: Path) -> None:
@@ -157,3 +156,27 @@ def test_a_requeued_run_continues_from_its_last_checkpoint(tiny_corpus, tmp_path
     assert f"loaded {out / f'step{saved}'} (step {saved})" in again.stdout
     assert f"step {saved + 1}/60" in again.stdout and "step 1/60" not in again.stdout
     assert _steps(out) == list(range(1, 61))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_to_spes_torchrun_saves_and_ends_in_one_line(tiny_corpus, tmp_path: Path) -> None:
+    """What SLURM sends at a preemption: the rank saves at its next step, the launcher says so in one line."""
+    cmd = [sys.executable, "-m", "spes.torchrun", "--standalone", "--nproc_per_node=1", "-m", "spes.train", TINY,
+           *tiny_corpus.overrides(tmp_path), "--using_spes=false", "--eval_interval=null", "--log_interval=1",
+           "--save_interval=null", "--max_duration=100000st"]
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "metrics.jsonl").exists():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    out = (tmp_path / "run.log").read_text()
+    assert_one_line(proc.returncode, out, "stopped by SIGTERM", "--resume")
+    assert proc.returncode == 128 + signal.SIGTERM and (tmp_path / "latest").is_file()
