@@ -165,8 +165,9 @@ class DownstreamEvals:
         cmd = [sys.executable, str(EVAL_SCRIPTS / "build_local_tasks.py"), "--shards", *self.cfg.data.validation_paths,
                "--tokenizer", self.cfg.tokenizer.identifier, "--out", str(data),
                "--max_tokens", str(self.cfg.model.max_sequence_length), "--window_tokenizer", str(hf_dir)]
-        if not self._subprocess(cmd, Path.cwd(), self.folder / "build_local_tasks.log"):
-            self._disable(LOCAL_SUITE, f"its task data could not be built (log: {self.folder / 'build_local_tasks.log'})")
+        log_path = self.folder / "build_local_tasks.log"
+        if not self._subprocess(cmd, Path.cwd(), log_path):
+            self._disable(LOCAL_SUITE, f"its task data could not be built (log: {log_path})")
             return data, ""
         manifest = json.loads((data / "manifest.json").read_text(encoding="utf-8"))
         for task, reason in manifest.get("skipped_tasks", {}).items():
