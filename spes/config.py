@@ -554,7 +554,7 @@ def config_help(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         sub = _dataclass_in(hints[f.name])
-        if sub is not None and f.default is not None:
+        if sub is not None:  # optional sections (wandb, tensorboard) list their keys too
             lines.append(f"  {prefix}{f.name}.*  -- {f.metadata.get('doc', '')}")
             lines.extend(config_help(sub, prefix + f.name + "."))
             continue
