@@ -54,6 +54,11 @@ EVAL_SOURCE=${EVAL_SOURCE:-$REPO/data/default}
 BATCH_SIZE=${BATCH_SIZE:-8}
 DTYPE=${DTYPE:-auto}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# NOTE: without a reachable Hub, offline mode turns minutes of retries inside datasets/lm_eval into cache reads.
+if ! "$PYTHON" -c 'import sys; from spes.hub import hub_offline, hub_reachable
+sys.exit(0 if not hub_offline() and hub_reachable() else 1)'; then
+  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+fi
 CONTEXT=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("max_position_embeddings") or 0)' \
   "$HF_DIR/config.json")
 EVAL_DATA=${EVAL_DATA:-$REPO/data/eval_tasks/ctx$CONTEXT}
