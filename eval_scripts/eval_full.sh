@@ -2,6 +2,8 @@
 # Evaluate a Hugging Face model directory with lm-evaluation-harness, offline.
 #
 #   eval_scripts/eval_full.sh <HF_DIR> [OUT_DIR]        (OUT_DIR defaults to <HF_DIR>/eval)
+#   eval_scripts/eval_full.sh <org/name> [OUT_DIR]      a Hub id: the local Hub cache, else a download
+#                                                        (OUT_DIR defaults to output/eval/<org>--<name>)
 #
 # 1. The local suite, always: eval_scripts/tasks/ (tag spes_local) over held-out text of the default
 #    corpus -- spes_next_text (which of 4 continuations is the real one; acc, acc_norm) and
@@ -27,20 +29,36 @@ if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
   exit 2
 fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if [ ! -f "$1/config.json" ]; then
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+[ -x "$PYTHON" ] || PYTHON=python3
+MODEL=$1
+DEFAULT_OUT=$1/eval
+if [ ! -e "$1" ]; then  # a Hub id: the local Hub cache first, then a download (spes.hub)
+  MODEL=$(PYTHONPATH="$REPO" "$PYTHON" -c 'import sys
+from spes.hub import resolve
+try:
+    print(resolve(sys.argv[1], what="model"))
+except FileNotFoundError as err:
+    sys.exit(f"error: {err}")' "$1") || exit 2
+  DEFAULT_OUT=$REPO/output/eval/${1//\//--}
+fi
+if [ ! -f "$MODEL/config.json" ]; then
   echo "error: $1 is not a Hugging Face model directory (no config.json); make one with eval_scripts/convert_to_hf.sh" >&2
   exit 2
 fi
-HF_DIR=$(cd "$1" && pwd)
-OUT_DIR=${2:-$HF_DIR/eval}
+HF_DIR=$(cd "$MODEL" && pwd)
+OUT_DIR=${2:-$DEFAULT_OUT}
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-PYTHON=${PYTHON:-$REPO/.venv/bin/python}
-[ -x "$PYTHON" ] || PYTHON=python3
 EVAL_SOURCE=${EVAL_SOURCE:-$REPO/data/default}
 BATCH_SIZE=${BATCH_SIZE:-8}
 DTYPE=${DTYPE:-auto}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# NOTE: without a reachable Hub, offline mode turns minutes of retries inside datasets/lm_eval into cache reads.
+if ! "$PYTHON" -c 'import sys; from spes.hub import hub_offline, hub_reachable
+sys.exit(0 if not hub_offline() and hub_reachable() else 1)'; then
+  export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+fi
 CONTEXT=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("max_position_embeddings") or 0)' \
   "$HF_DIR/config.json")
 EVAL_DATA=${EVAL_DATA:-$REPO/data/eval_tasks/ctx$CONTEXT}

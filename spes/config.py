@@ -161,7 +161,8 @@ class SchedulerConfig:
 
 @dataclass(kw_only=True)
 class TokenizerConfig:
-    identifier: str = _f("data/default/tokenizer", "local tokenizer directory or tokenizer.json (never downloaded)")
+    identifier: str = _f("data/default/tokenizer", "tokenizer directory, tokenizer.json or Hugging Face Hub id "
+                                                   "(local cache first, see spes.hub)")
     truncate_direction: str = _f("right", "inert")
 
 
@@ -187,7 +188,9 @@ class DataConfig:
     paths: list[str] = _f([], "token shards: .npy files, globs, or a .txt file listing them")
     validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
     seed: int = _f(6198, "data order seed (each SPES node uses its own, e.g. 6198 + 1000 * node)")
-    memmap_dtype: str | None = _f(None, "expected shard dtype (uint16/uint32); default: as written by tokenize_data")
+    memmap_dtype: str | None = _f(
+        None, "token dtype (uint16/uint32/uint64): checked against spes shards, read from headerless OLMo files "
+              "(default: the shards' own; uint16 for headerless files)")
     num_workers: int = _f(0, "data loader worker processes")
     pad_direction: str = _f("right", "inert")
     drop_last: bool = _f(True, "drop the last incomplete global batch of an epoch")
@@ -600,7 +603,7 @@ def config_help(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         sub = _dataclass_in(hints[f.name])
-        if sub is not None and f.default is not None:
+        if sub is not None:  # optional sections (wandb, tensorboard) list their keys too
             lines.append(f"  {prefix}{f.name}.*  -- {f.metadata.get('doc', '')}")
             lines.extend(config_help(sub, prefix + f.name + "."))
             continue

@@ -72,11 +72,11 @@ class TokenSequenceDataset:
                     f"set data.memmap_dtype={array.dtype} or leave it unset to use the shards' dtype"
                 )
             lengths.append(len(array))
-        bare = [p for p, i in zip(self.paths, self.shard_infos) if i is None]
+        bare = [i for i, info in enumerate(self.shard_infos) if info is None]
         if bare:
-            more = f" and {len(bare) - 1} more" if len(bare) > 1 else ""
-            log.warning(f"note: token shard {bare[0]}{more} has no .npy.json sidecar (OLMo format): read as "
-                        f"{self._array(self.paths.index(bare[0])).dtype} tokens; its tokenizer cannot be checked")
+            more = f" (and {len(bare) - 1} more)" if len(bare) > 1 else ""
+            log.warning(f"note: token shard {self.paths[bare[0]]}{more} has no .npy.json sidecar (an OLMo-style "
+                        f"file): read as {self._array(bare[0]).dtype} tokens; its tokenizer cannot be checked")
         known = [(p, i) for p, i in zip(self.paths, self.shard_infos) if i is not None]
         fingerprints = {info.tokenizer_fingerprint for _, info in known}
         if len(fingerprints) > 1:

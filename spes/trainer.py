@@ -29,6 +29,7 @@ from spes.checkpoint import save_checkpoint, save_sharded_checkpoint
 from spes.config import TrainConfig, parse_duration, to_dict
 from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
+from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
 from spes.model import tflops_per_token
 from spes.moe import decayed_lb_factor
@@ -133,6 +134,7 @@ class Trainer:
         self.speed = SpeedMonitor(cfg.speed_monitor.window_size)
         self.metrics = MetricsLog(cfg.save_folder, enabled=info.is_main)
         self.trackers = Trackers(cfg, enabled=info.is_main)
+        self.downstream = evaluators_of(cfg, info, log)
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "amp_bf16")
         self.flops_per_token = tflops_per_token(cfg.model) * 1e12
         self.peak = peak_flops(info.device)
@@ -264,6 +266,10 @@ class Trainer:
                 self.step = step = metrics["caught_up_to"]
             if eval_now and cfg.spes_config.eval_after_sync:
                 metrics["merged_val_loss"] = self.evaluate()
+        downstream_now = self.downstream is not None and self.downstream.due(step, self.max_steps)
+        if downstream_now:  # NOTE: after the sync, so on the merged global model
+            assert self.downstream is not None
+            metrics.update(self.downstream.run(self.model, step))
         tps = self.speed.tokens_per_second()
         metrics["tokens_per_s"] = tps
         metrics["tokens"] = self.tokens
@@ -272,7 +278,7 @@ class Trainer:
         if tps > 0:
             tokens_left = (self.max_steps - step) * cfg.global_train_batch_size * cfg.model.max_sequence_length
             metrics["eta_min"] = tokens_left / tps / 60
-        if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or sync_now:
+        if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or sync_now or downstream_now:
             self.history.append({"step": step, **metrics})
             self.metrics.write(step, metrics)
             self.trackers.log(step, metrics)

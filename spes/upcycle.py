@@ -219,9 +219,8 @@ def upcycle(hf_dir: str | Path, cfg: TrainConfig, out: str | Path, *, partition:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spes.upcycle", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf", required=True, help=f"dense HF model directory or Hub id (e.g. Qwen/Qwen3-1.7B; local cache "
-                                                    f"first), model_type one of "
-                                                    f"{sorted(DENSE_FAMILIES)}")
+    parser.add_argument("--hf", required=True, help=f"dense HF model directory or Hub id (e.g. Qwen/Qwen3-1.7B; "
+                                                    f"local cache first), model_type one of {sorted(DENSE_FAMILIES)}")
     parser.add_argument("--config", required=True, help="the spes run config (YAML) the MoE is built from")
     parser.add_argument("--out", help="output checkpoint step directory, e.g. output/run/init/step0; "
                                                      "point the run's load_path at it")

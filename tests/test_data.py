@@ -75,7 +75,7 @@ def test_headerless_olmo_files_are_read_with_memmap_dtype(tmp_path: Path, dtype:
     assert ds.fingerprint is None and len(ds) == 2 * (41 // SEQ_LEN) and ds.num_tokens == 82
     assert torch.equal(ds[1], torch.from_numpy(tokens[SEQ_LEN:2 * SEQ_LEN].astype(np.int64)))
     notes = [r.getMessage() for r in caplog.records if "no .npy.json sidecar" in r.getMessage()]
-    assert len(notes) == 1 and f"{paths[0]} and 1 more" in notes[0] and dtype in notes[0]
+    assert len(notes) == 1 and f"{paths[0]} (and 1 more)" in notes[0] and dtype in notes[0]
     assert "cannot be checked" in notes[0]
 
 

@@ -144,12 +144,17 @@ def test_shell_scripts_refuse_bad_input(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no step<N> directories: is it a spes run?" in done.stderr
     done = run(str(SCRIPTS / "eval_full.sh"), str(tmp_path))
     assert done.returncode == 2 and "not a Hugging Face model directory" in done.stderr
+    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), "org/not-cached"], env={**ENV, "HF_HOME": str(tmp_path)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "error: model 'org/not-cached' is not a local path and not in the Hugging " \
+                                    "Face cache" in done.stderr and "Traceback" not in done.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_convert_and_evaluate_end_to_end(tiny_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """A tiny spes checkpoint -> convert_to_hf.sh -> eval_full.sh (local suite, reference tasks detected as absent)."""
+    """A tiny spes checkpoint -> convert_to_hf.sh -> eval_full.sh of its Hub id, found in a local Hub cache (local
+    suite, reference tasks detected as absent)."""
     tok = load_tokenizer(tiny_corpus.tokenizer)
     model_cfg = dict(d_model=32, n_heads=4, n_layers=2, mlp_hidden_size=64, moe_num_experts=4, moe_top_k=2,
                      attention_layer_norm=True, max_sequence_length=128, vocab_size=tok.vocab_size,
@@ -169,9 +174,13 @@ def test_convert_and_evaluate_end_to_end(tiny_corpus, tmp_path: Path) -> None:  
     corpus.mkdir()
     (corpus / "valid").symlink_to(Path(tiny_corpus.valid).parent)
     (corpus / "tokenizer").symlink_to(tiny_corpus.tokenizer)
+    from test_hub import cache_repo
+
+    cache_repo(tmp_path / "hf_home", "spes/tiny-e2e", hf_dir)  # evaluated by Hub id, from a local Hub cache
     env = {**ENV, "EVAL_SOURCE": str(corpus), "EVAL_DATA": str(tmp_path / "tasks"), "LIMIT": "6",
-           "BUILD_ARGS": "--num_choice_items 20 --num_ppl_docs 4 --context_chars 200 --continuation_chars 60"}
-    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), str(hf_dir), str(tmp_path / "eval")], env=env,
+           "BUILD_ARGS": "--num_choice_items 20 --num_ppl_docs 4 --context_chars 200 --continuation_chars 60",
+           "HF_HOME": str(tmp_path / "hf_home")}
+    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), "spes/tiny-e2e", str(tmp_path / "eval")], env=env,
                           capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "reference tasks skipped" in done.stderr and "Retrying" not in done.stderr

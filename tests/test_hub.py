@@ -1,4 +1,4 @@
-"""Hub ids through spes.hub: local path first, then a Hub cache laid out by the test under HF_HOME; never the network."""
+"""Hub ids through spes.hub: local path first, then a Hub cache the test lays out under HF_HOME; never the network."""
 
 from __future__ import annotations
 

@@ -103,3 +103,14 @@ def test_missing_package_names_the_extra(section: str, extra: str, tmp_path: Pat
     with pytest.raises(ConfigError, match=rf"'{section}' is set but the {extra} package is not installed: "
                                           rf"pip install -e '\.\[{extra}\]'"):
         Trackers(cfg, enabled=True)
+
+
+def test_wandb_without_an_account_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no stored login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = TrainConfig(save_folder=str(tmp_path / "run"), wandb=WandbConfig(project="p"))
+    with pytest.raises(ConfigError, match="W&B could not start: .*WANDB_MODE=offline"):
+        Trackers(cfg, enabled=True)
