@@ -64,7 +64,9 @@ export TOTAL_PEERS=${TOTAL_PEERS:-$CFG_PEERS} NUM_TRAIN_EXPERTS_PER_NODE=${NUM_T
 LOG_DIR=${LOG_DIR:-output/slurm-$SLURM_JOB_ID}
 mkdir -p "$LOG_DIR"
 echo "job $SLURM_JOB_ID: $NUM_NODES node(s), parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log)"
-PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh --mode "$CFG_MODE" > "$LOG_DIR/server.log" 2>&1 &
+# NOTE: --insecure: the job's nodes reach the server over the cluster network; set SPES_TOKEN and pass TLS files
+# (run_parameter_server.sh arguments) to protect it.
+PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh --mode "$CFG_MODE" --insecure > "$LOG_DIR/server.log" 2>&1 &
 SERVER_PID=$!
 trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do
