@@ -184,7 +184,7 @@ def start_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')}")
 
 
-def soak(rounds: int, pause_s: float, workdir: Path) -> dict[str, Any]:
+def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> dict[str, Any]:
     shapes = manifest()
     trainable = {p: trainable_names(list(shapes), p, "spes") for p in range(PEERS)}
     server, addr = start_server(workdir / "server.log")
@@ -198,10 +198,12 @@ def soak(rounds: int, pause_s: float, workdir: Path) -> dict[str, Any]:
         for p, client in enumerate(clients):
             client.join(shapes, trainable[p])
         counts_path = workdir / "chaos.json"
-        chaos_proc = subprocess.Popen([sys.executable, __file__, "--chaos", addr, str(clients[0]._data_port),
+        if not attack:
+            counts_path.write_text("{}")
+        chaos_proc = None if not attack else subprocess.Popen([sys.executable, __file__, "--chaos", addr, str(clients[0]._data_port),
                                        str(counts_path)], cwd=REPO_ROOT)
         while not counts_path.exists():
-            if chaos_proc.poll() is not None:
+            if chaos_proc is not None and chaos_proc.poll() is not None:
                 raise RuntimeError("the chaos process exited before it started")
             time.sleep(0.1)
         with ThreadPoolExecutor(PEERS) as pool:
@@ -249,11 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         return chaos(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))
     p = parser("bench_soak", __doc__)
     p.add_argument("--rounds", type=int, default=200, help="rounds to run (--quick: 20)")
+    p.add_argument("--no_chaos", action="store_true", help="the same rounds without the fifth process (baseline)")
     p.add_argument("--pause", type=float, default=0.2, help="seconds between rounds (the peers' local training)")
     args = p.parse_args(argv)
     rounds = 20 if args.quick else args.rounds
     with tempfile.TemporaryDirectory(prefix="spes-soak-") as tmp:
-        result = soak(rounds, args.pause, Path(tmp))
+        result = soak(rounds, args.pause, Path(tmp), attack=not args.no_chaos)
     a = result["after_warmup"]
     print(format_table(["rounds", "exact", "RSS growth MiB", "RSS min-max MiB", "threads min-max", "fds min-max"],
                        [[result["rounds"], result["rounds_exact"], round(a["rss_growth_mb"], 2),
