@@ -10,6 +10,10 @@ persistence in `spes.sync.state`; the handlers here only validate, move bytes an
 
 Security: a shared token (env SPES_TOKEN or --token_file) is checked on every call before any handler runs,
 TLS/mTLS from PEM files, and nothing received is ever unpickled (see `spes.sync.wire` and README "Security").
+Off loopback the server refuses to start without a token, or with a token but no TLS, unless --insecure.
+No call can hold it: streams take bounded slots and are closed when idle, one process per peer id
+(`spes.sync.guard`); a Join's manifest is bounded (--max_tensors, --max_model_gb) or, given the run's
+YAML (`python -m spes.server RUN.yaml`), must equal the model that YAML builds.
 """
 
 from __future__ import annotations
