@@ -80,7 +80,9 @@ STATE_DIR=${STATE_DIR:-$CFG_STATE_DIR}
 mkdir -p "$LOG_DIR"
 echo "job $SLURM_JOB_ID: $NUM_NODES node(s), parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log, \
 state $STATE_DIR)"
-PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh --mode "$CFG_MODE" --state_dir "$STATE_DIR" \
+# NOTE: --insecure: the job's nodes reach the server over the cluster network; set SPES_TOKEN and pass TLS files
+# (run_parameter_server.sh arguments) to protect it.
+PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh --mode "$CFG_MODE" --state_dir "$STATE_DIR" --insecure \
   > "$LOG_DIR/server.log" 2>&1 &
 SERVER_PID=$!
 trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT

@@ -40,3 +40,13 @@ def test_a_peer_may_only_act_as_the_peer_its_certificate_names(claimed: int, com
     with pytest.raises(Refused) as err:
         check_peer_identity(claimed, common_name)
     assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and f"'peer-{claimed}'" in str(err.value)
+
+
+def test_a_token_file_others_can_read_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    assert read_token(str(secret), "--token_file") == "s3cret" and "chmod" not in caplog.text
+    secret.chmod(0o644)
+    assert read_token(str(secret), "--token_file") == "s3cret"
+    assert f"--token_file {secret} is readable by group or others: run `chmod 600 {secret}`" in caplog.text

@@ -28,7 +28,7 @@ from spes.sync.client import SyncClient, SyncError
 from spes.sync.merge import MergeConfig, Mode, aggregate_round, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.server import build_parser, config_from_args
+from spes.sync.server import ServerConfig, build_parser, config_from_args, manifest_of_run, start_server
 from spes.sync.wire import PROTOCOL_VERSION, checksum, encode_tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -620,3 +620,45 @@ def test_bf16_rounds_sum_their_fp32_means_into_kept_buffers() -> None:
             global_model = server.servicer.state.global_model
             pointers.append({t.data_ptr() for t in global_model.values() if t.dtype == torch.float32})
     assert pointers[0] and pointers[2] == pointers[0] and not pointers[1] & pointers[0]
+
+
+def test_off_loopback_needs_a_token_and_tls_unless_insecure(tmp_path: Path) -> None:
+    """The quickstart (127.0.0.1) needs no flag; any other address refuses to start without protection."""
+    base = {"total_peers": 2, "experts_per_peer": 2}
+    for host in ("127.0.0.1", "localhost", "::1"):
+        ServerConfig(host=host, **base).check_exposure()
+    with pytest.raises(ValueError, match="no token is set.*--insecure"):
+        ServerConfig(host="0.0.0.0", **base).check_exposure()
+    with pytest.raises(ValueError, match="clear text.*--tls_cert"):
+        ServerConfig(host="10.1.2.3", token=TOKEN, **base).check_exposure()
+    ServerConfig(host="0.0.0.0", insecure=True, **base).check_exposure()
+    ServerConfig(host="0.0.0.0", token=TOKEN, tls_cert="c.pem", tls_key="k.pem", **base).check_exposure()
+    with pytest.raises(ValueError, match="--insecure"):
+        start_server(ServerConfig(host="0.0.0.0", port=0, **base))
+
+
+def test_the_runs_yaml_gives_the_layout_and_the_manifest() -> None:
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    cfg = config_from_args(build_parser().parse_args([config]))
+    manifest, _ = manifest_of_run(config)
+    assert (cfg.total_peers, cfg.experts_per_peer, cfg.mode) == (4, 2, "spes")
+    assert cfg.expected_manifest == manifest and "lm_head.weight" in manifest
+    with pytest.raises(ValueError, match="--total_peers=3 disagrees with .*tiny.yaml, whose run has 4"):
+        config_from_args(build_parser().parse_args([config, "--total_peers", "3"]))
+    with pytest.raises(ValueError, match="--total_peers and --num_train_experts_per_node required"):
+        config_from_args(build_parser().parse_args([]))
+
+
+def test_an_oversized_manifest_is_refused_before_anything_is_allocated() -> None:
+    manifest = tiny_manifest()
+    with running_server(max_model_gb=0.001, max_tensors=20) as (server, addr):
+        with SyncClient(addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", max_retries=0) as client:
+            huge = {**manifest, "embed.weight": (1 << 20, 1 << 20)}
+            with pytest.raises(SyncError, match=r"4398 GB in fp32, more than --max_model_gb=0.001") as err:
+                client.join(huge, trainable_names(list(huge), 0, "spes"))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            many = {**manifest, **{f"extra.{i}": (1,) for i in range(10)}}
+            with pytest.raises(SyncError, match="names 30 tensors, more than --max_tensors=20") as err:
+                client.join(many, trainable_names(list(many), 0, "spes"))
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert server.servicer._manifest is None  # nothing was learned from either

@@ -37,7 +37,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spes.sync import transport
-from spes.sync.guard import PEER_KEY, SESSION_KEY
+from spes.sync.admission import PEER_KEY, SESSION_KEY
 from spes.sync.merge import Mode, download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -52,7 +52,7 @@ BACKOFF_CAP_S = 30.0
 MAX_RECOVERIES = 4
 PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
 PRESENCE_RETRY_S = 1.0
-"""A joined client keeps a presence stream open (see `spes.sync.guard`), reopened this soon after it breaks."""
+"""A joined client keeps a presence stream open (see `spes.sync.admission`), reopened this soon after it breaks."""
 RETRY_REASONS = frozenset({"corrupt", "busy", "duplicate_peer"})
 """Refusals worth the same request again later: damaged bytes, a server at its stream limits, and a peer id
 still held by a process that may have died (admitted once it has been silent for --peer_liveness)."""

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from fault_helpers import assert_exact, fault_free, proc_usage, server_process
+from fault_helpers import REPO, assert_exact, fault_free, proc_usage, server_process
 from sync_helpers import peer_upload, running_server, sync_all, tiny_manifest
 
 from spes.sync.client import SyncClient
@@ -73,3 +76,20 @@ def test_servers_and_clients_leave_no_threads_or_descriptors_behind() -> None:
         cycle()
     now_threads, now_fds = settled()
     assert now_threads <= threads and now_fds <= fds, f"threads {threads} -> {now_threads}, fds {fds} -> {now_fds}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_soak_under_churn_short(tmp_path: Path) -> None:
+    """bench/bench_soak.py --quick: 4 peers x 20 rounds while a fifth process opens idle streams, kills uploads
+    mid-tensor and sends garbage; every round exact, the server's threads and fds bounded."""
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_soak.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=280,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rounds_exact"] == result["rounds"] == 20
+    assert result["chaos"]["idle_grpc_streams"] > 0 and result["chaos"]["killed_uploads_data"] > 0
+    after = result["after_warmup"]
+    assert after["rss_growth_mb"] < 16 and after["threads_min_max"][1] <= 32 and after["fds_min_max"][1] <= 64

@@ -1,0 +1,335 @@
+"""Hostile and careless input against a real server process on loopback, each case with its own crafted client.
+
+Every case asserts the refusal code, that Status still answers within 1 s (a deadline on a connected channel),
+that the server's resident memory stays under RSS_BOUND, and that a following legitimate round completes with
+exactly the fault-free result. The server runs with small limits so the limits themselves are exercised:
+--stream_idle_timeout 2, --max_streams 16 (per plane), --max_streams_per_peer 6.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import grpc
+import pytest
+from fault_helpers import REPO, ServerProcess, assert_exact, fault_free, proc_usage, server_process
+from sync_helpers import TOKEN, peer_upload, running_server, tiny_manifest
+
+from spes.sync import transport
+from spes.sync.client import SyncClient, SyncError
+from spes.sync.merge import trainable_names
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.server import manifest_of_run
+from spes.sync.wire import PROTOCOL_VERSION
+
+PEERS = 2
+MANIFEST = tiny_manifest()
+RSS_BOUND = 1 << 30
+"""The server process (torch imported, a tiny model) stays far below this; a 4 TiB manifest would not."""
+IDLE_S = 2
+ARGS = ["--total_peers", str(PEERS), "--num_train_experts_per_node", "2", "--merge_interval", "0",
+        "--data_port", "0", "--stream_idle_timeout", str(IDLE_S), "--max_streams", "16",
+        "--max_streams_per_peer", "6"]
+UPLOAD = "/spes.v1.ParameterServer/Upload"
+
+
+class Run:
+    """A server process, two live peers and a connected probe channel; `round()` runs one legitimate round."""
+
+    def __init__(self, server: ServerProcess, stack: ExitStack, token: str | None = None) -> None:
+        self.server, self.token, self.step = server, token, 0
+        self.clients = [stack.enter_context(self.client(p)) for p in range(PEERS)]
+        for peer, client in enumerate(self.clients):
+            client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
+        self.probe = stack.enter_context(grpc.insecure_channel(server.addr))
+        grpc.channel_ready_future(self.probe).result(timeout=10)
+
+    def client(self, peer: int, **kwargs: object) -> SyncClient:
+        settings: dict = {"rpc_timeout_s": 10, "round_timeout_s": 60, "max_retries": 8, "token": self.token}
+        settings.update(kwargs)
+        return SyncClient(self.server.addr, peer_id=peer, num_peers=PEERS, experts_per_peer=2, mode="spes",
+                          **settings)
+
+    def status(self) -> pb.StatusReply:
+        """Status must answer within 1 s, whatever else is going on."""
+        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        return pb_grpc.ParameterServerStub(self.probe).Status(pb.StatusRequest(), timeout=1.0, metadata=metadata)
+
+    def round(self) -> None:
+        """One round with both peers; the result must equal the fault-free one bit for bit."""
+        self.step += 1
+        uploads = {p: peer_upload(MANIFEST, p, "spes", seed=self.step) for p in range(PEERS)}
+        with ThreadPoolExecutor(PEERS) as pool:
+            futures = [pool.submit(c.sync, self.step, uploads[p]) for p, c in enumerate(self.clients)]
+            results = [f.result(timeout=90) for f in futures]
+        want = fault_free({self.step: uploads}, num_peers=PEERS, mode="spes")
+        for got, stats in results:
+            assert stats.round == self.step
+            assert_exact(got, want)
+
+    def check_healthy(self) -> None:
+        assert self.status().current_round == self.step
+        assert proc_usage(self.server.proc.pid)["rss"] < RSS_BOUND
+        self.round()
+        assert self.status().current_round == self.step
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    log = tmp_path_factory.mktemp("hostile") / "server.log"
+    with server_process(log, ARGS) as server, ExitStack() as stack:
+        r = Run(server, stack)
+        r.round()
+        yield r
+
+
+def rpc_code(call: grpc.Future) -> grpc.StatusCode:
+    try:
+        call.result(timeout=30)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def never_sends(stop: threading.Event) -> Iterator[bytes]:
+    stop.wait()
+    yield from ()
+
+
+def error_code(sock: socket.socket) -> str:
+    """The code of the data plane's error frame on `sock` ('closed' when it just hung up)."""
+    try:
+        frame = transport.recv_frame(sock)
+    except (OSError, transport.TransportError):
+        return "closed"
+    return str(frame.get("code", frame.get("status")))
+
+
+def hello(op: str = "upload", peer: int = 0, step: int = 1, token: str | None = None) -> bytes:
+    body = ('{"op":"%s","peer_id":%d,"step":%d,"full":false,"token":%s}'
+            % (op, peer, step, "null" if token is None else f'"{token}"')).encode()
+    return struct.pack("<4sH", b"SPES", PROTOCOL_VERSION) + struct.pack("<I", len(body)) + body
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_idle_streams_and_connections_hold_nothing(tmp_path: Path) -> None:
+    """200 idle gRPC streams and 200 idle data-plane connections, half with the token and half without: the
+    server refuses what exceeds its slots (RESOURCE_EXHAUSTED) or what has no token (UNAUTHENTICATED), closes
+    the rest after --stream_idle_timeout (DEADLINE_EXCEEDED), Status answers throughout, a round completes."""
+    stop = threading.Event()
+    with server_process(tmp_path / "server.log", ARGS, env={"SPES_TOKEN": TOKEN}) as server, ExitStack() as stack:
+        r = Run(server, stack, token=TOKEN)
+        channels = [stack.enter_context(grpc.insecure_channel(server.addr)) for _ in range(4)]
+        calls = []
+        for i in range(200):
+            metadata = (("authorization", f"Bearer {TOKEN}"),) if i % 2 else ()
+            method = channels[i % 4].stream_unary(UPLOAD)
+            calls.append((bool(i % 2), method.future(never_sends(stop), metadata=metadata, timeout=60)))
+        socks = []
+        for i in range(200):
+            sock = socket.create_connection(("127.0.0.1", _data_port(r)), timeout=30)
+            if i % 4 == 1:
+                sock.sendall(hello(token=TOKEN)[:9])  # half-open: a partial handshake, then nothing
+            elif i % 4 == 2:
+                sock.sendall(hello(token=None))  # no token: refused at once
+            socks.append(stack.enter_context(sock))
+        time.sleep(0.5)
+        r.status()
+        r.round()  # clients retry what the full slots refuse; the idle holders are closed after IDLE_S
+        stop.set()
+        codes = [(authed, rpc_code(call)) for authed, call in calls]
+        assert {c for a, c in codes if not a} == {grpc.StatusCode.UNAUTHENTICATED}
+        authed = {c for a, c in codes if a}
+        assert grpc.StatusCode.DEADLINE_EXCEEDED in authed and authed <= {
+            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}, authed
+        data_codes = {error_code(s) for s in socks}
+        assert {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED"} <= data_codes, data_codes
+        r.check_healthy()
+        assert "idle" in server.log_text()
+
+
+def _data_port(r: Run) -> int:
+    port = r.clients[0]._data_port
+    assert port, "the data plane is on (--data_port 0)"
+    return port
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
+    port = _data_port(run)
+    refusals = []
+    for payload in (os.urandom(64), b"SPES" + b"\xff\xff" + os.urandom(32),  # garbage, a wrong version
+                    hello()[:6] + struct.pack("<I", 1 << 31)):  # a hello declaring 2 GiB
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(payload)
+            refusals.append(error_code(sock))
+    assert refusals == ["closed"] * 3
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a truncated tensor, then hang-up
+        sock.sendall(hello(step=run.step + 1))
+        assert transport.recv_frame(sock) == {"status": "send"}
+        transport.send_frame(sock, {"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 512})
+        sock.sendall(b"\0" * 100)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # truncated, then silence
+        sock.sendall(hello(step=run.step + 1)[:12])
+        assert error_code(sock) == "DEADLINE_EXCEEDED"
+    with socket.create_connection(("127.0.0.1", run.server.port), timeout=10) as sock:  # not HTTP/2 at all
+        sock.sendall(os.urandom(256))
+        with contextlib.suppress(OSError):  # an HTTP/2 GOAWAY, then the server hangs up
+            while sock.recv(1024):
+                pass
+    garbage = run.probe.stream_unary(UPLOAD)
+    with pytest.raises(grpc.RpcError) as err:
+        garbage(iter([b"\xff\xfe\xfd garbage"]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INTERNAL  # grpc's own: "Exception deserializing request!"
+    upload = run.probe.stream_unary(UPLOAD, request_serializer=pb.UploadMessage.SerializeToString,
+                                    response_deserializer=pb.UploadReply.FromString)
+    header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512)
+    truncated = [pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=run.step + 1)),
+                 pb.UploadMessage(chunk=pb.TensorChunk(header=header, offset=0, data=b"\0" * 100))]
+    with pytest.raises(grpc.RpcError) as err:
+        upload(iter(truncated), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    status = run.status()
+    assert status.open_round == -1 and not status.peers_uploaded  # nothing of any of it was kept
+    run.check_healthy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_declared_sizes_and_counts_past_every_limit(run: Run) -> None:
+    stub = pb_grpc.ParameterServerStub(run.probe)
+
+    def join(manifest: dict[str, tuple[int, ...]]) -> grpc.RpcError:
+        request = pb.JoinRequest(peer_id=1, total_peers=PEERS, experts_per_peer=2, mode="spes", wire_dtype="fp32",
+                                 manifest=[pb.TensorSpec(name=n, shape=s) for n, s in manifest.items()],
+                                 trainable=trainable_names(list(manifest), 1, "spes"), protocol=PROTOCOL_VERSION)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Join(request, timeout=10)
+        return err.value
+
+    huge = join({**MANIFEST, "embed.weight": (1 << 20, 1 << 20)})  # 4 TiB in fp32
+    assert huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max_model_gb=48" in huge.details()
+    many = join({f"t{i}": (1,) for i in range(20000)})
+    assert many.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max_tensors=16384" in many.details()
+    big = run.probe.unary_unary("/spes.v1.ParameterServer/Status")
+    with pytest.raises(grpc.RpcError) as err:
+        big(b"\0" * (5 << 20), timeout=10)  # past --max_message_mb=4
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    port = _data_port(run)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(hello(step=run.step + 1))
+        assert transport.recv_frame(sock) == {"status": "send"}
+        transport.send_frame(sock, {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20],
+                                    "num_bytes": 1 << 42})
+        assert transport.recv_frame(sock)["code"] == "INVALID_ARGUMENT"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(hello(step=run.step + 1))
+        assert transport.recv_frame(sock) == {"status": "send"}
+        sock.sendall(struct.pack("<I", 1 << 30))  # a tensor header frame declaring 1 GiB
+        assert error_code(sock) == "closed"
+    run.check_healthy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_duplicate_peer_ids_and_a_restarted_peer(run: Run) -> None:
+    """A second live process claiming a joined peer id is refused naming both addresses, several at once too;
+    once the first process is gone, a restarted one with the same id is admitted at once."""
+    with ExitStack() as stack:
+        intruders = [stack.enter_context(run.client(0, max_retries=0)) for _ in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(c.join, MANIFEST, trainable_names(list(MANIFEST), 0, "spes")) for c in intruders]
+            errors = [f.exception(timeout=30) for f in futures]
+    for err in errors:
+        assert isinstance(err, SyncError) and err.code == grpc.StatusCode.ALREADY_EXISTS, err
+        assert str(err).count("ipv4:127.0.0.1:") == 2, err
+    run.check_healthy()
+    run.clients[0].close()  # the old process goes away; its restart takes over the id
+    run.clients[0] = run.client(0)
+    run.clients[0].join(MANIFEST, trainable_names(list(MANIFEST), 0, "spes"))
+    run.check_healthy()
+
+
+def test_two_processes_joining_with_one_peer_id_at_once() -> None:
+    """With nobody joined yet, two processes claiming the same id at the same moment: exactly one gets it."""
+    with running_server(total_peers=2) as (_, addr), ExitStack() as stack:
+        clients = [stack.enter_context(SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes",
+                                                  max_retries=0)) for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(c.join, MANIFEST, trainable_names(list(MANIFEST), 1, "spes")) for c in clients]
+            errors = [f.exception(timeout=30) for f in futures]
+    refused = [e for e in errors if e is not None]
+    assert len(refused) == 1 and isinstance(refused[0], SyncError)
+    assert refused[0].code == grpc.StatusCode.ALREADY_EXISTS and refused[0].reason == "duplicate_peer"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_join_mid_round_and_a_replayed_old_upload(run: Run) -> None:
+    """A peer joining again while a round is open keeps its upload; a replay of an old round is refused."""
+    old = run.step
+    step = run.step + 1
+    uploads = {p: peer_upload(MANIFEST, p, "spes", seed=step) for p in range(PEERS)}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run.clients[0].sync, step, uploads[0])
+        deadline = time.monotonic() + 30
+        while run.status().open_round != step and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert run.status().peers_uploaded == [0]
+        run.clients[1].join(MANIFEST, trainable_names(list(MANIFEST), 1, "spes"))  # mid-round
+        assert run.status().peers_uploaded == [0]
+        got, _ = run.clients[1].sync(step, uploads[1])
+        assert_exact(got, fault_free({step: uploads}, num_peers=PEERS, mode="spes"))
+        assert_exact(first.result(timeout=30)[0], fault_free({step: uploads}, num_peers=PEERS, mode="spes"))
+    run.step = step
+    with socket.create_connection(("127.0.0.1", _data_port(run)), timeout=30) as sock:
+        sock.sendall(hello(step=old))  # a replay of a round the run has moved past
+        frame = transport.recv_frame(sock)
+    assert frame["code"] == "FAILED_PRECONDITION" and frame["reason"] == "stale_round", frame
+    replay = run.probe.stream_unary(UPLOAD, request_serializer=pb.UploadMessage.SerializeToString,
+                                    response_deserializer=pb.UploadReply.FromString)
+    reply = replay(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step))]), timeout=10)
+    assert reply.duplicate  # the round just completed: an idempotent no-op
+    run.check_healthy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_server_knows_the_model_from_the_runs_yaml(tmp_path: Path) -> None:
+    """`python -m spes.server RUN.yaml` refuses a peer whose model differs from the run's, naming the difference."""
+    config = REPO / "configs" / "tiny.yaml"
+    manifest, cfg = manifest_of_run(str(config))
+    peers, k = cfg.spes_config.num_peers, cfg.spes_config.num_train_experts_per_node
+    with server_process(tmp_path / "server.log", [str(config), "--merge_interval", "0"]) as server, \
+            ExitStack() as stack:
+        clients = [stack.enter_context(SyncClient(server.addr, peer_id=p, num_peers=peers, experts_per_peer=k,
+                                                  mode="spes", rpc_timeout_s=10, max_retries=0))
+                   for p in range(peers)]
+        wrong = dict(manifest, **{"lm_head.weight": (4097, 64)})
+        with pytest.raises(SyncError) as err:
+            clients[0].join(wrong, trainable_names(list(wrong), 0, "spes"))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "'lm_head.weight' has shape [4097, 64], the run's is [4096, 64]" in str(err.value)
+        for p, client in enumerate(clients):
+            client.join(manifest, trainable_names(list(manifest), p, "spes"))
+        uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(peers)}
+        with ThreadPoolExecutor(peers) as pool:
+            results = [f.result(timeout=90) for f in [pool.submit(c.sync, 1, uploads[p])
+                                                       for p, c in enumerate(clients)]]
+        assert clients[0].status().current_round == 1
+        assert proc_usage(server.proc.pid)["rss"] < RSS_BOUND
+    want = fault_free({1: uploads}, num_peers=peers, mode="spes")
+    for got, _ in results:
+        assert_exact(got, want)
