@@ -286,7 +286,7 @@ def test_run_single_node_launches_on_every_device_its_interpreter_counts(tmp_pat
     proc = launch(tmp_path, python, "3", "--max_duration=2st")
     assert proc.returncode == 0, proc.stderr
     assert "node 3: 8 process(es) on 8 CUDA GPU(s) (stand-in)" in proc.stdout
-    assert "RUN -m torch.distributed.run --standalone --nproc_per_node=8 -m spes.train" in proc.stdout
+    assert "RUN -m spes.torchrun --standalone --nproc_per_node=8 -m spes.train" in proc.stdout
     assert "--spes_config.peer_id=3 --data.seed=9198 --max_duration=2st" in proc.stdout
 
 
@@ -328,7 +328,7 @@ def test_run_cluster_nodes_launch_on_every_device_their_interpreter_counts(tmp_p
     proc = subprocess.run(script, cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "node 1 on" in proc.stdout and "8 process(es) on 8 CUDA GPU(s) (stand-in)" in proc.stdout
-    assert "RUN -m torch.distributed.run --standalone --nproc_per_node=8 -m spes.train" in proc.stdout
+    assert "RUN -m spes.torchrun --standalone --nproc_per_node=8 -m spes.train" in proc.stdout
     proc = subprocess.run(script, cwd=REPO, capture_output=True, text=True, env={**env, "SLURM_GPUS_ON_NODE": "2"},
                           timeout=60)
     assert "--nproc_per_node=2 " in proc.stdout  # what SLURM allotted wins over the count

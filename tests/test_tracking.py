@@ -111,6 +111,9 @@ def test_wandb_without_an_account_is_a_clear_error(tmp_path: Path, monkeypatch: 
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no stored login
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
     monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    wandb.teardown()  # NOTE: W&B keeps the settings of this process's first run (offline, in earlier tests)
     cfg = TrainConfig(save_folder=str(tmp_path / "run"), wandb=WandbConfig(project="p"))
     with pytest.raises(ConfigError, match="W&B could not start: .*WANDB_MODE=offline"):
         Trackers(cfg, enabled=True)
