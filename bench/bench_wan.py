@@ -29,6 +29,7 @@ per sequence, which overstates it slightly); `--step_s` takes a figure measured 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -139,6 +140,7 @@ def measure_step_1b(steps: int) -> dict[str, Any]:
     """Seconds of one optimizer step of the 1B SPES node, from steps of one sequence on this CPU (fp32)."""
     cfg = load_config(PAPER_1B)[0]
     one = ["--global_train_batch_size=1", "--device_train_microbatch_size=1", "--precision=fp32"]
+    torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:
         variant = build_variant(PAPER_1B, "torch", "spes", torch.device("cpu"), tmp, one)
         batch = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.max_sequence_length + 1),
