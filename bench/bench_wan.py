@@ -121,8 +121,9 @@ def measure(link: LinkSpec, scale: int, wires: list[str], planes: list[str], war
     return out
 
 
-def predict_1b(measured: list[dict[str, Any]], step_s: float, rtt_ms: float) -> list[dict[str, Any]]:
-    """The full 1B model's round at each measured speed and the share of wall time a node is not training."""
+def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: float) -> list[dict[str, Any]]:
+    """The full 1B model's round at each measured speed (its bytes at the ideal rate over the efficiency
+    measured there) and, given a step time, the share of wall time a node is not training per `sync_steps`."""
     cfg = load_config(PAPER_1B)[0]
     manifest = manifest_of(cfg)
     rows = []
@@ -130,9 +131,9 @@ def predict_1b(measured: list[dict[str, Any]], step_s: float, rtt_ms: float) -> 
         up, down = round_bytes(manifest, cfg.spes_config.num_peers, m["wire"])
         link = LinkSpec(m["peer_mbit"], m["server_mbit"], rtt_ms)
         round_s = link.ideal_seconds(up, down) / m["efficiency"]
+        idle = None if step_s is None else {s: round_s / (round_s + s * step_s) for s in SYNC_STEPS}
         rows.append({"peer_mbit": m["peer_mbit"], "wire": m["wire"], "plane": m["plane"],
-                     "bytes_per_peer": up[0] + down[0], "round_s": round_s,
-                     "idle_fraction": {s: round_s / (round_s + s * step_s) for s in SYNC_STEPS}})
+                     "bytes_per_peer": up[0] + down[0], "round_s": round_s, "idle_fraction": idle})
     return rows
 
 
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1, quick 0)")
     p.add_argument("--step_s", type=float, default=None,
                    help="seconds of one optimizer step of the 1B config measured elsewhere (for the idle fraction)")
+    p.add_argument("--from_json", type=Path, default=None,
+                   help="take the link measurements from this earlier result instead of measuring them")
     p.add_argument("--measure_step", type=int, default=0, metavar="N",
                    help="time N one-sequence steps of the 1B SPES node here instead (needs ~16 GB of memory)")
     args = p.parse_args(argv)
@@ -180,33 +183,37 @@ def main(argv: list[str] | None = None) -> int:
     workdir = RESULTS_DIR / ("bench_wan_quick" if args.quick else "bench_wan")
     workdir.mkdir(parents=True, exist_ok=True)
 
-    measured = []
-    for speed in speeds:
-        link = LinkSpec(speed, speed * args.server_factor, args.rtt_ms)
-        scale = 768 if args.quick else SPEEDS[speed]
-        print(f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT {args.rtt_ms:g} ms; "
-              f"model 1/{scale} of the 1B", flush=True)
-        measured += measure(link, scale, wires, planes, warmup, rounds, workdir)
+    if args.from_json is not None:  # links measured earlier (e.g. here), a step time measured now (e.g. on a GPU)
+        run = json.loads(args.from_json.read_text())
+        measured, args.rtt_ms = run["measurements"], run["rtt_ms"]
+    else:
+        measured = []
+        run = {"mode": "quick" if args.quick else "full", "machine": machine_info(),
+               "config": str(PAPER_1B.relative_to(REPO_ROOT)), "rtt_ms": args.rtt_ms,
+               "server_factor": args.server_factor, "warmup_rounds": warmup, "rounds": rounds, "measurements": measured}
+        for speed in speeds:
+            link = LinkSpec(speed, speed * args.server_factor, args.rtt_ms)
+            scale = 768 if args.quick else SPEEDS[speed]
+            print(f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT {args.rtt_ms:g} "
+                  f"ms; model 1/{scale} of the 1B", flush=True)
+            measured += measure(link, scale, wires, planes, warmup, rounds, workdir)
     rows = [[f"{m['peer_mbit']:g}", f"1/{m['scale']}", m["wire"], m["plane"], f"{m['bytes_per_peer'][0] / 1e6:.1f}",
              f"{m['ideal_s']:.2f}", f"{m['spes_s']:.2f}", f"{m['efficiency']:.1%}", f"{m['raw_s']:.2f}",
              f"{m['raw_efficiency']:.1%}"] for m in measured]
     print(format_table(["Mbit/s", "model", "wire", "plane", "MB/peer", "ideal s", "SPES s", "SPES/ideal",
                         "raw s", "raw/ideal"], rows))
-    results: dict[str, Any] = {"mode": "quick" if args.quick else "full", "machine": machine_info(),
-                               "config": str(PAPER_1B.relative_to(REPO_ROOT)), "rtt_ms": args.rtt_ms,
-                               "server_factor": args.server_factor, "warmup_rounds": warmup, "rounds": rounds,
-                               "measurements": measured}
-    if args.step_s is not None:
-        results["step_s_1b"] = args.step_s
-        results["step_measurement_1b"] = step
-        results["prediction_1b"] = predict_1b(measured, args.step_s, args.rtt_ms)
-        print(f"\nthe paper's 1B model, one optimizer step = {args.step_s:g} s (measured): round s and the share "
-              "of wall time not training at sync_steps " + ", ".join(map(str, SYNC_STEPS)))
-        print(format_table(["Mbit/s", "wire", "plane", "GB/peer", "round s", *map(str, SYNC_STEPS)],
-                           [[f"{r['peer_mbit']:g}", r["wire"], r["plane"], f"{r['bytes_per_peer'] / 1e9:.2f}",
-                             f"{r['round_s']:.0f}", *(f"{f:.1%}" for f in r["idle_fraction"].values())]
-                            for r in results["prediction_1b"]]))
-    write_results(args.out, results)
+    prediction = predict_1b(measured, args.step_s, args.rtt_ms)
+    step_note = "no step time given (--step_s or --measure_step)" if args.step_s is None else \
+        f"one optimizer step = {args.step_s:g} s"
+    print(f"\nthe paper's 1B model at the measured efficiencies ({step_note}): round s and the share of wall "
+          f"time not training at sync_steps {', '.join(map(str, SYNC_STEPS))}")
+    print(format_table(["Mbit/s", "wire", "plane", "GB/peer", "round s", *map(str, SYNC_STEPS)],
+                       [[f"{r['peer_mbit']:g}", r["wire"], r["plane"], f"{r['bytes_per_peer'] / 1e9:.2f}",
+                         f"{r['round_s']:.0f}", *(f"{r['idle_fraction'][n]:.1%}" if r["idle_fraction"] else "-"
+                                                  for n in SYNC_STEPS)]
+                        for r in prediction]))
+    write_results(args.out, {**run, "prediction_1b": prediction, "step_s_1b": args.step_s,
+                             "step_measurement_1b": step})
     print(json.dumps({"efficiency": [round(m["efficiency"], 3) for m in measured]}))
     return 0
 
