@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,6 +52,8 @@ FULL_MODEL = ["--model.n_layers=3", "--model.vocab_size=50304", "--model.embeddi
               "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=8"]
 QUICK_MODEL = ["--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4"]
 QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
+# Starts a relay in front of the given server ports; returns it and each peer's host to connect to.
+Relay = Callable[[list[int]], tuple[subprocess.Popen, list[str]]]
 HEADER = struct.Struct("<QQ")  # raw protocol: upload bytes, download bytes; then the payloads
 SCRIPT = Path(__file__).resolve()
 
@@ -117,11 +120,11 @@ def raw_server(port: int, peers: int, rounds: int, max_bytes: int) -> None:
         t.join()
 
 
-def raw_peer(port: int, up: int, down: int, rounds: int) -> None:
+def raw_peer(host: str, port: int, up: int, down: int, rounds: int) -> None:
     """The baseline client: the same byte counts as a SPES peer, straight through a socket."""
     outbox = memoryview(torch.empty(up, dtype=torch.uint8).random_().numpy())
     inbox = bytearray(down)
-    conn = socket.create_connection(("127.0.0.1", port))
+    conn = socket.create_connection((host, port))
     for _ in range(rounds):
         wait_for_go()
         start = time.time()
@@ -235,6 +238,15 @@ def wait_for_log(path: Path, needle: str, proc: subprocess.Popen, timeout: float
     raise RuntimeError(f"{needle!r} did not appear in {path} within {timeout:.0f}s")
 
 
+def peer_hosts(relay: Relay | None, ports: list[int], peers: int, procs: list[subprocess.Popen]) -> list[str]:
+    """Where each peer finds the server: directly, or through `relay` (started here, stopped with `procs`)."""
+    if relay is None:
+        return ["127.0.0.1"] * peers
+    proc, hosts = relay(ports)
+    procs.append(proc)
+    return hosts
+
+
 def stop(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -248,21 +260,26 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, warmup: int, rounds: int, workdir: Path,
-               profile: bool) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
-    """SPES rounds with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp")."""
+               profile: bool, relay: Relay | None = None) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
+    """SPES rounds with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp").
+
+    With `relay`, it is started on the server's ports once the server listens, and peer `i` connects to the
+    host `relay` gives it (bench/bench_wan.py: an emulated internet link).
+    """
     cfg = load_config(config, overrides)[0]
-    port = free_port()
+    port, data_port = free_port(), free_port()
     log = workdir / f"server_{wire}_{plane}.log"
     server = spawn(["-m", "spes.server", "--total_peers", str(cfg.spes_config.num_peers),
                     "--num_train_experts_per_node", str(cfg.expert_block_size()), "--host", "127.0.0.1",
                     "--port", str(port), "--merge_interval", "0", "--round_timeout", "900",
-                    "--data_port", "0" if plane == "tcp" else "-1"], log)
+                    "--data_port", str(data_port) if plane == "tcp" else "-1"], log)
     procs = [server]
     try:
         wait_for_log(log, "listening", server)
-        peers = [spawn([str(SCRIPT), "--role", "grpc-peer", "--config", str(config), "--peer-id", str(p), "--port",
-                        str(port), "--wire", wire, "--plane", plane, "--rounds", str(warmup + rounds + profile),
-                        *[f"--override={o}" for o in overrides]])
+        hosts = peer_hosts(relay, [port, data_port], cfg.spes_config.num_peers, procs)
+        peers = [spawn([str(SCRIPT), "--role", "grpc-peer", "--config", str(config), "--peer-id", str(p), "--host",
+                        hosts[p], "--port", str(port), "--wire", wire, "--plane", plane, "--rounds",
+                        str(warmup + rounds + profile), *[f"--override={o}" for o in overrides]])
                  for p in range(cfg.spes_config.num_peers)]
         procs += peers
         pids = [("server", server.pid), ("peer0", peers[0].pid)]
@@ -275,15 +292,17 @@ def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, warmup
     return results, profiles, aggregation[warmup : warmup + rounds]
 
 
-def bench_raw(up: list[int], down: list[int], warmup: int, rounds: int) -> list[dict[str, float]]:
+def bench_raw(up: list[int], down: list[int], warmup: int, rounds: int,
+              relay: Relay | None = None) -> list[dict[str, float]]:
     port = free_port()
     server = spawn([str(SCRIPT), "--role", "raw-server", "--port", str(port), "--peers", str(len(up)),
                     "--rounds", str(warmup + rounds), "--max-bytes", str(max(up + down))])
     procs = [server]
     try:
         expect_line(server, "LISTENING")
-        peers = [spawn([str(SCRIPT), "--role", "raw-peer", "--port", str(port), "--up", str(u), "--down", str(d),
-                        "--rounds", str(warmup + rounds)]) for u, d in zip(up, down)]
+        hosts = peer_hosts(relay, [port], len(up), procs)
+        peers = [spawn([str(SCRIPT), "--role", "raw-peer", "--host", host, "--port", str(port), "--up", str(u),
+                        "--down", str(d), "--rounds", str(warmup + rounds)]) for host, u, d in zip(hosts, up, down)]
         procs += peers
         results, _ = run_rounds(peers, warmup, rounds, [], None)
     finally:
@@ -297,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, default=None, help="(internal) model config of a peer")
     p.add_argument("--override", action="append", default=[], help="(internal) config override of a peer")
     p.add_argument("--peer-id", type=int, default=0, help="(internal)")
+    p.add_argument("--host", default="127.0.0.1", help="(internal) the server's address as a peer sees it")
     p.add_argument("--port", type=int, default=0, help="(internal)")
     p.add_argument("--peers", type=int, default=2, help="(internal)")
     p.add_argument("--up", type=int, default=0, help="(internal)")
@@ -312,13 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (1 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)
     if args.role == "grpc-peer":
-        grpc_peer(args.config, args.override, args.peer_id, f"127.0.0.1:{args.port}", args.wire, rounds, args.plane)
+        grpc_peer(args.config, args.override, args.peer_id, f"{args.host}:{args.port}", args.wire, rounds, args.plane)
         return 0
     if args.role == "raw-server":
         raw_server(args.port, args.peers, rounds, args.max_bytes)
         return 0
     if args.role == "raw-peer":
-        raw_peer(args.port, args.up, args.down, rounds)
+        raw_peer(args.host, args.port, args.up, args.down, rounds)
         return 0
 
     config, overrides = (QUICK_CONFIG, QUICK_MODEL) if args.quick else (PAPER_1B, FULL_MODEL)

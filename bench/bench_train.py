@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,12 @@ class Variant:
     step_seconds: list[float]
 
 
-def build_variant(config: Path, backend: str, kind: str, device: torch.device, save_folder: str) -> Variant:
+def build_variant(config: Path, backend: str, kind: str, device: torch.device, save_folder: str,
+                  overrides: Sequence[str] = ()) -> Variant:
     """A node as `spes.train` builds it (peer 0 for SPES), with its optimizer and trainer."""
     extra = ["--precision=amp_bf16"] if device.type == "cuda" else []
     cfg, _ = load_config(config, [f"--model.moe_backend={backend}", f"--save_folder={save_folder}",
-                                  *KINDS[kind], *extra])
+                                  *KINDS[kind], *extra, *overrides])
     with torch.device("meta"):
         model = Transformer.for_run(cfg)
     model.to_empty(device=device)

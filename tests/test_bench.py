@@ -181,3 +181,65 @@ def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         return any(json.loads(line).get("merged") for line in lines)
 
     assert merged("spes_large") and not merged("spes_large_nomerge")
+
+def test_link_bucket_paces_at_its_rate() -> None:
+    from link_relay import Bucket
+
+    bucket = Bucket(1000.0, burst=100)
+    assert bucket.reserve(100, now=0.0) == 0.0  # the burst leaves at once
+    assert bucket.reserve(500, now=0.0) == pytest.approx(0.5)  # then 1000 bytes/s
+    assert bucket.reserve(500, now=0.5) == pytest.approx(1.0)  # queued behind the first 500
+    assert bucket.reserve(50, now=10.0) == 10.0  # idle time refills up to the burst only
+
+
+def test_wan_ideal_round_is_bytes_over_the_tighter_link_plus_round_trips() -> None:
+    from bench_wan import LinkSpec
+
+    link = LinkSpec(peer_mbit=8.0, server_mbit=16.0, rtt_ms=100.0)  # 1 MB/s per peer, 2 MB/s shared
+    # uploads: 3 peers x 1 MB share the 2 MB/s server link (1.5 s); download: one peer's 2 MB at 1 MB/s (2 s)
+    assert link.ideal_seconds([10**6] * 3, [2 * 10**6, 0, 0]) == pytest.approx(1.5 + 0.1 + 2.0 + 0.1)
+
+
+@pytest.mark.timeout(60)
+def test_link_relay_carries_every_byte_both_ways(tmp_path: Path) -> None:
+    import socket
+    import threading
+
+    echo = socket.create_server(("127.0.0.1", 0))
+    port = echo.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = echo.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    relay = subprocess.Popen([sys.executable, str(BENCH / "link_relay.py"), "--ports", str(port), "--peers", "2",
+                              "--peer_mbit", "400", "--server_mbit", "400", "--rtt_ms", "10"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert relay.stdout is not None and relay.stdout.readline().strip() == "RELAYING"
+        payload = bytes(range(256)) * 4096  # 1 MiB
+        with socket.create_connection(("127.0.0.11", port), timeout=20) as conn:  # peer 1's address
+            conn.sendall(payload)
+            conn.shutdown(socket.SHUT_WR)
+            got = bytearray()
+            while chunk := conn.recv(65536):
+                got += chunk
+        assert bytes(got) == payload
+    finally:
+        relay.terminate()
+        out, _ = relay.communicate(timeout=20)
+        echo.close()
+    counts = json.loads(out.strip().splitlines()[-1])
+    assert counts == {"bytes_up": [0, len(payload)], "bytes_down": [0, len(payload)]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_wan_quick(tmp_path: Path) -> None:
+    results, _ = run_bench("bench_wan", tmp_path)
+    (m,) = results["measurements"]
+    assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0  # the same bytes, read from the peers
+    assert m["ideal_s"] > 0 and m["efficiency"] > 0 and m["raw_efficiency"] > 0
