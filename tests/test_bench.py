@@ -182,6 +182,7 @@ def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
 
     assert merged("spes_large") and not merged("spes_large_nomerge")
 
+
 def test_link_bucket_paces_at_its_rate() -> None:
     from link_relay import Bucket
 
