@@ -319,7 +319,8 @@ def measured_tokens_line(curves: dict[str, Any]) -> str:
 
 
 def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params: dict[str, int],
-           machine: dict[str, Any], png: str, finals: dict[int, dict[str, float]], correction: bool) -> str:
+           machine: dict[str, Any], png: str, finals: dict[int, dict[str, float]], correction: bool,
+           note: str | None = None) -> str:
     """The markdown report: setup, final figures, the curves as a table (tokens as measured, checked equal)."""
     tokens_total = curves["centralized"]["tokens_final"]
     base = curves["centralized"]["val_loss"][-1]
@@ -367,7 +368,8 @@ def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params
         lines.append(f"| {LABELS[name]} | {loss:.4f} | {2.718281828 ** loss:.1f} | {100 * (loss - base) / base:+.2f}% "
                      f"| {up} | {down} | {total} | {walls.get(name, float('nan')):.0f} "
                      f"| {tokens_total / walls[name] if name in walls else float('nan'):,.0f} |")
-    lines += ["", f"![validation loss against tokens and bytes]({png})", "", "## Curves (validation loss)", "",
+    lines += [*(["", f"Note on these runs: {note}."] if note else []),
+              "", f"![validation loss against tokens and bytes]({png})", "", "## Curves (validation loss)", "",
               "| step | tokens | centralized | SPES (merged) | SPES local (mean) | DiLoCo (merged) | DiLoCo local (mean) |",
               "|---|---|---|---|---|---|---|"]
     spes, dil = curves["spes"], curves["diloco"]
@@ -430,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{curves['centralized']['tokens_final'] / 1e6:.2f}M tokens per run (measured), "
                       f"sync every {setup.sync_steps} steps")
     finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(args.seed))}
-    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick)
+    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick,
+                note=(run_info or {}).get("note"))
     write_atomic(docs / "mini_repro.md", md)
 
     print(measured_tokens_line(curves))
