@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Mini-reproduction of the paper's comparison: centralized vs SPES vs DiLoCo at the same token budget.
 
-    .venv/bin/python bench/mini_repro.py                 # ~30 min on 2 cores: runs, plot, docs/mini_repro.md
+    .venv/bin/python bench/mini_repro.py                 # three 400-step runs, plot, docs/mini_repro.md
     .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
     .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
     .venv/bin/python bench/mini_repro.py --seed 7        # the same with another model-init and data-order seed
@@ -14,11 +14,14 @@ entry points, with the same model, initialization, learning-rate schedule and nu
   (b) SPES: `python -m spes.launch` (a parameter server and 4 peers, each owning 2 of the 8 experts);
   (c) DiLoCo/FedAvg: the same launcher with `--dilico` (every peer trains and the server averages everything).
 
-So every run sees the same number of tokens per step and in total. The SPES and DiLoCo curves are the
+Each peer's `global_train_batch_size` is a quarter of the centralized one, so every run sees the same number of
+tokens per step and in total; the counts are read back from the trainers' own `tokens` metric and the report
+is refused unless they are equal. The SPES and DiLoCo curves are the
 validation loss of the merged global model right after a sync (what every peer holds then); their
 pre-sync local losses are kept too. Bytes communicated are the payload bytes every peer sent and received
-(the client's counters), summed over peers. Outputs: `<out>/<run>/` (logs, metrics.jsonl),
-`<out>/mini_repro.json`, and in `--docs`: `mini_repro.png` and `mini_repro.md`.
+(the client's counters), summed over peers. Outputs: `<out>/<run>/` (logs, metrics.jsonl), `<out>/run.json`
+(command, commit, machine), `bench/results/<name>.json` (the committed record), and in `--docs`:
+`mini_repro.png` and `mini_repro.md`.
 
 `--seed S` sets the model initialization seed and the data-order seeds (S for the centralized run and peer 0,
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
