@@ -49,12 +49,13 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_commit() -> str:
-    """The checked-out commit, with `-dirty` when tracked files differ from it ("unknown" outside git)."""
+    """The checked-out commit, with `-dirty` when tracked files other than the records in bench/results/ (which
+    a benchmark itself rewrites) differ from it; "unknown" outside git."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
         return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Mini-reproduction of the paper's comparison: centralized vs SPES vs DiLoCo at the same token budget.
 
-    .venv/bin/python bench/mini_repro.py                 # ~30 min on 2 cores: runs, plot, docs/mini_repro.md
+    .venv/bin/python bench/mini_repro.py                 # three 400-step runs, plot, docs/mini_repro.md
     .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
     .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
     .venv/bin/python bench/mini_repro.py --seed 7        # the same with another model-init and data-order seed
@@ -14,11 +14,14 @@ entry points, with the same model, initialization, learning-rate schedule and nu
   (b) SPES: `python -m spes.launch` (a parameter server and 4 peers, each owning 2 of the 8 experts);
   (c) DiLoCo/FedAvg: the same launcher with `--dilico` (every peer trains and the server averages everything).
 
-So every run sees the same number of tokens per step and in total. The SPES and DiLoCo curves are the
+Each peer's `global_train_batch_size` is a quarter of the centralized one, so every run sees the same number of
+tokens per step and in total; the counts are read back from the trainers' own `tokens` metric and the report
+is refused unless they are equal. The SPES and DiLoCo curves are the
 validation loss of the merged global model right after a sync (what every peer holds then); their
 pre-sync local losses are kept too. Bytes communicated are the payload bytes every peer sent and received
-(the client's counters), summed over peers. Outputs: `<out>/<run>/` (logs, metrics.jsonl),
-`<out>/mini_repro.json`, and in `--docs`: `mini_repro.png` and `mini_repro.md`.
+(the client's counters), summed over peers. Outputs: `<out>/<run>/` (logs, metrics.jsonl), `<out>/run.json`
+(command, commit, machine), `bench/results/<name>.json` (the committed record), and in `--docs`:
+`mini_repro.png` and `mini_repro.md`.
 
 `--seed S` sets the model initialization seed and the data-order seeds (S for the centralized run and peer 0,
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
@@ -319,7 +322,8 @@ def measured_tokens_line(curves: dict[str, Any]) -> str:
 
 
 def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params: dict[str, int],
-           machine: dict[str, Any], png: str, finals: dict[int, dict[str, float]], correction: bool) -> str:
+           machine: dict[str, Any], png: str, finals: dict[int, dict[str, float]], correction: bool,
+           note: str | None = None) -> str:
     """The markdown report: setup, final figures, the curves as a table (tokens as measured, checked equal)."""
     tokens_total = curves["centralized"]["tokens_final"]
     base = curves["centralized"]["val_loss"][-1]
@@ -367,7 +371,8 @@ def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params
         lines.append(f"| {LABELS[name]} | {loss:.4f} | {2.718281828 ** loss:.1f} | {100 * (loss - base) / base:+.2f}% "
                      f"| {up} | {down} | {total} | {walls.get(name, float('nan')):.0f} "
                      f"| {tokens_total / walls[name] if name in walls else float('nan'):,.0f} |")
-    lines += ["", f"![validation loss against tokens and bytes]({png})", "", "## Curves (validation loss)", "",
+    lines += [*(["", f"Note on these runs: {note}."] if note else []),
+              "", f"![validation loss against tokens and bytes]({png})", "", "## Curves (validation loss)", "",
               "| step | tokens | centralized | SPES (merged) | SPES local (mean) | DiLoCo (merged) | DiLoCo local (mean) |",
               "|---|---|---|---|---|---|---|"]
     spes, dil = curves["spes"], curves["diloco"]
@@ -430,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{curves['centralized']['tokens_final'] / 1e6:.2f}M tokens per run (measured), "
                       f"sync every {setup.sync_steps} steps")
     finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(args.seed))}
-    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick)
+    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick,
+                note=(run_info or {}).get("note"))
     write_atomic(docs / "mini_repro.md", md)
 
     print(measured_tokens_line(curves))

@@ -193,11 +193,12 @@ class Trainer:
         for i, mb in enumerate(micro):
             with grad_sync(self.model, i == len(micro) - 1), self.autocast:
                 out = self.model(mb[:, :-1])
-                ce = language_model_loss(out.logits, self._labels(mb))
+                labels = self._labels(mb)
+                ce = language_model_loss(out.logits, labels)
                 loss = ce + out.lb_loss + out.z_loss
-                if self.cfg.softmax_auxiliary_loss:
-                    loss = loss + self.cfg.auxiliary_loss_multiplier * torch.logsumexp(
-                        out.logits.float(), dim=-1).square().mean()
+                if self.cfg.softmax_auxiliary_loss:  # as in OLMo, over the kept labels' positions, / all positions
+                    z_BS = torch.logsumexp(out.logits.float(), dim=-1).square() * (labels != IGNORE_INDEX)
+                    loss = loss + self.cfg.auxiliary_loss_multiplier * z_BS.sum() / labels.numel()
             (loss / len(micro)).backward()
             sums += torch.stack([ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf

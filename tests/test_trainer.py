@@ -89,7 +89,8 @@ def test_gradient_accumulation_matches_one_big_microbatch(tiny_corpus, tmp_path:
 
 
 def test_instance_filter_leaves_repetitive_windows_out_of_the_loss(tiny_corpus, tmp_path: Path) -> None:
-    _, _, trainer = _node(tiny_corpus, tmp_path, "--using_spes=false", "--data.instance_filter.repetition_max_count=32")
+    _, _, trainer = _node(tiny_corpus, tmp_path, "--using_spes=false", "--data.instance_filter.repetition_max_count=32",
+                          "--softmax_auxiliary_loss=true", "--max_duration=2st", "--log_interval=1")
     batch = torch.stack([torch.arange(65) % 50 + 10, torch.full((65,), 7)])  # period 50 (kept), period 1 (dropped)
     labels = trainer._labels(batch)
     assert torch.equal(labels[0], batch[0, 1:]) and bool((labels[1] == IGNORE_INDEX).all())
@@ -98,6 +99,7 @@ def test_instance_filter_leaves_repetitive_windows_out_of_the_loss(tiny_corpus, 
     want = torch.nn.functional.cross_entropy(logits[0], batch[0, 1:]) / 2
     torch.testing.assert_close(language_model_loss(logits, labels), want)
     assert language_model_loss(logits, torch.full((2, 64), IGNORE_INDEX)).item() == 0.0
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in trainer.fit())  # the filter and output z-loss train
 
 
 def test_bf16_autocast_trains_on_cpu(tiny_corpus, tmp_path: Path) -> None:
