@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +26,7 @@ from typing import Any
 
 import torch
 
-from common import MIB, REPO_ROOT, format_table, machine_info, manifest_bytes, parser, write_results
+from common import MIB, format_table, machine_info, manifest_bytes, parser, start_server, write_results
 
 from spes.sync.client import SyncClient
 from spes.sync.merge import trainable_names
@@ -58,27 +56,14 @@ def proc_memory(pid: int) -> dict[str, int]:
     return {"rss": int(fields["VmRSS"].split()[0]) * 1024, "peak": int(fields["VmHWM"].split()[0]) * 1024}
 
 
-def start_server(peers: int, state_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    command = [sys.executable, "-m", "spes.server", "--total_peers", str(peers), "--num_train_experts_per_node", "1",
-               "--host", "127.0.0.1", "--port", "0", "--merge_interval", "0", "--state_dir", str(state_dir)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=out)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        text = log.read_text(errors="replace")
-        if "listening on 127.0.0.1:" in text:
-            return proc, int(text.split("listening on 127.0.0.1:")[1].split()[0])
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')}")
-
-
 def bench_case(model_mb: int, peers: int, rounds: int, workdir: Path) -> dict[str, Any]:
     manifest = synthetic_manifest(model_mb, peers)
     trainable = {p: trainable_names(list(manifest), p, "spes") for p in range(peers)}
     gen = torch.Generator().manual_seed(0)
     values = {n: torch.randn(s, generator=gen) for n, s in manifest.items()}  # NOTE: peers share shared tensors
-    proc, port = start_server(peers, workdir / f"state-{model_mb}-{peers}", workdir / f"server-{model_mb}-{peers}.log")
+    proc, port = start_server(["--total_peers", str(peers), "--num_train_experts_per_node", "1", "--merge_interval", "0",
+                               "--state_dir", str(workdir / f"state-{model_mb}-{peers}")],
+                              workdir / f"server-{model_mb}-{peers}.log")
     try:
         time.sleep(1.0)
         idle = proc_memory(proc.pid)["rss"]

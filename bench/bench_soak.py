@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 import torch
 
-from common import MIB, REPO_ROOT, format_table, machine_info, manifest_bytes, parser, write_results
+from common import MIB, REPO_ROOT, format_table, machine_info, manifest_bytes, parser, start_server, write_results
 
 from spes.sync.client import SyncClient
 from spes.sync.merge import MergeConfig, aggregate_round, trainable_names
@@ -167,27 +167,14 @@ def kill_data_upload(host: str, data_port: int, peer: int, step: int) -> int:
 
 
 # -- the soak ---------------------------------------------------------------------------------------------------
-def start_server(log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    command = [sys.executable, "-m", "spes.server", "--total_peers", str(PEERS), "--num_train_experts_per_node",
-               str(K), "--host", "127.0.0.1", "--port", "0", "--data_port", "0", "--stream_idle_timeout", "2",
-               "--merge_interval", str(MERGE.interval), "--merge_alpha_start", str(MERGE.alpha_start),
-               "--merge_decay_steps", str(MERGE.decay_steps), "--merge_topk", str(MERGE.topk)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=out)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        text = log.read_text(errors="replace")
-        if "listening on 127.0.0.1:" in text:
-            return proc, "127.0.0.1:" + text.split("listening on 127.0.0.1:")[1].split()[0]
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')}")
-
-
 def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> dict[str, Any]:
     shapes = manifest()
     trainable = {p: trainable_names(list(shapes), p, "spes") for p in range(PEERS)}
-    server, addr = start_server(workdir / "server.log")
+    server, port = start_server(["--total_peers", str(PEERS), "--num_train_experts_per_node", str(K), "--data_port",
+                                 "0", "--stream_idle_timeout", "2", "--merge_interval", str(MERGE.interval),
+                                 "--merge_alpha_start", str(MERGE.alpha_start), "--merge_decay_steps",
+                                 str(MERGE.decay_steps), "--merge_topk", str(MERGE.topk)], workdir / "server.log")
+    addr = f"127.0.0.1:{port}"
     chaos_proc = None
     samples: list[dict[str, Any]] = []
     exact_rounds = 0

@@ -124,3 +124,18 @@ def manifest_bytes(manifest: dict[str, tuple[int, ...]], names: Sequence[str] | 
             numel *= d
         total += numel * itemsize
     return total
+
+
+def start_server(args: Sequence[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """`python -m spes.server --host 127.0.0.1 --port 0 ARGS`, logging to `log`; it and its port once it listens."""
+    command = [sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", "0", *args]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=out, stderr=out)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = log.read_text(errors="replace")
+        if "listening on 127.0.0.1:" in text:
+            return proc, int(text.split("listening on 127.0.0.1:")[1].split()[0])
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')}")
