@@ -377,3 +377,16 @@ def test_a_server_restart_mid_round_is_transparent_to_the_peers(tmp_path: Path) 
                 assert torch.equal(got[0][name], want[name]) and torch.equal(late[0][name], want[name])
     for name in want:
         assert torch.equal(final[0][0][name], want[name]), name
+
+
+@pytest.mark.timeout(60)
+def test_a_client_closed_right_after_joining_frees_its_peer_id() -> None:
+    """A join returns once the server has seen the client's presence stream, so closing the client ends its claim
+    on the peer id at once; otherwise the server would hold the id for --peer_liveness (10 s) and refuse the next
+    process as a duplicate for longer than its retries last."""
+    manifest = tiny_manifest()
+    with running_server() as (_, addr):
+        for _ in range(3):
+            with SyncClient(addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", rpc_timeout_s=10,
+                            max_retries=2) as client:
+                client.join(manifest, trainable_names(list(manifest), 0, "spes"))

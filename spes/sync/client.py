@@ -53,6 +53,8 @@ MAX_RECOVERIES = 4
 PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
 PRESENCE_RETRY_S = 1.0
 """A joined client keeps a presence stream open (see `spes.sync.admission`), reopened this soon after it breaks."""
+PRESENCE_WAIT_S = 5.0
+"""How long a join waits for the server to have seen its presence stream (then a close is seen as one)."""
 RETRY_REASONS = frozenset({"corrupt", "busy", "duplicate_peer"})
 """Refusals worth the same request again later: damaged bytes, a server at its stream limits, and a peer id
 still held by a process that may have died (admitted once it has been silent for --peer_liveness)."""
@@ -211,6 +213,7 @@ class SyncClient:
         self._closed = threading.Event()
         self._presence: threading.Thread | None = None
         self._presence_call: grpc.Future | None = None
+        self._present = threading.Event()
 
     # -- public API ---------------------------------------------------------------------------
     def join(self, manifest: Mapping[str, tuple[int, ...]], trainable: list[str]) -> int:
@@ -345,7 +348,7 @@ class SyncClient:
                 call.cancel()
             try:
                 for _ in call:
-                    pass
+                    self._present.set()
             except grpc.RpcError as err:
                 log.debug("presence stream of peer %d ended: %s", self.peer_id, err.code())
             self._closed.wait(PRESENCE_RETRY_S)
@@ -387,6 +390,8 @@ class SyncClient:
             self._presence = threading.Thread(target=self._keep_present, name=f"spes-presence-{self.peer_id}",
                                               daemon=True)
             self._presence.start()
+            # NOTE: until the server has seen the stream, it holds this id for --peer_liveness after a close
+            self._present.wait(min(self.rpc_timeout_s, PRESENCE_WAIT_S))
         self._use_data_plane(reply)
         return reply.current_round
 
