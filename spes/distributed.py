@@ -191,8 +191,17 @@ def apply_compile(model: nn.Module, options: dict | bool | None) -> None:
     path rely on. null/false (the default, on every device) keeps eager mode; true uses the defaults;
     a mapping passes `mode`, `fullgraph`, `dynamic`, `backend` on (OLMo's `compile:` section).
     """
-    if not options:
+    kwargs = compile_kwargs(options)
+    if kwargs is None:
         return
+    for block in model.blocks:  # type: ignore[attr-defined]
+        block.compile(**kwargs)
+
+
+def compile_kwargs(options: dict | bool | None) -> dict | None:
+    """The `torch.compile` keyword arguments the config key `compile` asks for; None for eager mode."""
+    if not options:
+        return None
     kwargs = dict(options) if isinstance(options, dict) else {}
     unknown = sorted(set(kwargs) - set(COMPILE_OPTIONS))
     if unknown:
@@ -200,8 +209,7 @@ def apply_compile(model: nn.Module, options: dict | bool | None) -> None:
                           f"use {list(COMPILE_OPTIONS)}")
     if kwargs.get("mode") == "default":
         kwargs.pop("mode")  # OLMo's configs spell torch's default mode out
-    for block in model.blocks:  # type: ignore[attr-defined]
-        block.compile(**kwargs)
+    return kwargs
 
 
 @contextlib.contextmanager

@@ -5,9 +5,9 @@
 On a machine with CUDA: a bf16 forward and backward of one decoder block of the config through its MoE backend
 (`model.moe_backend`: megablocks or grouped_mm when the config picks them) with tokens/s, MFU and peak memory;
 with several GPUs it re-launches itself under torchrun for an NCCL all-reduce across them (bus bandwidth) and
-one FSDP2 training step of a two-layer version of the model. The trainer never calls `torch.compile` (the
-config's `compile` key is inert), so there is no compiled path to smoke. Without CUDA it says so in one line
-and checks nothing.
+one FSDP2 training step of a two-layer version of the model. With the config's `compile` key set, the block is
+compiled as the trainer compiles it (the warm-up call pays the compile time, the timed calls do not). Without
+CUDA it says so in one line and checks nothing.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def reset_peak_memory(device: torch.device) -> None:
 def check_block(cfg: object, device: torch.device) -> Check:
     """bf16 autocast forward + backward of one decoder block on one micro-batch."""
     from spes.config import TrainConfig
+    from spes.distributed import compile_kwargs
     from spes.model import Block, analytic_param_counts, rope_tables
 
     assert isinstance(cfg, TrainConfig)
@@ -75,6 +76,9 @@ def check_block(cfg: object, device: torch.device) -> Check:
     owned = cfg.owned_experts()
     block = Block(m, block_size=cfg.expert_block_size(),
                   trainable_block=None if owned is None else cfg.spes_config.peer_id).to(device)
+    compiled = compile_kwargs(cfg.compile)
+    if compiled is not None:
+        block.compile(**compiled)
     cos, sin = rope_tables(m.max_sequence_length, m.head_dim, m.rope_theta, device=device)
     x = torch.randn(cfg.device_train_microbatch_size, m.max_sequence_length, m.d_model, device=device,
                     requires_grad=True)
@@ -93,7 +97,8 @@ def check_block(cfg: object, device: torch.device) -> Check:
     per_block = (counts.active_per_token - 2 * m.embedding_size * m.d_model - m.d_model) / m.n_layers
     flops = (6 * per_block + 6 * m.d_model * m.max_sequence_length) * tokens
     peak, source = peak_flops(device)
-    return ok("block", f"one block (d_model {m.d_model}, {m.moe_num_experts} experts, backend {m.moe_backend}), "
+    return ok("block", f"one {'compiled ' if compiled is not None else ''}block (d_model {m.d_model}, "
+              f"{m.moe_num_experts} experts, backend {m.moe_backend}), "
               f"micro-batch {x.shape[0]} x {x.shape[1]}: "
               f"{tokens / seconds:,.0f} tokens/s, MFU {flops / seconds / peak:.1%} (of {peak / 1e12:,.3g} TFLOP/s, "
               f"{source}), peak memory {peak_memory(device)}")

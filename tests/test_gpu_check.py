@@ -35,6 +35,16 @@ def test_the_block_smoke_measures_tokens_per_second_and_mfu() -> None:
     check = check_block(small_config(), torch.device("cpu"))
     assert check.status == "ok", check
     assert "tokens/s" in check.detail and "MFU" in check.detail and "micro-batch 2 x 16" in check.detail
+    assert "compiled" not in check.detail
+
+
+@pytest.mark.timeout(120)
+def test_the_block_smoke_compiles_the_block_when_the_config_does() -> None:
+    cfg = small_config()
+    cfg.compile = {"backend": "eager"}  # NOTE: dynamo's tracing without Inductor's code generation: seconds on a CPU
+    check = check_block(cfg, torch.device("cpu"))
+    assert check.status == "ok", check
+    assert "one compiled block" in check.detail
 
 
 def _ranks_worker(args: dict[str, Any], info: DistInfo) -> list[list[str]]:
