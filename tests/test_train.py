@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,21 @@ def test_the_readme_single_process_command_runs(tiny_corpus, tmp_path: Path) -> 
     assert code == 0 and "done: step 2" in out, out[-3000:]
 
 
+def start_until(cmd: list[str], log: Path, ready: Callable[[], bool]) -> subprocess.Popen:
+    """Start `cmd` in its own session, logging to `log`, and wait (120 s at most) until `ready()`."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.time() + 120
+    while not ready():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(log.read_text()[-3000:])
+        time.sleep(0.05)
+    return proc
+
+
 def _steps(folder: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -136,17 +152,9 @@ def test_a_requeued_run_continues_from_its_last_checkpoint(tiny_corpus, tmp_path
     cmd = [sys.executable, "-m", "spes.train", TINY, *tiny_corpus.overrides(out), "--using_spes=false",
            "--eval_interval=null", "--log_interval=1", "--save_interval=5", "--max_duration=60st",
            "--save_num_checkpoints_to_keep=1", "--resume=auto"]
-    with open(tmp_path / "first.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while not (out / "latest").exists() or len(_steps(out)) < 7:
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-3000:]
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    proc = start_until(cmd, tmp_path / "first.log", lambda: (out / "latest").exists() and len(_steps(out)) >= 7)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
     first = (tmp_path / "first.log").read_text()
     assert "no checkpoint in" in first and "starting fresh" in first
     saved = int((out / "latest").read_text().strip().removeprefix("step"))
@@ -165,14 +173,8 @@ def test_sigterm_to_spes_torchrun_saves_and_ends_in_one_line(tiny_corpus, tmp_pa
     cmd = [sys.executable, "-m", "spes.torchrun", "--standalone", "--nproc_per_node=1", "-m", "spes.train", TINY,
            *tiny_corpus.overrides(tmp_path), "--using_spes=false", "--eval_interval=null", "--log_interval=1",
            "--save_interval=null", "--max_duration=100000st"]
-    with open(tmp_path / "run.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = start_until(cmd, tmp_path / "run.log", (tmp_path / "metrics.jsonl").exists)
     try:
-        deadline = time.time() + 120
-        while not (tmp_path / "metrics.jsonl").exists():
-            assert proc.poll() is None and time.time() < deadline, (tmp_path / "run.log").read_text()[-3000:]
-            time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     finally:
