@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         del uploads
         uploads = make_uploads(diloco_manifest, peers, "diloco", dtype)
         results.append({"dtype": dtype_name, **bench_case("diloco average", uploads, peers=peers,
-                                                          k=diloco_cfg.expert_block_size(), mode="diloco", step=1,
+                                                          k=diloco_cfg.experts_per_peer, mode="diloco", step=1,
                                                           repeats=repeats)})
         del uploads
     rows = [[r["case"], r["dtype"], f"{r['upload_bytes'] / 1e9:.3f}", f"{r['aggregate_s']:.3f}",

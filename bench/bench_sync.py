@@ -74,7 +74,7 @@ def grpc_peer(config: Path, overrides: list[str], peer: int, addr: str, wire: st
     names = trainable_names(list(manifest), peer, "spes")
     gen = torch.Generator().manual_seed(peer)
     tensors = {n: torch.randn(manifest[n], generator=gen) for n in names}
-    with SyncClient(addr, peer_id=peer, num_peers=cfg.spes_config.num_peers, experts_per_peer=cfg.expert_block_size(),
+    with SyncClient(addr, peer_id=peer, num_peers=cfg.spes_config.num_peers, experts_per_peer=cfg.experts_per_peer,
                     mode="spes", wire_dtype=wire, rpc_timeout_s=600, round_timeout_s=900, data_plane=plane,
                     reuse_buffers=True) as client:  # as spes.sync.peer.PeerSync
         client.join(manifest, names)
@@ -270,7 +270,7 @@ def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, warmup
     port, data_port = free_port(), free_port()
     log = workdir / f"server_{wire}_{plane}.log"
     server = spawn(["-m", "spes.server", "--total_peers", str(cfg.spes_config.num_peers),
-                    "--num_train_experts_per_node", str(cfg.expert_block_size()), "--host", "127.0.0.1",
+                    "--num_train_experts_per_node", str(cfg.experts_per_peer), "--host", "127.0.0.1",
                     "--port", str(port), "--merge_interval", "0", "--round_timeout", "900",
                     "--data_port", str(data_port) if plane == "tcp" else "-1"], log)
     procs = [server]
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = RESULTS_DIR / ("bench_sync_quick" if args.quick else "bench_sync")
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"model: {manifest_bytes(manifest) / 1e9:.2f} GB fp32, {len(manifest)} tensors, "
-          f"{cfg.spes_config.num_peers} peers x {cfg.expert_block_size()} experts; "
+          f"{cfg.spes_config.num_peers} peers x {cfg.experts_per_peer} experts; "
           f"{warmup} untimed + {rounds} timed round(s) each")
     measurements: dict[str, Any] = {}
     rows = []

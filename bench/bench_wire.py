@@ -37,7 +37,6 @@ from spes.sync.merge import MergeConfig, Mode, download_names, is_merge_round, t
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.server import ServerConfig, start_server
 from spes.sync.wire import encode_tensors, payload_bytes
-from spes.trainer import max_steps_of
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 PAPER_MERGE = MergeConfig(interval=500, alpha_start=0.05, decay_steps=10000, topk=4)
@@ -60,7 +59,7 @@ def round_bytes(manifest: Mapping[str, tuple[int, ...]], mode: Mode, wire: str, 
 
 def merge_round_share(cfg: TrainConfig, merge: MergeConfig) -> tuple[int, int]:
     """(merge rounds, all rounds) over the config's run."""
-    steps = range(cfg.spes_config.sync_steps, max_steps_of(cfg) + 1, cfg.spes_config.sync_steps)
+    steps = range(cfg.spes_config.sync_steps, cfg.max_steps + 1, cfg.spes_config.sync_steps)
     merges = sum(is_merge_round(s, merge.interval, merge.alpha_start, merge.decay_steps) for s in steps)
     return merges, len(steps)
 
@@ -103,10 +102,10 @@ def measure_rounds(path: Path) -> dict[str, Any]:
         manifest = {n: tuple(t.shape) for n, t in state.items()}
         peers = cfg.spes_config.num_peers
         for wire in ("fp32", "bf16"):
-            server = start_server(ServerConfig(total_peers=peers, experts_per_peer=cfg.expert_block_size(),
+            server = start_server(ServerConfig(total_peers=peers, experts_per_peer=cfg.experts_per_peer,
                                                host="127.0.0.1", port=0, mode=mode, merge=merge))
             clients = [SyncClient(f"127.0.0.1:{server.port}", peer_id=p, num_peers=peers,
-                                  experts_per_peer=cfg.expert_block_size(), mode=mode, wire_dtype=wire)
+                                  experts_per_peer=cfg.experts_per_peer, mode=mode, wire_dtype=wire)
                        for p in range(peers)]
             try:
                 for p, client in enumerate(clients):

@@ -27,6 +27,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
+RunMode = Literal["centralized", "spes", "diloco"]
+"""What a node does: train alone, train its experts under SPES, or train everything for DiLoCo averaging."""
+
+
 class ConfigError(ValueError):
     """A user-fixable problem with a config file or override: the message names the key and what to do."""
 
@@ -355,9 +359,33 @@ class TrainConfig:
                      f"{math.ceil(m.moe_num_experts / s.num_peers)})")
 
     @property
+    def mode(self) -> RunMode:
+        """The run's mode, derived once from the two booleans users know (`using_spes`, `using_dilico`)."""
+        if self.using_dilico:
+            return "diloco"
+        return "spes" if self.using_spes else "centralized"
+
+    @property
     def sync_enabled(self) -> bool:
         """Whether this node meets a parameter server (SPES or the DiLoCo baseline)."""
-        return self.using_spes or self.using_dilico
+        return self.mode != "centralized"
+
+    @property
+    def num_peers(self) -> int:
+        """Nodes in the run (`spes_config.num_peers`; 1 for a centralized run)."""
+        return self.spes_config.num_peers if self.sync_enabled else 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step of this node consumes (all ranks)."""
+        return self.global_train_batch_size * self.model.max_sequence_length
+
+    @property
+    def max_steps(self) -> int:
+        """`max_duration` in steps (tokens are converted with the global batch), capped by `stop_at`."""
+        amount, unit = parse_duration(self.max_duration)
+        steps = amount if unit == "steps" else math.ceil(amount / self.tokens_per_step)
+        return min(steps, self.stop_at) if self.stop_at is not None else steps
 
     def owned_experts(self) -> tuple[int, int] | None:
         """The expert range [lo, hi) this node trains, or None when it trains every expert."""
@@ -366,8 +394,10 @@ class TrainConfig:
         k, p, e = self.spes_config.num_train_experts_per_node, self.spes_config.peer_id, self.model.moe_num_experts
         return min(p * k, e), min((p + 1) * k, e)
 
-    def expert_block_size(self) -> int:
-        """Experts per stored block: k under SPES (one block per peer), all of them otherwise."""
+    @property
+    def experts_per_peer(self) -> int:
+        """Experts per ownership block (the YAML's `num_train_experts_per_node`) under SPES; all of them otherwise,
+        where the model is stored as one block."""
         owned = self.owned_experts()
         return self.spes_config.num_train_experts_per_node if owned is not None else self.model.moe_num_experts
 

@@ -74,7 +74,7 @@ def check_block(cfg: object, device: torch.device) -> Check:
     assert isinstance(cfg, TrainConfig)
     m = cfg.model
     owned = cfg.owned_experts()
-    block = Block(m, block_size=cfg.expert_block_size(),
+    block = Block(m, block_size=cfg.experts_per_peer,
                   trainable_block=None if owned is None else cfg.spes_config.peer_id).to(device)
     compiled = compile_kwargs(cfg.compile)
     if compiled is not None:

@@ -503,7 +503,7 @@ def write_step_dir(out: str | Path, state: Mapping[str, torch.Tensor], cfg: Trai
         with _StagingDir(out.parent / "tokenizer", overwrite=True) as tmp:
             copy_tokenizer(tokenizer, tmp, vocab_size=cfg.model.vocab_size)
         cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, identifier=str(out.parent / "tokenizer")))
-    blocks = split_expert_blocks(state, cfg.expert_block_size())
+    blocks = split_expert_blocks(state, cfg.experts_per_peer)
     return save_checkpoint(out.parent, int(match.group(1)),
                            model_state={k: v.float().contiguous() for k, v in blocks.items()},
                            optim_state=None, trainer_state={}, config=to_dict(cfg))

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = cfg.spes_config.num_peers
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     server_cmd = [sys.executable, "-m", "spes.server", "--total_peers", str(peers), "--num_train_experts_per_node",
-                  str(cfg.expert_block_size()), "--port", str(port), "--host", "127.0.0.1", "--data_port", "0",
+                  str(cfg.experts_per_peer), "--port", str(port), "--host", "127.0.0.1", "--data_port", "0",
                   "--merge_interval", str(args.merge_interval), "--merge_alpha_start", str(args.merge_alpha_start),
                   "--merge_decay_steps", str(args.merge_decay_steps), "--merge_topk", str(args.merge_topk),
                   "--mode", "diloco" if args.dilico else "spes", "--outer_optimizer", args.outer_optimizer,

@@ -158,7 +158,7 @@ class Transformer(nn.Module):
         """The model a node of this run builds: under SPES, expert blocks per peer and only its own trainable."""
         owned = cfg.owned_experts()
         trainable = None if owned is None else cfg.spes_config.peer_id
-        return cls(cfg.model, block_size=cfg.expert_block_size(), trainable_block=trainable)
+        return cls(cfg.model, block_size=cfg.experts_per_peer, trainable_block=trainable)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

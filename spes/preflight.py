@@ -33,7 +33,6 @@ from spes.config import ConfigError, TrainConfig, load_config
 from spes.distributed import check_launch
 from spes.model import Transformer, analytic_param_counts, tflops_per_token
 from spes.sync.auth import TOKEN_ENV
-from spes.trainer import max_steps_of
 
 if TYPE_CHECKING:
     from spes.sync.client import SyncClient
@@ -237,7 +236,7 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
     except (ValueError, FileNotFoundError) as exc:
         return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
     mode = "diloco" if cfg.using_dilico else "spes"
-    settings = (f"mode {mode}, {s.num_peers} peers, {cfg.expert_block_size()} experts per block, peer {s.peer_id}, "
+    settings = (f"mode {mode}, {s.num_peers} peers, {cfg.experts_per_peer} experts per block, peer {s.peer_id}, "
                 f"manifest of {len(shapes)} tensors")
     parts = ("token" if s.token_file or os.environ.get(TOKEN_ENV) else "", "TLS" if s.tls_ca or s.tls_cert else "",
              f"client certificate {s.tls_cert}" if s.tls_cert else "")
@@ -347,7 +346,7 @@ def check_disk(cfg: TrainConfig) -> Check:
     free = shutil.disk_usage(existing).free
     state = model_state_bytes(cfg)
     size = state.weights + state.optimizer
-    steps = max_steps_of(cfg)
+    steps = cfg.max_steps
     kept = saves(steps, cfg.save_interval, cfg.save_num_checkpoints_to_keep, final=True) + saves(
         steps, cfg.save_interval_unsharded, cfg.save_num_unsharded_checkpoints_to_keep, final=False)
     need = (kept + 1) * size if kept else 0  # NOTE: the next checkpoint is written before the oldest is pruned
@@ -387,7 +386,7 @@ def check_data(cfg: TrainConfig) -> Check:
                         f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
                         "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used")
     same = dataset.fingerprint == tokenizer.fingerprint
-    need = max_steps_of(cfg) * cfg.global_train_batch_size
+    need = cfg.max_steps * cfg.global_train_batch_size
     detail = (f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dataset.shard_infos[0].dtype}, "
               f"{dataset.num_tokens:,} tokens = {len(dataset):,} sequences of {cfg.model.max_sequence_length}; the run "
               f"reads {need:,} (max_duration x global_train_batch_size)"

@@ -50,22 +50,14 @@ class Syncer(Protocol):
     def sync(self, step: int) -> dict[str, Any]: ...
 
 
-def max_steps_of(cfg: TrainConfig) -> int:
-    """`max_duration` in steps (tokens are converted with the global batch), capped by `stop_at`."""
-    amount, unit = parse_duration(cfg.max_duration)
-    tokens_per_step = cfg.global_train_batch_size * cfg.model.max_sequence_length
-    steps = amount if unit == "steps" else math.ceil(amount / tokens_per_step)
-    return min(steps, cfg.stop_at) if cfg.stop_at is not None else steps
-
-
 def schedule_length(cfg: TrainConfig) -> int:
     """`scheduler.t_max` in steps (default: the run's length)."""
     amount, unit = parse_duration(cfg.max_duration)
     t_max = cfg.scheduler.t_max or (amount if unit == "steps" and cfg.scheduler.units == "steps" else None)
     if t_max is None:
-        return max_steps_of(cfg)
+        return cfg.max_steps
     if cfg.scheduler.units == "tokens":
-        return math.ceil(t_max / (cfg.global_train_batch_size * cfg.model.max_sequence_length))
+        return math.ceil(t_max / cfg.tokens_per_step)
     return t_max
 
 
@@ -129,7 +121,7 @@ class Trainer:
         self.cfg, self.model, self.optimizer, self.loader, self.info = cfg, model, optimizer, loader, info
         self.eval_batches, self.syncer, self.log = eval_batches, syncer, log
         self.step, self.tokens = 0, 0
-        self.max_steps, self.t_max = max_steps_of(cfg), schedule_length(cfg)
+        self.max_steps, self.t_max = cfg.max_steps, schedule_length(cfg)
         self.micro_batches = cfg.global_train_batch_size // info.world_size // cfg.device_train_microbatch_size
         self.speed = SpeedMonitor(cfg.speed_monitor.window_size)
         self.metrics = MetricsLog(cfg.save_folder, enabled=info.is_main)
@@ -167,7 +159,7 @@ class Trainer:
             while self.step < self.max_steps:
                 started = time.perf_counter()
                 metrics = self.train_step(next(batches))
-                tokens = self.cfg.global_train_batch_size * self.cfg.model.max_sequence_length
+                tokens = self.cfg.tokens_per_step
                 self.speed.record(tokens, time.perf_counter() - started)
                 self.after_step(metrics)
                 if self._stop_requested(stop):
@@ -210,7 +202,7 @@ class Trainer:
         else:
             self._skip_nonfinite(ce + lb + z, norm)
         self.step += 1
-        self.tokens += self.cfg.global_train_batch_size * self.cfg.model.max_sequence_length
+        self.tokens += self.cfg.tokens_per_step
         lr = lr_at(self.step, self.cfg.scheduler, self.cfg.optimizer.learning_rate, self.t_max)
         set_lr(self.optimizer, lr)
         if finite:
@@ -277,7 +269,7 @@ class Trainer:
         if self.peak is not None:
             metrics["mfu"] = tps / self.info.world_size * self.flops_per_token / self.peak
         if tps > 0:
-            tokens_left = (self.max_steps - step) * cfg.global_train_batch_size * cfg.model.max_sequence_length
+            tokens_left = (self.max_steps - step) * cfg.tokens_per_step
             metrics["eta_min"] = tokens_left / tps / 60
         if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or sync_now or downstream_now:
             self.history.append({"step": step, **metrics})

@@ -126,7 +126,7 @@ def test_import_model_saved_by_transformers(family: str, tmp_path: Path, tokeniz
         (tmp_path / "hf" / path.name).write_bytes(path.read_bytes())
     step_dir = hf.import_hf(tmp_path / "hf", tmp_path / "run" / "step0", block_size=1)
     cfg = hf.load_step_config(step_dir)
-    assert cfg.spes_config.num_peers == 4 and cfg.expert_block_size() == 1
+    assert cfg.spes_config.num_peers == 4 and cfg.experts_per_peer == 1
     assert Path(cfg.tokenizer.identifier) == step_dir.parent / "tokenizer"
     assert (step_dir.parent / "latest").read_text().strip() == "step0"
     spes_model = Transformer.for_run(cfg)

@@ -18,7 +18,7 @@ from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.optim import optimizer_state_bytes
 from spes.train import build_node, main
-from spes.trainer import IGNORE_INDEX, Trainer, language_model_loss, max_steps_of
+from spes.trainer import IGNORE_INDEX, Trainer, language_model_loss
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -110,7 +110,7 @@ def test_bf16_autocast_trains_on_cpu(tiny_corpus, tmp_path: Path) -> None:
 
 def test_duration_in_tokens_is_converted_to_steps() -> None:
     cfg, _ = load_config(TINY, ["--max_duration=2048T"])  # 16 sequences x 64 tokens per step
-    assert max_steps_of(cfg) == 2
+    assert cfg.max_steps == 2
 
 
 def test_validation_loss_is_logged_before_and_after_nothing_else(tiny_corpus, tmp_path: Path) -> None:

@@ -34,7 +34,7 @@ def sync_client(cfg: TrainConfig, **overrides: Any) -> SyncClient:
     """A client for this node's `spes_config` (`overrides`: SyncClient keywords that replace the config's)."""
     s = cfg.spes_config
     settings: dict[str, Any] = {
-        "peer_id": s.peer_id, "num_peers": s.num_peers, "experts_per_peer": cfg.expert_block_size(),
+        "peer_id": s.peer_id, "num_peers": s.num_peers, "experts_per_peer": cfg.experts_per_peer,
         "mode": "diloco" if cfg.using_dilico else "spes", "wire_dtype": s.wire_dtype,
         "token": read_token(s.token_file, "config key 'spes_config.token_file'"), "tls_ca": s.tls_ca,
         "tls_cert": s.tls_cert, "tls_key": s.tls_key, "rpc_timeout_s": s.rpc_timeout_s,

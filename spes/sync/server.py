@@ -889,7 +889,7 @@ def _run_settings(args: argparse.Namespace) -> tuple[int, int, Mode, dict[str, S
     manifest = None
     if args.run is not None:
         manifest, run = manifest_of_run(args.run)
-        of_run = {"--total_peers": run.spes_config.num_peers, "--num_train_experts_per_node": run.expert_block_size(),
+        of_run = {"--total_peers": run.spes_config.num_peers, "--num_train_experts_per_node": run.experts_per_peer,
                   "--mode": "diloco" if run.using_dilico else "spes"}
         for flag, value in given.items():
             if value is not None and value != of_run[flag]:
