@@ -20,10 +20,11 @@ use 1/12 (1 Gbit/s), 1/192 (100 Mbit/s) and 1/768 (20 Mbit/s).
 From the measured efficiency the benchmark predicts the full 1B model's round at each speed (its bytes per
 peer from its manifest, divided by the ideal rate, over the efficiency measured at that speed) and the
 fraction of a node's wall time spent not training per `sync_steps`, from the measured seconds of one
-optimizer step of that config: `--measure_step` times real SPES steps of node 0 (bench/bench_train.py's
-node, on this machine's CPU in fp32) at one sequence of 2048 tokens per step and scales the median to the
-config's 256 sequences per step (micro-batches run one after another; the optimizer step is counted once
-per sequence, which overstates it slightly); `--step_s` takes a figure measured elsewhere (a GPU).
+optimizer step of that config: `--measure_step N --device cuda` times N real steps of node 0
+(bench/bench_train.py's node) at the config's own batch, micro-batch and amp_bf16 on one GPU; on the CPU
+(fp32) it times one-sequence steps and scales the median to the config's 256 sequences per step (the
+optimizer step is then counted once per sequence, which overstates it slightly); `--step_s` takes a figure
+measured elsewhere, and `--from_json` the links measured by an earlier run.
 """
 
 from __future__ import annotations
@@ -137,20 +138,29 @@ def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: flo
     return rows
 
 
-def measure_step_1b(steps: int) -> dict[str, Any]:
-    """Seconds of one optimizer step of the 1B SPES node, from steps of one sequence on this CPU (fp32)."""
+def measure_step_1b(steps: int, device: torch.device) -> dict[str, Any]:
+    """Seconds of one optimizer step of the 1B SPES node (peer 0).
+
+    On a GPU: whole steps of the config's own global batch, micro-batches and precision (amp_bf16). On the CPU,
+    where one such step would take hours: steps of one sequence in fp32, scaled to the global batch.
+    """
     cfg = load_config(PAPER_1B)[0]
-    one = ["--global_train_batch_size=1", "--device_train_microbatch_size=1", "--precision=fp32"]
+    gpu = device.type == "cuda"
+    one = [] if gpu else ["--global_train_batch_size=1", "--device_train_microbatch_size=1", "--precision=fp32"]
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:
-        variant = build_variant(PAPER_1B, "torch", "spes", torch.device("cpu"), tmp, one)
-        batch = torch.randint(0, cfg.model.vocab_size, (1, cfg.model.max_sequence_length + 1),
+        variant = build_variant(PAPER_1B, "torch", "spes", device, tmp, one)
+        sequences = variant.cfg.global_train_batch_size
+        batch = torch.randint(0, cfg.model.vocab_size, (sequences, cfg.model.max_sequence_length + 1),
                               generator=torch.Generator().manual_seed(0))
         timed_step(variant, batch)  # warm-up: first-call allocations, AdamW state
         seconds = [timed_step(variant, batch) for _ in range(steps)]
-    per_sequence = statistics.median(seconds)
-    return {"device": "cpu", "precision": "fp32", "torch_threads": torch.get_num_threads(),
-            "sequence_seconds": seconds, "sequences_per_step": cfg.global_train_batch_size,
+        peak = torch.cuda.max_memory_allocated(device) if gpu else None
+    per_sequence = statistics.median(seconds) / sequences
+    return {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "precision": variant.cfg.precision,
+            "torch_threads": torch.get_num_threads(), "sequences_per_timed_step": sequences,
+            "timed_step_seconds": seconds, "sequences_per_step": cfg.global_train_batch_size,
+            "microbatch": variant.cfg.device_train_microbatch_size, "peak_memory_bytes": peak,
             "step_s": per_sequence * cfg.global_train_batch_size}
 
 
@@ -167,12 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from_json", type=Path, default=None,
                    help="take the link measurements from this earlier result instead of measuring them")
     p.add_argument("--measure_step", type=int, default=0, metavar="N",
-                   help="time N one-sequence steps of the 1B SPES node here instead (needs ~16 GB of memory)")
+                   help="time N steps of the 1B SPES node here instead (CPU: one-sequence steps, ~16 GB of memory)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains")
     args = p.parse_args(argv)
-    step = measure_step_1b(args.measure_step) if args.measure_step else None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU and a CUDA build of torch")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    step = measure_step_1b(args.measure_step, device) if args.measure_step else None
     if step is not None:
-        print(f"1B SPES node on the CPU: {statistics.median(step['sequence_seconds']):.1f} s per sequence of "
-              f"2048 tokens, so {step['step_s']:.0f} s per step of {step['sequences_per_step']} sequences", flush=True)
+        print(f"1B SPES node on {step['device']} ({step['precision']}): median of {len(step['timed_step_seconds'])} "
+              f"steps of {step['sequences_per_timed_step']} sequences, so {step['step_s']:.1f} s per step of "
+              f"{step['sequences_per_step']} sequences", flush=True)
         args.step_s = step["step_s"]
     speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
     if unknown := [s for s in speeds if s not in SPEEDS]:
