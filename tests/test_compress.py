@@ -13,12 +13,14 @@ from spes.sync.compress import (
     Int8Payload,
     apply_delta,
     dequantize,
+    download_payloads,
     encode_delta,
     encode_deltas,
     fp32_ratio,
     num_blocks,
     payload_bytes,
     quantize,
+    upload_values,
 )
 
 # fl(x / s) and fl(q * s) each round once (relative 2^-24 of at most 127.5 steps): the exact bound is
@@ -188,3 +190,68 @@ def test_byte_accounting_and_ratio_to_fp32(block: int) -> None:
 def test_default_block_meets_the_round_target() -> None:
     assert DEFAULT_BLOCK == 256
     assert math.isclose(fp32_ratio(DEFAULT_BLOCK, DEFAULT_BLOCK), 0.25390625)
+
+
+def drifting_progress(shape: tuple[int, ...], block: int, gen: torch.Generator) -> torch.Tensor:
+    """Steady small updates below half a quantization step (an outlier of 1.0 opens each block): a wire that
+    drops its quantization error, up or down, loses them every round and drifts away linearly."""
+    flat = 1e-3 + 1e-4 * torch.randn(math.prod(shape), generator=gen)
+    flat[::block] = 1.0
+    return flat.view(shape)
+
+
+def test_int8_rounds_keep_every_peer_bit_identical_and_track_the_lossless_run() -> None:
+    """Two SPES peers over 30 int8 rounds (round 10 a merge round), against the same run on a lossless wire.
+
+    Shared tensors are averaged, expert block p is owned by peer p; each peer adds `drifting_progress` to
+    what it trains. After every round each peer's held model must equal the server's bit for bit (own block
+    included, which it does not download outside merge rounds), and the global model must stay within a
+    couple of quantization steps of the lossless run's. Dropping either the uploads' error feedback or the
+    download error (averaging on the held model instead of the global) fails the last check.
+    """
+    shapes = {"shared": (3, 300), "experts.0": (2, 257), "experts.1": (2, 257)}
+    owner = {"experts.0": 0, "experts.1": 1}
+    gen = torch.Generator().manual_seed(11)
+    init = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    server_global, server_held = dict(init), dict(init)
+    lossless = dict(init)
+    held = [dict(init), dict(init)]
+    carried: list[dict[str, torch.Tensor]] = [{}, {}]
+    block, largest_step = 128, 0.0
+    for rnd in range(30):
+        trained = [[n for n in shapes if owner.get(n, p) == p] for p in range(2)]
+        progress = [{n: drifting_progress(shapes[n], block, gen) for n in trained[p]} for p in range(2)]
+        uploads, own_recon = [], [{}, {}]
+        for p in range(2):
+            theta = {n: held[p][n] + progress[p][n] for n in trained[p]}
+            sent = encode_deltas(theta, held[p], carried[p], block)
+            carried[p] = {n: s.error for n, s in sent.items()}
+            own_recon[p] = {n: sent[n].reconstruction for n in trained[p] if n in owner}
+            uploads.append({n: s.payload for n, s in sent.items()})
+        values = [upload_values(uploads[p], server_global, server_held, [n for n in owner if owner[n] == p])
+                  for p in range(2)]
+        new_global = {n: values[owner[n]][n] if n in owner else (values[0][n] + values[1][n]) / 2 for n in shapes}
+        for n in shapes:
+            lossless[n] = lossless[n] + progress[owner[n]][n] if n in owner else \
+                ((lossless[n] + progress[0][n]) + (lossless[n] + progress[1][n])) / 2
+        merged = rnd == 10
+        if merged:  # a merge round changes the experts after aggregation: no relay, owners download too
+            mixed = {n: 0.9 * new_global[n] + 0.1 * new_global[m] for n, m in (("experts.0", "experts.1"),
+                                                                               ("experts.1", "experts.0"))}
+            new_global.update(mixed)
+            lossless.update({n: 0.9 * lossless[n] + 0.1 * lossless[m] for n, m in (("experts.0", "experts.1"),
+                                                                                   ("experts.1", "experts.0"))})
+        relayed = {} if merged else {n: uploads[owner[n]][n] for n in owner}
+        payloads, server_held = download_payloads(new_global, server_held, relayed, block)
+        server_global = new_global
+        largest_step = max(largest_step, *(float(q.scales.max()) for q in payloads.values()))
+        for p in range(2):
+            downloads = [n for n in shapes if merged or owner.get(n, -1) != p]
+            held[p] = {n: apply_delta(held[p][n], payloads[n]) if n in downloads else own_recon[p][n] for n in shapes}
+            for n in shapes:
+                assert torch.equal(held[p][n].view(torch.int32), server_held[n].view(torch.int32)), (rnd, p, n)
+        if not merged:
+            for n in owner:  # outside merge rounds the global of a verbatim block is what the peers hold
+                assert torch.equal(server_global[n], server_held[n])
+    for n in shapes:
+        assert float((server_global[n] - lossless[n]).abs().max()) <= 2 * largest_step, n

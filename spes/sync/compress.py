@@ -13,6 +13,11 @@ the last carried error (at most half a step per value), instead of drifting.
     sent = encode_delta("w", theta, base, carried)  # sender: payload, carried error, its reconstruction
     held = apply_delta(base, sent.payload)          # receiver: bit-identical to sent.reconstruction
 
+In a round (docs/sync_next.md), the server keeps its full-precision global model G and the model H that every
+up-to-date peer holds (G itself on a lossless wire). Peers upload `encode_deltas(theta, H, carried)`; the
+server turns each upload into values (`upload_values`), aggregates them as on any other wire, and sends
+`download_payloads(G_new, H)`; every peer applies them to its H and loads the result.
+
 Why fp32 scales and not bf16: a bf16 scale keeps 8 significant bits, so `absmax / scale` can exceed 127 and
 the clamp would then cost up to a whole step on the block's largest values (the ones that matter most); it
 would save 2 bytes per block, 0.8% of the payload at `block` 256. With fp32 scales the bound is plain
@@ -23,7 +28,7 @@ multiple of `block`, `(1 + 4 / block) / 4 = 1/4 + 1/block` of the fp32 bytes (0.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +42,7 @@ _CHUNK_ELEMS = 1 << 20
 """Quantize this many values at a time, so a large tensor never has several fp32 copies alive at once."""
 
 Shape = tuple[int, ...]
+Tensors = dict[str, torch.Tensor]
 
 
 def num_blocks(numel: int, block: int) -> int:
@@ -190,3 +196,46 @@ def encode_deltas(
     if missing:
         raise ValueError(f"no base for tensor(s) {missing}: a peer without the base gets full values, not deltas")
     return {n: encode_delta(n, v, bases[n], carried.get(n), block) for n, v in values.items()}
+
+
+def upload_values(
+    payloads: Mapping[str, Int8Payload],
+    global_model: Mapping[str, torch.Tensor],
+    held: Mapping[str, torch.Tensor],
+    verbatim: Collection[str],
+) -> Tensors:
+    """What the server counts as a peer's upload, from its payloads (deltas against the held model H).
+
+    A tensor taken verbatim from this peer (its own expert blocks in SPES): apply_delta(H, q), the value the
+    peer itself reconstructs, so the server can relay the payload to the others unchanged. An averaged
+    tensor: apply_delta(G, q), the peer's progress applied to the full-precision global G, so what the last
+    download's quantization left out (G - H) stays in the model instead of being lost every round.
+    """
+    return {
+        name: apply_delta((held if name in verbatim else global_model)[name], payload)
+        for name, payload in payloads.items()
+    }
+
+
+def download_payloads(
+    new_global: Mapping[str, torch.Tensor],
+    held: Mapping[str, torch.Tensor],
+    relayed: Mapping[str, Int8Payload],
+    block: int = DEFAULT_BLOCK,
+) -> tuple[dict[str, Int8Payload], Tensors]:
+    """The payloads every peer holding `held` downloads, and the held model they all reconstruct from them.
+
+    `relayed` holds the uploaded payloads of tensors taken verbatim in this round (no merge changed them):
+    their new global already is apply_delta(held, payload) (`upload_values`), so the payload is sent on as it
+    came and nothing is quantized twice. Every other tensor is quantized as new_global - held, with no carried
+    error: the next round's delta is measured against what the peers then hold, which feeds the error back.
+    """
+    payloads: dict[str, Int8Payload] = {}
+    new_held: Tensors = {}
+    for name, value in new_global.items():
+        if name in relayed:
+            payloads[name], new_held[name] = relayed[name], value
+        else:
+            sent = encode_delta(name, value, held[name], None, block)
+            payloads[name], new_held[name] = sent.payload, sent.reconstruction
+    return payloads, new_held
