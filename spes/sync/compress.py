@@ -18,11 +18,12 @@ up-to-date peer holds (G itself on a lossless wire). Peers upload `encode_deltas
 server turns each upload into values (`upload_values`), aggregates them as on any other wire, and sends
 `download_payloads(G_new, H)`; every peer applies them to its H and loads the result.
 
-Why fp32 scales and not bf16: a bf16 scale keeps 8 significant bits, so `absmax / scale` can exceed 127 and
-the clamp would then cost up to a whole step on the block's largest values (the ones that matter most); it
-would save 2 bytes per block, 0.8% of the payload at `block` 256. With fp32 scales the bound is plain
-(|error| <= scale / 2 up to fp32 rounding) and a payload is `n + 4 * ceil(n / block)` bytes: for `n` a
-multiple of `block`, `(1 + 4 / block) / 4 = 1/4 + 1/block` of the fp32 bytes (0.2539 at 256, 0.2510 at 1024).
+Why fp32 scales and not bf16: a bf16 scale would save 2 bytes per block (0.8% of the payload at `block` 256,
+0.2% at 1024) and change the error little (its rounding moves a block's step by at most 0.2%), but the scale
+would no longer be exactly `absmax / 127` and both ends would need one more rounding rule to agree on. With fp32
+scales the bound is plain (|error| <= scale / 2 up to fp32 rounding), the round-level byte target holds from
+`block` 128 on (docs/sync_next.md), and a payload is `n + 4 * ceil(n / block)` bytes: for `n` a multiple of
+`block`, `(1 + 4 / block) / 4 = 1/4 + 1/block` of the fp32 bytes (0.2539 at 256, 0.2510 at 1024).
 """
 
 from __future__ import annotations
