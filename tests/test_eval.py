@@ -12,9 +12,6 @@ from types import ModuleType
 
 import pytest
 
-from spes import hf
-from spes.model import Transformer
-from spes.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eval_scripts"
@@ -151,55 +148,12 @@ def test_shell_scripts_refuse_bad_input(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_convert_and_evaluate_end_to_end(tiny_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """A tiny spes checkpoint -> convert_to_hf.sh -> eval_full.sh of its Hub id, found in a local Hub cache (local
-    suite, reference tasks detected as absent)."""
-    tok = load_tokenizer(tiny_corpus.tokenizer)
-    model_cfg = dict(d_model=32, n_heads=4, n_layers=2, mlp_hidden_size=64, moe_num_experts=4, moe_top_k=2,
-                     attention_layer_norm=True, max_sequence_length=128, vocab_size=tok.vocab_size,
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg = hf.run_config_for(model_cfg, block_size=2, run_name="e2e")
-    model = Transformer.for_run(cfg)
-    model.init_weights(0)
-    hf.write_step_dir(tmp_path / "run" / "step3", hf.fuse_expert_blocks(model.state_dict()), cfg,
-                      tokenizer=tiny_corpus.tokenizer)
-    done = subprocess.run([str(SCRIPTS / "convert_to_hf.sh"), str(tmp_path / "run"), "latest", "tiny"], env=ENV,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    hf_dir = tmp_path / "run" / "hf" / "tiny-step3"
-    assert done.stdout.strip() == str(hf_dir)
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "valid").symlink_to(Path(tiny_corpus.valid).parent)
-    (corpus / "tokenizer").symlink_to(tiny_corpus.tokenizer)
-    from test_hub import cache_repo
-
-    cache_repo(tmp_path / "hf_home", "spes/tiny-e2e", hf_dir)  # evaluated by Hub id, from a local Hub cache
-    env = {**ENV, "EVAL_SOURCE": str(corpus), "EVAL_DATA": str(tmp_path / "tasks"), "LIMIT": "6",
-           "BUILD_ARGS": "--num_choice_items 20 --num_ppl_docs 4 --context_chars 200 --continuation_chars 60",
-           "HF_HOME": str(tmp_path / "hf_home")}
-    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), "spes/tiny-e2e", str(tmp_path / "eval")], env=env,
-                          capture_output=True, text=True, timeout=540)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "reference tasks skipped" in done.stderr and "Retrying" not in done.stderr
-    results = json.loads((tmp_path / "eval" / "results.json").read_text())
-    next_text = results["tasks"]["spes_next_text"]
-    assert next_text["samples"] == 6 and 0.0 <= next_text["metrics"]["acc"]["value"] <= 1.0
-    ppl = results["tasks"]["spes_heldout_ppl"]["metrics"]
-    assert ppl["bits_per_byte"]["value"] > 0 and ppl["byte_perplexity"]["value"] > 1
-    assert results["reference_status"]["hellaswag"] == {"shots": 10, "dataset": "Rowan/hellaswag",
-                                                        "available": False}
-    assert "| spes_next_text | 0 | acc |" in (tmp_path / "eval" / "results.md").read_text()
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quickstart_model_converts_loads_generates_and_evaluates(tiny_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The newcomer chain on the quickstart's own output: spes.launch configs/tiny.yaml (server + 4 peers, as
     run_scripts/quickstart.sh, shorter) -> convert_to_hf.sh -> from_pretrained + generate -> eval_full.sh at the
-    model's 64-token window."""
+    model's 64-token window, given the model's Hub id and finding it in a local Hub cache (local suite, reference
+    tasks detected as absent)."""
     import transformers
 
     run = tmp_path / "quickstart"
@@ -228,14 +182,23 @@ def test_quickstart_model_converts_loads_generates_and_evaluates(tiny_corpus, tm
     corpus.mkdir()
     (corpus / "valid").symlink_to(Path(tiny_corpus.valid).parent)
     (corpus / "tokenizer").symlink_to(tiny_corpus.tokenizer)
+    from test_hub import cache_repo
+
+    cache_repo(tmp_path / "hf_home", "spes/tiny-quickstart", hf_dir)
     env = {**ENV, "EVAL_SOURCE": str(corpus), "EVAL_DATA": str(tmp_path / "tasks"), "LIMIT": "6",
-           "BUILD_ARGS": "--num_choice_items 20 --num_ppl_docs 4"}
-    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), str(hf_dir), str(tmp_path / "eval")], env=env,
+           "BUILD_ARGS": "--num_choice_items 20 --num_ppl_docs 4", "HF_HOME": str(tmp_path / "hf_home")}
+    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), "spes/tiny-quickstart", str(tmp_path / "eval")], env=env,
                           capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr
-    tasks = json.loads((tmp_path / "eval" / "results.json").read_text())["tasks"]
+    assert "reference tasks skipped" in done.stderr and "Retrying" not in done.stderr
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    tasks = results["tasks"]
     assert tasks["spes_next_text"]["samples"] == 6 and 0.0 <= tasks["spes_next_text"]["metrics"]["acc"]["value"] <= 1
-    assert tasks["spes_heldout_ppl"]["metrics"]["bits_per_byte"]["value"] > 0
+    ppl = tasks["spes_heldout_ppl"]["metrics"]
+    assert ppl["bits_per_byte"]["value"] > 0 and ppl["byte_perplexity"]["value"] > 1
+    assert results["reference_status"]["hellaswag"] == {"shots": 10, "dataset": "Rowan/hellaswag",
+                                                        "available": False}
+    assert "| spes_next_text | 0 | acc |" in (tmp_path / "eval" / "results.md").read_text()
     manifest = json.loads((tmp_path / "tasks" / "manifest.json").read_text())
     assert manifest["settings"]["max_tokens"] == 64
