@@ -19,13 +19,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-)
 
-from spes.checkpoint import save_checkpoint, save_sharded_checkpoint
+from spes import checkpoint
 from spes.config import TrainConfig, parse_duration, to_dict
 from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
@@ -36,8 +31,6 @@ from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
 from spes.optim import lr_at, set_lr
 from spes.tracking import Trackers
-
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Loader(Protocol):
@@ -122,7 +115,6 @@ class Trainer:
         self.eval_batches, self.syncer, self.log = eval_batches, syncer, log
         self.step, self.tokens = 0, 0
         self.max_steps, self.t_max = cfg.max_steps, schedule_length(cfg)
-        self.micro_batches = cfg.global_train_batch_size // info.world_size // cfg.device_train_microbatch_size
         self.speed = SpeedMonitor(cfg.speed_monitor.window_size)
         self.metrics = MetricsLog(cfg.save_folder, enabled=info.is_main)
         self.trackers = Trackers(cfg, enabled=info.is_main)
@@ -159,8 +151,7 @@ class Trainer:
             while self.step < self.max_steps:
                 started = time.perf_counter()
                 metrics = self.train_step(next(batches))
-                tokens = self.cfg.tokens_per_step
-                self.speed.record(tokens, time.perf_counter() - started)
+                self.speed.record(self.cfg.tokens_per_step, time.perf_counter() - started)
                 self.after_step(metrics)
                 if self._stop_requested(stop):
                     self.save()
@@ -305,17 +296,10 @@ class Trainer:
         check_weights_finite(self.model, self.info, f"not saving the checkpoint of step {self.step}",
                              f"the newest checkpoint in {cfg.save_folder} is kept; resume from it with a lower "
                              f"optimizer.learning_rate")
-        if uses_fsdp(cfg, self.info) and not unsharded:
-            path = save_sharded_checkpoint(cfg.save_folder, self.step, model=self.model, optimizer=self.optimizer,
-                                           trainer_state=self.state_dict(), config=to_dict(cfg),
-                                           keep=cfg.save_num_checkpoints_to_keep)
-            self.log(f"saved sharded checkpoint {path}")
-        else:
-            model_state = get_model_state_dict(self.model, options=FULL_STATE)
-            optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE)
-            keep = cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
-            if self.info.is_main:
-                path = save_checkpoint(cfg.save_folder, self.step, model_state=model_state, optim_state=optim_state,
-                                       trainer_state=self.state_dict(), config=to_dict(cfg), keep=keep)
-                self.log(f"saved checkpoint {path}")
+        sharded = uses_fsdp(cfg, self.info) and not unsharded
+        keep = cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
+        path = checkpoint.save(cfg.save_folder, self.step, self.model, self.optimizer, trainer_state=self.state_dict(),
+                               config=to_dict(cfg), sharded=sharded, keep=keep)
+        if path is not None:
+            self.log(f"saved {'sharded ' if sharded else ''}checkpoint {path}")
         self.last_saved = self.step
