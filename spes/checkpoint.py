@@ -165,10 +165,13 @@ def remove_stale_temporaries(save_folder: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def training_state(model: nn.Module,
+                   optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """This rank's view of model + optimizer as flat `model/<fqn>`, `optim/<fqn>/<key>` tensors (DTensors under
-    FSDP), and the optimizer's param groups."""
+    FSDP), and the optimizer's param groups (none without an optimizer)."""
     flat = {MODEL_KEY + k: v for k, v in get_model_state_dict(model).items()}
+    if optimizer is None:
+        return flat, []
     tensors, groups = _flatten_optim(get_optimizer_state_dict(model, optimizer))
     flat.update({OPTIM_KEY + k: v for k, v in tensors.items()})
     return flat, groups
@@ -191,7 +194,7 @@ def save_sharded_checkpoint(save_folder: str | Path, step: int, *, model: nn.Mod
         remove_stale_temporaries(folder)
         tmp.mkdir()
     barrier()
-    flat, groups = training_state(model, optimizer)
+    flat, groups = training_state(model, _stepped(optimizer))
     with _single_process_quiet():
         dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
                  no_dist=not dist.is_initialized())
@@ -224,11 +227,21 @@ def save(save_folder: str | Path, step: int, model: nn.Module, optimizer: torch.
         return save_sharded_checkpoint(save_folder, step, model=model, optimizer=optimizer,
                                        trainer_state=trainer_state, config=config, keep=keep)
     model_state = get_model_state_dict(model, options=FULL_STATE)
-    optim_state = get_optimizer_state_dict(model, optimizer, options=FULL_STATE)
+    stepped = _stepped(optimizer)
+    optim_state = None if stepped is None else get_optimizer_state_dict(model, stepped, options=FULL_STATE)
     if process_rank() != 0:
         return None
     return save_checkpoint(save_folder, step, model_state=model_state, optim_state=optim_state,
                            trainer_state=trainer_state, config=config, keep=keep)
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer if it has taken a step, else None (a step-0 checkpoint has no optimizer state).
+
+    NOTE: asked for the state of an optimizer that has none, torch's `get_optimizer_state_dict` creates it
+    with a zero-gradient step, which would advance Adam's step count and change the run that saved it.
+    """
+    return optimizer if optimizer.state else None
 
 
 @contextlib.contextmanager
@@ -444,13 +457,14 @@ def _restore_sharded(step_dir: Path, meta: dict[str, Any], model: nn.Module,
     shapes = _sharded_shapes(step_dir)
     check_model_compatible({k[len(MODEL_KEY):]: s for k, (s, _) in shapes.items() if k.startswith(MODEL_KEY)},
                            get_model_state_dict(model), step_dir)
-    _check_optim_compatible({k[len(OPTIM_KEY):].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)},
-                            _trainable(model), step_dir)
-    flat, _ = training_state(model, optimizer)
+    optim_fqns = {k[len(OPTIM_KEY):].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)}
+    _check_optim_compatible(optim_fqns, _trainable(model), step_dir)
+    flat, _ = training_state(model, optimizer if optim_fqns else None)
     _dcp_load(flat, step_dir, no_dist=not dist.is_initialized())
     set_model_state_dict(model, {k[len(MODEL_KEY):]: v for k, v in flat.items() if k.startswith(MODEL_KEY)})
-    optim_tensors = {k[len(OPTIM_KEY):]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
-    set_optimizer_state_dict(model, optimizer, _unflatten_optim(optim_tensors, meta["optim_param_groups"]))
+    if optim_fqns:
+        optim_tensors = {k[len(OPTIM_KEY):]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
+        set_optimizer_state_dict(model, optimizer, _unflatten_optim(optim_tensors, meta["optim_param_groups"]))
     return meta["trainer"]
 
 

@@ -147,6 +147,8 @@ class Trainer:
         if self.step >= self.max_steps:
             self.log(f"nothing to do: checkpoint is at step {self.step}, max_duration is {self.max_steps} steps")
             return self.history
+        if self.step == 0 and not self.cfg.no_pre_train_checkpoint:
+            self.save()  # the initial weights, e.g. to compare runs that start from them
         with StopRequest(self.log) as stop:
             while self.step < self.max_steps:
                 started = time.perf_counter()
@@ -172,6 +174,7 @@ class Trainer:
         self._apply_decayed_aux_factor()
         batch = batch.to(self.info.device, non_blocking=True)
         sums = torch.zeros(3, device=self.info.device)
+        routed_LE = torch.zeros((), dtype=torch.long, device=self.info.device)  # tokens each expert received
         micro = batch.split(self.cfg.device_train_microbatch_size)
         for i, mb in enumerate(micro):
             with grad_sync(self.model, i == len(micro) - 1), self.autocast:
@@ -184,6 +187,8 @@ class Trainer:
                     loss = loss + self.cfg.auxiliary_loss_multiplier * z_BS.sum() / labels.numel()
             (loss / len(micro)).backward()
             sums += torch.stack([ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
+            if self.cfg.model.moe_log_expert_assignment:
+                routed_LE = routed_LE + out.tokens_per_expert.detach()
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -199,7 +204,15 @@ class Trainer:
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": ce + lb + z, "ce": ce, "lb_loss": lb, "z_loss": z, "lr": lr, "grad_norm": norm}
+        metrics = {"loss": ce + lb + z, "ce": ce, "lb_loss": lb, "z_loss": z, "lr": lr, "grad_norm": norm}
+        if self.cfg.model.moe_log_expert_assignment:
+            metrics["tokens_per_expert"] = self._node_total(routed_LE)
+        return metrics
+
+    def _node_total(self, counts: torch.Tensor) -> list:
+        """Per-rank counts summed over the node's ranks, as (nested) lists of ints for metrics.jsonl."""
+        mean = all_reduce_mean(counts.double(), self.info)
+        return (mean * self.info.world_size).round().long().tolist()
 
     def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
         """Drop the update of a step whose loss or gradient norm is NaN/inf; stop after `skip_nonfinite_steps`
