@@ -391,7 +391,7 @@ def tokenize_chunks(
     processes: int = 1,
     progress: bool = True,
 ) -> TokenizeSummary:
-    """Tokenize `chunks` into shards `<output_prefix>_NNNNN.npy`; the library form of this script."""
+    """Tokenize `chunks` into shards `<output_prefix>_NNNNN.npy` (what tokenize_data.py does with files)."""
     if processes < 1:
         raise ValueError(f"--processes must be >= 1, got {processes}")
     prefix = Path(output_prefix)
