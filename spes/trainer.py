@@ -26,7 +26,7 @@ from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
-from spes.model import tflops_per_token
+from spes.model import ModelOutput, tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
 from spes.optim import lr_at, set_lr
@@ -178,13 +178,7 @@ class Trainer:
         micro = batch.split(self.cfg.device_train_microbatch_size)
         for i, mb in enumerate(micro):
             with grad_sync(self.model, i == len(micro) - 1), self.autocast:
-                out = self.model(mb[:, :-1])
-                labels = self._labels(mb)
-                ce = language_model_loss(out.logits, labels)
-                loss = ce + out.lb_loss + out.z_loss
-                if self.cfg.softmax_auxiliary_loss:  # as in OLMo, over the kept labels' positions, / all positions
-                    z_BS = torch.logsumexp(out.logits.float(), dim=-1).square() * (labels != IGNORE_INDEX)
-                    loss = loss + self.cfg.auxiliary_loss_multiplier * z_BS.sum() / labels.numel()
+                loss, ce, out = self._micro_batch_loss(mb)
             (loss / len(micro)).backward()
             sums += torch.stack([ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
             if self.cfg.model.moe_log_expert_assignment:
@@ -208,6 +202,18 @@ class Trainer:
         if self.cfg.model.moe_log_expert_assignment:
             metrics["tokens_per_expert"] = self._node_total(routed_LE)
         return metrics
+
+    def _micro_batch_loss(self, batch_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
+        """The loss to backpropagate (cross entropy, the MoE's auxiliary losses, the optional softmax z-loss), the
+        cross entropy alone, and the model's output."""
+        out = self.model(batch_BS[:, :-1])
+        labels = self._labels(batch_BS)
+        ce = language_model_loss(out.logits, labels)
+        loss = ce + out.lb_loss + out.z_loss
+        if self.cfg.softmax_auxiliary_loss:  # as in OLMo, over the kept labels' positions, / all positions
+            z_BS = torch.logsumexp(out.logits.float(), dim=-1).square() * (labels != IGNORE_INDEX)
+            loss = loss + self.cfg.auxiliary_loss_multiplier * z_BS.sum() / labels.numel()
+        return loss, ce, out
 
     def _node_total(self, counts: torch.Tensor) -> list:
         """Per-rank counts summed over the node's ranks, as (nested) lists of ints for metrics.jsonl."""
@@ -267,14 +273,7 @@ class Trainer:
         if downstream_now:  # NOTE: after the sync, so on the merged global model
             assert self.downstream is not None
             metrics.update(self.downstream.run(self.model, step))
-        tps = self.speed.tokens_per_second()
-        metrics["tokens_per_s"] = tps
-        metrics["tokens"] = self.tokens
-        if self.peak is not None:
-            metrics["mfu"] = tps / self.info.world_size * self.flops_per_token / self.peak
-        if tps > 0:
-            tokens_left = (self.max_steps - step) * cfg.tokens_per_step
-            metrics["eta_min"] = tokens_left / tps / 60
+        metrics.update(self._throughput(step))
         if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or sync_now or downstream_now:
             self.history.append({"step": step, **metrics})
             self.metrics.write(step, metrics)
@@ -286,6 +285,16 @@ class Trainer:
         if cfg.save_interval_unsharded and step % cfg.save_interval_unsharded == 0 and (
                 self.last_saved != step or uses_fsdp(cfg, self.info)):
             self.save(unsharded=True)
+
+    def _throughput(self, step: int) -> dict[str, float]:
+        """Tokens/s, tokens so far, MFU (on a GPU of known peak) and the minutes left at this pace."""
+        tps = self.speed.tokens_per_second()
+        out = {"tokens_per_s": tps, "tokens": self.tokens}
+        if self.peak is not None:
+            out["mfu"] = tps / self.info.world_size * self.flops_per_token / self.peak
+        if tps > 0:
+            out["eta_min"] = (self.max_steps - step) * self.cfg.tokens_per_step / tps / 60
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> float:
