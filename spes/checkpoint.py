@@ -202,8 +202,8 @@ def save_sharded_checkpoint(save_folder: str | Path, step: int, *, model: nn.Mod
     ok, error = True, None
     if main:
         try:
-            _write_meta(tmp, {"kind": "sharded", "step": step, "world_size": process_world_size(), "trainer": trainer_state,
-                              "optim_param_groups": groups}, config)
+            _write_meta(tmp, {"kind": "sharded", "step": step, "world_size": process_world_size(),
+                              "trainer": trainer_state, "optim_param_groups": groups}, config)
             publish_dir(tmp, final)
             _point_latest(final, "sharded", keep)
         except Exception as e:  # noqa: BLE001 -- re-raised below after telling the other ranks
