@@ -4,8 +4,8 @@
     .venv/bin/python bench/bench_data.py            # ~16 MB of text, ~1-2 minutes on 2 cores
     .venv/bin/python bench/bench_data.py --quick    # ~2 MB, seconds
 
-Text is the default corpus's (stdlib sources + man pages, see build_default_corpus.py), written
-as JSON lines to a temp dir and tokenized with tokenize_data's library with 1 and 2 processes;
+Text is the default corpus's (stdlib sources + man pages, see spes/default_corpus.py), written
+as JSON lines to a temp dir and tokenized with spes.corpus with 1 and 2 processes;
 then BatchLoader reads batches from the shards with 0 and 2 DataLoader workers. The tokenizer
 is data/default/tokenizer when built, else one trained on the benchmark text. Prints a table
 and writes bench/results/bench_data.json.
@@ -25,15 +25,13 @@ from pathlib import Path
 
 import torch
 
+from spes.atomic import write_atomic
+from spes.corpus import tokenize_files
+from spes.data import BatchLoader, TokenSequenceDataset
+from spes.default_corpus import collect_documents
+from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "data_process_scripts"))
-
-from build_default_corpus import collect_documents  # noqa: E402
-from tokenize_data import tokenize_files  # noqa: E402
-
-from spes.atomic import write_atomic  # noqa: E402
-from spes.data import BatchLoader, TokenSequenceDataset  # noqa: E402
-from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe  # noqa: E402
 
 RESULTS = REPO_ROOT / "bench" / "results" / "bench_data.json"
 

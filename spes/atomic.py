@@ -1,8 +1,10 @@
-"""Files that appear whole or not at all.
+"""Files and directories that appear whole or not at all.
 
 A reader (a resuming trainer, a restarted server, the next pipeline stage) must never see half a file, whatever
 kills the writer: each file is written to a temporary name in the same directory, fsynced, renamed over the
-target (atomic on POSIX) and the directory is fsynced so the rename itself survives a power cut.
+target (atomic on POSIX) and the directory is fsynced so the rename itself survives a power cut. A directory
+(a checkpoint, an export) is filled under a temporary sibling name and published the same way (`staging_dir`,
+`publish_dir`).
 The file gets the mode a plain `open()` would give it (0666 less the process umask, 0644 typically), so the
 other users of a shared cluster can read checkpoints, exports and logs (spes writes no secrets: the token,
 key and certificate files are the user's own).
@@ -10,10 +12,14 @@ key and certificate files are the user's own).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+ASIDE = ".old-"  # `.<name>.old-<pid>`: a published directory's previous copy while it is being replaced
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -59,3 +65,42 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[str
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def publish_dir(staged: str | os.PathLike[str], target: str | os.PathLike[str]) -> None:
+    """Rename the complete directory `staged` to its sibling `target`, durably, replacing what is there.
+
+    Every file gets the umask's mode and is fsynced first. An existing `target` is moved aside to
+    `.<name>.old-<pid>` and deleted only once the new copy is in place, so a kill at any moment leaves one
+    complete copy under one of the two names (`spes.checkpoint` knows where to look).
+    """
+    staged, target = Path(staged), Path(target)
+    follow_umask(staged)
+    for p in staged.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    if target.exists():
+        aside = target.parent / f".{target.name}{ASIDE}{os.getpid()}"
+        os.replace(target, aside)
+        os.replace(staged, target)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(staged, target)
+    fsync_dir(target.parent)
+
+
+@contextlib.contextmanager
+def staging_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """A fresh temporary sibling of `target` to fill: published as `target` when the block succeeds, deleted
+    when it raises (then `target` is untouched)."""
+    target = Path(target)
+    staged = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    try:
+        yield staged
+        publish_dir(staged, target)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise

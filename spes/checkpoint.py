@@ -17,6 +17,7 @@ then `latest` is replaced atomically. A crash at any moment leaves `latest` nami
 (or absent). Nothing is unpickled: safetensors and JSON only; the sharded reader takes tensor offsets from
 the safetensors headers, not from DCP's pickled `.metadata`. A sharded checkpoint loads into any number
 of ranks (DCP reshards on load) and `python -m spes.unshard` turns it into the unsharded layout.
+A trainer needs two calls, both collectives over a parallelized (single, DDP or FSDP2) model: `save` and `restore`.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from spes.atomic import follow_umask, fsync_dir, write_atomic
+from spes.atomic import ASIDE, publish_dir, staging_dir, write_atomic
+from spes.distributed import all_ranks_ok, barrier, process_rank, process_world_size, unwrap
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 
 MODEL_FILE, OPTIM_FILE, META_FILE, CONFIG_FILE, LATEST = (
@@ -57,6 +59,7 @@ SHARDED_SUFFIX = "-sharded"
 MODEL_KEY, OPTIM_KEY = "model/", "optim/"  # prefixes of the tensors in a sharded checkpoint
 _STEP_DIR = re.compile(r"^step(\d+)(-sharded)?$")
 Kind = Literal["unsharded", "sharded"]
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, gathered to CPU
 
 
 class CheckpointError(ValueError):
@@ -105,20 +108,16 @@ def save_checkpoint(save_folder: str | Path, step: int, *, model_state: Mapping[
     folder = Path(save_folder)
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(folder)
-    tmp = folder / f".step{step}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    try:
+    final = folder / f"step{step}"
+    with staging_dir(final) as tmp:
         write_unsharded(tmp, step, model_state=model_state, optim_state=optim_state, trainer_state=trainer_state,
                         config=config)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return _publish(tmp, folder / f"step{step}", "unsharded", keep)
+    return _point_latest(final, "unsharded", keep)
 
 
 def write_unsharded(directory: Path, step: int, *, model_state: Mapping[str, torch.Tensor],
                     optim_state: dict[str, Any] | None, trainer_state: dict[str, Any], config: dict[str, Any]) -> None:
-    """The files of an unsharded checkpoint into an existing (temporary) directory, fsynced."""
+    """The files of an unsharded checkpoint into an existing (temporary) directory."""
     save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, directory / MODEL_FILE)
     groups: list[dict] = []
     if optim_state is not None:
@@ -129,28 +128,15 @@ def write_unsharded(directory: Path, step: int, *, model_state: Mapping[str, tor
 
 
 def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any]) -> None:
-    """config.yaml, then meta.json with the sizes of every file (the completeness check on load); all given the
-    umask's mode and fsynced."""
+    """config.yaml, then meta.json with the sizes of every file (the completeness check on load)."""
     (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
     sizes = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META_FILE}
     (directory / META_FILE).write_text(json.dumps({**meta, "files": sizes}, indent=1))
-    follow_umask(directory)
-    for p in directory.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
 
 
-def _publish(tmp: Path, final: Path, kind: Kind, keep: int) -> Path:
-    """Rename a complete temporary checkpoint into place, then point `latest` at it, then prune its kind."""
+def _point_latest(final: Path, kind: Kind, keep: int) -> Path:
+    """Point `latest` at a published checkpoint, then prune its kind to the `keep` newest."""
     folder = final.parent
-    if final.exists():
-        stale = folder / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, stale)
-        os.replace(tmp, final)
-        shutil.rmtree(stale, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(folder)
     write_atomic(folder / LATEST, f"{final.name}\n")
     if keep > 0:
         for old in list_checkpoints(folder, kind)[:-keep]:
@@ -179,10 +165,13 @@ def remove_stale_temporaries(save_folder: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def training_state(model: nn.Module,
+                   optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """This rank's view of model + optimizer as flat `model/<fqn>`, `optim/<fqn>/<key>` tensors (DTensors under
-    FSDP), and the optimizer's param groups."""
+    FSDP), and the optimizer's param groups (none without an optimizer)."""
     flat = {MODEL_KEY + k: v for k, v in get_model_state_dict(model).items()}
+    if optimizer is None:
+        return flat, []
     tensors, groups = _flatten_optim(get_optimizer_state_dict(model, optimizer))
     flat.update({OPTIM_KEY + k: v for k, v in tensors.items()})
     return flat, groups
@@ -199,13 +188,13 @@ def save_sharded_checkpoint(save_folder: str | Path, step: int, *, model: nn.Mod
     folder = Path(save_folder)
     final = folder / f"step{step}{SHARDED_SUFFIX}"
     tmp = folder / f".{final.name}.tmp"
-    main = _rank() == 0
+    main = process_rank() == 0
     if main:
         folder.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(folder)
         tmp.mkdir()
-    _barrier()
-    flat, groups = training_state(model, optimizer)
+    barrier()
+    flat, groups = training_state(model, _stepped(optimizer))
     with _single_process_quiet():
         dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
                  no_dist=not dist.is_initialized())
@@ -213,16 +202,46 @@ def save_sharded_checkpoint(save_folder: str | Path, step: int, *, model: nn.Mod
     ok, error = True, None
     if main:
         try:
-            _write_meta(tmp, {"kind": "sharded", "step": step, "world_size": _world(), "trainer": trainer_state,
-                              "optim_param_groups": groups}, config)
-            _publish(tmp, final, "sharded", keep)
+            _write_meta(tmp, {"kind": "sharded", "step": step, "world_size": process_world_size(),
+                              "trainer": trainer_state, "optim_param_groups": groups}, config)
+            publish_dir(tmp, final)
+            _point_latest(final, "sharded", keep)
         except Exception as e:  # noqa: BLE001 -- re-raised below after telling the other ranks
             ok, error = False, e
-    if not _all_ok(ok):
+    if not all_ranks_ok(ok):
         if error is not None:
             raise error
         raise CheckpointError(f"rank 0 failed to finish {final}; see its log")
     return final
+
+
+def save(save_folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+         trainer_state: dict[str, Any], config: dict[str, Any], sharded: bool, keep: int = -1) -> Path | None:
+    """Save a parallelized (single, DDP or FSDP2) model and its optimizer: the counterpart of `restore`.
+
+    A collective when a process group exists: every rank calls it. `sharded`: every rank writes its shards
+    (`step<N>-sharded/`); else the whole state is gathered to the main rank, which writes `step<N>/`. The
+    checkpoint's path, or None on the ranks that wrote no unsharded checkpoint.
+    """
+    if sharded:
+        return save_sharded_checkpoint(save_folder, step, model=model, optimizer=optimizer,
+                                       trainer_state=trainer_state, config=config, keep=keep)
+    model_state = get_model_state_dict(model, options=FULL_STATE)
+    stepped = _stepped(optimizer)
+    optim_state = None if stepped is None else get_optimizer_state_dict(model, stepped, options=FULL_STATE)
+    if process_rank() != 0:
+        return None
+    return save_checkpoint(save_folder, step, model_state=model_state, optim_state=optim_state,
+                           trainer_state=trainer_state, config=config, keep=keep)
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer if it has taken a step, else None (a step-0 checkpoint has no optimizer state).
+
+    NOTE: asked for the state of an optimizer that has none, torch's `get_optimizer_state_dict` creates it
+    with a zero-gradient step, which would advance Adam's step count and change the run that saved it.
+    """
+    return optimizer if optimizer.state else None
 
 
 @contextlib.contextmanager
@@ -231,29 +250,6 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _all_ok(ok: bool) -> bool:
-    """Whether every rank reports ok (a collective)."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([int(ok)], dtype=torch.int32,
-                        device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -283,7 +279,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return p
     if (p / LATEST).is_file():
         target = p / (p / LATEST).read_text().strip()
-        moved_aside = sorted(p.glob(f".{target.name}.old-*/{META_FILE}"))
+        moved_aside = sorted(p.glob(f".{target.name}{ASIDE}*/{META_FILE}"))
         if not target.exists() and moved_aside:  # killed while replacing it: the old copy is complete
             return moved_aside[0].parent
         if not (target / META_FILE).is_file():
@@ -293,6 +289,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {p}")
     raise CheckpointError(f"{p} is neither a checkpoint directory (no {META_FILE}) nor a save folder (no {LATEST})")
+
+
+def resolve_step(run_dir: str | Path, step: str | int) -> Path:
+    """The checkpoint of a save folder: `step<N>` (else `step<N>-sharded`) for an int, or what `latest` names."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run directory {run} does not exist (expected a spes save_folder, e.g. "
+                                f"output/<run_name>/node0)")
+    steps = [p.name for p in list_checkpoints(run)]
+    available = f"available: {', '.join(steps)}" if steps else "it holds no step<N> directories: is it a spes run?"
+    if str(step) == "latest":
+        if not (run / LATEST).is_file():
+            raise FileNotFoundError(f"{run} has no '{LATEST}' file naming the latest checkpoint; {available}")
+        return resolve_checkpoint(run)
+    if not re.fullmatch(r"\d+", str(step)):
+        raise ValueError(f"checkpoint step must be an integer or 'latest', got {step!r}")
+    for path in (run / f"step{int(step)}", run / f"step{int(step)}{SHARDED_SUFFIX}"):  # unsharded preferred
+        if path.is_dir():
+            return path
+    raise FileNotFoundError(f"checkpoint {run / f'step{int(step)}'} does not exist; {available}")
 
 
 def _read_meta(step_dir: Path) -> dict[str, Any]:
@@ -308,6 +324,11 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
             raise CheckpointError(f"{f}: missing or truncated (expected {size} bytes); the checkpoint is corrupt, "
                                   f"use an earlier one")
     return meta
+
+
+def _read_config(step_dir: Path) -> dict[str, Any]:
+    """The run config saved with a checkpoint ({} for one written without it)."""
+    return yaml.safe_load((step_dir / CONFIG_FILE).read_text()) if (step_dir / CONFIG_FILE).is_file() else {}
 
 
 def is_sharded(path: str | Path) -> bool:
@@ -367,7 +388,7 @@ def load_checkpoint(path: str | Path, *, with_optim: bool = True) -> Checkpoint:
     """
     step_dir = resolve_checkpoint(path)
     meta = _read_meta(step_dir)
-    config = yaml.safe_load((step_dir / CONFIG_FILE).read_text()) if (step_dir / CONFIG_FILE).is_file() else {}
+    config = _read_config(step_dir)
     if meta.get("kind") == "sharded":
         model, optim_tensors = _read_sharded(step_dir, with_optim)
         optim = _unflatten_optim(optim_tensors, meta["optim_param_groups"]) if optim_tensors else None
@@ -422,34 +443,52 @@ def restore(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
     """
     step_dir = resolve_checkpoint(path)
     meta = _read_meta(step_dir)
-    config = yaml.safe_load((step_dir / CONFIG_FILE).read_text()) if (step_dir / CONFIG_FILE).is_file() else {}
-    model_state = get_model_state_dict(model)
-    trainable = {n for n, p in _named_parameters(model) if p.requires_grad}
+    config = _read_config(step_dir)
     if meta.get("kind") == "sharded":
-        shapes = _sharded_shapes(step_dir)
-        check_model_compatible({k[len(MODEL_KEY):]: s for k, (s, _) in shapes.items() if k.startswith(MODEL_KEY)},
-                               model_state, step_dir)
-        _check_optim_compatible({k[len(OPTIM_KEY):].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)},
-                                trainable, step_dir)
-        flat, _ = training_state(model, optimizer)
-        _dcp_load(flat, step_dir, no_dist=not dist.is_initialized())
-        set_model_state_dict(model, {k[len(MODEL_KEY):]: v for k, v in flat.items() if k.startswith(MODEL_KEY)})
+        trainer = _restore_sharded(step_dir, meta, model, optimizer)
+    else:
+        trainer = _restore_unsharded(step_dir, model, optimizer)
+    return Checkpoint(path=step_dir, model={}, optim=None, trainer=trainer, config=config)
+
+
+def _restore_sharded(step_dir: Path, meta: dict[str, Any], model: nn.Module,
+                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shards of a sharded checkpoint, resharded by DCP to this run's ranks; its trainer state."""
+    shapes = _sharded_shapes(step_dir)
+    check_model_compatible({k[len(MODEL_KEY):]: s for k, (s, _) in shapes.items() if k.startswith(MODEL_KEY)},
+                           get_model_state_dict(model), step_dir)
+    optim_fqns = {k[len(OPTIM_KEY):].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)}
+    _check_optim_compatible(optim_fqns, _trainable(model), step_dir)
+    flat, _ = training_state(model, optimizer if optim_fqns else None)
+    _dcp_load(flat, step_dir, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, {k[len(MODEL_KEY):]: v for k, v in flat.items() if k.startswith(MODEL_KEY)})
+    if optim_fqns:
         optim_tensors = {k[len(OPTIM_KEY):]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
         set_optimizer_state_dict(model, optimizer, _unflatten_optim(optim_tensors, meta["optim_param_groups"]))
-    else:
-        ckpt = load_checkpoint(step_dir)
-        reblocked = _reblock(ckpt.model, model_state) if set(ckpt.model) != set(model_state) else None
-        if reblocked is not None:  # another expert layout (e.g. centralized -> SPES): start anew from the weights
-            ckpt = replace(ckpt, model=reblocked, optim=None, trainer={})
-        check_model_compatible(ckpt.model, model_state, step_dir)
-        full = StateDictOptions(full_state_dict=True)
-        if ckpt.optim is not None:
-            _check_optim_compatible(set(ckpt.optim["state"]), trainable, step_dir)
-        set_model_state_dict(model, ckpt.model, options=full)
-        if ckpt.optim is not None:
-            set_optimizer_state_dict(model, optimizer, ckpt.optim, options=full)
-        return Checkpoint(path=step_dir, model={}, optim=None, trainer=ckpt.trainer, config=config)
-    return Checkpoint(path=step_dir, model={}, optim=None, trainer=meta["trainer"], config=config)
+    return meta["trainer"]
+
+
+def _restore_unsharded(step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An unsharded checkpoint read whole by every rank and sharded in place; its trainer state ({} when its
+    experts had to be re-blocked: then only the weights carry over)."""
+    model_state = get_model_state_dict(model)
+    ckpt = load_checkpoint(step_dir)
+    reblocked = _reblock(ckpt.model, model_state) if set(ckpt.model) != set(model_state) else None
+    if reblocked is not None:  # another expert layout (e.g. centralized -> SPES): start anew from the weights
+        ckpt = replace(ckpt, model=reblocked, optim=None, trainer={})
+    check_model_compatible(ckpt.model, model_state, step_dir)
+    full = StateDictOptions(full_state_dict=True)
+    if ckpt.optim is not None:
+        _check_optim_compatible(set(ckpt.optim["state"]), _trainable(model), step_dir)
+    set_model_state_dict(model, ckpt.model, options=full)
+    if ckpt.optim is not None:
+        set_optimizer_state_dict(model, optimizer, ckpt.optim, options=full)
+    return ckpt.trainer
+
+
+def _trainable(model: nn.Module) -> set[str]:
+    """Names of the parameters this run trains (those with optimizer state)."""
+    return {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
 def _reblock(weights: dict[str, torch.Tensor], model_state: dict[str, Any]) -> dict[str, torch.Tensor] | None:
@@ -463,12 +502,6 @@ def _reblock(weights: dict[str, torch.Tensor], model_state: dict[str, Any]) -> d
         return None
     reblocked = split_expert_blocks(fuse_expert_blocks(weights), block)
     return reblocked if set(reblocked) == set(model_state) else None
-
-
-def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """Parameter names as in state dicts (without DDP's `module.` prefix)."""
-    inner = model.module if isinstance(getattr(model, "module", None), nn.Module) else model
-    return inner.named_parameters()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -490,16 +523,7 @@ def unshard(sharded: str | Path, out_dir: str | Path) -> Path:
         suggestion = src.parent / src.name.removesuffix(SHARDED_SUFFIX)
         raise FileExistsError(f"{out} already exists; choose a new directory (e.g. {suggestion})")
     ckpt = load_checkpoint(src)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staging_dir(out) as tmp:
         write_unsharded(tmp, int(meta["step"]), model_state=ckpt.model, optim_state=ckpt.optim,
                         trainer_state=ckpt.trainer, config=ckpt.config)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -3,7 +3,7 @@
 A SPES node is an ordinary trainer: `single` (one process), `ddp`, or `fsdp` (FSDP2 `fully_shard` per
 decoder block) under `torchrun`. The process group spans the node's ranks only; nodes meet only at
 the parameter server. Frozen experts carry `requires_grad=False`, so neither DDP nor FSDP allocates
-gradient buffers for them or communicates their gradients (`GradCommMeter` measures it).
+gradient buffers for them or communicates their gradients (tests/grad_meter.py measures it).
 
 The SPES round needs whole tensors on the one rank that talks to the server and the merged tensors back
 on every rank: `gather_full` and `load_full` move them one tensor at a time, so a rank never holds more
@@ -244,6 +244,31 @@ def all_reduce_mean(values: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return values
 
 
+def process_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def process_world_size() -> int:
+    """The default process group's size (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """Whether every rank reports ok (a collective)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Whole tensors for the SPES round: gathered to the main rank, loaded back on every rank.
 
@@ -310,59 +335,3 @@ def _broadcast_names(names: list[str], info: DistInfo) -> list[str]:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buf, src=0)
     return json.loads(bytes(buf.cpu().tolist()).decode())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Measuring gradient communication (how the freezing of experts is checked for real).
-
-
-class GradCommMeter:
-    """Counts the bytes of gradients handed to the all-reduce (DDP) or reduce-scatter (FSDP2) per call."""
-
-    def __init__(self) -> None:
-        self.bytes = 0
-        self.calls = 0
-
-    def record(self, t: torch.Tensor) -> None:
-        self.bytes += t.numel() * t.element_size()
-        self.calls += 1
-
-    def reset(self) -> None:
-        self.bytes = self.calls = 0
-
-
-def attach_grad_comm_meter(model: nn.Module) -> GradCommMeter:
-    """Route the model's gradient reduction through a `GradCommMeter` (before the first forward).
-
-    DDP: a comm hook sees each gradient bucket and then all-reduces it as DDP would. FSDP2: a custom
-    reduce-scatter sees the flat gradient input of each sharded unit and then reduce-scatters it.
-    """
-    meter = GradCommMeter()
-    if hasattr(model, "register_comm_hook"):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        def hook(_state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            meter.record(bucket.buffer())
-            return allreduce_hook(None, bucket)  # type: ignore[arg-type]
-
-        # NOTE: DDP compares these annotations with the real classes; this module's are strings.
-        hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
-        model.register_comm_hook(None, hook)
-        return meter
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-
-    class MeteredReduceScatter(ReduceScatter):
-        def allocate(self, size: list[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return torch.empty(*size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                     op: object, async_op: bool = False) -> dist.Work | None:
-            meter.record(input_tensor)
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,  # type: ignore[arg-type]
-                                              async_op=async_op)
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(MeteredReduceScatter())
-    return meter

@@ -48,9 +48,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from spes.atomic import follow_umask
-from spes.checkpoint import (CONFIG_FILE, LATEST, list_checkpoints, load_model_state, resolve_checkpoint,
-                             save_checkpoint)
+from spes.atomic import staging_dir
+from spes.checkpoint import CONFIG_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config, to_dict
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.hub import TOKENIZER_FILES, resolve
@@ -343,26 +342,6 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
-def resolve_step(run_dir: str | Path, step: str | int) -> Path:
-    """The checkpoint of a save folder: `step<N>` (else `step<N>-sharded`) for an int, or what `latest` names."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"run directory {run} does not exist (expected a spes save_folder, e.g. "
-                                f"output/<run_name>/node0)")
-    steps = [p.name for p in list_checkpoints(run)]
-    available = f"available: {', '.join(steps)}" if steps else "it holds no step<N> directories: is it a spes run?"
-    if str(step) == "latest":
-        if not (run / LATEST).is_file():
-            raise FileNotFoundError(f"{run} has no '{LATEST}' file naming the latest checkpoint; {available}")
-        return resolve_checkpoint(run)
-    if not re.fullmatch(r"\d+", str(step)):
-        raise ValueError(f"checkpoint step must be an integer or 'latest', got {step!r}")
-    for path in (run / f"step{int(step)}", run / f"step{int(step)}-sharded"):  # unsharded preferred
-        if path.is_dir():
-            return path
-    raise FileNotFoundError(f"checkpoint {run / f'step{int(step)}'} does not exist; {available}")
-
-
 def load_step_config(step_dir: Path) -> TrainConfig:
     """The run config saved with a checkpoint step."""
     path = step_dir / CONFIG_FILE
@@ -457,29 +436,6 @@ def copy_tokenizer(src: Path, dst: Path, *, vocab_size: int | None = None) -> No
         (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-class _StagingDir:
-    """A temporary sibling directory that replaces `target` on success and vanishes on failure."""
-
-    def __init__(self, target: Path, overwrite: bool) -> None:
-        _refuse_existing(target, overwrite)
-        self.target = target
-        self.path = target.parent / f".{target.name}.tmp-{os.getpid()}"
-
-    def __enter__(self) -> Path:
-        shutil.rmtree(self.path, ignore_errors=True)
-        self.path.mkdir(parents=True)
-        return self.path
-
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-            return
-        follow_umask(self.path)
-        if self.target.exists():
-            shutil.rmtree(self.target)
-        os.replace(self.path, self.target)
-
-
 def _refuse_existing(target: Path, overwrite: bool) -> None:
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(f"{target} already exists and is not empty; pass --overwrite to replace it")
@@ -500,7 +456,7 @@ def write_step_dir(out: str | Path, state: Mapping[str, torch.Tensor], cfg: Trai
                          f"output/<run_name>/step0")
     _refuse_existing(out, overwrite)
     if tokenizer is not None:
-        with _StagingDir(out.parent / "tokenizer", overwrite=True) as tmp:
+        with staging_dir(out.parent / "tokenizer") as tmp:
             copy_tokenizer(tokenizer, tmp, vocab_size=cfg.model.vocab_size)
         cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, identifier=str(out.parent / "tokenizer")))
     blocks = split_expert_blocks(state, cfg.experts_per_peer)
@@ -563,7 +519,8 @@ def export_state(state: Mapping[str, torch.Tensor], m: ModelConfig, out_dir: str
 
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _StagingDir(out, overwrite) as tmp:
+    _refuse_existing(out, overwrite)
+    with staging_dir(out) as tmp:
         copy_tokenizer(tokenizer, tmp, vocab_size=m.vocab_size)
         write_safetensors(tensors(), tmp, max_shard_bytes=max_shard_bytes, dtype=_DTYPES[dtype])
         config.save_pretrained(str(tmp))

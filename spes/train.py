@@ -142,7 +142,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     """
     tokenizer = load_tokenizer(cfg.tokenizer.identifier)
     check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
-    dataset = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
+    dataset = _dataset(cfg, cfg.data.paths)
     assert cfg.model.embedding_size is not None  # set from vocab_size in ModelConfig.__post_init__
     check_shard_vocab(dataset, cfg.model.embedding_size)
     if dataset.fingerprint is not None and dataset.fingerprint != tokenizer.fingerprint:
@@ -216,12 +216,16 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
             syncer.close()
 
 
+def _dataset(cfg: TrainConfig, paths: list[str]) -> TokenSequenceDataset:
+    """Windows of `model.max_sequence_length` tokens over the shards `paths` name."""
+    return TokenSequenceDataset(resolve_paths(paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
+
+
 def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None:
     """A callable returning a fresh iterator of validation batches, or None without validation data."""
     if not cfg.data.validation_paths or not cfg.eval_interval:
         return None
-    dataset = TokenSequenceDataset(resolve_paths(cfg.data.validation_paths), cfg.model.max_sequence_length,
-                                   cfg.data.memmap_dtype)
+    dataset = _dataset(cfg, cfg.data.validation_paths)
     limit = None if cfg.eval_subset_num_batches < 0 else cfg.eval_subset_num_batches
 
     def batches() -> Iterator[torch.Tensor]:

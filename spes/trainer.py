@@ -19,25 +19,18 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-)
 
-from spes.checkpoint import save_checkpoint, save_sharded_checkpoint
+from spes import checkpoint
 from spes.config import TrainConfig, parse_duration, to_dict
 from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
-from spes.model import tflops_per_token
+from spes.model import ModelOutput, tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
 from spes.optim import lr_at, set_lr
 from spes.tracking import Trackers
-
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class Loader(Protocol):
@@ -122,7 +115,6 @@ class Trainer:
         self.eval_batches, self.syncer, self.log = eval_batches, syncer, log
         self.step, self.tokens = 0, 0
         self.max_steps, self.t_max = cfg.max_steps, schedule_length(cfg)
-        self.micro_batches = cfg.global_train_batch_size // info.world_size // cfg.device_train_microbatch_size
         self.speed = SpeedMonitor(cfg.speed_monitor.window_size)
         self.metrics = MetricsLog(cfg.save_folder, enabled=info.is_main)
         self.trackers = Trackers(cfg, enabled=info.is_main)
@@ -155,12 +147,13 @@ class Trainer:
         if self.step >= self.max_steps:
             self.log(f"nothing to do: checkpoint is at step {self.step}, max_duration is {self.max_steps} steps")
             return self.history
+        if self.step == 0 and not self.cfg.no_pre_train_checkpoint:
+            self.save()  # the initial weights, e.g. to compare runs that start from them
         with StopRequest(self.log) as stop:
             while self.step < self.max_steps:
                 started = time.perf_counter()
                 metrics = self.train_step(next(batches))
-                tokens = self.cfg.tokens_per_step
-                self.speed.record(tokens, time.perf_counter() - started)
+                self.speed.record(self.cfg.tokens_per_step, time.perf_counter() - started)
                 self.after_step(metrics)
                 if self._stop_requested(stop):
                     self.save()
@@ -181,18 +174,15 @@ class Trainer:
         self._apply_decayed_aux_factor()
         batch = batch.to(self.info.device, non_blocking=True)
         sums = torch.zeros(3, device=self.info.device)
+        routed_LE = torch.zeros((), dtype=torch.long, device=self.info.device)  # tokens each expert received
         micro = batch.split(self.cfg.device_train_microbatch_size)
         for i, mb in enumerate(micro):
             with grad_sync(self.model, i == len(micro) - 1), self.autocast:
-                out = self.model(mb[:, :-1])
-                labels = self._labels(mb)
-                ce = language_model_loss(out.logits, labels)
-                loss = ce + out.lb_loss + out.z_loss
-                if self.cfg.softmax_auxiliary_loss:  # as in OLMo, over the kept labels' positions, / all positions
-                    z_BS = torch.logsumexp(out.logits.float(), dim=-1).square() * (labels != IGNORE_INDEX)
-                    loss = loss + self.cfg.auxiliary_loss_multiplier * z_BS.sum() / labels.numel()
+                loss, ce, out = self._micro_batch_loss(mb)
             (loss / len(micro)).backward()
             sums += torch.stack([ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
+            if self.cfg.model.moe_log_expert_assignment:
+                routed_LE = routed_LE + out.tokens_per_expert.detach()
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -208,7 +198,27 @@ class Trainer:
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": ce + lb + z, "ce": ce, "lb_loss": lb, "z_loss": z, "lr": lr, "grad_norm": norm}
+        metrics = {"loss": ce + lb + z, "ce": ce, "lb_loss": lb, "z_loss": z, "lr": lr, "grad_norm": norm}
+        if self.cfg.model.moe_log_expert_assignment:
+            metrics["tokens_per_expert"] = self._node_total(routed_LE)
+        return metrics
+
+    def _micro_batch_loss(self, batch_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
+        """The loss to backpropagate (cross entropy, the MoE's auxiliary losses, the optional softmax z-loss), the
+        cross entropy alone, and the model's output."""
+        out = self.model(batch_BS[:, :-1])
+        labels = self._labels(batch_BS)
+        ce = language_model_loss(out.logits, labels)
+        loss = ce + out.lb_loss + out.z_loss
+        if self.cfg.softmax_auxiliary_loss:  # as in OLMo, over the kept labels' positions, / all positions
+            z_BS = torch.logsumexp(out.logits.float(), dim=-1).square() * (labels != IGNORE_INDEX)
+            loss = loss + self.cfg.auxiliary_loss_multiplier * z_BS.sum() / labels.numel()
+        return loss, ce, out
+
+    def _node_total(self, counts: torch.Tensor) -> list:
+        """Per-rank counts summed over the node's ranks, as (nested) lists of ints for metrics.jsonl."""
+        mean = all_reduce_mean(counts.double(), self.info)
+        return (mean * self.info.world_size).round().long().tolist()
 
     def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
         """Drop the update of a step whose loss or gradient norm is NaN/inf; stop after `skip_nonfinite_steps`
@@ -263,14 +273,7 @@ class Trainer:
         if downstream_now:  # NOTE: after the sync, so on the merged global model
             assert self.downstream is not None
             metrics.update(self.downstream.run(self.model, step))
-        tps = self.speed.tokens_per_second()
-        metrics["tokens_per_s"] = tps
-        metrics["tokens"] = self.tokens
-        if self.peak is not None:
-            metrics["mfu"] = tps / self.info.world_size * self.flops_per_token / self.peak
-        if tps > 0:
-            tokens_left = (self.max_steps - step) * cfg.tokens_per_step
-            metrics["eta_min"] = tokens_left / tps / 60
+        metrics.update(self._throughput(step))
         if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or sync_now or downstream_now:
             self.history.append({"step": step, **metrics})
             self.metrics.write(step, metrics)
@@ -282,6 +285,16 @@ class Trainer:
         if cfg.save_interval_unsharded and step % cfg.save_interval_unsharded == 0 and (
                 self.last_saved != step or uses_fsdp(cfg, self.info)):
             self.save(unsharded=True)
+
+    def _throughput(self, step: int) -> dict[str, float]:
+        """Tokens/s, tokens so far, MFU (on a GPU of known peak) and the minutes left at this pace."""
+        tps = self.speed.tokens_per_second()
+        out = {"tokens_per_s": tps, "tokens": self.tokens}
+        if self.peak is not None:
+            out["mfu"] = tps / self.info.world_size * self.flops_per_token / self.peak
+        if tps > 0:
+            out["eta_min"] = (self.max_steps - step) * self.cfg.tokens_per_step / tps / 60
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -305,17 +318,10 @@ class Trainer:
         check_weights_finite(self.model, self.info, f"not saving the checkpoint of step {self.step}",
                              f"the newest checkpoint in {cfg.save_folder} is kept; resume from it with a lower "
                              f"optimizer.learning_rate")
-        if uses_fsdp(cfg, self.info) and not unsharded:
-            path = save_sharded_checkpoint(cfg.save_folder, self.step, model=self.model, optimizer=self.optimizer,
-                                           trainer_state=self.state_dict(), config=to_dict(cfg),
-                                           keep=cfg.save_num_checkpoints_to_keep)
-            self.log(f"saved sharded checkpoint {path}")
-        else:
-            model_state = get_model_state_dict(self.model, options=FULL_STATE)
-            optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_STATE)
-            keep = cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
-            if self.info.is_main:
-                path = save_checkpoint(cfg.save_folder, self.step, model_state=model_state, optim_state=optim_state,
-                                       trainer_state=self.state_dict(), config=to_dict(cfg), keep=keep)
-                self.log(f"saved checkpoint {path}")
+        sharded = uses_fsdp(cfg, self.info) and not unsharded
+        keep = cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
+        path = checkpoint.save(cfg.save_folder, self.step, self.model, self.optimizer, trainer_state=self.state_dict(),
+                               config=to_dict(cfg), sharded=sharded, keep=keep)
+        if path is not None:
+            self.log(f"saved {'sharded ' if sharded else ''}checkpoint {path}")
         self.last_saved = self.step

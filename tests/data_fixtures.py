@@ -7,13 +7,10 @@ fixture lives in conftest.py.
 from __future__ import annotations
 
 import gzip
-import importlib
 import json
-import sys
 import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pyarrow as pa
@@ -36,13 +33,6 @@ SAMPLE_TEXTS = [
     "x" * 3000,
     "Numbers 0123456789 and punctuation !@#$%^&*()[]{};:'\",.<>/?\\|`~",
 ]
-
-
-def import_script(name: str) -> ModuleType:
-    """Import a data_process_scripts/ module the way the scripts import each other."""
-    if str(SCRIPTS_DIR) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS_DIR))
-    return importlib.import_module(name)
 
 
 def tokenizer_training_texts() -> list[str]:

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from spes.atomic import write_atomic
+from spes.atomic import staging_dir, write_atomic
 
 
 def test_bytes_text_and_writer_functions_all_land_whole(tmp_path: Path) -> None:
@@ -40,3 +40,18 @@ def test_files_get_the_umask_mode_like_open(tmp_path: Path) -> None:
         os.umask(old)
     assert (tmp_path / "ckpt.json").stat().st_mode & 0o777 == 0o640
     assert (tmp_path / "plain.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_a_staged_directory_replaces_the_old_one_whole_or_not_at_all(tmp_path: Path) -> None:
+    target = tmp_path / "export"
+    with staging_dir(target) as staged:
+        (staged / "a.txt").write_text("first")
+    with pytest.raises(OSError, match="disk full"), staging_dir(target) as staged:
+        (staged / "a.txt").write_text("half")
+        raise OSError("disk full")
+    assert (target / "a.txt").read_text() == "first"
+    with staging_dir(target) as staged:
+        (staged / "b.txt").write_text("second")
+    assert [p.name for p in target.iterdir()] == ["b.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no temporary or moved-aside copy left
+    assert (target / "b.txt").stat().st_mode & 0o777 == 0o644

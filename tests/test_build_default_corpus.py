@@ -1,4 +1,4 @@
-"""Tests of data_process_scripts/build_default_corpus.py: roff stripping, stable splits, a 1 MB build."""
+"""Tests of spes.default_corpus (build_default_corpus.py): roff stripping, stable splits, a 1 MB build."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from data_fixtures import import_script
 
+from spes import default_corpus
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
 from spes.shards import read_shard_info, resolve_paths
 from spes.tokenizer import check_vocab, load_tokenizer
-
-build_default_corpus = import_script("build_default_corpus")
 
 ROFF = r""".\" Automatically generated preamble
 .de Sp
@@ -36,7 +34,7 @@ Quote: \*(L"hi\*(R" \e done\s-1SMALL\s0.
 
 
 def test_strip_roff_keeps_prose_and_drops_markup() -> None:
-    text = build_default_corpus.strip_roff(ROFF)
+    text = default_corpus.strip_roff(ROFF)
     assert text == (
         "NAME\ndemo - show bold and italic text\n\nSYNOPSIS\ndemo\n[-v] file...\n\n"
         "int demo(const char *path);\nIt costs 5 \u2014 or \u2014 nothing; see\nls(1).\n"
@@ -46,8 +44,8 @@ def test_strip_roff_keeps_prose_and_drops_markup() -> None:
 
 def test_split_is_stable_and_about_two_percent() -> None:
     names = [f"man1/page{i}.1.gz" for i in range(5000)]
-    splits = [build_default_corpus.split_of(n) for n in names]
-    assert splits == [build_default_corpus.split_of(n) for n in names]
+    splits = [default_corpus.split_of(n) for n in names]
+    assert splits == [default_corpus.split_of(n) for n in names]
     assert 50 <= splits.count("valid") <= 150
 
 
@@ -55,7 +53,7 @@ def test_split_is_stable_and_about_two_percent() -> None:
 @pytest.mark.timeout(120)
 def test_small_build_loads_in_the_dataset_and_is_idempotent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "default"
-    assert build_default_corpus.main(["--output_dir", str(out), "--max_mb", "1", "--quiet"]) == 0
+    assert default_corpus.main(["--output_dir", str(out), "--max_mb", "1", "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "train:" in printed and "valid:" in printed
     corpus = json.loads((out / "corpus.json").read_text())
@@ -77,6 +75,6 @@ def test_small_build_loads_in_the_dataset_and_is_idempotent(tmp_path: Path, caps
     assert next(iterate_eval_batches(valid, 4, 1)).shape[1] == 128
     assert tokenizer.decode(train[0].tolist())  # real text comes back
 
-    assert build_default_corpus.main(["--output_dir", str(out), "--max_mb", "1", "--quiet"]) == 0
+    assert default_corpus.main(["--output_dir", str(out), "--max_mb", "1", "--quiet"]) == 0
     assert "already built" in capsys.readouterr().out
     assert json.loads((out / "corpus.json").read_text()) == corpus

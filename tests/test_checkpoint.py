@@ -16,7 +16,7 @@ import torch
 
 from dist_helpers import SMALL_NODE, child_env, run_logged, torchrun
 from spes.checkpoint import (LATEST, CheckpointError, list_checkpoints, load_checkpoint, resolve_checkpoint, restore,
-                             save_checkpoint, save_sharded_checkpoint, unshard)
+                             save, save_checkpoint, save_sharded_checkpoint, unshard)
 from spes.config import TrainConfig, load_config, to_dict
 from spes.model import Transformer
 from spes.optim import build_optimizer
@@ -88,6 +88,18 @@ def test_sharded_and_unsharded_checkpoints_hold_the_same_state_and_restore_exact
     for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
         if p.requires_grad:
             _assert_same_state(fresh_optim.state[p], optimizer.state[q])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_checkpoint_before_the_first_step_leaves_the_optimizer_untouched(tmp_path: Path, sharded: bool) -> None:
+    """torch would create Adam's state with a zero-gradient step (advancing its step count) if asked for it."""
+    cfg, model, optimizer = _node(steps=0)
+    path = save(tmp_path, 0, model, optimizer, trainer_state={"step": 0}, config=to_dict(cfg), sharded=sharded)
+    assert path is not None and not optimizer.state
+    _, fresh, fresh_optim = _node(steps=0)
+    assert restore(path, fresh, fresh_optim).trainer == {"step": 0}
+    _assert_same_state(fresh.state_dict(), model.state_dict())
+    assert not fresh_optim.state
 
 
 def test_latest_follows_the_newest_save_of_either_kind_and_pruning_is_per_kind(tmp_path: Path) -> None:

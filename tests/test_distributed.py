@@ -111,7 +111,8 @@ def _build(args: dict[str, Any], info: DistInfo) -> tuple[TrainConfig, torch.nn.
 
 def _frozen_comm_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     """One optimizer step; report gradient bytes reduced, which params got grads, and optimizer state size."""
-    from spes.distributed import attach_grad_comm_meter, unwrap
+    from grad_meter import attach_grad_comm_meter
+    from spes.distributed import unwrap
     from spes.optim import build_optimizer
 
     cfg, model = _build(args, info)

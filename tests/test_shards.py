@@ -46,6 +46,6 @@ def test_resolve_paths_refuses_an_empty_list() -> None:
 
 def test_tokenization_imports_no_torch() -> None:
     """Each tokenize_data worker process would otherwise pay torch's import time and ~300 MB of memory."""
-    code = "import sys; sys.path.insert(0, 'data_process_scripts'); import tokenize_data; print('torch' in sys.modules)"
+    code = "import sys, spes.corpus, spes.default_corpus; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

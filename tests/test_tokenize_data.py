@@ -1,4 +1,4 @@
-"""Tests of data_process_scripts/tokenize_data.py and list_processed_files.sh on real files."""
+"""Tests of spes.corpus (data_process_scripts/tokenize_data.py) and list_processed_files.sh on real files."""
 
 from __future__ import annotations
 
@@ -18,21 +18,19 @@ from data_fixtures import (
     REPO_ROOT,
     SAMPLE_TEXTS,
     SCRIPTS_DIR,
-    import_script,
     split_documents,
     write_documents,
     write_lines,
 )
 
+from spes import corpus
 from spes.data import TokenSequenceDataset
 from spes.shards import read_shard_info, sidecar_path
 from spes.tokenizer import LoadedTokenizer
 
-tokenize_data = import_script("tokenize_data")
-
 
 def _tokenize(files: list[Path], tokenizer: LoadedTokenizer, prefix: Path, **kwargs: object):
-    return tokenize_data.tokenize_files(files, tokenizer=tokenizer, output_prefix=prefix, progress=False, **kwargs)
+    return corpus.tokenize_files(files, tokenizer=tokenizer, output_prefix=prefix, progress=False, **kwargs)
 
 
 def _all_tokens(shards: list[Path]) -> np.ndarray:
@@ -120,12 +118,12 @@ def test_parquet_null_rows_are_reported_and_missing_column_fails_early(
 
 
 def test_dtype_defaults_to_smallest_and_too_small_is_an_error() -> None:
-    assert tokenize_data.choose_dtype(4096) == np.uint16
-    assert tokenize_data.choose_dtype(65536) == np.uint16
-    assert tokenize_data.choose_dtype(151665) == np.uint32
-    assert tokenize_data.choose_dtype(4096, "uint32") == np.uint32
+    assert corpus.choose_dtype(4096) == np.uint16
+    assert corpus.choose_dtype(65536) == np.uint16
+    assert corpus.choose_dtype(151665) == np.uint32
+    assert corpus.choose_dtype(4096, "uint32") == np.uint32
     with pytest.raises(ValueError, match="cannot hold token ids up to 151664"):
-        tokenize_data.choose_dtype(151665, "uint16")
+        corpus.choose_dtype(151665, "uint16")
 
 
 def test_existing_output_is_never_overwritten(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
@@ -139,14 +137,14 @@ def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer,
     files = [write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 4)]
 
     def chunks_then_crash() -> Iterator:
-        for i, chunk in enumerate(tokenize_data.iter_file_chunks(files[0], "text", 4)):
+        for i, chunk in enumerate(corpus.iter_file_chunks(files[0], "text", 4)):
             if i == 5:
                 raise KeyboardInterrupt
             yield chunk
 
     prefix = tmp_path / "out" / "part"
     with pytest.raises(KeyboardInterrupt):
-        tokenize_data.tokenize_chunks(chunks_then_crash(), tokenizer=tokenizer, output_prefix=prefix,
+        corpus.tokenize_chunks(chunks_then_crash(), tokenizer=tokenizer, output_prefix=prefix,
                                       max_shard_bytes=1000, progress=False)
     written = sorted(prefix.parent.iterdir())
     shards = [p for p in written if p.suffix == ".npy"]
@@ -200,13 +198,13 @@ def test_cli_reports_malformed_lines_and_writes_shards(tokenizer: LoadedTokenize
 
 
 def test_cli_error_names_the_glob_that_matches_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = tokenize_data.main(["--file_glob", str(tmp_path / "*.jsonl"), "--tokenizer_name_or_path", "x",
+    code = corpus.tokenize_main(["--file_glob", str(tmp_path / "*.jsonl"), "--tokenizer_name_or_path", "x",
                                "--output_prefix", str(tmp_path / "p")])
     assert code == 2 and f"{tmp_path / '*.jsonl'}" in capsys.readouterr().err
 
 
 def test_cli_help_lists_every_flag() -> None:
-    text = tokenize_data.build_parser().format_help()
+    text = corpus.tokenize_parser().format_help()
     for flag in ("--file_glob", "--tokenizer_name_or_path", "--output_prefix", "--text_field", "--processes",
                  "--batch_size", "--max_shard_bytes", "--dtype"):
         assert flag in text

@@ -1,4 +1,4 @@
-"""Tests of spes.tokenizer and data_process_scripts/train_tokenizer.py: real training, real files."""
+"""Tests of spes.tokenizer and data_process_scripts/train_tokenizer.py (spes.corpus): real training, real files."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from data_fixtures import (
     SAMPLE_TEXTS,
-    import_script,
     tokenizer_training_texts,
     write_documents,
 )
 
+from spes import corpus
 from spes.tokenizer import EOS_TOKEN, PAD_TOKEN, LoadedTokenizer, check_vocab, load_tokenizer, train_byte_level_bpe
 
 
@@ -100,11 +100,10 @@ def test_check_vocab_accepts_padded_embeddings() -> None:
 
 
 def test_train_tokenizer_script_reads_jsonl_and_plain_text(tmp_path: Path) -> None:
-    train_tokenizer = import_script("train_tokenizer")
     write_documents(tmp_path / "docs.jsonl.gz", SAMPLE_TEXTS + [17])  # the int record is skipped
     (tmp_path / "notes.txt").write_text("\n".join(tokenizer_training_texts()), encoding="utf-8")
     out = tmp_path / "tok"
-    assert train_tokenizer.main(["--input", str(tmp_path / "*.jsonl.gz"), str(tmp_path / "*.txt"),
+    assert corpus.train_tokenizer_main(["--input", str(tmp_path / "*.jsonl.gz"), str(tmp_path / "*.txt"),
                                  "--output_dir", str(out), "--vocab_size", "300"]) == 0
     loaded = load_tokenizer(out)
     assert loaded.vocab_size == 300
@@ -114,6 +113,5 @@ def test_train_tokenizer_script_reads_jsonl_and_plain_text(tmp_path: Path) -> No
 def test_train_tokenizer_script_reports_a_glob_matching_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    train_tokenizer = import_script("train_tokenizer")
-    assert train_tokenizer.main(["--input", str(tmp_path / "*.none"), "--output_dir", str(tmp_path / "t")]) == 2
+    assert corpus.train_tokenizer_main(["--input", str(tmp_path / "*.none"), "--output_dir", str(tmp_path / "t")]) == 2
     assert "*.none" in capsys.readouterr().err

@@ -179,3 +179,38 @@ def test_a_centralized_checkpoint_seeds_a_spes_node(tiny_corpus, tmp_path: Path)
     assert torch.equal(torch.cat(list(node.model.blocks[0].ffn.experts.w1)), saved["blocks.0.ffn.experts.w1.0"])
     assert node.checkpoint is not None and node.checkpoint.trainer == {}
     assert [p.requires_grad for p in node.model.blocks[0].ffn.experts.w1] == [True, False, False, False]
+
+
+def test_tokens_per_expert_are_logged_per_layer_when_asked(tiny_corpus, tmp_path: Path) -> None:
+    """model.moe_log_expert_assignment: every routed token copy of a step counted once, per layer and expert."""
+    on, off = tmp_path / "on", tmp_path / "off"
+    common = ["--max_duration=2st", "--log_interval=1", "--save_interval=null"]
+    assert main(centralized(tiny_corpus, on, *common, "--model.moe_log_expert_assignment=true")) == 0
+    assert main(centralized(tiny_corpus, off, *common)) == 0
+    cfg, _ = load_config(TINY, ["--using_spes=false"])
+    inputs = cfg.global_train_batch_size * (cfg.model.max_sequence_length - 1)  # a window's last token is only a label
+    for row in metrics(on):
+        counts = row["tokens_per_expert"]
+        assert len(counts) == cfg.model.n_layers and all(len(c) == cfg.model.moe_num_experts for c in counts)
+        assert all(sum(c) == inputs * cfg.model.moe_top_k for c in counts), counts
+    assert all("tokens_per_expert" not in row for row in metrics(off))
+    assert [r["loss"] for r in metrics(on)] == [r["loss"] for r in metrics(off)]
+
+
+def test_step_0_checkpoint_is_written_only_when_asked(tiny_corpus, tmp_path: Path) -> None:
+    """no_pre_train_checkpoint=false saves the initial weights as step0 before the first step, without changing the
+    run (torch would create Adam's state with a step of its own if asked for it), and a run from it is the same run."""
+    ask, default = tmp_path / "ask", tmp_path / "default"
+    common = ["--max_duration=2st", "--save_interval=2"]
+    assert main(centralized(tiny_corpus, ask, *common, "--no_pre_train_checkpoint=false")) == 0
+    assert main(centralized(tiny_corpus, default, *common)) == 0
+    assert [p.name for p in sorted(ask.glob("step*"))] == ["step0", "step2"]
+    assert [p.name for p in sorted(default.glob("step*"))] == ["step2"]
+    meta = json.loads((ask / "step0" / "meta.json").read_text())
+    assert meta["step"] == 0 and meta["trainer"]["step"] == 0
+    w0, w2 = load_file(ask / "step0" / "model.safetensors"), load_file(ask / "step2" / "model.safetensors")
+    assert any(not torch.equal(w0[k], w2[k]) for k in w0)
+    assert not (ask / "step0" / "optim.safetensors").exists()  # no optimizer state before the first step
+    resumed = tmp_path / "resumed"
+    assert main(centralized(tiny_corpus, resumed, *common, f"--load_path={ask / 'step0'}")) == 0
+    assert metrics(ask)[-1]["loss"] == metrics(resumed)[-1]["loss"] == metrics(default)[-1]["loss"]

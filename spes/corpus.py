@@ -1,0 +1,545 @@
+"""Text corpora: reading them, tokenizing them into the flat token shards spes trains on, training a tokenizer.
+
+The library behind data_process_scripts/ (thin scripts over `tokenize_main` and `train_tokenizer_main`),
+`spes.default_corpus` and bench/bench_data.py; it imports no torch (each tokenizer process would pay for it).
+
+    python data_process_scripts/tokenize_data.py --file_glob 'raw/*.jsonl.zst' \\
+        --tokenizer_name_or_path data/default/tokenizer --output_prefix tokens/part --processes 2
+    python data_process_scripts/train_tokenizer.py --input 'corpus/*.jsonl.gz' 'notes/**/*.md' \\
+        --output_dir my_tokenizer --vocab_size 4096
+
+Reads `.jsonl`, `.jsonl.gz`, `.jsonl.zst` (one JSON object per line, text in `--text_field`) and
+`.parquet` (a string column `--text_field`). Every document gets EOS appended and all of them are
+concatenated into shards `<output_prefix>_00000.npy`, ... (1-D numpy arrays of at most
+`--max_shard_bytes` bytes; a document may continue in the next shard). Each shard appears under
+its final name only once complete (it is written as `<shard>.partial`, which spes refuses) and its JSON
+sidecar `<shard>.npy.json`, recording the tokenizer, is written after it. Malformed lines are reported as
+`file:line: reason`, counted and skipped; the output is the same for any `--processes`.
+
+A tokenizer is trained on the same formats (one text per record; any other file is read whole as one UTF-8
+text) and saved as a Hugging Face tokenizer directory that works with `spes.tokenizer.load_tokenizer`,
+tokenization and `transformers.AutoTokenizer.from_pretrained`, offline; EOS is `<|endoftext|>` (id 0) and pad
+is `<|padding|>` (id 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import io
+import json
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import pyarrow.parquet as pq
+import zstandard
+from tqdm import tqdm
+
+from spes.shards import PARTIAL_SUFFIX, ShardInfo, write_shard_info
+from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe
+
+SUPPORTED_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+DEFAULT_MAX_SHARD_BYTES = 512 * 2**20
+MAX_REPORTED_ERRORS = 100
+Record = bytes | str | None
+"""A raw JSON line (bytes) or, for parquet and in-memory documents, the text itself."""
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """A batch of documents from one source, the unit of work of the tokenizer processes."""
+
+    source: str
+    records: list[tuple[int, Record]]
+    """(line or row number, record) pairs; line numbers are 1-based."""
+    json_lines: bool
+    """Whether records are raw JSON lines still to be parsed (else texts)."""
+    errors: tuple[str, ...] = ()
+    """Problems met while reading the source (e.g. a truncated compressed file)."""
+
+
+@dataclass
+class EncodedChunk:
+    """A tokenized TextChunk: documents concatenated, each followed by EOS."""
+
+    source: str
+    tokens: np.ndarray
+    doc_lengths: np.ndarray
+    """Token count of each document, its EOS included."""
+    errors: list[str]
+    """`source:line: reason` of each record that was skipped."""
+
+
+@dataclass
+class TokenizeSummary:
+    """What one tokenization run produced."""
+
+    shards: list[Path] = field(default_factory=list)
+    num_documents: int = 0
+    num_tokens: int = 0
+    num_malformed: int = 0
+    malformed_examples: list[str] = field(default_factory=list)
+    """The first MAX_REPORTED_ERRORS malformed-record messages."""
+    seconds: float = 0.0
+
+
+def choose_dtype(vocab_size: int, requested: str | None = None) -> np.dtype:
+    """The shard dtype: `requested` if it can hold every token id, else the smallest unsigned that can."""
+    if requested is None:
+        return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+    dtype = np.dtype(requested)
+    if dtype.kind != "u":
+        raise ValueError(f"--dtype {requested} must be an unsigned integer type (uint16 or uint32)")
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise ValueError(f"--dtype {requested} cannot hold token ids up to {vocab_size - 1} (vocab size "
+                         f"{vocab_size}); use uint32 or leave --dtype unset")
+    return dtype
+
+
+def matching_files(pattern: str) -> list[Path]:
+    """The files a glob matches, sorted ('**' recurses, '~' expands)."""
+    return sorted(Path(m) for m in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(m))
+
+
+def resolve_input_files(patterns: Sequence[str]) -> list[Path]:
+    """Files matching `patterns` (each sorted, duplicates dropped); errors name the empty pattern."""
+    files: dict[Path, None] = {}
+    for pattern in patterns:
+        matches = matching_files(pattern)
+        if not matches:
+            raise FileNotFoundError(f"--file_glob {pattern!r} matches no file")
+        for path in matches:
+            if not path.name.endswith(SUPPORTED_SUFFIXES):
+                raise ValueError(f"{path}: unsupported input format; expected one of {', '.join(SUPPORTED_SUFFIXES)}")
+            files.setdefault(path, None)
+    return list(files)
+
+
+def iter_file_chunks(path: Path, text_field: str, batch_size: int) -> Iterator[TextChunk]:
+    """Chunks of at most `batch_size` records of one input file, in file order.
+
+    A file that breaks off (truncated or corrupt compression) ends with a chunk carrying the
+    error, so the run reports it and goes on with the next file.
+    """
+    if path.name.endswith(".parquet"):
+        yield from _iter_parquet_chunks(path, text_field, batch_size)
+        return
+    records: list[tuple[int, Record]] = []
+    line_number = 0
+    try:
+        with _open_binary(path) as stream:
+            for line_number, line in enumerate(stream, start=1):
+                if not line.strip():
+                    continue  # blank lines separate nothing in JSON lines; not a record
+                records.append((line_number, line))
+                if len(records) == batch_size:
+                    yield TextChunk(str(path), records, json_lines=True)
+                    records = []
+    except (OSError, EOFError, zstandard.ZstdError) as err:
+        error = f"{path}:{line_number + 1}: file unreadable from here on ({type(err).__name__}: {err})"
+        yield TextChunk(str(path), records, json_lines=True, errors=(error,))
+        return
+    if records:
+        yield TextChunk(str(path), records, json_lines=True)
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        # NOTE: BufferedReader gives line iteration over the zstd stream; read_across_frames handles
+        # files written as several concatenated frames.
+        raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
+        return io.BufferedReader(raw)  # type: ignore[arg-type]
+    return open(path, "rb")
+
+
+def _open_parquet(path: Path, text_field: str) -> pq.ParquetFile:
+    """The parquet file, after checking it has the text column."""
+    parquet = pq.ParquetFile(path)
+    if text_field not in parquet.schema_arrow.names:
+        raise ValueError(f"{path}: parquet file has no column {text_field!r} (columns: "
+                         f"{parquet.schema_arrow.names}); pass the right --text_field")
+    return parquet
+
+
+def _iter_parquet_chunks(path: Path, text_field: str, batch_size: int) -> Iterator[TextChunk]:
+    parquet = _open_parquet(path, text_field)
+    row = 1
+    for batch in parquet.iter_batches(batch_size=batch_size, columns=[text_field]):
+        texts = batch.column(0).to_pylist()
+        yield TextChunk(str(path), list(enumerate(texts, start=row)), json_lines=False)
+        row += len(texts)
+
+
+def record_text(record: Record, json_line: bool, text_field: str) -> tuple[str, str | None]:
+    """(text, None) for a good record, ("", reason) for a malformed one."""
+    if json_line:
+        try:
+            obj = json.loads(record)  # type: ignore[arg-type]
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+            return "", f"bad JSON ({err})"
+        if not isinstance(obj, dict):
+            return "", f"not a JSON object but {type(obj).__name__}"
+        if text_field not in obj:
+            return "", f"missing field {text_field!r}"
+        record = obj[text_field]
+    if not isinstance(record, str):
+        return "", f"field {text_field!r} is {type(record).__name__}, not a string"
+    return record, None
+
+
+
+def file_texts(path: Path, text_field: str) -> Iterator[str]:
+    """The texts of one file: its good records, or the whole file when it is not a record format."""
+    if not path.name.endswith(SUPPORTED_SUFFIXES):
+        yield path.read_text(encoding="utf-8", errors="replace")
+        return
+    for chunk in iter_file_chunks(path, text_field, batch_size=1000):
+        for _, record in chunk.records:
+            text, reason = record_text(record, chunk.json_lines, text_field)
+            if reason is None:
+                yield text
+
+
+def iter_texts(files: Sequence[Path], text_field: str, max_bytes: int | None) -> Iterator[str]:
+    """Texts of `files` in order, stopping once `max_bytes` of UTF-8 text were given; bad records skipped."""
+    seen = 0
+    for path in files:
+        for text in file_texts(path, text_field):
+            if max_bytes is not None and seen >= max_bytes:
+                return
+            seen += len(text.encode("utf-8"))
+            yield text
+
+class Encoder:
+    """Turns TextChunks into EncodedChunks; one per tokenizer process."""
+
+    def __init__(self, tokenizer: LoadedTokenizer, text_field: str, dtype: np.dtype):
+        self.tokenizer = tokenizer
+        self.text_field = text_field
+        self.dtype = dtype
+
+    def __call__(self, chunk: TextChunk) -> EncodedChunk:
+        good: list[tuple[int, str]] = []
+        errors: list[tuple[int, str]] = []
+        for line, record in chunk.records:
+            text, reason = record_text(record, chunk.json_lines, self.text_field)
+            if reason is None:
+                good.append((line, text))
+            else:
+                errors.append((line, reason))
+        ids = self._encode(good, errors)
+        messages = [f"{chunk.source}:{line}: {reason}" for line, reason in sorted(errors)] + list(chunk.errors)
+        doc_lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+        tokens = np.full(int(doc_lengths.sum()), self.tokenizer.eos_token_id, dtype=self.dtype)
+        start = 0
+        for doc, length in zip(ids, doc_lengths):
+            tokens[start : start + length - 1] = doc
+            start += int(length)
+        return EncodedChunk(chunk.source, tokens, doc_lengths, messages)
+
+    def _encode(self, good: list[tuple[int, str]], errors: list[tuple[int, str]]) -> list[list[int]]:
+        """Token ids of each (line, text); texts the tokenizer rejects go to `errors` and are left out."""
+        try:
+            return self.tokenizer.encode_batch([text for _, text in good])
+        except Exception:  # noqa: BLE001  # tokenizers raises bare Exceptions: find the culprit one by one
+            pass
+        ids: list[list[int]] = []
+        for line, text in good:
+            try:
+                ids.extend(self.tokenizer.encode_batch([text]))
+            except Exception as err:  # noqa: BLE001  # e.g. a lone surrogate from a JSON \ud800 escape
+                errors.append((line, f"text cannot be tokenized, invalid Unicode? ({err})"))
+        return ids
+
+
+_WORKER_ENCODER: Encoder | None = None
+
+
+def _init_worker(tokenizer_path: str, fingerprint: str, text_field: str, dtype: str) -> None:
+    global _WORKER_ENCODER
+    # NOTE: one single-threaded tokenizer per process; --processes sets the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.fingerprint != fingerprint:
+        raise ValueError(f"{tokenizer_path} changed while tokenizing; rerun with a tokenizer nobody is rewriting")
+    _WORKER_ENCODER = Encoder(tokenizer, text_field, np.dtype(dtype))
+
+
+def _encode_in_worker(chunk: TextChunk) -> EncodedChunk:
+    assert _WORKER_ENCODER is not None, "worker used before _init_worker"
+    return _WORKER_ENCODER(chunk)
+
+
+def _encode_all(chunks: Iterable[TextChunk], encoder: Encoder, processes: int) -> Iterator[EncodedChunk]:
+    """Encoded chunks in input order; with processes > 1, at most 2 chunks per process in flight."""
+    if processes == 1:
+        yield from map(encoder, chunks)
+        return
+    init_args = (str(encoder.tokenizer.path), encoder.tokenizer.fingerprint, encoder.text_field, encoder.dtype.str)
+    pool = ProcessPoolExecutor(max_workers=processes, initializer=_init_worker, initargs=init_args)
+    pending: deque[Future[EncodedChunk]] = deque()
+    try:
+        for chunk in chunks:
+            pending.append(pool.submit(_encode_in_worker, chunk))
+            if len(pending) >= 2 * processes:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ShardWriter:
+    """Cuts a token stream into shards of `max_shard_bytes`, each written atomically with its sidecar.
+
+    A shard is buffered in memory (at most `max_shard_bytes`), written to `<shard>.partial`, renamed
+    to `<shard>` and only then given its sidecar.
+    """
+
+    def __init__(self, output_prefix: Path, *, dtype: np.dtype, max_shard_bytes: int, tokenizer: LoadedTokenizer):
+        self.capacity = max_shard_bytes // dtype.itemsize
+        if self.capacity < 1:
+            raise ValueError(f"--max_shard_bytes {max_shard_bytes} cannot hold one {dtype} token")
+        self.output_prefix = output_prefix
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.shards: list[Path] = []
+        self._buffer = np.empty(min(self.capacity, 2**20), dtype=dtype)
+        self._filled = 0
+        self._documents = 0
+        self._sources: dict[str, None] = {}
+
+    def write(self, chunk: EncodedChunk) -> None:
+        """Append a chunk's tokens, starting new shards as they fill up."""
+        doc_ends = np.cumsum(chunk.doc_lengths)
+        start = 0
+        while start < len(chunk.tokens):
+            take = min(self.capacity - self._filled, len(chunk.tokens) - start)
+            self._reserve(self._filled + take)
+            self._buffer[self._filled : self._filled + take] = chunk.tokens[start : start + take]
+            self._documents += int(np.searchsorted(doc_ends, start + take, side="right")
+                                   - np.searchsorted(doc_ends, start, side="right"))
+            self._sources.setdefault(chunk.source, None)
+            self._filled += take
+            start += take
+            if self._filled == self.capacity:
+                self._flush()
+
+    def _reserve(self, size: int) -> None:
+        """Grow the buffer (by doubling, up to one shard) so it holds `size` tokens."""
+        if size > len(self._buffer):
+            grown = np.empty(min(self.capacity, max(size, 2 * len(self._buffer))), dtype=self.dtype)
+            grown[: self._filled] = self._buffer[: self._filled]
+            self._buffer = grown
+
+    def close(self) -> list[Path]:
+        """Write the last, partly filled shard; the list of all shards written."""
+        self._flush()
+        return self.shards
+
+    def _flush(self) -> None:
+        if self._filled == 0:
+            return
+        path = Path(f"{self.output_prefix}_{len(self.shards):05d}.npy")
+        tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+        try:
+            array = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(self._filled,))
+            array[:] = self._buffer[: self._filled]
+            array.flush()
+            del array
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        info = ShardInfo(
+            tokenizer_fingerprint=self.tokenizer.fingerprint,
+            vocab_size=self.tokenizer.vocab_size,
+            eos_token_id=self.tokenizer.eos_token_id,
+            dtype=self.dtype.name,
+            num_tokens=self._filled,
+            num_documents=self._documents,
+            source_files=tuple(self._sources),
+        )
+        write_shard_info(path, info)
+        self.shards.append(path)
+        self._filled, self._documents, self._sources = 0, 0, {}
+
+
+def existing_outputs(output_prefix: Path) -> list[Path]:
+    """Files a previous run with this prefix left (shards, sidecars, partial shards)."""
+    return sorted(output_prefix.parent.glob(f"{output_prefix.name}_[0-9][0-9][0-9][0-9][0-9].npy*"))
+
+
+def tokenize_chunks(
+    chunks: Iterable[TextChunk],
+    *,
+    tokenizer: LoadedTokenizer,
+    output_prefix: str | os.PathLike[str],
+    text_field: str = "text",
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    processes: int = 1,
+    progress: bool = True,
+) -> TokenizeSummary:
+    """Tokenize `chunks` into shards `<output_prefix>_NNNNN.npy` (what tokenize_data.py does with files)."""
+    if processes < 1:
+        raise ValueError(f"--processes must be >= 1, got {processes}")
+    prefix = Path(output_prefix)
+    leftovers = existing_outputs(prefix)
+    if leftovers:
+        raise FileExistsError(f"{leftovers[0]} (and {len(leftovers) - 1} more) already exist for --output_prefix "
+                              f"{prefix}; delete them or choose another prefix")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    shard_dtype = choose_dtype(tokenizer.vocab_size, dtype)
+    writer = ShardWriter(prefix, dtype=shard_dtype, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer)
+    summary = TokenizeSummary()
+    started = time.perf_counter()
+    with tqdm(unit="doc", disable=not progress, file=sys.stderr) as bar:
+        for encoded in _encode_all(chunks, Encoder(tokenizer, text_field, shard_dtype), processes):
+            for message in encoded.errors:
+                if summary.num_malformed < MAX_REPORTED_ERRORS:
+                    summary.malformed_examples.append(message)
+                    tqdm.write(f"malformed: {message}", file=sys.stderr)
+                elif summary.num_malformed == MAX_REPORTED_ERRORS:
+                    tqdm.write("malformed: further malformed records are counted but not printed", file=sys.stderr)
+                summary.num_malformed += 1
+            writer.write(encoded)
+            summary.num_documents += len(encoded.doc_lengths)
+            summary.num_tokens += len(encoded.tokens)
+            bar.update(len(encoded.doc_lengths) + len(encoded.errors))
+            bar.set_postfix(tokens=summary.num_tokens, malformed=summary.num_malformed, refresh=False)
+    summary.shards = writer.close()
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def tokenize_files(
+    files: Sequence[Path],
+    *,
+    tokenizer: LoadedTokenizer,
+    output_prefix: str | os.PathLike[str],
+    text_field: str = "text",
+    batch_size: int = 1000,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    processes: int = 1,
+    progress: bool = True,
+) -> TokenizeSummary:
+    """Tokenize input files (see SUPPORTED_SUFFIXES) into shards, in file order."""
+    if batch_size < 1:
+        raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
+    for path in files:  # a wrong --text_field fails before any work, not hours in
+        if path.name.endswith(".parquet"):
+            _open_parquet(path, text_field)
+    chunks = (chunk for path in files for chunk in iter_file_chunks(path, text_field, batch_size))
+    return tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=output_prefix, text_field=text_field,
+                           dtype=dtype, max_shard_bytes=max_shard_bytes, processes=processes, progress=progress)
+
+
+def format_summary(summary: TokenizeSummary) -> str:
+    """A few lines for the end of a run."""
+    rate = summary.num_tokens / summary.seconds if summary.seconds else 0.0
+    lines = [
+        f"documents: {summary.num_documents:,}  tokens: {summary.num_tokens:,}  shards: {len(summary.shards)}  "
+        f"({summary.seconds:.1f} s, {rate:,.0f} tokens/s)",
+        f"malformed records skipped: {summary.num_malformed:,}",
+    ]
+    return "\n".join(lines)
+
+
+def tokenize_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Tokenize .jsonl / .jsonl.gz / .jsonl.zst / .parquet text into flat .npy token shards "
+        "(EOS after each document) with JSON sidecars, for spes training.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--file_glob", nargs="+", required=True,
+                        help="input files: one or more globs (quote them; '**' recurses), each sorted")
+    parser.add_argument("--tokenizer_name_or_path", required=True,
+                        help="local tokenizer directory (with tokenizer.json) or tokenizer.json file; "
+                        "nothing is downloaded (train one with data_process_scripts/train_tokenizer.py)")
+    parser.add_argument("--output_prefix", required=True,
+                        help="shards are written as <output_prefix>_00000.npy, ... plus <shard>.json sidecars")
+    parser.add_argument("--text_field", default="text", help="JSON field / parquet column holding each document")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="tokenizer processes (1 = in this process, using the tokenizer's own threads)")
+    parser.add_argument("--batch_size", type=int, default=1000, help="documents per unit of work")
+    parser.add_argument("--max_shard_bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
+                        help="maximum bytes of token data per shard (a shard is buffered in memory)")
+    parser.add_argument("--dtype", choices=["uint16", "uint32"], default=None,
+                        help="token dtype (default: uint16 if the vocabulary fits, else uint32)")
+    return parser
+
+
+def tokenize_main(argv: Sequence[str] | None = None) -> int:
+    """data_process_scripts/tokenize_data.py."""
+    args = tokenize_parser().parse_args(argv)
+    try:
+        files = resolve_input_files(args.file_glob)
+        tokenizer = load_tokenizer(args.tokenizer_name_or_path)
+        summary = tokenize_files(
+            files, text_field=args.text_field, batch_size=args.batch_size, tokenizer=tokenizer,
+            output_prefix=args.output_prefix, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
+            processes=args.processes,
+        )
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"tokenized {len(files)} file(s) into {args.output_prefix}_*.npy")
+    print(format_summary(summary))
+    if summary.num_documents == 0:
+        print(f"error: no document could be tokenized; check --text_field {args.text_field!r}", file=sys.stderr)
+        return 1
+    return 0
+
+
+
+def train_tokenizer_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train a byte-level BPE tokenizer on local text; writes a Hugging Face tokenizer directory.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="input files: globs (quote them; '**' recurses); jsonl/parquet give one text per record")
+    parser.add_argument("--output_dir", required=True, help="directory to write tokenizer.json and its configs to")
+    parser.add_argument("--vocab_size", type=int, default=4096, help="vocabulary size, EOS and pad included")
+    parser.add_argument("--min_frequency", type=int, default=2, help="minimum count of a pair to be merged")
+    parser.add_argument("--text_field", default="text", help="JSON field / parquet column of the text")
+    parser.add_argument("--max_mb", type=float, default=None, help="train on at most this many MB of text")
+    return parser
+
+
+def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
+    """data_process_scripts/train_tokenizer.py."""
+    args = train_tokenizer_parser().parse_args(argv)
+    files: list[Path] = []
+    for pattern in args.input:
+        matches = matching_files(pattern)
+        if not matches:
+            print(f"error: --input {pattern!r} matches no file", file=sys.stderr)
+            return 2
+        files.extend(matches)
+    max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
+    try:
+        tokenizer = train_byte_level_bpe(iter_texts(files, args.text_field, max_bytes), vocab_size=args.vocab_size,
+                                         output_dir=args.output_dir, min_frequency=args.min_frequency)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"trained a byte-level BPE of {tokenizer.vocab_size} tokens on {len(files)} file(s); saved to "
+          f"{args.output_dir} (eos id {tokenizer.eos_token_id}, pad id {tokenizer.pad_token_id}, "
+          f"fingerprint {tokenizer.fingerprint[:12]})")
+    if tokenizer.vocab_size < args.vocab_size:
+        print(f"note: fewer tokens than --vocab_size {args.vocab_size}: the text has too few distinct pairs; "
+              f"set model.vocab_size={tokenizer.vocab_size}")
+    return 0
