@@ -159,7 +159,7 @@ def test_convert_and_evaluate_end_to_end(tiny_corpus, tmp_path: Path) -> None:  
     model_cfg = dict(d_model=32, n_heads=4, n_layers=2, mlp_hidden_size=64, moe_num_experts=4, moe_top_k=2,
                      attention_layer_norm=True, max_sequence_length=128, vocab_size=tok.vocab_size,
                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg = hf.run_config_for(model_cfg, block_size=2, run_name="e2e")
+    cfg = hf.run_config_for(model_cfg, experts_per_peer=2, run_name="e2e")
     model = Transformer.for_run(cfg)
     model.init_weights(0)
     hf.write_step_dir(tmp_path / "run" / "step3", hf.fuse_expert_blocks(model.state_dict()), cfg,
