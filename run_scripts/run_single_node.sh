@@ -29,8 +29,10 @@ for arg in "$@"; do
   if [ "$arg" = --preflight ]; then PREFLIGHT=1; else ARGS+=("$arg"); fi
 done
 echo "node $NODE_ID: $NPROC_PER_NODE process(es) on ${DEVICES#* }, config $CONFIG"
-if [ "$PREFLIGHT" = 1 ]; then
-  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${ARGS[@]}"
+if [ "$PREFLIGHT" = 1 ]; then  # NOTE: the checks are the same for a resumed node: --resume is the trainer's
+  CHECK=()
+  for arg in "${ARGS[@]}"; do [[ "$arg" == --resume* ]] || CHECK+=("$arg"); done
+  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${CHECK[@]}"
 fi
 exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m spes.train "$CONFIG" \
   "${ARGS[@]}"

@@ -228,7 +228,7 @@ def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
     configs = [load_config(REPO / "configs" / "upcycled_9b" / f"node_{n}.yaml")[0] for n in range(8)]
     for n, cfg in enumerate(configs):
         upcycle.check_dense_match(cfg.model, qwen3_1_7b, upcycle.DENSE_FAMILIES["qwen3"], partition=False)
-        assert cfg.spes_config.peer_id == n and cfg.data.seed == 6198 + 1000 * n
+        assert cfg.spes_config.peer_id == n and cfg.data_seed == 6198 + 1000 * n
         assert cfg.owned_experts() == (min(2 * n, 8), min(2 * n + 2, 8))  # nodes 4..7 own no expert
         assert cfg.model == configs[0].model and cfg.load_path == configs[0].load_path
     m = configs[0].model

@@ -1,0 +1,230 @@
+"""Every command written in a shipped config's header or in a README code block is exercised.
+
+`written_commands` reads them: the indented `#   ` lines of each configs/**/*.yaml header and the lines of the
+README's ```bash blocks, continuation lines joined. Each command is run here, in a cheap but real form, or is
+named in ELSEWHERE with the test file that runs it (checked to exist and to mention it; the test suite's own
+command is CI's). What the tests here prove:
+
+- A server command (`run_scripts/run_parameter_server.sh RUN.yaml ...`) runs as written, from a scratch directory
+  holding the token and TLS files it names, on a free PORT (replacing one the command sets); every node YAML of its run then passes a dry-run join
+  (preflight's check: protocol, credentials, mode, peers, experts per block and the model manifest; nothing is
+  registered). Before the server read the run's YAML, configs/diloco_1b's documented server refused its nodes.
+- A node command (`run_scripts/run_single_node.sh N`, with the header's CONFIG or CONFIG_DIR) runs as written with
+  `--preflight`, the server's address and credentials appended, against a server started from its run's YAML:
+  its `settings` check passes, so the node would be admitted. A centralized node's preflight needs no server.
+- A launch command (`python -m spes.launch CONFIG`) runs as written for one step per peer on the test corpus and
+  ends with its summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import _kill_group, _tail, child_env, run_logged
+from spes.config import load_config
+from spes.launch import free_port
+from spes.preflight import check_server, manifest
+from sync_helpers import write_pki
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "shipped-commands-secret"
+
+ELSEWHERE = {
+    "run_scripts/quickstart.sh": ("tests/test_eval.py", "quickstart.sh"),
+    "run_scripts/test.sh": (".ci/run", "run_scripts/test.sh"),
+    "eval_scripts/convert_to_hf.sh": ("tests/test_eval.py", "convert_to_hf.sh"),
+    "eval_scripts/eval_full.sh": ("tests/test_eval.py", "eval_full.sh"),
+    "-m spes.hf ": ("tests/test_hf.py", "hf.main("),
+    "-m spes.upcycle ": ("tests/test_upcycle.py", "upcycle.main("),
+    "-m spes.train ": ("tests/test_train.py", '"spes.train"'),
+    "build_default_corpus.py": ("tests/test_build_default_corpus.py", "build_default_corpus"),
+    "train_tokenizer.py": ("tests/test_tokenizer.py", "train_tokenizer"),
+    "tokenize_data.py": ("tests/test_tokenize_data.py", "tokenize_data"),
+    "list_processed_files.sh": ("tests/test_tokenize_data.py", "list_processed_files.sh"),
+    "AutoModelForCausalLM": ("tests/test_eval.py", "AutoModelForCausalLM"),
+    "tensorboard --logdir": ("tests/test_tracking.py", "tensorboard"),
+}
+"""Commands run by another test: a fragment of the command -> the test file that runs it and what it calls."""
+NOT_SPES = ("openssl ", "pip install", "import secrets")
+"""Commands of other tools, shown for the user's setup (certificates, a token, optional extras)."""
+
+
+def _logical_lines(lines: list[str]) -> list[str]:
+    """Lines with their `\\` continuations joined, comments and blanks dropped."""
+    joined, current = [], ""
+    for line in lines:
+        current += line.rstrip().removesuffix("\\").strip() + " " if line.rstrip().endswith("\\") else line.strip()
+        if not line.rstrip().endswith("\\"):
+            if current.strip() and not current.lstrip().startswith("#"):
+                joined.append(re.sub(r"\s+#\s.*$", "", current).strip())
+            current = ""
+    return joined
+
+
+def written_commands() -> list[tuple[str, str]]:
+    """(where, command) for every command in a shipped config's header and in the README's bash blocks."""
+    found = []
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        header = [line[4:] for line in path.read_text().splitlines() if re.match(r"#   \S|#     ", line)]
+        found += [(str(path.relative_to(REPO)), c) for c in _logical_lines(header)]
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    found += [("README.md", c) for block in blocks for c in _logical_lines(block.splitlines())]
+    return sorted(set(found))
+
+
+def kind(command: str) -> str:
+    for name in ("run_parameter_server.sh", "run_single_node.sh", "-m spes.launch "):
+        if name in command + " ":
+            return name
+    fragment = next((f for f in ELSEWHERE if f in command), None)
+    if fragment is not None:
+        return fragment
+    return "other tool" if any(n in command for n in NOT_SPES) else "unknown"
+
+
+COMMANDS = written_commands()
+
+
+def of_kind(name: str) -> list[str]:
+    return sorted({c for _, c in COMMANDS if kind(c) == name})
+
+
+def test_every_written_command_is_exercised() -> None:
+    assert len(COMMANDS) > 20
+    unknown = [f"{where}: {command}" for where, command in COMMANDS if kind(command) == "unknown"]
+    assert not unknown, "commands no test runs (add them to a test here or to ELSEWHERE):\n" + "\n".join(unknown)
+    for test, call in ELSEWHERE.values():
+        assert call in (REPO / test).read_text(), f"{test} does not run {call}"
+    assert of_kind("run_parameter_server.sh") and of_kind("run_single_node.sh") and of_kind("-m spes.launch ")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running them
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Path:
+    """A directory to run the commands from: the repository's configs and scripts, a token and TLS files."""
+    for name in ("configs", "run_scripts"):
+        (tmp_path / name).symlink_to(REPO / name)
+    pki = write_pki(tmp_path)
+    assert Path(pki.ca) == tmp_path / "ca.crt" and pki.server["tls_cert"] == str(tmp_path / "server.crt")
+    token = tmp_path / "spes.token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    return tmp_path
+
+
+def credentials(scratch: Path, addr: str, secure: bool) -> list[str]:
+    """The node overrides the headers tell the user to set: the server's address and, off loopback, the token
+    and the CA."""
+    secrets = [f"--spes_config.token_file={scratch / 'spes.token'}", f"--spes_config.tls_ca={scratch / 'ca.crt'}"]
+    return [f"--spes_config.server_addr={addr}", *(secrets if secure else [])]
+
+
+def run_configs(config: str) -> list[str]:
+    """The YAML of every node of `config`'s run: its family's node files, or peer overrides of one file."""
+    path = REPO / config
+    if path.name.startswith("node_"):
+        return [str(p.relative_to(REPO)) for p in sorted(path.parent.glob("node_*.yaml"))]
+    return [f"{config} --spes_config.peer_id={p}" for p in range(load_config(path)[0].num_peers)]
+
+
+@contextlib.contextmanager
+def started(command: str, cwd: Path, log: Path, env: dict[str, str]) -> Iterator[None]:
+    """`bash -c command` in `cwd` until it logs that it listens; killed (its whole group) afterwards."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, text=True)
+    try:
+        deadline = time.time() + 90
+        while "listening" not in log.read_text():
+            if proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"{command} did not start; log:\n{_tail(log)}")
+            time.sleep(0.2)
+        yield
+    finally:
+        _kill_group(proc)
+
+
+def config_of(command: str) -> str:
+    """The node YAML a run_single_node.sh / run_parameter_server.sh / spes.launch command runs."""
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
+    yaml = next((w for w in words if w.endswith(".yaml")), None)
+    if yaml is not None:
+        return yaml
+    node = words[words.index(next(w for w in words if w.endswith("run_single_node.sh"))) + 1]
+    return env.get("CONFIG") or f"{env.get('CONFIG_DIR', 'configs/spes_1b')}/node_{node}.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", of_kind("run_parameter_server.sh"))
+def test_server_commands_admit_every_node_of_their_run(command: str, scratch: Path) -> None:
+    port = free_port()
+    command = re.sub(r"\bPORT=\d+", f"PORT={port}", command)
+    with started(command, scratch, scratch / "server.log", child_env(PORT=str(port), PYTHON=sys.executable)):
+        addr = f"localhost:{port}"
+        for node in run_configs(config_of(command)):
+            path, *peer = node.split()
+            cfg, _ = load_config(REPO / path, [*peer, *credentials(scratch, addr, "--tls_cert" in command)])
+            shapes, trainable = manifest(cfg)
+            checks, client = check_server(cfg, shapes, trainable)
+            if client is not None:
+                client.close()
+            assert [c.status for c in checks] == ["ok", "ok"], f"{node}: {[c.detail for c in checks]}"
+
+
+def node_command(command: str) -> str:
+    """A node command made concrete: `<peer>` is node 0, a `<the same flags>` placeholder is dropped."""
+    return re.sub(r"\s*<the same flags>", "", command.replace("<peer>", "0"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", of_kind("run_single_node.sh"))
+def test_node_commands_pass_the_preflight_settings_check(command: str, scratch: Path) -> None:
+    config = config_of(node_command(command))
+    cfg, _ = load_config(REPO / config)
+    port = free_port()
+    secure = Path(config).name.startswith("node_")  # a multi-node run's server, as its header starts it
+    server = f"{shlex.quote(sys.executable)} -m spes.server {config} --host 127.0.0.1 --port {port}"
+    server += " --token_file spes.token --tls_cert server.crt --tls_key server.key" if secure else ""
+    env = child_env(PYTHON=sys.executable, NPROC_PER_NODE="1")
+    extra = ["--preflight", "--link_mb=1", *credentials(scratch, f"localhost:{port}", secure)]
+    node = f"{node_command(command)} {shlex.join(extra)}"
+    with contextlib.ExitStack() as stack:
+        if cfg.sync_enabled:
+            stack.enter_context(started(server, scratch, scratch / "server.log", env))
+        proc = run_logged(["bash", "-c", f"cd {shlex.quote(str(scratch))} && {node}"], scratch / "node.log",
+                          timeout=240, env=env)
+    lines = {line.split()[1]: line for line in proc.stdout.splitlines() if re.match(r"(ok|FAIL|skip)\s+\w", line)}
+    if cfg.sync_enabled:
+        assert lines.get("settings", "").startswith("ok "), proc.stdout[-3000:]
+    else:
+        assert lines.get("server", "").startswith("skip") and "no parameter server" in lines["server"], proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("command", [c for c in of_kind("-m spes.launch ") if "upcycle" not in c])
+def test_launch_commands_run(command: str, scratch: Path, tiny_corpus) -> None:
+    words = shlex.split(command)
+    python = words.index("-m")
+    out = scratch / "run"
+    argv = [*words[python:], "--out", str(out), "--timeout", "360", "--", f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+            f"--data.paths=[{tiny_corpus.train}]", "--data.validation_paths=[]", "--max_duration=1st",
+            "--spes_config.sync_steps=1", "--eval_interval=null", "--save_interval=null"]
+    proc = subprocess.run([sys.executable, *argv], cwd=scratch, env=child_env(), capture_output=True, text=True,
+                          timeout=380)
+    assert proc.returncode == 0 and "SPES run summary" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
