@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     s = cfg.spes_config
-    print(f"preflight of {args.config}: peer {s.peer_id} of {s.num_peers}, server {s.server_addr}"
+    print(f"preflight of {args.config}: peer {s.peer_id} of {cfg.num_peers}, server {s.server_addr}"
           if cfg.sync_enabled else f"preflight of {args.config} (centralized run)")
     return report(run_checks(cfg, args))
 

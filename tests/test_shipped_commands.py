@@ -13,7 +13,8 @@ command is CI's). What the tests here prove:
   `--preflight`, the server's address and credentials appended, against a server started from its run's YAML:
   its `settings` check passes, so the node would be admitted. A centralized node's preflight needs no server.
 - A launch command (`python -m spes.launch CONFIG`) runs as written for one step per peer on the test corpus and
-  ends with its summary.
+  ends with its summary; configs/upcycle_tiny.yaml's three commands (random dense model, upcycling, launch) run in
+  order, so its launch starts from the checkpoint the upcycling wrote.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def config_of(command: str) -> str:
     """The node YAML a run_single_node.sh / run_parameter_server.sh / spes.launch command runs."""
     words = shlex.split(command)
     env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
-    yaml = next((w for w in words if w.endswith(".yaml")), None)
+    yaml = next((w for w in words if w.endswith(".yaml") and "=" not in w), None)
     if yaml is not None:
         return yaml
     node = words[words.index(next(w for w in words if w.endswith("run_single_node.sh"))) + 1]
@@ -190,9 +191,16 @@ def node_command(command: str) -> str:
     return re.sub(r"\s*<the same flags>", "", command.replace("<peer>", "0"))
 
 
+def one_per_run(commands: list[str]) -> list[str]:
+    """Node 0's command of each run: the other nodes' differ only in the node number, and the server test already
+    dry-joins every node."""
+    runs = {re.sub(r"run_single_node\.sh \d+", "run_single_node.sh N", c): c for c in reversed(commands)}
+    return sorted(runs.values())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("command", of_kind("run_single_node.sh"))
+@pytest.mark.parametrize("command", one_per_run(of_kind("run_single_node.sh")))
 def test_node_commands_pass_the_preflight_settings_check(command: str, scratch: Path) -> None:
     config = config_of(node_command(command))
     cfg, _ = load_config(REPO / config)
@@ -215,16 +223,39 @@ def test_node_commands_pass_the_preflight_settings_check(command: str, scratch: 
         assert lines.get("server", "").startswith("skip") and "no parameter server" in lines["server"], proc.stdout
 
 
+def run_python(command: str, scratch: Path, *extra: str, timeout: float = 380) -> subprocess.CompletedProcess[str]:
+    """A `python -m ...` command as written (with this interpreter), `extra` appended, run in `scratch`."""
+    words = shlex.split(command)
+    proc = subprocess.run([sys.executable, *words[words.index("-m"):], *extra], cwd=scratch, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc
+
+
+def one_step(corpus) -> list[str]:  # type: ignore[no-untyped-def]
+    """Launch overrides for one step per peer on the test corpus, nothing evaluated or saved."""
+    return ["--", f"--tokenizer.identifier={corpus.tokenizer}", f"--data.paths=[{corpus.train}]",
+            "--data.validation_paths=[]", "--max_duration=1st", "--spes_config.sync_steps=1", "--eval_interval=null",
+            "--save_interval=null"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("command", [c for c in of_kind("-m spes.launch ") if "upcycle" not in c])
 def test_launch_commands_run(command: str, scratch: Path, tiny_corpus) -> None:
-    words = shlex.split(command)
-    python = words.index("-m")
-    out = scratch / "run"
-    argv = [*words[python:], "--out", str(out), "--timeout", "360", "--", f"--tokenizer.identifier={tiny_corpus.tokenizer}",
-            f"--data.paths=[{tiny_corpus.train}]", "--data.validation_paths=[]", "--max_duration=1st",
-            "--spes_config.sync_steps=1", "--eval_interval=null", "--save_interval=null"]
-    proc = subprocess.run([sys.executable, *argv], cwd=scratch, env=child_env(), capture_output=True, text=True,
-                          timeout=380)
-    assert proc.returncode == 0 and "SPES run summary" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_python(command, scratch, "--out", str(scratch / "run"), "--timeout", "360", *one_step(tiny_corpus))
+    assert "SPES run summary" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_upcycle_tiny_header_runs_in_order(scratch: Path, tiny_corpus) -> None:
+    """Make a random dense model, upcycle it into the run's load_path, launch the run from it."""
+    header = [c for where, c in COMMANDS if where == "configs/upcycle_tiny.yaml"]
+    make_dense = next(c for c in header if "--make_random_dense" in c)
+    upcycle = next(c for c in header if "spes.upcycle" in c and "--out" in c)
+    launch = next(c for c in header if "spes.launch" in c)
+    tokenizer = f"--tokenizer.identifier={tiny_corpus.tokenizer}"
+    run_python(make_dense, scratch, tokenizer)
+    assert "equals the dense model at step 0" in run_python(upcycle, scratch, tokenizer).stdout
+    assert "SPES run summary" in run_python(launch, scratch, "--timeout", "360", *one_step(tiny_corpus)).stdout
