@@ -62,12 +62,14 @@ NOT_SPES = ("openssl ", "pip install", "import secrets")
 def _logical_lines(lines: list[str]) -> list[str]:
     """Lines with their `\\` continuations joined, comments and blanks dropped."""
     joined, current = [], ""
-    for line in lines:
-        current += line.rstrip().removesuffix("\\").strip() + " " if line.rstrip().endswith("\\") else line.strip()
-        if not line.rstrip().endswith("\\"):
-            if current.strip() and not current.lstrip().startswith("#"):
-                joined.append(re.sub(r"\s+#\s.*$", "", current).strip())
-            current = ""
+    for line in (line.strip() for line in lines):
+        if line.endswith("\\"):
+            current += line.removesuffix("\\").strip() + " "
+            continue
+        current += line
+        if current and not current.startswith("#"):
+            joined.append(re.sub(r"\s+#\s.*$", "", current).strip())
+        current = ""
     return joined
 
 
