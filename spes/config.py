@@ -279,7 +279,8 @@ class ServerSection:
     below are the only ones: the server, `spes.launch` and the scripts all read them from here.
     """
 
-    merge_interval: int = _f(500, "SPES expert-merging warm-up on rounds whose step is a multiple of this (<= 0: never)")
+    merge_interval: int = _f(500, "SPES expert-merging warm-up on rounds whose step is a multiple of this (<= 0: "
+                                  "never)")
     merge_alpha_start: float = _f(0.01, "merge strength at step 0, decayed linearly to 0 at merge_decay_steps")
     merge_decay_steps: int = _f(10000, "step at which the merge strength reaches 0")
     merge_topk: int = _f(4, "most similar other experts each expert is pulled towards")

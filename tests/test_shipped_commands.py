@@ -6,12 +6,15 @@ named in ELSEWHERE with the test file that runs it (checked to exist and to ment
 command is CI's). What the tests here prove:
 
 - A server command (`run_scripts/run_parameter_server.sh RUN.yaml ...`) runs as written, from a scratch directory
-  holding the token and TLS files it names, on a free PORT (replacing one the command sets); every node YAML of its run then passes a dry-run join
-  (preflight's check: protocol, credentials, mode, peers, experts per block and the model manifest; nothing is
-  registered). Before the server read the run's YAML, configs/diloco_1b's documented server refused its nodes.
-- A node command (`run_scripts/run_single_node.sh N`, with the header's CONFIG or CONFIG_DIR) runs as written with
-  `--preflight`, the server's address and credentials appended, against a server started from its run's YAML:
-  its `settings` check passes, so the node would be admitted. A centralized node's preflight needs no server.
+  holding the token and TLS files it names, on a free PORT (replacing one the command sets); every node YAML of
+  its run then passes a dry-run join (preflight's check: protocol, credentials, mode, peers, experts per block
+  and the model manifest; nothing is registered). Before the server read the run's YAML, configs/diloco_1b's documented server refused its nodes.
+- A node command (`run_scripts/run_single_node.sh N`, with the header's CONFIG or CONFIG_DIR; node 0's of each
+  run) runs as written with `--preflight`, the server's address and credentials appended, against a server
+  started from its run's YAML: its `settings` check passes, so the node would be admitted. A centralized node's
+  preflight needs no server. (Its other checks, memory, disk and data of a 1B run, fail on this machine.)
+- Commands mapped in ELSEWHERE are only linked to a test that runs the same script or module, not always with
+  the same arguments (e.g. the README's 1B `spes.train` line: tests/test_train.py trains configs/tiny.yaml).
 - A launch command (`python -m spes.launch CONFIG`) runs as written for one step per peer on the test corpus and
   ends with its summary; configs/upcycle_tiny.yaml's three commands (random dense model, upcycling, launch) run in
   order, so its launch starts from the checkpoint the upcycling wrote.

@@ -143,7 +143,8 @@ def test_untied_copy_of_tied_embeddings(tmp_path: Path, tokenizer: LoadedTokeniz
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, dense = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     assert dense.config.tie_word_embeddings
-    step, _ = upcycle.upcycle(dense_dir, run_config_for(opts, experts_per_peer=2, run_name="up"), tmp_path / "r" / "step0")
+    cfg = run_config_for(opts, experts_per_peer=2, run_name="up")
+    step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "r" / "step0")
     state = load_model_state(step)
     assert torch.equal(state["lm_head.weight"], state["embed.weight"])
     assert state["lm_head.weight"].data_ptr() != state["embed.weight"].data_ptr()
@@ -165,7 +166,8 @@ def test_mismatched_config_is_refused(change: dict[str, Any], message: str, tmp_
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     with pytest.raises(ValueError, match=message):
-        upcycle.upcycle(dense_dir, run_config_for({**opts, **change}, experts_per_peer=2, run_name="x"), tmp_path / "step0")
+        upcycle.upcycle(dense_dir, run_config_for({**opts, **change}, experts_per_peer=2, run_name="x"),
+                        tmp_path / "step0")
 
 
 def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:

@@ -809,9 +809,9 @@ def build_parser() -> argparse.ArgumentParser:
         "settings come from its YAML (any node's file: peers, experts per block, mode, and the `server:` section "
         "below, overridable as --server.key=value); the flags are the deployment's.",
         formatter_class=_HelpFormatter, allow_abbrev=False,
-        epilog="the run's `server:` section (key, default, meaning):\n" + "\n".join(config_help(ServerSection, "server."))
-        + "\n\nexample: SPES_TOKEN=$(cat secret) python -m spes.server configs/spes_1b/node_0.yaml --port 50051 "
-        "--tls_cert server.crt --tls_key server.key --state_dir server_state\nPeers connect with "
+        epilog="the run's `server:` section (key, default, meaning):\n"
+        + "\n".join(config_help(ServerSection, "server.")) + "\n\nexample: SPES_TOKEN=$(cat secret) python -m "
+        "spes.server configs/spes_1b/node_0.yaml --port 50051 --tls_cert server.crt --tls_key server.key --state_dir server_state\nPeers connect with "
         "spes.sync.client.SyncClient; stop with SIGTERM or Ctrl-C (exit 0); restart with the same --state_dir to "
         "resume. See README 'Security'.",
     )
