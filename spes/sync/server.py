@@ -803,11 +803,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _ServerParser(
         prog="python -m spes.server",
         usage="python -m spes.server RUN.yaml [--section.key=value ...] [flags]",
-        description="SPES parameter server: collects every peer's trained tensors each round, takes each expert "
-        "block from its owner, averages the shared parameters (DiLoCo: everything), applies the expert-merging "
-        "warm-up on merge rounds, persists the result (--state_dir) and serves the global model back. The run's "
-        "settings come from its YAML (any node's file: peers, experts per block, mode, and the `server:` section "
-        "below, overridable as --server.key=value); the flags are the deployment's.",
+        description="SPES parameter server: collects every peer's trained tensors each round, takes each expert\n"
+        "block from its owner, averages the shared parameters (DiLoCo: everything), applies the expert-merging\n"
+        "warm-up on merge rounds, persists the result (--state_dir) and serves the global model back.\n"
+        "The run's settings come from its YAML (any node's file: peers, experts per block, mode, and the\n"
+        "`server:` section below, overridable as --server.key=value); the flags are the deployment's.",
         formatter_class=_HelpFormatter, allow_abbrev=False,
         epilog="the run's `server:` section (key, default, meaning):\n"
         + "\n".join(config_help(ServerSection, "server.")) + "\n\nexample: SPES_TOKEN=$(cat secret) python -m "
