@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash run_scripts/setup.sh
 .venv/bin/python data_process_scripts/build_default_corpus.py --output_dir data/default
-exec .venv/bin/python -m spes.launch configs/tiny.yaml --out "${OUT:-output/quickstart}" \
-  --merge_interval "${MERGE_INTERVAL:-20}" --merge_alpha_start "${MERGE_ALPHA_START:-0.05}" \
-  --merge_decay_steps "${MERGE_DECAY_STEPS:-200}" -- \
+exec .venv/bin/python -m spes.launch configs/tiny.yaml --out "${OUT:-output/quickstart}" -- \
+  --server.merge_interval="${MERGE_INTERVAL:-20}" --server.merge_alpha_start="${MERGE_ALPHA_START:-0.05}" \
+  --server.merge_decay_steps="${MERGE_DECAY_STEPS:-200}" \
   --max_duration="${STEPS:-400}st" --eval_interval=20 --log_interval=10 "$@"

@@ -15,12 +15,14 @@
 #   CONFIG_DIR [configs/spes_1b]  CONFIG [$CONFIG_DIR/node_<id>.yaml]: each node's config
 #   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else every GPU the node's $PYTHON sees, else 1]: processes per node
 #   PORT [50051]: server port on the first node; SERVER_HOST [first host of SLURM_JOB_NODELIST]
-#   TOTAL_PEERS / NUM_TRAIN_EXPERTS_PER_NODE: read from the config; MERGE_* as in run_parameter_server.sh
+#   The server's run settings (peers, experts per block, mode, the `server:` section) come from node 0's config
+#   with the same overrides, so they cannot disagree with the nodes'.
 #   SPES_ROOT [SLURM_SUBMIT_DIR]: the repository; PYTHON [.venv/bin/python, else python3]
 #   LOG_DIR [output/slurm-<job id>]: where the server log goes (node output: the job's output, by task)
 #   STATE_DIR [the parent of node 0's save_folder, /server_state]: the server's rounds, kept across jobs
-# Per node: --spes_config.peer_id=<id>, --data.seed=6198+1000*<id>, --spes_config.server_addr=<host>:<port>,
-# --resume=auto; extra arguments are passed to every node's trainer after these and win over them.
+# Per node: --spes_config.peer_id=<id> (node p reads the data in the order of data.seed + 1000 * p),
+# --spes_config.server_addr=<host>:<port>, --resume=auto; extra arguments are passed to every node's trainer
+# (and, but --resume, to the server) after these and win over them.
 # A requeued (or resubmitted) job continues where it stopped: the server restores its last round from
 # STATE_DIR and every node resumes from its save_folder's latest checkpoint (or starts fresh if it has none).
 set -euo pipefail
@@ -43,13 +45,10 @@ if [ "${SPES_CLUSTER_ROLE:-batch}" = node ]; then
   DEVICES=$(NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}} "$PYTHON" -m spes.preflight --devices) ||
     die "$PYTHON could not count the devices of $(hostname): run run_scripts/setup.sh there, or set NPROC_PER_NODE"
   NPROC=${DEVICES%% *}
-  DATA_SEED=$((6198 + 1000 * NODE_ID))
-  echo "node $NODE_ID on $(hostname): $NPROC process(es) on ${DEVICES#* }, config $CFG, data seed $DATA_SEED," \
-    "server $SERVER_ADDR"
+  echo "node $NODE_ID on $(hostname): $NPROC process(es) on ${DEVICES#* }, config $CFG, server $SERVER_ADDR"
   # NOTE: spes.torchrun is torchrun ending a failed node with its one-line error, not a ChildFailedError block
   exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC" -m spes.train "$CFG" \
-    --spes_config.peer_id="$NODE_ID" --data.seed="$DATA_SEED" --spes_config.server_addr="$SERVER_ADDR" \
-    --resume=auto "$@"
+    --spes_config.peer_id="$NODE_ID" --spes_config.server_addr="$SERVER_ADDR" --resume=auto "$@"
 fi
 
 # ---- the batch step, on the first node ----
@@ -58,23 +57,25 @@ FIRST_HOST=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n1)
 SERVER_HOST=${SERVER_HOST:-$FIRST_HOST}
 CFG0=$(config_of 0)
 [ -f "$CFG0" ] || die "config $CFG0 not found (set CONFIG or CONFIG_DIR)"
-# The server's settings come from the run's config (with the same overrides), so they cannot disagree.
-SETTINGS=$("$PYTHON" - "$CFG0" "$@" 2>&1 <<'EOF'
+# The server reads its run settings from node 0's config with the nodes' overrides (all but --resume); here only
+# the node count and the default state directory are read from it.
+OVERRIDES=()
+for arg in "$@"; do [[ "$arg" == --resume* ]] || OVERRIDES+=("$arg"); done
+SETTINGS=$("$PYTHON" - "$CFG0" "${OVERRIDES[@]}" 2>&1 <<'EOF'
 import sys
 from pathlib import Path
 from spes.config import load_config
 try:
-    cfg, _ = load_config(sys.argv[1], [a for a in sys.argv[2:] if a.startswith("--") and not a.startswith("--resume")])
+    cfg, _ = load_config(sys.argv[1], sys.argv[2:])
 except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
-print(cfg.spes_config.num_peers, cfg.expert_block_size(), "diloco" if cfg.using_dilico else "spes",
-      Path(cfg.save_folder).parent / "server_state")
+print(cfg.num_peers, Path(cfg.save_folder).parent / "server_state")
 EOF
 ) || die "${SETTINGS#error: }"
-read -r CFG_PEERS CFG_BLOCK CFG_MODE CFG_STATE_DIR <<< "$(tail -n1 <<< "$SETTINGS")"
+read -r CFG_PEERS CFG_STATE_DIR <<< "$(tail -n1 <<< "$SETTINGS")"
 [ "$CFG_PEERS" -eq "$NUM_NODES" ] || die "the config has spes_config.num_peers=$CFG_PEERS but the job runs \
 $NUM_NODES task(s); submit with --nodes=$CFG_PEERS --ntasks-per-node=1 (or override --spes_config.num_peers)"
-export TOTAL_PEERS=${TOTAL_PEERS:-$CFG_PEERS} NUM_TRAIN_EXPERTS_PER_NODE=${NUM_TRAIN_EXPERTS_PER_NODE:-$CFG_BLOCK} PORT
+export PORT
 LOG_DIR=${LOG_DIR:-output/slurm-$SLURM_JOB_ID}
 STATE_DIR=${STATE_DIR:-$CFG_STATE_DIR}
 mkdir -p "$LOG_DIR"
@@ -82,8 +83,8 @@ echo "job $SLURM_JOB_ID: $NUM_NODES node(s), parameter server on $SERVER_HOST:$P
 state $STATE_DIR)"
 # NOTE: --insecure: the job's nodes reach the server over the cluster network; set SPES_TOKEN and pass TLS files
 # (run_parameter_server.sh arguments) to protect it.
-PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh --mode "$CFG_MODE" --state_dir "$STATE_DIR" --insecure \
-  > "$LOG_DIR/server.log" 2>&1 &
+PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh "$CFG0" "${OVERRIDES[@]}" --state_dir "$STATE_DIR" \
+  --insecure > "$LOG_DIR/server.log" 2>&1 &
 SERVER_PID=$!
 trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do

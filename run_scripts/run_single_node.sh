@@ -3,8 +3,8 @@
 #   run_scripts/run_single_node.sh <node_id> [--resume[=auto]] [--section.key=value ...]
 #   run_scripts/run_single_node.sh <node_id> --preflight [--section.key=value ...]   # check the node, train nothing
 # Env: CONFIG_DIR (default configs/spes_1b), CONFIG (default $CONFIG_DIR/node_<id>.yaml),
-#      NPROC_PER_NODE (default: every GPU, or 1 on a CPU machine, counted by $PYTHON), DATA_SEED (default
-#      6198 + 1000 * id), PYTHON (default .venv/bin/python, else python3).
+#      NPROC_PER_NODE (default: every GPU, or 1 on a CPU machine, counted by $PYTHON), PYTHON (default
+#      .venv/bin/python, else python3). Node <id> reads the data in the order of data.seed + 1000 * <id>.
 # Extra arguments are passed through as overrides and win over the defaults set here. spes.torchrun is torchrun
 # that ends a failed run with the failing node's one-line error instead of a ChildFailedError traceback.
 set -euo pipefail
@@ -16,7 +16,6 @@ fi
 NODE_ID=$1; shift
 CONFIG_DIR=${CONFIG_DIR:-configs/spes_1b}
 CONFIG=${CONFIG:-$CONFIG_DIR/node_${NODE_ID}.yaml}
-DATA_SEED=${DATA_SEED:-$((6198 + 1000 * NODE_ID))}
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 [ -f "$CONFIG" ] || { echo "error: config $CONFIG not found (set CONFIG or CONFIG_DIR)" >&2; exit 2; }
 # NOTE: the devices are counted by the interpreter that trains: another one (the system python3) may lack torch.
@@ -24,14 +23,16 @@ DEVICES=$(NPROC_PER_NODE=${NPROC_PER_NODE:-} "$PYTHON" -m spes.preflight --devic
   echo "error: $PYTHON could not count this machine's devices (see above): run run_scripts/setup.sh, set PYTHON to" \
     "the project's interpreter, or set NPROC_PER_NODE" >&2; exit 2; }
 NPROC_PER_NODE=${DEVICES%% *}
-ARGS=(--spes_config.peer_id="$NODE_ID" --data.seed="$DATA_SEED")
+ARGS=(--spes_config.peer_id="$NODE_ID")
 PREFLIGHT=0
 for arg in "$@"; do
   if [ "$arg" = --preflight ]; then PREFLIGHT=1; else ARGS+=("$arg"); fi
 done
-echo "node $NODE_ID: $NPROC_PER_NODE process(es) on ${DEVICES#* }, config $CONFIG, data seed $DATA_SEED"
-if [ "$PREFLIGHT" = 1 ]; then
-  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${ARGS[@]}"
+echo "node $NODE_ID: $NPROC_PER_NODE process(es) on ${DEVICES#* }, config $CONFIG"
+if [ "$PREFLIGHT" = 1 ]; then  # NOTE: the checks are the same for a resumed node: --resume is the trainer's
+  CHECK=()
+  for arg in "${ARGS[@]}"; do [[ "$arg" == --resume* ]] || CHECK+=("$arg"); done
+  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${CHECK[@]}"
 fi
 exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m spes.train "$CONFIG" \
   "${ARGS[@]}"

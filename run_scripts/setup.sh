@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install spes with its test extras. Idempotent: re-running with everything installed
 # takes about a second (a stamp keyed on pyproject.toml). torch is installed first and pinned, so no other
-# package can pull a multi-GB CUDA build on CPU machines (see ../shared/ENVIRONMENT.md).
+# package can pull a multi-GB CUDA build on CPU machines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}

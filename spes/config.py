@@ -12,6 +12,7 @@ Every key of the first SPES implementation's configs is accepted. The few that c
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -191,7 +192,8 @@ class InstanceFilterConfig:
 class DataConfig:
     paths: list[str] = _f([], "token shards: .npy files, globs, or a .txt file listing them")
     validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
-    seed: int = _f(6198, "data order seed (each SPES node uses its own, e.g. 6198 + 1000 * node)")
+    seed: int = _f(6198, "the run's data-order seed; node p reads in the order of seed + 1000 * p (the same value "
+                         "in every node's YAML)")
     memmap_dtype: str | None = _f(
         None, "token dtype (uint16/uint32/uint64): checked against spes shards, read from headerless OLMo files "
               "(default: the shards' own; uint16 for headerless files)")
@@ -269,6 +271,42 @@ class SpesConfig:
 
 
 @dataclass(kw_only=True)
+class ServerSection:
+    """The parameter server's run settings (`python -m spes.server RUN.yaml` reads them; a node ignores them).
+
+    The run's layout is not repeated here: peers, experts per block and the mode are the nodes' own
+    (`spes_config.num_peers`, `spes_config.num_train_experts_per_node`, `using_spes`/`using_dilico`). The defaults
+    below are the only ones: the server, `spes.launch` and the scripts all read them from here.
+    """
+
+    merge_interval: int = _f(500, "SPES expert-merging warm-up on rounds whose step is a multiple of this (<= 0: "
+                                  "never)")
+    merge_alpha_start: float = _f(0.01, "merge strength at step 0, decayed linearly to 0 at merge_decay_steps")
+    merge_decay_steps: int = _f(10000, "step at which the merge strength reaches 0")
+    merge_topk: int = _f(4, "most similar other experts each expert is pulled towards")
+    outer_optimizer: Literal["none", "nesterov"] = _f(
+        "none", "DiLoCo outer step: none = the global model is the mean of the uploads (the paper's baseline); "
+        "nesterov = Nesterov SGD on (previous global - mean)")
+    outer_lr: float = _f(0.7, "DiLoCo outer learning rate (nesterov)")
+    outer_momentum: float = _f(0.9, "DiLoCo outer Nesterov momentum")
+    round_timeout_s: float = _f(3600.0, "seconds after a round's first upload after which it has timed out")
+    dead_peer_policy: Literal["wait", "quorum"] = _f(
+        "wait", "at the timeout, wait: fail the waiting nodes naming the missing ones; quorum: close the round with "
+        "the nodes that arrived (a missing owner's experts keep their last value)")
+    min_peers: int | None = _f(None, "fewest nodes a quorum round needs (null: a majority)")
+
+    def __post_init__(self) -> None:
+        _require(math.isfinite(self.merge_alpha_start) and self.merge_alpha_start >= 0, "server.merge_alpha_start",
+                 self.merge_alpha_start, "must be a finite number >= 0")
+        _require(self.merge_decay_steps > 0, "server.merge_decay_steps", self.merge_decay_steps, "must be > 0")
+        _require(self.merge_topk >= 1, "server.merge_topk", self.merge_topk, "must be >= 1")
+        _require(self.outer_lr > 0, "server.outer_lr", self.outer_lr, "must be > 0")
+        _require(0 <= self.outer_momentum < 1, "server.outer_momentum", self.outer_momentum, "must be in [0, 1)")
+        _require(self.round_timeout_s > 0, "server.round_timeout_s", self.round_timeout_s, "must be > 0")
+        _require(self.min_peers is None or self.min_peers >= 1, "server.min_peers", self.min_peers, "must be >= 1")
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """One node's run."""
 
@@ -326,6 +364,8 @@ class TrainConfig:
     evaluators: list[dict] = _f([], "downstream tasks every eval_interval steps via lm-eval: "
                                     "[{label: piqa, type: downstream, limit: 200}, ...] (see spes.evaluators)")
     spes_config: SpesConfig = _sub(SpesConfig, "SPES node settings")
+    server: ServerSection = _sub(ServerSection, "the parameter server's run settings (merge warm-up, DiLoCo outer "
+                                 "optimizer, dead peers), read by `python -m spes.server RUN.yaml`")
 
     def __post_init__(self) -> None:
         m, s = self.model, self.spes_config
@@ -348,6 +388,8 @@ class TrainConfig:
                      s.decayed_factor_update_steps, "must be >= 1")
             _require(re.fullmatch(r"\[?[\w.:-]+\]?:\d+", s.server_addr) is not None, "spes_config.server_addr",
                      s.server_addr, "must be host:port")
+            _require(self.server.min_peers is None or self.server.min_peers <= s.num_peers, "server.min_peers",
+                     self.server.min_peers, f"must be <= spes_config.num_peers={s.num_peers}")
         if self.using_spes and not self.using_dilico:
             k = s.num_train_experts_per_node
             _require(k >= 1, "spes_config.num_train_experts_per_node", k, "must be >= 1")
@@ -374,6 +416,11 @@ class TrainConfig:
     def num_peers(self) -> int:
         """Nodes in the run (`spes_config.num_peers`; 1 for a centralized run)."""
         return self.spes_config.num_peers if self.sync_enabled else 1
+
+    @property
+    def data_seed(self) -> int:
+        """This node's data-order seed: `peer_data_seed(data.seed, spes_config.peer_id)`."""
+        return peer_data_seed(self.data.seed, self.spes_config.peer_id)
 
     @property
     def tokens_per_step(self) -> int:
@@ -410,6 +457,19 @@ INERT_KEYS = frozenset({
     "tokenizer.truncate_direction", "data.pad_direction", "data.prefetch_factor", "data.persistent_workers",
     "data.timeout", "ddp.grad_sync_mode",
 })
+
+
+PEER_SEED_STRIDE = 1000
+"""Node p reads the data in the order of seed `data.seed + PEER_SEED_STRIDE * p`."""
+
+
+def peer_data_seed(data_seed: int, peer_id: int) -> int:
+    """The data-order seed of node `peer_id`: `data.seed + 1000 * peer_id`.
+
+    The one place the rule is applied, so every node's YAML keeps the run's `data.seed` and an edited one is
+    honoured: nodes read the same data in different orders without anyone rewriting `data.seed` per node.
+    """
+    return data_seed + PEER_SEED_STRIDE * peer_id
 
 
 def _require(ok: bool, key: str, value: Any, what: str) -> None:
@@ -461,6 +521,41 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raw["save_folder"] = f"output/{raw.get('run_name', 'spes')}"
     inert = sorted(k for k in _flat_keys(raw) if k in INERT_KEYS)
     return from_dict(TrainConfig, raw, where=where), inert
+
+
+def load_server_section(overrides: list[str] | tuple[str, ...] = ()) -> ServerSection:
+    """The `server:` section from `--server.key=value` overrides alone: a server started without the run's YAML."""
+    dotlist = [_override_to_dotlist(o) for o in overrides]
+    for item in dotlist:
+        if not item.startswith("server."):
+            raise ConfigError(f"command line (--{item}): without the run's YAML only --server.key=value overrides "
+                              "apply; give the run's YAML first (python -m spes.server RUN.yaml ...)")
+    _check_overrides(dotlist)
+    raw = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))
+    assert isinstance(raw, dict)
+    return from_dict(ServerSection, raw.get("server", {}), where="command line", prefix="server.")
+
+
+SERVER_FLAGS = {
+    "--merge_interval": "merge_interval", "--merge_alpha_start": "merge_alpha_start",
+    "--merge_decay_steps": "merge_decay_steps", "--merge_topk": "merge_topk", "--outer_optimizer": "outer_optimizer",
+    "--outer_lr": "outer_lr", "--outer_momentum": "outer_momentum", "--round_timeout": "round_timeout_s",
+    "--dead_peer_policy": "dead_peer_policy", "--min_peers": "min_peers",
+}
+"""The parameter server's former run flags and the `server:` key each one now spells."""
+
+
+def add_server_flags(parser: argparse._ActionsContainer) -> None:
+    """Accept the former run flags (`--merge_interval 8`) as spellings of `--server.merge_interval=8`."""
+    for flag, key in SERVER_FLAGS.items():
+        parser.add_argument(flag, dest=f"server.{key}", metavar="VALUE", default=None,
+                            help=f"same as --server.{key}=VALUE")
+
+
+def server_flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The former run flags given on a command line, as `--server.key=value` overrides."""
+    return [f"--{dest}={value}" for dest, value in vars(args).items()
+            if dest.startswith("server.") and value is not None]
 
 
 def _existing(path: str | Path) -> Path:
@@ -612,9 +707,14 @@ def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
     raise _type_error(key, value, hint, where)
 
 
-def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:
+def _type_name(hint: Any) -> str:
+    """`int`, `str | None`, `Literal['a', 'b']`: a type as a user reads it."""
     plain = typing.get_origin(hint) is None and hasattr(hint, "__name__")
-    expected = hint.__name__ if plain else str(hint).replace("typing.", "")
+    return hint.__name__ if plain else str(hint).replace("typing.", "")
+
+
+def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:
+    expected = _type_name(hint)
     hint_list = ""
     if isinstance(value, str) and list in (typing.get_origin(hint), *map(typing.get_origin, typing.get_args(hint))):
         written = f"--{key}=[{value}]" if where.startswith("command line") else f"{key}: [{value}]"
@@ -638,6 +738,5 @@ def config_help(cls: type = TrainConfig, prefix: str = "") -> list[str]:
             lines.extend(config_help(sub, prefix + f.name + "."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        type_name = str(hints[f.name]).replace("typing.", "")
-        lines.append(f"  --{prefix}{f.name}={default!r}  [{type_name}]  {f.metadata.get('doc', '')}")
+        lines.append(f"  --{prefix}{f.name}={default!r}  [{_type_name(hints[f.name])}]  {f.metadata.get('doc', '')}")
     return lines

@@ -5,11 +5,12 @@ sidecar `<shard>.npy.json` written last; headerless OLMo-format token files with
 read too (see `spes.shards`). The trainer reads them as
 
     ds = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
-    loader = BatchLoader(ds, batch_size=cfg.global_train_batch_size, seed=cfg.data.seed, rank=r, world_size=w)
+    loader = BatchLoader(ds, batch_size=cfg.global_train_batch_size, seed=cfg.data_seed, rank=r, world_size=w)
     batch = next(loader)  # LongTensor (global_batch // world_size, seq_len), this rank's slice
 
-Each peer passes its own `data.seed`, so peers see the data in different orders; a loader's
-`state_dict()` is three integers, enough to resume mid-epoch without reading skipped data.
+Each peer passes its own seed (`cfg.data_seed`: `data.seed + 1000 * peer_id`), so peers see the data in
+different orders; a loader's `state_dict()` is three integers, enough to resume mid-epoch without reading
+skipped data.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ directories are written in the per-expert layout of the published checkpoints (w
 Commands (see `--help`):
     python -m spes.hf export --checkpoint output/run/node0/step1000 --out hf/run-step1000
     python -m spes.hf export --run_dir output/run/node0 --step latest --out hf/run-latest
-    python -m spes.hf import --hf path/to/OLMoE-1B-7B --out output/olmoe-init/step0 --block_size 16
+    python -m spes.hf import --hf path/to/OLMoE-1B-7B --out output/olmoe-init/step0 --experts_per_peer 16
     python -m spes.hf import --hf allenai/OLMoE-1B-7B-0924 --out output/olmoe-init/step0   # a Hub id
 """
 
@@ -465,17 +465,18 @@ def write_step_dir(out: str | Path, state: Mapping[str, torch.Tensor], cfg: Trai
                            optim_state=None, trainer_state={}, config=to_dict(cfg))
 
 
-def run_config_for(model: dict[str, Any], *, block_size: int, run_name: str) -> TrainConfig:
-    """A TrainConfig for a model imported from elsewhere, with experts stored in blocks of `block_size`.
+def run_config_for(model: dict[str, Any], *, experts_per_peer: int, run_name: str) -> TrainConfig:
+    """A TrainConfig for a model imported from elsewhere, with experts stored in blocks of `experts_per_peer`.
 
-    Blocks smaller than E mean a SPES layout of ceil(E / block_size) peers; E means one block
+    Blocks smaller than E mean a SPES layout of ceil(E / experts_per_peer) peers; E means one block
     (centralized). A run that starts from it may use its own layout.
     """
     num_experts = model["moe_num_experts"]
-    if not 1 <= block_size <= num_experts:
-        raise ValueError(f"--block_size must be in [1, {num_experts}] (the number of experts), got {block_size}")
-    spes = SpesConfig(num_peers=math.ceil(num_experts / block_size), num_train_experts_per_node=block_size)
-    return TrainConfig(run_name=run_name, save_folder=f"output/{run_name}", using_spes=block_size < num_experts,
+    if not 1 <= experts_per_peer <= num_experts:
+        raise ValueError(f"--experts_per_peer must be in [1, {num_experts}] (the number of experts), "
+                         f"got {experts_per_peer}")
+    spes = SpesConfig(num_peers=math.ceil(num_experts / experts_per_peer), num_train_experts_per_node=experts_per_peer)
+    return TrainConfig(run_name=run_name, save_folder=f"output/{run_name}", using_spes=experts_per_peer < num_experts,
                        model=ModelConfig(**model), spes_config=spes, tokenizer=TokenizerConfig())
 
 
@@ -527,7 +528,7 @@ def export_state(state: Mapping[str, torch.Tensor], m: ModelConfig, out_dir: str
     return out
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, *, block_size: int | None = None,
+def import_hf(hf_dir: str | Path, out: str | Path, *, experts_per_peer: int | None = None,
               overwrite: bool = False) -> Path:
     """HF OLMoE / Qwen3-MoE / Mixtral directory or Hub id -> spes checkpoint step directory (bit-exact in fp32)."""
     src = resolve(hf_dir, what="--hf")
@@ -535,7 +536,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, *, block_size: int | None = N
     has_tokenizer = (src / "tokenizer.json").is_file()
     vocab = load_tokenizer(src).vocab_size if has_tokenizer else None
     model = model_config_from_hf(family, hf_config, vocab_size=vocab)
-    cfg = run_config_for(model, block_size=block_size or model["moe_num_experts"],
+    cfg = run_config_for(model, experts_per_peer=experts_per_peer or model["moe_num_experts"],
                          run_name=f"import-{Path(hf_dir).absolute().name}")
     state = hf_to_spes(read_hf_weights(src), family.key_map(), cfg.model, architecture=family.architecture)
     return write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
@@ -561,8 +562,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 f"model_type one of {sorted(FAMILIES)}")
     imp.add_argument("--out", required=True, help="output checkpoint step directory, e.g. output/myrun/step0 "
                                                   "(the tokenizer goes to output/myrun/tokenizer)")
-    imp.add_argument("--block_size", type=int, help="experts per stored block: num_train_experts_per_node of the "
-                                                   "SPES run (default: all experts in one block)")
+    imp.add_argument("--experts_per_peer", "--block_size", type=int,
+                     help="experts per stored block: num_train_experts_per_node of the SPES run (default: all experts "
+                     "in one block)")
     imp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
     try:
@@ -571,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             out = export_checkpoint(step, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
                                     overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1024**3))
         else:
-            out = import_hf(args.hf, args.out, block_size=args.block_size, overwrite=args.overwrite)
+            out = import_hf(args.hf, args.out, experts_per_peer=args.experts_per_peer, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -5,10 +5,10 @@
     python -m spes.launch configs/tiny.yaml -- --max_duration=200st   # overrides for every peer
 
 This is the quickstart's engine and a way to try a configuration before renting nodes: each peer is the
-same `python -m spes.train` a real node runs (with its own `peer_id` and data seed `data.seed` + 1000 * id,
-6198 + 1000 * id by default),
-the server is the same `python -m spes.server`. At the end it prints a summary table and exits 0 with
-every child gone; if any process fails, the others are stopped and the exit code is non-zero.
+same `python -m spes.train` a real node runs (with its own `peer_id`, so its own data order), the server is
+the same `python -m spes.server` given the same YAML and overrides (so its `server:` section, e.g.
+`-- --server.merge_interval=20`). At the end it prints a summary table and exits 0 with every child gone; if
+any process fails, the others are stopped and the exit code is non-zero.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.config import ConfigError, load_config
+from spes.config import ConfigError, add_server_flags, load_config, peer_data_seed, server_flag_overrides
 
 
 def free_port() -> int:
@@ -42,15 +42,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
-    # NOTE: the server's defaults (paper scale); short local runs such as the quickstart pass their own values.
-    p.add_argument("--merge_interval", type=int, default=500, help="merge warm-up every N steps")
-    p.add_argument("--merge_alpha_start", type=float, default=0.01, help="warm-up alpha at step 0")
-    p.add_argument("--merge_decay_steps", type=int, default=10000, help="steps over which alpha decays to 0")
-    p.add_argument("--merge_topk", type=int, default=4, help="similar experts averaged into each expert")
-    p.add_argument("--outer_optimizer", choices=("none", "nesterov"), default="none",
-                   help="DiLoCo mode: none = plain mean of the uploads (the paper's baseline); nesterov = DiLoCo's "
-                   "outer Nesterov step (the server's --outer_lr/--outer_momentum defaults)")
-    p.add_argument("--wire_dtype", choices=["fp32", "bf16"], default="fp32", help="transport precision")
+    add_server_flags(p.add_argument_group("the server's run flags of earlier versions (the YAML's server: section)"))
+    p.add_argument("--wire_dtype", choices=["fp32", "bf16"], default=None,
+                   help="transport precision (default: the config's spes_config.wire_dtype)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     return p.parse_args(argv), overrides
@@ -59,32 +53,30 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        extra = ["--using_dilico=true"] if args.dilico else []
-        cfg, _ = load_config(args.config, overrides + extra)
+        wire = [f"--spes_config.wire_dtype={args.wire_dtype}"] if args.wire_dtype else []
+        run = [*overrides, *(["--using_dilico=true"] if args.dilico else []), *wire, *server_flag_overrides(args)]
+        cfg, _ = load_config(args.config, run)
+        if not cfg.sync_enabled:
+            raise ConfigError(f"{args.config} is a centralized run (using_spes: false): train it with "
+                              "python -m spes.train, which needs no server")
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
-    peers = cfg.spes_config.num_peers
+    peers = cfg.num_peers
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    server_cmd = [sys.executable, "-m", "spes.server", "--total_peers", str(peers), "--num_train_experts_per_node",
-                  str(cfg.experts_per_peer), "--port", str(port), "--host", "127.0.0.1", "--data_port", "0",
-                  "--merge_interval", str(args.merge_interval), "--merge_alpha_start", str(args.merge_alpha_start),
-                  "--merge_decay_steps", str(args.merge_decay_steps), "--merge_topk", str(args.merge_topk),
-                  "--mode", "diloco" if args.dilico else "spes", "--outer_optimizer", args.outer_optimizer,
-                  "--state_dir", str(out / "server_state")]
+    server_cmd = [sys.executable, "-m", "spes.server", args.config, *run, "--port", str(port), "--host", "127.0.0.1",
+                  "--data_port", "0", "--state_dir", str(out / "server_state")]
     procs: dict[str, subprocess.Popen] = {}
     started = time.time()
     try:
         procs["server"] = _spawn(server_cmd, out / "server.log", env)
-        seeds = [cfg.data.seed + 1000 * i for i in range(peers)]
+        seeds = [peer_data_seed(cfg.data.seed, i) for i in range(peers)]
         for i in range(peers):
-            peer_cmd = [sys.executable, "-m", "spes.train", args.config, *overrides, *extra,
-                        f"--spes_config.peer_id={i}", f"--data.seed={seeds[i]}",
-                        f"--spes_config.server_addr=127.0.0.1:{port}", f"--spes_config.wire_dtype={args.wire_dtype}",
-                        f"--save_folder={out}/node{i}"]
+            peer_cmd = [sys.executable, "-m", "spes.train", args.config, *run, f"--spes_config.peer_id={i}",
+                        f"--spes_config.server_addr=127.0.0.1:{port}", f"--save_folder={out}/node{i}"]
             procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
         print(f"started server on 127.0.0.1:{port} and {peers} peers (data seeds {seeds}); logs in {out}/ "
               "(following peer0.log)")

@@ -235,8 +235,7 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
         client = sync_client(cfg, max_retries=0, rpc_timeout_s=min(s.rpc_timeout_s, 15.0))
     except (ValueError, FileNotFoundError) as exc:
         return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
-    mode = "diloco" if cfg.using_dilico else "spes"
-    settings = (f"mode {mode}, {s.num_peers} peers, {cfg.experts_per_peer} experts per block, peer {s.peer_id}, "
+    settings = (f"mode {cfg.mode}, {cfg.num_peers} peers, {cfg.experts_per_peer} experts per block, peer {s.peer_id}, "
                 f"manifest of {len(shapes)} tensors")
     parts = ("token" if s.token_file or os.environ.get(TOKEN_ENV) else "", "TLS" if s.tls_ca or s.tls_cert else "",
              f"client certificate {s.tls_cert}" if s.tls_cert else "")
@@ -264,8 +263,8 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
             return [fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
                     skip("settings", "not checked: the server speaks another protocol")], None
         return [ok("server", f"{s.server_addr} reachable, credentials accepted ({security})"),
-                fail("settings", str(exc), "make this node's config match the run's (the server's flags and the "
-                     "other nodes' configs)")], None
+                fail("settings", str(exc), "make this node's config match the run's (the YAML the server was "
+                     "started with and the other nodes' configs)")], None
     known = "matches the run's" if checked else "will set the run's (no peer has joined yet)"
     return [ok("server", f"{s.server_addr} reachable, protocol v{PROTOCOL_VERSION}, credentials accepted ({security})"),
             ok("settings", f"{settings}: the server accepts them; the manifest {known}")], client
@@ -308,9 +307,8 @@ def check_link(cfg: TrainConfig, client: SyncClient, shapes: dict[str, tuple[int
         stats = client.measure_link(link_bytes)
     except SyncError as exc:
         return fail("link", str(exc), "check the network between this node and the server (and its data port)")
-    mode = "diloco" if cfg.using_dilico else "spes"
     up = wire_bytes(shapes, trainable, s.wire_dtype)
-    down = wire_bytes(shapes, download_names(list(shapes), s.peer_id, mode, False), s.wire_dtype)
+    down = wire_bytes(shapes, download_names(list(shapes), s.peer_id, cfg.mode, False), s.wire_dtype)
     # NOTE: an upload and a download each open a connection and exchange a request and a reply: ~4 round trips.
     round_s = up / stats.up_bytes_per_s + down / stats.down_bytes_per_s + 4 * stats.rtt_s
     how = "measured (--step_time_s)"
@@ -490,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     s = cfg.spes_config
-    print(f"preflight of {args.config}: peer {s.peer_id} of {s.num_peers}, server {s.server_addr}"
+    print(f"preflight of {args.config}: peer {s.peer_id} of {cfg.num_peers}, server {s.server_addr}"
           if cfg.sync_enabled else f"preflight of {args.config} (centralized run)")
     return report(run_checks(cfg, args))
 

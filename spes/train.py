@@ -45,7 +45,7 @@ USAGE = """usage: python -m spes.train CONFIG.yaml [--section.key=value ...] [--
 
 Train one node of a SPES run (or a centralized / DiLoCo run) described by an OLMo-style YAML file.
   CONFIG.yaml          e.g. configs/tiny.yaml, configs/spes_1b/node_0.yaml
-  --section.key=value  override any key, e.g. --spes_config.peer_id=1 --data.seed=7198
+  --section.key=value  override any key, e.g. --spes_config.peer_id=1 --data.seed=6198
   --resume             continue from <save_folder>/latest (same as --load_path=<save_folder>)
   --resume=auto        continue from it if it exists, else start fresh (same as --try_load_latest_save=true)
   --help               this text and every config key with its default
@@ -150,8 +150,9 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
             f"than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier")
     loader = BatchLoader(
         dataset,
-        batch_size=cfg.global_train_batch_size, seed=cfg.data.seed, rank=info.rank, world_size=info.world_size,
+        batch_size=cfg.global_train_batch_size, seed=cfg.data_seed, rank=info.rank, world_size=info.world_size,
         num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, drop_last=cfg.data.drop_last)
+    log(f"data order seed {cfg.data_seed} (data.seed {cfg.data.seed} + 1000 * peer_id {cfg.spes_config.peer_id})")
     eval_batches = _validation(cfg)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):

@@ -150,7 +150,7 @@ def test_sbatch_runs_a_two_node_spes_run_with_its_server(slurm: Slurm, tiny_corp
     out = (run / "job.out").read_text() if (run / "job.out").exists() else "(no job output)"
     assert job.returncode == 0, f"{job.stderr}\n{out[-4000:]}"
     for node, seed in ((0, 6198), (1, 7198)):
-        assert f"{node}: node {node} on" in out and f"data seed {seed}" in out
+        assert f"{node}: node {node} on" in out and f"data order seed {seed} " in out
         records = [json.loads(line) for line in (run / f"node{node}" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if "sync_s" in r] == [2, 4], f"node {node} did not finish its rounds"
     assert "listening" in (run / "logs" / "server.log").read_text()

@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spes.config import INERT_KEYS, ConfigError, InstanceFilterConfig, TrainConfig, config_help, load_config
+from spes.config import (
+    INERT_KEYS,
+    ConfigError,
+    InstanceFilterConfig,
+    ServerSection,
+    TrainConfig,
+    config_help,
+    load_config,
+    load_server_section,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHIPPED = sorted(CONFIGS.rglob("*.yaml"))
@@ -52,14 +61,87 @@ def test_shipped_config_comments_every_key(path: Path) -> None:
 
 
 @pytest.mark.parametrize("family", ["spes_1b", "diloco_1b"])
-def test_node_files_differ_only_in_peer_and_data_seed(family: str) -> None:
+def test_node_files_differ_only_in_peer_id(family: str) -> None:
+    """Each node reads the data in its own order (data_seed), from the run's one data.seed."""
     configs = [load_config(CONFIGS / family / f"node_{n}.yaml")[0] for n in range(4)]
     for n, cfg in enumerate(configs):
-        assert cfg.spes_config.peer_id == n and cfg.data.seed == 6198 + 1000 * n
+        assert cfg.spes_config.peer_id == n and cfg.data.seed == 6198 and cfg.data_seed == 6198 + 1000 * n
         assert cfg.save_folder == f"output/{cfg.run_name}/node{n}"
-        same = dataclasses.replace(cfg, spes_config=configs[0].spes_config, data=configs[0].data,
-                                   save_folder=configs[0].save_folder)
+        same = dataclasses.replace(cfg, spes_config=configs[0].spes_config, save_folder=configs[0].save_folder)
         assert same == configs[0]
+
+
+def test_the_data_seed_rule_honours_an_edited_data_seed(tmp_path: Path) -> None:
+    """data.seed + 1000 * peer_id, applied once: an edited data.seed moves every node's order with it."""
+    cfg, _ = load_config(write(tmp_path, "data:\n  seed: 5\nspes_config:\n  peer_id: 3\n"))
+    assert (cfg.data.seed, cfg.data_seed) == (5, 3005)
+    assert load_config(CONFIGS / "tiny.yaml", ["--data.seed=100", "--spes_config.peer_id=1"])[0].data_seed == 1100
+    assert load_config(CONFIGS / "tiny.yaml", ["--using_spes=false"])[0].data_seed == 6198
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The parameter server's section
+
+
+def test_the_server_section_loads_with_the_run(tmp_path: Path) -> None:
+    path = write(tmp_path, """\
+        using_dilico: true
+        server:
+          outer_optimizer: nesterov
+          outer_lr: 0.5
+          dead_peer_policy: quorum
+          min_peers: 3
+        """)
+    cfg, _ = load_config(path, ["--server.merge_interval=20", "--server.round_timeout_s=60"])
+    s = cfg.server
+    assert (s.outer_optimizer, s.outer_lr, s.dead_peer_policy, s.min_peers) == ("nesterov", 0.5, "quorum", 3)
+    assert (s.merge_interval, s.round_timeout_s, s.merge_alpha_start) == (20, 60.0, 0.01)
+    assert cfg.mode == "diloco"
+
+
+@pytest.mark.parametrize(("text", "overrides", "expected"), [
+    ("server:\n  merge_intervall: 5\n", [], "unknown config key 'server.merge_intervall'; did you mean "
+                                              "'server.merge_interval'?"),
+    ("", ["--server.merge_topk=0"], "config key 'server.merge_topk' = 0 must be >= 1"),
+    ("", ["--server.outer_optimizer=adam"], "'server.outer_optimizer' = 'adam' must be one of ['none', 'nesterov']"),
+    ("", ["--server.min_peers=5"], "config key 'server.min_peers' = 5 must be <= spes_config.num_peers=4"),
+    ("", ["--server.merge_decay_steps=abc"], "command line (--server.merge_decay_steps=abc)"),
+])
+def test_server_section_mistakes_name_the_key(tmp_path: Path, text: str, overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(write(tmp_path, text or "{}\n"), overrides)
+
+
+def test_help_lists_the_server_keys() -> None:
+    lines = config_help()
+    for key in ("merge_interval=500", "merge_alpha_start=0.01", "merge_decay_steps=10000", "outer_optimizer='none'",
+                "dead_peer_policy='wait'", "round_timeout_s=3600.0"):
+        assert any(line.strip().startswith(f"--server.{key}") for line in lines), key
+
+
+def test_a_server_section_without_the_run_comes_from_overrides() -> None:
+    """A server started without the run's YAML (tests, tools) takes --server.key=value alone."""
+    section = load_server_section(["--server.merge_interval=7", "--server.dead_peer_policy=quorum"])
+    assert (section.merge_interval, section.dead_peer_policy, section.merge_topk) == (7, "quorum", 4)
+    with pytest.raises(ConfigError, match="only --server.key=value overrides apply"):
+        load_server_section(["--model.d_model=64"])
+    with pytest.raises(ConfigError, match="did you mean 'server.merge_topk'"):
+        load_server_section(["--server.merge_top=2"])
+
+
+def test_the_server_defaults_are_the_round_maths() -> None:
+    """The merge and outer-optimizer dataclasses of spes.sync.merge default to the same values as the section.
+
+    NOTE: a guard while spes.sync.merge still writes its own defaults (the section's are the run's).
+    """
+    from spes.sync.merge import MergeConfig, OuterConfig
+    from spes.sync.server import ServerConfig, merge_of, outer_of
+
+    section = ServerSection()
+    assert merge_of(section) == MergeConfig() and outer_of(section) == OuterConfig()
+    server = ServerConfig(total_peers=2, experts_per_peer=1)
+    assert (server.merge, server.outer, server.round_timeout_s, server.dead_peer_policy, server.min_peers) == (
+        merge_of(section), outer_of(section), section.round_timeout_s, section.dead_peer_policy, section.min_peers)
 
 
 def test_paper_1b_config_values() -> None:

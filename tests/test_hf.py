@@ -36,7 +36,7 @@ def make_checkpoint(root: Path, tokenizer: LoadedTokenizer, options: dict[str, A
                     step: int = 5) -> tuple[Path, Transformer]:
     """A spes step directory of a random model whose norms are not all ones (so their mapping is tested)."""
     model_cfg = {**BASE, **options, "vocab_size": tokenizer.vocab_size, "embedding_size": tokenizer.vocab_size + 20}
-    cfg = hf.run_config_for(model_cfg, block_size=block_size, run_name="t")
+    cfg = hf.run_config_for(model_cfg, experts_per_peer=block_size, run_name="t")
     model = Transformer.for_run(cfg)
     model.init_weights(0)
     with torch.no_grad():
@@ -75,7 +75,7 @@ def test_export_logits_match_transformers(case: str, tmp_path: Path, tokenizer: 
 def test_round_trip_spes_hf_spes_is_bit_exact(case: str, tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES[case][0])
     out = hf.export_checkpoint(step_dir, tmp_path / "hf")
-    back = hf.import_hf(out, tmp_path / "back" / "step0", block_size=2)
+    back = hf.import_hf(out, tmp_path / "back" / "step0", experts_per_peer=2)
     before, after = load_model_state(step_dir), load_model_state(back)
     assert set(before) == set(after)
     for key in before:
@@ -124,7 +124,7 @@ def test_import_model_saved_by_transformers(family: str, tmp_path: Path, tokeniz
     model.save_pretrained(str(tmp_path / "hf"))
     for path in tokenizer.path.parent.iterdir():
         (tmp_path / "hf" / path.name).write_bytes(path.read_bytes())
-    step_dir = hf.import_hf(tmp_path / "hf", tmp_path / "run" / "step0", block_size=1)
+    step_dir = hf.import_hf(tmp_path / "hf", tmp_path / "run" / "step0", experts_per_peer=1)
     cfg = hf.load_step_config(step_dir)
     assert cfg.spes_config.num_peers == 4 and cfg.experts_per_peer == 1
     assert Path(cfg.tokenizer.identifier) == step_dir.parent / "tokenizer"

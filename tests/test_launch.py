@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -47,15 +48,18 @@ def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_run_single_node_uses_the_node_config_seed_and_overrides(tiny_corpus, tmp_path: Path) -> None:
+def test_run_single_node_reads_in_its_peers_data_order_and_saves_the_run_config(tiny_corpus, tmp_path: Path) -> None:
     env = {**os.environ, "CONFIG": TINY, "NPROC_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", "run_scripts/run_single_node.sh", "2", "--using_spes=false", "--max_duration=2st",
-                           *tiny_corpus.overrides(tmp_path), "--eval_interval=null"],
+                           *tiny_corpus.overrides(tmp_path), "--eval_interval=null", "--server.merge_interval=7"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "data seed 8198" in proc.stdout
-    config = (tmp_path / "step2" / "config.yaml").read_text()
-    assert "seed: 8198" in config and "peer_id: 2" in config
+    assert "data order seed 8198 (data.seed 6198 + 1000 * peer_id 2)" in proc.stdout
+    config = yaml.safe_load((tmp_path / "step2" / "config.yaml").read_text())
+    assert config["data"]["seed"] == 6198 and config["spes_config"]["peer_id"] == 2
+    assert config["server"]["merge_interval"] == 7  # the merge schedule is saved with the run's config
+    meta = json.loads((tmp_path / "step2" / "meta.json").read_text())
+    assert meta["trainer"]["data"]["seed"] == 8198  # the loader read in node 2's order
 
 
 def test_run_single_node_needs_a_node_id() -> None:

@@ -46,7 +46,7 @@ def dense_model(tmp_path: Path, m: ModelConfig, model_type: str, tokenizer: Load
 
 def upcycled_logits(tmp_path: Path, dense_dir: Path, options: dict[str, Any], ids: torch.Tensor, *,
                     partition: bool = False, router_std: float | None = None) -> torch.Tensor:
-    cfg = run_config_for(options, block_size=2, run_name="up")
+    cfg = run_config_for(options, experts_per_peer=2, run_name="up")
     step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", partition=partition,
                               router_std=router_std)
     model = Transformer.for_run(cfg)
@@ -96,7 +96,7 @@ def test_zero_router_keeps_copies_tied_and_the_default_separates_them(
     """Unnormalized copies: with a zero router, experts and router rows stay in identical pairs under training."""
     opts = model_options(tokenizer, moe_normalize_expert_weights=None)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "llama", tokenizer)
-    cfg = run_config_for(opts, block_size=4, run_name="up")
+    cfg = run_config_for(opts, experts_per_peer=4, run_name="up")
     step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", router_std=router_std)
     model = Transformer.for_run(cfg)
     model.load_state_dict(load_model_state(step))
@@ -129,7 +129,7 @@ def test_partition_with_every_expert_active_equals_dense(normalize: bool | None,
 def test_partition_slices_the_dense_mlp(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, **QWEN3, mlp_hidden_size=24, moe_normalize_expert_weights=True)
     dense_dir, dense = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer, partition=True)
-    cfg = run_config_for(opts, block_size=4, run_name="up")
+    cfg = run_config_for(opts, experts_per_peer=4, run_name="up")
     step, plan = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", partition=True)
     assert not plan.exact and plan.down_scale == 2.0
     state = load_model_state(step)
@@ -143,7 +143,8 @@ def test_untied_copy_of_tied_embeddings(tmp_path: Path, tokenizer: LoadedTokeniz
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, dense = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     assert dense.config.tie_word_embeddings
-    step, _ = upcycle.upcycle(dense_dir, run_config_for(opts, block_size=2, run_name="up"), tmp_path / "r" / "step0")
+    cfg = run_config_for(opts, experts_per_peer=2, run_name="up")
+    step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "r" / "step0")
     state = load_model_state(step)
     assert torch.equal(state["lm_head.weight"], state["embed.weight"])
     assert state["lm_head.weight"].data_ptr() != state["embed.weight"].data_ptr()
@@ -165,23 +166,24 @@ def test_mismatched_config_is_refused(change: dict[str, Any], message: str, tmp_
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     with pytest.raises(ValueError, match=message):
-        upcycle.upcycle(dense_dir, run_config_for({**opts, **change}, block_size=2, run_name="x"), tmp_path / "step0")
+        upcycle.upcycle(dense_dir, run_config_for({**opts, **change}, experts_per_peer=2, run_name="x"),
+                        tmp_path / "step0")
 
 
 def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     with pytest.raises(ValueError, match="intermediate_size 48 does not split into model.moe_num_experts=5"):
-        upcycle.upcycle(dense_dir, run_config_for({**opts, "moe_num_experts": 5}, block_size=5, run_name="x"),
+        upcycle.upcycle(dense_dir, run_config_for({**opts, "moe_num_experts": 5}, experts_per_peer=5, run_name="x"),
                         tmp_path / "step0", partition=True)
     with pytest.raises(ValueError, match=r"'model.mlp_hidden_size' = 96 must be 24: .* 2 \* 48 / 4"):
-        upcycle.upcycle(dense_dir, run_config_for(opts, block_size=2, run_name="x"), tmp_path / "step0",
+        upcycle.upcycle(dense_dir, run_config_for(opts, experts_per_peer=2, run_name="x"), tmp_path / "step0",
                         partition=True)
 
 
 def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, moe_normalize_expert_weights=True)
-    cfg = run_config_for(opts, block_size=2, run_name="x")
+    cfg = run_config_for(opts, experts_per_peer=2, run_name="x")
     config = transformers.LlamaConfig(vocab_size=opts["embedding_size"], hidden_size=32, intermediate_size=48,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
@@ -228,7 +230,7 @@ def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
     configs = [load_config(REPO / "configs" / "upcycled_9b" / f"node_{n}.yaml")[0] for n in range(8)]
     for n, cfg in enumerate(configs):
         upcycle.check_dense_match(cfg.model, qwen3_1_7b, upcycle.DENSE_FAMILIES["qwen3"], partition=False)
-        assert cfg.spes_config.peer_id == n and cfg.data.seed == 6198 + 1000 * n
+        assert cfg.spes_config.peer_id == n and cfg.data_seed == 6198 + 1000 * n
         assert cfg.owned_experts() == (min(2 * n, 8), min(2 * n + 2, 8))  # nodes 4..7 own no expert
         assert cfg.model == configs[0].model and cfg.load_path == configs[0].load_path
     m = configs[0].model

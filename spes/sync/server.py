@@ -5,15 +5,18 @@ Each round (keyed by the global step) collects one verified upload per peer, bui
 persists it under `--state_dir` and serves it to every peer. The round rules live in `spes.sync.rounds`,
 persistence in `spes.sync.state`; the handlers here only validate, move bytes and wait on one condition.
 
-    python -m spes.server --total_peers 4 --num_train_experts_per_node 4 --port 50051 \\
-        --merge_interval 500 --merge_alpha_start 0.01 --merge_decay_steps 10000 --state_dir server_state
+    python -m spes.server configs/spes_1b/node_0.yaml --port 50051 --state_dir server_state
+
+The run's settings (peers, experts per block, mode, merge warm-up, outer optimizer, dead peers) come from the
+run's YAML, any node's file, with the nodes' `--section.key=value` overrides (`--server.merge_interval=200`);
+the flags are the deployment's (`--help`).
 
 Security: a shared token (env SPES_TOKEN or --token_file) is checked on every call before any handler runs,
 TLS/mTLS from PEM files, and nothing received is ever unpickled (see `spes.sync.wire` and README "Security").
 Off loopback the server refuses to start without a token, or with a token but no TLS, unless --insecure.
 No call can hold it: streams take bounded slots and are closed when idle, one process per peer id
-(`spes.sync.admission`); a Join's manifest is bounded (--max_tensors, --max_model_gb) or, given the run's
-YAML (`python -m spes.server RUN.yaml`), must equal the model that YAML builds.
+(`spes.sync.admission`); a Join's manifest must equal the model the run's YAML builds (or, a server started
+without one, is bounded by --max_tensors and --max_model_gb).
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from spes.config import ServerSection, TrainConfig, add_server_flags, config_help, load_config, load_server_section, \
+    server_flag_overrides
 from spes.moe import parse_expert_block
 from spes.sync.auth import (
     TOKEN_ENV,
@@ -73,9 +78,6 @@ from spes.sync.state import SavedRound, load_round, save_round
 from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder, \
     VerifiedChecksums, encode_tensors, grpc_options, read_file, wire_torch_dtype
 
-if TYPE_CHECKING:
-    from spes.config import TrainConfig
-
 log = logging.getLogger("spes.server")
 T = TypeVar("T")
 
@@ -87,7 +89,8 @@ DATA_MAX_FRAME_BYTES = 1 << 20
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """Everything the parameter server needs; built from the command line by `main`."""
+    """Everything the parameter server needs; built by `main` from the run's YAML (its layout and `server:`
+    section, `spes.config.ServerSection`) and the deployment flags."""
 
     total_peers: int
     """Number of peers in the run."""
@@ -99,15 +102,15 @@ class ServerConfig:
     """TCP port; 0 lets the OS choose (see `ParameterServer.port`)."""
     mode: Mode = "spes"
     """`spes` (experts from owners, shared averaged, merge warm-up) or `diloco` (average everything)."""
-    merge: MergeConfig = field(default_factory=MergeConfig)
-    """Expert-merging warm-up (SPES mode only)."""
-    outer: OuterConfig = field(default_factory=OuterConfig)
+    merge: MergeConfig = field(default_factory=lambda: merge_of(ServerSection()))
+    """Expert-merging warm-up (SPES mode only); defaults: the run config's `server:` section."""
+    outer: OuterConfig = field(default_factory=lambda: outer_of(ServerSection()))
     """DiLoCo outer optimizer (DiLoCo mode only)."""
-    round_timeout_s: float = 3600.0
+    round_timeout_s: float = ServerSection.round_timeout_s
     """Seconds after a round's first upload after which it has timed out (see `dead_peer_policy`)."""
-    dead_peer_policy: DeadPeerPolicy = "wait"
+    dead_peer_policy: DeadPeerPolicy = ServerSection.dead_peer_policy
     """At the timeout, `wait` fails the waiting downloads naming the missing peers; `quorum` closes the round."""
-    min_peers: int | None = None
+    min_peers: int | None = ServerSection.min_peers
     """Fewest peers a quorum round needs (None: a majority)."""
     state_dir: str | None = None
     """Directory where every completed round is persisted and from which a restarted server resumes."""
@@ -783,42 +786,51 @@ def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
     return bound
 
 
+class _ServerParser(argparse.ArgumentParser):
+    """The deployment flags; every other `--key=value` word is an override of the run's config (`args.overrides`)."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.overrides = [a for a in rest if a.startswith("--") and "=" in a]
+        return parsed, [a for a in rest if a not in parsed.overrides]
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Flag defaults shown, the epilog's list of config keys kept as written."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ServerParser(
         prog="python -m spes.server",
-        description="SPES parameter server: collects every peer's trained tensors each round, takes each expert "
-        "block from its owner, averages the shared parameters (DiLoCo: everything), applies the expert-merging "
-        "warm-up on merge rounds, persists the result (--state_dir) and serves the global model back.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="example: SPES_TOKEN=$(cat secret) python -m spes.server --total_peers 4 --num_train_experts_per_node "
-        "4 --port 50051 --tls_cert server.crt --tls_key server.key --state_dir server_state. Peers connect with "
+        usage="python -m spes.server RUN.yaml [--section.key=value ...] [flags]",
+        description="SPES parameter server: collects every peer's trained tensors each round, takes each expert\n"
+        "block from its owner, averages the shared parameters (DiLoCo: everything), applies the expert-merging\n"
+        "warm-up on merge rounds, persists the result (--state_dir) and serves the global model back.\n"
+        "The run's settings come from its YAML (any node's file: peers, experts per block, mode, and the\n"
+        "`server:` section below, overridable as --server.key=value); the flags are the deployment's.",
+        formatter_class=_HelpFormatter, allow_abbrev=False,
+        epilog="the run's `server:` section (key, default, meaning):\n"
+        + "\n".join(config_help(ServerSection, "server.")) + "\n\nexample: SPES_TOKEN=$(cat secret) python -m "
+        "spes.server configs/spes_1b/node_0.yaml --port 50051 --tls_cert server.crt --tls_key server.key --state_dir server_state\nPeers connect with "
         "spes.sync.client.SyncClient; stop with SIGTERM or Ctrl-C (exit 0); restart with the same --state_dir to "
         "resume. See README 'Security'.",
     )
     add = parser.add_argument_group
     parser.add_argument("run", nargs="?", metavar="RUN.yaml", default=None,
-                        help="a node YAML of the run (optional): the server then computes the model's manifest "
-                        "itself and refuses any node whose model differs; --total_peers, "
-                        "--num_train_experts_per_node and --mode default to the YAML's")
-    run = add("run")
-    run.add_argument("--total_peers", type=int, default=None, help="number of peers (nodes) in the run (required "
-                     "without RUN.yaml)")
+                        help="a node YAML of the run: the server takes the run's layout and `server:` section from "
+                        "it (with the same --section.key=value overrides as the nodes), builds the model's manifest "
+                        "and refuses any node whose model differs")
+    parser.add_argument("--state_dir", default=None,
+                        help="persist every completed round here (atomically) and resume from it on restart")
+    run = add("without RUN.yaml (tests, tools): the layout, and the run flags of earlier versions")
+    run.add_argument("--total_peers", type=int, default=None, help="number of peers (nodes) in the run; with "
+                     "RUN.yaml it must equal spes_config.num_peers")
     run.add_argument("--num_train_experts_per_node", type=int, default=None,
-                     help="experts per ownership block; peer p owns experts [p*k, (p+1)*k) of every layer (required "
-                     "without RUN.yaml)")
+                     help="experts per ownership block; with RUN.yaml it must equal the run's")
     run.add_argument("--mode", choices=("spes", "diloco"), default=None,
                      help="spes: experts from their owners + averaged shared params; diloco: average everything "
                      "(default: the YAML's, else spes)")
-    run.add_argument("--state_dir", default=None,
-                     help="persist every completed round here (atomically) and resume from it on restart")
-    rounds = add("rounds and dead peers")
-    rounds.add_argument("--round_timeout", type=float, default=3600.0,
-                        help="seconds after a round's first upload after which it has timed out")
-    rounds.add_argument("--dead_peer_policy", choices=("wait", "quorum"), default="wait",
-                        help="at the timeout, wait: fail the waiting downloads naming the missing peers; quorum: "
-                        "close the round with the peers that arrived (missing owners' experts keep their last value)")
-    rounds.add_argument("--min_peers", type=int, default=None,
-                        help="fewest peers a quorum round needs (default: a majority)")
+    add_server_flags(run)
     net = add("network")
     net.add_argument("--host", default="0.0.0.0", help="interface to bind")
     net.add_argument("--port", type=int, default=50051, help="TCP port (0: let the OS choose; the log says which)")
@@ -843,18 +855,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a second process joining with a live peer's peer_id is refused (ALREADY_EXISTS); a "
                         "peer is live while its presence stream is open (spes clients keep one), or, a client "
                         "without one, when heard from within this many seconds")
-    merge = add("expert-merging warm-up (spes mode)")
-    merge.add_argument("--merge_interval", type=int, default=500,
-                       help="merge on steps that are multiples of this (<=0: never)")
-    merge.add_argument("--merge_alpha_start", type=float, default=0.01,
-                       help="merge strength at step 0, decayed linearly")
-    merge.add_argument("--merge_decay_steps", type=int, default=10000, help="step at which the merge strength is 0")
-    merge.add_argument("--merge_topk", type=int, default=4, help="most similar other experts each is pulled towards")
-    outer = add("DiLoCo outer optimizer (diloco mode)")
-    outer.add_argument("--outer_optimizer", choices=("none", "nesterov"), default="none",
-                       help="none: global = mean of uploads; nesterov: Nesterov SGD on (previous global - mean)")
-    outer.add_argument("--outer_lr", type=float, default=0.7, help="outer learning rate")
-    outer.add_argument("--outer_momentum", type=float, default=0.9, help="outer Nesterov momentum")
     sec = add("security")
     sec.add_argument("--token_file", default=None,
                      help=f"file holding the run's shared secret (default: env {TOKEN_ENV}; neither: no auth)")
@@ -870,54 +870,72 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def manifest_of_run(path: str) -> tuple[dict[str, Shape], TrainConfig]:
+def manifest_of_run(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, Shape], TrainConfig]:
     """The name and shape of every tensor of the run's model (built on the meta device) and the run's config."""
-    from spes.config import load_config  # NOTE: lazy, so a server without RUN.yaml never imports the model
-    from spes.model import Transformer
+    from spes.model import Transformer  # NOTE: lazy, so a server without RUN.yaml never imports the model
 
-    cfg, _ = load_config(path)
+    cfg, _ = load_config(path, overrides)
     with torch.device("meta"):
         model = Transformer.for_run(cfg)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}, cfg
 
 
-def _run_settings(args: argparse.Namespace) -> tuple[int, int, Mode, dict[str, Shape] | None]:
-    """--total_peers, --num_train_experts_per_node, --mode and the expected manifest: from the flags and RUN.yaml,
-    which must agree."""
-    given = {"--total_peers": args.total_peers, "--num_train_experts_per_node": args.num_train_experts_per_node,
-             "--mode": args.mode}
+def merge_of(section: ServerSection) -> MergeConfig:
+    """The merge warm-up the round math takes, from the run's `server:` section."""
+    return MergeConfig(interval=section.merge_interval, alpha_start=section.merge_alpha_start,
+                       decay_steps=section.merge_decay_steps, topk=section.merge_topk)
+
+
+def outer_of(section: ServerSection) -> OuterConfig:
+    """The DiLoCo outer optimizer the round math takes, from the run's `server:` section."""
+    return OuterConfig(optimizer=section.outer_optimizer, lr=section.outer_lr, momentum=section.outer_momentum)
+
+
+def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's `ServerConfig` fields: from RUN.yaml and its overrides (the nodes' layout and `server:` section),
+    or without one from --total_peers, --num_train_experts_per_node, --mode and --server.key=value overrides.
+
+    The former run flags (`--merge_interval 8`) are spellings of `--server.*` overrides; a layout flag given with
+    RUN.yaml must agree with it.
+    """
+    overrides = [*args.overrides, *server_flag_overrides(args)]
+    layout = {"--total_peers": args.total_peers, "--num_train_experts_per_node": args.num_train_experts_per_node,
+              "--mode": args.mode}
     manifest = None
     if args.run is not None:
-        manifest, run = manifest_of_run(args.run)
-        of_run = {"--total_peers": run.spes_config.num_peers, "--num_train_experts_per_node": run.experts_per_peer,
-                  "--mode": "diloco" if run.using_dilico else "spes"}
-        for flag, value in given.items():
+        manifest, run = manifest_of_run(args.run, overrides)
+        if not run.sync_enabled:
+            raise ValueError(f"{args.run} is a centralized run (using_spes: false), which has no parameter server: "
+                             "give the YAML of a SPES or DiLoCo node")
+        of_run = {"--total_peers": run.num_peers, "--num_train_experts_per_node": run.experts_per_peer,
+                  "--mode": run.mode}
+        for flag, value in layout.items():
             if value is not None and value != of_run[flag]:
                 raise ValueError(f"{flag}={value} disagrees with {args.run}, whose run has {of_run[flag]}: drop the "
                                  "flag or fix the YAML")
-        given = of_run
-    missing = [flag for flag in ("--total_peers", "--num_train_experts_per_node") if given[flag] is None]
-    if missing:
-        raise ValueError(f"{' and '.join(missing)} required (or give the run's YAML as RUN.yaml)")
-    return given["--total_peers"], given["--num_train_experts_per_node"], given["--mode"] or "spes", manifest
+        layout, section = of_run, run.server
+    else:
+        missing = [flag for flag in ("--total_peers", "--num_train_experts_per_node") if layout[flag] is None]
+        if missing:
+            raise ValueError(f"no run given: pass the run's YAML (python -m spes.server RUN.yaml); without one, "
+                             f"{' and '.join(missing)} required")
+        section = load_server_section(overrides)
+    mode = {"mode": layout["--mode"]} if layout["--mode"] is not None else {}
+    return {"total_peers": layout["--total_peers"], "experts_per_peer": layout["--num_train_experts_per_node"],
+            **mode, "merge": merge_of(section), "outer": outer_of(section),
+            "round_timeout_s": section.round_timeout_s, "dead_peer_policy": section.dead_peer_policy,
+            "min_peers": section.min_peers, "expected_manifest": manifest}
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    total_peers, experts_per_peer, mode, manifest = _run_settings(args)
     return ServerConfig(
-        total_peers=total_peers, experts_per_peer=experts_per_peer, host=args.host,
-        port=args.port, mode=mode,
-        merge=MergeConfig(interval=args.merge_interval, alpha_start=args.merge_alpha_start,
-                          decay_steps=args.merge_decay_steps, topk=args.merge_topk),
-        outer=OuterConfig(optimizer=args.outer_optimizer, lr=args.outer_lr, momentum=args.outer_momentum),
-        round_timeout_s=args.round_timeout, dead_peer_policy=args.dead_peer_policy, min_peers=args.min_peers,
-        state_dir=args.state_dir, token=read_token(args.token_file, "--token_file"), tls_cert=args.tls_cert,
+        **_run_settings(args), host=args.host, port=args.port, state_dir=args.state_dir,
+        token=read_token(args.token_file, "--token_file"), tls_cert=args.tls_cert,
         tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_peer_ids=args.tls_peer_ids,
         max_message_mb=args.max_message_mb, data_port=args.data_port,
         stream_idle_timeout_s=args.stream_idle_timeout, max_streams=args.max_streams,
         max_streams_per_peer=args.max_streams_per_peer, peer_liveness_s=args.peer_liveness,
-        max_model_gb=args.max_model_gb, max_tensors=args.max_tensors, expected_manifest=manifest,
-        insecure=args.insecure,
+        max_model_gb=args.max_model_gb, max_tensors=args.max_tensors, insecure=args.insecure,
     )
 
 

@@ -1,0 +1,266 @@
+"""Every command written in a shipped config's header or in a README code block is exercised.
+
+`written_commands` reads them: the indented `#   ` lines of each configs/**/*.yaml header and the lines of the
+README's ```bash blocks, continuation lines joined. Each command is run here, in a cheap but real form, or is
+named in ELSEWHERE with the test file that runs it (checked to exist and to mention it; the test suite's own
+command is CI's). What the tests here prove:
+
+- A server command (`run_scripts/run_parameter_server.sh RUN.yaml ...`) runs as written, from a scratch directory
+  holding the token and TLS files it names, on a free PORT (replacing one the command sets); every node YAML of
+  its run then passes a dry-run join (preflight's check: protocol, credentials, mode, peers, experts per block
+  and the model manifest; nothing is registered). Before the server read the run's YAML, configs/diloco_1b's documented server refused its nodes.
+- A node command (`run_scripts/run_single_node.sh N`, with the header's CONFIG or CONFIG_DIR; node 0's of each
+  run) runs as written with `--preflight`, the server's address and credentials appended, against a server
+  started from its run's YAML: its `settings` check passes, so the node would be admitted. A centralized node's
+  preflight needs no server. (Its other checks, memory, disk and data of a 1B run, fail on this machine.)
+- Commands mapped in ELSEWHERE are only linked to a test that runs the same script or module, not always with
+  the same arguments (e.g. the README's 1B `spes.train` line: tests/test_train.py trains configs/tiny.yaml).
+- A launch command (`python -m spes.launch CONFIG`) runs as written for one step per peer on the test corpus and
+  ends with its summary; configs/upcycle_tiny.yaml's three commands (random dense model, upcycling, launch) run in
+  order, so its launch starts from the checkpoint the upcycling wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dist_helpers import _kill_group, _tail, child_env, run_logged
+from spes.config import load_config
+from spes.launch import free_port
+from spes.preflight import check_server, manifest
+from sync_helpers import write_pki
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "shipped-commands-secret"
+
+ELSEWHERE = {
+    "run_scripts/quickstart.sh": ("tests/test_eval.py", "quickstart.sh"),
+    "run_scripts/test.sh": (".ci/run", "run_scripts/test.sh"),
+    "eval_scripts/convert_to_hf.sh": ("tests/test_eval.py", "convert_to_hf.sh"),
+    "eval_scripts/eval_full.sh": ("tests/test_eval.py", "eval_full.sh"),
+    "-m spes.hf ": ("tests/test_hf.py", "hf.main("),
+    "-m spes.upcycle ": ("tests/test_upcycle.py", "upcycle.main("),
+    "-m spes.train ": ("tests/test_train.py", '"spes.train"'),
+    "build_default_corpus.py": ("tests/test_build_default_corpus.py", "build_default_corpus"),
+    "train_tokenizer.py": ("tests/test_tokenizer.py", "train_tokenizer"),
+    "tokenize_data.py": ("tests/test_tokenize_data.py", "tokenize_data"),
+    "list_processed_files.sh": ("tests/test_tokenize_data.py", "list_processed_files.sh"),
+    "AutoModelForCausalLM": ("tests/test_eval.py", "AutoModelForCausalLM"),
+    "tensorboard --logdir": ("tests/test_tracking.py", "tensorboard"),
+}
+"""Commands run by another test: a fragment of the command -> the test file that runs it and what it calls."""
+NOT_SPES = ("openssl ", "pip install", "import secrets")
+"""Commands of other tools, shown for the user's setup (certificates, a token, optional extras)."""
+
+
+def _logical_lines(lines: list[str]) -> list[str]:
+    """Lines with their `\\` continuations joined, comments and blanks dropped."""
+    joined, current = [], ""
+    for line in (line.strip() for line in lines):
+        if line.endswith("\\"):
+            current += line.removesuffix("\\").strip() + " "
+            continue
+        current += line
+        if current and not current.startswith("#"):
+            joined.append(re.sub(r"\s+#\s.*$", "", current).strip())
+        current = ""
+    return joined
+
+
+def written_commands() -> list[tuple[str, str]]:
+    """(where, command) for every command in a shipped config's header and in the README's bash blocks."""
+    found = []
+    for path in sorted((REPO / "configs").rglob("*.yaml")):
+        header = [line[4:] for line in path.read_text().splitlines() if re.match(r"#   \S|#     ", line)]
+        found += [(str(path.relative_to(REPO)), c) for c in _logical_lines(header)]
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    found += [("README.md", c) for block in blocks for c in _logical_lines(block.splitlines())]
+    return sorted(set(found))
+
+
+def kind(command: str) -> str:
+    for name in ("run_parameter_server.sh", "run_single_node.sh", "-m spes.launch "):
+        if name in command + " ":
+            return name
+    fragment = next((f for f in ELSEWHERE if f in command), None)
+    if fragment is not None:
+        return fragment
+    return "other tool" if any(n in command for n in NOT_SPES) else "unknown"
+
+
+COMMANDS = written_commands()
+
+
+def of_kind(name: str) -> list[str]:
+    return sorted({c for _, c in COMMANDS if kind(c) == name})
+
+
+def test_every_written_command_is_exercised() -> None:
+    assert len(COMMANDS) > 20
+    unknown = [f"{where}: {command}" for where, command in COMMANDS if kind(command) == "unknown"]
+    assert not unknown, "commands no test runs (add them to a test here or to ELSEWHERE):\n" + "\n".join(unknown)
+    for test, call in ELSEWHERE.values():
+        assert call in (REPO / test).read_text(), f"{test} does not run {call}"
+    assert of_kind("run_parameter_server.sh") and of_kind("run_single_node.sh") and of_kind("-m spes.launch ")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Running them
+
+
+@pytest.fixture
+def scratch(tmp_path: Path) -> Path:
+    """A directory to run the commands from: the repository's configs and scripts, a token and TLS files."""
+    for name in ("configs", "run_scripts"):
+        (tmp_path / name).symlink_to(REPO / name)
+    pki = write_pki(tmp_path)
+    assert Path(pki.ca) == tmp_path / "ca.crt" and pki.server["tls_cert"] == str(tmp_path / "server.crt")
+    token = tmp_path / "spes.token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    return tmp_path
+
+
+def credentials(scratch: Path, addr: str, secure: bool) -> list[str]:
+    """The node overrides the headers tell the user to set: the server's address and, off loopback, the token
+    and the CA."""
+    secrets = [f"--spes_config.token_file={scratch / 'spes.token'}", f"--spes_config.tls_ca={scratch / 'ca.crt'}"]
+    return [f"--spes_config.server_addr={addr}", *(secrets if secure else [])]
+
+
+def run_configs(config: str) -> list[str]:
+    """The YAML of every node of `config`'s run: its family's node files, or peer overrides of one file."""
+    path = REPO / config
+    if path.name.startswith("node_"):
+        return [str(p.relative_to(REPO)) for p in sorted(path.parent.glob("node_*.yaml"))]
+    return [f"{config} --spes_config.peer_id={p}" for p in range(load_config(path)[0].num_peers)]
+
+
+@contextlib.contextmanager
+def started(command: str, cwd: Path, log: Path, env: dict[str, str]) -> Iterator[None]:
+    """`bash -c command` in `cwd` until it logs that it listens; killed (its whole group) afterwards."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, text=True)
+    try:
+        deadline = time.time() + 90
+        while "listening" not in log.read_text():
+            if proc.poll() is not None or time.time() > deadline:
+                raise AssertionError(f"{command} did not start; log:\n{_tail(log)}")
+            time.sleep(0.2)
+        yield
+    finally:
+        _kill_group(proc)
+
+
+def config_of(command: str) -> str:
+    """The node YAML a run_single_node.sh / run_parameter_server.sh / spes.launch command runs."""
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
+    yaml = next((w for w in words if w.endswith(".yaml") and "=" not in w), None)
+    if yaml is not None:
+        return yaml
+    node = words[words.index(next(w for w in words if w.endswith("run_single_node.sh"))) + 1]
+    return env.get("CONFIG") or f"{env.get('CONFIG_DIR', 'configs/spes_1b')}/node_{node}.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", of_kind("run_parameter_server.sh"))
+def test_server_commands_admit_every_node_of_their_run(command: str, scratch: Path) -> None:
+    port = free_port()
+    command = re.sub(r"\bPORT=\d+", f"PORT={port}", command)
+    with started(command, scratch, scratch / "server.log", child_env(PORT=str(port), PYTHON=sys.executable)):
+        addr = f"localhost:{port}"
+        for node in run_configs(config_of(command)):
+            path, *peer = node.split()
+            cfg, _ = load_config(REPO / path, [*peer, *credentials(scratch, addr, "--tls_cert" in command)])
+            shapes, trainable = manifest(cfg)
+            checks, client = check_server(cfg, shapes, trainable)
+            if client is not None:
+                client.close()
+            assert [c.status for c in checks] == ["ok", "ok"], f"{node}: {[c.detail for c in checks]}"
+
+
+def node_command(command: str) -> str:
+    """A node command made concrete: `<peer>` is node 0, a `<the same flags>` placeholder is dropped."""
+    return re.sub(r"\s*<the same flags>", "", command.replace("<peer>", "0"))
+
+
+def one_per_run(commands: list[str]) -> list[str]:
+    """Node 0's command of each run: the other nodes' differ only in the node number, and the server test already
+    dry-joins every node."""
+    runs = {re.sub(r"run_single_node\.sh \d+", "run_single_node.sh N", c): c for c in reversed(commands)}
+    return sorted(runs.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", one_per_run(of_kind("run_single_node.sh")))
+def test_node_commands_pass_the_preflight_settings_check(command: str, scratch: Path) -> None:
+    config = config_of(node_command(command))
+    cfg, _ = load_config(REPO / config)
+    port = free_port()
+    secure = Path(config).name.startswith("node_")  # a multi-node run's server, as its header starts it
+    server = f"{shlex.quote(sys.executable)} -m spes.server {config} --host 127.0.0.1 --port {port}"
+    server += " --token_file spes.token --tls_cert server.crt --tls_key server.key" if secure else ""
+    env = child_env(PYTHON=sys.executable, NPROC_PER_NODE="1")
+    extra = ["--preflight", "--link_mb=1", *credentials(scratch, f"localhost:{port}", secure)]
+    node = f"{node_command(command)} {shlex.join(extra)}"
+    with contextlib.ExitStack() as stack:
+        if cfg.sync_enabled:
+            stack.enter_context(started(server, scratch, scratch / "server.log", env))
+        proc = run_logged(["bash", "-c", f"cd {shlex.quote(str(scratch))} && {node}"], scratch / "node.log",
+                          timeout=240, env=env)
+    lines = {line.split()[1]: line for line in proc.stdout.splitlines() if re.match(r"(ok|FAIL|skip)\s+\w", line)}
+    if cfg.sync_enabled:
+        assert lines.get("settings", "").startswith("ok "), proc.stdout[-3000:]
+    else:
+        assert lines.get("server", "").startswith("skip") and "no parameter server" in lines["server"], proc.stdout
+
+
+def run_python(command: str, scratch: Path, *extra: str, timeout: float = 380) -> subprocess.CompletedProcess[str]:
+    """A `python -m ...` command as written (with this interpreter), `extra` appended, run in `scratch`."""
+    words = shlex.split(command)
+    proc = subprocess.run([sys.executable, *words[words.index("-m"):], *extra], cwd=scratch, env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc
+
+
+def one_step(corpus) -> list[str]:  # type: ignore[no-untyped-def]
+    """Launch overrides for one step per peer on the test corpus, nothing evaluated or saved."""
+    return ["--", f"--tokenizer.identifier={corpus.tokenizer}", f"--data.paths=[{corpus.train}]",
+            "--data.validation_paths=[]", "--max_duration=1st", "--spes_config.sync_steps=1", "--eval_interval=null",
+            "--save_interval=null"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("command", [c for c in of_kind("-m spes.launch ") if "upcycle" not in c])
+def test_launch_commands_run(command: str, scratch: Path, tiny_corpus) -> None:
+    proc = run_python(command, scratch, "--out", str(scratch / "run"), "--timeout", "360", *one_step(tiny_corpus))
+    assert "SPES run summary" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_upcycle_tiny_header_runs_in_order(scratch: Path, tiny_corpus) -> None:
+    """Make a random dense model, upcycle it into the run's load_path, launch the run from it."""
+    header = [c for where, c in COMMANDS if where == "configs/upcycle_tiny.yaml"]
+    make_dense = next(c for c in header if "--make_random_dense" in c)
+    upcycle = next(c for c in header if "spes.upcycle" in c and "--out" in c)
+    launch = next(c for c in header if "spes.launch" in c)
+    tokenizer = f"--tokenizer.identifier={tiny_corpus.tokenizer}"
+    run_python(make_dense, scratch, tokenizer)
+    assert "equals the dense model at step 0" in run_python(upcycle, scratch, tokenizer).stdout
+    assert "SPES run summary" in run_python(launch, scratch, "--timeout", "360", *one_step(tiny_corpus)).stdout
