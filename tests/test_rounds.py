@@ -1,4 +1,4 @@
-"""The round rules without sockets: admission, dead-peer policy, download readiness, and `build_global`."""
+"""The round rules without sockets: admission, dead-peer policy, download readiness, and `build_global` under quorum."""
 
 from __future__ import annotations
 
@@ -10,24 +10,22 @@ from sync_helpers import peer_upload, tiny_manifest
 from spes.sync.merge import (
     MergeConfig,
     OuterConfig,
-    aggregate_round,
+    build_global,
     merge_experts,
     mean_over_peers,
     outer_nesterov_step,
     parse_expert_block,
 )
 from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import PROTOCOL_VERSION, Refused
 from spes.sync.rounds import (
-    Refused,
     RoundPolicy,
     RoundState,
-    build_global,
     check_join,
     check_manifest,
     expert_owners,
     manifest_differences,
 )
-from spes.sync.wire import PROTOCOL_VERSION
 
 MANIFEST = tiny_manifest()
 NAMES = list(MANIFEST)
@@ -152,14 +150,16 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 
 @pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
-def test_build_global_with_every_peer_equals_aggregate_round(step: int) -> None:
-    want = aggregate_round(uploads_for([0, 1], step), num_peers=2, experts_per_peer=2, mode="spes", step=step,
-                           merge=MERGE)
+def test_consuming_build_global_equals_the_copying_one(step: int) -> None:
+    want = build_global(uploads_for([0, 1], step), num_peers=2, experts_per_peer=2, mode="spes", step=step,
+                        merge=MERGE).tensors
     uploads = uploads_for([0, 1], step)
-    got, momentum = build_global(uploads, names=NAMES, previous={}, momentum={}, num_peers=2, experts_per_peer=2,
-                                 mode="spes", step=step, merge=MERGE, outer=NO_OUTER)
-    assert_same(got, want)
-    assert momentum == {} and all(not upload for upload in uploads.values())  # consumed tensor by tensor
+    got = build_global(uploads, names=NAMES, num_peers=2, experts_per_peer=2, mode="spes", step=step, merge=MERGE,
+                       outer=NO_OUTER, consume=True)
+    assert_same(got.tensors, want)
+    assert list(got.tensors) == NAMES and got.momentum == {}
+    assert all(not upload for upload in uploads.values())  # consumed tensor by tensor
+    assert got.alpha == (0.5 * (1 - step / 100) if step % 10 == 0 else 0.0)
 
 
 def test_build_global_diloco_nesterov_over_rounds_equals_the_pure_functions() -> None:
@@ -170,17 +170,19 @@ def test_build_global_diloco_nesterov_over_rounds_equals_the_pure_functions() ->
     want_global: dict = {}
     want_momentum: dict = {}
     for step in (1, 2, 3):
-        mean = aggregate_round(uploads_for([0, 1, 2], step, manifest, "diloco"), num_peers=3, experts_per_peer=2,
-                               mode="diloco", step=step)
+        mean = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), num_peers=3, experts_per_peer=2,
+                            mode="diloco", step=step).tensors
         if want_global:
             want_global, want_momentum = outer_nesterov_step(want_global, mean, want_momentum, lr=0.7, momentum=0.9)
         else:
             want_global = mean
-        previous, momentum = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), names=list(manifest),
-                                          previous=previous, momentum=momentum, num_peers=3, experts_per_peer=2,
-                                          mode="diloco", step=step, merge=MERGE, outer=outer)
+        built = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), names=list(manifest),
+                             previous=previous, momentum=momentum, num_peers=3, experts_per_peer=2,
+                             mode="diloco", step=step, merge=MERGE, outer=outer, consume=True)
+        previous, momentum = built.tensors, built.momentum
         assert_same(previous, want_global)
         assert_same(momentum, want_momentum)
+        assert built.alpha == 0.0  # no merge in DiLoCo mode
 
 
 @pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
@@ -189,8 +191,8 @@ def test_quorum_averages_the_arrived_and_keeps_a_missing_owners_experts(step: in
     names = list(manifest)
     previous = {n: torch.randn(s) for n, s in manifest.items()}
     arrived = uploads_for([0, 2], step, manifest)
-    got, _ = build_global(uploads_for([0, 2], step, manifest), names=names, previous=previous, momentum={},
-                          num_peers=3, experts_per_peer=2, mode="spes", step=step, merge=MERGE, outer=NO_OUTER)
+    got = build_global(uploads_for([0, 2], step, manifest), names=names, previous=previous, num_peers=3,
+                       experts_per_peer=2, mode="spes", step=step, merge=MERGE, consume=True).tensors
     assert sorted(got) == sorted(names)
     for name in names:
         parsed = parse_expert_block(name)

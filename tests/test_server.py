@@ -25,11 +25,12 @@ from test_client import NO_MERGE, check_round, joined_clients
 from spes.moe import parse_expert_block
 from spes.sync import wire
 from spes.sync.client import SyncClient, SyncError
-from spes.sync.merge import MergeConfig, Mode, aggregate_round, trainable_names
+from spes.sync.merge import MergeConfig, Mode, build_global, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.server import ServerConfig, build_parser, config_from_args, manifest_of_run, start_server
-from spes.sync.wire import PROTOCOL_VERSION, checksum, encode_tensors
+from spes.sync.protocol import PROTOCOL_VERSION
+from spes.sync.wire import checksum, encode_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = tiny_manifest()
@@ -613,7 +614,7 @@ def test_bf16_rounds_sum_their_fp32_means_into_kept_buffers() -> None:
             uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
             wire = {p: {n: t.bfloat16() for n, t in up.items()} for p, up in uploads.items()}
-            want = aggregate_round(wire, num_peers=2, experts_per_peer=2, mode="spes", step=step)
+            want = build_global(wire, num_peers=2, experts_per_peer=2, mode="spes", step=step).tensors
             for peer, (got, _) in results.items():
                 for name, tensor in got.items():
                     torch.testing.assert_close(tensor, want[name].bfloat16(), rtol=0, atol=0)

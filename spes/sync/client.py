@@ -38,15 +38,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spes.sync import transport
 from spes.sync.admission import PEER_KEY, SESSION_KEY
-from spes.sync.merge import Mode, download_names
+from spes.sync.merge import download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.wire import PROTOCOL_VERSION, REASON_KEY, TensorDecoder, encode_tensors, grpc_options, read_file, \
+from spes.sync.protocol import PROTOCOL_VERSION, REASON_KEY, Manifest, Mode, Reason, SyncError, classify
+from spes.sync.wire import TensorDecoder, encode_tensors, grpc_options, read_file, \
     wire_torch_dtype
 
 log = logging.getLogger("spes.client")
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 MAX_RECOVERIES = 4
@@ -55,37 +55,14 @@ PRESENCE_RETRY_S = 1.0
 """A joined client keeps a presence stream open (see `spes.sync.admission`), reopened this soon after it breaks."""
 PRESENCE_WAIT_S = 5.0
 """How long a join waits for the server to have seen its presence stream (then a close is seen as one)."""
-RETRY_REASONS = frozenset({"corrupt", "busy", "duplicate_peer"})
-"""Refusals worth the same request again later: damaged bytes, a server at its stream limits, and a peer id
-still held by a process that may have died (admitted once it has been silent for --peer_liveness)."""
 T = TypeVar("T")
 DataPlane = Literal["auto", "grpc", "tcp"]
-
-
-class SyncError(RuntimeError):
-    """A synchronization RPC failed; `code` is the gRPC status (None for client-side checks).
-
-    `reason` is the server's machine-readable `spes-reason` ('' if none, see protos/spes.proto);
-    `retryable` says whether sending the same request again may succeed.
-    """
-
-    def __init__(
-        self, message: str, code: grpc.StatusCode | None = None, *, reason: str = "", retryable: bool = False
-    ) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.retryable = code, reason, retryable
 
 
 def failure_of(what: str, err: grpc.RpcError) -> SyncError:
     """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed."""
     reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
     return classify(what, err.code(), err.details(), reason)
-
-
-def classify(what: str, code: grpc.StatusCode, details: str, reason: str) -> SyncError:
-    """A refusal from either plane as a SyncError: transient codes and corrupt bytes are retryable."""
-    retryable = (code in RETRYABLE and reason != "round_timeout") or reason in RETRY_REASONS
-    return SyncError(f"{what} failed ({code.name}): {details}", code, reason=reason, retryable=retryable)
 
 
 def refusal_of(what: str, frame: transport.Frame) -> SyncError:
@@ -206,7 +183,7 @@ class SyncClient:
         else:
             self._channel = grpc.insecure_channel(server_addr, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
-        self._manifest: dict[str, tuple[int, ...]] | None = None
+        self._manifest: Manifest | None = None
         self._trainable: list[str] = []
         self._join_request: pb.JoinRequest | None = None
         self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
@@ -242,7 +219,7 @@ class SyncClient:
         )
         if not reply.dry_run:
             raise SyncError("the server predates preflight and took this dry join as a real Join (it now counts "
-                            f"peer {self.peer_id} as joined)", grpc.StatusCode.FAILED_PRECONDITION, reason="old_server")
+                            f"peer {self.peer_id} as joined)", grpc.StatusCode.FAILED_PRECONDITION, reason=Reason.OLD_SERVER)
         self._use_data_plane(reply)
         return reply.manifest_checked
 
@@ -289,7 +266,7 @@ class SyncClient:
             sent, (info, downloaded, received) = self._retrying("sync", exchange, deadline=deadline,
                                                                 recover=self._recover)
         except SyncError as err:
-            if err.reason != "stale_round":
+            if err.reason != Reason.STALE_ROUND:
                 raise
             log.warning("peer %d is behind the run (%s): loading the latest global model", self.peer_id, err)
             sent, (info, downloaded, received), caught_up = 0, self._latest(step, manifest, deadline), True
@@ -362,7 +339,7 @@ class SyncClient:
         self.close()
 
     # -- transfers ----------------------------------------------------------------------------
-    def _request(self, shapes: dict[str, tuple[int, ...]], trainable: list[str], *, dry_run: bool) -> pb.JoinRequest:
+    def _request(self, shapes: Manifest, trainable: list[str], *, dry_run: bool) -> pb.JoinRequest:
         unknown = [n for n in trainable if n not in shapes]
         if unknown:
             raise ValueError(f"trainable names not in the manifest: {unknown[:5]}")
@@ -435,7 +412,7 @@ class SyncClient:
         return sent
 
     def _download(
-        self, step: int, manifest: dict[str, tuple[int, ...]], timeout: float, *, full: bool
+        self, step: int, manifest: Manifest, timeout: float, *, full: bool
     ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
         """One download attempt: RoundInfo, then exactly the announced tensors, validated."""
         if self._data_port:
@@ -461,7 +438,7 @@ class SyncClient:
             responses.cancel()
         return info, {name: tensors[name] for name in names}, decoder.bytes_received
 
-    def _check_info(self, step: int, info: pb.RoundInfo, manifest: dict[str, tuple[int, ...]], *, full: bool
+    def _check_info(self, step: int, info: pb.RoundInfo, manifest: Manifest, *, full: bool
                     ) -> list[str]:
         """The names the server announced, which must be exactly those this peer expects for round `step`."""
         names = list(info.names)
@@ -552,7 +529,7 @@ class SyncClient:
         return sent
 
     def _download_tcp(
-        self, step: int, manifest: dict[str, tuple[int, ...]], timeout: float, *, full: bool
+        self, step: int, manifest: Manifest, timeout: float, *, full: bool
     ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
         sock = self._data_connection("download", step, timeout, full=full)
         what = f"download of round {step}"
@@ -573,7 +550,7 @@ class SyncClient:
         return info, {name: tensors[name] for name in names}, decoder.bytes_received
 
     def _latest(
-        self, step: int, manifest: dict[str, tuple[int, ...]], deadline: float
+        self, step: int, manifest: Manifest, deadline: float
     ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
         """Every tensor of the server's latest completed round, for a peer at `step` that fell behind."""
         latest = self.status().current_round
@@ -592,22 +569,22 @@ class SyncClient:
 
     def _recover(self, failure: SyncError) -> bool:
         """React to what the server said: join again after a restart, upload again when it lost the round."""
-        if failure.reason == "not_joined":
+        if failure.reason == Reason.NOT_JOINED:
             log.warning("the server does not know peer %d (restarted?): joining again", self.peer_id)
             self._join()
             return True
-        if failure.reason == "unknown_round":
+        if failure.reason == Reason.UNKNOWN_ROUND:
             log.warning("the server holds no upload of peer %d for this round: uploading again", self.peer_id)
             return True
         return False
 
     # -- helpers ------------------------------------------------------------------------------
-    def _require_joined(self) -> dict[str, tuple[int, ...]]:
+    def _require_joined(self) -> Manifest:
         if self._manifest is None:
             raise SyncError("call join(manifest, trainable) before sync()")
         return self._manifest
 
-    def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: dict[str, tuple[int, ...]]) -> None:
+    def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
         missing = [n for n in self._trainable if n not in tensors]
         extra = [n for n in tensors if n not in set(self._trainable)]
         if missing or extra:

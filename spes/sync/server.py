@@ -1,7 +1,7 @@
 """The SPES parameter server: the gRPC shell that moves tensors between peers and runs the round math.
 
 Each round (keyed by the global step) collects one verified upload per peer, builds the global model with
-`spes.sync.rounds.build_global` (SPES round or DiLoCo average, outer optimizer, quorum) on its own thread,
+`spes.sync.merge.build_global` (SPES round or DiLoCo average, outer optimizer, quorum) on its own thread,
 persists it under `--state_dir` and serves it to every peer. The round rules live in `spes.sync.rounds`,
 persistence in `spes.sync.state`; the handlers here only validate, move bytes and wait on one condition.
 
@@ -50,27 +50,23 @@ from spes.sync.auth import (
 )
 from spes.sync.buffers import BufferPool
 from spes.sync.admission import SESSION_KEY, UNARY_RESERVE, GuardedHealth, Sessions, StreamGuard, Ticket
-from spes.sync.merge import MergeConfig, Mode, OuterConfig, download_names
+from spes.sync.merge import MergeConfig, OuterConfig, build_global, download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.protocol import REASON_KEY, Mode, Reason, Refused, Shape, Tensors
 from spes.sync.rounds import (
     MAX_MODEL_GB,
     MAX_TENSORS,
     DeadPeerPolicy,
-    Refused,
     RoundPolicy,
     RoundState,
-    Shape,
-    Tensors,
-    build_global,
     check_join,
     expert_owners,
     manifest_differences,
-    round_merge_alpha,
 )
 from spes.sync import transport
 from spes.sync.state import SavedRound, load_round, save_round
-from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder, \
+from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, CorruptChunk, EncodedModel, TensorDecoder, \
     VerifiedChecksums, encode_tensors, grpc_options, read_file, wire_torch_dtype
 
 if TYPE_CHECKING:
@@ -359,7 +355,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             return None
         except ValueError as exc:
             self._pool.give(buffers.values())
-            reason = "corrupt" if isinstance(exc, CorruptChunk) else ""
+            reason = Reason.CORRUPT if isinstance(exc, CorruptChunk) else Reason.NONE
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}",
                           reason) from None
         finally:
@@ -384,16 +380,16 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def _aggregate(self, step: int, uploads: dict[int, Tensors]) -> None:
         """Build, persist and publish round `step`, then wake the waiting downloads."""
         cfg, start = self.cfg, time.perf_counter()
-        alpha = round_merge_alpha(step, cfg.mode, cfg.merge)
         with self._cond:  # NOTE: only this thread replaces these, in `complete` below.
             previous, momentum, peers = self.state.global_model, self.state.outer_momentum, set(self.state.uploaded)
             manifest = dict(self._manifest or {})
         received = [t for upload in uploads.values() for t in upload.values()]
         try:
-            global_model, new_momentum = build_global(
-                uploads, names=list(manifest), previous=previous, momentum=momentum, num_peers=cfg.total_peers,
-                experts_per_peer=cfg.experts_per_peer, mode=cfg.mode, step=step, merge=cfg.merge, outer=cfg.outer,
-                empty=self._pool.take)
+            built = build_global(
+                uploads, num_peers=cfg.total_peers, experts_per_peer=cfg.experts_per_peer, mode=cfg.mode, step=step,
+                merge=cfg.merge, outer=cfg.outer, names=list(manifest), previous=previous, momentum=momentum,
+                consume=True, empty=self._pool.take)
+            global_model, new_momentum, alpha = built.tensors, built.momentum, built.alpha
             del uploads, previous, momentum
             self._pool.give(received, keep=[*global_model.values(), *new_momentum.values()])  # merged or converted
             del received
@@ -533,7 +529,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             log.warning("refused a data-plane connection: missing or wrong token")
             transport.close_after_error(sock, transport.error_frame(
                 "UNAUTHENTICATED", "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared "
-                "secret", "unauthenticated"))
+                "secret", Reason.UNAUTHENTICATED))
             return
         op, peer, step = hello.get("op"), hello.get("peer_id"), hello.get("step")
         if op == "ping":  # a client checking at join that this port is reachable from where it runs
@@ -631,7 +627,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         """The peer's Join record (caller holds the lock); refuses peers that have not joined."""
         if peer not in self._peers or self._manifest is None:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"peer {peer} has not joined this server: call Join first", "not_joined")
+                          f"peer {peer} has not joined this server: call Join first", Reason.NOT_JOINED)
         return self._peers[peer], self._manifest
 
     def presence(self, peer: int, session: str, address: str) -> Callable[[], None]:

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, PROTOCOL_VERSION, Encoded, TensorDecoder, payload_bytes, \
+from spes.sync.protocol import PROTOCOL_VERSION, Reason
+from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, Encoded, TensorDecoder, payload_bytes, \
     read_file, write_raw
 
 log = logging.getLogger("spes.transport")
@@ -310,7 +311,7 @@ class DataPlaneListener:
             if self._tls is None:
                 conn.settimeout(0.1)
                 send_frame(conn, error_frame("RESOURCE_EXHAUSTED", "too many data-plane connections: retry "
-                                             "shortly", "busy"))
+                                             "shortly", Reason.BUSY))
         except OSError:
             pass
         finally:

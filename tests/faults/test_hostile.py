@@ -30,7 +30,7 @@ from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.server import manifest_of_run
-from spes.sync.wire import PROTOCOL_VERSION
+from spes.sync.protocol import PROTOCOL_VERSION
 
 PEERS = 2
 MANIFEST = tiny_manifest()
