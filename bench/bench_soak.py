@@ -187,7 +187,7 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
         counts_path = workdir / "chaos.json"
         if not attack:
             counts_path.write_text("{}")
-        chaos_proc = None if not attack else subprocess.Popen([sys.executable, __file__, "--chaos", addr, str(clients[0]._data_port),
+        chaos_proc = None if not attack else subprocess.Popen([sys.executable, __file__, "--chaos", addr, str(clients[0].plane.port),
                                        str(counts_path)], cwd=REPO_ROOT)
         while not counts_path.exists():
             if chaos_proc is not None and chaos_proc.poll() is not None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 
-from spes.sync import transport
+from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError, backoff_s
 from spes.sync.merge import (
     MergeConfig,
@@ -167,7 +167,7 @@ def test_wrong_or_missing_token_is_unauthenticated() -> None:
                 with pytest.raises(SyncError) as err:
                     client.status()
                 assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
-        assert server.servicer.state.snapshot().completed_round is None and not server.servicer._peers
+        assert server.service.state.snapshot().completed_round is None and not server.service.peers
         with joined_clients(addr, manifest, token=TOKEN) as clients:
             uploads = {p: peer_upload(manifest, p, "spes", seed=2) for p in range(2)}
             assert sync_all(clients, 1, uploads)[0][1].round == 1
@@ -208,11 +208,11 @@ def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: s
             with pytest.raises(SyncError) as err:
                 impostor.join(manifest, trainable_names(list(manifest), 1, "spes"))
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "'peer-1'" in str(err.value)
-        context = transport.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
-        with transport.connect("127.0.0.1", server.data_port, context, 5) as sock:  # the data plane checks too
-            transport.send_hello(sock, {"op": "upload", "peer_id": 1, "step": 2, "token": TOKEN})
-            assert transport.recv_frame(sock)["code"] == "PERMISSION_DENIED"
-        assert server.servicer.state.snapshot().open_round is None
+        context = plane_tcp.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
+        with plane_tcp.connect("127.0.0.1", server.data_port, context, 5) as sock:  # the data plane checks too
+            plane_tcp.send_hello(sock, {"op": "upload", "peer_id": 1, "step": 2, "token": TOKEN})
+            assert plane_tcp.recv_frame(sock)["code"] == "PERMISSION_DENIED"
+        assert server.service.state.snapshot().open_round is None
     with pytest.raises(ValueError, match="--tls_peer_ids .* needs mutual TLS"):
         ServerConfig(total_peers=2, experts_per_peer=2, tls_peer_ids=True)
 

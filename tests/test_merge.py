@@ -248,3 +248,77 @@ def test_config_validation() -> None:
         MergeConfig(decay_steps=0)
     with pytest.raises(ValueError, match="outer optimizer"):
         OuterConfig(optimizer="adam")  # type: ignore[arg-type]
+
+
+QUORUM_MANIFEST = tiny_manifest()
+QUORUM_MERGE = MergeConfig(interval=10, alpha_start=0.5, decay_steps=100, topk=2)
+
+
+def uploads_for(peers: list[int], seed: int, manifest: dict = QUORUM_MANIFEST, mode: str = "spes") -> dict:
+    return {p: peer_upload(manifest, p, mode, seed) for p in peers}  # type: ignore[arg-type]
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
+def test_consuming_build_global_equals_the_copying_one(step: int) -> None:
+    want = build_global(uploads_for([0, 1], step), num_peers=2, experts_per_peer=2, mode="spes", step=step,
+                        merge=QUORUM_MERGE).tensors
+    uploads = uploads_for([0, 1], step)
+    got = build_global(uploads, names=list(QUORUM_MANIFEST), num_peers=2, experts_per_peer=2, mode="spes", step=step, merge=QUORUM_MERGE,
+                       consume=True)
+    assert_same(got.tensors, want)
+    assert list(got.tensors) == list(QUORUM_MANIFEST) and got.momentum == {}
+    assert all(not upload for upload in uploads.values())  # consumed tensor by tensor
+    assert got.alpha == (0.5 * (1 - step / 100) if step % 10 == 0 else 0.0)
+
+
+def test_build_global_diloco_nesterov_over_rounds_equals_the_pure_functions() -> None:
+    manifest = tiny_manifest(num_blocks=1)
+    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+    previous: dict = {}
+    momentum: dict = {}
+    want_global: dict = {}
+    want_momentum: dict = {}
+    for step in (1, 2, 3):
+        mean = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), num_peers=3, experts_per_peer=2,
+                            mode="diloco", step=step).tensors
+        if want_global:
+            want_global, want_momentum = outer_nesterov_step(want_global, mean, want_momentum, lr=0.7, momentum=0.9)
+        else:
+            want_global = mean
+        built = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), names=list(manifest),
+                             previous=previous, momentum=momentum, num_peers=3, experts_per_peer=2,
+                             mode="diloco", step=step, merge=QUORUM_MERGE, outer=outer, consume=True)
+        previous, momentum = built.tensors, built.momentum
+        assert_same(previous, want_global)
+        assert_same(momentum, want_momentum)
+        assert built.alpha == 0.0  # no merge in DiLoCo mode
+
+
+@pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
+def test_quorum_averages_the_arrived_and_keeps_a_missing_owners_experts(step: int) -> None:
+    manifest = tiny_manifest(num_blocks=3)
+    names = list(manifest)
+    previous = {n: torch.randn(s) for n, s in manifest.items()}
+    arrived = uploads_for([0, 2], step, manifest)
+    got = build_global(uploads_for([0, 2], step, manifest), names=names, previous=previous, num_peers=3,
+                       experts_per_peer=2, mode="spes", step=step, merge=QUORUM_MERGE, consume=True).tensors
+    assert sorted(got) == sorted(names)
+    for name in names:
+        parsed = parse_expert_block(name)
+        if parsed is None:
+            assert torch.equal(got[name], mean_over_peers([arrived[0][name], arrived[2][name]])), name
+    for layer in range(2):
+        prefix = f"blocks.{layer}.ffn.experts"
+        source = {0: arrived[0], 1: previous, 2: arrived[2]}
+        stacked = [torch.cat([source[b][f"{prefix}.{kind}.{b}"] for b in range(3)]) for kind in ("w1", "v1", "w2")]
+        alpha = 0.5 * (1 - step / 100) if step % 10 == 0 else 0.0
+        merged = merge_experts(*stacked, alpha=alpha, topk=2)
+        for kind, full in zip(("w1", "v1", "w2"), merged, strict=True):
+            for b, part in enumerate(full.split(2)):
+                assert torch.equal(got[f"{prefix}.{kind}.{b}"], part), (kind, b)

@@ -2,23 +2,30 @@
 
 Everything both ends must agree on, and nothing that moves bytes: the protocol version, the wire dtypes, the
 machine-readable reasons a refusal carries (trailing metadata `spes-reason` over gRPC, the error frame's
-`reason` over the raw-TCP data plane), the errors on either side, and the type aliases of the sync wing.
+`reason` over the raw-TCP data plane), the errors on either side, the type aliases of the sync wing, and the
+`Plane` interface both transports implement.
 protos/spes.proto describes the messages themselves.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Literal, Protocol
 
 import grpc
 import torch
+
+from spes.sync.proto import spes_pb2 as pb
 
 PROTOCOL_VERSION = 3  # 3: XXH3-64 checksums; 2: CRC-32C; before it (unversioned): zlib CRC-32
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtypes a peer may use on the wire (both directions), by their wire name."""
 REASON_KEY = "spes-reason"
 """The gRPC trailing-metadata key that carries a refusal's `Reason`."""
+PROBE_MAX_BYTES = 256 << 20
+"""Most bytes a link test (`python -m spes.preflight`, either plane) moves each way."""
+PROBE_CHUNK_BYTES = 1 << 20
 
 Mode = Literal["spes", "diloco"]
 """The run modes that meet a parameter server (`spes.config.RunMode` less `centralized`)."""
@@ -101,3 +108,29 @@ def classify(what: str, code: grpc.StatusCode, details: str, reason: str) -> Syn
     known = reason_of(reason)
     retryable = (code in RETRYABLE_CODES and known != Reason.ROUND_TIMEOUT) or known in RETRY_REASONS
     return SyncError(f"{what} failed ({code.name}): {details}", code, reason=known, retryable=retryable)
+
+
+class Plane(Protocol):
+    """How a client's tensor payloads travel to and from the server: `spes.sync.plane_grpc.GrpcPlane` (gRPC
+    streams) or `spes.sync.plane_tcp.TcpPlane` (the raw-TCP data plane). Same rounds, same checks, same reasons:
+    every failure is a `SyncError`, retryable when sending the same request again may succeed."""
+
+    name: str
+    """"grpc" or "tcp"."""
+
+    def upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> tuple[int, bool]:
+        """Send this peer's upload of round `step`: (payload bytes sent, whether the server already had it)."""
+        ...
+
+    def download(self, step: int, timeout: float, *, full: bool, expect: Callable[[pb.RoundInfo], Manifest],
+                 into: dict[str, torch.Tensor] | None) -> tuple[pb.RoundInfo, Tensors, int]:
+        """Wait for round `step` and receive it: (its RoundInfo, the tensors, payload bytes received).
+
+        `expect(info)` checks the announced round and returns the name -> shape of the tensors that must follow;
+        `into` holds buffers to receive into (kept from round to round), or None.
+        """
+        ...
+
+    def probe(self, num_bytes: int) -> tuple[float, float]:
+        """Link test: (seconds to send `num_bytes`, seconds to receive as many back); counted nowhere."""
+        ...

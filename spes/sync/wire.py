@@ -10,7 +10,7 @@ manifest expects and only copies validated bytes into it.
     tensors = decode_tensors(chunks, {"w": (4, 8)}, "bf16")  # receiver: checked tensors
 
 `TensorDecoder` is the incremental form used by the gRPC handlers (one `feed` per chunk) and, with
-`feed_raw`, by the raw-TCP data plane (`spes.sync.transport`), so both share the same header checks. The transport
+`feed_raw`, by the raw-TCP data plane (`spes.sync.plane_tcp`), so both share the same header checks. The transport
 settings both ends share live here too: gRPC channel options and reading the PEM/secret files.
 """
 
