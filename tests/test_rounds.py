@@ -130,7 +130,7 @@ def test_check_download_ready_wait_or_refused() -> None:
 
 
 def join(peer: int, **overrides: object) -> pb.JoinRequest:
-    fields: dict = {"peer_id": peer, "total_peers": 2, "experts_per_peer": 2, "mode": "spes", "wire_dtype": "fp32",
+    fields: dict = {"peer_id": peer, "num_peers": 2, "experts_per_peer": 2, "mode": "spes", "wire_dtype": "fp32",
                     "manifest": [pb.TensorSpec(name=n, shape=s) for n, s in MANIFEST.items()],
                     "trainable": trainable_names(NAMES, peer, "spes"),
                     "protocol": PROTOCOL_VERSION}

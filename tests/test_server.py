@@ -51,7 +51,7 @@ def join_request(
         trainable = trainable_names(list(manifest), peer, mode)
     return pb.JoinRequest(
         peer_id=peer,
-        total_peers=total,
+        num_peers=total,
         experts_per_peer=k,
         mode=mode,
         wire_dtype=wire,

@@ -80,7 +80,7 @@ class ServerStatus:
 
     current_round: int
     open_round: int
-    total_peers: int
+    num_peers: int
     peers_joined: tuple[int, ...]
     peers_uploaded: tuple[int, ...]
     bytes_in: int
@@ -282,7 +282,7 @@ class SyncClient:
         return ServerStatus(
             current_round=reply.current_round,
             open_round=reply.open_round,
-            total_peers=reply.total_peers,
+            num_peers=reply.num_peers,
             peers_joined=tuple(reply.peers_joined),
             peers_uploaded=tuple(reply.peers_uploaded),
             bytes_in=reply.bytes_in,
@@ -335,7 +335,7 @@ class SyncClient:
             raise ValueError(f"trainable names not in the manifest: {unknown[:5]}")
         return pb.JoinRequest(
             peer_id=self.peer_id,
-            total_peers=self.num_peers,
+            num_peers=self.num_peers,
             experts_per_peer=self.experts_per_peer,
             mode=self.mode,
             wire_dtype=self.wire_dtype,

@@ -352,7 +352,7 @@ class Coordinator:
             return pb.StatusReply(
                 current_round=_or_minus_one(snap.completed_round),
                 open_round=_or_minus_one(snap.open_round),
-                total_peers=self.num_peers,
+                num_peers=self.num_peers,
                 peers_joined=sorted(self.peers),
                 peers_uploaded=snap.uploaded_peers,
                 bytes_in=self._bytes_in,

@@ -290,8 +290,8 @@ def check_join(
         )
     if not 0 <= peer < num_peers:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer_id {peer} is outside [0, {num_peers}) for this run")
-    for what, theirs, ours in (
-        ("total_peers", request.total_peers, num_peers),
+    for what, theirs, ours in (  # NOTE: named as the server's flags name them (--total_peers)
+        ("total_peers", request.num_peers, num_peers),
         ("num_train_experts_per_node", request.experts_per_peer, experts_per_peer),
         ("mode", request.mode, mode),
     ):

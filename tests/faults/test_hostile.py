@@ -212,7 +212,7 @@ def test_declared_sizes_and_counts_past_every_limit(run: Run) -> None:
     stub = pb_grpc.ParameterServerStub(run.probe)
 
     def join(manifest: dict[str, tuple[int, ...]]) -> grpc.RpcError:
-        request = pb.JoinRequest(peer_id=1, total_peers=PEERS, experts_per_peer=2, mode="spes", wire_dtype="fp32",
+        request = pb.JoinRequest(peer_id=1, num_peers=PEERS, experts_per_peer=2, mode="spes", wire_dtype="fp32",
                                  manifest=[pb.TensorSpec(name=n, shape=s) for n, s in manifest.items()],
                                  trainable=trainable_names(list(manifest), 1, "spes"), protocol=PROTOCOL_VERSION)
         with pytest.raises(grpc.RpcError) as err:
