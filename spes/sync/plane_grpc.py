@@ -12,19 +12,21 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
 import torch
 
 from spes.sync.admission import SESSION_KEY, Ticket
 from spes.sync.auth import grpc_common_name
-from spes.sync.coordinator import Coordinator
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_CHUNK_BYTES, PROBE_MAX_BYTES, REASON_KEY, Manifest, Refused, SyncError, Tensors, \
     classify
 from spes.sync.wire import TensorDecoder, encode_tensors
+
+if TYPE_CHECKING:
+    from spes.sync.coordinator import Coordinator
 
 log = logging.getLogger("spes.server")
 

@@ -36,18 +36,20 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 
 from spes.sync.auth import tls_common_name, token_matches
-from spes.sync.coordinator import Coordinator
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROBE_CHUNK_BYTES, PROBE_MAX_BYTES, PROTOCOL_VERSION, Manifest, Reason, Refused, \
     SyncError, Tensors, classify
 from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, Encoded, TensorDecoder, payload_bytes, \
     read_file, write_raw
+
+if TYPE_CHECKING:
+    from spes.sync.coordinator import Coordinator
 
 log = logging.getLogger("spes.transport")
 
