@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Speed of the server's round math (`aggregate_round`) against a plain memory copy of the same bytes.
+"""Speed of the server's round math (`build_global`) against a plain memory copy of the same bytes.
 
     .venv/bin/python bench/bench_aggregate.py           # a 1.2 GB model (paper 1B widths, 3 layers), 4 peers
     .venv/bin/python bench/bench_aggregate.py --quick   # configs/tiny.yaml's model
 
 The uploads are what a SPES server holds when a round completes: for each of 4 peers, random tensors for
 the shared parameters and its own expert block, named and shaped like the real model (in fp32, and in
-bf16 as they arrive over a bf16 wire). Timed in the same run, best of N: `aggregate_round` on a plain
+bf16 as they arrive over a bf16 wire). Timed in the same run, best of N: `build_global` on a plain
 round, on a merge round (the expert-merging warm-up on every layer), the DiLoCo average, and two memcpy
 baselines of the same bytes: `clone()` of every uploaded tensor (allocates, as the round math must) and
 `copy_()` into tensors allocated beforehand (pure bandwidth: fresh memory costs page faults, which on this
@@ -24,7 +24,7 @@ from common import REPO_ROOT, best_seconds, format_table, machine_info, manifest
     write_results
 
 from spes.config import load_config
-from spes.sync.merge import MergeConfig, Mode, aggregate_round, trainable_names
+from spes.sync.merge import MergeConfig, Mode, build_global, trainable_names
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 # The paper's 1B widths (d_model 768, 16 experts of 2048) with 3 layers and a 50k vocabulary: 1.24 GB in fp32.
@@ -52,10 +52,10 @@ def copy_all(uploads: dict[int, dict[str, torch.Tensor]], into: list[torch.Tenso
 
 def bench_case(name: str, uploads: dict[int, dict[str, torch.Tensor]], *, peers: int, k: int, mode: Mode, step: int,
                repeats: int) -> dict[str, Any]:
-    """Time aggregate_round and clone on the same uploads, in the same run."""
+    """Time build_global and clone on the same uploads, in the same run."""
     nbytes = sum(t.numel() * t.element_size() for u in uploads.values() for t in u.values())
-    agg_s = best_seconds(lambda: aggregate_round(uploads, num_peers=peers, experts_per_peer=k, mode=mode, step=step,
-                                                 merge=MERGE), repeats)
+    agg_s = best_seconds(lambda: build_global(uploads, num_peers=peers, experts_per_peer=k, mode=mode, step=step,
+                                                 merge=MERGE).tensors, repeats)
     copy_s = best_seconds(lambda: clone_all(uploads), repeats)
     into = clone_all(uploads)
     reused_s = best_seconds(lambda: copy_all(uploads, into), repeats)

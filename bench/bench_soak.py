@@ -9,7 +9,7 @@ with `SyncClient`, on a small model named like the real one. The fifth process (
 script) loops without pause over: idle gRPC Upload streams and idle data-plane connections held for a moment,
 uploads killed mid-tensor on both planes (claiming a real peer id and the open round, socket reset),
 garbage on both ports, and a fresh channel per cycle. Every round, every peer's download must equal the
-fault-free global model of that round bit for bit (`aggregate_round` of the uploads, the merge warm-up on).
+fault-free global model of that round bit for bit (`build_global` of the uploads, the merge warm-up on).
 The server's RSS, threads and file descriptors are sampled every 10 rounds; after the warm-up (first 20%)
 their growth is reported. Prints a table and writes bench/results/bench_soak.json.
 """
@@ -36,10 +36,10 @@ import torch
 from common import MIB, REPO_ROOT, format_table, machine_info, manifest_bytes, parser, start_server, write_results
 
 from spes.sync.client import SyncClient
-from spes.sync.merge import MergeConfig, aggregate_round, trainable_names
+from spes.sync.merge import MergeConfig, build_global, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.wire import PROTOCOL_VERSION
+from spes.sync.protocol import PROTOCOL_VERSION
 
 PEERS, K, LAYERS, D = 4, 2, 2, 64
 MERGE = MergeConfig(interval=5, alpha_start=0.5, decay_steps=10_000, topk=2)
@@ -187,7 +187,7 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
         counts_path = workdir / "chaos.json"
         if not attack:
             counts_path.write_text("{}")
-        chaos_proc = None if not attack else subprocess.Popen([sys.executable, __file__, "--chaos", addr, str(clients[0]._data_port),
+        chaos_proc = None if not attack else subprocess.Popen([sys.executable, __file__, "--chaos", addr, str(clients[0].plane.port),
                                        str(counts_path)], cwd=REPO_ROOT)
         while not counts_path.exists():
             if chaos_proc is not None and chaos_proc.poll() is not None:
@@ -197,8 +197,8 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
             for step in range(1, rounds + 1):
                 gen = torch.Generator().manual_seed(step)
                 uploads = {p: {n: torch.randn(shapes[n], generator=gen) for n in trainable[p]} for p in range(PEERS)}
-                want = aggregate_round(uploads, num_peers=PEERS, experts_per_peer=K, mode="spes", step=step,
-                                       merge=MERGE)
+                want = build_global(uploads, num_peers=PEERS, experts_per_peer=K, mode="spes", step=step,
+                                       merge=MERGE).tensors
                 start = time.perf_counter()
                 futures = [pool.submit(c.sync, step, uploads[p]) for p, c in enumerate(clients)]
                 results = [f.result(timeout=300) for f in futures]

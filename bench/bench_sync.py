@@ -9,7 +9,7 @@ The model is named and shaped like the real one (the paper's 1B widths with 3 la
 16 experts in 2 ownership blocks, so 2 peers of 8 experts): each peer uploads the shared tensors and its
 block and downloads the shared tensors and the other block. Everything is a separate process on loopback:
 `python -m spes.server` and one process per peer (`SyncClient.sync`), once with tensor payloads over gRPC and
-once over the raw-TCP data plane (`--data_port`, spes.sync.transport). The baseline, in the same run, is a
+once over the raw-TCP data plane (`--data_port`, spes.sync.plane_tcp). The baseline, in the same run, is a
 raw TCP server process and one client process per peer moving exactly the same byte counts: each client
 sends its upload bytes, the server waits until every upload is in (the round barrier) and sends each client
 its download bytes. Peers build their tensors and connect first, then all start on one signal; a round's

@@ -33,7 +33,7 @@ from common import MIB, REPO_ROOT, format_table, machine_info, manifest_of, pars
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer
 from spes.sync.client import SyncClient
-from spes.sync.merge import MergeConfig, Mode, download_names, is_merge_round, trainable_names
+from spes.sync.merge import MergeConfig, Mode, download_names, round_alpha, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.server import ServerConfig, start_server
 from spes.sync.wire import encode_tensors, payload_bytes
@@ -60,7 +60,7 @@ def round_bytes(manifest: Mapping[str, tuple[int, ...]], mode: Mode, wire: str, 
 def merge_round_share(cfg: TrainConfig, merge: MergeConfig) -> tuple[int, int]:
     """(merge rounds, all rounds) over the config's run."""
     steps = range(cfg.spes_config.sync_steps, cfg.max_steps + 1, cfg.spes_config.sync_steps)
-    merges = sum(is_merge_round(s, merge.interval, merge.alpha_start, merge.decay_steps) for s in steps)
+    merges = sum(round_alpha(s, "spes", merge) > 0 for s in steps)
     return merges, len(steps)
 
 

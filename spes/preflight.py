@@ -226,7 +226,7 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
     from spes.sync.client import SyncError
     from spes.sync.peer import sync_client
-    from spes.sync.wire import PROTOCOL_VERSION
+    from spes.sync.protocol import PROTOCOL_VERSION
 
     s = cfg.spes_config
     if not cfg.sync_enabled:

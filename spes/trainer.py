@@ -264,9 +264,10 @@ class Trainer:
             assert self.syncer is not None
             check_weights_finite(self.model, self.info, f"not uploading the weights of step {step}",
                                  "the server keeps the last good round; resume from an earlier checkpoint")
-            metrics.update(self.syncer.sync(step))
-            if metrics.get("caught_up_to", step) != step:  # this node had fallen behind: continue at the run's step
-                self.step = step = metrics["caught_up_to"]
+            synced = self.syncer.sync(step)
+            metrics.update(synced.metrics())
+            if synced.step != step:  # this node had fallen behind: continue at the run's step
+                self.step = step = synced.step
             if eval_now and cfg.spes_config.eval_after_sync:
                 metrics["merged_val_loss"] = self.evaluate()
         downstream_now = self.downstream is not None and self.downstream.due(step, self.max_steps)

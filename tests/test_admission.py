@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from spes.sync.admission import Sessions, StreamGuard
-from spes.sync.rounds import Refused
+from spes.sync.protocol import Refused
 
 
 def test_stream_slots_total_and_per_peer() -> None:

@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from spes.sync.auth import check_peer_identity, read_token, token_matches
-from spes.sync.rounds import Refused
+from spes.sync.protocol import Refused
 
 
 def test_token_matches_only_the_exact_secret() -> None:

@@ -16,13 +16,13 @@ import pytest
 import torch
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 
-from spes.sync import transport
+from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError, backoff_s
 from spes.sync.merge import (
     MergeConfig,
     Mode,
     OuterConfig,
-    aggregate_round,
+    build_global,
     download_names,
     mean_over_peers,
     outer_nesterov_step,
@@ -73,8 +73,8 @@ def joined_clients(
 
 
 def check_round(results: dict, uploads: dict, manifest: dict, *, mode: Mode, step: int, merge: MergeConfig) -> None:
-    """Each peer got exactly what it needs, equal to aggregate_round over the uploads."""
-    want = aggregate_round(uploads, num_peers=len(uploads), experts_per_peer=2, mode=mode, step=step, merge=merge)
+    """Each peer got exactly what it needs, equal to build_global over the uploads."""
+    want = build_global(uploads, num_peers=len(uploads), experts_per_peer=2, mode=mode, step=step, merge=merge).tensors
     for peer, (got, stats) in results.items():
         assert stats.round == step
         assert sorted(got) == sorted(download_names(list(manifest), peer, mode, stats.merged))
@@ -110,7 +110,7 @@ def test_diloco_outer_nesterov_over_rounds() -> None:
         momentum: dict[str, torch.Tensor] = {}
         for step in (1, 2, 3):
             uploads = {p: peer_upload(manifest, p, "diloco", seed=step) for p in range(2)}
-            mean = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="diloco", step=step)
+            mean = build_global(uploads, num_peers=2, experts_per_peer=2, mode="diloco", step=step).tensors
             if global_model:  # the first round's mean is the starting point
                 global_model, momentum = outer_nesterov_step(global_model, mean, momentum, lr=0.7, momentum=0.9)
             else:
@@ -146,7 +146,7 @@ def test_bf16_wire_halves_traffic_and_rounds_to_bf16() -> None:
             uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)}
             results = sync_all(clients, 5, uploads)
     wire = {p: {n: t.bfloat16() for n, t in up.items()} for p, up in uploads.items()}
-    want = aggregate_round(wire, num_peers=2, experts_per_peer=2, mode="spes", step=5)
+    want = build_global(wire, num_peers=2, experts_per_peer=2, mode="spes", step=5).tensors
     got, stats = results[0]
     assert stats.bytes_up == sum(t.numel() * 2 for t in uploads[0].values())
     for name, tensor in got.items():
@@ -167,7 +167,7 @@ def test_wrong_or_missing_token_is_unauthenticated() -> None:
                 with pytest.raises(SyncError) as err:
                     client.status()
                 assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
-        assert server.servicer.state.snapshot().completed_round is None and not server.servicer._peers
+        assert server.service.state.snapshot().completed_round is None and not server.service.peers
         with joined_clients(addr, manifest, token=TOKEN) as clients:
             uploads = {p: peer_upload(manifest, p, "spes", seed=2) for p in range(2)}
             assert sync_all(clients, 1, uploads)[0][1].round == 1
@@ -208,11 +208,11 @@ def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: s
             with pytest.raises(SyncError) as err:
                 impostor.join(manifest, trainable_names(list(manifest), 1, "spes"))
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "'peer-1'" in str(err.value)
-        context = transport.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
-        with transport.connect("127.0.0.1", server.data_port, context, 5) as sock:  # the data plane checks too
-            transport.send_hello(sock, {"op": "upload", "peer_id": 1, "step": 2, "token": TOKEN})
-            assert transport.recv_frame(sock)["code"] == "PERMISSION_DENIED"
-        assert server.servicer.state.snapshot().open_round is None
+        context = plane_tcp.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
+        with plane_tcp.connect("127.0.0.1", server.data_port, context, 5) as sock:  # the data plane checks too
+            plane_tcp.send_hello(sock, {"op": "upload", "peer_id": 1, "step": 2, "token": TOKEN})
+            assert plane_tcp.recv_frame(sock)["code"] == "PERMISSION_DENIED"
+        assert server.service.state.snapshot().open_round is None
     with pytest.raises(ValueError, match="--tls_peer_ids .* needs mutual TLS"):
         ServerConfig(total_peers=2, experts_per_peer=2, tls_peer_ids=True)
 
@@ -314,7 +314,7 @@ def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None
     with running_server(**policy) as (_, addr), joined_clients(addr, manifest, num_peers=3) as clients:
         uploads_10 = {p: peer_upload(manifest, p, "spes", seed=10) for p in range(3)}
         sync_all(clients, 10, uploads_10)
-        previous = aggregate_round(uploads_10, num_peers=3, experts_per_peer=2, mode="spes", step=10)
+        previous = build_global(uploads_10, num_peers=3, experts_per_peer=2, mode="spes", step=10).tensors
         uploads = {p: peer_upload(manifest, p, "spes", seed=20) for p in range(2)}
         start = time.monotonic()
         results = sync_all(clients[:2], 20, uploads)  # peer 2 is "dead"
@@ -370,7 +370,7 @@ def test_a_server_restart_mid_round_is_transparent_to_the_peers(tmp_path: Path) 
     want: dict = {}
     momentum: dict = {}
     for step in (1, 2, 3):
-        mean = aggregate_round(uploads[step], num_peers=2, experts_per_peer=2, mode="diloco", step=step)
+        mean = build_global(uploads[step], num_peers=2, experts_per_peer=2, mode="diloco", step=step).tensors
         want, momentum = outer_nesterov_step(want, mean, momentum, lr=0.7, momentum=0.9) if want else (mean, {})
         if step == 2:
             for name in want:

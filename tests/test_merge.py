@@ -11,11 +11,9 @@ from spes.sync import merge
 from spes.sync.merge import (
     MergeConfig,
     OuterConfig,
-    aggregate_round,
+    build_global,
     download_names,
-    is_merge_round,
     mean_over_peers,
-    merge_alpha,
     merge_experts,
     outer_nesterov_step,
     round_alpha,
@@ -63,18 +61,15 @@ def test_trainable_and_download_names() -> None:
 
 
 def test_alpha_schedule() -> None:
-    assert merge_alpha(0, 0.05, 10000) == 0.05
-    assert merge_alpha(5000, 0.05, 10000) == pytest.approx(0.025)
-    assert merge_alpha(10000, 0.05, 10000) == 0.0
-    assert merge_alpha(20000, 0.05, 10000) == 0.0
-    assert is_merge_round(0, 500, 0.05, 10000)
-    assert is_merge_round(500, 500, 0.05, 10000)
-    assert not is_merge_round(501, 500, 0.05, 10000)
-    assert not is_merge_round(10000, 500, 0.05, 10000)  # multiple of the interval but alpha is 0
-    assert not is_merge_round(500, 0, 0.05, 10000)
     cfg = MergeConfig(interval=500, alpha_start=0.05, decay_steps=10000)
-    assert round_alpha(1500, cfg) == pytest.approx(0.05 * 0.85)
-    assert round_alpha(1501, cfg) == 0.0 and round_alpha(1500, None) == 0.0
+    assert round_alpha(0, "spes", cfg) == 0.05
+    assert round_alpha(5000, "spes", cfg) == pytest.approx(0.025)
+    assert round_alpha(1500, "spes", cfg) == pytest.approx(0.05 * 0.85)
+    assert round_alpha(10000, "spes", cfg) == 0.0  # a multiple of the interval, but decayed to 0
+    assert round_alpha(20000, "spes", cfg) == 0.0
+    assert round_alpha(1501, "spes", cfg) == 0.0  # not a merge round
+    assert round_alpha(1500, "diloco", cfg) == 0.0 and round_alpha(1500, "spes", None) == 0.0
+    assert round_alpha(500, "spes", MergeConfig(interval=0, alpha_start=0.05)) == 0.0
 
 
 @pytest.mark.parametrize("num_experts,topk", [(8, 4), (5, 2), (3, 4), (2, 1), (4, 3)])
@@ -137,9 +132,9 @@ def test_merge_with_identical_experts_is_deterministic() -> None:
 def test_aggregate_spes_takes_owners_and_averages_shared() -> None:
     manifest = tiny_manifest(num_layers=2, num_blocks=2, k=2)
     uploads = {p: peer_upload(manifest, p, "spes", seed=0) for p in range(2)}
-    out = aggregate_round(
+    out = build_global(
         uploads, num_peers=2, experts_per_peer=2, mode="spes", step=7, merge=MergeConfig(interval=500)
-    )
+    ).tensors
     assert set(out) == set(manifest)
     for name in manifest:
         parsed = parse_expert_block(name)
@@ -154,8 +149,8 @@ def test_aggregate_spes_merge_round_matches_layerwise_merge() -> None:
     manifest = tiny_manifest(num_layers=2, num_blocks=2, k=2)
     uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)}
     cfg = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
-    out = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=200, merge=cfg)
-    alpha = merge_alpha(200, 0.5, 1000)
+    out = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=200, merge=cfg).tensors
+    alpha = round_alpha(200, "spes", cfg)
     for layer in range(2):
         prefix = f"blocks.{layer}.ffn.experts"
         stacked = [torch.cat([uploads[b][f"{prefix}.{kind}.{b}"] for b in range(2)]) for kind in ("w1", "v1", "w2")]
@@ -164,16 +159,16 @@ def test_aggregate_spes_merge_round_matches_layerwise_merge() -> None:
             for b in range(2):
                 torch.testing.assert_close(out[f"{prefix}.{kind}.{b}"], w[2 * b : 2 * b + 2], rtol=1e-5, atol=1e-6)
     # Past decay the same interval multiple changes nothing.
-    late = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1000, merge=cfg)
+    late = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1000, merge=cfg).tensors
     assert torch.equal(late["blocks.0.ffn.experts.w1.1"], uploads[1]["blocks.0.ffn.experts.w1.1"])
 
 
 def test_aggregate_diloco_averages_everything_in_bf16_too() -> None:
     manifest = tiny_manifest(num_layers=1, num_blocks=1, k=4)
     uploads = {p: {n: t.bfloat16() for n, t in peer_upload(manifest, p, "diloco", seed=2).items()} for p in range(3)}
-    out = aggregate_round(
+    out = build_global(
         uploads, num_peers=3, experts_per_peer=4, mode="diloco", step=0, merge=MergeConfig(interval=1, alpha_start=1.0)
-    )
+    ).tensors
     for name in manifest:
         torch.testing.assert_close(out[name], sum(uploads[p][name].float() for p in range(3)) / 3)
 
@@ -202,30 +197,32 @@ def test_bf16_uploads_are_widened_exactly_in_pieces(monkeypatch: pytest.MonkeyPa
 def test_aggregate_keeps_experts_in_their_upload_dtype() -> None:
     manifest = tiny_manifest(num_layers=1, num_blocks=2, k=2)
     uploads = {p: {n: t.bfloat16() for n, t in peer_upload(manifest, p, "spes", seed=5).items()} for p in range(2)}
-    out = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1, merge=MergeConfig(interval=0))
+    out = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1, merge=MergeConfig(interval=0)).tensors
     for name in manifest:
         parsed = parse_expert_block(name)
         if parsed is None:
             assert out[name].dtype == torch.float32
         else:  # the very upload: widening it would only be undone to send it back in bf16
             assert out[name] is uploads[parsed.block][name]
-    merged = aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=100,
-                             merge=MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=1))
+    merged = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=100,
+                             merge=MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=1)).tensors
     assert all(t.dtype == torch.float32 for t in merged.values())
 
 
 def test_aggregate_rejects_incomplete_uploads() -> None:
     manifest = tiny_manifest(num_layers=1)
     uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
-    with pytest.raises(ValueError, match="one upload per peer"):
-        aggregate_round({0: uploads[0]}, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+    with pytest.raises(ValueError, match="owner, peer 1"):  # no upload of peer 1 and no previous global model
+        build_global({0: uploads[0]}, names=list(manifest), num_peers=2, experts_per_peer=2, mode="spes", step=1)
+    with pytest.raises(ValueError, match=r"uploads of peers in 0..1, got peers \[0, 2\]"):
+        build_global({0: uploads[0], 2: uploads[1]}, num_peers=2, experts_per_peer=2, mode="spes", step=1)
     uploads[0]["blocks.0.ffn.experts.w1.1"] = uploads[1].pop("blocks.0.ffn.experts.w1.1")  # sent by a non-owner
     with pytest.raises(ValueError, match="owner, peer 1"):
-        aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+        build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1)
     uploads[1]["blocks.0.ffn.experts.w1.1"] = uploads[0].pop("blocks.0.ffn.experts.w1.1")
     del uploads[0]["embed.weight"]
     with pytest.raises(ValueError, match="embed.weight"):
-        aggregate_round(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+        build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1)
 
 
 def test_outer_nesterov_matches_torch_sgd() -> None:
@@ -251,3 +248,77 @@ def test_config_validation() -> None:
         MergeConfig(decay_steps=0)
     with pytest.raises(ValueError, match="outer optimizer"):
         OuterConfig(optimizer="adam")  # type: ignore[arg-type]
+
+
+QUORUM_MANIFEST = tiny_manifest()
+QUORUM_MERGE = MergeConfig(interval=10, alpha_start=0.5, decay_steps=100, topk=2)
+
+
+def uploads_for(peers: list[int], seed: int, manifest: dict = QUORUM_MANIFEST, mode: str = "spes") -> dict:
+    return {p: peer_upload(manifest, p, mode, seed) for p in peers}  # type: ignore[arg-type]
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
+def test_consuming_build_global_equals_the_copying_one(step: int) -> None:
+    want = build_global(uploads_for([0, 1], step), num_peers=2, experts_per_peer=2, mode="spes", step=step,
+                        merge=QUORUM_MERGE).tensors
+    uploads = uploads_for([0, 1], step)
+    got = build_global(uploads, names=list(QUORUM_MANIFEST), num_peers=2, experts_per_peer=2, mode="spes", step=step, merge=QUORUM_MERGE,
+                       consume=True)
+    assert_same(got.tensors, want)
+    assert list(got.tensors) == list(QUORUM_MANIFEST) and got.momentum == {}
+    assert all(not upload for upload in uploads.values())  # consumed tensor by tensor
+    assert got.alpha == (0.5 * (1 - step / 100) if step % 10 == 0 else 0.0)
+
+
+def test_build_global_diloco_nesterov_over_rounds_equals_the_pure_functions() -> None:
+    manifest = tiny_manifest(num_blocks=1)
+    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+    previous: dict = {}
+    momentum: dict = {}
+    want_global: dict = {}
+    want_momentum: dict = {}
+    for step in (1, 2, 3):
+        mean = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), num_peers=3, experts_per_peer=2,
+                            mode="diloco", step=step).tensors
+        if want_global:
+            want_global, want_momentum = outer_nesterov_step(want_global, mean, want_momentum, lr=0.7, momentum=0.9)
+        else:
+            want_global = mean
+        built = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), names=list(manifest),
+                             previous=previous, momentum=momentum, num_peers=3, experts_per_peer=2,
+                             mode="diloco", step=step, merge=QUORUM_MERGE, outer=outer, consume=True)
+        previous, momentum = built.tensors, built.momentum
+        assert_same(previous, want_global)
+        assert_same(momentum, want_momentum)
+        assert built.alpha == 0.0  # no merge in DiLoCo mode
+
+
+@pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
+def test_quorum_averages_the_arrived_and_keeps_a_missing_owners_experts(step: int) -> None:
+    manifest = tiny_manifest(num_blocks=3)
+    names = list(manifest)
+    previous = {n: torch.randn(s) for n, s in manifest.items()}
+    arrived = uploads_for([0, 2], step, manifest)
+    got = build_global(uploads_for([0, 2], step, manifest), names=names, previous=previous, num_peers=3,
+                       experts_per_peer=2, mode="spes", step=step, merge=QUORUM_MERGE, consume=True).tensors
+    assert sorted(got) == sorted(names)
+    for name in names:
+        parsed = parse_expert_block(name)
+        if parsed is None:
+            assert torch.equal(got[name], mean_over_peers([arrived[0][name], arrived[2][name]])), name
+    for layer in range(2):
+        prefix = f"blocks.{layer}.ffn.experts"
+        source = {0: arrived[0], 1: previous, 2: arrived[2]}
+        stacked = [torch.cat([source[b][f"{prefix}.{kind}.{b}"] for b in range(3)]) for kind in ("w1", "v1", "w2")]
+        alpha = 0.5 * (1 - step / 100) if step % 10 == 0 else 0.0
+        merged = merge_experts(*stacked, alpha=alpha, topk=2)
+        for kind, full in zip(("w1", "v1", "w2"), merged, strict=True):
+            for b, part in enumerate(full.split(2)):
+                assert torch.equal(got[f"{prefix}.{kind}.{b}"], part), (kind, b)

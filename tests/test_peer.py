@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from spes.config import load_config
 from spes.distributed import DistInfo
-from spes.sync.merge import MergeConfig, aggregate_round, parse_expert_block
-from spes.sync.peer import PeerSync
+from spes.sync.merge import MergeConfig, build_global, parse_expert_block
+from spes.sync.peer import PeerSync, SyncResult
 from spes.train import build_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
@@ -33,11 +32,11 @@ class RecordingSync:
     def state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
-    def sync(self, step: int) -> dict[str, Any]:
+    def sync(self, step: int) -> SyncResult:
         self.before[step] = self.state()
-        metrics = self.inner.sync(step)
+        result = self.inner.sync(step)
         self.after[step] = self.state()
-        return metrics
+        return result
 
 
 def run_peers(corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8) -> list[tuple[RecordingSync, Trainer]]:  # type: ignore[no-untyped-def]
@@ -79,7 +78,7 @@ def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus
     assert sorted(rec0.after) == [2, 4, 6, 8]
     for step in rec0.after:
         uploads = {0: trained(rec0.before[step], t0.model), 1: trained(rec1.before[step], t1.model)}
-        expected = aggregate_round(uploads, num_peers=2, experts_per_peer=4, mode=mode, step=step, merge=MERGE)
+        expected = build_global(uploads, num_peers=2, experts_per_peer=4, mode=mode, step=step, merge=MERGE).tensors
         for name, value in expected.items():
             torch.testing.assert_close(rec0.after[step][name], value, rtol=0, atol=0, msg=f"peer 0 {name} @ {step}")
             torch.testing.assert_close(rec1.after[step][name], value, rtol=0, atol=0, msg=f"peer 1 {name} @ {step}")

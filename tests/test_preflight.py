@@ -339,7 +339,7 @@ def test_run_cluster_nodes_launch_on_every_device_their_interpreter_counts(tmp_p
 def test_the_link_test_is_authenticated_bounded_and_counted_nowhere(token: None) -> None:
     import grpc
 
-    from spes.sync import transport
+    from spes.sync import plane_tcp as transport
     from spes.sync.proto import spes_pb2 as pb
     from spes.sync.proto import spes_pb2_grpc as pb_grpc
 
@@ -380,7 +380,7 @@ def test_another_protocol_version_fails_the_server_check(server: str, node: list
 
 def test_a_server_older_than_preflight_is_named(token: None, node: list[str], capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    from spes.sync.server import SpesServicer
+    from spes.sync.plane_grpc import SpesServicer
 
     join = SpesServicer.Join
 

@@ -1,38 +1,26 @@
-"""The round rules without sockets: admission, dead-peer policy, download readiness, and `build_global`."""
+"""The round rules without sockets: admission, dead-peer policy, download readiness, join checks."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 import torch
-from sync_helpers import peer_upload, tiny_manifest
+from sync_helpers import tiny_manifest
 
-from spes.sync.merge import (
-    MergeConfig,
-    OuterConfig,
-    aggregate_round,
-    merge_experts,
-    mean_over_peers,
-    outer_nesterov_step,
-    parse_expert_block,
-)
+from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import PROTOCOL_VERSION, Refused
 from spes.sync.rounds import (
-    Refused,
     RoundPolicy,
     RoundState,
-    build_global,
     check_join,
     check_manifest,
     expert_owners,
     manifest_differences,
 )
-from spes.sync.wire import PROTOCOL_VERSION
 
 MANIFEST = tiny_manifest()
 NAMES = list(MANIFEST)
-MERGE = MergeConfig(interval=10, alpha_start=0.5, decay_steps=100, topk=2)
-NO_OUTER = OuterConfig()
 
 
 def test_admission_duplicates_old_future_and_busy_rounds() -> None:
@@ -141,76 +129,8 @@ def test_check_download_ready_wait_or_refused() -> None:
     assert err.value.reason == "stale_round"
 
 
-def uploads_for(peers: list[int], seed: int, manifest: dict = MANIFEST, mode: str = "spes") -> dict:
-    return {p: peer_upload(manifest, p, mode, seed) for p in peers}  # type: ignore[arg-type]
-
-
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
-
-
-@pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
-def test_build_global_with_every_peer_equals_aggregate_round(step: int) -> None:
-    want = aggregate_round(uploads_for([0, 1], step), num_peers=2, experts_per_peer=2, mode="spes", step=step,
-                           merge=MERGE)
-    uploads = uploads_for([0, 1], step)
-    got, momentum = build_global(uploads, names=NAMES, previous={}, momentum={}, num_peers=2, experts_per_peer=2,
-                                 mode="spes", step=step, merge=MERGE, outer=NO_OUTER)
-    assert_same(got, want)
-    assert momentum == {} and all(not upload for upload in uploads.values())  # consumed tensor by tensor
-
-
-def test_build_global_diloco_nesterov_over_rounds_equals_the_pure_functions() -> None:
-    manifest = tiny_manifest(num_blocks=1)
-    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
-    previous: dict = {}
-    momentum: dict = {}
-    want_global: dict = {}
-    want_momentum: dict = {}
-    for step in (1, 2, 3):
-        mean = aggregate_round(uploads_for([0, 1, 2], step, manifest, "diloco"), num_peers=3, experts_per_peer=2,
-                               mode="diloco", step=step)
-        if want_global:
-            want_global, want_momentum = outer_nesterov_step(want_global, mean, want_momentum, lr=0.7, momentum=0.9)
-        else:
-            want_global = mean
-        previous, momentum = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), names=list(manifest),
-                                          previous=previous, momentum=momentum, num_peers=3, experts_per_peer=2,
-                                          mode="diloco", step=step, merge=MERGE, outer=outer)
-        assert_same(previous, want_global)
-        assert_same(momentum, want_momentum)
-
-
-@pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
-def test_quorum_averages_the_arrived_and_keeps_a_missing_owners_experts(step: int) -> None:
-    manifest = tiny_manifest(num_blocks=3)
-    names = list(manifest)
-    previous = {n: torch.randn(s) for n, s in manifest.items()}
-    arrived = uploads_for([0, 2], step, manifest)
-    got, _ = build_global(uploads_for([0, 2], step, manifest), names=names, previous=previous, momentum={},
-                          num_peers=3, experts_per_peer=2, mode="spes", step=step, merge=MERGE, outer=NO_OUTER)
-    assert sorted(got) == sorted(names)
-    for name in names:
-        parsed = parse_expert_block(name)
-        if parsed is None:
-            assert torch.equal(got[name], mean_over_peers([arrived[0][name], arrived[2][name]])), name
-    for layer in range(2):
-        prefix = f"blocks.{layer}.ffn.experts"
-        source = {0: arrived[0], 1: previous, 2: arrived[2]}
-        stacked = [torch.cat([source[b][f"{prefix}.{kind}.{b}"] for b in range(3)]) for kind in ("w1", "v1", "w2")]
-        alpha = 0.5 * (1 - step / 100) if step % 10 == 0 else 0.0
-        merged = merge_experts(*stacked, alpha=alpha, topk=2)
-        for kind, full in zip(("w1", "v1", "w2"), merged, strict=True):
-            for b, part in enumerate(full.split(2)):
-                assert torch.equal(got[f"{prefix}.{kind}.{b}"], part), (kind, b)
-
-
 def join(peer: int, **overrides: object) -> pb.JoinRequest:
-    from spes.sync.merge import trainable_names
-
-    fields: dict = {"peer_id": peer, "total_peers": 2, "experts_per_peer": 2, "mode": "spes", "wire_dtype": "fp32",
+    fields: dict = {"peer_id": peer, "num_peers": 2, "experts_per_peer": 2, "mode": "spes", "wire_dtype": "fp32",
                     "manifest": [pb.TensorSpec(name=n, shape=s) for n, s in MANIFEST.items()],
                     "trainable": trainable_names(NAMES, peer, "spes"),
                     "protocol": PROTOCOL_VERSION}

@@ -25,11 +25,12 @@ from test_client import NO_MERGE, check_round, joined_clients
 from spes.moe import parse_expert_block
 from spes.sync import wire
 from spes.sync.client import SyncClient, SyncError
-from spes.sync.merge import MergeConfig, Mode, aggregate_round, trainable_names
+from spes.sync.merge import MergeConfig, Mode, build_global, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.server import ServerConfig, build_parser, config_from_args, manifest_of_run, start_server
-from spes.sync.wire import PROTOCOL_VERSION, checksum, encode_tensors
+from spes.sync.protocol import PROTOCOL_VERSION
+from spes.sync.wire import checksum, encode_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = tiny_manifest()
@@ -50,7 +51,7 @@ def join_request(
         trainable = trainable_names(list(manifest), peer, mode)
     return pb.JoinRequest(
         peer_id=peer,
-        total_peers=total,
+        num_peers=total,
         experts_per_peer=k,
         mode=mode,
         wire_dtype=wire,
@@ -131,7 +132,7 @@ def test_bad_joins_are_refused_and_change_nothing() -> None:
         assert stub.Status(pb.StatusRequest(), timeout=10).peers_joined == [0]
         assert stub.Join(join_request(1), timeout=10).current_round == -1
         finish_round(addr, 10)
-        assert server.servicer.state.completed_round == 10
+        assert server.service.state.completed_round == 10
 
 
 @pytest.mark.timeout(60)
@@ -203,7 +204,7 @@ def test_bad_uploads_are_refused_and_the_round_still_completes(tmp_path: Path) -
             iter([pb.UploadMessage(chunk=chunks[0])]),
         )
 
-        assert server.servicer.state.snapshot().open_round is None  # nothing was committed
+        assert server.service.state.snapshot().open_round is None  # nothing was committed
         finish_round(addr, 1)
 
 
@@ -255,11 +256,11 @@ def test_old_future_and_repeated_rounds() -> None:
         assert stub.Upload(upload_messages(1, 20, good_chunks(1)), timeout=10).uploaded_peers == [0, 1]
         messages = list(stub.Download(pb.DownloadRequest(peer_id=0, round=20), timeout=10))
         assert messages[0].info.round == 20
-        assert server.servicer.state.staged == {}  # uploads are freed once the round is built
+        assert server.service.state.staged == {}  # uploads are freed once the round is built
 
 
 def global_ptrs(server: object) -> set[int]:
-    return {t.data_ptr() for t in server.servicer.state.global_model.values()}  # type: ignore[attr-defined]
+    return {t.data_ptr() for t in server.service.state.global_model.values()}  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(60)
@@ -275,19 +276,18 @@ def test_upload_buffers_are_reused_but_never_while_a_download_reads_them() -> No
         finish_round(addr, 3)
         assert first & global_ptrs(server), "round 3 was received into fresh memory, not round 1's buffers"
 
-        servicer = server.servicer
-        ready = servicer.download(0, 3, True, lambda: True, 5.0)  # a download of round 3 that is not done yet
-        assert ready is not None
-        held = ready[2]
-        before = {n: t.clone() for n, t in held.items()}
-        read = {t.data_ptr() for t in held.values()}
-        for step in (4, 5, 6):
-            finish_round(addr, step)
-            assert not read & global_ptrs(server)
-        assert all(torch.equal(held[n], before[n]) for n in held)
-        assert 3 in servicer._retired
-        servicer.download_done(3, 0)
-        assert not servicer._retired and not servicer._readers
+        service = server.service
+        with service.download(0, 3, True, lambda: True, 5.0) as outgoing:  # a download of round 3, not done yet
+            assert outgoing is not None
+            held = outgoing.tensors
+            before = {n: t.clone() for n, t in held.items()}
+            read = {t.data_ptr() for t in held.values()}
+            for step in (4, 5, 6):
+                finish_round(addr, step)
+                assert not read & global_ptrs(server)
+            assert all(torch.equal(held[n], before[n]) for n in held)
+            assert 3 in service._retired
+        assert not service._retired and not service._readers
 
 
 @pytest.mark.timeout(60)
@@ -366,7 +366,7 @@ def test_every_call_needs_the_token_and_health_reports_serving() -> None:
                 health_pb2.HealthCheckRequest(),
                 metadata=metadata,
             )
-        assert not server.servicer._peers
+        assert not server.service.peers
         good = (("authorization", f"Bearer {TOKEN}"),)
         reply = health.Check(
             health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer"), timeout=10, metadata=good
@@ -430,7 +430,7 @@ def test_oversized_uploads_are_refused_before_they_are_read() -> None:
         header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512, checksum=0)
         message = pb.TensorChunk(header=header, offset=0, data=huge, checksum=checksum(huge))
         expect_code(StatusCode.RESOURCE_EXHAUSTED, "", stub.Upload, upload_messages(0, 1, [message]))
-        assert server.servicer.state.snapshot().open_round is None and status_fields(stub)["bytes_in"] == 512
+        assert server.service.state.snapshot().open_round is None and status_fields(stub)["bytes_in"] == 512
         finish_round(addr, 1)
 
 
@@ -596,7 +596,7 @@ def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatc
             hashed.clear()
             uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
             check_round(sync_all(clients, step, uploads), uploads, manifest, mode="spes", step=step, merge=merge)
-            global_model = server.servicer.state.global_model
+            global_model = server.service.state.global_model
             again = {n for n, t in global_model.items() if any(t is h for h in hashed)}
             assert again == (set(manifest) if merged else set(manifest) - experts), step
 
@@ -613,11 +613,11 @@ def test_bf16_rounds_sum_their_fp32_means_into_kept_buffers() -> None:
             uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
             wire = {p: {n: t.bfloat16() for n, t in up.items()} for p, up in uploads.items()}
-            want = aggregate_round(wire, num_peers=2, experts_per_peer=2, mode="spes", step=step)
+            want = build_global(wire, num_peers=2, experts_per_peer=2, mode="spes", step=step).tensors
             for peer, (got, _) in results.items():
                 for name, tensor in got.items():
                     torch.testing.assert_close(tensor, want[name].bfloat16(), rtol=0, atol=0)
-            global_model = server.servicer.state.global_model
+            global_model = server.service.state.global_model
             pointers.append({t.data_ptr() for t in global_model.values() if t.dtype == torch.float32})
     assert pointers[0] and pointers[2] == pointers[0] and not pointers[1] & pointers[0]
 
@@ -661,4 +661,4 @@ def test_an_oversized_manifest_is_refused_before_anything_is_allocated() -> None
             with pytest.raises(SyncError, match="names 30 tensors, more than --max_tensors=20") as err:
                 client.join(many, trainable_names(list(many), 0, "spes"))
             assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert server.servicer._manifest is None  # nothing was learned from either
+        assert server.service._manifest is None  # nothing was learned from either

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
-from spes.sync.rounds import Refused
+from spes.sync.protocol import Reason, Refused
 
 log = logging.getLogger("spes.server")
 
@@ -124,7 +124,7 @@ class StreamGuard:
             if len(self._tickets) >= self.max_streams:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"the server already serves --max_streams={self.max_streams} streams: retry shortly",
-                              "busy")
+                              Reason.BUSY)
             ticket = Ticket(self, cancel)
             self._tickets.add(ticket)
             return ticket
@@ -140,7 +140,7 @@ class StreamGuard:
             if self._per_peer.get(peer, 0) >= self.max_per_peer:
                 raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"peer {peer} already has --max_streams_per_peer={self.max_per_peer} streams open: "
-                              "retry shortly", "busy")
+                              "retry shortly", Reason.BUSY)
             self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             ticket.peer = peer
 
@@ -242,7 +242,7 @@ class Sessions:
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"peer_id {peer} is already joined by a live process at {current.address}; this join came "
                     f"from {address}: give every node its own spes_config.peer_id (a restarted node is admitted "
-                    "as soon as its old process's connection is gone)", "duplicate_peer")
+                    "as soon as its old process's connection is gone)", Reason.DUPLICATE_PEER)
             note = f" (replaces the process at {current.address}, whose connection is gone)"
         self._by_peer[peer] = Session(session, address, now)
         return note
@@ -271,7 +271,7 @@ class Sessions:
             raise Refused(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"peer_id {peer} has been taken over by another process at {current.address}: this process "
-                f"stops; give every node its own spes_config.peer_id", "superseded")
+                f"stops; give every node its own spes_config.peer_id", Reason.SUPERSEDED)
         current.last_seen = time.monotonic()
 
     def forget(self) -> None:

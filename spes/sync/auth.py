@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 import grpc
 
-from spes.sync.rounds import Refused
+from spes.sync.protocol import Refused
 from spes.sync.wire import read_file
 
 log = logging.getLogger("spes.server")

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-Shape = tuple[int, ...]
+from spes.sync.protocol import Shape
+
 Key = tuple[Shape, torch.dtype]
 
 

@@ -23,10 +23,9 @@ import logging
 import math
 import random
 import secrets
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal, TypeVar
@@ -36,17 +35,17 @@ import torch
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from spes.sync import transport
+from spes.sync import plane_tcp
 from spes.sync.admission import PEER_KEY, SESSION_KEY
-from spes.sync.merge import Mode, download_names
+from spes.sync.merge import download_names
+from spes.sync.plane_grpc import GrpcPlane, failure_of
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.wire import PROTOCOL_VERSION, REASON_KEY, TensorDecoder, encode_tensors, grpc_options, read_file, \
-    wire_torch_dtype
+from spes.sync.protocol import PROBE_MAX_BYTES, PROTOCOL_VERSION, Manifest, Mode, Plane, Reason, SyncError, Tensors
+from spes.sync.wire import grpc_options, read_file, wire_torch_dtype
 
 log = logging.getLogger("spes.client")
 
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 MAX_RECOVERIES = 4
@@ -55,43 +54,8 @@ PRESENCE_RETRY_S = 1.0
 """A joined client keeps a presence stream open (see `spes.sync.admission`), reopened this soon after it breaks."""
 PRESENCE_WAIT_S = 5.0
 """How long a join waits for the server to have seen its presence stream (then a close is seen as one)."""
-RETRY_REASONS = frozenset({"corrupt", "busy", "duplicate_peer"})
-"""Refusals worth the same request again later: damaged bytes, a server at its stream limits, and a peer id
-still held by a process that may have died (admitted once it has been silent for --peer_liveness)."""
 T = TypeVar("T")
 DataPlane = Literal["auto", "grpc", "tcp"]
-
-
-class SyncError(RuntimeError):
-    """A synchronization RPC failed; `code` is the gRPC status (None for client-side checks).
-
-    `reason` is the server's machine-readable `spes-reason` ('' if none, see protos/spes.proto);
-    `retryable` says whether sending the same request again may succeed.
-    """
-
-    def __init__(
-        self, message: str, code: grpc.StatusCode | None = None, *, reason: str = "", retryable: bool = False
-    ) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.retryable = code, reason, retryable
-
-
-def failure_of(what: str, err: grpc.RpcError) -> SyncError:
-    """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed."""
-    reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
-    return classify(what, err.code(), err.details(), reason)
-
-
-def classify(what: str, code: grpc.StatusCode, details: str, reason: str) -> SyncError:
-    """A refusal from either plane as a SyncError: transient codes and corrupt bytes are retryable."""
-    retryable = (code in RETRYABLE and reason != "round_timeout") or reason in RETRY_REASONS
-    return SyncError(f"{what} failed ({code.name}): {details}", code, reason=reason, retryable=retryable)
-
-
-def refusal_of(what: str, frame: transport.Frame) -> SyncError:
-    """A data-plane error frame as a SyncError (an unknown code counts as UNKNOWN)."""
-    code = getattr(grpc.StatusCode, str(frame.get("code")), grpc.StatusCode.UNKNOWN)
-    return classify(what, code, str(frame.get("message", "")), str(frame.get("reason", "")))
 
 
 @dataclass(frozen=True)
@@ -116,7 +80,7 @@ class ServerStatus:
 
     current_round: int
     open_round: int
-    total_peers: int
+    num_peers: int
     peers_joined: tuple[int, ...]
     peers_uploaded: tuple[int, ...]
     bytes_in: int
@@ -193,8 +157,7 @@ class SyncClient:
         self._metadata: tuple[tuple[str, str], ...] = ((SESSION_KEY, self._session), (PEER_KEY, str(peer_id)),
                                                        *((("authorization", f"Bearer {token}"),) if token else ()))
         self.data_plane, self._token = data_plane, token
-        self._data_port = 0
-        self._data_tls = transport.client_tls(tls_ca, tls_cert, tls_key) if data_plane != "grpc" else None
+        self._data_tls = plane_tcp.client_tls(tls_ca, tls_cert, tls_key) if data_plane != "grpc" else None
         options = grpc_options(max_message_mb)
         if tls_ca is not None or tls_cert is not None:
             credentials = grpc.ssl_channel_credentials(
@@ -206,7 +169,11 @@ class SyncClient:
         else:
             self._channel = grpc.insecure_channel(server_addr, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
-        self._manifest: dict[str, tuple[int, ...]] | None = None
+        self._grpc = GrpcPlane(self._stub, peer_id=peer_id, wire_dtype=wire_dtype, metadata=self._metadata,
+                               rpc_timeout_s=rpc_timeout_s)
+        self.plane: Plane = self._grpc
+        """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
+        self._manifest: Manifest | None = None
         self._trainable: list[str] = []
         self._join_request: pb.JoinRequest | None = None
         self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
@@ -242,27 +209,25 @@ class SyncClient:
         )
         if not reply.dry_run:
             raise SyncError("the server predates preflight and took this dry join as a real Join (it now counts "
-                            f"peer {self.peer_id} as joined)", grpc.StatusCode.FAILED_PRECONDITION, reason="old_server")
+                            f"peer {self.peer_id} as joined)", grpc.StatusCode.FAILED_PRECONDITION, reason=Reason.OLD_SERVER)
         self._use_data_plane(reply)
         return reply.manifest_checked
 
     def measure_link(self, num_bytes: int, pings: int = 5) -> LinkStats:
         """Round-trip time (fastest of `pings` Status calls) and throughput of `num_bytes` each way over the
         plane `sync` uses (call `check_join` or `join` first); the server counts none of it."""
-        if not 0 < num_bytes <= transport.PROBE_MAX_BYTES:
-            raise ValueError(f"a link test moves 1 to {transport.PROBE_MAX_BYTES} bytes each way, got {num_bytes}")
+        if not 0 < num_bytes <= PROBE_MAX_BYTES:
+            raise ValueError(f"a link test moves 1 to {PROBE_MAX_BYTES} bytes each way, got {num_bytes}")
         rtts = []
         try:
             for _ in range(pings):
                 start = time.perf_counter()
                 self._stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s, metadata=self._metadata)
                 rtts.append(time.perf_counter() - start)
-            up_s, down_s = self._probe_tcp(num_bytes) if self._data_port else self._probe_grpc(num_bytes)
         except grpc.RpcError as err:
             raise failure_of("link test", err) from None
-        except OSError as exc:
-            raise SyncError(f"link test broke off: {exc}", grpc.StatusCode.UNAVAILABLE) from None
-        return LinkStats(plane="tcp" if self._data_port else "grpc", rtt_s=min(rtts),
+        up_s, down_s = self.plane.probe(num_bytes)
+        return LinkStats(plane="tcp" if self.plane.name == "tcp" else "grpc", rtt_s=min(rtts),
                          up_bytes_per_s=num_bytes / up_s, down_bytes_per_s=num_bytes / down_s)
 
     def sync(self, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], SyncStats]:
@@ -281,7 +246,9 @@ class SyncClient:
         ordered = {name: tensors[name] for name in self._trainable}
 
         def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, dict[str, torch.Tensor], int]]:
-            sent = self._upload(step, ordered, self._until(deadline))
+            sent, duplicate = self.plane.upload(step, ordered, self._until(deadline))
+            if duplicate:
+                log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
             return sent, self._download(step, manifest, self._until(deadline), full=False)
 
         caught_up = False
@@ -289,7 +256,7 @@ class SyncClient:
             sent, (info, downloaded, received) = self._retrying("sync", exchange, deadline=deadline,
                                                                 recover=self._recover)
         except SyncError as err:
-            if err.reason != "stale_round":
+            if err.reason != Reason.STALE_ROUND:
                 raise
             log.warning("peer %d is behind the run (%s): loading the latest global model", self.peer_id, err)
             sent, (info, downloaded, received), caught_up = 0, self._latest(step, manifest, deadline), True
@@ -315,7 +282,7 @@ class SyncClient:
         return ServerStatus(
             current_round=reply.current_round,
             open_round=reply.open_round,
-            total_peers=reply.total_peers,
+            num_peers=reply.num_peers,
             peers_joined=tuple(reply.peers_joined),
             peers_uploaded=tuple(reply.peers_uploaded),
             bytes_in=reply.bytes_in,
@@ -362,13 +329,13 @@ class SyncClient:
         self.close()
 
     # -- transfers ----------------------------------------------------------------------------
-    def _request(self, shapes: dict[str, tuple[int, ...]], trainable: list[str], *, dry_run: bool) -> pb.JoinRequest:
+    def _request(self, shapes: Manifest, trainable: list[str], *, dry_run: bool) -> pb.JoinRequest:
         unknown = [n for n in trainable if n not in shapes]
         if unknown:
             raise ValueError(f"trainable names not in the manifest: {unknown[:5]}")
         return pb.JoinRequest(
             peer_id=self.peer_id,
-            total_peers=self.num_peers,
+            num_peers=self.num_peers,
             experts_per_peer=self.experts_per_peer,
             mode=self.mode,
             wire_dtype=self.wire_dtype,
@@ -400,69 +367,36 @@ class SyncClient:
         if self.data_plane == "tcp" and not reply.data_port:
             raise SyncError("data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
                             "(or use data_plane='auto')", grpc.StatusCode.FAILED_PRECONDITION)
-        self._data_port = reply.data_port if self.data_plane != "grpc" else 0
-        if self.data_plane == "auto" and self._data_port:
-            self._probe_data_plane()
+        self.plane = self._grpc
+        if self.data_plane == "grpc" or not reply.data_port:
+            return
+        host = self.server_addr.rsplit(":", 1)[0].strip("[]")
+        tcp = plane_tcp.TcpPlane(host, reply.data_port, self._data_tls, peer_id=self.peer_id,
+                                 wire_dtype=self.wire_dtype, token=self._token, session=self._session,
+                                 rpc_timeout_s=self.rpc_timeout_s)
+        if self.data_plane == "auto":  # use the data plane only if it answers from here (a firewall may pass only gRPC)
+            try:
+                tcp.ping(min(self.rpc_timeout_s, PROBE_TIMEOUT_S))
+            except (SyncError, OSError) as exc:
+                log.warning("the server's data plane (port %d) does not answer from here (%s): tensor payloads go "
+                            "over gRPC, several times slower. Open that port, or set spes_config.data_plane=grpc to "
+                            "skip this check", reply.data_port, exc)
+                return
+        self.plane = tcp
 
-    def _probe_data_plane(self) -> None:
-        """`auto`: use the advertised data plane only if it answers from here (a firewall may pass only gRPC)."""
-        timeout = min(self.rpc_timeout_s, PROBE_TIMEOUT_S)
-        try:
-            with self._data_connection("ping", -1, timeout) as sock:
-                self._reply(sock, "data-plane ping")
-        except (SyncError, OSError) as exc:
-            log.warning("the server's data plane (port %d) does not answer from here (%s): tensor payloads go over "
-                        "gRPC, several times slower. Open that port, or set spes_config.data_plane=grpc to skip "
-                        "this check", self._data_port, exc)
-            self._data_port = 0
+    def _download(self, step: int, manifest: Manifest, timeout: float, *, full: bool
+                  ) -> tuple[pb.RoundInfo, Tensors, int]:
+        """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated."""
+        names: list[str] = []
 
-    def _upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> int:
-        """One upload attempt; returns the payload bytes sent."""
-        if self._data_port:
-            return self._upload_tcp(step, tensors, timeout)
-        sent = 0
+        def expect(info: pb.RoundInfo) -> Manifest:
+            names.extend(self._check_info(step, info, manifest, full=full))
+            return {n: manifest[n] for n in names}
 
-        def messages() -> Iterator[pb.UploadMessage]:
-            nonlocal sent
-            yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=self.peer_id, round=step))
-            for chunk in encode_tensors(tensors, self.wire_dtype):
-                sent += len(chunk.data)
-                yield pb.UploadMessage(chunk=chunk)
+        info, tensors, received = self.plane.download(step, timeout, full=full, expect=expect, into=self._buffers)
+        return info, {name: tensors[name] for name in names}, received
 
-        reply = self._stub.Upload(messages(), timeout=timeout, metadata=self._metadata)
-        if reply.duplicate:
-            log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
-        return sent
-
-    def _download(
-        self, step: int, manifest: dict[str, tuple[int, ...]], timeout: float, *, full: bool
-    ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
-        """One download attempt: RoundInfo, then exactly the announced tensors, validated."""
-        if self._data_port:
-            return self._download_tcp(step, manifest, timeout, full=full)
-        responses = self._stub.Download(
-            pb.DownloadRequest(peer_id=self.peer_id, round=step, full=full), timeout=timeout, metadata=self._metadata
-        )
-        try:
-            first = next(responses, None)
-            if first is None or not first.HasField("info"):
-                raise SyncError(f"round {step}: the server's download did not start with its RoundInfo")
-            info = first.info
-            names = self._check_info(step, info, manifest, full=full)
-            decoder = TensorDecoder({n: manifest[n] for n in names}, self.wire_dtype, into=self._buffers)
-            for message in responses:
-                if not message.HasField("chunk"):
-                    raise SyncError(f"round {step}: a second RoundInfo arrived inside the download")
-                decoder.feed(message.chunk)
-            tensors = decoder.finish()
-        except ValueError as exc:  # damaged or cut short in transit: fetching it again may succeed
-            raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
-        finally:
-            responses.cancel()
-        return info, {name: tensors[name] for name in names}, decoder.bytes_received
-
-    def _check_info(self, step: int, info: pb.RoundInfo, manifest: dict[str, tuple[int, ...]], *, full: bool
-                    ) -> list[str]:
+    def _check_info(self, step: int, info: pb.RoundInfo, manifest: Manifest, *, full: bool) -> list[str]:
         """The names the server announced, which must be exactly those this peer expects for round `step`."""
         names = list(info.names)
         expected = list(manifest) if full else download_names(list(manifest), self.peer_id, self.mode, info.merged)
@@ -473,108 +407,9 @@ class SyncClient:
             )
         return names
 
-    def _probe_grpc(self, num_bytes: int) -> tuple[float, float]:
-        """Link test over gRPC: (seconds to send `num_bytes`, seconds to receive them)."""
-        def messages() -> Iterator[pb.ProbeMessage]:
-            yield pb.ProbeMessage(reply_bytes=num_bytes)
-            chunk = bytes(min(num_bytes, transport.PROBE_CHUNK_BYTES))
-            for offset in range(0, num_bytes, len(chunk)):
-                yield pb.ProbeMessage(data=chunk[: num_bytes - offset])
-
-        start = time.perf_counter()
-        responses = self._stub.Probe(messages(), timeout=self.rpc_timeout_s, metadata=self._metadata)
-        try:
-            next(responses)  # the server's acknowledgement: it has read every byte
-            up_s = time.perf_counter() - start
-            start = time.perf_counter()
-            received = sum(len(message.data) for message in responses)
-        finally:
-            responses.cancel()
-        if received != num_bytes:
-            raise SyncError(f"link test: the server sent {received} bytes back, asked for {num_bytes}")
-        return up_s, time.perf_counter() - start
-
-    def _probe_tcp(self, num_bytes: int) -> tuple[float, float]:
-        """Link test over the raw-TCP data plane: (seconds to send `num_bytes`, seconds to receive them)."""
-        with self._data_connection("probe", -1, self.rpc_timeout_s, up_bytes=num_bytes, down_bytes=num_bytes) as sock:
-            self._reply(sock, "link test")  # {"status": "send"}
-            start = time.perf_counter()
-            transport.send_zeros(sock, num_bytes)
-            self._reply(sock, "link test")  # {"status": "ok"}: the server has read every byte
-            up_s = time.perf_counter() - start
-            start = time.perf_counter()
-            transport.recv_discard(sock, num_bytes)
-            return up_s, time.perf_counter() - start
-
-    # -- raw-TCP data plane (spes.sync.transport) ----------------------------------------------------
-    def _data_connection(self, op: str, step: int, timeout: float, *, full: bool = False, **extra: int
-                         ) -> socket.socket:
-        """A data-plane connection to the server's host with the handshake sent; socket errors are retryable."""
-        host = self.server_addr.rsplit(":", 1)[0].strip("[]")
-        try:
-            sock = transport.connect(host, self._data_port, self._data_tls, min(timeout, self.rpc_timeout_s))
-        except OSError as exc:
-            raise SyncError(f"{op} round {step}: data plane {host}:{self._data_port} unreachable: {exc}",
-                            grpc.StatusCode.UNAVAILABLE, retryable=True) from None
-        try:
-            transport.send_hello(sock, {"op": op, "peer_id": self.peer_id, "step": step, "full": full,
-                                        "token": self._token, "timeout_s": timeout, "session": self._session,
-                                        **extra})
-        except OSError as exc:
-            sock.close()
-            raise SyncError(f"{op} round {step}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE,
-                            retryable=True) from None
-        return sock
-
-    def _reply(self, sock: socket.socket, what: str) -> transport.Frame:
-        frame = transport.recv_frame(sock)
-        if frame.get("status") == "error":
-            raise refusal_of(what, frame)
-        return frame
-
-    def _upload_tcp(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> int:
-        sock = self._data_connection("upload", step, timeout)
-        what, sent = f"upload of round {step}", 0
-        try:
-            with sock:
-                reply = self._reply(sock, what)
-                if reply.get("status") == "send":
-                    try:
-                        sent = transport.send_tensors(sock, tensors, self.wire_dtype)
-                    except OSError:
-                        pass  # NOTE: the server may have refused mid-stream: its reply says why
-                    sock.settimeout(timeout)
-                    reply = self._reply(sock, what)
-        except OSError as exc:
-            raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
-        if reply.get("duplicate"):
-            log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
-        return sent
-
-    def _download_tcp(
-        self, step: int, manifest: dict[str, tuple[int, ...]], timeout: float, *, full: bool
-    ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
-        sock = self._data_connection("download", step, timeout, full=full)
-        what = f"download of round {step}"
-        try:
-            with sock:
-                sock.settimeout(timeout)  # NOTE: the first reply waits for the whole round
-                frame = self._reply(sock, what)
-                info = pb.RoundInfo(round=frame.get("round"), merged=frame.get("merged"), alpha=frame.get("alpha"),
-                                    names=frame.get("names"), peers=frame.get("peers"))
-                names = self._check_info(step, info, manifest, full=full)
-                sock.settimeout(min(timeout, self.rpc_timeout_s))
-                decoder = TensorDecoder({n: manifest[n] for n in names}, self.wire_dtype, into=self._buffers)
-                tensors = transport.recv_tensors(sock, decoder, len(names))
-        except OSError as exc:
-            raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
-        except (ValueError, TypeError) as exc:  # damaged in transit: fetching it again may succeed
-            raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
-        return info, {name: tensors[name] for name in names}, decoder.bytes_received
-
     def _latest(
-        self, step: int, manifest: dict[str, tuple[int, ...]], deadline: float
-    ) -> tuple[pb.RoundInfo, dict[str, torch.Tensor], int]:
+        self, step: int, manifest: Manifest, deadline: float
+    ) -> tuple[pb.RoundInfo, Tensors, int]:
         """Every tensor of the server's latest completed round, for a peer at `step` that fell behind."""
         latest = self.status().current_round
         if latest < step:
@@ -592,22 +427,22 @@ class SyncClient:
 
     def _recover(self, failure: SyncError) -> bool:
         """React to what the server said: join again after a restart, upload again when it lost the round."""
-        if failure.reason == "not_joined":
+        if failure.reason == Reason.NOT_JOINED:
             log.warning("the server does not know peer %d (restarted?): joining again", self.peer_id)
             self._join()
             return True
-        if failure.reason == "unknown_round":
+        if failure.reason == Reason.UNKNOWN_ROUND:
             log.warning("the server holds no upload of peer %d for this round: uploading again", self.peer_id)
             return True
         return False
 
     # -- helpers ------------------------------------------------------------------------------
-    def _require_joined(self) -> dict[str, tuple[int, ...]]:
+    def _require_joined(self) -> Manifest:
         if self._manifest is None:
             raise SyncError("call join(manifest, trainable) before sync()")
         return self._manifest
 
-    def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: dict[str, tuple[int, ...]]) -> None:
+    def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
         missing = [n for n in self._trainable if n not in tensors]
         extra = [n for n in tensors if n not in set(self._trainable)]
         if missing or extra:

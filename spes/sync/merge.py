@@ -1,7 +1,7 @@
 """The pure math of one SPES synchronization round (arXiv 2602.11543, Sec. 3).
 
 Everything here is a function of tensors and numbers, with no I/O, so the round can be
-tested without sockets and the server only moves bytes and calls `aggregate_round`.
+tested without sockets and the server only moves bytes and calls `build_global`.
 
 Naming (fixed by the model): experts of MoE layer `l` live in ownership blocks
 `{prefix}.{kind}.{b}` with prefix `blocks.{l}.ffn.experts`, kind in `w1` (gate,
@@ -15,15 +15,14 @@ Shape legend: E experts in a layer, D d_model, F expert width, P peers, K top-k 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from spes.moe import EXPERT_KINDS, parse_expert_block
-
-Mode = Literal["spes", "diloco"]
+from spes.sync.protocol import Mode, Shape, Tensors
 
 
 def trainable_names(names: list[str], peer_id: int, mode: Mode) -> list[str]:
@@ -62,21 +61,17 @@ class MergeConfig:
             raise ValueError(f"merge topk must be >= 1, got {self.topk}")
 
 
-def merge_alpha(step: int, alpha_start: float, decay_steps: int) -> float:
-    """alpha(step) = alpha_start * (1 - min(step / decay_steps, 1)): linear decay to 0."""
-    return alpha_start * (1.0 - min(step / decay_steps, 1.0))
+def round_alpha(step: int, mode: Mode, merge: MergeConfig | None) -> float:
+    """The expert-merging warm-up strength applied in round `step` (the paper's Sec. 3.3 schedule):
 
+        alpha(step) = alpha_start * (1 - min(step / decay_steps, 1))
 
-def is_merge_round(step: int, merge_interval: int, alpha_start: float, decay_steps: int) -> bool:
-    """A merge round has step % merge_interval == 0 and alpha(step) > 0 (merge_interval <= 0: never)."""
-    return merge_interval > 0 and step % merge_interval == 0 and merge_alpha(step, alpha_start, decay_steps) > 0
-
-
-def round_alpha(step: int, merge: MergeConfig | None) -> float:
-    """The alpha applied at `step`: alpha(step) on merge rounds, else 0."""
-    if merge is None or not is_merge_round(step, merge.interval, merge.alpha_start, merge.decay_steps):
+    on merge rounds (SPES mode, `merge.interval` > 0 and step % interval == 0), else 0: in DiLoCo mode, without a
+    merge config, and from `decay_steps` on. A round merges exactly when this is > 0.
+    """
+    if mode != "spes" or merge is None or merge.interval <= 0 or step % merge.interval:
         return 0.0
-    return merge_alpha(step, merge.alpha_start, merge.decay_steps)
+    return merge.alpha_start * (1.0 - min(step / merge.decay_steps, 1.0))
 
 
 def merge_experts(
@@ -157,83 +152,6 @@ def _add_widened(total: torch.Tensor, tensor: torch.Tensor) -> None:
         flat_total[start : start + part.numel()].add_(scratch[: part.numel()].copy_(part))
 
 
-def _check_uploads(uploads: Mapping[int, Mapping[str, torch.Tensor]], num_peers: int) -> None:
-    if sorted(uploads) != list(range(num_peers)):
-        raise ValueError(f"aggregate_round needs one upload per peer 0..{num_peers - 1}, got peers {sorted(uploads)}")
-
-
-def _expert_layers(names: list[str]) -> dict[str, dict[str, dict[int, str]]]:
-    """Group expert-block names as layers[prefix][kind][block] = name."""
-    layers: dict[str, dict[str, dict[int, str]]] = {}
-    for name in names:
-        parsed = parse_expert_block(name)
-        if parsed is not None:
-            layers.setdefault(parsed.prefix, {}).setdefault(parsed.kind, {})[parsed.block] = name
-    return layers
-
-
-def _merge_layer(
-    global_model: dict[str, torch.Tensor], prefix: str, kinds: dict[str, dict[int, str]], alpha: float, topk: int
-) -> None:
-    """Concatenate a layer's blocks into (E, ...), merge, and split back in place of the blocks."""
-    if set(kinds) != set(EXPERT_KINDS):
-        raise ValueError(f"merging {prefix!r} needs w1, v1 and w2 blocks, got kinds {sorted(kinds)}")
-    blocks = sorted(kinds["w1"])
-    for kind in EXPERT_KINDS:
-        if sorted(kinds[kind]) != blocks:
-            raise ValueError(f"{prefix!r}: kind {kind!r} has blocks {sorted(kinds[kind])} but w1 has {blocks}")
-    sizes = [global_model[kinds["w1"][b]].shape[0] for b in blocks]
-    stacked = [torch.cat([global_model[kinds[kind][b]] for b in blocks]) for kind in EXPERT_KINDS]
-    for kind, merged in zip(EXPERT_KINDS, merge_experts(*stacked, alpha=alpha, topk=topk), strict=True):
-        for b, part in zip(blocks, torch.split(merged, sizes), strict=True):
-            global_model[kinds[kind][b]] = part
-
-
-def aggregate_round(
-    uploads: Mapping[int, Mapping[str, torch.Tensor]],
-    *,
-    num_peers: int,
-    experts_per_peer: int,
-    mode: Mode,
-    step: int,
-    merge: MergeConfig | None = None,
-) -> dict[str, torch.Tensor]:
-    """Build the global model of round `step` from every peer's upload.
-
-    SPES: expert block b is taken verbatim from its owner, peer b (the very tensor, in the dtype it
-    was uploaded in: widening a bf16 upload would only be undone to send it back); every shared tensor
-    is the fp32 mean over peers; on merge rounds (see `round_alpha`) each layer's experts are then
-    merged with `merge_experts` (fp32 results). DiLoCo/FedAvg: every tensor is the mean over peers.
-    """
-    _check_uploads(uploads, num_peers)
-    names = sorted({name for upload in uploads.values() for name in upload})
-    global_model: dict[str, torch.Tensor] = {}
-    for name in names:
-        parsed = parse_expert_block(name) if mode == "spes" else None
-        if parsed is not None:
-            if parsed.block >= num_peers or name not in uploads[parsed.block]:
-                raise ValueError(f"expert block {name!r} has no upload from its owner, peer {parsed.block}")
-            block = uploads[parsed.block][name]
-            if block.shape[0] > experts_per_peer:
-                raise ValueError(
-                    f"expert block {name!r} holds {block.shape[0]} experts, "
-                    f"more than experts_per_peer={experts_per_peer}"
-                )
-            global_model[name] = block
-        else:
-            missing = [p for p in range(num_peers) if name not in uploads[p]]
-            if missing:
-                raise ValueError(f"tensor {name!r} is averaged over all peers but peers {missing} did not upload it")
-            global_model[name] = mean_over_peers([uploads[p][name] for p in range(num_peers)])
-
-    alpha = round_alpha(step, merge) if mode == "spes" else 0.0
-    if alpha > 0:
-        assert merge is not None
-        for prefix, kinds in _expert_layers(names).items():
-            _merge_layer(global_model, prefix, kinds, alpha, merge.topk)
-    return global_model
-
-
 @dataclass(frozen=True, kw_only=True)
 class OuterConfig:
     """DiLoCo outer optimizer (server --outer_* flags); `none` is plain averaging."""
@@ -277,3 +195,123 @@ def outer_nesterov_step(
         new_buf[name] = buf
         new_global[name] = prev - lr * (grad + momentum * buf)
     return new_global, new_buf
+
+
+@dataclass(frozen=True)
+class GlobalRound:
+    """What `build_global` made of one round."""
+
+    tensors: Tensors
+    """The global model, in the order of the names it was built for."""
+    momentum: Tensors
+    """The DiLoCo outer momentum after the round (empty unless the outer optimizer is Nesterov)."""
+    alpha: float
+    """The merge strength applied (`round_alpha`; 0: no merge)."""
+
+
+def build_global(
+    uploads: Mapping[int, Mapping[str, torch.Tensor]],
+    *,
+    num_peers: int,
+    experts_per_peer: int,
+    mode: Mode,
+    step: int,
+    merge: MergeConfig | None = None,
+    outer: OuterConfig | None = None,
+    names: list[str] | None = None,
+    previous: Mapping[str, torch.Tensor] | None = None,
+    momentum: Mapping[str, torch.Tensor] | None = None,
+    consume: bool = False,
+    empty: Callable[[Shape, torch.dtype], torch.Tensor] | None = None,
+) -> GlobalRound:
+    """Round `step`'s global model from the uploads of the peers that arrived (peer -> name -> tensor).
+
+    SPES: expert block b is taken verbatim from its owner, peer b (the very tensor, in the dtype it was uploaded
+    in: widening a bf16 upload would only be undone to send it back), or, when the owner did not arrive (a
+    quorum round), from `previous`, the last global model; every shared tensor is the fp32 mean over the arrived
+    peers, summed in peer order so the result is reproducible; on merge rounds (`round_alpha` > 0) each layer's
+    experts are then merged with `merge_experts` (fp32 results). DiLoCo: every tensor is the mean, followed by
+    the outer Nesterov step (`outer_nesterov_step`) when `outer` asks for it and a previous global model exists
+    (the first round's mean is the starting point).
+
+    `names` (default: every uploaded name, sorted) fixes the output order. With `consume`, `uploads` (then
+    mutable) is emptied tensor by tensor and a mean is summed in place in the first peer's fp32 upload, so the
+    server holds the remaining uploads, the previous global model and the growing new one, never more (one
+    SPES layer's experts at a time, as the merge needs the whole layer); `empty(shape, dtype)` supplies the fp32
+    tensor a mean of narrower (bf16) uploads is summed into (default: a new one). Raises ValueError when an
+    upload is missing or too large.
+    """
+    arrived = sorted(uploads)
+    if not arrived or not set(arrived) <= set(range(num_peers)):
+        raise ValueError(f"build_global needs uploads of peers in 0..{num_peers - 1}, got peers {arrived}")
+    previous = previous or {}
+    names = sorted({name for upload in uploads.values() for name in upload}) if names is None else names
+    alpha = round_alpha(step, mode, merge)
+    nesterov = mode == "diloco" and outer is not None and outer.optimizer == "nesterov" and bool(previous)
+
+    def take(peer: int, name: str) -> torch.Tensor:
+        return uploads[peer].pop(name) if consume else uploads[peer][name]  # type: ignore[attr-defined]
+
+    new_global: Tensors = {}
+    new_momentum: Tensors = {}
+    layers: dict[str, dict[str, dict[int, str]]] = {}
+    for name in names:
+        parsed = parse_expert_block(name) if mode == "spes" else None
+        if parsed is not None:
+            new_global[name] = _owner_block(name, parsed.block, uploads, previous, experts_per_peer, take)
+            layers.setdefault(parsed.prefix, {}).setdefault(parsed.kind, {})[parsed.block] = name
+            continue
+        missing = [p for p in arrived if name not in uploads[p]]
+        if missing:
+            raise ValueError(f"tensor {name!r} is averaged over the arrived peers but peers {missing} did not upload it")
+        tensors = [take(p, name) for p in arrived]
+        out = None
+        if empty is not None and tensors[0].dtype != torch.float32:  # a bf16 mean is summed in fp32
+            out = empty(tuple(tensors[0].shape), torch.float32)
+        mean = {name: mean_over_peers(tensors, reuse_first=consume, out=out)}
+        if nesterov:
+            buf = {name: momentum[name]} if momentum and name in momentum else {}
+            assert outer is not None
+            mean, buf = outer_nesterov_step({name: previous[name]}, mean, buf, lr=outer.lr, momentum=outer.momentum)
+            new_momentum.update(buf)
+        new_global.update(mean)
+    if alpha > 0:
+        assert merge is not None
+        for prefix, kinds in layers.items():
+            _merge_layer(new_global, prefix, kinds, alpha, merge.topk)
+    return GlobalRound({name: new_global[name] for name in names}, new_momentum, alpha)
+
+
+def _owner_block(name: str, owner: int, uploads: Mapping[int, Mapping[str, torch.Tensor]],
+                 previous: Mapping[str, torch.Tensor], experts_per_peer: int,
+                 take: Callable[[int, str], torch.Tensor]) -> torch.Tensor:
+    """Expert block `name` as its owner uploaded it, or its last global value when the owner did not arrive."""
+    if owner in uploads and name in uploads[owner]:
+        block = take(owner, name)
+    elif owner not in uploads and name in previous:
+        return previous[name]
+    else:
+        raise ValueError(f"expert block {name!r} has no upload from its owner, peer {owner}")
+    if block.shape[0] > experts_per_peer:
+        raise ValueError(f"expert block {name!r} holds {block.shape[0]} experts, more than "
+                         f"experts_per_peer={experts_per_peer}")
+    return block
+
+
+def _merge_layer(
+    global_model: dict[str, torch.Tensor], prefix: str, kinds: dict[str, dict[int, str]], alpha: float, topk: int
+) -> None:
+    """Concatenate a layer's blocks into (E, ...), merge, and split back in place of the blocks."""
+    if set(kinds) != set(EXPERT_KINDS):
+        raise ValueError(f"merging {prefix!r} needs w1, v1 and w2 blocks, got kinds {sorted(kinds)}")
+    blocks = sorted(kinds["w1"])
+    for kind in EXPERT_KINDS:
+        if sorted(kinds[kind]) != blocks:
+            raise ValueError(f"{prefix!r}: kind {kind!r} has blocks {sorted(kinds[kind])} but w1 has {blocks}")
+    sizes = [global_model[kinds["w1"][b]].shape[0] for b in blocks]
+    stacked = [torch.cat([global_model[kinds[kind][b]] for b in blocks]) for kind in EXPERT_KINDS]
+    for kind, merged in zip(EXPERT_KINDS, merge_experts(*stacked, alpha=alpha, topk=topk), strict=True):
+        for b, part in zip(blocks, torch.split(merged, sizes), strict=True):
+            global_model[kinds[kind][b]] = part
+
+

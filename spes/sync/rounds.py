@@ -1,7 +1,7 @@
-"""Round bookkeeping of the parameter server: who may upload what, when a round may close, and its global model.
+"""Round bookkeeping of the parameter server: who may join, who may upload what, and when a round may close.
 
-The gRPC shell (`spes.sync.server`) calls `RoundState` under its lock and `build_global` on its aggregation
-thread; nothing here touches sockets or files, so every rule is tested directly (tests/test_rounds.py).
+The server calls `RoundState` under its lock (and `spes.sync.merge.build_global`, the round's math, on its
+aggregation thread); nothing here touches sockets or files, so every rule is tested directly (tests/test_rounds.py).
 
 A round is keyed by the global step at which the peers synchronize. It opens with its first verified upload
 and closes when every peer is in, or, under `--dead_peer_policy quorum`, once `--round_timeout` seconds have
@@ -19,46 +19,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import grpc
-import torch
 
-from spes.sync.merge import (
-    MergeConfig,
-    Mode,
-    OuterConfig,
-    aggregate_round,
-    mean_over_peers,
-    outer_nesterov_step,
-    parse_expert_block,
-    round_alpha,
-    trainable_names,
-)
+from spes.moe import parse_expert_block
+from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.wire import PROTOCOL_VERSION, WIRE_DTYPES
+from spes.sync.protocol import PROTOCOL_VERSION, WIRE_DTYPES, Mode, Reason, Refused, Shape, Tensors
 
 MAX_MODEL_GB = 48.0
 """Default --max_model_gb: the paper's largest config (configs/upcycled_9b, 9.4B parameters) is 37.7 GB in fp32."""
 MAX_TENSORS = 16384
 """Default --max_tensors: configs/upcycled_9b has 591 tensors."""
 DeadPeerPolicy = Literal["wait", "quorum"]
-Shape = tuple[int, ...]
-Tensors = dict[str, torch.Tensor]
-
-
-class Refused(Exception):
-    """A request the server turns down: the gRPC status, a message saying what to do, a machine-readable reason.
-
-    `reason` is sent as trailing metadata `spes-reason` (see protos/spes.proto) when the client can react
-    to it on its own; empty otherwise.
-    """
-
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
-        super().__init__(message)
-        self.code, self.reason = code, reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,32 +114,32 @@ class RoundState:
                 raise Refused(
                     grpc.StatusCode.UNAVAILABLE,
                     f"round {step} timed out and is closing without peer {peer}; retry to catch up once it completes",
-                    "busy",
+                    Reason.BUSY,
                 )
             if step < self.open_round:
                 raise Refused(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"round {step} is old: round {self.open_round} is open now",
-                    "stale_round",
+                    Reason.STALE_ROUND,
                 )
             if self.aggregating:
                 raise Refused(
                     grpc.StatusCode.UNAVAILABLE,
                     f"round {step} cannot open while round {self.open_round} is being aggregated; retry shortly",
-                    "busy",
+                    Reason.BUSY,
                 )
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"round {step} is ahead of the open round {self.open_round}, which still waits for peers "
                 f"{self.missing_peers()}: do all peers use the same sync_steps?",
-                "future_round",
+                Reason.FUTURE_ROUND,
             )
         if self.completed_round is not None and step <= self.completed_round:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"round {step} is old: round {self.completed_round} has already completed"
                 + ("" if step < self.completed_round else f" without peer {peer}"),
-                "stale_round",
+                Reason.STALE_ROUND,
             )
         return False
 
@@ -187,14 +163,14 @@ class RoundState:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"round {step} is no longer available: the latest completed round is {self.completed_round}",
-                "stale_round",
+                Reason.STALE_ROUND,
             )
         if step != self.open_round or (peer not in self.uploaded and not full):
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the server holds no upload of peer {peer} for round {step} (open round: {self.open_round}, "
                 f"latest completed: {self.completed_round}): upload it first",
-                "unknown_round",
+                Reason.UNKNOWN_ROUND,
             )
         return False
 
@@ -218,7 +194,7 @@ class RoundState:
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"round {self.open_round} did not complete within --round_timeout={policy.timeout_s:g} s of its "
                 f"first upload: {blocker}",
-                "round_timeout",
+                Reason.ROUND_TIMEOUT,
             )
         return True
 
@@ -285,85 +261,6 @@ def expert_owners(names: list[str], mode: Mode) -> frozenset[int]:
     return frozenset(parsed.block for n in names if (parsed := parse_expert_block(n)) is not None)
 
 
-def _groups(names: list[str], mode: Mode) -> list[list[str]]:
-    """Tensors aggregated together: each SPES layer's expert blocks (the merge needs the whole layer), else one."""
-    layers: dict[str, list[str]] = {}
-    groups: list[list[str]] = []
-    for name in sorted(names):
-        parsed = parse_expert_block(name) if mode == "spes" else None
-        if parsed is None:
-            groups.append([name])
-        else:
-            layers.setdefault(parsed.prefix, []).append(name)
-    return groups + list(layers.values())
-
-
-def _layer_blocks(
-    group: list[str], uploads: dict[int, Tensors], previous: Mapping[str, torch.Tensor], num_peers: int
-) -> dict[int, Tensors]:
-    """Each peer's expert blocks of one layer, taken out of `uploads`; a missing owner's from `previous`."""
-    blocks: dict[int, Tensors] = {p: {} for p in range(num_peers)}
-    for name in group:
-        owner = parse_expert_block(name).block  # type: ignore[union-attr]
-        blocks[owner][name] = uploads[owner].pop(name) if owner in uploads else previous[name]
-    return blocks
-
-
-def build_global(
-    uploads: dict[int, Tensors],
-    *,
-    names: list[str],
-    previous: Mapping[str, torch.Tensor],
-    momentum: Mapping[str, torch.Tensor],
-    num_peers: int,
-    experts_per_peer: int,
-    mode: Mode,
-    step: int,
-    merge: MergeConfig,
-    outer: OuterConfig,
-    empty: Callable[[Shape, torch.dtype], torch.Tensor] | None = None,
-) -> tuple[Tensors, Tensors]:
-    """Round `step`'s global model (and DiLoCo momentum) from the uploads of the peers that arrived.
-
-    With every peer in, this equals `aggregate_round` (+ `outer_nesterov_step` in DiLoCo mode) over all
-    uploads. With some missing (quorum), shared tensors are averaged over the arrived peers and a missing
-    owner's expert blocks come from `previous`. Tensors come out in the order of `names`. `uploads` is emptied
-    tensor by tensor as it is consumed
-    (one SPES layer's experts at a time, as the merge needs the whole layer), so the server holds the
-    remaining uploads, the previous global model and the growing new one, never more. `empty(shape, dtype)`
-    supplies the fp32 tensor a mean of narrower (bf16) uploads is summed into (default: a new one).
-    """
-    arrived = sorted(uploads)
-    new_global: Tensors = {}
-    new_momentum: Tensors = {}
-    nesterov = mode == "diloco" and outer.optimizer == "nesterov" and bool(previous)
-    for group in _groups(names, mode):
-        if mode == "spes" and parse_expert_block(group[0]) is not None:
-            blocks = _layer_blocks(group, uploads, previous, num_peers)
-            new_global.update(aggregate_round(blocks, num_peers=num_peers, experts_per_peer=experts_per_peer,
-                                              mode="spes", step=step, merge=merge))
-            continue
-        # NOTE: summed in peer order, exactly like aggregate_round's mean when every peer arrived; the
-        # uploads are consumed here, so the sum accumulates in place in the first one.
-        (name,) = group
-        tensors = [uploads[p].pop(name) for p in arrived]
-        out = None
-        if empty is not None and tensors[0].dtype != torch.float32:  # a bf16 mean is summed in fp32
-            out = empty(tuple(tensors[0].shape), torch.float32)
-        mean = {name: mean_over_peers(tensors, reuse_first=True, out=out)}
-        if nesterov:  # NOTE: the first round has no previous global model; its mean becomes the starting point.
-            buf = {name: momentum[name]} if name in momentum else {}
-            mean, buf = outer_nesterov_step({name: previous[name]}, mean, buf, lr=outer.lr, momentum=outer.momentum)
-            new_momentum.update(buf)
-        new_global.update(mean)
-    return {name: new_global[name] for name in names}, new_momentum
-
-
-def round_merge_alpha(step: int, mode: Mode, merge: MergeConfig) -> float:
-    """The merge warm-up strength applied in round `step` (0 in DiLoCo mode and on non-merge rounds)."""
-    return round_alpha(step, merge) if mode == "spes" else 0.0
-
-
 def describe_names(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -393,8 +290,8 @@ def check_join(
         )
     if not 0 <= peer < num_peers:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer_id {peer} is outside [0, {num_peers}) for this run")
-    for what, theirs, ours in (
-        ("total_peers", request.total_peers, num_peers),
+    for what, theirs, ours in (  # NOTE: named as the server's flags name them (--total_peers)
+        ("total_peers", request.num_peers, num_peers),
         ("num_train_experts_per_node", request.experts_per_peer, experts_per_peer),
         ("mode", request.mode, mode),
     ):

@@ -1,9 +1,10 @@
-"""The SPES parameter server: the gRPC shell that moves tensors between peers and runs the round math.
+"""The SPES parameter server: its settings, command line, and the assembly of the round service and two planes.
 
 Each round (keyed by the global step) collects one verified upload per peer, builds the global model with
-`spes.sync.rounds.build_global` (SPES round or DiLoCo average, outer optimizer, quorum) on its own thread,
-persists it under `--state_dir` and serves it to every peer. The round rules live in `spes.sync.rounds`,
-persistence in `spes.sync.state`; the handlers here only validate, move bytes and wait on one condition.
+`spes.sync.merge.build_global` (SPES round or DiLoCo average, outer optimizer, quorum) on its own thread,
+persists it under `--state_dir` and serves it to every peer. The round service is `spes.sync.coordinator`
+(round rules in `spes.sync.rounds`, persistence in `spes.sync.state`); the gRPC handlers
+(`spes.sync.plane_grpc`) and the raw-TCP data plane (`spes.sync.plane_tcp`) only validate and move bytes.
 
     python -m spes.server configs/spes_1b/node_0.yaml --port 50051 --state_dir server_state
 
@@ -25,66 +26,46 @@ import argparse
 import ctypes
 import ipaddress
 import logging
-import math
 import signal
-import socket
 import sys
 import threading
-import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from spes.config import ServerSection, TrainConfig, add_server_flags, config_help, load_config, load_server_section, \
-    server_flag_overrides
-from spes.moe import parse_expert_block
+from spes.config import (
+    ServerSection,
+    TrainConfig,
+    add_server_flags,
+    config_help,
+    load_config,
+    load_server_section,
+    server_flag_overrides,
+)
+from spes.sync import plane_tcp
+from spes.sync.admission import UNARY_RESERVE, GuardedHealth
 from spes.sync.auth import (
     TOKEN_ENV,
     TokenAuthInterceptor,
-    check_peer_identity,
-    grpc_common_name,
     read_token,
-    tls_common_name,
-    token_matches,
 )
-from spes.sync.buffers import BufferPool
-from spes.sync.admission import SESSION_KEY, UNARY_RESERVE, GuardedHealth, Sessions, StreamGuard, Ticket
-from spes.sync.merge import MergeConfig, Mode, OuterConfig, download_names
-from spes.sync.proto import spes_pb2 as pb
+from spes.sync.coordinator import Coordinator
+from spes.sync.merge import MergeConfig, OuterConfig
+from spes.sync.plane_grpc import SpesServicer
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.rounds import (
-    MAX_MODEL_GB,
-    MAX_TENSORS,
-    DeadPeerPolicy,
-    Refused,
-    RoundPolicy,
-    RoundState,
-    Shape,
-    Tensors,
-    build_global,
-    check_join,
-    expert_owners,
-    manifest_differences,
-    round_merge_alpha,
-)
-from spes.sync import transport
-from spes.sync.state import SavedRound, load_round, save_round
-from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, REASON_KEY, CorruptChunk, EncodedModel, TensorDecoder, \
-    VerifiedChecksums, encode_tensors, grpc_options, read_file, wire_torch_dtype
+from spes.sync.protocol import Mode, Shape
+from spes.sync.rounds import MAX_MODEL_GB, MAX_TENSORS, DeadPeerPolicy, RoundPolicy
+from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, grpc_options, read_file
 
 log = logging.getLogger("spes.server")
 T = TypeVar("T")
 
 SERVICE_NAME = "spes.v1.ParameterServer"
-DATA_POLL_S = 1.0
-DATA_MAX_FRAME_BYTES = 1 << 20
-"""Largest control frame the server reads (a hello or a tensor header: a few hundred bytes)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +108,7 @@ class ServerConfig:
     max_message_mb: int = 4
     """gRPC message size limit in MiB: chunks are 1 MiB, so a larger message is refused unread."""
     data_port: int = -1
-    """TCP port of the raw data plane for tensor payloads (`spes.sync.transport`); 0: OS-chosen, -1: disabled."""
+    """TCP port of the raw data plane for tensor payloads (`spes.sync.plane_tcp`); 0: OS-chosen, -1: disabled."""
     stream_idle_timeout_s: float = 60.0
     """A stream (either plane) that neither receives nor sends a message for this long is closed, its upload dropped."""
     max_streams: int = 64
@@ -198,498 +179,6 @@ class ServerConfig:
         return {"total_peers": self.total_peers, "experts_per_peer": self.experts_per_peer, "mode": self.mode}
 
 
-@dataclass(frozen=True)
-class PeerInfo:
-    """What a peer announced at Join."""
-
-    wire_dtype: str
-    trainable: tuple[str, ...]
-
-
-class SpesServicer(pb_grpc.ParameterServerServicer):
-    """gRPC handlers; all shared state is guarded by `self._cond`."""
-
-    def __init__(self, cfg: ServerConfig) -> None:
-        self.cfg, self.policy = cfg, cfg.policy()
-        self._cond = threading.Condition()
-        self.state = RoundState(cfg.total_peers)
-        self._manifest: dict[str, Shape] | None = None
-        self._owners: frozenset[int] = frozenset()
-        self._peers: dict[int, PeerInfo] = {}
-        self._bytes_in = self._bytes_out = self._round_bytes_in = self._logged_bytes_out = 0
-        self._rounds_completed = 0
-        self._shutting_down = False
-        self._aggregator: threading.Thread | None = None
-        self._encoded: dict[str, EncodedModel] = {}
-        """The latest round's global model per wire dtype, each tensor encoded once for every download."""
-        self._pool = BufferPool()
-        self._checksums = VerifiedChecksums()
-        """Of every staged upload: downloads send the experts taken from it verbatim without hashing them again."""
-        self._readers: dict[int, int] = {}
-        """Downloads in flight per completed round: its tensors are reused only once none reads them."""
-        self._retired: dict[int, list[torch.Tensor]] = {}
-        """Superseded global models that downloads still read, by round."""
-        self.data_port = 0
-        """Port of the running data plane, advertised at Join (0: none); set by `start_server`."""
-        self.guard = StreamGuard(idle_timeout_s=cfg.stream_idle_timeout_s, max_streams=cfg.max_streams,
-                                 max_per_peer=cfg.max_streams_per_peer)
-        self.sessions = Sessions(cfg.peer_liveness_s)
-        if cfg.expected_manifest is not None:
-            self._learn_manifest(dict(cfg.expected_manifest))
-        saved = load_round(cfg.state_dir, cfg.run_identity()) if cfg.state_dir else None
-        if saved is not None:
-            if cfg.expected_manifest is not None and manifest_differences(cfg.expected_manifest, saved.manifest):
-                raise ValueError(f"--state_dir {cfg.state_dir} holds a different model than the run's YAML: "
-                                 f"{manifest_differences(cfg.expected_manifest, saved.manifest)}")
-            self.state.restore(saved.step, set(saved.peers), saved.global_model, saved.momentum, saved.merged,
-                               saved.alpha)
-            self._learn_manifest(saved.manifest)
-            log.info("resumed from %s: round %d complete (peers %s); waiting for peers to re-join",
-                     cfg.state_dir, saved.step, list(saved.peers))
-
-    def _learn_manifest(self, shapes: dict[str, Shape]) -> None:
-        self._manifest, self._owners = shapes, expert_owners(list(shapes), self.cfg.mode)
-
-    def _buffer_limits(self) -> Counter[tuple[Shape, torch.dtype]]:
-        """What one round takes from the pool: every joined peer's uploads, and the fp32 sums of shared
-        tensors uploaded narrower than fp32 (lock held)."""
-        assert self._manifest is not None
-        limits = Counter((self._manifest[n], wire_torch_dtype(info.wire_dtype))
-                         for info in self._peers.values() for n in info.trainable)
-        narrow = {n for info in self._peers.values() if info.wire_dtype != "fp32" for n in info.trainable}
-        averaged = [n for n in narrow if self.cfg.mode == "diloco" or parse_expert_block(n) is None]
-        limits.update((self._manifest[n], torch.float32) for n in averaged)
-        return limits
-
-    # -- Join ---------------------------------------------------------------------------------
-    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        cfg, peer, address = self.cfg, request.peer_id, context.peer()
-        try:
-            self._check_identity(peer, lambda: grpc_common_name(context))
-            shapes, trainable = check_join(
-                request, num_peers=cfg.total_peers, experts_per_peer=cfg.experts_per_peer, mode=cfg.mode,
-                max_tensors=cfg.max_tensors,
-                max_model_gb=None if cfg.expected_manifest is not None else cfg.max_model_gb)
-            with self._cond:
-                if self._manifest is not None:
-                    diff = manifest_differences(self._manifest, shapes)
-                    if diff:
-                        whose = "the run's YAML" if cfg.expected_manifest is not None else "the run's"
-                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                      f"peer {peer}'s model differs from {whose}: {diff}")
-                if request.dry_run:  # preflight: every check above, nothing registered
-                    log.info("preflight of peer %d: its settings and model match the run", peer)
-                    return pb.JoinReply(current_round=-1, open_round=-1, data_port=self.data_port,
-                                        manifest_checked=self._manifest is not None, dry_run=True)
-                if self._manifest is None:
-                    self._learn_manifest(shapes)
-                    log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
-                note = self.sessions.join(peer, _metadata(context, SESSION_KEY), address)
-                self._peers[peer] = PeerInfo(request.wire_dtype, tuple(trainable))
-                self._pool.set_limits(self._buffer_limits())
-                snap = self.state.snapshot()
-        except Refused as exc:
-            self._abort(context, exc)
-        log.info("peer %d joined from %s%s (wire %s, uploads %d tensors)", peer, address, note, request.wire_dtype,
-                 len(trainable))
-        return pb.JoinReply(current_round=_or_minus_one(snap.completed_round),
-                            open_round=_or_minus_one(snap.open_round), data_port=self.data_port)
-
-    # -- Upload -------------------------------------------------------------------------------
-    def Upload(self, request_iterator: Iterator[pb.UploadMessage], context: grpc.ServicerContext) -> pb.UploadReply:
-        def feed(decoder: TensorDecoder) -> None:
-            for message in messages:
-                if not message.HasField("chunk"):
-                    raise ValueError("UploadMeta sent twice in one upload")
-                decoder.feed(message.chunk)
-
-        try:
-            with self.guard.grpc_ticket(context) as ticket:
-                messages = _watched(request_iterator, ticket)
-                first = next(messages, None)
-                if first is None or not first.HasField("meta"):
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
-                peer = first.meta.peer_id
-                self._check_identity(peer, lambda: grpc_common_name(context))
-                ticket.claim(peer)
-                self._heard(peer, _metadata(context, SESSION_KEY))
-                return self.upload(peer, first.meta.round, feed)
-        except Refused as exc:
-            self._abort(context, exc)
-        except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
-            return pb.UploadReply()
-
-    def upload(self, peer: int, step: int, feed: Callable[[TensorDecoder], None]) -> pb.UploadReply:
-        """One upload through the round rules, whatever carries it (gRPC stream or raw-TCP data plane).
-
-        `feed(decoder)` is called only once the upload is admitted and must pass it every tensor; raises `Refused`.
-        """
-        with self._cond:
-            info, manifest = self._joined(peer)
-            if self.state.admit(peer, step):
-                return self._upload_reply(step, duplicate=True)
-        received = self._receive(feed, peer, step, info, manifest)
-        if received is None:
-            return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
-        tensors, checksums = received
-        with self._cond:
-            if self.state.admit(peer, step):  # a concurrent retry of this upload won the race
-                self._pool.give(tensors.values())
-                return self._upload_reply(step, duplicate=True)
-            self._checksums.record(tensors, checksums, info.wire_dtype)
-            if self.state.stage_upload(peer, step, tensors):
-                self._close_round(step)
-            self._cond.notify_all()
-            return self._upload_reply(step, duplicate=False)
-
-    def _receive(self, feed: Callable[[TensorDecoder], None], peer: int, step: int, info: PeerInfo,
-                 manifest: dict[str, Shape]) -> tuple[Tensors, dict[str, int]] | None:
-        """Decode and verify one upload into kept buffers sized by the manifest: the tensors and their checksums.
-
-        None if the peer went away.
-        """
-        dtype = wire_torch_dtype(info.wire_dtype)
-        buffers = {n: self._pool.take(manifest[n], dtype) for n in info.trainable}
-        decoder = TensorDecoder({n: manifest[n] for n in info.trainable}, info.wire_dtype, into=buffers,
-                                require_finite=True)
-        try:
-            feed(decoder)
-            tensors = decoder.finish()
-        except (grpc.RpcError, OSError):
-            log.warning("upload of peer %d for round %d broke off after %d bytes; nothing was kept",
-                        peer, step, decoder.bytes_received)
-            self._pool.give(buffers.values())
-            return None
-        except ValueError as exc:
-            self._pool.give(buffers.values())
-            reason = "corrupt" if isinstance(exc, CorruptChunk) else ""
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}",
-                          reason) from None
-        finally:
-            with self._cond:
-                self._bytes_in += decoder.bytes_received
-                self._round_bytes_in += decoder.bytes_received
-        return tensors, decoder.checksums
-
-    def _upload_reply(self, step: int, *, duplicate: bool) -> pb.UploadReply:
-        snap = self.state.snapshot()
-        uploaded = snap.uploaded_peers if snap.open_round == step else snap.round_peers
-        return pb.UploadReply(round=step, duplicate=duplicate, uploaded_peers=uploaded)
-
-    # -- aggregation --------------------------------------------------------------------------
-    def _close_round(self, step: int) -> None:
-        """Hand the open round's uploads to a new aggregation thread (caller holds the lock)."""
-        uploads = self.state.take_uploads()
-        self._aggregator = threading.Thread(target=self._aggregate, args=(step, uploads),
-                                            name=f"aggregate-{step}", daemon=True)
-        self._aggregator.start()
-
-    def _aggregate(self, step: int, uploads: dict[int, Tensors]) -> None:
-        """Build, persist and publish round `step`, then wake the waiting downloads."""
-        cfg, start = self.cfg, time.perf_counter()
-        alpha = round_merge_alpha(step, cfg.mode, cfg.merge)
-        with self._cond:  # NOTE: only this thread replaces these, in `complete` below.
-            previous, momentum, peers = self.state.global_model, self.state.outer_momentum, set(self.state.uploaded)
-            manifest = dict(self._manifest or {})
-        received = [t for upload in uploads.values() for t in upload.values()]
-        try:
-            global_model, new_momentum = build_global(
-                uploads, names=list(manifest), previous=previous, momentum=momentum, num_peers=cfg.total_peers,
-                experts_per_peer=cfg.experts_per_peer, mode=cfg.mode, step=step, merge=cfg.merge, outer=cfg.outer,
-                empty=self._pool.take)
-            del uploads, previous, momentum
-            self._pool.give(received, keep=[*global_model.values(), *new_momentum.values()])  # merged or converted
-            del received
-            if cfg.state_dir:
-                saved = SavedRound(step, tuple(sorted(peers)), alpha > 0, alpha, manifest, global_model, new_momentum)
-                save_round(cfg.state_dir, saved, cfg.run_identity())
-        except Exception as exc:  # report any aggregation or disk failure to the waiting peers
-            log.exception("round %d: aggregation failed", step)
-            with self._cond:
-                self.state.fail(step, f"aggregation of round {step} failed: {exc}")
-                self._cond.notify_all()
-            return
-        with self._cond:
-            superseded = self.state.completed_round
-            if superseded is not None:
-                self._retired[superseded] = list(self.state.global_model.values())
-            self.state.complete(step, global_model, new_momentum, merged=alpha > 0, alpha=alpha)
-            self._release_retired()
-            self._encoded = {}
-            self._rounds_completed += 1
-            bytes_in, bytes_out = self._round_bytes_in, self._bytes_out - self._logged_bytes_out
-            self._round_bytes_in, self._logged_bytes_out = 0, self._bytes_out
-            self._cond.notify_all()
-        missing = sorted(set(range(cfg.total_peers)) - peers)
-        log.info("round %d complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
-                 "merged %s, alpha %.6g", step, len(peers), f" (quorum, missing {missing})" if missing else "",
-                 bytes_in / 2**20, bytes_out / 2**20, time.perf_counter() - start,
-                 ", persisted" if cfg.state_dir else "", "yes" if alpha > 0 else "no", alpha)
-
-    # -- Download -----------------------------------------------------------------------------
-    def Download(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.DownloadMessage]:
-        context.add_callback(self._wake)
-        try:
-            ticket = self.guard.grpc_ticket(context)
-        except Refused as exc:
-            self._abort(context, exc)
-        with ticket:
-            try:
-                self._check_identity(request.peer_id, lambda: grpc_common_name(context))
-                ticket.claim(request.peer_id)
-                self._heard(request.peer_id, _metadata(context, SESSION_KEY))
-                ticket.wait_for_round(True)
-                ready = self.download(request.peer_id, request.round, request.full, context.is_active,
-                                      context.time_remaining())
-                ticket.wait_for_round(False)
-            except Refused as exc:
-                self._abort(context, exc)
-            if ready is None:
-                return
-            info, round_info, tensors, encoded = ready
-            sent = 0
-            try:
-                yield pb.DownloadMessage(info=round_info)
-                for chunk in encode_tensors(tensors, info.wire_dtype, encoded=encoded):
-                    ticket.touch()  # the previous message went out
-                    sent += len(chunk.data)
-                    yield pb.DownloadMessage(chunk=chunk)
-            finally:
-                self.download_done(round_info.round, sent)
-
-    def download(self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None
-                 ) -> tuple[PeerInfo, pb.RoundInfo, Tensors, EncodedModel] | None:
-        """Wait for round `step` and select what `peer` gets, whatever carries it; None if the caller went away.
-
-        Raises `Refused`. The caller sends the tensors in their encoded forms (shared by every download of the
-        round) and must then call `download_done`, however the sending ends.
-        """
-        with self._cond:
-            info, _ = self._joined(peer)
-            if not self._await_round(peer, step, full, is_active, time_left_s):
-                return None
-            state = self.state
-            global_model, merged, alpha = state.global_model, state.merged, state.alpha
-            peers = state.completed_peers
-            encoded = self._encoded.get(info.wire_dtype)
-            if encoded is None:
-                known = self._checksums.known(global_model, info.wire_dtype)
-                encoded = self._encoded[info.wire_dtype] = EncodedModel(global_model, info.wire_dtype, known)
-            self._readers[step] = self._readers.get(step, 0) + 1
-        names = list(global_model) if full else download_names(list(global_model), peer, self.cfg.mode, merged)
-        round_info = pb.RoundInfo(round=step, merged=merged, alpha=alpha, names=names, peers=sorted(peers))
-        return info, round_info, {n: global_model[n] for n in names}, encoded
-
-    def download_done(self, step: int, num_bytes: int) -> None:
-        """A download of round `step` ended (sent or broken off) after `num_bytes` of payload."""
-        with self._cond:
-            self._bytes_out += num_bytes
-            self._readers[step] -= 1
-            if not self._readers[step]:
-                del self._readers[step]
-                self._release_retired()
-
-    def _release_retired(self) -> None:
-        """Give the pool the superseded rounds no download reads any more (lock held)."""
-        read = [t for step, tensors in self._retired.items() if step in self._readers for t in tensors]
-        keep = [*self.state.global_model.values(), *self.state.outer_momentum.values(), *read]
-        for step in [s for s in self._retired if s not in self._readers]:
-            self._pool.give(self._retired.pop(step), keep=keep)
-
-    def _await_round(self, peer: int, step: int, full: bool, is_active: Callable[[], bool],
-                     time_left_s: float | None) -> bool:
-        """Wait (lock held) until round `step` is the latest completed one; False if the caller went away.
-
-        A round that timed out is closed here under `quorum` when it can be; otherwise the wait fails
-        with a message naming the missing peers. `time_left_s` is the caller's own deadline (None: none).
-        """
-        state = self.state
-        give_up = math.inf if time_left_s is None else time.monotonic() + time_left_s
-        while True:
-            if self._shutting_down:
-                raise Refused(grpc.StatusCode.UNAVAILABLE, "the parameter server is shutting down")
-            if not is_active() or time.monotonic() >= give_up:
-                return False
-            if state.check_download(peer, step, full):
-                return True
-            if state.must_close(self.policy, self._owners):
-                log.warning("round %d timed out: closing it with peers %s (--dead_peer_policy quorum)",
-                            step, sorted(state.uploaded))
-                self._close_round(step)
-                continue
-            # NOTE: the data plane cannot be woken when its client hangs up, so it polls once a second.
-            wait = min(state.seconds_left(self.policy), give_up - time.monotonic(), DATA_POLL_S)
-            self._cond.wait(wait)
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    # -- raw-TCP data plane (spes.sync.transport) -------------------------------------------------
-    def serve_data(self, sock: socket.socket) -> None:
-        """One data-plane operation: the same round logic as Upload/Download, the payload as raw bytes.
-
-        Every receive is bounded by --stream_idle_timeout (the socket's timeout, set by the listener).
-        """
-        hello = transport.recv_hello(sock, DATA_MAX_FRAME_BYTES)
-        if not token_matches(hello.get("token"), self.cfg.token):
-            log.warning("refused a data-plane connection: missing or wrong token")
-            transport.close_after_error(sock, transport.error_frame(
-                "UNAUTHENTICATED", "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared "
-                "secret", "unauthenticated"))
-            return
-        op, peer, step = hello.get("op"), hello.get("peer_id"), hello.get("step")
-        if op == "ping":  # a client checking at join that this port is reachable from where it runs
-            transport.send_frame(sock, {"status": "ok"})
-            return
-        if op == "probe":  # preflight's link test: counted in no traffic figure
-            transport.serve_probe(sock, hello)
-            return
-        try:
-            if not isinstance(peer, int) or not isinstance(step, int) or op not in ("upload", "download"):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"bad data-plane request: op {op!r}, peer_id {peer!r}, step {step!r}")
-            self._check_identity(peer, lambda: tls_common_name(sock))
-            with self.guard.admit(None, total=False) as ticket:  # NOTE: the listener bounds the total
-                ticket.claim(peer)
-                self._heard(peer, str(hello.get("session") or ""))
-                if op == "upload":
-                    self._serve_upload(sock, peer, step)
-                else:
-                    self._serve_download(sock, peer, step, bool(hello.get("full")), hello.get("timeout_s"))
-        except Refused as exc:
-            log.warning("refused (%s): %s", exc.code.name, exc)
-            transport.close_after_error(sock, transport.error_frame(exc.code.name, str(exc), exc.reason))
-
-    def _serve_upload(self, sock: socket.socket, peer: int, step: int) -> None:
-        received = False
-
-        def feed(decoder: TensorDecoder) -> None:
-            nonlocal received
-            transport.send_frame(sock, {"status": "send"})
-            transport.recv_tensors(sock, decoder, len(decoder.expected), DATA_MAX_FRAME_BYTES)
-            received = True
-
-        reply = self.upload(peer, step, feed)
-        if not received and not reply.duplicate:
-            return  # the peer went away mid-upload: nothing was kept, nobody to answer
-        transport.send_frame(sock, {"status": "ok", "round": reply.round, "duplicate": reply.duplicate,
-                                    "uploaded_peers": list(reply.uploaded_peers)})
-
-    def _serve_download(self, sock: socket.socket, peer: int, step: int, full: bool, timeout_s: object) -> None:
-        time_left = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else None
-        ready = self.download(peer, step, full, lambda: not transport.peer_closed(sock), time_left)
-        if ready is None:
-            return
-        info, round_info, tensors, encoded = ready
-        sent = 0
-        try:
-            transport.send_frame(sock, {"status": "ok", "round": round_info.round, "merged": round_info.merged,
-                                        "alpha": round_info.alpha, "names": list(round_info.names),
-                                        "peers": list(round_info.peers)})
-            sent = transport.send_tensors(sock, tensors, info.wire_dtype, encoded)
-        finally:
-            self.download_done(round_info.round, sent)
-
-    # -- Probe (preflight link test) -----------------------------------------------------------
-    def Probe(self, request_iterator: Iterator[pb.ProbeMessage], context: grpc.ServicerContext
-              ) -> Iterator[pb.ProbeMessage]:
-        """Read the client's bytes, acknowledge, send `reply_bytes` back; counted in no traffic figure."""
-        reply_bytes, received = 0, 0
-        for index, message in enumerate(request_iterator):
-            if index == 0:
-                reply_bytes = message.reply_bytes
-            received += len(message.data)
-            if received > transport.PROBE_MAX_BYTES or reply_bytes > transport.PROBE_MAX_BYTES:
-                self._abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                             f"a link test moves at most {transport.PROBE_MAX_BYTES} bytes each way"))
-        yield pb.ProbeMessage()
-        chunk = bytes(min(reply_bytes, transport.PROBE_CHUNK_BYTES))
-        for offset in range(0, reply_bytes, len(chunk) or 1):
-            yield pb.ProbeMessage(data=chunk[: reply_bytes - offset])
-
-    # -- Status -------------------------------------------------------------------------------
-    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        with self._cond:
-            snap = self.state.snapshot()
-            return pb.StatusReply(
-                current_round=_or_minus_one(snap.completed_round),
-                open_round=_or_minus_one(snap.open_round),
-                total_peers=self.cfg.total_peers,
-                peers_joined=sorted(self._peers),
-                peers_uploaded=snap.uploaded_peers,
-                bytes_in=self._bytes_in,
-                bytes_out=self._bytes_out,
-                mode=self.cfg.mode,
-                round_peers=snap.round_peers,
-                missing_peers=self.state.missing_peers() if snap.open_round is not None else [],
-                open_round_age_s=snap.open_age_s,
-                dead_peer_policy=self.cfg.dead_peer_policy,
-                rounds_completed=self._rounds_completed,
-                persistent=self.cfg.state_dir is not None,
-            )
-
-    # -- helpers ------------------------------------------------------------------------------
-    def _joined(self, peer: int) -> tuple[PeerInfo, dict[str, Shape]]:
-        """The peer's Join record (caller holds the lock); refuses peers that have not joined."""
-        if peer not in self._peers or self._manifest is None:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"peer {peer} has not joined this server: call Join first", "not_joined")
-        return self._peers[peer], self._manifest
-
-    def presence(self, peer: int, session: str, address: str) -> Callable[[], None]:
-        """A peer process's presence stream opened (see `spes.sync.admission`); returns what to call when it ends."""
-        with self._cond:
-            self.sessions.present(peer, session, address)
-
-        def ended() -> None:
-            with self._cond:
-                self.sessions.absent(peer, session)
-
-        return ended
-
-    def _heard(self, peer: int, session: str) -> None:
-        """A call of `session` for `peer`: refresh its liveness, refuse it if another process replaced it."""
-        with self._cond:
-            self.sessions.heard(peer, session)
-
-    def _check_identity(self, peer: int, common_name: Callable[[], str | None]) -> None:
-        """With --tls_peer_ids: the caller's certificate (its common name, from either plane) must name `peer`."""
-        if self.cfg.tls_peer_ids:
-            check_peer_identity(peer, common_name())
-
-    @staticmethod
-    def _abort(context: grpc.ServicerContext, exc: Refused) -> NoReturn:
-        log.warning("refused (%s): %s", exc.code.name, exc)
-        if exc.reason:
-            context.set_trailing_metadata(((REASON_KEY, exc.reason),))
-        context.abort(exc.code, str(exc))
-        raise AssertionError("unreachable: context.abort raises")
-
-    def shutdown(self, grace_s: float) -> None:
-        """Wake every waiting download so it ends with UNAVAILABLE; let a running aggregation finish."""
-        with self._cond:
-            self._shutting_down = True
-            self._cond.notify_all()
-            aggregator = self._aggregator
-        if aggregator is not None:
-            aggregator.join(timeout=grace_s)
-        self.guard.stop()
-
-
-def _metadata(context: grpc.ServicerContext, key: str) -> str:
-    """The value of invocation metadata `key` ('' when absent)."""
-    return next((str(v) for k, v in (context.invocation_metadata() or ()) if k == key), "")
-
-
-def _watched(messages: Iterator[pb.UploadMessage], ticket: Ticket) -> Iterator[pb.UploadMessage]:
-    """The stream's messages, each one resetting its idle clock; TimeoutError if the watchdog ended it."""
-    for message in messages:
-        ticket.touch()
-        yield message
-    ticket.check()
-
-
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -699,17 +188,13 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _or_minus_one(value: int | None) -> int:
-    return -1 if value is None else value
-
-
 class ParameterServer:
-    """A running server: the gRPC server, its servicer and health service. Stop with `stop()`."""
+    """A running server: the round service, its gRPC server and health service, and the data plane. Stop with `stop()`."""
 
-    def __init__(self, server: grpc.Server, servicer: SpesServicer, health_servicer: health.HealthServicer,
+    def __init__(self, server: grpc.Server, service: Coordinator, health_servicer: health.HealthServicer,
                  port: int, executor: futures.ThreadPoolExecutor,
-                 data_plane: transport.DataPlaneListener | None = None) -> None:
-        self.server, self.servicer, self.health, self.port = server, servicer, health_servicer, port
+                 data_plane: plane_tcp.DataPlaneListener | None = None) -> None:
+        self.server, self.service, self.health, self.port = server, service, health_servicer, port
         self._executor, self._data_plane = executor, data_plane
         self.data_port = data_plane.port if data_plane is not None else 0
         """The raw data plane's port (0: disabled)."""
@@ -717,7 +202,7 @@ class ParameterServer:
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop serving: waiting downloads end with UNAVAILABLE, in-flight calls get `grace_s` seconds."""
         self.health.enter_graceful_shutdown()
-        self.servicer.shutdown(grace_s)
+        self.service.shutdown(grace_s)
         if self._data_plane is not None:
             self._data_plane.stop()
         self.server.stop(grace_s).wait()
@@ -727,15 +212,15 @@ class ParameterServer:
 def start_server(cfg: ServerConfig) -> ParameterServer:
     """Restore `cfg.state_dir` if it holds a round, then bind and start the server (non-blocking)."""
     cfg.check_exposure()
-    servicer = SpesServicer(cfg)
+    service = Coordinator(cfg)
     try:
-        return _serve(cfg, servicer)
+        return _serve(cfg, service)
     except BaseException:
-        servicer.guard.stop()
+        service.guard.stop()
         raise
 
 
-def _serve(cfg: ServerConfig, servicer: SpesServicer) -> ParameterServer:
+def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token is not None else []
     # NOTE: streams hold at most `max_streams` threads (StreamGuard); the rest serve Join, Status and health.
     executor = futures.ThreadPoolExecutor(max_workers=cfg.max_streams + UNARY_RESERVE, thread_name_prefix="spes-rpc")
@@ -745,8 +230,8 @@ def _serve(cfg: ServerConfig, servicer: SpesServicer) -> ParameterServer:
         # NOTE: no SO_REUSEPORT: a second server on the same port must fail, not share the peers' calls.
         options=[*grpc_options(cfg.max_message_mb), ("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS],
     )
-    pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
-    health_servicer = GuardedHealth(servicer.guard, servicer.presence)
+    pb_grpc.add_ParameterServerServicer_to_server(SpesServicer(service), server)
+    health_servicer = GuardedHealth(service.guard, service.presence)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert is not None and cfg.tls_key is not None:
@@ -760,15 +245,16 @@ def _serve(cfg: ServerConfig, servicer: SpesServicer) -> ParameterServer:
         port = _bind(lambda: server.add_insecure_port(address), address, "--port")
     data_plane = None
     if cfg.data_port >= 0:
-        tls = transport.server_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
-        data_plane = _bind(lambda: transport.DataPlaneListener(
-            cfg.host, cfg.data_port, servicer.serve_data, tls=tls, max_connections=cfg.max_streams,
-            io_timeout_s=cfg.stream_idle_timeout_s), f"{cfg.host}:{cfg.data_port}", "--data_port")
-        servicer.data_port = data_plane.port
+        tls = plane_tcp.server_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+        data_plane = _bind(lambda: plane_tcp.DataPlaneListener(
+            cfg.host, cfg.data_port, plane_tcp.DataHandler(service, cfg.token), tls=tls,
+            max_connections=cfg.max_streams, io_timeout_s=cfg.stream_idle_timeout_s),
+            f"{cfg.host}:{cfg.data_port}", "--data_port")
+        service.data_port = data_plane.port
     server.start()
-    for service in ("", SERVICE_NAME):
-        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return ParameterServer(server, servicer, health_servicer, port, executor, data_plane)
+    for service_name in ("", SERVICE_NAME):
+        health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    return ParameterServer(server, service, health_servicer, port, executor, data_plane)
 
 
 def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
@@ -872,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def manifest_of_run(path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[dict[str, Shape], TrainConfig]:
     """The name and shape of every tensor of the run's model (built on the meta device) and the run's config."""
-    from spes.model import Transformer  # NOTE: lazy, so a server without RUN.yaml never imports the model
+    from spes.model import (
+        Transformer,  # NOTE: lazy, so a server without RUN.yaml never imports the model
+    )
 
     cfg, _ = load_config(path, overrides)
     with torch.device("meta"):

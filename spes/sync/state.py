@@ -27,14 +27,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import write_atomic
+from spes.sync.protocol import Shape, Tensors
 
 STATE_FILE = "state.json"
 FORMAT = 1
 MOMENTUM_PREFIX = "momentum/"
 _ROUND_FILE = re.compile(r"^round-(\d+)\.safetensors$")
 
-Shape = tuple[int, ...]
-Tensors = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)

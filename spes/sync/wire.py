@@ -10,9 +10,8 @@ manifest expects and only copies validated bytes into it.
     tensors = decode_tensors(chunks, {"w": (4, 8)}, "bf16")  # receiver: checked tensors
 
 `TensorDecoder` is the incremental form used by the gRPC handlers (one `feed` per chunk) and, with
-`feed_raw`, by the raw-TCP data plane (`spes.sync.transport`), so both share the same header checks. The transport
-settings both ends share live here too: gRPC channel options, the trailing-metadata key that carries a
-refusal's reason (see protos/spes.proto), and reading the PEM/secret files.
+`feed_raw`, by the raw-TCP data plane (`spes.sync.plane_tcp`), so both share the same header checks. The transport
+settings both ends share live here too: gRPC channel options and reading the PEM/secret files.
 """
 
 from __future__ import annotations
@@ -28,20 +27,16 @@ import torch
 import xxhash
 
 from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import WIRE_DTYPES, Shape
 
-PROTOCOL_VERSION = 3  # 3: XXH3-64 checksums; 2: CRC-32C; before it (unversioned): zlib CRC-32
 CHUNK_BYTES = 1 << 20
 # NOTE: a raw stream is sent, received, checksummed and checked this much at a time, so each piece is checked
 # while in the core's L2 cache: measured on loopback, 1 MiB pieces check at 62-68 GB/s against 26-37 for 8 MiB.
 PIECE_BYTES = 1 << 20
 _CONVERT_ELEMS = 1 << 20
 DIGEST = struct.Struct("<Q")  # a raw stream's trailer: the payload's XXH3-64, little-endian
-WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ITEMSIZE: dict[str, int] = {"fp32": 4, "bf16": 2}
 
-REASON_KEY = "spes-reason"
-
-Shape = tuple[int, ...]
 Encoded = tuple[torch.Tensor, int]  # a tensor's wire form (contiguous CPU tensor of the wire dtype) and its checksum
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from spes.sync.merge import MergeConfig, Mode, OuterConfig, aggregate_round, outer_nesterov_step
+from spes.sync.merge import MergeConfig, Mode, OuterConfig, build_global
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
@@ -106,11 +106,9 @@ def fault_free(
     global_model: dict[str, torch.Tensor] = {}
     momentum: dict[str, torch.Tensor] = {}
     for step in sorted(uploads):
-        new = aggregate_round(uploads[step], num_peers=num_peers, experts_per_peer=2, mode=mode, step=step,
-                              merge=merge)
-        if outer is not None and outer.optimizer == "nesterov" and global_model:
-            new, momentum = outer_nesterov_step(global_model, new, momentum, lr=outer.lr, momentum=outer.momentum)
-        global_model = new
+        built = build_global(uploads[step], num_peers=num_peers, experts_per_peer=2, mode=mode, step=step,
+                             merge=merge, outer=outer, previous=global_model, momentum=momentum)
+        global_model, momentum = built.tensors, built.momentum
     return global_model
 
 

@@ -24,13 +24,13 @@ import pytest
 from fault_helpers import REPO, ServerProcess, assert_exact, fault_free, proc_usage, server_process
 from sync_helpers import TOKEN, peer_upload, running_server, tiny_manifest
 
-from spes.sync import transport
+from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError
 from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.server import manifest_of_run
-from spes.sync.wire import PROTOCOL_VERSION
+from spes.sync.protocol import PROTOCOL_VERSION
 
 PEERS = 2
 MANIFEST = tiny_manifest()
@@ -109,8 +109,8 @@ def never_sends(stop: threading.Event) -> Iterator[bytes]:
 def error_code(sock: socket.socket) -> str:
     """The code of the data plane's error frame on `sock` ('closed' when it just hung up)."""
     try:
-        frame = transport.recv_frame(sock)
-    except (OSError, transport.TransportError):
+        frame = plane_tcp.recv_frame(sock)
+    except (OSError, plane_tcp.TransportError):
         return "closed"
     return str(frame.get("code", frame.get("status")))
 
@@ -160,7 +160,7 @@ def test_idle_streams_and_connections_hold_nothing(tmp_path: Path) -> None:
 
 
 def _data_port(r: Run) -> int:
-    port = r.clients[0]._data_port
+    port = r.clients[0].plane.port  # type: ignore[attr-defined]
     assert port, "the data plane is on (--data_port 0)"
     return port
 
@@ -178,8 +178,8 @@ def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
     assert refusals == ["closed"] * 3
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a truncated tensor, then hang-up
         sock.sendall(hello(step=run.step + 1))
-        assert transport.recv_frame(sock) == {"status": "send"}
-        transport.send_frame(sock, {"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 512})
+        assert plane_tcp.recv_frame(sock) == {"status": "send"}
+        plane_tcp.send_frame(sock, {"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 512})
         sock.sendall(b"\0" * 100)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # truncated, then silence
         sock.sendall(hello(step=run.step + 1)[:12])
@@ -212,7 +212,7 @@ def test_declared_sizes_and_counts_past_every_limit(run: Run) -> None:
     stub = pb_grpc.ParameterServerStub(run.probe)
 
     def join(manifest: dict[str, tuple[int, ...]]) -> grpc.RpcError:
-        request = pb.JoinRequest(peer_id=1, total_peers=PEERS, experts_per_peer=2, mode="spes", wire_dtype="fp32",
+        request = pb.JoinRequest(peer_id=1, num_peers=PEERS, experts_per_peer=2, mode="spes", wire_dtype="fp32",
                                  manifest=[pb.TensorSpec(name=n, shape=s) for n, s in manifest.items()],
                                  trainable=trainable_names(list(manifest), 1, "spes"), protocol=PROTOCOL_VERSION)
         with pytest.raises(grpc.RpcError) as err:
@@ -230,13 +230,13 @@ def test_declared_sizes_and_counts_past_every_limit(run: Run) -> None:
     port = _data_port(run)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(hello(step=run.step + 1))
-        assert transport.recv_frame(sock) == {"status": "send"}
-        transport.send_frame(sock, {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20],
+        assert plane_tcp.recv_frame(sock) == {"status": "send"}
+        plane_tcp.send_frame(sock, {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20],
                                     "num_bytes": 1 << 42})
-        assert transport.recv_frame(sock)["code"] == "INVALID_ARGUMENT"
+        assert plane_tcp.recv_frame(sock)["code"] == "INVALID_ARGUMENT"
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(hello(step=run.step + 1))
-        assert transport.recv_frame(sock) == {"status": "send"}
+        assert plane_tcp.recv_frame(sock) == {"status": "send"}
         sock.sendall(struct.pack("<I", 1 << 30))  # a tensor header frame declaring 1 GiB
         assert error_code(sock) == "closed"
     run.check_healthy()
@@ -296,7 +296,7 @@ def test_a_join_mid_round_and_a_replayed_old_upload(run: Run) -> None:
     run.step = step
     with socket.create_connection(("127.0.0.1", _data_port(run)), timeout=30) as sock:
         sock.sendall(hello(step=old))  # a replay of a round the run has moved past
-        frame = transport.recv_frame(sock)
+        frame = plane_tcp.recv_frame(sock)
     assert frame["code"] == "FAILED_PRECONDITION" and frame["reason"] == "stale_round", frame
     replay = run.probe.stream_unary(UPLOAD, request_serializer=pb.UploadMessage.SerializeToString,
                                     response_deserializer=pb.UploadReply.FromString)

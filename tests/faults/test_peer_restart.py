@@ -13,7 +13,7 @@ import torch
 from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.sync.merge import MergeConfig
-from spes.sync.peer import PeerSync
+from spes.sync.peer import PeerSync, SyncResult
 from spes.train import build_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
@@ -48,18 +48,18 @@ class CrashingLoader:
 
 
 class Recording:
-    """Wraps PeerSync; keeps each sync's metrics and the weights right after it."""
+    """Wraps PeerSync; keeps each sync's result and the weights right after it."""
 
     def __init__(self, inner: PeerSync) -> None:
         self.inner = inner
         self.after: dict[int, dict[str, torch.Tensor]] = {}
-        self.metrics: dict[int, dict[str, Any]] = {}
+        self.results: dict[int, SyncResult] = {}
 
-    def sync(self, step: int) -> dict[str, Any]:
-        metrics = self.inner.sync(step)
-        self.metrics[step] = metrics
+    def sync(self, step: int) -> SyncResult:
+        result = self.inner.sync(step)
+        self.results[step] = result
         self.after[step] = {n: t.detach().clone() for n, t in self.inner.model.state_dict().items()}
-        return metrics
+        return result
 
 
 def node(corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | None = None,
@@ -134,7 +134,9 @@ def test_a_peer_resumed_from_an_older_checkpoint_catches_up_with_the_run(tiny_co
         restarted = pool.submit(crash_then_resume, tiny_corpus, tmp_path, addr, 6, "step2")
         trainer1, recording1 = restarted.result(timeout=240)
         steady.result(timeout=240)
-    assert recording1.metrics[4]["caught_up_to"] == 6 and sorted(recording1.metrics) == [4, 8]
+    caught_up = recording1.results[4]
+    assert (caught_up.step, caught_up.caught_up, caught_up.metrics()["caught_up_to"]) == (6, True, 6)
+    assert sorted(recording1.results) == [4, 8]
     assert trainer1.step == STEPS
     for name, tensor in recording0.after[6].items():  # peer 0 holds the whole global model after round 6
         assert torch.equal(recording1.after[4][name], tensor), name

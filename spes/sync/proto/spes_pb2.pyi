@@ -15,9 +15,9 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer_id", "total_peers", "experts_per_peer", "mode", "wire_dtype", "manifest", "trainable", "protocol", "dry_run")
+    __slots__ = ("peer_id", "num_peers", "experts_per_peer", "mode", "wire_dtype", "manifest", "trainable", "protocol", "dry_run")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_PER_PEER_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -26,7 +26,7 @@ class JoinRequest(_message.Message):
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
-    total_peers: int
+    num_peers: int
     experts_per_peer: int
     mode: str
     wire_dtype: str
@@ -34,7 +34,7 @@ class JoinRequest(_message.Message):
     trainable: _containers.RepeatedScalarFieldContainer[str]
     protocol: int
     dry_run: bool
-    def __init__(self, peer_id: _Optional[int] = ..., total_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    def __init__(self, peer_id: _Optional[int] = ..., num_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("current_round", "open_round", "data_port", "manifest_checked", "dry_run")
@@ -147,10 +147,10 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("current_round", "open_round", "total_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent")
+    __slots__ = ("current_round", "open_round", "num_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent")
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
     PEERS_JOINED_FIELD_NUMBER: _ClassVar[int]
     PEERS_UPLOADED_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
@@ -164,7 +164,7 @@ class StatusReply(_message.Message):
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     current_round: int
     open_round: int
-    total_peers: int
+    num_peers: int
     peers_joined: _containers.RepeatedScalarFieldContainer[int]
     peers_uploaded: _containers.RepeatedScalarFieldContainer[int]
     bytes_in: int
@@ -176,4 +176,4 @@ class StatusReply(_message.Message):
     dead_peer_policy: str
     rounds_completed: int
     persistent: bool
-    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., total_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ...) -> None: ...
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ...) -> None: ...

@@ -1,4 +1,4 @@
-"""The raw-TCP data plane: tensor payloads over a plain (or TLS) socket, gRPC staying the control plane.
+"""The raw-TCP data plane, both ends: tensor payloads over a plain (or TLS) socket, gRPC staying the control plane.
 
 gRPC-Python copies every message several times, which caps a round far below what the network can move.
 Here a tensor is one small JSON header frame, exactly `num_bytes` raw little-endian bytes and their
@@ -18,7 +18,10 @@ A connection carries one operation:
 
 A control frame is a 4-byte little-endian length and a JSON object of at most `MAX_FRAME_BYTES`. An error
 frame is {"status": "error", "code": <gRPC status name>, "reason": <spes-reason>, "message"}, so the
-client's retry/re-join/catch-up logic treats both planes alike (see protos/spes.proto for the reasons).
+client's retry/re-join/catch-up logic treats both planes alike (`spes.sync.protocol.Reason`).
+
+The server's end is `DataHandler` (one operation per connection, over the `Coordinator`, accepted by
+`DataPlaneListener`); the client's is `TcpPlane` (`spes.sync.protocol.Plane`).
 """
 
 from __future__ import annotations
@@ -33,13 +36,20 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import grpc
 import torch
 
+from spes.sync.auth import tls_common_name, token_matches
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, PROTOCOL_VERSION, Encoded, TensorDecoder, payload_bytes, \
+from spes.sync.protocol import PROBE_CHUNK_BYTES, PROBE_MAX_BYTES, PROTOCOL_VERSION, Manifest, Reason, Refused, \
+    SyncError, Tensors, classify
+from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, Encoded, TensorDecoder, payload_bytes, \
     read_file, write_raw
+
+if TYPE_CHECKING:
+    from spes.sync.coordinator import Coordinator
 
 log = logging.getLogger("spes.transport")
 
@@ -49,9 +59,8 @@ MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 _PREAMBLE = struct.Struct("<4sH")
 _RECV_PIECE = 8 << 20
-PROBE_MAX_BYTES = 256 << 20
-"""Most bytes a link test (`probe` here, `Probe` over gRPC) moves each way."""
-PROBE_CHUNK_BYTES = 1 << 20
+SERVER_MAX_FRAME_BYTES = 1 << 20
+"""Largest control frame the server reads (a hello or a tensor header: a few hundred bytes)."""
 Frame = dict[str, Any]
 
 
@@ -113,18 +122,20 @@ def recv_hello(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> Frame:
 
 
 # -- tensors ------------------------------------------------------------------------------------------------------
-def send_tensors(sock: socket.socket, tensors: Mapping[str, torch.Tensor], wire_dtype: str,
-                 encoded: Mapping[str, Encoded] | None = None) -> int:
-    """Send every tensor as a header frame, its raw payload (zero-copy `sendall`) and checksum; returns payload bytes.
+def send_tensors(sock: socket.socket, tensors: Mapping[str, torch.Tensor], wire_dtype: str) -> int:
+    """Send every tensor (`send_tensor`); returns the payload bytes."""
+    return sum(send_tensor(sock, name, tensor, wire_dtype) for name, tensor in tensors.items())
 
-    `encoded` holds wire forms and checksums computed once for several receivers (`EncodedModel`).
+
+def send_tensor(sock: socket.socket, name: str, tensor: torch.Tensor, wire_dtype: str,
+                encoded: Encoded | None = None) -> int:
+    """Send a tensor as a header frame, its raw payload (zero-copy `sendall`) and checksum; returns payload bytes.
+
+    `encoded` is its wire form and checksum computed once for several receivers (`EncodedModel`).
     """
-    sent = 0
-    for name, tensor in tensors.items():
-        send_frame(sock, {"name": name, "dtype": wire_dtype, "shape": list(tensor.shape),
-                          "num_bytes": payload_bytes(tuple(tensor.shape), wire_dtype)})
-        sent += write_raw(tensor, wire_dtype, sock.sendall, None if encoded is None else encoded[name])
-    return sent
+    send_frame(sock, {"name": name, "dtype": wire_dtype, "shape": list(tensor.shape),
+                      "num_bytes": payload_bytes(tuple(tensor.shape), wire_dtype)})
+    return write_raw(tensor, wire_dtype, sock.sendall, encoded)
 
 
 def header_of(frame: Frame) -> pb.TensorHeader:
@@ -310,7 +321,7 @@ class DataPlaneListener:
             if self._tls is None:
                 conn.settimeout(0.1)
                 send_frame(conn, error_frame("RESOURCE_EXHAUSTED", "too many data-plane connections: retry "
-                                             "shortly", "busy"))
+                                             "shortly", Reason.BUSY))
         except OSError:
             pass
         finally:
@@ -337,3 +348,165 @@ def close_after_error(sock: socket.socket, frame: Frame, drain_s: float = 5.0) -
             pass
     except OSError:
         pass
+
+
+# -- the server's end ---------------------------------------------------------------------------------------------
+class DataHandler:
+    """Serves one data-plane operation per connection: the same round logic as the gRPC handlers, raw bytes."""
+
+    def __init__(self, service: Coordinator, token: str | None) -> None:
+        self.service, self.token = service, token
+
+    def __call__(self, sock: socket.socket) -> None:
+        """Every receive is bounded by --stream_idle_timeout (the socket's timeout, set by the listener)."""
+        hello = recv_hello(sock, SERVER_MAX_FRAME_BYTES)
+        if not token_matches(hello.get("token"), self.token):
+            log.warning("refused a data-plane connection: missing or wrong token")
+            close_after_error(sock, error_frame(
+                "UNAUTHENTICATED", "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared "
+                "secret", Reason.UNAUTHENTICATED))
+            return
+        op, peer, step = hello.get("op"), hello.get("peer_id"), hello.get("step")
+        if op == "ping":  # a client checking at join that this port is reachable from where it runs
+            send_frame(sock, {"status": "ok"})
+            return
+        if op == "probe":  # preflight's link test: counted in no traffic figure
+            serve_probe(sock, hello)
+            return
+        try:
+            if not isinstance(peer, int) or not isinstance(step, int) or op not in ("upload", "download"):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"bad data-plane request: op {op!r}, peer_id {peer!r}, step {step!r}")
+            with self.service.guard.admit(None, total=False) as ticket:  # NOTE: the listener bounds the total
+                self.service.open_stream(ticket, peer, str(hello.get("session") or ""), lambda: tls_common_name(sock))
+                if op == "upload":
+                    self._upload(sock, peer, step)
+                else:
+                    self._download(sock, peer, step, bool(hello.get("full")), hello.get("timeout_s"))
+        except Refused as exc:
+            log.warning("refused (%s): %s", exc.code.name, exc)
+            close_after_error(sock, error_frame(exc.code.name, str(exc), exc.reason))
+
+    def _upload(self, sock: socket.socket, peer: int, step: int) -> None:
+        received = False
+
+        def feed(decoder: TensorDecoder) -> None:
+            nonlocal received
+            send_frame(sock, {"status": "send"})
+            recv_tensors(sock, decoder, len(decoder.expected), SERVER_MAX_FRAME_BYTES)
+            received = True
+
+        reply = self.service.upload(peer, step, feed)
+        if not received and not reply.duplicate:
+            return  # the peer went away mid-upload: nothing was kept, nobody to answer
+        send_frame(sock, {"status": "ok", "round": reply.round, "duplicate": reply.duplicate,
+                          "uploaded_peers": list(reply.uploaded_peers)})
+
+    def _download(self, sock: socket.socket, peer: int, step: int, full: bool, timeout_s: object) -> None:
+        time_left = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else None
+        with self.service.download(peer, step, full, lambda: not peer_closed(sock), time_left) as outgoing:
+            if outgoing is None:
+                return
+            info = outgoing.info
+            send_frame(sock, {"status": "ok", "round": info.round, "merged": info.merged, "alpha": info.alpha,
+                              "names": list(info.names), "peers": list(info.peers)})
+            for name, tensor in outgoing.tensors.items():
+                outgoing.sent += send_tensor(sock, name, tensor, outgoing.wire_dtype, outgoing.encoded[name])
+
+
+# -- the client's end ---------------------------------------------------------------------------------------------
+class TcpPlane:
+    """The client's end: one data-plane connection per operation to the server's host (`Plane`)."""
+
+    name = "tcp"
+
+    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None, *, peer_id: int, wire_dtype: str,
+                 token: str | None, session: str, rpc_timeout_s: float) -> None:
+        self.host, self.port, self._tls = host, port, tls
+        self.peer_id, self.wire_dtype, self._token, self._session = peer_id, wire_dtype, token, session
+        self.rpc_timeout_s = rpc_timeout_s
+
+    def ping(self, timeout: float) -> None:
+        """Check that the data plane answers from here (a firewall may pass only gRPC); SyncError or OSError if not."""
+        with self._connect("ping", -1, timeout) as sock:
+            self._reply(sock, "data-plane ping")
+
+    def upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> tuple[int, bool]:
+        sock = self._connect("upload", step, timeout)
+        what, sent = f"upload of round {step}", 0
+        try:
+            with sock:
+                reply = self._reply(sock, what)
+                if reply.get("status") == "send":
+                    try:
+                        sent = send_tensors(sock, tensors, self.wire_dtype)
+                    except OSError:
+                        pass  # NOTE: the server may have refused mid-stream: its reply says why
+                    sock.settimeout(timeout)
+                    reply = self._reply(sock, what)
+        except OSError as exc:
+            raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
+        return sent, bool(reply.get("duplicate"))
+
+    def download(self, step: int, timeout: float, *, full: bool, expect: Callable[[pb.RoundInfo], Manifest],
+                 into: dict[str, torch.Tensor] | None) -> tuple[pb.RoundInfo, Tensors, int]:
+        sock = self._connect("download", step, timeout, full=full)
+        what = f"download of round {step}"
+        try:
+            with sock:
+                sock.settimeout(timeout)  # NOTE: the first reply waits for the whole round
+                frame = self._reply(sock, what)
+                info = pb.RoundInfo(round=frame.get("round"), merged=frame.get("merged"), alpha=frame.get("alpha"),
+                                    names=frame.get("names"), peers=frame.get("peers"))
+                expected = expect(info)
+                sock.settimeout(min(timeout, self.rpc_timeout_s))
+                decoder = TensorDecoder(expected, self.wire_dtype, into=into)
+                tensors = recv_tensors(sock, decoder, len(expected))
+        except OSError as exc:
+            raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
+        except (ValueError, TypeError) as exc:  # damaged in transit: fetching it again may succeed
+            raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
+        return info, tensors, decoder.bytes_received
+
+    def probe(self, num_bytes: int) -> tuple[float, float]:
+        try:
+            with self._connect("probe", -1, self.rpc_timeout_s, up_bytes=num_bytes, down_bytes=num_bytes) as sock:
+                self._reply(sock, "link test")  # {"status": "send"}
+                start = time.perf_counter()
+                send_zeros(sock, num_bytes)
+                self._reply(sock, "link test")  # {"status": "ok"}: the server has read every byte
+                up_s = time.perf_counter() - start
+                start = time.perf_counter()
+                recv_discard(sock, num_bytes)
+                return up_s, time.perf_counter() - start
+        except OSError as exc:
+            raise SyncError(f"link test broke off: {exc}", grpc.StatusCode.UNAVAILABLE) from None
+
+    def _connect(self, op: str, step: int, timeout: float, *, full: bool = False, **extra: int) -> socket.socket:
+        """A connection to the server's data plane with the handshake sent; socket errors are retryable."""
+        try:
+            sock = connect(self.host, self.port, self._tls, min(timeout, self.rpc_timeout_s))
+        except OSError as exc:
+            raise SyncError(f"{op} round {step}: data plane {self.host}:{self.port} unreachable: {exc}",
+                            grpc.StatusCode.UNAVAILABLE, retryable=True) from None
+        try:
+            send_hello(sock, {"op": op, "peer_id": self.peer_id, "step": step, "full": full, "token": self._token,
+                              "timeout_s": timeout, "session": self._session, **extra})
+        except OSError as exc:
+            sock.close()
+            raise SyncError(f"{op} round {step}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE,
+                            retryable=True) from None
+        return sock
+
+    @staticmethod
+    def _reply(sock: socket.socket, what: str) -> Frame:
+        frame = recv_frame(sock)
+        if frame.get("status") == "error":
+            raise refusal_of(what, frame)
+        return frame
+
+
+def refusal_of(what: str, frame: Frame) -> SyncError:
+    """A data-plane error frame as a SyncError (an unknown code counts as UNKNOWN)."""
+    code = getattr(grpc.StatusCode, str(frame.get("code")), grpc.StatusCode.UNKNOWN)
+    return classify(what, code, str(frame.get("message", "")), str(frame.get("reason", "")))

@@ -1,4 +1,4 @@
-"""The raw-TCP data plane (spes.sync.transport) against a real in-process server on loopback."""
+"""The raw-TCP data plane (spes.sync.plane_tcp), both ends, against a real in-process server on loopback."""
 
 from __future__ import annotations
 
@@ -7,27 +7,30 @@ import pickle
 import socket
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 from test_client import NO_MERGE, check_round, joined_clients
+from test_server import join_request, stub_for
 
 from spes.launch import free_port
-from spes.sync import transport
-from spes.sync.merge import Mode
+from spes.sync import plane_tcp
+from spes.sync.merge import Mode, build_global, download_names
+from spes.sync.protocol import Reason, SyncError
 from spes.sync.server import ParameterServer
 from spes.sync.wire import DIGEST, checksum
 
 
 def raw_upload(server: ParameterServer, *, peer: int = 0, step: int = 1, token: str | None = TOKEN) -> socket.socket:
     """A hand-driven data-plane upload connection, handshake sent."""
-    sock = transport.connect("127.0.0.1", server.data_port, None, timeout_s=10)
-    transport.send_hello(sock, {"op": "upload", "peer_id": peer, "step": step, "full": False, "token": token})
+    sock = plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10)
+    plane_tcp.send_hello(sock, {"op": "upload", "peer_id": peer, "step": step, "full": False, "token": token})
     return sock
 
 
 def nothing_staged(server: ParameterServer) -> bool:
-    snap = server.servicer.state.snapshot()
+    snap = server.service.state.snapshot()
     return snap.open_round is None and snap.completed_round is None and not snap.uploaded_peers
 
 
@@ -39,7 +42,7 @@ def test_two_peers_two_rounds_over_the_data_plane(mode: Mode) -> None:
         running_server(mode=mode, merge=NO_MERGE, data_port=0) as (server, addr),
         joined_clients(addr, manifest, mode=mode, data_plane="tcp") as clients,
     ):
-        assert server.data_port > 0 and all(client._data_port == server.data_port for client in clients)
+        assert server.data_port > 0 and all(client.plane.name == "tcp" and client.plane.port == server.data_port for client in clients)
         for step in (10, 20):
             uploads = {p: peer_upload(manifest, p, mode, seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
@@ -70,7 +73,7 @@ def test_wrong_or_missing_token_is_refused_without_state_change() -> None:
     with running_server(token=TOKEN, data_port=0) as (server, addr), joined_clients(addr, manifest, token=TOKEN):
         for token in (None, "wrong-token", TOKEN + "x"):
             with raw_upload(server, token=token) as sock:
-                reply = transport.recv_frame(sock)
+                reply = plane_tcp.recv_frame(sock)
             assert reply["status"] == "error" and reply["reason"] == "unauthenticated"
             assert reply["code"] == "UNAUTHENTICATED"
         assert nothing_staged(server)
@@ -82,15 +85,15 @@ def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
     uploads = {p: peer_upload(manifest, p, "spes", seed=6) for p in range(2)}
     with running_server(merge=NO_MERGE, data_port=0) as (server, addr), joined_clients(addr, manifest) as clients:
         with raw_upload(server, token=None) as sock:
-            assert transport.recv_frame(sock) == {"status": "send"}
+            assert plane_tcp.recv_frame(sock) == {"status": "send"}
             for name, tensor in uploads[0].items():
                 data = bytearray(tensor.numpy().tobytes())
                 digest = checksum(data)
                 data[len(data) // 2] ^= 0x40  # one bit flipped in transit, after the checksum was taken
-                transport.send_frame(sock, {"name": name, "dtype": "fp32", "shape": list(tensor.shape),
+                plane_tcp.send_frame(sock, {"name": name, "dtype": "fp32", "shape": list(tensor.shape),
                                             "num_bytes": len(data)})
                 sock.sendall(data + DIGEST.pack(digest))
-            reply = transport.recv_frame(sock)
+            reply = plane_tcp.recv_frame(sock)
         assert reply["status"] == "error" and reply["reason"] == "corrupt", reply
         assert nothing_staged(server)
         results = sync_all(clients, 1, uploads)  # the clients' own (clean) uploads of the same round
@@ -112,9 +115,9 @@ def test_bad_headers_are_refused_before_any_payload(header: dict) -> None:
     manifest = tiny_manifest()
     with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
         with raw_upload(server, token=None) as sock:
-            assert transport.recv_frame(sock) == {"status": "send"}
-            transport.send_frame(sock, header)  # and no payload: the refusal must come without it
-            reply = transport.recv_frame(sock)
+            assert plane_tcp.recv_frame(sock) == {"status": "send"}
+            plane_tcp.send_frame(sock, header)  # and no payload: the refusal must come without it
+            reply = plane_tcp.recv_frame(sock)
         assert reply["status"] == "error" and reply["code"] == "INVALID_ARGUMENT", reply
         assert nothing_staged(server)
 
@@ -126,10 +129,10 @@ def test_a_duplicated_tensor_is_refused() -> None:
     name = next(iter(upload))
     with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
         with raw_upload(server, token=None) as sock:
-            assert transport.recv_frame(sock) == {"status": "send"}
-            transport.send_tensors(sock, {name: upload[name]}, "fp32")
-            transport.send_tensors(sock, {name: upload[name]}, "fp32")
-            reply = transport.recv_frame(sock)
+            assert plane_tcp.recv_frame(sock) == {"status": "send"}
+            plane_tcp.send_tensors(sock, {name: upload[name]}, "fp32")
+            plane_tcp.send_tensors(sock, {name: upload[name]}, "fp32")
+            reply = plane_tcp.recv_frame(sock)
         assert reply["status"] == "error" and "sent twice" in reply["message"]
         assert nothing_staged(server)
 
@@ -152,14 +155,14 @@ def test_a_pickle_blob_is_only_ever_bytes(tmp_path: Path) -> None:
     payload = (blob * (num_bytes // len(blob) + 1))[:num_bytes]
     with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
         with raw_upload(server, token=None) as sock:  # as a payload with a valid checksum
-            assert transport.recv_frame(sock) == {"status": "send"}
-            transport.send_frame(sock, {"name": name, "dtype": "fp32", "shape": [16, 8], "num_bytes": num_bytes})
+            assert plane_tcp.recv_frame(sock) == {"status": "send"}
+            plane_tcp.send_frame(sock, {"name": name, "dtype": "fp32", "shape": [16, 8], "num_bytes": num_bytes})
             sock.sendall(payload + DIGEST.pack(checksum(payload)))
             sock.shutdown(socket.SHUT_WR)  # the rest of the upload never comes
             assert sock.recv(1 << 16) == b""  # the server dropped the broken-off upload
         assert nothing_staged(server)
         with raw_upload(server, token=None) as sock:  # as a control frame
-            assert transport.recv_frame(sock) == {"status": "send"}
+            assert plane_tcp.recv_frame(sock) == {"status": "send"}
             sock.sendall(len(blob).to_bytes(4, "little") + blob)
             assert sock.recv(1 << 16) == b""  # dropped: not JSON
     assert not marker.exists()
@@ -182,7 +185,7 @@ def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
             check_round(sync_all(clients, 2, uploads), uploads, manifest, mode="spes", step=2, merge=NO_MERGE)
         with pytest.raises(OSError):  # a plain-TCP client cannot speak to the TLS data plane
             with raw_upload(server, token=None) as sock:
-                transport.recv_frame(sock)
+                plane_tcp.recv_frame(sock)
 
 
 @pytest.mark.timeout(60)
@@ -192,14 +195,14 @@ def test_auto_falls_back_to_grpc_when_the_data_port_does_not_answer(caplog: pyte
     manifest = tiny_manifest()
     uploads = {p: peer_upload(manifest, p, "spes", seed=4) for p in range(2)}
     with running_server(data_port=0, merge=NO_MERGE) as (server, addr):
-        server.servicer.data_port = free_port()  # advertise a port nobody listens on
+        server.service.data_port = free_port()  # advertise a port nobody listens on
         with caplog.at_level(logging.WARNING, logger="spes.client"), joined_clients(addr, manifest) as clients:
-            assert all(c._data_port == 0 for c in clients)
+            assert all(c.plane.name == "grpc" for c in clients)
             check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
         assert "does not answer from here" in caplog.text and "over gRPC" in caplog.text
-        server.servicer.data_port = server.data_port  # the real one answers: it is used
+        server.service.data_port = server.data_port  # the real one answers: it is used
         with joined_clients(addr, manifest) as clients:
-            assert all(c._data_port == server.data_port for c in clients)
+            assert all(c.plane.name == "tcp" and c.plane.port == server.data_port for c in clients)  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(30)
@@ -211,3 +214,30 @@ def test_tcp_needs_an_advertised_data_port() -> None:
                 pass
         with joined_clients(addr, manifest) as clients:  # auto falls back to gRPC
             assert sync_all(clients, 1, {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)})
+
+
+@pytest.mark.timeout(60)
+def test_tcp_plane_round_trip_and_refusals() -> None:
+    """`TcpPlane` on its own: ping, an upload and a download, and a refusal carrying its `Reason`."""
+    manifest = tiny_manifest()
+    uploads = {p: peer_upload(manifest, p, "spes", seed=2) for p in range(2)}
+    want = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=2, merge=NO_MERGE).tensors
+    with running_server(merge=NO_MERGE, data_port=0) as (server, addr), stub_for(addr) as stub:
+        tcp = [plane_tcp.TcpPlane("127.0.0.1", server.data_port, None, peer_id=p, wire_dtype="fp32", token=None,
+                                  session="", rpc_timeout_s=10) for p in range(2)]
+        tcp[0].ping(5)
+        with pytest.raises(SyncError, match="has not joined") as err:
+            tcp[0].upload(2, uploads[0], timeout=10)
+        assert (err.value.code, err.value.reason, err.value.retryable) == (
+            grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED, False)
+        for peer in range(2):
+            stub.Join(join_request(peer, manifest=manifest), timeout=10)
+        for peer in range(2):
+            assert tcp[peer].upload(2, uploads[peer], timeout=10) == (
+                sum(t.numel() * 4 for t in uploads[peer].values()), False)
+        names = download_names(list(manifest), 1, "spes", merged=False)
+        info, got, received = tcp[1].download(2, 10, full=False, into=None,
+                                              expect=lambda info: {n: manifest[n] for n in info.names})
+        assert info.round == 2 and sorted(got) == sorted(names)
+        assert received == sum(t.numel() * 4 for t in got.values())
+        assert all(torch.equal(got[n], want[n]) for n in names)

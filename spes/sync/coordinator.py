@@ -1,0 +1,405 @@
+"""The parameter server's round service, free of any transport: what both planes call.
+
+A `Coordinator` holds the run (manifest, joined peers, sessions, the `RoundState`), admits each stream, takes
+uploads through the round rules, builds every round with `spes.sync.merge.build_global` on its own thread,
+persists it (`spes.sync.state`) and hands each download the tensors it needs. The gRPC handlers
+(`spes.sync.plane_grpc`) and the raw-TCP data plane (`spes.sync.plane_tcp`) only move bytes: an upload is a
+`feed(decoder)` callback, a download an `Outgoing` the plane sends. All shared state is guarded by one condition.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from spes.moe import parse_expert_block
+from spes.sync.admission import Sessions, StreamGuard, Ticket
+from spes.sync.auth import check_peer_identity
+from spes.sync.buffers import BufferPool
+from spes.sync.merge import build_global, download_names
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import Manifest, Reason, Refused, Shape, Tensors
+from spes.sync.rounds import RoundState, check_join, expert_owners, manifest_differences
+from spes.sync.state import SavedRound, load_round, save_round
+from spes.sync.wire import CorruptChunk, EncodedModel, TensorDecoder, VerifiedChecksums, wire_torch_dtype
+
+if TYPE_CHECKING:
+    from spes.sync.server import ServerConfig
+
+log = logging.getLogger("spes.server")
+
+WAIT_POLL_S = 1.0
+"""A waiting download re-checks its caller this often (the data plane cannot be woken when its client hangs up)."""
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a peer announced at Join."""
+
+    wire_dtype: str
+    trainable: tuple[str, ...]
+
+
+@dataclass
+class Outgoing:
+    """One download for a plane to send: the round's `RoundInfo`, then `tensors` in their shared encoded forms."""
+
+    info: pb.RoundInfo
+    tensors: Tensors
+    encoded: EncodedModel
+    wire_dtype: str
+    sent: int = 0
+    """Payload bytes the plane has sent so far (counted in the server's traffic once the download ends)."""
+
+
+class Coordinator:
+    """The rounds of one run, whatever carries the bytes (thread-safe)."""
+
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.cfg, self.policy = cfg, cfg.policy()
+        self.num_peers = cfg.total_peers
+        self._cond = threading.Condition()
+        self.state = RoundState(self.num_peers)
+        self._manifest: Manifest | None = None
+        self._owners: frozenset[int] = frozenset()
+        self.peers: dict[int, PeerInfo] = {}
+        self._bytes_in = self._bytes_out = self._round_bytes_in = self._logged_bytes_out = 0
+        self._rounds_completed = 0
+        self._shutting_down = False
+        self._aggregator: threading.Thread | None = None
+        self._encoded: dict[str, EncodedModel] = {}
+        """The latest round's global model per wire dtype, each tensor encoded once for every download."""
+        self._pool = BufferPool()
+        self._checksums = VerifiedChecksums()
+        """Of every staged upload: downloads send the experts taken from it verbatim without hashing them again."""
+        self._readers: dict[int, int] = {}
+        """Downloads in flight per completed round: its tensors are reused only once none reads them."""
+        self._retired: dict[int, list[torch.Tensor]] = {}
+        """Superseded global models that downloads still read, by round."""
+        self.data_port = 0
+        """Port of the running data plane, advertised at Join (0: none); set by `start_server`."""
+        self.guard = StreamGuard(idle_timeout_s=cfg.stream_idle_timeout_s, max_streams=cfg.max_streams,
+                                 max_per_peer=cfg.max_streams_per_peer)
+        self.sessions = Sessions(cfg.peer_liveness_s)
+        if cfg.expected_manifest is not None:
+            self._learn_manifest(dict(cfg.expected_manifest))
+        saved = load_round(cfg.state_dir, cfg.run_identity()) if cfg.state_dir else None
+        if saved is not None:
+            if cfg.expected_manifest is not None and manifest_differences(cfg.expected_manifest, saved.manifest):
+                raise ValueError(f"--state_dir {cfg.state_dir} holds a different model than the run's YAML: "
+                                 f"{manifest_differences(cfg.expected_manifest, saved.manifest)}")
+            self.state.restore(saved.step, set(saved.peers), saved.global_model, saved.momentum, saved.merged,
+                               saved.alpha)
+            self._learn_manifest(saved.manifest)
+            log.info("resumed from %s: round %d complete (peers %s); waiting for peers to re-join",
+                     cfg.state_dir, saved.step, list(saved.peers))
+
+    def _learn_manifest(self, shapes: Manifest) -> None:
+        self._manifest, self._owners = shapes, expert_owners(list(shapes), self.cfg.mode)
+
+    def _buffer_limits(self) -> Counter[tuple[Shape, torch.dtype]]:
+        """What one round takes from the pool: every joined peer's uploads, and the fp32 sums of shared
+        tensors uploaded narrower than fp32 (lock held)."""
+        assert self._manifest is not None
+        limits = Counter((self._manifest[n], wire_torch_dtype(info.wire_dtype))
+                         for info in self.peers.values() for n in info.trainable)
+        narrow = {n for info in self.peers.values() if info.wire_dtype != "fp32" for n in info.trainable}
+        averaged = [n for n in narrow if self.cfg.mode == "diloco" or parse_expert_block(n) is None]
+        limits.update((self._manifest[n], torch.float32) for n in averaged)
+        return limits
+
+    # -- Join ---------------------------------------------------------------------------------
+    def join(self, request: pb.JoinRequest, session: str, address: str,
+             common_name: Callable[[], str | None]) -> pb.JoinReply:
+        """Check a Join against the run and register the peer (a dry run registers nothing); raises Refused."""
+        cfg, peer = self.cfg, request.peer_id
+        self.check_identity(peer, common_name)
+        shapes, trainable = check_join(
+            request, num_peers=self.num_peers, experts_per_peer=cfg.experts_per_peer, mode=cfg.mode,
+            max_tensors=cfg.max_tensors, max_model_gb=None if cfg.expected_manifest is not None else cfg.max_model_gb)
+        with self._cond:
+            if self._manifest is not None:
+                diff = manifest_differences(self._manifest, shapes)
+                if diff:
+                    whose = "the run's YAML" if cfg.expected_manifest is not None else "the run's"
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}'s model differs from {whose}: {diff}")
+            if request.dry_run:  # preflight: every check above, nothing registered
+                log.info("preflight of peer %d: its settings and model match the run", peer)
+                return pb.JoinReply(current_round=-1, open_round=-1, data_port=self.data_port,
+                                    manifest_checked=self._manifest is not None, dry_run=True)
+            if self._manifest is None:
+                self._learn_manifest(shapes)
+                log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
+            note = self.sessions.join(peer, session, address)
+            self.peers[peer] = PeerInfo(request.wire_dtype, tuple(trainable))
+            self._pool.set_limits(self._buffer_limits())
+            snap = self.state.snapshot()
+        log.info("peer %d joined from %s%s (wire %s, uploads %d tensors)", peer, address, note, request.wire_dtype,
+                 len(trainable))
+        return pb.JoinReply(current_round=_or_minus_one(snap.completed_round),
+                            open_round=_or_minus_one(snap.open_round), data_port=self.data_port)
+
+    def open_stream(self, ticket: Ticket, peer: int, session: str, common_name: Callable[[], str | None]) -> None:
+        """An Upload/Download stream of either plane names `peer`: check who calls, bound its streams, note it."""
+        self.check_identity(peer, common_name)
+        ticket.claim(peer)
+        with self._cond:
+            self.sessions.heard(peer, session)
+
+    # -- Upload -------------------------------------------------------------------------------
+    def upload(self, peer: int, step: int, feed: Callable[[TensorDecoder], None]) -> pb.UploadReply:
+        """One upload through the round rules, whatever carries it (gRPC stream or raw-TCP data plane).
+
+        `feed(decoder)` is called only once the upload is admitted and must pass it every tensor; raises `Refused`.
+        An empty reply (round 0, not a duplicate) means the peer went away mid-upload and nothing was kept.
+        """
+        with self._cond:
+            info, manifest = self._joined(peer)
+            if self.state.admit(peer, step):
+                return self._upload_reply(step, duplicate=True)
+        received = self._receive(feed, peer, step, info, manifest)
+        if received is None:
+            return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
+        tensors, checksums = received
+        with self._cond:
+            if self.state.admit(peer, step):  # a concurrent retry of this upload won the race
+                self._pool.give(tensors.values())
+                return self._upload_reply(step, duplicate=True)
+            self._checksums.record(tensors, checksums, info.wire_dtype)
+            if self.state.stage_upload(peer, step, tensors):
+                self._close_round(step)
+            self._cond.notify_all()
+            return self._upload_reply(step, duplicate=False)
+
+    def _receive(self, feed: Callable[[TensorDecoder], None], peer: int, step: int, info: PeerInfo,
+                 manifest: Manifest) -> tuple[Tensors, dict[str, int]] | None:
+        """Decode and verify one upload into kept buffers sized by the manifest: the tensors and their checksums.
+
+        None if the peer went away.
+        """
+        dtype = wire_torch_dtype(info.wire_dtype)
+        buffers = {n: self._pool.take(manifest[n], dtype) for n in info.trainable}
+        decoder = TensorDecoder({n: manifest[n] for n in info.trainable}, info.wire_dtype, into=buffers,
+                                require_finite=True)
+        try:
+            feed(decoder)
+            tensors = decoder.finish()
+        except (grpc.RpcError, OSError):
+            log.warning("upload of peer %d for round %d broke off after %d bytes; nothing was kept",
+                        peer, step, decoder.bytes_received)
+            self._pool.give(buffers.values())
+            return None
+        except ValueError as exc:
+            self._pool.give(buffers.values())
+            reason = Reason.CORRUPT if isinstance(exc, CorruptChunk) else Reason.NONE
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}",
+                          reason) from None
+        finally:
+            with self._cond:
+                self._bytes_in += decoder.bytes_received
+                self._round_bytes_in += decoder.bytes_received
+        return tensors, decoder.checksums
+
+    def _upload_reply(self, step: int, *, duplicate: bool) -> pb.UploadReply:
+        snap = self.state.snapshot()
+        uploaded = snap.uploaded_peers if snap.open_round == step else snap.round_peers
+        return pb.UploadReply(round=step, duplicate=duplicate, uploaded_peers=uploaded)
+
+    # -- aggregation --------------------------------------------------------------------------
+    def _close_round(self, step: int) -> None:
+        """Hand the open round's uploads to a new aggregation thread (caller holds the lock)."""
+        uploads = self.state.take_uploads()
+        self._aggregator = threading.Thread(target=self._aggregate, args=(step, uploads),
+                                            name=f"aggregate-{step}", daemon=True)
+        self._aggregator.start()
+
+    def _aggregate(self, step: int, uploads: dict[int, Tensors]) -> None:
+        """Build, persist and publish round `step`, then wake the waiting downloads."""
+        cfg, start = self.cfg, time.perf_counter()
+        with self._cond:  # NOTE: only this thread replaces these, in `complete` below.
+            previous, momentum, peers = self.state.global_model, self.state.outer_momentum, set(self.state.uploaded)
+            manifest = dict(self._manifest or {})
+        received = [t for upload in uploads.values() for t in upload.values()]
+        try:
+            built = build_global(
+                uploads, num_peers=self.num_peers, experts_per_peer=cfg.experts_per_peer, mode=cfg.mode, step=step,
+                merge=cfg.merge, outer=cfg.outer, names=list(manifest), previous=previous, momentum=momentum,
+                consume=True, empty=self._pool.take)
+            global_model, new_momentum, alpha = built.tensors, built.momentum, built.alpha
+            del uploads, previous, momentum
+            self._pool.give(received, keep=[*global_model.values(), *new_momentum.values()])  # merged or converted
+            del received
+            if cfg.state_dir:
+                saved = SavedRound(step, tuple(sorted(peers)), alpha > 0, alpha, manifest, global_model, new_momentum)
+                save_round(cfg.state_dir, saved, cfg.run_identity())
+        except Exception as exc:  # report any aggregation or disk failure to the waiting peers
+            log.exception("round %d: aggregation failed", step)
+            with self._cond:
+                self.state.fail(step, f"aggregation of round {step} failed: {exc}")
+                self._cond.notify_all()
+            return
+        with self._cond:
+            superseded = self.state.completed_round
+            if superseded is not None:
+                self._retired[superseded] = list(self.state.global_model.values())
+            self.state.complete(step, global_model, new_momentum, merged=alpha > 0, alpha=alpha)
+            self._release_retired()
+            self._encoded = {}
+            self._rounds_completed += 1
+            bytes_in, bytes_out = self._round_bytes_in, self._bytes_out - self._logged_bytes_out
+            self._round_bytes_in, self._logged_bytes_out = 0, self._bytes_out
+            self._cond.notify_all()
+        missing = sorted(set(range(self.num_peers)) - peers)
+        log.info("round %d complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
+                 "merged %s, alpha %.6g", step, len(peers), f" (quorum, missing {missing})" if missing else "",
+                 bytes_in / 2**20, bytes_out / 2**20, time.perf_counter() - start,
+                 ", persisted" if cfg.state_dir else "", "yes" if alpha > 0 else "no", alpha)
+
+    # -- Download -----------------------------------------------------------------------------
+    @contextmanager
+    def download(self, peer: int, step: int, full: bool, is_active: Callable[[], bool],
+                 time_left_s: float | None) -> Iterator[Outgoing | None]:
+        """Wait for round `step` and select what `peer` gets, whatever carries it (None: the caller went away).
+
+        Raises `Refused`. The plane sends `Outgoing.info`, then the tensors in their encoded forms (shared by
+        every download of the round), adding to `Outgoing.sent`; however that ends, leaving the block counts the
+        bytes and lets the round's tensors be reused once no download reads them.
+        """
+        with self._cond:
+            info, _ = self._joined(peer)
+            if not self._await_round(peer, step, full, is_active, time_left_s):
+                outgoing = None
+            else:
+                state = self.state
+                global_model, merged = state.global_model, state.merged
+                encoded = self._encoded.get(info.wire_dtype)
+                if encoded is None:
+                    known = self._checksums.known(global_model, info.wire_dtype)
+                    encoded = self._encoded[info.wire_dtype] = EncodedModel(global_model, info.wire_dtype, known)
+                self._readers[step] = self._readers.get(step, 0) + 1
+                names = list(global_model) if full else download_names(list(global_model), peer, self.cfg.mode,
+                                                                        merged)
+                round_info = pb.RoundInfo(round=step, merged=merged, alpha=state.alpha, names=names,
+                                          peers=sorted(state.completed_peers))
+                outgoing = Outgoing(round_info, {n: global_model[n] for n in names}, encoded, info.wire_dtype)
+        if outgoing is None:
+            yield None
+            return
+        try:
+            yield outgoing
+        finally:
+            self._download_done(step, outgoing.sent)
+
+    def _download_done(self, step: int, num_bytes: int) -> None:
+        """A download of round `step` ended (sent or broken off) after `num_bytes` of payload."""
+        with self._cond:
+            self._bytes_out += num_bytes
+            self._readers[step] -= 1
+            if not self._readers[step]:
+                del self._readers[step]
+                self._release_retired()
+
+    def _release_retired(self) -> None:
+        """Give the pool the superseded rounds no download reads any more (lock held)."""
+        read = [t for step, tensors in self._retired.items() if step in self._readers for t in tensors]
+        keep = [*self.state.global_model.values(), *self.state.outer_momentum.values(), *read]
+        for step in [s for s in self._retired if s not in self._readers]:
+            self._pool.give(self._retired.pop(step), keep=keep)
+
+    def _await_round(self, peer: int, step: int, full: bool, is_active: Callable[[], bool],
+                     time_left_s: float | None) -> bool:
+        """Wait (lock held) until round `step` is the latest completed one; False if the caller went away.
+
+        A round that timed out is closed here under `quorum` when it can be; otherwise the wait fails
+        with a message naming the missing peers. `time_left_s` is the caller's own deadline (None: none).
+        """
+        state = self.state
+        give_up = math.inf if time_left_s is None else time.monotonic() + time_left_s
+        while True:
+            if self._shutting_down:
+                raise Refused(grpc.StatusCode.UNAVAILABLE, "the parameter server is shutting down")
+            if not is_active() or time.monotonic() >= give_up:
+                return False
+            if state.check_download(peer, step, full):
+                return True
+            if state.must_close(self.policy, self._owners):
+                log.warning("round %d timed out: closing it with peers %s (--dead_peer_policy quorum)",
+                            step, sorted(state.uploaded))
+                self._close_round(step)
+                continue
+            wait = min(state.seconds_left(self.policy), give_up - time.monotonic(), WAIT_POLL_S)
+            self._cond.wait(wait)
+
+    def wake(self) -> None:
+        """Let waiting downloads re-check their callers (one went away)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- Status -------------------------------------------------------------------------------
+    def status(self) -> pb.StatusReply:
+        with self._cond:
+            snap = self.state.snapshot()
+            return pb.StatusReply(
+                current_round=_or_minus_one(snap.completed_round),
+                open_round=_or_minus_one(snap.open_round),
+                num_peers=self.num_peers,
+                peers_joined=sorted(self.peers),
+                peers_uploaded=snap.uploaded_peers,
+                bytes_in=self._bytes_in,
+                bytes_out=self._bytes_out,
+                mode=self.cfg.mode,
+                round_peers=snap.round_peers,
+                missing_peers=self.state.missing_peers() if snap.open_round is not None else [],
+                open_round_age_s=snap.open_age_s,
+                dead_peer_policy=self.cfg.dead_peer_policy,
+                rounds_completed=self._rounds_completed,
+                persistent=self.cfg.state_dir is not None,
+            )
+
+    # -- peers --------------------------------------------------------------------------------
+    def _joined(self, peer: int) -> tuple[PeerInfo, Manifest]:
+        """The peer's Join record (caller holds the lock); refuses peers that have not joined."""
+        if peer not in self.peers or self._manifest is None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"peer {peer} has not joined this server: call Join first", Reason.NOT_JOINED)
+        return self.peers[peer], self._manifest
+
+    def presence(self, peer: int, session: str, address: str) -> Callable[[], None]:
+        """A peer process's presence stream opened (see `spes.sync.admission`); returns what to call when it ends."""
+        with self._cond:
+            self.sessions.present(peer, session, address)
+
+        def ended() -> None:
+            with self._cond:
+                self.sessions.absent(peer, session)
+
+        return ended
+
+    def check_identity(self, peer: int, common_name: Callable[[], str | None]) -> None:
+        """With --tls_peer_ids: the caller's certificate (its common name, from either plane) must name `peer`."""
+        if self.cfg.tls_peer_ids:
+            check_peer_identity(peer, common_name())
+
+    def shutdown(self, grace_s: float) -> None:
+        """Wake every waiting download so it ends with UNAVAILABLE; let a running aggregation finish."""
+        with self._cond:
+            self._shutting_down = True
+            self._cond.notify_all()
+            aggregator = self._aggregator
+        if aggregator is not None:
+            aggregator.join(timeout=grace_s)
+        self.guard.stop()
+
+
+def _or_minus_one(value: int | None) -> int:
+    return -1 if value is None else value

@@ -1,0 +1,212 @@
+"""The gRPC plane, both ends: the server's handlers over the `Coordinator`, and the client's `GrpcPlane`.
+
+gRPC carries every control call (Join, Status, health) and, when the raw-TCP data plane (`spes.sync.plane_tcp`)
+is off or unreachable, the tensor payloads too: an Upload is a client stream of `UploadMeta` then chunks, a
+Download a server stream of `RoundInfo` then chunks (`spes.sync.wire` frames the tensors). A refusal aborts the
+call with its gRPC status, and its `Reason` as trailing metadata `spes-reason` (protos/spes.proto).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, NoReturn
+
+import grpc
+import torch
+
+from spes.sync.admission import SESSION_KEY, Ticket
+from spes.sync.auth import grpc_common_name
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.protocol import PROBE_CHUNK_BYTES, PROBE_MAX_BYTES, REASON_KEY, Manifest, Refused, SyncError, Tensors, \
+    classify
+from spes.sync.wire import TensorDecoder, encode_tensors
+
+if TYPE_CHECKING:
+    from spes.sync.coordinator import Coordinator
+
+log = logging.getLogger("spes.server")
+
+
+# -- server -------------------------------------------------------------------------------------------------------
+class SpesServicer(pb_grpc.ParameterServerServicer):
+    """The gRPC handlers: validate the call, move its bytes, and leave the rounds to the `Coordinator`."""
+
+    def __init__(self, service: Coordinator) -> None:
+        self.service = service
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        try:
+            return self.service.join(request, _metadata(context, SESSION_KEY), context.peer(),
+                                     lambda: grpc_common_name(context))
+        except Refused as exc:
+            _abort(context, exc)
+
+    def Upload(self, request_iterator: Iterator[pb.UploadMessage], context: grpc.ServicerContext) -> pb.UploadReply:
+        def feed(decoder: TensorDecoder) -> None:
+            for message in messages:
+                if not message.HasField("chunk"):
+                    raise ValueError("UploadMeta sent twice in one upload")
+                decoder.feed(message.chunk)
+
+        try:
+            with self.service.guard.grpc_ticket(context) as ticket:
+                messages = _watched(request_iterator, ticket)
+                first = next(messages, None)
+                if first is None or not first.HasField("meta"):
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
+                self._open(ticket, first.meta.peer_id, context)
+                return self.service.upload(first.meta.peer_id, first.meta.round, feed)
+        except Refused as exc:
+            _abort(context, exc)
+        except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
+            return pb.UploadReply()
+
+    def Download(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.DownloadMessage]:
+        context.add_callback(self.service.wake)
+        try:
+            ticket = self.service.guard.grpc_ticket(context)
+        except Refused as exc:
+            _abort(context, exc)
+        with ticket, ExitStack() as stack:
+            try:
+                self._open(ticket, request.peer_id, context)
+                ticket.wait_for_round(True)
+                outgoing = stack.enter_context(self.service.download(
+                    request.peer_id, request.round, request.full, context.is_active, context.time_remaining()))
+            except Refused as exc:
+                _abort(context, exc)
+            if outgoing is None:
+                return
+            ticket.wait_for_round(False)
+            yield pb.DownloadMessage(info=outgoing.info)
+            for chunk in encode_tensors(outgoing.tensors, outgoing.wire_dtype, encoded=outgoing.encoded):
+                ticket.touch()  # the previous message went out
+                outgoing.sent += len(chunk.data)
+                yield pb.DownloadMessage(chunk=chunk)
+
+    def Probe(self, request_iterator: Iterator[pb.ProbeMessage], context: grpc.ServicerContext
+              ) -> Iterator[pb.ProbeMessage]:
+        """Read the client's bytes, acknowledge, send `reply_bytes` back; counted in no traffic figure."""
+        reply_bytes, received = 0, 0
+        for index, message in enumerate(request_iterator):
+            if index == 0:
+                reply_bytes = message.reply_bytes
+            received += len(message.data)
+            if received > PROBE_MAX_BYTES or reply_bytes > PROBE_MAX_BYTES:
+                _abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"a link test moves at most {PROBE_MAX_BYTES} bytes each way"))
+        yield pb.ProbeMessage()
+        chunk = bytes(min(reply_bytes, PROBE_CHUNK_BYTES))
+        for offset in range(0, reply_bytes, len(chunk) or 1):
+            yield pb.ProbeMessage(data=chunk[: reply_bytes - offset])
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        return self.service.status()
+
+    def _open(self, ticket: Ticket, peer: int, context: grpc.ServicerContext) -> None:
+        self.service.open_stream(ticket, peer, _metadata(context, SESSION_KEY), lambda: grpc_common_name(context))
+
+
+def _abort(context: grpc.ServicerContext, exc: Refused) -> NoReturn:
+    log.warning("refused (%s): %s", exc.code.name, exc)
+    if exc.reason:
+        context.set_trailing_metadata(((REASON_KEY, exc.reason.value),))
+    context.abort(exc.code, str(exc))
+    raise AssertionError("unreachable: context.abort raises")
+
+
+def _metadata(context: grpc.ServicerContext, key: str) -> str:
+    """The value of invocation metadata `key` ('' when absent)."""
+    return next((str(v) for k, v in (context.invocation_metadata() or ()) if k == key), "")
+
+
+def _watched(messages: Iterator[pb.UploadMessage], ticket: Ticket) -> Iterator[pb.UploadMessage]:
+    """The stream's messages, each one resetting its idle clock; TimeoutError if the watchdog ended it."""
+    for message in messages:
+        ticket.touch()
+        yield message
+    ticket.check()
+
+
+# -- client -------------------------------------------------------------------------------------------------------
+def failure_of(what: str, err: grpc.RpcError) -> SyncError:
+    """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed."""
+    reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
+    return classify(what, err.code(), err.details(), reason)
+
+
+class GrpcPlane:
+    """The client's end: tensor payloads as gRPC streams on its channel (see `spes.sync.protocol.Plane`)."""
+
+    name = "grpc"
+
+    def __init__(self, stub: pb_grpc.ParameterServerStub, *, peer_id: int, wire_dtype: str,
+                 metadata: tuple[tuple[str, str], ...], rpc_timeout_s: float) -> None:
+        self._stub, self.peer_id, self.wire_dtype = stub, peer_id, wire_dtype
+        self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
+
+    def upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> tuple[int, bool]:
+        sent = 0
+
+        def messages() -> Iterator[pb.UploadMessage]:
+            nonlocal sent
+            yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=self.peer_id, round=step))
+            for chunk in encode_tensors(tensors, self.wire_dtype):
+                sent += len(chunk.data)
+                yield pb.UploadMessage(chunk=chunk)
+
+        try:
+            reply = self._stub.Upload(messages(), timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise failure_of(f"upload of round {step}", err) from None
+        return sent, reply.duplicate
+
+    def download(self, step: int, timeout: float, *, full: bool, expect: Callable[[pb.RoundInfo], Manifest],
+                 into: dict[str, torch.Tensor] | None) -> tuple[pb.RoundInfo, Tensors, int]:
+        responses = self._stub.Download(
+            pb.DownloadRequest(peer_id=self.peer_id, round=step, full=full), timeout=timeout, metadata=self._metadata
+        )
+        try:
+            first = next(responses, None)
+            if first is None or not first.HasField("info"):
+                raise SyncError(f"round {step}: the server's download did not start with its RoundInfo")
+            info = first.info
+            decoder = TensorDecoder(expect(info), self.wire_dtype, into=into)
+            for message in responses:
+                if not message.HasField("chunk"):
+                    raise SyncError(f"round {step}: a second RoundInfo arrived inside the download")
+                decoder.feed(message.chunk)
+            tensors = decoder.finish()
+        except grpc.RpcError as err:
+            raise failure_of(f"download of round {step}", err) from None
+        except ValueError as exc:  # damaged or cut short in transit: fetching it again may succeed
+            raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
+        finally:
+            responses.cancel()
+        return info, tensors, decoder.bytes_received
+
+    def probe(self, num_bytes: int) -> tuple[float, float]:
+        def messages() -> Iterator[pb.ProbeMessage]:
+            yield pb.ProbeMessage(reply_bytes=num_bytes)
+            chunk = bytes(min(num_bytes, PROBE_CHUNK_BYTES))
+            for offset in range(0, num_bytes, len(chunk)):
+                yield pb.ProbeMessage(data=chunk[: num_bytes - offset])
+
+        start = time.perf_counter()
+        responses = self._stub.Probe(messages(), timeout=self.rpc_timeout_s, metadata=self._metadata)
+        try:
+            next(responses)  # the server's acknowledgement: it has read every byte
+            up_s = time.perf_counter() - start
+            start = time.perf_counter()
+            received = sum(len(message.data) for message in responses)
+        except grpc.RpcError as err:
+            raise failure_of("link test", err) from None
+        finally:
+            responses.cancel()
+        if received != num_bytes:
+            raise SyncError(f"link test: the server sent {received} bytes back, asked for {num_bytes}")
+        return up_s, time.perf_counter() - start

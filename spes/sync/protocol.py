@@ -1,0 +1,136 @@
+"""The SPES protocol's vocabulary, shared by the server, both planes and the client.
+
+Everything both ends must agree on, and nothing that moves bytes: the protocol version, the wire dtypes, the
+machine-readable reasons a refusal carries (trailing metadata `spes-reason` over gRPC, the error frame's
+`reason` over the raw-TCP data plane), the errors on either side, the type aliases of the sync wing, and the
+`Plane` interface both transports implement.
+protos/spes.proto describes the messages themselves.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from typing import Literal, Protocol
+
+import grpc
+import torch
+
+from spes.sync.proto import spes_pb2 as pb
+
+PROTOCOL_VERSION = 3  # 3: XXH3-64 checksums; 2: CRC-32C; before it (unversioned): zlib CRC-32
+WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtypes a peer may use on the wire (both directions), by their wire name."""
+REASON_KEY = "spes-reason"
+"""The gRPC trailing-metadata key that carries a refusal's `Reason`."""
+PROBE_MAX_BYTES = 256 << 20
+"""Most bytes a link test (`python -m spes.preflight`, either plane) moves each way."""
+PROBE_CHUNK_BYTES = 1 << 20
+
+Mode = Literal["spes", "diloco"]
+"""The run modes that meet a parameter server (`spes.config.RunMode` less `centralized`)."""
+Shape = tuple[int, ...]
+Tensors = dict[str, torch.Tensor]
+"""Tensors by parameter name (an upload, a download, a global model)."""
+Manifest = dict[str, Shape]
+"""Every tensor of the model: name -> shape."""
+
+
+class Reason(enum.StrEnum):
+    """Why the server refused a request, when the client can react to it on its own (see protos/spes.proto).
+
+    NONE: the details say what a person must do; the client only reports them.
+    """
+
+    NONE = ""
+    NOT_JOINED = "not_joined"
+    """The server does not know this peer (e.g. it restarted): join again, then retry."""
+    UNKNOWN_ROUND = "unknown_round"
+    """A download of a round the server holds no upload of this peer for (lost in a restart): upload again."""
+    STALE_ROUND = "stale_round"
+    """The run has moved past this round: load the latest global model (a full download)."""
+    FUTURE_ROUND = "future_round"
+    """An upload for a round ahead of the open one (peers disagree on sync_steps)."""
+    CORRUPT = "corrupt"
+    """A chunk failed its checksum (damaged in transit): send it again."""
+    ROUND_TIMEOUT = "round_timeout"
+    """The round did not complete within --round_timeout (the details name the missing peers)."""
+    BUSY = "busy"
+    """The server is at a limit for now (a round aggregating, its stream slots full): retry shortly."""
+    DUPLICATE_PEER = "duplicate_peer"
+    """Another live process holds this peer id: retried, admitted once that one has been silent long enough."""
+    SUPERSEDED = "superseded"
+    """A newer process joined with this peer id: this one must stop."""
+    UNAUTHENTICATED = "unauthenticated"
+    """The data plane's handshake carried no or a wrong token."""
+    OLD_SERVER = "old_server"
+    """The server predates preflight and took a dry join as a real one."""
+
+
+RETRY_REASONS = frozenset({Reason.CORRUPT, Reason.BUSY, Reason.DUPLICATE_PEER})
+"""Refusals worth the same request again later: damaged bytes, a server at its limits, and a peer id still held
+by a process that may have died (admitted once it has been silent for --peer_liveness)."""
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class Refused(Exception):
+    """A request the server turns down: the gRPC status, a message saying what to do, and a `Reason`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: Reason = Reason.NONE) -> None:
+        super().__init__(message)
+        self.code, self.reason = code, Reason(reason)
+
+
+class SyncError(RuntimeError):
+    """A synchronization call failed on the client; `code` is the gRPC status (None for client-side checks).
+
+    `reason` is the server's `Reason` (NONE if it gave none); `retryable` says whether sending the same request
+    again may succeed.
+    """
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, *, reason: Reason | str = Reason.NONE,
+                 retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code, self.retryable = code, retryable
+        self.reason = reason_of(str(reason))
+
+
+def reason_of(text: str) -> Reason:
+    """A reason received from the other end; one this version does not know counts as NONE."""
+    try:
+        return Reason(text)
+    except ValueError:
+        return Reason.NONE
+
+
+def classify(what: str, code: grpc.StatusCode, details: str, reason: str) -> SyncError:
+    """A refusal from either plane as a SyncError: transient codes and the `RETRY_REASONS` are retryable."""
+    known = reason_of(reason)
+    retryable = (code in RETRYABLE_CODES and known != Reason.ROUND_TIMEOUT) or known in RETRY_REASONS
+    return SyncError(f"{what} failed ({code.name}): {details}", code, reason=known, retryable=retryable)
+
+
+class Plane(Protocol):
+    """How a client's tensor payloads travel to and from the server: `spes.sync.plane_grpc.GrpcPlane` (gRPC
+    streams) or `spes.sync.plane_tcp.TcpPlane` (the raw-TCP data plane). Same rounds, same checks, same reasons:
+    every failure is a `SyncError`, retryable when sending the same request again may succeed."""
+
+    name: str
+    """"grpc" or "tcp"."""
+
+    def upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> tuple[int, bool]:
+        """Send this peer's upload of round `step`: (payload bytes sent, whether the server already had it)."""
+        ...
+
+    def download(self, step: int, timeout: float, *, full: bool, expect: Callable[[pb.RoundInfo], Manifest],
+                 into: dict[str, torch.Tensor] | None) -> tuple[pb.RoundInfo, Tensors, int]:
+        """Wait for round `step` and receive it: (its RoundInfo, the tensors, payload bytes received).
+
+        `expect(info)` checks the announced round and returns the name -> shape of the tensors that must follow;
+        `into` holds buffers to receive into (kept from round to round), or None.
+        """
+        ...
+
+    def probe(self, num_bytes: int) -> tuple[float, float]:
+        """Link test: (seconds to send `num_bytes`, seconds to receive as many back); counted nowhere."""
+        ...

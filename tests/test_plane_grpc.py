@@ -1,0 +1,86 @@
+"""The gRPC plane (spes.sync.plane_grpc), both ends: `GrpcPlane` against a real in-process server on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import grpc
+import pytest
+import torch
+from sync_helpers import peer_upload, running_server, tiny_manifest
+from test_client import NO_MERGE
+from test_server import join_request
+
+from spes.sync.merge import build_global, download_names
+from spes.sync.plane_grpc import GrpcPlane
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.protocol import PROBE_MAX_BYTES, Manifest, Reason, SyncError
+
+MANIFEST = tiny_manifest()
+
+
+@contextmanager
+def planes(addr: str) -> Iterator[list[GrpcPlane]]:
+    """Both peers' gRPC planes on one channel, joined."""
+    with grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        yield [GrpcPlane(stub, peer_id=p, wire_dtype="fp32", metadata=(), rpc_timeout_s=10) for p in range(2)]
+
+
+def expect_for(peer: int, step: int):  # type: ignore[no-untyped-def]
+    def expect(info: pb.RoundInfo) -> Manifest:
+        assert info.round == step and sorted(info.names) == sorted(download_names(list(MANIFEST), peer, "spes", False))
+        return {n: MANIFEST[n] for n in info.names}
+    return expect
+
+
+@pytest.mark.timeout(60)
+def test_a_round_over_the_grpc_plane_equals_build_global() -> None:
+    uploads = {p: peer_upload(MANIFEST, p, "spes", seed=3) for p in range(2)}
+    want = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=3, merge=NO_MERGE).tensors
+    with running_server(merge=NO_MERGE) as (_, addr), planes(addr) as (plane0, plane1):
+        assert plane0.upload(3, uploads[0], timeout=10) == (sum(t.numel() * 4 for t in uploads[0].values()), False)
+        assert plane0.upload(3, uploads[0], timeout=10)[1]  # the same upload again: a no-op the server reports
+        with ThreadPoolExecutor(1) as pool:  # peer 0's download waits for peer 1's upload
+            waiting = pool.submit(plane0.download, 3, 10, full=False, expect=expect_for(0, 3), into=None)
+            plane1.upload(3, uploads[1], timeout=10)
+            info, got, received = waiting.result(timeout=30)
+        assert (info.round, list(info.peers), info.merged) == (3, [0, 1], False)
+        assert received == sum(t.numel() * 4 for t in got.values())
+        for name, tensor in got.items():
+            assert torch.equal(tensor, want[name]), name
+
+
+@pytest.mark.timeout(60)
+def test_refusals_arrive_as_sync_errors_with_their_reason() -> None:
+    with running_server() as (_, addr), grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        stranger = GrpcPlane(stub, peer_id=1, wire_dtype="fp32", metadata=(), rpc_timeout_s=10)
+        with pytest.raises(SyncError, match="has not joined") as err:
+            stranger.download(1, 10, full=False, expect=expect_for(1, 1), into=None)
+        assert (err.value.code, err.value.reason, err.value.retryable) == (
+            grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED, False)
+        for peer in range(2):
+            stub.Join(join_request(peer), timeout=10)
+        upload = peer_upload(MANIFEST, 1, "spes", seed=1)
+        stranger.upload(5, upload, timeout=10)
+        with pytest.raises(SyncError, match="round 3 is old") as err:
+            stranger.upload(3, upload, timeout=10)
+        assert err.value.reason == Reason.STALE_ROUND
+
+
+@pytest.mark.timeout(60)
+def test_link_test_over_grpc() -> None:
+    with running_server() as (server, addr), planes(addr) as (plane, _):
+        up_s, down_s = plane.probe(3 << 20)
+        assert up_s > 0 and down_s > 0
+        assert server.service.status().bytes_in == 0  # a link test is counted nowhere
+        with pytest.raises(SyncError, match="at most") as err:
+            plane.probe(PROBE_MAX_BYTES + 1)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
