@@ -226,7 +226,7 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
     from spes.sync.client import SyncError
     from spes.sync.peer import sync_client
-    from spes.sync.protocol import PROTOCOL_VERSION
+    from spes.sync.protocol import PROTOCOL_VERSION, Reason
 
     s = cfg.spes_config
     if not cfg.sync_enabled:
@@ -255,7 +255,7 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
         if code in fixes:
             return [fail("server", f"{s.server_addr}: {exc}", fixes[code]),
                     skip("settings", "not checked: the server refused or did not answer")], None
-        if exc.reason == "old_server":
+        if exc.reason == Reason.OLD_SERVER:
             return [fail("server", f"{s.server_addr}: {exc}", "update the parameter server to this spes version (the "
                          "training protocol is the same); its settings were accepted"),
                     skip("settings", "not checked by an older server")], None

@@ -129,21 +129,6 @@ def test_a_server_section_without_the_run_comes_from_overrides() -> None:
         load_server_section(["--server.merge_top=2"])
 
 
-def test_the_server_defaults_are_the_round_maths() -> None:
-    """The merge and outer-optimizer dataclasses of spes.sync.merge default to the same values as the section.
-
-    NOTE: a guard while spes.sync.merge still writes its own defaults (the section's are the run's).
-    """
-    from spes.sync.merge import MergeConfig, OuterConfig
-    from spes.sync.server import ServerConfig, merge_of, outer_of
-
-    section = ServerSection()
-    assert merge_of(section) == MergeConfig() and outer_of(section) == OuterConfig()
-    server = ServerConfig(total_peers=2, experts_per_peer=1)
-    assert (server.merge, server.outer, server.round_timeout_s, server.dead_peer_policy, server.min_peers) == (
-        merge_of(section), outer_of(section), section.round_timeout_s, section.dead_peer_policy, section.min_peers)
-
-
 def test_paper_1b_config_values() -> None:
     cfg = load_config(CONFIGS / "spes_1b" / "node_0.yaml")[0]
     m, s = cfg.model, cfg.spes_config

@@ -353,7 +353,7 @@ def _digests(model: torch.nn.Module) -> dict[str, str]:
 
 def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     """One SPES node on this torchrun's ranks; records every rank's whole model before and after each round."""
-    from spes.sync.peer import PeerSync
+    from spes.sync.peer import PeerSync, SyncResult
     from spes.train import build_node
     from spes.trainer import Trainer
 
@@ -365,11 +365,11 @@ def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     record: dict[str, Any] = {}
 
     class Recording:
-        def sync(self, step: int) -> dict[str, Any]:
+        def sync(self, step: int) -> SyncResult:
             before = _digests(node.model)
-            metrics = peer_sync.sync(step)
+            result = peer_sync.sync(step)
             record[str(step)] = {"before": before, "after": _digests(node.model)}
-            return metrics
+            return result
 
     trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=info,
                       syncer=Recording(), log=quiet)

@@ -45,7 +45,7 @@ def run_peers(corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8
         cfg, _ = load_config(str(REPO / "configs" / "tiny.yaml"), [
             *corpus.overrides(tmp_path / f"node{peer}"), f"--spes_config.peer_id={peer}", "--spes_config.num_peers=2",
             "--spes_config.num_train_experts_per_node=4", f"--spes_config.server_addr={addr}",
-            "--spes_config.sync_steps=2", f"--max_duration={steps}st", f"--data.seed={6198 + 1000 * peer}",
+            "--spes_config.sync_steps=2", f"--max_duration={steps}st",
             "--eval_interval=null", "--save_interval=null", "--spes_config.rpc_timeout_s=30",
             "--spes_config.round_timeout_s=60", f"--using_dilico={str(dilico).lower()}"])
         node = build_node(cfg, CPU, log=lambda _m: None)

@@ -35,6 +35,7 @@ import torch
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from spes.config import SpesConfig
 from spes.sync import plane_tcp
 from spes.sync.admission import PEER_KEY, SESSION_KEY
 from spes.sync.merge import download_names
@@ -130,7 +131,7 @@ class SyncClient:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         rpc_timeout_s: float = 60.0,
-        round_timeout_s: float = 3600.0,
+        round_timeout_s: float = SpesConfig.round_timeout_s,
         max_retries: int = 5,
         max_message_mb: int = 64,
         data_plane: DataPlane = "auto",

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spes.sync.protocol import Shape, Tensors
+
 QMAX = 127
 """Largest quantized magnitude: symmetric, so -128 is never produced."""
 DEFAULT_BLOCK = 256
@@ -42,8 +44,6 @@ SCALE_BYTES = 4
 _CHUNK_ELEMS = 1 << 20
 """Quantize this many values at a time, so a large tensor never has several fp32 copies alive at once."""
 
-Shape = tuple[int, ...]
-Tensors = dict[str, torch.Tensor]
 
 
 def num_blocks(numel: int, block: int) -> int:

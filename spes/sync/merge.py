@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from spes.config import ServerSection
 from spes.moe import EXPERT_KINDS, parse_expert_block
 from spes.sync.protocol import Mode, Shape, Tensors
 
@@ -41,15 +42,15 @@ def download_names(names: list[str], peer_id: int, mode: Mode, merged: bool) -> 
 
 @dataclass(frozen=True, kw_only=True)
 class MergeConfig:
-    """Expert-merging warm-up settings (the server's --merge_* flags)."""
+    """Expert-merging warm-up settings (the run config's `server.merge_*`, whose defaults these are)."""
 
-    interval: int = 500
+    interval: int = ServerSection.merge_interval
     """Merge on rounds whose step is a multiple of this; <= 0 disables merging."""
-    alpha_start: float = 0.01
+    alpha_start: float = ServerSection.merge_alpha_start
     """Merge strength at step 0, decayed linearly to 0 at `decay_steps`."""
-    decay_steps: int = 10000
+    decay_steps: int = ServerSection.merge_decay_steps
     """Step at which alpha reaches 0."""
-    topk: int = 4
+    topk: int = ServerSection.merge_topk
     """Number of most similar other experts each expert is pulled towards."""
 
     def __post_init__(self) -> None:
@@ -154,13 +155,13 @@ def _add_widened(total: torch.Tensor, tensor: torch.Tensor) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class OuterConfig:
-    """DiLoCo outer optimizer (server --outer_* flags); `none` is plain averaging."""
+    """DiLoCo outer optimizer (the run config's `server.outer_*`); `none` is plain averaging."""
 
-    optimizer: Literal["none", "nesterov"] = "none"
+    optimizer: Literal["none", "nesterov"] = ServerSection.outer_optimizer
     """`none`: the global model is the mean; `nesterov`: Nesterov momentum SGD on the outer gradient."""
-    lr: float = 0.7
+    lr: float = ServerSection.outer_lr
     """Outer learning rate (the DiLoCo paper uses 0.7)."""
-    momentum: float = 0.9
+    momentum: float = ServerSection.outer_momentum
     """Outer Nesterov momentum (the DiLoCo paper uses 0.9)."""
 
     def __post_init__(self) -> None:

@@ -25,9 +25,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import write_atomic
+from spes.sync.protocol import Shape, Tensors
 
-Tensors = dict[str, torch.Tensor]
-Shape = tuple[int, ...]
 
 PENDING_FORMAT = "1"
 """Version of the pending-round file; a file of another version is refused by name."""

@@ -25,6 +25,7 @@ from typing import Literal
 
 import grpc
 
+from spes.config import ServerSection
 from spes.moe import parse_expert_block
 from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
@@ -39,15 +40,16 @@ DeadPeerPolicy = Literal["wait", "quorum"]
 
 @dataclass(frozen=True, kw_only=True)
 class RoundPolicy:
-    """When a round may close without every peer (the server's --round_timeout/--dead_peer_policy/--min_peers)."""
+    """When a round may close without every peer (the run config's `server.round_timeout_s`, `dead_peer_policy`
+    and `min_peers`, whose defaults these are)."""
 
     num_peers: int
     """Peers in the run."""
-    timeout_s: float = 3600.0
+    timeout_s: float = ServerSection.round_timeout_s
     """Seconds after a round's first upload after which it has timed out."""
-    dead_peer_policy: DeadPeerPolicy = "wait"
+    dead_peer_policy: DeadPeerPolicy = ServerSection.dead_peer_policy
     """`wait`: never close without every peer (downloads fail after the timeout); `quorum`: close with those in."""
-    min_peers: int | None = None
+    min_peers: int | None = ServerSection.min_peers
     """Fewest peers a quorum round needs; None means a majority (num_peers // 2 + 1)."""
 
     def __post_init__(self) -> None:

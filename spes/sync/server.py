@@ -83,9 +83,9 @@ class ServerConfig:
     """TCP port; 0 lets the OS choose (see `ParameterServer.port`)."""
     mode: Mode = "spes"
     """`spes` (experts from owners, shared averaged, merge warm-up) or `diloco` (average everything)."""
-    merge: MergeConfig = field(default_factory=lambda: merge_of(ServerSection()))
+    merge: MergeConfig = field(default_factory=MergeConfig)
     """Expert-merging warm-up (SPES mode only); defaults: the run config's `server:` section."""
-    outer: OuterConfig = field(default_factory=lambda: outer_of(ServerSection()))
+    outer: OuterConfig = field(default_factory=OuterConfig)
     """DiLoCo outer optimizer (DiLoCo mode only)."""
     round_timeout_s: float = ServerSection.round_timeout_s
     """Seconds after a round's first upload after which it has timed out (see `dead_peer_policy`)."""

@@ -68,7 +68,7 @@ def node(corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | 
     cfg, _ = load_config(str(REPO / "configs" / "tiny.yaml"), [
         *corpus.overrides(tmp_path / f"node{peer}"), f"--spes_config.peer_id={peer}", "--spes_config.num_peers=2",
         "--spes_config.num_train_experts_per_node=4", f"--spes_config.server_addr={addr}",
-        "--spes_config.sync_steps=2", f"--max_duration={STEPS}st", f"--data.seed={6198 + 1000 * peer}",
+        "--spes_config.sync_steps=2", f"--max_duration={STEPS}st",
         "--eval_interval=null", "--save_interval=2", "--save_num_checkpoints_to_keep=-1",
         "--spes_config.rpc_timeout_s=30",
         "--spes_config.round_timeout_s=60", "--spes_config.max_retries=8"])
