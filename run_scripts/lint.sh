@@ -5,12 +5,14 @@
 # Settings (line length, rules, mypy strictness, excluded files) live in pyproject.toml.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash run_scripts/setup.sh
 case "${1:-}" in
-  "") ;;
-  --fix) .venv/bin/ruff format . && .venv/bin/ruff check --fix --exit-zero . ;;
+  "" | --fix) ;;
   *) echo "usage: bash run_scripts/lint.sh [--fix]" >&2; exit 2 ;;
 esac
+bash run_scripts/setup.sh
+if [ "${1:-}" = "--fix" ]; then
+  .venv/bin/ruff format . && .venv/bin/ruff check --fix --exit-zero .
+fi
 status=0
 .venv/bin/ruff check . || status=1
 .venv/bin/ruff format --check . || status=1
