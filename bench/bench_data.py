@@ -39,12 +39,22 @@ RESULTS = REPO_ROOT / "bench" / "results" / "bench_data.json"
 def bench_tokenize(jsonl: Path, tokenizer: LoadedTokenizer, workdir: Path, processes: int) -> dict[str, float]:
     """One tokenize_files run: tokens/s and MB/s of input."""
     started = time.perf_counter()
-    summary = tokenize_files([jsonl], tokenizer=tokenizer, output_prefix=workdir / f"p{processes}" / "part",
-                             processes=processes, progress=False)
+    summary = tokenize_files(
+        [jsonl],
+        tokenizer=tokenizer,
+        output_prefix=workdir / f"p{processes}" / "part",
+        processes=processes,
+        progress=False,
+    )
     seconds = time.perf_counter() - started
-    return {"processes": processes, "seconds": seconds, "tokens": summary.num_tokens,
-            "documents": summary.num_documents, "tokens_per_s": summary.num_tokens / seconds,
-            "input_mb_per_s": jsonl.stat().st_size / 1e6 / seconds}
+    return {
+        "processes": processes,
+        "seconds": seconds,
+        "tokens": summary.num_tokens,
+        "documents": summary.num_documents,
+        "tokens_per_s": summary.num_tokens / seconds,
+        "input_mb_per_s": jsonl.stat().st_size / 1e6 / seconds,
+    }
 
 
 def bench_read(shards: list[Path], *, seq_len: int, batch_size: int, num_workers: int, steps: int) -> dict[str, float]:
@@ -59,8 +69,14 @@ def bench_read(shards: list[Path], *, seq_len: int, batch_size: int, num_workers
         seconds = time.perf_counter() - started
     finally:
         loader.close()
-    return {"num_workers": num_workers, "seq_len": seq_len, "batch_size": batch_size, "steps": steps,
-            "batches_per_s": steps / seconds, "tokens_per_s": steps * batch_size * seq_len / seconds}
+    return {
+        "num_workers": num_workers,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "steps": steps,
+        "batches_per_s": steps / seconds,
+        "tokens_per_s": steps * batch_size * seq_len / seconds,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,20 +94,29 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps({"text": doc.text}) + "\n")
         input_mb = jsonl.stat().st_size / 1e6
         default = REPO_ROOT / "data" / "default" / "tokenizer"
-        tokenizer = (load_tokenizer(default) if default.is_dir() else
-                     train_byte_level_bpe((d.text for d in documents), vocab_size=4096, output_dir=workdir / "tok"))
+        tokenizer = (
+            load_tokenizer(default)
+            if default.is_dir()
+            else train_byte_level_bpe((d.text for d in documents), vocab_size=4096, output_dir=workdir / "tok")
+        )
 
         tokenize = [bench_tokenize(jsonl, tokenizer, workdir, p) for p in (1, 2)]
         shards = sorted((workdir / "p1").glob("*.npy"))
-        read = [bench_read(shards, seq_len=seq_len, batch_size=32, num_workers=w, steps=read_steps)
-                for seq_len in (512, 2048) for w in (0, 2)]
+        read = [
+            bench_read(shards, seq_len=seq_len, batch_size=32, num_workers=w, steps=read_steps)
+            for seq_len in (512, 2048)
+            for w in (0, 2)
+        ]
 
-    print(f"tokenize_data on {input_mb:.1f} MB of JSON lines "
-          f"({len(documents)} documents, vocab {tokenizer.vocab_size}):")
+    print(
+        f"tokenize_data on {input_mb:.1f} MB of JSON lines ({len(documents)} documents, vocab {tokenizer.vocab_size}):"
+    )
     print(f"  {'processes':>9}  {'seconds':>8}  {'tokens':>11}  {'tokens/s':>11}  {'MB/s':>6}")
     for r in tokenize:
-        print(f"  {r['processes']:>9}  {r['seconds']:8.2f}  {r['tokens']:11,d}  {r['tokens_per_s']:11,.0f}  "
-              f"{r['input_mb_per_s']:6.2f}")
+        print(
+            f"  {r['processes']:>9}  {r['seconds']:8.2f}  {r['tokens']:11,d}  {r['tokens_per_s']:11,.0f}  "
+            f"{r['input_mb_per_s']:6.2f}"
+        )
     print("BatchLoader reads (global batch 32, shuffled):")
     print(f"  {'seq_len':>7}  {'workers':>7}  {'batches/s':>9}  {'tokens/s':>13}")
     for r in read:

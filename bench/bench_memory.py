@@ -9,8 +9,9 @@ AdamW, run two training steps on one micro-batch, and read the bytes of the trai
 `.grad` tensors after backward and of the optimizer state after the step, and the process's peak RSS
 (`ru_maxrss`) against its RSS before the model existed. Analytic: `spes.preflight.model_state_bytes`
 (fp32 weights and gradients, two fp32 AdamW moments per trained parameter); the measured figures must agree
-within 5%. The peak is also set beside the node preflight's whole estimate (model state + activations). The paper's 1B config (`configs/spes_1b/node_0.yaml`) is counted on the
-meta device and analytically (no weights are allocated).
+within 5%. The peak is also set beside the node preflight's whole estimate (model state + activations).
+The paper's 1B config (`configs/spes_1b/node_0.yaml`) is counted on the meta device and analytically (no
+weights are allocated).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import resource
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,6 @@ import psutil
 import torch
 
 from common import MIB, REPO_ROOT, format_table, machine_info, parser, run_child, write_results
-
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
@@ -36,8 +37,15 @@ from spes.trainer import language_model_loss
 TOLERANCE = 0.05
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 KINDS = {"spes": [], "full": ["--using_spes=false"]}
-MINIATURE = ["--model.d_model=16", "--model.n_heads=2", "--model.n_layers=1", "--model.mlp_hidden_size=16",
-             "--model.vocab_size=64", "--model.embedding_size=64", "--model.max_sequence_length=8"]
+MINIATURE = [
+    "--model.d_model=16",
+    "--model.n_heads=2",
+    "--model.n_layers=1",
+    "--model.mlp_hidden_size=16",
+    "--model.vocab_size=64",
+    "--model.embedding_size=64",
+    "--model.max_sequence_length=8",
+]
 
 
 def node_config(path: Path, kind: str) -> TrainConfig:
@@ -46,7 +54,7 @@ def node_config(path: Path, kind: str) -> TrainConfig:
     return cfg
 
 
-def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -60,7 +68,9 @@ def build(cfg: TrainConfig) -> tuple[Transformer, torch.optim.Optimizer]:
 
 def train_steps(cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer, steps: int) -> tuple[int, int]:
     """`steps` steps on one random micro-batch; returns (gradient bytes after the last backward, tokens per step)."""
-    batch = torch.randint(0, cfg.model.vocab_size, (cfg.device_train_microbatch_size, cfg.model.max_sequence_length + 1))
+    batch = torch.randint(
+        0, cfg.model.vocab_size, (cfg.device_train_microbatch_size, cfg.model.max_sequence_length + 1)
+    )
     grad_bytes = 0
     for _ in range(steps):
         out = model(batch[:, :-1])
@@ -88,8 +98,12 @@ def measure_node(path: Path, kind: str) -> dict[str, Any]:
     trainable = [p for p in params if p.requires_grad]
     grad_bytes, tokens = train_steps(cfg, model, optimizer, steps=2)
     return {
-        "kind": kind, "params": sum(p.numel() for p in params), "trainable_params": sum(p.numel() for p in trainable),
-        "param_bytes": tensor_bytes(params), "trainable_bytes": tensor_bytes(trainable), "grad_bytes": grad_bytes,
+        "kind": kind,
+        "params": sum(p.numel() for p in params),
+        "trainable_params": sum(p.numel() for p in trainable),
+        "param_bytes": tensor_bytes(params),
+        "trainable_bytes": tensor_bytes(trainable),
+        "grad_bytes": grad_bytes,
         "optimizer_bytes": optimizer_state_bytes(optimizer),
         "tokens_per_step": tokens,
         "rss_before_bytes": rss_before,
@@ -101,9 +115,15 @@ def analytic(cfg: TrainConfig) -> dict[str, int]:
     """fp32 weights, fp32 gradients of the trained parameters, two fp32 AdamW moments per trained parameter
     (`spes.preflight.model_state_bytes`, what the node preflight plans with)."""
     state = model_state_bytes(cfg)
-    return {"params": state.params, "trainable_params": state.trained, "param_bytes": state.weights,
-            "trainable_bytes": FP32 * state.trained, "grad_bytes": state.grads, "optimizer_bytes": state.optimizer,
-            "static_bytes": state.total}
+    return {
+        "params": state.params,
+        "trainable_params": state.trained,
+        "param_bytes": state.weights,
+        "trainable_bytes": FP32 * state.trained,
+        "grad_bytes": state.grads,
+        "optimizer_bytes": state.optimizer,
+        "static_bytes": state.total,
+    }
 
 
 def meta_counts(cfg: TrainConfig) -> dict[str, int]:
@@ -137,43 +157,102 @@ def main(argv: list[str] | None = None) -> int:
         m["preflight_estimate_bytes"] = static + node_config(config, kind).device_train_microbatch_size * per_seq
         for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes"):
             err = rel_err(m[key], a[key])
-            checks.append({"kind": kind, "figure": key, "measured": m[key], "analytic": a[key], "rel_err": err,
-                           "within_5pct": err <= TOLERANCE})
+            checks.append(
+                {
+                    "kind": kind,
+                    "figure": key,
+                    "measured": m[key],
+                    "analytic": a[key],
+                    "rel_err": err,
+                    "within_5pct": err <= TOLERANCE,
+                }
+            )
         measured_rows[kind] = {"measured": m, "analytic": a}
-        rows.append([kind, f"{m['params'] / 1e6:.2f}M", f"{m['trainable_params'] / 1e6:.2f}M",
-                     f"{m['param_bytes'] / MIB:.1f}", f"{m['grad_bytes'] / MIB:.1f}", f"{m['optimizer_bytes'] / MIB:.1f}",
-                     f"{m['static_bytes'] / MIB:.1f}", f"{a['static_bytes'] / MIB:.1f}",
-                     f"{m['peak_minus_before_bytes'] / MIB:.1f}", f"{m['preflight_estimate_bytes'] / MIB:.1f}"])
+        rows.append(
+            [
+                kind,
+                f"{m['params'] / 1e6:.2f}M",
+                f"{m['trainable_params'] / 1e6:.2f}M",
+                f"{m['param_bytes'] / MIB:.1f}",
+                f"{m['grad_bytes'] / MIB:.1f}",
+                f"{m['optimizer_bytes'] / MIB:.1f}",
+                f"{m['static_bytes'] / MIB:.1f}",
+                f"{a['static_bytes'] / MIB:.1f}",
+                f"{m['peak_minus_before_bytes'] / MIB:.1f}",
+                f"{m['preflight_estimate_bytes'] / MIB:.1f}",
+            ]
+        )
     s, f = (measured_rows[k]["measured"] for k in ("spes", "full"))
-    ratios = {key: s[key] / f[key] for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes",
-                                              "peak_minus_before_bytes")}
+    ratios = {
+        key: s[key] / f[key]
+        for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes", "peak_minus_before_bytes")
+    }
     print(f"measured on {config.relative_to(REPO_ROOT)} (one micro-batch of {s['tokens_per_step']} tokens, fp32, CPU):")
-    print(format_table(["node", "params", "trained", "weights MiB", "grads MiB", "AdamW MiB", "static MiB",
-                        "analytic MiB", "peak RSS - base MiB", "preflight estimate MiB"], rows))
+    print(
+        format_table(
+            [
+                "node",
+                "params",
+                "trained",
+                "weights MiB",
+                "grads MiB",
+                "AdamW MiB",
+                "static MiB",
+                "analytic MiB",
+                "peak RSS - base MiB",
+                "preflight estimate MiB",
+            ],
+            rows,
+        )
+    )
     print("SPES / full: " + ", ".join(f"{k.replace('_bytes', '')} {v:.3f}" for k, v in ratios.items()))
     worst = max(c["rel_err"] for c in checks)
     print(f"measured vs analytic: worst relative error {worst:.2%} ({'OK' if worst <= TOLERANCE else 'OVER 5%'})")
 
-    paper = {}
+    paper: dict[str, dict[str, Any]] = {}
     paper_rows = []
     for kind in KINDS:
         cfg = node_config(PAPER_1B, kind)
         a, meta = analytic(cfg), meta_counts(cfg)
         err = max(rel_err(meta[k], a[k]) for k in meta)
         paper[kind] = {"analytic": a, "meta_device": meta, "meta_vs_analytic_rel_err": err}
-        paper_rows.append([kind, f"{a['params'] / 1e9:.3f}B", f"{a['trainable_params'] / 1e9:.3f}B",
-                           f"{a['param_bytes'] / 2**30:.2f}", f"{a['grad_bytes'] / 2**30:.2f}",
-                           f"{a['optimizer_bytes'] / 2**30:.2f}", f"{a['static_bytes'] / 2**30:.2f}", f"{err:.1e}"])
+        paper_rows.append(
+            [
+                kind,
+                f"{a['params'] / 1e9:.3f}B",
+                f"{a['trainable_params'] / 1e9:.3f}B",
+                f"{a['param_bytes'] / 2**30:.2f}",
+                f"{a['grad_bytes'] / 2**30:.2f}",
+                f"{a['optimizer_bytes'] / 2**30:.2f}",
+                f"{a['static_bytes'] / 2**30:.2f}",
+                f"{err:.1e}",
+            ]
+        )
     ps, pf = paper["spes"]["analytic"], paper["full"]["analytic"]
     print(f"\npaper 1B config ({PAPER_1B.relative_to(REPO_ROOT)}), fp32 weights + grads + AdamW, one replica:")
-    print(format_table(["node", "params", "trained", "weights GiB", "grads GiB", "AdamW GiB", "static GiB",
-                        "meta vs analytic"], paper_rows))
-    print(f"SPES / full static memory: {ps['static_bytes'] / pf['static_bytes']:.3f} "
-          f"(saves {(pf['static_bytes'] - ps['static_bytes']) / 2**30:.2f} GiB per replica)")
+    print(
+        format_table(
+            ["node", "params", "trained", "weights GiB", "grads GiB", "AdamW GiB", "static GiB", "meta vs analytic"],
+            paper_rows,
+        )
+    )
+    print(
+        f"SPES / full static memory: {ps['static_bytes'] / pf['static_bytes']:.3f} "
+        f"(saves {(pf['static_bytes'] - ps['static_bytes']) / 2**30:.2f} GiB per replica)"
+    )
 
-    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
-                             "config": str(config.relative_to(REPO_ROOT)), "measured": measured_rows,
-                             "ratios_spes_over_full": ratios, "checks": checks, "paper_1b": paper})
+    write_results(
+        args.out,
+        {
+            "mode": "quick" if args.quick else "full",
+            "machine": machine_info(),
+            "config": str(config.relative_to(REPO_ROOT)),
+            "measured": measured_rows,
+            "ratios_spes_over_full": ratios,
+            "checks": checks,
+            "paper_1b": paper,
+        },
+    )
     return 0 if worst <= TOLERANCE else 1
 
 

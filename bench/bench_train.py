@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from common import REPO_ROOT, format_table, machine_info, parser, write_results
-
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
 from spes.model import Transformer, tflops_per_token
@@ -50,20 +49,28 @@ class Variant:
     step_seconds: list[float]
 
 
-def build_variant(config: Path, backend: str, kind: str, device: torch.device, save_folder: str,
-                  overrides: Sequence[str] = ()) -> Variant:
+def build_variant(
+    config: Path, backend: str, kind: str, device: torch.device, save_folder: str, overrides: Sequence[str] = ()
+) -> Variant:
     """A node as `spes.train` builds it (peer 0 for SPES), with its optimizer and trainer."""
     extra = ["--precision=amp_bf16"] if device.type == "cuda" else []
-    cfg, _ = load_config(config, [f"--model.moe_backend={backend}", f"--save_folder={save_folder}",
-                                  *KINDS[kind], *extra, *overrides])
+    cfg, _ = load_config(
+        config, [f"--model.moe_backend={backend}", f"--save_folder={save_folder}", *KINDS[kind], *extra, *overrides]
+    )
     with torch.device("meta"):
         model = Transformer.for_run(cfg)
     model.to_empty(device=device)
     model.init_weights(cfg.seed)
     optimizer = build_optimizer(model, cfg.optimizer)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
-    trainer = Trainer(cfg=cfg, model=model, optimizer=optimizer, loader=None, info=info,  # type: ignore[arg-type]
-                      log=lambda _line: None)
+    trainer = Trainer(
+        cfg=cfg,
+        model=model,
+        optimizer=optimizer,
+        loader=None,  # type: ignore[arg-type]
+        info=info,
+        log=lambda _line: None,
+    )
     return Variant(f"{kind}/{backend}", backend, kind, cfg, trainer, [])
 
 
@@ -95,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = [build_variant(config, b, k, device, f"{tmp}/{k}_{b}") for b in BACKENDS for k in KINDS]
         cfg = variants[0].cfg
         gen = torch.Generator().manual_seed(0)
-        batch = torch.randint(0, cfg.model.vocab_size, (cfg.global_train_batch_size, cfg.model.max_sequence_length + 1),
-                              generator=gen)
+        batch = torch.randint(
+            0, cfg.model.vocab_size, (cfg.global_train_batch_size, cfg.model.max_sequence_length + 1), generator=gen
+        )
         tokens = cfg.global_train_batch_size * cfg.model.max_sequence_length
         for v in variants:  # warm-up: first-call allocations, AdamW state
             timed_step(v, batch)
@@ -119,28 +127,48 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         median = statistics.median(v.step_seconds)
         tps = tokens / median
-        r: dict[str, Any] = {"variant": v.name, "backend": v.backend, "kind": v.kind, "step_seconds": v.step_seconds,
-                             "median_step_s": median, "tokens_per_s": tps, "gflops": tps * flops / 1e9,
-                             "speed_vs_full_torch": base / median,
-                             "trainable_params": sum(p.numel() for p in v.trainer.trainable)}
+        r: dict[str, Any] = {
+            "variant": v.name,
+            "backend": v.backend,
+            "kind": v.kind,
+            "step_seconds": v.step_seconds,
+            "median_step_s": median,
+            "tokens_per_s": tps,
+            "gflops": tps * flops / 1e9,
+            "speed_vs_full_torch": base / median,
+            "trainable_params": sum(p.numel() for p in v.trainer.trainable),
+        }
         if peak is not None:
             r["mfu"] = tps * flops / peak
         if v.name in peaks:
             r["peak_memory_bytes"] = peaks[v.name]
         results.append(r)
-        rows.append([v.name, f"{median:.3f}", f"{tps:,.0f}", f"{r['gflops']:.1f}", f"{r['speed_vs_full_torch']:.2f}"]
-                    + ([f"{r['mfu']:.1%}"] if "mfu" in r else [])
-                    + ([f"{r['peak_memory_bytes'] / 2**30:.2f}"] if "peak_memory_bytes" in r else []))
+        rows.append(
+            [v.name, f"{median:.3f}", f"{tps:,.0f}", f"{r['gflops']:.1f}", f"{r['speed_vs_full_torch']:.2f}"]
+            + ([f"{r['mfu']:.1%}"] if "mfu" in r else [])
+            + ([f"{r['peak_memory_bytes'] / 2**30:.2f}"] if "peak_memory_bytes" in r else [])
+        )
     headers = ["node/backend", "step s", "tokens/s", "GFLOP/s", "vs full/torch"]
     headers += ["MFU"] if peak is not None else []
     headers += ["peak GiB"] if peaks else []
-    print(f"{config.relative_to(REPO_ROOT)} on {device}: global batch {cfg.global_train_batch_size} x "
-          f"{cfg.model.max_sequence_length} tokens, micro-batch {cfg.device_train_microbatch_size}, "
-          f"{cfg.precision}, median of {steps} step(s), torch threads {torch.get_num_threads()}")
+    print(
+        f"{config.relative_to(REPO_ROOT)} on {device}: global batch {cfg.global_train_batch_size} x "
+        f"{cfg.model.max_sequence_length} tokens, micro-batch {cfg.device_train_microbatch_size}, "
+        f"{cfg.precision}, median of {steps} step(s), torch threads {torch.get_num_threads()}"
+    )
     print(format_table(headers, rows))
-    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
-                             "device": str(device), "config": str(config.relative_to(REPO_ROOT)),
-                             "tokens_per_step": tokens, "tflops_per_token": flops / 1e12, "results": results})
+    write_results(
+        args.out,
+        {
+            "mode": "quick" if args.quick else "full",
+            "machine": machine_info(),
+            "device": str(device),
+            "config": str(config.relative_to(REPO_ROOT)),
+            "tokens_per_step": tokens,
+            "tflops_per_token": flops / 1e12,
+            "results": results,
+        },
+    )
     return 0
 
 

@@ -33,8 +33,11 @@ MIB = 2**20
 
 def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark has: --quick and --out."""
-    p = argparse.ArgumentParser(prog=f"bench/{name}.py", description=(doc or "").split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=f"bench/{name}.py",
+        description=(doc or "").split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke run (what CI runs)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{name}.json", help="where the JSON results go")
     return p
@@ -43,14 +46,20 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on, including the load average (other users share the CPU)."""
     load1, load5, load15 = os.getloadavg()
-    return {"when": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "load_avg_1_5_15": [round(load1, 2), round(load5, 2), round(load15, 2)]}
+    return {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_avg_1_5_15": [round(load1, 2), round(load5, 2), round(load15, 2)],
+    }
 
 
 def git_commit() -> str:
     """The checked-out commit, with `-dirty` when tracked files other than the records in bench/results/ (which
     a benchmark itself rewrites) differ from it; "unknown" outside git."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -70,6 +79,7 @@ def write_results(path: Path, results: dict[str, Any]) -> None:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A right-aligned plain-text table; floats are shown with 3 significant decimals unless pre-formatted."""
+
     def cell(v: Any) -> str:
         if isinstance(v, float):
             return f"{v:,.3f}" if abs(v) < 1000 else f"{v:,.0f}"
@@ -97,8 +107,14 @@ def best_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 def run_child(script: Path, args: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 600) -> dict:
     """Run `python script args` and parse the JSON object it prints on its last stdout line."""
-    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=REPO_ROOT,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{script.name} {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -93,8 +93,14 @@ async def serve(args: argparse.Namespace) -> None:
         down = Link([server_down, Bucket(args.peer_mbit * mbit)], delay)
         links.append((up, down))
         for port in args.ports:
-            async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int = port,
-                             up: Link = up, down: Link = down) -> None:
+
+            async def handle(
+                reader: asyncio.StreamReader,
+                writer: asyncio.StreamWriter,
+                port: int = port,
+                up: Link = up,
+                down: Link = down,
+            ) -> None:
                 await asyncio.sleep(2 * delay)  # the handshake's round trip
                 try:
                     target_reader, target_writer = await asyncio.open_connection(args.target, port)
@@ -116,8 +122,7 @@ async def serve(args: argparse.Namespace) -> None:
     await stop.wait()
     for s in servers:
         s.close()
-    print(json.dumps({"bytes_up": [u.bytes for u, _ in links], "bytes_down": [d.bytes for _, d in links]}),
-          flush=True)
+    print(json.dumps({"bytes_up": [u.bytes for u, _ in links], "bytes_down": [d.bytes for _, d in links]}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

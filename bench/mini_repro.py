@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, parser, write_results
-
 from spes.atomic import write_atomic
 from spes.config import load_config
 from spes.model import analytic_param_counts
@@ -77,25 +76,66 @@ class Setup:
     def overrides(self, tokenizer: str, train: str, valid: str, seed: int) -> list[str]:
         """The config overrides shared by all three runs (configs/tiny.yaml underneath)."""
         return [
-            f"--seed={seed}", f"--data.seed={seed}",
-            f"--model.d_model={self.d_model}", f"--model.n_layers={self.n_layers}", f"--model.n_heads={self.n_heads}",
-            f"--model.mlp_hidden_size={self.mlp_hidden_size}", f"--model.max_sequence_length={self.seq_len}",
-            f"--max_duration={self.steps}st", f"--scheduler.t_warmup={self.warmup}",
-            f"--optimizer.learning_rate={self.learning_rate}", f"--spes_config.sync_steps={self.sync_steps}",
-            f"--eval_interval={self.eval_interval}", f"--eval_subset_num_batches={self.eval_batches}",
-            f"--device_eval_batch_size={self.eval_batch_size}", f"--device_train_microbatch_size={self.peer_batch}",
+            f"--seed={seed}",
+            f"--data.seed={seed}",
+            f"--model.d_model={self.d_model}",
+            f"--model.n_layers={self.n_layers}",
+            f"--model.n_heads={self.n_heads}",
+            f"--model.mlp_hidden_size={self.mlp_hidden_size}",
+            f"--model.max_sequence_length={self.seq_len}",
+            f"--max_duration={self.steps}st",
+            f"--scheduler.t_warmup={self.warmup}",
+            f"--optimizer.learning_rate={self.learning_rate}",
+            f"--spes_config.sync_steps={self.sync_steps}",
+            f"--eval_interval={self.eval_interval}",
+            f"--eval_subset_num_batches={self.eval_batches}",
+            f"--device_eval_batch_size={self.eval_batch_size}",
+            f"--device_train_microbatch_size={self.peer_batch}",
             f"--global_train_batch_size={self.peer_batch}",  # a peer's batch; the centralized run overrides it
-            f"--tokenizer.identifier={tokenizer}", f"--data.paths=[{train}]", f"--data.validation_paths=[{valid}]",
-            "--save_interval=null", f"--log_interval={self.sync_steps}",
+            f"--tokenizer.identifier={tokenizer}",
+            f"--data.paths=[{train}]",
+            f"--data.validation_paths=[{valid}]",
+            "--save_interval=null",
+            f"--log_interval={self.sync_steps}",
         ]
 
 
-FULL = Setup(d_model=128, n_layers=4, n_heads=4, mlp_hidden_size=256, seq_len=128, peer_batch=8, steps=400,
-             sync_steps=10, eval_interval=20, eval_batches=4, eval_batch_size=16, learning_rate=2e-3, warmup=20,
-             merge_interval=20, merge_alpha_start=0.05, merge_decay_steps=160)
-QUICK = Setup(d_model=64, n_layers=2, n_heads=4, mlp_hidden_size=128, seq_len=64, peer_batch=4, steps=6,
-              sync_steps=3, eval_interval=3, eval_batches=1, eval_batch_size=4, learning_rate=2e-3, warmup=2,
-              merge_interval=3, merge_alpha_start=0.05, merge_decay_steps=6)
+FULL = Setup(
+    d_model=128,
+    n_layers=4,
+    n_heads=4,
+    mlp_hidden_size=256,
+    seq_len=128,
+    peer_batch=8,
+    steps=400,
+    sync_steps=10,
+    eval_interval=20,
+    eval_batches=4,
+    eval_batch_size=16,
+    learning_rate=2e-3,
+    warmup=20,
+    merge_interval=20,
+    merge_alpha_start=0.05,
+    merge_decay_steps=160,
+)
+QUICK = Setup(
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    mlp_hidden_size=128,
+    seq_len=64,
+    peer_batch=4,
+    steps=6,
+    sync_steps=3,
+    eval_interval=3,
+    eval_batches=1,
+    eval_batch_size=4,
+    learning_rate=2e-3,
+    warmup=2,
+    merge_interval=3,
+    merge_alpha_start=0.05,
+    merge_decay_steps=6,
+)
 
 
 def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
@@ -105,13 +145,29 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
     (its threads wait on each other whenever one is descheduled), so every process gets one thread.
     """
     py = sys.executable
-    merge = ["--merge_interval", str(setup.merge_interval), "--merge_alpha_start", str(setup.merge_alpha_start),
-             "--merge_decay_steps", str(setup.merge_decay_steps)]
+    merge = [
+        "--merge_interval",
+        str(setup.merge_interval),
+        "--merge_alpha_start",
+        str(setup.merge_alpha_start),
+        "--merge_decay_steps",
+        str(setup.merge_decay_steps),
+    ]
     launch = [py, "-m", "spes.launch", CONFIG, "--threads", "1", "--timeout", "7200", *merge]
     return {
-        "centralized": ([py, "-m", "spes.train", CONFIG, *common, "--using_spes=false",
-                         f"--global_train_batch_size={PEERS * setup.peer_batch}",
-                         f"--save_folder={out / 'centralized'}"], {"OMP_NUM_THREADS": "1"}),
+        "centralized": (
+            [
+                py,
+                "-m",
+                "spes.train",
+                CONFIG,
+                *common,
+                "--using_spes=false",
+                f"--global_train_batch_size={PEERS * setup.peer_batch}",
+                f"--save_folder={out / 'centralized'}",
+            ],
+            {"OMP_NUM_THREADS": "1"},
+        ),
         "spes": ([*launch, "--out", str(out / "spes"), "--", *common], {}),
         "diloco": ([*launch, "--dilico", "--out", str(out / "diloco"), "--", *common], {}),
     }
@@ -130,8 +186,13 @@ def run_all(commands: Commands, out: Path) -> dict[str, float]:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
         started = time.time()
         with open(log_path, "w") as log:
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **env}).returncode
+            code = subprocess.run(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            ).returncode
         walls[name] = time.time() - started
         if code != 0:
             raise SystemExit(f"error: the {name} run failed with exit code {code}; see {log_path}")
@@ -159,9 +220,13 @@ def central_curve(run: Path) -> dict[str, Any]:
     path = run / "metrics.jsonl"
     records = _records(path)
     evals = [r for r in records if "val_loss" in r]
-    return {"step": [r["step"] for r in evals], "tokens": [_tokens_at(records, r["step"], path) for r in evals],
-            "tokens_final": int(records[-1]["tokens"]), "val_loss": [r["val_loss"] for r in evals],
-            "bytes": [0] * len(evals)}
+    return {
+        "step": [r["step"] for r in evals],
+        "tokens": [_tokens_at(records, r["step"], path) for r in evals],
+        "tokens_final": int(records[-1]["tokens"]),
+        "val_loss": [r["val_loss"] for r in evals],
+        "bytes": [0] * len(evals),
+    }
 
 
 def peers_curve(run: Path) -> dict[str, Any]:
@@ -172,8 +237,15 @@ def peers_curve(run: Path) -> dict[str, Any]:
     cumulative: dict[int, float] = {}
     total = 0.0
     for step in sorted({r["step"] for recs in peers for r in recs if "sync_s" in r}):
-        total += sum(r["sync_mb_up"] + r["sync_mb_down"] for recs in peers for r in recs
-                     if r["step"] == step and "sync_s" in r) * 2**20
+        total += (
+            sum(
+                r["sync_mb_up"] + r["sync_mb_down"]
+                for recs in peers
+                for r in recs
+                if r["step"] == step and "sync_s" in r
+            )
+            * 2**20
+        )
         cumulative[step] = total
     evals = [r for r in peers[0] if "merged_val_loss" in r]
     steps = [r["step"] for r in evals]
@@ -190,7 +262,8 @@ def peers_curve(run: Path) -> dict[str, Any]:
         "bytes": [cumulative[s] for s in steps],
         "bytes_per_peer_round_up": peers[0][-1].get("sync_mb_up", 0.0) * 2**20,
         "bytes_per_peer_round_down": [r["sync_mb_down"] * 2**20 for r in peers[0] if "sync_s" in r],
-        "rounds": len(cumulative), "merge_rounds": sum(bool(r.get("merged")) for r in peers[0] if "sync_s" in r),
+        "rounds": len(cumulative),
+        "merge_rounds": sum(bool(r.get("merged")) for r in peers[0] if "sync_s" in r),
         "sync_seconds_peer0": sum(r["sync_s"] for r in peers[0] if "sync_s" in r),
     }
 
@@ -199,8 +272,11 @@ def collect(out: Path) -> dict[str, Any]:
     """Curves of the three runs. Token counts are what the trainers logged (the `tokens` metric), summed over
     a run's peers; never computed from the setup, so a wrong batch shows up here instead of in a mislabelled axis.
     """
-    return {"centralized": central_curve(out / "centralized"), "spes": peers_curve(out / "spes"),
-            "diloco": peers_curve(out / "diloco")}
+    return {
+        "centralized": central_curve(out / "centralized"),
+        "spes": peers_curve(out / "spes"),
+        "diloco": peers_curve(out / "diloco"),
+    }
 
 
 def check_equal_tokens(curves: dict[str, Any], where: Path) -> None:
@@ -216,12 +292,15 @@ def check_equal_tokens(curves: dict[str, Any], where: Path) -> None:
             raise SystemExit(
                 f"error: unequal token budgets in {where}: centralized trained on {base['tokens_final']:,} tokens, "
                 f"{name} on {c['tokens_final']:,} (peers {c['tokens_final_per_peer']}); every peer's "
-                f"global_train_batch_size must be the centralized one / {PEERS}. No report written.")
+                f"global_train_batch_size must be the centralized one / {PEERS}. No report written."
+            )
         at_central = dict(zip(base["step"], base["tokens"]))
         for step, tokens in zip(c["step"], c["tokens"]):
             if step in at_central and at_central[step] != tokens:
-                raise SystemExit(f"error: unequal tokens at step {step} in {where}: centralized {at_central[step]:,}, "
-                                 f"{name} {tokens:,}. No report written.")
+                raise SystemExit(
+                    f"error: unequal tokens at step {step} in {where}: centralized {at_central[step]:,}, "
+                    f"{name} {tokens:,}. No report written."
+                )
 
 
 def plot(curves: dict[str, Any], path: Path, title: str) -> None:
@@ -236,8 +315,14 @@ def plot(curves: dict[str, Any], path: Path, title: str) -> None:
         c = curves[name]
         ax_t.plot([t / 1e6 for t in c["tokens"]], c["val_loss"], "o-", color=COLORS[name], label=LABELS[name])
         if "local_val_loss_mean" in c:
-            ax_t.plot([t / 1e6 for t in c["tokens"]], c["local_val_loss_mean"], ":", color=COLORS[name], alpha=0.7,
-                      label=f"{name}: local model before sync (mean of peers)")
+            ax_t.plot(
+                [t / 1e6 for t in c["tokens"]],
+                c["local_val_loss_mean"],
+                ":",
+                color=COLORS[name],
+                alpha=0.7,
+                label=f"{name}: local model before sync (mean of peers)",
+            )
     ax_t.set_xlabel("training tokens seen by the whole run (millions)")
     ax_t.set_ylabel("validation loss (nats/token)")
     ax_t.set_title("validation loss vs tokens")
@@ -246,8 +331,12 @@ def plot(curves: dict[str, Any], path: Path, title: str) -> None:
     for name in ("spes", "diloco"):
         c = curves[name]
         ax_b.plot([b / 2**20 for b in c["bytes"]], c["val_loss"], "o-", color=COLORS[name], label=LABELS[name])
-    ax_b.axhline(curves["centralized"]["val_loss"][-1], color=COLORS["centralized"], ls="--",
-                 label="centralized, final (no inter-node traffic)")
+    ax_b.axhline(
+        curves["centralized"]["val_loss"][-1],
+        color=COLORS["centralized"],
+        ls="--",
+        label="centralized, final (no inter-node traffic)",
+    )
     ax_b.set_xlabel("bytes communicated, all peers, up + down (MiB, fp32 wire)")
     ax_b.set_ylabel("validation loss of the merged model")
     ax_b.set_title("validation loss vs communication")
@@ -260,15 +349,21 @@ def plot(curves: dict[str, Any], path: Path, title: str) -> None:
 
 def seed_table(finals: dict[int, dict[str, float]]) -> list[str]:
     """Final validation losses per seed, and how SPES compares, with the mean over seeds."""
-    lines = ["## Seeds", "",
-             "Final validation loss per seed (model initialization and data order; `--seed`):", "",
-             "| seed | centralized | SPES | DiLoCo | SPES vs centralized | SPES vs DiLoCo | DiLoCo vs centralized |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Seeds",
+        "",
+        "Final validation loss per seed (model initialization and data order; `--seed`):",
+        "",
+        "| seed | centralized | SPES | DiLoCo | SPES vs centralized | SPES vs DiLoCo | DiLoCo vs centralized |",
+        "|---|---|---|---|---|---|---|",
+    ]
 
     def row(label: str, f: dict[str, float]) -> str:
         c, sp, dl = f["centralized"], f["spes"], f["diloco"]
-        return (f"| {label} | {c:.4f} | {sp:.4f} | {dl:.4f} | {100 * (sp - c) / c:+.2f}% "
-                f"| {100 * (sp - dl) / dl:+.2f}% | {100 * (dl - c) / c:+.2f}% |")
+        return (
+            f"| {label} | {c:.4f} | {sp:.4f} | {dl:.4f} | {100 * (sp - c) / c:+.2f}% "
+            f"| {100 * (sp - dl) / dl:+.2f}% | {100 * (dl - c) / c:+.2f}% |"
+        )
 
     lines += [row(str(seed), finals[seed]) for seed in sorted(finals)]
     if len(finals) > 1:
@@ -284,8 +379,9 @@ def final_losses(curves: dict[str, Any]) -> dict[str, float]:
 def other_seeds(seed: int) -> dict[int, dict[str, float]]:
     """Final losses of the full runs of every other seed found in bench/results/ (each checked for equal tokens)."""
     found = {DEFAULT_SEED: RESULTS_DIR / "mini_repro"}
-    found.update({int(d.name.removeprefix("mini_repro_seed")): d for d in RESULTS_DIR.glob("mini_repro_seed*")
-                  if d.is_dir()})
+    found.update(
+        {int(d.name.removeprefix("mini_repro_seed")): d for d in RESULTS_DIR.glob("mini_repro_seed*") if d.is_dir()}
+    )
     finals = {}
     for other, runs in sorted(found.items()):
         if other != seed and (runs / "walls.json").is_file():
@@ -297,18 +393,21 @@ def other_seeds(seed: int) -> dict[int, dict[str, float]]:
 
 # What docs/mini_repro.md said before issue 13, and why its numbers changed (kept in the generated report).
 CORRECTION = [
-    "## Correction (issue 13)", "",
+    "## Correction (issue 13)",
+    "",
     "An earlier version of this report overstated both decentralized runs. The script set each peer's "
     "micro-batch but not its `global_train_batch_size`, so every peer kept `configs/tiny.yaml`'s 16 sequences "
     "per step: SPES and DiLoCo each trained on 3,276,800 tokens while the centralized run trained on "
     "1,638,400, and the report's \"every run trains on 1,638,400 tokens\" and the plot's token axis were "
     "computed from the setup instead of read from the trainers. With twice the data, it reported SPES "
-    "+4.63% / +5.06% and DiLoCo +1.32% / +1.01% above centralized (seeds 6198 / 7).", "",
+    "+4.63% / +5.06% and DiLoCo +1.32% / +1.01% above centralized (seeds 6198 / 7).",
+    "",
     "Now every peer trains on a quarter of the centralized batch; token counts are the trainers' own `tokens` "
     "metric, summed over peers, and the script refuses to write a report unless the centralized count equals "
     "each decentralized run's sum. The runs also use the reference's loss scalings adopted at the same time "
     "(router z-loss summed over layers, warm-up from 10% of the peak; see [differences.md](differences.md)), "
-    "which apply to all three runs alike.", "",
+    "which apply to all three runs alike.",
+    "",
 ]
 
 
@@ -321,22 +420,35 @@ def measured_tokens_line(curves: dict[str, Any]) -> str:
     return "Tokens trained on, as logged by the trainers (`tokens` metric): " + "; ".join(parts) + "."
 
 
-def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params: dict[str, int],
-           machine: dict[str, Any], png: str, finals: dict[int, dict[str, float]], correction: bool,
-           note: str | None = None) -> str:
+def report(
+    setup: Setup,
+    curves: dict[str, Any],
+    walls: dict[str, float],
+    params: dict[str, int],
+    machine: dict[str, Any],
+    png: str,
+    finals: dict[int, dict[str, float]],
+    correction: bool,
+    note: str | None = None,
+) -> str:
     """The markdown report: setup, final figures, the curves as a table (tokens as measured, checked equal)."""
     tokens_total = curves["centralized"]["tokens_final"]
     base = curves["centralized"]["val_loss"][-1]
     lines = [
-        "# Mini-reproduction: centralized vs SPES vs DiLoCo", "",
+        "# Mini-reproduction: centralized vs SPES vs DiLoCo",
+        "",
         "Generated by `bench/mini_repro.py` (re-run it to refresh this file and the plot). "
         "All three runs use the same model, initialization, data order seeds, learning-rate schedule and "
         f"number of steps ({setup.steps}); the centralized batch is {PEERS} x the peer batch, so every run "
-        f"trains on {tokens_total:,} tokens of the default local corpus (Python stdlib + man pages).", "",
-        measured_tokens_line(curves), "",
+        f"trains on {tokens_total:,} tokens of the default local corpus (Python stdlib + man pages).",
+        "",
+        measured_tokens_line(curves),
+        "",
         *(CORRECTION if correction else []),
-        "## Setup", "",
-        "| | |", "|---|---|",
+        "## Setup",
+        "",
+        "| | |",
+        "|---|---|",
         f"| model | d_model {setup.d_model}, {setup.n_layers} layers, {setup.n_heads} heads, 8 experts top-2 "
         f"(expert width {setup.mlp_hidden_size // 2}), vocab 4096, sequence {setup.seq_len} |",
         f"| parameters | {params['total'] / 1e6:.2f}M total, {params['active'] / 1e6:.2f}M active per token, "
@@ -351,8 +463,10 @@ def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params
         f"| validation | first {setup.eval_batches * setup.eval_batch_size} windows of data/default/valid every "
         f"{setup.eval_interval} steps (SPES/DiLoCo: the merged model right after the sync) |",
         f"| machine | {machine['cpus']} CPU cores shared with other users, load average "
-        f"{machine['load_avg_1_5_15'][0]} at the end; torch {machine['torch']} |", "",
-        "## Results", "",
+        f"{machine['load_avg_1_5_15'][0]} at the end; torch {machine['torch']} |",
+        "",
+        "## Results",
+        "",
         "| run | final val loss | val ppl | vs centralized | MiB up per peer-round | MiB down per peer-round "
         "| MiB communicated (all peers) | wall s | tokens/s |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -365,16 +479,25 @@ def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params
         else:
             downs = c["bytes_per_peer_round_down"]
             up = f"{c['bytes_per_peer_round_up'] / 2**20:.2f}"
-            down = f"{min(downs) / 2**20:.2f}" + (f" ({max(downs) / 2**20:.2f} on merge rounds)"
-                                                   if max(downs) != min(downs) else "")
+            down = f"{min(downs) / 2**20:.2f}" + (
+                f" ({max(downs) / 2**20:.2f} on merge rounds)" if max(downs) != min(downs) else ""
+            )
             total = f"{c['bytes'][-1] / 2**20:,.0f}"
-        lines.append(f"| {LABELS[name]} | {loss:.4f} | {2.718281828 ** loss:.1f} | {100 * (loss - base) / base:+.2f}% "
-                     f"| {up} | {down} | {total} | {walls.get(name, float('nan')):.0f} "
-                     f"| {tokens_total / walls[name] if name in walls else float('nan'):,.0f} |")
-    lines += [*(["", f"Note on these runs: {note}."] if note else []),
-              "", f"![validation loss against tokens and bytes]({png})", "", "## Curves (validation loss)", "",
-              "| step | tokens | centralized | SPES (merged) | SPES local (mean) | DiLoCo (merged) | DiLoCo local (mean) |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {LABELS[name]} | {loss:.4f} | {2.718281828**loss:.1f} | {100 * (loss - base) / base:+.2f}% "
+            f"| {up} | {down} | {total} | {walls.get(name, float('nan')):.0f} "
+            f"| {tokens_total / walls[name] if name in walls else float('nan'):,.0f} |"
+        )
+    lines += [
+        *(["", f"Note on these runs: {note}."] if note else []),
+        "",
+        f"![validation loss against tokens and bytes]({png})",
+        "",
+        "## Curves (validation loss)",
+        "",
+        "| step | tokens | centralized | SPES (merged) | SPES local (mean) | DiLoCo (merged) | DiLoCo local (mean) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     spes, dil = curves["spes"], curves["diloco"]
     for i, step in enumerate(curves["centralized"]["step"]):
         j = spes["step"].index(step) if step in spes["step"] else None
@@ -383,25 +506,35 @@ def report(setup: Setup, curves: dict[str, Any], walls: dict[str, float], params
         def at(c: dict[str, Any], key: str, idx: int | None) -> str:
             return "-" if idx is None else f"{c[key][idx]:.4f}"
 
-        lines.append(f"| {step} | {curves['centralized']['tokens'][i]:,} | {curves['centralized']['val_loss'][i]:.4f} "
-                     f"| {at(spes, 'val_loss', j)} | {at(spes, 'local_val_loss_mean', j)} | {at(dil, 'val_loss', k)} "
-                     f"| {at(dil, 'local_val_loss_mean', k)} |")
-    lines += ["", f"All peers hold the same merged model after a sync (largest spread of the merged validation loss "
-              f"across peers: SPES {spes['merged_spread_across_peers']:.2e}, DiLoCo "
-              f"{dil['merged_spread_across_peers']:.2e}).", "", *seed_table(finals)]
+        lines.append(
+            f"| {step} | {curves['centralized']['tokens'][i]:,} | {curves['centralized']['val_loss'][i]:.4f} "
+            f"| {at(spes, 'val_loss', j)} | {at(spes, 'local_val_loss_mean', j)} | {at(dil, 'val_loss', k)} "
+            f"| {at(dil, 'local_val_loss_mean', k)} |"
+        )
+    lines += [
+        "",
+        f"All peers hold the same merged model after a sync (largest spread of the merged validation loss "
+        f"across peers: SPES {spes['merged_spread_across_peers']:.2e}, DiLoCo "
+        f"{dil['merged_spread_across_peers']:.2e}).",
+        "",
+        *seed_table(finals),
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser("mini_repro", __doc__)
     p.add_argument("--runs", type=Path, default=None, help="run directory (default: bench/results/mini_repro[_quick])")
-    p.add_argument("--docs", type=Path, default=None, help="where mini_repro.md/.png go (default: docs/; quick: --runs)")
+    p.add_argument(
+        "--docs", type=Path, default=None, help="where mini_repro.md/.png go (default: docs/; quick: --runs)"
+    )
     p.add_argument("--report-only", action="store_true", help="only re-collect, re-plot and re-write the report")
     p.add_argument("--tokenizer", default="data/default/tokenizer", help="tokenizer directory (4096 tokens)")
     p.add_argument("--train", default="data/default/train/*.npy", help="training shards (glob)")
     p.add_argument("--valid", default="data/default/valid/*.npy", help="validation shards (glob)")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                   help="model-init and data-order seed (default %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=DEFAULT_SEED, help="model-init and data-order seed (default %(default)s)"
+    )
     p.set_defaults(out=None)
     args = p.parse_args(argv)
     setup = QUICK if args.quick else FULL
@@ -411,13 +544,18 @@ def main(argv: list[str] | None = None) -> int:
     docs = args.docs or (REPO_ROOT / "docs" if default else runs)
     out_json = args.out or RESULTS_DIR / f"{name}.json"
     if not (REPO_ROOT / args.tokenizer).exists() and not Path(args.tokenizer).exists():
-        raise SystemExit(f"error: tokenizer {args.tokenizer!r} not found; build the default corpus with "
-                         "`python data_process_scripts/build_default_corpus.py --output_dir data/default`")
+        raise SystemExit(
+            f"error: tokenizer {args.tokenizer!r} not found; build the default corpus with "
+            "`python data_process_scripts/build_default_corpus.py --output_dir data/default`"
+        )
     common = setup.overrides(args.tokenizer, args.train, args.valid, args.seed)
     cfg, _ = load_config(REPO_ROOT / CONFIG, common)
     counts = analytic_param_counts(cfg.model)
-    params = {"total": counts.total, "active": counts.active_per_token,
-              "spes_trainable": analytic_param_counts(cfg.model, cfg.spes_config.num_train_experts_per_node).trainable}
+    params = {
+        "total": counts.total,
+        "active": counts.active_per_token,
+        "spes_trainable": analytic_param_counts(cfg.model, cfg.spes_config.num_train_experts_per_node).trainable,
+    }
 
     runs.mkdir(parents=True, exist_ok=True)
     if args.report_only:
@@ -431,12 +569,25 @@ def main(argv: list[str] | None = None) -> int:
     check_equal_tokens(curves, runs)
     machine = (run_info or {}).get("machine") or machine_info()
     png = docs / "mini_repro.png"
-    plot(curves, png, f"{params['total'] / 1e6:.1f}M-parameter MoE, {PEERS} peers, "
-                      f"{curves['centralized']['tokens_final'] / 1e6:.2f}M tokens per run (measured), "
-                      f"sync every {setup.sync_steps} steps")
+    plot(
+        curves,
+        png,
+        f"{params['total'] / 1e6:.1f}M-parameter MoE, {PEERS} peers, "
+        f"{curves['centralized']['tokens_final'] / 1e6:.2f}M tokens per run (measured), "
+        f"sync every {setup.sync_steps} steps",
+    )
     finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(args.seed))}
-    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick,
-                note=(run_info or {}).get("note"))
+    md = report(
+        setup,
+        curves,
+        walls,
+        params,
+        machine,
+        png.name,
+        finals,
+        correction=not args.quick,
+        note=(run_info or {}).get("note"),
+    )
     write_atomic(docs / "mini_repro.md", md)
 
     print(measured_tokens_line(curves))
@@ -445,12 +596,25 @@ def main(argv: list[str] | None = None) -> int:
     base = curves["centralized"]["val_loss"][-1]
     for name in RUNS:
         c = curves[name]
-        print(f"{name:>12}  {c['val_loss'][-1]:9.4f}  {100 * (c['val_loss'][-1] - base) / base:+9.2f}%  "
-              f"{c['bytes'][-1] / 2**20:9.1f}  {walls.get(name, float('nan')):7.0f}")
+        print(
+            f"{name:>12}  {c['val_loss'][-1]:9.4f}  {100 * (c['val_loss'][-1] - base) / base:+9.2f}%  "
+            f"{c['bytes'][-1] / 2**20:9.1f}  {walls.get(name, float('nan')):7.0f}"
+        )
     print(f"wrote {docs / 'mini_repro.md'} and {png}")
-    write_results(out_json, {"mode": "quick" if args.quick else "full", "seed": args.seed, "machine": machine,
-                             "run": run_info, "setup": asdict(setup), "params": params, "walls_s": walls,
-                             "tokens": {name: curves[name]["tokens_final"] for name in RUNS}, "curves": curves})
+    write_results(
+        out_json,
+        {
+            "mode": "quick" if args.quick else "full",
+            "seed": args.seed,
+            "machine": machine,
+            "run": run_info,
+            "setup": asdict(setup),
+            "params": params,
+            "walls_s": walls,
+            "tokens": {name: curves[name]["tokens_final"] for name in RUNS},
+            "curves": curves,
+        },
+    )
     return 0
 
 

@@ -55,7 +55,6 @@ from mini_repro import (
     peers_curve,
     run_all,
 )
-
 from spes.atomic import write_atomic
 from spes.config import load_config
 from spes.optim import optimizer_state_bytes
@@ -81,8 +80,13 @@ class Arm:
 ARMS = (
     Arm("spes_large", "SPES, large model", "spes", "large"),
     Arm("diloco_small", "DiLoCo (mean), model that fits", "diloco", "small"),
-    Arm("diloco_nesterov", "DiLoCo + Nesterov outer steps, model that fits (extra)", "diloco", "small",
-        ("--outer_optimizer", "nesterov")),
+    Arm(
+        "diloco_nesterov",
+        "DiLoCo + Nesterov outer steps, model that fits (extra)",
+        "diloco",
+        "small",
+        ("--outer_optimizer", "nesterov"),
+    ),
     Arm("centralized_large", "centralized, large model (needs a cluster)", "central", "large"),
     Arm("diloco_large", "DiLoCo (mean), large model: OVER the budget", "diloco", "large", over_budget=True),
     Arm("spes_large_nomerge", "SPES, large model, no merge warm-up", "spes", "large", ("--merge_interval", "0")),
@@ -119,35 +123,72 @@ def pick_sizes(common: list[str], small: int) -> dict[str, Any]:
     if not fitting:
         raise SystemExit(f"error: not even a {small}-expert SPES node fits the budget of a full {small}-expert node")
     large = max(fitting)
-    return {"small": small, "large": large, "budget": budget, "spes_nodes": spes_nodes,
-            "full_large": model_state_bytes([*common, *full, *expert_overrides(large)])}
+    return {
+        "small": small,
+        "large": large,
+        "budget": budget,
+        "spes_nodes": spes_nodes,
+        "full_large": model_state_bytes([*common, *full, *expert_overrides(large)]),
+    }
 
 
 def arm_commands(setup: Setup, common: list[str], sizes: dict[str, Any], out: Path) -> Commands:
     """The command of every arm (one torch thread per process, as in mini_repro.py)."""
     py = sys.executable
-    merge = ["--merge_interval", str(setup.merge_interval), "--merge_alpha_start", str(setup.merge_alpha_start),
-             "--merge_decay_steps", str(setup.merge_decay_steps)]
+    merge = [
+        "--merge_interval",
+        str(setup.merge_interval),
+        "--merge_alpha_start",
+        str(setup.merge_alpha_start),
+        "--merge_decay_steps",
+        str(setup.merge_decay_steps),
+    ]
     one_thread = {"OMP_NUM_THREADS": "1"}
     commands: Commands = {}
     for arm in ARMS:
         model = [*common, *expert_overrides(sizes[arm.size])]
         if arm.mode in ("central", "single"):
             batch = PEERS * setup.peer_batch if arm.mode == "central" else setup.peer_batch
-            commands[arm.name] = ([py, "-m", "spes.train", CONFIG, *model, "--using_spes=false",
-                                   f"--global_train_batch_size={batch}", f"--save_folder={out / arm.name}"], one_thread)
+            commands[arm.name] = (
+                [
+                    py,
+                    "-m",
+                    "spes.train",
+                    CONFIG,
+                    *model,
+                    "--using_spes=false",
+                    f"--global_train_batch_size={batch}",
+                    f"--save_folder={out / arm.name}",
+                ],
+                one_thread,
+            )
         else:
             # later flags win with argparse, so an arm's own --merge_interval replaces the shared one
-            launch = [py, "-m", "spes.launch", CONFIG, "--threads", "1", "--timeout", "7200", *merge,
-                      *arm.launch_flags, *(["--dilico"] if arm.mode == "diloco" else []), "--out", str(out / arm.name)]
+            launch = [
+                py,
+                "-m",
+                "spes.launch",
+                CONFIG,
+                "--threads",
+                "1",
+                "--timeout",
+                "7200",
+                *merge,
+                *arm.launch_flags,
+                *(["--dilico"] if arm.mode == "diloco" else []),
+                "--out",
+                str(out / arm.name),
+            ]
             commands[arm.name] = ([*launch, "--", *model], {})
     return commands
 
 
 def collect(out: Path) -> dict[str, Any]:
     """Every arm's curve (tokens from the trainers' own counters)."""
-    return {arm.name: central_curve(out / arm.name) if arm.mode in ("central", "single") else
-            peers_curve(out / arm.name) for arm in ARMS}
+    return {
+        arm.name: central_curve(out / arm.name) if arm.mode in ("central", "single") else peers_curve(out / arm.name)
+        for arm in ARMS
+    }
 
 
 def check_tokens(curves: dict[str, Any], where: Path) -> None:
@@ -158,8 +199,10 @@ def check_tokens(curves: dict[str, Any], where: Path) -> None:
         got = curves[arm.name]["tokens_final"]
         expected = want // PEERS if arm.mode == "single" else want
         if got != expected:
-            raise SystemExit(f"error: arm {arm.name} in {where} trained on {got:,} tokens, expected {expected:,} "
-                             f"(centralized_large: {want:,}). No report written.")
+            raise SystemExit(
+                f"error: arm {arm.name} in {where} trained on {got:,} tokens, expected {expected:,} "
+                f"(centralized_large: {want:,}). No report written."
+            )
 
 
 def loss_at(curve: dict[str, Any], fraction: float, steps: int) -> float:
@@ -213,8 +256,15 @@ def pct(a: float, b: float) -> str:
     return f"{100 * (a - b) / b:+.2f}%"
 
 
-def report(setup: Setup, sizes: dict[str, Any], per_seed: dict[int, dict[str, Any]], means: dict[str, Any],
-           walls: dict[int, dict[str, float]], machine: dict[str, Any], png: str) -> str:
+def report(
+    setup: Setup,
+    sizes: dict[str, Any],
+    per_seed: dict[int, dict[str, Any]],
+    means: dict[str, Any],
+    walls: dict[int, dict[str, float]],
+    machine: dict[str, Any],
+    png: str,
+) -> str:
     """The markdown report: budget, arms, gaps at 25/50/100%, the SPES-specific cost, where curves cross."""
     mib = 2**20
     budget = sizes["budget"]["total"]
@@ -222,58 +272,81 @@ def report(setup: Setup, sizes: dict[str, Any], per_seed: dict[int, dict[str, An
     seeds = sorted(per_seed)
     any_seed = per_seed[seeds[0]]
     lines = [
-        "# Mini-reproduction at equal memory per node", "",
+        "# Mini-reproduction at equal memory per node",
+        "",
         "Generated by `bench/mini_repro_memory.py`. Every node gets the same model-state budget (fp32 weights + "
         "gradients + AdamW state, measured); a DiLoCo node must train the whole model, a SPES node only its "
-        "expert block, so SPES gets a larger MoE at the same active parameters per token.", "",
-        "## Budget and sizes (measured)", "",
+        "expert block, so SPES gets a larger MoE at the same active parameters per token.",
+        "",
+        "## Budget and sizes (measured)",
+        "",
         "| node | experts per layer | weights MiB | gradients MiB | AdamW MiB | total MiB | within budget |",
         "|---|---|---|---|---|---|---|",
     ]
 
     def node_row(label: str, experts: int, b: dict[str, int]) -> str:
-        return (f"| {label} | {experts} | {b['weights'] / mib:.2f} | {b['grads'] / mib:.2f} | "
-                f"{b['optimizer'] / mib:.2f} | {b['total'] / mib:.2f} | {'yes' if b['total'] <= budget else 'NO'} |")
+        return (
+            f"| {label} | {experts} | {b['weights'] / mib:.2f} | {b['grads'] / mib:.2f} | "
+            f"{b['optimizer'] / mib:.2f} | {b['total'] / mib:.2f} | {'yes' if b['total'] <= budget else 'NO'} |"
+        )
 
-    lines += [node_row("full model (DiLoCo / centralized) = the budget", sizes["small"], sizes["budget"]),
-              node_row("SPES peer", sizes["large"], sizes["spes_nodes"][sizes["large"]]),
-              node_row("full model at the large size", sizes["large"], sizes["full_large"])]
-    lines += ["", f"SPES nodes measured for {', '.join(str(e) for e in sizes['spes_nodes'])} experts; the largest "
-              f"within the {budget / mib:.2f} MiB budget is {sizes['large']} ({spes_node / mib:.2f} MiB).", "",
-              f"Setup: mini_repro.py's model otherwise (d_model {setup.d_model}, {setup.n_layers} layers, top-2, "
-              f"expert width {setup.mlp_hidden_size // 2}, sequence {setup.seq_len}), {setup.steps} steps, peer "
-              f"batch {setup.peer_batch}, sync every {setup.sync_steps} steps, validation on "
-              f"{setup.eval_batches * setup.eval_batch_size} windows; seeds {', '.join(map(str, seeds))}; "
-              f"{machine['cpus']} CPU cores shared with other users, load average {machine['load_avg_1_5_15'][0]} "
-              f"at the end.", "",
-              "## Final validation loss", "",
-              "| arm | experts | tokens (logged) | " + " | ".join(f"seed {s}" for s in seeds)
-              + " | mean | vs DiLoCo at the budget | MiB communicated | wall s (each seed) |",
-              "|---|---|---|" + "---|" * len(seeds) + "---|---|---|---|"]
+    lines += [
+        node_row("full model (DiLoCo / centralized) = the budget", sizes["small"], sizes["budget"]),
+        node_row("SPES peer", sizes["large"], sizes["spes_nodes"][sizes["large"]]),
+        node_row("full model at the large size", sizes["large"], sizes["full_large"]),
+    ]
+    lines += [
+        "",
+        f"SPES nodes measured for {', '.join(str(e) for e in sizes['spes_nodes'])} experts; the largest "
+        f"within the {budget / mib:.2f} MiB budget is {sizes['large']} ({spes_node / mib:.2f} MiB).",
+        "",
+        f"Setup: mini_repro.py's model otherwise (d_model {setup.d_model}, {setup.n_layers} layers, top-2, "
+        f"expert width {setup.mlp_hidden_size // 2}, sequence {setup.seq_len}), {setup.steps} steps, peer "
+        f"batch {setup.peer_batch}, sync every {setup.sync_steps} steps, validation on "
+        f"{setup.eval_batches * setup.eval_batch_size} windows; seeds {', '.join(map(str, seeds))}; "
+        f"{machine['cpus']} CPU cores shared with other users, load average {machine['load_avg_1_5_15'][0]} "
+        f"at the end.",
+        "",
+        "## Final validation loss",
+        "",
+        "| arm | experts | tokens (logged) | "
+        + " | ".join(f"seed {s}" for s in seeds)
+        + " | mean | vs DiLoCo at the budget | MiB communicated | wall s (each seed) |",
+        "|---|---|---|" + "---|" * len(seeds) + "---|---|---|---|",
+    ]
     base = means[BASELINE]["val_loss"][-1]
     for arm in ARMS:
         mean = means[arm.name]["val_loss"][-1]
         finals = " | ".join(f"{per_seed[s][arm.name]['val_loss'][-1]:.4f}" for s in seeds)
         comm = any_seed[arm.name]["bytes"][-1] / mib
         wall = ", ".join(f"{walls[s].get(arm.name, float('nan')):.0f}" for s in seeds)
-        lines.append(f"| {arm.label} | {sizes[arm.size]} | {any_seed[arm.name]['tokens_final']:,} | {finals} | "
-                     f"{mean:.4f} | {pct(mean, base)} | {comm:,.0f} | {wall} |")
-    lines += ["", f"![validation loss against tokens and bytes]({png})", "",
-              "## Gaps during the run (mean over seeds)", "",
-              "| comparison | " + " | ".join(f"{int(100 * f)}% of the run" for f in FRACTIONS) + " |",
-              "|---|" + "---|" * len(FRACTIONS)]
+        lines.append(
+            f"| {arm.label} | {sizes[arm.size]} | {any_seed[arm.name]['tokens_final']:,} | {finals} | "
+            f"{mean:.4f} | {pct(mean, base)} | {comm:,.0f} | {wall} |"
+        )
+    lines += [
+        "",
+        f"![validation loss against tokens and bytes]({png})",
+        "",
+        "## Gaps during the run (mean over seeds)",
+        "",
+        "| comparison | " + " | ".join(f"{int(100 * f)}% of the run" for f in FRACTIONS) + " |",
+        "|---|" + "---|" * len(FRACTIONS),
+    ]
 
     def gap_row(label: str, a: str, b: str) -> str:
         cells = [pct(loss_at(means[a], f, setup.steps), loss_at(means[b], f, setup.steps)) for f in FRACTIONS]
         return f"| {label} | " + " | ".join(cells) + " |"
 
-    lines += [gap_row("SPES (large) vs DiLoCo (model that fits): the equal-memory comparison", SPES_ARM, BASELINE),
-              gap_row("SPES (large) vs centralized (large)", SPES_ARM, "centralized_large"),
-              gap_row("DiLoCo (model that fits) vs centralized (large)", BASELINE, "centralized_large"),
-              gap_row("DiLoCo + Nesterov vs DiLoCo (model that fits)", "diloco_nesterov", BASELINE),
-              gap_row("SPES-specific cost: SPES vs DiLoCo at the same (large) model", SPES_ARM, "diloco_large"),
-              gap_row("merge warm-up: SPES vs SPES without it", SPES_ARM, "spes_large_nomerge"),
-              gap_row("SPES (large) vs one node alone", SPES_ARM, "single_small")]
+    lines += [
+        gap_row("SPES (large) vs DiLoCo (model that fits): the equal-memory comparison", SPES_ARM, BASELINE),
+        gap_row("SPES (large) vs centralized (large)", SPES_ARM, "centralized_large"),
+        gap_row("DiLoCo (model that fits) vs centralized (large)", BASELINE, "centralized_large"),
+        gap_row("DiLoCo + Nesterov vs DiLoCo (model that fits)", "diloco_nesterov", BASELINE),
+        gap_row("SPES-specific cost: SPES vs DiLoCo at the same (large) model", SPES_ARM, "diloco_large"),
+        gap_row("merge warm-up: SPES vs SPES without it", SPES_ARM, "spes_large_nomerge"),
+        gap_row("SPES (large) vs one node alone", SPES_ARM, "single_small"),
+    ]
     cross = crossing(means[SPES_ARM], means[BASELINE])
     per_seed_gap = [per_seed[s][SPES_ARM]["val_loss"][-1] - per_seed[s][BASELINE]["val_loss"][-1] for s in seeds]
     if all(g < 0 for g in per_seed_gap):
@@ -282,17 +355,26 @@ def report(setup: Setup, sizes: dict[str, Any], per_seed: dict[int, dict[str, An
         verdict = "SPES at equal memory does NOT beat DiLoCo: it ends above it in every seed"
     else:
         verdict = "No consistent winner at equal memory: the sign of SPES minus DiLoCo differs between seeds"
-    lines += ["", f"**{verdict}** (mean {pct(means[SPES_ARM]['val_loss'][-1], base)} at the end; per seed "
-              + ", ".join(f"{s}: {g:+.4f} nats" for s, g in zip(seeds, per_seed_gap)) + "); "
-              + (f"the mean curves cross at step {cross}." if cross is not None else
-                 "the mean curves do not cross within the run."), ""]
+    lines += [
+        "",
+        f"**{verdict}** (mean {pct(means[SPES_ARM]['val_loss'][-1], base)} at the end; per seed "
+        + ", ".join(f"{s}: {g:+.4f} nats" for s, g in zip(seeds, per_seed_gap))
+        + "); "
+        + (
+            f"the mean curves cross at step {cross}."
+            if cross is not None
+            else "the mean curves do not cross within the run."
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser("mini_repro_memory", __doc__)
-    p.add_argument("--runs", type=Path, default=None,
-                   help="run directory (default: bench/results/mini_repro_memory[_quick])")
+    p.add_argument(
+        "--runs", type=Path, default=None, help="run directory (default: bench/results/mini_repro_memory[_quick])"
+    )
     p.add_argument("--docs", type=Path, default=None, help="report and plot folder (default: docs/; quick: --runs)")
     p.add_argument("--report-only", action="store_true", help="only re-collect, re-plot and re-write the report")
     p.add_argument("--tokenizer", default="data/default/tokenizer", help="tokenizer directory (4096 tokens)")
@@ -306,8 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --small_experts={args.small_experts} must be a positive multiple of {PEERS}")
     # NOTE: 256 validation windows (4x mini_repro.py's) but every 50 steps instead of 20, so that the 14 runs stay
     # near an hour on 2 cores (an estimate from mini_repro.py's throughput) with 25/50/100% on evaluated steps.
-    setup = QUICK if args.quick else replace(FULL, eval_batches=VALIDATION_WINDOWS // FULL.eval_batch_size,
-                                             eval_interval=EVAL_INTERVAL)
+    setup = (
+        QUICK
+        if args.quick
+        else replace(FULL, eval_batches=VALIDATION_WINDOWS // FULL.eval_batch_size, eval_interval=EVAL_INTERVAL)
+    )
     seeds = args.seeds or (SEEDS[:1] if args.quick else SEEDS)
     name = "mini_repro_memory_quick" if args.quick else "mini_repro_memory"
     runs = args.runs or RESULTS_DIR / name
@@ -315,8 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     out_json = args.out or RESULTS_DIR / f"{name}.json"
 
     sizes = pick_sizes(setup.overrides(args.tokenizer, args.train, args.valid, seeds[0]), args.small_experts)
-    print(f"budget {sizes['budget']['total']:,} bytes (full {sizes['small']}-expert node); SPES fits "
-          f"{sizes['large']} experts ({sizes['spes_nodes'][sizes['large']]['total']:,} bytes)", flush=True)
+    print(
+        f"budget {sizes['budget']['total']:,} bytes (full {sizes['small']}-expert node); SPES fits "
+        f"{sizes['large']} experts ({sizes['spes_nodes'][sizes['large']]['total']:,} bytes)",
+        flush=True,
+    )
     per_seed: dict[int, dict[str, Any]] = {}
     walls: dict[int, dict[str, float]] = {}
     for seed in seeds:
@@ -330,22 +418,41 @@ def main(argv: list[str] | None = None) -> int:
         per_seed[seed] = collect(out)
         check_tokens(per_seed[seed], out)
     if not args.report_only:
-        run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
+        run_info: dict[str, Any] | None = {
+            "command": " ".join([sys.executable, *sys.argv]),
+            "commit": git_commit(),
+            "machine": machine_info(),
+        }
         write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
     run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
     machine = (run_info or {}).get("machine") or machine_info()
     means = {arm.name: mean_curve([per_seed[s][arm.name] for s in seeds]) for arm in ARMS}
     png = docs / "mini_repro_memory.png"
-    plot(means, png, f"equal model-state memory per node: DiLoCo {sizes['small']} experts vs SPES {sizes['large']}, "
-                     f"{PEERS} peers, {len(seeds)} seed(s)")
+    plot(
+        means,
+        png,
+        f"equal model-state memory per node: DiLoCo {sizes['small']} experts vs SPES {sizes['large']}, "
+        f"{PEERS} peers, {len(seeds)} seed(s)",
+    )
     md = report(setup, sizes, per_seed, means, walls, machine, png.name)
     write_atomic(docs / "mini_repro_memory.md", md)
     print(md)
-    write_results(out_json, {"mode": "quick" if args.quick else "full", "seeds": seeds, "machine": machine,
-                             "run": run_info, "setup": asdict(setup), "sizes": sizes,
-                             "arms": [asdict(a) for a in ARMS], "walls_s": walls,
-                             "tokens": {a.name: per_seed[seeds[0]][a.name]["tokens_final"] for a in ARMS},
-                             "curves": per_seed, "mean_curves": means})
+    write_results(
+        out_json,
+        {
+            "mode": "quick" if args.quick else "full",
+            "seeds": seeds,
+            "machine": machine,
+            "run": run_info,
+            "setup": asdict(setup),
+            "sizes": sizes,
+            "arms": [asdict(a) for a in ARMS],
+            "walls_s": walls,
+            "tokens": {a.name: per_seed[seeds[0]][a.name]["tokens_final"] for a in ARMS},
+            "curves": per_seed,
+            "mean_curves": means,
+        },
+    )
     return 0
 
 

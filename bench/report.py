@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from common import REPO_ROOT, RESULTS_DIR
-
 from spes.atomic import write_atomic
 
 GIB, MIB = 2**30, 2**20
@@ -49,16 +48,26 @@ def _stacked(ax: Any, groups: dict[str, dict[str, float]], unit: str, title: str
 
 
 def panel_memory_1b(ax: Any, mem: dict[str, Any]) -> None:
-    groups = {f"{kind} node": {"weights": v["analytic"]["param_bytes"] / GIB, "grads": v["analytic"]["grad_bytes"] / GIB,
-                               "AdamW": v["analytic"]["optimizer_bytes"] / GIB}
-              for kind, v in mem["paper_1b"].items()}
+    groups = {
+        f"{kind} node": {
+            "weights": v["analytic"]["param_bytes"] / GIB,
+            "grads": v["analytic"]["grad_bytes"] / GIB,
+            "AdamW": v["analytic"]["optimizer_bytes"] / GIB,
+        }
+        for kind, v in mem["paper_1b"].items()
+    }
     _stacked(ax, groups, "GiB (fp32, one replica)", "paper 1B: static training memory (analytic)")
 
 
 def panel_memory_small(ax: Any, mem: dict[str, Any]) -> None:
-    groups = {f"{kind} node": {"weights": v["measured"]["param_bytes"] / MIB, "grads": v["measured"]["grad_bytes"] / MIB,
-                               "AdamW": v["measured"]["optimizer_bytes"] / MIB}
-              for kind, v in mem["measured"].items()}
+    groups = {
+        f"{kind} node": {
+            "weights": v["measured"]["param_bytes"] / MIB,
+            "grads": v["measured"]["grad_bytes"] / MIB,
+            "AdamW": v["measured"]["optimizer_bytes"] / MIB,
+        }
+        for kind, v in mem["measured"].items()
+    }
     _stacked(ax, groups, "MiB", f"{mem['config']}: measured (bars) and peak RSS above baseline (x)")
     peaks = [v["measured"]["peak_minus_before_bytes"] / MIB for v in mem["measured"].values()]
     ax.plot(list(groups), peaks, "kx", markersize=9)
@@ -78,8 +87,10 @@ def panel_wire(ax: Any, wire: dict[str, Any]) -> None:
 
 def panel_sync(ax: Any, sync: dict[str, Any]) -> None:
     runs = list(sync["measurements"])  # e.g. fp32_grpc, fp32_tcp: wire dtype and where payloads go
-    best = {k: (max(r["gb_s"] for r in m["spes_rounds"]), max(r["gb_s"] for r in m["raw_rounds"]))
-            for k, m in sync["measurements"].items()}
+    best = {
+        k: (max(r["gb_s"] for r in m["spes_rounds"]), max(r["gb_s"] for r in m["raw_rounds"]))
+        for k, m in sync["measurements"].items()
+    }
     x = range(len(runs))
     ax.bar([i - 0.2 for i in x], [best[k][0] for k in runs], 0.4, label="SPES round (server + peers)")
     ax.bar([i + 0.2 for i in x], [best[k][1] for k in runs], 0.4, label="raw TCP, same bytes")
@@ -107,8 +118,11 @@ def panel_aggregate(ax: Any, agg: dict[str, Any]) -> None:
 
 def panel_train(ax: Any, train: dict[str, Any]) -> None:
     rows = train["results"]
-    ax.bar([r["variant"].replace("/", "\n") for r in rows], [r["tokens_per_s"] for r in rows],
-           color=["tab:red" if r["kind"] == "spes" else "tab:blue" for r in rows])
+    ax.bar(
+        [r["variant"].replace("/", "\n") for r in rows],
+        [r["tokens_per_s"] for r in rows],
+        color=["tab:red" if r["kind"] == "spes" else "tab:blue" for r in rows],
+    )
     ax.set_ylabel("tokens/s")
     ax.set_title(f"{train['config']} on {train['device']}: training speed", fontsize=9)
 
@@ -124,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     panels: list[tuple[str, Callable[[Any, dict[str, Any]], None]]] = [
-        ("bench_memory", panel_memory_1b), ("bench_memory", panel_memory_small), ("bench_wire", panel_wire),
-        ("bench_sync", panel_sync), ("bench_aggregate", panel_aggregate), ("bench_train", panel_train)]
+        ("bench_memory", panel_memory_1b),
+        ("bench_memory", panel_memory_small),
+        ("bench_wire", panel_wire),
+        ("bench_sync", panel_sync),
+        ("bench_aggregate", panel_aggregate),
+        ("bench_train", panel_train),
+    ]
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5), constrained_layout=True)
     for ax, (name, draw) in zip(axes.flat, panels):
         data = _load(args.results, name)

@@ -34,6 +34,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -105,8 +106,9 @@ def fit_tokens(text: str, budget: int, tokenizer: LoadedTokenizer) -> str | None
     return None
 
 
-def next_text_items(docs: Sequence[str], s: TaskSettings,
-                    tokenizer: LoadedTokenizer | None = None) -> list[dict[str, object]]:
+def next_text_items(
+    docs: Sequence[str], s: TaskSettings, tokenizer: LoadedTokenizer | None = None
+) -> list[dict[str, object]]:
     """Multiple-choice items: a context, its real continuation and continuations of other documents.
 
     With `s.max_tokens`, every continuation is first cut to `max_tokens // 4` tokens of `tokenizer`.
@@ -120,7 +122,7 @@ def next_text_items(docs: Sequence[str], s: TaskSettings,
     rng = random.Random(s.seed)
     order = list(range(len(windows)))
     rng.shuffle(order)
-    items = []
+    items: list[dict[str, object]] = []
     for i in order:
         if len(items) == s.num_choice_items:
             break
@@ -136,8 +138,9 @@ def next_text_items(docs: Sequence[str], s: TaskSettings,
             continue
         choices = [real, *others]
         rng.shuffle(choices)
-        items.append({"id": len(items), "doc": doc, "context": context, "choices": choices,
-                      "label": choices.index(real)})
+        items.append(
+            {"id": len(items), "doc": doc, "context": context, "choices": choices, "label": choices.index(real)}
+        )
     return items
 
 
@@ -146,8 +149,10 @@ def perplexity_docs(docs: Sequence[str], s: TaskSettings) -> list[dict[str, obje
     rng = random.Random(s.seed + 1)
     order = [d for d, text in enumerate(docs) if len(text.strip()) >= s.ppl_min_chars]
     rng.shuffle(order)
-    return [{"id": i, "doc": d, "text": docs[d][:_snap(docs[d], s.ppl_max_chars)]}
-            for i, d in enumerate(sorted(order[: s.num_ppl_docs]))]
+    return [
+        {"id": i, "doc": d, "text": docs[d][: _snap(docs[d], s.ppl_max_chars)]}
+        for i, d in enumerate(sorted(order[: s.num_ppl_docs]))
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -164,8 +169,10 @@ def documents_from_shards(shards: Sequence[str], tokenizer: str) -> list[str]:
     for path in paths:
         info = read_shard_info(path)
         if info.tokenizer_fingerprint != tok.fingerprint:
-            raise ValueError(f"{path} was tokenized with another tokenizer than {tok.path}; pass the corpus's own "
-                             f"tokenizer with --tokenizer")
+            raise ValueError(
+                f"{path} was tokenized with another tokenizer than {tok.path}; pass the corpus's own "
+                f"tokenizer with --tokenizer"
+            )
         tokens.append(np.load(path, mmap_mode="r"))
     flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64)
     ends = np.flatnonzero(flat == tok.eos_token_id)
@@ -196,8 +203,9 @@ def _write_jsonl(path: Path, rows: Sequence[dict[str, object]]) -> None:
     write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
-def build(docs: Sequence[str], out: Path, s: TaskSettings, *, source: str,
-          tokenizer: LoadedTokenizer | None = None) -> dict[str, object]:
+def build(
+    docs: Sequence[str], out: Path, s: TaskSettings, *, source: str, tokenizer: LoadedTokenizer | None = None
+) -> dict[str, object]:
     """Write the task files and manifest to `out` (skipped when the manifest already matches).
 
     `tokenizer` (the model's) is needed with `s.max_tokens`. The manifest's `tasks` lists what can run;
@@ -206,8 +214,12 @@ def build(docs: Sequence[str], out: Path, s: TaskSettings, *, source: str,
     digest = hashlib.sha256()
     for text in docs:
         digest.update(hashlib.sha256(text.encode("utf-8")).digest())
-    wanted = {"format_version": FORMAT_VERSION, "documents_sha256": digest.hexdigest(), "settings": asdict(s),
-              "window_tokenizer": tokenizer.fingerprint if tokenizer is not None and s.max_tokens else None}
+    wanted = {
+        "format_version": FORMAT_VERSION,
+        "documents_sha256": digest.hexdigest(),
+        "settings": asdict(s),
+        "window_tokenizer": tokenizer.fingerprint if tokenizer is not None and s.max_tokens else None,
+    }
     manifest_path = out / MANIFEST_FILE
     if manifest_path.is_file() and (out / NEXT_TEXT_FILE).is_file() and (out / PPL_FILE).is_file():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -216,22 +228,33 @@ def build(docs: Sequence[str], out: Path, s: TaskSettings, *, source: str,
     skipped = {}
     if s.max_tokens and s.max_tokens < MIN_CHOICE_WINDOW:
         items = []
-        skipped["spes_next_text"] = (f"the model's context of {s.max_tokens} tokens is shorter than the "
-                                     f"{MIN_CHOICE_WINDOW} a context and a continuation need")
+        skipped["spes_next_text"] = (
+            f"the model's context of {s.max_tokens} tokens is shorter than the "
+            f"{MIN_CHOICE_WINDOW} a context and a continuation need"
+        )
     else:
         items = next_text_items(docs, s, tokenizer)
     ppl = perplexity_docs(docs, s)
     if (not items and not skipped) or not ppl:
-        raise ValueError(f"{source}: {len(docs)} documents give {len(items)} multiple-choice items and {len(ppl)} "
-                         f"perplexity documents; the held-out text is too small for these settings (lower "
-                         f"--context_chars/--continuation_chars/--ppl_min_chars)")
+        raise ValueError(
+            f"{source}: {len(docs)} documents give {len(items)} multiple-choice items and {len(ppl)} "
+            f"perplexity documents; the held-out text is too small for these settings (lower "
+            f"--context_chars/--continuation_chars/--ppl_min_chars)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     manifest_path.unlink(missing_ok=True)  # NOTE: the manifest marks a complete build, so it goes first and last
     _write_jsonl(out / NEXT_TEXT_FILE, items)
     _write_jsonl(out / PPL_FILE, ppl)
     tasks = [name for name in ("spes_next_text", "spes_heldout_ppl") if name not in skipped]
-    manifest = {**wanted, "source": source, "documents": len(docs), "next_text_items": len(items),
-                "ppl_documents": len(ppl), "tasks": tasks, "skipped_tasks": skipped}
+    manifest = {
+        **wanted,
+        "source": source,
+        "documents": len(docs),
+        "next_text_items": len(items),
+        "ppl_documents": len(ppl),
+        "tasks": tasks,
+        "skipped_tasks": skipped,
+    }
     write_atomic(manifest_path, json.dumps(manifest, indent=2) + "\n")
     return {**manifest, "skipped": False}
 
@@ -244,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--text", nargs="+", help="held-out .jsonl ('text' field) or .txt files")
     parser.add_argument("--tokenizer", help="with --shards: the tokenizer the shards were made with")
     parser.add_argument("--out", required=True, help="output directory of the task data (e.g. data/eval_tasks)")
-    parser.add_argument("--window_tokenizer", help="with --max_tokens: the model's tokenizer (an HF model "
-                                                   "directory or tokenizer directory)")
+    parser.add_argument(
+        "--window_tokenizer",
+        help="with --max_tokens: the model's tokenizer (an HF model directory or tokenizer directory)",
+    )
     defaults = asdict(TaskSettings())
     for name, value in defaults.items():
         parser.add_argument(f"--{name}", type=int, default=value, help=f"(default {value})")
@@ -255,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.source:
             corpus = Path(args.source)
             if not (corpus / "valid").is_dir():
-                raise FileNotFoundError(f"{corpus} has no valid/ split: build the default corpus first with "
-                                        f"data_process_scripts/build_default_corpus.py, or pass --shards/--text")
+                raise FileNotFoundError(
+                    f"{corpus} has no valid/ split: build the default corpus first with "
+                    f"data_process_scripts/build_default_corpus.py, or pass --shards/--text"
+                )
             docs, source = documents_from_shards([str(corpus / "valid")], str(corpus / "tokenizer")), str(corpus)
         elif args.shards:
             if not args.tokenizer:
@@ -270,9 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     state = "up to date" if summary["skipped"] else "built"
-    print(f"{args.out}: {state}: {summary['next_text_items']} multiple-choice items, {summary['ppl_documents']} "
-          f"perplexity documents from {summary['documents']} held-out documents")
-    for task, reason in dict(summary.get("skipped_tasks") or {}).items():
+    print(
+        f"{args.out}: {state}: {summary['next_text_items']} multiple-choice items, {summary['ppl_documents']} "
+        f"perplexity documents from {summary['documents']} held-out documents"
+    )
+    for task, reason in cast(dict[str, str], summary.get("skipped_tasks") or {}).items():
         print(f"skipped {task}: {reason}")
     return 0
 

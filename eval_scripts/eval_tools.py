@@ -27,8 +27,15 @@ from spes.atomic import write_atomic
 from spes.hub import hub_offline, hub_reachable
 
 REFERENCE_TASKS: dict[str, int] = {
-    "sciq": 0, "piqa": 0, "winogrande": 0, "arc_easy": 0, "social_iqa": 0, "openbookqa": 0, "boolq": 0,
-    "arc_challenge": 25, "hellaswag": 10,
+    "sciq": 0,
+    "piqa": 0,
+    "winogrande": 0,
+    "arc_easy": 0,
+    "social_iqa": 0,
+    "openbookqa": 0,
+    "boolq": 0,
+    "arc_challenge": 25,
+    "hellaswag": 10,
 }
 STATUS_FILE = "reference_status.json"
 
@@ -55,8 +62,11 @@ def reference_status() -> dict[str, dict[str, Any]]:
         entry = index.get(task)
         cfg = (entry.cfg if entry is not None else None) or {}
         path, name = cfg.get("dataset_path"), cfg.get("dataset_name")
-        status[task] = {"shots": shots, "dataset": f"{path}/{name}" if name else path,
-                        "available": bool(path) and dataset_is_local(str(path), name)}
+        status[task] = {
+            "shots": shots,
+            "dataset": f"{path}/{name}" if name else path,
+            "available": bool(path) and dataset_is_local(str(path), name),
+        }
     return status
 
 
@@ -67,8 +77,11 @@ def available(status_path: Path | None) -> int:
         status_path.write_text(json.dumps(status, indent=2), encoding="utf-8")
     missing = [f"{t} ({s['dataset']})" for t, s in status.items() if not s["available"]]
     if missing:
-        why = "not in the local Hugging Face cache (HF_HUB_OFFLINE=1 or the Hub is unreachable)" if hub_offline() \
+        why = (
+            "not in the local Hugging Face cache (HF_HUB_OFFLINE=1 or the Hub is unreachable)"
+            if hub_offline()
             else "neither in the local Hugging Face cache nor downloadable"
+        )
         print(f"reference tasks skipped, their data sets are {why}: {', '.join(missing)}", file=sys.stderr)
     by_shots: dict[int, list[str]] = {}
     for task, s in status.items():
@@ -88,16 +101,21 @@ def collect(raw_dir: Path) -> dict[str, dict[str, Any]]:
             continue
         data = json.loads(files[-1].read_text(encoding="utf-8"))
         for task, metrics in data.get("results", {}).items():
-            entry: dict[str, Any] = {"run": run.name, "shots": data.get("n-shot", {}).get(task),
-                                     "samples": data.get("n-samples", {}).get(task, {}).get("effective"),
-                                     "metrics": {}}
+            entry: dict[str, Any] = {
+                "run": run.name,
+                "shots": data.get("n-shot", {}).get(task),
+                "samples": data.get("n-samples", {}).get(task, {}).get("effective"),
+                "metrics": {},
+            }
             for key, value in metrics.items():
                 metric, comma, filter_name = key.partition(",")
                 if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
                     continue
                 stderr = metrics.get(f"{metric}_stderr,{filter_name}")
-                entry["metrics"][metric] = {"value": value,
-                                            "stderr": stderr if isinstance(stderr, (int, float)) else None}
+                entry["metrics"][metric] = {
+                    "value": value,
+                    "stderr": stderr if isinstance(stderr, (int, float)) else None,
+                }
             tasks[task] = entry
     return tasks
 
@@ -107,8 +125,10 @@ def markdown(tasks: dict[str, dict[str, Any]], status: dict[str, dict[str, Any]]
     for task, entry in sorted(tasks.items()):
         for metric, m in entry["metrics"].items():
             stderr = "" if m["stderr"] is None else f"{m['stderr']:.4f}"
-            lines.append(f"| {task} | {entry['shots']} | {metric} | {m['value']:.4f} | {stderr} | "
-                         f"{entry['samples'] if entry['samples'] is not None else ''} |")
+            lines.append(
+                f"| {task} | {entry['shots']} | {metric} | {m['value']:.4f} | {stderr} | "
+                f"{entry['samples'] if entry['samples'] is not None else ''} |"
+            )
     if status:
         skipped = [f"{t} ({s['dataset']})" for t, s in status.items() if not s["available"]]
         if skipped:
@@ -125,8 +145,10 @@ def summarize(out_dir: Path) -> int:
     status_path = out_dir / STATUS_FILE
     status = json.loads(status_path.read_text(encoding="utf-8")) if status_path.is_file() else None
     table = markdown(tasks, status)
-    for name, text in (("results.json", json.dumps({"tasks": tasks, "reference_status": status}, indent=2)),
-                       ("results.md", table)):
+    for name, text in (
+        ("results.json", json.dumps({"tasks": tasks, "reference_status": status}, indent=2)),
+        ("results.md", table),
+    ):
         write_atomic(out_dir / name, text)
     print(table, end="")
     return 0

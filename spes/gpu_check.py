@@ -24,8 +24,17 @@ import torch
 from spes.preflight import Check, fail, gib, matmul_flops_per_s, ok, report, skip
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "spes_1b" / "node_0.yaml"
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
-                   "L4": 121e12, "A10": 125e12, "B200": 2250e12}
+PEAK_BF16_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "B200": 2250e12,
+}
 """Dense bf16 peak per GPU by product name (datasheet); other GPUs use their measured matmul rate."""
 ITERS = 5
 ALL_REDUCE_BYTES = 256 << 20
@@ -74,14 +83,16 @@ def check_block(cfg: object, device: torch.device) -> Check:
     assert isinstance(cfg, TrainConfig)
     m = cfg.model
     owned = cfg.owned_experts()
-    block = Block(m, block_size=cfg.experts_per_peer,
-                  trainable_block=None if owned is None else cfg.spes_config.peer_id).to(device)
+    block = Block(
+        m, block_size=cfg.experts_per_peer, trainable_block=None if owned is None else cfg.spes_config.peer_id
+    ).to(device)
     compiled = compile_kwargs(cfg.compile)
     if compiled is not None:
         block.compile(**compiled)
     cos, sin = rope_tables(m.max_sequence_length, m.head_dim, m.rope_theta, device=device)
-    x = torch.randn(cfg.device_train_microbatch_size, m.max_sequence_length, m.d_model, device=device,
-                    requires_grad=True)
+    x = torch.randn(
+        cfg.device_train_microbatch_size, m.max_sequence_length, m.d_model, device=device, requires_grad=True
+    )
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -97,11 +108,14 @@ def check_block(cfg: object, device: torch.device) -> Check:
     per_block = (counts.active_per_token - 2 * m.embedding_size * m.d_model - m.d_model) / m.n_layers
     flops = (6 * per_block + 6 * m.d_model * m.max_sequence_length) * tokens
     peak, source = peak_flops(device)
-    return ok("block", f"one {'compiled ' if compiled is not None else ''}block (d_model {m.d_model}, "
-              f"{m.moe_num_experts} experts, backend {m.moe_backend}), "
-              f"micro-batch {x.shape[0]} x {x.shape[1]}: "
-              f"{tokens / seconds:,.0f} tokens/s, MFU {flops / seconds / peak:.1%} (of {peak / 1e12:,.3g} TFLOP/s, "
-              f"{source}), peak memory {peak_memory(device)}")
+    return ok(
+        "block",
+        f"one {'compiled ' if compiled is not None else ''}block (d_model {m.d_model}, "
+        f"{m.moe_num_experts} experts, backend {m.moe_backend}), "
+        f"micro-batch {x.shape[0]} x {x.shape[1]}: "
+        f"{tokens / seconds:,.0f} tokens/s, MFU {flops / seconds / peak:.1%} (of {peak / 1e12:,.3g} TFLOP/s, "
+        f"{source}), peak memory {peak_memory(device)}",
+    )
 
 
 def check_all_reduce(world: int, device: torch.device, num_bytes: int = ALL_REDUCE_BYTES) -> Check:
@@ -115,12 +129,18 @@ def check_all_reduce(world: int, device: torch.device, num_bytes: int = ALL_REDU
     x.fill_(1.0)
     dist.all_reduce(x)
     if not bool((x == world).all()):
-        return fail("nccl", f"all-reduce of ones over {world} GPUs did not give {world}",
-                    "check the NCCL installation and the GPUs' interconnect (NCCL_DEBUG=INFO)")
+        return fail(
+            "nccl",
+            f"all-reduce of ones over {world} GPUs did not give {world}",
+            "check the NCCL installation and the GPUs' interconnect (NCCL_DEBUG=INFO)",
+        )
     bus = 2 * (world - 1) / world * num_bytes / seconds
-    return ok("nccl", f"all-reduce of {gib(num_bytes)} bf16 over {world} {dist.get_backend()} ranks: "
-              f"{seconds * 1e3:.1f} ms, "
-              f"bus bandwidth {bus / 1e9:,.1f} GB/s")
+    return ok(
+        "nccl",
+        f"all-reduce of {gib(num_bytes)} bf16 over {world} {dist.get_backend()} ranks: "
+        f"{seconds * 1e3:.1f} ms, "
+        f"bus bandwidth {bus / 1e9:,.1f} GB/s",
+    )
 
 
 def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Check:
@@ -143,8 +163,12 @@ def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Chec
     model.to_empty(device=device)
     model.init_weights(small.seed)
     optimizer = build_optimizer(model, small.optimizer)
-    batch = torch.randint(0, small.model.vocab_size, (small.device_train_microbatch_size,
-                                                       small.model.max_sequence_length + 1), device=device)
+    batch = torch.randint(
+        0,
+        small.model.vocab_size,
+        (small.device_train_microbatch_size, small.model.max_sequence_length + 1),
+        device=device,
+    )
     reset_peak_memory(device)
     start = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -155,8 +179,11 @@ def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Chec
     synchronize(device)
     if not torch.isfinite(loss):
         return fail("fsdp", f"loss {loss.item()} after one FSDP2 step", "check the model config and precision")
-    return ok("fsdp", f"one FSDP2 step of a {small.model.n_layers}-layer model over {world} ranks: loss "
-              f"{loss.item():.3f}, {time.perf_counter() - start:.2f} s (first step), peak memory {peak_memory(device)}")
+    return ok(
+        "fsdp",
+        f"one FSDP2 step of a {small.model.n_layers}-layer model over {world} ranks: loss "
+        f"{loss.item():.3f}, {time.perf_counter() - start:.2f} s (first step), peak memory {peak_memory(device)}",
+    )
 
 
 def guarded(name: str, check: Callable[[], Check]) -> Check:
@@ -171,15 +198,26 @@ def main(config: str | None, overrides: list[str]) -> int:
     from spes.config import load_config
 
     if not torch.cuda.is_available():
-        print(f"gpu: no CUDA device on this machine (torch {torch.__version__}): nothing to check here; run "
-              f"`python -m spes.preflight --gpu` on the GPU node")
+        print(
+            f"gpu: no CUDA device on this machine (torch {torch.__version__}): nothing to check here; run "
+            f"`python -m spes.preflight --gpu` on the GPU node"
+        )
         return 0
     world = int(os.environ.get("WORLD_SIZE", "1"))
     num_gpus = torch.cuda.device_count()
     if "WORLD_SIZE" not in os.environ and num_gpus > 1:
         # NOTE: NCCL and FSDP2 need one process per GPU: the same check again under torchrun
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_gpus}",
-               "-m", "spes.gpu_check", str(config or DEFAULT_CONFIG), *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={num_gpus}",
+            "-m",
+            "spes.gpu_check",
+            str(config or DEFAULT_CONFIG),
+            *overrides,
+        ]
         return subprocess.run(cmd).returncode
     try:
         cfg, _ = load_config(config or DEFAULT_CONFIG, overrides)
@@ -194,9 +232,11 @@ def main(config: str | None, overrides: list[str]) -> int:
 
         dist.init_process_group("nccl")
     try:
-        checks = [guarded("block", lambda: check_block(cfg, device)),
-                  guarded("nccl", lambda: check_all_reduce(world, device)),
-                  guarded("fsdp", lambda: check_fsdp(cfg, world, rank, device))]
+        checks = [
+            guarded("block", lambda: check_block(cfg, device)),
+            guarded("nccl", lambda: check_all_reduce(world, device)),
+            guarded("fsdp", lambda: check_fsdp(cfg, world, rank, device)),
+        ]
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
@@ -208,5 +248,6 @@ def main(config: str | None, overrides: list[str]) -> int:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    raise SystemExit(main(next((a for a in args if not a.startswith("--")), None),
-                          [a for a in args if a.startswith("--")]))
+    raise SystemExit(
+        main(next((a for a in args if not a.startswith("--")), None), [a for a in args if a.startswith("--")])
+    )

@@ -21,8 +21,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.jinja")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -71,13 +79,16 @@ def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[st
         return path
     name = str(identifier)
     if not looks_like_repo_id(name):
-        raise FileNotFoundError(f"{what} {name!r} is not a local file or directory (and not a Hugging Face Hub id "
-                                f"like 'org/name')")
+        raise FileNotFoundError(
+            f"{what} {name!r} is not a local file or directory (and not a Hugging Face Hub id like 'org/name')"
+        )
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise FileNotFoundError(f"{what} {name!r} is not a local path; reading it from the Hugging Face Hub needs "
-                                f"huggingface_hub (pip install -e '.[hf]')") from None
+        raise FileNotFoundError(
+            f"{what} {name!r} is not a local path; reading it from the Hugging Face Hub needs "
+            f"huggingface_hub (pip install -e '.[hf]')"
+        ) from None
     cache = hub_cache_dir()
     try:
         return Path(snapshot_download(name, cache_dir=cache, local_files_only=True))
@@ -87,11 +98,13 @@ def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[st
         why = "HF_HUB_OFFLINE=1 forbids downloading it" if hub_offline() else "the Hub is not reachable from here"
         raise FileNotFoundError(
             f"{what} {name!r} is not a local path and not in the Hugging Face cache {cache}, and {why}: run once "
-            f"online (or `hf download {name}`), set HF_HOME to the cache that holds it, or pass a local directory")
+            f"online (or `hf download {name}`), set HF_HOME to the cache that holds it, or pass a local directory"
+        )
     try:
         return Path(snapshot_download(name, cache_dir=cache, allow_patterns=list(files)))
     except Exception as err:  # noqa: BLE001  # network, auth and not-found errors all mean the same to the user
         raise FileNotFoundError(
             f"{what} {name!r} is not a local path, not in the Hugging Face cache {cache}, and could not be "
             f"downloaded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); check the id, "
-            f"your network and HF_TOKEN, or pass a local directory") from None
+            f"your network and HF_TOKEN, or pass a local directory"
+        ) from None

@@ -44,8 +44,9 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (S, Hd) for rotate-half RoPE (the layout of Llama/OLMo/HF)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
@@ -93,8 +94,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: one norm per head
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos[:S], sin[:S]), apply_rope(k, cos[:S], sin[:S])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                                           enable_gqa=self.n_kv_heads != self.n_heads)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
         return self.o_proj(y.transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim))
 
 
@@ -106,14 +113,24 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
-        self.ffn = MoE(d_model=cfg.d_model, hidden=cfg.expert_hidden_size, num_experts=cfg.moe_num_experts,
-                       top_k=cfg.moe_top_k, block_size=block_size, trainable_block=trainable_block,
-                       num_layers=cfg.n_layers, lb_weight=cfg.moe_loss_weight, z_weight=cfg.moe_zloss_weight,
-                       normalize_p=cfg.normalize_expert_weights_p, backend=cfg.moe_backend)
+        self.ffn = MoE(
+            d_model=cfg.d_model,
+            hidden=cfg.expert_hidden_size,
+            num_experts=cfg.moe_num_experts,
+            top_k=cfg.moe_top_k,
+            block_size=block_size,
+            trainable_block=trainable_block,
+            num_layers=cfg.n_layers,
+            lb_weight=cfg.moe_loss_weight,
+            z_weight=cfg.moe_zloss_weight,
+            normalize_p=cfg.normalize_expert_weights_p,
+            backend=cfg.moe_backend,
+        )
         self.dropout = nn.Dropout(cfg.residual_dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin))
         y, aux = self.ffn(self.ffn_norm(x))
         return x + self.dropout(y), aux.lb_loss, aux.z_loss, aux.tokens_per_expert
@@ -138,6 +155,9 @@ def assign_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
 class Transformer(nn.Module):
     """Embedding -> n_layers x Block -> RMSNorm -> untied LM head."""
 
+    rope_cos: torch.Tensor  # (max_sequence_length, head_dim) buffers, recomputed rather than saved
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, *, block_size: int | None = None, trainable_block: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
@@ -146,7 +166,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.embedding_size, cfg.d_model)
         self.embed_dropout = nn.Dropout(cfg.embedding_dropout)
         self.blocks = nn.ModuleList(
-            Block(cfg, block_size=block_size, trainable_block=trainable_block) for _ in range(cfg.n_layers))
+            Block(cfg, block_size=block_size, trainable_block=trainable_block) for _ in range(cfg.n_layers)
+        )
         self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
         self.lm_head = nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
         cos, sin = rope_tables(cfg.max_sequence_length, cfg.head_dim, cfg.rope_theta)
@@ -198,13 +219,16 @@ class Transformer(nn.Module):
 
     def set_own_count_scale(self, factor: float) -> None:
         """Apply the SPES decayed load-balancing factor to every MoE layer."""
-        for block in self.blocks:
-            block.ffn.set_own_count_scale(factor)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.set_own_count_scale(factor)
 
     def forward(self, input_ids_BS: torch.Tensor) -> ModelOutput:
         if input_ids_BS.shape[-1] > self.rope_cos.shape[0]:
-            raise ValueError(f"a sequence of {input_ids_BS.shape[-1]} tokens is longer than "
-                             f"model.max_sequence_length={self.rope_cos.shape[0]}: raise it or feed shorter windows")
+            raise ValueError(
+                f"a sequence of {input_ids_BS.shape[-1]} tokens is longer than "
+                f"model.max_sequence_length={self.rope_cos.shape[0]}: raise it or feed shorter windows"
+            )
         x = self.embed_dropout(self.embed(input_ids_BS))
         lb = z = x.new_zeros((), dtype=torch.float32)
         counts = []
@@ -227,8 +251,10 @@ class ParamCounts:
     trainable: int
 
     def describe(self) -> str:
-        return (f"parameters: total {self.total / 1e6:,.2f}M | active per token {self.active_per_token / 1e6:,.2f}M"
-                f" | trainable on this node {self.trainable / 1e6:,.2f}M")
+        return (
+            f"parameters: total {self.total / 1e6:,.2f}M | active per token {self.active_per_token / 1e6:,.2f}M"
+            f" | trainable on this node {self.trainable / 1e6:,.2f}M"
+        )
 
 
 def count_params(model: Transformer) -> ParamCounts:

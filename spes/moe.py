@@ -105,7 +105,12 @@ def decayed_lb_factor(step: int, max_steps: int, update_steps: int) -> float:
 
 
 def load_balancing_loss(
-    probs_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, *, top_k: int, weight: float, num_layers: int,
+    probs_TE: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    *,
+    top_k: int,
+    weight: float,
+    num_layers: int,
     count_scale_E: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Switch/MegaBlocks load-balancing loss of one layer.
@@ -134,8 +139,16 @@ def router_z_loss(logits_TE: torch.Tensor, *, weight: float) -> torch.Tensor:
 class ExpertBlocks(nn.Module):
     """E SwiGLU experts stored as ceil(E / N) blocks; only `trainable_block` (or all, if None) is trained."""
 
-    def __init__(self, *, num_experts: int, block_size: int, d_model: int, hidden: int,
-                 trainable_block: int | None, backend: MoEBackend = "torch") -> None:
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        block_size: int,
+        d_model: int,
+        hidden: int,
+        trainable_block: int | None,
+        backend: MoEBackend = "torch",
+    ) -> None:
         super().__init__()
         self.num_experts, self.block_size, self.backend = num_experts, block_size, backend
         self.bounds = [(lo, min(lo + block_size, num_experts)) for lo in range(0, num_experts, block_size)]
@@ -162,7 +175,7 @@ class ExpertBlocks(nn.Module):
                 if torch.is_grad_enabled() and self.w1[b].requires_grad:
                     outs.append(self._touch(b, x_AD))
                 continue
-            x_block = x_AD[start:start + n_tokens]
+            x_block = x_AD[start : start + n_tokens]
             outs.append(self._block_forward(b, x_block, counts[lo:hi]))
             start += n_tokens
         return torch.cat(outs) if outs else x_AD.new_zeros(x_AD.shape)
@@ -174,7 +187,9 @@ class ExpertBlocks(nn.Module):
         the block an all-zero gradient at no cost, instead of a DDP error on the next step.
         """
         x0 = x_AD[:0]
-        return (F.silu(x0 @ self.w1[b][0].to(x0.dtype)) * (x0 @ self.v1[b][0].to(x0.dtype))) @ self.w2[b][0].to(x0.dtype)
+        return (F.silu(x0 @ self.w1[b][0].to(x0.dtype)) * (x0 @ self.v1[b][0].to(x0.dtype))) @ self.w2[b][0].to(
+            x0.dtype
+        )
 
     def _block_forward(self, b: int, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         # NOTE: autocast does not cover grouped_mm / gmm, which take bf16 on CUDA: cast to the autocast dtype here.
@@ -186,7 +201,7 @@ class ExpertBlocks(nn.Module):
             outs, start = [], 0
             for i, n in enumerate(counts):
                 if n:
-                    xi = x[start:start + n]
+                    xi = x[start : start + n]
                     outs.append((F.silu(xi @ w1[i]) * (xi @ v1[i])) @ w2[i])
                     start += n
             return torch.cat(outs)
@@ -215,15 +230,33 @@ def _require_grouped_gemm() -> None:
 class MoE(nn.Module):
     """Router + dropless top-k dispatch over `ExpertBlocks`."""
 
-    def __init__(self, *, d_model: int, hidden: int, num_experts: int, top_k: int, block_size: int,
-                 trainable_block: int | None, num_layers: int, lb_weight: float, z_weight: float,
-                 normalize_p: float | None, backend: MoEBackend = "torch") -> None:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        block_size: int,
+        trainable_block: int | None,
+        num_layers: int,
+        lb_weight: float,
+        z_weight: float,
+        normalize_p: float | None,
+        backend: MoEBackend = "torch",
+    ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.num_layers = num_experts, top_k, num_layers
         self.lb_weight, self.z_weight, self.normalize_p = lb_weight, z_weight, normalize_p
         self.router = nn.Linear(d_model, num_experts, bias=False)
-        self.experts = ExpertBlocks(num_experts=num_experts, block_size=block_size, d_model=d_model, hidden=hidden,
-                                    trainable_block=trainable_block, backend=backend)
+        self.experts = ExpertBlocks(
+            num_experts=num_experts,
+            block_size=block_size,
+            d_model=d_model,
+            hidden=hidden,
+            trainable_block=trainable_block,
+            backend=backend,
+        )
         # NOTE: a plain attribute, not a buffer: it is a schedule value set by the trainer, not model state.
         self.own_count_scale: torch.Tensor | None = None
 
@@ -255,8 +288,14 @@ class MoE(nn.Module):
         y_TD = torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
 
         aux = MoEAux(
-            lb_loss=load_balancing_loss(probs_TE, tokens_per_expert_E, top_k=self.top_k, weight=self.lb_weight,
-                                        num_layers=self.num_layers, count_scale_E=self.own_count_scale),
+            lb_loss=load_balancing_loss(
+                probs_TE,
+                tokens_per_expert_E,
+                top_k=self.top_k,
+                weight=self.lb_weight,
+                num_layers=self.num_layers,
+                count_scale_E=self.own_count_scale,
+            ),
             z_loss=router_z_loss(logits_TE, weight=self.z_weight),
             tokens_per_expert=tokens_per_expert_E,
         )
@@ -269,4 +308,3 @@ def init_truncated_normal_(t: torch.Tensor, std: float, cutoff: float | None) ->
         nn.init.normal_(t, mean=0.0, std=std)
     else:
         nn.init.trunc_normal_(t, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
-

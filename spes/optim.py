@@ -37,8 +37,9 @@ def param_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
     beta1, beta2 = cfg.betas
-    return torch.optim.AdamW(param_groups(model, cfg), lr=cfg.learning_rate, betas=(beta1, beta2), eps=cfg.eps,
-                             foreach=True)
+    return torch.optim.AdamW(
+        param_groups(model, cfg), lr=cfg.learning_rate, betas=(beta1, beta2), eps=cfg.eps, foreach=True
+    )
 
 
 def lr_at(step: int, cfg: SchedulerConfig, peak_lr: float, t_max: int) -> float:
@@ -68,5 +69,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held by the optimizer's per-parameter state tensors (Adam moments, step counters)."""
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
-               if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )

@@ -33,15 +33,22 @@ def main(argv: list[str] | None = None) -> int:
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             lines = sorted(Path(errors).glob("rank*.txt"), key=lambda p: int(p.stem.removeprefix("rank")))
-            line = (lines[0].read_text().strip() if lines else
-                    f"error: rank {rank} of {args.training_script} exited with code {failure.exitcode}; see its "
-                    f"output above")
+            line = (
+                lines[0].read_text().strip()
+                if lines
+                else f"error: rank {rank} of {args.training_script} exited with code {failure.exitcode}; see its "
+                f"output above"
+            )
             print(line, file=sys.stderr, flush=True)
             return failure.exitcode if failure.exitcode > 0 else 1
         except SignalException as e:  # torchrun has passed the signal on to the ranks and waited for them
             name = signal.Signals(e.sigval).name
-            print(f"error: stopped by {name}: each rank was asked to save a checkpoint at its next step and stop; "
-                  f"continue with --resume (or --resume=auto)", file=sys.stderr, flush=True)
+            print(
+                f"error: stopped by {name}: each rank was asked to save a checkpoint at its next step and stop; "
+                f"continue with --resume (or --resume=auto)",
+                file=sys.stderr,
+                flush=True,
+            )
             return 128 + e.sigval
 
 

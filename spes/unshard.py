@@ -18,8 +18,12 @@ from spes.checkpoint import CheckpointError, unshard
 
 def main(argv: list[str] | None = None) -> int:
     summary, details = __doc__.split("\n\n", 1)
-    parser = argparse.ArgumentParser(prog="python -m spes.unshard", description=summary, epilog=details,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m spes.unshard",
+        description=summary,
+        epilog=details,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("sharded", help="a step<N>-sharded directory, or a save folder whose `latest` is one")
     parser.add_argument("out_dir", help="where to write the unsharded checkpoint (must not exist yet)")
     args = parser.parse_args(argv)

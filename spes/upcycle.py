@@ -49,8 +49,17 @@ from typing import Any, Literal
 import torch
 
 from spes.config import ModelConfig, TrainConfig, load_config
-from spes.hf import (CONFIG_KEYS, QK_NORM_KEYS, SHARED_KEYS, check_hf_config, copy_tokenizer, hf_to_spes,
-                     read_hf_config, read_hf_weights, write_step_dir)
+from spes.hf import (
+    CONFIG_KEYS,
+    QK_NORM_KEYS,
+    SHARED_KEYS,
+    check_hf_config,
+    copy_tokenizer,
+    hf_to_spes,
+    read_hf_config,
+    read_hf_weights,
+    write_step_dir,
+)
 from spes.hub import resolve
 from spes.moe import init_truncated_normal_
 from spes.tokenizer import check_vocab, load_tokenizer
@@ -79,10 +88,15 @@ class DenseFamily:
 
 
 DENSE_FAMILIES: dict[str, DenseFamily] = {
-    "llama": DenseFamily("llama", "LlamaForCausalLM", "none",
-                         {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}),
-    "qwen3": DenseFamily("qwen3", "Qwen3ForCausalLM", "per_head",
-                         {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False}),
+    "llama": DenseFamily(
+        "llama", "LlamaForCausalLM", "none", {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+    ),
+    "qwen3": DenseFamily(
+        "qwen3",
+        "Qwen3ForCausalLM",
+        "per_head",
+        {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+    ),
 }
 
 
@@ -100,8 +114,15 @@ class ExpertPlan:
     """whether experts start with identical weights and identical router rows (they then stay tied)"""
 
 
-def expert_plan(*, num_experts: int, top_k: int, normalize_p: float | None, partition: bool, init_std: float,
-                router_std: float | None = None) -> ExpertPlan:
+def expert_plan(
+    *,
+    num_experts: int,
+    top_k: int,
+    normalize_p: float | None,
+    partition: bool,
+    init_std: float,
+    router_std: float | None = None,
+) -> ExpertPlan:
     """Router init and down-projection scale that make the upcycled MoE start as the dense model.
 
     `router_std` (None: automatic) overrides the router init std; 0 means all zeros.
@@ -110,24 +131,30 @@ def expert_plan(*, num_experts: int, top_k: int, normalize_p: float | None, part
     if partition:
         every_expert = top_k == num_experts
         std = router_std if router_std is not None else (0.0 if every_expert else init_std)
-        return ExpertPlan(partition=True, router_std=std, down_scale=1.0 / uniform_weight,
-                          exact=every_expert and std == 0.0, tied=False)
+        return ExpertPlan(
+            partition=True,
+            router_std=std,
+            down_scale=1.0 / uniform_weight,
+            exact=every_expert and std == 0.0,
+            tied=False,
+        )
     if normalize_p == 1.0:
         std = router_std if router_std is not None else init_std
         return ExpertPlan(partition=False, router_std=std, down_scale=1.0, exact=True, tied=std == 0.0)
     std = router_std if router_std is not None else TIE_BREAKING_STD
-    return ExpertPlan(partition=False, router_std=std, down_scale=1.0 / (top_k * uniform_weight), exact=std == 0.0,
-                      tied=std == 0.0)
+    return ExpertPlan(
+        partition=False, router_std=std, down_scale=1.0 / (top_k * uniform_weight), exact=std == 0.0, tied=std == 0.0
+    )
 
 
 def check_dense_match(m: ModelConfig, hf: Any, family: DenseFamily, *, partition: bool) -> None:
     """Refuse a spes model config that does not have the dense model's shapes and options."""
     where = f"dense Hugging Face config ({family.model_type})"
     rope_theta = check_hf_config(hf, family.fixed, where)
-    wanted: dict[str, Any] = {spes: getattr(hf, attr) for spes, attr in CONFIG_KEYS.items()
-                              if spes not in ("max_sequence_length", "init_std")}
-    wanted.update(rope_theta=rope_theta, attention_layer_norm=family.qk_norm != "none",
-                  layer_norm_with_affine=True)
+    wanted: dict[str, Any] = {
+        spes: getattr(hf, attr) for spes, attr in CONFIG_KEYS.items() if spes not in ("max_sequence_length", "init_std")
+    }
+    wanted.update(rope_theta=rope_theta, attention_layer_norm=family.qk_norm != "none", layer_norm_with_affine=True)
     if family.qk_norm != "none":
         wanted.update(attention_layer_norm_over_head=True, attention_layer_norm_with_affine=True)
     for key, value in wanted.items():
@@ -136,19 +163,26 @@ def check_dense_match(m: ModelConfig, hf: Any, family: DenseFamily, *, partition
     dense_width, num_experts = hf.intermediate_size, m.moe_num_experts
     if partition:
         if dense_width % num_experts != 0:
-            raise ValueError(f"--partition: the dense intermediate_size {dense_width} does not split into "
-                             f"model.moe_num_experts={num_experts} equal slices")
-        width, how = dense_width // num_experts, f"2 * intermediate_size / moe_num_experts = 2 * {dense_width} / " \
-                                                 f"{num_experts}"
+            raise ValueError(
+                f"--partition: the dense intermediate_size {dense_width} does not split into "
+                f"model.moe_num_experts={num_experts} equal slices"
+            )
+        width, how = (
+            dense_width // num_experts,
+            f"2 * intermediate_size / moe_num_experts = 2 * {dense_width} / {num_experts}",
+        )
     else:
         width, how = dense_width, f"2 * intermediate_size = 2 * {dense_width} (each expert is a full copy)"
     if m.expert_hidden_size != width:
-        raise ValueError(f"config key 'model.mlp_hidden_size' = {m.mlp_hidden_size} must be {2 * width}: experts are "
-                         f"mlp_hidden_size / 2 wide and must be {how}; set it (or mlp_ratio) accordingly")
+        raise ValueError(
+            f"config key 'model.mlp_hidden_size' = {m.mlp_hidden_size} must be {2 * width}: experts are "
+            f"mlp_hidden_size / 2 wide and must be {how}; set it (or mlp_ratio) accordingly"
+        )
 
 
-def upcycle_state(dense: Mapping[str, torch.Tensor], m: ModelConfig, plan: ExpertPlan, *,
-                  seed: int) -> dict[str, torch.Tensor]:
+def upcycle_state(
+    dense: Mapping[str, torch.Tensor], m: ModelConfig, plan: ExpertPlan, *, seed: int
+) -> dict[str, torch.Tensor]:
     """Fused spes MoE state from a dense spes-named state (`blocks.{l}.mlp.{gate,up,down}` in HF layout)."""
     num_experts = m.moe_num_experts
     generator_state = torch.random.get_rng_state()
@@ -177,18 +211,32 @@ def upcycle_state(dense: Mapping[str, torch.Tensor], m: ModelConfig, plan: Exper
     return out
 
 
-def make_random_dense(m: ModelConfig, out: str | Path, *, model_type: str = "qwen3", partition: bool = False,
-                      tokenizer: Path | None = None, seed: int = 0) -> Path:
+def make_random_dense(
+    m: ModelConfig,
+    out: str | Path,
+    *,
+    model_type: str = "qwen3",
+    partition: bool = False,
+    tokenizer: Path | None = None,
+    seed: int = 0,
+) -> Path:
     """Write a randomly initialized dense HF model that `m` can upcycle (demos and tests; no download needed)."""
     import transformers  # optional dependency (pip install -e .[hf])
 
     family = DENSE_FAMILIES[model_type]
     width = m.expert_hidden_size * (m.moe_num_experts if partition else 1)
     config_class = getattr(transformers, family.architecture.replace("ForCausalLM", "Config"))
-    config = config_class(**{attr: getattr(m, spes) for spes, attr in CONFIG_KEYS.items()}, **family.fixed,
-                          intermediate_size=width, head_dim=m.head_dim, tie_word_embeddings=True,
-                          rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
-                          eos_token_id=m.eos_token_id, pad_token_id=m.pad_token_id, bos_token_id=None)
+    config = config_class(
+        **{attr: getattr(m, spes) for spes, attr in CONFIG_KEYS.items()},
+        **family.fixed,
+        intermediate_size=width,
+        head_dim=m.head_dim,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": float(m.rope_theta)},
+        eos_token_id=m.eos_token_id,
+        pad_token_id=m.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = getattr(transformers, family.architecture)(config)
     path = Path(out)
@@ -198,8 +246,15 @@ def make_random_dense(m: ModelConfig, out: str | Path, *, model_type: str = "qwe
     return path
 
 
-def upcycle(hf_dir: str | Path, cfg: TrainConfig, out: str | Path, *, partition: bool = False,
-            router_std: float | None = None, overwrite: bool = False) -> tuple[Path, ExpertPlan]:
+def upcycle(
+    hf_dir: str | Path,
+    cfg: TrainConfig,
+    out: str | Path,
+    *,
+    partition: bool = False,
+    router_std: float | None = None,
+    overwrite: bool = False,
+) -> tuple[Path, ExpertPlan]:
     """Dense HF directory (or Hub id) + spes run config -> spes checkpoint step directory `out`."""
     src = resolve(hf_dir, what="--hf")
     hf_config, family = read_hf_config(src, DENSE_FAMILIES)
@@ -209,51 +264,86 @@ def upcycle(hf_dir: str | Path, cfg: TrainConfig, out: str | Path, *, partition:
     if has_tokenizer:
         check_vocab(load_tokenizer(src).vocab_size, m.vocab_size, m.embedding_size)
     dense = hf_to_spes(read_hf_weights(src), family.key_map(), m, architecture=family.architecture)
-    plan = expert_plan(num_experts=m.moe_num_experts, top_k=m.moe_top_k, normalize_p=m.normalize_expert_weights_p,
-                       partition=partition, init_std=m.init_std, router_std=router_std)
+    plan = expert_plan(
+        num_experts=m.moe_num_experts,
+        top_k=m.moe_top_k,
+        normalize_p=m.normalize_expert_weights_p,
+        partition=partition,
+        init_std=m.init_std,
+        router_std=router_std,
+    )
     state = upcycle_state(dense, m, plan, seed=cfg.seed)
     step = write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
     return step, plan
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spes.upcycle", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf", required=True, help=f"dense HF model directory or Hub id (e.g. Qwen/Qwen3-1.7B; "
-                                                    f"local cache first), model_type one of {sorted(DENSE_FAMILIES)}")
+    parser = argparse.ArgumentParser(
+        prog="python -m spes.upcycle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--hf",
+        required=True,
+        help=f"dense HF model directory or Hub id (e.g. Qwen/Qwen3-1.7B; "
+        f"local cache first), model_type one of {sorted(DENSE_FAMILIES)}",
+    )
     parser.add_argument("--config", required=True, help="the spes run config (YAML) the MoE is built from")
-    parser.add_argument("--out", help="output checkpoint step directory, e.g. output/run/init/step0; "
-                                                     "point the run's load_path at it")
-    parser.add_argument("--partition", action="store_true",
-                        help="split the dense intermediate dim across experts instead of copying it into each")
-    parser.add_argument("--router_std", type=float,
-                        help="router init std, overriding the automatic choice (see above); 0 = all zeros, the exact "
-                             "start of the copy modes without sum-to-one top-k weights (experts then stay tied)")
+    parser.add_argument(
+        "--out", help="output checkpoint step directory, e.g. output/run/init/step0; point the run's load_path at it"
+    )
+    parser.add_argument(
+        "--partition",
+        action="store_true",
+        help="split the dense intermediate dim across experts instead of copying it into each",
+    )
+    parser.add_argument(
+        "--router_std",
+        type=float,
+        help="router init std, overriding the automatic choice (see above); 0 = all zeros, the exact "
+        "start of the copy modes without sum-to-one top-k weights (experts then stay tied)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    parser.add_argument("--make_random_dense", choices=sorted(DENSE_FAMILIES),
-                        help="demo/testing only: write a random dense model of this type that --config can upcycle "
-                             "to --hf (with the config's tokenizer when it exists), then exit")
+    parser.add_argument(
+        "--make_random_dense",
+        choices=sorted(DENSE_FAMILIES),
+        help="demo/testing only: write a random dense model of this type that --config can upcycle "
+        "to --hf (with the config's tokenizer when it exists), then exit",
+    )
     args, overrides = parser.parse_known_args(argv)
     try:
         cfg, _ = load_config(args.config, overrides)
         if args.make_random_dense:
             tokenizer = Path(cfg.tokenizer.identifier)
-            print(make_random_dense(cfg.model, args.hf, model_type=args.make_random_dense, partition=args.partition,
-                                    tokenizer=tokenizer if tokenizer.exists() else None, seed=cfg.seed))
+            print(
+                make_random_dense(
+                    cfg.model,
+                    args.hf,
+                    model_type=args.make_random_dense,
+                    partition=args.partition,
+                    tokenizer=tokenizer if tokenizer.exists() else None,
+                    seed=cfg.seed,
+                )
+            )
             return 0
         if args.out is None:
             raise ValueError("--out is required: the checkpoint step directory to write, e.g. output/run/init/step0")
-        step, plan = upcycle(args.hf, cfg, args.out, partition=args.partition, router_std=args.router_std,
-                             overwrite=args.overwrite)
+        step, plan = upcycle(
+            args.hf, cfg, args.out, partition=args.partition, router_std=args.router_std, overwrite=args.overwrite
+        )
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     router = f"random, std {plan.router_std:g}" if plan.router_std > 0 else "zeros"
-    print(f"{step}  (router {router}, down projection x {plan.down_scale:g}, "
-          f"{'equals the dense model at step 0' if plan.exact else 'approximates the dense model'})")
+    print(
+        f"{step}  (router {router}, down projection x {plan.down_scale:g}, "
+        f"{'equals the dense model at step 0' if plan.exact else 'approximates the dense model'})"
+    )
     if plan.tied:
-        print("note: every expert and every router row starts identical, so they get identical gradients and stay "
-              "tied; for training, leave --router_std at its default", file=sys.stderr)
+        print(
+            "note: every expert and every router row starts identical, so they get identical gradients and stay "
+            "tied; for training, leave --router_std at its default",
+            file=sys.stderr,
+        )
     return 0
 
 

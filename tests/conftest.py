@@ -25,8 +25,12 @@ class Corpus:
 
     def overrides(self, save_folder: Path | str) -> list[str]:
         """Overrides that point configs/tiny.yaml at this corpus and `save_folder`."""
-        return [f"--tokenizer.identifier={self.tokenizer}", f"--data.paths=[{self.train}]",
-                f"--data.validation_paths=[{self.valid}]", f"--save_folder={save_folder}"]
+        return [
+            f"--tokenizer.identifier={self.tokenizer}",
+            f"--data.paths=[{self.train}]",
+            f"--data.validation_paths=[{self.valid}]",
+            f"--save_folder={save_folder}",
+        ]
 
 
 def _write_docs(path: Path, files: list[Path]) -> None:
@@ -50,8 +54,9 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> LoadedTokenizer:
     """A 512-token byte-level BPE, trained once per session (for tests that need a real tokenizer, not a corpus)."""
     from data_fixtures import tokenizer_training_texts
 
-    return train_byte_level_bpe(tokenizer_training_texts(), vocab_size=512,
-                                output_dir=tmp_path_factory.getbasetemp() / "tokenizer")
+    return train_byte_level_bpe(
+        tokenizer_training_texts(), vocab_size=512, output_dir=tmp_path_factory.getbasetemp() / "tokenizer"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -62,11 +67,27 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
     _write_docs(root / "train.jsonl", stdlib[:120])
     _write_docs(root / "valid.jsonl", stdlib[120:130])
     scripts = REPO / "data_process_scripts"
-    _run(str(scripts / "train_tokenizer.py"), "--input", str(root / "train.jsonl"), "--output_dir", str(root / "tok"),
-         "--vocab_size", "4096")
+    _run(
+        str(scripts / "train_tokenizer.py"),
+        "--input",
+        str(root / "train.jsonl"),
+        "--output_dir",
+        str(root / "tok"),
+        "--vocab_size",
+        "4096",
+    )
     for split in ("train", "valid"):
-        _run(str(scripts / "tokenize_data.py"), "--file_glob", str(root / f"{split}.jsonl"),
-             "--tokenizer_name_or_path", str(root / "tok"), "--output_prefix", str(root / split / "part"),
-             "--processes", "1")
-    return Corpus(root=root, tokenizer=root / "tok", train=str(root / "train" / "*.npy"),
-                  valid=str(root / "valid" / "*.npy"))
+        _run(
+            str(scripts / "tokenize_data.py"),
+            "--file_glob",
+            str(root / f"{split}.jsonl"),
+            "--tokenizer_name_or_path",
+            str(root / "tok"),
+            "--output_prefix",
+            str(root / split / "part"),
+            "--processes",
+            "1",
+        )
+    return Corpus(
+        root=root, tokenizer=root / "tok", train=str(root / "train" / "*.npy"), valid=str(root / "valid" / "*.npy")
+    )

@@ -61,17 +61,24 @@ def write_lines(path: Path, payload: bytes) -> Path:
     return path
 
 
-def write_token_shard(path: Path, tokens: np.ndarray, *, fingerprint: str = "0" * 64,
-                      with_sidecar: bool = True) -> Path:
+def write_token_shard(
+    path: Path, tokens: np.ndarray, *, fingerprint: str = "0" * 64, with_sidecar: bool = True
+) -> Path:
     """A shard holding exactly `tokens` (dtype kept), with a sidecar unless told otherwise."""
     array = np.lib.format.open_memmap(path, mode="w+", dtype=tokens.dtype, shape=tokens.shape)
     array[:] = tokens
     array.flush()
     del array
     if with_sidecar:
-        info = ShardInfo(tokenizer_fingerprint=fingerprint, vocab_size=int(np.iinfo(tokens.dtype).max) + 1,
-                         eos_token_id=0, dtype=tokens.dtype.name, num_tokens=len(tokens), num_documents=1,
-                         source_files=("synthetic",))
+        info = ShardInfo(
+            tokenizer_fingerprint=fingerprint,
+            vocab_size=int(np.iinfo(tokens.dtype).max) + 1,
+            eos_token_id=0,
+            dtype=tokens.dtype.name,
+            num_tokens=len(tokens),
+            num_documents=1,
+            source_files=("synthetic",),
+        )
         write_shard_info(path, info)
     return path
 

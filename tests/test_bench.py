@@ -23,8 +23,13 @@ sys.path.insert(0, str(BENCH))
 def run_bench(name: str, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[dict, str]:
     """Run `bench/<name>.py --quick --out <tmp>/<name>.json`; return its JSON and stdout."""
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick", "--out", str(out), *extra],
-                          capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), "--quick", "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
@@ -35,6 +40,40 @@ def test_format_table_aligns_columns() -> None:
     lines = format_table(["a", "bbb"], [[1, 2.5], ["xyz", 12345.0]]).splitlines()
     assert len({len(line) for line in lines}) == 1
     assert lines[3].endswith("12,345")
+
+
+def test_code_stats_spans_count_every_def_with_its_nesting() -> None:
+    from code_stats import count_lines, measure
+
+    text = (
+        "# a comment\n"
+        "class A:\n"
+        "    def f(self):\n"
+        "        def inner():\n"
+        "            pass\n"
+        "\n"
+        "        return inner\n"
+        "\n"
+        "\n"
+        "async def g():\n"
+        "    pass\n"
+    )
+    assert count_lines(text) == {"lines": 11, "code": 7}
+    stats = measure({"spes/x.py": text}, top=3)
+    assert [(s["name"], s["line"], s["lines"]) for s in stats["largest_classes"]] == [("spes.x:A", 2, 6)]
+    assert [(s["name"], s["lines"]) for s in stats["largest_functions"]] == [
+        ("spes.x:A.f", 5),
+        ("spes.x:A.f.inner", 2),
+        ("spes.x:g", 2),
+    ]
+    assert stats["total"] == {"files": 1, "lines": 11, "code": 7}
+
+
+def test_code_stats_measures_the_package(tmp_path: Path) -> None:
+    stats, out = run_bench("code_stats", tmp_path, "--top", "3")
+    assert stats["modules"]["spes/model.py"]["lines"] == len((REPO / "spes" / "model.py").read_text().splitlines())
+    assert not any("_pb2" in path for path in stats["modules"])
+    assert len(stats["largest_functions"]) == 3 and "largest classes" in out
 
 
 def test_hottest_lines_counts_own_and_inclusive_samples(tmp_path: Path) -> None:
@@ -50,7 +89,6 @@ def test_hottest_lines_counts_own_and_inclusive_samples(tmp_path: Path) -> None:
 
 def test_paper_run_has_19_merge_rounds_of_500() -> None:
     from bench_wire import PAPER_1B, PAPER_MERGE, merge_round_share
-
     from spes.config import load_config
 
     assert merge_round_share(load_config(PAPER_1B)[0], PAPER_MERGE) == (19, 500)
@@ -95,6 +133,7 @@ def test_bench_sync_quick(tmp_path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     from report import panel_sync
 
     fig, ax = plt.subplots()
@@ -107,8 +146,12 @@ def test_bench_sync_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)
 def test_bench_train_quick(tmp_path: Path) -> None:
     results, _ = run_bench("bench_train", tmp_path)
-    assert {r["variant"] for r in results["results"]} == {"spes/torch", "full/torch", "spes/grouped_mm",
-                                                          "full/grouped_mm"}
+    assert {r["variant"] for r in results["results"]} == {
+        "spes/torch",
+        "full/torch",
+        "spes/grouped_mm",
+        "full/grouped_mm",
+    }
     spes = next(r for r in results["results"] if r["variant"] == "spes/torch")
     full = next(r for r in results["results"] if r["variant"] == "full/torch")
     assert spes["trainable_params"] < full["trainable_params"]
@@ -116,8 +159,18 @@ def test_bench_train_quick(tmp_path: Path) -> None:
 
 def _metrics(folder: Path, tokens_per_step: int, steps: int = 4) -> None:
     folder.mkdir(parents=True)
-    lines = [{"step": s, "tokens": s * tokens_per_step, "val_loss": 5.0, "merged_val_loss": 5.0, "sync_s": 0.1,
-              "sync_mb_up": 1.0, "sync_mb_down": 1.0} for s in range(2, steps + 1, 2)]
+    lines = [
+        {
+            "step": s,
+            "tokens": s * tokens_per_step,
+            "val_loss": 5.0,
+            "merged_val_loss": 5.0,
+            "sync_s": 0.1,
+            "sync_mb_up": 1.0,
+            "sync_mb_down": 1.0,
+        }
+        for s in range(2, steps + 1, 2)
+    ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
 
 
@@ -139,16 +192,36 @@ def test_mini_repro_refuses_unequal_token_budgets(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
-    results, stdout = run_bench("mini_repro", tmp_path, "--runs", str(tmp_path / "runs"), "--docs",
-                                str(tmp_path / "docs"), "--tokenizer", str(tiny_corpus.tokenizer), "--train",
-                                tiny_corpus.train, "--valid", tiny_corpus.valid, "--seed", "7", timeout=580)
+    results, stdout = run_bench(
+        "mini_repro",
+        tmp_path,
+        "--runs",
+        str(tmp_path / "runs"),
+        "--docs",
+        str(tmp_path / "docs"),
+        "--tokenizer",
+        str(tiny_corpus.tokenizer),
+        "--train",
+        tiny_corpus.train,
+        "--valid",
+        tiny_corpus.valid,
+        "--seed",
+        "7",
+        timeout=580,
+    )
     assert (tmp_path / "docs" / "mini_repro.png").stat().st_size > 0
     report = (tmp_path / "docs" / "mini_repro.md").read_text()
     assert "| SPES (4 peers) |" in report and "## Seeds" in report and "\n| 7 | " in report
     assert results["seed"] == 7 and results["commit"] and "mini_repro.py" in results["command"]
     # the equal-token invariant on the trainers' own counters: 6 steps x 16 (centralized) or 4 x 4 (peers) x 64
-    peer_tokens = [[json.loads(line)["tokens"] for line in (tmp_path / "runs" / run / f"node{p}" / "metrics.jsonl")
-                    .read_text().splitlines()][-1] for run in ("spes", "diloco") for p in range(4)]
+    peer_tokens = [
+        [
+            json.loads(line)["tokens"]
+            for line in (tmp_path / "runs" / run / f"node{p}" / "metrics.jsonl").read_text().splitlines()
+        ][-1]
+        for run in ("spes", "diloco")
+        for p in range(4)
+    ]
     assert peer_tokens == [6 * 4 * 64] * 8
     assert results["tokens"] == {"centralized": 6 * 16 * 64, "spes": 6 * 16 * 64, "diloco": 6 * 16 * 64}
     assert "centralized 6,144; spes 6,144 (= 1,536 + 1,536 + 1,536 + 1,536)" in report
@@ -161,9 +234,21 @@ def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
-    results, stdout = run_bench("mini_repro_memory", tmp_path, "--runs", str(tmp_path / "runs"), "--docs",
-                                str(tmp_path / "docs"), "--tokenizer", str(tiny_corpus.tokenizer), "--train",
-                                tiny_corpus.train, "--valid", tiny_corpus.valid, timeout=880)
+    results, stdout = run_bench(
+        "mini_repro_memory",
+        tmp_path,
+        "--runs",
+        str(tmp_path / "runs"),
+        "--docs",
+        str(tmp_path / "docs"),
+        "--tokenizer",
+        str(tiny_corpus.tokenizer),
+        "--train",
+        tiny_corpus.train,
+        "--valid",
+        tiny_corpus.valid,
+        timeout=880,
+    )
     sizes = results["sizes"]
     budget = sizes["budget"]["total"]
     # measured: the SPES node at the large size fits the budget, the next size up and DiLoCo at the large size do not
@@ -216,9 +301,24 @@ def test_link_relay_carries_every_byte_both_ways(tmp_path: Path) -> None:
                 conn.sendall(data)
 
     threading.Thread(target=serve, daemon=True).start()
-    relay = subprocess.Popen([sys.executable, str(BENCH / "link_relay.py"), "--ports", str(port), "--peers", "2",
-                              "--peer_mbit", "400", "--server_mbit", "400", "--rtt_ms", "10"],
-                             stdout=subprocess.PIPE, text=True)
+    relay = subprocess.Popen(
+        [
+            sys.executable,
+            str(BENCH / "link_relay.py"),
+            "--ports",
+            str(port),
+            "--peers",
+            "2",
+            "--peer_mbit",
+            "400",
+            "--server_mbit",
+            "400",
+            "--rtt_ms",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert relay.stdout is not None and relay.stdout.readline().strip() == "RELAYING"
         payload = bytes(range(256)) * 4096  # 1 MiB

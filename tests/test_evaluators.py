@@ -16,18 +16,26 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 
 def test_entries_map_olmo_labels_and_leave_lm_evaluators_to_validation() -> None:
-    entries = [{"label": "openbook_qa", "type": "downstream"}, {"label": "c4-validation", "type": "lm"},
-               {"label": "spes_local", "limit": 10}]
-    assert parse_evaluators(entries) == [Evaluator(label="openbook_qa", task="openbookqa", limit=None),
-                                         Evaluator(label="spes_local", task="spes_local", limit=10)]
+    entries = [
+        {"label": "openbook_qa", "type": "downstream"},
+        {"label": "c4-validation", "type": "lm"},
+        {"label": "spes_local", "limit": 10},
+    ]
+    assert parse_evaluators(entries) == [
+        Evaluator(label="openbook_qa", task="openbookqa", limit=None),
+        Evaluator(label="spes_local", task="spes_local", limit=10),
+    ]
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"label": "piqa", "limits": 3}, r"'evaluators\[0\].limits' is unknown"),
-    ({"type": "downstream"}, r"'evaluators\[0\].label' = None must name a task"),
-    ({"label": "piqa", "type": "icl"}, r"'evaluators\[0\].type' = 'icl' must be downstream or lm"),
-    ({"label": "piqa", "limit": 0}, r"'evaluators\[0\].limit' = 0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"label": "piqa", "limits": 3}, r"'evaluators\[0\].limits' is unknown"),
+        ({"type": "downstream"}, r"'evaluators\[0\].label' = None must name a task"),
+        ({"label": "piqa", "type": "icl"}, r"'evaluators\[0\].type' = 'icl' must be downstream or lm"),
+        ({"label": "piqa", "limit": 0}, r"'evaluators\[0\].limit' = 0 must be a positive integer"),
+    ],
+)
 def test_bad_entries_are_named(entry: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_evaluators([entry])
@@ -36,8 +44,9 @@ def test_bad_entries_are_named(entry: dict, message: str) -> None:
 def test_downstream_evals_need_an_exportable_model_and_an_interval(tmp_path: Path) -> None:
     cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", "--evaluators=[{label: piqa}]", "--eval_interval=5"])
     assert DownstreamEvals(cfg, is_main=True, device=None, log=print).due(5, 100)  # type: ignore[arg-type]
-    no_qk_norm, _ = load_config(TINY, ["--model.attention_layer_norm=false", "--evaluators=[{label: piqa}]",
-                                       "--eval_interval=5"])
+    no_qk_norm, _ = load_config(
+        TINY, ["--model.attention_layer_norm=false", "--evaluators=[{label: piqa}]", "--eval_interval=5"]
+    )
     with pytest.raises(ConfigError, match="'evaluators' needs a model that exports to Hugging Face"):
         DownstreamEvals(no_qk_norm, is_main=True, device=None, log=print)  # type: ignore[arg-type]
     no_interval = TrainConfig(evaluators=[{"label": "piqa"}], eval_interval=None)
@@ -48,23 +57,38 @@ def test_downstream_evals_need_an_exportable_model_and_an_interval(tmp_path: Pat
 
 def test_scores_are_read_from_the_newest_lm_eval_results(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "results_1.json").write_text(json.dumps({"results": {"piqa": {
-        "alias": "piqa", "acc,none": 0.5, "acc_stderr,none": 0.1, "acc_norm,none": 0.25}}}))
+    (tmp_path / "m" / "results_1.json").write_text(
+        json.dumps(
+            {"results": {"piqa": {"alias": "piqa", "acc,none": 0.5, "acc_stderr,none": 0.1, "acc_norm,none": 0.25}}}
+        )
+    )
     assert lm_eval_scores(tmp_path) == {"eval/piqa/acc": 0.5, "eval/piqa/acc_norm": 0.25}
     assert lm_eval_scores(tmp_path / "m" / "none") == {}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_training_run_scores_downstream_tasks_at_eval_steps(tiny_corpus, tmp_path: Path,  # type: ignore[no-untyped-def]
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_training_run_scores_downstream_tasks_at_eval_steps(
+    tiny_corpus,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     config = tmp_path / "tiny_evals.yaml"
-    config.write_text(TINY.read_text() + "\nevaluators:\n"
-                      "  - {label: spes_local, type: downstream, limit: 4}\n"
-                      "  - {label: piqa, type: downstream, limit: 4}   # not cached, offline: skipped once\n")
-    args = [str(config), "--using_spes=false", *tiny_corpus.overrides(tmp_path / "run"), "--max_duration=6st",
-            "--eval_interval=3", "--save_interval=null", "--log_interval=3",
-            f"--tensorboard.log_dir={tmp_path / 'tb'}"]
+    config.write_text(
+        TINY.read_text() + "\nevaluators:\n"
+        "  - {label: spes_local, type: downstream, limit: 4}\n"
+        "  - {label: piqa, type: downstream, limit: 4}   # not cached, offline: skipped once\n"
+    )
+    args = [
+        str(config),
+        "--using_spes=false",
+        *tiny_corpus.overrides(tmp_path / "run"),
+        "--max_duration=6st",
+        "--eval_interval=3",
+        "--save_interval=null",
+        "--log_interval=3",
+        f"--tensorboard.log_dir={tmp_path / 'tb'}",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     records = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}

@@ -15,8 +15,15 @@ from spes.distributed import DistInfo
 from spes.gpu_check import check_all_reduce, check_block, check_fsdp, main
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--model.d_model=32", "--model.n_heads=2", "--model.mlp_hidden_size=64", "--model.max_sequence_length=16",
-         "--model.vocab_size=256", "--model.embedding_size=256", "--device_train_microbatch_size=2"]
+SMALL = [
+    "--model.d_model=32",
+    "--model.n_heads=2",
+    "--model.mlp_hidden_size=64",
+    "--model.max_sequence_length=16",
+    "--model.vocab_size=256",
+    "--model.embedding_size=256",
+    "--device_train_microbatch_size=2",
+]
 
 
 def small_config() -> TrainConfig:
@@ -49,8 +56,10 @@ def test_the_block_smoke_compiles_the_block_when_the_config_does() -> None:
 
 def _ranks_worker(args: dict[str, Any], info: DistInfo) -> list[list[str]]:
     cfg = small_config()
-    checks = [check_all_reduce(info.world_size, info.device, num_bytes=1 << 16),
-              check_fsdp(cfg, info.world_size, info.rank, info.device)]
+    checks = [
+        check_all_reduce(info.world_size, info.device, num_bytes=1 << 16),
+        check_fsdp(cfg, info.world_size, info.rank, info.device),
+    ]
     return [[c.status, c.detail] for c in checks]
 
 

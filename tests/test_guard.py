@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import SMALL_NODE, run_logged
 from safetensors.torch import load_file, save_file
 
+from dist_helpers import SMALL_NODE, run_logged
 from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.guard import NonFiniteError, all_finite, first_nonfinite_parameter
@@ -27,8 +27,9 @@ def _trainer(corpus, folder: Path, *extra: str) -> tuple[Trainer, list[str]]:  #
     cfg, _ = load_config(TINY, [*corpus.overrides(folder), *QUIET, *extra])
     node = build_node(cfg, CPU, log=lambda _m: None)
     logged: list[str] = []
-    trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=CPU,
-                      log=logged.append)
+    trainer = Trainer(
+        cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=CPU, log=logged.append
+    )
     if node.checkpoint is not None:
         trainer.load_state_dict(node.checkpoint.trainer)
     return trainer, logged
@@ -46,12 +47,24 @@ def test_all_finite_and_the_first_bad_parameter() -> None:
 
 def test_a_nan_step_stops_the_run_naming_it_and_keeps_the_last_checkpoint(tiny_corpus, tmp_path: Path) -> None:
     """The issue's run: with keep=1, a NaN at step 3 must neither be applied nor saved nor delete step2."""
-    trainer, _ = _trainer(tiny_corpus, tmp_path, "--max_duration=4st", "--save_interval=1",
-                          "--save_num_checkpoints_to_keep=1", "--stop_at=2")
+    trainer, _ = _trainer(
+        tiny_corpus,
+        tmp_path,
+        "--max_duration=4st",
+        "--save_interval=1",
+        "--save_num_checkpoints_to_keep=1",
+        "--stop_at=2",
+    )
     trainer.fit()
     good = (tmp_path / "step2" / "model.safetensors").read_bytes()
-    trainer, _ = _trainer(tiny_corpus, tmp_path, "--max_duration=4st", "--save_interval=1",
-                          "--save_num_checkpoints_to_keep=1", f"--load_path={tmp_path}")
+    trainer, _ = _trainer(
+        tiny_corpus,
+        tmp_path,
+        "--max_duration=4st",
+        "--save_interval=1",
+        "--save_num_checkpoints_to_keep=1",
+        f"--load_path={tmp_path}",
+    )
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
     with pytest.raises(NonFiniteError, match=r"^step 3: loss nan / grad_norm nan is not finite; stopped"):
@@ -63,8 +76,9 @@ def test_a_nan_step_stops_the_run_naming_it_and_keeps_the_last_checkpoint(tiny_c
 
 
 def test_skip_nonfinite_steps_skips_that_many_in_a_row_then_stops(tiny_corpus, tmp_path: Path) -> None:
-    trainer, logged = _trainer(tiny_corpus, tmp_path, "--max_duration=10st", "--save_interval=null",
-                               "--skip_nonfinite_steps=2")
+    trainer, logged = _trainer(
+        tiny_corpus, tmp_path, "--max_duration=10st", "--save_interval=null", "--skip_nonfinite_steps=2"
+    )
     with torch.no_grad():
         next(trainer.model.parameters()).fill_(float("nan"))
     with pytest.raises(NonFiniteError, match=r"^step 3: .* \(3 steps in a row\)"):
@@ -74,8 +88,9 @@ def test_skip_nonfinite_steps_skips_that_many_in_a_row_then_stops(tiny_corpus, t
 
 
 def test_a_skipped_step_leaves_the_weights_unchanged(tiny_corpus, tmp_path: Path) -> None:
-    trainer, _ = _trainer(tiny_corpus, tmp_path, "--max_duration=10st", "--save_interval=null",
-                          "--skip_nonfinite_steps=1")
+    trainer, _ = _trainer(
+        tiny_corpus, tmp_path, "--max_duration=10st", "--save_interval=null", "--skip_nonfinite_steps=1"
+    )
     head = dict(trainer.model.named_parameters())["lm_head.weight"]
     with torch.no_grad():
         head[0, 0] = float("inf")  # every logit row meets it: the loss is NaN, the weights stay finite elsewhere
@@ -86,8 +101,9 @@ def test_a_skipped_step_leaves_the_weights_unchanged(tiny_corpus, tmp_path: Path
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_a_checkpoint_of_nan_weights_is_refused_at_start_in_one_line(tiny_corpus, tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture) -> None:
+def test_a_checkpoint_of_nan_weights_is_refused_at_start_in_one_line(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     args = [TINY, *tiny_corpus.overrides(tmp_path), *QUIET, "--max_duration=2st", "--save_interval=2"]
     assert main(args) == 0
     weights = tmp_path / "step2" / "model.safetensors"
@@ -108,9 +124,24 @@ def test_a_checkpoint_of_nan_weights_is_refused_at_start_in_one_line(tiny_corpus
 def test_every_rank_stops_at_the_same_bad_step(strategy: str, tiny_corpus, tmp_path: Path) -> None:
     """An absurd learning rate overflows the weights at step 1; under DDP/FSDP both ranks agree that step 3 is
     the second bad one in a row (none hangs in a collective) and spes.torchrun ends with that one line."""
-    cmd = [sys.executable, "-m", "spes.torchrun", "--standalone", "--nproc_per_node=2", "-m", "spes.train", TINY,
-           *tiny_corpus.overrides(tmp_path), *SMALL_NODE, *QUIET, f"--distributed_strategy={strategy}",
-           "--optimizer.learning_rate=1e30", "--max_duration=6st", "--save_interval=1", "--skip_nonfinite_steps=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spes.torchrun",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "spes.train",
+        TINY,
+        *tiny_corpus.overrides(tmp_path),
+        *SMALL_NODE,
+        *QUIET,
+        f"--distributed_strategy={strategy}",
+        "--optimizer.learning_rate=1e30",
+        "--max_duration=6st",
+        "--save_interval=1",
+        "--skip_nonfinite_steps=1",
+    ]
     proc = run_logged(cmd, tmp_path / "run.log", timeout=150)
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 4 and "Traceback" not in proc.stdout, proc.stdout[-3000:]

@@ -18,22 +18,45 @@ from spes.config import ModelConfig
 from spes.model import Transformer
 from spes.tokenizer import LoadedTokenizer
 
-BASE: dict[str, Any] = dict(d_model=32, n_heads=4, n_layers=2, mlp_hidden_size=48, moe_num_experts=4, moe_top_k=2,
-                            max_sequence_length=64, rope_theta=5e5, layer_norm_eps=1e-6)
+BASE: dict[str, Any] = dict(
+    d_model=32,
+    n_heads=4,
+    n_layers=2,
+    mlp_hidden_size=48,
+    moe_num_experts=4,
+    moe_top_k=2,
+    max_sequence_length=64,
+    rope_theta=5e5,
+    layer_norm_eps=1e-6,
+)
 CASES: dict[str, tuple[dict[str, Any], str]] = {
     "olmoe": (dict(attention_layer_norm=True), "OlmoeForCausalLM"),
     "olmoe_gqa_no_affine_normalized": (
-        dict(attention_layer_norm=True, n_kv_heads=2, layer_norm_with_affine=False,
-             attention_layer_norm_with_affine=False, moe_normalize_expert_weights=True), "OlmoeForCausalLM"),
+        dict(
+            attention_layer_norm=True,
+            n_kv_heads=2,
+            layer_norm_with_affine=False,
+            attention_layer_norm_with_affine=False,
+            moe_normalize_expert_weights=True,
+        ),
+        "OlmoeForCausalLM",
+    ),
     "qwen3_per_head_gqa": (
-        dict(attention_layer_norm=True, attention_layer_norm_over_head=True, n_kv_heads=2,
-             moe_normalize_expert_weights=True), "Qwen3MoeForCausalLM"),
+        dict(
+            attention_layer_norm=True,
+            attention_layer_norm_over_head=True,
+            n_kv_heads=2,
+            moe_normalize_expert_weights=True,
+        ),
+        "Qwen3MoeForCausalLM",
+    ),
     "mixtral_no_qk_norm": (dict(n_kv_heads=2, moe_normalize_expert_weights=True), "MixtralForCausalLM"),
 }
 
 
-def make_checkpoint(root: Path, tokenizer: LoadedTokenizer, options: dict[str, Any], *, block_size: int = 2,
-                    step: int = 5) -> tuple[Path, Transformer]:
+def make_checkpoint(
+    root: Path, tokenizer: LoadedTokenizer, options: dict[str, Any], *, block_size: int = 2, step: int = 5
+) -> tuple[Path, Transformer]:
     """A spes step directory of a random model whose norms are not all ones (so their mapping is tested)."""
     model_cfg = {**BASE, **options, "vocab_size": tokenizer.vocab_size, "embedding_size": tokenizer.vocab_size + 20}
     cfg = hf.run_config_for(model_cfg, experts_per_peer=block_size, run_name="t")
@@ -43,8 +66,9 @@ def make_checkpoint(root: Path, tokenizer: LoadedTokenizer, options: dict[str, A
         for p in model.parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
-    step_dir = hf.write_step_dir(root / f"step{step}", hf.fuse_expert_blocks(model.state_dict()), cfg,
-                                 tokenizer=tokenizer.path.parent)
+    step_dir = hf.write_step_dir(
+        root / f"step{step}", hf.fuse_expert_blocks(model.state_dict()), cfg, tokenizer=tokenizer.path.parent
+    )
     return step_dir, model.eval()
 
 
@@ -60,15 +84,18 @@ def test_export_logits_match_transformers(case: str, tmp_path: Path, tokenizer: 
     step_dir, model = make_checkpoint(tmp_path / "run", tokenizer, options)
     out = hf.export_checkpoint(step_dir, tmp_path / "hf")
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in out.iterdir()}
+        p.name for p in out.iterdir()
+    }
     ids = torch.randint(0, tokenizer.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
     name, logits = hf_logits(out, ids)
     assert name == architecture
     with torch.no_grad():
         expected = model(ids).logits
     assert_close(logits, expected, atol=1e-4, rtol=0)
-    assert transformers.AutoTokenizer.from_pretrained(str(out)).encode("def f(x):") == tokenizer.encode_batch(
-        ["def f(x):"])[0]
+    assert (
+        transformers.AutoTokenizer.from_pretrained(str(out)).encode("def f(x):")
+        == tokenizer.encode_batch(["def f(x):"])[0]
+    )
 
 
 @pytest.mark.parametrize("case", ["olmoe", "qwen3_per_head_gqa", "mixtral_no_qk_norm"])
@@ -108,15 +135,29 @@ def test_export_bfloat16_writes_bf16(tmp_path: Path, tokenizer: LoadedTokenizer)
 @pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
 def test_import_model_saved_by_transformers(family: str, tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     """A model written by transformers itself (not by our export), Qwen3-MoE with tied embeddings."""
-    common = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    common = dict(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     if family == "olmoe":
         config = transformers.OlmoeConfig(intermediate_size=24, num_experts=4, **common)
         model = transformers.OlmoeForCausalLM(config)
     else:
-        config = transformers.Qwen3MoeConfig(moe_intermediate_size=24, num_experts=4, num_key_value_heads=2,
-                                             head_dim=8, norm_topk_prob=True, tie_word_embeddings=True, **common)
+        config = transformers.Qwen3MoeConfig(
+            moe_intermediate_size=24,
+            num_experts=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            norm_topk_prob=True,
+            tie_word_embeddings=True,
+            **common,
+        )
         model = transformers.Qwen3MoeForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
@@ -140,10 +181,13 @@ def test_import_model_saved_by_transformers(family: str, tmp_path: Path, tokeniz
 # Refusals and bad input
 
 
-@pytest.mark.parametrize("options, setting", [
-    (dict(attention_layer_norm=False), "model.attention_layer_norm"),
-    (dict(attention_layer_norm=True, moe_normalize_expert_weights=2.0), "model.moe_normalize_expert_weights"),
-])
+@pytest.mark.parametrize(
+    "options, setting",
+    [
+        (dict(attention_layer_norm=False), "model.attention_layer_norm"),
+        (dict(attention_layer_norm=True, moe_normalize_expert_weights=2.0), "model.moe_normalize_expert_weights"),
+    ],
+)
 def test_inexpressible_config_is_refused(options: dict[str, Any], setting: str) -> None:
     with pytest.raises(ValueError, match=setting):
         hf.choose_family(ModelConfig(**{**BASE, **options}))
@@ -184,8 +228,9 @@ def test_missing_tokenizer_and_existing_output(tmp_path: Path, tokenizer: Loaded
 
 
 def test_import_refuses_unsupported_architecture(tmp_path: Path) -> None:
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "llama"))
     with pytest.raises(ValueError, match=r"model_type 'llama' is not supported.*\['mixtral', 'olmoe', 'qwen3_moe'\]"):
         hf.import_hf(tmp_path / "llama", tmp_path / "out")
@@ -194,19 +239,29 @@ def test_import_refuses_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_import_refuses_unsupported_options(tmp_path: Path) -> None:
-    config = transformers.OlmoeConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
-                                      num_attention_heads=2, num_experts=2, num_experts_per_tok=1, clip_qkv=8.0,
-                                      eos_token_id=0)
+    config = transformers.OlmoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_experts=2,
+        num_experts_per_tok=1,
+        clip_qkv=8.0,
+        eos_token_id=0,
+    )
     transformers.OlmoeForCausalLM(config).save_pretrained(str(tmp_path / "olmoe"))
     with pytest.raises(ValueError, match="'clip_qkv' = 8.0 is not supported"):
         hf.import_hf(tmp_path / "olmoe", tmp_path / "out")
 
 
-def test_cli_export_from_run_dir_and_error_exit(tmp_path: Path, tokenizer: LoadedTokenizer,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_export_from_run_dir_and_error_exit(
+    tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
     make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=3)
-    assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--step", "latest", "--out",
-                    str(tmp_path / "hf")]) == 0
+    assert (
+        hf.main(["export", "--run_dir", str(tmp_path / "run"), "--step", "latest", "--out", str(tmp_path / "hf")]) == 0
+    )
     assert (tmp_path / "hf" / "config.json").is_file()
     assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--step", "9", "--out", str(tmp_path / "x")]) == 2
     assert "step9 does not exist; available: step3" in capsys.readouterr().err

@@ -41,8 +41,9 @@ def test_tokenizer_identifier_from_the_hub_cache(hf_home: Path, tokenizer: Loade
     assert loaded.path == snapshot / "tokenizer.json" and loaded.fingerprint == tokenizer.fingerprint
 
 
-def test_local_path_comes_before_the_cache(hf_home: Path, tokenizer: LoadedTokenizer, tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_path_comes_before_the_cache(
+    hf_home: Path, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache_repo(hf_home, "org/tok", tokenizer.path.parent)
     monkeypatch.chdir(tmp_path)
     shutil.copytree(tokenizer.path.parent, tmp_path / "org" / "tok")
@@ -50,8 +51,11 @@ def test_local_path_comes_before_the_cache(hf_home: Path, tokenizer: LoadedToken
 
 
 def test_offline_and_not_cached_names_the_id(hf_home: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"tokenizer 'Qwen/NotCached' is not a local path and not in the "
-                                                r"Hugging Face cache .*HF_HUB_OFFLINE=1"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"tokenizer 'Qwen/NotCached' is not a local path and not in the "
+        r"Hugging Face cache .*HF_HUB_OFFLINE=1",
+    ):
         load_tokenizer("Qwen/NotCached")
     with pytest.raises(FileNotFoundError, match=r"--hf 'org/missing-model'.*HF_HUB_OFFLINE=1"):
         hf.import_hf("org/missing-model", hf_home / "out" / "step0")
@@ -83,17 +87,25 @@ def test_hf_import_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: Loade
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_upcycle_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer,
-                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_upcycle_from_a_hub_id(
+    hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = str(REPO / "configs" / "upcycle_tiny.yaml")
-    overrides = [f"--tokenizer.identifier={tokenizer.path.parent}", f"--model.vocab_size={tokenizer.vocab_size}",
-                 f"--model.embedding_size={tokenizer.vocab_size}"]
-    assert upcycle.main(["--config", config, "--hf", str(tmp_path / "dense"), "--make_random_dense", "qwen3",
-                         *overrides]) == 0
+    overrides = [
+        f"--tokenizer.identifier={tokenizer.path.parent}",
+        f"--model.vocab_size={tokenizer.vocab_size}",
+        f"--model.embedding_size={tokenizer.vocab_size}",
+    ]
+    assert (
+        upcycle.main(["--config", config, "--hf", str(tmp_path / "dense"), "--make_random_dense", "qwen3", *overrides])
+        == 0
+    )
     cache_repo(hf_home, "Qwen/Tiny-Dense", tmp_path / "dense")
     out = tmp_path / "init" / "step0"
     assert upcycle.main(["--config", config, "--hf", "Qwen/Tiny-Dense", "--out", str(out), *overrides]) == 0
     assert "equals the dense model at step 0" in capsys.readouterr().out
-    assert upcycle.main(["--config", config, "--hf", "Qwen/Not-There", "--out", str(tmp_path / "x" / "step0"),
-                         *overrides]) == 2
+    assert (
+        upcycle.main(["--config", config, "--hf", "Qwen/Not-There", "--out", str(tmp_path / "x" / "step0"), *overrides])
+        == 2
+    )
     assert "'Qwen/Not-There' is not a local path" in capsys.readouterr().err

@@ -20,8 +20,15 @@ STORED = REPO / "tests" / "data" / "tiny_loss_curve.json"
 
 
 def test_tiny_config_reproduces_the_stored_loss_curve(tiny_corpus, tmp_path: Path) -> None:
-    args = [str(REPO / "configs" / "tiny.yaml"), "--using_spes=false", *tiny_corpus.overrides(tmp_path),
-            "--max_duration=12st", "--eval_interval=null", "--save_interval=null", "--log_interval=1"]
+    args = [
+        str(REPO / "configs" / "tiny.yaml"),
+        "--using_spes=false",
+        *tiny_corpus.overrides(tmp_path),
+        "--max_duration=12st",
+        "--eval_interval=null",
+        "--save_interval=null",
+        "--log_interval=1",
+    ]
     assert main(args) == 0
     losses = [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     key = f"python{sys.version_info.major}.{sys.version_info.minor}"

@@ -54,14 +54,17 @@ def test_baselines_train_every_parameter(path: str) -> None:
     assert counts.trainable == counts.total == 1_167_840_000
 
 
-@pytest.mark.parametrize("overrides", [
-    ["--model.n_kv_heads=2"],
-    ["--model.attention_layer_norm=true", "--model.attention_layer_norm_over_head=true", "--model.n_kv_heads=2"],
-    ["--model.attention_layer_norm=true", "--model.attention_layer_norm_with_affine=false"],
-    ["--model.mlp_hidden_size=null", "--model.mlp_ratio=3"],
-    ["--model.embedding_size=4160"],
-    ["--model.layer_norm_with_affine=false"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["--model.n_kv_heads=2"],
+        ["--model.attention_layer_norm=true", "--model.attention_layer_norm_over_head=true", "--model.n_kv_heads=2"],
+        ["--model.attention_layer_norm=true", "--model.attention_layer_norm_with_affine=false"],
+        ["--model.mlp_hidden_size=null", "--model.mlp_ratio=3"],
+        ["--model.embedding_size=4160"],
+        ["--model.layer_norm_with_affine=false"],
+    ],
+)
 def test_param_counts_of_model_variants(overrides: list[str]) -> None:
     cfg = tiny(*overrides)
     model = built(cfg)

@@ -26,12 +26,29 @@ D, HIDDEN, E, K = 16, 12, 8, 2
 BACKENDS = ["torch", "grouped_mm"]
 
 
-def make_moe(backend: str = "torch", *, block_size: int = 2, trainable_block: int | None = None,
-             normalize_p: float | None = None, num_layers: int = 1, seed: int = 0) -> MoE:
+def make_moe(
+    backend: str = "torch",
+    *,
+    block_size: int = 2,
+    trainable_block: int | None = None,
+    normalize_p: float | None = None,
+    num_layers: int = 1,
+    seed: int = 0,
+) -> MoE:
     """A small MoE with weights large enough that routing and expert outputs are far from trivial."""
-    moe = MoE(d_model=D, hidden=HIDDEN, num_experts=E, top_k=K, block_size=block_size,
-              trainable_block=trainable_block, num_layers=num_layers, lb_weight=0.01, z_weight=0.001,
-              normalize_p=normalize_p, backend=backend)  # type: ignore[arg-type]
+    moe = MoE(
+        d_model=D,
+        hidden=HIDDEN,
+        num_experts=E,
+        top_k=K,
+        block_size=block_size,
+        trainable_block=trainable_block,
+        num_layers=num_layers,
+        lb_weight=0.01,
+        z_weight=0.001,
+        normalize_p=normalize_p,
+        backend=backend,
+    )  # type: ignore[arg-type]
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
@@ -82,8 +99,9 @@ def module_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size", [2, 3, 8])
 @pytest.mark.parametrize("normalize_p", [None, 1.0])
-def test_backend_matches_naive_loop_forward_and_gradients(backend: str, block_size: int,
-                                                          normalize_p: float | None) -> None:
+def test_backend_matches_naive_loop_forward_and_gradients(
+    backend: str, block_size: int, normalize_p: float | None
+) -> None:
     moe = make_moe(backend, block_size=block_size, normalize_p=normalize_p)
     x = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(moe(x)[0], naive_moe_forward(moe, x), atol=1e-5, rtol=1e-5)
@@ -117,8 +135,9 @@ def test_load_balancing_loss_by_hand() -> None:
     # E * w / (L * T * K) * sum_e count_e * mean_t p_te = 3 * 0.01 / (2 * 4 * 1) * (2*0.4 + 1*0.375 + 1*0.225)
     got = load_balancing_loss(probs, counts, top_k=1, weight=0.01, num_layers=2)
     assert got.item() == pytest.approx(0.00375 * 1.4, rel=1e-6)
-    scaled = load_balancing_loss(probs, counts, top_k=1, weight=0.01, num_layers=2,
-                                 count_scale_E=torch.tensor([0.7, 1.0, 1.0]))
+    scaled = load_balancing_loss(
+        probs, counts, top_k=1, weight=0.01, num_layers=2, count_scale_E=torch.tensor([0.7, 1.0, 1.0])
+    )
     assert scaled.item() == pytest.approx(0.00375 * (0.7 * 2 * 0.4 + 0.375 + 0.225), rel=1e-6)
 
 
@@ -184,7 +203,7 @@ def test_normalized_topk_weights_sum_to_one(backend: str) -> None:
     w1, v1, w2 = (b[0][0] for b in (moe.experts.w1, moe.experts.v1, moe.experts.w2))
     one_expert = (F.silu(x @ w1) * (x @ v1)) @ w2
     torch.testing.assert_close(outputs[1.0], one_expert, atol=1e-5, rtol=1e-5)
-    ratio = (outputs[None].norm(dim=-1) / one_expert.norm(dim=-1))
+    ratio = outputs[None].norm(dim=-1) / one_expert.norm(dim=-1)
     assert bool(((ratio > 2 / E) & (ratio < 1 - 1e-3)).all())  # unnormalized top-2 of 8 probabilities
 
 
@@ -215,8 +234,11 @@ def test_parse_expert_block() -> None:
 
 
 def test_fuse_split_round_trip_uneven_blocks() -> None:
-    full = {"blocks.0.ffn.experts.w1": torch.randn(5, 3, 2), "blocks.0.ffn.experts.w2": torch.randn(5, 2, 3),
-            "embed.weight": torch.randn(4, 3)}
+    full = {
+        "blocks.0.ffn.experts.w1": torch.randn(5, 3, 2),
+        "blocks.0.ffn.experts.w2": torch.randn(5, 2, 3),
+        "embed.weight": torch.randn(4, 3),
+    }
     blocks = split_expert_blocks(full, 2)
     assert [tuple(blocks[f"blocks.0.ffn.experts.w1.{b}"].shape) for b in range(3)] == [(2, 3, 2), (2, 3, 2), (1, 3, 2)]
     fused = fuse_expert_blocks(blocks)

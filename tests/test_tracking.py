@@ -27,8 +27,8 @@ def wandb_records(path: Path) -> list[object]:
         if block - pos % block < 7:
             pos += block - pos % block
             continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        piece += data[pos + 7:pos + 7 + length]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        piece += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -61,13 +61,23 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 
 
 def test_training_run_logs_every_metric_to_wandb_offline_and_tensorboard(
-        tiny_corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    tiny_corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.chdir(tmp_path)
-    args = [str(REPO / "configs" / "tiny.yaml"), "--using_spes=false", *tiny_corpus.overrides(tmp_path / "run"),
-            "--max_duration=4st", "--eval_interval=2", "--save_interval=null", "--wandb.project=spes-test",
-            "--wandb.name=tiny-node0", "--wandb.group=tiny", f"--tensorboard.log_dir={tmp_path / 'tb'}"]
+    args = [
+        str(REPO / "configs" / "tiny.yaml"),
+        "--using_spes=false",
+        *tiny_corpus.overrides(tmp_path / "run"),
+        "--max_duration=4st",
+        "--eval_interval=2",
+        "--save_interval=null",
+        "--wandb.project=spes-test",
+        "--wandb.name=tiny-node0",
+        "--wandb.group=tiny",
+        f"--tensorboard.log_dir={tmp_path / 'tb'}",
+    ]
     assert main(args) == 0
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4] and "val_loss" in lines[1]
@@ -94,14 +104,19 @@ def test_trackers_are_off_by_default_and_off_the_main_rank(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("section, extra", [("wandb", "wandb"), ("tensorboard", "tensorboard")])
-def test_missing_package_names_the_extra(section: str, extra: str, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_package_names_the_extra(
+    section: str, extra: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # None in sys.modules makes `import` raise ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    cfg = TrainConfig(save_folder=str(tmp_path), **{section: WandbConfig() if section == "wandb"
-                                                    else TensorBoardConfig()})
-    with pytest.raises(ConfigError, match=rf"'{section}' is set but the {extra} package is not installed: "
-                                          rf"pip install -e '\.\[{extra}\]'"):
+    cfg = TrainConfig(
+        save_folder=str(tmp_path), **{section: WandbConfig() if section == "wandb" else TensorBoardConfig()}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=rf"'{section}' is set but the {extra} package is not installed: "
+        rf"pip install -e '\.\[{extra}\]'",
+    ):
         Trackers(cfg, enabled=True)
 
 
