@@ -20,9 +20,16 @@ from typing import Any
 
 import torch
 
-from common import REPO_ROOT, best_seconds, format_table, machine_info, manifest_bytes, manifest_of, parser, \
-    write_results
-
+from common import (
+    REPO_ROOT,
+    best_seconds,
+    format_table,
+    machine_info,
+    manifest_bytes,
+    manifest_of,
+    parser,
+    write_results,
+)
 from spes.config import load_config
 from spes.sync.merge import MergeConfig, Mode, build_global, trainable_names
 
@@ -33,12 +40,15 @@ QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 MERGE = MergeConfig(interval=100, alpha_start=0.05, decay_steps=10000, topk=4)
 
 
-def make_uploads(manifest: dict[str, tuple[int, ...]], peers: int, mode: Mode, dtype: torch.dtype
-                 ) -> dict[int, dict[str, torch.Tensor]]:
+def make_uploads(
+    manifest: dict[str, tuple[int, ...]], peers: int, mode: Mode, dtype: torch.dtype
+) -> dict[int, dict[str, torch.Tensor]]:
     """Random uploads of every peer (what the server has decoded when the round completes)."""
     gen = torch.Generator().manual_seed(0)
-    return {p: {n: torch.randn(manifest[n], generator=gen).to(dtype) for n in trainable_names(list(manifest), p, mode)}
-            for p in range(peers)}
+    return {
+        p: {n: torch.randn(manifest[n], generator=gen).to(dtype) for n in trainable_names(list(manifest), p, mode)}
+        for p in range(peers)
+    }
 
 
 def clone_all(uploads: dict[int, dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -50,19 +60,30 @@ def copy_all(uploads: dict[int, dict[str, torch.Tensor]], into: list[torch.Tenso
         dst.copy_(src)
 
 
-def bench_case(name: str, uploads: dict[int, dict[str, torch.Tensor]], *, peers: int, k: int, mode: Mode, step: int,
-               repeats: int) -> dict[str, Any]:
+def bench_case(
+    name: str, uploads: dict[int, dict[str, torch.Tensor]], *, peers: int, k: int, mode: Mode, step: int, repeats: int
+) -> dict[str, Any]:
     """Time build_global and clone on the same uploads, in the same run."""
     nbytes = sum(t.numel() * t.element_size() for u in uploads.values() for t in u.values())
-    agg_s = best_seconds(lambda: build_global(uploads, num_peers=peers, experts_per_peer=k, mode=mode, step=step,
-                                                 merge=MERGE).tensors, repeats)
+    agg_s = best_seconds(
+        lambda: build_global(uploads, num_peers=peers, experts_per_peer=k, mode=mode, step=step, merge=MERGE).tensors,
+        repeats,
+    )
     copy_s = best_seconds(lambda: clone_all(uploads), repeats)
     into = clone_all(uploads)
     reused_s = best_seconds(lambda: copy_all(uploads, into), repeats)
-    return {"case": name, "upload_bytes": nbytes, "aggregate_s": agg_s, "memcpy_s": copy_s,
-            "aggregate_gb_s": nbytes / agg_s / 1e9, "memcpy_gb_s": nbytes / copy_s / 1e9,
-            "aggregate_over_memcpy": copy_s / agg_s, "copy_into_s": reused_s,
-            "copy_into_gb_s": nbytes / reused_s / 1e9, "aggregate_over_copy_into": reused_s / agg_s}
+    return {
+        "case": name,
+        "upload_bytes": nbytes,
+        "aggregate_s": agg_s,
+        "memcpy_s": copy_s,
+        "aggregate_gb_s": nbytes / agg_s / 1e9,
+        "memcpy_gb_s": nbytes / copy_s / 1e9,
+        "aggregate_over_memcpy": copy_s / agg_s,
+        "copy_into_s": reused_s,
+        "copy_into_gb_s": nbytes / reused_s / 1e9,
+        "aggregate_over_copy_into": reused_s / agg_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,30 +97,71 @@ def main(argv: list[str] | None = None) -> int:
     spes_manifest = manifest_of(spes_cfg)
     diloco_cfg = load_config(config, [*overrides, "--using_dilico=true"])[0]
     diloco_manifest = manifest_of(diloco_cfg)
-    print(f"model: {manifest_bytes(spes_manifest) / 1e9:.2f} GB fp32 ({config.relative_to(REPO_ROOT)} "
-          f"{' '.join(overrides)}), {peers} peers x {k} experts; torch threads {torch.get_num_threads()}")
+    print(
+        f"model: {manifest_bytes(spes_manifest) / 1e9:.2f} GB fp32 ({config.relative_to(REPO_ROOT)} "
+        f"{' '.join(overrides)}), {peers} peers x {k} experts; torch threads {torch.get_num_threads()}"
+    )
 
     results = []
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         uploads = make_uploads(spes_manifest, peers, "spes", dtype)
         for case, step in (("spes plain round", MERGE.interval + 1), ("spes merge round", MERGE.interval)):
-            results.append({"dtype": dtype_name, **bench_case(case, uploads, peers=peers, k=k, mode="spes", step=step,
-                                                              repeats=repeats)})
+            results.append(
+                {
+                    "dtype": dtype_name,
+                    **bench_case(case, uploads, peers=peers, k=k, mode="spes", step=step, repeats=repeats),
+                }
+            )
         del uploads
         uploads = make_uploads(diloco_manifest, peers, "diloco", dtype)
-        results.append({"dtype": dtype_name, **bench_case("diloco average", uploads, peers=peers,
-                                                          k=diloco_cfg.experts_per_peer, mode="diloco", step=1,
-                                                          repeats=repeats)})
+        results.append(
+            {
+                "dtype": dtype_name,
+                **bench_case(
+                    "diloco average",
+                    uploads,
+                    peers=peers,
+                    k=diloco_cfg.experts_per_peer,
+                    mode="diloco",
+                    step=1,
+                    repeats=repeats,
+                ),
+            }
+        )
         del uploads
-    rows = [[r["case"], r["dtype"], f"{r['upload_bytes'] / 1e9:.3f}", f"{r['aggregate_s']:.3f}",
-             f"{r['aggregate_gb_s']:.2f}", f"{r['memcpy_gb_s']:.2f}", f"{r['aggregate_over_memcpy']:.2f}",
-             f"{r['copy_into_gb_s']:.2f}", f"{r['aggregate_over_copy_into']:.2f}"] for r in results]
-    print(format_table(["case", "uploads", "GB in", "aggregate s", "GB/s", "clone GB/s", "vs clone",
-                        "copy_ GB/s", "vs copy_"], rows))
-    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
-                             "config": str(config.relative_to(REPO_ROOT)), "overrides": overrides, "peers": peers,
-                             "experts_per_peer": k, "model_bytes_fp32": manifest_bytes(spes_manifest),
-                             "results": results})
+    rows = [
+        [
+            r["case"],
+            r["dtype"],
+            f"{r['upload_bytes'] / 1e9:.3f}",
+            f"{r['aggregate_s']:.3f}",
+            f"{r['aggregate_gb_s']:.2f}",
+            f"{r['memcpy_gb_s']:.2f}",
+            f"{r['aggregate_over_memcpy']:.2f}",
+            f"{r['copy_into_gb_s']:.2f}",
+            f"{r['aggregate_over_copy_into']:.2f}",
+        ]
+        for r in results
+    ]
+    print(
+        format_table(
+            ["case", "uploads", "GB in", "aggregate s", "GB/s", "clone GB/s", "vs clone", "copy_ GB/s", "vs copy_"],
+            rows,
+        )
+    )
+    write_results(
+        args.out,
+        {
+            "mode": "quick" if args.quick else "full",
+            "machine": machine_info(),
+            "config": str(config.relative_to(REPO_ROOT)),
+            "overrides": overrides,
+            "peers": peers,
+            "experts_per_peer": k,
+            "model_bytes_fp32": manifest_bytes(spes_manifest),
+            "results": results,
+        },
+    )
     return 0
 
 

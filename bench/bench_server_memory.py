@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from common import MIB, format_table, machine_info, manifest_bytes, parser, start_server, write_results
-
 from spes.sync.client import SyncClient
 from spes.sync.merge import trainable_names
 
@@ -61,22 +60,43 @@ def bench_case(model_mb: int, peers: int, rounds: int, workdir: Path) -> dict[st
     trainable = {p: trainable_names(list(manifest), p, "spes") for p in range(peers)}
     gen = torch.Generator().manual_seed(0)
     values = {n: torch.randn(s, generator=gen) for n, s in manifest.items()}  # NOTE: peers share shared tensors
-    proc, port = start_server(["--total_peers", str(peers), "--num_train_experts_per_node", "1", "--merge_interval", "0",
-                               "--state_dir", str(workdir / f"state-{model_mb}-{peers}")],
-                              workdir / f"server-{model_mb}-{peers}.log")
+    proc, port = start_server(
+        [
+            "--total_peers",
+            str(peers),
+            "--num_train_experts_per_node",
+            "1",
+            "--merge_interval",
+            "0",
+            "--state_dir",
+            str(workdir / f"state-{model_mb}-{peers}"),
+        ],
+        workdir / f"server-{model_mb}-{peers}.log",
+    )
     try:
         time.sleep(1.0)
         idle = proc_memory(proc.pid)["rss"]
-        clients = [SyncClient(f"127.0.0.1:{port}", peer_id=p, num_peers=peers, experts_per_peer=1, mode="spes",
-                              rpc_timeout_s=60, round_timeout_s=600) for p in range(peers)]
+        clients = [
+            SyncClient(
+                f"127.0.0.1:{port}",
+                peer_id=p,
+                num_peers=peers,
+                experts_per_peer=1,
+                mode="spes",
+                rpc_timeout_s=60,
+                round_timeout_s=600,
+            )
+            for p in range(peers)
+        ]
         for peer, client in enumerate(clients):
             client.join(manifest, trainable[peer])
         seconds = []
         with ThreadPoolExecutor(peers) as pool:
             for step in range(1, rounds + 1):
                 start = time.perf_counter()
-                futures = [pool.submit(c.sync, step, {n: values[n] for n in trainable[p]})
-                           for p, c in enumerate(clients)]
+                futures = [
+                    pool.submit(c.sync, step, {n: values[n] for n in trainable[p]}) for p, c in enumerate(clients)
+                ]
                 for future in futures:
                     future.result(timeout=600)
                 del futures
@@ -90,12 +110,20 @@ def bench_case(model_mb: int, peers: int, rounds: int, workdir: Path) -> dict[st
     model = manifest_bytes(manifest)
     uploads = sum(manifest_bytes(manifest, trainable[p]) for p in range(peers))
     grown = after["peak"] - idle
-    return {"model_mb": model / MIB, "peers": peers, "upload_mb_per_peer": uploads / peers / MIB,
-            "staged_mb": uploads / MIB, "idle_rss_mb": idle / MIB, "peak_rss_mb": after["peak"] / MIB,
-            "end_rss_mb": after["rss"] / MIB, "peak_over_idle_mb": grown / MIB,
-            "peak_over_idle_per_model": grown / model,
-            "bound_mb": (model + uploads) / MIB, "peak_over_idle_per_bound": grown / (model + uploads),
-            "seconds_per_round": seconds}
+    return {
+        "model_mb": model / MIB,
+        "peers": peers,
+        "upload_mb_per_peer": uploads / peers / MIB,
+        "staged_mb": uploads / MIB,
+        "idle_rss_mb": idle / MIB,
+        "peak_rss_mb": after["peak"] / MIB,
+        "end_rss_mb": after["rss"] / MIB,
+        "peak_over_idle_mb": grown / MIB,
+        "peak_over_idle_per_model": grown / model,
+        "bound_mb": (model + uploads) / MIB,
+        "peak_over_idle_per_bound": grown / (model + uploads),
+        "seconds_per_round": seconds,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,11 +139,33 @@ def main(argv: list[str] | None = None) -> int:
         cases = [bench_case(size, peers, args.rounds, workdir) for size in args.sizes_mb for peers in args.peers]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    headers = ["model MB", "peers", "staged MB", "idle RSS", "peak RSS", "peak-idle", "/ model", "bound MB",
-               "/ bound", "s/round"]
-    rows = [[c["model_mb"], c["peers"], c["staged_mb"], c["idle_rss_mb"], c["peak_rss_mb"], c["peak_over_idle_mb"],
-             c["peak_over_idle_per_model"], c["bound_mb"], c["peak_over_idle_per_bound"],
-             sum(c["seconds_per_round"]) / len(c["seconds_per_round"])] for c in cases]
+    headers = [
+        "model MB",
+        "peers",
+        "staged MB",
+        "idle RSS",
+        "peak RSS",
+        "peak-idle",
+        "/ model",
+        "bound MB",
+        "/ bound",
+        "s/round",
+    ]
+    rows = [
+        [
+            c["model_mb"],
+            c["peers"],
+            c["staged_mb"],
+            c["idle_rss_mb"],
+            c["peak_rss_mb"],
+            c["peak_over_idle_mb"],
+            c["peak_over_idle_per_model"],
+            c["bound_mb"],
+            c["peak_over_idle_per_bound"],
+            sum(c["seconds_per_round"]) / len(c["seconds_per_round"]),
+        ]
+        for c in cases
+    ]
     print("parameter server peak memory (bound = previous global model + every staged upload of a round)")
     print(format_table(headers, rows))
     write_results(args.out, {"machine": machine_info(), "rounds": args.rounds, "cases": cases})

@@ -28,13 +28,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import torch
 
 from common import MIB, REPO_ROOT, format_table, machine_info, manifest_bytes, parser, start_server, write_results
-
 from spes.sync.client import SyncClient
 from spes.sync.merge import MergeConfig, build_global, trainable_names
 from spes.sync.proto import spes_pb2 as pb
@@ -61,8 +61,11 @@ def manifest() -> dict[str, tuple[int, ...]]:
 
 def usage(pid: int) -> dict[str, int]:
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return {"rss": int(fields["VmRSS"].split()[0]) * 1024, "threads": int(fields["Threads"]),
-            "fds": len(os.listdir(f"/proc/{pid}/fd"))}
+    return {
+        "rss": int(fields["VmRSS"].split()[0]) * 1024,
+        "threads": int(fields["Threads"]),
+        "fds": len(os.listdir(f"/proc/{pid}/fd")),
+    }
 
 
 # -- the fifth process ------------------------------------------------------------------------------------------
@@ -86,8 +89,14 @@ def chaos(addr: str, data_port: int, counts_path: Path) -> int:
     """
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    counts = {"idle_grpc_streams": 0, "idle_data_connections": 0, "killed_uploads_grpc": 0,
-              "killed_uploads_data": 0, "garbage_frames": 0, "reconnects": 0}
+    counts = {
+        "idle_grpc_streams": 0,
+        "idle_data_connections": 0,
+        "killed_uploads_grpc": 0,
+        "killed_uploads_data": 0,
+        "garbage_frames": 0,
+        "reconnects": 0,
+    }
     host, port = addr.rsplit(":", 1)
     peer = 0
     counts_path.write_text(json.dumps(counts))  # ready: the soak starts its rounds now
@@ -96,7 +105,7 @@ def chaos(addr: str, data_port: int, counts_path: Path) -> int:
             counts["reconnects"] += 1
             hold = threading.Event()
 
-            def idle():  # noqa: ANN202 - a request iterator that never yields
+            def idle(hold: threading.Event = hold) -> Iterator[Any]:  # a request iterator that never yields
                 hold.wait(10)
                 yield from ()
 
@@ -136,8 +145,10 @@ TENSOR = {"name": "embed.weight", "dtype": "fp32", "shape": [256, D], "num_bytes
 def kill_grpc_upload(channel: grpc.Channel, peer: int, step: int) -> int:
     """Start an upload as `peer` for `step`, send 4 KiB of its first tensor, then cancel the call."""
     header = pb.TensorHeader(**TENSOR)
-    messages = [pb.UploadMessage(meta=pb.UploadMeta(peer_id=peer, round=step)),
-                pb.UploadMessage(chunk=pb.TensorChunk(header=header, offset=0, data=b"\1" * 4096))]
+    messages = [
+        pb.UploadMessage(meta=pb.UploadMeta(peer_id=peer, round=step)),
+        pb.UploadMessage(chunk=pb.TensorChunk(header=header, offset=0, data=b"\1" * 4096)),
+    ]
     stall = threading.Event()
 
     def partial():  # noqa: ANN202
@@ -145,7 +156,8 @@ def kill_grpc_upload(channel: grpc.Channel, peer: int, step: int) -> int:
         stall.wait(5)
 
     call = channel.stream_unary(UPLOAD, request_serializer=pb.UploadMessage.SerializeToString).future(
-        partial(), timeout=10)
+        partial(), timeout=10
+    )
     time.sleep(0.05)
     call.cancel()
     stall.set()
@@ -170,25 +182,58 @@ def kill_data_upload(host: str, data_port: int, peer: int, step: int) -> int:
 def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> dict[str, Any]:
     shapes = manifest()
     trainable = {p: trainable_names(list(shapes), p, "spes") for p in range(PEERS)}
-    server, port = start_server(["--total_peers", str(PEERS), "--num_train_experts_per_node", str(K), "--data_port",
-                                 "0", "--stream_idle_timeout", "2", "--merge_interval", str(MERGE.interval),
-                                 "--merge_alpha_start", str(MERGE.alpha_start), "--merge_decay_steps",
-                                 str(MERGE.decay_steps), "--merge_topk", str(MERGE.topk)], workdir / "server.log")
+    server, port = start_server(
+        [
+            "--total_peers",
+            str(PEERS),
+            "--num_train_experts_per_node",
+            str(K),
+            "--data_port",
+            "0",
+            "--stream_idle_timeout",
+            "2",
+            "--merge_interval",
+            str(MERGE.interval),
+            "--merge_alpha_start",
+            str(MERGE.alpha_start),
+            "--merge_decay_steps",
+            str(MERGE.decay_steps),
+            "--merge_topk",
+            str(MERGE.topk),
+        ],
+        workdir / "server.log",
+    )
     addr = f"127.0.0.1:{port}"
     chaos_proc = None
     samples: list[dict[str, Any]] = []
     exact_rounds = 0
     seconds: list[float] = []
     try:
-        clients = [SyncClient(addr, peer_id=p, num_peers=PEERS, experts_per_peer=K, mode="spes", rpc_timeout_s=20,
-                              round_timeout_s=120, max_retries=10) for p in range(PEERS)]
+        clients = [
+            SyncClient(
+                addr,
+                peer_id=p,
+                num_peers=PEERS,
+                experts_per_peer=K,
+                mode="spes",
+                rpc_timeout_s=20,
+                round_timeout_s=120,
+                max_retries=10,
+            )
+            for p in range(PEERS)
+        ]
         for p, client in enumerate(clients):
             client.join(shapes, trainable[p])
         counts_path = workdir / "chaos.json"
         if not attack:
             counts_path.write_text("{}")
-        chaos_proc = None if not attack else subprocess.Popen([sys.executable, __file__, "--chaos", addr, str(clients[0].plane.port),
-                                       str(counts_path)], cwd=REPO_ROOT)
+        chaos_proc = (
+            None
+            if not attack
+            else subprocess.Popen(
+                [sys.executable, __file__, "--chaos", addr, str(clients[0].plane.port), str(counts_path)], cwd=REPO_ROOT
+            )
+        )
         while not counts_path.exists():
             if chaos_proc is not None and chaos_proc.poll() is not None:
                 raise RuntimeError("the chaos process exited before it started")
@@ -197,8 +242,9 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
             for step in range(1, rounds + 1):
                 gen = torch.Generator().manual_seed(step)
                 uploads = {p: {n: torch.randn(shapes[n], generator=gen) for n in trainable[p]} for p in range(PEERS)}
-                want = build_global(uploads, num_peers=PEERS, experts_per_peer=K, mode="spes", step=step,
-                                       merge=MERGE).tensors
+                want = build_global(
+                    uploads, num_peers=PEERS, experts_per_peer=K, mode="spes", step=step, merge=MERGE
+                ).tensors
                 start = time.perf_counter()
                 futures = [pool.submit(c.sync, step, uploads[p]) for p, c in enumerate(clients)]
                 results = [f.result(timeout=300) for f in futures]
@@ -220,16 +266,25 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
     warm = [s for s in samples if s["round"] >= max(10, rounds // 5)]
     first, last = warm[0], warm[-1]
     return {
-        "rounds": rounds, "peers": PEERS, "model_mb": manifest_bytes(shapes) / MIB, "rounds_exact": exact_rounds,
+        "rounds": rounds,
+        "peers": PEERS,
+        "model_mb": manifest_bytes(shapes) / MIB,
+        "rounds_exact": exact_rounds,
         "chaos": counts,
-        "server_refusals_logged": log.count("refused ("), "idle_closed_logged": log.count("idle for"),
-        "broken_uploads_logged": log.count("nothing was kept"), "samples": samples,
-        "after_warmup": {"from_round": first["round"], "to_round": last["round"],
-                         "rss_growth_mb": (last["rss"] - first["rss"]) / MIB,
-                         "rss_min_max_mb": [min(s["rss"] for s in warm) / MIB, max(s["rss"] for s in warm) / MIB],
-                         "threads_min_max": [min(s["threads"] for s in warm), max(s["threads"] for s in warm)],
-                         "fds_min_max": [min(s["fds"] for s in warm), max(s["fds"] for s in warm)]},
-        "seconds_per_round_median": sorted(seconds)[len(seconds) // 2], "pause_s": pause_s,
+        "server_refusals_logged": log.count("refused ("),
+        "idle_closed_logged": log.count("idle for"),
+        "broken_uploads_logged": log.count("nothing was kept"),
+        "samples": samples,
+        "after_warmup": {
+            "from_round": first["round"],
+            "to_round": last["round"],
+            "rss_growth_mb": (last["rss"] - first["rss"]) / MIB,
+            "rss_min_max_mb": [min(s["rss"] for s in warm) / MIB, max(s["rss"] for s in warm) / MIB],
+            "threads_min_max": [min(s["threads"] for s in warm), max(s["threads"] for s in warm)],
+            "fds_min_max": [min(s["fds"] for s in warm), max(s["fds"] for s in warm)],
+        },
+        "seconds_per_round_median": sorted(seconds)[len(seconds) // 2],
+        "pause_s": pause_s,
     }
 
 
@@ -245,10 +300,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="spes-soak-") as tmp:
         result = soak(rounds, args.pause, Path(tmp), attack=not args.no_chaos)
     a = result["after_warmup"]
-    print(format_table(["rounds", "exact", "RSS growth MiB", "RSS min-max MiB", "threads min-max", "fds min-max"],
-                       [[result["rounds"], result["rounds_exact"], round(a["rss_growth_mb"], 2),
-                         "-".join(f"{v:.0f}" for v in a["rss_min_max_mb"]),
-                         "-".join(map(str, a["threads_min_max"])), "-".join(map(str, a["fds_min_max"]))]]))
+    print(
+        format_table(
+            ["rounds", "exact", "RSS growth MiB", "RSS min-max MiB", "threads min-max", "fds min-max"],
+            [
+                [
+                    result["rounds"],
+                    result["rounds_exact"],
+                    round(a["rss_growth_mb"], 2),
+                    "-".join(f"{v:.0f}" for v in a["rss_min_max_mb"]),
+                    "-".join(map(str, a["threads_min_max"])),
+                    "-".join(map(str, a["fds_min_max"])),
+                ]
+            ],
+        )
+    )
     print("faults injected:", json.dumps(result["chaos"]))
     write_results(args.out, {"machine": machine_info(), **result})
     return 0

@@ -39,17 +39,29 @@ from typing import IO, Any
 
 import torch
 
-from common import REPO_ROOT, RESULTS_DIR, format_table, machine_info, manifest_bytes, manifest_of, parser, \
-    write_results
-
+from common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    format_table,
+    machine_info,
+    manifest_bytes,
+    manifest_of,
+    parser,
+    write_results,
+)
 from spes.config import load_config
 from spes.launch import free_port
 from spes.sync.merge import download_names, trainable_names
 from spes.sync.wire import payload_bytes
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
-FULL_MODEL = ["--model.n_layers=3", "--model.vocab_size=50304", "--model.embedding_size=50304",
-              "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=8"]
+FULL_MODEL = [
+    "--model.n_layers=3",
+    "--model.vocab_size=50304",
+    "--model.embedding_size=50304",
+    "--spes_config.num_peers=2",
+    "--spes_config.num_train_experts_per_node=8",
+]
 QUICK_MODEL = ["--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4"]
 QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 # Starts a relay in front of the given server ports; returns it and each peer's host to connect to.
@@ -74,16 +86,27 @@ def grpc_peer(config: Path, overrides: list[str], peer: int, addr: str, wire: st
     names = trainable_names(list(manifest), peer, "spes")
     gen = torch.Generator().manual_seed(peer)
     tensors = {n: torch.randn(manifest[n], generator=gen) for n in names}
-    with SyncClient(addr, peer_id=peer, num_peers=cfg.spes_config.num_peers, experts_per_peer=cfg.experts_per_peer,
-                    mode="spes", wire_dtype=wire, rpc_timeout_s=600, round_timeout_s=900, data_plane=plane,
-                    reuse_buffers=True) as client:  # as spes.sync.peer.PeerSync
+    with SyncClient(
+        addr,
+        peer_id=peer,
+        num_peers=cfg.spes_config.num_peers,
+        experts_per_peer=cfg.experts_per_peer,
+        mode="spes",
+        wire_dtype=wire,
+        rpc_timeout_s=600,
+        round_timeout_s=900,
+        data_plane=plane,
+        reuse_buffers=True,
+    ) as client:  # as spes.sync.peer.PeerSync
         client.join(manifest, names)
         for r in range(1, rounds + 1):
             wait_for_go()
             start = time.time()
             _, stats = client.sync(r, tensors)
-            print(json.dumps({"start": start, "end": time.time(), "up": stats.bytes_up, "down": stats.bytes_down}),
-                  flush=True)
+            print(
+                json.dumps({"start": start, "end": time.time(), "up": stats.bytes_up, "down": stats.bytes_down}),
+                flush=True,
+            )
 
 
 def _recv_into(conn: socket.socket, view: memoryview) -> None:
@@ -138,9 +161,15 @@ def raw_peer(host: str, port: int, up: int, down: int, rounds: int) -> None:
 # -- the orchestrator ------------------------------------------------------------------------------------------
 def spawn(args: list[str], log: Path | None = None) -> subprocess.Popen:
     out: IO[Any] | int = open(log, "w") if log is not None else subprocess.PIPE
-    return subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.PIPE
-                            if log is None else subprocess.STDOUT, text=True, cwd=REPO_ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [sys.executable, *args],
+        stdin=subprocess.PIPE,
+        stdout=out,
+        stderr=subprocess.PIPE if log is None else subprocess.STDOUT,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def expect_line(proc: subprocess.Popen, what: str) -> str:
@@ -152,8 +181,13 @@ def expect_line(proc: subprocess.Popen, what: str) -> str:
     return line.strip()
 
 
-def run_rounds(peers: list[subprocess.Popen], warmup: int, rounds: int, profile_pids: list[tuple[str, int]],
-               profile_dir: Path | None) -> tuple[list[dict[str, float]], dict[str, Any]]:
+def run_rounds(
+    peers: list[subprocess.Popen],
+    warmup: int,
+    rounds: int,
+    profile_pids: list[tuple[str, int]],
+    profile_dir: Path | None,
+) -> tuple[list[dict[str, float]], dict[str, Any]]:
     """Release all peers at once for each round; per timed round: wall seconds and bytes moved (all peers).
 
     The first `warmup` rounds are not among the results. With `profile_dir`, the peers run one more round,
@@ -178,8 +212,16 @@ def run_rounds(peers: list[subprocess.Popen], warmup: int, rounds: int, profile_
             continue
         wall = max(x["end"] for x in records) - min(x["start"] for x in records)
         moved = sum(x["up"] + x["down"] for x in records)
-        results.append({"round": r + 1 - warmup, "seconds": wall, "bytes": moved, "gb_s": moved / wall / 1e9,
-                        "up_per_peer": [x["up"] for x in records], "down_per_peer": [x["down"] for x in records]})
+        results.append(
+            {
+                "round": r + 1 - warmup,
+                "seconds": wall,
+                "bytes": moved,
+                "gb_s": moved / wall / 1e9,
+                "up_per_peer": [x["up"] for x in records],
+                "down_per_peer": [x["down"] for x in records],
+            }
+        )
     return results, profiles
 
 
@@ -191,9 +233,29 @@ def start_profilers(pids: list[tuple[str, int]], out: Path) -> list[tuple[str, s
     spies = []
     for name, pid in pids:
         path = out / f"{name}.txt"
-        spies.append((name, subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "250",
-                                              "--nonblocking", "-o", str(path)], stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.DEVNULL), path))
+        spies.append(
+            (
+                name,
+                subprocess.Popen(
+                    [
+                        spy,
+                        "record",
+                        "--pid",
+                        str(pid),
+                        "--format",
+                        "raw",
+                        "--rate",
+                        "250",
+                        "--nonblocking",
+                        "-o",
+                        str(path),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+                path,
+            )
+        )
     time.sleep(2.0)  # let py-spy attach before the round starts
     return spies
 
@@ -223,8 +285,11 @@ def hottest_lines(path: Path, top: int = 12) -> dict[str, Any]:
         own[frames[-1]] += n
         for frame in set(frames):
             inclusive[frame] += n
-    return {"samples": total, "own": [[f, n / total] for f, n in own.most_common(top)],
-            "inclusive": [[f, n / total] for f, n in inclusive.most_common(top * 2)]}
+    return {
+        "samples": total,
+        "own": [[f, n / total] for f, n in own.most_common(top)],
+        "inclusive": [[f, n / total] for f, n in inclusive.most_common(top * 2)],
+    }
 
 
 def wait_for_log(path: Path, needle: str, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -259,8 +324,17 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, warmup: int, rounds: int, workdir: Path,
-               profile: bool, relay: Relay | None = None) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
+def bench_spes(
+    config: Path,
+    overrides: list[str],
+    wire: str,
+    plane: str,
+    warmup: int,
+    rounds: int,
+    workdir: Path,
+    profile: bool,
+    relay: Relay | None = None,
+) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
     """SPES rounds with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp").
 
     With `relay`, it is started on the server's ports once the server listens, and peer `i` connects to the
@@ -269,40 +343,113 @@ def bench_spes(config: Path, overrides: list[str], wire: str, plane: str, warmup
     cfg = load_config(config, overrides)[0]
     port, data_port = free_port(), free_port()
     log = workdir / f"server_{wire}_{plane}.log"
-    server = spawn(["-m", "spes.server", "--total_peers", str(cfg.spes_config.num_peers),
-                    "--num_train_experts_per_node", str(cfg.experts_per_peer), "--host", "127.0.0.1",
-                    "--port", str(port), "--merge_interval", "0", "--round_timeout", "900",
-                    "--data_port", str(data_port) if plane == "tcp" else "-1"], log)
+    server = spawn(
+        [
+            "-m",
+            "spes.server",
+            "--total_peers",
+            str(cfg.spes_config.num_peers),
+            "--num_train_experts_per_node",
+            str(cfg.experts_per_peer),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--merge_interval",
+            "0",
+            "--round_timeout",
+            "900",
+            "--data_port",
+            str(data_port) if plane == "tcp" else "-1",
+        ],
+        log,
+    )
     procs = [server]
     try:
         wait_for_log(log, "listening", server)
         hosts = peer_hosts(relay, [port, data_port], cfg.spes_config.num_peers, procs)
-        peers = [spawn([str(SCRIPT), "--role", "grpc-peer", "--config", str(config), "--peer-id", str(p), "--host",
-                        hosts[p], "--port", str(port), "--wire", wire, "--plane", plane, "--rounds",
-                        str(warmup + rounds + profile), *[f"--override={o}" for o in overrides]])
-                 for p in range(cfg.spes_config.num_peers)]
+        peers = [
+            spawn(
+                [
+                    str(SCRIPT),
+                    "--role",
+                    "grpc-peer",
+                    "--config",
+                    str(config),
+                    "--peer-id",
+                    str(p),
+                    "--host",
+                    hosts[p],
+                    "--port",
+                    str(port),
+                    "--wire",
+                    wire,
+                    "--plane",
+                    plane,
+                    "--rounds",
+                    str(warmup + rounds + profile),
+                    *[f"--override={o}" for o in overrides],
+                ]
+            )
+            for p in range(cfg.spes_config.num_peers)
+        ]
         procs += peers
         pids = [("server", server.pid), ("peer0", peers[0].pid)]
         profile_dir = workdir / f"profile_{wire}_{plane}" if profile else None
         results, profiles = run_rounds(peers, warmup, rounds, pids, profile_dir)
     finally:
         stop(procs)
-    aggregation = [float(line.split("aggregation ")[1].split(" s")[0]) for line in log.read_text().splitlines()
-                   if "aggregation " in line]
+    aggregation = [
+        float(line.split("aggregation ")[1].split(" s")[0])
+        for line in log.read_text().splitlines()
+        if "aggregation " in line
+    ]
     return results, profiles, aggregation[warmup : warmup + rounds]
 
 
-def bench_raw(up: list[int], down: list[int], warmup: int, rounds: int,
-              relay: Relay | None = None) -> list[dict[str, float]]:
+def bench_raw(
+    up: list[int], down: list[int], warmup: int, rounds: int, relay: Relay | None = None
+) -> list[dict[str, float]]:
     port = free_port()
-    server = spawn([str(SCRIPT), "--role", "raw-server", "--port", str(port), "--peers", str(len(up)),
-                    "--rounds", str(warmup + rounds), "--max-bytes", str(max(up + down))])
+    server = spawn(
+        [
+            str(SCRIPT),
+            "--role",
+            "raw-server",
+            "--port",
+            str(port),
+            "--peers",
+            str(len(up)),
+            "--rounds",
+            str(warmup + rounds),
+            "--max-bytes",
+            str(max(up + down)),
+        ]
+    )
     procs = [server]
     try:
         expect_line(server, "LISTENING")
         hosts = peer_hosts(relay, [port], len(up), procs)
-        peers = [spawn([str(SCRIPT), "--role", "raw-peer", "--host", host, "--port", str(port), "--up", str(u),
-                        "--down", str(d), "--rounds", str(warmup + rounds)]) for host, u, d in zip(hosts, up, down)]
+        peers = [
+            spawn(
+                [
+                    str(SCRIPT),
+                    "--role",
+                    "raw-peer",
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--up",
+                    str(u),
+                    "--down",
+                    str(d),
+                    "--rounds",
+                    str(warmup + rounds),
+                ]
+            )
+            for host, u, d in zip(hosts, up, down)
+        ]
         procs += peers
         results, _ = run_rounds(peers, warmup, rounds, [], None)
     finally:
@@ -326,8 +473,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plane", choices=["grpc", "tcp"], default="grpc", help="(internal) where tensor payloads go")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 5, quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2, quick 0)")
-    p.add_argument("--profile", action="store_true", help="py-spy profiles of the server and peer 0 in one more, "
-                   "untimed, fp32 round")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy profiles of the server and peer 0 in one more, untimed, fp32 round",
+    )
     args = p.parse_args(argv)
     rounds = args.rounds or (1 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)
@@ -346,9 +496,11 @@ def main(argv: list[str] | None = None) -> int:
     manifest = manifest_of(cfg)
     workdir = RESULTS_DIR / ("bench_sync_quick" if args.quick else "bench_sync")
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"model: {manifest_bytes(manifest) / 1e9:.2f} GB fp32, {len(manifest)} tensors, "
-          f"{cfg.spes_config.num_peers} peers x {cfg.experts_per_peer} experts; "
-          f"{warmup} untimed + {rounds} timed round(s) each")
+    print(
+        f"model: {manifest_bytes(manifest) / 1e9:.2f} GB fp32, {len(manifest)} tensors, "
+        f"{cfg.spes_config.num_peers} peers x {cfg.experts_per_peer} experts; "
+        f"{warmup} untimed + {rounds} timed round(s) each"
+    )
     measurements: dict[str, Any] = {}
     rows = []
     for wire in ("fp32",) if args.quick else ("fp32", "bf16"):
@@ -359,30 +511,70 @@ def main(argv: list[str] | None = None) -> int:
         raw = bench_raw(up, down, warmup, rounds)
         best_raw = min(raw, key=lambda x: x["seconds"])
         for plane in ("grpc", "tcp"):
-            spes, profiles, aggregation = bench_spes(config, overrides, wire, plane, warmup, rounds, workdir,
-                                                     args.profile and wire == "fp32")
+            spes, profiles, aggregation = bench_spes(
+                config, overrides, wire, plane, warmup, rounds, workdir, args.profile and wire == "fp32"
+            )
             best = min(spes, key=lambda x: x["seconds"])
             agg = min(aggregation) if aggregation else 0.0
             ratio = best_raw["seconds"] / best["seconds"]
             ratio_no_agg = best_raw["seconds"] / max(best["seconds"] - agg, 1e-9)
             measurements[f"{wire}_{plane}"] = {
-                "spes_rounds": spes, "raw_rounds": raw, "server_aggregation_s": aggregation,
-                "spes_over_raw_throughput": ratio, "spes_over_raw_excluding_aggregation": ratio_no_agg,
-                "profiles": profiles}
-            rows.append([wire, plane, f"{best['bytes'] / 1e9:.2f}", f"{best['seconds']:.2f}", f"{best['gb_s']:.2f}",
-                         f"{agg:.2f}", f"{best_raw['seconds']:.2f}", f"{best_raw['gb_s']:.2f}", f"{ratio:.1%}",
-                         f"{ratio_no_agg:.1%}"])
-    print(format_table(["wire", "payloads over", "GB moved", "SPES round s", "GB/s", "of which aggregation s",
-                        "raw TCP s", "raw GB/s", "SPES / raw", "excl. aggregation"], rows))
+                "spes_rounds": spes,
+                "raw_rounds": raw,
+                "server_aggregation_s": aggregation,
+                "spes_over_raw_throughput": ratio,
+                "spes_over_raw_excluding_aggregation": ratio_no_agg,
+                "profiles": profiles,
+            }
+            rows.append(
+                [
+                    wire,
+                    plane,
+                    f"{best['bytes'] / 1e9:.2f}",
+                    f"{best['seconds']:.2f}",
+                    f"{best['gb_s']:.2f}",
+                    f"{agg:.2f}",
+                    f"{best_raw['seconds']:.2f}",
+                    f"{best_raw['gb_s']:.2f}",
+                    f"{ratio:.1%}",
+                    f"{ratio_no_agg:.1%}",
+                ]
+            )
+    print(
+        format_table(
+            [
+                "wire",
+                "payloads over",
+                "GB moved",
+                "SPES round s",
+                "GB/s",
+                "of which aggregation s",
+                "raw TCP s",
+                "raw GB/s",
+                "SPES / raw",
+                "excl. aggregation",
+            ],
+            rows,
+        )
+    )
     for key, m in measurements.items():
         for name, prof in m["profiles"].items():
             print(f"\nprofile of the {name} ({key} round, {prof['samples']} samples), hottest lines by own time:")
             for frame, share in prof["own"]:
                 print(f"  {share:6.1%}  {frame}")
-    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
-                             "config": str(config.relative_to(REPO_ROOT)), "overrides": overrides,
-                             "model_bytes_fp32": manifest_bytes(manifest), "warmup_rounds": warmup, "rounds": rounds,
-                             "measurements": measurements})
+    write_results(
+        args.out,
+        {
+            "mode": "quick" if args.quick else "full",
+            "machine": machine_info(),
+            "config": str(config.relative_to(REPO_ROOT)),
+            "overrides": overrides,
+            "model_bytes_fp32": manifest_bytes(manifest),
+            "warmup_rounds": warmup,
+            "rounds": rounds,
+            "measurements": measurements,
+        },
+    )
     return 0
 
 

@@ -39,11 +39,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from bench_sync import bench_raw, bench_spes, expect_line, spawn
 from bench_train import build_variant, timed_step
-from common import REPO_ROOT, RESULTS_DIR, format_table, machine_info, manifest_bytes, manifest_of, parser, \
-    write_results
-
+from common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    format_table,
+    machine_info,
+    manifest_bytes,
+    manifest_of,
+    parser,
+    write_results,
+)
 from spes.config import load_config
 from spes.sync.merge import download_names, trainable_names
 from spes.sync.wire import payload_bytes
@@ -53,12 +61,30 @@ RELAY = Path(__file__).resolve().parent / "link_relay.py"
 # scale -> overrides of the 1B config keeping its ratios (see the module docstring)
 SCALES = {
     12: ["--model.n_layers=1", "--model.vocab_size=12639", "--model.embedding_size=12639"],
-    48: ["--model.n_layers=1", "--model.d_model=384", "--model.n_heads=6", "--model.mlp_hidden_size=2048",
-         "--model.vocab_size=6320", "--model.embedding_size=6320"],
-    192: ["--model.n_layers=1", "--model.d_model=192", "--model.n_heads=3", "--model.mlp_hidden_size=1024",
-          "--model.vocab_size=3160", "--model.embedding_size=3160"],
-    768: ["--model.n_layers=1", "--model.d_model=96", "--model.n_heads=3", "--model.mlp_hidden_size=512",
-          "--model.vocab_size=1580", "--model.embedding_size=1580"],
+    48: [
+        "--model.n_layers=1",
+        "--model.d_model=384",
+        "--model.n_heads=6",
+        "--model.mlp_hidden_size=2048",
+        "--model.vocab_size=6320",
+        "--model.embedding_size=6320",
+    ],
+    192: [
+        "--model.n_layers=1",
+        "--model.d_model=192",
+        "--model.n_heads=3",
+        "--model.mlp_hidden_size=1024",
+        "--model.vocab_size=3160",
+        "--model.embedding_size=3160",
+    ],
+    768: [
+        "--model.n_layers=1",
+        "--model.d_model=96",
+        "--model.n_heads=3",
+        "--model.mlp_hidden_size=512",
+        "--model.vocab_size=1580",
+        "--model.embedding_size=1580",
+    ],
 }
 SPEEDS = {1000.0: 12, 100.0: 192, 20.0: 768}  # Mbit/s -> model scale
 SYNC_STEPS = (25, 50, 100, 200)
@@ -71,8 +97,21 @@ class LinkSpec:
     rtt_ms: float
 
     def relay(self, ports: list[int], peers: int) -> tuple[subprocess.Popen, list[str]]:
-        proc = spawn([str(RELAY), "--ports", *map(str, ports), "--peers", str(peers), "--peer_mbit",
-                      str(self.peer_mbit), "--server_mbit", str(self.server_mbit), "--rtt_ms", str(self.rtt_ms)])
+        proc = spawn(
+            [
+                str(RELAY),
+                "--ports",
+                *map(str, ports),
+                "--peers",
+                str(peers),
+                "--peer_mbit",
+                str(self.peer_mbit),
+                "--server_mbit",
+                str(self.server_mbit),
+                "--rtt_ms",
+                str(self.rtt_ms),
+            ]
+        )
         if expect_line(proc, "RELAYING") != "RELAYING":
             raise RuntimeError("the link relay did not start")
         return proc, [f"127.0.0.{10 + i}" for i in range(peers)]
@@ -91,13 +130,15 @@ def round_bytes(manifest: dict[str, tuple[int, ...]], peers: int, wire: str) -> 
     """Analytic payload bytes per peer (what the raw baseline sends; SPES's own are read from its peers)."""
     names = list(manifest)
     up = [sum(payload_bytes(manifest[n], wire) for n in trainable_names(names, q, "spes")) for q in range(peers)]
-    down = [sum(payload_bytes(manifest[n], wire) for n in download_names(names, q, "spes", False))
-            for q in range(peers)]
+    down = [
+        sum(payload_bytes(manifest[n], wire) for n in download_names(names, q, "spes", False)) for q in range(peers)
+    ]
     return up, down
 
 
-def measure(link: LinkSpec, scale: int, wires: list[str], planes: list[str], warmup: int, rounds: int,
-            workdir: Path) -> list[dict[str, Any]]:
+def measure(
+    link: LinkSpec, scale: int, wires: list[str], planes: list[str], warmup: int, rounds: int, workdir: Path
+) -> list[dict[str, Any]]:
     overrides = SCALES[scale]
     cfg = load_config(PAPER_1B, overrides)[0]
     peers = cfg.spes_config.num_peers
@@ -108,17 +149,40 @@ def measure(link: LinkSpec, scale: int, wires: list[str], planes: list[str], war
         raw = bench_raw(up, down, warmup, rounds, relay=lambda ports: link.relay(ports, peers))
         best_raw = min(raw, key=lambda r: r["seconds"])
         for plane in planes:
-            spes, _, _ = bench_spes(PAPER_1B, overrides, wire, plane, warmup, rounds, workdir, False,
-                                    relay=lambda ports: link.relay(ports, peers))
+            spes, _, _ = bench_spes(
+                PAPER_1B,
+                overrides,
+                wire,
+                plane,
+                warmup,
+                rounds,
+                workdir,
+                False,
+                relay=lambda ports: link.relay(ports, peers),
+            )
             best = min(spes, key=lambda r: r["seconds"])
             ideal = link.ideal_seconds(best["up_per_peer"], best["down_per_peer"])
             raw_ideal = link.ideal_seconds(best_raw["up_per_peer"], best_raw["down_per_peer"])
-            out.append({"peer_mbit": link.peer_mbit, "server_mbit": link.server_mbit, "rtt_ms": link.rtt_ms,
-                        "scale": scale, "wire": wire, "plane": plane, "model_bytes_fp32": manifest_bytes(manifest),
-                        "spes_rounds": spes, "raw_rounds": raw, "ideal_s": ideal, "raw_ideal_s": raw_ideal,
-                        "spes_s": best["seconds"], "raw_s": best_raw["seconds"],
-                        "efficiency": ideal / best["seconds"], "raw_efficiency": raw_ideal / best_raw["seconds"],
-                        "bytes_per_peer": [u + d for u, d in zip(best["up_per_peer"], best["down_per_peer"])]})
+            out.append(
+                {
+                    "peer_mbit": link.peer_mbit,
+                    "server_mbit": link.server_mbit,
+                    "rtt_ms": link.rtt_ms,
+                    "scale": scale,
+                    "wire": wire,
+                    "plane": plane,
+                    "model_bytes_fp32": manifest_bytes(manifest),
+                    "spes_rounds": spes,
+                    "raw_rounds": raw,
+                    "ideal_s": ideal,
+                    "raw_ideal_s": raw_ideal,
+                    "spes_s": best["seconds"],
+                    "raw_s": best_raw["seconds"],
+                    "efficiency": ideal / best["seconds"],
+                    "raw_efficiency": raw_ideal / best_raw["seconds"],
+                    "bytes_per_peer": [u + d for u, d in zip(best["up_per_peer"], best["down_per_peer"])],
+                }
+            )
     return out
 
 
@@ -133,8 +197,16 @@ def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: flo
         link = LinkSpec(m["peer_mbit"], m["server_mbit"], rtt_ms)
         round_s = link.ideal_seconds(up, down) / m["efficiency"]
         idle = None if step_s is None else {s: round_s / (round_s + s * step_s) for s in SYNC_STEPS}
-        rows.append({"peer_mbit": m["peer_mbit"], "wire": m["wire"], "plane": m["plane"],
-                     "bytes_per_peer": up[0] + down[0], "round_s": round_s, "idle_fraction": idle})
+        rows.append(
+            {
+                "peer_mbit": m["peer_mbit"],
+                "wire": m["wire"],
+                "plane": m["plane"],
+                "bytes_per_peer": up[0] + down[0],
+                "round_s": round_s,
+                "idle_fraction": idle,
+            }
+        )
     return rows
 
 
@@ -151,33 +223,61 @@ def measure_step_1b(steps: int, device: torch.device) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:
         variant = build_variant(PAPER_1B, "torch", "spes", device, tmp, one)
         sequences = variant.cfg.global_train_batch_size
-        batch = torch.randint(0, cfg.model.vocab_size, (sequences, cfg.model.max_sequence_length + 1),
-                              generator=torch.Generator().manual_seed(0))
+        batch = torch.randint(
+            0,
+            cfg.model.vocab_size,
+            (sequences, cfg.model.max_sequence_length + 1),
+            generator=torch.Generator().manual_seed(0),
+        )
         timed_step(variant, batch)  # warm-up: first-call allocations, AdamW state
         seconds = [timed_step(variant, batch) for _ in range(steps)]
         peak = torch.cuda.max_memory_allocated(device) if gpu else None
     per_sequence = statistics.median(seconds) / sequences
-    return {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "precision": variant.cfg.precision,
-            "torch_threads": torch.get_num_threads(), "sequences_per_timed_step": sequences,
-            "timed_step_seconds": seconds, "sequences_per_step": cfg.global_train_batch_size,
-            "microbatch": variant.cfg.device_train_microbatch_size, "peak_memory_bytes": peak,
-            "step_s": per_sequence * cfg.global_train_batch_size}
+    return {
+        "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+        "precision": variant.cfg.precision,
+        "torch_threads": torch.get_num_threads(),
+        "sequences_per_timed_step": sequences,
+        "timed_step_seconds": seconds,
+        "sequences_per_step": cfg.global_train_batch_size,
+        "microbatch": variant.cfg.device_train_microbatch_size,
+        "peak_memory_bytes": peak,
+        "step_s": per_sequence * cfg.global_train_batch_size,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_wan", __doc__)
     p.add_argument("--rtt_ms", type=float, default=50.0, help="round-trip time of every link")
     p.add_argument("--server_factor", type=float, default=1.0, help="server link speed / peer link speed")
-    p.add_argument("--speeds", type=float, nargs="+", default=None, help="peer link speeds, Mbit/s "
-                   f"(default {' '.join(str(int(s)) for s in SPEEDS)}; each must be one of those)")
+    p.add_argument(
+        "--speeds",
+        type=float,
+        nargs="+",
+        default=None,
+        help=f"peer link speeds, Mbit/s (default {' '.join(str(int(s)) for s in SPEEDS)}; each must be one of those)",
+    )
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 2, quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1, quick 0)")
-    p.add_argument("--step_s", type=float, default=None,
-                   help="seconds of one optimizer step of the 1B config measured elsewhere (for the idle fraction)")
-    p.add_argument("--from_json", type=Path, default=None,
-                   help="take the link measurements from this earlier result instead of measuring them")
-    p.add_argument("--measure_step", type=int, default=0, metavar="N",
-                   help="time N steps of the 1B SPES node here instead (CPU: one-sequence steps, ~16 GB of memory)")
+    p.add_argument(
+        "--step_s",
+        type=float,
+        default=None,
+        help="seconds of one optimizer step of the 1B config measured elsewhere (for the idle fraction)",
+    )
+    p.add_argument(
+        "--from_json",
+        type=Path,
+        default=None,
+        help="take the link measurements from this earlier result instead of measuring them",
+    )
+    p.add_argument(
+        "--measure_step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time N steps of the 1B SPES node here instead (CPU: one-sequence steps, ~16 GB of memory)",
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -185,9 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     step = measure_step_1b(args.measure_step, device) if args.measure_step else None
     if step is not None:
-        print(f"1B SPES node on {step['device']} ({step['precision']}): median of {len(step['timed_step_seconds'])} "
-              f"steps of {step['sequences_per_timed_step']} sequences, so {step['step_s']:.1f} s per step of "
-              f"{step['sequences_per_step']} sequences", flush=True)
+        print(
+            f"1B SPES node on {step['device']} ({step['precision']}): median of {len(step['timed_step_seconds'])} "
+            f"steps of {step['sequences_per_timed_step']} sequences, so {step['step_s']:.1f} s per step of "
+            f"{step['sequences_per_step']} sequences",
+            flush=True,
+        )
         args.step_s = step["step_s"]
     speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
     if unknown := [s for s in speeds if s not in SPEEDS]:
@@ -203,32 +306,73 @@ def main(argv: list[str] | None = None) -> int:
         measured, args.rtt_ms = run["measurements"], run["rtt_ms"]
     else:
         measured = []
-        run = {"mode": "quick" if args.quick else "full", "machine": machine_info(),
-               "config": str(PAPER_1B.relative_to(REPO_ROOT)), "rtt_ms": args.rtt_ms,
-               "server_factor": args.server_factor, "warmup_rounds": warmup, "rounds": rounds, "measurements": measured}
+        run = {
+            "mode": "quick" if args.quick else "full",
+            "machine": machine_info(),
+            "config": str(PAPER_1B.relative_to(REPO_ROOT)),
+            "rtt_ms": args.rtt_ms,
+            "server_factor": args.server_factor,
+            "warmup_rounds": warmup,
+            "rounds": rounds,
+            "measurements": measured,
+        }
         for speed in speeds:
             link = LinkSpec(speed, speed * args.server_factor, args.rtt_ms)
             scale = 768 if args.quick else SPEEDS[speed]
-            print(f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT {args.rtt_ms:g} "
-                  f"ms; model 1/{scale} of the 1B", flush=True)
+            print(
+                f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT {args.rtt_ms:g} "
+                f"ms; model 1/{scale} of the 1B",
+                flush=True,
+            )
             measured += measure(link, scale, wires, planes, warmup, rounds, workdir)
-    rows = [[f"{m['peer_mbit']:g}", f"1/{m['scale']}", m["wire"], m["plane"], f"{m['bytes_per_peer'][0] / 1e6:.1f}",
-             f"{m['ideal_s']:.2f}", f"{m['spes_s']:.2f}", f"{m['efficiency']:.1%}", f"{m['raw_s']:.2f}",
-             f"{m['raw_efficiency']:.1%}"] for m in measured]
-    print(format_table(["Mbit/s", "model", "wire", "plane", "MB/peer", "ideal s", "SPES s", "SPES/ideal",
-                        "raw s", "raw/ideal"], rows))
+    rows = [
+        [
+            f"{m['peer_mbit']:g}",
+            f"1/{m['scale']}",
+            m["wire"],
+            m["plane"],
+            f"{m['bytes_per_peer'][0] / 1e6:.1f}",
+            f"{m['ideal_s']:.2f}",
+            f"{m['spes_s']:.2f}",
+            f"{m['efficiency']:.1%}",
+            f"{m['raw_s']:.2f}",
+            f"{m['raw_efficiency']:.1%}",
+        ]
+        for m in measured
+    ]
+    print(
+        format_table(
+            ["Mbit/s", "model", "wire", "plane", "MB/peer", "ideal s", "SPES s", "SPES/ideal", "raw s", "raw/ideal"],
+            rows,
+        )
+    )
     prediction = predict_1b(measured, args.step_s, args.rtt_ms)
-    step_note = "no step time given (--step_s or --measure_step)" if args.step_s is None else \
-        f"one optimizer step = {args.step_s:g} s"
-    print(f"\nthe paper's 1B model at the measured efficiencies ({step_note}): round s and the share of wall "
-          f"time not training at sync_steps {', '.join(map(str, SYNC_STEPS))}")
-    print(format_table(["Mbit/s", "wire", "plane", "GB/peer", "round s", *map(str, SYNC_STEPS)],
-                       [[f"{r['peer_mbit']:g}", r["wire"], r["plane"], f"{r['bytes_per_peer'] / 1e9:.2f}",
-                         f"{r['round_s']:.0f}", *(f"{r['idle_fraction'][n]:.1%}" if r["idle_fraction"] else "-"
-                                                  for n in SYNC_STEPS)]
-                        for r in prediction]))
-    write_results(args.out, {**run, "prediction_1b": prediction, "step_s_1b": args.step_s,
-                             "step_measurement_1b": step})
+    step_note = (
+        "no step time given (--step_s or --measure_step)"
+        if args.step_s is None
+        else f"one optimizer step = {args.step_s:g} s"
+    )
+    print(
+        f"\nthe paper's 1B model at the measured efficiencies ({step_note}): round s and the share of wall "
+        f"time not training at sync_steps {', '.join(map(str, SYNC_STEPS))}"
+    )
+    print(
+        format_table(
+            ["Mbit/s", "wire", "plane", "GB/peer", "round s", *map(str, SYNC_STEPS)],
+            [
+                [
+                    f"{r['peer_mbit']:g}",
+                    r["wire"],
+                    r["plane"],
+                    f"{r['bytes_per_peer'] / 1e9:.2f}",
+                    f"{r['round_s']:.0f}",
+                    *(f"{r['idle_fraction'][n]:.1%}" if r["idle_fraction"] else "-" for n in SYNC_STEPS),
+                ]
+                for r in prediction
+            ],
+        )
+    )
+    write_results(args.out, {**run, "prediction_1b": prediction, "step_s_1b": args.step_s, "step_measurement_1b": step})
     print(json.dumps({"efficiency": [round(m["efficiency"], 3) for m in measured]}))
     return 0
 

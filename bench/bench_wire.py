@@ -29,7 +29,6 @@ from typing import Any
 import torch
 
 from common import MIB, REPO_ROOT, format_table, machine_info, manifest_of, parser, write_results
-
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer
 from spes.sync.client import SyncClient
@@ -48,8 +47,9 @@ def configs(path: Path) -> dict[Mode, TrainConfig]:
     return {"spes": load_config(path)[0], "diloco": load_config(path, ["--using_dilico=true"])[0]}
 
 
-def round_bytes(manifest: Mapping[str, tuple[int, ...]], mode: Mode, wire: str, peer: int, merged: bool
-                ) -> tuple[int, int]:
+def round_bytes(
+    manifest: Mapping[str, tuple[int, ...]], mode: Mode, wire: str, peer: int, merged: bool
+) -> tuple[int, int]:
     """(up, down) payload bytes of one peer in one round."""
     names = list(manifest)
     up = sum(payload_bytes(manifest[n], wire) for n in trainable_names(names, peer, mode))
@@ -70,8 +70,12 @@ def analytic_table(path: Path, merge: MergeConfig) -> dict[str, Any]:
     spes_manifest, full_manifest = manifest_of(cfgs["spes"]), manifest_of(cfgs["diloco"])
     merges, rounds = merge_round_share(cfgs["spes"], merge)
     total_fp32 = sum(payload_bytes(s, "fp32") for s in full_manifest.values())
-    out: dict[str, Any] = {"rounds_in_run": rounds, "merge_rounds_in_run": merges,
-                           "model_bytes_fp32": total_fp32, "schemes": {}}
+    out: dict[str, Any] = {
+        "rounds_in_run": rounds,
+        "merge_rounds_in_run": merges,
+        "model_bytes_fp32": total_fp32,
+        "schemes": {},
+    }
     for scheme in SCHEMES:
         kind, wire = scheme.split("_")
         if kind == "reference":
@@ -83,8 +87,13 @@ def analytic_table(path: Path, merge: MergeConfig) -> dict[str, Any]:
             up, down = round_bytes(full_manifest, "diloco", wire, 0, merged=False)
             down_merge = down
         amortized_down = (merges * down_merge + (rounds - merges) * down) / rounds
-        out["schemes"][scheme] = {"up": up, "down": down, "down_merge_round": down_merge,
-                                  "up_plus_down": up + down, "amortized_up_plus_down": up + amortized_down}
+        out["schemes"][scheme] = {
+            "up": up,
+            "down": down,
+            "down_merge_round": down_merge,
+            "up_plus_down": up + down,
+            "amortized_up_plus_down": up + amortized_down,
+        }
     return out
 
 
@@ -102,11 +111,27 @@ def measure_rounds(path: Path) -> dict[str, Any]:
         manifest = {n: tuple(t.shape) for n, t in state.items()}
         peers = cfg.spes_config.num_peers
         for wire in ("fp32", "bf16"):
-            server = start_server(ServerConfig(total_peers=peers, experts_per_peer=cfg.experts_per_peer,
-                                               host="127.0.0.1", port=0, mode=mode, merge=merge))
-            clients = [SyncClient(f"127.0.0.1:{server.port}", peer_id=p, num_peers=peers,
-                                  experts_per_peer=cfg.experts_per_peer, mode=mode, wire_dtype=wire)
-                       for p in range(peers)]
+            server = start_server(
+                ServerConfig(
+                    total_peers=peers,
+                    experts_per_peer=cfg.experts_per_peer,
+                    host="127.0.0.1",
+                    port=0,
+                    mode=mode,
+                    merge=merge,
+                )
+            )
+            clients = [
+                SyncClient(
+                    f"127.0.0.1:{server.port}",
+                    peer_id=p,
+                    num_peers=peers,
+                    experts_per_peer=cfg.experts_per_peer,
+                    mode=mode,
+                    wire_dtype=wire,
+                )
+                for p in range(peers)
+            ]
             try:
                 for p, client in enumerate(clients):
                     client.join(manifest, trainable_names(list(manifest), p, mode))
@@ -114,9 +139,13 @@ def measure_rounds(path: Path) -> dict[str, Any]:
                     stats = _round(clients, step, state, mode)
                     measured[f"{mode}_{wire}_{'merge' if step == 2 else 'plain'}"] = [
                         {"peer": p, "up": s.bytes_up, "down": s.bytes_down, "merged": s.merged, "seconds": s.seconds}
-                        for p, s in enumerate(stats)]
+                        for p, s in enumerate(stats)
+                    ]
                 status = clients[0].status()
-                measured[f"{mode}_{wire}_server_counters"] = {"bytes_in": status.bytes_in, "bytes_out": status.bytes_out}
+                measured[f"{mode}_{wire}_server_counters"] = {
+                    "bytes_in": status.bytes_in,
+                    "bytes_out": status.bytes_out,
+                }
             finally:
                 for client in clients:
                     client.close()
@@ -164,12 +193,34 @@ def print_scheme_table(title: str, table: dict[str, Any]) -> None:
     dil = table["schemes"]["diloco_fp32"]["up_plus_down"]
     rows = []
     for scheme, v in table["schemes"].items():
-        rows.append([scheme, f"{v['up'] / MIB:,.1f}", f"{v['down'] / MIB:,.1f}", f"{v['down_merge_round'] / MIB:,.1f}",
-                     f"{v['up_plus_down'] / MIB:,.1f}", f"{v['amortized_up_plus_down'] / MIB:,.1f}",
-                     f"{v['up_plus_down'] / ref:.3f}", f"{v['up_plus_down'] / dil:.3f}"])
+        rows.append(
+            [
+                scheme,
+                f"{v['up'] / MIB:,.1f}",
+                f"{v['down'] / MIB:,.1f}",
+                f"{v['down_merge_round'] / MIB:,.1f}",
+                f"{v['up_plus_down'] / MIB:,.1f}",
+                f"{v['amortized_up_plus_down'] / MIB:,.1f}",
+                f"{v['up_plus_down'] / ref:.3f}",
+                f"{v['up_plus_down'] / dil:.3f}",
+            ]
+        )
     print(f"\n{title} (per peer per round; {table['merge_rounds_in_run']} merge rounds of {table['rounds_in_run']}):")
-    print(format_table(["scheme", "up MiB", "down MiB", "down (merge) MiB", "up+down MiB", "amortized MiB",
-                        "/ reference", "/ DiLoCo fp32"], rows))
+    print(
+        format_table(
+            [
+                "scheme",
+                "up MiB",
+                "down MiB",
+                "down (merge) MiB",
+                "up+down MiB",
+                "amortized MiB",
+                "/ reference",
+                "/ DiLoCo fp32",
+            ],
+            rows,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,16 +243,29 @@ def main(argv: list[str] | None = None) -> int:
         mode, wire, _ = key.split("_")
         for m in per_peer:
             up, down = round_bytes(manifests[mode], mode, wire, m["peer"], merged=m["merged"])  # type: ignore[arg-type,index]
-            checks.append({"round": key, "peer": m["peer"], "up": m["up"], "down": m["down"], "analytic_up": up,
-                           "analytic_down": down, "equal": (m["up"], m["down"]) == (up, down)})
-    rows = [[c["round"], c["peer"], f"{c['up'] / MIB:.2f}", f"{c['down'] / MIB:.2f}", "yes" if c["equal"] else "NO"]
-            for c in checks]
+            checks.append(
+                {
+                    "round": key,
+                    "peer": m["peer"],
+                    "up": m["up"],
+                    "down": m["down"],
+                    "analytic_up": up,
+                    "analytic_down": down,
+                    "equal": (m["up"], m["down"]) == (up, down),
+                }
+            )
+    rows = [
+        [c["round"], c["peer"], f"{c['up'] / MIB:.2f}", f"{c['down'] / MIB:.2f}", "yes" if c["equal"] else "NO"]
+        for c in checks
+    ]
     print(f"\nmeasured through a real server on loopback ({config.relative_to(REPO_ROOT)}, 4 peers):")
     print(format_table(["round", "peer", "up MiB", "down MiB", "= analytic"], rows))
     framing = {wire: framing_overhead(config, wire) for wire in ("fp32", "bf16")}
     for wire, f in framing.items():
-        print(f"framing of one {wire} upload: {f['serialized'] - f['payload']:,} bytes over {f['payload']:,} "
-              f"({100 * (f['serialized'] - f['payload']) / f['payload']:.4f}%)")
+        print(
+            f"framing of one {wire} upload: {f['serialized'] - f['payload']:,} bytes over {f['payload']:,} "
+            f"({100 * (f['serialized'] - f['payload']) / f['payload']:.4f}%)"
+        )
 
     s = paper["schemes"]
     targets = {
@@ -210,15 +274,30 @@ def main(argv: list[str] | None = None) -> int:
         "spes_fp32_saving_vs_diloco_fp32": 1 - s["spes_fp32"]["up_plus_down"] / s["diloco_fp32"]["up_plus_down"],
         "spes_bf16_saving_vs_diloco_fp32": 1 - s["spes_bf16"]["up_plus_down"] / s["diloco_fp32"]["up_plus_down"],
     }
-    print("\npaper 1B: SPES bf16 / reference = {:.3f} (target <= 0.5); SPES saves {:.1%} vs DiLoCo at the same wire "
-          "dtype (target >= 33.3%), {:.1%} vs DiLoCo fp32".format(
-              targets["spes_bf16_over_reference"], targets["spes_bf16_saving_vs_diloco_bf16"],
-              targets["spes_bf16_saving_vs_diloco_fp32"]))
+    print(
+        "\npaper 1B: SPES bf16 / reference = {:.3f} (target <= 0.5); SPES saves {:.1%} vs DiLoCo at the same wire "
+        "dtype (target >= 33.3%), {:.1%} vs DiLoCo fp32".format(
+            targets["spes_bf16_over_reference"],
+            targets["spes_bf16_saving_vs_diloco_bf16"],
+            targets["spes_bf16_saving_vs_diloco_fp32"],
+        )
+    )
     ok = all(c["equal"] for c in checks)
     print(f"measured = analytic for every peer and round: {'yes' if ok else 'NO'}")
-    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(),
-                             "config": str(config.relative_to(REPO_ROOT)), "paper_1b": paper, "measured_config": small,
-                             "measured": measured, "checks": checks, "framing": framing, "targets": targets})
+    write_results(
+        args.out,
+        {
+            "mode": "quick" if args.quick else "full",
+            "machine": machine_info(),
+            "config": str(config.relative_to(REPO_ROOT)),
+            "paper_1b": paper,
+            "measured_config": small,
+            "measured": measured,
+            "checks": checks,
+            "framing": framing,
+            "targets": targets,
+        },
+    )
     return 0 if ok else 1
 
 

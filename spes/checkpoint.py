@@ -54,7 +54,12 @@ from spes.distributed import all_ranks_ok, barrier, process_rank, process_world_
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 
 MODEL_FILE, OPTIM_FILE, META_FILE, CONFIG_FILE, LATEST = (
-    "model.safetensors", "optim.safetensors", "meta.json", "config.yaml", "latest")
+    "model.safetensors",
+    "optim.safetensors",
+    "meta.json",
+    "config.yaml",
+    "latest",
+)
 SHARDED_SUFFIX = "-sharded"
 MODEL_KEY, OPTIM_KEY = "model/", "optim/"  # prefixes of the tensors in a sharded checkpoint
 _STEP_DIR = re.compile(r"^step(\d+)(-sharded)?$")
@@ -101,30 +106,46 @@ def _unflatten_optim(tensors: Mapping[str, torch.Tensor], groups: list[dict]) ->
 # Writing
 
 
-def save_checkpoint(save_folder: str | Path, step: int, *, model_state: Mapping[str, torch.Tensor],
-                    optim_state: dict[str, Any] | None, trainer_state: dict[str, Any], config: dict[str, Any],
-                    keep: int = -1) -> Path:
+def save_checkpoint(
+    save_folder: str | Path,
+    step: int,
+    *,
+    model_state: Mapping[str, torch.Tensor],
+    optim_state: dict[str, Any] | None,
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+    keep: int = -1,
+) -> Path:
     """Write the unsharded `step<step>/` atomically, point `latest` at it, keep the `keep` newest (-1: all)."""
     folder = Path(save_folder)
     folder.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(folder)
     final = folder / f"step{step}"
     with staging_dir(final) as tmp:
-        write_unsharded(tmp, step, model_state=model_state, optim_state=optim_state, trainer_state=trainer_state,
-                        config=config)
+        write_unsharded(
+            tmp, step, model_state=model_state, optim_state=optim_state, trainer_state=trainer_state, config=config
+        )
     return _point_latest(final, "unsharded", keep)
 
 
-def write_unsharded(directory: Path, step: int, *, model_state: Mapping[str, torch.Tensor],
-                    optim_state: dict[str, Any] | None, trainer_state: dict[str, Any], config: dict[str, Any]) -> None:
+def write_unsharded(
+    directory: Path,
+    step: int,
+    *,
+    model_state: Mapping[str, torch.Tensor],
+    optim_state: dict[str, Any] | None,
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+) -> None:
     """The files of an unsharded checkpoint into an existing (temporary) directory."""
     save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, directory / MODEL_FILE)
     groups: list[dict] = []
     if optim_state is not None:
         tensors, groups = _flatten_optim(optim_state)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, directory / OPTIM_FILE)
-    _write_meta(directory, {"kind": "unsharded", "step": step, "trainer": trainer_state,
-                            "optim_param_groups": groups}, config)
+    _write_meta(
+        directory, {"kind": "unsharded", "step": step, "trainer": trainer_state, "optim_param_groups": groups}, config
+    )
 
 
 def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any]) -> None:
@@ -165,8 +186,9 @@ def remove_stale_temporaries(save_folder: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def training_state(model: nn.Module,
-                   optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, torch.Tensor], list[dict]]:
+def training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """This rank's view of model + optimizer as flat `model/<fqn>`, `optim/<fqn>/<key>` tensors (DTensors under
     FSDP), and the optimizer's param groups (none without an optimizer)."""
     flat = {MODEL_KEY + k: v for k, v in get_model_state_dict(model).items()}
@@ -177,8 +199,16 @@ def training_state(model: nn.Module,
     return flat, groups
 
 
-def save_sharded_checkpoint(save_folder: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                            trainer_state: dict[str, Any], config: dict[str, Any], keep: int = -1) -> Path:
+def save_sharded_checkpoint(
+    save_folder: str | Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+    keep: int = -1,
+) -> Path:
     """Write `step<step>-sharded/` from every rank (a collective), point `latest` at it, keep `keep` newest.
 
     Every rank writes its own shard file into one temporary directory; rank 0 adds meta.json once all are
@@ -196,14 +226,26 @@ def save_sharded_checkpoint(save_folder: str | Path, step: int, *, model: nn.Mod
     barrier()
     flat, groups = training_state(model, _stepped(optimizer))
     with _single_process_quiet():
-        dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
-                 no_dist=not dist.is_initialized())
+        dcp.save(
+            flat,
+            storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
+            no_dist=not dist.is_initialized(),
+        )
     del flat
     ok, error = True, None
     if main:
         try:
-            _write_meta(tmp, {"kind": "sharded", "step": step, "world_size": process_world_size(),
-                              "trainer": trainer_state, "optim_param_groups": groups}, config)
+            _write_meta(
+                tmp,
+                {
+                    "kind": "sharded",
+                    "step": step,
+                    "world_size": process_world_size(),
+                    "trainer": trainer_state,
+                    "optim_param_groups": groups,
+                },
+                config,
+            )
             publish_dir(tmp, final)
             _point_latest(final, "sharded", keep)
         except Exception as e:  # noqa: BLE001 -- re-raised below after telling the other ranks
@@ -215,8 +257,17 @@ def save_sharded_checkpoint(save_folder: str | Path, step: int, *, model: nn.Mod
     return final
 
 
-def save(save_folder: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-         trainer_state: dict[str, Any], config: dict[str, Any], sharded: bool, keep: int = -1) -> Path | None:
+def save(
+    save_folder: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+    sharded: bool,
+    keep: int = -1,
+) -> Path | None:
     """Save a parallelized (single, DDP or FSDP2) model and its optimizer: the counterpart of `restore`.
 
     A collective when a process group exists: every rank calls it. `sharded`: every rank writes its shards
@@ -224,15 +275,23 @@ def save(save_folder: str | Path, step: int, model: nn.Module, optimizer: torch.
     checkpoint's path, or None on the ranks that wrote no unsharded checkpoint.
     """
     if sharded:
-        return save_sharded_checkpoint(save_folder, step, model=model, optimizer=optimizer,
-                                       trainer_state=trainer_state, config=config, keep=keep)
+        return save_sharded_checkpoint(
+            save_folder, step, model=model, optimizer=optimizer, trainer_state=trainer_state, config=config, keep=keep
+        )
     model_state = get_model_state_dict(model, options=FULL_STATE)
     stepped = _stepped(optimizer)
     optim_state = None if stepped is None else get_optimizer_state_dict(model, stepped, options=FULL_STATE)
     if process_rank() != 0:
         return None
-    return save_checkpoint(save_folder, step, model_state=model_state, optim_state=optim_state,
-                           trainer_state=trainer_state, config=config, keep=keep)
+    return save_checkpoint(
+        save_folder,
+        step,
+        model_state=model_state,
+        optim_state=optim_state,
+        trainer_state=trainer_state,
+        config=config,
+        keep=keep,
+    )
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
@@ -283,8 +342,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if not target.exists() and moved_aside:  # killed while replacing it: the old copy is complete
             return moved_aside[0].parent
         if not (target / META_FILE).is_file():
-            raise CheckpointError(f"{p / LATEST} names {target.name}, which is missing or incomplete; "
-                                  f"pass one of {[c.name for c in list_checkpoints(p)]} explicitly")
+            raise CheckpointError(
+                f"{p / LATEST} names {target.name}, which is missing or incomplete; "
+                f"pass one of {[c.name for c in list_checkpoints(p)]} explicitly"
+            )
         return target
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {p}")
@@ -295,8 +356,9 @@ def resolve_step(run_dir: str | Path, step: str | int) -> Path:
     """The checkpoint of a save folder: `step<N>` (else `step<N>-sharded`) for an int, or what `latest` names."""
     run = Path(run_dir)
     if not run.is_dir():
-        raise FileNotFoundError(f"run directory {run} does not exist (expected a spes save_folder, e.g. "
-                                f"output/<run_name>/node0)")
+        raise FileNotFoundError(
+            f"run directory {run} does not exist (expected a spes save_folder, e.g. output/<run_name>/node0)"
+        )
     steps = [p.name for p in list_checkpoints(run)]
     available = f"available: {', '.join(steps)}" if steps else "it holds no step<N> directories: is it a spes run?"
     if str(step) == "latest":
@@ -321,8 +383,9 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
     for name, size in meta.get("files", {}).items():
         f = step_dir / name
         if not f.is_file() or f.stat().st_size != size:
-            raise CheckpointError(f"{f}: missing or truncated (expected {size} bytes); the checkpoint is corrupt, "
-                                  f"use an earlier one")
+            raise CheckpointError(
+                f"{f}: missing or truncated (expected {size} bytes); the checkpoint is corrupt, use an earlier one"
+            )
     return meta
 
 
@@ -341,8 +404,9 @@ def _sharded_shapes(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dt
     try:
         metadata = HuggingFaceStorageReader(str(step_dir)).read_metadata()
     except (SafetensorError, OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{step_dir}: unreadable shard files ({e}); the checkpoint is corrupt, use an earlier "
-                              f"one") from None
+        raise CheckpointError(
+            f"{step_dir}: unreadable shard files ({e}); the checkpoint is corrupt, use an earlier one"
+        ) from None
     entries = metadata.state_dict_metadata.items()
     return {k: (tuple(md.size), md.properties.dtype) for k, md in entries}  # type: ignore[union-attr]
 
@@ -355,13 +419,17 @@ def check_model_compatible(ckpt_model: Mapping[str, Any], model_state: Mapping[s
     missing = sorted(set(model_state) - set(ckpt_model))
     unexpected = sorted(set(ckpt_model) - set(model_state))
     if missing or unexpected:
-        raise CheckpointError(f"{source}: checkpoint does not match this model config: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]} (was it written with other model or spes_config keys?)")
+        raise CheckpointError(
+            f"{source}: checkpoint does not match this model config: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]} (was it written with other model or spes_config keys?)"
+        )
     for name, t in model_state.items():
         want, have = _shape(t), _shape(ckpt_model[name])
         if want != have:
-            raise CheckpointError(f"{source}: tensor {name} has shape {have} in the checkpoint but {want} in this "
-                                  f"model config (was it written with other model keys?)")
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {have} in the checkpoint but {want} in this "
+                f"model config (was it written with other model keys?)"
+            )
 
 
 def _shape(t: Any) -> tuple[int, ...]:
@@ -372,9 +440,11 @@ def _check_optim_compatible(ckpt_fqns: set[str], trainable: set[str], source: Pa
     """Refuse optimizer state for other parameters (e.g. a checkpoint of another SPES peer)."""
     if ckpt_fqns and ckpt_fqns != trainable:
         extra, lacking = sorted(ckpt_fqns - trainable), sorted(trainable - ckpt_fqns)
-        raise CheckpointError(f"{source}: the optimizer state is for other parameters than this run trains "
-                              f"(checkpoint only: {extra[:3]}, run only: {lacking[:3]}); was it written by another "
-                              f"spes_config.peer_id or with using_spes/using_dilico set otherwise?")
+        raise CheckpointError(
+            f"{source}: the optimizer state is for other parameters than this run trains "
+            f"(checkpoint only: {extra[:3]}, run only: {lacking[:3]}); was it written by another "
+            f"spes_config.peer_id or with using_spes/using_dilico set otherwise?"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -411,8 +481,8 @@ def _read_sharded(step_dir: Path, with_optim: bool) -> tuple[dict[str, torch.Ten
     wanted = {k: v for k, v in shapes.items() if k.startswith(MODEL_KEY) or (with_optim and k.startswith(OPTIM_KEY))}
     target = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in wanted.items()}
     _dcp_load(target, step_dir, no_dist=True)
-    model = {k[len(MODEL_KEY):]: v for k, v in target.items() if k.startswith(MODEL_KEY)}
-    optim = {k[len(OPTIM_KEY):]: v for k, v in target.items() if k.startswith(OPTIM_KEY)}
+    model = {k[len(MODEL_KEY) :]: v for k, v in target.items() if k.startswith(MODEL_KEY)}
+    optim = {k[len(OPTIM_KEY) :]: v for k, v in target.items() if k.startswith(OPTIM_KEY)}
     return model, optim
 
 
@@ -421,16 +491,19 @@ def _dcp_load(target: dict[str, Any], step_dir: Path, *, no_dist: bool) -> None:
         with _single_process_quiet():
             dcp.load(target, storage_reader=HuggingFaceStorageReader(str(step_dir)), no_dist=no_dist)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{step_dir}: cannot read the shards ({str(e).splitlines()[0]}); the checkpoint is "
-                              f"corrupt or incomplete, use an earlier one") from None
+        raise CheckpointError(
+            f"{step_dir}: cannot read the shards ({str(e).splitlines()[0]}); the checkpoint is "
+            f"corrupt or incomplete, use an earlier one"
+        ) from None
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file ({e}); the checkpoint is corrupt, "
-                              f"use an earlier one") from None
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({e}); the checkpoint is corrupt, use an earlier one"
+        ) from None
 
 
 def restore(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpoint:
@@ -451,19 +524,23 @@ def restore(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
     return Checkpoint(path=step_dir, model={}, optim=None, trainer=trainer, config=config)
 
 
-def _restore_sharded(step_dir: Path, meta: dict[str, Any], model: nn.Module,
-                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _restore_sharded(
+    step_dir: Path, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
     """This rank's shards of a sharded checkpoint, resharded by DCP to this run's ranks; its trainer state."""
     shapes = _sharded_shapes(step_dir)
-    check_model_compatible({k[len(MODEL_KEY):]: s for k, (s, _) in shapes.items() if k.startswith(MODEL_KEY)},
-                           get_model_state_dict(model), step_dir)
-    optim_fqns = {k[len(OPTIM_KEY):].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)}
+    check_model_compatible(
+        {k[len(MODEL_KEY) :]: s for k, (s, _) in shapes.items() if k.startswith(MODEL_KEY)},
+        get_model_state_dict(model),
+        step_dir,
+    )
+    optim_fqns = {k[len(OPTIM_KEY) :].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)}
     _check_optim_compatible(optim_fqns, _trainable(model), step_dir)
     flat, _ = training_state(model, optimizer if optim_fqns else None)
     _dcp_load(flat, step_dir, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, {k[len(MODEL_KEY):]: v for k, v in flat.items() if k.startswith(MODEL_KEY)})
+    set_model_state_dict(model, {k[len(MODEL_KEY) :]: v for k, v in flat.items() if k.startswith(MODEL_KEY)})
     if optim_fqns:
-        optim_tensors = {k[len(OPTIM_KEY):]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
+        optim_tensors = {k[len(OPTIM_KEY) :]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
         set_optimizer_state_dict(model, optimizer, _unflatten_optim(optim_tensors, meta["optim_param_groups"]))
     return meta["trainer"]
 
@@ -524,6 +601,12 @@ def unshard(sharded: str | Path, out_dir: str | Path) -> Path:
         raise FileExistsError(f"{out} already exists; choose a new directory (e.g. {suggestion})")
     ckpt = load_checkpoint(src)
     with staging_dir(out) as tmp:
-        write_unsharded(tmp, int(meta["step"]), model_state=ckpt.model, optim_state=ckpt.optim,
-                        trainer_state=ckpt.trainer, config=ckpt.config)
+        write_unsharded(
+            tmp,
+            int(meta["step"]),
+            model_state=ckpt.model,
+            optim_state=ckpt.optim,
+            trainer_state=ckpt.trainer,
+            config=ckpt.config,
+        )
     return out

@@ -27,7 +27,6 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
 RunMode = Literal["centralized", "spes", "diloco"]
 """What a node does: train alone, train its experts under SPES, or train everything for DiLoCo averaging."""
 
@@ -106,21 +105,50 @@ class ModelConfig:
             self.embedding_size = self.vocab_size
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        _require(self.d_model % self.n_heads == 0, "model.d_model", self.d_model,
-                 f"must be divisible by model.n_heads={self.n_heads}")
-        _require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads", self.n_kv_heads,
-                 f"must divide model.n_heads={self.n_heads}")
-        _require((self.d_model // self.n_heads) % 2 == 0, "model.d_model", self.d_model,
-                 "head size d_model / n_heads must be even for RoPE")
-        _require(self.mlp_hidden_size % 2 == 0, "model.mlp_hidden_size", self.mlp_hidden_size,
-                 "must be even (each expert is mlp_hidden_size / 2 wide)")
-        _require(self.embedding_size >= self.vocab_size, "model.embedding_size", self.embedding_size,
-                 f"must be >= model.vocab_size={self.vocab_size}")
-        _require(1 <= self.moe_top_k <= self.moe_num_experts, "model.moe_top_k", self.moe_top_k,
-                 f"must be in [1, moe_num_experts={self.moe_num_experts}]")
-        for key, ok in (("weight_tying", not self.weight_tying), ("alibi", not self.alibi), ("rope", self.rope),
-                        ("include_bias", not self.include_bias), ("bias_for_layer_norm", not self.bias_for_layer_norm),
-                        ("moe_dropless", self.moe_dropless)):
+        _require(
+            self.d_model % self.n_heads == 0,
+            "model.d_model",
+            self.d_model,
+            f"must be divisible by model.n_heads={self.n_heads}",
+        )
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            "model.n_kv_heads",
+            self.n_kv_heads,
+            f"must divide model.n_heads={self.n_heads}",
+        )
+        _require(
+            (self.d_model // self.n_heads) % 2 == 0,
+            "model.d_model",
+            self.d_model,
+            "head size d_model / n_heads must be even for RoPE",
+        )
+        _require(
+            self.mlp_hidden_size % 2 == 0,
+            "model.mlp_hidden_size",
+            self.mlp_hidden_size,
+            "must be even (each expert is mlp_hidden_size / 2 wide)",
+        )
+        _require(
+            self.embedding_size >= self.vocab_size,
+            "model.embedding_size",
+            self.embedding_size,
+            f"must be >= model.vocab_size={self.vocab_size}",
+        )
+        _require(
+            1 <= self.moe_top_k <= self.moe_num_experts,
+            "model.moe_top_k",
+            self.moe_top_k,
+            f"must be in [1, moe_num_experts={self.moe_num_experts}]",
+        )
+        for key, ok in (
+            ("weight_tying", not self.weight_tying),
+            ("alibi", not self.alibi),
+            ("rope", self.rope),
+            ("include_bias", not self.include_bias),
+            ("bias_for_layer_norm", not self.bias_for_layer_norm),
+            ("moe_dropless", self.moe_dropless),
+        ):
             _require(ok, f"model.{key}", getattr(self, key), "is not supported by the OLMoE-style model of spes")
 
     @property
@@ -157,7 +185,8 @@ class OptimizerConfig:
 @dataclass(kw_only=True)
 class SchedulerConfig:
     name: Literal["cosine_with_warmup", "linear_with_warmup", "constant"] = _f(
-        "cosine_with_warmup", "learning-rate schedule")
+        "cosine_with_warmup", "learning-rate schedule"
+    )
     units: Literal["steps", "tokens"] = _f("steps", "unit of t_warmup and t_max")
     t_warmup: int = _f(100, "linear warm-up length")
     t_max: int | None = _f(None, "schedule length (default: the run's max_duration)")
@@ -166,8 +195,10 @@ class SchedulerConfig:
 
 @dataclass(kw_only=True)
 class TokenizerConfig:
-    identifier: str = _f("data/default/tokenizer", "tokenizer directory, tokenizer.json or Hugging Face Hub id "
-                                                   "(local cache first, see spes.hub)")
+    identifier: str = _f(
+        "data/default/tokenizer",
+        "tokenizer directory, tokenizer.json or Hugging Face Hub id (local cache first, see spes.hub)",
+    )
     truncate_direction: str = _f("right", "inert")
 
 
@@ -180,23 +211,39 @@ class InstanceFilterConfig:
     repetition_max_count: int = _f(32, "a window with this many consecutive repeats of one period is filtered")
 
     def __post_init__(self) -> None:
-        _require(self.repetition_min_period >= 1, "data.instance_filter.repetition_min_period",
-                 self.repetition_min_period, "must be >= 1")
-        _require(self.repetition_max_period >= self.repetition_min_period, "data.instance_filter.repetition_max_period",
-                 self.repetition_max_period, f"must be >= repetition_min_period={self.repetition_min_period}")
-        _require(self.repetition_max_count >= 2, "data.instance_filter.repetition_max_count",
-                 self.repetition_max_count, "must be >= 2")
+        _require(
+            self.repetition_min_period >= 1,
+            "data.instance_filter.repetition_min_period",
+            self.repetition_min_period,
+            "must be >= 1",
+        )
+        _require(
+            self.repetition_max_period >= self.repetition_min_period,
+            "data.instance_filter.repetition_max_period",
+            self.repetition_max_period,
+            f"must be >= repetition_min_period={self.repetition_min_period}",
+        )
+        _require(
+            self.repetition_max_count >= 2,
+            "data.instance_filter.repetition_max_count",
+            self.repetition_max_count,
+            "must be >= 2",
+        )
 
 
 @dataclass(kw_only=True)
 class DataConfig:
     paths: list[str] = _f([], "token shards: .npy files, globs, or a .txt file listing them")
     validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
-    seed: int = _f(6198, "the run's data-order seed; node p reads in the order of seed + 1000 * p (the same value "
-                         "in every node's YAML)")
+    seed: int = _f(
+        6198,
+        "the run's data-order seed; node p reads in the order of seed + 1000 * p (the same value in every node's YAML)",
+    )
     memmap_dtype: str | None = _f(
-        None, "token dtype (uint16/uint32/uint64): checked against spes shards, read from headerless OLMo files "
-              "(default: the shards' own; uint16 for headerless files)")
+        None,
+        "token dtype (uint16/uint32/uint64): checked against spes shards, read from headerless OLMo files "
+        "(default: the shards' own; uint16 for headerless files)",
+    )
     num_workers: int = _f(0, "data loader worker processes")
     pad_direction: str = _f("right", "inert")
     drop_last: bool = _f(True, "drop the last incomplete global batch of an epoch")
@@ -205,7 +252,8 @@ class DataConfig:
     persistent_workers: bool = _f(False, "inert")
     timeout: int = _f(0, "inert")
     instance_filter: InstanceFilterConfig | None = _f(
-        None, "leave windows with a long run of a repeated token period out of the loss (null: keep all)")
+        None, "leave windows with a long run of a repeated token period out of the loss (null: keep all)"
+    )
 
 
 @dataclass(kw_only=True)
@@ -213,7 +261,8 @@ class FSDPConfig:
     wrapping_strategy: Literal["by_block"] | None = _f("by_block", "FSDP2 fully_shard per decoder block")
     precision: Literal["mixed", "pure", "float"] = _f("mixed", "mixed: bf16 compute, fp32 reduce under amp_bf16")
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = _f(
-        "FULL_SHARD", "FULL_SHARD reshards after forward; SHARD_GRAD_OP keeps params gathered")
+        "FULL_SHARD", "FULL_SHARD reshards after forward; SHARD_GRAD_OP keeps params gathered"
+    )
 
 
 @dataclass(kw_only=True)
@@ -258,15 +307,19 @@ class SpesConfig:
     decayed_factor_update_steps: int = _f(500, "refresh interval of the decayed load-balancing factor (1.0 before it)")
     wire_dtype: Literal["fp32", "bf16"] = _f("fp32", "transport precision (the trainer keeps fp32)")
     data_plane: Literal["auto", "grpc", "tcp"] = _f(
-        "auto", "tensor payloads: auto = the raw-TCP data plane when the server advertises one (--data_port) "
-        "and it answers from this node, else gRPC; grpc = always gRPC; tcp = require the data plane")
+        "auto",
+        "tensor payloads: auto = the raw-TCP data plane when the server advertises one (--data_port) "
+        "and it answers from this node, else gRPC; grpc = always gRPC; tcp = require the data plane",
+    )
     token_file: str | None = _f(None, "file holding the run's shared secret (or env SPES_TOKEN)")
     tls_ca: str | None = _f(None, "CA certificate to verify the server (enables TLS)")
     tls_cert: str | None = _f(None, "client certificate for mutual TLS")
     tls_key: str | None = _f(None, "client key for mutual TLS")
     rpc_timeout_s: float = _f(120.0, "deadline of one RPC")
     round_timeout_s: float = _f(3600.0, "longest wait for the other peers to finish a round")
-    max_retries: int = _f(8, "retries of a failed RPC (exponential backoff with jitter; 8 ride out a ~90 s server restart)")
+    max_retries: int = _f(
+        8, "retries of a failed RPC (exponential backoff with jitter; 8 ride out a ~90 s server restart)"
+    )
     eval_after_sync: bool = _f(True, "also evaluate the merged global model right after a sync on eval steps")
 
 
@@ -279,25 +332,34 @@ class ServerSection:
     below are the only ones: the server, `spes.launch` and the scripts all read them from here.
     """
 
-    merge_interval: int = _f(500, "SPES expert-merging warm-up on rounds whose step is a multiple of this (<= 0: "
-                                  "never)")
+    merge_interval: int = _f(
+        500, "SPES expert-merging warm-up on rounds whose step is a multiple of this (<= 0: never)"
+    )
     merge_alpha_start: float = _f(0.01, "merge strength at step 0, decayed linearly to 0 at merge_decay_steps")
     merge_decay_steps: int = _f(10000, "step at which the merge strength reaches 0")
     merge_topk: int = _f(4, "most similar other experts each expert is pulled towards")
     outer_optimizer: Literal["none", "nesterov"] = _f(
-        "none", "DiLoCo outer step: none = the global model is the mean of the uploads (the paper's baseline); "
-        "nesterov = Nesterov SGD on (previous global - mean)")
+        "none",
+        "DiLoCo outer step: none = the global model is the mean of the uploads (the paper's baseline); "
+        "nesterov = Nesterov SGD on (previous global - mean)",
+    )
     outer_lr: float = _f(0.7, "DiLoCo outer learning rate (nesterov)")
     outer_momentum: float = _f(0.9, "DiLoCo outer Nesterov momentum")
     round_timeout_s: float = _f(3600.0, "seconds after a round's first upload after which it has timed out")
     dead_peer_policy: Literal["wait", "quorum"] = _f(
-        "wait", "at the timeout, wait: fail the waiting nodes naming the missing ones; quorum: close the round with "
-        "the nodes that arrived (a missing owner's experts keep their last value)")
+        "wait",
+        "at the timeout, wait: fail the waiting nodes naming the missing ones; quorum: close the round with "
+        "the nodes that arrived (a missing owner's experts keep their last value)",
+    )
     min_peers: int | None = _f(None, "fewest nodes a quorum round needs (null: a majority)")
 
     def __post_init__(self) -> None:
-        _require(math.isfinite(self.merge_alpha_start) and self.merge_alpha_start >= 0, "server.merge_alpha_start",
-                 self.merge_alpha_start, "must be a finite number >= 0")
+        _require(
+            math.isfinite(self.merge_alpha_start) and self.merge_alpha_start >= 0,
+            "server.merge_alpha_start",
+            self.merge_alpha_start,
+            "must be a finite number >= 0",
+        )
         _require(self.merge_decay_steps > 0, "server.merge_decay_steps", self.merge_decay_steps, "must be > 0")
         _require(self.merge_topk >= 1, "server.merge_topk", self.merge_topk, "must be >= 1")
         _require(self.outer_lr > 0, "server.outer_lr", self.outer_lr, "must be > 0")
@@ -315,7 +377,8 @@ class TrainConfig:
     dry_run: bool = _f(False, "inert")
     no_pre_train_checkpoint: bool = _f(True, "skip the checkpoint at step 0")
     compile: dict | bool | None = _f(
-        None, "torch.compile each decoder block: true, or {mode, fullgraph, dynamic, backend}; null/false: eager")
+        None, "torch.compile each decoder block: true, or {mode, fullgraph, dynamic, backend}; null/false: eager"
+    )
     fused_loss: bool | None = _f(None, "inert")
     softmax_auxiliary_loss: bool = _f(False, "add a z-loss on the output logits")
     auxiliary_loss_multiplier: float = _f(1e-4, "weight of the output-logit z-loss")
@@ -323,8 +386,10 @@ class TrainConfig:
     using_dilico: bool = _f(False, "DiLoCo/FedAvg baseline: train everything, server averages everything")
     load_path: str | None = _f(None, "checkpoint directory to start from")
     try_load_latest_save: bool = _f(
-        False, "resume from save_folder's latest checkpoint when there is one, else start from load_path (or "
-        "fresh): what a requeued job wants (--resume=auto)")
+        False,
+        "resume from save_folder's latest checkpoint when there is one, else start from load_path (or "
+        "fresh): what a requeued job wants (--resume=auto)",
+    )
     max_duration: str | int = _f("1000st", "training length: steps ('1000st' or 1000) or tokens ('2e9T')")
     stop_at: int | None = _f(None, "stop at this step even if max_duration is larger")
     global_train_batch_size: int = _f(512, "sequences per optimizer step on this node (all ranks)")
@@ -332,16 +397,20 @@ class TrainConfig:
     device_eval_batch_size: int = _f(8, "sequences per validation forward")
     precision: Literal["fp32", "amp_bf16"] = _f("amp_bf16", "amp_bf16: bf16 autocast with fp32 master weights")
     distributed_strategy: Literal["single", "ddp", "fsdp"] | None = _f(
-        "single", "how the node's ranks share work (launched with torchrun)")
+        "single", "how the node's ranks share work (launched with torchrun)"
+    )
     fsdp: FSDPConfig = _sub(FSDPConfig, "FSDP2 settings")
     ddp: DDPConfig = _sub(DDPConfig, "DDP settings")
     activation_checkpointing: Literal["whole_layer", "fine_grained", "one_in_two", "one_in_four"] | bool | None = _f(
-        None, "recompute activations: whole_layer, fine_grained (attention + experts), one_in_N layers")
+        None, "recompute activations: whole_layer, fine_grained (attention + experts), one_in_N layers"
+    )
     max_grad_norm: float | None = _f(1.0, "clip the global gradient norm")
     max_grad_norm_ratio: float | None = _f(None, "inert")
     skip_nonfinite_steps: int = _f(
-        0, "skip the update of up to this many steps in a row whose loss or gradient norm is NaN/inf (0: stop at "
-        "the first, naming the step)")
+        0,
+        "skip the update of up to this many steps in a row whose loss or gradient norm is NaN/inf (0: stop at "
+        "the first, naming the step)",
+    )
     eval_interval: int | None = _f(None, "steps between validation-loss evaluations")
     eval_subset_num_batches: int = _f(-1, "validation batches per evaluation (-1: all)")
     save_folder: str = _f("output/${run_name}", "where checkpoints and metrics go")
@@ -361,44 +430,78 @@ class TrainConfig:
     wandb: WandbConfig | None = _f(None, "Weights & Biases logging (null: off; metrics.jsonl is always written)")
     tensorboard: TensorBoardConfig | None = _f(None, "TensorBoard event files (null: off)")
     speed_monitor: SpeedMonitorConfig = _sub(SpeedMonitorConfig, "throughput logging")
-    evaluators: list[dict] = _f([], "downstream tasks every eval_interval steps via lm-eval: "
-                                    "[{label: piqa, type: downstream, limit: 200}, ...] (see spes.evaluators)")
+    evaluators: list[dict] = _f(
+        [],
+        "downstream tasks every eval_interval steps via lm-eval: "
+        "[{label: piqa, type: downstream, limit: 200}, ...] (see spes.evaluators)",
+    )
     spes_config: SpesConfig = _sub(SpesConfig, "SPES node settings")
-    server: ServerSection = _sub(ServerSection, "the parameter server's run settings (merge warm-up, DiLoCo outer "
-                                 "optimizer, dead peers), read by `python -m spes.server RUN.yaml`")
+    server: ServerSection = _sub(
+        ServerSection,
+        "the parameter server's run settings (merge warm-up, DiLoCo outer "
+        "optimizer, dead peers), read by `python -m spes.server RUN.yaml`",
+    )
 
     def __post_init__(self) -> None:
         m, s = self.model, self.spes_config
-        _require(self.global_train_batch_size > 0, "global_train_batch_size", self.global_train_batch_size,
-                 "must be > 0")
-        _require(self.device_train_microbatch_size > 0, "device_train_microbatch_size",
-                 self.device_train_microbatch_size, "must be > 0")
+        _require(
+            self.global_train_batch_size > 0, "global_train_batch_size", self.global_train_batch_size, "must be > 0"
+        )
+        _require(
+            self.device_train_microbatch_size > 0,
+            "device_train_microbatch_size",
+            self.device_train_microbatch_size,
+            "must be > 0",
+        )
         _require(self.device_eval_batch_size > 0, "device_eval_batch_size", self.device_eval_batch_size, "must be > 0")
-        _require(self.global_train_batch_size % self.device_train_microbatch_size == 0, "global_train_batch_size",
-                 self.global_train_batch_size,
-                 f"must be divisible by device_train_microbatch_size={self.device_train_microbatch_size}")
+        _require(
+            self.global_train_batch_size % self.device_train_microbatch_size == 0,
+            "global_train_batch_size",
+            self.global_train_batch_size,
+            f"must be divisible by device_train_microbatch_size={self.device_train_microbatch_size}",
+        )
         parse_duration(self.max_duration)
         _require(self.skip_nonfinite_steps >= 0, "skip_nonfinite_steps", self.skip_nonfinite_steps, "must be >= 0")
         if self.sync_enabled:
             _require(s.num_peers >= 1, "spes_config.num_peers", s.num_peers, "must be >= 1")
-            _require(0 <= s.peer_id < s.num_peers, "spes_config.peer_id", s.peer_id,
-                     f"must be in [0, num_peers={s.num_peers})")
+            _require(
+                0 <= s.peer_id < s.num_peers,
+                "spes_config.peer_id",
+                s.peer_id,
+                f"must be in [0, num_peers={s.num_peers})",
+            )
             _require(s.sync_steps >= 1, "spes_config.sync_steps", s.sync_steps, "must be >= 1")
-            _require(s.decayed_factor_update_steps >= 1, "spes_config.decayed_factor_update_steps",
-                     s.decayed_factor_update_steps, "must be >= 1")
-            _require(re.fullmatch(r"\[?[\w.:-]+\]?:\d+", s.server_addr) is not None, "spes_config.server_addr",
-                     s.server_addr, "must be host:port")
-            _require(self.server.min_peers is None or self.server.min_peers <= s.num_peers, "server.min_peers",
-                     self.server.min_peers, f"must be <= spes_config.num_peers={s.num_peers}")
+            _require(
+                s.decayed_factor_update_steps >= 1,
+                "spes_config.decayed_factor_update_steps",
+                s.decayed_factor_update_steps,
+                "must be >= 1",
+            )
+            _require(
+                re.fullmatch(r"\[?[\w.:-]+\]?:\d+", s.server_addr) is not None,
+                "spes_config.server_addr",
+                s.server_addr,
+                "must be host:port",
+            )
+            _require(
+                self.server.min_peers is None or self.server.min_peers <= s.num_peers,
+                "server.min_peers",
+                self.server.min_peers,
+                f"must be <= spes_config.num_peers={s.num_peers}",
+            )
         if self.using_spes and not self.using_dilico:
             k = s.num_train_experts_per_node
             _require(k >= 1, "spes_config.num_train_experts_per_node", k, "must be >= 1")
             # NOTE: peer p owns [p*k, min((p+1)*k, E)); every expert needs an owner, while peers past the last
             # block (P*k > E, as in the upcycled 9B run: 8 experts, 8 peers x 2) train only the shared parameters.
-            _require(s.num_peers * k >= m.moe_num_experts, "model.moe_num_experts", m.moe_num_experts,
-                     f"has experts no peer owns: num_peers={s.num_peers} x num_train_experts_per_node={k} "
-                     f"covers only {s.num_peers * k} (e.g. set num_train_experts_per_node="
-                     f"{math.ceil(m.moe_num_experts / s.num_peers)})")
+            _require(
+                s.num_peers * k >= m.moe_num_experts,
+                "model.moe_num_experts",
+                m.moe_num_experts,
+                f"has experts no peer owns: num_peers={s.num_peers} x num_train_experts_per_node={k} "
+                f"covers only {s.num_peers * k} (e.g. set num_train_experts_per_node="
+                f"{math.ceil(m.moe_num_experts / s.num_peers)})",
+            )
 
     @property
     def mode(self) -> RunMode:
@@ -450,13 +553,27 @@ class TrainConfig:
 
 
 # Keys that are accepted for compatibility with the first implementation's configs but change nothing.
-INERT_KEYS = frozenset({
-    "dry_run", "fused_loss", "max_grad_norm_ratio", "save_overwrite", "save_interval_ephemeral",
-    "sharded_checkpointer", "model.flash_attention", "model.init_device",
-    "model.using_custom_moe_impl", "model.moe_mlp_impl", "optimizer.metrics_log_interval",
-    "tokenizer.truncate_direction", "data.pad_direction", "data.prefetch_factor", "data.persistent_workers",
-    "data.timeout", "ddp.grad_sync_mode",
-})
+INERT_KEYS = frozenset(
+    {
+        "dry_run",
+        "fused_loss",
+        "max_grad_norm_ratio",
+        "save_overwrite",
+        "save_interval_ephemeral",
+        "sharded_checkpointer",
+        "model.flash_attention",
+        "model.init_device",
+        "model.using_custom_moe_impl",
+        "model.moe_mlp_impl",
+        "optimizer.metrics_log_interval",
+        "tokenizer.truncate_direction",
+        "data.pad_direction",
+        "data.prefetch_factor",
+        "data.persistent_workers",
+        "data.timeout",
+        "ddp.grad_sync_mode",
+    }
+)
 
 
 PEER_SEED_STRIDE = 1000
@@ -491,7 +608,8 @@ def parse_duration(value: str | int) -> tuple[int, Literal["steps", "tokens"]]:
         amount = int(float(match.group(1)))
     except ValueError:
         raise ConfigError(
-            f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')") from None
+            f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')"
+        ) from None
     return amount, "tokens" if match.group(2) == "T" else "steps"
 
 
@@ -528,8 +646,10 @@ def load_server_section(overrides: list[str] | tuple[str, ...] = ()) -> ServerSe
     dotlist = [_override_to_dotlist(o) for o in overrides]
     for item in dotlist:
         if not item.startswith("server."):
-            raise ConfigError(f"command line (--{item}): without the run's YAML only --server.key=value overrides "
-                              "apply; give the run's YAML first (python -m spes.server RUN.yaml ...)")
+            raise ConfigError(
+                f"command line (--{item}): without the run's YAML only --server.key=value overrides "
+                "apply; give the run's YAML first (python -m spes.server RUN.yaml ...)"
+            )
     _check_overrides(dotlist)
     raw = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))
     assert isinstance(raw, dict)
@@ -537,10 +657,16 @@ def load_server_section(overrides: list[str] | tuple[str, ...] = ()) -> ServerSe
 
 
 SERVER_FLAGS = {
-    "--merge_interval": "merge_interval", "--merge_alpha_start": "merge_alpha_start",
-    "--merge_decay_steps": "merge_decay_steps", "--merge_topk": "merge_topk", "--outer_optimizer": "outer_optimizer",
-    "--outer_lr": "outer_lr", "--outer_momentum": "outer_momentum", "--round_timeout": "round_timeout_s",
-    "--dead_peer_policy": "dead_peer_policy", "--min_peers": "min_peers",
+    "--merge_interval": "merge_interval",
+    "--merge_alpha_start": "merge_alpha_start",
+    "--merge_decay_steps": "merge_decay_steps",
+    "--merge_topk": "merge_topk",
+    "--outer_optimizer": "outer_optimizer",
+    "--outer_lr": "outer_lr",
+    "--outer_momentum": "outer_momentum",
+    "--round_timeout": "round_timeout_s",
+    "--dead_peer_policy": "dead_peer_policy",
+    "--min_peers": "min_peers",
 }
 """The parameter server's former run flags and the `server:` key each one now spells."""
 
@@ -548,14 +674,16 @@ SERVER_FLAGS = {
 def add_server_flags(parser: argparse._ActionsContainer) -> None:
     """Accept the former run flags (`--merge_interval 8`) as spellings of `--server.merge_interval=8`."""
     for flag, key in SERVER_FLAGS.items():
-        parser.add_argument(flag, dest=f"server.{key}", metavar="VALUE", default=None,
-                            help=f"same as --server.{key}=VALUE")
+        parser.add_argument(
+            flag, dest=f"server.{key}", metavar="VALUE", default=None, help=f"same as --server.{key}=VALUE"
+        )
 
 
 def server_flag_overrides(args: argparse.Namespace) -> list[str]:
     """The former run flags given on a command line, as `--server.key=value` overrides."""
-    return [f"--{dest}={value}" for dest, value in vars(args).items()
-            if dest.startswith("server.") and value is not None]
+    return [
+        f"--{dest}={value}" for dest, value in vars(args).items() if dest.startswith("server.") and value is not None
+    ]
 
 
 def _existing(path: str | Path) -> Path:

@@ -100,8 +100,10 @@ def choose_dtype(vocab_size: int, requested: str | None = None) -> np.dtype:
     if dtype.kind != "u":
         raise ValueError(f"--dtype {requested} must be an unsigned integer type (uint16 or uint32)")
     if vocab_size - 1 > np.iinfo(dtype).max:
-        raise ValueError(f"--dtype {requested} cannot hold token ids up to {vocab_size - 1} (vocab size "
-                         f"{vocab_size}); use uint32 or leave --dtype unset")
+        raise ValueError(
+            f"--dtype {requested} cannot hold token ids up to {vocab_size - 1} (vocab size "
+            f"{vocab_size}); use uint32 or leave --dtype unset"
+        )
     return dtype
 
 
@@ -167,8 +169,10 @@ def _open_parquet(path: Path, text_field: str) -> pq.ParquetFile:
     """The parquet file, after checking it has the text column."""
     parquet = pq.ParquetFile(path)
     if text_field not in parquet.schema_arrow.names:
-        raise ValueError(f"{path}: parquet file has no column {text_field!r} (columns: "
-                         f"{parquet.schema_arrow.names}); pass the right --text_field")
+        raise ValueError(
+            f"{path}: parquet file has no column {text_field!r} (columns: "
+            f"{parquet.schema_arrow.names}); pass the right --text_field"
+        )
     return parquet
 
 
@@ -198,7 +202,6 @@ def record_text(record: Record, json_line: bool, text_field: str) -> tuple[str, 
     return record, None
 
 
-
 def file_texts(path: Path, text_field: str) -> Iterator[str]:
     """The texts of one file: its good records, or the whole file when it is not a record format."""
     if not path.name.endswith(SUPPORTED_SUFFIXES):
@@ -220,6 +223,7 @@ def iter_texts(files: Sequence[Path], text_field: str, max_bytes: int | None) ->
                 return
             seen += len(text.encode("utf-8"))
             yield text
+
 
 class Encoder:
     """Turns TextChunks into EncodedChunks; one per tokenizer process."""
@@ -328,8 +332,9 @@ class ShardWriter:
             take = min(self.capacity - self._filled, len(chunk.tokens) - start)
             self._reserve(self._filled + take)
             self._buffer[self._filled : self._filled + take] = chunk.tokens[start : start + take]
-            self._documents += int(np.searchsorted(doc_ends, start + take, side="right")
-                                   - np.searchsorted(doc_ends, start, side="right"))
+            self._documents += int(
+                np.searchsorted(doc_ends, start + take, side="right") - np.searchsorted(doc_ends, start, side="right")
+            )
             self._sources.setdefault(chunk.source, None)
             self._filled += take
             start += take
@@ -397,8 +402,10 @@ def tokenize_chunks(
     prefix = Path(output_prefix)
     leftovers = existing_outputs(prefix)
     if leftovers:
-        raise FileExistsError(f"{leftovers[0]} (and {len(leftovers) - 1} more) already exist for --output_prefix "
-                              f"{prefix}; delete them or choose another prefix")
+        raise FileExistsError(
+            f"{leftovers[0]} (and {len(leftovers) - 1} more) already exist for --output_prefix "
+            f"{prefix}; delete them or choose another prefix"
+        )
     prefix.parent.mkdir(parents=True, exist_ok=True)
     shard_dtype = choose_dtype(tokenizer.vocab_size, dtype)
     writer = ShardWriter(prefix, dtype=shard_dtype, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer)
@@ -442,8 +449,16 @@ def tokenize_files(
         if path.name.endswith(".parquet"):
             _open_parquet(path, text_field)
     chunks = (chunk for path in files for chunk in iter_file_chunks(path, text_field, batch_size))
-    return tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=output_prefix, text_field=text_field,
-                           dtype=dtype, max_shard_bytes=max_shard_bytes, processes=processes, progress=progress)
+    return tokenize_chunks(
+        chunks,
+        tokenizer=tokenizer,
+        output_prefix=output_prefix,
+        text_field=text_field,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        processes=processes,
+        progress=progress,
+    )
 
 
 def format_summary(summary: TokenizeSummary) -> str:
@@ -463,21 +478,43 @@ def tokenize_parser() -> argparse.ArgumentParser:
         "(EOS after each document) with JSON sidecars, for spes training.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--file_glob", nargs="+", required=True,
-                        help="input files: one or more globs (quote them; '**' recurses), each sorted")
-    parser.add_argument("--tokenizer_name_or_path", required=True,
-                        help="local tokenizer directory (with tokenizer.json) or tokenizer.json file; "
-                        "nothing is downloaded (train one with data_process_scripts/train_tokenizer.py)")
-    parser.add_argument("--output_prefix", required=True,
-                        help="shards are written as <output_prefix>_00000.npy, ... plus <shard>.json sidecars")
+    parser.add_argument(
+        "--file_glob",
+        nargs="+",
+        required=True,
+        help="input files: one or more globs (quote them; '**' recurses), each sorted",
+    )
+    parser.add_argument(
+        "--tokenizer_name_or_path",
+        required=True,
+        help="local tokenizer directory (with tokenizer.json) or tokenizer.json file; "
+        "nothing is downloaded (train one with data_process_scripts/train_tokenizer.py)",
+    )
+    parser.add_argument(
+        "--output_prefix",
+        required=True,
+        help="shards are written as <output_prefix>_00000.npy, ... plus <shard>.json sidecars",
+    )
     parser.add_argument("--text_field", default="text", help="JSON field / parquet column holding each document")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="tokenizer processes (1 = in this process, using the tokenizer's own threads)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="tokenizer processes (1 = in this process, using the tokenizer's own threads)",
+    )
     parser.add_argument("--batch_size", type=int, default=1000, help="documents per unit of work")
-    parser.add_argument("--max_shard_bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
-                        help="maximum bytes of token data per shard (a shard is buffered in memory)")
-    parser.add_argument("--dtype", choices=["uint16", "uint32"], default=None,
-                        help="token dtype (default: uint16 if the vocabulary fits, else uint32)")
+    parser.add_argument(
+        "--max_shard_bytes",
+        type=int,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help="maximum bytes of token data per shard (a shard is buffered in memory)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["uint16", "uint32"],
+        default=None,
+        help="token dtype (default: uint16 if the vocabulary fits, else uint32)",
+    )
     return parser
 
 
@@ -488,8 +525,13 @@ def tokenize_main(argv: Sequence[str] | None = None) -> int:
         files = resolve_input_files(args.file_glob)
         tokenizer = load_tokenizer(args.tokenizer_name_or_path)
         summary = tokenize_files(
-            files, text_field=args.text_field, batch_size=args.batch_size, tokenizer=tokenizer,
-            output_prefix=args.output_prefix, dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
+            files,
+            text_field=args.text_field,
+            batch_size=args.batch_size,
+            tokenizer=tokenizer,
+            output_prefix=args.output_prefix,
+            dtype=args.dtype,
+            max_shard_bytes=args.max_shard_bytes,
             processes=args.processes,
         )
     except (ValueError, OSError) as err:
@@ -503,14 +545,17 @@ def tokenize_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-
 def train_tokenizer_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Train a byte-level BPE tokenizer on local text; writes a Hugging Face tokenizer directory.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="input files: globs (quote them; '**' recurses); jsonl/parquet give one text per record")
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="input files: globs (quote them; '**' recurses); jsonl/parquet give one text per record",
+    )
     parser.add_argument("--output_dir", required=True, help="directory to write tokenizer.json and its configs to")
     parser.add_argument("--vocab_size", type=int, default=4096, help="vocabulary size, EOS and pad included")
     parser.add_argument("--min_frequency", type=int, default=2, help="minimum count of a pair to be merged")
@@ -531,15 +576,23 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
         files.extend(matches)
     max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
     try:
-        tokenizer = train_byte_level_bpe(iter_texts(files, args.text_field, max_bytes), vocab_size=args.vocab_size,
-                                         output_dir=args.output_dir, min_frequency=args.min_frequency)
+        tokenizer = train_byte_level_bpe(
+            iter_texts(files, args.text_field, max_bytes),
+            vocab_size=args.vocab_size,
+            output_dir=args.output_dir,
+            min_frequency=args.min_frequency,
+        )
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"trained a byte-level BPE of {tokenizer.vocab_size} tokens on {len(files)} file(s); saved to "
-          f"{args.output_dir} (eos id {tokenizer.eos_token_id}, pad id {tokenizer.pad_token_id}, "
-          f"fingerprint {tokenizer.fingerprint[:12]})")
+    print(
+        f"trained a byte-level BPE of {tokenizer.vocab_size} tokens on {len(files)} file(s); saved to "
+        f"{args.output_dir} (eos id {tokenizer.eos_token_id}, pad id {tokenizer.pad_token_id}, "
+        f"fingerprint {tokenizer.fingerprint[:12]})"
+    )
     if tokenizer.vocab_size < args.vocab_size:
-        print(f"note: fewer tokens than --vocab_size {args.vocab_size}: the text has too few distinct pairs; "
-              f"set model.vocab_size={tokenizer.vocab_size}")
+        print(
+            f"note: fewer tokens than --vocab_size {args.vocab_size}: the text has too few distinct pairs; "
+            f"set model.vocab_size={tokenizer.vocab_size}"
+        )
     return 0

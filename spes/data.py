@@ -48,8 +48,10 @@ class TokenSequenceDataset:
         self.paths = [Path(p) for p in paths]
         for path in self.paths:
             if path.name.endswith(PARTIAL_SUFFIX):
-                raise ValueError(f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
-                                 f"and rerun tokenize_data.py, or leave it out of data.paths")
+                raise ValueError(
+                    f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
+                    f"and rerun tokenize_data.py, or leave it out of data.paths"
+                )
             if path.suffix != ".npy":
                 raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
         want_dtype = np.dtype(memmap_dtype) if memmap_dtype is not None else None
@@ -60,7 +62,8 @@ class TokenSequenceDataset:
         for index, (path, info) in enumerate(zip(self.paths, self.shard_infos)):
             array = self._array(index)
             if info is not None and (
-                    array.ndim != 1 or array.dtype != np.dtype(info.dtype) or len(array) != info.num_tokens):
+                array.ndim != 1 or array.dtype != np.dtype(info.dtype) or len(array) != info.num_tokens
+            ):
                 raise ValueError(
                     f"token shard {path} does not match its sidecar (array {array.dtype} {array.shape}, sidecar "
                     f"{info.dtype} ({info.num_tokens},)); rerun tokenize_data.py for it"
@@ -76,15 +79,19 @@ class TokenSequenceDataset:
         bare = [i for i, info in enumerate(self.shard_infos) if info is None]
         if bare:
             more = f" (and {len(bare) - 1} more)" if len(bare) > 1 else ""
-            log.warning(f"note: token shard {self.paths[bare[0]]}{more} has no .npy.json sidecar (an OLMo-style "
-                        f"file): read as {self._array(bare[0]).dtype} tokens; its tokenizer cannot be checked")
+            log.warning(
+                f"note: token shard {self.paths[bare[0]]}{more} has no .npy.json sidecar (an OLMo-style "
+                f"file): read as {self._array(bare[0]).dtype} tokens; its tokenizer cannot be checked"
+            )
         known = [(p, i) for p, i in zip(self.paths, self.shard_infos) if i is not None]
         fingerprints = {info.tokenizer_fingerprint for _, info in known}
         if len(fingerprints) > 1:
             first = known[0][1].tokenizer_fingerprint
             odd = next(p for p, i in known if i.tokenizer_fingerprint != first)
-            raise ValueError(f"token shards were made with different tokenizers: {known[0][0]} and {odd}; "
-                             f"tokenize all data with the same tokenizer")
+            raise ValueError(
+                f"token shards were made with different tokenizers: {known[0][0]} and {odd}; "
+                f"tokenize all data with the same tokenizer"
+            )
         self.fingerprint: str | None = known[0][1].tokenizer_fingerprint if known else None
         """The tokenizer fingerprint the sidecars record; None when no shard has a sidecar."""
         self.num_tokens = int(sum(lengths))
@@ -153,8 +160,9 @@ class BatchLoader:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
         if batch_size < 1 or batch_size % world_size:
-            raise ValueError(f"global_train_batch_size={batch_size} must be a positive multiple of the "
-                             f"world size {world_size}")
+            raise ValueError(
+                f"global_train_batch_size={batch_size} must be a positive multiple of the world size {world_size}"
+            )
         if seed < 0:
             raise ValueError(f"data.seed={seed} must be >= 0")
         if num_workers < 0:
@@ -197,8 +205,10 @@ class BatchLoader:
         if missing:
             raise ValueError(f"data loader state lacks {sorted(missing)}")
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"data loader state was saved with data.seed={state['seed']} but this run uses "
-                             f"data.seed={self.seed}; resume with the same seed or start the data from scratch")
+            raise ValueError(
+                f"data loader state was saved with data.seed={state['seed']} but this run uses "
+                f"data.seed={self.seed}; resume with the same seed or start the data from scratch"
+            )
         if int(state["epoch"]) < 0 or int(state["position"]) < 0:
             raise ValueError(f"data loader state {state} has a negative epoch or position")
         self.close()

@@ -69,12 +69,48 @@ def split_of(name: str) -> str:
 
 # Named characters (\(xx, \[xx]) and strings (\*(xx) that carry text; all others are dropped.
 _NAMED_CHARS = {
-    "em": "\u2014", "en": "\u2013", "hy": "-", "mi": "-", "bu": "\u2022", "aq": "'", "dq": '"', "lq": '"',
-    "rq": '"', "oq": "'", "cq": "'", "co": "\u00a9", "rg": "\u00ae", "tm": "\u2122", "mu": "\u00d7",
-    "<=": "\u2264", ">=": "\u2265", "->": "\u2192", "<-": "\u2190", "ti": "~", "ha": "^", "rs": "\\",
-    "ga": "`", "at": "@", "sh": "#", "Do": "$", "lB": "[", "rB": "]", "lC": "{", "rC": "}", "ba": "|",
-    "dg": "\u2020", "de": "\u00b0", "L\"": '"', "R\"": '"', "C`": "'", "C'": "'", "Aq": "'", "--": "\u2014",
-    "PI": "pi", "Tm": "(TM)", "R": "\u00ae",
+    "em": "\u2014",
+    "en": "\u2013",
+    "hy": "-",
+    "mi": "-",
+    "bu": "\u2022",
+    "aq": "'",
+    "dq": '"',
+    "lq": '"',
+    "rq": '"',
+    "oq": "'",
+    "cq": "'",
+    "co": "\u00a9",
+    "rg": "\u00ae",
+    "tm": "\u2122",
+    "mu": "\u00d7",
+    "<=": "\u2264",
+    ">=": "\u2265",
+    "->": "\u2192",
+    "<-": "\u2190",
+    "ti": "~",
+    "ha": "^",
+    "rs": "\\",
+    "ga": "`",
+    "at": "@",
+    "sh": "#",
+    "Do": "$",
+    "lB": "[",
+    "rB": "]",
+    "lC": "{",
+    "rC": "}",
+    "ba": "|",
+    "dg": "\u2020",
+    "de": "\u00b0",
+    'L"': '"',
+    'R"': '"',
+    "C`": "'",
+    "C'": "'",
+    "Aq": "'",
+    "--": "\u2014",
+    "PI": "pi",
+    "Tm": "(TM)",
+    "R": "\u00ae",
 }
 _ESCAPE = re.compile(
     r"""\\(?:
@@ -100,8 +136,9 @@ _PARAGRAPH_MACROS = frozenset("PP P LP TP HP sp Pp Lp".split())
 
 
 def _replace_escape(match: re.Match[str]) -> str:
-    named = match.group("str2") or match.group("strb") or match.group("str1") or match.group("chr2") \
-        or match.group("chrb")
+    named = (
+        match.group("str2") or match.group("strb") or match.group("str1") or match.group("chr2") or match.group("chrb")
+    )
     if named is not None:
         return _NAMED_CHARS.get(named, "")
     one = match.group("one")
@@ -112,8 +149,10 @@ def _replace_escape(match: re.Match[str]) -> str:
 
 def _macro_arguments(rest: str) -> list[str]:
     """Arguments of a roff macro line: blank-separated, "..." quoted, "" inside quotes is a quote."""
-    return [m.group(1).replace('""', '"') if m.group(1) is not None else m.group(2)
-            for m in re.finditer(r'"((?:[^"]|"")*)"?|(\S+)', rest)]
+    return [
+        m.group(1).replace('""', '"') if m.group(1) is not None else m.group(2)
+        for m in re.finditer(r'"((?:[^"]|"")*)"?|(\S+)', rest)
+    ]
 
 
 def strip_roff(source: str) -> str:
@@ -246,8 +285,15 @@ def document_chunks(documents: Sequence[Document]) -> Iterator[TextChunk]:
             yield TextChunk(source, records, json_lines=False)
 
 
-def build_corpus(output_dir: Path, *, max_mb: float, vocab_size: int, stdlib_root: Path,
-                 man_root: Path = MAN_ROOT, progress: bool = True) -> dict[str, object]:
+def build_corpus(
+    output_dir: Path,
+    *,
+    max_mb: float,
+    vocab_size: int,
+    stdlib_root: Path,
+    man_root: Path = MAN_ROOT,
+    progress: bool = True,
+) -> dict[str, object]:
     """Build the corpus into `output_dir` (its tokenizer/, train/, valid/ are replaced); corpus.json's content."""
     started = time.perf_counter()
     for sub in ("tokenizer", *SPLITS):
@@ -256,32 +302,48 @@ def build_corpus(output_dir: Path, *, max_mb: float, vocab_size: int, stdlib_roo
     if not documents:
         raise ValueError(f"no documents found under {stdlib_root} or {man_root}")
     splits = {split: [d for d in documents if split_of(d.name) == split] for split in SPLITS}
-    tokenizer = train_byte_level_bpe((d.text for d in splits["train"]), vocab_size=vocab_size,
-                                     output_dir=output_dir / "tokenizer")
-    summaries = {split: _tokenize_split(docs, tokenizer, output_dir / split / "part", progress)
-                 for split, docs in splits.items()}
-    sources = {root: {"documents": sum(d.source == root for d in documents),
-                      "bytes": _size(d for d in documents if d.source == root)}
-               for root in (str(stdlib_root), str(man_root))}
+    tokenizer = train_byte_level_bpe(
+        (d.text for d in splits["train"]), vocab_size=vocab_size, output_dir=output_dir / "tokenizer"
+    )
+    summaries = {
+        split: _tokenize_split(docs, tokenizer, output_dir / split / "part", progress) for split, docs in splits.items()
+    }
+    sources = {
+        root: {
+            "documents": sum(d.source == root for d in documents),
+            "bytes": _size(d for d in documents if d.source == root),
+        }
+        for root in (str(stdlib_root), str(man_root))
+    }
     corpus = {
         "max_mb": max_mb,
         "vocab_size": tokenizer.vocab_size,
         "tokenizer_fingerprint": tokenizer.fingerprint,
         "sources": sources,
-        "splits": {split: {"documents": s.num_documents, "tokens": s.num_tokens, "shards": len(s.shards),
-                           "bytes": _size(splits[split])} for split, s in summaries.items()},
+        "splits": {
+            split: {
+                "documents": s.num_documents,
+                "tokens": s.num_tokens,
+                "shards": len(s.shards),
+                "bytes": _size(splits[split]),
+            }
+            for split, s in summaries.items()
+        },
         "build_seconds": round(time.perf_counter() - started, 1),
     }
     write_atomic(output_dir / "corpus.json", json.dumps(corpus, indent=2) + "\n")
     return corpus
 
 
-def _tokenize_split(docs: Sequence[Document], tokenizer: LoadedTokenizer, prefix: Path,
-                    progress: bool) -> TokenizeSummary:
+def _tokenize_split(
+    docs: Sequence[Document], tokenizer: LoadedTokenizer, prefix: Path, progress: bool
+) -> TokenizeSummary:
     summary = tokenize_chunks(document_chunks(docs), tokenizer=tokenizer, output_prefix=prefix, progress=progress)
     if summary.num_malformed:
-        raise ValueError(f"{summary.num_malformed} documents of {prefix.parent} could not be tokenized, e.g. "
-                         f"{summary.malformed_examples[0]}")
+        raise ValueError(
+            f"{summary.num_malformed} documents of {prefix.parent} could not be tokenized, e.g. "
+            f"{summary.malformed_examples[0]}"
+        )
     return summary
 
 
@@ -291,8 +353,10 @@ def format_corpus(corpus: dict[str, object], output_dir: Path) -> str:
     assert isinstance(splits, dict)
     lines = [f"default corpus in {output_dir} (max_mb={corpus['max_mb']}, vocab {corpus['vocab_size']}):"]
     for split, s in splits.items():
-        lines.append(f"  {split:5s}: {s['documents']:6,d} documents  {s['tokens']:11,d} tokens  "
-                     f"{s['bytes'] / 1e6:6.1f} MB text  {s['shards']} shard(s)")
+        lines.append(
+            f"  {split:5s}: {s['documents']:6,d} documents  {s['tokens']:11,d} tokens  "
+            f"{s['bytes'] / 1e6:6.1f} MB text  {s['shards']} shard(s)"
+        )
     for root, s in corpus["sources"].items():  # type: ignore[union-attr]
         lines.append(f"  source {root}: {s['documents']:,} documents, {s['bytes'] / 1e6:.1f} MB")
     lines.append(f"  built in {corpus['build_seconds']} s")
@@ -326,11 +390,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.output_dir.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
     try:
-        corpus = build_corpus(args.output_dir, max_mb=args.max_mb, vocab_size=args.vocab_size,
-                              stdlib_root=Path(sysconfig.get_paths()["stdlib"]), progress=not args.quiet)
+        corpus = build_corpus(
+            args.output_dir,
+            max_mb=args.max_mb,
+            vocab_size=args.vocab_size,
+            stdlib_root=Path(sysconfig.get_paths()["stdlib"]),
+            progress=not args.quiet,
+        )
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(format_corpus(corpus, args.output_dir))
     return 0
-

@@ -62,27 +62,34 @@ def check_launch(cfg: TrainConfig, env: Mapping[str, str], num_gpus: int) -> tup
     world = _env_int("WORLD_SIZE", env) if "WORLD_SIZE" in env else None
     missing = [v for v in TORCHRUN_VARS if v not in env]
     if missing and world != 1:
-        raise ConfigError(f"{', '.join(present)} are set but {', '.join(missing)} are not: launch multi-process "
-                          f"runs with torchrun (e.g. torchrun --standalone --nproc_per_node=N -m spes.train ...) "
-                          f"or unset them to run one process")
+        raise ConfigError(
+            f"{', '.join(present)} are set but {', '.join(missing)} are not: launch multi-process "
+            f"runs with torchrun (e.g. torchrun --standalone --nproc_per_node=N -m spes.train ...) "
+            f"or unset them to run one process"
+        )
     assert world is not None
     rank = _env_int("RANK", env) if "RANK" in env else 0
     local_rank = _env_int("LOCAL_RANK", env) if "LOCAL_RANK" in env else 0
     if world < 1 or rank >= world:
         raise ConfigError(f"RANK={rank} must be in [0, WORLD_SIZE={world}); check the launcher's variables")
     if num_gpus and local_rank >= num_gpus:
-        raise ConfigError(f"LOCAL_RANK={local_rank} but this machine has {num_gpus} GPU(s): run at most "
-                          f"--nproc_per_node={num_gpus}")
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but this machine has {num_gpus} GPU(s): run at most --nproc_per_node={num_gpus}"
+        )
     if world > 1:
         if cfg.distributed_strategy in (None, "single"):
-            raise ConfigError(f"config key 'distributed_strategy' = {cfg.distributed_strategy!r} cannot run on "
-                              f"{world} processes; use ddp or fsdp (or launch one process)")
+            raise ConfigError(
+                f"config key 'distributed_strategy' = {cfg.distributed_strategy!r} cannot run on "
+                f"{world} processes; use ddp or fsdp (or launch one process)"
+            )
         per_step = world * cfg.device_train_microbatch_size
         if cfg.global_train_batch_size % per_step != 0:
-            raise ConfigError(f"config key 'global_train_batch_size' = {cfg.global_train_batch_size} must be divisible "
-                              f"by world_size ({world}) x device_train_microbatch_size "
-                              f"({cfg.device_train_microbatch_size}) = {per_step}; change one of them or the number "
-                              f"of processes")
+            raise ConfigError(
+                f"config key 'global_train_batch_size' = {cfg.global_train_batch_size} must be divisible "
+                f"by world_size ({world}) x device_train_microbatch_size "
+                f"({cfg.device_train_microbatch_size}) = {per_step}; change one of them or the number "
+                f"of processes"
+            )
     return rank, world, local_rank
 
 
@@ -128,8 +135,11 @@ def parallelize(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> nn.Module
     if cfg.distributed_strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None,
-                                       find_unused_parameters=cfg.ddp.find_unused_params)
+        return DistributedDataParallel(
+            model,
+            device_ids=[info.local_rank] if info.device.type == "cuda" else None,
+            find_unused_parameters=cfg.ddp.find_unused_params,
+        )
     return apply_fsdp(model, cfg, info)
 
 
@@ -152,8 +162,9 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> nn.Module:
         mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("shard",))
     mp = MixedPrecisionPolicy()
     if cfg.precision == "amp_bf16" and fsdp.precision in ("mixed", "pure"):
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                  reduce_dtype=torch.float32 if fsdp.precision == "mixed" else torch.bfloat16)
+        mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if fsdp.precision == "mixed" else torch.bfloat16
+        )
     reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
     if fsdp.wrapping_strategy == "by_block":
         for block in model.blocks:  # type: ignore[attr-defined]
@@ -205,8 +216,10 @@ def compile_kwargs(options: dict | bool | None) -> dict | None:
     kwargs = dict(options) if isinstance(options, dict) else {}
     unknown = sorted(set(kwargs) - set(COMPILE_OPTIONS))
     if unknown:
-        raise ConfigError(f"config key 'compile.{unknown[0]}' is not a torch.compile option spes passes on; "
-                          f"use {list(COMPILE_OPTIONS)}")
+        raise ConfigError(
+            f"config key 'compile.{unknown[0]}' is not a torch.compile option spes passes on; "
+            f"use {list(COMPILE_OPTIONS)}"
+        )
     if kwargs.get("mode") == "default":
         kwargs.pop("mode")  # OLMo's configs spell torch's default mode out
     return kwargs

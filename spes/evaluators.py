@@ -61,12 +61,14 @@ def parse_evaluators(entries: list[dict]) -> list[Evaluator]:
     for i, entry in enumerate(entries):
         unknown = sorted(set(entry) - set(_ENTRY_KEYS))
         if unknown:
-            raise ConfigError(f"config key 'evaluators[{i}].{unknown[0]}' is unknown; an evaluator has "
-                              f"{list(_ENTRY_KEYS)}")
+            raise ConfigError(
+                f"config key 'evaluators[{i}].{unknown[0]}' is unknown; an evaluator has {list(_ENTRY_KEYS)}"
+            )
         label, kind, limit = entry.get("label"), entry.get("type", "downstream"), entry.get("limit")
         if not isinstance(label, str) or not label:
-            raise ConfigError(f"config key 'evaluators[{i}].label' = {label!r} must name a task, e.g. piqa or "
-                              f"{LOCAL_SUITE}")
+            raise ConfigError(
+                f"config key 'evaluators[{i}].label' = {label!r} must name a task, e.g. piqa or {LOCAL_SUITE}"
+            )
         if kind not in ("downstream", "lm"):
             raise ConfigError(f"config key 'evaluators[{i}].type' = {kind!r} must be downstream or lm")
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
@@ -93,8 +95,9 @@ def lm_eval_scores(output_dir: Path) -> dict[str, float]:
 class DownstreamEvals:
     """Runs the configured downstream tasks on the current weights (all ranks call `run`; rank 0 works)."""
 
-    def __init__(self, cfg: TrainConfig, *, is_main: bool, device: torch.device,
-                 log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, cfg: TrainConfig, *, is_main: bool, device: torch.device, log: Callable[[str], None] = print
+    ) -> None:
         self.evaluators = parse_evaluators(cfg.evaluators)
         self.cfg, self.is_main, self.device, self.log = cfg, is_main, device, log
         self.folder = Path(cfg.save_folder).absolute() / "downstream"
@@ -105,14 +108,18 @@ class DownstreamEvals:
             try:
                 choose_family(cfg.model)
             except ValueError as err:
-                raise ConfigError(f"config key 'evaluators' needs a model that exports to Hugging Face: {err}") \
-                    from None
+                raise ConfigError(
+                    f"config key 'evaluators' needs a model that exports to Hugging Face: {err}"
+                ) from None
             if not cfg.eval_interval:
-                raise ConfigError("config key 'evaluators' is set but 'eval_interval' is not: set how many steps "
-                                  "apart the downstream tasks run")
+                raise ConfigError(
+                    "config key 'evaluators' is set but 'eval_interval' is not: set how many steps "
+                    "apart the downstream tasks run"
+                )
             if any(e.task == LOCAL_SUITE for e in self.evaluators) and not cfg.data.validation_paths:
-                raise ConfigError(f"evaluator '{LOCAL_SUITE}' builds its tasks from data.validation_paths, "
-                                  f"which is empty")
+                raise ConfigError(
+                    f"evaluator '{LOCAL_SUITE}' builds its tasks from data.validation_paths, which is empty"
+                )
 
     def due(self, step: int, max_steps: int) -> bool:
         interval = self.cfg.eval_interval
@@ -147,10 +154,27 @@ class DownstreamEvals:
         out = self.folder / "raw" / f"step{step}" / ev.label
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={hf_dir},dtype=float32",
-               "--tasks", tasks, "--num_fewshot", "0", "--include_path", str(EVAL_SCRIPTS / "tasks"),
-               "--batch_size", str(self.cfg.device_eval_batch_size), "--output_path", str(out),
-               "--device", str(self.device)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={hf_dir},dtype=float32",
+            "--tasks",
+            tasks,
+            "--num_fewshot",
+            "0",
+            "--include_path",
+            str(EVAL_SCRIPTS / "tasks"),
+            "--batch_size",
+            str(self.cfg.device_eval_batch_size),
+            "--output_path",
+            str(out),
+            "--device",
+            str(self.device),
+        ]
         if ev.limit is not None:
             cmd += ["--limit", str(ev.limit)]
         done = self._subprocess(cmd, cwd, out / "lm_eval.log")
@@ -162,9 +186,20 @@ class DownstreamEvals:
     def _local_tasks(self, hf_dir: Path) -> tuple[Path, str]:
         """The local suite's data directory (built once, fitted to the model's window) and runnable tasks."""
         data = self.folder / "tasks"
-        cmd = [sys.executable, str(EVAL_SCRIPTS / "build_local_tasks.py"), "--shards", *self.cfg.data.validation_paths,
-               "--tokenizer", self.cfg.tokenizer.identifier, "--out", str(data),
-               "--max_tokens", str(self.cfg.model.max_sequence_length), "--window_tokenizer", str(hf_dir)]
+        cmd = [
+            sys.executable,
+            str(EVAL_SCRIPTS / "build_local_tasks.py"),
+            "--shards",
+            *self.cfg.data.validation_paths,
+            "--tokenizer",
+            self.cfg.tokenizer.identifier,
+            "--out",
+            str(data),
+            "--max_tokens",
+            str(self.cfg.model.max_sequence_length),
+            "--window_tokenizer",
+            str(hf_dir),
+        ]
         log_path = self.folder / "build_local_tasks.log"
         if not self._subprocess(cmd, Path.cwd(), log_path):
             self._disable(LOCAL_SUITE, f"its task data could not be built (log: {log_path})")

@@ -51,8 +51,8 @@ from safetensors.torch import save_file
 from spes.atomic import staging_dir
 from spes.checkpoint import CONFIG_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config, to_dict
-from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.hub import TOKENIZER_FILES, resolve
+from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.tokenizer import check_vocab, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -134,22 +134,44 @@ class HFFamily:
 
 
 OLMOE = HFFamily(
-    model_type="olmoe", architecture="OlmoeForCausalLM", config_class="OlmoeConfig", qk_norm="full",
-    keys=_QWEN_STYLE_MOE_KEYS, num_experts_attr="num_experts", expert_width_attr="intermediate_size",
-    renormalizes="config", fixed={"hidden_act": "silu", "attention_bias": False, "clip_qkv": None},
+    model_type="olmoe",
+    architecture="OlmoeForCausalLM",
+    config_class="OlmoeConfig",
+    qk_norm="full",
+    keys=_QWEN_STYLE_MOE_KEYS,
+    num_experts_attr="num_experts",
+    expert_width_attr="intermediate_size",
+    renormalizes="config",
+    fixed={"hidden_act": "silu", "attention_bias": False, "clip_qkv": None},
 )
 QWEN3_MOE = HFFamily(
-    model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM", config_class="Qwen3MoeConfig", qk_norm="per_head",
-    keys=_QWEN_STYLE_MOE_KEYS, num_experts_attr="num_experts", expert_width_attr="moe_intermediate_size",
+    model_type="qwen3_moe",
+    architecture="Qwen3MoeForCausalLM",
+    config_class="Qwen3MoeConfig",
+    qk_norm="per_head",
+    keys=_QWEN_STYLE_MOE_KEYS,
+    num_experts_attr="num_experts",
+    expert_width_attr="moe_intermediate_size",
     renormalizes="config",
-    fixed={"hidden_act": "silu", "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-           "use_sliding_window": False},
+    fixed={
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+    },
     extra={"intermediate_size": "expert_width", "head_dim": "head_dim"},
 )
 MIXTRAL = HFFamily(
-    model_type="mixtral", architecture="MixtralForCausalLM", config_class="MixtralConfig", qk_norm="none",
-    keys=_MIXTRAL_MOE_KEYS, num_experts_attr="num_local_experts", expert_width_attr="intermediate_size",
-    renormalizes="always", fixed={"hidden_act": "silu", "sliding_window": None},
+    model_type="mixtral",
+    architecture="MixtralForCausalLM",
+    config_class="MixtralConfig",
+    qk_norm="none",
+    keys=_MIXTRAL_MOE_KEYS,
+    num_experts_attr="num_local_experts",
+    expert_width_attr="intermediate_size",
+    renormalizes="always",
+    fixed={"hidden_act": "silu", "sliding_window": None},
     extra={"head_dim": "head_dim"},
 )
 FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (OLMOE, QWEN3_MOE, MIXTRAL)}
@@ -162,7 +184,8 @@ def choose_family(m: ModelConfig) -> HFFamily:
         raise ValueError(
             f"config key 'model.moe_normalize_expert_weights' = {m.moe_normalize_expert_weights!r}: a p-norm with "
             f"p != 1 has no Hugging Face equivalent (HF MoE models divide the top-k weights by their sum, p=1, "
-            f"or do not renormalize)")
+            f"or do not renormalize)"
+        )
     if m.attention_layer_norm:
         return QWEN3_MOE if m.attention_layer_norm_over_head else OLMOE
     if p == 1.0:
@@ -171,26 +194,29 @@ def choose_family(m: ModelConfig) -> HFFamily:
         "config key 'model.attention_layer_norm' = False with 'model.moe_normalize_expert_weights' unset has no "
         "exact Hugging Face architecture: OLMoE and Qwen3-MoE always RMS-normalize queries and keys, Mixtral always "
         "renormalizes the top-k weights. Train with attention_layer_norm: true (OLMoE) or "
-        "moe_normalize_expert_weights: true (Mixtral) to export")
+        "moe_normalize_expert_weights: true (Mixtral) to export"
+    )
 
 
 def hf_config_dict(family: HFFamily, m: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """Keyword arguments of the family's `transformers` config class for this spes model."""
     values: dict[str, Any] = {hf: getattr(m, spes) for spes, hf in {**CONFIG_KEYS, **_MOE_CONFIG_KEYS}.items()}
     derived = {"expert_width": m.expert_hidden_size, "head_dim": m.head_dim}
-    values.update({
-        family.num_experts_attr: m.moe_num_experts,
-        family.expert_width_attr: m.expert_hidden_size,
-        **{attr: derived[what] for attr, what in family.extra.items()},
-        **family.fixed,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rope_theta)},
-        "eos_token_id": m.eos_token_id,
-        "pad_token_id": m.pad_token_id,
-        "bos_token_id": None,
-        "tie_word_embeddings": False,
-        "architectures": [family.architecture],
-        "dtype": dtype,
-    })
+    values.update(
+        {
+            family.num_experts_attr: m.moe_num_experts,
+            family.expert_width_attr: m.expert_hidden_size,
+            **{attr: derived[what] for attr, what in family.extra.items()},
+            **family.fixed,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rope_theta)},
+            "eos_token_id": m.eos_token_id,
+            "pad_token_id": m.pad_token_id,
+            "bos_token_id": None,
+            "tie_word_embeddings": False,
+            "architectures": [family.architecture],
+            "dtype": dtype,
+        }
+    )
     if family.renormalizes == "config":
         values["norm_topk_prob"] = m.normalize_expert_weights_p == 1.0
     return values
@@ -202,14 +228,17 @@ def check_hf_config(hf: Any, fixed: Mapping[str, Any], where: str) -> float:
         have = getattr(hf, attr, want)
         if have != want:
             raise ValueError(f"{where}: '{attr}' = {have!r} is not supported by spes (needs {want!r})")
-    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(hf, "rope_theta")}
+    rope = getattr(hf, "rope_parameters", None) or {"rope_type": "default", "rope_theta": hf.rope_theta}
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"{where}: 'rope_parameters.rope_type' = {rope['rope_type']!r} is not supported by spes "
-                         f"(plain RoPE only)")
+        raise ValueError(
+            f"{where}: 'rope_parameters.rope_type' = {rope['rope_type']!r} is not supported by spes (plain RoPE only)"
+        )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     if head_dim * hf.num_attention_heads != hf.hidden_size:
-        raise ValueError(f"{where}: 'head_dim' = {head_dim} with {hf.num_attention_heads} heads != hidden_size "
-                         f"{hf.hidden_size}; spes needs head_dim = hidden_size / num_attention_heads")
+        raise ValueError(
+            f"{where}: 'head_dim' = {head_dim} with {hf.num_attention_heads} heads != hidden_size "
+            f"{hf.hidden_size}; spes needs head_dim = hidden_size / num_attention_heads"
+        )
     return float(rope["rope_theta"])
 
 
@@ -240,7 +269,7 @@ def _single_id(value: Any, *, default: int) -> int:
 
 
 def _layered(template: str, n_layers: int) -> list[tuple[int | None, str]]:
-    return [(l, template.format(l=l, e="{e}")) for l in range(n_layers)] if "{l}" in template else [(None, template)]
+    return [(i, template.format(l=i, e="{e}")) for i in range(n_layers)] if "{l}" in template else [(None, template)]
 
 
 def implicit_norm_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -249,18 +278,19 @@ def implicit_norm_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {}
     if not m.layer_norm_with_affine:
         shapes["norm.weight"] = (m.d_model,)
-        for l in range(m.n_layers):
-            shapes[f"blocks.{l}.attn_norm.weight"] = shapes[f"blocks.{l}.ffn_norm.weight"] = (m.d_model,)
+        for i in range(m.n_layers):
+            shapes[f"blocks.{i}.attn_norm.weight"] = shapes[f"blocks.{i}.ffn_norm.weight"] = (m.d_model,)
     if m.attention_layer_norm and not m.attention_layer_norm_with_affine:
         per_head = m.attention_layer_norm_over_head
-        for l in range(m.n_layers):
-            shapes[f"blocks.{l}.attn.q_norm.weight"] = (m.head_dim if per_head else m.n_heads * m.head_dim,)
-            shapes[f"blocks.{l}.attn.k_norm.weight"] = (m.head_dim if per_head else m.n_kv_heads * m.head_dim,)
+        for i in range(m.n_layers):
+            shapes[f"blocks.{i}.attn.q_norm.weight"] = (m.head_dim if per_head else m.n_heads * m.head_dim,)
+            shapes[f"blocks.{i}.attn.k_norm.weight"] = (m.head_dim if per_head else m.n_kv_heads * m.head_dim,)
     return shapes
 
 
-def spes_to_hf(state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m: ModelConfig, *,
-               layer: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def spes_to_hf(
+    state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m: ModelConfig, *, layer: int | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors of one part of a fused spes state: the global tensors (layer=None) or one layer's.
 
     `keys` is a key map (spes template -> HF template), e.g. `HFFamily.key_map()`.
@@ -276,8 +306,10 @@ def spes_to_hf(state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m: Mo
             yield hf_key, torch.ones(ones[spes_key])
             continue
         if spes_key not in state:
-            raise ValueError(f"checkpoint has no tensor '{spes_key}' (expected for this model config); is it a "
-                             f"checkpoint of this model?")
+            raise ValueError(
+                f"checkpoint has no tensor '{spes_key}' (expected for this model config); is it a "
+                f"checkpoint of this model?"
+            )
         tensor = state[spes_key]
         if "{e}" in hf_key:
             for e in range(tensor.shape[0]):
@@ -286,8 +318,9 @@ def spes_to_hf(state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m: Mo
             yield hf_key, tensor
 
 
-def hf_to_spes(hf_state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m: ModelConfig, *,
-               architecture: str) -> dict[str, torch.Tensor]:
+def hf_to_spes(
+    hf_state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m: ModelConfig, *, architecture: str
+) -> dict[str, torch.Tensor]:
     """The fused spes state of an HF state (per-expert layout); refuses missing and unused HF tensors.
 
     An HF model with tied embeddings (no `lm_head.weight`) gets an untied copy: spes is always untied.
@@ -312,8 +345,10 @@ def hf_to_spes(hf_state: Mapping[str, torch.Tensor], keys: Mapping[str, str], m:
                 out[spes_key] = take(hf_key)
     unused = sorted(k for k in hf_state if k not in used and not k.endswith("rotary_emb.inv_freq"))
     if unused:
-        raise ValueError(f"Hugging Face weights hold {len(unused)} tensors spes has no place for (e.g. "
-                         f"{unused[:3]}); biases, shared experts and dense layers are not supported")
+        raise ValueError(
+            f"Hugging Face weights hold {len(unused)} tensors spes has no place for (e.g. "
+            f"{unused[:3]}); biases, shared experts and dense layers are not supported"
+        )
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
@@ -346,14 +381,21 @@ def load_step_config(step_dir: Path) -> TrainConfig:
     """The run config saved with a checkpoint step."""
     path = step_dir / CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{step_dir} is not a spes checkpoint: it has no {CONFIG_FILE} (expected a "
-                                f"<save_folder>/step<N> directory written by spes training)")
+        raise FileNotFoundError(
+            f"{step_dir} is not a spes checkpoint: it has no {CONFIG_FILE} (expected a "
+            f"<save_folder>/step<N> directory written by spes training)"
+        )
     cfg, _ = load_config(path)
     return cfg
 
 
-def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path, *,
-                      max_shard_bytes: int = MAX_SHARD_BYTES, dtype: torch.dtype | None = None) -> list[str]:
+def write_safetensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: Path,
+    *,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
     """Write tensors as `model.safetensors`, or as HF shards + `model.safetensors.index.json`, streaming.
 
     Shards get temporary names until their count is known. Returns the file names written.
@@ -386,8 +428,10 @@ def write_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: Path
     final = {tmp: f"model-{i + 1:05d}-of-{len(tmp_names):05d}.safetensors" for i, tmp in enumerate(tmp_names)}
     for tmp, name in final.items():
         os.replace(out_dir / tmp, out_dir / name)
-    index = {"metadata": {"total_size": total_bytes},
-             "weight_map": {key: final[tmp] for key, tmp in sorted(weight_map.items())}}
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": {key: final[tmp] for key, tmp in sorted(weight_map.items())},
+    }
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
     return [*final.values(), "model.safetensors.index.json"]
 
@@ -401,8 +445,11 @@ def read_hf_weights(hf_dir: Path) -> SafetensorsState:
     single = hf_dir / "model.safetensors"
     if single.is_file():
         return SafetensorsState([single])
-    extra = " (pytorch_model.bin found: spes never unpickles weights; re-save it with safetensors)" \
-        if (hf_dir / "pytorch_model.bin").exists() else ""
+    extra = (
+        " (pytorch_model.bin found: spes never unpickles weights; re-save it with safetensors)"
+        if (hf_dir / "pytorch_model.bin").exists()
+        else ""
+    )
     raise FileNotFoundError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json{extra}")
 
 
@@ -412,8 +459,9 @@ def read_hf_config(hf_dir: Path, supported: Mapping[str, Any]) -> tuple[Any, Any
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory: it has no config.json")
     model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
     if model_type not in supported:
-        raise ValueError(f"{hf_dir}: model_type {model_type!r} is not supported here; expected one of "
-                         f"{sorted(supported)}")
+        raise ValueError(
+            f"{hf_dir}: model_type {model_type!r} is not supported here; expected one of {sorted(supported)}"
+        )
     from transformers import AutoConfig  # optional dependency (pip install -e .[hf])
 
     return AutoConfig.from_pretrained(str(hf_dir), local_files_only=True), supported[model_type]
@@ -430,8 +478,10 @@ def copy_tokenizer(src: Path, dst: Path, *, vocab_size: int | None = None) -> No
         if (src_dir / name).is_file():
             shutil.copyfile(src_dir / name, dst / name)
     if not (dst / "tokenizer_config.json").is_file():
-        tokens = {"eos_token": loaded.tokenizer.id_to_token(loaded.eos_token_id),
-                  "pad_token": loaded.tokenizer.id_to_token(loaded.pad_token_id)}
+        tokens = {
+            "eos_token": loaded.tokenizer.id_to_token(loaded.eos_token_id),
+            "pad_token": loaded.tokenizer.id_to_token(loaded.pad_token_id),
+        }
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **tokens}
         (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
@@ -441,8 +491,14 @@ def _refuse_existing(target: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{target} already exists and is not empty; pass --overwrite to replace it")
 
 
-def write_step_dir(out: str | Path, state: Mapping[str, torch.Tensor], cfg: TrainConfig, *,
-                   tokenizer: Path | None = None, overwrite: bool = False) -> Path:
+def write_step_dir(
+    out: str | Path,
+    state: Mapping[str, torch.Tensor],
+    cfg: TrainConfig,
+    *,
+    tokenizer: Path | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write `state` (fused experts) as the spes checkpoint `<save_folder>/step<N>` named by `out`.
 
     The experts are split into the config's blocks; the checkpoint has no optimizer or trainer state,
@@ -452,17 +508,21 @@ def write_step_dir(out: str | Path, state: Mapping[str, torch.Tensor], cfg: Trai
     out = Path(out).absolute()
     match = re.fullmatch(r"step(\d+)", out.name)
     if match is None:
-        raise ValueError(f"--out {out} must be a checkpoint step directory named step<N>, e.g. "
-                         f"output/<run_name>/step0")
+        raise ValueError(f"--out {out} must be a checkpoint step directory named step<N>, e.g. output/<run_name>/step0")
     _refuse_existing(out, overwrite)
     if tokenizer is not None:
         with staging_dir(out.parent / "tokenizer") as tmp:
             copy_tokenizer(tokenizer, tmp, vocab_size=cfg.model.vocab_size)
         cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, identifier=str(out.parent / "tokenizer")))
     blocks = split_expert_blocks(state, cfg.experts_per_peer)
-    return save_checkpoint(out.parent, int(match.group(1)),
-                           model_state={k: v.float().contiguous() for k, v in blocks.items()},
-                           optim_state=None, trainer_state={}, config=to_dict(cfg))
+    return save_checkpoint(
+        out.parent,
+        int(match.group(1)),
+        model_state={k: v.float().contiguous() for k, v in blocks.items()},
+        optim_state=None,
+        trainer_state={},
+        config=to_dict(cfg),
+    )
 
 
 def run_config_for(model: dict[str, Any], *, experts_per_peer: int, run_name: str) -> TrainConfig:
@@ -473,36 +533,67 @@ def run_config_for(model: dict[str, Any], *, experts_per_peer: int, run_name: st
     """
     num_experts = model["moe_num_experts"]
     if not 1 <= experts_per_peer <= num_experts:
-        raise ValueError(f"--experts_per_peer must be in [1, {num_experts}] (the number of experts), "
-                         f"got {experts_per_peer}")
+        raise ValueError(
+            f"--experts_per_peer must be in [1, {num_experts}] (the number of experts), got {experts_per_peer}"
+        )
     spes = SpesConfig(num_peers=math.ceil(num_experts / experts_per_peer), num_train_experts_per_node=experts_per_peer)
-    return TrainConfig(run_name=run_name, save_folder=f"output/{run_name}", using_spes=experts_per_peer < num_experts,
-                       model=ModelConfig(**model), spes_config=spes, tokenizer=TokenizerConfig())
+    return TrainConfig(
+        run_name=run_name,
+        save_folder=f"output/{run_name}",
+        using_spes=experts_per_peer < num_experts,
+        model=ModelConfig(**model),
+        spes_config=spes,
+        tokenizer=TokenizerConfig(),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Commands
 
 
-def export_checkpoint(step_dir: str | Path, out_dir: str | Path, *, tokenizer: str | Path | None = None,
-                      dtype: str = "float32", overwrite: bool = False,
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def export_checkpoint(
+    step_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
     """spes checkpoint (a step directory, or a save folder meaning its latest) -> HF model directory."""
     step = resolve_checkpoint(step_dir)
     cfg = load_step_config(step)
     choose_family(cfg.model)  # refuse an unexportable model before reading any weights
     try:
-        tok = resolve(tokenizer if tokenizer is not None else cfg.tokenizer.identifier, what="tokenizer",
-                      files=TOKENIZER_FILES)
+        tok = resolve(
+            tokenizer if tokenizer is not None else cfg.tokenizer.identifier, what="tokenizer", files=TOKENIZER_FILES
+        )
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"{err} (from config key 'tokenizer.identifier' of {step / 'config.yaml'}); pass "
-                                f"--tokenizer <dir> with the run's tokenizer") from None
-    return export_state(load_model_state(step), cfg.model, out_dir, tokenizer=tok, dtype=dtype, overwrite=overwrite,
-                        max_shard_bytes=max_shard_bytes)
+        raise FileNotFoundError(
+            f"{err} (from config key 'tokenizer.identifier' of {step / 'config.yaml'}); pass "
+            f"--tokenizer <dir> with the run's tokenizer"
+        ) from None
+    return export_state(
+        load_model_state(step),
+        cfg.model,
+        out_dir,
+        tokenizer=tok,
+        dtype=dtype,
+        overwrite=overwrite,
+        max_shard_bytes=max_shard_bytes,
+    )
 
 
-def export_state(state: Mapping[str, torch.Tensor], m: ModelConfig, out_dir: str | Path, *, tokenizer: Path,
-                 dtype: str = "float32", overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def export_state(
+    state: Mapping[str, torch.Tensor],
+    m: ModelConfig,
+    out_dir: str | Path,
+    *,
+    tokenizer: Path,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
     """A spes model state dict (experts in blocks, as trained or stored) -> HF model directory `out_dir`."""
     family = choose_family(m)
     if dtype not in _DTYPES:
@@ -528,28 +619,37 @@ def export_state(state: Mapping[str, torch.Tensor], m: ModelConfig, out_dir: str
     return out
 
 
-def import_hf(hf_dir: str | Path, out: str | Path, *, experts_per_peer: int | None = None,
-              overwrite: bool = False) -> Path:
+def import_hf(
+    hf_dir: str | Path, out: str | Path, *, experts_per_peer: int | None = None, overwrite: bool = False
+) -> Path:
     """HF OLMoE / Qwen3-MoE / Mixtral directory or Hub id -> spes checkpoint step directory (bit-exact in fp32)."""
     src = resolve(hf_dir, what="--hf")
     hf_config, family = read_hf_config(src, FAMILIES)
     has_tokenizer = (src / "tokenizer.json").is_file()
     vocab = load_tokenizer(src).vocab_size if has_tokenizer else None
     model = model_config_from_hf(family, hf_config, vocab_size=vocab)
-    cfg = run_config_for(model, experts_per_peer=experts_per_peer or model["moe_num_experts"],
-                         run_name=f"import-{Path(hf_dir).absolute().name}")
+    cfg = run_config_for(
+        model,
+        experts_per_peer=experts_per_peer or model["moe_num_experts"],
+        run_name=f"import-{Path(hf_dir).absolute().name}",
+    )
     state = hf_to_spes(read_hf_weights(src), family.key_map(), cfg.model, architecture=family.architecture)
     return write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spes.hf", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m spes.hf",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="spes checkpoint -> Hugging Face model directory")
     where = exp.add_mutually_exclusive_group(required=True)
-    where.add_argument("--checkpoint", help="a checkpoint step directory (<save_folder>/step<N>), or a save "
-                                            "folder (its latest checkpoint)")
+    where.add_argument(
+        "--checkpoint",
+        help="a checkpoint step directory (<save_folder>/step<N>), or a save folder (its latest checkpoint)",
+    )
     where.add_argument("--run_dir", help="a save folder; the step comes from --step")
     exp.add_argument("--step", default="latest", help="with --run_dir: a step number or 'latest' (default)")
     exp.add_argument("--out", required=True, help="output Hugging Face model directory")
@@ -558,20 +658,35 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors shard in GiB (default 5)")
     exp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     imp = sub.add_parser("import", help="Hugging Face MoE directory -> spes checkpoint step directory")
-    imp.add_argument("--hf", required=True, help=f"HF model directory or Hub id (local cache first, see spes.hub), "
-                                                f"model_type one of {sorted(FAMILIES)}")
-    imp.add_argument("--out", required=True, help="output checkpoint step directory, e.g. output/myrun/step0 "
-                                                  "(the tokenizer goes to output/myrun/tokenizer)")
-    imp.add_argument("--experts_per_peer", "--block_size", type=int,
-                     help="experts per stored block: num_train_experts_per_node of the SPES run (default: all experts "
-                     "in one block)")
+    imp.add_argument(
+        "--hf",
+        required=True,
+        help=f"HF model directory or Hub id (local cache first, see spes.hub), model_type one of {sorted(FAMILIES)}",
+    )
+    imp.add_argument(
+        "--out",
+        required=True,
+        help="output checkpoint step directory, e.g. output/myrun/step0 (the tokenizer goes to output/myrun/tokenizer)",
+    )
+    imp.add_argument(
+        "--experts_per_peer",
+        "--block_size",
+        type=int,
+        help="experts per stored block: num_train_experts_per_node of the SPES run (default: all experts in one block)",
+    )
     imp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
             step = Path(args.checkpoint) if args.checkpoint else resolve_step(args.run_dir, args.step)
-            out = export_checkpoint(step, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
-                                    overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+            out = export_checkpoint(
+                step,
+                args.out,
+                tokenizer=args.tokenizer,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+                max_shard_bytes=int(args.max_shard_gb * 1024**3),
+            )
         else:
             out = import_hf(args.hf, args.out, experts_per_peer=args.experts_per_peer, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as err:

@@ -34,17 +34,24 @@ def free_port() -> int:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    overrides = argv[argv.index("--") + 1:] if "--" in argv else []
+    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m spes.launch", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m spes.launch",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config", help="node config (YAML); peer_id, data seed, server address and save folder are set here")
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     add_server_flags(p.add_argument_group("the server's run flags of earlier versions (the YAML's server: section)"))
-    p.add_argument("--wire_dtype", choices=["fp32", "bf16"], default=None,
-                   help="transport precision (default: the config's spes_config.wire_dtype)")
+    p.add_argument(
+        "--wire_dtype",
+        choices=["fp32", "bf16"],
+        default=None,
+        help="transport precision (default: the config's spes_config.wire_dtype)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     return p.parse_args(argv), overrides
@@ -57,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         run = [*overrides, *(["--using_dilico=true"] if args.dilico else []), *wire, *server_flag_overrides(args)]
         cfg, _ = load_config(args.config, run)
         if not cfg.sync_enabled:
-            raise ConfigError(f"{args.config} is a centralized run (using_spes: false): train it with "
-                              "python -m spes.train, which needs no server")
+            raise ConfigError(
+                f"{args.config} is a centralized run (using_spes: false): train it with "
+                "python -m spes.train, which needs no server"
+            )
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,19 +76,42 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port or free_port()
     peers = cfg.num_peers
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    server_cmd = [sys.executable, "-m", "spes.server", args.config, *run, "--port", str(port), "--host", "127.0.0.1",
-                  "--data_port", "0", "--state_dir", str(out / "server_state")]
+    server_cmd = [
+        sys.executable,
+        "-m",
+        "spes.server",
+        args.config,
+        *run,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--data_port",
+        "0",
+        "--state_dir",
+        str(out / "server_state"),
+    ]
     procs: dict[str, subprocess.Popen] = {}
     started = time.time()
     try:
         procs["server"] = _spawn(server_cmd, out / "server.log", env)
         seeds = [peer_data_seed(cfg.data.seed, i) for i in range(peers)]
         for i in range(peers):
-            peer_cmd = [sys.executable, "-m", "spes.train", args.config, *run, f"--spes_config.peer_id={i}",
-                        f"--spes_config.server_addr=127.0.0.1:{port}", f"--save_folder={out}/node{i}"]
+            peer_cmd = [
+                sys.executable,
+                "-m",
+                "spes.train",
+                args.config,
+                *run,
+                f"--spes_config.peer_id={i}",
+                f"--spes_config.server_addr=127.0.0.1:{port}",
+                f"--save_folder={out}/node{i}",
+            ]
             procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
-        print(f"started server on 127.0.0.1:{port} and {peers} peers (data seeds {seeds}); logs in {out}/ "
-              "(following peer0.log)")
+        print(
+            f"started server on 127.0.0.1:{port} and {peers} peers (data seeds {seeds}); logs in {out}/ "
+            "(following peer0.log)"
+        )
         code = _wait(procs, out / "peer0.log", args.timeout)
     finally:
         _stop_all(procs)
@@ -106,8 +138,10 @@ def _wait(procs: dict[str, subprocess.Popen], follow: Path, timeout: float) -> i
         failed = [k for k, p in procs.items() if p.poll() not in (None, 0)]
         if failed:
             for k in failed:
-                print(f"{k} exited with code {procs[k].returncode}; its log: {follow.parent / f'{k}.log'}",
-                      file=sys.stderr)
+                print(
+                    f"{k} exited with code {procs[k].returncode}; its log: {follow.parent / f'{k}.log'}",
+                    file=sys.stderr,
+                )
             print(_last_line(follow.parent / f"{failed[0]}.log") or f"error: {failed[0]} failed", file=sys.stderr)
             return 1
         if all(p.poll() == 0 for p in peers.values()):
@@ -158,15 +192,22 @@ def summarize(out: Path, peers: int, seconds: float) -> dict[str, Any]:
         syncs = [r for r in records if "sync_s" in r]
         evals = [r for r in records if "val_loss" in r]
         merged = [r for r in records if "merged_val_loss" in r]
-        rows.append({
-            "peer": i, "steps": records[-1]["step"], "final_loss": records[-1]["loss"],
-            "val_local_last": evals[-1]["val_loss"] if evals else None,
-            "val_merged_first": merged[0]["merged_val_loss"] if merged else None,
-            "val_merged_last": merged[-1]["merged_val_loss"] if merged else None,
-            "rounds": len(syncs), "merge_rounds": sum(bool(r.get("merged")) for r in syncs),
-            "mb_up": sum(r["sync_mb_up"] for r in syncs), "mb_down": sum(r["sync_mb_down"] for r in syncs),
-            "sync_s": sum(r["sync_s"] for r in syncs), "tokens": records[-1].get("tokens"),
-        })
+        rows.append(
+            {
+                "peer": i,
+                "steps": records[-1]["step"],
+                "final_loss": records[-1]["loss"],
+                "val_local_last": evals[-1]["val_loss"] if evals else None,
+                "val_merged_first": merged[0]["merged_val_loss"] if merged else None,
+                "val_merged_last": merged[-1]["merged_val_loss"] if merged else None,
+                "rounds": len(syncs),
+                "merge_rounds": sum(bool(r.get("merged")) for r in syncs),
+                "mb_up": sum(r["sync_mb_up"] for r in syncs),
+                "mb_down": sum(r["sync_mb_down"] for r in syncs),
+                "sync_s": sum(r["sync_s"] for r in syncs),
+                "tokens": records[-1].get("tokens"),
+            }
+        )
     return {"peers": rows, "wall_s": seconds}
 
 
@@ -174,15 +215,23 @@ def format_summary(summary: dict[str, Any]) -> str:
     def f(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    head = (f"{'peer':>4} {'steps':>6} {'loss':>8} {'val local':>10} {'merged val':>11} {'-> last':>8} "
-            f"{'rounds':>7} {'merges':>7} {'MB up':>8} {'MB down':>8} {'sync s':>7}")
-    lines = ["", "SPES run summary (val = validation loss; merged val at the first and the last sync)", head,
-             "-" * len(head)]
+    head = (
+        f"{'peer':>4} {'steps':>6} {'loss':>8} {'val local':>10} {'merged val':>11} {'-> last':>8} "
+        f"{'rounds':>7} {'merges':>7} {'MB up':>8} {'MB down':>8} {'sync s':>7}"
+    )
+    lines = [
+        "",
+        "SPES run summary (val = validation loss; merged val at the first and the last sync)",
+        head,
+        "-" * len(head),
+    ]
     for r in summary["peers"]:
-        lines.append(f"{r['peer']:>4} {r['steps']:>6} {f(r['final_loss'], '.4f'):>8} {f(r['val_local_last'], '.4f'):>10} "
-                     f"{f(r['val_merged_first'], '.4f'):>11} {f(r['val_merged_last'], '.4f'):>8} "
-                     f"{r['rounds']:>7} {r['merge_rounds']:>7} {r['mb_up']:>8.2f} {r['mb_down']:>8.2f} "
-                     f"{r['sync_s']:>7.2f}")
+        lines.append(
+            f"{r['peer']:>4} {r['steps']:>6} {f(r['final_loss'], '.4f'):>8} {f(r['val_local_last'], '.4f'):>10} "
+            f"{f(r['val_merged_first'], '.4f'):>11} {f(r['val_merged_last'], '.4f'):>8} "
+            f"{r['rounds']:>7} {r['merge_rounds']:>7} {r['mb_up']:>8.2f} {r['mb_down']:>8.2f} "
+            f"{r['sync_s']:>7.2f}"
+        )
     lines.append(f"wall time {summary['wall_s']:.0f}s; every process exited cleanly")
     return "\n".join(lines)
 

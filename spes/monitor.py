@@ -50,9 +50,23 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
     """`step 120/1000 [##.....]  12% | loss 5.4321 | lb 0.0101 | ...` from whatever metrics are present."""
     parts = [f"step {step}/{max_steps} {progress_bar(step, max_steps)}"]
-    fmt = {"loss": ".4f", "ce": ".4f", "lb_loss": ".4f", "z_loss": ".5f", "lr": ".2e", "grad_norm": ".3f",
-           "tokens_per_s": ",.0f", "mfu": ".1%", "val_loss": ".4f", "val_ppl": ".2f", "merged_val_loss": ".4f",
-           "sync_s": ".2f", "sync_mb_up": ".1f", "sync_mb_down": ".1f", "eta_min": ".1f"}
+    fmt = {
+        "loss": ".4f",
+        "ce": ".4f",
+        "lb_loss": ".4f",
+        "z_loss": ".5f",
+        "lr": ".2e",
+        "grad_norm": ".3f",
+        "tokens_per_s": ",.0f",
+        "mfu": ".1%",
+        "val_loss": ".4f",
+        "val_ppl": ".2f",
+        "merged_val_loss": ".4f",
+        "sync_s": ".2f",
+        "sync_mb_up": ".1f",
+        "sync_mb_down": ".1f",
+        "eta_min": ".1f",
+    }
     for key, spec in fmt.items():
         if key in metrics and metrics[key] is not None:
             parts.append(f"{key} {format(metrics[key], spec)}")

@@ -97,20 +97,33 @@ def find_devices(nproc: int | None) -> Devices:
         props = [torch.cuda.get_device_properties(i) for i in range(num_gpus)]
         names = sorted({p.name for p in props})
         count = nproc or num_gpus
-        return Devices(count, "cuda", min(p.total_memory for p in props),
-                       f"{num_gpus} CUDA GPU(s) ({', '.join(names)}, {gib(min(p.total_memory for p in props))} each); "
-                       f"the launch uses {count} process(es)")
+        return Devices(
+            count,
+            "cuda",
+            min(p.total_memory for p in props),
+            f"{num_gpus} CUDA GPU(s) ({', '.join(names)}, {gib(min(p.total_memory for p in props))} each); "
+            f"the launch uses {count} process(es)",
+        )
     count = nproc or 1
     available = psutil.virtual_memory().available
-    return Devices(count, "cpu", available // count,
-                   f"the CPU (no CUDA GPU), {os.cpu_count()} cores, {gib(available)} RAM available; the launch uses "
-                   f"{count} process(es)")
+    return Devices(
+        count,
+        "cpu",
+        available // count,
+        f"the CPU (no CUDA GPU), {os.cpu_count()} cores, {gib(available)} RAM available; the launch uses "
+        f"{count} process(es)",
+    )
 
 
 def check_devices(cfg: TrainConfig, devices: Devices) -> Check:
     num_gpus = torch.cuda.device_count() if devices.kind == "cuda" else 0
-    env = {"WORLD_SIZE": str(devices.nproc), "RANK": "0", "LOCAL_RANK": str(devices.nproc - 1),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    env = {
+        "WORLD_SIZE": str(devices.nproc),
+        "RANK": "0",
+        "LOCAL_RANK": str(devices.nproc - 1),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+    }
     try:
         check_launch(cfg, env, num_gpus)
     except ConfigError as exc:
@@ -139,8 +152,13 @@ def model_state_bytes(cfg: TrainConfig) -> StateBytes:
     """From the config alone (`spes.model.analytic_param_counts`); bench/bench_memory.py checks it against a run."""
     owned = cfg.owned_experts()
     counts = analytic_param_counts(cfg.model, None if owned is None else owned[1] - owned[0])
-    return StateBytes(params=counts.total, trained=counts.trainable, weights=FP32 * counts.total,
-                      grads=FP32 * counts.trainable, optimizer=ADAM_MOMENTS * FP32 * counts.trainable)
+    return StateBytes(
+        params=counts.total,
+        trained=counts.trainable,
+        weights=FP32 * counts.total,
+        grads=FP32 * counts.trainable,
+        optimizer=ADAM_MOMENTS * FP32 * counts.trainable,
+    )
 
 
 def activation_bytes_per_sequence(cfg: TrainConfig) -> int:
@@ -186,25 +204,34 @@ def check_memory(cfg: TrainConfig, devices: Devices, budget_bytes: int | None) -
     static, per_seq = memory_need(cfg, devices.nproc)
     micro = cfg.device_train_microbatch_size
     have = budget_bytes if budget_bytes is not None else devices.memory_bytes
-    where = "the stated budget" if budget_bytes is not None else ("the smallest GPU" if devices.kind == "cuda"
-                                                                 else "available RAM per process")
+    where = (
+        "the stated budget"
+        if budget_bytes is not None
+        else ("the smallest GPU" if devices.kind == "cuda" else "available RAM per process")
+    )
     usable = USABLE_MEMORY * have
     need = static + micro * per_seq
     largest = max(0, int((usable - static) // per_seq)) if per_seq else 0
-    detail = (f"needs {gib(need)} per process (model state {gib(static)}: {state.params / 1e6:,.1f}M weights, "
-              f"{state.trained / 1e6:,.1f}M trained with grads + AdamW; activations ~{gib(micro * per_seq)} for "
-              f"micro-batch {micro}) of {gib(have)} ({where}; {gib(usable)} usable at {USABLE_MEMORY:.0%}); "
-              f"largest micro-batch that fits: {largest}")
+    detail = (
+        f"needs {gib(need)} per process (model state {gib(static)}: {state.params / 1e6:,.1f}M weights, "
+        f"{state.trained / 1e6:,.1f}M trained with grads + AdamW; activations ~{gib(micro * per_seq)} for "
+        f"micro-batch {micro}) of {gib(have)} ({where}; {gib(usable)} usable at {USABLE_MEMORY:.0%}); "
+        f"largest micro-batch that fits: {largest}"
+    )
     if need <= usable:
         return ok("memory", detail)
     if static > usable:
-        fix = ("the model state alone does not fit: shard it with distributed_strategy=fsdp over more GPUs "
-               "(NPROC_PER_NODE), or use a device with more memory")
+        fix = (
+            "the model state alone does not fit: shard it with distributed_strategy=fsdp over more GPUs "
+            "(NPROC_PER_NODE), or use a device with more memory"
+        )
     else:
         per_rank = cfg.global_train_batch_size // devices.nproc
         fitting = max(m for m in range(1, max(largest, 1) + 1) if per_rank % m == 0)
-        fix = (f"set device_train_microbatch_size={fitting} (the largest that fits and divides the "
-               f"{per_rank} sequences per process and step), or enable activation_checkpointing=whole_layer")
+        fix = (
+            f"set device_train_microbatch_size={fitting} (the largest that fits and divides the "
+            f"{per_rank} sequences per process and step), or enable activation_checkpointing=whole_layer"
+        )
     return fail("memory", detail, fix)
 
 
@@ -221,8 +248,9 @@ def wire_bytes(shapes: dict[str, tuple[int, ...]], names: list[str], wire_dtype:
     return sum(math.prod(shapes[n]) for n in names) * (2 if wire_dtype == "bf16" else FP32)
 
 
-def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable: list[str]
-                 ) -> tuple[list[Check], SyncClient | None]:
+def check_server(
+    cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable: list[str]
+) -> tuple[list[Check], SyncClient | None]:
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
     from spes.sync.client import SyncError
     from spes.sync.peer import sync_client
@@ -235,10 +263,15 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
         client = sync_client(cfg, max_retries=0, rpc_timeout_s=min(s.rpc_timeout_s, 15.0))
     except (ValueError, FileNotFoundError) as exc:
         return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
-    settings = (f"mode {cfg.mode}, {cfg.num_peers} peers, {cfg.experts_per_peer} experts per block, peer {s.peer_id}, "
-                f"manifest of {len(shapes)} tensors")
-    parts = ("token" if s.token_file or os.environ.get(TOKEN_ENV) else "", "TLS" if s.tls_ca or s.tls_cert else "",
-             f"client certificate {s.tls_cert}" if s.tls_cert else "")
+    settings = (
+        f"mode {cfg.mode}, {cfg.num_peers} peers, {cfg.experts_per_peer} experts per block, peer {s.peer_id}, "
+        f"manifest of {len(shapes)} tensors"
+    )
+    parts = (
+        "token" if s.token_file or os.environ.get(TOKEN_ENV) else "",
+        "TLS" if s.tls_ca or s.tls_cert else "",
+        f"client certificate {s.tls_cert}" if s.tls_cert else "",
+    )
     security = ", ".join(p for p in parts if p) or "no token, no TLS"
     try:
         checked = client.check_join(shapes, trainable)
@@ -250,24 +283,42 @@ def check_server(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable
             "DEADLINE_EXCEEDED": "the server does not answer in time: check spes_config.server_addr and the network",
             "UNAUTHENTICATED": "set SPES_TOKEN (or spes_config.token_file) to the run's shared secret",
             "PERMISSION_DENIED": "use the client certificate issued for this peer (common name peer-<peer_id>) "
-                                 "in spes_config.tls_cert/tls_key, or check spes_config.peer_id",
+            "in spes_config.tls_cert/tls_key, or check spes_config.peer_id",
         }
         if code in fixes:
-            return [fail("server", f"{s.server_addr}: {exc}", fixes[code]),
-                    skip("settings", "not checked: the server refused or did not answer")], None
+            return [
+                fail("server", f"{s.server_addr}: {exc}", fixes[code]),
+                skip("settings", "not checked: the server refused or did not answer"),
+            ], None
         if exc.reason == Reason.OLD_SERVER:
-            return [fail("server", f"{s.server_addr}: {exc}", "update the parameter server to this spes version (the "
-                         "training protocol is the same); its settings were accepted"),
-                    skip("settings", "not checked by an older server")], None
+            return [
+                fail(
+                    "server",
+                    f"{s.server_addr}: {exc}",
+                    "update the parameter server to this spes version (the "
+                    "training protocol is the same); its settings were accepted",
+                ),
+                skip("settings", "not checked by an older server"),
+            ], None
         if "wire protocol" in str(exc):
-            return [fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
-                    skip("settings", "not checked: the server speaks another protocol")], None
-        return [ok("server", f"{s.server_addr} reachable, credentials accepted ({security})"),
-                fail("settings", str(exc), "make this node's config match the run's (the YAML the server was "
-                     "started with and the other nodes' configs)")], None
+            return [
+                fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
+                skip("settings", "not checked: the server speaks another protocol"),
+            ], None
+        return [
+            ok("server", f"{s.server_addr} reachable, credentials accepted ({security})"),
+            fail(
+                "settings",
+                str(exc),
+                "make this node's config match the run's (the YAML the server was "
+                "started with and the other nodes' configs)",
+            ),
+        ], None
     known = "matches the run's" if checked else "will set the run's (no peer has joined yet)"
-    return [ok("server", f"{s.server_addr} reachable, protocol v{PROTOCOL_VERSION}, credentials accepted ({security})"),
-            ok("settings", f"{settings}: the server accepts them; the manifest {known}")], client
+    return [
+        ok("server", f"{s.server_addr} reachable, protocol v{PROTOCOL_VERSION}, credentials accepted ({security})"),
+        ok("settings", f"{settings}: the server accepts them; the manifest {known}"),
+    ], client
 
 
 def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
@@ -276,9 +327,10 @@ def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
     # NOTE: each GPU adds its rate; CPU processes share the cores one measurement already used
     rate = matmul_flops_per_s(devices.kind) * (devices.nproc if devices.kind == "cuda" else 1)
     efficiency = 0.4 if devices.kind == "cuda" else 1.0
-    return flops / (rate * efficiency), (f"estimated from {flops / 1e12:.3g} TFLOP per step at "
-                                         f"{rate / 1e12:.3g} TFLOP/s measured matmul rate"
-                                         + (" x 40% MFU" if devices.kind == "cuda" else ""))
+    return flops / (rate * efficiency), (
+        f"estimated from {flops / 1e12:.3g} TFLOP per step at "
+        f"{rate / 1e12:.3g} TFLOP/s measured matmul rate" + (" x 40% MFU" if devices.kind == "cuda" else "")
+    )
 
 
 def matmul_flops_per_s(kind: str, seconds: float = 0.3) -> float:
@@ -297,8 +349,16 @@ def matmul_flops_per_s(kind: str, seconds: float = 0.3) -> float:
     return 2 * n**3 * count / (time.perf_counter() - start)
 
 
-def check_link(cfg: TrainConfig, client: SyncClient, shapes: dict[str, tuple[int, ...]], trainable: list[str],
-               devices: Devices, link_bytes: int, step_s: float | None, max_fraction: float) -> Check:
+def check_link(
+    cfg: TrainConfig,
+    client: SyncClient,
+    shapes: dict[str, tuple[int, ...]],
+    trainable: list[str],
+    devices: Devices,
+    link_bytes: int,
+    step_s: float | None,
+    max_fraction: float,
+) -> Check:
     from spes.sync.client import SyncError
     from spes.sync.merge import download_names
 
@@ -315,18 +375,27 @@ def check_link(cfg: TrainConfig, client: SyncClient, shapes: dict[str, tuple[int
     if step_s is None:
         step_s, how = estimated_step_s(cfg, devices)
     fraction = round_s / (s.sync_steps * step_s + round_s)
-    detail = (f"{stats.plane} plane: RTT {stats.rtt_s * 1e3:.1f} ms, up {stats.up_bytes_per_s / 2**20:,.0f} MiB/s, "
-              f"down {stats.down_bytes_per_s / 2**20:,.0f} MiB/s ({link_bytes / 2**20:g} MiB each way); a round moves "
-              f"{gib(up)} up + {gib(down)} down ({s.wire_dtype}): ~{round_s:.3g} s; step ~{step_s:.3g} s "
-              f"({how}); at sync_steps={s.sync_steps} the node waits on the link "
-              f"{fraction:.1%} of the time")
+    detail = (
+        f"{stats.plane} plane: RTT {stats.rtt_s * 1e3:.1f} ms, up {stats.up_bytes_per_s / 2**20:,.0f} MiB/s, "
+        f"down {stats.down_bytes_per_s / 2**20:,.0f} MiB/s ({link_bytes / 2**20:g} MiB each way); a round moves "
+        f"{gib(up)} up + {gib(down)} down ({s.wire_dtype}): ~{round_s:.3g} s; step ~{step_s:.3g} s "
+        f"({how}); at sync_steps={s.sync_steps} the node waits on the link "
+        f"{fraction:.1%} of the time"
+    )
     if fraction <= max_fraction:
         return ok("link", detail)
     steps_needed = math.ceil(round_s * (1 - TARGET_SYNC_FRACTION) / (TARGET_SYNC_FRACTION * step_s))
-    return fail("link", detail, f"raise spes_config.sync_steps to {steps_needed} (link time <= "
-                f"{TARGET_SYNC_FRACTION:.0%}), use spes_config.wire_dtype=bf16 (half the bytes), or a faster link"
-                + ("; open the server's --data_port to this node (gRPC is several times slower)"
-                   if stats.plane == "grpc" else ""))
+    return fail(
+        "link",
+        detail,
+        f"raise spes_config.sync_steps to {steps_needed} (link time <= "
+        f"{TARGET_SYNC_FRACTION:.0%}), use spes_config.wire_dtype=bf16 (half the bytes), or a faster link"
+        + (
+            "; open the server's --data_port to this node (gRPC is several times slower)"
+            if stats.plane == "grpc"
+            else ""
+        ),
+    )
 
 
 # -- disk and data ------------------------------------------------------------------------------------------------
@@ -346,14 +415,20 @@ def check_disk(cfg: TrainConfig) -> Check:
     size = state.weights + state.optimizer
     steps = cfg.max_steps
     kept = saves(steps, cfg.save_interval, cfg.save_num_checkpoints_to_keep, final=True) + saves(
-        steps, cfg.save_interval_unsharded, cfg.save_num_unsharded_checkpoints_to_keep, final=False)
+        steps, cfg.save_interval_unsharded, cfg.save_num_unsharded_checkpoints_to_keep, final=False
+    )
     need = (kept + 1) * size if kept else 0  # NOTE: the next checkpoint is written before the oldest is pruned
-    detail = (f"{cfg.save_folder}: {gib(free)} free; checkpoints of {gib(size)} (weights + AdamW), {kept} kept + 1 being "
-              f"written = {gib(need)}")
+    detail = (
+        f"{cfg.save_folder}: {gib(free)} free; checkpoints of {gib(size)} (weights + AdamW), {kept} kept + 1 being "
+        f"written = {gib(need)}"
+    )
     if need <= free:
         return ok("disk", detail)
-    return fail("disk", detail, f"free {gib(need - free)} there, point save_folder at a larger disk, or lower "
-                f"save_num_checkpoints_to_keep")
+    return fail(
+        "disk",
+        detail,
+        f"free {gib(need - free)} there, point save_folder at a larger disk, or lower save_num_checkpoints_to_keep",
+    )
 
 
 def check_data(cfg: TrainConfig) -> Check:
@@ -365,7 +440,9 @@ def check_data(cfg: TrainConfig) -> Check:
         tokenizer = load_tokenizer(cfg.tokenizer.identifier)
         check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
     except (ValueError, FileNotFoundError, OSError) as exc:
-        return fail("data", f"tokenizer {cfg.tokenizer.identifier}: {exc}", "fix tokenizer.identifier / model.vocab_size")
+        return fail(
+            "data", f"tokenizer {cfg.tokenizer.identifier}: {exc}", "fix tokenizer.identifier / model.vocab_size"
+        )
     paths = []
     for entry in cfg.data.paths or [""]:
         try:
@@ -380,19 +457,28 @@ def check_data(cfg: TrainConfig) -> Check:
         tokens = np.load(path, mmap_mode="r")[:SAMPLE_TOKENS]
         top = int(tokens.max()) if len(tokens) else 0
         if info.vocab_size != tokenizer.vocab_size or top >= tokenizer.vocab_size:
-            return fail("data", f"{path}: written for a vocabulary of {info.vocab_size} (largest id seen {top}), the "
-                        f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
-                        "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used")
+            return fail(
+                "data",
+                f"{path}: written for a vocabulary of {info.vocab_size} (largest id seen {top}), the "
+                f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
+                "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
+            )
     same = dataset.fingerprint == tokenizer.fingerprint
     need = cfg.max_steps * cfg.global_train_batch_size
-    detail = (f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dataset.shard_infos[0].dtype}, "
-              f"{dataset.num_tokens:,} tokens = {len(dataset):,} sequences of {cfg.model.max_sequence_length}; the run "
-              f"reads {need:,} (max_duration x global_train_batch_size)"
-              + ("" if same else "; note: written with another tokenizer file of the same vocabulary size"))
+    detail = (
+        f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dataset.shard_infos[0].dtype}, "
+        f"{dataset.num_tokens:,} tokens = {len(dataset):,} sequences of {cfg.model.max_sequence_length}; the run "
+        f"reads {need:,} (max_duration x global_train_batch_size)"
+        + ("" if same else "; note: written with another tokenizer file of the same vocabulary size")
+    )
     if len(dataset) >= need:
         return ok("data", detail)
-    return fail("data", detail, f"add shards to data.paths or shorten max_duration (the data would be read "
-                f"{need / max(len(dataset), 1):.1f} times)")
+    return fail(
+        "data",
+        detail,
+        f"add shards to data.paths or shorten max_duration (the data would be read "
+        f"{need / max(len(dataset), 1):.1f} times)",
+    )
 
 
 # -- the report ---------------------------------------------------------------------------------------------------
@@ -406,8 +492,18 @@ def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
     checks.extend(server_checks)
     if client is not None:
         try:
-            checks.append(check_link(cfg, client, shapes, trainable, devices, int(args.link_mb * 2**20),
-                                     args.step_time_s, args.max_sync_fraction))
+            checks.append(
+                check_link(
+                    cfg,
+                    client,
+                    shapes,
+                    trainable,
+                    devices,
+                    int(args.link_mb * 2**20),
+                    args.step_time_s,
+                    args.max_sync_fraction,
+                )
+            )
         finally:
             client.close()
     elif cfg.sync_enabled:
@@ -438,21 +534,42 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check that this node can take part in the run CONFIG.yaml describes: devices, memory, the "
         "parameter server (a dry join: nothing changes on the server), the link, disk and data. One line per check; "
         "exit 1 naming the failed checks, 2 for a bad config.",
-        epilog="Config keys are overridden as --section.key=value, exactly as for spes.train.")
+        epilog="Config keys are overridden as --section.key=value, exactly as for spes.train.",
+    )
     parser.add_argument("config", nargs="?", help="the node's YAML config")
-    parser.add_argument("--gpu", action="store_true",
-                        help="instead: CUDA smoke test (bf16 block fwd+bwd, NCCL all-reduce, FSDP2 step)")
-    parser.add_argument("--devices", action="store_true",
-                        help="instead: print the number of processes the launch starts and the devices (one line)")
-    parser.add_argument("--nproc", type=int, default=None,
-                        help="processes the launch starts (default: NPROC_PER_NODE, else every GPU, else 1)")
-    parser.add_argument("--memory_budget_gb", type=float, default=None,
-                        help="memory one process may use, GiB (default: the smallest GPU's, or available RAM)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="instead: CUDA smoke test (bf16 block fwd+bwd, NCCL all-reduce, FSDP2 step)"
+    )
+    parser.add_argument(
+        "--devices",
+        action="store_true",
+        help="instead: print the number of processes the launch starts and the devices (one line)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes the launch starts (default: NPROC_PER_NODE, else every GPU, else 1)",
+    )
+    parser.add_argument(
+        "--memory_budget_gb",
+        type=float,
+        default=None,
+        help="memory one process may use, GiB (default: the smallest GPU's, or available RAM)",
+    )
     parser.add_argument("--link_mb", type=float, default=16.0, help="MiB sent each way by the link test")
-    parser.add_argument("--step_time_s", type=float, default=None,
-                        help="measured seconds per optimizer step (default: estimated from FLOPs and a matmul test)")
-    parser.add_argument("--max_sync_fraction", type=float, default=0.5,
-                        help="fail the link check when the node would wait on the link more than this fraction")
+    parser.add_argument(
+        "--step_time_s",
+        type=float,
+        default=None,
+        help="measured seconds per optimizer step (default: estimated from FLOPs and a matmul test)",
+    )
+    parser.add_argument(
+        "--max_sync_fraction",
+        type=float,
+        default=0.5,
+        help="fail the link check when the node would wait on the link more than this fraction",
+    )
     return parser
 
 
@@ -488,8 +605,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     s = cfg.spes_config
-    print(f"preflight of {args.config}: peer {s.peer_id} of {cfg.num_peers}, server {s.server_addr}"
-          if cfg.sync_enabled else f"preflight of {args.config} (centralized run)")
+    print(
+        f"preflight of {args.config}: peer {s.peer_id} of {cfg.num_peers}, server {s.server_addr}"
+        if cfg.sync_enabled
+        else f"preflight of {args.config} (centralized run)"
+    )
     return report(run_checks(cfg, args))
 
 

@@ -85,8 +85,9 @@ def find_shard_info(shard: str | os.PathLike[str]) -> ShardInfo | None:
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"sidecar {path} is malformed ({err}); rerun tokenize_data.py for this shard") from err
     if info.format_version != SHARD_FORMAT_VERSION:
-        raise ValueError(f"sidecar {path} has format_version {info.format_version}; this spes reads "
-                         f"version {SHARD_FORMAT_VERSION}")
+        raise ValueError(
+            f"sidecar {path} has format_version {info.format_version}; this spes reads version {SHARD_FORMAT_VERSION}"
+        )
     return info
 
 
@@ -106,8 +107,10 @@ def open_token_array(shard: str | os.PathLike[str], memmap_dtype: str | None = N
         raise ValueError(f"data.memmap_dtype={memmap_dtype!r} is not a token dtype; use one of {list(MEMMAP_DTYPES)}")
     size = os.path.getsize(shard)
     if size % dtype.itemsize:
-        raise ValueError(f"headerless token file {shard} has {size} bytes, not a multiple of {dtype.itemsize} "
-                         f"(data.memmap_dtype={dtype.name}); set data.memmap_dtype to the dtype it was written with")
+        raise ValueError(
+            f"headerless token file {shard} has {size} bytes, not a multiple of {dtype.itemsize} "
+            f"(data.memmap_dtype={dtype.name}); set data.memmap_dtype to the dtype it was written with"
+        )
     if size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(shard, dtype=dtype, mode="r")

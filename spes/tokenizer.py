@@ -124,8 +124,10 @@ def _special_token_id(
     if isinstance(configured, str):
         token_id = tokenizer.token_to_id(configured)
         if token_id is None:
-            raise ValueError(f"tokenizer_config.json beside {json_path} names {role} token {configured!r}, "
-                             f"which is not in the vocabulary")
+            raise ValueError(
+                f"tokenizer_config.json beside {json_path} names {role} token {configured!r}, "
+                f"which is not in the vocabulary"
+            )
         return token_id
     for name in candidates:
         token_id = tokenizer.token_to_id(name)
@@ -169,8 +171,10 @@ def train_byte_level_bpe(
     """
     num_bytes = len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < num_bytes + 2:
-        raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
-                         f"{num_bytes + 2} (256 bytes + EOS + pad)")
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
+            f"{num_bytes + 2} (256 bytes + EOS + pad)"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -185,8 +189,12 @@ def train_byte_level_bpe(
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     special = {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1_000_000_000,
-              "clean_up_tokenization_spaces": False, **special}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 1_000_000_000,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
     write_atomic(out / "tokenizer.json", tokenizer.to_str(pretty=True))
     write_atomic(out / "special_tokens_map.json", json.dumps(special, indent=2))
     # NOTE: written last: a directory without tokenizer_config.json is an interrupted save.

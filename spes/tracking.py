@@ -27,14 +27,15 @@ _ALWAYS = ("val_", "merged_", "eval/")
 
 
 def _missing_extra(key: str, package: str, extra: str) -> ConfigError:
-    return ConfigError(f"config key '{key}' is set but the {package} package is not installed: "
-                       f"pip install -e '.[{extra}]' (or remove '{key}' from the config)")
+    return ConfigError(
+        f"config key '{key}' is set but the {package} package is not installed: "
+        f"pip install -e '.[{extra}]' (or remove '{key}' from the config)"
+    )
 
 
 def numeric(metrics: dict[str, Any]) -> dict[str, float]:
     """The numbers of a metrics record as floats (bools, strings and containers dropped)."""
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class WandbTracker:
@@ -51,11 +52,19 @@ class WandbTracker:
         folder.mkdir(parents=True, exist_ok=True)
         self.log_interval = max(1, w.log_interval)
         try:
-            self.run = wandb.init(project=w.project or "spes", entity=w.entity, name=w.name or cfg.run_name,
-                                  group=w.group, config=to_dict(cfg), dir=str(folder))
+            self.run = wandb.init(
+                project=w.project or "spes",
+                entity=w.entity,
+                name=w.name or cfg.run_name,
+                group=w.group,
+                config=to_dict(cfg),
+                dir=str(folder),
+            )
         except wandb.errors.Error as err:  # e.g. no API key: a setup problem the user fixes, not a crash
-            raise ConfigError(f"config key 'wandb' is set but W&B could not start: {err} (log in with `wandb login`, "
-                              f"or set WANDB_MODE=offline to log locally and `wandb sync` later)") from None
+            raise ConfigError(
+                f"config key 'wandb' is set but W&B could not start: {err} (log in with `wandb login`, "
+                f"or set WANDB_MODE=offline to log locally and `wandb sync` later)"
+            ) from None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if step % self.log_interval == 0 or any(k.startswith(_ALWAYS) for k in metrics):

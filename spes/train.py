@@ -55,11 +55,18 @@ Train one node of a SPES run (or a centralized / DiLoCo run) described by an OLM
 # What a user can cause or meet: each ends the run with its message as one line and this exit code (the first
 # that matches). OSError: a full disk or an unwritable save_folder; KeyboardInterrupt: a second Ctrl-C.
 USER_ERRORS: dict[type[BaseException], int] = {
-    ValueError: 2, FileNotFoundError: 2, SyncError: 3, NonFiniteError: 4, torch.OutOfMemoryError: 5, OSError: 6,
-    KeyboardInterrupt: 130}
+    ValueError: 2,
+    FileNotFoundError: 2,
+    SyncError: 3,
+    NonFiniteError: 4,
+    torch.OutOfMemoryError: 5,
+    OSError: 6,
+    KeyboardInterrupt: 130,
+}
 HINTS: dict[type[BaseException], str] = {
     torch.OutOfMemoryError: "lower device_train_microbatch_size or set activation_checkpointing",
-    KeyboardInterrupt: "interrupted without saving; resume from the last checkpoint with --resume"}
+    KeyboardInterrupt: "interrupted without saving; resume from the last checkpoint with --resume",
+}
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], str | None]:
@@ -109,8 +116,7 @@ def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
     if cfg.try_load_latest_save:
         if list_checkpoints(cfg.save_folder):
             return cfg.save_folder
-        log(f"no checkpoint in {cfg.save_folder} yet: starting "
-            f"{'from ' + cfg.load_path if cfg.load_path else 'fresh'}")
+        log(f"no checkpoint in {cfg.save_folder} yet: starting {'from ' + cfg.load_path if cfg.load_path else 'fresh'}")
     return cfg.load_path
 
 
@@ -118,9 +124,11 @@ def check_shard_vocab(dataset: TokenSequenceDataset, embedding_size: int) -> Non
     """Refuse shards whose token ids may exceed the embedding (they would crash mid-step), naming the first."""
     for path, info in zip(dataset.paths, dataset.shard_infos):
         if info is not None and info.vocab_size > embedding_size:  # NOTE: a bare OLMo file records none
-            raise ValueError(f"token shard {path} was written with a vocabulary of {info.vocab_size} but the model "
-                             f"embeds only {embedding_size} ids (model.embedding_size); re-tokenize it with "
-                             f"tokenizer.identifier's tokenizer or drop it from data.paths")
+            raise ValueError(
+                f"token shard {path} was written with a vocabulary of {info.vocab_size} but the model "
+                f"embeds only {embedding_size} ids (model.embedding_size); re-tokenize it with "
+                f"tokenizer.identifier's tokenizer or drop it from data.paths"
+            )
 
 
 @dataclass
@@ -146,12 +154,20 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     assert cfg.model.embedding_size is not None  # set from vocab_size in ModelConfig.__post_init__
     check_shard_vocab(dataset, cfg.model.embedding_size)
     if dataset.fingerprint is not None and dataset.fingerprint != tokenizer.fingerprint:
-        log(f"warning: the training shards were written with another tokenizer (fingerprint {dataset.fingerprint[:12]}) "
-            f"than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier")
+        log(
+            f"warning: the training shards were written with another tokenizer "
+            f"(fingerprint {dataset.fingerprint[:12]}) than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier"
+        )
     loader = BatchLoader(
         dataset,
-        batch_size=cfg.global_train_batch_size, seed=cfg.data_seed, rank=info.rank, world_size=info.world_size,
-        num_workers=cfg.data.num_workers, pin_memory=cfg.data.pin_memory, drop_last=cfg.data.drop_last)
+        batch_size=cfg.global_train_batch_size,
+        seed=cfg.data_seed,
+        rank=info.rank,
+        world_size=info.world_size,
+        num_workers=cfg.data.num_workers,
+        pin_memory=cfg.data.pin_memory,
+        drop_last=cfg.data.drop_last,
+    )
     log(f"data order seed {cfg.data_seed} (data.seed {cfg.data.seed} + 1000 * peer_id {cfg.spes_config.peer_id})")
     eval_batches = _validation(cfg)
     torch.manual_seed(cfg.seed)
@@ -205,13 +221,23 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
 
             syncer = PeerSync(cfg, node.model, info, log=log)
             syncer.join()
-        trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=info,
-                          eval_batches=node.eval_batches, syncer=syncer, log=log)
+        trainer = Trainer(
+            cfg=cfg,
+            model=node.model,
+            optimizer=node.optimizer,
+            loader=node.loader,
+            info=info,
+            eval_batches=node.eval_batches,
+            syncer=syncer,
+            log=log,
+        )
         if node.checkpoint is not None:
             trainer.load_state_dict(node.checkpoint.trainer)
         trainer.fit()
-        log(f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
-            f"{optimizer_state_bytes(node.optimizer) / 2**20:.1f} MiB")
+        log(
+            f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
+            f"{optimizer_state_bytes(node.optimizer) / 2**20:.1f} MiB"
+        )
     finally:
         if syncer is not None:
             syncer.close()

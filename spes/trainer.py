@@ -63,8 +63,9 @@ def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> to
     NOTE: as in OLMo, ignored labels still count in the denominator, so a filtered window adds zero
     (and a micro-batch with every window filtered gives 0, not NaN).
     """
-    total = F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE_INDEX,
-                            reduction="sum")
+    total = F.cross_entropy(
+        logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return total / labels_BS.numel()
 
 
@@ -103,14 +104,25 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        self.announce(f"received {signal.Signals(signum).name}: saving a checkpoint after this step "
-                      f"(press Ctrl-C again to abort without saving)")
+        self.announce(
+            f"received {signal.Signals(signum).name}: saving a checkpoint after this step "
+            f"(press Ctrl-C again to abort without saving)"
+        )
 
 
 class Trainer:
-    def __init__(self, *, cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Loader,
-                 info: DistInfo, eval_batches: Callable[[], Iterator[torch.Tensor]] | None = None,
-                 syncer: Syncer | None = None, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        *,
+        cfg: TrainConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: Loader,
+        info: DistInfo,
+        eval_batches: Callable[[], Iterator[torch.Tensor]] | None = None,
+        syncer: Syncer | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
         self.cfg, self.model, self.optimizer, self.loader, self.info = cfg, model, optimizer, loader, info
         self.eval_batches, self.syncer, self.log = eval_batches, syncer, log
         self.step, self.tokens = 0, 0
@@ -232,7 +244,8 @@ class Trainer:
                 f"{what}{in_a_row}; stopped without applying it or saving (the newest checkpoint in "
                 f"{self.cfg.save_folder} is untouched). Resume from an earlier checkpoint with a lower "
                 f"optimizer.learning_rate or a max_grad_norm, or set skip_nonfinite_steps=N to skip up to N bad "
-                f"steps in a row")
+                f"steps in a row"
+            )
         self.log(f"warning: {what}; its update is skipped ({self.nonfinite_in_a_row} of at most {allowed} in a row)")
 
     def _labels(self, batch_BS: torch.Tensor) -> torch.Tensor:
@@ -241,8 +254,12 @@ class Trainer:
         flt = self.cfg.data.instance_filter
         if flt is None:
             return labels
-        drop_B = repetitive_instances(batch_BS, min_period=flt.repetition_min_period,
-                                      max_period=flt.repetition_max_period, max_count=flt.repetition_max_count)
+        drop_B = repetitive_instances(
+            batch_BS,
+            min_period=flt.repetition_min_period,
+            max_period=flt.repetition_max_period,
+            max_count=flt.repetition_max_count,
+        )
         return labels.masked_fill(drop_B.unsqueeze(1), IGNORE_INDEX)
 
     def _apply_decayed_aux_factor(self) -> None:
@@ -254,16 +271,23 @@ class Trainer:
     def after_step(self, metrics: dict[str, Any]) -> None:
         """Evaluation, SPES sync, logging and checkpointing that follow an optimizer step."""
         cfg, step = self.cfg, self.step
-        eval_now = self.eval_batches is not None and cfg.eval_interval and (
-            step % cfg.eval_interval == 0 or step == self.max_steps)
+        eval_now = (
+            self.eval_batches is not None
+            and cfg.eval_interval
+            and (step % cfg.eval_interval == 0 or step == self.max_steps)
+        )
         sync_now = self.syncer is not None and step % cfg.spes_config.sync_steps == 0
         if eval_now:
             metrics["val_loss"] = self.evaluate()
             metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
         if sync_now:
             assert self.syncer is not None
-            check_weights_finite(self.model, self.info, f"not uploading the weights of step {step}",
-                                 "the server keeps the last good round; resume from an earlier checkpoint")
+            check_weights_finite(
+                self.model,
+                self.info,
+                f"not uploading the weights of step {step}",
+                "the server keeps the last good round; resume from an earlier checkpoint",
+            )
             synced = self.syncer.sync(step)
             metrics.update(synced.metrics())
             if synced.step != step:  # this node had fallen behind: continue at the run's step
@@ -283,8 +307,11 @@ class Trainer:
                 self.log(format_line(step, self.max_steps, metrics))
         if cfg.save_interval and step % cfg.save_interval == 0:
             self.save()
-        if cfg.save_interval_unsharded and step % cfg.save_interval_unsharded == 0 and (
-                self.last_saved != step or uses_fsdp(cfg, self.info)):
+        if (
+            cfg.save_interval_unsharded
+            and step % cfg.save_interval_unsharded == 0
+            and (self.last_saved != step or uses_fsdp(cfg, self.info))
+        ):
             self.save(unsharded=True)
 
     def _throughput(self, step: int) -> dict[str, float]:
@@ -316,13 +343,24 @@ class Trainer:
         """A checkpoint (a collective): sharded under FSDP, every rank writing its shards; else (or when
         `unsharded`) the whole state gathered to the main rank, which writes it."""
         cfg = self.cfg
-        check_weights_finite(self.model, self.info, f"not saving the checkpoint of step {self.step}",
-                             f"the newest checkpoint in {cfg.save_folder} is kept; resume from it with a lower "
-                             f"optimizer.learning_rate")
+        check_weights_finite(
+            self.model,
+            self.info,
+            f"not saving the checkpoint of step {self.step}",
+            f"the newest checkpoint in {cfg.save_folder} is kept; resume from it with a lower optimizer.learning_rate",
+        )
         sharded = uses_fsdp(cfg, self.info) and not unsharded
         keep = cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
-        path = checkpoint.save(cfg.save_folder, self.step, self.model, self.optimizer, trainer_state=self.state_dict(),
-                               config=to_dict(cfg), sharded=sharded, keep=keep)
+        path = checkpoint.save(
+            cfg.save_folder,
+            self.step,
+            self.model,
+            self.optimizer,
+            trainer_state=self.state_dict(),
+            config=to_dict(cfg),
+            sharded=sharded,
+            keep=keep,
+        )
         if path is not None:
             self.log(f"saved {'sharded ' if sharded else ''}checkpoint {path}")
         self.last_saved = self.step

@@ -29,39 +29,68 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 # A node small enough that a torchrun launch is dominated by process start-up (CPU, fp32, no validation).
-SMALL_NODE = ["--model.d_model=32", "--model.n_heads=2", "--model.n_layers=2", "--model.mlp_hidden_size=64",
-              "--model.max_sequence_length=32", "--global_train_batch_size=8", "--device_train_microbatch_size=2",
-              "--precision=fp32", "--eval_interval=null", "--log_interval=1", "--scheduler.t_warmup=2"]
+SMALL_NODE = [
+    "--model.d_model=32",
+    "--model.n_heads=2",
+    "--model.n_layers=2",
+    "--model.mlp_hidden_size=64",
+    "--model.max_sequence_length=32",
+    "--global_train_batch_size=8",
+    "--device_train_microbatch_size=2",
+    "--precision=fp32",
+    "--eval_interval=null",
+    "--log_interval=1",
+    "--scheduler.t_warmup=2",
+]
 
 
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for launched processes: one thread each (2 shared cores), repo importable, unbuffered."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     path = os.pathsep.join(p for p in (str(REPO), str(TESTS), env.get("PYTHONPATH", "")) if p)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
     return env
 
 
-def run_logged(cmd: list[str], log: Path, *, timeout: float, env: dict[str, str] | None = None
-               ) -> subprocess.CompletedProcess[str]:
+def run_logged(
+    cmd: list[str], log: Path, *, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `cmd` in its own session with output to `log`; on timeout kill the whole group and fail."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, text=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env or child_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            text=True,
+        )
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{' '.join(cmd[:6])} ... did not finish in {timeout:.0f}s; log:\n"
-                                 f"{_tail(log)}") from None
+            raise AssertionError(
+                f"{' '.join(cmd[:6])} ... did not finish in {timeout:.0f}s; log:\n{_tail(log)}"
+            ) from None
         finally:
             _kill_group(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, log.read_text(), "")
 
 
-def torchrun(nproc: int, args: list[str], *, log: Path, timeout: float = 120, env: dict[str, str] | None = None,
-             check: bool = True) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    nproc: int,
+    args: list[str],
+    *,
+    log: Path,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
     """`torchrun --standalone --nproc_per_node=nproc <args>`; with `check`, a non-zero exit fails with the log."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = run_logged(cmd, log, timeout=timeout, env=env)
@@ -85,8 +114,9 @@ def parameter_server(log: Path, *args: str, timeout: float = 60) -> Iterator[str
     port = free_port()
     cmd = [sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, text=True
+        )
     try:
         deadline = time.time() + timeout
         while "listening" not in log.read_text():
@@ -120,8 +150,12 @@ def _rank_main(out_dir: Path) -> None:
     spec = json.loads((out_dir / "args.json").read_text())
     module_name, fn_name = spec["target"].split(":")
     dist.init_process_group("gloo")
-    info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                    local_rank=int(os.environ["LOCAL_RANK"]), device=torch.device("cpu"))
+    info = DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        device=torch.device("cpu"),
+    )
     ok = False
     try:
         result = getattr(importlib.import_module(module_name), fn_name)(spec["args"], info)

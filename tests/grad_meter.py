@@ -51,11 +51,22 @@ def attach_grad_comm_meter(model: nn.Module) -> GradCommMeter:
         def allocate(self, size: list[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             return torch.empty(*size, dtype=dtype, device=device)
 
-        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                     op: object, async_op: bool = False) -> dist.Work | None:
+        def __call__(
+            self,
+            output_tensor: torch.Tensor,
+            input_tensor: torch.Tensor,
+            group: dist.ProcessGroup,
+            op: object,
+            async_op: bool = False,
+        ) -> dist.Work | None:
             meter.record(input_tensor)
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,  # type: ignore[arg-type]
-                                              async_op=async_op)
+            return dist.reduce_scatter_tensor(
+                output_tensor,
+                input_tensor,
+                op=op,
+                group=group,  # type: ignore[arg-type]
+                async_op=async_op,
+            )
 
     for module in model.modules():
         if isinstance(module, FSDPModule):

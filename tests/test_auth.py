@@ -28,12 +28,19 @@ def test_read_token_from_file_then_environment(tmp_path: Path, monkeypatch: pyte
         read_token(str(tmp_path / "nope"), "--token_file")
 
 
-@pytest.mark.parametrize(("claimed", "common_name", "ok"), [
-    (0, "peer-0", True), (12, "peer-12", True), (1, "peer-0", False), (0, None, False), (0, "client", False),
-    (0, "peer-0x", False), (0, "xpeer-0", False),
-])
-def test_a_peer_may_only_act_as_the_peer_its_certificate_names(claimed: int, common_name: str | None,
-                                                               ok: bool) -> None:
+@pytest.mark.parametrize(
+    ("claimed", "common_name", "ok"),
+    [
+        (0, "peer-0", True),
+        (12, "peer-12", True),
+        (1, "peer-0", False),
+        (0, None, False),
+        (0, "client", False),
+        (0, "peer-0x", False),
+        (0, "xpeer-0", False),
+    ],
+)
+def test_a_peer_may_only_act_as_the_peer_its_certificate_names(claimed: int, common_name: str | None, ok: bool) -> None:
     if ok:
         check_peer_identity(claimed, common_name)
         return

@@ -61,8 +61,9 @@ def test_small_build_loads_in_the_dataset_and_is_idempotent(tmp_path: Path, caps
     check_vocab(tokenizer.vocab_size, corpus["vocab_size"], corpus["vocab_size"])
     assert corpus["tokenizer_fingerprint"] == tokenizer.fingerprint
     stdlib = sysconfig.get_paths()["stdlib"]
-    assert corpus["sources"][stdlib]["documents"] > 0 and 0.9e6 < sum(
-        s["bytes"] for s in corpus["sources"].values()) < 2e6
+    assert (
+        corpus["sources"][stdlib]["documents"] > 0 and 0.9e6 < sum(s["bytes"] for s in corpus["sources"].values()) < 2e6
+    )
 
     for split in ("train", "valid"):
         shards = resolve_paths(str(out / split / "part_*.npy"))

@@ -15,8 +15,18 @@ import pytest
 import torch
 
 from dist_helpers import SMALL_NODE, child_env, run_logged, torchrun
-from spes.checkpoint import (LATEST, CheckpointError, list_checkpoints, load_checkpoint, resolve_checkpoint, restore,
-                             save, save_checkpoint, save_sharded_checkpoint, unshard)
+from spes.checkpoint import (
+    LATEST,
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_checkpoint,
+    restore,
+    save,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    unshard,
+)
 from spes.config import TrainConfig, load_config, to_dict
 from spes.model import Transformer
 from spes.optim import build_optimizer
@@ -41,19 +51,28 @@ def _node(*overrides: str, steps: int = 1) -> tuple[TrainConfig, Transformer, to
     return cfg, model, optimizer
 
 
-def _save_unsharded(folder: Path, step: int, cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer,
-                    keep: int = -1) -> Path:
+def _save_unsharded(
+    folder: Path, step: int, cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer, keep: int = -1
+) -> Path:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return save_checkpoint(folder, step, model_state=model.state_dict(),
-                           optim_state=get_optimizer_state_dict(model, optimizer), trainer_state={"step": step},
-                           config=to_dict(cfg), keep=keep)
+    return save_checkpoint(
+        folder,
+        step,
+        model_state=model.state_dict(),
+        optim_state=get_optimizer_state_dict(model, optimizer),
+        trainer_state={"step": step},
+        config=to_dict(cfg),
+        keep=keep,
+    )
 
 
-def _save_sharded(folder: Path, step: int, cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer,
-                  keep: int = -1) -> Path:
-    return save_sharded_checkpoint(folder, step, model=model, optimizer=optimizer, trainer_state={"step": step},
-                                   config=to_dict(cfg), keep=keep)
+def _save_sharded(
+    folder: Path, step: int, cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer, keep: int = -1
+) -> Path:
+    return save_sharded_checkpoint(
+        folder, step, model=model, optimizer=optimizer, trainer_state={"step": step}, config=to_dict(cfg), keep=keep
+    )
 
 
 def _assert_same_state(a: dict, b: dict) -> None:
@@ -71,8 +90,11 @@ def test_sharded_and_unsharded_checkpoints_hold_the_same_state_and_restore_exact
     sharded = _save_sharded(tmp_path, 2, cfg, model, optimizer)
     plain = _save_unsharded(tmp_path, 3, cfg, model, optimizer)
     assert sharded.name == "step2-sharded" and plain.name == "step3"
-    assert sorted(p.name for p in sharded.iterdir()) == ["config.yaml", "meta.json",
-                                                        "shard-00001-model-00001-of-00001.safetensors"]
+    assert sorted(p.name for p in sharded.iterdir()) == [
+        "config.yaml",
+        "meta.json",
+        "shard-00001-model-00001-of-00001.safetensors",
+    ]
     assert not list(tmp_path.glob(".*"))  # no temporary directories left behind
     a, b = load_checkpoint(sharded), load_checkpoint(plain)
     _assert_same_state(a.model, b.model)
@@ -121,11 +143,20 @@ def test_unshard_command_writes_the_unsharded_layout(tmp_path: Path) -> None:
     _save_sharded(tmp_path / "run", 2, cfg, model, optimizer)
     _save_unsharded(tmp_path / "reference", 2, cfg, model, optimizer)
     out = tmp_path / "unsharded"
-    proc = subprocess.run([sys.executable, "-m", "spes.unshard", str(tmp_path / "run"), str(out)],
-                          capture_output=True, text=True, timeout=60, env=child_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.unshard", str(tmp_path / "run"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+    )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "meta.json", "model.safetensors",
-                                                    "optim.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.yaml",
+        "meta.json",
+        "model.safetensors",
+        "optim.safetensors",
+    ]
     a, b = load_checkpoint(out), load_checkpoint(tmp_path / "reference" / "step2")
     _assert_same_state(a.model, b.model)
     assert a.optim is not None and b.optim is not None
@@ -152,11 +183,13 @@ def test_a_save_failing_midway_leaves_latest_on_the_previous_complete_checkpoint
                 yield item
 
     with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(tmp_path, 2, model_state=FailsHalfway(model.state_dict()), optim_state=None, trainer_state={},
-                        config={})
+        save_checkpoint(
+            tmp_path, 2, model_state=FailsHalfway(model.state_dict()), optim_state=None, trainer_state={}, config={}
+        )
     with pytest.raises(TypeError):  # trainer state that cannot be written: fails after every shard is on disk
-        save_sharded_checkpoint(tmp_path, 3, model=model, optimizer=optimizer, trainer_state={"bad": object()},
-                                config={})
+        save_sharded_checkpoint(
+            tmp_path, 3, model=model, optimizer=optimizer, trainer_state={"bad": object()}, config={}
+        )
     assert resolve_checkpoint(tmp_path).name == "step1"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step1"]
     load_checkpoint(tmp_path)
@@ -164,8 +197,9 @@ def test_a_save_failing_midway_leaves_latest_on_the_previous_complete_checkpoint
 
 def _save_forever(folder: str) -> None:
     """Checkpoint a 16 MiB state again and again, alternating kinds (run in a child process that gets killed)."""
-    cfg, model, optimizer = _node("--model.d_model=64", "--model.n_heads=4", "--model.n_layers=4",
-                                  "--model.mlp_hidden_size=512")
+    cfg, model, optimizer = _node(
+        "--model.d_model=64", "--model.n_heads=4", "--model.n_layers=4", "--model.mlp_hidden_size=512"
+    )
     for step in range(1, 10_000):
         save = _save_sharded if step % 2 else _save_unsharded
         save(Path(folder), step, cfg, model, optimizer, keep=2)
@@ -178,8 +212,9 @@ def test_killing_the_process_during_saves_never_leaves_a_corrupt_latest(tmp_path
     folder = tmp_path / "run"
     code = f"import test_checkpoint; test_checkpoint._save_forever({str(folder)!r})"
     for delay in (0.0, 0.2):  # a save takes ~0.1 s here: kills land inside one (or between two)
-        proc = subprocess.Popen([sys.executable, "-c", code], env=child_env(), stdout=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], env=child_env(), stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
         assert proc.stdout is not None and proc.stdout.readline()  # one more save completed
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGKILL)
@@ -214,10 +249,24 @@ def test_checkpoint_of_another_model_config_is_refused_before_loading(tmp_path: 
 def test_training_from_a_checkpoint_of_another_config_exits_2_before_training(tiny_corpus, tmp_path: Path) -> None:
     cfg, model, optimizer = _node()
     _save_sharded(tmp_path / "old", 1, cfg, model, optimizer)
-    proc = subprocess.run([sys.executable, "-m", "spes.train", TINY, *SMALL_NODE, *PEER0, "--using_spes=false",
-                           "--model.n_layers=3", *tiny_corpus.overrides(tmp_path / "new"),
-                           f"--load_path={tmp_path / 'old'}"], capture_output=True, text=True, timeout=120,
-                          env=child_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spes.train",
+            TINY,
+            *SMALL_NODE,
+            *PEER0,
+            "--using_spes=false",
+            "--model.n_layers=3",
+            *tiny_corpus.overrides(tmp_path / "new"),
+            f"--load_path={tmp_path / 'old'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+    )
     assert proc.returncode == 2
     assert "checkpoint does not match this model config" in proc.stderr and "step " not in proc.stdout
 
@@ -241,14 +290,41 @@ def test_resume_on_another_number_of_ranks_continues_the_loss_curve(tiny_corpus,
     """
     common = [TINY, *SMALL_NODE, "--using_spes=false", "--max_duration=8st", "--data.validation_paths=[]"]
     a, b, c = tmp_path / "fsdp2", tmp_path / "single", tmp_path / "fsdp2_again"
-    torchrun(2, ["-m", "spes.train", *common, *tiny_corpus.overrides(a), "--distributed_strategy=fsdp",
-                 "--save_interval=4"], log=tmp_path / "a.log", timeout=180)
+    torchrun(
+        2,
+        ["-m", "spes.train", *common, *tiny_corpus.overrides(a), "--distributed_strategy=fsdp", "--save_interval=4"],
+        log=tmp_path / "a.log",
+        timeout=180,
+    )
     assert [p.name for p in list_checkpoints(a)] == ["step4-sharded", "step8-sharded"]
-    single_run = run_logged([sys.executable, "-m", "spes.train", *common, *tiny_corpus.overrides(b),
-                             "--save_interval=2", f"--load_path={a / 'step4-sharded'}"], tmp_path / "b.log", timeout=180)
+    single_run = run_logged(
+        [
+            sys.executable,
+            "-m",
+            "spes.train",
+            *common,
+            *tiny_corpus.overrides(b),
+            "--save_interval=2",
+            f"--load_path={a / 'step4-sharded'}",
+        ],
+        tmp_path / "b.log",
+        timeout=180,
+    )
     assert single_run.returncode == 0, single_run.stdout[-3000:]
-    torchrun(2, ["-m", "spes.train", *common, *tiny_corpus.overrides(c), "--distributed_strategy=fsdp",
-                 "--save_interval=null", f"--load_path={b / 'step6'}"], log=tmp_path / "c.log", timeout=180)
+    torchrun(
+        2,
+        [
+            "-m",
+            "spes.train",
+            *common,
+            *tiny_corpus.overrides(c),
+            "--distributed_strategy=fsdp",
+            "--save_interval=null",
+            f"--load_path={b / 'step6'}",
+        ],
+        log=tmp_path / "c.log",
+        timeout=180,
+    )
     reference, single, again = _losses(a), _losses(b), _losses(c)
     assert sorted(single) == [5, 6, 7, 8] and sorted(again) == [7, 8]
     for step, loss in {**single, **again}.items():

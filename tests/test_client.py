@@ -14,7 +14,6 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 
 from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError, backoff_s
@@ -30,6 +29,7 @@ from spes.sync.merge import (
     trainable_names,
 )
 from spes.sync.server import ServerConfig, start_server
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 
 NO_MERGE = MergeConfig(interval=0)
 
@@ -200,11 +200,22 @@ def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: s
     uploads = {p: peer_upload(manifest, p, "spes", seed=5) for p in range(2)}
     tls = {**pki.server, "tls_client_ca": pki.ca, "tls_peer_ids": True, "data_port": 0, "token": TOKEN}
     with running_server(**tls, merge=NO_MERGE) as (server, addr):
-        with joined_clients(addr, manifest, tls_ca=pki.ca, token=TOKEN, data_plane=plane,
-                            per_peer=certs.__getitem__) as clients:
+        with joined_clients(
+            addr, manifest, tls_ca=pki.ca, token=TOKEN, data_plane=plane, per_peer=certs.__getitem__
+        ) as clients:
             check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
-        with SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes", tls_ca=pki.ca, token=TOKEN,
-                        rpc_timeout_s=5, max_retries=0, **certs[0]) as impostor:
+        with SyncClient(
+            addr,
+            peer_id=1,
+            num_peers=2,
+            experts_per_peer=2,
+            mode="spes",
+            tls_ca=pki.ca,
+            token=TOKEN,
+            rpc_timeout_s=5,
+            max_retries=0,
+            **certs[0],
+        ) as impostor:
             with pytest.raises(SyncError) as err:
                 impostor.join(manifest, trainable_names(list(manifest), 1, "spes"))
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "'peer-1'" in str(err.value)
@@ -320,7 +331,7 @@ def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None
         results = sync_all(clients[:2], 20, uploads)  # peer 2 is "dead"
         assert 0.9 < time.monotonic() - start < 10
         want = oracle_quorum(uploads, previous, manifest, 3)
-        for peer, (got, stats) in results.items():
+        for got, stats in results.values():
             assert stats.peers == (0, 1) and not stats.caught_up
             for name, tensor in got.items():
                 assert torch.equal(tensor, want[name]), name
@@ -349,8 +360,15 @@ def test_the_first_quorum_round_needs_every_expert_owner() -> None:
 def test_a_server_restart_mid_round_is_transparent_to_the_peers(tmp_path: Path) -> None:
     manifest = tiny_manifest(num_blocks=1)
     port = free_port()
-    settings = {"host": "127.0.0.1", "port": port, "total_peers": 2, "experts_per_peer": 2, "mode": "diloco",
-                "outer": OuterConfig(optimizer="nesterov"), "state_dir": str(tmp_path)}
+    settings = {
+        "host": "127.0.0.1",
+        "port": port,
+        "total_peers": 2,
+        "experts_per_peer": 2,
+        "mode": "diloco",
+        "outer": OuterConfig(optimizer="nesterov"),
+        "state_dir": str(tmp_path),
+    }
     server = start_server(ServerConfig(**settings))
     try:
         with joined_clients(f"127.0.0.1:{port}", manifest, mode="diloco", max_retries=8) as clients:
@@ -387,6 +405,7 @@ def test_a_client_closed_right_after_joining_frees_its_peer_id() -> None:
     manifest = tiny_manifest()
     with running_server() as (_, addr):
         for _ in range(3):
-            with SyncClient(addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", rpc_timeout_s=10,
-                            max_retries=2) as client:
+            with SyncClient(
+                addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", rpc_timeout_s=10, max_retries=2
+            ) as client:
                 client.join(manifest, trainable_names(list(manifest), 0, "spes"))

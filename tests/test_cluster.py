@@ -96,13 +96,23 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("slurm")
     cluster = Slurm(conf=_write_conf(root, socket.gethostname().split(".")[0]), root=root)
-    daemons = [subprocess.Popen([daemon, "-D", "-f", str(cluster.conf)], env=cluster.env(), cwd=root,
-                                stdout=open(root / f"{daemon}.out", "w"), stderr=subprocess.STDOUT,
-                                start_new_session=True) for daemon in ("slurmctld", "slurmd")]
+    daemons = [
+        subprocess.Popen(
+            [daemon, "-D", "-f", str(cluster.conf)],
+            env=cluster.env(),
+            cwd=root,
+            stdout=open(root / f"{daemon}.out", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for daemon in ("slurmctld", "slurmd")
+    ]
     try:
         deadline = time.time() + 60
-        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
-                                           env=cluster.env()).stdout:
+        while (
+            "idle"
+            not in subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=cluster.env()).stdout
+        ):
             if time.time() > deadline or any(d.poll() is not None for d in daemons):
                 pytest.fail(f"the one-host SLURM did not come up; see {root}/slurmctld.log and slurmd.log")
             time.sleep(0.5)
@@ -125,8 +135,13 @@ def test_outside_a_slurm_job_the_script_says_how_to_submit(tmp_path: Path) -> No
 @pytest.mark.timeout(120)
 def test_a_job_with_fewer_tasks_than_the_config_has_peers_is_refused(slurm: Slurm, tmp_path: Path) -> None:
     """The batch step checks the config against the allocation before starting anything."""
-    env = slurm.env(SLURM_JOB_ID="1", SLURM_NTASKS="3", SLURM_JOB_NODELIST=socket.gethostname().split(".")[0],
-                    SLURM_SUBMIT_DIR=str(REPO), CONFIG="configs/tiny.yaml")
+    env = slurm.env(
+        SLURM_JOB_ID="1",
+        SLURM_NTASKS="3",
+        SLURM_JOB_NODELIST=socket.gethostname().split(".")[0],
+        SLURM_SUBMIT_DIR=str(REPO),
+        CONFIG="configs/tiny.yaml",
+    )
     proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=60, env=env)
     assert proc.returncode == 2
     assert "spes_config.num_peers=4 but the job runs 3 task(s)" in proc.stdout
@@ -138,15 +153,42 @@ def test_sbatch_runs_a_two_node_spes_run_with_its_server(slurm: Slurm, tiny_corp
     """sbatch of run_cluster.sh: 2 tasks = 2 nodes of one process each, 2 sync rounds, then everything stops."""
     run = tmp_path / "run"
     run.mkdir()
-    overrides = [*SMALL_NODE, "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4",
-                 "--spes_config.sync_steps=2", "--max_duration=4st", "--save_interval=null",
-                 f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
-                 "--data.validation_paths=[]", f"--save_folder={run}/node${{spes_config.peer_id}}"]
-    env = slurm.env(CONFIG="configs/tiny.yaml", NPROC_PER_NODE="1", PORT=str(free_port()), LOG_DIR=str(run / "logs"),
-                    PYTHON=sys.executable)
-    job = subprocess.run(["sbatch", "--wait", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-                          f"--output={run}/job.out", str(SCRIPT), *overrides],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    overrides = [
+        *SMALL_NODE,
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        "--spes_config.sync_steps=2",
+        "--max_duration=4st",
+        "--save_interval=null",
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        "--data.validation_paths=[]",
+        f"--save_folder={run}/node${{spes_config.peer_id}}",
+    ]
+    env = slurm.env(
+        CONFIG="configs/tiny.yaml",
+        NPROC_PER_NODE="1",
+        PORT=str(free_port()),
+        LOG_DIR=str(run / "logs"),
+        PYTHON=sys.executable,
+    )
+    job = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=1",
+            "--ntasks=2",
+            "--ntasks-per-node=2",
+            f"--output={run}/job.out",
+            str(SCRIPT),
+            *overrides,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     out = (run / "job.out").read_text() if (run / "job.out").exists() else "(no job output)"
     assert job.returncode == 0, f"{job.stderr}\n{out[-4000:]}"
     for node, seed in ((0, 6198), (1, 7198)):
@@ -169,17 +211,45 @@ def test_a_killed_job_submitted_again_continues_where_it_stopped(slurm: Slurm, t
     resumes from its last checkpoint (--resume=auto), and each node's metrics.jsonl holds every step once."""
     run = tmp_path / "run"
     run.mkdir()
-    overrides = [*SMALL_NODE, "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4",
-                 "--spes_config.sync_steps=2", "--max_duration=30st", "--save_interval=2",
-                 f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
-                 "--data.validation_paths=[]", f"--save_folder={run}/node${{spes_config.peer_id}}"]
+    overrides = [
+        *SMALL_NODE,
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        "--spes_config.sync_steps=2",
+        "--max_duration=30st",
+        "--save_interval=2",
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        "--data.validation_paths=[]",
+        f"--save_folder={run}/node${{spes_config.peer_id}}",
+    ]
 
     def submit(attempt: int, *wait: str) -> subprocess.CompletedProcess[str]:
-        env = slurm.env(CONFIG="configs/tiny.yaml", NPROC_PER_NODE="1", PORT=str(free_port()),
-                        LOG_DIR=str(run / f"logs{attempt}"), PYTHON=sys.executable)
-        return subprocess.run(["sbatch", *wait, "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2",
-                               f"--output={run}/job{attempt}.out", str(SCRIPT), *overrides],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        env = slurm.env(
+            CONFIG="configs/tiny.yaml",
+            NPROC_PER_NODE="1",
+            PORT=str(free_port()),
+            LOG_DIR=str(run / f"logs{attempt}"),
+            PYTHON=sys.executable,
+        )
+        return subprocess.run(
+            [
+                "sbatch",
+                *wait,
+                "--parsable",
+                "--nodes=1",
+                "--ntasks=2",
+                "--ntasks-per-node=2",
+                f"--output={run}/job{attempt}.out",
+                str(SCRIPT),
+                *overrides,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
 
     first = submit(1)
     assert first.returncode == 0, first.stderr
@@ -189,8 +259,12 @@ def test_a_killed_job_submitted_again_continues_where_it_stopped(slurm: Slurm, t
         assert time.time() < deadline, (run / "job1.out").read_text()[-3000:]
         time.sleep(0.2)
     subprocess.run(["scancel", "--full", "--signal=KILL", job], env=slurm.env(), check=True, timeout=30)
-    while job in subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm.env(), capture_output=True, text=True,
-                                timeout=30).stdout.split():
+    while (
+        job
+        in subprocess.run(
+            ["squeue", "-h", "-o", "%i"], env=slurm.env(), capture_output=True, text=True, timeout=30
+        ).stdout.split()
+    ):
         time.sleep(0.5)
     saved = {node: _latest_step(run / f"node{node}") for node in (0, 1)}
     assert all(6 <= s < 30 for s in saved.values()), saved

@@ -99,7 +99,9 @@ def test_sender_and_receiver_reconstruct_bit_for_bit() -> None:
     sent = encode_delta("w", theta, base, torch.zeros(3, 1001), block=128)
     # the receiver rebuilds the payload from its bytes alone, as the wire would hand them over
     received = Int8Payload(
-        "w", (3, 1001), 128,
+        "w",
+        (3, 1001),
+        128,
         torch.frombuffer(bytearray(sent.payload.values.numpy().tobytes()), dtype=torch.int8),
         torch.frombuffer(bytearray(sent.payload.scales.numpy().tobytes()), dtype=torch.float32),
     )
@@ -174,8 +176,12 @@ def test_encode_deltas_over_a_state_dict() -> None:
 def test_byte_accounting_and_ratio_to_fp32(block: int) -> None:
     numel = block * 1000
     payload = quantize("w", torch.randn(numel), block)
-    assert payload.num_bytes == payload.values.numel() * payload.values.element_size() + \
-        payload.scales.numel() * payload.scales.element_size() == numel + 4 * numel // block
+    assert (
+        payload.num_bytes
+        == payload.values.numel() * payload.values.element_size()
+        + payload.scales.numel() * payload.scales.element_size()
+        == numel + 4 * numel // block
+    )
     # per tensor the ratio is exactly (1 + 4/B) / 4 = 1/4 + 1/B: 0.2656 at B=64, 0.2539 at 256, 0.2510 at 1024
     assert fp32_ratio(numel, block) == pytest.approx((1 + 4 / block) / 4, rel=1e-12)
     assert fp32_ratio(numel, block) <= 0.25 + 1 / 64
@@ -228,19 +234,29 @@ def test_int8_rounds_keep_every_peer_bit_identical_and_track_the_lossless_run() 
             carried[p] = {n: s.error for n, s in sent.items()}
             own_recon[p] = {n: sent[n].reconstruction for n in trained[p] if n in owner}
             uploads.append({n: s.payload for n, s in sent.items()})
-        values = [upload_values(uploads[p], server_global, server_held, [n for n in owner if owner[n] == p])
-                  for p in range(2)]
+        values = [
+            upload_values(uploads[p], server_global, server_held, [n for n in owner if owner[n] == p]) for p in range(2)
+        ]
         new_global = {n: values[owner[n]][n] if n in owner else (values[0][n] + values[1][n]) / 2 for n in shapes}
         for n in shapes:
-            lossless[n] = lossless[n] + progress[owner[n]][n] if n in owner else \
-                ((lossless[n] + progress[0][n]) + (lossless[n] + progress[1][n])) / 2
+            lossless[n] = (
+                lossless[n] + progress[owner[n]][n]
+                if n in owner
+                else ((lossless[n] + progress[0][n]) + (lossless[n] + progress[1][n])) / 2
+            )
         merged = rnd == 10
         if merged:  # a merge round changes the experts after aggregation: no relay, owners download too
-            mixed = {n: 0.9 * new_global[n] + 0.1 * new_global[m] for n, m in (("experts.0", "experts.1"),
-                                                                               ("experts.1", "experts.0"))}
+            mixed = {
+                n: 0.9 * new_global[n] + 0.1 * new_global[m]
+                for n, m in (("experts.0", "experts.1"), ("experts.1", "experts.0"))
+            }
             new_global.update(mixed)
-            lossless.update({n: 0.9 * lossless[n] + 0.1 * lossless[m] for n, m in (("experts.0", "experts.1"),
-                                                                                   ("experts.1", "experts.0"))})
+            lossless.update(
+                {
+                    n: 0.9 * lossless[n] + 0.1 * lossless[m]
+                    for n, m in (("experts.0", "experts.1"), ("experts.1", "experts.0"))
+                }
+            )
         relayed = {} if merged else {n: uploads[owner[n]][n] for n in owner}
         payloads, server_held = download_payloads(new_global, server_held, relayed, block)
         server_global = new_global

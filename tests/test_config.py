@@ -16,7 +16,6 @@ from spes.config import (
     INERT_KEYS,
     ConfigError,
     InstanceFilterConfig,
-    ServerSection,
     TrainConfig,
     config_help,
     load_config,
@@ -84,14 +83,17 @@ def test_the_data_seed_rule_honours_an_edited_data_seed(tmp_path: Path) -> None:
 
 
 def test_the_server_section_loads_with_the_run(tmp_path: Path) -> None:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         using_dilico: true
         server:
           outer_optimizer: nesterov
           outer_lr: 0.5
           dead_peer_policy: quorum
           min_peers: 3
-        """)
+        """,
+    )
     cfg, _ = load_config(path, ["--server.merge_interval=20", "--server.round_timeout_s=60"])
     s = cfg.server
     assert (s.outer_optimizer, s.outer_lr, s.dead_peer_policy, s.min_peers) == ("nesterov", 0.5, "quorum", 3)
@@ -99,14 +101,24 @@ def test_the_server_section_loads_with_the_run(tmp_path: Path) -> None:
     assert cfg.mode == "diloco"
 
 
-@pytest.mark.parametrize(("text", "overrides", "expected"), [
-    ("server:\n  merge_intervall: 5\n", [], "unknown config key 'server.merge_intervall'; did you mean "
-                                              "'server.merge_interval'?"),
-    ("", ["--server.merge_topk=0"], "config key 'server.merge_topk' = 0 must be >= 1"),
-    ("", ["--server.outer_optimizer=adam"], "'server.outer_optimizer' = 'adam' must be one of ['none', 'nesterov']"),
-    ("", ["--server.min_peers=5"], "config key 'server.min_peers' = 5 must be <= spes_config.num_peers=4"),
-    ("", ["--server.merge_decay_steps=abc"], "command line (--server.merge_decay_steps=abc)"),
-])
+@pytest.mark.parametrize(
+    ("text", "overrides", "expected"),
+    [
+        (
+            "server:\n  merge_intervall: 5\n",
+            [],
+            "unknown config key 'server.merge_intervall'; did you mean 'server.merge_interval'?",
+        ),
+        ("", ["--server.merge_topk=0"], "config key 'server.merge_topk' = 0 must be >= 1"),
+        (
+            "",
+            ["--server.outer_optimizer=adam"],
+            "'server.outer_optimizer' = 'adam' must be one of ['none', 'nesterov']",
+        ),
+        ("", ["--server.min_peers=5"], "config key 'server.min_peers' = 5 must be <= spes_config.num_peers=4"),
+        ("", ["--server.merge_decay_steps=abc"], "command line (--server.merge_decay_steps=abc)"),
+    ],
+)
 def test_server_section_mistakes_name_the_key(tmp_path: Path, text: str, overrides: list[str], expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config(write(tmp_path, text or "{}\n"), overrides)
@@ -114,8 +126,14 @@ def test_server_section_mistakes_name_the_key(tmp_path: Path, text: str, overrid
 
 def test_help_lists_the_server_keys() -> None:
     lines = config_help()
-    for key in ("merge_interval=500", "merge_alpha_start=0.01", "merge_decay_steps=10000", "outer_optimizer='none'",
-                "dead_peer_policy='wait'", "round_timeout_s=3600.0"):
+    for key in (
+        "merge_interval=500",
+        "merge_alpha_start=0.01",
+        "merge_decay_steps=10000",
+        "outer_optimizer='none'",
+        "dead_peer_policy='wait'",
+        "round_timeout_s=3600.0",
+    ):
         assert any(line.strip().startswith(f"--server.{key}") for line in lines), key
 
 
@@ -151,14 +169,17 @@ def test_paper_1b_config_values() -> None:
 
 
 def test_interpolation_follows_overrides(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         run_name: demo
         save_folder: output/${run_name}/node${spes_config.peer_id}
         wandb:
           name: ${run_name}-wandb
         spes_config:
           peer_id: 0
-    """)
+    """,
+    )
     cfg, _ = load_config(path)
     assert cfg.save_folder == "output/demo/node0" and cfg.wandb is not None and cfg.wandb.name == "demo-wandb"
     cfg, _ = load_config(path, ["--spes_config.peer_id=3", "--run_name=other"])
@@ -170,11 +191,21 @@ def test_save_folder_defaults_to_the_run_name(tmp_path: Path) -> None:
 
 
 def test_overrides_are_typed(tmp_path: Path) -> None:
-    cfg, _ = load_config(CONFIGS / "tiny.yaml", [
-        "--model.d_model=128", "--model.n_heads=8", "--optimizer.betas=[0.8,0.99]", "--optimizer.learning_rate=1e-3",
-        "--spes_config.server_addr=10.0.0.7:6000", "--data.paths=[a.npy,shards/*.npy]", "--data.seed=7198",
-        "--max_duration=2e6T", "--eval_interval=null", "--model.n_kv_heads=2",
-    ])
+    cfg, _ = load_config(
+        CONFIGS / "tiny.yaml",
+        [
+            "--model.d_model=128",
+            "--model.n_heads=8",
+            "--optimizer.betas=[0.8,0.99]",
+            "--optimizer.learning_rate=1e-3",
+            "--spes_config.server_addr=10.0.0.7:6000",
+            "--data.paths=[a.npy,shards/*.npy]",
+            "--data.seed=7198",
+            "--max_duration=2e6T",
+            "--eval_interval=null",
+            "--model.n_kv_heads=2",
+        ],
+    )
     assert cfg.model.d_model == 128 and cfg.model.n_heads == 8 and cfg.model.n_kv_heads == 2
     assert cfg.optimizer.betas == [0.8, 0.99] and cfg.optimizer.learning_rate == 1e-3
     assert cfg.spes_config.server_addr == "10.0.0.7:6000" and cfg.data.paths == ["a.npy", "shards/*.npy"]
@@ -200,14 +231,18 @@ def test_missing_file() -> None:
 # Mistakes a user can make
 
 
-@pytest.mark.parametrize(("yaml_text", "wrong", "suggested"), [
-    ("model:\n  d_modle: 64\n", "model.d_modle", "model.d_model"),
-    ("sav_folder: out\n", "sav_folder", "save_folder"),
-    ("spes_config:\n  sync_step: 10\n", "spes_config.sync_step", "spes_config.sync_steps"),
-    ("data:\n  seeds: 1\n", "data.seeds", "data.seed"),
-])
-def test_unknown_key_in_file_names_the_closest_valid_key(tmp_path: Path, yaml_text: str, wrong: str,
-                                                         suggested: str) -> None:
+@pytest.mark.parametrize(
+    ("yaml_text", "wrong", "suggested"),
+    [
+        ("model:\n  d_modle: 64\n", "model.d_modle", "model.d_model"),
+        ("sav_folder: out\n", "sav_folder", "save_folder"),
+        ("spes_config:\n  sync_step: 10\n", "spes_config.sync_step", "spes_config.sync_steps"),
+        ("data:\n  seeds: 1\n", "data.seeds", "data.seed"),
+    ],
+)
+def test_unknown_key_in_file_names_the_closest_valid_key(
+    tmp_path: Path, yaml_text: str, wrong: str, suggested: str
+) -> None:
     path = write(tmp_path, yaml_text)
     with pytest.raises(ConfigError) as err:
         load_config(path)
@@ -215,11 +250,14 @@ def test_unknown_key_in_file_names_the_closest_valid_key(tmp_path: Path, yaml_te
     assert str(path) in message and f"'{wrong}'" in message and f"did you mean '{suggested}'" in message
 
 
-@pytest.mark.parametrize(("override", "wrong", "suggested"), [
-    ("--spes_config.peer_ID=1", "spes_config.peer_ID", "spes_config.peer_id"),
-    ("--model.moe_topk=4", "model.moe_topk", "model.moe_top_k"),
-    ("--learning_rate=1e-3", "learning_rate", None),
-])
+@pytest.mark.parametrize(
+    ("override", "wrong", "suggested"),
+    [
+        ("--spes_config.peer_ID=1", "spes_config.peer_ID", "spes_config.peer_id"),
+        ("--model.moe_topk=4", "model.moe_topk", "model.moe_top_k"),
+        ("--learning_rate=1e-3", "learning_rate", None),
+    ],
+)
 def test_unknown_key_in_override(override: str, wrong: str, suggested: str | None) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "tiny.yaml", [override])
@@ -228,17 +266,21 @@ def test_unknown_key_in_override(override: str, wrong: str, suggested: str | Non
     assert (f"did you mean '{suggested}'" in message) if suggested else ("valid keys here: run_name" in message)
 
 
-@pytest.mark.parametrize(("yaml_text", "key", "value", "expected"), [
-    ("model:\n  n_layers: two\n", "model.n_layers", "'two'", "int"),
-    ("model:\n  n_layers: 2.5\n", "model.n_layers", "2.5", "int"),
-    ("using_spes: 'yes'\n", "using_spes", "'yes'", "bool"),
-    ("optimizer:\n  betas: 0.9\n", "optimizer.betas", "0.9", "list[float]"),
-    ("optimizer:\n  betas: [0.9, high]\n", "optimizer.betas[1]", "'high'", "float"),
-    ("spes_config:\n  server_addr: 50051\n", "spes_config.server_addr", "50051", "str"),
-    ("model: 5\n", "model", "5", "ModelConfig"),
-])
-def test_wrong_type_names_key_value_and_expected_type(tmp_path: Path, yaml_text: str, key: str, value: str,
-                                                      expected: str) -> None:
+@pytest.mark.parametrize(
+    ("yaml_text", "key", "value", "expected"),
+    [
+        ("model:\n  n_layers: two\n", "model.n_layers", "'two'", "int"),
+        ("model:\n  n_layers: 2.5\n", "model.n_layers", "2.5", "int"),
+        ("using_spes: 'yes'\n", "using_spes", "'yes'", "bool"),
+        ("optimizer:\n  betas: 0.9\n", "optimizer.betas", "0.9", "list[float]"),
+        ("optimizer:\n  betas: [0.9, high]\n", "optimizer.betas[1]", "'high'", "float"),
+        ("spes_config:\n  server_addr: 50051\n", "spes_config.server_addr", "50051", "str"),
+        ("model: 5\n", "model", "5", "ModelConfig"),
+    ],
+)
+def test_wrong_type_names_key_value_and_expected_type(
+    tmp_path: Path, yaml_text: str, key: str, value: str, expected: str
+) -> None:
     path = write(tmp_path, yaml_text)
     with pytest.raises(ConfigError) as err:
         load_config(path)
@@ -246,38 +288,45 @@ def test_wrong_type_names_key_value_and_expected_type(tmp_path: Path, yaml_text:
     assert str(path) in message and f"'{key}' = {value}" in message and f"expected {expected}" in message
 
 
-@pytest.mark.parametrize(("yaml_text", "key", "value", "value_of_the_wrong_override"), [
-    ("precision: fp16\n", "precision", "'fp16'", "['fp32', 'amp_bf16']"),
-    ("model:\n  moe_backend: cuda\n", "model.moe_backend", "'cuda'", "'grouped_mm'"),
-])
-def test_choice_outside_the_allowed_values(tmp_path: Path, yaml_text: str, key: str, value: str,
-                                           value_of_the_wrong_override: str) -> None:
+@pytest.mark.parametrize(
+    ("yaml_text", "key", "value", "value_of_the_wrong_override"),
+    [
+        ("precision: fp16\n", "precision", "'fp16'", "['fp32', 'amp_bf16']"),
+        ("model:\n  moe_backend: cuda\n", "model.moe_backend", "'cuda'", "'grouped_mm'"),
+    ],
+)
+def test_choice_outside_the_allowed_values(
+    tmp_path: Path, yaml_text: str, key: str, value: str, value_of_the_wrong_override: str
+) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, yaml_text))
     assert f"'{key}' = {value} must be one of" in str(err.value) and value_of_the_wrong_override in str(err.value)
 
 
-@pytest.mark.parametrize(("overrides", "key", "hint"), [
-    (["--model.d_model=66"], "model.d_model", "divisible by model.n_heads=4"),
-    (["--model.d_model=68"], "model.d_model", "d_model / n_heads must be even for RoPE"),
-    (["--model.n_kv_heads=3"], "model.n_kv_heads", "must divide model.n_heads=4"),
-    (["--model.embedding_size=4000"], "model.embedding_size", ">= model.vocab_size=4096"),
-    (["--model.moe_top_k=9"], "model.moe_top_k", "moe_num_experts=8"),
-    (["--model.mlp_hidden_size=129"], "model.mlp_hidden_size", "must be even"),
-    (["--model.weight_tying=true"], "model.weight_tying", "not supported"),
-    (["--spes_config.num_train_experts_per_node=1"], "model.moe_num_experts", "num_train_experts_per_node=2"),
-    (["--model.moe_num_experts=16"], "model.moe_num_experts", "num_peers=4 x num_train_experts_per_node=2"),
-    (["--global_train_batch_size=20"], "global_train_batch_size", "device_train_microbatch_size=8"),
-    (["--device_train_microbatch_size=0"], "device_train_microbatch_size", "> 0"),
-    (["--spes_config.peer_id=4"], "spes_config.peer_id", "[0, num_peers=4)"),
-    (["--spes_config.peer_id=-1"], "spes_config.peer_id", "[0, num_peers=4)"),
-    (["--spes_config.server_addr=localhost"], "spes_config.server_addr", "host:port"),
-    (["--spes_config.sync_steps=0"], "spes_config.sync_steps", ">= 1"),
-    (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
-    (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
-    (["--data.instance_filter.repetition_max_count=1"], "data.instance_filter.repetition_max_count", ">= 2"),
-    (["--data.instance_filter.repetition_min_period=0"], "data.instance_filter.repetition_min_period", ">= 1"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "key", "hint"),
+    [
+        (["--model.d_model=66"], "model.d_model", "divisible by model.n_heads=4"),
+        (["--model.d_model=68"], "model.d_model", "d_model / n_heads must be even for RoPE"),
+        (["--model.n_kv_heads=3"], "model.n_kv_heads", "must divide model.n_heads=4"),
+        (["--model.embedding_size=4000"], "model.embedding_size", ">= model.vocab_size=4096"),
+        (["--model.moe_top_k=9"], "model.moe_top_k", "moe_num_experts=8"),
+        (["--model.mlp_hidden_size=129"], "model.mlp_hidden_size", "must be even"),
+        (["--model.weight_tying=true"], "model.weight_tying", "not supported"),
+        (["--spes_config.num_train_experts_per_node=1"], "model.moe_num_experts", "num_train_experts_per_node=2"),
+        (["--model.moe_num_experts=16"], "model.moe_num_experts", "num_peers=4 x num_train_experts_per_node=2"),
+        (["--global_train_batch_size=20"], "global_train_batch_size", "device_train_microbatch_size=8"),
+        (["--device_train_microbatch_size=0"], "device_train_microbatch_size", "> 0"),
+        (["--spes_config.peer_id=4"], "spes_config.peer_id", "[0, num_peers=4)"),
+        (["--spes_config.peer_id=-1"], "spes_config.peer_id", "[0, num_peers=4)"),
+        (["--spes_config.server_addr=localhost"], "spes_config.server_addr", "host:port"),
+        (["--spes_config.sync_steps=0"], "spes_config.sync_steps", ">= 1"),
+        (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
+        (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
+        (["--data.instance_filter.repetition_max_count=1"], "data.instance_filter.repetition_max_count", ">= 2"),
+        (["--data.instance_filter.repetition_min_period=0"], "data.instance_filter.repetition_min_period", ">= 1"),
+    ],
+)
 def test_inconsistent_settings_are_caught(overrides: list[str], key: str, hint: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "tiny.yaml", overrides)
@@ -292,7 +341,9 @@ def test_ownership_is_not_checked_when_every_expert_trains() -> None:
 
 
 def test_inert_keys_are_reported(tmp_path: Path) -> None:
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         compile: null
         model:
           flash_attention: true
@@ -302,7 +353,8 @@ def test_inert_keys_are_reported(tmp_path: Path) -> None:
         data:
           instance_filter:
             repetition_max_period: 13
-    """)
+    """,
+    )
     _, inert = load_config(path)
     assert inert == ["model.flash_attention", "model.init_device"]
 
@@ -459,34 +511,88 @@ def test_first_implementation_config_loads_unchanged(tmp_path: Path) -> None:
     assert cfg.wandb.name == "spes_moe_1b_4nodes"
     m = cfg.model
     assert (m.d_model, m.n_kv_heads, m.expert_hidden_size, m.layer_norm_eps, m.init_cutoff_factor) == (
-        768, 12, 2048, 1e-6, 3.0)
+        768,
+        12,
+        2048,
+        1e-6,
+        3.0,
+    )
     assert m.normalize_expert_weights_p == 1.0 and cfg.auxiliary_loss_multiplier == 1e-5
     assert cfg.max_duration == 50000 and cfg.stop_at == 50000 and cfg.activation_checkpointing == "fine_grained"
     assert cfg.owned_experts() == (4, 8) and cfg.spes_config.using_decayed_aux_loss
     assert [e["label"] for e in cfg.evaluators] == ["piqa", "arc_easy"]
-    assert cfg.data.instance_filter == InstanceFilterConfig(repetition_max_period=13, repetition_min_period=1,
-                                                            repetition_max_count=32)
+    assert cfg.data.instance_filter == InstanceFilterConfig(
+        repetition_max_period=13, repetition_min_period=1, repetition_max_count=32
+    )
     assert cfg.ddp.find_unused_params is False and cfg.fsdp.sharding_strategy == "FULL_SHARD"
 
 
 def test_first_implementation_key_set_is_complete() -> None:
     """The inline file above lists every key the first implementation knew, each section complete."""
     raw = yaml.safe_load(FIRST_IMPLEMENTATION)
-    sections = {"model", "optimizer", "scheduler", "tokenizer", "wandb", "speed_monitor", "data", "fsdp", "ddp",
-                "spes_config", "evaluators"}
+    sections = {
+        "model",
+        "optimizer",
+        "scheduler",
+        "tokenizer",
+        "wandb",
+        "speed_monitor",
+        "data",
+        "fsdp",
+        "ddp",
+        "spes_config",
+        "evaluators",
+    }
     scalar_keys = {
-        "run_name", "seed", "dry_run", "no_pre_train_checkpoint", "compile", "fused_loss", "softmax_auxiliary_loss",
-        "auxiliary_loss_multiplier", "using_spes", "using_dilico", "load_path", "max_duration", "stop_at",
-        "global_train_batch_size", "device_train_microbatch_size", "device_eval_batch_size", "precision",
-        "distributed_strategy", "activation_checkpointing", "max_grad_norm", "max_grad_norm_ratio", "eval_interval",
-        "eval_subset_num_batches", "save_folder", "save_overwrite", "save_interval", "save_interval_ephemeral",
-        "save_num_checkpoints_to_keep", "sharded_checkpointer", "save_interval_unsharded",
+        "run_name",
+        "seed",
+        "dry_run",
+        "no_pre_train_checkpoint",
+        "compile",
+        "fused_loss",
+        "softmax_auxiliary_loss",
+        "auxiliary_loss_multiplier",
+        "using_spes",
+        "using_dilico",
+        "load_path",
+        "max_duration",
+        "stop_at",
+        "global_train_batch_size",
+        "device_train_microbatch_size",
+        "device_eval_batch_size",
+        "precision",
+        "distributed_strategy",
+        "activation_checkpointing",
+        "max_grad_norm",
+        "max_grad_norm_ratio",
+        "eval_interval",
+        "eval_subset_num_batches",
+        "save_folder",
+        "save_overwrite",
+        "save_interval",
+        "save_interval_ephemeral",
+        "save_num_checkpoints_to_keep",
+        "sharded_checkpointer",
+        "save_interval_unsharded",
         "save_num_unsharded_checkpoints_to_keep",
     }
     assert set(raw) == scalar_keys | sections
     # keys spes added beyond the first implementation's
-    added = {"moe_backend", "validation_paths", "entity", "wire_dtype", "token_file", "tls_ca", "tls_cert", "tls_key",
-             "rpc_timeout_s", "round_timeout_s", "max_retries", "eval_after_sync", "data_plane"}
+    added = {
+        "moe_backend",
+        "validation_paths",
+        "entity",
+        "wire_dtype",
+        "token_file",
+        "tls_ca",
+        "tls_cert",
+        "tls_key",
+        "rpc_timeout_s",
+        "round_timeout_s",
+        "max_retries",
+        "eval_after_sync",
+        "data_plane",
+    }
     hints = typing.get_type_hints(TrainConfig)
     for section in sections - {"evaluators"}:
         cls = next(t for t in (hints[section], *typing.get_args(hints[section])) if dataclasses.is_dataclass(t))
@@ -514,11 +620,14 @@ def test_a_yaml_syntax_error_is_one_line_with_its_line(tmp_path: Path) -> None:
     assert "line 3, column 2: not valid YAML" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize(("override", "expected"), [
-    ("--model.d_model=abc", "command line (--model.d_model=abc): config key 'model.d_model' = 'abc'"),
-    ("--data.paths=x.npy", "write a list: --data.paths=[x.npy]"),
-    ("--skip_nonfinite_steps=-1", "'skip_nonfinite_steps' = -1 must be >= 0"),
-])
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("--model.d_model=abc", "command line (--model.d_model=abc): config key 'model.d_model' = 'abc'"),
+        ("--data.paths=x.npy", "write a list: --data.paths=[x.npy]"),
+        ("--skip_nonfinite_steps=-1", "'skip_nonfinite_steps' = -1 must be >= 0"),
+    ],
+)
 def test_a_bad_override_value_blames_the_command_line(override: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expected)):
         load_config(CONFIGS / "tiny.yaml", [override])

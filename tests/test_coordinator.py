@@ -5,15 +5,15 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from sync_helpers import peer_upload, tiny_manifest
-from test_client import NO_MERGE
-from test_server import join_request
 
 from spes.sync.coordinator import Coordinator
 from spes.sync.merge import build_global, download_names
 from spes.sync.protocol import Reason, Refused
 from spes.sync.server import ServerConfig
 from spes.sync.wire import TensorDecoder, encode_tensors
+from sync_helpers import peer_upload, tiny_manifest
+from test_client import NO_MERGE
+from test_server import join_request
 
 MANIFEST = tiny_manifest()
 
@@ -22,6 +22,7 @@ def feeding(tensors: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
     def feed(decoder: TensorDecoder) -> None:
         for chunk in encode_tensors(tensors, "fp32"):
             decoder.feed(chunk)
+
     return feed
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from data_fixtures import write_token_shard
 
+from data_fixtures import write_token_shard
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, repetitive_instances
 from spes.shards import sidecar_path
 
@@ -21,8 +21,10 @@ def shards(tmp_path: Path) -> list[Path]:
     """Three shards of consecutive integers (103, 50 and 7 tokens) so each window shows where it came from."""
     sizes = [103, 50, 7]
     starts = np.cumsum([0] + sizes[:-1])
-    return [write_token_shard(tmp_path / f"part_{i:05d}.npy", np.arange(s, s + n, dtype=np.uint16))
-            for i, (s, n) in enumerate(zip(starts, sizes))]
+    return [
+        write_token_shard(tmp_path / f"part_{i:05d}.npy", np.arange(s, s + n, dtype=np.uint16))
+        for i, (s, n) in enumerate(zip(starts, sizes))
+    ]
 
 
 @pytest.fixture
@@ -65,15 +67,16 @@ def _write_olmo_tokens(path: Path, tokens: np.ndarray) -> Path:
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
-def test_headerless_olmo_files_are_read_with_memmap_dtype(tmp_path: Path, dtype: str,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_headerless_olmo_files_are_read_with_memmap_dtype(
+    tmp_path: Path, dtype: str, caplog: pytest.LogCaptureFixture
+) -> None:
     tokens = np.arange(70_000, 70_000 + 41, dtype=np.uint64).astype(dtype)  # > uint16 unless uint16
     paths = [_write_olmo_tokens(tmp_path / f"part-{i}-00000.npy", tokens) for i in range(2)]
     assert not sidecar_path(paths[0]).exists() and paths[0].read_bytes()[:6] != b"\x93NUMPY"
     with caplog.at_level("WARNING"):
         ds = TokenSequenceDataset(paths, SEQ_LEN, memmap_dtype=dtype)
     assert ds.fingerprint is None and len(ds) == 2 * (41 // SEQ_LEN) and ds.num_tokens == 82
-    assert torch.equal(ds[1], torch.from_numpy(tokens[SEQ_LEN:2 * SEQ_LEN].astype(np.int64)))
+    assert torch.equal(ds[1], torch.from_numpy(tokens[SEQ_LEN : 2 * SEQ_LEN].astype(np.int64)))
     notes = [r.getMessage() for r in caplog.records if "no .npy.json sidecar" in r.getMessage()]
     assert len(notes) == 1 and f"{paths[0]} (and 1 more)" in notes[0] and dtype in notes[0]
     assert "cannot be checked" in notes[0]
@@ -216,8 +219,12 @@ def test_no_shuffle_reads_in_order(dataset: TokenSequenceDataset) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"batch_size": 10, "world_size": 3}, "multiple of the world size"), ({"batch_size": 39}, "fewer than one"),
-     ({"batch_size": 4, "rank": 2, "world_size": 2}, "rank=2"), ({"batch_size": 4, "seed": -1}, "data.seed")],
+    [
+        ({"batch_size": 10, "world_size": 3}, "multiple of the world size"),
+        ({"batch_size": 39}, "fewer than one"),
+        ({"batch_size": 4, "rank": 2, "world_size": 2}, "rank=2"),
+        ({"batch_size": 4, "seed": -1}, "data.seed"),
+    ],
 )
 def test_loader_refuses_impossible_settings(dataset: TokenSequenceDataset, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -243,18 +250,25 @@ def test_repetition_filter_on_crafted_windows() -> None:
     period3 = torch.tensor([7, 8, 9])
 
     def window(run: torch.Tensor) -> torch.Tensor:
-        return torch.cat([noise[:40], run, noise[40:200 - len(run)]])
+        return torch.cat([noise[:40], run, noise[40 : 200 - len(run)]])
 
-    batch = torch.stack([
-        noise,                              # kept
-        window(period3.repeat(32)),         # 32 repeats of a 3-token period: filtered
-        window(period3.repeat(31)),         # 31 repeats: kept
-        window(torch.full((32,), 5)),       # one token 32 times (period 1): filtered
-        window(torch.arange(14).repeat(8)),  # period 14 is longer than max_period: kept
-    ])
+    batch = torch.stack(
+        [
+            noise,  # kept
+            window(period3.repeat(32)),  # 32 repeats of a 3-token period: filtered
+            window(period3.repeat(31)),  # 31 repeats: kept
+            window(torch.full((32,), 5)),  # one token 32 times (period 1): filtered
+            window(torch.arange(14).repeat(8)),  # period 14 is longer than max_period: kept
+        ]
+    )
     got = repetitive_instances(batch, min_period=1, max_period=13, max_count=32)
     assert got.tolist() == [False, True, False, True, False]
     assert repetitive_instances(batch, min_period=1, max_period=14, max_count=8).tolist() == [
-        False, True, True, True, True]
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
     # 32 equal tokens are only 16 repeats of period 2: without period 1 that window is kept
     assert repetitive_instances(batch, min_period=2, max_period=13, max_count=32)[3].item() is False

@@ -23,8 +23,12 @@ from spes.distributed import DistInfo, check_launch
 
 TINY = "configs/tiny.yaml"
 # Peer 1 of 2 owns experts 2..3 of 4: half the experts of every layer are frozen.
-SPES_PEER = ["--model.moe_num_experts=4", "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=2",
-             "--spes_config.peer_id=1"]
+SPES_PEER = [
+    "--model.moe_num_experts=4",
+    "--spes_config.num_peers=2",
+    "--spes_config.num_train_experts_per_node=2",
+    "--spes_config.peer_id=1",
+]
 
 
 def _cfg(*overrides: str) -> TrainConfig:
@@ -44,12 +48,15 @@ def test_torchrun_variables_are_read() -> None:
     assert check_launch(_cfg("--distributed_strategy=ddp"), env, num_gpus=0) == (1, 2, 1)
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not"),
-    ({"RANK": "0"}, "launch multi-process runs with torchrun"),
-    ({"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 must be"),
-    ({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK='x'"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not"),
+        ({"RANK": "0"}, "launch multi-process runs with torchrun"),
+        ({"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=2 must be"),
+        ({"RANK": "x", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK='x'"),
+    ],
+)
 def test_half_set_torchrun_environment_is_refused(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         check_launch(_cfg("--distributed_strategy=ddp"), env, num_gpus=0)
@@ -80,8 +87,9 @@ def test_bad_launches_stop_with_one_clear_line_before_training(tiny_corpus, tmp_
     three = torchrun(3, [*args, "--distributed_strategy=ddp"], log=tmp_path / "three.log", check=False)
     assert three.returncode != 0
     assert "error: config key 'global_train_batch_size' = 8 must be divisible by world_size (3)" in three.stdout
-    half = run_logged([sys.executable, *args], tmp_path / "half.log", timeout=60,
-                      env=child_env(WORLD_SIZE="2", RANK="0"))
+    half = run_logged(
+        [sys.executable, *args], tmp_path / "half.log", timeout=60, env=child_env(WORLD_SIZE="2", RANK="0")
+    )
     assert half.returncode == 2 and "LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not: launch" in half.stdout
     assert "step 1" not in three.stdout + half.stdout and not (tmp_path / "metrics.jsonl").exists()
 
@@ -125,7 +133,8 @@ def _frozen_comm_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     optimizer.step()
     named = dict(unwrap(model).named_parameters())
     return {
-        "comm_bytes": meter.bytes, "comm_calls": meter.calls,
+        "comm_bytes": meter.bytes,
+        "comm_calls": meter.calls,
         "trainable": {n: list(p.shape) for n, p in named.items() if p.requires_grad},
         "frozen": {n: list(p.shape) for n, p in named.items() if not p.requires_grad},
         "frozen_with_grad": [n for n, p in named.items() if not p.requires_grad and p.grad is not None],
@@ -146,9 +155,15 @@ def _teardown_worker(args: dict[str, Any], info: DistInfo) -> list[int]:
 
     alive: list[int] = []
     train.shutdown_distributed = lambda clean: alive.append(  # type: ignore[assignment]
-        sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects()))
-    cfg = _cfg("--distributed_strategy=ddp", "--using_spes=false", "--max_duration=2st", "--save_interval=null",
-               *args["overrides"])
+        sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+    )
+    cfg = _cfg(
+        "--distributed_strategy=ddp",
+        "--using_spes=false",
+        "--max_duration=2st",
+        "--save_interval=null",
+        *args["overrides"],
+    )
     train.run(cfg)
 
     def boom(self: object) -> None:
@@ -188,15 +203,20 @@ def _sharded_init_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]
     model.to_empty(device="cpu")
     model.init_weights(cfg.seed)
     plain = dict(_fresh(cfg).named_parameters())
-    return {"equal": all(torch.equal(p.full_tensor(), plain[n]) for n, p in model.named_parameters()),
-            "local_fraction": sum(p.to_local().numel() for p in model.parameters()) / sum(
-                p.numel() for p in plain.values())}
+    return {
+        "equal": all(torch.equal(p.full_tensor(), plain[n]) for n, p in model.named_parameters()),
+        "local_fraction": sum(p.to_local().numel() for p in model.parameters())
+        / sum(p.numel() for p in plain.values()),
+    }
 
 
 def _two_rank_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     """The checks below in one launch (process start-up dominates on 2 cores)."""
-    return {"comm": _frozen_comm_worker(args, info), "sync": _gather_load_worker(args, info),
-            "init": _sharded_init_worker(args, info)}
+    return {
+        "comm": _frozen_comm_worker(args, info),
+        "sync": _gather_load_worker(args, info),
+        "init": _sharded_init_worker(args, info),
+    }
 
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp"])
@@ -208,8 +228,9 @@ def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_frozen_experts_have_no_grads_no_optimizer_state_and_no_gradient_traffic(two_ranks: tuple[str, list[Any]]
-                                                                                 ) -> None:
+def test_frozen_experts_have_no_grads_no_optimizer_state_and_no_gradient_traffic(
+    two_ranks: tuple[str, list[Any]],
+) -> None:
     strategy, results = two_ranks
     for r in (rank["comm"] for rank in results):
         assert r["frozen"] and all(".experts." in n for n in r["frozen"])
@@ -241,21 +262,29 @@ def _gather_load_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     load_full(model, new, info)
     everything = gather_full(model, list(named), info)
     full = {n: everything[n] for n in names} if info.is_main else {}
-    local_sums = {n: float((p.to_local() if hasattr(p, "to_local") else p).detach().double().sum()) for n, p in
-                  named.items() if n in names}
-    return {"gathered": sorted(gathered), "gathered_ok": gathered_ok,
-            "loaded": {n: float(t.double().sum()) for n, t in full.items()},
-            "expected": {n: float(t.double().sum()) for n, t in new.items()},
-            "local_sums": local_sums,
-            "untouched_equal": all(torch.equal(everything[n], ref[n]) for n in everything
-                                   if n not in names) if info.is_main else True,
-            "optimizer_params_unchanged": params_before == [id(p) for p in optimizer.param_groups[0]["params"]]}
+    local_sums = {
+        n: float((p.to_local() if hasattr(p, "to_local") else p).detach().double().sum())
+        for n, p in named.items()
+        if n in names
+    }
+    return {
+        "gathered": sorted(gathered),
+        "gathered_ok": gathered_ok,
+        "loaded": {n: float(t.double().sum()) for n, t in full.items()},
+        "expected": {n: float(t.double().sum()) for n, t in new.items()},
+        "local_sums": local_sums,
+        "untouched_equal": all(torch.equal(everything[n], ref[n]) for n in everything if n not in names)
+        if info.is_main
+        else True,
+        "optimizer_params_unchanged": params_before == [id(p) for p in optimizer.param_groups[0]["params"]],
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_sync_gathers_trainable_tensors_and_loads_the_global_model_on_every_rank(two_ranks: tuple[str, list[Any]]
-                                                                                ) -> None:
+def test_sync_gathers_trainable_tensors_and_loads_the_global_model_on_every_rank(
+    two_ranks: tuple[str, list[Any]],
+) -> None:
     strategy, results = two_ranks
     main, other = (rank["sync"] for rank in results)
     assert main["gathered_ok"] and main["gathered"] and other["gathered"] == []
@@ -317,16 +346,36 @@ def test_single_ddp_and_fsdp_give_the_same_loss_curve(tiny_corpus, tmp_path: Pat
     DDP and FSDP2 also recompute activations (whole_layer / fine_grained), which must not change the numbers.
     """
     steps = 20
-    common = [*SMALL_NODE, "--using_spes=false", f"--max_duration={steps}st", "--save_interval=null",
-              "--scheduler.t_warmup=5"]
-    runs = {"single": (1, []), "ddp": (2, ["--activation_checkpointing=whole_layer"]),
-            "fsdp": (2, ["--activation_checkpointing=fine_grained"])}
+    common = [
+        *SMALL_NODE,
+        "--using_spes=false",
+        f"--max_duration={steps}st",
+        "--save_interval=null",
+        "--scheduler.t_warmup=5",
+    ]
+    runs = {
+        "single": (1, []),
+        "ddp": (2, ["--activation_checkpointing=whole_layer"]),
+        "fsdp": (2, ["--activation_checkpointing=fine_grained"]),
+    }
     curves = {}
     for name, (nproc, extra) in runs.items():
         folder = tmp_path / name
-        torchrun(nproc, ["-m", "spes.train", TINY, *common, *tiny_corpus.overrides(folder),
-                         "--data.validation_paths=[]", f"--distributed_strategy={name}", *extra],
-                 log=tmp_path / f"{name}.log", timeout=180)
+        torchrun(
+            nproc,
+            [
+                "-m",
+                "spes.train",
+                TINY,
+                *common,
+                *tiny_corpus.overrides(folder),
+                "--data.validation_paths=[]",
+                f"--distributed_strategy={name}",
+                *extra,
+            ],
+            log=tmp_path / f"{name}.log",
+            timeout=180,
+        )
         curves[name] = _losses(folder)
     assert len(curves["single"]) == steps
     assert curves["single"][-1] < curves["single"][0] - 0.2  # it really trains
@@ -371,8 +420,15 @@ def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
             record[str(step)] = {"before": before, "after": _digests(node.model)}
             return result
 
-    trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=info,
-                      syncer=Recording(), log=quiet)
+    trainer = Trainer(
+        cfg=cfg,
+        model=node.model,
+        optimizer=node.optimizer,
+        loader=node.loader,
+        info=info,
+        syncer=Recording(),
+        log=quiet,
+    )
     trainer.fit()
     peer_sync.close()
     return record
@@ -383,18 +439,39 @@ def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
 def test_two_nodes_of_two_ranks_hold_the_same_global_model_after_every_round(tiny_corpus, tmp_path: Path) -> None:
     """Server + node 0 (DDP x 2) + node 1 (FSDP2 x 2): 5 processes, 2 rounds; after each round all four ranks
     hold bit-identical whole models, though the nodes trained different experts on different data."""
+
     def node(addr: str, peer: int, strategy: str) -> list[Any]:
-        overrides = [*SPES_PEER, f"--spes_config.peer_id={peer}", f"--spes_config.server_addr={addr}",
-                     "--spes_config.sync_steps=2", "--max_duration=4st",
-                     "--save_interval=null", "--spes_config.round_timeout_s=200", "--spes_config.max_retries=2",
-                     f"--distributed_strategy={strategy}", *tiny_corpus.overrides(tmp_path / f"node{peer}"),
-                     "--data.validation_paths=[]"]
-        return run_ranks(2, "test_distributed:_sync_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}",
-                         timeout=300)
+        overrides = [
+            *SPES_PEER,
+            f"--spes_config.peer_id={peer}",
+            f"--spes_config.server_addr={addr}",
+            "--spes_config.sync_steps=2",
+            "--max_duration=4st",
+            "--save_interval=null",
+            "--spes_config.round_timeout_s=200",
+            "--spes_config.max_retries=2",
+            f"--distributed_strategy={strategy}",
+            *tiny_corpus.overrides(tmp_path / f"node{peer}"),
+            "--data.validation_paths=[]",
+        ]
+        return run_ranks(
+            2, "test_distributed:_sync_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}", timeout=300
+        )
 
     with ThreadPoolExecutor(2) as pool:
-        with parameter_server(tmp_path / "server.log", "--total_peers", "2", "--num_train_experts_per_node", "2",
-                              "--merge_interval", "4", "--merge_alpha_start", "0.05", "--merge_topk", "1") as addr:
+        with parameter_server(
+            tmp_path / "server.log",
+            "--total_peers",
+            "2",
+            "--num_train_experts_per_node",
+            "2",
+            "--merge_interval",
+            "4",
+            "--merge_alpha_start",
+            "0.05",
+            "--merge_topk",
+            "1",
+        ) as addr:
             futures = [pool.submit(node, addr, 0, "ddp"), pool.submit(node, addr, 1, "fsdp")]
             wait(futures, timeout=360, return_when=FIRST_EXCEPTION)
         # the server is gone: a node still waiting for a failed one gives up after its retries
@@ -420,8 +497,12 @@ def _fsdp_variants_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any
         optimizer = build_optimizer(model, cfg.optimizer)
         losses = []
         for step in range(3):
-            tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.max_sequence_length + 1),
-                                   generator=torch.Generator().manual_seed(100 * step + info.rank))
+            tokens = torch.randint(
+                0,
+                cfg.model.vocab_size,
+                (2, cfg.model.max_sequence_length + 1),
+                generator=torch.Generator().manual_seed(100 * step + info.rank),
+            )
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "amp_bf16"):
                 out = model(tokens[:, :-1])
                 loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten())
@@ -437,11 +518,14 @@ def _fsdp_variants_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any
 @pytest.mark.timeout(240)
 def test_every_fsdp_setting_trains_and_keeps_ranks_consistent(tmp_path: Path) -> None:
     """sharding_strategy, wrapping_strategy and the amp_bf16 mixed-precision policy, each on 2 gloo ranks."""
-    variants = {"FULL_SHARD": [], "SHARD_GRAD_OP": ["--fsdp.sharding_strategy=SHARD_GRAD_OP"],
-                "NO_SHARD": ["--fsdp.sharding_strategy=NO_SHARD"],
-                "HYBRID_SHARD": ["--fsdp.sharding_strategy=HYBRID_SHARD"],
-                "one_unit": ["--fsdp.wrapping_strategy=null"],
-                "amp_bf16_mixed": ["--precision=amp_bf16", "--fsdp.precision=mixed"]}
+    variants = {
+        "FULL_SHARD": [],
+        "SHARD_GRAD_OP": ["--fsdp.sharding_strategy=SHARD_GRAD_OP"],
+        "NO_SHARD": ["--fsdp.sharding_strategy=NO_SHARD"],
+        "HYBRID_SHARD": ["--fsdp.sharding_strategy=HYBRID_SHARD"],
+        "one_unit": ["--fsdp.wrapping_strategy=null"],
+        "amp_bf16_mixed": ["--precision=amp_bf16", "--fsdp.precision=mixed"],
+    }
     ranks = run_ranks(2, "test_distributed:_fsdp_variants_worker", {"variants": variants}, tmp_path, timeout=200)
     reference = ranks[0]["FULL_SHARD"]["losses"]
     for name in variants:

@@ -12,11 +12,15 @@ from types import ModuleType
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eval_scripts"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-       "PYTHON": sys.executable}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHON": sys.executable,
+}
 
 
 def script(name: str) -> ModuleType:
@@ -33,8 +37,9 @@ def test_next_text_items_are_deterministic_and_correct() -> None:
     settings = build.TaskSettings(num_choice_items=30, context_chars=200, continuation_chars=60)
     items = build.next_text_items(DOCS, settings)
     assert items == build.next_text_items(DOCS, settings) and len(items) == 30
-    assert items != build.next_text_items(DOCS, build.TaskSettings(num_choice_items=30, context_chars=200,
-                                                                   continuation_chars=60, seed=7))
+    assert items != build.next_text_items(
+        DOCS, build.TaskSettings(num_choice_items=30, context_chars=200, continuation_chars=60, seed=7)
+    )
     for item in items:
         doc, real = DOCS[item["doc"]], item["choices"][item["label"]]
         assert item["context"] + real in doc  # the real continuation follows the context
@@ -64,8 +69,7 @@ def test_build_skips_when_up_to_date_and_refuses_tiny_input(tmp_path: Path) -> N
         build.build(["short text"], tmp_path / "x", settings, source="test")
 
 
-def test_continuations_fit_the_model_window_and_too_short_a_window_skips_the_task(
-        tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_continuations_fit_the_model_window_and_too_short_a_window_skips_the_task(tmp_path: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
     build = script("build_local_tasks")
     settings = build.TaskSettings(num_choice_items=10, context_chars=200, continuation_chars=300, max_tokens=40)
     items = build.next_text_items(DOCS, settings, tokenizer)
@@ -102,13 +106,21 @@ def test_summarize_lm_eval_results(tmp_path: Path) -> None:
     tools = script("eval_tools")
     run = tmp_path / "raw" / "local" / "model"
     run.mkdir(parents=True)
-    (run / "results_2026.json").write_text(json.dumps({
-        "results": {"spes_next_text": {"alias": "spes_next_text", "acc,none": 0.5, "acc_stderr,none": 0.1},
-                    "spes_heldout_ppl": {"bits_per_byte,none": 3.25, "bits_per_byte_stderr,none": "N/A"}},
-        "n-shot": {"spes_next_text": 0, "spes_heldout_ppl": 0},
-        "n-samples": {"spes_next_text": {"original": 40, "effective": 8}}}))
-    (tmp_path / tools.STATUS_FILE).write_text(json.dumps({"sciq": {"shots": 0, "dataset": "allenai/sciq",
-                                                                   "available": False}}))
+    (run / "results_2026.json").write_text(
+        json.dumps(
+            {
+                "results": {
+                    "spes_next_text": {"alias": "spes_next_text", "acc,none": 0.5, "acc_stderr,none": 0.1},
+                    "spes_heldout_ppl": {"bits_per_byte,none": 3.25, "bits_per_byte_stderr,none": "N/A"},
+                },
+                "n-shot": {"spes_next_text": 0, "spes_heldout_ppl": 0},
+                "n-samples": {"spes_next_text": {"original": 40, "effective": 8}},
+            }
+        )
+    )
+    (tmp_path / tools.STATUS_FILE).write_text(
+        json.dumps({"sciq": {"shots": 0, "dataset": "allenai/sciq", "available": False}})
+    )
     assert tools.summarize(tmp_path) == 0
     table = (tmp_path / "results.md").read_text()
     assert "| spes_next_text | 0 | acc | 0.5000 | 0.1000 | 8 |" in table
@@ -122,10 +134,13 @@ def test_reference_dataset_detection_is_offline(tmp_path: Path) -> None:
     """A local data set counts as available; a hub data set that is not cached does not (and nothing is fetched)."""
     (tmp_path / "local").mkdir()
     (tmp_path / "local" / "test.jsonl").write_text('{"a": 1}\n')
-    code = ("import eval_tools as t; "
-            f"print(t.dataset_is_local({str(tmp_path / 'local')!r}, None), t.dataset_is_local('allenai/sciq', None))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=SCRIPTS, env=ENV, capture_output=True, text=True,
-                          timeout=100)
+    code = (
+        "import eval_tools as t; "
+        f"print(t.dataset_is_local({str(tmp_path / 'local')!r}, None), t.dataset_is_local('allenai/sciq', None))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=SCRIPTS, env=ENV, capture_output=True, text=True, timeout=100
+    )
     assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]
     assert "Retrying" not in done.stderr
 
@@ -141,10 +156,18 @@ def test_shell_scripts_refuse_bad_input(tmp_path: Path) -> None:
     assert done.returncode == 2 and "no step<N> directories: is it a spes run?" in done.stderr
     done = run(str(SCRIPTS / "eval_full.sh"), str(tmp_path))
     assert done.returncode == 2 and "not a Hugging Face model directory" in done.stderr
-    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), "org/not-cached"], env={**ENV, "HF_HOME": str(tmp_path)},
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "error: model 'org/not-cached' is not a local path and not in the Hugging " \
-                                    "Face cache" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run(
+        [str(SCRIPTS / "eval_full.sh"), "org/not-cached"],
+        env={**ENV, "HF_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        done.returncode == 2
+        and "error: model 'org/not-cached' is not a local path and not in the Hugging Face cache" in done.stderr
+        and "Traceback" not in done.stderr
+    )
 
 
 @pytest.mark.slow
@@ -157,16 +180,43 @@ def test_quickstart_model_converts_loads_generates_and_evaluates(tiny_corpus, tm
     import transformers
 
     run = tmp_path / "quickstart"
-    data = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
-            f"--data.validation_paths=[{tiny_corpus.valid}]", "--max_duration=20st", "--eval_interval=10",
-            "--eval_subset_num_batches=1", "--log_interval=10"]
-    done = subprocess.run([sys.executable, "-m", "spes.launch", str(REPO / "configs" / "tiny.yaml"), "--out", str(run),
-                           "--merge_interval", "10", "--", *data], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=400)
+    data = [
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        f"--data.validation_paths=[{tiny_corpus.valid}]",
+        "--max_duration=20st",
+        "--eval_interval=10",
+        "--eval_subset_num_batches=1",
+        "--log_interval=10",
+    ]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spes.launch",
+            str(REPO / "configs" / "tiny.yaml"),
+            "--out",
+            str(run),
+            "--merge_interval",
+            "10",
+            "--",
+            *data,
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
-    done = subprocess.run([str(SCRIPTS / "convert_to_hf.sh"), str(run / "node0"), "latest", "tiny"], env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [str(SCRIPTS / "convert_to_hf.sh"), str(run / "node0"), "latest", "tiny"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     hf_dir = run / "node0" / "hf" / "tiny-step20"
     assert done.stdout.strip() == str(hf_dir)
@@ -185,10 +235,21 @@ def test_quickstart_model_converts_loads_generates_and_evaluates(tiny_corpus, tm
     from test_hub import cache_repo
 
     cache_repo(tmp_path / "hf_home", "spes/tiny-quickstart", hf_dir)
-    env = {**ENV, "EVAL_SOURCE": str(corpus), "EVAL_DATA": str(tmp_path / "tasks"), "LIMIT": "6",
-           "BUILD_ARGS": "--num_choice_items 20 --num_ppl_docs 4", "HF_HOME": str(tmp_path / "hf_home")}
-    done = subprocess.run([str(SCRIPTS / "eval_full.sh"), "spes/tiny-quickstart", str(tmp_path / "eval")], env=env,
-                          capture_output=True, text=True, timeout=540)
+    env = {
+        **ENV,
+        "EVAL_SOURCE": str(corpus),
+        "EVAL_DATA": str(tmp_path / "tasks"),
+        "LIMIT": "6",
+        "BUILD_ARGS": "--num_choice_items 20 --num_ppl_docs 4",
+        "HF_HOME": str(tmp_path / "hf_home"),
+    }
+    done = subprocess.run(
+        [str(SCRIPTS / "eval_full.sh"), "spes/tiny-quickstart", str(tmp_path / "eval")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr
     assert "reference tasks skipped" in done.stderr and "Retrying" not in done.stderr
@@ -197,8 +258,7 @@ def test_quickstart_model_converts_loads_generates_and_evaluates(tiny_corpus, tm
     assert tasks["spes_next_text"]["samples"] == 6 and 0.0 <= tasks["spes_next_text"]["metrics"]["acc"]["value"] <= 1
     ppl = tasks["spes_heldout_ppl"]["metrics"]
     assert ppl["bits_per_byte"]["value"] > 0 and ppl["byte_perplexity"]["value"] > 1
-    assert results["reference_status"]["hellaswag"] == {"shots": 10, "dataset": "Rowan/hellaswag",
-                                                        "available": False}
+    assert results["reference_status"]["hellaswag"] == {"shots": 10, "dataset": "Rowan/hellaswag", "available": False}
     assert "| spes_next_text | 0 | acc |" in (tmp_path / "eval" / "results.md").read_text()
     manifest = json.loads((tmp_path / "tasks" / "manifest.json").read_text())
     assert manifest["settings"]["max_tokens"] == 64

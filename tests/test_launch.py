@@ -20,12 +20,26 @@ TINY = str(REPO / "configs" / "tiny.yaml")
 @pytest.mark.timeout(300)
 def test_local_run_finishes_with_summary_and_no_leftover_processes(tiny_corpus, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    overrides = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]",
-                 f"--data.validation_paths=[{tiny_corpus.valid}]", "--spes_config.num_peers=2",
-                 "--spes_config.num_train_experts_per_node=4", "--max_duration=8st", "--spes_config.sync_steps=4",
-                 "--eval_interval=4", "--eval_subset_num_batches=1", "--save_interval=null", "--data.seed=100"]
-    proc = subprocess.run([sys.executable, "-m", "spes.launch", TINY, "--out", str(out), "--merge_interval", "8",
-                           "--", *overrides], cwd=REPO, capture_output=True, text=True, timeout=280)
+    overrides = [
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        f"--data.validation_paths=[{tiny_corpus.valid}]",
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        "--max_duration=8st",
+        "--spes_config.sync_steps=4",
+        "--eval_interval=4",
+        "--eval_subset_num_batches=1",
+        "--save_interval=null",
+        "--data.seed=100",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(out), "--merge_interval", "8", "--", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SPES run summary" in proc.stdout
     assert "data seeds [100, 1100]" in proc.stdout  # each peer's data order: the config's seed + 1000 * id
@@ -39,8 +53,13 @@ def test_local_run_finishes_with_summary_and_no_leftover_processes(tiny_corpus, 
 
 
 def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--",
-                           "--spes_config.num_peerz=2"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--", "--spes_config.num_peerz=2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "did you mean 'spes_config.num_peers'" in proc.stderr
     assert not (tmp_path / "server.log").exists()
@@ -50,9 +69,23 @@ def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) 
 @pytest.mark.timeout(180)
 def test_run_single_node_reads_in_its_peers_data_order_and_saves_the_run_config(tiny_corpus, tmp_path: Path) -> None:
     env = {**os.environ, "CONFIG": TINY, "NPROC_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", "run_scripts/run_single_node.sh", "2", "--using_spes=false", "--max_duration=2st",
-                           *tiny_corpus.overrides(tmp_path), "--eval_interval=null", "--server.merge_interval=7"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run(
+        [
+            "bash",
+            "run_scripts/run_single_node.sh",
+            "2",
+            "--using_spes=false",
+            "--max_duration=2st",
+            *tiny_corpus.overrides(tmp_path),
+            "--eval_interval=null",
+            "--server.merge_interval=7",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "data order seed 8198 (data.seed 6198 + 1000 * peer_id 2)" in proc.stdout
     config = yaml.safe_load((tmp_path / "step2" / "config.yaml").read_text())
@@ -70,9 +103,18 @@ def test_run_single_node_needs_a_node_id() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_failing_peer_ends_the_local_run_with_its_error_line(tiny_corpus, tmp_path: Path) -> None:
-    overrides = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tmp_path}/none/*.npy]",
-                 "--spes_config.num_peers=1", "--spes_config.num_train_experts_per_node=8"]
-    proc = subprocess.run([sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path / "run"), "--",
-                           *overrides], cwd=REPO, capture_output=True, text=True, timeout=170)
+    overrides = [
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tmp_path}/none/*.npy]",
+        "--spes_config.num_peers=1",
+        "--spes_config.num_train_experts_per_node=8",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path / "run"), "--", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: data path pattern"), proc.stderr

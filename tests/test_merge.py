@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sync_helpers import peer_upload, tiny_manifest
 
 from spes.moe import parse_expert_block
 from spes.sync import merge
@@ -19,6 +18,7 @@ from spes.sync.merge import (
     round_alpha,
     trainable_names,
 )
+from sync_helpers import peer_upload, tiny_manifest
 
 
 def naive_merge(w1: torch.Tensor, v1: torch.Tensor, w2: torch.Tensor, alpha: float, topk: int) -> list[torch.Tensor]:
@@ -197,15 +197,23 @@ def test_bf16_uploads_are_widened_exactly_in_pieces(monkeypatch: pytest.MonkeyPa
 def test_aggregate_keeps_experts_in_their_upload_dtype() -> None:
     manifest = tiny_manifest(num_layers=1, num_blocks=2, k=2)
     uploads = {p: {n: t.bfloat16() for n, t in peer_upload(manifest, p, "spes", seed=5).items()} for p in range(2)}
-    out = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1, merge=MergeConfig(interval=0)).tensors
+    out = build_global(
+        uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1, merge=MergeConfig(interval=0)
+    ).tensors
     for name in manifest:
         parsed = parse_expert_block(name)
         if parsed is None:
             assert out[name].dtype == torch.float32
         else:  # the very upload: widening it would only be undone to send it back in bf16
             assert out[name] is uploads[parsed.block][name]
-    merged = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=100,
-                             merge=MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=1)).tensors
+    merged = build_global(
+        uploads,
+        num_peers=2,
+        experts_per_peer=2,
+        mode="spes",
+        step=100,
+        merge=MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=1),
+    ).tensors
     assert all(t.dtype == torch.float32 for t in merged.values())
 
 
@@ -266,11 +274,20 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 @pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
 def test_consuming_build_global_equals_the_copying_one(step: int) -> None:
-    want = build_global(uploads_for([0, 1], step), num_peers=2, experts_per_peer=2, mode="spes", step=step,
-                        merge=QUORUM_MERGE).tensors
+    want = build_global(
+        uploads_for([0, 1], step), num_peers=2, experts_per_peer=2, mode="spes", step=step, merge=QUORUM_MERGE
+    ).tensors
     uploads = uploads_for([0, 1], step)
-    got = build_global(uploads, names=list(QUORUM_MANIFEST), num_peers=2, experts_per_peer=2, mode="spes", step=step, merge=QUORUM_MERGE,
-                       consume=True)
+    got = build_global(
+        uploads,
+        names=list(QUORUM_MANIFEST),
+        num_peers=2,
+        experts_per_peer=2,
+        mode="spes",
+        step=step,
+        merge=QUORUM_MERGE,
+        consume=True,
+    )
     assert_same(got.tensors, want)
     assert list(got.tensors) == list(QUORUM_MANIFEST) and got.momentum == {}
     assert all(not upload for upload in uploads.values())  # consumed tensor by tensor
@@ -285,15 +302,26 @@ def test_build_global_diloco_nesterov_over_rounds_equals_the_pure_functions() ->
     want_global: dict = {}
     want_momentum: dict = {}
     for step in (1, 2, 3):
-        mean = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), num_peers=3, experts_per_peer=2,
-                            mode="diloco", step=step).tensors
+        mean = build_global(
+            uploads_for([0, 1, 2], step, manifest, "diloco"), num_peers=3, experts_per_peer=2, mode="diloco", step=step
+        ).tensors
         if want_global:
             want_global, want_momentum = outer_nesterov_step(want_global, mean, want_momentum, lr=0.7, momentum=0.9)
         else:
             want_global = mean
-        built = build_global(uploads_for([0, 1, 2], step, manifest, "diloco"), names=list(manifest),
-                             previous=previous, momentum=momentum, num_peers=3, experts_per_peer=2,
-                             mode="diloco", step=step, merge=QUORUM_MERGE, outer=outer, consume=True)
+        built = build_global(
+            uploads_for([0, 1, 2], step, manifest, "diloco"),
+            names=list(manifest),
+            previous=previous,
+            momentum=momentum,
+            num_peers=3,
+            experts_per_peer=2,
+            mode="diloco",
+            step=step,
+            merge=QUORUM_MERGE,
+            outer=outer,
+            consume=True,
+        )
         previous, momentum = built.tensors, built.momentum
         assert_same(previous, want_global)
         assert_same(momentum, want_momentum)
@@ -306,8 +334,17 @@ def test_quorum_averages_the_arrived_and_keeps_a_missing_owners_experts(step: in
     names = list(manifest)
     previous = {n: torch.randn(s) for n, s in manifest.items()}
     arrived = uploads_for([0, 2], step, manifest)
-    got = build_global(uploads_for([0, 2], step, manifest), names=names, previous=previous, num_peers=3,
-                       experts_per_peer=2, mode="spes", step=step, merge=QUORUM_MERGE, consume=True).tensors
+    got = build_global(
+        uploads_for([0, 2], step, manifest),
+        names=names,
+        previous=previous,
+        num_peers=3,
+        experts_per_peer=2,
+        mode="spes",
+        step=step,
+        merge=QUORUM_MERGE,
+        consume=True,
+    ).tensors
     assert sorted(got) == sorted(names)
     for name in names:
         parsed = parse_expert_block(name)

@@ -70,8 +70,12 @@ def test_delayed_steps_keep_the_local_progress() -> None:
     [
         ({"w": torch.zeros(3)}, {"w": torch.zeros(4)}, {"w": torch.zeros(4)}, r"'w'.*shape \[3\] in the global"),
         ({"w": torch.zeros(4)}, {"w": torch.zeros(4)}, {"w": torch.zeros(2, 2)}, r"'w'.*shape \[2, 2\] in the snap"),
-        ({"w": torch.zeros(4)}, {"w": torch.zeros(4)}, {"w": torch.zeros(4, dtype=torch.bfloat16)},
-         r"'w'.*dtype torch.bfloat16 in the snapshot"),
+        (
+            {"w": torch.zeros(4)},
+            {"w": torch.zeros(4)},
+            {"w": torch.zeros(4, dtype=torch.bfloat16)},
+            r"'w'.*dtype torch.bfloat16 in the snapshot",
+        ),
         ({"w": torch.zeros(4, dtype=torch.int64)}, {"w": torch.zeros(4)}, {}, r"'w'.*not a floating-point"),
         ({"x": torch.zeros(4)}, {"w": torch.zeros(4)}, {}, r"'x' is in the global model but not"),
         ({}, {"w": torch.zeros(4)}, {"y": torch.zeros(4)}, r"'y' is in the round's snapshot but not"),

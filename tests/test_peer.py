@@ -39,21 +39,41 @@ class RecordingSync:
         return result
 
 
-def run_peers(corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8) -> list[tuple[RecordingSync, Trainer]]:  # type: ignore[no-untyped-def]
+def run_peers(
+    corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8
+) -> list[tuple[RecordingSync, Trainer]]:  # type: ignore[no-untyped-def]
     peers = []
     for peer in range(2):
-        cfg, _ = load_config(str(REPO / "configs" / "tiny.yaml"), [
-            *corpus.overrides(tmp_path / f"node{peer}"), f"--spes_config.peer_id={peer}", "--spes_config.num_peers=2",
-            "--spes_config.num_train_experts_per_node=4", f"--spes_config.server_addr={addr}",
-            "--spes_config.sync_steps=2", f"--max_duration={steps}st",
-            "--eval_interval=null", "--save_interval=null", "--spes_config.rpc_timeout_s=30",
-            "--spes_config.round_timeout_s=60", f"--using_dilico={str(dilico).lower()}"])
+        cfg, _ = load_config(
+            str(REPO / "configs" / "tiny.yaml"),
+            [
+                *corpus.overrides(tmp_path / f"node{peer}"),
+                f"--spes_config.peer_id={peer}",
+                "--spes_config.num_peers=2",
+                "--spes_config.num_train_experts_per_node=4",
+                f"--spes_config.server_addr={addr}",
+                "--spes_config.sync_steps=2",
+                f"--max_duration={steps}st",
+                "--eval_interval=null",
+                "--save_interval=null",
+                "--spes_config.rpc_timeout_s=30",
+                "--spes_config.round_timeout_s=60",
+                f"--using_dilico={str(dilico).lower()}",
+            ],
+        )
         node = build_node(cfg, CPU, log=lambda _m: None)
         peer_sync = PeerSync(cfg, node.model, CPU, log=lambda _m: None)
         peer_sync.join()
         recorder = RecordingSync(peer_sync, node.model)
-        trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=CPU,
-                          syncer=recorder, log=lambda _m: None)
+        trainer = Trainer(
+            cfg=cfg,
+            model=node.model,
+            optimizer=node.optimizer,
+            loader=node.loader,
+            info=CPU,
+            syncer=recorder,
+            log=lambda _m: None,
+        )
         peers.append((recorder, trainer))
     with ThreadPoolExecutor(2) as pool:
         for future in [pool.submit(t.fit) for _, t in peers]:

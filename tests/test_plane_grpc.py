@@ -9,15 +9,15 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import torch
-from sync_helpers import peer_upload, running_server, tiny_manifest
-from test_client import NO_MERGE
-from test_server import join_request
 
 from spes.sync.merge import build_global, download_names
 from spes.sync.plane_grpc import GrpcPlane
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_MAX_BYTES, Manifest, Reason, SyncError
+from sync_helpers import peer_upload, running_server, tiny_manifest
+from test_client import NO_MERGE
+from test_server import join_request
 
 MANIFEST = tiny_manifest()
 
@@ -36,6 +36,7 @@ def expect_for(peer: int, step: int):  # type: ignore[no-untyped-def]
     def expect(info: pb.RoundInfo) -> Manifest:
         assert info.round == step and sorted(info.names) == sorted(download_names(list(MANIFEST), peer, "spes", False))
         return {n: MANIFEST[n] for n in info.names}
+
     return expect
 
 
@@ -64,7 +65,10 @@ def test_refusals_arrive_as_sync_errors_with_their_reason() -> None:
         with pytest.raises(SyncError, match="has not joined") as err:
             stranger.download(1, 10, full=False, expect=expect_for(1, 1), into=None)
         assert (err.value.code, err.value.reason, err.value.retryable) == (
-            grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED, False)
+            grpc.StatusCode.FAILED_PRECONDITION,
+            Reason.NOT_JOINED,
+            False,
+        )
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)
         upload = peer_upload(MANIFEST, 1, "spes", seed=1)
@@ -83,4 +87,3 @@ def test_link_test_over_grpc() -> None:
         with pytest.raises(SyncError, match="at most") as err:
             plane.probe(PROBE_MAX_BYTES + 1)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-

@@ -10,9 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
-from test_client import NO_MERGE, check_round, joined_clients
-from test_server import join_request, stub_for
 
 from spes.launch import free_port
 from spes.sync import plane_tcp
@@ -20,6 +17,9 @@ from spes.sync.merge import Mode, build_global, download_names
 from spes.sync.protocol import Reason, SyncError
 from spes.sync.server import ParameterServer
 from spes.sync.wire import DIGEST, checksum
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
+from test_client import NO_MERGE, check_round, joined_clients
+from test_server import join_request, stub_for
 
 
 def raw_upload(server: ParameterServer, *, peer: int = 0, step: int = 1, token: str | None = TOKEN) -> socket.socket:
@@ -42,7 +42,9 @@ def test_two_peers_two_rounds_over_the_data_plane(mode: Mode) -> None:
         running_server(mode=mode, merge=NO_MERGE, data_port=0) as (server, addr),
         joined_clients(addr, manifest, mode=mode, data_plane="tcp") as clients,
     ):
-        assert server.data_port > 0 and all(client.plane.name == "tcp" and client.plane.port == server.data_port for client in clients)
+        assert server.data_port > 0 and all(
+            client.plane.name == "tcp" and client.plane.port == server.data_port for client in clients
+        )
         for step in (10, 20):
             uploads = {p: peer_upload(manifest, p, mode, seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
@@ -90,8 +92,9 @@ def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
                 data = bytearray(tensor.numpy().tobytes())
                 digest = checksum(data)
                 data[len(data) // 2] ^= 0x40  # one bit flipped in transit, after the checksum was taken
-                plane_tcp.send_frame(sock, {"name": name, "dtype": "fp32", "shape": list(tensor.shape),
-                                            "num_bytes": len(data)})
+                plane_tcp.send_frame(
+                    sock, {"name": name, "dtype": "fp32", "shape": list(tensor.shape), "num_bytes": len(data)}
+                )
                 sock.sendall(data + DIGEST.pack(digest))
             reply = plane_tcp.recv_frame(sock)
         assert reply["status"] == "error" and reply["reason"] == "corrupt", reply
@@ -180,8 +183,7 @@ def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
     ):
         check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
     with running_server(**tls, tls_client_ca=pki.ca, merge=NO_MERGE) as (server, addr):
-        with joined_clients(addr, manifest, tls_ca=pki.ca, **pki.client,
-                            data_plane="tcp") as clients:
+        with joined_clients(addr, manifest, tls_ca=pki.ca, **pki.client, data_plane="tcp") as clients:
             check_round(sync_all(clients, 2, uploads), uploads, manifest, mode="spes", step=2, merge=NO_MERGE)
         with pytest.raises(OSError):  # a plain-TCP client cannot speak to the TLS data plane
             with raw_upload(server, token=None) as sock:
@@ -223,21 +225,38 @@ def test_tcp_plane_round_trip_and_refusals() -> None:
     uploads = {p: peer_upload(manifest, p, "spes", seed=2) for p in range(2)}
     want = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=2, merge=NO_MERGE).tensors
     with running_server(merge=NO_MERGE, data_port=0) as (server, addr), stub_for(addr) as stub:
-        tcp = [plane_tcp.TcpPlane("127.0.0.1", server.data_port, None, peer_id=p, wire_dtype="fp32", token=None,
-                                  session="", rpc_timeout_s=10) for p in range(2)]
+        tcp = [
+            plane_tcp.TcpPlane(
+                "127.0.0.1",
+                server.data_port,
+                None,
+                peer_id=p,
+                wire_dtype="fp32",
+                token=None,
+                session="",
+                rpc_timeout_s=10,
+            )
+            for p in range(2)
+        ]
         tcp[0].ping(5)
         with pytest.raises(SyncError, match="has not joined") as err:
             tcp[0].upload(2, uploads[0], timeout=10)
         assert (err.value.code, err.value.reason, err.value.retryable) == (
-            grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED, False)
+            grpc.StatusCode.FAILED_PRECONDITION,
+            Reason.NOT_JOINED,
+            False,
+        )
         for peer in range(2):
             stub.Join(join_request(peer, manifest=manifest), timeout=10)
         for peer in range(2):
             assert tcp[peer].upload(2, uploads[peer], timeout=10) == (
-                sum(t.numel() * 4 for t in uploads[peer].values()), False)
+                sum(t.numel() * 4 for t in uploads[peer].values()),
+                False,
+            )
         names = download_names(list(manifest), 1, "spes", merged=False)
-        info, got, received = tcp[1].download(2, 10, full=False, into=None,
-                                              expect=lambda info: {n: manifest[n] for n in info.names})
+        info, got, received = tcp[1].download(
+            2, 10, full=False, into=None, expect=lambda info: {n: manifest[n] for n in info.names}
+        )
         assert info.round == 2 and sorted(got) == sorted(names)
         assert received == sum(t.numel() * 4 for t in got.values())
         assert all(torch.equal(got[n], want[n]) for n in names)

@@ -31,9 +31,18 @@ def shard_for(path: Path, tokenizer: LoadedTokenizer, vocab_size: int) -> Path:
     """128 sequences of 64 random ids below `vocab_size`, recorded as written with `tokenizer`."""
     tokens = np.random.default_rng(0).integers(0, vocab_size, 64 * 128).astype(np.uint16)
     shard = write_token_shard(path, tokens, with_sidecar=False)
-    write_shard_info(shard, ShardInfo(tokenizer_fingerprint=tokenizer.fingerprint, vocab_size=vocab_size,
-                                      eos_token_id=0, dtype="uint16", num_tokens=len(tokens), num_documents=1,
-                                      source_files=("synthetic",)))
+    write_shard_info(
+        shard,
+        ShardInfo(
+            tokenizer_fingerprint=tokenizer.fingerprint,
+            vocab_size=vocab_size,
+            eos_token_id=0,
+            dtype="uint16",
+            num_tokens=len(tokens),
+            num_documents=1,
+            source_files=("synthetic",),
+        ),
+    )
     return shard
 
 
@@ -41,10 +50,18 @@ def shard_for(path: Path, tokenizer: LoadedTokenizer, vocab_size: int) -> Path:
 def node(tmp_path: Path, tokenizer: LoadedTokenizer) -> list[str]:
     """Overrides that make configs/tiny.yaml (peer 0 of 4, 2 experts each) a node with real local data."""
     shard = shard_for(tmp_path / "train.npy", tokenizer, tokenizer.vocab_size)
-    return [TINY, f"--model.vocab_size={tokenizer.vocab_size}", f"--model.embedding_size={tokenizer.vocab_size}",
-            f"--tokenizer.identifier={tokenizer.path}", f"--data.paths=[{shard}]", "--max_duration=4st",
-            f"--save_folder={tmp_path / 'out'}", "--spes_config.rpc_timeout_s=10", "--link_mb=2",
-            "--step_time_s=10"]  # NOTE: a stated step time, so a loaded CPU cannot make the link check fail
+    return [
+        TINY,
+        f"--model.vocab_size={tokenizer.vocab_size}",
+        f"--model.embedding_size={tokenizer.vocab_size}",
+        f"--tokenizer.identifier={tokenizer.path}",
+        f"--data.paths=[{shard}]",
+        "--max_duration=4st",
+        f"--save_folder={tmp_path / 'out'}",
+        "--spes_config.rpc_timeout_s=10",
+        "--link_mb=2",
+        "--step_time_s=10",
+    ]  # NOTE: a stated step time, so a loaded CPU cannot make the link check fail
 
 
 @pytest.fixture
@@ -79,7 +96,8 @@ def preflight(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict
 
 
 def test_every_check_passes_for_a_matching_node_and_the_server_is_unchanged(
-        server: str, node: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     before = status(server)
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}")
     assert rc == 0, lines
@@ -90,8 +108,9 @@ def test_every_check_passes_for_a_matching_node_and_the_server_is_unchanged(
     assert status(server) == before
 
 
-def test_the_grpc_plane_is_measured_when_the_node_uses_it(server: str, node: list[str],
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_grpc_plane_is_measured_when_the_node_uses_it(
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     before = status(server)
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", "--spes_config.data_plane=grpc")
     assert rc == 0, lines
@@ -99,8 +118,9 @@ def test_the_grpc_plane_is_measured_when_the_node_uses_it(server: str, node: lis
     assert status(server) == before
 
 
-def test_a_wrong_token_fails_the_server_check(server: str, node: list[str], capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_token_fails_the_server_check(
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     before = status(server)
     monkeypatch.setenv("SPES_TOKEN", "not-the-token")
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}")
@@ -111,11 +131,13 @@ def test_a_wrong_token_fails_the_server_check(server: str, node: list[str], caps
     assert status(server) == before
 
 
-def test_a_mismatched_expert_count_fails_the_settings_check(server: str, node: list[str],
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_mismatched_expert_count_fails_the_settings_check(
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     before = status(server)
-    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}",
-                          "--spes_config.num_train_experts_per_node=4")
+    rc, lines = preflight(
+        capsys, *node, f"--spes_config.server_addr={server}", "--spes_config.num_train_experts_per_node=4"
+    )
     assert rc == 1
     assert lines["server"].startswith("ok")
     assert lines["settings"].startswith("FAIL")
@@ -123,14 +145,17 @@ def test_a_mismatched_expert_count_fails_the_settings_check(server: str, node: l
     assert status(server) == before
 
 
-def test_a_model_other_than_the_runs_fails_once_a_peer_has_joined(server: str, node: list[str],
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_model_other_than_the_runs_fails_once_a_peer_has_joined(
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     cfg, _ = load_config(node[0], [*node[1:5], f"--spes_config.server_addr={server}", "--spes_config.peer_id=1"])
     with torch.device("meta"):
         model = Transformer.for_run(cfg)
     with SyncClient(server, peer_id=1, num_peers=4, experts_per_peer=2, mode="spes", token=TOKEN) as client:
-        client.join({n: tuple(p.shape) for n, p in model.named_parameters()},
-                    [n for n, p in model.named_parameters() if p.requires_grad])
+        client.join(
+            {n: tuple(p.shape) for n, p in model.named_parameters()},
+            [n for n, p in model.named_parameters() if p.requires_grad],
+        )
     before = status(server)
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}")
     assert rc == 0 and "matches the run's" in lines["settings"]
@@ -140,8 +165,9 @@ def test_a_model_other_than_the_runs_fails_once_a_peer_has_joined(server: str, n
     assert status(server) == before
 
 
-def test_a_missing_data_path_fails_the_data_check(server: str, node: list[str], tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_missing_data_path_fails_the_data_check(
+    server: str, node: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     before = status(server)
     missing = tmp_path / "nowhere" / "shard.npy"
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{missing}]")
@@ -152,8 +178,8 @@ def test_a_missing_data_path_fails_the_data_check(server: str, node: list[str], 
 
 
 def test_too_few_tokens_or_another_vocabulary_fail_the_data_check(
-        server: str, node: list[str], tokenizer: LoadedTokenizer, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    server: str, node: list[str], tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", "--max_duration=100st")
     assert rc == 1 and lines["data"].startswith("FAIL")
     assert "128 sequences" in lines["data"] and "the run reads 1,600" in lines["data"]
@@ -165,7 +191,8 @@ def test_too_few_tokens_or_another_vocabulary_fail_the_data_check(
 
 
 def test_a_config_that_cannot_fit_the_memory_budget_fails_the_memory_check(
-        server: str, node: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     before = status(server)
     cfg, _ = load_config(node[0], node[1:7])
     static, per_seq = memory_need(cfg, 1)
@@ -178,16 +205,24 @@ def test_a_config_that_cannot_fit_the_memory_budget_fails_the_memory_check(
     assert status(server) == before
 
 
-def test_a_slow_link_at_these_sync_steps_fails_the_link_check(server: str, node: list[str],
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", "--step_time_s=1e-7",
-                          "--spes_config.sync_steps=1", "--max_sync_fraction=0.01")
+def test_a_slow_link_at_these_sync_steps_fails_the_link_check(
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, lines = preflight(
+        capsys,
+        *node,
+        f"--spes_config.server_addr={server}",
+        "--step_time_s=1e-7",
+        "--spes_config.sync_steps=1",
+        "--max_sync_fraction=0.01",
+    )
     assert rc == 1
     assert lines["link"].startswith("FAIL") and "-> raise spes_config.sync_steps to" in lines["link"]
 
 
-def test_an_unreachable_server_fails_in_seconds(token: None, node: list[str],
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unreachable_server_fails_in_seconds(
+    token: None, node: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     from spes.launch import free_port
 
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr=127.0.0.1:{free_port()}")
@@ -196,21 +231,29 @@ def test_an_unreachable_server_fails_in_seconds(token: None, node: list[str],
     assert "-> start the server" in lines["server"]
 
 
-def test_a_certificate_for_another_peer_fails_the_server_check(token: None, node: list[str], tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_certificate_for_another_peer_fails_the_server_check(
+    token: None, node: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     pki = write_pki(tmp_path)
     other = pki.issue("peer-1")
-    with running_server(total_peers=4, experts_per_peer=2, token=TOKEN, tls_client_ca=pki.ca, tls_peer_ids=True,
-                        **pki.server) as (_, addr):
+    with running_server(
+        total_peers=4, experts_per_peer=2, token=TOKEN, tls_client_ca=pki.ca, tls_peer_ids=True, **pki.server
+    ) as (_, addr):
         tls = [f"--spes_config.server_addr={addr}", f"--spes_config.tls_ca={pki.ca}"]
-        rc, lines = preflight(capsys, *node, *tls, f"--spes_config.tls_cert={other['tls_cert']}",
-                              f"--spes_config.tls_key={other['tls_key']}")
+        rc, lines = preflight(
+            capsys,
+            *node,
+            *tls,
+            f"--spes_config.tls_cert={other['tls_cert']}",
+            f"--spes_config.tls_key={other['tls_key']}",
+        )
         assert rc == 1
         assert lines["server"].startswith("FAIL") and "PERMISSION_DENIED" in lines["server"]
         assert "common name peer-<peer_id>" in lines["server"]
         own = pki.issue("peer-0")
-        rc, lines = preflight(capsys, *node, *tls, f"--spes_config.tls_cert={own['tls_cert']}",
-                              f"--spes_config.tls_key={own['tls_key']}")
+        rc, lines = preflight(
+            capsys, *node, *tls, f"--spes_config.tls_cert={own['tls_cert']}", f"--spes_config.tls_key={own['tls_key']}"
+        )
         assert rc == 0, lines
 
 
@@ -242,7 +285,8 @@ def test_without_a_stated_step_time_it_is_estimated_from_flops_and_a_matmul_test
 
 
 def test_more_processes_than_the_strategy_can_use_fail_the_devices_check(
-        server: str, node: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", "--nproc=2")
     assert rc == 1
     assert lines["devices"].startswith("FAIL") and "the launch uses 2 process(es)" in lines["devices"]
@@ -250,8 +294,9 @@ def test_more_processes_than_the_strategy_can_use_fail_the_devices_check(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
-def test_devices_answers_the_launch_scripts_in_one_line(capsys: pytest.CaptureFixture[str],
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_devices_answers_the_launch_scripts_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("NPROC_PER_NODE", raising=False)
     assert main(["--devices"]) == 0
     assert capsys.readouterr().out.startswith("1 the CPU (no CUDA GPU)")
@@ -277,8 +322,14 @@ echo "RUN $*"
 
 def launch(tmp_path: Path, python: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if k != "NPROC_PER_NODE"}
-    return subprocess.run(["bash", "run_scripts/run_single_node.sh", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**environ, "CONFIG": TINY, "PYTHON": str(python), **env}, timeout=60)
+    return subprocess.run(
+        ["bash", "run_scripts/run_single_node.sh", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**environ, "CONFIG": TINY, "PYTHON": str(python), **env},
+        timeout=60,
+    )
 
 
 def test_run_single_node_launches_on_every_device_its_interpreter_counts(tmp_path: Path) -> None:
@@ -295,8 +346,7 @@ def test_run_single_node_preflight_runs_the_checks_instead_of_training(tmp_path:
     python = stand_in_python(tmp_path, 'echo "4 4 CUDA GPU(s) (stand-in)"; exit 0')
     proc = launch(tmp_path, python, "1", "--preflight", "--max_duration=2st")
     assert proc.returncode == 0, proc.stderr
-    assert f"RUN -m spes.preflight {TINY} --nproc 4 --spes_config.peer_id=1 --max_duration=2st" \
-        in proc.stdout
+    assert f"RUN -m spes.preflight {TINY} --nproc 4 --spes_config.peer_id=1 --max_duration=2st" in proc.stdout
     assert "torch.distributed.run" not in proc.stdout
 
 
@@ -311,10 +361,21 @@ def test_run_single_node_refuses_to_guess_when_its_interpreter_cannot_count(tmp_
 @pytest.mark.slow
 def test_run_single_node_preflight_for_real(server: str, node: list[str]) -> None:
     """The script's --preflight end to end with the project's interpreter (no stand-in)."""
-    proc = subprocess.run(["bash", "run_scripts/run_single_node.sh", "0", "--preflight", *node[1:],
-                           f"--spes_config.server_addr={server}"], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "CONFIG": TINY, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            "bash",
+            "run_scripts/run_single_node.sh",
+            "0",
+            "--preflight",
+            *node[1:],
+            f"--spes_config.server_addr={server}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CONFIG": TINY, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "node 0: 1 process(es) on the CPU" in proc.stdout
     assert "preflight passed" in proc.stdout
@@ -323,15 +384,22 @@ def test_run_single_node_preflight_for_real(server: str, node: list[str]) -> Non
 def test_run_cluster_nodes_launch_on_every_device_their_interpreter_counts(tmp_path: Path) -> None:
     python = stand_in_python(tmp_path, 'echo "${NPROC_PER_NODE:-8} 8 CUDA GPU(s) (stand-in)"; exit 0')
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "NPROC_PER_NODE"}
-    env.update(SLURM_JOB_ID="1", SPES_CLUSTER_ROLE="node", SLURM_PROCID="1", SERVER_ADDR="10.0.0.1:50051",
-               CONFIG=TINY, PYTHON=str(python))
+    env.update(
+        SLURM_JOB_ID="1",
+        SPES_CLUSTER_ROLE="node",
+        SLURM_PROCID="1",
+        SERVER_ADDR="10.0.0.1:50051",
+        CONFIG=TINY,
+        PYTHON=str(python),
+    )
     script = ["bash", "run_scripts/run_cluster.sh"]
     proc = subprocess.run(script, cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "node 1 on" in proc.stdout and "8 process(es) on 8 CUDA GPU(s) (stand-in)" in proc.stdout
     assert "RUN -m spes.torchrun --standalone --nproc_per_node=8 -m spes.train" in proc.stdout
-    proc = subprocess.run(script, cwd=REPO, capture_output=True, text=True, env={**env, "SLURM_GPUS_ON_NODE": "2"},
-                          timeout=60)
+    proc = subprocess.run(
+        script, cwd=REPO, capture_output=True, text=True, env={**env, "SLURM_GPUS_ON_NODE": "2"}, timeout=60
+    )
     assert "--nproc_per_node=2 " in proc.stdout  # what SLURM allotted wins over the count
 
 
@@ -346,29 +414,39 @@ def test_the_link_test_is_authenticated_bounded_and_counted_nowhere(token: None)
     with running_server(total_peers=4, experts_per_peer=2, token=TOKEN, data_port=0) as (srv, addr):
         before = status(addr)
         for plane in ("grpc", "tcp"):
-            with SyncClient(addr, peer_id=0, num_peers=4, experts_per_peer=2, mode="spes", token=TOKEN,
-                            data_plane=plane) as client:  # type: ignore[arg-type]
+            with SyncClient(
+                addr, peer_id=0, num_peers=4, experts_per_peer=2, mode="spes", token=TOKEN, data_plane=plane
+            ) as client:  # type: ignore[arg-type]
                 client._use_data_plane(pb.JoinReply(data_port=srv.data_port))
                 assert client.measure_link(3 << 20).plane == plane
         with grpc.insecure_channel(addr) as channel:
             probe = pb_grpc.ParameterServerStub(channel).Probe
-            for bearer, size, code in (("wrong", 1, grpc.StatusCode.UNAUTHENTICATED),
-                                       (TOKEN, transport.PROBE_MAX_BYTES + 1, grpc.StatusCode.INVALID_ARGUMENT)):
+            for bearer, size, code in (
+                ("wrong", 1, grpc.StatusCode.UNAUTHENTICATED),
+                (TOKEN, transport.PROBE_MAX_BYTES + 1, grpc.StatusCode.INVALID_ARGUMENT),
+            ):
                 with pytest.raises(grpc.RpcError) as refused:
-                    list(probe(iter([pb.ProbeMessage(reply_bytes=size)]), timeout=10,
-                               metadata=(("authorization", f"Bearer {bearer}"),)))
+                    list(
+                        probe(
+                            iter([pb.ProbeMessage(reply_bytes=size)]),
+                            timeout=10,
+                            metadata=(("authorization", f"Bearer {bearer}"),),
+                        )
+                    )
                 assert refused.value.code() == code
-        for secret, size, name in (("wrong", 1, "UNAUTHENTICATED"),
-                                   (TOKEN, transport.PROBE_MAX_BYTES + 1, "INVALID_ARGUMENT")):
+        for secret, size, name in (
+            ("wrong", 1, "UNAUTHENTICATED"),
+            (TOKEN, transport.PROBE_MAX_BYTES + 1, "INVALID_ARGUMENT"),
+        ):
             with transport.connect("127.0.0.1", srv.data_port, None, 10) as sock:
                 transport.send_hello(sock, {"op": "probe", "token": secret, "up_bytes": size, "down_bytes": 0})
                 assert transport.recv_frame(sock)["code"] == name
         assert status(addr) == before
 
 
-def test_another_protocol_version_fails_the_server_check(server: str, node: list[str],
-                                                         capsys: pytest.CaptureFixture[str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_protocol_version_fails_the_server_check(
+    server: str, node: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import spes.sync.client
 
     monkeypatch.setattr(spes.sync.client, "PROTOCOL_VERSION", 2)  # a node running an older spes
@@ -378,8 +456,9 @@ def test_another_protocol_version_fails_the_server_check(server: str, node: list
     assert "-> run the same spes version" in lines["server"] and lines["settings"].startswith("skip")
 
 
-def test_a_server_older_than_preflight_is_named(token: None, node: list[str], capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_server_older_than_preflight_is_named(
+    token: None, node: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from spes.sync.plane_grpc import SpesServicer
 
     join = SpesServicer.Join

@@ -5,7 +5,6 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from sync_helpers import tiny_manifest
 
 from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
@@ -18,6 +17,7 @@ from spes.sync.rounds import (
     expert_owners,
     manifest_differences,
 )
+from sync_helpers import tiny_manifest
 
 MANIFEST = tiny_manifest()
 NAMES = list(MANIFEST)
@@ -97,11 +97,14 @@ def test_policy_quorum_closes_with_enough_peers_once_a_global_model_exists() -> 
     assert state.admit(0, 1)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"timeout_s": 0}, "--round_timeout must be > 0"),
-    ({"dead_peer_policy": "vote"}, "--dead_peer_policy must be 'wait' or 'quorum'"),
-    ({"min_peers": 4}, r"--min_peers must be in \[1, total_peers=3\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"timeout_s": 0}, "--round_timeout must be > 0"),
+        ({"dead_peer_policy": "vote"}, "--dead_peer_policy must be 'wait' or 'quorum'"),
+        ({"min_peers": 4}, r"--min_peers must be in \[1, total_peers=3\]"),
+    ],
+)
 def test_policy_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         RoundPolicy(num_peers=3, **kwargs)
@@ -130,10 +133,16 @@ def test_check_download_ready_wait_or_refused() -> None:
 
 
 def join(peer: int, **overrides: object) -> pb.JoinRequest:
-    fields: dict = {"peer_id": peer, "num_peers": 2, "experts_per_peer": 2, "mode": "spes", "wire_dtype": "fp32",
-                    "manifest": [pb.TensorSpec(name=n, shape=s) for n, s in MANIFEST.items()],
-                    "trainable": trainable_names(NAMES, peer, "spes"),
-                    "protocol": PROTOCOL_VERSION}
+    fields: dict = {
+        "peer_id": peer,
+        "num_peers": 2,
+        "experts_per_peer": 2,
+        "mode": "spes",
+        "wire_dtype": "fp32",
+        "manifest": [pb.TensorSpec(name=n, shape=s) for n, s in MANIFEST.items()],
+        "trainable": trainable_names(NAMES, peer, "spes"),
+        "protocol": PROTOCOL_VERSION,
+    }
     fields.update(overrides)
     return pb.JoinRequest(**fields)
 
@@ -161,5 +170,6 @@ def test_manifest_checks() -> None:
         check_manifest(MANIFEST, num_peers=2, experts_per_peer=1, mode="spes")
     check_manifest(tiny_manifest(num_blocks=1, k=4), num_peers=3, experts_per_peer=4, mode="diloco")
     assert manifest_differences(MANIFEST, MANIFEST) == ""
-    assert "missing 'lm_head.weight'" in manifest_differences(MANIFEST, {n: s for n, s in MANIFEST.items()
-                                                                         if n != "lm_head.weight"})
+    assert "missing 'lm_head.weight'" in manifest_differences(
+        MANIFEST, {n: s for n, s in MANIFEST.items() if n != "lm_head.weight"}
+    )

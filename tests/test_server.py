@@ -19,8 +19,6 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
-from test_client import NO_MERGE, check_round, joined_clients
 
 from spes.moe import parse_expert_block
 from spes.sync import wire
@@ -28,9 +26,11 @@ from spes.sync.client import SyncClient, SyncError
 from spes.sync.merge import MergeConfig, Mode, build_global, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.server import ServerConfig, build_parser, config_from_args, manifest_of_run, start_server
 from spes.sync.protocol import PROTOCOL_VERSION
+from spes.sync.server import ServerConfig, build_parser, config_from_args, manifest_of_run, start_server
 from spes.sync.wire import checksum, encode_tensors
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
+from test_client import NO_MERGE, check_round, joined_clients
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = tiny_manifest()
@@ -186,15 +186,20 @@ def test_bad_uploads_are_refused_and_the_round_still_completes(tmp_path: Path) -
         for copy, chunk in zip(corrupted, chunks):
             copy.CopyFrom(chunk)
         corrupted[3].data = bytes(len(corrupted[3].data))
-        reason = expect_code(StatusCode.INVALID_ARGUMENT, "fails its checksum", stub.Upload,
-                             upload_messages(0, 1, corrupted))
+        reason = expect_code(
+            StatusCode.INVALID_ARGUMENT, "fails its checksum", stub.Upload, upload_messages(0, 1, corrupted)
+        )
         assert reason == "corrupt"  # the client sends such an upload again
         for bad in (float("nan"), -float("inf")):
             poisoned = torch.zeros(16, 8)
             poisoned[3, 5] = bad
             first = list(encode_tensors({"embed.weight": poisoned}, "fp32"))
-            expect_code(StatusCode.INVALID_ARGUMENT, "'embed.weight' holds NaN or Inf values", stub.Upload,
-                        upload_messages(0, 1, first + chunks[1:]))
+            expect_code(
+                StatusCode.INVALID_ARGUMENT,
+                "'embed.weight' holds NaN or Inf values",
+                stub.Upload,
+                upload_messages(0, 1, first + chunks[1:]),
+            )
         twice = chunks[:1] + chunks
         expect_code(StatusCode.INVALID_ARGUMENT, "'embed.weight' sent twice", stub.Upload, upload_messages(0, 1, twice))
         expect_code(
@@ -393,12 +398,25 @@ def test_bad_token_changes_no_state_and_no_token_is_ever_logged(caplog: pytest.L
         before = status_fields(stub, good)
         assert before["peers_uploaded"] == [0] and before["bytes_in"] > 0
         for peer, step in ((1, 1), (0, 1), (1, 2)):
-            expect_code(StatusCode.UNAUTHENTICATED, "missing or wrong token", stub.Upload,
-                        upload_messages(peer, step, good_chunks(peer)), metadata=bad)
+            expect_code(
+                StatusCode.UNAUTHENTICATED,
+                "missing or wrong token",
+                stub.Upload,
+                upload_messages(peer, step, good_chunks(peer)),
+                metadata=bad,
+            )
         expect_code(StatusCode.UNAUTHENTICATED, "missing or wrong token", stub.Join, join_request(1), metadata=bad)
         assert status_fields(stub, good) == before
-        with SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes", token="wrong-token-42",
-                        rpc_timeout_s=5, max_retries=1) as client:
+        with SyncClient(
+            addr,
+            peer_id=1,
+            num_peers=2,
+            experts_per_peer=2,
+            mode="spes",
+            token="wrong-token-42",
+            rpc_timeout_s=5,
+            max_retries=1,
+        ) as client:
             with pytest.raises(SyncError, match="UNAUTHENTICATED"):
                 client.join(MANIFEST, trainable_names(list(MANIFEST), 1, "spes"))
         assert status_fields(stub, good) == before
@@ -423,8 +441,12 @@ def test_oversized_uploads_are_refused_before_they_are_read() -> None:
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)
         pulled = [0]
-        expect_code(StatusCode.INVALID_ARGUMENT, "'embed.weight': chunk at offset 512 overruns the header's 512 bytes",
-                    stub.Upload, overrunning_upload(pulled))
+        expect_code(
+            StatusCode.INVALID_ARGUMENT,
+            "'embed.weight': chunk at offset 512 overruns the header's 512 bytes",
+            stub.Upload,
+            overrunning_upload(pulled),
+        )
         assert pulled[0] < 2_000, pulled  # the rest of the stream was never sent
         huge = bytes(5 * 2**20)  # one message larger than --max_message_mb=4: gRPC refuses it unread
         header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512, checksum=0)
@@ -446,20 +468,36 @@ def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
     with running_server(state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
         status = stub.Status(pb.StatusRequest(), timeout=10)
         assert (status.current_round, status.open_round, list(status.round_peers), status.persistent) == (
-            10, -1, [0, 1], True)
-        reason = expect_code(StatusCode.FAILED_PRECONDITION, "peer 0 has not joined this server: call Join first",
-                             stub.Download, pb.DownloadRequest(peer_id=0, round=10))
+            10,
+            -1,
+            [0, 1],
+            True,
+        )
+        reason = expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            "peer 0 has not joined this server: call Join first",
+            stub.Download,
+            pb.DownloadRequest(peer_id=0, round=10),
+        )
         assert reason == "not_joined"
         bad = {**MANIFEST, "embed.weight": (17, 8)}
-        expect_code(StatusCode.INVALID_ARGUMENT, r"'embed.weight' has shape \[17, 8\], the run's is \[16, 8\]",
-                    stub.Join, join_request(0, manifest=bad))  # the persisted manifest is the run's
+        expect_code(
+            StatusCode.INVALID_ARGUMENT,
+            r"'embed.weight' has shape \[17, 8\], the run's is \[16, 8\]",
+            stub.Join,
+            join_request(0, manifest=bad),
+        )  # the persisted manifest is the run's
         for peer in range(2):
             assert stub.Join(join_request(peer), timeout=10).current_round == 10
         assert stub.Upload(upload_messages(1, 10, good_chunks(1)), timeout=10).duplicate
         again = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
         assert again == first  # byte for byte the same global model
-        reason = expect_code(StatusCode.FAILED_PRECONDITION, "holds no upload of peer 0 for round 20", stub.Download,
-                             pb.DownloadRequest(peer_id=0, round=20))
+        reason = expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            "holds no upload of peer 0 for round 20",
+            stub.Download,
+            pb.DownloadRequest(peer_id=0, round=20),
+        )
         assert reason == "unknown_round"
         finish_round(addr, 20)
     with pytest.raises(ValueError, match="written by a run with mode='spes'"):
@@ -590,8 +628,10 @@ def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatc
     manifest = tiny_manifest()
     experts = {n for n in manifest if parse_expert_block(n) is not None}
     merge = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
-    with running_server(merge=merge, data_port=0 if plane == "tcp" else -1) as (server, addr), \
-            joined_clients(addr, manifest, data_plane=plane) as clients:
+    with (
+        running_server(merge=merge, data_port=0 if plane == "tcp" else -1) as (server, addr),
+        joined_clients(addr, manifest, data_plane=plane) as clients,
+    ):
         for step, merged in ((50, False), (100, True), (150, False)):
             hashed.clear()
             uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
@@ -607,14 +647,13 @@ def test_bf16_rounds_sum_their_fp32_means_into_kept_buffers() -> None:
     memory (the means are retired with round 1 once round 2 replaces it and round 1's downloads are done)."""
     manifest = tiny_manifest()
     pointers = []
-    with running_server(merge=NO_MERGE) as (server, addr), \
-            joined_clients(addr, manifest, wire_dtype="bf16") as clients:
+    with running_server(merge=NO_MERGE) as (server, addr), joined_clients(addr, manifest, wire_dtype="bf16") as clients:
         for step in (1, 2, 3):
             uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
             wire = {p: {n: t.bfloat16() for n, t in up.items()} for p, up in uploads.items()}
             want = build_global(wire, num_peers=2, experts_per_peer=2, mode="spes", step=step).tensors
-            for peer, (got, _) in results.items():
+            for got, _ in results.values():
                 for name, tensor in got.items():
                     torch.testing.assert_close(tensor, want[name].bfloat16(), rtol=0, atol=0)
             global_model = server.service.state.global_model

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from data_fixtures import write_token_shard
 
+from data_fixtures import write_token_shard
 from spes.shards import resolve_paths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,10 @@ def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: li
     assert resolve_paths(str(tmp_path / "part_*.npy")) == shards
     assert resolve_paths([tmp_path]) == shards
     assert resolve_paths(["lists/files.txt", "part_0000[1].npy"], base_dir=tmp_path) == [
-        shards[2], tmp_path / "lists" / ".." / "part_00000.npy", shards[1]]
+        shards[2],
+        tmp_path / "lists" / ".." / "part_00000.npy",
+        shards[1],
+    ]
 
 
 @pytest.mark.parametrize("entry", ["nothing_*.npy", "missing.npy", "empty_dir"])

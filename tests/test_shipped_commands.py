@@ -8,7 +8,8 @@ command is CI's). What the tests here prove:
 - A server command (`run_scripts/run_parameter_server.sh RUN.yaml ...`) runs as written, from a scratch directory
   holding the token and TLS files it names, on a free PORT (replacing one the command sets); every node YAML of
   its run then passes a dry-run join (preflight's check: protocol, credentials, mode, peers, experts per block
-  and the model manifest; nothing is registered). Before the server read the run's YAML, configs/diloco_1b's documented server refused its nodes.
+  and the model manifest; nothing is registered). Before the server read the run's YAML, configs/diloco_1b's
+  documented server refused its nodes.
 - A node command (`run_scripts/run_single_node.sh N`, with the header's CONFIG or CONFIG_DIR; node 0's of each
   run) runs as written with `--preflight`, the server's address and credentials appended, against a server
   started from its run's YAML: its `settings` check passes, so the node would be admitted. A centralized node's
@@ -149,8 +150,15 @@ def run_configs(config: str) -> list[str]:
 def started(command: str, cwd: Path, log: Path, env: dict[str, str]) -> Iterator[None]:
     """`bash -c command` in `cwd` until it logs that it listens; killed (its whole group) afterwards."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, text=True)
+        proc = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            text=True,
+        )
     try:
         deadline = time.time() + 90
         while "listening" not in log.read_text():
@@ -219,8 +227,9 @@ def test_node_commands_pass_the_preflight_settings_check(command: str, scratch: 
     with contextlib.ExitStack() as stack:
         if cfg.sync_enabled:
             stack.enter_context(started(server, scratch, scratch / "server.log", env))
-        proc = run_logged(["bash", "-c", f"cd {shlex.quote(str(scratch))} && {node}"], scratch / "node.log",
-                          timeout=240, env=env)
+        proc = run_logged(
+            ["bash", "-c", f"cd {shlex.quote(str(scratch))} && {node}"], scratch / "node.log", timeout=240, env=env
+        )
     lines = {line.split()[1]: line for line in proc.stdout.splitlines() if re.match(r"(ok|FAIL|skip)\s+\w", line)}
     if cfg.sync_enabled:
         assert lines.get("settings", "").startswith("ok "), proc.stdout[-3000:]
@@ -231,17 +240,30 @@ def test_node_commands_pass_the_preflight_settings_check(command: str, scratch: 
 def run_python(command: str, scratch: Path, *extra: str, timeout: float = 380) -> subprocess.CompletedProcess[str]:
     """A `python -m ...` command as written (with this interpreter), `extra` appended, run in `scratch`."""
     words = shlex.split(command)
-    proc = subprocess.run([sys.executable, *words[words.index("-m"):], *extra], cwd=scratch, env=child_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *words[words.index("-m") :], *extra],
+        cwd=scratch,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     return proc
 
 
 def one_step(corpus) -> list[str]:  # type: ignore[no-untyped-def]
     """Launch overrides for one step per peer on the test corpus, nothing evaluated or saved."""
-    return ["--", f"--tokenizer.identifier={corpus.tokenizer}", f"--data.paths=[{corpus.train}]",
-            "--data.validation_paths=[]", "--max_duration=1st", "--spes_config.sync_steps=1", "--eval_interval=null",
-            "--save_interval=null"]
+    return [
+        "--",
+        f"--tokenizer.identifier={corpus.tokenizer}",
+        f"--data.paths=[{corpus.train}]",
+        "--data.validation_paths=[]",
+        "--max_duration=1st",
+        "--spes_config.sync_steps=1",
+        "--eval_interval=null",
+        "--save_interval=null",
+    ]
 
 
 @pytest.mark.slow

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from sync_helpers import tiny_manifest
 
 from spes.sync.state import STATE_FILE, SavedRound, load_round, save_round
+from sync_helpers import tiny_manifest
 
 MANIFEST = tiny_manifest()
 RUN = {"total_peers": 2, "experts_per_peer": 2, "mode": "spes"}
@@ -24,7 +24,12 @@ def saved(step: int, seed: int = 0, momentum: bool = True) -> SavedRound:
 
 def assert_equal(got: SavedRound, want: SavedRound) -> None:
     assert (got.step, got.peers, got.merged, got.alpha, got.manifest) == (
-        want.step, want.peers, want.merged, want.alpha, want.manifest)
+        want.step,
+        want.peers,
+        want.merged,
+        want.alpha,
+        want.manifest,
+    )
     for ours, theirs in ((got.global_model, want.global_model), (got.momentum, want.momentum)):
         assert sorted(ours) == sorted(theirs)
         for name in theirs:
@@ -57,8 +62,11 @@ def test_state_json_is_the_commit_point(tmp_path: Path) -> None:
 
 def test_state_of_another_run_is_refused(tmp_path: Path) -> None:
     save_round(tmp_path, saved(10), RUN)
-    with pytest.raises(ValueError, match=r"state.json: written by a run with total_peers=2, this server has "
-                       r"total_peers=4; restart with the same settings or use a fresh --state_dir"):
+    with pytest.raises(
+        ValueError,
+        match=r"state.json: written by a run with total_peers=2, this server has "
+        r"total_peers=4; restart with the same settings or use a fresh --state_dir",
+    ):
         load_round(tmp_path, {**RUN, "total_peers": 4})
     with pytest.raises(ValueError, match="mode='spes', this server has mode='diloco'"):
         load_round(tmp_path, {**RUN, "mode": "diloco"})

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from data_fixtures import (
     INPUT_FORMATS,
     REPO_ROOT,
@@ -22,7 +23,6 @@ from data_fixtures import (
     write_documents,
     write_lines,
 )
-
 from spes import corpus
 from spes.data import TokenSequenceDataset
 from spes.shards import read_shard_info, sidecar_path
@@ -68,10 +68,12 @@ def test_shards_respect_max_shard_bytes_and_documents_continue_across_them(
 def test_several_processes_write_the_same_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     files = [write_documents(tmp_path / f"docs{i}.jsonl", SAMPLE_TEXTS[i:] + ["{bad"]) for i in range(3)]
     one = _tokenize(files, tokenizer, tmp_path / "one" / "part", batch_size=2, max_shard_bytes=200)
-    two = _tokenize(files, tokenizer, tmp_path / "two" / "part", batch_size=2, max_shard_bytes=200,
-                    processes=2)
-    assert (one.num_documents, one.num_tokens, one.num_malformed) == (two.num_documents, two.num_tokens,
-                                                                      two.num_malformed)
+    two = _tokenize(files, tokenizer, tmp_path / "two" / "part", batch_size=2, max_shard_bytes=200, processes=2)
+    assert (one.num_documents, one.num_tokens, one.num_malformed) == (
+        two.num_documents,
+        two.num_tokens,
+        two.num_malformed,
+    )
     for a, b in zip(one.shards, two.shards, strict=True):
         np.testing.assert_array_equal(np.load(a), np.load(b))
         assert read_shard_info(a) == read_shard_info(b)
@@ -80,8 +82,17 @@ def test_several_processes_write_the_same_shards(tokenizer: LoadedTokenizer, tmp
 def test_malformed_lines_are_reported_with_file_and_line_and_counted(
     tokenizer: LoadedTokenizer, tmp_path: Path
 ) -> None:
-    lines = [b'{"text": "good one"}', b"{not json", b'{"other": "x"}', b'{"text": 42}', b"[1, 2]", b"",
-             b'{"text": "\\ud800 lone surrogate"}', b'\xff\xfe{"text": "bad utf-8"}', b'{"text": "good two"}']
+    lines = [
+        b'{"text": "good one"}',
+        b"{not json",
+        b'{"other": "x"}',
+        b'{"text": 42}',
+        b"[1, 2]",
+        b"",
+        b'{"text": "\\ud800 lone surrogate"}',
+        b'\xff\xfe{"text": "bad utf-8"}',
+        b'{"text": "good two"}',
+    ]
     path = write_lines(tmp_path / "mixed.jsonl.gz", b"\n".join(lines) + b"\n")
     summary = _tokenize([path], tokenizer, tmp_path / "out" / "part")
     assert summary.num_documents == 2 and summary.num_malformed == 6
@@ -92,9 +103,7 @@ def test_malformed_lines_are_reported_with_file_and_line_and_counted(
     assert [tokenizer.decode(d) for d in docs] == ["good one", "good two"]
 
 
-def test_truncated_compressed_file_is_reported_and_the_run_goes_on(
-    tokenizer: LoadedTokenizer, tmp_path: Path
-) -> None:
+def test_truncated_compressed_file_is_reported_and_the_run_goes_on(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     whole = gzip.compress(b"".join(b'{"text": "doc %d"}\n' % i for i in range(2000)))
     broken = tmp_path / "a_broken.jsonl.gz"
     broken.write_bytes(whole[: len(whole) // 2])
@@ -111,8 +120,9 @@ def test_parquet_null_rows_are_reported_and_missing_column_fails_early(
 ) -> None:
     path = write_documents(tmp_path / "docs.parquet", ["a", None, "b"])
     summary = _tokenize([path], tokenizer, tmp_path / "out" / "part")
-    assert summary.num_documents == 2 and summary.malformed_examples == [f"{path}:2: field 'text' is NoneType, "
-                                                                         f"not a string"]
+    assert summary.num_documents == 2 and summary.malformed_examples == [
+        f"{path}:2: field 'text' is NoneType, not a string"
+    ]
     with pytest.raises(ValueError, match="no column 'body'"):
         _tokenize([path], tokenizer, tmp_path / "out2" / "part", text_field="body")
 
@@ -144,8 +154,9 @@ def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer,
 
     prefix = tmp_path / "out" / "part"
     with pytest.raises(KeyboardInterrupt):
-        corpus.tokenize_chunks(chunks_then_crash(), tokenizer=tokenizer, output_prefix=prefix,
-                                      max_shard_bytes=1000, progress=False)
+        corpus.tokenize_chunks(
+            chunks_then_crash(), tokenizer=tokenizer, output_prefix=prefix, max_shard_bytes=1000, progress=False
+        )
     written = sorted(prefix.parent.iterdir())
     shards = [p for p in written if p.suffix == ".npy"]
     assert shards and all(sidecar_path(p).is_file() for p in shards)
@@ -160,10 +171,22 @@ def test_killed_cli_run_leaves_nothing_that_looks_complete(tokenizer: LoadedToke
     write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 4000)
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS_DIR / "tokenize_data.py"), "--file_glob", str(tmp_path / "*.jsonl"),
-         "--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix", str(out / "part"),
-         "--max_shard_bytes", "4000", "--batch_size", "50"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            str(SCRIPTS_DIR / "tokenize_data.py"),
+            "--file_glob",
+            str(tmp_path / "*.jsonl"),
+            "--tokenizer_name_or_path",
+            str(tokenizer.path.parent),
+            "--output_prefix",
+            str(out / "part"),
+            "--max_shard_bytes",
+            "4000",
+            "--batch_size",
+            "50",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 30
@@ -185,11 +208,30 @@ def test_killed_cli_run_leaves_nothing_that_looks_complete(tokenizer: LoadedToke
 def test_cli_reports_malformed_lines_and_writes_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     write_lines(tmp_path / "a.jsonl.zst", b'{"text": "fine"}\n{broken\n')
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS_DIR / "tokenize_data.py"), "--file_glob", str(tmp_path / "*.jsonl.zst"),
-         "--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix", str(tmp_path / "o" / "p"),
-         "--processes", "1", "--batch_size", "10", "--max_shard_bytes", "1000", "--text_field", "text",
-         "--dtype", "uint32"],
-        capture_output=True, text=True, timeout=60, check=False,
+        [
+            sys.executable,
+            str(SCRIPTS_DIR / "tokenize_data.py"),
+            "--file_glob",
+            str(tmp_path / "*.jsonl.zst"),
+            "--tokenizer_name_or_path",
+            str(tokenizer.path.parent),
+            "--output_prefix",
+            str(tmp_path / "o" / "p"),
+            "--processes",
+            "1",
+            "--batch_size",
+            "10",
+            "--max_shard_bytes",
+            "1000",
+            "--text_field",
+            "text",
+            "--dtype",
+            "uint32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     assert f"{tmp_path / 'a.jsonl.zst'}:2: bad JSON" in result.stderr
@@ -198,27 +240,50 @@ def test_cli_reports_malformed_lines_and_writes_shards(tokenizer: LoadedTokenize
 
 
 def test_cli_error_names_the_glob_that_matches_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = corpus.tokenize_main(["--file_glob", str(tmp_path / "*.jsonl"), "--tokenizer_name_or_path", "x",
-                               "--output_prefix", str(tmp_path / "p")])
+    code = corpus.tokenize_main(
+        [
+            "--file_glob",
+            str(tmp_path / "*.jsonl"),
+            "--tokenizer_name_or_path",
+            "x",
+            "--output_prefix",
+            str(tmp_path / "p"),
+        ]
+    )
     assert code == 2 and f"{tmp_path / '*.jsonl'}" in capsys.readouterr().err
 
 
 def test_cli_help_lists_every_flag() -> None:
     text = corpus.tokenize_parser().format_help()
-    for flag in ("--file_glob", "--tokenizer_name_or_path", "--output_prefix", "--text_field", "--processes",
-                 "--batch_size", "--max_shard_bytes", "--dtype"):
+    for flag in (
+        "--file_glob",
+        "--tokenizer_name_or_path",
+        "--output_prefix",
+        "--text_field",
+        "--processes",
+        "--batch_size",
+        "--max_shard_bytes",
+        "--dtype",
+    ):
         assert flag in text
 
 
-def test_list_processed_files_lists_only_complete_shards_sorted(
-    tokenizer: LoadedTokenizer, tmp_path: Path
-) -> None:
+def test_list_processed_files_lists_only_complete_shards_sorted(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
     summary = _tokenize([path], tokenizer, tmp_path / "out" / "sub" / "part", max_shard_bytes=200)
     sidecar_path(summary.shards[1]).unlink()  # as if the run died between the rename and the sidecar
     listing = tmp_path / "files.txt"
-    result = subprocess.run(["bash", str(REPO_ROOT / "data_process_scripts" / "list_processed_files.sh"),
-                             str(tmp_path / "out"), str(listing)], capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [
+            "bash",
+            str(REPO_ROOT / "data_process_scripts" / "list_processed_files.sh"),
+            str(tmp_path / "out"),
+            str(listing),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     expected = [str(p.resolve()) for p in summary.shards if p != summary.shards[1]]
     assert listing.read_text().splitlines() == sorted(expected)

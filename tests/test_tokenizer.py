@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+
 from data_fixtures import (
     SAMPLE_TEXTS,
     tokenizer_training_texts,
     write_documents,
 )
-
 from spes import corpus
 from spes.tokenizer import EOS_TOKEN, PAD_TOKEN, LoadedTokenizer, check_vocab, load_tokenizer, train_byte_level_bpe
 
@@ -53,8 +53,9 @@ def test_transformers_autotokenizer_loads_the_directory_offline(
 
 def test_uncached_hub_id_offline_gives_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty Hub cache (tests/test_hub.py fills one)
-    with pytest.raises(FileNotFoundError, match="'Qwen/Qwen2.5-0.5B' is not a local path.*HF_HUB_OFFLINE=1.*"
-                                                "train_tokenizer.py"):
+    with pytest.raises(
+        FileNotFoundError, match="'Qwen/Qwen2.5-0.5B' is not a local path.*HF_HUB_OFFLINE=1.*train_tokenizer.py"
+    ):
         load_tokenizer("Qwen/Qwen2.5-0.5B")
 
 
@@ -103,8 +104,20 @@ def test_train_tokenizer_script_reads_jsonl_and_plain_text(tmp_path: Path) -> No
     write_documents(tmp_path / "docs.jsonl.gz", SAMPLE_TEXTS + [17])  # the int record is skipped
     (tmp_path / "notes.txt").write_text("\n".join(tokenizer_training_texts()), encoding="utf-8")
     out = tmp_path / "tok"
-    assert corpus.train_tokenizer_main(["--input", str(tmp_path / "*.jsonl.gz"), str(tmp_path / "*.txt"),
-                                 "--output_dir", str(out), "--vocab_size", "300"]) == 0
+    assert (
+        corpus.train_tokenizer_main(
+            [
+                "--input",
+                str(tmp_path / "*.jsonl.gz"),
+                str(tmp_path / "*.txt"),
+                "--output_dir",
+                str(out),
+                "--vocab_size",
+                "300",
+            ]
+        )
+        == 0
+    )
     loaded = load_tokenizer(out)
     assert loaded.vocab_size == 300
     assert loaded.decode(loaded.encode_batch(["plain text file"])[0]) == "plain text file"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
-
 from spes.launch import free_port
 from spes.train import parse_args
 
@@ -74,16 +74,28 @@ def test_config_data_and_tokenizer_failures_are_one_line(tiny_corpus, tmp_path: 
 @pytest.mark.timeout(180)
 def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
     """No server; a server of another run layout; a round the other peer never joins."""
-    node = [TINY, *tiny_corpus.overrides(tmp_path / "node"), *SMALL_NODE, "--spes_config.max_retries=0",
-            "--spes_config.rpc_timeout_s=5", "--max_duration=2st", "--save_interval=null"]
+    node = [
+        TINY,
+        *tiny_corpus.overrides(tmp_path / "node"),
+        *SMALL_NODE,
+        "--spes_config.max_retries=0",
+        "--spes_config.rpc_timeout_s=5",
+        "--max_duration=2st",
+        "--save_interval=null",
+    ]
     code, out = train(tmp_path, *node, f"--spes_config.server_addr=127.0.0.1:{free_port()}", name="nobody.log")
     assert_one_line(code, out, "127.0.0.1")
-    with parameter_server(tmp_path / "server.log", "--total_peers", "2", "--num_train_experts_per_node", "4",
-                          "--round_timeout", "3") as addr:
+    with parameter_server(
+        tmp_path / "server.log", "--total_peers", "2", "--num_train_experts_per_node", "4", "--round_timeout", "3"
+    ) as addr:
         code, out = train(tmp_path, *node, f"--spes_config.server_addr={addr}", name="layout.log")
         assert_one_line(code, out, "total_peers")
-        two = ["--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4", "--spes_config.sync_steps=1",
-               "--spes_config.round_timeout_s=20"]
+        two = [
+            "--spes_config.num_peers=2",
+            "--spes_config.num_train_experts_per_node=4",
+            "--spes_config.sync_steps=1",
+            "--spes_config.round_timeout_s=20",
+        ]
         code, out = train(tmp_path, *node, *two, f"--spes_config.server_addr={addr}", name="timeout.log")
         assert_one_line(code, out, "round")
 
@@ -93,9 +105,23 @@ def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
 def test_a_busy_port_is_one_line(tmp_path: Path) -> None:
     with parameter_server(tmp_path / "first.log", "--total_peers", "1", "--num_train_experts_per_node", "8") as addr:
         port = addr.rsplit(":", 1)[1]
-        proc = run_logged([sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", port,
-                           "--total_peers", "1", "--num_train_experts_per_node", "8"], tmp_path / "second.log",
-                          timeout=60)
+        proc = run_logged(
+            [
+                sys.executable,
+                "-m",
+                "spes.server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                port,
+                "--total_peers",
+                "1",
+                "--num_train_experts_per_node",
+                "8",
+            ],
+            tmp_path / "second.log",
+            timeout=60,
+        )
     assert_one_line(proc.returncode, proc.stdout, f"127.0.0.1:{port}", "--port")
 
 
@@ -104,9 +130,18 @@ def test_a_busy_port_is_one_line(tmp_path: Path) -> None:
 def test_under_torchrun_the_scripts_end_with_the_error_line(tiny_corpus, tmp_path: Path) -> None:
     """run_single_node.sh with 2 ranks and no server: the culprit's line comes last, no ChildFailedError block."""
     env = child_env(CONFIG=TINY, NPROC_PER_NODE="2", PYTHON=sys.executable)
-    cmd = ["bash", str(REPO / "run_scripts" / "run_single_node.sh"), "0", *tiny_corpus.overrides(tmp_path / "node"),
-           *SMALL_NODE, "--distributed_strategy=ddp", "--spes_config.max_retries=0", "--spes_config.rpc_timeout_s=5",
-           f"--spes_config.server_addr=127.0.0.1:{free_port()}", "--max_duration=2st"]
+    cmd = [
+        "bash",
+        str(REPO / "run_scripts" / "run_single_node.sh"),
+        "0",
+        *tiny_corpus.overrides(tmp_path / "node"),
+        *SMALL_NODE,
+        "--distributed_strategy=ddp",
+        "--spes_config.max_retries=0",
+        "--spes_config.rpc_timeout_s=5",
+        f"--spes_config.server_addr=127.0.0.1:{free_port()}",
+        "--max_duration=2st",
+    ]
     proc = run_logged(cmd, tmp_path / "node.log", timeout=150, env=env)
     assert "ChildFailedError" not in proc.stdout
     assert_one_line(proc.returncode, proc.stdout, "127.0.0.1")
@@ -119,16 +154,23 @@ def test_the_readme_single_process_command_runs(tiny_corpus, tmp_path: Path) -> 
     command = next(line for line in readme.splitlines() if line.startswith("Single process:")).split("`")[1]
     assert command.startswith("python -m spes.train ")
     argv = command.split()[3:]
-    code, out = train(tmp_path, *argv, *tiny_corpus.overrides(tmp_path / "out"), "--max_duration=2st",
-                      "--eval_interval=null", "--save_interval=null")
+    code, out = train(
+        tmp_path,
+        *argv,
+        *tiny_corpus.overrides(tmp_path / "out"),
+        "--max_duration=2st",
+        "--eval_interval=null",
+        "--save_interval=null",
+    )
     assert code == 0 and "done: step 2" in out, out[-3000:]
 
 
 def start_until(cmd: list[str], log: Path, ready: Callable[[], bool]) -> subprocess.Popen:
     """Start `cmd` in its own session, logging to `log`, and wait (120 s at most) until `ready()`."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.time() + 120
     while not ready():
         if proc.poll() is not None or time.time() > deadline:
@@ -149,9 +191,20 @@ def test_a_requeued_run_continues_from_its_last_checkpoint(tiny_corpus, tmp_path
     """Kill -9 mid-run and launch the same command again (what a SLURM requeue does): it resumes from the last
     checkpoint, and metrics.jsonl holds every step once, in order."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "spes.train", TINY, *tiny_corpus.overrides(out), "--using_spes=false",
-           "--eval_interval=null", "--log_interval=1", "--save_interval=5", "--max_duration=60st",
-           "--save_num_checkpoints_to_keep=1", "--resume=auto"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spes.train",
+        TINY,
+        *tiny_corpus.overrides(out),
+        "--using_spes=false",
+        "--eval_interval=null",
+        "--log_interval=1",
+        "--save_interval=5",
+        "--max_duration=60st",
+        "--save_num_checkpoints_to_keep=1",
+        "--resume=auto",
+    ]
     proc = start_until(cmd, tmp_path / "first.log", lambda: (out / "latest").exists() and len(_steps(out)) >= 7)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -170,9 +223,22 @@ def test_a_requeued_run_continues_from_its_last_checkpoint(tiny_corpus, tmp_path
 @pytest.mark.timeout(180)
 def test_sigterm_to_spes_torchrun_saves_and_ends_in_one_line(tiny_corpus, tmp_path: Path) -> None:
     """What SLURM sends at a preemption: the rank saves at its next step, the launcher says so in one line."""
-    cmd = [sys.executable, "-m", "spes.torchrun", "--standalone", "--nproc_per_node=1", "-m", "spes.train", TINY,
-           *tiny_corpus.overrides(tmp_path), "--using_spes=false", "--eval_interval=null", "--log_interval=1",
-           "--save_interval=null", "--max_duration=100000st"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "spes.torchrun",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "spes.train",
+        TINY,
+        *tiny_corpus.overrides(tmp_path),
+        "--using_spes=false",
+        "--eval_interval=null",
+        "--log_interval=1",
+        "--save_interval=null",
+        "--max_duration=100000st",
+    ]
     proc = start_until(cmd, tmp_path / "run.log", (tmp_path / "metrics.jsonl").exists)
     try:
         proc.send_signal(signal.SIGTERM)

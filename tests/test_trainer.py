@@ -51,8 +51,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_corpus, tmp_path: Path) ->
 def _node(corpus, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
     cfg, _ = load_config(TINY, [*corpus.overrides(tmp_path), *QUIET, "--save_interval=null", *extra])
     node = build_node(cfg, CPU, log=lambda _m: None)
-    trainer = Trainer(cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=CPU,
-                      log=lambda _m: None)
+    trainer = Trainer(
+        cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=CPU, log=lambda _m: None
+    )
     return cfg, node, trainer
 
 
@@ -79,8 +80,14 @@ def test_gradient_accumulation_matches_one_big_microbatch(tiny_corpus, tmp_path:
     """Cross entropy is linear in the micro-batches; the load-balancing loss is not (per micro-batch, as in OLMo)."""
     runs = []
     for micro in (4, 16):
-        _, _, trainer = _node(tiny_corpus, tmp_path / str(micro), "--using_spes=false", "--max_duration=3st",
-                              f"--device_train_microbatch_size={micro}", "--log_interval=1")
+        _, _, trainer = _node(
+            tiny_corpus,
+            tmp_path / str(micro),
+            "--using_spes=false",
+            "--max_duration=3st",
+            f"--device_train_microbatch_size={micro}",
+            "--log_interval=1",
+        )
         runs.append(trainer.fit())
     small, big = runs
     assert small[0]["ce"] == pytest.approx(big[0]["ce"], abs=1e-6)
@@ -89,8 +96,15 @@ def test_gradient_accumulation_matches_one_big_microbatch(tiny_corpus, tmp_path:
 
 
 def test_instance_filter_leaves_repetitive_windows_out_of_the_loss(tiny_corpus, tmp_path: Path) -> None:
-    _, _, trainer = _node(tiny_corpus, tmp_path, "--using_spes=false", "--data.instance_filter.repetition_max_count=32",
-                          "--softmax_auxiliary_loss=true", "--max_duration=2st", "--log_interval=1")
+    _, _, trainer = _node(
+        tiny_corpus,
+        tmp_path,
+        "--using_spes=false",
+        "--data.instance_filter.repetition_max_count=32",
+        "--softmax_auxiliary_loss=true",
+        "--max_duration=2st",
+        "--log_interval=1",
+    )
     batch = torch.stack([torch.arange(65) % 50 + 10, torch.full((65,), 7)])  # period 50 (kept), period 1 (dropped)
     labels = trainer._labels(batch)
     assert torch.equal(labels[0], batch[0, 1:]) and bool((labels[1] == IGNORE_INDEX).all())
@@ -114,8 +128,20 @@ def test_duration_in_tokens_is_converted_to_steps() -> None:
 
 
 def test_validation_loss_is_logged_before_and_after_nothing_else(tiny_corpus, tmp_path: Path) -> None:
-    assert main([TINY, "--using_spes=false", *tiny_corpus.overrides(tmp_path), "--max_duration=4st",
-                 "--eval_interval=2", "--eval_subset_num_batches=2", "--save_interval=null"]) == 0
+    assert (
+        main(
+            [
+                TINY,
+                "--using_spes=false",
+                *tiny_corpus.overrides(tmp_path),
+                "--max_duration=4st",
+                "--eval_interval=2",
+                "--eval_subset_num_batches=2",
+                "--save_interval=null",
+            ]
+        )
+        == 0
+    )
     evals = [r for r in metrics(tmp_path) if "val_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
     assert evals[-1]["val_ppl"] == pytest.approx(torch.tensor(evals[-1]["val_loss"]).exp().item(), rel=1e-5)
@@ -125,8 +151,14 @@ def test_validation_loss_is_logged_before_and_after_nothing_else(tiny_corpus, tm
 @pytest.mark.timeout(120)
 def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_corpus, tmp_path: Path) -> None:
     args = centralized(tiny_corpus, tmp_path, "--max_duration=100000st", "--save_interval=null", "--log_interval=1")
-    proc = subprocess.Popen([sys.executable, "-m", "spes.train", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spes.train", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         deadline = time.time() + 60
         while not (tmp_path / "metrics.jsonl").exists() and time.time() < deadline:
@@ -148,8 +180,16 @@ def test_bad_inputs_exit_2_with_one_line(tiny_corpus, tmp_path: Path, capsys: py
         ([str(tmp_path / "missing.yaml")], "config file not found"),
         ([TINY, "--model.d_mdoel=3"], "did you mean 'model.d_model'"),
         ([TINY, "--model.n_layers=two"], "'model.n_layers' = 'two'"),
-        ([TINY, "--using_spes=false", *tiny_corpus.overrides(tmp_path), "--model.vocab_size=999",
-          "--model.embedding_size=999"], "vocab"),
+        (
+            [
+                TINY,
+                "--using_spes=false",
+                *tiny_corpus.overrides(tmp_path),
+                "--model.vocab_size=999",
+                "--model.embedding_size=999",
+            ],
+            "vocab",
+        ),
     ]
     for argv, expected in cases:
         assert main(argv) == 2
@@ -157,8 +197,9 @@ def test_bad_inputs_exit_2_with_one_line(tiny_corpus, tmp_path: Path, capsys: py
         assert expected in err and len(err.splitlines()) == 1, err
 
 
-def test_corrupt_checkpoint_is_refused_and_older_ones_untouched(tiny_corpus, tmp_path: Path,
-                                                                 capsys: pytest.CaptureFixture) -> None:
+def test_corrupt_checkpoint_is_refused_and_older_ones_untouched(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     args = centralized(tiny_corpus, tmp_path, "--max_duration=4st", "--save_interval=2")
     assert main(args) == 0
     good = (tmp_path / "step2" / "model.safetensors").read_bytes()

@@ -94,7 +94,8 @@ def test_precomputed_encoding_gives_the_same_chunks(wire_dtype: str) -> None:
     tensors = sample()
     encoded = EncodedModel(tensors, wire_dtype)
     assert list(encode_tensors(tensors, wire_dtype, chunk_bytes=100, encoded=encoded)) == list(
-        encode_tensors(tensors, wire_dtype, chunk_bytes=100))
+        encode_tensors(tensors, wire_dtype, chunk_bytes=100)
+    )
     if wire_dtype == "fp32":  # an fp32 tensor is its own wire form: no copy
         assert all(encoded[n][0].data_ptr() == t.data_ptr() for n, t in tensors.items())
 
@@ -126,7 +127,7 @@ def test_require_finite_refuses_nan_and_inf_wherever_they_are(bad: float, wire_d
     t[999, 6] = bad  # the very last element, in a chunk that splits elements
     for require in (False, True):
         decoder = TensorDecoder({"w": (1000, 7)}, wire_dtype, require_finite=require)
-        feed = lambda: [decoder.feed(c) for c in encode_tensor("w", t, wire_dtype, chunk_bytes=333)]  # noqa: E731
+        feed = lambda d=decoder: [d.feed(c) for c in encode_tensor("w", t, wire_dtype, chunk_bytes=333)]  # noqa: E731
         if not require:
             feed()
             continue
@@ -152,6 +153,7 @@ def test_raw_stream_is_checked_piece_by_piece(monkeypatch: pytest.MonkeyPatch) -
             nonlocal offset
             buf[:] = stream[offset : offset + len(buf)]
             offset += len(buf)
+
         return read_into
 
     decoder = TensorDecoder({"w": (50, 3)}, "fp32", require_finite=True)
@@ -277,8 +279,9 @@ def test_committed_stubs_are_up_to_date(tmp_path: Path) -> None:
 def test_verified_checksums_hold_only_while_the_very_tensor_is_unchanged() -> None:
     kept, averaged, other = torch.randn(8), torch.randn(8), torch.randn(8)
     verified = VerifiedChecksums()
-    verified.record({"kept": kept, "averaged": averaged, "gone": torch.randn(8)}, {"kept": 1, "averaged": 2, "gone": 3},
-                    "fp32")
+    verified.record(
+        {"kept": kept, "averaged": averaged, "gone": torch.randn(8)}, {"kept": 1, "averaged": 2, "gone": 3}, "fp32"
+    )
     averaged.add_(1.0)  # written in place since it was received
     model = {"kept": kept, "averaged": averaged, "gone": torch.randn(8), "other": other}
     assert verified.known(model, "fp32") == {"kept": (kept, 1)}

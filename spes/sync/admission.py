@@ -87,8 +87,10 @@ class Ticket:
     def expire(self) -> None:
         self.expired = True
         if self._cancel is not None:
-            self._cancel(f"no message for --stream_idle_timeout={self._guard.idle_timeout_s:g} s: stream closed, "
-                         "nothing it sent was kept")
+            self._cancel(
+                f"no message for --stream_idle_timeout={self._guard.idle_timeout_s:g} s: stream closed, "
+                "nothing it sent was kept"
+            )
 
     def close(self) -> None:
         self._guard._release(self)
@@ -122,9 +124,11 @@ class StreamGuard:
             if not total:
                 return Ticket(self, cancel)
             if len(self._tickets) >= self.max_streams:
-                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"the server already serves --max_streams={self.max_streams} streams: retry shortly",
-                              Reason.BUSY)
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the server already serves --max_streams={self.max_streams} streams: retry shortly",
+                    Reason.BUSY,
+                )
             ticket = Ticket(self, cancel)
             self._tickets.add(ticket)
             return ticket
@@ -138,9 +142,11 @@ class StreamGuard:
             if ticket.peer is not None:
                 return
             if self._per_peer.get(peer, 0) >= self.max_per_peer:
-                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"peer {peer} already has --max_streams_per_peer={self.max_per_peer} streams open: "
-                              "retry shortly", Reason.BUSY)
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"peer {peer} already has --max_streams_per_peer={self.max_per_peer} streams open: retry shortly",
+                    Reason.BUSY,
+                )
             self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             ticket.peer = peer
 
@@ -163,11 +169,17 @@ class StreamGuard:
         while not self._stopping.wait(period):
             now = time.monotonic()
             with self._lock:
-                idle = [t for t in self._tickets
-                        if not t.waiting and not t.expired and now - t.last_active > self.idle_timeout_s]
+                idle = [
+                    t
+                    for t in self._tickets
+                    if not t.waiting and not t.expired and now - t.last_active > self.idle_timeout_s
+                ]
             for ticket in idle:
-                log.warning("stream of peer %s idle for %.0f s: closed (--stream_idle_timeout)",
-                            "unknown" if ticket.peer is None else ticket.peer, now - ticket.last_active)
+                log.warning(
+                    "stream of peer %s idle for %.0f s: closed (--stream_idle_timeout)",
+                    "unknown" if ticket.peer is None else ticket.peer,
+                    now - ticket.last_active,
+                )
                 ticket.expire()
 
     def stop(self) -> None:
@@ -242,7 +254,9 @@ class Sessions:
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"peer_id {peer} is already joined by a live process at {current.address}; this join came "
                     f"from {address}: give every node its own spes_config.peer_id (a restarted node is admitted "
-                    "as soon as its old process's connection is gone)", Reason.DUPLICATE_PEER)
+                    "as soon as its old process's connection is gone)",
+                    Reason.DUPLICATE_PEER,
+                )
             note = f" (replaces the process at {current.address}, whose connection is gone)"
         self._by_peer[peer] = Session(session, address, now)
         return note
@@ -271,7 +285,9 @@ class Sessions:
             raise Refused(
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"peer_id {peer} has been taken over by another process at {current.address}: this process "
-                f"stops; give every node its own spes_config.peer_id", Reason.SUPERSEDED)
+                f"stops; give every node its own spes_config.peer_id",
+                Reason.SUPERSEDED,
+            )
         current.last_seen = time.monotonic()
 
     def forget(self) -> None:

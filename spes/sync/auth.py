@@ -80,8 +80,10 @@ def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as `handler` that only answers UNAUTHENTICATED (no deserializing)."""
 
     def deny(_request: Any, context: grpc.ServicerContext) -> NoReturn:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret")
+        context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret",
+        )
         raise AssertionError("unreachable: context.abort raises")
 
     kinds = {
@@ -114,6 +116,8 @@ def check_peer_identity(claimed: int, common_name: str | None) -> None:
     match = PEER_NAME.fullmatch(common_name or "")
     if match is None or int(match.group(1)) != claimed:
         shown = "no client certificate" if common_name is None else f"a certificate for {common_name!r}"
-        raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                      f"a call for peer {claimed} came with {shown}: with --tls_peer_ids, peer {claimed} must "
-                      f"present a client certificate whose common name is 'peer-{claimed}'")
+        raise Refused(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"a call for peer {claimed} came with {shown}: with --tls_peer_ids, peer {claimed} must "
+            f"present a client certificate whose common name is 'peer-{claimed}'",
+        )

@@ -39,7 +39,7 @@ class BufferPool:
         with self._lock:
             self._limits = {(tuple(shape), dtype): n for (shape, dtype), n in limits.items()}
             for key, free in self._free.items():
-                del free[self._limits.get(key, 0):]
+                del free[self._limits.get(key, 0) :]
 
     def take(self, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
         """A kept buffer of this shape and dtype (old contents), or a new one (not zero-filled)."""
@@ -74,5 +74,6 @@ class BufferPool:
 
 
 def _owns_storage(tensor: torch.Tensor) -> bool:
-    return (tensor.is_contiguous() and tensor.storage_offset() == 0
-            and tensor.untyped_storage().nbytes() == tensor.nbytes)
+    return (
+        tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
+    )

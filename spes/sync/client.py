@@ -32,7 +32,6 @@ from typing import Literal, TypeVar
 
 import grpc
 import torch
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spes.config import SpesConfig
@@ -155,8 +154,11 @@ class SyncClient:
         self.experts_per_peer, self.mode, self.wire_dtype = experts_per_peer, mode, wire_dtype
         self.rpc_timeout_s, self.round_timeout_s, self.max_retries = rpc_timeout_s, round_timeout_s, max_retries
         self._session = secrets.token_hex(8)  # this process, told apart from another claiming the same peer id
-        self._metadata: tuple[tuple[str, str], ...] = ((SESSION_KEY, self._session), (PEER_KEY, str(peer_id)),
-                                                       *((("authorization", f"Bearer {token}"),) if token else ()))
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (SESSION_KEY, self._session),
+            (PEER_KEY, str(peer_id)),
+            *((("authorization", f"Bearer {token}"),) if token else ()),
+        )
         self.data_plane, self._token = data_plane, token
         self._data_tls = plane_tcp.client_tls(tls_ca, tls_cert, tls_key) if data_plane != "grpc" else None
         options = grpc_options(max_message_mb)
@@ -170,8 +172,9 @@ class SyncClient:
         else:
             self._channel = grpc.insecure_channel(server_addr, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
-        self._grpc = GrpcPlane(self._stub, peer_id=peer_id, wire_dtype=wire_dtype, metadata=self._metadata,
-                               rpc_timeout_s=rpc_timeout_s)
+        self._grpc = GrpcPlane(
+            self._stub, peer_id=peer_id, wire_dtype=wire_dtype, metadata=self._metadata, rpc_timeout_s=rpc_timeout_s
+        )
         self.plane: Plane = self._grpc
         """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
         self._manifest: Manifest | None = None
@@ -209,8 +212,12 @@ class SyncClient:
             per_attempt_s=self.rpc_timeout_s,
         )
         if not reply.dry_run:
-            raise SyncError("the server predates preflight and took this dry join as a real Join (it now counts "
-                            f"peer {self.peer_id} as joined)", grpc.StatusCode.FAILED_PRECONDITION, reason=Reason.OLD_SERVER)
+            raise SyncError(
+                "the server predates preflight and took this dry join as a real Join (it now counts "
+                f"peer {self.peer_id} as joined)",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                reason=Reason.OLD_SERVER,
+            )
         self._use_data_plane(reply)
         return reply.manifest_checked
 
@@ -228,8 +235,12 @@ class SyncClient:
         except grpc.RpcError as err:
             raise failure_of("link test", err) from None
         up_s, down_s = self.plane.probe(num_bytes)
-        return LinkStats(plane="tcp" if self.plane.name == "tcp" else "grpc", rtt_s=min(rtts),
-                         up_bytes_per_s=num_bytes / up_s, down_bytes_per_s=num_bytes / down_s)
+        return LinkStats(
+            plane="tcp" if self.plane.name == "tcp" else "grpc",
+            rtt_s=min(rtts),
+            up_bytes_per_s=num_bytes / up_s,
+            down_bytes_per_s=num_bytes / down_s,
+        )
 
     def sync(self, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], SyncStats]:
         """Upload this peer's trained `tensors` for round `step`, wait for the round, return the global tensors.
@@ -254,8 +265,9 @@ class SyncClient:
 
         caught_up = False
         try:
-            sent, (info, downloaded, received) = self._retrying("sync", exchange, deadline=deadline,
-                                                                recover=self._recover)
+            sent, (info, downloaded, received) = self._retrying(
+                "sync", exchange, deadline=deadline, recover=self._recover
+            )
         except SyncError as err:
             if err.reason != Reason.STALE_ROUND:
                 raise
@@ -309,8 +321,9 @@ class SyncClient:
         this process still acts as its peer (a second process claiming the id is refused meanwhile)."""
         health = health_pb2_grpc.HealthStub(self._channel)
         while not self._closed.is_set():
-            call = health.Watch(health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer"),
-                                metadata=self._metadata)
+            call = health.Watch(
+                health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer"), metadata=self._metadata
+            )
             self._presence_call = call
             if self._closed.is_set():
                 call.cancel()
@@ -355,8 +368,9 @@ class SyncClient:
             per_attempt_s=self.rpc_timeout_s,
         )
         if self._presence is None:
-            self._presence = threading.Thread(target=self._keep_present, name=f"spes-presence-{self.peer_id}",
-                                              daemon=True)
+            self._presence = threading.Thread(
+                target=self._keep_present, name=f"spes-presence-{self.peer_id}", daemon=True
+            )
             self._presence.start()
             # NOTE: until the server has seen the stream, it holds this id for --peer_liveness after a close
             self._present.wait(min(self.rpc_timeout_s, PRESENCE_WAIT_S))
@@ -366,27 +380,42 @@ class SyncClient:
     def _use_data_plane(self, reply: pb.JoinReply) -> None:
         """Pick the plane for tensor payloads from the port the server advertised at Join."""
         if self.data_plane == "tcp" and not reply.data_port:
-            raise SyncError("data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
-                            "(or use data_plane='auto')", grpc.StatusCode.FAILED_PRECONDITION)
+            raise SyncError(
+                "data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
+                "(or use data_plane='auto')",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
         self.plane = self._grpc
         if self.data_plane == "grpc" or not reply.data_port:
             return
         host = self.server_addr.rsplit(":", 1)[0].strip("[]")
-        tcp = plane_tcp.TcpPlane(host, reply.data_port, self._data_tls, peer_id=self.peer_id,
-                                 wire_dtype=self.wire_dtype, token=self._token, session=self._session,
-                                 rpc_timeout_s=self.rpc_timeout_s)
+        tcp = plane_tcp.TcpPlane(
+            host,
+            reply.data_port,
+            self._data_tls,
+            peer_id=self.peer_id,
+            wire_dtype=self.wire_dtype,
+            token=self._token,
+            session=self._session,
+            rpc_timeout_s=self.rpc_timeout_s,
+        )
         if self.data_plane == "auto":  # use the data plane only if it answers from here (a firewall may pass only gRPC)
             try:
                 tcp.ping(min(self.rpc_timeout_s, PROBE_TIMEOUT_S))
             except (SyncError, OSError) as exc:
-                log.warning("the server's data plane (port %d) does not answer from here (%s): tensor payloads go "
-                            "over gRPC, several times slower. Open that port, or set spes_config.data_plane=grpc to "
-                            "skip this check", reply.data_port, exc)
+                log.warning(
+                    "the server's data plane (port %d) does not answer from here (%s): tensor payloads go "
+                    "over gRPC, several times slower. Open that port, or set spes_config.data_plane=grpc to "
+                    "skip this check",
+                    reply.data_port,
+                    exc,
+                )
                 return
         self.plane = tcp
 
-    def _download(self, step: int, manifest: Manifest, timeout: float, *, full: bool
-                  ) -> tuple[pb.RoundInfo, Tensors, int]:
+    def _download(
+        self, step: int, manifest: Manifest, timeout: float, *, full: bool
+    ) -> tuple[pb.RoundInfo, Tensors, int]:
         """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated."""
         names: list[str] = []
 
@@ -408,15 +437,14 @@ class SyncClient:
             )
         return names
 
-    def _latest(
-        self, step: int, manifest: Manifest, deadline: float
-    ) -> tuple[pb.RoundInfo, Tensors, int]:
+    def _latest(self, step: int, manifest: Manifest, deadline: float) -> tuple[pb.RoundInfo, Tensors, int]:
         """Every tensor of the server's latest completed round, for a peer at `step` that fell behind."""
         latest = self.status().current_round
         if latest < step:
             raise SyncError(
                 f"round {step} was refused as old, yet the server's latest completed round is {latest}: "
-                "do all peers use the same sync_steps?", grpc.StatusCode.FAILED_PRECONDITION
+                "do all peers use the same sync_steps?",
+                grpc.StatusCode.FAILED_PRECONDITION,
             )
         log.warning("peer %d continues from the server's round %d (it was at step %d)", self.peer_id, latest, step)
         return self._retrying(

@@ -45,7 +45,6 @@ _CHUNK_ELEMS = 1 << 20
 """Quantize this many values at a time, so a large tensor never has several fp32 copies alive at once."""
 
 
-
 def num_blocks(numel: int, block: int) -> int:
     """Scales of a tensor of `numel` values: ceil(numel / block)."""
     if block < 1:
@@ -176,9 +175,7 @@ def encode_delta(
     """
     for what, tensor in (("base", base), ("carried error", carried)):
         if tensor is not None and tuple(tensor.shape) != tuple(value.shape):
-            raise ValueError(
-                f"tensor {name!r}: shape {list(value.shape)}, its {what} has shape {list(tensor.shape)}"
-            )
+            raise ValueError(f"tensor {name!r}: shape {list(value.shape)}, its {what} has shape {list(tensor.shape)}")
     target = value.float() - base.float().to(value.device)
     if carried is not None:
         target += carried.to(value.device)

@@ -88,21 +88,29 @@ class Coordinator:
         """Superseded global models that downloads still read, by round."""
         self.data_port = 0
         """Port of the running data plane, advertised at Join (0: none); set by `start_server`."""
-        self.guard = StreamGuard(idle_timeout_s=cfg.stream_idle_timeout_s, max_streams=cfg.max_streams,
-                                 max_per_peer=cfg.max_streams_per_peer)
+        self.guard = StreamGuard(
+            idle_timeout_s=cfg.stream_idle_timeout_s, max_streams=cfg.max_streams, max_per_peer=cfg.max_streams_per_peer
+        )
         self.sessions = Sessions(cfg.peer_liveness_s)
         if cfg.expected_manifest is not None:
             self._learn_manifest(dict(cfg.expected_manifest))
         saved = load_round(cfg.state_dir, cfg.run_identity()) if cfg.state_dir else None
         if saved is not None:
             if cfg.expected_manifest is not None and manifest_differences(cfg.expected_manifest, saved.manifest):
-                raise ValueError(f"--state_dir {cfg.state_dir} holds a different model than the run's YAML: "
-                                 f"{manifest_differences(cfg.expected_manifest, saved.manifest)}")
-            self.state.restore(saved.step, set(saved.peers), saved.global_model, saved.momentum, saved.merged,
-                               saved.alpha)
+                raise ValueError(
+                    f"--state_dir {cfg.state_dir} holds a different model than the run's YAML: "
+                    f"{manifest_differences(cfg.expected_manifest, saved.manifest)}"
+                )
+            self.state.restore(
+                saved.step, set(saved.peers), saved.global_model, saved.momentum, saved.merged, saved.alpha
+            )
             self._learn_manifest(saved.manifest)
-            log.info("resumed from %s: round %d complete (peers %s); waiting for peers to re-join",
-                     cfg.state_dir, saved.step, list(saved.peers))
+            log.info(
+                "resumed from %s: round %d complete (peers %s); waiting for peers to re-join",
+                cfg.state_dir,
+                saved.step,
+                list(saved.peers),
+            )
 
     def _learn_manifest(self, shapes: Manifest) -> None:
         self._manifest, self._owners = shapes, expert_owners(list(shapes), self.cfg.mode)
@@ -111,22 +119,31 @@ class Coordinator:
         """What one round takes from the pool: every joined peer's uploads, and the fp32 sums of shared
         tensors uploaded narrower than fp32 (lock held)."""
         assert self._manifest is not None
-        limits = Counter((self._manifest[n], wire_torch_dtype(info.wire_dtype))
-                         for info in self.peers.values() for n in info.trainable)
+        limits = Counter(
+            (self._manifest[n], wire_torch_dtype(info.wire_dtype))
+            for info in self.peers.values()
+            for n in info.trainable
+        )
         narrow = {n for info in self.peers.values() if info.wire_dtype != "fp32" for n in info.trainable}
         averaged = [n for n in narrow if self.cfg.mode == "diloco" or parse_expert_block(n) is None]
         limits.update((self._manifest[n], torch.float32) for n in averaged)
         return limits
 
     # -- Join ---------------------------------------------------------------------------------
-    def join(self, request: pb.JoinRequest, session: str, address: str,
-             common_name: Callable[[], str | None]) -> pb.JoinReply:
+    def join(
+        self, request: pb.JoinRequest, session: str, address: str, common_name: Callable[[], str | None]
+    ) -> pb.JoinReply:
         """Check a Join against the run and register the peer (a dry run registers nothing); raises Refused."""
         cfg, peer = self.cfg, request.peer_id
         self.check_identity(peer, common_name)
         shapes, trainable = check_join(
-            request, num_peers=self.num_peers, experts_per_peer=cfg.experts_per_peer, mode=cfg.mode,
-            max_tensors=cfg.max_tensors, max_model_gb=None if cfg.expected_manifest is not None else cfg.max_model_gb)
+            request,
+            num_peers=self.num_peers,
+            experts_per_peer=cfg.experts_per_peer,
+            mode=cfg.mode,
+            max_tensors=cfg.max_tensors,
+            max_model_gb=None if cfg.expected_manifest is not None else cfg.max_model_gb,
+        )
         with self._cond:
             if self._manifest is not None:
                 diff = manifest_differences(self._manifest, shapes)
@@ -135,8 +152,13 @@ class Coordinator:
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}'s model differs from {whose}: {diff}")
             if request.dry_run:  # preflight: every check above, nothing registered
                 log.info("preflight of peer %d: its settings and model match the run", peer)
-                return pb.JoinReply(current_round=-1, open_round=-1, data_port=self.data_port,
-                                    manifest_checked=self._manifest is not None, dry_run=True)
+                return pb.JoinReply(
+                    current_round=-1,
+                    open_round=-1,
+                    data_port=self.data_port,
+                    manifest_checked=self._manifest is not None,
+                    dry_run=True,
+                )
             if self._manifest is None:
                 self._learn_manifest(shapes)
                 log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
@@ -144,10 +166,19 @@ class Coordinator:
             self.peers[peer] = PeerInfo(request.wire_dtype, tuple(trainable))
             self._pool.set_limits(self._buffer_limits())
             snap = self.state.snapshot()
-        log.info("peer %d joined from %s%s (wire %s, uploads %d tensors)", peer, address, note, request.wire_dtype,
-                 len(trainable))
-        return pb.JoinReply(current_round=_or_minus_one(snap.completed_round),
-                            open_round=_or_minus_one(snap.open_round), data_port=self.data_port)
+        log.info(
+            "peer %d joined from %s%s (wire %s, uploads %d tensors)",
+            peer,
+            address,
+            note,
+            request.wire_dtype,
+            len(trainable),
+        )
+        return pb.JoinReply(
+            current_round=_or_minus_one(snap.completed_round),
+            open_round=_or_minus_one(snap.open_round),
+            data_port=self.data_port,
+        )
 
     def open_stream(self, ticket: Ticket, peer: int, session: str, common_name: Callable[[], str | None]) -> None:
         """An Upload/Download stream of either plane names `peer`: check who calls, bound its streams, note it."""
@@ -181,29 +212,36 @@ class Coordinator:
             self._cond.notify_all()
             return self._upload_reply(step, duplicate=False)
 
-    def _receive(self, feed: Callable[[TensorDecoder], None], peer: int, step: int, info: PeerInfo,
-                 manifest: Manifest) -> tuple[Tensors, dict[str, int]] | None:
+    def _receive(
+        self, feed: Callable[[TensorDecoder], None], peer: int, step: int, info: PeerInfo, manifest: Manifest
+    ) -> tuple[Tensors, dict[str, int]] | None:
         """Decode and verify one upload into kept buffers sized by the manifest: the tensors and their checksums.
 
         None if the peer went away.
         """
         dtype = wire_torch_dtype(info.wire_dtype)
         buffers = {n: self._pool.take(manifest[n], dtype) for n in info.trainable}
-        decoder = TensorDecoder({n: manifest[n] for n in info.trainable}, info.wire_dtype, into=buffers,
-                                require_finite=True)
+        decoder = TensorDecoder(
+            {n: manifest[n] for n in info.trainable}, info.wire_dtype, into=buffers, require_finite=True
+        )
         try:
             feed(decoder)
             tensors = decoder.finish()
         except (grpc.RpcError, OSError):
-            log.warning("upload of peer %d for round %d broke off after %d bytes; nothing was kept",
-                        peer, step, decoder.bytes_received)
+            log.warning(
+                "upload of peer %d for round %d broke off after %d bytes; nothing was kept",
+                peer,
+                step,
+                decoder.bytes_received,
+            )
             self._pool.give(buffers.values())
             return None
         except ValueError as exc:
             self._pool.give(buffers.values())
             reason = Reason.CORRUPT if isinstance(exc, CorruptChunk) else Reason.NONE
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}",
-                          reason) from None
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}", reason
+            ) from None
         finally:
             with self._cond:
                 self._bytes_in += decoder.bytes_received
@@ -219,8 +257,9 @@ class Coordinator:
     def _close_round(self, step: int) -> None:
         """Hand the open round's uploads to a new aggregation thread (caller holds the lock)."""
         uploads = self.state.take_uploads()
-        self._aggregator = threading.Thread(target=self._aggregate, args=(step, uploads),
-                                            name=f"aggregate-{step}", daemon=True)
+        self._aggregator = threading.Thread(
+            target=self._aggregate, args=(step, uploads), name=f"aggregate-{step}", daemon=True
+        )
         self._aggregator.start()
 
     def _aggregate(self, step: int, uploads: dict[int, Tensors]) -> None:
@@ -232,9 +271,19 @@ class Coordinator:
         received = [t for upload in uploads.values() for t in upload.values()]
         try:
             built = build_global(
-                uploads, num_peers=self.num_peers, experts_per_peer=cfg.experts_per_peer, mode=cfg.mode, step=step,
-                merge=cfg.merge, outer=cfg.outer, names=list(manifest), previous=previous, momentum=momentum,
-                consume=True, empty=self._pool.take)
+                uploads,
+                num_peers=self.num_peers,
+                experts_per_peer=cfg.experts_per_peer,
+                mode=cfg.mode,
+                step=step,
+                merge=cfg.merge,
+                outer=cfg.outer,
+                names=list(manifest),
+                previous=previous,
+                momentum=momentum,
+                consume=True,
+                empty=self._pool.take,
+            )
             global_model, new_momentum, alpha = built.tensors, built.momentum, built.alpha
             del uploads, previous, momentum
             self._pool.give(received, keep=[*global_model.values(), *new_momentum.values()])  # merged or converted
@@ -260,15 +309,25 @@ class Coordinator:
             self._round_bytes_in, self._logged_bytes_out = 0, self._bytes_out
             self._cond.notify_all()
         missing = sorted(set(range(self.num_peers)) - peers)
-        log.info("round %d complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
-                 "merged %s, alpha %.6g", step, len(peers), f" (quorum, missing {missing})" if missing else "",
-                 bytes_in / 2**20, bytes_out / 2**20, time.perf_counter() - start,
-                 ", persisted" if cfg.state_dir else "", "yes" if alpha > 0 else "no", alpha)
+        log.info(
+            "round %d complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
+            "merged %s, alpha %.6g",
+            step,
+            len(peers),
+            f" (quorum, missing {missing})" if missing else "",
+            bytes_in / 2**20,
+            bytes_out / 2**20,
+            time.perf_counter() - start,
+            ", persisted" if cfg.state_dir else "",
+            "yes" if alpha > 0 else "no",
+            alpha,
+        )
 
     # -- Download -----------------------------------------------------------------------------
     @contextmanager
-    def download(self, peer: int, step: int, full: bool, is_active: Callable[[], bool],
-                 time_left_s: float | None) -> Iterator[Outgoing | None]:
+    def download(
+        self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None
+    ) -> Iterator[Outgoing | None]:
         """Wait for round `step` and select what `peer` gets, whatever carries it (None: the caller went away).
 
         Raises `Refused`. The plane sends `Outgoing.info`, then the tensors in their encoded forms (shared by
@@ -287,10 +346,10 @@ class Coordinator:
                     known = self._checksums.known(global_model, info.wire_dtype)
                     encoded = self._encoded[info.wire_dtype] = EncodedModel(global_model, info.wire_dtype, known)
                 self._readers[step] = self._readers.get(step, 0) + 1
-                names = list(global_model) if full else download_names(list(global_model), peer, self.cfg.mode,
-                                                                        merged)
-                round_info = pb.RoundInfo(round=step, merged=merged, alpha=state.alpha, names=names,
-                                          peers=sorted(state.completed_peers))
+                names = list(global_model) if full else download_names(list(global_model), peer, self.cfg.mode, merged)
+                round_info = pb.RoundInfo(
+                    round=step, merged=merged, alpha=state.alpha, names=names, peers=sorted(state.completed_peers)
+                )
                 outgoing = Outgoing(round_info, {n: global_model[n] for n in names}, encoded, info.wire_dtype)
         if outgoing is None:
             yield None
@@ -316,8 +375,9 @@ class Coordinator:
         for step in [s for s in self._retired if s not in self._readers]:
             self._pool.give(self._retired.pop(step), keep=keep)
 
-    def _await_round(self, peer: int, step: int, full: bool, is_active: Callable[[], bool],
-                     time_left_s: float | None) -> bool:
+    def _await_round(
+        self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None
+    ) -> bool:
         """Wait (lock held) until round `step` is the latest completed one; False if the caller went away.
 
         A round that timed out is closed here under `quorum` when it can be; otherwise the wait fails
@@ -333,8 +393,11 @@ class Coordinator:
             if state.check_download(peer, step, full):
                 return True
             if state.must_close(self.policy, self._owners):
-                log.warning("round %d timed out: closing it with peers %s (--dead_peer_policy quorum)",
-                            step, sorted(state.uploaded))
+                log.warning(
+                    "round %d timed out: closing it with peers %s (--dead_peer_policy quorum)",
+                    step,
+                    sorted(state.uploaded),
+                )
                 self._close_round(step)
                 continue
             wait = min(state.seconds_left(self.policy), give_up - time.monotonic(), WAIT_POLL_S)
@@ -370,8 +433,11 @@ class Coordinator:
     def _joined(self, peer: int) -> tuple[PeerInfo, Manifest]:
         """The peer's Join record (caller holds the lock); refuses peers that have not joined."""
         if peer not in self.peers or self._manifest is None:
-            raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"peer {peer} has not joined this server: call Join first", Reason.NOT_JOINED)
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer} has not joined this server: call Join first",
+                Reason.NOT_JOINED,
+            )
         return self.peers[peer], self._manifest
 
     def presence(self, peer: int, session: str, address: str) -> Callable[[], None]:

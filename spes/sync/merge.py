@@ -116,8 +116,9 @@ def merge_experts(
     return apply(w1), apply(v1), apply(w2)
 
 
-def mean_over_peers(tensors: list[torch.Tensor], *, reuse_first: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def mean_over_peers(
+    tensors: list[torch.Tensor], *, reuse_first: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Element-wise fp32 mean, summed in the given (fixed peer) order for reproducibility.
 
     With `reuse_first` the sum accumulates in `tensors[0]` when it is fp32 (a caller that owns it saves
@@ -264,7 +265,9 @@ def build_global(
             continue
         missing = [p for p in arrived if name not in uploads[p]]
         if missing:
-            raise ValueError(f"tensor {name!r} is averaged over the arrived peers but peers {missing} did not upload it")
+            raise ValueError(
+                f"tensor {name!r} is averaged over the arrived peers but peers {missing} did not upload it"
+            )
         tensors = [take(p, name) for p in arrived]
         out = None
         if empty is not None and tensors[0].dtype != torch.float32:  # a bf16 mean is summed in fp32
@@ -283,9 +286,14 @@ def build_global(
     return GlobalRound({name: new_global[name] for name in names}, new_momentum, alpha)
 
 
-def _owner_block(name: str, owner: int, uploads: Mapping[int, Mapping[str, torch.Tensor]],
-                 previous: Mapping[str, torch.Tensor], experts_per_peer: int,
-                 take: Callable[[int, str], torch.Tensor]) -> torch.Tensor:
+def _owner_block(
+    name: str,
+    owner: int,
+    uploads: Mapping[int, Mapping[str, torch.Tensor]],
+    previous: Mapping[str, torch.Tensor],
+    experts_per_peer: int,
+    take: Callable[[int, str], torch.Tensor],
+) -> torch.Tensor:
     """Expert block `name` as its owner uploaded it, or its last global value when the owner did not arrive."""
     if owner in uploads and name in uploads[owner]:
         block = take(owner, name)
@@ -294,8 +302,9 @@ def _owner_block(name: str, owner: int, uploads: Mapping[int, Mapping[str, torch
     else:
         raise ValueError(f"expert block {name!r} has no upload from its owner, peer {owner}")
     if block.shape[0] > experts_per_peer:
-        raise ValueError(f"expert block {name!r} holds {block.shape[0]} experts, more than "
-                         f"experts_per_peer={experts_per_peer}")
+        raise ValueError(
+            f"expert block {name!r} holds {block.shape[0]} experts, more than experts_per_peer={experts_per_peer}"
+        )
     return block
 
 
@@ -314,5 +323,3 @@ def _merge_layer(
     for kind, merged in zip(EXPERT_KINDS, merge_experts(*stacked, alpha=alpha, topk=topk), strict=True):
         for b, part in zip(blocks, torch.split(merged, sizes), strict=True):
             global_model[kinds[kind][b]] = part
-
-

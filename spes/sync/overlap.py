@@ -27,7 +27,6 @@ from safetensors.torch import save_file
 from spes.atomic import write_atomic
 from spes.sync.protocol import Shape, Tensors
 
-
 PENDING_FORMAT = "1"
 """Version of the pending-round file; a file of another version is refused by name."""
 

@@ -41,9 +41,14 @@ class SyncResult:
         """The round's figures for the training log (seconds, MB up/down, whether the merge warm-up ran)."""
         metrics: dict[str, Any] = {}
         if self.stats is not None:
-            metrics = {"sync_s": self.stats.seconds, "sync_mb_up": self.stats.bytes_up / 2**20,
-                       "sync_mb_down": self.stats.bytes_down / 2**20, "sync_round": self.stats.round,
-                       "merged": self.stats.merged, "merge_alpha": self.stats.alpha}
+            metrics = {
+                "sync_s": self.stats.seconds,
+                "sync_mb_up": self.stats.bytes_up / 2**20,
+                "sync_mb_down": self.stats.bytes_down / 2**20,
+                "sync_round": self.stats.round,
+                "merged": self.stats.merged,
+                "merge_alpha": self.stats.alpha,
+            }
         if self.caught_up:
             metrics["caught_up_to"] = self.step
         return metrics
@@ -59,11 +64,20 @@ def sync_client(cfg: TrainConfig, **overrides: Any) -> SyncClient:
     """A client for this node's `spes_config` (`overrides`: SyncClient keywords that replace the config's)."""
     s = cfg.spes_config
     settings: dict[str, Any] = {
-        "peer_id": s.peer_id, "num_peers": s.num_peers, "experts_per_peer": cfg.experts_per_peer,
-        "mode": cfg.mode, "wire_dtype": s.wire_dtype,
-        "token": read_token(s.token_file, "config key 'spes_config.token_file'"), "tls_ca": s.tls_ca,
-        "tls_cert": s.tls_cert, "tls_key": s.tls_key, "rpc_timeout_s": s.rpc_timeout_s,
-        "round_timeout_s": s.round_timeout_s, "max_retries": s.max_retries, "data_plane": s.data_plane}
+        "peer_id": s.peer_id,
+        "num_peers": s.num_peers,
+        "experts_per_peer": cfg.experts_per_peer,
+        "mode": cfg.mode,
+        "wire_dtype": s.wire_dtype,
+        "token": read_token(s.token_file, "config key 'spes_config.token_file'"),
+        "tls_ca": s.tls_ca,
+        "tls_cert": s.tls_cert,
+        "tls_key": s.tls_key,
+        "rpc_timeout_s": s.rpc_timeout_s,
+        "round_timeout_s": s.round_timeout_s,
+        "max_retries": s.max_retries,
+        "data_plane": s.data_plane,
+    }
     return SyncClient(s.server_addr, **{**settings, **overrides})
 
 
@@ -86,8 +100,10 @@ class PeerSync:
         if self.client is not None:
             try:
                 current = self.client.join(self.shapes, self.trainable)
-                self.log(f"joined parameter server (current round: step {current}); "
-                         f"uploading {len(self.trainable)} of {len(self.shapes)} tensors per round")
+                self.log(
+                    f"joined parameter server (current round: step {current}); "
+                    f"uploading {len(self.trainable)} of {len(self.shapes)} tensors per round"
+                )
             except SyncError as e:
                 error = e
         self._agree(error, "join the parameter server")
@@ -106,8 +122,10 @@ class PeerSync:
         caught_up_to = -1
         if stats is not None and stats.caught_up:
             caught_up_to = stats.round
-            self.log(f"step {step}: this node had fallen behind the run; loaded the whole global model of "
-                     f"round {stats.round} and continues from step {stats.round}")
+            self.log(
+                f"step {step}: this node had fallen behind the run; loaded the whole global model of "
+                f"round {stats.round} and continues from step {stats.round}"
+            )
         del upload
         load_full(self.model, downloaded, self.info)
         if self.distributed:  # every rank's trainer must continue from the same step
@@ -127,8 +145,11 @@ class PeerSync:
             if flag.item() and error is None:
                 raise SyncError(f"rank 0 failed to {what}; its error line says why")
         if error is not None and error.code == grpc.StatusCode.UNAVAILABLE:
-            raise SyncError(f"{error}; is the parameter server running at spes_config.server_addr={self.server_addr} "
-                            f"and reachable from this node?", error.code) from None
+            raise SyncError(
+                f"{error}; is the parameter server running at spes_config.server_addr={self.server_addr} "
+                f"and reachable from this node?",
+                error.code,
+            ) from None
         if error is not None:
             raise error
 

@@ -21,8 +21,16 @@ from spes.sync.admission import SESSION_KEY, Ticket
 from spes.sync.auth import grpc_common_name
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.protocol import PROBE_CHUNK_BYTES, PROBE_MAX_BYTES, REASON_KEY, Manifest, Refused, SyncError, Tensors, \
-    classify
+from spes.sync.protocol import (
+    PROBE_CHUNK_BYTES,
+    PROBE_MAX_BYTES,
+    REASON_KEY,
+    Manifest,
+    Refused,
+    SyncError,
+    Tensors,
+    classify,
+)
 from spes.sync.wire import TensorDecoder, encode_tensors
 
 if TYPE_CHECKING:
@@ -40,8 +48,9 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
-            return self.service.join(request, _metadata(context, SESSION_KEY), context.peer(),
-                                     lambda: grpc_common_name(context))
+            return self.service.join(
+                request, _metadata(context, SESSION_KEY), context.peer(), lambda: grpc_common_name(context)
+            )
         except Refused as exc:
             _abort(context, exc)
 
@@ -75,8 +84,11 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             try:
                 self._open(ticket, request.peer_id, context)
                 ticket.wait_for_round(True)
-                outgoing = stack.enter_context(self.service.download(
-                    request.peer_id, request.round, request.full, context.is_active, context.time_remaining()))
+                outgoing = stack.enter_context(
+                    self.service.download(
+                        request.peer_id, request.round, request.full, context.is_active, context.time_remaining()
+                    )
+                )
             except Refused as exc:
                 _abort(context, exc)
             if outgoing is None:
@@ -88,8 +100,9 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 outgoing.sent += len(chunk.data)
                 yield pb.DownloadMessage(chunk=chunk)
 
-    def Probe(self, request_iterator: Iterator[pb.ProbeMessage], context: grpc.ServicerContext
-              ) -> Iterator[pb.ProbeMessage]:
+    def Probe(
+        self, request_iterator: Iterator[pb.ProbeMessage], context: grpc.ServicerContext
+    ) -> Iterator[pb.ProbeMessage]:
         """Read the client's bytes, acknowledge, send `reply_bytes` back; counted in no traffic figure."""
         reply_bytes, received = 0, 0
         for index, message in enumerate(request_iterator):
@@ -97,8 +110,12 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 reply_bytes = message.reply_bytes
             received += len(message.data)
             if received > PROBE_MAX_BYTES or reply_bytes > PROBE_MAX_BYTES:
-                _abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"a link test moves at most {PROBE_MAX_BYTES} bytes each way"))
+                _abort(
+                    context,
+                    Refused(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"a link test moves at most {PROBE_MAX_BYTES} bytes each way"
+                    ),
+                )
         yield pb.ProbeMessage()
         chunk = bytes(min(reply_bytes, PROBE_CHUNK_BYTES))
         for offset in range(0, reply_bytes, len(chunk) or 1):
@@ -144,8 +161,15 @@ class GrpcPlane:
 
     name = "grpc"
 
-    def __init__(self, stub: pb_grpc.ParameterServerStub, *, peer_id: int, wire_dtype: str,
-                 metadata: tuple[tuple[str, str], ...], rpc_timeout_s: float) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.ParameterServerStub,
+        *,
+        peer_id: int,
+        wire_dtype: str,
+        metadata: tuple[tuple[str, str], ...],
+        rpc_timeout_s: float,
+    ) -> None:
         self._stub, self.peer_id, self.wire_dtype = stub, peer_id, wire_dtype
         self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
 
@@ -165,8 +189,15 @@ class GrpcPlane:
             raise failure_of(f"upload of round {step}", err) from None
         return sent, reply.duplicate
 
-    def download(self, step: int, timeout: float, *, full: bool, expect: Callable[[pb.RoundInfo], Manifest],
-                 into: dict[str, torch.Tensor] | None) -> tuple[pb.RoundInfo, Tensors, int]:
+    def download(
+        self,
+        step: int,
+        timeout: float,
+        *,
+        full: bool,
+        expect: Callable[[pb.RoundInfo], Manifest],
+        into: dict[str, torch.Tensor] | None,
+    ) -> tuple[pb.RoundInfo, Tensors, int]:
         responses = self._stub.Download(
             pb.DownloadRequest(peer_id=self.peer_id, round=step, full=full), timeout=timeout, metadata=self._metadata
         )

@@ -43,10 +43,18 @@ import torch
 
 from spes.sync.auth import tls_common_name, token_matches
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import PROBE_CHUNK_BYTES, PROBE_MAX_BYTES, PROTOCOL_VERSION, Manifest, Reason, Refused, \
-    SyncError, Tensors, classify
-from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, Encoded, TensorDecoder, payload_bytes, \
-    read_file, write_raw
+from spes.sync.protocol import (
+    PROBE_CHUNK_BYTES,
+    PROBE_MAX_BYTES,
+    PROTOCOL_VERSION,
+    Manifest,
+    Reason,
+    Refused,
+    SyncError,
+    Tensors,
+    classify,
+)
+from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, Encoded, TensorDecoder, payload_bytes, read_file, write_raw
 
 if TYPE_CHECKING:
     from spes.sync.coordinator import Coordinator
@@ -127,14 +135,22 @@ def send_tensors(sock: socket.socket, tensors: Mapping[str, torch.Tensor], wire_
     return sum(send_tensor(sock, name, tensor, wire_dtype) for name, tensor in tensors.items())
 
 
-def send_tensor(sock: socket.socket, name: str, tensor: torch.Tensor, wire_dtype: str,
-                encoded: Encoded | None = None) -> int:
+def send_tensor(
+    sock: socket.socket, name: str, tensor: torch.Tensor, wire_dtype: str, encoded: Encoded | None = None
+) -> int:
     """Send a tensor as a header frame, its raw payload (zero-copy `sendall`) and checksum; returns payload bytes.
 
     `encoded` is its wire form and checksum computed once for several receivers (`EncodedModel`).
     """
-    send_frame(sock, {"name": name, "dtype": wire_dtype, "shape": list(tensor.shape),
-                      "num_bytes": payload_bytes(tuple(tensor.shape), wire_dtype)})
+    send_frame(
+        sock,
+        {
+            "name": name,
+            "dtype": wire_dtype,
+            "shape": list(tensor.shape),
+            "num_bytes": payload_bytes(tuple(tensor.shape), wire_dtype),
+        },
+    )
     return write_raw(tensor, wire_dtype, sock.sendall, encoded)
 
 
@@ -152,8 +168,9 @@ def header_of(frame: Frame) -> pb.TensorHeader:
         raise ValueError(f"tensor header {frame.get('name')!r}: {exc}") from None
 
 
-def recv_tensors(sock: socket.socket, decoder: TensorDecoder, count: int,
-                 limit: int = MAX_FRAME_BYTES) -> dict[str, torch.Tensor]:
+def recv_tensors(
+    sock: socket.socket, decoder: TensorDecoder, count: int, limit: int = MAX_FRAME_BYTES
+) -> dict[str, torch.Tensor]:
     """Receive `count` tensors into `decoder`'s manifest-sized buffers; every header is checked before its payload."""
     for _ in range(count):
         decoder.feed_raw(header_of(recv_frame(sock, limit)), lambda buf: recv_exactly(sock, buf))
@@ -270,8 +287,16 @@ class DataPlaneListener:
     long is answered DEADLINE_EXCEEDED and closed.
     """
 
-    def __init__(self, host: str, port: int, handle: Callable[[socket.socket], None], *,
-                 tls: ssl.SSLContext | None, max_connections: int, io_timeout_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handle: Callable[[socket.socket], None],
+        *,
+        tls: ssl.SSLContext | None,
+        max_connections: int,
+        io_timeout_s: float,
+    ) -> None:
         self._handle, self._tls, self._io_timeout_s = handle, tls, io_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stopping = threading.Event()
@@ -306,8 +331,14 @@ class DataPlaneListener:
         except TimeoutError:
             log.warning("data-plane connection idle for %g s: closed (--stream_idle_timeout)", self._io_timeout_s)
             with contextlib.suppress(OSError):
-                send_frame(conn, error_frame("DEADLINE_EXCEEDED", f"nothing received for --stream_idle_timeout="
-                                             f"{self._io_timeout_s:g} s: connection closed, nothing it sent was kept"))
+                send_frame(
+                    conn,
+                    error_frame(
+                        "DEADLINE_EXCEEDED",
+                        f"nothing received for --stream_idle_timeout="
+                        f"{self._io_timeout_s:g} s: connection closed, nothing it sent was kept",
+                    ),
+                )
         except (OSError, TransportError) as exc:
             log.warning("data-plane connection dropped: %s", exc)
         finally:
@@ -320,8 +351,10 @@ class DataPlaneListener:
         try:
             if self._tls is None:
                 conn.settimeout(0.1)
-                send_frame(conn, error_frame("RESOURCE_EXHAUSTED", "too many data-plane connections: retry "
-                                             "shortly", Reason.BUSY))
+                send_frame(
+                    conn,
+                    error_frame("RESOURCE_EXHAUSTED", "too many data-plane connections: retry shortly", Reason.BUSY),
+                )
         except OSError:
             pass
         finally:
@@ -362,9 +395,14 @@ class DataHandler:
         hello = recv_hello(sock, SERVER_MAX_FRAME_BYTES)
         if not token_matches(hello.get("token"), self.token):
             log.warning("refused a data-plane connection: missing or wrong token")
-            close_after_error(sock, error_frame(
-                "UNAUTHENTICATED", "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared "
-                "secret", Reason.UNAUTHENTICATED))
+            close_after_error(
+                sock,
+                error_frame(
+                    "UNAUTHENTICATED",
+                    "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret",
+                    Reason.UNAUTHENTICATED,
+                ),
+            )
             return
         op, peer, step = hello.get("op"), hello.get("peer_id"), hello.get("step")
         if op == "ping":  # a client checking at join that this port is reachable from where it runs
@@ -375,8 +413,10 @@ class DataHandler:
             return
         try:
             if not isinstance(peer, int) or not isinstance(step, int) or op not in ("upload", "download"):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"bad data-plane request: op {op!r}, peer_id {peer!r}, step {step!r}")
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"bad data-plane request: op {op!r}, peer_id {peer!r}, step {step!r}",
+                )
             with self.service.guard.admit(None, total=False) as ticket:  # NOTE: the listener bounds the total
                 self.service.open_stream(ticket, peer, str(hello.get("session") or ""), lambda: tls_common_name(sock))
                 if op == "upload":
@@ -399,8 +439,15 @@ class DataHandler:
         reply = self.service.upload(peer, step, feed)
         if not received and not reply.duplicate:
             return  # the peer went away mid-upload: nothing was kept, nobody to answer
-        send_frame(sock, {"status": "ok", "round": reply.round, "duplicate": reply.duplicate,
-                          "uploaded_peers": list(reply.uploaded_peers)})
+        send_frame(
+            sock,
+            {
+                "status": "ok",
+                "round": reply.round,
+                "duplicate": reply.duplicate,
+                "uploaded_peers": list(reply.uploaded_peers),
+            },
+        )
 
     def _download(self, sock: socket.socket, peer: int, step: int, full: bool, timeout_s: object) -> None:
         time_left = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else None
@@ -408,8 +455,17 @@ class DataHandler:
             if outgoing is None:
                 return
             info = outgoing.info
-            send_frame(sock, {"status": "ok", "round": info.round, "merged": info.merged, "alpha": info.alpha,
-                              "names": list(info.names), "peers": list(info.peers)})
+            send_frame(
+                sock,
+                {
+                    "status": "ok",
+                    "round": info.round,
+                    "merged": info.merged,
+                    "alpha": info.alpha,
+                    "names": list(info.names),
+                    "peers": list(info.peers),
+                },
+            )
             for name, tensor in outgoing.tensors.items():
                 outgoing.sent += send_tensor(sock, name, tensor, outgoing.wire_dtype, outgoing.encoded[name])
 
@@ -420,8 +476,18 @@ class TcpPlane:
 
     name = "tcp"
 
-    def __init__(self, host: str, port: int, tls: ssl.SSLContext | None, *, peer_id: int, wire_dtype: str,
-                 token: str | None, session: str, rpc_timeout_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tls: ssl.SSLContext | None,
+        *,
+        peer_id: int,
+        wire_dtype: str,
+        token: str | None,
+        session: str,
+        rpc_timeout_s: float,
+    ) -> None:
         self.host, self.port, self._tls = host, port, tls
         self.peer_id, self.wire_dtype, self._token, self._session = peer_id, wire_dtype, token, session
         self.rpc_timeout_s = rpc_timeout_s
@@ -448,16 +514,28 @@ class TcpPlane:
             raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
         return sent, bool(reply.get("duplicate"))
 
-    def download(self, step: int, timeout: float, *, full: bool, expect: Callable[[pb.RoundInfo], Manifest],
-                 into: dict[str, torch.Tensor] | None) -> tuple[pb.RoundInfo, Tensors, int]:
+    def download(
+        self,
+        step: int,
+        timeout: float,
+        *,
+        full: bool,
+        expect: Callable[[pb.RoundInfo], Manifest],
+        into: dict[str, torch.Tensor] | None,
+    ) -> tuple[pb.RoundInfo, Tensors, int]:
         sock = self._connect("download", step, timeout, full=full)
         what = f"download of round {step}"
         try:
             with sock:
                 sock.settimeout(timeout)  # NOTE: the first reply waits for the whole round
                 frame = self._reply(sock, what)
-                info = pb.RoundInfo(round=frame.get("round"), merged=frame.get("merged"), alpha=frame.get("alpha"),
-                                    names=frame.get("names"), peers=frame.get("peers"))
+                info = pb.RoundInfo(
+                    round=frame.get("round"),
+                    merged=frame.get("merged"),
+                    alpha=frame.get("alpha"),
+                    names=frame.get("names"),
+                    peers=frame.get("peers"),
+                )
                 expected = expect(info)
                 sock.settimeout(min(timeout, self.rpc_timeout_s))
                 decoder = TensorDecoder(expected, self.wire_dtype, into=into)
@@ -487,15 +565,30 @@ class TcpPlane:
         try:
             sock = connect(self.host, self.port, self._tls, min(timeout, self.rpc_timeout_s))
         except OSError as exc:
-            raise SyncError(f"{op} round {step}: data plane {self.host}:{self.port} unreachable: {exc}",
-                            grpc.StatusCode.UNAVAILABLE, retryable=True) from None
+            raise SyncError(
+                f"{op} round {step}: data plane {self.host}:{self.port} unreachable: {exc}",
+                grpc.StatusCode.UNAVAILABLE,
+                retryable=True,
+            ) from None
         try:
-            send_hello(sock, {"op": op, "peer_id": self.peer_id, "step": step, "full": full, "token": self._token,
-                              "timeout_s": timeout, "session": self._session, **extra})
+            send_hello(
+                sock,
+                {
+                    "op": op,
+                    "peer_id": self.peer_id,
+                    "step": step,
+                    "full": full,
+                    "token": self._token,
+                    "timeout_s": timeout,
+                    "session": self._session,
+                    **extra,
+                },
+            )
         except OSError as exc:
             sock.close()
-            raise SyncError(f"{op} round {step}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE,
-                            retryable=True) from None
+            raise SyncError(
+                f"{op} round {step}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True
+            ) from None
         return sock
 
     @staticmethod

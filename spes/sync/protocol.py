@@ -88,8 +88,14 @@ class SyncError(RuntimeError):
     again may succeed.
     """
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None, *, reason: Reason | str = Reason.NONE,
-                 retryable: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: grpc.StatusCode | None = None,
+        *,
+        reason: Reason | str = Reason.NONE,
+        retryable: bool = False,
+    ) -> None:
         super().__init__(message)
         self.code, self.retryable = code, retryable
         self.reason = reason_of(str(reason))
@@ -122,8 +128,15 @@ class Plane(Protocol):
         """Send this peer's upload of round `step`: (payload bytes sent, whether the server already had it)."""
         ...
 
-    def download(self, step: int, timeout: float, *, full: bool, expect: Callable[[pb.RoundInfo], Manifest],
-                 into: dict[str, torch.Tensor] | None) -> tuple[pb.RoundInfo, Tensors, int]:
+    def download(
+        self,
+        step: int,
+        timeout: float,
+        *,
+        full: bool,
+        expect: Callable[[pb.RoundInfo], Manifest],
+        into: dict[str, torch.Tensor] | None,
+    ) -> tuple[pb.RoundInfo, Tensors, int]:
         """Wait for round `step` and receive it: (its RoundInfo, the tensors, payload bytes received).
 
         `expect(info)` checks the announced round and returns the name -> shape of the tensors that must follow;

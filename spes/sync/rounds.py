@@ -228,8 +228,13 @@ class RoundState:
         self.restore(step, self.uploaded, global_model, outer_momentum, merged, alpha)
 
     def restore(
-        self, step: int, peers: set[int] | frozenset[int], global_model: Tensors, outer_momentum: Tensors,
-        merged: bool, alpha: float,
+        self,
+        step: int,
+        peers: set[int] | frozenset[int],
+        global_model: Tensors,
+        outer_momentum: Tensors,
+        merged: bool,
+        alpha: float,
     ) -> None:
         """Make round `step` the latest completed one (also how a restarted server resumes); no round is open."""
         self.completed_round, self.completed_peers = step, frozenset(peers)
@@ -269,8 +274,13 @@ def describe_names(names: list[str], limit: int = 5) -> str:
 
 
 def check_join(
-    request: pb.JoinRequest, *, num_peers: int, experts_per_peer: int, mode: Mode,
-    max_tensors: int = MAX_TENSORS, max_model_gb: float | None = MAX_MODEL_GB,
+    request: pb.JoinRequest,
+    *,
+    num_peers: int,
+    experts_per_peer: int,
+    mode: Mode,
+    max_tensors: int = MAX_TENSORS,
+    max_model_gb: float | None = MAX_MODEL_GB,
 ) -> tuple[dict[str, Shape], list[str]]:
     """Validate a Join against the run: settings, wire dtype, manifest, and the names the peer claims to train.
 
@@ -282,8 +292,10 @@ def check_join(
     peer = request.peer_id
     for what, count in (("manifest", len(request.manifest)), ("trainable list", len(request.trainable))):
         if count > max_tensors:
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"peer {peer}'s {what} names {count} tensors, more than --max_tensors={max_tensors}")
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"peer {peer}'s {what} names {count} tensors, more than --max_tensors={max_tensors}",
+            )
     if request.protocol != PROTOCOL_VERSION:
         raise Refused(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -316,9 +328,11 @@ def check_join(
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}: {exc}") from None
     size_gb = 4 * sum(math.prod(shape) for shape in shapes.values()) / 1e9
     if max_model_gb is not None and size_gb > max_model_gb:
-        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"peer {peer}'s manifest declares a model of {size_gb:.4g} GB in fp32, more than "
-                      f"--max_model_gb={max_model_gb:g} (start the server with the run's YAML, or raise the limit)")
+        raise Refused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"peer {peer}'s manifest declares a model of {size_gb:.4g} GB in fp32, more than "
+            f"--max_model_gb={max_model_gb:g} (start the server with the run's YAML, or raise the limit)",
+        )
     given = list(request.trainable)
     expected = set(trainable_names(list(shapes), peer, mode))
     if len(set(given)) != len(given) or set(given) != expected:

@@ -145,13 +145,20 @@ class ServerConfig:
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key")
         if self.tls_peer_ids and self.tls_client_ca is None:
-            raise ValueError("--tls_peer_ids binds peer ids to client certificates: it needs mutual TLS "
-                             "(--tls_client_ca, --tls_cert, --tls_key)")
+            raise ValueError(
+                "--tls_peer_ids binds peer ids to client certificates: it needs mutual TLS "
+                "(--tls_client_ca, --tls_cert, --tls_key)"
+            )
         if self.token is not None and not self.token:
             raise ValueError("the auth token is empty: put a non-empty secret in SPES_TOKEN or --token_file")
-        for flag, value in (("--stream_idle_timeout", self.stream_idle_timeout_s), ("--max_model_gb", self.max_model_gb),
-                            ("--peer_liveness", self.peer_liveness_s), ("--max_streams", self.max_streams),
-                            ("--max_streams_per_peer", self.max_streams_per_peer), ("--max_tensors", self.max_tensors)):
+        for flag, value in (
+            ("--stream_idle_timeout", self.stream_idle_timeout_s),
+            ("--max_model_gb", self.max_model_gb),
+            ("--peer_liveness", self.peer_liveness_s),
+            ("--max_streams", self.max_streams),
+            ("--max_streams_per_peer", self.max_streams_per_peer),
+            ("--max_tensors", self.max_tensors),
+        ):
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0, got {value}")
 
@@ -160,16 +167,24 @@ class ServerConfig:
         if self.insecure or _is_loopback(self.host):
             return
         if self.token is None:
-            raise ValueError(f"--host {self.host} is reachable from other machines and no token is set: anyone could "
-                             "join the run. Set SPES_TOKEN or --token_file (with --tls_cert/--tls_key), bind "
-                             "--host 127.0.0.1, or pass --insecure on a trusted network")
+            raise ValueError(
+                f"--host {self.host} is reachable from other machines and no token is set: anyone could "
+                "join the run. Set SPES_TOKEN or --token_file (with --tls_cert/--tls_key), bind "
+                "--host 127.0.0.1, or pass --insecure on a trusted network"
+            )
         if self.tls_cert is None:
-            raise ValueError(f"--host {self.host} is reachable from other machines and the token would travel in "
-                             "clear text: add --tls_cert/--tls_key, or pass --insecure on a trusted network")
+            raise ValueError(
+                f"--host {self.host} is reachable from other machines and the token would travel in "
+                "clear text: add --tls_cert/--tls_key, or pass --insecure on a trusted network"
+            )
 
     def policy(self) -> RoundPolicy:
-        return RoundPolicy(num_peers=self.total_peers, timeout_s=self.round_timeout_s,
-                           dead_peer_policy=self.dead_peer_policy, min_peers=self.min_peers)
+        return RoundPolicy(
+            num_peers=self.total_peers,
+            timeout_s=self.round_timeout_s,
+            dead_peer_policy=self.dead_peer_policy,
+            min_peers=self.min_peers,
+        )
 
     def run_identity(self) -> dict[str, Any]:
         """The settings a persisted state must have been written with: those that fix what the model means.
@@ -189,11 +204,19 @@ def _is_loopback(host: str) -> bool:
 
 
 class ParameterServer:
-    """A running server: the round service, its gRPC server and health service, and the data plane. Stop with `stop()`."""
+    """A running server: the round service, its gRPC server and health service, and the data plane.
 
-    def __init__(self, server: grpc.Server, service: Coordinator, health_servicer: health.HealthServicer,
-                 port: int, executor: futures.ThreadPoolExecutor,
-                 data_plane: plane_tcp.DataPlaneListener | None = None) -> None:
+    Stop with `stop()`."""
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        service: Coordinator,
+        health_servicer: health.HealthServicer,
+        port: int,
+        executor: futures.ThreadPoolExecutor,
+        data_plane: plane_tcp.DataPlaneListener | None = None,
+    ) -> None:
         self.server, self.service, self.health, self.port = server, service, health_servicer, port
         self._executor, self._data_plane = executor, data_plane
         self.data_port = data_plane.port if data_plane is not None else 0
@@ -246,10 +269,18 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     data_plane = None
     if cfg.data_port >= 0:
         tls = plane_tcp.server_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
-        data_plane = _bind(lambda: plane_tcp.DataPlaneListener(
-            cfg.host, cfg.data_port, plane_tcp.DataHandler(service, cfg.token), tls=tls,
-            max_connections=cfg.max_streams, io_timeout_s=cfg.stream_idle_timeout_s),
-            f"{cfg.host}:{cfg.data_port}", "--data_port")
+        data_plane = _bind(
+            lambda: plane_tcp.DataPlaneListener(
+                cfg.host,
+                cfg.data_port,
+                plane_tcp.DataHandler(service, cfg.token),
+                tls=tls,
+                max_connections=cfg.max_streams,
+                io_timeout_s=cfg.stream_idle_timeout_s,
+            ),
+            f"{cfg.host}:{cfg.data_port}",
+            "--data_port",
+        )
         service.data_port = data_plane.port
     server.start()
     for service_name in ("", SERVICE_NAME):
@@ -262,13 +293,15 @@ def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
     try:
         bound = listen()
     except OSError as exc:
-        raise ValueError(f"cannot listen on {address} ({exc.strerror}): stop the process using it or pick another "
-                         f"{flag}") from None
+        raise ValueError(
+            f"cannot listen on {address} ({exc.strerror}): stop the process using it or pick another {flag}"
+        ) from None
     except RuntimeError:  # grpc's text adds nothing: it only says that binding failed
         bound = 0
     if bound == 0:
-        raise ValueError(f"cannot listen on {address}: is another server using the port? stop it or pick another "
-                         f"{flag}")
+        raise ValueError(
+            f"cannot listen on {address}: is another server using the port? stop it or pick another {flag}"
+        )
     return bound
 
 
@@ -294,64 +327,123 @@ def build_parser() -> argparse.ArgumentParser:
         "warm-up on merge rounds, persists the result (--state_dir) and serves the global model back.\n"
         "The run's settings come from its YAML (any node's file: peers, experts per block, mode, and the\n"
         "`server:` section below, overridable as --server.key=value); the flags are the deployment's.",
-        formatter_class=_HelpFormatter, allow_abbrev=False,
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,
         epilog="the run's `server:` section (key, default, meaning):\n"
-        + "\n".join(config_help(ServerSection, "server.")) + "\n\nexample: SPES_TOKEN=$(cat secret) python -m "
-        "spes.server configs/spes_1b/node_0.yaml --port 50051 --tls_cert server.crt --tls_key server.key --state_dir server_state\nPeers connect with "
+        + "\n".join(config_help(ServerSection, "server."))
+        + "\n\nexample: SPES_TOKEN=$(cat secret) python -m spes.server configs/spes_1b/node_0.yaml --port 50051 "
+        "--tls_cert server.crt --tls_key server.key --state_dir server_state\nPeers connect with "
         "spes.sync.client.SyncClient; stop with SIGTERM or Ctrl-C (exit 0); restart with the same --state_dir to "
         "resume. See README 'Security'.",
     )
     add = parser.add_argument_group
-    parser.add_argument("run", nargs="?", metavar="RUN.yaml", default=None,
-                        help="a node YAML of the run: the server takes the run's layout and `server:` section from "
-                        "it (with the same --section.key=value overrides as the nodes), builds the model's manifest "
-                        "and refuses any node whose model differs")
-    parser.add_argument("--state_dir", default=None,
-                        help="persist every completed round here (atomically) and resume from it on restart")
+    parser.add_argument(
+        "run",
+        nargs="?",
+        metavar="RUN.yaml",
+        default=None,
+        help="a node YAML of the run: the server takes the run's layout and `server:` section from "
+        "it (with the same --section.key=value overrides as the nodes), builds the model's manifest "
+        "and refuses any node whose model differs",
+    )
+    parser.add_argument(
+        "--state_dir",
+        default=None,
+        help="persist every completed round here (atomically) and resume from it on restart",
+    )
     run = add("without RUN.yaml (tests, tools): the layout, and the run flags of earlier versions")
-    run.add_argument("--total_peers", type=int, default=None, help="number of peers (nodes) in the run; with "
-                     "RUN.yaml it must equal spes_config.num_peers")
-    run.add_argument("--num_train_experts_per_node", type=int, default=None,
-                     help="experts per ownership block; with RUN.yaml it must equal the run's")
-    run.add_argument("--mode", choices=("spes", "diloco"), default=None,
-                     help="spes: experts from their owners + averaged shared params; diloco: average everything "
-                     "(default: the YAML's, else spes)")
+    run.add_argument(
+        "--total_peers",
+        type=int,
+        default=None,
+        help="number of peers (nodes) in the run; with RUN.yaml it must equal spes_config.num_peers",
+    )
+    run.add_argument(
+        "--num_train_experts_per_node",
+        type=int,
+        default=None,
+        help="experts per ownership block; with RUN.yaml it must equal the run's",
+    )
+    run.add_argument(
+        "--mode",
+        choices=("spes", "diloco"),
+        default=None,
+        help="spes: experts from their owners + averaged shared params; diloco: average everything "
+        "(default: the YAML's, else spes)",
+    )
     add_server_flags(run)
     net = add("network")
     net.add_argument("--host", default="0.0.0.0", help="interface to bind")
     net.add_argument("--port", type=int, default=50051, help="TCP port (0: let the OS choose; the log says which)")
     net.add_argument("--max_message_mb", type=int, default=4, help="gRPC message size limit (MiB)")
-    net.add_argument("--data_port", type=int, default=-1,
-                     help="TCP port of the raw data plane for tensor payloads, ~10x faster than gRPC (0: let the OS "
-                     "choose, advertised to peers at Join; -1: disabled, tensors go over gRPC)")
+    net.add_argument(
+        "--data_port",
+        type=int,
+        default=-1,
+        help="TCP port of the raw data plane for tensor payloads, ~10x faster than gRPC (0: let the OS "
+        "choose, advertised to peers at Join; -1: disabled, tensors go over gRPC)",
+    )
     limits = add("limits (what no peer, careless or hostile, may exceed)")
-    limits.add_argument("--stream_idle_timeout", type=float, default=60.0,
-                        help="close an upload/download stream (either plane) that sends nothing for this many "
-                        "seconds (DEADLINE_EXCEEDED); its partial upload is dropped")
-    limits.add_argument("--max_streams", type=int, default=64,
-                        help="upload/download streams served at once per plane; more: RESOURCE_EXHAUSTED")
-    limits.add_argument("--max_streams_per_peer", type=int, default=6,
-                        help="streams one peer id may hold open at once; more: RESOURCE_EXHAUSTED")
-    limits.add_argument("--max_model_gb", type=float, default=MAX_MODEL_GB,
-                        help="without RUN.yaml: largest model (GB in fp32) a join may declare (the paper's 9B "
-                        "upcycled config is 37.7 GB)")
-    limits.add_argument("--max_tensors", type=int, default=MAX_TENSORS,
-                        help="most tensors a join's manifest may declare (the 9B upcycled config has 591)")
-    limits.add_argument("--peer_liveness", type=float, default=10.0,
-                        help="a second process joining with a live peer's peer_id is refused (ALREADY_EXISTS); a "
-                        "peer is live while its presence stream is open (spes clients keep one), or, a client "
-                        "without one, when heard from within this many seconds")
+    limits.add_argument(
+        "--stream_idle_timeout",
+        type=float,
+        default=60.0,
+        help="close an upload/download stream (either plane) that sends nothing for this many "
+        "seconds (DEADLINE_EXCEEDED); its partial upload is dropped",
+    )
+    limits.add_argument(
+        "--max_streams",
+        type=int,
+        default=64,
+        help="upload/download streams served at once per plane; more: RESOURCE_EXHAUSTED",
+    )
+    limits.add_argument(
+        "--max_streams_per_peer",
+        type=int,
+        default=6,
+        help="streams one peer id may hold open at once; more: RESOURCE_EXHAUSTED",
+    )
+    limits.add_argument(
+        "--max_model_gb",
+        type=float,
+        default=MAX_MODEL_GB,
+        help="without RUN.yaml: largest model (GB in fp32) a join may declare (the paper's 9B "
+        "upcycled config is 37.7 GB)",
+    )
+    limits.add_argument(
+        "--max_tensors",
+        type=int,
+        default=MAX_TENSORS,
+        help="most tensors a join's manifest may declare (the 9B upcycled config has 591)",
+    )
+    limits.add_argument(
+        "--peer_liveness",
+        type=float,
+        default=10.0,
+        help="a second process joining with a live peer's peer_id is refused (ALREADY_EXISTS); a "
+        "peer is live while its presence stream is open (spes clients keep one), or, a client "
+        "without one, when heard from within this many seconds",
+    )
     sec = add("security")
-    sec.add_argument("--token_file", default=None,
-                     help=f"file holding the run's shared secret (default: env {TOKEN_ENV}; neither: no auth)")
+    sec.add_argument(
+        "--token_file",
+        default=None,
+        help=f"file holding the run's shared secret (default: env {TOKEN_ENV}; neither: no auth)",
+    )
     sec.add_argument("--tls_cert", default=None, help="PEM certificate chain (enables TLS)")
     sec.add_argument("--tls_key", default=None, help="PEM private key for --tls_cert")
     sec.add_argument("--tls_client_ca", default=None, help="PEM CA that must have signed client certificates (mTLS)")
-    sec.add_argument("--tls_peer_ids", action="store_true",
-                     help="with mTLS, a node may only act as the peer its certificate names (CN peer-<id>)")
-    sec.add_argument("--insecure", action="store_true",
-                     help="allow a non-loopback --host without a token, or with a token but without TLS (refused "
-                     "otherwise: anyone on the network could join, or read the token)")
+    sec.add_argument(
+        "--tls_peer_ids",
+        action="store_true",
+        help="with mTLS, a node may only act as the peer its certificate names (CN peer-<id>)",
+    )
+    sec.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without a token, or with a token but without TLS (refused "
+        "otherwise: anyone on the network could join, or read the token)",
+    )
     parser.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return parser
 
@@ -370,8 +462,12 @@ def manifest_of_run(path: str, overrides: list[str] | tuple[str, ...] = ()) -> t
 
 def merge_of(section: ServerSection) -> MergeConfig:
     """The merge warm-up the round math takes, from the run's `server:` section."""
-    return MergeConfig(interval=section.merge_interval, alpha_start=section.merge_alpha_start,
-                       decay_steps=section.merge_decay_steps, topk=section.merge_topk)
+    return MergeConfig(
+        interval=section.merge_interval,
+        alpha_start=section.merge_alpha_start,
+        decay_steps=section.merge_decay_steps,
+        topk=section.merge_topk,
+    )
 
 
 def outer_of(section: ServerSection) -> OuterConfig:
@@ -387,43 +483,73 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
     RUN.yaml must agree with it.
     """
     overrides = [*args.overrides, *server_flag_overrides(args)]
-    layout = {"--total_peers": args.total_peers, "--num_train_experts_per_node": args.num_train_experts_per_node,
-              "--mode": args.mode}
+    layout = {
+        "--total_peers": args.total_peers,
+        "--num_train_experts_per_node": args.num_train_experts_per_node,
+        "--mode": args.mode,
+    }
     manifest = None
     if args.run is not None:
         manifest, run = manifest_of_run(args.run, overrides)
         if not run.sync_enabled:
-            raise ValueError(f"{args.run} is a centralized run (using_spes: false), which has no parameter server: "
-                             "give the YAML of a SPES or DiLoCo node")
-        of_run = {"--total_peers": run.num_peers, "--num_train_experts_per_node": run.experts_per_peer,
-                  "--mode": run.mode}
+            raise ValueError(
+                f"{args.run} is a centralized run (using_spes: false), which has no parameter server: "
+                "give the YAML of a SPES or DiLoCo node"
+            )
+        of_run = {
+            "--total_peers": run.num_peers,
+            "--num_train_experts_per_node": run.experts_per_peer,
+            "--mode": run.mode,
+        }
         for flag, value in layout.items():
             if value is not None and value != of_run[flag]:
-                raise ValueError(f"{flag}={value} disagrees with {args.run}, whose run has {of_run[flag]}: drop the "
-                                 "flag or fix the YAML")
+                raise ValueError(
+                    f"{flag}={value} disagrees with {args.run}, whose run has {of_run[flag]}: drop the "
+                    "flag or fix the YAML"
+                )
         layout, section = of_run, run.server
     else:
         missing = [flag for flag in ("--total_peers", "--num_train_experts_per_node") if layout[flag] is None]
         if missing:
-            raise ValueError(f"no run given: pass the run's YAML (python -m spes.server RUN.yaml); without one, "
-                             f"{' and '.join(missing)} required")
+            raise ValueError(
+                f"no run given: pass the run's YAML (python -m spes.server RUN.yaml); without one, "
+                f"{' and '.join(missing)} required"
+            )
         section = load_server_section(overrides)
     mode = {"mode": layout["--mode"]} if layout["--mode"] is not None else {}
-    return {"total_peers": layout["--total_peers"], "experts_per_peer": layout["--num_train_experts_per_node"],
-            **mode, "merge": merge_of(section), "outer": outer_of(section),
-            "round_timeout_s": section.round_timeout_s, "dead_peer_policy": section.dead_peer_policy,
-            "min_peers": section.min_peers, "expected_manifest": manifest}
+    return {
+        "total_peers": layout["--total_peers"],
+        "experts_per_peer": layout["--num_train_experts_per_node"],
+        **mode,
+        "merge": merge_of(section),
+        "outer": outer_of(section),
+        "round_timeout_s": section.round_timeout_s,
+        "dead_peer_policy": section.dead_peer_policy,
+        "min_peers": section.min_peers,
+        "expected_manifest": manifest,
+    }
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
-        **_run_settings(args), host=args.host, port=args.port, state_dir=args.state_dir,
-        token=read_token(args.token_file, "--token_file"), tls_cert=args.tls_cert,
-        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_peer_ids=args.tls_peer_ids,
-        max_message_mb=args.max_message_mb, data_port=args.data_port,
-        stream_idle_timeout_s=args.stream_idle_timeout, max_streams=args.max_streams,
-        max_streams_per_peer=args.max_streams_per_peer, peer_liveness_s=args.peer_liveness,
-        max_model_gb=args.max_model_gb, max_tensors=args.max_tensors, insecure=args.insecure,
+        **_run_settings(args),
+        host=args.host,
+        port=args.port,
+        state_dir=args.state_dir,
+        token=read_token(args.token_file, "--token_file"),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        tls_peer_ids=args.tls_peer_ids,
+        max_message_mb=args.max_message_mb,
+        data_port=args.data_port,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        max_streams=args.max_streams,
+        max_streams_per_peer=args.max_streams_per_peer,
+        peer_liveness_s=args.peer_liveness,
+        max_model_gb=args.max_model_gb,
+        max_tensors=args.max_tensors,
+        insecure=args.insecure,
     )
 
 
@@ -456,9 +582,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     shown = replace(cfg, port=server.port)  # the token field is repr=False: never logged
-    log.info("spes parameter server listening on %s:%d (data plane %s, auth %s, tls %s) %s", cfg.host, server.port,
-             server.data_port or "off",
-             "on" if cfg.token else "OFF", "mutual" if cfg.tls_client_ca else ("on" if cfg.tls_cert else "off"), shown)
+    log.info(
+        "spes parameter server listening on %s:%d (data plane %s, auth %s, tls %s) %s",
+        cfg.host,
+        server.port,
+        server.data_port or "off",
+        "on" if cfg.token else "OFF",
+        "mutual" if cfg.tls_client_ca else ("on" if cfg.tls_cert else "off"),
+        shown,
+    )
     if cfg.token is None:
         log.warning("no SPES_TOKEN or --token_file: anyone who can reach this port can join the run")
     try:

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -33,7 +32,6 @@ STATE_FILE = "state.json"
 FORMAT = 1
 MOMENTUM_PREFIX = "momentum/"
 _ROUND_FILE = re.compile(r"^round-(\d+)\.safetensors$")
-
 
 
 @dataclass(frozen=True)
@@ -116,7 +114,7 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
         with safe_open(str(tensor_path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name.startswith(MOMENTUM_PREFIX):
-                    momentum[name[len(MOMENTUM_PREFIX):]] = f.get_tensor(name)
+                    momentum[name[len(MOMENTUM_PREFIX) :]] = f.get_tensor(name)
                 else:
                     global_model[name] = f.get_tensor(name)
     except SafetensorError as exc:

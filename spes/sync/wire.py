@@ -146,8 +146,9 @@ class EncodedModel(Mapping[str, Encoded]):
     whose checksum is already known (`VerifiedChecksums.known`).
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], wire_dtype: str,
-                 known: Mapping[str, Encoded] | None = None) -> None:
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], wire_dtype: str, known: Mapping[str, Encoded] | None = None
+    ) -> None:
         wire_torch_dtype(wire_dtype)
         self._tensors, self._wire_dtype = tensors, wire_dtype
         self._locks = {name: threading.Lock() for name in tensors}
@@ -246,8 +247,9 @@ def encode_tensor(
         yield pb.TensorChunk(header=header, offset=0, data=b"", checksum=checksum(b""))
 
 
-def write_raw(tensor: torch.Tensor, wire_dtype: str, write: Callable[[memoryview | bytes], object],
-              encoded: Encoded | None = None) -> int:
+def write_raw(
+    tensor: torch.Tensor, wire_dtype: str, write: Callable[[memoryview | bytes], object], encoded: Encoded | None = None
+) -> int:
     """Write one tensor's raw form through `write` (e.g. `socket.sendall`): its wire bytes, then `DIGEST`.
 
     Why the checksum trails the payload: each piece is hashed right before it is written, while it is in
@@ -270,8 +272,10 @@ def write_raw(tensor: torch.Tensor, wire_dtype: str, write: Callable[[memoryview
 
 
 def encode_tensors(
-    tensors: Mapping[str, torch.Tensor], wire_dtype: str, chunk_bytes: int = CHUNK_BYTES,
-    encoded: Mapping[str, Encoded] | None = None
+    tensors: Mapping[str, torch.Tensor],
+    wire_dtype: str,
+    chunk_bytes: int = CHUNK_BYTES,
+    encoded: Mapping[str, Encoded] | None = None,
 ) -> Iterator[pb.TensorChunk]:
     """Yield the chunks of every tensor, in the mapping's order (reusing `encoded` forms where given)."""
     for name, tensor in tensors.items():
@@ -311,8 +315,14 @@ class TensorDecoder:
     keeps `into` across rounds touches no fresh memory: the returned tensors are valid until its next use.
     """
 
-    def __init__(self, expected: Mapping[str, Shape], wire_dtype: str,
-                 into: MutableMapping[str, torch.Tensor] | None = None, *, require_finite: bool = False) -> None:
+    def __init__(
+        self,
+        expected: Mapping[str, Shape],
+        wire_dtype: str,
+        into: MutableMapping[str, torch.Tensor] | None = None,
+        *,
+        require_finite: bool = False,
+    ) -> None:
         self._expected = {name: tuple(int(d) for d in shape) for name, shape in expected.items()}
         self._into, self._require_finite = into, require_finite
         self._itemsize = _ITEMSIZE[wire_dtype]

@@ -54,8 +54,9 @@ class ServerProcess:
         return self.proc.wait(timeout=15)
 
 
-def start_server_process(log: Path, args: list[str], *, port: int = 0, env: dict[str, str] | None = None,
-                         timeout_s: float = 60) -> ServerProcess:
+def start_server_process(
+    log: Path, args: list[str], *, port: int = 0, env: dict[str, str] | None = None, timeout_s: float = 60
+) -> ServerProcess:
     """Start the server on 127.0.0.1 and wait for its 'listening on' line (the port it bound)."""
     command = [sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "ab") as out:
@@ -99,15 +100,28 @@ def proc_usage(pid: int) -> dict[str, int]:
 
 
 def fault_free(
-    uploads: dict[int, dict[int, dict[str, torch.Tensor]]], *, num_peers: int, mode: Mode,
-    merge: MergeConfig | None = None, outer: OuterConfig | None = None,
+    uploads: dict[int, dict[int, dict[str, torch.Tensor]]],
+    *,
+    num_peers: int,
+    mode: Mode,
+    merge: MergeConfig | None = None,
+    outer: OuterConfig | None = None,
 ) -> dict[str, torch.Tensor]:
     """The global model after the rounds of `uploads` (step -> peer -> tensors) with no fault at all."""
     global_model: dict[str, torch.Tensor] = {}
     momentum: dict[str, torch.Tensor] = {}
     for step in sorted(uploads):
-        built = build_global(uploads[step], num_peers=num_peers, experts_per_peer=2, mode=mode, step=step,
-                             merge=merge, outer=outer, previous=global_model, momentum=momentum)
+        built = build_global(
+            uploads[step],
+            num_peers=num_peers,
+            experts_per_peer=2,
+            mode=mode,
+            step=step,
+            merge=merge,
+            outer=outer,
+            previous=global_model,
+            momentum=momentum,
+        )
         global_model, momentum = built.tensors, built.momentum
     return global_model
 

@@ -19,10 +19,9 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sync_helpers import peer_upload, tiny_manifest  # noqa: E402
-
 from spes.sync.client import SyncClient  # noqa: E402
 from spes.sync.merge import trainable_names  # noqa: E402
+from sync_helpers import peer_upload, tiny_manifest  # noqa: E402
 
 
 def main() -> int:
@@ -36,13 +35,22 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    manifest = tiny_manifest(num_blocks=args.num_peers if args.mode == "spes" else 1, d=args.width,
-                             f=max(1, args.width // 2))
+    manifest = tiny_manifest(
+        num_blocks=args.num_peers if args.mode == "spes" else 1, d=args.width, f=max(1, args.width // 2)
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with SyncClient(args.addr, peer_id=args.peer, num_peers=args.num_peers, experts_per_peer=2, mode=args.mode,
-                    token=os.environ.get("SPES_TOKEN"), rpc_timeout_s=10, round_timeout_s=60,
-                    max_retries=8) as client:
+    with SyncClient(
+        args.addr,
+        peer_id=args.peer,
+        num_peers=args.num_peers,
+        experts_per_peer=2,
+        mode=args.mode,
+        token=os.environ.get("SPES_TOKEN"),
+        rpc_timeout_s=10,
+        round_timeout_s=60,
+        max_retries=8,
+    ) as client:
         client.join(manifest, trainable_names(list(manifest), args.peer, args.mode))
         for step in args.steps:
             got, stats = client.sync(step, peer_upload(manifest, args.peer, args.mode, seed=step))

@@ -22,24 +22,37 @@ from pathlib import Path
 import grpc
 import pytest
 from fault_helpers import REPO, ServerProcess, assert_exact, fault_free, proc_usage, server_process
-from sync_helpers import TOKEN, peer_upload, running_server, tiny_manifest
 
 from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError
 from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.server import manifest_of_run
 from spes.sync.protocol import PROTOCOL_VERSION
+from spes.sync.server import manifest_of_run
+from sync_helpers import TOKEN, peer_upload, running_server, tiny_manifest
 
 PEERS = 2
 MANIFEST = tiny_manifest()
 RSS_BOUND = 1 << 30
 """The server process (torch imported, a tiny model) stays far below this; a 4 TiB manifest would not."""
 IDLE_S = 2
-ARGS = ["--total_peers", str(PEERS), "--num_train_experts_per_node", "2", "--merge_interval", "0",
-        "--data_port", "0", "--stream_idle_timeout", str(IDLE_S), "--max_streams", "16",
-        "--max_streams_per_peer", "6"]
+ARGS = [
+    "--total_peers",
+    str(PEERS),
+    "--num_train_experts_per_node",
+    "2",
+    "--merge_interval",
+    "0",
+    "--data_port",
+    "0",
+    "--stream_idle_timeout",
+    str(IDLE_S),
+    "--max_streams",
+    "16",
+    "--max_streams_per_peer",
+    "6",
+]
 UPLOAD = "/spes.v1.ParameterServer/Upload"
 
 
@@ -57,8 +70,7 @@ class Run:
     def client(self, peer: int, **kwargs: object) -> SyncClient:
         settings: dict = {"rpc_timeout_s": 10, "round_timeout_s": 60, "max_retries": 8, "token": self.token}
         settings.update(kwargs)
-        return SyncClient(self.server.addr, peer_id=peer, num_peers=PEERS, experts_per_peer=2, mode="spes",
-                          **settings)
+        return SyncClient(self.server.addr, peer_id=peer, num_peers=PEERS, experts_per_peer=2, mode="spes", **settings)
 
     def status(self) -> pb.StatusReply:
         """Status must answer within 1 s, whatever else is going on."""
@@ -116,8 +128,8 @@ def error_code(sock: socket.socket) -> str:
 
 
 def hello(op: str = "upload", peer: int = 0, step: int = 1, token: str | None = None) -> bytes:
-    body = ('{"op":"%s","peer_id":%d,"step":%d,"full":false,"token":%s}'
-            % (op, peer, step, "null" if token is None else f'"{token}"')).encode()
+    quoted = "null" if token is None else f'"{token}"'
+    body = f'{{"op":"{op}","peer_id":{peer},"step":{step},"full":false,"token":{quoted}}}'.encode()
     return struct.pack("<4sH", b"SPES", PROTOCOL_VERSION) + struct.pack("<I", len(body)) + body
 
 
@@ -152,7 +164,9 @@ def test_idle_streams_and_connections_hold_nothing(tmp_path: Path) -> None:
         assert {c for a, c in codes if not a} == {grpc.StatusCode.UNAUTHENTICATED}
         authed = {c for a, c in codes if a}
         assert grpc.StatusCode.DEADLINE_EXCEEDED in authed and authed <= {
-            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}, authed
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        }, authed
         data_codes = {error_code(s) for s in socks}
         assert {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED"} <= data_codes, data_codes
         r.check_healthy()
@@ -170,8 +184,11 @@ def _data_port(r: Run) -> int:
 def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
     port = _data_port(run)
     refusals = []
-    for payload in (os.urandom(64), b"SPES" + b"\xff\xff" + os.urandom(32),  # garbage, a wrong version
-                    hello()[:6] + struct.pack("<I", 1 << 31)):  # a hello declaring 2 GiB
+    for payload in (
+        os.urandom(64),
+        b"SPES" + b"\xff\xff" + os.urandom(32),  # garbage, a wrong version
+        hello()[:6] + struct.pack("<I", 1 << 31),
+    ):  # a hello declaring 2 GiB
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(payload)
             refusals.append(error_code(sock))
@@ -193,11 +210,14 @@ def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
     with pytest.raises(grpc.RpcError) as err:
         garbage(iter([b"\xff\xfe\xfd garbage"]), timeout=10)
     assert err.value.code() == grpc.StatusCode.INTERNAL  # grpc's own: "Exception deserializing request!"
-    upload = run.probe.stream_unary(UPLOAD, request_serializer=pb.UploadMessage.SerializeToString,
-                                    response_deserializer=pb.UploadReply.FromString)
+    upload = run.probe.stream_unary(
+        UPLOAD, request_serializer=pb.UploadMessage.SerializeToString, response_deserializer=pb.UploadReply.FromString
+    )
     header = pb.TensorHeader(name="embed.weight", dtype="fp32", shape=[16, 8], num_bytes=512)
-    truncated = [pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=run.step + 1)),
-                 pb.UploadMessage(chunk=pb.TensorChunk(header=header, offset=0, data=b"\0" * 100))]
+    truncated = [
+        pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=run.step + 1)),
+        pb.UploadMessage(chunk=pb.TensorChunk(header=header, offset=0, data=b"\0" * 100)),
+    ]
     with pytest.raises(grpc.RpcError) as err:
         upload(iter(truncated), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -212,9 +232,16 @@ def test_declared_sizes_and_counts_past_every_limit(run: Run) -> None:
     stub = pb_grpc.ParameterServerStub(run.probe)
 
     def join(manifest: dict[str, tuple[int, ...]]) -> grpc.RpcError:
-        request = pb.JoinRequest(peer_id=1, num_peers=PEERS, experts_per_peer=2, mode="spes", wire_dtype="fp32",
-                                 manifest=[pb.TensorSpec(name=n, shape=s) for n, s in manifest.items()],
-                                 trainable=trainable_names(list(manifest), 1, "spes"), protocol=PROTOCOL_VERSION)
+        request = pb.JoinRequest(
+            peer_id=1,
+            num_peers=PEERS,
+            experts_per_peer=2,
+            mode="spes",
+            wire_dtype="fp32",
+            manifest=[pb.TensorSpec(name=n, shape=s) for n, s in manifest.items()],
+            trainable=trainable_names(list(manifest), 1, "spes"),
+            protocol=PROTOCOL_VERSION,
+        )
         with pytest.raises(grpc.RpcError) as err:
             stub.Join(request, timeout=10)
         return err.value
@@ -231,8 +258,9 @@ def test_declared_sizes_and_counts_past_every_limit(run: Run) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(hello(step=run.step + 1))
         assert plane_tcp.recv_frame(sock) == {"status": "send"}
-        plane_tcp.send_frame(sock, {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20],
-                                    "num_bytes": 1 << 42})
+        plane_tcp.send_frame(
+            sock, {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20], "num_bytes": 1 << 42}
+        )
         assert plane_tcp.recv_frame(sock)["code"] == "INVALID_ARGUMENT"
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(hello(step=run.step + 1))
@@ -265,8 +293,12 @@ def test_duplicate_peer_ids_and_a_restarted_peer(run: Run) -> None:
 def test_two_processes_joining_with_one_peer_id_at_once() -> None:
     """With nobody joined yet, two processes claiming the same id at the same moment: exactly one gets it."""
     with running_server(total_peers=2) as (_, addr), ExitStack() as stack:
-        clients = [stack.enter_context(SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes",
-                                                  max_retries=0)) for _ in range(2)]
+        clients = [
+            stack.enter_context(
+                SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes", max_retries=0)
+            )
+            for _ in range(2)
+        ]
         with ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(c.join, MANIFEST, trainable_names(list(MANIFEST), 1, "spes")) for c in clients]
             errors = [f.exception(timeout=30) for f in futures]
@@ -298,8 +330,9 @@ def test_a_join_mid_round_and_a_replayed_old_upload(run: Run) -> None:
         sock.sendall(hello(step=old))  # a replay of a round the run has moved past
         frame = plane_tcp.recv_frame(sock)
     assert frame["code"] == "FAILED_PRECONDITION" and frame["reason"] == "stale_round", frame
-    replay = run.probe.stream_unary(UPLOAD, request_serializer=pb.UploadMessage.SerializeToString,
-                                    response_deserializer=pb.UploadReply.FromString)
+    replay = run.probe.stream_unary(
+        UPLOAD, request_serializer=pb.UploadMessage.SerializeToString, response_deserializer=pb.UploadReply.FromString
+    )
     reply = replay(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step))]), timeout=10)
     assert reply.duplicate  # the round just completed: an idempotent no-op
     run.check_healthy()
@@ -312,11 +345,24 @@ def test_the_server_knows_the_model_from_the_runs_yaml(tmp_path: Path) -> None:
     config = REPO / "configs" / "tiny.yaml"
     manifest, cfg = manifest_of_run(str(config))
     peers, k = cfg.spes_config.num_peers, cfg.spes_config.num_train_experts_per_node
-    with server_process(tmp_path / "server.log", [str(config), "--merge_interval", "0"]) as server, \
-            ExitStack() as stack:
-        clients = [stack.enter_context(SyncClient(server.addr, peer_id=p, num_peers=peers, experts_per_peer=k,
-                                                  mode="spes", rpc_timeout_s=10, max_retries=0))
-                   for p in range(peers)]
+    with (
+        server_process(tmp_path / "server.log", [str(config), "--merge_interval", "0"]) as server,
+        ExitStack() as stack,
+    ):
+        clients = [
+            stack.enter_context(
+                SyncClient(
+                    server.addr,
+                    peer_id=p,
+                    num_peers=peers,
+                    experts_per_peer=k,
+                    mode="spes",
+                    rpc_timeout_s=10,
+                    max_retries=0,
+                )
+            )
+            for p in range(peers)
+        ]
         wrong = dict(manifest, **{"lm_head.weight": (4097, 64)})
         with pytest.raises(SyncError) as err:
             clients[0].join(wrong, trainable_names(list(wrong), 0, "spes"))
@@ -326,8 +372,9 @@ def test_the_server_knows_the_model_from_the_runs_yaml(tmp_path: Path) -> None:
             client.join(manifest, trainable_names(list(manifest), p, "spes"))
         uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(peers)}
         with ThreadPoolExecutor(peers) as pool:
-            results = [f.result(timeout=90) for f in [pool.submit(c.sync, 1, uploads[p])
-                                                       for p, c in enumerate(clients)]]
+            results = [
+                f.result(timeout=90) for f in [pool.submit(c.sync, 1, uploads[p]) for p, c in enumerate(clients)]
+            ]
         assert clients[0].status().current_round == 1
         assert proc_usage(server.proc.pid)["rss"] < RSS_BOUND
     want = fault_free({1: uploads}, num_peers=peers, mode="spes")

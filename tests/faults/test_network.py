@@ -9,11 +9,11 @@ from contextlib import ExitStack, contextmanager
 
 import pytest
 from fault_helpers import assert_exact, fault_free
-from sync_helpers import peer_upload, running_server, sync_all, tiny_manifest
 from tcp_proxy import TcpProxy
 
 from spes.sync.client import SyncClient
 from spes.sync.merge import MergeConfig, trainable_names
+from sync_helpers import peer_upload, running_server, sync_all, tiny_manifest
 
 MANIFEST = tiny_manifest(d=128, f=64)  # ~0.6 MB up per peer and round
 MERGE = MergeConfig(interval=2, alpha_start=0.5, decay_steps=100, topk=2)
@@ -22,9 +22,21 @@ MERGE = MergeConfig(interval=2, alpha_start=0.5, decay_steps=100, topk=2)
 @contextmanager
 def peers_through(proxy: TcpProxy) -> Iterator[list[SyncClient]]:
     with ExitStack() as stack:
-        clients = [stack.enter_context(SyncClient(f"127.0.0.1:{proxy.port}", peer_id=p, num_peers=2,
-                                                  experts_per_peer=2, mode="spes", rpc_timeout_s=10,
-                                                  round_timeout_s=45, max_retries=6)) for p in range(2)]
+        clients = [
+            stack.enter_context(
+                SyncClient(
+                    f"127.0.0.1:{proxy.port}",
+                    peer_id=p,
+                    num_peers=2,
+                    experts_per_peer=2,
+                    mode="spes",
+                    rpc_timeout_s=10,
+                    round_timeout_s=45,
+                    max_retries=6,
+                )
+            )
+            for p in range(2)
+        ]
         for peer, client in enumerate(clients):
             client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
         yield clients
@@ -59,8 +71,10 @@ def test_network_faults_are_recovered_and_the_run_is_exact(fault: str, caplog: p
     caplog.set_level(logging.WARNING, logger="spes")
     uploads = {step: {p: peer_upload(MANIFEST, p, "spes", seed=step) for p in range(2)} for step in (1, 2, 3)}
     delay = 0.02 if fault == "delay" else 0.0
-    with running_server(merge=MERGE) as (_, addr), TcpProxy(("127.0.0.1", int(addr.split(":")[1])),
-                                                             delay_s=delay) as proxy:
+    with (
+        running_server(merge=MERGE) as (_, addr),
+        TcpProxy(("127.0.0.1", int(addr.split(":")[1])), delay_s=delay) as proxy,
+    ):
         with peers_through(proxy) as clients:
             results = {1: sync_all(clients, 1, uploads[1])}
             struck = arm(proxy, fault)

@@ -13,28 +13,61 @@ import grpc
 import pytest
 from fault_helpers import REPO, assert_exact, fault_free, server_process
 from safetensors.torch import load_file
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
 from tcp_proxy import TcpProxy
 
 from spes.sync.client import SyncClient, SyncError
 from spes.sync.merge import MergeConfig, trainable_names
 from spes.sync.wire import payload_bytes
+from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
 
 WIDTH = 128
 MANIFEST = tiny_manifest(d=WIDTH, f=WIDTH // 2)
 MERGE = MergeConfig(interval=2, alpha_start=0.5, decay_steps=100, topk=2)
-SERVER_ARGS = ["--total_peers", "2", "--num_train_experts_per_node", "2", "--merge_interval", "2",
-               "--merge_alpha_start", "0.5", "--merge_decay_steps", "100", "--merge_topk", "2"]
+SERVER_ARGS = [
+    "--total_peers",
+    "2",
+    "--num_train_experts_per_node",
+    "2",
+    "--merge_interval",
+    "2",
+    "--merge_alpha_start",
+    "0.5",
+    "--merge_decay_steps",
+    "100",
+    "--merge_topk",
+    "2",
+]
 
 
 def peer_command(addr: str, peer: int, steps: list[int], out: Path) -> list[str]:
-    return [sys.executable, str(REPO / "tests/faults/peer_process.py"), "--addr", addr, "--peer", str(peer),
-            "--width", str(WIDTH), "--steps", *map(str, steps), "--out", str(out)]
+    return [
+        sys.executable,
+        str(REPO / "tests/faults/peer_process.py"),
+        "--addr",
+        addr,
+        "--peer",
+        str(peer),
+        "--width",
+        str(WIDTH),
+        "--steps",
+        *map(str, steps),
+        "--out",
+        str(out),
+    ]
 
 
 def client(addr: str, peer: int, token: str | None = TOKEN) -> SyncClient:
-    return SyncClient(addr, peer_id=peer, num_peers=2, experts_per_peer=2, mode="spes", token=token,
-                      rpc_timeout_s=10, round_timeout_s=60, max_retries=8)
+    return SyncClient(
+        addr,
+        peer_id=peer,
+        num_peers=2,
+        experts_per_peer=2,
+        mode="spes",
+        token=token,
+        rpc_timeout_s=10,
+        round_timeout_s=60,
+        max_retries=8,
+    )
 
 
 @pytest.mark.slow
@@ -46,13 +79,18 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
     with server_process(tmp_path / "server.log", SERVER_ARGS, env=env) as server, client(server.addr, 0) as peer0:
         peer0.join(MANIFEST, trainable_names(list(MANIFEST), 0, "spes"))
         with TcpProxy(("127.0.0.1", server.port), delay_s=0.005) as proxy, ThreadPoolExecutor(1) as pool:
-            victim = subprocess.Popen(peer_command(f"127.0.0.1:{proxy.port}", 1, [1, 2], tmp_path / "first"),
-                                      cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT)
+            victim = subprocess.Popen(
+                peer_command(f"127.0.0.1:{proxy.port}", 1, [1, 2], tmp_path / "first"),
+                cwd=REPO,
+                env={**os.environ, **env},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
             try:
                 # NOTE: kill once the second upload (round 2) is ~200 KB in; the first was `upload_bytes` long.
-                proxy.watchers.append(lambda d, total: victim.kill() if d == "up" and total > upload_bytes
-                                      + 200_000 else None)
+                proxy.watchers.append(
+                    lambda d, total: victim.kill() if d == "up" and total > upload_bytes + 200_000 else None
+                )
                 round_1 = peer0.sync(1, uploads[1][0])
                 waiting = pool.submit(peer0.sync, 2, uploads[2][0])
                 assert victim.wait(timeout=60) == -9
@@ -61,9 +99,14 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
                 victim.wait()
             status = peer0.status()
             assert (status.current_round, status.open_round, status.peers_uploaded) == (1, 2, (0,))
-            restarted = subprocess.run(peer_command(server.addr, 1, [2], tmp_path / "again"), cwd=REPO,
-                                       env={**os.environ, **env}, capture_output=True, text=True,
-                                       timeout=60)
+            restarted = subprocess.run(
+                peer_command(server.addr, 1, [2], tmp_path / "again"),
+                cwd=REPO,
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert restarted.returncode == 0, restarted.stdout + restarted.stderr
             round_2 = waiting.result(timeout=60)
         assert "broke off after" in server.log_text()
@@ -94,8 +137,11 @@ def test_duplicate_and_out_of_order_uploads_leave_the_run_exact() -> None:
             waiting = pool.submit(peer0.sync, 2, uploads[2][0])
             while peer1.status().peers_uploaded != (0,):
                 time.sleep(0.02)
-            with pytest.raises(SyncError, match="round 3 is ahead of the open round 2, which still waits for peers "
-                               r"\[1\]: do all peers use the same sync_steps\?") as err:
+            with pytest.raises(
+                SyncError,
+                match="round 3 is ahead of the open round 2, which still waits for peers "
+                r"\[1\]: do all peers use the same sync_steps\?",
+            ) as err:
                 peer1.sync(3, uploads[2][1])
             assert err.value.reason == "future_round"
             again, stats = peer1.sync(1, uploads[1][1])  # a repeated round is a no-op that returns it again

@@ -62,24 +62,43 @@ class Recording:
         return result
 
 
-def node(corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | None = None,
-         crash_at: int | None = None) -> tuple[Trainer, Recording]:
+def node(
+    corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | None = None, crash_at: int | None = None
+) -> tuple[Trainer, Recording]:
     """One peer as `python -m spes.train configs/tiny.yaml` would build it (--resume: `load_path`)."""
-    cfg, _ = load_config(str(REPO / "configs" / "tiny.yaml"), [
-        *corpus.overrides(tmp_path / f"node{peer}"), f"--spes_config.peer_id={peer}", "--spes_config.num_peers=2",
-        "--spes_config.num_train_experts_per_node=4", f"--spes_config.server_addr={addr}",
-        "--spes_config.sync_steps=2", f"--max_duration={STEPS}st",
-        "--eval_interval=null", "--save_interval=2", "--save_num_checkpoints_to_keep=-1",
-        "--spes_config.rpc_timeout_s=30",
-        "--spes_config.round_timeout_s=60", "--spes_config.max_retries=8"])
+    cfg, _ = load_config(
+        str(REPO / "configs" / "tiny.yaml"),
+        [
+            *corpus.overrides(tmp_path / f"node{peer}"),
+            f"--spes_config.peer_id={peer}",
+            "--spes_config.num_peers=2",
+            "--spes_config.num_train_experts_per_node=4",
+            f"--spes_config.server_addr={addr}",
+            "--spes_config.sync_steps=2",
+            f"--max_duration={STEPS}st",
+            "--eval_interval=null",
+            "--save_interval=2",
+            "--save_num_checkpoints_to_keep=-1",
+            "--spes_config.rpc_timeout_s=30",
+            "--spes_config.round_timeout_s=60",
+            "--spes_config.max_retries=8",
+        ],
+    )
     cfg.load_path = load_path
     built = build_node(cfg, CPU, log=lambda _m: None)
     sync = PeerSync(cfg, built.model, CPU, log=lambda _m: None)
     sync.join()
     loader = built.loader if crash_at is None else CrashingLoader(built.loader, crash_at)
     recording = Recording(sync)
-    trainer = Trainer(cfg=cfg, model=built.model, optimizer=built.optimizer, loader=loader, info=CPU,
-                      syncer=recording, log=lambda _m: None)
+    trainer = Trainer(
+        cfg=cfg,
+        model=built.model,
+        optimizer=built.optimizer,
+        loader=loader,
+        info=CPU,
+        syncer=recording,
+        log=lambda _m: None,
+    )
     if built.checkpoint is not None:
         trainer.load_state_dict(built.checkpoint.trainer)
     return trainer, recording
@@ -93,8 +112,9 @@ def run(trainer: Trainer, recording: Recording) -> Trainer:
     return trainer
 
 
-def crash_then_resume(corpus: Any, tmp_path: Path, addr: str, crash_at: int, resume_from: str) -> tuple[Trainer,
-                                                                                                       Recording]:
+def crash_then_resume(
+    corpus: Any, tmp_path: Path, addr: str, crash_at: int, resume_from: str
+) -> tuple[Trainer, Recording]:
     """Peer 1 crashes before batch `crash_at`, then restarts from `resume_from` (in its save folder; '.': latest)."""
     with pytest.raises(Crash):
         run(*node(corpus, tmp_path, addr, 1, crash_at=crash_at))

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from fault_helpers import assert_exact, fault_free, free_port, start_server_process
-from sync_helpers import peer_upload, sync_all, tiny_manifest
 from tcp_proxy import TcpProxy
 
 from spes.sync.client import SyncClient
 from spes.sync.merge import MergeConfig, Mode, OuterConfig, trainable_names
+from sync_helpers import peer_upload, sync_all, tiny_manifest
 
 MANIFEST = {"spes": tiny_manifest(d=128, f=64), "diloco": tiny_manifest(num_blocks=1, d=128, f=64)}
 ARGS = {
@@ -28,9 +28,21 @@ ARGS = {
 def peers(addr: str, mode: Mode) -> Iterator[list[SyncClient]]:
     manifest = MANIFEST[mode]
     with ExitStack() as stack:
-        clients = [stack.enter_context(SyncClient(addr, peer_id=p, num_peers=2, experts_per_peer=2, mode=mode,
-                                                  rpc_timeout_s=10, round_timeout_s=90, max_retries=10))
-                   for p in range(2)]
+        clients = [
+            stack.enter_context(
+                SyncClient(
+                    addr,
+                    peer_id=p,
+                    num_peers=2,
+                    experts_per_peer=2,
+                    mode=mode,
+                    rpc_timeout_s=10,
+                    round_timeout_s=90,
+                    max_retries=10,
+                )
+            )
+            for p in range(2)
+        ]
         for peer, client in enumerate(clients):
             client.join(manifest, trainable_names(list(manifest), peer, mode))
         yield clients
@@ -43,8 +55,15 @@ def test_server_killed_mid_round_resumes_from_state_dir_and_the_run_is_exact(
     tmp_path: Path, mode: Mode, moment: str
 ) -> None:
     manifest = MANIFEST[mode]
-    args = ["--total_peers", "2", "--num_train_experts_per_node", "2", "--state_dir", str(tmp_path / "state"),
-            *ARGS[mode]]
+    args = [
+        "--total_peers",
+        "2",
+        "--num_train_experts_per_node",
+        "2",
+        "--state_dir",
+        str(tmp_path / "state"),
+        *ARGS[mode],
+    ]
     uploads = {step: {p: peer_upload(manifest, p, mode, seed=step) for p in range(2)} for step in (1, 2, 3)}
     port = free_port()
     servers = [start_server_process(tmp_path / "server.log", args, port=port)]

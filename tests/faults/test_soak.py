@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from fault_helpers import REPO, assert_exact, fault_free, proc_usage, server_process
-from sync_helpers import peer_upload, running_server, sync_all, tiny_manifest
 
 from spes.sync.client import SyncClient
 from spes.sync.merge import MergeConfig, trainable_names
+from sync_helpers import peer_upload, running_server, sync_all, tiny_manifest
 
 ROUNDS, WARMUP, PEERS = 30, 10, 3
 MANIFEST = tiny_manifest(num_blocks=PEERS, d=64, f=32)
@@ -28,14 +28,38 @@ MERGE = MergeConfig(interval=5, alpha_start=0.5, decay_steps=1000, topk=2)
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_soak_thirty_rounds_without_growth(tmp_path: Path) -> None:
-    args = ["--total_peers", str(PEERS), "--num_train_experts_per_node", "2", "--merge_interval", "5",
-            "--merge_alpha_start", "0.5", "--merge_decay_steps", "1000", "--merge_topk", "2",
-            "--state_dir", str(tmp_path / "state")]
+    args = [
+        "--total_peers",
+        str(PEERS),
+        "--num_train_experts_per_node",
+        "2",
+        "--merge_interval",
+        "5",
+        "--merge_alpha_start",
+        "0.5",
+        "--merge_decay_steps",
+        "1000",
+        "--merge_topk",
+        "2",
+        "--state_dir",
+        str(tmp_path / "state"),
+    ]
     usage = {}
     with server_process(tmp_path / "server.log", args) as server, ExitStack() as stack:
-        clients = [stack.enter_context(SyncClient(server.addr, peer_id=p, num_peers=PEERS, experts_per_peer=2,
-                                                  mode="spes", rpc_timeout_s=10, round_timeout_s=30))
-                   for p in range(PEERS)]
+        clients = [
+            stack.enter_context(
+                SyncClient(
+                    server.addr,
+                    peer_id=p,
+                    num_peers=PEERS,
+                    experts_per_peer=2,
+                    mode="spes",
+                    rpc_timeout_s=10,
+                    round_timeout_s=30,
+                )
+            )
+            for p in range(PEERS)
+        ]
         for peer, client in enumerate(clients):
             client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
         for step in range(1, ROUNDS + 1):
@@ -58,8 +82,10 @@ def test_servers_and_clients_leave_no_threads_or_descriptors_behind() -> None:
 
     def cycle() -> None:
         with running_server(total_peers=2) as (_, addr), ExitStack() as stack:
-            clients = [stack.enter_context(SyncClient(addr, peer_id=p, num_peers=2, experts_per_peer=2, mode="spes"))
-                       for p in range(2)]
+            clients = [
+                stack.enter_context(SyncClient(addr, peer_id=p, num_peers=2, experts_per_peer=2, mode="spes"))
+                for p in range(2)
+            ]
             for peer, client in enumerate(clients):
                 client.join(SMALL, trainable_names(list(SMALL), peer, "spes"))
             for step in (1, 2):
@@ -84,9 +110,14 @@ def test_soak_under_churn_short(tmp_path: Path) -> None:
     """bench/bench_soak.py --quick: 4 peers x 20 rounds while a fifth process opens idle streams, kills uploads
     mid-tensor and sends garbage; every round exact, the server's threads and fds bounded."""
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_soak.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=280,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "bench_soak.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=280,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["rounds_exact"] == result["rounds"] == 20
