@@ -26,9 +26,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import grpc

@@ -156,7 +156,8 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     if dataset.fingerprint is not None and dataset.fingerprint != tokenizer.fingerprint:
         log(
             f"warning: the training shards were written with another tokenizer "
-            f"(fingerprint {dataset.fingerprint[:12]}) than {cfg.tokenizer.identifier} ({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier"
+            f"(fingerprint {dataset.fingerprint[:12]}) than {cfg.tokenizer.identifier} "
+            f"({tokenizer.fingerprint[:12]}); check data.paths and tokenizer.identifier"
         )
     loader = BatchLoader(
         dataset,
