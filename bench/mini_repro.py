@@ -73,6 +73,17 @@ class Setup:
     merge_alpha_start: float
     merge_decay_steps: int
 
+    def merge_flags(self) -> list[str]:
+        """The server's merge warm-up of this setup, as `spes.launch` flags."""
+        return [
+            "--merge_interval",
+            str(self.merge_interval),
+            "--merge_alpha_start",
+            str(self.merge_alpha_start),
+            "--merge_decay_steps",
+            str(self.merge_decay_steps),
+        ]
+
     def overrides(self, tokenizer: str, train: str, valid: str, seed: int) -> list[str]:
         """The config overrides shared by all three runs (configs/tiny.yaml underneath)."""
         return [
@@ -145,14 +156,7 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
     (its threads wait on each other whenever one is descheduled), so every process gets one thread.
     """
     py = sys.executable
-    merge = [
-        "--merge_interval",
-        str(setup.merge_interval),
-        "--merge_alpha_start",
-        str(setup.merge_alpha_start),
-        "--merge_decay_steps",
-        str(setup.merge_decay_steps),
-    ]
+    merge = setup.merge_flags()
     launch = [py, "-m", "spes.launch", CONFIG, "--threads", "1", "--timeout", "7200", *merge]
     return {
         "centralized": (

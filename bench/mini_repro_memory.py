@@ -135,14 +135,7 @@ def pick_sizes(common: list[str], small: int) -> dict[str, Any]:
 def arm_commands(setup: Setup, common: list[str], sizes: dict[str, Any], out: Path) -> Commands:
     """The command of every arm (one torch thread per process, as in mini_repro.py)."""
     py = sys.executable
-    merge = [
-        "--merge_interval",
-        str(setup.merge_interval),
-        "--merge_alpha_start",
-        str(setup.merge_alpha_start),
-        "--merge_decay_steps",
-        str(setup.merge_decay_steps),
-    ]
+    merge = setup.merge_flags()
     one_thread = {"OMP_NUM_THREADS": "1"}
     commands: Commands = {}
     for arm in ARMS:
