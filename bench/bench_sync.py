@@ -51,6 +51,7 @@ from common import (
 )
 from spes.config import load_config
 from spes.launch import free_port
+from spes.sync.client import DataPlane, SyncClient
 from spes.sync.merge import download_names, trainable_names
 from spes.sync.wire import payload_bytes
 
@@ -77,10 +78,10 @@ def wait_for_go() -> None:
         raise SystemExit("orchestrator went away")
 
 
-def grpc_peer(config: Path, overrides: list[str], peer: int, addr: str, wire: str, rounds: int, plane: str) -> None:
+def grpc_peer(
+    config: Path, overrides: list[str], peer: int, addr: str, wire: str, rounds: int, plane: DataPlane
+) -> None:
     """A SPES peer: real SyncClient, random fp32 tensors for what it trains; one JSON line per round."""
-    from spes.sync.client import SyncClient
-
     cfg = load_config(config, overrides)[0]
     manifest = manifest_of(cfg)
     names = trainable_names(list(manifest), peer, "spes")
@@ -145,7 +146,7 @@ def raw_server(port: int, peers: int, rounds: int, max_bytes: int) -> None:
 
 def raw_peer(host: str, port: int, up: int, down: int, rounds: int) -> None:
     """The baseline client: the same byte counts as a SPES peer, straight through a socket."""
-    outbox = memoryview(torch.empty(up, dtype=torch.uint8).random_().numpy())
+    outbox = torch.empty(up, dtype=torch.uint8).random_().numpy().data
     inbox = bytearray(down)
     conn = socket.create_connection((host, port))
     for _ in range(rounds):

@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
 from spes.optim import lr_at, set_lr
 from spes.tracking import Trackers
 
+if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync
+    from spes.sync.peer import SyncResult
+
 
 class Loader(Protocol):
     def __iter__(self) -> Iterator[torch.Tensor]: ...
@@ -40,7 +43,7 @@ class Loader(Protocol):
 
 
 class Syncer(Protocol):
-    def sync(self, step: int) -> dict[str, Any]: ...
+    def sync(self, step: int) -> SyncResult: ...
 
 
 def schedule_length(cfg: TrainConfig) -> int:
