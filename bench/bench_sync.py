@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypedDict
 
 import torch
 
@@ -182,19 +182,31 @@ def expect_line(proc: subprocess.Popen, what: str) -> str:
     return line.strip()
 
 
+class RoundRecord(TypedDict):
+    """One measured round: its wall time and the payload bytes each peer sent and received."""
+
+    round: int
+    seconds: float
+    bytes: int
+    gb_s: float
+    up_per_peer: list[int]
+    down_per_peer: list[int]
+
+
 def run_rounds(
     peers: list[subprocess.Popen],
     warmup: int,
     rounds: int,
     profile_pids: list[tuple[str, int]],
     profile_dir: Path | None,
-) -> tuple[list[dict[str, float]], dict[str, Any]]:
+) -> tuple[list[RoundRecord], dict[str, Any]]:
     """Release all peers at once for each round; per timed round: wall seconds and bytes moved (all peers).
 
     The first `warmup` rounds are not among the results. With `profile_dir`, the peers run one more round,
     under py-spy, whose time is not among them either.
     """
-    results, profiles = [], {}
+    results: list[RoundRecord] = []
+    profiles: dict[str, Any] = {}
     for r in range(warmup + rounds + (profile_dir is not None)):
         for p in peers:
             if expect_line(p, "READY") != "READY":
@@ -335,7 +347,7 @@ def bench_spes(
     workdir: Path,
     profile: bool,
     relay: Relay | None = None,
-) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
+) -> tuple[list[RoundRecord], dict[str, Any], list[float]]:
     """SPES rounds with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp").
 
     With `relay`, it is started on the server's ports once the server listens, and peer `i` connects to the
@@ -410,7 +422,7 @@ def bench_spes(
 
 def bench_raw(
     up: list[int], down: list[int], warmup: int, rounds: int, relay: Relay | None = None
-) -> list[dict[str, float]]:
+) -> list[RoundRecord]:
     port = free_port()
     server = spawn(
         [
