@@ -33,9 +33,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from spes.checkpoint import model_state_dict
+from spes.checkpoint import FULL_STATE, model_state_dict
 from spes.config import ConfigError, TrainConfig
 from spes.distributed import DistInfo
 
@@ -130,7 +129,7 @@ class DownstreamEvals:
 
     def run(self, model: nn.Module, step: int) -> dict[str, float]:
         """Scores of every runnable task at `step` (empty off the main rank)."""
-        state = model_state_dict(model, StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = model_state_dict(model, FULL_STATE)
         if not self.is_main:
             return {}
         from spes.hf import export_state
