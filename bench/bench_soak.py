@@ -37,6 +37,7 @@ import torch
 from common import MIB, REPO_ROOT, format_table, machine_info, manifest_bytes, parser, start_server, write_results
 from spes.sync.client import SyncClient
 from spes.sync.merge import MergeConfig, build_global, trainable_names
+from spes.sync.plane_tcp import TcpPlane
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROTOCOL_VERSION
@@ -139,7 +140,7 @@ def chaos(addr: str, data_port: int, counts_path: Path) -> int:
     return 0
 
 
-TENSOR = {"name": "embed.weight", "dtype": "fp32", "shape": [256, D], "num_bytes": 256 * D * 4}
+TENSOR: dict[str, Any] = {"name": "embed.weight", "dtype": "fp32", "shape": [256, D], "num_bytes": 256 * D * 4}
 
 
 def kill_grpc_upload(channel: grpc.Channel, peer: int, step: int) -> int:
@@ -151,7 +152,7 @@ def kill_grpc_upload(channel: grpc.Channel, peer: int, step: int) -> int:
     ]
     stall = threading.Event()
 
-    def partial():  # noqa: ANN202
+    def partial() -> Iterator[pb.UploadMessage]:
         yield from messages
         stall.wait(5)
 
@@ -224,6 +225,9 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
         ]
         for p, client in enumerate(clients):
             client.join(shapes, trainable[p])
+        data_plane = clients[0].plane
+        if not isinstance(data_plane, TcpPlane):
+            raise RuntimeError("the server offers a data plane (--data_port 0) but client 0 did not take it")
         counts_path = workdir / "chaos.json"
         if not attack:
             counts_path.write_text("{}")
@@ -231,7 +235,7 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
             None
             if not attack
             else subprocess.Popen(
-                [sys.executable, __file__, "--chaos", addr, str(clients[0].plane.port), str(counts_path)], cwd=REPO_ROOT
+                [sys.executable, __file__, "--chaos", addr, str(data_plane.port), str(counts_path)], cwd=REPO_ROOT
             )
         )
         while not counts_path.exists():

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypedDict
 
 import torch
 
@@ -51,6 +51,7 @@ from common import (
 )
 from spes.config import load_config
 from spes.launch import free_port
+from spes.sync.client import DataPlane, SyncClient
 from spes.sync.merge import download_names, trainable_names
 from spes.sync.wire import payload_bytes
 
@@ -77,10 +78,10 @@ def wait_for_go() -> None:
         raise SystemExit("orchestrator went away")
 
 
-def grpc_peer(config: Path, overrides: list[str], peer: int, addr: str, wire: str, rounds: int, plane: str) -> None:
+def grpc_peer(
+    config: Path, overrides: list[str], peer: int, addr: str, wire: str, rounds: int, plane: DataPlane
+) -> None:
     """A SPES peer: real SyncClient, random fp32 tensors for what it trains; one JSON line per round."""
-    from spes.sync.client import SyncClient
-
     cfg = load_config(config, overrides)[0]
     manifest = manifest_of(cfg)
     names = trainable_names(list(manifest), peer, "spes")
@@ -145,7 +146,7 @@ def raw_server(port: int, peers: int, rounds: int, max_bytes: int) -> None:
 
 def raw_peer(host: str, port: int, up: int, down: int, rounds: int) -> None:
     """The baseline client: the same byte counts as a SPES peer, straight through a socket."""
-    outbox = memoryview(torch.empty(up, dtype=torch.uint8).random_().numpy())
+    outbox = torch.empty(up, dtype=torch.uint8).random_().numpy().data
     inbox = bytearray(down)
     conn = socket.create_connection((host, port))
     for _ in range(rounds):
@@ -181,19 +182,31 @@ def expect_line(proc: subprocess.Popen, what: str) -> str:
     return line.strip()
 
 
+class RoundRecord(TypedDict):
+    """One measured round: its wall time and the payload bytes each peer sent and received."""
+
+    round: int
+    seconds: float
+    bytes: int
+    gb_s: float
+    up_per_peer: list[int]
+    down_per_peer: list[int]
+
+
 def run_rounds(
     peers: list[subprocess.Popen],
     warmup: int,
     rounds: int,
     profile_pids: list[tuple[str, int]],
     profile_dir: Path | None,
-) -> tuple[list[dict[str, float]], dict[str, Any]]:
+) -> tuple[list[RoundRecord], dict[str, Any]]:
     """Release all peers at once for each round; per timed round: wall seconds and bytes moved (all peers).
 
     The first `warmup` rounds are not among the results. With `profile_dir`, the peers run one more round,
     under py-spy, whose time is not among them either.
     """
-    results, profiles = [], {}
+    results: list[RoundRecord] = []
+    profiles: dict[str, Any] = {}
     for r in range(warmup + rounds + (profile_dir is not None)):
         for p in peers:
             if expect_line(p, "READY") != "READY":
@@ -334,7 +347,7 @@ def bench_spes(
     workdir: Path,
     profile: bool,
     relay: Relay | None = None,
-) -> tuple[list[dict[str, float]], dict[str, Any], list[float]]:
+) -> tuple[list[RoundRecord], dict[str, Any], list[float]]:
     """SPES rounds with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp").
 
     With `relay`, it is started on the server's ports once the server listens, and peer `i` connects to the
@@ -409,7 +422,7 @@ def bench_spes(
 
 def bench_raw(
     up: list[int], down: list[int], warmup: int, rounds: int, relay: Relay | None = None
-) -> list[dict[str, float]]:
+) -> list[RoundRecord]:
     port = free_port()
     server = spawn(
         [

@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,11 @@ MODEL_KEY, OPTIM_KEY = "model/", "optim/"  # prefixes of the tensors in a sharde
 _STEP_DIR = re.compile(r"^step(\d+)(-sharded)?$")
 Kind = Literal["unsharded", "sharded"]
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, gathered to CPU
+
+
+def model_state_dict(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, torch.Tensor]:
+    """`get_model_state_dict`, typed as what a model's state is: tensors (torch annotates any state's values)."""
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=options))
 
 
 class CheckpointError(ValueError):
@@ -191,7 +196,7 @@ def training_state(
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """This rank's view of model + optimizer as flat `model/<fqn>`, `optim/<fqn>/<key>` tensors (DTensors under
     FSDP), and the optimizer's param groups (none without an optimizer)."""
-    flat = {MODEL_KEY + k: v for k, v in get_model_state_dict(model).items()}
+    flat = {MODEL_KEY + k: v for k, v in model_state_dict(model).items()}
     if optimizer is None:
         return flat, []
     tensors, groups = _flatten_optim(get_optimizer_state_dict(model, optimizer))
@@ -278,7 +283,7 @@ def save(
         return save_sharded_checkpoint(
             save_folder, step, model=model, optimizer=optimizer, trainer_state=trainer_state, config=config, keep=keep
         )
-    model_state = get_model_state_dict(model, options=FULL_STATE)
+    model_state = model_state_dict(model, FULL_STATE)
     stepped = _stepped(optimizer)
     optim_state = None if stepped is None else get_optimizer_state_dict(model, stepped, options=FULL_STATE)
     if process_rank() != 0:
@@ -531,7 +536,7 @@ def _restore_sharded(
     shapes = _sharded_shapes(step_dir)
     check_model_compatible(
         {k[len(MODEL_KEY) :]: s for k, (s, _) in shapes.items() if k.startswith(MODEL_KEY)},
-        get_model_state_dict(model),
+        model_state_dict(model),
         step_dir,
     )
     optim_fqns = {k[len(OPTIM_KEY) :].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)}
@@ -548,7 +553,7 @@ def _restore_sharded(
 def _restore_unsharded(step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """An unsharded checkpoint read whole by every rank and sharded in place; its trainer state ({} when its
     experts had to be re-blocked: then only the weights carry over)."""
-    model_state = get_model_state_dict(model)
+    model_state = model_state_dict(model)
     ckpt = load_checkpoint(step_dir)
     reblocked = _reblock(ckpt.model, model_state) if set(ckpt.model) != set(model_state) else None
     if reblocked is not None:  # another expert layout (e.g. centralized -> SPES): start anew from the weights
@@ -557,7 +562,7 @@ def _restore_unsharded(step_dir: Path, model: nn.Module, optimizer: torch.optim.
     full = StateDictOptions(full_state_dict=True)
     if ckpt.optim is not None:
         _check_optim_compatible(set(ckpt.optim["state"]), _trainable(model), step_dir)
-    set_model_state_dict(model, ckpt.model, options=full)
+    set_model_state_dict(model, ckpt.model, options=full)  # type: ignore[arg-type]  # dict is invariant
     if ckpt.optim is not None:
         set_optimizer_state_dict(model, optimizer, ckpt.optim, options=full)
     return ckpt.trainer

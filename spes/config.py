@@ -744,9 +744,9 @@ def _unknown_key_message(prefix: str, key: str, valid: list[str], where: str) ->
 def _flat_keys(d: dict, prefix: str = "") -> list[str]:
     keys = []
     for k, v in d.items():
-        keys.append(prefix + k)
-        if isinstance(v, dict) and prefix + k not in INERT_KEYS:
-            keys.extend(_flat_keys(v, prefix + k + "."))
+        keys.append(f"{prefix}{k}")  # NOTE: a YAML key may be a number; from_dict then names it as unknown
+        if isinstance(v, dict) and f"{prefix}{k}" not in INERT_KEYS:
+            keys.extend(_flat_keys(v, f"{prefix}{k}."))
     return keys
 
 
@@ -760,8 +760,8 @@ def _dataclass_in(hint: Any) -> type | None:
     return None
 
 
-def from_dict(cls: type, data: dict[str, Any], *, where: str = "config", prefix: str = "") -> Any:
-    """Build dataclass `cls` from a plain dict, checking every key and type."""
+def from_dict(cls: type, data: dict[Any, Any], *, where: str = "config", prefix: str = "") -> Any:
+    """Build dataclass `cls` from a plain dict, checking every key (YAML's may be numbers too) and type."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
@@ -865,6 +865,6 @@ def config_help(cls: type = TrainConfig, prefix: str = "") -> list[str]:
             lines.append(f"  {prefix}{f.name}.*  -- {f.metadata.get('doc', '')}")
             lines.extend(config_help(sub, prefix + f.name + "."))
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         lines.append(f"  --{prefix}{f.name}={default!r}  [{_type_name(hints[f.name])}]  {f.metadata.get('doc', '')}")
     return lines

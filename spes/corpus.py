@@ -37,7 +37,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -154,14 +153,14 @@ def iter_file_chunks(path: Path, text_field: str, batch_size: int) -> Iterator[T
         yield TextChunk(str(path), records, json_lines=True)
 
 
-def _open_binary(path: Path) -> IO[bytes]:
+def _open_binary(path: Path) -> io.BufferedIOBase:
     if path.name.endswith(".gz"):
         return gzip.open(path, "rb")
     if path.name.endswith(".zst"):
         # NOTE: BufferedReader gives line iteration over the zstd stream; read_across_frames handles
         # files written as several concatenated frames.
         raw = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), read_across_frames=True, closefd=True)
-        return io.BufferedReader(raw)  # type: ignore[arg-type]
+        return io.BufferedReader(raw)
     return open(path, "rb")
 
 

@@ -258,7 +258,7 @@ class BatchLoader:
     def _start_batches(self) -> Iterator[torch.Tensor]:
         if self.num_workers == 0:
             return (self._maybe_pin(self.dataset.get_batch(idx)) for idx in self._rank_indices())
-        loader = DataLoader(
+        loader: DataLoader[torch.Tensor] = DataLoader(
             self.dataset,  # type: ignore[arg-type]  # map-style: __len__ and __getitem__
             batch_sampler=_IndexStream(self),
             num_workers=self.num_workers,

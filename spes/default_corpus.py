@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spes.atomic import write_atomic
-from spes.corpus import TextChunk, TokenizeSummary, tokenize_chunks
+from spes.corpus import Record, TextChunk, TokenizeSummary, tokenize_chunks
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 MAN_ROOT = Path("/usr/share/man")
@@ -281,7 +281,9 @@ def document_chunks(documents: Sequence[Document]) -> Iterator[TextChunk]:
     for start in range(0, len(documents), CHUNK_DOCUMENTS):
         batch = documents[start : start + CHUNK_DOCUMENTS]
         for source in dict.fromkeys(d.source for d in batch):
-            records = [(start + i + 1, d.text) for i, d in enumerate(batch) if d.source == source]
+            records: list[tuple[int, Record]] = [
+                (start + i + 1, d.text) for i, d in enumerate(batch) if d.source == source
+            ]
             yield TextChunk(source, records, json_lines=False)
 
 
@@ -357,7 +359,9 @@ def format_corpus(corpus: dict[str, object], output_dir: Path) -> str:
             f"  {split:5s}: {s['documents']:6,d} documents  {s['tokens']:11,d} tokens  "
             f"{s['bytes'] / 1e6:6.1f} MB text  {s['shards']} shard(s)"
         )
-    for root, s in corpus["sources"].items():  # type: ignore[union-attr]
+    sources = corpus["sources"]
+    assert isinstance(sources, dict)
+    for root, s in sources.items():
         lines.append(f"  source {root}: {s['documents']:,} documents, {s['bytes'] / 1e6:.1f} MB")
     lines.append(f"  built in {corpus['build_seconds']} s")
     return "\n".join(lines)

@@ -167,7 +167,7 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> nn.Module:
         )
     reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
     if fsdp.wrapping_strategy == "by_block":
-        for block in model.blocks:  # type: ignore[attr-defined]
+        for block in model.blocks:  # type: ignore[union-attr]  # torch types a submodule as Tensor | Module
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     return model
@@ -183,7 +183,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str | bool | None) ->
     if not mode:
         return
     every = {"one_in_two": 2, "one_in_four": 4}.get(str(mode), 1)
-    for i, block in enumerate(model.blocks):  # type: ignore[attr-defined]
+    for i, block in enumerate(model.blocks):  # type: ignore[arg-type]  # torch types a submodule as Tensor | Module
         if i % every:
             continue
         for module in (block.attn, block.ffn) if mode == "fine_grained" else (block,):
@@ -205,7 +205,7 @@ def apply_compile(model: nn.Module, options: dict | bool | None) -> None:
     kwargs = compile_kwargs(options)
     if kwargs is None:
         return
-    for block in model.blocks:  # type: ignore[attr-defined]
+    for block in model.blocks:  # type: ignore[union-attr]  # torch types a submodule as Tensor | Module
         block.compile(**kwargs)
 
 
@@ -230,15 +230,15 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Skip the gradient all-reduce/reduce-scatter on all but the last micro-batch of a step."""
     if enabled:
         yield
-    elif hasattr(model, "no_sync"):
-        with model.no_sync():
+    elif (no_sync := getattr(model, "no_sync", None)) is not None:  # DDP
+        with no_sync():
             yield
-    elif hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(False)
+    elif (set_sync := getattr(model, "set_requires_gradient_sync", None)) is not None:  # FSDP2
+        set_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            set_sync(True)
     else:
         yield
 

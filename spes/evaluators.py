@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from spes.checkpoint import FULL_STATE, model_state_dict
 from spes.config import ConfigError, TrainConfig
 from spes.distributed import DistInfo
 
@@ -123,11 +123,13 @@ class DownstreamEvals:
 
     def due(self, step: int, max_steps: int) -> bool:
         interval = self.cfg.eval_interval
-        return bool(self.evaluators) and bool(interval) and (step % interval == 0 or step == max_steps)
+        if not self.evaluators or not interval:
+            return False
+        return step % interval == 0 or step == max_steps
 
     def run(self, model: nn.Module, step: int) -> dict[str, float]:
         """Scores of every runnable task at `step` (empty off the main rank)."""
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = model_state_dict(model, FULL_STATE)
         if not self.is_main:
             return {}
         from spes.hf import export_state

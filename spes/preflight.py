@@ -368,7 +368,7 @@ def check_link(
     except SyncError as exc:
         return fail("link", str(exc), "check the network between this node and the server (and its data port)")
     up = wire_bytes(shapes, trainable, s.wire_dtype)
-    down = wire_bytes(shapes, download_names(list(shapes), s.peer_id, cfg.mode, False), s.wire_dtype)
+    down = wire_bytes(shapes, download_names(list(shapes), s.peer_id, client.mode, False), s.wire_dtype)
     # NOTE: an upload and a download each open a connection and exchange a request and a reply: ~4 round trips.
     round_s = up / stats.up_bytes_per_s + down / stats.down_bytes_per_s + 4 * stats.rtt_s
     how = "measured (--step_time_s)"
@@ -456,17 +456,20 @@ def check_data(cfg: TrainConfig) -> Check:
     for path, info in zip(dataset.paths, dataset.shard_infos):
         tokens = np.load(path, mmap_mode="r")[:SAMPLE_TOKENS]
         top = int(tokens.max()) if len(tokens) else 0
-        if info.vocab_size != tokenizer.vocab_size or top >= tokenizer.vocab_size:
+        if (info is not None and info.vocab_size != tokenizer.vocab_size) or top >= tokenizer.vocab_size:
+            # NOTE: a bare OLMo-style shard has no sidecar, so only its largest id can be checked
+            written = f"written for a vocabulary of {info.vocab_size}" if info is not None else "no sidecar"
             return fail(
                 "data",
-                f"{path}: written for a vocabulary of {info.vocab_size} (largest id seen {top}), the "
+                f"{path}: {written} (largest id seen {top}), the "
                 f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
                 "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
             )
     same = dataset.fingerprint == tokenizer.fingerprint
+    dtype = np.load(dataset.paths[0], mmap_mode="r").dtype  # as the sidecars record it (the dataset checked)
     need = cfg.max_steps * cfg.global_train_batch_size
     detail = (
-        f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dataset.shard_infos[0].dtype}, "
+        f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dtype}, "
         f"{dataset.num_tokens:,} tokens = {len(dataset):,} sequences of {cfg.model.max_sequence_length}; the run "
         f"reads {need:,} (max_duration x global_train_batch_size)"
         + ("" if same else "; note: written with another tokenizer file of the same vocabulary size")

@@ -24,6 +24,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -173,13 +174,14 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     eval_batches = _validation(cfg)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
-        model = Transformer.for_run(cfg)
-    log(count_params(model).describe())
+        transformer = Transformer.for_run(cfg)
+    log(count_params(transformer).describe())
+    model: nn.Module = transformer  # wrapped by parallelize below
     sharded = uses_fsdp(cfg, info)
     if sharded:
         model = parallelize(model, cfg, info)
     model.to_empty(device=info.device)
-    unwrap(model).init_weights(cfg.seed)
+    cast(Transformer, unwrap(model)).init_weights(cfg.seed)
     if not sharded:  # NOTE: DDP broadcasts rank 0's weights at wrapping, so they must exist first
         model = parallelize(model, cfg, info)
     optimizer = build_optimizer(model, cfg.optimizer)

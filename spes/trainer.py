@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
 from spes.optim import lr_at, set_lr
 from spes.tracking import Trackers
 
+if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync
+    from spes.sync.peer import SyncResult
+
 
 class Loader(Protocol):
     def __iter__(self) -> Iterator[torch.Tensor]: ...
@@ -40,7 +43,7 @@ class Loader(Protocol):
 
 
 class Syncer(Protocol):
-    def sync(self, step: int) -> dict[str, Any]: ...
+    def sync(self, step: int) -> SyncResult: ...
 
 
 def schedule_length(cfg: TrainConfig) -> int:
@@ -190,9 +193,9 @@ class Trainer:
         micro = batch.split(self.cfg.device_train_microbatch_size)
         for i, mb in enumerate(micro):
             with grad_sync(self.model, i == len(micro) - 1), self.autocast:
-                loss, ce, out = self._micro_batch_loss(mb)
+                loss, mb_ce, out = self._micro_batch_loss(mb)
             (loss / len(micro)).backward()
-            sums += torch.stack([ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
+            sums += torch.stack([mb_ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
             if self.cfg.model.moe_log_expert_assignment:
                 routed_LE = routed_LE + out.tokens_per_expert.detach()
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
@@ -210,7 +213,14 @@ class Trainer:
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {"loss": ce + lb + z, "ce": ce, "lb_loss": lb, "z_loss": z, "lr": lr, "grad_norm": norm}
+        metrics: dict[str, Any] = {
+            "loss": ce + lb + z,
+            "ce": ce,
+            "lb_loss": lb,
+            "z_loss": z,
+            "lr": lr,
+            "grad_norm": norm,
+        }
         if self.cfg.model.moe_log_expert_assignment:
             metrics["tokens_per_expert"] = self._node_total(routed_LE)
         return metrics

@@ -250,6 +250,12 @@ def test_unknown_key_in_file_names_the_closest_valid_key(
     assert str(path) in message and f"'{wrong}'" in message and f"did you mean '{suggested}'" in message
 
 
+def test_a_numeric_key_in_file_is_an_unknown_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  2: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'model.2'"):
+        load_config(path)
+
+
 @pytest.mark.parametrize(
     ("override", "wrong", "suggested"),
     [

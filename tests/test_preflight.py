@@ -190,6 +190,20 @@ def test_too_few_tokens_or_another_vocabulary_fail_the_data_check(
     assert "written for a vocabulary of 1000" in lines["data"] and "re-tokenize" in lines["data"]
 
 
+def test_a_bare_olmo_shard_is_checked_by_its_largest_id(
+    server: str, node: list[str], tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokens = np.random.default_rng(0).integers(0, tokenizer.vocab_size, 64 * 128).astype(np.uint16)
+    bare = write_token_shard(tmp_path / "bare.npy", tokens, with_sidecar=False)
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{bare}]")
+    assert "uint16, 8,192 tokens = 128 sequences" in lines["data"]
+    tokens[-1] = tokenizer.vocab_size
+    beyond = write_token_shard(tmp_path / "beyond.npy", tokens, with_sidecar=False)
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{beyond}]")
+    assert rc == 1 and lines["data"].startswith("FAIL")
+    assert f"no sidecar (largest id seen {tokenizer.vocab_size})" in lines["data"]
+
+
 def test_a_config_that_cannot_fit_the_memory_budget_fails_the_memory_check(
     server: str, node: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

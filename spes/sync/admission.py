@@ -51,7 +51,7 @@ def cancel_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: s
     try:
         # NOTE: grpc-python's server context has no public way to end a call from another thread with a status;
         # its core call object does (grpc_call_cancel_with_status).
-        context._rpc_event.call.cancel(code.value[0], details)  # type: ignore[attr-defined]
+        context._rpc_event.call.cancel(code.value[0], details)
     except AttributeError:
         context.cancel()
 

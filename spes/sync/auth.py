@@ -17,7 +17,7 @@ import os
 import re
 import ssl
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import grpc
 
@@ -104,7 +104,9 @@ def grpc_common_name(context: grpc.ServicerContext) -> str | None:
 def tls_common_name(sock: Any) -> str | None:
     """The common name of the client certificate of a data-plane connection (None without TLS or one)."""
     cert = sock.getpeercert() if isinstance(sock, ssl.SSLSocket) else None
-    for rdn in (cert or {}).get("subject", ()):
+    # the stub types every field of the certificate alike; the subject is a tuple of RDNs of (key, value) pairs
+    subject = cast("tuple[tuple[tuple[str, str], ...], ...]", (cert or {}).get("subject", ()))
+    for rdn in subject:
         for key, value in rdn:
             if key == "commonName":
                 return str(value)

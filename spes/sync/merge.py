@@ -319,7 +319,7 @@ def _merge_layer(
         if sorted(kinds[kind]) != blocks:
             raise ValueError(f"{prefix!r}: kind {kind!r} has blocks {sorted(kinds[kind])} but w1 has {blocks}")
     sizes = [global_model[kinds["w1"][b]].shape[0] for b in blocks]
-    stacked = [torch.cat([global_model[kinds[kind][b]] for b in blocks]) for kind in EXPERT_KINDS]
-    for kind, merged in zip(EXPERT_KINDS, merge_experts(*stacked, alpha=alpha, topk=topk), strict=True):
+    w1, v1, w2 = (torch.cat([global_model[kinds[kind][b]] for b in blocks]) for kind in EXPERT_KINDS)
+    for kind, merged in zip(EXPERT_KINDS, merge_experts(w1, v1, w2, alpha=alpha, topk=topk), strict=True):
         for b, part in zip(blocks, torch.split(merged, sizes), strict=True):
             global_model[kinds[kind][b]] = part

@@ -10,6 +10,7 @@ protos/spes.proto describes the messages themselves.
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Callable, Mapping
 from typing import Literal, Protocol
 
@@ -36,7 +37,18 @@ Manifest = dict[str, Shape]
 """Every tensor of the model: name -> shape."""
 
 
-class Reason(enum.StrEnum):
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10 (requires-python) has no enum.StrEnum
+
+    class StrEnum(str, enum.Enum):
+        """`enum.StrEnum` for Python 3.10: members are strings whose str() and format() are their values."""
+
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class Reason(StrEnum):
     """Why the server refused a request, when the client can react to it on its own (see protos/spes.proto).
 
     NONE: the details say what a person must do; the client only reports them.

@@ -291,14 +291,14 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
 def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
     """`listen()`, with a failure to bind (grpc: RuntimeError or port 0; sockets: OSError) as one ValueError."""
     try:
-        bound = listen()
+        bound: T | None = listen()
     except OSError as exc:
         raise ValueError(
             f"cannot listen on {address} ({exc.strerror}): stop the process using it or pick another {flag}"
         ) from None
     except RuntimeError:  # grpc's text adds nothing: it only says that binding failed
-        bound = 0
-    if bound == 0:
+        bound = None
+    if bound is None or bound == 0:
         raise ValueError(
             f"cannot listen on {address}: is another server using the port? stop it or pick another {flag}"
         )
@@ -308,7 +308,7 @@ def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
 class _ServerParser(argparse.ArgumentParser):
     """The deployment flags; every other `--key=value` word is an override of the run's config (`args.overrides`)."""
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
         parsed, rest = super().parse_known_args(args, namespace)
         parsed.overrides = [a for a in rest if a.startswith("--") and "=" in a]
         return parsed, [a for a in rest if a not in parsed.overrides]

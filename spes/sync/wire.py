@@ -122,12 +122,12 @@ def _wire_pieces(tensor: torch.Tensor, wire_dtype: str, elems: int = _CONVERT_EL
     dtype = WIRE_DTYPES[wire_dtype]
     for start in range(0, flat.numel(), elems):
         piece = flat[start : start + elems].to(device="cpu", dtype=dtype).contiguous()
-        yield memoryview(piece.view(torch.uint8).numpy())
+        yield piece.view(torch.uint8).numpy().data
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def encode_whole(tensor: torch.Tensor, wire_dtype: str) -> Encoded:
