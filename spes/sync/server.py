@@ -223,15 +223,8 @@ class ParameterServer:
         """The raw data plane's port (0: disabled)."""
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Stop serving: waiting downloads end with UNAVAILABLE, in-flight calls get `grace_s` seconds.
-
-        Telling the health watchers NOT_SERVING can block on one of their streams (grpcio waits for the stream's
-        previous message to go out; seen in CI as a stop that never returned), so it gets at most a second of its
-        own: stopping the server then cancels those streams, which frees it.
-        """
-        notice = threading.Thread(target=self.health.enter_graceful_shutdown, name="spes-health-stop", daemon=True)
-        notice.start()
-        notice.join(timeout=min(grace_s, 1.0))
+        """Stop serving: waiting downloads end with UNAVAILABLE, in-flight calls get `grace_s` seconds."""
+        self.health.enter_graceful_shutdown()
         self.service.shutdown(grace_s)
         if self._data_plane is not None:
             self._data_plane.stop()
