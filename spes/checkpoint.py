@@ -6,6 +6,8 @@ Layout of a save folder:
         optim.safetensors   optimizer state tensors, keyed `<param fqn>/<state key>`
         meta.json           kind, step, optimizer param groups, trainer state (step, tokens, data, RNG), file sizes
         config.yaml         the resolved run config
+        (extra files)       whatever else the run's state needs, named in meta.json's `extra` (an overlapped SPES
+                            node's round in flight: spes.sync.peer.PENDING_FILE)
     step<N>-sharded/   sharded (FSDP): every rank writes its shards through torch.distributed.checkpoint
         shard-<r>-model-00001-of-00001.safetensors   rank r's pieces of `model/<fqn>` and `optim/<fqn>/<key>`,
                                                      with their offsets in the safetensors header
@@ -23,12 +25,13 @@ A trainer needs two calls, both collectives over a parallelized (single, DDP or 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -64,6 +67,8 @@ SHARDED_SUFFIX = "-sharded"
 MODEL_KEY, OPTIM_KEY = "model/", "optim/"  # prefixes of the tensors in a sharded checkpoint
 _STEP_DIR = re.compile(r"^step(\d+)(-sharded)?$")
 Kind = Literal["unsharded", "sharded"]
+Extra = Mapping[str, Callable[[Path], None]]
+"""More files of a checkpoint, by name: each function writes its file to the path it is given."""
 FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, gathered to CPU
 
 
@@ -120,6 +125,7 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     config: dict[str, Any],
     keep: int = -1,
+    extra: Extra | None = None,
 ) -> Path:
     """Write the unsharded `step<step>/` atomically, point `latest` at it, keep the `keep` newest (-1: all)."""
     folder = Path(save_folder)
@@ -128,7 +134,13 @@ def save_checkpoint(
     final = folder / f"step{step}"
     with staging_dir(final) as tmp:
         write_unsharded(
-            tmp, step, model_state=model_state, optim_state=optim_state, trainer_state=trainer_state, config=config
+            tmp,
+            step,
+            model_state=model_state,
+            optim_state=optim_state,
+            trainer_state=trainer_state,
+            config=config,
+            extra=extra,
         )
     return _point_latest(final, "unsharded", keep)
 
@@ -141,6 +153,7 @@ def write_unsharded(
     optim_state: dict[str, Any] | None,
     trainer_state: dict[str, Any],
     config: dict[str, Any],
+    extra: Extra | None = None,
 ) -> None:
     """The files of an unsharded checkpoint into an existing (temporary) directory."""
     save_file({k: v.detach().cpu().contiguous() for k, v in model_state.items()}, directory / MODEL_FILE)
@@ -149,15 +162,21 @@ def write_unsharded(
         tensors, groups = _flatten_optim(optim_state)
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, directory / OPTIM_FILE)
     _write_meta(
-        directory, {"kind": "unsharded", "step": step, "trainer": trainer_state, "optim_param_groups": groups}, config
+        directory,
+        {"kind": "unsharded", "step": step, "trainer": trainer_state, "optim_param_groups": groups},
+        config,
+        extra,
     )
 
 
-def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any]) -> None:
-    """config.yaml, then meta.json with the sizes of every file (the completeness check on load)."""
+def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any], extra: Extra | None) -> None:
+    """The `extra` files, config.yaml, then meta.json with the sizes of every file (the completeness check on load)."""
+    for name, write in (extra or {}).items():
+        write(directory / name)
     (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
     sizes = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META_FILE}
-    (directory / META_FILE).write_text(json.dumps({**meta, "files": sizes}, indent=1))
+    meta = {**meta, **({"extra": sorted(extra)} if extra else {}), "files": sizes}
+    (directory / META_FILE).write_text(json.dumps(meta, indent=1))
 
 
 def _point_latest(final: Path, kind: Kind, keep: int) -> Path:
@@ -213,6 +232,7 @@ def save_sharded_checkpoint(
     trainer_state: dict[str, Any],
     config: dict[str, Any],
     keep: int = -1,
+    extra: Extra | None = None,
 ) -> Path:
     """Write `step<step>-sharded/` from every rank (a collective), point `latest` at it, keep `keep` newest.
 
@@ -250,6 +270,7 @@ def save_sharded_checkpoint(
                     "optim_param_groups": groups,
                 },
                 config,
+                extra,
             )
             publish_dir(tmp, final)
             _point_latest(final, "sharded", keep)
@@ -272,16 +293,25 @@ def save(
     config: dict[str, Any],
     sharded: bool,
     keep: int = -1,
+    extra: Extra | None = None,
 ) -> Path | None:
     """Save a parallelized (single, DDP or FSDP2) model and its optimizer: the counterpart of `restore`.
 
     A collective when a process group exists: every rank calls it. `sharded`: every rank writes its shards
-    (`step<N>-sharded/`); else the whole state is gathered to the main rank, which writes `step<N>/`. The
-    checkpoint's path, or None on the ranks that wrote no unsharded checkpoint.
+    (`step<N>-sharded/`); else the whole state is gathered to the main rank, which writes `step<N>/`. The main
+    rank writes the `extra` files into either kind. The checkpoint's path, or None on the ranks that wrote no
+    unsharded checkpoint.
     """
     if sharded:
         return save_sharded_checkpoint(
-            save_folder, step, model=model, optimizer=optimizer, trainer_state=trainer_state, config=config, keep=keep
+            save_folder,
+            step,
+            model=model,
+            optimizer=optimizer,
+            trainer_state=trainer_state,
+            config=config,
+            keep=keep,
+            extra=extra,
         )
     model_state = model_state_dict(model, FULL_STATE)
     stepped = _stepped(optimizer)
@@ -296,6 +326,7 @@ def save(
         trainer_state=trainer_state,
         config=config,
         keep=keep,
+        extra=extra,
     )
 
 
@@ -613,5 +644,6 @@ def unshard(sharded: str | Path, out_dir: str | Path) -> Path:
             optim_state=ckpt.optim,
             trainer_state=ckpt.trainer,
             config=ckpt.config,
+            extra={name: functools.partial(shutil.copyfile, src / name) for name in meta.get("extra", [])},
         )
     return out

@@ -320,7 +320,24 @@ class SpesConfig:
     max_retries: int = _f(
         8, "retries of a failed RPC (exponential backoff with jitter; 8 ride out a ~90 s server restart)"
     )
-    eval_after_sync: bool = _f(True, "also evaluate the merged global model right after a sync on eval steps")
+    eval_after_sync: bool = _f(
+        True,
+        "also evaluate the merged global model right after a sync (overlap_sync: once a round lands) on eval steps",
+    )
+    overlap_sync: bool = _f(
+        False,
+        "train on while a round is in flight: upload a snapshot at the sync step and apply the round's global model "
+        "overlap_steps later with the local progress made since (theta <- global + theta_now - theta_snapshot)",
+    )
+    overlap_steps: int | None = _f(
+        None,
+        "with overlap_sync: steps from a sync step to the one that applies its round, 0..sync_steps (null: sync_steps)",
+    )
+
+    @property
+    def overlap_delay(self) -> int:
+        """Steps from a sync step to the one at which its round is applied: `overlap_steps`, else `sync_steps`."""
+        return self.sync_steps if self.overlap_steps is None else self.overlap_steps
 
 
 @dataclass(kw_only=True)
@@ -484,6 +501,20 @@ class TrainConfig:
                 "must be host:port",
             )
             _require(
+                0 <= s.overlap_delay <= s.sync_steps,
+                "spes_config.overlap_steps",
+                s.overlap_steps,
+                f"must be in [0, sync_steps={s.sync_steps}]: a round must land before the next one is uploaded",
+            )
+            # NOTE: int8 deltas (issue 16 point 3) are taken against the last global model both sides hold; an
+            # overlapped node's own blocks would then need the client's reconstruction, which nothing passes yet.
+            _require(
+                not s.overlap_sync or s.wire_dtype in ("fp32", "bf16"),
+                "spes_config.wire_dtype",
+                s.wire_dtype,
+                "cannot be combined with spes_config.overlap_sync=true yet; use fp32 or bf16",
+            )
+            _require(
                 self.server.min_peers is None or self.server.min_peers <= s.num_peers,
                 "server.min_peers",
                 self.server.min_peers,
@@ -531,10 +562,15 @@ class TrainConfig:
         return self.global_train_batch_size * self.model.max_sequence_length
 
     @property
-    def max_steps(self) -> int:
-        """`max_duration` in steps (tokens are converted with the global batch), capped by `stop_at`."""
+    def duration_steps(self) -> int:
+        """`max_duration` in steps (tokens are converted with the global batch): where the run ends."""
         amount, unit = parse_duration(self.max_duration)
-        steps = amount if unit == "steps" else math.ceil(amount / self.tokens_per_step)
+        return amount if unit == "steps" else math.ceil(amount / self.tokens_per_step)
+
+    @property
+    def max_steps(self) -> int:
+        """Where this launch stops: `duration_steps`, capped by `stop_at`."""
+        steps = self.duration_steps
         return min(steps, self.stop_at) if self.stop_at is not None else steps
 
     def owned_experts(self) -> tuple[int, int] | None:

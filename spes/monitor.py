@@ -63,6 +63,7 @@ def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
         "val_ppl": ".2f",
         "merged_val_loss": ".4f",
         "sync_s": ".2f",
+        "sync_wait_s": ".2f",
         "sync_mb_up": ".1f",
         "sync_mb_down": ".1f",
         "eta_min": ".1f",

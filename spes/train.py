@@ -220,9 +220,9 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
     syncer = None
     try:
         if cfg.sync_enabled:
-            from spes.sync.peer import PeerSync
+            from spes.sync.peer import OverlappedSync, PeerSync
 
-            syncer = PeerSync(cfg, node.model, info, log=log)
+            syncer = (OverlappedSync if cfg.spes_config.overlap_sync else PeerSync)(cfg, node.model, info, log=log)
             syncer.join()
         trainer = Trainer(
             cfg=cfg,
@@ -236,6 +236,8 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
         )
         if node.checkpoint is not None:
             trainer.load_state_dict(node.checkpoint.trainer)
+            if syncer is not None:
+                syncer.resume(node.checkpoint.path)
         trainer.fit()
         log(
             f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "

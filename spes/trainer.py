@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -43,7 +44,19 @@ class Loader(Protocol):
 
 
 class Syncer(Protocol):
-    def sync(self, step: int) -> SyncResult: ...
+    """The node's side of the SPES rounds (`spes.sync.peer.PeerSync`, or `OverlappedSync` with overlap_sync)."""
+
+    def sync(self, step: int) -> SyncResult:
+        """The round of sync step `step`; blocking, its global model is loaded when this returns."""
+        ...
+
+    def land(self, step: int) -> SyncResult | None:
+        """Apply an overlapped round due at `step` (a step between sync steps); None when none is."""
+        ...
+
+    def checkpoint_files(self) -> dict[str, Callable[[Path], None]]:
+        """Files a checkpoint taken now must hold (a round in flight), by name: each writes itself to a path."""
+        ...
 
 
 def schedule_length(cfg: TrainConfig) -> int:
@@ -290,6 +303,7 @@ class Trainer:
         if eval_now:
             metrics["val_loss"] = self.evaluate()
             metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
+        synced = None
         if sync_now:
             assert self.syncer is not None
             check_weights_finite(
@@ -299,17 +313,20 @@ class Trainer:
                 "the server keeps the last good round; resume from an earlier checkpoint",
             )
             synced = self.syncer.sync(step)
+        elif self.syncer is not None:  # an overlapped round lands at a fixed step, maybe between sync steps
+            synced = self.syncer.land(step)
+        if synced is not None:
             metrics.update(synced.metrics())
             if synced.step != step:  # this node had fallen behind: continue at the run's step
                 self.step = step = synced.step
-            if eval_now and cfg.spes_config.eval_after_sync:
+            if eval_now and cfg.spes_config.eval_after_sync and synced.rounds:
                 metrics["merged_val_loss"] = self.evaluate()
         downstream_now = self.downstream is not None and self.downstream.due(step, self.max_steps)
         if downstream_now:  # NOTE: after the sync, so on the merged global model
             assert self.downstream is not None
             metrics.update(self.downstream.run(self.model, step))
         metrics.update(self._throughput(step))
-        if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or sync_now or downstream_now:
+        if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or synced is not None or downstream_now:
             self.history.append({"step": step, **metrics})
             self.metrics.write(step, metrics)
             self.trackers.log(step, metrics)
@@ -370,6 +387,7 @@ class Trainer:
             config=to_dict(cfg),
             sharded=sharded,
             keep=keep,
+            extra=self.syncer.checkpoint_files() if self.syncer is not None else None,
         )
         if path is not None:
             self.log(f"saved {'sharded ' if sharded else ''}checkpoint {path}")

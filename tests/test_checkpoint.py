@@ -360,3 +360,29 @@ def test_checkpoints_of_both_kinds_follow_the_umask(tmp_path: Path) -> None:
         os.umask(old)
     modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in tmp_path.rglob("*")}
     assert modes and all(m == (0o755 if (tmp_path / p).is_dir() else 0o644) for p, m in modes.items()), modes
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_extra_files_are_part_of_either_kind_and_survive_unsharding(tmp_path: Path, sharded: bool) -> None:
+    """What a node adds (an overlapped round in flight) is written before publishing, size-checked, carried along."""
+    cfg, model, optimizer = _node(steps=1)
+    name = "pending_round.st"  # NOTE: a sharded checkpoint takes every `*.safetensors` file for a shard
+    path = save(
+        tmp_path / "run",
+        1,
+        model,
+        optimizer,
+        trainer_state={"step": 1},
+        config=to_dict(cfg),
+        sharded=sharded,
+        extra={name: lambda p: p.write_bytes(b"in flight")},
+    )
+    assert path is not None and (path / name).read_bytes() == b"in flight"
+    assert json.loads((path / "meta.json").read_text())["extra"] == [name]
+    if sharded:
+        out = unshard(path, tmp_path / "unsharded")
+        assert (out / name).read_bytes() == b"in flight"
+        assert json.loads((out / "meta.json").read_text())["extra"] == [name]
+    (path / name).write_bytes(b"cut")
+    with pytest.raises(CheckpointError, match=f"{name}: missing or truncated"):
+        load_checkpoint(path)

@@ -16,6 +16,7 @@ from spes.config import (
     INERT_KEYS,
     ConfigError,
     InstanceFilterConfig,
+    SpesConfig,
     TrainConfig,
     config_help,
     load_config,
@@ -327,6 +328,8 @@ def test_choice_outside_the_allowed_values(
         (["--spes_config.peer_id=-1"], "spes_config.peer_id", "[0, num_peers=4)"),
         (["--spes_config.server_addr=localhost"], "spes_config.server_addr", "host:port"),
         (["--spes_config.sync_steps=0"], "spes_config.sync_steps", ">= 1"),
+        (["--spes_config.overlap_steps=11"], "spes_config.overlap_steps", "must be in [0, sync_steps=10]"),
+        (["--spes_config.overlap_steps=-1"], "spes_config.overlap_steps", "must be in [0, sync_steps=10]"),
         (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
         (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
         (["--data.instance_filter.repetition_max_count=1"], "data.instance_filter.repetition_max_count", ">= 2"),
@@ -598,6 +601,8 @@ def test_first_implementation_key_set_is_complete() -> None:
         "max_retries",
         "eval_after_sync",
         "data_plane",
+        "overlap_sync",
+        "overlap_steps",
     }
     hints = typing.get_type_hints(TrainConfig)
     for section in sections - {"evaluators"}:
@@ -642,3 +647,12 @@ def test_a_bad_override_value_blames_the_command_line(override: str, expected: s
 def test_a_list_written_as_a_string_in_yaml_gets_the_yaml_hint(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape("write a list: data.paths: [x.npy]")):
         load_config(write(tmp_path, "data:\n  paths: x.npy\n"))
+
+
+def test_overlap_defaults_to_a_delay_of_sync_steps_and_refuses_int8_deltas() -> None:
+    cfg = load_config(CONFIGS / "tiny.yaml", ["--spes_config.overlap_sync=true"])[0]
+    assert cfg.spes_config.overlap_delay == cfg.spes_config.sync_steps == 10
+    assert load_config(CONFIGS / "tiny.yaml", ["--spes_config.overlap_steps=0"])[0].spes_config.overlap_delay == 0
+    assert any(line.strip().startswith("--spes_config.overlap_sync=False") for line in config_help())
+    with pytest.raises(ConfigError, match=r"'spes_config.wire_dtype' = 'int8' cannot be combined with .*overlap_sync"):
+        TrainConfig(spes_config=SpesConfig(overlap_sync=True, wire_dtype="int8"))  # type: ignore[arg-type]

@@ -420,6 +420,9 @@ def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
             record[str(step)] = {"before": before, "after": _digests(node.model)}
             return result
 
+        def __getattr__(self, name: str) -> object:  # the rest of the Syncer: PeerSync's own
+            return getattr(peer_sync, name)
+
     trainer = Trainer(
         cfg=cfg,
         model=node.model,

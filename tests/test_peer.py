@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from spes.config import load_config
+from dist_helpers import run_ranks
+from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
+from spes.sync.client import SyncStats
 from spes.sync.merge import MergeConfig, build_global, parse_expert_block
-from spes.sync.peer import PeerSync, SyncResult
+from spes.sync.overlap import apply_overlapped
+from spes.sync.peer import PENDING_FILE, OverlappedSync, PeerSync, SyncResult
+from spes.sync.protocol import SyncError, Tensors
 from spes.train import build_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
@@ -37,6 +45,9 @@ class RecordingSync:
         result = self.inner.sync(step)
         self.after[step] = self.state()
         return result
+
+    def __getattr__(self, name: str) -> object:  # the rest of the Syncer: PeerSync's own
+        return getattr(self.inner, name)
 
 
 def run_peers(
@@ -121,3 +132,268 @@ def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) ->
         for name in frozen:
             assert torch.equal(rec0.before[step][name], rec0.after[prev][name]), (name, step)
         assert any(not torch.equal(rec0.after[step][n], rec0.before[step][n]) for n in frozen)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Overlapped rounds (spes_config.overlap_sync)
+
+QUIET = lambda _m: None  # noqa: E731
+OVERLAP = ["--spes_config.overlap_sync=true"]
+
+
+def test_results_of_one_step_add_up() -> None:
+    due = SyncResult(step=8, stats=SyncStats(1.0, 10, 20, 6, True, 0.5), rounds=1, waited_s=0.25)
+    started_and_due = SyncResult(step=8, stats=SyncStats(2.0, 30, 40, 8, False, 0.0), rounds=1, waited_s=0.5)
+    both = SyncResult(step=8, rounds=0).then(due).then(started_and_due)
+    assert both.metrics() == {
+        "sync_s": 3.0,
+        "sync_mb_up": 40 / 2**20,
+        "sync_mb_down": 60 / 2**20,
+        "sync_round": 8,
+        "merged": True,
+        "merge_alpha": 0.0,
+        "sync_wait_s": 0.75,
+        "sync_rounds": 2,
+    }
+    assert SyncResult(step=4, rounds=0).metrics() == {} and "sync_wait_s" not in SyncResult(step=4).metrics()
+
+
+def peer_config(corpus: Any, folder: Path, addr: str, peer: int, *extra: str) -> TrainConfig:
+    """Peer `peer` of 2 (4 experts each) of configs/tiny.yaml, syncing every 2 steps, 8 steps (`extra` overrides)."""
+    return load_config(
+        str(REPO / "configs" / "tiny.yaml"),
+        [
+            *corpus.overrides(folder / f"node{peer}"),
+            f"--spes_config.peer_id={peer}",
+            "--spes_config.num_peers=2",
+            "--spes_config.num_train_experts_per_node=4",
+            f"--spes_config.server_addr={addr}",
+            "--spes_config.sync_steps=2",
+            "--max_duration=8st",
+            "--eval_interval=null",
+            "--save_interval=null",
+            "--spes_config.rpc_timeout_s=30",
+            "--spes_config.round_timeout_s=60",
+            *extra,
+        ],
+    )[0]
+
+
+def start_peer(cfg: TrainConfig) -> Trainer:
+    """A node as `python -m spes.train` builds it: restored from `cfg.load_path`, joined, a round in flight taken up."""
+    node = build_node(cfg, CPU, log=QUIET)
+    syncer = (OverlappedSync if cfg.spes_config.overlap_sync else PeerSync)(cfg, node.model, CPU, log=QUIET)
+    deadline = time.monotonic() + 10
+    while True:  # NOTE: a restarted node is admitted once the server has seen its old process's stream end
+        try:
+            syncer.join()
+            break
+        except SyncError as e:
+            if "already joined" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    trainer = Trainer(
+        cfg=cfg,
+        model=node.model,
+        optimizer=node.optimizer,
+        loader=node.loader,
+        info=CPU,
+        syncer=syncer,
+        log=QUIET,
+    )
+    if node.checkpoint is not None:
+        trainer.load_state_dict(node.checkpoint.trainer)
+        syncer.resume(node.checkpoint.path)
+    return trainer
+
+
+def fit(trainer: Trainer) -> Trainer:
+    try:
+        trainer.fit()
+    finally:
+        assert isinstance(trainer.syncer, PeerSync)
+        trainer.syncer.close()
+    return trainer
+
+
+def weight_bits(trainer: Trainer) -> dict[str, bytes]:
+    """Every parameter's raw bytes (so -0.0 and +0.0 differ)."""
+    return {n: p.detach().contiguous().numpy().tobytes() for n, p in trainer.model.named_parameters()}
+
+
+def losses(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in history]
+
+
+def two_peers(corpus: Any, folder: Path, *extra: str) -> list[Trainer]:
+    """Both peers trained to the end against a fresh server (merge warm-up every 4 steps)."""
+    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(fit, start_peer(peer_config(corpus, folder, addr, p, *extra))) for p in range(2)]
+        return [f.result(timeout=240) for f in futures]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_overlap_with_a_delay_of_zero_steps_is_the_blocking_run_bit_for_bit(tiny_corpus: Any, tmp_path: Path) -> None:
+    blocking = two_peers(tiny_corpus, tmp_path / "blocking")
+    overlapped = two_peers(tiny_corpus, tmp_path / "overlapped", *OVERLAP, "--spes_config.overlap_steps=0")
+    for b, o in zip(blocking, overlapped):
+        assert isinstance(o.syncer, OverlappedSync)
+        assert weight_bits(o) == weight_bits(b)
+        assert losses(o.history) == losses(b.history)
+        rounds = [r for r in o.history if "sync_wait_s" in r]
+        assert [(r["step"], r["sync_rounds"]) for r in rounds] == [(2, 1), (4, 1), (6, 1), (8, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(tiny_corpus: Any, tmp_path: Path) -> None:
+    """Rounds every 4 steps applied 2 steps later; peer 1 stops at step 5, its round of step 4 in flight, and resumes
+    from that checkpoint while peer 0 trains on: both end as in the uninterrupted run, bit for bit."""
+    extra = [*OVERLAP, "--spes_config.sync_steps=4", "--spes_config.overlap_steps=2", "--max_duration=12st"]
+    reference = two_peers(tiny_corpus, tmp_path / "straight", *extra)
+    folder = tmp_path / "stopped"
+
+    def stop_and_resume(addr: str) -> tuple[Trainer, Trainer]:
+        first = fit(start_peer(peer_config(tiny_corpus, folder, addr, 1, *extra, "--stop_at=5", "--save_interval=5")))
+        assert (folder / "node1" / "step5" / PENDING_FILE).is_file()
+        assert json.loads((folder / "node1" / "step5" / "meta.json").read_text())["extra"] == [PENDING_FILE]
+        again = peer_config(tiny_corpus, folder, addr, 1, *extra, f"--load_path={folder / 'node1'}")
+        return first, fit(start_peer(again))
+
+    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+        steady = pool.submit(fit, start_peer(peer_config(tiny_corpus, folder, addr, 0, *extra)))
+        first, resumed = pool.submit(stop_and_resume, addr).result(timeout=240)
+        peers = [steady.result(timeout=240), resumed]
+    assert losses(first.history + resumed.history) == losses(reference[1].history)
+    for peer in range(2):
+        assert weight_bits(peers[peer]) == weight_bits(reference[peer]), peer
+    landed = [(r["step"], r["sync_round"]) for r in resumed.history if "sync_wait_s" in r]
+    assert landed == [(6, 4), (10, 8), (12, 12)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_overlapped_node_the_run_moved_past_catches_up(tiny_corpus: Any, tmp_path: Path) -> None:
+    """Peer 1 stops at step 7 and resumes from its step-2 checkpoint (round 2 in flight); the run has completed
+    round 6 meanwhile: at the round's step it loads the whole global model of round 6 and continues from there."""
+    extra = [*OVERLAP, "--spes_config.overlap_steps=1", "--save_interval=2", "--save_num_checkpoints_to_keep=-1"]
+    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+        steady = pool.submit(fit, start_peer(peer_config(tiny_corpus, tmp_path, addr, 0, *extra)))
+        fit(start_peer(peer_config(tiny_corpus, tmp_path, addr, 1, *extra, "--stop_at=7")))
+        assert (tmp_path / "node1" / "step2" / PENDING_FILE).is_file()
+        old = f"--load_path={tmp_path / 'node1' / 'step2'}"
+        behind = fit(start_peer(peer_config(tiny_corpus, tmp_path, addr, 1, *extra, old)))
+        ahead = steady.result(timeout=240)
+    caught_up = [r for r in behind.history if "caught_up_to" in r]
+    assert [(r["step"], r["caught_up_to"]) for r in caught_up] == [(6, 6)]
+    assert [r["step"] for r in behind.history] == [6, 7, 8]  # its step 3 became step 6: the run was past 3..6
+    shared = [n for n, p in ahead.model.named_parameters() if ".experts." not in n]
+    weights = [dict(t.model.named_parameters()) for t in (ahead, behind)]
+    assert shared and all(torch.equal(weights[0][n], weights[1][n]) for n in shared)  # both end on round 8's model
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_failed_overlapped_round_raises_at_the_step_it_was_due(tiny_corpus: Any, tmp_path: Path) -> None:
+    with running_server(total_peers=1, experts_per_peer=8) as (_, addr):
+        cfg = peer_config(
+            tiny_corpus,
+            tmp_path,
+            addr,
+            0,
+            *OVERLAP,
+            "--spes_config.overlap_steps=1",
+            "--spes_config.num_peers=1",
+            "--spes_config.num_train_experts_per_node=8",
+            "--spes_config.max_retries=0",
+            "--spes_config.rpc_timeout_s=5",
+        )
+        trainer = start_peer(cfg)
+    with pytest.raises(SyncError, match=f"is the parameter server running at spes_config.server_addr={addr}"):
+        fit(trainer)  # the server is gone: the round uploaded at step 2 fails in the background
+    assert trainer.step == 3
+
+
+def _full(model: torch.nn.Module) -> Tensors:
+    """Every parameter whole, on every rank (gathered from the shards under FSDP: a collective)."""
+    from spes.distributed import unwrap
+
+    return {
+        n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+        for n, p in unwrap(model).named_parameters()
+    }
+
+
+def _overlapped_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
+    """One overlapped node on this torchrun's ranks. At each round it applies, rank 0 checks the weights every rank
+    then holds against the rule computed from whole tensors; every rank reports a digest of what it holds."""
+    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), args["overrides"])[0]
+    node = build_node(cfg, info, log=QUIET)
+    landed: dict[str, Any] = {}
+
+    class Checked(OverlappedSync):
+        def _load(self, step: int, downloaded: Tensors, *rest: Any, **kwargs: Any) -> SyncResult:
+            before, glob = _full(self.model), {n: t.clone() for n, t in downloaded.items()}
+            snapshot = {n: t.clone() for n, t in (kwargs.get("snapshot") or {}).items()}
+            result = super()._load(step, downloaded, *rest, **kwargs)
+            after = _full(self.model)
+            digest = hashlib.sha256(b"".join(after[n].numpy().tobytes() for n in sorted(after))).hexdigest()
+            expected = apply_overlapped(glob, before, snapshot) if info.is_main else {}
+            landed[str(step)] = {
+                "digest": digest,
+                "rule_holds": all(torch.equal(after[n], t) for n, t in expected.items()),
+                "applied": sorted(expected),
+            }
+            return result
+
+    syncer = Checked(cfg, node.model, info, log=QUIET)
+    syncer.join()
+    trainer = Trainer(
+        cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=info, syncer=syncer, log=QUIET
+    )
+    trainer.fit()
+    syncer.close()
+    return landed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_rank_of_a_ddp_and_an_fsdp_node_applies_the_same_overlapped_rounds(
+    tiny_corpus: Any, tmp_path: Path
+) -> None:
+    """Node 0 on 2 DDP ranks, node 1 on 2 FSDP2 ranks (gloo), rounds every 2 steps applied 1 step later."""
+    from dist_helpers import SMALL_NODE
+
+    def node(addr: str, peer: int, strategy: str) -> list[Any]:
+        overrides = [
+            *SMALL_NODE,
+            "--model.moe_num_experts=4",
+            "--spes_config.num_peers=2",
+            "--spes_config.num_train_experts_per_node=2",
+            f"--spes_config.peer_id={peer}",
+            f"--spes_config.server_addr={addr}",
+            "--spes_config.sync_steps=2",
+            *OVERLAP,
+            "--spes_config.overlap_steps=1",
+            "--max_duration=4st",
+            "--save_interval=null",
+            "--spes_config.round_timeout_s=200",
+            "--spes_config.max_retries=2",
+            f"--distributed_strategy={strategy}",
+            *tiny_corpus.overrides(tmp_path / f"node{peer}"),
+            "--data.validation_paths=[]",
+        ]
+        return run_ranks(
+            2, "test_peer:_overlapped_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}", timeout=240
+        )
+
+    with running_server(total_peers=2, experts_per_peer=2) as (_, addr), ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(node, addr, 0, "ddp"), pool.submit(node, addr, 1, "fsdp")]
+        nodes = [f.result(timeout=280) for f in futures]
+    for ranks in nodes:
+        main, other = ranks
+        assert sorted(main) == sorted(other) == ["3", "4"]  # round 2 applied at step 3, round 4 at the last step
+        for step in ("3", "4"):
+            assert main[step]["rule_holds"] and main[step]["applied"], step
+            assert main[step]["digest"] == other[step]["digest"], step

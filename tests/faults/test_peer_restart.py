@@ -61,6 +61,9 @@ class Recording:
         self.after[step] = {n: t.detach().clone() for n, t in self.inner.model.state_dict().items()}
         return result
 
+    def __getattr__(self, name: str) -> object:  # the rest of the Syncer: PeerSync's own
+        return getattr(self.inner, name)
+
 
 def node(
     corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | None = None, crash_at: int | None = None
