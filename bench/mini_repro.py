@@ -5,6 +5,7 @@
     .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
     .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
     .venv/bin/python bench/mini_repro.py --seed 7        # the same with another model-init and data-order seed
+    .venv/bin/python bench/mini_repro.py --overlap       # SPES blocking vs overlapped rounds (overlap_sync)
 
 Three real runs on the default local corpus (data/default, built by
 `data_process_scripts/build_default_corpus.py --output_dir data/default`), each through the project's own
@@ -26,6 +27,11 @@ pre-sync local losses are kept too. Bytes communicated are the payload bytes eve
 `--seed S` sets the model initialization seed and the data-order seeds (S for the centralized run and peer 0,
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
 seed's report in docs/ lists the final losses of every other seed found in bench/results/.
+
+`--overlap` runs only the SPES arm twice, blocking and with `spes_config.overlap_sync` (each round applied
+`sync_steps` later, with the local progress made meanwhile), into `bench/results/mini_repro_overlap[_seed<S>]/`,
+and records both final validation losses at equal logged tokens in `bench/results/mini_repro_overlap*.json`
+(the figure in docs/benchmarks.md); it writes no report of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ CONFIG = "configs/tiny.yaml"
 DEFAULT_SEED = 6198  # configs/tiny.yaml's `seed` and `data.seed`
 PEERS = 4
 RUNS = ("centralized", "spes", "diloco")
+OVERLAP_RUNS = ("spes", "spes_overlap")
+OVERLAP_TARGET = 0.01
+"""Issue 16: the overlapped run's final validation loss within 1% of the blocking run's."""
 LABELS = {"centralized": "centralized (1 trainer, 4x batch)", "spes": "SPES (4 peers)", "diloco": "DiLoCo (4 peers)"}
 COLORS = {"centralized": "black", "spes": "tab:red", "diloco": "tab:blue"}
 
@@ -174,7 +183,12 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
         ),
         "spes": ([*launch, "--out", str(out / "spes"), "--", *common], {}),
         "diloco": ([*launch, "--dilico", "--out", str(out / "diloco"), "--", *common], {}),
+        "spes_overlap": ([*launch, "--out", str(out / "spes_overlap"), "--", *common, *OVERLAP_FLAGS], {}),
     }
+
+
+OVERLAP_FLAGS = ["--spes_config.overlap_sync=true"]
+"""The overlapped SPES arm: rounds applied `sync_steps` after their sync step (the default overlap_steps)."""
 
 
 Commands = dict[str, tuple[list[str], dict[str, str]]]
@@ -240,6 +254,7 @@ def peers_curve(run: Path) -> dict[str, Any]:
     peers = [_records(path) for path in paths]
     cumulative: dict[int, float] = {}
     total = 0.0
+    syncs = [r for r in peers[0] if "sync_s" in r]
     for step in sorted({r["step"] for recs in peers for r in recs if "sync_s" in r}):
         total += (
             sum(
@@ -264,11 +279,13 @@ def peers_curve(run: Path) -> dict[str, Any]:
         "merged_spread_across_peers": max(max(v) - min(v) for v in zip(*merged_by_peer)),
         "local_val_loss_mean": [sum(v) / PEERS for v in zip(*local_by_peer)],
         "bytes": [cumulative[s] for s in steps],
-        "bytes_per_peer_round_up": peers[0][-1].get("sync_mb_up", 0.0) * 2**20,
-        "bytes_per_peer_round_down": [r["sync_mb_down"] * 2**20 for r in peers[0] if "sync_s" in r],
-        "rounds": len(cumulative),
-        "merge_rounds": sum(bool(r.get("merged")) for r in peers[0] if "sync_s" in r),
-        "sync_seconds_peer0": sum(r["sync_s"] for r in peers[0] if "sync_s" in r),
+        # NOTE: an overlapped node logs the rounds it applied at a step; at its last step that may be two
+        "bytes_per_peer_round_up": syncs[-1]["sync_mb_up"] / syncs[-1].get("sync_rounds", 1) * 2**20,
+        "bytes_per_peer_round_down": [r["sync_mb_down"] / r.get("sync_rounds", 1) * 2**20 for r in syncs],
+        "rounds": sum(r.get("sync_rounds", 1) for r in syncs),
+        "merge_rounds": sum(bool(r.get("merged")) for r in syncs),
+        "sync_seconds_peer0": sum(r["sync_s"] for r in syncs),
+        "sync_wait_seconds_peer0": sum(r.get("sync_wait_s", r["sync_s"]) for r in syncs),
     }
 
 
@@ -526,6 +543,50 @@ def report(
     return "\n".join(lines)
 
 
+def compare_overlap(
+    runs: Path, out_json: Path, walls: dict[str, float], run_info: dict[str, Any] | None, setup: Setup, seed: int
+) -> int:
+    """`--overlap`: the blocking and the overlapped SPES run's final validation loss (of the merged model, after the
+    last round is applied), refused unless both trained on the same logged tokens; a table and the JSON record."""
+    curves = {arm: peers_curve(runs / arm) for arm in OVERLAP_RUNS}
+    blocking, overlapped = curves["spes"], curves["spes_overlap"]
+    if blocking["tokens_final"] != overlapped["tokens_final"]:
+        raise SystemExit(
+            f"error: unequal token budgets in {runs}: blocking {blocking['tokens_final']:,}, overlapped "
+            f"{overlapped['tokens_final']:,} (peers {overlapped['tokens_final_per_peer']}). No record written."
+        )
+    final = {arm: curves[arm]["val_loss"][-1] for arm in OVERLAP_RUNS}
+    relative = (final["spes_overlap"] - final["spes"]) / final["spes"]
+    print(f"tokens per run (logged, summed over peers): {blocking['tokens_final']:,}")
+    print(f"{'run':>14}  {'final val':>9}  {'rounds':>6}  {'s waited, peer 0':>16}  {'wall s':>7}")
+    for arm in OVERLAP_RUNS:
+        c = curves[arm]
+        print(
+            f"{arm:>14}  {final[arm]:9.4f}  {c['rounds']:6d}  {c['sync_wait_seconds_peer0']:16.1f}  "
+            f"{walls.get(arm, float('nan')):7.0f}"
+        )
+    verdict = "within" if abs(relative) <= OVERLAP_TARGET else "NOT within"
+    print(f"overlapped vs blocking: {100 * relative:+.3f}% ({verdict} the {100 * OVERLAP_TARGET:g}% target)")
+    write_results(
+        out_json,
+        {
+            "mode": "overlap",
+            "seed": seed,
+            "machine": (run_info or {}).get("machine") or machine_info(),
+            "run": run_info,
+            "setup": asdict(setup),
+            "overlap_flags": OVERLAP_FLAGS,
+            "walls_s": walls,
+            "tokens": {arm: curves[arm]["tokens_final"] for arm in OVERLAP_RUNS},
+            "final_val_loss": final,
+            "relative_difference": relative,
+            "target": OVERLAP_TARGET,
+            "curves": curves,
+        },
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("mini_repro", __doc__)
     p.add_argument("--runs", type=Path, default=None, help="run directory (default: bench/results/mini_repro[_quick])")
@@ -539,11 +600,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help="model-init and data-order seed (default %(default)s)"
     )
+    p.add_argument(
+        "--overlap", action="store_true", help="run SPES blocking and with overlap_sync instead (no report, a record)"
+    )
     p.set_defaults(out=None)
     args = p.parse_args(argv)
     setup = QUICK if args.quick else FULL
     default = args.seed == DEFAULT_SEED and not args.quick
     name = "mini_repro_quick" if args.quick else "mini_repro" if default else f"mini_repro_seed{args.seed}"
+    if args.overlap:
+        name = name.replace("mini_repro", "mini_repro_overlap")
     runs = args.runs or RESULTS_DIR / name
     docs = args.docs or (REPO_ROOT / "docs" if default else runs)
     out_json = args.out or RESULTS_DIR / f"{name}.json"
@@ -562,13 +628,16 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     runs.mkdir(parents=True, exist_ok=True)
+    arms = OVERLAP_RUNS if args.overlap else RUNS
     if args.report_only:
         walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
         run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
     else:
-        walls = run_all(run_commands(setup, common, runs), runs)
+        walls = run_all({arm: run_commands(setup, common, runs)[arm] for arm in arms}, runs)
         run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
         write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
+    if args.overlap:
+        return compare_overlap(runs, out_json, walls, run_info, setup, args.seed)
     curves = collect(runs)
     check_equal_tokens(curves, runs)
     machine = (run_info or {}).get("machine") or machine_info()

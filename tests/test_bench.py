@@ -7,6 +7,7 @@ side, and docs/benchmarks.md holds the full runs. Only exact facts are checked (
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -189,6 +190,22 @@ def test_mini_repro_refuses_unequal_token_budgets(tmp_path: Path) -> None:
     check_equal_tokens(curves, tmp_path)
 
 
+def test_mini_repro_overlap_records_both_final_losses_at_equal_tokens(tmp_path: Path) -> None:
+    from mini_repro import QUICK, compare_overlap
+
+    for run in ("spes", "spes_overlap"):
+        for p in range(4):
+            _metrics(tmp_path / run / f"node{p}", 512)
+    record = tmp_path / "overlap.json"
+    assert compare_overlap(tmp_path, record, {"spes": 1.0, "spes_overlap": 1.0}, None, QUICK, 7) == 0
+    results = json.loads(record.read_text())
+    assert results["tokens"] == {"spes": 8192, "spes_overlap": 8192} and results["relative_difference"] == 0.0
+    shutil.rmtree(tmp_path / "spes_overlap" / "node3")
+    _metrics(tmp_path / "spes_overlap" / "node3", 256)
+    with pytest.raises(SystemExit, match="unequal token budgets"):
+        compare_overlap(tmp_path, record, {}, None, QUICK, 7)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
@@ -344,3 +361,33 @@ def test_bench_wan_quick(tmp_path: Path) -> None:
     (m,) = results["measurements"]
     assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0  # the same bytes, read from the peers
     assert m["ideal_s"] > 0 and m["efficiency"] > 0 and m["raw_efficiency"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_overlap_quick(tmp_path: Path) -> None:
+    results, stdout = run_bench("bench_overlap", tmp_path)
+    blocking, overlapped = results["arms"]["blocking"], results["arms"]["overlapped"]
+    assert blocking["tokens"] == overlapped["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 steps x 16 sequences of 64
+    assert blocking["rounds"] == overlapped["rounds"] == [2, 2]
+    assert all(b > 0 for b in overlapped["relay_bytes"]["bytes_up"] + overlapped["relay_bytes"]["bytes_down"])
+    assert results["ratio"] > 0 and "overlapped / blocking tokens/s" in stdout
+
+
+def test_bench_overlap_refuses_arms_that_differ() -> None:
+    from bench_overlap import check_premises
+
+    arm = {
+        "tokens_per_peer": [1024, 1024],
+        "steps": [4, 4],
+        "rounds": [2, 2],
+        "bytes_up_per_round": [100.0, 100.0],
+        "bytes_down_per_round": [120.0, 120.0],
+        "relay_bytes": {"bytes_up": [250, 250], "bytes_down": [300, 300]},
+    }
+    assert check_premises(arm, dict(arm)) == []
+    assert check_premises(arm, {**arm, "tokens_per_peer": [1024, 512]}) == [
+        "tokens_per_peer differ: blocking [1024, 1024], overlapped [1024, 512]"
+    ]
+    bypassed = {**arm, "relay_bytes": {"bytes_up": [0, 250], "bytes_down": [300, 300]}}
+    assert "did it bypass the link?" in check_premises(arm, bypassed)[0]

@@ -1,0 +1,262 @@
+#!/usr/bin/env python
+"""Overlapped rounds on an emulated link: training throughput of the same SPES run, blocking and overlapped.
+
+    .venv/bin/python bench/bench_overlap.py            # 2 peers, 300 steps, a round every 10 steps, RTT 50 ms (~6 min)
+    .venv/bin/python bench/bench_overlap.py --quick    # 4 steps, a round every 2, a fixed 200 Mbit/s link: the pipeline
+
+Three real runs, one after the other, each `python -m spes.server` plus one `python -m spes.train` per peer, every
+peer reaching the server through bench/link_relay.py (its own link and the server's shared link, both at the
+same rate, and a one-way delay of RTT/2):
+
+  1. calibration (blocking, 3 rounds, a 1 Gbit/s link): the median step time while both peers train, the
+     payload bytes of a round (the trainers' own counters) and what a round costs beyond its bytes (round
+     trips, connections, aggregation);
+  2. blocking: the run with the link rate set so that one round takes `sync_steps` calibrated step times;
+  3. overlapped: the same run and link with `spes_config.overlap_sync=true` (each round applied `sync_steps`
+     later, the default `overlap_steps`).
+
+Throughput = the tokens the trainers logged (`tokens` in metrics.jsonl, summed over the peers) / the run's
+training wall time (the longest of the peers' `time` at their last logged step: from the trainer's start, after
+start-up and join, to its last step, whatever it waited for). With R rounds each as long as `sync_steps` steps,
+a blocking run takes 2R round-lengths and an overlapped one R + 1 (only the last round, applied at the last step,
+is waited for), so the ideal ratio is 2R / (R + 1). The report is refused unless both arms logged the same tokens
+and rounds with the same payload bytes, and the relay carried at least those bytes for every peer.
+
+Every process gets one torch thread: the 2 peers train on 2 cores, and the server, the relay and the overlapped
+peers' upload threads take what is left. Small model (configs/tiny.yaml widths, 64 sequences per step) so
+that a step takes ~0.1-0.3 s and the run minutes; the link's rate follows from it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_sync import spawn, stop, wait_for_log
+from bench_wan import LinkSpec
+from common import RESULTS_DIR, format_table, machine_info, parser, write_results
+from spes.launch import free_port
+
+CONFIG = "configs/tiny.yaml"
+PEERS = 2
+OVERLAP = ["--spes_config.overlap_sync=true"]
+CALIBRATION_MBIT = 1000.0
+"""The calibration's link: fast enough that its rounds cost little beyond their round trips and overhead."""
+
+
+def run_overrides(steps: int, sync_steps: int, batch: int) -> list[str]:
+    """The run both arms share (configs/tiny.yaml underneath): 2 peers of 4 experts, no evaluation or checkpoints."""
+    return [
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        f"--spes_config.sync_steps={sync_steps}",
+        f"--max_duration={steps}st",
+        f"--global_train_batch_size={batch}",
+        "--device_train_microbatch_size=16",
+        "--eval_interval=null",
+        "--save_interval=null",
+        "--log_interval=1",
+        "--spes_config.data_plane=tcp",
+        "--spes_config.rpc_timeout_s=120",
+        "--spes_config.round_timeout_s=600",
+    ]
+
+
+def run_arm(name: str, overrides: list[str], link: LinkSpec, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """One real run through the relay; what its trainers logged and what the relay carried."""
+    out = workdir / name
+    out.mkdir(parents=True, exist_ok=True)
+    port, data_port = free_port(), free_port()
+    log = out / "server.log"
+    server = spawn(
+        ["-m", "spes.server", CONFIG, *overrides, "--host", "127.0.0.1", "--port", str(port)]
+        + ["--data_port", str(data_port)],
+        log,
+    )
+    procs: list[subprocess.Popen] = [server]
+    started = time.monotonic()
+    try:
+        wait_for_log(log, "listening", server)
+        relay, hosts = link.relay([port, data_port], PEERS)
+        procs.append(relay)
+        peers = []
+        for p in range(PEERS):
+            (out / f"node{p}" / "metrics.jsonl").unlink(missing_ok=True)
+            peer = [f"--spes_config.peer_id={p}", f"--spes_config.server_addr={hosts[p]}:{port}"]
+            peers.append(
+                spawn(
+                    ["-m", "spes.train", CONFIG, *overrides, *peer, f"--save_folder={out / f'node{p}'}"],
+                    out / f"peer{p}.log",
+                )
+            )
+        procs += peers
+        deadline = started + timeout_s
+        while any(p.poll() is None for p in peers):
+            failed = [i for i, p in enumerate(peers) if p.returncode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                what = f"peer {failed[0]} failed" if failed else f"the run did not finish in {timeout_s:.0f} s"
+                raise SystemExit(f"error: {name}: {what}; see {out}/peer{failed[0] if failed else 0}.log")
+            time.sleep(0.2)
+        if any(p.returncode != 0 for p in peers):
+            raise SystemExit(f"error: {name}: a peer failed; see the logs in {out}")
+        process_wall = time.monotonic() - started
+        relay.terminate()
+        carried, _ = relay.communicate(timeout=30)
+    finally:
+        stop(procs)
+    relayed = json.loads(carried.strip().splitlines()[-1])
+    return {**summarize(out, overrides), "process_wall_s": process_wall, "relay_bytes": relayed}
+
+
+def summarize(out: Path, overrides: list[str]) -> dict[str, Any]:
+    """The run as its trainers logged it: tokens, training wall time, step times, rounds and their bytes."""
+    peers = [
+        [json.loads(line) for line in (out / f"node{p}" / "metrics.jsonl").read_text().splitlines()]
+        for p in range(PEERS)
+    ]
+    sync_steps = int(next(o for o in overrides if o.startswith("--spes_config.sync_steps=")).split("=")[1])
+    step_s = []
+    for records in peers:
+        for prev, rec in zip(records, records[1:]):  # NOTE: log_interval=1, so consecutive records are steps
+            quiet = "sync_s" not in rec and rec["step"] % sync_steps != 0 and rec["step"] == prev["step"] + 1
+            if quiet:
+                step_s.append(rec["time"] - prev["time"])
+    syncs = [[r for r in records if "sync_s" in r] for records in peers]
+    # NOTE: a peer that reaches a round first also waits for the other one; the later one's time is the round's
+    by_step: dict[int, list[float]] = {}
+    for r in (r for s in syncs for r in s):
+        by_step.setdefault(r["step"], []).append(r["sync_s"] / r.get("sync_rounds", 1))
+    return {
+        "tokens_per_peer": [records[-1]["tokens"] for records in peers],
+        "tokens": sum(records[-1]["tokens"] for records in peers),
+        "steps": [records[-1]["step"] for records in peers],
+        "train_wall_s": max(records[-1]["time"] for records in peers),
+        "median_step_s": statistics.median(step_s),
+        "rounds": [sum(r.get("sync_rounds", 1) for r in s) for s in syncs],
+        "bytes_up_per_round": [s[0]["sync_mb_up"] * 2**20 / s[0].get("sync_rounds", 1) for s in syncs],
+        "bytes_down_per_round": [s[0]["sync_mb_down"] * 2**20 / s[0].get("sync_rounds", 1) for s in syncs],
+        "round_s": statistics.median(min(seconds) for seconds in by_step.values()),
+        "waited_s": [sum(r.get("sync_wait_s", r["sync_s"]) for r in s) for s in syncs],
+    }
+
+
+def link_rate(calibration: dict[str, Any], link: LinkSpec, sync_steps: int) -> float:
+    """Mbit/s per link (each peer's and the server's) at which a round takes `sync_steps` calibrated steps: its
+    bytes over the shared server link, plus what the calibration's round cost beyond its bytes."""
+    moved = sum(calibration["bytes_up_per_round"]) + sum(calibration["bytes_down_per_round"])
+    overhead = calibration["round_s"] - moved / (link.server_mbit * 1e6 / 8)
+    budget = sync_steps * calibration["median_step_s"] - overhead
+    if budget <= 0:
+        raise SystemExit(
+            f"error: a round's overhead ({overhead:.2f} s at RTT {link.rtt_ms:g} ms) exceeds {sync_steps} steps "
+            f"({sync_steps * calibration['median_step_s']:.2f} s): raise --sync_steps or lower --rtt_ms"
+        )
+    return moved * 8 / budget / 1e6
+
+
+def check_premises(blocking: dict[str, Any], overlapped: dict[str, Any]) -> list[str]:
+    """What must hold for the ratio to mean anything; an empty list when all does."""
+    problems = []
+    for key in ("tokens_per_peer", "steps", "rounds", "bytes_up_per_round", "bytes_down_per_round"):
+        if blocking[key] != overlapped[key]:
+            problems.append(f"{key} differ: blocking {blocking[key]}, overlapped {overlapped[key]}")
+    for name, arm in (("blocking", blocking), ("overlapped", overlapped)):
+        for p in range(PEERS):
+            payload_up = arm["bytes_up_per_round"][p] * arm["rounds"][p]
+            if arm["relay_bytes"]["bytes_up"][p] < payload_up:
+                problems.append(f"{name}: the relay carried less than peer {p}'s payload up: did it bypass the link?")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("bench_overlap", __doc__)
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 300, quick 4)")
+    p.add_argument("--sync_steps", type=int, default=None, help="steps between rounds (default 10, quick 2)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step and peer (default 64, quick 16)")
+    p.add_argument("--rtt_ms", type=float, default=50.0, help="round-trip time of every link")
+    p.add_argument("--mbit", type=float, default=None, help="link rate, Mbit/s, instead of calibrating it (quick: 200)")
+    p.set_defaults(out=None)
+    args = p.parse_args(argv)
+    steps, sync_steps = args.steps or (4 if args.quick else 300), args.sync_steps or (2 if args.quick else 10)
+    batch = args.batch or (16 if args.quick else 64)
+    mbit = args.mbit or (200.0 if args.quick else None)
+    name = "bench_overlap_quick" if args.quick else "bench_overlap"
+    overrides = run_overrides(steps, sync_steps, batch)
+    workdir = RESULTS_DIR / name
+    timeout = 300.0 if args.quick else 3600.0
+
+    calibration = None
+    if mbit is None:
+        fast = LinkSpec(CALIBRATION_MBIT, CALIBRATION_MBIT, args.rtt_ms)
+        print(
+            f"calibration: {PEERS} peers, {3 * sync_steps} steps through a {fast.peer_mbit:g} Mbit/s link", flush=True
+        )
+        calibration = run_arm("calibration", run_overrides(3 * sync_steps, sync_steps, batch), fast, workdir, timeout)
+        mbit = link_rate(calibration, fast, sync_steps)
+        print(
+            f"step {calibration['median_step_s']:.3f} s, round {calibration['round_s']:.2f} s at {fast.peer_mbit:g} "
+            f"Mbit/s: so {mbit:.1f} Mbit/s",
+            flush=True,
+        )
+    link = LinkSpec(mbit, mbit, args.rtt_ms)
+    print(f"link: {mbit:.1f} Mbit/s per peer and for the server (shared), RTT {args.rtt_ms:g} ms", flush=True)
+    arms = {}
+    for name, extra in (("blocking", []), ("overlapped", OVERLAP)):
+        print(f"{name}: {steps} steps, a round every {sync_steps}", flush=True)
+        arms[name] = run_arm(name, [*overrides, *extra], link, workdir, timeout)
+    blocking, overlapped = arms["blocking"], arms["overlapped"]
+    rows = [
+        [
+            name,
+            f"{arm['tokens']:,}",
+            f"{arm['train_wall_s']:.1f}",
+            f"{arm['tokens'] / arm['train_wall_s']:,.0f}",
+            f"{arm['median_step_s']:.3f}",
+            f"{arm['round_s']:.2f}",
+            f"{max(arm['waited_s']):.1f}",
+            f"{arm['process_wall_s']:.1f}",
+        ]
+        for name, arm in arms.items()
+    ]
+    print(
+        format_table(
+            ["run", "tokens", "train s", "tokens/s", "step s", "round s", "waited s", "process s"],
+            rows,
+        )
+    )
+    problems = check_premises(blocking, overlapped)
+    if problems:
+        raise SystemExit("error: the arms are not comparable, no record written: " + "; ".join(problems))
+    ratio = (overlapped["tokens"] / overlapped["train_wall_s"]) / (blocking["tokens"] / blocking["train_wall_s"])
+    rounds = blocking["rounds"][0]
+    ideal = 2 * rounds / (rounds + 1)
+    print(
+        f"overlapped / blocking tokens/s: {ratio:.3f}x (ideal for {rounds} rounds each as long as {sync_steps} "
+        f"steps: {ideal:.3f}x)"
+    )
+    write_results(
+        args.out or RESULTS_DIR / f"{name}.json",
+        {
+            "mode": "quick" if args.quick else "full",
+            "machine": machine_info(),
+            "config": CONFIG,
+            "overrides": overrides,
+            "overlap_flags": OVERLAP,
+            "peers": PEERS,
+            "link": {"mbit": mbit, "rtt_ms": args.rtt_ms, "server_mbit": mbit},
+            "calibration": calibration,
+            "arms": arms,
+            "ratio": ratio,
+            "ideal_ratio": ideal,
+            "target": 1.8,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
