@@ -13,7 +13,7 @@ Any key can be overridden as `--section.key=value`; `--resume` continues from `<
 A failure the user can cause or meet ends in one line `error: ...` on stderr and a non-zero exit.
 Order of construction: config -> process group -> data (checked before any model exists) -> model on meta ->
 weights -> parallelize (under FSDP2: parallelize, then each rank's shards of the weights) -> optimizer ->
-sync client -> trainer -> fit, torn down in `finally`.
+sync client -> trainer (`start_node`) -> fit, torn down in `finally`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -41,6 +41,9 @@ from spes.sync.client import SyncError
 from spes.tokenizer import check_vocab, load_tokenizer
 from spes.torchrun import ERROR_DIR_ENV
 from spes.trainer import Trainer
+
+if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync
+    from spes.sync.peer import PeerSync
 
 USAGE = """usage: python -m spes.train CONFIG.yaml [--section.key=value ...] [--resume[=auto]]
 
@@ -216,13 +219,30 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
     log = print if info.is_main else (lambda _msg: None)
     if inert:
         log(f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}")
+    trainer, syncer = start_node(cfg, info, log)
+    try:
+        trainer.fit()
+        log(
+            f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
+            f"{optimizer_state_bytes(trainer.optimizer) / 2**20:.1f} MiB"
+        )
+    finally:
+        if syncer is not None:
+            syncer.close()
+
+
+def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> tuple[Trainer, PeerSync | None]:
+    """What `python -m spes.train` fits: the node built, its side of the rounds joined to the server (None for a
+    centralized run), the trainer resumed from the node's checkpoint with the round it held in flight, if any.
+    The caller closes the syncer once done."""
     node = build_node(cfg, info, log)
     syncer = None
-    try:
-        if cfg.sync_enabled:
-            from spes.sync.peer import OverlappedSync, PeerSync
+    if cfg.sync_enabled:
+        from spes.sync.peer import node_sync
 
-            syncer = (OverlappedSync if cfg.spes_config.overlap_sync else PeerSync)(cfg, node.model, info, log=log)
+        syncer = node_sync(cfg, node.model, info, log=log)
+    try:
+        if syncer is not None:
             syncer.join()
         trainer = Trainer(
             cfg=cfg,
@@ -238,14 +258,11 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
             trainer.load_state_dict(node.checkpoint.trainer)
             if syncer is not None:
                 syncer.resume(node.checkpoint.path)
-        trainer.fit()
-        log(
-            f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
-            f"{optimizer_state_bytes(node.optimizer) / 2**20:.1f} MiB"
-        )
-    finally:
+    except BaseException:
         if syncer is not None:
             syncer.close()
+        raise
+    return trainer, syncer
 
 
 def _dataset(cfg: TrainConfig, paths: list[str]) -> TokenSequenceDataset:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from spes.sync.merge import MergeConfig, build_global, parse_expert_block
 from spes.sync.overlap import apply_overlapped
 from spes.sync.peer import PENDING_FILE, OverlappedSync, PeerSync, SyncResult
 from spes.sync.protocol import SyncError, Tensors
-from spes.train import build_node
+from spes.train import build_node, start_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
 
@@ -55,36 +54,11 @@ def run_peers(
 ) -> list[tuple[RecordingSync, Trainer]]:  # type: ignore[no-untyped-def]
     peers = []
     for peer in range(2):
-        cfg, _ = load_config(
-            str(REPO / "configs" / "tiny.yaml"),
-            [
-                *corpus.overrides(tmp_path / f"node{peer}"),
-                f"--spes_config.peer_id={peer}",
-                "--spes_config.num_peers=2",
-                "--spes_config.num_train_experts_per_node=4",
-                f"--spes_config.server_addr={addr}",
-                "--spes_config.sync_steps=2",
-                f"--max_duration={steps}st",
-                "--eval_interval=null",
-                "--save_interval=null",
-                "--spes_config.rpc_timeout_s=30",
-                "--spes_config.round_timeout_s=60",
-                f"--using_dilico={str(dilico).lower()}",
-            ],
+        trainer = start_peer(
+            peer_config(corpus, tmp_path, addr, peer, f"--max_duration={steps}st", f"--using_dilico={dilico}".lower())
         )
-        node = build_node(cfg, CPU, log=lambda _m: None)
-        peer_sync = PeerSync(cfg, node.model, CPU, log=lambda _m: None)
-        peer_sync.join()
-        recorder = RecordingSync(peer_sync, node.model)
-        trainer = Trainer(
-            cfg=cfg,
-            model=node.model,
-            optimizer=node.optimizer,
-            loader=node.loader,
-            info=CPU,
-            syncer=recorder,
-            log=lambda _m: None,
-        )
+        assert isinstance(trainer.syncer, PeerSync)
+        trainer.syncer = recorder = RecordingSync(trainer.syncer, trainer.model)
         peers.append((recorder, trainer))
     with ThreadPoolExecutor(2) as pool:
         for future in [pool.submit(t.fit) for _, t in peers]:
@@ -158,53 +132,31 @@ def test_results_of_one_step_add_up() -> None:
     assert SyncResult(step=4, rounds=0).metrics() == {} and "sync_wait_s" not in SyncResult(step=4).metrics()
 
 
+def peer_overrides(corpus: Any, folder: Path, addr: str, peer: int, *extra: str) -> list[str]:
+    """Peer `peer` of 2 (4 experts each) of configs/tiny.yaml, syncing every 2 steps, 8 steps; then `extra`."""
+    return [
+        *corpus.overrides(folder / f"node{peer}"),
+        f"--spes_config.peer_id={peer}",
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        f"--spes_config.server_addr={addr}",
+        "--spes_config.sync_steps=2",
+        "--max_duration=8st",
+        "--eval_interval=null",
+        "--save_interval=null",
+        "--spes_config.rpc_timeout_s=30",
+        "--spes_config.round_timeout_s=60",
+        *extra,
+    ]
+
+
 def peer_config(corpus: Any, folder: Path, addr: str, peer: int, *extra: str) -> TrainConfig:
-    """Peer `peer` of 2 (4 experts each) of configs/tiny.yaml, syncing every 2 steps, 8 steps (`extra` overrides)."""
-    return load_config(
-        str(REPO / "configs" / "tiny.yaml"),
-        [
-            *corpus.overrides(folder / f"node{peer}"),
-            f"--spes_config.peer_id={peer}",
-            "--spes_config.num_peers=2",
-            "--spes_config.num_train_experts_per_node=4",
-            f"--spes_config.server_addr={addr}",
-            "--spes_config.sync_steps=2",
-            "--max_duration=8st",
-            "--eval_interval=null",
-            "--save_interval=null",
-            "--spes_config.rpc_timeout_s=30",
-            "--spes_config.round_timeout_s=60",
-            *extra,
-        ],
-    )[0]
+    return load_config(str(REPO / "configs" / "tiny.yaml"), peer_overrides(corpus, folder, addr, peer, *extra))[0]
 
 
 def start_peer(cfg: TrainConfig) -> Trainer:
-    """A node as `python -m spes.train` builds it: restored from `cfg.load_path`, joined, a round in flight taken up."""
-    node = build_node(cfg, CPU, log=QUIET)
-    syncer = (OverlappedSync if cfg.spes_config.overlap_sync else PeerSync)(cfg, node.model, CPU, log=QUIET)
-    deadline = time.monotonic() + 10
-    while True:  # NOTE: a restarted node is admitted once the server has seen its old process's stream end
-        try:
-            syncer.join()
-            break
-        except SyncError as e:
-            if "already joined" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-    trainer = Trainer(
-        cfg=cfg,
-        model=node.model,
-        optimizer=node.optimizer,
-        loader=node.loader,
-        info=CPU,
-        syncer=syncer,
-        log=QUIET,
-    )
-    if node.checkpoint is not None:
-        trainer.load_state_dict(node.checkpoint.trainer)
-        syncer.resume(node.checkpoint.path)
-    return trainer
+    """A node as `python -m spes.train` starts it (its syncer is `trainer.syncer`)."""
+    return start_node(cfg, CPU, log=QUIET)[0]
 
 
 def fit(trainer: Trainer) -> Trainer:
@@ -366,24 +318,20 @@ def test_every_rank_of_a_ddp_and_an_fsdp_node_applies_the_same_overlapped_rounds
     from dist_helpers import SMALL_NODE
 
     def node(addr: str, peer: int, strategy: str) -> list[Any]:
-        overrides = [
+        overrides = peer_overrides(
+            tiny_corpus,
+            tmp_path,
+            addr,
+            peer,
             *SMALL_NODE,
             "--model.moe_num_experts=4",
-            "--spes_config.num_peers=2",
             "--spes_config.num_train_experts_per_node=2",
-            f"--spes_config.peer_id={peer}",
-            f"--spes_config.server_addr={addr}",
-            "--spes_config.sync_steps=2",
             *OVERLAP,
             "--spes_config.overlap_steps=1",
             "--max_duration=4st",
-            "--save_interval=null",
-            "--spes_config.round_timeout_s=200",
-            "--spes_config.max_retries=2",
             f"--distributed_strategy={strategy}",
-            *tiny_corpus.overrides(tmp_path / f"node{peer}"),
             "--data.validation_paths=[]",
-        ]
+        )
         return run_ranks(
             2, "test_peer:_overlapped_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}", timeout=240
         )

@@ -120,6 +120,11 @@ def sync_client(cfg: TrainConfig, **overrides: Any) -> SyncClient:
     return SyncClient(s.server_addr, **{**settings, **overrides})
 
 
+def node_sync(cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> PeerSync:
+    """This node's side of the rounds: `OverlappedSync` with `spes_config.overlap_sync`, else a blocking `PeerSync`."""
+    return (OverlappedSync if cfg.spes_config.overlap_sync else PeerSync)(cfg, model, info, log)
+
+
 class PeerSync:
     """Pushes this node's trained tensors and pulls the global model every `sync_steps` steps."""
 
