@@ -1,26 +1,29 @@
 #!/usr/bin/env python
 """Overlapped rounds on an emulated link: training throughput of the same SPES run, blocking and overlapped.
 
-    .venv/bin/python bench/bench_overlap.py            # 2 peers, 300 steps, a round every 10 steps, RTT 50 ms (~6 min)
-    .venv/bin/python bench/bench_overlap.py --quick    # 4 steps, a round every 2, a fixed 200 Mbit/s link: the pipeline
+    .venv/bin/python bench/bench_overlap.py              # 2 peers, 300 steps, a round every 10, RTT 50 ms (~6 min)
+    .venv/bin/python bench/bench_overlap.py --repeats 2  # the two arms twice, in the order AB BA
+    .venv/bin/python bench/bench_overlap.py --quick      # 4 steps, a round every 2, a fixed 200 Mbit/s link
 
-Three real runs, one after the other, each `python -m spes.server` plus one `python -m spes.train` per peer, every
+Real runs, one after the other, each `python -m spes.server` plus one `python -m spes.train` per peer, every
 peer reaching the server through bench/link_relay.py (its own link and the server's shared link, both at the
 same rate, and a one-way delay of RTT/2):
 
   1. calibration (blocking, 3 rounds, a 1 Gbit/s link): the median step time while both peers train, the
      payload bytes of a round (the trainers' own counters) and what a round costs beyond its bytes (round
-     trips, connections, aggregation);
+     trips, connections, aggregation); then the two arms:
   2. blocking: the run with the link rate set so that one round takes `sync_steps` calibrated step times;
   3. overlapped: the same run and link with `spes_config.overlap_sync=true` (each round applied `sync_steps`
      later, the default `overlap_steps`).
 
 Throughput = the tokens the trainers logged (`tokens` in metrics.jsonl, summed over the peers) / the run's
-training wall time (the longest of the peers' `time` at their last logged step: from the trainer's start, after
-start-up and join, to its last step, whatever it waited for). With R rounds each as long as `sync_steps` steps,
-a blocking run takes 2R round-lengths and an overlapped one R + 1 (only the last round, applied at the last step,
-is waited for), so the ideal ratio is 2R / (R + 1). The report is refused unless both arms logged the same tokens
-and rounds with the same payload bytes, and the relay carried at least those bytes for every peer.
+training wall time (the longest of the peers' `time` at their last logged step: from the trainer's start,
+after start-up and join, to its last step, whatever it waited for). With R rounds each as long as `sync_steps`
+steps, a blocking run takes 2R round-lengths and an overlapped one R + 1 (only the last round, applied at the
+last step, is waited for), so the ideal ratio is 2R / (R + 1). With `--repeats N` the arms run N times in the
+order AB BA AB..., so that a drift of the machine's load hits both alike, and the ratio is the median of the
+pairs'. No record is written unless both arms of every pair logged the same tokens, steps and rounds with the
+same payload bytes, and the relay carried at least those bytes for every peer.
 
 Every process gets one torch thread: the 2 peers train on 2 cores, and the server, the relay and the overlapped
 peers' upload threads take what is left. Small model (configs/tiny.yaml widths, 64 sequences per step) so
@@ -179,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None, help="sequences per step and peer (default 64, quick 16)")
     p.add_argument("--rtt_ms", type=float, default=50.0, help="round-trip time of every link")
     p.add_argument("--mbit", type=float, default=None, help="link rate, Mbit/s, instead of calibrating it (quick: 200)")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of runs, in the order AB, BA, AB...: the median ratio")
     p.set_defaults(out=None)
     args = p.parse_args(argv)
     steps, sync_steps = args.steps or (4 if args.quick else 300), args.sync_steps or (2 if args.quick else 10)
@@ -204,39 +208,44 @@ def main(argv: list[str] | None = None) -> int:
         )
     link = LinkSpec(mbit, mbit, args.rtt_ms)
     print(f"link: {mbit:.1f} Mbit/s per peer and for the server (shared), RTT {args.rtt_ms:g} ms", flush=True)
-    arms = {}
-    for name, extra in (("blocking", []), ("overlapped", OVERLAP)):
-        print(f"{name}: {steps} steps, a round every {sync_steps}", flush=True)
-        arms[name] = run_arm(name, [*overrides, *extra], link, workdir, timeout)
-    blocking, overlapped = arms["blocking"], arms["overlapped"]
-    rows = [
-        [
-            name,
-            f"{arm['tokens']:,}",
-            f"{arm['train_wall_s']:.1f}",
-            f"{arm['tokens'] / arm['train_wall_s']:,.0f}",
-            f"{arm['median_step_s']:.3f}",
-            f"{arm['round_s']:.2f}",
-            f"{max(arm['waited_s']):.1f}",
-            f"{arm['process_wall_s']:.1f}",
-        ]
-        for name, arm in arms.items()
-    ]
+    pairs: list[dict[str, Any]] = []
+    for i in range(args.repeats):
+        order = ("blocking", "overlapped") if i % 2 == 0 else ("overlapped", "blocking")  # ABBA: load drifts cancel
+        pair: dict[str, Any] = {}
+        for arm in order:
+            print(f"{arm} ({i + 1}/{args.repeats}): {steps} steps, a round every {sync_steps}", flush=True)
+            extra = OVERLAP if arm == "overlapped" else []
+            pair[arm] = {**run_arm(arm, [*overrides, *extra], link, workdir, timeout), "machine": machine_info()}
+        problems = check_premises(pair["blocking"], pair["overlapped"])
+        if problems:
+            raise SystemExit("error: the arms are not comparable, no record written: " + "; ".join(problems))
+        pairs.append({**pair, "ratio": throughput(pair["overlapped"]) / throughput(pair["blocking"])})
     print(
         format_table(
-            ["run", "tokens", "train s", "tokens/s", "step s", "round s", "waited s", "process s"],
-            rows,
+            ["pair", "run", "tokens", "train s", "tokens/s", "step s", "round s", "waited s", "load avg"],
+            [
+                [
+                    str(i + 1),
+                    arm,
+                    f"{pair[arm]['tokens']:,}",
+                    f"{pair[arm]['train_wall_s']:.1f}",
+                    f"{throughput(pair[arm]):,.0f}",
+                    f"{pair[arm]['median_step_s']:.3f}",
+                    f"{pair[arm]['round_s']:.2f}",
+                    f"{max(pair[arm]['waited_s']):.1f}",
+                    f"{pair[arm]['machine']['load_avg_1_5_15'][0]:.1f}",
+                ]
+                for i, pair in enumerate(pairs)
+                for arm in ("blocking", "overlapped")
+            ],
         )
     )
-    problems = check_premises(blocking, overlapped)
-    if problems:
-        raise SystemExit("error: the arms are not comparable, no record written: " + "; ".join(problems))
-    ratio = (overlapped["tokens"] / overlapped["train_wall_s"]) / (blocking["tokens"] / blocking["train_wall_s"])
-    rounds = blocking["rounds"][0]
+    ratio = statistics.median(pair["ratio"] for pair in pairs)
+    rounds = pairs[0]["blocking"]["rounds"][0]
     ideal = 2 * rounds / (rounds + 1)
     print(
-        f"overlapped / blocking tokens/s: {ratio:.3f}x (ideal for {rounds} rounds each as long as {sync_steps} "
-        f"steps: {ideal:.3f}x)"
+        f"overlapped / blocking tokens/s: {ratio:.3f}x (median of {len(pairs)} pair(s); ideal for {rounds} rounds each "
+        f"as long as {sync_steps} steps: {ideal:.3f}x)"
     )
     write_results(
         args.out or RESULTS_DIR / f"{name}.json",
@@ -249,13 +258,18 @@ def main(argv: list[str] | None = None) -> int:
             "peers": PEERS,
             "link": {"mbit": mbit, "rtt_ms": args.rtt_ms, "server_mbit": mbit},
             "calibration": calibration,
-            "arms": arms,
+            "pairs": pairs,
             "ratio": ratio,
             "ideal_ratio": ideal,
             "target": 1.8,
         },
     )
     return 0
+
+
+def throughput(arm: dict[str, Any]) -> float:
+    """Tokens per second of training wall time, as the trainers logged them."""
+    return arm["tokens"] / arm["train_wall_s"]
 
 
 if __name__ == "__main__":

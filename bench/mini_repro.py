@@ -28,10 +28,12 @@ pre-sync local losses are kept too. Bytes communicated are the payload bytes eve
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
 seed's report in docs/ lists the final losses of every other seed found in bench/results/.
 
-`--overlap` runs only the SPES arm twice, blocking and with `spes_config.overlap_sync` (each round applied
-`sync_steps` later, with the local progress made meanwhile), into `bench/results/mini_repro_overlap[_seed<S>]/`,
-and records both final validation losses at equal logged tokens in `bench/results/mini_repro_overlap*.json`
-(the figure in docs/benchmarks.md); it writes no report of its own.
+`--overlap` runs only the SPES arm: blocking, and with `spes_config.overlap_sync` once per `--overlap_steps D`
+(each round applied D steps after its sync step, with the local progress made meanwhile; default D =
+sync_steps), into `bench/results/mini_repro_overlap[_seed<S>]/<arm>/`, and records every arm's final validation
+loss at equal logged tokens in `bench/results/mini_repro_overlap*.json` (the figures in docs/benchmarks.md); it
+writes no report of its own. `--only ARM...` runs just those arms and reads the others as an earlier run left
+them in the same directory (each arm keeps its command, commit and machine in `<arm>/run.json`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,6 @@ CONFIG = "configs/tiny.yaml"
 DEFAULT_SEED = 6198  # configs/tiny.yaml's `seed` and `data.seed`
 PEERS = 4
 RUNS = ("centralized", "spes", "diloco")
-OVERLAP_RUNS = ("spes", "spes_overlap")
 OVERLAP_TARGET = 0.01
 """Issue 16: the overlapped run's final validation loss within 1% of the blocking run's."""
 LABELS = {"centralized": "centralized (1 trainer, 4x batch)", "spes": "SPES (4 peers)", "diloco": "DiLoCo (4 peers)"}
@@ -158,7 +160,7 @@ QUICK = Setup(
 )
 
 
-def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
+def run_commands(setup: Setup, common: list[str], out: Path, delays: Sequence[int] = ()) -> Commands:
     """The command and environment of each run: one torch thread per training process.
 
     NOTE: on a shared 2-core machine one process with 2 threads ran ~3x slower per token than with 1
@@ -183,20 +185,29 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
         ),
         "spes": ([*launch, "--out", str(out / "spes"), "--", *common], {}),
         "diloco": ([*launch, "--dilico", "--out", str(out / "diloco"), "--", *common], {}),
-        "spes_overlap": ([*launch, "--out", str(out / "spes_overlap"), "--", *common, *OVERLAP_FLAGS], {}),
+        **{
+            overlap_arm(d): ([*launch, "--out", str(out / overlap_arm(d)), "--", *common, *overlap_flags(d)], {})
+            for d in delays
+        },
     }
 
 
-OVERLAP_FLAGS = ["--spes_config.overlap_sync=true"]
-"""The overlapped SPES arm: rounds applied `sync_steps` after their sync step (the default overlap_steps)."""
+def overlap_arm(delay: int) -> str:
+    """The name of the overlapped SPES arm whose rounds are applied `delay` steps after their sync step."""
+    return f"spes_overlap_d{delay}"
+
+
+def overlap_flags(delay: int) -> list[str]:
+    return ["--spes_config.overlap_sync=true", f"--spes_config.overlap_steps={delay}"]
 
 
 Commands = dict[str, tuple[list[str], dict[str, str]]]
 
 
-def run_all(commands: Commands, out: Path) -> dict[str, float]:
-    """Run the trainings one after the other (they share the CPU fairly that way); wall seconds each."""
-    walls = {}
+def run_all(commands: Commands, out: Path, run_info: dict[str, Any] | None = None) -> dict[str, float]:
+    """Run the trainings one after the other (they share the CPU fairly that way); wall seconds each (those of
+    arms not run now kept from walls.json). With `run_info`, each arm's is written to `<arm>/run.json`."""
+    walls = json.loads((out / "walls.json").read_text()) if (out / "walls.json").is_file() else {}
     for name, (cmd, env) in commands.items():
         log_path = out / f"{name}.log"
         (out / name).mkdir(parents=True, exist_ok=True)
@@ -215,7 +226,9 @@ def run_all(commands: Commands, out: Path) -> dict[str, float]:
         if code != 0:
             raise SystemExit(f"error: the {name} run failed with exit code {code}; see {log_path}")
         print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
-    (out / "walls.json").write_text(json.dumps(walls))
+        if run_info is not None:
+            write_atomic(out / name / "run.json", json.dumps({**run_info, "machine": machine_info()}, indent=1) + "\n")
+        (out / "walls.json").write_text(json.dumps(walls))
     return walls
 
 
@@ -544,42 +557,48 @@ def report(
 
 
 def compare_overlap(
-    runs: Path, out_json: Path, walls: dict[str, float], run_info: dict[str, Any] | None, setup: Setup, seed: int
+    runs: Path, out_json: Path, walls: dict[str, float], setup: Setup, seed: int, arms: list[str]
 ) -> int:
-    """`--overlap`: the blocking and the overlapped SPES run's final validation loss (of the merged model, after the
-    last round is applied), refused unless both trained on the same logged tokens; a table and the JSON record."""
-    curves = {arm: peers_curve(runs / arm) for arm in OVERLAP_RUNS}
-    blocking, overlapped = curves["spes"], curves["spes_overlap"]
-    if blocking["tokens_final"] != overlapped["tokens_final"]:
+    """`--overlap`: the final validation loss (of the merged model, once the last round is applied) of the blocking
+    SPES run and each overlapped one, refused unless all trained on the same logged tokens; a table and the record."""
+    curves = {arm: peers_curve(runs / arm) for arm in arms}
+    unequal = {
+        arm: c["tokens_final"] for arm, c in curves.items() if c["tokens_final"] != curves["spes"]["tokens_final"]
+    }
+    if unequal:
         raise SystemExit(
-            f"error: unequal token budgets in {runs}: blocking {blocking['tokens_final']:,}, overlapped "
-            f"{overlapped['tokens_final']:,} (peers {overlapped['tokens_final_per_peer']}). No record written."
+            f"error: unequal token budgets in {runs}: blocking {curves['spes']['tokens_final']:,}, "
+            + ", ".join(f"{arm} {tokens:,}" for arm, tokens in unequal.items())
+            + ". No record written."
         )
-    final = {arm: curves[arm]["val_loss"][-1] for arm in OVERLAP_RUNS}
-    relative = (final["spes_overlap"] - final["spes"]) / final["spes"]
-    print(f"tokens per run (logged, summed over peers): {blocking['tokens_final']:,}")
-    print(f"{'run':>14}  {'final val':>9}  {'rounds':>6}  {'s waited, peer 0':>16}  {'wall s':>7}")
-    for arm in OVERLAP_RUNS:
+    base = curves["spes"]["val_loss"][-1]
+    print(f"tokens per run (logged, summed over peers): {curves['spes']['tokens_final']:,}")
+    print(f"{'run':>16}  {'final val':>9}  {'vs blocking':>11}  {'rounds':>6}  {'s waited, peer 0':>16}  {'wall s':>7}")
+    results = {}
+    for arm in arms:
         c = curves[arm]
+        final = c["val_loss"][-1]
+        results[arm] = {
+            "final_val_loss": final,
+            "relative_difference": (final - base) / base,
+            "wall_s": walls.get(arm),
+            "run": json.loads((runs / arm / "run.json").read_text()) if (runs / arm / "run.json").is_file() else None,
+        }
         print(
-            f"{arm:>14}  {final[arm]:9.4f}  {c['rounds']:6d}  {c['sync_wait_seconds_peer0']:16.1f}  "
-            f"{walls.get(arm, float('nan')):7.0f}"
+            f"{arm:>16}  {final:9.4f}  {100 * (final - base) / base:+10.3f}%  {c['rounds']:6d}  "
+            f"{c['sync_wait_seconds_peer0']:16.1f}  {walls.get(arm, float('nan')):7.0f}"
         )
-    verdict = "within" if abs(relative) <= OVERLAP_TARGET else "NOT within"
-    print(f"overlapped vs blocking: {100 * relative:+.3f}% ({verdict} the {100 * OVERLAP_TARGET:g}% target)")
+    print(f"target: an overlapped run within {100 * OVERLAP_TARGET:g}% of the blocking run's final validation loss")
     write_results(
         out_json,
         {
             "mode": "overlap",
             "seed": seed,
-            "machine": (run_info or {}).get("machine") or machine_info(),
-            "run": run_info,
+            "machine": machine_info(),
             "setup": asdict(setup),
-            "overlap_flags": OVERLAP_FLAGS,
-            "walls_s": walls,
-            "tokens": {arm: curves[arm]["tokens_final"] for arm in OVERLAP_RUNS},
-            "final_val_loss": final,
-            "relative_difference": relative,
+            "flags": {arm: overlap_flags(int(arm.rsplit("_d", 1)[1])) for arm in arms if arm != "spes"},
+            "tokens": {arm: curves[arm]["tokens_final"] for arm in arms},
+            "arms": results,
             "target": OVERLAP_TARGET,
             "curves": curves,
         },
@@ -602,6 +621,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--overlap", action="store_true", help="run SPES blocking and with overlap_sync instead (no report, a record)"
+    )
+    p.add_argument(
+        "--overlap_steps",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="D",
+        help="with --overlap: one overlapped arm per delay D (default: sync_steps)",
+    )
+    p.add_argument(
+        "--only", nargs="+", default=None, metavar="ARM", help="run only these arms; read the others from --runs"
     )
     p.set_defaults(out=None)
     args = p.parse_args(argv)
@@ -628,16 +658,20 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     runs.mkdir(parents=True, exist_ok=True)
-    arms = OVERLAP_RUNS if args.overlap else RUNS
+    delays = (args.overlap_steps or [setup.sync_steps]) if args.overlap else []
+    arms = ["spes", *map(overlap_arm, delays)] if args.overlap else list(RUNS)
+    if unknown := sorted(set(args.only or []) - set(arms)):
+        p.error(f"--only {unknown}: the arms of this run are {arms}")
     if args.report_only:
         walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
         run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
     else:
-        walls = run_all({arm: run_commands(setup, common, runs)[arm] for arm in arms}, runs)
+        commands = run_commands(setup, common, runs, delays)
         run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
+        walls = run_all({arm: commands[arm] for arm in args.only or arms}, runs, run_info)
         write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
     if args.overlap:
-        return compare_overlap(runs, out_json, walls, run_info, setup, args.seed)
+        return compare_overlap(runs, out_json, walls, setup, args.seed, arms)
     curves = collect(runs)
     check_equal_tokens(curves, runs)
     machine = (run_info or {}).get("machine") or machine_info()

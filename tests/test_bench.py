@@ -190,20 +190,23 @@ def test_mini_repro_refuses_unequal_token_budgets(tmp_path: Path) -> None:
     check_equal_tokens(curves, tmp_path)
 
 
-def test_mini_repro_overlap_records_both_final_losses_at_equal_tokens(tmp_path: Path) -> None:
+def test_mini_repro_overlap_records_every_arm_at_equal_tokens(tmp_path: Path) -> None:
     from mini_repro import QUICK, compare_overlap
 
-    for run in ("spes", "spes_overlap"):
+    arms = ["spes", "spes_overlap_d2", "spes_overlap_d1"]
+    for run in arms:
         for p in range(4):
             _metrics(tmp_path / run / f"node{p}", 512)
     record = tmp_path / "overlap.json"
-    assert compare_overlap(tmp_path, record, {"spes": 1.0, "spes_overlap": 1.0}, None, QUICK, 7) == 0
+    assert compare_overlap(tmp_path, record, {"spes": 1.0}, QUICK, 7, arms) == 0
     results = json.loads(record.read_text())
-    assert results["tokens"] == {"spes": 8192, "spes_overlap": 8192} and results["relative_difference"] == 0.0
-    shutil.rmtree(tmp_path / "spes_overlap" / "node3")
-    _metrics(tmp_path / "spes_overlap" / "node3", 256)
-    with pytest.raises(SystemExit, match="unequal token budgets"):
-        compare_overlap(tmp_path, record, {}, None, QUICK, 7)
+    assert results["tokens"] == dict.fromkeys(arms, 8192)
+    assert [results["arms"][arm]["relative_difference"] for arm in arms] == [0.0, 0.0, 0.0]
+    assert results["flags"]["spes_overlap_d1"] == ["--spes_config.overlap_sync=true", "--spes_config.overlap_steps=1"]
+    shutil.rmtree(tmp_path / "spes_overlap_d1" / "node3")
+    _metrics(tmp_path / "spes_overlap_d1" / "node3", 256)
+    with pytest.raises(SystemExit, match="unequal token budgets.*spes_overlap_d1 7,168"):
+        compare_overlap(tmp_path, record, {}, QUICK, 7, arms)
 
 
 @pytest.mark.slow
@@ -367,11 +370,12 @@ def test_bench_wan_quick(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_bench_overlap_quick(tmp_path: Path) -> None:
     results, stdout = run_bench("bench_overlap", tmp_path)
-    blocking, overlapped = results["arms"]["blocking"], results["arms"]["overlapped"]
+    (pair,) = results["pairs"]
+    blocking, overlapped = pair["blocking"], pair["overlapped"]
     assert blocking["tokens"] == overlapped["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 steps x 16 sequences of 64
     assert blocking["rounds"] == overlapped["rounds"] == [2, 2]
     assert all(b > 0 for b in overlapped["relay_bytes"]["bytes_up"] + overlapped["relay_bytes"]["bytes_down"])
-    assert results["ratio"] > 0 and "overlapped / blocking tokens/s" in stdout
+    assert results["ratio"] == pair["ratio"] > 0 and "overlapped / blocking tokens/s" in stdout
 
 
 def test_bench_overlap_refuses_arms_that_differ() -> None:
