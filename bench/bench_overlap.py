@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         for arm in order:
             print(f"{arm} ({i + 1}/{args.repeats}): {steps} steps, a round every {sync_steps}", flush=True)
             extra = OVERLAP if arm == "overlapped" else []
-            pair[arm] = {**run_arm(arm, [*overrides, *extra], link, workdir, timeout), "machine": machine_info()}
+            ran = run_arm(f"{arm}{i + 1}", [*overrides, *extra], link, workdir, timeout)
+            pair[arm] = {**ran, "machine": machine_info()}
         problems = check_premises(pair["blocking"], pair["overlapped"])
         if problems:
             raise SystemExit("error: the arms are not comparable, no record written: " + "; ".join(problems))
