@@ -42,6 +42,7 @@ from typing import Any
 from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, parser, write_results
 from spes.atomic import write_atomic
 from spes.config import load_config
+from spes.launch import sigterm_as_interrupt
 from spes.model import analytic_param_counts
 
 CONFIG = "configs/tiny.yaml"
@@ -183,6 +184,7 @@ Commands = dict[str, tuple[list[str], dict[str, str]]]
 def run_all(commands: Commands, out: Path, lanes: int = 1) -> dict[str, float]:
     """Run the trainings, at most `lanes` at a time; wall seconds each. One at a time shares the CPU fairly
     between a run's processes; two one-process runs at once fill the two cores. A failed run stops the rest."""
+    sigterm_as_interrupt()
     walls: dict[str, float] = {}
     pending = list(commands.items())
     running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}

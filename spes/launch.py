@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         str(out / "server_state"),
     ]
     procs: dict[str, subprocess.Popen] = {}
-    # NOTE: the children run in their own sessions, so a SIGTERM to the launcher alone (a scheduler, `kill`) would
-    # leave them running; it is handled as Ctrl-C is, and every child is stopped on the way out.
-    signal.signal(signal.SIGTERM, _interrupt)
+    sigterm_as_interrupt()
     started = time.time()
     try:
         procs["server"] = _spawn(server_cmd, out / "server.log", env)
@@ -141,8 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def sigterm_as_interrupt() -> None:
+    """Handle SIGTERM as Ctrl-C, so `finally` blocks stop the children of a process killed by a scheduler or
+    `kill`. Children started in their own sessions (as here) would otherwise keep running."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
