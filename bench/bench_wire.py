@@ -12,8 +12,9 @@ What each scheme moves per peer and round (payload bytes; the selection is the p
   - reference: the first implementation sent the whole fp32 state dict up and down every round.
 The 1B figures come from the config's shapes; the small (or tiny) config is also measured through a real
 parameter server on loopback (4 `SyncClient`s, one SPES non-merge round, one merge round, one DiLoCo round
-per wire dtype) and must equal the analytic figures byte for byte. Protobuf framing (headers, offsets,
-checksums, ~1 MiB chunks) is measured by serializing the messages of one upload, and reported as overhead.
+per wire dtype) and must equal the analytic figures byte for byte. Framing is measured by serializing the
+messages of one upload and reported as overhead: over gRPC (headers, offsets, checksums, ~1 MiB chunks) and over
+the raw-TCP data plane (one `TensorHeader` frame and an 8-byte checksum per tensor).
 An amortized figure weights merge rounds by how often they occur in the config's run (merge every 500
 steps while alpha > 0, alpha decaying to 0 at step 10000: the paper's launch settings).
 """
@@ -33,6 +34,7 @@ from spes.config import TrainConfig, load_config
 from spes.model import Transformer
 from spes.sync.client import SyncClient
 from spes.sync.merge import MergeConfig, Mode, download_names, round_alpha, trainable_names
+from spes.sync.plane_tcp import framing_bytes, tensor_header
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.server import ServerConfig, start_server
 from spes.sync.wire import encode_tensors, payload_bytes
@@ -113,7 +115,7 @@ def measure_rounds(path: Path) -> dict[str, Any]:
         for wire in ("fp32", "bf16"):
             server = start_server(
                 ServerConfig(
-                    total_peers=peers,
+                    num_peers=peers,
                     experts_per_peer=cfg.experts_per_peer,
                     host="127.0.0.1",
                     port=0,
@@ -176,16 +178,18 @@ def _round(clients: list[SyncClient], step: int, state: dict[str, torch.Tensor],
 
 
 def framing_overhead(path: Path, wire: str) -> dict[str, int]:
-    """Serialized size of one SPES upload of peer 0 (protobuf messages + gRPC prefixes) against its payload."""
+    """Serialized size of one SPES upload of peer 0 against its payload: over gRPC (protobuf messages + gRPC
+    prefixes) and over the raw-TCP data plane (a `TensorHeader` frame and the 8-byte checksum per tensor)."""
     cfg = configs(path)["spes"]
     manifest = manifest_of(cfg)
     names = trainable_names(list(manifest), 0, "spes")
-    payload = serialized = 0
+    payload = serialized = data_plane = 0
     for name in names:
         for chunk in encode_tensors({name: torch.zeros(manifest[name])}, wire):
             payload += len(chunk.data)
             serialized += pb.UploadMessage(chunk=chunk).ByteSize() + GRPC_PREFIX
-    return {"payload": payload, "serialized": serialized}
+        data_plane += payload_bytes(manifest[name], wire) + framing_bytes(tensor_header(name, manifest[name], wire))
+    return {"payload": payload, "serialized": serialized, "data_plane": data_plane}
 
 
 def print_scheme_table(title: str, table: dict[str, Any]) -> None:
@@ -262,10 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(["round", "peer", "up MiB", "down MiB", "= analytic"], rows))
     framing = {wire: framing_overhead(config, wire) for wire in ("fp32", "bf16")}
     for wire, f in framing.items():
-        print(
-            f"framing of one {wire} upload: {f['serialized'] - f['payload']:,} bytes over {f['payload']:,} "
-            f"({100 * (f['serialized'] - f['payload']) / f['payload']:.4f}%)"
-        )
+        for plane, key in (("gRPC", "serialized"), ("data plane", "data_plane")):
+            print(
+                f"framing of one {wire} upload over {plane}: {f[key] - f['payload']:,} bytes over {f['payload']:,} "
+                f"({100 * (f[key] - f['payload']) / f['payload']:.4f}%)"
+            )
 
     s = paper["schemes"]
     targets = {

@@ -300,7 +300,7 @@ def check_server(
                 ),
                 skip("settings", "not checked by an older server"),
             ], None
-        if "wire protocol" in str(exc):
+        if exc.reason == Reason.WRONG_PROTOCOL or "wire protocol" in str(exc):  # NOTE: a v3 server gives no reason
             return [
                 fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
                 skip("settings", "not checked: the server speaks another protocol"),

@@ -92,7 +92,7 @@ def trained(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str,
 @pytest.mark.parametrize("dilico", [False, True], ids=["spes", "diloco"])
 def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus, tmp_path: Path, dilico: bool) -> None:
     mode = "diloco" if dilico else "spes"
-    with running_server(total_peers=2, experts_per_peer=8 if dilico else 4, mode=mode, merge=MERGE) as (_, addr):
+    with running_server(num_peers=2, experts_per_peer=8 if dilico else 4, mode=mode, merge=MERGE) as (_, addr):
         peers = run_peers(tiny_corpus, tmp_path, addr, dilico=dilico)
     (rec0, t0), (rec1, t1) = peers
     assert sorted(rec0.after) == [2, 4, 6, 8]
@@ -113,7 +113,7 @@ def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) -> None:
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
         (rec0, _), _ = run_peers(tiny_corpus, tmp_path, addr, dilico=False)
     frozen = [n for n in rec0.after[2] if (b := parse_expert_block(n)) is not None and b.block == 1]
     steps = sorted(rec0.after)

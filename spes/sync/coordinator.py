@@ -67,7 +67,7 @@ class Coordinator:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg, self.policy = cfg, cfg.policy()
-        self.num_peers = cfg.total_peers
+        self.num_peers = cfg.num_peers
         self._cond = threading.Condition()
         self.state = RoundState(self.num_peers)
         self._manifest: Manifest | None = None

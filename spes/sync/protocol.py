@@ -19,7 +19,9 @@ import torch
 
 from spes.sync.proto import spes_pb2 as pb
 
-PROTOCOL_VERSION = 3  # 3: XXH3-64 checksums; 2: CRC-32C; before it (unversioned): zlib CRC-32
+PROTOCOL_VERSION = 4
+"""4: the data plane's control frames are protobuf messages of protos/spes.proto; 3: XXH3-64 checksums (data-plane
+frames JSON); 2: CRC-32C; before it (unversioned): zlib CRC-32."""
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtypes a peer may use on the wire (both directions), by their wire name."""
 REASON_KEY = "spes-reason"
@@ -77,6 +79,8 @@ class Reason(StrEnum):
     """The data plane's handshake carried no or a wrong token."""
     OLD_SERVER = "old_server"
     """The server predates preflight and took a dry join as a real one."""
+    WRONG_PROTOCOL = "wrong_protocol"
+    """The peer speaks another protocol version (`version_refusal`): run the same spes version everywhere."""
 
 
 RETRY_REASONS = frozenset({Reason.CORRUPT, Reason.BUSY, Reason.DUPLICATE_PEER})
@@ -91,6 +95,16 @@ class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, reason: Reason = Reason.NONE) -> None:
         super().__init__(message)
         self.code, self.reason = code, Reason(reason)
+
+
+def version_refusal(who: str, version: int) -> Refused:
+    """The refusal of a peer that speaks protocol `version` (on either plane), naming both versions."""
+    return Refused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"{who} speaks wire protocol v{version} but this server speaks v{PROTOCOL_VERSION}: "
+        "run the same spes version on the server and every node",
+        Reason.WRONG_PROTOCOL,
+    )
 
 
 class SyncError(RuntimeError):

@@ -29,7 +29,7 @@ from spes.config import ServerSection
 from spes.moe import parse_expert_block
 from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import PROTOCOL_VERSION, WIRE_DTYPES, Mode, Reason, Refused, Shape, Tensors
+from spes.sync.protocol import PROTOCOL_VERSION, WIRE_DTYPES, Mode, Reason, Refused, Shape, Tensors, version_refusal
 
 MAX_MODEL_GB = 48.0
 """Default --max_model_gb: the paper's largest config (configs/upcycled_9b, 9.4B parameters) is 37.7 GB in fp32."""
@@ -58,7 +58,7 @@ class RoundPolicy:
         if self.dead_peer_policy not in ("wait", "quorum"):
             raise ValueError(f"--dead_peer_policy must be 'wait' or 'quorum', got {self.dead_peer_policy!r}")
         if self.min_peers is not None and not 1 <= self.min_peers <= self.num_peers:
-            raise ValueError(f"--min_peers must be in [1, total_peers={self.num_peers}], got {self.min_peers}")
+            raise ValueError(f"--min_peers must be in [1, num_peers={self.num_peers}], got {self.min_peers}")
 
     @property
     def quorum(self) -> int:
@@ -297,15 +297,11 @@ def check_join(
                 f"peer {peer}'s {what} names {count} tensors, more than --max_tensors={max_tensors}",
             )
     if request.protocol != PROTOCOL_VERSION:
-        raise Refused(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"peer {peer} speaks wire protocol v{request.protocol} but this server speaks v{PROTOCOL_VERSION}: "
-            "run the same spes version on the server and every node",
-        )
+        raise version_refusal(f"peer {peer}", request.protocol)
     if not 0 <= peer < num_peers:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer_id {peer} is outside [0, {num_peers}) for this run")
-    for what, theirs, ours in (  # NOTE: named as the server's flags name them (--total_peers)
-        ("total_peers", request.num_peers, num_peers),
+    for what, theirs, ours in (  # NOTE: named as the run's YAML names them (spes_config.*)
+        ("num_peers", request.num_peers, num_peers),
         ("num_train_experts_per_node", request.experts_per_peer, experts_per_peer),
         ("mode", request.mode, mode),
     ):

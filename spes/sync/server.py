@@ -73,7 +73,7 @@ class ServerConfig:
     """Everything the parameter server needs; built by `main` from the run's YAML (its layout and `server:`
     section, `spes.config.ServerSection`) and the deployment flags."""
 
-    total_peers: int
+    num_peers: int
     """Number of peers in the run."""
     experts_per_peer: int
     """Experts per ownership block (num_train_experts_per_node); peers must agree."""
@@ -127,8 +127,8 @@ class ServerConfig:
     """Allow a non-loopback bind without a token, or with a token but without TLS."""
 
     def __post_init__(self) -> None:
-        if self.total_peers < 1:
-            raise ValueError(f"--total_peers must be >= 1, got {self.total_peers}")
+        if self.num_peers < 1:
+            raise ValueError(f"--total_peers must be >= 1, got {self.num_peers}")
         if self.experts_per_peer < 1:
             raise ValueError(f"--num_train_experts_per_node must be >= 1, got {self.experts_per_peer}")
         if not 0 <= self.port <= 65535:
@@ -180,7 +180,7 @@ class ServerConfig:
 
     def policy(self) -> RoundPolicy:
         return RoundPolicy(
-            num_peers=self.total_peers,
+            num_peers=self.num_peers,
             timeout_s=self.round_timeout_s,
             dead_peer_policy=self.dead_peer_policy,
             min_peers=self.min_peers,
@@ -191,7 +191,7 @@ class ServerConfig:
 
         The merge warm-up, outer optimizer and dead-peer settings may change across a restart.
         """
-        return {"total_peers": self.total_peers, "experts_per_peer": self.experts_per_peer, "mode": self.mode}
+        return {"num_peers": self.num_peers, "experts_per_peer": self.experts_per_peer, "mode": self.mode}
 
 
 def _is_loopback(host: str) -> bool:
@@ -354,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = add("without RUN.yaml (tests, tools): the layout, and the run flags of earlier versions")
     run.add_argument(
         "--total_peers",
+        dest="num_peers",
         type=int,
         default=None,
         help="number of peers (nodes) in the run; with RUN.yaml it must equal spes_config.num_peers",
@@ -484,7 +485,7 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """
     overrides = [*args.overrides, *server_flag_overrides(args)]
     layout = {
-        "--total_peers": args.total_peers,
+        "--total_peers": args.num_peers,
         "--num_train_experts_per_node": args.num_train_experts_per_node,
         "--mode": args.mode,
     }
@@ -518,7 +519,7 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
         section = load_server_section(overrides)
     mode = {"mode": layout["--mode"]} if layout["--mode"] is not None else {}
     return {
-        "total_peers": layout["--total_peers"],
+        "num_peers": layout["--total_peers"],
         "experts_per_peer": layout["--num_train_experts_per_node"],
         **mode,
         "merge": merge_of(section),

@@ -94,10 +94,13 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
         raise ValueError(
             f"{state_path}: not a spes server state ({exc}); move it away or pick another --state_dir"
         ) from None
+    recorded = dict(record["run"])
+    if "total_peers" in recorded:  # NOTE: a state written before the server's settings named it num_peers
+        recorded["num_peers"] = recorded.pop("total_peers")
     for key, value in run.items():
-        if record["run"].get(key) != value:
+        if recorded.get(key) != value:
             raise ValueError(
-                f"{state_path}: written by a run with {key}={record['run'].get(key)!r}, this server has "
+                f"{state_path}: written by a run with {key}={recorded.get(key)!r}, this server has "
                 f"{key}={value!r}; restart with the same settings or use a fresh --state_dir"
             )
     tensor_path = directory / Path(tensor_name).name
