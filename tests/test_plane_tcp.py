@@ -19,7 +19,7 @@ from spes.sync.merge import Mode, build_global, download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Reason, SyncError
 from spes.sync.server import ParameterServer
-from spes.sync.wire import DIGEST, checksum
+from spes.sync.wire import DIGEST, TensorDecoder, checksum
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 from test_client import NO_MERGE, check_round, joined_clients
 from test_server import join_request, stub_for
@@ -296,7 +296,11 @@ def test_tcp_plane_round_trip_and_refusals() -> None:
             )
         names = download_names(list(manifest), 1, "spes", merged=False)
         info, got, received = tcp[1].download(
-            2, 10, full=False, into=None, expect=lambda info: {n: manifest[n] for n in info.names}
+            2,
+            10,
+            full=False,
+            base_round=-1,
+            decoder_for=lambda i: TensorDecoder({n: manifest[n] for n in i.names}, "fp32"),
         )
         assert info.round == 2 and sorted(got) == sorted(names)
         assert received == sum(t.numel() * 4 for t in got.values())

@@ -35,8 +35,8 @@ def test_admission_duplicates_old_future_and_busy_rounds() -> None:
         state.admit(1, 3)
     assert err.value.reason == "stale_round"
     assert state.stage_upload(1, 5, {})
-    uploads = state.take_uploads()
-    assert sorted(uploads) == [0, 1] and state.staged == {}  # handed over, no longer held here
+    uploads, relayed = state.take_uploads()
+    assert sorted(uploads) == [0, 1] and state.staged == {} and relayed == {}  # handed over, no longer held here
     assert state.admit(1, 5)
     with pytest.raises(Refused, match="while round 5 is being aggregated") as err:
         state.admit(0, 6)

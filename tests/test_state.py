@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -58,6 +59,19 @@ def test_state_json_is_the_commit_point(tmp_path: Path) -> None:
     (tmp_path / "round-30.safetensors").write_bytes((tmp_path / "round-20.safetensors").read_bytes())
     (tmp_path / f".{STATE_FILE}.xyz.tmp").write_text("{ half")
     assert_equal(load_round(tmp_path, RUN), saved(20, seed=2))  # type: ignore[arg-type]
+
+
+def test_the_held_model_of_an_int8_wire_round_trips_writing_shared_tensors_once(tmp_path: Path) -> None:
+    want = saved(10, seed=4)
+    held = {n: t if n.startswith("blocks.0") else t + 1 for n, t in want.global_model.items()}
+    save_round(tmp_path, dataclasses.replace(want, held=held), RUN)
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    assert record["held_is_global"] == sorted(n for n in MANIFEST if n.startswith("blocks.0"))
+    got = load_round(tmp_path, RUN)
+    assert got is not None and list(got.held) == list(MANIFEST)
+    for name, tensor in held.items():
+        assert torch.equal(got.held[name], tensor), name
+    assert_equal(got, want)
 
 
 def test_state_of_another_run_is_refused(tmp_path: Path) -> None:

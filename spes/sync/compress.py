@@ -40,6 +40,10 @@ QMAX = 127
 """Largest quantized magnitude: symmetric, so -128 is never produced."""
 DEFAULT_BLOCK = 256
 """Values per scale: 1.6% of the payload for scales, and one outlier coarsens only its own 256 values."""
+MIN_BLOCK = 128
+"""Smallest block a receiver accepts: below it the scales' bytes break the round's 0.16x byte target."""
+MAX_BLOCK = 1 << 16
+"""Largest block a receiver accepts (one outlier would coarsen the step of that many values)."""
 SCALE_BYTES = 4
 _CHUNK_ELEMS = 1 << 20
 """Quantize this many values at a time, so a large tensor never has several fp32 copies alive at once."""

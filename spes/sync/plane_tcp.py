@@ -44,10 +44,8 @@ from spes.sync.protocol import (
     PROBE_CHUNK_BYTES,
     PROBE_MAX_BYTES,
     PROTOCOL_VERSION,
-    Manifest,
     Reason,
     Refused,
-    Shape,
     SyncError,
     Tensors,
     classify,
@@ -58,8 +56,9 @@ from spes.sync.wire import (
     KEEPALIVE_S,
     KEEPALIVE_TIMEOUT_S,
     Encoded,
+    Item,
     TensorDecoder,
-    payload_bytes,
+    header_for,
     read_file,
     write_raw,
 )
@@ -180,25 +179,19 @@ def refuse_version(sock: socket.socket, version: int) -> None:
 
 
 # -- tensors ------------------------------------------------------------------------------------------------------
-def send_tensors(sock: socket.socket, tensors: Mapping[str, torch.Tensor], wire_dtype: str) -> int:
-    """Send every tensor (`send_tensor`); returns the payload bytes."""
-    return sum(send_tensor(sock, name, tensor, wire_dtype) for name, tensor in tensors.items())
+def send_tensors(sock: socket.socket, tensors: Mapping[str, Item], wire_dtype: str) -> int:
+    """Send every item (`send_tensor`); returns the payload bytes."""
+    return sum(send_tensor(sock, name, item, wire_dtype) for name, item in tensors.items())
 
 
-def send_tensor(
-    sock: socket.socket, name: str, tensor: torch.Tensor, wire_dtype: str, encoded: Encoded | None = None
-) -> int:
-    """Send a tensor as a header frame, its raw payload (zero-copy `sendall`) and checksum; returns payload bytes.
+def send_tensor(sock: socket.socket, name: str, item: Item, wire_dtype: str, encoded: Encoded | None = None) -> int:
+    """Send an item as a header frame (`header_for`: its checksum trails the payload, so the header's field stays
+    0), its payload (zero-copy `sendall`) and checksum; returns payload bytes.
 
     `encoded` is its wire form and checksum computed once for several receivers (`EncodedModel`).
     """
-    send_frame(sock, tensor_header(name, tuple(tensor.shape), wire_dtype))
-    return write_raw(tensor, wire_dtype, sock.sendall, encoded)
-
-
-def tensor_header(name: str, shape: Shape, wire_dtype: str) -> pb.TensorHeader:
-    """The header frame of a raw tensor (its checksum trails the payload, so the header's field stays 0)."""
-    return pb.TensorHeader(name=name, dtype=wire_dtype, shape=list(shape), num_bytes=payload_bytes(shape, wire_dtype))
+    send_frame(sock, header_for(name, item, wire_dtype))
+    return write_raw(item, wire_dtype, sock.sendall, encoded)
 
 
 def framing_bytes(header: pb.TensorHeader) -> int:
@@ -470,7 +463,7 @@ class DataHandler:
                 if hello.op == pb.DATA_OP_UPLOAD:
                     self._upload(sock, peer, step)
                 else:
-                    self._download(sock, peer, step, hello.full, hello.timeout_s)
+                    self._download(sock, peer, step, hello)
         except Refused as exc:
             log.warning("refused (%s): %s", exc.code.name, exc)
             close_after_error(sock, refusal_reply(exc))
@@ -489,9 +482,11 @@ class DataHandler:
             return  # the peer went away mid-upload: nothing was kept, nobody to answer
         send_frame(sock, pb.DataReply(uploaded=reply))
 
-    def _download(self, sock: socket.socket, peer: int, step: int, full: bool, timeout_s: float) -> None:
-        time_left = timeout_s if timeout_s > 0 else None
-        with self.service.download(peer, step, full, lambda: not peer_closed(sock), time_left) as outgoing:
+    def _download(self, sock: socket.socket, peer: int, step: int, hello: pb.DataHello) -> None:
+        time_left = hello.timeout_s if hello.timeout_s > 0 else None
+        with self.service.download(
+            peer, step, hello.full, lambda: not peer_closed(sock), time_left, hello.base_round
+        ) as outgoing:
             if outgoing is None:
                 return
             send_frame(sock, pb.DataReply(round=outgoing.info))
@@ -526,7 +521,7 @@ class TcpPlane:
         with self._connect(pb.DATA_OP_PING, -1, timeout) as sock:
             self._reply(sock, "data-plane ping", "ok")
 
-    def upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> tuple[int, bool]:
+    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float) -> tuple[int, bool]:
         sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout)
         what, sent = f"upload of round {step}", 0
         try:
@@ -549,19 +544,18 @@ class TcpPlane:
         timeout: float,
         *,
         full: bool,
-        expect: Callable[[pb.RoundInfo], Manifest],
-        into: dict[str, torch.Tensor] | None,
+        base_round: int,
+        decoder_for: Callable[[pb.RoundInfo], TensorDecoder],
     ) -> tuple[pb.RoundInfo, Tensors, int]:
-        sock = self._connect(pb.DATA_OP_DOWNLOAD, step, timeout, full=full)
+        sock = self._connect(pb.DATA_OP_DOWNLOAD, step, timeout, full=full, base_round=base_round)
         what = f"download of round {step}"
         try:
             with sock:
                 sock.settimeout(timeout)  # NOTE: the first reply waits for the whole round
                 info = self._reply(sock, what, "round").round
-                expected = expect(info)
+                decoder = decoder_for(info)
                 sock.settimeout(min(timeout, self.rpc_timeout_s))
-                decoder = TensorDecoder(expected, self.wire_dtype, into=into)
-                tensors = recv_tensors(sock, decoder, len(expected))
+                tensors = recv_tensors(sock, decoder, len(decoder.expected))
         except OSError as exc:
             raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
         except (ValueError, TypeError) as exc:  # damaged in transit: fetching it again may succeed
