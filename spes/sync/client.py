@@ -203,6 +203,8 @@ class SyncClient:
         self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
         self._deltas = PeerDeltas() if wire_dtype == INT8 else None
         """Int8 wire: the held model, its round and the carried upload error."""
+        self._own: set[str] = set()
+        """The trained names this peer downloads only on merge rounds (its expert blocks)."""
         self._closed = threading.Event()
         self._presence: threading.Thread | None = None
         self._presence_call: grpc.Future | None = None
@@ -218,6 +220,7 @@ class SyncClient:
         self._join_request = self._request(shapes, trainable, dry_run=False)
         current = self._join()
         self._manifest, self._trainable = shapes, list(trainable)
+        self._own = set(trainable) - set(download_names(list(shapes), self.peer_id, self.mode, merged=False))
         return current
 
     def check_join(self, manifest: Mapping[str, tuple[int, ...]], trainable: list[str]) -> bool:
@@ -281,7 +284,7 @@ class SyncClient:
         ordered = {name: tensors[name] for name in self._trainable}
 
         def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, dict[str, torch.Tensor], int]]:
-            upload = ordered if self._deltas is None else self._deltas.upload(ordered)
+            upload = ordered if self._deltas is None else self._deltas.upload(ordered, self._own)
             sent, duplicate = self.plane.upload(step, upload, self._until(deadline))
             if duplicate:
                 log.info("round %d: upload of peer %d was already committed", step, self.peer_id)

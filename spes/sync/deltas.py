@@ -20,7 +20,7 @@ Nothing of it is in a node's checkpoint: a resumed node holds no H and gets full
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -81,20 +81,24 @@ class PeerDeltas:
         self.carried: Tensors = {}
         """Per trained tensor, what quantization left out of the last upload (added to the next delta)."""
         self._pending: tuple[Tensors, Tensors] = ({}, {})
-        """The upload in flight: its carried error and the reconstruction of every tensor it sent."""
+        """The upload in flight: its carried error, and the reconstructions of the tensors it may not download."""
 
     @property
     def base_round(self) -> int:
         """The round of the held model (`NO_BASE` when none)."""
         return NO_BASE if self.round is None else self.round
 
-    def upload(self, trained: Mapping[str, torch.Tensor]) -> dict[str, Item]:
-        """What to send for `trained`: int8 deltas against the held model, or full values when there is none."""
+    def upload(self, trained: Mapping[str, torch.Tensor], own: Collection[str]) -> dict[str, Item]:
+        """What to send for `trained`: int8 deltas against the held model, or full values when there is none.
+
+        `own`: the names this peer does not download outside merge rounds (its expert blocks), whose new held
+        values are its own reconstructions.
+        """
         if self.round is None:
             self._pending = ({}, {})
             return dict(trained)
         sent = encode_deltas(trained, self.held, self.carried, self.block)
-        self._pending = ({n: s.error for n, s in sent.items()}, {n: s.reconstruction for n, s in sent.items()})
+        self._pending = ({n: s.error for n, s in sent.items()}, {n: sent[n].reconstruction for n in own})
         return {n: Delta(s.payload, self.round) for n, s in sent.items()}
 
     def forget(self) -> None:
