@@ -27,15 +27,20 @@ steps while alpha > 0, alpha decaying to 0 at step 10000: the paper's launch set
 from __future__ import annotations
 
 import math
+import multiprocessing
+import resource
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import common
 from common import MIB, REPO_ROOT, format_table, machine_info, manifest_of, parser, write_results
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer
@@ -151,12 +156,15 @@ def measure_rounds(path: Path) -> dict[str, Any]:
     return measured
 
 
+MERGE = MergeConfig(interval=2, alpha_start=0.05, decay_steps=1000)
+"""The measured runs' merge warm-up: step 2 is a merge round."""
+
+
 @contextmanager
 def real_run(
     state: dict[str, torch.Tensor], peers: int, experts_per_peer: int, mode: Mode, wire: str
 ) -> Iterator[list[SyncClient]]:
     """A real server on loopback (merging on even steps) and its `peers` clients, joined with `state`'s manifest."""
-    merge = MergeConfig(interval=2, alpha_start=0.05, decay_steps=1000)
     server = start_server(
         ServerConfig(
             num_peers=peers,
@@ -164,19 +172,24 @@ def real_run(
             host="127.0.0.1",
             port=0,
             mode=mode,
-            merge=merge,
+            merge=MERGE,
             wire_dtype="int8" if wire == "int8" else "fp32",
         )
     )
+    try:
+        with joined(f"127.0.0.1:{server.port}", state, peers, experts_per_peer, mode, wire) as clients:
+            yield clients
+    finally:
+        server.stop(grace_s=0.5)
+
+
+@contextmanager
+def joined(
+    addr: str, state: dict[str, torch.Tensor], peers: int, experts_per_peer: int, mode: Mode, wire: str
+) -> Iterator[list[SyncClient]]:
+    """`peers` clients of the server at `addr`, joined with `state`'s manifest."""
     clients = [
-        SyncClient(
-            f"127.0.0.1:{server.port}",
-            peer_id=p,
-            num_peers=peers,
-            experts_per_peer=experts_per_peer,
-            mode=mode,
-            wire_dtype=wire,
-        )
+        SyncClient(addr, peer_id=p, num_peers=peers, experts_per_peer=experts_per_peer, mode=mode, wire_dtype=wire)
         for p in range(peers)
     ]
     manifest = {n: tuple(t.shape) for n, t in state.items()}
@@ -187,45 +200,77 @@ def real_run(
     finally:
         for client in clients:
             client.close()
-        server.stop(grace_s=0.5)
 
 
 def measure_paper_int8(path: Path) -> dict[str, Any]:
     """SPES int8 on the paper's 1B manifest through real servers, slice by slice (see the module docstring):
-    per slice the first (full) round, a merge round (step 2) and a plain round (step 3); peer 0's bytes."""
-    cfg = configs(path)["spes"]
-    manifest = manifest_of(cfg)
+    per slice the first (full) round, a merge round (step 2) and a plain round (step 3); peer 0's bytes.
+
+    Each slice runs in fresh processes (a server process, and one for its clients), so no slice's memory (a server's
+    buffers, four clients' held models) is still held when the next starts; their peaks are recorded.
+    """
+    manifest = manifest_of(configs(path)["spes"])
     layers = sorted({int(n.split(".")[1]) for n in manifest if n.startswith("blocks.")})
     slices = {f"layer {layer}": [n for n in manifest if n.startswith(f"blocks.{layer}.")] for layer in layers}
     rest = [n for n in manifest if not n.startswith("blocks.")]
     slices.update({name: [name] for name in rest if math.prod(manifest[name]) > 1 << 20})
     slices["other shared"] = [n for n in rest if math.prod(manifest[n]) <= 1 << 20]
-    gen = torch.Generator().manual_seed(cfg.seed)
     per_slice: dict[str, Any] = {}
-    for label, names in slices.items():
-        state = {n: torch.randn(manifest[n], generator=gen) * 0.02 for n in names}
-        experts = any(n not in trainable_names(names, 1, "spes") for n in names)  # owned blocks in this slice
-        peers = cfg.spes_config.num_peers if experts else 1
-        with real_run(state, peers, cfg.experts_per_peer, "spes", "int8") as clients:
-            rounds = {
-                kind: run_round(clients, step, state, "spes")[0]
-                for step, kind in ((1, "first"), (2, "merge"), (3, "plain"))
-            }
-        per_slice[label] = {
-            "tensors": len(names),
-            "peers": peers,
-            **{kind: {"up": s.bytes_up, "down": s.bytes_down} for kind, s in rounds.items()},
-        }
-        print(
-            f"  1B int8, {label}: {len(names)} tensors, {peers} peer(s): plain round up "
-            f"{rounds['plain'].bytes_up / MIB:,.1f} MiB, down {rounds['plain'].bytes_down / MIB:,.1f} MiB",
-            flush=True,
-        )
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as logs:
+        for label, names in slices.items():
+            with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+                per_slice[label] = got = pool.submit(measure_slice, path, names, Path(logs)).result()
+            print(
+                f"  1B int8, {label}: {len(names)} tensors, {got['peers']} peer(s): plain round up "
+                f"{got['plain']['up'] / MIB:,.1f} MiB, down {got['plain']['down'] / MIB:,.1f} MiB (peak memory: "
+                f"clients {got['peak_rss_clients'] / 2**30:.2f} GiB, server {got['peak_rss_server'] / 2**30:.2f} GiB)",
+                flush=True,
+            )
     totals = {
         kind: {way: sum(v[kind][way] for v in per_slice.values()) for way in ("up", "down")}
         for kind in ("first", "merge", "plain")
     }
     return {"slices": per_slice, "totals": totals}
+
+
+def measure_slice(path: Path, names: list[str], logs: Path) -> dict[str, Any]:
+    """Three real int8 rounds over the tensors `names` of the config's model, served by a server process: peer 0's
+    bytes per round and both processes' peak resident memory. The run's peers when the slice holds expert blocks,
+    else one."""
+    torch.set_num_threads(1)
+    cfg = configs(path)["spes"]
+    manifest = manifest_of(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state = {n: torch.randn(manifest[n], generator=gen) * 0.02 for n in names}
+    experts = any(n not in trainable_names(names, 1, "spes") for n in names)  # another peer's blocks are here
+    peers = cfg.spes_config.num_peers if experts else 1
+    k = cfg.experts_per_peer
+    layout = ["--total_peers", str(peers), "--num_train_experts_per_node", str(k), "--wire_dtype", "int8"]
+    merge = ["--merge_interval", str(MERGE.interval), "--merge_alpha_start", str(MERGE.alpha_start)]
+    merge += ["--merge_decay_steps", str(MERGE.decay_steps)]
+    server, port = common.start_server([*layout, *merge, "--data_port", "0"], logs / "server.log")
+    try:
+        with joined(f"127.0.0.1:{port}", state, peers, k, "spes", "int8") as clients:
+            steps = ((1, "first"), (2, "merge"), (3, "plain"))
+            rounds = {kind: run_round(clients, step, state, "spes")[0] for step, kind in steps}
+        server_peak = proc_peak_rss(server.pid)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return {
+        "tensors": len(names),
+        "peers": peers,
+        **{kind: {"up": s.bytes_up, "down": s.bytes_down} for kind, s in rounds.items()},
+        "peak_rss_clients": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_server": server_peak,
+    }
+
+
+def proc_peak_rss(pid: int) -> int:
+    """A live process's peak resident memory (VmHWM), in bytes."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024
 
 
 def run_round(clients: list[SyncClient], step: int, state: dict[str, torch.Tensor], mode: Mode) -> list[Any]:
