@@ -193,7 +193,7 @@ def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
         os.urandom(64),  # not a SPES client at all
         hello()[:6] + struct.pack("<I", 1 << 31),  # a hello declaring 2 GiB
         b"SPES" + b"\xff\xff" + os.urandom(32),  # another (newer) version: refused naming both
-        hello()[:6] + struct.pack("<I", 12) + b"\xff\xfe\xfd garbage",  # a v4 preamble, then not a DataHello
+        hello()[:6] + struct.pack("<I", 11) + b"\xff\xfe\xfd garbage",  # a v4 preamble, then not a DataHello
     ):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(payload)
