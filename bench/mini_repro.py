@@ -5,6 +5,7 @@
     .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
     .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
     .venv/bin/python bench/mini_repro.py --seed 7        # the same with another model-init and data-order seed
+    .venv/bin/python bench/mini_repro.py --int8          # the SPES run on fp32 and on int8 deltas, side by side
 
 Three real runs on the default local corpus (data/default, built by
 `data_process_scripts/build_default_corpus.py --output_dir data/default`), each through the project's own
@@ -26,6 +27,10 @@ pre-sync local losses are kept too. Bytes communicated are the payload bytes eve
 `--seed S` sets the model initialization seed and the data-order seeds (S for the centralized run and peer 0,
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
 seed's report in docs/ lists the final losses of every other seed found in bench/results/.
+
+`--int8` runs the SPES arm twice instead, on `spes_config.wire_dtype` fp32 and int8 (int8 deltas, spes.sync.deltas),
+into `bench/results/mini_repro_int8[_seed<S>]/`, refuses unequal tokens as above, and records the final validation
+losses, their relative difference (target: within 0.5%) and the bytes in `bench/results/mini_repro_int8*.json`.
 """
 
 from __future__ import annotations
@@ -301,18 +306,18 @@ def collect(out: Path) -> dict[str, Any]:
     }
 
 
-def check_equal_tokens(curves: dict[str, Any], where: Path) -> None:
+def check_equal_tokens(curves: dict[str, Any], where: Path, base_run: str = "centralized") -> None:
     """Refuse to report unless every run trained on the same measured tokens, in total and at every evaluation.
 
-    The report's claim is a comparison at equal tokens; it holds only if the centralized run's logged count
-    equals the sum over each decentralized run's peers.
+    The report's claim is a comparison at equal tokens; it holds only if the base run's (the centralized one's)
+    logged count equals the sum over each decentralized run's peers.
     """
-    base = curves["centralized"]
-    for name in RUNS[1:]:
+    base = curves[base_run]
+    for name in [n for n in curves if n != base_run]:
         c = curves[name]
         if c["tokens_final"] != base["tokens_final"]:
             raise SystemExit(
-                f"error: unequal token budgets in {where}: centralized trained on {base['tokens_final']:,} tokens, "
+                f"error: unequal token budgets in {where}: {base_run} trained on {base['tokens_final']:,} tokens, "
                 f"{name} on {c['tokens_final']:,} (peers {c['tokens_final_per_peer']}); every peer's "
                 f"global_train_batch_size must be the centralized one / {PEERS}. No report written."
             )
@@ -320,7 +325,7 @@ def check_equal_tokens(curves: dict[str, Any], where: Path) -> None:
         for step, tokens in zip(c["step"], c["tokens"]):
             if step in at_central and at_central[step] != tokens:
                 raise SystemExit(
-                    f"error: unequal tokens at step {step} in {where}: centralized {at_central[step]:,}, "
+                    f"error: unequal tokens at step {step} in {where}: {base_run} {at_central[step]:,}, "
                     f"{name} {tokens:,}. No report written."
                 )
 
@@ -544,6 +549,43 @@ def report(
     return "\n".join(lines)
 
 
+INT8_TARGET = 0.005
+"""Issue 16.3: the int8 run's final validation loss within 0.5% of the fp32 run's, at equal tokens."""
+
+
+def int8_commands(setup: Setup, common: list[str], out: Path) -> Commands:
+    """The SPES arm on fp32 (`spes`) and on int8 deltas (`spes_int8`): the same command but for the wire."""
+    cmd, env = run_commands(setup, common, out)["spes"]
+    at = cmd.index("--out")
+    int8 = [*cmd[:at], "--wire_dtype", "int8", "--out", str(out / "spes_int8"), *cmd[at + 2 :]]
+    return {"spes": (cmd, env), "spes_int8": (int8, env)}
+
+
+def int8_comparison(setup: Setup, common: list[str], runs: Path, report_only: bool) -> dict[str, Any]:
+    """Run (unless `report_only`) and compare the fp32 and int8 SPES arms at equal tokens."""
+    if report_only:
+        walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
+    else:
+        walls = run_all(int8_commands(setup, common, runs), runs)
+        info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
+        write_atomic(runs / "run.json", json.dumps(info, indent=1) + "\n")
+    curves = {name: peers_curve(runs / name) for name in ("spes", "spes_int8")}
+    check_equal_tokens(curves, runs, base_run="spes")
+    fp32, int8 = (curves[n]["val_loss"][-1] for n in ("spes", "spes_int8"))
+    run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else {}
+    return {
+        "run": run_info,
+        "machine": run_info.get("machine") or machine_info(),
+        "walls_s": walls,
+        "tokens": {name: c["tokens_final"] for name, c in curves.items()},
+        "final_val_loss": {"spes": fp32, "spes_int8": int8},
+        "int8_vs_fp32": (int8 - fp32) / fp32,
+        "within_target": abs(int8 - fp32) / fp32 <= INT8_TARGET,
+        "bytes_total": {name: c["bytes"][-1] for name, c in curves.items()},
+        "curves": curves,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("mini_repro", __doc__)
     p.add_argument("--runs", type=Path, default=None, help="run directory (default: bench/results/mini_repro[_quick])")
@@ -557,11 +599,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help="model-init and data-order seed (default %(default)s)"
     )
+    p.add_argument(
+        "--int8", action="store_true", help="instead: the SPES arm on fp32 and on int8 deltas, compared at equal tokens"
+    )
     p.set_defaults(out=None)
     args = p.parse_args(argv)
     setup = QUICK if args.quick else FULL
     default = args.seed == DEFAULT_SEED and not args.quick
     name = "mini_repro_quick" if args.quick else "mini_repro" if default else f"mini_repro_seed{args.seed}"
+    if args.int8:
+        name = name.replace("mini_repro", "mini_repro_int8", 1)
     runs = args.runs or RESULTS_DIR / name
     docs = args.docs or (REPO_ROOT / "docs" if default else runs)
     out_json = args.out or RESULTS_DIR / f"{name}.json"
@@ -580,6 +627,21 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     runs.mkdir(parents=True, exist_ok=True)
+    if args.int8:
+        result = int8_comparison(setup, common, runs, args.report_only)
+        fp32, int8 = result["final_val_loss"]["spes"], result["final_val_loss"]["spes_int8"]
+        moved = {run: f"{b / 2**20:,.1f} MiB" for run, b in result["bytes_total"].items()}
+        print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
+        print(
+            f"final validation loss of the merged model: fp32 {fp32:.4f}, int8 {int8:.4f} "
+            f"({100 * result['int8_vs_fp32']:+.3f}%; target within {100 * INT8_TARGET:g}%); bytes moved by all "
+            f"peers: {moved}"
+        )
+        write_results(
+            out_json,
+            {"mode": "quick" if args.quick else "full", "seed": args.seed, "setup": asdict(setup), **result},
+        )
+        return 0 if result["within_target"] or args.quick else 1
     if args.report_only:
         walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
         run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None

@@ -48,7 +48,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add_server_flags(p.add_argument_group("the server's run flags of earlier versions (the YAML's server: section)"))
     p.add_argument(
         "--wire_dtype",
-        choices=["fp32", "bf16"],
+        choices=["fp32", "bf16", "int8"],
         default=None,
         help="transport precision (default: the config's spes_config.wire_dtype)",
     )

@@ -100,6 +100,8 @@ def test_bench_wire_quick_measured_equals_analytic(tmp_path: Path) -> None:
     assert results["checks"] and all(c["equal"] for c in results["checks"])
     assert results["targets"]["spes_bf16_over_reference"] <= 0.5
     assert results["targets"]["spes_bf16_saving_vs_diloco_bf16"] >= 1 / 3
+    assert {c["round"] for c in results["checks"]} >= {"spes_int8_first", "spes_int8_merge", "spes_int8_plain"}
+    assert results["targets"]["spes_int8_amortized_over_reference"] <= 0.16
     assert "measured = analytic for every peer and round: yes" in stdout
 
 

@@ -40,7 +40,7 @@ class RecordingSync:
 
 
 def run_peers(
-    corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8
+    corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8, extra: tuple[str, ...] = ()
 ) -> list[tuple[RecordingSync, Trainer]]:  # type: ignore[no-untyped-def]
     peers = []
     for peer in range(2):
@@ -59,6 +59,7 @@ def run_peers(
                 "--spes_config.rpc_timeout_s=30",
                 "--spes_config.round_timeout_s=60",
                 f"--using_dilico={str(dilico).lower()}",
+                *extra,
             ],
         )
         node = build_node(cfg, CPU, log=lambda _m: None)
@@ -92,7 +93,7 @@ def trained(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str,
 @pytest.mark.parametrize("dilico", [False, True], ids=["spes", "diloco"])
 def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus, tmp_path: Path, dilico: bool) -> None:
     mode = "diloco" if dilico else "spes"
-    with running_server(total_peers=2, experts_per_peer=8 if dilico else 4, mode=mode, merge=MERGE) as (_, addr):
+    with running_server(num_peers=2, experts_per_peer=8 if dilico else 4, mode=mode, merge=MERGE) as (_, addr):
         peers = run_peers(tiny_corpus, tmp_path, addr, dilico=dilico)
     (rec0, t0), (rec1, t1) = peers
     assert sorted(rec0.after) == [2, 4, 6, 8]
@@ -113,7 +114,7 @@ def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) -> None:
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
         (rec0, _), _ = run_peers(tiny_corpus, tmp_path, addr, dilico=False)
     frozen = [n for n in rec0.after[2] if (b := parse_expert_block(n)) is not None and b.block == 1]
     steps = sorted(rec0.after)
@@ -121,3 +122,20 @@ def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) ->
         for name in frozen:
             assert torch.equal(rec0.before[step][name], rec0.after[prev][name]), (name, step)
         assert any(not torch.equal(rec0.after[step][n], rec0.before[step][n]) for n in frozen)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_int8_trainers_hold_the_servers_model_bit_for_bit_after_every_round(tiny_corpus, tmp_path: Path) -> None:
+    """`spes_config.wire_dtype: int8` end to end: after every round (a merge round included) both trainers' whole
+    models are equal bit for bit, and after the last one equal to the server's held model."""
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE, wire_dtype="int8") as (server, addr):
+        peers = run_peers(tiny_corpus, tmp_path, addr, dilico=False, extra=("--spes_config.wire_dtype=int8",))
+        held = server.service.state.held
+    (rec0, _), (rec1, _) = peers
+    assert sorted(rec0.after) == [2, 4, 6, 8] and held is not None and held.round == 8
+    for step, model in rec0.after.items():
+        for name, value in model.items():
+            assert torch.equal(value.view(torch.int32), rec1.after[step][name].view(torch.int32)), (name, step)
+    for name, value in held.tensors.items():
+        assert torch.equal(value.view(torch.int32), rec0.after[8][name].view(torch.int32)), name

@@ -111,7 +111,7 @@ def test_bad_joins_are_refused_and_change_nothing() -> None:
             join_request(1, k=3),
         )
         expect_code(StatusCode.FAILED_PRECONDITION, "mode='diloco'", stub.Join, join_request(1, mode="diloco"))
-        expect_code(StatusCode.FAILED_PRECONDITION, "total_peers=3", stub.Join, join_request(1, total=3))
+        expect_code(StatusCode.FAILED_PRECONDITION, "num_peers=3", stub.Join, join_request(1, total=3))
         expect_code(StatusCode.INVALID_ARGUMENT, "unknown wire_dtype 'fp8'", stub.Join, join_request(1, wire="fp8"))
         reshaped = {**MANIFEST, "embed.weight": (17, 8)}
         expect_code(
@@ -597,7 +597,7 @@ def test_command_line_builds_the_config(tmp_path: Path, monkeypatch: pytest.Monk
     base = ["--total_peers", "4", "--num_train_experts_per_node", "2"]
     monkeypatch.setenv("SPES_TOKEN", "from-env")
     cfg = config_from_args(build_parser().parse_args(base + ["--merge_topk", "2", "--mode", "diloco"]))
-    assert (cfg.total_peers, cfg.experts_per_peer, cfg.mode, cfg.merge.topk, cfg.token) == (
+    assert (cfg.num_peers, cfg.experts_per_peer, cfg.mode, cfg.merge.topk, cfg.token) == (
         4,
         2,
         "diloco",
@@ -663,7 +663,7 @@ def test_bf16_rounds_sum_their_fp32_means_into_kept_buffers() -> None:
 
 def test_off_loopback_needs_a_token_and_tls_unless_insecure(tmp_path: Path) -> None:
     """The quickstart (127.0.0.1) needs no flag; any other address refuses to start without protection."""
-    base = {"total_peers": 2, "experts_per_peer": 2}
+    base = {"num_peers": 2, "experts_per_peer": 2}
     for host in ("127.0.0.1", "localhost", "::1"):
         ServerConfig(host=host, **base).check_exposure()
     with pytest.raises(ValueError, match="no token is set.*--insecure"):
@@ -680,7 +680,7 @@ def test_the_runs_yaml_gives_the_layout_and_the_manifest() -> None:
     config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     cfg = config_from_args(build_parser().parse_args([config]))
     manifest, _ = manifest_of_run(config)
-    assert (cfg.total_peers, cfg.experts_per_peer, cfg.mode) == (4, 2, "spes")
+    assert (cfg.num_peers, cfg.experts_per_peer, cfg.mode) == (4, 2, "spes")
     assert cfg.expected_manifest == manifest and "lm_head.weight" in manifest
     with pytest.raises(ValueError, match="--total_peers=3 disagrees with .*tiny.yaml, whose run has 4"):
         config_from_args(build_parser().parse_args([config, "--total_peers", "3"]))

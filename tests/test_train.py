@@ -89,7 +89,7 @@ def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
         tmp_path / "server.log", "--total_peers", "2", "--num_train_experts_per_node", "4", "--round_timeout", "3"
     ) as addr:
         code, out = train(tmp_path, *node, f"--spes_config.server_addr={addr}", name="layout.log")
-        assert_one_line(code, out, "total_peers")
+        assert_one_line(code, out, "num_peers")
         two = [
             "--spes_config.num_peers=2",
             "--spes_config.num_train_experts_per_node=4",

@@ -81,7 +81,7 @@ def test_servers_and_clients_leave_no_threads_or_descriptors_behind() -> None:
     """In one process: start, use and stop servers and clients repeatedly; threads and fds return to baseline."""
 
     def cycle() -> None:
-        with running_server(total_peers=2) as (_, addr), ExitStack() as stack:
+        with running_server(num_peers=2) as (_, addr), ExitStack() as stack:
             clients = [
                 stack.enter_context(SyncClient(addr, peer_id=p, num_peers=2, experts_per_peer=2, mode="spes"))
                 for p in range(2)
