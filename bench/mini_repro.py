@@ -42,6 +42,7 @@ from typing import Any
 from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, parser, write_results
 from spes.atomic import write_atomic
 from spes.config import load_config
+from spes.launch import sigterm_as_interrupt
 from spes.model import analytic_param_counts
 
 CONFIG = "configs/tiny.yaml"
@@ -180,28 +181,44 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
 Commands = dict[str, tuple[list[str], dict[str, str]]]
 
 
-def run_all(commands: Commands, out: Path) -> dict[str, float]:
-    """Run the trainings one after the other (they share the CPU fairly that way); wall seconds each."""
-    walls = {}
-    for name, (cmd, env) in commands.items():
-        log_path = out / f"{name}.log"
-        (out / name).mkdir(parents=True, exist_ok=True)
-        (out / name / "metrics.jsonl").unlink(missing_ok=True)
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
-        started = time.time()
-        with open(log_path, "w") as log:
-            code = subprocess.run(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO_ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            ).returncode
-        walls[name] = time.time() - started
-        if code != 0:
-            raise SystemExit(f"error: the {name} run failed with exit code {code}; see {log_path}")
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
-    (out / "walls.json").write_text(json.dumps(walls))
+def run_all(commands: Commands, out: Path, lanes: int = 1) -> dict[str, float]:
+    """Run the trainings, at most `lanes` at a time; wall seconds each. One at a time shares the CPU fairly
+    between a run's processes; two one-process runs at once fill the two cores. A failed run stops the rest."""
+    sigterm_as_interrupt()
+    walls: dict[str, float] = {}
+    pending = list(commands.items())
+    running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < lanes:
+                name, (cmd, env) = pending.pop(0)
+                (out / name).mkdir(parents=True, exist_ok=True)
+                (out / name / "metrics.jsonl").unlink(missing_ok=True)
+                print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
+                with open(out / f"{name}.log", "w") as log:  # NOTE: the child keeps its own copy of the descriptor
+                    proc = subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=REPO_ROOT,
+                        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                    )
+                running[name] = (proc, time.time())
+            time.sleep(0.5)
+            for name, (proc, started) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[name]
+                walls[name] = time.time() - started
+                if proc.returncode != 0:
+                    raise SystemExit(
+                        f"error: the {name} run failed with exit code {proc.returncode}; see {out / f'{name}.log'}"
+                    )
+                print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
+    finally:
+        for proc, _ in running.values():
+            proc.terminate()
+            proc.wait()
     return walls
 
 
@@ -253,8 +270,9 @@ def peers_curve(run: Path) -> dict[str, Any]:
         cumulative[step] = total
     evals = [r for r in peers[0] if "merged_val_loss" in r]
     steps = [r["step"] for r in evals]
-    merged_by_peer = [[r["merged_val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
-    local_by_peer = [[r["val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
+    evaluated = [recs for recs in peers if any("merged_val_loss" in r for r in recs)]  # see spes.launch --eval_peers
+    merged_by_peer = [[r["merged_val_loss"] for r in recs if "merged_val_loss" in r] for recs in evaluated]
+    local_by_peer = [[r["val_loss"] for r in recs if "merged_val_loss" in r] for recs in evaluated]
     return {
         "step": steps,
         "tokens": [sum(_tokens_at(recs, s, path) for recs, path in zip(peers, paths)) for s in steps],
@@ -262,7 +280,7 @@ def peers_curve(run: Path) -> dict[str, Any]:
         "tokens_final_per_peer": [int(recs[-1]["tokens"]) for recs in peers],
         "val_loss": [r["merged_val_loss"] for r in evals],
         "merged_spread_across_peers": max(max(v) - min(v) for v in zip(*merged_by_peer)),
-        "local_val_loss_mean": [sum(v) / PEERS for v in zip(*local_by_peer)],
+        "local_val_loss_mean": [sum(v) / len(v) for v in zip(*local_by_peer)],
         "bytes": [cumulative[s] for s in steps],
         "bytes_per_peer_round_up": peers[0][-1].get("sync_mb_up", 0.0) * 2**20,
         "bytes_per_peer_round_down": [r["sync_mb_down"] * 2**20 for r in peers[0] if "sync_s" in r],
@@ -567,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
     else:
         walls = run_all(run_commands(setup, common, runs), runs)
+        (runs / "walls.json").write_text(json.dumps(walls))
         run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
         write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
     curves = collect(runs)

@@ -266,6 +266,11 @@ def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         return any(json.loads(line).get("merged") for line in lines)
 
     assert merged("spes_large") and not merged("spes_large_nomerge")
+    # only peer 0 evaluates (spes.launch --eval_peers 1), and the whole comparison's wall time is on record
+    peer1 = (tmp_path / "runs" / "seed6198" / "spes_large" / "node1" / "metrics.jsonl").read_text()
+    assert "sync_s" in peer1 and "val_loss" not in peer1
+    assert results["run"]["total_wall_s"] > 0 and set(results["walls_s"]["6198"]) == set(tokens)
+    assert "The whole comparison (7 arms x 1 seeds) took" in report
 
 
 def test_link_bucket_paces_at_its_rate() -> None:

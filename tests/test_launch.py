@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +64,47 @@ def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) 
     assert proc.returncode == 2
     assert "did you mean 'spes_config.num_peers'" in proc.stderr
     assert not (tmp_path / "server.log").exists()
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--eval_peers", "5"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--eval_peers=5 must be between 1 and the run's 4 peers" in proc.stderr
+    assert not (tmp_path / "server.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_sigterm_to_the_launcher_stops_the_server_and_every_peer(tiny_corpus, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    overrides = [
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        "--max_duration=100000st",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(out), "--", *overrides],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the peers are started once this line is printed
+            if line.startswith("started server"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted: stopping the server and the peers" in stderr
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
 
 
 @pytest.mark.slow
