@@ -211,15 +211,22 @@ class GuardedHealth(health.HealthServicer):
             if peer.isdigit() and session:
                 try:
                     ticket.claim(int(peer))
-                    context.add_callback(self._on_presence(int(peer), session, context.peer()))
+                    _when_ended(context, self._on_presence(int(peer), session, context.peer()))
                 except Refused:
                     ticket.close()
                     raise
         except Refused as exc:
             context.abort(exc.code, str(exc))
         ticket.wait_for_round(True)  # a watch waits on the server's state, never idle
-        context.add_callback(ticket.close)
+        _when_ended(context, ticket.close)
         return super().Watch(request, context, send_response_callback)
+
+
+def _when_ended(context: grpc.ServicerContext, callback: Callable[[], None]) -> None:
+    """Call `callback` when the call ends, or now if it already has (grpc then refuses the callback, and the
+    slot or presence it releases would be held for good)."""
+    if not context.add_callback(callback):
+        callback()
 
 
 @dataclass
