@@ -339,6 +339,37 @@ def test_shutdown_wakes_waiting_downloads() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_a_health_watcher_that_never_reads_blocks_neither_health_nor_stop() -> None:
+    """A Watch client that reads nothing (no receive window: the server's first status can never go out) once held
+    the health service's lock for good: every Check and Watch after it, and `stop()`, waited for ever (CI saw
+    stop() hang sending NOT_SERVING). Each watch now sends from its own thread, outside that lock."""
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, total_peers=2, experts_per_peer=2))
+    addr = f"127.0.0.1:{server.port}"
+    request = health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer")
+    stalled = grpc.insecure_channel(addr, options=[("grpc.http2.lookahead_bytes", 0), ("grpc.http2.bdp_probe", 0)])
+    stopped = threading.Event()
+    try:
+        never_read = health_pb2_grpc.HealthStub(stalled).Watch(request)
+        time.sleep(0.3)  # its handler has run: the first status waits for a window that never opens
+        with grpc.insecure_channel(addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(request, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            watch = health.Watch(request, timeout=5)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+        start = time.monotonic()
+        threading.Thread(target=lambda: (server.stop(grace_s=0.5), stopped.set()), daemon=True).start()
+        assert stopped.wait(10), "ParameterServer.stop() hung on a health watcher that never reads"
+        assert time.monotonic() - start < 5
+        with pytest.raises(grpc.RpcError):
+            next(never_read)
+    finally:
+        stalled.close()
+        if not stopped.is_set():
+            server.server.stop(0)
+
+
+@pytest.mark.timeout(60)
 def test_every_call_needs_the_token_and_health_reports_serving() -> None:
     with running_server(token=TOKEN) as (server, addr), grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.ParameterServerStub(channel)

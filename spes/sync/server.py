@@ -228,7 +228,10 @@ class ParameterServer:
         """The raw data plane's port (0: disabled)."""
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Stop serving: waiting downloads end with UNAVAILABLE, in-flight calls get `grace_s` seconds."""
+        """Stop serving: waiting downloads end with UNAVAILABLE, in-flight calls get `grace_s` seconds.
+
+        The health watchers' NOT_SERVING notice is only queued (`GuardedHealth`): a watcher that does not read
+        cannot hold the stop, and its stream ends with the server's."""
         self.health.enter_graceful_shutdown()
         self.service.shutdown(grace_s)
         if self._data_plane is not None:
@@ -250,7 +253,7 @@ def start_server(cfg: ServerConfig) -> ParameterServer:
 
 def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token is not None else []
-    # NOTE: streams hold at most `max_streams` threads (StreamGuard); the rest serve Join, Status and health.
+    # NOTE: streams hold at most `max_streams` threads (StreamGuard); the rest serve Join, Status and health checks.
     executor = futures.ThreadPoolExecutor(max_workers=cfg.max_streams + UNARY_RESERVE, thread_name_prefix="spes-rpc")
     server = grpc.server(
         executor,
