@@ -71,7 +71,7 @@ def usage(pid: int) -> dict[str, int]:
 
 # -- the fifth process ------------------------------------------------------------------------------------------
 def hello(peer: int, step: int) -> bytes:
-    body = json.dumps({"op": "upload", "peer_id": peer, "step": step, "full": False, "token": None}).encode()
+    body = pb.DataHello(op=pb.DATA_OP_UPLOAD, peer_id=peer, step=step).SerializeToString()
     return struct.pack("<4sH", b"SPES", PROTOCOL_VERSION) + struct.pack("<I", len(body)) + body
 
 
@@ -171,7 +171,7 @@ def kill_data_upload(host: str, data_port: int, peer: int, step: int) -> int:
         sock = socket.create_connection((host, data_port), timeout=5)
         sock.sendall(hello(peer, step))
         sock.recv(256)
-        body = json.dumps(TENSOR).encode()
+        body = pb.TensorHeader(**TENSOR).SerializeToString()
         sock.sendall(struct.pack("<I", len(body)) + body + b"\1" * 4096)
         reset(sock)
         return 1

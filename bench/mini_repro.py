@@ -5,6 +5,7 @@
     .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
     .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
     .venv/bin/python bench/mini_repro.py --seed 7        # the same with another model-init and data-order seed
+    .venv/bin/python bench/mini_repro.py --int8          # the SPES run on fp32 and on int8 deltas, side by side
     .venv/bin/python bench/mini_repro.py --overlap       # SPES blocking vs overlapped rounds (overlap_sync)
 
 Three real runs on the default local corpus (data/default, built by
@@ -28,12 +29,16 @@ pre-sync local losses are kept too. Bytes communicated are the payload bytes eve
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
 seed's report in docs/ lists the final losses of every other seed found in bench/results/.
 
-`--overlap` runs only the SPES arm: blocking, and with `spes_config.overlap_sync` once per `--overlap_steps D`
-(each round applied D steps after its sync step, with the local progress made meanwhile; default D =
-sync_steps), into `bench/results/mini_repro_overlap[_seed<S>]/<arm>/`, and records every arm's final validation
-loss at equal logged tokens in `bench/results/mini_repro_overlap*.json` (the figures in docs/benchmarks.md); it
-writes no report of its own. `--only ARM...` runs just those arms and reads the others as an earlier run left
-them in the same directory (each arm keeps its command, commit and machine in `<arm>/run.json`).
+`--int8` runs the SPES arm twice instead, on `spes_config.wire_dtype` fp32 and int8 (int8 deltas, spes.sync.deltas),
+into `bench/results/mini_repro_int8[_seed<S>]/`, refuses unequal tokens as above, and records the final validation
+losses, their relative difference (target: within 0.5%) and the bytes in `bench/results/mini_repro_int8*.json`.
+
+`--overlap` runs the SPES arm blocking, and with `spes_config.overlap_sync` once per `--overlap_steps D` (each
+round applied D steps after its sync step, with the local progress made meanwhile; default D = sync_steps), into
+`bench/results/mini_repro_overlap[_seed<S>]/<arm>/`, refuses unequal tokens as above, and records every arm's
+final validation loss in `bench/results/mini_repro_overlap*.json` (the figures in docs/benchmarks.md). `--only
+ARM...` runs just those arms and reads the others as an earlier run left them in the same directory (each arm
+keeps its command, commit and machine in `<arm>/run.json`).
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,14 +55,13 @@ from typing import Any
 from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, parser, write_results
 from spes.atomic import write_atomic
 from spes.config import load_config
+from spes.launch import sigterm_as_interrupt
 from spes.model import analytic_param_counts
 
 CONFIG = "configs/tiny.yaml"
 DEFAULT_SEED = 6198  # configs/tiny.yaml's `seed` and `data.seed`
 PEERS = 4
 RUNS = ("centralized", "spes", "diloco")
-OVERLAP_TARGET = 0.01
-"""Issue 16: the overlapped run's final validation loss within 1% of the blocking run's."""
 LABELS = {"centralized": "centralized (1 trainer, 4x batch)", "spes": "SPES (4 peers)", "diloco": "DiLoCo (4 peers)"}
 COLORS = {"centralized": "black", "spes": "tab:red", "diloco": "tab:blue"}
 
@@ -160,7 +163,7 @@ QUICK = Setup(
 )
 
 
-def run_commands(setup: Setup, common: list[str], out: Path, delays: Sequence[int] = ()) -> Commands:
+def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
     """The command and environment of each run: one torch thread per training process.
 
     NOTE: on a shared 2-core machine one process with 2 threads ran ~3x slower per token than with 1
@@ -185,50 +188,50 @@ def run_commands(setup: Setup, common: list[str], out: Path, delays: Sequence[in
         ),
         "spes": ([*launch, "--out", str(out / "spes"), "--", *common], {}),
         "diloco": ([*launch, "--dilico", "--out", str(out / "diloco"), "--", *common], {}),
-        **{
-            overlap_arm(d): ([*launch, "--out", str(out / overlap_arm(d)), "--", *common, *overlap_flags(d)], {})
-            for d in delays
-        },
     }
-
-
-def overlap_arm(delay: int) -> str:
-    """The name of the overlapped SPES arm whose rounds are applied `delay` steps after their sync step."""
-    return f"spes_overlap_d{delay}"
-
-
-def overlap_flags(delay: int) -> list[str]:
-    return ["--spes_config.overlap_sync=true", f"--spes_config.overlap_steps={delay}"]
 
 
 Commands = dict[str, tuple[list[str], dict[str, str]]]
 
 
-def run_all(commands: Commands, out: Path, run_info: dict[str, Any] | None = None) -> dict[str, float]:
-    """Run the trainings one after the other (they share the CPU fairly that way); wall seconds each (those of
-    arms not run now kept from walls.json). With `run_info`, each arm's is written to `<arm>/run.json`."""
-    walls = json.loads((out / "walls.json").read_text()) if (out / "walls.json").is_file() else {}
-    for name, (cmd, env) in commands.items():
-        log_path = out / f"{name}.log"
-        (out / name).mkdir(parents=True, exist_ok=True)
-        (out / name / "metrics.jsonl").unlink(missing_ok=True)
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
-        started = time.time()
-        with open(log_path, "w") as log:
-            code = subprocess.run(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=REPO_ROOT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            ).returncode
-        walls[name] = time.time() - started
-        if code != 0:
-            raise SystemExit(f"error: the {name} run failed with exit code {code}; see {log_path}")
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
-        if run_info is not None:
-            write_atomic(out / name / "run.json", json.dumps({**run_info, "machine": machine_info()}, indent=1) + "\n")
-        (out / "walls.json").write_text(json.dumps(walls))
+def run_all(commands: Commands, out: Path, lanes: int = 1) -> dict[str, float]:
+    """Run the trainings, at most `lanes` at a time; wall seconds each. One at a time shares the CPU fairly
+    between a run's processes; two one-process runs at once fill the two cores. A failed run stops the rest."""
+    sigterm_as_interrupt()
+    walls: dict[str, float] = {}
+    pending = list(commands.items())
+    running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < lanes:
+                name, (cmd, env) = pending.pop(0)
+                (out / name).mkdir(parents=True, exist_ok=True)
+                (out / name / "metrics.jsonl").unlink(missing_ok=True)
+                print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
+                with open(out / f"{name}.log", "w") as log:  # NOTE: the child keeps its own copy of the descriptor
+                    proc = subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=REPO_ROOT,
+                        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                    )
+                running[name] = (proc, time.time())
+            time.sleep(0.5)
+            for name, (proc, started) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                del running[name]
+                walls[name] = time.time() - started
+                if proc.returncode != 0:
+                    raise SystemExit(
+                        f"error: the {name} run failed with exit code {proc.returncode}; see {out / f'{name}.log'}"
+                    )
+                print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
+    finally:
+        for proc, _ in running.values():
+            proc.terminate()
+            proc.wait()
     return walls
 
 
@@ -267,7 +270,6 @@ def peers_curve(run: Path) -> dict[str, Any]:
     peers = [_records(path) for path in paths]
     cumulative: dict[int, float] = {}
     total = 0.0
-    syncs = [r for r in peers[0] if "sync_s" in r]
     for step in sorted({r["step"] for recs in peers for r in recs if "sync_s" in r}):
         total += (
             sum(
@@ -279,10 +281,12 @@ def peers_curve(run: Path) -> dict[str, Any]:
             * 2**20
         )
         cumulative[step] = total
+    syncs = [r for r in peers[0] if "sync_s" in r]
     evals = [r for r in peers[0] if "merged_val_loss" in r]
     steps = [r["step"] for r in evals]
-    merged_by_peer = [[r["merged_val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
-    local_by_peer = [[r["val_loss"] for r in recs if "merged_val_loss" in r] for recs in peers]
+    evaluated = [recs for recs in peers if any("merged_val_loss" in r for r in recs)]  # see spes.launch --eval_peers
+    merged_by_peer = [[r["merged_val_loss"] for r in recs if "merged_val_loss" in r] for recs in evaluated]
+    local_by_peer = [[r["val_loss"] for r in recs if "merged_val_loss" in r] for recs in evaluated]
     return {
         "step": steps,
         "tokens": [sum(_tokens_at(recs, s, path) for recs, path in zip(peers, paths)) for s in steps],
@@ -290,7 +294,7 @@ def peers_curve(run: Path) -> dict[str, Any]:
         "tokens_final_per_peer": [int(recs[-1]["tokens"]) for recs in peers],
         "val_loss": [r["merged_val_loss"] for r in evals],
         "merged_spread_across_peers": max(max(v) - min(v) for v in zip(*merged_by_peer)),
-        "local_val_loss_mean": [sum(v) / PEERS for v in zip(*local_by_peer)],
+        "local_val_loss_mean": [sum(v) / len(v) for v in zip(*local_by_peer)],
         "bytes": [cumulative[s] for s in steps],
         # NOTE: an overlapped node logs the rounds it applied at a step; at its last step that may be two
         "bytes_per_peer_round_up": syncs[-1]["sync_mb_up"] / syncs[-1].get("sync_rounds", 1) * 2**20,
@@ -313,18 +317,18 @@ def collect(out: Path) -> dict[str, Any]:
     }
 
 
-def check_equal_tokens(curves: dict[str, Any], where: Path) -> None:
+def check_equal_tokens(curves: dict[str, Any], where: Path, base_run: str = "centralized") -> None:
     """Refuse to report unless every run trained on the same measured tokens, in total and at every evaluation.
 
-    The report's claim is a comparison at equal tokens; it holds only if the centralized run's logged count
-    equals the sum over each decentralized run's peers.
+    The report's claim is a comparison at equal tokens; it holds only if the base run's (the centralized one's)
+    logged count equals the sum over each decentralized run's peers.
     """
-    base = curves["centralized"]
-    for name in RUNS[1:]:
+    base = curves[base_run]
+    for name in [n for n in curves if n != base_run]:
         c = curves[name]
         if c["tokens_final"] != base["tokens_final"]:
             raise SystemExit(
-                f"error: unequal token budgets in {where}: centralized trained on {base['tokens_final']:,} tokens, "
+                f"error: unequal token budgets in {where}: {base_run} trained on {base['tokens_final']:,} tokens, "
                 f"{name} on {c['tokens_final']:,} (peers {c['tokens_final_per_peer']}); every peer's "
                 f"global_train_batch_size must be the centralized one / {PEERS}. No report written."
             )
@@ -332,7 +336,7 @@ def check_equal_tokens(curves: dict[str, Any], where: Path) -> None:
         for step, tokens in zip(c["step"], c["tokens"]):
             if step in at_central and at_central[step] != tokens:
                 raise SystemExit(
-                    f"error: unequal tokens at step {step} in {where}: centralized {at_central[step]:,}, "
+                    f"error: unequal tokens at step {step} in {where}: {base_run} {at_central[step]:,}, "
                     f"{name} {tokens:,}. No report written."
                 )
 
@@ -556,54 +560,100 @@ def report(
     return "\n".join(lines)
 
 
-def compare_overlap(
-    runs: Path, out_json: Path, walls: dict[str, float], setup: Setup, seed: int, arms: list[str]
-) -> int:
-    """`--overlap`: the final validation loss (of the merged model, once the last round is applied) of the blocking
-    SPES run and each overlapped one, refused unless all trained on the same logged tokens; a table and the record."""
-    curves = {arm: peers_curve(runs / arm) for arm in arms}
-    unequal = {
-        arm: c["tokens_final"] for arm, c in curves.items() if c["tokens_final"] != curves["spes"]["tokens_final"]
+INT8_TARGET = 0.005
+"""Issue 16.3: the int8 run's final validation loss within 0.5% of the fp32 run's, at equal tokens."""
+
+
+def int8_commands(setup: Setup, common: list[str], out: Path) -> Commands:
+    """The SPES arm on fp32 (`spes`) and on int8 deltas (`spes_int8`): the same command but for the wire."""
+    cmd, env = run_commands(setup, common, out)["spes"]
+    at = cmd.index("--out")
+    int8 = [*cmd[:at], "--wire_dtype", "int8", "--out", str(out / "spes_int8"), *cmd[at + 2 :]]
+    return {"spes": (cmd, env), "spes_int8": (int8, env)}
+
+
+def int8_comparison(setup: Setup, common: list[str], runs: Path, report_only: bool) -> dict[str, Any]:
+    """Run (unless `report_only`) and compare the fp32 and int8 SPES arms at equal tokens."""
+    if report_only:
+        walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
+    else:
+        walls = run_all(int8_commands(setup, common, runs), runs)
+        info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
+        write_atomic(runs / "run.json", json.dumps(info, indent=1) + "\n")
+    curves = {name: peers_curve(runs / name) for name in ("spes", "spes_int8")}
+    check_equal_tokens(curves, runs, base_run="spes")
+    fp32, int8 = (curves[n]["val_loss"][-1] for n in ("spes", "spes_int8"))
+    run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else {}
+    return {
+        "run": run_info,
+        "machine": run_info.get("machine") or machine_info(),
+        "walls_s": walls,
+        "tokens": {name: c["tokens_final"] for name, c in curves.items()},
+        "final_val_loss": {"spes": fp32, "spes_int8": int8},
+        "int8_vs_fp32": (int8 - fp32) / fp32,
+        "within_target": abs(int8 - fp32) / fp32 <= INT8_TARGET,
+        "bytes_total": {name: c["bytes"][-1] for name, c in curves.items()},
+        "curves": curves,
     }
-    if unequal:
-        raise SystemExit(
-            f"error: unequal token budgets in {runs}: blocking {curves['spes']['tokens_final']:,}, "
-            + ", ".join(f"{arm} {tokens:,}" for arm, tokens in unequal.items())
-            + ". No record written."
-        )
+
+
+OVERLAP_TARGET = 0.01
+"""Issue 16.2: an overlapped run's final validation loss within 1% of the blocking run's, at equal tokens."""
+
+
+def overlap_arm(delay: int) -> str:
+    """The name of the overlapped SPES arm whose rounds are applied `delay` steps after their sync step."""
+    return f"spes_overlap_d{delay}"
+
+
+def overlap_flags(delay: int) -> list[str]:
+    return ["--spes_config.overlap_sync=true", f"--spes_config.overlap_steps={delay}"]
+
+
+def overlap_commands(setup: Setup, common: list[str], out: Path, delays: list[int]) -> Commands:
+    """The blocking SPES arm (`spes`) and one overlapped arm per delay: the same command but for the overlap keys."""
+    cmd, env = run_commands(setup, common, out)["spes"]
+    at = cmd.index("--out")
+    arms = {"spes": (cmd, env)}
+    for d in delays:
+        arms[overlap_arm(d)] = ([*cmd[:at], "--out", str(out / overlap_arm(d)), *cmd[at + 2 :], *overlap_flags(d)], env)
+    return arms
+
+
+def overlap_comparison(
+    setup: Setup, common: list[str], runs: Path, delays: list[int], only: list[str] | None, report_only: bool
+) -> dict[str, Any]:
+    """Run (unless `report_only`; only the arms `only` if given) and compare the blocking and the overlapped SPES
+    arms' final validation loss (of the merged model, once the last round is applied) at equal tokens."""
+    commands = overlap_commands(setup, common, runs, delays)
+    walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
+    if not report_only:
+        info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit()}
+        for arm in only or commands:  # one at a time, each with its own record of what ran it
+            walls.update(run_all({arm: commands[arm]}, runs))
+            write_atomic(runs / arm / "run.json", json.dumps({**info, "machine": machine_info()}, indent=1) + "\n")
+            (runs / "walls.json").write_text(json.dumps(walls))
+    curves = {arm: peers_curve(runs / arm) for arm in commands}
+    check_equal_tokens(curves, runs, base_run="spes")
     base = curves["spes"]["val_loss"][-1]
-    print(f"tokens per run (logged, summed over peers): {curves['spes']['tokens_final']:,}")
-    print(f"{'run':>16}  {'final val':>9}  {'vs blocking':>11}  {'rounds':>6}  {'s waited, peer 0':>16}  {'wall s':>7}")
-    results = {}
-    for arm in arms:
-        c = curves[arm]
-        final = c["val_loss"][-1]
-        results[arm] = {
-            "final_val_loss": final,
-            "relative_difference": (final - base) / base,
+    arms = {}
+    for arm, c in curves.items():
+        info_path = runs / arm / "run.json"
+        arms[arm] = {
+            "flags": [] if arm == "spes" else overlap_flags(int(arm.rsplit("_d", 1)[1])),
+            "final_val_loss": c["val_loss"][-1],
+            "vs_blocking": (c["val_loss"][-1] - base) / base,
+            "within_target": abs(c["val_loss"][-1] - base) / base <= OVERLAP_TARGET,
             "wall_s": walls.get(arm),
-            "run": json.loads((runs / arm / "run.json").read_text()) if (runs / arm / "run.json").is_file() else None,
+            "run": json.loads(info_path.read_text()) if info_path.is_file() else None,
         }
-        print(
-            f"{arm:>16}  {final:9.4f}  {100 * (final - base) / base:+10.3f}%  {c['rounds']:6d}  "
-            f"{c['sync_wait_seconds_peer0']:16.1f}  {walls.get(arm, float('nan')):7.0f}"
-        )
-    print(f"target: an overlapped run within {100 * OVERLAP_TARGET:g}% of the blocking run's final validation loss")
-    write_results(
-        out_json,
-        {
-            "mode": "overlap",
-            "seed": seed,
-            "machine": machine_info(),
-            "setup": asdict(setup),
-            "flags": {arm: overlap_flags(int(arm.rsplit("_d", 1)[1])) for arm in arms if arm != "spes"},
-            "tokens": {arm: curves[arm]["tokens_final"] for arm in arms},
-            "arms": results,
-            "target": OVERLAP_TARGET,
-            "curves": curves,
-        },
-    )
-    return 0
+    return {
+        "machine": machine_info(),
+        "tokens": {arm: c["tokens_final"] for arm, c in curves.items()},
+        "arms": arms,
+        "target": OVERLAP_TARGET,
+        "curves": curves,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -620,7 +670,10 @@ def main(argv: list[str] | None = None) -> int:
         "--seed", type=int, default=DEFAULT_SEED, help="model-init and data-order seed (default %(default)s)"
     )
     p.add_argument(
-        "--overlap", action="store_true", help="run SPES blocking and with overlap_sync instead (no report, a record)"
+        "--int8", action="store_true", help="instead: the SPES arm on fp32 and on int8 deltas, compared at equal tokens"
+    )
+    p.add_argument(
+        "--overlap", action="store_true", help="instead: the SPES arm blocking and with overlap_sync, at equal tokens"
     )
     p.add_argument(
         "--overlap_steps",
@@ -631,15 +684,17 @@ def main(argv: list[str] | None = None) -> int:
         help="with --overlap: one overlapped arm per delay D (default: sync_steps)",
     )
     p.add_argument(
-        "--only", nargs="+", default=None, metavar="ARM", help="run only these arms; read the others from --runs"
+        "--only", nargs="+", default=None, metavar="ARM", help="with --overlap: run only these arms, read the others"
     )
     p.set_defaults(out=None)
     args = p.parse_args(argv)
     setup = QUICK if args.quick else FULL
     default = args.seed == DEFAULT_SEED and not args.quick
     name = "mini_repro_quick" if args.quick else "mini_repro" if default else f"mini_repro_seed{args.seed}"
+    if args.int8:
+        name = name.replace("mini_repro", "mini_repro_int8", 1)
     if args.overlap:
-        name = name.replace("mini_repro", "mini_repro_overlap")
+        name = name.replace("mini_repro", "mini_repro_overlap", 1)
     runs = args.runs or RESULTS_DIR / name
     docs = args.docs or (REPO_ROOT / "docs" if default else runs)
     out_json = args.out or RESULTS_DIR / f"{name}.json"
@@ -658,20 +713,45 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     runs.mkdir(parents=True, exist_ok=True)
-    delays = (args.overlap_steps or [setup.sync_steps]) if args.overlap else []
-    arms = ["spes", *map(overlap_arm, delays)] if args.overlap else list(RUNS)
-    if unknown := sorted(set(args.only or []) - set(arms)):
-        p.error(f"--only {unknown}: the arms of this run are {arms}")
+    if args.int8:
+        result = int8_comparison(setup, common, runs, args.report_only)
+        fp32, int8 = result["final_val_loss"]["spes"], result["final_val_loss"]["spes_int8"]
+        moved = {run: f"{b / 2**20:,.1f} MiB" for run, b in result["bytes_total"].items()}
+        print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
+        print(
+            f"final validation loss of the merged model: fp32 {fp32:.4f}, int8 {int8:.4f} "
+            f"({100 * result['int8_vs_fp32']:+.3f}%; target within {100 * INT8_TARGET:g}%); bytes moved by all "
+            f"peers: {moved}"
+        )
+        write_results(
+            out_json,
+            {"mode": "quick" if args.quick else "full", "seed": args.seed, "setup": asdict(setup), **result},
+        )
+        return 0 if result["within_target"] or args.quick else 1
+    if args.overlap:
+        delays = args.overlap_steps or [setup.sync_steps]
+        if unknown := sorted(set(args.only or []) - {"spes", *map(overlap_arm, delays)}):
+            p.error(f"--only {unknown}: the arms of this run are spes and {[overlap_arm(d) for d in delays]}")
+        result = overlap_comparison(setup, common, runs, delays, args.only, args.report_only)
+        print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
+        for arm, r in result["arms"].items():
+            print(
+                f"{arm:>16}  final val {r['final_val_loss']:.4f}  {100 * r['vs_blocking']:+.3f}% vs blocking  "
+                f"waited {result['curves'][arm]['sync_wait_seconds_peer0']:.1f} s (peer 0)"
+            )
+        print(f"target: an overlapped run within {100 * OVERLAP_TARGET:g}% of the blocking run")
+        write_results(
+            out_json, {"mode": "quick" if args.quick else "full", "seed": args.seed, "setup": asdict(setup), **result}
+        )
+        return 0
     if args.report_only:
         walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
         run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
     else:
-        commands = run_commands(setup, common, runs, delays)
+        walls = run_all(run_commands(setup, common, runs), runs)
+        (runs / "walls.json").write_text(json.dumps(walls))
         run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
-        walls = run_all({arm: commands[arm] for arm in args.only or arms}, runs, run_info)
         write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
-    if args.overlap:
-        return compare_overlap(runs, out_json, walls, setup, args.seed, arms)
     curves = collect(runs)
     check_equal_tokens(curves, runs)
     machine = (run_info or {}).get("machine") or machine_info()

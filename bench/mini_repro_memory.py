@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -166,6 +168,8 @@ def arm_commands(setup: Setup, common: list[str], sizes: dict[str, Any], out: Pa
                 "1",
                 "--timeout",
                 "7200",
+                "--eval_peers",
+                "1",
                 *merge,
                 *arm.launch_flags,
                 *(["--dilico"] if arm.mode == "diloco" else []),
@@ -174,6 +178,23 @@ def arm_commands(setup: Setup, common: list[str], sizes: dict[str, Any], out: Pa
             ]
             commands[arm.name] = ([*launch, "--", *model], {})
     return commands
+
+
+def run_schedule(setup: Setup, sizes: dict[str, Any], args: Any, seeds: Sequence[int], runs: Path) -> dict[str, float]:
+    """Every arm of every seed; wall seconds each, keyed `seed<S>/<arm>`.
+
+    A SPES or DiLoCo arm (a server and 4 peers) fills both cores and runs alone; the one-process arms
+    (centralized, single node) use one core each, so they run two at a time, across seeds.
+    """
+    jobs: Commands = {}
+    for seed in seeds:
+        common = setup.overrides(args.tokenizer, args.train, args.valid, seed)
+        commands = arm_commands(setup, common, sizes, runs / f"seed{seed}")
+        jobs.update({f"seed{seed}/{name}": command for name, command in commands.items()})
+    one_process = {arm.name for arm in ARMS if arm.mode in ("central", "single")}
+    several = {k: v for k, v in jobs.items() if k.split("/")[1] not in one_process}
+    single = {k: v for k, v in jobs.items() if k.split("/")[1] in one_process}
+    return {**run_all(several, runs), **run_all(single, runs, lanes=2)}
 
 
 def collect(out: Path) -> dict[str, Any]:
@@ -256,6 +277,7 @@ def report(
     means: dict[str, Any],
     walls: dict[int, dict[str, float]],
     machine: dict[str, Any],
+    total_wall_s: float | None,
     png: str,
 ) -> str:
     """The markdown report: budget, arms, gaps at 25/50/100%, the SPES-specific cost, where curves cross."""
@@ -297,8 +319,16 @@ def report(
         f"expert width {setup.mlp_hidden_size // 2}, sequence {setup.seq_len}), {setup.steps} steps, peer "
         f"batch {setup.peer_batch}, sync every {setup.sync_steps} steps, validation on "
         f"{setup.eval_batches * setup.eval_batch_size} windows; seeds {', '.join(map(str, seeds))}; "
-        f"{machine['cpus']} CPU cores shared with other users, load average {machine['load_avg_1_5_15'][0]} "
-        f"at the end.",
+        f"{machine['cpus']} CPU cores, load average {machine['load_avg_1_5_15'][0]} at the start.",
+        "",
+        "Schedule: a SPES or DiLoCo arm (a server and 4 peers, one torch thread each) runs alone; the one-process "
+        "arms (centralized, single node) run two at a time; only peer 0 runs the validation evaluations "
+        "(`spes.launch --eval_peers 1`: after a sync every peer holds the same model). "
+        + (
+            f"**The whole comparison ({len(ARMS)} arms x {len(seeds)} seeds) took {total_wall_s / 60:.0f} min.**"
+            if total_wall_s is not None
+            else "The whole comparison's wall time was not recorded."
+        ),
         "",
         "## Final validation loss",
         "",
@@ -398,25 +428,28 @@ def main(argv: list[str] | None = None) -> int:
         f"{sizes['large']} experts ({sizes['spes_nodes'][sizes['large']]['total']:,} bytes)",
         flush=True,
     )
-    per_seed: dict[int, dict[str, Any]] = {}
-    walls: dict[int, dict[str, float]] = {}
-    for seed in seeds:
-        out = runs / f"seed{seed}"
-        out.mkdir(parents=True, exist_ok=True)
-        if args.report_only:
-            walls[seed] = json.loads((out / "walls.json").read_text()) if (out / "walls.json").is_file() else {}
-        else:
-            common = setup.overrides(args.tokenizer, args.train, args.valid, seed)
-            walls[seed] = run_all(arm_commands(setup, common, sizes, out), out)
-        per_seed[seed] = collect(out)
-        check_tokens(per_seed[seed], out)
     if not args.report_only:
+        started, machine_before = time.time(), machine_info()
+        walls_s = run_schedule(setup, sizes, args, seeds, runs)
         run_info: dict[str, Any] | None = {
             "command": " ".join([sys.executable, *sys.argv]),
             "commit": git_commit(),
-            "machine": machine_info(),
+            "machine": machine_before,
+            "machine_after": machine_info(),
+            "total_wall_s": time.time() - started,
         }
+        write_atomic(runs / "walls.json", json.dumps(walls_s) + "\n")
         write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
+    walls_s = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
+    walls = {
+        seed: {arm.name: walls_s[f"seed{seed}/{arm.name}"] for arm in ARMS if f"seed{seed}/{arm.name}" in walls_s}
+        for seed in seeds
+    }
+    per_seed: dict[int, dict[str, Any]] = {}
+    for seed in seeds:
+        out = runs / f"seed{seed}"
+        per_seed[seed] = collect(out)
+        check_tokens(per_seed[seed], out)
     run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
     machine = (run_info or {}).get("machine") or machine_info()
     means = {arm.name: mean_curve([per_seed[s][arm.name] for s in seeds]) for arm in ARMS}
@@ -427,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         f"equal model-state memory per node: DiLoCo {sizes['small']} experts vs SPES {sizes['large']}, "
         f"{PEERS} peers, {len(seeds)} seed(s)",
     )
-    md = report(setup, sizes, per_seed, means, walls, machine, png.name)
+    md = report(setup, sizes, per_seed, means, walls, machine, (run_info or {}).get("total_wall_s"), png.name)
     write_atomic(docs / "mini_repro_memory.md", md)
     print(md)
     write_results(

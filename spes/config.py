@@ -305,7 +305,12 @@ class SpesConfig:
     server_addr: str = _f("127.0.0.1:50051", "parameter server host:port")
     using_decayed_aux_loss: bool = _f(False, "scale own experts' load-balancing counts 0.7 -> 1.0 over 20% of training")
     decayed_factor_update_steps: int = _f(500, "refresh interval of the decayed load-balancing factor (1.0 before it)")
-    wire_dtype: Literal["fp32", "bf16"] = _f("fp32", "transport precision (the trainer keeps fp32)")
+    wire_dtype: Literal["fp32", "bf16", "int8"] = _f(
+        "fp32",
+        "transport precision (the trainer keeps fp32): fp32, bf16, or int8 = int8 deltas against the last global "
+        "model every node holds, error feedback on uploads, ~1/4 of fp32's bytes (run-wide: the server and every "
+        "node; a node resumed from a checkpoint gets full values once)",
+    )
     data_plane: Literal["auto", "grpc", "tcp"] = _f(
         "auto",
         "tensor payloads: auto = the raw-TCP data plane when the server advertises one (--data_port) "

@@ -48,11 +48,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add_server_flags(p.add_argument_group("the server's run flags of earlier versions (the YAML's server: section)"))
     p.add_argument(
         "--wire_dtype",
-        choices=["fp32", "bf16"],
+        choices=["fp32", "bf16", "int8"],
         default=None,
         help="transport precision (default: the config's spes_config.wire_dtype)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    p.add_argument(
+        "--eval_peers",
+        type=int,
+        default=None,
+        help="how many peers (ids 0..N-1) run the validation evaluations (default: all); after a sync every "
+        "peer holds the same global model, so one evaluating peer gives the run's merged curve for 1/N of the CPU",
+    )
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     return p.parse_args(argv), overrides
 
@@ -71,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    peers = cfg.num_peers
+    eval_peers = peers if args.eval_peers is None else args.eval_peers
+    if not 1 <= eval_peers <= peers:
+        print(f"error: --eval_peers={args.eval_peers} must be between 1 and the run's {peers} peers", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
-    peers = cfg.num_peers
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     server_cmd = [
         sys.executable,
@@ -92,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         str(out / "server_state"),
     ]
     procs: dict[str, subprocess.Popen] = {}
+    sigterm_as_interrupt()
     started = time.time()
     try:
         procs["server"] = _spawn(server_cmd, out / "server.log", env)
@@ -106,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--spes_config.peer_id={i}",
                 f"--spes_config.server_addr=127.0.0.1:{port}",
                 f"--save_folder={out}/node{i}",
+                *(["--eval_interval=null"] if i >= eval_peers else []),
             ]
             procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
         print(
@@ -113,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             "(following peer0.log)"
         )
         code = _wait(procs, out / "peer0.log", args.timeout)
+    except KeyboardInterrupt:
+        print("interrupted: stopping the server and the peers", file=sys.stderr)
+        code = 130
     finally:
         _stop_all(procs)
     if code != 0:
@@ -121,6 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def sigterm_as_interrupt() -> None:
+    """Handle SIGTERM as Ctrl-C, so `finally` blocks stop the children of a process killed by a scheduler or
+    `kill`. Children started in their own sessions (as here) would otherwise keep running."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:

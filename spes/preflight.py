@@ -245,6 +245,11 @@ def manifest(cfg: TrainConfig) -> tuple[dict[str, tuple[int, ...]], list[str]]:
 
 
 def wire_bytes(shapes: dict[str, tuple[int, ...]], names: list[str], wire_dtype: str) -> int:
+    """Payload bytes of `names` in a round on `wire_dtype` (int8: the deltas of every round after the first)."""
+    from spes.sync import compress
+
+    if wire_dtype == "int8":
+        return sum(compress.payload_bytes(math.prod(shapes[n]), compress.DEFAULT_BLOCK) for n in names)
     return sum(math.prod(shapes[n]) for n in names) * (2 if wire_dtype == "bf16" else FP32)
 
 
@@ -300,7 +305,7 @@ def check_server(
                 ),
                 skip("settings", "not checked by an older server"),
             ], None
-        if "wire protocol" in str(exc):
+        if exc.reason == Reason.WRONG_PROTOCOL or "wire protocol" in str(exc):  # NOTE: a v3 server gives no reason
             return [
                 fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
                 skip("settings", "not checked: the server speaks another protocol"),
@@ -389,7 +394,8 @@ def check_link(
         "link",
         detail,
         f"raise spes_config.sync_steps to {steps_needed} (link time <= "
-        f"{TARGET_SYNC_FRACTION:.0%}), use spes_config.wire_dtype=bf16 (half the bytes), or a faster link"
+        f"{TARGET_SYNC_FRACTION:.0%}), use spes_config.wire_dtype=bf16 or int8 (1/2 or about 1/4 of the fp32 "
+        "bytes), or a faster link"
         + (
             "; open the server's --data_port to this node (gRPC is several times slower)"
             if stats.plane == "grpc"

@@ -1,14 +1,17 @@
-"""Shared fixtures: a small real corpus (stdlib sources -> local BPE -> token shards), built once per session."""
+"""Shared fixtures: a small real corpus (stdlib sources -> local BPE -> token shards) and the quickstart's run on it,
+each made once per session."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
@@ -91,3 +94,53 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
     return Corpus(
         root=root, tokenizer=root / "tok", train=str(root / "train" / "*.npy"), valid=str(root / "valid" / "*.npy")
     )
+
+
+QUICKSTART = ["-m", "spes.launch", "configs/tiny.yaml"]
+"""configs/tiny.yaml's header command (`.venv/bin/python -m spes.launch configs/tiny.yaml`, the core of
+run_scripts/quickstart.sh), from `-m` on: what `quickstart_run` runs."""
+
+
+@dataclass(frozen=True)
+class LaunchedRun:
+    """A finished `spes.launch` run: its command line, output and directory, and the processes still naming that
+    directory right after the launcher returned (none, if it stopped all it started)."""
+
+    argv: list[str]
+    stdout: str
+    out: Path
+    leftovers: list[str]
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tiny_corpus: Corpus, tmp_path_factory: pytest.TempPathFactory) -> LaunchedRun:
+    """The quickstart on the test corpus: server + 4 peers of configs/tiny.yaml, shortened to 20 steps (two rounds
+    of 10, the second a merge round, validation after each, a checkpoint at the end). One run shared by the tests
+    of the launcher (tests/test_launch.py), the header command (tests/test_shipped_commands.py) and the
+    convert -> load -> evaluate chain (tests/test_eval.py)."""
+    out = tmp_path_factory.mktemp("quickstart") / "run"
+    argv = [
+        sys.executable,
+        *QUICKSTART,
+        "--out",
+        str(out),
+        "--merge_interval",
+        "20",
+        "--",
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        f"--data.validation_paths=[{tiny_corpus.valid}]",
+        "--max_duration=20st",
+        "--eval_interval=10",
+        "--eval_subset_num_batches=1",
+        "--log_interval=10",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    leftovers = [
+        " ".join(p.info["cmdline"])
+        for p in psutil.process_iter(["cmdline"])
+        if str(out) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return LaunchedRun(argv=argv, stdout=done.stdout, out=out, leftovers=leftovers)

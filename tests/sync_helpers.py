@@ -59,7 +59,7 @@ def running_server(**overrides: object) -> Iterator[tuple[ParameterServer, str]]
     """An in-process server on 127.0.0.1 with an OS-chosen port; yields (server, "127.0.0.1:port")."""
     from spes.sync.server import ServerConfig, start_server  # NOTE: lazy, so the pure-math tests need no gRPC
 
-    settings: dict[str, object] = {"host": "127.0.0.1", "port": 0, "total_peers": 2, "experts_per_peer": 2}
+    settings: dict[str, object] = {"host": "127.0.0.1", "port": 0, "num_peers": 2, "experts_per_peer": 2}
     settings.update(overrides)
     server = start_server(ServerConfig(**settings))  # type: ignore[arg-type]
     try:

@@ -101,6 +101,8 @@ def test_bench_wire_quick_measured_equals_analytic(tmp_path: Path) -> None:
     assert results["checks"] and all(c["equal"] for c in results["checks"])
     assert results["targets"]["spes_bf16_over_reference"] <= 0.5
     assert results["targets"]["spes_bf16_saving_vs_diloco_bf16"] >= 1 / 3
+    assert {c["round"] for c in results["checks"]} >= {"spes_int8_first", "spes_int8_merge", "spes_int8_plain"}
+    assert results["targets"]["spes_int8_amortized_over_reference"] <= 0.16
     assert "measured = analytic for every peer and round: yes" in stdout
 
 
@@ -190,23 +192,24 @@ def test_mini_repro_refuses_unequal_token_budgets(tmp_path: Path) -> None:
     check_equal_tokens(curves, tmp_path)
 
 
-def test_mini_repro_overlap_records_every_arm_at_equal_tokens(tmp_path: Path) -> None:
-    from mini_repro import QUICK, compare_overlap
+def test_mini_repro_overlap_compares_every_arm_at_equal_tokens(tmp_path: Path) -> None:
+    from mini_repro import QUICK, overlap_comparison
 
     arms = ["spes", "spes_overlap_d2", "spes_overlap_d1"]
     for run in arms:
         for p in range(4):
             _metrics(tmp_path / run / f"node{p}", 512)
-    record = tmp_path / "overlap.json"
-    assert compare_overlap(tmp_path, record, {"spes": 1.0}, QUICK, 7, arms) == 0
-    results = json.loads(record.read_text())
-    assert results["tokens"] == dict.fromkeys(arms, 8192)
-    assert [results["arms"][arm]["relative_difference"] for arm in arms] == [0.0, 0.0, 0.0]
-    assert results["flags"]["spes_overlap_d1"] == ["--spes_config.overlap_sync=true", "--spes_config.overlap_steps=1"]
+    result = overlap_comparison(QUICK, [], tmp_path, [2, 1], None, report_only=True)
+    assert result["tokens"] == dict.fromkeys(arms, 8192)
+    assert [result["arms"][arm]["vs_blocking"] for arm in arms] == [0.0, 0.0, 0.0]
+    assert result["arms"]["spes_overlap_d1"]["flags"] == [
+        "--spes_config.overlap_sync=true",
+        "--spes_config.overlap_steps=1",
+    ]
     shutil.rmtree(tmp_path / "spes_overlap_d1" / "node3")
     _metrics(tmp_path / "spes_overlap_d1" / "node3", 256)
-    with pytest.raises(SystemExit, match="unequal token budgets.*spes_overlap_d1 7,168"):
-        compare_overlap(tmp_path, record, {}, QUICK, 7, arms)
+    with pytest.raises(SystemExit, match="unequal token budgets.*spes_overlap_d1 on 7,168"):
+        overlap_comparison(QUICK, [], tmp_path, [2, 1], None, report_only=True)
 
 
 @pytest.mark.slow
@@ -286,6 +289,11 @@ def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         return any(json.loads(line).get("merged") for line in lines)
 
     assert merged("spes_large") and not merged("spes_large_nomerge")
+    # only peer 0 evaluates (spes.launch --eval_peers 1), and the whole comparison's wall time is on record
+    peer1 = (tmp_path / "runs" / "seed6198" / "spes_large" / "node1" / "metrics.jsonl").read_text()
+    assert "sync_s" in peer1 and "val_loss" not in peer1
+    assert results["run"]["total_wall_s"] > 0 and set(results["walls_s"]["6198"]) == set(tokens)
+    assert "The whole comparison (7 arms x 1 seeds) took" in report
 
 
 def test_link_bucket_paces_at_its_rate() -> None:

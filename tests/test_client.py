@@ -28,6 +28,7 @@ from spes.sync.merge import (
     parse_expert_block,
     trainable_names,
 )
+from spes.sync.proto import spes_pb2 as pb
 from spes.sync.server import ServerConfig, start_server
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 
@@ -221,11 +222,11 @@ def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: s
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "'peer-1'" in str(err.value)
         context = plane_tcp.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
         with plane_tcp.connect("127.0.0.1", server.data_port, context, 5) as sock:  # the data plane checks too
-            plane_tcp.send_hello(sock, {"op": "upload", "peer_id": 1, "step": 2, "token": TOKEN})
-            assert plane_tcp.recv_frame(sock)["code"] == "PERMISSION_DENIED"
+            plane_tcp.send_hello(sock, pb.DataHello(op=pb.DATA_OP_UPLOAD, peer_id=1, step=2, token=TOKEN))
+            assert plane_tcp.recv_reply(sock).error.code == "PERMISSION_DENIED"
         assert server.service.state.snapshot().open_round is None
     with pytest.raises(ValueError, match="--tls_peer_ids .* needs mutual TLS"):
-        ServerConfig(total_peers=2, experts_per_peer=2, tls_peer_ids=True)
+        ServerConfig(num_peers=2, experts_per_peer=2, tls_peer_ids=True)
 
 
 @pytest.mark.timeout(60)
@@ -255,7 +256,7 @@ def test_client_retries_until_the_server_comes_up() -> None:
 
     def start_later() -> None:
         time.sleep(1.0)
-        started.append(start_server(ServerConfig(host="127.0.0.1", port=port, total_peers=2, experts_per_peer=2)))
+        started.append(start_server(ServerConfig(host="127.0.0.1", port=port, num_peers=2, experts_per_peer=2)))
 
     thread = threading.Thread(target=start_later)
     thread.start()
@@ -321,7 +322,7 @@ def oracle_quorum(uploads: dict, previous: dict, manifest: dict, num_peers: int)
 @pytest.mark.timeout(60)
 def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None:
     manifest = tiny_manifest(num_blocks=3)
-    policy = {"total_peers": 3, "merge": NO_MERGE, "dead_peer_policy": "quorum", "round_timeout_s": 1.0}
+    policy = {"num_peers": 3, "merge": NO_MERGE, "dead_peer_policy": "quorum", "round_timeout_s": 1.0}
     with running_server(**policy) as (_, addr), joined_clients(addr, manifest, num_peers=3) as clients:
         uploads_10 = {p: peer_upload(manifest, p, "spes", seed=10) for p in range(3)}
         sync_all(clients, 10, uploads_10)
@@ -363,7 +364,7 @@ def test_a_server_restart_mid_round_is_transparent_to_the_peers(tmp_path: Path) 
     settings = {
         "host": "127.0.0.1",
         "port": port,
-        "total_peers": 2,
+        "num_peers": 2,
         "experts_per_peer": 2,
         "mode": "diloco",
         "outer": OuterConfig(optimizer="nesterov"),

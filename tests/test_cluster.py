@@ -147,57 +147,6 @@ def test_a_job_with_fewer_tasks_than_the_config_has_peers_is_refused(slurm: Slur
     assert "spes_config.num_peers=4 but the job runs 3 task(s)" in proc.stdout
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_sbatch_runs_a_two_node_spes_run_with_its_server(slurm: Slurm, tiny_corpus, tmp_path: Path) -> None:
-    """sbatch of run_cluster.sh: 2 tasks = 2 nodes of one process each, 2 sync rounds, then everything stops."""
-    run = tmp_path / "run"
-    run.mkdir()
-    overrides = [
-        *SMALL_NODE,
-        "--spes_config.num_peers=2",
-        "--spes_config.num_train_experts_per_node=4",
-        "--spes_config.sync_steps=2",
-        "--max_duration=4st",
-        "--save_interval=null",
-        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
-        f"--data.paths=[{tiny_corpus.train}]",
-        "--data.validation_paths=[]",
-        f"--save_folder={run}/node${{spes_config.peer_id}}",
-    ]
-    env = slurm.env(
-        CONFIG="configs/tiny.yaml",
-        NPROC_PER_NODE="1",
-        PORT=str(free_port()),
-        LOG_DIR=str(run / "logs"),
-        PYTHON=sys.executable,
-    )
-    job = subprocess.run(
-        [
-            "sbatch",
-            "--wait",
-            "--nodes=1",
-            "--ntasks=2",
-            "--ntasks-per-node=2",
-            f"--output={run}/job.out",
-            str(SCRIPT),
-            *overrides,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    out = (run / "job.out").read_text() if (run / "job.out").exists() else "(no job output)"
-    assert job.returncode == 0, f"{job.stderr}\n{out[-4000:]}"
-    for node, seed in ((0, 6198), (1, 7198)):
-        assert f"{node}: node {node} on" in out and f"data order seed {seed} " in out
-        records = [json.loads(line) for line in (run / f"node{node}" / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in records if "sync_s" in r] == [2, 4], f"node {node} did not finish its rounds"
-    assert "listening" in (run / "logs" / "server.log").read_text()
-
-
 def _latest_step(folder: Path) -> int:
     latest = folder / "latest"
     return int(latest.read_text().strip().removeprefix("step")) if latest.is_file() else 0
@@ -205,10 +154,14 @@ def _latest_step(folder: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_a_killed_job_submitted_again_continues_where_it_stopped(slurm: Slurm, tiny_corpus, tmp_path: Path) -> None:
-    """The whole job cancelled mid-run (scancel --signal=KILL: the batch step dies at once, SLURM stops the
-    nodes' steps), then the same sbatch again: the server restores its last round from --state_dir, every node
-    resumes from its last checkpoint (--resume=auto), and each node's metrics.jsonl holds every step once."""
+def test_sbatch_runs_a_two_node_spes_run_and_a_killed_job_submitted_again_continues(
+    slurm: Slurm, tiny_corpus, tmp_path: Path
+) -> None:
+    """sbatch of run_cluster.sh: 2 tasks = 2 nodes of one process each (each in its own data order) and the
+    server, syncing every 2 steps. The whole job is cancelled mid-run (scancel --signal=KILL: the batch step dies
+    at once, SLURM stops the nodes' steps), then the same sbatch again: the server restores its last round from
+    --state_dir, every node resumes from its last checkpoint (--resume=auto) and finishes, and each node's
+    metrics.jsonl holds every step and every round once."""
     run = tmp_path / "run"
     run.mkdir()
     overrides = [
@@ -272,8 +225,11 @@ def test_a_killed_job_submitted_again_continues_where_it_stopped(slurm: Slurm, t
     second = submit(2, "--wait")
     out = (run / "job2.out").read_text() if (run / "job2.out").exists() else "(no job output)"
     assert second.returncode == 0, f"{second.stderr}\n{out[-4000:]}"
+    assert "listening" in (run / "logs1" / "server.log").read_text()
     assert "resumed from" in (run / "logs2" / "server.log").read_text()
-    for node, step in saved.items():
+    for (node, step), seed in zip(saved.items(), (6198, 7198)):
+        assert f"{node}: node {node} on" in out and f"data order seed {seed} " in out
         assert f"loaded {run}/node{node}/step{step} (step {step})" in out, out[-4000:]
-        steps = [json.loads(line)["step"] for line in (run / f"node{node}" / "metrics.jsonl").read_text().splitlines()]
-        assert steps == list(range(1, 31)), steps
+        records = [json.loads(line) for line in (run / f"node{node}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, 31))
+        assert [r["step"] for r in records if "sync_s" in r] == list(range(2, 31, 2)), f"node {node}'s rounds"

@@ -655,4 +655,4 @@ def test_overlap_defaults_to_a_delay_of_sync_steps_and_refuses_int8_deltas() -> 
     assert load_config(CONFIGS / "tiny.yaml", ["--spes_config.overlap_steps=0"])[0].spes_config.overlap_delay == 0
     assert any(line.strip().startswith("--spes_config.overlap_sync=False") for line in config_help())
     with pytest.raises(ConfigError, match=r"'spes_config.wire_dtype' = 'int8' cannot be combined with .*overlap_sync"):
-        TrainConfig(spes_config=SpesConfig(overlap_sync=True, wire_dtype="int8"))  # type: ignore[arg-type]
+        TrainConfig(spes_config=SpesConfig(overlap_sync=True, wire_dtype="int8"))

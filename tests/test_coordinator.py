@@ -28,7 +28,7 @@ def feeding(tensors: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
 
 @pytest.mark.timeout(60)
 def test_a_round_through_the_coordinator_alone() -> None:
-    service = Coordinator(ServerConfig(total_peers=2, experts_per_peer=2, merge=NO_MERGE))
+    service = Coordinator(ServerConfig(num_peers=2, experts_per_peer=2, merge=NO_MERGE))
     try:
         with pytest.raises(Refused) as err:
             service.upload(0, 1, feeding({}))

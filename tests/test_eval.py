@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+from conftest import Corpus, LaunchedRun
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eval_scripts"
 ENV = {
@@ -172,44 +174,16 @@ def test_shell_scripts_refuse_bad_input(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quickstart_model_converts_loads_generates_and_evaluates(tiny_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The newcomer chain on the quickstart's own output: spes.launch configs/tiny.yaml (server + 4 peers, as
-    run_scripts/quickstart.sh, shorter) -> convert_to_hf.sh -> from_pretrained + generate -> eval_full.sh at the
-    model's 64-token window, given the model's Hub id and finding it in a local Hub cache (local suite, reference
-    tasks detected as absent)."""
+def test_quickstart_model_converts_loads_generates_and_evaluates(
+    quickstart_run: LaunchedRun, tiny_corpus: Corpus, tmp_path: Path
+) -> None:
+    """The newcomer chain on the quickstart's own output (conftest.quickstart_run: spes.launch configs/tiny.yaml,
+    server + 4 peers, as run_scripts/quickstart.sh, shorter) -> convert_to_hf.sh -> from_pretrained + generate ->
+    eval_full.sh at the model's 64-token window, given the model's Hub id and finding it in a local Hub cache (local
+    suite, reference tasks detected as absent)."""
     import transformers
 
-    run = tmp_path / "quickstart"
-    data = [
-        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
-        f"--data.paths=[{tiny_corpus.train}]",
-        f"--data.validation_paths=[{tiny_corpus.valid}]",
-        "--max_duration=20st",
-        "--eval_interval=10",
-        "--eval_subset_num_batches=1",
-        "--log_interval=10",
-    ]
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spes.launch",
-            str(REPO / "configs" / "tiny.yaml"),
-            "--out",
-            str(run),
-            "--merge_interval",
-            "10",
-            "--",
-            *data,
-        ],
-        cwd=REPO,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
+    run = quickstart_run.out
     done = subprocess.run(
         [str(SCRIPTS / "convert_to_hf.sh"), str(run / "node0"), "latest", "tiny"],
         env=ENV,

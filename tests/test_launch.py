@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,44 +13,25 @@ import psutil
 import pytest
 import yaml
 
+from conftest import LaunchedRun
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_local_run_finishes_with_summary_and_no_leftover_processes(tiny_corpus, tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    overrides = [
-        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
-        f"--data.paths=[{tiny_corpus.train}]",
-        f"--data.validation_paths=[{tiny_corpus.valid}]",
-        "--spes_config.num_peers=2",
-        "--spes_config.num_train_experts_per_node=4",
-        "--max_duration=8st",
-        "--spes_config.sync_steps=4",
-        "--eval_interval=4",
-        "--eval_subset_num_batches=1",
-        "--save_interval=null",
-        "--data.seed=100",
-    ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "spes.launch", TINY, "--out", str(out), "--merge_interval", "8", "--", *overrides],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "SPES run summary" in proc.stdout
-    assert "data seeds [100, 1100]" in proc.stdout  # each peer's data order: the config's seed + 1000 * id
-    summary = json.loads((out / "summary.json").read_text())
-    assert [r["rounds"] for r in summary["peers"]] == [2, 2]
-    assert [r["merge_rounds"] for r in summary["peers"]] == [1, 1]
+@pytest.mark.timeout(450)
+def test_local_run_finishes_with_summary_and_no_leftover_processes(quickstart_run: LaunchedRun) -> None:
+    """The session's quickstart run (conftest.py): 4 peers, rounds at steps 10 and 20, a merge round at 20."""
+    assert "SPES run summary" in quickstart_run.stdout
+    # each peer's data order: the config's seed + 1000 * id
+    assert "data seeds [6198, 7198, 8198, 9198]" in quickstart_run.stdout
+    summary = json.loads((quickstart_run.out / "summary.json").read_text())
+    assert [r["rounds"] for r in summary["peers"]] == [2] * 4
+    assert [r["merge_rounds"] for r in summary["peers"]] == [1] * 4
     merged = {r["val_merged_last"] for r in summary["peers"]}
-    assert len(merged) == 1  # both peers evaluate the same global model after the last sync
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
-    assert leftovers == []
+    assert len(merged) == 1  # every peer evaluates the same global model after the last sync
+    assert quickstart_run.leftovers == []
 
 
 def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) -> None:
@@ -63,6 +45,47 @@ def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) 
     assert proc.returncode == 2
     assert "did you mean 'spes_config.num_peers'" in proc.stderr
     assert not (tmp_path / "server.log").exists()
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--eval_peers", "5"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--eval_peers=5 must be between 1 and the run's 4 peers" in proc.stderr
+    assert not (tmp_path / "server.log").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_sigterm_to_the_launcher_stops_the_server_and_every_peer(tiny_corpus, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    overrides = [
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        "--max_duration=100000st",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(out), "--", *overrides],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the peers are started once this line is printed
+            if line.startswith("started server"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted: stopping the server and the peers" in stderr
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == []
 
 
 @pytest.mark.slow

@@ -50,12 +50,20 @@ class RecordingSync:
 
 
 def run_peers(
-    corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8
+    corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8, extra: tuple[str, ...] = ()
 ) -> list[tuple[RecordingSync, Trainer]]:  # type: ignore[no-untyped-def]
     peers = []
     for peer in range(2):
         trainer = start_peer(
-            peer_config(corpus, tmp_path, addr, peer, f"--max_duration={steps}st", f"--using_dilico={dilico}".lower())
+            peer_config(
+                corpus,
+                tmp_path,
+                addr,
+                peer,
+                f"--max_duration={steps}st",
+                f"--using_dilico={dilico}".lower(),
+                *extra,
+            )
         )
         assert isinstance(trainer.syncer, PeerSync)
         trainer.syncer = recorder = RecordingSync(trainer.syncer, trainer.model)
@@ -77,7 +85,7 @@ def trained(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str,
 @pytest.mark.parametrize("dilico", [False, True], ids=["spes", "diloco"])
 def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus, tmp_path: Path, dilico: bool) -> None:
     mode = "diloco" if dilico else "spes"
-    with running_server(total_peers=2, experts_per_peer=8 if dilico else 4, mode=mode, merge=MERGE) as (_, addr):
+    with running_server(num_peers=2, experts_per_peer=8 if dilico else 4, mode=mode, merge=MERGE) as (_, addr):
         peers = run_peers(tiny_corpus, tmp_path, addr, dilico=dilico)
     (rec0, t0), (rec1, t1) = peers
     assert sorted(rec0.after) == [2, 4, 6, 8]
@@ -98,7 +106,7 @@ def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) -> None:
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
         (rec0, _), _ = run_peers(tiny_corpus, tmp_path, addr, dilico=False)
     frozen = [n for n in rec0.after[2] if (b := parse_expert_block(n)) is not None and b.block == 1]
     steps = sorted(rec0.after)
@@ -106,6 +114,23 @@ def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) ->
         for name in frozen:
             assert torch.equal(rec0.before[step][name], rec0.after[prev][name]), (name, step)
         assert any(not torch.equal(rec0.after[step][n], rec0.before[step][n]) for n in frozen)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_int8_trainers_hold_the_servers_model_bit_for_bit_after_every_round(tiny_corpus, tmp_path: Path) -> None:
+    """`spes_config.wire_dtype: int8` end to end: after every round (a merge round included) both trainers' whole
+    models are equal bit for bit, and after the last one equal to the server's held model."""
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE, wire_dtype="int8") as (server, addr):
+        peers = run_peers(tiny_corpus, tmp_path, addr, dilico=False, extra=("--spes_config.wire_dtype=int8",))
+        held = server.service.state.held
+    (rec0, _), (rec1, _) = peers
+    assert sorted(rec0.after) == [2, 4, 6, 8] and held is not None and held.round == 8
+    for step, model in rec0.after.items():
+        for name, value in model.items():
+            assert torch.equal(value.view(torch.int32), rec1.after[step][name].view(torch.int32)), (name, step)
+    for name, value in held.tensors.items():
+        assert torch.equal(value.view(torch.int32), rec0.after[8][name].view(torch.int32)), name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,7 +204,7 @@ def losses(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
 
 def two_peers(corpus: Any, folder: Path, *extra: str) -> list[Trainer]:
     """Both peers trained to the end against a fresh server (merge warm-up every 4 steps)."""
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(fit, start_peer(peer_config(corpus, folder, addr, p, *extra))) for p in range(2)]
         return [f.result(timeout=240) for f in futures]
 
@@ -213,7 +238,7 @@ def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(tiny_corpus: 
         again = peer_config(tiny_corpus, folder, addr, 1, *extra, f"--load_path={folder / 'node1'}")
         return first, fit(start_peer(again))
 
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
         steady = pool.submit(fit, start_peer(peer_config(tiny_corpus, folder, addr, 0, *extra)))
         first, resumed = pool.submit(stop_and_resume, addr).result(timeout=240)
         peers = [steady.result(timeout=240), resumed]
@@ -230,7 +255,7 @@ def test_an_overlapped_node_the_run_moved_past_catches_up(tiny_corpus: Any, tmp_
     """Peer 1 stops at step 7 and resumes from its step-2 checkpoint (round 2 in flight); the run has completed
     round 6 meanwhile: at the round's step it loads the whole global model of round 6 and continues from there."""
     extra = [*OVERLAP, "--spes_config.overlap_steps=1", "--save_interval=2", "--save_num_checkpoints_to_keep=-1"]
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
         steady = pool.submit(fit, start_peer(peer_config(tiny_corpus, tmp_path, addr, 0, *extra)))
         fit(start_peer(peer_config(tiny_corpus, tmp_path, addr, 1, *extra, "--stop_at=7")))
         assert (tmp_path / "node1" / "step2" / PENDING_FILE).is_file()
@@ -248,7 +273,7 @@ def test_an_overlapped_node_the_run_moved_past_catches_up(tiny_corpus: Any, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_failed_overlapped_round_raises_at_the_step_it_was_due(tiny_corpus: Any, tmp_path: Path) -> None:
-    with running_server(total_peers=1, experts_per_peer=8) as (_, addr):
+    with running_server(num_peers=1, experts_per_peer=8) as (_, addr):
         cfg = peer_config(
             tiny_corpus,
             tmp_path,
@@ -336,7 +361,7 @@ def test_every_rank_of_a_ddp_and_an_fsdp_node_applies_the_same_overlapped_rounds
             2, "test_peer:_overlapped_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}", timeout=240
         )
 
-    with running_server(total_peers=2, experts_per_peer=2) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(num_peers=2, experts_per_peer=2) as (_, addr), ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(node, addr, 0, "ddp"), pool.submit(node, addr, 1, "fsdp")]
         nodes = [f.result(timeout=280) for f in futures]
     for ranks in nodes:

@@ -14,7 +14,8 @@ from spes.sync.merge import build_global, download_names
 from spes.sync.plane_grpc import GrpcPlane
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.protocol import PROBE_MAX_BYTES, Manifest, Reason, SyncError
+from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
+from spes.sync.wire import TensorDecoder
 from sync_helpers import peer_upload, running_server, tiny_manifest
 from test_client import NO_MERGE
 from test_server import join_request
@@ -33,9 +34,9 @@ def planes(addr: str) -> Iterator[list[GrpcPlane]]:
 
 
 def expect_for(peer: int, step: int):  # type: ignore[no-untyped-def]
-    def expect(info: pb.RoundInfo) -> Manifest:
+    def expect(info: pb.RoundInfo) -> TensorDecoder:
         assert info.round == step and sorted(info.names) == sorted(download_names(list(MANIFEST), peer, "spes", False))
-        return {n: MANIFEST[n] for n in info.names}
+        return TensorDecoder({n: MANIFEST[n] for n in info.names}, "fp32")
 
     return expect
 
@@ -48,7 +49,7 @@ def test_a_round_over_the_grpc_plane_equals_build_global() -> None:
         assert plane0.upload(3, uploads[0], timeout=10) == (sum(t.numel() * 4 for t in uploads[0].values()), False)
         assert plane0.upload(3, uploads[0], timeout=10)[1]  # the same upload again: a no-op the server reports
         with ThreadPoolExecutor(1) as pool:  # peer 0's download waits for peer 1's upload
-            waiting = pool.submit(plane0.download, 3, 10, full=False, expect=expect_for(0, 3), into=None)
+            waiting = pool.submit(plane0.download, 3, 10, full=False, base_round=-1, decoder_for=expect_for(0, 3))
             plane1.upload(3, uploads[1], timeout=10)
             info, got, received = waiting.result(timeout=30)
         assert (info.round, list(info.peers), info.merged) == (3, [0, 1], False)
@@ -63,7 +64,7 @@ def test_refusals_arrive_as_sync_errors_with_their_reason() -> None:
         stub = pb_grpc.ParameterServerStub(channel)
         stranger = GrpcPlane(stub, peer_id=1, wire_dtype="fp32", metadata=(), rpc_timeout_s=10)
         with pytest.raises(SyncError, match="has not joined") as err:
-            stranger.download(1, 10, full=False, expect=expect_for(1, 1), into=None)
+            stranger.download(1, 10, full=False, base_round=-1, decoder_for=expect_for(1, 1))
         assert (err.value.code, err.value.reason, err.value.retryable) == (
             grpc.StatusCode.FAILED_PRECONDITION,
             Reason.NOT_JOINED,

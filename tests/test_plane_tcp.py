@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 import socket
+import struct
 from pathlib import Path
 
 import grpc
@@ -14,9 +16,10 @@ import torch
 from spes.launch import free_port
 from spes.sync import plane_tcp
 from spes.sync.merge import Mode, build_global, download_names
-from spes.sync.protocol import Reason, SyncError
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import PROTOCOL_VERSION, Reason, SyncError
 from spes.sync.server import ParameterServer
-from spes.sync.wire import DIGEST, checksum
+from spes.sync.wire import DIGEST, TensorDecoder, checksum
 from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
 from test_client import NO_MERGE, check_round, joined_clients
 from test_server import join_request, stub_for
@@ -25,8 +28,17 @@ from test_server import join_request, stub_for
 def raw_upload(server: ParameterServer, *, peer: int = 0, step: int = 1, token: str | None = TOKEN) -> socket.socket:
     """A hand-driven data-plane upload connection, handshake sent."""
     sock = plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10)
-    plane_tcp.send_hello(sock, {"op": "upload", "peer_id": peer, "step": step, "full": False, "token": token})
+    plane_tcp.send_hello(sock, pb.DataHello(op=pb.DATA_OP_UPLOAD, peer_id=peer, step=step, token=token or ""))
     return sock
+
+
+def tensor_header(name: str, shape: list[int], num_bytes: int, dtype: str = "fp32") -> pb.TensorHeader:
+    return pb.TensorHeader(name=name, dtype=dtype, shape=shape, num_bytes=num_bytes)
+
+
+def send_raw_frame(sock: socket.socket, body: bytes) -> None:
+    """A control frame of any bytes (what another protocol, or an attacker, would send)."""
+    sock.sendall(struct.pack("<I", len(body)) + body)
 
 
 def nothing_staged(server: ParameterServer) -> bool:
@@ -75,9 +87,8 @@ def test_wrong_or_missing_token_is_refused_without_state_change() -> None:
     with running_server(token=TOKEN, data_port=0) as (server, addr), joined_clients(addr, manifest, token=TOKEN):
         for token in (None, "wrong-token", TOKEN + "x"):
             with raw_upload(server, token=token) as sock:
-                reply = plane_tcp.recv_frame(sock)
-            assert reply["status"] == "error" and reply["reason"] == "unauthenticated"
-            assert reply["code"] == "UNAUTHENTICATED"
+                error = plane_tcp.recv_reply(sock).error
+            assert (error.code, error.reason) == ("UNAUTHENTICATED", "unauthenticated")
         assert nothing_staged(server)
 
 
@@ -87,17 +98,15 @@ def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
     uploads = {p: peer_upload(manifest, p, "spes", seed=6) for p in range(2)}
     with running_server(merge=NO_MERGE, data_port=0) as (server, addr), joined_clients(addr, manifest) as clients:
         with raw_upload(server, token=None) as sock:
-            assert plane_tcp.recv_frame(sock) == {"status": "send"}
+            assert plane_tcp.recv_reply(sock).send
             for name, tensor in uploads[0].items():
                 data = bytearray(tensor.numpy().tobytes())
                 digest = checksum(data)
                 data[len(data) // 2] ^= 0x40  # one bit flipped in transit, after the checksum was taken
-                plane_tcp.send_frame(
-                    sock, {"name": name, "dtype": "fp32", "shape": list(tensor.shape), "num_bytes": len(data)}
-                )
+                plane_tcp.send_frame(sock, tensor_header(name, list(tensor.shape), len(data)))
                 sock.sendall(data + DIGEST.pack(digest))
-            reply = plane_tcp.recv_frame(sock)
-        assert reply["status"] == "error" and reply["reason"] == "corrupt", reply
+            reply = plane_tcp.recv_reply(sock)
+        assert reply.error.reason == "corrupt", reply
         assert nothing_staged(server)
         results = sync_all(clients, 1, uploads)  # the clients' own (clean) uploads of the same round
         check_round(results, uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
@@ -107,21 +116,48 @@ def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
 @pytest.mark.parametrize(
     "header",
     [
-        {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20], "num_bytes": 1 << 42},
-        {"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 1 << 40},
-        {"name": "not.in.the.model", "dtype": "fp32", "shape": [4], "num_bytes": 16},
-        {"name": "embed.weight", "dtype": "bf16", "shape": [16, 8], "num_bytes": 256},
-        {"name": "embed.weight", "dtype": "fp32", "shape": "16x8", "num_bytes": 512},
+        tensor_header("embed.weight", [1 << 20, 1 << 20], 1 << 42),
+        tensor_header("embed.weight", [16, 8], 1 << 40),
+        tensor_header("not.in.the.model", [4], 16),
+        tensor_header("embed.weight", [16, 8], 256, dtype="bf16"),
+        tensor_header("embed.weight", [-16, -8], 512),
+        json.dumps({"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 512}).encode(),  # v3
+        b"\xff\xfe\xfd not a TensorHeader",
     ],
 )
-def test_bad_headers_are_refused_before_any_payload(header: dict) -> None:
+def test_bad_headers_are_refused_before_any_payload(header: pb.TensorHeader | bytes) -> None:
     manifest = tiny_manifest()
     with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
         with raw_upload(server, token=None) as sock:
-            assert plane_tcp.recv_frame(sock) == {"status": "send"}
-            plane_tcp.send_frame(sock, header)  # and no payload: the refusal must come without it
-            reply = plane_tcp.recv_frame(sock)
-        assert reply["status"] == "error" and reply["code"] == "INVALID_ARGUMENT", reply
+            assert plane_tcp.recv_reply(sock).send
+            # and no payload: the refusal must come without it
+            send_raw_frame(sock, header if isinstance(header, bytes) else header.SerializeToString())
+            reply = plane_tcp.recv_reply(sock)
+        assert reply.error.code == "INVALID_ARGUMENT", reply
+        assert nothing_staged(server)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_of_another_protocol_is_refused_naming_both_versions() -> None:
+    """A v3 peer (JSON control frames) reads its refusal as the JSON frame it knows; a newer peer, and a hello
+    that is not a v4 `DataHello`, get a v4 refusal; all of them name the versions, and nothing is staged."""
+    manifest = tiny_manifest()
+    v3_hello = json.dumps({"op": "upload", "peer_id": 0, "step": 1, "full": False, "token": None}).encode()
+    with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
+        with plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10) as sock:
+            sock.sendall(struct.pack("<4sH", b"SPES", 3))
+            send_raw_frame(sock, v3_hello)
+            (length,) = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))
+            legacy = json.loads(sock.recv(length, socket.MSG_WAITALL))
+        assert legacy["status"] == "error" and legacy["code"] == "FAILED_PRECONDITION", legacy
+        assert legacy["reason"] == "wrong_protocol" and "v3 but this server speaks v4" in legacy["message"]
+        for version, body in ((PROTOCOL_VERSION + 1, b""), (PROTOCOL_VERSION, v3_hello)):
+            with plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10) as sock:
+                sock.sendall(struct.pack("<4sH", b"SPES", version))
+                send_raw_frame(sock, body)
+                error = plane_tcp.recv_reply(sock).error
+            assert (error.code, error.reason) == ("FAILED_PRECONDITION", Reason.WRONG_PROTOCOL), error
+            assert f"v{version}" in error.message and f"this server speaks v{PROTOCOL_VERSION}" in error.message
         assert nothing_staged(server)
 
 
@@ -132,11 +168,11 @@ def test_a_duplicated_tensor_is_refused() -> None:
     name = next(iter(upload))
     with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
         with raw_upload(server, token=None) as sock:
-            assert plane_tcp.recv_frame(sock) == {"status": "send"}
+            assert plane_tcp.recv_reply(sock).send
             plane_tcp.send_tensors(sock, {name: upload[name]}, "fp32")
             plane_tcp.send_tensors(sock, {name: upload[name]}, "fp32")
-            reply = plane_tcp.recv_frame(sock)
-        assert reply["status"] == "error" and "sent twice" in reply["message"]
+            reply = plane_tcp.recv_reply(sock)
+        assert "sent twice" in reply.error.message
         assert nothing_staged(server)
 
 
@@ -158,16 +194,21 @@ def test_a_pickle_blob_is_only_ever_bytes(tmp_path: Path) -> None:
     payload = (blob * (num_bytes // len(blob) + 1))[:num_bytes]
     with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
         with raw_upload(server, token=None) as sock:  # as a payload with a valid checksum
-            assert plane_tcp.recv_frame(sock) == {"status": "send"}
-            plane_tcp.send_frame(sock, {"name": name, "dtype": "fp32", "shape": [16, 8], "num_bytes": num_bytes})
+            assert plane_tcp.recv_reply(sock).send
+            plane_tcp.send_frame(sock, tensor_header(name, [16, 8], num_bytes))
             sock.sendall(payload + DIGEST.pack(checksum(payload)))
             sock.shutdown(socket.SHUT_WR)  # the rest of the upload never comes
             assert sock.recv(1 << 16) == b""  # the server dropped the broken-off upload
         assert nothing_staged(server)
         with raw_upload(server, token=None) as sock:  # as a control frame
-            assert plane_tcp.recv_frame(sock) == {"status": "send"}
-            sock.sendall(len(blob).to_bytes(4, "little") + blob)
-            assert sock.recv(1 << 16) == b""  # dropped: not JSON
+            assert plane_tcp.recv_reply(sock).send
+            send_raw_frame(sock, blob)
+            assert plane_tcp.recv_reply(sock).error.code == "INVALID_ARGUMENT"  # refused: not a TensorHeader
+        with plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10) as sock:  # as the hello
+            sock.sendall(struct.pack("<4sH", b"SPES", PROTOCOL_VERSION))
+            send_raw_frame(sock, blob)
+            assert plane_tcp.recv_reply(sock).error.reason == Reason.WRONG_PROTOCOL
+        assert nothing_staged(server)
     assert not marker.exists()
 
 
@@ -187,7 +228,7 @@ def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
             check_round(sync_all(clients, 2, uploads), uploads, manifest, mode="spes", step=2, merge=NO_MERGE)
         with pytest.raises(OSError):  # a plain-TCP client cannot speak to the TLS data plane
             with raw_upload(server, token=None) as sock:
-                plane_tcp.recv_frame(sock)
+                plane_tcp.recv_reply(sock)
 
 
 @pytest.mark.timeout(60)
@@ -255,7 +296,11 @@ def test_tcp_plane_round_trip_and_refusals() -> None:
             )
         names = download_names(list(manifest), 1, "spes", merged=False)
         info, got, received = tcp[1].download(
-            2, 10, full=False, into=None, expect=lambda info: {n: manifest[n] for n in info.names}
+            2,
+            10,
+            full=False,
+            base_round=-1,
+            decoder_for=lambda i: TensorDecoder({n: manifest[n] for n in i.names}, "fp32"),
         )
         assert info.round == 2 and sorted(got) == sorted(names)
         assert received == sum(t.numel() * 4 for t in got.values())

@@ -71,7 +71,7 @@ def token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def server(token: None) -> Iterator[str]:
-    with running_server(total_peers=4, experts_per_peer=2, token=TOKEN, data_port=0) as (_, addr):
+    with running_server(num_peers=4, experts_per_peer=2, token=TOKEN, data_port=0) as (_, addr):
         yield addr
 
 
@@ -251,7 +251,7 @@ def test_a_certificate_for_another_peer_fails_the_server_check(
     pki = write_pki(tmp_path)
     other = pki.issue("peer-1")
     with running_server(
-        total_peers=4, experts_per_peer=2, token=TOKEN, tls_client_ca=pki.ca, tls_peer_ids=True, **pki.server
+        num_peers=4, experts_per_peer=2, token=TOKEN, tls_client_ca=pki.ca, tls_peer_ids=True, **pki.server
     ) as (_, addr):
         tls = [f"--spes_config.server_addr={addr}", f"--spes_config.tls_ca={pki.ca}"]
         rc, lines = preflight(
@@ -425,7 +425,7 @@ def test_the_link_test_is_authenticated_bounded_and_counted_nowhere(token: None)
     from spes.sync.proto import spes_pb2 as pb
     from spes.sync.proto import spes_pb2_grpc as pb_grpc
 
-    with running_server(total_peers=4, experts_per_peer=2, token=TOKEN, data_port=0) as (srv, addr):
+    with running_server(num_peers=4, experts_per_peer=2, token=TOKEN, data_port=0) as (srv, addr):
         before = status(addr)
         for plane in ("grpc", "tcp"):
             with SyncClient(
@@ -453,8 +453,8 @@ def test_the_link_test_is_authenticated_bounded_and_counted_nowhere(token: None)
             (TOKEN, transport.PROBE_MAX_BYTES + 1, "INVALID_ARGUMENT"),
         ):
             with transport.connect("127.0.0.1", srv.data_port, None, 10) as sock:
-                transport.send_hello(sock, {"op": "probe", "token": secret, "up_bytes": size, "down_bytes": 0})
-                assert transport.recv_frame(sock)["code"] == name
+                transport.send_hello(sock, pb.DataHello(op=pb.DATA_OP_PROBE, token=secret, up_bytes=size))
+                assert transport.recv_reply(sock).error.code == name
         assert status(addr) == before
 
 
@@ -482,7 +482,7 @@ def test_a_server_older_than_preflight_is_named(
         return join(self, request, context)  # type: ignore[arg-type]
 
     monkeypatch.setattr(SpesServicer, "Join", old_join)
-    with running_server(total_peers=4, experts_per_peer=2, token=TOKEN) as (_, addr):
+    with running_server(num_peers=4, experts_per_peer=2, token=TOKEN) as (_, addr):
         rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={addr}")
     assert rc == 1
     assert lines["server"].startswith("FAIL") and "predates preflight" in lines["server"]

@@ -35,8 +35,8 @@ def test_admission_duplicates_old_future_and_busy_rounds() -> None:
         state.admit(1, 3)
     assert err.value.reason == "stale_round"
     assert state.stage_upload(1, 5, {})
-    uploads = state.take_uploads()
-    assert sorted(uploads) == [0, 1] and state.staged == {}  # handed over, no longer held here
+    uploads, relayed = state.take_uploads()
+    assert sorted(uploads) == [0, 1] and state.staged == {} and relayed == {}  # handed over, no longer held here
     assert state.admit(1, 5)
     with pytest.raises(Refused, match="while round 5 is being aggregated") as err:
         state.admit(0, 6)
@@ -102,7 +102,7 @@ def test_policy_quorum_closes_with_enough_peers_once_a_global_model_exists() -> 
     [
         ({"timeout_s": 0}, "--round_timeout must be > 0"),
         ({"dead_peer_policy": "vote"}, "--dead_peer_policy must be 'wait' or 'quorum'"),
-        ({"min_peers": 4}, r"--min_peers must be in \[1, total_peers=3\]"),
+        ({"min_peers": 4}, r"--min_peers must be in \[1, num_peers=3\]"),
     ],
 )
 def test_policy_validation(kwargs: dict, match: str) -> None:
@@ -152,8 +152,9 @@ def test_check_join() -> None:
     assert shapes == MANIFEST and "blocks.0.ffn.experts.w1.1" in trainable
     for request, match in [
         (join(2), r"peer_id 2 is outside \[0, 2\)"),
-        (join(0, protocol=0), "speaks wire protocol v0 but this server speaks v3"),
-        (join(0, protocol=2), "speaks wire protocol v2 but this server speaks v3"),  # CRC-32C checksums
+        (join(0, protocol=0), "speaks wire protocol v0 but this server speaks v4"),
+        (join(0, protocol=2), "speaks wire protocol v2 but this server speaks v4"),  # CRC-32C checksums
+        (join(0, protocol=3), "speaks wire protocol v3 but this server speaks v4"),  # JSON data-plane frames
         (join(0, mode="diloco"), "mode='diloco' but the server runs with mode='spes'"),
         (join(0, wire_dtype="fp8"), "unknown wire_dtype 'fp8'"),
         (join(0, trainable=NAMES), "also claims 'blocks.0.ffn.experts.v1.1'"),

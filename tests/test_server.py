@@ -111,7 +111,7 @@ def test_bad_joins_are_refused_and_change_nothing() -> None:
             join_request(1, k=3),
         )
         expect_code(StatusCode.FAILED_PRECONDITION, "mode='diloco'", stub.Join, join_request(1, mode="diloco"))
-        expect_code(StatusCode.FAILED_PRECONDITION, "total_peers=3", stub.Join, join_request(1, total=3))
+        expect_code(StatusCode.FAILED_PRECONDITION, "num_peers=3", stub.Join, join_request(1, total=3))
         expect_code(StatusCode.INVALID_ARGUMENT, "unknown wire_dtype 'fp8'", stub.Join, join_request(1, wire="fp8"))
         reshaped = {**MANIFEST, "embed.weight": (17, 8)}
         expect_code(
@@ -336,6 +336,37 @@ def test_shutdown_wakes_waiting_downloads() -> None:
         server.stop(grace_s=1.0)
         waiter.join(timeout=10)
         assert codes == [StatusCode.UNAVAILABLE] and time.monotonic() - start < 3
+
+
+@pytest.mark.timeout(60)
+def test_a_health_watcher_that_never_reads_blocks_neither_health_nor_stop() -> None:
+    """A Watch client that reads nothing (no receive window: the server's first status can never go out) once held
+    the health service's lock for good: every Check and Watch after it, and `stop()`, waited for ever (CI saw
+    stop() hang sending NOT_SERVING). Each watch now sends from its own thread, outside that lock."""
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, total_peers=2, experts_per_peer=2))
+    addr = f"127.0.0.1:{server.port}"
+    request = health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer")
+    stalled = grpc.insecure_channel(addr, options=[("grpc.http2.lookahead_bytes", 0), ("grpc.http2.bdp_probe", 0)])
+    stopped = threading.Event()
+    try:
+        never_read = health_pb2_grpc.HealthStub(stalled).Watch(request)
+        time.sleep(0.3)  # its handler has run: the first status waits for a window that never opens
+        with grpc.insecure_channel(addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(request, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            watch = health.Watch(request, timeout=5)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
+        start = time.monotonic()
+        threading.Thread(target=lambda: (server.stop(grace_s=0.5), stopped.set()), daemon=True).start()
+        assert stopped.wait(10), "ParameterServer.stop() hung on a health watcher that never reads"
+        assert time.monotonic() - start < 5
+        with pytest.raises(grpc.RpcError):
+            next(never_read)
+    finally:
+        stalled.close()
+        if not stopped.is_set():
+            server.server.stop(0)
 
 
 @pytest.mark.timeout(60)
@@ -597,7 +628,7 @@ def test_command_line_builds_the_config(tmp_path: Path, monkeypatch: pytest.Monk
     base = ["--total_peers", "4", "--num_train_experts_per_node", "2"]
     monkeypatch.setenv("SPES_TOKEN", "from-env")
     cfg = config_from_args(build_parser().parse_args(base + ["--merge_topk", "2", "--mode", "diloco"]))
-    assert (cfg.total_peers, cfg.experts_per_peer, cfg.mode, cfg.merge.topk, cfg.token) == (
+    assert (cfg.num_peers, cfg.experts_per_peer, cfg.mode, cfg.merge.topk, cfg.token) == (
         4,
         2,
         "diloco",
@@ -663,7 +694,7 @@ def test_bf16_rounds_sum_their_fp32_means_into_kept_buffers() -> None:
 
 def test_off_loopback_needs_a_token_and_tls_unless_insecure(tmp_path: Path) -> None:
     """The quickstart (127.0.0.1) needs no flag; any other address refuses to start without protection."""
-    base = {"total_peers": 2, "experts_per_peer": 2}
+    base = {"num_peers": 2, "experts_per_peer": 2}
     for host in ("127.0.0.1", "localhost", "::1"):
         ServerConfig(host=host, **base).check_exposure()
     with pytest.raises(ValueError, match="no token is set.*--insecure"):
@@ -680,7 +711,7 @@ def test_the_runs_yaml_gives_the_layout_and_the_manifest() -> None:
     config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
     cfg = config_from_args(build_parser().parse_args([config]))
     manifest, _ = manifest_of_run(config)
-    assert (cfg.total_peers, cfg.experts_per_peer, cfg.mode) == (4, 2, "spes")
+    assert (cfg.num_peers, cfg.experts_per_peer, cfg.mode) == (4, 2, "spes")
     assert cfg.expected_manifest == manifest and "lm_head.weight" in manifest
     with pytest.raises(ValueError, match="--total_peers=3 disagrees with .*tiny.yaml, whose run has 4"):
         config_from_args(build_parser().parse_args([config, "--total_peers", "3"]))

@@ -34,7 +34,7 @@ def server_config(*argv: str) -> ServerConfig:
 )
 def test_the_runs_yaml_gives_the_server_its_layout(config: str, layout: tuple[int, int, str]) -> None:
     cfg = server_config(str(CONFIGS / config))
-    assert (cfg.total_peers, cfg.experts_per_peer, cfg.mode) == layout
+    assert (cfg.num_peers, cfg.experts_per_peer, cfg.mode) == layout
     assert cfg.expected_manifest is not None
 
 
@@ -70,7 +70,7 @@ def test_the_former_run_flags_spell_server_overrides() -> None:
         "--round_timeout",
         "9",
     )
-    assert (legacy.total_peers, legacy.experts_per_peer, legacy.mode) == (2, 2, "diloco")
+    assert (legacy.num_peers, legacy.experts_per_peer, legacy.mode) == (2, 2, "diloco")
     assert legacy.expected_manifest is None
     assert legacy.outer == outer_of(ServerSection(outer_optimizer="nesterov", outer_lr=0.5))
     assert legacy.round_timeout_s == 9.0

@@ -12,29 +12,35 @@ command is CI's). What the tests here prove:
   documented server refused its nodes.
 - A node command (`run_scripts/run_single_node.sh N`, with the header's CONFIG or CONFIG_DIR; node 0's of each
   run) runs as written with `--preflight`, the server's address and credentials appended, against a server
-  started from its run's YAML: its `settings` check passes, so the node would be admitted. A centralized node's
-  preflight needs no server. (Its other checks, memory, disk and data of a 1B run, fail on this machine.)
+  started from its run's YAML (one per run, shared by its node commands): its `settings` check passes, so the
+  node would be admitted. A centralized node's preflight needs no server. (Its other checks, memory, disk and
+  data of a 1B run, fail on this machine.)
 - Commands mapped in ELSEWHERE are only linked to a test that runs the same script or module, not always with
   the same arguments (e.g. the README's 1B `spes.train` line: tests/test_train.py trains configs/tiny.yaml).
 - A launch command (`python -m spes.launch CONFIG`) runs as written for one step per peer on the test corpus and
-  ends with its summary; configs/upcycle_tiny.yaml's three commands (random dense model, upcycling, launch) run in
-  order, so its launch starts from the checkpoint the upcycling wrote.
+  ends with its summary (configs/tiny.yaml's is the session's longer quickstart run, conftest.quickstart_run);
+  configs/upcycle_tiny.yaml's three commands (random dense model, upcycling, launch) run in order, so its launch
+  starts from the checkpoint the upcycling wrote, and trains two rounds away from it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from conftest import QUICKSTART
 from dist_helpers import _kill_group, _tail, child_env, run_logged
+from spes.checkpoint import load_model_state
 from spes.config import load_config
 from spes.launch import free_port
 from spes.preflight import check_server, manifest
@@ -118,17 +124,36 @@ def test_every_written_command_is_exercised() -> None:
 # Running them
 
 
-@pytest.fixture
-def scratch(tmp_path: Path) -> Path:
-    """A directory to run the commands from: the repository's configs and scripts, a token and TLS files."""
+SECRETS = ("spes.token", "ca.crt", "server.crt", "server.key")
+"""The files the headers name: the run's token, the CA, the server's certificate and key."""
+
+
+def _scratch(directory: Path, secrets: Path | None = None) -> Path:
+    """`directory` with the repository's configs and scripts, and SECRETS: made there, or linked from `secrets`."""
     for name in ("configs", "run_scripts"):
-        (tmp_path / name).symlink_to(REPO / name)
-    pki = write_pki(tmp_path)
-    assert Path(pki.ca) == tmp_path / "ca.crt" and pki.server["tls_cert"] == str(tmp_path / "server.crt")
-    token = tmp_path / "spes.token"
+        (directory / name).symlink_to(REPO / name)
+    if secrets is not None:
+        for name in SECRETS:
+            (directory / name).symlink_to(secrets / name)
+        return directory
+    pki = write_pki(directory)
+    assert Path(pki.ca) == directory / "ca.crt" and pki.server["tls_cert"] == str(directory / "server.crt")
+    token = directory / "spes.token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o600)
-    return tmp_path
+    return directory
+
+
+@pytest.fixture(scope="module")
+def module_scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's one set of secrets (so one run's server can serve several tests' nodes), in a scratch dir."""
+    return _scratch(tmp_path_factory.mktemp("shipped"))
+
+
+@pytest.fixture
+def scratch(tmp_path: Path, module_scratch: Path) -> Path:
+    """A directory to run the commands from: the repository's configs and scripts, the token and TLS files."""
+    return _scratch(tmp_path, module_scratch)
 
 
 def credentials(scratch: Path, addr: str, secure: bool) -> list[str]:
@@ -211,25 +236,47 @@ def one_per_run(commands: list[str]) -> list[str]:
     return sorted(runs.values())
 
 
+@pytest.fixture(scope="module")
+def run_server(module_scratch: Path) -> Iterator[Callable[[str], str]]:
+    """`run_server(config)`: the address of a server of `config`'s run, started as its header starts it on the
+    first call and shared by that run's later node commands (a preflight only dry-joins and measures the link,
+    which changes nothing on the server); every one is stopped after the module."""
+    addresses: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+
+        def address(config: str) -> str:
+            if config not in addresses:
+                port = free_port()
+                tls = " --token_file spes.token --tls_cert server.crt --tls_key server.key" if secure(config) else ""
+                server = f"{shlex.quote(sys.executable)} -m spes.server {config} --host 127.0.0.1 --port {port}{tls}"
+                log = module_scratch / f"server{len(addresses)}.log"
+                stack.enter_context(started(server, module_scratch, log, child_env(PYTHON=sys.executable)))
+                addresses[config] = f"localhost:{port}"
+            return addresses[config]
+
+        yield address
+
+
+def secure(config: str) -> bool:
+    """A multi-node run's server (its node files' header) takes the token and TLS; a one-file run's is on loopback."""
+    return Path(config).name.startswith("node_")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("command", one_per_run(of_kind("run_single_node.sh")))
-def test_node_commands_pass_the_preflight_settings_check(command: str, scratch: Path) -> None:
+def test_node_commands_pass_the_preflight_settings_check(
+    command: str, scratch: Path, run_server: Callable[[str], str]
+) -> None:
     config = config_of(node_command(command))
     cfg, _ = load_config(REPO / config)
-    port = free_port()
-    secure = Path(config).name.startswith("node_")  # a multi-node run's server, as its header starts it
-    server = f"{shlex.quote(sys.executable)} -m spes.server {config} --host 127.0.0.1 --port {port}"
-    server += " --token_file spes.token --tls_cert server.crt --tls_key server.key" if secure else ""
+    addr = run_server(config) if cfg.sync_enabled else f"localhost:{free_port()}"
     env = child_env(PYTHON=sys.executable, NPROC_PER_NODE="1")
-    extra = ["--preflight", "--link_mb=1", *credentials(scratch, f"localhost:{port}", secure)]
+    extra = ["--preflight", "--link_mb=1", *credentials(scratch, addr, secure(config))]
     node = f"{node_command(command)} {shlex.join(extra)}"
-    with contextlib.ExitStack() as stack:
-        if cfg.sync_enabled:
-            stack.enter_context(started(server, scratch, scratch / "server.log", env))
-        proc = run_logged(
-            ["bash", "-c", f"cd {shlex.quote(str(scratch))} && {node}"], scratch / "node.log", timeout=240, env=env
-        )
+    proc = run_logged(
+        ["bash", "-c", f"cd {shlex.quote(str(scratch))} && {node}"], scratch / "node.log", timeout=240, env=env
+    )
     lines = {line.split()[1]: line for line in proc.stdout.splitlines() if re.match(r"(ok|FAIL|skip)\s+\w", line)}
     if cfg.sync_enabled:
         assert lines.get("settings", "").startswith("ok "), proc.stdout[-3000:]
@@ -267,17 +314,24 @@ def one_step(corpus) -> list[str]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("command", [c for c in of_kind("-m spes.launch ") if "upcycle" not in c])
-def test_launch_commands_run(command: str, scratch: Path, tiny_corpus) -> None:
-    proc = run_python(command, scratch, "--out", str(scratch / "run"), "--timeout", "360", *one_step(tiny_corpus))
-    assert "SPES run summary" in proc.stdout
+def test_launch_commands_run(command: str, scratch: Path, tiny_corpus, request: pytest.FixtureRequest) -> None:
+    words = shlex.split(command)
+    if words[words.index("-m") :] == QUICKSTART:  # the session's quickstart run is this command, as written
+        stdout = request.getfixturevalue("quickstart_run").stdout
+    else:
+        stdout = run_python(
+            command, scratch, "--out", str(scratch / "run"), "--timeout", "360", *one_step(tiny_corpus)
+        ).stdout
+    assert "SPES run summary" in stdout
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_upcycle_tiny_header_runs_in_order(scratch: Path, tiny_corpus) -> None:
-    """Make a random dense model, upcycle it into the run's load_path, launch the run from it."""
+    """Make a random dense Qwen3 model, upcycle it into the run's load_path, launch the run (4 peers + server)
+    from it for two rounds: every peer's experts moved away from the upcycled start."""
     header = [c for where, c in COMMANDS if where == "configs/upcycle_tiny.yaml"]
     make_dense = next(c for c in header if "--make_random_dense" in c)
     upcycle = next(c for c in header if "spes.upcycle" in c and "--out" in c)
@@ -285,4 +339,14 @@ def test_the_upcycle_tiny_header_runs_in_order(scratch: Path, tiny_corpus) -> No
     tokenizer = f"--tokenizer.identifier={tiny_corpus.tokenizer}"
     run_python(make_dense, scratch, tokenizer)
     assert "equals the dense model at step 0" in run_python(upcycle, scratch, tokenizer).stdout
-    assert "SPES run summary" in run_python(launch, scratch, "--timeout", "360", *one_step(tiny_corpus)).stdout
+    two_rounds = ["--max_duration=2st", "--save_interval=2"]
+    proc = run_python(launch, scratch, "--timeout", "360", *one_step(tiny_corpus), *two_rounds)
+    assert "SPES run summary" in proc.stdout
+    cfg, _ = load_config(REPO / "configs" / "upcycle_tiny.yaml")
+    run = scratch / shlex.split(launch)[shlex.split(launch).index("--out") + 1]
+    summary = json.loads((run / "summary.json").read_text())
+    assert [(row["steps"], row["rounds"]) for row in summary["peers"]] == [(2, 2)] * cfg.num_peers
+    start = load_model_state(scratch / str(cfg.load_path))
+    for peer in range(cfg.num_peers):
+        trained = load_model_state(run / f"node{peer}" / "step2")
+        assert not torch.equal(trained["blocks.0.ffn.experts.w1.0"], start["blocks.0.ffn.experts.w1.0"])

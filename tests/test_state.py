@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from spes.sync.state import STATE_FILE, SavedRound, load_round, save_round
 from sync_helpers import tiny_manifest
 
 MANIFEST = tiny_manifest()
-RUN = {"total_peers": 2, "experts_per_peer": 2, "mode": "spes"}
+RUN = {"num_peers": 2, "experts_per_peer": 2, "mode": "spes"}
 
 
 def saved(step: int, seed: int = 0, momentum: bool = True) -> SavedRound:
@@ -60,16 +61,38 @@ def test_state_json_is_the_commit_point(tmp_path: Path) -> None:
     assert_equal(load_round(tmp_path, RUN), saved(20, seed=2))  # type: ignore[arg-type]
 
 
+def test_the_held_model_of_an_int8_wire_round_trips_writing_shared_tensors_once(tmp_path: Path) -> None:
+    want = saved(10, seed=4)
+    held = {n: t if n.startswith("blocks.0") else t + 1 for n, t in want.global_model.items()}
+    save_round(tmp_path, dataclasses.replace(want, held=held), RUN)
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    assert record["held_is_global"] == sorted(n for n in MANIFEST if n.startswith("blocks.0"))
+    got = load_round(tmp_path, RUN)
+    assert got is not None and list(got.held) == list(MANIFEST)
+    for name, tensor in held.items():
+        assert torch.equal(got.held[name], tensor), name
+    assert_equal(got, want)
+
+
 def test_state_of_another_run_is_refused(tmp_path: Path) -> None:
     save_round(tmp_path, saved(10), RUN)
     with pytest.raises(
         ValueError,
-        match=r"state.json: written by a run with total_peers=2, this server has "
-        r"total_peers=4; restart with the same settings or use a fresh --state_dir",
+        match=r"state.json: written by a run with num_peers=2, this server has "
+        r"num_peers=4; restart with the same settings or use a fresh --state_dir",
     ):
-        load_round(tmp_path, {**RUN, "total_peers": 4})
+        load_round(tmp_path, {**RUN, "num_peers": 4})
     with pytest.raises(ValueError, match="mode='spes', this server has mode='diloco'"):
         load_round(tmp_path, {**RUN, "mode": "diloco"})
+
+
+def test_state_naming_the_peers_total_peers_still_loads(tmp_path: Path) -> None:
+    """A state written before the server's settings named the peer count `num_peers` resumes as it is."""
+    save_round(tmp_path, saved(10), RUN)
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    record["run"] = {"total_peers": 2, "experts_per_peer": 2, "mode": "spes"}
+    (tmp_path / STATE_FILE).write_text(json.dumps(record))
+    assert_equal(load_round(tmp_path, RUN), saved(10))  # type: ignore[arg-type]
 
 
 def test_damaged_state_is_refused_with_the_file_named(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
-"""Upcycling dense Llama/Qwen3 checkpoints into spes MoEs: exact start, partition mode, refusals, 9B config, E2E."""
+"""Upcycling dense Llama/Qwen3 checkpoints into spes MoEs: exact start, partition mode, refusals, 9B config (the
+end-to-end run of configs/upcycle_tiny.yaml is tests/test_shipped_commands.py's)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -327,44 +327,3 @@ def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
     ) == (8, 2, 1.0, 4096, 151669, 151936)
     plan = upcycle.expert_plan(num_experts=8, top_k=2, normalize_p=1.0, partition=False, init_std=m.init_std)
     assert plan.exact and plan.router_std == 0.02 and not plan.tied
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_upcycle_tiny_trains_with_spes(tiny_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """configs/upcycle_tiny.yaml end to end: random dense Qwen3 -> upcycle -> 4 peers + server on loopback."""
-    from spes.launch import main as launch
-
-    config = str(REPO / "configs" / "upcycle_tiny.yaml")
-    data = [
-        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
-        f"--data.paths=[{tiny_corpus.train}]",
-        f"--data.validation_paths=[{tiny_corpus.valid}]",
-    ]
-    dense, init = str(tmp_path / "dense"), tmp_path / "init" / "step0"
-    assert upcycle.main(["--config", config, "--hf", dense, "--make_random_dense", "qwen3", *data]) == 0
-    assert upcycle.main(["--config", config, "--hf", dense, "--out", str(init), *data]) == 0
-    run = tmp_path / "run"
-    assert (
-        launch(
-            [
-                config,
-                "--out",
-                str(run),
-                "--",
-                *data,
-                f"--load_path={init}",
-                "--max_duration=10st",
-                "--spes_config.sync_steps=5",
-                "--eval_interval=10",
-                "--save_interval=10",
-            ]
-        )
-        == 0
-    )
-    summary = json.loads((run / "summary.json").read_text())
-    assert [(row["steps"], row["rounds"]) for row in summary["peers"]] == [(10, 2)] * 4
-    start = load_model_state(init)
-    for peer in range(4):
-        trained = load_model_state(run / f"node{peer}" / "step10")
-        assert not torch.equal(trained["blocks.0.ffn.experts.w1.0"], start["blocks.0.ffn.experts.w1.0"])

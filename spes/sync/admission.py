@@ -189,10 +189,18 @@ class StreamGuard:
 
 class GuardedHealth(health.HealthServicer):
     """The gRPC health service. Its Watch streams (long-lived by design) hold slots of the guard; one carrying a
-    peer's session (metadata `spes-peer`, `spes-session`) is that process's presence (`on_presence`)."""
+    peer's session (metadata `spes-peer`, `spes-session`) is that process's presence (`on_presence`).
+
+    Every Watch sends from its own handler thread (grpcio's blocking mode), so a status change only queues the
+    latest status for each watcher. grpcio's default mode sends it to every watcher in turn under the service's
+    one lock, each send waiting until the client has room for it: a watcher that stopped reading held that lock
+    for good (every Check, every new Watch and `stop()`'s NOT_SERVING notice waited on it), and a watch ending
+    meanwhile stalled grpc's event thread on it too. A Watch thus holds a pool thread while open, like the other
+    streams; its slot in the guard bounds those threads.
+    """
 
     def __init__(self, guard: StreamGuard, on_presence: Callable[[int, str, str], Callable[[], None]]) -> None:
-        super().__init__()
+        super().__init__(experimental_non_blocking=False)
         self._guard, self._on_presence = guard, on_presence
 
     def Watch(self, request: object, context: grpc.ServicerContext, send_response_callback: object = None) -> object:
@@ -203,15 +211,22 @@ class GuardedHealth(health.HealthServicer):
             if peer.isdigit() and session:
                 try:
                     ticket.claim(int(peer))
-                    context.add_callback(self._on_presence(int(peer), session, context.peer()))
+                    _when_ended(context, self._on_presence(int(peer), session, context.peer()))
                 except Refused:
                     ticket.close()
                     raise
         except Refused as exc:
             context.abort(exc.code, str(exc))
         ticket.wait_for_round(True)  # a watch waits on the server's state, never idle
-        context.add_callback(ticket.close)
+        _when_ended(context, ticket.close)
         return super().Watch(request, context, send_response_callback)
+
+
+def _when_ended(context: grpc.ServicerContext, callback: Callable[[], None]) -> None:
+    """Call `callback` when the call ends, or now if it already has (grpc then refuses the callback, and the
+    slot or presence it releases would be held for good)."""
+    if not context.add_callback(callback):
+        callback()
 
 
 @dataclass

@@ -9,7 +9,9 @@ One rank per node owns a `SyncClient`; the trainer broadcasts what `sync` return
 
 Every RPC carries a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, bytes that fail their
 checksum in either direction) are retried with exponential backoff and jitter, which is safe because the server
-treats a repeated (peer, round) upload as a no-op. `sync` also recovers on its own from a server restart:
+treats a repeated (peer, round) upload as a no-op. With `wire_dtype="int8"` the client also holds the run's held
+model and sends and receives int8 deltas against it (`spes.sync.deltas`); a delta the server refuses for its base
+(it holds another) is sent again as full values. `sync` also recovers on its own from a server restart:
 told it has not joined, it joins again; told the server holds no upload of it for the round, it uploads
 again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed
 without it) catches up: `sync` returns the latest global model, every tensor of it, with
@@ -37,12 +39,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from spes.config import SpesConfig
 from spes.sync import plane_tcp
 from spes.sync.admission import PEER_KEY, SESSION_KEY
+from spes.sync.deltas import NO_BASE, PeerDeltas
 from spes.sync.merge import download_names
 from spes.sync.plane_grpc import GrpcPlane, failure_of
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.protocol import PROBE_MAX_BYTES, PROTOCOL_VERSION, Manifest, Mode, Plane, Reason, SyncError, Tensors
-from spes.sync.wire import grpc_options, read_file, wire_torch_dtype
+from spes.sync.protocol import (
+    INT8,
+    PROBE_MAX_BYTES,
+    PROTOCOL_VERSION,
+    WIRE_CHOICES,
+    Manifest,
+    Mode,
+    Plane,
+    Reason,
+    SyncError,
+    Tensors,
+    values_dtype,
+)
+from spes.sync.wire import TensorDecoder, grpc_options, read_file
 
 log = logging.getLogger("spes.client")
 
@@ -113,7 +128,7 @@ class SyncClient:
 
     With `reuse_buffers`, downloads land in buffers kept from round to round (no fresh memory to fault in
     per round), so a `sync` result is only valid until the next call: for callers that copy it out at once,
-    as the trainer does.
+    as the trainer does. On an int8 wire the result is the held model itself, which the caller must not change.
     """
 
     def __init__(
@@ -140,7 +155,8 @@ class SyncClient:
             raise ValueError(f"mode must be 'spes' or 'diloco', got {mode!r}")
         if not 0 <= peer_id < num_peers:
             raise ValueError(f"peer_id {peer_id} is outside [0, num_peers={num_peers})")
-        wire_torch_dtype(wire_dtype)
+        if wire_dtype not in WIRE_CHOICES:
+            raise ValueError(f"unknown wire dtype {wire_dtype!r}: use one of {list(WIRE_CHOICES)}")
         if rpc_timeout_s <= 0 or round_timeout_s <= 0 or max_retries < 0:
             raise ValueError(
                 f"need rpc_timeout_s > 0, round_timeout_s > 0, max_retries >= 0; got "
@@ -173,7 +189,11 @@ class SyncClient:
             self._channel = grpc.insecure_channel(server_addr, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         self._grpc = GrpcPlane(
-            self._stub, peer_id=peer_id, wire_dtype=wire_dtype, metadata=self._metadata, rpc_timeout_s=rpc_timeout_s
+            self._stub,
+            peer_id=peer_id,
+            wire_dtype=values_dtype(wire_dtype),
+            metadata=self._metadata,
+            rpc_timeout_s=rpc_timeout_s,
         )
         self.plane: Plane = self._grpc
         """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
@@ -181,6 +201,10 @@ class SyncClient:
         self._trainable: list[str] = []
         self._join_request: pb.JoinRequest | None = None
         self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
+        self._deltas = PeerDeltas() if wire_dtype == INT8 else None
+        """Int8 wire: the held model, its round and the carried upload error."""
+        self._own: set[str] = set()
+        """The trained names this peer downloads only on merge rounds (its expert blocks)."""
         self._closed = threading.Event()
         self._presence: threading.Thread | None = None
         self._presence_call: grpc.Future | None = None
@@ -196,6 +220,7 @@ class SyncClient:
         self._join_request = self._request(shapes, trainable, dry_run=False)
         current = self._join()
         self._manifest, self._trainable = shapes, list(trainable)
+        self._own = set(trainable) - set(download_names(list(shapes), self.peer_id, self.mode, merged=False))
         return current
 
     def check_join(self, manifest: Mapping[str, tuple[int, ...]], trainable: list[str]) -> bool:
@@ -249,7 +274,8 @@ class SyncClient:
         and the experts it does not own (its own too on merge rounds; everything in DiLoCo mode, and
         everything when `stats.caught_up`, in which case `stats.round` is the step to continue from).
         bf16 tensors stay bf16: the caller's `copy_` into its parameters widens them anyway, and widening
-        here would cost a fresh fp32 copy of the download every round.
+        here would cost a fresh fp32 copy of the download every round. On an int8 wire it is the new held model,
+        every tensor (fp32).
         """
         manifest = self._require_joined()
         self._check_upload(tensors, manifest)
@@ -258,7 +284,8 @@ class SyncClient:
         ordered = {name: tensors[name] for name in self._trainable}
 
         def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, dict[str, torch.Tensor], int]]:
-            sent, duplicate = self.plane.upload(step, ordered, self._until(deadline))
+            upload = ordered if self._deltas is None else self._deltas.upload(ordered, self._own)
+            sent, duplicate = self.plane.upload(step, upload, self._until(deadline))
             if duplicate:
                 log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
             return sent, self._download(step, manifest, self._until(deadline), full=False)
@@ -394,7 +421,7 @@ class SyncClient:
             reply.data_port,
             self._data_tls,
             peer_id=self.peer_id,
-            wire_dtype=self.wire_dtype,
+            wire_dtype=values_dtype(self.wire_dtype),
             token=self._token,
             session=self._session,
             rpc_timeout_s=self.rpc_timeout_s,
@@ -416,24 +443,48 @@ class SyncClient:
     def _download(
         self, step: int, manifest: Manifest, timeout: float, *, full: bool
     ) -> tuple[pb.RoundInfo, Tensors, int]:
-        """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated."""
+        """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated.
+
+        On an int8 wire the round is committed to the held model (`PeerDeltas.receive`), which is returned whole.
+        """
         names: list[str] = []
+        decoders: list[TensorDecoder] = []
 
-        def expect(info: pb.RoundInfo) -> Manifest:
+        def decoder_for(info: pb.RoundInfo) -> TensorDecoder:
             names.extend(self._check_info(step, info, manifest, full=full))
-            return {n: manifest[n] for n in names}
+            expected = {n: manifest[n] for n in names}
+            if self._deltas is None:
+                decoders.append(TensorDecoder(expected, self.wire_dtype, into=self._buffers))
+            else:
+                decoders.append(self._deltas.decoder(expected))
+            return decoders[-1]
 
-        info, tensors, received = self.plane.download(step, timeout, full=full, expect=expect, into=self._buffers)
-        return info, {name: tensors[name] for name in names}, received
+        base = NO_BASE if self._deltas is None else self._deltas.base_round
+        info, tensors, received = self.plane.download(
+            step, timeout, full=full, base_round=base, decoder_for=decoder_for
+        )
+        if self._deltas is None:
+            return info, {name: tensors[name] for name in names}, received
+        try:
+            return info, self._deltas.receive(info, tensors, decoders[-1].deltas, caught_up=full), received
+        except ValueError as exc:
+            raise SyncError(f"round {step}: bad download from the server: {exc}") from None
 
     def _check_info(self, step: int, info: pb.RoundInfo, manifest: Manifest, *, full: bool) -> list[str]:
-        """The names the server announced, which must be exactly those this peer expects for round `step`."""
+        """The names the server announced, which must be exactly those this peer expects for round `step` (int8
+        wire: every tensor when full values come, else deltas against the held model this peer holds)."""
         names = list(info.names)
-        expected = list(manifest) if full else download_names(list(manifest), self.peer_id, self.mode, info.merged)
-        if info.round != step or sorted(names) != sorted(expected):
+        full_values = self._deltas is not None and info.base_round == NO_BASE
+        expected = list(manifest)
+        if not (full or full_values):
+            expected = download_names(expected, self.peer_id, self.mode, info.merged)
+        base = NO_BASE if self._deltas is None or full_values else self._deltas.base_round
+        if info.round != step or sorted(names) != sorted(expected) or (self._deltas and info.base_round != base):
             raise SyncError(
-                f"round {step}: the server announced round {info.round} with {len(names)} tensors, "
-                f"this peer expected round {step} with {len(expected)}"
+                f"round {step}: the server announced round {info.round} with {len(names)} tensors"
+                + (f" (deltas against round {info.base_round})" if self._deltas else "")
+                + f", this peer expected round {step} with {len(expected)}"
+                + (f" (holding round {self._deltas.base_round})" if self._deltas else "")
             )
         return names
 
@@ -462,6 +513,12 @@ class SyncClient:
             return True
         if failure.reason == Reason.UNKNOWN_ROUND:
             log.warning("the server holds no upload of peer %d for this round: uploading again", self.peer_id)
+            return True
+        if failure.reason == Reason.BASE_MISMATCH and self._deltas is not None and self._deltas.round is not None:
+            log.warning(
+                "the server holds another model than peer %d's (%s): sending full values", self.peer_id, failure
+            )
+            self._deltas.forget()
             return True
         return False
 

@@ -40,6 +40,10 @@ QMAX = 127
 """Largest quantized magnitude: symmetric, so -128 is never produced."""
 DEFAULT_BLOCK = 256
 """Values per scale: 1.6% of the payload for scales, and one outlier coarsens only its own 256 values."""
+MIN_BLOCK = 128
+"""Smallest block a receiver accepts: below it the scales' bytes break the round's 0.16x byte target."""
+MAX_BLOCK = 1 << 16
+"""Largest block a receiver accepts (one outlier would coarsen the step of that many values)."""
 SCALE_BYTES = 4
 _CHUNK_ELEMS = 1 << 20
 """Quantize this many values at a time, so a large tensor never has several fp32 copies alive at once."""
@@ -130,9 +134,18 @@ def quantize(name: str, x: torch.Tensor, block: int = DEFAULT_BLOCK) -> Int8Payl
 
 
 def dequantize(payload: Int8Payload) -> torch.Tensor:
-    """The fp32 delta a payload stands for: value * its block's scale, one rounding per element."""
-    per_value = payload.scales.repeat_interleave(payload.block)[: payload.values.numel()]
-    return (payload.values.float() * per_value).view(payload.shape)
+    """The fp32 delta a payload stands for: value * its block's scale, one rounding per element.
+
+    Computed block-shaped in the one output tensor (no per-value copy of the scales): a large delta costs one fp32
+    copy of itself, not three.
+    """
+    values, scales, block = payload.values, payload.scales, payload.block
+    out = torch.empty(values.numel(), dtype=torch.float32, device=values.device)
+    whole = values.numel() // block * block
+    out[:whole].view(-1, block).copy_(values[:whole].view(-1, block)).mul_(scales[: whole // block, None])
+    if whole < values.numel():  # the last, shorter block
+        out[whole:].copy_(values[whole:]).mul_(scales[-1])
+    return out.view(payload.shape)
 
 
 def apply_delta(base: torch.Tensor, payload: Int8Payload) -> torch.Tensor:
@@ -145,8 +158,12 @@ def apply_delta(base: torch.Tensor, payload: Int8Payload) -> torch.Tensor:
         raise ValueError(
             f"tensor {payload.name!r}: delta of shape {list(payload.shape)} against a base of shape {list(base.shape)}"
         )
-    delta = dequantize(payload).to(base.device)
-    return (base.float() + delta).to(base.dtype)
+    return _plus(base, dequantize(payload))
+
+
+def _plus(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """base + delta in fp32 (summed into `delta`, which it consumes), cast to base's dtype."""
+    return delta.to(base.device).add_(base.float()).to(base.dtype)
 
 
 @dataclass(frozen=True)
@@ -180,7 +197,9 @@ def encode_delta(
     if carried is not None:
         target += carried.to(value.device)
     payload = quantize(name, target, block)
-    return EncodedDelta(payload, target - dequantize(payload), apply_delta(base, payload))
+    delta = dequantize(payload)
+    error = target.sub_(delta)  # NOTE: in place, as every step below: a large tensor is held at most twice more
+    return EncodedDelta(payload, error, _plus(base, delta))
 
 
 def encode_deltas(

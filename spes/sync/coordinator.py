@@ -5,6 +5,9 @@ uploads through the round rules, builds every round with `spes.sync.merge.build_
 persists it (`spes.sync.state`) and hands each download the tensors it needs. The gRPC handlers
 (`spes.sync.plane_grpc`) and the raw-TCP data plane (`spes.sync.plane_tcp`) only move bytes: an upload is a
 `feed(decoder)` callback, a download an `Outgoing` the plane sends. All shared state is guarded by one condition.
+
+On an int8 wire (`spes.sync.deltas`) an upload's deltas become values against the completed round's global and
+held models, and each round also makes the next held model and the deltas the up-to-date peers download.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,12 +29,24 @@ from spes.moe import parse_expert_block
 from spes.sync.admission import Sessions, StreamGuard, Ticket
 from spes.sync.auth import check_peer_identity
 from spes.sync.buffers import BufferPool
+from spes.sync.compress import Int8Payload, upload_values
+from spes.sync.deltas import NO_BASE, HeldRound, next_held
 from spes.sync.merge import build_global, download_names
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import Manifest, Reason, Refused, Shape, Tensors
+from spes.sync.protocol import INT8, Manifest, Reason, Refused, Shape, Tensors, values_dtype
 from spes.sync.rounds import RoundState, check_join, expert_owners, manifest_differences
 from spes.sync.state import SavedRound, load_round, save_round
-from spes.sync.wire import CorruptChunk, EncodedModel, TensorDecoder, VerifiedChecksums, wire_torch_dtype
+from spes.sync.wire import (
+    BaseMismatch,
+    CorruptChunk,
+    Delta,
+    EncodedModel,
+    Item,
+    TensorDecoder,
+    VerifiedChecksums,
+    finite,
+    wire_torch_dtype,
+)
 
 if TYPE_CHECKING:
     from spes.sync.server import ServerConfig
@@ -50,12 +65,20 @@ class PeerInfo:
     trainable: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Base:
+    """Int8 wire: the completed round an upload's deltas apply to (pinned while they are turned into values)."""
+
+    global_model: Tensors
+    held: HeldRound
+
+
 @dataclass
 class Outgoing:
     """One download for a plane to send: the round's `RoundInfo`, then `tensors` in their shared encoded forms."""
 
     info: pb.RoundInfo
-    tensors: Tensors
+    tensors: Mapping[str, Item]
     encoded: EncodedModel
     wire_dtype: str
     sent: int = 0
@@ -67,7 +90,8 @@ class Coordinator:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.cfg, self.policy = cfg, cfg.policy()
-        self.num_peers = cfg.total_peers
+        self.num_peers = cfg.num_peers
+        self.int8 = cfg.wire_dtype == INT8
         self._cond = threading.Condition()
         self.state = RoundState(self.num_peers)
         self._manifest: Manifest | None = None
@@ -78,7 +102,8 @@ class Coordinator:
         self._shutting_down = False
         self._aggregator: threading.Thread | None = None
         self._encoded: dict[str, EncodedModel] = {}
-        """The latest round's global model per wire dtype, each tensor encoded once for every download."""
+        """The latest round's global model per wire dtype (int8 wire: its deltas, and its held model as full
+        values), each tensor encoded once for every download."""
         self._pool = BufferPool()
         self._checksums = VerifiedChecksums()
         """Of every staged upload: downloads send the experts taken from it verbatim without hashing them again."""
@@ -101,8 +126,9 @@ class Coordinator:
                     f"--state_dir {cfg.state_dir} holds a different model than the run's YAML: "
                     f"{manifest_differences(cfg.expected_manifest, saved.manifest)}"
                 )
+            held = HeldRound(saved.step, saved.held or saved.global_model, {}, None) if self.int8 else None
             self.state.restore(
-                saved.step, set(saved.peers), saved.global_model, saved.momentum, saved.merged, saved.alpha
+                saved.step, set(saved.peers), saved.global_model, saved.momentum, saved.merged, saved.alpha, held
             )
             self._learn_manifest(saved.manifest)
             log.info(
@@ -120,11 +146,11 @@ class Coordinator:
         tensors uploaded narrower than fp32 (lock held)."""
         assert self._manifest is not None
         limits = Counter(
-            (self._manifest[n], wire_torch_dtype(info.wire_dtype))
+            (self._manifest[n], wire_torch_dtype(values_dtype(info.wire_dtype)))
             for info in self.peers.values()
             for n in info.trainable
         )
-        narrow = {n for info in self.peers.values() if info.wire_dtype != "fp32" for n in info.trainable}
+        narrow = {n for info in self.peers.values() if values_dtype(info.wire_dtype) != "fp32" for n in info.trainable}
         averaged = [n for n in narrow if self.cfg.mode == "diloco" or parse_expert_block(n) is None]
         limits.update((self._manifest[n], torch.float32) for n in averaged)
         return limits
@@ -141,6 +167,7 @@ class Coordinator:
             num_peers=self.num_peers,
             experts_per_peer=cfg.experts_per_peer,
             mode=cfg.mode,
+            wire_dtype=cfg.wire_dtype,
             max_tensors=cfg.max_tensors,
             max_model_gb=None if cfg.expected_manifest is not None else cfg.max_model_gb,
         )
@@ -198,35 +225,49 @@ class Coordinator:
             info, manifest = self._joined(peer)
             if self.state.admit(peer, step):
                 return self._upload_reply(step, duplicate=True)
-        received = self._receive(feed, peer, step, info, manifest)
+            base = self._pin_base() if self.int8 else None
+        try:
+            received = self._receive(feed, peer, step, info, manifest, base)
+        finally:
+            if base is not None:
+                self._unpin(base.held.round)
         if received is None:
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
-        tensors, checksums = received
+        tensors, checksums, relayed = received
         with self._cond:
             if self.state.admit(peer, step):  # a concurrent retry of this upload won the race
                 self._pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)
-            self._checksums.record(tensors, checksums, info.wire_dtype)
-            if self.state.stage_upload(peer, step, tensors):
+            self._checksums.record({n: tensors[n] for n in checksums}, checksums, values_dtype(info.wire_dtype))
+            if self.state.stage_upload(peer, step, tensors, relayed):
                 self._close_round(step)
             self._cond.notify_all()
             return self._upload_reply(step, duplicate=False)
 
     def _receive(
-        self, feed: Callable[[TensorDecoder], None], peer: int, step: int, info: PeerInfo, manifest: Manifest
-    ) -> tuple[Tensors, dict[str, int]] | None:
-        """Decode and verify one upload into kept buffers sized by the manifest: the tensors and their checksums.
+        self,
+        feed: Callable[[TensorDecoder], None],
+        peer: int,
+        step: int,
+        info: PeerInfo,
+        manifest: Manifest,
+        base: Base | None,
+    ) -> tuple[Tensors, dict[str, int], dict[str, Int8Payload]] | None:
+        """Decode and verify one upload into kept buffers sized by the manifest: the tensors, the checksums of those
+        received raw, and (int8 wire) the payloads of its verbatim blocks. None if the peer went away.
 
-        None if the peer went away.
+        `base` (int8 wire): the completed round, whose held model the deltas must apply to (None: none completed).
         """
-        dtype = wire_torch_dtype(info.wire_dtype)
-        buffers = {n: self._pool.take(manifest[n], dtype) for n in info.trainable}
+        dtype = values_dtype(info.wire_dtype)
+        buffers = {n: self._pool.take(manifest[n], wire_torch_dtype(dtype)) for n in info.trainable}
+        delta_base = None if info.wire_dtype != INT8 else NO_BASE if base is None else base.held.round
         decoder = TensorDecoder(
-            {n: manifest[n] for n in info.trainable}, info.wire_dtype, into=buffers, require_finite=True
+            {n: manifest[n] for n in info.trainable}, dtype, into=buffers, require_finite=True, delta_base=delta_base
         )
         try:
             feed(decoder)
             tensors = decoder.finish()
+            values, relayed = self._delta_values(peer, decoder.deltas, base)
         except (grpc.RpcError, OSError):
             log.warning(
                 "upload of peer %d for round %d broke off after %d bytes; nothing was kept",
@@ -238,15 +279,40 @@ class Coordinator:
             return None
         except ValueError as exc:
             self._pool.give(buffers.values())
-            reason = Reason.CORRUPT if isinstance(exc, CorruptChunk) else Reason.NONE
-            raise Refused(
-                grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}", reason
-            ) from None
+            code, reason = grpc.StatusCode.INVALID_ARGUMENT, Reason.NONE
+            if isinstance(exc, CorruptChunk):
+                reason = Reason.CORRUPT
+            elif isinstance(exc, BaseMismatch):
+                code, reason = grpc.StatusCode.FAILED_PRECONDITION, Reason.BASE_MISMATCH
+            raise Refused(code, f"upload of peer {peer} for round {step}: {exc}", reason) from None
         finally:
             with self._cond:
                 self._bytes_in += decoder.bytes_received
                 self._round_bytes_in += decoder.bytes_received
-        return tensors, decoder.checksums
+        self._pool.give(buffers[n] for n in values)  # received as deltas: their raw buffers went unused
+        return {**tensors, **values}, decoder.checksums, relayed
+
+    def _delta_values(
+        self, peer: int, deltas: Mapping[str, Delta], base: Base | None
+    ) -> tuple[Tensors, dict[str, Int8Payload]]:
+        """An upload's int8 deltas as values (`compress.upload_values`: the peer's own blocks H + delta, averaged
+        tensors G + delta), and the payloads of its own blocks (relayed to the others unless a merge changes them).
+
+        ValueError naming a tensor that holds NaN or Inf once its delta is applied.
+        """
+        if not deltas:
+            return {}, {}
+        assert base is not None  # the decoder refuses every delta when no round has completed
+        payloads = {n: d.payload for n, d in deltas.items()}
+        own = set(deltas) - set(download_names(list(deltas), peer, self.cfg.mode, merged=False))
+        values = upload_values(payloads, base.global_model, base.held.tensors, own)
+        for name, value in values.items():
+            if not finite(value):
+                raise ValueError(
+                    f"tensor {name!r} holds NaN or Inf values once its int8 delta is applied: this peer's training "
+                    "diverged"
+                )
+        return values, {n: payloads[n] for n in own}
 
     def _upload_reply(self, step: int, *, duplicate: bool) -> pb.UploadReply:
         snap = self.state.snapshot()
@@ -256,17 +322,18 @@ class Coordinator:
     # -- aggregation --------------------------------------------------------------------------
     def _close_round(self, step: int) -> None:
         """Hand the open round's uploads to a new aggregation thread (caller holds the lock)."""
-        uploads = self.state.take_uploads()
+        uploads, relayed = self.state.take_uploads()
         self._aggregator = threading.Thread(
-            target=self._aggregate, args=(step, uploads), name=f"aggregate-{step}", daemon=True
+            target=self._aggregate, args=(step, uploads, relayed), name=f"aggregate-{step}", daemon=True
         )
         self._aggregator.start()
 
-    def _aggregate(self, step: int, uploads: dict[int, Tensors]) -> None:
-        """Build, persist and publish round `step`, then wake the waiting downloads."""
+    def _aggregate(self, step: int, uploads: dict[int, Tensors], relayed: dict[str, Int8Payload]) -> None:
+        """Build, persist and publish round `step` (int8 wire: with its held model), then wake the waiting downloads."""
         cfg, start = self.cfg, time.perf_counter()
         with self._cond:  # NOTE: only this thread replaces these, in `complete` below.
             previous, momentum, peers = self.state.global_model, self.state.outer_momentum, set(self.state.uploaded)
+            previous_held = self.state.held
             manifest = dict(self._manifest or {})
         received = [t for upload in uploads.values() for t in upload.values()]
         try:
@@ -285,11 +352,24 @@ class Coordinator:
                 empty=self._pool.take,
             )
             global_model, new_momentum, alpha = built.tensors, built.momentum, built.alpha
-            del uploads, previous, momentum
-            self._pool.give(received, keep=[*global_model.values(), *new_momentum.values()])  # merged or converted
+            held = None
+            if self.int8:  # NOTE: a merge changed the experts after they were uploaded: nothing is relayed then
+                held = next_held(step, global_model, previous_held, relayed if alpha == 0 else {})
+            del uploads, previous, momentum, previous_held, relayed
+            kept = [*global_model.values(), *new_momentum.values(), *(held.tensors.values() if held else ())]
+            self._pool.give(received, keep=kept)  # merged or converted
             del received
             if cfg.state_dir:
-                saved = SavedRound(step, tuple(sorted(peers)), alpha > 0, alpha, manifest, global_model, new_momentum)
+                saved = SavedRound(
+                    step,
+                    tuple(sorted(peers)),
+                    alpha > 0,
+                    alpha,
+                    manifest,
+                    global_model,
+                    new_momentum,
+                    held.tensors if held else {},
+                )
                 save_round(cfg.state_dir, saved, cfg.run_identity())
         except Exception as exc:  # report any aggregation or disk failure to the waiting peers
             log.exception("round %d: aggregation failed", step)
@@ -300,8 +380,8 @@ class Coordinator:
         with self._cond:
             superseded = self.state.completed_round
             if superseded is not None:
-                self._retired[superseded] = list(self.state.global_model.values())
-            self.state.complete(step, global_model, new_momentum, merged=alpha > 0, alpha=alpha)
+                self._retired[superseded] = list(self._round_tensors())
+            self.state.complete(step, global_model, new_momentum, merged=alpha > 0, alpha=alpha, held=held)
             self._release_retired()
             self._encoded = {}
             self._rounds_completed += 1
@@ -326,52 +406,97 @@ class Coordinator:
     # -- Download -----------------------------------------------------------------------------
     @contextmanager
     def download(
-        self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None
+        self,
+        peer: int,
+        step: int,
+        full: bool,
+        is_active: Callable[[], bool],
+        time_left_s: float | None,
+        base_round: int = NO_BASE,
     ) -> Iterator[Outgoing | None]:
         """Wait for round `step` and select what `peer` gets, whatever carries it (None: the caller went away).
 
         Raises `Refused`. The plane sends `Outgoing.info`, then the tensors in their encoded forms (shared by
         every download of the round), adding to `Outgoing.sent`; however that ends, leaving the block counts the
-        bytes and lets the round's tensors be reused once no download reads them.
+        bytes and lets the round's tensors be reused once no download reads them. `base_round` (int8 wire): the
+        round of the held model the peer holds.
         """
         with self._cond:
             info, _ = self._joined(peer)
             if not self._await_round(peer, step, full, is_active, time_left_s):
                 outgoing = None
             else:
-                state = self.state
-                global_model, merged = state.global_model, state.merged
-                encoded = self._encoded.get(info.wire_dtype)
-                if encoded is None:
-                    known = self._checksums.known(global_model, info.wire_dtype)
-                    encoded = self._encoded[info.wire_dtype] = EncodedModel(global_model, info.wire_dtype, known)
+                outgoing = self._outgoing(peer, step, full, info.wire_dtype, base_round)
                 self._readers[step] = self._readers.get(step, 0) + 1
-                names = list(global_model) if full else download_names(list(global_model), peer, self.cfg.mode, merged)
-                round_info = pb.RoundInfo(
-                    round=step, merged=merged, alpha=state.alpha, names=names, peers=sorted(state.completed_peers)
-                )
-                outgoing = Outgoing(round_info, {n: global_model[n] for n in names}, encoded, info.wire_dtype)
         if outgoing is None:
             yield None
             return
         try:
             yield outgoing
         finally:
-            self._download_done(step, outgoing.sent)
+            with self._cond:
+                self._bytes_out += outgoing.sent
+            self._unpin(step)
 
-    def _download_done(self, step: int, num_bytes: int) -> None:
-        """A download of round `step` ended (sent or broken off) after `num_bytes` of payload."""
+    def _outgoing(self, peer: int, step: int, full: bool, wire_dtype: str, base_round: int) -> Outgoing:
+        """What a download of the completed round `step` sends `peer` (lock held).
+
+        The global model in the peer's wire dtype; on an int8 wire the deltas, for a peer holding the held model
+        they apply to, else the new held model's full values (every tensor).
+        """
+        state = self.state
+        items: Mapping[str, Item] = state.global_model
+        view, dtype, delta_base = wire_dtype, wire_dtype, NO_BASE
+        if state.held is not None:
+            dtype = values_dtype(wire_dtype)
+            if not full and state.held.base is not None and base_round == state.held.base:
+                items, view, delta_base = state.held.deltas, INT8, state.held.base
+            else:
+                items, view, full = state.held.tensors, "held", True
+        encoded = self._encoded.get(view)
+        if encoded is None:
+            known = self._checksums.known({n: t for n, t in items.items() if isinstance(t, torch.Tensor)}, dtype)
+            encoded = self._encoded[view] = EncodedModel(items, dtype, known)
+        names = list(state.global_model)
+        if not full:
+            names = download_names(names, peer, self.cfg.mode, state.merged)
+        round_info = pb.RoundInfo(
+            round=step,
+            merged=state.merged,
+            alpha=state.alpha,
+            names=names,
+            peers=sorted(state.completed_peers),
+            base_round=delta_base,
+        )
+        return Outgoing(round_info, {n: items[n] for n in names}, encoded, dtype)
+
+    def _pin_base(self) -> Base | None:
+        """Int8 wire: the completed round deltas apply to, kept from the pool until `_unpin` (lock held)."""
+        step, held = self.state.completed_round, self.state.held
+        if step is None or held is None:
+            return None
+        self._readers[step] = self._readers.get(step, 0) + 1
+        return Base(self.state.global_model, held)
+
+    def _unpin(self, step: int) -> None:
+        """A reader of round `step` (a download, or an upload's deltas) is done with its tensors."""
         with self._cond:
-            self._bytes_out += num_bytes
             self._readers[step] -= 1
             if not self._readers[step]:
                 del self._readers[step]
                 self._release_retired()
 
+    def _round_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor the completed round holds (lock held): global model, outer momentum, held model."""
+        yield from self.state.global_model.values()
+        yield from self.state.outer_momentum.values()
+        if self.state.held is not None:
+            yield from self.state.held.tensors.values()
+
     def _release_retired(self) -> None:
-        """Give the pool the superseded rounds no download reads any more (lock held)."""
+        """Give the pool the superseded rounds no reader reads any more (lock held)."""
         read = [t for step, tensors in self._retired.items() if step in self._readers for t in tensors]
-        keep = [*self.state.global_model.values(), *self.state.outer_momentum.values(), *read]
+        keep = [*self._round_tensors(), *read]
         for step in [s for s in self._retired if s not in self._readers]:
             self._pool.give(self._retired.pop(step), keep=keep)
 

@@ -15,7 +15,6 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, NoReturn
 
 import grpc
-import torch
 
 from spes.sync.admission import SESSION_KEY, Ticket
 from spes.sync.auth import grpc_common_name
@@ -25,13 +24,12 @@ from spes.sync.protocol import (
     PROBE_CHUNK_BYTES,
     PROBE_MAX_BYTES,
     REASON_KEY,
-    Manifest,
     Refused,
     SyncError,
     Tensors,
     classify,
 )
-from spes.sync.wire import TensorDecoder, encode_tensors
+from spes.sync.wire import Item, TensorDecoder, encode_tensors
 
 if TYPE_CHECKING:
     from spes.sync.coordinator import Coordinator
@@ -86,7 +84,12 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 ticket.wait_for_round(True)
                 outgoing = stack.enter_context(
                     self.service.download(
-                        request.peer_id, request.round, request.full, context.is_active, context.time_remaining()
+                        request.peer_id,
+                        request.round,
+                        request.full,
+                        context.is_active,
+                        context.time_remaining(),
+                        request.base_round,
                     )
                 )
             except Refused as exc:
@@ -173,7 +176,7 @@ class GrpcPlane:
         self._stub, self.peer_id, self.wire_dtype = stub, peer_id, wire_dtype
         self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
 
-    def upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> tuple[int, bool]:
+    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float) -> tuple[int, bool]:
         sent = 0
 
         def messages() -> Iterator[pb.UploadMessage]:
@@ -195,18 +198,17 @@ class GrpcPlane:
         timeout: float,
         *,
         full: bool,
-        expect: Callable[[pb.RoundInfo], Manifest],
-        into: dict[str, torch.Tensor] | None,
+        base_round: int,
+        decoder_for: Callable[[pb.RoundInfo], TensorDecoder],
     ) -> tuple[pb.RoundInfo, Tensors, int]:
-        responses = self._stub.Download(
-            pb.DownloadRequest(peer_id=self.peer_id, round=step, full=full), timeout=timeout, metadata=self._metadata
-        )
+        request = pb.DownloadRequest(peer_id=self.peer_id, round=step, full=full, base_round=base_round)
+        responses = self._stub.Download(request, timeout=timeout, metadata=self._metadata)
         try:
             first = next(responses, None)
             if first is None or not first.HasField("info"):
                 raise SyncError(f"round {step}: the server's download did not start with its RoundInfo")
             info = first.info
-            decoder = TensorDecoder(expect(info), self.wire_dtype, into=into)
+            decoder = decoder_for(info)
             for message in responses:
                 if not message.HasField("chunk"):
                     raise SyncError(f"round {step}: a second RoundInfo arrived inside the download")

@@ -1,24 +1,19 @@
 """The raw-TCP data plane, both ends: tensor payloads over a plain (or TLS) socket, gRPC staying the control plane.
 
 gRPC-Python copies every message several times, which caps a round far below what the network can move.
-Here a tensor is one small JSON header frame, exactly `num_bytes` raw little-endian bytes and their
+Here a tensor is one small `TensorHeader` frame, exactly `num_bytes` raw little-endian bytes and their
 XXH3-64 as 8 bytes (`write_raw`), sent straight from the tensor's memory and received with `recv_into`
 straight into a buffer sized by the *receiver's* manifest (`TensorDecoder.feed_raw`: the same header checks
 as the gRPC path, done before a byte of payload is read, checksum verified after). Nothing received is ever
 unpickled.
 
-A connection carries one operation:
-
-    client -> MAGIC, VERSION, {"op": "upload"|"download"|"ping", "peer_id", "step", "full", "token", "timeout_s"}
-    upload:   server -> {"status": "send"} | final reply;  client -> tensors;  server -> final reply
-    download: server -> {"status": "ok", "round", "merged", "alpha", "names", "peers"} | error;  server -> tensors
-    ping:     server -> {"status": "ok"} | error  (a client in `auto` mode checks the port is reachable)
-    probe:    hello also has "up_bytes", "down_bytes" (preflight's link test, counted nowhere):
-              server -> {"status": "send"} | error;  client -> up_bytes raw;  server -> {"status": "ok"}, down_bytes raw
-
-A control frame is a 4-byte little-endian length and a JSON object of at most `MAX_FRAME_BYTES`. An error
-frame is {"status": "error", "code": <gRPC status name>, "reason": <spes-reason>, "message"}, so the
-client's retry/re-join/catch-up logic treats both planes alike (`spes.sync.protocol.Reason`).
+A connection carries one operation, opened by the preamble (`MAGIC`, the protocol version) and a `DataHello`;
+the server answers with `DataReply` frames (protos/spes.proto, "The raw-TCP data plane", has the exchanges).
+A control frame is a 4-byte little-endian length and one serialized message of at most `MAX_FRAME_BYTES`
+(`SERVER_MAX_FRAME_BYTES` for what the server reads). A refusal is a `DataError` (gRPC status name, spes-reason,
+message), so the client's retry/re-join/catch-up logic treats both planes alike (`spes.sync.protocol.Reason`).
+A preamble of another version is refused naming both versions; a peer of version 3 or older gets the refusal
+as the JSON error frame it reads (`LEGACY_JSON_VERSION`).
 
 The server's end is `DataHandler` (one operation per connection, over the `Coordinator`, accepted by
 `DataPlaneListener`); the client's is `TcpPlane` (`spes.sync.protocol.Plane`).
@@ -29,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import select
 import socket
 import ssl
@@ -36,10 +32,11 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError, Message
 
 from spes.sync.auth import tls_common_name, token_matches
 from spes.sync.proto import spes_pb2 as pb
@@ -47,14 +44,24 @@ from spes.sync.protocol import (
     PROBE_CHUNK_BYTES,
     PROBE_MAX_BYTES,
     PROTOCOL_VERSION,
-    Manifest,
     Reason,
     Refused,
     SyncError,
     Tensors,
     classify,
+    version_refusal,
 )
-from spes.sync.wire import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, Encoded, TensorDecoder, payload_bytes, read_file, write_raw
+from spes.sync.wire import (
+    DIGEST,
+    KEEPALIVE_S,
+    KEEPALIVE_TIMEOUT_S,
+    Encoded,
+    Item,
+    TensorDecoder,
+    header_for,
+    read_file,
+    write_raw,
+)
 
 if TYPE_CHECKING:
     from spes.sync.coordinator import Coordinator
@@ -63,17 +70,31 @@ log = logging.getLogger("spes.transport")
 
 MAGIC = b"SPES"
 VERSION = PROTOCOL_VERSION
+LEGACY_JSON_VERSION = 3
+"""The last protocol version whose control frames were JSON objects: a peer of it is refused in JSON."""
 MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 _PREAMBLE = struct.Struct("<4sH")
 _RECV_PIECE = 8 << 20
 SERVER_MAX_FRAME_BYTES = 1 << 20
 """Largest control frame the server reads (a hello or a tensor header: a few hundred bytes)."""
-Frame = dict[str, Any]
+M = TypeVar("M", bound=Message)
 
 
 class TransportError(ConnectionError):
     """The other end broke the framing or went away: the connection is unusable, a new one may succeed."""
+
+
+class FrameError(ValueError):
+    """A control frame of the right length that is not the message expected (another protocol, or damage)."""
+
+
+class WrongVersion(TransportError):
+    """A client's preamble names another protocol version (refused with `version_refusal`, then closed)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"a data-plane client of protocol v{version} (this server speaks v{VERSION})")
+        self.version = version
 
 
 # -- frames -------------------------------------------------------------------------------------------------------
@@ -87,13 +108,19 @@ def recv_exactly(sock: socket.socket, buf: memoryview) -> None:
         filled += got
 
 
-def send_frame(sock: socket.socket, frame: Frame) -> None:
-    data = json.dumps(frame, separators=(",", ":")).encode()
+def _send_bytes(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_LENGTH.pack(len(data)) + data)
 
 
-def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> Frame:
-    """One JSON control frame; its length is checked against `limit` before anything is allocated or read."""
+def send_frame(sock: socket.socket, message: Message) -> None:
+    """One control frame: the message's length, then the message."""
+    _send_bytes(sock, message.SerializeToString())
+
+
+def recv_frame(sock: socket.socket, kind: type[M], limit: int = MAX_FRAME_BYTES) -> M:
+    """One control frame as a `kind` message; its length is checked against `limit` before anything is allocated
+    or read. TransportError when the length is past the limit or the connection ends, FrameError when the bytes
+    are not a `kind` message."""
     head = bytearray(_LENGTH.size)
     recv_exactly(sock, memoryview(head))
     (length,) = _LENGTH.unpack(head)
@@ -102,78 +129,83 @@ def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> Frame:
     data = bytearray(length)
     recv_exactly(sock, memoryview(data))
     try:
-        frame = json.loads(data)
-    except ValueError:
-        raise TransportError("control frame is not valid JSON") from None
-    if not isinstance(frame, dict):
-        raise TransportError(f"control frame is a JSON {type(frame).__name__}, expected an object")
-    return frame
+        return kind.FromString(bytes(data))
+    except DecodeError:
+        raise FrameError(f"a control frame of {length} bytes is not a protocol v{VERSION} {kind.__name__}") from None
 
 
-def error_frame(code: str, message: str, reason: str = "") -> Frame:
-    return {"status": "error", "code": code, "reason": reason, "message": message}
+def recv_reply(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> pb.DataReply:
+    """One of the server's `DataReply` frames."""
+    return recv_frame(sock, pb.DataReply, limit)
 
 
-def send_hello(sock: socket.socket, request: Frame) -> None:
-    sock.sendall(_PREAMBLE.pack(MAGIC, VERSION))
-    send_frame(sock, request)
+def error_reply(code: str, message: str, reason: str = "") -> pb.DataReply:
+    return pb.DataReply(error=pb.DataError(code=code, reason=reason, message=message))
 
 
-def recv_hello(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> Frame:
-    """The client's handshake: magic and version first, so a stray connection is refused unread."""
+def refusal_reply(exc: Refused) -> pb.DataReply:
+    return error_reply(exc.code.name, str(exc), exc.reason)
+
+
+def send_hello(sock: socket.socket, hello: pb.DataHello, version: int = VERSION) -> None:
+    """The client's handshake: the preamble (`version` other than this protocol's only in tests), then `hello`."""
+    sock.sendall(_PREAMBLE.pack(MAGIC, version))
+    send_frame(sock, hello)
+
+
+def recv_hello(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> pb.DataHello:
+    """The client's handshake: magic and version first, so a stray connection is refused unread.
+
+    TransportError for a stray connection (no magic), `WrongVersion` for a client of another protocol version,
+    FrameError for a hello that is not a `DataHello`."""
     head = bytearray(_PREAMBLE.size)
     recv_exactly(sock, memoryview(head))
     magic, version = _PREAMBLE.unpack(head)
-    if magic != MAGIC or version != VERSION:
-        raise TransportError(f"not a SPES data-plane v{VERSION} client (magic {magic!r}, version {version})")
-    return recv_frame(sock, limit)
+    if magic != MAGIC:
+        raise TransportError(f"not a SPES data-plane client (magic {magic!r})")
+    if version != VERSION:
+        raise WrongVersion(version)
+    return recv_frame(sock, pb.DataHello, limit)
+
+
+def refuse_version(sock: socket.socket, version: int) -> None:
+    """Refuse a client of another protocol version, naming both, in the framing it reads (JSON up to v3)."""
+    refused = version_refusal("a data-plane client", version)
+    if version > LEGACY_JSON_VERSION:
+        close_after_error(sock, refusal_reply(refused))
+        return
+    legacy = {"status": "error", "code": refused.code.name, "reason": refused.reason.value, "message": str(refused)}
+    close_after_error(sock, json.dumps(legacy).encode())
 
 
 # -- tensors ------------------------------------------------------------------------------------------------------
-def send_tensors(sock: socket.socket, tensors: Mapping[str, torch.Tensor], wire_dtype: str) -> int:
-    """Send every tensor (`send_tensor`); returns the payload bytes."""
-    return sum(send_tensor(sock, name, tensor, wire_dtype) for name, tensor in tensors.items())
+def send_tensors(sock: socket.socket, tensors: Mapping[str, Item], wire_dtype: str) -> int:
+    """Send every item (`send_tensor`); returns the payload bytes."""
+    return sum(send_tensor(sock, name, item, wire_dtype) for name, item in tensors.items())
 
 
-def send_tensor(
-    sock: socket.socket, name: str, tensor: torch.Tensor, wire_dtype: str, encoded: Encoded | None = None
-) -> int:
-    """Send a tensor as a header frame, its raw payload (zero-copy `sendall`) and checksum; returns payload bytes.
+def send_tensor(sock: socket.socket, name: str, item: Item, wire_dtype: str, encoded: Encoded | None = None) -> int:
+    """Send an item as a header frame (`header_for`: its checksum trails the payload, so the header's field stays
+    0), its payload (zero-copy `sendall`) and checksum; returns payload bytes.
 
     `encoded` is its wire form and checksum computed once for several receivers (`EncodedModel`).
     """
-    send_frame(
-        sock,
-        {
-            "name": name,
-            "dtype": wire_dtype,
-            "shape": list(tensor.shape),
-            "num_bytes": payload_bytes(tuple(tensor.shape), wire_dtype),
-        },
-    )
-    return write_raw(tensor, wire_dtype, sock.sendall, encoded)
+    send_frame(sock, header_for(name, item, wire_dtype))
+    return write_raw(item, wire_dtype, sock.sendall, encoded)
 
 
-def header_of(frame: Frame) -> pb.TensorHeader:
-    """A header frame as a `TensorHeader` for `TensorDecoder`; ValueError when a field has the wrong type."""
-    fields = {"name": str, "dtype": str, "shape": list, "num_bytes": int}
-    for key, kind in fields.items():
-        if not isinstance(frame.get(key), kind) or isinstance(frame.get(key), bool):
-            raise ValueError(f"tensor header field {key!r} is missing or not a {kind.__name__}: {frame.get(key)!r}")
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in frame["shape"]):
-        raise ValueError(f"tensor header shape {frame['shape']!r} must be a list of integers")
-    try:
-        return pb.TensorHeader(**{key: frame[key] for key in fields})
-    except ValueError as exc:  # e.g. a negative or too large integer
-        raise ValueError(f"tensor header {frame.get('name')!r}: {exc}") from None
+def framing_bytes(header: pb.TensorHeader) -> int:
+    """Bytes the data plane adds to one tensor's payload: its header frame (length + message) and the trailer."""
+    return _LENGTH.size + header.ByteSize() + DIGEST.size
 
 
 def recv_tensors(
     sock: socket.socket, decoder: TensorDecoder, count: int, limit: int = MAX_FRAME_BYTES
 ) -> dict[str, torch.Tensor]:
-    """Receive `count` tensors into `decoder`'s manifest-sized buffers; every header is checked before its payload."""
+    """Receive `count` tensors into `decoder`'s manifest-sized buffers; every header is checked before its payload
+    (a header frame that is not a `TensorHeader` is a FrameError, a ValueError like every refused header)."""
     for _ in range(count):
-        decoder.feed_raw(header_of(recv_frame(sock, limit)), lambda buf: recv_exactly(sock, buf))
+        decoder.feed_raw(recv_frame(sock, pb.TensorHeader, limit), lambda buf: recv_exactly(sock, buf))
     return decoder.finish()
 
 
@@ -193,10 +225,6 @@ def peer_closed(sock: socket.socket) -> bool:
 
 
 # -- link test (python -m spes.preflight) -------------------------------------------------------------------------
-def _probe_size(value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= PROBE_MAX_BYTES:
-        raise ValueError(f"a link test moves 0 to {PROBE_MAX_BYTES} bytes each way, got {value!r}")
-    return value
 
 
 def send_zeros(sock: socket.socket, num_bytes: int) -> None:
@@ -215,16 +243,16 @@ def recv_discard(sock: socket.socket, num_bytes: int) -> None:
         num_bytes -= piece
 
 
-def serve_probe(sock: socket.socket, hello: Frame) -> None:
+def serve_probe(sock: socket.socket, hello: pb.DataHello) -> None:
     """The server's side of a link test (the hello is already authenticated)."""
-    try:
-        up, down = _probe_size(hello.get("up_bytes")), _probe_size(hello.get("down_bytes"))
-    except ValueError as exc:
-        close_after_error(sock, error_frame("INVALID_ARGUMENT", str(exc)))
+    up, down = hello.up_bytes, hello.down_bytes
+    if max(up, down) > PROBE_MAX_BYTES:
+        message = f"a link test moves 0 to {PROBE_MAX_BYTES} bytes each way, got {up} up and {down} down"
+        close_after_error(sock, error_reply("INVALID_ARGUMENT", message))
         return
-    send_frame(sock, {"status": "send"})
+    send_frame(sock, pb.DataReply(send=True))
     recv_discard(sock, up)
-    send_frame(sock, {"status": "ok"})
+    send_frame(sock, pb.DataReply(ok=True))
     send_zeros(sock, down)
 
 
@@ -333,7 +361,7 @@ class DataPlaneListener:
             with contextlib.suppress(OSError):
                 send_frame(
                     conn,
-                    error_frame(
+                    error_reply(
                         "DEADLINE_EXCEEDED",
                         f"nothing received for --stream_idle_timeout="
                         f"{self._io_timeout_s:g} s: connection closed, nothing it sent was kept",
@@ -353,7 +381,7 @@ class DataPlaneListener:
                 conn.settimeout(0.1)
                 send_frame(
                     conn,
-                    error_frame("RESOURCE_EXHAUSTED", "too many data-plane connections: retry shortly", Reason.BUSY),
+                    error_reply("RESOURCE_EXHAUSTED", "too many data-plane connections: retry shortly", Reason.BUSY),
                 )
         except OSError:
             pass
@@ -366,13 +394,14 @@ class DataPlaneListener:
         self._thread.join(timeout=2.0)
 
 
-def close_after_error(sock: socket.socket, frame: Frame, drain_s: float = 5.0) -> None:
-    """Send an error frame, then read and drop what the client still sends for up to `drain_s` seconds.
+def close_after_error(sock: socket.socket, reply: pb.DataReply | bytes, drain_s: float = 5.0) -> None:
+    """Send an error frame (a `DataReply`, or the bytes of another version's), then read and drop what the client
+    still sends for up to `drain_s` seconds.
 
     NOTE: closing with unread bytes makes the kernel send a reset, which can destroy the error frame
     before the client reads it; draining lets the client finish its send and read the reason.
     """
-    send_frame(sock, frame)
+    _send_bytes(sock, reply if isinstance(reply, bytes) else reply.SerializeToString())
     deadline = time.monotonic() + drain_s
     sink = bytearray(1 << 20)
     try:
@@ -392,80 +421,75 @@ class DataHandler:
 
     def __call__(self, sock: socket.socket) -> None:
         """Every receive is bounded by --stream_idle_timeout (the socket's timeout, set by the listener)."""
-        hello = recv_hello(sock, SERVER_MAX_FRAME_BYTES)
-        if not token_matches(hello.get("token"), self.token):
+        try:
+            hello = recv_hello(sock, SERVER_MAX_FRAME_BYTES)
+        except WrongVersion as exc:
+            log.warning("refused %s", exc)
+            refuse_version(sock, exc.version)
+            return
+        except FrameError as exc:
+            log.warning("refused a data-plane hello: %s", exc)
+            refused = Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{exc} (after a v{VERSION} preamble): this server speaks v{VERSION}; run the same spes "
+                "version on the server and every node",
+                Reason.WRONG_PROTOCOL,
+            )
+            close_after_error(sock, refusal_reply(refused))
+            return
+        if not token_matches(hello.token or None, self.token):
             log.warning("refused a data-plane connection: missing or wrong token")
             close_after_error(
                 sock,
-                error_frame(
+                error_reply(
                     "UNAUTHENTICATED",
                     "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret",
                     Reason.UNAUTHENTICATED,
                 ),
             )
             return
-        op, peer, step = hello.get("op"), hello.get("peer_id"), hello.get("step")
-        if op == "ping":  # a client checking at join that this port is reachable from where it runs
-            send_frame(sock, {"status": "ok"})
+        if hello.op == pb.DATA_OP_PING:  # a client checking at join that this port is reachable from where it runs
+            send_frame(sock, pb.DataReply(ok=True))
             return
-        if op == "probe":  # preflight's link test: counted in no traffic figure
+        if hello.op == pb.DATA_OP_PROBE:  # preflight's link test: counted in no traffic figure
             serve_probe(sock, hello)
             return
         try:
-            if not isinstance(peer, int) or not isinstance(step, int) or op not in ("upload", "download"):
-                raise Refused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"bad data-plane request: op {op!r}, peer_id {peer!r}, step {step!r}",
-                )
+            if hello.op not in (pb.DATA_OP_UPLOAD, pb.DATA_OP_DOWNLOAD):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"bad data-plane request: op {hello.op}")
+            peer, step = hello.peer_id, hello.step
             with self.service.guard.admit(None, total=False) as ticket:  # NOTE: the listener bounds the total
-                self.service.open_stream(ticket, peer, str(hello.get("session") or ""), lambda: tls_common_name(sock))
-                if op == "upload":
+                self.service.open_stream(ticket, peer, hello.session, lambda: tls_common_name(sock))
+                if hello.op == pb.DATA_OP_UPLOAD:
                     self._upload(sock, peer, step)
                 else:
-                    self._download(sock, peer, step, bool(hello.get("full")), hello.get("timeout_s"))
+                    self._download(sock, peer, step, hello)
         except Refused as exc:
             log.warning("refused (%s): %s", exc.code.name, exc)
-            close_after_error(sock, error_frame(exc.code.name, str(exc), exc.reason))
+            close_after_error(sock, refusal_reply(exc))
 
     def _upload(self, sock: socket.socket, peer: int, step: int) -> None:
         received = False
 
         def feed(decoder: TensorDecoder) -> None:
             nonlocal received
-            send_frame(sock, {"status": "send"})
+            send_frame(sock, pb.DataReply(send=True))
             recv_tensors(sock, decoder, len(decoder.expected), SERVER_MAX_FRAME_BYTES)
             received = True
 
         reply = self.service.upload(peer, step, feed)
         if not received and not reply.duplicate:
             return  # the peer went away mid-upload: nothing was kept, nobody to answer
-        send_frame(
-            sock,
-            {
-                "status": "ok",
-                "round": reply.round,
-                "duplicate": reply.duplicate,
-                "uploaded_peers": list(reply.uploaded_peers),
-            },
-        )
+        send_frame(sock, pb.DataReply(uploaded=reply))
 
-    def _download(self, sock: socket.socket, peer: int, step: int, full: bool, timeout_s: object) -> None:
-        time_left = float(timeout_s) if isinstance(timeout_s, (int, float)) and timeout_s > 0 else None
-        with self.service.download(peer, step, full, lambda: not peer_closed(sock), time_left) as outgoing:
+    def _download(self, sock: socket.socket, peer: int, step: int, hello: pb.DataHello) -> None:
+        time_left = hello.timeout_s if hello.timeout_s > 0 else None
+        with self.service.download(
+            peer, step, hello.full, lambda: not peer_closed(sock), time_left, hello.base_round
+        ) as outgoing:
             if outgoing is None:
                 return
-            info = outgoing.info
-            send_frame(
-                sock,
-                {
-                    "status": "ok",
-                    "round": info.round,
-                    "merged": info.merged,
-                    "alpha": info.alpha,
-                    "names": list(info.names),
-                    "peers": list(info.peers),
-                },
-            )
+            send_frame(sock, pb.DataReply(round=outgoing.info))
             for name, tensor in outgoing.tensors.items():
                 outgoing.sent += send_tensor(sock, name, tensor, outgoing.wire_dtype, outgoing.encoded[name])
 
@@ -494,25 +518,25 @@ class TcpPlane:
 
     def ping(self, timeout: float) -> None:
         """Check that the data plane answers from here (a firewall may pass only gRPC); SyncError or OSError if not."""
-        with self._connect("ping", -1, timeout) as sock:
-            self._reply(sock, "data-plane ping")
+        with self._connect(pb.DATA_OP_PING, -1, timeout) as sock:
+            self._reply(sock, "data-plane ping", "ok")
 
-    def upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> tuple[int, bool]:
-        sock = self._connect("upload", step, timeout)
+    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float) -> tuple[int, bool]:
+        sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout)
         what, sent = f"upload of round {step}", 0
         try:
             with sock:
-                reply = self._reply(sock, what)
-                if reply.get("status") == "send":
+                reply = self._reply(sock, what, "send", "uploaded")
+                if reply.HasField("send"):
                     try:
                         sent = send_tensors(sock, tensors, self.wire_dtype)
                     except OSError:
                         pass  # NOTE: the server may have refused mid-stream: its reply says why
                     sock.settimeout(timeout)
-                    reply = self._reply(sock, what)
+                    reply = self._reply(sock, what, "uploaded")
         except OSError as exc:
             raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
-        return sent, bool(reply.get("duplicate"))
+        return sent, reply.uploaded.duplicate
 
     def download(
         self,
@@ -520,26 +544,18 @@ class TcpPlane:
         timeout: float,
         *,
         full: bool,
-        expect: Callable[[pb.RoundInfo], Manifest],
-        into: dict[str, torch.Tensor] | None,
+        base_round: int,
+        decoder_for: Callable[[pb.RoundInfo], TensorDecoder],
     ) -> tuple[pb.RoundInfo, Tensors, int]:
-        sock = self._connect("download", step, timeout, full=full)
+        sock = self._connect(pb.DATA_OP_DOWNLOAD, step, timeout, full=full, base_round=base_round)
         what = f"download of round {step}"
         try:
             with sock:
                 sock.settimeout(timeout)  # NOTE: the first reply waits for the whole round
-                frame = self._reply(sock, what)
-                info = pb.RoundInfo(
-                    round=frame.get("round"),
-                    merged=frame.get("merged"),
-                    alpha=frame.get("alpha"),
-                    names=frame.get("names"),
-                    peers=frame.get("peers"),
-                )
-                expected = expect(info)
+                info = self._reply(sock, what, "round").round
+                decoder = decoder_for(info)
                 sock.settimeout(min(timeout, self.rpc_timeout_s))
-                decoder = TensorDecoder(expected, self.wire_dtype, into=into)
-                tensors = recv_tensors(sock, decoder, len(expected))
+                tensors = recv_tensors(sock, decoder, len(decoder.expected))
         except OSError as exc:
             raise SyncError(f"{what} broke off: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True) from None
         except (ValueError, TypeError) as exc:  # damaged in transit: fetching it again may succeed
@@ -548,11 +564,13 @@ class TcpPlane:
 
     def probe(self, num_bytes: int) -> tuple[float, float]:
         try:
-            with self._connect("probe", -1, self.rpc_timeout_s, up_bytes=num_bytes, down_bytes=num_bytes) as sock:
-                self._reply(sock, "link test")  # {"status": "send"}
+            with self._connect(
+                pb.DATA_OP_PROBE, -1, self.rpc_timeout_s, up_bytes=num_bytes, down_bytes=num_bytes
+            ) as sock:
+                self._reply(sock, "link test", "send")
                 start = time.perf_counter()
                 send_zeros(sock, num_bytes)
-                self._reply(sock, "link test")  # {"status": "ok"}: the server has read every byte
+                self._reply(sock, "link test", "ok")  # the server has read every byte
                 up_s = time.perf_counter() - start
                 start = time.perf_counter()
                 recv_discard(sock, num_bytes)
@@ -560,46 +578,52 @@ class TcpPlane:
         except OSError as exc:
             raise SyncError(f"link test broke off: {exc}", grpc.StatusCode.UNAVAILABLE) from None
 
-    def _connect(self, op: str, step: int, timeout: float, *, full: bool = False, **extra: int) -> socket.socket:
+    def _connect(self, op: pb.DataOp, step: int, timeout: float, *, full: bool = False, **extra: int) -> socket.socket:
         """A connection to the server's data plane with the handshake sent; socket errors are retryable."""
+        what = f"{pb.DataOp.Name(op).removeprefix('DATA_OP_').lower()} round {step}"
         try:
             sock = connect(self.host, self.port, self._tls, min(timeout, self.rpc_timeout_s))
         except OSError as exc:
             raise SyncError(
-                f"{op} round {step}: data plane {self.host}:{self.port} unreachable: {exc}",
+                f"{what}: data plane {self.host}:{self.port} unreachable: {exc}",
                 grpc.StatusCode.UNAVAILABLE,
                 retryable=True,
             ) from None
+        hello = pb.DataHello(
+            op=op,
+            peer_id=self.peer_id,
+            step=step,
+            full=full,
+            token=self._token or "",
+            timeout_s=timeout if math.isfinite(timeout) else 0.0,
+            session=self._session,
+            **extra,
+        )
         try:
-            send_hello(
-                sock,
-                {
-                    "op": op,
-                    "peer_id": self.peer_id,
-                    "step": step,
-                    "full": full,
-                    "token": self._token,
-                    "timeout_s": timeout,
-                    "session": self._session,
-                    **extra,
-                },
-            )
+            send_hello(sock, hello)
         except OSError as exc:
             sock.close()
             raise SyncError(
-                f"{op} round {step}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True
+                f"{what}: data plane handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE, retryable=True
             ) from None
         return sock
 
     @staticmethod
-    def _reply(sock: socket.socket, what: str) -> Frame:
-        frame = recv_frame(sock)
-        if frame.get("status") == "error":
-            raise refusal_of(what, frame)
-        return frame
+    def _reply(sock: socket.socket, what: str, *kinds: str) -> pb.DataReply:
+        """The server's next reply, which must be one of `kinds` (a `DataReply` field); a refusal as a SyncError."""
+        try:
+            reply = recv_reply(sock)
+        except FrameError as exc:
+            raise SyncError(f"{what}: the server's reply is garbled or of another protocol ({exc})") from None
+        kind = reply.WhichOneof("kind")
+        if kind == "error":
+            raise refusal_of(what, reply.error)
+        if kind not in kinds:
+            raise SyncError(f"{what}: the server answered {kind or 'nothing'}, expected {' or '.join(kinds)}")
+        return reply
 
 
-def refusal_of(what: str, frame: Frame) -> SyncError:
+def refusal_of(what: str, error: pb.DataError) -> SyncError:
     """A data-plane error frame as a SyncError (an unknown code counts as UNKNOWN)."""
-    code = getattr(grpc.StatusCode, str(frame.get("code")), grpc.StatusCode.UNKNOWN)
-    return classify(what, code, str(frame.get("message", "")), str(frame.get("reason", "")))
+    code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN)
+    return classify(what, code, error.message, error.reason)

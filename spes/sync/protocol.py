@@ -12,16 +12,25 @@ from __future__ import annotations
 import enum
 import sys
 from collections.abc import Callable, Mapping
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import grpc
 import torch
 
 from spes.sync.proto import spes_pb2 as pb
 
-PROTOCOL_VERSION = 3  # 3: XXH3-64 checksums; 2: CRC-32C; before it (unversioned): zlib CRC-32
+if TYPE_CHECKING:
+    from spes.sync.wire import Item, TensorDecoder
+
+PROTOCOL_VERSION = 4
+"""4: the data plane's control frames are protobuf messages of protos/spes.proto; 3: XXH3-64 checksums (data-plane
+frames JSON); 2: CRC-32C; before it (unversioned): zlib CRC-32."""
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""The dtypes a peer may use on the wire (both directions), by their wire name."""
+"""The dtypes raw values travel in, by their wire name."""
+INT8 = "int8"
+"""The wire of int8 deltas against the held model (`spes.sync.deltas`): a run-wide choice, full values in fp32."""
+WIRE_CHOICES = (*WIRE_DTYPES, INT8)
+"""What a peer may set as its wire (`spes_config.wire_dtype`): a raw dtype, or int8 deltas."""
 REASON_KEY = "spes-reason"
 """The gRPC trailing-metadata key that carries a refusal's `Reason`."""
 PROBE_MAX_BYTES = 256 << 20
@@ -77,6 +86,10 @@ class Reason(StrEnum):
     """The data plane's handshake carried no or a wrong token."""
     OLD_SERVER = "old_server"
     """The server predates preflight and took a dry join as a real one."""
+    WRONG_PROTOCOL = "wrong_protocol"
+    """The peer speaks another protocol version (`version_refusal`): run the same spes version everywhere."""
+    BASE_MISMATCH = "base_mismatch"
+    """An int8 delta against a held model other than the receiver's: send full values instead."""
 
 
 RETRY_REASONS = frozenset({Reason.CORRUPT, Reason.BUSY, Reason.DUPLICATE_PEER})
@@ -91,6 +104,21 @@ class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, reason: Reason = Reason.NONE) -> None:
         super().__init__(message)
         self.code, self.reason = code, Reason(reason)
+
+
+def values_dtype(wire: str) -> str:
+    """The dtype raw values travel in on `wire`: itself, or fp32 for int8 deltas (whose full values are fp32)."""
+    return "fp32" if wire == INT8 else wire
+
+
+def version_refusal(who: str, version: int) -> Refused:
+    """The refusal of a peer that speaks protocol `version` (on either plane), naming both versions."""
+    return Refused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"{who} speaks wire protocol v{version} but this server speaks v{PROTOCOL_VERSION}: "
+        "run the same spes version on the server and every node",
+        Reason.WRONG_PROTOCOL,
+    )
 
 
 class SyncError(RuntimeError):
@@ -136,8 +164,9 @@ class Plane(Protocol):
     name: str
     """"grpc" or "tcp"."""
 
-    def upload(self, step: int, tensors: Mapping[str, torch.Tensor], timeout: float) -> tuple[int, bool]:
-        """Send this peer's upload of round `step`: (payload bytes sent, whether the server already had it)."""
+    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float) -> tuple[int, bool]:
+        """Send this peer's upload of round `step` (values, or int8 deltas): (payload bytes sent, whether the server
+        already had it)."""
         ...
 
     def download(
@@ -146,13 +175,14 @@ class Plane(Protocol):
         timeout: float,
         *,
         full: bool,
-        expect: Callable[[pb.RoundInfo], Manifest],
-        into: dict[str, torch.Tensor] | None,
+        base_round: int,
+        decoder_for: Callable[[pb.RoundInfo], TensorDecoder],
     ) -> tuple[pb.RoundInfo, Tensors, int]:
-        """Wait for round `step` and receive it: (its RoundInfo, the tensors, payload bytes received).
+        """Wait for round `step` and receive it: (its RoundInfo, the raw tensors, payload bytes received).
 
-        `expect(info)` checks the announced round and returns the name -> shape of the tensors that must follow;
-        `into` holds buffers to receive into (kept from round to round), or None.
+        `decoder_for(info)` checks the announced round and returns the decoder of the tensors that must follow (its
+        manifest and buffers; int8 deltas land in its `deltas`); `base_round` is the round of the held model this
+        peer holds (int8 wire; `spes.sync.deltas.NO_BASE` otherwise).
         """
         ...
 

@@ -27,9 +27,21 @@ import grpc
 
 from spes.config import ServerSection
 from spes.moe import parse_expert_block
+from spes.sync.compress import Int8Payload
+from spes.sync.deltas import HeldRound
 from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import PROTOCOL_VERSION, WIRE_DTYPES, Mode, Reason, Refused, Shape, Tensors
+from spes.sync.protocol import (
+    INT8,
+    PROTOCOL_VERSION,
+    WIRE_CHOICES,
+    Mode,
+    Reason,
+    Refused,
+    Shape,
+    Tensors,
+    version_refusal,
+)
 
 MAX_MODEL_GB = 48.0
 """Default --max_model_gb: the paper's largest config (configs/upcycled_9b, 9.4B parameters) is 37.7 GB in fp32."""
@@ -58,7 +70,7 @@ class RoundPolicy:
         if self.dead_peer_policy not in ("wait", "quorum"):
             raise ValueError(f"--dead_peer_policy must be 'wait' or 'quorum', got {self.dead_peer_policy!r}")
         if self.min_peers is not None and not 1 <= self.min_peers <= self.num_peers:
-            raise ValueError(f"--min_peers must be in [1, total_peers={self.num_peers}], got {self.min_peers}")
+            raise ValueError(f"--min_peers must be in [1, num_peers={self.num_peers}], got {self.min_peers}")
 
     @property
     def quorum(self) -> int:
@@ -83,8 +95,8 @@ class RoundState:
     """One open round collecting uploads, and the latest completed round's global model.
 
     Not thread-safe by itself: the server calls it under its condition's lock. Memory held: the global
-    model (+ DiLoCo momentum) and the committed uploads of the open round, handed to the aggregator (and
-    dropped from here) when the round closes.
+    model (+ DiLoCo momentum; on an int8 wire the held model and its deltas) and the committed uploads of the open
+    round, handed to the aggregator (and dropped from here) when the round closes.
     """
 
     def __init__(self, num_peers: int) -> None:
@@ -93,11 +105,15 @@ class RoundState:
         self.opened_at = 0.0
         self.uploaded: set[int] = set()
         self.staged: dict[int, Tensors] = {}
+        self.relayed: dict[str, Int8Payload] = {}
+        """Int8 wire: the uploaded payloads of the blocks the open round takes verbatim (relayed on download)."""
         self.aggregating = False
         self.completed_round: int | None = None
         self.completed_peers: frozenset[int] = frozenset()
         self.global_model: Tensors = {}
         self.outer_momentum: Tensors = {}
+        self.held: HeldRound | None = None
+        """Int8 wire: the held model of the completed round (None on other wires)."""
         self.merged = False
         self.alpha = 0.0
         self.failure: tuple[int, str] | None = None
@@ -145,14 +161,18 @@ class RoundState:
             )
         return False
 
-    def stage_upload(self, peer: int, step: int, tensors: Tensors) -> bool:
-        """Commit a complete, verified upload; opens the round if needed. True when every peer is in."""
+    def stage_upload(
+        self, peer: int, step: int, tensors: Tensors, relayed: Mapping[str, Int8Payload] | None = None
+    ) -> bool:
+        """Commit a complete, verified upload (and, int8 wire, the payloads of its verbatim blocks); opens the round
+        if needed. True when every peer is in."""
         if self.open_round is None:
             self.open_round, self.opened_at, self.failure = step, time.monotonic(), None
         assert step == self.open_round and peer not in self.uploaded and not self.aggregating
         self.failure = None
         self.uploaded.add(peer)
         self.staged[peer] = tensors
+        self.relayed.update(relayed or {})
         return len(self.uploaded) == self.num_peers
 
     def check_download(self, peer: int, step: int, full: bool) -> bool:
@@ -215,17 +235,27 @@ class RoundState:
             )
         return ""
 
-    def take_uploads(self) -> dict[int, Tensors]:
-        """Hand the round's uploads to the aggregator (they are no longer held here); the round is aggregating."""
+    def take_uploads(self) -> tuple[dict[int, Tensors], dict[str, Int8Payload]]:
+        """Hand the round's uploads and relayed payloads to the aggregator (they are no longer held here); the round
+        is aggregating."""
         assert self.uploaded and not self.aggregating
         self.aggregating = True
         uploads, self.staged = self.staged, {}
-        return uploads
+        relayed, self.relayed = self.relayed, {}
+        return uploads, relayed
 
-    def complete(self, step: int, global_model: Tensors, outer_momentum: Tensors, merged: bool, alpha: float) -> None:
+    def complete(
+        self,
+        step: int,
+        global_model: Tensors,
+        outer_momentum: Tensors,
+        merged: bool,
+        alpha: float,
+        held: HeldRound | None = None,
+    ) -> None:
         """Publish the global model of round `step`, built from the uploads of `self.uploaded`."""
         assert step == self.open_round and self.aggregating
-        self.restore(step, self.uploaded, global_model, outer_momentum, merged, alpha)
+        self.restore(step, self.uploaded, global_model, outer_momentum, merged, alpha, held)
 
     def restore(
         self,
@@ -235,18 +265,19 @@ class RoundState:
         outer_momentum: Tensors,
         merged: bool,
         alpha: float,
+        held: HeldRound | None = None,
     ) -> None:
         """Make round `step` the latest completed one (also how a restarted server resumes); no round is open."""
         self.completed_round, self.completed_peers = step, frozenset(peers)
-        self.global_model, self.outer_momentum = global_model, outer_momentum
+        self.global_model, self.outer_momentum, self.held = global_model, outer_momentum, held
         self.merged, self.alpha = merged, alpha
         self.open_round, self.uploaded, self.staged, self.aggregating = None, set(), {}, False
-        self.failure = None
+        self.relayed, self.failure = {}, None
 
     def fail(self, step: int, message: str) -> None:
         """Aggregation failed: drop the uploads so the peers can upload round `step` again."""
         self.failure = (step, message)
-        self.uploaded, self.staged, self.aggregating = set(), {}, False
+        self.uploaded, self.staged, self.relayed, self.aggregating = set(), {}, {}, False
 
     def snapshot(self) -> RoundSnapshot:
         return RoundSnapshot(
@@ -279,6 +310,7 @@ def check_join(
     num_peers: int,
     experts_per_peer: int,
     mode: Mode,
+    wire_dtype: str = "fp32",
     max_tensors: int = MAX_TENSORS,
     max_model_gb: float | None = MAX_MODEL_GB,
 ) -> tuple[dict[str, Shape], list[str]]:
@@ -297,15 +329,11 @@ def check_join(
                 f"peer {peer}'s {what} names {count} tensors, more than --max_tensors={max_tensors}",
             )
     if request.protocol != PROTOCOL_VERSION:
-        raise Refused(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"peer {peer} speaks wire protocol v{request.protocol} but this server speaks v{PROTOCOL_VERSION}: "
-            "run the same spes version on the server and every node",
-        )
+        raise version_refusal(f"peer {peer}", request.protocol)
     if not 0 <= peer < num_peers:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer_id {peer} is outside [0, {num_peers}) for this run")
-    for what, theirs, ours in (  # NOTE: named as the server's flags name them (--total_peers)
-        ("total_peers", request.num_peers, num_peers),
+    for what, theirs, ours in (  # NOTE: named as the run's YAML names them (spes_config.*)
+        ("num_peers", request.num_peers, num_peers),
         ("num_train_experts_per_node", request.experts_per_peer, experts_per_peer),
         ("mode", request.mode, mode),
     ):
@@ -314,10 +342,17 @@ def check_join(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"peer {peer} has {what}={theirs!r} but the server runs with {what}={ours!r}",
             )
-    if request.wire_dtype not in WIRE_DTYPES:
+    if request.wire_dtype not in WIRE_CHOICES:
         raise Refused(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"peer {peer}: unknown wire_dtype {request.wire_dtype!r}, use one of {sorted(WIRE_DTYPES)}",
+            f"peer {peer}: unknown wire_dtype {request.wire_dtype!r}, use one of {list(WIRE_CHOICES)}",
+        )
+    if (request.wire_dtype == INT8) != (wire_dtype == INT8):  # NOTE: fp32 and bf16 peers may mix, int8 is run-wide
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"peer {peer} has wire_dtype={request.wire_dtype!r} but the server runs with wire_dtype={wire_dtype!r}: "
+            "int8 deltas need the server's held model, so every node and the server must use int8 or none does "
+            "(set spes_config.wire_dtype alike in every node's YAML and the server's)",
         )
     shapes = {spec.name: tuple(int(d) for d in spec.shape) for spec in request.manifest}
     if len(shapes) != len(request.manifest):

@@ -58,7 +58,7 @@ from spes.sync.coordinator import Coordinator
 from spes.sync.merge import MergeConfig, OuterConfig
 from spes.sync.plane_grpc import SpesServicer
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.protocol import Mode, Shape
+from spes.sync.protocol import WIRE_CHOICES, Mode, Shape
 from spes.sync.rounds import MAX_MODEL_GB, MAX_TENSORS, DeadPeerPolicy, RoundPolicy
 from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, grpc_options, read_file
 
@@ -73,7 +73,7 @@ class ServerConfig:
     """Everything the parameter server needs; built by `main` from the run's YAML (its layout and `server:`
     section, `spes.config.ServerSection`) and the deployment flags."""
 
-    total_peers: int
+    num_peers: int
     """Number of peers in the run."""
     experts_per_peer: int
     """Experts per ownership block (num_train_experts_per_node); peers must agree."""
@@ -83,6 +83,9 @@ class ServerConfig:
     """TCP port; 0 lets the OS choose (see `ParameterServer.port`)."""
     mode: Mode = "spes"
     """`spes` (experts from owners, shared averaged, merge warm-up) or `diloco` (average everything)."""
+    wire_dtype: str = "fp32"
+    """The run's `spes_config.wire_dtype`: `int8` makes the server hold the held model and speak int8 deltas (every
+    node must use int8 then); with `fp32` or `bf16` each node picks either."""
     merge: MergeConfig = field(default_factory=MergeConfig)
     """Expert-merging warm-up (SPES mode only); defaults: the run config's `server:` section."""
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -127,8 +130,8 @@ class ServerConfig:
     """Allow a non-loopback bind without a token, or with a token but without TLS."""
 
     def __post_init__(self) -> None:
-        if self.total_peers < 1:
-            raise ValueError(f"--total_peers must be >= 1, got {self.total_peers}")
+        if self.num_peers < 1:
+            raise ValueError(f"--total_peers must be >= 1, got {self.num_peers}")
         if self.experts_per_peer < 1:
             raise ValueError(f"--num_train_experts_per_node must be >= 1, got {self.experts_per_peer}")
         if not 0 <= self.port <= 65535:
@@ -137,6 +140,8 @@ class ServerConfig:
             raise ValueError(f"--data_port must be -1 (disabled) or in [0, 65535], got {self.data_port}")
         if self.mode not in ("spes", "diloco"):
             raise ValueError(f"--mode must be 'spes' or 'diloco', got {self.mode!r}")
+        if self.wire_dtype not in WIRE_CHOICES:
+            raise ValueError(f"--wire_dtype must be one of {list(WIRE_CHOICES)}, got {self.wire_dtype!r}")
         self.policy()  # validates --round_timeout, --dead_peer_policy, --min_peers
         if self.max_message_mb < 2:
             raise ValueError(f"--max_message_mb must be >= 2 (chunks are 1 MiB), got {self.max_message_mb}")
@@ -180,7 +185,7 @@ class ServerConfig:
 
     def policy(self) -> RoundPolicy:
         return RoundPolicy(
-            num_peers=self.total_peers,
+            num_peers=self.num_peers,
             timeout_s=self.round_timeout_s,
             dead_peer_policy=self.dead_peer_policy,
             min_peers=self.min_peers,
@@ -191,7 +196,7 @@ class ServerConfig:
 
         The merge warm-up, outer optimizer and dead-peer settings may change across a restart.
         """
-        return {"total_peers": self.total_peers, "experts_per_peer": self.experts_per_peer, "mode": self.mode}
+        return {"num_peers": self.num_peers, "experts_per_peer": self.experts_per_peer, "mode": self.mode}
 
 
 def _is_loopback(host: str) -> bool:
@@ -223,7 +228,10 @@ class ParameterServer:
         """The raw data plane's port (0: disabled)."""
 
     def stop(self, grace_s: float = 2.0) -> None:
-        """Stop serving: waiting downloads end with UNAVAILABLE, in-flight calls get `grace_s` seconds."""
+        """Stop serving: waiting downloads end with UNAVAILABLE, in-flight calls get `grace_s` seconds.
+
+        The health watchers' NOT_SERVING notice is only queued (`GuardedHealth`): a watcher that does not read
+        cannot hold the stop, and its stream ends with the server's."""
         self.health.enter_graceful_shutdown()
         self.service.shutdown(grace_s)
         if self._data_plane is not None:
@@ -245,7 +253,7 @@ def start_server(cfg: ServerConfig) -> ParameterServer:
 
 def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     interceptors = [TokenAuthInterceptor(cfg.token)] if cfg.token is not None else []
-    # NOTE: streams hold at most `max_streams` threads (StreamGuard); the rest serve Join, Status and health.
+    # NOTE: streams hold at most `max_streams` threads (StreamGuard); the rest serve Join, Status and health checks.
     executor = futures.ThreadPoolExecutor(max_workers=cfg.max_streams + UNARY_RESERVE, thread_name_prefix="spes-rpc")
     server = grpc.server(
         executor,
@@ -354,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = add("without RUN.yaml (tests, tools): the layout, and the run flags of earlier versions")
     run.add_argument(
         "--total_peers",
+        dest="num_peers",
         type=int,
         default=None,
         help="number of peers (nodes) in the run; with RUN.yaml it must equal spes_config.num_peers",
@@ -370,6 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="spes: experts from their owners + averaged shared params; diloco: average everything "
         "(default: the YAML's, else spes)",
+    )
+    run.add_argument(
+        "--wire_dtype",
+        choices=WIRE_CHOICES,
+        default=None,
+        help="the run's spes_config.wire_dtype: int8 makes the server hold the held model and speak int8 deltas, "
+        "and every node must use int8; fp32/bf16: each node picks either (default: the YAML's, else fp32)",
     )
     add_server_flags(run)
     net = add("network")
@@ -484,9 +500,10 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
     """
     overrides = [*args.overrides, *server_flag_overrides(args)]
     layout = {
-        "--total_peers": args.total_peers,
+        "--total_peers": args.num_peers,
         "--num_train_experts_per_node": args.num_train_experts_per_node,
         "--mode": args.mode,
+        "--wire_dtype": args.wire_dtype,
     }
     manifest = None
     if args.run is not None:
@@ -500,6 +517,7 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
             "--total_peers": run.num_peers,
             "--num_train_experts_per_node": run.experts_per_peer,
             "--mode": run.mode,
+            "--wire_dtype": run.spes_config.wire_dtype,
         }
         for flag, value in layout.items():
             if value is not None and value != of_run[flag]:
@@ -516,11 +534,11 @@ def _run_settings(args: argparse.Namespace) -> dict[str, Any]:
                 f"{' and '.join(missing)} required"
             )
         section = load_server_section(overrides)
-    mode = {"mode": layout["--mode"]} if layout["--mode"] is not None else {}
+    optional = {key: layout[f"--{key}"] for key in ("mode", "wire_dtype") if layout[f"--{key}"] is not None}
     return {
-        "total_peers": layout["--total_peers"],
+        "num_peers": layout["--total_peers"],
         "experts_per_peer": layout["--num_train_experts_per_node"],
-        **mode,
+        **optional,
         "merge": merge_of(section),
         "outer": outer_of(section),
         "round_timeout_s": section.round_timeout_s,

@@ -3,6 +3,8 @@
 After every completed round, before any peer may download it, the server writes
 
     round-<step>.safetensors   the global model (fp32) and, under `momentum/<name>`, the DiLoCo outer momentum
+                               and, under `held/<name>`, the held model of an int8 wire (`spes.sync.deltas`;
+                               a held tensor that is the global one is written once, listed in state.json)
     state.json                 the round (step, peers that built it, merge flag and alpha), the run's settings,
                                the model manifest, and the name and size of the tensor file
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from spes.sync.protocol import Shape, Tensors
 STATE_FILE = "state.json"
 FORMAT = 1
 MOMENTUM_PREFIX = "momentum/"
+HELD_PREFIX = "held/"
 _ROUND_FILE = re.compile(r"^round-(\d+)\.safetensors$")
 
 
@@ -45,6 +48,8 @@ class SavedRound:
     manifest: dict[str, Shape]
     global_model: Tensors
     momentum: Tensors
+    held: Tensors = field(default_factory=dict)
+    """Int8 wire: the held model of this round (every tensor), empty on other wires."""
 
 
 def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any]) -> Path:
@@ -53,7 +58,12 @@ def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any])
     directory.mkdir(parents=True, exist_ok=True)
     tensor_file = directory / f"round-{saved.step}.safetensors"
     # NOTE: safetensors writes straight from each tensor's memory: no second copy of the model is made.
-    tensors = {**saved.global_model, **{MOMENTUM_PREFIX + n: t for n, t in saved.momentum.items()}}
+    shared = sorted(n for n, t in saved.held.items() if t is saved.global_model.get(n))
+    tensors = {
+        **saved.global_model,
+        **{MOMENTUM_PREFIX + n: t for n, t in saved.momentum.items()},
+        **{HELD_PREFIX + n: t for n, t in saved.held.items() if n not in shared},
+    }
     write_atomic(tensor_file, lambda tmp: save_file({n: t.contiguous() for n, t in tensors.items()}, tmp))
     record = {
         "format": FORMAT,
@@ -63,6 +73,7 @@ def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any])
         "alpha": saved.alpha,
         "run": dict(run),
         "manifest": {name: list(shape) for name, shape in saved.manifest.items()},
+        "held_is_global": shared,
         "tensor_file": tensor_file.name,
         "tensor_file_bytes": tensor_file.stat().st_size,
     }
@@ -90,14 +101,18 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
         manifest = {str(n): tuple(int(d) for d in shape) for n, shape in record["manifest"].items()}
         if record["format"] != FORMAT:
             raise ValueError(f"format {record['format']!r}, this spes reads format {FORMAT}")
+        held_is_global = [str(n) for n in record.get("held_is_global", [])]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{state_path}: not a spes server state ({exc}); move it away or pick another --state_dir"
         ) from None
+    recorded = dict(record["run"])
+    if "total_peers" in recorded:  # NOTE: a state written before the server's settings named it num_peers
+        recorded["num_peers"] = recorded.pop("total_peers")
     for key, value in run.items():
-        if record["run"].get(key) != value:
+        if recorded.get(key) != value:
             raise ValueError(
-                f"{state_path}: written by a run with {key}={record['run'].get(key)!r}, this server has "
+                f"{state_path}: written by a run with {key}={recorded.get(key)!r}, this server has "
                 f"{key}={value!r}; restart with the same settings or use a fresh --state_dir"
             )
     tensor_path = directory / Path(tensor_name).name
@@ -110,17 +125,23 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
         )
     global_model: Tensors = {}
     momentum: Tensors = {}
+    held: Tensors = {}
     try:
         with safe_open(str(tensor_path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name.startswith(MOMENTUM_PREFIX):
-                    momentum[name[len(MOMENTUM_PREFIX) :]] = f.get_tensor(name)
-                else:
-                    global_model[name] = f.get_tensor(name)
+                for prefix, into in ((MOMENTUM_PREFIX, momentum), (HELD_PREFIX, held), ("", global_model)):
+                    if name.startswith(prefix):
+                        into[name[len(prefix) :]] = f.get_tensor(name)
+                        break
     except SafetensorError as exc:
         raise ValueError(f"{tensor_path}: unreadable ({exc}): the state directory is damaged") from None
     shapes = {name: tuple(t.shape) for name, t in global_model.items()}
-    if shapes != manifest or not set(momentum) <= set(manifest):
+    held.update({name: global_model[name] for name in held_is_global if name in global_model})
+    held_shapes = {name: tuple(t.shape) for name, t in held.items()}
+    if shapes != manifest or not set(momentum) <= set(manifest) or held_shapes not in ({}, manifest):
         raise ValueError(f"{tensor_path}: its tensors do not match the manifest in {state_path}")
     ordered = {name: global_model[name] for name in manifest}  # the model's own order, as served before
-    return SavedRound(step, tuple(peers), bool(record["merged"]), float(record["alpha"]), manifest, ordered, momentum)
+    held = {name: held[name] for name in manifest} if held else {}
+    return SavedRound(
+        step, tuple(peers), bool(record["merged"]), float(record["alpha"]), manifest, ordered, momentum, held
+    )

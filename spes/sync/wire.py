@@ -12,20 +12,28 @@ manifest expects and only copies validated bytes into it.
 `TensorDecoder` is the incremental form used by the gRPC handlers (one `feed` per chunk) and, with
 `feed_raw`, by the raw-TCP data plane (`spes.sync.plane_tcp`), so both share the same header checks. The transport
 settings both ends share live here too: gRPC channel options and reading the PEM/secret files.
+
+With `wire_dtype: int8` a tensor may instead travel as a `Delta`: its int8 payload (`spes.sync.compress`) and the
+round of the held model it applies to, under the same framing and checksums (header `encoding`, `block`,
+`base_round`; the payload is the int8 values, then the fp32 scales).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
 
+from spes.sync import compress
+from spes.sync.compress import Int8Payload
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import WIRE_DTYPES, Shape
 
@@ -37,7 +45,19 @@ _CONVERT_ELEMS = 1 << 20
 DIGEST = struct.Struct("<Q")  # a raw stream's trailer: the payload's XXH3-64, little-endian
 _ITEMSIZE: dict[str, int] = {"fp32": 4, "bf16": 2}
 
-Encoded = tuple[torch.Tensor, int]  # a tensor's wire form (contiguous CPU tensor of the wire dtype) and its checksum
+Encoded = tuple[torch.Tensor, int]  # a tensor's wire form (contiguous CPU tensor of its wire bytes) and its checksum
+
+
+@dataclass(frozen=True)
+class Delta:
+    """An int8 delta as it travels: the payload and the round of the held model it applies to."""
+
+    payload: Int8Payload
+    base_round: int
+
+
+Item = torch.Tensor | Delta
+"""What travels for one name: its values (raw, in the wire dtype) or a `Delta`."""
 
 
 KEEPALIVE_S = 20
@@ -130,15 +150,52 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
-def encode_whole(tensor: torch.Tensor, wire_dtype: str) -> Encoded:
-    """A tensor's whole wire form and its checksum: a view when it already is a contiguous CPU wire-dtype tensor."""
+def pack(payload: Int8Payload) -> torch.Tensor:
+    """An int8 payload's wire bytes: its values, then its fp32 scales (little-endian), as one uint8 tensor."""
     _require_little_endian()
-    flat = tensor.detach().reshape(-1).to(device="cpu", dtype=wire_torch_dtype(wire_dtype)).contiguous()
+    numel = payload.values.numel()
+    packed = torch.empty(payload.num_bytes, dtype=torch.uint8)
+    packed[:numel] = payload.values.view(torch.uint8)
+    packed[numel:] = payload.scales.contiguous().view(torch.uint8)
+    return packed
+
+
+def unpack(name: str, shape: Shape, block: int, packed: torch.Tensor) -> Int8Payload:
+    """The `Int8Payload` of received wire bytes (`pack`'s layout); ValueError naming `name` when malformed."""
+    numel = math.prod(shape)
+    scales = packed[numel:].clone().view(torch.float32)  # NOTE: a copy, so the fp32 view starts aligned
+    return Int8Payload(name, shape, block, packed[:numel].view(torch.int8), scales)
+
+
+def header_for(name: str, item: Item, wire_dtype: str) -> pb.TensorHeader:
+    """The header of one item (its checksum left 0): raw values in `wire_dtype`, or an int8 delta."""
+    if isinstance(item, Delta):
+        payload = item.payload
+        return pb.TensorHeader(
+            name=name,
+            dtype="int8",
+            shape=list(payload.shape),
+            num_bytes=payload.num_bytes,
+            encoding=pb.ENCODING_INT8_DELTA,
+            block=payload.block,
+            base_round=item.base_round,
+        )
+    shape = tuple(item.shape)
+    return pb.TensorHeader(name=name, dtype=wire_dtype, shape=list(shape), num_bytes=payload_bytes(shape, wire_dtype))
+
+
+def encode_whole(item: Item, wire_dtype: str) -> Encoded:
+    """An item's whole wire form and its checksum: a view when it already is a contiguous CPU wire-dtype tensor."""
+    _require_little_endian()
+    if isinstance(item, Delta):
+        flat = pack(item.payload)
+    else:
+        flat = item.detach().reshape(-1).to(device="cpu", dtype=wire_torch_dtype(wire_dtype)).contiguous()
     return flat, checksum(byte_view(flat))
 
 
 class EncodedModel(Mapping[str, Encoded]):
-    """A model's tensors in one wire dtype, each converted and checksummed at most once, when first asked for.
+    """A model's items in one wire dtype, each converted and checksummed at most once, when first asked for.
 
     Every peer downloads the same global model of a round: the first download that needs a tensor encodes
     it (in its own thread, so peers wanting different tensors work in parallel), later and concurrent ones
@@ -147,7 +204,7 @@ class EncodedModel(Mapping[str, Encoded]):
     """
 
     def __init__(
-        self, tensors: Mapping[str, torch.Tensor], wire_dtype: str, known: Mapping[str, Encoded] | None = None
+        self, tensors: Mapping[str, Item], wire_dtype: str, known: Mapping[str, Encoded] | None = None
     ) -> None:
         wire_torch_dtype(wire_dtype)
         self._tensors, self._wire_dtype = tensors, wire_dtype
@@ -214,31 +271,29 @@ def _rechunk(pieces: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
 
 
 def encode_tensor(
-    name: str, tensor: torch.Tensor, wire_dtype: str, chunk_bytes: int = CHUNK_BYTES, encoded: Encoded | None = None
+    name: str, item: Item, wire_dtype: str, chunk_bytes: int = CHUNK_BYTES, encoded: Encoded | None = None
 ) -> Iterator[pb.TensorChunk]:
-    """Yield the chunks of one tensor; the first one carries the header (also for empty tensors).
+    """Yield the chunks of one item; the first one carries the header (also for empty tensors).
 
-    Without `encoded` (from `encode_whole`), two passes over the tensor: one for the header's checksum, one to
-    send, each converting piece by piece, so a large tensor is never held twice.
+    Without `encoded` (from `encode_whole`), two passes over a raw tensor: one for the header's checksum, one to
+    send, each converting piece by piece, so a large tensor is never held twice. A `Delta` is packed once.
     """
     wire_torch_dtype(wire_dtype)
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    if encoded is None and isinstance(item, Delta):
+        encoded = encode_whole(item, wire_dtype)
     if encoded is None:
+        assert isinstance(item, torch.Tensor)
         whole = Checksum()
-        for piece in _wire_pieces(tensor, wire_dtype):
+        for piece in _wire_pieces(item, wire_dtype):
             whole.update(piece)
         digest = whole.intdigest()
-        pieces: Iterable[memoryview] = _wire_pieces(tensor, wire_dtype)
+        pieces: Iterable[memoryview] = _wire_pieces(item, wire_dtype)
     else:
         digest, pieces = encoded[1], [byte_view(encoded[0])]
-    header = pb.TensorHeader(
-        name=name,
-        dtype=wire_dtype,
-        shape=list(tensor.shape),
-        num_bytes=payload_bytes(tuple(tensor.shape), wire_dtype),
-        checksum=digest,
-    )
+    header = header_for(name, item, wire_dtype)
+    header.checksum = digest
     offset = 0
     for data in _rechunk(pieces, chunk_bytes):
         yield pb.TensorChunk(header=header if offset == 0 else None, offset=offset, data=data, checksum=checksum(data))
@@ -248,22 +303,25 @@ def encode_tensor(
 
 
 def write_raw(
-    tensor: torch.Tensor, wire_dtype: str, write: Callable[[memoryview | bytes], object], encoded: Encoded | None = None
+    item: Item, wire_dtype: str, write: Callable[[memoryview | bytes], object], encoded: Encoded | None = None
 ) -> int:
-    """Write one tensor's raw form through `write` (e.g. `socket.sendall`): its wire bytes, then `DIGEST`.
+    """Write one item's raw form through `write` (e.g. `socket.sendall`): its wire bytes, then `DIGEST`.
 
     Why the checksum trails the payload: each piece is hashed right before it is written, while it is in
     the CPU's cache, so the sender reads the tensor once instead of once to checksum and once to send (and
     converts to the wire dtype piece by piece, never holding a second copy). With `encoded` (`EncodedModel`)
-    the bytes and checksum are already known. Returns the payload's byte count.
+    the bytes and checksum are already known; a `Delta` is packed once. Returns the payload's byte count.
     """
+    if encoded is None and isinstance(item, Delta):
+        encoded = encode_whole(item, wire_dtype)
     if encoded is not None:
         data = byte_view(encoded[0])
         write(data)
         write(DIGEST.pack(encoded[1]))
         return len(data)
+    assert isinstance(item, torch.Tensor)
     digest, written = Checksum(), 0
-    for piece in _wire_pieces(tensor, wire_dtype, PIECE_BYTES // _ITEMSIZE[wire_dtype]):
+    for piece in _wire_pieces(item, wire_dtype, PIECE_BYTES // _ITEMSIZE[wire_dtype]):
         digest.update(piece)
         write(piece)
         written += len(piece)
@@ -272,7 +330,7 @@ def write_raw(
 
 
 def encode_tensors(
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Item],
     wire_dtype: str,
     chunk_bytes: int = CHUNK_BYTES,
     encoded: Mapping[str, Encoded] | None = None,
@@ -299,6 +357,10 @@ class CorruptChunk(ValueError):
     """Bytes that fail their checksum: damaged in transit, so sending them again may succeed."""
 
 
+class BaseMismatch(ValueError):
+    """An int8 delta against a held model other than the receiver's: the sender must send full values instead."""
+
+
 class TensorDecoder:
     """Reassembles and validates a chunk stream against the receiver's expected manifest.
 
@@ -313,6 +375,11 @@ class TensorDecoder:
     With `require_finite`, a tensor holding NaN or Inf is refused (a diverged peer), checked piece by piece as
     it arrives. With `into`, tensors are received into its buffers (and new ones are added to it), so a receiver that
     keeps `into` across rounds touches no fresh memory: the returned tensors are valid until its next use.
+
+    With `delta_base` (int8 wires), a name may come as an int8 delta (in `deltas`, not in what `finish` returns)
+    instead of raw values: its block must be in [`compress.MIN_BLOCK`, `compress.MAX_BLOCK`], its byte count that
+    of its shape and block, its scales finite and >= 0, and its base round `delta_base` (-1: the receiver holds
+    no base, so every delta is refused); another base is a `BaseMismatch`. Without it a delta is refused.
     """
 
     def __init__(
@@ -322,9 +389,14 @@ class TensorDecoder:
         into: MutableMapping[str, torch.Tensor] | None = None,
         *,
         require_finite: bool = False,
+        delta_base: int | None = None,
     ) -> None:
         self._expected = {name: tuple(int(d) for d in shape) for name, shape in expected.items()}
-        self._into, self._require_finite = into, require_finite
+        self._into, self._require_finite, self._delta_base = into, require_finite, delta_base
+        self._block = 0
+        """The block of the int8 delta being received (0: raw values)."""
+        self.deltas: dict[str, Delta] = {}
+        """The int8 deltas received whole."""
         self._itemsize = _ITEMSIZE[wire_dtype]
         self._checked = 0
         self._wire_dtype = wire_dtype
@@ -400,7 +472,7 @@ class TensorDecoder:
     def _check_finite(self) -> None:
         """With `require_finite`: no NaN/Inf among the whole elements received since the last check."""
         end = self._filled - self._filled % self._itemsize
-        if not self._require_finite or end == self._checked:
+        if not self._require_finite or self._block or end == self._checked:
             return
         elements = self._tensor.reshape(-1)[self._checked // self._itemsize : end // self._itemsize]
         self._checked = end
@@ -411,8 +483,13 @@ class TensorDecoder:
         name = header.name
         if name not in self._expected:
             raise ValueError(f"tensor {name!r} is not expected here (unknown name, or not trained by this peer)")
-        if name in self._done:
+        if name in self._done or name in self.deltas:
             raise ValueError(f"tensor {name!r} sent twice (duplicated tensor)")
+        if header.encoding == pb.ENCODING_INT8_DELTA:
+            self._open_delta(header, self._expected[name])
+            return
+        if header.encoding != pb.ENCODING_RAW:
+            raise ValueError(f"tensor {name!r}: unknown encoding {header.encoding}")
         if header.dtype != self._wire_dtype:
             raise ValueError(f"tensor {name!r}: dtype {header.dtype!r} on the wire, expected {self._wire_dtype!r}")
         shape = tuple(int(d) for d in header.shape)
@@ -426,8 +503,39 @@ class TensorDecoder:
                 f"shape {list(want)} in {self._wire_dtype} needs {num_bytes}"
             )
         _require_little_endian()
-        self._name = name
-        self._tensor = self._buffer(name, want)
+        self._start(header, self._buffer(name, want), block=0)
+
+    def _open_delta(self, header: pb.TensorHeader, want: Shape) -> None:
+        """Check an int8 delta's header (before any of its bytes are read) and allocate its payload."""
+        name, block = header.name, header.block
+        if self._delta_base is None:
+            raise ValueError(f"tensor {name!r}: an int8 delta, but this stream carries {self._wire_dtype} values only")
+        if header.dtype != "int8" or tuple(int(d) for d in header.shape) != want:
+            raise ValueError(
+                f"tensor {name!r}: int8 delta of dtype {header.dtype!r} and shape {list(header.shape)} on the wire, "
+                f"expected 'int8' and {list(want)}"
+            )
+        if not compress.MIN_BLOCK <= block <= compress.MAX_BLOCK:
+            raise ValueError(
+                f"tensor {name!r}: int8 block of {block} values, expected {compress.MIN_BLOCK} to {compress.MAX_BLOCK}"
+            )
+        num_bytes = compress.payload_bytes(math.prod(want), block)
+        if header.num_bytes != num_bytes:
+            raise ValueError(
+                f"tensor {name!r}: header says {header.num_bytes} bytes, an int8 delta of shape {list(want)} in "
+                f"blocks of {block} needs {num_bytes}"
+            )
+        if header.base_round != self._delta_base:
+            held = f"round {self._delta_base}" if self._delta_base >= 0 else "none"
+            raise BaseMismatch(
+                f"tensor {name!r}: an int8 delta against the held model of round {header.base_round}, but the "
+                f"receiver holds {held}: send full values"
+            )
+        _require_little_endian()
+        self._start(header, torch.empty(num_bytes, dtype=torch.uint8), block=block)
+
+    def _start(self, header: pb.TensorHeader, tensor: torch.Tensor, *, block: int) -> None:
+        self._name, self._tensor, self._block = header.name, tensor, block
         # NOTE: a writable byte view of the tensor itself: chunks land in place, no final conversion.
         self._buf = byte_view(self._tensor)
         self._filled = self._checked = 0
@@ -454,15 +562,21 @@ class TensorDecoder:
                 f"tensor {name!r}: payload checksum {self._hash.intdigest():#018x} differs from the sender's "
                 f"{self._digest:#018x}"
             )
-        self._done[name] = self._tensor
-        self.checksums[name] = self._digest
+        if self._block:
+            assert self._delta_base is not None
+            payload = unpack(name, self._expected[name], self._block, self._tensor)
+            self.deltas[name] = Delta(payload, self._delta_base)
+        else:
+            self._done[name] = self._tensor
+            self.checksums[name] = self._digest
         self._name, self._tensor, self._buf = None, torch.empty(0), memoryview(b"")
 
     def finish(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Close the stream and return the tensors; every name of `names` (default: all expected) must be present."""
+        """Close the stream and return the raw tensors (the deltas are in `deltas`); every name of `names` (default:
+        all expected) must have arrived, one way or the other."""
         self._finish_current()
         required = set(self._expected) if names is None else set(names)
-        missing = sorted(required - set(self._done))
+        missing = sorted(required - set(self._done) - set(self.deltas))
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

@@ -9,6 +9,7 @@ exactly the fault-free result. The server runs with small limits so the limits t
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import struct
@@ -121,16 +122,20 @@ def never_sends(stop: threading.Event) -> Iterator[bytes]:
 def error_code(sock: socket.socket) -> str:
     """The code of the data plane's error frame on `sock` ('closed' when it just hung up)."""
     try:
-        frame = plane_tcp.recv_frame(sock)
+        reply = plane_tcp.recv_reply(sock)
     except (OSError, plane_tcp.TransportError):
         return "closed"
-    return str(frame.get("code", frame.get("status")))
+    return reply.error.code or str(reply.WhichOneof("kind"))
 
 
-def hello(op: str = "upload", peer: int = 0, step: int = 1, token: str | None = None) -> bytes:
-    quoted = "null" if token is None else f'"{token}"'
-    body = f'{{"op":"{op}","peer_id":{peer},"step":{step},"full":false,"token":{quoted}}}'.encode()
-    return struct.pack("<4sH", b"SPES", PROTOCOL_VERSION) + struct.pack("<I", len(body)) + body
+def hello(peer: int = 0, step: int = 1, token: str | None = None, version: int = PROTOCOL_VERSION) -> bytes:
+    """A data-plane upload handshake, as bytes (the preamble of protocol `version`, then a `DataHello` frame)."""
+    body = pb.DataHello(op=pb.DATA_OP_UPLOAD, peer_id=peer, step=step, token=token or "").SerializeToString()
+    return struct.pack("<4sH", b"SPES", version) + struct.pack("<I", len(body)) + body
+
+
+def tensor_header(shape: list[int], num_bytes: int) -> pb.TensorHeader:
+    return pb.TensorHeader(name="embed.weight", dtype="fp32", shape=shape, num_bytes=num_bytes)
 
 
 @pytest.mark.slow
@@ -185,18 +190,23 @@ def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
     port = _data_port(run)
     refusals = []
     for payload in (
-        os.urandom(64),
-        b"SPES" + b"\xff\xff" + os.urandom(32),  # garbage, a wrong version
-        hello()[:6] + struct.pack("<I", 1 << 31),
-    ):  # a hello declaring 2 GiB
+        os.urandom(64),  # not a SPES client at all
+        hello()[:6] + struct.pack("<I", 1 << 31),  # a hello declaring 2 GiB
+        b"SPES" + b"\xff\xff" + os.urandom(32),  # another (newer) version: refused naming both
+        hello()[:6] + struct.pack("<I", 11) + b"\xff\xfe\xfd garbage",  # a v4 preamble, then not a DataHello
+    ):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(payload)
             refusals.append(error_code(sock))
-    assert refusals == ["closed"] * 3
+    assert refusals == ["closed", "closed", "FAILED_PRECONDITION", "FAILED_PRECONDITION"]
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a v3 peer, refused in its own JSON
+        sock.sendall(hello(version=3))
+        (length,) = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))
+        assert "v3 but this server speaks v4" in json.loads(sock.recv(length, socket.MSG_WAITALL))["message"]
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a truncated tensor, then hang-up
         sock.sendall(hello(step=run.step + 1))
-        assert plane_tcp.recv_frame(sock) == {"status": "send"}
-        plane_tcp.send_frame(sock, {"name": "embed.weight", "dtype": "fp32", "shape": [16, 8], "num_bytes": 512})
+        assert plane_tcp.recv_reply(sock).send
+        plane_tcp.send_frame(sock, tensor_header([16, 8], 512))
         sock.sendall(b"\0" * 100)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # truncated, then silence
         sock.sendall(hello(step=run.step + 1)[:12])
@@ -257,14 +267,12 @@ def test_declared_sizes_and_counts_past_every_limit(run: Run) -> None:
     port = _data_port(run)
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(hello(step=run.step + 1))
-        assert plane_tcp.recv_frame(sock) == {"status": "send"}
-        plane_tcp.send_frame(
-            sock, {"name": "embed.weight", "dtype": "fp32", "shape": [1 << 20, 1 << 20], "num_bytes": 1 << 42}
-        )
-        assert plane_tcp.recv_frame(sock)["code"] == "INVALID_ARGUMENT"
+        assert plane_tcp.recv_reply(sock).send
+        plane_tcp.send_frame(sock, tensor_header([1 << 20, 1 << 20], 1 << 42))
+        assert plane_tcp.recv_reply(sock).error.code == "INVALID_ARGUMENT"
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(hello(step=run.step + 1))
-        assert plane_tcp.recv_frame(sock) == {"status": "send"}
+        assert plane_tcp.recv_reply(sock).send
         sock.sendall(struct.pack("<I", 1 << 30))  # a tensor header frame declaring 1 GiB
         assert error_code(sock) == "closed"
     run.check_healthy()
@@ -292,7 +300,7 @@ def test_duplicate_peer_ids_and_a_restarted_peer(run: Run) -> None:
 
 def test_two_processes_joining_with_one_peer_id_at_once() -> None:
     """With nobody joined yet, two processes claiming the same id at the same moment: exactly one gets it."""
-    with running_server(total_peers=2) as (_, addr), ExitStack() as stack:
+    with running_server(num_peers=2) as (_, addr), ExitStack() as stack:
         clients = [
             stack.enter_context(
                 SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes", max_retries=0)
@@ -328,8 +336,8 @@ def test_a_join_mid_round_and_a_replayed_old_upload(run: Run) -> None:
     run.step = step
     with socket.create_connection(("127.0.0.1", _data_port(run)), timeout=30) as sock:
         sock.sendall(hello(step=old))  # a replay of a round the run has moved past
-        frame = plane_tcp.recv_frame(sock)
-    assert frame["code"] == "FAILED_PRECONDITION" and frame["reason"] == "stale_round", frame
+        error = plane_tcp.recv_reply(sock).error
+    assert (error.code, error.reason) == ("FAILED_PRECONDITION", "stale_round"), error
     replay = run.probe.stream_unary(
         UPLOAD, request_serializer=pb.UploadMessage.SerializeToString, response_deserializer=pb.UploadReply.FromString
     )

@@ -133,10 +133,10 @@ def final_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(300)
 def test_a_crashed_peer_resumes_from_its_checkpoint_and_the_run_is_exact(tiny_corpus: Any, tmp_path: Path) -> None:
     reference = {}
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(run, *node(tiny_corpus, tmp_path / "ref", addr, p)) for p in range(2)]
         reference = {p: final_weights(f.result(timeout=240)) for p, f in enumerate(runs)}
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
         steady = pool.submit(run, *node(tiny_corpus, tmp_path / "crash", addr, 0))
         # NOTE: crash before step 5, after the step-4 sync and checkpoint; the server waits at round 6 meanwhile.
         restarted = pool.submit(crash_then_resume, tiny_corpus, tmp_path / "crash", addr, 4, ".")  # its latest
@@ -150,7 +150,7 @@ def test_a_crashed_peer_resumes_from_its_checkpoint_and_the_run_is_exact(tiny_co
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_peer_resumed_from_an_older_checkpoint_catches_up_with_the_run(tiny_corpus: Any, tmp_path: Path) -> None:
-    with running_server(total_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
         trainer0, recording0 = node(tiny_corpus, tmp_path, addr, 0)
         steady = pool.submit(run, trainer0, recording0)
         # NOTE: crash before step 7 (rounds 2..6 done), resume from step 2: the run has moved on to round 6.

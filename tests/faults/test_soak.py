@@ -81,7 +81,7 @@ def test_servers_and_clients_leave_no_threads_or_descriptors_behind() -> None:
     """In one process: start, use and stop servers and clients repeatedly; threads and fds return to baseline."""
 
     def cycle() -> None:
-        with running_server(total_peers=2) as (_, addr), ExitStack() as stack:
+        with running_server(num_peers=2) as (_, addr), ExitStack() as stack:
             clients = [
                 stack.enter_context(SyncClient(addr, peer_id=p, num_peers=2, experts_per_peer=2, mode="spes"))
                 for p in range(2)
@@ -91,16 +91,21 @@ def test_servers_and_clients_leave_no_threads_or_descriptors_behind() -> None:
             for step in (1, 2):
                 sync_all(clients, step, {p: peer_upload(SMALL, p, "spes", seed=step) for p in range(2)})
 
-    def settled() -> tuple[int, int]:
-        time.sleep(0.7)  # grpc's own cancel-after-grace thread lives for the 0.5 s grace
-        gc.collect()  # NOTE: earlier tests' channels and sockets may still wait for the collector
-        return threading.active_count(), len(os.listdir("/proc/self/fd"))
+    def settled(threads: int | None = None) -> tuple[int, int]:
+        """Threads and fds once the stopped servers' threads are gone (down to `threads`, waiting 5 s at most)."""
+        deadline = time.monotonic() + 5
+        while True:
+            time.sleep(0.7)  # grpc's own cancel-after-grace thread lives for the 0.5 s grace
+            gc.collect()  # NOTE: earlier tests' channels and sockets may still wait for the collector
+            now = threading.active_count()
+            if threads is None or now <= threads or time.monotonic() > deadline:
+                return now, len(os.listdir("/proc/self/fd"))
 
     cycle()
     threads, fds = settled()
     for _ in range(4):
         cycle()
-    now_threads, now_fds = settled()
+    now_threads, now_fds = settled(threads)
     assert now_threads <= threads and now_fds <= fds, f"threads {threads} -> {now_threads}, fds {fds} -> {now_fds}"
 
 

@@ -24,13 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nspes.proto\x12\x07spes.v1\")\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xca\x01\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\x05\x12\x11\n\tnum_peers\x18\x02 \x01(\x05\x12\x18\n\x10\x65xperts_per_peer\x18\x03 \x01(\x05\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x12\n\nwire_dtype\x18\x05 \x01(\t\x12%\n\x08manifest\x18\x06 \x03(\x0b\x32\x13.spes.v1.TensorSpec\x12\x11\n\ttrainable\x18\x07 \x03(\t\x12\x10\n\x08protocol\x18\x08 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\t \x01(\x08\"t\n\tJoinReply\x12\x15\n\rcurrent_round\x18\x01 \x01(\x03\x12\x12\n\nopen_round\x18\x02 \x01(\x03\x12\x11\n\tdata_port\x18\x03 \x01(\x05\x12\x18\n\x10manifest_checked\x18\x04 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\",\n\nUploadMeta\x12\x0f\n\x07peer_id\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x03\"_\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\"d\n\x0bTensorChunk\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.spes.v1.TensorHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"c\n\rUploadMessage\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x13.spes.v1.UploadMetaH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.spes.v1.TensorChunkH\x00\x42\x06\n\x04kind\"G\n\x0bUploadReply\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x16\n\x0euploaded_peers\x18\x03 \x03(\x05\"?\n\x0f\x44ownloadRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\"W\n\tRoundInfo\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06merged\x18\x02 \x01(\x08\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12\r\n\x05names\x18\x04 \x03(\t\x12\r\n\x05peers\x18\x05 \x03(\x05\"d\n\x0f\x44ownloadMessage\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x12.spes.v1.RoundInfoH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.spes.v1.TensorChunkH\x00\x42\x06\n\x04kind\"1\n\x0cProbeMessage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\x04\"\x0f\n\rStatusRequest\"\xba\x02\n\x0bStatusReply\x12\x15\n\rcurrent_round\x18\x01 \x01(\x03\x12\x12\n\nopen_round\x18\x02 \x01(\x03\x12\x11\n\tnum_peers\x18\x03 \x01(\x05\x12\x14\n\x0cpeers_joined\x18\x04 \x03(\x05\x12\x16\n\x0epeers_uploaded\x18\x05 \x03(\x05\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x13\n\x0bround_peers\x18\t \x03(\x05\x12\x15\n\rmissing_peers\x18\n \x03(\x05\x12\x18\n\x10open_round_age_s\x18\x0b \x01(\x01\x12\x18\n\x10\x64\x65\x61\x64_peer_policy\x18\x0c \x01(\t\x12\x18\n\x10rounds_completed\x18\r \x01(\x04\x12\x12\n\npersistent\x18\x0e \x01(\x08\x32\xb2\x02\n\x0fParameterServer\x12\x30\n\x04Join\x12\x14.spes.v1.JoinRequest\x1a\x12.spes.v1.JoinReply\x12\x38\n\x06Upload\x12\x16.spes.v1.UploadMessage\x1a\x14.spes.v1.UploadReply(\x01\x12@\n\x08\x44ownload\x12\x18.spes.v1.DownloadRequest\x1a\x18.spes.v1.DownloadMessage0\x01\x12\x36\n\x06Status\x12\x16.spes.v1.StatusRequest\x1a\x14.spes.v1.StatusReply\x12\x39\n\x05Probe\x12\x15.spes.v1.ProbeMessage\x1a\x15.spes.v1.ProbeMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nspes.proto\x12\x07spes.v1\")\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"\xca\x01\n\x0bJoinRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\x05\x12\x11\n\tnum_peers\x18\x02 \x01(\x05\x12\x18\n\x10\x65xperts_per_peer\x18\x03 \x01(\x05\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x12\n\nwire_dtype\x18\x05 \x01(\t\x12%\n\x08manifest\x18\x06 \x03(\x0b\x32\x13.spes.v1.TensorSpec\x12\x11\n\ttrainable\x18\x07 \x03(\t\x12\x10\n\x08protocol\x18\x08 \x01(\r\x12\x0f\n\x07\x64ry_run\x18\t \x01(\x08\"t\n\tJoinReply\x12\x15\n\rcurrent_round\x18\x01 \x01(\x03\x12\x12\n\nopen_round\x18\x02 \x01(\x03\x12\x11\n\tdata_port\x18\x03 \x01(\x05\x12\x18\n\x10manifest_checked\x18\x04 \x01(\x08\x12\x0f\n\x07\x64ry_run\x18\x05 \x01(\x08\",\n\nUploadMeta\x12\x0f\n\x07peer_id\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x03\"\xa7\x01\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\x04\x12#\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x11.spes.v1.Encoding\x12\r\n\x05\x62lock\x18\x07 \x01(\r\x12\x12\n\nbase_round\x18\x08 \x01(\x03\"d\n\x0bTensorChunk\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.spes.v1.TensorHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x04\"c\n\rUploadMessage\x12#\n\x04meta\x18\x01 \x01(\x0b\x32\x13.spes.v1.UploadMetaH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.spes.v1.TensorChunkH\x00\x42\x06\n\x04kind\"G\n\x0bUploadReply\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\x16\n\x0euploaded_peers\x18\x03 \x03(\x05\"S\n\x0f\x44ownloadRequest\x12\x0f\n\x07peer_id\x18\x01 \x01(\x05\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12\x12\n\nbase_round\x18\x04 \x01(\x03\"k\n\tRoundInfo\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x0e\n\x06merged\x18\x02 \x01(\x08\x12\r\n\x05\x61lpha\x18\x03 \x01(\x01\x12\r\n\x05names\x18\x04 \x03(\t\x12\r\n\x05peers\x18\x05 \x03(\x05\x12\x12\n\nbase_round\x18\x06 \x01(\x03\"d\n\x0f\x44ownloadMessage\x12\"\n\x04info\x18\x01 \x01(\x0b\x32\x12.spes.v1.RoundInfoH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.spes.v1.TensorChunkH\x00\x42\x06\n\x04kind\"1\n\x0cProbeMessage\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0breply_bytes\x18\x02 \x01(\x04\"\x0f\n\rStatusRequest\"\xba\x02\n\x0bStatusReply\x12\x15\n\rcurrent_round\x18\x01 \x01(\x03\x12\x12\n\nopen_round\x18\x02 \x01(\x03\x12\x11\n\tnum_peers\x18\x03 \x01(\x05\x12\x14\n\x0cpeers_joined\x18\x04 \x03(\x05\x12\x16\n\x0epeers_uploaded\x18\x05 \x03(\x05\x12\x10\n\x08\x62ytes_in\x18\x06 \x01(\x04\x12\x11\n\tbytes_out\x18\x07 \x01(\x04\x12\x0c\n\x04mode\x18\x08 \x01(\t\x12\x13\n\x0bround_peers\x18\t \x03(\x05\x12\x15\n\rmissing_peers\x18\n \x03(\x05\x12\x18\n\x10open_round_age_s\x18\x0b \x01(\x01\x12\x18\n\x10\x64\x65\x61\x64_peer_policy\x18\x0c \x01(\t\x12\x18\n\x10rounds_completed\x18\r \x01(\x04\x12\x12\n\npersistent\x18\x0e \x01(\x08\"\xc2\x01\n\tDataHello\x12\x1b\n\x02op\x18\x01 \x01(\x0e\x32\x0f.spes.v1.DataOp\x12\x0f\n\x07peer_id\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x0c\n\x04\x66ull\x18\x04 \x01(\x08\x12\r\n\x05token\x18\x05 \x01(\t\x12\x11\n\ttimeout_s\x18\x06 \x01(\x01\x12\x0f\n\x07session\x18\x07 \x01(\t\x12\x10\n\x08up_bytes\x18\x08 \x01(\x04\x12\x12\n\ndown_bytes\x18\t \x01(\x04\x12\x12\n\nbase_round\x18\n \x01(\x03\":\n\tDataError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xa5\x01\n\tDataReply\x12\x0e\n\x04send\x18\x01 \x01(\x08H\x00\x12\x0c\n\x02ok\x18\x02 \x01(\x08H\x00\x12(\n\x08uploaded\x18\x03 \x01(\x0b\x32\x14.spes.v1.UploadReplyH\x00\x12#\n\x05round\x18\x04 \x01(\x0b\x32\x12.spes.v1.RoundInfoH\x00\x12#\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.spes.v1.DataErrorH\x00\x42\x06\n\x04kind*5\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00\x12\x17\n\x13\x45NCODING_INT8_DELTA\x10\x01*p\n\x06\x44\x61taOp\x12\x17\n\x13\x44\x41TA_OP_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_OP_UPLOAD\x10\x01\x12\x14\n\x10\x44\x41TA_OP_DOWNLOAD\x10\x02\x12\x10\n\x0c\x44\x41TA_OP_PING\x10\x03\x12\x11\n\rDATA_OP_PROBE\x10\x04\x32\xb2\x02\n\x0fParameterServer\x12\x30\n\x04Join\x12\x14.spes.v1.JoinRequest\x1a\x12.spes.v1.JoinReply\x12\x38\n\x06Upload\x12\x16.spes.v1.UploadMessage\x1a\x14.spes.v1.UploadReply(\x01\x12@\n\x08\x44ownload\x12\x18.spes.v1.DownloadRequest\x1a\x18.spes.v1.DownloadMessage0\x01\x12\x36\n\x06Status\x12\x16.spes.v1.StatusRequest\x1a\x14.spes.v1.StatusReply\x12\x39\n\x05Probe\x12\x15.spes.v1.ProbeMessage\x1a\x15.spes.v1.ProbeMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'spes_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ENCODING']._serialized_start=1987
+  _globals['_ENCODING']._serialized_end=2040
+  _globals['_DATAOP']._serialized_start=2042
+  _globals['_DATAOP']._serialized_end=2154
   _globals['_TENSORSPEC']._serialized_start=23
   _globals['_TENSORSPEC']._serialized_end=64
   _globals['_JOINREQUEST']._serialized_start=67
@@ -39,26 +43,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREPLY']._serialized_end=387
   _globals['_UPLOADMETA']._serialized_start=389
   _globals['_UPLOADMETA']._serialized_end=433
-  _globals['_TENSORHEADER']._serialized_start=435
-  _globals['_TENSORHEADER']._serialized_end=530
-  _globals['_TENSORCHUNK']._serialized_start=532
-  _globals['_TENSORCHUNK']._serialized_end=632
-  _globals['_UPLOADMESSAGE']._serialized_start=634
-  _globals['_UPLOADMESSAGE']._serialized_end=733
-  _globals['_UPLOADREPLY']._serialized_start=735
-  _globals['_UPLOADREPLY']._serialized_end=806
-  _globals['_DOWNLOADREQUEST']._serialized_start=808
-  _globals['_DOWNLOADREQUEST']._serialized_end=871
-  _globals['_ROUNDINFO']._serialized_start=873
-  _globals['_ROUNDINFO']._serialized_end=960
-  _globals['_DOWNLOADMESSAGE']._serialized_start=962
-  _globals['_DOWNLOADMESSAGE']._serialized_end=1062
-  _globals['_PROBEMESSAGE']._serialized_start=1064
-  _globals['_PROBEMESSAGE']._serialized_end=1113
-  _globals['_STATUSREQUEST']._serialized_start=1115
-  _globals['_STATUSREQUEST']._serialized_end=1130
-  _globals['_STATUSREPLY']._serialized_start=1133
-  _globals['_STATUSREPLY']._serialized_end=1447
-  _globals['_PARAMETERSERVER']._serialized_start=1450
-  _globals['_PARAMETERSERVER']._serialized_end=1756
+  _globals['_TENSORHEADER']._serialized_start=436
+  _globals['_TENSORHEADER']._serialized_end=603
+  _globals['_TENSORCHUNK']._serialized_start=605
+  _globals['_TENSORCHUNK']._serialized_end=705
+  _globals['_UPLOADMESSAGE']._serialized_start=707
+  _globals['_UPLOADMESSAGE']._serialized_end=806
+  _globals['_UPLOADREPLY']._serialized_start=808
+  _globals['_UPLOADREPLY']._serialized_end=879
+  _globals['_DOWNLOADREQUEST']._serialized_start=881
+  _globals['_DOWNLOADREQUEST']._serialized_end=964
+  _globals['_ROUNDINFO']._serialized_start=966
+  _globals['_ROUNDINFO']._serialized_end=1073
+  _globals['_DOWNLOADMESSAGE']._serialized_start=1075
+  _globals['_DOWNLOADMESSAGE']._serialized_end=1175
+  _globals['_PROBEMESSAGE']._serialized_start=1177
+  _globals['_PROBEMESSAGE']._serialized_end=1226
+  _globals['_STATUSREQUEST']._serialized_start=1228
+  _globals['_STATUSREQUEST']._serialized_end=1243
+  _globals['_STATUSREPLY']._serialized_start=1246
+  _globals['_STATUSREPLY']._serialized_end=1560
+  _globals['_DATAHELLO']._serialized_start=1563
+  _globals['_DATAHELLO']._serialized_end=1757
+  _globals['_DATAERROR']._serialized_start=1759
+  _globals['_DATAERROR']._serialized_end=1817
+  _globals['_DATAREPLY']._serialized_start=1820
+  _globals['_DATAREPLY']._serialized_end=1985
+  _globals['_PARAMETERSERVER']._serialized_start=2157
+  _globals['_PARAMETERSERVER']._serialized_end=2463
 # @@protoc_insertion_point(module_scope)

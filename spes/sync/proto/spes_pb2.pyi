@@ -1,10 +1,31 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODING_RAW: _ClassVar[Encoding]
+    ENCODING_INT8_DELTA: _ClassVar[Encoding]
+
+class DataOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_OP_UNSPECIFIED: _ClassVar[DataOp]
+    DATA_OP_UPLOAD: _ClassVar[DataOp]
+    DATA_OP_DOWNLOAD: _ClassVar[DataOp]
+    DATA_OP_PING: _ClassVar[DataOp]
+    DATA_OP_PROBE: _ClassVar[DataOp]
+ENCODING_RAW: Encoding
+ENCODING_INT8_DELTA: Encoding
+DATA_OP_UNSPECIFIED: DataOp
+DATA_OP_UPLOAD: DataOp
+DATA_OP_DOWNLOAD: DataOp
+DATA_OP_PING: DataOp
+DATA_OP_PROBE: DataOp
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape")
@@ -59,18 +80,24 @@ class UploadMeta(_message.Message):
     def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "num_bytes", "checksum")
+    __slots__ = ("name", "dtype", "shape", "num_bytes", "checksum", "encoding", "block", "base_round")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
     checksum: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+    encoding: Encoding
+    block: int
+    base_round: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., block: _Optional[int] = ..., base_round: _Optional[int] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "offset", "data", "checksum")
@@ -103,28 +130,32 @@ class UploadReply(_message.Message):
     def __init__(self, round: _Optional[int] = ..., duplicate: _Optional[bool] = ..., uploaded_peers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
-    __slots__ = ("peer_id", "round", "full")
+    __slots__ = ("peer_id", "round", "full", "base_round")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FULL_FIELD_NUMBER: _ClassVar[int]
+    BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
     round: int
     full: bool
-    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., full: _Optional[bool] = ...) -> None: ...
+    base_round: int
+    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., full: _Optional[bool] = ..., base_round: _Optional[int] = ...) -> None: ...
 
 class RoundInfo(_message.Message):
-    __slots__ = ("round", "merged", "alpha", "names", "peers")
+    __slots__ = ("round", "merged", "alpha", "names", "peers", "base_round")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MERGED_FIELD_NUMBER: _ClassVar[int]
     ALPHA_FIELD_NUMBER: _ClassVar[int]
     NAMES_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
     round: int
     merged: bool
     alpha: float
     names: _containers.RepeatedScalarFieldContainer[str]
     peers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., merged: _Optional[bool] = ..., alpha: _Optional[float] = ..., names: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[int]] = ...) -> None: ...
+    base_round: int
+    def __init__(self, round: _Optional[int] = ..., merged: _Optional[bool] = ..., alpha: _Optional[float] = ..., names: _Optional[_Iterable[str]] = ..., peers: _Optional[_Iterable[int]] = ..., base_round: _Optional[int] = ...) -> None: ...
 
 class DownloadMessage(_message.Message):
     __slots__ = ("info", "chunk")
@@ -177,3 +208,51 @@ class StatusReply(_message.Message):
     rounds_completed: int
     persistent: bool
     def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ...) -> None: ...
+
+class DataHello(_message.Message):
+    __slots__ = ("op", "peer_id", "step", "full", "token", "timeout_s", "session", "up_bytes", "down_bytes", "base_round")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    UP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOWN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    op: DataOp
+    peer_id: int
+    step: int
+    full: bool
+    token: str
+    timeout_s: float
+    session: str
+    up_bytes: int
+    down_bytes: int
+    base_round: int
+    def __init__(self, op: _Optional[_Union[DataOp, str]] = ..., peer_id: _Optional[int] = ..., step: _Optional[int] = ..., full: _Optional[bool] = ..., token: _Optional[str] = ..., timeout_s: _Optional[float] = ..., session: _Optional[str] = ..., up_bytes: _Optional[int] = ..., down_bytes: _Optional[int] = ..., base_round: _Optional[int] = ...) -> None: ...
+
+class DataError(_message.Message):
+    __slots__ = ("code", "reason", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    reason: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class DataReply(_message.Message):
+    __slots__ = ("send", "ok", "uploaded", "round", "error")
+    SEND_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    send: bool
+    ok: bool
+    uploaded: UploadReply
+    round: RoundInfo
+    error: DataError
+    def __init__(self, send: _Optional[bool] = ..., ok: _Optional[bool] = ..., uploaded: _Optional[_Union[UploadReply, _Mapping]] = ..., round: _Optional[_Union[RoundInfo, _Mapping]] = ..., error: _Optional[_Union[DataError, _Mapping]] = ...) -> None: ...
