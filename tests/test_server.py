@@ -343,7 +343,7 @@ def test_a_health_watcher_that_never_reads_blocks_neither_health_nor_stop() -> N
     """A Watch client that reads nothing (no receive window: the server's first status can never go out) once held
     the health service's lock for good: every Check and Watch after it, and `stop()`, waited for ever (CI saw
     stop() hang sending NOT_SERVING). Each watch now sends from its own thread, outside that lock."""
-    server = start_server(ServerConfig(host="127.0.0.1", port=0, total_peers=2, experts_per_peer=2))
+    server = start_server(ServerConfig(host="127.0.0.1", port=0, num_peers=2, experts_per_peer=2))
     addr = f"127.0.0.1:{server.port}"
     request = health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer")
     stalled = grpc.insecure_channel(addr, options=[("grpc.http2.lookahead_bytes", 0), ("grpc.http2.bdp_probe", 0)])
