@@ -38,19 +38,10 @@ from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from spes.atomic import ASIDE, publish_dir, staging_dir, write_atomic
 from spes.distributed import all_ranks_ok, barrier, process_rank, process_world_size, unwrap
@@ -69,12 +60,45 @@ _STEP_DIR = re.compile(r"^step(\d+)(-sharded)?$")
 Kind = Literal["unsharded", "sharded"]
 Extra = Mapping[str, Callable[[Path], None]]
 """More files of a checkpoint, by name: each function writes its file to the path it is given."""
-FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, gathered to CPU
+# NOTE: torch.distributed.checkpoint is imported where it is used, not above: with the DTensor and sympy it pulls
+# in, it costs over a second of start-up that a trainer which never saves, restores or shards should not pay.
 
 
-def model_state_dict(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, torch.Tensor]:
-    """`get_model_state_dict`, typed as what a model's state is: tensors (torch annotates any state's values)."""
-    return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=options))
+def model_state_dict(model: nn.Module, *, full: bool = False) -> dict[str, torch.Tensor]:
+    """`get_model_state_dict` (whole tensors gathered to CPU if `full`, else this rank's view), typed as what a
+    model's state is: tensors (torch annotates any state's values)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return cast("dict[str, torch.Tensor]", get_model_state_dict(model, options=_options(full, cpu_offload=True)))
+
+
+def _optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return cast("dict[str, Any]", get_optimizer_state_dict(model, optimizer, options=_options(full, cpu_offload=True)))
+
+
+def _load_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    model_state: Mapping[str, torch.Tensor],
+    optim_state: dict[str, Any] | None,
+    *,
+    full: bool,
+) -> None:
+    """Put a model state, and an optimizer state if given, into a (parallelized) model: whole tensors if `full`."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    options = _options(full, cpu_offload=False)
+    set_model_state_dict(model, dict(model_state), options=options)
+    if optim_state is not None:
+        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
+def _options(full: bool, *, cpu_offload: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload) if full else None
 
 
 class CheckpointError(ValueError):
@@ -218,7 +242,7 @@ def training_state(
     flat = {MODEL_KEY + k: v for k, v in model_state_dict(model).items()}
     if optimizer is None:
         return flat, []
-    tensors, groups = _flatten_optim(get_optimizer_state_dict(model, optimizer))
+    tensors, groups = _flatten_optim(_optim_state_dict(model, optimizer))
     flat.update({OPTIM_KEY + k: v for k, v in tensors.items()})
     return flat, groups
 
@@ -250,10 +274,12 @@ def save_sharded_checkpoint(
         tmp.mkdir()
     barrier()
     flat, groups = training_state(model, _stepped(optimizer))
+    import torch.distributed.checkpoint as dcp
+
     with _single_process_quiet():
         dcp.save(
             flat,
-            storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
+            storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True),
             no_dist=not dist.is_initialized(),
         )
     del flat
@@ -313,9 +339,9 @@ def save(
             keep=keep,
             extra=extra,
         )
-    model_state = model_state_dict(model, FULL_STATE)
+    model_state = model_state_dict(model, full=True)
     stepped = _stepped(optimizer)
-    optim_state = None if stepped is None else get_optimizer_state_dict(model, stepped, options=FULL_STATE)
+    optim_state = None if stepped is None else _optim_state_dict(model, stepped, full=True)
     if process_rank() != 0:
         return None
     return save_checkpoint(
@@ -437,6 +463,8 @@ def is_sharded(path: str | Path) -> bool:
 
 def _sharded_shapes(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Global shape and dtype of every tensor of a sharded checkpoint, from its safetensors headers."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
     try:
         metadata = HuggingFaceStorageReader(str(step_dir)).read_metadata()
     except (SafetensorError, OSError, ValueError, KeyError) as e:
@@ -523,9 +551,11 @@ def _read_sharded(step_dir: Path, with_optim: bool) -> tuple[dict[str, torch.Ten
 
 
 def _dcp_load(target: dict[str, Any], step_dir: Path, *, no_dist: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
     try:
         with _single_process_quiet():
-            dcp.load(target, storage_reader=HuggingFaceStorageReader(str(step_dir)), no_dist=no_dist)
+            dcp.load(target, storage_reader=dcp.HuggingFaceStorageReader(str(step_dir)), no_dist=no_dist)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise CheckpointError(
             f"{step_dir}: cannot read the shards ({str(e).splitlines()[0]}); the checkpoint is "
@@ -574,10 +604,10 @@ def _restore_sharded(
     _check_optim_compatible(optim_fqns, _trainable(model), step_dir)
     flat, _ = training_state(model, optimizer if optim_fqns else None)
     _dcp_load(flat, step_dir, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, {k[len(MODEL_KEY) :]: v for k, v in flat.items() if k.startswith(MODEL_KEY)})
-    if optim_fqns:
-        optim_tensors = {k[len(OPTIM_KEY) :]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
-        set_optimizer_state_dict(model, optimizer, _unflatten_optim(optim_tensors, meta["optim_param_groups"]))
+    optim_tensors = {k[len(OPTIM_KEY) :]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
+    model_state = {k[len(MODEL_KEY) :]: v for k, v in flat.items() if k.startswith(MODEL_KEY)}
+    optim_state = _unflatten_optim(optim_tensors, meta["optim_param_groups"]) if optim_fqns else None
+    _load_state(model, optimizer, model_state, optim_state, full=False)
     return meta["trainer"]
 
 
@@ -590,12 +620,9 @@ def _restore_unsharded(step_dir: Path, model: nn.Module, optimizer: torch.optim.
     if reblocked is not None:  # another expert layout (e.g. centralized -> SPES): start anew from the weights
         ckpt = replace(ckpt, model=reblocked, optim=None, trainer={})
     check_model_compatible(ckpt.model, model_state, step_dir)
-    full = StateDictOptions(full_state_dict=True)
     if ckpt.optim is not None:
         _check_optim_compatible(set(ckpt.optim["state"]), _trainable(model), step_dir)
-    set_model_state_dict(model, ckpt.model, options=full)  # type: ignore[arg-type]  # dict is invariant
-    if ckpt.optim is not None:
-        set_optimizer_state_dict(model, optimizer, ckpt.optim, options=full)
+    _load_state(model, optimizer, ckpt.model, ckpt.optim, full=True)
     return ckpt.trainer
 
 

@@ -17,16 +17,20 @@ import functools
 import json
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from spes.config import ConfigError, TrainConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -243,6 +247,13 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
 
 
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
+    """Whether `t` is an FSDP2 shard, asked without importing DTensor: that import (with the sympy it pulls in)
+    costs every trainer that never shards over a second of start-up, and no DTensor exists before it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain Transformer inside a DDP wrapper (FSDP2 shards in place, so it is the model itself)."""
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
@@ -296,7 +307,7 @@ def gather_full(model: nn.Module, names: list[str], info: DistInfo) -> dict[str,
     out: dict[str, torch.Tensor] = {}
     for name in names:
         p = params[name].detach()
-        full = p.full_tensor() if isinstance(p, DTensor) else p
+        full = p.full_tensor() if is_dtensor(p) else p
         if info.is_main:
             out[name] = full.to("cpu", torch.float32, copy=True)
         del full
@@ -322,13 +333,15 @@ def load_full(model: nn.Module, tensors: dict[str, torch.Tensor], info: DistInfo
             full = tensors[name]
             if tuple(full.shape) != tuple(p.shape):
                 raise ValueError(f"received {name} of shape {tuple(full.shape)}, the model has {tuple(p.shape)}")
-            if info.world_size > 1 or isinstance(p, DTensor):  # broadcast and sharding need p's device and dtype
+            if info.world_size > 1 or is_dtensor(p):  # broadcast and sharding need p's device and dtype
                 full = full.to(info.device, p.dtype)
         else:
             full = torch.empty(p.shape, dtype=p.dtype, device=info.device)
         if info.world_size > 1:
             dist.broadcast(full, src=0)
-        if isinstance(p, DTensor):
+        if is_dtensor(p):
+            from torch.distributed.tensor import distribute_tensor
+
             shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(shard.to_local())
         else:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spes.checkpoint import FULL_STATE, model_state_dict
+from spes.checkpoint import model_state_dict
 from spes.config import ConfigError, TrainConfig
 from spes.distributed import DistInfo
 
@@ -129,7 +129,7 @@ class DownstreamEvals:
 
     def run(self, model: nn.Module, step: int) -> dict[str, float]:
         """Scores of every runnable task at `step` (empty off the main rank)."""
-        state = model_state_dict(model, FULL_STATE)
+        state = model_state_dict(model, full=True)
         if not self.is_main:
             return {}
         from spes.hf import export_state

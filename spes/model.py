@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from spes.config import ModelConfig, TrainConfig
+from spes.distributed import is_dtensor
 from spes.moe import ExpertBlocks, MoE, init_truncated_normal_
 
 
@@ -146,7 +146,9 @@ class ModelOutput:
 
 def assign_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
     """Give `param` the values of the whole tensor `whole`: all of them, or this rank's shard of an FSDP2 DTensor."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
         param = param.to_local()
     param.copy_(whole)
