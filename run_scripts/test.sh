@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test suite: installs what it needs, then runs pytest (extra args pass through, e.g. -k merge).
+# The test suite: installs what it needs, then runs pytest (extra args pass through, e.g. -k merge) and lists the
+# 15 slowest tests, so a suite that grows past its time budget shows where.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash run_scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"
