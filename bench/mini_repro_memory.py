@@ -249,12 +249,13 @@ def plot(means: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(13, 5), constrained_layout=True)
-    for arm in ARMS:
+    for i, arm in enumerate(ARMS):
         c = means[arm.name]
+        look = {"color": f"C{i}", "marker": "o", "ms": 3, "label": arm.label}  # one colour per arm in both panels
         style = "--" if arm.over_budget or arm.mode in ("central", "single") else "-"
-        ax_t.plot([t / 1e6 for t in c["tokens"]], c["val_loss"], style, marker="o", ms=3, label=arm.label)
+        ax_t.plot([t / 1e6 for t in c["tokens"]], c["val_loss"], style, **look)
         if arm.mode in ("spes", "diloco"):
-            ax_b.plot([b / 2**20 for b in c["bytes"]], c["val_loss"], style, marker="o", ms=3, label=arm.label)
+            ax_b.plot([b / 2**20 for b in c["bytes"]], c["val_loss"], style, **look)
     ax_t.set_xlabel("training tokens seen by the whole run (millions, as logged)")
     ax_b.set_xlabel("bytes communicated, all peers, up + down (MiB, fp32 wire)")
     for ax in (ax_t, ax_b):
