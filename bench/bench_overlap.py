@@ -32,6 +32,7 @@ that a step takes ~0.1-0.3 s and the run minutes; the link's rate follows from i
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -41,7 +42,7 @@ from typing import Any
 
 from bench_sync import spawn, stop, wait_for_log
 from bench_wan import LinkSpec
-from common import RESULTS_DIR, format_table, machine_info, parser, write_results
+from common import RESULTS_DIR, check_corpus, corpus_args, format_table, machine_info, parser, write_results
 from spes.launch import free_port
 
 CONFIG = "configs/tiny.yaml"
@@ -51,9 +52,12 @@ CALIBRATION_MBIT = 1000.0
 """The calibration's link: fast enough that its rounds cost little beyond their round trips and overhead."""
 
 
-def run_overrides(steps: int, sync_steps: int, batch: int) -> list[str]:
+def run_overrides(steps: int, sync_steps: int, batch: int, args: argparse.Namespace) -> list[str]:
     """The run both arms share (configs/tiny.yaml underneath): 2 peers of 4 experts, no evaluation or checkpoints."""
     return [
+        f"--tokenizer.identifier={args.tokenizer}",
+        f"--data.paths=[{args.train}]",
+        "--data.validation_paths=[]",
         "--spes_config.num_peers=2",
         "--spes_config.num_train_experts_per_node=4",
         f"--spes_config.sync_steps={sync_steps}",
@@ -183,14 +187,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtt_ms", type=float, default=50.0, help="round-trip time of every link")
     p.add_argument("--mbit", type=float, default=None, help="link rate, Mbit/s, instead of calibrating it (quick: 200)")
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs, in the order AB, BA, AB...: the median ratio")
+    p.add_argument(
+        "--runs", type=Path, default=None, help="run directory (default: bench/results/bench_overlap[_quick])"
+    )
+    corpus_args(p, valid=False)  # no evaluation: the arms are timed
     p.set_defaults(out=None)
     args = p.parse_args(argv)
+    check_corpus(args)
     steps, sync_steps = args.steps or (4 if args.quick else 300), args.sync_steps or (2 if args.quick else 10)
     batch = args.batch or (16 if args.quick else 64)
     mbit = args.mbit or (200.0 if args.quick else None)
     name = "bench_overlap_quick" if args.quick else "bench_overlap"
-    overrides = run_overrides(steps, sync_steps, batch)
-    workdir = RESULTS_DIR / name
+    overrides = run_overrides(steps, sync_steps, batch, args)
+    workdir = args.runs or RESULTS_DIR / name
     timeout = 300.0 if args.quick else 3600.0
 
     calibration = None
@@ -199,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"calibration: {PEERS} peers, {3 * sync_steps} steps through a {fast.peer_mbit:g} Mbit/s link", flush=True
         )
-        calibration = run_arm("calibration", run_overrides(3 * sync_steps, sync_steps, batch), fast, workdir, timeout)
+        calibration = run_arm(
+            "calibration", run_overrides(3 * sync_steps, sync_steps, batch, args), fast, workdir, timeout
+        )
         mbit = link_rate(calibration, fast, sync_steps)
         print(
             f"step {calibration['median_step_s']:.3f} s, round {calibration['round_s']:.2f} s at {fast.peer_mbit:g} "

@@ -43,6 +43,25 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def corpus_args(p: argparse.ArgumentParser, *, valid: bool = True) -> None:
+    """--tokenizer, --train and (if `valid`) --valid: the local corpus a training benchmark reads (default: the one
+    data_process_scripts/build_default_corpus.py writes; tests pass their own, made in a temporary folder)."""
+    p.add_argument("--tokenizer", default="data/default/tokenizer", help="tokenizer directory (4096 tokens)")
+    p.add_argument("--train", default="data/default/train/*.npy", help="training shards (glob)")
+    if valid:
+        p.add_argument("--valid", default="data/default/valid/*.npy", help="validation shards (glob)")
+
+
+def check_corpus(args: argparse.Namespace) -> None:
+    """Stop with what to run when the tokenizer of `corpus_args` is missing (the default corpus is not built yet)."""
+    if not (REPO_ROOT / args.tokenizer).exists() and not Path(args.tokenizer).exists():
+        raise SystemExit(
+            f"error: tokenizer {args.tokenizer!r} not found; build the default corpus with "
+            "`python data_process_scripts/build_default_corpus.py --output_dir data/default`, or pass --tokenizer, "
+            "--train and --valid"
+        )
+
+
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on, including the load average (other users share the CPU)."""
     load1, load5, load15 = os.getloadavg()

@@ -52,7 +52,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, parser, write_results
+from common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    check_corpus,
+    corpus_args,
+    git_commit,
+    machine_info,
+    parser,
+    write_results,
+)
 from spes.atomic import write_atomic
 from spes.config import load_config
 from spes.launch import sigterm_as_interrupt
@@ -663,9 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         "--docs", type=Path, default=None, help="where mini_repro.md/.png go (default: docs/; quick: --runs)"
     )
     p.add_argument("--report-only", action="store_true", help="only re-collect, re-plot and re-write the report")
-    p.add_argument("--tokenizer", default="data/default/tokenizer", help="tokenizer directory (4096 tokens)")
-    p.add_argument("--train", default="data/default/train/*.npy", help="training shards (glob)")
-    p.add_argument("--valid", default="data/default/valid/*.npy", help="validation shards (glob)")
+    corpus_args(p)
     p.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help="model-init and data-order seed (default %(default)s)"
     )
@@ -698,11 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = args.runs or RESULTS_DIR / name
     docs = args.docs or (REPO_ROOT / "docs" if default else runs)
     out_json = args.out or RESULTS_DIR / f"{name}.json"
-    if not (REPO_ROOT / args.tokenizer).exists() and not Path(args.tokenizer).exists():
-        raise SystemExit(
-            f"error: tokenizer {args.tokenizer!r} not found; build the default corpus with "
-            "`python data_process_scripts/build_default_corpus.py --output_dir data/default`"
-        )
+    check_corpus(args)
     common = setup.overrides(args.tokenizer, args.train, args.valid, args.seed)
     cfg, _ = load_config(REPO_ROOT / CONFIG, common)
     counts = analytic_param_counts(cfg.model)

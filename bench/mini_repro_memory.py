@@ -44,7 +44,16 @@ from typing import Any
 import torch
 
 from bench_memory import build, tensor_bytes, train_steps
-from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, parser, write_results
+from common import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    check_corpus,
+    corpus_args,
+    git_commit,
+    machine_info,
+    parser,
+    write_results,
+)
 from mini_repro import (
     CONFIG,
     DEFAULT_SEED,
@@ -401,9 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--docs", type=Path, default=None, help="report and plot folder (default: docs/; quick: --runs)")
     p.add_argument("--report-only", action="store_true", help="only re-collect, re-plot and re-write the report")
-    p.add_argument("--tokenizer", default="data/default/tokenizer", help="tokenizer directory (4096 tokens)")
-    p.add_argument("--train", default="data/default/train/*.npy", help="training shards (glob)")
-    p.add_argument("--valid", default="data/default/valid/*.npy", help="validation shards (glob)")
+    corpus_args(p)
     p.add_argument("--seeds", type=int, nargs="+", default=None, help=f"seeds (default: {SEEDS}; quick: the first)")
     p.add_argument("--small_experts", type=int, default=8, help="experts of the full model that sets the budget")
     p.set_defaults(out=None)
@@ -411,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.small_experts < PEERS or args.small_experts % PEERS:
         raise SystemExit(f"error: --small_experts={args.small_experts} must be a positive multiple of {PEERS}")
     # NOTE: 256 validation windows (4x mini_repro.py's) but every 50 steps instead of 20, so that the 14 runs stay
-    # near an hour on 2 cores (an estimate from mini_repro.py's throughput) with 25/50/100% on evaluated steps.
+    # near an hour on 2 cores (63 min measured on a quiet machine, docs/benchmarks.md 6b) with 25/50/100% on
+    # evaluated steps.
     setup = (
         QUICK
         if args.quick
@@ -423,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     docs = args.docs or (runs if args.quick else REPO_ROOT / "docs")
     out_json = args.out or RESULTS_DIR / f"{name}.json"
 
+    check_corpus(args)
     sizes = pick_sizes(setup.overrides(args.tokenizer, args.train, args.valid, seeds[0]), args.small_experts)
     print(
         f"budget {sizes['budget']['total']:,} bytes (full {sizes['small']}-expert node); SPES fits "

@@ -376,8 +376,17 @@ def test_bench_wan_quick(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_bench_overlap_quick(tmp_path: Path) -> None:
-    results, stdout = run_bench("bench_overlap", tmp_path)
+def test_bench_overlap_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
+    results, stdout = run_bench(
+        "bench_overlap",
+        tmp_path,
+        "--runs",
+        str(tmp_path / "runs"),
+        "--tokenizer",
+        str(tiny_corpus.tokenizer),
+        "--train",
+        tiny_corpus.train,
+    )
     (pair,) = results["pairs"]
     blocking, overlapped = pair["blocking"], pair["overlapped"]
     assert blocking["tokens"] == overlapped["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 steps x 16 sequences of 64
