@@ -12,8 +12,8 @@ Reads `.jsonl`, `.jsonl.gz`, `.jsonl.zst` (one JSON object per line, text in `--
 `.parquet` (a string column `--text_field`). Every document gets EOS appended and all of them are
 concatenated into shards `<output_prefix>_00000.npy`, ... (1-D numpy arrays of at most
 `--max_shard_bytes` bytes; a document may continue in the next shard). Each shard appears under
-its final name only once complete (it is written as `<shard>.partial`, which spes refuses) and its JSON
-sidecar `<shard>.npy.json`, recording the tokenizer, is written after it. Malformed lines are reported as
+its final name only once complete and described (it is written as `<shard>.partial`, which spes refuses,
+then its JSON sidecar `<shard>.npy.json`, recording the tokenizer, then it is renamed). Malformed lines are reported as
 `file:line: reason`, counted and skipped; the output is the same for any `--processes`.
 
 A tokenizer is trained on the same formats (one text per record; any other file is read whole as one UTF-8
@@ -306,8 +306,8 @@ def _encode_all(chunks: Iterable[TextChunk], encoder: Encoder, processes: int) -
 class ShardWriter:
     """Cuts a token stream into shards of `max_shard_bytes`, each written atomically with its sidecar.
 
-    A shard is buffered in memory (at most `max_shard_bytes`), written to `<shard>.partial`, renamed
-    to `<shard>` and only then given its sidecar.
+    A shard is buffered in memory (at most `max_shard_bytes`) and written to `<shard>.partial`; its sidecar
+    is written next, and only then is the shard renamed to `<shard>`, so a shard never appears without it.
     """
 
     def __init__(self, output_prefix: Path, *, dtype: np.dtype, max_shard_bytes: int, tokenizer: LoadedTokenizer):
@@ -362,19 +362,19 @@ class ShardWriter:
             array[:] = self._buffer[: self._filled]
             array.flush()
             del array
+            info = ShardInfo(
+                tokenizer_fingerprint=self.tokenizer.fingerprint,
+                vocab_size=self.tokenizer.vocab_size,
+                eos_token_id=self.tokenizer.eos_token_id,
+                dtype=self.dtype.name,
+                num_tokens=self._filled,
+                num_documents=self._documents,
+                source_files=tuple(self._sources),
+            )
+            write_shard_info(path, info)  # first: a run killed between the two leaves no shard without its sidecar
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-        info = ShardInfo(
-            tokenizer_fingerprint=self.tokenizer.fingerprint,
-            vocab_size=self.tokenizer.vocab_size,
-            eos_token_id=self.tokenizer.eos_token_id,
-            dtype=self.dtype.name,
-            num_tokens=self._filled,
-            num_documents=self._documents,
-            source_files=tuple(self._sources),
-        )
-        write_shard_info(path, info)
         self.shards.append(path)
         self._filled, self._documents, self._sources = 0, 0, {}
 

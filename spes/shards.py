@@ -2,7 +2,7 @@
 
 Two formats are read:
 - spes's own (`data_process_scripts/tokenize_data.py`): a real `.npy` (numpy header) written as
-  `<shard>.npy.partial` and renamed once complete, then its sidecar, which records the tokenizer
+  `<shard>.npy.partial` and renamed once complete and once its sidecar is written, which records the tokenizer
   fingerprint, vocabulary and dtype so data and tokenizer cannot be mixed up. A half-written shard
   keeps its `.partial` name and is never matched as a shard.
 - OLMo's / Dolma's (and the first SPES implementation's `tokenize_data.py`): a headerless flat memmap
