@@ -210,18 +210,18 @@ def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: flo
     return rows
 
 
-def measure_step_1b(steps: int, device: torch.device) -> dict[str, Any]:
-    """Seconds of one optimizer step of the 1B SPES node (peer 0).
+def measure_step_1b(steps: int, device: torch.device, overrides: list[str]) -> dict[str, Any]:
+    """Seconds of one optimizer step of the 1B SPES node (peer 0), with the config `overrides` (--key=value).
 
     On a GPU: whole steps of the config's own global batch, micro-batches and precision (amp_bf16). On the CPU,
     where one such step would take hours: steps of one sequence in fp32, scaled to the global batch.
     """
-    cfg = load_config(PAPER_1B)[0]
+    cfg = load_config(PAPER_1B, overrides)[0]
     gpu = device.type == "cuda"
     one = [] if gpu else ["--global_train_batch_size=1", "--device_train_microbatch_size=1", "--precision=fp32"]
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="bench_wan_") as tmp:
-        variant = build_variant(PAPER_1B, "torch", "spes", device, tmp, one)
+        variant = build_variant(PAPER_1B, cfg.model.moe_backend, "spes", device, tmp, [*overrides, *one])
         sequences = variant.cfg.global_train_batch_size
         batch = torch.randint(
             0,
@@ -241,6 +241,8 @@ def measure_step_1b(steps: int, device: torch.device) -> dict[str, Any]:
         "timed_step_seconds": seconds,
         "sequences_per_step": cfg.global_train_batch_size,
         "microbatch": variant.cfg.device_train_microbatch_size,
+        "moe_backend": variant.cfg.model.moe_backend,
+        "overrides": overrides,
         "peak_memory_bytes": peak,
         "step_s": per_sequence * cfg.global_train_batch_size,
     }
@@ -279,16 +281,26 @@ def main(argv: list[str] | None = None) -> int:
         help="time N steps of the 1B SPES node here instead (CPU: one-sequence steps, ~16 GB of memory)",
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains")
+    p.add_argument(
+        "--step_override",
+        action="append",
+        default=[],
+        metavar="--KEY=VALUE",
+        help="with --measure_step: a config override of the timed node (repeatable), e.g. "
+        "--step_override=--model.moe_backend=grouped_mm",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda needs a CUDA GPU and a CUDA build of torch")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    step = measure_step_1b(args.measure_step, device) if args.measure_step else None
+    step = measure_step_1b(args.measure_step, device, args.step_override) if args.measure_step else None
     if step is not None:
+        peak = step["peak_memory_bytes"]
         print(
             f"1B SPES node on {step['device']} ({step['precision']}): median of {len(step['timed_step_seconds'])} "
             f"steps of {step['sequences_per_timed_step']} sequences, so {step['step_s']:.1f} s per step of "
-            f"{step['sequences_per_step']} sequences",
+            f"{step['sequences_per_step']} sequences (micro-batch {step['microbatch']}, {step['moe_backend']}); "
+            f"peak memory {'n/a' if peak is None else f'{peak / 2**30:.1f} GiB'}",
             flush=True,
         )
         args.step_s = step["step_s"]
@@ -340,13 +352,15 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for m in measured
     ]
+    prediction = predict_1b(measured, args.step_s, args.rtt_ms)
+    # NOTE: the record first: a reader that stops reading the tables (`| head`) must not cost the measurement
+    write_results(args.out, {**run, "prediction_1b": prediction, "step_s_1b": args.step_s, "step_measurement_1b": step})
     print(
         format_table(
             ["Mbit/s", "model", "wire", "plane", "MB/peer", "ideal s", "SPES s", "SPES/ideal", "raw s", "raw/ideal"],
             rows,
         )
     )
-    prediction = predict_1b(measured, args.step_s, args.rtt_ms)
     step_note = (
         "no step time given (--step_s or --measure_step)"
         if args.step_s is None
@@ -372,7 +386,6 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     )
-    write_results(args.out, {**run, "prediction_1b": prediction, "step_s_1b": args.step_s, "step_measurement_1b": step})
     print(json.dumps({"efficiency": [round(m["efficiency"], 3) for m in measured]}))
     return 0
 

@@ -39,7 +39,12 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 FP32 = 4
+BF16 = 2
 ADAM_MOMENTS = 2
+LOGIT_COPIES = 7
+"""fp32-sized copies of the logits alive at the backward's peak: fitted to the 1B config's measured GPU peaks
+(H200, amp_bf16: 28.1 / 44.3 / 76.7 GiB at micro-batch 2 / 4 / 8, 8.1 GiB per 2,048-token sequence, most of it the
+151,936-row LM head; bench/results/bench_wan_gpu_steps.json); the three copies counted before left 36 GiB out."""
 USABLE_MEMORY = 0.9
 """Fraction of a device's memory a run may plan for (the rest: allocator slack, CUDA context, fragmentation)."""
 SAMPLE_TOKENS = 1 << 20
@@ -167,7 +172,9 @@ def activation_bytes_per_sequence(cfg: TrainConfig) -> int:
     Per token and layer: attention keeps ~10 d values (norm, q/k/v, output, residual) and, on the math path,
     n_heads x seq attention probabilities; the MoE keeps the router logits and per routed copy its input and
     output (2 d) and four expert-hidden values. Activation checkpointing keeps only a layer's input for the
-    recomputed layers (fine-grained: ~4 d). The logits cost three fp32 copies (logits, log-softmax, gradient).
+    recomputed layers (fine-grained: ~4 d). The logits cost `LOGIT_COPIES` fp32-sized copies at the backward's
+    peak (the autocast output, its fp32 upcast, the log-softmax and z-loss terms kept for backward, and their
+    gradients).
     """
     m = cfg.model
     d, s, f = m.d_model, m.max_sequence_length, m.expert_hidden_size
@@ -184,18 +191,21 @@ def activation_bytes_per_sequence(cfg: TrainConfig) -> int:
         per_layer = [full_layer] * m.n_layers
     element = 2 if cfg.precision == "amp_bf16" else FP32
     assert m.embedding_size is not None
-    return s * (sum(per_layer) * element + 3 * FP32 * m.embedding_size)
+    return s * (sum(per_layer) * element + LOGIT_COPIES * FP32 * m.embedding_size)
 
 
 def memory_need(cfg: TrainConfig, nproc: int) -> tuple[int, int]:
     """(model-state bytes one process holds, activation bytes per sequence): FSDP2 shards the state over the
-    node's processes, DDP adds gradient buckets as large as the gradients."""
+    node's processes, DDP adds gradient buckets as large as the gradients, and under `amp_bf16` autocast keeps a
+    bf16 copy of every weight it casts for the step."""
     state = model_state_bytes(cfg)
     per_rank = state.total
     if nproc > 1 and cfg.distributed_strategy == "fsdp" and cfg.fsdp.sharding_strategy != "NO_SHARD":
         per_rank = math.ceil(state.total / nproc)
     elif nproc > 1 and cfg.distributed_strategy == "ddp":
         per_rank += state.grads
+    if cfg.precision == "amp_bf16":
+        per_rank += BF16 * state.params
     return per_rank, activation_bytes_per_sequence(cfg)
 
 

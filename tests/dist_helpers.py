@@ -45,14 +45,15 @@ SMALL_NODE = [
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """Environment for launched processes: one thread each (2 shared cores), repo importable, unbuffered."""
+    """Environment for launched processes: one thread each (2 shared cores), repo importable, unbuffered, and no
+    GPU: these are CPU (gloo) tests, and on a GPU host N ranks would each claim a GPU it may not have."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     path = os.pathsep.join(p for p in (str(REPO), str(TESTS), env.get("PYTHONPATH", "")) if p)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", **extra)
     return env
 
 

@@ -487,3 +487,14 @@ def test_a_server_older_than_preflight_is_named(
     assert rc == 1
     assert lines["server"].startswith("FAIL") and "predates preflight" in lines["server"]
     assert "-> update the parameter server" in lines["server"]
+
+
+@pytest.mark.parametrize(("micro", "measured_gib"), [(2, 28.1), (4, 44.3), (8, 76.7)])
+def test_the_memory_estimate_covers_the_measured_gpu_peak_of_the_1b_node(micro: int, measured_gib: float) -> None:
+    """Peak GPU memory of one step of the 1B SPES node, measured on an H200 (amp_bf16, one process;
+    bench/results/bench_wan_gpu_steps.json): the estimate must not promise a micro-batch that does not fit,
+    nor waste a GPU by asking for far more than it used."""
+    cfg, _ = load_config(REPO / "configs" / "spes_1b" / "node_0.yaml", [f"--device_train_microbatch_size={micro}"])
+    static, per_seq = memory_need(cfg, 1)
+    estimate_gib = (static + micro * per_seq) / 2**30
+    assert measured_gib <= estimate_gib <= 1.1 * measured_gib
