@@ -48,6 +48,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -610,31 +611,45 @@ OVERLAP_TARGET = 0.01
 """Issue 16.2: an overlapped run's final validation loss within 1% of the blocking run's, at equal tokens."""
 
 
-def overlap_arm(delay: int) -> str:
-    """The name of the overlapped SPES arm whose rounds are applied `delay` steps after their sync step."""
-    return f"spes_overlap_d{delay}"
+def overlap_arm(delay: int, correction: float = 1.0) -> str:
+    """The name of the overlapped SPES arm whose rounds are applied `delay` steps after their sync step, with
+    `spes_config.overlap_correction` = `correction` (named only when not the default 1)."""
+    return f"spes_overlap_d{delay}" + ("" if correction == 1.0 else f"_c{correction:g}")
 
 
-def overlap_flags(delay: int) -> list[str]:
-    return ["--spes_config.overlap_sync=true", f"--spes_config.overlap_steps={delay}"]
+def overlap_flags(delay: int, correction: float = 1.0) -> list[str]:
+    flags = ["--spes_config.overlap_sync=true", f"--spes_config.overlap_steps={delay}"]
+    return flags if correction == 1.0 else [*flags, f"--spes_config.overlap_correction={correction:g}"]
 
 
-def overlap_commands(setup: Setup, common: list[str], out: Path, delays: list[int]) -> Commands:
-    """The blocking SPES arm (`spes`) and one overlapped arm per delay: the same command but for the overlap keys."""
+def overlap_variants(delays: list[int], corrections: Sequence[float]) -> dict[str, list[str]]:
+    """Every overlapped arm (one per delay and correction): its name and its flags."""
+    return {overlap_arm(d, c): overlap_flags(d, c) for d in delays for c in corrections}
+
+
+def overlap_commands(setup: Setup, common: list[str], out: Path, variants: dict[str, list[str]]) -> Commands:
+    """The blocking SPES arm (`spes`) and every overlapped arm: the same command but for the overlap keys."""
     cmd, env = run_commands(setup, common, out)["spes"]
     at = cmd.index("--out")
     arms = {"spes": (cmd, env)}
-    for d in delays:
-        arms[overlap_arm(d)] = ([*cmd[:at], "--out", str(out / overlap_arm(d)), *cmd[at + 2 :], *overlap_flags(d)], env)
+    for arm, flags in variants.items():
+        arms[arm] = ([*cmd[:at], "--out", str(out / arm), *cmd[at + 2 :], *flags], env)
     return arms
 
 
 def overlap_comparison(
-    setup: Setup, common: list[str], runs: Path, delays: list[int], only: list[str] | None, report_only: bool
+    setup: Setup,
+    common: list[str],
+    runs: Path,
+    delays: list[int],
+    only: list[str] | None,
+    report_only: bool,
+    corrections: Sequence[float] = (1.0,),
 ) -> dict[str, Any]:
     """Run (unless `report_only`; only the arms `only` if given) and compare the blocking and the overlapped SPES
     arms' final validation loss (of the merged model, once the last round is applied) at equal tokens."""
-    commands = overlap_commands(setup, common, runs, delays)
+    variants = overlap_variants(delays, corrections)
+    commands = overlap_commands(setup, common, runs, variants)
     walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
     if not report_only:
         info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit()}
@@ -649,7 +664,7 @@ def overlap_comparison(
     for arm, c in curves.items():
         info_path = runs / arm / "run.json"
         arms[arm] = {
-            "flags": [] if arm == "spes" else overlap_flags(int(arm.rsplit("_d", 1)[1])),
+            "flags": variants.get(arm, []),
             "final_val_loss": c["val_loss"][-1],
             "vs_blocking": (c["val_loss"][-1] - base) / base,
             "within_target": abs(c["val_loss"][-1] - base) / base <= OVERLAP_TARGET,
@@ -689,6 +704,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="D",
         help="with --overlap: one overlapped arm per delay D (default: sync_steps)",
+    )
+    p.add_argument(
+        "--overlap_correction",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        metavar="C",
+        help="with --overlap: one overlapped arm per delay and spes_config.overlap_correction C (default 1)",
     )
     p.add_argument(
         "--only", nargs="+", default=None, metavar="ARM", help="with --overlap: run only these arms, read the others"
@@ -733,9 +756,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["within_target"] or args.quick else 1
     if args.overlap:
         delays = args.overlap_steps or [setup.sync_steps]
-        if unknown := sorted(set(args.only or []) - {"spes", *map(overlap_arm, delays)}):
-            p.error(f"--only {unknown}: the arms of this run are spes and {[overlap_arm(d) for d in delays]}")
-        result = overlap_comparison(setup, common, runs, delays, args.only, args.report_only)
+        variants = overlap_variants(delays, args.overlap_correction)
+        if unknown := sorted(set(args.only or []) - {"spes", *variants}):
+            p.error(f"--only {unknown}: the arms of this run are spes and {list(variants)}")
+        result = overlap_comparison(
+            setup, common, runs, delays, args.only, args.report_only, corrections=args.overlap_correction
+        )
         print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
         for arm, r in result["arms"].items():
             print(

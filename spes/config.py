@@ -338,6 +338,11 @@ class SpesConfig:
         None,
         "with overlap_sync: steps from a sync step to the one that applies its round, 0..sync_steps (null: sync_steps)",
     )
+    overlap_correction: float = _f(
+        1.0,
+        "with overlap_sync: share of a landing round's correction applied, theta <- theta_now + c * (global - "
+        "theta_snapshot), in (0, 1]; 1 is the rule above, 0.5 damps the late correction (less loss at long delays)",
+    )
 
     @property
     def overlap_delay(self) -> int:
@@ -510,6 +515,12 @@ class TrainConfig:
                 "spes_config.overlap_steps",
                 s.overlap_steps,
                 f"must be in [0, sync_steps={s.sync_steps}]: a round must land before the next one is uploaded",
+            )
+            _require(
+                0.0 < s.overlap_correction <= 1.0,
+                "spes_config.overlap_correction",
+                s.overlap_correction,
+                "must be in (0, 1]: the share of each round's correction a node applies (0 would never sync)",
             )
             # NOTE: int8 deltas (issue 16 point 3) are taken against the last global model both sides hold; an
             # overlapped node's own blocks would then need the client's reconstruction, which nothing passes yet.

@@ -330,6 +330,8 @@ def test_choice_outside_the_allowed_values(
         (["--spes_config.sync_steps=0"], "spes_config.sync_steps", ">= 1"),
         (["--spes_config.overlap_steps=11"], "spes_config.overlap_steps", "must be in [0, sync_steps=10]"),
         (["--spes_config.overlap_steps=-1"], "spes_config.overlap_steps", "must be in [0, sync_steps=10]"),
+        (["--spes_config.overlap_correction=0"], "spes_config.overlap_correction", "must be in (0, 1]"),
+        (["--spes_config.overlap_correction=1.5"], "spes_config.overlap_correction", "must be in (0, 1]"),
         (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
         (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
         (["--data.instance_filter.repetition_max_count=1"], "data.instance_filter.repetition_max_count", ">= 2"),
@@ -603,6 +605,7 @@ def test_first_implementation_key_set_is_complete() -> None:
         "data_plane",
         "overlap_sync",
         "overlap_steps",
+        "overlap_correction",
     }
     hints = typing.get_type_hints(TrainConfig)
     for section in sections - {"evaluators"}:

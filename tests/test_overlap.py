@@ -25,6 +25,31 @@ def test_hand_computed_case() -> None:
     assert torch.equal(now["shared"], torch.tensor([0.75, 0.25, 1.5])), "inputs must not be modified"
 
 
+def test_hand_computed_case_with_a_damped_correction() -> None:
+    glob = {"shared": torch.tensor([1.0, 2.0, 3.0]), "frozen": torch.tensor([10.0, 20.0])}
+    snapshot = {"shared": torch.tensor([0.5, 0.5, 0.5])}
+    now = {"shared": torch.tensor([0.75, 0.25, 1.5]), "frozen": torch.tensor([-1.0, -2.0])}
+    out = apply_overlapped(glob, now, snapshot, correction=0.5)
+    # shared: now + 0.5 * (global - snapshot) = [0.75 + 0.25, 0.25 + 0.75, 1.5 + 1.25]; frozen: the global values
+    assert torch.equal(out["shared"], torch.tensor([1.0, 1.0, 2.75]))
+    assert torch.equal(out["frozen"], torch.tensor([10.0, 20.0]))
+
+
+def test_a_damped_correction_keeps_the_mean_over_peers_and_shrinks_their_spread() -> None:
+    """The server's global is the peers' mean snapshot, so the corrections sum to zero: any c keeps the mean
+    of the peers' new values, and a smaller c leaves them nearer their own (the spread shrinks less per round,
+    but a late correction no longer overshoots)."""
+    gen = torch.Generator().manual_seed(2)
+    snaps = [torch.randn(40, generator=gen) for _ in range(4)]
+    nows = [s + 0.1 * torch.randn(40, generator=gen) for s in snaps]
+    glob = torch.stack(snaps).mean(0)
+    for c in (1.0, 0.5, 0.25):
+        out = [apply_overlapped({"w": glob}, {"w": n}, {"w": s}, correction=c)["w"] for n, s in zip(nows, snaps)]
+        torch.testing.assert_close(torch.stack(out).mean(0), torch.stack(nows).mean(0))
+        for o, n, s in zip(out, nows, snaps):
+            torch.testing.assert_close(o - n, c * (glob - s))
+
+
 def test_zero_delay_is_the_blocking_result_bit_for_bit() -> None:
     gen = torch.Generator().manual_seed(0)
     glob = {"a": torch.randn(64, 33, generator=gen), "b": torch.tensor([-0.0, 0.0, -1e-40, 3.0])}

@@ -35,14 +35,20 @@ def apply_overlapped(
     global_model: Mapping[str, torch.Tensor],
     now: Mapping[str, torch.Tensor],
     snapshot: Mapping[str, torch.Tensor],
+    correction: float = 1.0,
 ) -> Tensors:
     """The node's new values once the global model of an in-flight round arrives.
 
-    For every tensor this node trains (the names of `snapshot`, taken when the round was uploaded):
+    For every tensor this node trains (the names of `snapshot`, taken when the round was uploaded), with c the
+    `correction` (`spes_config.overlap_correction`):
 
-        theta <- global + (theta_now - theta_snapshot)
+        theta <- theta_now + c * (global - theta_snapshot)      (c = 1: global + (theta_now - theta_snapshot))
 
     and for every other tensor of `global_model` (frozen here, so it did not move locally): theta <- global.
+    Why c < 1 helps at long delays: the correction is the node's disagreement with the mean *at the snapshot*;
+    training since has already shrunk part of it, so applying all of it late overshoots to the other side, and
+    nodes swing around the mean instead of meeting on it. With the server's plain mean over the peers the
+    corrections sum to zero, so c leaves the mean of the nodes untouched and only damps their disagreement.
     A trained name missing from `global_model` is one the server took verbatim from this node's upload
     (its own expert blocks on a round without merging, see `merge.download_names`): its global value is the
     snapshot itself, so it keeps theta_now.
@@ -67,9 +73,12 @@ def apply_overlapped(
             continue
         snap = snapshot[name]
         _check_pair(name, "snapshot", snap, current, same_dtype=True)
-        # NOTE: global - (snap - now), not global + (now - snap): equal in value, but snap - now is +0.0
-        # where nothing moved and x - (+0.0) == x for every x, -0.0 included, so a zero delay is bit-exact.
-        result[name] = widened - (snap.to(current.device) - current)
+        if correction == 1.0:
+            # NOTE: global - (snap - now), not global + (now - snap): equal in value, but snap - now is +0.0
+            # where nothing moved and x - (+0.0) == x for every x, -0.0 included, so a zero delay is bit-exact.
+            result[name] = widened - (snap.to(current.device) - current)
+        else:
+            result[name] = current + correction * (widened - snap.to(current.device))
     for name in snapshot:
         if name not in global_model:
             result[name] = now[name].clone()

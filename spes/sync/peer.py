@@ -194,6 +194,7 @@ class PeerSync:
         *,
         what: str,
         snapshot: Tensors | None = None,
+        correction: float = 1.0,
     ) -> SyncResult:
         """Load a round's global model on every rank (a collective): as downloaded, or, given the `snapshot` it was
         uploaded from (rank 0; {} elsewhere), with the local progress made since (`apply_overlapped`, on whole
@@ -214,7 +215,7 @@ class PeerSync:
             now = gather_full(self.model, self.trainable, self.info)
             if self.info.is_main:
                 frozen = {n: p.detach() for n, p in unwrap(self.model).named_parameters() if n not in now}
-                downloaded = apply_overlapped(downloaded, {**frozen, **now}, snapshot)
+                downloaded = apply_overlapped(downloaded, {**frozen, **now}, snapshot, correction)
             del now
         load_full(self.model, downloaded, self.info)
         if caught_up_to >= 0:
@@ -249,11 +250,12 @@ class OverlappedSync(PeerSync):
     At sync step `s` every rank takes part in gathering what the node trains; rank 0 keeps the whole fp32 tensors
     on the CPU as the round's snapshot, uploads them from a background thread, and training goes on. At step
     `s + overlap_steps` (the run's last step if that comes first) every rank waits for the round and applies
-        theta <- global + (theta_now - theta_snapshot)   to what the node trains,
+        theta <- global + (theta_now - theta_snapshot)   to what the node trains (`overlap_correction` c < 1:
+                                                         theta_now + c * (global - theta_snapshot)),
         theta <- global                                  to the rest,
     computed on rank 0 from whole tensors and loaded into every rank's parameters or shards, so DDP replicas and
     FSDP shards end alike; the optimizer state is kept. A fixed step rather than "when the round arrives" keeps a
-    run deterministic whatever the link: a delay of 0 is the blocking run bit for bit, and a resumed run repeats
+    run deterministic whatever the link: a delay of 0 (with c = 1) is the blocking run bit for bit, a resumed run repeats
     the uninterrupted one. A failed round raises at that step on every rank, as a blocking one does.
 
     Checkpoints do not wait for the round: one taken while it is in flight holds its snapshot (`PENDING_FILE`,
@@ -264,6 +266,7 @@ class OverlappedSync(PeerSync):
     def __init__(self, cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> None:
         super().__init__(cfg, model, info, log)
         self.delay, self.last_step = cfg.spes_config.overlap_delay, cfg.duration_steps
+        self.correction = cfg.spes_config.overlap_correction
         self._taken: int | None = None
         """The step at which the round in flight was uploaded (every rank); None when none is."""
         self._pending: PendingRound | None = None
@@ -336,7 +339,15 @@ class OverlappedSync(PeerSync):
             snapshot = self._pending.snapshot
         taken = self._taken
         self._taken, self._pending, self._exchanged = None, None, None
-        result = self._load(step, downloaded, stats, error, what=f"apply the round of step {taken}", snapshot=snapshot)
+        result = self._load(
+            step,
+            downloaded,
+            stats,
+            error,
+            what=f"apply the round of step {taken}",
+            snapshot=snapshot,
+            correction=self.correction,
+        )
         return replace(result, waited_s=time.perf_counter() - started)
 
 
