@@ -255,8 +255,8 @@ class OverlappedSync(PeerSync):
         theta <- global                                  to the rest,
     computed on rank 0 from whole tensors and loaded into every rank's parameters or shards, so DDP replicas and
     FSDP shards end alike; the optimizer state is kept. A fixed step rather than "when the round arrives" keeps a
-    run deterministic whatever the link: a delay of 0 (with c = 1) is the blocking run bit for bit, a resumed run repeats
-    the uninterrupted one. A failed round raises at that step on every rank, as a blocking one does.
+    run deterministic whatever the link: a delay of 0 (with c = 1) is the blocking run bit for bit, a resumed run
+    repeats the uninterrupted one. A failed round raises at that step on every rank, as a blocking one does.
 
     Checkpoints do not wait for the round: one taken while it is in flight holds its snapshot (`PENDING_FILE`,
     safetensors), and `resume` uploads it again (the server counts a repeated upload once) and applies the round
