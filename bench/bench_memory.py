@@ -74,6 +74,7 @@ def train_steps(cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Opt
     grad_bytes = 0
     for _ in range(steps):
         out = model(batch[:, :-1])
+        assert out.logits is not None
         (language_model_loss(out.logits, batch[:, 1:]) + out.lb_loss + out.z_loss).backward()
         grad_bytes = tensor_bytes([p.grad for p in model.parameters() if p.grad is not None])
         optimizer.step()

@@ -406,7 +406,11 @@ class TrainConfig:
     compile: dict | bool | None = _f(
         None, "torch.compile each decoder block: true, or {mode, fullgraph, dynamic, backend}; null/false: eager"
     )
-    fused_loss: bool | None = _f(None, "inert")
+    fused_loss: bool | None = _f(
+        None,
+        "compute the LM head and the loss a chunk of tokens at a time, recomputing each chunk's logits in backward: "
+        "the batch's logits never exist whole (most of the activation memory at a large vocabulary); null = false",
+    )
     softmax_auxiliary_loss: bool = _f(False, "add a z-loss on the output logits")
     auxiliary_loss_multiplier: float = _f(1e-4, "weight of the output-logit z-loss")
     using_spes: bool = _f(True, "synchronize with a SPES parameter server (false: centralized training)")
@@ -608,7 +612,6 @@ class TrainConfig:
 INERT_KEYS = frozenset(
     {
         "dry_run",
-        "fused_loss",
         "max_grad_norm_ratio",
         "save_overwrite",
         "save_interval_ephemeral",

@@ -173,6 +173,7 @@ def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Chec
     start = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16):
         out = model(batch[:, :-1])
+    assert out.logits is not None
     loss = language_model_loss(out.logits, batch[:, 1:]) + out.lb_loss + out.z_loss
     loss.backward()
     optimizer.step()

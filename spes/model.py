@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from spes.config import ModelConfig, TrainConfig
 from spes.distributed import is_dtensor
@@ -136,12 +137,48 @@ class Block(nn.Module):
         return x + self.dropout(y), aux.lb_loss, aux.z_loss, aux.tokens_per_expert
 
 
+IGNORE_INDEX = -100  # a label left out of the loss (a window dropped by data.instance_filter)
+LOSS_CHUNK_ELEMENTS = 1 << 26
+"""Logits computed at once by `head_loss_sums`: 256 MiB per fp32 copy, whatever the vocabulary."""
+
+
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (B, S, V) in the compute dtype
+    logits: torch.Tensor | None  # (B, S, V) in the compute dtype; None when the model was given the labels
     lb_loss: torch.Tensor  # summed over layers, weighted
     z_loss: torch.Tensor  # summed over layers, weighted
     tokens_per_expert: torch.Tensor  # (L, E)
+    ce_sum: torch.Tensor | None = None  # given the labels: fp32 next-token cross entropy summed over kept labels
+    logit_z_sum: torch.Tensor | None = None  # given the labels and `logit_z`: logsumexp(logits)^2, summed alike
+
+
+def head_loss_sums(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, *, logit_z: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums over the kept labels of the cross entropy and (with `logit_z`) of logsumexp(logits)^2, computing the
+    LM head a chunk of tokens at a time and recomputing each chunk's logits in backward (`fused_loss`).
+
+    Why: the whole batch's logits, upcast to fp32 for the loss, with the log-softmax and the gradients backward
+    keeps, are most of a node's activation memory at a large vocabulary (the 1B config's 151,936 entries: ~7 fp32
+    copies, 4.3 MB per token); here only one chunk's exist at a time. Equal to the unchunked loss up to the order
+    of the sums.
+    """
+    chunk = max(1, LOSS_CHUNK_ELEMENTS // weight_VD.shape[0])
+    ce = z = h_ND.new_zeros((), dtype=torch.float32)
+    for h, labels in zip(h_ND.split(chunk), labels_N.split(chunk)):
+        ce_c, z_c = checkpoint(_chunk_loss_sums, h, weight_VD, labels, logit_z, use_reentrant=False)
+        ce, z = ce + ce_c, z + z_c
+    return ce, z
+
+
+def _chunk_loss_sums(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, logit_z: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(h_ND, weight_VD).float()
+    ce = F.cross_entropy(logits, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
+    if not logit_z:
+        return ce, ce.new_zeros(())
+    return ce, (torch.logsumexp(logits, dim=-1).square() * (labels_N != IGNORE_INDEX)).sum()
 
 
 def assign_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
@@ -225,7 +262,11 @@ class Transformer(nn.Module):
             if isinstance(module, MoE):
                 module.set_own_count_scale(factor)
 
-    def forward(self, input_ids_BS: torch.Tensor) -> ModelOutput:
+    def forward(
+        self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *, logit_z: bool = False
+    ) -> ModelOutput:
+        """The logits, or given `labels_BS` the loss sums of `head_loss_sums` instead (computed here, inside the
+        forward, so FSDP has the head's weight gathered), with the MoE's auxiliary losses."""
         if input_ids_BS.shape[-1] > self.rope_cos.shape[0]:
             raise ValueError(
                 f"a sequence of {input_ids_BS.shape[-1]} tokens is longer than "
@@ -238,8 +279,11 @@ class Transformer(nn.Module):
             x, lb_l, z_l, tpe = block(x, self.rope_cos, self.rope_sin)
             lb, z = lb + lb_l, z + z_l
             counts.append(tpe)
-        logits = self.lm_head(self.norm(x))
-        return ModelOutput(logits=logits, lb_loss=lb, z_loss=z, tokens_per_expert=torch.stack(counts))
+        h = self.norm(x)
+        if labels_BS is None:
+            return ModelOutput(logits=self.lm_head(h), lb_loss=lb, z_loss=z, tokens_per_expert=torch.stack(counts))
+        ce, logit_z_sum = head_loss_sums(h.flatten(0, 1), self.lm_head.weight, labels_BS.flatten(), logit_z=logit_z)
+        return ModelOutput(None, lb, z, torch.stack(counts), ce_sum=ce, logit_z_sum=logit_z_sum)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ import torch
 
 from spes.config import ConfigError, TrainConfig, load_config
 from spes.distributed import check_launch
-from spes.model import Transformer, analytic_param_counts, tflops_per_token
+from spes.model import LOSS_CHUNK_ELEMENTS, Transformer, analytic_param_counts, tflops_per_token
 from spes.sync.auth import TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -191,7 +191,9 @@ def activation_bytes_per_sequence(cfg: TrainConfig) -> int:
         per_layer = [full_layer] * m.n_layers
     element = 2 if cfg.precision == "amp_bf16" else FP32
     assert m.embedding_size is not None
-    return s * (sum(per_layer) * element + LOGIT_COPIES * FP32 * m.embedding_size)
+    # NOTE: with fused_loss the logits exist a chunk at a time: `memory_need` counts that chunk once instead
+    logits = 0 if cfg.fused_loss else LOGIT_COPIES * FP32 * m.embedding_size
+    return s * (sum(per_layer) * element + logits)
 
 
 def memory_need(cfg: TrainConfig, nproc: int) -> tuple[int, int]:
@@ -206,6 +208,8 @@ def memory_need(cfg: TrainConfig, nproc: int) -> tuple[int, int]:
         per_rank += state.grads
     if cfg.precision == "amp_bf16":
         per_rank += BF16 * state.params
+    if cfg.fused_loss:  # one chunk of logits (`spes.model.head_loss_sums`), whatever the micro-batch
+        per_rank += LOGIT_COPIES * FP32 * LOSS_CHUNK_ELEMENTS
     return per_rank, activation_bytes_per_sequence(cfg)
 
 

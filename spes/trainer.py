@@ -27,7 +27,7 @@ from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
-from spes.model import ModelOutput, tflops_per_token
+from spes.model import IGNORE_INDEX, ModelOutput, tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
 from spes.optim import lr_at, set_lr
@@ -68,9 +68,6 @@ def schedule_length(cfg: TrainConfig) -> int:
     if cfg.scheduler.units == "tokens":
         return math.ceil(t_max / cfg.tokens_per_step)
     return t_max
-
-
-IGNORE_INDEX = -100  # a label left out of the loss (a window dropped by data.instance_filter)
 
 
 def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -241,13 +238,21 @@ class Trainer:
     def _micro_batch_loss(self, batch_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
         """The loss to backpropagate (cross entropy, the MoE's auxiliary losses, the optional softmax z-loss), the
         cross entropy alone, and the model's output."""
-        out = self.model(batch_BS[:, :-1])
         labels = self._labels(batch_BS)
-        ce = language_model_loss(out.logits, labels)
+        logit_z = self.cfg.softmax_auxiliary_loss
+        if self.cfg.fused_loss:  # the model computes the loss sums itself, its head a chunk at a time
+            out = self.model(batch_BS[:, :-1], labels, logit_z=logit_z)
+            assert out.ce_sum is not None and out.logit_z_sum is not None
+            ce, z_sum = out.ce_sum / labels.numel(), out.logit_z_sum
+        else:
+            out = self.model(batch_BS[:, :-1])
+            assert out.logits is not None
+            ce = language_model_loss(out.logits, labels)
+            if logit_z:
+                z_sum = (torch.logsumexp(out.logits.float(), dim=-1).square() * (labels != IGNORE_INDEX)).sum()
         loss = ce + out.lb_loss + out.z_loss
-        if self.cfg.softmax_auxiliary_loss:  # as in OLMo, over the kept labels' positions, / all positions
-            z_BS = torch.logsumexp(out.logits.float(), dim=-1).square() * (labels != IGNORE_INDEX)
-            loss = loss + self.cfg.auxiliary_loss_multiplier * z_BS.sum() / labels.numel()
+        if logit_z:  # as in OLMo, over the kept labels' positions, / all positions
+            loss = loss + self.cfg.auxiliary_loss_multiplier * z_sum / labels.numel()
         return loss, ce, out
 
     def _node_total(self, counts: torch.Tensor) -> list:
@@ -361,6 +366,7 @@ class Trainer:
             batch = batch.to(self.info.device)
             with self.autocast:
                 out = self.model(batch[:, :-1])
+            assert out.logits is not None
             total += language_model_loss(out.logits, batch[:, 1:]) * batch.shape[0]
             count += batch.shape[0]
         self.model.train()

@@ -412,3 +412,11 @@ def test_bench_overlap_refuses_arms_that_differ() -> None:
     ]
     bypassed = {**arm, "relay_bytes": {"bytes_up": [0, 250], "bytes_down": [300, 300]}}
     assert "did it bypass the link?" in check_premises(arm, bypassed)[0]
+
+
+def test_bench_fused_loss_quick(tmp_path: Path) -> None:
+    results, out = run_bench("bench_fused_loss", tmp_path)
+    whole, fused = results["arms"]["whole"], results["arms"]["fused"]
+    assert (whole["fused_loss"], fused["fused_loss"]) == (False, True)
+    assert whole["tokens_per_step"] == fused["tokens_per_step"] == 256
+    assert results["loss_agreement"] <= 1e-4 and "fused / whole" in out

@@ -507,8 +507,12 @@ def _fsdp_variants_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any
                 generator=torch.Generator().manual_seed(100 * step + info.rank),
             )
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "amp_bf16"):
-                out = model(tokens[:, :-1])
-                loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+                if cfg.fused_loss:  # the head's weight is used in the forward and again in the backward's recompute
+                    out = model(tokens[:, :-1], tokens[:, 1:])
+                    loss = out.ce_sum / tokens[:, 1:].numel()
+                else:
+                    out = model(tokens[:, :-1])
+                    loss = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -520,7 +524,8 @@ def _fsdp_variants_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_every_fsdp_setting_trains_and_keeps_ranks_consistent(tmp_path: Path) -> None:
-    """sharding_strategy, wrapping_strategy and the amp_bf16 mixed-precision policy, each on 2 gloo ranks."""
+    """sharding_strategy, wrapping_strategy, the amp_bf16 mixed-precision policy and fused_loss, each on 2 gloo
+    ranks."""
     variants = {
         "FULL_SHARD": [],
         "SHARD_GRAD_OP": ["--fsdp.sharding_strategy=SHARD_GRAD_OP"],
@@ -528,6 +533,7 @@ def test_every_fsdp_setting_trains_and_keeps_ranks_consistent(tmp_path: Path) ->
         "HYBRID_SHARD": ["--fsdp.sharding_strategy=HYBRID_SHARD"],
         "one_unit": ["--fsdp.wrapping_strategy=null"],
         "amp_bf16_mixed": ["--precision=amp_bf16", "--fsdp.precision=mixed"],
+        "fused_loss": ["--fused_loss=true"],
     }
     ranks = run_ranks(2, "test_distributed:_fsdp_variants_worker", {"variants": variants}, tmp_path, timeout=200)
     reference = ranks[0]["FULL_SHARD"]["losses"]

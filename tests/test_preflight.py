@@ -498,3 +498,12 @@ def test_the_memory_estimate_covers_the_measured_gpu_peak_of_the_1b_node(micro: 
     static, per_seq = memory_need(cfg, 1)
     estimate_gib = (static + micro * per_seq) / 2**30
     assert measured_gib <= estimate_gib <= 1.1 * measured_gib
+
+
+def test_with_fused_loss_the_estimate_counts_one_chunk_of_logits_instead_of_the_batch() -> None:
+    node = REPO / "configs" / "spes_1b" / "node_0.yaml"
+    whole, _ = load_config(node, [])
+    fused, _ = load_config(node, ["--fused_loss=true"])
+    (static_w, seq_w), (static_f, seq_f) = memory_need(whole, 1), memory_need(fused, 1)
+    assert static_f > static_w and seq_f < seq_w / 10
+    assert static_f + 8 * seq_f < (static_w + 8 * seq_w) / 3

@@ -116,6 +116,25 @@ def test_instance_filter_leaves_repetitive_windows_out_of_the_loss(tiny_corpus, 
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in trainer.fit())  # the filter and output z-loss train
 
 
+def test_fused_loss_trains_as_the_whole_logits_loss(tiny_corpus, tmp_path: Path) -> None:
+    """`fused_loss`: the head and loss a chunk at a time give the same run, up to the order of the sums."""
+    runs = []
+    for fused in ("false", "true"):
+        _, _, trainer = _node(
+            tiny_corpus,
+            tmp_path / fused,
+            "--using_spes=false",
+            f"--fused_loss={fused}",
+            "--softmax_auxiliary_loss=true",
+            "--max_duration=3st",
+            "--log_interval=1",
+        )
+        runs.append(trainer.fit())
+    whole, fused_run = runs
+    for key in ("loss", "ce", "grad_norm"):
+        assert [r[key] for r in fused_run] == pytest.approx([r[key] for r in whole], rel=1e-4), key
+
+
 def test_bf16_autocast_trains_on_cpu(tiny_corpus, tmp_path: Path) -> None:
     _, _, trainer = _node(tiny_corpus, tmp_path, "--using_spes=false", "--precision=amp_bf16", "--max_duration=2st")
     history = trainer.fit()
