@@ -21,7 +21,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -228,7 +228,8 @@ def check_memory(cfg: TrainConfig, devices: Devices, budget_bytes: int | None) -
     largest = max(0, int((usable - static) // per_seq)) if per_seq else 0
     detail = (
         f"needs {gib(need)} per process (model state {gib(static)}: {state.params / 1e6:,.1f}M weights, "
-        f"{state.trained / 1e6:,.1f}M trained with grads + AdamW; activations ~{gib(micro * per_seq)} for "
+        f"{state.trained / 1e6:,.1f}M trained with grads + AdamW"
+        f"{', bf16 weight copies' if cfg.precision == 'amp_bf16' else ''}; activations ~{gib(micro * per_seq)} for "
         f"micro-batch {micro}) of {gib(have)} ({where}; {gib(usable)} usable at {USABLE_MEMORY:.0%}); "
         f"largest micro-batch that fits: {largest}"
     )
@@ -246,6 +247,10 @@ def check_memory(cfg: TrainConfig, devices: Devices, budget_bytes: int | None) -
             f"set device_train_microbatch_size={fitting} (the largest that fits and divides the "
             f"{per_rank} sequences per process and step), or enable activation_checkpointing=whole_layer"
         )
+        if not cfg.fused_loss:  # at a large vocabulary most of the activations are the LM head's logits
+            static_f, per_seq_f = memory_need(replace(cfg, fused_loss=True), devices.nproc)
+            if (fused_need := static_f + micro * per_seq_f) <= usable:
+                fix = f"set fused_loss=true (the LM head and loss a chunk at a time: ~{gib(fused_need)}), or {fix}"
     return fail("memory", detail, fix)
 
 

@@ -17,7 +17,14 @@ import torch
 from data_fixtures import write_token_shard
 from spes.config import load_config
 from spes.model import Transformer, count_params
-from spes.preflight import activation_bytes_per_sequence, main, memory_need, model_state_bytes
+from spes.preflight import (
+    Devices,
+    activation_bytes_per_sequence,
+    check_memory,
+    main,
+    memory_need,
+    model_state_bytes,
+)
 from spes.shards import ShardInfo, write_shard_info
 from spes.sync.client import ServerStatus, SyncClient
 from spes.tokenizer import LoadedTokenizer
@@ -507,3 +514,15 @@ def test_with_fused_loss_the_estimate_counts_one_chunk_of_logits_instead_of_the_
     (static_w, seq_w), (static_f, seq_f) = memory_need(whole, 1), memory_need(fused, 1)
     assert static_f > static_w and seq_f < seq_w / 10
     assert static_f + 8 * seq_f < (static_w + 8 * seq_w) / 3
+
+
+def test_a_node_whose_logits_do_not_fit_is_told_to_fuse_its_loss() -> None:
+    """The 1B node on a 48 GB GPU: micro-batch 8 needs ~80 GiB, most of it the LM head's logits."""
+    cfg, _ = load_config(REPO / "configs" / "spes_1b" / "node_0.yaml", [])
+    gpu = Devices(nproc=1, kind="cuda", memory_bytes=48 * 10**9, describe="1 x a 48 GB GPU")
+    check = check_memory(cfg, gpu, None)
+    assert check.status == "FAIL" and check.fix is not None
+    assert check.fix.startswith("set fused_loss=true (the LM head and loss a chunk at a time: ~")
+    assert "or set device_train_microbatch_size=" in check.fix
+    fused, _ = load_config(REPO / "configs" / "spes_1b" / "node_0.yaml", ["--fused_loss=true"])
+    assert check_memory(fused, gpu, None).status == "ok"
