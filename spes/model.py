@@ -174,7 +174,15 @@ def head_loss_sums(
 def _chunk_loss_sums(
     h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, logit_z: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(h_ND, weight_VD).float()
+    return logit_loss_sums(F.linear(h_ND, weight_VD), labels_N, logit_z=logit_z)
+
+
+def logit_loss_sums(
+    logits_NV: torch.Tensor, labels_N: torch.Tensor, *, logit_z: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In fp32, sums over the kept labels of the next-token cross entropy and (with `logit_z`, else 0) of
+    logsumexp(logits)^2, the output z-loss; callers divide by all labels, kept or not (OLMo's normalization)."""
+    logits = logits_NV.float()
     ce = F.cross_entropy(logits, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
     if not logit_z:
         return ce, ce.new_zeros(())

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from spes import checkpoint
@@ -27,7 +26,7 @@ from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
-from spes.model import IGNORE_INDEX, ModelOutput, tflops_per_token
+from spes.model import IGNORE_INDEX, ModelOutput, logit_loss_sums, tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
 from spes.optim import lr_at, set_lr
@@ -76,9 +75,7 @@ def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> to
     NOTE: as in OLMo, ignored labels still count in the denominator, so a filtered window adds zero
     (and a micro-batch with every window filtered gives 0, not NaN).
     """
-    total = F.cross_entropy(
-        logits_BSV.float().flatten(0, 1), labels_BS.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    total, _ = logit_loss_sums(logits_BSV.flatten(0, 1), labels_BS.flatten(), logit_z=False)
     return total / labels_BS.numel()
 
 
@@ -243,13 +240,12 @@ class Trainer:
         if self.cfg.fused_loss:  # the model computes the loss sums itself, its head a chunk at a time
             out = self.model(batch_BS[:, :-1], labels, logit_z=logit_z)
             assert out.ce_sum is not None and out.logit_z_sum is not None
-            ce, z_sum = out.ce_sum / labels.numel(), out.logit_z_sum
+            ce_sum, z_sum = out.ce_sum, out.logit_z_sum
         else:
             out = self.model(batch_BS[:, :-1])
             assert out.logits is not None
-            ce = language_model_loss(out.logits, labels)
-            if logit_z:
-                z_sum = (torch.logsumexp(out.logits.float(), dim=-1).square() * (labels != IGNORE_INDEX)).sum()
+            ce_sum, z_sum = logit_loss_sums(out.logits.flatten(0, 1), labels.flatten(), logit_z=logit_z)
+        ce = ce_sum / labels.numel()
         loss = ce + out.lb_loss + out.z_loss
         if logit_z:  # as in OLMo, over the kept labels' positions, / all positions
             loss = loss + self.cfg.auxiliary_loss_multiplier * z_sum / labels.numel()

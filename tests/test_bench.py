@@ -21,6 +21,12 @@ BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 
 
+def corpus_flags(corpus: Corpus, *, valid: bool = True) -> list[str]:
+    """The flags of `bench/common.corpus_args` that point a training benchmark at the test corpus."""
+    flags = ["--tokenizer", str(corpus.tokenizer), "--train", corpus.train]
+    return [*flags, "--valid", corpus.valid] if valid else flags
+
+
 def run_bench(name: str, tmp_path: Path, *extra: str, timeout: float = 300) -> tuple[dict, str]:
     """Run `bench/<name>.py --quick --out <tmp>/<name>.json`; return its JSON and stdout."""
     out = tmp_path / f"{name}.json"
@@ -222,12 +228,7 @@ def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         str(tmp_path / "runs"),
         "--docs",
         str(tmp_path / "docs"),
-        "--tokenizer",
-        str(tiny_corpus.tokenizer),
-        "--train",
-        tiny_corpus.train,
-        "--valid",
-        tiny_corpus.valid,
+        *corpus_flags(tiny_corpus),
         "--seed",
         "7",
         timeout=580,
@@ -264,12 +265,7 @@ def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         str(tmp_path / "runs"),
         "--docs",
         str(tmp_path / "docs"),
-        "--tokenizer",
-        str(tiny_corpus.tokenizer),
-        "--train",
-        tiny_corpus.train,
-        "--valid",
-        tiny_corpus.valid,
+        *corpus_flags(tiny_corpus),
         timeout=880,
     )
     sizes = results["sizes"]
@@ -382,10 +378,7 @@ def test_bench_overlap_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         tmp_path,
         "--runs",
         str(tmp_path / "runs"),
-        "--tokenizer",
-        str(tiny_corpus.tokenizer),
-        "--train",
-        tiny_corpus.train,
+        *corpus_flags(tiny_corpus, valid=False),
     )
     (pair,) = results["pairs"]
     blocking, overlapped = pair["blocking"], pair["overlapped"]
