@@ -218,6 +218,22 @@ def test_mini_repro_overlap_compares_every_arm_at_equal_tokens(tmp_path: Path) -
         overlap_comparison(QUICK, [], tmp_path, [2, 1], None, report_only=True)
 
 
+def test_mini_repro_overlap_names_an_arm_per_delay_and_correction(tmp_path: Path) -> None:
+    from mini_repro import QUICK, overlap_comparison
+
+    arms = ["spes", "spes_overlap_d2", "spes_overlap_d2_c0.5"]
+    for run in arms:
+        for p in range(4):
+            _metrics(tmp_path / run / f"node{p}", 512)
+    result = overlap_comparison(QUICK, [], tmp_path, [2], None, report_only=True, corrections=(1.0, 0.5))
+    assert list(result["arms"]) == arms
+    assert result["arms"]["spes_overlap_d2_c0.5"]["flags"] == [
+        "--spes_config.overlap_sync=true",
+        "--spes_config.overlap_steps=2",
+        "--spes_config.overlap_correction=0.5",
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
