@@ -611,20 +611,35 @@ OVERLAP_TARGET = 0.01
 """Issue 16.2: an overlapped run's final validation loss within 1% of the blocking run's, at equal tokens."""
 
 
-def overlap_arm(delay: int, correction: float = 1.0) -> str:
+def overlap_arm(delay: int, correction: float = 1.0, fragments: int = 1) -> str:
     """The name of the overlapped SPES arm whose rounds are applied `delay` steps after their sync step, with
-    `spes_config.overlap_correction` = `correction` (named only when not the default 1)."""
-    return f"spes_overlap_d{delay}" + ("" if correction == 1.0 else f"_c{correction:g}")
+    `spes_config.overlap_correction` = `correction` and `overlap_fragments` = `fragments` (each named only when
+    not the default 1)."""
+    return (
+        f"spes_overlap_d{delay}"
+        + ("" if fragments == 1 else f"_f{fragments}")
+        + ("" if correction == 1.0 else f"_c{correction:g}")
+    )
 
 
-def overlap_flags(delay: int, correction: float = 1.0) -> list[str]:
+def overlap_flags(delay: int, correction: float = 1.0, fragments: int = 1) -> list[str]:
     flags = ["--spes_config.overlap_sync=true", f"--spes_config.overlap_steps={delay}"]
+    if fragments != 1:
+        flags.append(f"--spes_config.overlap_fragments={fragments}")
     return flags if correction == 1.0 else [*flags, f"--spes_config.overlap_correction={correction:g}"]
 
 
-def overlap_variants(delays: list[int], corrections: Sequence[float]) -> dict[str, list[str]]:
-    """Every overlapped arm (one per delay and correction): its name and its flags."""
-    return {overlap_arm(d, c): overlap_flags(d, c) for d in delays for c in corrections}
+def overlap_variants(
+    delays: list[int] | None, corrections: Sequence[float], fragments: Sequence[int], sync_steps: int
+) -> dict[str, list[str]]:
+    """Every overlapped arm (one per fragment count, delay and correction): its name and its flags. Without
+    `delays`, each fragment count F gets the longest delay it allows, sync_steps / F."""
+    return {
+        overlap_arm(d, c, f): overlap_flags(d, c, f)
+        for f in fragments
+        for d in (delays or [sync_steps // f])
+        for c in corrections
+    }
 
 
 def overlap_commands(setup: Setup, common: list[str], out: Path, variants: dict[str, list[str]]) -> Commands:
@@ -641,14 +656,13 @@ def overlap_comparison(
     setup: Setup,
     common: list[str],
     runs: Path,
-    delays: list[int],
+    variants: dict[str, list[str]],
     only: list[str] | None,
     report_only: bool,
-    corrections: Sequence[float] = (1.0,),
 ) -> dict[str, Any]:
     """Run (unless `report_only`; only the arms `only` if given) and compare the blocking and the overlapped SPES
-    arms' final validation loss (of the merged model, once the last round is applied) at equal tokens."""
-    variants = overlap_variants(delays, corrections)
+    arms (`overlap_variants`) by final validation loss (of the merged model, once the last round is applied) at
+    equal tokens."""
     commands = overlap_commands(setup, common, runs, variants)
     walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
     if not report_only:
@@ -703,7 +717,15 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         metavar="D",
-        help="with --overlap: one overlapped arm per delay D (default: sync_steps)",
+        help="with --overlap: one overlapped arm per delay D (default: sync_steps / F)",
+    )
+    p.add_argument(
+        "--overlap_fragments",
+        type=int,
+        nargs="+",
+        default=[1],
+        metavar="F",
+        help="with --overlap: one overlapped arm per spes_config.overlap_fragments F too (default 1)",
     )
     p.add_argument(
         "--overlap_correction",
@@ -755,13 +777,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if result["within_target"] or args.quick else 1
     if args.overlap:
-        delays = args.overlap_steps or [setup.sync_steps]
-        variants = overlap_variants(delays, args.overlap_correction)
+        variants = overlap_variants(
+            args.overlap_steps, args.overlap_correction, args.overlap_fragments, setup.sync_steps
+        )
         if unknown := sorted(set(args.only or []) - {"spes", *variants}):
             p.error(f"--only {unknown}: the arms of this run are spes and {list(variants)}")
-        result = overlap_comparison(
-            setup, common, runs, delays, args.only, args.report_only, corrections=args.overlap_correction
-        )
+        result = overlap_comparison(setup, common, runs, variants, args.only, args.report_only)
         print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
         for arm, r in result["arms"].items():
             print(

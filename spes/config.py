@@ -336,7 +336,14 @@ class SpesConfig:
     )
     overlap_steps: int | None = _f(
         None,
-        "with overlap_sync: steps from a sync step to the one that applies its round, 0..sync_steps (null: sync_steps)",
+        "with overlap_sync: steps from a sync step to the one that applies its round, 0..sync_steps / "
+        "overlap_fragments (null: that most)",
+    )
+    overlap_fragments: int = _f(
+        1,
+        "with overlap_sync: cut the model into F fragments of whole decoder blocks and synchronize one every "
+        "sync_steps / F steps (each still every sync_steps), so a round moves 1/F of the bytes and lands "
+        "sync_steps / F steps later (Streaming DiLoCo); the last step syncs everything. Run-wide, divides sync_steps",
     )
     overlap_correction: float = _f(
         1.0,
@@ -345,9 +352,14 @@ class SpesConfig:
     )
 
     @property
+    def round_interval(self) -> int:
+        """Steps between two rounds: `sync_steps`, or `sync_steps / overlap_fragments` with fragments."""
+        return self.sync_steps // self.overlap_fragments
+
+    @property
     def overlap_delay(self) -> int:
-        """Steps from a sync step to the one at which its round is applied: `overlap_steps`, else `sync_steps`."""
-        return self.sync_steps if self.overlap_steps is None else self.overlap_steps
+        """Steps from a sync step to the one at which its round is applied: `overlap_steps`, else `round_interval`."""
+        return self.round_interval if self.overlap_steps is None else self.overlap_steps
 
 
 @dataclass(kw_only=True)
@@ -515,10 +527,24 @@ class TrainConfig:
                 "must be host:port",
             )
             _require(
-                0 <= s.overlap_delay <= s.sync_steps,
+                s.overlap_fragments >= 1 and s.sync_steps % s.overlap_fragments == 0,
+                "spes_config.overlap_fragments",
+                s.overlap_fragments,
+                f"must be >= 1 and divide sync_steps={s.sync_steps}: a fragment's round comes every sync_steps / F "
+                "steps",
+            )
+            _require(
+                s.overlap_sync or s.overlap_fragments == 1,
+                "spes_config.overlap_fragments",
+                s.overlap_fragments,
+                "needs spes_config.overlap_sync=true: fragments are for rounds that overlap training",
+            )
+            _require(
+                0 <= s.overlap_delay <= s.round_interval,
                 "spes_config.overlap_steps",
                 s.overlap_steps,
-                f"must be in [0, sync_steps={s.sync_steps}]: a round must land before the next one is uploaded",
+                f"must be in [0, {s.round_interval}] (sync_steps / overlap_fragments): a round must land before the "
+                "next one is uploaded",
             )
             _require(
                 0.0 < s.overlap_correction <= 1.0,

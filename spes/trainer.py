@@ -45,6 +45,10 @@ class Loader(Protocol):
 class Syncer(Protocol):
     """The node's side of the SPES rounds (`spes.sync.peer.PeerSync`, or `OverlappedSync` with overlap_sync)."""
 
+    def syncs_at(self, step: int) -> bool:
+        """Whether `step` is a sync step (every `sync_steps`, or `sync_steps / overlap_fragments` with fragments)."""
+        ...
+
     def sync(self, step: int) -> SyncResult:
         """The round of sync step `step`; blocking, its global model is loaded when this returns."""
         ...
@@ -300,7 +304,7 @@ class Trainer:
             and cfg.eval_interval
             and (step % cfg.eval_interval == 0 or step == self.max_steps)
         )
-        sync_now = self.syncer is not None and step % cfg.spes_config.sync_steps == 0
+        sync_now = self.syncer is not None and self.syncer.syncs_at(step)
         if eval_now:
             metrics["val_loss"] = self.evaluate()
             metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))

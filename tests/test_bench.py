@@ -199,13 +199,14 @@ def test_mini_repro_refuses_unequal_token_budgets(tmp_path: Path) -> None:
 
 
 def test_mini_repro_overlap_compares_every_arm_at_equal_tokens(tmp_path: Path) -> None:
-    from mini_repro import QUICK, overlap_comparison
+    from mini_repro import QUICK, overlap_comparison, overlap_variants
 
+    variants = overlap_variants([2, 1], [1.0], [1], QUICK.sync_steps)
     arms = ["spes", "spes_overlap_d2", "spes_overlap_d1"]
     for run in arms:
         for p in range(4):
             _metrics(tmp_path / run / f"node{p}", 512)
-    result = overlap_comparison(QUICK, [], tmp_path, [2, 1], None, report_only=True)
+    result = overlap_comparison(QUICK, [], tmp_path, variants, None, report_only=True)
     assert result["tokens"] == dict.fromkeys(arms, 8192)
     assert [result["arms"][arm]["vs_blocking"] for arm in arms] == [0.0, 0.0, 0.0]
     assert result["arms"]["spes_overlap_d1"]["flags"] == [
@@ -215,22 +216,28 @@ def test_mini_repro_overlap_compares_every_arm_at_equal_tokens(tmp_path: Path) -
     shutil.rmtree(tmp_path / "spes_overlap_d1" / "node3")
     _metrics(tmp_path / "spes_overlap_d1" / "node3", 256)
     with pytest.raises(SystemExit, match="unequal token budgets.*spes_overlap_d1 on 7,168"):
-        overlap_comparison(QUICK, [], tmp_path, [2, 1], None, report_only=True)
+        overlap_comparison(QUICK, [], tmp_path, variants, None, report_only=True)
 
 
-def test_mini_repro_overlap_names_an_arm_per_delay_and_correction(tmp_path: Path) -> None:
-    from mini_repro import QUICK, overlap_comparison
+def test_mini_repro_overlap_names_an_arm_per_fragments_delay_and_correction(tmp_path: Path) -> None:
+    from mini_repro import QUICK, overlap_comparison, overlap_variants
 
-    arms = ["spes", "spes_overlap_d2", "spes_overlap_d2_c0.5"]
+    variants = overlap_variants(None, [1.0, 0.5], [1, 3], QUICK.sync_steps)
+    arms = ["spes", "spes_overlap_d3", "spes_overlap_d3_c0.5", "spes_overlap_d1_f3", "spes_overlap_d1_f3_c0.5"]
     for run in arms:
         for p in range(4):
             _metrics(tmp_path / run / f"node{p}", 512)
-    result = overlap_comparison(QUICK, [], tmp_path, [2], None, report_only=True, corrections=(1.0, 0.5))
+    result = overlap_comparison(QUICK, [], tmp_path, variants, None, report_only=True)
     assert list(result["arms"]) == arms
-    assert result["arms"]["spes_overlap_d2_c0.5"]["flags"] == [
+    assert result["arms"]["spes_overlap_d3_c0.5"]["flags"] == [
         "--spes_config.overlap_sync=true",
-        "--spes_config.overlap_steps=2",
+        "--spes_config.overlap_steps=3",
         "--spes_config.overlap_correction=0.5",
+    ]
+    assert result["arms"]["spes_overlap_d1_f3"]["flags"] == [
+        "--spes_config.overlap_sync=true",
+        "--spes_config.overlap_steps=1",
+        "--spes_config.overlap_fragments=3",
     ]
 
 

@@ -17,6 +17,7 @@ import torch
 
 from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError, backoff_s
+from spes.sync.fragments import Layout
 from spes.sync.merge import (
     MergeConfig,
     Mode,
@@ -285,6 +286,7 @@ def test_client_checks_its_own_inputs() -> None:
         with pytest.raises(SyncError, match="join"):
             client.sync(1, {})
         client._manifest, client._trainable = manifest, trainable_names(list(manifest), 0, "spes")
+        client._layout = Layout.of(manifest, 1, 0)
         with pytest.raises(ValueError, match="missing"):
             client.sync(1, {})
 

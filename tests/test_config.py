@@ -328,8 +328,20 @@ def test_choice_outside_the_allowed_values(
         (["--spes_config.peer_id=-1"], "spes_config.peer_id", "[0, num_peers=4)"),
         (["--spes_config.server_addr=localhost"], "spes_config.server_addr", "host:port"),
         (["--spes_config.sync_steps=0"], "spes_config.sync_steps", ">= 1"),
-        (["--spes_config.overlap_steps=11"], "spes_config.overlap_steps", "must be in [0, sync_steps=10]"),
-        (["--spes_config.overlap_steps=-1"], "spes_config.overlap_steps", "must be in [0, sync_steps=10]"),
+        (["--spes_config.overlap_steps=11"], "spes_config.overlap_steps", "must be in [0, 10] (sync_steps / overlap"),
+        (["--spes_config.overlap_steps=-1"], "spes_config.overlap_steps", "must be in [0, 10]"),
+        (
+            ["--spes_config.overlap_sync=true", "--spes_config.overlap_fragments=5", "--spes_config.overlap_steps=3"],
+            "spes_config.overlap_steps",
+            "must be in [0, 2] (sync_steps / overlap_fragments)",
+        ),
+        (["--spes_config.overlap_fragments=2"], "spes_config.overlap_fragments", "needs spes_config.overlap_sync=true"),
+        (
+            ["--spes_config.overlap_sync=true", "--spes_config.overlap_fragments=3"],
+            "spes_config.overlap_fragments",
+            "divide sync_steps=10",
+        ),
+        (["--spes_config.overlap_fragments=0"], "spes_config.overlap_fragments", "must be >= 1"),
         (["--spes_config.overlap_correction=0"], "spes_config.overlap_correction", "must be in (0, 1]"),
         (["--spes_config.overlap_correction=1.5"], "spes_config.overlap_correction", "must be in (0, 1]"),
         (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
@@ -606,6 +618,7 @@ def test_first_implementation_key_set_is_complete() -> None:
         "overlap_sync",
         "overlap_steps",
         "overlap_correction",
+        "overlap_fragments",
     }
     hints = typing.get_type_hints(TrainConfig)
     for section in sections - {"evaluators"}:
@@ -659,3 +672,10 @@ def test_overlap_defaults_to_a_delay_of_sync_steps_and_refuses_int8_deltas() -> 
     assert any(line.strip().startswith("--spes_config.overlap_sync=False") for line in config_help())
     with pytest.raises(ConfigError, match=r"'spes_config.wire_dtype' = 'int8' cannot be combined with .*overlap_sync"):
         TrainConfig(spes_config=SpesConfig(overlap_sync=True, wire_dtype="int8"))
+
+
+def test_fragments_sync_every_sync_steps_over_f_and_land_that_much_later_by_default() -> None:
+    flags = ["--spes_config.overlap_sync=true", "--spes_config.overlap_fragments=5"]
+    s = load_config(CONFIGS / "tiny.yaml", flags)[0].spes_config
+    assert (s.round_interval, s.overlap_delay) == (2, 2)
+    assert load_config(CONFIGS / "tiny.yaml")[0].spes_config.round_interval == 10

@@ -140,7 +140,7 @@ def test_bad_headers_are_refused_before_any_payload(header: pb.TensorHeader | by
 @pytest.mark.timeout(60)
 def test_a_peer_of_another_protocol_is_refused_naming_both_versions() -> None:
     """A v3 peer (JSON control frames) reads its refusal as the JSON frame it knows; a newer peer, and a hello
-    that is not a v4 `DataHello`, get a v4 refusal; all of them name the versions, and nothing is staged."""
+    that is not a current `DataHello`, get a current refusal; all of them name the versions, and nothing is staged."""
     manifest = tiny_manifest()
     v3_hello = json.dumps({"op": "upload", "peer_id": 0, "step": 1, "full": False, "token": None}).encode()
     with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
@@ -150,7 +150,7 @@ def test_a_peer_of_another_protocol_is_refused_naming_both_versions() -> None:
             (length,) = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))
             legacy = json.loads(sock.recv(length, socket.MSG_WAITALL))
         assert legacy["status"] == "error" and legacy["code"] == "FAILED_PRECONDITION", legacy
-        assert legacy["reason"] == "wrong_protocol" and "v3 but this server speaks v4" in legacy["message"]
+        assert legacy["reason"] == "wrong_protocol" and "v3 but this server speaks v5" in legacy["message"]
         for version, body in ((PROTOCOL_VERSION + 1, b""), (PROTOCOL_VERSION, v3_hello)):
             with plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10) as sock:
                 sock.sendall(struct.pack("<4sH", b"SPES", version))

@@ -152,9 +152,10 @@ def test_check_join() -> None:
     assert shapes == MANIFEST and "blocks.0.ffn.experts.w1.1" in trainable
     for request, match in [
         (join(2), r"peer_id 2 is outside \[0, 2\)"),
-        (join(0, protocol=0), "speaks wire protocol v0 but this server speaks v4"),
-        (join(0, protocol=2), "speaks wire protocol v2 but this server speaks v4"),  # CRC-32C checksums
-        (join(0, protocol=3), "speaks wire protocol v3 but this server speaks v4"),  # JSON data-plane frames
+        (join(0, protocol=0), "speaks wire protocol v0 but this server speaks v5"),
+        (join(0, protocol=2), "speaks wire protocol v2 but this server speaks v5"),  # CRC-32C checksums
+        (join(0, protocol=3), "speaks wire protocol v3 but this server speaks v5"),  # JSON data-plane frames
+        (join(0, protocol=4), "speaks wire protocol v4 but this server speaks v5"),  # no fragments
         (join(0, mode="diloco"), "mode='diloco' but the server runs with mode='spes'"),
         (join(0, wire_dtype="fp8"), "unknown wire_dtype 'fp8'"),
         (join(0, trainable=NAMES), "also claims 'blocks.0.ffn.experts.v1.1'"),

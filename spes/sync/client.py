@@ -40,6 +40,7 @@ from spes.config import SpesConfig
 from spes.sync import plane_tcp
 from spes.sync.admission import PEER_KEY, SESSION_KEY
 from spes.sync.deltas import NO_BASE, PeerDeltas
+from spes.sync.fragments import WHOLE, Layout
 from spes.sync.merge import download_names
 from spes.sync.plane_grpc import GrpcPlane, failure_of
 from spes.sync.proto import spes_pb2 as pb
@@ -150,6 +151,8 @@ class SyncClient:
         max_message_mb: int = 64,
         data_plane: DataPlane = "auto",
         reuse_buffers: bool = False,
+        fragments: int = 1,
+        sync_steps: int = 0,
     ) -> None:
         if mode not in ("spes", "diloco"):
             raise ValueError(f"mode must be 'spes' or 'diloco', got {mode!r}")
@@ -166,6 +169,9 @@ class SyncClient:
             raise ValueError("tls_cert and tls_key (mutual TLS) must be given together")
         if data_plane not in ("auto", "grpc", "tcp"):
             raise ValueError(f"data_plane must be 'auto', 'grpc' or 'tcp', got {data_plane!r}")
+        if fragments > 1 and wire_dtype == INT8:
+            raise ValueError("rounds over fragments of the model cannot be combined with wire_dtype='int8'")
+        self.fragments, self.sync_steps = max(fragments, 1), sync_steps
         self.server_addr, self.peer_id, self.num_peers = server_addr, peer_id, num_peers
         self.experts_per_peer, self.mode, self.wire_dtype = experts_per_peer, mode, wire_dtype
         self.rpc_timeout_s, self.round_timeout_s, self.max_retries = rpc_timeout_s, round_timeout_s, max_retries
@@ -199,6 +205,8 @@ class SyncClient:
         """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
         self._manifest: Manifest | None = None
         self._trainable: list[str] = []
+        self._layout: Layout | None = None
+        """How the run cuts the model into fragments (`spes.sync.fragments`), set at join."""
         self._join_request: pb.JoinRequest | None = None
         self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
         self._deltas = PeerDeltas() if wire_dtype == INT8 else None
@@ -217,9 +225,10 @@ class SyncClient:
         Returns the server's latest completed round (-1 before the first one).
         """
         shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.items()}
+        layout = Layout.of(shapes, self.fragments, self.sync_steps)
         self._join_request = self._request(shapes, trainable, dry_run=False)
         current = self._join()
-        self._manifest, self._trainable = shapes, list(trainable)
+        self._manifest, self._trainable, self._layout = shapes, list(trainable), layout
         self._own = set(trainable) - set(download_names(list(shapes), self.peer_id, self.mode, merged=False))
         return current
 
@@ -267,8 +276,13 @@ class SyncClient:
             down_bytes_per_s=num_bytes / down_s,
         )
 
-    def sync(self, step: int, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], SyncStats]:
+    def sync(
+        self, step: int, tensors: Mapping[str, torch.Tensor], fragment: int = WHOLE
+    ) -> tuple[dict[str, torch.Tensor], SyncStats]:
         """Upload this peer's trained `tensors` for round `step`, wait for the round, return the global tensors.
+
+        `fragment` (`spes.sync.fragments`; WHOLE: every tensor): the part of the model the round covers, of which
+        `tensors` are exactly the trained ones and the result is what this peer loads (not on a catch-up).
 
         The result holds CPU tensors in the wire dtype for every name this peer must load: shared tensors
         and the experts it does not own (its own too on merge rounds; everything in DiLoCo mode, and
@@ -278,17 +292,23 @@ class SyncClient:
         every tensor (fp32).
         """
         manifest = self._require_joined()
-        self._check_upload(tensors, manifest)
+        assert self._layout is not None
+        try:
+            self._layout.check(fragment)
+        except ValueError as exc:
+            raise ValueError(f"sync() of round {step}: {exc}") from None
+        trained = self._layout.names(fragment, self._trainable)
+        self._check_upload(tensors, manifest, trained)
         start = time.perf_counter()
         deadline = time.monotonic() + self.round_timeout_s
-        ordered = {name: tensors[name] for name in self._trainable}
+        ordered = {name: tensors[name] for name in trained}
 
         def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, dict[str, torch.Tensor], int]]:
             upload = ordered if self._deltas is None else self._deltas.upload(ordered, self._own)
-            sent, duplicate = self.plane.upload(step, upload, self._until(deadline))
+            sent, duplicate = self.plane.upload(step, upload, self._until(deadline), fragment)
             if duplicate:
                 log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
-            return sent, self._download(step, manifest, self._until(deadline), full=False)
+            return sent, self._download(step, manifest, self._until(deadline), full=False, fragment=fragment)
 
         caught_up = False
         try:
@@ -384,6 +404,8 @@ class SyncClient:
             trainable=list(trainable),
             protocol=PROTOCOL_VERSION,
             dry_run=dry_run,
+            fragments=self.fragments,
+            sync_steps=self.sync_steps,
         )
 
     def _join(self) -> int:
@@ -441,7 +463,7 @@ class SyncClient:
         self.plane = tcp
 
     def _download(
-        self, step: int, manifest: Manifest, timeout: float, *, full: bool
+        self, step: int, manifest: Manifest, timeout: float, *, full: bool, fragment: int = WHOLE
     ) -> tuple[pb.RoundInfo, Tensors, int]:
         """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated.
 
@@ -451,7 +473,7 @@ class SyncClient:
         decoders: list[TensorDecoder] = []
 
         def decoder_for(info: pb.RoundInfo) -> TensorDecoder:
-            names.extend(self._check_info(step, info, manifest, full=full))
+            names.extend(self._check_info(step, info, manifest, full=full, fragment=fragment))
             expected = {n: manifest[n] for n in names}
             if self._deltas is None:
                 decoders.append(TensorDecoder(expected, self.wire_dtype, into=self._buffers))
@@ -470,14 +492,16 @@ class SyncClient:
         except ValueError as exc:
             raise SyncError(f"round {step}: bad download from the server: {exc}") from None
 
-    def _check_info(self, step: int, info: pb.RoundInfo, manifest: Manifest, *, full: bool) -> list[str]:
-        """The names the server announced, which must be exactly those this peer expects for round `step` (int8
-        wire: every tensor when full values come, else deltas against the held model this peer holds)."""
+    def _check_info(self, step: int, info: pb.RoundInfo, manifest: Manifest, *, full: bool, fragment: int) -> list[str]:
+        """The names the server announced, which must be exactly those this peer expects for round `step` over
+        `fragment` (int8 wire: every tensor when full values come, else deltas against the held model this peer
+        holds)."""
         names = list(info.names)
         full_values = self._deltas is not None and info.base_round == NO_BASE
         expected = list(manifest)
         if not (full or full_values):
-            expected = download_names(expected, self.peer_id, self.mode, info.merged)
+            assert self._layout is not None
+            expected = download_names(self._layout.names(fragment, expected), self.peer_id, self.mode, info.merged)
         base = NO_BASE if self._deltas is None or full_values else self._deltas.base_round
         if info.round != step or sorted(names) != sorted(expected) or (self._deltas and info.base_round != base):
             raise SyncError(
@@ -528,15 +552,16 @@ class SyncClient:
             raise SyncError("call join(manifest, trainable) before sync()")
         return self._manifest
 
-    def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest) -> None:
-        missing = [n for n in self._trainable if n not in tensors]
-        extra = [n for n in tensors if n not in set(self._trainable)]
+    def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest, trained: list[str]) -> None:
+        """`tensors` must be exactly `trained` (the trainable tensors announced at join, of the round's fragment)."""
+        missing = [n for n in trained if n not in tensors]
+        extra = [n for n in tensors if n not in set(trained)]
         if missing or extra:
             raise ValueError(
-                f"sync() needs exactly the trainable tensors announced at join: missing {missing[:5]}, "
-                f"unexpected {extra[:5]}"
+                f"sync() needs exactly the trainable tensors announced at join (of the round's fragment): "
+                f"missing {missing[:5]}, unexpected {extra[:5]}"
             )
-        for name in self._trainable:
+        for name in trained:
             if tuple(tensors[name].shape) != manifest[name]:
                 raise ValueError(
                     f"tensor {name!r} has shape {list(tensors[name].shape)}, the manifest says {list(manifest[name])}"

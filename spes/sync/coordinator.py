@@ -31,6 +31,7 @@ from spes.sync.auth import check_peer_identity
 from spes.sync.buffers import BufferPool
 from spes.sync.compress import Int8Payload, upload_values
 from spes.sync.deltas import NO_BASE, HeldRound, next_held
+from spes.sync.fragments import WHOLE, Layout, merge_step
 from spes.sync.merge import build_global, download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import INT8, Manifest, Reason, Refused, Shape, Tensors, values_dtype
@@ -96,6 +97,8 @@ class Coordinator:
         self.state = RoundState(self.num_peers)
         self._manifest: Manifest | None = None
         self._owners: frozenset[int] = frozenset()
+        self._layout: Layout | None = None
+        """How the run cuts its model into fragments (`spes.sync.fragments`), as the first peer to join said."""
         self.peers: dict[int, PeerInfo] = {}
         self._bytes_in = self._bytes_out = self._round_bytes_in = self._logged_bytes_out = 0
         self._rounds_completed = 0
@@ -128,7 +131,14 @@ class Coordinator:
                 )
             held = HeldRound(saved.step, saved.held or saved.global_model, {}, None) if self.int8 else None
             self.state.restore(
-                saved.step, set(saved.peers), saved.global_model, saved.momentum, saved.merged, saved.alpha, held
+                saved.step,
+                set(saved.peers),
+                saved.global_model,
+                saved.momentum,
+                saved.merged,
+                saved.alpha,
+                held,
+                saved.fragment,
             )
             self._learn_manifest(saved.manifest)
             log.info(
@@ -177,6 +187,17 @@ class Coordinator:
                 if diff:
                     whose = "the run's YAML" if cfg.expected_manifest is not None else "the run's"
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}'s model differs from {whose}: {diff}")
+            layout = Layout.of(shapes, max(request.fragments, 1), request.sync_steps if request.fragments > 1 else 0)
+            if self._layout is not None and (layout.count, layout.sync_steps) != (
+                self._layout.count,
+                self._layout.sync_steps,
+            ):
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"peer {peer} synchronizes {layout.count} fragment(s) with sync_steps={layout.sync_steps}, the "
+                    f"run's peers {self._layout.count} with sync_steps={self._layout.sync_steps}: set "
+                    "spes_config.sync_steps and overlap_fragments alike in every node's YAML",
+                )
             if request.dry_run:  # preflight: every check above, nothing registered
                 log.info("preflight of peer %d: its settings and model match the run", peer)
                 return pb.JoinReply(
@@ -189,6 +210,8 @@ class Coordinator:
             if self._manifest is None:
                 self._learn_manifest(shapes)
                 log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
+            if self._layout is None:
+                self._layout = layout
             note = self.sessions.join(peer, session, address)
             self.peers[peer] = PeerInfo(request.wire_dtype, tuple(trainable))
             self._pool.set_limits(self._buffer_limits())
@@ -215,19 +238,30 @@ class Coordinator:
             self.sessions.heard(peer, session)
 
     # -- Upload -------------------------------------------------------------------------------
-    def upload(self, peer: int, step: int, feed: Callable[[TensorDecoder], None]) -> pb.UploadReply:
-        """One upload through the round rules, whatever carries it (gRPC stream or raw-TCP data plane).
+    def upload(
+        self, peer: int, step: int, feed: Callable[[TensorDecoder], None], fragment: int = WHOLE
+    ) -> pb.UploadReply:
+        """One upload of `fragment` of the model through the round rules, whatever carries it (gRPC stream or
+        raw-TCP data plane).
 
         `feed(decoder)` is called only once the upload is admitted and must pass it every tensor; raises `Refused`.
         An empty reply (round 0, not a duplicate) means the peer went away mid-upload and nothing was kept.
         """
         with self._cond:
             info, manifest = self._joined(peer)
-            if self.state.admit(peer, step):
+            assert self._layout is not None  # learned with the manifest
+            try:
+                self._layout.check(fragment)
+            except ValueError as exc:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}"
+                ) from None
+            if self.state.admit(peer, step, fragment):
                 return self._upload_reply(step, duplicate=True)
             base = self._pin_base() if self.int8 else None
+            names = self._layout.names(fragment, info.trainable)
         try:
-            received = self._receive(feed, peer, step, info, manifest, base)
+            received = self._receive(feed, peer, step, names, info, manifest, base)
         finally:
             if base is not None:
                 self._unpin(base.held.round)
@@ -239,7 +273,7 @@ class Coordinator:
                 self._pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)
             self._checksums.record({n: tensors[n] for n in checksums}, checksums, values_dtype(info.wire_dtype))
-            if self.state.stage_upload(peer, step, tensors, relayed):
+            if self.state.stage_upload(peer, step, tensors, relayed, fragment):
                 self._close_round(step)
             self._cond.notify_all()
             return self._upload_reply(step, duplicate=False)
@@ -249,20 +283,22 @@ class Coordinator:
         feed: Callable[[TensorDecoder], None],
         peer: int,
         step: int,
+        names: list[str],
         info: PeerInfo,
         manifest: Manifest,
         base: Base | None,
     ) -> tuple[Tensors, dict[str, int], dict[str, Int8Payload]] | None:
-        """Decode and verify one upload into kept buffers sized by the manifest: the tensors, the checksums of those
-        received raw, and (int8 wire) the payloads of its verbatim blocks. None if the peer went away.
+        """Decode and verify one upload of the tensors `names` into kept buffers sized by the manifest: the tensors,
+        the checksums of those received raw, and (int8 wire) the payloads of its verbatim blocks. None if the peer
+        went away.
 
         `base` (int8 wire): the completed round, whose held model the deltas must apply to (None: none completed).
         """
         dtype = values_dtype(info.wire_dtype)
-        buffers = {n: self._pool.take(manifest[n], wire_torch_dtype(dtype)) for n in info.trainable}
+        buffers = {n: self._pool.take(manifest[n], wire_torch_dtype(dtype)) for n in names}
         delta_base = None if info.wire_dtype != INT8 else NO_BASE if base is None else base.held.round
         decoder = TensorDecoder(
-            {n: manifest[n] for n in info.trainable}, dtype, into=buffers, require_finite=True, delta_base=delta_base
+            {n: manifest[n] for n in names}, dtype, into=buffers, require_finite=True, delta_base=delta_base
         )
         try:
             feed(decoder)
@@ -324,17 +360,25 @@ class Coordinator:
         """Hand the open round's uploads to a new aggregation thread (caller holds the lock)."""
         uploads, relayed = self.state.take_uploads()
         self._aggregator = threading.Thread(
-            target=self._aggregate, args=(step, uploads, relayed), name=f"aggregate-{step}", daemon=True
+            target=self._aggregate,
+            args=(step, uploads, relayed, self.state.fragment),
+            name=f"aggregate-{step}",
+            daemon=True,
         )
         self._aggregator.start()
 
-    def _aggregate(self, step: int, uploads: dict[int, Tensors], relayed: dict[str, Int8Payload]) -> None:
-        """Build, persist and publish round `step` (int8 wire: with its held model), then wake the waiting downloads."""
+    def _aggregate(
+        self, step: int, uploads: dict[int, Tensors], relayed: dict[str, Int8Payload], fragment: int
+    ) -> None:
+        """Build, persist and publish round `step` over `fragment` (int8 wire: with its held model), then wake the
+        waiting downloads. The tensors a fragment's round does not cover keep their values of the rounds before."""
         cfg, start = self.cfg, time.perf_counter()
         with self._cond:  # NOTE: only this thread replaces these, in `complete` below.
             previous, momentum, peers = self.state.global_model, self.state.outer_momentum, set(self.state.uploaded)
             previous_held = self.state.held
             manifest = dict(self._manifest or {})
+            layout = self._layout
+        assert layout is not None
         received = [t for upload in uploads.values() for t in upload.values()]
         try:
             built = build_global(
@@ -342,16 +386,19 @@ class Coordinator:
                 num_peers=self.num_peers,
                 experts_per_peer=cfg.experts_per_peer,
                 mode=cfg.mode,
-                step=step,
+                step=merge_step(step, layout.sync_steps, fragment),
                 merge=cfg.merge,
                 outer=cfg.outer,
-                names=list(manifest),
+                names=layout.names(fragment, manifest),
                 previous=previous,
                 momentum=momentum,
                 consume=True,
                 empty=self._pool.take,
             )
-            global_model, new_momentum, alpha = built.tensors, built.momentum, built.alpha
+            alpha = built.alpha
+            global_model = {n: built.tensors.get(n, previous.get(n)) for n in manifest}
+            global_model = {n: t for n, t in global_model.items() if t is not None}
+            new_momentum = {**momentum, **built.momentum}
             held = None
             if self.int8:  # NOTE: a merge changed the experts after they were uploaded: nothing is relayed then
                 held = next_held(step, global_model, previous_held, relayed if alpha == 0 else {})
@@ -369,6 +416,7 @@ class Coordinator:
                     global_model,
                     new_momentum,
                     held.tensors if held else {},
+                    fragment,
                 )
                 save_round(cfg.state_dir, saved, cfg.run_identity())
         except Exception as exc:  # report any aggregation or disk failure to the waiting peers
@@ -390,9 +438,10 @@ class Coordinator:
             self._cond.notify_all()
         missing = sorted(set(range(self.num_peers)) - peers)
         log.info(
-            "round %d complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
+            "round %d%s complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
             "merged %s, alpha %.6g",
             step,
+            f" (fragment {fragment} of {layout.count})" if fragment != WHOLE else "",
             len(peers),
             f" (quorum, missing {missing})" if missing else "",
             bytes_in / 2**20,
@@ -459,7 +508,10 @@ class Coordinator:
             encoded = self._encoded[view] = EncodedModel(items, dtype, known)
         names = list(state.global_model)
         if not full:
-            names = download_names(names, peer, self.cfg.mode, state.merged)
+            assert self._layout is not None
+            names = download_names(
+                self._layout.names(state.completed_fragment, names), peer, self.cfg.mode, state.merged
+            )
         round_info = pb.RoundInfo(
             round=step,
             merged=state.merged,
@@ -497,8 +549,9 @@ class Coordinator:
         """Give the pool the superseded rounds no reader reads any more (lock held)."""
         read = [t for step, tensors in self._retired.items() if step in self._readers for t in tensors]
         keep = [*self._round_tensors(), *read]
-        for step in [s for s in self._retired if s not in self._readers]:
-            self._pool.give(self._retired.pop(step), keep=keep)
+        # NOTE: one `give`: a tensor a fragment's rounds carried over sits in several retired rounds, given once
+        done = [t for step in [s for s in self._retired if s not in self._readers] for t in self._retired.pop(step)]
+        self._pool.give(done, keep=keep)
 
     def _await_round(
         self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None

@@ -31,6 +31,7 @@ from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.sync.auth import read_token
 from spes.sync.client import SyncClient, SyncStats
+from spes.sync.fragments import WHOLE, Layout, fragment_at
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, SyncError, Tensors
 
@@ -116,6 +117,8 @@ def sync_client(cfg: TrainConfig, **overrides: Any) -> SyncClient:
         "round_timeout_s": s.round_timeout_s,
         "max_retries": s.max_retries,
         "data_plane": s.data_plane,
+        "fragments": s.overlap_fragments,
+        "sync_steps": s.sync_steps,
     }
     return SyncClient(s.server_addr, **{**settings, **overrides})
 
@@ -133,6 +136,7 @@ class PeerSync:
         self.distributed = info.world_size > 1
         self.shapes, self.trainable = model_manifest(unwrap(model))  # NOTE: DDP's own names carry a `module.` prefix
         self.server_addr = cfg.spes_config.server_addr
+        self.interval = cfg.spes_config.round_interval
         self.client: SyncClient | None = None
         if info.is_main:
             # NOTE: `load_full` copies every result into the model at once, so the client may reuse its buffers
@@ -151,6 +155,10 @@ class PeerSync:
             except SyncError as e:
                 error = e
         self._agree(error, "join the parameter server")
+
+    def syncs_at(self, step: int) -> bool:
+        """Whether `step` is a sync step (one at which the node uploads a round)."""
+        return step % self.interval == 0
 
     def sync(self, step: int) -> SyncResult:
         """One round at `step`: upload, wait for the global model, load it; every rank returns the same step."""
@@ -175,12 +183,12 @@ class PeerSync:
                 "resume it with spes_config.overlap_sync=true, or from a checkpoint taken without overlap"
             )
 
-    def _exchange(self, step: int, upload: Tensors) -> Exchange:
+    def _exchange(self, step: int, upload: Tensors, fragment: int = WHOLE) -> Exchange:
         """Rank 0's exchange with the server (nothing on the other ranks); a failure is returned, for `_agree`."""
         if self.client is None:
             return {}, None, None
         try:
-            downloaded, stats = self.client.sync(step, upload)
+            downloaded, stats = self.client.sync(step, upload, fragment)
         except SyncError as e:
             return {}, None, e
         return downloaded, stats, None
@@ -195,10 +203,12 @@ class PeerSync:
         what: str,
         snapshot: Tensors | None = None,
         correction: float = 1.0,
+        trained: list[str] | None = None,
     ) -> SyncResult:
         """Load a round's global model on every rank (a collective): as downloaded, or, given the `snapshot` it was
-        uploaded from (rank 0; {} elsewhere), with the local progress made since (`apply_overlapped`, on whole
-        tensors on rank 0). A node that had fallen behind loads the whole global model and continues from its step.
+        uploaded from (rank 0; {} elsewhere) of the tensors `trained` (every rank), with the local progress made
+        since (`apply_overlapped`, on whole tensors on rank 0). A node that had fallen behind loads the whole
+        global model and continues from its step.
         """
         self._agree(error, what)
         caught_up_to = stats.round if stats is not None and stats.caught_up else -1
@@ -212,7 +222,7 @@ class PeerSync:
                 f"round {caught_up_to} and continues from step {caught_up_to}"
             )
         elif snapshot is not None:
-            now = gather_full(self.model, self.trainable, self.info)
+            now = gather_full(self.model, self.trainable if trained is None else trained, self.info)
             if self.info.is_main:
                 frozen = {n: p.detach() for n, p in unwrap(self.model).named_parameters() if n not in now}
                 downloaded = apply_overlapped(downloaded, {**frozen, **now}, snapshot, correction)
@@ -265,8 +275,9 @@ class OverlappedSync(PeerSync):
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> None:
         super().__init__(cfg, model, info, log)
-        self.delay, self.last_step = cfg.spes_config.overlap_delay, cfg.duration_steps
-        self.correction = cfg.spes_config.overlap_correction
+        s = cfg.spes_config
+        self.delay, self.last_step, self.correction = s.overlap_delay, cfg.duration_steps, s.overlap_correction
+        self.sync_steps, self.layout = s.sync_steps, Layout.of(self.shapes, s.overlap_fragments, s.sync_steps)
         self._taken: int | None = None
         """The step at which the round in flight was uploaded (every rank); None when none is."""
         self._pending: PendingRound | None = None
@@ -280,7 +291,7 @@ class OverlappedSync(PeerSync):
         landed = self._land(step) if self._taken is not None else SyncResult(step=step, rounds=0)
         if landed.caught_up:  # the run has moved past this node: it continues from the round it loaded
             return landed
-        snapshot = gather_full(self.model, self.trainable, self.info)
+        snapshot = gather_full(self.model, self._trained_at(step), self.info)
         self._start(PendingRound(round_id=step, step=step, snapshot=snapshot) if self.info.is_main else None, step)
         return landed.then(self._land(step)) if self._due(step) else landed
 
@@ -299,10 +310,11 @@ class OverlappedSync(PeerSync):
         if self.info.is_main and path.is_file():
             try:
                 pending = PendingRound.load(path, self.shapes)
-                if sorted(pending.snapshot) != sorted(self.trainable):
+                if sorted(pending.snapshot) != sorted(self._trained_at(pending.step)):
                     raise ValueError(
-                        f"pending round {path}: its snapshot is not of the tensors this node trains (was it written "
-                        "by another spes_config.peer_id or mode?)"
+                        f"pending round {path}: its snapshot is not of the tensors this node trains at step "
+                        f"{pending.step} (was it written by another spes_config.peer_id, mode, sync_steps or "
+                        "overlap_fragments?)"
                     )
             except (OSError, ValueError) as e:
                 error = e
@@ -314,6 +326,13 @@ class OverlappedSync(PeerSync):
             self._start(pending, int(taken.item()))
             self.log(f"resumed the round of step {int(taken.item())} that {checkpoint} holds in flight")
 
+    def _fragment(self, step: int) -> int:
+        return fragment_at(step, self.sync_steps, self.layout.count, self.last_step)
+
+    def _trained_at(self, step: int) -> list[str]:
+        """What this node uploads at sync step `step`: the tensors it trains, of that step's fragment."""
+        return self.layout.names(self._fragment(step), self.trainable)
+
     def _due(self, step: int) -> bool:
         return self._taken is not None and step >= min(self._taken + self.delay, self.last_step)
 
@@ -323,8 +342,10 @@ class OverlappedSync(PeerSync):
         if self.client is not None:
             assert pending is not None
             self._pending = pending
-            round_id, snapshot = pending.round_id, pending.snapshot
-            self._exchanged = _in_background(lambda: self._exchange(round_id, snapshot), f"spes-round-{round_id}")
+            round_id, snapshot, fragment = pending.round_id, pending.snapshot, self._fragment(step)
+            self._exchanged = _in_background(
+                lambda: self._exchange(round_id, snapshot, fragment), f"spes-round-{round_id}"
+            )
 
     def _land(self, step: int) -> SyncResult:
         """Wait for the round in flight and apply it on every rank (a collective)."""
@@ -338,6 +359,7 @@ class OverlappedSync(PeerSync):
                 error = e
             snapshot = self._pending.snapshot
         taken = self._taken
+        assert taken is not None
         self._taken, self._pending, self._exchanged = None, None, None
         result = self._load(
             step,
@@ -347,6 +369,7 @@ class OverlappedSync(PeerSync):
             what=f"apply the round of step {taken}",
             snapshot=snapshot,
             correction=self.correction,
+            trained=self._trained_at(taken),
         )
         return replace(result, waited_s=time.perf_counter() - started)
 

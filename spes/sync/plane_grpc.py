@@ -18,6 +18,7 @@ import grpc
 
 from spes.sync.admission import SESSION_KEY, Ticket
 from spes.sync.auth import grpc_common_name
+from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import (
@@ -66,7 +67,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 if first is None or not first.HasField("meta"):
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
                 self._open(ticket, first.meta.peer_id, context)
-                return self.service.upload(first.meta.peer_id, first.meta.round, feed)
+                return self.service.upload(first.meta.peer_id, first.meta.round, feed, first.meta.fragment)
         except Refused as exc:
             _abort(context, exc)
         except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
@@ -176,12 +177,12 @@ class GrpcPlane:
         self._stub, self.peer_id, self.wire_dtype = stub, peer_id, wire_dtype
         self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
 
-    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float) -> tuple[int, bool]:
+    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE) -> tuple[int, bool]:
         sent = 0
 
         def messages() -> Iterator[pb.UploadMessage]:
             nonlocal sent
-            yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=self.peer_id, round=step))
+            yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=self.peer_id, round=step, fragment=fragment))
             for chunk in encode_tensors(tensors, self.wire_dtype):
                 sent += len(chunk.data)
                 yield pb.UploadMessage(chunk=chunk)

@@ -39,6 +39,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from spes.sync.auth import tls_common_name, token_matches
+from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import (
     PROBE_CHUNK_BYTES,
@@ -461,14 +462,14 @@ class DataHandler:
             with self.service.guard.admit(None, total=False) as ticket:  # NOTE: the listener bounds the total
                 self.service.open_stream(ticket, peer, hello.session, lambda: tls_common_name(sock))
                 if hello.op == pb.DATA_OP_UPLOAD:
-                    self._upload(sock, peer, step)
+                    self._upload(sock, peer, step, hello.fragment)
                 else:
                     self._download(sock, peer, step, hello)
         except Refused as exc:
             log.warning("refused (%s): %s", exc.code.name, exc)
             close_after_error(sock, refusal_reply(exc))
 
-    def _upload(self, sock: socket.socket, peer: int, step: int) -> None:
+    def _upload(self, sock: socket.socket, peer: int, step: int, fragment: int) -> None:
         received = False
 
         def feed(decoder: TensorDecoder) -> None:
@@ -477,7 +478,7 @@ class DataHandler:
             recv_tensors(sock, decoder, len(decoder.expected), SERVER_MAX_FRAME_BYTES)
             received = True
 
-        reply = self.service.upload(peer, step, feed)
+        reply = self.service.upload(peer, step, feed, fragment)
         if not received and not reply.duplicate:
             return  # the peer went away mid-upload: nothing was kept, nobody to answer
         send_frame(sock, pb.DataReply(uploaded=reply))
@@ -521,8 +522,8 @@ class TcpPlane:
         with self._connect(pb.DATA_OP_PING, -1, timeout) as sock:
             self._reply(sock, "data-plane ping", "ok")
 
-    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float) -> tuple[int, bool]:
-        sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout)
+    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE) -> tuple[int, bool]:
+        sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout, fragment=fragment)
         what, sent = f"upload of round {step}", 0
         try:
             with sock:

@@ -22,9 +22,10 @@ from spes.sync.proto import spes_pb2 as pb
 if TYPE_CHECKING:
     from spes.sync.wire import Item, TensorDecoder
 
-PROTOCOL_VERSION = 4
-"""4: the data plane's control frames are protobuf messages of protos/spes.proto; 3: XXH3-64 checksums (data-plane
-frames JSON); 2: CRC-32C; before it (unversioned): zlib CRC-32."""
+PROTOCOL_VERSION = 5
+"""5: rounds over fragments of the model (`spes.sync.fragments`); 4: the data plane's control frames are protobuf
+messages of protos/spes.proto; 3: XXH3-64 checksums (data-plane frames JSON); 2: CRC-32C; before it (unversioned):
+zlib CRC-32."""
 WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """The dtypes raw values travel in, by their wire name."""
 INT8 = "int8"
@@ -164,9 +165,9 @@ class Plane(Protocol):
     name: str
     """"grpc" or "tcp"."""
 
-    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float) -> tuple[int, bool]:
-        """Send this peer's upload of round `step` (values, or int8 deltas): (payload bytes sent, whether the server
-        already had it)."""
+    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = 0) -> tuple[int, bool]:
+        """Send this peer's upload of round `step` (values, or int8 deltas) over `fragment` of the model (0: all of it,
+        `spes.sync.fragments`): (payload bytes sent, whether the server already had it)."""
         ...
 
     def download(

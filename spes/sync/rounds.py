@@ -29,6 +29,7 @@ from spes.config import ServerSection
 from spes.moe import parse_expert_block
 from spes.sync.compress import Int8Payload
 from spes.sync.deltas import HeldRound
+from spes.sync.fragments import WHOLE, Layout
 from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import (
@@ -117,15 +118,26 @@ class RoundState:
         self.merged = False
         self.alpha = 0.0
         self.failure: tuple[int, str] | None = None
+        self.fragment = WHOLE
+        """The part of the model the open round covers (`spes.sync.fragments`; WHOLE: every tensor)."""
+        self.completed_fragment = WHOLE
+        """The part of the model the latest completed round covers."""
 
     def missing_peers(self) -> list[int]:
         return [p for p in range(self.num_peers) if p not in self.uploaded]
 
-    def admit(self, peer: int, step: int) -> bool:
-        """May `peer` upload round `step`? True: already committed (idempotent no-op); raises Refused if not."""
+    def admit(self, peer: int, step: int, fragment: int = WHOLE) -> bool:
+        """May `peer` upload `fragment` of round `step`? True: already committed (idempotent no-op); raises Refused
+        if not."""
         if step == self.completed_round and peer in self.completed_peers:
             return True
         if self.open_round is not None:
+            if step == self.open_round and fragment != self.fragment:
+                raise Refused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"peer {peer} uploads fragment {fragment} for round {step}, whose other uploads are of fragment "
+                    f"{self.fragment}: do all peers use the same spes_config.sync_steps and overlap_fragments?",
+                )
             if step == self.open_round and (peer in self.uploaded or not self.aggregating):
                 return peer in self.uploaded
             if step == self.open_round:
@@ -162,12 +174,17 @@ class RoundState:
         return False
 
     def stage_upload(
-        self, peer: int, step: int, tensors: Tensors, relayed: Mapping[str, Int8Payload] | None = None
+        self,
+        peer: int,
+        step: int,
+        tensors: Tensors,
+        relayed: Mapping[str, Int8Payload] | None = None,
+        fragment: int = WHOLE,
     ) -> bool:
-        """Commit a complete, verified upload (and, int8 wire, the payloads of its verbatim blocks); opens the round
-        if needed. True when every peer is in."""
+        """Commit a complete, verified upload of `fragment` (and, int8 wire, the payloads of its verbatim blocks);
+        opens the round if needed. True when every peer is in."""
         if self.open_round is None:
-            self.open_round, self.opened_at, self.failure = step, time.monotonic(), None
+            self.open_round, self.opened_at, self.failure, self.fragment = step, time.monotonic(), None, fragment
         assert step == self.open_round and peer not in self.uploaded and not self.aggregating
         self.failure = None
         self.uploaded.add(peer)
@@ -255,7 +272,7 @@ class RoundState:
     ) -> None:
         """Publish the global model of round `step`, built from the uploads of `self.uploaded`."""
         assert step == self.open_round and self.aggregating
-        self.restore(step, self.uploaded, global_model, outer_momentum, merged, alpha, held)
+        self.restore(step, self.uploaded, global_model, outer_momentum, merged, alpha, held, self.fragment)
 
     def restore(
         self,
@@ -266,9 +283,11 @@ class RoundState:
         merged: bool,
         alpha: float,
         held: HeldRound | None = None,
+        fragment: int = WHOLE,
     ) -> None:
-        """Make round `step` the latest completed one (also how a restarted server resumes); no round is open."""
-        self.completed_round, self.completed_peers = step, frozenset(peers)
+        """Make round `step`, over `fragment`, the latest completed one (also how a restarted server resumes); no
+        round is open."""
+        self.completed_round, self.completed_peers, self.completed_fragment = step, frozenset(peers), fragment
         self.global_model, self.outer_momentum, self.held = global_model, outer_momentum, held
         self.merged, self.alpha = merged, alpha
         self.open_round, self.uploaded, self.staged, self.aggregating = None, set(), {}, False
@@ -361,6 +380,7 @@ def check_join(
         check_manifest(shapes, num_peers=num_peers, experts_per_peer=experts_per_peer, mode=mode)
     except ValueError as exc:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}: {exc}") from None
+    _check_fragments(request, shapes)
     size_gb = 4 * sum(math.prod(shape) for shape in shapes.values()) / 1e9
     if max_model_gb is not None and size_gb > max_model_gb:
         raise Refused(
@@ -381,6 +401,21 @@ def check_join(
             + ("; it lists a name twice" if not (wrong or lacking) else ""),
         )
     return shapes, given
+
+
+def _check_fragments(request: pb.JoinRequest, shapes: Mapping[str, Shape]) -> None:
+    """A Join's fragment layout (`spes.sync.fragments`) must be one its model can be cut into; raises Refused."""
+    count, sync_steps, peer = request.fragments, request.sync_steps, request.peer_id
+    if count <= 1:
+        return
+    problem = "fragments cannot be combined with wire_dtype='int8'" if request.wire_dtype == INT8 else ""
+    if not problem:
+        try:
+            Layout.of(shapes, count, sync_steps)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer} asks for {count} fragments: {problem}")
 
 
 def check_manifest(shapes: Mapping[str, Shape], *, num_peers: int, experts_per_peer: int, mode: Mode) -> None:

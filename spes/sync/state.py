@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import write_atomic
+from spes.sync.fragments import WHOLE
 from spes.sync.protocol import Shape, Tensors
 
 STATE_FILE = "state.json"
@@ -50,6 +51,9 @@ class SavedRound:
     momentum: Tensors
     held: Tensors = field(default_factory=dict)
     """Int8 wire: the held model of this round (every tensor), empty on other wires."""
+    fragment: int = WHOLE
+    """The part of the model the round covered (`spes.sync.fragments`). Until every fragment has had a round, the
+    global model holds only the fragments that have."""
 
 
 def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any]) -> Path:
@@ -74,6 +78,7 @@ def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any])
         "run": dict(run),
         "manifest": {name: list(shape) for name, shape in saved.manifest.items()},
         "held_is_global": shared,
+        "fragment": saved.fragment,
         "tensor_file": tensor_file.name,
         "tensor_file_bytes": tensor_file.stat().st_size,
     }
@@ -102,6 +107,7 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
         if record["format"] != FORMAT:
             raise ValueError(f"format {record['format']!r}, this spes reads format {FORMAT}")
         held_is_global = [str(n) for n in record.get("held_is_global", [])]
+        fragment = int(record.get("fragment", WHOLE))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{state_path}: not a spes server state ({exc}); move it away or pick another --state_dir"
@@ -138,10 +144,12 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
     shapes = {name: tuple(t.shape) for name, t in global_model.items()}
     held.update({name: global_model[name] for name in held_is_global if name in global_model})
     held_shapes = {name: tuple(t.shape) for name, t in held.items()}
-    if shapes != manifest or not set(momentum) <= set(manifest) or held_shapes not in ({}, manifest):
+    mismatched = any(manifest.get(name) != shape for name, shape in shapes.items())
+    partial = shapes != manifest and fragment == WHOLE
+    if mismatched or partial or not set(momentum) <= set(manifest) or held_shapes not in ({}, manifest):
         raise ValueError(f"{tensor_path}: its tensors do not match the manifest in {state_path}")
-    ordered = {name: global_model[name] for name in manifest}  # the model's own order, as served before
+    ordered = {name: global_model[name] for name in manifest if name in global_model}  # the order served before
     held = {name: held[name] for name in manifest} if held else {}
     return SavedRound(
-        step, tuple(peers), bool(record["merged"]), float(record["alpha"]), manifest, ordered, momentum, held
+        step, tuple(peers), bool(record["merged"]), float(record["alpha"]), manifest, ordered, momentum, held, fragment
     )

@@ -193,7 +193,7 @@ def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
         os.urandom(64),  # not a SPES client at all
         hello()[:6] + struct.pack("<I", 1 << 31),  # a hello declaring 2 GiB
         b"SPES" + b"\xff\xff" + os.urandom(32),  # another (newer) version: refused naming both
-        hello()[:6] + struct.pack("<I", 11) + b"\xff\xfe\xfd garbage",  # a v4 preamble, then not a DataHello
+        hello()[:6] + struct.pack("<I", 11) + b"\xff\xfe\xfd garbage",  # a current preamble, then not a DataHello
     ):
         with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
             sock.sendall(payload)
@@ -202,7 +202,7 @@ def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a v3 peer, refused in its own JSON
         sock.sendall(hello(version=3))
         (length,) = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))
-        assert "v3 but this server speaks v4" in json.loads(sock.recv(length, socket.MSG_WAITALL))["message"]
+        assert "v3 but this server speaks v5" in json.loads(sock.recv(length, socket.MSG_WAITALL))["message"]
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a truncated tensor, then hang-up
         sock.sendall(hello(step=run.step + 1))
         assert plane_tcp.recv_reply(sock).send

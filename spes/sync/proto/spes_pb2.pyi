@@ -36,7 +36,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer_id", "num_peers", "experts_per_peer", "mode", "wire_dtype", "manifest", "trainable", "protocol", "dry_run")
+    __slots__ = ("peer_id", "num_peers", "experts_per_peer", "mode", "wire_dtype", "manifest", "trainable", "protocol", "dry_run", "fragments", "sync_steps")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
     EXPERTS_PER_PEER_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class JoinRequest(_message.Message):
     TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
     num_peers: int
     experts_per_peer: int
@@ -55,7 +57,9 @@ class JoinRequest(_message.Message):
     trainable: _containers.RepeatedScalarFieldContainer[str]
     protocol: int
     dry_run: bool
-    def __init__(self, peer_id: _Optional[int] = ..., num_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    fragments: int
+    sync_steps: int
+    def __init__(self, peer_id: _Optional[int] = ..., num_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ..., fragments: _Optional[int] = ..., sync_steps: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("current_round", "open_round", "data_port", "manifest_checked", "dry_run")
@@ -72,12 +76,14 @@ class JoinReply(_message.Message):
     def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ..., manifest_checked: _Optional[bool] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class UploadMeta(_message.Message):
-    __slots__ = ("peer_id", "round")
+    __slots__ = ("peer_id", "round", "fragment")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
     round: int
-    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "num_bytes", "checksum", "encoding", "block", "base_round")
@@ -210,7 +216,7 @@ class StatusReply(_message.Message):
     def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("op", "peer_id", "step", "full", "token", "timeout_s", "session", "up_bytes", "down_bytes", "base_round")
+    __slots__ = ("op", "peer_id", "step", "full", "token", "timeout_s", "session", "up_bytes", "down_bytes", "base_round", "fragment")
     OP_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +227,7 @@ class DataHello(_message.Message):
     UP_BYTES_FIELD_NUMBER: _ClassVar[int]
     DOWN_BYTES_FIELD_NUMBER: _ClassVar[int]
     BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     op: DataOp
     peer_id: int
     step: int
@@ -231,7 +238,8 @@ class DataHello(_message.Message):
     up_bytes: int
     down_bytes: int
     base_round: int
-    def __init__(self, op: _Optional[_Union[DataOp, str]] = ..., peer_id: _Optional[int] = ..., step: _Optional[int] = ..., full: _Optional[bool] = ..., token: _Optional[str] = ..., timeout_s: _Optional[float] = ..., session: _Optional[str] = ..., up_bytes: _Optional[int] = ..., down_bytes: _Optional[int] = ..., base_round: _Optional[int] = ...) -> None: ...
+    fragment: int
+    def __init__(self, op: _Optional[_Union[DataOp, str]] = ..., peer_id: _Optional[int] = ..., step: _Optional[int] = ..., full: _Optional[bool] = ..., token: _Optional[str] = ..., timeout_s: _Optional[float] = ..., session: _Optional[str] = ..., up_bytes: _Optional[int] = ..., down_bytes: _Optional[int] = ..., base_round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class DataError(_message.Message):
     __slots__ = ("code", "reason", "message")

@@ -1,0 +1,105 @@
+"""Rounds over fragments of the model on staggered steps (Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512).
+
+With `spes_config.overlap_fragments` F > 1 the model is cut into F fragments of whole decoder blocks and each is
+synchronized once every `sync_steps` steps, fragment k at the steps `s` with `s / (sync_steps / F) = k (mod F)`:
+a round every `sync_steps / F` steps, each moving about 1/F of the bytes. On a link where a whole round takes
+`sync_steps` steps, a fragment's round takes `sync_steps / F` and lands that much later instead of `sync_steps`,
+while the link stays busy all the time. Every tensor is still synchronized once per `sync_steps` steps.
+
+Pure functions: the peers and the server cut the same manifest the same way, so only the fragment's number
+travels with an upload (`WHOLE`, 0, is a round over every tensor: runs without fragments, and a fragmented run's
+last step, so every node ends on the same global model).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from spes.sync.protocol import Shape
+
+WHOLE = 0
+"""The fragment number of a round over the whole model; fragments are numbered 1..F."""
+
+_BLOCK = re.compile(r"(blocks\.\d+)\.")
+
+
+def fragment_unit(name: str) -> str:
+    """The part of the model a tensor moves with: its decoder block (`blocks.{l}`: attention, router and every
+    expert of the layer, which the merge warm-up needs together), or the tensor itself (embedding, final norm,
+    LM head)."""
+    match = _BLOCK.match(name)
+    return match.group(1) if match else name
+
+
+def split_fragments(manifest: Mapping[str, Shape], count: int) -> tuple[tuple[str, ...], ...]:
+    """The model's tensors cut into `count` fragments of whole units (`fragment_unit`), balanced by values.
+
+    Units are taken largest first (ties: the first in manifest order) and each goes to the fragment holding
+    the fewest values so far (ties: the lowest number), so fragments differ by at most one unit's size.
+    Fragment k (1-based) is element k - 1; names keep the manifest's order. ValueError when the model has
+    fewer units than `count`.
+    """
+    if count < 1:
+        raise ValueError(f"the number of fragments must be >= 1, got {count}")
+    units: dict[str, list[str]] = {}
+    for name in manifest:
+        units.setdefault(fragment_unit(name), []).append(name)
+    if len(units) < count:
+        raise ValueError(
+            f"the model has {len(units)} parts that can be synchronized apart (decoder blocks and the tensors "
+            f"outside them), fewer than the {count} fragments asked for: lower spes_config.overlap_fragments"
+        )
+    sizes = {unit: sum(math.prod(manifest[n]) for n in names) for unit, names in units.items()}
+    order = sorted(units, key=lambda unit: -sizes[unit])  # NOTE: sorted() is stable: ties keep manifest order
+    load, home = [0] * count, {}
+    for unit in order:
+        k = min(range(count), key=lambda i: load[i])
+        home[unit], load[k] = k, load[k] + sizes[unit]
+    return tuple(tuple(n for n in manifest if home[fragment_unit(n)] == k) for k in range(count))
+
+
+def fragment_at(step: int, sync_steps: int, count: int, last_step: int) -> int:
+    """The fragment a node synchronizes at sync step `step` (a multiple of `sync_steps / count`): 1..count,
+    or `WHOLE` without fragments and at the run's last step."""
+    if count == 1 or step == last_step:
+        return WHOLE
+    return (step // (sync_steps // count) - 1) % count + 1
+
+
+def merge_step(step: int, sync_steps: int, fragment: int) -> int:
+    """The step whose merge warm-up (`merge.round_alpha`) a round applies: its own for a whole round; for a
+    fragment's, the next multiple of `sync_steps`, the whole round it stands in for, so every expert is merged
+    as often and as strongly as in a run without fragments."""
+    return step if fragment == WHOLE else -(-step // sync_steps) * sync_steps
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run cuts its model: `count` fragments (1: none), a fragment's round every `sync_steps / count` steps."""
+
+    count: int
+    sync_steps: int
+    parts: tuple[tuple[str, ...], ...]
+    """`split_fragments` of the run's manifest: fragment k is `parts[k - 1]`."""
+
+    @classmethod
+    def of(cls, manifest: Mapping[str, Shape], count: int, sync_steps: int) -> Layout:
+        """The layout of `count` fragments of `manifest` (ValueError when the model cannot be cut so)."""
+        if count > 1 and (sync_steps < count or sync_steps % count):
+            raise ValueError(f"sync_steps={sync_steps} is not a multiple of the {count} fragments")
+        return cls(count, sync_steps, split_fragments(manifest, count) if count > 1 else (tuple(manifest),))
+
+    def names(self, fragment: int, names: Iterable[str]) -> list[str]:
+        """Those of `names` that a round over `fragment` covers (all of them for `WHOLE`), in their order."""
+        if fragment == WHOLE:
+            return list(names)
+        part = set(self.parts[fragment - 1])
+        return [n for n in names if n in part]
+
+    def check(self, fragment: int) -> None:
+        """ValueError unless `fragment` is WHOLE or one of this layout's."""
+        if not 0 <= fragment <= (self.count if self.count > 1 else 0):
+            raise ValueError(f"fragment {fragment} is not one of this run's (0 or 1..{self.count})")
