@@ -269,7 +269,7 @@ class Coordinator:
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
         tensors, checksums, relayed = received
         with self._cond:
-            if self.state.admit(peer, step):  # a concurrent retry of this upload won the race
+            if self.state.admit(peer, step, fragment):  # a concurrent retry of this upload won the race
                 self._pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)
             self._checksums.record({n: tensors[n] for n in checksums}, checksums, values_dtype(info.wire_dtype))
