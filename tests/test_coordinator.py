@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from spes.sync.coordinator import Coordinator
-from spes.sync.merge import build_global, download_names
+from spes.sync.fragments import WHOLE, Layout, merge_step
+from spes.sync.merge import MergeConfig, build_global, download_names, round_alpha
+from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason, Refused
 from spes.sync.server import ServerConfig
 from spes.sync.wire import TensorDecoder, encode_tensors
@@ -50,5 +52,84 @@ def test_a_round_through_the_coordinator_alone() -> None:
         assert (status.current_round, status.num_peers, status.bytes_out) == (1, 2, 123)
         with service.download(0, 2, False, lambda: False, 30.0) as gone:  # the caller went away while waiting
             assert gone is None
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+def fragment_join(peer: int, fragments: int = 2, sync_steps: int = 4, **overrides: object) -> pb.JoinRequest:
+    request = join_request(peer, **overrides)  # type: ignore[arg-type]
+    request.fragments, request.sync_steps = fragments, sync_steps
+    return request
+
+
+@pytest.mark.timeout(60)
+def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keeps_the_rest() -> None:
+    """Rounds every 2 steps over 2 fragments (sync_steps 4), then a whole round: each round's download is the
+    aggregate of its fragment's uploads only, merged with the warm-up of the whole round it stands in for, and
+    the server's global model keeps the other fragment's values of the round before."""
+    layout, merge = Layout.of(MANIFEST, 2, 4), MergeConfig(interval=4, alpha_start=0.5, decay_steps=100)
+    service = Coordinator(ServerConfig(num_peers=2, experts_per_peer=2, merge=merge))
+    try:
+        for peer in range(2):
+            service.join(fragment_join(peer), session=f"s{peer}", address="test", common_name=lambda: None)
+        held: dict[str, torch.Tensor] = {}
+        for step, fragment in ((2, 1), (4, 2), (6, WHOLE)):
+            names = layout.names(fragment, MANIFEST)
+            uploads = {
+                p: {n: t for n, t in peer_upload(MANIFEST, p, "spes", step).items() if n in names} for p in (0, 1)
+            }
+            want = build_global(
+                uploads, num_peers=2, experts_per_peer=2, mode="spes", step=merge_step(step, 4, fragment), merge=merge
+            )
+            for peer in range(2):
+                service.upload(peer, step, feeding(uploads[peer]), fragment)
+            held.update(want.tensors)
+            with service.download(0, step, False, lambda: True, 30.0) as outgoing:
+                assert outgoing is not None
+                alpha = round_alpha(merge_step(step, 4, fragment), "spes", merge)
+                assert (outgoing.info.merged, outgoing.info.alpha) == (alpha > 0, alpha) == (fragment != WHOLE, alpha)
+                sent = download_names(names, 0, "spes", merged=alpha > 0)  # merged: its own blocks come back too
+                assert sorted(outgoing.info.names) == sorted(sent)
+                assert all(torch.equal(outgoing.tensors[n], want.tensors[n]) for n in sent)
+            with service.download(0, step, True, lambda: True, 30.0) as whole:  # what a catching-up peer loads
+                assert whole is not None and sorted(whole.info.names) == sorted(held)
+                assert all(torch.equal(whole.tensors[n], held[n]) for n in held)
+        assert sorted(held) == sorted(MANIFEST)
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_fragment_layouts_and_uploads_that_disagree_are_refused() -> None:
+    service = Coordinator(ServerConfig(num_peers=2, experts_per_peer=2, merge=NO_MERGE))
+    join = {"session": "s", "address": "test", "common_name": lambda: None}
+    try:
+        for request, code, match in (
+            (
+                fragment_join(0, fragments=5, sync_steps=10),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "fewer than the 5 fragments",
+            ),
+            (fragment_join(0, sync_steps=5), grpc.StatusCode.INVALID_ARGUMENT, "sync_steps=5 is not a multiple"),
+        ):
+            with pytest.raises(Refused, match=match) as err:
+                service.join(request, **join)  # type: ignore[arg-type]
+            assert err.value.code == code
+        service.join(fragment_join(0), **join)  # type: ignore[arg-type]
+        with pytest.raises(Refused, match="peer 1 synchronizes 1 fragment.*overlap_fragments alike") as err:
+            service.join(join_request(1), **join)  # type: ignore[arg-type]
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        service.join(fragment_join(1), **join)  # type: ignore[arg-type]
+        layout = Layout.of(MANIFEST, 2, 4)
+        upload = {n: t for n, t in peer_upload(MANIFEST, 0, "spes", 1).items() if n in layout.parts[0]}
+        with pytest.raises(Refused, match=r"fragment 3 is not one of this run's \(0 or 1..2\)"):
+            service.upload(0, 2, feeding(upload), 3)
+        service.upload(0, 2, feeding(upload), 1)
+        with pytest.raises(Refused, match="uploads fragment 2 for round 2, whose other uploads are of fragment 1"):
+            service.upload(1, 2, feeding({}), 2)
+        with pytest.raises(Refused, match="is not expected here"):  # fragment 1's round, fragment 2's tensors
+            service.upload(
+                1, 2, feeding({n: t for n, t in peer_upload(MANIFEST, 1, "spes", 1).items() if n in layout.parts[1]}), 1
+            )
     finally:
         service.shutdown(grace_s=1.0)

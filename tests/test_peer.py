@@ -15,6 +15,7 @@ from dist_helpers import run_ranks
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
 from spes.sync.client import SyncStats
+from spes.sync.fragments import WHOLE, fragment_at, merge_step
 from spes.sync.merge import MergeConfig, build_global, parse_expert_block
 from spes.sync.overlap import apply_overlapped
 from spes.sync.peer import PENDING_FILE, OverlappedSync, PeerSync, SyncResult
@@ -224,10 +225,57 @@ def test_overlap_with_a_delay_of_zero_steps_is_the_blocking_run_bit_for_bit(tiny
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(tiny_corpus: Any, tmp_path: Path) -> None:
+def test_a_fragments_round_aggregates_that_fragment_and_the_last_step_the_whole_model(
+    tiny_corpus: Any, tmp_path: Path
+) -> None:
+    """sync_steps 4 over 2 fragments, applied at once: rounds at steps 2, 4, 6 over fragments 1, 2, 1 and a whole
+    round at the last step, 8. After each, both peers hold the aggregate of their uploads of that fragment (merged
+    as the whole round it stands in for) and every other tensor as they trained it; at the end, the same model."""
+    extra = (
+        *OVERLAP,
+        "--spes_config.sync_steps=4",
+        "--spes_config.overlap_fragments=2",
+        "--spes_config.overlap_steps=0",
+    )
+    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
+        (rec0, t0), (rec1, t1) = run_peers(tiny_corpus, tmp_path, addr, dilico=False, extra=extra)
+    assert isinstance(rec0.inner, OverlappedSync) and sorted(rec0.after) == [2, 4, 6, 8]
+    layout = rec0.inner.layout
+    assert [fragment_at(step, 4, 2, 8) for step in rec0.after] == [1, 2, 1, WHOLE]
+    for step in rec0.after:
+        fragment = fragment_at(step, 4, 2, 8)
+        names = layout.names(fragment, [n for n, _ in t0.model.named_parameters()])
+        uploads = {
+            p: {n: t for n, t in trained(rec.before[step], t.model).items() if n in names}
+            for p, (rec, t) in enumerate(((rec0, t0), (rec1, t1)))
+        }
+        expected = build_global(
+            uploads, num_peers=2, experts_per_peer=4, mode="spes", step=merge_step(step, 4, fragment), merge=MERGE
+        ).tensors
+        assert sorted(expected) == sorted(names)
+        for rec in (rec0, rec1):
+            for name, value in rec.after[step].items():
+                want = expected[name] if name in names else rec.before[step][name]
+                torch.testing.assert_close(value, want, rtol=0, atol=0, msg=f"{name} @ {step}")
+    assert all(torch.equal(rec0.after[8][n], rec1.after[8][n]) for n in rec0.after[8])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(
+    tiny_corpus: Any, tmp_path: Path, fragments: int
+) -> None:
     """Rounds every 4 steps applied 2 steps later; peer 1 stops at step 5, its round of step 4 in flight, and resumes
-    from that checkpoint while peer 0 trains on: both end as in the uninterrupted run, bit for bit."""
-    extra = [*OVERLAP, "--spes_config.sync_steps=4", "--spes_config.overlap_steps=2", "--max_duration=12st"]
+    from that checkpoint while peer 0 trains on: both end as in the uninterrupted run, bit for bit. With 2 fragments
+    a round comes every 2 steps, each applied 2 steps later."""
+    extra = [
+        *OVERLAP,
+        "--spes_config.sync_steps=4",
+        "--spes_config.overlap_steps=2",
+        "--max_duration=12st",
+        f"--spes_config.overlap_fragments={fragments}",
+    ]
     reference = two_peers(tiny_corpus, tmp_path / "straight", *extra)
     folder = tmp_path / "stopped"
 
@@ -246,7 +294,7 @@ def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(tiny_corpus: 
     for peer in range(2):
         assert weight_bits(peers[peer]) == weight_bits(reference[peer]), peer
     landed = [(r["step"], r["sync_round"]) for r in resumed.history if "sync_wait_s" in r]
-    assert landed == [(6, 4), (10, 8), (12, 12)]
+    assert landed == ([(6, 4), (10, 8), (12, 12)] if fragments == 1 else [(6, 4), (8, 6), (10, 8), (12, 12)])
 
 
 @pytest.mark.slow

@@ -147,6 +147,14 @@ def join(peer: int, **overrides: object) -> pb.JoinRequest:
     return pb.JoinRequest(**fields)
 
 
+def test_a_join_asking_for_fragments_on_an_int8_run_is_refused() -> None:
+    request = join(0, wire_dtype="int8", fragments=2, sync_steps=4)
+    with pytest.raises(
+        Refused, match="peer 0 asks for 2 fragments: fragments cannot be combined with wire_dtype='int8'"
+    ):
+        check_join(request, num_peers=2, experts_per_peer=2, mode="spes", wire_dtype="int8")
+
+
 def test_check_join() -> None:
     shapes, trainable = check_join(join(1), num_peers=2, experts_per_peer=2, mode="spes")
     assert shapes == MANIFEST and "blocks.0.ffn.experts.w1.1" in trainable

@@ -102,4 +102,5 @@ class Layout:
     def check(self, fragment: int) -> None:
         """ValueError unless `fragment` is WHOLE or one of this layout's."""
         if not 0 <= fragment <= (self.count if self.count > 1 else 0):
-            raise ValueError(f"fragment {fragment} is not one of this run's (0 or 1..{self.count})")
+            allowed = f"0 or 1..{self.count}" if self.count > 1 else "0: it has no fragments"
+            raise ValueError(f"fragment {fragment} is not one of this run's ({allowed})")

@@ -1,0 +1,71 @@
+"""The pure rules of rounds over fragments of the model (spes.sync.fragments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from spes.sync.fragments import WHOLE, Layout, fragment_at, fragment_unit, merge_step, split_fragments
+from tests.sync_helpers import tiny_manifest
+
+
+def test_a_tensor_moves_with_its_decoder_block_and_the_rest_alone() -> None:
+    assert fragment_unit("blocks.12.ffn.experts.w1.3") == fragment_unit("blocks.12.attn.qkv.weight") == "blocks.12"
+    assert fragment_unit("blocks.1.ffn.router.weight") != fragment_unit("blocks.12.ffn.router.weight")
+    assert fragment_unit("embed.weight") == "embed.weight" and fragment_unit("lm_head.weight") == "lm_head.weight"
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 6])
+def test_fragments_cover_every_tensor_once_in_whole_blocks_and_balanced(count: int) -> None:
+    manifest = tiny_manifest(num_layers=4)
+    parts = split_fragments(manifest, count)
+    assert len(parts) == count
+    assert sorted(n for part in parts for n in part) == sorted(manifest)
+    for part in parts:
+        assert list(part) == [n for n in manifest if n in part]  # the manifest's order
+    homes = {fragment_unit(n): k for k, part in enumerate(parts) for n in part}
+    assert all(homes[fragment_unit(n)] == k for k, part in enumerate(parts) for n in part)  # units never split
+    sizes = [sum(math.prod(manifest[n]) for n in part) for part in parts]
+    largest_unit = max(
+        sum(math.prod(s) for n, s in manifest.items() if fragment_unit(n) == u) for u in map(fragment_unit, manifest)
+    )
+    assert max(sizes) - min(sizes) <= largest_unit
+    assert split_fragments(manifest, count) == parts  # the peers and the server cut alike
+
+
+def test_a_model_with_fewer_parts_than_fragments_is_refused_naming_the_key() -> None:
+    manifest = tiny_manifest(num_layers=2)  # 2 blocks + embedding + LM head
+    assert len(split_fragments(manifest, 4)) == 4
+    with pytest.raises(ValueError, match=r"4 parts .* fewer than the 5 fragments .*spes_config.overlap_fragments"):
+        split_fragments(manifest, 5)
+    with pytest.raises(ValueError, match=">= 1"):
+        split_fragments(manifest, 0)
+
+
+def test_each_fragment_comes_round_once_per_sync_steps_and_the_last_step_syncs_everything() -> None:
+    schedule = [fragment_at(step, 10, 5, last_step=40) for step in range(2, 41, 2)]
+    assert schedule == [1, 2, 3, 4, 5] * 3 + [1, 2, 3, 4, WHOLE]
+    assert {fragment_at(step, 10, 1, last_step=40) for step in (10, 20, 40)} == {WHOLE}
+
+
+def test_a_fragments_round_merges_as_the_whole_round_it_stands_in_for() -> None:
+    assert [merge_step(step, 10, 1 + (step // 2 - 1) % 5) for step in (2, 4, 10, 12, 20)] == [10, 10, 10, 20, 20]
+    assert merge_step(7, 10, WHOLE) == 7
+
+
+def test_a_layout_names_a_fragments_tensors_and_checks_fragment_numbers() -> None:
+    manifest = tiny_manifest(num_layers=2)
+    layout = Layout.of(manifest, 2, 4)
+    assert layout.names(WHOLE, manifest) == list(manifest)
+    assert sorted(layout.names(1, manifest) + layout.names(2, manifest)) == sorted(manifest)
+    assert layout.names(1, ["lm_head.weight", "embed.weight"]) == [
+        n for n in ["lm_head.weight", "embed.weight"] if n in layout.parts[0]
+    ]
+    layout.check(2)
+    with pytest.raises(ValueError, match=r"fragment 3 is not one of this run's \(0 or 1..2\)"):
+        layout.check(3)
+    with pytest.raises(ValueError, match=r"fragment 1 is not one of this run's \(0: it has no fragments\)"):
+        Layout.of(manifest, 1, 0).check(1)
+    with pytest.raises(ValueError, match="sync_steps=5 is not a multiple of the 2 fragments"):
+        Layout.of(manifest, 2, 5)
