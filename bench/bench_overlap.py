@@ -14,7 +14,8 @@ same rate, and a one-way delay of RTT/2):
      trips, connections, aggregation); then the two arms:
   2. blocking: the run with the link rate set so that one round takes `sync_steps` calibrated step times;
   3. overlapped: the same run and link with `spes_config.overlap_sync=true` (each round applied `sync_steps`
-     later, the default `overlap_steps`).
+     later, the default `overlap_steps`); with `--fragments F`, also `overlap_fragments=F`: a round over 1/F of
+     the model every `sync_steps / F` steps, each applied that much later, and a whole round at the last step.
 
 Throughput = the tokens the trainers logged (`tokens` in metrics.jsonl, summed over the peers) / the run's
 training wall time (the longest of the peers' `time` at their last logged step: from the trainer's start,
@@ -23,7 +24,8 @@ steps, a blocking run takes 2R round-lengths and an overlapped one R + 1 (only t
 last step, is waited for), so the ideal ratio is 2R / (R + 1). With `--repeats N` the arms run N times in the
 order AB BA AB..., so that a drift of the machine's load hits both alike, and the ratio is the median of the
 pairs'. No record is written unless both arms of every pair logged the same tokens, steps and rounds with the
-same payload bytes, and the relay carried at least those bytes for every peer.
+same payload bytes (with fragments: at least the blocking run's payload bytes, in more and smaller rounds), and
+the relay carried at least those bytes for every peer.
 
 Every process gets one torch thread: the 2 peers train on 2 cores, and the server, the relay and the overlapped
 peers' upload threads take what is left. Small model (configs/tiny.yaml widths, 64 sequences per step) so
@@ -144,6 +146,7 @@ def summarize(out: Path, overrides: list[str]) -> dict[str, Any]:
         "train_wall_s": max(records[-1]["time"] for records in peers),
         "median_step_s": statistics.median(step_s),
         "rounds": [sum(r.get("sync_rounds", 1) for r in s) for s in syncs],
+        "bytes_up": [sum(r["sync_mb_up"] * 2**20 for r in s) for s in syncs],
         "bytes_up_per_round": [s[0]["sync_mb_up"] * 2**20 / s[0].get("sync_rounds", 1) for s in syncs],
         "bytes_down_per_round": [s[0]["sync_mb_down"] * 2**20 / s[0].get("sync_rounds", 1) for s in syncs],
         "round_s": statistics.median(min(seconds) for seconds in by_step.values()),
@@ -165,16 +168,21 @@ def link_rate(calibration: dict[str, Any], link: LinkSpec, sync_steps: int) -> f
     return moved * 8 / budget / 1e6
 
 
-def check_premises(blocking: dict[str, Any], overlapped: dict[str, Any]) -> list[str]:
-    """What must hold for the ratio to mean anything; an empty list when all does."""
+def check_premises(blocking: dict[str, Any], overlapped: dict[str, Any], fragments: int = 1) -> list[str]:
+    """What must hold for the ratio to mean anything; an empty list when all does. With fragments the rounds
+    differ in number and size, and the overlapped run must move at least the blocking run's payload."""
     problems = []
-    for key in ("tokens_per_peer", "steps", "rounds", "bytes_up_per_round", "bytes_down_per_round"):
+    same = ["tokens_per_peer", "steps"]
+    if fragments == 1:
+        same += ["rounds", "bytes_up_per_round", "bytes_down_per_round"]
+    for key in same:
         if blocking[key] != overlapped[key]:
             problems.append(f"{key} differ: blocking {blocking[key]}, overlapped {overlapped[key]}")
+    if any(o < b for o, b in zip(overlapped["bytes_up"], blocking["bytes_up"])):
+        problems.append(f"the overlapped run uploaded less: {overlapped['bytes_up']} against {blocking['bytes_up']}")
     for name, arm in (("blocking", blocking), ("overlapped", overlapped)):
         for p in range(PEERS):
-            payload_up = arm["bytes_up_per_round"][p] * arm["rounds"][p]
-            if arm["relay_bytes"]["bytes_up"][p] < payload_up:
+            if arm["relay_bytes"]["bytes_up"][p] < arm["bytes_up"][p]:
                 problems.append(f"{name}: the relay carried less than peer {p}'s payload up: did it bypass the link?")
     return problems
 
@@ -188,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mbit", type=float, default=None, help="link rate, Mbit/s, instead of calibrating it (quick: 200)")
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs, in the order AB, BA, AB...: the median ratio")
     p.add_argument(
+        "--fragments", type=int, default=1, help="the overlapped arm's spes_config.overlap_fragments (default 1)"
+    )
+    p.add_argument(
         "--runs", type=Path, default=None, help="run directory (default: bench/results/bench_overlap[_quick])"
     )
     corpus_args(p, valid=False)  # no evaluation: the arms are timed
@@ -198,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.batch or (16 if args.quick else 64)
     mbit = args.mbit or (200.0 if args.quick else None)
     name = "bench_overlap_quick" if args.quick else "bench_overlap"
+    if args.fragments > 1:
+        name = name.replace("bench_overlap", f"bench_overlap_f{args.fragments}", 1)
+    overlap = [*OVERLAP, f"--spes_config.overlap_fragments={args.fragments}"] if args.fragments > 1 else OVERLAP
     overrides = run_overrides(steps, sync_steps, batch, args)
     workdir = args.runs or RESULTS_DIR / name
     timeout = 300.0 if args.quick else 3600.0
@@ -225,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         pair: dict[str, Any] = {}
         for arm in order:
             print(f"{arm} ({i + 1}/{args.repeats}): {steps} steps, a round every {sync_steps}", flush=True)
-            extra = OVERLAP if arm == "overlapped" else []
+            extra = overlap if arm == "overlapped" else []
             ran = run_arm(f"{arm}{i + 1}", [*overrides, *extra], link, workdir, timeout)
             pair[arm] = {**ran, "machine": machine_info()}
-        problems = check_premises(pair["blocking"], pair["overlapped"])
+        problems = check_premises(pair["blocking"], pair["overlapped"], args.fragments)
         if problems:
             raise SystemExit("error: the arms are not comparable, no record written: " + "; ".join(problems))
         pairs.append({**pair, "ratio": throughput(pair["overlapped"]) / throughput(pair["blocking"])})
@@ -266,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_info(),
             "config": CONFIG,
             "overrides": overrides,
-            "overlap_flags": OVERLAP,
+            "overlap_flags": overlap,
+            "fragments": args.fragments,
             "peers": PEERS,
             "link": {"mbit": mbit, "rtt_ms": args.rtt_ms, "server_mbit": mbit},
             "calibration": calibration,

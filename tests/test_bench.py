@@ -401,12 +401,15 @@ def test_bench_overlap_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         tmp_path,
         "--runs",
         str(tmp_path / "runs"),
+        "--fragments",
+        "2",
         *corpus_flags(tiny_corpus, valid=False),
     )
     (pair,) = results["pairs"]
     blocking, overlapped = pair["blocking"], pair["overlapped"]
     assert blocking["tokens"] == overlapped["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 steps x 16 sequences of 64
-    assert blocking["rounds"] == overlapped["rounds"] == [2, 2]
+    assert blocking["rounds"] == [2, 2] and overlapped["rounds"] == [4, 4]  # fragments 1, 2, 1, then whole
+    assert "--spes_config.overlap_fragments=2" in results["overlap_flags"]
     assert all(b > 0 for b in overlapped["relay_bytes"]["bytes_up"] + overlapped["relay_bytes"]["bytes_down"])
     assert results["ratio"] == pair["ratio"] > 0 and "overlapped / blocking tokens/s" in stdout
 
@@ -420,9 +423,17 @@ def test_bench_overlap_refuses_arms_that_differ() -> None:
         "rounds": [2, 2],
         "bytes_up_per_round": [100.0, 100.0],
         "bytes_down_per_round": [120.0, 120.0],
+        "bytes_up": [200.0, 200.0],
         "relay_bytes": {"bytes_up": [250, 250], "bytes_down": [300, 300]},
     }
     assert check_premises(arm, dict(arm)) == []
+    fragmented = {**arm, "rounds": [4, 4], "bytes_up_per_round": [60.0, 60.0], "bytes_up": [240.0, 240.0]}
+    assert check_premises(arm, fragmented, fragments=2) == []
+    assert check_premises(arm, fragmented) == [
+        "rounds differ: blocking [2, 2], overlapped [4, 4]",
+        "bytes_up_per_round differ: blocking [100.0, 100.0], overlapped [60.0, 60.0]",
+    ]
+    assert "uploaded less" in check_premises(arm, {**fragmented, "bytes_up": [240.0, 100.0]}, fragments=2)[0]
     assert check_premises(arm, {**arm, "tokens_per_peer": [1024, 512]}) == [
         "tokens_per_peer differ: blocking [1024, 1024], overlapped [1024, 512]"
     ]
