@@ -72,6 +72,7 @@ def run_overrides(steps: int, sync_steps: int, batch: int, args: argparse.Namesp
         "--spes_config.data_plane=tcp",
         "--spes_config.rpc_timeout_s=120",
         "--spes_config.round_timeout_s=600",
+        *([f"--model.n_layers={args.n_layers}"] if args.n_layers else []),
     ]
 
 
@@ -197,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="pairs of runs, in the order AB, BA, AB...: the median ratio")
     p.add_argument(
         "--fragments", type=int, default=1, help="the overlapped arm's spes_config.overlap_fragments (default 1)"
+    )
+    p.add_argument(
+        "--n_layers",
+        type=int,
+        default=None,
+        help="decoder blocks (default: configs/tiny.yaml's 2, each a fifth of its embedding: fragments of whole blocks "
+        "balance from about 16)",
     )
     p.add_argument(
         "--runs", type=Path, default=None, help="run directory (default: bench/results/bench_overlap[_quick])"

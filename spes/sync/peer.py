@@ -14,6 +14,7 @@ of steps later together with the progress made meanwhile (the rule is `spes.sync
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -325,6 +326,21 @@ class OverlappedSync(PeerSync):
         if taken.item() >= 0:
             self._start(pending, int(taken.item()))
             self.log(f"resumed the round of step {int(taken.item())} that {checkpoint} holds in flight")
+
+    def join(self) -> None:
+        """Join, and with fragments say what each round uploads: a fragment much larger than the others takes
+        longer than `sync_steps / F` steps on a link sized for the whole model."""
+        super().join()
+        if self.layout.count > 1:
+            sizes = [
+                sum(math.prod(self.shapes[n]) * 4 for n in self.layout.names(k, self.trainable)) / 2**20
+                for k in range(1, self.layout.count + 1)
+            ]
+            self.log(
+                f"{self.layout.count} fragments, one every {self.interval} steps, uploading "
+                + ", ".join(f"{mb:.1f}" for mb in sizes)
+                + " MiB (fp32) of what this node trains"
+            )
 
     def _fragment(self, step: int) -> int:
         return fragment_at(step, self.sync_steps, self.layout.count, self.last_step)
