@@ -354,7 +354,7 @@ def test_the_first_quorum_round_needs_every_expert_owner() -> None:
     manifest = tiny_manifest()
     with running_server(dead_peer_policy="quorum", min_peers=1, round_timeout_s=0.5) as (_, addr):
         with joined_clients(addr, manifest) as clients:
-            with pytest.raises(SyncError, match="the first round needs every expert owner") as err:
+            with pytest.raises(SyncError, match="so this round needs every such owner") as err:
                 clients[0].sync(1, peer_upload(manifest, 0, "spes", seed=1))
             assert err.value.reason == "round_timeout" and err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 

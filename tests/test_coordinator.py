@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import grpc
 import pytest
 import torch
@@ -65,8 +68,9 @@ def fragment_join(peer: int, fragments: int = 2, sync_steps: int = 4, **override
 @pytest.mark.timeout(60)
 def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keeps_the_rest() -> None:
     """Rounds every 2 steps over 2 fragments (sync_steps 4), then a whole round: each round's download is the
-    aggregate of its fragment's uploads only, merged with the warm-up of the whole round it stands in for, and
-    the server's global model keeps the other fragment's values of the round before."""
+    aggregate of its fragment's uploads only, merged with the warm-up of the whole round it stands in for (the
+    whole round merges only fragment 2, whose turn step 6 is), and the server's global model keeps the other
+    fragment's values of the round before."""
     layout, merge = Layout.of(MANIFEST, 2, 4), MergeConfig(interval=4, alpha_start=0.5, decay_steps=100)
     service = Coordinator(ServerConfig(num_peers=2, experts_per_peer=2, merge=merge))
     try:
@@ -78,19 +82,33 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
             uploads = {
                 p: {n: t for n, t in peer_upload(MANIFEST, p, "spes", step).items() if n in names} for p in (0, 1)
             }
+            merge_at, mergeable = layout.merged_names(step, fragment, MANIFEST)
+            assert merge_at == merge_step(step, 4, fragment) or fragment == WHOLE
             want = build_global(
-                uploads, num_peers=2, experts_per_peer=2, mode="spes", step=merge_step(step, 4, fragment), merge=merge
+                uploads,
+                num_peers=2,
+                experts_per_peer=2,
+                mode="spes",
+                step=merge_at,
+                merge=merge,
+                mergeable=mergeable,
             )
             for peer in range(2):
                 service.upload(peer, step, feeding(uploads[peer]), fragment)
             held.update(want.tensors)
             with service.download(0, step, False, lambda: True, 30.0) as outgoing:
                 assert outgoing is not None
-                alpha = round_alpha(merge_step(step, 4, fragment), "spes", merge)
-                assert (outgoing.info.merged, outgoing.info.alpha) == (alpha > 0, alpha) == (fragment != WHOLE, alpha)
+                alpha = round_alpha(merge_at, "spes", merge)  # the whole round at 6 stands in for fragment 2's
+                assert (outgoing.info.merged, outgoing.info.alpha) == (True, alpha) and alpha > 0
                 sent = download_names(names, 0, "spes", merged=alpha > 0)  # merged: its own blocks come back too
                 assert sorted(outgoing.info.names) == sorted(sent)
                 assert all(torch.equal(outgoing.tensors[n], want.tensors[n]) for n in sent)
+            if step == 2:  # only fragment 1 has had a round: no whole model to catch up to yet
+                with pytest.raises(
+                    Refused, match=rf"holds only the fragments .* \({len(layout.parts[0])} of {len(MANIFEST)} tensors\)"
+                ):
+                    service.download(0, step, True, lambda: True, 30.0).__enter__()
+                continue
             with service.download(0, step, True, lambda: True, 30.0) as whole:  # what a catching-up peer loads
                 assert whole is not None and sorted(whole.info.names) == sorted(held)
                 assert all(torch.equal(whole.tensors[n], held[n]) for n in held)
@@ -133,3 +151,42 @@ def test_fragment_layouts_and_uploads_that_disagree_are_refused() -> None:
             )
     finally:
         service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tmp_path: Path) -> None:
+    """Fragment 1 has had its round; fragment 2's first round cannot close without peer 1, whose experts in it have
+    no global copy yet. A server restarted from its state holds the peers to the run's fragments."""
+    cfg = ServerConfig(
+        num_peers=2,
+        experts_per_peer=2,
+        merge=NO_MERGE,
+        dead_peer_policy="quorum",
+        min_peers=1,
+        round_timeout_s=0.2,
+        state_dir=str(tmp_path),
+    )
+    layout, join = Layout.of(MANIFEST, 2, 4), {"session": "s", "address": "test", "common_name": lambda: None}
+    service = Coordinator(cfg)
+    try:
+        for peer in range(2):
+            service.join(fragment_join(peer), **join)  # type: ignore[arg-type]
+        for peer in range(2):
+            part = {n: t for n, t in peer_upload(MANIFEST, peer, "spes", 2).items() if n in layout.parts[0]}
+            service.upload(peer, 2, feeding(part), 1)
+        with service.download(0, 2, False, lambda: True, 30.0) as done:  # round 2 complete
+            assert done is not None
+        part = {n: t for n, t in peer_upload(MANIFEST, 0, "spes", 4).items() if n in layout.parts[1]}
+        service.upload(0, 4, feeding(part), 2)
+        time.sleep(0.3)
+        with pytest.raises(Refused, match=r"no global copy of the experts of peers \[1\] exists yet"):
+            service.download(0, 4, False, lambda: True, 5.0).__enter__()
+    finally:
+        service.shutdown(grace_s=1.0)
+    restarted = Coordinator(cfg)
+    try:
+        with pytest.raises(Refused, match="peer 0 synchronizes 1 fragment.*the run's peers 2 with sync_steps=4"):
+            restarted.join(join_request(0), **join)  # type: ignore[arg-type]
+        restarted.join(fragment_join(0), **join)  # type: ignore[arg-type]
+    finally:
+        restarted.shutdown(grace_s=1.0)

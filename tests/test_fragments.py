@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spes.sync.fragments import WHOLE, Layout, fragment_at, fragment_unit, merge_step, split_fragments
+from spes.sync.fragments import WHOLE, Layout, fragment_at, fragment_unit, merge_step, split_fragments, turn_of
 from tests.sync_helpers import tiny_manifest
 
 
@@ -69,3 +69,15 @@ def test_a_layout_names_a_fragments_tensors_and_checks_fragment_numbers() -> Non
         Layout.of(manifest, 1, 0).check(1)
     with pytest.raises(ValueError, match="sync_steps=5 is not a multiple of the 2 fragments"):
         Layout.of(manifest, 2, 5)
+
+
+def test_a_whole_round_of_a_fragmented_run_merges_only_the_fragment_whose_turn_it_is() -> None:
+    """The rounds before it merged the other fragments for the same whole round: merging them again would merge
+    them twice. A whole round off the schedule merges nothing; a fragment's round merges what it covers."""
+    manifest = tiny_manifest(num_layers=2)
+    layout = Layout.of(manifest, 2, 4)
+    assert layout.merged_names(8, WHOLE, manifest) == (8, set(layout.parts[1]))
+    assert layout.merged_names(7, WHOLE, manifest) == (7, set())
+    assert layout.merged_names(6, 1, manifest) == (8, None)
+    assert Layout.of(manifest, 1, 0).merged_names(6, WHOLE, manifest) == (6, None)
+    assert [turn_of(step, 10, 5) for step in (2, 4, 10, 12, 3)] == [1, 2, 5, 1, WHOLE]

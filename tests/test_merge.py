@@ -359,3 +359,38 @@ def test_quorum_averages_the_arrived_and_keeps_a_missing_owners_experts(step: in
         for kind, full in zip(("w1", "v1", "w2"), merged, strict=True):
             for b, part in enumerate(full.split(2)):
                 assert torch.equal(got[f"{prefix}.{kind}.{b}"], part), (kind, b)
+
+
+def test_the_outer_step_starts_per_tensor_so_a_fragments_first_round_is_its_mean() -> None:
+    """With fragments the previous global model may lack some tensors: those start from their mean, the rest take
+    the outer step, as each would in a run of its own."""
+    manifest = tiny_manifest(num_blocks=1)
+    uploads = uploads_for([0, 1, 2], 1, manifest, "diloco")
+    mean = build_global(uploads, num_peers=3, experts_per_peer=2, mode="diloco", step=1).tensors
+    previous = {"embed.weight": torch.zeros(manifest["embed.weight"])}
+    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+    built = build_global(
+        uploads, num_peers=3, experts_per_peer=2, mode="diloco", step=1, outer=outer, previous=previous
+    )
+    want, _ = outer_nesterov_step(previous, {"embed.weight": mean["embed.weight"]}, {}, lr=0.7, momentum=0.9)
+    assert_same({"embed.weight": built.tensors["embed.weight"]}, want)
+    assert_same(
+        {n: t for n, t in built.tensors.items() if n != "embed.weight"},
+        {n: t for n, t in mean.items() if n != "embed.weight"},
+    )
+    assert sorted(built.momentum) == ["embed.weight"]
+
+
+def test_a_merge_round_changes_only_the_mergeable_layers() -> None:
+    manifest = tiny_manifest(num_layers=2, num_blocks=2, k=2)
+    uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)}
+    cfg = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
+    layer0 = {n for n in manifest if n.startswith("blocks.0.")}
+    kw = {"num_peers": 2, "experts_per_peer": 2, "mode": "spes", "step": 200, "merge": cfg}
+    full = build_global(uploads, **kw).tensors  # type: ignore[arg-type]
+    part = build_global(uploads, mergeable=layer0, **kw).tensors  # type: ignore[arg-type]
+    for name in manifest:
+        if name in layer0:
+            assert torch.equal(part[name], full[name]), name
+        elif parse_expert_block(name) is not None:
+            assert torch.equal(part[name], uploads[parse_expert_block(name).block][name]), name  # type: ignore[union-attr]

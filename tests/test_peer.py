@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,14 @@ class RecordingSync:
 
 
 def run_peers(
-    corpus, tmp_path: Path, addr: str, *, dilico: bool, steps: int = 8, extra: tuple[str, ...] = ()
+    corpus,
+    tmp_path: Path,
+    addr: str,
+    *,
+    dilico: bool,
+    steps: int = 8,
+    extra: tuple[str, ...] = (),
+    log: Callable[[str], None] = lambda _m: None,
 ) -> list[tuple[RecordingSync, Trainer]]:  # type: ignore[no-untyped-def]
     peers = []
     for peer in range(2):
@@ -64,7 +72,8 @@ def run_peers(
                 f"--max_duration={steps}st",
                 f"--using_dilico={dilico}".lower(),
                 *extra,
-            )
+            ),
+            log,
         )
         assert isinstance(trainer.syncer, PeerSync)
         trainer.syncer = recorder = RecordingSync(trainer.syncer, trainer.model)
@@ -180,9 +189,9 @@ def peer_config(corpus: Any, folder: Path, addr: str, peer: int, *extra: str) ->
     return load_config(str(REPO / "configs" / "tiny.yaml"), peer_overrides(corpus, folder, addr, peer, *extra))[0]
 
 
-def start_peer(cfg: TrainConfig) -> Trainer:
+def start_peer(cfg: TrainConfig, log: Callable[[str], None] = QUIET) -> Trainer:
     """A node as `python -m spes.train` starts it (its syncer is `trainer.syncer`)."""
-    return start_node(cfg, CPU, log=QUIET)[0]
+    return start_node(cfg, CPU, log=log)[0]
 
 
 def fit(trainer: Trainer) -> Trainer:
@@ -229,21 +238,27 @@ def test_a_fragments_round_aggregates_that_fragment_and_the_last_step_the_whole_
     tiny_corpus: Any, tmp_path: Path
 ) -> None:
     """sync_steps 4 over 2 fragments, applied at once: rounds at steps 2, 4, 6 over fragments 1, 2, 1 and a whole
-    round at the last step, 8. After each, both peers hold the aggregate of their uploads of that fragment (merged
-    as the whole round it stands in for) and every other tensor as they trained it; at the end, the same model."""
+    round at the last step, 7, though not a sync step. After each, both peers hold the aggregate of their uploads of
+    that fragment (merged as the whole round it stands in for) and every other tensor as they trained it; at the
+    end, the same model."""
     extra = (
         *OVERLAP,
         "--spes_config.sync_steps=4",
         "--spes_config.overlap_fragments=2",
         "--spes_config.overlap_steps=0",
     )
+    lines: list[str] = []
     with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
-        (rec0, t0), (rec1, t1) = run_peers(tiny_corpus, tmp_path, addr, dilico=False, extra=extra)
-    assert isinstance(rec0.inner, OverlappedSync) and sorted(rec0.after) == [2, 4, 6, 8]
+        (rec0, t0), (rec1, t1) = run_peers(
+            tiny_corpus, tmp_path, addr, dilico=False, steps=7, extra=extra, log=lines.append
+        )
+    assert isinstance(rec0.inner, OverlappedSync) and sorted(rec0.after) == [2, 4, 6, 7]
+    said = [line for line in lines if line.startswith("2 fragments, one every 2 steps, uploading ")]
+    assert len(said) == 2 and said[0].endswith(" MiB (fp32) of what this node trains"), lines
     layout = rec0.inner.layout
-    assert [fragment_at(step, 4, 2, 8) for step in rec0.after] == [1, 2, 1, WHOLE]
+    assert [fragment_at(step, 4, 2, 7) for step in rec0.after] == [1, 2, 1, WHOLE]
     for step in rec0.after:
-        fragment = fragment_at(step, 4, 2, 8)
+        fragment = fragment_at(step, 4, 2, 7)
         names = layout.names(fragment, [n for n, _ in t0.model.named_parameters()])
         uploads = {
             p: {n: t for n, t in trained(rec.before[step], t.model).items() if n in names}
@@ -257,7 +272,7 @@ def test_a_fragments_round_aggregates_that_fragment_and_the_last_step_the_whole_
             for name, value in rec.after[step].items():
                 want = expected[name] if name in names else rec.before[step][name]
                 torch.testing.assert_close(value, want, rtol=0, atol=0, msg=f"{name} @ {step}")
-    assert all(torch.equal(rec0.after[8][n], rec1.after[8][n]) for n in rec0.after[8])
+    assert all(torch.equal(rec0.after[7][n], rec1.after[7][n]) for n in rec0.after[7])
 
 
 @pytest.mark.slow

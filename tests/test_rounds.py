@@ -14,7 +14,6 @@ from spes.sync.rounds import (
     RoundState,
     check_join,
     check_manifest,
-    expert_owners,
     manifest_differences,
 )
 from sync_helpers import tiny_manifest
@@ -76,19 +75,17 @@ def test_policy_wait_fails_after_the_timeout_naming_missing_peers() -> None:
 def test_policy_quorum_closes_with_enough_peers_once_a_global_model_exists() -> None:
     policy = RoundPolicy(num_peers=3, timeout_s=10, dead_peer_policy="quorum")
     assert policy.quorum == 2 and RoundPolicy(num_peers=4, min_peers=1).quorum == 1
-    owners = expert_owners(NAMES, "spes")
-    assert owners == {0, 1} and expert_owners(NAMES, "diloco") == frozenset()
+    owners = frozenset({0, 1})  # the expert owners without a global copy (the coordinator's to say)
     state = RoundState(num_peers=3)
     state.stage_upload(2, 1, {})
     late = state.opened_at + 11
     with pytest.raises(Refused, match=r"only peers \[2\] arrived, fewer than --min_peers=2"):
         state.must_close(policy, owners, now=late)
     state.stage_upload(0, 1, {})
-    with pytest.raises(Refused, match=r"no global copy of the experts of peers \[1\] exists before the first round"):
+    with pytest.raises(Refused, match=r"no global copy of the experts of peers \[1\] exists yet"):
         state.must_close(policy, owners, now=late)
-    assert state.must_close(policy, frozenset(), now=late)  # DiLoCo: nothing is owned, the mean is enough
-    state.global_model = {"x": torch.ones(1)}
-    assert state.must_close(policy, owners, now=late)
+    assert state.must_close(policy, frozenset({0}), now=late)  # peer 0's experts: it is in
+    assert state.must_close(policy, frozenset(), now=late)  # DiLoCo, or every owner's experts have a global copy
     state.take_uploads()
     assert state.seconds_left(policy) == float("inf")  # aggregating: no timeout applies
     with pytest.raises(Refused, match="round 1 timed out and is closing without peer 1") as err:

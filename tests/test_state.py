@@ -53,6 +53,19 @@ def test_round_trip_is_exact_and_old_rounds_are_pruned(tmp_path: Path) -> None:
     assert record["round"] == 20 and record["manifest"]["embed.weight"] == [16, 8]
 
 
+def test_a_fragments_round_keeps_its_fragment_the_layout_and_a_partial_global_model(tmp_path: Path) -> None:
+    whole = saved(4, seed=3)
+    part = {n: t for n, t in whole.global_model.items() if n.startswith("blocks.0.")}
+    fragment_round = dataclasses.replace(whole, global_model=part, momentum={}, fragment=1, fragments=2, sync_steps=4)
+    save_round(tmp_path, fragment_round, RUN)
+    loaded = load_round(tmp_path, RUN)
+    assert loaded is not None and (loaded.fragment, loaded.fragments, loaded.sync_steps) == (1, 2, 4)
+    assert sorted(loaded.global_model) == sorted(part) and loaded.manifest == whole.manifest
+    save_round(tmp_path, dataclasses.replace(fragment_round, fragment=0), RUN)  # a whole round must hold every tensor
+    with pytest.raises(ValueError, match="do not match the manifest"):
+        load_round(tmp_path, RUN)
+
+
 def test_state_json_is_the_commit_point(tmp_path: Path) -> None:
     """A crash after the tensor file of round 30 was written but before state.json was replaced keeps round 20."""
     save_round(tmp_path, saved(20, seed=2), RUN)

@@ -225,7 +225,7 @@ class SyncClient:
         Returns the server's latest completed round (-1 before the first one).
         """
         shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.items()}
-        layout = Layout.of(shapes, self.fragments, self.sync_steps)
+        layout = Layout.of(shapes, self.fragments, self.sync_steps, self.mode)
         self._join_request = self._request(shapes, trainable, dry_run=False)
         current = self._join()
         self._manifest, self._trainable, self._layout = shapes, list(trainable), layout

@@ -31,11 +31,11 @@ from spes.sync.auth import check_peer_identity
 from spes.sync.buffers import BufferPool
 from spes.sync.compress import Int8Payload, upload_values
 from spes.sync.deltas import NO_BASE, HeldRound, next_held
-from spes.sync.fragments import WHOLE, Layout, merge_step
+from spes.sync.fragments import WHOLE, Layout
 from spes.sync.merge import build_global, download_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import INT8, Manifest, Reason, Refused, Shape, Tensors, values_dtype
-from spes.sync.rounds import RoundState, check_join, expert_owners, manifest_differences
+from spes.sync.rounds import RoundState, check_join, manifest_differences
 from spes.sync.state import SavedRound, load_round, save_round
 from spes.sync.wire import (
     BaseMismatch,
@@ -96,7 +96,6 @@ class Coordinator:
         self._cond = threading.Condition()
         self.state = RoundState(self.num_peers)
         self._manifest: Manifest | None = None
-        self._owners: frozenset[int] = frozenset()
         self._layout: Layout | None = None
         """How the run cuts its model into fragments (`spes.sync.fragments`), as the first peer to join said."""
         self.peers: dict[int, PeerInfo] = {}
@@ -121,7 +120,7 @@ class Coordinator:
         )
         self.sessions = Sessions(cfg.peer_liveness_s)
         if cfg.expected_manifest is not None:
-            self._learn_manifest(dict(cfg.expected_manifest))
+            self._manifest = dict(cfg.expected_manifest)
         saved = load_round(cfg.state_dir, cfg.run_identity()) if cfg.state_dir else None
         if saved is not None:
             if cfg.expected_manifest is not None and manifest_differences(cfg.expected_manifest, saved.manifest):
@@ -140,16 +139,14 @@ class Coordinator:
                 held,
                 saved.fragment,
             )
-            self._learn_manifest(saved.manifest)
+            self._manifest = saved.manifest
+            self._layout = Layout.of(saved.manifest, saved.fragments, saved.sync_steps, cfg.mode)
             log.info(
                 "resumed from %s: round %d complete (peers %s); waiting for peers to re-join",
                 cfg.state_dir,
                 saved.step,
                 list(saved.peers),
             )
-
-    def _learn_manifest(self, shapes: Manifest) -> None:
-        self._manifest, self._owners = shapes, expert_owners(list(shapes), self.cfg.mode)
 
     def _buffer_limits(self) -> Counter[tuple[Shape, torch.dtype]]:
         """What one round takes from the pool: every joined peer's uploads, and the fp32 sums of shared
@@ -187,7 +184,8 @@ class Coordinator:
                 if diff:
                     whose = "the run's YAML" if cfg.expected_manifest is not None else "the run's"
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}'s model differs from {whose}: {diff}")
-            layout = Layout.of(shapes, max(request.fragments, 1), request.sync_steps if request.fragments > 1 else 0)
+            count = max(request.fragments, 1)
+            layout = Layout.of(shapes, count, request.sync_steps if count > 1 else 0, cfg.mode)
             if self._layout is not None and (layout.count, layout.sync_steps) != (
                 self._layout.count,
                 self._layout.sync_steps,
@@ -208,7 +206,7 @@ class Coordinator:
                     dry_run=True,
                 )
             if self._manifest is None:
-                self._learn_manifest(shapes)
+                self._manifest = shapes
                 log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
             if self._layout is None:
                 self._layout = layout
@@ -381,12 +379,14 @@ class Coordinator:
         assert layout is not None
         received = [t for upload in uploads.values() for t in upload.values()]
         try:
+            merge_at, mergeable = layout.merged_names(step, fragment, manifest)
             built = build_global(
                 uploads,
                 num_peers=self.num_peers,
                 experts_per_peer=cfg.experts_per_peer,
                 mode=cfg.mode,
-                step=merge_step(step, layout.sync_steps, fragment),
+                step=merge_at,
+                mergeable=mergeable,
                 merge=cfg.merge,
                 outer=cfg.outer,
                 names=layout.names(fragment, manifest),
@@ -417,6 +417,8 @@ class Coordinator:
                     new_momentum,
                     held.tensors if held else {},
                     fragment,
+                    layout.count,
+                    layout.sync_steps,
                 )
                 save_round(cfg.state_dir, saved, cfg.run_identity())
         except Exception as exc:  # report any aggregation or disk failure to the waiting peers
@@ -507,6 +509,13 @@ class Coordinator:
             known = self._checksums.known({n: t for n, t in items.items() if isinstance(t, torch.Tensor)}, dtype)
             encoded = self._encoded[view] = EncodedModel(items, dtype, known)
         names = list(state.global_model)
+        if full and self._manifest is not None and len(names) < len(self._manifest):
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer} asks for the whole global model, but round {step} holds only the fragments that have "
+                f"had a round so far ({len(names)} of {len(self._manifest)} tensors): a node that falls behind "
+                "before every fragment has had one (step sync_steps) must start the run again",
+            )
         if not full:
             assert self._layout is not None
             names = download_names(
@@ -570,7 +579,7 @@ class Coordinator:
                 return False
             if state.check_download(peer, step, full):
                 return True
-            if state.must_close(self.policy, self._owners):
+            if state.must_close(self.policy, self._uncopied_owners()):
                 log.warning(
                     "round %d timed out: closing it with peers %s (--dead_peer_policy quorum)",
                     step,
@@ -580,6 +589,15 @@ class Coordinator:
                 continue
             wait = min(state.seconds_left(self.policy), give_up - time.monotonic(), WAIT_POLL_S)
             self._cond.wait(wait)
+
+    def _uncopied_owners(self) -> frozenset[int]:
+        """Peers owning expert blocks the open round covers of which the global model holds no copy yet (lock
+        held): a quorum round cannot close without them (the run's first round, or the first of a fragment's)."""
+        if self._layout is None or self._manifest is None or self.cfg.mode != "spes":
+            return frozenset()
+        held = self.state.global_model
+        covered = self._layout.names(self.state.fragment, self._manifest)
+        return frozenset(p.block for n in covered if n not in held and (p := parse_expert_block(n)) is not None)
 
     def wake(self) -> None:
         """Let waiting downloads re-check their callers (one went away)."""

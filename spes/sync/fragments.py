@@ -18,7 +18,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from spes.sync.protocol import Shape
+from spes.moe import parse_expert_block
+from spes.sync.protocol import Mode, Shape
 
 WHOLE = 0
 """The fragment number of a round over the whole model; fragments are numbered 1..F."""
@@ -34,11 +35,19 @@ def fragment_unit(name: str) -> str:
     return match.group(1) if match else name
 
 
-def split_fragments(manifest: Mapping[str, Shape], count: int) -> tuple[tuple[str, ...], ...]:
-    """The model's tensors cut into `count` fragments of whole units (`fragment_unit`), balanced by values.
+def wire_weight(name: str, mode: Mode) -> int:
+    """What a value of tensor `name` costs a round on the wire, relative to the others: an expert block in SPES
+    mode goes one way over each peer's link (its owner uploads it, the others download it), every other tensor
+    both ways (each peer uploads and downloads it)."""
+    return 1 if mode == "spes" and parse_expert_block(name) is not None else 2
 
-    Units are taken largest first (ties: the first in manifest order) and each goes to the fragment holding
-    the fewest values so far (ties: the lowest number), so fragments differ by at most one unit's size.
+
+def split_fragments(manifest: Mapping[str, Shape], count: int, mode: Mode = "spes") -> tuple[tuple[str, ...], ...]:
+    """The model's tensors cut into `count` fragments of whole units (`fragment_unit`), balanced by the bytes a
+    round moves (values times `wire_weight`).
+
+    Units are taken heaviest first (ties: the first in manifest order) and each goes to the fragment holding
+    the fewest bytes so far (ties: the lowest number), so fragments differ by at most one unit's bytes.
     Fragment k (1-based) is element k - 1; names keep the manifest's order. ValueError when the model has
     fewer units than `count`.
     """
@@ -52,7 +61,7 @@ def split_fragments(manifest: Mapping[str, Shape], count: int) -> tuple[tuple[st
             f"the model has {len(units)} parts that can be synchronized apart (decoder blocks and the tensors "
             f"outside them), fewer than the {count} fragments asked for: lower spes_config.overlap_fragments"
         )
-    sizes = {unit: sum(math.prod(manifest[n]) for n in names) for unit, names in units.items()}
+    sizes = {unit: sum(math.prod(manifest[n]) * wire_weight(n, mode) for n in names) for unit, names in units.items()}
     order = sorted(units, key=lambda unit: -sizes[unit])  # NOTE: sorted() is stable: ties keep manifest order
     load, home = [0] * count, {}
     for unit in order:
@@ -61,12 +70,19 @@ def split_fragments(manifest: Mapping[str, Shape], count: int) -> tuple[tuple[st
     return tuple(tuple(n for n in manifest if home[fragment_unit(n)] == k) for k in range(count))
 
 
-def fragment_at(step: int, sync_steps: int, count: int, last_step: int) -> int:
-    """The fragment a node synchronizes at sync step `step` (a multiple of `sync_steps / count`): 1..count,
-    or `WHOLE` without fragments and at the run's last step."""
-    if count == 1 or step == last_step:
+def turn_of(step: int, sync_steps: int, count: int) -> int:
+    """The fragment whose turn `step` is on the schedule (a multiple of `sync_steps / count`): 1..count, or
+    `WHOLE` without fragments and for a step off the schedule."""
+    interval = sync_steps // count
+    if count == 1 or step % interval:
         return WHOLE
-    return (step // (sync_steps // count) - 1) % count + 1
+    return (step // interval - 1) % count + 1
+
+
+def fragment_at(step: int, sync_steps: int, count: int, last_step: int) -> int:
+    """The fragment a node synchronizes at sync step `step`: its turn (`turn_of`), or `WHOLE` at the run's last
+    step."""
+    return WHOLE if step == last_step else turn_of(step, sync_steps, count)
 
 
 def merge_step(step: int, sync_steps: int, fragment: int) -> int:
@@ -86,11 +102,11 @@ class Layout:
     """`split_fragments` of the run's manifest: fragment k is `parts[k - 1]`."""
 
     @classmethod
-    def of(cls, manifest: Mapping[str, Shape], count: int, sync_steps: int) -> Layout:
+    def of(cls, manifest: Mapping[str, Shape], count: int, sync_steps: int, mode: Mode = "spes") -> Layout:
         """The layout of `count` fragments of `manifest` (ValueError when the model cannot be cut so)."""
         if count > 1 and (sync_steps < count or sync_steps % count):
             raise ValueError(f"sync_steps={sync_steps} is not a multiple of the {count} fragments")
-        return cls(count, sync_steps, split_fragments(manifest, count) if count > 1 else (tuple(manifest),))
+        return cls(count, sync_steps, split_fragments(manifest, count, mode) if count > 1 else (tuple(manifest),))
 
     def names(self, fragment: int, names: Iterable[str]) -> list[str]:
         """Those of `names` that a round over `fragment` covers (all of them for `WHOLE`), in their order."""
@@ -98,6 +114,15 @@ class Layout:
             return list(names)
         part = set(self.parts[fragment - 1])
         return [n for n in names if n in part]
+
+    def merged_names(self, step: int, fragment: int, names: Iterable[str]) -> tuple[int, set[str] | None]:
+        """What a round over `fragment` at `step` merges: the step whose warm-up it applies (`merge_step`) and the
+        names whose layers it may merge (None: all it covers). A whole round of a fragmented run merges only the
+        fragment whose turn its step is, which the rounds before did not merge for that whole round."""
+        if fragment != WHOLE or self.count == 1:
+            return merge_step(step, self.sync_steps, fragment), None
+        turn = turn_of(step, self.sync_steps, self.count)
+        return merge_step(step, self.sync_steps, turn), set(self.names(turn, names)) if turn != WHOLE else set()
 
     def check(self, fragment: int) -> None:
         """ValueError unless `fragment` is WHOLE or one of this layout's."""

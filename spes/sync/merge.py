@@ -15,7 +15,7 @@ Shape legend: E experts in a layer, D d_model, F expert width, P peers, K top-k 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -225,6 +225,7 @@ def build_global(
     momentum: Mapping[str, torch.Tensor] | None = None,
     consume: bool = False,
     empty: Callable[[Shape, torch.dtype], torch.Tensor] | None = None,
+    mergeable: Collection[str] | None = None,
 ) -> GlobalRound:
     """Round `step`'s global model from the uploads of the peers that arrived (peer -> name -> tensor).
 
@@ -240,8 +241,9 @@ def build_global(
     mutable) is emptied tensor by tensor and a mean is summed in place in the first peer's fp32 upload, so the
     server holds the remaining uploads, the previous global model and the growing new one, never more (one
     SPES layer's experts at a time, as the merge needs the whole layer); `empty(shape, dtype)` supplies the fp32
-    tensor a mean of narrower (bf16) uploads is summed into (default: a new one). Raises ValueError when an
-    upload is missing or too large.
+    tensor a mean of narrower (bf16) uploads is summed into (default: a new one). `mergeable` (default: all):
+    the expert blocks a merge round may change (`spes.sync.fragments.Layout.merged_names`). Raises ValueError
+    when an upload is missing or too large.
     """
     arrived = sorted(uploads)
     if not arrived or not set(arrived) <= set(range(num_peers)):
@@ -249,7 +251,7 @@ def build_global(
     previous = previous or {}
     names = sorted({name for upload in uploads.values() for name in upload}) if names is None else names
     alpha = round_alpha(step, mode, merge)
-    nesterov = mode == "diloco" and outer is not None and outer.optimizer == "nesterov" and bool(previous)
+    nesterov = mode == "diloco" and outer is not None and outer.optimizer == "nesterov"
 
     def take(peer: int, name: str) -> torch.Tensor:
         return uploads[peer].pop(name) if consume else uploads[peer][name]  # type: ignore[attr-defined]
@@ -261,7 +263,8 @@ def build_global(
         parsed = parse_expert_block(name) if mode == "spes" else None
         if parsed is not None:
             new_global[name] = _owner_block(name, parsed.block, uploads, previous, experts_per_peer, take)
-            layers.setdefault(parsed.prefix, {}).setdefault(parsed.kind, {})[parsed.block] = name
+            if mergeable is None or name in mergeable:
+                layers.setdefault(parsed.prefix, {}).setdefault(parsed.kind, {})[parsed.block] = name
             continue
         missing = [p for p in arrived if name not in uploads[p]]
         if missing:
@@ -273,7 +276,7 @@ def build_global(
         if empty is not None and tensors[0].dtype != torch.float32:  # a bf16 mean is summed in fp32
             out = empty(tuple(tensors[0].shape), torch.float32)
         mean = {name: mean_over_peers(tensors, reuse_first=consume, out=out)}
-        if nesterov:
+        if nesterov and name in previous:  # NOTE: a tensor's first round (of its fragment) is its starting point
             buf = {name: momentum[name]} if momentum and name in momentum else {}
             assert outer is not None
             mean, buf = outer_nesterov_step({name: previous[name]}, mean, buf, lr=outer.lr, momentum=outer.momentum)

@@ -278,7 +278,7 @@ class OverlappedSync(PeerSync):
         super().__init__(cfg, model, info, log)
         s = cfg.spes_config
         self.delay, self.last_step, self.correction = s.overlap_delay, cfg.duration_steps, s.overlap_correction
-        self.sync_steps, self.layout = s.sync_steps, Layout.of(self.shapes, s.overlap_fragments, s.sync_steps)
+        self.sync_steps, self.layout = s.sync_steps, Layout.of(self.shapes, s.overlap_fragments, s.sync_steps, cfg.mode)
         self._taken: int | None = None
         """The step at which the round in flight was uploaded (every rank); None when none is."""
         self._pending: PendingRound | None = None
@@ -341,6 +341,10 @@ class OverlappedSync(PeerSync):
                 + ", ".join(f"{mb:.1f}" for mb in sizes)
                 + " MiB (fp32) of what this node trains"
             )
+
+    def syncs_at(self, step: int) -> bool:
+        """Every `sync_steps / F` steps; with fragments also the run's last step, which syncs the whole model."""
+        return super().syncs_at(step) or (self.layout.count > 1 and step == self.last_step)
 
     def _fragment(self, step: int) -> int:
         return fragment_at(step, self.sync_steps, self.layout.count, self.last_step)

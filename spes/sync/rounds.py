@@ -10,7 +10,8 @@ passed since it opened and enough peers are in:
 - shared tensors are averaged over the peers that arrived (in peer order, so the result is reproducible);
 - an expert block whose owner did not arrive keeps its value in the previous global model;
 - the very first round has no previous global model, so in SPES mode it cannot close without every owner
-  of an expert block (`close_blocker` says so, and the waiting downloads fail with that message).
+  of an expert block (`close_blocker` says so, and the waiting downloads fail with that message); with fragments
+  (`spes.sync.fragments`), neither can the first round of each fragment.
 
 Under `wait` (the reference behaviour) a round closes only with every peer.
 """
@@ -238,17 +239,18 @@ class RoundState:
         return True
 
     def close_blocker(self, policy: RoundPolicy, owners: frozenset[int]) -> str:
-        """Why the open round cannot close with the peers in now ('' when it can); `owners` own expert blocks."""
+        """Why the open round cannot close with the peers in now ('' when it can); `owners` own expert blocks the
+        round covers of which the global model holds no copy yet (`spes.sync.coordinator`), so they must be in."""
         missing = self.missing_peers()
         if policy.dead_peer_policy == "wait":
             return f"still waiting for peers {missing} (--dead_peer_policy wait needs every peer)"
         if len(self.uploaded) < policy.quorum:
             return f"only peers {sorted(self.uploaded)} arrived, fewer than --min_peers={policy.quorum}"
-        unseen = sorted(owners & set(missing)) if not self.global_model else []
+        unseen = sorted(owners & set(missing))
         if unseen:
             return (
-                f"still waiting for peers {missing}: no global copy of the experts of peers {unseen} exists "
-                "before the first round completes, so the first round needs every expert owner"
+                f"still waiting for peers {missing}: no global copy of the experts of peers {unseen} exists yet "
+                "(the run's first round, or the first of their fragment), so this round needs every such owner"
             )
         return ""
 
@@ -309,13 +311,6 @@ class RoundState:
             alpha=self.alpha,
             open_age_s=time.monotonic() - self.opened_at if self.open_round is not None else 0.0,
         )
-
-
-def expert_owners(names: list[str], mode: Mode) -> frozenset[int]:
-    """Peers that own an expert block of the model (none in DiLoCo mode, where every tensor is averaged)."""
-    if mode == "diloco":
-        return frozenset()
-    return frozenset(parsed.block for n in names if (parsed := parse_expert_block(n)) is not None)
 
 
 def describe_names(names: list[str], limit: int = 5) -> str:
@@ -380,7 +375,7 @@ def check_join(
         check_manifest(shapes, num_peers=num_peers, experts_per_peer=experts_per_peer, mode=mode)
     except ValueError as exc:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}: {exc}") from None
-    _check_fragments(request, shapes)
+    _check_fragments(request, shapes, mode)
     size_gb = 4 * sum(math.prod(shape) for shape in shapes.values()) / 1e9
     if max_model_gb is not None and size_gb > max_model_gb:
         raise Refused(
@@ -403,7 +398,7 @@ def check_join(
     return shapes, given
 
 
-def _check_fragments(request: pb.JoinRequest, shapes: Mapping[str, Shape]) -> None:
+def _check_fragments(request: pb.JoinRequest, shapes: Mapping[str, Shape], mode: Mode) -> None:
     """A Join's fragment layout (`spes.sync.fragments`) must be one its model can be cut into; raises Refused."""
     count, sync_steps, peer = request.fragments, request.sync_steps, request.peer_id
     if count <= 1:
@@ -411,7 +406,7 @@ def _check_fragments(request: pb.JoinRequest, shapes: Mapping[str, Shape]) -> No
     problem = "fragments cannot be combined with wire_dtype='int8'" if request.wire_dtype == INT8 else ""
     if not problem:
         try:
-            Layout.of(shapes, count, sync_steps)
+            Layout.of(shapes, count, sync_steps, mode)
         except ValueError as exc:
             problem = str(exc)
     if problem:

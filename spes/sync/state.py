@@ -54,6 +54,10 @@ class SavedRound:
     fragment: int = WHOLE
     """The part of the model the round covered (`spes.sync.fragments`). Until every fragment has had a round, the
     global model holds only the fragments that have."""
+    fragments: int = 1
+    """How the run cuts its model (`spes_config.overlap_fragments`; 1: not at all)..."""
+    sync_steps: int = 0
+    """...every `sync_steps` steps: a restarted server holds its peers to both."""
 
 
 def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any]) -> Path:
@@ -79,6 +83,8 @@ def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any])
         "manifest": {name: list(shape) for name, shape in saved.manifest.items()},
         "held_is_global": shared,
         "fragment": saved.fragment,
+        "fragments": saved.fragments,
+        "sync_steps": saved.sync_steps,
         "tensor_file": tensor_file.name,
         "tensor_file_bytes": tensor_file.stat().st_size,
     }
@@ -108,6 +114,7 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
             raise ValueError(f"format {record['format']!r}, this spes reads format {FORMAT}")
         held_is_global = [str(n) for n in record.get("held_is_global", [])]
         fragment = int(record.get("fragment", WHOLE))
+        layout = int(record.get("fragments", 1)), int(record.get("sync_steps", 0))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{state_path}: not a spes server state ({exc}); move it away or pick another --state_dir"
@@ -151,5 +158,14 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
     ordered = {name: global_model[name] for name in manifest if name in global_model}  # the order served before
     held = {name: held[name] for name in manifest} if held else {}
     return SavedRound(
-        step, tuple(peers), bool(record["merged"]), float(record["alpha"]), manifest, ordered, momentum, held, fragment
+        step,
+        tuple(peers),
+        bool(record["merged"]),
+        float(record["alpha"]),
+        manifest,
+        ordered,
+        momentum,
+        held,
+        fragment,
+        *layout,
     )
