@@ -402,7 +402,9 @@ def _overlapped_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
 def test_every_rank_of_a_ddp_and_an_fsdp_node_applies_the_same_overlapped_rounds(
     tiny_corpus: Any, tmp_path: Path
 ) -> None:
-    """Node 0 on 2 DDP ranks, node 1 on 2 FSDP2 ranks (gloo), rounds every 2 steps applied 1 step later."""
+    """Node 0 on 2 DDP ranks, node 1 on 2 FSDP2 ranks (gloo), sync_steps 2 over 2 fragments: a round every step,
+    over one fragment (each rank gathers and loads only its tensors), applied 1 step later; the whole model at
+    the last step."""
     from dist_helpers import SMALL_NODE
 
     def node(addr: str, peer: int, strategy: str) -> list[Any]:
@@ -415,6 +417,7 @@ def test_every_rank_of_a_ddp_and_an_fsdp_node_applies_the_same_overlapped_rounds
             "--model.moe_num_experts=4",
             "--spes_config.num_train_experts_per_node=2",
             *OVERLAP,
+            "--spes_config.overlap_fragments=2",
             "--spes_config.overlap_steps=1",
             "--max_duration=4st",
             f"--distributed_strategy={strategy}",
@@ -429,7 +432,7 @@ def test_every_rank_of_a_ddp_and_an_fsdp_node_applies_the_same_overlapped_rounds
         nodes = [f.result(timeout=280) for f in futures]
     for ranks in nodes:
         main, other = ranks
-        assert sorted(main) == sorted(other) == ["3", "4"]  # round 2 applied at step 3, round 4 at the last step
-        for step in ("3", "4"):
+        assert sorted(main) == sorted(other) == ["2", "3", "4"]  # rounds 1, 2 and 3 a step later, 4 at once
+        for step in ("2", "3", "4"):
             assert main[step]["rule_holds"] and main[step]["applied"], step
             assert main[step]["digest"] == other[step]["digest"], step
