@@ -135,6 +135,8 @@ def summarize(out: Path, overrides: list[str]) -> dict[str, Any]:
             quiet = "sync_s" not in rec and rec["step"] % sync_steps != 0 and rec["step"] == prev["step"] + 1
             if quiet:
                 step_s.append(rec["time"] - prev["time"])
+    if not step_s:
+        raise SystemExit(f"error: {out}: no step without a round to time; raise --steps or --sync_steps")
     syncs = [[r for r in records if "sync_s" in r] for records in peers]
     # NOTE: a peer that reaches a round first also waits for the other one; the later one's time is the round's
     by_step: dict[int, list[float]] = {}

@@ -711,13 +711,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--overlap", action="store_true", help="instead: the SPES arm blocking and with overlap_sync, at equal tokens"
     )
-    for flag, kind, default, metavar, what in (
+    for flag, kind, initial, metavar, what in (
         ("--overlap_steps", int, None, "D", "delay D (default: sync_steps / F)"),
         ("--overlap_fragments", int, [1], "F", "spes_config.overlap_fragments F (default 1)"),
         ("--overlap_correction", float, [1.0], "C", "spes_config.overlap_correction C (default 1)"),
     ):
         help_ = f"with --overlap: one overlapped arm per {what}, for each value of the other two"
-        p.add_argument(flag, type=kind, nargs="+", default=default, metavar=metavar, help=help_)
+        p.add_argument(flag, type=kind, nargs="+", default=initial, metavar=metavar, help=help_)
     p.add_argument(
         "--only", nargs="+", default=None, metavar="ARM", help="with --overlap: run only these arms, read the others"
     )

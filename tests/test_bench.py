@@ -403,12 +403,14 @@ def test_bench_overlap_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         str(tmp_path / "runs"),
         "--fragments",
         "2",
+        "--sync_steps",
+        "4",
         *corpus_flags(tiny_corpus, valid=False),
     )
     (pair,) = results["pairs"]
     blocking, overlapped = pair["blocking"], pair["overlapped"]
     assert blocking["tokens"] == overlapped["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 steps x 16 sequences of 64
-    assert blocking["rounds"] == [2, 2] and overlapped["rounds"] == [4, 4]  # fragments 1, 2, 1, then whole
+    assert blocking["rounds"] == [1, 1] and overlapped["rounds"] == [2, 2]  # fragment 1 at step 2, whole at 4
     assert "--spes_config.overlap_fragments=2" in results["overlap_flags"]
     assert all(b > 0 for b in overlapped["relay_bytes"]["bytes_up"] + overlapped["relay_bytes"]["bytes_down"])
     assert results["ratio"] == pair["ratio"] > 0 and "overlapped / blocking tokens/s" in stdout

@@ -396,8 +396,8 @@ class Coordinator:
                 empty=self._pool.take,
             )
             alpha = built.alpha
-            global_model = {n: built.tensors.get(n, previous.get(n)) for n in manifest}
-            global_model = {n: t for n, t in global_model.items() if t is not None}
+            carried = {**previous, **built.tensors}  # NOTE: a fragment's round leaves the other tensors as they were
+            global_model = {n: carried[n] for n in manifest if n in carried}
             new_momentum = {**momentum, **built.momentum}
             held = None
             if self.int8:  # NOTE: a merge changed the experts after they were uploaded: nothing is relayed then

@@ -278,7 +278,10 @@ class OverlappedSync(PeerSync):
         super().__init__(cfg, model, info, log)
         s = cfg.spes_config
         self.delay, self.last_step, self.correction = s.overlap_delay, cfg.duration_steps, s.overlap_correction
-        self.sync_steps, self.layout = s.sync_steps, Layout.of(self.shapes, s.overlap_fragments, s.sync_steps, cfg.mode)
+        self.sync_steps, self.layout = (
+            s.sync_steps,
+            Layout.of(self.shapes, s.overlap_fragments, s.sync_steps, "diloco" if cfg.mode == "diloco" else "spes"),
+        )
         self._taken: int | None = None
         """The step at which the round in flight was uploaded (every rank); None when none is."""
         self._pending: PendingRound | None = None
