@@ -12,7 +12,6 @@ Every key of the first SPES implementation's configs is accepted. The few that c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import math
@@ -305,11 +304,14 @@ class SpesConfig:
     server_addr: str = _f("127.0.0.1:50051", "parameter server host:port")
     using_decayed_aux_loss: bool = _f(False, "scale own experts' load-balancing counts 0.7 -> 1.0 over 20% of training")
     decayed_factor_update_steps: int = _f(500, "refresh interval of the decayed load-balancing factor (1.0 before it)")
-    wire_dtype: Literal["fp32", "bf16", "int8"] = _f(
+    codec: str = _f(
         "fp32",
-        "transport precision (the trainer keeps fp32): fp32, bf16, or int8 = int8 deltas against the last global "
-        "model every node holds, error feedback on uploads, ~1/4 of fp32's bytes (run-wide: the server and every "
-        "node; a node resumed from a checkpoint gets full values once)",
+        "how tensors travel (run-wide: the server and every node; spes.sync.codecs): fp32 or bf16 values; int8 = "
+        "int8 deltas against the last global model every node holds, with error feedback (~1/4 of fp32's bytes); "
+        "sparse = per chunk the top-k of those deltas in a few bits (codec_settings: chunk, topk, bits; ~1/100)",
+    )
+    codec_settings: dict = _f(
+        {}, "the codec's settings (int8: block; sparse: chunk, topk, bits); missing ones take the codec's defaults"
     )
     data_plane: Literal["auto", "grpc", "tcp"] = _f(
         "auto",
@@ -552,14 +554,6 @@ class TrainConfig:
                 s.overlap_correction,
                 "must be in (0, 1]: the share of each round's correction a node applies (0 would never sync)",
             )
-            # NOTE: int8 deltas (issue 16 point 3) are taken against the last global model both sides hold; an
-            # overlapped node's own blocks would then need the client's reconstruction, which nothing passes yet.
-            _require(
-                not s.overlap_sync or s.wire_dtype in ("fp32", "bf16"),
-                "spes_config.wire_dtype",
-                s.wire_dtype,
-                "cannot be combined with spes_config.overlap_sync=true yet; use fp32 or bf16",
-            )
             _require(
                 self.server.min_peers is None or self.server.min_peers <= s.num_peers,
                 "server.min_peers",
@@ -722,51 +716,6 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return from_dict(TrainConfig, raw, where=where), inert
 
 
-def load_server_section(overrides: list[str] | tuple[str, ...] = ()) -> ServerSection:
-    """The `server:` section from `--server.key=value` overrides alone: a server started without the run's YAML."""
-    dotlist = [_override_to_dotlist(o) for o in overrides]
-    for item in dotlist:
-        if not item.startswith("server."):
-            raise ConfigError(
-                f"command line (--{item}): without the run's YAML only --server.key=value overrides "
-                "apply; give the run's YAML first (python -m spes.server RUN.yaml ...)"
-            )
-    _check_overrides(dotlist)
-    raw = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))
-    assert isinstance(raw, dict)
-    return from_dict(ServerSection, raw.get("server", {}), where="command line", prefix="server.")
-
-
-SERVER_FLAGS = {
-    "--merge_interval": "merge_interval",
-    "--merge_alpha_start": "merge_alpha_start",
-    "--merge_decay_steps": "merge_decay_steps",
-    "--merge_topk": "merge_topk",
-    "--outer_optimizer": "outer_optimizer",
-    "--outer_lr": "outer_lr",
-    "--outer_momentum": "outer_momentum",
-    "--round_timeout": "round_timeout_s",
-    "--dead_peer_policy": "dead_peer_policy",
-    "--min_peers": "min_peers",
-}
-"""The parameter server's former run flags and the `server:` key each one now spells."""
-
-
-def add_server_flags(parser: argparse._ActionsContainer) -> None:
-    """Accept the former run flags (`--merge_interval 8`) as spellings of `--server.merge_interval=8`."""
-    for flag, key in SERVER_FLAGS.items():
-        parser.add_argument(
-            flag, dest=f"server.{key}", metavar="VALUE", default=None, help=f"same as --server.{key}=VALUE"
-        )
-
-
-def server_flag_overrides(args: argparse.Namespace) -> list[str]:
-    """The former run flags given on a command line, as `--server.key=value` overrides."""
-    return [
-        f"--{dest}={value}" for dest, value in vars(args).items() if dest.startswith("server.") and value is not None
-    ]
-
-
 def _existing(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_file():
@@ -816,9 +765,15 @@ def _lookup_field(cls: type, parts: list[str], *, where: str, prefix: str = "") 
     return None if sub is None else _lookup_field(sub, parts[1:], where=where, prefix=f"{prefix}{head}.")
 
 
+RENAMED_KEYS = {"spes_config.wire_dtype": "spes_config.codec"}
+"""Keys of earlier spes versions and the key that now holds the setting (same values)."""
+
+
 def _unknown_key_message(prefix: str, key: str, valid: list[str], where: str) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
+    if f"{prefix}{key}" in RENAMED_KEYS:
+        hint = f"; it is now '{RENAMED_KEYS[prefix + key]}' (same values)"
     return f"{where}: unknown config key '{prefix}{key}'{hint}"
 
 

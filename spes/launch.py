@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.config import ConfigError, add_server_flags, load_config, peer_data_seed, server_flag_overrides
+from spes.config import ConfigError, load_config, peer_data_seed
 
 
 def free_port() -> int:
@@ -45,12 +45,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
-    add_server_flags(p.add_argument_group("the server's run flags of earlier versions (the YAML's server: section)"))
     p.add_argument(
-        "--wire_dtype",
-        choices=["fp32", "bf16", "int8"],
-        default=None,
-        help="transport precision (default: the config's spes_config.wire_dtype)",
+        "--codec", default=None, help="how tensors travel: fp32, bf16, int8, sparse (default: spes_config.codec)"
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
     p.add_argument(
@@ -67,8 +63,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        wire = [f"--spes_config.wire_dtype={args.wire_dtype}"] if args.wire_dtype else []
-        run = [*overrides, *(["--using_dilico=true"] if args.dilico else []), *wire, *server_flag_overrides(args)]
+        codec = [f"--spes_config.codec={args.codec}"] if args.codec else []
+        run = [*overrides, *(["--using_dilico=true"] if args.dilico else []), *codec]
         cfg, _ = load_config(args.config, run)
         if not cfg.sync_enabled:
             raise ConfigError(

@@ -263,13 +263,12 @@ def manifest(cfg: TrainConfig) -> tuple[dict[str, tuple[int, ...]], list[str]]:
         return model_manifest(Transformer.for_run(cfg))
 
 
-def wire_bytes(shapes: dict[str, tuple[int, ...]], names: list[str], wire_dtype: str) -> int:
-    """Payload bytes of `names` in a round on `wire_dtype` (int8: the deltas of every round after the first)."""
-    from spes.sync import compress
+def wire_bytes(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], names: list[str]) -> int:
+    """Payload bytes of `names` in a round of the run's codec (a held-model codec: every round after the first)."""
+    from spes.sync.codecs.registry import build_codec
 
-    if wire_dtype == "int8":
-        return sum(compress.payload_bytes(math.prod(shapes[n]), compress.DEFAULT_BLOCK) for n in names)
-    return sum(math.prod(shapes[n]) for n in names) * (2 if wire_dtype == "bf16" else FP32)
+    codec = build_codec(cfg.spes_config.codec, cfg.spes_config.codec_settings)
+    return sum(codec.round_bytes(math.prod(shapes[n])) for n in names)
 
 
 def check_server(
@@ -277,14 +276,14 @@ def check_server(
 ) -> tuple[list[Check], SyncClient | None]:
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
     from spes.sync.client import SyncError
-    from spes.sync.peer import sync_client
+    from spes.sync.peer import node_spec, sync_client
     from spes.sync.protocol import PROTOCOL_VERSION, Reason
 
     s = cfg.spes_config
     if not cfg.sync_enabled:
         return [skip("server", "centralized run (using_spes=false): no parameter server")], None
     try:
-        client = sync_client(cfg, max_retries=0, rpc_timeout_s=min(s.rpc_timeout_s, 15.0))
+        client = sync_client(cfg, node_spec(cfg, shapes), max_retries=0, rpc_timeout_s=min(s.rpc_timeout_s, 15.0))
     except (ValueError, FileNotFoundError) as exc:
         return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
     settings = (
@@ -298,7 +297,7 @@ def check_server(
     )
     security = ", ".join(p for p in parts if p) or "no token, no TLS"
     try:
-        checked = client.check_join(shapes, trainable)
+        checked = client.check_join()
     except SyncError as exc:
         client.close()
         code = exc.code.name if exc.code is not None else ""
@@ -384,15 +383,14 @@ def check_link(
     max_fraction: float,
 ) -> Check:
     from spes.sync.client import SyncError
-    from spes.sync.merge import download_names
 
     s = cfg.spes_config
     try:
         stats = client.measure_link(link_bytes)
     except SyncError as exc:
         return fail("link", str(exc), "check the network between this node and the server (and its data port)")
-    up = wire_bytes(shapes, trainable, s.wire_dtype)
-    down = wire_bytes(shapes, download_names(list(shapes), s.peer_id, client.mode, False), s.wire_dtype)
+    up = wire_bytes(cfg, shapes, trainable)
+    down = wire_bytes(cfg, shapes, client.spec.downloads(s.peer_id, merged=False))
     # NOTE: an upload and a download each open a connection and exchange a request and a reply: ~4 round trips.
     round_s = up / stats.up_bytes_per_s + down / stats.down_bytes_per_s + 4 * stats.rtt_s
     how = "measured (--step_time_s)"
@@ -402,7 +400,7 @@ def check_link(
     detail = (
         f"{stats.plane} plane: RTT {stats.rtt_s * 1e3:.1f} ms, up {stats.up_bytes_per_s / 2**20:,.0f} MiB/s, "
         f"down {stats.down_bytes_per_s / 2**20:,.0f} MiB/s ({link_bytes / 2**20:g} MiB each way); a round moves "
-        f"{gib(up)} up + {gib(down)} down ({s.wire_dtype}): ~{round_s:.3g} s; step ~{step_s:.3g} s "
+        f"{gib(up)} up + {gib(down)} down ({s.codec}): ~{round_s:.3g} s; step ~{step_s:.3g} s "
         f"({how}); at sync_steps={s.sync_steps} the node waits on the link "
         f"{fraction:.1%} of the time"
     )
@@ -413,8 +411,8 @@ def check_link(
         "link",
         detail,
         f"raise spes_config.sync_steps to {steps_needed} (link time <= "
-        f"{TARGET_SYNC_FRACTION:.0%}), use spes_config.wire_dtype=bf16 or int8 (1/2 or about 1/4 of the fp32 "
-        "bytes), or a faster link"
+        f"{TARGET_SYNC_FRACTION:.0%}), use spes_config.codec=bf16, int8 or sparse (1/2, about 1/4 or about 1/100 "
+        "of the fp32 bytes), or a faster link"
         + (
             "; open the server's --data_port to this node (gRPC is several times slower)"
             if stats.plane == "grpc"

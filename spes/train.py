@@ -238,9 +238,9 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     node = build_node(cfg, info, log)
     syncer = None
     if cfg.sync_enabled:
-        from spes.sync.peer import node_sync
+        from spes.sync.peer import PeerSync
 
-        syncer = node_sync(cfg, node.model, info, log=log)
+        syncer = PeerSync(cfg, node.model, info, log=log)
     try:
         if syncer is not None:
             syncer.join()

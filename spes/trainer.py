@@ -43,14 +43,14 @@ class Loader(Protocol):
 
 
 class Syncer(Protocol):
-    """The node's side of the SPES rounds (`spes.sync.peer.PeerSync`, or `OverlappedSync` with overlap_sync)."""
+    """The node's side of the SPES rounds (`spes.sync.peer.PeerSync`)."""
 
     def syncs_at(self, step: int) -> bool:
         """Whether `step` is a sync step (every `sync_steps`, or `sync_steps / overlap_fragments` with fragments)."""
         ...
 
     def sync(self, step: int) -> SyncResult:
-        """The round of sync step `step`; blocking, its global model is loaded when this returns."""
+        """The round of sync step `step` (without overlap_sync its global model is loaded when this returns)."""
         ...
 
     def land(self, step: int) -> SyncResult | None:
@@ -58,7 +58,8 @@ class Syncer(Protocol):
         ...
 
     def checkpoint_files(self) -> dict[str, Callable[[Path], None]]:
-        """Files a checkpoint taken now must hold (a round in flight), by name: each writes itself to a path."""
+        """Files a checkpoint taken now must hold (a round in flight, the codec's state), by name: each writes itself
+        to a path."""
         ...
 
 

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from spes.sync.protocol import Shape
+from spes.sync.rounds import Completed
+from spes.sync.wire import EncodedModel, Item, VerifiedChecksums
 
 Key = tuple[Shape, torch.dtype]
 
@@ -77,3 +79,55 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
     return (
         tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
     )
+
+
+class RoundMemory:
+    """The server's tensors from round to round: the receive buffers (`BufferPool`), the downloads and uploads
+    still reading a completed round (`pin`/`unpin`), the superseded rounds they keep alive, and each round's
+    downloads encoded once (`encoded`). Not thread-safe: the coordinator calls it under its lock (the pool has
+    its own, for the threads that take and give buffers)."""
+
+    def __init__(self) -> None:
+        self.pool = BufferPool()
+        self.checksums = VerifiedChecksums()
+        """Of every staged upload: downloads send the experts taken from it verbatim without hashing them again."""
+        self._readers: dict[int, int] = {}
+        """Readers per completed round: its tensors are reused only once none reads them."""
+        self._retired: dict[int, list[torch.Tensor]] = {}
+        """Superseded rounds' tensors that readers still read, by round."""
+        self._encoded: dict[str, EncodedModel] = {}
+        """The latest round's downloads by selection key (`spes.sync.codecs.base.Selection.key`)."""
+        self._current: Completed | None = None
+
+    def pin(self, step: int) -> None:
+        """A reader (a download, or an upload whose deltas apply to it) starts reading round `step`."""
+        self._readers[step] = self._readers.get(step, 0) + 1
+
+    def unpin(self, step: int) -> None:
+        """A reader of round `step` is done with its tensors."""
+        self._readers[step] -= 1
+        if not self._readers[step]:
+            del self._readers[step]
+            self._release()
+
+    def publish(self, done: Completed) -> None:
+        """`done` supersedes the current round: its tensors go back to the pool once nobody reads them."""
+        if self._current is not None:
+            self._retired[self._current.round] = self._current.tensors()
+        self._current, self._encoded = done, {}
+        self._release()
+
+    def encoded(self, key: str, items: Mapping[str, Item], dtype: str) -> EncodedModel:
+        """The shared encoded form of one kind of download of the current round (made by the first to ask)."""
+        if key not in self._encoded:
+            known = self.checksums.known({n: t for n, t in items.items() if isinstance(t, torch.Tensor)}, dtype)
+            self._encoded[key] = EncodedModel(items, dtype, known)
+        return self._encoded[key]
+
+    def _release(self) -> None:
+        """Give the pool the superseded rounds no reader reads any more."""
+        current = self._current.tensors() if self._current is not None else []
+        read = [t for step, tensors in self._retired.items() if step in self._readers for t in tensors]
+        # NOTE: one `give`: a tensor a fragment's rounds carried over sits in several retired rounds, given once
+        done = [t for step in [s for s in self._retired if s not in self._readers] for t in self._retired.pop(step)]
+        self.pool.give(done, keep=[*current, *read])

@@ -2,16 +2,17 @@
 
 One rank per node owns a `SyncClient`; the trainer broadcasts what `sync` returns to its other ranks.
 
-    with SyncClient("server:50051", peer_id=0, num_peers=4, experts_per_peer=4, mode="spes",
-                    token=os.environ["SPES_TOKEN"]) as client:
-        client.join(manifest, trainable)                 # name -> shape of every tensor; names trained here
-        global_tensors, stats = client.sync(step, {n: params[n] for n in trainable})
+    spec = run_spec(cfg, manifest)                       # the run spec (spes.sync.spec), as the server builds it
+    with SyncClient(spec, peer_id=0, settings=cfg.spes_config, token=os.environ["SPES_TOKEN"]) as client:
+        client.join()                                    # the server compares the spec and the manifest
+        global_tensors, stats = client.sync(step, {n: params[n] for n in spec.trainable(0)})
 
 Every RPC carries a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, bytes that fail their
 checksum in either direction) are retried with exponential backoff and jitter, which is safe because the server
-treats a repeated (peer, round) upload as a no-op. With `wire_dtype="int8"` the client also holds the run's held
-model and sends and receives int8 deltas against it (`spes.sync.deltas`); a delta the server refuses for its base
-(it holds another) is sent again as full values. `sync` also recovers on its own from a server restart:
+treats a repeated (peer, round) upload as a no-op. What travels is the run's codec's (`spes.sync.codecs`): the
+client holds its peer end (`PeerCodec`: a held-model codec's held model and error feedback), and a payload the
+server refuses for its base (it holds another) is sent again as full values. `sync` also recovers on its own from
+a server restart:
 told it has not joined, it joins again; told the server holds no upload of it for the round, it uploads
 again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed
 without it) catches up: `sync` returns the latest global model, every tensor of it, with
@@ -39,25 +40,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from spes.config import SpesConfig
 from spes.sync import plane_tcp
 from spes.sync.admission import PEER_KEY, SESSION_KEY
-from spes.sync.deltas import NO_BASE, PeerDeltas
-from spes.sync.fragments import WHOLE, Layout
-from spes.sync.merge import download_names
+from spes.sync.fragments import WHOLE
+from spes.sync.plane import Plane
 from spes.sync.plane_grpc import GrpcPlane, failure_of
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.protocol import (
-    INT8,
-    PROBE_MAX_BYTES,
-    PROTOCOL_VERSION,
-    WIRE_CHOICES,
-    Manifest,
-    Mode,
-    Plane,
-    Reason,
-    SyncError,
-    Tensors,
-    values_dtype,
-)
+from spes.sync.protocol import PROBE_MAX_BYTES, PROTOCOL_VERSION, Manifest, Reason, SyncError, Tensors
+from spes.sync.spec import RunSpec
 from spes.sync.wire import TensorDecoder, grpc_options, read_file
 
 log = logging.getLogger("spes.client")
@@ -71,7 +60,8 @@ PRESENCE_RETRY_S = 1.0
 PRESENCE_WAIT_S = 5.0
 """How long a join waits for the server to have seen its presence stream (then a close is seen as one)."""
 T = TypeVar("T")
-DataPlane = Literal["auto", "grpc", "tcp"]
+MAX_MESSAGE_MB = 64
+"""The client's gRPC message limit: chunks are 1 MiB, the control messages a few KiB."""
 
 
 @dataclass(frozen=True)
@@ -134,112 +124,88 @@ class SyncClient:
 
     def __init__(
         self,
-        server_addr: str,
-        *,
+        spec: RunSpec,
         peer_id: int,
-        num_peers: int,
-        experts_per_peer: int,
-        mode: Mode,
-        wire_dtype: str = "fp32",
+        settings: SpesConfig | None = None,
+        *,
         token: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        rpc_timeout_s: float = 60.0,
-        round_timeout_s: float = SpesConfig.round_timeout_s,
-        max_retries: int = 5,
-        max_message_mb: int = 64,
-        data_plane: DataPlane = "auto",
         reuse_buffers: bool = False,
-        fragments: int = 1,
-        sync_steps: int = 0,
     ) -> None:
-        if mode not in ("spes", "diloco"):
-            raise ValueError(f"mode must be 'spes' or 'diloco', got {mode!r}")
-        if not 0 <= peer_id < num_peers:
-            raise ValueError(f"peer_id {peer_id} is outside [0, num_peers={num_peers})")
-        if wire_dtype not in WIRE_CHOICES:
-            raise ValueError(f"unknown wire dtype {wire_dtype!r}: use one of {list(WIRE_CHOICES)}")
-        if rpc_timeout_s <= 0 or round_timeout_s <= 0 or max_retries < 0:
+        """A client of peer `peer_id` of the run `spec` (complete: manifest and sync_steps known), connecting as
+        `settings` says (server_addr, TLS files, rpc_timeout_s, round_timeout_s, max_retries, data_plane; default:
+        `SpesConfig()`'s); `token` is the run's secret (None: no authentication)."""
+        s = SpesConfig() if settings is None else settings
+        if not spec.complete:
+            raise ValueError("a client needs a complete run spec (its manifest and sync_steps)")
+        if not 0 <= peer_id < spec.num_peers:
+            raise ValueError(f"peer_id {peer_id} is outside [0, num_peers={spec.num_peers})")
+        if s.rpc_timeout_s <= 0 or s.round_timeout_s <= 0 or s.max_retries < 0:
             raise ValueError(
-                f"need rpc_timeout_s > 0, round_timeout_s > 0, max_retries >= 0; got "
-                f"{rpc_timeout_s}, {round_timeout_s}, {max_retries}"
+                f"need spes_config.rpc_timeout_s > 0, round_timeout_s > 0, max_retries >= 0; got "
+                f"{s.rpc_timeout_s}, {s.round_timeout_s}, {s.max_retries}"
             )
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert and tls_key (mutual TLS) must be given together")
-        if data_plane not in ("auto", "grpc", "tcp"):
-            raise ValueError(f"data_plane must be 'auto', 'grpc' or 'tcp', got {data_plane!r}")
-        if fragments > 1 and wire_dtype == INT8:
-            raise ValueError("rounds over fragments of the model cannot be combined with wire_dtype='int8'")
-        self.fragments, self.sync_steps = max(fragments, 1), sync_steps
-        self.server_addr, self.peer_id, self.num_peers = server_addr, peer_id, num_peers
-        self.experts_per_peer, self.mode, self.wire_dtype = experts_per_peer, mode, wire_dtype
-        self.rpc_timeout_s, self.round_timeout_s, self.max_retries = rpc_timeout_s, round_timeout_s, max_retries
+        if (s.tls_cert is None) != (s.tls_key is None):
+            raise ValueError("spes_config.tls_cert and tls_key (mutual TLS) must be given together")
+        self.spec, self.peer_id, self.settings = spec, peer_id, s
+        self.server_addr, self.data_plane = s.server_addr, s.data_plane
+        self.rpc_timeout_s, self.round_timeout_s, self.max_retries = s.rpc_timeout_s, s.round_timeout_s, s.max_retries
+        self.codec = spec.codec_impl.peer()
+        """This peer's end of the run's codec (its state: a held model, error feedback)."""
         self._session = secrets.token_hex(8)  # this process, told apart from another claiming the same peer id
         self._metadata: tuple[tuple[str, str], ...] = (
             (SESSION_KEY, self._session),
             (PEER_KEY, str(peer_id)),
             *((("authorization", f"Bearer {token}"),) if token else ()),
         )
-        self.data_plane, self._token = data_plane, token
-        self._data_tls = plane_tcp.client_tls(tls_ca, tls_cert, tls_key) if data_plane != "grpc" else None
-        options = grpc_options(max_message_mb)
-        if tls_ca is not None or tls_cert is not None:
+        self._token = token
+        self._data_tls = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key) if s.data_plane != "grpc" else None
+        options = grpc_options(MAX_MESSAGE_MB)
+        if s.tls_ca is not None or s.tls_cert is not None:
             credentials = grpc.ssl_channel_credentials(
-                root_certificates=read_file(tls_ca, "tls_ca") if tls_ca else None,
-                private_key=read_file(tls_key, "tls_key") if tls_key else None,
-                certificate_chain=read_file(tls_cert, "tls_cert") if tls_cert else None,
+                root_certificates=read_file(s.tls_ca, "spes_config.tls_ca") if s.tls_ca else None,
+                private_key=read_file(s.tls_key, "spes_config.tls_key") if s.tls_key else None,
+                certificate_chain=read_file(s.tls_cert, "spes_config.tls_cert") if s.tls_cert else None,
             )
-            self._channel = grpc.secure_channel(server_addr, credentials, options=options)
+            self._channel = grpc.secure_channel(s.server_addr, credentials, options=options)
         else:
-            self._channel = grpc.insecure_channel(server_addr, options=options)
+            self._channel = grpc.insecure_channel(s.server_addr, options=options)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         self._grpc = GrpcPlane(
             self._stub,
             peer_id=peer_id,
-            wire_dtype=values_dtype(wire_dtype),
+            wire_dtype=self.codec.raw_dtype,
             metadata=self._metadata,
-            rpc_timeout_s=rpc_timeout_s,
+            rpc_timeout_s=s.rpc_timeout_s,
         )
         self.plane: Plane = self._grpc
         """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
-        self._manifest: Manifest | None = None
-        self._trainable: list[str] = []
-        self._layout: Layout | None = None
-        """How the run cuts the model into fragments (`spes.sync.fragments`), set at join."""
-        self._join_request: pb.JoinRequest | None = None
-        self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
-        self._deltas = PeerDeltas() if wire_dtype == INT8 else None
-        """Int8 wire: the held model, its round and the carried upload error."""
-        self._own: set[str] = set()
+        self._manifest: Manifest = dict(spec.manifest or {})
+        self._trainable = spec.trainable(peer_id)
+        self._own = set(spec.own(peer_id))
         """The trained names this peer downloads only on merge rounds (its expert blocks)."""
+        self._joined = False
+        self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
         self._closed = threading.Event()
         self._presence: threading.Thread | None = None
         self._presence_call: grpc.Future | None = None
         self._present = threading.Event()
 
     # -- public API ---------------------------------------------------------------------------
-    def join(self, manifest: Mapping[str, tuple[int, ...]], trainable: list[str]) -> int:
-        """Announce the model (name -> shape of every tensor) and the names this peer trains.
-
-        Returns the server's latest completed round (-1 before the first one).
-        """
-        shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.items()}
-        layout = Layout.of(shapes, self.fragments, self.sync_steps, self.mode)
-        self._join_request = self._request(shapes, trainable, dry_run=False)
-        current = self._join()
-        self._manifest, self._trainable, self._layout = shapes, list(trainable), layout
-        self._own = set(trainable) - set(download_names(list(shapes), self.peer_id, self.mode, merged=False))
+    def join(self) -> int:
+        """Announce this peer's run spec and model manifest; returns the server's latest completed round (-1 before
+        the first one). Raises SyncError when the server refuses (naming what differs)."""
+        current = self._join(self._request(dry_run=False))
+        self._joined = True
         return current
 
-    def check_join(self, manifest: Mapping[str, tuple[int, ...]], trainable: list[str]) -> bool:
-        """Preflight: the server runs every check of `join` (token, certificate, protocol, settings, manifest)
-        and registers nothing. Afterwards `measure_link` uses the plane `sync` would.
+    def check_join(self) -> bool:
+        """Preflight: the server runs every check of `join` (token, certificate, protocol, spec, manifest) and
+        registers nothing. Afterwards `measure_link` uses the plane `sync` would.
 
-        Returns whether the manifest was compared with the run's (False: no peer has joined the server yet).
+        Returns whether the manifest was compared with the run's (False: a server without the run's YAML that no
+        peer has joined yet).
         """
-        shapes = {name: tuple(int(d) for d in shape) for name, shape in manifest.items()}
-        request = self._request(shapes, trainable, dry_run=True)
+        request = self._request(dry_run=True)
         reply = self._retrying(
             "preflight join",
             lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
@@ -288,23 +254,23 @@ class SyncClient:
         and the experts it does not own (its own too on merge rounds; everything in DiLoCo mode, and
         everything when `stats.caught_up`, in which case `stats.round` is the step to continue from).
         bf16 tensors stay bf16: the caller's `copy_` into its parameters widens them anyway, and widening
-        here would cost a fresh fp32 copy of the download every round. On an int8 wire it is the new held model,
-        every tensor (fp32).
+        here would cost a fresh fp32 copy of the download every round. With a held-model codec it is the new held
+        model, every tensor (fp32).
         """
         manifest = self._require_joined()
-        assert self._layout is not None
+        layout = self.spec.layout
         try:
-            self._layout.check(fragment)
+            layout.check(fragment)
         except ValueError as exc:
             raise ValueError(f"sync() of round {step}: {exc}") from None
-        trained = self._layout.names(fragment, self._trainable)
+        trained = layout.names(fragment, self._trainable)
         self._check_upload(tensors, manifest, trained)
         start = time.perf_counter()
         deadline = time.monotonic() + self.round_timeout_s
         ordered = {name: tensors[name] for name in trained}
 
         def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, dict[str, torch.Tensor], int]]:
-            upload = ordered if self._deltas is None else self._deltas.upload(ordered, self._own)
+            upload = self.codec.upload(ordered, self._own)
             sent, duplicate = self.plane.upload(step, upload, self._until(deadline), fragment)
             if duplicate:
                 log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
@@ -390,27 +356,16 @@ class SyncClient:
         self.close()
 
     # -- transfers ----------------------------------------------------------------------------
-    def _request(self, shapes: Manifest, trainable: list[str], *, dry_run: bool) -> pb.JoinRequest:
-        unknown = [n for n in trainable if n not in shapes]
-        if unknown:
-            raise ValueError(f"trainable names not in the manifest: {unknown[:5]}")
+    def _request(self, *, dry_run: bool) -> pb.JoinRequest:
         return pb.JoinRequest(
             peer_id=self.peer_id,
-            num_peers=self.num_peers,
-            experts_per_peer=self.experts_per_peer,
-            mode=self.mode,
-            wire_dtype=self.wire_dtype,
-            manifest=[pb.TensorSpec(name=n, shape=s) for n, s in shapes.items()],
-            trainable=list(trainable),
+            manifest=[pb.TensorSpec(name=n, shape=s) for n, s in self._manifest.items()],
             protocol=PROTOCOL_VERSION,
             dry_run=dry_run,
-            fragments=self.fragments,
-            sync_steps=self.sync_steps,
+            spec=self.spec.to_proto(),
         )
 
-    def _join(self) -> int:
-        request = self._join_request
-        assert request is not None
+    def _join(self, request: pb.JoinRequest) -> int:
         reply = self._retrying(
             "join",
             lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
@@ -443,7 +398,7 @@ class SyncClient:
             reply.data_port,
             self._data_tls,
             peer_id=self.peer_id,
-            wire_dtype=values_dtype(self.wire_dtype),
+            wire_dtype=self.codec.raw_dtype,
             token=self._token,
             session=self._session,
             rpc_timeout_s=self.rpc_timeout_s,
@@ -465,50 +420,40 @@ class SyncClient:
     def _download(
         self, step: int, manifest: Manifest, timeout: float, *, full: bool, fragment: int = WHOLE
     ) -> tuple[pb.RoundInfo, Tensors, int]:
-        """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated.
-
-        On an int8 wire the round is committed to the held model (`PeerDeltas.receive`), which is returned whole.
-        """
+        """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated,
+        committed by the codec (a held-model codec returns its whole held model)."""
         names: list[str] = []
         decoders: list[TensorDecoder] = []
 
         def decoder_for(info: pb.RoundInfo) -> TensorDecoder:
             names.extend(self._check_info(step, info, manifest, full=full, fragment=fragment))
-            expected = {n: manifest[n] for n in names}
-            if self._deltas is None:
-                decoders.append(TensorDecoder(expected, self.wire_dtype, into=self._buffers))
-            else:
-                decoders.append(self._deltas.decoder(expected))
+            decoders.append(self.codec.decoder({n: manifest[n] for n in names}, self._buffers))
             return decoders[-1]
 
-        base = NO_BASE if self._deltas is None else self._deltas.base_round
-        info, tensors, received = self.plane.download(
-            step, timeout, full=full, base_round=base, decoder_for=decoder_for
+        info, _, received = self.plane.download(
+            step, timeout, full=full, base_round=self.codec.base_round, decoder_for=decoder_for
         )
-        if self._deltas is None:
-            return info, {name: tensors[name] for name in names}, received
         try:
-            return info, self._deltas.receive(info, tensors, decoders[-1].deltas, caught_up=full), received
+            tensors = self.codec.receive(info, decoders[-1], caught_up=full)
         except ValueError as exc:
             raise SyncError(f"round {step}: bad download from the server: {exc}") from None
+        return info, tensors, received
 
     def _check_info(self, step: int, info: pb.RoundInfo, manifest: Manifest, *, full: bool, fragment: int) -> list[str]:
         """The names the server announced, which must be exactly those this peer expects for round `step` over
-        `fragment` (int8 wire: every tensor when full values come, else deltas against the held model this peer
-        holds)."""
+        `fragment` (every tensor for a catch-up or when the codec's full values come)."""
         names = list(info.names)
-        full_values = self._deltas is not None and info.base_round == NO_BASE
+        try:
+            whole = full or self.codec.whole(info)
+        except ValueError as exc:
+            raise SyncError(f"round {step}: {exc}") from None
         expected = list(manifest)
-        if not (full or full_values):
-            assert self._layout is not None
-            expected = download_names(self._layout.names(fragment, expected), self.peer_id, self.mode, info.merged)
-        base = NO_BASE if self._deltas is None or full_values else self._deltas.base_round
-        if info.round != step or sorted(names) != sorted(expected) or (self._deltas and info.base_round != base):
+        if not whole:
+            expected = self.spec.downloads(self.peer_id, self.spec.layout.names(fragment, expected), merged=info.merged)
+        if info.round != step or sorted(names) != sorted(expected):
             raise SyncError(
-                f"round {step}: the server announced round {info.round} with {len(names)} tensors"
-                + (f" (deltas against round {info.base_round})" if self._deltas else "")
-                + f", this peer expected round {step} with {len(expected)}"
-                + (f" (holding round {self._deltas.base_round})" if self._deltas else "")
+                f"round {step}: the server announced round {info.round} with {len(names)} tensors, this peer "
+                f"expected round {step} with {len(expected)}"
             )
         return names
 
@@ -533,23 +478,22 @@ class SyncClient:
         """React to what the server said: join again after a restart, upload again when it lost the round."""
         if failure.reason == Reason.NOT_JOINED:
             log.warning("the server does not know peer %d (restarted?): joining again", self.peer_id)
-            self._join()
+            self._join(self._request(dry_run=False))
             return True
         if failure.reason == Reason.UNKNOWN_ROUND:
             log.warning("the server holds no upload of peer %d for this round: uploading again", self.peer_id)
             return True
-        if failure.reason == Reason.BASE_MISMATCH and self._deltas is not None and self._deltas.round is not None:
+        if failure.reason == Reason.BASE_MISMATCH and self.codec.forget():
             log.warning(
                 "the server holds another model than peer %d's (%s): sending full values", self.peer_id, failure
             )
-            self._deltas.forget()
             return True
         return False
 
     # -- helpers ------------------------------------------------------------------------------
     def _require_joined(self) -> Manifest:
-        if self._manifest is None:
-            raise SyncError("call join(manifest, trainable) before sync()")
+        if not self._joined:
+            raise SyncError("call join() before sync()")
         return self._manifest
 
     def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest, trained: list[str]) -> None:

@@ -1,13 +1,11 @@
 """The parameter server's round service, free of any transport: what both planes call.
 
-A `Coordinator` holds the run (manifest, joined peers, sessions, the `RoundState`), admits each stream, takes
-uploads through the round rules, builds every round with `spes.sync.merge.build_global` on its own thread,
-persists it (`spes.sync.state`) and hands each download the tensors it needs. The gRPC handlers
+A `Coordinator` holds the run (its spec, joined peers, sessions, the `RoundState`), admits each stream, takes
+uploads through the round rules and the run's codec, builds every round with `spes.sync.aggregate.build_round` on
+its own thread, persists it (`spes.sync.state`) and hands each download what the codec serves. The gRPC handlers
 (`spes.sync.plane_grpc`) and the raw-TCP data plane (`spes.sync.plane_tcp`) only move bytes: an upload is a
-`feed(decoder)` callback, a download an `Outgoing` the plane sends. All shared state is guarded by one condition.
-
-On an int8 wire (`spes.sync.deltas`) an upload's deltas become values against the completed round's global and
-held models, and each round also makes the next held model and the deltas the up-to-date peers download.
+`feed(decoder)` callback, a download an `Outgoing` the plane sends. All shared state is guarded by one condition;
+tensors outlive rounds in `spes.sync.buffers.RoundMemory`.
 """
 
 from __future__ import annotations
@@ -20,58 +18,28 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
-from spes.moe import parse_expert_block
 from spes.sync.admission import Sessions, StreamGuard, Ticket
+from spes.sync.aggregate import build_round
 from spes.sync.auth import check_peer_identity
-from spes.sync.buffers import BufferPool
-from spes.sync.compress import Int8Payload, upload_values
-from spes.sync.deltas import NO_BASE, HeldRound, next_held
-from spes.sync.fragments import WHOLE, Layout
-from spes.sync.merge import build_global, download_names
+from spes.sync.buffers import RoundMemory
+from spes.sync.codecs.base import Payload
+from spes.sync.fragments import WHOLE
+from spes.sync.joins import check_join
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import INT8, Manifest, Reason, Refused, Shape, Tensors, values_dtype
-from spes.sync.rounds import RoundState, check_join, manifest_differences
+from spes.sync.protocol import Reason, Refused, Shape, Tensors
+from spes.sync.rounds import Completed, RoundState
+from spes.sync.settings import ServerConfig
 from spes.sync.state import SavedRound, load_round, save_round
-from spes.sync.wire import (
-    BaseMismatch,
-    CorruptChunk,
-    Delta,
-    EncodedModel,
-    Item,
-    TensorDecoder,
-    VerifiedChecksums,
-    finite,
-    wire_torch_dtype,
-)
-
-if TYPE_CHECKING:
-    from spes.sync.server import ServerConfig
+from spes.sync.wire import BaseMismatch, CorruptChunk, EncodedModel, Item, TensorDecoder, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
 
 WAIT_POLL_S = 1.0
 """A waiting download re-checks its caller this often (the data plane cannot be woken when its client hangs up)."""
-
-
-@dataclass(frozen=True)
-class PeerInfo:
-    """What a peer announced at Join."""
-
-    wire_dtype: str
-    trainable: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Base:
-    """Int8 wire: the completed round an upload's deltas apply to (pinned while they are turned into values)."""
-
-    global_model: Tensors
-    held: HeldRound
 
 
 @dataclass
@@ -90,76 +58,55 @@ class Coordinator:
     """The rounds of one run, whatever carries the bytes (thread-safe)."""
 
     def __init__(self, cfg: ServerConfig) -> None:
-        self.cfg, self.policy = cfg, cfg.policy()
-        self.num_peers = cfg.num_peers
-        self.int8 = cfg.wire_dtype == INT8
+        self.spec, self.deploy = cfg.spec, cfg.deploy
+        self.codec = cfg.spec.codec_impl.server()
         self._cond = threading.Condition()
-        self.state = RoundState(self.num_peers)
-        self._manifest: Manifest | None = None
-        self._layout: Layout | None = None
-        """How the run cuts its model into fragments (`spes.sync.fragments`), as the first peer to join said."""
-        self.peers: dict[int, PeerInfo] = {}
+        self.state = RoundState(self.spec.num_peers, self.spec.server)
+        self.memory = RoundMemory()
+        self.joined: set[int] = set()
         self._bytes_in = self._bytes_out = self._round_bytes_in = self._logged_bytes_out = 0
         self._rounds_completed = 0
         self._shutting_down = False
         self._aggregator: threading.Thread | None = None
-        self._encoded: dict[str, EncodedModel] = {}
-        """The latest round's global model per wire dtype (int8 wire: its deltas, and its held model as full
-        values), each tensor encoded once for every download."""
-        self._pool = BufferPool()
-        self._checksums = VerifiedChecksums()
-        """Of every staged upload: downloads send the experts taken from it verbatim without hashing them again."""
-        self._readers: dict[int, int] = {}
-        """Downloads in flight per completed round: its tensors are reused only once none reads them."""
-        self._retired: dict[int, list[torch.Tensor]] = {}
-        """Superseded global models that downloads still read, by round."""
         self.data_port = 0
         """Port of the running data plane, advertised at Join (0: none); set by `start_server`."""
         self.guard = StreamGuard(
-            idle_timeout_s=cfg.stream_idle_timeout_s, max_streams=cfg.max_streams, max_per_peer=cfg.max_streams_per_peer
+            idle_timeout_s=self.deploy.stream_idle_timeout,
+            max_streams=self.deploy.max_streams,
+            max_per_peer=self.deploy.max_streams_per_peer,
         )
-        self.sessions = Sessions(cfg.peer_liveness_s)
-        if cfg.expected_manifest is not None:
-            self._manifest = dict(cfg.expected_manifest)
-        saved = load_round(cfg.state_dir, cfg.run_identity()) if cfg.state_dir else None
+        self.sessions = Sessions(self.deploy.peer_liveness)
+        saved = load_round(self.deploy.state_dir, self.spec) if self.deploy.state_dir else None
         if saved is not None:
-            if cfg.expected_manifest is not None and manifest_differences(cfg.expected_manifest, saved.manifest):
-                raise ValueError(
-                    f"--state_dir {cfg.state_dir} holds a different model than the run's YAML: "
-                    f"{manifest_differences(cfg.expected_manifest, saved.manifest)}"
-                )
-            held = HeldRound(saved.step, saved.held or saved.global_model, {}, None) if self.int8 else None
-            self.state.restore(
+            self.spec = saved.spec
+            served = self.codec.restore(saved.step, saved.global_model, saved.codec_state)
+            done = Completed(
                 saved.step,
-                set(saved.peers),
+                frozenset(saved.peers),
+                saved.fragment,
+                saved.alpha,
                 saved.global_model,
                 saved.momentum,
-                saved.merged,
-                saved.alpha,
-                held,
-                saved.fragment,
+                served,
             )
-            self._manifest = saved.manifest
-            self._layout = Layout.of(saved.manifest, saved.fragments, saved.sync_steps, cfg.mode)
+            self.state.restore(done)
+            self.memory.publish(done)
             log.info(
                 "resumed from %s: round %d complete (peers %s); waiting for peers to re-join",
-                cfg.state_dir,
+                self.deploy.state_dir,
                 saved.step,
                 list(saved.peers),
             )
 
     def _buffer_limits(self) -> Counter[tuple[Shape, torch.dtype]]:
-        """What one round takes from the pool: every joined peer's uploads, and the fp32 sums of shared
-        tensors uploaded narrower than fp32 (lock held)."""
-        assert self._manifest is not None
-        limits = Counter(
-            (self._manifest[n], wire_torch_dtype(values_dtype(info.wire_dtype)))
-            for info in self.peers.values()
-            for n in info.trainable
-        )
-        narrow = {n for info in self.peers.values() if values_dtype(info.wire_dtype) != "fp32" for n in info.trainable}
-        averaged = [n for n in narrow if self.cfg.mode == "diloco" or parse_expert_block(n) is None]
-        limits.update((self._manifest[n], torch.float32) for n in averaged)
+        """What one round takes from the pool: every joined peer's uploads, and the fp32 sums of shared tensors
+        uploaded narrower than fp32 (lock held)."""
+        spec, dtype = self.spec, wire_torch_dtype(self.codec.raw_dtype)
+        manifest = spec.manifest or {}
+        limits = Counter((manifest[n], dtype) for peer in self.joined for n in spec.trainable(peer))
+        if dtype != torch.float32:
+            averaged = {n for peer in self.joined for n in spec.trainable(peer) if spec.owner(n) is None}
+            limits.update((manifest[n], torch.float32) for n in averaged)
         return limits
 
     # -- Join ---------------------------------------------------------------------------------
@@ -167,61 +114,31 @@ class Coordinator:
         self, request: pb.JoinRequest, session: str, address: str, common_name: Callable[[], str | None]
     ) -> pb.JoinReply:
         """Check a Join against the run and register the peer (a dry run registers nothing); raises Refused."""
-        cfg, peer = self.cfg, request.peer_id
+        peer = request.peer_id
         self.check_identity(peer, common_name)
-        shapes, trainable = check_join(
-            request,
-            num_peers=self.num_peers,
-            experts_per_peer=cfg.experts_per_peer,
-            mode=cfg.mode,
-            wire_dtype=cfg.wire_dtype,
-            max_tensors=cfg.max_tensors,
-            max_model_gb=None if cfg.expected_manifest is not None else cfg.max_model_gb,
-        )
         with self._cond:
-            if self._manifest is not None:
-                diff = manifest_differences(self._manifest, shapes)
-                if diff:
-                    whose = "the run's YAML" if cfg.expected_manifest is not None else "the run's"
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}'s model differs from {whose}: {diff}")
-            count = max(request.fragments, 1)
-            layout = Layout.of(shapes, count, request.sync_steps if count > 1 else 0, cfg.mode)
-            if self._layout is not None and (layout.count, layout.sync_steps) != (
-                self._layout.count,
-                self._layout.sync_steps,
-            ):
-                raise Refused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"peer {peer} synchronizes {layout.count} fragment(s) with sync_steps={layout.sync_steps}, the "
-                    f"run's peers {self._layout.count} with sync_steps={self._layout.sync_steps}: set "
-                    "spes_config.sync_steps and overlap_fragments alike in every node's YAML",
-                )
+            theirs = check_join(
+                request, self.spec, max_tensors=self.deploy.max_tensors, max_model_gb=self.deploy.max_model_gb
+            )
             if request.dry_run:  # preflight: every check above, nothing registered
                 log.info("preflight of peer %d: its settings and model match the run", peer)
                 return pb.JoinReply(
                     current_round=-1,
                     open_round=-1,
                     data_port=self.data_port,
-                    manifest_checked=self._manifest is not None,
+                    manifest_checked=self.spec.manifest is not None,
                     dry_run=True,
                 )
-            if self._manifest is None:
-                self._manifest = shapes
-                log.info("learned the model manifest from peer %d: %d tensors", peer, len(shapes))
-            if self._layout is None:
-                self._layout = layout
+            if not self.spec.complete:
+                self.spec = self.spec.completed_by(theirs)
+                log.info(
+                    "took the model manifest (%d tensors) and sync_steps from peer %d", len(theirs.manifest or {}), peer
+                )
             note = self.sessions.join(peer, session, address)
-            self.peers[peer] = PeerInfo(request.wire_dtype, tuple(trainable))
-            self._pool.set_limits(self._buffer_limits())
+            self.joined.add(peer)
+            self.memory.pool.set_limits(self._buffer_limits())
             snap = self.state.snapshot()
-        log.info(
-            "peer %d joined from %s%s (wire %s, uploads %d tensors)",
-            peer,
-            address,
-            note,
-            request.wire_dtype,
-            len(trainable),
-        )
+        log.info("peer %d joined from %s%s (codec %s)", peer, address, note, self.spec.codec)
         return pb.JoinReply(
             current_round=_or_minus_one(snap.completed_round),
             open_round=_or_minus_one(snap.open_round),
@@ -246,62 +163,60 @@ class Coordinator:
         An empty reply (round 0, not a duplicate) means the peer went away mid-upload and nothing was kept.
         """
         with self._cond:
-            info, manifest = self._joined(peer)
-            assert self._layout is not None  # learned with the manifest
+            self._require_joined(peer)
             try:
-                self._layout.check(fragment)
+                self.spec.layout.check(fragment)
             except ValueError as exc:
                 raise Refused(
                     grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}"
                 ) from None
             if self.state.admit(peer, step, fragment):
                 return self._upload_reply(step, duplicate=True)
-            base = self._pin_base() if self.int8 else None
-            names = self._layout.names(fragment, info.trainable)
+            base = self.state.completed
+            if base is not None:
+                self.memory.pin(base.round)
         try:
-            received = self._receive(feed, peer, step, names, info, manifest, base)
+            received = self._receive(feed, peer, step, fragment, base)
         finally:
             if base is not None:
-                self._unpin(base.held.round)
+                with self._cond:
+                    self.memory.unpin(base.round)
         if received is None:
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
         tensors, checksums, relayed = received
         with self._cond:
             if self.state.admit(peer, step, fragment):  # a concurrent retry of this upload won the race
-                self._pool.give(tensors.values())
+                self.memory.pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)
-            self._checksums.record({n: tensors[n] for n in checksums}, checksums, values_dtype(info.wire_dtype))
+            self.memory.checksums.record({n: tensors[n] for n in checksums}, checksums, self.codec.raw_dtype)
             if self.state.stage_upload(peer, step, tensors, relayed, fragment):
                 self._close_round(step)
             self._cond.notify_all()
             return self._upload_reply(step, duplicate=False)
 
     def _receive(
-        self,
-        feed: Callable[[TensorDecoder], None],
-        peer: int,
-        step: int,
-        names: list[str],
-        info: PeerInfo,
-        manifest: Manifest,
-        base: Base | None,
-    ) -> tuple[Tensors, dict[str, int], dict[str, Int8Payload]] | None:
-        """Decode and verify one upload of the tensors `names` into kept buffers sized by the manifest: the tensors,
-        the checksums of those received raw, and (int8 wire) the payloads of its verbatim blocks. None if the peer
-        went away.
+        self, feed: Callable[[TensorDecoder], None], peer: int, step: int, fragment: int, base: Completed | None
+    ) -> tuple[Tensors, dict[str, int], dict[str, Payload]] | None:
+        """Decode and verify one upload of what `peer` trains of `fragment` into kept buffers sized by the manifest,
+        and turn it into values (the codec): the values, the checksums of those received raw, and the payloads of
+        blocks taken verbatim that downloads may relay. None if the peer went away.
 
-        `base` (int8 wire): the completed round, whose held model the deltas must apply to (None: none completed).
+        `base`: the latest completed round (pinned), whose served model the codec's payloads must apply to.
         """
-        dtype = values_dtype(info.wire_dtype)
-        buffers = {n: self._pool.take(manifest[n], wire_torch_dtype(dtype)) for n in names}
-        delta_base = None if info.wire_dtype != INT8 else NO_BASE if base is None else base.held.round
-        decoder = TensorDecoder(
-            {n: manifest[n] for n in names}, dtype, into=buffers, require_finite=True, delta_base=delta_base
+        spec = self.spec
+        assert spec.manifest is not None
+        names = spec.layout.names(fragment, spec.trainable(peer))
+        dtype = wire_torch_dtype(self.codec.raw_dtype)
+        buffers = {n: self.memory.pool.take(spec.manifest[n], dtype) for n in names}
+        decoder = self.codec.upload_decoder(
+            {n: spec.manifest[n] for n in names}, buffers, base.served if base else None
         )
         try:
             feed(decoder)
-            tensors = decoder.finish()
-            values, relayed = self._delta_values(peer, decoder.deltas, base)
+            raw = decoder.finish()
+            values, relayed = self.codec.upload_values(
+                decoder, raw, spec.own(peer, names), base.global_model if base else {}, base.served if base else None
+            )
         except (grpc.RpcError, OSError):
             log.warning(
                 "upload of peer %d for round %d broke off after %d bytes; nothing was kept",
@@ -309,10 +224,10 @@ class Coordinator:
                 step,
                 decoder.bytes_received,
             )
-            self._pool.give(buffers.values())
+            self.memory.pool.give(buffers.values())
             return None
         except ValueError as exc:
-            self._pool.give(buffers.values())
+            self.memory.pool.give(buffers.values())
             code, reason = grpc.StatusCode.INVALID_ARGUMENT, Reason.NONE
             if isinstance(exc, CorruptChunk):
                 reason = Reason.CORRUPT
@@ -323,30 +238,8 @@ class Coordinator:
             with self._cond:
                 self._bytes_in += decoder.bytes_received
                 self._round_bytes_in += decoder.bytes_received
-        self._pool.give(buffers[n] for n in values)  # received as deltas: their raw buffers went unused
-        return {**tensors, **values}, decoder.checksums, relayed
-
-    def _delta_values(
-        self, peer: int, deltas: Mapping[str, Delta], base: Base | None
-    ) -> tuple[Tensors, dict[str, Int8Payload]]:
-        """An upload's int8 deltas as values (`compress.upload_values`: the peer's own blocks H + delta, averaged
-        tensors G + delta), and the payloads of its own blocks (relayed to the others unless a merge changes them).
-
-        ValueError naming a tensor that holds NaN or Inf once its delta is applied.
-        """
-        if not deltas:
-            return {}, {}
-        assert base is not None  # the decoder refuses every delta when no round has completed
-        payloads = {n: d.payload for n, d in deltas.items()}
-        own = set(deltas) - set(download_names(list(deltas), peer, self.cfg.mode, merged=False))
-        values = upload_values(payloads, base.global_model, base.held.tensors, own)
-        for name, value in values.items():
-            if not finite(value):
-                raise ValueError(
-                    f"tensor {name!r} holds NaN or Inf values once its int8 delta is applied: this peer's training "
-                    "diverged"
-                )
-        return values, {n: payloads[n] for n in own}
+        self.memory.pool.give(buffers[n] for n in decoder.coded)  # came coded: their raw buffers went unused
+        return values, decoder.checksums, relayed
 
     def _upload_reply(self, step: int, *, duplicate: bool) -> pb.UploadReply:
         snap = self.state.snapshot()
@@ -365,93 +258,61 @@ class Coordinator:
         )
         self._aggregator.start()
 
-    def _aggregate(
-        self, step: int, uploads: dict[int, Tensors], relayed: dict[str, Int8Payload], fragment: int
-    ) -> None:
-        """Build, persist and publish round `step` over `fragment` (int8 wire: with its held model), then wake the
-        waiting downloads. The tensors a fragment's round does not cover keep their values of the rounds before."""
-        cfg, start = self.cfg, time.perf_counter()
-        with self._cond:  # NOTE: only this thread replaces these, in `complete` below.
-            previous, momentum, peers = self.state.global_model, self.state.outer_momentum, set(self.state.uploaded)
-            previous_held = self.state.held
-            manifest = dict(self._manifest or {})
-            layout = self._layout
-        assert layout is not None
+    def _aggregate(self, step: int, uploads: dict[int, Tensors], relayed: dict[str, Payload], fragment: int) -> None:
+        """Build, persist and publish round `step` over `fragment`, then wake the waiting downloads."""
+        start = time.perf_counter()
+        with self._cond:  # NOTE: only this thread replaces the completed round, in `_publish` below.
+            previous, spec = self.state.completed, self.spec
         received = [t for upload in uploads.values() for t in upload.values()]
         try:
-            merge_at, mergeable = layout.merged_names(step, fragment, manifest)
-            built = build_global(
-                uploads,
-                num_peers=self.num_peers,
-                experts_per_peer=cfg.experts_per_peer,
-                mode=cfg.mode,
-                step=merge_at,
-                mergeable=mergeable,
-                merge=cfg.merge,
-                outer=cfg.outer,
-                names=layout.names(fragment, manifest),
-                previous=previous,
-                momentum=momentum,
-                consume=True,
-                empty=self._pool.take,
-            )
-            alpha = built.alpha
-            carried = {**previous, **built.tensors}  # NOTE: a fragment's round leaves the other tensors as they were
-            global_model = {n: carried[n] for n in manifest if n in carried}
-            new_momentum = {**momentum, **built.momentum}
-            held = None
-            if self.int8:  # NOTE: a merge changed the experts after they were uploaded: nothing is relayed then
-                held = next_held(step, global_model, previous_held, relayed if alpha == 0 else {})
-            del uploads, previous, momentum, previous_held, relayed
-            kept = [*global_model.values(), *new_momentum.values(), *(held.tensors.values() if held else ())]
-            self._pool.give(received, keep=kept)  # merged or converted
+            done = build_round(step, uploads, relayed, fragment, previous, spec, self.codec, self.memory.pool.take)
+            del uploads, relayed
+            self.memory.pool.give(received, keep=done.tensors())  # merged or converted
             del received
-            if cfg.state_dir:
+            if self.deploy.state_dir:
+                codec_state = self.codec.persisted(done.served)
                 saved = SavedRound(
                     step,
-                    tuple(sorted(peers)),
-                    alpha > 0,
-                    alpha,
-                    manifest,
-                    global_model,
-                    new_momentum,
-                    held.tensors if held else {},
+                    tuple(sorted(done.peers)),
                     fragment,
-                    layout.count,
-                    layout.sync_steps,
+                    done.alpha,
+                    done.global_model,
+                    done.momentum,
+                    codec_state,
+                    spec,
                 )
-                save_round(cfg.state_dir, saved, cfg.run_identity())
+                save_round(self.deploy.state_dir, saved)
         except Exception as exc:  # report any aggregation or disk failure to the waiting peers
             log.exception("round %d: aggregation failed", step)
             with self._cond:
                 self.state.fail(step, f"aggregation of round {step} failed: {exc}")
                 self._cond.notify_all()
             return
+        self._publish(done, time.perf_counter() - start)
+
+    def _publish(self, done: Completed, seconds: float) -> None:
+        """Make `done` the latest round, wake the downloads, and log what it did."""
         with self._cond:
-            superseded = self.state.completed_round
-            if superseded is not None:
-                self._retired[superseded] = list(self._round_tensors())
-            self.state.complete(step, global_model, new_momentum, merged=alpha > 0, alpha=alpha, held=held)
-            self._release_retired()
-            self._encoded = {}
+            self.state.complete(done)
+            self.memory.publish(done)
             self._rounds_completed += 1
             bytes_in, bytes_out = self._round_bytes_in, self._bytes_out - self._logged_bytes_out
             self._round_bytes_in, self._logged_bytes_out = 0, self._bytes_out
             self._cond.notify_all()
-        missing = sorted(set(range(self.num_peers)) - peers)
+        missing = sorted(set(range(self.spec.num_peers)) - done.peers)
         log.info(
             "round %d%s complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
             "merged %s, alpha %.6g",
-            step,
-            f" (fragment {fragment} of {layout.count})" if fragment != WHOLE else "",
-            len(peers),
+            done.round,
+            f" (fragment {done.fragment} of {self.spec.overlap_fragments})" if done.fragment != WHOLE else "",
+            len(done.peers),
             f" (quorum, missing {missing})" if missing else "",
             bytes_in / 2**20,
             bytes_out / 2**20,
-            time.perf_counter() - start,
-            ", persisted" if cfg.state_dir else "",
-            "yes" if alpha > 0 else "no",
-            alpha,
+            seconds,
+            ", persisted" if self.deploy.state_dir else "",
+            "yes" if done.merged else "no",
+            done.alpha,
         )
 
     # -- Download -----------------------------------------------------------------------------
@@ -463,22 +324,22 @@ class Coordinator:
         full: bool,
         is_active: Callable[[], bool],
         time_left_s: float | None,
-        base_round: int = NO_BASE,
+        base_round: int = -1,
     ) -> Iterator[Outgoing | None]:
         """Wait for round `step` and select what `peer` gets, whatever carries it (None: the caller went away).
 
         Raises `Refused`. The plane sends `Outgoing.info`, then the tensors in their encoded forms (shared by
         every download of the round), adding to `Outgoing.sent`; however that ends, leaving the block counts the
-        bytes and lets the round's tensors be reused once no download reads them. `base_round` (int8 wire): the
-        round of the held model the peer holds.
+        bytes and lets the round's tensors be reused once no download reads them. `base_round`: the round of the
+        model the peer holds (a held-model codec sends it deltas against that).
         """
         with self._cond:
-            info, _ = self._joined(peer)
+            self._require_joined(peer)
             if not self._await_round(peer, step, full, is_active, time_left_s):
                 outgoing = None
             else:
-                outgoing = self._outgoing(peer, step, full, info.wire_dtype, base_round)
-                self._readers[step] = self._readers.get(step, 0) + 1
+                outgoing = self._outgoing(peer, step, full, base_round)
+                self.memory.pin(step)
         if outgoing is None:
             yield None
             return
@@ -487,80 +348,34 @@ class Coordinator:
         finally:
             with self._cond:
                 self._bytes_out += outgoing.sent
-            self._unpin(step)
+                self.memory.unpin(step)
 
-    def _outgoing(self, peer: int, step: int, full: bool, wire_dtype: str, base_round: int) -> Outgoing:
-        """What a download of the completed round `step` sends `peer` (lock held).
-
-        The global model in the peer's wire dtype; on an int8 wire the deltas, for a peer holding the held model
-        they apply to, else the new held model's full values (every tensor).
-        """
-        state = self.state
-        items: Mapping[str, Item] = state.global_model
-        view, dtype, delta_base = wire_dtype, wire_dtype, NO_BASE
-        if state.held is not None:
-            dtype = values_dtype(wire_dtype)
-            if not full and state.held.base is not None and base_round == state.held.base:
-                items, view, delta_base = state.held.deltas, INT8, state.held.base
-            else:
-                items, view, full = state.held.tensors, "held", True
-        encoded = self._encoded.get(view)
-        if encoded is None:
-            known = self._checksums.known({n: t for n, t in items.items() if isinstance(t, torch.Tensor)}, dtype)
-            encoded = self._encoded[view] = EncodedModel(items, dtype, known)
-        names = list(state.global_model)
-        if full and self._manifest is not None and len(names) < len(self._manifest):
+    def _outgoing(self, peer: int, step: int, full: bool, base_round: int) -> Outgoing:
+        """What a download of the completed round `step` sends `peer` (lock held): the codec's selection, every
+        tensor for a catch-up, else the round's download names."""
+        done, spec = self.state.completed, self.spec
+        assert done is not None and spec.manifest is not None
+        selection = self.codec.select(done.served, full=full, base_round=base_round)
+        names = list(done.global_model)
+        if selection.whole and len(names) < len(spec.manifest):
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"peer {peer} asks for the whole global model, but round {step} holds only the fragments that have "
-                f"had a round so far ({len(names)} of {len(self._manifest)} tensors): a node that falls behind "
+                f"had a round so far ({len(names)} of {len(spec.manifest)} tensors): a node that falls behind "
                 "before every fragment has had one (step sync_steps) must start the run again",
             )
-        if not full:
-            assert self._layout is not None
-            names = download_names(
-                self._layout.names(state.completed_fragment, names), peer, self.cfg.mode, state.merged
-            )
-        round_info = pb.RoundInfo(
+        if not selection.whole:
+            names = spec.downloads(peer, spec.layout.names(done.fragment, names), merged=done.merged)
+        info = pb.RoundInfo(
             round=step,
-            merged=state.merged,
-            alpha=state.alpha,
+            merged=done.merged,
+            alpha=done.alpha,
             names=names,
-            peers=sorted(state.completed_peers),
-            base_round=delta_base,
+            peers=sorted(done.peers),
+            base_round=selection.base_round,
         )
-        return Outgoing(round_info, {n: items[n] for n in names}, encoded, dtype)
-
-    def _pin_base(self) -> Base | None:
-        """Int8 wire: the completed round deltas apply to, kept from the pool until `_unpin` (lock held)."""
-        step, held = self.state.completed_round, self.state.held
-        if step is None or held is None:
-            return None
-        self._readers[step] = self._readers.get(step, 0) + 1
-        return Base(self.state.global_model, held)
-
-    def _unpin(self, step: int) -> None:
-        """A reader of round `step` (a download, or an upload's deltas) is done with its tensors."""
-        with self._cond:
-            self._readers[step] -= 1
-            if not self._readers[step]:
-                del self._readers[step]
-                self._release_retired()
-
-    def _round_tensors(self) -> Iterator[torch.Tensor]:
-        """Every tensor the completed round holds (lock held): global model, outer momentum, held model."""
-        yield from self.state.global_model.values()
-        yield from self.state.outer_momentum.values()
-        if self.state.held is not None:
-            yield from self.state.held.tensors.values()
-
-    def _release_retired(self) -> None:
-        """Give the pool the superseded rounds no reader reads any more (lock held)."""
-        read = [t for step, tensors in self._retired.items() if step in self._readers for t in tensors]
-        keep = [*self._round_tensors(), *read]
-        # NOTE: one `give`: a tensor a fragment's rounds carried over sits in several retired rounds, given once
-        done = [t for step in [s for s in self._retired if s not in self._readers] for t in self._retired.pop(step)]
-        self._pool.give(done, keep=keep)
+        encoded = self.memory.encoded(selection.key, selection.items, self.codec.raw_dtype)
+        return Outgoing(info, {n: selection.items[n] for n in names}, encoded, self.codec.raw_dtype)
 
     def _await_round(
         self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None
@@ -579,62 +394,60 @@ class Coordinator:
                 return False
             if state.check_download(peer, step, full):
                 return True
-            if state.must_close(self.policy, self._uncopied_owners()):
+            if state.must_close(self._uncopied_owners()):
                 log.warning(
-                    "round %d timed out: closing it with peers %s (--dead_peer_policy quorum)",
+                    "round %d timed out: closing it with peers %s (server.dead_peer_policy quorum)",
                     step,
                     sorted(state.uploaded),
                 )
                 self._close_round(step)
                 continue
-            wait = min(state.seconds_left(self.policy), give_up - time.monotonic(), WAIT_POLL_S)
-            self._cond.wait(wait)
+            self._cond.wait(min(state.seconds_left(), give_up - time.monotonic(), WAIT_POLL_S))
 
     def _uncopied_owners(self) -> frozenset[int]:
         """Peers owning expert blocks the open round covers of which the global model holds no copy yet (lock
         held): a quorum round cannot close without them (the run's first round, or the first of a fragment's)."""
-        if self._layout is None or self._manifest is None or self.cfg.mode != "spes":
+        spec, done = self.spec, self.state.completed
+        if spec.manifest is None or spec.mode != "spes":
             return frozenset()
-        held = self.state.global_model
-        covered = self._layout.names(self.state.fragment, self._manifest)
-        return frozenset(p.block for n in covered if n not in held and (p := parse_expert_block(n)) is not None)
+        held = done.global_model if done else {}
+        covered = spec.layout.names(self.state.fragment, spec.manifest)
+        return frozenset(owner for n in covered if n not in held and (owner := spec.owner(n)) is not None)
 
     def wake(self) -> None:
         """Let waiting downloads re-check their callers (one went away)."""
         with self._cond:
             self._cond.notify_all()
 
-    # -- Status -------------------------------------------------------------------------------
+    # -- Status and peers ---------------------------------------------------------------------
     def status(self) -> pb.StatusReply:
         with self._cond:
             snap = self.state.snapshot()
             return pb.StatusReply(
                 current_round=_or_minus_one(snap.completed_round),
                 open_round=_or_minus_one(snap.open_round),
-                num_peers=self.num_peers,
-                peers_joined=sorted(self.peers),
+                num_peers=self.spec.num_peers,
+                peers_joined=sorted(self.joined),
                 peers_uploaded=snap.uploaded_peers,
                 bytes_in=self._bytes_in,
                 bytes_out=self._bytes_out,
-                mode=self.cfg.mode,
+                mode=self.spec.mode,
                 round_peers=snap.round_peers,
                 missing_peers=self.state.missing_peers() if snap.open_round is not None else [],
                 open_round_age_s=snap.open_age_s,
-                dead_peer_policy=self.cfg.dead_peer_policy,
+                dead_peer_policy=self.spec.server.dead_peer_policy,
                 rounds_completed=self._rounds_completed,
-                persistent=self.cfg.state_dir is not None,
+                persistent=self.deploy.state_dir is not None,
             )
 
-    # -- peers --------------------------------------------------------------------------------
-    def _joined(self, peer: int) -> tuple[PeerInfo, Manifest]:
-        """The peer's Join record (caller holds the lock); refuses peers that have not joined."""
-        if peer not in self.peers or self._manifest is None:
+    def _require_joined(self, peer: int) -> None:
+        """Refuse a peer that has not joined (caller holds the lock)."""
+        if peer not in self.joined:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"peer {peer} has not joined this server: call Join first",
                 Reason.NOT_JOINED,
             )
-        return self.peers[peer], self._manifest
 
     def presence(self, peer: int, session: str, address: str) -> Callable[[], None]:
         """A peer process's presence stream opened (see `spes.sync.admission`); returns what to call when it ends."""
@@ -649,7 +462,7 @@ class Coordinator:
 
     def check_identity(self, peer: int, common_name: Callable[[], str | None]) -> None:
         """With --tls_peer_ids: the caller's certificate (its common name, from either plane) must name `peer`."""
-        if self.cfg.tls_peer_ids:
+        if self.deploy.tls_peer_ids:
             check_peer_identity(peer, common_name())
 
     def shutdown(self, grace_s: float) -> None:

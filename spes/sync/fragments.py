@@ -79,12 +79,6 @@ def turn_of(step: int, sync_steps: int, count: int) -> int:
     return (step // interval - 1) % count + 1
 
 
-def fragment_at(step: int, sync_steps: int, count: int, last_step: int) -> int:
-    """The fragment a node synchronizes at sync step `step`: its turn (`turn_of`), or `WHOLE` at the run's last
-    step."""
-    return WHOLE if step == last_step else turn_of(step, sync_steps, count)
-
-
 def merge_step(step: int, sync_steps: int, fragment: int) -> int:
     """The step whose merge warm-up (`merge.round_alpha`) a round applies: its own for a whole round; for a
     fragment's, the next multiple of `sync_steps`, the whole round it stands in for, so every expert is merged
@@ -94,19 +88,34 @@ def merge_step(step: int, sync_steps: int, fragment: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a run cuts its model: `count` fragments (1: none), a fragment's round every `sync_steps / count` steps."""
+    """How a run cuts its model and when each part has its round: `overlap_fragments` fragments (1: none), a round
+    every `round_interval = sync_steps / overlap_fragments` steps, and a whole round at the run's last step."""
 
-    count: int
+    overlap_fragments: int
     sync_steps: int
     parts: tuple[tuple[str, ...], ...]
     """`split_fragments` of the run's manifest: fragment k is `parts[k - 1]`."""
 
     @classmethod
-    def of(cls, manifest: Mapping[str, Shape], count: int, sync_steps: int, mode: Mode = "spes") -> Layout:
-        """The layout of `count` fragments of `manifest` (ValueError when the model cannot be cut so)."""
+    def of(cls, manifest: Mapping[str, Shape], overlap_fragments: int, sync_steps: int, mode: Mode = "spes") -> Layout:
+        """The layout of `overlap_fragments` fragments of `manifest` (ValueError when the model cannot be cut so)."""
+        count = overlap_fragments
         if count > 1 and (sync_steps < count or sync_steps % count):
             raise ValueError(f"sync_steps={sync_steps} is not a multiple of the {count} fragments")
         return cls(count, sync_steps, split_fragments(manifest, count, mode) if count > 1 else (tuple(manifest),))
+
+    @property
+    def round_interval(self) -> int:
+        return self.sync_steps // self.overlap_fragments
+
+    def syncs_at(self, step: int, last_step: int) -> bool:
+        """Whether a node uploads a round at `step`: every `round_interval` steps, and with fragments at the run's
+        last step, which synchronizes the whole model."""
+        return step % self.round_interval == 0 or (self.overlap_fragments > 1 and step == last_step)
+
+    def fragment_at(self, step: int, last_step: int) -> int:
+        """The fragment a node synchronizes at sync step `step`: its turn (`turn_of`), or `WHOLE` at the last step."""
+        return WHOLE if step == last_step else turn_of(step, self.sync_steps, self.overlap_fragments)
 
     def names(self, fragment: int, names: Iterable[str]) -> list[str]:
         """Those of `names` that a round over `fragment` covers (all of them for `WHOLE`), in their order."""
@@ -119,13 +128,14 @@ class Layout:
         """What a round over `fragment` at `step` merges: the step whose warm-up it applies (`merge_step`) and the
         names whose layers it may merge (None: all it covers). A whole round of a fragmented run merges only the
         fragment whose turn its step is, which the rounds before did not merge for that whole round."""
-        if fragment != WHOLE or self.count == 1:
+        if fragment != WHOLE or self.overlap_fragments == 1:
             return merge_step(step, self.sync_steps, fragment), None
-        turn = turn_of(step, self.sync_steps, self.count)
+        turn = turn_of(step, self.sync_steps, self.overlap_fragments)
         return merge_step(step, self.sync_steps, turn), set(self.names(turn, names)) if turn != WHOLE else set()
 
     def check(self, fragment: int) -> None:
         """ValueError unless `fragment` is WHOLE or one of this layout's."""
-        if not 0 <= fragment <= (self.count if self.count > 1 else 0):
-            allowed = f"0 or 1..{self.count}" if self.count > 1 else "0: it has no fragments"
+        count = self.overlap_fragments
+        if not 0 <= fragment <= (count if count > 1 else 0):
+            allowed = f"0 or 1..{count}" if count > 1 else "0: it has no fragments"
             raise ValueError(f"fragment {fragment} is not one of this run's ({allowed})")

@@ -6,8 +6,9 @@ tested without sockets and the server only moves bytes and calls `build_global`.
 Naming (fixed by the model): experts of MoE layer `l` live in ownership blocks
 `{prefix}.{kind}.{b}` with prefix `blocks.{l}.ffn.experts`, kind in `w1` (gate,
 `(n_b, D, F)`), `v1` (up, `(n_b, D, F)`), `w2` (down, `(n_b, F, D)`); block `b` holds
-experts `[b*k, min((b+1)*k, E))` and is owned (trained) by peer `b` in SPES mode.
-Every other tensor is *shared*: trained by every peer and averaged.
+experts `[b*k, min((b+1)*k, E))` and is owned (trained) by peer `spec.block_owners[b]` in SPES mode
+(`spes.sync.spec.RunSpec.owner`; the paper's layout: peer b). Every other tensor is *shared*: trained by every
+peer and averaged. The settings are the run's `server:` section (`spes.config.ServerSection`).
 
 Shape legend: E experts in a layer, D d_model, F expert width, P peers, K top-k donors.
 """
@@ -17,62 +18,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from spes.config import ServerSection
 from spes.moe import EXPERT_KINDS, parse_expert_block
 from spes.sync.protocol import Mode, Shape, Tensors
+from spes.sync.spec import RunSpec
 
 
-def trainable_names(names: list[str], peer_id: int, mode: Mode) -> list[str]:
-    """What a peer trains and uploads: SPES, shared tensors + its own blocks (b == peer_id); DiLoCo, everything."""
-    if mode == "diloco":
-        return list(names)
-    return [n for n in names if (parsed := parse_expert_block(n)) is None or parsed.block == peer_id]
-
-
-def download_names(names: list[str], peer_id: int, mode: Mode, merged: bool) -> list[str]:
-    """What a peer needs back: SPES, shared tensors and others' blocks (its own too when the merge changed them)."""
-    if mode == "diloco" or merged:
-        return list(names)
-    return [n for n in names if (parsed := parse_expert_block(n)) is None or parsed.block != peer_id]
-
-
-@dataclass(frozen=True, kw_only=True)
-class MergeConfig:
-    """Expert-merging warm-up settings (the run config's `server.merge_*`, whose defaults these are)."""
-
-    interval: int = ServerSection.merge_interval
-    """Merge on rounds whose step is a multiple of this; <= 0 disables merging."""
-    alpha_start: float = ServerSection.merge_alpha_start
-    """Merge strength at step 0, decayed linearly to 0 at `decay_steps`."""
-    decay_steps: int = ServerSection.merge_decay_steps
-    """Step at which alpha reaches 0."""
-    topk: int = ServerSection.merge_topk
-    """Number of most similar other experts each expert is pulled towards."""
-
-    def __post_init__(self) -> None:
-        if self.alpha_start < 0 or not math.isfinite(self.alpha_start):
-            raise ValueError(f"merge alpha_start must be a finite number >= 0, got {self.alpha_start}")
-        if self.decay_steps <= 0:
-            raise ValueError(f"merge decay_steps must be > 0, got {self.decay_steps}")
-        if self.topk < 1:
-            raise ValueError(f"merge topk must be >= 1, got {self.topk}")
-
-
-def round_alpha(step: int, mode: Mode, merge: MergeConfig | None) -> float:
+def round_alpha(step: int, mode: Mode, server: ServerSection) -> float:
     """The expert-merging warm-up strength applied in round `step` (the paper's Sec. 3.3 schedule):
 
-        alpha(step) = alpha_start * (1 - min(step / decay_steps, 1))
+        alpha(step) = merge_alpha_start * (1 - min(step / merge_decay_steps, 1))
 
-    on merge rounds (SPES mode, `merge.interval` > 0 and step % interval == 0), else 0: in DiLoCo mode, without a
-    merge config, and from `decay_steps` on. A round merges exactly when this is > 0.
+    on merge rounds (SPES mode, `merge_interval` > 0 and step % merge_interval == 0), else 0: in DiLoCo mode and
+    from `merge_decay_steps` on. A round merges exactly when this is > 0.
     """
-    if mode != "spes" or merge is None or merge.interval <= 0 or step % merge.interval:
+    if mode != "spes" or server.merge_interval <= 0 or step % server.merge_interval:
         return 0.0
-    return merge.alpha_start * (1.0 - min(step / merge.decay_steps, 1.0))
+    return server.merge_alpha_start * (1.0 - min(step / server.merge_decay_steps, 1.0))
 
 
 def merge_experts(
@@ -154,24 +119,6 @@ def _add_widened(total: torch.Tensor, tensor: torch.Tensor) -> None:
         flat_total[start : start + part.numel()].add_(scratch[: part.numel()].copy_(part))
 
 
-@dataclass(frozen=True, kw_only=True)
-class OuterConfig:
-    """DiLoCo outer optimizer (the run config's `server.outer_*`); `none` is plain averaging."""
-
-    optimizer: Literal["none", "nesterov"] = ServerSection.outer_optimizer
-    """`none`: the global model is the mean; `nesterov`: Nesterov momentum SGD on the outer gradient."""
-    lr: float = ServerSection.outer_lr
-    """Outer learning rate (the DiLoCo paper uses 0.7)."""
-    momentum: float = ServerSection.outer_momentum
-    """Outer Nesterov momentum (the DiLoCo paper uses 0.9)."""
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in ("none", "nesterov"):
-            raise ValueError(f"outer optimizer must be 'none' or 'nesterov', got {self.optimizer!r}")
-        if self.lr <= 0 or not 0 <= self.momentum < 1:
-            raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got lr={self.lr} momentum={self.momentum}")
-
-
 def outer_nesterov_step(
     prev_global: Mapping[str, torch.Tensor],
     mean: Mapping[str, torch.Tensor],
@@ -214,12 +161,8 @@ class GlobalRound:
 def build_global(
     uploads: Mapping[int, Mapping[str, torch.Tensor]],
     *,
-    num_peers: int,
-    experts_per_peer: int,
-    mode: Mode,
+    spec: RunSpec,
     step: int,
-    merge: MergeConfig | None = None,
-    outer: OuterConfig | None = None,
     names: list[str] | None = None,
     previous: Mapping[str, torch.Tensor] | None = None,
     momentum: Mapping[str, torch.Tensor] | None = None,
@@ -229,13 +172,13 @@ def build_global(
 ) -> GlobalRound:
     """Round `step`'s global model from the uploads of the peers that arrived (peer -> name -> tensor).
 
-    SPES: expert block b is taken verbatim from its owner, peer b (the very tensor, in the dtype it was uploaded
-    in: widening a bf16 upload would only be undone to send it back), or, when the owner did not arrive (a
+    SPES: expert block b is taken verbatim from its owner (`spec.owner`; the very tensor, in the dtype it was
+    uploaded in: widening a bf16 upload would only be undone to send it back), or, when the owner did not arrive (a
     quorum round), from `previous`, the last global model; every shared tensor is the fp32 mean over the arrived
     peers, summed in peer order so the result is reproducible; on merge rounds (`round_alpha` > 0) each layer's
     experts are then merged with `merge_experts` (fp32 results). DiLoCo: every tensor is the mean, followed by
-    the outer Nesterov step (`outer_nesterov_step`) when `outer` asks for it and a previous global model exists
-    (the first round's mean is the starting point).
+    the outer Nesterov step (`outer_nesterov_step`) when `server.outer_optimizer` asks for it and a previous
+    global value of the tensor exists (its first round's mean is the starting point).
 
     `names` (default: every uploaded name, sorted) fixes the output order. With `consume`, `uploads` (then
     mutable) is emptied tensor by tensor and a mean is summed in place in the first peer's fp32 upload, so the
@@ -246,12 +189,13 @@ def build_global(
     when an upload is missing or too large.
     """
     arrived = sorted(uploads)
-    if not arrived or not set(arrived) <= set(range(num_peers)):
-        raise ValueError(f"build_global needs uploads of peers in 0..{num_peers - 1}, got peers {arrived}")
+    if not arrived or not set(arrived) <= set(range(spec.num_peers)):
+        raise ValueError(f"build_global needs uploads of peers in 0..{spec.num_peers - 1}, got peers {arrived}")
     previous = previous or {}
     names = sorted({name for upload in uploads.values() for name in upload}) if names is None else names
-    alpha = round_alpha(step, mode, merge)
-    nesterov = mode == "diloco" and outer is not None and outer.optimizer == "nesterov"
+    server = spec.server
+    alpha = round_alpha(step, spec.mode, server)
+    nesterov = spec.mode == "diloco" and server.outer_optimizer == "nesterov"
 
     def take(peer: int, name: str) -> torch.Tensor:
         return uploads[peer].pop(name) if consume else uploads[peer][name]  # type: ignore[attr-defined]
@@ -260,9 +204,11 @@ def build_global(
     new_momentum: Tensors = {}
     layers: dict[str, dict[str, dict[int, str]]] = {}
     for name in names:
-        parsed = parse_expert_block(name) if mode == "spes" else None
-        if parsed is not None:
-            new_global[name] = _owner_block(name, parsed.block, uploads, previous, experts_per_peer, take)
+        owner = spec.owner(name)
+        if owner is not None:
+            parsed = parse_expert_block(name)
+            assert parsed is not None
+            new_global[name] = _owner_block(name, owner, uploads, previous, spec.experts_per_block, take)
             if mergeable is None or name in mergeable:
                 layers.setdefault(parsed.prefix, {}).setdefault(parsed.kind, {})[parsed.block] = name
             continue
@@ -278,14 +224,14 @@ def build_global(
         mean = {name: mean_over_peers(tensors, reuse_first=consume, out=out)}
         if nesterov and name in previous:  # NOTE: a tensor's first round (of its fragment) is its starting point
             buf = {name: momentum[name]} if momentum and name in momentum else {}
-            assert outer is not None
-            mean, buf = outer_nesterov_step({name: previous[name]}, mean, buf, lr=outer.lr, momentum=outer.momentum)
+            mean, buf = outer_nesterov_step(
+                {name: previous[name]}, mean, buf, lr=server.outer_lr, momentum=server.outer_momentum
+            )
             new_momentum.update(buf)
         new_global.update(mean)
     if alpha > 0:
-        assert merge is not None
         for prefix, kinds in layers.items():
-            _merge_layer(new_global, prefix, kinds, alpha, merge.topk)
+            _merge_layer(new_global, prefix, kinds, alpha, server.merge_topk)
     return GlobalRound({name: new_global[name] for name in names}, new_momentum, alpha)
 
 

@@ -7,9 +7,12 @@ Weights are loaded in place (`copy_` into the existing parameters or their shard
 state is kept, as in the paper. A node the run has moved past (restarted from an older checkpoint, or left out of a
 quorum round) loads the whole global model; the `SyncResult` says the step the trainer continues from.
 
-With `spes_config.overlap_sync` the node does not stop for the round (`OverlappedSync`): it uploads a snapshot
-of what it trained from a background thread, trains on, and applies the round's global model a fixed number
-of steps later together with the progress made meanwhile (the rule is `spes.sync.overlap.apply_overlapped`).
+Every round follows one path (`PeerSync`): at a sync step the node snapshots what it trained, uploads it, and
+applies the round `overlap_steps` steps later together with the progress made meanwhile (the rule is
+`spes.sync.overlap.apply_overlapped`, defined on what the codec serves: the global model, or a held-model codec's
+held model). A blocking run (no `spes_config.overlap_sync`) is the case `overlap_steps = 0`: the round is applied at
+the step it was uploaded, exactly as downloaded. With `overlap_sync` the exchange runs on a background thread and
+training goes on.
 """
 
 from __future__ import annotations
@@ -26,20 +29,27 @@ from typing import Any, TypeVar
 import grpc
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from spes.atomic import write_atomic
 from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.sync.auth import read_token
 from spes.sync.client import SyncClient, SyncStats
-from spes.sync.fragments import WHOLE, Layout, fragment_at
+from spes.sync.fragments import WHOLE
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, SyncError, Tensors
+from spes.sync.spec import RunSpec, run_spec
 
 PENDING_FILE = "pending_round.st"
 """The checkpoint file (safetensors) holding an overlapped round still in flight when the checkpoint was taken.
 
 NOTE: not named `*.safetensors`: a sharded checkpoint's reader takes every such file of the directory for a shard."""
+CODEC_FILE = "codec_state.st"
+"""The checkpoint file (safetensors) holding the codec's state on rank 0 (a held-model codec's held model and
+error feedback, as of the last round applied), so a resumed node sends what the uninterrupted one would."""
 T = TypeVar("T")
 Exchange = tuple[Tensors, SyncStats | None, Exception | None]
 """What rank 0's exchange with the server gave: the download, its statistics, or the failure."""
@@ -101,88 +111,197 @@ def model_manifest(model: nn.Module) -> tuple[Manifest, list[str]]:
     return {n: tuple(p.shape) for n, p in named}, [n for n, p in named if p.requires_grad]
 
 
-def sync_client(cfg: TrainConfig, **overrides: Any) -> SyncClient:
-    """A client for this node's `spes_config` (`overrides`: SyncClient keywords that replace the config's)."""
-    s = cfg.spes_config
-    settings: dict[str, Any] = {
-        "peer_id": s.peer_id,
-        "num_peers": s.num_peers,
-        "experts_per_peer": cfg.experts_per_peer,
-        "mode": cfg.mode,
-        "wire_dtype": s.wire_dtype,
-        "token": read_token(s.token_file, "config key 'spes_config.token_file'"),
-        "tls_ca": s.tls_ca,
-        "tls_cert": s.tls_cert,
-        "tls_key": s.tls_key,
-        "rpc_timeout_s": s.rpc_timeout_s,
-        "round_timeout_s": s.round_timeout_s,
-        "max_retries": s.max_retries,
-        "data_plane": s.data_plane,
-        "fragments": s.overlap_fragments,
-        "sync_steps": s.sync_steps,
-    }
-    return SyncClient(s.server_addr, **{**settings, **overrides})
+def node_spec(cfg: TrainConfig, manifest: Manifest, origin: str = "this node's config") -> RunSpec:
+    """This node's run spec (`spes.sync.spec.run_spec` of its config and its model's manifest)."""
+    return run_spec(cfg, manifest, origin=origin)
 
 
-def node_sync(cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> PeerSync:
-    """This node's side of the rounds: `OverlappedSync` with `spes_config.overlap_sync`, else a blocking `PeerSync`."""
-    return (OverlappedSync if cfg.spes_config.overlap_sync else PeerSync)(cfg, model, info, log)
+def sync_client(cfg: TrainConfig, spec: RunSpec, **settings: Any) -> SyncClient:
+    """A client for this node's `spes_config` (`settings`: spes_config keys that replace the config's)."""
+    s = replace(cfg.spes_config, **settings)
+    token = read_token(s.token_file, "config key 'spes_config.token_file'")
+    return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True)
 
 
 class PeerSync:
-    """Pushes this node's trained tensors and pulls the global model every `sync_steps` steps."""
+    """Pushes this node's trained tensors and applies the global model: every `round_interval` steps a round is
+    uploaded, and applied `overlap_steps` steps later (0 without `overlap_sync`).
+
+    At sync step `s` every rank takes part in gathering what the node trains; rank 0 keeps the whole fp32 tensors on
+    the CPU as the round's snapshot and exchanges it with the server (on a background thread when the round lands
+    later). At step `s + overlap_steps` (the run's last step if that comes first) every rank waits for the round and
+    applies
+        theta <- served + (theta_now - theta_snapshot)   to what the node trains (`overlap_correction` c < 1:
+                                                         theta_now + c * (served - theta_snapshot)),
+        theta <- served                                  to the rest,
+    computed on rank 0 from whole tensors and loaded into every rank's parameters or shards, so DDP replicas and FSDP
+    shards end alike; the optimizer state is kept. A round applied at the step it was uploaded (c = 1) is loaded as
+    downloaded: a blocking run. A fixed step rather than "when the round arrives" keeps a run deterministic whatever
+    the link, and a resumed run repeats the uninterrupted one: a checkpoint taken while a round is in flight holds
+    its snapshot (`PENDING_FILE`) and the codec's state from before it (`CODEC_FILE`); `resume` uploads the snapshot
+    again (the server counts a repeated upload once) and applies the round when the interrupted run would have. A
+    node the run moved past loads the latest global model instead.
+    """
 
     def __init__(self, cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> None:
         self.model, self.info, self.log = model, info, log
         self.distributed = info.world_size > 1
-        self.shapes, self.trainable = model_manifest(unwrap(model))  # NOTE: DDP's own names carry a `module.` prefix
-        self.server_addr = cfg.spes_config.server_addr
-        self.interval = cfg.spes_config.round_interval
-        self.client: SyncClient | None = None
-        if info.is_main:
-            # NOTE: `load_full` copies every result into the model at once, so the client may reuse its buffers
-            self.client = sync_client(cfg, reuse_buffers=True)
+        shapes, self.trainable = model_manifest(unwrap(model))  # NOTE: DDP's own names carry a `module.` prefix
+        s = cfg.spes_config
+        self.spec = node_spec(cfg, shapes)
+        assert self.trainable == self.spec.trainable(s.peer_id), "the model trains other tensors than the run spec"
+        self.layout, self.server_addr, self.last_step = self.spec.layout, s.server_addr, cfg.duration_steps
+        self.overlap_steps = s.overlap_delay if s.overlap_sync else 0
+        self.correction = s.overlap_correction if s.overlap_sync else 1.0
+        # NOTE: `load_full` copies every result into the model at once, so the client may reuse its buffers
+        self.client = sync_client(cfg, self.spec) if info.is_main else None
+        self._taken: int | None = None
+        """The step at which the round in flight was uploaded (every rank); None when none is."""
+        self._pending: PendingRound | None = None
+        """Rank 0: the round in flight, with its snapshot."""
+        self._codec_before: tuple[dict[str, str], Tensors] = ({}, {})
+        """Rank 0: the codec's state before the round in flight (what a checkpoint taken meanwhile holds)."""
+        self._exchanged: Future[Exchange] | None = None
+        """Rank 0: its exchange with the server."""
 
     def join(self) -> None:
-        """Announce this node's model manifest; the server refuses a node whose model differs from the run's."""
+        """Announce this node's spec and manifest (the server refuses a node whose run differs); with fragments, say
+        what each round uploads: a fragment much larger than the others takes longer than its share of the link."""
         error = None
         if self.client is not None:
             try:
-                current = self.client.join(self.shapes, self.trainable)
+                current = self.client.join()
                 self.log(
-                    f"joined parameter server (current round: step {current}); "
-                    f"uploading {len(self.trainable)} of {len(self.shapes)} tensors per round"
+                    f"joined parameter server (current round: step {current}); uploading "
+                    f"{len(self.trainable)} of {len(self.spec.manifest or {})} tensors per round ({self.spec.codec})"
                 )
             except SyncError as e:
                 error = e
         self._agree(error, "join the parameter server")
+        count = self.layout.overlap_fragments
+        if count > 1:
+            manifest = self.spec.manifest or {}
+            sizes = [
+                sum(math.prod(manifest[n]) * 4 for n in self.layout.names(k, self.trainable)) / 2**20
+                for k in range(1, count + 1)
+            ]
+            self.log(
+                f"{count} fragments, one every {self.layout.round_interval} steps, uploading "
+                + ", ".join(f"{mb:.1f}" for mb in sizes)
+                + " MiB (fp32) of what this node trains"
+            )
 
     def syncs_at(self, step: int) -> bool:
         """Whether `step` is a sync step (one at which the node uploads a round)."""
-        return step % self.interval == 0
+        return self.layout.syncs_at(step, self.last_step)
 
     def sync(self, step: int) -> SyncResult:
-        """One round at `step`: upload, wait for the global model, load it; every rank returns the same step."""
-        upload = gather_full(self.model, self.trainable, self.info)
-        downloaded, stats, error = self._exchange(step, upload)
-        del upload
-        return self._load(step, downloaded, stats, error, what=f"synchronize at step {step}")
+        """Apply the round in flight (due by now), then upload the snapshot of `step`; apply that at once when it is
+        due now (a blocking run, or the run's last step)."""
+        landed = self._land(step) if self._taken is not None else SyncResult(step=step, rounds=0)
+        if landed.caught_up:  # the run has moved past this node: it continues from the round it loaded
+            return landed
+        snapshot = gather_full(self.model, self._trained_at(step), self.info)
+        self._start(PendingRound(round_id=step, step=step, snapshot=snapshot) if self.info.is_main else None, step)
+        return landed.then(self._land(step)) if self._due(step) else landed
 
     def land(self, step: int) -> SyncResult | None:
-        """Nothing to do between sync steps: a blocking round is loaded before `sync` returns."""
-        return None
+        """Apply the round in flight if it is due at `step` (a collective then); None otherwise."""
+        return self._land(step) if self._due(step) else None
 
     def checkpoint_files(self) -> dict[str, Callable[[Path], None]]:
-        """Files a checkpoint needs beside the model, optimizer and trainer state: none, nothing is in flight."""
-        return {}
+        """Files a checkpoint holds beside the model (rank 0 writes them): the round in flight, if any, and the codec's
+        state before it."""
+        files: dict[str, Callable[[Path], None]] = {}
+        if self._pending is not None:
+            files[PENDING_FILE] = self._pending.save
+        metadata, tensors = self._codec_before if self._pending is not None else self._codec_state()
+        if metadata:
+            files[CODEC_FILE] = lambda path: _save_state(path, metadata, tensors)
+        return files
 
     def resume(self, checkpoint: Path) -> None:
-        """Refuse a checkpoint taken while an overlapped round was in flight: a blocking node would drop it."""
-        if (checkpoint / PENDING_FILE).is_file():
-            raise ValueError(
-                f"checkpoint {checkpoint} was taken while an overlapped round was in flight ({PENDING_FILE}); "
-                "resume it with spes_config.overlap_sync=true, or from a checkpoint taken without overlap"
-            )
+        """Take up what a checkpoint holds: the codec's state, and the round it left in flight (uploaded again and
+        applied when due)."""
+        path, codec_path = checkpoint / PENDING_FILE, checkpoint / CODEC_FILE
+        pending, error = None, None
+        if self.client is not None:
+            try:
+                if codec_path.is_file():
+                    self.client.codec.load_state_dict(*_load_state(codec_path))
+                if path.is_file():
+                    pending = PendingRound.load(path, self.spec.manifest)
+                    if sorted(pending.snapshot) != sorted(self._trained_at(pending.step)):
+                        raise ValueError(
+                            f"pending round {path}: its snapshot is not of the tensors this node trains at step "
+                            f"{pending.step} (was it written by another spes_config.peer_id, mode, sync_steps or "
+                            "overlap_fragments?)"
+                        )
+            except (OSError, ValueError) as e:
+                error = e
+        self._agree(error, f"read {checkpoint}")
+        taken = torch.tensor([pending.step if pending is not None else -1], device=self.info.device)
+        if self.distributed:
+            dist.broadcast(taken, src=0)
+        if taken.item() >= 0:
+            self._start(pending, int(taken.item()))
+            self.log(f"resumed the round of step {int(taken.item())} that {checkpoint} holds in flight")
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+    # -- the round's life -------------------------------------------------------------------------
+    def _trained_at(self, step: int) -> list[str]:
+        """What this node uploads at sync step `step`: the tensors it trains, of that step's fragment."""
+        return self.layout.names(self.layout.fragment_at(step, self.last_step), self.trainable)
+
+    def _due(self, step: int) -> bool:
+        return self._taken is not None and step >= min(self._taken + self.overlap_steps, self.last_step)
+
+    def _codec_state(self) -> tuple[dict[str, str], Tensors]:
+        return self.client.codec.state_dict() if self.client is not None else ({}, {})
+
+    def _start(self, pending: PendingRound | None, step: int) -> None:
+        """Track the round uploaded at `step` (every rank); rank 0 runs its exchange, on a background thread when
+        the round lands later."""
+        self._taken = step
+        if self.client is None:
+            return
+        assert pending is not None
+        self._pending, self._codec_before = pending, self._codec_state()
+        fragment = self.layout.fragment_at(step, self.last_step)
+
+        def exchange() -> Exchange:
+            return self._exchange(pending.round_id, pending.snapshot, fragment)
+
+        self._exchanged = _at_once(exchange) if self._due(step) else _in_background(exchange, f"spes-round-{step}")
+
+    def _land(self, step: int) -> SyncResult:
+        """Wait for the round in flight and apply it on every rank (a collective)."""
+        started = time.perf_counter()
+        downloaded: Tensors = {}
+        stats, error, snapshot = None, None, {}
+        if self._exchanged is not None and self._pending is not None:
+            try:
+                downloaded, stats, error = self._exchanged.result()
+            except Exception as e:  # noqa: BLE001 -- raised on every rank by _load
+                error = e
+            snapshot = self._pending.snapshot
+        taken = self._taken
+        assert taken is not None
+        self._taken, self._pending, self._exchanged = None, None, None
+        as_downloaded = step == taken and self.correction == 1.0  # NOTE: nothing trained since the snapshot
+        result = self._load(
+            step,
+            downloaded,
+            stats,
+            error,
+            what=f"apply the round of step {taken}",
+            snapshot=None if as_downloaded else snapshot,
+            trained=self._trained_at(taken),
+        )
+        return replace(result, waited_s=time.perf_counter() - started)
 
     def _exchange(self, step: int, upload: Tensors, fragment: int = WHOLE) -> Exchange:
         """Rank 0's exchange with the server (nothing on the other ranks); a failure is returned, for `_agree`."""
@@ -202,14 +321,13 @@ class PeerSync:
         error: Exception | None,
         *,
         what: str,
-        snapshot: Tensors | None = None,
-        correction: float = 1.0,
-        trained: list[str] | None = None,
+        snapshot: Tensors | None,
+        trained: list[str],
     ) -> SyncResult:
-        """Load a round's global model on every rank (a collective): as downloaded, or, given the `snapshot` it was
-        uploaded from (rank 0; {} elsewhere) of the tensors `trained` (every rank), with the local progress made
-        since (`apply_overlapped`, on whole tensors on rank 0). A node that had fallen behind loads the whole
-        global model and continues from its step.
+        """Load a round's served model on every rank (a collective): as downloaded, or, given the `snapshot` it was
+        uploaded from (rank 0; {} elsewhere) of the tensors `trained`, with the local progress made since
+        (`apply_overlapped`, on whole tensors on rank 0). A node that had fallen behind loads the whole global model
+        and continues from its step.
         """
         self._agree(error, what)
         caught_up_to = stats.round if stats is not None and stats.caught_up else -1
@@ -223,10 +341,10 @@ class PeerSync:
                 f"round {caught_up_to} and continues from step {caught_up_to}"
             )
         elif snapshot is not None:
-            now = gather_full(self.model, self.trainable if trained is None else trained, self.info)
+            now = gather_full(self.model, trained, self.info)
             if self.info.is_main:
                 frozen = {n: p.detach() for n, p in unwrap(self.model).named_parameters() if n not in now}
-                downloaded = apply_overlapped(downloaded, {**frozen, **now}, snapshot, correction)
+                downloaded = apply_overlapped(downloaded, {**frozen, **now}, snapshot, self.correction)
             del now
         load_full(self.model, downloaded, self.info)
         if caught_up_to >= 0:
@@ -250,151 +368,29 @@ class PeerSync:
         if error is not None:
             raise error
 
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+
+def _save_state(path: Path, metadata: dict[str, str], tensors: Tensors) -> None:
+    """The codec's state as safetensors (metadata in the header; never pickled), written atomically."""
+    contiguous = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+    write_atomic(path, lambda tmp: save_file(contiguous, tmp, metadata=metadata))
 
 
-class OverlappedSync(PeerSync):
-    """PeerSync that trains on while its round is in flight (`spes_config.overlap_sync`).
+def _load_state(path: Path) -> tuple[dict[str, str], Tensors]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {}), {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    except SafetensorError as exc:
+        raise ValueError(f"codec state {path}: not a readable safetensors file ({exc})") from None
 
-    At sync step `s` every rank takes part in gathering what the node trains; rank 0 keeps the whole fp32 tensors
-    on the CPU as the round's snapshot, uploads them from a background thread, and training goes on. At step
-    `s + overlap_steps` (the run's last step if that comes first) every rank waits for the round and applies
-        theta <- global + (theta_now - theta_snapshot)   to what the node trains (`overlap_correction` c < 1:
-                                                         theta_now + c * (global - theta_snapshot)),
-        theta <- global                                  to the rest,
-    computed on rank 0 from whole tensors and loaded into every rank's parameters or shards, so DDP replicas and
-    FSDP shards end alike; the optimizer state is kept. A fixed step rather than "when the round arrives" keeps a
-    run deterministic whatever the link: a delay of 0 (with c = 1) is the blocking run bit for bit, a resumed run
-    repeats the uninterrupted one. A failed round raises at that step on every rank, as a blocking one does.
 
-    Checkpoints do not wait for the round: one taken while it is in flight holds its snapshot (`PENDING_FILE`,
-    safetensors), and `resume` uploads it again (the server counts a repeated upload once) and applies the round
-    at the step the interrupted run would have. A node the run moved past loads the latest global model instead.
-    """
-
-    def __init__(self, cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> None:
-        super().__init__(cfg, model, info, log)
-        s = cfg.spes_config
-        self.delay, self.last_step, self.correction = s.overlap_delay, cfg.duration_steps, s.overlap_correction
-        self.sync_steps, self.layout = (
-            s.sync_steps,
-            Layout.of(self.shapes, s.overlap_fragments, s.sync_steps, "diloco" if cfg.mode == "diloco" else "spes"),
-        )
-        self._taken: int | None = None
-        """The step at which the round in flight was uploaded (every rank); None when none is."""
-        self._pending: PendingRound | None = None
-        """Rank 0: the round in flight, with its snapshot."""
-        self._exchanged: Future[Exchange] | None = None
-        """Rank 0: its exchange with the server, running on a background thread."""
-
-    def sync(self, step: int) -> SyncResult:
-        """Apply the round in flight (due by now), then upload the snapshot of `step` in the background; apply that
-        at once when it is due now (a delay of 0, or the run's last step)."""
-        landed = self._land(step) if self._taken is not None else SyncResult(step=step, rounds=0)
-        if landed.caught_up:  # the run has moved past this node: it continues from the round it loaded
-            return landed
-        snapshot = gather_full(self.model, self._trained_at(step), self.info)
-        self._start(PendingRound(round_id=step, step=step, snapshot=snapshot) if self.info.is_main else None, step)
-        return landed.then(self._land(step)) if self._due(step) else landed
-
-    def land(self, step: int) -> SyncResult | None:
-        """Apply the round in flight if it is due at `step` (a collective then); None otherwise."""
-        return self._land(step) if self._due(step) else None
-
-    def checkpoint_files(self) -> dict[str, Callable[[Path], None]]:
-        """The round in flight, if any, as `PENDING_FILE` (rank 0 holds it and writes the checkpoint's files)."""
-        return {PENDING_FILE: self._pending.save} if self._pending is not None else {}
-
-    def resume(self, checkpoint: Path) -> None:
-        """Take up the round a checkpoint left in flight: upload its snapshot again and apply the round when due."""
-        path = checkpoint / PENDING_FILE
-        pending, error = None, None
-        if self.info.is_main and path.is_file():
-            try:
-                pending = PendingRound.load(path, self.shapes)
-                if sorted(pending.snapshot) != sorted(self._trained_at(pending.step)):
-                    raise ValueError(
-                        f"pending round {path}: its snapshot is not of the tensors this node trains at step "
-                        f"{pending.step} (was it written by another spes_config.peer_id, mode, sync_steps or "
-                        "overlap_fragments?)"
-                    )
-            except (OSError, ValueError) as e:
-                error = e
-        self._agree(error, f"read {path}")
-        taken = torch.tensor([pending.step if pending is not None else -1], device=self.info.device)
-        if self.distributed:
-            dist.broadcast(taken, src=0)
-        if taken.item() >= 0:
-            self._start(pending, int(taken.item()))
-            self.log(f"resumed the round of step {int(taken.item())} that {checkpoint} holds in flight")
-
-    def join(self) -> None:
-        """Join, and with fragments say what each round uploads: a fragment much larger than the others takes
-        longer than `sync_steps / F` steps on a link sized for the whole model."""
-        super().join()
-        if self.layout.count > 1:
-            sizes = [
-                sum(math.prod(self.shapes[n]) * 4 for n in self.layout.names(k, self.trainable)) / 2**20
-                for k in range(1, self.layout.count + 1)
-            ]
-            self.log(
-                f"{self.layout.count} fragments, one every {self.interval} steps, uploading "
-                + ", ".join(f"{mb:.1f}" for mb in sizes)
-                + " MiB (fp32) of what this node trains"
-            )
-
-    def syncs_at(self, step: int) -> bool:
-        """Every `sync_steps / F` steps; with fragments also the run's last step, which syncs the whole model."""
-        return super().syncs_at(step) or (self.layout.count > 1 and step == self.last_step)
-
-    def _fragment(self, step: int) -> int:
-        return fragment_at(step, self.sync_steps, self.layout.count, self.last_step)
-
-    def _trained_at(self, step: int) -> list[str]:
-        """What this node uploads at sync step `step`: the tensors it trains, of that step's fragment."""
-        return self.layout.names(self._fragment(step), self.trainable)
-
-    def _due(self, step: int) -> bool:
-        return self._taken is not None and step >= min(self._taken + self.delay, self.last_step)
-
-    def _start(self, pending: PendingRound | None, step: int) -> None:
-        """Track the round uploaded at `step` (every rank); rank 0 runs its exchange on a background thread."""
-        self._taken = step
-        if self.client is not None:
-            assert pending is not None
-            self._pending = pending
-            round_id, snapshot, fragment = pending.round_id, pending.snapshot, self._fragment(step)
-            self._exchanged = _in_background(
-                lambda: self._exchange(round_id, snapshot, fragment), f"spes-round-{round_id}"
-            )
-
-    def _land(self, step: int) -> SyncResult:
-        """Wait for the round in flight and apply it on every rank (a collective)."""
-        started = time.perf_counter()
-        downloaded: Tensors = {}
-        stats, error, snapshot = None, None, {}
-        if self._exchanged is not None and self._pending is not None:
-            try:
-                downloaded, stats, error = self._exchanged.result()
-            except Exception as e:  # noqa: BLE001 -- raised on every rank by _load
-                error = e
-            snapshot = self._pending.snapshot
-        taken = self._taken
-        assert taken is not None
-        self._taken, self._pending, self._exchanged = None, None, None
-        result = self._load(
-            step,
-            downloaded,
-            stats,
-            error,
-            what=f"apply the round of step {taken}",
-            snapshot=snapshot,
-            correction=self.correction,
-            trained=self._trained_at(taken),
-        )
-        return replace(result, waited_s=time.perf_counter() - started)
+def _at_once(fn: Callable[[], T]) -> Future[T]:
+    """`fn()` run now, as a finished Future (a round applied at the step it is uploaded needs no thread)."""
+    future: Future[T] = Future()
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 -- handed to the waiting trainer
+        future.set_exception(e)
+    return future
 
 
 def _in_background(fn: Callable[[], T], name: str) -> Future[T]:

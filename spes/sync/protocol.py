@@ -1,37 +1,24 @@
 """The SPES protocol's vocabulary, shared by the server, both planes and the client.
 
-Everything both ends must agree on, and nothing that moves bytes: the protocol version, the wire dtypes, the
-machine-readable reasons a refusal carries (trailing metadata `spes-reason` over gRPC, the error frame's
-`reason` over the raw-TCP data plane), the errors on either side, the type aliases of the sync wing, and the
-`Plane` interface both transports implement.
-protos/spes.proto describes the messages themselves.
+Everything both ends must agree on, and nothing that moves bytes: the protocol version, the machine-readable
+reasons a refusal carries (trailing metadata `spes-reason` over gRPC, the error frame's `reason` over the raw-TCP
+data plane), the errors on either side, and the type aliases of the sync wing. It imports nothing of the sync
+wing but the generated messages, so every other module may import it. protos/spes.proto describes the messages.
 """
 
 from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal
 
 import grpc
 import torch
 
-from spes.sync.proto import spes_pb2 as pb
-
-if TYPE_CHECKING:
-    from spes.sync.wire import Item, TensorDecoder
-
-PROTOCOL_VERSION = 5
-"""5: rounds over fragments of the model (`spes.sync.fragments`); 4: the data plane's control frames are protobuf
-messages of protos/spes.proto; 3: XXH3-64 checksums (data-plane frames JSON); 2: CRC-32C; before it (unversioned):
-zlib CRC-32."""
-WIRE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""The dtypes raw values travel in, by their wire name."""
-INT8 = "int8"
-"""The wire of int8 deltas against the held model (`spes.sync.deltas`): a run-wide choice, full values in fp32."""
-WIRE_CHOICES = (*WIRE_DTYPES, INT8)
-"""What a peer may set as its wire (`spes_config.wire_dtype`): a raw dtype, or int8 deltas."""
+PROTOCOL_VERSION = 6
+"""6: a run spec in every Join (`spes.sync.spec`) and codecs on the wire (`spes.sync.codecs`); 5: rounds over
+fragments of the model (`spes.sync.fragments`); 4: the data plane's control frames are protobuf messages of
+protos/spes.proto; 3: XXH3-64 checksums (data-plane frames JSON); 2: CRC-32C; before it (unversioned): zlib CRC-32."""
 REASON_KEY = "spes-reason"
 """The gRPC trailing-metadata key that carries a refusal's `Reason`."""
 PROBE_MAX_BYTES = 256 << 20
@@ -90,7 +77,7 @@ class Reason(StrEnum):
     WRONG_PROTOCOL = "wrong_protocol"
     """The peer speaks another protocol version (`version_refusal`): run the same spes version everywhere."""
     BASE_MISMATCH = "base_mismatch"
-    """An int8 delta against a held model other than the receiver's: send full values instead."""
+    """A coded payload against a held model other than the receiver's: send full values instead."""
 
 
 RETRY_REASONS = frozenset({Reason.CORRUPT, Reason.BUSY, Reason.DUPLICATE_PEER})
@@ -105,11 +92,6 @@ class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, reason: Reason = Reason.NONE) -> None:
         super().__init__(message)
         self.code, self.reason = code, Reason(reason)
-
-
-def values_dtype(wire: str) -> str:
-    """The dtype raw values travel in on `wire`: itself, or fp32 for int8 deltas (whose full values are fp32)."""
-    return "fp32" if wire == INT8 else wire
 
 
 def version_refusal(who: str, version: int) -> Refused:
@@ -155,38 +137,3 @@ def classify(what: str, code: grpc.StatusCode, details: str, reason: str) -> Syn
     known = reason_of(reason)
     retryable = (code in RETRYABLE_CODES and known != Reason.ROUND_TIMEOUT) or known in RETRY_REASONS
     return SyncError(f"{what} failed ({code.name}): {details}", code, reason=known, retryable=retryable)
-
-
-class Plane(Protocol):
-    """How a client's tensor payloads travel to and from the server: `spes.sync.plane_grpc.GrpcPlane` (gRPC
-    streams) or `spes.sync.plane_tcp.TcpPlane` (the raw-TCP data plane). Same rounds, same checks, same reasons:
-    every failure is a `SyncError`, retryable when sending the same request again may succeed."""
-
-    name: str
-    """"grpc" or "tcp"."""
-
-    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = 0) -> tuple[int, bool]:
-        """Send this peer's upload of round `step` (values, or int8 deltas) over `fragment` of the model (0: all of it,
-        `spes.sync.fragments`): (payload bytes sent, whether the server already had it)."""
-        ...
-
-    def download(
-        self,
-        step: int,
-        timeout: float,
-        *,
-        full: bool,
-        base_round: int,
-        decoder_for: Callable[[pb.RoundInfo], TensorDecoder],
-    ) -> tuple[pb.RoundInfo, Tensors, int]:
-        """Wait for round `step` and receive it: (its RoundInfo, the raw tensors, payload bytes received).
-
-        `decoder_for(info)` checks the announced round and returns the decoder of the tensors that must follow (its
-        manifest and buffers; int8 deltas land in its `deltas`); `base_round` is the round of the held model this
-        peer holds (int8 wire; `spes.sync.deltas.NO_BASE` otherwise).
-        """
-        ...
-
-    def probe(self, num_bytes: int) -> tuple[float, float]:
-        """Link test: (seconds to send `num_bytes`, seconds to receive as many back); counted nowhere."""
-        ...

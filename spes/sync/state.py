@@ -2,25 +2,27 @@
 
 After every completed round, before any peer may download it, the server writes
 
-    round-<step>.safetensors   the global model (fp32) and, under `momentum/<name>`, the DiLoCo outer momentum
-                               and, under `held/<name>`, the held model of an int8 wire (`spes.sync.deltas`;
-                               a held tensor that is the global one is written once, listed in state.json)
-    state.json                 the round (step, peers that built it, merge flag and alpha), the run's settings,
+    round-<step>.safetensors   the global model (fp32), under `momentum/<name>` the DiLoCo outer momentum and,
+                               under `codec/<name>`, what the codec serves beyond the global model (a held-model
+                               codec's held model; a held tensor that is the global one is written once, listed in
+                               state.json)
+    state.json                 the round (step, peers that built it, fragment, merge alpha), the run spec it was
+                               written under (`spes.sync.spec.RunSpec`: mode, peers, ownership, schedule, codec),
                                the model manifest, and the name and size of the tensor file
 
 each through a temporary file in the same directory, fsync and `os.replace`; `state.json` is replaced last and
 is the commit point, so a server killed at any moment (SIGKILL included) leaves either the previous round or
-the new one, never a mix. A restarted server with the same `--state_dir` resumes from that round; the
-peers' retries (re-join, re-upload) then complete the round that was open. Nothing is unpickled: tensors are
-read with safetensors, the rest is JSON.
+the new one, never a mix. A restarted server with the same `--state_dir` resumes from that round if its run spec
+agrees (the open fields of a server started without the run's YAML are taken from the state); the peers' retries
+(re-join, re-upload) then complete the round that was open. Nothing is unpickled: tensors are read with
+safetensors, the rest is JSON.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +31,14 @@ from safetensors.torch import save_file
 
 from spes.atomic import write_atomic
 from spes.sync.fragments import WHOLE
-from spes.sync.protocol import Shape, Tensors
+from spes.sync.protocol import Manifest, Tensors
+from spes.sync.spec import FIELD_KEYS, RunSpec
 
 STATE_FILE = "state.json"
-FORMAT = 1
+FORMAT = 2
+"""2: the run spec and the codec's tensors (`codec/`); 1: wire dtype and int8 held model (`held/`)."""
 MOMENTUM_PREFIX = "momentum/"
-HELD_PREFIX = "held/"
+CODEC_PREFIX = "codec/"
 _ROUND_FILE = re.compile(r"^round-(\d+)\.safetensors$")
 
 
@@ -44,62 +48,60 @@ class SavedRound:
 
     step: int
     peers: tuple[int, ...]
-    merged: bool
+    fragment: int
+    """The part of the model the round covered. Until every fragment has had a round, the global model holds
+    only the fragments that have."""
     alpha: float
-    manifest: dict[str, Shape]
     global_model: Tensors
     momentum: Tensors
-    held: Tensors = field(default_factory=dict)
-    """Int8 wire: the held model of this round (every tensor), empty on other wires."""
-    fragment: int = WHOLE
-    """The part of the model the round covered (`spes.sync.fragments`). Until every fragment has had a round, the
-    global model holds only the fragments that have."""
-    fragments: int = 1
-    """How the run cuts its model (`spes_config.overlap_fragments`; 1: not at all)..."""
-    sync_steps: int = 0
-    """...every `sync_steps` steps: a restarted server holds its peers to both."""
+    codec_state: Tensors
+    """`ServerCodec.persisted`: empty for a raw codec."""
+    spec: RunSpec
+    """The server's spec, its open fields (manifest, sync_steps) completed from the state."""
 
 
-def save_round(state_dir: str | Path, saved: SavedRound, run: Mapping[str, Any]) -> Path:
-    """Persist `saved` for the run described by `run` (JSON-able settings that must not change on restart)."""
+def spec_record(spec: RunSpec) -> dict[str, Any]:
+    """The compared fields of a spec as JSON."""
+    return {name: list(v) if isinstance(v := getattr(spec, name), tuple) else v for name in FIELD_KEYS}
+
+
+def save_round(state_dir: str | Path, saved: SavedRound) -> Path:
+    """Persist `saved` (its spec must be complete)."""
+    assert saved.spec.manifest is not None
     directory = Path(state_dir)
     directory.mkdir(parents=True, exist_ok=True)
     tensor_file = directory / f"round-{saved.step}.safetensors"
     # NOTE: safetensors writes straight from each tensor's memory: no second copy of the model is made.
-    shared = sorted(n for n, t in saved.held.items() if t is saved.global_model.get(n))
+    shared = sorted(n for n, t in saved.codec_state.items() if t is saved.global_model.get(n))
     tensors = {
         **saved.global_model,
         **{MOMENTUM_PREFIX + n: t for n, t in saved.momentum.items()},
-        **{HELD_PREFIX + n: t for n, t in saved.held.items() if n not in shared},
+        **{CODEC_PREFIX + n: t for n, t in saved.codec_state.items() if n not in shared},
     }
     write_atomic(tensor_file, lambda tmp: save_file({n: t.contiguous() for n, t in tensors.items()}, tmp))
     record = {
         "format": FORMAT,
         "round": saved.step,
         "peers": list(saved.peers),
-        "merged": saved.merged,
-        "alpha": saved.alpha,
-        "run": dict(run),
-        "manifest": {name: list(shape) for name, shape in saved.manifest.items()},
-        "held_is_global": shared,
         "fragment": saved.fragment,
-        "fragments": saved.fragments,
-        "sync_steps": saved.sync_steps,
+        "alpha": saved.alpha,
+        "spec": spec_record(saved.spec),
+        "manifest": {name: list(shape) for name, shape in saved.spec.manifest.items()},
+        "codec_is_global": shared,
         "tensor_file": tensor_file.name,
         "tensor_file_bytes": tensor_file.stat().st_size,
     }
-    data = (json.dumps(record, indent=1) + "\n").encode()
-    write_atomic(directory / STATE_FILE, data)
+    write_atomic(directory / STATE_FILE, (json.dumps(record, indent=1) + "\n").encode())
     for old in directory.iterdir():
         if (_ROUND_FILE.match(old.name) and old.name != tensor_file.name) or old.name.endswith(".tmp"):
             old.unlink(missing_ok=True)
     return tensor_file
 
 
-def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | None:
-    """The persisted round in `state_dir`, or None when there is none yet (a fresh run).
+def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
+    """The persisted round in `state_dir` for the run `spec`, or None when there is none yet (a fresh run).
 
-    Raises ValueError naming the file and key when the state belongs to a run with other settings or is
+    Raises ValueError naming the file and field when the state belongs to a run with another spec or is
     damaged; FileNotFoundError when `state.json` names a tensor file that is gone.
     """
     directory = Path(state_dir)
@@ -108,26 +110,59 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
         return None
     try:
         record = json.loads(state_path.read_text())
+        if record.get("format") != FORMAT:
+            raise ValueError(f"format {record.get('format')!r}, this spes reads format {FORMAT}")
         step, peers, tensor_name = int(record["round"]), [int(p) for p in record["peers"]], record["tensor_file"]
         manifest = {str(n): tuple(int(d) for d in shape) for n, shape in record["manifest"].items()}
-        if record["format"] != FORMAT:
-            raise ValueError(f"format {record['format']!r}, this spes reads format {FORMAT}")
-        held_is_global = [str(n) for n in record.get("held_is_global", [])]
-        fragment = int(record.get("fragment", WHOLE))
-        layout = int(record.get("fragments", 1)), int(record.get("sync_steps", 0))
+        recorded = _recorded_spec(spec, record["spec"], manifest, str(state_path))
+        codec_is_global = [str(n) for n in record.get("codec_is_global", [])]
+        fragment, alpha = int(record.get("fragment", WHOLE)), float(record["alpha"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
-            f"{state_path}: not a spes server state ({exc}); move it away or pick another --state_dir"
+            f"{state_path}: not a spes server state of this version ({exc}); move it away or pick another --state_dir"
         ) from None
-    recorded = dict(record["run"])
-    if "total_peers" in recorded:  # NOTE: a state written before the server's settings named it num_peers
-        recorded["num_peers"] = recorded.pop("total_peers")
-    for key, value in run.items():
-        if recorded.get(key) != value:
-            raise ValueError(
-                f"{state_path}: written by a run with {key}={recorded.get(key)!r}, this server has "
-                f"{key}={value!r}; restart with the same settings or use a fresh --state_dir"
-            )
+    found = spec.first_difference(recorded)
+    if found is not None:
+        name, ours, theirs = found
+        raise ValueError(
+            f"{state_path}: written by a run with {name}={theirs!r}, this server has {name}={ours!r}; restart with "
+            "the same settings or use a fresh --state_dir"
+        )
+    global_model, momentum, codec_state = _read_tensors(directory, state_path, tensor_name, record)
+    codec_state.update({n: global_model[n] for n in codec_is_global if n in global_model})
+    shapes = {name: tuple(t.shape) for name, t in global_model.items()}
+    mismatched = any(manifest.get(name) != shape for name, shape in shapes.items())
+    partial = shapes != manifest and fragment == WHOLE
+    codec_shapes = {name: tuple(t.shape) for name, t in codec_state.items()}
+    if mismatched or partial or not set(momentum) <= set(manifest) or codec_shapes not in ({}, manifest):
+        raise ValueError(f"{directory / tensor_name}: its tensors do not match the manifest in {state_path}")
+    ordered = {name: global_model[name] for name in manifest if name in global_model}  # the order served before
+    codec_state = {name: codec_state[name] for name in manifest} if codec_state else {}
+    complete = spec.completed_by(recorded)
+    return SavedRound(step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete)
+
+
+def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest, origin: str) -> RunSpec:
+    """The spec a state was written under, from its `spec_record` (KeyError/TypeError/ValueError if malformed)."""
+    return replace(
+        spec,
+        mode=fields["mode"],
+        num_peers=int(fields["num_peers"]),
+        experts_per_block=int(fields["experts_per_block"]),
+        block_owners=tuple(int(p) for p in fields["block_owners"]),
+        sync_steps=int(fields["sync_steps"]),
+        overlap_fragments=int(fields["overlap_fragments"]),
+        codec=str(fields["codec"]),
+        codec_settings=tuple((str(k), int(v)) for k, v in fields["codec_settings"]),
+        manifest=manifest,
+        origin=origin,
+    )
+
+
+def _read_tensors(
+    directory: Path, state_path: Path, tensor_name: str, record: dict[str, Any]
+) -> tuple[Tensors, Tensors, Tensors]:
+    """The global model, momentum and codec tensors of the file `state.json` names, size-checked first."""
     tensor_path = directory / Path(tensor_name).name
     if not tensor_path.is_file():
         raise FileNotFoundError(f"{state_path} names {tensor_path}, which is missing: the state directory is damaged")
@@ -138,34 +173,14 @@ def load_round(state_dir: str | Path, run: Mapping[str, Any]) -> SavedRound | No
         )
     global_model: Tensors = {}
     momentum: Tensors = {}
-    held: Tensors = {}
+    codec_state: Tensors = {}
     try:
         with safe_open(str(tensor_path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                for prefix, into in ((MOMENTUM_PREFIX, momentum), (HELD_PREFIX, held), ("", global_model)):
+                for prefix, into in ((MOMENTUM_PREFIX, momentum), (CODEC_PREFIX, codec_state), ("", global_model)):
                     if name.startswith(prefix):
                         into[name[len(prefix) :]] = f.get_tensor(name)
                         break
     except SafetensorError as exc:
         raise ValueError(f"{tensor_path}: unreadable ({exc}): the state directory is damaged") from None
-    shapes = {name: tuple(t.shape) for name, t in global_model.items()}
-    held.update({name: global_model[name] for name in held_is_global if name in global_model})
-    held_shapes = {name: tuple(t.shape) for name, t in held.items()}
-    mismatched = any(manifest.get(name) != shape for name, shape in shapes.items())
-    partial = shapes != manifest and fragment == WHOLE
-    if mismatched or partial or not set(momentum) <= set(manifest) or held_shapes not in ({}, manifest):
-        raise ValueError(f"{tensor_path}: its tensors do not match the manifest in {state_path}")
-    ordered = {name: global_model[name] for name in manifest if name in global_model}  # the order served before
-    held = {name: held[name] for name in manifest} if held else {}
-    return SavedRound(
-        step,
-        tuple(peers),
-        bool(record["merged"]),
-        float(record["alpha"]),
-        manifest,
-        ordered,
-        momentum,
-        held,
-        fragment,
-        *layout,
-    )
+    return global_model, momentum, codec_state

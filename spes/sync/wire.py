@@ -13,14 +13,13 @@ manifest expects and only copies validated bytes into it.
 `feed_raw`, by the raw-TCP data plane (`spes.sync.plane_tcp`), so both share the same header checks. The transport
 settings both ends share live here too: gRPC channel options and reading the PEM/secret files.
 
-With `wire_dtype: int8` a tensor may instead travel as a `Delta`: its int8 payload (`spes.sync.compress`) and the
-round of the held model it applies to, under the same framing and checksums (header `encoding`, `block`,
-`base_round`; the payload is the int8 values, then the fp32 scales).
+A tensor may instead travel coded (`Coded`): a codec's payload (`spes.sync.codecs`) and the round of the held model
+it applies to, under the same framing and checksums (header `codec`, `params`, `base_round`). The wire knows no
+codec: a receiver is given the `Format` of the run's codec and refuses every other.
 """
 
 from __future__ import annotations
 
-import math
 import struct
 import sys
 import threading
@@ -32,10 +31,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from spes.sync import compress
-from spes.sync.compress import Int8Payload
+from spes.sync.codecs.base import Format, Payload
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import WIRE_DTYPES, Shape
+from spes.sync.protocol import Shape
 
 CHUNK_BYTES = 1 << 20
 # NOTE: a raw stream is sent, received, checksummed and checked this much at a time, so each piece is checked
@@ -44,20 +42,22 @@ PIECE_BYTES = 1 << 20
 _CONVERT_ELEMS = 1 << 20
 DIGEST = struct.Struct("<Q")  # a raw stream's trailer: the payload's XXH3-64, little-endian
 _ITEMSIZE: dict[str, int] = {"fp32": 4, "bf16": 2}
+RAW_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The dtypes raw values travel in, by their wire name."""
 
 Encoded = tuple[torch.Tensor, int]  # a tensor's wire form (contiguous CPU tensor of its wire bytes) and its checksum
 
 
 @dataclass(frozen=True)
-class Delta:
-    """An int8 delta as it travels: the payload and the round of the held model it applies to."""
+class Coded:
+    """A coded tensor as it travels: a codec's payload and the round of the held model it applies to."""
 
-    payload: Int8Payload
+    payload: Payload
     base_round: int
 
 
-Item = torch.Tensor | Delta
-"""What travels for one name: its values (raw, in the wire dtype) or a `Delta`."""
+Item = torch.Tensor | Coded
+"""What travels for one name: its values (raw, in the wire dtype) or a `Coded` payload."""
 
 
 KEEPALIVE_S = 20
@@ -96,9 +96,9 @@ def read_file(path: str, what: str) -> bytes:
 
 def wire_torch_dtype(wire_dtype: str) -> torch.dtype:
     """The torch dtype for a wire dtype name ("fp32" | "bf16")."""
-    if wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"unknown wire dtype {wire_dtype!r}: use one of {sorted(WIRE_DTYPES)}")
-    return WIRE_DTYPES[wire_dtype]
+    if wire_dtype not in RAW_DTYPES:
+        raise ValueError(f"unknown wire dtype {wire_dtype!r}: use one of {sorted(RAW_DTYPES)}")
+    return RAW_DTYPES[wire_dtype]
 
 
 def payload_bytes(shape: Shape, wire_dtype: str) -> int:
@@ -139,7 +139,7 @@ def _wire_pieces(tensor: torch.Tensor, wire_dtype: str, elems: int = _CONVERT_EL
     """
     _require_little_endian()
     flat = tensor.detach().reshape(-1)
-    dtype = WIRE_DTYPES[wire_dtype]
+    dtype = RAW_DTYPES[wire_dtype]
     for start in range(0, flat.numel(), elems):
         piece = flat[start : start + elems].to(device="cpu", dtype=dtype).contiguous()
         yield piece.view(torch.uint8).numpy().data
@@ -150,34 +150,16 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
-def pack(payload: Int8Payload) -> torch.Tensor:
-    """An int8 payload's wire bytes: its values, then its fp32 scales (little-endian), as one uint8 tensor."""
-    _require_little_endian()
-    numel = payload.values.numel()
-    packed = torch.empty(payload.num_bytes, dtype=torch.uint8)
-    packed[:numel] = payload.values.view(torch.uint8)
-    packed[numel:] = payload.scales.contiguous().view(torch.uint8)
-    return packed
-
-
-def unpack(name: str, shape: Shape, block: int, packed: torch.Tensor) -> Int8Payload:
-    """The `Int8Payload` of received wire bytes (`pack`'s layout); ValueError naming `name` when malformed."""
-    numel = math.prod(shape)
-    scales = packed[numel:].clone().view(torch.float32)  # NOTE: a copy, so the fp32 view starts aligned
-    return Int8Payload(name, shape, block, packed[:numel].view(torch.int8), scales)
-
-
 def header_for(name: str, item: Item, wire_dtype: str) -> pb.TensorHeader:
-    """The header of one item (its checksum left 0): raw values in `wire_dtype`, or an int8 delta."""
-    if isinstance(item, Delta):
+    """The header of one item (its checksum left 0): raw values in `wire_dtype`, or a coded payload."""
+    if isinstance(item, Coded):
         payload = item.payload
         return pb.TensorHeader(
             name=name,
-            dtype="int8",
             shape=list(payload.shape),
             num_bytes=payload.num_bytes,
-            encoding=pb.ENCODING_INT8_DELTA,
-            block=payload.block,
+            codec=payload.codec,
+            params=payload.params(),
             base_round=item.base_round,
         )
     shape = tuple(item.shape)
@@ -187,8 +169,8 @@ def header_for(name: str, item: Item, wire_dtype: str) -> pb.TensorHeader:
 def encode_whole(item: Item, wire_dtype: str) -> Encoded:
     """An item's whole wire form and its checksum: a view when it already is a contiguous CPU wire-dtype tensor."""
     _require_little_endian()
-    if isinstance(item, Delta):
-        flat = pack(item.payload)
+    if isinstance(item, Coded):
+        flat = item.payload.pack()
     else:
         flat = item.detach().reshape(-1).to(device="cpu", dtype=wire_torch_dtype(wire_dtype)).contiguous()
     return flat, checksum(byte_view(flat))
@@ -276,12 +258,12 @@ def encode_tensor(
     """Yield the chunks of one item; the first one carries the header (also for empty tensors).
 
     Without `encoded` (from `encode_whole`), two passes over a raw tensor: one for the header's checksum, one to
-    send, each converting piece by piece, so a large tensor is never held twice. A `Delta` is packed once.
+    send, each converting piece by piece, so a large tensor is never held twice. A `Coded` payload is packed once.
     """
     wire_torch_dtype(wire_dtype)
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    if encoded is None and isinstance(item, Delta):
+    if encoded is None and isinstance(item, Coded):
         encoded = encode_whole(item, wire_dtype)
     if encoded is None:
         assert isinstance(item, torch.Tensor)
@@ -310,9 +292,9 @@ def write_raw(
     Why the checksum trails the payload: each piece is hashed right before it is written, while it is in
     the CPU's cache, so the sender reads the tensor once instead of once to checksum and once to send (and
     converts to the wire dtype piece by piece, never holding a second copy). With `encoded` (`EncodedModel`)
-    the bytes and checksum are already known; a `Delta` is packed once. Returns the payload's byte count.
+    the bytes and checksum are already known; a `Coded` payload is packed once. Returns the payload's byte count.
     """
-    if encoded is None and isinstance(item, Delta):
+    if encoded is None and isinstance(item, Coded):
         encoded = encode_whole(item, wire_dtype)
     if encoded is not None:
         data = byte_view(encoded[0])
@@ -358,7 +340,7 @@ class CorruptChunk(ValueError):
 
 
 class BaseMismatch(ValueError):
-    """An int8 delta against a held model other than the receiver's: the sender must send full values instead."""
+    """A coded payload against a held model other than the receiver's: the sender must send full values instead."""
 
 
 class TensorDecoder:
@@ -376,10 +358,11 @@ class TensorDecoder:
     it arrives. With `into`, tensors are received into its buffers (and new ones are added to it), so a receiver that
     keeps `into` across rounds touches no fresh memory: the returned tensors are valid until its next use.
 
-    With `delta_base` (int8 wires), a name may come as an int8 delta (in `deltas`, not in what `finish` returns)
-    instead of raw values: its block must be in [`compress.MIN_BLOCK`, `compress.MAX_BLOCK`], its byte count that
-    of its shape and block, its scales finite and >= 0, and its base round `delta_base` (-1: the receiver holds
-    no base, so every delta is refused); another base is a `BaseMismatch`. Without it a delta is refused.
+    With `coded` (the `Format` of the run's codec) and `base_round`, a name may come as that codec's payload (in
+    `coded`, not in what `finish` returns) instead of raw values: the header must name that codec, its parameters
+    and byte count must be what the format expects for the shape (checked before a byte is read), the payload must
+    unpack (the format's own checks), and its base round must be `base_round` (-1: the receiver holds no base, so
+    every payload is refused); another base is a `BaseMismatch`. Without `coded`, a coded payload is refused.
     """
 
     def __init__(
@@ -389,14 +372,16 @@ class TensorDecoder:
         into: MutableMapping[str, torch.Tensor] | None = None,
         *,
         require_finite: bool = False,
-        delta_base: int | None = None,
+        coded: Format | None = None,
+        base_round: int = -1,
     ) -> None:
         self._expected = {name: tuple(int(d) for d in shape) for name, shape in expected.items()}
-        self._into, self._require_finite, self._delta_base = into, require_finite, delta_base
-        self._block = 0
-        """The block of the int8 delta being received (0: raw values)."""
-        self.deltas: dict[str, Delta] = {}
-        """The int8 deltas received whole."""
+        self._into, self._require_finite = into, require_finite
+        self._format, self._base_round = coded, base_round
+        self._params: dict[str, int] | None = None
+        """The parameters of the coded payload being received (None: raw values)."""
+        self.coded: dict[str, Coded] = {}
+        """The coded payloads received whole."""
         self._itemsize = _ITEMSIZE[wire_dtype]
         self._checked = 0
         self._wire_dtype = wire_dtype
@@ -472,7 +457,7 @@ class TensorDecoder:
     def _check_finite(self) -> None:
         """With `require_finite`: no NaN/Inf among the whole elements received since the last check."""
         end = self._filled - self._filled % self._itemsize
-        if not self._require_finite or self._block or end == self._checked:
+        if not self._require_finite or self._params is not None or end == self._checked:
             return
         elements = self._tensor.reshape(-1)[self._checked // self._itemsize : end // self._itemsize]
         self._checked = end
@@ -483,13 +468,11 @@ class TensorDecoder:
         name = header.name
         if name not in self._expected:
             raise ValueError(f"tensor {name!r} is not expected here (unknown name, or not trained by this peer)")
-        if name in self._done or name in self.deltas:
+        if name in self._done or name in self.coded:
             raise ValueError(f"tensor {name!r} sent twice (duplicated tensor)")
-        if header.encoding == pb.ENCODING_INT8_DELTA:
-            self._open_delta(header, self._expected[name])
+        if header.codec:
+            self._open_coded(header, self._expected[name])
             return
-        if header.encoding != pb.ENCODING_RAW:
-            raise ValueError(f"tensor {name!r}: unknown encoding {header.encoding}")
         if header.dtype != self._wire_dtype:
             raise ValueError(f"tensor {name!r}: dtype {header.dtype!r} on the wire, expected {self._wire_dtype!r}")
         shape = tuple(int(d) for d in header.shape)
@@ -503,39 +486,38 @@ class TensorDecoder:
                 f"shape {list(want)} in {self._wire_dtype} needs {num_bytes}"
             )
         _require_little_endian()
-        self._start(header, self._buffer(name, want), block=0)
+        self._start(header, self._buffer(name, want), params=None)
 
-    def _open_delta(self, header: pb.TensorHeader, want: Shape) -> None:
-        """Check an int8 delta's header (before any of its bytes are read) and allocate its payload."""
-        name, block = header.name, header.block
-        if self._delta_base is None:
-            raise ValueError(f"tensor {name!r}: an int8 delta, but this stream carries {self._wire_dtype} values only")
-        if header.dtype != "int8" or tuple(int(d) for d in header.shape) != want:
-            raise ValueError(
-                f"tensor {name!r}: int8 delta of dtype {header.dtype!r} and shape {list(header.shape)} on the wire, "
-                f"expected 'int8' and {list(want)}"
-            )
-        if not compress.MIN_BLOCK <= block <= compress.MAX_BLOCK:
-            raise ValueError(
-                f"tensor {name!r}: int8 block of {block} values, expected {compress.MIN_BLOCK} to {compress.MAX_BLOCK}"
-            )
-        num_bytes = compress.payload_bytes(math.prod(want), block)
+    def _open_coded(self, header: pb.TensorHeader, want: Shape) -> None:
+        """Check a coded payload's header (before any of its bytes are read) and allocate its bytes."""
+        name, fmt = header.name, self._format
+        if fmt is None or header.codec != fmt.name:
+            expected = f"{fmt.name} payloads or {self._wire_dtype} values" if fmt else f"{self._wire_dtype} values only"
+            raise ValueError(f"tensor {name!r}: a {header.codec!r} payload, but this stream carries {expected}")
+        shape = tuple(int(d) for d in header.shape)
+        if shape != want:
+            raise ValueError(f"tensor {name!r}: {fmt.name} payload of shape {list(shape)}, expected {list(want)}")
+        params = {str(k): int(v) for k, v in header.params.items()}
+        try:
+            num_bytes = fmt.payload_bytes(want, params)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from None
         if header.num_bytes != num_bytes:
             raise ValueError(
-                f"tensor {name!r}: header says {header.num_bytes} bytes, an int8 delta of shape {list(want)} in "
-                f"blocks of {block} needs {num_bytes}"
+                f"tensor {name!r}: header says {header.num_bytes} bytes, a {fmt.name} payload of shape {list(want)} "
+                f"with {params} needs {num_bytes}"
             )
-        if header.base_round != self._delta_base:
-            held = f"round {self._delta_base}" if self._delta_base >= 0 else "none"
+        if header.base_round != self._base_round:
+            held = f"round {self._base_round}" if self._base_round >= 0 else "none"
             raise BaseMismatch(
-                f"tensor {name!r}: an int8 delta against the held model of round {header.base_round}, but the "
-                f"receiver holds {held}: send full values"
+                f"tensor {name!r}: a {fmt.name} payload against the held model of round {header.base_round}, but "
+                f"the receiver holds {held}: send full values"
             )
         _require_little_endian()
-        self._start(header, torch.empty(num_bytes, dtype=torch.uint8), block=block)
+        self._start(header, torch.empty(num_bytes, dtype=torch.uint8), params=params)
 
-    def _start(self, header: pb.TensorHeader, tensor: torch.Tensor, *, block: int) -> None:
-        self._name, self._tensor, self._block = header.name, tensor, block
+    def _start(self, header: pb.TensorHeader, tensor: torch.Tensor, *, params: dict[str, int] | None) -> None:
+        self._name, self._tensor, self._params = header.name, tensor, params
         # NOTE: a writable byte view of the tensor itself: chunks land in place, no final conversion.
         self._buf = byte_view(self._tensor)
         self._filled = self._checked = 0
@@ -562,21 +544,21 @@ class TensorDecoder:
                 f"tensor {name!r}: payload checksum {self._hash.intdigest():#018x} differs from the sender's "
                 f"{self._digest:#018x}"
             )
-        if self._block:
-            assert self._delta_base is not None
-            payload = unpack(name, self._expected[name], self._block, self._tensor)
-            self.deltas[name] = Delta(payload, self._delta_base)
+        if self._params is not None:
+            assert self._format is not None
+            payload = self._format.unpack(name, self._expected[name], self._params, self._tensor)
+            self.coded[name] = Coded(payload, self._base_round)
         else:
             self._done[name] = self._tensor
             self.checksums[name] = self._digest
         self._name, self._tensor, self._buf = None, torch.empty(0), memoryview(b"")
 
     def finish(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Close the stream and return the raw tensors (the deltas are in `deltas`); every name of `names` (default:
-        all expected) must have arrived, one way or the other."""
+        """Close the stream and return the raw tensors (the coded payloads are in `coded`); every name of `names`
+        (default: all expected) must have arrived, one way or the other."""
         self._finish_current()
         required = set(self._expected) if names is None else set(names)
-        missing = sorted(required - set(self._done) - set(self.deltas))
+        missing = sorted(required - set(self._done) - set(self.coded))
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

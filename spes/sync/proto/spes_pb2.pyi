@@ -7,11 +7,6 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    ENCODING_RAW: _ClassVar[Encoding]
-    ENCODING_INT8_DELTA: _ClassVar[Encoding]
-
 class DataOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DATA_OP_UNSPECIFIED: _ClassVar[DataOp]
@@ -19,8 +14,6 @@ class DataOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATA_OP_DOWNLOAD: _ClassVar[DataOp]
     DATA_OP_PING: _ClassVar[DataOp]
     DATA_OP_PROBE: _ClassVar[DataOp]
-ENCODING_RAW: Encoding
-ENCODING_INT8_DELTA: Encoding
 DATA_OP_UNSPECIFIED: DataOp
 DATA_OP_UPLOAD: DataOp
 DATA_OP_DOWNLOAD: DataOp
@@ -35,31 +28,46 @@ class TensorSpec(_message.Message):
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class JoinRequest(_message.Message):
-    __slots__ = ("peer_id", "num_peers", "experts_per_peer", "mode", "wire_dtype", "manifest", "trainable", "protocol", "dry_run", "fragments", "sync_steps")
-    PEER_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
-    EXPERTS_PER_PEER_FIELD_NUMBER: _ClassVar[int]
+class RunSpec(_message.Message):
+    __slots__ = ("mode", "num_peers", "experts_per_block", "block_owners", "sync_steps", "overlap_fragments", "codec", "codec_settings")
+    class CodecSettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODE_FIELD_NUMBER: _ClassVar[int]
-    WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CODEC_SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    num_peers: int
+    experts_per_block: int
+    block_owners: _containers.RepeatedScalarFieldContainer[int]
+    sync_steps: int
+    overlap_fragments: int
+    codec: str
+    codec_settings: _containers.ScalarMap[str, int]
+    def __init__(self, mode: _Optional[str] = ..., num_peers: _Optional[int] = ..., experts_per_block: _Optional[int] = ..., block_owners: _Optional[_Iterable[int]] = ..., sync_steps: _Optional[int] = ..., overlap_fragments: _Optional[int] = ..., codec: _Optional[str] = ..., codec_settings: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("peer_id", "manifest", "protocol", "dry_run", "spec")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
-    TRAINABLE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
-    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
-    SYNC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
-    num_peers: int
-    experts_per_peer: int
-    mode: str
-    wire_dtype: str
     manifest: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    trainable: _containers.RepeatedScalarFieldContainer[str]
     protocol: int
     dry_run: bool
-    fragments: int
-    sync_steps: int
-    def __init__(self, peer_id: _Optional[int] = ..., num_peers: _Optional[int] = ..., experts_per_peer: _Optional[int] = ..., mode: _Optional[str] = ..., wire_dtype: _Optional[str] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., trainable: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ..., fragments: _Optional[int] = ..., sync_steps: _Optional[int] = ...) -> None: ...
+    spec: RunSpec
+    def __init__(self, peer_id: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("current_round", "open_round", "data_port", "manifest_checked", "dry_run")
@@ -86,24 +94,31 @@ class UploadMeta(_message.Message):
     def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "num_bytes", "checksum", "encoding", "block", "base_round")
+    __slots__ = ("name", "dtype", "shape", "num_bytes", "checksum", "base_round", "codec", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
-    ENCODING_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_FIELD_NUMBER: _ClassVar[int]
     BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
     checksum: int
-    encoding: Encoding
-    block: int
     base_round: int
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., block: _Optional[int] = ..., base_round: _Optional[int] = ...) -> None: ...
+    codec: str
+    params: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., base_round: _Optional[int] = ..., codec: _Optional[str] = ..., params: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("header", "offset", "data", "checksum")

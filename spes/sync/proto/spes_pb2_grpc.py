@@ -65,7 +65,7 @@ class ParameterServerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Join(self, request, context):
-        """Handshake: checks the peer's run settings and model manifest against the run.
+        """Handshake: checks the peer's run spec and model manifest against the run's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

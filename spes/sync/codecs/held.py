@@ -1,0 +1,270 @@
+"""Held-model codecs: every round sends what changed since a model both ends hold, through a lossy quantizer.
+
+Both ends hold H, the *held model*: the global model as every up-to-date peer has it, bit for bit, tagged with the
+round it is of. The server keeps its global model G in full precision beside it. A round:
+
+1. A peer sends what it trains as `quantizer.encode(theta - H + e)`, each payload tagged with H's round, and keeps
+   what the quantizer missed as its error-feedback buffer e for the next round (`encode_delta`); a peer holding no
+   H (the first round, joined late, caught up, or refused for its base) sends full values (fp32).
+2. The server refuses a payload against another base (`spes.sync.wire.BaseMismatch`, reason `base_mismatch`: the
+   peer then sends full values) and turns the others into values (`HeldServer.upload_values`): the peer's own
+   blocks `H + delta` (what the peer itself reconstructs, so the payload can be relayed unchanged), averaged
+   tensors `G + delta` (the peer's progress applied to the full-precision G, so what the last download's
+   quantization left out of H stays in the model). They aggregate as on any wire (`spes.sync.merge`).
+3. After the round the server makes the new held model and the payloads every up-to-date peer downloads
+   (`next_held`): blocks taken verbatim relayed as uploaded, every other tensor the round changed encoded as
+   `G_new - H` with no carried error (the next round's delta is measured against what the peers then hold, which
+   feeds the error back).
+4. A peer holding the H those payloads apply to reconstructs the new one (`HeldPeer.receive`: `apply_delta(H, p)`,
+   its own blocks outside merge rounds its own upload's reconstruction); any other peer gets full values of the
+   new H. Either way every peer then holds the server's H, and loads it.
+
+Sender and receiver call the same `apply_delta` (an elementwise add of the decoded fp32 delta, never a fused form),
+so they agree bit for bit. With error feedback, the reconstructed deltas of a tensor sum over rounds to the true
+ones plus the first carried error minus the last: the drift stays within one round's quantization error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from spes.sync.codecs.base import NO_BASE, Payload, Quantizer, Selection, Served
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import Shape, Tensors
+from spes.sync.wire import Coded, Item, TensorDecoder, finite
+
+VALUES_DTYPE = "fp32"
+"""Full values of a held-model codec travel in fp32: the held model is fp32 on every end."""
+
+
+def apply_delta(base: torch.Tensor, payload: Payload, quantizer: Quantizer) -> torch.Tensor:
+    """What a receiver holding `base` reconstructs: base + decode(payload), in fp32, cast to base's dtype.
+
+    Sender and receiver must both call this (not a fused or reordered form of it) to agree bit for bit:
+    an elementwise add is exactly rounded on any device, a fused multiply-add is not the same.
+    """
+    if tuple(base.shape) != tuple(payload.shape):
+        raise ValueError(
+            f"tensor {payload.name!r}: delta of shape {list(payload.shape)} against a base of shape {list(base.shape)}"
+        )
+    return _plus(base, quantizer.decode(payload))
+
+
+def _plus(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """base + delta in fp32 (summed into `delta`, which it consumes), cast to base's dtype."""
+    return delta.to(base.device).add_(base.float()).to(base.dtype)
+
+
+@dataclass(frozen=True)
+class EncodedDelta:
+    """What `encode_delta` returns: the payload to send and what both ends make of it."""
+
+    payload: Payload
+    error: torch.Tensor
+    """The carried error for the next delta of this tensor: target - decode(payload), fp32."""
+    reconstruction: torch.Tensor
+    """`apply_delta(base, payload)`: what the receiver will hold, bit for bit."""
+
+
+def encode_delta(
+    quantizer: Quantizer, name: str, value: torch.Tensor, base: torch.Tensor, carried: torch.Tensor | None = None
+) -> EncodedDelta:
+    """Encode `value - base + carried` with error feedback (`carried` None: no error carried yet).
+
+        target = value - base + carried;  payload = encode(target);  error = target - decode(payload)
+
+    The new error is measured on the delta (what the receiver's `decode` misses), so the sum of reconstructed
+    deltas over rounds equals the sum of true deltas plus the first carried error minus the last.
+    """
+    for what, tensor in (("base", base), ("carried error", carried)):
+        if tensor is not None and tuple(tensor.shape) != tuple(value.shape):
+            raise ValueError(f"tensor {name!r}: shape {list(value.shape)}, its {what} has shape {list(tensor.shape)}")
+    target = value.float() - base.float().to(value.device)
+    if carried is not None:
+        target += carried.to(value.device)
+    payload = quantizer.encode(name, target)
+    delta = quantizer.decode(payload)
+    error = target.sub_(delta)  # NOTE: in place, as every step below: a large tensor is held at most twice more
+    return EncodedDelta(payload, error, _plus(base, delta))
+
+
+def next_held(
+    quantizer: Quantizer,
+    step: int,
+    new_global: Tensors,
+    previous: Served | None,
+    names: Collection[str],
+    relayed: Mapping[str, Payload],
+) -> Served:
+    """The held model of round `step` from its global model, and the payloads that take the peers there.
+
+    `names`: the tensors the round changed (a fragment's round changes only its own; the others keep their held
+    values and send nothing). `relayed`: the uploaded payloads of blocks taken verbatim (none on merge rounds),
+    whose new global already is `apply_delta(H, payload)`, sent on as they came so nothing is quantized twice.
+    Without a previous held model (the first round, or a restarted server) the held model is the global model
+    itself, and every peer gets it as full values.
+    """
+    if previous is None:
+        return Served(step, dict(new_global))
+    held, deltas = dict(previous.tensors), {}
+    for name in names:
+        if name in relayed:
+            payload, held[name] = relayed[name], new_global[name]
+        else:
+            sent = encode_delta(quantizer, name, new_global[name], previous.tensors[name])
+            payload, held[name] = sent.payload, sent.reconstruction
+        deltas[name] = Coded(payload, previous.round)
+    return Served(step, {n: held[n] for n in new_global}, deltas, previous.round)
+
+
+class HeldPeer:
+    """A peer's end (`spes.sync.codecs.base.PeerCodec`): its held model, that model's round, the carried error,
+    and the upload in flight. The held tensors are the peer's own: the caller loads them and must not change them."""
+
+    raw_dtype = VALUES_DTYPE
+
+    def __init__(self, quantizer: Quantizer) -> None:
+        self.quantizer = quantizer
+        self.held: Tensors = {}
+        self.round: int | None = None
+        self.carried: Tensors = {}
+        """Per trained tensor, what quantization left out of the last upload (added to the next delta)."""
+        self._pending: tuple[Tensors, Tensors] = ({}, {})
+        """The upload in flight: its carried error, and the reconstructions of the tensors it may not download."""
+
+    @property
+    def base_round(self) -> int:
+        return NO_BASE if self.round is None else self.round
+
+    def upload(self, trained: Mapping[str, torch.Tensor], own: Collection[str]) -> dict[str, Item]:
+        """Coded deltas against the held model, or full values when there is none."""
+        if self.round is None:
+            self._pending = ({}, {})
+            return dict(trained)
+        missing = sorted(set(trained) - set(self.held))
+        if missing:
+            raise ValueError(f"no held value for tensor(s) {missing[:5]}: a peer without one sends full values")
+        sent = {n: encode_delta(self.quantizer, n, v, self.held[n], self.carried.get(n)) for n, v in trained.items()}
+        self._pending = ({n: s.error for n, s in sent.items()}, {n: sent[n].reconstruction for n in own if n in sent})
+        return {n: Coded(s.payload, self.round) for n, s in sent.items()}
+
+    def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:
+        """Payloads against the held model, or full values into fresh tensors (they become the held model)."""
+        return TensorDecoder(expected, VALUES_DTYPE, coded=self.quantizer, base_round=self.base_round)
+
+    def whole(self, info: pb.RoundInfo) -> bool:
+        if info.base_round != NO_BASE and info.base_round != self.base_round:
+            raise ValueError(
+                f"round {info.round}: payloads against the held model of round {info.base_round}, but this peer "
+                f"holds {self.base_round}"
+            )
+        return info.base_round == NO_BASE
+
+    def receive(self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool) -> Tensors:
+        """The new held model, every tensor of it. A peer that caught up drops its carried error (its upload was
+        not taken); otherwise the upload's becomes the carried one."""
+        values = decoder.finish()
+        if info.base_round == NO_BASE:
+            held = dict(values)
+        else:
+            # NOTE: the client checked the announced names; a tensor the round did not change keeps its held value
+            own, coded = self._pending[1], decoder.coded
+            held = {
+                n: apply_delta(base, coded[n].payload, self.quantizer) if n in coded else own.get(n, base)
+                for n, base in self.held.items()
+            }
+        self.held, self.round = held, info.round
+        self.carried = {} if caught_up else self._pending[0]
+        self._pending = ({}, {})
+        return held
+
+    def forget(self) -> bool:
+        """Drop the held model and the carried error: the next upload is full values."""
+        had = self.round is not None
+        self.held, self.round, self.carried = {}, None, {}
+        return had
+
+    def state_dict(self) -> tuple[dict[str, str], Tensors]:
+        if self.round is None:
+            return {}, {}
+        tensors = {
+            **{f"held/{n}": t for n, t in self.held.items()},
+            **{f"carried/{n}": t for n, t in self.carried.items()},
+        }
+        return {"codec": self.quantizer.name, "round": str(self.round)}, tensors
+
+    def load_state_dict(self, metadata: Mapping[str, str], tensors: Tensors) -> None:
+        if not metadata:
+            self.forget()
+            return
+        if metadata.get("codec") != self.quantizer.name:
+            raise ValueError(f"codec state of {metadata.get('codec')!r}, this run's codec is {self.quantizer.name!r}")
+        self.round = int(metadata["round"])
+        self.held = {n.removeprefix("held/"): t for n, t in tensors.items() if n.startswith("held/")}
+        self.carried = {n.removeprefix("carried/"): t for n, t in tensors.items() if n.startswith("carried/")}
+
+
+class HeldServer:
+    """The server's end (`spes.sync.codecs.base.ServerCodec`): served rounds carry the held model and its deltas."""
+
+    raw_dtype = VALUES_DTYPE
+
+    def __init__(self, quantizer: Quantizer) -> None:
+        self.quantizer = quantizer
+
+    def upload_decoder(
+        self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], served: Served | None
+    ) -> TensorDecoder:
+        base = NO_BASE if served is None else served.round
+        return TensorDecoder(
+            expected, VALUES_DTYPE, into=into, require_finite=True, coded=self.quantizer, base_round=base
+        )
+
+    def upload_values(
+        self,
+        decoder: TensorDecoder,
+        raw: Tensors,
+        verbatim: Collection[str],
+        global_model: Mapping[str, torch.Tensor],
+        served: Served | None,
+    ) -> tuple[Tensors, dict[str, Payload]]:
+        """Full values as received; a payload applied to the held model (a block taken verbatim: what the peer
+        reconstructs) or to the global model (an averaged tensor). ValueError naming a tensor that is not finite
+        once its delta is applied."""
+        values = dict(raw)
+        if decoder.coded:
+            assert served is not None  # the decoder refuses every payload when no round has completed
+        for name, coded in decoder.coded.items():
+            base = (served.tensors if name in verbatim else global_model)[name]  # type: ignore[union-attr]
+            values[name] = value = apply_delta(base, coded.payload, self.quantizer)
+            if not finite(value):
+                raise ValueError(
+                    f"tensor {name!r} holds NaN or Inf values once its {self.quantizer.name} delta is applied: this "
+                    "peer's training diverged"
+                )
+        return values, {n: decoder.coded[n].payload for n in verbatim if n in decoder.coded}
+
+    def serve(
+        self,
+        step: int,
+        global_model: Tensors,
+        previous: Served | None,
+        names: Collection[str],
+        relayed: Mapping[str, Payload],
+    ) -> Served:
+        return next_held(self.quantizer, step, global_model, previous, names, relayed)
+
+    def select(self, served: Served, *, full: bool, base_round: int) -> Selection:
+        """Deltas for a peer holding the base they apply to; every tensor of the held model for any other."""
+        if not full and served.base is not None and base_round == served.base:
+            return Selection(served.deltas, "deltas", whole=False, base_round=served.base)
+        return Selection(served.tensors, "held", whole=True)
+
+    def persisted(self, served: Served) -> Tensors:
+        return served.tensors
+
+    def restore(self, step: int, global_model: Tensors, persisted: Tensors) -> Served:
+        return Served(step, persisted or dict(global_model))

@@ -1,0 +1,90 @@
+"""The codec registry: how tensors travel in a round (`spes_config.codec` and `spes_config.codec_settings`).
+
+A codec is chosen run-wide in the run spec (`spes.sync.spec`); the client, the coordinator and both planes use it
+through the interfaces of `spes.sync.codecs.base` and never branch on which one it is. Adding a codec is its own
+module, its tests and one line in `REGISTRY` below:
+
+- `fp32`, `bf16`: raw values (`spes.sync.codecs.raw`);
+- `int8`: blockwise int8 deltas against the held model with error feedback (`int8` over `held`);
+- `sparse`: per chunk, the top-k of the delta plus error feedback, in a few bits, indices packed (`sparse` over
+  `held`), at most about 1 bit per parameter and round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from spes.sync.codecs import int8, sparse
+from spes.sync.codecs.base import PeerCodec, Quantizer, ServerCodec
+from spes.sync.codecs.held import VALUES_DTYPE, HeldPeer, HeldServer
+from spes.sync.codecs.raw import RawPeer, RawServer
+from spes.sync.wire import RAW_DTYPES
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One run's codec with its settings: it builds each end and says what a round moves."""
+
+    name: str
+    settings: dict[str, int]
+    """Every setting, defaults filled in (what the run spec carries and a join compares)."""
+    peer: Callable[[], PeerCodec]
+    server: Callable[[], ServerCodec]
+    round_bytes: Callable[[int], int]
+    """Bytes a tensor of n values moves in a round once both ends hold a model (the steady state)."""
+    full_bytes: Callable[[int], int]
+    """Bytes of a tensor of n values sent as full values (a held-model codec's first round, a catch-up)."""
+
+
+def _raw(dtype: str) -> Callable[[dict[str, int]], Codec]:
+    def build(settings: dict[str, int]) -> Codec:
+        size = RAW_DTYPES[dtype].itemsize
+        return Codec(dtype, {}, lambda: RawPeer(dtype), lambda: RawServer(dtype), size.__mul__, size.__mul__)
+
+    return build
+
+
+def _held(make: type) -> Callable[[dict[str, int]], Codec]:
+    def build(settings: dict[str, int]) -> Codec:
+        quantizer: Quantizer = make(**settings)
+        full = RAW_DTYPES[VALUES_DTYPE].itemsize
+        filled = {f.name: getattr(quantizer, f.name) for f in dataclasses.fields(quantizer) if f.name != "name"}  # type: ignore[arg-type]
+        return Codec(
+            quantizer.name,
+            filled,
+            lambda: HeldPeer(quantizer),
+            lambda: HeldServer(quantizer),
+            quantizer.round_bytes,
+            full.__mul__,
+        )
+
+    return build
+
+
+REGISTRY: dict[str, tuple[type | None, Callable[[dict[str, int]], Codec]]] = {
+    "fp32": (None, _raw("fp32")),
+    "bf16": (None, _raw("bf16")),
+    "int8": (int8.Int8, _held(int8.Int8)),
+    "sparse": (sparse.Sparse, _held(sparse.Sparse)),
+}
+"""name -> (the settings dataclass, None for a codec without settings; the builder)."""
+
+
+def build_codec(name: str, settings: Mapping[str, int] | None = None) -> Codec:
+    """The codec `name` with `settings` (missing ones take the codec's defaults); ValueError naming the key
+    (`spes_config.codec` or `spes_config.codec_settings.<key>`) and what is allowed."""
+    if name not in REGISTRY:
+        raise ValueError(f"spes_config.codec = {name!r} is not a codec: use one of {sorted(REGISTRY)}")
+    kind, build = REGISTRY[name]
+    valid = [] if kind is None else [f.name for f in dataclasses.fields(kind) if f.name != "name"]
+    for key, value in (settings or {}).items():
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; the {name} codec takes {valid or 'none'}"
+            raise ValueError(f"unknown config key 'spes_config.codec_settings.{key}'{hint}")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"config key 'spes_config.codec_settings.{key}' = {value!r} must be an integer")
+    return build(dict(settings or {}))

@@ -1,0 +1,260 @@
+"""Sparse low-bit deltas: the `sparse` codec's quantizer (`spes_config.codec: sparse`).
+
+The flattened delta is cut into chunks of `chunk` values (the last one may be shorter). Of each chunk only the
+`topk` entries of largest magnitude travel (all of a chunk shorter than that), each as its index in the chunk
+(`index_bits` = ceil(log2 chunk) bits) and a `bits`-bit level, with one fp32 scale per chunk, the chunk's largest
+magnitude s. With L = 2^bits levels, level q in [0, L) stands for
+
+    v(q) = s * (2q - (L - 1)) / (L - 1)          (bits >= 2: L values evenly spaced over [-s, s], zero excluded)
+    v(q) = (2q - 1) * m                          (bits == 1: the sign, times m = the mean magnitude sent)
+
+and each sent value takes the nearest level (round half to even). Everything not sent, and what the levels
+missed, stays in the sender's error-feedback buffer (`spes.sync.codecs.held`), so it travels in a later round.
+
+A payload of n values in C = ceil(n / chunk) chunks sending S entries is `4 C + ceil(S index_bits / 8) +
+ceil(S bits / 8)` bytes: the scales, then the indices, then the levels, each a little-endian bit stream (entry i
+at bits [i w, (i + 1) w), bit j of a byte is its j-th). At the defaults (4096, 64, 2) that is 0.227 bits per value
+(SparseLoCo's choice, Sarfi et al. 2025, arXiv 2508.15706: top 64 of 4096, 2-bit values, 12-bit indices).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from spes.sync.codecs.base import Payload
+from spes.sync.protocol import Shape
+
+NAME = "sparse"
+SCALE_BYTES = 4
+MAX_CHUNK = 1 << 20
+"""Largest chunk: its indices take 20 bits."""
+MAX_BITS = 8
+
+
+def chunk_sizes(numel: int, chunk: int) -> tuple[int, int]:
+    """(number of whole chunks, length of the last shorter one, 0 when none) of a tensor of `numel` values."""
+    return numel // chunk, numel % chunk
+
+
+def sent_entries(numel: int, chunk: int, topk: int) -> int:
+    """Entries a payload of `numel` values sends: min(topk, length) per chunk."""
+    whole, tail = chunk_sizes(numel, chunk)
+    return whole * min(topk, chunk) + min(topk, tail)
+
+
+def index_bits(chunk: int) -> int:
+    """Bits of an index into a chunk: ceil(log2 chunk), at least 1."""
+    return max(1, (chunk - 1).bit_length())
+
+
+def payload_bytes(numel: int, chunk: int, topk: int, bits: int) -> int:
+    """Bytes on the wire: fp32 scales, packed indices, packed levels."""
+    whole, tail = chunk_sizes(numel, chunk)
+    entries = sent_entries(numel, chunk, topk)
+    return SCALE_BYTES * (whole + (tail > 0)) + -(-entries * index_bits(chunk) // 8) + -(-entries * bits // 8)
+
+
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Non-negative integers < 2^width as a little-endian bit stream of ceil(len * width / 8) bytes (uint8)."""
+    shifts = torch.arange(width, dtype=torch.int64)
+    stream = ((values.to(torch.int64)[:, None] >> shifts) & 1).to(torch.uint8).reshape(-1)
+    stream = torch.nn.functional.pad(stream, (0, -stream.numel() % 8)).view(-1, 8)
+    return (stream << torch.arange(8, dtype=torch.uint8)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """The `count` integers of `width` bits that `pack_bits` wrote into `data` (int64)."""
+    stream = ((data[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[: count * width]
+    return (stream.view(count, width).to(torch.int64) << torch.arange(width, dtype=torch.int64)).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class SparsePayload:
+    """One tensor's sparse delta as it travels: per chunk a scale, its sent entries' indices and levels."""
+
+    name: str
+    shape: Shape
+    chunk: int
+    topk: int
+    bits: int
+    scales: torch.Tensor
+    """float32, one per chunk, each finite and >= 0."""
+    indices: torch.Tensor
+    """int64, the sent entries' positions within their chunk, strictly increasing within each chunk."""
+    levels: torch.Tensor
+    """int64 in [0, 2^bits), one per sent entry."""
+
+    def __post_init__(self) -> None:
+        numel = math.prod(self.shape)
+        whole, tail = chunk_sizes(numel, self.chunk)
+        entries = sent_entries(numel, self.chunk, self.topk)
+        if tuple(self.scales.shape) != (whole + (tail > 0),) or self.scales.dtype != torch.float32:
+            raise ValueError(f"tensor {self.name!r}: sparse payload needs {whole + (tail > 0)} float32 scales")
+        if tuple(self.indices.shape) != (entries,) or tuple(self.levels.shape) != (entries,):
+            raise ValueError(f"tensor {self.name!r}: sparse payload needs {entries} indices and levels")
+        if self.scales.numel() and not bool((torch.isfinite(self.scales) & (self.scales >= 0)).all()):
+            raise ValueError(f"tensor {self.name!r}: sparse payload has a negative, NaN or Inf scale")
+        per = min(self.topk, self.chunk)
+        limits = torch.full((entries,), self.chunk, dtype=torch.int64)
+        limits[whole * per :] = tail
+        rows = torch.arange(entries) // per
+        order = self.indices + rows * (self.chunk + 1)  # strictly increasing overall iff so within each chunk
+        if entries and (bool((self.indices >= limits).any()) or bool((order[1:] <= order[:-1]).any())):
+            raise ValueError(f"tensor {self.name!r}: sparse payload has an index outside its chunk or out of order")
+
+    @property
+    def codec(self) -> str:
+        return NAME
+
+    @property
+    def num_bytes(self) -> int:
+        return payload_bytes(math.prod(self.shape), self.chunk, self.topk, self.bits)
+
+    def params(self) -> dict[str, int]:
+        return {"chunk": self.chunk, "topk": self.topk, "bits": self.bits}
+
+    def pack(self) -> torch.Tensor:
+        """Scales (fp32, little-endian), then the index stream, then the level stream, as one uint8 tensor."""
+        if sys.byteorder != "little":
+            raise RuntimeError("the sparse codec needs a little-endian host (x86-64/aarch64)")
+        parts = [
+            self.scales.contiguous().view(torch.uint8),
+            pack_bits(self.indices, index_bits(self.chunk)),
+            pack_bits(self.levels, self.bits),
+        ]
+        return torch.cat(parts)
+
+
+def _levels(bits: int) -> int:
+    return 1 << bits
+
+
+def _scale_and_levels(selected: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `selected` (the sent values of each chunk): its scale and each value's nearest level."""
+    magnitude = selected.abs()
+    top = _levels(bits) - 1
+    if bits == 1:
+        scale = magnitude.mean(dim=1)
+        return scale, (selected > 0).to(torch.int64)
+    scale = magnitude.amax(dim=1)
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    levels = torch.round((selected / divisor[:, None] * top + top) / 2).clamp_(0, top).to(torch.int64)
+    return scale, levels
+
+
+def _values(scale: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """The values `levels` stand for in rows of one scale each (`_scale_and_levels`' inverse, fp32)."""
+    top = _levels(bits) - 1
+    if bits == 1:
+        return (2 * levels - 1).to(torch.float32) * scale[:, None]
+    return (2 * levels - top).to(torch.float32) * scale[:, None] / top
+
+
+def _rows(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """The chunks of `flat` as views of rows x length: the whole chunks, then the last, shorter one."""
+    whole, tail = chunk_sizes(flat.numel(), chunk)
+    blocks = []
+    if whole:
+        blocks.append(flat[: whole * chunk].view(whole, chunk))
+    if tail:
+        blocks.append(flat[whole * chunk :].view(1, tail))
+    return blocks
+
+
+def quantize(name: str, x: torch.Tensor, chunk: int, topk: int, bits: int) -> SparsePayload:
+    """The sparse payload of `x` (any float dtype, computed in fp32); ValueError naming `name` on NaN or Inf."""
+    if not x.is_floating_point():
+        raise ValueError(f"tensor {name!r}: cannot quantize dtype {x.dtype}, a floating-point delta is needed")
+    flat = x.detach().reshape(-1).float()
+    scales, indices, levels = [], [], []
+    for rows in _rows(flat, chunk):
+        k = min(topk, rows.shape[1])
+        picked = rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        selected = rows.gather(1, picked)
+        if not bool(torch.isfinite(selected).all()) or not bool(torch.isfinite(rows.abs().amax())):
+            raise ValueError(
+                f"tensor {name!r} holds NaN or Inf values: this peer's training diverged or its carried error is "
+                "corrupt"
+            )
+        scale, level = _scale_and_levels(selected, bits)
+        scales.append(scale)
+        indices.append(picked.reshape(-1))
+        levels.append(level.reshape(-1))
+    empty = torch.zeros(0, dtype=torch.int64)
+    return SparsePayload(
+        name,
+        tuple(x.shape),
+        chunk,
+        topk,
+        bits,
+        torch.cat(scales) if scales else torch.zeros(0),
+        torch.cat(indices) if indices else empty,
+        torch.cat(levels) if levels else empty,
+    )
+
+
+def dequantize(payload: SparsePayload) -> torch.Tensor:
+    """The dense fp32 delta a payload stands for: each sent entry's level value at its index, zeros elsewhere."""
+    out = torch.zeros(math.prod(payload.shape), dtype=torch.float32)
+    entries = chunks = 0
+    for rows in _rows(out, payload.chunk):  # NOTE: views of `out`, filled in place
+        count, k = rows.shape[0], min(payload.topk, rows.shape[1])
+        index = payload.indices[entries : entries + count * k].view(count, k)
+        level = payload.levels[entries : entries + count * k].view(count, k)
+        rows.scatter_(1, index, _values(payload.scales[chunks : chunks + count], level, payload.bits))
+        entries, chunks = entries + count * k, chunks + count
+    return out.view(payload.shape)
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """The sparse quantizer of one run (`spes_config.codec_settings`), as `spes.sync.codecs.base.Quantizer`."""
+
+    chunk: int = 4096
+    """Values per chunk (each has one scale and sends its top `topk`)."""
+    topk: int = 64
+    """Entries sent per chunk."""
+    bits: int = 2
+    """Bits per sent value."""
+    name: str = NAME
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.chunk <= MAX_CHUNK:
+            raise ValueError(f"spes_config.codec_settings.chunk = {self.chunk} must be in [2, {MAX_CHUNK}]")
+        if not 1 <= self.topk <= self.chunk:
+            raise ValueError(f"spes_config.codec_settings.topk = {self.topk} must be in [1, chunk={self.chunk}]")
+        if not 1 <= self.bits <= MAX_BITS:
+            raise ValueError(f"spes_config.codec_settings.bits = {self.bits} must be in [1, {MAX_BITS}]")
+
+    def params(self) -> dict[str, int]:
+        return {"chunk": self.chunk, "topk": self.topk, "bits": self.bits}
+
+    def encode(self, name: str, x: torch.Tensor) -> SparsePayload:
+        return quantize(name, x, self.chunk, self.topk, self.bits)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        assert isinstance(payload, SparsePayload)
+        return dequantize(payload)
+
+    def round_bytes(self, numel: int) -> int:
+        return payload_bytes(numel, self.chunk, self.topk, self.bits)
+
+    def payload_bytes(self, shape: Shape, params: Mapping[str, int]) -> int:
+        if dict(params) != self.params():
+            raise ValueError(f"sparse parameters {dict(params)}, this run's are {self.params()}")
+        return self.round_bytes(math.prod(shape))
+
+    def unpack(self, name: str, shape: Shape, params: Mapping[str, int], data: torch.Tensor) -> SparsePayload:
+        numel = math.prod(shape)
+        whole, tail = chunk_sizes(numel, self.chunk)
+        chunks, entries = whole + (tail > 0), sent_entries(numel, self.chunk, self.topk)
+        index_end = SCALE_BYTES * chunks + -(-entries * index_bits(self.chunk) // 8)
+        scales = data[: SCALE_BYTES * chunks].clone().view(torch.float32)
+        indices = unpack_bits(data[SCALE_BYTES * chunks : index_end], entries, index_bits(self.chunk))
+        levels = unpack_bits(data[index_end:], entries, self.bits)
+        return SparsePayload(name, shape, self.chunk, self.topk, self.bits, scales, indices, levels)
