@@ -1,4 +1,5 @@
-"""Shared helpers for the sync tests: tiny SPES-named models, in-process servers, TLS certificates."""
+"""Shared helpers for the sync tests: tiny SPES-named models and their run specs, in-process servers, clients, TLS
+certificates."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from spes.sync.merge import Mode, trainable_names
+from spes.config import ServerSection, SpesConfig
+from spes.sync.protocol import Mode
+from spes.sync.spec import RunSpec
 
 if TYPE_CHECKING:
     from spes.sync.client import SyncClient, SyncStats
     from spes.sync.server import ParameterServer
 
 TOKEN = "test-token-0123456789"
+NO_MERGE = ServerSection(merge_interval=0)
+"""A run's `server:` section without the merge warm-up."""
 
 
 def tiny_manifest(
@@ -43,29 +48,79 @@ def tiny_manifest(
     return manifest
 
 
+def tiny_spec(
+    *,
+    mode: Mode = "spes",
+    num_peers: int = 2,
+    num_blocks: int | None = None,
+    k: int = 2,
+    num_layers: int = 2,
+    d: int = 8,
+    f: int = 4,
+    sync_steps: int = 10,
+    overlap_fragments: int = 1,
+    codec: str = "fp32",
+    codec_settings: dict[str, int] | None = None,
+    server: ServerSection | None = None,
+) -> RunSpec:
+    """The run spec of a tiny model: SPES with one block of `k` experts per peer (DiLoCo: one block), peer b owning
+    block b; `server` defaults to the section's defaults."""
+    blocks = (num_peers if mode == "spes" else 1) if num_blocks is None else num_blocks
+    return RunSpec(
+        mode=mode,
+        num_peers=num_peers,
+        experts_per_block=k,
+        block_owners=tuple(range(blocks)) if mode == "spes" else (),
+        sync_steps=sync_steps,
+        overlap_fragments=overlap_fragments,
+        codec=codec,
+        codec_settings=tuple(sorted((codec_settings or {}).items())),
+        manifest=tiny_manifest(num_layers=num_layers, num_blocks=blocks, k=k, d=d, f=f),
+        server=server or ServerSection(),
+    )
+
+
 def random_tensors(manifest: dict[str, tuple[int, ...]], names: list[str], seed: int) -> dict[str, torch.Tensor]:
     """Random fp32 tensors for `names`, reproducible from `seed`."""
     gen = torch.Generator().manual_seed(seed)
     return {name: torch.randn(manifest[name], generator=gen) for name in names}
 
 
-def peer_upload(manifest: dict[str, tuple[int, ...]], peer: int, mode: Mode, seed: int) -> dict[str, torch.Tensor]:
+def peer_upload(spec: RunSpec, peer: int, seed: int) -> dict[str, torch.Tensor]:
     """What `peer` would upload in a round: random values for the names it trains."""
-    return random_tensors(manifest, trainable_names(list(manifest), peer, mode), seed=seed * 100 + peer)
+    assert spec.manifest is not None
+    return random_tensors(spec.manifest, spec.trainable(peer), seed=seed * 100 + peer)
 
 
 @contextlib.contextmanager
-def running_server(**overrides: object) -> Iterator[tuple[ParameterServer, str]]:
-    """An in-process server on 127.0.0.1 with an OS-chosen port; yields (server, "127.0.0.1:port")."""
-    from spes.sync.server import ServerConfig, start_server  # NOTE: lazy, so the pure-math tests need no gRPC
+def running_server(spec: RunSpec | None = None, **deploy: object) -> Iterator[tuple[ParameterServer, str]]:
+    """An in-process server of `spec` (default: `tiny_spec()`) on 127.0.0.1 with an OS-chosen port and the
+    `DeployConfig` settings `deploy`; yields (server, "127.0.0.1:port")."""
+    from spes.sync.server import start_server  # NOTE: lazy, so the pure-math tests need no gRPC
+    from spes.sync.settings import DeployConfig, ServerConfig
 
-    settings: dict[str, object] = {"host": "127.0.0.1", "port": 0, "num_peers": 2, "experts_per_peer": 2}
-    settings.update(overrides)
-    server = start_server(ServerConfig(**settings))  # type: ignore[arg-type]
+    settings: dict[str, object] = {"host": "127.0.0.1", "port": 0, **deploy}
+    server = start_server(ServerConfig(spec or tiny_spec(), DeployConfig(**settings)))  # type: ignore[arg-type]
     try:
         yield server, f"127.0.0.1:{server.port}"
     finally:
         server.stop(grace_s=0.5)
+
+
+def make_client(
+    addr: str, spec: RunSpec, peer: int, *, token: str | None = None, reuse_buffers: bool = False, **settings: object
+) -> SyncClient:
+    """A client of peer `peer` of `spec` at `addr`; `settings`: `spes_config` keys (rpc_timeout_s, max_retries,
+    data_plane, tls_ca, ...)."""
+    from spes.sync.client import SyncClient
+
+    return SyncClient(
+        spec,
+        peer,
+        SpesConfig(server_addr=addr, **settings),
+        token=token,
+        reuse_buffers=reuse_buffers,  # type: ignore[arg-type]
+    )
 
 
 def sync_all(

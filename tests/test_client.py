@@ -15,71 +15,52 @@ import grpc
 import pytest
 import torch
 
+from spes.config import ServerSection
 from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError, backoff_s
-from spes.sync.fragments import Layout
-from spes.sync.merge import (
-    MergeConfig,
-    Mode,
-    OuterConfig,
-    build_global,
-    download_names,
-    mean_over_peers,
-    outer_nesterov_step,
-    parse_expert_block,
-    trainable_names,
-)
+from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.server import ServerConfig, start_server
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
-
-NO_MERGE = MergeConfig(interval=0)
-
-
-def first_peer(addr: str, **kwargs: object) -> SyncClient:
-    """Peer 0 of a 2-peer SPES run with 2 experts each (the tiny manifest's layout)."""
-    return SyncClient(addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", **kwargs)
+from spes.sync.server import start_server
+from spes.sync.settings import DeployConfig, ServerConfig
+from spes.sync.spec import RunSpec
+from sync_helpers import (
+    NO_MERGE,
+    TOKEN,
+    make_client,
+    peer_upload,
+    running_server,
+    sync_all,
+    tiny_spec,
+    write_pki,
+)
 
 
 @contextmanager
 def joined_clients(
     addr: str,
-    manifest: dict[str, tuple[int, ...]],
+    spec: RunSpec,
     *,
-    mode: Mode = "spes",
-    num_peers: int = 2,
-    k: int = 2,
     per_peer: Callable[[int], dict[str, Any]] | None = None,
-    **kwargs: object,
+    token: str | None = None,
+    **settings: object,
 ) -> Iterator[list[SyncClient]]:
-    """Peers 0..num_peers-1, joined; `per_peer(p)` adds peer p's own arguments (e.g. its certificate)."""
+    """Peers 0..num_peers-1 of `spec`, joined; `per_peer(p)` adds peer p's own settings (e.g. its certificate)."""
     with ExitStack() as stack:
         clients = []
-        for peer in range(num_peers):
-            client = stack.enter_context(
-                SyncClient(
-                    addr,
-                    peer_id=peer,
-                    num_peers=num_peers,
-                    experts_per_peer=k,
-                    mode=mode,
-                    rpc_timeout_s=10,
-                    round_timeout_s=30,
-                    **kwargs,
-                    **(per_peer(peer) if per_peer else {}),
-                )
-            )
-            client.join(manifest, trainable_names(list(manifest), peer, mode))
+        for peer in range(spec.num_peers):
+            own = {"rpc_timeout_s": 10, "round_timeout_s": 30, **settings, **(per_peer(peer) if per_peer else {})}
+            client = stack.enter_context(make_client(addr, spec, peer, token=token, **own))
+            client.join()
             clients.append(client)
         yield clients
 
 
-def check_round(results: dict, uploads: dict, manifest: dict, *, mode: Mode, step: int, merge: MergeConfig) -> None:
+def check_round(results: dict, uploads: dict, spec: RunSpec, *, step: int) -> None:
     """Each peer got exactly what it needs, equal to build_global over the uploads."""
-    want = build_global(uploads, num_peers=len(uploads), experts_per_peer=2, mode=mode, step=step, merge=merge).tensors
+    want = build_global(uploads, spec=spec, step=step).tensors
     for peer, (got, stats) in results.items():
         assert stats.round == step
-        assert sorted(got) == sorted(download_names(list(manifest), peer, mode, stats.merged))
+        assert sorted(got) == sorted(spec.downloads(peer, merged=stats.merged))
         for name, tensor in got.items():
             assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
             torch.testing.assert_close(tensor, want[name], rtol=0, atol=0)
@@ -87,13 +68,13 @@ def check_round(results: dict, uploads: dict, manifest: dict, *, mode: Mode, ste
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["spes", "diloco"])
-def test_two_peers_three_rounds(mode: Mode) -> None:
-    manifest = tiny_manifest(num_blocks=2 if mode == "spes" else 1, k=2)
-    with running_server(mode=mode, merge=NO_MERGE) as (_, addr), joined_clients(addr, manifest, mode=mode) as clients:
+def test_two_peers_three_rounds(mode: str) -> None:
+    spec = tiny_spec(mode=mode, server=NO_MERGE)  # type: ignore[arg-type]
+    with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
         for step in (10, 20, 30):
-            uploads = {p: peer_upload(manifest, p, mode, seed=step) for p in range(2)}
+            uploads = {p: peer_upload(spec, p, seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
-            check_round(results, uploads, manifest, mode=mode, step=step, merge=NO_MERGE)
+            check_round(results, uploads, spec, step=step)
             assert not any(stats.merged for _, stats in results.values())
             assert all(stats.bytes_up > 0 and stats.bytes_down > 0 for _, stats in results.values())
         status = clients[0].status()
@@ -102,17 +83,14 @@ def test_two_peers_three_rounds(mode: Mode) -> None:
 
 @pytest.mark.timeout(60)
 def test_diloco_outer_nesterov_over_rounds() -> None:
-    manifest = tiny_manifest(num_blocks=1, k=2)
-    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
-    with (
-        running_server(mode="diloco", outer=outer) as (_, addr),
-        joined_clients(addr, manifest, mode="diloco") as clients,
-    ):
+    outer = ServerSection(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    spec, plain = tiny_spec(mode="diloco", server=outer), tiny_spec(mode="diloco")
+    with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
         global_model: dict[str, torch.Tensor] = {}
         momentum: dict[str, torch.Tensor] = {}
         for step in (1, 2, 3):
-            uploads = {p: peer_upload(manifest, p, "diloco", seed=step) for p in range(2)}
-            mean = build_global(uploads, num_peers=2, experts_per_peer=2, mode="diloco", step=step).tensors
+            uploads = {p: peer_upload(spec, p, seed=step) for p in range(2)}
+            mean = build_global(uploads, spec=plain, step=step).tensors
             if global_model:  # the first round's mean is the starting point
                 global_model, momentum = outer_nesterov_step(global_model, mean, momentum, lr=0.7, momentum=0.9)
             else:
@@ -124,13 +102,13 @@ def test_diloco_outer_nesterov_over_rounds() -> None:
 
 @pytest.mark.timeout(60)
 def test_merge_round_returns_owners_changed_experts() -> None:
-    manifest = tiny_manifest(num_blocks=2, k=2)
-    merge = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
-    with running_server(merge=merge) as (_, addr), joined_clients(addr, manifest) as clients:
+    merge = ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_decay_steps=1000, merge_topk=2)
+    spec = tiny_spec(server=merge)
+    with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
         for step in (100, 150):
-            uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
+            uploads = {p: peer_upload(spec, p, seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
-            check_round(results, uploads, manifest, mode="spes", step=step, merge=merge)
+            check_round(results, uploads, spec, step=step)
             got, stats = results[1]
             own = "blocks.0.ffn.experts.w1.1"
             if step == 100:
@@ -141,14 +119,14 @@ def test_merge_round_returns_owners_changed_experts() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_bf16_wire_halves_traffic_and_rounds_to_bf16() -> None:
-    manifest = tiny_manifest(k=2)
-    with running_server(merge=NO_MERGE) as (_, addr):
-        with joined_clients(addr, manifest, wire_dtype="bf16") as clients:
-            uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)}
+def test_bf16_codec_halves_traffic_and_rounds_to_bf16() -> None:
+    spec = tiny_spec(codec="bf16", server=NO_MERGE)
+    with running_server(spec) as (_, addr):
+        with joined_clients(addr, spec) as clients:
+            uploads = {p: peer_upload(spec, p, seed=1) for p in range(2)}
             results = sync_all(clients, 5, uploads)
     wire = {p: {n: t.bfloat16() for n, t in up.items()} for p, up in uploads.items()}
-    want = build_global(wire, num_peers=2, experts_per_peer=2, mode="spes", step=5).tensors
+    want = build_global(wire, spec=spec, step=5).tensors
     got, stats = results[0]
     assert stats.bytes_up == sum(t.numel() * 2 for t in uploads[0].values())
     for name, tensor in got.items():
@@ -158,35 +136,34 @@ def test_bf16_wire_halves_traffic_and_rounds_to_bf16() -> None:
 
 @pytest.mark.timeout(60)
 def test_wrong_or_missing_token_is_unauthenticated() -> None:
-    manifest = tiny_manifest()
-    trainable = trainable_names(list(manifest), 0, "spes")
-    with running_server(token=TOKEN) as (server, addr):
+    spec = tiny_spec()
+    with running_server(spec, token=TOKEN) as (server, addr):
         for token in (None, "wrong-token"):
-            with first_peer(addr, token=token, rpc_timeout_s=5) as client:
+            with make_client(addr, spec, 0, token=token, rpc_timeout_s=5) as client:
                 with pytest.raises(SyncError) as err:
-                    client.join(manifest, trainable)
+                    client.join()
                 assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
                 with pytest.raises(SyncError) as err:
                     client.status()
                 assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
-        assert server.service.state.snapshot().completed_round is None and not server.service.peers
-        with joined_clients(addr, manifest, token=TOKEN) as clients:
-            uploads = {p: peer_upload(manifest, p, "spes", seed=2) for p in range(2)}
+        assert server.service.state.snapshot().completed_round is None and not server.service.joined
+        with joined_clients(addr, spec, token=TOKEN) as clients:
+            uploads = {p: peer_upload(spec, p, seed=2) for p in range(2)}
             assert sync_all(clients, 1, uploads)[0][1].round == 1
 
 
 @pytest.mark.timeout(60)
 def test_tls_and_mutual_tls(tmp_path: Path) -> None:
     pki = write_pki(tmp_path)
-    manifest = tiny_manifest()
-    uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
+    spec = tiny_spec()
+    uploads = {p: peer_upload(spec, p, seed=3) for p in range(2)}
     tls = pki.server
-    with running_server(**tls) as (_, addr), joined_clients(addr, manifest, tls_ca=pki.ca) as clients:
+    with running_server(spec, **tls) as (_, addr), joined_clients(addr, spec, tls_ca=pki.ca) as clients:
         assert sync_all(clients, 1, uploads)[1][1].round == 1
-    with running_server(**tls, tls_client_ca=pki.ca) as (_, addr):
-        with joined_clients(addr, manifest, tls_ca=pki.ca, **pki.client) as clients:
+    with running_server(spec, **tls, tls_client_ca=pki.ca) as (_, addr):
+        with joined_clients(addr, spec, tls_ca=pki.ca, **pki.client) as clients:
             assert sync_all(clients, 1, uploads)[0][1].round == 1
-        with first_peer(addr, tls_ca=pki.ca, rpc_timeout_s=3, max_retries=0) as anonymous:
+        with make_client(addr, spec, 0, tls_ca=pki.ca, rpc_timeout_s=3, max_retries=0) as anonymous:
             with pytest.raises(SyncError) as err:  # no client certificate: the handshake fails
                 anonymous.status()
             assert err.value.code == grpc.StatusCode.UNAVAILABLE
@@ -198,28 +175,18 @@ def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: s
     """With --tls_peer_ids a node holding the token and a valid certificate still cannot act as another peer."""
     pki = write_pki(tmp_path)
     certs = {p: pki.issue(f"peer-{p}") for p in range(2)}
-    manifest = tiny_manifest()
-    uploads = {p: peer_upload(manifest, p, "spes", seed=5) for p in range(2)}
+    spec = tiny_spec(server=NO_MERGE)
+    uploads = {p: peer_upload(spec, p, seed=5) for p in range(2)}
     tls = {**pki.server, "tls_client_ca": pki.ca, "tls_peer_ids": True, "data_port": 0, "token": TOKEN}
-    with running_server(**tls, merge=NO_MERGE) as (server, addr):
+    with running_server(spec, **tls) as (server, addr):
         with joined_clients(
-            addr, manifest, tls_ca=pki.ca, token=TOKEN, data_plane=plane, per_peer=certs.__getitem__
+            addr, spec, tls_ca=pki.ca, token=TOKEN, data_plane=plane, per_peer=certs.__getitem__
         ) as clients:
-            check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
-        with SyncClient(
-            addr,
-            peer_id=1,
-            num_peers=2,
-            experts_per_peer=2,
-            mode="spes",
-            tls_ca=pki.ca,
-            token=TOKEN,
-            rpc_timeout_s=5,
-            max_retries=0,
-            **certs[0],
-        ) as impostor:
+            check_round(sync_all(clients, 1, uploads), uploads, spec, step=1)
+        impostor_settings = {"tls_ca": pki.ca, "rpc_timeout_s": 5, "max_retries": 0, **certs[0]}
+        with make_client(addr, spec, 1, token=TOKEN, **impostor_settings) as impostor:
             with pytest.raises(SyncError) as err:
-                impostor.join(manifest, trainable_names(list(manifest), 1, "spes"))
+                impostor.join()
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "'peer-1'" in str(err.value)
         context = plane_tcp.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
         with plane_tcp.connect("127.0.0.1", server.data_port, context, 5) as sock:  # the data plane checks too
@@ -227,18 +194,18 @@ def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: s
             assert plane_tcp.recv_reply(sock).error.code == "PERMISSION_DENIED"
         assert server.service.state.snapshot().open_round is None
     with pytest.raises(ValueError, match="--tls_peer_ids .* needs mutual TLS"):
-        ServerConfig(num_peers=2, experts_per_peer=2, tls_peer_ids=True)
+        DeployConfig(tls_peer_ids=True)
 
 
 @pytest.mark.timeout(60)
 def test_download_honours_round_deadline_when_a_peer_never_comes() -> None:
-    manifest = tiny_manifest()
-    with running_server() as (_, addr):
-        with first_peer(addr, rpc_timeout_s=5, round_timeout_s=1.5, max_retries=1) as client:
-            client.join(manifest, trainable_names(list(manifest), 0, "spes"))
+    spec = tiny_spec()
+    with running_server(spec) as (_, addr):
+        with make_client(addr, spec, 0, rpc_timeout_s=5, round_timeout_s=1.5, max_retries=1) as client:
+            client.join()
             start = time.monotonic()
             with pytest.raises(SyncError) as err:
-                client.sync(1, peer_upload(manifest, 0, "spes", seed=4))
+                client.sync(1, peer_upload(spec, 0, seed=4))
             assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
             assert time.monotonic() - start < 6
 
@@ -252,18 +219,18 @@ def free_port() -> int:
 @pytest.mark.timeout(60)
 def test_client_retries_until_the_server_comes_up() -> None:
     port = free_port()
-    manifest = tiny_manifest()
+    spec = tiny_spec()
     started: list = []
 
     def start_later() -> None:
         time.sleep(1.0)
-        started.append(start_server(ServerConfig(host="127.0.0.1", port=port, num_peers=2, experts_per_peer=2)))
+        started.append(start_server(ServerConfig(spec, DeployConfig(host="127.0.0.1", port=port))))
 
     thread = threading.Thread(target=start_later)
     thread.start()
     try:
-        with first_peer(f"127.0.0.1:{port}", rpc_timeout_s=2, max_retries=6) as client:
-            assert client.join(manifest, trainable_names(list(manifest), 0, "spes")) == -1
+        with make_client(f"127.0.0.1:{port}", spec, 0, rpc_timeout_s=2, max_retries=6) as client:
+            assert client.join() == -1
     finally:
         thread.join()
         for server in started:
@@ -277,16 +244,21 @@ def test_backoff_is_exponential_with_jitter() -> None:
 
 
 def test_client_checks_its_own_inputs() -> None:
-    manifest = tiny_manifest()
+    spec = tiny_spec()
     with pytest.raises(ValueError, match="peer_id 2"):
-        SyncClient("127.0.0.1:1", peer_id=2, num_peers=2, experts_per_peer=2, mode="spes")
-    with pytest.raises(ValueError, match="wire dtype"):
-        first_peer("127.0.0.1:1", wire_dtype="fp8")
-    with first_peer("127.0.0.1:1") as client:
+        make_client("127.0.0.1:1", spec, 2)
+    with pytest.raises(ValueError, match="spes_config.codec = 'fp8' is not a codec"):
+        tiny_spec(codec="fp8")
+    with pytest.raises(ValueError, match="complete run spec"):
+        make_client(
+            "127.0.0.1:1",
+            RunSpec(mode="spes", num_peers=2, experts_per_block=2, block_owners=(0, 1), sync_steps=None),
+            0,
+        )
+    with make_client("127.0.0.1:1", spec, 0) as client:
         with pytest.raises(SyncError, match="join"):
             client.sync(1, {})
-        client._manifest, client._trainable = manifest, trainable_names(list(manifest), 0, "spes")
-        client._layout = Layout.of(manifest, 1, 0)
+        client._joined = True
         with pytest.raises(ValueError, match="missing"):
             client.sync(1, {})
 
@@ -297,7 +269,8 @@ def test_loopback_throughput() -> None:
     """~64 MiB per peer up and the same down through real gRPC; prints MiB/s (not a pass/fail threshold)."""
     num_mb = 64
     manifest = {"embed.weight": (num_mb * 2**18,)}  # shared: averaged, downloaded by both
-    with running_server(mode="diloco") as (_, addr), joined_clients(addr, manifest, mode="diloco") as clients:
+    spec = RunSpec(mode="diloco", num_peers=2, experts_per_block=2, block_owners=(), sync_steps=1, manifest=manifest)
+    with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
         uploads = {p: {"embed.weight": torch.randn(manifest["embed.weight"])} for p in range(2)}
         start = time.perf_counter()
         results = sync_all(clients, 1, uploads)
@@ -309,80 +282,74 @@ def test_loopback_throughput() -> None:
     )
 
 
-def oracle_quorum(uploads: dict, previous: dict, manifest: dict, num_peers: int) -> dict[str, torch.Tensor]:
+def oracle_quorum(uploads: dict, previous: dict, spec: RunSpec) -> dict[str, torch.Tensor]:
     """Shared tensors averaged over the peers that arrived; expert blocks from their owner, else `previous`."""
     want = {}
-    for name in manifest:
-        parsed = parse_expert_block(name)
-        if parsed is None:
+    for name in spec.manifest or {}:
+        owner = spec.owner(name)
+        if owner is None:
             want[name] = mean_over_peers([uploads[p][name] for p in sorted(uploads)])
         else:
-            want[name] = uploads[parsed.block][name] if parsed.block in uploads else previous[name]
+            want[name] = uploads[owner][name] if owner in uploads else previous[name]
     return want
 
 
 @pytest.mark.timeout(60)
 def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None:
-    manifest = tiny_manifest(num_blocks=3)
-    policy = {"num_peers": 3, "merge": NO_MERGE, "dead_peer_policy": "quorum", "round_timeout_s": 1.0}
-    with running_server(**policy) as (_, addr), joined_clients(addr, manifest, num_peers=3) as clients:
-        uploads_10 = {p: peer_upload(manifest, p, "spes", seed=10) for p in range(3)}
+    quorum = ServerSection(merge_interval=0, dead_peer_policy="quorum", round_timeout_s=1.0)
+    spec = tiny_spec(num_peers=3, server=quorum)
+    manifest = spec.manifest or {}
+    with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
+        uploads_10 = {p: peer_upload(spec, p, seed=10) for p in range(3)}
         sync_all(clients, 10, uploads_10)
-        previous = build_global(uploads_10, num_peers=3, experts_per_peer=2, mode="spes", step=10).tensors
-        uploads = {p: peer_upload(manifest, p, "spes", seed=20) for p in range(2)}
+        previous = build_global(uploads_10, spec=spec, step=10).tensors
+        uploads = {p: peer_upload(spec, p, seed=20) for p in range(2)}
         start = time.monotonic()
         results = sync_all(clients[:2], 20, uploads)  # peer 2 is "dead"
         assert 0.9 < time.monotonic() - start < 10
-        want = oracle_quorum(uploads, previous, manifest, 3)
+        want = oracle_quorum(uploads, previous, spec)
         for got, stats in results.values():
             assert stats.peers == (0, 1) and not stats.caught_up
             for name, tensor in got.items():
                 assert torch.equal(tensor, want[name]), name
         assert clients[0].status().round_peers == (0, 1)
-        late, stats = clients[2].sync(20, peer_upload(manifest, 2, "spes", seed=20))
+        late, stats = clients[2].sync(20, peer_upload(spec, 2, seed=20))
         assert stats.caught_up and stats.round == 20 and stats.bytes_up == 0
         assert sorted(late) == sorted(manifest)  # every tensor, its own stale experts included
         for name, tensor in late.items():
             assert torch.equal(tensor, want[name]), name
         assert torch.equal(late["blocks.0.ffn.experts.w1.2"], uploads_10[2]["blocks.0.ffn.experts.w1.2"])
-        uploads = {p: peer_upload(manifest, p, "spes", seed=30) for p in range(3)}
+        uploads = {p: peer_upload(spec, p, seed=30) for p in range(3)}
         assert all(s.peers == (0, 1, 2) for _, s in sync_all(clients, 30, uploads).values())
 
 
 @pytest.mark.timeout(60)
 def test_the_first_quorum_round_needs_every_expert_owner() -> None:
-    manifest = tiny_manifest()
-    with running_server(dead_peer_policy="quorum", min_peers=1, round_timeout_s=0.5) as (_, addr):
-        with joined_clients(addr, manifest) as clients:
+    spec = tiny_spec(server=ServerSection(dead_peer_policy="quorum", min_peers=1, round_timeout_s=0.5))
+    with running_server(spec) as (_, addr):
+        with joined_clients(addr, spec) as clients:
             with pytest.raises(SyncError, match="so this round needs every such owner") as err:
-                clients[0].sync(1, peer_upload(manifest, 0, "spes", seed=1))
+                clients[0].sync(1, peer_upload(spec, 0, seed=1))
             assert err.value.reason == "round_timeout" and err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @pytest.mark.timeout(90)
 def test_a_server_restart_mid_round_is_transparent_to_the_peers(tmp_path: Path) -> None:
-    manifest = tiny_manifest(num_blocks=1)
+    spec = tiny_spec(mode="diloco", server=ServerSection(outer_optimizer="nesterov"))
+    plain = tiny_spec(mode="diloco")
     port = free_port()
-    settings = {
-        "host": "127.0.0.1",
-        "port": port,
-        "num_peers": 2,
-        "experts_per_peer": 2,
-        "mode": "diloco",
-        "outer": OuterConfig(optimizer="nesterov"),
-        "state_dir": str(tmp_path),
-    }
-    server = start_server(ServerConfig(**settings))
+    cfg = ServerConfig(spec, DeployConfig(host="127.0.0.1", port=port, state_dir=str(tmp_path)))
+    server = start_server(cfg)
     try:
-        with joined_clients(f"127.0.0.1:{port}", manifest, mode="diloco", max_retries=8) as clients:
-            uploads = {step: {p: peer_upload(manifest, p, "diloco", seed=step) for p in range(2)} for step in (1, 2, 3)}
+        with joined_clients(f"127.0.0.1:{port}", spec, max_retries=8) as clients:
+            uploads = {step: {p: peer_upload(spec, p, seed=step) for p in range(2)} for step in (1, 2, 3)}
             sync_all(clients, 1, uploads[1])
             with ThreadPoolExecutor(1) as pool:
                 waiting = pool.submit(clients[0].sync, 2, uploads[2][0])
                 while clients[1].status().peers_uploaded != (0,):
                     time.sleep(0.05)
                 server.stop(grace_s=0)
-                server = start_server(ServerConfig(**settings))  # same state_dir: resumes at round 1
+                server = start_server(cfg)  # same state_dir: resumes at round 1
                 late = clients[1].sync(2, uploads[2][1])
                 got = waiting.result(timeout=60)
             final = sync_all(clients, 3, uploads[3])
@@ -391,7 +358,7 @@ def test_a_server_restart_mid_round_is_transparent_to_the_peers(tmp_path: Path) 
     want: dict = {}
     momentum: dict = {}
     for step in (1, 2, 3):
-        mean = build_global(uploads[step], num_peers=2, experts_per_peer=2, mode="diloco", step=step).tensors
+        mean = build_global(uploads[step], spec=plain, step=step).tensors
         want, momentum = outer_nesterov_step(want, mean, momentum, lr=0.7, momentum=0.9) if want else (mean, {})
         if step == 2:
             for name in want:
@@ -405,10 +372,8 @@ def test_a_client_closed_right_after_joining_frees_its_peer_id() -> None:
     """A join returns once the server has seen the client's presence stream, so closing the client ends its claim
     on the peer id at once; otherwise the server would hold the id for --peer_liveness (10 s) and refuse the next
     process as a duplicate for longer than its retries last."""
-    manifest = tiny_manifest()
-    with running_server() as (_, addr):
+    spec = tiny_spec()
+    with running_server(spec) as (_, addr):
         for _ in range(3):
-            with SyncClient(
-                addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", rpc_timeout_s=10, max_retries=2
-            ) as client:
-                client.join(manifest, trainable_names(list(manifest), 0, "spes"))
+            with make_client(addr, spec, 0, rpc_timeout_s=10, max_retries=2) as client:
+                client.join()

@@ -1,0 +1,354 @@
+"""Held-model codecs (spes.sync.codecs.held over the int8 and sparse quantizers): the math of a round driven through
+the production classes and the wire, then real servers and clients on loopback, both planes.
+
+After every round every peer's held model (what it loads) must equal the server's bit for bit, merge rounds
+included; the server's global model must track a lossless run exactly up to the peers' carried errors (error
+feedback keeps what was not sent); a peer holding no model, or another one, gets full values; bad payloads are
+refused naming the tensor; a node whose codec or settings differ from the server's is refused at join.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from spes.config import ServerSection
+from spes.sync import plane_tcp
+from spes.sync.client import SyncError
+from spes.sync.codecs.base import Served
+from spes.sync.codecs.held import HeldPeer, HeldServer
+from spes.sync.merge import build_global, round_alpha
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import Reason
+from spes.sync.server import ParameterServer
+from spes.sync.spec import RunSpec
+from spes.sync.wire import DIGEST, Coded, TensorDecoder, checksum, encode_tensors, header_for
+from sync_helpers import make_client, running_server, sync_all, tiny_spec
+from test_client import joined_clients
+
+MERGE = ServerSection(merge_interval=30, merge_alpha_start=0.5, merge_decay_steps=1000, merge_topk=1)
+"""Step 30 is a merge round."""
+CODECS = {"int8": {}, "sparse": {"chunk": 64, "topk": 8, "bits": 2}}
+"""Each held-model codec, with settings that make several chunks per tensor of the test model."""
+
+
+def spec_of(codec: str, server: ServerSection = MERGE) -> RunSpec:
+    """Expert blocks of 2 x 16 x 32 = 1024 values: 4 int8 blocks of 256, 16 sparse chunks of 64."""
+    return tiny_spec(codec=codec, codec_settings=CODECS[codec], server=server, d=16, f=32)
+
+
+def held_of(server: ParameterServer) -> dict[str, torch.Tensor]:
+    done = server.service.state.completed
+    assert done is not None
+    return done.served.tensors
+
+
+def trained(model: dict[str, torch.Tensor], spec: RunSpec, peer: int, step: int) -> dict[str, torch.Tensor]:
+    """What `peer` trained from `model` by round `step`: its tensors moved by small steps (as in training)."""
+    gen = torch.Generator().manual_seed(step * 10 + peer)
+    return {n: model[n] + 1e-2 * torch.randn(model[n].shape, generator=gen) for n in spec.trainable(peer)}
+
+
+def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name].view(torch.int32), tensor.view(torch.int32)), name
+
+
+def codec_bytes(spec: RunSpec, names: list[str]) -> int:
+    assert spec.manifest is not None
+    return sum(spec.codec_impl.round_bytes(math.prod(spec.manifest[n])) for n in names)
+
+
+# -- the math of rounds, through the production classes and the wire ------------------------------------------------
+def through(items: dict, decoder: TensorDecoder) -> TensorDecoder:
+    """Send `items` through the chunked wire into `decoder`, as either plane would."""
+    for chunk in encode_tensors(items, "fp32"):
+        decoder.feed(chunk)
+    return decoder
+
+
+def one_round(
+    spec: RunSpec, step: int, peers: list[HeldPeer], server: HeldServer, served: Served | None, glob: dict, theta: list
+) -> tuple[Served, dict]:
+    """Round `step`: every peer uploads `theta[p]` (what it trains), the server aggregates (`build_global`) and
+    serves, every peer downloads what it needs and commits. Returns the new served round and global model."""
+    assert spec.manifest is not None
+    values, relayed = {}, {}
+    for p, peer in enumerate(peers):
+        items = peer.upload(theta[p], spec.own(p))
+        expected = {n: spec.manifest[n] for n in theta[p]}
+        decoder = through(items, server.upload_decoder(expected, {}, served))
+        values[p], own = server.upload_values(decoder, decoder.finish(), spec.own(p), glob, served)
+        relayed.update(own)
+    alpha = round_alpha(step, spec.mode, spec.server)
+    built = build_global(values, spec=spec, step=step, names=list(spec.manifest), previous=glob)
+    new_served = server.serve(step, built.tensors, served, list(spec.manifest), relayed if alpha == 0 else {})
+    for p, peer in enumerate(peers):
+        selection = server.select(new_served, full=False, base_round=peer.base_round)
+        names = list(spec.manifest) if selection.whole else spec.downloads(p, merged=alpha > 0)
+        info = pb.RoundInfo(round=step, merged=alpha > 0, names=names, base_round=selection.base_round)
+        decoder = peer.decoder({n: spec.manifest[n] for n in names}, None)
+        peer.receive(info, through({n: selection.items[n] for n in names}, decoder), caught_up=False)
+    return new_served, built.tensors
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_error_feedback_keeps_what_was_not_sent_over_30_rounds(codec: str) -> None:
+    """Two peers train small steady updates (below an int8 step, mostly outside a chunk's top-k) for 30 rounds.
+
+    The server's global model G must equal the lossless run's L less the mean of the peers' carried errors (for an
+    expert block, its owner's): G_r - L_r = -mean_p(e_p,r), exactly up to fp32 rounding, whatever the number of
+    rounds. Dropping the error feedback (or applying an upload to the held model instead of the global one) breaks
+    the identity by the lost updates, which grow every round. Every peer ends each round on the server's held
+    model, bit for bit.
+    """
+    spec = spec_of(codec, ServerSection(merge_interval=0))
+    assert spec.manifest is not None
+    gen = torch.Generator().manual_seed(11)
+    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
+    server, peers = (
+        HeldServer(spec.codec_impl.server().quantizer),
+        [HeldPeer(spec.codec_impl.peer().quantizer) for _ in range(2)],
+    )  # type: ignore[attr-defined]
+    served, glob, lossless = None, dict(init), dict(init)
+    lost_without_feedback = 0.0
+    for step in range(1, 31):
+        progress = []
+        for p in range(2):
+            steady = {n: 1e-3 + 1e-4 * torch.randn(spec.manifest[n], generator=gen) for n in spec.trainable(p)}
+            for t in steady.values():
+                t.view(-1)[::64] = 0.5  # one large entry per chunk or block sets the step and the top-k
+            progress.append(steady)
+        base = [peer.held if peer.round is not None else init for peer in peers]
+        theta = [{n: base[p][n] + progress[p][n] for n in progress[p]} for p in range(2)]
+        served, glob = one_round(spec, step, peers, server, served, glob, theta)
+        lossless = build_global(
+            {p: {n: lossless[n] + progress[p][n] for n in progress[p]} for p in range(2)}, spec=spec, step=step
+        ).tensors
+        for peer in peers:
+            assert_bit_identical(peer.held, served.tensors)
+        for name in spec.manifest:
+            owner, zero = spec.owner(name), torch.zeros(spec.manifest[name])
+            carried = [peers[p].carried.get(name, zero) for p in range(2) if owner in (None, p)]
+            gap = glob[name] - lossless[name] + sum(carried) / len(carried)
+            assert float(gap.abs().max()) < 1e-5, (step, name)
+            lost_without_feedback = max(lost_without_feedback, float(sum(c.abs().max() for c in carried)))
+    assert lost_without_feedback > 1e-3, "the case must carry errors a codec without feedback would lose"
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_merge_round_keeps_every_peer_on_the_servers_held_model(codec: str) -> None:
+    spec = spec_of(codec)
+    assert spec.manifest is not None
+    gen = torch.Generator().manual_seed(12)
+    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
+    quantizer = spec.codec_impl.server().quantizer  # type: ignore[attr-defined]
+    server, peers = HeldServer(quantizer), [HeldPeer(quantizer) for _ in range(2)]
+    served, glob = None, dict(init)
+    for step in (10, 20, 30, 40):  # 30 merges: owners download their own blocks, nothing is relayed
+        base = [peer.held if peer.round is not None else init for peer in peers]
+        theta = [trained(base[p], spec, p, step) for p in range(2)]
+        served, glob = one_round(spec, step, peers, server, served, glob, theta)
+        for peer in peers:
+            assert_bit_identical(peer.held, served.tensors)
+            assert peer.round == step
+
+
+def test_a_peer_state_round_trips_and_refuses_another_codec() -> None:
+    spec = spec_of("sparse")
+    peer = spec.codec_impl.peer()
+    assert peer.state_dict() == ({}, {})
+    peer.held, peer.round, peer.carried = {"a": torch.ones(3)}, 7, {"a": torch.zeros(3)}  # type: ignore[attr-defined]
+    metadata, tensors = peer.state_dict()
+    other = spec.codec_impl.peer()
+    other.load_state_dict(metadata, tensors)
+    assert other.base_round == 7 and torch.equal(other.held["a"], torch.ones(3))  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="codec state of 'sparse', this run's codec is 'int8'"):
+        spec_of("int8").codec_impl.peer().load_state_dict(metadata, tensors)
+    with pytest.raises(ValueError, match="this run's codec is 'fp32'"):
+        tiny_spec().codec_impl.peer().load_state_dict(metadata, tensors)
+
+
+# -- real servers and clients ---------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("plane", ["grpc", "tcp"])
+def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec: str, plane: str) -> None:
+    """Two peers, four rounds (the third a merge round): the first moves full values, the others coded deltas
+    of exactly the analytic size; every peer's result is the server's held model, bit for bit."""
+    spec = spec_of(codec)
+    assert spec.manifest is not None
+    gen = torch.Generator().manual_seed(0)
+    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
+    with (
+        running_server(spec, data_port=0 if plane == "tcp" else -1) as (server, addr),
+        joined_clients(addr, spec, data_plane=plane) as clients,
+    ):
+        models = [init, init]
+        for step in (10, 20, 30, 40):
+            results = sync_all(clients, step, {p: trained(models[p], spec, p, step) for p in range(2)})
+            models = [results[p][0] for p in range(2)]
+            for p in range(2):
+                assert_bit_identical(models[p], held_of(server))
+            merged = step == 30
+            for p, (_, stats) in results.items():
+                up, down = spec.trainable(p), spec.downloads(p, merged=merged)
+                assert stats.merged == merged and clients[p].plane.name == plane
+                if step == 10:  # nobody holds a model yet: full fp32 values both ways
+                    assert (stats.bytes_up, stats.bytes_down) == (
+                        4 * sum(math.prod(spec.manifest[n]) for n in up),
+                        4 * sum(math.prod(s) for s in spec.manifest.values()),
+                    )
+                else:
+                    assert (stats.bytes_up, stats.bytes_down) == (codec_bytes(spec, up), codec_bytes(spec, down))
+        done = server.service.state.completed
+        assert done is not None and done.served.base == 30
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_new_peer_and_a_peer_holding_another_model_get_full_values(codec: str) -> None:
+    """A restarted peer holds no model: it uploads and downloads full values once, then deltas again. A peer whose
+    held model is of another round has its deltas refused (base_mismatch) and sends full values instead."""
+    spec = spec_of(codec)
+    assert spec.manifest is not None
+    gen = torch.Generator().manual_seed(1)
+    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
+    everything = 4 * sum(math.prod(s) for s in spec.manifest.values())
+    with running_server(spec, data_port=0) as (server, addr), joined_clients(addr, spec) as clients:
+        results = sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
+        model = results[0][0]
+        clients[1].close()
+        with make_client(addr, spec, 1) as fresh:
+            fresh.join()
+            peers = [clients[0], fresh]
+            results = sync_all(peers, 20, {p: trained(model, spec, p, 20) for p in range(2)})
+            assert results[1][1].bytes_down == everything and results[0][1].bytes_down < everything / 3
+            for p in range(2):
+                assert_bit_identical(results[p][0], held_of(server))
+            codec_state = clients[0].codec
+            assert codec_state.base_round == 20
+            codec_state.round = 10  # type: ignore[attr-defined]  # a held model of another round than the server's
+            results = sync_all(peers, 30, {p: trained(results[p][0], spec, p, 30) for p in range(2)})
+            assert results[0][1].bytes_down == everything and codec_state.base_round == 30
+            for p in range(2):
+                assert_bit_identical(results[p][0], held_of(server))
+
+
+def raw_coded_upload(server: ParameterServer, spec: RunSpec, header: pb.TensorHeader, payload: bytes) -> pb.DataError:
+    """Peer 0's upload of round 20 over the data plane: the hand-made coded tensor `header` first, then zero deltas
+    against round 10 for the rest of what it trains; the server's refusal."""
+    assert spec.manifest is not None
+    quantizer = spec.codec_impl.server().quantizer  # type: ignore[attr-defined]
+    with plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10) as sock:
+        plane_tcp.send_hello(sock, pb.DataHello(op=pb.DATA_OP_UPLOAD, peer_id=0, step=20))
+        assert plane_tcp.recv_reply(sock).send
+        plane_tcp.send_frame(sock, header)
+        sock.sendall(payload + DIGEST.pack(checksum(payload)))
+        with contextlib.suppress(OSError):  # refused at the first tensor: the server drains the rest
+            for name in (n for n in spec.trainable(0) if n != header.name):
+                zero = Coded(quantizer.encode(name, torch.zeros(spec.manifest[name])), base_round=10)
+                plane_tcp.send_tensor(sock, name, zero, "fp32")
+        return plane_tcp.recv_reply(sock).error
+
+
+@pytest.mark.timeout(60)
+def test_malformed_payloads_are_refused_naming_the_tensor() -> None:
+    int8, sparse = spec_of("int8"), spec_of("sparse")
+    name = "blocks.0.ffn.experts.w1.0"
+    for spec in (int8, sparse):
+        assert spec.manifest is not None
+        gen = torch.Generator().manual_seed(2)
+        init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
+        quantizer = spec.codec_impl.server().quantizer  # type: ignore[attr-defined]
+        with running_server(spec, data_port=0) as (server, addr), joined_clients(addr, spec) as clients:
+            sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
+            good = Coded(quantizer.encode(name, torch.ones(spec.manifest[name])), base_round=10)
+            packed = good.payload.pack().numpy().tobytes()
+            cases = []
+            if spec is int8:
+                numel, blocks = 1024, 4
+                for scale in (-1.0, float("nan"), float("inf"), 3e38):  # 3e38 is finite, 127 x 3e38 is not
+                    scales = torch.full((blocks,), scale, dtype=torch.float32).numpy().tobytes()
+                    cases.append((header_for(name, good, "fp32"), packed[:numel] + scales))
+                wants = ["negative, NaN or Inf scale", "NaN or Inf scale", "", "holds NaN or Inf values once its int8"]
+            else:  # the index stream starts after 16 fp32 scales: put the first two chunk indices out of order
+                out_of_order = bytearray(packed)
+                out_of_order[64] = 0xFF
+                cases.append((header_for(name, good, "fp32"), bytes(out_of_order)))
+                wants = ["index outside its chunk or out of order"]
+            short = header_for(name, good, "fp32")
+            short.num_bytes -= 4  # a scale too few
+            cases.append((short, packed[:-4]))
+            wants.append(f"needs {len(packed)}")
+            other = header_for(name, good, "fp32")
+            other.params["block" if spec is int8 else "topk"] = 64 if spec is int8 else 4
+            cases.append((other, b""))
+            wants.append("parameters")
+            for (header, payload), want in zip(cases, wants):
+                error = raw_coded_upload(server, spec, header, payload)
+                assert error.code == "INVALID_ARGUMENT" and repr(name) in error.message, error
+                assert want in error.message, error.message
+            wrong_base = header_for(name, Coded(good.payload, 9), "fp32")
+            stale = raw_coded_upload(server, spec, wrong_base, packed)
+            assert (stale.code, stale.reason) == ("FAILED_PRECONDITION", Reason.BASE_MISMATCH), stale
+            assert "against the held model of round 9, but the receiver holds round 10" in stale.message
+            assert server.service.state.snapshot().open_round is None  # nothing was kept
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "server_codec, node_codec, field",
+    [
+        ("int8", "fp32", "codec"),
+        ("fp32", "int8", "codec"),
+        ("bf16", "sparse", "codec"),
+        ("sparse", "sparse", "codec_settings"),
+    ],
+)
+def test_a_node_whose_codec_differs_from_the_servers_is_refused_at_join(
+    server_codec: str, node_codec: str, field: str
+) -> None:
+    node = spec_of(node_codec) if node_codec in CODECS else tiny_spec(codec=node_codec, d=16, f=32, server=MERGE)
+    server_spec = spec_of(server_codec) if server_codec in CODECS else tiny_spec(codec=server_codec, d=16, f=32)
+    if field == "codec_settings":
+        node = tiny_spec(codec="sparse", codec_settings={"chunk": 64, "topk": 4}, d=16, f=32)
+    with running_server(server_spec) as (_, addr):
+        with pytest.raises(SyncError) as err:
+            with joined_clients(addr, node, max_retries=0):
+                pass
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"peer 0 has {field} = " in str(err.value) and "spes_config." + field in str(err.value)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_restarted_server_serves_its_persisted_held_model(tmp_path: Path, codec: str) -> None:
+    spec = spec_of(codec)
+    assert spec.manifest is not None
+    gen = torch.Generator().manual_seed(3)
+    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
+    with running_server(spec, state_dir=str(tmp_path)) as (server, addr), joined_clients(addr, spec) as clients:
+        sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
+        results = sync_all(clients, 20, {p: trained(init, spec, p, 20) for p in range(2)})
+        held = {n: t.clone() for n, t in held_of(server).items()}
+        states = [client.codec.state_dict() for client in clients]
+    with running_server(spec, state_dir=str(tmp_path)) as (server, addr), joined_clients(addr, spec) as clients:
+        assert_bit_identical(held_of(server), held)
+        done = server.service.state.completed
+        assert done is not None and done.served.base is None
+        for client, state in zip(clients, states, strict=True):
+            client.codec.load_state_dict(*state)  # as a resumed node does from its checkpoint
+        results = sync_all(clients, 30, {p: trained(results[p][0], spec, p, 30) for p in range(2)})
+        for p in range(2):  # the restored held model is the base of the next round's deltas, both ways
+            assert_bit_identical(results[p][0], held_of(server))
+            assert (results[p][1].bytes_up, results[p][1].bytes_down) == (
+                codec_bytes(spec, spec.trainable(p)),
+                codec_bytes(spec, spec.downloads(p, merged=True)),  # step 30 merges
+            )
