@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spes.sync.fragments import WHOLE, Layout, fragment_at, fragment_unit, merge_step, split_fragments, turn_of
+from spes.sync.fragments import WHOLE, Layout, fragment_unit, merge_step, split_fragments, turn_of
 from tests.sync_helpers import tiny_manifest
 
 
@@ -44,9 +44,13 @@ def test_a_model_with_fewer_parts_than_fragments_is_refused_naming_the_key() -> 
 
 
 def test_each_fragment_comes_round_once_per_sync_steps_and_the_last_step_syncs_everything() -> None:
-    schedule = [fragment_at(step, 10, 5, last_step=40) for step in range(2, 41, 2)]
+    layout = Layout.of(tiny_manifest(num_layers=4), 5, 10)
+    assert [step for step in range(1, 42) if layout.syncs_at(step, last_step=41)] == [*range(2, 41, 2), 41]
+    schedule = [layout.fragment_at(step, last_step=40) for step in range(2, 41, 2)]
     assert schedule == [1, 2, 3, 4, 5] * 3 + [1, 2, 3, 4, WHOLE]
-    assert {fragment_at(step, 10, 1, last_step=40) for step in (10, 20, 40)} == {WHOLE}
+    whole = Layout.of(tiny_manifest(), 1, 10)
+    assert {whole.fragment_at(step, last_step=40) for step in (10, 20, 40)} == {WHOLE}
+    assert [step for step in range(1, 42) if whole.syncs_at(step, last_step=41)] == [10, 20, 30, 40]
 
 
 def test_a_fragments_round_merges_as_the_whole_round_it_stands_in_for() -> None:

@@ -5,20 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spes.config import ServerSection
 from spes.moe import parse_expert_block
 from spes.sync import merge
-from spes.sync.merge import (
-    MergeConfig,
-    OuterConfig,
-    build_global,
-    download_names,
-    mean_over_peers,
-    merge_experts,
-    outer_nesterov_step,
-    round_alpha,
-    trainable_names,
-)
-from sync_helpers import peer_upload, tiny_manifest
+from spes.sync.merge import build_global, mean_over_peers, merge_experts, outer_nesterov_step, round_alpha
+from spes.sync.spec import RunSpec
+from sync_helpers import peer_upload, tiny_spec
 
 
 def naive_merge(w1: torch.Tensor, v1: torch.Tensor, w2: torch.Tensor, alpha: float, topk: int) -> list[torch.Tensor]:
@@ -51,25 +43,27 @@ def random_layer(
 
 
 def test_trainable_and_download_names() -> None:
-    names = list(tiny_manifest(num_layers=1))
-    own = trainable_names(names, 1, "spes")
+    spes = tiny_spec(num_layers=1)
+    names = list(spes.manifest or {})
+    own = spes.trainable(1)
     assert "blocks.0.ffn.experts.w1.1" in own and "blocks.0.ffn.experts.w1.0" not in own and "embed.weight" in own
-    assert trainable_names(names, 1, "diloco") == names
-    down = download_names(names, 1, "spes", merged=False)
+    assert spes.own(1) == [n for n in names if n.endswith("experts.w1.1") or n.endswith("v1.1") or n.endswith("w2.1")]
+    assert tiny_spec(mode="diloco", num_layers=1).trainable(1) == list(tiny_spec(mode="diloco", num_layers=1).manifest)
+    down = spes.downloads(1, merged=False)
     assert "blocks.0.ffn.experts.w1.0" in down and "blocks.0.ffn.experts.w1.1" not in down and "embed.weight" in down
-    assert download_names(names, 1, "spes", merged=True) == names
+    assert spes.downloads(1, merged=True) == names
 
 
 def test_alpha_schedule() -> None:
-    cfg = MergeConfig(interval=500, alpha_start=0.05, decay_steps=10000)
+    cfg = ServerSection(merge_interval=500, merge_alpha_start=0.05, merge_decay_steps=10000)
     assert round_alpha(0, "spes", cfg) == 0.05
     assert round_alpha(5000, "spes", cfg) == pytest.approx(0.025)
     assert round_alpha(1500, "spes", cfg) == pytest.approx(0.05 * 0.85)
     assert round_alpha(10000, "spes", cfg) == 0.0  # a multiple of the interval, but decayed to 0
     assert round_alpha(20000, "spes", cfg) == 0.0
     assert round_alpha(1501, "spes", cfg) == 0.0  # not a merge round
-    assert round_alpha(1500, "diloco", cfg) == 0.0 and round_alpha(1500, "spes", None) == 0.0
-    assert round_alpha(500, "spes", MergeConfig(interval=0, alpha_start=0.05)) == 0.0
+    assert round_alpha(1500, "diloco", cfg) == 0.0
+    assert round_alpha(500, "spes", ServerSection(merge_interval=0, merge_alpha_start=0.05)) == 0.0
 
 
 @pytest.mark.parametrize("num_experts,topk", [(8, 4), (5, 2), (3, 4), (2, 1), (4, 3)])
@@ -130,11 +124,10 @@ def test_merge_with_identical_experts_is_deterministic() -> None:
 
 
 def test_aggregate_spes_takes_owners_and_averages_shared() -> None:
-    manifest = tiny_manifest(num_layers=2, num_blocks=2, k=2)
-    uploads = {p: peer_upload(manifest, p, "spes", seed=0) for p in range(2)}
-    out = build_global(
-        uploads, num_peers=2, experts_per_peer=2, mode="spes", step=7, merge=MergeConfig(interval=500)
-    ).tensors
+    spec = tiny_spec(server=ServerSection(merge_interval=500))
+    manifest = spec.manifest or {}
+    uploads = {p: peer_upload(spec, p, seed=0) for p in range(2)}
+    out = build_global(uploads, spec=spec, step=7).tensors
     assert set(out) == set(manifest)
     for name in manifest:
         parsed = parse_expert_block(name)
@@ -146,10 +139,10 @@ def test_aggregate_spes_takes_owners_and_averages_shared() -> None:
 
 
 def test_aggregate_spes_merge_round_matches_layerwise_merge() -> None:
-    manifest = tiny_manifest(num_layers=2, num_blocks=2, k=2)
-    uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)}
-    cfg = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
-    out = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=200, merge=cfg).tensors
+    cfg = ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_decay_steps=1000, merge_topk=2)
+    spec = tiny_spec(server=cfg)
+    uploads = {p: peer_upload(spec, p, seed=1) for p in range(2)}
+    out = build_global(uploads, spec=spec, step=200).tensors
     alpha = round_alpha(200, "spes", cfg)
     for layer in range(2):
         prefix = f"blocks.{layer}.ffn.experts"
@@ -159,16 +152,16 @@ def test_aggregate_spes_merge_round_matches_layerwise_merge() -> None:
             for b in range(2):
                 torch.testing.assert_close(out[f"{prefix}.{kind}.{b}"], w[2 * b : 2 * b + 2], rtol=1e-5, atol=1e-6)
     # Past decay the same interval multiple changes nothing.
-    late = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1000, merge=cfg).tensors
+    late = build_global(uploads, spec=spec, step=1000).tensors
     assert torch.equal(late["blocks.0.ffn.experts.w1.1"], uploads[1]["blocks.0.ffn.experts.w1.1"])
 
 
 def test_aggregate_diloco_averages_everything_in_bf16_too() -> None:
-    manifest = tiny_manifest(num_layers=1, num_blocks=1, k=4)
-    uploads = {p: {n: t.bfloat16() for n, t in peer_upload(manifest, p, "diloco", seed=2).items()} for p in range(3)}
-    out = build_global(
-        uploads, num_peers=3, experts_per_peer=4, mode="diloco", step=0, merge=MergeConfig(interval=1, alpha_start=1.0)
-    ).tensors
+    merge = ServerSection(merge_interval=1, merge_alpha_start=1.0)
+    spec = tiny_spec(mode="diloco", num_peers=3, num_layers=1, k=4, server=merge)
+    manifest = spec.manifest or {}
+    uploads = {p: {n: t.bfloat16() for n, t in peer_upload(spec, p, seed=2).items()} for p in range(3)}
+    out = build_global(uploads, spec=spec, step=0).tensors
     for name in manifest:
         torch.testing.assert_close(out[name], sum(uploads[p][name].float() for p in range(3)) / 3)
 
@@ -195,42 +188,35 @@ def test_bf16_uploads_are_widened_exactly_in_pieces(monkeypatch: pytest.MonkeyPa
 
 
 def test_aggregate_keeps_experts_in_their_upload_dtype() -> None:
-    manifest = tiny_manifest(num_layers=1, num_blocks=2, k=2)
-    uploads = {p: {n: t.bfloat16() for n, t in peer_upload(manifest, p, "spes", seed=5).items()} for p in range(2)}
-    out = build_global(
-        uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1, merge=MergeConfig(interval=0)
-    ).tensors
+    spec = tiny_spec(num_layers=1, server=ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_topk=1))
+    manifest = spec.manifest or {}
+    uploads = {p: {n: t.bfloat16() for n, t in peer_upload(spec, p, seed=5).items()} for p in range(2)}
+    out = build_global(uploads, spec=spec, step=1).tensors
     for name in manifest:
         parsed = parse_expert_block(name)
         if parsed is None:
             assert out[name].dtype == torch.float32
         else:  # the very upload: widening it would only be undone to send it back in bf16
             assert out[name] is uploads[parsed.block][name]
-    merged = build_global(
-        uploads,
-        num_peers=2,
-        experts_per_peer=2,
-        mode="spes",
-        step=100,
-        merge=MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=1),
-    ).tensors
+    merged = build_global(uploads, spec=spec, step=100).tensors
     assert all(t.dtype == torch.float32 for t in merged.values())
 
 
 def test_aggregate_rejects_incomplete_uploads() -> None:
-    manifest = tiny_manifest(num_layers=1)
-    uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
+    spec = tiny_spec(num_layers=1)
+    manifest = spec.manifest or {}
+    uploads = {p: peer_upload(spec, p, seed=3) for p in range(2)}
     with pytest.raises(ValueError, match="owner, peer 1"):  # no upload of peer 1 and no previous global model
-        build_global({0: uploads[0]}, names=list(manifest), num_peers=2, experts_per_peer=2, mode="spes", step=1)
+        build_global({0: uploads[0]}, names=list(manifest), spec=spec, step=1)
     with pytest.raises(ValueError, match=r"uploads of peers in 0..1, got peers \[0, 2\]"):
-        build_global({0: uploads[0], 2: uploads[1]}, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+        build_global({0: uploads[0], 2: uploads[1]}, spec=spec, step=1)
     uploads[0]["blocks.0.ffn.experts.w1.1"] = uploads[1].pop("blocks.0.ffn.experts.w1.1")  # sent by a non-owner
     with pytest.raises(ValueError, match="owner, peer 1"):
-        build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+        build_global(uploads, spec=spec, step=1)
     uploads[1]["blocks.0.ffn.experts.w1.1"] = uploads[0].pop("blocks.0.ffn.experts.w1.1")
     del uploads[0]["embed.weight"]
     with pytest.raises(ValueError, match="embed.weight"):
-        build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1)
+        build_global(uploads, spec=spec, step=1)
 
 
 def test_outer_nesterov_matches_torch_sgd() -> None:
@@ -249,21 +235,14 @@ def test_outer_nesterov_matches_torch_sgd() -> None:
             torch.testing.assert_close(theta[n], p.detach())
 
 
-def test_config_validation() -> None:
-    with pytest.raises(ValueError, match="topk"):
-        MergeConfig(topk=0)
-    with pytest.raises(ValueError, match="decay_steps"):
-        MergeConfig(decay_steps=0)
-    with pytest.raises(ValueError, match="outer optimizer"):
-        OuterConfig(optimizer="adam")  # type: ignore[arg-type]
+MERGE_ON = {"merge_interval": 10, "merge_alpha_start": 0.5, "merge_decay_steps": 100, "merge_topk": 2}
+QUORUM_MERGE = ServerSection(merge_interval=10, merge_alpha_start=0.5, merge_decay_steps=100, merge_topk=2)
+QUORUM_SPEC = tiny_spec(server=QUORUM_MERGE)
+QUORUM_MANIFEST = QUORUM_SPEC.manifest or {}
 
 
-QUORUM_MANIFEST = tiny_manifest()
-QUORUM_MERGE = MergeConfig(interval=10, alpha_start=0.5, decay_steps=100, topk=2)
-
-
-def uploads_for(peers: list[int], seed: int, manifest: dict = QUORUM_MANIFEST, mode: str = "spes") -> dict:
-    return {p: peer_upload(manifest, p, mode, seed) for p in peers}  # type: ignore[arg-type]
+def uploads_for(peers: list[int], seed: int, spec: RunSpec = QUORUM_SPEC) -> dict:
+    return {p: peer_upload(spec, p, seed) for p in peers}
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -274,20 +253,9 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 
 @pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
 def test_consuming_build_global_equals_the_copying_one(step: int) -> None:
-    want = build_global(
-        uploads_for([0, 1], step), num_peers=2, experts_per_peer=2, mode="spes", step=step, merge=QUORUM_MERGE
-    ).tensors
+    want = build_global(uploads_for([0, 1], step), spec=QUORUM_SPEC, step=step).tensors
     uploads = uploads_for([0, 1], step)
-    got = build_global(
-        uploads,
-        names=list(QUORUM_MANIFEST),
-        num_peers=2,
-        experts_per_peer=2,
-        mode="spes",
-        step=step,
-        merge=QUORUM_MERGE,
-        consume=True,
-    )
+    got = build_global(uploads, names=list(QUORUM_MANIFEST), spec=QUORUM_SPEC, step=step, consume=True)
     assert_same(got.tensors, want)
     assert list(got.tensors) == list(QUORUM_MANIFEST) and got.momentum == {}
     assert all(not upload for upload in uploads.values())  # consumed tensor by tensor
@@ -295,31 +263,26 @@ def test_consuming_build_global_equals_the_copying_one(step: int) -> None:
 
 
 def test_build_global_diloco_nesterov_over_rounds_equals_the_pure_functions() -> None:
-    manifest = tiny_manifest(num_blocks=1)
-    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
+    outer = tiny_spec(mode="diloco", num_peers=3, server=ServerSection(outer_optimizer="nesterov", **MERGE_ON))
+    plain = tiny_spec(mode="diloco", num_peers=3)
+    manifest = plain.manifest or {}
     previous: dict = {}
     momentum: dict = {}
     want_global: dict = {}
     want_momentum: dict = {}
     for step in (1, 2, 3):
-        mean = build_global(
-            uploads_for([0, 1, 2], step, manifest, "diloco"), num_peers=3, experts_per_peer=2, mode="diloco", step=step
-        ).tensors
+        mean = build_global(uploads_for([0, 1, 2], step, plain), spec=plain, step=step).tensors
         if want_global:
             want_global, want_momentum = outer_nesterov_step(want_global, mean, want_momentum, lr=0.7, momentum=0.9)
         else:
             want_global = mean
         built = build_global(
-            uploads_for([0, 1, 2], step, manifest, "diloco"),
+            uploads_for([0, 1, 2], step, plain),
             names=list(manifest),
             previous=previous,
             momentum=momentum,
-            num_peers=3,
-            experts_per_peer=2,
-            mode="diloco",
+            spec=outer,
             step=step,
-            merge=QUORUM_MERGE,
-            outer=outer,
             consume=True,
         )
         previous, momentum = built.tensors, built.momentum
@@ -330,20 +293,13 @@ def test_build_global_diloco_nesterov_over_rounds_equals_the_pure_functions() ->
 
 @pytest.mark.parametrize("step", [10, 15], ids=["merge", "plain"])
 def test_quorum_averages_the_arrived_and_keeps_a_missing_owners_experts(step: int) -> None:
-    manifest = tiny_manifest(num_blocks=3)
+    spec = tiny_spec(num_peers=3, server=QUORUM_MERGE)
+    manifest = spec.manifest or {}
     names = list(manifest)
     previous = {n: torch.randn(s) for n, s in manifest.items()}
-    arrived = uploads_for([0, 2], step, manifest)
+    arrived = uploads_for([0, 2], step, spec)
     got = build_global(
-        uploads_for([0, 2], step, manifest),
-        names=names,
-        previous=previous,
-        num_peers=3,
-        experts_per_peer=2,
-        mode="spes",
-        step=step,
-        merge=QUORUM_MERGE,
-        consume=True,
+        uploads_for([0, 2], step, spec), names=names, previous=previous, spec=spec, step=step, consume=True
     ).tensors
     assert sorted(got) == sorted(names)
     for name in names:
@@ -364,14 +320,13 @@ def test_quorum_averages_the_arrived_and_keeps_a_missing_owners_experts(step: in
 def test_the_outer_step_starts_per_tensor_so_a_fragments_first_round_is_its_mean() -> None:
     """With fragments the previous global model may lack some tensors: those start from their mean, the rest take
     the outer step, as each would in a run of its own."""
-    manifest = tiny_manifest(num_blocks=1)
-    uploads = uploads_for([0, 1, 2], 1, manifest, "diloco")
-    mean = build_global(uploads, num_peers=3, experts_per_peer=2, mode="diloco", step=1).tensors
+    plain = tiny_spec(mode="diloco", num_peers=3)
+    manifest = plain.manifest or {}
+    uploads = uploads_for([0, 1, 2], 1, plain)
+    mean = build_global(uploads, spec=plain, step=1).tensors
     previous = {"embed.weight": torch.zeros(manifest["embed.weight"])}
-    outer = OuterConfig(optimizer="nesterov", lr=0.7, momentum=0.9)
-    built = build_global(
-        uploads, num_peers=3, experts_per_peer=2, mode="diloco", step=1, outer=outer, previous=previous
-    )
+    outer = tiny_spec(mode="diloco", num_peers=3, server=ServerSection(outer_optimizer="nesterov"))
+    built = build_global(uploads, spec=outer, step=1, previous=previous)
     want, _ = outer_nesterov_step(previous, {"embed.weight": mean["embed.weight"]}, {}, lr=0.7, momentum=0.9)
     assert_same({"embed.weight": built.tensors["embed.weight"]}, want)
     assert_same(
@@ -382,13 +337,12 @@ def test_the_outer_step_starts_per_tensor_so_a_fragments_first_round_is_its_mean
 
 
 def test_a_merge_round_changes_only_the_mergeable_layers() -> None:
-    manifest = tiny_manifest(num_layers=2, num_blocks=2, k=2)
-    uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)}
-    cfg = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
+    spec = tiny_spec(server=ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_topk=2))
+    manifest = spec.manifest or {}
+    uploads = {p: peer_upload(spec, p, seed=1) for p in range(2)}
     layer0 = {n for n in manifest if n.startswith("blocks.0.")}
-    kw = {"num_peers": 2, "experts_per_peer": 2, "mode": "spes", "step": 200, "merge": cfg}
-    full = build_global(uploads, **kw).tensors  # type: ignore[arg-type]
-    part = build_global(uploads, mergeable=layer0, **kw).tensors  # type: ignore[arg-type]
+    full = build_global(uploads, spec=spec, step=200).tensors
+    part = build_global(uploads, mergeable=layer0, spec=spec, step=200).tensors
     for name in manifest:
         if name in layer0:
             assert torch.equal(part[name], full[name]), name

@@ -234,12 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
 def spec_of_run(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:
     """The run spec of a node YAML and its overrides, with the manifest of the model it builds (on the meta device);
     without a YAML, of the defaults and the overrides (a SPES run unless they say otherwise), manifest and
-    sync_steps left to the first node to join. ValueError (ConfigError) naming the key or file."""
+    sync_steps and block owners left to the first node to join. ValueError (ConfigError) naming the key or file."""
     if path is None:
         cfg, _ = load_config(None, ["--using_spes=true", *overrides])
         given = any(o.startswith("--spes_config.sync_steps=") for o in overrides)
         spec = run_spec(cfg, None, origin="the server's command line")
-        return spec if given else replace(spec, sync_steps=None)
+        return replace(spec, sync_steps=spec.sync_steps if given else None, block_owners=None)
     from spes.model import Transformer  # NOTE: lazy, so a server without RUN.yaml never imports the model
 
     cfg, _ = load_config(path, overrides)

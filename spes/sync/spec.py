@@ -9,8 +9,8 @@ not compared. A Join sends the peer's spec; `differences` names the first field 
 root causes first (the mode, then the layout, then the schedule, then the codec).
 
 A server started without the run's YAML (the first implementation's habit, `TOTAL_PEERS=4
-run_scripts/run_parameter_server.sh`) has a spec whose manifest and `sync_steps` are open (None): the first node to
-join completes it (`completed_by`), and from then on it is held like any other.
+run_scripts/run_parameter_server.sh`) has a spec whose manifest, `sync_steps` and block owners are open (None): the
+first node to join completes it (`completed_by`), and from then on it is held like any other.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ class RunSpec:
     num_peers: int
     experts_per_block: int
     """Experts per ownership block of a MoE layer (`num_train_experts_per_node`; DiLoCo: every expert, one block)."""
-    block_owners: tuple[int, ...]
-    """SPES: the peer that trains expert block b of every layer is `block_owners[b]`; DiLoCo: () (all train all)."""
+    block_owners: tuple[int, ...] | None
+    """SPES: the peer that trains expert block b of every layer is `block_owners[b]`; DiLoCo: () (all train all);
+    None: open (a server without the run's YAML does not know the model's experts)."""
     sync_steps: int | None
     """Steps between two rounds over the same tensors; None: open, taken from the first node to join."""
     overlap_fragments: int = 1
@@ -75,8 +76,8 @@ class RunSpec:
             raise ValueError(
                 f"a run needs num_peers >= 1 and experts per block >= 1, got {self.num_peers}, {self.experts_per_block}"
             )
-        if any(not 0 <= p < self.num_peers for p in self.block_owners):
-            raise ValueError(f"block_owners {list(self.block_owners)} name peers outside [0, {self.num_peers})")
+        if any(not 0 <= p < self.num_peers for p in self.block_owners or ()):
+            raise ValueError(f"block_owners {self.block_owners} name peers outside [0, {self.num_peers})")
         if self.overlap_fragments < 1:
             raise ValueError(f"spes_config.overlap_fragments = {self.overlap_fragments} must be >= 1")
         if self.sync_steps is not None and (self.sync_steps < 1 or self.sync_steps % self.overlap_fragments):
@@ -92,6 +93,8 @@ class RunSpec:
         parsed = parse_expert_block(name) if self.mode == "spes" else None
         if parsed is None:
             return None
+        if self.block_owners is None:
+            raise ValueError("the run spec's ownership is open (no node has joined a server started without YAML)")
         if parsed.block >= len(self.block_owners):
             raise ValueError(f"expert block {name!r} has no owner: the run has {len(self.block_owners)} blocks")
         return self.block_owners[parsed.block]
@@ -137,7 +140,8 @@ class RunSpec:
 
     @property
     def complete(self) -> bool:
-        return self.manifest is not None and self.sync_steps is not None
+        """No field is open (see `completed_by`)."""
+        return self.manifest is not None and self.sync_steps is not None and self.block_owners is not None
 
     # -- a join -------------------------------------------------------------------------------
     def first_difference(self, theirs: RunSpec) -> tuple[str, Any, Any] | None:
@@ -163,11 +167,12 @@ class RunSpec:
         )
 
     def completed_by(self, theirs: RunSpec) -> RunSpec:
-        """This spec with its open fields (manifest, sync_steps) taken from `theirs`."""
+        """This spec with its open fields (manifest, sync_steps, block_owners) taken from `theirs`."""
         return replace(
             self,
             sync_steps=self.sync_steps if self.sync_steps is not None else theirs.sync_steps,
             manifest=self.manifest if self.manifest is not None else theirs.manifest,
+            block_owners=self.block_owners if self.block_owners is not None else theirs.block_owners,
         )
 
     def to_proto(self) -> pb.RunSpec:
@@ -175,7 +180,7 @@ class RunSpec:
             mode=self.mode,
             num_peers=self.num_peers,
             experts_per_block=self.experts_per_block,
-            block_owners=list(self.block_owners),
+            block_owners=list(self.block_owners or ()),
             sync_steps=self.sync_steps or 0,
             overlap_fragments=self.overlap_fragments,
             codec=self.codec,

@@ -1,0 +1,117 @@
+"""Admission of a Join (spes.sync.joins): protocol, spec and manifest against the run's, root causes first."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from spes.sync.joins import check_join, check_manifest, manifest_differences
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import PROTOCOL_VERSION, Refused
+from spes.sync.spec import RunSpec
+from sync_helpers import tiny_manifest, tiny_spec
+
+SPEC = tiny_spec()
+MANIFEST = SPEC.manifest or {}
+
+
+def join(peer: int, run: RunSpec = SPEC, **overrides: object) -> pb.JoinRequest:
+    """Peer `peer`'s Join of the run `run`; `overrides`: JoinRequest fields."""
+    fields: dict = {
+        "peer_id": peer,
+        "manifest": [pb.TensorSpec(name=n, shape=s) for n, s in (run.manifest or {}).items()],
+        "protocol": PROTOCOL_VERSION,
+        "spec": run.to_proto(),
+    }
+    fields.update(overrides)
+    return pb.JoinRequest(**fields)
+
+
+def test_a_join_of_the_runs_spec_is_admitted_with_its_manifest() -> None:
+    theirs = check_join(join(1), SPEC)
+    assert theirs == SPEC and theirs.manifest == MANIFEST and theirs.origin == "peer 1's config"
+    assert "blocks.0.ffn.experts.w1.1" in theirs.trainable(1)
+
+
+def test_a_server_without_the_runs_yaml_takes_the_manifest_and_sync_steps_of_the_first_join() -> None:
+    open_spec = replace(SPEC, manifest=None, sync_steps=None)
+    theirs = check_join(join(0, replace(SPEC, sync_steps=20)), open_spec)
+    complete = open_spec.completed_by(theirs)
+    assert complete.manifest == MANIFEST and complete.sync_steps == 20 and complete.complete
+    with pytest.raises(Refused, match=r"manifest declares a model of .* GB in fp32, more than --max_model_gb=1e-09"):
+        check_join(join(0), open_spec, max_model_gb=1e-9)
+
+
+@pytest.mark.parametrize(
+    "request_of, match, code",
+    [
+        (lambda: join(2), r"peer_id 2 is outside \[0, 2\)", grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: join(0, protocol=0), "speaks wire protocol v0 but this server speaks v6", None),
+        (lambda: join(0, protocol=5), "speaks wire protocol v5 but this server speaks v6", None),  # no run spec
+        (
+            lambda: join(0, tiny_spec(mode="diloco")),
+            r"peer 0 has mode = 'diloco' but the run has mode = 'spes'.*using_spes / using_dilico",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            lambda: join(0, tiny_spec(num_peers=3)),
+            r"peer 0 has num_peers = 3 but the run has num_peers = 2: set spes_config.num_peers",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            lambda: join(0, tiny_spec(sync_steps=20)),
+            "peer 0 has sync_steps = 20 but the run has sync_steps = 10",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            lambda: join(0, tiny_spec(codec="int8")),
+            "peer 0 has codec = 'int8' but the run has codec = 'fp32': set spes_config.codec",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
+        (
+            lambda: join(0, manifest=[pb.TensorSpec(name="a", shape=[1])] * 2),
+            "names a tensor twice",
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            lambda: join(
+                0, spec=pb.RunSpec(mode="spes", num_peers=2, experts_per_block=2, overlap_fragments=1, codec="fp8")
+            ),
+            "peer 0's run spec is not valid: spes_config.codec = 'fp8' is not a codec",
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    ],
+)
+def test_a_join_that_differs_is_refused_naming_the_root_difference(
+    request_of: object, match: str, code: grpc.StatusCode | None
+) -> None:
+    with pytest.raises(Refused, match=match) as err:
+        check_join(request_of(), SPEC)  # type: ignore[operator]
+    assert code is None or err.value.code == code
+
+
+def test_the_mode_is_named_before_the_layout_it_implies() -> None:
+    """A DiLoCo node against a SPES server differs in experts per block too; the mode is what the user set."""
+    diloco = tiny_spec(mode="diloco", k=4)
+    with pytest.raises(Refused, match="has mode = 'diloco'"):
+        check_join(join(0, diloco), SPEC)
+
+
+def test_a_model_that_differs_from_the_runs_is_refused_naming_the_tensors() -> None:
+    other = tiny_spec(d=16)
+    with pytest.raises(Refused, match=r"model differs from the run's: 'blocks.0.attn.qkv.weight' has shape \[48, 16\], the run's is \[24, 8\]"):
+        check_join(join(0, other), SPEC)
+
+
+def test_manifest_checks() -> None:
+    with pytest.raises(ValueError, match="has no owner: the run has 2 blocks"):
+        check_manifest(tiny_manifest(num_blocks=3), SPEC)
+    with pytest.raises(ValueError, match="<= num_train_experts_per_node=1"):
+        check_manifest(MANIFEST, replace(SPEC, experts_per_block=1))
+    check_manifest(tiny_manifest(num_blocks=1, k=4), tiny_spec(mode="diloco", num_peers=3, k=4))
+    assert manifest_differences(MANIFEST, MANIFEST) == ""
+    assert "missing 'lm_head.weight'" in manifest_differences(
+        MANIFEST, {n: s for n, s in MANIFEST.items() if n != "lm_head.weight"}
+    )

@@ -1,0 +1,98 @@
+"""The run spec (spes.sync.spec): built once from a run's YAML by the server and every node alike."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from spes.config import load_config
+from spes.model import Transformer
+from spes.sync.peer import model_manifest
+from spes.sync.server import spec_of_run
+from spes.sync.spec import FIELD_KEYS, RunSpec, run_spec
+from sync_helpers import tiny_spec
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def node_spec(path: Path, *overrides: str) -> tuple[RunSpec, list[str]]:
+    """What a node builds: the spec of its config and its own model, and the names its model trains."""
+    cfg, _ = load_config(path, list(overrides))
+    with torch.device("meta"):
+        manifest, trainable = model_manifest(Transformer.for_run(cfg))
+    return run_spec(cfg, manifest), trainable
+
+
+@pytest.mark.parametrize(
+    "config, peer",
+    [
+        ("tiny.yaml", 0),
+        ("tiny.yaml", 3),
+        ("spes_1b/node_2.yaml", 2),
+        ("diloco_1b/node_1.yaml", 1),
+        ("upcycled_9b/node_7.yaml", 7),
+    ],
+)
+def test_the_server_and_every_node_build_the_same_spec_and_it_says_what_each_trains(config: str, peer: int) -> None:
+    """The server's spec (from any node's YAML) equals each node's, and its ownership is what the node's model
+    trains: the shared tensors and its own expert blocks (DiLoCo: everything)."""
+    path = CONFIGS / config
+    node, trainable = node_spec(path, f"--spes_config.peer_id={peer}")
+    server = spec_of_run(str(path))
+    assert node == server and node.manifest == server.manifest and not server.differences(node, "the node")
+    assert node.trainable(peer) == trainable
+    assert set(node.downloads(peer, merged=False)) | set(node.own(peer)) == set(node.manifest or {})
+
+
+def test_the_paper_layout_gives_block_b_to_peer_b() -> None:
+    spec, _ = node_spec(CONFIGS / "spes_1b" / "node_0.yaml")
+    assert spec.mode == "spes" and spec.block_owners == (0, 1, 2, 3) and spec.experts_per_block == 4
+    assert spec.owner("blocks.3.ffn.experts.w2.2") == 2 and spec.owner("blocks.3.attn.w_q.weight") is None
+    diloco, _ = node_spec(CONFIGS / "diloco_1b" / "node_0.yaml")
+    assert diloco.block_owners == () and diloco.owner("blocks.3.ffn.experts.w2.0") is None
+
+
+def test_a_spec_travels_as_its_message_and_back() -> None:
+    spec = tiny_spec(codec="sparse", codec_settings={"topk": 32}, overlap_fragments=2)
+    back = RunSpec.from_proto(spec.to_proto(), spec.manifest or {}, origin="peer 0's config")
+    assert back == spec and back.codec_settings == (("bits", 2), ("chunk", 4096), ("topk", 32))
+
+
+def test_the_first_difference_is_the_root_cause_with_both_values_and_where_each_came_from() -> None:
+    ours = replace(tiny_spec(), origin="configs/tiny.yaml")
+    theirs = tiny_spec(mode="diloco", num_peers=3, codec="int8")
+    assert list(FIELD_KEYS)[:2] == ["mode", "num_peers"]
+    assert ours.differences(theirs, "peer 1") == (
+        "peer 1 has mode = 'diloco' but the run has mode = 'spes' (from configs/tiny.yaml): set "
+        "using_spes / using_dilico alike in every node's YAML and the server's"
+    )
+    assert ours.differences(tiny_spec(), "peer 1") == ""
+    assert replace(ours, sync_steps=None).differences(tiny_spec(sync_steps=7), "peer 1") == ""  # open: agrees
+
+
+def test_a_centralized_run_or_a_bad_codec_setting_has_no_spec_and_says_why() -> None:
+    with pytest.raises(ValueError, match="is a centralized run .* set using_spes: true"):
+        spec_of_run(str(CONFIGS / "centralized_1b.yaml"))
+    with pytest.raises(ValueError, match="unknown config key 'spes_config.codec_settings.top_k'; did you mean 'topk'"):
+        spec_of_run(str(CONFIGS / "tiny.yaml"), ["--spes_config.codec=sparse", "--spes_config.codec_settings.top_k=8"])
+    with pytest.raises(ValueError, match="the int8 codec takes"):
+        tiny_spec(codec="int8", codec_settings={"chunk": 8})
+    with pytest.raises(ValueError, match="spes_config.codec = 'fp16' is not a codec: use one of"):
+        tiny_spec(codec="fp16")
+
+
+def test_a_server_without_the_runs_yaml_has_an_open_spec_that_the_first_join_completes() -> None:
+    spec = spec_of_run(None, ["--spes_config.num_peers=4", "--spes_config.num_train_experts_per_node=4"])
+    assert (spec.mode, spec.num_peers, spec.experts_per_block) == ("spes", 4, 4)
+    assert spec.manifest is None and spec.sync_steps is None and not spec.complete
+    node, _ = node_spec(CONFIGS / "spes_1b" / "node_1.yaml")
+    assert not spec.differences(node, "peer 1")
+    complete = spec.completed_by(node)
+    assert complete.complete and complete.manifest == node.manifest and complete.sync_steps == 100
+    with pytest.raises(ValueError, match="the run spec is open"):
+        spec.layout  # noqa: B018
+    pinned = spec_of_run(None, ["--spes_config.num_peers=4", "--spes_config.sync_steps=50"])
+    assert pinned.sync_steps == 50
