@@ -9,18 +9,29 @@ import grpc
 import pytest
 import torch
 
+from spes.config import ServerSection
 from spes.sync.coordinator import Coordinator
-from spes.sync.fragments import WHOLE, Layout, merge_step
-from spes.sync.merge import MergeConfig, build_global, download_names, round_alpha
+from spes.sync.fragments import WHOLE, merge_step
+from spes.sync.merge import build_global, round_alpha
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import Reason, Refused
-from spes.sync.server import ServerConfig
+from spes.sync.protocol import PROTOCOL_VERSION, Reason, Refused
+from spes.sync.settings import DeployConfig, ServerConfig
+from spes.sync.spec import RunSpec
 from spes.sync.wire import TensorDecoder, encode_tensors
-from sync_helpers import peer_upload, tiny_manifest
-from test_client import NO_MERGE
-from test_server import join_request
+from sync_helpers import NO_MERGE, peer_upload, tiny_spec
 
-MANIFEST = tiny_manifest()
+SPEC = tiny_spec(server=NO_MERGE)
+MANIFEST = SPEC.manifest or {}
+JOIN = {"session": "s", "address": "test", "common_name": lambda: None}
+
+
+def join_request(peer: int, spec: RunSpec = SPEC) -> pb.JoinRequest:
+    return pb.JoinRequest(
+        peer_id=peer,
+        manifest=[pb.TensorSpec(name=n, shape=s) for n, s in (spec.manifest or {}).items()],
+        protocol=PROTOCOL_VERSION,
+        spec=spec.to_proto(),
+    )
 
 
 def feeding(tensors: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
@@ -31,9 +42,13 @@ def feeding(tensors: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
     return feed
 
 
+def coordinator(spec: RunSpec, **deploy: object) -> Coordinator:
+    return Coordinator(ServerConfig(spec, DeployConfig(**deploy)))  # type: ignore[arg-type]
+
+
 @pytest.mark.timeout(60)
 def test_a_round_through_the_coordinator_alone() -> None:
-    service = Coordinator(ServerConfig(num_peers=2, experts_per_peer=2, merge=NO_MERGE))
+    service = coordinator(SPEC)
     try:
         with pytest.raises(Refused) as err:
             service.upload(0, 1, feeding({}))
@@ -41,14 +56,14 @@ def test_a_round_through_the_coordinator_alone() -> None:
         for peer in range(2):
             reply = service.join(join_request(peer), session=f"s{peer}", address="test", common_name=lambda: None)
             assert (reply.current_round, reply.open_round) == (-1, -1)
-        uploads = {p: peer_upload(MANIFEST, p, "spes", seed=1) for p in range(2)}
-        want = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=1, merge=NO_MERGE).tensors
+        uploads = {p: peer_upload(SPEC, p, seed=1) for p in range(2)}
+        want = build_global(uploads, spec=SPEC, step=1).tensors
         assert list(service.upload(0, 1, feeding(uploads[0])).uploaded_peers) == [0]
         assert service.upload(0, 1, feeding(uploads[0])).duplicate
         assert list(service.upload(1, 1, feeding(uploads[1])).uploaded_peers) == [0, 1]
         with service.download(1, 1, False, lambda: True, 30.0) as outgoing:
             assert outgoing is not None
-            assert sorted(outgoing.info.names) == sorted(download_names(list(MANIFEST), 1, "spes", merged=False))
+            assert sorted(outgoing.info.names) == sorted(SPEC.downloads(1, merged=False))
             assert all(torch.equal(outgoing.tensors[n], want[n]) for n in outgoing.info.names)
             outgoing.sent = 123
         status = service.status()
@@ -59,40 +74,26 @@ def test_a_round_through_the_coordinator_alone() -> None:
         service.shutdown(grace_s=1.0)
 
 
-def fragment_join(peer: int, fragments: int = 2, sync_steps: int = 4, **overrides: object) -> pb.JoinRequest:
-    request = join_request(peer, **overrides)  # type: ignore[arg-type]
-    request.fragments, request.sync_steps = fragments, sync_steps
-    return request
-
-
 @pytest.mark.timeout(60)
 def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keeps_the_rest() -> None:
     """Rounds every 2 steps over 2 fragments (sync_steps 4), then a whole round: each round's download is the
     aggregate of its fragment's uploads only, merged with the warm-up of the whole round it stands in for (the
     whole round merges only fragment 2, whose turn step 6 is), and the server's global model keeps the other
     fragment's values of the round before."""
-    layout, merge = Layout.of(MANIFEST, 2, 4), MergeConfig(interval=4, alpha_start=0.5, decay_steps=100)
-    service = Coordinator(ServerConfig(num_peers=2, experts_per_peer=2, merge=merge))
+    merge = ServerSection(merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=100)
+    spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=merge)
+    layout = spec.layout
+    service = coordinator(spec)
     try:
         for peer in range(2):
-            service.join(fragment_join(peer), session=f"s{peer}", address="test", common_name=lambda: None)
+            service.join(join_request(peer, spec), session=f"s{peer}", address="test", common_name=lambda: None)
         held: dict[str, torch.Tensor] = {}
         for step, fragment in ((2, 1), (4, 2), (6, WHOLE)):
             names = layout.names(fragment, MANIFEST)
-            uploads = {
-                p: {n: t for n, t in peer_upload(MANIFEST, p, "spes", step).items() if n in names} for p in (0, 1)
-            }
+            uploads = {p: {n: t for n, t in peer_upload(spec, p, step).items() if n in names} for p in (0, 1)}
             merge_at, mergeable = layout.merged_names(step, fragment, MANIFEST)
             assert merge_at == merge_step(step, 4, fragment) or fragment == WHOLE
-            want = build_global(
-                uploads,
-                num_peers=2,
-                experts_per_peer=2,
-                mode="spes",
-                step=merge_at,
-                merge=merge,
-                mergeable=mergeable,
-            )
+            want = build_global(uploads, spec=spec, step=merge_at, mergeable=mergeable)
             for peer in range(2):
                 service.upload(peer, step, feeding(uploads[peer]), fragment)
             held.update(want.tensors)
@@ -100,7 +101,7 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
                 assert outgoing is not None
                 alpha = round_alpha(merge_at, "spes", merge)  # the whole round at 6 stands in for fragment 2's
                 assert (outgoing.info.merged, outgoing.info.alpha) == (True, alpha) and alpha > 0
-                sent = download_names(names, 0, "spes", merged=alpha > 0)  # merged: its own blocks come back too
+                sent = spec.downloads(0, names, merged=alpha > 0)  # merged: its own blocks come back too
                 assert sorted(outgoing.info.names) == sorted(sent)
                 assert all(torch.equal(outgoing.tensors[n], want.tensors[n]) for n in sent)
             if step == 2:  # only fragment 1 has had a round: no whole model to catch up to yet
@@ -119,36 +120,27 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
 
 @pytest.mark.timeout(60)
 def test_fragment_layouts_and_uploads_that_disagree_are_refused() -> None:
-    service = Coordinator(ServerConfig(num_peers=2, experts_per_peer=2, merge=NO_MERGE))
-    join = {"session": "s", "address": "test", "common_name": lambda: None}
+    spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=NO_MERGE)
+    service = coordinator(spec)
     try:
-        for request, code, match in (
-            (
-                fragment_join(0, fragments=5, sync_steps=10),
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "fewer than the 5 fragments",
-            ),
-            (fragment_join(0, sync_steps=5), grpc.StatusCode.INVALID_ARGUMENT, "sync_steps=5 is not a multiple"),
+        for other, code, match in (
+            (tiny_spec(overlap_fragments=5, sync_steps=10), grpc.StatusCode.FAILED_PRECONDITION, "sync_steps = 10"),
+            (tiny_spec(sync_steps=4), grpc.StatusCode.FAILED_PRECONDITION, "overlap_fragments = 1 but the run has"),
         ):
             with pytest.raises(Refused, match=match) as err:
-                service.join(request, **join)  # type: ignore[arg-type]
+                service.join(join_request(0, other), **JOIN)  # type: ignore[arg-type]
             assert err.value.code == code
-        service.join(fragment_join(0), **join)  # type: ignore[arg-type]
-        with pytest.raises(Refused, match="peer 1 synchronizes 1 fragment.*overlap_fragments alike") as err:
-            service.join(join_request(1), **join)  # type: ignore[arg-type]
-        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        service.join(fragment_join(1), **join)  # type: ignore[arg-type]
-        layout = Layout.of(MANIFEST, 2, 4)
-        upload = {n: t for n, t in peer_upload(MANIFEST, 0, "spes", 1).items() if n in layout.parts[0]}
+        for peer in range(2):
+            service.join(join_request(peer, spec), **JOIN)  # type: ignore[arg-type]
+        layout = spec.layout
+        upload = {n: t for n, t in peer_upload(spec, 0, 1).items() if n in layout.parts[0]}
         with pytest.raises(Refused, match=r"fragment 3 is not one of this run's \(0 or 1..2\)"):
             service.upload(0, 2, feeding(upload), 3)
         service.upload(0, 2, feeding(upload), 1)
         with pytest.raises(Refused, match="uploads fragment 2 for round 2, whose other uploads are of fragment 1"):
             service.upload(1, 2, feeding({}), 2)
         with pytest.raises(Refused, match="is not expected here"):  # fragment 1's round, fragment 2's tensors
-            service.upload(
-                1, 2, feeding({n: t for n, t in peer_upload(MANIFEST, 1, "spes", 1).items() if n in layout.parts[1]}), 1
-            )
+            service.upload(1, 2, feeding({n: t for n, t in peer_upload(spec, 1, 1).items() if n in layout.parts[1]}), 1)
     finally:
         service.shutdown(grace_s=1.0)
 
@@ -157,36 +149,55 @@ def test_fragment_layouts_and_uploads_that_disagree_are_refused() -> None:
 def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tmp_path: Path) -> None:
     """Fragment 1 has had its round; fragment 2's first round cannot close without peer 1, whose experts in it have
     no global copy yet. A server restarted from its state holds the peers to the run's fragments."""
-    cfg = ServerConfig(
-        num_peers=2,
-        experts_per_peer=2,
-        merge=NO_MERGE,
-        dead_peer_policy="quorum",
-        min_peers=1,
-        round_timeout_s=0.2,
-        state_dir=str(tmp_path),
-    )
-    layout, join = Layout.of(MANIFEST, 2, 4), {"session": "s", "address": "test", "common_name": lambda: None}
-    service = Coordinator(cfg)
+    quorum = ServerSection(merge_interval=0, dead_peer_policy="quorum", min_peers=1, round_timeout_s=0.2)
+    spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=quorum)
+    layout = spec.layout
+    service = coordinator(spec, state_dir=str(tmp_path))
     try:
         for peer in range(2):
-            service.join(fragment_join(peer), **join)  # type: ignore[arg-type]
+            service.join(join_request(peer, spec), **JOIN)  # type: ignore[arg-type]
         for peer in range(2):
-            part = {n: t for n, t in peer_upload(MANIFEST, peer, "spes", 2).items() if n in layout.parts[0]}
+            part = {n: t for n, t in peer_upload(spec, peer, 2).items() if n in layout.parts[0]}
             service.upload(peer, 2, feeding(part), 1)
         with service.download(0, 2, False, lambda: True, 30.0) as done:  # round 2 complete
             assert done is not None
-        part = {n: t for n, t in peer_upload(MANIFEST, 0, "spes", 4).items() if n in layout.parts[1]}
+        part = {n: t for n, t in peer_upload(spec, 0, 4).items() if n in layout.parts[1]}
         service.upload(0, 4, feeding(part), 2)
         time.sleep(0.3)
         with pytest.raises(Refused, match=r"no global copy of the experts of peers \[1\] exists yet"):
             service.download(0, 4, False, lambda: True, 5.0).__enter__()
     finally:
         service.shutdown(grace_s=1.0)
-    restarted = Coordinator(cfg)
+    with pytest.raises(ValueError, match="written by a run with overlap_fragments=2, this server has overlap_fr"):
+        coordinator(tiny_spec(sync_steps=4, server=quorum), state_dir=str(tmp_path))
+    restarted = coordinator(spec, state_dir=str(tmp_path))
     try:
-        with pytest.raises(Refused, match="peer 0 synchronizes 1 fragment.*the run's peers 2 with sync_steps=4"):
-            restarted.join(join_request(0), **join)  # type: ignore[arg-type]
-        restarted.join(fragment_join(0), **join)  # type: ignore[arg-type]
+        restarted.join(join_request(0, spec), **JOIN)  # type: ignore[arg-type]
     finally:
         restarted.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_an_aggregate_that_overflows_is_refused_naming_the_tensor_and_nothing_is_published() -> None:
+    """Two peers upload finite values of 3e38: their fp32 mean overflows. The round fails with the tensor's name,
+    the previous round stays the latest, and the peers may upload again."""
+    service = coordinator(SPEC)
+    try:
+        for peer in range(2):
+            service.join(join_request(peer), **JOIN)  # type: ignore[arg-type]
+        uploads = {p: peer_upload(SPEC, p, seed=1) for p in range(2)}
+        for peer in range(2):
+            service.upload(peer, 1, feeding(uploads[peer]))
+        with service.download(0, 1, False, lambda: True, 30.0) as first:
+            assert first is not None
+        for peer in range(2):
+            uploads[peer]["lm_head.weight"].fill_(3.0e38)
+            service.upload(peer, 2, feeding(uploads[peer]))
+        with pytest.raises(Refused, match=r"aggregate of tensor 'lm_head.weight' holds NaN or Inf") as err:
+            service.download(0, 2, False, lambda: True, 5.0).__enter__()
+        assert err.value.code == grpc.StatusCode.INTERNAL
+        assert service.status().current_round == 1
+        done = service.state.completed
+        assert done is not None and all(bool(torch.isfinite(t).all()) for t in done.global_model.values())
+    finally:
+        service.shutdown(grace_s=1.0)
