@@ -716,6 +716,29 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return from_dict(TrainConfig, raw, where=where), inert
 
 
+SYNC_SECTIONS = ("spes_config", "server", "using_spes", "using_dilico")
+"""What a parameter server started without the run's YAML takes from its command line (`load_sync_sections`)."""
+
+
+def load_sync_sections(overrides: list[str] | tuple[str, ...] = ()) -> tuple[SpesConfig, ServerSection, RunMode]:
+    """The `spes_config` and `server:` sections and the mode from `--key=value` overrides alone, for a server started
+    without the run's YAML: it knows no model, so only these keys apply (ConfigError naming any other)."""
+    dotlist = [_override_to_dotlist(o) for o in overrides]
+    for item in dotlist:
+        if item.split("=", 1)[0].split(".")[0] not in SYNC_SECTIONS:
+            raise ConfigError(
+                f"command line (--{item}): without the run's YAML only --spes_config.*, --server.*, --using_spes and "
+                "--using_dilico apply; give the run's YAML first (python -m spes.server RUN.yaml ...)"
+            )
+    _check_overrides(dotlist)
+    raw = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))
+    assert isinstance(raw, dict)
+    spes = from_dict(SpesConfig, raw.get("spes_config", {}), where="command line", prefix="spes_config.")
+    server = from_dict(ServerSection, raw.get("server", {}), where="command line", prefix="server.")
+    mode: RunMode = "diloco" if raw.get("using_dilico") else "spes" if raw.get("using_spes", True) else "centralized"
+    return spes, server, mode
+
+
 def _existing(path: str | Path) -> Path:
     p = Path(path)
     if not p.is_file():

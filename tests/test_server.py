@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -20,45 +21,36 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from spes.config import ServerSection
 from spes.moe import parse_expert_block
 from spes.sync import wire
-from spes.sync.client import SyncClient, SyncError
-from spes.sync.merge import MergeConfig, Mode, build_global, trainable_names
+from spes.sync.client import SyncError
+from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.protocol import PROTOCOL_VERSION
-from spes.sync.server import ServerConfig, build_parser, config_from_args, manifest_of_run, start_server
+from spes.sync.server import build_parser, config_from_args, spec_of_run, start_server
+from spes.sync.settings import DeployConfig, ServerConfig
+from spes.sync.spec import RunSpec
 from spes.sync.wire import checksum, encode_tensors
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
-from test_client import NO_MERGE, check_round, joined_clients
+from sync_helpers import NO_MERGE, TOKEN, make_client, peer_upload, running_server, sync_all, tiny_spec
+from test_client import check_round, joined_clients
+from test_coordinator import join_request as spec_join
 
 REPO = Path(__file__).resolve().parents[1]
-MANIFEST = tiny_manifest()
+SPEC = tiny_spec()
+MANIFEST = SPEC.manifest or {}
 StatusCode = grpc.StatusCode
 
 
 def join_request(
-    peer: int,
-    *,
-    manifest: dict[str, tuple[int, ...]] = MANIFEST,
-    mode: Mode = "spes",
-    k: int = 2,
-    total: int = 2,
-    wire: str = "fp32",
-    trainable: list[str] | None = None,
+    peer: int, *, spec: RunSpec = SPEC, manifest: dict[str, tuple[int, ...]] | None = None
 ) -> pb.JoinRequest:
-    if trainable is None:
-        trainable = trainable_names(list(manifest), peer, mode)
-    return pb.JoinRequest(
-        peer_id=peer,
-        num_peers=total,
-        experts_per_peer=k,
-        mode=mode,
-        wire_dtype=wire,
-        manifest=[pb.TensorSpec(name=n, shape=s) for n, s in manifest.items()],
-        trainable=trainable,
-        protocol=PROTOCOL_VERSION,
-    )
+    """Peer `peer`'s Join of `spec`, announcing `manifest` (default: the spec's)."""
+    request = spec_join(peer, spec)
+    if manifest is not None:
+        del request.manifest[:]
+        request.manifest.extend(pb.TensorSpec(name=n, shape=s) for n, s in manifest.items())
+    return request
 
 
 def upload_messages(peer: int, step: int, chunks: list[pb.TensorChunk]) -> Iterator[pb.UploadMessage]:
@@ -68,7 +60,7 @@ def upload_messages(peer: int, step: int, chunks: list[pb.TensorChunk]) -> Itera
 
 
 def good_chunks(peer: int, seed: int = 0) -> list[pb.TensorChunk]:
-    return list(encode_tensors(peer_upload(MANIFEST, peer, "spes", seed), "fp32"))
+    return list(encode_tensors(peer_upload(SPEC, peer, seed), "fp32"))
 
 
 @contextmanager
@@ -106,13 +98,23 @@ def test_bad_joins_are_refused_and_change_nothing() -> None:
         expect_code(StatusCode.INVALID_ARGUMENT, r"peer_id 2 is outside \[0, 2\)", stub.Join, join_request(2))
         expect_code(
             StatusCode.FAILED_PRECONDITION,
-            "num_train_experts_per_node=3 but the server runs with num_train_experts_per_node=2",
+            "peer 1 has experts_per_block = 3 but the run has experts_per_block = 2: set "
+            "spes_config.num_train_experts_per_node",
             stub.Join,
-            join_request(1, k=3),
+            join_request(1, spec=tiny_spec(k=3)),
         )
-        expect_code(StatusCode.FAILED_PRECONDITION, "mode='diloco'", stub.Join, join_request(1, mode="diloco"))
-        expect_code(StatusCode.FAILED_PRECONDITION, "num_peers=3", stub.Join, join_request(1, total=3))
-        expect_code(StatusCode.INVALID_ARGUMENT, "unknown wire_dtype 'fp8'", stub.Join, join_request(1, wire="fp8"))
+        expect_code(
+            StatusCode.FAILED_PRECONDITION, "mode = 'diloco'", stub.Join, join_request(1, spec=tiny_spec(mode="diloco"))
+        )
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            "num_peers = 3",
+            stub.Join,
+            join_request(1, spec=tiny_spec(num_peers=3, num_blocks=2)),
+        )
+        fp8 = join_request(1)
+        fp8.spec.codec = "fp8"
+        expect_code(StatusCode.INVALID_ARGUMENT, "spes_config.codec = 'fp8' is not a codec", stub.Join, fp8)
         reshaped = {**MANIFEST, "embed.weight": (17, 8)}
         expect_code(
             StatusCode.INVALID_ARGUMENT,
@@ -122,13 +124,9 @@ def test_bad_joins_are_refused_and_change_nothing() -> None:
         )
         extra = {**MANIFEST, "rogue.weight": (2,)}
         expect_code(StatusCode.INVALID_ARGUMENT, "unknown 'rogue.weight'", stub.Join, join_request(1, manifest=extra))
-        greedy = trainable_names(list(MANIFEST), 1, "spes") + ["blocks.0.ffn.experts.w1.0"]
-        expect_code(
-            StatusCode.INVALID_ARGUMENT,
-            "also claims 'blocks.0.ffn.experts.w1.0'",
-            stub.Join,
-            join_request(1, trainable=greedy),
-        )
+        greedy = join_request(1)
+        greedy.spec.block_owners[:] = [1, 1]  # peer 1 claims peer 0's experts too
+        expect_code(StatusCode.FAILED_PRECONDITION, r"block_owners = \[1, 1\] but the run has", stub.Join, greedy)
         assert stub.Status(pb.StatusRequest(), timeout=10).peers_joined == [0]
         assert stub.Join(join_request(1), timeout=10).current_round == -1
         finish_round(addr, 10)
@@ -265,7 +263,7 @@ def test_old_future_and_repeated_rounds() -> None:
 
 
 def global_ptrs(server: object) -> set[int]:
-    return {t.data_ptr() for t in server.service.state.global_model.values()}  # type: ignore[attr-defined]
+    return {t.data_ptr() for t in server.service.state.completed.global_model.values()}  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(60)
@@ -291,20 +289,21 @@ def test_upload_buffers_are_reused_but_never_while_a_download_reads_them() -> No
                 finish_round(addr, step)
                 assert not read & global_ptrs(server)
             assert all(torch.equal(held[n], before[n]) for n in held)
-            assert 3 in service._retired
-        assert not service._retired and not service._readers
+            assert 3 in service.memory._retired
+        assert not service.memory._retired and not service.memory._readers
 
 
 @pytest.mark.timeout(60)
 def test_download_waits_then_times_out_on_the_server_round_timeout() -> None:
-    with running_server(round_timeout_s=0.5) as (_, addr), stub_for(addr) as stub:
+    with running_server(tiny_spec(server=ServerSection(round_timeout_s=0.5))) as (_, addr), stub_for(addr) as stub:
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)
         stub.Upload(upload_messages(0, 1, good_chunks(0)), timeout=10)
         start = time.monotonic()
         reason = expect_code(
             StatusCode.DEADLINE_EXCEEDED,
-            r"round 1 did not complete within --round_timeout=0.5 s of its first upload: still waiting for peers \[1\]",
+            r"round 1 did not complete within server.round_timeout_s=0.5 s of its first upload: still waiting for "
+            r"peers \[1\]",
             stub.Download,
             pb.DownloadRequest(peer_id=0, round=1),
         )
@@ -343,7 +342,7 @@ def test_a_health_watcher_that_never_reads_blocks_neither_health_nor_stop() -> N
     """A Watch client that reads nothing (no receive window: the server's first status can never go out) once held
     the health service's lock for good: every Check and Watch after it, and `stop()`, waited for ever (CI saw
     stop() hang sending NOT_SERVING). Each watch now sends from its own thread, outside that lock."""
-    server = start_server(ServerConfig(host="127.0.0.1", port=0, num_peers=2, experts_per_peer=2))
+    server = start_server(ServerConfig(SPEC, DeployConfig(host="127.0.0.1", port=0)))
     addr = f"127.0.0.1:{server.port}"
     request = health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer")
     stalled = grpc.insecure_channel(addr, options=[("grpc.http2.lookahead_bytes", 0), ("grpc.http2.bdp_probe", 0)])
@@ -371,7 +370,7 @@ def test_a_health_watcher_that_never_reads_blocks_neither_health_nor_stop() -> N
 
 @pytest.mark.timeout(60)
 def test_every_call_needs_the_token_and_health_reports_serving() -> None:
-    with running_server(token=TOKEN) as (server, addr), grpc.insecure_channel(addr) as channel:
+    with running_server(SPEC, token=TOKEN) as (server, addr), grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.ParameterServerStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         for metadata in ((), (("authorization", "Bearer nope"),), (("authorization", TOKEN),)):
@@ -402,7 +401,7 @@ def test_every_call_needs_the_token_and_health_reports_serving() -> None:
                 health_pb2.HealthCheckRequest(),
                 metadata=metadata,
             )
-        assert not server.service.peers
+        assert not server.service.joined
         good = (("authorization", f"Bearer {TOKEN}"),)
         reply = health.Check(
             health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer"), timeout=10, metadata=good
@@ -422,7 +421,7 @@ def test_bad_token_changes_no_state_and_no_token_is_ever_logged(caplog: pytest.L
     caplog.set_level(logging.DEBUG)
     good = (("authorization", f"Bearer {TOKEN}"),)
     bad = (("authorization", "Bearer wrong-token-42"),)
-    with running_server(token=TOKEN) as (_, addr), stub_for(addr) as stub:
+    with running_server(SPEC, token=TOKEN) as (_, addr), stub_for(addr) as stub:
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10, metadata=good)
         stub.Upload(upload_messages(0, 1, good_chunks(0)), timeout=10, metadata=good)
@@ -438,18 +437,9 @@ def test_bad_token_changes_no_state_and_no_token_is_ever_logged(caplog: pytest.L
             )
         expect_code(StatusCode.UNAUTHENTICATED, "missing or wrong token", stub.Join, join_request(1), metadata=bad)
         assert status_fields(stub, good) == before
-        with SyncClient(
-            addr,
-            peer_id=1,
-            num_peers=2,
-            experts_per_peer=2,
-            mode="spes",
-            token="wrong-token-42",
-            rpc_timeout_s=5,
-            max_retries=1,
-        ) as client:
+        with make_client(addr, SPEC, 1, token="wrong-token-42", rpc_timeout_s=5, max_retries=1) as client:
             with pytest.raises(SyncError, match="UNAUTHENTICATED"):
-                client.join(MANIFEST, trainable_names(list(MANIFEST), 1, "spes"))
+                client.join()
         assert status_fields(stub, good) == before
     assert "refused /spes.v1.ParameterServer/Upload: missing or wrong token" in caplog.text
     assert TOKEN not in caplog.text and "wrong-token-42" not in caplog.text
@@ -490,13 +480,13 @@ def test_oversized_uploads_are_refused_before_they_are_read() -> None:
 @pytest.mark.timeout(60)
 def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
     state_dir = str(tmp_path / "state")
-    with running_server(state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
+    with running_server(SPEC, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)
         finish_round(addr, 10)
         first = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
         stub.Upload(upload_messages(0, 20, good_chunks(0)), timeout=10)  # round 20 open: not persisted
-    with running_server(state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
+    with running_server(SPEC, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
         status = stub.Status(pb.StatusRequest(), timeout=10)
         assert (status.current_round, status.open_round, list(status.round_peers), status.persistent) == (
             10,
@@ -532,7 +522,7 @@ def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
         assert reason == "unknown_round"
         finish_round(addr, 20)
     with pytest.raises(ValueError, match="written by a run with mode='spes'"):
-        with running_server(state_dir=state_dir, mode="diloco"):
+        with running_server(tiny_spec(mode="diloco"), state_dir=state_dir):
             pass
 
 
@@ -558,22 +548,14 @@ def test_real_server_process_serves_a_round_and_exits_0_on_sigterm() -> None:
     env = {"TOTAL_PEERS": "2", "NUM_TRAIN_EXPERTS_PER_NODE": "2", "PORT": "0", "SPES_TOKEN": TOKEN}
     proc, port = start_subprocess_server(env, ["bash", "run_scripts/run_parameter_server.sh", "--host", "127.0.0.1"])
     try:
+        spec = tiny_spec(sync_steps=500)  # the first implementation's server knows neither the model nor sync_steps
         clients = [
-            SyncClient(
-                f"127.0.0.1:{port}",
-                peer_id=p,
-                num_peers=2,
-                experts_per_peer=2,
-                mode="spes",
-                token=TOKEN,
-                rpc_timeout_s=10,
-                round_timeout_s=30,
-            )
+            make_client(f"127.0.0.1:{port}", spec, p, token=TOKEN, rpc_timeout_s=10, round_timeout_s=30)
             for p in range(2)
         ]
-        for peer, client in enumerate(clients):
-            client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
-        results = sync_all(clients, 500, {p: peer_upload(MANIFEST, p, "spes", seed=9) for p in range(2)})
+        for client in clients:
+            client.join()
+        results = sync_all(clients, 500, {p: peer_upload(spec, p, seed=9) for p in range(2)})
         assert results[0][1].merged and results[0][1].alpha == pytest.approx(0.01 * (1 - 500 / 10000))
         for client in clients:
             client.close()
@@ -620,25 +602,30 @@ def test_sigint_also_exits_0_and_help_works() -> None:
     help_text = subprocess.run(
         [sys.executable, "-m", "spes.server", "--help"], capture_output=True, text=True, timeout=30, check=True
     ).stdout
-    for flag in ("--total_peers", "--merge_topk", "--token_file", "--tls_client_ca", "--outer_optimizer"):
+    for flag in ("--total_peers", "server.merge_topk", "--token_file", "--tls_client_ca", "server.outer_optimizer"):
         assert flag in help_text
 
 
 def test_command_line_builds_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    base = ["--total_peers", "4", "--num_train_experts_per_node", "2"]
+    """The first implementation's flags are spellings of config overrides; spes's own run settings are overrides."""
+    base = ["--total_peers", "4", "--num_train_experts_per_node=2"]
     monkeypatch.setenv("SPES_TOKEN", "from-env")
-    cfg = config_from_args(build_parser().parse_args(base + ["--merge_topk", "2", "--mode", "diloco"]))
-    assert (cfg.num_peers, cfg.experts_per_peer, cfg.mode, cfg.merge.topk, cfg.token) == (
+    cfg = config_from_args(
+        build_parser().parse_args(base + ["--server.merge_topk=2", "--using_dilico=true", "--merge_interval", "7"])
+    )
+    spec = cfg.spec  # a DiLoCo run: its block holds every expert of the model, which the first node says
+    assert (spec.num_peers, spec.experts_per_block, spec.mode, spec.server.merge_topk, cfg.deploy.token) == (
         4,
-        2,
+        None,
         "diloco",
         2,
         "from-env",
     )
+    assert spec.server.merge_interval == 7 and spec.origin == "the server's command line"
     assert "from-env" not in repr(cfg)
     secret = tmp_path / "secret"
     secret.write_text("from-file\n")
-    assert config_from_args(build_parser().parse_args(base + ["--token_file", str(secret)])).token == "from-file"
+    assert config_from_args(build_parser().parse_args(base + ["--token_file", str(secret)])).deploy.token == "from-file"
     secret.write_text("  \n")
     with pytest.raises(ValueError, match="is empty"):
         config_from_args(build_parser().parse_args(base + ["--token_file", str(secret)]))
@@ -656,18 +643,18 @@ def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatc
     hashed: list[torch.Tensor] = []
     encode_whole = wire.encode_whole
     monkeypatch.setattr(wire, "encode_whole", lambda t, dtype: hashed.append(t) or encode_whole(t, dtype))
-    manifest = tiny_manifest()
+    spec = tiny_spec(server=ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_topk=2))
+    manifest = spec.manifest or {}
     experts = {n for n in manifest if parse_expert_block(n) is not None}
-    merge = MergeConfig(interval=100, alpha_start=0.5, decay_steps=1000, topk=2)
     with (
-        running_server(merge=merge, data_port=0 if plane == "tcp" else -1) as (server, addr),
-        joined_clients(addr, manifest, data_plane=plane) as clients,
+        running_server(spec, data_port=0 if plane == "tcp" else -1) as (server, addr),
+        joined_clients(addr, spec, data_plane=plane) as clients,
     ):
         for step, merged in ((50, False), (100, True), (150, False)):
             hashed.clear()
-            uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
-            check_round(sync_all(clients, step, uploads), uploads, manifest, mode="spes", step=step, merge=merge)
-            global_model = server.service.state.global_model
+            uploads = {p: peer_upload(spec, p, seed=step) for p in range(2)}
+            check_round(sync_all(clients, step, uploads), uploads, spec, step=step)
+            global_model = server.service.state.completed.global_model  # type: ignore[union-attr]
             again = {n for n, t in global_model.items() if any(t is h for h in hashed)}
             assert again == (set(manifest) if merged else set(manifest) - experts), step
 
@@ -676,59 +663,58 @@ def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatc
 def test_bf16_rounds_sum_their_fp32_means_into_kept_buffers() -> None:
     """Shared tensors uploaded in bf16 are averaged in fp32: from round 3 on into round 1's buffers, not fresh
     memory (the means are retired with round 1 once round 2 replaces it and round 1's downloads are done)."""
-    manifest = tiny_manifest()
+    spec = tiny_spec(codec="bf16", server=NO_MERGE)
     pointers = []
-    with running_server(merge=NO_MERGE) as (server, addr), joined_clients(addr, manifest, wire_dtype="bf16") as clients:
+    with running_server(spec) as (server, addr), joined_clients(addr, spec) as clients:
         for step in (1, 2, 3):
-            uploads = {p: peer_upload(manifest, p, "spes", seed=step) for p in range(2)}
+            uploads = {p: peer_upload(spec, p, seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
             wire = {p: {n: t.bfloat16() for n, t in up.items()} for p, up in uploads.items()}
-            want = build_global(wire, num_peers=2, experts_per_peer=2, mode="spes", step=step).tensors
+            want = build_global(wire, spec=spec, step=step).tensors
             for got, _ in results.values():
                 for name, tensor in got.items():
                     torch.testing.assert_close(tensor, want[name].bfloat16(), rtol=0, atol=0)
-            global_model = server.service.state.global_model
+            global_model = server.service.state.completed.global_model  # type: ignore[union-attr]
             pointers.append({t.data_ptr() for t in global_model.values() if t.dtype == torch.float32})
     assert pointers[0] and pointers[2] == pointers[0] and not pointers[1] & pointers[0]
 
 
 def test_off_loopback_needs_a_token_and_tls_unless_insecure(tmp_path: Path) -> None:
     """The quickstart (127.0.0.1) needs no flag; any other address refuses to start without protection."""
-    base = {"num_peers": 2, "experts_per_peer": 2}
     for host in ("127.0.0.1", "localhost", "::1"):
-        ServerConfig(host=host, **base).check_exposure()
+        DeployConfig(host=host).check_exposure()
     with pytest.raises(ValueError, match="no token is set.*--insecure"):
-        ServerConfig(host="0.0.0.0", **base).check_exposure()
+        DeployConfig(host="0.0.0.0").check_exposure()
     with pytest.raises(ValueError, match="clear text.*--tls_cert"):
-        ServerConfig(host="10.1.2.3", token=TOKEN, **base).check_exposure()
-    ServerConfig(host="0.0.0.0", insecure=True, **base).check_exposure()
-    ServerConfig(host="0.0.0.0", token=TOKEN, tls_cert="c.pem", tls_key="k.pem", **base).check_exposure()
+        DeployConfig(host="10.1.2.3", token=TOKEN).check_exposure()
+    DeployConfig(host="0.0.0.0", insecure=True).check_exposure()
+    DeployConfig(host="0.0.0.0", token=TOKEN, tls_cert="c.pem", tls_key="k.pem").check_exposure()
     with pytest.raises(ValueError, match="--insecure"):
-        start_server(ServerConfig(host="0.0.0.0", port=0, **base))
+        start_server(ServerConfig(SPEC, DeployConfig(host="0.0.0.0", port=0)))
 
 
-def test_the_runs_yaml_gives_the_layout_and_the_manifest() -> None:
+def test_the_runs_yaml_gives_the_spec_and_the_manifest() -> None:
     config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-    cfg = config_from_args(build_parser().parse_args([config]))
-    manifest, _ = manifest_of_run(config)
-    assert (cfg.num_peers, cfg.experts_per_peer, cfg.mode) == (4, 2, "spes")
-    assert cfg.expected_manifest == manifest and "lm_head.weight" in manifest
-    with pytest.raises(ValueError, match="--total_peers=3 disagrees with .*tiny.yaml, whose run has 4"):
-        config_from_args(build_parser().parse_args([config, "--total_peers", "3"]))
-    with pytest.raises(ValueError, match="--total_peers and --num_train_experts_per_node required"):
-        config_from_args(build_parser().parse_args([]))
+    spec = config_from_args(build_parser().parse_args([config])).spec
+    assert (spec.num_peers, spec.experts_per_block, spec.mode, spec.sync_steps) == (4, 2, "spes", 10)
+    assert spec == spec_of_run(config) and spec.manifest is not None and "lm_head.weight" in spec.manifest
+    eight = config_from_args(build_parser().parse_args([config, "--total_peers", "8"])).spec  # an override like any
+    assert eight.num_peers == 8 and eight.block_owners == (0, 1, 2, 3)  # peers past the last block train shared
+    legacy = config_from_args(build_parser().parse_args([])).spec  # the defaults: a server for a 4-peer SPES run
+    assert (legacy.mode, legacy.num_peers, legacy.manifest, legacy.sync_steps) == ("spes", 4, None, None)
 
 
 def test_an_oversized_manifest_is_refused_before_anything_is_allocated() -> None:
-    manifest = tiny_manifest()
-    with running_server(max_model_gb=0.001, max_tensors=20) as (server, addr):
-        with SyncClient(addr, peer_id=0, num_peers=2, experts_per_peer=2, mode="spes", max_retries=0) as client:
-            huge = {**manifest, "embed.weight": (1 << 20, 1 << 20)}
+    open_spec = dataclasses.replace(SPEC, manifest=None, sync_steps=None, block_owners=None)  # no YAML given
+    with running_server(open_spec, max_model_gb=0.001, max_tensors=20) as (server, addr):
+        huge = dataclasses.replace(SPEC, manifest={**MANIFEST, "embed.weight": (1 << 20, 1 << 20)})
+        with make_client(addr, huge, 0, max_retries=0) as client:
             with pytest.raises(SyncError, match=r"4398 GB in fp32, more than --max_model_gb=0.001") as err:
-                client.join(huge, trainable_names(list(huge), 0, "spes"))
+                client.join()
             assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            many = {**manifest, **{f"extra.{i}": (1,) for i in range(10)}}
+        many = dataclasses.replace(SPEC, manifest={**MANIFEST, **{f"extra.{i}": (1,) for i in range(10)}})
+        with make_client(addr, many, 0, max_retries=0) as client:
             with pytest.raises(SyncError, match="names 30 tensors, more than --max_tensors=20") as err:
-                client.join(many, trainable_names(list(many), 0, "spes"))
+                client.join()
             assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert server.service._manifest is None  # nothing was learned from either
+        assert server.service.spec.manifest is None  # nothing was learned from either

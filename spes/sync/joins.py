@@ -74,6 +74,7 @@ def check_manifest(shapes: Mapping[str, Shape], spec: RunSpec) -> None:
     """Validate a model manifest's expert blocks against the run's ownership (ValueError)."""
     if not shapes:
         raise ValueError("the manifest is empty: send the name and shape of every tensor of the model")
+    assert spec.experts_per_block is not None, "a peer's spec is complete"
     for name, shape in shapes.items():
         if any(d < 0 for d in shape):
             raise ValueError(f"tensor {name!r} has a negative dimension in shape {list(shape)}")

@@ -193,7 +193,8 @@ def build_global(
         raise ValueError(f"build_global needs uploads of peers in 0..{spec.num_peers - 1}, got peers {arrived}")
     previous = previous or {}
     names = sorted({name for upload in uploads.values() for name in upload}) if names is None else names
-    server = spec.server
+    server, per_block = spec.server, spec.experts_per_block
+    assert per_block is not None, "a round is built over a complete run spec"
     alpha = round_alpha(step, spec.mode, server)
     nesterov = spec.mode == "diloco" and server.outer_optimizer == "nesterov"
 
@@ -208,7 +209,7 @@ def build_global(
         if owner is not None:
             parsed = parse_expert_block(name)
             assert parsed is not None
-            new_global[name] = _owner_block(name, owner, uploads, previous, spec.experts_per_block, take)
+            new_global[name] = _owner_block(name, owner, uploads, previous, per_block, take)
             if mergeable is None or name in mergeable:
                 layers.setdefault(parsed.prefix, {}).setdefault(parsed.kind, {})[parsed.block] = name
             continue

@@ -32,14 +32,13 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from spes.config import ServerSection, config_help, load_config
+from spes.config import ServerSection, config_help, load_config, load_sync_sections
 from spes.sync import plane_tcp
 from spes.sync.admission import UNARY_RESERVE, GuardedHealth
 from spes.sync.auth import TokenAuthInterceptor
@@ -236,16 +235,35 @@ def spec_of_run(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     without a YAML, of the defaults and the overrides (a SPES run unless they say otherwise), manifest and
     sync_steps and block owners left to the first node to join. ValueError (ConfigError) naming the key or file."""
     if path is None:
-        cfg, _ = load_config(None, ["--using_spes=true", *overrides])
-        given = any(o.startswith("--spes_config.sync_steps=") for o in overrides)
-        spec = run_spec(cfg, None, origin="the server's command line")
-        return replace(spec, sync_steps=spec.sync_steps if given else None, block_owners=None)
+        return legacy_spec(overrides)
     from spes.model import Transformer  # NOTE: lazy, so a server without RUN.yaml never imports the model
 
     cfg, _ = load_config(path, overrides)
     with torch.device("meta"):
         model = Transformer.for_run(cfg)
     return run_spec(cfg, {n: tuple(p.shape) for n, p in model.named_parameters()}, origin=path)
+
+
+def legacy_spec(overrides: list[str] | tuple[str, ...]) -> RunSpec:
+    """The spec of a server without the run's YAML (the first implementation's habit): peers, experts per block,
+    mode, codec and `server:` section from the overrides; what depends on the model (its manifest, block owners,
+    DiLoCo's experts per block) and an unset `sync_steps` left open for the first node to join."""
+    s, server, mode = load_sync_sections(overrides)
+    if mode == "centralized":
+        raise ValueError("--using_spes=false is a centralized run, which has no parameter server")
+    given = any(o.startswith("--spes_config.sync_steps=") for o in overrides)
+    return RunSpec(
+        mode=mode,
+        num_peers=s.num_peers,
+        experts_per_block=s.num_train_experts_per_node if mode == "spes" else None,
+        block_owners=None,
+        sync_steps=s.sync_steps if given else None,
+        overlap_fragments=s.overlap_fragments,
+        codec=s.codec,
+        codec_settings=tuple(sorted(s.codec_settings.items())),
+        server=server,
+        origin="the server's command line",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:

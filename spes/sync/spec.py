@@ -50,8 +50,9 @@ class RunSpec:
 
     mode: Mode
     num_peers: int
-    experts_per_block: int
-    """Experts per ownership block of a MoE layer (`num_train_experts_per_node`; DiLoCo: every expert, one block)."""
+    experts_per_block: int | None
+    """Experts per ownership block of a MoE layer (`num_train_experts_per_node`; DiLoCo: every expert, one block);
+    None: open."""
     block_owners: tuple[int, ...] | None
     """SPES: the peer that trains expert block b of every layer is `block_owners[b]`; DiLoCo: () (all train all);
     None: open (a server without the run's YAML does not know the model's experts)."""
@@ -72,7 +73,7 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.mode not in ("spes", "diloco"):
             raise ValueError(f"run mode {self.mode!r}: a parameter server runs 'spes' or 'diloco'")
-        if self.num_peers < 1 or self.experts_per_block < 1:
+        if self.num_peers < 1 or (self.experts_per_block is not None and self.experts_per_block < 1):
             raise ValueError(
                 f"a run needs num_peers >= 1 and experts per block >= 1, got {self.num_peers}, {self.experts_per_block}"
             )
@@ -141,7 +142,7 @@ class RunSpec:
     @property
     def complete(self) -> bool:
         """No field is open (see `completed_by`)."""
-        return self.manifest is not None and self.sync_steps is not None and self.block_owners is not None
+        return all(getattr(self, name) is not None for name in (*FIELD_KEYS, "manifest"))
 
     # -- a join -------------------------------------------------------------------------------
     def first_difference(self, theirs: RunSpec) -> tuple[str, Any, Any] | None:
@@ -167,19 +168,15 @@ class RunSpec:
         )
 
     def completed_by(self, theirs: RunSpec) -> RunSpec:
-        """This spec with its open fields (manifest, sync_steps, block_owners) taken from `theirs`."""
-        return replace(
-            self,
-            sync_steps=self.sync_steps if self.sync_steps is not None else theirs.sync_steps,
-            manifest=self.manifest if self.manifest is not None else theirs.manifest,
-            block_owners=self.block_owners if self.block_owners is not None else theirs.block_owners,
-        )
+        """This spec with its open fields (None: the manifest, sync_steps, block owners...) taken from `theirs`."""
+        open_fields = [name for name in (*FIELD_KEYS, "manifest") if getattr(self, name) is None]
+        return replace(self, **{name: getattr(theirs, name) for name in open_fields})
 
     def to_proto(self) -> pb.RunSpec:
         return pb.RunSpec(
             mode=self.mode,
             num_peers=self.num_peers,
-            experts_per_block=self.experts_per_block,
+            experts_per_block=self.experts_per_block or 0,
             block_owners=list(self.block_owners or ()),
             sync_steps=self.sync_steps or 0,
             overlap_fragments=self.overlap_fragments,
@@ -193,7 +190,7 @@ class RunSpec:
         return cls(
             mode=message.mode,  # type: ignore[arg-type]  # checked in __post_init__
             num_peers=message.num_peers,
-            experts_per_block=message.experts_per_block,
+            experts_per_block=message.experts_per_block or None,
             block_owners=tuple(message.block_owners),
             sync_steps=message.sync_steps or None,
             overlap_fragments=message.overlap_fragments,
