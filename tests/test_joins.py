@@ -101,7 +101,10 @@ def test_the_mode_is_named_before_the_layout_it_implies() -> None:
 
 def test_a_model_that_differs_from_the_runs_is_refused_naming_the_tensors() -> None:
     other = tiny_spec(d=16)
-    with pytest.raises(Refused, match=r"model differs from the run's: 'blocks.0.attn.qkv.weight' has shape \[48, 16\], the run's is \[24, 8\]"):
+    with pytest.raises(
+        Refused,
+        match=r"model differs from the run's: 'blocks.0.attn.qkv.weight' has shape \[48, 16\], the run's is \[24, 8\]",
+    ):
         check_join(join(0, other), SPEC)
 
 

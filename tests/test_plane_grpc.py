@@ -10,17 +10,17 @@ import grpc
 import pytest
 import torch
 
-from spes.sync.merge import build_global, download_names
+from spes.sync.merge import build_global
 from spes.sync.plane_grpc import GrpcPlane
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
 from spes.sync.wire import TensorDecoder
-from sync_helpers import peer_upload, running_server, tiny_manifest
-from test_client import NO_MERGE
+from sync_helpers import NO_MERGE, peer_upload, running_server, tiny_spec
 from test_server import join_request
 
-MANIFEST = tiny_manifest()
+SPEC = tiny_spec(server=NO_MERGE)
+MANIFEST = SPEC.manifest or {}
 
 
 @contextmanager
@@ -35,7 +35,7 @@ def planes(addr: str) -> Iterator[list[GrpcPlane]]:
 
 def expect_for(peer: int, step: int):  # type: ignore[no-untyped-def]
     def expect(info: pb.RoundInfo) -> TensorDecoder:
-        assert info.round == step and sorted(info.names) == sorted(download_names(list(MANIFEST), peer, "spes", False))
+        assert info.round == step and sorted(info.names) == sorted(SPEC.downloads(peer, merged=False))
         return TensorDecoder({n: MANIFEST[n] for n in info.names}, "fp32")
 
     return expect
@@ -43,9 +43,9 @@ def expect_for(peer: int, step: int):  # type: ignore[no-untyped-def]
 
 @pytest.mark.timeout(60)
 def test_a_round_over_the_grpc_plane_equals_build_global() -> None:
-    uploads = {p: peer_upload(MANIFEST, p, "spes", seed=3) for p in range(2)}
-    want = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=3, merge=NO_MERGE).tensors
-    with running_server(merge=NO_MERGE) as (_, addr), planes(addr) as (plane0, plane1):
+    uploads = {p: peer_upload(SPEC, p, seed=3) for p in range(2)}
+    want = build_global(uploads, spec=SPEC, step=3).tensors
+    with running_server(SPEC) as (_, addr), planes(addr) as (plane0, plane1):
         assert plane0.upload(3, uploads[0], timeout=10) == (sum(t.numel() * 4 for t in uploads[0].values()), False)
         assert plane0.upload(3, uploads[0], timeout=10)[1]  # the same upload again: a no-op the server reports
         with ThreadPoolExecutor(1) as pool:  # peer 0's download waits for peer 1's upload
@@ -60,7 +60,7 @@ def test_a_round_over_the_grpc_plane_equals_build_global() -> None:
 
 @pytest.mark.timeout(60)
 def test_refusals_arrive_as_sync_errors_with_their_reason() -> None:
-    with running_server() as (_, addr), grpc.insecure_channel(addr) as channel:
+    with running_server(SPEC) as (_, addr), grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.ParameterServerStub(channel)
         stranger = GrpcPlane(stub, peer_id=1, wire_dtype="fp32", metadata=(), rpc_timeout_s=10)
         with pytest.raises(SyncError, match="has not joined") as err:
@@ -72,7 +72,7 @@ def test_refusals_arrive_as_sync_errors_with_their_reason() -> None:
         )
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)
-        upload = peer_upload(MANIFEST, 1, "spes", seed=1)
+        upload = peer_upload(SPEC, 1, seed=1)
         stranger.upload(5, upload, timeout=10)
         with pytest.raises(SyncError, match="round 3 is old") as err:
             stranger.upload(3, upload, timeout=10)
@@ -81,7 +81,7 @@ def test_refusals_arrive_as_sync_errors_with_their_reason() -> None:
 
 @pytest.mark.timeout(60)
 def test_link_test_over_grpc() -> None:
-    with running_server() as (server, addr), planes(addr) as (plane, _):
+    with running_server(SPEC) as (server, addr), planes(addr) as (plane, _):
         up_s, down_s = plane.probe(3 << 20)
         assert up_s > 0 and down_s > 0
         assert server.service.status().bytes_in == 0  # a link test is counted nowhere

@@ -15,13 +15,13 @@ import torch
 
 from spes.launch import free_port
 from spes.sync import plane_tcp
-from spes.sync.merge import Mode, build_global, download_names
+from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Reason, SyncError
 from spes.sync.server import ParameterServer
 from spes.sync.wire import DIGEST, TensorDecoder, checksum
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest, write_pki
-from test_client import NO_MERGE, check_round, joined_clients
+from sync_helpers import NO_MERGE, TOKEN, peer_upload, running_server, sync_all, tiny_spec, write_pki
+from test_client import check_round, joined_clients
 from test_server import join_request, stub_for
 
 
@@ -41,6 +41,10 @@ def send_raw_frame(sock: socket.socket, body: bytes) -> None:
     sock.sendall(struct.pack("<I", len(body)) + body)
 
 
+SPEC = tiny_spec(server=NO_MERGE)
+MANIFEST = SPEC.manifest or {}
+
+
 def nothing_staged(server: ParameterServer) -> bool:
     snap = server.service.state.snapshot()
     return snap.open_round is None and snap.completed_round is None and not snap.uploaded_peers
@@ -48,19 +52,19 @@ def nothing_staged(server: ParameterServer) -> bool:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["spes", "diloco"])
-def test_two_peers_two_rounds_over_the_data_plane(mode: Mode) -> None:
-    manifest = tiny_manifest(num_blocks=2 if mode == "spes" else 1, k=2)
+def test_two_peers_two_rounds_over_the_data_plane(mode: str) -> None:
+    spec = tiny_spec(mode=mode, server=NO_MERGE)  # type: ignore[arg-type]
     with (
-        running_server(mode=mode, merge=NO_MERGE, data_port=0) as (server, addr),
-        joined_clients(addr, manifest, mode=mode, data_plane="tcp") as clients,
+        running_server(spec, data_port=0) as (server, addr),
+        joined_clients(addr, spec, data_plane="tcp") as clients,
     ):
         assert server.data_port > 0 and all(
             client.plane.name == "tcp" and client.plane.port == server.data_port for client in clients
         )
         for step in (10, 20):
-            uploads = {p: peer_upload(manifest, p, mode, seed=step) for p in range(2)}
+            uploads = {p: peer_upload(spec, p, seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
-            check_round(results, uploads, manifest, mode=mode, step=step, merge=NO_MERGE)
+            check_round(results, uploads, spec, step=step)
         up = sum(t.numel() * 4 for p in range(2) for t in uploads[p].values())
         assert results[0][1].bytes_up + results[1][1].bytes_up == up
         assert clients[0].status().bytes_in == 2 * up
@@ -68,12 +72,12 @@ def test_two_peers_two_rounds_over_the_data_plane(mode: Mode) -> None:
 
 @pytest.mark.timeout(60)
 def test_bf16_over_the_data_plane_equals_the_grpc_path() -> None:
-    manifest = tiny_manifest(k=2)
-    uploads = {p: peer_upload(manifest, p, "spes", seed=4) for p in range(2)}
+    bf16 = tiny_spec(codec="bf16", server=NO_MERGE)
+    uploads = {p: peer_upload(bf16, p, seed=4) for p in range(2)}
     got = {}
     for plane, port in (("tcp", 0), ("grpc", -1)):
-        with running_server(merge=NO_MERGE, data_port=port) as (_, addr):
-            with joined_clients(addr, manifest, wire_dtype="bf16", data_plane=plane) as clients:
+        with running_server(bf16, data_port=port) as (_, addr):
+            with joined_clients(addr, bf16, data_plane=plane) as clients:
                 got[plane] = sync_all(clients, 5, uploads)
     for peer in range(2):
         assert got["tcp"][peer][1].bytes_down == got["grpc"][peer][1].bytes_down
@@ -83,8 +87,7 @@ def test_bf16_over_the_data_plane_equals_the_grpc_path() -> None:
 
 @pytest.mark.timeout(60)
 def test_wrong_or_missing_token_is_refused_without_state_change() -> None:
-    manifest = tiny_manifest()
-    with running_server(token=TOKEN, data_port=0) as (server, addr), joined_clients(addr, manifest, token=TOKEN):
+    with running_server(SPEC, token=TOKEN, data_port=0) as (server, addr), joined_clients(addr, SPEC, token=TOKEN):
         for token in (None, "wrong-token", TOKEN + "x"):
             with raw_upload(server, token=token) as sock:
                 error = plane_tcp.recv_reply(sock).error
@@ -94,9 +97,8 @@ def test_wrong_or_missing_token_is_refused_without_state_change() -> None:
 
 @pytest.mark.timeout(60)
 def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
-    manifest = tiny_manifest()
-    uploads = {p: peer_upload(manifest, p, "spes", seed=6) for p in range(2)}
-    with running_server(merge=NO_MERGE, data_port=0) as (server, addr), joined_clients(addr, manifest) as clients:
+    uploads = {p: peer_upload(SPEC, p, seed=6) for p in range(2)}
+    with running_server(SPEC, data_port=0) as (server, addr), joined_clients(addr, SPEC) as clients:
         with raw_upload(server, token=None) as sock:
             assert plane_tcp.recv_reply(sock).send
             for name, tensor in uploads[0].items():
@@ -109,7 +111,7 @@ def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
         assert reply.error.reason == "corrupt", reply
         assert nothing_staged(server)
         results = sync_all(clients, 1, uploads)  # the clients' own (clean) uploads of the same round
-        check_round(results, uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
+        check_round(results, uploads, SPEC, step=1)
 
 
 @pytest.mark.timeout(60)
@@ -126,8 +128,7 @@ def test_corrupted_payload_is_refused_and_the_retry_succeeds() -> None:
     ],
 )
 def test_bad_headers_are_refused_before_any_payload(header: pb.TensorHeader | bytes) -> None:
-    manifest = tiny_manifest()
-    with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
+    with running_server(SPEC, data_port=0) as (server, addr), joined_clients(addr, SPEC):
         with raw_upload(server, token=None) as sock:
             assert plane_tcp.recv_reply(sock).send
             # and no payload: the refusal must come without it
@@ -141,16 +142,15 @@ def test_bad_headers_are_refused_before_any_payload(header: pb.TensorHeader | by
 def test_a_peer_of_another_protocol_is_refused_naming_both_versions() -> None:
     """A v3 peer (JSON control frames) reads its refusal as the JSON frame it knows; a newer peer, and a hello
     that is not a current `DataHello`, get a current refusal; all of them name the versions, and nothing is staged."""
-    manifest = tiny_manifest()
     v3_hello = json.dumps({"op": "upload", "peer_id": 0, "step": 1, "full": False, "token": None}).encode()
-    with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
+    with running_server(SPEC, data_port=0) as (server, addr), joined_clients(addr, SPEC):
         with plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10) as sock:
             sock.sendall(struct.pack("<4sH", b"SPES", 3))
             send_raw_frame(sock, v3_hello)
             (length,) = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))
             legacy = json.loads(sock.recv(length, socket.MSG_WAITALL))
         assert legacy["status"] == "error" and legacy["code"] == "FAILED_PRECONDITION", legacy
-        assert legacy["reason"] == "wrong_protocol" and "v3 but this server speaks v5" in legacy["message"]
+        assert legacy["reason"] == "wrong_protocol" and "v3 but this server speaks v6" in legacy["message"]
         for version, body in ((PROTOCOL_VERSION + 1, b""), (PROTOCOL_VERSION, v3_hello)):
             with plane_tcp.connect("127.0.0.1", server.data_port, None, timeout_s=10) as sock:
                 sock.sendall(struct.pack("<4sH", b"SPES", version))
@@ -163,10 +163,9 @@ def test_a_peer_of_another_protocol_is_refused_naming_both_versions() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_duplicated_tensor_is_refused() -> None:
-    manifest = tiny_manifest()
-    upload = peer_upload(manifest, 0, "spes", seed=7)
+    upload = peer_upload(SPEC, 0, seed=7)
     name = next(iter(upload))
-    with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
+    with running_server(SPEC, data_port=0) as (server, addr), joined_clients(addr, SPEC):
         with raw_upload(server, token=None) as sock:
             assert plane_tcp.recv_reply(sock).send
             plane_tcp.send_tensors(sock, {name: upload[name]}, "fp32")
@@ -186,13 +185,12 @@ class _Exploit:
 
 @pytest.mark.timeout(60)
 def test_a_pickle_blob_is_only_ever_bytes(tmp_path: Path) -> None:
-    manifest = tiny_manifest()
     marker = tmp_path / "pwned"
     blob = pickle.dumps(_Exploit(marker))
     name = "embed.weight"
     num_bytes = 16 * 8 * 4
     payload = (blob * (num_bytes // len(blob) + 1))[:num_bytes]
-    with running_server(data_port=0) as (server, addr), joined_clients(addr, manifest):
+    with running_server(SPEC, data_port=0) as (server, addr), joined_clients(addr, SPEC):
         with raw_upload(server, token=None) as sock:  # as a payload with a valid checksum
             assert plane_tcp.recv_reply(sock).send
             plane_tcp.send_frame(sock, tensor_header(name, [16, 8], num_bytes))
@@ -215,17 +213,16 @@ def test_a_pickle_blob_is_only_ever_bytes(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
     pki = write_pki(tmp_path)
-    manifest = tiny_manifest()
-    uploads = {p: peer_upload(manifest, p, "spes", seed=3) for p in range(2)}
+    uploads = {p: peer_upload(SPEC, p, seed=3) for p in range(2)}
     tls = {**pki.server, "data_port": 0}
     with (
-        running_server(**tls, merge=NO_MERGE) as (_, addr),
-        joined_clients(addr, manifest, tls_ca=pki.ca, data_plane="tcp") as clients,
+        running_server(SPEC, **tls) as (_, addr),
+        joined_clients(addr, SPEC, tls_ca=pki.ca, data_plane="tcp") as clients,
     ):
-        check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
-    with running_server(**tls, tls_client_ca=pki.ca, merge=NO_MERGE) as (server, addr):
-        with joined_clients(addr, manifest, tls_ca=pki.ca, **pki.client, data_plane="tcp") as clients:
-            check_round(sync_all(clients, 2, uploads), uploads, manifest, mode="spes", step=2, merge=NO_MERGE)
+        check_round(sync_all(clients, 1, uploads), uploads, SPEC, step=1)
+    with running_server(SPEC, **tls, tls_client_ca=pki.ca) as (server, addr):
+        with joined_clients(addr, SPEC, tls_ca=pki.ca, **pki.client, data_plane="tcp") as clients:
+            check_round(sync_all(clients, 2, uploads), uploads, SPEC, step=2)
         with pytest.raises(OSError):  # a plain-TCP client cannot speak to the TLS data plane
             with raw_upload(server, token=None) as sock:
                 plane_tcp.recv_reply(sock)
@@ -235,37 +232,34 @@ def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
 def test_auto_falls_back_to_grpc_when_the_data_port_does_not_answer(caplog: pytest.LogCaptureFixture) -> None:
     """A firewall may pass the gRPC port only: `auto` checks the advertised data port at join and, when it does
     not answer from here, sends payloads over gRPC instead of failing every transfer."""
-    manifest = tiny_manifest()
-    uploads = {p: peer_upload(manifest, p, "spes", seed=4) for p in range(2)}
-    with running_server(data_port=0, merge=NO_MERGE) as (server, addr):
+    uploads = {p: peer_upload(SPEC, p, seed=4) for p in range(2)}
+    with running_server(SPEC, data_port=0) as (server, addr):
         server.service.data_port = free_port()  # advertise a port nobody listens on
-        with caplog.at_level(logging.WARNING, logger="spes.client"), joined_clients(addr, manifest) as clients:
+        with caplog.at_level(logging.WARNING, logger="spes.client"), joined_clients(addr, SPEC) as clients:
             assert all(c.plane.name == "grpc" for c in clients)
-            check_round(sync_all(clients, 1, uploads), uploads, manifest, mode="spes", step=1, merge=NO_MERGE)
+            check_round(sync_all(clients, 1, uploads), uploads, SPEC, step=1)
         assert "does not answer from here" in caplog.text and "over gRPC" in caplog.text
         server.service.data_port = server.data_port  # the real one answers: it is used
-        with joined_clients(addr, manifest) as clients:
+        with joined_clients(addr, SPEC) as clients:
             assert all(c.plane.name == "tcp" and c.plane.port == server.data_port for c in clients)  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(30)
 def test_tcp_needs_an_advertised_data_port() -> None:
-    manifest = tiny_manifest()
-    with running_server() as (_, addr):
+    with running_server(SPEC) as (_, addr):
         with pytest.raises(Exception, match="--data_port"):
-            with joined_clients(addr, manifest, data_plane="tcp"):
+            with joined_clients(addr, SPEC, data_plane="tcp"):
                 pass
-        with joined_clients(addr, manifest) as clients:  # auto falls back to gRPC
-            assert sync_all(clients, 1, {p: peer_upload(manifest, p, "spes", seed=1) for p in range(2)})
+        with joined_clients(addr, SPEC) as clients:  # auto falls back to gRPC
+            assert sync_all(clients, 1, {p: peer_upload(SPEC, p, seed=1) for p in range(2)})
 
 
 @pytest.mark.timeout(60)
 def test_tcp_plane_round_trip_and_refusals() -> None:
     """`TcpPlane` on its own: ping, an upload and a download, and a refusal carrying its `Reason`."""
-    manifest = tiny_manifest()
-    uploads = {p: peer_upload(manifest, p, "spes", seed=2) for p in range(2)}
-    want = build_global(uploads, num_peers=2, experts_per_peer=2, mode="spes", step=2, merge=NO_MERGE).tensors
-    with running_server(merge=NO_MERGE, data_port=0) as (server, addr), stub_for(addr) as stub:
+    uploads = {p: peer_upload(SPEC, p, seed=2) for p in range(2)}
+    want = build_global(uploads, spec=SPEC, step=2).tensors
+    with running_server(SPEC, data_port=0) as (server, addr), stub_for(addr) as stub:
         tcp = [
             plane_tcp.TcpPlane(
                 "127.0.0.1",
@@ -288,19 +282,19 @@ def test_tcp_plane_round_trip_and_refusals() -> None:
             False,
         )
         for peer in range(2):
-            stub.Join(join_request(peer, manifest=manifest), timeout=10)
+            stub.Join(join_request(peer), timeout=10)
         for peer in range(2):
             assert tcp[peer].upload(2, uploads[peer], timeout=10) == (
                 sum(t.numel() * 4 for t in uploads[peer].values()),
                 False,
             )
-        names = download_names(list(manifest), 1, "spes", merged=False)
+        names = SPEC.downloads(1, merged=False)
         info, got, received = tcp[1].download(
             2,
             10,
             full=False,
             base_round=-1,
-            decoder_for=lambda i: TensorDecoder({n: manifest[n] for n in i.names}, "fp32"),
+            decoder_for=lambda i: TensorDecoder({n: MANIFEST[n] for n in i.names}, "fp32"),
         )
         assert info.round == 2 and sorted(got) == sorted(names)
         assert received == sum(t.numel() * 4 for t in got.values())
