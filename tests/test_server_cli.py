@@ -1,5 +1,5 @@
 """The parameter server's command line (`spes.sync.server.build_parser`, `config_from_args`, `main`): the run's
-settings come from its YAML and `--section.key=value` overrides, the flags are the deployment's."""
+spec comes from its YAML and `--section.key=value` overrides, the flags are the deployment's."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from spes.config import ServerSection
-from spes.sync.server import ServerConfig, build_parser, config_from_args, merge_of, outer_of
+from spes.sync.server import build_parser, config_from_args
+from spes.sync.settings import ServerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -32,48 +32,57 @@ def server_config(*argv: str) -> ServerConfig:
         ("upcycled_9b/node_7.yaml", (8, 2, "spes")),
     ],
 )
-def test_the_runs_yaml_gives_the_server_its_layout(config: str, layout: tuple[int, int, str]) -> None:
-    cfg = server_config(str(CONFIGS / config))
-    assert (cfg.num_peers, cfg.experts_per_peer, cfg.mode) == layout
-    assert cfg.expected_manifest is not None
+def test_the_runs_yaml_gives_the_server_its_spec(config: str, layout: tuple[int, int, str]) -> None:
+    spec = server_config(str(CONFIGS / config)).spec
+    assert (spec.num_peers, spec.experts_per_block, spec.mode) == layout
+    assert spec.complete and spec.origin == str(CONFIGS / config)
 
 
 def test_the_server_section_and_overrides_reach_the_round_maths(tmp_path: Path) -> None:
     run = tmp_path / "run.yaml"
     run.write_text(
-        "server:\n  merge_interval: 50\n  dead_peer_policy: quorum\n  min_peers: 3\nspes_config:\n  num_peers: 4\n"
+        "using_spes: true\nserver:\n  merge_interval: 50\n  dead_peer_policy: quorum\n  min_peers: 3\n"
+        "spes_config:\n  num_peers: 4\n"
     )
     cfg = server_config(str(run), "--server.merge_alpha_start=0.05", "--server.round_timeout_s=30", "--port", "0")
-    assert (cfg.merge.interval, cfg.merge.alpha_start, cfg.merge.decay_steps) == (50, 0.05, 10000)
-    assert (cfg.round_timeout_s, cfg.dead_peer_policy, cfg.min_peers, cfg.port) == (30.0, "quorum", 3, 0)
+    server = cfg.spec.server
+    assert (server.merge_interval, server.merge_alpha_start, server.merge_decay_steps) == (50, 0.05, 10000)
+    assert (server.round_timeout_s, server.dead_peer_policy, server.min_peers, cfg.deploy.port) == (
+        30.0,
+        "quorum",
+        3,
+        0,
+    )
     # overrides of any section apply to the server's copy of the run, as to the nodes'
     diloco = server_config(str(run), "--using_dilico=true", "--server.outer_optimizer=nesterov")
-    assert (diloco.mode, diloco.experts_per_peer, diloco.outer.optimizer) == ("diloco", 8, "nesterov")
-
-
-def test_the_former_run_flags_spell_server_overrides() -> None:
-    tiny = str(CONFIGS / "tiny.yaml")
-    assert server_config(tiny, "--merge_interval", "0", "--merge_topk", "2").merge == merge_of(
-        ServerSection(merge_interval=0, merge_topk=2)
+    assert (diloco.spec.mode, diloco.spec.experts_per_block, diloco.spec.server.outer_optimizer) == (
+        "diloco",
+        8,
+        "nesterov",
     )
+
+
+def test_the_first_implementations_flags_spell_overrides() -> None:
+    """`--total_peers 2 --num_train_experts_per_node 2 --merge_interval 7` (its run_parameter_server.sh) build the
+    run spec of a server without the run's YAML; spes's own settings are overrides, as everywhere."""
     legacy = server_config(
         "--total_peers",
         "2",
-        "--num_train_experts_per_node",
-        "2",
-        "--mode",
-        "diloco",
-        "--outer_optimizer",
-        "nesterov",
-        "--outer_lr",
-        "0.5",
-        "--round_timeout",
-        "9",
+        "--num_train_experts_per_node=2",
+        "--merge_interval",
+        "7",
+        "--merge_alpha_start=0.05",
+        "--server.round_timeout_s=9",
+    ).spec
+    assert (legacy.num_peers, legacy.experts_per_block, legacy.mode) == (2, 2, "spes")
+    assert (legacy.server.merge_interval, legacy.server.merge_alpha_start, legacy.server.round_timeout_s) == (
+        7,
+        0.05,
+        9.0,
     )
-    assert (legacy.num_peers, legacy.experts_per_peer, legacy.mode) == (2, 2, "diloco")
-    assert legacy.expected_manifest is None
-    assert legacy.outer == outer_of(ServerSection(outer_optimizer="nesterov", outer_lr=0.5))
-    assert legacy.round_timeout_s == 9.0
+    assert legacy.manifest is None and legacy.sync_steps is None and legacy.block_owners is None
+    tiny = server_config(str(CONFIGS / "tiny.yaml"), "--merge_interval", "0").spec
+    assert tiny.server.merge_interval == 0
 
 
 @pytest.mark.parametrize(
@@ -82,20 +91,25 @@ def test_the_former_run_flags_spell_server_overrides() -> None:
         (["configs/centralized_1b.yaml"], "is a centralized run (using_spes: false), which has no parameter server"),
         (["configs/tiny.yaml", "--server.merge_intervall=3"], "did you mean 'server.merge_interval'?"),
         (["configs/tiny.yaml", "--server.merge_topk=0"], "config key 'server.merge_topk' = 0 must be >= 1"),
+        (["configs/tiny.yaml", "--spes_config.wire_dtype=int8"], "it is now 'spes_config.codec' (same values)"),
         (
-            ["configs/tiny.yaml", "--num_train_experts_per_node", "4"],
-            "--num_train_experts_per_node=4 disagrees with configs/tiny.yaml, whose run has 2",
+            ["--total_peers", "2", "--model.d_model=64"],
+            "without the run's YAML only --spes_config.*, --server.*, --using_spes and --using_dilico apply",
         ),
-        (
-            ["--total_peers", "2", "--num_train_experts_per_node", "2", "--spes_config.num_peers=2"],
-            "without the run's YAML only --server.key=value overrides apply",
-        ),
-        ([], "no run given: pass the run's YAML"),
+        (["--total_peers"], "--total_peers needs a value"),
     ],
 )
-def test_mistakes_name_the_key_or_flag(argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mistakes_name_the_key_or_flag(
+    argv: list[str], expected: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(REPO)
-    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+    pattern = expected.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?").replace("*", r"\*")
+    if expected.startswith("--total_peers needs"):
+        with pytest.raises(SystemExit):
+            server_config(*argv)
+        assert expected in capsys.readouterr().err
+        return
+    with pytest.raises(ValueError, match=pattern):
         server_config(*argv)
 
 
@@ -120,5 +134,12 @@ def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section() -> None
         timeout=60,
         check=True,
     ).stdout
-    for key in ("--server.merge_interval=500", "--server.outer_optimizer='none'", "--server.dead_peer_policy='wait'"):
+    for key in (
+        "--server.merge_interval=500",
+        "--server.outer_optimizer='none'",
+        "--server.dead_peer_policy='wait'",
+        "--total_peers N = --spes_config.num_peers=N",
+        "--stream_idle_timeout",
+        "--token_file",
+    ):
         assert key in help_text
