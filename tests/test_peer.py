@@ -16,18 +16,26 @@ from dist_helpers import run_ranks
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
 from spes.sync.client import SyncStats
-from spes.sync.fragments import WHOLE, fragment_at, merge_step
-from spes.sync.merge import MergeConfig, build_global, parse_expert_block
+from spes.sync.fragments import WHOLE, merge_step
+from spes.sync.merge import build_global, parse_expert_block
 from spes.sync.overlap import apply_overlapped
-from spes.sync.peer import PENDING_FILE, OverlappedSync, PeerSync, SyncResult
+from spes.sync.peer import PENDING_FILE, PeerSync, SyncResult
 from spes.sync.protocol import SyncError, Tensors
+from spes.sync.server import spec_of_run
+from spes.sync.spec import RunSpec
 from spes.train import build_node, start_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-MERGE = MergeConfig(interval=4, alpha_start=0.05, decay_steps=100, topk=2)
+MERGE = [
+    "--server.merge_interval=4",
+    "--server.merge_alpha_start=0.05",
+    "--server.merge_decay_steps=100",
+    "--server.merge_topk=2",
+]
+"""The server's merge warm-up in these runs: every 4 steps (the nodes' copy of the section is not compared)."""
 
 
 class RecordingSync:
@@ -63,18 +71,7 @@ def run_peers(
 ) -> list[tuple[RecordingSync, Trainer]]:  # type: ignore[no-untyped-def]
     peers = []
     for peer in range(2):
-        trainer = start_peer(
-            peer_config(
-                corpus,
-                tmp_path,
-                addr,
-                peer,
-                f"--max_duration={steps}st",
-                f"--using_dilico={dilico}".lower(),
-                *extra,
-            ),
-            log,
-        )
+        trainer = start_peer(peer_config(corpus, tmp_path, addr, peer, *run_args(dilico, steps, extra)), log)
         assert isinstance(trainer.syncer, PeerSync)
         trainer.syncer = recorder = RecordingSync(trainer.syncer, trainer.model)
         peers.append((recorder, trainer))
@@ -86,6 +83,16 @@ def run_peers(
     return peers
 
 
+def run_args(dilico: bool, steps: int = 8, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return (f"--max_duration={steps}st", f"--using_dilico={dilico}".lower(), *extra)
+
+
+def server_spec(corpus: Any, folder: Path, *extra: str, num_peers: int = 2) -> RunSpec:
+    """The spec the server of these runs builds from the nodes' YAML and overrides, with its merge warm-up."""
+    overrides = peer_overrides(corpus, folder, "127.0.0.1:1", 0, *extra, f"--spes_config.num_peers={num_peers}")
+    return spec_of_run(str(REPO / "configs" / "tiny.yaml"), [*overrides, *MERGE])
+
+
 def trained(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: state[n] for n, p in model.named_parameters() if p.requires_grad}
 
@@ -94,20 +101,20 @@ def trained(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str,
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dilico", [False, True], ids=["spes", "diloco"])
 def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus, tmp_path: Path, dilico: bool) -> None:
-    mode = "diloco" if dilico else "spes"
-    with running_server(num_peers=2, experts_per_peer=8 if dilico else 4, mode=mode, merge=MERGE) as (_, addr):
+    spec = server_spec(tiny_corpus, tmp_path, *run_args(dilico))
+    with running_server(spec) as (_, addr):
         peers = run_peers(tiny_corpus, tmp_path, addr, dilico=dilico)
     (rec0, t0), (rec1, t1) = peers
     assert sorted(rec0.after) == [2, 4, 6, 8]
     for step in rec0.after:
         uploads = {0: trained(rec0.before[step], t0.model), 1: trained(rec1.before[step], t1.model)}
-        expected = build_global(uploads, num_peers=2, experts_per_peer=4, mode=mode, step=step, merge=MERGE).tensors
+        expected = build_global(uploads, spec=spec, step=step).tensors
         for name, value in expected.items():
             torch.testing.assert_close(rec0.after[step][name], value, rtol=0, atol=0, msg=f"peer 0 {name} @ {step}")
             torch.testing.assert_close(rec1.after[step][name], value, rtol=0, atol=0, msg=f"peer 1 {name} @ {step}")
         assert set(expected) == set(rec0.after[step])  # every tensor of the model came out of the round
     if not dilico:
-        merged_rounds = [s for s in rec0.after if s % MERGE.interval == 0]
+        merged_rounds = [s for s in rec0.after if s % spec.server.merge_interval == 0]
         owned0 = "blocks.0.ffn.experts.w1.0"
         assert not torch.equal(rec0.after[merged_rounds[0]][owned0], rec0.before[merged_rounds[0]][owned0])
         assert torch.equal(rec0.after[2][owned0], rec0.before[2][owned0])  # no merge: own experts stay as trained
@@ -116,7 +123,7 @@ def test_after_every_round_peers_hold_the_aggregate_of_their_uploads(tiny_corpus
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) -> None:
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
+    with running_server(server_spec(tiny_corpus, tmp_path, *run_args(False))) as (_, addr):
         (rec0, _), _ = run_peers(tiny_corpus, tmp_path, addr, dilico=False)
     frozen = [n for n in rec0.after[2] if (b := parse_expert_block(n)) is not None and b.block == 1]
     steps = sorted(rec0.after)
@@ -128,18 +135,22 @@ def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_int8_trainers_hold_the_servers_model_bit_for_bit_after_every_round(tiny_corpus, tmp_path: Path) -> None:
-    """`spes_config.wire_dtype: int8` end to end: after every round (a merge round included) both trainers' whole
-    models are equal bit for bit, and after the last one equal to the server's held model."""
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE, wire_dtype="int8") as (server, addr):
-        peers = run_peers(tiny_corpus, tmp_path, addr, dilico=False, extra=("--spes_config.wire_dtype=int8",))
-        held = server.service.state.held
+@pytest.mark.parametrize("codec", ["int8", "sparse"])
+def test_held_codec_trainers_hold_the_servers_model_bit_for_bit_after_every_round(
+    tiny_corpus, tmp_path: Path, codec: str
+) -> None:
+    """`spes_config.codec: int8` (or sparse) end to end: after every round (a merge round included) both trainers'
+    whole models are equal bit for bit, and after the last one equal to the server's held model."""
+    extra = (f"--spes_config.codec={codec}",)
+    with running_server(server_spec(tiny_corpus, tmp_path, *run_args(False, extra=extra))) as (server, addr):
+        peers = run_peers(tiny_corpus, tmp_path, addr, dilico=False, extra=extra)
+        done = server.service.state.completed
     (rec0, _), (rec1, _) = peers
-    assert sorted(rec0.after) == [2, 4, 6, 8] and held is not None and held.round == 8
+    assert sorted(rec0.after) == [2, 4, 6, 8] and done is not None and done.served.round == 8
     for step, model in rec0.after.items():
         for name, value in model.items():
             assert torch.equal(value.view(torch.int32), rec1.after[step][name].view(torch.int32)), (name, step)
-    for name, value in held.tensors.items():
+    for name, value in done.served.tensors.items():
         assert torch.equal(value.view(torch.int32), rec0.after[8][name].view(torch.int32)), name
 
 
@@ -214,7 +225,7 @@ def losses(history: list[dict[str, Any]]) -> list[tuple[int, float]]:
 
 def two_peers(corpus: Any, folder: Path, *extra: str) -> list[Trainer]:
     """Both peers trained to the end against a fresh server (merge warm-up every 4 steps)."""
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(server_spec(corpus, folder, *extra)) as (_, addr), ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(fit, start_peer(peer_config(corpus, folder, addr, p, *extra))) for p in range(2)]
         return [f.result(timeout=240) for f in futures]
 
@@ -225,7 +236,7 @@ def test_overlap_with_a_delay_of_zero_steps_is_the_blocking_run_bit_for_bit(tiny
     blocking = two_peers(tiny_corpus, tmp_path / "blocking")
     overlapped = two_peers(tiny_corpus, tmp_path / "overlapped", *OVERLAP, "--spes_config.overlap_steps=0")
     for b, o in zip(blocking, overlapped):
-        assert isinstance(o.syncer, OverlappedSync)
+        assert isinstance(o.syncer, PeerSync) and o.syncer.overlap_steps == 0 and b.syncer.overlap_steps == 0  # type: ignore[union-attr]
         assert weight_bits(o) == weight_bits(b)
         assert losses(o.history) == losses(b.history)
         rounds = [r for r in o.history if "sync_wait_s" in r]
@@ -248,25 +259,24 @@ def test_a_fragments_round_aggregates_that_fragment_and_the_last_step_the_whole_
         "--spes_config.overlap_steps=0",
     )
     lines: list[str] = []
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr):
+    spec = server_spec(tiny_corpus, tmp_path, *run_args(False, 7, extra))
+    with running_server(spec) as (_, addr):
         (rec0, t0), (rec1, t1) = run_peers(
             tiny_corpus, tmp_path, addr, dilico=False, steps=7, extra=extra, log=lines.append
         )
-    assert isinstance(rec0.inner, OverlappedSync) and sorted(rec0.after) == [2, 4, 6, 7]
+    assert sorted(rec0.after) == [2, 4, 6, 7]
     said = [line for line in lines if line.startswith("2 fragments, one every 2 steps, uploading ")]
     assert len(said) == 2 and said[0].endswith(" MiB (fp32) of what this node trains"), lines
     layout = rec0.inner.layout
-    assert [fragment_at(step, 4, 2, 7) for step in rec0.after] == [1, 2, 1, WHOLE]
+    assert [layout.fragment_at(step, 7) for step in rec0.after] == [1, 2, 1, WHOLE]
     for step in rec0.after:
-        fragment = fragment_at(step, 4, 2, 7)
+        fragment = layout.fragment_at(step, 7)
         names = layout.names(fragment, [n for n, _ in t0.model.named_parameters()])
         uploads = {
             p: {n: t for n, t in trained(rec.before[step], t.model).items() if n in names}
             for p, (rec, t) in enumerate(((rec0, t0), (rec1, t1)))
         }
-        expected = build_global(
-            uploads, num_peers=2, experts_per_peer=4, mode="spes", step=merge_step(step, 4, fragment), merge=MERGE
-        ).tensors
+        expected = build_global(uploads, spec=spec, step=merge_step(step, 4, fragment)).tensors
         assert sorted(expected) == sorted(names)
         for rec in (rec0, rec1):
             for name, value in rec.after[step].items():
@@ -301,7 +311,7 @@ def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(
         again = peer_config(tiny_corpus, folder, addr, 1, *extra, f"--load_path={folder / 'node1'}")
         return first, fit(start_peer(again))
 
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(server_spec(tiny_corpus, folder, *extra)) as (_, addr), ThreadPoolExecutor(2) as pool:
         steady = pool.submit(fit, start_peer(peer_config(tiny_corpus, folder, addr, 0, *extra)))
         first, resumed = pool.submit(stop_and_resume, addr).result(timeout=240)
         peers = [steady.result(timeout=240), resumed]
@@ -318,7 +328,7 @@ def test_an_overlapped_node_the_run_moved_past_catches_up(tiny_corpus: Any, tmp_
     """Peer 1 stops at step 7 and resumes from its step-2 checkpoint (round 2 in flight); the run has completed
     round 6 meanwhile: at the round's step it loads the whole global model of round 6 and continues from there."""
     extra = [*OVERLAP, "--spes_config.overlap_steps=1", "--save_interval=2", "--save_num_checkpoints_to_keep=-1"]
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(server_spec(tiny_corpus, tmp_path, *extra)) as (_, addr), ThreadPoolExecutor(2) as pool:
         steady = pool.submit(fit, start_peer(peer_config(tiny_corpus, tmp_path, addr, 0, *extra)))
         fit(start_peer(peer_config(tiny_corpus, tmp_path, addr, 1, *extra, "--stop_at=7")))
         assert (tmp_path / "node1" / "step2" / PENDING_FILE).is_file()
@@ -336,16 +346,15 @@ def test_an_overlapped_node_the_run_moved_past_catches_up(tiny_corpus: Any, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_failed_overlapped_round_raises_at_the_step_it_was_due(tiny_corpus: Any, tmp_path: Path) -> None:
-    with running_server(num_peers=1, experts_per_peer=8) as (_, addr):
+    alone = (*OVERLAP, "--spes_config.overlap_steps=1", "--spes_config.num_train_experts_per_node=8")
+    with running_server(server_spec(tiny_corpus, tmp_path, *alone, num_peers=1)) as (_, addr):
         cfg = peer_config(
             tiny_corpus,
             tmp_path,
             addr,
             0,
-            *OVERLAP,
-            "--spes_config.overlap_steps=1",
+            *alone,
             "--spes_config.num_peers=1",
-            "--spes_config.num_train_experts_per_node=8",
             "--spes_config.max_retries=0",
             "--spes_config.rpc_timeout_s=5",
         )
@@ -372,7 +381,7 @@ def _overlapped_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
     node = build_node(cfg, info, log=QUIET)
     landed: dict[str, Any] = {}
 
-    class Checked(OverlappedSync):
+    class Checked(PeerSync):
         def _load(self, step: int, downloaded: Tensors, *rest: Any, **kwargs: Any) -> SyncResult:
             before, glob = _full(self.model), {n: t.clone() for n, t in downloaded.items()}
             snapshot = {n: t.clone() for n, t in (kwargs.get("snapshot") or {}).items()}
@@ -380,8 +389,10 @@ def _overlapped_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
             after = _full(self.model)
             digest = hashlib.sha256(b"".join(after[n].numpy().tobytes() for n in sorted(after))).hexdigest()
             expected = apply_overlapped(glob, before, snapshot) if info.is_main else {}
+            served = hashlib.sha256(b"".join(glob[n].numpy().tobytes() for n in sorted(glob))).hexdigest()
             landed[str(step)] = {
                 "digest": digest,
+                "served": served,
                 "rule_holds": all(torch.equal(after[n], t) for n, t in expected.items()),
                 "applied": sorted(expected),
             }
@@ -398,41 +409,49 @@ def _overlapped_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_every_rank_of_a_ddp_and_an_fsdp_node_applies_the_same_overlapped_rounds(
+@pytest.mark.timeout(400)
+def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_after_every_round(
     tiny_corpus: Any, tmp_path: Path
 ) -> None:
-    """Node 0 on 2 DDP ranks, node 1 on 2 FSDP2 ranks (gloo), sync_steps 2 over 2 fragments: a round every step,
-    over one fragment (each rank gathers and loads only its tensors), applied 1 step later; the whole model at
-    the last step."""
+    """Every sync feature at once: 4 nodes with int8 deltas, sync_steps 2 over 2 fragments (a round every step, over
+    one fragment: each rank gathers and loads only its tensors), each applied 1 step later, the whole model at the
+    last step. Node 0 runs on 2 DDP ranks, node 1 on 2 FSDP2 ranks (gloo), nodes 2 and 3 on one process each.
+
+    After every round every node received the same held model, bit for bit (the digest of what it loads before its
+    own progress is added), the overlap rule holds on whole tensors, and every rank of a node holds the same."""
     from dist_helpers import SMALL_NODE
 
-    def node(addr: str, peer: int, strategy: str) -> list[Any]:
+    extra = (
+        *SMALL_NODE,
+        "--model.moe_num_experts=8",
+        "--spes_config.num_train_experts_per_node=2",
+        "--spes_config.codec=int8",
+        *OVERLAP,
+        "--spes_config.overlap_fragments=2",
+        "--spes_config.overlap_steps=1",
+        "--max_duration=4st",
+        "--data.validation_paths=[]",
+    )
+
+    def node(addr: str, peer: int, strategy: str, ranks: int) -> list[Any]:
         overrides = peer_overrides(
-            tiny_corpus,
-            tmp_path,
-            addr,
-            peer,
-            *SMALL_NODE,
-            "--model.moe_num_experts=4",
-            "--spes_config.num_train_experts_per_node=2",
-            *OVERLAP,
-            "--spes_config.overlap_fragments=2",
-            "--spes_config.overlap_steps=1",
-            "--max_duration=4st",
-            f"--distributed_strategy={strategy}",
-            "--data.validation_paths=[]",
+            tiny_corpus, tmp_path, addr, peer, *extra, "--spes_config.num_peers=4", f"--distributed_strategy={strategy}"
         )
         return run_ranks(
-            2, "test_peer:_overlapped_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}", timeout=240
+            ranks, "test_peer:_overlapped_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}", timeout=300
         )
 
-    with running_server(num_peers=2, experts_per_peer=2) as (_, addr), ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(node, addr, 0, "ddp"), pool.submit(node, addr, 1, "fsdp")]
-        nodes = [f.result(timeout=280) for f in futures]
+    layout = [(0, "ddp", 2), (1, "fsdp", 2), (2, "single", 1), (3, "single", 1)]
+    with (
+        running_server(server_spec(tiny_corpus, tmp_path, *extra, num_peers=4)) as (_, addr),
+        ThreadPoolExecutor(4) as pool,
+    ):
+        futures = [pool.submit(node, addr, *args) for args in layout]
+        nodes = [f.result(timeout=380) for f in futures]
     for ranks in nodes:
-        main, other = ranks
-        assert sorted(main) == sorted(other) == ["2", "3", "4"]  # rounds 1, 2 and 3 a step later, 4 at once
+        main = ranks[0]
+        assert sorted(main) == ["2", "3", "4"]  # rounds 1, 2 and 3 a step later, 4 at once
         for step in ("2", "3", "4"):
             assert main[step]["rule_holds"] and main[step]["applied"], step
-            assert main[step]["digest"] == other[step]["digest"], step
+            assert all(other[step]["digest"] == main[step]["digest"] for other in ranks[1:]), step
+            assert main[step]["served"] == nodes[0][0][step]["served"], step  # every node: the same held model

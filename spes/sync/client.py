@@ -441,15 +441,18 @@ class SyncClient:
 
     def _check_info(self, step: int, info: pb.RoundInfo, manifest: Manifest, *, full: bool, fragment: int) -> list[str]:
         """The names the server announced, which must be exactly those this peer expects for round `step` over
-        `fragment` (every tensor for a catch-up or when the codec's full values come)."""
+        `fragment` (every tensor for a catch-up); when the codec's full values come, every tensor the served model
+        holds (with fragments, part of the model until each has had a round), the round's among them."""
         names = list(info.names)
         try:
-            whole = full or self.codec.whole(info)
+            whole = self.codec.whole(info) and not full
         except ValueError as exc:
             raise SyncError(f"round {step}: {exc}") from None
         expected = list(manifest)
-        if not whole:
+        if not full:
             expected = self.spec.downloads(self.peer_id, self.spec.layout.names(fragment, expected), merged=info.merged)
+        if whole and set(expected) <= set(names) <= set(manifest):
+            expected = names
         if info.round != step or sorted(names) != sorted(expected):
             raise SyncError(
                 f"round {step}: the server announced round {info.round} with {len(names)} tensors, this peer "

@@ -356,8 +356,8 @@ class Coordinator:
         done, spec = self.state.completed, self.spec
         assert done is not None and spec.manifest is not None
         selection = self.codec.select(done.served, full=full, base_round=base_round)
-        names = list(done.global_model)
-        if selection.whole and len(names) < len(spec.manifest):
+        names = list(selection.items) if selection.whole else list(done.global_model)
+        if full and len(names) < len(spec.manifest):
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"peer {peer} asks for the whole global model, but round {step} holds only the fragments that have "

@@ -27,7 +27,7 @@ from spes.sync.protocol import Shape, Tensors
 
 if TYPE_CHECKING:
     from spes.sync.proto import spes_pb2 as pb
-    from spes.sync.wire import Coded, Item, TensorDecoder
+    from spes.sync.wire import Item, TensorDecoder
 
 NO_BASE = -1
 """The base round of a peer or payload that refers to no held model (full values)."""
@@ -96,12 +96,13 @@ class Served:
 
     `tensors`: every tensor a download of full values may send (a raw codec: the global model; a held-model codec:
     the held model every up-to-date peer reconstructs). `deltas`: what a peer holding the served model of round
-    `base` downloads instead (empty, `base` None: every peer gets `tensors`).
+    `base` downloads instead, per tensor the round changed: a coded payload, or full values for a tensor that model
+    did not hold yet (a fragment's first round). Empty, `base` None: every peer gets `tensors`.
     """
 
     round: int
     tensors: Tensors
-    deltas: dict[str, Coded] = field(default_factory=dict)
+    deltas: dict[str, Item] = field(default_factory=dict)
     base: int | None = None
 
 

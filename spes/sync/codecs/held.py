@@ -5,7 +5,8 @@ round it is of. The server keeps its global model G in full precision beside it.
 
 1. A peer sends what it trains as `quantizer.encode(theta - H + e)`, each payload tagged with H's round, and keeps
    what the quantizer missed as its error-feedback buffer e for the next round (`encode_delta`); a peer holding no
-   H (the first round, joined late, caught up, or refused for its base) sends full values (fp32).
+   H (the first round, joined late, caught up, or refused for its base) sends full values (fp32), and so does a
+   peer for a tensor its H does not hold yet (with fragments, H fills up over the first `sync_steps` steps).
 2. The server refuses a payload against another base (`spes.sync.wire.BaseMismatch`, reason `base_mismatch`: the
    peer then sends full values) and turns the others into values (`HeldServer.upload_values`): the peer's own
    blocks `H + delta` (what the peer itself reconstructs, so the payload can be relayed unchanged), averaged
@@ -14,7 +15,7 @@ round it is of. The server keeps its global model G in full precision beside it.
 3. After the round the server makes the new held model and the payloads every up-to-date peer downloads
    (`next_held`): blocks taken verbatim relayed as uploaded, every other tensor the round changed encoded as
    `G_new - H` with no carried error (the next round's delta is measured against what the peers then hold, which
-   feeds the error back).
+   feeds the error back), a tensor new to H as its full values.
 4. A peer holding the H those payloads apply to reconstructs the new one (`HeldPeer.receive`: `apply_delta(H, p)`,
    its own blocks outside merge rounds its own upload's reconstruction); any other peer gets full values of the
    new H. Either way every peer then holds the server's H, and loads it.
@@ -103,7 +104,8 @@ def next_held(
 
     `names`: the tensors the round changed (a fragment's round changes only its own; the others keep their held
     values and send nothing). `relayed`: the uploaded payloads of blocks taken verbatim (none on merge rounds),
-    whose new global already is `apply_delta(H, payload)`, sent on as they came so nothing is quantized twice.
+    whose new global already is `apply_delta(H, payload)`, sent on as they came so nothing is quantized twice. A
+    tensor the previous held model lacks (its fragment's first round) is held and sent as its full values.
     Without a previous held model (the first round, or a restarted server) the held model is the global model
     itself, and every peer gets it as full values.
     """
@@ -111,13 +113,16 @@ def next_held(
         return Served(step, dict(new_global))
     held, deltas = dict(previous.tensors), {}
     for name in names:
-        if name in relayed:
-            payload, held[name] = relayed[name], new_global[name]
+        item: Item
+        if name not in previous.tensors:
+            item = held[name] = new_global[name]
+        elif name in relayed:
+            item, held[name] = Coded(relayed[name], previous.round), new_global[name]
         else:
             sent = encode_delta(quantizer, name, new_global[name], previous.tensors[name])
-            payload, held[name] = sent.payload, sent.reconstruction
-        deltas[name] = Coded(payload, previous.round)
-    return Served(step, {n: held[n] for n in new_global}, deltas, previous.round)
+            item, held[name] = Coded(sent.payload, previous.round), sent.reconstruction
+        deltas[name] = item
+    return Served(step, {n: held[n] for n in new_global if n in held}, deltas, previous.round)
 
 
 class HeldPeer:
@@ -140,16 +145,20 @@ class HeldPeer:
         return NO_BASE if self.round is None else self.round
 
     def upload(self, trained: Mapping[str, torch.Tensor], own: Collection[str]) -> dict[str, Item]:
-        """Coded deltas against the held model, or full values when there is none."""
+        """Coded deltas against the held model; full values without one, or for a tensor it does not hold yet (its
+        own blocks among those are then held as sent: nobody sends them back)."""
         if self.round is None:
             self._pending = ({}, {})
             return dict(trained)
-        missing = sorted(set(trained) - set(self.held))
-        if missing:
-            raise ValueError(f"no held value for tensor(s) {missing[:5]}: a peer without one sends full values")
-        sent = {n: encode_delta(self.quantizer, n, v, self.held[n], self.carried.get(n)) for n, v in trained.items()}
-        self._pending = ({n: s.error for n, s in sent.items()}, {n: sent[n].reconstruction for n in own if n in sent})
-        return {n: Coded(s.payload, self.round) for n, s in sent.items()}
+        sent = {
+            n: encode_delta(self.quantizer, n, v, self.held[n], self.carried.get(n))
+            for n, v in trained.items()
+            if n in self.held
+        }
+        new = {n: v.detach().to(torch.float32, copy=True) for n, v in trained.items() if n not in self.held}
+        recon = {n: sent[n].reconstruction if n in sent else new[n] for n in own if n in trained}
+        self._pending = ({n: s.error for n, s in sent.items()}, recon)
+        return {n: Coded(sent[n].payload, self.round) if n in sent else new[n] for n in trained}
 
     def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:
         """Payloads against the held model, or full values into fresh tensors (they become the held model)."""
@@ -172,10 +181,8 @@ class HeldPeer:
         else:
             # NOTE: the client checked the announced names; a tensor the round did not change keeps its held value
             own, coded = self._pending[1], decoder.coded
-            held = {
-                n: apply_delta(base, coded[n].payload, self.quantizer) if n in coded else own.get(n, base)
-                for n, base in self.held.items()
-            }
+            held = {**self.held, **own, **values}
+            held.update({n: apply_delta(self.held[n], c.payload, self.quantizer) for n, c in coded.items()})
         self.held, self.round = held, info.round
         self.carried = {} if caught_up else self._pending[0]
         self._pending = ({}, {})
