@@ -19,7 +19,7 @@ from spes.sync.client import SyncStats
 from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, parse_expert_block
 from spes.sync.overlap import apply_overlapped
-from spes.sync.peer import PENDING_FILE, PeerSync, SyncResult
+from spes.sync.peer import CODEC_FILE, PENDING_FILE, PeerSync, SyncResult
 from spes.sync.protocol import SyncError, Tensors
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
@@ -287,19 +287,21 @@ def test_a_fragments_round_aggregates_that_fragment_and_the_last_step_the_whole_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("fragments", [1, 2])
+@pytest.mark.parametrize("fragments, codec", [(1, "fp32"), (2, "fp32"), (2, "int8")])
 def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(
-    tiny_corpus: Any, tmp_path: Path, fragments: int
+    tiny_corpus: Any, tmp_path: Path, fragments: int, codec: str
 ) -> None:
     """Rounds every 4 steps applied 2 steps later; peer 1 stops at step 5, its round of step 4 in flight, and resumes
     from that checkpoint while peer 0 trains on: both end as in the uninterrupted run, bit for bit. With 2 fragments
-    a round comes every 2 steps, each applied 2 steps later."""
+    a round comes every 2 steps, each applied 2 steps later; with int8 the checkpoint also holds the codec's state
+    from before the round in flight (held model, carried error), so the resumed node sends the very same bytes."""
     extra = [
         *OVERLAP,
         "--spes_config.sync_steps=4",
         "--spes_config.overlap_steps=2",
         "--max_duration=12st",
         f"--spes_config.overlap_fragments={fragments}",
+        f"--spes_config.codec={codec}",
     ]
     reference = two_peers(tiny_corpus, tmp_path / "straight", *extra)
     folder = tmp_path / "stopped"
@@ -307,7 +309,8 @@ def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(
     def stop_and_resume(addr: str) -> tuple[Trainer, Trainer]:
         first = fit(start_peer(peer_config(tiny_corpus, folder, addr, 1, *extra, "--stop_at=5", "--save_interval=5")))
         assert (folder / "node1" / "step5" / PENDING_FILE).is_file()
-        assert json.loads((folder / "node1" / "step5" / "meta.json").read_text())["extra"] == [PENDING_FILE]
+        files = [PENDING_FILE, CODEC_FILE] if codec == "int8" else [PENDING_FILE]
+        assert sorted(json.loads((folder / "node1" / "step5" / "meta.json").read_text())["extra"]) == sorted(files)
         again = peer_config(tiny_corpus, folder, addr, 1, *extra, f"--load_path={folder / 'node1'}")
         return first, fit(start_peer(again))
 
@@ -324,10 +327,18 @@ def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_overlapped_node_the_run_moved_past_catches_up(tiny_corpus: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_an_overlapped_node_the_run_moved_past_catches_up(tiny_corpus: Any, tmp_path: Path, codec: str) -> None:
     """Peer 1 stops at step 7 and resumes from its step-2 checkpoint (round 2 in flight); the run has completed
-    round 6 meanwhile: at the round's step it loads the whole global model of round 6 and continues from there."""
-    extra = [*OVERLAP, "--spes_config.overlap_steps=1", "--save_interval=2", "--save_num_checkpoints_to_keep=-1"]
+    round 6 meanwhile: at the round's step it loads the whole global model of round 6 and continues from there
+    (with int8: the server's held model, as full values; its carried error dropped, its upload never taken)."""
+    extra = [
+        *OVERLAP,
+        "--spes_config.overlap_steps=1",
+        "--save_interval=2",
+        "--save_num_checkpoints_to_keep=-1",
+        f"--spes_config.codec={codec}",
+    ]
     with running_server(server_spec(tiny_corpus, tmp_path, *extra)) as (_, addr), ThreadPoolExecutor(2) as pool:
         steady = pool.submit(fit, start_peer(peer_config(tiny_corpus, tmp_path, addr, 0, *extra)))
         fit(start_peer(peer_config(tiny_corpus, tmp_path, addr, 1, *extra, "--stop_at=7")))
