@@ -20,7 +20,7 @@ from spes.config import (
     TrainConfig,
     config_help,
     load_config,
-    load_server_section,
+    load_sync_sections,
 )
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -138,14 +138,18 @@ def test_help_lists_the_server_keys() -> None:
         assert any(line.strip().startswith(f"--server.{key}") for line in lines), key
 
 
-def test_a_server_section_without_the_run_comes_from_overrides() -> None:
-    """A server started without the run's YAML (tests, tools) takes --server.key=value alone."""
-    section = load_server_section(["--server.merge_interval=7", "--server.dead_peer_policy=quorum"])
-    assert (section.merge_interval, section.dead_peer_policy, section.merge_topk) == (7, "quorum", 4)
-    with pytest.raises(ConfigError, match="only --server.key=value overrides apply"):
-        load_server_section(["--model.d_model=64"])
+def test_a_server_without_the_run_takes_its_sync_sections_from_overrides() -> None:
+    """A server started without the run's YAML (the first implementation's habit) knows no model: it takes the
+    spes_config and server sections and the mode from --key=value overrides alone."""
+    spes, section, mode = load_sync_sections(
+        ["--server.merge_interval=7", "--server.dead_peer_policy=quorum", "--spes_config.num_peers=3"]
+    )
+    assert (section.merge_interval, section.dead_peer_policy, section.merge_topk, spes.num_peers) == (7, "quorum", 4, 3)
+    assert mode == "spes" and load_sync_sections(["--using_dilico=true"])[2] == "diloco"
+    with pytest.raises(ConfigError, match=r"only --spes_config.\*, --server.\*, --using_spes and --using_dilico apply"):
+        load_sync_sections(["--model.d_model=64"])
     with pytest.raises(ConfigError, match="did you mean 'server.merge_topk'"):
-        load_server_section(["--server.merge_top=2"])
+        load_sync_sections(["--server.merge_top=2"])
 
 
 def test_paper_1b_config_values() -> None:
@@ -605,7 +609,8 @@ def test_first_implementation_key_set_is_complete() -> None:
         "moe_backend",
         "validation_paths",
         "entity",
-        "wire_dtype",
+        "codec",
+        "codec_settings",
         "token_file",
         "tls_ca",
         "tls_cert",
@@ -665,13 +670,17 @@ def test_a_list_written_as_a_string_in_yaml_gets_the_yaml_hint(tmp_path: Path) -
         load_config(write(tmp_path, "data:\n  paths: x.npy\n"))
 
 
-def test_overlap_defaults_to_a_delay_of_sync_steps_and_refuses_int8_deltas() -> None:
+def test_overlap_defaults_to_a_delay_of_sync_steps_and_combines_with_every_codec() -> None:
     cfg = load_config(CONFIGS / "tiny.yaml", ["--spes_config.overlap_sync=true"])[0]
     assert cfg.spes_config.overlap_delay == cfg.spes_config.sync_steps == 10
     assert load_config(CONFIGS / "tiny.yaml", ["--spes_config.overlap_steps=0"])[0].spes_config.overlap_delay == 0
     assert any(line.strip().startswith("--spes_config.overlap_sync=False") for line in config_help())
-    with pytest.raises(ConfigError, match=r"'spes_config.wire_dtype' = 'int8' cannot be combined with .*overlap_sync"):
-        TrainConfig(spes_config=SpesConfig(overlap_sync=True, wire_dtype="int8"))
+    for codec in ("int8", "sparse"):
+        TrainConfig(spes_config=SpesConfig(overlap_sync=True, overlap_fragments=5, sync_steps=10, codec=codec))
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'spes_config.wire_dtype'; it is now 'spes_config.codec'"
+    ):
+        load_config(CONFIGS / "tiny.yaml", ["--spes_config.wire_dtype=int8"])
 
 
 def test_fragments_sync_every_sync_steps_over_f_and_land_that_much_later_by_default() -> None:
