@@ -26,12 +26,16 @@ from spes.preflight import (
     model_state_bytes,
 )
 from spes.shards import ShardInfo, write_shard_info
-from spes.sync.client import ServerStatus, SyncClient
+from spes.sync.client import ServerStatus
+from spes.sync.peer import model_manifest, node_spec
+from spes.sync.server import spec_of_run
 from spes.tokenizer import LoadedTokenizer
-from sync_helpers import TOKEN, running_server, write_pki
+from sync_helpers import TOKEN, make_client, running_server, tiny_spec, write_pki
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
+RUN = spec_of_run(None, ["--spes_config.num_peers=4", "--spes_config.num_train_experts_per_node=2"])
+"""The spec of a server started without the run's YAML: it learns the model from the first node to join."""
 
 
 def shard_for(path: Path, tokenizer: LoadedTokenizer, vocab_size: int) -> Path:
@@ -78,12 +82,12 @@ def token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def server(token: None) -> Iterator[str]:
-    with running_server(num_peers=4, experts_per_peer=2, token=TOKEN, data_port=0) as (_, addr):
+    with running_server(RUN, token=TOKEN, data_port=0) as (_, addr):
         yield addr
 
 
 def status(addr: str) -> ServerStatus:
-    with SyncClient(addr, peer_id=0, num_peers=4, experts_per_peer=2, mode="spes", token=TOKEN) as client:
+    with make_client(addr, tiny_spec(num_peers=4), 0, token=TOKEN) as client:
         return client.status()
 
 
@@ -148,7 +152,8 @@ def test_a_mismatched_expert_count_fails_the_settings_check(
     assert rc == 1
     assert lines["server"].startswith("ok")
     assert lines["settings"].startswith("FAIL")
-    assert "num_train_experts_per_node=4 but the server runs with num_train_experts_per_node=2" in lines["settings"]
+    assert "has experts_per_block = 4 but the run has experts_per_block = 2" in lines["settings"]
+    assert "spes_config.num_train_experts_per_node" in lines["settings"]
     assert status(server) == before
 
 
@@ -157,12 +162,9 @@ def test_a_model_other_than_the_runs_fails_once_a_peer_has_joined(
 ) -> None:
     cfg, _ = load_config(node[0], [*node[1:5], f"--spes_config.server_addr={server}", "--spes_config.peer_id=1"])
     with torch.device("meta"):
-        model = Transformer.for_run(cfg)
-    with SyncClient(server, peer_id=1, num_peers=4, experts_per_peer=2, mode="spes", token=TOKEN) as client:
-        client.join(
-            {n: tuple(p.shape) for n, p in model.named_parameters()},
-            [n for n, p in model.named_parameters() if p.requires_grad],
-        )
+        manifest, _ = model_manifest(Transformer.for_run(cfg))
+    with make_client(server, node_spec(cfg, manifest), 1, token=TOKEN) as client:
+        client.join()
     before = status(server)
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}")
     assert rc == 0 and "matches the run's" in lines["settings"]
@@ -257,9 +259,7 @@ def test_a_certificate_for_another_peer_fails_the_server_check(
 ) -> None:
     pki = write_pki(tmp_path)
     other = pki.issue("peer-1")
-    with running_server(
-        num_peers=4, experts_per_peer=2, token=TOKEN, tls_client_ca=pki.ca, tls_peer_ids=True, **pki.server
-    ) as (_, addr):
+    with running_server(RUN, token=TOKEN, tls_client_ca=pki.ca, tls_peer_ids=True, **pki.server) as (_, addr):
         tls = [f"--spes_config.server_addr={addr}", f"--spes_config.tls_ca={pki.ca}"]
         rc, lines = preflight(
             capsys,
@@ -432,12 +432,10 @@ def test_the_link_test_is_authenticated_bounded_and_counted_nowhere(token: None)
     from spes.sync.proto import spes_pb2 as pb
     from spes.sync.proto import spes_pb2_grpc as pb_grpc
 
-    with running_server(num_peers=4, experts_per_peer=2, token=TOKEN, data_port=0) as (srv, addr):
+    with running_server(RUN, token=TOKEN, data_port=0) as (srv, addr):
         before = status(addr)
         for plane in ("grpc", "tcp"):
-            with SyncClient(
-                addr, peer_id=0, num_peers=4, experts_per_peer=2, mode="spes", token=TOKEN, data_plane=plane
-            ) as client:  # type: ignore[arg-type]
+            with make_client(addr, tiny_spec(num_peers=4), 0, token=TOKEN, data_plane=plane) as client:
                 client._use_data_plane(pb.JoinReply(data_port=srv.data_port))
                 assert client.measure_link(3 << 20).plane == plane
         with grpc.insecure_channel(addr) as channel:
@@ -489,7 +487,7 @@ def test_a_server_older_than_preflight_is_named(
         return join(self, request, context)  # type: ignore[arg-type]
 
     monkeypatch.setattr(SpesServicer, "Join", old_join)
-    with running_server(num_peers=4, experts_per_peer=2, token=TOKEN) as (_, addr):
+    with running_server(RUN, token=TOKEN) as (_, addr):
         rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={addr}")
     assert rc == 1
     assert lines["server"].startswith("FAIL") and "predates preflight" in lines["server"]
