@@ -508,3 +508,50 @@ def test_bench_gpu_records_a_failing_variant_and_goes_on(tmp_path: Path, monkeyp
     assert status["grouped_mm"][0] == "ok"
     bench_gpu.main(["--quick", "--out", str(out), "--budget_s", "-1"])
     assert {v["status"] for v in json.loads(out.read_text())["variants"]} == {"skipped"}
+
+
+def test_report_renders_the_gpu_section_from_the_records(tmp_path: Path) -> None:
+    """Without bench_gpu.json the section says so and advises from the older GPU record; with it, one row per
+    variant and the fastest setting that fits each GPU class; a README without the markers is refused."""
+    from report import gpu_section, update_readme
+
+    shutil.copy(REPO / "bench" / "results" / "bench_wan_gpu_steps.json", tmp_path)
+    section = gpu_section(tmp_path)
+    assert section.startswith("No GPU benchmark record yet")
+    assert "| 48 GB (L40S, A6000) | `moe_backend: torch`, micro-batch 2" in section and "28.1" in section
+    assert "| 24 GB (RTX 4090, L4) | no measured setting fits" in section
+
+    def variant(name: str, mb: int, tps: float, gib: float) -> dict:
+        settings = {"micro_batch": mb, "fused_loss": True, "compile": False, "checkpointing": True}
+        return {
+            "name": name, "status": "ok", "settings": settings, "moe_backend": "grouped_mm", "step_s": 3.0,
+            "tokens_per_s": tps, "mfu": 0.3, "mfu_done": 0.27, "peak_memory_bytes": gib * 2**30,
+            "syncs_per_step": {"count": 1},
+        }  # fmt: skip
+
+    record = {
+        "mode": "full", "commit": "abc", "machine": {"name": "NVIDIA H100 80GB HBM3", "torch": "2.11"},
+        "variants": [variant("mb8", 8, 180_000.0, 35.0), variant("mb4", 4, 150_000.0, 19.0),
+                     {"name": "mb16", "status": "oom", "settings": {}}],
+    }  # fmt: skip
+    (tmp_path / "bench_gpu.json").write_text(json.dumps(record))
+    section = gpu_section(tmp_path)
+    assert "| mb8 | 3.00 | 180,000 | 30.0% / 27.0% | 35.0 | 1 |" in section and "| mb16 | oom |" in section
+    assert "| 80 GB (A100 / H100 80GB) | `moe_backend: grouped_mm`, micro-batch 8, `fused_loss` | 180,000 |" in section
+    assert "| 24 GB (RTX 4090, L4) | `moe_backend: grouped_mm`, micro-batch 4, `fused_loss` | 150,000 |" in section
+
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- gpu-table:start -->\nold\n<!-- gpu-table:end -->\nrest\n")
+    update_readme(readme, "new")
+    assert readme.read_text() == "intro\n<!-- gpu-table:start -->\nnew\n<!-- gpu-table:end -->\nrest\n"
+    readme.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        update_readme(readme, "new")
+
+
+def test_the_readme_gpu_section_is_the_rendered_one() -> None:
+    from report import GPU_MARKERS, gpu_section
+
+    text = (REPO / "README.md").read_text()
+    rendered = text.split(GPU_MARKERS[0], 1)[1].split(GPU_MARKERS[1], 1)[0].strip("\n")
+    assert rendered == gpu_section(REPO / "bench" / "results"), "run bench/report.py --no_png"
