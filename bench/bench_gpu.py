@@ -293,7 +293,7 @@ def multi_gpu(device: torch.device) -> dict[str, Any]:
     return {"ran": True, "returncode": proc.returncode, "output": proc.stdout[-4000:], "stderr": proc.stderr[-2000:]}
 
 
-def preflight_gpu(timeout_s: float = 120) -> dict[str, Any]:
+def preflight_gpu(timeout_s: float = 90) -> dict[str, Any]:
     """`python -m spes.preflight --gpu` on the same config: its step line comes from the same `spes.speed` code."""
     try:
         proc = subprocess.run(

@@ -3,6 +3,10 @@
 #
 #   device run: command "bash bench/run_gpu.sh", carry [".whl"], timeout_s 600
 #
+# Time: the tests at most 60 s, variants started until 270 s (a compile variant may run ~2 min past it), the
+# preflight at most 90 s: under the 600 s a command may run; a run cut short still leaves the record of every
+# variant finished (status "running").
+#
 # On the device (no network; python3 with CUDA torch, see bench/prepare_gpu.sh for what it lacks) it installs the
 # carried wheels into /tmp/site, then
 #   1. runs the GPU-marked tests: python -m pytest -m gpu (at most GPU_TESTS_S seconds; junit file in $OUT),
@@ -15,8 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 PY=${PYTHON:-python3}
-GPU_TESTS_S=${GPU_TESTS_S:-90}
-BUDGET_S=${BUDGET_S:-300}
+GPU_TESTS_S=${GPU_TESTS_S:-60}
+BUDGET_S=${BUDGET_S:-270}
 exec > >(tee "$OUT/run_gpu.log") 2>&1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
