@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint, import order, format and type checks, exactly as CI runs them (.ci/run, before the tests):
+# Lint, import order, format, type and architecture (import-linter) checks, exactly as CI runs them (.ci/run, before the tests):
 #   bash run_scripts/lint.sh          # check only; non-zero exit on any finding
 #   bash run_scripts/lint.sh --fix    # first format the tree and apply ruff's safe fixes, then check
 # Settings (line length, rules, mypy strictness, excluded files) live in pyproject.toml.
@@ -17,4 +17,5 @@ status=0
 .venv/bin/ruff check . || status=1
 .venv/bin/ruff format --check . || status=1
 .venv/bin/mypy || status=1
+.venv/bin/lint-imports --no-cache || status=1
 exit "$status"

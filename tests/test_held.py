@@ -20,8 +20,8 @@ import torch
 from spes.config import ServerSection
 from spes.sync import plane_tcp
 from spes.sync.client import SyncError
-from spes.sync.codecs.base import Served
 from spes.sync.codecs.held import HeldPeer, HeldServer
+from spes.sync.codecs.interface import Served
 from spes.sync.merge import build_global, round_alpha
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spes.config import ServerSection
-from spes.sync.codecs.base import Served
+from spes.sync.codecs.interface import Served
 from spes.sync.fragments import WHOLE
 from spes.sync.protocol import Refused
 from spes.sync.rounds import Completed, RoundState, quorum

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from spes.sync.codecs.base import Payload, ServerCodec
+from spes.sync.codecs.base import Payload
+from spes.sync.codecs.interface import ServerCodec
 from spes.sync.merge import build_global
 from spes.sync.protocol import Shape, Tensors
 from spes.sync.rounds import Completed

@@ -26,7 +26,8 @@ import grpc
 import torch
 
 from spes.config import ServerSection
-from spes.sync.codecs.base import Payload, Served
+from spes.sync.codecs.base import Payload
+from spes.sync.codecs.interface import Served
 from spes.sync.fragments import WHOLE
 from spes.sync.protocol import Reason, Refused, Tensors
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from spes.sync.codecs.base import NO_BASE, Payload, Quantizer, Selection, Served
+from spes.sync.codecs.base import NO_BASE, Payload, Quantizer
+from spes.sync.codecs.interface import Selection, Served
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
 from spes.sync.wire import Coded, Item, TensorDecoder, finite

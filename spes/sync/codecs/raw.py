@@ -11,7 +11,8 @@ from collections.abc import Collection, Mapping
 
 import torch
 
-from spes.sync.codecs.base import NO_BASE, Payload, Selection, Served
+from spes.sync.codecs.base import NO_BASE, Payload
+from spes.sync.codecs.interface import Selection, Served
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
 from spes.sync.wire import RAW_DTYPES, Item, TensorDecoder

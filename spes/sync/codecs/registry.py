@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from spes.sync.codecs import int8, sparse
-from spes.sync.codecs.base import PeerCodec, Quantizer, ServerCodec
+from spes.sync.codecs.base import Quantizer
 from spes.sync.codecs.held import VALUES_DTYPE, HeldPeer, HeldServer
+from spes.sync.codecs.interface import PeerCodec, ServerCodec
 from spes.sync.codecs.raw import RawPeer, RawServer
 from spes.sync.wire import RAW_DTYPES
 

@@ -1,0 +1,57 @@
+"""The package's structure: no import cycle anywhere in spes (grimp's graph of every import, function-level and
+type-only ones included), and the sync wing's floors ([tool.importlinter] in pyproject.toml, `lint-imports` in CI)."""
+
+from __future__ import annotations
+
+import grimp
+
+
+def import_cycles(package: str) -> list[list[str]]:
+    """The strongly connected groups of more than one module in `package`'s import graph (Tarjan)."""
+    graph = grimp.build_graph(package, include_external_packages=False)
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in sorted(graph.modules)}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in edges.get(module, []):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == module:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in edges:
+        if module not in index:
+            visit(module)
+    return groups
+
+
+def test_spes_has_no_import_cycle() -> None:
+    assert import_cycles("spes") == []
+
+
+def test_a_cycle_is_found_when_there_is_one(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    package = tmp_path / "circle"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from circle import b\n")
+    (package / "b.py").write_text("def f() -> None:\n    from circle import a  # a function-level import counts\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert import_cycles("circle") == [["circle.a", "circle.b"]]
