@@ -13,12 +13,14 @@ tensor the current global model or outer momentum still holds (`give(..., keep=.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 
 from spes.sync.protocol import Shape
 from spes.sync.rounds import Completed
+from spes.sync.spec import RunSpec
 from spes.sync.wire import EncodedModel, Item, VerifiedChecksums
 
 Key = tuple[Shape, torch.dtype]
@@ -79,6 +81,17 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
     return (
         tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes
     )
+
+
+def round_limits(spec: RunSpec, joined: Collection[int], dtype: torch.dtype) -> Counter[Key]:
+    """What one round takes from the pool: every joined peer's uploads in the codec's raw `dtype`, and the fp32 sums
+    of shared tensors uploaded narrower than fp32."""
+    manifest = spec.manifest or {}
+    limits = Counter((manifest[n], dtype) for peer in joined for n in spec.trainable(peer))
+    if dtype != torch.float32:
+        averaged = {n for peer in joined for n in spec.trainable(peer) if spec.owner(n) is None}
+        limits.update((manifest[n], torch.float32) for n in averaged)
+    return limits
 
 
 class RoundMemory:

@@ -1,8 +1,8 @@
 """The parameter server's round service, free of any transport: what both planes call.
 
 A `Coordinator` holds the run (its spec, joined peers, sessions, the `RoundState`), admits each stream, takes
-uploads through the round rules and the run's codec, builds every round with `spes.sync.aggregate.build_round` on
-its own thread, persists it (`spes.sync.state`) and hands each download what the codec serves. The gRPC handlers
+uploads through the round rules and the run's codec, has each full round closed (`spes.sync.closing`: built,
+persisted and published on a thread of its own) and hands each download what the codec serves. The gRPC handlers
 (`spes.sync.plane_grpc`) and the raw-TCP data plane (`spes.sync.plane_tcp`) only move bytes: an upload is a
 `feed(decoder)` callback, a download an `Outgoing` the plane sends. All shared state is guarded by one condition;
 tensors outlive rounds in `spes.sync.buffers.RoundMemory`.
@@ -14,26 +14,23 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
-import torch
 
 from spes.sync.admission import Sessions, StreamGuard, Ticket
-from spes.sync.aggregate import build_round
 from spes.sync.auth import check_peer_identity
-from spes.sync.buffers import RoundMemory
+from spes.sync.buffers import RoundMemory, round_limits
+from spes.sync.closing import RoundCloser
 from spes.sync.codecs.base import Payload
 from spes.sync.fragments import WHOLE
 from spes.sync.joins import check_join
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import Reason, Refused, Shape, Tensors
+from spes.sync.protocol import Reason, Refused, Tensors
 from spes.sync.rounds import Completed, RoundState
 from spes.sync.settings import ServerConfig
-from spes.sync.state import SavedRound, load_round, save_round
 from spes.sync.wire import BaseMismatch, CorruptChunk, EncodedModel, Item, TensorDecoder, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
@@ -67,7 +64,6 @@ class Coordinator:
         self._bytes_in = self._bytes_out = self._round_bytes_in = self._logged_bytes_out = 0
         self._rounds_completed = 0
         self._shutting_down = False
-        self._aggregator: threading.Thread | None = None
         self.data_port = 0
         """Port of the running data plane, advertised at Join (0: none); set by `start_server`."""
         self.guard = StreamGuard(
@@ -76,38 +72,10 @@ class Coordinator:
             max_per_peer=self.deploy.max_streams_per_peer,
         )
         self.sessions = Sessions(self.deploy.peer_liveness)
-        saved = load_round(self.deploy.state_dir, self.spec) if self.deploy.state_dir else None
-        if saved is not None:
-            self.spec = saved.spec
-            served = self.codec.restore(saved.step, saved.global_model, saved.codec_state)
-            done = Completed(
-                saved.step,
-                frozenset(saved.peers),
-                saved.fragment,
-                saved.alpha,
-                saved.global_model,
-                saved.momentum,
-                served,
-            )
-            self.state.restore(done)
-            self.memory.publish(done)
-            log.info(
-                "resumed from %s: round %d complete (peers %s); waiting for peers to re-join",
-                self.deploy.state_dir,
-                saved.step,
-                list(saved.peers),
-            )
-
-    def _buffer_limits(self) -> Counter[tuple[Shape, torch.dtype]]:
-        """What one round takes from the pool: every joined peer's uploads, and the fp32 sums of shared tensors
-        uploaded narrower than fp32 (lock held)."""
-        spec, dtype = self.spec, wire_torch_dtype(self.codec.raw_dtype)
-        manifest = spec.manifest or {}
-        limits = Counter((manifest[n], dtype) for peer in self.joined for n in spec.trainable(peer))
-        if dtype != torch.float32:
-            averaged = {n for peer in self.joined for n in spec.trainable(peer) if spec.owner(n) is None}
-            limits.update((manifest[n], torch.float32) for n in averaged)
-        return limits
+        self.closer = RoundCloser(
+            self._cond, self.state, self.memory, self.codec, self.deploy.state_dir, self._published
+        )
+        self.spec = self.closer.restore(self.spec)
 
     # -- Join ---------------------------------------------------------------------------------
     def join(
@@ -136,7 +104,7 @@ class Coordinator:
                 )
             note = self.sessions.join(peer, session, address)
             self.joined.add(peer)
-            self.memory.pool.set_limits(self._buffer_limits())
+            self.memory.pool.set_limits(round_limits(self.spec, self.joined, wire_torch_dtype(self.codec.raw_dtype)))
             snap = self.state.snapshot()
         log.info("peer %d joined from %s%s (codec %s)", peer, address, note, self.spec.codec)
         return pb.JoinReply(
@@ -190,7 +158,7 @@ class Coordinator:
                 return self._upload_reply(step, duplicate=True)
             self.memory.checksums.record({n: tensors[n] for n in checksums}, checksums, self.codec.raw_dtype)
             if self.state.stage_upload(peer, step, tensors, relayed, fragment):
-                self._close_round(step)
+                self.closer.close(step, self.spec)
             self._cond.notify_all()
             return self._upload_reply(step, duplicate=False)
 
@@ -246,59 +214,12 @@ class Coordinator:
         uploaded = snap.uploaded_peers if snap.open_round == step else snap.round_peers
         return pb.UploadReply(round=step, duplicate=duplicate, uploaded_peers=uploaded)
 
-    # -- aggregation --------------------------------------------------------------------------
-    def _close_round(self, step: int) -> None:
-        """Hand the open round's uploads to a new aggregation thread (caller holds the lock)."""
-        uploads, relayed = self.state.take_uploads()
-        self._aggregator = threading.Thread(
-            target=self._aggregate,
-            args=(step, uploads, relayed, self.state.fragment),
-            name=f"aggregate-{step}",
-            daemon=True,
-        )
-        self._aggregator.start()
-
-    def _aggregate(self, step: int, uploads: dict[int, Tensors], relayed: dict[str, Payload], fragment: int) -> None:
-        """Build, persist and publish round `step` over `fragment`, then wake the waiting downloads."""
-        start = time.perf_counter()
-        with self._cond:  # NOTE: only this thread replaces the completed round, in `_publish` below.
-            previous, spec = self.state.completed, self.spec
-        received = [t for upload in uploads.values() for t in upload.values()]
-        try:
-            done = build_round(step, uploads, relayed, fragment, previous, spec, self.codec, self.memory.pool.take)
-            del uploads, relayed
-            self.memory.pool.give(received, keep=done.tensors())  # merged or converted
-            del received
-            if self.deploy.state_dir:
-                codec_state = self.codec.persisted(done.served)
-                saved = SavedRound(
-                    step,
-                    tuple(sorted(done.peers)),
-                    fragment,
-                    done.alpha,
-                    done.global_model,
-                    done.momentum,
-                    codec_state,
-                    spec,
-                )
-                save_round(self.deploy.state_dir, saved)
-        except Exception as exc:  # report any aggregation or disk failure to the waiting peers
-            log.exception("round %d: aggregation failed", step)
-            with self._cond:
-                self.state.fail(step, f"aggregation of round {step} failed: {exc}")
-                self._cond.notify_all()
-            return
-        self._publish(done, time.perf_counter() - start)
-
-    def _publish(self, done: Completed, seconds: float) -> None:
-        """Make `done` the latest round, wake the downloads, and log what it did."""
+    def _published(self, done: Completed, seconds: float) -> None:
+        """Round `done` is the latest (`spes.sync.closing`): count it and log what it did and moved."""
         with self._cond:
-            self.state.complete(done)
-            self.memory.publish(done)
             self._rounds_completed += 1
             bytes_in, bytes_out = self._round_bytes_in, self._bytes_out - self._logged_bytes_out
             self._round_bytes_in, self._logged_bytes_out = 0, self._bytes_out
-            self._cond.notify_all()
         missing = sorted(set(range(self.spec.num_peers)) - done.peers)
         log.info(
             "round %d%s complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
@@ -400,7 +321,7 @@ class Coordinator:
                     step,
                     sorted(state.uploaded),
                 )
-                self._close_round(step)
+                self.closer.close(step, self.spec)
                 continue
             self._cond.wait(min(state.seconds_left(), give_up - time.monotonic(), WAIT_POLL_S))
 
@@ -470,9 +391,7 @@ class Coordinator:
         with self._cond:
             self._shutting_down = True
             self._cond.notify_all()
-            aggregator = self._aggregator
-        if aggregator is not None:
-            aggregator.join(timeout=grace_s)
+        self.closer.join(grace_s)
         self.guard.stop()
 
 

@@ -1,0 +1,115 @@
+"""Closing a round: its aggregation on a thread of its own, its persistence, and its publication.
+
+The coordinator hands `RoundCloser.close` the open round once every peer is in (or a quorum round timed out). A
+thread then builds the round (`spes.sync.aggregate.build_round`), persists it under `--state_dir`
+(`spes.sync.state`, before any peer may download it), and publishes it: the completed round in `RoundState`, its
+tensors in `RoundMemory`, the waiting downloads woken. A failure (an aggregate that is not finite, a full disk)
+is reported to the waiting peers instead and the previous round stays the latest. `restore` is the other way a
+round becomes the latest: a restarted server's persisted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from spes.sync.aggregate import build_round
+from spes.sync.buffers import RoundMemory
+from spes.sync.codecs.base import Payload
+from spes.sync.codecs.interface import ServerCodec
+from spes.sync.protocol import Tensors
+from spes.sync.rounds import Completed, RoundState
+from spes.sync.spec import RunSpec
+from spes.sync.state import SavedRound, load_round, save_round
+
+log = logging.getLogger("spes.server")
+
+
+class RoundCloser:
+    """Builds, persists and publishes rounds for the coordinator, whose condition guards `state` and `memory`."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        state: RoundState,
+        memory: RoundMemory,
+        codec: ServerCodec,
+        state_dir: str | None,
+        published: Callable[[Completed, float], None],
+    ) -> None:
+        self._cond, self._state, self._memory, self._codec = cond, state, memory, codec
+        self._state_dir, self._published = state_dir, published
+        self._thread: threading.Thread | None = None
+
+    def restore(self, spec: RunSpec) -> RunSpec:
+        """Publish the round persisted under `--state_dir`, if any; returns the spec completed from it."""
+        saved = load_round(self._state_dir, spec) if self._state_dir else None
+        if saved is None:
+            return spec
+        served = self._codec.restore(saved.step, saved.global_model, saved.codec_state)
+        done = Completed(
+            saved.step, frozenset(saved.peers), saved.fragment, saved.alpha, saved.global_model, saved.momentum, served
+        )
+        self._state.restore(done)
+        self._memory.publish(done)
+        log.info(
+            "resumed from %s: round %d complete (peers %s); waiting for peers to re-join",
+            self._state_dir,
+            saved.step,
+            list(saved.peers),
+        )
+        return saved.spec
+
+    def close(self, step: int, spec: RunSpec) -> None:
+        """Hand the open round's uploads to a new aggregation thread (the caller holds the lock)."""
+        uploads, relayed = self._state.take_uploads()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(step, uploads, relayed, self._state.fragment, spec),
+            name=f"aggregate-{step}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        """Let a running aggregation finish (shutdown)."""
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+    def _run(
+        self, step: int, uploads: dict[int, Tensors], relayed: dict[str, Payload], fragment: int, spec: RunSpec
+    ) -> None:
+        start = time.perf_counter()
+        with self._cond:  # NOTE: only this thread replaces the completed round, in `_publish` below.
+            previous = self._state.completed
+        received = [t for upload in uploads.values() for t in upload.values()]
+        try:
+            done = build_round(step, uploads, relayed, fragment, previous, spec, self._codec, self._memory.pool.take)
+            del uploads, relayed
+            self._memory.pool.give(received, keep=done.tensors())  # merged or converted
+            del received
+            if self._state_dir:
+                saved = SavedRound(
+                    step,
+                    tuple(sorted(done.peers)),
+                    fragment,
+                    done.alpha,
+                    done.global_model,
+                    done.momentum,
+                    self._codec.persisted(done.served),
+                    spec,
+                )
+                save_round(self._state_dir, saved)
+        except Exception as exc:  # report any aggregation or disk failure to the waiting peers
+            log.exception("round %d: aggregation failed", step)
+            with self._cond:
+                self._state.fail(step, f"aggregation of round {step} failed: {exc}")
+                self._cond.notify_all()
+            return
+        with self._cond:
+            self._state.complete(done)
+            self._memory.publish(done)
+            self._cond.notify_all()
+        self._published(done, time.perf_counter() - start)
