@@ -17,9 +17,10 @@ import torch
 
 from spes.config import ServerSection
 from spes.sync import plane_tcp
-from spes.sync.client import SyncClient, SyncError, backoff_s
+from spes.sync.client import SyncClient, SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
 from spes.sync.proto import spes_pb2 as pb
+from spes.sync.retry import backoff_s
 from spes.sync.server import start_server
 from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.spec import RunSpec
