@@ -39,7 +39,7 @@ CODECS = {"int8": {}, "sparse": {"chunk": 64, "topk": 8, "bits": 2}}
 
 def spec_of(codec: str, server: ServerSection = MERGE) -> RunSpec:
     """Expert blocks of 2 x 16 x 32 = 1024 values: 4 int8 blocks of 256, 16 sparse chunks of 64."""
-    return tiny_spec(codec=codec, codec_settings=CODECS[codec], server=server, d=16, f=32)
+    return tiny_spec(codec=codec, codec_settings=CODECS[codec], server=server, d=16, f=32, sync_steps=10)
 
 
 def held_of(server: ParameterServer) -> dict[str, torch.Tensor]:
@@ -315,10 +315,12 @@ def test_malformed_payloads_are_refused_naming_the_tensor() -> None:
 def test_a_node_whose_codec_differs_from_the_servers_is_refused_at_join(
     server_codec: str, node_codec: str, field: str
 ) -> None:
-    node = spec_of(node_codec) if node_codec in CODECS else tiny_spec(codec=node_codec, d=16, f=32, server=MERGE)
-    server_spec = spec_of(server_codec) if server_codec in CODECS else tiny_spec(codec=server_codec, d=16, f=32)
+    node = spec_of(node_codec) if node_codec in CODECS else tiny_spec(codec=node_codec, d=16, f=32, sync_steps=10)
+    server_spec = (
+        spec_of(server_codec) if server_codec in CODECS else tiny_spec(codec=server_codec, d=16, f=32, sync_steps=10)
+    )
     if field == "codec_settings":
-        node = tiny_spec(codec="sparse", codec_settings={"chunk": 64, "topk": 4}, d=16, f=32)
+        node = tiny_spec(codec="sparse", codec_settings={"chunk": 64, "topk": 4}, d=16, f=32, sync_steps=10)
     with running_server(server_spec) as (_, addr):
         with pytest.raises(SyncError) as err:
             with joined_clients(addr, node, max_retries=0):

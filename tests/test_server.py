@@ -38,6 +38,8 @@ from test_coordinator import join_request as spec_join
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = tiny_spec()
+SPEC10 = tiny_spec(sync_steps=10)
+"""A round every 10 steps, for the tests that name rounds 10, 20, ..."""
 MANIFEST = SPEC.manifest or {}
 StatusCode = grpc.StatusCode
 
@@ -129,8 +131,8 @@ def test_bad_joins_are_refused_and_change_nothing() -> None:
         expect_code(StatusCode.FAILED_PRECONDITION, r"block_owners = \[1, 1\] but the run has", stub.Join, greedy)
         assert stub.Status(pb.StatusRequest(), timeout=10).peers_joined == [0]
         assert stub.Join(join_request(1), timeout=10).current_round == -1
-        finish_round(addr, 10)
-        assert server.service.state.completed_round == 10
+        finish_round(addr, 1)
+        assert server.service.state.completed_round == 1
 
 
 @pytest.mark.timeout(60)
@@ -213,9 +215,9 @@ def test_bad_uploads_are_refused_and_the_round_still_completes(tmp_path: Path) -
 
 @pytest.mark.timeout(60)
 def test_old_future_and_repeated_rounds() -> None:
-    with running_server() as (server, addr), stub_for(addr) as stub:
+    with running_server(SPEC10) as (server, addr), stub_for(addr) as stub:
         for peer in range(2):
-            stub.Join(join_request(peer), timeout=10)
+            stub.Join(join_request(peer, spec=SPEC10), timeout=10)
         finish_round(addr, 10)
         expect_code(
             StatusCode.FAILED_PRECONDITION,
@@ -480,13 +482,13 @@ def test_oversized_uploads_are_refused_before_they_are_read() -> None:
 @pytest.mark.timeout(60)
 def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
     state_dir = str(tmp_path / "state")
-    with running_server(SPEC, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
+    with running_server(SPEC10, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
         for peer in range(2):
-            stub.Join(join_request(peer), timeout=10)
+            stub.Join(join_request(peer, spec=SPEC10), timeout=10)
         finish_round(addr, 10)
         first = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
         stub.Upload(upload_messages(0, 20, good_chunks(0)), timeout=10)  # round 20 open: not persisted
-    with running_server(SPEC, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
+    with running_server(SPEC10, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
         status = stub.Status(pb.StatusRequest(), timeout=10)
         assert (status.current_round, status.open_round, list(status.round_peers), status.persistent) == (
             10,
@@ -506,10 +508,10 @@ def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
             StatusCode.INVALID_ARGUMENT,
             r"'embed.weight' has shape \[17, 8\], the run's is \[16, 8\]",
             stub.Join,
-            join_request(0, manifest=bad),
+            join_request(0, spec=SPEC10, manifest=bad),
         )  # the persisted manifest is the run's
         for peer in range(2):
-            assert stub.Join(join_request(peer), timeout=10).current_round == 10
+            assert stub.Join(join_request(peer, spec=SPEC10), timeout=10).current_round == 10
         assert stub.Upload(upload_messages(1, 10, good_chunks(1)), timeout=10).duplicate
         again = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
         assert again == first  # byte for byte the same global model
@@ -522,7 +524,7 @@ def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
         assert reason == "unknown_round"
         finish_round(addr, 20)
     with pytest.raises(ValueError, match="written by a run with mode='spes'"):
-        with running_server(tiny_spec(mode="diloco"), state_dir=state_dir):
+        with running_server(tiny_spec(mode="diloco", sync_steps=10), state_dir=state_dir):
             pass
 
 
@@ -643,7 +645,7 @@ def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatc
     hashed: list[torch.Tensor] = []
     encode_whole = wire.encode_whole
     monkeypatch.setattr(wire, "encode_whole", lambda t, dtype: hashed.append(t) or encode_whole(t, dtype))
-    spec = tiny_spec(server=ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_topk=2))
+    spec = tiny_spec(server=ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_topk=2), sync_steps=50)
     manifest = spec.manifest or {}
     experts = {n for n in manifest if parse_expert_block(n) is not None}
     with (

@@ -58,7 +58,7 @@ class Coordinator:
         self.spec, self.deploy = cfg.spec, cfg.deploy
         self.codec = cfg.spec.codec_impl.server()
         self._cond = threading.Condition()
-        self.state = RoundState(self.spec.num_peers, self.spec.server)
+        self.state = RoundState(self.spec.num_peers, self.spec.server, lambda after: self.spec.next_round(after))
         self.memory = RoundMemory()
         self.joined: set[int] = set()
         self._bytes_in = self._bytes_out = self._round_bytes_in = self._logged_bytes_out = 0

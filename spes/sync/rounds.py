@@ -3,8 +3,9 @@
 The server calls `RoundState` under its lock (and `spes.sync.aggregate.build_round`, the round's math, on its
 aggregation thread); nothing here touches sockets or files, so every rule is tested directly (tests/test_rounds.py).
 
-A round is keyed by the global step at which the peers synchronize. It opens with its first verified upload
-and closes when every peer is in, or, under `server.dead_peer_policy: quorum`, once `server.round_timeout_s`
+A round is keyed by the global step at which the peers synchronize. It opens with its first verified upload, and
+only the round the run's schedule expects next may open (`spes.sync.spec.RunSpec.next_round`: an upload for any
+other round, a far-future one say, is refused naming the expected one). It closes when every peer is in, or, under `server.dead_peer_policy: quorum`, once `server.round_timeout_s`
 seconds have passed since it opened and enough peers are in:
 
 - shared tensors are averaged over the peers that arrived (in peer order, so the result is reproducible);
@@ -19,7 +20,7 @@ Under `wait` (the reference behaviour) a round closes only with every peer.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -81,8 +82,9 @@ class RoundState:
     and the committed uploads of the open round, handed to the aggregator (and dropped from here) when it closes.
     """
 
-    def __init__(self, num_peers: int, server: ServerSection) -> None:
-        self.num_peers, self.server = num_peers, server
+    def __init__(self, num_peers: int, server: ServerSection, next_round: Callable[[int | None], int | None]) -> None:
+        self.num_peers, self.server, self.next_round = num_peers, server, next_round
+        """`next_round(after)`: the round the schedule expects after round `after` (None: before any)."""
         self.open_round: int | None = None
         self.opened_at = 0.0
         self.uploaded: set[int] = set()
@@ -116,6 +118,16 @@ class RoundState:
                 f"round {step} is old: round {done.round} has already completed"
                 + ("" if step < done.round else f" without peer {peer}"),
                 Reason.STALE_ROUND,
+            )
+        expected = self.next_round(None if done is None else done.round)
+        if step != expected:
+            after = "before any round" if done is None else f"after round {done.round}"
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer} uploads round {step}, but the run's next round is "
+                + (f"{expected} ({after})" if expected is not None else f"none: it ended {after}")
+                + ": do all nodes use the run's spes_config.sync_steps and max_duration?",
+                Reason.FUTURE_ROUND,
             )
         return False
 

@@ -258,6 +258,7 @@ def legacy_spec(overrides: list[str] | tuple[str, ...]) -> RunSpec:
         experts_per_block=s.num_train_experts_per_node if mode == "spes" else None,
         block_owners=None,
         sync_steps=s.sync_steps if given else None,
+        last_step=None,
         overlap_fragments=s.overlap_fragments,
         codec=s.codec,
         codec_settings=tuple(sorted(s.codec_settings.items())),

@@ -151,6 +151,7 @@ def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest, or
         experts_per_block=int(fields["experts_per_block"]),
         block_owners=tuple(int(p) for p in fields["block_owners"]),
         sync_steps=int(fields["sync_steps"]),
+        last_step=None if fields["last_step"] is None else int(fields["last_step"]),
         overlap_fragments=int(fields["overlap_fragments"]),
         codec=str(fields["codec"]),
         codec_settings=tuple((str(k), int(v)) for k, v in fields["codec_settings"]),

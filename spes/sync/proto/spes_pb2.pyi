@@ -29,7 +29,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("mode", "num_peers", "experts_per_block", "block_owners", "sync_steps", "overlap_fragments", "codec", "codec_settings")
+    __slots__ = ("mode", "num_peers", "experts_per_block", "block_owners", "sync_steps", "overlap_fragments", "codec", "codec_settings", "last_step")
     class CodecSettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class RunSpec(_message.Message):
     OVERLAP_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CODEC_SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     mode: str
     num_peers: int
     experts_per_block: int
@@ -53,7 +54,8 @@ class RunSpec(_message.Message):
     overlap_fragments: int
     codec: str
     codec_settings: _containers.ScalarMap[str, int]
-    def __init__(self, mode: _Optional[str] = ..., num_peers: _Optional[int] = ..., experts_per_block: _Optional[int] = ..., block_owners: _Optional[_Iterable[int]] = ..., sync_steps: _Optional[int] = ..., overlap_fragments: _Optional[int] = ..., codec: _Optional[str] = ..., codec_settings: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    last_step: int
+    def __init__(self, mode: _Optional[str] = ..., num_peers: _Optional[int] = ..., experts_per_block: _Optional[int] = ..., block_owners: _Optional[_Iterable[int]] = ..., sync_steps: _Optional[int] = ..., overlap_fragments: _Optional[int] = ..., codec: _Optional[str] = ..., codec_settings: _Optional[_Mapping[str, int]] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("peer_id", "manifest", "protocol", "dry_run", "spec")
