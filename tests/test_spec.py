@@ -56,7 +56,7 @@ def test_the_paper_layout_gives_block_b_to_peer_b() -> None:
 
 
 def test_a_spec_travels_as_its_message_and_back() -> None:
-    spec = tiny_spec(codec="sparse", codec_settings={"topk": 32}, overlap_fragments=2)
+    spec = tiny_spec(codec="sparse", codec_settings={"topk": 32}, overlap_fragments=2, sync_steps=4)
     back = RunSpec.from_proto(spec.to_proto(), spec.manifest or {}, origin="peer 0's config")
     assert back == spec and back.codec_settings == (("bits", 2), ("chunk", 4096), ("topk", 32))
 

@@ -5,8 +5,9 @@ aggregation thread); nothing here touches sockets or files, so every rule is tes
 
 A round is keyed by the global step at which the peers synchronize. It opens with its first verified upload, and
 only the round the run's schedule expects next may open (`spes.sync.spec.RunSpec.next_round`: an upload for any
-other round, a far-future one say, is refused naming the expected one). It closes when every peer is in, or, under `server.dead_peer_policy: quorum`, once `server.round_timeout_s`
-seconds have passed since it opened and enough peers are in:
+other round, a far-future one say, is refused naming the expected one). It closes when every peer is in, or,
+under `server.dead_peer_policy: quorum`, once `server.round_timeout_s` seconds have passed since it opened and
+enough peers are in:
 
 - shared tensors are averaged over the peers that arrived (in peer order, so the result is reproducible);
 - an expert block whose owner did not arrive keeps its value in the previous global model;
