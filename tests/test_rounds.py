@@ -136,3 +136,21 @@ def test_check_download_ready_wait_or_refused() -> None:
     with pytest.raises(Refused, match="round 5 is no longer available: the latest completed round is 10") as err:
         state.check_download(0, 5, full=False)
     assert err.value.reason == "stale_round"
+
+
+def test_a_re_upload_that_differs_from_the_committed_one_is_refused_naming_the_peer() -> None:
+    """The same upload again is a retry (a no-op); other values for a committed (peer, round) are refused, never
+    silently dropped, whether its round is still open or complete."""
+    state = RoundState(2, ServerSection(), every(1))
+    assert not state.admit(0, 1, digest=7)
+    state.stage_upload(0, 1, {}, digest=7)
+    assert state.admit(0, 1, digest=7)
+    with pytest.raises(Refused, match="peer 0 uploads round 1 again with other values") as err:
+        state.admit(0, 1, digest=8)
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    state.stage_upload(1, 1, {}, digest=9)
+    state.take_uploads()
+    state.complete(completed(1, {0, 1}))
+    assert state.admit(1, 1, digest=9)
+    with pytest.raises(Refused, match="peer 1 uploads round 1 again with other values"):
+        state.admit(1, 1, digest=10)

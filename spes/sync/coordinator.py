@@ -122,12 +122,13 @@ class Coordinator:
 
     # -- Upload -------------------------------------------------------------------------------
     def upload(
-        self, peer: int, step: int, feed: Callable[[TensorDecoder], None], fragment: int = WHOLE
+        self, peer: int, step: int, feed: Callable[[TensorDecoder], None], fragment: int = WHOLE, digest: int = 0
     ) -> pb.UploadReply:
         """One upload of `fragment` of the model through the round rules, whatever carries it (gRPC stream or
         raw-TCP data plane).
 
         `feed(decoder)` is called only once the upload is admitted and must pass it every tensor; raises `Refused`.
+        `digest` (`spes.sync.wire.upload_digest`) tells a retry of a committed upload from a different one.
         An empty reply (round 0, not a duplicate) means the peer went away mid-upload and nothing was kept.
         """
         with self._cond:
@@ -138,7 +139,7 @@ class Coordinator:
                 raise Refused(
                     grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}"
                 ) from None
-            if self.state.admit(peer, step, fragment):
+            if self.state.admit(peer, step, fragment, digest):
                 return self._upload_reply(step, duplicate=True)
             base = self.state.completed
             if base is not None:
@@ -153,11 +154,11 @@ class Coordinator:
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
         tensors, checksums, relayed = received
         with self._cond:
-            if self.state.admit(peer, step, fragment):  # a concurrent retry of this upload won the race
+            if self.state.admit(peer, step, fragment, digest):  # a concurrent retry of this upload won the race
                 self.memory.pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)
             self.memory.checksums.record({n: tensors[n] for n in checksums}, checksums, self.codec.raw_dtype)
-            if self.state.stage_upload(peer, step, tensors, relayed, fragment):
+            if self.state.stage_upload(peer, step, tensors, relayed, fragment, digest):
                 self.closer.close(step, self.spec)
             self._cond.notify_all()
             return self._upload_reply(step, duplicate=False)

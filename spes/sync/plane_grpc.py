@@ -30,7 +30,7 @@ from spes.sync.protocol import (
     Tensors,
     classify,
 )
-from spes.sync.wire import Item, TensorDecoder, encode_tensors
+from spes.sync.wire import Item, TensorDecoder, encode_tensors, upload_digest
 
 if TYPE_CHECKING:
     from spes.sync.coordinator import Coordinator
@@ -67,7 +67,8 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 if first is None or not first.HasField("meta"):
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
                 self._open(ticket, first.meta.peer_id, context)
-                return self.service.upload(first.meta.peer_id, first.meta.round, feed, first.meta.fragment)
+                meta = first.meta
+                return self.service.upload(meta.peer_id, meta.round, feed, meta.fragment, meta.digest)
         except Refused as exc:
             _abort(context, exc)
         except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
@@ -178,11 +179,12 @@ class GrpcPlane:
         self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
 
     def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE) -> tuple[int, bool]:
-        sent = 0
+        sent, digest = 0, upload_digest(tensors, self.wire_dtype)
 
         def messages() -> Iterator[pb.UploadMessage]:
             nonlocal sent
-            yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=self.peer_id, round=step, fragment=fragment))
+            meta = pb.UploadMeta(peer_id=self.peer_id, round=step, fragment=fragment, digest=digest)
+            yield pb.UploadMessage(meta=meta)
             for chunk in encode_tensors(tensors, self.wire_dtype):
                 sent += len(chunk.data)
                 yield pb.UploadMessage(chunk=chunk)

@@ -61,6 +61,7 @@ from spes.sync.wire import (
     TensorDecoder,
     header_for,
     read_file,
+    upload_digest,
     write_raw,
 )
 
@@ -462,14 +463,14 @@ class DataHandler:
             with self.service.guard.admit(None, total=False) as ticket:  # NOTE: the listener bounds the total
                 self.service.open_stream(ticket, peer, hello.session, lambda: tls_common_name(sock))
                 if hello.op == pb.DATA_OP_UPLOAD:
-                    self._upload(sock, peer, step, hello.fragment)
+                    self._upload(sock, peer, step, hello.fragment, hello.digest)
                 else:
                     self._download(sock, peer, step, hello)
         except Refused as exc:
             log.warning("refused (%s): %s", exc.code.name, exc)
             close_after_error(sock, refusal_reply(exc))
 
-    def _upload(self, sock: socket.socket, peer: int, step: int, fragment: int) -> None:
+    def _upload(self, sock: socket.socket, peer: int, step: int, fragment: int, digest: int) -> None:
         received = False
 
         def feed(decoder: TensorDecoder) -> None:
@@ -478,7 +479,7 @@ class DataHandler:
             recv_tensors(sock, decoder, len(decoder.expected), SERVER_MAX_FRAME_BYTES)
             received = True
 
-        reply = self.service.upload(peer, step, feed, fragment)
+        reply = self.service.upload(peer, step, feed, fragment, digest)
         if not received and not reply.duplicate:
             return  # the peer went away mid-upload: nothing was kept, nobody to answer
         send_frame(sock, pb.DataReply(uploaded=reply))
@@ -523,7 +524,8 @@ class TcpPlane:
             self._reply(sock, "data-plane ping", "ok")
 
     def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE) -> tuple[int, bool]:
-        sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout, fragment=fragment)
+        digest = upload_digest(tensors, self.wire_dtype)
+        sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout, fragment=fragment, digest=digest)
         what, sent = f"upload of round {step}", 0
         try:
             with sock:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -52,6 +52,8 @@ class Completed:
     global_model: Tensors
     momentum: Tensors
     served: Served
+    digests: Mapping[int, int] = field(default_factory=dict)
+    """Per peer, the digest of the upload the round took (a re-upload must match it)."""
 
     @property
     def merged(self) -> bool:
@@ -90,6 +92,8 @@ class RoundState:
         self.opened_at = 0.0
         self.uploaded: set[int] = set()
         self.staged: dict[int, Tensors] = {}
+        self.digests: dict[int, int] = {}
+        """Per peer, the digest of its committed upload of the open round."""
         self.relayed: dict[str, Payload] = {}
         """The uploaded payloads of the blocks the open round takes verbatim (relayed on download, by the codec)."""
         self.aggregating = False
@@ -105,14 +109,15 @@ class RoundState:
     def missing_peers(self) -> list[int]:
         return [p for p in range(self.num_peers) if p not in self.uploaded]
 
-    def admit(self, peer: int, step: int, fragment: int = WHOLE) -> bool:
-        """May `peer` upload `fragment` of round `step`? True: already committed (idempotent no-op); raises Refused
-        if not."""
+    def admit(self, peer: int, step: int, fragment: int = WHOLE, digest: int = 0) -> bool:
+        """May `peer` upload `fragment` of round `step`, whose content has `digest`? True: already committed, the
+        same (an idempotent no-op); raises Refused if not, ALREADY_EXISTS for a committed upload that differs."""
         done = self.completed
         if done is not None and step == done.round and peer in done.peers:
-            return True
+            return _same(peer, step, digest, done.digests.get(peer, digest))
         if self.open_round is not None:
-            return self._admit_open(peer, step, fragment)
+            committed = self._admit_open(peer, step, fragment)
+            return committed and _same(peer, step, digest, self.digests.get(peer, digest))
         if done is not None and step <= done.round:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -174,6 +179,7 @@ class RoundState:
         tensors: Tensors,
         relayed: Mapping[str, Payload] | None = None,
         fragment: int = WHOLE,
+        digest: int = 0,
     ) -> bool:
         """Commit a complete, verified upload of `fragment` (and the payloads of its verbatim blocks the codec may
         relay); opens the round if needed. True when every peer is in."""
@@ -183,6 +189,7 @@ class RoundState:
         self.failure = None
         self.uploaded.add(peer)
         self.staged[peer] = tensors
+        self.digests[peer] = digest
         self.relayed.update(relayed or {})
         return len(self.uploaded) == self.num_peers
 
@@ -261,18 +268,19 @@ class RoundState:
     def complete(self, done: Completed) -> None:
         """Publish round `done.round`, built from the uploads of `self.uploaded`."""
         assert done.round == self.open_round and self.aggregating and done.peers == frozenset(self.uploaded)
-        self.restore(done)
+        self.restore(replace(done, digests=dict(self.digests)))
 
     def restore(self, done: Completed) -> None:
         """Make `done` the latest completed round (also how a restarted server resumes); no round is open."""
         self.completed = done
         self.open_round, self.uploaded, self.staged, self.aggregating = None, set(), {}, False
-        self.relayed, self.failure = {}, None
+        self.relayed, self.failure, self.digests = {}, None, {}
 
     def fail(self, step: int, message: str) -> None:
         """Aggregation failed: drop the uploads so the peers can upload round `step` again."""
         self.failure = (step, message)
         self.uploaded, self.staged, self.relayed, self.aggregating = set(), {}, {}, False
+        self.digests = {}
 
     def snapshot(self) -> RoundSnapshot:
         done = self.completed
@@ -286,3 +294,15 @@ class RoundState:
             alpha=done.alpha if done else 0.0,
             open_age_s=time.monotonic() - self.opened_at if self.open_round is not None else 0.0,
         )
+
+
+def _same(peer: int, step: int, digest: int, committed: int) -> bool:
+    """True when a re-upload holds what the committed one did; Refused ALREADY_EXISTS naming both otherwise."""
+    if digest != committed:
+        raise Refused(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"peer {peer} uploads round {step} again with other values (digest {digest:#018x}, committed "
+            f"{committed:#018x}): a round takes one upload per peer. Two processes acting as peer {peer}?",
+        )
+    return True
+

@@ -86,14 +86,16 @@ class JoinReply(_message.Message):
     def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ..., manifest_checked: _Optional[bool] = ..., dry_run: _Optional[bool] = ...) -> None: ...
 
 class UploadMeta(_message.Message):
-    __slots__ = ("peer_id", "round", "fragment")
+    __slots__ = ("peer_id", "round", "fragment", "digest")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
     round: int
     fragment: int
-    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    digest: int
+    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "num_bytes", "checksum", "base_round", "codec", "params")
@@ -233,7 +235,7 @@ class StatusReply(_message.Message):
     def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("op", "peer_id", "step", "full", "token", "timeout_s", "session", "up_bytes", "down_bytes", "base_round", "fragment")
+    __slots__ = ("op", "peer_id", "step", "full", "token", "timeout_s", "session", "up_bytes", "down_bytes", "base_round", "fragment", "digest")
     OP_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class DataHello(_message.Message):
     DOWN_BYTES_FIELD_NUMBER: _ClassVar[int]
     BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     op: DataOp
     peer_id: int
     step: int
@@ -256,7 +259,8 @@ class DataHello(_message.Message):
     down_bytes: int
     base_round: int
     fragment: int
-    def __init__(self, op: _Optional[_Union[DataOp, str]] = ..., peer_id: _Optional[int] = ..., step: _Optional[int] = ..., full: _Optional[bool] = ..., token: _Optional[str] = ..., timeout_s: _Optional[float] = ..., session: _Optional[str] = ..., up_bytes: _Optional[int] = ..., down_bytes: _Optional[int] = ..., base_round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    digest: int
+    def __init__(self, op: _Optional[_Union[DataOp, str]] = ..., peer_id: _Optional[int] = ..., step: _Optional[int] = ..., full: _Optional[bool] = ..., token: _Optional[str] = ..., timeout_s: _Optional[float] = ..., session: _Optional[str] = ..., up_bytes: _Optional[int] = ..., down_bytes: _Optional[int] = ..., base_round: _Optional[int] = ..., fragment: _Optional[int] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class DataError(_message.Message):
     __slots__ = ("code", "reason", "message")
