@@ -50,6 +50,9 @@ from spes.sync.wire import TensorDecoder, grpc_options, read_file
 log = logging.getLogger("spes.client")
 
 PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
+TCP_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Data-plane failures after which a round goes over gRPC instead (a busy, unreachable or stalled data plane; a
+server restarted on another data port is found again at the re-join its gRPC refusal asks for)."""
 T = TypeVar("T")
 MAX_MESSAGE_MB = 64
 """The client's gRPC message limit: chunks are 1 MiB, the control messages a few KiB."""
@@ -383,7 +386,8 @@ class SyncClient:
         )
 
     def _recover(self, failure: SyncError) -> bool:
-        """React to what the server said: join again after a restart, upload again when it lost the round."""
+        """React to what the server said: join again after a restart, upload again when it lost the round, full
+        values for another base, gRPC when the data plane is busy or gone (one warning each time)."""
         if failure.reason == Reason.NOT_JOINED:
             log.warning("the server does not know peer %d (restarted?): joining again", self.peer_id)
             self._join(self._request(dry_run=False))
@@ -395,6 +399,13 @@ class SyncClient:
             log.warning(
                 "the server holds another model than peer %d's (%s): sending full values", self.peer_id, failure
             )
+            return True
+        if self.plane is not self._grpc and (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
+            log.warning(
+                "the server's data plane failed (%s): payloads go over gRPC until the next join finds it again",
+                failure,
+            )
+            self.plane = self._grpc
             return True
         return False
 

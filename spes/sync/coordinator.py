@@ -61,6 +61,8 @@ class Coordinator:
         self.state = RoundState(self.spec.num_peers, self.spec.server, lambda after: self.spec.next_round(after))
         self.memory = RoundMemory()
         self.joined: set[int] = set()
+        self._uploading: dict[int, Ticket] = {}
+        """Per peer, the stream of its upload being received (a newer one supersedes it)."""
         self._bytes_in = self._bytes_out = self._round_bytes_in = self._logged_bytes_out = 0
         self._rounds_completed = 0
         self._shutting_down = False
@@ -70,6 +72,7 @@ class Coordinator:
             idle_timeout_s=self.deploy.stream_idle_timeout,
             max_streams=self.deploy.max_streams,
             max_per_peer=self.deploy.max_streams_per_peer,
+            min_rate=self.deploy.min_stream_rate * 1024,
         )
         self.sessions = Sessions(self.deploy.peer_liveness)
         self.closer = RoundCloser(
@@ -122,13 +125,20 @@ class Coordinator:
 
     # -- Upload -------------------------------------------------------------------------------
     def upload(
-        self, peer: int, step: int, feed: Callable[[TensorDecoder], None], fragment: int = WHOLE, digest: int = 0
+        self,
+        peer: int,
+        step: int,
+        feed: Callable[[TensorDecoder], None],
+        fragment: int = WHOLE,
+        digest: int = 0,
+        ticket: Ticket | None = None,
     ) -> pb.UploadReply:
         """One upload of `fragment` of the model through the round rules, whatever carries it (gRPC stream or
         raw-TCP data plane).
 
         `feed(decoder)` is called only once the upload is admitted and must pass it every tensor; raises `Refused`.
-        `digest` (`spes.sync.wire.upload_digest`) tells a retry of a committed upload from a different one.
+        `digest` (`spes.sync.wire.upload_digest`) tells a retry of a committed upload from a different one. A new
+        upload of a peer supersedes its own stalled one (`ticket`: this one's stream, the older's is ended).
         An empty reply (round 0, not a duplicate) means the peer went away mid-upload and nothing was kept.
         """
         with self._cond:
@@ -141,15 +151,22 @@ class Coordinator:
                 ) from None
             if self.state.admit(peer, step, fragment, digest):
                 return self._upload_reply(step, duplicate=True)
+            older = self._uploading.pop(peer, None)
+            if older is not None and ticket is not None:
+                older.expire(f"superseded by a newer upload of peer {peer}")
+            if ticket is not None:
+                self._uploading[peer] = ticket
             base = self.state.completed
             if base is not None:
                 self.memory.pin(base.round)
         try:
             received = self._receive(feed, peer, step, fragment, base)
         finally:
-            if base is not None:
-                with self._cond:
+            with self._cond:
+                if base is not None:
                     self.memory.unpin(base.round)
+                if ticket is not None and self._uploading.get(peer) is ticket:
+                    del self._uploading[peer]
         if received is None:
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
         tensors, checksums, relayed = received

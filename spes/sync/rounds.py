@@ -305,4 +305,3 @@ def _same(peer: int, step: int, digest: int, committed: int) -> bool:
             f"{committed:#018x}): a round takes one upload per peer. Two processes acting as peer {peer}?",
         )
     return True
-

@@ -141,6 +141,7 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
                 tls=tls,
                 max_connections=deploy.max_streams,
                 io_timeout_s=deploy.stream_idle_timeout,
+                handshake_s=deploy.handshake_timeout,
             ),
             f"{deploy.host}:{deploy.data_port}",
             "--data_port",
