@@ -225,7 +225,7 @@ def test_a_new_peer_and_a_peer_holding_another_model_get_full_values(codec: str)
         results = sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
         model = results[0][0]
         clients[1].close()
-        with make_client(addr, spec, 1) as fresh:
+        with make_client(addr, spec, 1, run_id=server.service.run_id) as fresh:  # a replacement node of this run
             fresh.join()
             peers = [clients[0], fresh]
             results = sync_all(peers, 20, {p: trained(model, spec, p, 20) for p in range(2)})
@@ -341,7 +341,10 @@ def test_a_restarted_server_serves_its_persisted_held_model(tmp_path: Path, code
         results = sync_all(clients, 20, {p: trained(init, spec, p, 20) for p in range(2)})
         held = {n: t.clone() for n, t in held_of(server).items()}
         states = [client.codec.state_dict() for client in clients]
-    with running_server(spec, state_dir=str(tmp_path)) as (server, addr), joined_clients(addr, spec) as clients:
+        run_id = clients[0].run_id
+    with running_server(spec, state_dir=str(tmp_path)) as (server, addr), joined_clients(
+        addr, spec, run_id=run_id
+    ) as clients:  # the nodes resume as from their checkpoints: the run's id and the codec's state
         assert_bit_identical(held_of(server), held)
         done = server.service.state.completed
         assert done is not None and done.served.base is None

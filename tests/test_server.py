@@ -45,10 +45,12 @@ StatusCode = grpc.StatusCode
 
 
 def join_request(
-    peer: int, *, spec: RunSpec = SPEC, manifest: dict[str, tuple[int, ...]] | None = None
+    peer: int, *, spec: RunSpec = SPEC, manifest: dict[str, tuple[int, ...]] | None = None, run_id: str = ""
 ) -> pb.JoinRequest:
-    """Peer `peer`'s Join of `spec`, announcing `manifest` (default: the spec's)."""
+    """Peer `peer`'s Join of `spec` in run `run_id` ("": a fresh node), announcing `manifest` (default: the
+    spec's)."""
     request = spec_join(peer, spec)
+    request.run_id = run_id
     if manifest is not None:
         del request.manifest[:]
         request.manifest.extend(pb.TensorSpec(name=n, shape=s) for n, s in manifest.items())
@@ -483,8 +485,7 @@ def test_oversized_uploads_are_refused_before_they_are_read() -> None:
 def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
     state_dir = str(tmp_path / "state")
     with running_server(SPEC10, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
-        for peer in range(2):
-            stub.Join(join_request(peer, spec=SPEC10), timeout=10)
+        run_id = {stub.Join(join_request(peer, spec=SPEC10), timeout=10).run_id for peer in range(2)}.pop()
         finish_round(addr, 10)
         first = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
         stub.Upload(upload_messages(0, 20, good_chunks(0)), timeout=10)  # round 20 open: not persisted
@@ -510,8 +511,21 @@ def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
             stub.Join,
             join_request(0, spec=SPEC10, manifest=bad),
         )  # the persisted manifest is the run's
+        other_run = expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            f"peer 0 starts a fresh run, but this server holds run {run_id} at round 10: .*--resume=auto",
+            stub.Join,
+            join_request(0, spec=SPEC10),
+        )  # a node of the run resumes with its id (its checkpoint's): a fresh one would mix two runs
+        assert other_run == "other_run"
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            f"peer 0 belongs to run elsewhere .* but this server holds run {run_id} at round 10",
+            stub.Join,
+            join_request(0, spec=SPEC10, run_id="elsewhere"),
+        )
         for peer in range(2):
-            assert stub.Join(join_request(peer, spec=SPEC10), timeout=10).current_round == 10
+            assert stub.Join(join_request(peer, spec=SPEC10, run_id=run_id), timeout=10).current_round == 10
         assert stub.Upload(upload_messages(1, 10, good_chunks(1)), timeout=10).duplicate
         again = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
         assert again == first  # byte for byte the same global model

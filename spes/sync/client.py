@@ -90,6 +90,7 @@ class ServerStatus:
     missing_peers: tuple[int, ...] = ()
     dead_peer_policy: str = "wait"
     persistent: bool = False
+    run_id: str = ""
 
     @classmethod
     def of(cls, reply: pb.StatusReply) -> ServerStatus:
@@ -106,6 +107,7 @@ class ServerStatus:
             missing_peers=tuple(reply.missing_peers),
             dead_peer_policy=reply.dead_peer_policy,
             persistent=reply.persistent,
+            run_id=reply.run_id,
         )
 
 
@@ -135,10 +137,12 @@ class SyncClient:
         *,
         token: str | None = None,
         reuse_buffers: bool = False,
+        run_id: str | None = None,
     ) -> None:
         """A client of peer `peer_id` of the run `spec` (complete: manifest and sync_steps known), connecting as
         `settings` says (server_addr, TLS files, rpc_timeout_s, round_timeout_s, max_retries, data_plane; default:
-        `SpesConfig()`'s); `token` is the run's secret (None: no authentication)."""
+        `SpesConfig()`'s); `token` is the run's secret (None: no authentication); `run_id` the run this node belongs
+        to (its checkpoint's; default: `settings.run_id`, None for a node that starts fresh)."""
         s = SpesConfig() if settings is None else settings
         if not spec.complete:
             raise ValueError("a client needs a complete run spec (its manifest and sync_steps)")
@@ -154,6 +158,8 @@ class SyncClient:
         self.spec, self.peer_id, self.settings = spec, peer_id, s
         self.server_addr, self.data_plane = s.server_addr, s.data_plane
         self.rpc_timeout_s, self.round_timeout_s, self.max_retries = s.rpc_timeout_s, s.round_timeout_s, s.max_retries
+        self.run_id = run_id or s.run_id or ""
+        """The run this node belongs to: the server's, once joined ("" for a fresh node before its first join)."""
         self.codec = spec.codec_impl.peer()
         """This peer's end of the run's codec (its state: a held model, error feedback)."""
         self._session = secrets.token_hex(8)  # this process, told apart from another claiming the same peer id
@@ -321,6 +327,7 @@ class SyncClient:
             protocol=PROTOCOL_VERSION,
             dry_run=dry_run,
             spec=self.spec.to_proto(),
+            run_id=self.run_id,
         )
 
     def _join(self, request: pb.JoinRequest) -> int:
@@ -329,6 +336,7 @@ class SyncClient:
             lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
             per_attempt_s=self.rpc_timeout_s,
         )
+        self.run_id = reply.run_id or self.run_id
         if self._presence is None:
             self._presence = Presence(self._channel, self._metadata, self.peer_id)
             self._presence.start(self.rpc_timeout_s)

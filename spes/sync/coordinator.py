@@ -31,6 +31,7 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason, Refused, Tensors
 from spes.sync.rounds import Completed, RoundState
 from spes.sync.settings import ServerConfig
+from spes.sync.state import new_run_id, run_id_of
 from spes.sync.wire import BaseMismatch, CorruptChunk, EncodedModel, Item, TensorDecoder, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
@@ -79,6 +80,9 @@ class Coordinator:
             self._cond, self.state, self.memory, self.codec, self.deploy.state_dir, self._published
         )
         self.spec = self.closer.restore(self.spec)
+        self.run_id = run_id_of(self.deploy.state_dir) if self.deploy.state_dir else new_run_id()
+        """This run's identity (kept under --state_dir): a node of another run, or a fresh node against a run in
+        progress, is refused at Join."""
 
     # -- Join ---------------------------------------------------------------------------------
     def join(
@@ -91,6 +95,7 @@ class Coordinator:
             theirs = check_join(
                 request, self.spec, max_tensors=self.deploy.max_tensors, max_model_gb=self.deploy.max_model_gb
             )
+            self._check_run(peer, request.run_id)
             if request.dry_run:  # preflight: every check above, nothing registered
                 log.info("preflight of peer %d: its settings and model match the run", peer)
                 return pb.JoinReply(
@@ -99,6 +104,7 @@ class Coordinator:
                     data_port=self.data_port,
                     manifest_checked=self.spec.manifest is not None,
                     dry_run=True,
+                    run_id=self.run_id,
                 )
             if not self.spec.complete:
                 self.spec = self.spec.completed_by(theirs)
@@ -114,6 +120,32 @@ class Coordinator:
             current_round=_or_minus_one(snap.completed_round),
             open_round=_or_minus_one(snap.open_round),
             data_port=self.data_port,
+            run_id=self.run_id,
+        )
+
+    def _check_run(self, peer: int, theirs: str) -> None:
+        """A node of this run, or a fresh node while the run has no completed round (lock held); refuses any other
+        (reason other_run), saying what to do: two runs are never mixed."""
+        if theirs == self.run_id:
+            return
+        done = self.state.completed_round
+        if not theirs and done is None:
+            return
+        held = f"run {self.run_id}" + (f" at round {done}" if done is not None else " (no round yet)")
+        if not theirs:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer} starts a fresh run, but this server holds {held}: to continue that run resume the node "
+                f"from its checkpoint (--resume=auto), or join it afresh with spes_config.run_id={self.run_id}; for a "
+                "new run start the server with a fresh --state_dir",
+                Reason.OTHER_RUN,
+            )
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"peer {peer} belongs to run {theirs} (its checkpoint or spes_config.run_id), but this server holds "
+            f"{held}: restart the server with that run's --state_dir, or start the node fresh (without --resume) "
+            "for this one",
+            Reason.OTHER_RUN,
         )
 
     def open_stream(self, ticket: Ticket, peer: int, session: str, common_name: Callable[[], str | None]) -> None:
@@ -377,6 +409,7 @@ class Coordinator:
                 dead_peer_policy=self.spec.server.dead_peer_policy,
                 rounds_completed=self._rounds_completed,
                 persistent=self.deploy.state_dir is not None,
+                run_id=self.run_id,
             )
 
     def _require_joined(self, peer: int) -> None:

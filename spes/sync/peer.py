@@ -17,6 +17,7 @@ training goes on.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -47,6 +48,8 @@ PENDING_FILE = "pending_round.st"
 """The checkpoint file (safetensors) holding an overlapped round still in flight when the checkpoint was taken.
 
 NOTE: not named `*.safetensors`: a sharded checkpoint's reader takes every such file of the directory for a shard."""
+RUN_FILE = "run.json"
+"""The checkpoint file naming the run the node belongs to (`read_run_id`): a resumed node joins only that run."""
 CODEC_FILE = "codec_state.st"
 """The checkpoint file (safetensors) holding the codec's state on rank 0 (a held-model codec's held model and
 error feedback, as of the last round applied), so a resumed node sends what the uninterrupted one would."""
@@ -116,11 +119,23 @@ def node_spec(cfg: TrainConfig, manifest: Manifest, origin: str = "this node's c
     return run_spec(cfg, manifest, origin=origin)
 
 
-def sync_client(cfg: TrainConfig, spec: RunSpec, **settings: Any) -> SyncClient:
-    """A client for this node's `spes_config` (`settings`: spes_config keys that replace the config's)."""
+def sync_client(cfg: TrainConfig, spec: RunSpec, run_id: str | None = None, **settings: Any) -> SyncClient:
+    """A client for this node's `spes_config` (`settings`: spes_config keys that replace the config's) in the run
+    `run_id` (its checkpoint's; None: `spes_config.run_id`, or a fresh node's)."""
     s = replace(cfg.spes_config, **settings)
     token = read_token(s.token_file, "config key 'spes_config.token_file'")
-    return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True)
+    return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True, run_id=run_id)
+
+
+def read_run_id(checkpoint: Path) -> str | None:
+    """The run a node checkpoint belongs to (None: it names none, a centralized or older one)."""
+    path = checkpoint / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return str(json.loads(path.read_text())["run_id"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a run record ({exc}): the checkpoint is damaged") from None
 
 
 class PeerSync:
@@ -143,7 +158,15 @@ class PeerSync:
     node the run moved past loads the latest global model instead.
     """
 
-    def __init__(self, cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: nn.Module,
+        info: DistInfo,
+        log: Callable[[str], None] = print,
+        run_id: str | None = None,
+    ) -> None:
+        """`run_id`: the run of the checkpoint the node resumes (`read_run_id`; None: a fresh node)."""
         self.model, self.info, self.log = model, info, log
         self.distributed = info.world_size > 1
         shapes, self.trainable = model_manifest(unwrap(model))  # NOTE: DDP's own names carry a `module.` prefix
@@ -154,7 +177,7 @@ class PeerSync:
         self.overlap_steps = s.overlap_delay if s.overlap_sync else 0
         self.correction = s.overlap_correction if s.overlap_sync else 1.0
         # NOTE: `load_full` copies every result into the model at once, so the client may reuse its buffers
-        self.client = sync_client(cfg, self.spec) if info.is_main else None
+        self.client = sync_client(cfg, self.spec, run_id) if info.is_main else None
         self._taken: int | None = None
         """The step at which the round in flight was uploaded (every rank); None when none is."""
         self._pending: PendingRound | None = None
@@ -210,9 +233,12 @@ class PeerSync:
         return self._land(step) if self._due(step) else None
 
     def checkpoint_files(self) -> dict[str, Callable[[Path], None]]:
-        """Files a checkpoint holds beside the model (rank 0 writes them): the round in flight, if any, and the codec's
-        state before it."""
+        """Files a checkpoint holds beside the model (rank 0 writes them): the run it belongs to, the round in flight,
+        if any, and the codec's state before it."""
         files: dict[str, Callable[[Path], None]] = {}
+        if self.client is not None and self.client.run_id:
+            record = (json.dumps({"run_id": self.client.run_id}) + "\n").encode()
+            files[RUN_FILE] = lambda path: write_atomic(path, record)
         if self._pending is not None:
             files[PENDING_FILE] = self._pending.save
         metadata, tensors = self._codec_before if self._pending is not None else self._codec_state()
