@@ -43,6 +43,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("config", help="node config (YAML); peer_id, data seed, server address and save folder are set here")
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run --out holds: the server from its state, every peer from its latest checkpoint (a "
+        "folder that holds a run is refused without it: two runs are never mixed)",
+    )
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument(
@@ -80,6 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --eval_peers={args.eval_peers} must be between 1 and the run's {peers} peers", file=sys.stderr)
         return 2
     out = Path(args.out)
+    held = previous_run(out)
+    if held and not args.resume:
+        print(
+            f"error: {out} holds {held}: pass --resume (quickstart: RESUME=1) to continue it, or another --out "
+            "(quickstart: OUT=...) for a new run",
+            file=sys.stderr,
+        )
+        return 2
+    resume = ["--resume=auto", *([f"--spes_config.run_id={run_id}"] if (run_id := held_run_id(out)) else [])]
     out.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
@@ -115,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--spes_config.server_addr=127.0.0.1:{port}",
                 f"--save_folder={out}/node{i}",
                 *(["--eval_interval=null"] if i >= eval_peers else []),
+                *(resume if args.resume else []),
             ]
             procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
         print(
@@ -133,6 +149,21 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def previous_run(out: Path) -> str:
+    """What run `out` holds ('' for none): its server's state, or a node's checkpoint."""
+    state = out / "server_state" / "run.json"
+    if state.is_file():
+        return f"the run {held_run_id(out)} (its server state, {state.parent})"
+    nodes = sorted(p.parent.name for p in out.glob("node*/latest"))
+    return f"the checkpoints of {', '.join(nodes)}" if nodes else ""
+
+
+def held_run_id(out: Path) -> str:
+    """The id of the run whose server state `out` holds ('' for none)."""
+    state = out / "server_state" / "run.json"
+    return str(json.loads(state.read_text()).get("run_id", "")) if state.is_file() else ""
 
 
 def sigterm_as_interrupt() -> None:
