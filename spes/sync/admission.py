@@ -315,13 +315,14 @@ class Sessions:
             current = self._by_peer[peer] = Session(session, address, time.monotonic())
         if current.session == session:
             current.presence += 1
-            current.watched = True
+            current.watched, current.last_seen = True, time.monotonic()
 
     def absent(self, peer: int, session: str) -> None:
         """A presence stream of `session` ended."""
         current = self._by_peer.get(peer)
         if current is not None and current.session == session:
             current.presence -= 1
+            current.last_seen = time.monotonic()
 
     def heard(self, peer: int, session: str) -> None:
         """A call of `session` for `peer` arrived; refuses a session another process of that peer replaced."""
@@ -336,6 +337,11 @@ class Sessions:
                 Reason.SUPERSEDED,
             )
         current.last_seen = time.monotonic()
+
+    def presence(self) -> list[tuple[int, float, bool]]:
+        """(peer, seconds since last heard from, presence stream open) of every peer id a process joined as."""
+        now = time.monotonic()
+        return [(p, now - s.last_seen, s.presence > 0) for p, s in sorted(self._by_peer.items())]
 
     def forget(self) -> None:
         self._by_peer.clear()

@@ -299,12 +299,15 @@ class SyncClient:
 
     def status(self) -> ServerStatus:
         """The server's current round, peers and traffic counters."""
-        reply = self._retrying(
+        return ServerStatus.of(self.status_reply())
+
+    def status_reply(self) -> pb.StatusReply:
+        """The server's Status as it sent it (`spes.sync.status.describe` reads it)."""
+        return self._retrying(
             "status",
             lambda timeout: self._stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self._metadata),
             per_attempt_s=self.rpc_timeout_s,
         )
-        return ServerStatus.of(reply)
 
     def close(self) -> None:
         if self._presence is not None:

@@ -32,6 +32,7 @@ from spes.sync.protocol import Reason, Refused, Tensors
 from spes.sync.rounds import Completed, RoundState
 from spes.sync.settings import ServerConfig
 from spes.sync.state import new_run_id, run_id_of
+from spes.sync.status import REPORT_S, describe
 from spes.sync.wire import BaseMismatch, CorruptChunk, EncodedModel, Item, TensorDecoder, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
@@ -80,6 +81,8 @@ class Coordinator:
             self._cond, self.state, self.memory, self.codec, self.deploy.state_dir, self._published
         )
         self.spec = self.closer.restore(self.spec)
+        self._reporter = threading.Thread(target=self._report, name="spes-status-report", daemon=True)
+        self._reporter.start()
         self.run_id = run_id_of(self.deploy.state_dir) if self.deploy.state_dir else new_run_id()
         """This run's identity (kept under --state_dir): a node of another run, or a fresh node against a run in
         progress, is refused at Join."""
@@ -410,7 +413,21 @@ class Coordinator:
                 rounds_completed=self._rounds_completed,
                 persistent=self.deploy.state_dir is not None,
                 run_id=self.run_id,
+                presence=[
+                    pb.PeerPresence(peer=p, last_seen_s=age, connected=live)
+                    for p, age, live in self.sessions.presence()
+                ],
             )
+
+    def _report(self) -> None:
+        """Every `REPORT_S` while the run waits (a round open, peers yet to join), log what for and whom."""
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: self._shutting_down, timeout=REPORT_S):
+                    return
+                waiting = self.state.open_round is not None or len(self.joined) < self.spec.num_peers
+            if waiting:
+                log.info("waiting: %s", describe(self.status()))
 
     def _require_joined(self, peer: int) -> None:
         """Refuse a peer that has not joined (caller holds the lock)."""

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +44,7 @@ from spes.sync.fragments import WHOLE
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, SyncError, Tensors
 from spes.sync.spec import RunSpec, run_spec
+from spes.sync.status import REPORT_S, describe
 
 PENDING_FILE = "pending_round.st"
 """The checkpoint file (safetensors) holding an overlapped round still in flight when the checkpoint was taken.
@@ -301,7 +303,7 @@ class PeerSync:
         def exchange() -> Exchange:
             return self._exchange(pending.round_id, pending.snapshot, fragment)
 
-        self._exchanged = _at_once(exchange) if self._due(step) else _in_background(exchange, f"spes-round-{step}")
+        self._exchanged = _in_background(exchange, f"spes-round-{step}")
 
     def _land(self, step: int) -> SyncResult:
         """Wait for the round in flight and apply it on every rank (a collective)."""
@@ -310,7 +312,7 @@ class PeerSync:
         stats, error, snapshot = None, None, {}
         if self._exchanged is not None and self._pending is not None:
             try:
-                downloaded, stats, error = self._exchanged.result()
+                downloaded, stats, error = self._wait(self._exchanged, step)
             except Exception as e:  # noqa: BLE001 -- raised on every rank by _load
                 error = e
             snapshot = self._pending.snapshot
@@ -328,6 +330,20 @@ class PeerSync:
             trained=self._trained_at(taken),
         )
         return replace(result, waited_s=time.perf_counter() - started)
+
+    def _wait(self, exchange: Future[Exchange], step: int) -> Exchange:
+        """Rank 0's wait for its round, saying every `REPORT_S` what the run waits for (a node started before the
+        others, a peer gone)."""
+        while True:
+            try:
+                return exchange.result(timeout=REPORT_S)
+            except FutureTimeout:
+                assert self.client is not None
+                waiting = f"step {step}: waiting for the round of step {self._taken}"
+                try:
+                    self.log(f"{waiting}: {describe(self.client.status_reply())}")
+                except SyncError as exc:
+                    self.log(f"{waiting}; the server's status: {exc}")
 
     def _exchange(self, step: int, upload: Tensors, fragment: int = WHOLE) -> Exchange:
         """Rank 0's exchange with the server (nothing on the other ranks); a failure is returned, for `_agree`."""
@@ -407,16 +423,6 @@ def _load_state(path: Path) -> tuple[dict[str, str], Tensors]:
             return dict(f.metadata() or {}), {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
     except SafetensorError as exc:
         raise ValueError(f"codec state {path}: not a readable safetensors file ({exc})") from None
-
-
-def _at_once(fn: Callable[[], T]) -> Future[T]:
-    """`fn()` run now, as a finished Future (a round applied at the step it is uploaded needs no thread)."""
-    future: Future[T] = Future()
-    try:
-        future.set_result(fn())
-    except BaseException as e:  # noqa: BLE001 -- handed to the waiting trainer
-        future.set_exception(e)
-    return future
 
 
 def _in_background(fn: Callable[[], T], name: str) -> Future[T]:

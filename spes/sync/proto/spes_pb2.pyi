@@ -207,7 +207,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("current_round", "open_round", "num_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent", "run_id")
+    __slots__ = ("current_round", "open_round", "num_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent", "run_id", "presence")
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class StatusReply(_message.Message):
     ROUNDS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_FIELD_NUMBER: _ClassVar[int]
     current_round: int
     open_round: int
     num_peers: int
@@ -238,7 +239,18 @@ class StatusReply(_message.Message):
     rounds_completed: int
     persistent: bool
     run_id: str
-    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
+    presence: _containers.RepeatedCompositeFieldContainer[PeerPresence]
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ..., run_id: _Optional[str] = ..., presence: _Optional[_Iterable[_Union[PeerPresence, _Mapping]]] = ...) -> None: ...
+
+class PeerPresence(_message.Message):
+    __slots__ = ("peer", "last_seen_s", "connected")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    peer: int
+    last_seen_s: float
+    connected: bool
+    def __init__(self, peer: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., connected: _Optional[bool] = ...) -> None: ...
 
 class DataHello(_message.Message):
     __slots__ = ("op", "peer_id", "step", "full", "token", "timeout_s", "session", "up_bytes", "down_bytes", "base_round", "fragment", "digest")
