@@ -17,7 +17,7 @@ from typing import TypeVar
 import grpc
 
 from spes.sync.plane_grpc import failure_of
-from spes.sync.protocol import SyncError
+from spes.sync.protocol import Reason, SyncError
 
 log = logging.getLogger("spes.client")
 T = TypeVar("T")
@@ -25,6 +25,10 @@ T = TypeVar("T")
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 MAX_RECOVERIES = 4
+DUPLICATE_WAIT_S = 15.0
+"""How long a join refused because a live process holds its peer id is retried: a dead process's claim ends as soon
+as its connection closes (or after the server's --peer_liveness, 10 s, for a client without a presence stream); a
+live one's never does, and the node then stops at once with the server's line."""
 
 
 def backoff_s(attempt: int) -> float:
@@ -59,6 +63,7 @@ def retrying(
     most MAX_RECOVERIES times). A gRPC error becomes a `SyncError` naming `what`.
     """
     failures = recoveries = 0
+    duplicate_since: float | None = None
     while True:
         timeout = per_attempt_s if per_attempt_s is not None else math.inf
         if deadline is not None:
@@ -72,6 +77,10 @@ def retrying(
         if recover is not None and recoveries < MAX_RECOVERIES and recover(failure):
             recoveries += 1
             continue
+        if failure.reason == Reason.DUPLICATE_PEER:
+            duplicate_since = duplicate_since or time.monotonic()
+            if time.monotonic() - duplicate_since > DUPLICATE_WAIT_S:
+                raise failure
         if not failure.retryable or failures >= max_retries:
             raise failure
         delay = backoff_s(failures)
