@@ -8,7 +8,8 @@ This is the quickstart's engine and a way to try a configuration before renting 
 same `python -m spes.train` a real node runs (with its own `peer_id`, so its own data order), the server is
 the same `python -m spes.server` given the same YAML and overrides (so its `server:` section, e.g.
 `-- --server.merge_interval=20`). At the end it prints a summary table and exits 0 with every child gone; if
-any process fails, the others are stopped and the exit code is non-zero.
+any process fails, the others are stopped and the exit code is non-zero. Ctrl-C or SIGTERM stops the peers (each
+saves a checkpoint of its last step), then the server (it persists its state), and exits 130: `--resume` continues.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from spes.config import ConfigError, load_config, peer_data_seed
+
+STOP_GRACE_S = 10.0
+"""How long a stopped peer (then the server) has to save and exit before it is killed."""
 
 
 def free_port() -> int:
@@ -139,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         code = _wait(procs, out / "peer0.log", args.timeout)
     except KeyboardInterrupt:
-        print("interrupted: stopping the server and the peers", file=sys.stderr)
+        print(
+            "interrupted: the peers save a checkpoint and stop, then the server; continue with --resume",
+            file=sys.stderr,
+        )
         code = 130
     finally:
         _stop_all(procs)
@@ -226,15 +233,22 @@ def _echo_new(path: Path, offset: int) -> int:
 
 
 def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    for p in procs.values():
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs.values():
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    """SIGTERM the peers first (each saves a checkpoint at its next step and exits; one waiting for a round stops
+    waiting and keeps it in that checkpoint), then the server (it persists its state); SIGKILL what is left after
+    `STOP_GRACE_S`."""
+    peers = [p for k, p in procs.items() if k != "server"]
+    server = [p for k, p in procs.items() if k == "server"]
+    for group in (peers, server):
+        for p in group:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in group:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
 
 def summarize(out: Path, peers: int, seconds: float) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from torch import nn
 from spes.atomic import write_atomic
 from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
+from spes.interrupt import Interrupted
 from spes.sync.auth import read_token
 from spes.sync.client import SyncClient, SyncStats
 from spes.sync.fragments import WHOLE
@@ -55,6 +56,8 @@ RUN_FILE = "run.json"
 CODEC_FILE = "codec_state.st"
 """The checkpoint file (safetensors) holding the codec's state on rank 0 (a held-model codec's held model and
 error feedback, as of the last round applied), so a resumed node sends what the uninterrupted one would."""
+POLL_S = 0.2
+"""How often rank 0, waiting for a round, looks whether a stop was requested."""
 T = TypeVar("T")
 Exchange = tuple[Tensors, SyncStats | None, Exception | None]
 """What rank 0's exchange with the server gave: the download, its statistics, or the failure."""
@@ -188,6 +191,8 @@ class PeerSync:
         """Rank 0: the codec's state before the round in flight (what a checkpoint taken meanwhile holds)."""
         self._exchanged: Future[Exchange] | None = None
         """Rank 0: its exchange with the server."""
+        self.stopping: Callable[[], bool] = lambda: False
+        """Whether a stop was requested (the trainer's Ctrl-C): rank 0 then stops waiting for a round."""
 
     def join(self) -> None:
         """Announce this node's spec and manifest (the server refuses a node whose run differs); with fragments, say
@@ -248,9 +253,11 @@ class PeerSync:
             files[CODEC_FILE] = lambda path: _save_state(path, metadata, tensors)
         return files
 
-    def resume(self, checkpoint: Path) -> None:
-        """Take up what a checkpoint holds: the codec's state, and the round it left in flight (uploaded again and
-        applied when due)."""
+    def resume(self, checkpoint: Path, step: int) -> SyncResult | None:
+        """Take up what the checkpoint of `step` holds: the codec's state, and the round it left in flight (uploaded
+        again and applied when due). A round already due was being waited for when a stop request saved the
+        checkpoint: it is applied now, with what that step had still to do (the upload of a sync step), as the
+        uninterrupted run did; its result is returned."""
         path, codec_path = checkpoint / PENDING_FILE, checkpoint / CODEC_FILE
         pending, error = None, None
         if self.client is not None:
@@ -271,9 +278,13 @@ class PeerSync:
         taken = torch.tensor([pending.step if pending is not None else -1], device=self.info.device)
         if self.distributed:
             dist.broadcast(taken, src=0)
-        if taken.item() >= 0:
-            self._start(pending, int(taken.item()))
-            self.log(f"resumed the round of step {int(taken.item())} that {checkpoint} holds in flight")
+        if taken.item() < 0:
+            return None
+        self._start(pending, int(taken.item()))
+        self.log(f"resumed the round of step {int(taken.item())} that {checkpoint} holds in flight")
+        if not self._due(step):
+            return None
+        return self.sync(step) if int(taken.item()) < step and self.syncs_at(step) else self._land(step)
 
     def close(self) -> None:
         if self.client is not None:
@@ -313,31 +324,32 @@ class PeerSync:
         if self._exchanged is not None and self._pending is not None:
             try:
                 downloaded, stats, error = self._wait(self._exchanged, step)
-            except Exception as e:  # noqa: BLE001 -- raised on every rank by _load
+            except Exception as e:  # noqa: BLE001 -- raised on every rank by _agree
                 error = e
             snapshot = self._pending.snapshot
         taken = self._taken
         assert taken is not None
+        self._agree(error, f"apply the round of step {taken}")  # NOTE: an interrupted round stays in flight
         self._taken, self._pending, self._exchanged = None, None, None
         as_downloaded = step == taken and self.correction == 1.0  # NOTE: nothing trained since the snapshot
         result = self._load(
-            step,
-            downloaded,
-            stats,
-            error,
-            what=f"apply the round of step {taken}",
-            snapshot=None if as_downloaded else snapshot,
-            trained=self._trained_at(taken),
+            step, downloaded, stats, snapshot=None if as_downloaded else snapshot, trained=self._trained_at(taken)
         )
         return replace(result, waited_s=time.perf_counter() - started)
 
     def _wait(self, exchange: Future[Exchange], step: int) -> Exchange:
         """Rank 0's wait for its round, saying every `REPORT_S` what the run waits for (a node started before the
         others, a peer gone)."""
+        reported = time.monotonic()
         while True:
             try:
-                return exchange.result(timeout=REPORT_S)
+                return exchange.result(timeout=POLL_S)
             except FutureTimeout:
+                pass
+            if self.stopping():
+                raise Interrupted(f"stopped while waiting for the round of step {self._taken}")
+            if time.monotonic() - reported >= REPORT_S:
+                reported = time.monotonic()
                 assert self.client is not None
                 waiting = f"step {step}: waiting for the round of step {self._taken}"
                 try:
@@ -360,9 +372,7 @@ class PeerSync:
         step: int,
         downloaded: Tensors,
         stats: SyncStats | None,
-        error: Exception | None,
         *,
-        what: str,
         snapshot: Tensors | None,
         trained: list[str],
     ) -> SyncResult:
@@ -371,7 +381,6 @@ class PeerSync:
         (`apply_overlapped`, on whole tensors on rank 0). A node that had fallen behind loads the whole global model
         and continues from its step.
         """
-        self._agree(error, what)
         caught_up_to = stats.round if stats is not None and stats.caught_up else -1
         if self.distributed:  # every rank's trainer must continue from the same step
             flag = torch.tensor([caught_up_to], device=self.info.device)
@@ -397,9 +406,12 @@ class PeerSync:
         """Raise on every rank when rank 0's exchange with the server failed: the other ranks would otherwise wait
         in the next collective until torchrun kills them, with a traceback instead of the reason."""
         if self.distributed:
-            flag = torch.tensor([int(error is not None)], device=self.info.device)
+            code = 0 if error is None else 2 if isinstance(error, Interrupted) else 1
+            flag = torch.tensor([code], device=self.info.device)
             dist.broadcast(flag, src=0)
-            if flag.item() and error is None:
+            if flag.item() == 2 and error is None:
+                raise Interrupted(f"rank 0 stopped waiting to {what}")
+            if flag.item() == 1 and error is None:
                 raise SyncError(f"rank 0 failed to {what}; its error line says why")
         if isinstance(error, SyncError) and error.code == grpc.StatusCode.UNAVAILABLE:
             raise SyncError(
