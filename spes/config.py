@@ -7,7 +7,9 @@ the value and the expected type. Cross-field consistency (head sizes, expert own
 divisibility) is checked in `TrainConfig.__post_init__`, before any work starts.
 
 Every key of the first SPES implementation's configs is accepted. The few that change nothing here
-(`INERT_KEYS`) are named together in one warning at start.
+(`INERT_KEYS`) are named together in one warning at start. Where one of its files leaves a key out, the default
+is its default (`using_spes: false` first; tests/test_migrating.py checks all of its files), and `${...}` resolves
+against the defaults as OLMo's schema does.
 """
 
 from __future__ import annotations
@@ -430,7 +432,7 @@ class TrainConfig:
     """One node's run."""
 
     run_name: str = _f("spes", "name of the run")
-    seed: int = _f(6198, "model init and dropout seed")
+    seed: int = _f(6198, "model init and dropout seed (and the data order's when data.seed is unset)")
     dry_run: bool = _f(False, "build the node (data, model, optimizer, checkpoint) and stop before training")
     no_pre_train_checkpoint: bool = _f(True, "skip the checkpoint at step 0")
     compile: dict | bool | None = _f(
