@@ -1,0 +1,46 @@
+"""The parameter server killed and restarted under two live nodes with the default settings (a data plane on a free
+port, so another one after the restart): the nodes find it again and finish with every round of a fault-free run."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import Corpus
+from node_runs import start_node, start_server, wait_for
+
+
+def _rounds(node: Path) -> list[dict]:
+    records = [json.loads(line) for line in (node / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "sync_round" in r or "caught_up_to" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_nodes_find_a_restarted_server_on_its_new_data_port_and_finish_with_every_round(
+    tiny_corpus: Corpus, tmp_path: Path
+) -> None:
+    server, port = start_server(tiny_corpus, tmp_path)
+    procs = [server]
+    try:
+        procs += [start_node(tiny_corpus, tmp_path, peer, port) for peer in (0, 1)]
+        log = tmp_path / "server.log"
+        wait_for(lambda: "round 4 complete" in log.read_text(), "the first round", timeout_s=180)
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        server, again = start_server(tiny_corpus, tmp_path, port=port)
+        procs.append(server)
+        assert again == port
+        codes = [p.wait(timeout=240) for p in procs[1:3]]
+        assert codes == [0, 0], [(tmp_path / f"node{p}.log").read_text()[-2000:] for p in (0, 1)]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    text = log.read_text()
+    assert "resumed from" in text
+    for peer in (0, 1):
+        assert [r.get("sync_round") for r in _rounds(tmp_path / f"node{peer}")] == [4, 8, 12]

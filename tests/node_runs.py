@@ -1,0 +1,89 @@
+"""Real runs of configs/tiny.yaml shortened to 2 peers and 12 steps (rounds at 4, 8 and 12), for the tests that stop,
+kill or restart their processes: the nodes as `python -m spes.train` children, the launcher, their weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import Corpus
+from spes.config import node_data_seed
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+RUN = [
+    "--spes_config.num_peers=2",
+    "--spes_config.num_train_experts_per_node=4",
+    "--spes_config.sync_steps=4",
+    "--max_duration=12st",
+    "--eval_interval=null",
+    "--save_interval=12",
+]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def corpus_args(corpus: Corpus) -> list[str]:
+    """Overrides that train configs/tiny.yaml on the test corpus, without validation."""
+    return [
+        f"--tokenizer.identifier={corpus.tokenizer}",
+        f"--data.paths=[{corpus.train}]",
+        "--data.validation_paths=[]",
+    ]
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    """A child process of the repository's Python, its output appended to `log`."""
+    with open(log, "ab") as f:
+        return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+
+
+def start_server(corpus: Corpus, out: Path, port: int = 0) -> tuple[subprocess.Popen, int]:
+    """The run's server (data plane on a free port, state in `out/server_state`) and the port it listens on."""
+    log = out / "server.log"
+    mark = log.stat().st_size if log.exists() else 0
+    argv = [sys.executable, "-m", "spes.server", TINY, *corpus_args(corpus), *RUN, "--host", "127.0.0.1"]
+    proc = start([*argv, "--port", str(port), "--data_port", "0", "--state_dir", str(out / "server_state")], log)
+    wait_for(lambda: "listening on 127.0.0.1:" in log.read_text()[mark:] or proc.poll() is not None, "the server")
+    text = log.read_text()[mark:]
+    assert "listening on 127.0.0.1:" in text, text
+    return proc, int(text.split("listening on 127.0.0.1:")[1].split()[0])
+
+
+def start_node(corpus: Corpus, out: Path, peer: int, port: int, *flags: str) -> subprocess.Popen:
+    """Node `peer` of the run, as spes.launch starts it (its data seed, save folder `out/node<peer>`)."""
+    argv = [sys.executable, "-m", "spes.train", TINY, *corpus_args(corpus), *RUN, *flags]
+    argv += [f"--spes_config.peer_id={peer}", f"--data.seed={node_data_seed(6198, peer)}"]
+    argv += [f"--spes_config.server_addr=127.0.0.1:{port}", f"--save_folder={out}/node{peer}"]
+    return start(argv, out / f"node{peer}.log")
+
+
+def launch(corpus: Corpus, out: Path, *flags: str) -> subprocess.Popen:
+    """`python -m spes.launch` of the run into `out`, its output piped."""
+    argv = [sys.executable, "-m", "spes.launch", TINY, "--out", str(out), *flags, "--", *corpus_args(corpus), *RUN]
+    return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def node_models(out: Path) -> list[dict[str, torch.Tensor]]:
+    """Each node's newest checkpointed weights."""
+    nodes = [out / "node0", out / "node1"]
+    return [load_file(str(n / (n / "latest").read_text().strip() / "model.safetensors")) for n in nodes]
+
+
+def assert_same_models(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]]) -> None:
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        assert all(torch.equal(g[n], w[n]) for n in w), [n for n in w if not torch.equal(g[n], w[n])][:3]
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
