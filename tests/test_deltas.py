@@ -17,13 +17,13 @@ import torch
 
 from spes.sync import compress, plane_tcp
 from spes.sync.client import SyncClient, SyncError
-from spes.sync.merge import MergeConfig, Mode, download_names, trainable_names
+from spes.sync.merge import MergeConfig, Mode, build_global, download_names, trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason
 from spes.sync.server import ParameterServer
 from spes.sync.wire import DIGEST, Delta, checksum, header_for, pack
 from sync_helpers import running_server, sync_all, tiny_manifest
-from test_client import joined_clients
+from test_client import NO_MERGE, joined_clients
 
 MANIFEST = tiny_manifest(d=16, f=32)  # expert blocks of 2 x 16 x 32 = 1024 values: 4 int8 blocks of 256
 MERGE = MergeConfig(interval=30, alpha_start=0.5, decay_steps=1000, topk=1)  # step 30 is a merge round
@@ -203,3 +203,51 @@ def test_a_restarted_server_serves_its_persisted_held_model_as_full_values(tmp_p
                 int8_bytes(trainable_names(list(MANIFEST), p, "spes")),
                 int8_bytes(download_names(list(MANIFEST), p, "spes", merged=True)),  # step 30 merges
             )
+
+
+def drifting_deltas(names: list[str], peer: int, step: int) -> dict[str, torch.Tensor]:
+    """One round's training progress of `peer`: a steady drift of 5e-4 per value (with a little noise), and one
+    value of +-0.5 per int8 block, so each block's scale (0.5 / 127, a step of 3.9e-3) rounds the drift to zero.
+    Only error feedback carries it to the model: without it the drift is never sent."""
+    gen = torch.Generator().manual_seed(step * 10 + peer)
+    deltas = {}
+    for name in names:
+        delta = 5e-4 + 1e-4 * torch.randn(MANIFEST[name], generator=gen)
+        outliers = delta.view(-1)[:: compress.DEFAULT_BLOCK]
+        outliers.copy_(torch.randint(0, 2, outliers.shape, generator=gen) - 0.5)
+        deltas[name] = delta
+    return deltas
+
+
+@pytest.mark.timeout(90)
+def test_error_feedback_keeps_thirty_int8_rounds_within_one_step_of_the_lossless_sum() -> None:
+    """Two peers sync 30 rounds on an int8 wire, each training `drifting_deltas` from the model it holds. The
+    lossless run (the round math on fp32 values) moves every drifting value by 30 x 5e-4 = 1.5e-2; the int8 run
+    must end within one quantization step (3.9e-3: the carried error and the last download's rounding, each at
+    most half a step) of it. A peer that dropped its carried error would fall behind by the whole drift."""
+    gen = torch.Generator().manual_seed(4)
+    init = {n: torch.randn(s, generator=gen) for n, s in MANIFEST.items()}
+    names = {p: trainable_names(list(MANIFEST), p, "spes") for p in range(2)}
+    lossless = init
+    with (
+        running_server(merge=NO_MERGE, wire_dtype="int8") as (server, addr),
+        joined_clients(addr, MANIFEST, wire_dtype="int8") as clients,
+    ):
+        held = [init, init]
+        for step in range(1, 31):
+            deltas = {p: drifting_deltas(names[p], p, step) for p in range(2)}
+            uploads = {p: {n: held[p][n] + d for n, d in deltas[p].items()} for p in range(2)}
+            results = sync_all(clients, step, uploads)
+            held = [results[p][0] for p in range(2)]
+            fp32 = {p: {n: lossless[n] + d for n, d in deltas[p].items()} for p in range(2)}
+            lossless = build_global(fp32, num_peers=2, experts_per_peer=2, mode="spes", step=step).tensors
+            assert results[0][1].bytes_up < 4 * sum(t.numel() for t in uploads[0].values()) or step == 1
+        assert_bit_identical(held[0], held_of(server))
+    step_size = 0.5 / compress.QMAX
+    for name, want in lossless.items():
+        error = (held[0][name] - want).abs().max().item()
+        assert error <= step_size * 1.05, (name, error, step_size)
+        moved = (held[0][name] - init[name]).view(-1)
+        block = compress.DEFAULT_BLOCK
+        drift = torch.cat([moved[i + 1 : i + block] for i in range(0, moved.numel(), block)])
+        assert drift.mean().item() > 30 * 5e-4 / 2, name  # the drifting values moved, not only the outliers

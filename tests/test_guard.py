@@ -3,6 +3,8 @@ row; no checkpoint of NaN weights is written or trained from, and the last good 
 
 from __future__ import annotations
 
+import copy
+import math
 import sys
 from pathlib import Path
 
@@ -16,6 +18,8 @@ from spes.distributed import DistInfo
 from spes.guard import NonFiniteError, all_finite, first_nonfinite_parameter
 from spes.train import build_node, main
 from spes.trainer import Trainer
+from sync_helpers import running_server
+from test_peer import peer_config, start_peer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -148,3 +152,74 @@ def test_every_rank_stops_at_the_same_bad_step(strategy: str, tiny_corpus, tmp_p
     assert last.startswith("error: step 3: ") and "(2 steps in a row)" in last, last
     saved = sorted(p.name for p in tmp_path.glob("step*"))
     assert saved == (["step1-sharded", "step2-sharded"] if strategy == "fsdp" else ["step1", "step2"]), saved
+
+
+def first_difference(before: object, after: object, where: str = "") -> str | None:
+    """Where two (nested) state dicts first differ (tensors compared element for element), or None."""
+    if isinstance(before, torch.Tensor):
+        return None if isinstance(after, torch.Tensor) and torch.equal(before, after) else where
+    if isinstance(before, dict) and isinstance(after, dict):
+        if before.keys() != after.keys():
+            return f"{where} keys"
+        return next((d for k, v in before.items() if (d := first_difference(v, after[k], f"{where}/{k}"))), None)
+    if isinstance(before, (list, tuple)) and isinstance(after, (list, tuple)) and len(before) == len(after):
+        return next((d for i, v in enumerate(before) if (d := first_difference(v, after[i], f"{where}/{i}"))), None)
+    return None if before == after else where
+
+
+def test_the_stopping_step_leaves_the_weights_and_the_optimizer_state_unchanged(tiny_corpus, tmp_path: Path) -> None:
+    """The README's promise: a non-finite step stops the run *before* its update is applied. After a good step
+    (so Adam has moments and a step count to lose), an inf weight makes step 2 NaN: it stops, and the weights
+    and the optimizer's whole state are as step 1 left them."""
+    trainer, _ = _trainer(tiny_corpus, tmp_path, "--max_duration=10st", "--save_interval=null")
+    batches = iter(trainer.loader)
+    trainer.train_step(next(batches))
+    head = dict(trainer.model.named_parameters())["lm_head.weight"]
+    with torch.no_grad():
+        head[0, 0] = float("inf")  # every logit row meets it: the loss is NaN, every other weight still finite
+    weights = copy.deepcopy(trainer.model.state_dict())
+    optimizer = copy.deepcopy(trainer.optimizer.state_dict())
+    assert optimizer["state"], "the first step made optimizer state"
+    with pytest.raises(NonFiniteError, match=r"^step 2: loss nan / grad_norm nan is not finite; stopped"):
+        trainer.train_step(next(batches))
+    assert trainer.step == 1
+    changed = first_difference(weights, trainer.model.state_dict()) or first_difference(
+        optimizer, trainer.optimizer.state_dict()
+    )
+    assert changed is None, f"the stopping step changed {changed}"
+
+
+def nan_in_an_unused_row(trainer: Trainer) -> None:
+    """NaN in an embedding row no token id reaches (the table is padded past the vocabulary): the weights are not
+    finite, yet every loss and gradient norm is, so only the weight check stands between them and disk or wire."""
+    with torch.no_grad():
+        trainer.model.embed.weight[-1].fill_(float("nan"))
+
+
+def test_non_finite_weights_with_a_finite_loss_are_never_saved(tiny_corpus, tmp_path: Path) -> None:
+    trainer, _ = _trainer(
+        tiny_corpus, tmp_path, "--model.embedding_size=4160", "--max_duration=4st", "--save_interval=2"
+    )
+    nan_in_an_unused_row(trainer)
+    with pytest.raises(NonFiniteError, match=r"^not saving the checkpoint of step 2: .*NaN/inf \(embed.weight\)"):
+        trainer.fit()
+    assert trainer.step == 2 and all(math.isfinite(r["loss"]) for r in trainer.history)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no step2, no latest, no temporary
+
+
+def test_non_finite_weights_with_a_finite_loss_are_never_uploaded(tiny_corpus, tmp_path: Path) -> None:
+    with running_server(num_peers=2, experts_per_peer=4) as (server, addr):
+        cfg = peer_config(tiny_corpus, tmp_path, addr, 0, "--model.embedding_size=4160", "--max_duration=4st")
+        trainer = start_peer(cfg)
+        try:
+            before = server.service.status()
+            nan_in_an_unused_row(trainer)
+            with pytest.raises(NonFiniteError, match=r"^not uploading the weights of step 2: .*\(embed.weight\)"):
+                trainer.fit()
+        finally:
+            assert trainer.syncer is not None
+            trainer.syncer.close()
+        after = server.service.status()
+    assert trainer.step == 2 and all(math.isfinite(r["loss"]) for r in trainer.history)
+    assert before.peers_joined == [0] and after.bytes_in == before.bytes_in
+    assert (after.open_round, after.current_round, list(after.peers_uploaded)) == (-1, -1, [])

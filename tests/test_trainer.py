@@ -274,3 +274,26 @@ def test_step_0_checkpoint_is_written_only_when_asked(tiny_corpus, tmp_path: Pat
     resumed = tmp_path / "resumed"
     assert main(centralized(tiny_corpus, resumed, *common, f"--load_path={ask / 'step0'}")) == 0
     assert metrics(ask)[-1]["loss"] == metrics(resumed)[-1]["loss"] == metrics(default)[-1]["loss"]
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, None])
+def test_the_optimizer_steps_on_the_clipped_gradient(tiny_corpus, tmp_path: Path, max_grad_norm: float | None) -> None:
+    """`max_grad_norm` bounds the global norm of the gradient the optimizer reads (seen from its step pre-hook);
+    the logged grad_norm stays the norm before clipping. None: the gradient reaches the optimizer as computed."""
+    _, _, trainer = _node(
+        tiny_corpus,
+        tmp_path,
+        "--using_spes=false",
+        "--max_duration=2st",
+        f"--max_grad_norm={max_grad_norm if max_grad_norm else 'null'}",
+    )
+    seen: list[float] = []
+
+    def global_norm(optimizer: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
+    trainer.optimizer.register_step_pre_hook(global_norm)
+    raw = trainer.train_step(next(iter(trainer.loader)))["grad_norm"]
+    assert raw > 0.1  # far above 1e-3: the clip really bites
+    assert seen == [pytest.approx(raw if max_grad_norm is None else max_grad_norm, rel=1e-4)]
