@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dist_helpers import SMALL_NODE, run_logged
+from dist_helpers import SMALL_NODE, run_logged, run_ranks
 from spes.config import load_config
 from spes.distributed import DistInfo
-from spes.guard import NonFiniteError, all_finite, first_nonfinite_parameter
+from spes.guard import NonFiniteError, all_finite, check_weights_finite, first_nonfinite_parameter
 from spes.train import build_node, main
 from spes.trainer import Trainer
 from sync_helpers import running_server
@@ -223,3 +223,31 @@ def test_non_finite_weights_with_a_finite_loss_are_never_uploaded(tiny_corpus, t
     assert trainer.step == 2 and all(math.isfinite(r["loss"]) for r in trainer.history)
     assert before.peers_joined == [0] and after.bytes_in == before.bytes_in
     assert (after.open_round, after.current_round, list(after.peers_uploaded)) == (-1, -1, [])
+
+
+def _nan_on_rank_1(args: dict, info: DistInfo) -> list:
+    """Rank 1 alone sees a NaN metric and holds a NaN weight; what each rank's checks conclude."""
+    bad = info.rank == 1
+    finite, _ = all_finite(torch.tensor([1.0, math.nan if bad else 2.0], device=info.device), info)
+    model = torch.nn.Linear(2, 2).to(info.device)
+    if bad:
+        with torch.no_grad():
+            model.bias[0] = math.nan
+    try:
+        check_weights_finite(model, info, "not saving", "resume from an earlier checkpoint")
+    except NonFiniteError as exc:
+        return [finite, str(exc)]
+    return [finite, None]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one NCCL rank per GPU")
+@pytest.mark.timeout(180)
+def test_every_nccl_rank_agrees_on_one_ranks_nan(tmp_path: Path) -> None:
+    """The guard's one all-reduce on NCCL (CUDA tensors, as on a GPU node): a NaN on rank 1 stops rank 0 too."""
+    results = run_ranks(2, "test_guard:_nan_on_rank_1", {}, tmp_path, backend="nccl")
+    assert [finite for finite, _ in results] == [False, False]
+    assert [message for _, message in results] == [
+        "not saving: the model weights hold NaN/inf (on another rank); resume from an earlier checkpoint",
+        "not saving: the model weights hold NaN/inf (bias); resume from an earlier checkpoint",
+    ]

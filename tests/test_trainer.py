@@ -297,3 +297,30 @@ def test_the_optimizer_steps_on_the_clipped_gradient(tiny_corpus, tmp_path: Path
     raw = trainer.train_step(next(iter(trainer.loader)))["grad_norm"]
     assert raw > 0.1  # far above 1e-3: the clip really bites
     assert seen == [pytest.approx(raw if max_grad_norm is None else max_grad_norm, rel=1e-4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_a_run_resumed_on_cuda_continues_the_cuda_random_stream(tiny_corpus, tmp_path: Path) -> None:
+    """The trainer's state holds the CUDA generator's too (what dropout or sampling on the GPU draws): a node resumed
+    from a checkpoint draws on the GPU exactly what the run would have drawn next had it not stopped. The first run
+    draws before training, so a resume that kept the freshly seeded generator would draw something else."""
+    cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+
+    def trainer_on_cuda(*extra: str) -> Trainer:
+        cfg, _ = load_config(TINY, [*tiny_corpus.overrides(tmp_path), "--using_spes=false", *QUIET, *extra])
+        node = build_node(cfg, cuda, log=lambda _m: None)
+        trainer = Trainer(
+            cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=cuda, log=lambda _m: None
+        )
+        if node.checkpoint is not None:
+            trainer.load_state_dict(node.checkpoint.trainer)
+        return trainer
+
+    first = trainer_on_cuda("--max_duration=2st", "--save_interval=2")
+    torch.rand(1000, device=cuda.device)  # the generator moves past where a fresh seed puts it
+    first.fit()
+    next_draw = torch.rand(1000, device=cuda.device)
+    resumed = trainer_on_cuda("--max_duration=4st", "--save_interval=null", f"--load_path={tmp_path}")
+    assert resumed.step == 2
+    assert torch.equal(torch.rand(1000, device=cuda.device), next_draw)
