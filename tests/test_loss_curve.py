@@ -2,8 +2,8 @@
 
 The curve is 12 centralized steps on the session corpus (the first 120 stdlib modules of this Python).
 To re-record it after an intended numerical change: SPES_RECORD_LOSS_CURVE=1 pytest tests/test_loss_curve.py
-Without a curve for this interpreter the test skips, except under CI (environment variable CI set, as .ci/run
-does), where it fails: CI's Python must have its curve stored.
+Without a curve for this interpreter the test skips, except under CI (environment variable CI set: CI runs
+.ci/run with CI=true), where it fails: CI's Python must have its curve stored.
 """
 
 from __future__ import annotations
