@@ -49,6 +49,20 @@ def test_all_finite_and_the_first_bad_parameter() -> None:
     assert first_nonfinite_parameter(model) == "1.bias"
 
 
+def test_non_finite_weights_are_refused_naming_the_first_and_what_was_refused() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    check_weights_finite(model, CPU, "not saving", "never said")  # finite: nothing to say
+    with torch.no_grad():
+        model[1].weight[1, 0] = float("-inf")
+        model[1].bias[0] = float("nan")
+    with pytest.raises(NonFiniteError) as err:
+        check_weights_finite(model, CPU, "not saving the checkpoint of step 3", "resume from step 2")
+    assert (
+        str(err.value)
+        == "not saving the checkpoint of step 3: the model weights hold NaN/inf (1.weight); resume from step 2"
+    )
+
+
 def test_a_nan_step_stops_the_run_naming_it_and_keeps_the_last_checkpoint(tiny_corpus, tmp_path: Path) -> None:
     """The issue's run: with keep=1, a NaN at step 3 must neither be applied nor saved nor delete step2."""
     trainer, _ = _trainer(
@@ -226,28 +240,45 @@ def test_non_finite_weights_with_a_finite_loss_are_never_uploaded(tiny_corpus, t
 
 
 def _nan_on_rank_1(args: dict, info: DistInfo) -> list:
-    """Rank 1 alone sees a NaN metric and holds a NaN weight; what each rank's checks conclude."""
+    """Rank 1 alone sees a NaN metric and holds a NaN weight, in a plain module and in its own shard of an FSDP2
+    module; what each rank's checks conclude."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     bad = info.rank == 1
     finite, _ = all_finite(torch.tensor([1.0, math.nan if bad else 2.0], device=info.device), info)
-    model = torch.nn.Linear(2, 2).to(info.device)
+    plain = torch.nn.Linear(2, 2).to(info.device)
+    sharded = fully_shard(torch.nn.Linear(4, 4).to(info.device), mesh=init_device_mesh(info.device.type, (2,)))
     if bad:
         with torch.no_grad():
-            model.bias[0] = math.nan
-    try:
-        check_weights_finite(model, info, "not saving", "resume from an earlier checkpoint")
-    except NonFiniteError as exc:
-        return [finite, str(exc)]
-    return [finite, None]
+            plain.bias[0] = math.nan
+            sharded.weight.to_local()[0, 0] = math.nan  # type: ignore[operator]
+    messages = []
+    for model in (plain, sharded):
+        try:
+            check_weights_finite(model, info, "not saving", "resume from an earlier checkpoint")
+            messages.append(None)
+        except NonFiniteError as exc:
+            messages.append(str(exc))
+    return [finite, messages]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: one NCCL rank per GPU")
+NCCL = pytest.param(
+    "nccl",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs, one per rank")],
+)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_every_nccl_rank_agrees_on_one_ranks_nan(tmp_path: Path) -> None:
-    """The guard's one all-reduce on NCCL (CUDA tensors, as on a GPU node): a NaN on rank 1 stops rank 0 too."""
-    results = run_ranks(2, "test_guard:_nan_on_rank_1", {}, tmp_path, backend="nccl")
+@pytest.mark.parametrize("backend", ["gloo", NCCL])
+def test_every_rank_agrees_on_one_ranks_nan(backend: str, tmp_path: Path) -> None:
+    """The guard's one all-reduce (gloo on the CPU; NCCL on CUDA tensors, as on a GPU node): a NaN on rank 1, in a
+    replicated weight or in its shard of an FSDP2 one, stops rank 0 too, which says it came from another rank."""
+    results = run_ranks(2, "test_guard:_nan_on_rank_1", {}, tmp_path, backend=backend)
     assert [finite for finite, _ in results] == [False, False]
-    assert [message for _, message in results] == [
-        "not saving: the model weights hold NaN/inf (on another rank); resume from an earlier checkpoint",
-        "not saving: the model weights hold NaN/inf (bias); resume from an earlier checkpoint",
+    said = "not saving: the model weights hold NaN/inf ({}); resume from an earlier checkpoint"
+    assert [messages for _, messages in results] == [
+        [said.format("on another rank"), said.format("on another rank")],
+        [said.format("bias"), said.format("weight")],  # each rank checks only its own shard of an FSDP2 weight
     ]

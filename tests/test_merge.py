@@ -394,3 +394,117 @@ def test_a_merge_round_changes_only_the_mergeable_layers() -> None:
             assert torch.equal(part[name], full[name]), name
         elif parse_expert_block(name) is not None:
             assert torch.equal(part[name], uploads[parse_expert_block(name).block][name]), name  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What mutation testing (bench/mutation.py) found unpinned: the messages of bad input, the bounds of the settings,
+# the buffers a mean is summed into, the copies a merge of strength 0 returns, donors chosen by direction only.
+
+MERGE_ROUND = {"num_peers": 2, "experts_per_peer": 2, "mode": "spes", "step": 100, "merge": MergeConfig(interval=100)}
+
+
+def test_settings_at_their_bounds() -> None:
+    for ok in (MergeConfig(alpha_start=0.0, decay_steps=1), OuterConfig(optimizer="none", momentum=0.0)):
+        assert ok is not None
+    bad = [
+        (lambda: MergeConfig(alpha_start=-0.5), "merge alpha_start must be a finite number >= 0, got -0.5"),
+        (lambda: MergeConfig(alpha_start=float("nan")), "merge alpha_start must be a finite number >= 0, got nan"),
+        (lambda: OuterConfig(lr=0.0), r"outer lr must be > 0 and momentum in \[0, 1\), got lr=0.0 momentum=0.9"),
+        (lambda: OuterConfig(momentum=1.0), r"outer lr must be .*, got lr=0.7 momentum=1.0"),
+        (lambda: OuterConfig(momentum=1.5), r"outer lr must be .*, got lr=0.7 momentum=1.5"),
+    ]
+    for make, message in bad:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            make()
+
+
+def test_an_interval_of_one_merges_every_round_and_diloco_downloads_everything() -> None:
+    assert round_alpha(3, "spes", MergeConfig(interval=1, alpha_start=0.5, decay_steps=10)) == pytest.approx(0.35)
+    names = list(tiny_manifest(num_layers=1))
+    assert download_names(names, 1, "diloco", merged=False) == names
+
+
+def test_bad_layers_and_blocks_are_refused_naming_them() -> None:
+    manifest = tiny_manifest(num_layers=1, num_blocks=2, k=2)
+    uploads = {p: peer_upload(manifest, p, "spes", seed=6) for p in range(2)}
+    no_w2 = [n for n in manifest if ".w2." not in n]
+    with pytest.raises(
+        ValueError, match=r"^merging 'blocks.0.ffn.experts' needs w1, v1 and w2 blocks, got kinds \['v1', 'w1'\]$"
+    ):
+        build_global(uploads, names=no_w2, **MERGE_ROUND)  # type: ignore[arg-type]
+    without_v1_1 = [n for n in manifest if n != "blocks.0.ffn.experts.v1.1"]
+    with pytest.raises(ValueError, match=r"^'blocks.0.ffn.experts': kind 'v1' has blocks \[0\] but w1 has \[0, 1\]$"):
+        build_global(uploads, names=without_v1_1, **MERGE_ROUND)  # type: ignore[arg-type]
+    uploads[1]["blocks.0.ffn.experts.w1.1"] = torch.randn(3, 8, 4)  # 3 experts in a block of 2
+    with pytest.raises(
+        ValueError, match=r"^expert block 'blocks.0.ffn.experts.w1.1' holds 3 experts, more than experts_per_peer=2$"
+    ):
+        build_global(uploads, **MERGE_ROUND)  # type: ignore[arg-type]
+    w1, v1, w2 = random_layer(3, seed=7)
+    with pytest.raises(ValueError, match=r"^w1/v1/w2 disagree on the number of experts: 3, 2, 3$"):
+        merge_experts(w1, v1[:2], w2, alpha=0.5, topk=1)
+
+
+def test_a_merge_of_strength_zero_returns_new_fp32_tensors() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = [t.to(dtype) for t in random_layer(3, seed=8)]
+        for got, orig in zip(merge_experts(*layer, alpha=0.0, topk=1), layer, strict=True):
+            assert got.dtype == torch.float32 and torch.equal(got, orig.float())
+            assert got.untyped_storage().data_ptr() != orig.untyped_storage().data_ptr()  # a copy, never the input
+
+
+def test_donors_are_chosen_by_direction_whatever_the_scale() -> None:
+    """Cosine similarity is scale-free: the same layer shrunk a thousand times (norms far below 1) merges the same
+    way. Its experts' norms differ, so a similarity that depended on them would pick other donors."""
+    w1, v1, w2 = random_layer(6, seed=9)
+    w1 = w1 * torch.tensor([0.5, 4.0, 1.0, 8.0, 0.25, 2.0])[:, None, None]
+    want = merge_experts(w1, v1, w2, alpha=0.5, topk=1)[1]
+    assert torch.equal(merge_experts(w1 * 1e-3, v1, w2, alpha=0.5, topk=1)[1], want)
+
+
+def test_tied_donors_are_the_lowest_indices_for_any_number_of_experts() -> None:
+    """40 identical experts: every similarity ties, and the donors are the lowest other indices (a sort that is
+    not stable picks others once there are more than ~32)."""
+    num_experts = 40
+    w1 = torch.ones(num_experts, 2, 2)
+    v1 = torch.arange(float(num_experts)).reshape(-1, 1, 1).expand(-1, 2, 2).contiguous()
+    new_v1 = merge_experts(w1, v1, v1.transpose(1, 2).contiguous(), alpha=1.0, topk=2)[1][:, 0, 0]
+    assert new_v1.tolist() == [1.5, 1.0] + [0.5] * (num_experts - 2)
+
+
+def test_the_outer_step_is_diloco_only() -> None:
+    manifest = tiny_manifest(num_layers=1)
+    uploads = {p: peer_upload(manifest, p, "spes", seed=10) for p in range(2)}
+    previous = {n: torch.zeros(s) for n, s in manifest.items()}
+    kw = {"num_peers": 2, "experts_per_peer": 2, "mode": "spes", "step": 7, "previous": previous}
+    plain = build_global(uploads, **kw)  # type: ignore[arg-type]
+    nesterov = build_global(uploads, outer=OuterConfig(optimizer="nesterov"), **kw)  # type: ignore[arg-type]
+    assert_same(nesterov.tensors, plain.tensors)
+    assert nesterov.momentum == {}
+
+
+def test_means_are_summed_in_the_buffers_they_are_given() -> None:
+    """A bf16 mean goes into the fp32 tensor `empty` hands out (one arrived peer is enough); an fp32 one, when
+    consumed, into the first peer's upload; `mean_over_peers(out=...)` into `out`."""
+    manifest = tiny_manifest(num_layers=1, num_blocks=1)
+    lone = {0: {n: t.bfloat16() for n, t in peer_upload(manifest, 0, "diloco", seed=11).items()}}
+    handed: list[torch.Tensor] = []
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        assert dtype == torch.float32
+        handed.append(torch.full(shape, float("nan")))
+        return handed[-1]
+
+    kw = {"num_peers": 2, "experts_per_peer": 2, "mode": "diloco", "step": 1, "empty": empty}
+    out = build_global({0: dict(lone[0])}, **kw).tensors  # type: ignore[arg-type]
+    assert [t.shape for t in handed] == [torch.Size(manifest[n]) for n in sorted(manifest)]  # in the order built
+    for name, tensor in out.items():
+        assert any(tensor is h for h in handed) and torch.equal(tensor, lone[0][name].float()), name
+    handed.clear()
+    fp32 = {p: peer_upload(manifest, p, "diloco", seed=12) for p in range(2)}
+    firsts = {n: fp32[0][n] for n in manifest}
+    out = build_global(fp32, consume=True, **kw).tensors  # type: ignore[arg-type]
+    assert not handed and all(out[n] is firsts[n] for n in manifest)  # summed in place in peer 0's upload
+    tensors = [torch.randn(3, 4) for _ in range(2)]
+    buffer = torch.empty(3, 4)
+    assert mean_over_peers(tensors, out=buffer) is buffer and torch.equal(buffer, (tensors[0] + tensors[1]) / 2)
