@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from common import REPO_ROOT, format_table, machine_info, parser, write_results
+from spes import speed
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
 from spes.model import Transformer, tflops_per_token
@@ -75,14 +75,7 @@ def build_variant(
 
 
 def timed_step(variant: Variant, batch: torch.Tensor) -> float:
-    device = variant.trainer.info.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    variant.trainer.train_step(batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
+    return speed.timed_step(variant.trainer, batch)
 
 
 def main(argv: list[str] | None = None) -> int:

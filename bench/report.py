@@ -1,11 +1,15 @@
 #!/usr/bin/env python
-"""Plot the full benchmark results (bench/results/*.json) into docs/benchmarks.png for docs/benchmarks.md.
+"""Plot the full benchmark results (bench/results/*.json) into docs/benchmarks.png for docs/benchmarks.md, and
+render the README's GPU section from the GPU records.
 
-    .venv/bin/python bench/report.py [--results bench/results] [--png docs/benchmarks.png]
+    .venv/bin/python bench/report.py [--results bench/results] [--png docs/benchmarks.png] [--readme README.md]
 
 Six panels: memory of the paper's 1B node (analytic) and of the small node (measured), bytes on the wire
 per peer per round for the 1B, sync throughput against raw TCP, aggregation against memcpy, and training
-tokens/s per MoE backend. A panel whose JSON is missing says so instead of failing.
+tokens/s per MoE backend. A panel whose JSON is missing says so instead of failing. The README's text between
+`<!-- gpu-table:start -->` and `<!-- gpu-table:end -->` is replaced by `gpu_section`: the variants of
+`bench_gpu.json` (or a note that it does not exist yet) and, for GPUs of 24, 48 and 80 GB, the fastest measured
+setting whose peak memory fits.
 """
 
 from __future__ import annotations
@@ -127,11 +131,127 @@ def panel_train(ax: Any, train: dict[str, Any]) -> None:
     ax.set_title(f"{train['config']} on {train['device']}: training speed", fontsize=9)
 
 
+GPU_MARKERS = ("<!-- gpu-table:start -->", "<!-- gpu-table:end -->")
+CARDS = (("24 GB", "RTX 4090, L4", 22.0), ("48 GB", "L40S, A6000", 44.4), ("80 GB", "A100 / H100 80GB", 79.1))
+"""GPU classes of the advice, with the memory their cards report (GiB; the smallest of the class)."""
+USABLE = 0.9  # NOTE: spes.preflight's USABLE_MEMORY: the rest is allocator slack, CUDA context, fragmentation
+
+
+def gpu_settings(results: Path) -> list[dict[str, Any]]:
+    """Every measured 1B node setting on a GPU: the variants of bench_gpu.json and the runs of
+    bench_wan_gpu_steps.json, each with its tokens/s of the config's step, peak GiB and record."""
+    out = []
+    gpu = _load(results, "bench_gpu") or {"variants": [], "machine": {}}
+    for v in gpu["variants"]:
+        if v["status"] == "ok" and v.get("peak_memory_bytes"):
+            s = v["settings"]
+            setting = (
+                f"`moe_backend: {v['moe_backend']}`, micro-batch {s['micro_batch']}"
+                f"{', `fused_loss`' if s['fused_loss'] else ''}{', `compile`' if s['compile'] else ''}"
+                f"{'' if s['checkpointing'] else ', no activation checkpointing'}"
+            )
+            out.append(
+                {
+                    "setting": setting,
+                    "tokens_per_s": v["tokens_per_s"],
+                    "peak_gib": v["peak_memory_bytes"] / GIB,
+                    "record": "bench_gpu.json",
+                    "device": gpu["machine"].get("name", ""),
+                }
+            )
+    steps_path = results / "bench_wan_gpu_steps.json"
+    steps = json.loads(steps_path.read_text()) if steps_path.is_file() else {"runs": []}
+    for run in steps["runs"]:
+        out.append(
+            {
+                "setting": f"`moe_backend: {run['moe_backend']}`, micro-batch {run['microbatch']} (no activation "
+                "checkpointing, whole logits: before issue 29)",
+                "tokens_per_s": run["sequences_per_step"] * 2048 / run["step_s"],
+                "peak_gib": run["peak_memory_gib"],
+                "record": steps_path.name,
+                "device": steps["device"],
+            }
+        )
+    return out
+
+
+def gpu_section(results: Path) -> str:
+    """The README's GPU section (markdown), from the records alone."""
+    gpu = _load(results, "bench_gpu")
+    lines = []
+    if gpu is None:
+        lines.append(
+            "No GPU benchmark record yet: `bench/results/bench_gpu.json` is written by `bash bench/run_gpu.sh` on a "
+            "GPU (issue 29) and this section is rendered from it by `bench/report.py`."
+        )
+    else:
+        m = gpu["machine"]
+        lines += [
+            f"The 1B SPES node (`configs/spes_1b/node_0.yaml`, peer 0, amp_bf16) on one {m.get('name', 'GPU')} "
+            f"(torch {m['torch']}, commit {gpu['commit'][:12]}; record `bench/results/bench_gpu.json`, "
+            "`bench/bench_gpu.py`): each variant's step of 256 sequences projected from timed steps of 1 and 4 "
+            "micro-batches; MFU by `tflops_per_token` and, after the slash, by the FLOPs done (frozen experts skip "
+            "their weight gradients).",
+            "",
+            "| variant | step s | tokens/s | MFU | peak GiB | syncs/step |",
+            "|---|---|---|---|---|---|",
+        ]
+        for v in gpu["variants"]:
+            if v["status"] != "ok":
+                lines.append(f"| {v['name']} | {v['status']} | | | | |")
+                continue
+            mfu = f"{v['mfu']:.1%} / {v['mfu_done']:.1%}" if "mfu" in v else "n/a"
+            peak = f"{v['peak_memory_bytes'] / GIB:.1f}" if v.get("peak_memory_bytes") else "n/a"
+            lines.append(
+                f"| {v['name']} | {v['step_s']:.2f} | {v['tokens_per_s']:,.0f} | {mfu} | {peak} | "
+                f"{v['syncs_per_step']['count']} |"
+            )
+    lines += [
+        "",
+        f"What to set, by GPU memory: the fastest measured setting whose peak is at most {USABLE:.0%} of the card's "
+        "memory (`spes.preflight`'s margin); `python -m spes.preflight CONFIG` estimates the largest micro-batch "
+        "of any other setting.",
+        "",
+    ]
+    lines += ["| GPU | setting | tokens/s | peak GiB | measured on |", "|---|---|---|---|---|"]
+    settings = gpu_settings(results)
+    for label, cards, total in CARDS:
+        fits = [s for s in settings if s["peak_gib"] <= USABLE * total]
+        if not fits:
+            smallest = min(settings, key=lambda s: s["peak_gib"], default=None)
+            what = f"smallest measured: {smallest['setting']} at {smallest['peak_gib']:.1f} GiB" if smallest else ""
+            lines.append(f"| {label} ({cards}) | no measured setting fits; {what} | | | |")
+            continue
+        best = max(fits, key=lambda s: s["tokens_per_s"])
+        lines.append(
+            f"| {label} ({cards}) | {best['setting']} | {best['tokens_per_s']:,.0f} | {best['peak_gib']:.1f} | "
+            f"{best['device']} (`{best['record']}`) |"
+        )
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, section: str) -> None:
+    """Replace the text between the GPU markers of `readme` by `section`."""
+    text = readme.read_text()
+    start, end = GPU_MARKERS
+    if start not in text or end not in text:
+        raise SystemExit(f"error: {readme} lacks the markers {start} ... {end} around its GPU section")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    write_atomic(readme, f"{head}{start}\n{section}\n{end}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=RESULTS_DIR, help="directory of the benchmarks' JSON")
     p.add_argument("--png", type=Path, default=REPO_ROOT / "docs" / "benchmarks.png", help="output image")
+    p.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README whose GPU section to render")
+    p.add_argument("--no_png", action="store_true", help="only render the README's GPU section")
     args = p.parse_args(argv)
+    update_readme(args.readme, gpu_section(args.results))
+    print(f"rendered the GPU section of {args.readme}")
+    if args.no_png:
+        return 0
     import matplotlib
 
     matplotlib.use("Agg")

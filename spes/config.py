@@ -89,8 +89,10 @@ class ModelConfig:
     moe_num_experts: int = _f(8, "experts per MoE layer")
     moe_dropless: bool = _f(True, "dropless routing (must be true)")
     moe_mlp_impl: str = _f("sparse", "inert: megablocks MLP kind; see moe_backend")
-    moe_backend: Literal["torch", "grouped_mm", "megablocks"] = _f(
-        "torch", "expert compute: torch (sort + per-expert matmul), grouped_mm, megablocks (GPU only)"
+    moe_backend: Literal["auto", "torch", "grouped_mm", "megablocks"] = _f(
+        "auto",
+        "expert compute: auto (grouped_mm on CUDA sm80+, else torch), torch (sort + per-expert matmul), grouped_mm, "
+        "megablocks (GPU only)",
     )
     moe_zloss_weight: float = _f(0.001, "router z-loss weight")
     moe_loss_weight: float = _f(0.01, "load-balancing loss weight")

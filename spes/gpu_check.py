@@ -3,11 +3,12 @@
     python -m spes.preflight --gpu [CONFIG.yaml] [--section.key=value ...]
 
 On a machine with CUDA: a bf16 forward and backward of one decoder block of the config through its MoE backend
-(`model.moe_backend`: megablocks or grouped_mm when the config picks them) with tokens/s, MFU and peak memory;
-with several GPUs it re-launches itself under torchrun for an NCCL all-reduce across them (bus bandwidth) and
-one FSDP2 training step of a two-layer version of the model. With the config's `compile` key set, the block is
-compiled as the trainer compiles it (the warm-up call pays the compile time, the timed calls do not). Without
-CUDA it says so in one line and checks nothing.
+(`model.moe_backend`) with tokens/s, MFU and peak memory; the node's whole optimizer step timed by `spes.speed`
+(the GPU benchmark's measurement: tokens/s and MFU by `tflops_per_token` and by the FLOPs done); with several
+GPUs it re-launches itself under torchrun for an NCCL all-reduce across them (bus bandwidth) and one FSDP2
+training step of a two-layer version of the model. With the config's `compile` key set, the block and the step
+are compiled as the trainer compiles them (the warm-up call pays the compile time, the timed calls do not).
+Without CUDA it says so in one line and checks nothing.
 """
 
 from __future__ import annotations
@@ -21,31 +22,19 @@ from pathlib import Path
 
 import torch
 
-from spes.preflight import Check, fail, gib, matmul_flops_per_s, ok, report, skip
+from spes import monitor
+from spes.checks import Check, fail, gib, matmul_flops_per_s, ok, report, skip
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "spes_1b" / "node_0.yaml"
-PEAK_BF16_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "H800": 989e12,
-    "A100": 312e12,
-    "A800": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10": 125e12,
-    "B200": 2250e12,
-}
-"""Dense bf16 peak per GPU by product name (datasheet); other GPUs use their measured matmul rate."""
 ITERS = 5
 ALL_REDUCE_BYTES = 256 << 20
 
 
 def peak_flops(device: torch.device) -> tuple[float, str]:
     """The device's peak rate for MFU: a GPU's datasheet bf16 figure, else its measured matmul rate."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    for key, flops in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])):
-        if key in name:
-            return flops, "datasheet"
+    datasheet = monitor.peak_flops(device)
+    if datasheet is not None:
+        return datasheet, "datasheet"
     return matmul_flops_per_s(device.type), "measured matmul"
 
 
@@ -116,6 +105,33 @@ def check_block(cfg: object, device: torch.device) -> Check:
         f"{tokens / seconds:,.0f} tokens/s, MFU {flops / seconds / peak:.1%} (of {peak / 1e12:,.3g} TFLOP/s, "
         f"{source}), peak memory {peak_memory(device)}",
     )
+
+
+def check_step(cfg: object, device: torch.device, world: int) -> Check:
+    """The node's optimizer step as `spes.train` runs it, timed and reported by `spes.speed`, the code of the GPU
+    benchmark (bench/bench_gpu.py): its tokens/s and MFU are the benchmark's for this config."""
+    import tempfile
+    from dataclasses import replace
+
+    from spes import speed
+    from spes.config import TrainConfig
+
+    assert isinstance(cfg, TrainConfig)
+    if world > 1:
+        return skip("step", "several ranks: the fsdp check trains a step across them")
+    with tempfile.TemporaryDirectory(prefix="spes_gpu_check_") as scratch:
+        node_cfg = replace(cfg, save_folder=scratch)
+        trainer = speed.build_timed_node(node_cfg, device)
+        times = speed.time_steps(trainer, lambda n: speed.random_batch(node_cfg, n))
+        share = speed.trained_expert_share(trainer, speed.random_batch(node_cfg, node_cfg.device_train_microbatch_size))
+        figures = speed.step_figures(node_cfg, times, device, share)
+        backend = speed.moe_backend_of(trainer.model)
+    memory = gib(figures["peak_memory_bytes"]) if figures["peak_memory_bytes"] is not None else "n/a (CPU)"
+    settings = (
+        f"backend {backend}, {'compiled' if cfg.compile else 'eager'}, "
+        f"{'fused_loss' if cfg.fused_loss else 'whole logits'}, activation checkpointing {cfg.activation_checkpointing}"
+    )
+    return ok("step", f"node step ({settings}): {speed.describe(figures)}; peak memory {memory}")
 
 
 def check_all_reduce(world: int, device: torch.device, num_bytes: int = ALL_REDUCE_BYTES) -> Check:
@@ -235,6 +251,7 @@ def main(config: str | None, overrides: list[str]) -> int:
     try:
         checks = [
             guarded("block", lambda: check_block(cfg, device)),
+            guarded("step", lambda: check_step(cfg, device, world)),
             guarded("nccl", lambda: check_all_reduce(world, device)),
             guarded("fsdp", lambda: check_fsdp(cfg, world, rank, device)),
         ]

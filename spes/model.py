@@ -109,7 +109,14 @@ class Attention(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + moe(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, block_size: int, trainable_block: int | None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        block_size: int,
+        trainable_block: int | None,
+        frozen_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
         self.attn = Attention(cfg)
@@ -126,6 +133,7 @@ class Block(nn.Module):
             z_weight=cfg.moe_zloss_weight,
             normalize_p=cfg.normalize_expert_weights_p,
             backend=cfg.moe_backend,
+            frozen_dtype=frozen_dtype,
         )
         self.dropout = nn.Dropout(cfg.residual_dropout)
 
@@ -189,6 +197,13 @@ def logit_loss_sums(
     return ce, (torch.logsumexp(logits, dim=-1).square() * (labels_N != IGNORE_INDEX)).sum()
 
 
+def resolve_moe_backends(model: nn.Module, device: torch.device) -> None:
+    """Decide each MoE layer's `auto` backend for `device` now, outside any torch.compile trace."""
+    for module in model.modules():
+        if isinstance(module, ExpertBlocks):
+            module.resolved_backend(device)
+
+
 def assign_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
     """Give `param` the values of the whole tensor `whole`: all of them, or this rank's shard of an FSDP2 DTensor."""
     if is_dtensor(param):
@@ -205,7 +220,14 @@ class Transformer(nn.Module):
     rope_cos: torch.Tensor  # (max_sequence_length, head_dim) buffers, recomputed rather than saved
     rope_sin: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig, *, block_size: int | None = None, trainable_block: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        block_size: int | None = None,
+        trainable_block: int | None = None,
+        frozen_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         assert cfg.embedding_size is not None
@@ -213,7 +235,8 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.embedding_size, cfg.d_model)
         self.embed_dropout = nn.Dropout(cfg.embedding_dropout)
         self.blocks = nn.ModuleList(
-            Block(cfg, block_size=block_size, trainable_block=trainable_block) for _ in range(cfg.n_layers)
+            Block(cfg, block_size=block_size, trainable_block=trainable_block, frozen_dtype=frozen_dtype)
+            for _ in range(cfg.n_layers)
         )
         self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
         self.lm_head = nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
@@ -223,10 +246,12 @@ class Transformer(nn.Module):
 
     @classmethod
     def for_run(cls, cfg: TrainConfig) -> Transformer:
-        """The model a node of this run builds: under SPES, expert blocks per peer and only its own trainable."""
+        """The model a node of this run builds: under SPES, expert blocks per peer and only its own trainable; under
+        amp_bf16 the frozen blocks held in bf16 (autocast computes them in bf16 anyway: the same values)."""
         owned = cfg.owned_experts()
         trainable = None if owned is None else cfg.spes_config.peer_id
-        return cls(cfg.model, block_size=cfg.experts_per_peer, trainable_block=trainable)
+        frozen_dtype = torch.bfloat16 if cfg.precision == "amp_bf16" else None
+        return cls(cfg.model, block_size=cfg.experts_per_peer, trainable_block=trainable, frozen_dtype=frozen_dtype)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -263,6 +288,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg.max_sequence_length, cfg.head_dim, cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        resolve_moe_backends(self, self.rope_cos.device)
 
     def set_own_count_scale(self, factor: float) -> None:
         """Apply the SPES decayed load-balancing factor to every MoE layer."""
@@ -342,8 +368,19 @@ def analytic_param_counts(cfg: ModelConfig, trained_experts: int | None = None) 
 
 def tflops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (6 x active matmul params + attention), for MFU."""
+    return tflops_done_per_token(cfg, trained_expert_share=1.0)
+
+
+def tflops_done_per_token(cfg: ModelConfig, trained_expert_share: float) -> float:
+    """The training FLOPs per token a node actually does when only `trained_expert_share` of the routed token
+    copies land on experts it trains: every matmul's forward (2 x params) and input gradient (2x), weight
+    gradients (2x) for the shared matmuls and the trained experts only, plus attention. Recomputation
+    (activation checkpointing, `fused_loss`'s head) is not counted: this is model FLOPs, not hardware FLOPs.
+    With `trained_expert_share` 1 (a full model) it is `tflops_per_token`."""
     counts = analytic_param_counts(cfg)
     assert cfg.embedding_size is not None
     matmul_active = counts.active_per_token - cfg.embedding_size * cfg.d_model
+    expert_active = cfg.n_layers * cfg.moe_top_k * 3 * cfg.d_model * cfg.expert_hidden_size
     attn = 12 * cfg.n_layers * cfg.d_model * cfg.max_sequence_length / 2
-    return (6 * matmul_active + attn) / 1e12
+    shared = 6 * (matmul_active - expert_active)
+    return (shared + (4 + 2 * trained_expert_share) * expert_active + attn) / 1e12

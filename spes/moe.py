@@ -3,9 +3,13 @@
 A SPES node trains only the experts it owns. To make that a real memory saving, the experts of a
 layer are stored as *blocks* of `block_size` experts (one block per peer under SPES), each block its
 own parameters. The owned block has `requires_grad=True`; the others are frozen, so they get no
-`.grad` and no optimizer state, and nothing concatenates frozen and trainable weights on the
-forward pass: tokens are sorted by expert and each expert's tokens meet that expert's slice of its
-own block.
+`.grad`, no optimizer state and no weight-gradient work, and under amp_bf16 they are held in bf16.
+
+Backends: `torch` sorts the routed copies by expert and loops over experts, `megablocks` runs its grouped
+GEMM per block; both need the per-expert counts on the host (one host-device sync per layer). `grouped_mm`
+(the `auto` choice on CUDA) keeps the counts on the device: the trained block's experts go first, all
+experts run in one grouped GEMM per weight, and its backward computes the trained experts' weight
+gradients only (`_TrainedFirstGroupedMM`), so a micro-batch's forward and backward never wait for the host.
 
 Shape legend (as in torchtitan): T tokens, D d_model, F expert width, E experts, K top-k,
 N experts in one block, A = T*K routed token copies.
@@ -20,13 +24,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-MoEBackend = Literal["torch", "grouped_mm", "megablocks"]
+MoEBackend = Literal["auto", "torch", "grouped_mm", "megablocks"]
 EXPERT_KINDS = ("w1", "v1", "w2")
 _EXPERT_BLOCK_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>w1|v1|w2)\.(?P<block>0|[1-9][0-9]*)$")
 _FUSED_EXPERTS_RE = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<kind>w1|v1|w2)$")
@@ -137,7 +141,11 @@ def router_z_loss(logits_TE: torch.Tensor, *, weight: float) -> torch.Tensor:
 
 
 class ExpertBlocks(nn.Module):
-    """E SwiGLU experts stored as ceil(E / N) blocks; only `trainable_block` (or all, if None) is trained."""
+    """E SwiGLU experts stored as ceil(E / N) blocks; only `trainable_block` (or all, if None) is trained.
+
+    `frozen_dtype` holds the frozen blocks in that dtype (bf16 under amp_bf16: the dtype autocast computes them
+    in, so the same values at half the memory and no cast per micro-batch of weights that never change).
+    """
 
     def __init__(
         self,
@@ -147,16 +155,19 @@ class ExpertBlocks(nn.Module):
         d_model: int,
         hidden: int,
         trainable_block: int | None,
-        backend: MoEBackend = "torch",
+        backend: MoEBackend = "auto",
+        frozen_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.block_size, self.backend = num_experts, block_size, backend
         self.bounds = [(lo, min(lo + block_size, num_experts)) for lo in range(0, num_experts, block_size)]
         self.trainable_block = trainable_block
+        self._resolved: MoEBackend | None = None
 
         def block(shape: tuple[int, int], b: int, n: int) -> nn.Parameter:
             trainable = trainable_block is None or trainable_block == b
-            return nn.Parameter(torch.empty(n, *shape), requires_grad=trainable)
+            dtype = None if trainable else frozen_dtype
+            return nn.Parameter(torch.empty(n, *shape, dtype=dtype), requires_grad=trainable)
 
         sizes = [hi - lo for lo, hi in self.bounds]
         self.w1 = nn.ParameterList([block((d_model, hidden), b, n) for b, n in enumerate(sizes)])
@@ -165,8 +176,37 @@ class ExpertBlocks(nn.Module):
         if backend == "megablocks":
             _require_grouped_gemm()
 
-    def forward(self, x_AD: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x_AD holds the routed token copies sorted by expert; counts[e] of them go to expert e."""
+    @property
+    def own_bounds(self) -> tuple[int, int]:
+        """Experts [lo, hi) of the trained block (all for a full model, none for a peer past the last block)."""
+        if self.trainable_block is None:
+            return 0, self.num_experts
+        if self.trainable_block >= len(self.bounds):
+            return 0, 0
+        return self.bounds[self.trainable_block]
+
+    def resolved_backend(self, device: torch.device) -> MoEBackend:
+        """The backend this module computes with on `device` (`auto`: grouped_mm on a CUDA GPU of compute
+        capability 8.0 or newer, the per-expert loop elsewhere); decided once."""
+        if self._resolved is None:
+            self._resolved = resolve_backend(self.backend, device)
+        return self._resolved
+
+    def dispatch_keys(self, expert_A: torch.Tensor, backend: MoEBackend) -> torch.Tensor:
+        """Sort keys that put routed copies in the order `forward` takes them: by expert, and for grouped_mm the
+        trained block's experts first (its rows then start at row 0, which its weight gradient needs)."""
+        lo, hi = self.own_bounds
+        if backend != "grouped_mm" or lo == 0:
+            return expert_A
+        # NOTE: python ints, not a lookup tensor, so no host-to-device copy per call
+        return torch.where(expert_A >= hi, expert_A, torch.where(expert_A >= lo, expert_A - lo, expert_A + hi - lo))
+
+    def forward(self, x_AD: torch.Tensor, tokens_per_expert_E: torch.Tensor, backend: MoEBackend) -> torch.Tensor:
+        """x_AD holds the routed token copies sorted by `dispatch_keys`; tokens_per_expert_E[e] go to expert e."""
+        dtype = _compute_dtype(x_AD)
+        if backend == "grouped_mm":
+            return self._grouped_forward(x_AD.to(dtype), tokens_per_expert_E, dtype)
+        counts = tokens_per_expert_E.tolist()  # NOTE: a host-device sync; the loop and gmm need host sizes
         outs = []
         start = 0
         for b, (lo, hi) in enumerate(self.bounds):
@@ -175,8 +215,8 @@ class ExpertBlocks(nn.Module):
                 if torch.is_grad_enabled() and self.w1[b].requires_grad:
                     outs.append(self._touch(b, x_AD))
                 continue
-            x_block = x_AD[start : start + n_tokens]
-            outs.append(self._block_forward(b, x_block, counts[lo:hi]))
+            x_block = x_AD[start : start + n_tokens].to(dtype)
+            outs.append(self._block_forward(b, x_block, counts[lo:hi], backend, dtype))
             start += n_tokens
         return torch.cat(outs) if outs else x_AD.new_zeros(x_AD.shape)
 
@@ -191,13 +231,11 @@ class ExpertBlocks(nn.Module):
             x0.dtype
         )
 
-    def _block_forward(self, b: int, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        # NOTE: autocast does not cover grouped_mm / gmm, which take bf16 on CUDA: cast to the autocast dtype here.
-        device_type = x.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        x = x.to(dtype)
+    def _block_forward(
+        self, b: int, x: torch.Tensor, counts: list[int], backend: MoEBackend, dtype: torch.dtype
+    ) -> torch.Tensor:
         w1, v1, w2 = self.w1[b].to(dtype), self.v1[b].to(dtype), self.w2[b].to(dtype)
-        if self.backend == "torch":
+        if backend == "torch":
             outs, start = [], 0
             for i, n in enumerate(counts):
                 if n:
@@ -205,15 +243,87 @@ class ExpertBlocks(nn.Module):
                     outs.append((F.silu(xi @ w1[i]) * (xi @ v1[i])) @ w2[i])
                     start += n
             return torch.cat(outs)
-        if self.backend == "grouped_mm":
-            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-            h = F.silu(F.grouped_mm(x, w1, offs=offs)) * F.grouped_mm(x, v1, offs=offs)
-            return F.grouped_mm(h, w2, offs=offs)
         from grouped_gemm import ops  # megablocks' grouped GEMM kernel; checked at construction
 
         sizes = torch.tensor(counts, dtype=torch.long)
         h = F.silu(ops.gmm(x, w1, sizes)) * ops.gmm(x, v1, sizes)
         return ops.gmm(h, w2, sizes)
+
+    def _grouped_forward(
+        self, x_AD: torch.Tensor, tokens_per_expert_E: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """All experts in three grouped GEMMs over every routed copy, with group sizes kept on the device (no
+        host-device sync); the trained block's experts come first, and only they get weight gradients."""
+        lo, hi = self.own_bounds
+        counts_G = torch.cat([tokens_per_expert_E[lo:hi], tokens_per_expert_E[:lo], tokens_per_expert_E[hi:]])
+        offs_G = counts_G.cumsum(0).to(torch.int32)
+        h = F.silu(self._grouped(x_AD, self.w1, offs_G, dtype)) * self._grouped(x_AD, self.v1, offs_G, dtype)
+        return self._grouped(h, self.w2, offs_G, dtype)
+
+    def _grouped(
+        self, x_AD: torch.Tensor, blocks: nn.ParameterList, offs_G: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """x_AD @ each expert's weights over its rows, the trained block's experts first (see `dispatch_keys`)."""
+        lo, hi = self.own_bounds
+        trained = [p.to(dtype) for (b_lo, _), p in zip(self.bounds, blocks) if lo <= b_lo < hi]
+        frozen = [p.detach().to(dtype) for (b_lo, _), p in zip(self.bounds, blocks) if not lo <= b_lo < hi]
+        w_frozen = torch.cat(frozen) if frozen else None
+        if not trained:
+            assert w_frozen is not None
+            return F.grouped_mm(x_AD, w_frozen, offs=offs_G)
+        w_trained = torch.cat(trained) if len(trained) > 1 else trained[0]
+        return _TrainedFirstGroupedMM.apply(x_AD, w_trained, w_frozen, offs_G)
+
+
+class _TrainedFirstGroupedMM(torch.autograd.Function):
+    """grouped_mm(x, cat(w_trained, w_frozen)) whose backward computes weight gradients for `w_trained` only.
+
+    torch's own grouped_mm backward would compute the gradient of every expert's weight, the frozen ones
+    included, and throw it away: the work a SPES node is meant to skip. The trained experts' rows come first
+    (`ExpertBlocks.dispatch_keys`), so their weight gradient is one grouped GEMM over the first groups of `offs`.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_AD: torch.Tensor,
+        w_trained_NDF: torch.Tensor,
+        w_frozen_MDF: torch.Tensor | None,
+        offs_G: torch.Tensor,
+    ) -> torch.Tensor:
+        w_GDF = w_trained_NDF if w_frozen_MDF is None else torch.cat([w_trained_NDF, w_frozen_MDF])
+        ctx.save_for_backward(x_AD, w_GDF, offs_G)
+        ctx.num_trained = w_trained_NDF.shape[0]
+        return F.grouped_mm(x_AD, w_GDF, offs=offs_G)
+
+    @staticmethod
+    def backward(ctx: Any, dy_AF: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_AD, w_GDF, offs_G = ctx.saved_tensors
+        dy_AF = dy_AF.contiguous()  # NOTE: grouped_mm refuses stride-0 gradients (those of a .sum())
+        dx = F.grouped_mm(dy_AF, w_GDF.transpose(-2, -1), offs=offs_G) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:  # rows past the trained experts' last offset are left out
+            dw = F.grouped_mm(x_AD.transpose(0, 1), dy_AF, offs=offs_G[: ctx.num_trained])
+        return dx, dw, None, None
+
+
+def resolve_backend(backend: MoEBackend, device: torch.device) -> MoEBackend:
+    """`auto`: grouped_mm on a CUDA GPU of compute capability 8.0 or newer (1.25-2.2x the per-expert loop on an
+    H200, docs/benchmarks.md), the per-expert loop elsewhere (no faster on a CPU); any other backend as named."""
+    if backend != "auto":
+        return backend
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+        return "grouped_mm"
+    return "torch"
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast computes in here, else x's own.
+
+    NOTE: autocast does not cover grouped_mm / gmm, which take bf16 on CUDA: the experts cast to it themselves.
+    """
+    device_type = x.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
 def _require_grouped_gemm() -> None:
@@ -243,7 +353,8 @@ class MoE(nn.Module):
         lb_weight: float,
         z_weight: float,
         normalize_p: float | None,
-        backend: MoEBackend = "torch",
+        backend: MoEBackend = "auto",
+        frozen_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.num_layers = num_experts, top_k, num_layers
@@ -256,6 +367,7 @@ class MoE(nn.Module):
             hidden=hidden,
             trainable_block=trainable_block,
             backend=backend,
+            frozen_dtype=frozen_dtype,
         )
         # NOTE: a plain attribute, not a buffer: it is a schedule value set by the trainer, not model state.
         self.own_count_scale: torch.Tensor | None = None
@@ -279,11 +391,14 @@ class MoE(nn.Module):
         if self.normalize_p is not None:
             topw_TK = topw_TK / topw_TK.norm(p=self.normalize_p, dim=-1, keepdim=True)
 
+        backend = self.experts.resolved_backend(x.device)
         flat_expert_A = topi_TK.reshape(-1)
-        order_A = torch.argsort(flat_expert_A, stable=True)
+        # NOTE: counted by comparison, not bincount, whose CUDA kernel reads the largest id back to the host
+        experts_E = torch.arange(self.num_experts, device=x.device)
+        tokens_per_expert_E = (flat_expert_A.unsqueeze(1) == experts_E).sum(0)
+        order_A = torch.argsort(self.experts.dispatch_keys(flat_expert_A, backend), stable=True)
         token_A = order_A // self.top_k
-        tokens_per_expert_E = torch.bincount(flat_expert_A, minlength=self.num_experts)
-        y_AD = self.experts(x_TD[token_A], tokens_per_expert_E.tolist())
+        y_AD = self.experts(x_TD[token_A], tokens_per_expert_E, backend)
         y_AD = y_AD * topw_TK.reshape(-1)[order_A].unsqueeze(-1).to(y_AD.dtype)
         y_TD = torch.zeros_like(x_TD).index_add_(0, token_A, y_AD.to(x_TD.dtype))
 

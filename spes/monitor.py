@@ -17,15 +17,27 @@ import torch
 
 from spes.atomic import write_atomic
 
-# Dense bf16 peak FLOP/s per device, for MFU (vendor datasheets).
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A6000": 155e12}
+PEAK_BF16_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "A6000": 155e12,
+    "B200": 2250e12,
+}
+"""Dense bf16 peak FLOP/s per GPU by product name (vendor datasheets, SXM parts), for MFU."""
 
 
 def peak_flops(device: torch.device) -> float | None:
+    """The datasheet bf16 peak of a CUDA device (the longest product name its name contains), None if unknown."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return next((v for k, v in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
 
 
 class SpeedMonitor:

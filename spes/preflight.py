@@ -19,8 +19,6 @@ import math
 import os
 import shutil
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +27,7 @@ import numpy as np
 import psutil
 import torch
 
+from spes.checks import GIB, Check, fail, gib, matmul_flops_per_s, ok, report, skip
 from spes.config import ConfigError, TrainConfig, load_config
 from spes.distributed import check_launch
 from spes.model import LOSS_CHUNK_ELEMENTS, Transformer, analytic_param_counts, tflops_per_token
@@ -37,7 +36,6 @@ from spes.sync.auth import TOKEN_ENV
 if TYPE_CHECKING:
     from spes.sync.client import SyncClient
 
-GIB = 2**30
 FP32 = 4
 BF16 = 2
 ADAM_MOMENTS = 2
@@ -50,37 +48,6 @@ USABLE_MEMORY = 0.9
 SAMPLE_TOKENS = 1 << 20
 """Tokens read from the start of each shard to check their ids against the vocabulary."""
 TARGET_SYNC_FRACTION = 0.1
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the report: passed, failed (with what to do) or skipped (could not be measured)."""
-
-    name: str
-    status: str  # "ok" | "FAIL" | "skip"
-    detail: str
-    fix: str = ""
-
-    @property
-    def failed(self) -> bool:
-        return self.status == "FAIL"
-
-
-def ok(name: str, detail: str) -> Check:
-    return Check(name, "ok", detail)
-
-
-def fail(name: str, detail: str, fix: str) -> Check:
-    return Check(name, "FAIL", detail, fix)
-
-
-def skip(name: str, detail: str) -> Check:
-    return Check(name, "skip", detail)
-
-
-def gib(num_bytes: float) -> str:
-    """A size in GiB, or MiB below one GiB."""
-    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 2**20:.1f} MiB"
 
 
 # -- devices ------------------------------------------------------------------------------------------------------
@@ -357,22 +324,6 @@ def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
     )
 
 
-def matmul_flops_per_s(kind: str, seconds: float = 0.3) -> float:
-    """The device's dense matmul rate (bf16 on CUDA, fp32 on the CPU), measured for about `seconds`."""
-    n = 4096 if kind == "cuda" else 512
-    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
-    a = torch.randn(n, n, device=kind, dtype=dtype)
-    b = torch.randn(n, n, device=kind, dtype=dtype)
-    a @ b  # warm-up
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        count += 1
-        if kind == "cuda":
-            torch.cuda.synchronize()
-    return 2 * n**3 * count / (time.perf_counter() - start)
-
-
 def check_link(
     cfg: TrainConfig,
     client: SyncClient,
@@ -539,20 +490,6 @@ def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
     checks.append(check_disk(cfg))
     checks.append(check_data(cfg))
     return checks
-
-
-def report(checks: list[Check], out: Callable[[str], None] = print) -> int:
-    """Print one line per check (and what to do under a failed one); 1 if any failed."""
-    for check in checks:
-        out(f"{check.status:<4}  {check.name:<8}  {check.detail}")
-        if check.fix:
-            out(f"{'':<4}  {'':<8}  -> {check.fix}")
-    failed = [c.name for c in checks if c.failed]
-    if failed:
-        out(f"preflight FAILED: {', '.join(failed)} (see the -> lines); fix and run again")
-        return 1
-    out("preflight passed: this node is ready to start")
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -195,10 +195,15 @@ class Trainer:
         return bool(all_reduce_mean(flag, self.info).item() > 0)
 
     def train_step(self, batch: torch.Tensor) -> dict[str, Any]:
-        """One optimizer step over this rank's share of the global batch, in micro-batches."""
+        """One optimizer step over this rank's share of the global batch, in micro-batches.
+
+        The host waits for the device once per step, to read the loss and gradient norm it decides on (with
+        `moe_log_expert_assignment`, once more for the counts); nothing in the micro-batch loop reads a value
+        back, so the host queues the whole step's work ahead of the device (with `moe_backend` grouped_mm, the
+        `auto` choice on CUDA: tests/test_speed.py counts the syncs)."""
         self.model.train()
         self._apply_decayed_aux_factor()
-        batch = batch.to(self.info.device, non_blocking=True)
+        batch = self._to_device(batch)
         sums = torch.zeros(3, device=self.info.device)
         routed_LE = torch.zeros((), dtype=torch.long, device=self.info.device)  # tokens each expert received
         micro = batch.split(self.cfg.device_train_microbatch_size)
@@ -235,6 +240,12 @@ class Trainer:
         if self.cfg.model.moe_log_expert_assignment:
             metrics["tokens_per_expert"] = self._node_total(routed_LE)
         return metrics
+
+    def _to_device(self, batch: torch.Tensor) -> torch.Tensor:
+        """The batch on the device, copied from pinned memory so that the copy does not wait for the device."""
+        if self.info.device.type == "cuda" and batch.device.type == "cpu" and not batch.is_pinned():
+            batch = batch.pin_memory()  # NOTE: a pageable copy would wait for the work queued before it
+        return batch.to(self.info.device, non_blocking=True)
 
     def _micro_batch_loss(self, batch_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
         """The loss to backpropagate (cross entropy, the MoE's auxiliary losses, the optional softmax z-loss), the

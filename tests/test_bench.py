@@ -449,3 +449,109 @@ def test_bench_fused_loss_quick(tmp_path: Path) -> None:
     assert (whole["fused_loss"], fused["fused_loss"]) == (False, True)
     assert whole["tokens_per_step"] == fused["tokens_per_step"] == 256
     assert results["loss_agreement"] <= 1e-4 and "fused / whole" in out
+
+
+def test_bench_gpu_quick_records_every_variant_with_its_profile_and_syncs(tmp_path: Path) -> None:
+    """The GPU benchmark's CPU smoke run (cut-down shape): each variant's figures, kernel table and sync count;
+    a junit file of the GPU tests summarized; the multi-GPU part says why it did not run."""
+    import bench_gpu
+
+    junit = tmp_path / "gpu_tests.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest" tests="3" failures="1" errors="0" skipped="1">'
+        '<testcase classname="tests.test_x" name="test_a"/><testcase classname="tests.test_x" name="test_b">'
+        '<failure message="boom"/></testcase></testsuite></testsuites>'
+    )
+    out = tmp_path / "bench_gpu.json"
+    flags = ["--only", "torch,grouped_mm", "--pytest_junit", str(junit), "--preflight"]
+    assert bench_gpu.main(["--quick", "--out", str(out), *flags]) == 0
+    record = json.loads(out.read_text())
+    assert record["status"] == "complete" and record["commit"] and record["machine"]["device"] == "cpu"
+    assert [v["name"] for v in record["variants"]] == ["torch", "grouped_mm"]
+    for v in record["variants"]:
+        assert v["status"] == "ok", v
+        assert v["step_s"] > 0 and v["tokens_per_s"] > 0 and v["tflops_done_per_token"] < v["tflops_per_token"]
+        assert 0 < len(v["top_kernels"]) <= 20 and v["top_kernels"][0]["ms"] > 0
+    torch_v, grouped = record["variants"]
+    assert grouped["syncs_per_step"]["count"] == 1 < torch_v["syncs_per_step"]["count"]
+    assert record["multi_gpu"] == {
+        "ran": False,
+        "why": "0 GPU(s): the NCCL all-reduce and the FSDP2 step need at least two",
+    }
+    assert record["gpu_tests"]["tests"] == 3 and record["gpu_tests"]["failed"] == ["tests.test_x::test_b"]
+    assert record["megablocks"]["importable"] in (True, False) and record["megablocks"]["why"]
+    assert record["preflight_gpu"]["ran"] and "gpu: no CUDA device" in record["preflight_gpu"]["output"]
+
+
+def test_bench_gpu_records_a_failing_variant_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of memory and any other error are results; a variant past the time budget is recorded as skipped."""
+    import torch
+
+    import bench_gpu
+    from spes import speed
+
+    build = speed.build_timed_node
+
+    def failing(cfg, device):  # type: ignore[no-untyped-def]
+        if cfg.device_train_microbatch_size == 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        if cfg.model.moe_backend == "torch":
+            raise RuntimeError("compile failed")
+        return build(cfg, device)
+
+    monkeypatch.setattr(speed, "build_timed_node", failing)
+    out = tmp_path / "bench_gpu.json"
+    assert bench_gpu.main(["--quick", "--out", str(out)]) == 0
+    status = {v["name"]: (v["status"], v.get("error", "")) for v in json.loads(out.read_text())["variants"]}
+    assert status["grouped_mm+fused"][0] == "oom" and "9.00 GiB" in status["grouped_mm+fused"][1]
+    assert status["torch"] == ("error", "RuntimeError: compile failed")
+    assert status["grouped_mm"][0] == "ok"
+    bench_gpu.main(["--quick", "--out", str(out), "--budget_s", "-1"])
+    assert {v["status"] for v in json.loads(out.read_text())["variants"]} == {"skipped"}
+
+
+def test_report_renders_the_gpu_section_from_the_records(tmp_path: Path) -> None:
+    """Without bench_gpu.json the section says so and advises from the older GPU record; with it, one row per
+    variant and the fastest setting that fits each GPU class; a README without the markers is refused."""
+    from report import gpu_section, update_readme
+
+    shutil.copy(REPO / "bench" / "results" / "bench_wan_gpu_steps.json", tmp_path)
+    section = gpu_section(tmp_path)
+    assert section.startswith("No GPU benchmark record yet")
+    assert "| 48 GB (L40S, A6000) | `moe_backend: torch`, micro-batch 2" in section and "28.1" in section
+    assert "| 24 GB (RTX 4090, L4) | no measured setting fits" in section
+
+    def variant(name: str, mb: int, tps: float, gib: float) -> dict:
+        settings = {"micro_batch": mb, "fused_loss": True, "compile": False, "checkpointing": True}
+        return {
+            "name": name, "status": "ok", "settings": settings, "moe_backend": "grouped_mm", "step_s": 3.0,
+            "tokens_per_s": tps, "mfu": 0.3, "mfu_done": 0.27, "peak_memory_bytes": gib * 2**30,
+            "syncs_per_step": {"count": 1},
+        }  # fmt: skip
+
+    record = {
+        "mode": "full", "commit": "abc", "machine": {"name": "NVIDIA H100 80GB HBM3", "torch": "2.11"},
+        "variants": [variant("mb8", 8, 180_000.0, 35.0), variant("mb4", 4, 150_000.0, 19.0),
+                     {"name": "mb16", "status": "oom", "settings": {}}],
+    }  # fmt: skip
+    (tmp_path / "bench_gpu.json").write_text(json.dumps(record))
+    section = gpu_section(tmp_path)
+    assert "| mb8 | 3.00 | 180,000 | 30.0% / 27.0% | 35.0 | 1 |" in section and "| mb16 | oom |" in section
+    assert "| 80 GB (A100 / H100 80GB) | `moe_backend: grouped_mm`, micro-batch 8, `fused_loss` | 180,000 |" in section
+    assert "| 24 GB (RTX 4090, L4) | `moe_backend: grouped_mm`, micro-batch 4, `fused_loss` | 150,000 |" in section
+
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- gpu-table:start -->\nold\n<!-- gpu-table:end -->\nrest\n")
+    update_readme(readme, "new")
+    assert readme.read_text() == "intro\n<!-- gpu-table:start -->\nnew\n<!-- gpu-table:end -->\nrest\n"
+    readme.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="markers"):
+        update_readme(readme, "new")
+
+
+def test_the_readme_gpu_section_is_the_rendered_one() -> None:
+    from report import GPU_MARKERS, gpu_section
+
+    text = (REPO / "README.md").read_text()
+    rendered = text.split(GPU_MARKERS[0], 1)[1].split(GPU_MARKERS[1], 1)[0].strip("\n")
+    assert rendered == gpu_section(REPO / "bench" / "results"), "run bench/report.py --no_png"

@@ -396,7 +396,8 @@ def _digests(model: torch.nn.Module) -> dict[str, str]:
     out = {}
     for name, p in unwrap(model).named_parameters():
         full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        out[name] = hashlib.sha256(full.contiguous().numpy().tobytes()).hexdigest()[:16]
+        # NOTE: the raw bytes, whatever the dtype (a SPES node under amp_bf16 holds its frozen experts in bf16)
+        out[name] = hashlib.sha256(full.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 from dist_helpers import run_ranks
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
-from spes.gpu_check import check_all_reduce, check_block, check_fsdp, main
+from spes.gpu_check import check_all_reduce, check_block, check_fsdp, check_step, main
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -47,6 +47,16 @@ def test_the_block_smoke_measures_tokens_per_second_and_mfu() -> None:
     assert check.status == "ok", check
     assert "tokens/s" in check.detail and "MFU" in check.detail and "micro-batch 2 x 16" in check.detail
     assert "compiled" not in check.detail
+
+
+def test_the_step_check_reports_the_benchmarks_figures(tmp_path: Path) -> None:
+    """The node's step timed by spes.speed, as bench/bench_gpu.py times it: tokens/s of the config's whole step."""
+    cfg = small_config()
+    cfg.save_folder = str(tmp_path)
+    check = check_step(cfg, torch.device("cpu"), world=1)
+    assert check.status == "ok", check
+    assert "tokens/s for a step of 8 micro-batches of 2" in check.detail and "backend torch" in check.detail
+    assert check_step(cfg, torch.device("cpu"), world=2).status == "skip"
 
 
 @pytest.mark.timeout(120)

@@ -34,11 +34,13 @@ def make_moe(
     normalize_p: float | None = None,
     num_layers: int = 1,
     seed: int = 0,
+    hidden: int = HIDDEN,
+    frozen_dtype: torch.dtype | None = None,
 ) -> MoE:
     """A small MoE with weights large enough that routing and expert outputs are far from trivial."""
     moe = MoE(
         d_model=D,
-        hidden=HIDDEN,
+        hidden=hidden,
         num_experts=E,
         top_k=K,
         block_size=block_size,
@@ -47,8 +49,9 @@ def make_moe(
         lb_weight=0.01,
         z_weight=0.001,
         normalize_p=normalize_p,
-        backend=backend,
-    )  # type: ignore[arg-type]
+        backend=backend,  # type: ignore[arg-type]
+        frozen_dtype=frozen_dtype,
+    )
     torch.manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
@@ -99,16 +102,20 @@ def module_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size", [2, 3, 8])
 @pytest.mark.parametrize("normalize_p", [None, 1.0])
+@pytest.mark.parametrize("trainable_block", [None, 1])
 def test_backend_matches_naive_loop_forward_and_gradients(
-    backend: str, block_size: int, normalize_p: float | None
+    backend: str, block_size: int, normalize_p: float | None, trainable_block: int | None
 ) -> None:
-    moe = make_moe(backend, block_size=block_size, normalize_p=normalize_p)
+    """Every block layout, trained by a full model, by one SPES peer (grouped_mm then puts its experts first), or
+    by none (block 1 of a one-block layer does not exist)."""
+    moe = make_moe(backend, block_size=block_size, normalize_p=normalize_p, trainable_block=trainable_block)
     x = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(moe(x)[0], naive_moe_forward(moe, x), atol=1e-5, rtol=1e-5)
 
     got, want = grads_of(moe, x, module_forward), grads_of(moe, x, naive_moe_forward)
     assert got.keys() == want.keys()
-    assert len(got) == 1 + 1 + 3 * len(moe.experts.bounds)  # input, router, every block of w1/v1/w2
+    trained = sum(p.requires_grad for p in moe.experts.w1)
+    assert len(got) == 1 + 1 + 3 * trained  # input, router, every trained block of w1/v1/w2
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -258,7 +265,39 @@ def test_trainable_block_without_tokens_still_gets_a_zero_gradient() -> None:
     for p in [*blocks.w1, *blocks.v1, *blocks.w2]:
         torch.nn.init.normal_(p)
     x = torch.randn(5, 8, requires_grad=True)
-    blocks(x, [3, 2, 0, 0]).square().sum().backward()
-    for kind in (blocks.w1, blocks.v1, blocks.w2):
-        assert kind[0].grad is None  # frozen
-        assert kind[1].grad is not None and not kind[1].grad.any()  # owned, untouched by tokens
+    for backend in BACKENDS:
+        blocks.zero_grad(set_to_none=True)
+        blocks(x, torch.tensor([3, 2, 0, 0]), backend).square().sum().backward()
+        for kind in (blocks.w1, blocks.v1, blocks.w2):
+            assert kind[0].grad is None  # frozen
+            assert kind[1].grad is not None and not kind[1].grad.any()  # owned, untouched by tokens
+
+
+def test_auto_backend_is_the_loop_off_cuda() -> None:
+    from spes.moe import resolve_backend
+
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("grouped_mm", torch.device("cpu")) == "grouped_mm"
+    assert make_moe("auto").experts.resolved_backend(torch.device("cpu")) == "torch"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_blocks_held_in_bf16_give_the_same_results_under_autocast(backend: str) -> None:
+    """Autocast computes the experts in bf16 whatever they are held in: bf16 frozen blocks give the fp32-held
+    ones' outputs and gradients exactly, and the trained block stays fp32 (it has fp32 master weights)."""
+    # NOTE: grouped_mm wants bf16 rows of a multiple of 16 bytes: a width of 16
+    plain = make_moe(backend, block_size=2, trainable_block=1, hidden=16)
+    held = make_moe(backend, block_size=2, trainable_block=1, hidden=16, frozen_dtype=torch.bfloat16)
+    held.load_state_dict(plain.state_dict())
+    assert [p.dtype for p in held.experts.w1] == [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16]
+    x = torch.randn(4, 9, D, generator=torch.Generator().manual_seed(2))
+
+    def autocast_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return moe(x)[0].float()
+
+    torch.testing.assert_close(autocast_forward(held, x), autocast_forward(plain, x), atol=0, rtol=0)
+    got, want = grads_of(held, x, autocast_forward), grads_of(plain, x, autocast_forward)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")

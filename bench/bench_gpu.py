@@ -1,0 +1,409 @@
+#!/usr/bin/env python
+"""The 1B SPES node on one GPU: tokens/s, MFU, peak memory and a kernel profile per training variant.
+
+    bash bench/run_gpu.sh                                    # on the lent GPU machine: this, the GPU tests, $OUT
+    python bench/bench_gpu.py --device cuda --out X.json     # the benchmark alone
+    python bench/bench_gpu.py --quick                        # CPU smoke run on a cut-down shape (tests)
+
+The node is `configs/spes_1b/node_0.yaml` as `spes.train` builds it (peer 0, amp_bf16, fine-grained activation
+checkpointing), timed by `spes.speed`, the measurement `python -m spes.preflight --gpu` reports too. Variants
+change one thing at a time from there: `model.moe_backend` (torch, grouped_mm, megablocks when importable),
+`compile` off/on, `fused_loss` off/on, the micro-batch (4, 8, 16), activation checkpointing off.
+
+What a variant measures, honestly: a step of the config's 256 sequences takes seconds, so steps of 1 and of 4
+micro-batches of the variant's real shape (micro-batch x 2,048 tokens) are timed (3 each, after one warm-up
+step of 4 that also compiles), and the whole step is projected from the line through them (`spes.speed`):
+`step_s`, `tokens_per_s`, `mfu` (by `tflops_per_token`) and `mfu_done` (by the FLOPs done: frozen experts skip
+their weight gradients; the share of routed copies on trained experts is read from a forward). The largest
+timed step's own figures are kept beside them (`measured_*`). Peak memory is `torch.cuda.max_memory_allocated`
+over the timed steps. One step of 2 micro-batches runs under `torch.profiler` (the 20 kernels with the most
+device time) and one under CUDA's sync debug mode (host-device synchronizations per step; on the CPU,
+`spes.speed.SyncCounter` counts the sync points of spes code instead).
+
+The record is rewritten after every variant, so a variant that fails (out of memory, a compile error) is
+recorded as such and a run cut short keeps what it measured; variants past `--budget_s` are recorded as
+skipped. With more than one GPU, an NCCL all-reduce and an FSDP2 step run too (`spes.gpu_check`, under
+torchrun); with one, the record says they did not.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import REPO_ROOT, format_table, machine_info, parser
+from spes import speed
+from spes.atomic import write_atomic
+from spes.checks import matmul_flops_per_s
+from spes.config import load_config
+from spes.trainer import Trainer
+
+CONFIG = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
+CUT = [  # --quick / the CPU: the 1B layout (16 experts, top-2, 4 peers) at a shape a CPU steps in a second
+    "--model.d_model=64",
+    "--model.n_heads=4",
+    "--model.n_layers=2",
+    "--model.mlp_hidden_size=128",
+    "--model.max_sequence_length=32",
+    "--model.vocab_size=512",
+    "--model.embedding_size=512",
+    "--precision=fp32",
+]
+TOP_KERNELS = 20
+MICRO_BATCHES = {False: (1, 4), True: (1, 2)}
+"""Micro-batches per timed step (full run, quick run): the step is projected from the line through the two."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    backend: str
+    compile: bool
+    fused_loss: bool
+    micro_batch: int
+    checkpointing: bool = True
+
+    def overrides(self) -> list[str]:
+        flags = [
+            f"--model.moe_backend={self.backend}",
+            f"--fused_loss={str(self.fused_loss).lower()}",
+            f"--device_train_microbatch_size={self.micro_batch}",
+        ]
+        return flags + ([] if self.checkpointing else ["--activation_checkpointing=null"])
+
+
+def variants(quick: bool) -> list[Variant]:
+    """One change at a time from grouped_mm, eager, whole logits, micro-batch 8; cheap ones first."""
+    if quick:
+        return [
+            Variant("torch", "torch", False, False, 4),
+            Variant("grouped_mm", "grouped_mm", False, False, 4),
+            Variant("grouped_mm+fused", "grouped_mm", False, True, 8),
+        ]
+    return [
+        Variant("torch", "torch", False, False, 8),
+        Variant("grouped_mm", "grouped_mm", False, False, 8),
+        Variant("grouped_mm+fused", "grouped_mm", False, True, 8),
+        Variant("torch+fused", "torch", False, True, 8),
+        Variant("megablocks+fused", "megablocks", False, True, 8),
+        Variant("grouped_mm+fused+compile", "grouped_mm", True, True, 8),
+        Variant("grouped_mm+compile", "grouped_mm", True, False, 8),
+        Variant("grouped_mm+fused+compile mb16", "grouped_mm", True, True, 16),
+        Variant("grouped_mm+fused+compile mb4", "grouped_mm", True, True, 4),
+        Variant("grouped_mm+fused+compile no-ckpt", "grouped_mm", True, True, 8, checkpointing=False),
+    ]
+
+
+def compile_option(on: bool, quick: bool) -> dict | None:
+    """The config's `compile` for a variant: static shapes on the GPU (one compile per micro-batch shape, no
+    switch to dynamic shapes between variants); on a quick run dynamo's tracing without Inductor (seconds)."""
+    if not on:
+        return None
+    return {"backend": "eager"} if quick else {"dynamic": False}
+
+
+def commit_of() -> str:
+    """SPES_COMMIT (bench/prepare_gpu.sh writes it for a machine without the repository's .git), else git's HEAD,
+    with `-dirty+<sha256 of the diff>` when tracked files differ from it."""
+    if os.environ.get("SPES_COMMIT"):
+        return os.environ["SPES_COMMIT"]
+
+    def git(*args: str) -> bytes:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, check=True).stdout
+
+    try:
+        head = git("rev-parse", "HEAD").decode().strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+        diff = git("diff", "HEAD", "--", ".", ":!bench/results")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (f"-dirty+{hashlib.sha256(diff).hexdigest()[:12]}" if dirty else "")
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": str(device), "gpus": torch.cuda.device_count() if device.type == "cuda" else 0}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            name=props.name,
+            capability=list(torch.cuda.get_device_capability(device)),
+            memory_bytes=props.total_memory,
+            cuda=torch.version.cuda,
+        )
+    return info
+
+
+def megablocks_status() -> dict[str, Any]:
+    found = {m: importlib.util.find_spec(m) is not None for m in ("megablocks", "grouped_gemm")}
+    why = (
+        "importable"
+        if all(found.values())
+        else "not installed: neither is on the device image, and megablocks ships only an sdist that needs a CUDA "
+        "build (carry a wheel built for this torch in .whl/ to measure it)"
+    )
+    return {"importable": all(found.values()), "modules": found, "why": why}
+
+
+def check_grouped(device: torch.device) -> dict[str, Any]:
+    """grouped_mm against the per-expert loop on one SPES layer under bf16 autocast, with experts that get no
+    token (8 tokens, 16 experts): the output and the trained block's gradients, as relative errors."""
+    from spes.moe import MoE
+
+    layers = {}
+    for backend in ("torch", "grouped_mm"):
+        torch.manual_seed(0)
+        moe = MoE(
+            d_model=256,
+            hidden=512,
+            num_experts=16,
+            top_k=2,
+            block_size=4,
+            trainable_block=1,
+            num_layers=1,
+            lb_weight=0.01,
+            z_weight=0.001,
+            normalize_p=None,
+            backend=backend,
+        ).to(device)
+        for p in moe.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        layers[backend] = moe
+    x = torch.randn(8, 256, device=device)
+    results = {}
+    for backend, moe in layers.items():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            y = moe(x)[0].float()
+        (y * torch.linspace(-1, 1, y.numel(), device=device).reshape(y.shape)).sum().backward()
+        results[backend] = [y.detach()] + [
+            p.grad.float() for p in (moe.experts.w1[1], moe.experts.v1[1], moe.experts.w2[1])
+        ]
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+    errors = [rel(a, b) for a, b in zip(results["grouped_mm"], results["torch"])]
+    return {"output_rel_err": errors[0], "trained_grad_rel_err": max(errors[1:]), "ok": max(errors) < 2e-2}
+
+
+def top_kernels(trainer: Trainer, batch: torch.Tensor) -> list[dict[str, Any]]:
+    """The `TOP_KERNELS` GPU kernels (CPU ops on the CPU) with the most self time in one step, and host-side
+    sync API calls, from `torch.profiler`."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.info.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+
+    def self_time(e: Any) -> float:  # microseconds
+        return float(getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total)
+
+    rows = [e for e in events if (e.device_type == DeviceType.CUDA) == cuda and self_time(e) > 0]
+    total = sum(self_time(e) for e in rows) or 1.0
+    rows.sort(key=self_time, reverse=True)
+    return [
+        {"name": e.key[:160], "calls": e.count, "ms": self_time(e) / 1e3, "share": self_time(e) / total}
+        for e in rows[:TOP_KERNELS]
+    ]
+
+
+def syncs_per_step(trainer: Trainer, batch: torch.Tensor) -> dict[str, Any]:
+    """Host-device synchronizations of one step: CUDA's sync debug mode warnings (GPU), else SyncCounter's."""
+    if trainer.info.device.type == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.train_step(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        found = [str(w.message).splitlines()[0][:160] for w in caught if "synchroniz" in str(w.message)]
+        return {"how": "torch.cuda.set_sync_debug_mode('warn')", "count": len(found), "first": found[:5]}
+    with speed.SyncCounter() as counter:
+        trainer.train_step(batch)
+    events = [f"{where} {name}" for where, name in counter.events]
+    return {"how": "spes.speed.SyncCounter (CPU test double)", "count": len(events), "first": events[:5]}
+
+
+def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]:
+    """Build, time, profile and count one variant; out of memory and errors are results too."""
+    row: dict[str, Any] = {"name": v.name, "settings": {**v.__dict__, "overrides": v.overrides()}}
+    if v.backend == "megablocks" and not megablocks_status()["importable"]:
+        return {**row, "status": "skipped", "why": megablocks_status()["why"]}
+    started = time.perf_counter()
+    trainer = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
+            cfg, _ = load_config(CONFIG, [f"--save_folder={scratch}", *(CUT if quick else []), *v.overrides()])
+            cfg = replace(cfg, compile=compile_option(v.compile, quick))
+            trainer = speed.build_timed_node(cfg, device)
+            steps = 1 if quick else 3
+            batch_of = lambda n: speed.random_batch(cfg, n)  # noqa: E731
+            times = speed.time_steps(trainer, batch_of, micro_batches=MICRO_BATCHES[quick], steps=steps)
+            share = speed.trained_expert_share(trainer, speed.random_batch(cfg, v.micro_batch))
+            figures = speed.step_figures(cfg, times, device, share)
+            profile_batch = speed.random_batch(cfg, 2 * v.micro_batch, seed=1)
+            row.update(
+                status="ok",
+                moe_backend=speed.moe_backend_of(trainer.model),
+                **figures,
+                top_kernels=top_kernels(trainer, profile_batch),
+                top_kernels_step="one step of 2 micro-batches",
+                syncs_per_step=syncs_per_step(trainer, profile_batch),
+            )
+    except torch.OutOfMemoryError as exc:
+        row.update(status="oom", error=str(exc).splitlines()[0][:500])
+    except Exception as exc:  # NOTE: a compile or kernel failure is a finding; the other variants still run
+        row.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:1500]}")
+    finally:
+        del trainer
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    row["wall_s"] = time.perf_counter() - started
+    return row
+
+
+def multi_gpu(device: torch.device) -> dict[str, Any]:
+    """NCCL all-reduce and one FSDP2 step across the GPUs (spes.gpu_check under torchrun), or why not."""
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    if gpus < 2:
+        return {"ran": False, "why": f"{gpus} GPU(s): the NCCL all-reduce and the FSDP2 step need at least two"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.gpu_check", str(CONFIG)], capture_output=True, text=True, timeout=300
+    )
+    return {"ran": True, "returncode": proc.returncode, "output": proc.stdout[-4000:], "stderr": proc.stderr[-2000:]}
+
+
+def preflight_gpu(timeout_s: float = 90) -> dict[str, Any]:
+    """`python -m spes.preflight --gpu` on the same config: its step line comes from the same `spes.speed` code."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "spes.preflight", "--gpu", str(CONFIG)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=REPO_ROOT,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ran": False, "why": f"timed out after {timeout_s:g} s"}
+    return {"ran": True, "returncode": proc.returncode, "output": proc.stdout[-4000:], "stderr": proc.stderr[-2000:]}
+
+
+def junit_summary(path: Path) -> dict[str, Any]:
+    """Counts of a pytest --junitxml file (bench/run_gpu.sh runs `pytest -m gpu` first)."""
+    if not path.is_file():
+        return {"ran": False, "why": f"{path.name} not found"}
+    suite = ET.parse(path).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")  # type: ignore[assignment]
+    assert suite is not None
+    keys = ("tests", "failures", "errors", "skipped")
+    failed = [
+        f"{c.get('classname')}::{c.get('name')}"
+        for c in suite.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
+    return {"ran": True, **{k: int(suite.get(k, 0)) for k in keys}, "failed": failed}
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    write_atomic(path, json.dumps(record, indent=1) + "\n")
+
+
+def print_table(record: dict[str, Any]) -> None:
+    rows = []
+    for r in record["variants"]:
+        if r["status"] != "ok":
+            rows.append([r["name"], r["status"], "", "", "", "", ""])
+            continue
+        mem = f"{r['peak_memory_bytes'] / 2**30:.1f}" if r["peak_memory_bytes"] else "n/a"
+        mfu = f"{r['mfu']:.1%} / {r['mfu_done']:.1%}" if "mfu" in r else "n/a"
+        rows.append(
+            [r["name"], "ok", f"{r['step_s']:.3g}", f"{r['tokens_per_s']:,.0f}", mfu, mem, r["syncs_per_step"]["count"]]
+        )
+    print(format_table(["variant", "status", "step s", "tokens/s", "MFU / of done", "peak GiB", "syncs"], rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("bench_gpu", __doc__)
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when there is one")
+    p.add_argument("--budget_s", type=float, default=420.0, help="start no variant after this many seconds")
+    p.add_argument("--only", default=None, help="comma-separated variant names to run (default: all)")
+    p.add_argument("--pytest_junit", type=Path, default=None, help="a `pytest -m gpu --junitxml` file to summarize")
+    p.add_argument("--preflight", action="store_true", help="also record `python -m spes.preflight --gpu`'s output")
+    args = p.parse_args(argv)
+    device_kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_kind == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU and a CUDA build of torch")
+    device = torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu")
+    quick = args.quick or device.type == "cpu"
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # NOTE: on a shared CPU, threads that wait for each other make tiny steps 10x slower
+        torch.set_num_threads(1)
+    try:
+        return run(args, device, quick)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args: Any, device: torch.device, quick: bool) -> int:
+    chosen = [v for v in variants(quick) if args.only is None or v.name in args.only.split(",")]
+    started = time.perf_counter()
+    record: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "commit": commit_of(),
+        "machine": {**machine_info(), **device_info(device)},
+        "config": str(CONFIG.relative_to(REPO_ROOT)),
+        "mode": "quick (cut-down shape)" if quick else "full",
+        "status": "running",
+        "measures": f"steps of {' and '.join(map(str, MICRO_BATCHES[quick]))} micro-batches of each variant's shape, "
+        "projected to the config's step (spes.speed)",
+        "matmul_tflops_measured": matmul_flops_per_s(device.type) / 1e12,
+        "megablocks": megablocks_status(),
+        "grouped_mm_vs_loop": check_grouped(device),
+        "variants": [],
+    }
+    if args.pytest_junit is not None:
+        record["gpu_tests"] = junit_summary(args.pytest_junit)
+    write_record(args.out, record)
+    for v in chosen:
+        if time.perf_counter() - started > args.budget_s:
+            record["variants"].append(
+                {"name": v.name, "status": "skipped", "why": f"past --budget_s {args.budget_s:g}"}
+            )
+            continue
+        print(f"=== {v.name} (t={time.perf_counter() - started:.0f}s)", flush=True)
+        record["variants"].append(run_variant(v, device, quick))
+        record["elapsed_s"] = time.perf_counter() - started
+        write_record(args.out, record)
+    record["multi_gpu"] = multi_gpu(device)
+    if args.preflight:
+        record["preflight_gpu"] = preflight_gpu()
+    record["status"] = "complete"
+    record["elapsed_s"] = time.perf_counter() - started
+    write_record(args.out, record)
+    print_table(record)
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""spes.speed on the CPU: host-device syncs of a training step counted through a test double (the step of the
+CUDA default, grouped_mm, waits for the device once), the optimized step's losses and gradients against the
+plain one's, and the step timing and its figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from spes.config import TrainConfig, load_config
+from spes.model import Transformer
+from spes.speed import SyncCounter, build_timed_node, random_batch, step_figures, time_steps, trained_expert_share
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def tiny(tmp_path: Path, *overrides: str) -> TrainConfig:
+    """configs/tiny.yaml as SPES peer 1 (experts 2-3 trained), 3 micro-batches of 2 x 32 tokens per step, no data
+    filter."""
+    cfg, _ = load_config(
+        TINY,
+        [
+            f"--save_folder={tmp_path}",
+            "--spes_config.peer_id=1",
+            "--global_train_batch_size=6",
+            "--device_train_microbatch_size=2",
+            "--model.max_sequence_length=32",
+            "--data.instance_filter=null",
+            *overrides,
+        ],
+    )
+    return cfg
+
+
+def syncs_of_one_step(cfg: TrainConfig) -> list[tuple[str, str]]:
+    trainer = build_timed_node(cfg, torch.device("cpu"))
+    batch = random_batch(cfg, cfg.global_train_batch_size)
+    trainer.train_step(batch)  # the first step creates AdamW's state
+    with SyncCounter() as counter:
+        trainer.train_step(batch)
+    return counter.events
+
+
+def test_a_grouped_mm_step_waits_for_the_device_once(tmp_path: Path) -> None:
+    """3 micro-batches x 2 layers of routing, and the only read-back is the step's loss and norm check."""
+    events = syncs_of_one_step(tiny(tmp_path, "--model.moe_backend=grouped_mm"))
+    assert len(events) == 1, events
+    assert events[0][0].startswith("guard.py:") and events[0][1] == "tolist"
+
+
+def test_the_loop_backend_waits_once_per_layer_and_micro_batch(tmp_path: Path) -> None:
+    """The counter sees real syncs: the per-expert loop reads each layer's counts back (the CPU default)."""
+    events = syncs_of_one_step(tiny(tmp_path, "--model.moe_backend=torch"))
+    from_moe = [e for e in events if e[0].startswith("moe.py:")]
+    assert len(from_moe) == 2 * 3 and all(name == "tolist" for _, name in from_moe), events
+    assert len(events) == len(from_moe) + 1
+
+
+def test_logging_expert_counts_adds_one_sync_per_step(tmp_path: Path) -> None:
+    events = syncs_of_one_step(
+        tiny(tmp_path, "--model.moe_backend=grouped_mm", "--model.moe_log_expert_assignment=true")
+    )
+    assert len(events) == 2 and all(where.startswith(("guard.py:", "trainer.py:")) for where, _ in events), events
+
+
+def _losses_and_grads(cfg: TrainConfig, batch: torch.Tensor) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The gradients of one micro-batch, then the losses of two optimizer steps (which those gradients drive)."""
+    trainer = build_timed_node(cfg, torch.device("cpu"))
+    with trainer.autocast:
+        loss, _, _ = trainer._micro_batch_loss(batch[: cfg.device_train_microbatch_size])
+    loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    losses = [float(trainer.train_step(batch)["loss"]) for _ in range(2)]
+    return losses, grads
+
+
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_the_grouped_step_gives_the_loops_losses_and_gradients(tmp_path: Path, fused_loss: bool) -> None:
+    batch = random_batch(tiny(tmp_path), 6)
+    flags = [f"--fused_loss={str(fused_loss).lower()}"]
+    plain = _losses_and_grads(tiny(tmp_path / "a", "--model.moe_backend=torch", *flags), batch)
+    fast = _losses_and_grads(tiny(tmp_path / "b", "--model.moe_backend=grouped_mm", *flags), batch)
+    torch.testing.assert_close(fast[0], plain[0], atol=1e-5, rtol=1e-5)
+    assert fast[1].keys() == plain[1].keys() and any(".experts.w1.1" in n for n in plain[1])
+    for name in plain[1]:
+        torch.testing.assert_close(
+            fast[1][name], plain[1][name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.parametrize("backend", ["torch", "grouped_mm"])
+def test_frozen_experts_in_bf16_give_the_same_amp_step(tmp_path: Path, backend: str, monkeypatch) -> None:
+    """Under amp_bf16 the node holds its frozen experts in bf16: the same losses and gradients as fp32-held ones."""
+    cfg = tiny(tmp_path, "--precision=amp_bf16", f"--model.moe_backend={backend}")
+    batch = random_batch(cfg, 6)
+    held = _losses_and_grads(cfg, batch)
+    for_run = Transformer.for_run.__func__  # type: ignore[attr-defined]
+
+    def fp32_frozen(cls: type[Transformer], cfg: TrainConfig) -> Transformer:
+        model = for_run(cls, cfg)
+        return model.float()
+
+    monkeypatch.setattr(Transformer, "for_run", classmethod(fp32_frozen))
+    plain = _losses_and_grads(tiny(tmp_path / "plain", "--precision=amp_bf16", f"--model.moe_backend={backend}"), batch)
+    frozen = [p for n, p in build_timed_node(cfg, torch.device("cpu")).model.named_parameters() if ".experts." in n]
+    assert {p.dtype for p in frozen if not p.requires_grad} == {torch.float32}  # the patched build
+    assert held[0] == plain[0]
+    for name in plain[1]:
+        torch.testing.assert_close(held[1][name], plain[1][name], atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_time_steps_projects_the_configs_step(tmp_path: Path) -> None:
+    cfg = tiny(tmp_path, "--global_train_batch_size=8")
+    trainer = build_timed_node(cfg, torch.device("cpu"))
+    times = time_steps(trainer, lambda n: random_batch(cfg, n), micro_batches=(1, 2), steps=2)
+    assert sorted(times.seconds) == [1, 2] and all(len(s) == 2 for s in times.seconds.values())
+    share = trained_expert_share(trainer, random_batch(cfg, 2))
+    assert 0 < share < 1  # peer 1 trains 2 of 8 experts
+    figures = step_figures(cfg, times, torch.device("cpu"), share)
+    assert figures["micro_batches_per_step"] == 4 and figures["tokens_per_step"] == 8 * 32
+    assert figures["step_s"] == pytest.approx(figures["fixed_s"] + 4 * figures["per_micro_batch_s"])
+    assert figures["tokens_per_s"] == pytest.approx(8 * 32 / figures["step_s"])
+    assert figures["tflops_done_per_token"] < figures["tflops_per_token"]
+    assert "mfu" not in figures  # no datasheet peak for a CPU
