@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from spes.sync import wire
+from spes.sync import compress, wire
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.wire import (
     DIGEST,
     Checksum,
     CorruptChunk,
+    Delta,
     EncodedModel,
     TensorDecoder,
     VerifiedChecksums,
@@ -286,3 +287,81 @@ def test_verified_checksums_hold_only_while_the_very_tensor_is_unchanged() -> No
     model = {"kept": kept, "averaged": averaged, "gone": torch.randn(8), "other": other}
     assert verified.known(model, "fp32") == {"kept": (kept, 1)}
     assert verified.known(model, "bf16") == {}  # recorded for another wire dtype
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What mutation testing (bench/mutation.py) found unpinned: the transport settings, int8 deltas through the framing,
+# and the exact words of the refusals.
+
+
+def test_channel_options_and_secret_files(tmp_path: Path) -> None:
+    assert wire.grpc_options(4) == [
+        ("grpc.max_send_message_length", 4 << 20),
+        ("grpc.max_receive_message_length", 4 << 20),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
+    ]
+    secret = tmp_path / "token"
+    secret.write_bytes(b"s3cret\n")
+    assert wire.read_file(str(secret), "--token_file") == b"s3cret\n"
+    with pytest.raises(FileNotFoundError, match=rf"^--tls_cert '{tmp_path}/nope.pem': file not found$"):
+        wire.read_file(str(tmp_path / "nope.pem"), "--tls_cert")
+    with pytest.raises(ValueError, match=r"^unknown wire dtype 'fp16': use one of \['bf16', 'fp32'\]$"):
+        wire.wire_torch_dtype("fp16")
+
+
+def test_finite_of_empty_single_and_ordinary_tensors() -> None:
+    assert wire.finite(torch.zeros(0)) and wire.finite(torch.ones(3)) and wire.finite(torch.tensor([2.0]))
+    assert not wire.finite(torch.tensor([float("nan")])) and not wire.finite(torch.tensor([1.0, float("inf")]))
+
+
+def test_an_int8_delta_travels_whole_through_the_framing() -> None:
+    """Header, chunks and decoder of a `Delta`: the receiver gets the very payload, its base round and checksum."""
+    gen = torch.Generator().manual_seed(5)
+    payload = compress.quantize("w", torch.randn(10, 30, generator=gen), block=128)
+    item = Delta(payload, base_round=7)
+    header = wire.header_for("w", item, "fp32")
+    assert (header.name, header.dtype, list(header.shape), header.num_bytes) == ("w", "int8", [10, 30], 300 + 3 * 4)
+    assert (header.encoding, header.block, header.base_round) == (pb.ENCODING_INT8_DELTA, 128, 7)
+    packed = wire.pack(payload)
+    assert packed.dtype == torch.uint8 and packed.numel() == payload.num_bytes
+    again = wire.unpack("w", (10, 30), 128, packed)
+    assert torch.equal(again.values, payload.values) and torch.equal(again.scales, payload.scales)
+    decoder = TensorDecoder({"w": (10, 30), "x": (4,)}, "fp32", delta_base=7)
+    for chunk in encode_tensors({"w": item, "x": torch.ones(4)}, "fp32", chunk_bytes=100):
+        decoder.feed(chunk)
+    assert sorted(decoder.finish()) == ["x"] and sorted(decoder.deltas) == ["w"]
+    got = decoder.deltas["w"]
+    assert got.base_round == 7 and (got.payload.name, got.payload.shape, got.payload.block) == ("w", (10, 30), 128)
+    assert torch.equal(got.payload.values, payload.values) and torch.equal(got.payload.scales, payload.scales)
+    assert decoder.checksums == {"x": checksum(wire.byte_view(torch.ones(4)))}  # of raw values only
+    assert decoder.bytes_received == payload.num_bytes + 16  # every chunk counted, not only the last
+
+
+def test_the_refusals_say_what_went_wrong() -> None:
+    names = [f"t{i}" for i in range(8)]
+    decoder = TensorDecoder(dict.fromkeys(names, (2,)), "fp32")
+    for chunk in encode_tensors({"t0": torch.ones(2)}, "fp32"):
+        decoder.feed(chunk)
+    with pytest.raises(ValueError, match=r"^stream ended before 7 expected tensor\(s\) arrived: 't1', 't2', 't3', "):
+        decoder.finish()
+    with pytest.raises(ValueError, match=r": 't1', 't2', 't3', 't4', 't5' and 2 more$"):
+        decoder.finish()
+    with pytest.raises(ValueError, match=r"arrived: 't1', 't2', 't3', 't4', 't5'$"):
+        decoder.finish(names[:6])
+    chunks = list(encode_tensors({"t1": torch.ones(300)}, "fp32", chunk_bytes=400))
+    decoder = TensorDecoder({"t1": (300,)}, "fp32")
+    decoder.feed(chunks[0])
+    with pytest.raises(ValueError, match=r"^tensor 't1': chunk at offset 800, expected offset 400 \(lost or reordered"):
+        decoder.feed(chunks[2])
+    empty = pb.TensorChunk(offset=400, data=b"", checksum=checksum(b""))
+    with pytest.raises(ValueError, match=r"^tensor 't1': empty chunk at offset 400 \(only an empty tensor has one\)$"):
+        decoder.feed(empty)
+    raw = pb.TensorChunk(header=wire.header_for("t1", torch.ones(300), "fp32"), offset=0)
+    raw.header.encoding = 99
+    with pytest.raises(ValueError, match=r"^tensor 't1': unknown encoding 99$"):
+        TensorDecoder({"t1": (300,)}, "fp32").feed(raw)
