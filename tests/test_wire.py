@@ -365,3 +365,77 @@ def test_the_refusals_say_what_went_wrong() -> None:
     raw.header.encoding = 99
     with pytest.raises(ValueError, match=r"^tensor 't1': unknown encoding 99$"):
         TensorDecoder({"t1": (300,)}, "fp32").feed(raw)
+
+
+def test_pieces_are_regrouped_into_whole_chunks() -> None:
+    pieces = [b"ab", b"cdefghij", b"", b"k", b"lmnopqrstuvwxyz", b"0"]
+    chunks = list(wire._rechunk([memoryview(p) for p in pieces], 4))  # noqa: SLF001 (the regrouping itself)
+    assert chunks == [b"abcd", b"efgh", b"ijkl", b"mnop", b"qrst", b"uvwx", b"yz0"]
+    for chunk_bytes in (1, 3):  # 1 byte is the smallest chunk; 0 is refused
+        tensor = torch.arange(5.0)
+        got = decode_tensors(encode_tensors({"t": tensor}, "fp32", chunk_bytes=chunk_bytes), {"t": (5,)}, "fp32")
+        assert torch.equal(got["t"], tensor)
+    with pytest.raises(ValueError, match=r"^chunk_bytes must be positive, got 0$"):
+        list(encode_tensor("t", torch.ones(2), "fp32", chunk_bytes=0))
+
+
+def test_an_int8_delta_travels_as_a_raw_stream_too() -> None:
+    payload = compress.quantize("w", torch.randn(6, 50), block=128)
+    sent = bytearray()
+    assert write_raw(Delta(payload, 3), "fp32", sent.extend) == payload.num_bytes
+    assert bytes(sent[-8:]) == DIGEST.pack(checksum(wire.byte_view(wire.pack(payload))))
+    stream = memoryview(bytes(sent))
+
+    def read_into(buf: memoryview) -> None:
+        nonlocal stream
+        buf[:] = stream[: len(buf)]
+        stream = stream[len(buf) :]
+
+    decoder = TensorDecoder({"w": (6, 50)}, "fp32", delta_base=3)
+    decoder.feed_raw(wire.header_for("w", Delta(payload, 3), "fp32"), read_into)
+    got = decoder.deltas["w"].payload
+    assert torch.equal(got.values, payload.values) and torch.equal(got.scales, payload.scales)
+
+
+def test_a_bad_int8_delta_header_is_refused_before_its_bytes() -> None:
+    payload = compress.quantize("w", torch.randn(4, 64), block=128)
+    good = wire.header_for("w", Delta(payload, 3), "fp32")
+
+    def refusal(delta_base: int | None, **fields: object) -> str:
+        header = pb.TensorHeader()
+        header.CopyFrom(good)
+        for key, value in fields.items():
+            if key == "shape":
+                del header.shape[:]
+                header.shape.extend(value)  # type: ignore[arg-type]
+            else:
+                setattr(header, key, value)
+        with pytest.raises(ValueError) as err:
+            TensorDecoder({"w": (4, 64)}, "fp32", delta_base=delta_base).feed(pb.TensorChunk(header=header))
+        return str(err.value)
+
+    assert refusal(None) == "tensor 'w': an int8 delta, but this stream carries fp32 values only"
+    wrong = "tensor 'w': int8 delta of dtype {} and shape {} on the wire, expected 'int8' and [4, 64]"
+    assert refusal(3, dtype="fp32") == wrong.format("'fp32'", "[4, 64]")
+    assert refusal(3, shape=[64, 4]) == wrong.format("'int8'", "[64, 4]")
+    for block in (64, 1 << 17):
+        assert refusal(3, block=block) == f"tensor 'w': int8 block of {block} values, expected 128 to 65536"
+    assert refusal(3, num_bytes=263) == (
+        "tensor 'w': header says 263 bytes, an int8 delta of shape [4, 64] in blocks of 128 needs 264"
+    )
+    for base, held in ((-1, "none"), (2, "round 2")):
+        assert refusal(base) == (
+            f"tensor 'w': an int8 delta against the held model of round 3, but the receiver holds {held}: send full "
+            "values"
+        )
+
+
+def test_values_are_not_checked_for_nan_unless_asked_and_the_host_must_be_little_endian(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nan = torch.tensor([1.0, float("nan")])
+    got = decode_tensors(encode_tensors({"t": nan}, "fp32"), {"t": (2,)}, "fp32")  # a server's own check decides
+    assert torch.equal(got["t"].isnan(), nan.isnan())
+    monkeypatch.setattr(sys, "byteorder", "big")
+    with pytest.raises(RuntimeError, match=r"^spes.sync.wire needs a little-endian host \(x86-64/aarch64\); this one"):
+        list(encode_tensors({"t": nan}, "fp32"))
