@@ -102,6 +102,56 @@ EQUIVALENT: dict[str, str] = {
         "66",
         "torch.sort without dim=1 sorts along the last dimension, dim 1 of the 2-D similarity matrix",
     ),
+    **mutants(
+        "spes.sync.wire.xǁVerifiedChecksumsǁknown",
+        "7 8 9 10",
+        "the fallback record of a name never recorded: its reference is None, so it is never used whatever its "
+        "version, dtype or checksum",
+    ),
+    **mutants(
+        "spes.sync.wire.x__rechunk",
+        "4",
+        "a piece of exactly chunk_bytes with nothing pending goes through the copying branch: the same chunk",
+    ),
+    **mutants(
+        "spes.sync.wire.x_write_raw",
+        "1 5 23",
+        "the same bytes and trailer: a raw tensor encoded whole instead of piece by piece (the pieces only spare a "
+        "second copy), a delta packed without its unused wire dtype, pieces of another size",
+    ),
+    **mutants(
+        "spes.sync.wire.x_encode_tensors",
+        "5 10 12",
+        "the precomputed forms ignored: encode_tensor computes the very same bytes and checksums (they only save "
+        "the work)",
+    ),
+    **mutants(
+        "spes.sync.wire.x_finite",
+        "1 4",
+        "the fast path (a finite sum) skipped: the exact min/max check gives the same answer, slower",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ__init__",
+        "6 7 10 11 17 19 20 22 23 24 26",
+        "the state of the tensor being received before any: `_start` sets every field at each header, and "
+        "nothing reads them before one (a headless chunk is refused first)",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ_finish_current",
+        "26 28",
+        "the state reset after a tensor: `_start` sets it again at the next header before anything reads it",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ_open",
+        "35",
+        "block=None for raw values: read only as a truth value, like 0",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ_check_finite",
+        "4",
+        "`... or self._block and end == self._checked`: a raw tensor then checks an empty slice (finite), an int8 "
+        "delta its uint8 payload bytes (always finite): the same answers",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 
@@ -109,6 +159,13 @@ AGREE = "tests/test_guard.py::test_every_rank_agrees_on_one_ranks_nan"
 KILLED_BY: dict[str, str] = {
     **mutants("spes.guard.x_check_weights_finite", "19 21 22", f"{AGREE}[gloo]"),  # a clean rank's message
     **mutants("spes.guard.x_check_weights_finite", "9 11", f"{AGREE}[nccl]"),  # the flag on the CPU: NCCL needs CUDA
+    # a CUDA tensor's bytes read without moving it to the host first
+    **mutants(
+        "spes.sync.wire.x__wire_pieces", "14 16", "tests/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
+    ),
+    **mutants(
+        "spes.sync.wire.x_encode_whole", "4 6", "tests/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
+    ),
 }
 """Mutants killed by a test mutmut cannot credit (it starts processes, whose calls mutmut does not trace), by name:
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail
@@ -197,20 +254,23 @@ def location(module: str, name: str, diff: str) -> str:
     return f"{module}:{spans[0][0] if spans else '?'} ({function})"
 
 
-def run_module(module: str, tests: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
-    """Mutate `module` in a scratch copy, run its tests against every mutant; its scores and mutants not killed."""
+def run_module(module: str, tests: tuple[str, ...], timeout_s: float, recheck: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Mutate `module` in a scratch copy, run its tests against every mutant (or only the mutants `recheck`, the
+    others counted as killed, as the record they come from found them); its scores and mutants not killed."""
     with tempfile.TemporaryDirectory(prefix="spes-mutation-") as tmp:
         scratch = Path(tmp)
         scratch_copy(module, tests, scratch)
         start = time.monotonic()
         complete = True
         try:
-            mutmut(scratch, "run", "--max-children", "1", timeout_s=timeout_s)
+            mutmut(scratch, "run", "--max-children", "1", *recheck, timeout_s=timeout_s)
         except TimeoutError as exc:
             print(f"{module}: {exc}; recording the mutants checked so far", file=sys.stderr)
             complete = False
         seconds = time.monotonic() - start
         found = statuses(scratch)
+        if recheck:
+            found = {n: s if n in recheck or s != "not checked" else "killed" for n, s in found.items()}
         survivors = []
         for name, status in sorted(found.items(), key=lambda item: natural(item[0])):
             if status == "killed":
@@ -272,7 +332,8 @@ def summary(
     for status in found.values():
         counts[status] = counts.get(status, 0) + 1
     verified = sum(1 for s in survivors if s.get("killed_by", {}).get("verified"))
-    killed, total = counts.get("killed", 0) + verified, len(found)
+    # NOTE: a mutant that made its tests run past mutmut's timeout (an endless loop) is caught, as mutation tools count
+    killed, total = counts.get("killed", 0) + counts.get("timeout", 0) + verified, len(found)
     equivalent = sum(1 for s in survivors if s["equivalent"])
     stale = sorted(n for n in EQUIVALENT if n.startswith(module_prefix(module)) and n not in found)
     return {
@@ -300,6 +361,11 @@ def main() -> None:
     p.add_argument("--timeout_min", type=float, default=60.0, help="stop a module's run after this many minutes")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "mutation.json", help="the JSON record")
     p.add_argument("--list", action="store_true", help="print the modules and their tests, run nothing")
+    p.add_argument(
+        "--recheck",
+        action="store_true",
+        help="run only the mutants the record lists as not killed (after adding tests; the module itself unchanged)",
+    )
     args = p.parse_args()
     unknown = sorted(set(args.modules) - set(MODULES))
     if unknown:
@@ -312,13 +378,28 @@ def main() -> None:
     modules = dict(record.get("modules", {}))
     for module in args.modules or list(MODULES):
         print(f"{module}: mutating, tests {' '.join(MODULES[module])}", flush=True)
-        result = run_module(module, MODULES[module], args.timeout_min * 60)
-        modules[module] = {"commit": git_commit(), "machine": machine_info(), **result}
+        commit, previous = git_commit(), modules.get(module)
+        recheck = rechecked(previous, module) if args.recheck else ()
+        result = run_module(module, MODULES[module], args.timeout_min * 60, recheck)
+        modules[module] = {"commit": commit, "machine": machine_info(), **result}
+        if recheck and previous is not None:
+            modules[module]["rechecked_from"] = {"commit": previous["commit"], "mutants": list(recheck)}
         print(
             f"{module}: {result['score']} of {result['mutants']} mutants killed, {result['score_without_equivalent']} "
             f"of those not equivalent ({result['by_status']})"
         )
     write_results(args.out, {"tool": f"mutmut {mutmut_version()}", "modules": dict(sorted(modules.items()))})
+
+
+def rechecked(previous: dict[str, Any] | None, module: str) -> tuple[str, ...]:
+    """The mutants `previous` (a module's record) did not see killed; refuses when the module changed since."""
+    if previous is None or not previous.get("complete"):
+        raise SystemExit(f"error: --recheck needs a complete record of {module}: run it whole first")
+    then = previous["commit"].removesuffix("-dirty")
+    source = subprocess.run(["git", "show", f"{then}:{module}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    if source.returncode != 0 or source.stdout != (REPO_ROOT / module).read_text():
+        raise SystemExit(f"error: {module} changed since its record's commit {then[:12]}: run it whole, not --recheck")
+    return tuple(s["name"] for s in previous["survivors"])
 
 
 def mutmut_version() -> str:

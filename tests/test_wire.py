@@ -439,3 +439,37 @@ def test_values_are_not_checked_for_nan_unless_asked_and_the_host_must_be_little
     monkeypatch.setattr(sys, "byteorder", "big")
     with pytest.raises(RuntimeError, match=r"^spes.sync.wire needs a little-endian host \(x86-64/aarch64\); this one"):
         list(encode_tensors({"t": nan}, "fp32"))
+
+
+def test_the_edges_of_a_stream_a_mutation_run_found() -> None:
+    """An empty chunk carrying a non-empty tensor's header; NaN checks of a stream cut mid-element (into a kept
+    buffer of NaN, where reading past what arrived would show); the largest block; a held round 0; six missing."""
+    header = wire.header_for("t", torch.ones(3), "fp32")
+    with pytest.raises(ValueError, match=r"^tensor 't': empty chunk at offset 0 \(only an empty tensor has one\)$"):
+        TensorDecoder({"t": (3,)}, "fp32").feed(pb.TensorChunk(header=header, offset=0, checksum=checksum(b"")))
+    kept = {"t": torch.full((5,), float("nan"))}
+    decoder = TensorDecoder({"t": (5,)}, "fp32", into=kept, require_finite=True)
+    for chunk in encode_tensors({"t": torch.arange(5.0)}, "fp32", chunk_bytes=7):
+        decoder.feed(chunk)
+    assert torch.equal(decoder.finish()["t"], torch.arange(5.0))
+    largest = compress.quantize("w", torch.randn(300), block=compress.MAX_BLOCK)
+    decoder = TensorDecoder({"w": (300,)}, "fp32", delta_base=0)
+    for chunk in encode_tensors({"w": Delta(largest, 0)}, "fp32"):
+        decoder.feed(chunk)
+    assert decoder.finish() == {} and decoder.deltas["w"].payload.block == compress.MAX_BLOCK
+    with pytest.raises(ValueError, match=r"the receiver holds round 0: send full values$"):
+        TensorDecoder({"w": (300,)}, "fp32", delta_base=0).feed(next(encode_tensors({"w": Delta(largest, 1)}, "fp32")))
+    with pytest.raises(ValueError, match=r": 'a0', 'a1', 'a2', 'a3', 'a4' and 1 more$"):
+        TensorDecoder({f"a{i}": (1,) for i in range(6)}, "fp32").finish()
+    assert list(wire.EncodedModel({"b": torch.ones(1), "a": torch.ones(2)}, "fp32")) == ["b", "a"]
+
+
+@pytest.mark.gpu
+def test_a_cuda_tensor_is_sent_as_its_host_bytes() -> None:
+    tensor = torch.arange(6.0, device="cuda")
+    got = decode_tensors(encode_tensors({"t": tensor}, "bf16", chunk_bytes=4), {"t": (6,)}, "bf16")
+    assert torch.equal(got["t"], tensor.cpu().bfloat16())
+    sent = bytearray()
+    write_raw(tensor, "fp32", sent.extend)
+    assert bytes(sent[:-8]) == tensor.cpu().numpy().tobytes()
+    assert wire.encode_whole(tensor, "fp32")[0].device.type == "cpu"
