@@ -120,6 +120,17 @@ EQUIVALENT: dict[str, str] = {
         "second copy), a delta packed without its unused wire dtype, pieces of another size",
     ),
     **mutants(
+        "spes.sync.wire.x_encode_tensor",
+        "5 9",
+        "the same chunks: a raw tensor encoded whole before chunking (the two passes only spare a second copy), a "
+        "delta packed without its unused wire dtype",
+    ),
+    **mutants(
+        "spes.sync.wire.x_encode_tensor",
+        "61 62 65 66",
+        "an empty tensor's chunk without offset 0 or data b'': proto3 fields default to exactly those",
+    ),
+    **mutants(
         "spes.sync.wire.x_encode_tensors",
         "5 10 12",
         "the precomputed forms ignored: encode_tensor computes the very same bytes and checksums (they only save "
