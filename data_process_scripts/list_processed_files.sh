@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Write the sorted list of complete token shards under a directory, one absolute path a line.
+# Write the sorted list of token shards under a directory, one absolute path a line.
 #
 #   data_process_scripts/list_processed_files.sh <dir> <file_list.txt>
 #
-# A shard is complete when its sidecar <shard>.npy.json exists (tokenize_data.py writes it last);
-# incomplete shards are skipped and counted on stderr. The list is written atomically and is
-# what data.paths accepts as a .txt list file.
+# Lists every .npy file training reads: spes shards (with their <shard>.npy.json sidecar) and token files without
+# one, such as the first implementation's headerless uint32 files (read with data.memmap_dtype, their tokenizer
+# unchecked; counted on stderr). A shard tokenize_data.py is still writing is named <shard>.npy.partial and is not
+# listed. The list is written atomically and is what data.paths accepts as a .txt list file.
 set -euo pipefail
 
 if [[ $# -ne 2 ]]; then
@@ -21,23 +22,20 @@ fi
 
 tmp=$(mktemp "$(dirname "$out")/.$(basename "$out").XXXXXX")
 trap 'rm -f "$tmp"' EXIT
-complete=0
-incomplete=0
+listed=0
+bare=0
 while IFS= read -r -d '' shard; do
-  if [[ -f "$shard.json" ]]; then
-    printf '%s\n' "$shard" >>"$tmp"
-    complete=$((complete + 1))
-  else
-    echo "skipping incomplete shard (no sidecar): $shard" >&2
-    incomplete=$((incomplete + 1))
-  fi
+  printf '%s\n' "$shard" >>"$tmp"
+  listed=$((listed + 1))
+  [[ -f "$shard.json" ]] || bare=$((bare + 1))
 done < <(find "$(realpath "$dir")" -type f -name '*.npy' -print0 | LC_ALL=C sort -z)
 
-if [[ $complete -eq 0 ]]; then
-  echo "error: no complete .npy shard under $dir" >&2
+if [[ $listed -eq 0 ]]; then
+  echo "error: no .npy token file under $dir" >&2
   exit 1
 fi
 chmod 644 "$tmp"
 mv -f "$tmp" "$out"
 trap - EXIT
-echo "listed $complete shard(s) in $out (skipped $incomplete incomplete)" >&2
+echo "listed $listed shard(s) in $out ($bare without a sidecar: read as OLMo-format token files with" \
+  "data.memmap_dtype, their tokenizer unchecked)" >&2

@@ -1,31 +1,36 @@
 #!/usr/bin/env bash
-# Evaluate a Hugging Face model directory with lm-evaluation-harness, offline.
+# Evaluate a Hugging Face model directory with lm-evaluation-harness, offline if need be.
 #
-#   eval_scripts/eval_full.sh <HF_DIR> [OUT_DIR]        (OUT_DIR defaults to <HF_DIR>/eval)
-#   eval_scripts/eval_full.sh <org/name> [OUT_DIR]      a Hub id: the local Hub cache, else a download
-#                                                        (OUT_DIR defaults to output/eval/<org>--<name>)
+#   eval_scripts/eval_full.sh <MODEL_PATH> [MODEL_NAME]
 #
-# 1. The local suite, always: eval_scripts/tasks/ (tag spes_local) over held-out text of the default
-#    corpus -- spes_next_text (which of 4 continuations is the real one; acc, acc_norm) and
-#    spes_heldout_ppl (rolling log-likelihood; word/byte perplexity, bits per byte). Its data is built
-#    deterministically by eval_scripts/build_local_tasks.py into $EVAL_DATA (skipped when up to date),
-#    cut to fit the model's context length (config.json max_position_embeddings); a task the window is
-#    too short for is skipped with a one-line reason.
-# 2. The paper's reference suite -- sciq, piqa, winogrande, arc_easy, social_iqa, openbookqa, boolq
-#    0-shot; arc_challenge 25-shot; hellaswag 10-shot -- from the local Hugging Face datasets cache, else
-#    downloaded when the Hub is reachable and HF_HUB_OFFLINE is not 1; the others are named and skipped.
-#    A task lm_eval cannot run is skipped with a one-line reason (its log stays in OUT_DIR/raw).
+# The first implementation's argument order: MODEL_PATH is a model directory (eval_scripts/convert_to_hf.sh makes
+# one) or a Hub id (the local Hub cache, else a download); results go to eval_output/<MODEL_NAME> as there (OUT_DIR
+# overrides; without a MODEL_NAME: <MODEL_PATH>/eval, or output/eval/<org>--<name> for a Hub id).
+#
+# 1. The local suite, when its corpus is here (EVAL_SOURCE, default data/default; skipped with a note when that
+#    default is absent): eval_scripts/tasks/ (tag spes_local) over held-out text -- spes_next_text (which of 4
+#    continuations is the real one; acc, acc_norm) and spes_heldout_ppl (rolling log-likelihood; word/byte
+#    perplexity, bits per byte). Its data is built deterministically by eval_scripts/build_local_tasks.py into
+#    $EVAL_DATA (skipped when up to date), cut to fit the model's context length (config.json
+#    max_position_embeddings); a task the window is too short for is skipped with a one-line reason.
+# 2. The first implementation's reference suite -- sciq, piqa, winogrande, arc_easy, social_iqa, openbookqa,
+#    boolq 0-shot; arc_challenge 25-shot; hellaswag 10-shot; ceval-valid, cmmlu, mmlu with lm-eval's default shots
+#    -- from the local Hugging Face datasets cache, else downloaded when the Hub is reachable and HF_HUB_OFFLINE is
+#    not 1; the others are named with the reason and skipped (eval_scripts/eval_tools.py available). A task lm_eval
+#    cannot run is skipped with a one-line reason (its log stays in OUT_DIR/raw). No local corpus is needed.
 # 3. OUT_DIR/results.json and OUT_DIR/results.md (a markdown table); raw lm_eval output in OUT_DIR/raw.
 #
-# Env (defaults): PYTHON (.venv/bin/python of this repo, else python3), EVAL_SOURCE (data/default: a
-# corpus with valid/ shards and tokenizer/), EVAL_DATA (data/eval_tasks/ctx<context length>), BUILD_ARGS (extra flags of
-# build_local_tasks.py, e.g. "--num_choice_items 100"), LIMIT (lm_eval --limit: examples per task),
-# BATCH_SIZE (8), DEVICE (lm_eval's default), DTYPE (auto: the dtype in config.json), REFERENCE (1; 0 skips
-# the reference suite).
+# Env (defaults): PYTHON (.venv/bin/python of this repo, else python3), OUT_DIR (above), EVAL_SOURCE (data/default:
+# a corpus with valid/ shards and tokenizer/), EVAL_DATA (data/eval_tasks/ctx<context length>), BUILD_ARGS (extra
+# flags of build_local_tasks.py, e.g. "--num_choice_items 100"), LIMIT (lm_eval --limit: examples per task),
+# BATCH_SIZE (8; auto as the first implementation), DEVICE (lm_eval's default), DTYPE (auto: the dtype in
+# config.json), REFERENCE (1; 0 skips the reference suite), NPROC (the GPUs $PYTHON sees, else 1) and ACCELERATE
+# (1 when NPROC > 1): run lm_eval as `accelerate launch --num_processes NPROC --main_process_port PORT -m lm_eval`,
+# data-parallel over NPROC GPUs as the first implementation did (PORT: 20503).
 set -euo pipefail
 
 if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
-  echo "usage: $0 <HF_DIR> [OUT_DIR]" >&2
+  echo "usage: $0 <MODEL_PATH> [MODEL_NAME]   (results in eval_output/<MODEL_NAME>, or OUT_DIR)" >&2
   exit 2
 fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,13 +52,23 @@ if [ ! -f "$MODEL/config.json" ]; then
   exit 2
 fi
 HF_DIR=$(cd "$MODEL" && pwd)
-OUT_DIR=${2:-$DEFAULT_OUT}
+if [ -z "${OUT_DIR:-}" ]; then
+  OUT_DIR=${2:+eval_output/$2}
+  OUT_DIR=${OUT_DIR:-$DEFAULT_OUT}
+fi
 mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
-EVAL_SOURCE=${EVAL_SOURCE:-$REPO/data/default}
 BATCH_SIZE=${BATCH_SIZE:-8}
 DTYPE=${DTYPE:-auto}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+NPROC=${NPROC:-$("$PYTHON" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
+ACCELERATE=${ACCELERATE:-$([ "$NPROC" -gt 1 ] && echo 1 || echo 0)}
+LM_EVAL=("$PYTHON" -m lm_eval)
+if [ "$ACCELERATE" = 1 ]; then
+  LM_EVAL=("$PYTHON" -m accelerate.commands.launch --num_processes "$NPROC" --main_process_port "${PORT:-20503}"
+    -m lm_eval)
+fi
+echo "results: $OUT_DIR; lm_eval: ${LM_EVAL[*]:1}"
 # NOTE: without a reachable Hub, offline mode turns minutes of retries inside datasets/lm_eval into cache reads.
 if ! "$PYTHON" -c 'import sys; from spes.hub import hub_offline, hub_reachable
 sys.exit(0 if not hub_offline() and hub_reachable() else 1)'; then
@@ -62,24 +77,32 @@ fi
 CONTEXT=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("max_position_embeddings") or 0)' \
   "$HF_DIR/config.json")
 EVAL_DATA=${EVAL_DATA:-$REPO/data/eval_tasks/ctx$CONTEXT}
-
-# shellcheck disable=SC2086  # BUILD_ARGS is a list of flags
-"$PYTHON" "$REPO/eval_scripts/build_local_tasks.py" --source "$EVAL_SOURCE" --out "$EVAL_DATA" \
-  --max_tokens "$CONTEXT" --window_tokenizer "$HF_DIR" ${BUILD_ARGS:-}
-EVAL_DATA=$(cd "$EVAL_DATA" && pwd)
-LOCAL_TASKS=$("$PYTHON" -c 'import json, sys; print(",".join(json.load(open(sys.argv[1]))["tasks"]))' \
-  "$EVAL_DATA/manifest.json")
+LOCAL_TASKS=
+if [ -n "${EVAL_SOURCE:-}" ] || [ -d "$REPO/data/default" ]; then
+  EVAL_SOURCE=${EVAL_SOURCE:-$REPO/data/default}
+  # shellcheck disable=SC2086  # BUILD_ARGS is a list of flags
+  "$PYTHON" "$REPO/eval_scripts/build_local_tasks.py" --source "$EVAL_SOURCE" --out "$EVAL_DATA" \
+    --max_tokens "$CONTEXT" --window_tokenizer "$HF_DIR" ${BUILD_ARGS:-}
+  EVAL_DATA=$(cd "$EVAL_DATA" && pwd)
+  LOCAL_TASKS=$("$PYTHON" -c 'import json, sys; print(",".join(json.load(open(sys.argv[1]))["tasks"]))' \
+    "$EVAL_DATA/manifest.json")
+else
+  echo "note: local suite skipped: no corpus at $REPO/data/default (build_default_corpus.py makes one; or set" \
+    "EVAL_SOURCE)" >&2
+  EVAL_DATA=$OUT_DIR
+fi
 FAILED=0
 
-run_lm_eval() {  # <run name> <tasks> <shots> [required: a failure fails the script]
+run_lm_eval() {  # <run name> <tasks> <shots, or "default": lm-eval's> [required: a failure fails the script]
   local extra=() log="$OUT_DIR/raw/$1.log"
   [ -n "${LIMIT:-}" ] && extra+=(--limit "$LIMIT")
   [ -n "${DEVICE:-}" ] && extra+=(--device "$DEVICE")
+  [ "$3" != default ] && extra+=(--num_fewshot "$3")
   echo "== lm_eval: $2 ($3-shot)"
   mkdir -p "$OUT_DIR/raw"
   # NOTE: run inside the task data directory: the local task YAMLs name their data files relative to it.
-  if ! (cd "$EVAL_DATA" && "$PYTHON" -m lm_eval --model hf --model_args "pretrained=$HF_DIR,dtype=$DTYPE" \
-      --tasks "$2" --num_fewshot "$3" --include_path "$REPO/eval_scripts/tasks" --batch_size "$BATCH_SIZE" \
+  if ! (cd "$EVAL_DATA" && "${LM_EVAL[@]}" --model hf --model_args "pretrained=$HF_DIR,dtype=$DTYPE" \
+      --tasks "$2" --include_path "$REPO/eval_scripts/tasks" --batch_size "$BATCH_SIZE" \
       --output_path "$OUT_DIR/raw/$1" "${extra[@]}") > "$log" 2>&1; then
     echo "skipped $2: lm_eval failed: $(grep -v '^\s*$' "$log" | tail -n 1) (log: $log)" >&2
     if [ -n "${4:-}" ]; then FAILED=1; fi

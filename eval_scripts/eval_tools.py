@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """Helpers of eval_scripts/eval_full.sh: which reference benchmarks are on this machine, and the results table.
 
-    python eval_scripts/eval_tools.py available [--status status.json]
-        Prints one line "<shots> <task,task,...>" per few-shot setting, for the reference tasks whose
-        data sets are in the local Hugging Face datasets cache or, when HF_HUB_OFFLINE is not 1 and the
-        Hub answers, can be downloaded. The missing ones are named on stderr (and in --status, for the
-        report).
+    python eval_scripts/eval_tools.py available [--tasks a,b,...] [--status status.json]
+        Prints one line "<shots> <task,task,...>" per few-shot setting ("default": lm-eval's own), for the
+        reference tasks (or --tasks) whose data sets are in the local Hugging Face datasets cache or, when
+        HF_HUB_OFFLINE is not 1 and the Hub answers, can be downloaded; a group (mmlu) needs every one of its
+        tasks' data sets. The missing ones are named on stderr with the reason (and in --status, for the report
+        and for the trainer's in-loop evaluators, which check their tasks this way once at start).
     python eval_scripts/eval_tools.py summarize <out_dir>
         Collects the lm_eval result files under <out_dir>/raw into <out_dir>/results.json and
         <out_dir>/results.md (a markdown table), and prints the table.
 
-The reference suite is the SPES paper's: sciq, piqa, winogrande, arc_easy, social_iqa, openbookqa
-and boolq 0-shot; arc_challenge 25-shot; hellaswag 10-shot.
+The reference suite is the first SPES implementation's eval_full.sh: sciq, piqa, winogrande, arc_easy, social_iqa,
+openbookqa and boolq 0-shot; arc_challenge 25-shot; hellaswag 10-shot; mmlu, cmmlu and ceval-valid with lm-eval's
+default shots.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 from spes.atomic import write_atomic
 from spes.hub import hub_offline, hub_reachable
 
-REFERENCE_TASKS: dict[str, int] = {
+REFERENCE_TASKS: dict[str, int | None] = {
     "sciq": 0,
     "piqa": 0,
     "winogrande": 0,
@@ -36,8 +38,13 @@ REFERENCE_TASKS: dict[str, int] = {
     "boolq": 0,
     "arc_challenge": 25,
     "hellaswag": 10,
+    "mmlu": None,
+    "cmmlu": None,
+    "ceval-valid": None,
 }
+"""Task (or group) -> shots; None: lm-eval's own default (the first implementation passed no --num_fewshot)."""
 STATUS_FILE = "reference_status.json"
+DEFAULT_SHOTS = "default"
 
 
 def dataset_is_local(path: str, name: str | None) -> bool:
@@ -52,43 +59,66 @@ def dataset_is_local(path: str, name: str | None) -> bool:
     return True
 
 
-def reference_status() -> dict[str, dict[str, Any]]:
-    """Per reference task: its data set and whether that is available locally."""
+def leaf_configs(index: dict[str, Any], name: str) -> list[dict[str, Any]] | None:
+    """The task configs `name` stands for in lm-eval's task index: itself, or every task of a group or tag
+    (recursively); None when lm-eval knows no such name."""
+    entry = index.get(name)
+    if entry is None:
+        return None
+    kind = entry.kind.name
+    if kind == "GROUP":  # NOTE: members written inline (dicts) are not looked into
+        members = [m for m in (entry.cfg or {}).get("task", []) if isinstance(m, str)]
+    elif kind == "TAG":
+        members = [n for n, e in index.items() if name in e.tags and e.kind.name != "TAG"]
+    else:
+        return [entry.cfg or {}]
+    return [leaf for member in members for leaf in leaf_configs(index, member) or []]
+
+
+def task_status(index: dict[str, Any], task: str, shots: int | None) -> dict[str, Any]:
+    """A task's (or group's) data set(s) and whether every one is available here, with the reason if not."""
+    leaves = leaf_configs(index, task)
+    if not leaves:
+        return {"shots": shots, "dataset": None, "available": False, "reason": "lm-eval has no such task"}
+    sets = sorted({(str(c.get("dataset_path")), c.get("dataset_name")) for c in leaves if c.get("dataset_path")})
+    paths = sorted({path for path, _ in sets})
+    label = f"{paths[0]}/{sets[0][1]}" if len(sets) == 1 and sets[0][1] else ", ".join(paths)
+    if len(sets) > 1:
+        label += f" ({len(sets)} configs)"
+    missing = next((f"{p}/{n}" if n else p for p, n in sets if not dataset_is_local(p, n)), None)
+    status = {"shots": shots, "dataset": label, "available": missing is None}
+    return status if missing is None else {**status, "reason": f"no data set {missing}"}
+
+
+def why_missing() -> str:
+    """Why a data set counts as missing here."""
+    if hub_offline():
+        return "not in the local Hugging Face cache (HF_HUB_OFFLINE=1 or the Hub is unreachable)"
+    return "neither in the local Hugging Face cache nor downloadable"
+
+
+def reference_status(tasks: dict[str, int | None] = REFERENCE_TASKS) -> dict[str, dict[str, Any]]:
+    """Per task: its data set(s) and whether they are available locally."""
     from lm_eval.tasks import TaskManager
 
     index = TaskManager().task_index
-    status = {}
-    for task, shots in REFERENCE_TASKS.items():
-        entry = index.get(task)
-        cfg = (entry.cfg if entry is not None else None) or {}
-        path, name = cfg.get("dataset_path"), cfg.get("dataset_name")
-        status[task] = {
-            "shots": shots,
-            "dataset": f"{path}/{name}" if name else path,
-            "available": bool(path) and dataset_is_local(str(path), name),
-        }
-    return status
+    return {task: task_status(index, task, shots) for task, shots in tasks.items()}
 
 
-def available(status_path: Path | None) -> int:
-    status = reference_status()
+def available(status_path: Path | None, tasks: dict[str, int | None] = REFERENCE_TASKS) -> int:
+    status = reference_status(tasks)
     if status_path is not None:
         status_path.parent.mkdir(parents=True, exist_ok=True)
         status_path.write_text(json.dumps(status, indent=2), encoding="utf-8")
-    missing = [f"{t} ({s['dataset']})" for t, s in status.items() if not s["available"]]
+    missing = [f"{t} ({s['reason']})" for t, s in status.items() if not s["available"]]
     if missing:
-        why = (
-            "not in the local Hugging Face cache (HF_HUB_OFFLINE=1 or the Hub is unreachable)"
-            if hub_offline()
-            else "neither in the local Hugging Face cache nor downloadable"
-        )
-        print(f"reference tasks skipped, their data sets are {why}: {', '.join(missing)}", file=sys.stderr)
-    by_shots: dict[int, list[str]] = {}
+        print(f"tasks skipped: {', '.join(missing)}; data sets are {why_missing()}", file=sys.stderr)
+    by_shots: dict[str, list[str]] = {}
     for task, s in status.items():
         if s["available"]:
-            by_shots.setdefault(s["shots"], []).append(task)
-    for shots, tasks in by_shots.items():
-        print(shots, ",".join(tasks))
+            by_shots.setdefault(DEFAULT_SHOTS if s["shots"] is None else str(s["shots"]), []).append(task)
+    for shots, names in by_shots.items():
+        print(shots, ",".join(names))
     return 0
 
 
@@ -130,7 +160,7 @@ def markdown(tasks: dict[str, dict[str, Any]], status: dict[str, dict[str, Any]]
                 f"{entry['samples'] if entry['samples'] is not None else ''} |"
             )
     if status:
-        skipped = [f"{t} ({s['dataset']})" for t, s in status.items() if not s["available"]]
+        skipped = [f"{t} ({s['dataset'] or s.get('reason')})" for t, s in status.items() if not s["available"]]
         if skipped:
             lines += ["", f"Not run (data set not available locally): {', '.join(skipped)}."]
     return "\n".join(lines) + "\n"
@@ -158,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     avail = sub.add_parser("available", help="reference tasks whose data sets are available locally")
+    avail.add_argument("--tasks", help="comma-separated lm-eval tasks or groups to check instead (lm-eval's shots)")
     avail.add_argument("--status", type=Path, help="also write the per-task status here (JSON)")
     summ = sub.add_parser("summarize", help="lm_eval results -> results.json + results.md")
     summ.add_argument("out_dir", type=Path)
@@ -166,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     # a reachable Hub, offline mode turns minutes of retries into an immediate "not cached".
     if args.command == "available" and (hub_offline() or not hub_reachable()):
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
-    return available(args.status) if args.command == "available" else summarize(args.out_dir)
+    if args.command == "summarize":
+        return summarize(args.out_dir)
+    tasks = dict.fromkeys(filter(None, args.tasks.split(",")), None) if args.tasks else REFERENCE_TASKS
+    return available(args.status, tasks)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,36 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=spes
 #SBATCH --ntasks-per-node=1
-# A whole SPES run under SLURM: one task per node, each node an independent DDP/FSDP trainer, and the
-# parameter server on the first node. Submit from the repository root:
+# A whole SPES run over several machines: each node an independent DDP/FSDP trainer over its own GPUs, the
+# parameter server on node 0. Two ways to start it, from the repository root:
 #
 #   sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 run_scripts/run_cluster.sh [--section.key=value ...]
+#   RANK=<node id> MASTER_ADDR=<node 0's host> [NPROC_PER_NODE=8] run_scripts/run_cluster.sh [--section.key=value ...]
 #
-# The batch step (which SLURM runs on the allocation's first node) starts the parameter server there,
-# waits until it listens, then `srun`s this script once per task; each task is node <SLURM_PROCID> of
-# the run and starts `torchrun --standalone` over its own GPUs, so a node's DDP/FSDP process group never
-# leaves the node and nodes meet only at the server. When every node is done the server is stopped.
+# Under SLURM, the batch step (which SLURM runs on the allocation's first node) starts the parameter server there,
+# waits until it listens, then `srun`s this script once per task; each task is node <SLURM_PROCID> of the run.
+# When every node is done the server is stopped.
+# Outside SLURM (the first implementation's contract: any scheduler that sets RANK, MASTER_ADDR and NPROC_PER_NODE,
+# or none: run it on every machine by hand), this script runs once per node: node <RANK>; node 0 also starts the
+# server, reached by the others at MASTER_ADDR:PORT, and stops it SERVER_LINGER seconds after its own trainer is
+# done (the others' last download). RANK, MASTER_ADDR, MASTER_PORT and WORLD_SIZE are cleared before the trainer
+# starts, so a node's DDP/FSDP process group stays on the node.
+# Either way each node runs run_scripts/run_single_node.sh <id> (`torchrun --standalone` over its own GPUs), so
+# nodes meet only at the server.
 #
 # Env (defaults in brackets):
 #   CONFIG_DIR [configs/spes_1b]  CONFIG [$CONFIG_DIR/node_<id>.yaml]: each node's config
 #   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else every GPU the node's $PYTHON sees, else 1]: processes per node
-#   PORT [50051]: server port on the first node; SERVER_HOST [first host of SLURM_JOB_NODELIST]
+#   PORT [50051]: server port on node 0; SERVER_HOST [first host of SLURM_JOB_NODELIST, or MASTER_ADDR]
 #   The server's run settings (peers, experts per block, mode, the `server:` section) come from node 0's config
 #   with the same overrides, so they cannot disagree with the nodes'.
-#   SPES_ROOT [SLURM_SUBMIT_DIR]: the repository; PYTHON [.venv/bin/python, else python3]
-#   LOG_DIR [output/slurm-<job id>]: where the server log goes (node output: the job's output, by task)
+#   SPES_ROOT [SLURM_SUBMIT_DIR, or this repository]; PYTHON [.venv/bin/python, else python3]
+#   LOG_DIR [output/slurm-<job id>, or output/cluster]: where the server log goes
 #   STATE_DIR [the parent of node 0's save_folder, /server_state]: the server's rounds, kept across jobs
-# Per node: --spes_config.peer_id=<id> (node p reads the data in the order of data.seed + 1000 * p),
-# --spes_config.server_addr=<host>:<port>, --resume=auto; extra arguments are passed to every node's trainer
-# (and, but --resume, to the server) after these and win over them.
+#   SERVER_LINGER [120]: outside SLURM, seconds node 0 keeps the server up after its own trainer is done
+# Per node: --spes_config.peer_id=<id> and its data.seed (run_single_node.sh: a node file's own, or with CONFIG, the
+# file's + 1000 * id), --spes_config.server_addr=<host>:<port>, --resume=auto; extra arguments are passed to every
+# node's trainer (and, but --resume, to the server) after these and win over them.
 # A requeued (or resubmitted) job continues where it stopped: the server restores its last round from
 # STATE_DIR and every node resumes from its save_folder's latest checkpoint (or starts fresh if it has none).
 set -euo pipefail
@@ -34,34 +42,33 @@ CONFIG_DIR=${CONFIG_DIR:-configs/spes_1b}
 PORT=${PORT:-50051}
 
 die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
-[ -n "${SLURM_JOB_ID:-}" ] || die "not inside a SLURM job; submit with: sbatch --nodes=N run_scripts/run_cluster.sh"
 config_of() { echo "${CONFIG:-$CONFIG_DIR/node_$1.yaml}"; }
+[ -n "${SLURM_JOB_ID:-}" ] || [ -n "${RANK:-}" ] || die "not inside a SLURM job and RANK is not set; submit with: \
+sbatch --nodes=N run_scripts/run_cluster.sh, or run it on every node with RANK=<node id> MASTER_ADDR=<node 0's host>"
+
+run_node() {  # <node id> [args...]: this machine's node of the run
+  local id=$1; shift
+  export CONFIG_DIR PYTHON
+  [ -z "${CONFIG:-}" ] || export CONFIG
+  NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}} bash run_scripts/run_single_node.sh "$id" \
+    --spes_config.server_addr="$SERVER_ADDR" --resume=auto "$@"
+}
 
 if [ "${SPES_CLUSTER_ROLE:-batch}" = node ]; then
-  # ---- one task per node ----
+  # ---- under SLURM: one task per node ----
   NODE_ID=${SLURM_PROCID:?SLURM_PROCID is not set: this part runs under srun}
-  CFG=$(config_of "$NODE_ID")
-  [ -f "$CFG" ] || die "config $CFG not found (set CONFIG or CONFIG_DIR)"
-  DEVICES=$(NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-}} "$PYTHON" -m spes.preflight --devices) ||
-    die "$PYTHON could not count the devices of $(hostname): run run_scripts/setup.sh there, or set NPROC_PER_NODE"
-  NPROC=${DEVICES%% *}
-  echo "node $NODE_ID on $(hostname): $NPROC process(es) on ${DEVICES#* }, config $CFG, server $SERVER_ADDR"
-  # NOTE: spes.torchrun is torchrun ending a failed node with its one-line error, not a ChildFailedError block
-  exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC" -m spes.train "$CFG" \
-    --spes_config.peer_id="$NODE_ID" --spes_config.server_addr="$SERVER_ADDR" --resume=auto "$@"
+  echo "node $NODE_ID on $(hostname), server $SERVER_ADDR"
+  run_node "$NODE_ID" "$@"
+  exit
 fi
 
-# ---- the batch step, on the first node ----
-NUM_NODES=${SLURM_NTASKS:-${SLURM_JOB_NUM_NODES:-1}}
-FIRST_HOST=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n1)
-SERVER_HOST=${SERVER_HOST:-$FIRST_HOST}
 CFG0=$(config_of 0)
 [ -f "$CFG0" ] || die "config $CFG0 not found (set CONFIG or CONFIG_DIR)"
 # The server reads its run settings from node 0's config with the nodes' overrides (all but --resume); here only
 # the node count and the default state directory are read from it.
 OVERRIDES=()
 for arg in "$@"; do [[ "$arg" == --resume* ]] || OVERRIDES+=("$arg"); done
-SETTINGS=$("$PYTHON" - "$CFG0" "${OVERRIDES[@]}" 2>&1 <<'EOF'
+SETTINGS=$("$PYTHON" - "$CFG0" "${OVERRIDES[@]}" 2>&1 <<'PY'
 import sys
 from pathlib import Path
 from spes.config import load_config
@@ -70,29 +77,59 @@ try:
 except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")
 print(cfg.num_peers, Path(cfg.save_folder).parent / "server_state")
-EOF
+PY
 ) || die "${SETTINGS#error: }"
 read -r CFG_PEERS CFG_STATE_DIR <<< "$(tail -n1 <<< "$SETTINGS")"
+STATE_DIR=${STATE_DIR:-$CFG_STATE_DIR}
+
+start_server() {  # the parameter server in the background, on this machine; returns once it listens
+  mkdir -p "$LOG_DIR"
+  echo "parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log, state $STATE_DIR)"
+  # NOTE: --insecure: the nodes reach the server over the cluster network; set SPES_TOKEN and pass TLS files
+  # (run_parameter_server.sh arguments) to protect it.
+  PYTHON=$PYTHON PORT=$PORT bash run_scripts/run_parameter_server.sh "$CFG0" "${OVERRIDES[@]}" --state_dir "$STATE_DIR" \
+    --insecure > "$LOG_DIR/server.log" 2>&1 &
+  SERVER_PID=$!
+  trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
+  for _ in $(seq 1 120); do
+    grep -q "listening" "$LOG_DIR/server.log" 2>/dev/null && return 0
+    kill -0 "$SERVER_PID" 2>/dev/null || die "the parameter server exited: $(tail -n1 "$LOG_DIR/server.log")"
+    sleep 0.5
+  done
+  die "the parameter server did not start within 60 s"
+}
+
+if [ -z "${SLURM_JOB_ID:-}" ]; then
+  # ---- outside SLURM: this machine is node RANK ----
+  NODE_ID=$RANK
+  [[ "$NODE_ID" =~ ^[0-9]+$ ]] && [ "$NODE_ID" -lt "$CFG_PEERS" ] || die "RANK=$NODE_ID must be a node id in \
+[0, $CFG_PEERS) (the config's spes_config.num_peers)"
+  SERVER_HOST=${SERVER_HOST:-${MASTER_ADDR:-127.0.0.1}}
+  SERVER_ADDR="$SERVER_HOST:$PORT"
+  LOG_DIR=${LOG_DIR:-output/cluster}
+  unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR MASTER_PORT  # NOTE: the run's; the node's torchrun makes its own
+  echo "node $NODE_ID of $CFG_PEERS on $(hostname), server $SERVER_ADDR"
+  if [ "$NODE_ID" != 0 ]; then
+    run_node "$NODE_ID" "$@"
+    exit
+  fi
+  start_server
+  STATUS=0
+  run_node 0 "$@" || STATUS=$?
+  echo "node 0 done (exit $STATUS); stopping the parameter server in ${SERVER_LINGER:-120} s"
+  sleep "${SERVER_LINGER:-120}"
+  exit "$STATUS"
+fi
+
+# ---- under SLURM: the batch step, on the first node ----
+NUM_NODES=${SLURM_NTASKS:-${SLURM_JOB_NUM_NODES:-1}}
+FIRST_HOST=$(scontrol show hostnames "${SLURM_JOB_NODELIST:?}" | head -n1)
+SERVER_HOST=${SERVER_HOST:-$FIRST_HOST}
 [ "$CFG_PEERS" -eq "$NUM_NODES" ] || die "the config has spes_config.num_peers=$CFG_PEERS but the job runs \
 $NUM_NODES task(s); submit with --nodes=$CFG_PEERS --ntasks-per-node=1 (or override --spes_config.num_peers)"
-export PORT
 LOG_DIR=${LOG_DIR:-output/slurm-$SLURM_JOB_ID}
-STATE_DIR=${STATE_DIR:-$CFG_STATE_DIR}
-mkdir -p "$LOG_DIR"
-echo "job $SLURM_JOB_ID: $NUM_NODES node(s), parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log, \
-state $STATE_DIR)"
-# NOTE: --insecure: the job's nodes reach the server over the cluster network; set SPES_TOKEN and pass TLS files
-# (run_parameter_server.sh arguments) to protect it.
-PYTHON=$PYTHON bash run_scripts/run_parameter_server.sh "$CFG0" "${OVERRIDES[@]}" --state_dir "$STATE_DIR" \
-  --insecure > "$LOG_DIR/server.log" 2>&1 &
-SERVER_PID=$!
-trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do
-  grep -q "listening" "$LOG_DIR/server.log" 2>/dev/null && break
-  kill -0 "$SERVER_PID" 2>/dev/null || die "the parameter server exited: $(tail -n1 "$LOG_DIR/server.log")"
-  sleep 0.5
-done
-grep -q "listening" "$LOG_DIR/server.log" || die "the parameter server did not start within 60 s"
+echo "job $SLURM_JOB_ID: $NUM_NODES node(s)"
+start_server
 
 export SPES_CLUSTER_ROLE=node SERVER_ADDR="$SERVER_HOST:$PORT"
 # NOTE: srun gives a task one CPU unless told otherwise; a node's trainer wants all of its node's CPUs.

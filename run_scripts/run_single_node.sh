@@ -4,7 +4,10 @@
 #   run_scripts/run_single_node.sh <node_id> --preflight [--section.key=value ...]   # check the node, train nothing
 # Env: CONFIG_DIR (default configs/spes_1b), CONFIG (default $CONFIG_DIR/node_<id>.yaml),
 #      NPROC_PER_NODE (default: every GPU, or 1 on a CPU machine, counted by $PYTHON), PYTHON (default
-#      .venv/bin/python, else python3). Node <id> reads the data in the order of data.seed + 1000 * <id>.
+#      .venv/bin/python, else python3), DATA_SEED (see below).
+# Data order: a node reads in the order of its data.seed. Node files (node_<id>.yaml) carry their own (6198, 7198,
+# ... as the first implementation's); with CONFIG, one file for every node, node <id> gets --data.seed=<the file's
+# data.seed + 1000 * id> (the first implementation's launchers' rule), or DATA_SEED when set.
 # Extra arguments are passed through as overrides and win over the defaults set here. spes.torchrun is torchrun
 # that ends a failed run with the failing node's one-line error instead of a ChildFailedError traceback.
 set -euo pipefail
@@ -24,6 +27,17 @@ DEVICES=$(NPROC_PER_NODE=${NPROC_PER_NODE:-} "$PYTHON" -m spes.preflight --devic
     "the project's interpreter, or set NPROC_PER_NODE" >&2; exit 2; }
 NPROC_PER_NODE=${DEVICES%% *}
 ARGS=(--spes_config.peer_id="$NODE_ID")
+if [ -n "${DATA_SEED:-}" ]; then
+  ARGS+=(--data.seed="$DATA_SEED")
+elif [ "$CONFIG" != "$CONFIG_DIR/node_${NODE_ID}.yaml" ]; then  # one file for every node: each its own order
+  SEED=$("$PYTHON" -c 'import sys
+from spes.config import load_config, node_data_seed
+try:
+    print(node_data_seed(load_config(sys.argv[1])[0].data_seed, int(sys.argv[2])))
+except (ValueError, FileNotFoundError) as e:
+    sys.exit(f"error: {e}")' "$CONFIG" "$NODE_ID") || exit 2
+  ARGS+=(--data.seed="$SEED")
+fi
 PREFLIGHT=0
 for arg in "$@"; do
   if [ "$arg" = --preflight ]; then PREFLIGHT=1; else ARGS+=("$arg"); fi

@@ -572,8 +572,11 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
         ) from None
 
 
-def restore(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpoint:
-    """Load a checkpoint of either kind into a parallelized (single, DDP or FSDP2) model and its optimizer.
+def restore(
+    path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, with_optim: bool = True
+) -> Checkpoint:
+    """Load a checkpoint of either kind into a parallelized (single, DDP or FSDP2) model and its optimizer
+    (not its optimizer state when `with_optim` is false: OLMo's `reset_optimizer_state`).
 
     A collective when a process group exists: every rank calls it. Sharded checkpoints are resharded to
     this run's ranks by DCP; unsharded ones are read whole by every rank and sharded in place. The model
@@ -584,14 +587,14 @@ def restore(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
     meta = _read_meta(step_dir)
     config = _read_config(step_dir)
     if meta.get("kind") == "sharded":
-        trainer = _restore_sharded(step_dir, meta, model, optimizer)
+        trainer = _restore_sharded(step_dir, meta, model, optimizer, with_optim)
     else:
-        trainer = _restore_unsharded(step_dir, model, optimizer)
+        trainer = _restore_unsharded(step_dir, model, optimizer, with_optim)
     return Checkpoint(path=step_dir, model={}, optim=None, trainer=trainer, config=config)
 
 
 def _restore_sharded(
-    step_dir: Path, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+    step_dir: Path, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, with_optim: bool
 ) -> dict[str, Any]:
     """This rank's shards of a sharded checkpoint, resharded by DCP to this run's ranks; its trainer state."""
     shapes = _sharded_shapes(step_dir)
@@ -600,7 +603,7 @@ def _restore_sharded(
         model_state_dict(model),
         step_dir,
     )
-    optim_fqns = {k[len(OPTIM_KEY) :].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY)}
+    optim_fqns = {k[len(OPTIM_KEY) :].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY) and with_optim}
     _check_optim_compatible(optim_fqns, _trainable(model), step_dir)
     flat, _ = training_state(model, optimizer if optim_fqns else None)
     _dcp_load(flat, step_dir, no_dist=not dist.is_initialized())
@@ -611,11 +614,13 @@ def _restore_sharded(
     return meta["trainer"]
 
 
-def _restore_unsharded(step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _restore_unsharded(
+    step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, with_optim: bool
+) -> dict[str, Any]:
     """An unsharded checkpoint read whole by every rank and sharded in place; its trainer state ({} when its
     experts had to be re-blocked: then only the weights carry over)."""
     model_state = model_state_dict(model)
-    ckpt = load_checkpoint(step_dir)
+    ckpt = load_checkpoint(step_dir, with_optim=with_optim)
     reblocked = _reblock(ckpt.model, model_state) if set(ckpt.model) != set(model_state) else None
     if reblocked is not None:  # another expert layout (e.g. centralized -> SPES): start anew from the weights
         ckpt = replace(ckpt, model=reblocked, optim=None, trainer={})

@@ -7,7 +7,9 @@ the value and the expected type. Cross-field consistency (head sizes, expert own
 divisibility) is checked in `TrainConfig.__post_init__`, before any work starts.
 
 Every key of the first SPES implementation's configs is accepted. The few that change nothing here
-(`INERT_KEYS`) are named together in one warning at start.
+(`INERT_KEYS`) are named together in one warning at start. Where one of its files leaves a key out, the default
+is its default (`using_spes: false` first; tests/test_migrating.py checks all of its files), and `${...}` resolves
+against the defaults as OLMo's schema does.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class ModelConfig:
     moe_normalize_expert_weights: float | bool | None = _f(
         None, "renormalize the top-k routing weights (p-norm; true means p=1, weights sum to 1)"
     )
+    clip_qkv: float | None = _f(None, "inert when null (OLMo's q/k/v clamp is not implemented: null only)")
+    moe_shared_expert: bool = _f(False, "inert when false (OLMo's always-on shared expert is not implemented)")
 
     def __post_init__(self) -> None:
         if self.mlp_hidden_size is None:
@@ -144,6 +148,8 @@ class ModelConfig:
             f"must be in [1, moe_num_experts={self.moe_num_experts}]",
         )
         for key, ok in (
+            ("clip_qkv", self.clip_qkv is None),
+            ("moe_shared_expert", not self.moe_shared_expert),
             ("weight_tying", not self.weight_tying),
             ("alibi", not self.alibi),
             ("rope", self.rope),
@@ -151,7 +157,9 @@ class ModelConfig:
             ("bias_for_layer_norm", not self.bias_for_layer_norm),
             ("moe_dropless", self.moe_dropless),
         ):
-            _require(ok, f"model.{key}", getattr(self, key), "is not supported by the OLMoE-style model of spes")
+            _require(
+                ok, f"model.{key}", getattr(self, key), "is not supported by the OLMoE-style model of spes (remove it)"
+            )
 
     @property
     def expert_hidden_size(self) -> int:
@@ -193,6 +201,15 @@ class SchedulerConfig:
     t_warmup: int = _f(100, "linear warm-up length")
     t_max: int | None = _f(None, "schedule length (default: the run's max_duration)")
     alpha_f: float = _f(0.1, "final learning rate as a fraction of the peak")
+    warmup_min_lr: float | None = _f(None, "learning rate at step 0 of the warm-up (null: 10% of the peak, as OLMo)")
+
+    def __post_init__(self) -> None:
+        _require(
+            self.warmup_min_lr is None or self.warmup_min_lr >= 0,
+            "scheduler.warmup_min_lr",
+            self.warmup_min_lr,
+            "must be >= 0 (or null for 10% of the peak)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -237,9 +254,10 @@ class InstanceFilterConfig:
 class DataConfig:
     paths: list[str] = _f([], "token shards: .npy files, globs, or a .txt file listing them")
     validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
-    seed: int = _f(
-        6198,
-        "the run's data-order seed; node p reads in the order of seed + 1000 * p (the same value in every node's YAML)",
+    seed: int | None = _f(
+        None,
+        "this node's data-order seed (null: the run's `seed`); each node's YAML has its own, e.g. 6198, 7198, ... "
+        "as the first implementation's node files",
     )
     memmap_dtype: str | None = _f(
         None,
@@ -282,6 +300,7 @@ class WandbConfig:
     group: str | None = _f(None, "W&B group, e.g. the run name shared by all nodes")
     log_interval: int = _f(1, "log every N-th metrics step (evaluations always)")
     entity: str | None = _f(None, "W&B team or user (default: yours)")
+    tags: list[str] | None = _f(["watching"], "W&B run tags (OLMo's default: [watching])")
 
 
 @dataclass(kw_only=True)
@@ -307,6 +326,7 @@ class SpesConfig:
     server_addr: str = _f("127.0.0.1:50051", "parameter server host:port")
     using_decayed_aux_loss: bool = _f(False, "scale own experts' load-balancing counts 0.7 -> 1.0 over 20% of training")
     decayed_factor_update_steps: int = _f(500, "refresh interval of the decayed load-balancing factor (1.0 before it)")
+    quant_non_local_trainable_experts: bool = _f(False, "inert (the first implementation read it and did nothing)")
     wire_dtype: Literal["fp32", "bf16", "int8"] = _f(
         "fp32",
         "transport precision (the trainer keeps fp32): fp32, bf16, or int8 = int8 deltas against the last global "
@@ -414,8 +434,8 @@ class TrainConfig:
     """One node's run."""
 
     run_name: str = _f("spes", "name of the run")
-    seed: int = _f(6198, "model init and dropout seed")
-    dry_run: bool = _f(False, "inert")
+    seed: int = _f(6198, "model init and dropout seed (and the data order's when data.seed is unset)")
+    dry_run: bool = _f(False, "build the node (data, model, optimizer, checkpoint) and stop before training")
     no_pre_train_checkpoint: bool = _f(True, "skip the checkpoint at step 0")
     compile: dict | bool | None = _f(
         None, "torch.compile each decoder block: true, or {mode, fullgraph, dynamic, backend}; null/false: eager"
@@ -427,9 +447,22 @@ class TrainConfig:
     )
     softmax_auxiliary_loss: bool = _f(False, "add a z-loss on the output logits")
     auxiliary_loss_multiplier: float = _f(1e-4, "weight of the output-logit z-loss")
-    using_spes: bool = _f(True, "synchronize with a SPES parameter server (false: centralized training)")
+    using_spes: bool = _f(
+        False, "synchronize with a SPES parameter server (false, the first implementation's default: centralized)"
+    )
     using_dilico: bool = _f(False, "DiLoCo/FedAvg baseline: train everything, server averages everything")
     load_path: str | None = _f(None, "checkpoint directory to start from")
+    reset_optimizer_state: bool = _f(
+        False,
+        "with load_path: load the weights but a fresh optimizer; unless reset_trainer_state, the learning rate warms "
+        "up again from 0 over scheduler.t_warmup steps to the schedule's (OLMo's bolt-on warm-up)",
+    )
+    reset_trainer_state: bool = _f(
+        False, "with load_path: leave out its trainer state (step, tokens, data position, RNG): start at step 0"
+    )
+    restore_dataloader: bool = _f(
+        True, "with load_path: continue its data order where it stopped; false: from the start (and, as OLMo, step 0)"
+    )
     try_load_latest_save: bool = _f(
         False,
         "resume from save_folder's latest checkpoint when there is one, else start from load_path (or "
@@ -459,7 +492,11 @@ class TrainConfig:
     eval_interval: int | None = _f(None, "steps between validation-loss evaluations")
     eval_subset_num_batches: int = _f(-1, "validation batches per evaluation (-1: all)")
     save_folder: str = _f("output/${run_name}", "where checkpoints and metrics go")
-    save_overwrite: bool = _f(False, "inert: checkpoints are always written atomically")
+    save_overwrite: bool = _f(
+        False,
+        "a fresh start (not a resume) into a save_folder holding another run's checkpoints or metrics is refused "
+        "unless true; true replaces them",
+    )
     save_interval: int | None = _f(1000, "steps between (sharded under FSDP) checkpoints")
     save_interval_ephemeral: int | None = _f(None, "inert")
     save_num_checkpoints_to_keep: int = _f(-1, "keep this many recent checkpoints (-1: all)")
@@ -467,6 +504,7 @@ class TrainConfig:
     save_interval_unsharded: int | None = _f(None, "steps between unsharded (single-file) checkpoints")
     save_num_unsharded_checkpoints_to_keep: int = _f(-1, "keep this many unsharded checkpoints (-1: all)")
     log_interval: int = _f(1, "steps between console/JSONL metric lines")
+    time_limit: float | None = _f(None, "seconds of training after which the node saves and stops (null: none)")
     model: ModelConfig = _sub(ModelConfig, "the model")
     optimizer: OptimizerConfig = _sub(OptimizerConfig, "the optimizer")
     scheduler: SchedulerConfig = _sub(SchedulerConfig, "the learning-rate schedule")
@@ -506,6 +544,7 @@ class TrainConfig:
             f"must be divisible by device_train_microbatch_size={self.device_train_microbatch_size}",
         )
         parse_duration(self.max_duration)
+        _require(self.time_limit is None or self.time_limit > 0, "time_limit", self.time_limit, "must be > 0 seconds")
         _require(self.skip_nonfinite_steps >= 0, "skip_nonfinite_steps", self.skip_nonfinite_steps, "must be >= 0")
         if self.sync_enabled:
             _require(s.num_peers >= 1, "spes_config.num_peers", s.num_peers, "must be >= 1")
@@ -601,8 +640,9 @@ class TrainConfig:
 
     @property
     def data_seed(self) -> int:
-        """This node's data-order seed: `peer_data_seed(data.seed, spes_config.peer_id)`."""
-        return peer_data_seed(self.data.seed, self.spes_config.peer_id)
+        """This node's data-order seed: `data.seed`, else `seed` (the first implementation's rule: no per-peer
+        offset is added; each node's YAML, or its launcher, gives the node its own)."""
+        return self.data.seed if self.data.seed is not None else self.seed
 
     @property
     def tokens_per_step(self) -> int:
@@ -639,15 +679,16 @@ class TrainConfig:
 # Keys that are accepted for compatibility with the first implementation's configs but change nothing.
 INERT_KEYS = frozenset(
     {
-        "dry_run",
         "max_grad_norm_ratio",
-        "save_overwrite",
         "save_interval_ephemeral",
         "sharded_checkpointer",
         "model.flash_attention",
         "model.init_device",
         "model.using_custom_moe_impl",
         "model.moe_mlp_impl",
+        "model.clip_qkv",
+        "model.moe_shared_expert",
+        "spes_config.quant_non_local_trainable_experts",
         "optimizer.metrics_log_interval",
         "tokenizer.truncate_direction",
         "data.pad_direction",
@@ -659,17 +700,16 @@ INERT_KEYS = frozenset(
 )
 
 
-PEER_SEED_STRIDE = 1000
-"""Node p reads the data in the order of seed `data.seed + PEER_SEED_STRIDE * p`."""
+NODE_SEED_STRIDE = 1000
 
 
-def peer_data_seed(data_seed: int, peer_id: int) -> int:
-    """The data-order seed of node `peer_id`: `data.seed + 1000 * peer_id`.
+def node_data_seed(base_seed: int, peer_id: int) -> int:
+    """The `data.seed` a launcher gives node `peer_id` when one YAML serves every node: `base + 1000 * peer_id`.
 
-    The one place the rule is applied, so every node's YAML keeps the run's `data.seed` and an edited one is
-    honoured: nodes read the same data in different orders without anyone rewriting `data.seed` per node.
+    The first implementation's node files and launch scripts use these seeds (6198, 7198, 8198, 9198); the trainer
+    itself reads its `data.seed` as given (`TrainConfig.data_seed`), so a launcher passes it as an override.
     """
-    return data_seed + PEER_SEED_STRIDE * peer_id
+    return base_seed + NODE_SEED_STRIDE * peer_id
 
 
 def _require(ok: bool, key: str, value: Any, what: str) -> None:
@@ -711,7 +751,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         dotlist = [_override_to_dotlist(o) for o in overrides]
         _check_overrides(dotlist)
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
-        raw = OmegaConf.to_container(merged, resolve=True)
+        raw = _resolve_against_defaults(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: cannot read config: {str(e).splitlines()[0]}") from None
     except yaml.YAMLError as e:
@@ -722,6 +762,28 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raw["save_folder"] = f"output/{raw.get('run_name', 'spes')}"
     inert = sorted(k for k in _flat_keys(raw) if k in INERT_KEYS)
     return from_dict(TrainConfig, raw, where=where), inert
+
+
+def _resolve_against_defaults(user: Any) -> Any:
+    """The user's keys with `${...}` resolved, where an interpolation may name a key left at its default.
+
+    OLMo resolves a file against its schema, so the first implementation's centralized config, which has no
+    `spes_config` section, still resolves `save_folder: output/${run_name}/node${spes_config.peer_id}` (to node0).
+    Only the keys the user wrote are returned (defaults stay defaults, and the inert-key warning sees only theirs).
+    """
+    shape = OmegaConf.to_container(user, resolve=False)
+    try:
+        full = OmegaConf.merge(OmegaConf.create(to_dict(TrainConfig())), user)
+    except OmegaConfBaseException:  # a value of the wrong kind (a scalar for a section): from_dict names it
+        return OmegaConf.to_container(user, resolve=True)
+    return _keys_of(OmegaConf.to_container(full, resolve=True), shape)
+
+
+def _keys_of(resolved: Any, shape: Any) -> Any:
+    """`resolved` cut to the keys of `shape` (nested mappings; anything else is taken whole)."""
+    if isinstance(shape, dict) and isinstance(resolved, dict):
+        return {k: _keys_of(resolved.get(k), v) for k, v in shape.items()}
+    return resolved
 
 
 def load_server_section(overrides: list[str] | tuple[str, ...] = ()) -> ServerSection:

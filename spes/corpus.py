@@ -486,8 +486,8 @@ def tokenize_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer_name_or_path",
         required=True,
-        help="local tokenizer directory (with tokenizer.json) or tokenizer.json file; "
-        "nothing is downloaded (train one with data_process_scripts/train_tokenizer.py)",
+        help="tokenizer directory (with tokenizer.json), tokenizer.json file or Hugging Face Hub id such as "
+        "Qwen/Qwen2.5-0.5B (the local Hub cache first; or train one with data_process_scripts/train_tokenizer.py)",
     )
     parser.add_argument(
         "--output_prefix",
@@ -500,6 +500,13 @@ def tokenize_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="tokenizer processes (1 = in this process, using the tokenizer's own threads)",
+    )
+    parser.add_argument(
+        "--files_per_process",
+        type=int,
+        default=None,
+        help="the first implementation's flag, accepted and ignored: documents, not files, are spread over "
+        "--processes here, and the shards are the same for any split",
     )
     parser.add_argument("--batch_size", type=int, default=1000, help="documents per unit of work")
     parser.add_argument(
@@ -520,6 +527,8 @@ def tokenize_parser() -> argparse.ArgumentParser:
 def tokenize_main(argv: Sequence[str] | None = None) -> int:
     """data_process_scripts/tokenize_data.py."""
     args = tokenize_parser().parse_args(argv)
+    if args.files_per_process is not None:
+        print(f"note: --files_per_process {args.files_per_process} changes nothing here (see --help)", file=sys.stderr)
     try:
         files = resolve_input_files(args.file_glob)
         tokenizer = load_tokenizer(args.tokenizer_name_or_path)

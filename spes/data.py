@@ -8,9 +8,10 @@ read too (see `spes.shards`). The trainer reads them as
     loader = BatchLoader(ds, batch_size=cfg.global_train_batch_size, seed=cfg.data_seed, rank=r, world_size=w)
     batch = next(loader)  # LongTensor (global_batch // world_size, seq_len), this rank's slice
 
-Each peer passes its own seed (`cfg.data_seed`: `data.seed + 1000 * peer_id`), so peers see the data in
-different orders; a loader's `state_dict()` is three integers, enough to resume mid-epoch without reading
-skipped data.
+Each node passes its own seed (`cfg.data_seed`: its `data.seed`, as the first implementation's node files give
+6198, 7198, ...), so nodes see the data in different orders; epoch `e` is read in the first implementation's
+(OLMo's) order for seed `s` (`olmo_order`). A loader's `state_dict()` is a few integers, enough to resume
+mid-epoch without reading skipped data.
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ from torch.utils.data import DataLoader
 from spes.shards import PARTIAL_SUFFIX, find_shard_info, open_token_array
 
 log = logging.getLogger(__name__)
+
+ORDER = "olmo"
+"""The data-order rule of the states this loader writes; a state without one was written by an earlier spes,
+whose epochs were `numpy.random.default_rng([seed, epoch]).permutation(N)` (still followed, so it resumes exactly)."""
+
+
+def olmo_order(seed: int, epoch: int, num_windows: int) -> np.ndarray:
+    """The windows of epoch `epoch` in the first implementation's (OLMo's) order: 0..N-1 shuffled by a PCG64
+    generator seeded with `seed + epoch`. With the same shards, window length and seed, a node reads the same
+    windows in the same order as there (global batch k = positions [k*B, (k+1)*B) of it)."""
+    return np.random.Generator(np.random.PCG64(seed + epoch)).permutation(num_windows)
 
 
 class TokenSequenceDataset:
@@ -136,11 +148,11 @@ class TokenSequenceDataset:
 class BatchLoader:
     """Infinite, resumable iterator of this rank's slice of each global batch.
 
-    Epoch `e` visits the windows in the order `numpy.random.default_rng([seed, e]).permutation(N)`
-    (or 0..N-1 without shuffle); global batch `k` of the epoch is positions `[k*B, (k+1)*B)` of that
-    order and rank `r` takes rows `[r*B/w, (r+1)*B/w)` of it. With `drop_last=False` an epoch's last,
-    short batch is completed with the epoch's first windows, so every batch has the same shape.
-    The state is (epoch, position of the next batch in the epoch's order, seed): resuming from it
+    Epoch `e` visits the windows in the order `olmo_order(seed, e, N)` (or 0..N-1 without shuffle); global
+    batch `k` of the epoch is positions `[k*B, (k+1)*B)` of that order and rank `r` takes rows
+    `[r*B/w, (r+1)*B/w)` of it. With `drop_last=False` an epoch's last, short batch is completed with the
+    epoch's first windows, so every batch has the same shape.
+    The state is (epoch, position of the next batch in the epoch's order, seed, order rule): resuming from it
     yields exactly the batches an uninterrupted run would have.
     """
 
@@ -187,6 +199,7 @@ class BatchLoader:
             log.info("data.pin_memory is set but no accelerator is available; batches are not pinned")
         self.epoch = 0
         self.position = 0
+        self.order = ORDER
         self._batches: Iterator[torch.Tensor] | None = None
 
     @property
@@ -195,11 +208,11 @@ class BatchLoader:
         n = len(self.dataset)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | str]:
         """Where the next batch comes from: everything needed to resume exactly."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "order": self.order}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (from `state_dict()`); skipped batches are not read."""
         missing = {"epoch", "position", "seed"} - set(state)
         if missing:
@@ -212,6 +225,9 @@ class BatchLoader:
         if int(state["epoch"]) < 0 or int(state["position"]) < 0:
             raise ValueError(f"data loader state {state} has a negative epoch or position")
         self.close()
+        self.order = str(state.get("order", "legacy"))
+        if self.order not in (ORDER, "legacy"):
+            raise ValueError(f"data loader state has order {self.order!r}, which this spes does not know")
         self.epoch, self.position = self._normalize(int(state["epoch"]), int(state["position"]))
 
     def close(self) -> None:
@@ -239,7 +255,11 @@ class BatchLoader:
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         n = len(self.dataset)
-        return np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        if not self.shuffle:
+            return np.arange(n)
+        if self.order == "legacy":  # a run started by an earlier spes continues in its own order
+            return np.random.default_rng([self.seed, epoch]).permutation(n)
+        return olmo_order(self.seed, epoch, n)
 
     def _rank_indices(self) -> Iterator[np.ndarray]:
         """This rank's window indices of each global batch, from the current state on."""

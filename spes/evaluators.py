@@ -8,14 +8,18 @@
         type: downstream
         limit: 200            # examples per task, so a large run does not stall (default: all)
 
-Every `eval_interval` steps (on SPES/DiLoCo runs right after the sync, so on the merged global
-model), every rank gathers the full weights, and the main rank writes them as a Hugging Face
+Every `eval_interval` steps (only at its multiples; on SPES/DiLoCo runs right after the sync, so on the merged
+global model), every rank gathers the full weights, and the main rank writes them as a Hugging Face
 directory (`spes.hf.export_state`) and runs `python -m lm_eval` on it in a subprocess (lm-eval's
 global state and memory stay out of the trainer). The local suite's data is built once per run by
 `eval_scripts/build_local_tasks.py` from `data.validation_paths`, cut to the model's context length,
 exactly the files `eval_full.sh` uses. Scores go to the metrics record as `eval/<task>/<metric>`, so
-to metrics.jsonl and the dashboards. A task lm-eval cannot run (data set neither cached nor
-downloadable, window too short) is named once with its reason and left out for the rest of the run.
+to metrics.jsonl and the dashboards. At start the main rank checks every task's data once
+(`eval_scripts/eval_tools.py available`: lm-eval knows the task, its data sets are cached or downloadable) and
+names the ones it cannot run, with the reason, leaving them out of the run; the first implementation shipped its
+evaluation sets, spes takes them from the Hugging Face cache (`hf download --repo-type dataset <name>` once
+online, or HF_HOME pointing at a cache that holds them). A task that fails later (window too short) is named
+once and left out for the rest of the run.
 Entries of `type: lm` are OLMo's validation-loss evaluators: spes computes that from
 `data.validation_paths`, so they add nothing here.
 """
@@ -42,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 EVAL_SCRIPTS = REPO / "eval_scripts"
 LOCAL_SUITE = "spes_local"
 # OLMo evaluator labels -> lm-eval task names, where they differ.
-TASK_NAMES = {"openbook_qa": "openbookqa"}
+TASK_NAMES = {"openbook_qa": "openbookqa", "commitment_bank": "cb"}
 _ENTRY_KEYS = ("label", "type", "limit")
 
 
@@ -121,11 +125,34 @@ class DownstreamEvals:
                     f"evaluator '{LOCAL_SUITE}' builds its tasks from data.validation_paths, which is empty"
                 )
 
-    def due(self, step: int, max_steps: int) -> bool:
+    def due(self, step: int) -> bool:
+        """Whether `step` is an evaluation step: a multiple of `eval_interval` (not the last step otherwise: a
+        short trial run of a config with a long interval evaluates nothing)."""
         interval = self.cfg.eval_interval
-        if not self.evaluators or not interval:
-            return False
-        return step % interval == 0 or step == max_steps
+        return bool(self.evaluators) and interval is not None and interval > 0 and step % interval == 0
+
+    def check_data(self) -> None:
+        """Once, at start, on the main rank: leave out the tasks lm-eval does not know or has no data for here, named
+        in one line (instead of each failing at its first evaluation)."""
+        tasks = sorted({e.task for e in self.evaluators if e.task != LOCAL_SUITE})
+        if not self.is_main or not tasks:
+            return
+        status_file = self.folder / "task_status.json"
+        cmd = [sys.executable, str(EVAL_SCRIPTS / "eval_tools.py"), "available", "--tasks", ",".join(tasks)]
+        if not self._subprocess([*cmd, "--status", str(status_file)], Path.cwd(), self.folder / "task_status.log"):
+            self.log(f"note: could not check the downstream tasks' data (log: {self.folder / 'task_status.log'})")
+            return
+        status = json.loads(status_file.read_text(encoding="utf-8"))
+        missing = {task: s["reason"] for task, s in status.items() if not s["available"]}
+        for ev in self.evaluators:
+            if ev.task in missing:
+                self.disabled.add(ev.label)
+        if missing:
+            shown = ", ".join(f"{task} ({reason})" for task, reason in missing.items())
+            self.log(
+                f"note: downstream evaluators left out of this run: {shown}; a data set must be in the Hugging Face "
+                "cache (HF_HOME) or downloadable from here (not HF_HUB_OFFLINE=1)"
+            )
 
     def run(self, model: nn.Module, step: int) -> dict[str, float]:
         """Scores of every runnable task at `step` (empty off the main rank)."""
@@ -225,4 +252,7 @@ class DownstreamEvals:
 def evaluators_of(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None]) -> DownstreamEvals | None:
     """The run's downstream evaluations, or None when `evaluators:` names none."""
     evals = DownstreamEvals(cfg, is_main=info.is_main, device=info.device, log=log)
-    return evals if evals.evaluators else None
+    if not evals.evaluators:
+        return None
+    evals.check_data()
+    return evals

@@ -5,7 +5,8 @@
     python -m spes.launch configs/tiny.yaml -- --max_duration=200st   # overrides for every peer
 
 This is the quickstart's engine and a way to try a configuration before renting nodes: each peer is the
-same `python -m spes.train` a real node runs (with its own `peer_id`, so its own data order), the server is
+same `python -m spes.train` a real node runs (with its own `peer_id` and `data.seed`: the config's + 1000 * peer_id,
+as the first implementation's launchers gave its nodes 6198, 7198, ...), the server is
 the same `python -m spes.server` given the same YAML and overrides (so its `server:` section, e.g.
 `-- --server.merge_interval=20`). At the end it prints a summary table and exits 0 with every child gone; if
 any process fails, the others are stopped and the exit code is non-zero.
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.config import ConfigError, add_server_flags, load_config, peer_data_seed, server_flag_overrides
+from spes.config import ConfigError, add_server_flags, load_config, node_data_seed, server_flag_overrides
 
 
 def free_port() -> int:
@@ -41,7 +42,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", help="node config (YAML); peer_id, data seed, server address and save folder are set here")
+    p.add_argument(
+        "config",
+        help="node config (YAML); peer_id, data seed (the config's + 1000 * peer_id), server address and save folder "
+        "are set here",
+    )
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         procs["server"] = _spawn(server_cmd, out / "server.log", env)
-        seeds = [peer_data_seed(cfg.data.seed, i) for i in range(peers)]
+        seeds = [node_data_seed(cfg.data_seed, i) for i in range(peers)]  # as the first implementation's launchers
         for i in range(peers):
             peer_cmd = [
                 sys.executable,
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.config,
                 *run,
                 f"--spes_config.peer_id={i}",
+                f"--data.seed={seeds[i]}",
                 f"--spes_config.server_addr=127.0.0.1:{port}",
                 f"--save_folder={out}/node{i}",
                 *(["--eval_interval=null"] if i >= eval_peers else []),

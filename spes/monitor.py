@@ -11,11 +11,15 @@ import math
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from spes.atomic import write_atomic
+
+if TYPE_CHECKING:
+    from spes.distributed import DistInfo
 
 PEAK_BF16_FLOPS = {
     "H100": 989e12,
@@ -38,6 +42,17 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((v for k, v in sorted(PEAK_BF16_FLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+
+
+def peak_memory_mb(info: DistInfo) -> float | None:
+    """Peak GPU memory allocated so far, in MB (10^6 bytes), the most of the node's ranks (OLMo's
+    `System/Peak GPU Memory (MB)`); None on a CPU. A collective on a GPU node: every rank calls it."""
+    if info.device.type != "cuda":
+        return None
+    peak = torch.tensor(torch.cuda.max_memory_allocated(info.device) / 1e6, device=info.device)
+    if info.world_size > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return float(peak.item())
 
 
 class SpeedMonitor:
@@ -71,6 +86,7 @@ def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
         "grad_norm": ".3f",
         "tokens_per_s": ",.0f",
         "mfu": ".1%",
+        "peak_gpu_mb": ",.0f",
         "val_loss": ".4f",
         "val_ppl": ".2f",
         "merged_val_loss": ".4f",

@@ -8,6 +8,7 @@ the experts it does not own (the memory saving of the paper). The schedule is a 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,21 +46,29 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW
 def lr_at(step: int, cfg: SchedulerConfig, peak_lr: float, t_max: int) -> float:
     """Learning rate for optimizer step `step` (1-based; in the scheduler's units).
 
-    Warm-up is linear from 10% of `peak_lr` (at step 0) to `peak_lr` over `t_warmup`, as OLMo does when no
-    minimum is given (the reference's configs give none); then
+    Warm-up is linear from `warmup_min_lr` (null: 10% of `peak_lr`, as OLMo; the reference's configs give none) at
+    step 0 to `peak_lr` over `t_warmup`; then
     cosine_with_warmup: lr = min + (peak - min) * (1 + cos(pi * (t - t_warmup) / (t_max - t_warmup))) / 2,
     linear_with_warmup: a straight line from peak to min; constant: peak. min = alpha_f * peak.
     """
     if cfg.name == "constant":
         return peak_lr
     if step < cfg.t_warmup:
-        start = WARMUP_START_FRACTION * peak_lr
+        start = WARMUP_START_FRACTION * peak_lr if cfg.warmup_min_lr is None else cfg.warmup_min_lr
         return start + (peak_lr - start) * step / max(cfg.t_warmup, 1)
     floor = cfg.alpha_f * peak_lr
     progress = min((step - cfg.t_warmup) / max(t_max - cfg.t_warmup, 1), 1.0)
     if cfg.name == "linear_with_warmup":
         return peak_lr - (peak_lr - floor) * progress
     return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def rewarmed_lr(step: int, start: int, end: int, schedule: Callable[[int], float]) -> float:
+    """OLMo's bolt-on warm-up after `reset_optimizer_state`: 0 at step `start`, rising linearly to the schedule's
+    value at `end`, then the schedule (a fresh optimizer's first steps are not taken at full rate)."""
+    if step >= end:
+        return schedule(step)
+    return schedule(end) * max(step - start, 0) / (end - start)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

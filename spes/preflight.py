@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import psutil
 import torch
 
@@ -409,7 +408,7 @@ def check_disk(cfg: TrainConfig) -> Check:
 
 def check_data(cfg: TrainConfig) -> Check:
     from spes.data import TokenSequenceDataset
-    from spes.shards import resolve_paths
+    from spes.shards import open_token_array, resolve_paths
     from spes.tokenizer import check_vocab, load_tokenizer
 
     try:
@@ -430,7 +429,7 @@ def check_data(cfg: TrainConfig) -> Check:
     except (ValueError, OSError) as exc:
         return fail("data", str(exc), "fix or re-tokenize the shard named above")
     for path, info in zip(dataset.paths, dataset.shard_infos):
-        tokens = np.load(path, mmap_mode="r")[:SAMPLE_TOKENS]
+        tokens = open_token_array(path, cfg.data.memmap_dtype)[:SAMPLE_TOKENS]  # headerless OLMo files too
         top = int(tokens.max()) if len(tokens) else 0
         if (info is not None and info.vocab_size != tokenizer.vocab_size) or top >= tokenizer.vocab_size:
             # NOTE: a bare OLMo-style shard has no sidecar, so only its largest id can be checked
@@ -442,7 +441,7 @@ def check_data(cfg: TrainConfig) -> Check:
                 "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
             )
     same = dataset.fingerprint == tokenizer.fingerprint
-    dtype = np.load(dataset.paths[0], mmap_mode="r").dtype  # as the sidecars record it (the dataset checked)
+    dtype = open_token_array(dataset.paths[0], cfg.data.memmap_dtype).dtype  # as training reads it
     need = cfg.max_steps * cfg.global_train_batch_size
     detail = (
         f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dtype}, "

@@ -11,7 +11,10 @@ config asks for them and only on the main rank:
       log_dir: null
 
 Every numeric metric the trainer writes to `metrics.jsonl` (losses, lr, throughput, sync, validation
-and downstream evaluations) is logged at its step; W&B also gets the resolved config.
+and downstream evaluations) is logged at its step; W&B also gets the resolved config. The dashboards also get
+each metric OLMo (so the first SPES implementation) logged, under OLMo's name (`olmo_aliases`: e.g.
+`train/CrossEntropyLoss`, `optim/learning_rate_group0`, `System/Peak GPU Memory (MB)`), so a dashboard built
+for those runs shows spes runs unchanged.
 """
 
 from __future__ import annotations
@@ -21,9 +24,51 @@ from pathlib import Path
 from typing import Any
 
 from spes.config import ConfigError, TrainConfig, to_dict
+from spes.evaluators import TASK_NAMES
 
 # Records holding these keys are logged even between `wandb.log_interval` steps (evaluations are rare).
 _ALWAYS = ("val_", "merged_", "eval/")
+
+OLMO_NAMES = {
+    "ce": "train/CrossEntropyLoss",
+    "lb_loss": "train/LoadBalancingLoss",
+    "z_loss": "train/MoEZLoss",
+    "lr": "optim/learning_rate_group0",
+    "grad_norm": "optim/total_grad_norm",
+    "tokens": "throughput/total_tokens",
+    "peak_gpu_mb": "System/Peak GPU Memory (MB)",
+    "val_loss": "eval/validation/CrossEntropyLoss",
+    "val_ppl": "eval/validation/Perplexity",
+}
+"""spes metric -> the name OLMo logs the same quantity under (`z_loss` is the router z-loss, OLMo's MoEZLoss)."""
+_OLMO_DOWNSTREAM_METRICS = {"acc": "acc", "acc_norm": "len_norm"}
+_OLMO_LABELS = {task: label for label, task in TASK_NAMES.items()}
+
+
+def olmo_aliases(metrics: dict[str, Any], world_size: int = 1) -> dict[str, float]:
+    """The metrics of a record that OLMo also logged, under OLMo's names (what its dashboards chart).
+
+    Derived ones: `train/Perplexity` = exp(ce), `throughput/device/tokens_per_second` = the node's tokens/s over
+    its ranks, `train/TokensTotal|TokensPercentage/layer<l>/expert<e>` from `tokens_per_expert`, and downstream
+    scores `eval/<task>/acc|acc_norm` as `eval/downstream/<label>_acc|len_norm`.
+    """
+    values = numeric(metrics)
+    out = {OLMO_NAMES[k]: v for k, v in values.items() if k in OLMO_NAMES}
+    if "ce" in values:
+        out["train/Perplexity"] = math.exp(min(values["ce"], 50.0))
+    if "tokens_per_s" in values:
+        out["throughput/device/tokens_per_second"] = values["tokens_per_s"] / world_size
+    for layer, counts in enumerate(metrics.get("tokens_per_expert") or []):
+        total = sum(counts) or 1
+        for expert, count in enumerate(counts):
+            out[f"train/TokensTotal/layer{layer}/expert{expert}"] = float(count)
+            out[f"train/TokensPercentage/layer{layer}/expert{expert}"] = 100.0 * count / total
+    for key, value in values.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "eval" and parts[2] in _OLMO_DOWNSTREAM_METRICS:
+            label = _OLMO_LABELS.get(parts[1], parts[1])
+            out[f"eval/downstream/{label}_{_OLMO_DOWNSTREAM_METRICS[parts[2]]}"] = value
+    return out
 
 
 def _missing_extra(key: str, package: str, extra: str) -> ConfigError:
@@ -57,6 +102,7 @@ class WandbTracker:
                 entity=w.entity,
                 name=w.name or cfg.run_name,
                 group=w.group,
+                tags=w.tags,
                 config=to_dict(cfg),
                 dir=str(folder),
             )
@@ -66,9 +112,9 @@ class WandbTracker:
                 f"or set WANDB_MODE=offline to log locally and `wandb sync` later)"
             ) from None
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: dict[str, float]) -> None:
         if step % self.log_interval == 0 or any(k.startswith(_ALWAYS) for k in metrics):
-            self.run.log(numeric(metrics), step=step)
+            self.run.log(metrics, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -86,8 +132,8 @@ class TensorBoardTracker:
         self.log_dir = Path(cfg.tensorboard.log_dir or Path(cfg.save_folder) / "tensorboard")
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
-        for key, value in numeric(metrics).items():
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
             if math.isfinite(value):
                 self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()  # NOTE: so a crash or a kill loses at most the line being written
@@ -99,7 +145,8 @@ class TensorBoardTracker:
 class Trackers:
     """The dashboards the config turns on (none by default); a no-op off the main rank."""
 
-    def __init__(self, cfg: TrainConfig, enabled: bool) -> None:
+    def __init__(self, cfg: TrainConfig, enabled: bool, world_size: int = 1) -> None:
+        self.world_size = world_size
         self.trackers: list[WandbTracker | TensorBoardTracker] = []
         if not enabled:
             return
@@ -109,8 +156,12 @@ class Trackers:
             self.trackers.append(TensorBoardTracker(cfg))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """A metrics record under spes's names and, beside them, OLMo's (`olmo_aliases`)."""
+        if not self.trackers:
+            return
+        values = {**numeric(metrics), **olmo_aliases(metrics, self.world_size)}
         for tracker in self.trackers:
-            tracker.log(step, metrics)
+            tracker.log(step, values)
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -10,6 +10,9 @@
 
 Any key can be overridden as `--section.key=value`; `--resume` continues from `<save_folder>/latest`, and
 `--resume=auto` (`try_load_latest_save: true`) does when a checkpoint exists there and starts fresh otherwise.
+OLMo's start from another run's weights: `--load_path=DIR --reset_optimizer_state=true --reset_trainer_state=true`
+(`--restore_dataloader=false` keeps the trainer state but restarts the data at step 0). A fresh start into a
+save_folder holding another run's checkpoints or metrics is refused unless `save_overwrite: true`.
 A failure the user can cause or meet ends in one line `error: ...` on stderr and a non-zero exit.
 Order of construction: config -> process group -> data (checked before any model exists) -> model on meta ->
 weights -> parallelize (under FSDP2: parallelize, then each rank's shards of the weights) -> optimizer ->
@@ -20,16 +23,18 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from spes.checkpoint import Checkpoint, list_checkpoints, restore
+from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
 from spes.config import ConfigError, TrainConfig, config_help, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
@@ -124,6 +129,70 @@ def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
     return cfg.load_path
 
 
+def _continues_run(cfg: TrainConfig, load_path: str | None) -> bool:
+    """Whether loading `load_path` continues the run of `save_folder` (OLMo: the checkpoint lives in it)."""
+    if load_path is None:
+        return False
+    try:
+        return resolve_checkpoint(load_path).resolve().parent == Path(cfg.save_folder).resolve()
+    except (CheckpointError, FileNotFoundError):
+        return False  # restore names the problem
+
+
+RUN_FILES = ("metrics.jsonl", LATEST)
+"""What a run leaves in its save folder besides its step<N> checkpoints."""
+
+
+def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Callable[[str], None]) -> None:
+    """Refuse a start that is not a resume into a save folder holding another run's saves, unless save_overwrite
+    (then the main rank removes them: an old run's later checkpoints would otherwise outrank the new run's)."""
+    folder = Path(cfg.save_folder)
+    saves = [*list_checkpoints(folder), *(p for p in map(folder.joinpath, RUN_FILES) if p.exists())]
+    if continuing or not saves:
+        return
+    names = ", ".join(p.name for p in saves[:4]) + (f" and {len(saves) - 4} more" if len(saves) > 4 else "")
+    if not cfg.save_overwrite:
+        raise ValueError(
+            f"save_folder {folder} already holds another run's saves ({names}); resume it with --resume, choose "
+            "another save_folder (or run_name), or set save_overwrite=true to replace them"
+        )
+    if is_main:
+        for path in saves:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    log(f"save_overwrite: removed the earlier run's saves in {folder} ({names})")
+
+
+def _trainer_state(cfg: TrainConfig, ckpt: Checkpoint, continuing: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    """The part of a checkpoint's trainer state this start takes up (OLMo's reset_* and restore_dataloader keys)."""
+    asked = cfg.reset_optimizer_state or cfg.reset_trainer_state or not cfg.restore_dataloader
+    if continuing:
+        if asked:
+            log(
+                f"note: {ckpt.path} continues this save_folder's run, so reset_optimizer_state, reset_trainer_state "
+                "and restore_dataloader=false are ignored (as OLMo does on a resume)"
+            )
+        return ckpt.trainer
+    if cfg.reset_trainer_state:
+        state: dict[str, Any] = {}
+    elif not cfg.restore_dataloader:  # NOTE: OLMo then starts its step, tokens and data at 0 too
+        state = {k: v for k, v in ckpt.trainer.items() if k == "rng"}
+    else:
+        state = dict(ckpt.trainer)
+    if cfg.reset_optimizer_state and not cfg.reset_trainer_state:
+        step = int(state.get("step", 0))
+        state["lr_rewarm"] = [step, step + cfg.scheduler.t_warmup]
+    if asked:
+        log(
+            f"from {ckpt.path}: weights{'' if cfg.reset_optimizer_state else ', optimizer state'}"
+            f"{', trainer state' if state.get('step') else ''}; starting at step {state.get('step', 0)}"
+            + (f", learning rate warming up again until step {state['lr_rewarm'][1]}" if "lr_rewarm" in state else "")
+        )
+    return state
+
+
 def check_shard_vocab(dataset: TokenSequenceDataset, embedding_size: int) -> None:
     """Refuse shards whose token ids may exceed the embedding (they would crash mid-step), naming the first."""
     for path, info in zip(dataset.paths, dataset.shard_infos):
@@ -173,8 +242,13 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         pin_memory=cfg.data.pin_memory,
         drop_last=cfg.data.drop_last,
     )
-    log(f"data order seed {cfg.data_seed} (data.seed {cfg.data.seed} + 1000 * peer_id {cfg.spes_config.peer_id})")
+    source = "data.seed" if cfg.data.seed is not None else "seed (data.seed unset)"
+    log(f"data order seed {cfg.data_seed} ({source})")
     eval_batches = _validation(cfg)
+    load_path = _start_from(cfg, log)
+    continuing = _continues_run(cfg, load_path)
+    if not cfg.dry_run:  # NOTE: --resume=auto claims the folder as this run's even before its first checkpoint
+        claim_save_folder(cfg, continuing or cfg.try_load_latest_save, info.is_main, log)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
         transformer = Transformer.for_run(cfg)
@@ -189,11 +263,14 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         model = parallelize(model, cfg, info)
     optimizer = build_optimizer(model, cfg.optimizer)
     ckpt = None
-    load_path = _start_from(cfg, log)
     if load_path:
-        ckpt = restore(load_path, model, optimizer)
+        fresh_optimizer = cfg.reset_optimizer_state and not continuing
+        ckpt = restore(load_path, model, optimizer, with_optim=not fresh_optimizer)
         check_weights_finite(model, info, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
         log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
+        ckpt = replace(ckpt, trainer=_trainer_state(cfg, ckpt, continuing, log))
+    elif cfg.reset_optimizer_state or cfg.reset_trainer_state:
+        log("note: reset_optimizer_state / reset_trainer_state change nothing without a load_path (as in OLMo)")
     return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)
 
 
@@ -215,10 +292,21 @@ def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:
 
 
 def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
-    """Build the node and fit it; every reference to the wrapped model dies with this frame."""
+    """Build the node and fit it (or only build it: dry_run); every reference to the wrapped model dies with this
+    frame."""
     log = print if info.is_main else (lambda _msg: None)
     if inert:
         log(f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}")
+    if info.world_size == 1 and cfg.distributed_strategy in ("fsdp", "ddp"):
+        log(
+            f"note: distributed_strategy={cfg.distributed_strategy} on one process: the model is not wrapped (one "
+            "rank holds all of it either way) and checkpoints are unsharded; launch with torchrun "
+            "--nproc_per_node=N to shard or replicate it"
+        )
+    if cfg.dry_run:
+        node = build_node(cfg, info, log)
+        log(f"dry run: built the node ({type(node.model).__name__}, data, optimizer); not training (dry_run=true)")
+        return
     trainer, syncer = start_node(cfg, info, log)
     try:
         trainer.fit()
@@ -256,7 +344,7 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         )
         if node.checkpoint is not None:
             trainer.load_state_dict(node.checkpoint.trainer)
-            if syncer is not None:
+            if syncer is not None and node.checkpoint.trainer.get("step"):  # a round in flight, if it continues
                 syncer.resume(node.checkpoint.path)
     except BaseException:
         if syncer is not None:

@@ -28,8 +28,8 @@ from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
 from spes.model import IGNORE_INDEX, ModelOutput, logit_loss_sums, tflops_per_token
 from spes.moe import decayed_lb_factor
-from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
-from spes.optim import lr_at, set_lr
+from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak_memory_mb
+from spes.optim import lr_at, rewarmed_lr, set_lr
 from spes.tracking import Trackers
 
 if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync
@@ -143,7 +143,7 @@ class Trainer:
         self.max_steps, self.t_max = cfg.max_steps, schedule_length(cfg)
         self.speed = SpeedMonitor(cfg.speed_monitor.window_size)
         self.metrics = MetricsLog(cfg.save_folder, enabled=info.is_main)
-        self.trackers = Trackers(cfg, enabled=info.is_main)
+        self.trackers = Trackers(cfg, enabled=info.is_main, world_size=info.world_size)
         self.downstream = evaluators_of(cfg, info, log)
         self.autocast = torch.autocast(info.device.type, dtype=torch.bfloat16, enabled=cfg.precision == "amp_bf16")
         self.flops_per_token = tflops_per_token(cfg.model) * 1e12
@@ -152,10 +152,13 @@ class Trainer:
         self.last_saved = -1
         self.nonfinite_in_a_row = 0
         self.history: list[dict[str, Any]] = []
+        self.lr_rewarm: tuple[int, int] | None = None
+        """(start, end) of a warm-up bolted on after `reset_optimizer_state` (`spes.optim.rewarmed_lr`), if any."""
 
     # -- state ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens": self.tokens, "data": self.loader.state_dict(), "rng": _encode_rng()}
+        state = {"step": self.step, "tokens": self.tokens, "data": self.loader.state_dict(), "rng": _encode_rng()}
+        return state if self.lr_rewarm is None else {**state, "lr_rewarm": list(self.lr_rewarm)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = state.get("step", 0), state.get("tokens", 0)
@@ -163,7 +166,17 @@ class Trainer:
             self.loader.load_state_dict(state["data"])
         if "rng" in state:
             _decode_rng(state["rng"])
+        if "lr_rewarm" in state:
+            start, end = state["lr_rewarm"]
+            self.lr_rewarm = (int(start), int(end))
         self.last_saved = self.step
+
+    def lr(self, step: int) -> float:
+        """The learning rate of optimizer step `step`: the schedule, or its bolted-on warm-up."""
+        peak, sched = self.cfg.optimizer.learning_rate, self.cfg.scheduler
+        if self.lr_rewarm is None:
+            return lr_at(step, sched, peak, self.t_max)
+        return rewarmed_lr(step, *self.lr_rewarm, lambda s: lr_at(s, sched, peak, self.t_max))
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
@@ -175,24 +188,33 @@ class Trainer:
             return self.history
         if self.step == 0 and not self.cfg.no_pre_train_checkpoint:
             self.save()  # the initial weights, e.g. to compare runs that start from them
+        fit_started = time.monotonic()
         with StopRequest(self.log) as stop:
             while self.step < self.max_steps:
                 started = time.perf_counter()
                 metrics = self.train_step(next(batches))
                 self.speed.record(self.cfg.tokens_per_step, time.perf_counter() - started)
                 self.after_step(metrics)
-                if self._stop_requested(stop):
+                limit = self.cfg.time_limit
+                interrupted, out_of_time = self._stop_requested(
+                    stop, limit is not None and time.monotonic() - fit_started >= limit
+                )
+                if interrupted:
                     self.save()
                     self.log(f"stopped at step {self.step}; resume with --resume (or load_path={self.cfg.save_folder})")
                     raise SystemExit(130)
-        if self.last_saved != self.step and self.cfg.save_interval is not None:
+                if out_of_time:
+                    self.log(f"time_limit of {limit} s reached at step {self.step}: saving; resume with --resume")
+                    break
+        if self.last_saved != self.step and (self.cfg.save_interval is not None or self.step < self.max_steps):
             self.save()
         self.trackers.close()
         return self.history
 
-    def _stop_requested(self, stop: StopRequest) -> bool:
-        flag = torch.tensor([float(stop.requested)])
-        return bool(all_reduce_mean(flag, self.info).item() > 0)
+    def _stop_requested(self, stop: StopRequest, out_of_time: bool) -> tuple[bool, bool]:
+        """(a rank was interrupted, a rank ran past `time_limit`), agreed by every rank in one collective."""
+        flags = all_reduce_mean(torch.tensor([float(stop.requested), float(out_of_time)]), self.info)
+        return bool(flags[0].item() > 0), bool(flags[1].item() > 0)
 
     def train_step(self, batch: torch.Tensor) -> dict[str, Any]:
         """One optimizer step over this rank's share of the global batch, in micro-batches.
@@ -224,7 +246,7 @@ class Trainer:
             self._skip_nonfinite(ce + lb + z, norm)
         self.step += 1
         self.tokens += self.cfg.tokens_per_step
-        lr = lr_at(self.step, self.cfg.scheduler, self.cfg.optimizer.learning_rate, self.t_max)
+        lr = self.lr(self.step)
         set_lr(self.optimizer, lr)
         if finite:
             self.optimizer.step()
@@ -337,7 +359,7 @@ class Trainer:
                 self.step = step = synced.step
             if eval_now and cfg.spes_config.eval_after_sync and synced.rounds:
                 metrics["merged_val_loss"] = self.evaluate()
-        downstream_now = self.downstream is not None and self.downstream.due(step, self.max_steps)
+        downstream_now = self.downstream is not None and self.downstream.due(step)
         if downstream_now:  # NOTE: after the sync, so on the merged global model
             assert self.downstream is not None
             metrics.update(self.downstream.run(self.model, step))
@@ -363,6 +385,9 @@ class Trainer:
         out = {"tokens_per_s": tps, "tokens": self.tokens}
         if self.peak is not None:
             out["mfu"] = tps / self.info.world_size * self.flops_per_token / self.peak
+        peak_mb = peak_memory_mb(self.info)
+        if peak_mb is not None:
+            out["peak_gpu_mb"] = peak_mb
         if tps > 0:
             out["eta_min"] = (self.max_steps - step) * self.cfg.tokens_per_step / tps / 60
         return out

@@ -129,6 +129,68 @@ def test_outside_a_slurm_job_the_script_says_how_to_submit(tmp_path: Path) -> No
     env = {k: v for k, v in child_env().items() if not k.startswith("SLURM_")}
     proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env=env)
     assert proc.returncode == 2 and "submit with: sbatch --nodes=N" in proc.stdout
+    assert "or run it on every node with RANK=<node id> MASTER_ADDR=<node 0's host>" in proc.stdout
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env={**env, "RANK": "4"})
+    assert proc.returncode == 2 and "RANK=4 must be a node id in [0, 4)" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_rank_master_addr_contract_runs_a_two_node_run_without_slurm(tiny_corpus, tmp_path: Path) -> None:
+    """The first implementation's contract (RANK, MASTER_ADDR, NPROC_PER_NODE from any scheduler, or by hand): the
+    script started once per node; node 0 starts the server, each node trains in its own data order (one CONFIG for
+    both: data.seed + 1000 * RANK), and node 0 stops the server after SERVER_LINGER seconds."""
+    run = tmp_path / "run"
+    overrides = [
+        *SMALL_NODE,
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        "--spes_config.sync_steps=2",
+        "--max_duration=6st",
+        "--save_interval=null",
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        "--data.validation_paths=[]",
+        f"--save_folder={run}/node${{spes_config.peer_id}}",
+    ]
+    port = str(free_port())
+    base = {k: v for k, v in child_env().items() if not k.startswith("SLURM_")}
+    procs = []
+    for rank in (0, 1):
+        env = {
+            **base,
+            "RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29999",  # the scheduler's, not the node's: cleared before torchrun
+            "WORLD_SIZE": "2",
+            "NPROC_PER_NODE": "1",
+            "CONFIG": "configs/tiny.yaml",
+            "PORT": port,
+            "LOG_DIR": str(run / "logs"),
+            "SERVER_LINGER": "1",
+            "PYTHON": sys.executable,
+        }
+        log = open(tmp_path / f"node{rank}.log", "w")
+        procs.append(
+            subprocess.Popen(
+                ["bash", str(SCRIPT), *overrides], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )  # fmt: skip
+    try:
+        codes = [p.wait(timeout=270) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    outs = [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
+    assert "listening" in (run / "logs" / "server.log").read_text()
+    for rank, (out, seed) in enumerate(zip(outs, (6198, 7198))):
+        assert f"node {rank} of 2 on" in out and f"server 127.0.0.1:{port}" in out and f"data order seed {seed} " in out
+        records = [json.loads(line) for line in (run / f"node{rank}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "sync_s" in r] == [2, 4, 6], f"node {rank}'s rounds"
+    assert "stopping the parameter server in 1 s" in outs[0]
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from spes.config import (
     config_help,
     load_config,
     load_server_section,
+    node_data_seed,
 )
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -60,23 +61,29 @@ def test_shipped_config_comments_every_key(path: Path) -> None:
             pytest.fail(f"{path.name}:{number}: key without a comment (meaning, type, default): {line.strip()}")
 
 
-@pytest.mark.parametrize("family", ["spes_1b", "diloco_1b"])
-def test_node_files_differ_only_in_peer_id(family: str) -> None:
-    """Each node reads the data in its own order (data_seed), from the run's one data.seed."""
-    configs = [load_config(CONFIGS / family / f"node_{n}.yaml")[0] for n in range(4)]
+@pytest.mark.parametrize("family", ["spes_1b", "diloco_1b", "upcycled_9b"])
+def test_node_files_differ_only_in_peer_id_and_data_seed(family: str) -> None:
+    """Each node reads the data in its own order: its file carries its own data.seed, 6198 + 1000 * id, as the
+    first implementation's node files."""
+    paths = sorted((CONFIGS / family).glob("node_*.yaml"))
+    configs = [load_config(path)[0] for path in paths]
     for n, cfg in enumerate(configs):
-        assert cfg.spes_config.peer_id == n and cfg.data.seed == 6198 and cfg.data_seed == 6198 + 1000 * n
+        assert cfg.spes_config.peer_id == n and cfg.data.seed == cfg.data_seed == node_data_seed(6198, n)
         assert cfg.save_folder == f"output/{cfg.run_name}/node{n}"
-        same = dataclasses.replace(cfg, spes_config=configs[0].spes_config, save_folder=configs[0].save_folder)
+        same = dataclasses.replace(
+            cfg, spes_config=configs[0].spes_config, save_folder=configs[0].save_folder, data=configs[0].data
+        )
         assert same == configs[0]
+        assert dataclasses.replace(cfg.data, seed=6198) == configs[0].data
 
 
-def test_the_data_seed_rule_honours_an_edited_data_seed(tmp_path: Path) -> None:
-    """data.seed + 1000 * peer_id, applied once: an edited data.seed moves every node's order with it."""
+def test_a_node_reads_in_the_order_of_its_data_seed_else_of_seed(tmp_path: Path) -> None:
+    """The first implementation's rule: data.seed as given (no per-peer offset on top), `seed` when it is unset."""
     cfg, _ = load_config(write(tmp_path, "data:\n  seed: 5\nspes_config:\n  peer_id: 3\n"))
-    assert (cfg.data.seed, cfg.data_seed) == (5, 3005)
-    assert load_config(CONFIGS / "tiny.yaml", ["--data.seed=100", "--spes_config.peer_id=1"])[0].data_seed == 1100
-    assert load_config(CONFIGS / "tiny.yaml", ["--using_spes=false"])[0].data_seed == 6198
+    assert (cfg.data.seed, cfg.data_seed) == (5, 5)
+    assert load_config(CONFIGS / "tiny.yaml", ["--data.seed=100", "--spes_config.peer_id=1"])[0].data_seed == 100
+    assert load_config(write(tmp_path, "seed: 42\n"))[0].data_seed == 42
+    assert [node_data_seed(6198, p) for p in range(4)] == [6198, 7198, 8198, 9198]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,7 +123,11 @@ def test_the_server_section_loads_with_the_run(tmp_path: Path) -> None:
             ["--server.outer_optimizer=adam"],
             "'server.outer_optimizer' = 'adam' must be one of ['none', 'nesterov']",
         ),
-        ("", ["--server.min_peers=5"], "config key 'server.min_peers' = 5 must be <= spes_config.num_peers=4"),
+        (
+            "",
+            ["--using_spes=true", "--server.min_peers=5"],
+            "config key 'server.min_peers' = 5 must be <= spes_config.num_peers=4",
+        ),
         ("", ["--server.merge_decay_steps=abc"], "command line (--server.merge_decay_steps=abc)"),
     ],
 )
@@ -214,7 +225,9 @@ def test_overrides_are_typed(tmp_path: Path) -> None:
 
 
 def test_overrides_without_a_file() -> None:
-    cfg, _ = load_config(None, ["--model.moe_num_experts=8", "--spes_config.num_train_experts_per_node=2"])
+    cfg, _ = load_config(
+        None, ["--using_spes=true", "--model.moe_num_experts=8", "--spes_config.num_train_experts_per_node=2"]
+    )
     assert cfg.owned_experts() == (0, 2) and cfg.experts_per_peer == 2
 
 
@@ -395,6 +408,7 @@ wandb:
   project: spes
   group: null
   log_interval: 10
+  tags: [spes]
 model:
   d_model: 768
   n_heads: 12
@@ -438,6 +452,8 @@ model:
   moe_zloss_weight: 0.001
   moe_loss_weight: 0.01
   moe_normalize_expert_weights: 1.0
+  clip_qkv: null
+  moe_shared_expert: false
 compile: null
 softmax_auxiliary_loss: true
 auxiliary_loss_multiplier: 1e-5
@@ -452,6 +468,7 @@ spes_config:
   server_addr: 127.0.0.1:50051
   using_decayed_aux_loss: true
   decayed_factor_update_steps: 100
+  quant_non_local_trainable_experts: false
 optimizer:
   name: adamw
   learning_rate: 5.0e-4
@@ -469,6 +486,7 @@ scheduler:
   t_warmup: 2000
   t_max: 50000
   alpha_f: 0.1
+  warmup_min_lr: null
 tokenizer:
   identifier: Qwen/Qwen2.5-0.5B
   truncate_direction: right
@@ -481,6 +499,10 @@ sharded_checkpointer: torch_new
 save_interval_unsharded: 5000
 save_num_unsharded_checkpoints_to_keep: 5
 load_path: null
+reset_optimizer_state: false
+reset_trainer_state: false
+restore_dataloader: true
+time_limit: null
 max_duration: 50000
 stop_at: 50000
 global_train_batch_size: 1024
@@ -598,6 +620,10 @@ def test_first_implementation_key_set_is_complete() -> None:
         "sharded_checkpointer",
         "save_interval_unsharded",
         "save_num_unsharded_checkpoints_to_keep",
+        "reset_optimizer_state",
+        "reset_trainer_state",
+        "restore_dataloader",
+        "time_limit",
     }
     assert set(raw) == scalar_keys | sections
     # keys spes added beyond the first implementation's
@@ -671,7 +697,7 @@ def test_overlap_defaults_to_a_delay_of_sync_steps_and_refuses_int8_deltas() -> 
     assert load_config(CONFIGS / "tiny.yaml", ["--spes_config.overlap_steps=0"])[0].spes_config.overlap_delay == 0
     assert any(line.strip().startswith("--spes_config.overlap_sync=False") for line in config_help())
     with pytest.raises(ConfigError, match=r"'spes_config.wire_dtype' = 'int8' cannot be combined with .*overlap_sync"):
-        TrainConfig(spes_config=SpesConfig(overlap_sync=True, wire_dtype="int8"))
+        TrainConfig(using_spes=True, spes_config=SpesConfig(overlap_sync=True, wire_dtype="int8"))
 
 
 def test_fragments_sync_every_sync_steps_over_f_and_land_that_much_later_by_default() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from data_fixtures import write_token_shard
-from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, repetitive_instances
+from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, olmo_order, repetitive_instances
 from spes.shards import sidecar_path
 
 SEQ_LEN = 4
@@ -152,7 +152,7 @@ def test_each_epoch_is_a_new_permutation_and_epochs_roll_over(dataset: TokenSequ
     for starts in epochs:
         assert len(set(starts)) == 36 and set(starts) <= all_starts
     assert epochs[0] != epochs[1] != epochs[2]
-    assert loader.state_dict() == {"epoch": 3, "position": 0, "seed": 0}
+    assert loader.state_dict() == {"epoch": 3, "position": 0, "seed": 0, "order": "olmo"}
 
 
 def test_ranks_take_disjoint_slices_of_the_same_global_batch(dataset: TokenSequenceDataset) -> None:
@@ -168,7 +168,7 @@ def test_resume_mid_epoch_yields_the_same_batches(dataset: TokenSequenceDataset)
     first = BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2)
     head = _take(first, 3)
     state = first.state_dict()
-    assert state == {"epoch": 0, "position": 18, "seed": 11}
+    assert state == {"epoch": 0, "position": 18, "seed": 11, "order": "olmo"}
     resumed = BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2)
     resumed.load_state_dict(state)
     assert _same(head + _take(resumed, 17), uninterrupted)
@@ -178,10 +178,43 @@ def test_resume_at_an_epoch_boundary_and_after_reloading_state(dataset: TokenSeq
     uninterrupted = _take(BatchLoader(dataset, batch_size=19, seed=5), 7)
     loader = BatchLoader(dataset, batch_size=19, seed=5)
     _take(loader, 2)
-    assert loader.state_dict() == {"epoch": 1, "position": 0, "seed": 5}
+    assert loader.state_dict() == {"epoch": 1, "position": 0, "seed": 5, "order": "olmo"}
     _take(loader, 3)
-    loader.load_state_dict({"epoch": 1, "position": 0, "seed": 5})  # rewind a live loader
+    loader.load_state_dict({"epoch": 1, "position": 0, "seed": 5, "order": "olmo"})  # rewind a live loader
     assert _same(_take(loader, 5), uninterrupted[2:])
+
+
+def _reference_epoch(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The first implementation's (OLMo's IterableDataset) global order, written from its rule: the indices
+    0..n-1 as uint32, shuffled in place by numpy's Generator(PCG64(seed + epoch))."""
+    indices = np.arange(n, dtype=np.uint32)
+    np.random.Generator(np.random.PCG64(seed=seed + epoch)).shuffle(indices)
+    return indices
+
+
+def test_epochs_follow_the_first_implementations_order(dataset: TokenSequenceDataset) -> None:
+    """Global batch k of epoch e is positions [k*B, (k+1)*B) of the first implementation's order for the node's
+    seed: the same windows, in the same order, as its node read (6198, 7198, ... its node files' seeds)."""
+    for seed in (6198, 7198):
+        assert np.array_equal(olmo_order(seed, 1, 1000), _reference_epoch(seed, 1, 1000))
+        loader = BatchLoader(dataset, batch_size=9, seed=seed)
+        for epoch in range(2):
+            order = _reference_epoch(seed, epoch, len(dataset))
+            for k, batch in enumerate(_take(loader, loader.batches_per_epoch)):
+                expected = dataset.get_batch(order[k * 9 : (k + 1) * 9])
+                assert torch.equal(batch, expected), (seed, epoch, k)
+
+
+def test_a_state_of_an_earlier_spes_resumes_in_its_own_order(dataset: TokenSequenceDataset) -> None:
+    """A checkpoint written before the order rule changed holds no "order": its run continues in the order it
+    started with (numpy default_rng([seed, epoch])), so a resume is still exact."""
+    loader = BatchLoader(dataset, batch_size=6, seed=3)
+    loader.load_state_dict({"epoch": 0, "position": 12, "seed": 3})
+    legacy = np.random.default_rng([3, 0]).permutation(len(dataset))
+    assert torch.equal(next(loader), dataset.get_batch(legacy[12:18]))
+    assert loader.state_dict()["order"] == "legacy"
+    with pytest.raises(ValueError, match="order 'other'"):
+        loader.load_state_dict({"epoch": 0, "position": 0, "seed": 3, "order": "other"})
 
 
 def test_load_state_dict_refuses_another_seed(dataset: TokenSequenceDataset) -> None:

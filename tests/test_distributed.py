@@ -162,6 +162,7 @@ def _teardown_worker(args: dict[str, Any], info: DistInfo) -> list[int]:
         "--using_spes=false",
         "--max_duration=2st",
         "--save_interval=null",
+        "--save_overwrite=true",  # the second run starts afresh in the first one's save folder
         *args["overrides"],
     )
     train.run(cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -218,21 +219,154 @@ def test_quickstart_model_converts_loads_generates_and_evaluates(
         "HF_HOME": str(tmp_path / "hf_home"),
     }
     done = subprocess.run(
-        [str(SCRIPTS / "eval_full.sh"), "spes/tiny-quickstart", str(tmp_path / "eval")],
-        env=env,
+        [str(SCRIPTS / "eval_full.sh"), "spes/tiny-quickstart"],
+        env={**env, "OUT_DIR": str(tmp_path / "eval")},
         capture_output=True,
         text=True,
         timeout=540,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr
-    assert "reference tasks skipped" in done.stderr and "Retrying" not in done.stderr
+    assert "tasks skipped: sciq (no data set allenai/sciq)" in done.stderr and "Retrying" not in done.stderr
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     tasks = results["tasks"]
     assert tasks["spes_next_text"]["samples"] == 6 and 0.0 <= tasks["spes_next_text"]["metrics"]["acc"]["value"] <= 1
     ppl = tasks["spes_heldout_ppl"]["metrics"]
     assert ppl["bits_per_byte"]["value"] > 0 and ppl["byte_perplexity"]["value"] > 1
-    assert results["reference_status"]["hellaswag"] == {"shots": 10, "dataset": "Rowan/hellaswag", "available": False}
+    assert results["reference_status"]["hellaswag"] == {
+        "shots": 10,
+        "dataset": "Rowan/hellaswag",
+        "available": False,
+        "reason": "no data set Rowan/hellaswag",
+    }
+    assert results["reference_status"]["mmlu"]["dataset"] == "cais/mmlu (57 configs)"
     assert "| spes_next_text | 0 | acc |" in (tmp_path / "eval" / "results.md").read_text()
     manifest = json.loads((tmp_path / "tasks" / "manifest.json").read_text())
     assert manifest["settings"]["max_tokens"] == 64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The first implementation's eval_full.sh habits: <MODEL_PATH> <MODEL_NAME>, eval_output/<MODEL_NAME>, mmlu /
+# cmmlu / ceval-valid, accelerate launch, and no local corpus for the reference tasks.
+
+LM_EVAL_TASKS = Path(importlib.util.find_spec("lm_eval").origin).parent / "tasks"  # type: ignore[arg-type,union-attr]
+
+
+def cache_hub_dataset(datasets_cache: Path, repo: str, config: str, splits: dict[str, list[dict]]) -> None:
+    """Lay out what `datasets.load_dataset(repo, config)` reads offline: a prepared copy in the datasets cache
+    (`<cache>/<org>___<name>/<config>/0.0.0/<hash>/`), built by datasets' own parquet builder from `splits`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    source = datasets_cache / "sources" / repo / config
+    source.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, rows in splits.items():
+        pq.write_table(pa.Table.from_pylist(rows), source / f"{split}.parquet")
+        files[split] = [str(source / f"{split}.parquet")]
+    org, name = repo.split("/")
+    builder = Parquet(
+        cache_dir=str(datasets_cache / "staging"),
+        dataset_name=name,
+        config_name=config,
+        data_files=files,
+        hash="0" * 16,
+    )
+    builder.download_and_prepare()
+    built = Path(builder.cache_dir)
+    target = datasets_cache / f"{org}___{name}" / config / built.parent.name / built.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    built.rename(target)
+
+
+def ceval_subjects() -> list[str]:
+    """The data set configs of lm-eval's ceval-valid group (one task file per subject)."""
+    import yaml
+
+    return sorted(yaml.safe_load(p.read_text())["dataset_name"] for p in LM_EVAL_TASKS.glob("ceval/ceval-valid_*.yaml"))
+
+
+def tiny_hf_model(corpus: Corpus, out: Path) -> Path:
+    """configs/tiny.yaml's model, freshly initialized, as a Hugging Face directory with the corpus's tokenizer."""
+    import torch
+
+    from spes.config import load_config
+    from spes.hf import export_state
+    from spes.model import Transformer
+
+    cfg, _ = load_config(REPO / "configs" / "tiny.yaml", ["--using_spes=false"])
+    model = Transformer.for_run(cfg)
+    model.init_weights(cfg.seed)
+    with torch.no_grad():
+        return export_state(model.state_dict(), cfg.model, out, tokenizer=Path(corpus.tokenizer))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_eval_full_keeps_the_first_implementations_arguments_and_needs_no_local_corpus(
+    tiny_corpus: Corpus, tmp_path: Path
+) -> None:
+    """`eval_full.sh <MODEL_PATH> <MODEL_NAME>` as the first implementation ran it: results in
+    eval_output/<MODEL_NAME> (relative to where it runs), lm_eval started through `accelerate launch`, a reference
+    group (ceval-valid, every subject laid out in a local datasets cache: the test is offline) run with lm-eval's
+    default shots, and no data/default corpus anywhere. Before the last subject is laid out, the group counts as
+    unavailable, naming that subject's data set (a group needs every one), and OLMo's own basic_arithmetic is named
+    as no lm-eval task."""
+    model = tiny_hf_model(tiny_corpus, tmp_path / "hf")
+    rows = [
+        {"id": i, "question": f"{i}+1=?", "A": str(i), "B": str(i + 1), "C": "x", "D": "y", "answer": "B",
+         "explanation": ""}
+        for i in range(2)
+    ]  # fmt: skip
+    subjects = ceval_subjects()
+    for subject in subjects[:-1]:
+        cache_hub_dataset(tmp_path / "datasets", "ceval/ceval-exam", subject, {"val": rows, "dev": rows})
+    datasets_env = {**ENV, "HF_DATASETS_CACHE": str(tmp_path / "datasets"), "HF_HOME": str(tmp_path / "home")}
+    status_file = tmp_path / "status.json"
+    done = subprocess.run(
+        [sys.executable, "eval_tools.py", "available", "--tasks", "ceval-valid,basic_arithmetic", "--status",
+         str(status_file)],
+        cwd=SCRIPTS, env=datasets_env, capture_output=True, text=True, timeout=200,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "", done.stderr[-2000:]
+    status = json.loads(status_file.read_text())
+    assert status["ceval-valid"]["reason"] == f"no data set ceval/ceval-exam/{subjects[-1]}"
+    assert status["basic_arithmetic"]["reason"] == "lm-eval has no such task"
+    assert script("eval_tools").REFERENCE_TASKS.keys() >= {"mmlu", "cmmlu", "ceval-valid"}
+    cache_hub_dataset(tmp_path / "datasets", "ceval/ceval-exam", subjects[-1], {"val": rows, "dev": rows})
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    repo_copy = tmp_path / "repo"  # the script's own repository, without data/default
+    repo_copy.mkdir()
+    (repo_copy / "eval_scripts").symlink_to(SCRIPTS)
+    (repo_copy / "spes").symlink_to(REPO / "spes")
+    env = {
+        **datasets_env,
+        "LIMIT": "1",
+        "ACCELERATE": "1",
+        "NPROC": "1",
+        "PYTHON": sys.executable,
+    }
+    env.pop("EVAL_SOURCE", None)
+    done = subprocess.run(
+        ["bash", str(repo_copy / "eval_scripts" / "eval_full.sh"), str(model), "tiny-ceval"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "note: local suite skipped: no corpus at" in done.stderr
+    out = workdir / "eval_output" / "tiny-ceval"
+    assert f"results: {out};" in done.stdout and "accelerate.commands.launch --num_processes 1" in done.stdout
+    results = json.loads((out / "results.json").read_text())
+    ceval = [task for task in results["tasks"] if task.startswith("ceval-valid")]
+    assert len(ceval) >= 52 and results["reference_status"]["ceval-valid"] == {
+        "shots": None,
+        "dataset": "ceval/ceval-exam (52 configs)",
+        "available": True,
+    }
+    assert all(results["tasks"][t]["shots"] == 0 for t in ceval if t != "ceval-valid")
+    assert not (workdir / "tiny-ceval").exists()  # the second argument is a name, not a directory here

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, progress_bar
+from spes.distributed import DistInfo
+from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak_memory_mb, progress_bar
 
 
 def test_console_line_shows_present_metrics_in_a_fixed_order() -> None:
@@ -38,8 +39,9 @@ def test_metrics_jsonl_only_on_the_main_rank(tmp_path: Path) -> None:
     assert not (tmp_path / "other").exists()
 
 
-def test_no_mfu_peak_on_cpu() -> None:
+def test_no_mfu_peak_and_no_gpu_memory_on_cpu() -> None:
     assert peak_flops(torch.device("cpu")) is None
+    assert peak_memory_mb(DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))) is None
 
 
 def test_truncate_keeps_each_step_once_after_a_resume(tmp_path: Path) -> None:

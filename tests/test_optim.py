@@ -9,7 +9,7 @@ import torch
 
 from spes.config import OptimizerConfig, SchedulerConfig, load_config
 from spes.model import Transformer
-from spes.optim import build_optimizer, lr_at, optimizer_state_bytes, param_groups, set_lr
+from spes.optim import build_optimizer, lr_at, optimizer_state_bytes, param_groups, rewarmed_lr, set_lr
 
 
 def test_cosine_with_warmup_hand_values() -> None:
@@ -20,6 +20,23 @@ def test_cosine_with_warmup_hand_values() -> None:
     assert lr_at(60, cfg, 1.0, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(110, cfg, 1.0, 110) == pytest.approx(0.1)
     assert lr_at(500, cfg, 1.0, 110) == pytest.approx(0.1)
+
+
+def test_warmup_starts_at_warmup_min_lr_when_given() -> None:
+    cfg = SchedulerConfig(name="cosine_with_warmup", t_warmup=10, alpha_f=0.1, warmup_min_lr=0.0)
+    assert lr_at(0, cfg, 1.0, 110) == 0.0 and lr_at(5, cfg, 1.0, 110) == pytest.approx(0.5)
+
+
+def test_the_bolt_on_warm_up_after_an_optimizer_reset_meets_the_schedule() -> None:
+    """OLMo's BoltOnWarmupScheduler: 0 at the loaded step, linear to the schedule's value t_warmup steps on."""
+    cfg = SchedulerConfig(name="cosine_with_warmup", t_warmup=10, alpha_f=0.1)
+
+    def schedule(step: int) -> float:
+        return lr_at(step, cfg, 1.0, 1000)
+
+    assert rewarmed_lr(500, 500, 510, schedule) == 0.0
+    assert rewarmed_lr(505, 500, 510, schedule) == pytest.approx(schedule(510) / 2)
+    assert [rewarmed_lr(s, 500, 510, schedule) for s in (510, 700)] == [schedule(510), schedule(700)]
 
 
 def test_linear_and_constant() -> None:

@@ -211,6 +211,22 @@ def test_a_bare_olmo_shard_is_checked_by_its_largest_id(
     assert f"no sidecar (largest id seen {tokenizer.vocab_size})" in lines["data"]
 
 
+def test_a_headerless_uint32_file_of_the_first_implementation_is_read_as_training_reads_it(
+    server: str, node: list[str], tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its tokenize_data.py writes flat uint32 memmaps named .npy (no numpy header): np.load calls them pickles."""
+    headerless = tmp_path / "tokenized_0_0.npy"
+    np.random.default_rng(1).integers(0, tokenizer.vocab_size, 64 * 128).astype(np.uint32).tofile(headerless)
+    rc, lines = preflight(
+        capsys,
+        *node,
+        f"--spes_config.server_addr={server}",
+        f"--data.paths=[{headerless}]",
+        "--data.memmap_dtype=uint32",
+    )
+    assert lines["data"].startswith("ok") and "uint32, 8,192 tokens = 128 sequences" in lines["data"], lines["data"]
+
+
 def test_a_config_that_cannot_fit_the_memory_budget_fails_the_memory_check(
     server: str, node: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

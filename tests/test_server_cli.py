@@ -41,7 +41,8 @@ def test_the_runs_yaml_gives_the_server_its_layout(config: str, layout: tuple[in
 def test_the_server_section_and_overrides_reach_the_round_maths(tmp_path: Path) -> None:
     run = tmp_path / "run.yaml"
     run.write_text(
-        "server:\n  merge_interval: 50\n  dead_peer_policy: quorum\n  min_peers: 3\nspes_config:\n  num_peers: 4\n"
+        "using_spes: true\nserver:\n  merge_interval: 50\n  dead_peer_policy: quorum\n  min_peers: 3\n"
+        "spes_config:\n  num_peers: 4\n"
     )
     cfg = server_config(str(run), "--server.merge_alpha_start=0.05", "--server.round_timeout_s=30", "--port", "0")
     assert (cfg.merge.interval, cfg.merge.alpha_start, cfg.merge.decay_steps) == (50, 0.05, 10000)

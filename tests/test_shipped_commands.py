@@ -1,9 +1,9 @@
-"""Every command written in a shipped config's header or in a README code block is exercised.
+"""Every command written in a shipped config's header, in a README code block or in docs/migrating.md is exercised.
 
 `written_commands` reads them: the indented `#   ` lines of each configs/**/*.yaml header and the lines of the
-README's ```bash blocks, continuation lines joined. Each command is run here, in a cheap but real form, or is
-named in ELSEWHERE with the test file that runs it (checked to exist and to mention it; the test suite's own
-command is CI's). What the tests here prove:
+README's and docs/migrating.md's ```bash blocks, continuation lines joined. Each command is run here, in a cheap
+but real form, or is named in ELSEWHERE with the test file that runs it (checked to exist and to mention it; the
+test suite's own command is CI's). What the tests here prove:
 
 - A server command (`run_scripts/run_parameter_server.sh RUN.yaml ...`) runs as written, from a scratch directory
   holding the token and TLS files it names, on a free PORT (replacing one the command sets); every node YAML of
@@ -63,9 +63,10 @@ ELSEWHERE = {
     "list_processed_files.sh": ("tests/test_tokenize_data.py", "list_processed_files.sh"),
     "AutoModelForCausalLM": ("tests/test_eval.py", "AutoModelForCausalLM"),
     "tensorboard --logdir": ("tests/test_tracking.py", "tensorboard"),
+    "run_cluster.sh": ("tests/test_cluster.py", "run_cluster.sh"),
 }
 """Commands run by another test: a fragment of the command -> the test file that runs it and what it calls."""
-NOT_SPES = ("openssl ", "pip install", "import secrets")
+NOT_SPES = ("openssl ", "pip install", "import secrets", "wandb sync ")
 """Commands of other tools, shown for the user's setup (certificates, a token, optional extras)."""
 
 
@@ -89,8 +90,9 @@ def written_commands() -> list[tuple[str, str]]:
     for path in sorted((REPO / "configs").rglob("*.yaml")):
         header = [line[4:] for line in path.read_text().splitlines() if re.match(r"#   \S|#     ", line)]
         found += [(str(path.relative_to(REPO)), c) for c in _logical_lines(header)]
-    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
-    found += [("README.md", c) for block in blocks for c in _logical_lines(block.splitlines())]
+    for doc in ("README.md", "docs/migrating.md"):
+        blocks = re.findall(r"```bash\n(.*?)```", (REPO / doc).read_text(), flags=re.S)
+        found += [(doc, c) for block in blocks for c in _logical_lines(block.splitlines())]
     return sorted(set(found))
 
 

@@ -25,7 +25,7 @@ from data_fixtures import (
 )
 from spes import corpus
 from spes.data import TokenSequenceDataset
-from spes.shards import read_shard_info, sidecar_path
+from spes.shards import read_shard_info, resolve_paths, sidecar_path
 from spes.tokenizer import LoadedTokenizer
 
 
@@ -265,10 +265,50 @@ def test_cli_help_lists_every_flag() -> None:
         assert flag in text
 
 
-def test_list_processed_files_lists_only_complete_shards_sorted(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
+def test_the_first_implementations_command_runs_and_files_per_process_changes_nothing(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its README's flags as written (Qwen's Hub id aside: a local tokenizer); --files_per_process is accepted and
+    the shards are those of a run without it."""
+    (tmp_path / "in").mkdir()
+    for name in ("a", "b"):
+        write_documents(tmp_path / "in" / f"{name}.jsonl", SAMPLE_TEXTS)
+    common = [
+        "--file_glob",
+        str(tmp_path / "in" / "*.jsonl"),
+        "--tokenizer_name_or_path",
+        str(tokenizer.path.parent),
+        "--text_field",
+        "text",
+        "--processes",
+        "2",
+        "--batch_size",
+        "500",
+        "--max_shard_bytes",
+        "4294967296",
+        "--dtype",
+        "uint32",
+    ]
+    out = tmp_path / "out"
+    assert corpus.tokenize_main([*common, "--output_prefix", str(out / "tokenized_"), "--files_per_process", "1"]) == 0
+    assert "--files_per_process 1 changes nothing" in capsys.readouterr().err
+    assert corpus.tokenize_main([*common, "--output_prefix", str(out / "plain_")]) == 0
+    with_flag, without = sorted(out.glob("tokenized__*.npy")), sorted(out.glob("plain__*.npy"))
+    assert len(with_flag) == len(without) >= 1
+    assert np.array_equal(_all_tokens(with_flag), _all_tokens(without))
+    assert _all_tokens(with_flag).dtype == np.uint32
+
+
+def test_list_processed_files_lists_every_token_file_training_reads_sorted(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """spes shards and the first implementation's headerless uint32 files (no sidecar) alike; a shard still being
+    written (.npy.partial) is not listed."""
     path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
     summary = _tokenize([path], tokenizer, tmp_path / "out" / "sub" / "part", max_shard_bytes=200)
-    sidecar_path(summary.shards[1]).unlink()  # as if the run died between the rename and the sidecar
+    headerless = tmp_path / "out" / "olmo_000.npy"
+    np.arange(100, dtype=np.uint32).tofile(headerless)
+    (tmp_path / "out" / "writing_00000.npy.partial").write_bytes(b"")
     listing = tmp_path / "files.txt"
     result = subprocess.run(
         [
@@ -282,7 +322,8 @@ def test_list_processed_files_lists_only_complete_shards_sorted(tokenizer: Loade
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    expected = [str(p.resolve()) for p in summary.shards if p != summary.shards[1]]
+    expected = [str(p.resolve()) for p in [*summary.shards, headerless]]
     assert listing.read_text().splitlines() == sorted(expected)
-    assert "incomplete" in result.stderr
+    assert f"listed {len(expected)} shard(s)" in result.stderr and "1 without a sidecar" in result.stderr
+    assert resolve_paths([str(listing)]) == sorted(Path(p) for p in expected)
     assert not os.path.exists(str(listing) + ".tmp")

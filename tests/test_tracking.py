@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
 from spes.config import ConfigError, TensorBoardConfig, TrainConfig, WandbConfig
-from spes.tracking import Trackers
+from spes.tracking import Trackers, olmo_aliases
 from spes.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,6 +77,7 @@ def test_training_run_logs_every_metric_to_wandb_offline_and_tensorboard(
         "--wandb.project=spes-test",
         "--wandb.name=tiny-node0",
         "--wandb.group=tiny",
+        "--wandb.tags=[olmo,spes]",
         f"--tensorboard.log_dir={tmp_path / 'tb'}",
     ]
     assert main(args) == 0
@@ -84,6 +86,7 @@ def test_training_run_logs_every_metric_to_wandb_offline_and_tensorboard(
 
     run, history = wandb_history(tmp_path / "run")
     assert (run.display_name, run.run_group, run.project) == ("tiny-node0", "tiny", "spes-test")
+    assert list(run.tags) == ["olmo", "spes"]
     config = {c.key: json.loads(c.value_json) for c in run.config.update}
     assert config["model"]["d_model"] == 64 and config["max_duration"] == "4st"
     scalars = tensorboard_scalars(tmp_path / "tb")
@@ -94,6 +97,53 @@ def test_training_run_logs_every_metric_to_wandb_offline_and_tensorboard(
                 continue
             assert history[step][key] == pytest.approx(value), (key, step)
             assert scalars[key][step] == pytest.approx(value, rel=1e-6), (key, step)  # TB stores float32
+        # OLMo's names beside spes's, so a dashboard built for the first implementation's runs shows these
+        for olmo, value in olmo_aliases(record).items():
+            assert history[step][olmo] == pytest.approx(value), (olmo, step)
+            assert scalars[olmo][step] == pytest.approx(value, rel=1e-6), (olmo, step)
+        assert history[step]["train/CrossEntropyLoss"] == pytest.approx(record["ce"])
+        assert history[step]["optim/learning_rate_group0"] == pytest.approx(record["lr"])
+    assert scalars["eval/validation/CrossEntropyLoss"][2] == pytest.approx(lines[1]["val_loss"], rel=1e-6)
+
+
+def test_olmo_aliases_name_what_olmo_logged() -> None:
+    record = {
+        "ce": 2.0,
+        "lb_loss": 0.01,
+        "z_loss": 0.002,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens": 4096,
+        "tokens_per_s": 800.0,
+        "peak_gpu_mb": 1234.5,
+        "tokens_per_expert": [[3, 1], [2, 2]],
+        "eval/openbookqa/acc_norm": 0.3,
+        "eval/piqa/acc": 0.6,
+        "eval/spes_heldout_ppl/bits_per_byte": 3.1,
+        "sync_s": 1.0,
+    }
+    aliases = olmo_aliases(record, world_size=4)
+    assert aliases == {
+        "train/CrossEntropyLoss": 2.0,
+        "train/Perplexity": pytest.approx(math.exp(2.0)),
+        "train/LoadBalancingLoss": 0.01,
+        "train/MoEZLoss": 0.002,
+        "optim/learning_rate_group0": 1e-3,
+        "optim/total_grad_norm": 0.5,
+        "throughput/total_tokens": 4096.0,
+        "throughput/device/tokens_per_second": 200.0,
+        "System/Peak GPU Memory (MB)": 1234.5,
+        "train/TokensTotal/layer0/expert0": 3.0,
+        "train/TokensTotal/layer0/expert1": 1.0,
+        "train/TokensTotal/layer1/expert0": 2.0,
+        "train/TokensTotal/layer1/expert1": 2.0,
+        "train/TokensPercentage/layer0/expert0": 75.0,
+        "train/TokensPercentage/layer0/expert1": 25.0,
+        "train/TokensPercentage/layer1/expert0": 50.0,
+        "train/TokensPercentage/layer1/expert1": 50.0,
+        "eval/downstream/openbook_qa_len_norm": 0.3,
+        "eval/downstream/piqa_acc": 0.6,
+    }
 
 
 def test_trackers_are_off_by_default_and_off_the_main_rank(tmp_path: Path) -> None:
