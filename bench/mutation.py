@@ -75,8 +75,14 @@ EQUIVALENT: dict[str, str] = {
         "of one rounding)",
     ),
     **mutants(
+        "spes.optim.x_rewarmed_lr",
+        "1",
+        "`step > end`: at step == end the rising line gives schedule(end) * (end - start) / (end - start), the "
+        "schedule's value (up to the last bit of one rounding)",
+    ),
+    **mutants(
         "spes.optim.x_lr_at",
-        "15",
+        "18",
         "`max(t_warmup, 2)`: the warm-up division runs only for 0 <= step < t_warmup; with t_warmup 1 the only such "
         "step is 0, whose numerator is 0 whatever the divisor",
     ),
