@@ -1,5 +1,5 @@
 """Shared fixtures: a small real corpus (stdlib sources -> local BPE -> token shards) and the quickstart's run on it,
-each made once per session."""
+each made once per session; GPU tests (`@pytest.mark.gpu`) skipped without CUDA and counted in the summary line."""
 
 from __future__ import annotations
 
@@ -13,10 +13,31 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 REPO = Path(__file__).resolve().parents[1]
+GPU_SKIPPED = "gpu tests skipped: no CUDA"
+"""The summary line's count of GPU tests this machine could not run ("= 480 passed, 3 gpu tests skipped: no CUDA
+in ... ="), so a CI run that checked nothing on a GPU says so where it is read."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without CUDA every `@pytest.mark.gpu` test skips, saying why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs CUDA: no CUDA device on this machine (torch {torch.__version__})")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> tuple[str, str, str] | None:
+    """A GPU test skipped on a machine without CUDA is counted under `GPU_SKIPPED`, not with the other skips."""
+    if report.skipped and "gpu" in report.keywords and not torch.cuda.is_available():
+        return GPU_SKIPPED, "s", "SKIPPED (no CUDA)"
+    return None
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@
     proc = torchrun(2, ["-m", "spes.train", "configs/tiny.yaml", ...], log=tmp_path / "ddp.log")
 
 `run_ranks` runs `<module>:<function>(args: dict, info: DistInfo)` on every rank (the module is imported
-from tests/) inside an initialized gloo process group and returns each rank's JSON-able result, rank
-order. This file is also the script torchrun starts for it. Every launch has a timeout and its process
-group is killed on the way out, whatever happened.
+from tests/) inside an initialized gloo process group (or NCCL, one GPU per rank, for the GPU tests) and
+returns each rank's JSON-able result, rank order. This file is also the script torchrun starts for it. Every
+launch has a timeout and its process group is killed on the way out, whatever happened.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from spes.launch import free_port
 
@@ -44,16 +44,19 @@ SMALL_NODE = [
 ]
 
 
-def child_env(**extra: str) -> dict[str, str]:
+def child_env(*, gpus: bool = False, **extra: str) -> dict[str, str]:
     """Environment for launched processes: one thread each (2 shared cores), repo importable, unbuffered, and no
-    GPU: these are CPU (gloo) tests, and on a GPU host N ranks would each claim a GPU it may not have."""
+    GPU unless `gpus`: the others are CPU (gloo) tests, and on a GPU host N ranks would each claim a GPU it may
+    not have."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
     path = os.pathsep.join(p for p in (str(REPO), str(TESTS), env.get("PYTHONPATH", "")) if p)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path, CUDA_VISIBLE_DEVICES="", **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
@@ -100,12 +103,23 @@ def torchrun(
     return proc
 
 
-def run_ranks(nproc: int, target: str, args: dict[str, Any], out_dir: Path, *, timeout: float = 120) -> list[Any]:
-    """Run `module:function(args, info)` on `nproc` gloo ranks; returns their results in rank order."""
+def run_ranks(
+    nproc: int,
+    target: str,
+    args: dict[str, Any],
+    out_dir: Path,
+    *,
+    timeout: float = 120,
+    backend: Literal["gloo", "nccl"] = "gloo",
+) -> list[Any]:
+    """Run `module:function(args, info)` on `nproc` ranks (gloo on the CPU, or NCCL with rank r on GPU r);
+    returns their results in rank order."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "args.json"
-    spec.write_text(json.dumps({"target": target, "args": args}))
-    torchrun(nproc, [str(Path(__file__).resolve()), str(out_dir)], log=out_dir / "ranks.log", timeout=timeout)
+    spec.write_text(json.dumps({"target": target, "args": args, "backend": backend}))
+    script = [str(Path(__file__).resolve()), str(out_dir)]
+    env = child_env(gpus=backend == "nccl")
+    torchrun(nproc, script, log=out_dir / "ranks.log", timeout=timeout, env=env)
     return [json.loads((out_dir / f"result{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -150,13 +164,12 @@ def _rank_main(out_dir: Path) -> None:
 
     spec = json.loads((out_dir / "args.json").read_text())
     module_name, fn_name = spec["target"].split(":")
-    dist.init_process_group("gloo")
-    info = DistInfo(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=int(os.environ["LOCAL_RANK"]),
-        device=torch.device("cpu"),
-    )
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if spec["backend"] == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(spec["backend"])
+    info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device)
     ok = False
     try:
         result = getattr(importlib.import_module(module_name), fn_name)(spec["args"], info)

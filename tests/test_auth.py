@@ -1,9 +1,19 @@
+"""Who may talk to the parameter server: the shared token (files, environment, the gRPC interceptor that checks it
+on every call) and peer ids bound to certificates."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
-from spes.sync.auth import check_peer_identity, read_token, token_matches
+from spes.sync.auth import TokenAuthInterceptor, check_peer_identity, read_token, token_matches
 from spes.sync.protocol import Refused
 
 
@@ -57,3 +67,105 @@ def test_a_token_file_others_can_read_is_a_warning(tmp_path: Path, caplog: pytes
     secret.chmod(0o644)
     assert read_token(str(secret), "--token_file") == "s3cret"
     assert f"--token_file {secret} is readable by group or others: run `chmod 600 {secret}`" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The interceptor on its own: a real gRPC server on loopback with one method of each streaming kind.
+
+SERVICE = "spes.test.Echo"
+KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+SECRET = "S3cret-Token"
+
+
+@dataclass
+class EchoServer:
+    """What reached the service behind the interceptor: the methods that ran, the requests deserialized."""
+
+    port: int
+    ran: list[str] = field(default_factory=list)
+    deserialized: list[bytes] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def echo_server() -> Iterator[EchoServer]:
+    """A gRPC server behind `TokenAuthInterceptor(SECRET)` whose four methods echo raw bytes."""
+    server = grpc.server(ThreadPoolExecutor(4), interceptors=[TokenAuthInterceptor(SECRET)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    echo = EchoServer(port)
+
+    def deserialize(data: bytes) -> bytes:
+        echo.deserialized.append(data)
+        return data
+
+    def method(kind: str) -> grpc.RpcMethodHandler:
+        def handler(request: Any, _context: grpc.ServicerContext) -> Any:
+            echo.ran.append(kind)
+            requests = list(request) if kind.startswith("stream") else [request]
+            return iter(requests) if kind.endswith("stream") else b"".join(requests)
+
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(handler, request_deserializer=deserialize)
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {k: method(k) for k in KINDS})])
+    server.start()
+    try:
+        yield echo
+    finally:
+        server.stop(grace=None)
+
+
+def call(port: int, kind: str, metadata: tuple[tuple[str, str], ...], method: str | None = None) -> list[bytes]:
+    """Call `kind`'s method (or `method`) with two request messages where the kind streams them; the replies."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = getattr(channel, kind)(f"/{SERVICE}/{method or kind}")
+        request = iter([b"ab", b"cd"]) if kind.startswith("stream") else b"ab"
+        reply = stub(request, metadata=metadata, timeout=10)
+        return list(reply) if kind.endswith("stream") else [reply]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_interceptor_lets_the_right_bearer_token_through(kind: str) -> None:
+    with echo_server() as echo:
+        replies = call(echo.port, kind, (("authorization", f"Bearer {SECRET}"),))
+    sent = [b"ab", b"cd"] if kind.startswith("stream") else [b"ab"]
+    assert replies == (sent if kind.endswith("stream") else [b"".join(sent)])
+    assert echo.ran == [kind] and echo.deserialized == sent
+
+
+BAD_METADATA = {
+    "none": (),
+    "longer": (("authorization", f"Bearer {SECRET}x"),),
+    "shorter": (("authorization", f"Bearer {SECRET[:-1]}"),),
+    "no scheme": (("authorization", SECRET),),
+    "lowercase scheme": (("authorization", f"bearer {SECRET}"),),
+    "other key": (("x-token", f"Bearer {SECRET}"),),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_interceptor_refuses_a_missing_or_wrong_token_before_any_byte_is_read(
+    kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every streaming kind is answered UNAUTHENTICATED in one line saying what to set; the method never runs and
+    no request is deserialized; the log names the method, never the token."""
+    with echo_server() as echo:
+        for case, metadata in BAD_METADATA.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call(echo.port, kind, metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, case
+            assert err.value.details() == (
+                "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret"
+            ), case
+    assert echo.ran == [] and echo.deserialized == []
+    refused = f"refused /{SERVICE}/{kind}: missing or wrong token"
+    assert caplog.text.count(refused) == len(BAD_METADATA) and SECRET not in caplog.text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("token", [SECRET, "wrong"])
+def test_an_unknown_method_stays_unimplemented_whatever_the_token(token: str) -> None:
+    with echo_server() as echo, pytest.raises(grpc.RpcError) as err:
+        call(echo.port, "unary_unary", (("authorization", f"Bearer {token}"),), method="Missing")
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and echo.ran == []

@@ -3,6 +3,10 @@ NCCL), so the code a GPU node runs first is exercised here too."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +84,27 @@ def test_all_reduce_and_one_fsdp2_step_across_ranks(tmp_path: Path) -> None:
     for (reduce_status, reduce_detail), (fsdp_status, fsdp_detail) in results:
         assert reduce_status == "ok" and "over 2 gloo ranks" in reduce_detail, reduce_detail
         assert fsdp_status == "ok" and "over 2 ranks: loss" in fsdp_detail, fsdp_detail
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_the_gpu_smoke_check_passes_on_this_machine() -> None:
+    """The command a GPU node runs first (`python -m spes.preflight --gpu`, here on configs/tiny.yaml: the 1B node's
+    run is bench/bench_gpu.py's) passes: the block's bf16 step and the node's optimizer step, and with 2+ GPUs
+    NCCL's all-reduce and an FSDP2 step under torchrun."""
+    done = subprocess.run(
+        [sys.executable, "-m", "spes.preflight", "--gpu", "configs/tiny.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    assert "preflight passed" in out and re.search(r"^ok +block +one .*tokens/s, MFU", out, re.M), out[-4000:]
+    several = torch.cuda.device_count() > 1
+    expected = {"step": "skip" if several else "ok", "nccl": "ok" if several else "skip"}
+    expected["fsdp"] = expected["nccl"]
+    for name, status in expected.items():
+        assert re.search(rf"^{status} +{name} ", out, re.M), out[-4000:]

@@ -20,6 +20,7 @@ import torch
 from spes.config import ServerSection
 from spes.sync import plane_tcp
 from spes.sync.client import SyncError
+from spes.sync.codecs import int8
 from spes.sync.codecs.held import HeldPeer, HeldServer
 from spes.sync.codecs.interface import Served
 from spes.sync.merge import build_global, round_alpha
@@ -28,7 +29,7 @@ from spes.sync.protocol import Reason
 from spes.sync.server import ParameterServer
 from spes.sync.spec import RunSpec
 from spes.sync.wire import DIGEST, Coded, TensorDecoder, checksum, encode_tensors, header_for
-from sync_helpers import make_client, running_server, sync_all, tiny_spec
+from sync_helpers import NO_MERGE, make_client, running_server, sync_all, tiny_spec
 from test_client import joined_clients
 
 MERGE = ServerSection(merge_interval=30, merge_alpha_start=0.5, merge_decay_steps=1000, merge_topk=1)
@@ -351,3 +352,47 @@ def test_a_restarted_server_serves_its_persisted_held_model(tmp_path: Path, code
             assert_bit_identical(results[p][0], held_of(server))
             step_30_merges = spec.round_bytes(p, merged=True)
             assert (results[p][1].bytes_up, results[p][1].bytes_down) == step_30_merges
+
+
+def drifting_deltas(spec: RunSpec, peer: int, step: int) -> dict[str, torch.Tensor]:
+    """One round's training progress of `peer`: a steady drift of 5e-4 per value (with a little noise), and one
+    value of +-0.5 per int8 block, so each block's scale (0.5 / 127, a step of 3.9e-3) rounds the drift to zero.
+    Only error feedback carries it to the model: without it the drift is never sent."""
+    gen = torch.Generator().manual_seed(step * 10 + peer)
+    deltas = {}
+    for name in spec.trainable(peer):
+        delta = 5e-4 + 1e-4 * torch.randn((spec.manifest or {})[name], generator=gen)
+        outliers = delta.view(-1)[:: int8.DEFAULT_BLOCK]
+        outliers.copy_(torch.randint(0, 2, outliers.shape, generator=gen) - 0.5)
+        deltas[name] = delta
+    return deltas
+
+
+@pytest.mark.timeout(90)
+def test_error_feedback_keeps_thirty_int8_rounds_within_one_step_of_the_lossless_sum() -> None:
+    """Two peers sync 30 rounds through a real server, each training `drifting_deltas` from the model it holds. The
+    lossless run (the round math on fp32 values) moves every drifting value by 30 x 5e-4 = 1.5e-2; the int8 run
+    must end within one quantization step (3.9e-3: the carried error and the last download's rounding, each at
+    most half a step) of it. A peer that dropped its carried error would fall behind by the whole drift."""
+    spec = spec_of("int8", NO_MERGE)
+    gen = torch.Generator().manual_seed(4)
+    init = {n: torch.randn(s, generator=gen) for n, s in (spec.manifest or {}).items()}
+    lossless = init
+    with running_server(spec) as (server, addr), joined_clients(addr, spec) as clients:
+        held = [init, init]
+        for step in range(10, 310, 10):
+            deltas = {p: drifting_deltas(spec, p, step) for p in range(2)}
+            uploads = {p: {n: held[p][n] + d for n, d in deltas[p].items()} for p in range(2)}
+            results = sync_all(clients, step, uploads)
+            held = [results[p][0] for p in range(2)]
+            fp32 = {p: {n: lossless[n] + d for n, d in deltas[p].items()} for p in range(2)}
+            lossless = build_global(fp32, spec=spec, step=step).tensors
+        assert_bit_identical(held[0], held_of(server))
+    step_size = 0.5 / int8.QMAX
+    for name, want in lossless.items():
+        error = (held[0][name] - want).abs().max().item()
+        assert error <= step_size * 1.05, (name, error, step_size)
+        moved = (held[0][name] - init[name]).view(-1)
+        block = int8.DEFAULT_BLOCK
+        drift = torch.cat([moved[i + 1 : i + block] for i in range(0, moved.numel(), block)])
+        assert drift.mean().item() > 30 * 5e-4 / 2, name  # the drifting values moved, not only the outliers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spes.config import ServerSection
+from spes.config import ConfigError, ServerSection
 from spes.moe import parse_expert_block
 from spes.sync import merge
 from spes.sync.merge import build_global, mean_over_peers, merge_experts, outer_nesterov_step, round_alpha
@@ -348,3 +348,122 @@ def test_a_merge_round_changes_only_the_mergeable_layers() -> None:
             assert torch.equal(part[name], full[name]), name
         elif parse_expert_block(name) is not None:
             assert torch.equal(part[name], uploads[parse_expert_block(name).block][name]), name  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What mutation testing (bench/mutation.py) found unpinned: the messages of bad input, the bounds of the settings,
+# the buffers a mean is summed into, the copies a merge of strength 0 returns, donors chosen by direction only.
+
+MERGE_ROUND = {"spec": tiny_spec(num_layers=1, server=ServerSection(merge_interval=100)), "step": 100}
+
+
+def test_settings_at_their_bounds() -> None:
+    for ok in (
+        ServerSection(merge_alpha_start=0.0, merge_decay_steps=1),
+        ServerSection(outer_optimizer="none", outer_momentum=0.0),
+    ):
+        assert ok is not None
+    bad = [
+        (lambda: ServerSection(merge_alpha_start=-0.5), "'server.merge_alpha_start' = -0.5 must be a finite number"),
+        (lambda: ServerSection(merge_alpha_start=float("nan")), "'server.merge_alpha_start' = nan must be a finite"),
+        (lambda: ServerSection(outer_lr=0.0), r"'server.outer_lr' = 0.0 must be > 0"),
+        (lambda: ServerSection(outer_momentum=1.0), r"'server.outer_momentum' = 1.0 must be in \[0, 1\)"),
+        (lambda: ServerSection(outer_momentum=1.5), r"'server.outer_momentum' = 1.5 must be in \[0, 1\)"),
+    ]
+    for make, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            make()
+
+
+def test_an_interval_of_one_merges_every_round_and_diloco_downloads_everything() -> None:
+    server = ServerSection(merge_interval=1, merge_alpha_start=0.5, merge_decay_steps=10)
+    assert round_alpha(3, "spes", server) == pytest.approx(0.35)
+    spec = tiny_spec(mode="diloco", num_layers=1)
+    assert spec.downloads(1, merged=False) == list(spec.manifest or {})
+
+
+def test_bad_layers_and_blocks_are_refused_naming_them() -> None:
+    spec = MERGE_ROUND["spec"]
+    manifest = spec.manifest or {}
+    uploads = {p: peer_upload(spec, p, seed=6) for p in range(2)}
+    no_w2 = [n for n in manifest if ".w2." not in n]
+    with pytest.raises(
+        ValueError, match=r"^merging 'blocks.0.ffn.experts' needs w1, v1 and w2 blocks, got kinds \['v1', 'w1'\]$"
+    ):
+        build_global(uploads, names=no_w2, **MERGE_ROUND)  # type: ignore[arg-type]
+    without_v1_1 = [n for n in manifest if n != "blocks.0.ffn.experts.v1.1"]
+    with pytest.raises(ValueError, match=r"^'blocks.0.ffn.experts': kind 'v1' has blocks \[0\] but w1 has \[0, 1\]$"):
+        build_global(uploads, names=without_v1_1, **MERGE_ROUND)  # type: ignore[arg-type]
+    uploads[1]["blocks.0.ffn.experts.w1.1"] = torch.randn(3, 8, 4)  # 3 experts in a block of 2
+    with pytest.raises(
+        ValueError, match=r"^expert block 'blocks.0.ffn.experts.w1.1' holds 3 experts, more than experts_per_peer=2$"
+    ):
+        build_global(uploads, **MERGE_ROUND)  # type: ignore[arg-type]
+    w1, v1, w2 = random_layer(3, seed=7)
+    with pytest.raises(ValueError, match=r"^w1/v1/w2 disagree on the number of experts: 3, 2, 3$"):
+        merge_experts(w1, v1[:2], w2, alpha=0.5, topk=1)
+
+
+def test_a_merge_of_strength_zero_returns_new_fp32_tensors() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = [t.to(dtype) for t in random_layer(3, seed=8)]
+        for got, orig in zip(merge_experts(*layer, alpha=0.0, topk=1), layer, strict=True):
+            assert got.dtype == torch.float32 and torch.equal(got, orig.float())
+            assert got.untyped_storage().data_ptr() != orig.untyped_storage().data_ptr()  # a copy, never the input
+
+
+def test_donors_are_chosen_by_direction_whatever_the_scale() -> None:
+    """Cosine similarity is scale-free: the same layer shrunk a thousand times (norms far below 1) merges the same
+    way. Its experts' norms differ, so a similarity that depended on them would pick other donors."""
+    w1, v1, w2 = random_layer(6, seed=9)
+    w1 = w1 * torch.tensor([0.5, 4.0, 1.0, 8.0, 0.25, 2.0])[:, None, None]
+    want = merge_experts(w1, v1, w2, alpha=0.5, topk=1)[1]
+    assert torch.equal(merge_experts(w1 * 1e-3, v1, w2, alpha=0.5, topk=1)[1], want)
+
+
+def test_tied_donors_are_the_lowest_indices_for_any_number_of_experts() -> None:
+    """40 identical experts: every similarity ties, and the donors are the lowest other indices (a sort that is
+    not stable picks others once there are more than ~32)."""
+    num_experts = 40
+    w1 = torch.ones(num_experts, 2, 2)
+    v1 = torch.arange(float(num_experts)).reshape(-1, 1, 1).expand(-1, 2, 2).contiguous()
+    new_v1 = merge_experts(w1, v1, v1.transpose(1, 2).contiguous(), alpha=1.0, topk=2)[1][:, 0, 0]
+    assert new_v1.tolist() == [1.5, 1.0] + [0.5] * (num_experts - 2)
+
+
+def test_the_outer_step_is_diloco_only() -> None:
+    spec = tiny_spec(num_layers=1)
+    nesterov_spec = tiny_spec(num_layers=1, server=ServerSection(outer_optimizer="nesterov"))
+    uploads = {p: peer_upload(spec, p, seed=10) for p in range(2)}
+    previous = {n: torch.zeros(s) for n, s in (spec.manifest or {}).items()}
+    plain = build_global(uploads, spec=spec, step=7, previous=previous)
+    nesterov = build_global(uploads, spec=nesterov_spec, step=7, previous=previous)
+    assert_same(nesterov.tensors, plain.tensors)
+    assert nesterov.momentum == {}
+
+
+def test_means_are_summed_in_the_buffers_they_are_given() -> None:
+    """A bf16 mean goes into the fp32 tensor `empty` hands out (one arrived peer is enough); an fp32 one, when
+    consumed, into the first peer's upload; `mean_over_peers(out=...)` into `out`."""
+    spec = tiny_spec(mode="diloco", num_layers=1)
+    manifest = spec.manifest or {}
+    lone = {0: {n: t.bfloat16() for n, t in peer_upload(spec, 0, seed=11).items()}}
+    handed: list[torch.Tensor] = []
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        assert dtype == torch.float32
+        handed.append(torch.full(shape, float("nan")))
+        return handed[-1]
+
+    out = build_global({0: dict(lone[0])}, spec=spec, step=1, empty=empty).tensors
+    assert [t.shape for t in handed] == [torch.Size(manifest[n]) for n in sorted(manifest)]  # in the order built
+    for name, tensor in out.items():
+        assert any(tensor is h for h in handed) and torch.equal(tensor, lone[0][name].float()), name
+    handed.clear()
+    fp32 = {p: peer_upload(spec, p, seed=12) for p in range(2)}
+    firsts = {n: fp32[0][n] for n in manifest}
+    out = build_global(fp32, spec=spec, step=1, empty=empty, consume=True).tensors
+    assert not handed and all(out[n] is firsts[n] for n in manifest)  # summed in place in peer 0's upload
+    tensors = [torch.randn(3, 4) for _ in range(2)]
+    buffer = torch.empty(3, 4)
+    assert mean_over_peers(tensors, out=buffer) is buffer and torch.equal(buffer, (tensors[0] + tensors[1]) / 2)

@@ -274,3 +274,53 @@ def test_step_0_checkpoint_is_written_only_when_asked(tiny_corpus, tmp_path: Pat
     resumed = tmp_path / "resumed"
     assert main(centralized(tiny_corpus, resumed, *common, f"--load_path={ask / 'step0'}")) == 0
     assert metrics(ask)[-1]["loss"] == metrics(resumed)[-1]["loss"] == metrics(default)[-1]["loss"]
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, None])
+def test_the_optimizer_steps_on_the_clipped_gradient(tiny_corpus, tmp_path: Path, max_grad_norm: float | None) -> None:
+    """`max_grad_norm` bounds the global norm of the gradient the optimizer reads (seen from its step pre-hook);
+    the logged grad_norm stays the norm before clipping. None: the gradient reaches the optimizer as computed."""
+    _, _, trainer = _node(
+        tiny_corpus,
+        tmp_path,
+        "--using_spes=false",
+        "--max_duration=2st",
+        f"--max_grad_norm={max_grad_norm if max_grad_norm else 'null'}",
+    )
+    seen: list[float] = []
+
+    def global_norm(optimizer: torch.optim.Optimizer, _args: object, _kwargs: object) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item())
+
+    trainer.optimizer.register_step_pre_hook(global_norm)
+    raw = trainer.train_step(next(iter(trainer.loader)))["grad_norm"]
+    assert raw > 0.1  # far above 1e-3: the clip really bites
+    assert seen == [pytest.approx(raw if max_grad_norm is None else max_grad_norm, rel=1e-4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_a_run_resumed_on_cuda_continues_the_cuda_random_stream(tiny_corpus, tmp_path: Path) -> None:
+    """The trainer's state holds the CUDA generator's too (what dropout or sampling on the GPU draws): a node resumed
+    from a checkpoint draws on the GPU exactly what the run would have drawn next had it not stopped. The first run
+    draws before training, so a resume that kept the freshly seeded generator would draw something else."""
+    cuda = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+
+    def trainer_on_cuda(*extra: str) -> Trainer:
+        cfg, _ = load_config(TINY, [*tiny_corpus.overrides(tmp_path), "--using_spes=false", *QUIET, *extra])
+        node = build_node(cfg, cuda, log=lambda _m: None)
+        trainer = Trainer(
+            cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=cuda, log=lambda _m: None
+        )
+        if node.checkpoint is not None:
+            trainer.load_state_dict(node.checkpoint.trainer)
+        return trainer
+
+    first = trainer_on_cuda("--max_duration=2st", "--save_interval=2")
+    torch.rand(1000, device=cuda.device)  # the generator moves past where a fresh seed puts it
+    first.fit()
+    next_draw = torch.rand(1000, device=cuda.device)
+    resumed = trainer_on_cuda("--max_duration=4st", "--save_interval=null", f"--load_path={tmp_path}")
+    assert resumed.step == 2
+    assert torch.equal(torch.rand(1000, device=cuda.device), next_draw)

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from spes.sync import wire
+from spes.sync.codecs import int8
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.wire import (
     DIGEST,
     Checksum,
+    Coded,
     CorruptChunk,
     EncodedModel,
     TensorDecoder,
@@ -32,6 +34,9 @@ from spes.sync.wire import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+
+INT8 = int8.Int8(block=128)
+"""The int8 format of the tests' payloads."""
 
 
 def sample() -> dict[str, torch.Tensor]:
@@ -286,3 +291,207 @@ def test_verified_checksums_hold_only_while_the_very_tensor_is_unchanged() -> No
     model = {"kept": kept, "averaged": averaged, "gone": torch.randn(8), "other": other}
     assert verified.known(model, "fp32") == {"kept": (kept, 1)}
     assert verified.known(model, "bf16") == {}  # recorded for another wire dtype
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What mutation testing (bench/mutation.py) found unpinned: the transport settings, int8 deltas through the framing,
+# and the exact words of the refusals.
+
+
+def test_channel_options_and_secret_files(tmp_path: Path) -> None:
+    assert wire.grpc_options(4) == [
+        ("grpc.max_send_message_length", 4 << 20),
+        ("grpc.max_receive_message_length", 4 << 20),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
+    ]
+    secret = tmp_path / "token"
+    secret.write_bytes(b"s3cret\n")
+    assert wire.read_file(str(secret), "--token_file") == b"s3cret\n"
+    with pytest.raises(FileNotFoundError, match=rf"^--tls_cert '{tmp_path}/nope.pem': file not found$"):
+        wire.read_file(str(tmp_path / "nope.pem"), "--tls_cert")
+    with pytest.raises(ValueError, match=r"^unknown wire dtype 'fp16': use one of \['bf16', 'fp32'\]$"):
+        wire.wire_torch_dtype("fp16")
+
+
+def test_finite_of_empty_single_and_ordinary_tensors() -> None:
+    assert wire.finite(torch.zeros(0)) and wire.finite(torch.ones(3)) and wire.finite(torch.tensor([2.0]))
+    assert not wire.finite(torch.tensor([float("nan")])) and not wire.finite(torch.tensor([1.0, float("inf")]))
+
+
+def test_an_int8_delta_travels_whole_through_the_framing() -> None:
+    """Header, chunks and decoder of a coded payload: the receiver gets the very payload, its base round and
+    checksum."""
+    gen = torch.Generator().manual_seed(5)
+    payload = int8.quantize("w", torch.randn(10, 30, generator=gen), block=128)
+    item = Coded(payload, base_round=7)
+    header = wire.header_for("w", item, "fp32")
+    assert (header.name, list(header.shape), header.num_bytes) == ("w", [10, 30], 300 + 3 * 4)
+    assert (header.codec, dict(header.params), header.base_round) == ("int8", {"block": 128}, 7)
+    packed = payload.pack()
+    assert packed.dtype == torch.uint8 and packed.numel() == payload.num_bytes
+    again = INT8.unpack("w", (10, 30), {"block": 128}, packed)
+    assert torch.equal(again.values, payload.values) and torch.equal(again.scales, payload.scales)
+    decoder = TensorDecoder({"w": (10, 30), "x": (4,)}, "fp32", coded=INT8, base_round=7)
+    for chunk in encode_tensors({"w": item, "x": torch.ones(4)}, "fp32", chunk_bytes=100):
+        decoder.feed(chunk)
+    assert sorted(decoder.finish()) == ["x"] and sorted(decoder.coded) == ["w"]
+    got = decoder.coded["w"]
+    assert got.base_round == 7 and (got.payload.name, got.payload.shape, got.payload.params()) == (
+        "w",
+        (10, 30),
+        {"block": 128},
+    )
+    assert isinstance(got.payload, int8.Int8Payload)
+    assert torch.equal(got.payload.values, payload.values) and torch.equal(got.payload.scales, payload.scales)
+    assert decoder.checksums == {"x": checksum(wire.byte_view(torch.ones(4)))}  # of raw values only
+    assert decoder.bytes_received == payload.num_bytes + 16  # every chunk counted, not only the last
+
+
+def test_the_refusals_say_what_went_wrong() -> None:
+    names = [f"t{i}" for i in range(8)]
+    decoder = TensorDecoder(dict.fromkeys(names, (2,)), "fp32")
+    for chunk in encode_tensors({"t0": torch.ones(2)}, "fp32"):
+        decoder.feed(chunk)
+    with pytest.raises(ValueError, match=r"^stream ended before 7 expected tensor\(s\) arrived: 't1', 't2', 't3', "):
+        decoder.finish()
+    with pytest.raises(ValueError, match=r": 't1', 't2', 't3', 't4', 't5' and 2 more$"):
+        decoder.finish()
+    with pytest.raises(ValueError, match=r"arrived: 't1', 't2', 't3', 't4', 't5'$"):
+        decoder.finish(names[:6])
+    chunks = list(encode_tensors({"t1": torch.ones(300)}, "fp32", chunk_bytes=400))
+    decoder = TensorDecoder({"t1": (300,)}, "fp32")
+    decoder.feed(chunks[0])
+    with pytest.raises(ValueError, match=r"^tensor 't1': chunk at offset 800, expected offset 400 \(lost or reordered"):
+        decoder.feed(chunks[2])
+    empty = pb.TensorChunk(offset=400, data=b"", checksum=checksum(b""))
+    with pytest.raises(ValueError, match=r"^tensor 't1': empty chunk at offset 400 \(only an empty tensor has one\)$"):
+        decoder.feed(empty)
+    raw = pb.TensorChunk(header=wire.header_for("t1", torch.ones(300), "fp32"), offset=0)
+    raw.header.codec = "zip"
+    with pytest.raises(ValueError, match=r"^tensor 't1': a 'zip' payload, but this stream carries fp32 values only$"):
+        TensorDecoder({"t1": (300,)}, "fp32").feed(raw)
+
+
+def test_pieces_are_regrouped_into_whole_chunks() -> None:
+    pieces = [b"ab", b"cdefghij", b"", b"k", b"lmnopqrstuvwxyz", b"0"]
+    chunks = list(wire._rechunk([memoryview(p) for p in pieces], 4))  # noqa: SLF001 (the regrouping itself)
+    assert chunks == [b"abcd", b"efgh", b"ijkl", b"mnop", b"qrst", b"uvwx", b"yz0"]
+    for chunk_bytes in (1, 3):  # 1 byte is the smallest chunk; 0 is refused
+        tensor = torch.arange(5.0)
+        got = decode_tensors(encode_tensors({"t": tensor}, "fp32", chunk_bytes=chunk_bytes), {"t": (5,)}, "fp32")
+        assert torch.equal(got["t"], tensor)
+    with pytest.raises(ValueError, match=r"^chunk_bytes must be positive, got 0$"):
+        list(encode_tensor("t", torch.ones(2), "fp32", chunk_bytes=0))
+
+
+def test_an_int8_delta_travels_as_a_raw_stream_too() -> None:
+    payload = int8.quantize("w", torch.randn(6, 50), block=128)
+    sent = bytearray()
+    assert write_raw(Coded(payload, 3), "fp32", sent.extend) == payload.num_bytes
+    assert bytes(sent[-8:]) == DIGEST.pack(checksum(wire.byte_view(payload.pack())))
+    stream = memoryview(bytes(sent))
+
+    def read_into(buf: memoryview) -> None:
+        nonlocal stream
+        buf[:] = stream[: len(buf)]
+        stream = stream[len(buf) :]
+
+    decoder = TensorDecoder({"w": (6, 50)}, "fp32", coded=INT8, base_round=3)
+    decoder.feed_raw(wire.header_for("w", Coded(payload, 3), "fp32"), read_into)
+    got = decoder.coded["w"].payload
+    assert isinstance(got, int8.Int8Payload)
+    assert torch.equal(got.values, payload.values) and torch.equal(got.scales, payload.scales)
+
+
+def test_a_bad_int8_delta_header_is_refused_before_its_bytes() -> None:
+    payload = int8.quantize("w", torch.randn(4, 64), block=128)
+    good = wire.header_for("w", Coded(payload, 3), "fp32")
+
+    def refusal(base: int | None, **fields: object) -> str:
+        header = pb.TensorHeader()
+        header.CopyFrom(good)
+        for key, value in fields.items():
+            if key == "shape":
+                del header.shape[:]
+                header.shape.extend(value)  # type: ignore[arg-type]
+            elif key == "params":
+                header.params.clear()
+                header.params.update(value)  # type: ignore[arg-type]
+            else:
+                setattr(header, key, value)
+        coded = {} if base is None else {"coded": INT8, "base_round": base}
+        with pytest.raises(ValueError) as err:
+            TensorDecoder({"w": (4, 64)}, "fp32", **coded).feed(pb.TensorChunk(header=header))  # type: ignore[arg-type]
+        return str(err.value)
+
+    assert refusal(None) == "tensor 'w': a 'int8' payload, but this stream carries fp32 values only"
+    assert (
+        refusal(3, codec="sparse")
+        == "tensor 'w': a 'sparse' payload, but this stream carries int8 payloads or fp32 values"
+    )
+    assert refusal(3, shape=[64, 4]) == "tensor 'w': int8 payload of shape [64, 4], expected [4, 64]"
+    for block in (64, 1 << 17):
+        assert refusal(3, params={"block": block}) == (
+            f"tensor 'w': int8 parameters {{'block': {block}}}, this run's are {{'block': 128}}"
+        )
+    assert refusal(3, num_bytes=263) == (
+        "tensor 'w': header says 263 bytes, a int8 payload of shape [4, 64] with {'block': 128} needs 264"
+    )
+    for base, held in ((-1, "none"), (2, "round 2")):
+        assert refusal(base) == (
+            f"tensor 'w': a int8 payload against the held model of round 3, but the receiver holds {held}: send full "
+            "values"
+        )
+
+
+def test_values_are_not_checked_for_nan_unless_asked_and_the_host_must_be_little_endian(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nan = torch.tensor([1.0, float("nan")])
+    got = decode_tensors(encode_tensors({"t": nan}, "fp32"), {"t": (2,)}, "fp32")  # a server's own check decides
+    assert torch.equal(got["t"].isnan(), nan.isnan())
+    monkeypatch.setattr(sys, "byteorder", "big")
+    with pytest.raises(RuntimeError, match=r"^spes.sync.wire needs a little-endian host \(x86-64/aarch64\); this one"):
+        list(encode_tensors({"t": nan}, "fp32"))
+
+
+def test_the_edges_of_a_stream_a_mutation_run_found() -> None:
+    """An empty chunk carrying a non-empty tensor's header; NaN checks of a stream cut mid-element (into a kept
+    buffer of NaN, where reading past what arrived would show); the largest block; a held round 0; six missing."""
+    header = wire.header_for("t", torch.ones(3), "fp32")
+    with pytest.raises(ValueError, match=r"^tensor 't': empty chunk at offset 0 \(only an empty tensor has one\)$"):
+        TensorDecoder({"t": (3,)}, "fp32").feed(pb.TensorChunk(header=header, offset=0, checksum=checksum(b"")))
+    kept = {"t": torch.full((5,), float("nan"))}
+    decoder = TensorDecoder({"t": (5,)}, "fp32", into=kept, require_finite=True)
+    for chunk in encode_tensors({"t": torch.arange(5.0)}, "fp32", chunk_bytes=7):
+        decoder.feed(chunk)
+    assert torch.equal(decoder.finish()["t"], torch.arange(5.0))
+    widest = int8.Int8(block=int8.MAX_BLOCK)
+    largest = widest.encode("w", torch.randn(300))
+    decoder = TensorDecoder({"w": (300,)}, "fp32", coded=widest, base_round=0)
+    for chunk in encode_tensors({"w": Coded(largest, 0)}, "fp32"):
+        decoder.feed(chunk)
+    assert decoder.finish() == {} and decoder.coded["w"].payload.params() == {"block": int8.MAX_BLOCK}
+    with pytest.raises(ValueError, match=r"the receiver holds round 0: send full values$"):
+        TensorDecoder({"w": (300,)}, "fp32", coded=widest, base_round=0).feed(
+            next(encode_tensors({"w": Coded(largest, 1)}, "fp32"))
+        )
+    with pytest.raises(ValueError, match=r": 'a0', 'a1', 'a2', 'a3', 'a4' and 1 more$"):
+        TensorDecoder({f"a{i}": (1,) for i in range(6)}, "fp32").finish()
+    assert list(wire.EncodedModel({"b": torch.ones(1), "a": torch.ones(2)}, "fp32")) == ["b", "a"]
+
+
+@pytest.mark.gpu
+def test_a_cuda_tensor_is_sent_as_its_host_bytes() -> None:
+    tensor = torch.arange(6.0, device="cuda")
+    got = decode_tensors(encode_tensors({"t": tensor}, "bf16", chunk_bytes=4), {"t": (6,)}, "bf16")
+    assert torch.equal(got["t"], tensor.cpu().bfloat16())
+    sent = bytearray()
+    write_raw(tensor, "fp32", sent.extend)
+    assert bytes(sent[:-8]) == tensor.cpu().numpy().tobytes()
+    assert wire.encode_whole(tensor, "fp32")[0].device.type == "cpu"

@@ -1,0 +1,429 @@
+"""Mutation testing of the core pure modules: how many small planted bugs their own tests catch, module by module.
+
+    .venv/bin/python bench/mutation.py                     # every module of MODULES, one after the other
+    .venv/bin/python bench/mutation.py spes/optim.py       # only these (the record keeps the other modules' results)
+    .venv/bin/python bench/mutation.py --list              # the modules and the tests that cover each
+
+Not run in CI: a module takes minutes to an hour on 2 cores. mutmut (the `dev` extra) mutates one module in a scratch
+copy of the repository and runs, for each mutant, the tests of MODULES[module] that exercised the mutated function,
+one mutant at a time (the machine is shared); a module's run stops after --timeout_min. The record
+(bench/results/mutation.json) holds per module its score (killed / mutants), the mutants per status, and every mutant
+not killed with its location and diff; those in EQUIVALENT carry the reason no test can kill them. docs/testing.md
+says how to read it and when to run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, write_results
+
+MODULES: dict[str, tuple[str, ...]] = {
+    "spes/guard.py": (
+        "tests/test_guard.py::test_all_finite_and_the_first_bad_parameter",
+        "tests/test_guard.py::test_non_finite_weights_are_refused_naming_the_first_and_what_was_refused",
+    ),
+    "spes/optim.py": ("tests/test_optim.py",),
+    "spes/sync/merge.py": ("tests/test_merge.py",),
+    # the generated stubs' check runs protoc in a scratch copy of run_scripts/: nothing of wire.py
+    "spes/sync/wire.py": (
+        "tests/test_wire.py",
+        "--deselect",
+        "tests/test_wire.py::test_committed_stubs_are_up_to_date",
+    ),
+}
+"""Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
+build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
+
+
+def mutants(function: str, numbers: str, what: str) -> dict[str, str]:
+    """`what` for each of the mutants `numbers` (space-separated) of `function`, as mutmut names it
+    (`spes.optim.x_lr_at`: module, then x_ and the function; a method: xǁClassǁmethod)."""
+    return {f"{function}__mutmut_{n}": what for n in numbers.split()}
+
+
+EQUIVALENT: dict[str, str] = {
+    **mutants(
+        "spes.guard.x_check_weights_finite",
+        "14",
+        "`1.0 if bad is None`: any finite flag of a finite rank works, only whether the mean over ranks is finite is "
+        "read",
+    ),
+    **mutants(
+        "spes.guard.x_first_nonfinite_parameter",
+        "2 4 8 9",
+        "the shard check without `.to_local()`: torch's DTensor answers isfinite(...).all() of a sharded parameter "
+        "from the local shard too (checked: tests/test_guard.py::test_every_rank_agrees_on_one_ranks_nan[gloo] "
+        "passes with it); .to_local() says so",
+    ),
+    **mutants(
+        "spes.optim.x_lr_at",
+        "4",
+        "`step <= t_warmup`: at step == t_warmup the warm-up line and the decay both give peak_lr (up to the last bit "
+        "of one rounding)",
+    ),
+    **mutants(
+        "spes.optim.x_rewarmed_lr",
+        "1",
+        "`step > end`: at step == end the rising line gives schedule(end) * (end - start) / (end - start), the "
+        "schedule's value (up to the last bit of one rounding)",
+    ),
+    **mutants(
+        "spes.optim.x_lr_at",
+        "18",
+        "`max(t_warmup, 2)`: the warm-up division runs only for 0 <= step < t_warmup; with t_warmup 1 the only such "
+        "step is 0, whose numerator is 0 whatever the divisor",
+    ),
+    **mutants(
+        "spes.sync.merge.x__add_widened",
+        "10 12",
+        "the scratch buffer's dtype left to torch's default, fp32: `total`'s (a mean is always summed in fp32)",
+    ),
+    **mutants(
+        "spes.sync.merge.x__merge_layer",
+        "22 25 36 39 42 48",
+        "zip without strict=True: the zipped sequences have equal lengths by construction (the three kinds and "
+        "merge_experts's three results; the blocks and their split by sizes)",
+    ),
+    **mutants(
+        "spes.sync.merge.x_mean_over_peers",
+        "18",
+        "fp32 tensors added through the widening scratch buffer and bf16 ones by torch's mixed-dtype add: both add "
+        "exactly, only the speed differs",
+    ),
+    **mutants(
+        "spes.sync.merge.x_merge_experts",
+        "66",
+        "torch.sort without dim=1 sorts along the last dimension, dim 1 of the 2-D similarity matrix",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁVerifiedChecksumsǁknown",
+        "7 8 9 10",
+        "the fallback record of a name never recorded: its reference is None, so it is never used whatever its "
+        "version, dtype or checksum",
+    ),
+    **mutants(
+        "spes.sync.wire.x__rechunk",
+        "4",
+        "a piece of exactly chunk_bytes with nothing pending goes through the copying branch: the same chunk",
+    ),
+    **mutants(
+        "spes.sync.wire.x_write_raw",
+        "1 5 23",
+        "the same bytes and trailer: a raw tensor encoded whole instead of piece by piece (the pieces only spare a "
+        "second copy), a delta packed without its unused wire dtype, pieces of another size",
+    ),
+    **mutants(
+        "spes.sync.wire.x_encode_tensor",
+        "5 9",
+        "the same chunks: a raw tensor encoded whole before chunking (the two passes only spare a second copy), a "
+        "delta packed without its unused wire dtype",
+    ),
+    **mutants(
+        "spes.sync.wire.x_encode_tensor",
+        "61 62 65 66",
+        "an empty tensor's chunk without offset 0 or data b'': proto3 fields default to exactly those",
+    ),
+    **mutants(
+        "spes.sync.wire.x_encode_tensors",
+        "5 10 12",
+        "the precomputed forms ignored: encode_tensor computes the very same bytes and checksums (they only save "
+        "the work)",
+    ),
+    **mutants(
+        "spes.sync.wire.x_finite",
+        "1 4",
+        "the fast path (a finite sum) skipped: the exact min/max check gives the same answer, slower",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ__init__",
+        "6 7 10 11 17 19 20 22 23 24 26",
+        "the state of the tensor being received before any: `_start` sets every field at each header, and "
+        "nothing reads them before one (a headless chunk is refused first)",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ_finish_current",
+        "26 28",
+        "the state reset after a tensor: `_start` sets it again at the next header before anything reads it",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ_open",
+        "35",
+        "block=None for raw values: read only as a truth value, like 0",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ_check_finite",
+        "4",
+        "`... or self._block and end == self._checked`: a raw tensor then checks an empty slice (finite), an int8 "
+        "delta its uint8 payload bytes (always finite): the same answers",
+    ),
+}
+"""Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
+
+AGREE = "tests/test_guard.py::test_every_rank_agrees_on_one_ranks_nan"
+KILLED_BY: dict[str, str] = {
+    **mutants("spes.guard.x_check_weights_finite", "19 21 22", f"{AGREE}[gloo]"),  # a clean rank's message
+    **mutants("spes.guard.x_check_weights_finite", "9 11", f"{AGREE}[nccl]"),  # the flag on the CPU: NCCL needs CUDA
+    # a CUDA tensor's bytes read without moving it to the host first
+    **mutants(
+        "spes.sync.wire.x__wire_pieces", "14 16", "tests/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
+    ),
+    **mutants(
+        "spes.sync.wire.x_encode_whole", "4 6", "tests/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
+    ),
+}
+"""Mutants killed by a test mutmut cannot credit (it starts processes, whose calls mutmut does not trace), by name:
+the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail
+(a test marked gpu is not run without CUDA, and the mutant is recorded as unverified)."""
+
+COPIED = ("spes", "tests", "configs", "data_process_scripts")
+"""What the scratch copy holds besides pyproject.toml: the package, its tests and what the tests read."""
+PYTEST_ARGS = ("-p", "no:cacheprovider", "-n", "0", "-q")
+
+
+def mutmut_settings(module: str, tests: tuple[str, ...]) -> str:
+    """The [tool.mutmut] table of a scratch copy: mutate `module` only, test with `tests` only."""
+    settings = {
+        "source_paths": ["spes"],
+        "only_mutate": [module],
+        "also_copy": [p for p in COPIED if p != "spes"],
+        "pytest_add_cli_args": list(PYTEST_ARGS),
+        "pytest_add_cli_args_test_selection": list(tests),
+        "use_git_change_detection": False,
+    }
+    return "\n[tool.mutmut]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items())
+
+
+def scratch_copy(module: str, tests: tuple[str, ...], into: Path) -> None:
+    """The repository's package, tests and configs in `into`, with a pyproject.toml that configures mutmut."""
+    for name in COPIED:
+        shutil.copytree(REPO_ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (REPO_ROOT / "pyproject.toml").read_text()
+    (into / "pyproject.toml").write_text(text + mutmut_settings(module, tests))
+
+
+def mutmut(scratch: Path, *args: str, timeout_s: float = 600) -> str:
+    """`python -m mutmut ARGS` in `scratch`; its output. On timeout the whole process group (workers too) is
+    killed and TimeoutError raised."""
+    log = scratch / "mutmut.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mutmut", *args],
+            cwd=scratch,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise TimeoutError(f"mutmut {' '.join(args)} ran past {timeout_s:.0f} s") from None
+    text = log.read_text(errors="replace")
+    if code != 0:
+        raise RuntimeError(f"mutmut {' '.join(args)} exited with {code}:\n{text[-3000:]}")
+    return text
+
+
+def statuses(scratch: Path) -> dict[str, str]:
+    """Every mutant's status (killed, survived, no tests, timeout, not checked...), by mutmut's name for it."""
+    found = re.findall(r"^\s+(\S+): (.+)$", mutmut(scratch, "results", "--all", "true"), re.M)
+    return {name: status.strip() for name, status in found}
+
+
+def location(module: str, name: str, diff: str) -> str:
+    """`path:line (function)` of the first line a mutant changes, found in the unmutated function's lines.
+
+    mutmut names a function's mutants `<module>.x_<function>__mutmut_<n>`, a method's `<module>.xǁ<class>ǁ<method>...`.
+    """
+    qualified = name.rsplit("__mutmut_", 1)[0].split(".")[-1]
+    owner, function = qualified[2:].split("ǁ", 1) if qualified.startswith("xǁ") else ("", qualified[2:])
+    source = (REPO_ROOT / module).read_text()
+    tree = ast.parse(source)
+    classes: list[ast.AST] = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == owner]
+    scopes = classes or [tree]
+    spans = [
+        (node.lineno, node.end_lineno or node.lineno)
+        for scope in scopes
+        for node in ast.iter_child_nodes(scope)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function
+    ]
+    removed = next((line[1:] for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")), "")
+    lines = source.splitlines()
+    for start, end in spans:
+        for number in range(start, end + 1):
+            if removed and lines[number - 1] == removed:
+                return f"{module}:{number} ({function})"
+    return f"{module}:{spans[0][0] if spans else '?'} ({function})"
+
+
+def run_module(module: str, tests: tuple[str, ...], timeout_s: float, recheck: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Mutate `module` in a scratch copy, run its tests against every mutant (or only the mutants `recheck`, the
+    others counted as killed, as the record they come from found them); its scores and mutants not killed."""
+    with tempfile.TemporaryDirectory(prefix="spes-mutation-") as tmp:
+        scratch = Path(tmp)
+        scratch_copy(module, tests, scratch)
+        start = time.monotonic()
+        complete = True
+        try:
+            mutmut(scratch, "run", "--max-children", "1", *recheck, timeout_s=timeout_s)
+        except TimeoutError as exc:
+            print(f"{module}: {exc}; recording the mutants checked so far", file=sys.stderr)
+            complete = False
+        seconds = time.monotonic() - start
+        found = statuses(scratch)
+        if recheck:
+            found = {n: s if n in recheck or s != "not checked" else "killed" for n, s in found.items()}
+        survivors = []
+        for name, status in sorted(found.items(), key=lambda item: natural(item[0])):
+            if status == "killed":
+                continue
+            diff = mutmut(scratch, "show", name).split("\n", 1)[1].strip()
+            entry: dict[str, Any] = {
+                "name": name,
+                "status": status,
+                "location": location(module, name, diff),
+                "diff": diff,
+            }
+            if name in KILLED_BY:
+                entry["killed_by"] = {"test": KILLED_BY[name], "verified": killed_by(scratch, module, name)}
+            survivors.append({**entry, "equivalent": EQUIVALENT.get(name)})
+    return summary(module, tests, found, survivors, seconds, complete)
+
+
+def natural(name: str) -> tuple[str, int]:
+    """Sort key of a mutant name: its function, then its number (mutmut_9 before mutmut_10)."""
+    function, _, number = name.rpartition("__mutmut_")
+    return function, int(number) if number.isdigit() else -1
+
+
+def killed_by(scratch: Path, module: str, name: str) -> bool | None:
+    """Whether KILLED_BY[name] fails with the mutant applied to the scratch copy (None: a GPU test, no CUDA here)."""
+    test = KILLED_BY[name]
+    gpu = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", test],
+        cwd=scratch,
+        capture_output=True,
+        text=True,
+    )
+    if gpu.returncode == 0 and not torch_has_cuda():
+        return None
+    mutmut(scratch, "apply", name)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, test], cwd=scratch, capture_output=True)
+        return done.returncode == 1  # a failed test; not an error of collection or usage
+    finally:
+        shutil.copy2(REPO_ROOT / module, scratch / module)
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def summary(
+    module: str,
+    tests: tuple[str, ...],
+    found: dict[str, str],
+    survivors: list[dict[str, Any]],
+    seconds: float,
+    complete: bool,
+) -> dict[str, Any]:
+    """A module's record: counts per status, the scores with and without the equivalent mutants, the survivors."""
+    counts: dict[str, int] = {}
+    for status in found.values():
+        counts[status] = counts.get(status, 0) + 1
+    verified = sum(1 for s in survivors if s.get("killed_by", {}).get("verified"))
+    # NOTE: a mutant that made its tests run past mutmut's timeout (an endless loop) is caught, as mutation tools count
+    killed, total = counts.get("killed", 0) + counts.get("timeout", 0) + verified, len(found)
+    equivalent = sum(1 for s in survivors if s["equivalent"])
+    stale = sorted(n for n in EQUIVALENT if n.startswith(module_prefix(module)) and n not in found)
+    return {
+        "tests": list(tests),
+        "mutants": total,
+        "by_status": dict(sorted(counts.items())),
+        "killed_by_tests_mutmut_cannot_credit": verified,
+        "score": round(killed / total, 4) if total else None,
+        "score_without_equivalent": round(killed / (total - equivalent), 4) if total > equivalent else None,
+        "complete": complete,
+        "seconds": round(seconds, 1),
+        "survivors": survivors,
+        **({"stale_equivalent": stale} if stale else {}),
+    }
+
+
+def module_prefix(module: str) -> str:
+    """mutmut's name prefix of a module's mutants: spes/sync/merge.py -> spes.sync.merge."""
+    return module.removesuffix(".py").replace("/", ".") + "."
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="bench/mutation.py", description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("modules", nargs="*", help=f"modules to run (default: all of {', '.join(MODULES)})")
+    p.add_argument("--timeout_min", type=float, default=60.0, help="stop a module's run after this many minutes")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "mutation.json", help="the JSON record")
+    p.add_argument("--list", action="store_true", help="print the modules and their tests, run nothing")
+    p.add_argument(
+        "--recheck",
+        action="store_true",
+        help="run only the mutants the record lists as not killed (after adding tests; the module itself unchanged)",
+    )
+    args = p.parse_args()
+    unknown = sorted(set(args.modules) - set(MODULES))
+    if unknown:
+        p.error(f"no covering tests listed for {unknown}: add the module to MODULES in bench/mutation.py")
+    if args.list:
+        for module, tests in MODULES.items():
+            print(f"{module}: {' '.join(tests)}")
+        return
+    record = json.loads(args.out.read_text()) if args.out.exists() else {}
+    modules = dict(record.get("modules", {}))
+    for module in args.modules or list(MODULES):
+        print(f"{module}: mutating, tests {' '.join(MODULES[module])}", flush=True)
+        commit, previous = git_commit(), modules.get(module)
+        recheck = rechecked(previous, module) if args.recheck else ()
+        result = run_module(module, MODULES[module], args.timeout_min * 60, recheck)
+        modules[module] = {"commit": commit, "machine": machine_info(), **result}
+        if recheck and previous is not None:
+            modules[module]["rechecked_from"] = {"commit": previous["commit"], "mutants": list(recheck)}
+        print(
+            f"{module}: {result['score']} of {result['mutants']} mutants killed, {result['score_without_equivalent']} "
+            f"of those not equivalent ({result['by_status']})"
+        )
+    write_results(args.out, {"tool": f"mutmut {mutmut_version()}", "modules": dict(sorted(modules.items()))})
+
+
+def rechecked(previous: dict[str, Any] | None, module: str) -> tuple[str, ...]:
+    """The mutants `previous` (a module's record) did not see killed; refuses when the module changed since."""
+    if previous is None or not previous.get("complete"):
+        raise SystemExit(f"error: --recheck needs a complete record of {module}: run it whole first")
+    then = previous["commit"].removesuffix("-dirty")
+    source = subprocess.run(["git", "show", f"{then}:{module}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    if source.returncode != 0 or source.stdout != (REPO_ROOT / module).read_text():
+        raise SystemExit(f"error: {module} changed since its record's commit {then[:12]}: run it whole, not --recheck")
+    return tuple(s["name"] for s in previous["survivors"])
+
+
+def mutmut_version() -> str:
+    from importlib.metadata import version
+
+    return version("mutmut")
+
+
+if __name__ == "__main__":
+    main()
