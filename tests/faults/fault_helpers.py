@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import socket
@@ -16,12 +15,14 @@ from pathlib import Path
 
 import torch
 
-from spes.config import ServerSection
 from spes.sync.merge import build_global
 from spes.sync.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import spec_overrides as spec_overrides  # noqa: E402  (bench/common.py: a server's overrides of a spec)
 
 
 def free_port() -> int:
@@ -100,29 +101,6 @@ def proc_usage(pid: int) -> dict[str, int]:
         "threads": int(fields["Threads"][0]),
         "fds": len(os.listdir(f"/proc/{pid}/fd")),
     }
-
-
-def spec_overrides(spec: RunSpec) -> list[str]:
-    """The `--section.key=value` overrides that give a server without the run's YAML the run `spec` (the model's
-    manifest and block owners come from the first node to join), as a user would type them: the nodes' settings
-    and whatever of the `server:` section differs from its defaults."""
-    words = [f"--spes_config.num_peers={spec.num_peers}"]
-    if spec.mode == "diloco":
-        words.append("--using_dilico=true")
-    else:
-        words.append(f"--spes_config.num_train_experts_per_node={spec.experts_per_block}")
-    if spec.sync_steps is not None:
-        words.append(f"--spes_config.sync_steps={spec.sync_steps}")
-    if spec.overlap_fragments != 1:
-        words.append(f"--spes_config.overlap_fragments={spec.overlap_fragments}")
-    if spec.codec != "fp32":
-        words.append(f"--spes_config.codec={spec.codec}")
-        words += [f"--spes_config.codec_settings.{key}={value}" for key, value in spec.codec_settings]
-    default = ServerSection()
-    for f in dataclasses.fields(ServerSection):
-        if getattr(spec.server, f.name) != getattr(default, f.name):
-            words.append(f"--server.{f.name}={getattr(spec.server, f.name)}")
-    return words
 
 
 def fault_free(uploads: dict[int, dict[int, dict[str, torch.Tensor]]], spec: RunSpec) -> dict[str, torch.Tensor]:
