@@ -169,7 +169,8 @@ def analytic_table(path: Path, merge: ServerSection, codecs: Sequence[CodecChoic
         "schemes": {},
     }
     spes = {c.label: c for c in [*map(CodecChoice.parse, ("fp32", "bf16")), *codecs]}  # bf16 and fp32: the targets'
-    schemes = [("spes", c) for c in spes.values()] + [("diloco", CodecChoice.parse(c)) for c in DILOCO_CODECS]
+    schemes: list[tuple[Mode, CodecChoice]] = [("spes", c) for c in spes.values()]
+    schemes += [("diloco", CodecChoice.parse(c)) for c in DILOCO_CODECS]
     for mode, codec in schemes:
         spec = dataclasses.replace(fp32[mode], codec=codec.name, codec_settings=tuple(sorted(codec.settings.items())))
         up, down = round_bytes(spec, 0, merged=False)
@@ -196,7 +197,8 @@ def measure_rounds(path: Path, codecs: Sequence[CodecChoice]) -> tuple[dict[str,
     Keys `<mode>_<codec>_<round>`: `plain`, `merge` (step 2, merge interval 2), and on a held-model codec `first`
     (its full round; the plain round is then step 3).
     """
-    runs = [("spes", c) for c in codecs] + [("diloco", CodecChoice.parse(c)) for c in DILOCO_CODECS]
+    runs: list[tuple[Mode, CodecChoice]] = [("spes", c) for c in codecs]
+    runs += [("diloco", CodecChoice.parse(c)) for c in DILOCO_CODECS]
     merge = server_overrides(MERGE)
     measured: dict[str, Any] = {}
     checks = []
