@@ -68,10 +68,15 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
                 stderr=subprocess.STDOUT,
             )
             try:
-                # NOTE: kill once the second upload (round 2) is ~200 KB in; the first was `upload_bytes` long.
-                proxy.watchers.append(
-                    lambda d, total: victim.kill() if d == "up" and total > upload_bytes + 200_000 else None
-                )
+                # NOTE: kill once the second upload (round 2) is ~200 KB in; the first was `upload_bytes` long. The
+                # connection is cut with it: what the victim had already written into its socket (on a loaded machine,
+                # its whole upload) would otherwise still reach the server, and the round would complete.
+                def kill(direction: str, total: int) -> None:
+                    if direction == "up" and total > upload_bytes + 200_000 and victim.poll() is None:
+                        victim.kill()
+                        proxy.cut()
+
+                proxy.watchers.append(kill)
                 round_1 = peer0.sync(1, uploads[1][0])
                 waiting = pool.submit(peer0.sync, 2, uploads[2][0])
                 assert victim.wait(timeout=60) == -9
