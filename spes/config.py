@@ -321,6 +321,12 @@ class SpesConfig:
         "and it answers from this node, else gRPC; grpc = always gRPC; tcp = require the data plane",
     )
     token_file: str | None = _f(None, "file holding the run's shared secret (or env SPES_TOKEN)")
+    run_id: str | None = _f(
+        None,
+        "join the run with this id though this node holds no checkpoint of it (a replacement or late node; the id "
+        "is in the server's log and `python -m spes.status`); null: a fresh node starts a new run, a resumed one "
+        "continues its checkpoint's",
+    )
     tls_ca: str | None = _f(None, "CA certificate to verify the server (enables TLS)")
     tls_cert: str | None = _f(None, "client certificate for mutual TLS")
     tls_key: str | None = _f(None, "client key for mutual TLS")

@@ -8,7 +8,8 @@ This is the quickstart's engine and a way to try a configuration before renting 
 same `python -m spes.train` a real node runs (with its own `peer_id`, so its own data order), the server is
 the same `python -m spes.server` given the same YAML and overrides (so its `server:` section, e.g.
 `-- --server.merge_interval=20`). At the end it prints a summary table and exits 0 with every child gone; if
-any process fails, the others are stopped and the exit code is non-zero.
+any process fails, the others are stopped and the exit code is non-zero. Ctrl-C or SIGTERM stops the peers (each
+saves a checkpoint of its last step), then the server (it persists its state), and exits 130: `--resume` continues.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from spes.config import ConfigError, load_config, peer_data_seed
+
+STOP_GRACE_S = 10.0
+"""How long a stopped peer (then the server) has to save and exit before it is killed."""
 
 
 def free_port() -> int:
@@ -43,6 +47,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("config", help="node config (YAML); peer_id, data seed, server address and save folder are set here")
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run --out holds: the server from its state, every peer from its latest checkpoint (a "
+        "folder that holds a run is refused without it: two runs are never mixed)",
+    )
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument(
@@ -80,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --eval_peers={args.eval_peers} must be between 1 and the run's {peers} peers", file=sys.stderr)
         return 2
     out = Path(args.out)
+    held = previous_run(out)
+    if held and not args.resume:
+        print(
+            f"error: {out} holds {held}: pass --resume (quickstart: RESUME=1) to continue it, or another --out "
+            "(quickstart: OUT=...) for a new run",
+            file=sys.stderr,
+        )
+        return 2
+    resume = ["--resume=auto", *([f"--spes_config.run_id={run_id}"] if (run_id := held_run_id(out)) else [])]
     out.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
@@ -115,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--spes_config.server_addr=127.0.0.1:{port}",
                 f"--save_folder={out}/node{i}",
                 *(["--eval_interval=null"] if i >= eval_peers else []),
+                *(resume if args.resume else []),
             ]
             procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
         print(
@@ -123,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         code = _wait(procs, out / "peer0.log", args.timeout)
     except KeyboardInterrupt:
-        print("interrupted: stopping the server and the peers", file=sys.stderr)
+        print(
+            "interrupted: the peers save a checkpoint and stop, then the server; continue with --resume",
+            file=sys.stderr,
+        )
         code = 130
     finally:
         _stop_all(procs)
@@ -133,6 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def previous_run(out: Path) -> str:
+    """What run `out` holds ('' for none): its server's state, or a node's checkpoint."""
+    state = out / "server_state" / "run.json"
+    if state.is_file():
+        return f"the run {held_run_id(out)} (its server state, {state.parent})"
+    nodes = sorted(p.parent.name for p in out.glob("node*/latest"))
+    return f"the checkpoints of {', '.join(nodes)}" if nodes else ""
+
+
+def held_run_id(out: Path) -> str:
+    """The id of the run whose server state `out` holds ('' for none)."""
+    state = out / "server_state" / "run.json"
+    return str(json.loads(state.read_text()).get("run_id", "")) if state.is_file() else ""
 
 
 def sigterm_as_interrupt() -> None:
@@ -195,15 +233,22 @@ def _echo_new(path: Path, offset: int) -> int:
 
 
 def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    for p in procs.values():
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs.values():
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+    """SIGTERM the peers first (each saves a checkpoint at its next step and exits; one waiting for a round stops
+    waiting and keeps it in that checkpoint), then the server (it persists its state); SIGKILL what is left after
+    `STOP_GRACE_S`."""
+    peers = [p for k, p in procs.items() if k != "server"]
+    server = [p for k, p in procs.items() if k == "server"]
+    for group in (peers, server):
+        for p in group:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in group:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
 
 
 def summarize(out: Path, peers: int, seconds: float) -> dict[str, Any]:

@@ -212,6 +212,7 @@ def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:
     finally:
         gc.collect()  # and the reference cycles that may hold it
         shutdown_distributed(clean=finished)
+        gc.freeze()  # NOTE: else the interpreter's exit scans the ~300k objects left again: seconds on a busy host
 
 
 def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
@@ -238,9 +239,10 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     node = build_node(cfg, info, log)
     syncer = None
     if cfg.sync_enabled:
-        from spes.sync.peer import PeerSync
+        from spes.sync.peer import PeerSync, read_run_id
 
-        syncer = PeerSync(cfg, node.model, info, log=log)
+        run_id = read_run_id(node.checkpoint.path) if node.checkpoint is not None else None
+        syncer = PeerSync(cfg, node.model, info, log=log, run_id=run_id)
     try:
         if syncer is not None:
             syncer.join()
@@ -256,8 +258,10 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         )
         if node.checkpoint is not None:
             trainer.load_state_dict(node.checkpoint.trainer)
-            if syncer is not None:
-                syncer.resume(node.checkpoint.path)
+            landed = syncer.resume(node.checkpoint.path, trainer.step) if syncer is not None else None
+            if landed is not None:
+                trainer.step = landed.step  # NOTE: moves on when this node had fallen behind the run
+                log(f"step {trainer.step}: applied the round the interrupted run was waiting for")
     except BaseException:
         if syncer is not None:
             syncer.close()

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import base64
 import math
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +24,7 @@ from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
+from spes.interrupt import Interrupted, StopRequest
 from spes.model import IGNORE_INDEX, ModelOutput, logit_loss_sums, tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops
@@ -56,6 +55,9 @@ class Syncer(Protocol):
     def land(self, step: int) -> SyncResult | None:
         """Apply an overlapped round due at `step` (a step between sync steps); None when none is."""
         ...
+
+    stopping: Callable[[], bool]
+    """Set by the trainer: whether a stop was requested (a wait for a round then raises `Interrupted`)."""
 
     def checkpoint_files(self) -> dict[str, Callable[[Path], None]]:
         """Files a checkpoint taken now must hold (a round in flight, the codec's state), by name: each writes itself
@@ -95,34 +97,6 @@ def _decode_rng(state: dict[str, str]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cpu"])), dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
-
-
-class StopRequest:
-    """First Ctrl-C / SIGTERM asks to save and stop at the next step boundary; a second one aborts."""
-
-    def __init__(self, announce: Callable[[str], None]) -> None:
-        self.requested = False
-        self.announce = announce
-        self.previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.announce(
-            f"received {signal.Signals(signum).name}: saving a checkpoint after this step "
-            f"(press Ctrl-C again to abort without saving)"
-        )
 
 
 class Trainer:
@@ -177,12 +151,18 @@ class Trainer:
         if self.step == 0 and not self.cfg.no_pre_train_checkpoint:
             self.save()  # the initial weights, e.g. to compare runs that start from them
         with StopRequest(self.log) as stop:
+            if self.syncer is not None:
+                self.syncer.stopping = lambda: stop.requested
             while self.step < self.max_steps:
                 started = time.perf_counter()
                 metrics = self.train_step(next(batches))
                 self.speed.record(self.cfg.tokens_per_step, time.perf_counter() - started)
-                self.after_step(metrics)
-                if self._stop_requested(stop):
+                try:
+                    self.after_step(metrics)
+                    interrupted = False
+                except Interrupted:  # a stop request while waiting for a round: it stays in flight, saved with us
+                    interrupted = True
+                if interrupted or self._stop_requested(stop):
                     self.save()
                     self.log(f"stopped at step {self.step}; resume with --resume (or load_path={self.cfg.save_folder})")
                     raise SystemExit(130)

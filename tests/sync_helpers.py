@@ -57,14 +57,15 @@ def tiny_spec(
     num_layers: int = 2,
     d: int = 8,
     f: int = 4,
-    sync_steps: int = 10,
+    sync_steps: int = 1,
     overlap_fragments: int = 1,
     codec: str = "fp32",
     codec_settings: dict[str, int] | None = None,
     server: ServerSection | None = None,
 ) -> RunSpec:
     """The run spec of a tiny model: SPES with one block of `k` experts per peer (DiLoCo: one block), peer b owning
-    block b; `server` defaults to the section's defaults."""
+    block b, a round every `sync_steps` steps (the server admits only the next one) and no last step; `server`
+    defaults to the section's defaults."""
     blocks = (num_peers if mode == "spes" else 1) if num_blocks is None else num_blocks
     return RunSpec(
         mode=mode,

@@ -17,9 +17,10 @@ import torch
 
 from spes.config import ServerSection
 from spes.sync import plane_tcp
-from spes.sync.client import SyncClient, SyncError, backoff_s
+from spes.sync.client import SyncClient, SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
 from spes.sync.proto import spes_pb2 as pb
+from spes.sync.retry import backoff_s
 from spes.sync.server import start_server
 from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.spec import RunSpec
@@ -69,7 +70,7 @@ def check_round(results: dict, uploads: dict, spec: RunSpec, *, step: int) -> No
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["spes", "diloco"])
 def test_two_peers_three_rounds(mode: str) -> None:
-    spec = tiny_spec(mode=mode, server=NO_MERGE)  # type: ignore[arg-type]
+    spec = tiny_spec(mode=mode, server=NO_MERGE, sync_steps=10)  # type: ignore[arg-type]
     with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
         for step in (10, 20, 30):
             uploads = {p: peer_upload(spec, p, seed=step) for p in range(2)}
@@ -103,9 +104,9 @@ def test_diloco_outer_nesterov_over_rounds() -> None:
 @pytest.mark.timeout(60)
 def test_merge_round_returns_owners_changed_experts() -> None:
     merge = ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_decay_steps=1000, merge_topk=2)
-    spec = tiny_spec(server=merge)
+    spec = tiny_spec(server=merge, sync_steps=50)
     with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
-        for step in (100, 150):
+        for step in (50, 100, 150):
             uploads = {p: peer_upload(spec, p, seed=step) for p in range(2)}
             results = sync_all(clients, step, uploads)
             check_round(results, uploads, spec, step=step)
@@ -120,7 +121,7 @@ def test_merge_round_returns_owners_changed_experts() -> None:
 
 @pytest.mark.timeout(60)
 def test_bf16_codec_halves_traffic_and_rounds_to_bf16() -> None:
-    spec = tiny_spec(codec="bf16", server=NO_MERGE)
+    spec = tiny_spec(codec="bf16", server=NO_MERGE, sync_steps=5)
     with running_server(spec) as (_, addr):
         with joined_clients(addr, spec) as clients:
             uploads = {p: peer_upload(spec, p, seed=1) for p in range(2)}
@@ -297,7 +298,7 @@ def oracle_quorum(uploads: dict, previous: dict, spec: RunSpec) -> dict[str, tor
 @pytest.mark.timeout(60)
 def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None:
     quorum = ServerSection(merge_interval=0, dead_peer_policy="quorum", round_timeout_s=1.0)
-    spec = tiny_spec(num_peers=3, server=quorum)
+    spec = tiny_spec(num_peers=3, server=quorum, sync_steps=10)
     manifest = spec.manifest or {}
     with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
         uploads_10 = {p: peer_upload(spec, p, seed=10) for p in range(3)}

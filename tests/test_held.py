@@ -39,7 +39,7 @@ CODECS = {"int8": {}, "sparse": {"chunk": 64, "topk": 8, "bits": 2}}
 
 def spec_of(codec: str, server: ServerSection = MERGE) -> RunSpec:
     """Expert blocks of 2 x 16 x 32 = 1024 values: 4 int8 blocks of 256, 16 sparse chunks of 64."""
-    return tiny_spec(codec=codec, codec_settings=CODECS[codec], server=server, d=16, f=32)
+    return tiny_spec(codec=codec, codec_settings=CODECS[codec], server=server, d=16, f=32, sync_steps=10)
 
 
 def held_of(server: ParameterServer) -> dict[str, torch.Tensor]:
@@ -225,7 +225,7 @@ def test_a_new_peer_and_a_peer_holding_another_model_get_full_values(codec: str)
         results = sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
         model = results[0][0]
         clients[1].close()
-        with make_client(addr, spec, 1) as fresh:
+        with make_client(addr, spec, 1, run_id=server.service.run_id) as fresh:  # a replacement node of this run
             fresh.join()
             peers = [clients[0], fresh]
             results = sync_all(peers, 20, {p: trained(model, spec, p, 20) for p in range(2)})
@@ -315,10 +315,12 @@ def test_malformed_payloads_are_refused_naming_the_tensor() -> None:
 def test_a_node_whose_codec_differs_from_the_servers_is_refused_at_join(
     server_codec: str, node_codec: str, field: str
 ) -> None:
-    node = spec_of(node_codec) if node_codec in CODECS else tiny_spec(codec=node_codec, d=16, f=32, server=MERGE)
-    server_spec = spec_of(server_codec) if server_codec in CODECS else tiny_spec(codec=server_codec, d=16, f=32)
+    node = spec_of(node_codec) if node_codec in CODECS else tiny_spec(codec=node_codec, d=16, f=32, sync_steps=10)
+    server_spec = (
+        spec_of(server_codec) if server_codec in CODECS else tiny_spec(codec=server_codec, d=16, f=32, sync_steps=10)
+    )
     if field == "codec_settings":
-        node = tiny_spec(codec="sparse", codec_settings={"chunk": 64, "topk": 4}, d=16, f=32)
+        node = tiny_spec(codec="sparse", codec_settings={"chunk": 64, "topk": 4}, d=16, f=32, sync_steps=10)
     with running_server(server_spec) as (_, addr):
         with pytest.raises(SyncError) as err:
             with joined_clients(addr, node, max_retries=0):
@@ -339,7 +341,10 @@ def test_a_restarted_server_serves_its_persisted_held_model(tmp_path: Path, code
         results = sync_all(clients, 20, {p: trained(init, spec, p, 20) for p in range(2)})
         held = {n: t.clone() for n, t in held_of(server).items()}
         states = [client.codec.state_dict() for client in clients]
-    with running_server(spec, state_dir=str(tmp_path)) as (server, addr), joined_clients(addr, spec) as clients:
+        run_id = clients[0].run_id
+    with running_server(spec, state_dir=str(tmp_path)) as (server, addr), joined_clients(
+        addr, spec, run_id=run_id
+    ) as clients:  # the nodes resume as from their checkpoints: the run's id and the codec's state
         assert_bit_identical(held_of(server), held)
         done = server.service.state.completed
         assert done is not None and done.served.base is None

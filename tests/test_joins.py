@@ -62,7 +62,7 @@ def test_a_server_without_the_runs_yaml_takes_the_manifest_and_sync_steps_of_the
         ),
         (
             lambda: join(0, tiny_spec(sync_steps=20)),
-            "peer 0 has sync_steps = 20 but the run has sync_steps = 10",
+            "peer 0 has sync_steps = 20 but the run has sync_steps = 1",
             grpc.StatusCode.FAILED_PRECONDITION,
         ),
         (

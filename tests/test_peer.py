@@ -19,7 +19,7 @@ from spes.sync.client import SyncStats
 from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, parse_expert_block
 from spes.sync.overlap import apply_overlapped
-from spes.sync.peer import CODEC_FILE, PENDING_FILE, PeerSync, SyncResult
+from spes.sync.peer import CODEC_FILE, PENDING_FILE, RUN_FILE, PeerSync, SyncResult
 from spes.sync.protocol import SyncError, Tensors
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
@@ -309,7 +309,7 @@ def test_a_node_checkpointed_mid_round_resumes_as_if_never_stopped(
     def stop_and_resume(addr: str) -> tuple[Trainer, Trainer]:
         first = fit(start_peer(peer_config(tiny_corpus, folder, addr, 1, *extra, "--stop_at=5", "--save_interval=5")))
         assert (folder / "node1" / "step5" / PENDING_FILE).is_file()
-        files = [PENDING_FILE, CODEC_FILE] if codec == "int8" else [PENDING_FILE]
+        files = [RUN_FILE, PENDING_FILE, CODEC_FILE] if codec == "int8" else [RUN_FILE, PENDING_FILE]
         assert sorted(json.loads((folder / "node1" / "step5" / "meta.json").read_text())["extra"]) == sorted(files)
         again = peer_config(tiny_corpus, folder, addr, 1, *extra, f"--load_path={folder / 'node1'}")
         return first, fit(start_peer(again))

@@ -44,15 +44,15 @@ def expect_for(peer: int, step: int):  # type: ignore[no-untyped-def]
 @pytest.mark.timeout(60)
 def test_a_round_over_the_grpc_plane_equals_build_global() -> None:
     uploads = {p: peer_upload(SPEC, p, seed=3) for p in range(2)}
-    want = build_global(uploads, spec=SPEC, step=3).tensors
+    want = build_global(uploads, spec=SPEC, step=1).tensors
     with running_server(SPEC) as (_, addr), planes(addr) as (plane0, plane1):
-        assert plane0.upload(3, uploads[0], timeout=10) == (sum(t.numel() * 4 for t in uploads[0].values()), False)
-        assert plane0.upload(3, uploads[0], timeout=10)[1]  # the same upload again: a no-op the server reports
+        assert plane0.upload(1, uploads[0], timeout=10) == (sum(t.numel() * 4 for t in uploads[0].values()), False)
+        assert plane0.upload(1, uploads[0], timeout=10)[1]  # the same upload again: a no-op the server reports
         with ThreadPoolExecutor(1) as pool:  # peer 0's download waits for peer 1's upload
-            waiting = pool.submit(plane0.download, 3, 10, full=False, base_round=-1, decoder_for=expect_for(0, 3))
-            plane1.upload(3, uploads[1], timeout=10)
+            waiting = pool.submit(plane0.download, 1, 10, full=False, base_round=-1, decoder_for=expect_for(0, 1))
+            plane1.upload(1, uploads[1], timeout=10)
             info, got, received = waiting.result(timeout=30)
-        assert (info.round, list(info.peers), info.merged) == (3, [0, 1], False)
+        assert (info.round, list(info.peers), info.merged) == (1, [0, 1], False)
         assert received == sum(t.numel() * 4 for t in got.values())
         for name, tensor in got.items():
             assert torch.equal(tensor, want[name]), name
@@ -73,10 +73,13 @@ def test_refusals_arrive_as_sync_errors_with_their_reason() -> None:
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)
         upload = peer_upload(SPEC, 1, seed=1)
-        stranger.upload(5, upload, timeout=10)
-        with pytest.raises(SyncError, match="round 3 is old") as err:
-            stranger.upload(3, upload, timeout=10)
+        stranger.upload(1, upload, timeout=10)
+        with pytest.raises(SyncError, match="round 0 is old: round 1 is open now") as err:
+            stranger.upload(0, upload, timeout=10)
         assert err.value.reason == Reason.STALE_ROUND
+        with pytest.raises(SyncError, match="round 5 is ahead of the open round 1") as err:
+            stranger.upload(5, upload, timeout=10)
+        assert err.value.reason == Reason.FUTURE_ROUND
 
 
 @pytest.mark.timeout(60)

@@ -53,7 +53,7 @@ def nothing_staged(server: ParameterServer) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["spes", "diloco"])
 def test_two_peers_two_rounds_over_the_data_plane(mode: str) -> None:
-    spec = tiny_spec(mode=mode, server=NO_MERGE)  # type: ignore[arg-type]
+    spec = tiny_spec(mode=mode, server=NO_MERGE, sync_steps=10)  # type: ignore[arg-type]
     with (
         running_server(spec, data_port=0) as (server, addr),
         joined_clients(addr, spec, data_plane="tcp") as clients,
@@ -72,7 +72,7 @@ def test_two_peers_two_rounds_over_the_data_plane(mode: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_bf16_over_the_data_plane_equals_the_grpc_path() -> None:
-    bf16 = tiny_spec(codec="bf16", server=NO_MERGE)
+    bf16 = tiny_spec(codec="bf16", server=NO_MERGE, sync_steps=5)
     uploads = {p: peer_upload(bf16, p, seed=4) for p in range(2)}
     got = {}
     for plane, port in (("tcp", 0), ("grpc", -1)):
@@ -222,7 +222,7 @@ def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
         check_round(sync_all(clients, 1, uploads), uploads, SPEC, step=1)
     with running_server(SPEC, **tls, tls_client_ca=pki.ca) as (server, addr):
         with joined_clients(addr, SPEC, tls_ca=pki.ca, **pki.client, data_plane="tcp") as clients:
-            check_round(sync_all(clients, 2, uploads), uploads, SPEC, step=2)
+            check_round(sync_all(clients, 1, uploads), uploads, SPEC, step=1)
         with pytest.raises(OSError):  # a plain-TCP client cannot speak to the TLS data plane
             with raw_upload(server, token=None) as sock:
                 plane_tcp.recv_reply(sock)
@@ -257,9 +257,10 @@ def test_tcp_needs_an_advertised_data_port() -> None:
 @pytest.mark.timeout(60)
 def test_tcp_plane_round_trip_and_refusals() -> None:
     """`TcpPlane` on its own: ping, an upload and a download, and a refusal carrying its `Reason`."""
-    uploads = {p: peer_upload(SPEC, p, seed=2) for p in range(2)}
-    want = build_global(uploads, spec=SPEC, step=2).tensors
-    with running_server(SPEC, data_port=0) as (server, addr), stub_for(addr) as stub:
+    spec = tiny_spec(server=NO_MERGE, sync_steps=2)
+    uploads = {p: peer_upload(spec, p, seed=2) for p in range(2)}
+    want = build_global(uploads, spec=spec, step=2).tensors
+    with running_server(spec, data_port=0) as (server, addr), stub_for(addr) as stub:
         tcp = [
             plane_tcp.TcpPlane(
                 "127.0.0.1",
@@ -282,13 +283,13 @@ def test_tcp_plane_round_trip_and_refusals() -> None:
             False,
         )
         for peer in range(2):
-            stub.Join(join_request(peer), timeout=10)
+            stub.Join(join_request(peer, spec=spec), timeout=10)
         for peer in range(2):
             assert tcp[peer].upload(2, uploads[peer], timeout=10) == (
                 sum(t.numel() * 4 for t in uploads[peer].values()),
                 False,
             )
-        names = SPEC.downloads(1, merged=False)
+        names = spec.downloads(1, merged=False)
         info, got, received = tcp[1].download(
             2,
             10,

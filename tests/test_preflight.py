@@ -160,7 +160,7 @@ def test_a_mismatched_expert_count_fails_the_settings_check(
 def test_a_model_other_than_the_runs_fails_once_a_peer_has_joined(
     server: str, node: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg, _ = load_config(node[0], [*node[1:5], f"--spes_config.server_addr={server}", "--spes_config.peer_id=1"])
+    cfg, _ = load_config(node[0], [*node[1:6], f"--spes_config.server_addr={server}", "--spes_config.peer_id=1"])
     with torch.device("meta"):
         manifest, _ = model_manifest(Transformer.for_run(cfg))
     with make_client(server, node_spec(cfg, manifest), 1, token=TOKEN) as client:

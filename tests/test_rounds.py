@@ -13,13 +13,18 @@ from spes.sync.protocol import Refused
 from spes.sync.rounds import Completed, RoundState, quorum
 
 
+def every(interval: int):  # type: ignore[no-untyped-def]
+    """A schedule with a round every `interval` steps (`RunSpec.next_round` without a last step)."""
+    return lambda after: ((after or 0) // interval + 1) * interval
+
+
 def completed(step: int, peers: set[int]) -> Completed:
     model = {"x": torch.ones(1)}
     return Completed(step, frozenset(peers), WHOLE, 0.0, model, {}, Served(step, model))
 
 
 def test_admission_duplicates_old_future_and_busy_rounds() -> None:
-    state = RoundState(2, ServerSection())
+    state = RoundState(2, ServerSection(), every(5))
     assert not state.admit(0, 5)
     assert not state.stage_upload(0, 5, {})
     assert state.admit(0, 5) and state.snapshot().uploaded_peers == (0,)
@@ -34,20 +39,40 @@ def test_admission_duplicates_old_future_and_busy_rounds() -> None:
     assert sorted(uploads) == [0, 1] and state.staged == {} and relayed == {}  # handed over, no longer held here
     assert state.admit(1, 5)
     with pytest.raises(Refused, match="while round 5 is being aggregated") as err:
-        state.admit(0, 6)
+        state.admit(0, 10)
     assert (err.value.code, err.value.reason) == (grpc.StatusCode.UNAVAILABLE, "busy")
     state.complete(completed(5, {0, 1}))
     snap = state.snapshot()
     assert (snap.open_round, snap.completed_round, snap.aggregating, snap.round_peers) == (None, 5, False, (0, 1))
-    assert not state.admit(1, 6)
-    state.stage_upload(1, 6, {})
-    assert state.admit(0, 5)  # a late retry of a committed upload stays a no-op while round 6 is open
-    with pytest.raises(Refused, match="round 4 is old: round 6 is open now"):
+    assert not state.admit(1, 10)
+    state.stage_upload(1, 10, {})
+    assert state.admit(0, 5)  # a late retry of a committed upload stays a no-op while round 10 is open
+    with pytest.raises(Refused, match="round 4 is old: round 10 is open now"):
         state.admit(0, 4)
 
 
+def test_only_the_round_the_schedule_expects_next_may_open() -> None:
+    """One upload for a far-future round used to open it and wedge the run; now it is refused naming the round the
+    run expects, and the honest round opens as usual."""
+    state = RoundState(2, ServerSection(), every(10))
+    with pytest.raises(
+        Refused, match=r"uploads round 1000000000000, but the run's next round is 10 \(before any"
+    ) as err:
+        state.admit(1, 10**12)
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "future_round")
+    with pytest.raises(Refused, match="next round is 10"):
+        state.admit(1, 5)  # off the schedule
+    assert not state.admit(0, 10) and state.snapshot().open_round is None
+    state.restore(completed(10, {0, 1}))
+    with pytest.raises(Refused, match=r"next round is 20 \(after round 10\)"):
+        state.admit(0, 30)
+    ended = RoundState(2, ServerSection(), lambda after: None)
+    with pytest.raises(Refused, match="next round is none: it ended before any round"):
+        ended.admit(0, 10)
+
+
 def test_a_round_closed_without_a_peer_is_stale_for_it() -> None:
-    state = RoundState(3, ServerSection())
+    state = RoundState(3, ServerSection(), every(10))
     state.restore(completed(10, {0, 1}))
     with pytest.raises(Refused, match="round 10 is old: round 10 has already completed without peer 2") as err:
         state.admit(2, 10)
@@ -56,7 +81,7 @@ def test_a_round_closed_without_a_peer_is_stale_for_it() -> None:
 
 
 def test_policy_wait_fails_after_the_timeout_naming_missing_peers() -> None:
-    state = RoundState(3, ServerSection(round_timeout_s=10))
+    state = RoundState(3, ServerSection(round_timeout_s=10), every(1))
     state.stage_upload(0, 1, {})
     opened = state.opened_at
     assert state.seconds_left(now=opened + 4) == pytest.approx(6)
@@ -73,7 +98,7 @@ def test_policy_quorum_closes_with_enough_peers_once_a_global_model_exists() -> 
     section = ServerSection(round_timeout_s=10, dead_peer_policy="quorum")
     assert quorum(section, 3) == 2 and quorum(ServerSection(min_peers=1), 4) == 1
     owners = frozenset({0, 1})  # the expert owners without a global copy (the coordinator's to say)
-    state = RoundState(3, section)
+    state = RoundState(3, section, every(1))
     state.stage_upload(2, 1, {})
     late = state.opened_at + 11
     with pytest.raises(Refused, match=r"only peers \[2\] arrived, fewer than server.min_peers=2"):
@@ -92,7 +117,7 @@ def test_policy_quorum_closes_with_enough_peers_once_a_global_model_exists() -> 
 
 
 def test_check_download_ready_wait_or_refused() -> None:
-    state = RoundState(2, ServerSection())
+    state = RoundState(2, ServerSection(), every(5))
     with pytest.raises(Refused, match="holds no upload of peer 0 for round 5") as err:
         state.check_download(0, 5, full=False)
     assert err.value.reason == "unknown_round"
@@ -111,3 +136,21 @@ def test_check_download_ready_wait_or_refused() -> None:
     with pytest.raises(Refused, match="round 5 is no longer available: the latest completed round is 10") as err:
         state.check_download(0, 5, full=False)
     assert err.value.reason == "stale_round"
+
+
+def test_a_re_upload_that_differs_from_the_committed_one_is_refused_naming_the_peer() -> None:
+    """The same upload again is a retry (a no-op); other values for a committed (peer, round) are refused, never
+    silently dropped, whether its round is still open or complete."""
+    state = RoundState(2, ServerSection(), every(1))
+    assert not state.admit(0, 1, digest=7)
+    state.stage_upload(0, 1, {}, digest=7)
+    assert state.admit(0, 1, digest=7)
+    with pytest.raises(Refused, match="peer 0 uploads round 1 again with other values") as err:
+        state.admit(0, 1, digest=8)
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    state.stage_upload(1, 1, {}, digest=9)
+    state.take_uploads()
+    state.complete(completed(1, {0, 1}))
+    assert state.admit(1, 1, digest=9)
+    with pytest.raises(Refused, match="peer 1 uploads round 1 again with other values"):
+        state.admit(1, 1, digest=10)

@@ -38,15 +38,19 @@ from test_coordinator import join_request as spec_join
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = tiny_spec()
+SPEC10 = tiny_spec(sync_steps=10)
+"""A round every 10 steps, for the tests that name rounds 10, 20, ..."""
 MANIFEST = SPEC.manifest or {}
 StatusCode = grpc.StatusCode
 
 
 def join_request(
-    peer: int, *, spec: RunSpec = SPEC, manifest: dict[str, tuple[int, ...]] | None = None
+    peer: int, *, spec: RunSpec = SPEC, manifest: dict[str, tuple[int, ...]] | None = None, run_id: str = ""
 ) -> pb.JoinRequest:
-    """Peer `peer`'s Join of `spec`, announcing `manifest` (default: the spec's)."""
+    """Peer `peer`'s Join of `spec` in run `run_id` ("": a fresh node), announcing `manifest` (default: the
+    spec's)."""
     request = spec_join(peer, spec)
+    request.run_id = run_id
     if manifest is not None:
         del request.manifest[:]
         request.manifest.extend(pb.TensorSpec(name=n, shape=s) for n, s in manifest.items())
@@ -129,8 +133,8 @@ def test_bad_joins_are_refused_and_change_nothing() -> None:
         expect_code(StatusCode.FAILED_PRECONDITION, r"block_owners = \[1, 1\] but the run has", stub.Join, greedy)
         assert stub.Status(pb.StatusRequest(), timeout=10).peers_joined == [0]
         assert stub.Join(join_request(1), timeout=10).current_round == -1
-        finish_round(addr, 10)
-        assert server.service.state.completed_round == 10
+        finish_round(addr, 1)
+        assert server.service.state.completed_round == 1
 
 
 @pytest.mark.timeout(60)
@@ -213,9 +217,9 @@ def test_bad_uploads_are_refused_and_the_round_still_completes(tmp_path: Path) -
 
 @pytest.mark.timeout(60)
 def test_old_future_and_repeated_rounds() -> None:
-    with running_server() as (server, addr), stub_for(addr) as stub:
+    with running_server(SPEC10) as (server, addr), stub_for(addr) as stub:
         for peer in range(2):
-            stub.Join(join_request(peer), timeout=10)
+            stub.Join(join_request(peer, spec=SPEC10), timeout=10)
         finish_round(addr, 10)
         expect_code(
             StatusCode.FAILED_PRECONDITION,
@@ -480,13 +484,12 @@ def test_oversized_uploads_are_refused_before_they_are_read() -> None:
 @pytest.mark.timeout(60)
 def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
     state_dir = str(tmp_path / "state")
-    with running_server(SPEC, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
-        for peer in range(2):
-            stub.Join(join_request(peer), timeout=10)
+    with running_server(SPEC10, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
+        run_id = {stub.Join(join_request(peer, spec=SPEC10), timeout=10).run_id for peer in range(2)}.pop()
         finish_round(addr, 10)
         first = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
         stub.Upload(upload_messages(0, 20, good_chunks(0)), timeout=10)  # round 20 open: not persisted
-    with running_server(SPEC, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
+    with running_server(SPEC10, state_dir=state_dir) as (_, addr), stub_for(addr) as stub:
         status = stub.Status(pb.StatusRequest(), timeout=10)
         assert (status.current_round, status.open_round, list(status.round_peers), status.persistent) == (
             10,
@@ -506,10 +509,23 @@ def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
             StatusCode.INVALID_ARGUMENT,
             r"'embed.weight' has shape \[17, 8\], the run's is \[16, 8\]",
             stub.Join,
-            join_request(0, manifest=bad),
+            join_request(0, spec=SPEC10, manifest=bad),
         )  # the persisted manifest is the run's
+        other_run = expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            f"peer 0 starts a fresh run, but this server holds run {run_id} at round 10: .*--resume=auto",
+            stub.Join,
+            join_request(0, spec=SPEC10),
+        )  # a node of the run resumes with its id (its checkpoint's): a fresh one would mix two runs
+        assert other_run == "other_run"
+        expect_code(
+            StatusCode.FAILED_PRECONDITION,
+            f"peer 0 belongs to run elsewhere .* but this server holds run {run_id} at round 10",
+            stub.Join,
+            join_request(0, spec=SPEC10, run_id="elsewhere"),
+        )
         for peer in range(2):
-            assert stub.Join(join_request(peer), timeout=10).current_round == 10
+            assert stub.Join(join_request(peer, spec=SPEC10, run_id=run_id), timeout=10).current_round == 10
         assert stub.Upload(upload_messages(1, 10, good_chunks(1)), timeout=10).duplicate
         again = list(stub.Download(pb.DownloadRequest(peer_id=0, round=10, full=True), timeout=10))
         assert again == first  # byte for byte the same global model
@@ -522,7 +538,7 @@ def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
         assert reason == "unknown_round"
         finish_round(addr, 20)
     with pytest.raises(ValueError, match="written by a run with mode='spes'"):
-        with running_server(tiny_spec(mode="diloco"), state_dir=state_dir):
+        with running_server(tiny_spec(mode="diloco", sync_steps=10), state_dir=state_dir):
             pass
 
 
@@ -643,7 +659,7 @@ def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatc
     hashed: list[torch.Tensor] = []
     encode_whole = wire.encode_whole
     monkeypatch.setattr(wire, "encode_whole", lambda t, dtype: hashed.append(t) or encode_whole(t, dtype))
-    spec = tiny_spec(server=ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_topk=2))
+    spec = tiny_spec(server=ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_topk=2), sync_steps=50)
     manifest = spec.manifest or {}
     experts = {n for n in manifest if parse_expert_block(n) is not None}
     with (

@@ -56,7 +56,7 @@ def test_the_paper_layout_gives_block_b_to_peer_b() -> None:
 
 
 def test_a_spec_travels_as_its_message_and_back() -> None:
-    spec = tiny_spec(codec="sparse", codec_settings={"topk": 32}, overlap_fragments=2)
+    spec = tiny_spec(codec="sparse", codec_settings={"topk": 32}, overlap_fragments=2, sync_steps=4)
     back = RunSpec.from_proto(spec.to_proto(), spec.manifest or {}, origin="peer 0's config")
     assert back == spec and back.codec_settings == (("bits", 2), ("chunk", 4096), ("topk", 32))
 
@@ -96,3 +96,11 @@ def test_a_server_without_the_runs_yaml_has_an_open_spec_that_the_first_join_com
         spec.layout  # noqa: B018
     pinned = spec_of_run(None, ["--spes_config.num_peers=4", "--spes_config.sync_steps=50"])
     assert pinned.sync_steps == 50
+
+
+def test_the_schedule_names_the_round_expected_next() -> None:
+    plain = replace(tiny_spec(sync_steps=10), last_step=35)
+    assert [plain.next_round(after) for after in (None, 10, 19, 20, 30)] == [10, 20, 20, 30, None]
+    fragments = replace(tiny_spec(sync_steps=10, overlap_fragments=2), last_step=37)  # a round every 5 steps
+    assert [fragments.next_round(after) for after in (None, 5, 30, 35, 37)] == [5, 10, 35, 37, None]
+    assert replace(plain, last_step=None).next_round(30) == 40  # open: no end known

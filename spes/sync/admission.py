@@ -11,7 +11,11 @@ next message would hold a thread for ever, and enough of them would stop the ser
 - a watchdog cancels every stream that has neither received nor sent a message for `idle_timeout_s` with
   DEADLINE_EXCEEDED, unless it is waiting for its round (a Download blocked on the other peers is not idle;
   the round timeout and the caller's own deadline bound that wait). The handler then sees the stream end,
-  and `Ticket.check` turns that into `TimeoutError`, so a partial upload is discarded like a broken one.
+  and `Ticket.check` turns that into `TimeoutError`, so a partial upload is discarded like a broken one;
+- a stream that moves bytes (an upload, a download being sent, a link test) must keep an average of
+  `min_rate` bytes/s once `idle_timeout_s` has passed since it started moving them, so a peer that trickles a
+  message every few seconds (never idle) cannot hold a slot either; a ticket with a `deadline` (a data-plane
+  connection's handshake) ends at it, whatever it sends.
 
 `Sessions` tells a second live process claiming a joined peer id from a restarted one. Each `SyncClient`
 sends a random per-process session id with every call (gRPC metadata `spes-session`, data-plane field
@@ -57,18 +61,47 @@ def cancel_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: s
 
 
 class Ticket:
-    """One admitted stream: its activity clock, peer claim and how the watchdog ends it."""
+    """One admitted stream: its activity clock, byte rate, peer claim and how the watchdog ends it."""
 
-    def __init__(self, guard: StreamGuard, cancel: Callable[[str], None] | None) -> None:
+    def __init__(self, guard: StreamGuard, cancel: Callable[[str], None] | None, deadline: float | None = None) -> None:
         self._guard, self._cancel = guard, cancel
         self.peer: int | None = None
         self.last_active = time.monotonic()
         self.waiting = False
         self.expired = False
+        self.deadline = deadline
+        """time.monotonic() at which the stream ends, whatever it does (None: none)."""
+        self.moving_since: float | None = None
+        """When the stream started moving bytes under the rate floor (None: not yet)."""
+        self.moved_bytes = 0
 
     def touch(self) -> None:
         """A message went in or out: the stream is alive."""
         self.last_active = time.monotonic()
+
+    def moved(self, num_bytes: int) -> None:
+        """`num_bytes` of payload went in or out: the stream is alive, and held to the rate floor from its first
+        byte on."""
+        self.last_active = now = time.monotonic()
+        if self.moving_since is None:
+            self.moving_since = now
+        self.moved_bytes += num_bytes
+
+    def too_slow(self, now: float) -> str:
+        """Why the watchdog ends this stream now ('' when it may go on)."""
+        guard = self._guard
+        if self.deadline is not None and now > self.deadline:
+            return "its handshake did not complete in time"
+        if not self.waiting and now - self.last_active > guard.idle_timeout_s:
+            return f"no message for --stream_idle_timeout={guard.idle_timeout_s:g} s"
+        started = self.moving_since
+        if (
+            started is not None
+            and now - started > guard.idle_timeout_s
+            and self.moved_bytes < guard.min_rate * (now - started - guard.idle_timeout_s)
+        ):
+            return f"it moved {self.moved_bytes} bytes in {now - started:.0f} s, under --min_stream_rate"
+        return ""
 
     def wait_for_round(self, waiting: bool) -> None:
         """While True the stream waits on the round, not on its client, and is never idle."""
@@ -82,15 +115,12 @@ class Ticket:
     def check(self) -> None:
         """Raise TimeoutError if the watchdog ended this stream (its end then means nothing was received)."""
         if self.expired:
-            raise TimeoutError(f"no message for --stream_idle_timeout={self._guard.idle_timeout_s:g} s")
+            raise TimeoutError(f"stream closed: {self.why}")
 
-    def expire(self) -> None:
-        self.expired = True
+    def expire(self, why: str) -> None:
+        self.expired, self.why = True, why
         if self._cancel is not None:
-            self._cancel(
-                f"no message for --stream_idle_timeout={self._guard.idle_timeout_s:g} s: stream closed, "
-                "nothing it sent was kept"
-            )
+            self._cancel(f"stream closed ({why}): nothing it sent was kept")
 
     def close(self) -> None:
         self._guard._release(self)
@@ -103,34 +133,43 @@ class Ticket:
 
 
 class StreamGuard:
-    """Stream slots (total and per peer) and the idle-stream watchdog; thread-safe. Stop with `stop()`."""
+    """Stream slots (total and per peer) and the watchdog of idle, slow and overdue streams; thread-safe. Stop with
+    `stop()`."""
 
-    def __init__(self, *, idle_timeout_s: float, max_streams: int, max_per_peer: int) -> None:
+    def __init__(self, *, idle_timeout_s: float, max_streams: int, max_per_peer: int, min_rate: float = 0.0) -> None:
         self.idle_timeout_s, self.max_streams, self.max_per_peer = idle_timeout_s, max_streams, max_per_peer
+        self.min_rate = min_rate
+        """Bytes/s a stream that moves bytes must average once `idle_timeout_s` has passed."""
         self._lock = threading.Lock()
         self._tickets: set[Ticket] = set()
+        """Every watched stream; `_counted` of them count against `max_streams`."""
+        self._counted: set[Ticket] = set()
         self._per_peer: dict[int, int] = {}
         self._stopping = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="spes-stream-watchdog", daemon=True)
         self._watchdog.start()
 
-    def admit(self, cancel: Callable[[str], None] | None, *, total: bool = True) -> Ticket:
-        """A slot for a new stream, or Refused RESOURCE_EXHAUSTED; `cancel(details)` ends it when idle.
+    def admit(
+        self, cancel: Callable[[str], None] | None, *, total: bool = True, deadline_s: float | None = None
+    ) -> Ticket:
+        """A slot for a new stream, or Refused RESOURCE_EXHAUSTED; `cancel(details)` ends it when the watchdog
+        does (idle, too slow, past its deadline: `deadline_s` from now).
 
-        `total=False`: counted against its peer only, not watched (the data plane's listener bounds its
-        connections and its socket timeouts bound every receive).
+        `total=False`: watched, but not counted against `max_streams` (the data plane's listener bounds its
+        connections).
         """
         with self._lock:
-            if not total:
-                return Ticket(self, cancel)
-            if len(self._tickets) >= self.max_streams:
+            if total and len(self._counted) >= self.max_streams:
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"the server already serves --max_streams={self.max_streams} streams: retry shortly",
                     Reason.BUSY,
                 )
-            ticket = Ticket(self, cancel)
+            deadline = None if deadline_s is None else time.monotonic() + deadline_s
+            ticket = Ticket(self, cancel, deadline)
             self._tickets.add(ticket)
+            if total:
+                self._counted.add(ticket)
             return ticket
 
     def grpc_ticket(self, context: grpc.ServicerContext) -> Ticket:
@@ -153,6 +192,7 @@ class StreamGuard:
     def _release(self, ticket: Ticket) -> None:
         with self._lock:
             self._tickets.discard(ticket)
+            self._counted.discard(ticket)
             if ticket.peer is not None:
                 self._per_peer[ticket.peer] -= 1
                 if not self._per_peer[ticket.peer]:
@@ -162,25 +202,17 @@ class StreamGuard:
     @property
     def open_streams(self) -> int:
         with self._lock:
-            return len(self._tickets)
+            return len(self._counted)
 
     def _watch(self) -> None:
-        period = min(1.0, self.idle_timeout_s / 4)
+        period = min(0.5, self.idle_timeout_s / 4)
         while not self._stopping.wait(period):
             now = time.monotonic()
             with self._lock:
-                idle = [
-                    t
-                    for t in self._tickets
-                    if not t.waiting and not t.expired and now - t.last_active > self.idle_timeout_s
-                ]
-            for ticket in idle:
-                log.warning(
-                    "stream of peer %s idle for %.0f s: closed (--stream_idle_timeout)",
-                    "unknown" if ticket.peer is None else ticket.peer,
-                    now - ticket.last_active,
-                )
-                ticket.expire()
+                ending = [(t, why) for t in self._tickets if not t.expired and (why := t.too_slow(now))]
+            for ticket, why in ending:
+                log.warning("stream of peer %s closed: %s", "unknown" if ticket.peer is None else ticket.peer, why)
+                ticket.expire(why)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -283,13 +315,14 @@ class Sessions:
             current = self._by_peer[peer] = Session(session, address, time.monotonic())
         if current.session == session:
             current.presence += 1
-            current.watched = True
+            current.watched, current.last_seen = True, time.monotonic()
 
     def absent(self, peer: int, session: str) -> None:
         """A presence stream of `session` ended."""
         current = self._by_peer.get(peer)
         if current is not None and current.session == session:
             current.presence -= 1
+            current.last_seen = time.monotonic()
 
     def heard(self, peer: int, session: str) -> None:
         """A call of `session` for `peer` arrived; refuses a session another process of that peer replaced."""
@@ -304,6 +337,11 @@ class Sessions:
                 Reason.SUPERSEDED,
             )
         current.last_seen = time.monotonic()
+
+    def presence(self) -> list[tuple[int, float, bool]]:
+        """(peer, seconds since last heard from, presence stream open) of every peer id a process joined as."""
+        now = time.monotonic()
+        return [(p, now - s.last_seen, s.presence > 0) for p, s in sorted(self._by_peer.items())]
 
     def forget(self) -> None:
         self._by_peer.clear()

@@ -23,10 +23,7 @@ raise `SyncError` carrying the gRPC status code and the server's explanation. Th
 from __future__ import annotations
 
 import logging
-import math
-import random
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,7 +32,6 @@ from typing import Literal, TypeVar
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spes.config import SpesConfig
 from spes.sync import plane_tcp
@@ -43,22 +39,20 @@ from spes.sync.admission import PEER_KEY, SESSION_KEY
 from spes.sync.fragments import WHOLE
 from spes.sync.plane import Plane
 from spes.sync.plane_grpc import GrpcPlane, failure_of
+from spes.sync.presence import Presence
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_MAX_BYTES, PROTOCOL_VERSION, Manifest, Reason, SyncError, Tensors
+from spes.sync.retry import retrying, time_left
 from spes.sync.spec import RunSpec
 from spes.sync.wire import TensorDecoder, grpc_options, read_file
 
 log = logging.getLogger("spes.client")
 
-BACKOFF_BASE_S = 0.5
-BACKOFF_CAP_S = 30.0
-MAX_RECOVERIES = 4
 PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
-PRESENCE_RETRY_S = 1.0
-"""A joined client keeps a presence stream open (see `spes.sync.admission`), reopened this soon after it breaks."""
-PRESENCE_WAIT_S = 5.0
-"""How long a join waits for the server to have seen its presence stream (then a close is seen as one)."""
+TCP_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Data-plane failures after which a round goes over gRPC instead (a busy, unreachable or stalled data plane; a
+server restarted on another data port is found again at the re-join its gRPC refusal asks for)."""
 T = TypeVar("T")
 MAX_MESSAGE_MB = 64
 """The client's gRPC message limit: chunks are 1 MiB, the control messages a few KiB."""
@@ -96,6 +90,25 @@ class ServerStatus:
     missing_peers: tuple[int, ...] = ()
     dead_peer_policy: str = "wait"
     persistent: bool = False
+    run_id: str = ""
+
+    @classmethod
+    def of(cls, reply: pb.StatusReply) -> ServerStatus:
+        return cls(
+            current_round=reply.current_round,
+            open_round=reply.open_round,
+            num_peers=reply.num_peers,
+            peers_joined=tuple(reply.peers_joined),
+            peers_uploaded=tuple(reply.peers_uploaded),
+            bytes_in=reply.bytes_in,
+            bytes_out=reply.bytes_out,
+            mode=reply.mode,
+            round_peers=tuple(reply.round_peers),
+            missing_peers=tuple(reply.missing_peers),
+            dead_peer_policy=reply.dead_peer_policy,
+            persistent=reply.persistent,
+            run_id=reply.run_id,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,12 +119,6 @@ class LinkStats:
     rtt_s: float
     up_bytes_per_s: float
     down_bytes_per_s: float
-
-
-def backoff_s(attempt: int) -> float:
-    """Exponential backoff with jitter: uniform in [d/2, d] with d = min(cap, base * 2**attempt)."""
-    delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
-    return random.uniform(delay / 2, delay)
 
 
 class SyncClient:
@@ -130,10 +137,12 @@ class SyncClient:
         *,
         token: str | None = None,
         reuse_buffers: bool = False,
+        run_id: str | None = None,
     ) -> None:
         """A client of peer `peer_id` of the run `spec` (complete: manifest and sync_steps known), connecting as
         `settings` says (server_addr, TLS files, rpc_timeout_s, round_timeout_s, max_retries, data_plane; default:
-        `SpesConfig()`'s); `token` is the run's secret (None: no authentication)."""
+        `SpesConfig()`'s); `token` is the run's secret (None: no authentication); `run_id` the run this node belongs
+        to (its checkpoint's; default: `settings.run_id`, None for a node that starts fresh)."""
         s = SpesConfig() if settings is None else settings
         if not spec.complete:
             raise ValueError("a client needs a complete run spec (its manifest and sync_steps)")
@@ -149,6 +158,8 @@ class SyncClient:
         self.spec, self.peer_id, self.settings = spec, peer_id, s
         self.server_addr, self.data_plane = s.server_addr, s.data_plane
         self.rpc_timeout_s, self.round_timeout_s, self.max_retries = s.rpc_timeout_s, s.round_timeout_s, s.max_retries
+        self.run_id = run_id or s.run_id or ""
+        """The run this node belongs to: the server's, once joined ("" for a fresh node before its first join)."""
         self.codec = spec.codec_impl.peer()
         """This peer's end of the run's codec (its state: a held model, error feedback)."""
         self._session = secrets.token_hex(8)  # this process, told apart from another claiming the same peer id
@@ -159,16 +170,7 @@ class SyncClient:
         )
         self._token = token
         self._data_tls = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key) if s.data_plane != "grpc" else None
-        options = grpc_options(MAX_MESSAGE_MB)
-        if s.tls_ca is not None or s.tls_cert is not None:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=read_file(s.tls_ca, "spes_config.tls_ca") if s.tls_ca else None,
-                private_key=read_file(s.tls_key, "spes_config.tls_key") if s.tls_key else None,
-                certificate_chain=read_file(s.tls_cert, "spes_config.tls_cert") if s.tls_cert else None,
-            )
-            self._channel = grpc.secure_channel(s.server_addr, credentials, options=options)
-        else:
-            self._channel = grpc.insecure_channel(s.server_addr, options=options)
+        self._channel = open_channel(s)
         self._stub = pb_grpc.ParameterServerStub(self._channel)
         self._grpc = GrpcPlane(
             self._stub,
@@ -185,10 +187,7 @@ class SyncClient:
         """The trained names this peer downloads only on merge rounds (its expert blocks)."""
         self._joined = False
         self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
-        self._closed = threading.Event()
-        self._presence: threading.Thread | None = None
-        self._presence_call: grpc.Future | None = None
-        self._present = threading.Event()
+        self._presence: Presence | None = None
 
     # -- public API ---------------------------------------------------------------------------
     def join(self) -> int:
@@ -264,7 +263,7 @@ class SyncClient:
         except ValueError as exc:
             raise ValueError(f"sync() of round {step}: {exc}") from None
         trained = layout.names(fragment, self._trainable)
-        self._check_upload(tensors, manifest, trained)
+        check_upload(tensors, manifest, trained)
         start = time.perf_counter()
         deadline = time.monotonic() + self.round_timeout_s
         ordered = {name: tensors[name] for name in trained}
@@ -300,52 +299,20 @@ class SyncClient:
 
     def status(self) -> ServerStatus:
         """The server's current round, peers and traffic counters."""
-        reply = self._retrying(
+        return ServerStatus.of(self.status_reply())
+
+    def status_reply(self) -> pb.StatusReply:
+        """The server's Status as it sent it (`spes.sync.status.describe` reads it)."""
+        return self._retrying(
             "status",
             lambda timeout: self._stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self._metadata),
             per_attempt_s=self.rpc_timeout_s,
         )
-        return ServerStatus(
-            current_round=reply.current_round,
-            open_round=reply.open_round,
-            num_peers=reply.num_peers,
-            peers_joined=tuple(reply.peers_joined),
-            peers_uploaded=tuple(reply.peers_uploaded),
-            bytes_in=reply.bytes_in,
-            bytes_out=reply.bytes_out,
-            mode=reply.mode,
-            round_peers=tuple(reply.round_peers),
-            missing_peers=tuple(reply.missing_peers),
-            dead_peer_policy=reply.dead_peer_policy,
-            persistent=reply.persistent,
-        )
 
     def close(self) -> None:
-        self._closed.set()
-        call = self._presence_call
-        if call is not None:
-            call.cancel()
         if self._presence is not None:
-            self._presence.join(timeout=self.rpc_timeout_s)
+            self._presence.close(self.rpc_timeout_s)
         self._channel.close()
-
-    def _keep_present(self) -> None:
-        """Hold a health Watch stream with this process's session open while joined: the server's proof that
-        this process still acts as its peer (a second process claiming the id is refused meanwhile)."""
-        health = health_pb2_grpc.HealthStub(self._channel)
-        while not self._closed.is_set():
-            call = health.Watch(
-                health_pb2.HealthCheckRequest(service="spes.v1.ParameterServer"), metadata=self._metadata
-            )
-            self._presence_call = call
-            if self._closed.is_set():
-                call.cancel()
-            try:
-                for _ in call:
-                    self._present.set()
-            except grpc.RpcError as err:
-                log.debug("presence stream of peer %d ended: %s", self.peer_id, err.code())
-            self._closed.wait(PRESENCE_RETRY_S)
 
     def __enter__(self) -> SyncClient:
         return self
@@ -363,6 +330,7 @@ class SyncClient:
             protocol=PROTOCOL_VERSION,
             dry_run=dry_run,
             spec=self.spec.to_proto(),
+            run_id=self.run_id,
         )
 
     def _join(self, request: pb.JoinRequest) -> int:
@@ -371,51 +339,19 @@ class SyncClient:
             lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
             per_attempt_s=self.rpc_timeout_s,
         )
+        self.run_id = reply.run_id or self.run_id
         if self._presence is None:
-            self._presence = threading.Thread(
-                target=self._keep_present, name=f"spes-presence-{self.peer_id}", daemon=True
-            )
-            self._presence.start()
-            # NOTE: until the server has seen the stream, it holds this id for --peer_liveness after a close
-            self._present.wait(min(self.rpc_timeout_s, PRESENCE_WAIT_S))
+            self._presence = Presence(self._channel, self._metadata, self.peer_id)
+            self._presence.start(self.rpc_timeout_s)
         self._use_data_plane(reply)
         return reply.current_round
 
     def _use_data_plane(self, reply: pb.JoinReply) -> None:
         """Pick the plane for tensor payloads from the port the server advertised at Join."""
-        if self.data_plane == "tcp" and not reply.data_port:
-            raise SyncError(
-                "data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
-                "(or use data_plane='auto')",
-                grpc.StatusCode.FAILED_PRECONDITION,
-            )
-        self.plane = self._grpc
-        if self.data_plane == "grpc" or not reply.data_port:
-            return
-        host = self.server_addr.rsplit(":", 1)[0].strip("[]")
-        tcp = plane_tcp.TcpPlane(
-            host,
-            reply.data_port,
-            self._data_tls,
-            peer_id=self.peer_id,
-            wire_dtype=self.codec.raw_dtype,
-            token=self._token,
-            session=self._session,
-            rpc_timeout_s=self.rpc_timeout_s,
+        tcp = data_plane(
+            self.settings, reply, self._data_tls, self.peer_id, self.codec.raw_dtype, self._token, self._session
         )
-        if self.data_plane == "auto":  # use the data plane only if it answers from here (a firewall may pass only gRPC)
-            try:
-                tcp.ping(min(self.rpc_timeout_s, PROBE_TIMEOUT_S))
-            except (SyncError, OSError) as exc:
-                log.warning(
-                    "the server's data plane (port %d) does not answer from here (%s): tensor payloads go "
-                    "over gRPC, several times slower. Open that port, or set spes_config.data_plane=grpc to "
-                    "skip this check",
-                    reply.data_port,
-                    exc,
-                )
-                return
-        self.plane = tcp
+        self.plane = self._grpc if tcp is None else tcp
 
     def _download(
         self, step: int, manifest: Manifest, timeout: float, *, full: bool, fragment: int = WHOLE
@@ -426,7 +362,11 @@ class SyncClient:
         decoders: list[TensorDecoder] = []
 
         def decoder_for(info: pb.RoundInfo) -> TensorDecoder:
-            names.extend(self._check_info(step, info, manifest, full=full, fragment=fragment))
+            try:
+                whole = self.codec.whole(info) and not full
+            except ValueError as exc:
+                raise SyncError(f"round {step}: {exc}") from None
+            names.extend(announced(self.spec, self.peer_id, step, info, full=full, whole=whole, fragment=fragment))
             decoders.append(self.codec.decoder({n: manifest[n] for n in names}, self._buffers))
             return decoders[-1]
 
@@ -438,27 +378,6 @@ class SyncClient:
         except ValueError as exc:
             raise SyncError(f"round {step}: bad download from the server: {exc}") from None
         return info, tensors, received
-
-    def _check_info(self, step: int, info: pb.RoundInfo, manifest: Manifest, *, full: bool, fragment: int) -> list[str]:
-        """The names the server announced, which must be exactly those this peer expects for round `step` over
-        `fragment` (every tensor for a catch-up); when the codec's full values come, every tensor the served model
-        holds (with fragments, part of the model until each has had a round), the round's among them."""
-        names = list(info.names)
-        try:
-            whole = self.codec.whole(info) and not full
-        except ValueError as exc:
-            raise SyncError(f"round {step}: {exc}") from None
-        expected = list(manifest)
-        if not full:
-            expected = self.spec.downloads(self.peer_id, self.spec.layout.names(fragment, expected), merged=info.merged)
-        if whole and set(expected) <= set(names) <= set(manifest):
-            expected = names
-        if info.round != step or sorted(names) != sorted(expected):
-            raise SyncError(
-                f"round {step}: the server announced round {info.round} with {len(names)} tensors, this peer "
-                f"expected round {step} with {len(expected)}"
-            )
-        return names
 
     def _latest(self, step: int, manifest: Manifest, deadline: float) -> tuple[pb.RoundInfo, Tensors, int]:
         """Every tensor of the server's latest completed round, for a peer at `step` that fell behind."""
@@ -478,7 +397,8 @@ class SyncClient:
         )
 
     def _recover(self, failure: SyncError) -> bool:
-        """React to what the server said: join again after a restart, upload again when it lost the round."""
+        """React to what the server said: join again after a restart, upload again when it lost the round, full
+        values for another base, gRPC when the data plane is busy or gone (one warning each time)."""
         if failure.reason == Reason.NOT_JOINED:
             log.warning("the server does not know peer %d (restarted?): joining again", self.peer_id)
             self._join(self._request(dry_run=False))
@@ -491,6 +411,13 @@ class SyncClient:
                 "the server holds another model than peer %d's (%s): sending full values", self.peer_id, failure
             )
             return True
+        if self.plane is not self._grpc and (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
+            log.warning(
+                "the server's data plane failed (%s): payloads go over gRPC until the next join finds it again",
+                failure,
+            )
+            self.plane = self._grpc
+            return True
         return False
 
     # -- helpers ------------------------------------------------------------------------------
@@ -498,30 +425,6 @@ class SyncClient:
         if not self._joined:
             raise SyncError("call join() before sync()")
         return self._manifest
-
-    def _check_upload(self, tensors: Mapping[str, torch.Tensor], manifest: Manifest, trained: list[str]) -> None:
-        """`tensors` must be exactly `trained` (the trainable tensors announced at join, of the round's fragment)."""
-        missing = [n for n in trained if n not in tensors]
-        extra = [n for n in tensors if n not in set(trained)]
-        if missing or extra:
-            raise ValueError(
-                f"sync() needs exactly the trainable tensors announced at join (of the round's fragment): "
-                f"missing {missing[:5]}, unexpected {extra[:5]}"
-            )
-        for name in trained:
-            if tuple(tensors[name].shape) != manifest[name]:
-                raise ValueError(
-                    f"tensor {name!r} has shape {list(tensors[name].shape)}, the manifest says {list(manifest[name])}"
-                )
-
-    def _until(self, deadline: float) -> float:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise SyncError(
-                f"the round did not finish within round_timeout_s={self.round_timeout_s}",
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-            )
-        return left
 
     def _retrying(
         self,
@@ -532,30 +435,106 @@ class SyncClient:
         deadline: float | None = None,
         recover: Callable[[SyncError], bool] | None = None,
     ) -> T:
-        """Run `attempt(timeout)`; retry transient failures up to max_retries times with backoff before `deadline`.
+        """`spes.sync.retry.retrying` with this client's retries and round timeout."""
+        return retrying(
+            what,
+            attempt,
+            max_retries=self.max_retries,
+            per_attempt_s=per_attempt_s,
+            deadline=None if deadline is None else (deadline, self.round_timeout_s),
+            recover=recover,
+        )
 
-        `recover(failure)` may repair the cause of a non-transient failure and return True to try again
-        at once (at most MAX_RECOVERIES times).
-        """
-        failures = recoveries = 0
-        while True:
-            timeout = per_attempt_s if per_attempt_s is not None else math.inf
-            if deadline is not None:
-                timeout = min(timeout, self._until(deadline))
-            try:
-                return attempt(timeout)
-            except grpc.RpcError as err:
-                failure = failure_of(what, err)
-            except SyncError as err:
-                failure = err
-            if recover is not None and recoveries < MAX_RECOVERIES and recover(failure):
-                recoveries += 1
-                continue
-            if not failure.retryable or failures >= self.max_retries:
-                raise failure
-            delay = backoff_s(failures)
-            if deadline is not None:
-                delay = min(delay, max(0.0, deadline - time.monotonic()))
-            failures += 1
-            log.warning("%s; retry %d/%d in %.1f s", failure, failures, self.max_retries, delay)
-            time.sleep(delay)
+    def _until(self, deadline: float) -> float:
+        return time_left(deadline, self.round_timeout_s)
+
+
+def open_channel(settings: SpesConfig) -> grpc.Channel:
+    """The gRPC channel to `settings.server_addr`: TLS (and a client certificate) when the settings name them."""
+    s, options = settings, grpc_options(MAX_MESSAGE_MB)
+    if s.tls_ca is None and s.tls_cert is None:
+        return grpc.insecure_channel(s.server_addr, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read_file(s.tls_ca, "spes_config.tls_ca") if s.tls_ca else None,
+        private_key=read_file(s.tls_key, "spes_config.tls_key") if s.tls_key else None,
+        certificate_chain=read_file(s.tls_cert, "spes_config.tls_cert") if s.tls_cert else None,
+    )
+    return grpc.secure_channel(s.server_addr, credentials, options=options)
+
+
+def data_plane(
+    s: SpesConfig,
+    reply: pb.JoinReply,
+    tls: object,
+    peer_id: int,
+    wire_dtype: str,
+    token: str | None,
+    session: str,
+) -> plane_tcp.TcpPlane | None:
+    """The raw-TCP plane to the data port the server advertised at Join, or None for gRPC: `data_plane: grpc`, no
+    port advertised, or (`auto`) a port that does not answer from here (a firewall may pass only gRPC)."""
+    if s.data_plane == "tcp" and not reply.data_port:
+        raise SyncError(
+            "data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
+            "(or use data_plane='auto')",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
+    if s.data_plane == "grpc" or not reply.data_port:
+        return None
+    host = s.server_addr.rsplit(":", 1)[0].strip("[]")
+    tcp = plane_tcp.TcpPlane(
+        host,
+        reply.data_port,
+        tls,  # type: ignore[arg-type]
+        peer_id=peer_id,
+        wire_dtype=wire_dtype,
+        token=token,
+        session=session,
+        rpc_timeout_s=s.rpc_timeout_s,
+    )
+    if s.data_plane == "auto":
+        try:
+            tcp.ping(min(s.rpc_timeout_s, PROBE_TIMEOUT_S))
+        except (SyncError, OSError) as exc:
+            log.warning(
+                "the server's data plane (port %d) does not answer from here (%s): tensor payloads go over gRPC, "
+                "several times slower. Open that port, or set spes_config.data_plane=grpc to skip this check",
+                reply.data_port,
+                exc,
+            )
+            return None
+    return tcp
+
+
+def announced(
+    spec: RunSpec, peer: int, step: int, info: pb.RoundInfo, *, full: bool, whole: bool, fragment: int
+) -> list[str]:
+    """The names the server announced for round `step`, which must be exactly those `peer` expects over `fragment`
+    (every tensor for a catch-up); when the codec's full values come (`whole`), every tensor the served model
+    holds (with fragments, part of the model until each has had a round), the round's among them."""
+    names, manifest = list(info.names), list(spec.manifest or {})
+    expected = manifest if full else spec.downloads(peer, spec.layout.names(fragment, manifest), merged=info.merged)
+    if whole and set(expected) <= set(names) <= set(manifest):
+        expected = names
+    if info.round != step or sorted(names) != sorted(expected):
+        raise SyncError(
+            f"round {step}: the server announced round {info.round} with {len(names)} tensors, this peer "
+            f"expected round {step} with {len(expected)}"
+        )
+    return names
+
+
+def check_upload(tensors: Mapping[str, torch.Tensor], manifest: Manifest, trained: list[str]) -> None:
+    """`tensors` must be exactly `trained` (the trainable tensors of the round's fragment), of the manifest's shapes."""
+    missing = [n for n in trained if n not in tensors]
+    extra = [n for n in tensors if n not in set(trained)]
+    if missing or extra:
+        raise ValueError(
+            f"sync() needs exactly the trainable tensors announced at join (of the round's fragment): "
+            f"missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    for name in trained:
+        if tuple(tensors[name].shape) != manifest[name]:
+            raise ValueError(
+                f"tensor {name!r} has shape {list(tensors[name].shape)}, the manifest says {list(manifest[name])}"
+            )

@@ -31,6 +31,8 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason, Refused, Tensors
 from spes.sync.rounds import Completed, RoundState
 from spes.sync.settings import ServerConfig
+from spes.sync.state import new_run_id, run_id_of
+from spes.sync.status import REPORT_S, describe
 from spes.sync.wire import BaseMismatch, CorruptChunk, EncodedModel, Item, TensorDecoder, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
@@ -58,9 +60,11 @@ class Coordinator:
         self.spec, self.deploy = cfg.spec, cfg.deploy
         self.codec = cfg.spec.codec_impl.server()
         self._cond = threading.Condition()
-        self.state = RoundState(self.spec.num_peers, self.spec.server)
+        self.state = RoundState(self.spec.num_peers, self.spec.server, lambda after: self.spec.next_round(after))
         self.memory = RoundMemory()
         self.joined: set[int] = set()
+        self._uploading: dict[int, Ticket] = {}
+        """Per peer, the stream of its upload being received (a newer one supersedes it)."""
         self._bytes_in = self._bytes_out = self._round_bytes_in = self._logged_bytes_out = 0
         self._rounds_completed = 0
         self._shutting_down = False
@@ -70,12 +74,18 @@ class Coordinator:
             idle_timeout_s=self.deploy.stream_idle_timeout,
             max_streams=self.deploy.max_streams,
             max_per_peer=self.deploy.max_streams_per_peer,
+            min_rate=self.deploy.min_stream_rate * 1024,
         )
         self.sessions = Sessions(self.deploy.peer_liveness)
         self.closer = RoundCloser(
             self._cond, self.state, self.memory, self.codec, self.deploy.state_dir, self._published
         )
         self.spec = self.closer.restore(self.spec)
+        self._reporter = threading.Thread(target=self._report, name="spes-status-report", daemon=True)
+        self._reporter.start()
+        self.run_id = run_id_of(self.deploy.state_dir) if self.deploy.state_dir else new_run_id()
+        """This run's identity (kept under --state_dir): a node of another run, or a fresh node against a run in
+        progress, is refused at Join."""
 
     # -- Join ---------------------------------------------------------------------------------
     def join(
@@ -88,6 +98,7 @@ class Coordinator:
             theirs = check_join(
                 request, self.spec, max_tensors=self.deploy.max_tensors, max_model_gb=self.deploy.max_model_gb
             )
+            self._check_run(peer, request.run_id)
             if request.dry_run:  # preflight: every check above, nothing registered
                 log.info("preflight of peer %d: its settings and model match the run", peer)
                 return pb.JoinReply(
@@ -96,6 +107,7 @@ class Coordinator:
                     data_port=self.data_port,
                     manifest_checked=self.spec.manifest is not None,
                     dry_run=True,
+                    run_id=self.run_id,
                 )
             if not self.spec.complete:
                 self.spec = self.spec.completed_by(theirs)
@@ -111,6 +123,32 @@ class Coordinator:
             current_round=_or_minus_one(snap.completed_round),
             open_round=_or_minus_one(snap.open_round),
             data_port=self.data_port,
+            run_id=self.run_id,
+        )
+
+    def _check_run(self, peer: int, theirs: str) -> None:
+        """A node of this run, or a fresh node while the run has no completed round (lock held); refuses any other
+        (reason other_run), saying what to do: two runs are never mixed."""
+        if theirs == self.run_id:
+            return
+        done = self.state.completed_round
+        if not theirs and done is None:
+            return
+        held = f"run {self.run_id}" + (f" at round {done}" if done is not None else " (no round yet)")
+        if not theirs:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer} starts a fresh run, but this server holds {held}: to continue that run resume the node "
+                f"from its checkpoint (--resume=auto), or join it afresh with spes_config.run_id={self.run_id}; for a "
+                "new run start the server with a fresh --state_dir",
+                Reason.OTHER_RUN,
+            )
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"peer {peer} belongs to run {theirs} (its checkpoint or spes_config.run_id), but this server holds "
+            f"{held}: restart the server with that run's --state_dir, or start the node fresh (without --resume) "
+            "for this one",
+            Reason.OTHER_RUN,
         )
 
     def open_stream(self, ticket: Ticket, peer: int, session: str, common_name: Callable[[], str | None]) -> None:
@@ -122,12 +160,20 @@ class Coordinator:
 
     # -- Upload -------------------------------------------------------------------------------
     def upload(
-        self, peer: int, step: int, feed: Callable[[TensorDecoder], None], fragment: int = WHOLE
+        self,
+        peer: int,
+        step: int,
+        feed: Callable[[TensorDecoder], None],
+        fragment: int = WHOLE,
+        digest: int = 0,
+        ticket: Ticket | None = None,
     ) -> pb.UploadReply:
         """One upload of `fragment` of the model through the round rules, whatever carries it (gRPC stream or
         raw-TCP data plane).
 
         `feed(decoder)` is called only once the upload is admitted and must pass it every tensor; raises `Refused`.
+        `digest` (`spes.sync.wire.upload_digest`) tells a retry of a committed upload from a different one. A new
+        upload of a peer supersedes its own stalled one (`ticket`: this one's stream, the older's is ended).
         An empty reply (round 0, not a duplicate) means the peer went away mid-upload and nothing was kept.
         """
         with self._cond:
@@ -138,26 +184,33 @@ class Coordinator:
                 raise Refused(
                     grpc.StatusCode.INVALID_ARGUMENT, f"upload of peer {peer} for round {step}: {exc}"
                 ) from None
-            if self.state.admit(peer, step, fragment):
+            if self.state.admit(peer, step, fragment, digest):
                 return self._upload_reply(step, duplicate=True)
+            older = self._uploading.pop(peer, None)
+            if older is not None and ticket is not None:
+                older.expire(f"superseded by a newer upload of peer {peer}")
+            if ticket is not None:
+                self._uploading[peer] = ticket
             base = self.state.completed
             if base is not None:
                 self.memory.pin(base.round)
         try:
             received = self._receive(feed, peer, step, fragment, base)
         finally:
-            if base is not None:
-                with self._cond:
+            with self._cond:
+                if base is not None:
                     self.memory.unpin(base.round)
+                if ticket is not None and self._uploading.get(peer) is ticket:
+                    del self._uploading[peer]
         if received is None:
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
         tensors, checksums, relayed = received
         with self._cond:
-            if self.state.admit(peer, step, fragment):  # a concurrent retry of this upload won the race
+            if self.state.admit(peer, step, fragment, digest):  # a concurrent retry of this upload won the race
                 self.memory.pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)
             self.memory.checksums.record({n: tensors[n] for n in checksums}, checksums, self.codec.raw_dtype)
-            if self.state.stage_upload(peer, step, tensors, relayed, fragment):
+            if self.state.stage_upload(peer, step, tensors, relayed, fragment, digest):
                 self.closer.close(step, self.spec)
             self._cond.notify_all()
             return self._upload_reply(step, duplicate=False)
@@ -359,7 +412,22 @@ class Coordinator:
                 dead_peer_policy=self.spec.server.dead_peer_policy,
                 rounds_completed=self._rounds_completed,
                 persistent=self.deploy.state_dir is not None,
+                run_id=self.run_id,
+                presence=[
+                    pb.PeerPresence(peer=p, last_seen_s=age, connected=live)
+                    for p, age, live in self.sessions.presence()
+                ],
             )
+
+    def _report(self) -> None:
+        """Every `REPORT_S` while the run waits (a round open, peers yet to join), log what for and whom."""
+        while True:
+            with self._cond:
+                if self._cond.wait_for(lambda: self._shutting_down, timeout=REPORT_S):
+                    return
+                waiting = self.state.open_round is not None or len(self.joined) < self.spec.num_peers
+            if waiting:
+                log.info("waiting: %s", describe(self.status()))
 
     def _require_joined(self, peer: int) -> None:
         """Refuse a peer that has not joined (caller holds the lock)."""

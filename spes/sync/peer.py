@@ -17,11 +17,13 @@ training goes on.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,20 +38,26 @@ from torch import nn
 from spes.atomic import write_atomic
 from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
+from spes.interrupt import Interrupted
 from spes.sync.auth import read_token
 from spes.sync.client import SyncClient, SyncStats
 from spes.sync.fragments import WHOLE
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, SyncError, Tensors
 from spes.sync.spec import RunSpec, run_spec
+from spes.sync.status import REPORT_S, describe
 
 PENDING_FILE = "pending_round.st"
 """The checkpoint file (safetensors) holding an overlapped round still in flight when the checkpoint was taken.
 
 NOTE: not named `*.safetensors`: a sharded checkpoint's reader takes every such file of the directory for a shard."""
+RUN_FILE = "run.json"
+"""The checkpoint file naming the run the node belongs to (`read_run_id`): a resumed node joins only that run."""
 CODEC_FILE = "codec_state.st"
 """The checkpoint file (safetensors) holding the codec's state on rank 0 (a held-model codec's held model and
 error feedback, as of the last round applied), so a resumed node sends what the uninterrupted one would."""
+POLL_S = 0.2
+"""How often rank 0, waiting for a round, looks whether a stop was requested."""
 T = TypeVar("T")
 Exchange = tuple[Tensors, SyncStats | None, Exception | None]
 """What rank 0's exchange with the server gave: the download, its statistics, or the failure."""
@@ -116,11 +124,23 @@ def node_spec(cfg: TrainConfig, manifest: Manifest, origin: str = "this node's c
     return run_spec(cfg, manifest, origin=origin)
 
 
-def sync_client(cfg: TrainConfig, spec: RunSpec, **settings: Any) -> SyncClient:
-    """A client for this node's `spes_config` (`settings`: spes_config keys that replace the config's)."""
+def sync_client(cfg: TrainConfig, spec: RunSpec, run_id: str | None = None, **settings: Any) -> SyncClient:
+    """A client for this node's `spes_config` (`settings`: spes_config keys that replace the config's) in the run
+    `run_id` (its checkpoint's; None: `spes_config.run_id`, or a fresh node's)."""
     s = replace(cfg.spes_config, **settings)
     token = read_token(s.token_file, "config key 'spes_config.token_file'")
-    return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True)
+    return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True, run_id=run_id)
+
+
+def read_run_id(checkpoint: Path) -> str | None:
+    """The run a node checkpoint belongs to (None: it names none, a centralized or older one)."""
+    path = checkpoint / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return str(json.loads(path.read_text())["run_id"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a run record ({exc}): the checkpoint is damaged") from None
 
 
 class PeerSync:
@@ -143,7 +163,15 @@ class PeerSync:
     node the run moved past loads the latest global model instead.
     """
 
-    def __init__(self, cfg: TrainConfig, model: nn.Module, info: DistInfo, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: nn.Module,
+        info: DistInfo,
+        log: Callable[[str], None] = print,
+        run_id: str | None = None,
+    ) -> None:
+        """`run_id`: the run of the checkpoint the node resumes (`read_run_id`; None: a fresh node)."""
         self.model, self.info, self.log = model, info, log
         self.distributed = info.world_size > 1
         shapes, self.trainable = model_manifest(unwrap(model))  # NOTE: DDP's own names carry a `module.` prefix
@@ -154,7 +182,7 @@ class PeerSync:
         self.overlap_steps = s.overlap_delay if s.overlap_sync else 0
         self.correction = s.overlap_correction if s.overlap_sync else 1.0
         # NOTE: `load_full` copies every result into the model at once, so the client may reuse its buffers
-        self.client = sync_client(cfg, self.spec) if info.is_main else None
+        self.client = sync_client(cfg, self.spec, run_id) if info.is_main else None
         self._taken: int | None = None
         """The step at which the round in flight was uploaded (every rank); None when none is."""
         self._pending: PendingRound | None = None
@@ -163,6 +191,8 @@ class PeerSync:
         """Rank 0: the codec's state before the round in flight (what a checkpoint taken meanwhile holds)."""
         self._exchanged: Future[Exchange] | None = None
         """Rank 0: its exchange with the server."""
+        self.stopping: Callable[[], bool] = lambda: False
+        """Whether a stop was requested (the trainer's Ctrl-C): rank 0 then stops waiting for a round."""
 
     def join(self) -> None:
         """Announce this node's spec and manifest (the server refuses a node whose run differs); with fragments, say
@@ -210,9 +240,12 @@ class PeerSync:
         return self._land(step) if self._due(step) else None
 
     def checkpoint_files(self) -> dict[str, Callable[[Path], None]]:
-        """Files a checkpoint holds beside the model (rank 0 writes them): the round in flight, if any, and the codec's
-        state before it."""
+        """Files a checkpoint holds beside the model (rank 0 writes them): the run it belongs to, the round in flight,
+        if any, and the codec's state before it."""
         files: dict[str, Callable[[Path], None]] = {}
+        if self.client is not None and self.client.run_id:
+            record = (json.dumps({"run_id": self.client.run_id}) + "\n").encode()
+            files[RUN_FILE] = lambda path: write_atomic(path, record)
         if self._pending is not None:
             files[PENDING_FILE] = self._pending.save
         metadata, tensors = self._codec_before if self._pending is not None else self._codec_state()
@@ -220,9 +253,11 @@ class PeerSync:
             files[CODEC_FILE] = lambda path: _save_state(path, metadata, tensors)
         return files
 
-    def resume(self, checkpoint: Path) -> None:
-        """Take up what a checkpoint holds: the codec's state, and the round it left in flight (uploaded again and
-        applied when due)."""
+    def resume(self, checkpoint: Path, step: int) -> SyncResult | None:
+        """Take up what the checkpoint of `step` holds: the codec's state, and the round it left in flight (uploaded
+        again and applied when due). A round already due was being waited for when a stop request saved the
+        checkpoint: it is applied now, with what that step had still to do (the upload of a sync step), as the
+        uninterrupted run did; its result is returned."""
         path, codec_path = checkpoint / PENDING_FILE, checkpoint / CODEC_FILE
         pending, error = None, None
         if self.client is not None:
@@ -243,9 +278,13 @@ class PeerSync:
         taken = torch.tensor([pending.step if pending is not None else -1], device=self.info.device)
         if self.distributed:
             dist.broadcast(taken, src=0)
-        if taken.item() >= 0:
-            self._start(pending, int(taken.item()))
-            self.log(f"resumed the round of step {int(taken.item())} that {checkpoint} holds in flight")
+        if taken.item() < 0:
+            return None
+        self._start(pending, int(taken.item()))
+        self.log(f"resumed the round of step {int(taken.item())} that {checkpoint} holds in flight")
+        if not self._due(step):
+            return None
+        return self.sync(step) if int(taken.item()) < step and self.syncs_at(step) else self._land(step)
 
     def close(self) -> None:
         if self.client is not None:
@@ -275,7 +314,7 @@ class PeerSync:
         def exchange() -> Exchange:
             return self._exchange(pending.round_id, pending.snapshot, fragment)
 
-        self._exchanged = _at_once(exchange) if self._due(step) else _in_background(exchange, f"spes-round-{step}")
+        self._exchanged = _in_background(exchange, f"spes-round-{step}")
 
     def _land(self, step: int) -> SyncResult:
         """Wait for the round in flight and apply it on every rank (a collective)."""
@@ -284,24 +323,39 @@ class PeerSync:
         stats, error, snapshot = None, None, {}
         if self._exchanged is not None and self._pending is not None:
             try:
-                downloaded, stats, error = self._exchanged.result()
-            except Exception as e:  # noqa: BLE001 -- raised on every rank by _load
+                downloaded, stats, error = self._wait(self._exchanged, step)
+            except Exception as e:  # noqa: BLE001 -- raised on every rank by _agree
                 error = e
             snapshot = self._pending.snapshot
         taken = self._taken
         assert taken is not None
+        self._agree(error, f"apply the round of step {taken}")  # NOTE: an interrupted round stays in flight
         self._taken, self._pending, self._exchanged = None, None, None
         as_downloaded = step == taken and self.correction == 1.0  # NOTE: nothing trained since the snapshot
         result = self._load(
-            step,
-            downloaded,
-            stats,
-            error,
-            what=f"apply the round of step {taken}",
-            snapshot=None if as_downloaded else snapshot,
-            trained=self._trained_at(taken),
+            step, downloaded, stats, snapshot=None if as_downloaded else snapshot, trained=self._trained_at(taken)
         )
         return replace(result, waited_s=time.perf_counter() - started)
+
+    def _wait(self, exchange: Future[Exchange], step: int) -> Exchange:
+        """Rank 0's wait for its round, saying every `REPORT_S` what the run waits for (a node started before the
+        others, a peer gone)."""
+        reported = time.monotonic()
+        while True:
+            try:
+                return exchange.result(timeout=POLL_S)
+            except FutureTimeout:
+                pass
+            if self.stopping():
+                raise Interrupted(f"stopped while waiting for the round of step {self._taken}")
+            if time.monotonic() - reported >= REPORT_S:
+                reported = time.monotonic()
+                assert self.client is not None
+                waiting = f"step {step}: waiting for the round of step {self._taken}"
+                try:
+                    self.log(f"{waiting}: {describe(self.client.status_reply())}")
+                except SyncError as exc:
+                    self.log(f"{waiting}; the server's status: {exc}")
 
     def _exchange(self, step: int, upload: Tensors, fragment: int = WHOLE) -> Exchange:
         """Rank 0's exchange with the server (nothing on the other ranks); a failure is returned, for `_agree`."""
@@ -318,9 +372,7 @@ class PeerSync:
         step: int,
         downloaded: Tensors,
         stats: SyncStats | None,
-        error: Exception | None,
         *,
-        what: str,
         snapshot: Tensors | None,
         trained: list[str],
     ) -> SyncResult:
@@ -329,7 +381,6 @@ class PeerSync:
         (`apply_overlapped`, on whole tensors on rank 0). A node that had fallen behind loads the whole global model
         and continues from its step.
         """
-        self._agree(error, what)
         caught_up_to = stats.round if stats is not None and stats.caught_up else -1
         if self.distributed:  # every rank's trainer must continue from the same step
             flag = torch.tensor([caught_up_to], device=self.info.device)
@@ -355,9 +406,12 @@ class PeerSync:
         """Raise on every rank when rank 0's exchange with the server failed: the other ranks would otherwise wait
         in the next collective until torchrun kills them, with a traceback instead of the reason."""
         if self.distributed:
-            flag = torch.tensor([int(error is not None)], device=self.info.device)
+            code = 0 if error is None else 2 if isinstance(error, Interrupted) else 1
+            flag = torch.tensor([code], device=self.info.device)
             dist.broadcast(flag, src=0)
-            if flag.item() and error is None:
+            if flag.item() == 2 and error is None:
+                raise Interrupted(f"rank 0 stopped waiting to {what}")
+            if flag.item() == 1 and error is None:
                 raise SyncError(f"rank 0 failed to {what}; its error line says why")
         if isinstance(error, SyncError) and error.code == grpc.StatusCode.UNAVAILABLE:
             raise SyncError(
@@ -381,16 +435,6 @@ def _load_state(path: Path) -> tuple[dict[str, str], Tensors]:
             return dict(f.metadata() or {}), {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
     except SafetensorError as exc:
         raise ValueError(f"codec state {path}: not a readable safetensors file ({exc})") from None
-
-
-def _at_once(fn: Callable[[], T]) -> Future[T]:
-    """`fn()` run now, as a finished Future (a round applied at the step it is uploaded needs no thread)."""
-    future: Future[T] = Future()
-    try:
-        future.set_result(fn())
-    except BaseException as e:  # noqa: BLE001 -- handed to the waiting trainer
-        future.set_exception(e)
-    return future
 
 
 def _in_background(fn: Callable[[], T], name: str) -> Future[T]:

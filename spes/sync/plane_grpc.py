@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import grpc
 
@@ -30,7 +30,7 @@ from spes.sync.protocol import (
     Tensors,
     classify,
 )
-from spes.sync.wire import Item, TensorDecoder, encode_tensors
+from spes.sync.wire import Item, TensorDecoder, encode_tensors, upload_digest
 
 if TYPE_CHECKING:
     from spes.sync.coordinator import Coordinator
@@ -67,7 +67,8 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 if first is None or not first.HasField("meta"):
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
                 self._open(ticket, first.meta.peer_id, context)
-                return self.service.upload(first.meta.peer_id, first.meta.round, feed, first.meta.fragment)
+                meta = first.meta
+                return self.service.upload(meta.peer_id, meta.round, feed, meta.fragment, meta.digest, ticket)
         except Refused as exc:
             _abort(context, exc)
         except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
@@ -100,30 +101,33 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             ticket.wait_for_round(False)
             yield pb.DownloadMessage(info=outgoing.info)
             for chunk in encode_tensors(outgoing.tensors, outgoing.wire_dtype, encoded=outgoing.encoded):
-                ticket.touch()  # the previous message went out
+                ticket.moved(len(chunk.data))  # the previous message went out
                 outgoing.sent += len(chunk.data)
                 yield pb.DownloadMessage(chunk=chunk)
 
     def Probe(
         self, request_iterator: Iterator[pb.ProbeMessage], context: grpc.ServicerContext
     ) -> Iterator[pb.ProbeMessage]:
-        """Read the client's bytes, acknowledge, send `reply_bytes` back; counted in no traffic figure."""
-        reply_bytes, received = 0, 0
-        for index, message in enumerate(request_iterator):
-            if index == 0:
-                reply_bytes = message.reply_bytes
-            received += len(message.data)
-            if received > PROBE_MAX_BYTES or reply_bytes > PROBE_MAX_BYTES:
-                _abort(
-                    context,
-                    Refused(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"a link test moves at most {PROBE_MAX_BYTES} bytes each way"
-                    ),
-                )
-        yield pb.ProbeMessage()
-        chunk = bytes(min(reply_bytes, PROBE_CHUNK_BYTES))
-        for offset in range(0, reply_bytes, len(chunk) or 1):
-            yield pb.ProbeMessage(data=chunk[: reply_bytes - offset])
+        """Read the client's bytes, acknowledge, send `reply_bytes` back; counted in no traffic figure, but a stream
+        like any other: it takes a slot and is held to the idle and rate limits."""
+        try:
+            ticket = self.service.guard.grpc_ticket(context)
+        except Refused as exc:
+            _abort(context, exc)
+        with ticket:
+            reply_bytes, received = 0, 0
+            for index, message in enumerate(_watched(request_iterator, ticket)):
+                if index == 0:
+                    reply_bytes = message.reply_bytes
+                received += len(message.data)
+                if received > PROBE_MAX_BYTES or reply_bytes > PROBE_MAX_BYTES:
+                    refused = f"a link test moves at most {PROBE_MAX_BYTES} bytes each way"
+                    _abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT, refused))
+            yield pb.ProbeMessage()
+            chunk = bytes(min(reply_bytes, PROBE_CHUNK_BYTES))
+            for offset in range(0, reply_bytes, len(chunk) or 1):
+                ticket.moved(len(chunk))
+                yield pb.ProbeMessage(data=chunk[: reply_bytes - offset])
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         return self.service.status()
@@ -145,10 +149,14 @@ def _metadata(context: grpc.ServicerContext, key: str) -> str:
     return next((str(v) for k, v in (context.invocation_metadata() or ()) if k == key), "")
 
 
-def _watched(messages: Iterator[pb.UploadMessage], ticket: Ticket) -> Iterator[pb.UploadMessage]:
-    """The stream's messages, each one resetting its idle clock; TimeoutError if the watchdog ended it."""
+M = TypeVar("M", pb.UploadMessage, pb.ProbeMessage)
+
+
+def _watched(messages: Iterator[M], ticket: Ticket) -> Iterator[M]:
+    """The stream's messages, each one counted by the ticket (its idle clock and byte rate); TimeoutError if the
+    watchdog ended it."""
     for message in messages:
-        ticket.touch()
+        ticket.moved(message.ByteSize())
         yield message
     ticket.check()
 
@@ -178,11 +186,12 @@ class GrpcPlane:
         self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
 
     def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE) -> tuple[int, bool]:
-        sent = 0
+        sent, digest = 0, upload_digest(tensors, self.wire_dtype)
 
         def messages() -> Iterator[pb.UploadMessage]:
             nonlocal sent
-            yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=self.peer_id, round=step, fragment=fragment))
+            meta = pb.UploadMeta(peer_id=self.peer_id, round=step, fragment=fragment, digest=digest)
+            yield pb.UploadMessage(meta=meta)
             for chunk in encode_tensors(tensors, self.wire_dtype):
                 sent += len(chunk.data)
                 yield pb.UploadMessage(chunk=chunk)

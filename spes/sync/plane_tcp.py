@@ -31,13 +31,14 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import torch
 from google.protobuf.message import DecodeError, Message
 
+from spes.sync.admission import Ticket
 from spes.sync.auth import tls_common_name, token_matches
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
@@ -61,6 +62,7 @@ from spes.sync.wire import (
     TensorDecoder,
     header_for,
     read_file,
+    upload_digest,
     write_raw,
 )
 
@@ -201,12 +203,23 @@ def framing_bytes(header: pb.TensorHeader) -> int:
 
 
 def recv_tensors(
-    sock: socket.socket, decoder: TensorDecoder, count: int, limit: int = MAX_FRAME_BYTES
+    sock: socket.socket,
+    decoder: TensorDecoder,
+    count: int,
+    limit: int = MAX_FRAME_BYTES,
+    moved: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Receive `count` tensors into `decoder`'s manifest-sized buffers; every header is checked before its payload
-    (a header frame that is not a `TensorHeader` is a FrameError, a ValueError like every refused header)."""
+    (a header frame that is not a `TensorHeader` is a FrameError, a ValueError like every refused header).
+    `moved(n)` is told of every piece received (a stream's progress)."""
+
+    def read_into(buf: memoryview) -> None:
+        recv_exactly(sock, buf)
+        if moved is not None:
+            moved(len(buf))
+
     for _ in range(count):
-        decoder.feed_raw(recv_frame(sock, pb.TensorHeader, limit), lambda buf: recv_exactly(sock, buf))
+        decoder.feed_raw(recv_frame(sock, pb.TensorHeader, limit), read_into)
     return decoder.finish()
 
 
@@ -235,24 +248,26 @@ def send_zeros(sock: socket.socket, num_bytes: int) -> None:
         sock.sendall(memoryview(chunk)[: min(PROBE_CHUNK_BYTES, num_bytes - offset)])
 
 
-def recv_discard(sock: socket.socket, num_bytes: int) -> None:
-    """Read and drop exactly `num_bytes` bytes (link-test payload)."""
+def recv_discard(sock: socket.socket, num_bytes: int, moved: Callable[[int], None] | None = None) -> None:
+    """Read and drop exactly `num_bytes` bytes (link-test payload); `moved(n)` is told of every piece."""
     sink = memoryview(bytearray(min(num_bytes, PROBE_CHUNK_BYTES)))
     while num_bytes > 0:
         piece = min(num_bytes, len(sink))
         recv_exactly(sock, sink[:piece])
+        if moved is not None:
+            moved(piece)
         num_bytes -= piece
 
 
-def serve_probe(sock: socket.socket, hello: pb.DataHello) -> None:
-    """The server's side of a link test (the hello is already authenticated)."""
+def serve_probe(sock: socket.socket, hello: pb.DataHello, ticket: Ticket) -> None:
+    """The server's side of a link test (the hello is already authenticated; `ticket` watches its rate)."""
     up, down = hello.up_bytes, hello.down_bytes
     if max(up, down) > PROBE_MAX_BYTES:
         message = f"a link test moves 0 to {PROBE_MAX_BYTES} bytes each way, got {up} up and {down} down"
         close_after_error(sock, error_reply("INVALID_ARGUMENT", message))
         return
     send_frame(sock, pb.DataReply(send=True))
-    recv_discard(sock, up)
+    recv_discard(sock, up, ticket.moved)
     send_frame(sock, pb.DataReply(ok=True))
     send_zeros(sock, down)
 
@@ -310,24 +325,29 @@ def connect(host: str, port: int, tls: ssl.SSLContext | None, timeout_s: float) 
 class DataPlaneListener:
     """Accepts data-plane connections on its own thread, one bounded handler thread per connection.
 
-    `handle(sock)` owns the (TLS-wrapped) socket for one operation; the listener closes it afterwards.
-    Past `max_connections` concurrent connections a new one is refused with RESOURCE_EXHAUSTED, reason "busy"
-    (the client retries). Every receive is bounded by `io_timeout_s`; a connection that sends nothing for that
-    long is answered DEADLINE_EXCEEDED and closed.
+    A connection holds nothing but a pending slot until it is authenticated: at most `max_connections` pending
+    ones, each ended `handshake_s` after it was accepted unless its handler has authenticated it by then (its TLS
+    handshake and hello included, however slowly a client sends them). `handle(sock, authenticated)` owns the
+    (TLS-wrapped) socket for one operation and enters `authenticated()` once the hello's token checks out: that
+    trades the pending slot for one of `max_connections` operation slots (refused RESOURCE_EXHAUSTED, reason
+    "busy", when none is free; the client retries, then falls back to gRPC). Every receive is bounded by
+    `io_timeout_s`; a connection that sends nothing for that long is answered DEADLINE_EXCEEDED and closed.
     """
 
     def __init__(
         self,
         host: str,
         port: int,
-        handle: Callable[[socket.socket], None],
+        handle: Callable[[socket.socket, Callable[[], contextlib.AbstractContextManager[None]]], None],
         *,
         tls: ssl.SSLContext | None,
         max_connections: int,
         io_timeout_s: float,
+        handshake_s: float = 10.0,
     ) -> None:
-        self._handle, self._tls, self._io_timeout_s = handle, tls, io_timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._handle, self._tls, self._io_timeout_s, self._handshake_s = handle, tls, io_timeout_s, handshake_s
+        self._pending = threading.BoundedSemaphore(max_connections)
+        self._active = threading.BoundedSemaphore(max_connections)
         self._stopping = threading.Event()
         self._sock = socket.create_server((host, port), backlog=max_connections)
         self._sock.settimeout(0.2)
@@ -347,16 +367,34 @@ class DataPlaneListener:
                 raise
             conn.settimeout(self._io_timeout_s)
             tune(conn)
-            if not self._slots.acquire(blocking=False):
+            if not self._pending.acquire(blocking=False):
                 self._refuse_busy(conn)
                 continue
             threading.Thread(target=self._serve, args=(conn,), name="spes-data-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        pending = [True]
+        deadline = threading.Timer(self._handshake_s, _shut, args=(conn,))
+        deadline.start()
+
+        @contextlib.contextmanager
+        def authenticated() -> Iterator[None]:
+            deadline.cancel()
+            self._pending.release()
+            pending[0] = False
+            if not self._active.acquire(blocking=False):
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, "too many data-plane operations: retry shortly", Reason.BUSY
+                )
+            try:
+                yield
+            finally:
+                self._active.release()
+
         try:
             if self._tls is not None:
                 conn = self._tls.wrap_socket(conn, server_side=True)
-            self._handle(conn)
+            self._handle(conn, authenticated)
         except TimeoutError:
             log.warning("data-plane connection idle for %g s: closed (--stream_idle_timeout)", self._io_timeout_s)
             with contextlib.suppress(OSError):
@@ -371,8 +409,10 @@ class DataPlaneListener:
         except (OSError, TransportError) as exc:
             log.warning("data-plane connection dropped: %s", exc)
         finally:
+            deadline.cancel()
             conn.close()
-            self._slots.release()
+            if pending[0]:
+                self._pending.release()
 
     def _refuse_busy(self, conn: socket.socket) -> None:
         """Answer "busy" without a thread: a plain socket takes the short frame at once; a TLS one (whose
@@ -393,6 +433,12 @@ class DataPlaneListener:
         self._stopping.set()
         self._sock.close()
         self._thread.join(timeout=2.0)
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection from another thread: its blocked receive returns at once (the handler then ends it)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def close_after_error(sock: socket.socket, reply: pb.DataReply | bytes, drain_s: float = 5.0) -> None:
@@ -420,8 +466,11 @@ class DataHandler:
     def __init__(self, service: Coordinator, token: str | None) -> None:
         self.service, self.token = service, token
 
-    def __call__(self, sock: socket.socket) -> None:
-        """Every receive is bounded by --stream_idle_timeout (the socket's timeout, set by the listener)."""
+    def __call__(
+        self, sock: socket.socket, authenticated: Callable[[], contextlib.AbstractContextManager[None]]
+    ) -> None:
+        """Every receive is bounded by --stream_idle_timeout (the socket's timeout, set by the listener), the
+        handshake by the listener's deadline; `authenticated()` is entered once the token checks out."""
         try:
             hello = recv_hello(sock, SERVER_MAX_FRAME_BYTES)
         except WrongVersion as exc:
@@ -449,50 +498,59 @@ class DataHandler:
                 ),
             )
             return
-        if hello.op == pb.DATA_OP_PING:  # a client checking at join that this port is reachable from where it runs
-            send_frame(sock, pb.DataReply(ok=True))
-            return
-        if hello.op == pb.DATA_OP_PROBE:  # preflight's link test: counted in no traffic figure
-            serve_probe(sock, hello)
-            return
         try:
-            if hello.op not in (pb.DATA_OP_UPLOAD, pb.DATA_OP_DOWNLOAD):
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"bad data-plane request: op {hello.op}")
-            peer, step = hello.peer_id, hello.step
-            with self.service.guard.admit(None, total=False) as ticket:  # NOTE: the listener bounds the total
-                self.service.open_stream(ticket, peer, hello.session, lambda: tls_common_name(sock))
-                if hello.op == pb.DATA_OP_UPLOAD:
-                    self._upload(sock, peer, step, hello.fragment)
-                else:
-                    self._download(sock, peer, step, hello)
+            with authenticated(), self.service.guard.admit(lambda _why: _shut(sock), total=False) as ticket:
+                self._operate(sock, hello, ticket)
         except Refused as exc:
             log.warning("refused (%s): %s", exc.code.name, exc)
             close_after_error(sock, refusal_reply(exc))
 
-    def _upload(self, sock: socket.socket, peer: int, step: int, fragment: int) -> None:
+    def _operate(self, sock: socket.socket, hello: pb.DataHello, ticket: Ticket) -> None:
+        """One authenticated operation; its stream is `ticket`'s (watched: idle, too slow; not counted against
+        --max_streams, the listener bounds the data plane's operations)."""
+        if hello.op == pb.DATA_OP_PING:  # a client checking at join that this port is reachable from where it runs
+            send_frame(sock, pb.DataReply(ok=True))
+            return
+        if hello.op == pb.DATA_OP_PROBE:  # preflight's link test: counted in no traffic figure
+            serve_probe(sock, hello, ticket)
+            return
+        if hello.op not in (pb.DATA_OP_UPLOAD, pb.DATA_OP_DOWNLOAD):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"bad data-plane request: op {hello.op}")
+        peer, step = hello.peer_id, hello.step
+        self.service.open_stream(ticket, peer, hello.session, lambda: tls_common_name(sock))
+        if hello.op == pb.DATA_OP_UPLOAD:
+            self._upload(sock, peer, step, hello.fragment, hello.digest, ticket)
+        else:
+            self._download(sock, peer, step, hello, ticket)
+
+    def _upload(self, sock: socket.socket, peer: int, step: int, fragment: int, digest: int, ticket: Ticket) -> None:
         received = False
 
         def feed(decoder: TensorDecoder) -> None:
             nonlocal received
             send_frame(sock, pb.DataReply(send=True))
-            recv_tensors(sock, decoder, len(decoder.expected), SERVER_MAX_FRAME_BYTES)
+            recv_tensors(sock, decoder, len(decoder.expected), SERVER_MAX_FRAME_BYTES, ticket.moved)
             received = True
 
-        reply = self.service.upload(peer, step, feed, fragment)
+        reply = self.service.upload(peer, step, feed, fragment, digest, ticket)
         if not received and not reply.duplicate:
             return  # the peer went away mid-upload: nothing was kept, nobody to answer
         send_frame(sock, pb.DataReply(uploaded=reply))
 
-    def _download(self, sock: socket.socket, peer: int, step: int, hello: pb.DataHello) -> None:
+    def _download(self, sock: socket.socket, peer: int, step: int, hello: pb.DataHello, ticket: Ticket) -> None:
         time_left = hello.timeout_s if hello.timeout_s > 0 else None
+        ticket.wait_for_round(True)
         with self.service.download(
             peer, step, hello.full, lambda: not peer_closed(sock), time_left, hello.base_round
         ) as outgoing:
+            ticket.wait_for_round(False)
             if outgoing is None:
                 return
             send_frame(sock, pb.DataReply(round=outgoing.info))
             for name, tensor in outgoing.tensors.items():
-                outgoing.sent += send_tensor(sock, name, tensor, outgoing.wire_dtype, outgoing.encoded[name])
+                sent = send_tensor(sock, name, tensor, outgoing.wire_dtype, outgoing.encoded[name])
+                outgoing.sent += sent
+                ticket.moved(sent)
 
 
 # -- the client's end ---------------------------------------------------------------------------------------------
@@ -523,7 +581,8 @@ class TcpPlane:
             self._reply(sock, "data-plane ping", "ok")
 
     def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE) -> tuple[int, bool]:
-        sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout, fragment=fragment)
+        digest = upload_digest(tensors, self.wire_dtype)
+        sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout, fragment=fragment, digest=digest)
         what, sent = f"upload of round {step}", 0
         try:
             with sock:

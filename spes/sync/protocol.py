@@ -78,6 +78,8 @@ class Reason(StrEnum):
     """The peer speaks another protocol version (`version_refusal`): run the same spes version everywhere."""
     BASE_MISMATCH = "base_mismatch"
     """A coded payload against a held model other than the receiver's: send full values instead."""
+    OTHER_RUN = "other_run"
+    """The node belongs to another run than the server holds, or starts fresh against one in progress."""
 
 
 RETRY_REASONS = frozenset({Reason.CORRUPT, Reason.BUSY, Reason.DUPLICATE_PEER})

@@ -3,9 +3,11 @@
 The server calls `RoundState` under its lock (and `spes.sync.aggregate.build_round`, the round's math, on its
 aggregation thread); nothing here touches sockets or files, so every rule is tested directly (tests/test_rounds.py).
 
-A round is keyed by the global step at which the peers synchronize. It opens with its first verified upload
-and closes when every peer is in, or, under `server.dead_peer_policy: quorum`, once `server.round_timeout_s`
-seconds have passed since it opened and enough peers are in:
+A round is keyed by the global step at which the peers synchronize. It opens with its first verified upload, and
+only the round the run's schedule expects next may open (`spes.sync.spec.RunSpec.next_round`: an upload for any
+other round, a far-future one say, is refused naming the expected one). It closes when every peer is in, or,
+under `server.dead_peer_policy: quorum`, once `server.round_timeout_s` seconds have passed since it opened and
+enough peers are in:
 
 - shared tensors are averaged over the peers that arrived (in peer order, so the result is reproducible);
 - an expert block whose owner did not arrive keeps its value in the previous global model;
@@ -19,8 +21,8 @@ Under `wait` (the reference behaviour) a round closes only with every peer.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -50,6 +52,8 @@ class Completed:
     global_model: Tensors
     momentum: Tensors
     served: Served
+    digests: Mapping[int, int] = field(default_factory=dict)
+    """Per peer, the digest of the upload the round took (a re-upload must match it)."""
 
     @property
     def merged(self) -> bool:
@@ -81,12 +85,15 @@ class RoundState:
     and the committed uploads of the open round, handed to the aggregator (and dropped from here) when it closes.
     """
 
-    def __init__(self, num_peers: int, server: ServerSection) -> None:
-        self.num_peers, self.server = num_peers, server
+    def __init__(self, num_peers: int, server: ServerSection, next_round: Callable[[int | None], int | None]) -> None:
+        self.num_peers, self.server, self.next_round = num_peers, server, next_round
+        """`next_round(after)`: the round the schedule expects after round `after` (None: before any)."""
         self.open_round: int | None = None
         self.opened_at = 0.0
         self.uploaded: set[int] = set()
         self.staged: dict[int, Tensors] = {}
+        self.digests: dict[int, int] = {}
+        """Per peer, the digest of its committed upload of the open round."""
         self.relayed: dict[str, Payload] = {}
         """The uploaded payloads of the blocks the open round takes verbatim (relayed on download, by the codec)."""
         self.aggregating = False
@@ -102,20 +109,31 @@ class RoundState:
     def missing_peers(self) -> list[int]:
         return [p for p in range(self.num_peers) if p not in self.uploaded]
 
-    def admit(self, peer: int, step: int, fragment: int = WHOLE) -> bool:
-        """May `peer` upload `fragment` of round `step`? True: already committed (idempotent no-op); raises Refused
-        if not."""
+    def admit(self, peer: int, step: int, fragment: int = WHOLE, digest: int = 0) -> bool:
+        """May `peer` upload `fragment` of round `step`, whose content has `digest`? True: already committed, the
+        same (an idempotent no-op); raises Refused if not, ALREADY_EXISTS for a committed upload that differs."""
         done = self.completed
         if done is not None and step == done.round and peer in done.peers:
-            return True
+            return _same(peer, step, digest, done.digests.get(peer, digest))
         if self.open_round is not None:
-            return self._admit_open(peer, step, fragment)
+            committed = self._admit_open(peer, step, fragment)
+            return committed and _same(peer, step, digest, self.digests.get(peer, digest))
         if done is not None and step <= done.round:
             raise Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"round {step} is old: round {done.round} has already completed"
                 + ("" if step < done.round else f" without peer {peer}"),
                 Reason.STALE_ROUND,
+            )
+        expected = self.next_round(None if done is None else done.round)
+        if step != expected:
+            after = "before any round" if done is None else f"after round {done.round}"
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer} uploads round {step}, but the run's next round is "
+                + (f"{expected} ({after})" if expected is not None else f"none: it ended {after}")
+                + ": do all nodes use the run's spes_config.sync_steps and max_duration?",
+                Reason.FUTURE_ROUND,
             )
         return False
 
@@ -161,6 +179,7 @@ class RoundState:
         tensors: Tensors,
         relayed: Mapping[str, Payload] | None = None,
         fragment: int = WHOLE,
+        digest: int = 0,
     ) -> bool:
         """Commit a complete, verified upload of `fragment` (and the payloads of its verbatim blocks the codec may
         relay); opens the round if needed. True when every peer is in."""
@@ -170,6 +189,7 @@ class RoundState:
         self.failure = None
         self.uploaded.add(peer)
         self.staged[peer] = tensors
+        self.digests[peer] = digest
         self.relayed.update(relayed or {})
         return len(self.uploaded) == self.num_peers
 
@@ -248,18 +268,19 @@ class RoundState:
     def complete(self, done: Completed) -> None:
         """Publish round `done.round`, built from the uploads of `self.uploaded`."""
         assert done.round == self.open_round and self.aggregating and done.peers == frozenset(self.uploaded)
-        self.restore(done)
+        self.restore(replace(done, digests=dict(self.digests)))
 
     def restore(self, done: Completed) -> None:
         """Make `done` the latest completed round (also how a restarted server resumes); no round is open."""
         self.completed = done
         self.open_round, self.uploaded, self.staged, self.aggregating = None, set(), {}, False
-        self.relayed, self.failure = {}, None
+        self.relayed, self.failure, self.digests = {}, None, {}
 
     def fail(self, step: int, message: str) -> None:
         """Aggregation failed: drop the uploads so the peers can upload round `step` again."""
         self.failure = (step, message)
         self.uploaded, self.staged, self.relayed, self.aggregating = set(), {}, {}, False
+        self.digests = {}
 
     def snapshot(self) -> RoundSnapshot:
         done = self.completed
@@ -273,3 +294,14 @@ class RoundState:
             alpha=done.alpha if done else 0.0,
             open_age_s=time.monotonic() - self.opened_at if self.open_round is not None else 0.0,
         )
+
+
+def _same(peer: int, step: int, digest: int, committed: int) -> bool:
+    """True when a re-upload holds what the committed one did; Refused ALREADY_EXISTS naming both otherwise."""
+    if digest != committed:
+        raise Refused(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"peer {peer} uploads round {step} again with other values (digest {digest:#018x}, committed "
+            f"{committed:#018x}): a round takes one upload per peer. Two processes acting as peer {peer}?",
+        )
+    return True

@@ -41,6 +41,15 @@ class DeployConfig:
         "seconds: close an upload/download stream (either plane) that sends nothing this long (DEADLINE_EXCEEDED); "
         "its partial upload is dropped",
     )
+    min_stream_rate: float = _flag(
+        64.0,
+        "limits",
+        "KiB/s a stream that moves bytes (an upload, a download, a link test) must average once "
+        "--stream_idle_timeout has passed (slower: closed, an upload dropped)",
+    )
+    handshake_timeout: float = _flag(
+        10.0, "limits", "seconds: a data-plane connection must complete its TLS handshake and hello within this long"
+    )
     max_streams: int = _flag(64, "limits", "upload/download streams served at once per plane; more: RESOURCE_EXHAUSTED")
     max_streams_per_peer: int = _flag(
         6, "limits", "streams one peer id may hold open at once; more: RESOURCE_EXHAUSTED"
@@ -105,6 +114,8 @@ class DeployConfig:
             "max_streams",
             "max_streams_per_peer",
             "max_tensors",
+            "min_stream_rate",
+            "handshake_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0, got {getattr(self, name)}")

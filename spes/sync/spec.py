@@ -37,6 +37,7 @@ FIELD_KEYS = {
     "experts_per_block": "spes_config.num_train_experts_per_node",
     "block_owners": "spes_config.num_peers and num_train_experts_per_node",
     "sync_steps": "spes_config.sync_steps",
+    "last_step": "max_duration",
     "overlap_fragments": "spes_config.overlap_fragments",
     "codec": "spes_config.codec",
     "codec_settings": "spes_config.codec_settings",
@@ -58,6 +59,8 @@ class RunSpec:
     None: open (a server without the run's YAML does not know the model's experts)."""
     sync_steps: int | None
     """Steps between two rounds over the same tensors; None: open, taken from the first node to join."""
+    last_step: int | None = None
+    """The run's last step (`max_duration`): with fragments its round covers the whole model; None: open."""
     overlap_fragments: int = 1
     """Fragments of the model synchronized on staggered steps (`spes.sync.fragments`; 1: none)."""
     codec: str = "fp32"
@@ -139,10 +142,22 @@ class RunSpec:
         assert self.sync_steps is not None
         return self.sync_steps // self.overlap_fragments
 
+    def next_round(self, after: int | None) -> int | None:
+        """The round the run expects after round `after` (None: before the first one): the next multiple of
+        `round_interval`, or with fragments the run's last step when that comes first; None once the run is over.
+
+            next = (floor(after / interval) + 1) * interval,  min(next, last_step) with fragments
+        """
+        done, interval, last = after or 0, self.round_interval, self.last_step
+        step = (done // interval + 1) * interval
+        if last is not None and step > last:
+            return last if self.overlap_fragments > 1 and done < last else None
+        return step
+
     @property
     def complete(self) -> bool:
-        """No field is open (see `completed_by`)."""
-        return all(getattr(self, name) is not None for name in (*FIELD_KEYS, "manifest"))
+        """No field is open (see `completed_by`); a run without a known last step simply has no end."""
+        return all(getattr(self, name) is not None for name in (*FIELD_KEYS, "manifest") if name != "last_step")
 
     # -- a join -------------------------------------------------------------------------------
     def first_difference(self, theirs: RunSpec) -> tuple[str, Any, Any] | None:
@@ -179,6 +194,7 @@ class RunSpec:
             experts_per_block=self.experts_per_block or 0,
             block_owners=list(self.block_owners or ()),
             sync_steps=self.sync_steps or 0,
+            last_step=self.last_step or 0,
             overlap_fragments=self.overlap_fragments,
             codec=self.codec,
             codec_settings=dict(self.codec_settings),
@@ -193,6 +209,7 @@ class RunSpec:
             experts_per_block=message.experts_per_block or None,
             block_owners=tuple(message.block_owners),
             sync_steps=message.sync_steps or None,
+            last_step=message.last_step or None,
             overlap_fragments=message.overlap_fragments,
             codec=message.codec,
             codec_settings=tuple(sorted((str(k), int(v)) for k, v in message.codec_settings.items())),
@@ -228,6 +245,7 @@ def run_spec(cfg: TrainConfig, manifest: Mapping[str, tuple[int, ...]] | None, *
         experts_per_block=cfg.experts_per_peer,
         block_owners=owners,
         sync_steps=s.sync_steps,
+        last_step=cfg.duration_steps,
         overlap_fragments=s.overlap_fragments,
         codec=s.codec,
         codec_settings=tuple(sorted(s.codec_settings.items())),

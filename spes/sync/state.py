@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from spes.sync.protocol import Manifest, Tensors
 from spes.sync.spec import FIELD_KEYS, RunSpec
 
 STATE_FILE = "state.json"
+RUN_FILE = "run.json"
+"""The run's identity, written when a server first starts with this --state_dir (before any round)."""
 FORMAT = 2
 """2: the run spec and the codec's tensors (`codec/`); 1: wire dtype and int8 held model (`held/`)."""
 MOMENTUM_PREFIX = "momentum/"
@@ -58,6 +62,26 @@ class SavedRound:
     """`ServerCodec.persisted`: empty for a raw codec."""
     spec: RunSpec
     """The server's spec, its open fields (manifest, sync_steps) completed from the state."""
+
+
+def run_id_of(state_dir: str | Path) -> str:
+    """The id of the run whose state lives in `state_dir`: the one recorded there, or a new one (recorded at once, so
+    nodes that join before the first round completes belong to the run a restarted server resumes)."""
+    path = Path(state_dir) / RUN_FILE
+    if path.is_file():
+        try:
+            return str(json.loads(path.read_text())["run_id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{path}: not a spes run record ({exc}); move it away or pick another --state_dir"
+            ) from None
+    run_id = new_run_id()
+    write_atomic(path, (json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n").encode())
+    return run_id
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
 
 
 def spec_record(spec: RunSpec) -> dict[str, Any]:
@@ -151,6 +175,7 @@ def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest, or
         experts_per_block=int(fields["experts_per_block"]),
         block_owners=tuple(int(p) for p in fields["block_owners"]),
         sync_steps=int(fields["sync_steps"]),
+        last_step=None if fields["last_step"] is None else int(fields["last_step"]),
         overlap_fragments=int(fields["overlap_fragments"]),
         codec=str(fields["codec"]),
         codec_settings=tuple((str(k), int(v)) for k, v in fields["codec_settings"]),

@@ -311,6 +311,19 @@ def write_raw(
     return written
 
 
+def upload_digest(items: Mapping[str, Item], wire_dtype: str) -> int:
+    """XXH3-64 of every item's name and wire bytes, in order: what an upload holds, so a re-upload of a committed
+    round can be told the same (a retry) or different (refused) before a byte of it is sent. One read of the items
+    (converted piece by piece, a `Coded` payload packed)."""
+    digest = Checksum()
+    for name, item in items.items():
+        digest.update(name.encode())
+        pieces = [byte_view(item.payload.pack())] if isinstance(item, Coded) else _wire_pieces(item, wire_dtype)
+        for piece in pieces:
+            digest.update(piece)
+    return digest.intdigest()
+
+
 def encode_tensors(
     tensors: Mapping[str, Item],
     wire_dtype: str,

@@ -29,7 +29,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RunSpec(_message.Message):
-    __slots__ = ("mode", "num_peers", "experts_per_block", "block_owners", "sync_steps", "overlap_fragments", "codec", "codec_settings")
+    __slots__ = ("mode", "num_peers", "experts_per_block", "block_owners", "sync_steps", "overlap_fragments", "codec", "codec_settings", "last_step")
     class CodecSettingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class RunSpec(_message.Message):
     OVERLAP_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CODEC_SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     mode: str
     num_peers: int
     experts_per_block: int
@@ -53,45 +54,52 @@ class RunSpec(_message.Message):
     overlap_fragments: int
     codec: str
     codec_settings: _containers.ScalarMap[str, int]
-    def __init__(self, mode: _Optional[str] = ..., num_peers: _Optional[int] = ..., experts_per_block: _Optional[int] = ..., block_owners: _Optional[_Iterable[int]] = ..., sync_steps: _Optional[int] = ..., overlap_fragments: _Optional[int] = ..., codec: _Optional[str] = ..., codec_settings: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    last_step: int
+    def __init__(self, mode: _Optional[str] = ..., num_peers: _Optional[int] = ..., experts_per_block: _Optional[int] = ..., block_owners: _Optional[_Iterable[int]] = ..., sync_steps: _Optional[int] = ..., overlap_fragments: _Optional[int] = ..., codec: _Optional[str] = ..., codec_settings: _Optional[_Mapping[str, int]] = ..., last_step: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("peer_id", "manifest", "protocol", "dry_run", "spec")
+    __slots__ = ("peer_id", "manifest", "protocol", "dry_run", "spec", "run_id")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
     manifest: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     protocol: int
     dry_run: bool
     spec: RunSpec
-    def __init__(self, peer_id: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, peer_id: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., protocol: _Optional[int] = ..., dry_run: _Optional[bool] = ..., spec: _Optional[_Union[RunSpec, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("current_round", "open_round", "data_port", "manifest_checked", "dry_run")
+    __slots__ = ("current_round", "open_round", "data_port", "manifest_checked", "dry_run", "run_id")
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_CHECKED_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     current_round: int
     open_round: int
     data_port: int
     manifest_checked: bool
     dry_run: bool
-    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ..., manifest_checked: _Optional[bool] = ..., dry_run: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., data_port: _Optional[int] = ..., manifest_checked: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class UploadMeta(_message.Message):
-    __slots__ = ("peer_id", "round", "fragment")
+    __slots__ = ("peer_id", "round", "fragment", "digest")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     peer_id: int
     round: int
     fragment: int
-    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    digest: int
+    def __init__(self, peer_id: _Optional[int] = ..., round: _Optional[int] = ..., fragment: _Optional[int] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "num_bytes", "checksum", "base_round", "codec", "params")
@@ -199,7 +207,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("current_round", "open_round", "num_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent")
+    __slots__ = ("current_round", "open_round", "num_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent", "run_id", "presence")
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -214,6 +222,8 @@ class StatusReply(_message.Message):
     DEAD_PEER_POLICY_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_FIELD_NUMBER: _ClassVar[int]
     current_round: int
     open_round: int
     num_peers: int
@@ -228,10 +238,22 @@ class StatusReply(_message.Message):
     dead_peer_policy: str
     rounds_completed: int
     persistent: bool
-    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    presence: _containers.RepeatedCompositeFieldContainer[PeerPresence]
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ..., run_id: _Optional[str] = ..., presence: _Optional[_Iterable[_Union[PeerPresence, _Mapping]]] = ...) -> None: ...
+
+class PeerPresence(_message.Message):
+    __slots__ = ("peer", "last_seen_s", "connected")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    peer: int
+    last_seen_s: float
+    connected: bool
+    def __init__(self, peer: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., connected: _Optional[bool] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("op", "peer_id", "step", "full", "token", "timeout_s", "session", "up_bytes", "down_bytes", "base_round", "fragment")
+    __slots__ = ("op", "peer_id", "step", "full", "token", "timeout_s", "session", "up_bytes", "down_bytes", "base_round", "fragment", "digest")
     OP_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +265,7 @@ class DataHello(_message.Message):
     DOWN_BYTES_FIELD_NUMBER: _ClassVar[int]
     BASE_ROUND_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     op: DataOp
     peer_id: int
     step: int
@@ -254,7 +277,8 @@ class DataHello(_message.Message):
     down_bytes: int
     base_round: int
     fragment: int
-    def __init__(self, op: _Optional[_Union[DataOp, str]] = ..., peer_id: _Optional[int] = ..., step: _Optional[int] = ..., full: _Optional[bool] = ..., token: _Optional[str] = ..., timeout_s: _Optional[float] = ..., session: _Optional[str] = ..., up_bytes: _Optional[int] = ..., down_bytes: _Optional[int] = ..., base_round: _Optional[int] = ..., fragment: _Optional[int] = ...) -> None: ...
+    digest: int
+    def __init__(self, op: _Optional[_Union[DataOp, str]] = ..., peer_id: _Optional[int] = ..., step: _Optional[int] = ..., full: _Optional[bool] = ..., token: _Optional[str] = ..., timeout_s: _Optional[float] = ..., session: _Optional[str] = ..., up_bytes: _Optional[int] = ..., down_bytes: _Optional[int] = ..., base_round: _Optional[int] = ..., fragment: _Optional[int] = ..., digest: _Optional[int] = ...) -> None: ...
 
 class DataError(_message.Message):
     __slots__ = ("code", "reason", "message")

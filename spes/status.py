@@ -1,0 +1,56 @@
+"""Where a SPES run stands, asked of its parameter server from anywhere: the run, its rounds, who is in, who is
+missing and when each peer was last heard from.
+
+    python -m spes.status server.example.org:50051 [--token_file spes.token] [--tls_ca ca.crt] [--watch 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import grpc
+
+from spes.config import SpesConfig
+from spes.sync.auth import TOKEN_ENV, read_token
+from spes.sync.client import open_channel
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.status import describe
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spes.status", description=__doc__.split("\n\n")[0])
+    parser.add_argument("addr", metavar="HOST:PORT", help="the parameter server (spes_config.server_addr)")
+    parser.add_argument("--token_file", default=None, help=f"the run's shared secret (default: env {TOKEN_ENV})")
+    parser.add_argument("--tls_ca", default=None, help="CA certificate to verify the server (TLS)")
+    parser.add_argument("--tls_cert", default=None, help="client certificate (mutual TLS)")
+    parser.add_argument("--tls_key", default=None, help="client key (mutual TLS)")
+    parser.add_argument("--watch", type=float, default=0, help="ask again every this many seconds (0: once)")
+    parser.add_argument("--timeout", type=float, default=10, help="seconds to wait for the server's answer")
+    args = parser.parse_args(argv)
+    try:
+        token = read_token(args.token_file, "--token_file")
+        settings = SpesConfig(server_addr=args.addr, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        channel = open_channel(settings)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        while True:
+            try:
+                reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
+            except grpc.RpcError as err:
+                print(f"error: {args.addr}: {err.code().name}: {err.details()}", file=sys.stderr)
+                return 1
+            print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

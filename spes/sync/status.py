@@ -1,0 +1,35 @@
+"""What a run is waiting for, in one line: the server logs it, a waiting node logs it, `python -m spes.status`
+prints it (all from the server's Status)."""
+
+from __future__ import annotations
+
+from spes.sync.proto import spes_pb2 as pb
+
+REPORT_S = 30.0
+"""How often the server and a waiting node say what they wait for."""
+
+
+def describe(status: pb.StatusReply) -> str:
+    """The run's state from its Status: the open round, who is in, who is missing and when each was last seen."""
+    seen = {p.peer: p for p in status.presence}
+    missing = [p for p in range(status.num_peers) if p not in status.peers_joined]
+    latest = "no round completed yet" if status.current_round < 0 else f"round {status.current_round} complete"
+    if status.open_round >= 0:
+        what = (
+            f"round {status.open_round} open for {status.open_round_age_s:.0f} s, uploaded by "
+            f"{list(status.peers_uploaded)}, waiting for {list(status.missing_peers)}"
+        )
+        absent = list(status.missing_peers)
+    elif missing:
+        what, absent = f"{latest}; {len(status.peers_joined)} of {status.num_peers} peers joined", missing
+    else:
+        what, absent = f"{latest}; every peer joined, none has uploaded the next round yet", []
+    notes = [_seen(p, seen.get(p)) for p in absent]
+    return f"run {status.run_id}: {what}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _seen(peer: int, presence: pb.PeerPresence | None) -> str:
+    if presence is None:
+        return f"peer {peer} never joined"
+    state = "connected" if presence.connected else "disconnected"
+    return f"peer {peer} {state}, last heard {presence.last_seen_s:.0f} s ago"

@@ -1,0 +1,60 @@
+"""What a run waits for, in one line (spes.sync.status), and `python -m spes.status` against a real server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.status import describe
+from sync_helpers import TOKEN, make_client, peer_upload, running_server, tiny_spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_line_names_the_open_round_who_is_in_and_when_the_missing_were_last_heard() -> None:
+    status = pb.StatusReply(
+        run_id="abc",
+        num_peers=4,
+        current_round=10,
+        open_round=20,
+        open_round_age_s=42.4,
+        peers_joined=[0, 1, 2],
+        peers_uploaded=[0, 1],
+        missing_peers=[2, 3],
+        presence=[pb.PeerPresence(peer=p, last_seen_s=7.2, connected=p != 2) for p in range(3)],
+    )
+    assert describe(status) == (
+        "run abc: round 20 open for 42 s, uploaded by [0, 1], waiting for [2, 3] (peer 2 disconnected, last heard "
+        "7 s ago; peer 3 never joined)"
+    )
+    joining = pb.StatusReply(run_id="abc", num_peers=2, current_round=-1, open_round=-1, peers_joined=[1])
+    assert describe(joining) == "run abc: no round completed yet; 1 of 2 peers joined (peer 0 never joined)"
+
+
+@pytest.mark.timeout(60)
+def test_the_status_command_asks_a_real_server(tmp_path: Path) -> None:
+    spec = tiny_spec()
+    secret = tmp_path / "token"
+    secret.write_text(TOKEN)
+    with running_server(spec, token=TOKEN) as (server, addr), make_client(addr, spec, 0, token=TOKEN) as client:
+        client.join()
+        client.plane.upload(1, peer_upload(spec, 0, seed=1), timeout=10)
+        out = subprocess.run(
+            [sys.executable, "-m", "spes.status", addr, "--token_file", str(secret)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        line = out.stdout.strip()
+        assert f"run {server.service.run_id}: round 1 open" in line and "uploaded by [0], waiting for [1]" in line
+        assert "peer 1 never joined" in line
+        refused = subprocess.run(
+            [sys.executable, "-m", "spes.status", addr], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
