@@ -66,6 +66,8 @@ FULL_MODEL = [
 ]
 QUICK_MODEL = ["--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4"]
 QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
+EVERY_STEP = ["--spes_config.sync_steps=1"]
+"""The peers sync rounds 1, 2, ... back to back: a round at every step (the server admits only the next one)."""
 # Starts a relay in front of the given server ports; returns it and each peer's host to connect to.
 Relay = Callable[[list[int]], tuple[subprocess.Popen, list[str]]]
 HEADER = struct.Struct("<QQ")  # raw protocol: upload bytes, download bytes; then the payloads
@@ -352,6 +354,7 @@ def bench_spes(
     it is started on the server's ports once the server listens, and peer `i` connects to the host `relay` gives it
     (bench/bench_wan.py: an emulated internet link).
     """
+    overrides = [*overrides, *EVERY_STEP]
     cfg = load_config(config, overrides)[0]
     port, data_port = free_port(), free_port()
     log = workdir / f"server_{codec}_{plane}.log"

@@ -77,6 +77,8 @@ PAPER_MERGE = ServerSection(merge_interval=500, merge_alpha_start=0.05, merge_de
 """The paper's launch settings of the merge warm-up (what the amortized figures weight merge rounds by)."""
 MERGE = ServerSection(merge_interval=2, merge_alpha_start=0.05, merge_decay_steps=1000)
 """The measured runs' merge warm-up: step 2 is a merge round."""
+EVERY_STEP = "--spes_config.sync_steps=1"
+"""The measured runs have a round at every step (the server admits only the round the schedule expects next)."""
 GRPC_PREFIX = 5  # gRPC length-prefixed message: 1 flag byte + 4 length bytes
 CODECS = ("fp32", "bf16", "int8")
 """The codecs measured by default (`--codecs`)."""
@@ -199,7 +201,7 @@ def measure_rounds(path: Path, codecs: Sequence[CodecChoice]) -> tuple[dict[str,
     """
     runs: list[tuple[Mode, CodecChoice]] = [("spes", c) for c in codecs]
     runs += [("diloco", CodecChoice.parse(c)) for c in DILOCO_CODECS]
-    merge = server_overrides(MERGE)
+    merge = [*server_overrides(MERGE), EVERY_STEP]
     measured: dict[str, Any] = {}
     checks = []
     states: dict[Mode, dict[str, torch.Tensor]] = {}
@@ -295,9 +297,9 @@ def measure_paper(path: Path, codec: CodecChoice) -> dict[str, Any]:
 
 
 def slice_spec(path: Path, codec: CodecChoice, names: list[str]) -> RunSpec:
-    """The run spec of the config's run on `codec` over the tensors `names` only (merging on even steps): the run's
-    peers when the slice holds expert blocks, else one."""
-    cfg = load_config(path, codec.overrides())[0]
+    """The run spec of the config's run on `codec` over the tensors `names` only (a round every step, merging on
+    even steps): the run's peers when the slice holds expert blocks, else one."""
+    cfg = load_config(path, [*codec.overrides(), EVERY_STEP])[0]
     full = run_spec(cfg, manifest_of(cfg))
     assert full.manifest is not None
     experts = set(full.trainable(1, names)) != set(names)  # another peer's blocks are here

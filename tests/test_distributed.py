@@ -469,6 +469,7 @@ def test_two_nodes_of_two_ranks_hold_the_same_global_model_after_every_round(tin
             *SMALL_NODE,
             *SPES_PEER,
             "--spes_config.sync_steps=2",
+            "--max_duration=4st",
             "--server.merge_interval=4",
             "--server.merge_alpha_start=0.05",
             "--server.merge_topk=1",

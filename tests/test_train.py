@@ -101,7 +101,8 @@ def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
         "--spes_config.round_timeout_s=20",
     ]
     # NOTE: the server of a two-peer run, started from the run's YAML and overrides as a user would
-    with parameter_server(tmp_path / "server.log", TINY, *SMALL_NODE, *two, "--server.round_timeout_s=3") as addr:
+    server = [TINY, *SMALL_NODE, *two, "--max_duration=2st", "--server.round_timeout_s=3"]
+    with parameter_server(tmp_path / "server.log", *server) as addr:
         code, out = train(tmp_path, *node, f"--spes_config.server_addr={addr}", name="layout.log")
         assert_one_line(code, out, "num_peers")
         code, out = train(tmp_path, *node, *two, f"--spes_config.server_addr={addr}", name="timeout.log")

@@ -2,7 +2,8 @@
 
     python tests/faults/peer_process.py --addr 127.0.0.1:PORT --peer 1 --num_peers 2 --steps 1 2 --out DIR
 
-The token comes from SPES_TOKEN. Round `s` uploads `peer_upload(spec, peer, seed=s)`
+A restarted process passes `--run_id` (the run it belongs to, as a node resumed from its checkpoint knows it). The
+token comes from SPES_TOKEN. Round `s` uploads `peer_upload(spec, peer, seed=s)`
 (tests/sync_helpers.py), so a restarted process sends exactly what the killed one would have; each round's
 download lands in DIR/round-<s>.safetensors.
 """
@@ -31,6 +32,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=8, help="d_model of tiny_spec's model (expert width is half)")
     parser.add_argument("--steps", type=int, nargs="+", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--run_id", default=None, help="the run this peer belongs to (default: it starts fresh)")
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = tiny_spec(mode=args.mode, num_peers=args.num_peers, d=args.width, f=max(1, args.width // 2))
@@ -44,6 +46,7 @@ def main() -> int:
         rpc_timeout_s=10,
         round_timeout_s=60,
         max_retries=8,
+        run_id=args.run_id,
     ) as client:
         client.join()
         for step in args.steps:

@@ -31,6 +31,7 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROTOCOL_VERSION
 from spes.sync.server import spec_of_run
+from spes.sync.wire import upload_digest
 from sync_helpers import NO_MERGE, TOKEN, make_client, peer_upload, running_server, tiny_spec
 
 PEERS = 2
@@ -57,15 +58,17 @@ class Run:
     """A server process, two live peers and a connected probe channel; `round()` runs one legitimate round."""
 
     def __init__(self, server: ServerProcess, stack: ExitStack, token: str | None = None) -> None:
-        self.server, self.token, self.step = server, token, 0
+        self.server, self.token, self.step, self.run_id = server, token, 0, None
         self.clients = [stack.enter_context(self.client(p)) for p in range(PEERS)]
         for client in self.clients:
             client.join()
+        self.run_id = self.clients[0].run_id
         self.probe = stack.enter_context(grpc.insecure_channel(server.addr))
         grpc.channel_ready_future(self.probe).result(timeout=10)
 
     def client(self, peer: int, **kwargs: object) -> SyncClient:
-        settings: dict = {"rpc_timeout_s": 10, "round_timeout_s": 60, "max_retries": 8}
+        """A process acting as peer `peer` of this run (once it has one: a restarted or replacement node)."""
+        settings: dict = {"rpc_timeout_s": 10, "round_timeout_s": 60, "max_retries": 8, "run_id": self.run_id}
         settings.update(kwargs)
         return make_client(self.server.addr, SPEC, peer, token=self.token, **settings)
 
@@ -334,8 +337,13 @@ def test_a_join_mid_round_and_a_replayed_old_upload(run: Run) -> None:
     replay = run.probe.stream_unary(
         UPLOAD, request_serializer=pb.UploadMessage.SerializeToString, response_deserializer=pb.UploadReply.FromString
     )
-    reply = replay(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step))]), timeout=10)
+    same = upload_digest(uploads[0], "fp32")  # what peer 0 sent: a retry of it is an idempotent no-op
+    reply = replay(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step, digest=same))]), timeout=10)
     assert reply.duplicate  # the round just completed: an idempotent no-op
+    with pytest.raises(grpc.RpcError) as err:  # other values for the committed round: refused
+        replay(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step, digest=same ^ 1))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert f"peer 0 uploads round {step} again with other values" in err.value.details()
     run.check_healthy()
 
 
@@ -362,13 +370,14 @@ def test_the_server_knows_the_model_from_the_runs_yaml(tmp_path: Path) -> None:
         ]
         for client in clients:
             client.join()
+        step = spec.next_round(None)  # the run's first round: step sync_steps
         uploads = {p: peer_upload(spec, p, seed=1) for p in range(peers)}
         with ThreadPoolExecutor(peers) as pool:
             results = [
-                f.result(timeout=90) for f in [pool.submit(c.sync, 1, uploads[p]) for p, c in enumerate(clients)]
+                f.result(timeout=90) for f in [pool.submit(c.sync, step, uploads[p]) for p, c in enumerate(clients)]
             ]
-        assert clients[0].status().current_round == 1
+        assert clients[0].status().current_round == step
         assert proc_usage(server.proc.pid)["rss"] < RSS_BOUND
-    want = fault_free({1: uploads}, spec)
+    want = fault_free({step: uploads}, spec)
     for got, _ in results:
         assert_exact(got, want)

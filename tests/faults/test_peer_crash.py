@@ -27,7 +27,7 @@ SPEC = tiny_spec(d=WIDTH, f=WIDTH // 2, server=MERGE)
 MANIFEST = SPEC.manifest or {}
 
 
-def peer_command(addr: str, peer: int, steps: list[int], out: Path) -> list[str]:
+def peer_command(addr: str, peer: int, steps: list[int], out: Path, run_id: str | None = None) -> list[str]:
     return [
         sys.executable,
         str(REPO / "tests/faults/peer_process.py"),
@@ -41,6 +41,7 @@ def peer_command(addr: str, peer: int, steps: list[int], out: Path) -> list[str]
         *map(str, steps),
         "--out",
         str(out),
+        *(["--run_id", run_id] if run_id else []),
     ]
 
 
@@ -86,7 +87,7 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
             status = peer0.status()
             assert (status.current_round, status.open_round, status.peers_uploaded) == (1, 2, (0,))
             restarted = subprocess.run(
-                peer_command(server.addr, 1, [2], tmp_path / "again"),
+                peer_command(server.addr, 1, [2], tmp_path / "again", run_id=peer0.run_id),
                 cwd=REPO,
                 env={**os.environ, **env},
                 capture_output=True,

@@ -12,7 +12,7 @@ import torch
 
 from spes.config import load_config
 from spes.distributed import DistInfo
-from spes.sync.peer import PeerSync, SyncResult
+from spes.sync.peer import PeerSync, SyncResult, read_run_id
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
 from spes.train import build_node
@@ -104,7 +104,8 @@ def node(
     cfg, _ = load_config(str(TINY), overrides(corpus, tmp_path, addr, peer))
     cfg.load_path = load_path
     built = build_node(cfg, CPU, log=lambda _m: None)
-    sync = PeerSync(cfg, built.model, CPU, log=lambda _m: None)
+    run_id = read_run_id(built.checkpoint.path) if built.checkpoint is not None else None  # as spes.train does
+    sync = PeerSync(cfg, built.model, CPU, log=lambda _m: None, run_id=run_id)
     sync.join()
     loader = built.loader if crash_at is None else CrashingLoader(built.loader, crash_at)
     recording = Recording(sync)
