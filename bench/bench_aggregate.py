@@ -26,28 +26,29 @@ from common import (
     format_table,
     machine_info,
     manifest_bytes,
-    manifest_of,
     parser,
+    server_overrides,
     write_results,
 )
-from spes.config import load_config
-from spes.sync.merge import MergeConfig, Mode, build_global, trainable_names
+from spes.config import ServerSection
+from spes.sync.merge import build_global
+from spes.sync.server import spec_of_run
+from spes.sync.spec import RunSpec
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 # The paper's 1B widths (d_model 768, 16 experts of 2048) with 3 layers and a 50k vocabulary: 1.24 GB in fp32.
 FULL_MODEL = ["--model.n_layers=3", "--model.vocab_size=50304", "--model.embedding_size=50304"]
 QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
-MERGE = MergeConfig(interval=100, alpha_start=0.05, decay_steps=10000, topk=4)
+MERGE = ServerSection(merge_interval=100, merge_alpha_start=0.05, merge_decay_steps=10000, merge_topk=4)
 
 
-def make_uploads(
-    manifest: dict[str, tuple[int, ...]], peers: int, mode: Mode, dtype: torch.dtype
-) -> dict[int, dict[str, torch.Tensor]]:
-    """Random uploads of every peer (what the server has decoded when the round completes)."""
+def make_uploads(spec: RunSpec, dtype: torch.dtype) -> dict[int, dict[str, torch.Tensor]]:
+    """Random uploads of every peer of the run `spec` (what the server has decoded when the round completes)."""
     gen = torch.Generator().manual_seed(0)
+    manifest = spec.manifest or {}
     return {
-        p: {n: torch.randn(manifest[n], generator=gen).to(dtype) for n in trainable_names(list(manifest), p, mode)}
-        for p in range(peers)
+        p: {n: torch.randn(manifest[n], generator=gen).to(dtype) for n in spec.trainable(p)}
+        for p in range(spec.num_peers)
     }
 
 
@@ -61,14 +62,11 @@ def copy_all(uploads: dict[int, dict[str, torch.Tensor]], into: list[torch.Tenso
 
 
 def bench_case(
-    name: str, uploads: dict[int, dict[str, torch.Tensor]], *, peers: int, k: int, mode: Mode, step: int, repeats: int
+    name: str, uploads: dict[int, dict[str, torch.Tensor]], *, spec: RunSpec, step: int, repeats: int
 ) -> dict[str, Any]:
     """Time build_global and clone on the same uploads, in the same run."""
     nbytes = sum(t.numel() * t.element_size() for u in uploads.values() for t in u.values())
-    agg_s = best_seconds(
-        lambda: build_global(uploads, num_peers=peers, experts_per_peer=k, mode=mode, step=step, merge=MERGE).tensors,
-        repeats,
-    )
+    agg_s = best_seconds(lambda: build_global(uploads, spec=spec, step=step).tensors, repeats)
     copy_s = best_seconds(lambda: clone_all(uploads), repeats)
     into = clone_all(uploads)
     reused_s = best_seconds(lambda: copy_all(uploads, into), repeats)
@@ -92,11 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     config, overrides = (QUICK_CONFIG, []) if args.quick else (PAPER_1B, FULL_MODEL)
     repeats = args.repeats or (2 if args.quick else 5)
-    spes_cfg = load_config(config, overrides)[0]
-    peers, k = spes_cfg.spes_config.num_peers, spes_cfg.spes_config.num_train_experts_per_node
-    spes_manifest = manifest_of(spes_cfg)
-    diloco_cfg = load_config(config, [*overrides, "--using_dilico=true"])[0]
-    diloco_manifest = manifest_of(diloco_cfg)
+    spes = spec_of_run(str(config), [*overrides, *server_overrides(MERGE)])  # the server's, from the YAML
+    diloco = spec_of_run(str(config), [*overrides, *server_overrides(MERGE), "--using_dilico=true"])
+    peers, k = spes.num_peers, spes.experts_per_block
+    spes_manifest = spes.manifest or {}
     print(
         f"model: {manifest_bytes(spes_manifest) / 1e9:.2f} GB fp32 ({config.relative_to(REPO_ROOT)} "
         f"{' '.join(overrides)}), {peers} peers x {k} experts; torch threads {torch.get_num_threads()}"
@@ -104,29 +101,13 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        uploads = make_uploads(spes_manifest, peers, "spes", dtype)
-        for case, step in (("spes plain round", MERGE.interval + 1), ("spes merge round", MERGE.interval)):
-            results.append(
-                {
-                    "dtype": dtype_name,
-                    **bench_case(case, uploads, peers=peers, k=k, mode="spes", step=step, repeats=repeats),
-                }
-            )
+        uploads = make_uploads(spes, dtype)
+        for case, step in (("spes plain round", MERGE.merge_interval + 1), ("spes merge round", MERGE.merge_interval)):
+            results.append({"dtype": dtype_name, **bench_case(case, uploads, spec=spes, step=step, repeats=repeats)})
         del uploads
-        uploads = make_uploads(diloco_manifest, peers, "diloco", dtype)
+        uploads = make_uploads(diloco, dtype)
         results.append(
-            {
-                "dtype": dtype_name,
-                **bench_case(
-                    "diloco average",
-                    uploads,
-                    peers=peers,
-                    k=diloco_cfg.experts_per_peer,
-                    mode="diloco",
-                    step=1,
-                    repeats=repeats,
-                ),
-            }
+            {"dtype": dtype_name, **bench_case("diloco average", uploads, spec=diloco, step=1, repeats=repeats)}
         )
         del uploads
     rows = [

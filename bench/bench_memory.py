@@ -60,7 +60,7 @@ def tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def build(cfg: TrainConfig) -> tuple[Transformer, torch.optim.Optimizer]:
     with torch.device("meta"):
-        model = Transformer.for_run(cfg)
+        model = Transformer.for_run(cfg, training=True)
     model.to_empty(device="cpu")
     model.init_weights(cfg.seed)
     return model, build_optimizer(model, cfg.optimizer)

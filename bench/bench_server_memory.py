@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from common import MIB, format_table, machine_info, manifest_bytes, parser, start_server, write_results
+from common import MIB, format_table, machine_info, manifest_bytes, parser, spec_overrides, start_server, write_results
+from spes.config import ServerSection, SpesConfig
 from spes.sync.client import SyncClient
-from spes.sync.merge import trainable_names
+from spes.sync.spec import RunSpec
 
 LAYERS, WIDTH = 4, 1024
 
@@ -49,6 +50,19 @@ def synthetic_manifest(model_mb: int, peers: int) -> dict[str, tuple[int, ...]]:
     return manifest
 
 
+def synthetic_run(model_mb: int, peers: int) -> RunSpec:
+    """The run of `synthetic_manifest`: one expert per block, peer b owning block b, no merge warm-up."""
+    return RunSpec(
+        mode="spes",
+        num_peers=peers,
+        experts_per_block=1,
+        block_owners=tuple(range(peers)),
+        sync_steps=1,
+        manifest=synthetic_manifest(model_mb, peers),
+        server=ServerSection(merge_interval=0),
+    )
+
+
 def proc_memory(pid: int) -> dict[str, int]:
     """Current and peak resident bytes of a live process (VmRSS, VmHWM)."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
@@ -56,40 +70,22 @@ def proc_memory(pid: int) -> dict[str, int]:
 
 
 def bench_case(model_mb: int, peers: int, rounds: int, workdir: Path) -> dict[str, Any]:
-    manifest = synthetic_manifest(model_mb, peers)
-    trainable = {p: trainable_names(list(manifest), p, "spes") for p in range(peers)}
+    spec = synthetic_run(model_mb, peers)
+    manifest = spec.manifest or {}
+    trainable = {p: spec.trainable(p) for p in range(peers)}
     gen = torch.Generator().manual_seed(0)
     values = {n: torch.randn(s, generator=gen) for n, s in manifest.items()}  # NOTE: peers share shared tensors
     proc, port = start_server(
-        [
-            "--total_peers",
-            str(peers),
-            "--num_train_experts_per_node",
-            "1",
-            "--merge_interval",
-            "0",
-            "--state_dir",
-            str(workdir / f"state-{model_mb}-{peers}"),
-        ],
+        [*spec_overrides(spec), "--state_dir", str(workdir / f"state-{model_mb}-{peers}")],
         workdir / f"server-{model_mb}-{peers}.log",
     )
     try:
         time.sleep(1.0)
         idle = proc_memory(proc.pid)["rss"]
-        clients = [
-            SyncClient(
-                f"127.0.0.1:{port}",
-                peer_id=p,
-                num_peers=peers,
-                experts_per_peer=1,
-                mode="spes",
-                rpc_timeout_s=60,
-                round_timeout_s=600,
-            )
-            for p in range(peers)
-        ]
-        for peer, client in enumerate(clients):
-            client.join(manifest, trainable[peer])
+        settings = SpesConfig(server_addr=f"127.0.0.1:{port}", rpc_timeout_s=60, round_timeout_s=600)
+        clients = [SyncClient(spec, p, settings) for p in range(peers)]
+        for client in clients:
+            client.join()
         seconds = []
         with ThreadPoolExecutor(peers) as pool:
             for step in range(1, rounds + 1):

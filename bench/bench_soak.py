@@ -34,16 +34,28 @@ from typing import Any
 import grpc
 import torch
 
-from common import MIB, REPO_ROOT, format_table, machine_info, manifest_bytes, parser, start_server, write_results
+from common import (
+    MIB,
+    REPO_ROOT,
+    format_table,
+    machine_info,
+    manifest_bytes,
+    parser,
+    spec_overrides,
+    start_server,
+    write_results,
+)
+from spes.config import ServerSection, SpesConfig
 from spes.sync.client import SyncClient
-from spes.sync.merge import MergeConfig, build_global, trainable_names
+from spes.sync.merge import build_global
 from spes.sync.plane_tcp import TcpPlane
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROTOCOL_VERSION
+from spes.sync.spec import RunSpec
 
 PEERS, K, LAYERS, D = 4, 2, 2, 64
-MERGE = MergeConfig(interval=5, alpha_start=0.5, decay_steps=10_000, topk=2)
+MERGE = ServerSection(merge_interval=5, merge_alpha_start=0.5, merge_decay_steps=10_000, merge_topk=2)
 UPLOAD = "/spes.v1.ParameterServer/Upload"
 
 
@@ -58,6 +70,19 @@ def manifest() -> dict[str, tuple[int, ...]]:
             shapes[f"blocks.{layer}.ffn.experts.v1.{b}"] = (K, D, D // 2)
             shapes[f"blocks.{layer}.ffn.experts.w2.{b}"] = (K, D // 2, D)
     return shapes
+
+
+def run() -> RunSpec:
+    """The soak's run: `manifest()`'s model, peer b owning block b, a round every step, merging every 5."""
+    return RunSpec(
+        mode="spes",
+        num_peers=PEERS,
+        experts_per_block=K,
+        block_owners=tuple(range(PEERS)),
+        sync_steps=1,
+        manifest=manifest(),
+        server=MERGE,
+    )
 
 
 def usage(pid: int) -> dict[str, int]:
@@ -181,28 +206,11 @@ def kill_data_upload(host: str, data_port: int, peer: int, step: int) -> int:
 
 # -- the soak ---------------------------------------------------------------------------------------------------
 def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> dict[str, Any]:
-    shapes = manifest()
-    trainable = {p: trainable_names(list(shapes), p, "spes") for p in range(PEERS)}
+    spec = run()
+    shapes = spec.manifest or {}
+    trainable = {p: spec.trainable(p) for p in range(PEERS)}
     server, port = start_server(
-        [
-            "--total_peers",
-            str(PEERS),
-            "--num_train_experts_per_node",
-            str(K),
-            "--data_port",
-            "0",
-            "--stream_idle_timeout",
-            "2",
-            "--merge_interval",
-            str(MERGE.interval),
-            "--merge_alpha_start",
-            str(MERGE.alpha_start),
-            "--merge_decay_steps",
-            str(MERGE.decay_steps),
-            "--merge_topk",
-            str(MERGE.topk),
-        ],
-        workdir / "server.log",
+        [*spec_overrides(spec), "--data_port", "0", "--stream_idle_timeout", "2"], workdir / "server.log"
     )
     addr = f"127.0.0.1:{port}"
     chaos_proc = None
@@ -210,21 +218,10 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
     exact_rounds = 0
     seconds: list[float] = []
     try:
-        clients = [
-            SyncClient(
-                addr,
-                peer_id=p,
-                num_peers=PEERS,
-                experts_per_peer=K,
-                mode="spes",
-                rpc_timeout_s=20,
-                round_timeout_s=120,
-                max_retries=10,
-            )
-            for p in range(PEERS)
-        ]
-        for p, client in enumerate(clients):
-            client.join(shapes, trainable[p])
+        settings = SpesConfig(server_addr=addr, rpc_timeout_s=20, round_timeout_s=120, max_retries=10)
+        clients = [SyncClient(spec, p, settings) for p in range(PEERS)]
+        for client in clients:
+            client.join()
         data_plane = clients[0].plane
         if not isinstance(data_plane, TcpPlane):
             raise RuntimeError("the server offers a data plane (--data_port 0) but client 0 did not take it")
@@ -246,9 +243,7 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
             for step in range(1, rounds + 1):
                 gen = torch.Generator().manual_seed(step)
                 uploads = {p: {n: torch.randn(shapes[n], generator=gen) for n in trainable[p]} for p in range(PEERS)}
-                want = build_global(
-                    uploads, num_peers=PEERS, experts_per_peer=K, mode="spes", step=step, merge=MERGE
-                ).tensors
+                want = build_global(uploads, spec=spec, step=step).tensors
                 start = time.perf_counter()
                 futures = [pool.submit(c.sync, step, uploads[p]) for p, c in enumerate(clients)]
                 results = [f.result(timeout=300) for f in futures]

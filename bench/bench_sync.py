@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Sync throughput: one SPES round of a >1 GB model through a real server, against a raw TCP socket.
 
-    .venv/bin/python bench/bench_sync.py                       # 1.24 GB fp32 model, 2 peers, fp32 and bf16 wire
+    .venv/bin/python bench/bench_sync.py                       # 1.24 GB fp32 model, 2 peers, codecs fp32 and bf16
     .venv/bin/python bench/bench_sync.py --profile             # also py-spy profiles of the server and peer 0
     .venv/bin/python bench/bench_sync.py --quick               # configs/tiny.yaml's model, one round
 
@@ -22,7 +22,9 @@ hottest lines of the server and of peer 0 into the results.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -35,7 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, TypedDict
+from typing import IO, Any, Literal, TypedDict
 
 import torch
 
@@ -49,11 +51,10 @@ from common import (
     parser,
     write_results,
 )
-from spes.config import load_config
+from spes.config import TrainConfig, load_config
 from spes.launch import free_port
-from spes.sync.client import DataPlane, SyncClient
-from spes.sync.merge import download_names, trainable_names
-from spes.sync.wire import payload_bytes
+from spes.sync.client import SyncClient
+from spes.sync.spec import RunSpec, run_spec
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 FULL_MODEL = [
@@ -65,6 +66,8 @@ FULL_MODEL = [
 ]
 QUICK_MODEL = ["--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=4"]
 QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
+EVERY_STEP = ["--spes_config.sync_steps=1"]
+"""The peers sync rounds 1, 2, ... back to back: a round at every step (the server admits only the next one)."""
 # Starts a relay in front of the given server ports; returns it and each peer's host to connect to.
 Relay = Callable[[list[int]], tuple[subprocess.Popen, list[str]]]
 HEADER = struct.Struct("<QQ")  # raw protocol: upload bytes, download bytes; then the payloads
@@ -78,28 +81,25 @@ def wait_for_go() -> None:
         raise SystemExit("orchestrator went away")
 
 
+def node_run(config: Path, overrides: list[str], codec: str) -> tuple[TrainConfig, RunSpec]:
+    """A node's config of the measured run on `codec`, and its run spec (what the server builds from the same)."""
+    cfg = load_config(config, [*overrides, f"--spes_config.codec={codec}"])[0]
+    return cfg, run_spec(cfg, manifest_of(cfg))
+
+
 def grpc_peer(
-    config: Path, overrides: list[str], peer: int, addr: str, wire: str, rounds: int, plane: DataPlane
+    config: Path, overrides: list[str], peer: int, addr: str, codec: str, rounds: int, plane: Literal["grpc", "tcp"]
 ) -> None:
     """A SPES peer: real SyncClient, random fp32 tensors for what it trains; one JSON line per round."""
-    cfg = load_config(config, overrides)[0]
-    manifest = manifest_of(cfg)
-    names = trainable_names(list(manifest), peer, "spes")
+    cfg, spec = node_run(config, overrides, codec)
+    assert spec.manifest is not None
     gen = torch.Generator().manual_seed(peer)
-    tensors = {n: torch.randn(manifest[n], generator=gen) for n in names}
-    with SyncClient(
-        addr,
-        peer_id=peer,
-        num_peers=cfg.spes_config.num_peers,
-        experts_per_peer=cfg.experts_per_peer,
-        mode="spes",
-        wire_dtype=wire,
-        rpc_timeout_s=600,
-        round_timeout_s=900,
-        data_plane=plane,
-        reuse_buffers=True,
-    ) as client:  # as spes.sync.peer.PeerSync
-        client.join(manifest, names)
+    tensors = {n: torch.randn(spec.manifest[n], generator=gen) for n in spec.trainable(peer)}
+    settings = dataclasses.replace(
+        cfg.spes_config, server_addr=addr, rpc_timeout_s=600, round_timeout_s=900, data_plane=plane
+    )
+    with SyncClient(spec, peer, settings, reuse_buffers=True) as client:  # as spes.sync.peer.PeerSync
+        client.join()
         for r in range(1, rounds + 1):
             wait_for_go()
             start = time.time()
@@ -340,7 +340,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
 def bench_spes(
     config: Path,
     overrides: list[str],
-    wire: str,
+    codec: str,
     plane: str,
     warmup: int,
     rounds: int,
@@ -348,30 +348,27 @@ def bench_spes(
     profile: bool,
     relay: Relay | None = None,
 ) -> tuple[list[RoundRecord], dict[str, Any], list[float]]:
-    """SPES rounds with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp").
+    """SPES rounds on `codec` with tensor payloads over gRPC (`plane` "grpc") or the raw-TCP data plane ("tcp").
 
-    With `relay`, it is started on the server's ports once the server listens, and peer `i` connects to the
-    host `relay` gives it (bench/bench_wan.py: an emulated internet link).
+    The server is started as a user would: `python -m spes.server CONFIG` with the nodes' overrides. With `relay`,
+    it is started on the server's ports once the server listens, and peer `i` connects to the host `relay` gives it
+    (bench/bench_wan.py: an emulated internet link).
     """
+    overrides = [*overrides, *EVERY_STEP]
     cfg = load_config(config, overrides)[0]
     port, data_port = free_port(), free_port()
-    log = workdir / f"server_{wire}_{plane}.log"
+    log = workdir / f"server_{codec}_{plane}.log"
+    run = [*overrides, f"--spes_config.codec={codec}", "--server.merge_interval=0", "--server.round_timeout_s=900"]
     server = spawn(
         [
             "-m",
             "spes.server",
-            "--total_peers",
-            str(cfg.spes_config.num_peers),
-            "--num_train_experts_per_node",
-            str(cfg.experts_per_peer),
+            str(config),
+            *run,
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
-            "--merge_interval",
-            "0",
-            "--round_timeout",
-            "900",
             "--data_port",
             str(data_port) if plane == "tcp" else "-1",
         ],
@@ -395,8 +392,8 @@ def bench_spes(
                     hosts[p],
                     "--port",
                     str(port),
-                    "--wire",
-                    wire,
+                    "--codec",
+                    codec,
                     "--plane",
                     plane,
                     "--rounds",
@@ -408,7 +405,7 @@ def bench_spes(
         ]
         procs += peers
         pids = [("server", server.pid), ("peer0", peers[0].pid)]
-        profile_dir = workdir / f"profile_{wire}_{plane}" if profile else None
+        profile_dir = workdir / f"profile_{codec}_{plane}" if profile else None
         results, profiles = run_rounds(peers, warmup, rounds, pids, profile_dir)
     finally:
         stop(procs)
@@ -470,6 +467,17 @@ def bench_raw(
     return results
 
 
+def round_bytes(spec: RunSpec) -> tuple[list[int], list[int]]:
+    """Each peer's (up, down) payload bytes in a plain round of `spec` on its (raw) codec."""
+    manifest, codec = spec.manifest or {}, spec.codec_impl
+
+    def size(names: list[str]) -> int:
+        return sum(codec.round_bytes(math.prod(manifest[n])) for n in names)
+
+    peers = range(spec.num_peers)
+    return [size(spec.trainable(q)) for q in peers], [size(spec.downloads(q, merged=False)) for q in peers]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_sync", __doc__)
     p.add_argument("--role", choices=["grpc-peer", "raw-server", "raw-peer"], default=None, help="(internal)")
@@ -482,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--up", type=int, default=0, help="(internal)")
     p.add_argument("--down", type=int, default=0, help="(internal)")
     p.add_argument("--max-bytes", type=int, default=0, help="(internal)")
-    p.add_argument("--wire", choices=["fp32", "bf16"], default="fp32", help="(internal)")
+    p.add_argument("--codec", choices=["fp32", "bf16"], default="fp32", help="(internal) the run's codec")
     p.add_argument("--plane", choices=["grpc", "tcp"], default="grpc", help="(internal) where tensor payloads go")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 5, quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2, quick 0)")
@@ -495,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (1 if args.quick else 5)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)
     if args.role == "grpc-peer":
-        grpc_peer(args.config, args.override, args.peer_id, f"{args.host}:{args.port}", args.wire, rounds, args.plane)
+        grpc_peer(args.config, args.override, args.peer_id, f"{args.host}:{args.port}", args.codec, rounds, args.plane)
         return 0
     if args.role == "raw-server":
         raw_server(args.port, args.peers, rounds, args.max_bytes)
@@ -516,22 +524,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     measurements: dict[str, Any] = {}
     rows = []
-    for wire in ("fp32",) if args.quick else ("fp32", "bf16"):
-        names = list(manifest)
-        peers = range(cfg.spes_config.num_peers)
-        up = [sum(payload_bytes(manifest[n], wire) for n in trainable_names(names, q, "spes")) for q in peers]
-        down = [sum(payload_bytes(manifest[n], wire) for n in download_names(names, q, "spes", False)) for q in peers]
+    for codec in ("fp32",) if args.quick else ("fp32", "bf16"):
+        up, down = round_bytes(node_run(config, overrides, codec)[1])
         raw = bench_raw(up, down, warmup, rounds)
         best_raw = min(raw, key=lambda x: x["seconds"])
         for plane in ("grpc", "tcp"):
             spes, profiles, aggregation = bench_spes(
-                config, overrides, wire, plane, warmup, rounds, workdir, args.profile and wire == "fp32"
+                config, overrides, codec, plane, warmup, rounds, workdir, args.profile and codec == "fp32"
             )
             best = min(spes, key=lambda x: x["seconds"])
             agg = min(aggregation) if aggregation else 0.0
             ratio = best_raw["seconds"] / best["seconds"]
             ratio_no_agg = best_raw["seconds"] / max(best["seconds"] - agg, 1e-9)
-            measurements[f"{wire}_{plane}"] = {
+            measurements[f"{codec}_{plane}"] = {
                 "spes_rounds": spes,
                 "raw_rounds": raw,
                 "server_aggregation_s": aggregation,
@@ -541,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             rows.append(
                 [
-                    wire,
+                    codec,
                     plane,
                     f"{best['bytes'] / 1e9:.2f}",
                     f"{best['seconds']:.2f}",
@@ -556,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         format_table(
             [
-                "wire",
+                "codec",
                 "payloads over",
                 "GB moved",
                 "SPES round s",

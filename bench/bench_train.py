@@ -58,7 +58,7 @@ def build_variant(
         config, [f"--model.moe_backend={backend}", f"--save_folder={save_folder}", *KINDS[kind], *extra, *overrides]
     )
     with torch.device("meta"):
-        model = Transformer.for_run(cfg)
+        model = Transformer.for_run(cfg, training=True)
     model.to_empty(device=device)
     model.init_weights(cfg.seed)
     optimizer = build_optimizer(model, cfg.optimizer)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bench_sync import bench_raw, bench_spes, expect_line, spawn
+from bench_sync import bench_raw, bench_spes, expect_line, node_run, round_bytes, spawn
 from bench_train import build_variant, timed_step
 from common import (
     REPO_ROOT,
@@ -53,8 +53,6 @@ from common import (
     write_results,
 )
 from spes.config import load_config
-from spes.sync.merge import download_names, trainable_names
-from spes.sync.wire import payload_bytes
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 RELAY = Path(__file__).resolve().parent / "link_relay.py"
@@ -126,16 +124,6 @@ class LinkSpec:
         return phase(up) + phase(down)
 
 
-def round_bytes(manifest: dict[str, tuple[int, ...]], peers: int, wire: str) -> tuple[list[int], list[int]]:
-    """Analytic payload bytes per peer (what the raw baseline sends; SPES's own are read from its peers)."""
-    names = list(manifest)
-    up = [sum(payload_bytes(manifest[n], wire) for n in trainable_names(names, q, "spes")) for q in range(peers)]
-    down = [
-        sum(payload_bytes(manifest[n], wire) for n in download_names(names, q, "spes", False)) for q in range(peers)
-    ]
-    return up, down
-
-
 def measure(
     link: LinkSpec, scale: int, wires: list[str], planes: list[str], warmup: int, rounds: int, workdir: Path
 ) -> list[dict[str, Any]]:
@@ -145,7 +133,7 @@ def measure(
     manifest = manifest_of(cfg)
     out = []
     for wire in wires:
-        up, down = round_bytes(manifest, peers, wire)
+        up, down = round_bytes(node_run(PAPER_1B, overrides, wire)[1])  # what the raw baseline sends
         raw = bench_raw(up, down, warmup, rounds, relay=lambda ports: link.relay(ports, peers))
         best_raw = min(raw, key=lambda r: r["seconds"])
         for plane in planes:
@@ -189,11 +177,9 @@ def measure(
 def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: float) -> list[dict[str, Any]]:
     """The full 1B model's round at each measured speed (its bytes at the ideal rate over the efficiency
     measured there) and, given a step time, the share of wall time a node is not training per `sync_steps`."""
-    cfg = load_config(PAPER_1B)[0]
-    manifest = manifest_of(cfg)
     rows = []
     for m in measured:
-        up, down = round_bytes(manifest, cfg.spes_config.num_peers, m["wire"])
+        up, down = round_bytes(node_run(PAPER_1B, [], m["wire"])[1])
         link = LinkSpec(m["peer_mbit"], m["server_mbit"], rtt_ms)
         round_s = link.ideal_seconds(up, down) / m["efficiency"]
         idle = None if step_s is None else {s: round_s / (round_s + s * step_s) for s in SYNC_STEPS}

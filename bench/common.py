@@ -9,6 +9,7 @@ average, because the CPU is shared and a ratio measured in one run is the only f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 
 from spes.atomic import write_atomic
-from spes.config import TrainConfig
+from spes.config import ServerSection, TrainConfig
 from spes.model import Transformer
+from spes.sync.spec import RunSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
@@ -159,6 +161,35 @@ def manifest_bytes(manifest: dict[str, tuple[int, ...]], names: Sequence[str] | 
             numel *= d
         total += numel * itemsize
     return total
+
+
+def spec_overrides(spec: RunSpec) -> list[str]:
+    """The `--section.key=value` overrides that give a server started without the run's YAML the run `spec`, as a
+    user would type them: the nodes' settings and whatever of the `server:` section differs from its defaults (the
+    model's manifest and block owners come from the first node to join)."""
+    words = [f"--spes_config.num_peers={spec.num_peers}"]
+    if spec.mode == "diloco":
+        words.append("--using_dilico=true")
+    else:
+        words.append(f"--spes_config.num_train_experts_per_node={spec.experts_per_block}")
+    if spec.sync_steps is not None:
+        words.append(f"--spes_config.sync_steps={spec.sync_steps}")
+    if spec.overlap_fragments != 1:
+        words.append(f"--spes_config.overlap_fragments={spec.overlap_fragments}")
+    if spec.codec != "fp32":
+        words.append(f"--spes_config.codec={spec.codec}")
+        words += [f"--spes_config.codec_settings.{key}={value}" for key, value in spec.codec_settings]
+    return [*words, *server_overrides(spec.server)]
+
+
+def server_overrides(section: ServerSection) -> list[str]:
+    """`--server.key=value` for each key of the run's `server:` section whose value differs from the default."""
+    default = ServerSection()
+    return [
+        f"--server.{f.name}={getattr(section, f.name)}"
+        for f in dataclasses.fields(ServerSection)
+        if getattr(section, f.name) != getattr(default, f.name)
+    ]
 
 
 def start_server(args: Sequence[str], log: Path) -> tuple[subprocess.Popen[bytes], int]:

@@ -5,7 +5,7 @@
     .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
     .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
     .venv/bin/python bench/mini_repro.py --seed 7        # the same with another model-init and data-order seed
-    .venv/bin/python bench/mini_repro.py --int8          # the SPES run on fp32 and on int8 deltas, side by side
+    .venv/bin/python bench/mini_repro.py --int8          # the SPES run on the fp32 and int8 codecs, side by side
     .venv/bin/python bench/mini_repro.py --overlap       # SPES blocking vs overlapped rounds (overlap_sync)
 
 Three real runs on the default local corpus (data/default, built by
@@ -29,9 +29,10 @@ pre-sync local losses are kept too. Bytes communicated are the payload bytes eve
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
 seed's report in docs/ lists the final losses of every other seed found in bench/results/.
 
-`--int8` runs the SPES arm twice instead, on `spes_config.wire_dtype` fp32 and int8 (int8 deltas, spes.sync.deltas),
-into `bench/results/mini_repro_int8[_seed<S>]/`, refuses unequal tokens as above, and records the final validation
-losses, their relative difference (target: within 0.5%) and the bytes in `bench/results/mini_repro_int8*.json`.
+`--int8` runs the SPES arm twice instead, on `spes_config.codec` fp32 and int8 (int8 deltas against the held model,
+spes.sync.codecs.int8), into `bench/results/mini_repro_int8[_seed<S>]/`, refuses unequal tokens as above, and
+records the final validation losses, their relative difference (target: within 0.5%) and the bytes in
+`bench/results/mini_repro_int8*.json`.
 
 `--overlap` runs the SPES arm blocking, and with `spes_config.overlap_sync` once per `--overlap_steps D` (each
 round applied D steps after its sync step, with the local progress made meanwhile; default D = sync_steps), into
@@ -97,15 +98,13 @@ class Setup:
     merge_alpha_start: float
     merge_decay_steps: int
 
-    def merge_flags(self) -> list[str]:
-        """The server's merge warm-up of this setup, as `spes.launch` flags."""
+    def merge_overrides(self) -> list[str]:
+        """The server's merge warm-up of this setup, as overrides of the run's `server:` section (`spes.launch`
+        gives the server and every node the same overrides; the nodes ignore the section)."""
         return [
-            "--merge_interval",
-            str(self.merge_interval),
-            "--merge_alpha_start",
-            str(self.merge_alpha_start),
-            "--merge_decay_steps",
-            str(self.merge_decay_steps),
+            f"--server.merge_interval={self.merge_interval}",
+            f"--server.merge_alpha_start={self.merge_alpha_start}",
+            f"--server.merge_decay_steps={self.merge_decay_steps}",
         ]
 
     def overrides(self, tokenizer: str, train: str, valid: str, seed: int) -> list[str]:
@@ -180,8 +179,8 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
     (its threads wait on each other whenever one is descheduled), so every process gets one thread.
     """
     py = sys.executable
-    merge = setup.merge_flags()
-    launch = [py, "-m", "spes.launch", CONFIG, "--threads", "1", "--timeout", "7200", *merge]
+    launch = [py, "-m", "spes.launch", CONFIG, "--threads", "1", "--timeout", "7200"]
+    run = [*common, *setup.merge_overrides()]
     return {
         "centralized": (
             [
@@ -196,8 +195,8 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
             ],
             {"OMP_NUM_THREADS": "1"},
         ),
-        "spes": ([*launch, "--out", str(out / "spes"), "--", *common], {}),
-        "diloco": ([*launch, "--dilico", "--out", str(out / "diloco"), "--", *common], {}),
+        "spes": ([*launch, "--out", str(out / "spes"), "--", *run], {}),
+        "diloco": ([*launch, "--dilico", "--out", str(out / "diloco"), "--", *run], {}),
     }
 
 
@@ -575,10 +574,11 @@ INT8_TARGET = 0.005
 
 
 def int8_commands(setup: Setup, common: list[str], out: Path) -> Commands:
-    """The SPES arm on fp32 (`spes`) and on int8 deltas (`spes_int8`): the same command but for the wire."""
+    """The SPES arm on the fp32 codec (`spes`) and on int8 deltas (`spes_int8`): the same command but for the
+    codec (`spes.launch --codec`)."""
     cmd, env = run_commands(setup, common, out)["spes"]
     at = cmd.index("--out")
-    int8 = [*cmd[:at], "--wire_dtype", "int8", "--out", str(out / "spes_int8"), *cmd[at + 2 :]]
+    int8 = [*cmd[:at], "--codec", "int8", "--out", str(out / "spes_int8"), *cmd[at + 2 :]]
     return {"spes": (cmd, env), "spes_int8": (int8, env)}
 
 

@@ -84,7 +84,8 @@ class Arm:
     label: str
     mode: str  # "spes" | "diloco" | "central" | "single"
     size: str  # "small" | "large"
-    launch_flags: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
+    """The arm's own run-config overrides, after the shared ones (a later override of a key wins)."""
     over_budget: bool = False
 
 
@@ -96,11 +97,11 @@ ARMS = (
         "DiLoCo + Nesterov outer steps, model that fits (extra)",
         "diloco",
         "small",
-        ("--outer_optimizer", "nesterov"),
+        ("--server.outer_optimizer=nesterov",),
     ),
     Arm("centralized_large", "centralized, large model (needs a cluster)", "central", "large"),
     Arm("diloco_large", "DiLoCo (mean), large model: OVER the budget", "diloco", "large", over_budget=True),
-    Arm("spes_large_nomerge", "SPES, large model, no merge warm-up", "spes", "large", ("--merge_interval", "0")),
+    Arm("spes_large_nomerge", "SPES, large model, no merge warm-up", "spes", "large", ("--server.merge_interval=0",)),
     Arm("single_small", "one node alone, model that fits (1/4 of the tokens)", "single", "small"),
 )
 BASELINE, SPES_ARM = "diloco_small", "spes_large"
@@ -146,7 +147,6 @@ def pick_sizes(common: list[str], small: int) -> dict[str, Any]:
 def arm_commands(setup: Setup, common: list[str], sizes: dict[str, Any], out: Path) -> Commands:
     """The command of every arm (one torch thread per process, as in mini_repro.py)."""
     py = sys.executable
-    merge = setup.merge_flags()
     one_thread = {"OMP_NUM_THREADS": "1"}
     commands: Commands = {}
     for arm in ARMS:
@@ -167,7 +167,6 @@ def arm_commands(setup: Setup, common: list[str], sizes: dict[str, Any], out: Pa
                 one_thread,
             )
         else:
-            # later flags win with argparse, so an arm's own --merge_interval replaces the shared one
             launch = [
                 py,
                 "-m",
@@ -179,13 +178,12 @@ def arm_commands(setup: Setup, common: list[str], sizes: dict[str, Any], out: Pa
                 "7200",
                 "--eval_peers",
                 "1",
-                *merge,
-                *arm.launch_flags,
                 *(["--dilico"] if arm.mode == "diloco" else []),
                 "--out",
                 str(out / arm.name),
             ]
-            commands[arm.name] = ([*launch, "--", *model], {})
+            # NOTE: a later override of a key wins, so an arm's own --server.merge_interval replaces the shared one
+            commands[arm.name] = ([*launch, "--", *model, *setup.merge_overrides(), *arm.overrides], {})
     return commands
 
 

@@ -103,11 +103,13 @@ def test_paper_run_has_19_merge_rounds_of_500() -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_wire_quick_measured_equals_analytic(tmp_path: Path) -> None:
-    results, stdout = run_bench("bench_wire", tmp_path)
+    results, stdout = run_bench("bench_wire", tmp_path, "--codecs", "fp32", "bf16", "int8", "sparse:topk=32")
     assert results["checks"] and all(c["equal"] for c in results["checks"])
     assert results["targets"]["spes_bf16_over_reference"] <= 0.5
     assert results["targets"]["spes_bf16_saving_vs_diloco_bf16"] >= 1 / 3
-    assert {c["round"] for c in results["checks"]} >= {"spes_int8_first", "spes_int8_merge", "spes_int8_plain"}
+    rounds = {c["round"] for c in results["checks"]}
+    assert rounds >= {"spes_int8_first", "spes_int8_merge", "spes_int8_plain", "spes_sparse:topk=32_plain"}
+    assert results["measured"]["spes_sparse:topk=32_plain"][0]["up"] < results["measured"]["spes_int8_plain"][0]["up"]
     assert results["targets"]["spes_int8_amortized_over_reference"] <= 0.16
     assert "measured = analytic for every peer and round: yes" in stdout
 

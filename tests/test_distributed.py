@@ -464,18 +464,16 @@ def test_two_nodes_of_two_ranks_hold_the_same_global_model_after_every_round(tin
         )
 
     with ThreadPoolExecutor(2) as pool:
-        with parameter_server(
+        with parameter_server(  # from the run's YAML and the nodes' overrides, as a user starts it
             tmp_path / "server.log",
-            "--total_peers",
-            "2",
-            "--num_train_experts_per_node",
-            "2",
-            "--merge_interval",
-            "4",
-            "--merge_alpha_start",
-            "0.05",
-            "--merge_topk",
-            "1",
+            TINY,
+            *SMALL_NODE,
+            *SPES_PEER,
+            "--spes_config.sync_steps=2",
+            "--max_duration=4st",
+            "--server.merge_interval=4",
+            "--server.merge_alpha_start=0.05",
+            "--server.merge_topk=1",
         ) as addr:
             futures = [pool.submit(node, addr, 0, "ddp"), pool.submit(node, addr, 1, "fsdp")]
             wait(futures, timeout=360, return_when=FIRST_EXCEPTION)

@@ -83,7 +83,8 @@ def test_a_sigterm_to_the_launcher_stops_the_server_and_every_peer(tiny_corpus, 
         _, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and "interrupted: stopping the server and the peers" in stderr
+    assert proc.returncode == 130
+    assert "interrupted: the peers save a checkpoint and stop, then the server; continue with --resume" in stderr
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
 

@@ -94,17 +94,17 @@ def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
     ]
     code, out = train(tmp_path, *node, f"--spes_config.server_addr=127.0.0.1:{free_port()}", name="nobody.log")
     assert_one_line(code, out, "127.0.0.1")
-    with parameter_server(
-        tmp_path / "server.log", "--total_peers", "2", "--num_train_experts_per_node", "4", "--round_timeout", "3"
-    ) as addr:
+    two = [
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        "--spes_config.sync_steps=1",
+        "--spes_config.round_timeout_s=20",
+    ]
+    # NOTE: the server of a two-peer run, started from the run's YAML and overrides as a user would
+    server = [TINY, *SMALL_NODE, *two, "--max_duration=2st", "--server.round_timeout_s=3"]
+    with parameter_server(tmp_path / "server.log", *server) as addr:
         code, out = train(tmp_path, *node, f"--spes_config.server_addr={addr}", name="layout.log")
         assert_one_line(code, out, "num_peers")
-        two = [
-            "--spes_config.num_peers=2",
-            "--spes_config.num_train_experts_per_node=4",
-            "--spes_config.sync_steps=1",
-            "--spes_config.round_timeout_s=20",
-        ]
         code, out = train(tmp_path, *node, *two, f"--spes_config.server_addr={addr}", name="timeout.log")
         assert_one_line(code, out, "round")
 

@@ -15,10 +15,14 @@ from pathlib import Path
 
 import torch
 
-from spes.sync.merge import MergeConfig, Mode, OuterConfig, build_global
+from spes.sync.merge import build_global
+from spes.sync.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import spec_overrides as spec_overrides  # noqa: E402  (bench/common.py: a server's overrides of a spec)
 
 
 def free_port() -> int:
@@ -99,29 +103,12 @@ def proc_usage(pid: int) -> dict[str, int]:
     }
 
 
-def fault_free(
-    uploads: dict[int, dict[int, dict[str, torch.Tensor]]],
-    *,
-    num_peers: int,
-    mode: Mode,
-    merge: MergeConfig | None = None,
-    outer: OuterConfig | None = None,
-) -> dict[str, torch.Tensor]:
-    """The global model after the rounds of `uploads` (step -> peer -> tensors) with no fault at all."""
+def fault_free(uploads: dict[int, dict[int, dict[str, torch.Tensor]]], spec: RunSpec) -> dict[str, torch.Tensor]:
+    """The global model after the rounds of `uploads` (step -> peer -> tensors) of the run `spec` with no fault."""
     global_model: dict[str, torch.Tensor] = {}
     momentum: dict[str, torch.Tensor] = {}
     for step in sorted(uploads):
-        built = build_global(
-            uploads[step],
-            num_peers=num_peers,
-            experts_per_peer=2,
-            mode=mode,
-            step=step,
-            merge=merge,
-            outer=outer,
-            previous=global_model,
-            momentum=momentum,
-        )
+        built = build_global(uploads[step], spec=spec, step=step, previous=global_model, momentum=momentum)
         global_model, momentum = built.tensors, built.momentum
     return global_model
 

@@ -2,7 +2,8 @@
 
     python tests/faults/peer_process.py --addr 127.0.0.1:PORT --peer 1 --num_peers 2 --steps 1 2 --out DIR
 
-The token comes from SPES_TOKEN. Round `s` uploads `peer_upload(manifest, peer, mode, seed=s)`
+A restarted process passes `--run_id` (the run it belongs to, as a node resumed from its checkpoint knows it). The
+token comes from SPES_TOKEN. Round `s` uploads `peer_upload(spec, peer, seed=s)`
 (tests/sync_helpers.py), so a restarted process sends exactly what the killed one would have; each round's
 download lands in DIR/round-<s>.safetensors.
 """
@@ -19,9 +20,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spes.sync.client import SyncClient  # noqa: E402
-from spes.sync.merge import trainable_names  # noqa: E402
-from sync_helpers import peer_upload, tiny_manifest  # noqa: E402
+from sync_helpers import make_client, peer_upload, tiny_spec  # noqa: E402
 
 
 def main() -> int:
@@ -30,30 +29,28 @@ def main() -> int:
     parser.add_argument("--peer", type=int, required=True)
     parser.add_argument("--num_peers", type=int, default=2)
     parser.add_argument("--mode", default="spes", choices=("spes", "diloco"))
-    parser.add_argument("--width", type=int, default=8, help="d_model of tiny_manifest (expert width is half)")
+    parser.add_argument("--width", type=int, default=8, help="d_model of tiny_spec's model (expert width is half)")
     parser.add_argument("--steps", type=int, nargs="+", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--run_id", default=None, help="the run this peer belongs to (default: it starts fresh)")
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    manifest = tiny_manifest(
-        num_blocks=args.num_peers if args.mode == "spes" else 1, d=args.width, f=max(1, args.width // 2)
-    )
+    spec = tiny_spec(mode=args.mode, num_peers=args.num_peers, d=args.width, f=max(1, args.width // 2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with SyncClient(
+    with make_client(
         args.addr,
-        peer_id=args.peer,
-        num_peers=args.num_peers,
-        experts_per_peer=2,
-        mode=args.mode,
+        spec,
+        args.peer,
         token=os.environ.get("SPES_TOKEN"),
         rpc_timeout_s=10,
         round_timeout_s=60,
         max_retries=8,
+        run_id=args.run_id,
     ) as client:
-        client.join(manifest, trainable_names(list(manifest), args.peer, args.mode))
+        client.join()
         for step in args.steps:
-            got, stats = client.sync(step, peer_upload(manifest, args.peer, args.mode, seed=step))
+            got, stats = client.sync(step, peer_upload(spec, args.peer, seed=step))
             save_file(got, str(out / f"round-{step}.safetensors"))
             print(f"round {step} done: up {stats.bytes_up} down {stats.bytes_down}", flush=True)
     return 0

@@ -9,6 +9,7 @@ exactly the fault-free result. The server runs with small limits so the limits t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -22,29 +23,25 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fault_helpers import REPO, ServerProcess, assert_exact, fault_free, proc_usage, server_process
+from fault_helpers import REPO, ServerProcess, assert_exact, fault_free, proc_usage, server_process, spec_overrides
 
 from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError
-from spes.sync.merge import trainable_names
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROTOCOL_VERSION
-from spes.sync.server import manifest_of_run
-from sync_helpers import TOKEN, peer_upload, running_server, tiny_manifest
+from spes.sync.server import spec_of_run
+from spes.sync.wire import upload_digest
+from sync_helpers import NO_MERGE, TOKEN, make_client, peer_upload, running_server, tiny_spec
 
 PEERS = 2
-MANIFEST = tiny_manifest()
+SPEC = tiny_spec(num_peers=PEERS, server=NO_MERGE)
+MANIFEST = SPEC.manifest or {}
 RSS_BOUND = 1 << 30
 """The server process (torch imported, a tiny model) stays far below this; a 4 TiB manifest would not."""
 IDLE_S = 2
 ARGS = [
-    "--total_peers",
-    str(PEERS),
-    "--num_train_experts_per_node",
-    "2",
-    "--merge_interval",
-    "0",
+    *spec_overrides(SPEC),
     "--data_port",
     "0",
     "--stream_idle_timeout",
@@ -61,17 +58,19 @@ class Run:
     """A server process, two live peers and a connected probe channel; `round()` runs one legitimate round."""
 
     def __init__(self, server: ServerProcess, stack: ExitStack, token: str | None = None) -> None:
-        self.server, self.token, self.step = server, token, 0
+        self.server, self.token, self.step, self.run_id = server, token, 0, None
         self.clients = [stack.enter_context(self.client(p)) for p in range(PEERS)]
-        for peer, client in enumerate(self.clients):
-            client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
+        for client in self.clients:
+            client.join()
+        self.run_id = self.clients[0].run_id
         self.probe = stack.enter_context(grpc.insecure_channel(server.addr))
         grpc.channel_ready_future(self.probe).result(timeout=10)
 
     def client(self, peer: int, **kwargs: object) -> SyncClient:
-        settings: dict = {"rpc_timeout_s": 10, "round_timeout_s": 60, "max_retries": 8, "token": self.token}
+        """A process acting as peer `peer` of this run (once it has one: a restarted or replacement node)."""
+        settings: dict = {"rpc_timeout_s": 10, "round_timeout_s": 60, "max_retries": 8, "run_id": self.run_id}
         settings.update(kwargs)
-        return SyncClient(self.server.addr, peer_id=peer, num_peers=PEERS, experts_per_peer=2, mode="spes", **settings)
+        return make_client(self.server.addr, SPEC, peer, token=self.token, **settings)
 
     def status(self) -> pb.StatusReply:
         """Status must answer within 1 s, whatever else is going on."""
@@ -81,11 +80,11 @@ class Run:
     def round(self) -> None:
         """One round with both peers; the result must equal the fault-free one bit for bit."""
         self.step += 1
-        uploads = {p: peer_upload(MANIFEST, p, "spes", seed=self.step) for p in range(PEERS)}
+        uploads = {p: peer_upload(SPEC, p, seed=self.step) for p in range(PEERS)}
         with ThreadPoolExecutor(PEERS) as pool:
             futures = [pool.submit(c.sync, self.step, uploads[p]) for p, c in enumerate(self.clients)]
             results = [f.result(timeout=90) for f in futures]
-        want = fault_free({self.step: uploads}, num_peers=PEERS, mode="spes")
+        want = fault_free({self.step: uploads}, SPEC)
         for got, stats in results:
             assert stats.round == self.step
             assert_exact(got, want)
@@ -202,7 +201,7 @@ def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a v3 peer, refused in its own JSON
         sock.sendall(hello(version=3))
         (length,) = struct.unpack("<I", sock.recv(4, socket.MSG_WAITALL))
-        assert "v3 but this server speaks v5" in json.loads(sock.recv(length, socket.MSG_WAITALL))["message"]
+        assert "v3 but this server speaks v6" in json.loads(sock.recv(length, socket.MSG_WAITALL))["message"]
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:  # a truncated tensor, then hang-up
         sock.sendall(hello(step=run.step + 1))
         assert plane_tcp.recv_reply(sock).send
@@ -238,27 +237,28 @@ def test_garbage_and_truncated_frames_on_both_planes(run: Run) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_declared_sizes_and_counts_past_every_limit(run: Run) -> None:
-    stub = pb_grpc.ParameterServerStub(run.probe)
-
-    def join(manifest: dict[str, tuple[int, ...]]) -> grpc.RpcError:
+def test_declared_sizes_and_counts_past_every_limit(run: Run, tmp_path: Path) -> None:
+    def join(channel: grpc.Channel, manifest: dict[str, tuple[int, ...]]) -> grpc.RpcError:
         request = pb.JoinRequest(
             peer_id=1,
-            num_peers=PEERS,
-            experts_per_peer=2,
-            mode="spes",
-            wire_dtype="fp32",
             manifest=[pb.TensorSpec(name=n, shape=s) for n, s in manifest.items()],
-            trainable=trainable_names(list(manifest), 1, "spes"),
             protocol=PROTOCOL_VERSION,
+            spec=SPEC.to_proto(),
         )
         with pytest.raises(grpc.RpcError) as err:
-            stub.Join(request, timeout=10)
+            pb_grpc.ParameterServerStub(channel).Join(request, timeout=10)
         return err.value
 
-    huge = join({**MANIFEST, "embed.weight": (1 << 20, 1 << 20)})  # 4 TiB in fp32
-    assert huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max_model_gb=48" in huge.details()
-    many = join({f"t{i}": (1,) for i in range(20000)})
+    huge_manifest = {**MANIFEST, "embed.weight": (1 << 20, 1 << 20)}  # 4 TiB in fp32
+    with server_process(tmp_path / "server.log", ARGS) as fresh, grpc.insecure_channel(fresh.addr) as channel:
+        # NOTE: a server without the run's YAML that no node has joined yet knows no model: the limit applies
+        huge = join(channel, huge_manifest)
+        assert huge.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max_model_gb=48" in huge.details()
+        assert proc_usage(fresh.proc.pid)["rss"] < RSS_BOUND
+    differs = join(run.probe, huge_manifest)  # the joined run knows its model from its first join
+    assert differs.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'embed.weight' has shape [1048576, 1048576], the run's is [16, 8]" in differs.details()
+    many = join(run.probe, {f"t{i}": (1,) for i in range(20000)})
     assert many.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max_tensors=16384" in many.details()
     big = run.probe.unary_unary("/spes.v1.ParameterServer/Status")
     with pytest.raises(grpc.RpcError) as err:
@@ -286,7 +286,7 @@ def test_duplicate_peer_ids_and_a_restarted_peer(run: Run) -> None:
     with ExitStack() as stack:
         intruders = [stack.enter_context(run.client(0, max_retries=0)) for _ in range(3)]
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(c.join, MANIFEST, trainable_names(list(MANIFEST), 0, "spes")) for c in intruders]
+            futures = [pool.submit(c.join) for c in intruders]
             errors = [f.exception(timeout=30) for f in futures]
     for err in errors:
         assert isinstance(err, SyncError) and err.code == grpc.StatusCode.ALREADY_EXISTS, err
@@ -294,21 +294,17 @@ def test_duplicate_peer_ids_and_a_restarted_peer(run: Run) -> None:
     run.check_healthy()
     run.clients[0].close()  # the old process goes away; its restart takes over the id
     run.clients[0] = run.client(0)
-    run.clients[0].join(MANIFEST, trainable_names(list(MANIFEST), 0, "spes"))
+    run.clients[0].join()
     run.check_healthy()
 
 
 def test_two_processes_joining_with_one_peer_id_at_once() -> None:
     """With nobody joined yet, two processes claiming the same id at the same moment: exactly one gets it."""
-    with running_server(num_peers=2) as (_, addr), ExitStack() as stack:
-        clients = [
-            stack.enter_context(
-                SyncClient(addr, peer_id=1, num_peers=2, experts_per_peer=2, mode="spes", max_retries=0)
-            )
-            for _ in range(2)
-        ]
+    spec = tiny_spec()
+    with running_server(spec) as (_, addr), ExitStack() as stack:
+        clients = [stack.enter_context(make_client(addr, spec, 1, max_retries=0)) for _ in range(2)]
         with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(c.join, MANIFEST, trainable_names(list(MANIFEST), 1, "spes")) for c in clients]
+            futures = [pool.submit(c.join) for c in clients]
             errors = [f.exception(timeout=30) for f in futures]
     refused = [e for e in errors if e is not None]
     assert len(refused) == 1 and isinstance(refused[0], SyncError)
@@ -321,18 +317,18 @@ def test_a_join_mid_round_and_a_replayed_old_upload(run: Run) -> None:
     """A peer joining again while a round is open keeps its upload; a replay of an old round is refused."""
     old = run.step
     step = run.step + 1
-    uploads = {p: peer_upload(MANIFEST, p, "spes", seed=step) for p in range(PEERS)}
+    uploads = {p: peer_upload(SPEC, p, seed=step) for p in range(PEERS)}
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(run.clients[0].sync, step, uploads[0])
         deadline = time.monotonic() + 30
         while run.status().open_round != step and time.monotonic() < deadline:
             time.sleep(0.05)
         assert run.status().peers_uploaded == [0]
-        run.clients[1].join(MANIFEST, trainable_names(list(MANIFEST), 1, "spes"))  # mid-round
+        run.clients[1].join()  # mid-round
         assert run.status().peers_uploaded == [0]
         got, _ = run.clients[1].sync(step, uploads[1])
-        assert_exact(got, fault_free({step: uploads}, num_peers=PEERS, mode="spes"))
-        assert_exact(first.result(timeout=30)[0], fault_free({step: uploads}, num_peers=PEERS, mode="spes"))
+        assert_exact(got, fault_free({step: uploads}, SPEC))
+        assert_exact(first.result(timeout=30)[0], fault_free({step: uploads}, SPEC))
     run.step = step
     with socket.create_connection(("127.0.0.1", _data_port(run)), timeout=30) as sock:
         sock.sendall(hello(step=old))  # a replay of a round the run has moved past
@@ -341,8 +337,13 @@ def test_a_join_mid_round_and_a_replayed_old_upload(run: Run) -> None:
     replay = run.probe.stream_unary(
         UPLOAD, request_serializer=pb.UploadMessage.SerializeToString, response_deserializer=pb.UploadReply.FromString
     )
-    reply = replay(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step))]), timeout=10)
+    same = upload_digest(uploads[0], "fp32")  # what peer 0 sent: a retry of it is an idempotent no-op
+    reply = replay(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step, digest=same))]), timeout=10)
     assert reply.duplicate  # the round just completed: an idempotent no-op
+    with pytest.raises(grpc.RpcError) as err:  # other values for the committed round: refused
+        replay(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step, digest=same ^ 1))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert f"peer 0 uploads round {step} again with other values" in err.value.details()
     run.check_healthy()
 
 
@@ -351,40 +352,32 @@ def test_a_join_mid_round_and_a_replayed_old_upload(run: Run) -> None:
 def test_the_server_knows_the_model_from_the_runs_yaml(tmp_path: Path) -> None:
     """`python -m spes.server RUN.yaml` refuses a peer whose model differs from the run's, naming the difference."""
     config = REPO / "configs" / "tiny.yaml"
-    manifest, cfg = manifest_of_run(str(config))
-    peers, k = cfg.spes_config.num_peers, cfg.spes_config.num_train_experts_per_node
+    spec = spec_of_run(str(config), ["--server.merge_interval=0"])
+    manifest, peers = spec.manifest or {}, spec.num_peers
     with (
-        server_process(tmp_path / "server.log", [str(config), "--merge_interval", "0"]) as server,
+        server_process(tmp_path / "server.log", [str(config), "--server.merge_interval=0"]) as server,
         ExitStack() as stack,
     ):
-        clients = [
-            stack.enter_context(
-                SyncClient(
-                    server.addr,
-                    peer_id=p,
-                    num_peers=peers,
-                    experts_per_peer=k,
-                    mode="spes",
-                    rpc_timeout_s=10,
-                    max_retries=0,
-                )
-            )
-            for p in range(peers)
-        ]
-        wrong = dict(manifest, **{"lm_head.weight": (4097, 64)})
-        with pytest.raises(SyncError) as err:
-            clients[0].join(wrong, trainable_names(list(wrong), 0, "spes"))
+        wrong = dataclasses.replace(spec, manifest=dict(manifest, **{"lm_head.weight": (4097, 64)}))
+        with make_client(server.addr, wrong, 0, rpc_timeout_s=10, max_retries=0) as stranger:
+            with pytest.raises(SyncError) as err:
+                stranger.join()
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "'lm_head.weight' has shape [4097, 64], the run's is [4096, 64]" in str(err.value)
-        for p, client in enumerate(clients):
-            client.join(manifest, trainable_names(list(manifest), p, "spes"))
-        uploads = {p: peer_upload(manifest, p, "spes", seed=1) for p in range(peers)}
+        clients = [
+            stack.enter_context(make_client(server.addr, spec, p, rpc_timeout_s=10, max_retries=0))
+            for p in range(peers)
+        ]
+        for client in clients:
+            client.join()
+        step = spec.next_round(None)  # the run's first round: step sync_steps
+        uploads = {p: peer_upload(spec, p, seed=1) for p in range(peers)}
         with ThreadPoolExecutor(peers) as pool:
             results = [
-                f.result(timeout=90) for f in [pool.submit(c.sync, 1, uploads[p]) for p, c in enumerate(clients)]
+                f.result(timeout=90) for f in [pool.submit(c.sync, step, uploads[p]) for p, c in enumerate(clients)]
             ]
-        assert clients[0].status().current_round == 1
+        assert clients[0].status().current_round == step
         assert proc_usage(server.proc.pid)["rss"] < RSS_BOUND
-    want = fault_free({1: uploads}, num_peers=peers, mode="spes")
+    want = fault_free({step: uploads}, spec)
     for got, _ in results:
         assert_exact(got, want)

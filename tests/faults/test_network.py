@@ -11,12 +11,13 @@ import pytest
 from fault_helpers import assert_exact, fault_free
 from tcp_proxy import TcpProxy
 
+from spes.config import ServerSection
 from spes.sync.client import SyncClient
-from spes.sync.merge import MergeConfig, trainable_names
-from sync_helpers import peer_upload, running_server, sync_all, tiny_manifest
+from sync_helpers import make_client, peer_upload, running_server, sync_all, tiny_spec
 
-MANIFEST = tiny_manifest(d=128, f=64)  # ~0.6 MB up per peer and round
-MERGE = MergeConfig(interval=2, alpha_start=0.5, decay_steps=100, topk=2)
+SPEC = tiny_spec(  # ~0.6 MB up per peer and round
+    d=128, f=64, server=ServerSection(merge_interval=2, merge_alpha_start=0.5, merge_decay_steps=100, merge_topk=2)
+)
 
 
 @contextmanager
@@ -24,21 +25,12 @@ def peers_through(proxy: TcpProxy) -> Iterator[list[SyncClient]]:
     with ExitStack() as stack:
         clients = [
             stack.enter_context(
-                SyncClient(
-                    f"127.0.0.1:{proxy.port}",
-                    peer_id=p,
-                    num_peers=2,
-                    experts_per_peer=2,
-                    mode="spes",
-                    rpc_timeout_s=10,
-                    round_timeout_s=45,
-                    max_retries=6,
-                )
+                make_client(f"127.0.0.1:{proxy.port}", SPEC, p, rpc_timeout_s=10, round_timeout_s=45, max_retries=6)
             )
             for p in range(2)
         ]
-        for peer, client in enumerate(clients):
-            client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
+        for client in clients:
+            client.join()
         yield clients
 
 
@@ -69,10 +61,10 @@ def arm(proxy: TcpProxy, fault: str) -> threading.Event:
 @pytest.mark.parametrize("fault", ["delay", "cut_upload", "cut_download", "corrupt_up", "corrupt_down"])
 def test_network_faults_are_recovered_and_the_run_is_exact(fault: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="spes")
-    uploads = {step: {p: peer_upload(MANIFEST, p, "spes", seed=step) for p in range(2)} for step in (1, 2, 3)}
+    uploads = {step: {p: peer_upload(SPEC, p, seed=step) for p in range(2)} for step in (1, 2, 3)}
     delay = 0.02 if fault == "delay" else 0.0
     with (
-        running_server(merge=MERGE) as (_, addr),
+        running_server(SPEC) as (_, addr),
         TcpProxy(("127.0.0.1", int(addr.split(":")[1])), delay_s=delay) as proxy,
     ):
         with peers_through(proxy) as clients:
@@ -82,7 +74,7 @@ def test_network_faults_are_recovered_and_the_run_is_exact(fault: str, caplog: p
             assert struck.is_set()
             results[3] = sync_all(clients, 3, uploads[3])
     for step in (1, 2, 3):
-        want = fault_free({s: uploads[s] for s in range(1, step + 1)}, num_peers=2, mode="spes", merge=MERGE)
+        want = fault_free({s: uploads[s] for s in range(1, step + 1)}, SPEC)
         for peer in range(2):
             assert_exact(results[step][peer][0], want)
     if fault != "delay":

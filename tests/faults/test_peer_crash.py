@@ -11,35 +11,23 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fault_helpers import REPO, assert_exact, fault_free, server_process
+from fault_helpers import REPO, assert_exact, fault_free, server_process, spec_overrides
 from safetensors.torch import load_file
 from tcp_proxy import TcpProxy
 
+from spes.config import ServerSection
 from spes.sync.client import SyncClient, SyncError
-from spes.sync.merge import MergeConfig, trainable_names
+from spes.sync.spec import RunSpec
 from spes.sync.wire import payload_bytes
-from sync_helpers import TOKEN, peer_upload, running_server, sync_all, tiny_manifest
+from sync_helpers import TOKEN, make_client, peer_upload, running_server, sync_all, tiny_spec
 
 WIDTH = 128
-MANIFEST = tiny_manifest(d=WIDTH, f=WIDTH // 2)
-MERGE = MergeConfig(interval=2, alpha_start=0.5, decay_steps=100, topk=2)
-SERVER_ARGS = [
-    "--total_peers",
-    "2",
-    "--num_train_experts_per_node",
-    "2",
-    "--merge_interval",
-    "2",
-    "--merge_alpha_start",
-    "0.5",
-    "--merge_decay_steps",
-    "100",
-    "--merge_topk",
-    "2",
-]
+MERGE = ServerSection(merge_interval=2, merge_alpha_start=0.5, merge_decay_steps=100, merge_topk=2)
+SPEC = tiny_spec(d=WIDTH, f=WIDTH // 2, server=MERGE)
+MANIFEST = SPEC.manifest or {}
 
 
-def peer_command(addr: str, peer: int, steps: list[int], out: Path) -> list[str]:
+def peer_command(addr: str, peer: int, steps: list[int], out: Path, run_id: str | None = None) -> list[str]:
     return [
         sys.executable,
         str(REPO / "tests/faults/peer_process.py"),
@@ -53,31 +41,25 @@ def peer_command(addr: str, peer: int, steps: list[int], out: Path) -> list[str]
         *map(str, steps),
         "--out",
         str(out),
+        *(["--run_id", run_id] if run_id else []),
     ]
 
 
-def client(addr: str, peer: int, token: str | None = TOKEN) -> SyncClient:
-    return SyncClient(
-        addr,
-        peer_id=peer,
-        num_peers=2,
-        experts_per_peer=2,
-        mode="spes",
-        token=token,
-        rpc_timeout_s=10,
-        round_timeout_s=60,
-        max_retries=8,
-    )
+def client(addr: str, peer: int, token: str | None = TOKEN, spec: RunSpec = SPEC) -> SyncClient:
+    return make_client(addr, spec, peer, token=token, rpc_timeout_s=10, round_timeout_s=60, max_retries=8)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path) -> None:
-    uploads = {s: {p: peer_upload(MANIFEST, p, "spes", seed=s) for p in range(2)} for s in (1, 2)}
-    upload_bytes = sum(payload_bytes(MANIFEST[n], "fp32") for n in trainable_names(list(MANIFEST), 1, "spes"))
+    uploads = {s: {p: peer_upload(SPEC, p, seed=s) for p in range(2)} for s in (1, 2)}
+    upload_bytes = sum(payload_bytes(MANIFEST[n], "fp32") for n in SPEC.trainable(1))
     env = {"SPES_TOKEN": TOKEN}
-    with server_process(tmp_path / "server.log", SERVER_ARGS, env=env) as server, client(server.addr, 0) as peer0:
-        peer0.join(MANIFEST, trainable_names(list(MANIFEST), 0, "spes"))
+    with (
+        server_process(tmp_path / "server.log", spec_overrides(SPEC), env=env) as server,
+        client(server.addr, 0) as peer0,
+    ):
+        peer0.join()
         with TcpProxy(("127.0.0.1", server.port), delay_s=0.005) as proxy, ThreadPoolExecutor(1) as pool:
             victim = subprocess.Popen(
                 peer_command(f"127.0.0.1:{proxy.port}", 1, [1, 2], tmp_path / "first"),
@@ -87,10 +69,15 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
                 stderr=subprocess.STDOUT,
             )
             try:
-                # NOTE: kill once the second upload (round 2) is ~200 KB in; the first was `upload_bytes` long.
-                proxy.watchers.append(
-                    lambda d, total: victim.kill() if d == "up" and total > upload_bytes + 200_000 else None
-                )
+                # NOTE: kill once the second upload (round 2) is ~200 KB in; the first was `upload_bytes` long. The
+                # connection is cut with it: what the victim had already written into its socket (on a loaded machine,
+                # its whole upload) would otherwise still reach the server, and the round would complete.
+                def kill(direction: str, total: int) -> None:
+                    if direction == "up" and total > upload_bytes + 200_000 and victim.poll() is None:
+                        victim.kill()
+                        proxy.cut()
+
+                proxy.watchers.append(kill)
                 round_1 = peer0.sync(1, uploads[1][0])
                 waiting = pool.submit(peer0.sync, 2, uploads[2][0])
                 assert victim.wait(timeout=60) == -9
@@ -100,7 +87,7 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
             status = peer0.status()
             assert (status.current_round, status.open_round, status.peers_uploaded) == (1, 2, (0,))
             restarted = subprocess.run(
-                peer_command(server.addr, 1, [2], tmp_path / "again"),
+                peer_command(server.addr, 1, [2], tmp_path / "again", run_id=peer0.run_id),
                 cwd=REPO,
                 env={**os.environ, **env},
                 capture_output=True,
@@ -113,13 +100,13 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
         before = peer0.status()
         with client(server.addr, 1, token="not-the-token") as intruder:
             with pytest.raises(SyncError) as err:
-                intruder.join(MANIFEST, trainable_names(list(MANIFEST), 1, "spes"))
+                intruder.join()
             assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
         assert peer0.status() == before
         log = server.log_text()
     assert TOKEN not in log and "not-the-token" not in log and "missing or wrong token" in log
-    assert_exact(round_1[0], fault_free({1: uploads[1]}, num_peers=2, mode="spes", merge=MERGE))
-    want = fault_free(uploads, num_peers=2, mode="spes", merge=MERGE)
+    assert_exact(round_1[0], fault_free({1: uploads[1]}, SPEC))
+    want = fault_free(uploads, SPEC)
     assert_exact(round_2[0], want)
     assert_exact(load_file(str(tmp_path / "again" / "round-2.safetensors")), want)
 
@@ -127,11 +114,15 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_duplicate_and_out_of_order_uploads_leave_the_run_exact() -> None:
-    manifest = tiny_manifest()
-    uploads = {s: {p: peer_upload(manifest, p, "spes", seed=s) for p in range(2)} for s in (1, 2)}
-    with running_server(merge=MERGE) as (_, addr), client(addr, 0, None) as peer0, client(addr, 1, None) as peer1:
-        for peer, c in enumerate((peer0, peer1)):
-            c.join(manifest, trainable_names(list(manifest), peer, "spes"))
+    spec = tiny_spec(server=MERGE)
+    uploads = {s: {p: peer_upload(spec, p, seed=s) for p in range(2)} for s in (1, 2)}
+    with (
+        running_server(spec) as (_, addr),
+        client(addr, 0, None, spec) as peer0,
+        client(addr, 1, None, spec) as peer1,
+    ):
+        for c in (peer0, peer1):
+            c.join()
         first = sync_all([peer0, peer1], 1, uploads[1])
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(peer0.sync, 2, uploads[2][0])
@@ -152,7 +143,7 @@ def test_duplicate_and_out_of_order_uploads_leave_the_run_exact() -> None:
         dup, stats = peer0.sync(2, uploads[2][0])
         assert_exact(dup, got_0)
         behind, stats = peer0.sync(1, uploads[1][0])  # the run has moved past round 1: catch up to round 2
-        assert stats.caught_up and stats.round == 2 and sorted(behind) == sorted(manifest)
-    want = fault_free(uploads, num_peers=2, mode="spes", merge=MERGE)
+        assert stats.caught_up and stats.round == 2 and sorted(behind) == sorted(spec.manifest or {})
+    want = fault_free(uploads, spec)
     for got in (got_0, got_1, behind):
         assert_exact(got, want)

@@ -12,15 +12,23 @@ import torch
 
 from spes.config import load_config
 from spes.distributed import DistInfo
-from spes.sync.merge import MergeConfig
-from spes.sync.peer import PeerSync, SyncResult
+from spes.sync.peer import PeerSync, SyncResult, read_run_id
+from spes.sync.server import spec_of_run
+from spes.sync.spec import RunSpec
 from spes.train import build_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
 
 REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
 CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-MERGE = MergeConfig(interval=4, alpha_start=0.05, decay_steps=100, topk=2)
+MERGE = [
+    "--server.merge_interval=4",
+    "--server.merge_alpha_start=0.05",
+    "--server.merge_decay_steps=100",
+    "--server.merge_topk=2",
+]
+"""The server's merge warm-up in these runs: every 4 steps (the nodes' copy of the section is not compared)."""
 STEPS = 8
 
 
@@ -65,31 +73,39 @@ class Recording:
         return getattr(self.inner, name)
 
 
+def overrides(corpus: Any, tmp_path: Path, addr: str, peer: int) -> list[str]:
+    """The command line of peer `peer` of these runs (`python -m spes.train configs/tiny.yaml ...`)."""
+    return [
+        *corpus.overrides(tmp_path / f"node{peer}"),
+        f"--spes_config.peer_id={peer}",
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        f"--spes_config.server_addr={addr}",
+        "--spes_config.sync_steps=2",
+        f"--max_duration={STEPS}st",
+        "--eval_interval=null",
+        "--save_interval=2",
+        "--save_num_checkpoints_to_keep=-1",
+        "--spes_config.rpc_timeout_s=30",
+        "--spes_config.round_timeout_s=60",
+        "--spes_config.max_retries=8",
+    ]
+
+
+def server_spec(corpus: Any, tmp_path: Path) -> RunSpec:
+    """The spec the server of these runs builds from the nodes' YAML and overrides, with its merge warm-up."""
+    return spec_of_run(str(TINY), [*overrides(corpus, tmp_path, "127.0.0.1:1", 0), *MERGE])
+
+
 def node(
     corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | None = None, crash_at: int | None = None
 ) -> tuple[Trainer, Recording]:
     """One peer as `python -m spes.train configs/tiny.yaml` would build it (--resume: `load_path`)."""
-    cfg, _ = load_config(
-        str(REPO / "configs" / "tiny.yaml"),
-        [
-            *corpus.overrides(tmp_path / f"node{peer}"),
-            f"--spes_config.peer_id={peer}",
-            "--spes_config.num_peers=2",
-            "--spes_config.num_train_experts_per_node=4",
-            f"--spes_config.server_addr={addr}",
-            "--spes_config.sync_steps=2",
-            f"--max_duration={STEPS}st",
-            "--eval_interval=null",
-            "--save_interval=2",
-            "--save_num_checkpoints_to_keep=-1",
-            "--spes_config.rpc_timeout_s=30",
-            "--spes_config.round_timeout_s=60",
-            "--spes_config.max_retries=8",
-        ],
-    )
+    cfg, _ = load_config(str(TINY), overrides(corpus, tmp_path, addr, peer))
     cfg.load_path = load_path
     built = build_node(cfg, CPU, log=lambda _m: None)
-    sync = PeerSync(cfg, built.model, CPU, log=lambda _m: None)
+    run_id = read_run_id(built.checkpoint.path) if built.checkpoint is not None else None  # as spes.train does
+    sync = PeerSync(cfg, built.model, CPU, log=lambda _m: None, run_id=run_id)
     sync.join()
     loader = built.loader if crash_at is None else CrashingLoader(built.loader, crash_at)
     recording = Recording(sync)
@@ -133,10 +149,11 @@ def final_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(300)
 def test_a_crashed_peer_resumes_from_its_checkpoint_and_the_run_is_exact(tiny_corpus: Any, tmp_path: Path) -> None:
     reference = {}
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    spec = server_spec(tiny_corpus, tmp_path)
+    with running_server(spec) as (_, addr), ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(run, *node(tiny_corpus, tmp_path / "ref", addr, p)) for p in range(2)]
         reference = {p: final_weights(f.result(timeout=240)) for p, f in enumerate(runs)}
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(spec) as (_, addr), ThreadPoolExecutor(2) as pool:
         steady = pool.submit(run, *node(tiny_corpus, tmp_path / "crash", addr, 0))
         # NOTE: crash before step 5, after the step-4 sync and checkpoint; the server waits at round 6 meanwhile.
         restarted = pool.submit(crash_then_resume, tiny_corpus, tmp_path / "crash", addr, 4, ".")  # its latest
@@ -150,7 +167,7 @@ def test_a_crashed_peer_resumes_from_its_checkpoint_and_the_run_is_exact(tiny_co
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_peer_resumed_from_an_older_checkpoint_catches_up_with_the_run(tiny_corpus: Any, tmp_path: Path) -> None:
-    with running_server(num_peers=2, experts_per_peer=4, merge=MERGE) as (_, addr), ThreadPoolExecutor(2) as pool:
+    with running_server(server_spec(tiny_corpus, tmp_path)) as (_, addr), ThreadPoolExecutor(2) as pool:
         trainer0, recording0 = node(tiny_corpus, tmp_path, addr, 0)
         steady = pool.submit(run, trainer0, recording0)
         # NOTE: crash before step 7 (rounds 2..6 done), resume from step 2: the run has moved on to round 6.

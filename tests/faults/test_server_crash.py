@@ -10,41 +10,34 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-from fault_helpers import assert_exact, fault_free, free_port, start_server_process
+from fault_helpers import assert_exact, fault_free, free_port, spec_overrides, start_server_process
 from tcp_proxy import TcpProxy
 
+from spes.config import ServerSection
 from spes.sync.client import SyncClient
-from spes.sync.merge import MergeConfig, Mode, OuterConfig, trainable_names
-from sync_helpers import peer_upload, sync_all, tiny_manifest
+from spes.sync.protocol import Mode
+from spes.sync.spec import RunSpec
+from sync_helpers import make_client, peer_upload, sync_all, tiny_spec
 
-MANIFEST = {"spes": tiny_manifest(d=128, f=64), "diloco": tiny_manifest(num_blocks=1, d=128, f=64)}
-ARGS = {
-    "spes": ["--merge_interval", "2", "--merge_alpha_start", "0.5", "--merge_decay_steps", "100", "--merge_topk", "2"],
-    "diloco": ["--mode", "diloco", "--outer_optimizer", "nesterov"],
+SPEC = {
+    "spes": tiny_spec(
+        d=128,
+        f=64,
+        server=ServerSection(merge_interval=2, merge_alpha_start=0.5, merge_decay_steps=100, merge_topk=2),
+    ),
+    "diloco": tiny_spec(mode="diloco", d=128, f=64, server=ServerSection(outer_optimizer="nesterov")),
 }
 
 
 @contextmanager
-def peers(addr: str, mode: Mode) -> Iterator[list[SyncClient]]:
-    manifest = MANIFEST[mode]
+def peers(addr: str, spec: RunSpec) -> Iterator[list[SyncClient]]:
     with ExitStack() as stack:
         clients = [
-            stack.enter_context(
-                SyncClient(
-                    addr,
-                    peer_id=p,
-                    num_peers=2,
-                    experts_per_peer=2,
-                    mode=mode,
-                    rpc_timeout_s=10,
-                    round_timeout_s=90,
-                    max_retries=10,
-                )
-            )
+            stack.enter_context(make_client(addr, spec, p, rpc_timeout_s=10, round_timeout_s=90, max_retries=10))
             for p in range(2)
         ]
-        for peer, client in enumerate(clients):
-            client.join(manifest, trainable_names(list(manifest), peer, mode))
+        for client in clients:
+            client.join()
         yield clients
 
 
@@ -54,21 +47,13 @@ def peers(addr: str, mode: Mode) -> Iterator[list[SyncClient]]:
 def test_server_killed_mid_round_resumes_from_state_dir_and_the_run_is_exact(
     tmp_path: Path, mode: Mode, moment: str
 ) -> None:
-    manifest = MANIFEST[mode]
-    args = [
-        "--total_peers",
-        "2",
-        "--num_train_experts_per_node",
-        "2",
-        "--state_dir",
-        str(tmp_path / "state"),
-        *ARGS[mode],
-    ]
-    uploads = {step: {p: peer_upload(manifest, p, mode, seed=step) for p in range(2)} for step in (1, 2, 3)}
+    spec = SPEC[mode]
+    args = [*spec_overrides(spec), "--state_dir", str(tmp_path / "state")]
+    uploads = {step: {p: peer_upload(spec, p, seed=step) for p in range(2)} for step in (1, 2, 3)}
     port = free_port()
     servers = [start_server_process(tmp_path / "server.log", args, port=port)]
     try:
-        with TcpProxy(("127.0.0.1", port)) as proxy, peers(f"127.0.0.1:{proxy.port}", mode) as clients:
+        with TcpProxy(("127.0.0.1", port)) as proxy, peers(f"127.0.0.1:{proxy.port}", spec) as clients:
             sync_all(clients, 1, uploads[1])
             killed = threading.Event()
             if moment == "mid_upload":
@@ -97,9 +82,7 @@ def test_server_killed_mid_round_resumes_from_state_dir_and_the_run_is_exact(
             server.kill()
     log = servers[-1].log_text()
     assert "resumed from" in log and "round 1 complete (peers [0, 1])" in log
-    merge = MergeConfig(interval=2, alpha_start=0.5, decay_steps=100, topk=2) if mode == "spes" else None
-    outer = OuterConfig(optimizer="nesterov") if mode == "diloco" else None
-    want_2 = fault_free({s: uploads[s] for s in (1, 2)}, num_peers=2, mode=mode, merge=merge, outer=outer)
+    want_2 = fault_free({s: uploads[s] for s in (1, 2)}, spec)
     for peer in range(2):
         assert_exact(round_2[peer][0], want_2)
-        assert_exact(final[peer][0], fault_free(uploads, num_peers=2, mode=mode, merge=merge, outer=outer))
+        assert_exact(final[peer][0], fault_free(uploads, spec))

@@ -13,62 +13,36 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from fault_helpers import REPO, assert_exact, fault_free, proc_usage, server_process
+from fault_helpers import REPO, assert_exact, fault_free, proc_usage, server_process, spec_overrides
 
-from spes.sync.client import SyncClient
-from spes.sync.merge import MergeConfig, trainable_names
-from sync_helpers import peer_upload, running_server, sync_all, tiny_manifest
+from spes.config import ServerSection
+from sync_helpers import make_client, peer_upload, running_server, sync_all, tiny_spec
 
 ROUNDS, WARMUP, PEERS = 30, 10, 3
-MANIFEST = tiny_manifest(num_blocks=PEERS, d=64, f=32)
-SMALL = tiny_manifest()
-MERGE = MergeConfig(interval=5, alpha_start=0.5, decay_steps=1000, topk=2)
+MERGE = ServerSection(merge_interval=5, merge_alpha_start=0.5, merge_decay_steps=1000, merge_topk=2)
+SPEC = tiny_spec(num_peers=PEERS, d=64, f=32, server=MERGE)
+SMALL = tiny_spec()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_soak_thirty_rounds_without_growth(tmp_path: Path) -> None:
-    args = [
-        "--total_peers",
-        str(PEERS),
-        "--num_train_experts_per_node",
-        "2",
-        "--merge_interval",
-        "5",
-        "--merge_alpha_start",
-        "0.5",
-        "--merge_decay_steps",
-        "1000",
-        "--merge_topk",
-        "2",
-        "--state_dir",
-        str(tmp_path / "state"),
-    ]
+    args = [*spec_overrides(SPEC), "--state_dir", str(tmp_path / "state")]
     usage = {}
     with server_process(tmp_path / "server.log", args) as server, ExitStack() as stack:
         clients = [
-            stack.enter_context(
-                SyncClient(
-                    server.addr,
-                    peer_id=p,
-                    num_peers=PEERS,
-                    experts_per_peer=2,
-                    mode="spes",
-                    rpc_timeout_s=10,
-                    round_timeout_s=30,
-                )
-            )
+            stack.enter_context(make_client(server.addr, SPEC, p, rpc_timeout_s=10, round_timeout_s=30))
             for p in range(PEERS)
         ]
-        for peer, client in enumerate(clients):
-            client.join(MANIFEST, trainable_names(list(MANIFEST), peer, "spes"))
+        for client in clients:
+            client.join()
         for step in range(1, ROUNDS + 1):
-            uploads = {p: peer_upload(MANIFEST, p, "spes", seed=step) for p in range(PEERS)}
+            uploads = {p: peer_upload(SPEC, p, seed=step) for p in range(PEERS)}
             results = sync_all(clients, step, uploads)
             if step in (WARMUP, ROUNDS):
                 usage[step] = proc_usage(server.proc.pid)
         status = clients[0].status()
-    last = fault_free({ROUNDS: uploads}, num_peers=PEERS, mode="spes", merge=MERGE)
+    last = fault_free({ROUNDS: uploads}, SPEC)
     assert_exact(results[0][0], last)
     assert status.current_round == ROUNDS and status.persistent
     warm, end = usage[WARMUP], usage[ROUNDS]
@@ -81,15 +55,12 @@ def test_servers_and_clients_leave_no_threads_or_descriptors_behind() -> None:
     """In one process: start, use and stop servers and clients repeatedly; threads and fds return to baseline."""
 
     def cycle() -> None:
-        with running_server(num_peers=2) as (_, addr), ExitStack() as stack:
-            clients = [
-                stack.enter_context(SyncClient(addr, peer_id=p, num_peers=2, experts_per_peer=2, mode="spes"))
-                for p in range(2)
-            ]
-            for peer, client in enumerate(clients):
-                client.join(SMALL, trainable_names(list(SMALL), peer, "spes"))
+        with running_server(SMALL) as (_, addr), ExitStack() as stack:
+            clients = [stack.enter_context(make_client(addr, SMALL, p)) for p in range(2)]
+            for client in clients:
+                client.join()
             for step in (1, 2):
-                sync_all(clients, step, {p: peer_upload(SMALL, p, "spes", seed=step) for p in range(2)})
+                sync_all(clients, step, {p: peer_upload(SMALL, p, seed=step) for p in range(2)})
 
     def settled(threads: int | None = None) -> tuple[int, int]:
         """Threads and fds once the stopped servers' threads are gone (down to `threads`, waiting 5 s at most)."""
