@@ -30,7 +30,6 @@ steps while alpha > 0, alpha decaying to 0 at step 10000: the paper's launch set
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import multiprocessing
@@ -50,6 +49,8 @@ import common
 from common import (
     MIB,
     REPO_ROOT,
+    CodecChoice,
+    codec_choice,
     format_table,
     machine_info,
     manifest_of,
@@ -62,7 +63,7 @@ from spes.config import ServerSection, SpesConfig, TrainConfig, load_config
 from spes.model import Transformer
 from spes.sync.client import SyncClient, SyncStats
 from spes.sync.codecs.held import HeldServer
-from spes.sync.codecs.registry import Codec, build_codec
+from spes.sync.codecs.registry import Codec
 from spes.sync.merge import round_alpha
 from spes.sync.plane_tcp import framing_bytes
 from spes.sync.proto import spes_pb2 as pb
@@ -85,43 +86,6 @@ CODECS = ("fp32", "bf16", "int8")
 DILOCO_CODECS = ("fp32", "bf16")
 INT8_TARGET = 0.16
 """Issue 16.3: SPES with int8 deltas moves at most this share of the reference's bytes per peer and round."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CodecChoice:
-    """A codec to measure, as `--codecs` names it: `NAME` or `NAME:key=value,...` (its `codec_settings`)."""
-
-    label: str
-    name: str
-    settings: dict[str, int]
-
-    @classmethod
-    def parse(cls, text: str) -> CodecChoice:
-        """ValueError naming the codec or setting that is not valid (`spes.sync.codecs.registry.build_codec`)."""
-        name, _, given = text.partition(":")
-        settings = {}
-        for item in filter(None, given.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq or not value.lstrip("-").isdigit():
-                raise ValueError(f"codec {text!r}: settings are key=value with integer values, e.g. sparse:topk=32")
-            settings[key] = int(value)
-        build_codec(name, settings)
-        return cls(text.replace("_", "-"), name, settings)
-
-    def overrides(self) -> list[str]:
-        """The run-config overrides that select this codec."""
-        return [
-            f"--spes_config.codec={self.name}",
-            *(f"--spes_config.codec_settings.{k}={v}" for k, v in self.settings.items()),
-        ]
-
-
-def codec_choice(text: str) -> CodecChoice:
-    """argparse's type of `--codecs`: one line naming what is wrong."""
-    try:
-        return CodecChoice.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def holds_model(codec: Codec) -> bool:

@@ -25,6 +25,7 @@ import torch
 from spes.atomic import write_atomic
 from spes.config import ServerSection, TrainConfig
 from spes.model import Transformer
+from spes.sync.codecs.registry import build_codec
 from spes.sync.spec import RunSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -205,3 +206,40 @@ def start_server(args: Sequence[str], log: Path) -> tuple[subprocess.Popen[bytes
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"the server did not start:\n{log.read_text(errors='replace')}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecChoice:
+    """A codec to measure, as `--codecs` names it: `NAME` or `NAME:key=value,...` (its `codec_settings`)."""
+
+    label: str
+    name: str
+    settings: dict[str, int]
+
+    @classmethod
+    def parse(cls, text: str) -> CodecChoice:
+        """ValueError naming the codec or setting that is not valid (`spes.sync.codecs.registry.build_codec`)."""
+        name, _, given = text.partition(":")
+        settings = {}
+        for item in filter(None, given.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or not value.lstrip("-").isdigit():
+                raise ValueError(f"codec {text!r}: settings are key=value with integer values, e.g. sparse:topk=32")
+            settings[key] = int(value)
+        build_codec(name, settings)
+        return cls(text.replace("_", "-"), name, settings)
+
+    def overrides(self) -> list[str]:
+        """The run-config overrides that select this codec."""
+        return [
+            f"--spes_config.codec={self.name}",
+            *(f"--spes_config.codec_settings.{k}={v}" for k, v in self.settings.items()),
+        ]
+
+
+def codec_choice(text: str) -> CodecChoice:
+    """argparse's type of `--codecs`: one line naming what is wrong."""
+    try:
+        return CodecChoice.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -5,7 +5,7 @@
     .venv/bin/python bench/mini_repro.py --report-only   # re-plot and re-write the report from the last runs
     .venv/bin/python bench/mini_repro.py --quick         # smoke run (seconds of training, report next to the runs)
     .venv/bin/python bench/mini_repro.py --seed 7        # the same with another model-init and data-order seed
-    .venv/bin/python bench/mini_repro.py --int8          # the SPES run on the fp32 and int8 codecs, side by side
+    .venv/bin/python bench/mini_repro.py --codecs int8 sparse   # the SPES run on the fp32 wire and each codec
     .venv/bin/python bench/mini_repro.py --overlap       # SPES blocking vs overlapped rounds (overlap_sync)
 
 Three real runs on the default local corpus (data/default, built by
@@ -29,10 +29,12 @@ pre-sync local losses are kept too. Bytes communicated are the payload bytes eve
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
 seed's report in docs/ lists the final losses of every other seed found in bench/results/.
 
-`--int8` runs the SPES arm twice instead, on `spes_config.codec` fp32 and int8 (int8 deltas against the held model,
-spes.sync.codecs.int8), into `bench/results/mini_repro_int8[_seed<S>]/`, refuses unequal tokens as above, and
-records the final validation losses, their relative difference (target: within 0.5%) and the bytes in
-`bench/results/mini_repro_int8*.json`.
+`--codecs CODEC...` runs the SPES arm (DiLoCo's with `--dilico`) on the fp32 wire and on each codec
+(`spes_config.codec` and its `codec_settings`, e.g. `int8`, `sparse:topk=128`) into
+`bench/results/mini_repro_codecs[_diloco][_seed<S>]/<arm>/`, refuses unequal tokens as above, and records every
+arm's final validation loss against the fp32 arm's (`vs_fp32`, target within 1%) and its bits per parameter per
+peer and round in `bench/results/mini_repro_codecs*.json`. With `--overlap` as well, each codec also runs on each
+overlapped schedule. (The int8 records `mini_repro_int8*.json` came from this comparison's first form, `--int8`.)
 
 `--overlap` runs the SPES arm blocking, and with `spes_config.overlap_sync` once per `--overlap_steps D` (each
 round applied D steps after its sync step, with the local progress made meanwhile; default D = sync_steps), into
@@ -44,6 +46,7 @@ keeps its command, commit and machine in `<arm>/run.json`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -57,7 +60,9 @@ from typing import Any
 from common import (
     REPO_ROOT,
     RESULTS_DIR,
+    CodecChoice,
     check_corpus,
+    codec_choice,
     corpus_args,
     git_commit,
     machine_info,
@@ -569,46 +574,9 @@ def report(
     return "\n".join(lines)
 
 
-INT8_TARGET = 0.005
-"""Issue 16.3: the int8 run's final validation loss within 0.5% of the fp32 run's, at equal tokens."""
-
-
-def int8_commands(setup: Setup, common: list[str], out: Path) -> Commands:
-    """The SPES arm on the fp32 codec (`spes`) and on int8 deltas (`spes_int8`): the same command but for the
-    codec (`spes.launch --codec`)."""
-    cmd, env = run_commands(setup, common, out)["spes"]
-    at = cmd.index("--out")
-    int8 = [*cmd[:at], "--codec", "int8", "--out", str(out / "spes_int8"), *cmd[at + 2 :]]
-    return {"spes": (cmd, env), "spes_int8": (int8, env)}
-
-
-def int8_comparison(setup: Setup, common: list[str], runs: Path, report_only: bool) -> dict[str, Any]:
-    """Run (unless `report_only`) and compare the fp32 and int8 SPES arms at equal tokens."""
-    if report_only:
-        walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
-    else:
-        walls = run_all(int8_commands(setup, common, runs), runs)
-        info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
-        write_atomic(runs / "run.json", json.dumps(info, indent=1) + "\n")
-    curves = {name: peers_curve(runs / name) for name in ("spes", "spes_int8")}
-    check_equal_tokens(curves, runs, base_run="spes")
-    fp32, int8 = (curves[n]["val_loss"][-1] for n in ("spes", "spes_int8"))
-    run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else {}
-    return {
-        "run": run_info,
-        "machine": run_info.get("machine") or machine_info(),
-        "walls_s": walls,
-        "tokens": {name: c["tokens_final"] for name, c in curves.items()},
-        "final_val_loss": {"spes": fp32, "spes_int8": int8},
-        "int8_vs_fp32": (int8 - fp32) / fp32,
-        "within_target": abs(int8 - fp32) / fp32 <= INT8_TARGET,
-        "bytes_total": {name: c["bytes"][-1] for name, c in curves.items()},
-        "curves": curves,
-    }
-
-
-OVERLAP_TARGET = 0.01
-"""Issue 16.2: an overlapped run's final validation loss within 1% of the blocking run's, at equal tokens."""
+ARM_TARGET = 0.01
+"""Issues 16.2 and 27: an overlapped run's, or a codec's, final validation loss within 1% of the blocking fp32 run's
+at equal tokens."""
 
 
 def overlap_arm(delay: int, correction: float = 1.0, fragments: int = 1) -> str:
@@ -642,46 +610,64 @@ def overlap_variants(
     }
 
 
-def overlap_commands(setup: Setup, common: list[str], out: Path, variants: dict[str, list[str]]) -> Commands:
-    """The blocking SPES arm (`spes`) and every overlapped arm: the same command but for the overlap keys."""
-    cmd, env = run_commands(setup, common, out)["spes"]
+def codec_arm(codec: CodecChoice) -> str:
+    """The name of the arm whose peers and server use `codec` (`sparse:topk=128` -> `codec_sparse_topk128`)."""
+    return "codec_" + codec.label.replace(":", "_").replace(",", "_").replace("=", "")
+
+
+def codec_variants(codecs: Sequence[CodecChoice], overlaps: dict[str, list[str]]) -> dict[str, list[str]]:
+    """One arm per codec on the base arm's schedule, and one per codec and overlapped schedule in `overlaps`."""
+    arms = {codec_arm(c): c.overrides() for c in codecs}
+    arms.update({f"{codec_arm(c)}_{o}": [*c.overrides(), *flags] for c in codecs for o, flags in overlaps.items()})
+    return arms
+
+
+def arm_commands(base: str, setup: Setup, common: list[str], out: Path, variants: dict[str, list[str]]) -> Commands:
+    """The `base` arm (`spes` or `diloco`) and every variant: the same command but for the variant's keys."""
+    cmd, env = run_commands(setup, common, out)[base]
     at = cmd.index("--out")
-    arms = {"spes": (cmd, env)}
+    arms = {base: (cmd, env)}
     for arm, flags in variants.items():
         arms[arm] = ([*cmd[:at], "--out", str(out / arm), *cmd[at + 2 :], *flags], env)
     return arms
 
 
-def overlap_comparison(
-    setup: Setup,
-    common: list[str],
-    runs: Path,
-    variants: dict[str, list[str]],
-    only: list[str] | None,
-    report_only: bool,
-) -> dict[str, Any]:
-    """Run (unless `report_only`; only the arms `only` if given) and compare the blocking and the overlapped SPES
-    arms (`overlap_variants`) by final validation loss (of the merged model, once the last round is applied) at
-    equal tokens."""
-    commands = overlap_commands(setup, common, runs, variants)
+def run_arms(commands: Commands, runs: Path, only: list[str] | None) -> dict[str, float]:
+    """Run the arms `only` (default: all), one at a time, each with its own record of what ran it; wall seconds of
+    every arm run so far in `runs`."""
     walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
-    if not report_only:
-        info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit()}
-        for arm in only or commands:  # one at a time, each with its own record of what ran it
-            walls.update(run_all({arm: commands[arm]}, runs))
-            write_atomic(runs / arm / "run.json", json.dumps({**info, "machine": machine_info()}, indent=1) + "\n")
-            (runs / "walls.json").write_text(json.dumps(walls))
+    info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit()}
+    for arm in only or commands:
+        walls.update(run_all({arm: commands[arm]}, runs))
+        write_atomic(runs / arm / "run.json", json.dumps({**info, "machine": machine_info()}, indent=1) + "\n")
+        write_atomic(runs / "walls.json", json.dumps(walls))
+    return walls
+
+
+def compare_arms(
+    commands: Commands, runs: Path, base: str, variants: dict[str, list[str]], vs: str, total_params: int
+) -> dict[str, Any]:
+    """Every arm's final validation loss (of the merged model, once the last round is applied) against the `base`
+    arm's as `vs` = (arm - base) / base, at equal tokens (refused otherwise), and its bytes per peer per round.
+
+    bits_per_param = 8 * (bytes up + bytes down) / `total_params`, per peer and round: over the whole run
+    (`mean`, its first full-value round included) and in the last round (`last`, a codec's steady state).
+    """
+    walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
     curves = {arm: peers_curve(runs / arm) for arm in commands}
-    check_equal_tokens(curves, runs, base_run="spes")
-    base = curves["spes"]["val_loss"][-1]
+    check_equal_tokens(curves, runs, base_run=base)
+    base_loss = curves[base]["val_loss"][-1]
     arms = {}
     for arm, c in curves.items():
         info_path = runs / arm / "run.json"
+        mean_bytes = c["bytes"][-1] / PEERS / c["rounds"]
+        last_bytes = c["bytes_per_peer_round_up"] + c["bytes_per_peer_round_down"][-1]
         arms[arm] = {
             "flags": variants.get(arm, []),
             "final_val_loss": c["val_loss"][-1],
-            "vs_blocking": (c["val_loss"][-1] - base) / base,
-            "within_target": abs(c["val_loss"][-1] - base) / base <= OVERLAP_TARGET,
+            vs: (c["val_loss"][-1] - base_loss) / base_loss,
+            "within_target": abs(c["val_loss"][-1] - base_loss) / base_loss <= ARM_TARGET,
+            "bits_per_param": {"mean": 8 * mean_bytes / total_params, "last": 8 * last_bytes / total_params},
             "wall_s": walls.get(arm),
             "run": json.loads(info_path.read_text()) if info_path.is_file() else None,
         }
@@ -689,9 +675,47 @@ def overlap_comparison(
         "machine": machine_info(),
         "tokens": {arm: c["tokens_final"] for arm, c in curves.items()},
         "arms": arms,
-        "target": OVERLAP_TARGET,
+        "target": ARM_TARGET,
         "curves": curves,
     }
+
+
+def compare(
+    p: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    setup: Setup,
+    common: list[str],
+    runs: Path,
+    out_json: Path,
+    total_params: int,
+) -> int:
+    """--overlap / --codecs: run the base arm and its variants (unless --report-only), record and print them."""
+    base = "diloco" if args.dilico else "spes"
+    overlaps = (
+        overlap_variants(args.overlap_steps, args.overlap_correction, args.overlap_fragments, setup.sync_steps)
+        if args.overlap
+        else {}
+    )
+    variants = {**overlaps, **codec_variants(args.codecs, overlaps)}
+    if unknown := sorted(set(args.only or []) - {base, *variants}):
+        p.error(f"--only {unknown}: the arms of this run are {base} and {list(variants)}")
+    commands = arm_commands(base, setup, common, runs, variants)
+    if not args.report_only:
+        run_arms(commands, runs, args.only)
+    vs = "vs_fp32" if args.codecs else "vs_blocking"
+    result = compare_arms(commands, runs, base, variants, vs, total_params)
+    print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
+    for arm, r in result["arms"].items():
+        print(
+            f"{arm:>28}  final val {r['final_val_loss']:.4f}  {100 * r[vs]:+.3f}% {vs}  "
+            f"{r['bits_per_param']['last']:.3f} bit/param/round (last)  "
+            f"waited {result['curves'][arm]['sync_wait_seconds_peer0']:.1f} s (peer 0)"
+        )
+    print(f"target: within {100 * ARM_TARGET:g}% of the {base} arm")
+    write_results(
+        out_json, {"mode": "quick" if args.quick else "full", "seed": args.seed, "setup": asdict(setup), **result}
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -706,8 +730,15 @@ def main(argv: list[str] | None = None) -> int:
         "--seed", type=int, default=DEFAULT_SEED, help="model-init and data-order seed (default %(default)s)"
     )
     p.add_argument(
-        "--int8", action="store_true", help="instead: the SPES arm on fp32 and on int8 deltas, compared at equal tokens"
+        "--codecs",
+        type=codec_choice,
+        nargs="+",
+        default=[],
+        metavar="CODEC",
+        help="instead: the base arm on the fp32 wire and on each codec (NAME or NAME:key=value,..., e.g. int8, "
+        "sparse:topk=128), compared at equal tokens; with --overlap also each codec on each overlapped schedule",
     )
+    p.add_argument("--dilico", action="store_true", help="with --codecs: DiLoCo arms instead of SPES ones")
     p.add_argument(
         "--overlap", action="store_true", help="instead: the SPES arm blocking and with overlap_sync, at equal tokens"
     )
@@ -719,16 +750,20 @@ def main(argv: list[str] | None = None) -> int:
         help_ = f"with --overlap: one overlapped arm per {what}, for each value of the other two"
         p.add_argument(flag, type=kind, nargs="+", default=initial, metavar=metavar, help=help_)
     p.add_argument(
-        "--only", nargs="+", default=None, metavar="ARM", help="with --overlap: run only these arms, read the others"
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="ARM",
+        help="with --overlap or --codecs: run only these arms, read the others",
     )
     p.set_defaults(out=None)
     args = p.parse_args(argv)
     setup = QUICK if args.quick else FULL
     default = args.seed == DEFAULT_SEED and not args.quick
     name = "mini_repro_quick" if args.quick else "mini_repro" if default else f"mini_repro_seed{args.seed}"
-    if args.int8:
-        name = name.replace("mini_repro", "mini_repro_int8", 1)
-    if args.overlap:
+    if args.codecs:
+        name = name.replace("mini_repro", "mini_repro_codecs" + ("_diloco" if args.dilico else ""), 1)
+    elif args.overlap:
         name = name.replace("mini_repro", "mini_repro_overlap", 1)
     runs = args.runs or RESULTS_DIR / name
     docs = args.docs or (REPO_ROOT / "docs" if default else runs)
@@ -744,39 +779,8 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     runs.mkdir(parents=True, exist_ok=True)
-    if args.int8:
-        result = int8_comparison(setup, common, runs, args.report_only)
-        fp32, int8 = result["final_val_loss"]["spes"], result["final_val_loss"]["spes_int8"]
-        moved = {run: f"{b / 2**20:,.1f} MiB" for run, b in result["bytes_total"].items()}
-        print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
-        print(
-            f"final validation loss of the merged model: fp32 {fp32:.4f}, int8 {int8:.4f} "
-            f"({100 * result['int8_vs_fp32']:+.3f}%; target within {100 * INT8_TARGET:g}%); bytes moved by all "
-            f"peers: {moved}"
-        )
-        write_results(
-            out_json,
-            {"mode": "quick" if args.quick else "full", "seed": args.seed, "setup": asdict(setup), **result},
-        )
-        return 0 if result["within_target"] or args.quick else 1
-    if args.overlap:
-        variants = overlap_variants(
-            args.overlap_steps, args.overlap_correction, args.overlap_fragments, setup.sync_steps
-        )
-        if unknown := sorted(set(args.only or []) - {"spes", *variants}):
-            p.error(f"--only {unknown}: the arms of this run are spes and {list(variants)}")
-        result = overlap_comparison(setup, common, runs, variants, args.only, args.report_only)
-        print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
-        for arm, r in result["arms"].items():
-            print(
-                f"{arm:>16}  final val {r['final_val_loss']:.4f}  {100 * r['vs_blocking']:+.3f}% vs blocking  "
-                f"waited {result['curves'][arm]['sync_wait_seconds_peer0']:.1f} s (peer 0)"
-            )
-        print(f"target: an overlapped run within {100 * OVERLAP_TARGET:g}% of the blocking run")
-        write_results(
-            out_json, {"mode": "quick" if args.quick else "full", "seed": args.seed, "setup": asdict(setup), **result}
-        )
-        return 0
+    if args.codecs or args.overlap:
+        return compare(p, args, setup, common, runs, out_json, params["total"])
     if args.report_only:
         walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
         run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None

@@ -201,14 +201,14 @@ def test_mini_repro_refuses_unequal_token_budgets(tmp_path: Path) -> None:
 
 
 def test_mini_repro_overlap_compares_every_arm_at_equal_tokens(tmp_path: Path) -> None:
-    from mini_repro import QUICK, overlap_comparison, overlap_variants
+    from mini_repro import QUICK, overlap_variants
 
     variants = overlap_variants([2, 1], [1.0], [1], QUICK.sync_steps)
     arms = ["spes", "spes_overlap_d2", "spes_overlap_d1"]
     for run in arms:
         for p in range(4):
             _metrics(tmp_path / run / f"node{p}", 512)
-    result = overlap_comparison(QUICK, [], tmp_path, variants, None, report_only=True)
+    result = _compare(tmp_path, "spes", variants, "vs_blocking")
     assert result["tokens"] == dict.fromkeys(arms, 8192)
     assert [result["arms"][arm]["vs_blocking"] for arm in arms] == [0.0, 0.0, 0.0]
     assert result["arms"]["spes_overlap_d1"]["flags"] == [
@@ -218,18 +218,25 @@ def test_mini_repro_overlap_compares_every_arm_at_equal_tokens(tmp_path: Path) -
     shutil.rmtree(tmp_path / "spes_overlap_d1" / "node3")
     _metrics(tmp_path / "spes_overlap_d1" / "node3", 256)
     with pytest.raises(SystemExit, match="unequal token budgets.*spes_overlap_d1 on 7,168"):
-        overlap_comparison(QUICK, [], tmp_path, variants, None, report_only=True)
+        _compare(tmp_path, "spes", variants, "vs_blocking")
+
+
+def _compare(runs: Path, base: str, variants: dict[str, list[str]], vs: str) -> dict:
+    """The comparison `mini_repro.py --report-only` writes from the arms' logs in `runs` (a 1,000-parameter model)."""
+    from mini_repro import QUICK, arm_commands, compare_arms
+
+    return compare_arms(arm_commands(base, QUICK, [], runs, variants), runs, base, variants, vs, 1000)
 
 
 def test_mini_repro_overlap_names_an_arm_per_fragments_delay_and_correction(tmp_path: Path) -> None:
-    from mini_repro import QUICK, overlap_comparison, overlap_variants
+    from mini_repro import QUICK, overlap_variants
 
     variants = overlap_variants(None, [1.0, 0.5], [1, 3], QUICK.sync_steps)
     arms = ["spes", "spes_overlap_d3", "spes_overlap_d3_c0.5", "spes_overlap_d1_f3", "spes_overlap_d1_f3_c0.5"]
     for run in arms:
         for p in range(4):
             _metrics(tmp_path / run / f"node{p}", 512)
-    result = overlap_comparison(QUICK, [], tmp_path, variants, None, report_only=True)
+    result = _compare(tmp_path, "spes", variants, "vs_blocking")
     assert list(result["arms"]) == arms
     assert result["arms"]["spes_overlap_d3_c0.5"]["flags"] == [
         "--spes_config.overlap_sync=true",
@@ -241,6 +248,37 @@ def test_mini_repro_overlap_names_an_arm_per_fragments_delay_and_correction(tmp_
         "--spes_config.overlap_steps=1",
         "--spes_config.overlap_fragments=3",
     ]
+
+
+def test_mini_repro_codecs_name_an_arm_per_codec_and_schedule_and_count_bits(tmp_path: Path) -> None:
+    """`--codecs int8 sparse:topk=128 --overlap --dilico`: DiLoCo on fp32 is the base; each codec gets an arm
+    alone and one per overlapped schedule; bits per parameter per peer and round come from the logged bytes."""
+    from common import CodecChoice
+    from mini_repro import QUICK, codec_variants, overlap_variants
+
+    overlaps = overlap_variants([1], [1.0], [1], QUICK.sync_steps)
+    variants = {
+        **overlaps,
+        **codec_variants([CodecChoice.parse("int8"), CodecChoice.parse("sparse:topk=128")], overlaps),
+    }
+    arms = ["diloco", *variants]
+    assert arms == [
+        "diloco",
+        "spes_overlap_d1",
+        "codec_int8",
+        "codec_sparse_topk128",
+        "codec_int8_spes_overlap_d1",
+        "codec_sparse_topk128_spes_overlap_d1",
+    ]
+    assert variants["codec_sparse_topk128"] == ["--spes_config.codec=sparse", "--spes_config.codec_settings.topk=128"]
+    for run in arms:
+        for p in range(4):
+            _metrics(tmp_path / run / f"node{p}", 512)
+    result = _compare(tmp_path, "diloco", variants, "vs_fp32")
+    arm = result["arms"]["codec_sparse_topk128"]
+    assert arm["vs_fp32"] == 0.0 and arm["within_target"]
+    # every logged round moved 1 MiB up and 1 MiB down per peer: 16 Mibit over 1,000 parameters
+    assert arm["bits_per_param"] == {"mean": 8 * 2**21 / 1000, "last": 8 * 2**21 / 1000}
 
 
 @pytest.mark.slow
