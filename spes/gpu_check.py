@@ -174,7 +174,7 @@ def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Chec
         return skip("fsdp", "one GPU: FSDP2 needs at least two")
     small = replace(cfg, model=replace(cfg.model, n_layers=min(2, cfg.model.n_layers)), distributed_strategy="fsdp")
     with torch.device("meta"):
-        model = Transformer.for_run(small)
+        model = Transformer.for_run(small, training=True)
     apply_fsdp(model, small, DistInfo(rank=rank, world_size=world, local_rank=rank, device=device))
     model.to_empty(device=device)
     model.init_weights(small.seed)

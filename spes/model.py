@@ -245,12 +245,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @classmethod
-    def for_run(cls, cfg: TrainConfig) -> Transformer:
-        """The model a node of this run builds: under SPES, expert blocks per peer and only its own trainable; under
-        amp_bf16 the frozen blocks held in bf16 (autocast computes them in bf16 anyway: the same values)."""
+    def for_run(cls, cfg: TrainConfig, *, training: bool = False) -> Transformer:
+        """The model a node of this run builds: under SPES, expert blocks per peer and only its own trainable. For
+        `training` under amp_bf16 the frozen blocks are held in bf16 (autocast computes them in bf16 anyway: the
+        same values at half the memory); otherwise every weight is fp32, as read (an fp32 forward, an export)."""
         owned = cfg.owned_experts()
         trainable = None if owned is None else cfg.spes_config.peer_id
-        frozen_dtype = torch.bfloat16 if cfg.precision == "amp_bf16" else None
+        frozen_dtype = torch.bfloat16 if training and cfg.precision == "amp_bf16" else None
         return cls(cfg.model, block_size=cfg.experts_per_peer, trainable_block=trainable, frozen_dtype=frozen_dtype)
 
     @torch.no_grad()

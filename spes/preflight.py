@@ -229,14 +229,6 @@ def manifest(cfg: TrainConfig) -> tuple[dict[str, tuple[int, ...]], list[str]]:
         return model_manifest(Transformer.for_run(cfg))
 
 
-def wire_bytes(cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], names: list[str]) -> int:
-    """Payload bytes of `names` in a round of the run's codec (a held-model codec: every round after the first)."""
-    from spes.sync.codecs.registry import build_codec
-
-    codec = build_codec(cfg.spes_config.codec, cfg.spes_config.codec_settings)
-    return sum(codec.round_bytes(math.prod(shapes[n])) for n in names)
-
-
 def check_server(
     cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable: list[str]
 ) -> tuple[list[Check], SyncClient | None]:
@@ -325,8 +317,6 @@ def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
 def check_link(
     cfg: TrainConfig,
     client: SyncClient,
-    shapes: dict[str, tuple[int, ...]],
-    trainable: list[str],
     devices: Devices,
     link_bytes: int,
     step_s: float | None,
@@ -339,8 +329,7 @@ def check_link(
         stats = client.measure_link(link_bytes)
     except SyncError as exc:
         return fail("link", str(exc), "check the network between this node and the server (and its data port)")
-    up = wire_bytes(cfg, shapes, trainable)
-    down = wire_bytes(cfg, shapes, client.spec.downloads(s.peer_id, merged=False))
+    up, down = client.spec.round_bytes(s.peer_id, merged=False)
     # NOTE: an upload and a download each open a connection and exchange a request and a reply: ~4 round trips.
     round_s = up / stats.up_bytes_per_s + down / stats.down_bytes_per_s + 4 * stats.rtt_s
     how = "measured (--step_time_s)"
@@ -472,8 +461,6 @@ def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
                 check_link(
                     cfg,
                     client,
-                    shapes,
-                    trainable,
                     devices,
                     int(args.link_mb * 2**20),
                     args.step_time_s,

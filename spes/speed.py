@@ -95,7 +95,7 @@ def build_timed_node(cfg: TrainConfig, device: torch.device) -> Trainer:
     compile as configured, AdamW over its trainable parameters) and its trainer, without data or a server.
     `cfg.save_folder` must be a scratch folder (the trainer's metrics log lives there)."""
     with torch.device("meta"):
-        model = Transformer.for_run(cfg)
+        model = Transformer.for_run(cfg, training=True)
     model.to_empty(device=device)
     model.init_weights(cfg.seed)
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)

@@ -251,7 +251,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         claim_save_folder(cfg, continuing or cfg.try_load_latest_save, info.is_main, log)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
-        transformer = Transformer.for_run(cfg)
+        transformer = Transformer.for_run(cfg, training=True)
     log(count_params(transformer).describe())
     model: nn.Module = transformer  # wrapped by parallelize below
     sharded = uses_fsdp(cfg, info)

@@ -653,6 +653,7 @@ def test_first_implementation_key_set_is_complete() -> None:
         "entity",
         "codec",
         "codec_settings",
+        "run_id",
         "token_file",
         "tls_ca",
         "tls_cert",

@@ -25,12 +25,13 @@ MANIFEST = SPEC.manifest or {}
 JOIN = {"session": "s", "address": "test", "common_name": lambda: None}
 
 
-def join_request(peer: int, spec: RunSpec = SPEC) -> pb.JoinRequest:
+def join_request(peer: int, spec: RunSpec = SPEC, run_id: str = "") -> pb.JoinRequest:
     return pb.JoinRequest(
         peer_id=peer,
         manifest=[pb.TensorSpec(name=n, shape=s) for n, s in (spec.manifest or {}).items()],
         protocol=PROTOCOL_VERSION,
         spec=spec.to_proto(),
+        run_id=run_id,
     )
 
 
@@ -171,8 +172,8 @@ def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tm
     with pytest.raises(ValueError, match="written by a run with overlap_fragments=2, this server has overlap_fr"):
         coordinator(tiny_spec(sync_steps=4, server=quorum), state_dir=str(tmp_path))
     restarted = coordinator(spec, state_dir=str(tmp_path))
-    try:
-        restarted.join(join_request(0, spec), **JOIN)  # type: ignore[arg-type]
+    try:  # the node resumes from its checkpoint, which names the run
+        restarted.join(join_request(0, spec, restarted.run_id), **JOIN)  # type: ignore[arg-type]
     finally:
         restarted.shutdown(grace_s=1.0)
 

@@ -60,11 +60,6 @@ def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         assert torch.equal(got[name].view(torch.int32), tensor.view(torch.int32)), name
 
 
-def codec_bytes(spec: RunSpec, names: list[str]) -> int:
-    assert spec.manifest is not None
-    return sum(spec.codec_impl.round_bytes(math.prod(spec.manifest[n])) for n in names)
-
-
 # -- the math of rounds, through the production classes and the wire ------------------------------------------------
 def through(items: dict, decoder: TensorDecoder) -> TensorDecoder:
     """Send `items` through the chunked wire into `decoder`, as either plane would."""
@@ -198,7 +193,7 @@ def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec:
                 assert_bit_identical(models[p], held_of(server))
             merged = step == 30
             for p, (_, stats) in results.items():
-                up, down = spec.trainable(p), spec.downloads(p, merged=merged)
+                up = spec.trainable(p)
                 assert stats.merged == merged and clients[p].plane.name == plane
                 if step == 10:  # nobody holds a model yet: full fp32 values both ways
                     assert (stats.bytes_up, stats.bytes_down) == (
@@ -206,7 +201,7 @@ def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec:
                         4 * sum(math.prod(s) for s in spec.manifest.values()),
                     )
                 else:
-                    assert (stats.bytes_up, stats.bytes_down) == (codec_bytes(spec, up), codec_bytes(spec, down))
+                    assert (stats.bytes_up, stats.bytes_down) == spec.round_bytes(p, merged=merged)
         done = server.service.state.completed
         assert done is not None and done.served.base == 30
 
@@ -342,9 +337,10 @@ def test_a_restarted_server_serves_its_persisted_held_model(tmp_path: Path, code
         held = {n: t.clone() for n, t in held_of(server).items()}
         states = [client.codec.state_dict() for client in clients]
         run_id = clients[0].run_id
-    with running_server(spec, state_dir=str(tmp_path)) as (server, addr), joined_clients(
-        addr, spec, run_id=run_id
-    ) as clients:  # the nodes resume as from their checkpoints: the run's id and the codec's state
+    with (
+        running_server(spec, state_dir=str(tmp_path)) as (server, addr),
+        joined_clients(addr, spec, run_id=run_id) as clients,
+    ):  # the nodes resume as from their checkpoints: the run's id and the codec's state
         assert_bit_identical(held_of(server), held)
         done = server.service.state.completed
         assert done is not None and done.served.base is None
@@ -353,7 +349,5 @@ def test_a_restarted_server_serves_its_persisted_held_model(tmp_path: Path, code
         results = sync_all(clients, 30, {p: trained(results[p][0], spec, p, 30) for p in range(2)})
         for p in range(2):  # the restored held model is the base of the next round's deltas, both ways
             assert_bit_identical(results[p][0], held_of(server))
-            assert (results[p][1].bytes_up, results[p][1].bytes_down) == (
-                codec_bytes(spec, spec.trainable(p)),
-                codec_bytes(spec, spec.downloads(p, merged=True)),  # step 30 merges
-            )
+            step_30_merges = spec.round_bytes(p, merged=True)
+            assert (results[p][1].bytes_up, results[p][1].bytes_down) == step_30_merges

@@ -240,7 +240,7 @@ def test_auto_falls_back_to_grpc_when_the_data_port_does_not_answer(caplog: pyte
             check_round(sync_all(clients, 1, uploads), uploads, SPEC, step=1)
         assert "does not answer from here" in caplog.text and "over gRPC" in caplog.text
         server.service.data_port = server.data_port  # the real one answers: it is used
-        with joined_clients(addr, SPEC) as clients:
+        with joined_clients(addr, SPEC, run_id=server.service.run_id) as clients:
             assert all(c.plane.name == "tcp" and c.plane.port == server.data_port for c in clients)  # type: ignore[attr-defined]
 
 

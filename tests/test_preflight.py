@@ -371,19 +371,20 @@ def launch(tmp_path: Path, python: Path, *args: str, **env: str) -> subprocess.C
 
 def test_run_single_node_launches_on_every_device_its_interpreter_counts(tmp_path: Path) -> None:
     python = stand_in_python(tmp_path, 'echo "8 8 CUDA GPU(s) (stand-in)"; exit 0')
-    proc = launch(tmp_path, python, "3", "--max_duration=2st")
+    proc = launch(tmp_path, python, "3", "--max_duration=2st", DATA_SEED="9198")
     assert proc.returncode == 0, proc.stderr
     assert "node 3: 8 process(es) on 8 CUDA GPU(s) (stand-in)" in proc.stdout
     assert "RUN -m spes.torchrun --standalone --nproc_per_node=8 -m spes.train" in proc.stdout
-    assert "--spes_config.peer_id=3 --max_duration=2st" in proc.stdout
-    assert "--data.seed" not in proc.stdout  # the node's data order comes from its YAML's data.seed and peer_id
+    assert "--spes_config.peer_id=3 --data.seed=9198 --max_duration=2st" in proc.stdout
 
 
 def test_run_single_node_preflight_runs_the_checks_instead_of_training(tmp_path: Path) -> None:
     python = stand_in_python(tmp_path, 'echo "4 4 CUDA GPU(s) (stand-in)"; exit 0')
-    proc = launch(tmp_path, python, "1", "--preflight", "--max_duration=2st")
+    proc = launch(tmp_path, python, "1", "--preflight", "--max_duration=2st", DATA_SEED="7198")
     assert proc.returncode == 0, proc.stderr
-    assert f"RUN -m spes.preflight {TINY} --nproc 4 --spes_config.peer_id=1 --max_duration=2st" in proc.stdout
+    assert f"RUN -m spes.preflight {TINY} --nproc 4 --spes_config.peer_id=1 --data.seed=7198 --max_duration=2st" in (
+        proc.stdout
+    )
     assert "torch.distributed.run" not in proc.stdout
 
 

@@ -415,8 +415,10 @@ def test_every_call_needs_the_token_and_health_reports_serving() -> None:
 
 
 def status_fields(stub: pb_grpc.ParameterServerStub, metadata: tuple = ()) -> dict[str, object]:
-    """Status minus the clock-driven open_round_age_s."""
+    """Status minus what the clock drives (open_round_age_s, each peer's last_seen_s)."""
     reply = stub.Status(pb.StatusRequest(), timeout=10, metadata=metadata)
+    for presence in reply.presence:
+        presence.ClearField("last_seen_s")
     return {f.name: v for f, v in reply.ListFields() if f.name != "open_round_age_s"}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,6 +48,22 @@ def test_the_server_and_every_node_build_the_same_spec_and_it_says_what_each_tra
     assert set(node.downloads(peer, merged=False)) | set(node.own(peer)) == set(node.manifest or {})
 
 
+def test_a_round_moves_uploads_in_the_peers_format_and_relayed_blocks_as_uploaded() -> None:
+    spec = tiny_spec(codec="sparse", codec_settings={"chunk": 64, "topk": 4, "down_topk": 16})
+    codec, manifest = spec.codec_impl, spec.manifest or {}
+
+    def size(name: str) -> int:
+        return math.prod(manifest[name])
+
+    up, down = spec.round_bytes(1, merged=False)
+    assert up == sum(codec.round_bytes(size(n)) for n in spec.trainable(1))
+    relayed = [n for n in spec.downloads(1, merged=False) if spec.owner(n) is not None]
+    averaged = [n for n in spec.downloads(1, merged=False) if spec.owner(n) is None]
+    assert relayed and averaged
+    assert down == sum(codec.round_bytes(size(n)) for n in relayed) + sum(codec.down_bytes(size(n)) for n in averaged)
+    assert spec.round_bytes(1, merged=True)[1] == sum(codec.down_bytes(size(n)) for n in manifest)
+
+
 def test_the_paper_layout_gives_block_b_to_peer_b() -> None:
     spec, _ = node_spec(CONFIGS / "spes_1b" / "node_0.yaml")
     assert spec.mode == "spes" and spec.block_owners == (0, 1, 2, 3) and spec.experts_per_block == 4
@@ -58,7 +75,13 @@ def test_the_paper_layout_gives_block_b_to_peer_b() -> None:
 def test_a_spec_travels_as_its_message_and_back() -> None:
     spec = tiny_spec(codec="sparse", codec_settings={"topk": 32}, overlap_fragments=2, sync_steps=4)
     back = RunSpec.from_proto(spec.to_proto(), spec.manifest or {}, origin="peer 0's config")
-    assert back == spec and back.codec_settings == (("bits", 2), ("chunk", 4096), ("topk", 32))
+    assert back == spec and back.codec_settings == (
+        ("bits", 2),
+        ("chunk", 4096),
+        ("down_bits", 8),
+        ("down_topk", 256),
+        ("topk", 32),
+    )
 
 
 def test_the_first_difference_is_the_root_cause_with_both_values_and_where_each_came_from() -> None:

@@ -100,8 +100,8 @@ def test_frozen_experts_in_bf16_give_the_same_amp_step(tmp_path: Path, backend: 
     held = _losses_and_grads(cfg, batch)
     for_run = Transformer.for_run.__func__  # type: ignore[attr-defined]
 
-    def fp32_frozen(cls: type[Transformer], cfg: TrainConfig) -> Transformer:
-        model = for_run(cls, cfg)
+    def fp32_frozen(cls: type[Transformer], cfg: TrainConfig, training: bool = False) -> Transformer:
+        model = for_run(cls, cfg, training=training)
         return model.float()
 
     monkeypatch.setattr(Transformer, "for_run", classmethod(fp32_frozen))

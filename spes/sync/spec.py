@@ -116,6 +116,25 @@ class RunSpec:
         """The tensors only `peer` trains: its expert blocks (SPES)."""
         return [n for n in self._names(names) if self.owner(n) == peer]
 
+    def round_bytes(self, peer: int, *, merged: bool) -> tuple[int, int]:
+        """Payload bytes (up, down) of `peer` in a round once every end holds a model (the codec's steady state):
+        uploads in the peers' format; a block relayed from its owner comes down as uploaded, anything the server
+        re-encodes (averaged tensors, every block on a merge round) in its own (`Codec.down_bytes`)."""
+        codec = self.codec_impl
+
+        def size(name: str) -> int:
+            return math.prod(self._shape(name))
+
+        up = sum(codec.round_bytes(size(n)) for n in self.trainable(peer))
+        down = sum(
+            (codec.round_bytes if self.owner(n) is not None and not merged else codec.down_bytes)(size(n))
+            for n in self.downloads(peer, merged=merged)
+        )
+        return up, down
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple((self.manifest or {})[name])
+
     def _names(self, names: Iterable[str] | None) -> Iterable[str]:
         if names is not None:
             return names

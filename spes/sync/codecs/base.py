@@ -61,7 +61,13 @@ class Format(Protocol):
 
 
 class Quantizer(Format, Protocol):
-    """The lossy part of a held-model codec: a tensor of deltas to a payload and back, deterministically."""
+    """The lossy part of a held-model codec: a tensor of deltas to a payload and back, deterministically. It reads
+    the payloads of both directions; `encode` makes a peer's, `down.encode` the server's."""
+
+    @property
+    def down(self) -> Quantizer:
+        """The quantizer of the server's deltas (this one, or a wider format of it)."""
+        ...
 
     def encode(self, name: str, x: torch.Tensor) -> Payload:
         """`x` (a float tensor) as a payload; ValueError naming `name` when it holds NaN or Inf."""

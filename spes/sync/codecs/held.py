@@ -14,8 +14,8 @@ round it is of. The server keeps its global model G in full precision beside it.
    quantization left out of H stays in the model). They aggregate as on any wire (`spes.sync.merge`).
 3. After the round the server makes the new held model and the payloads every up-to-date peer downloads
    (`next_held`): blocks taken verbatim relayed as uploaded, every other tensor the round changed encoded as
-   `G_new - H` with no carried error (the next round's delta is measured against what the peers then hold, which
-   feeds the error back), a tensor new to H as its full values.
+   `G_new - H` in the server's format (`quantizer.down`) with no carried error (the next round's delta is measured
+   against what the peers then hold, which feeds the error back), a tensor new to H as its full values.
 4. A peer holding the H those payloads apply to reconstructs the new one (`HeldPeer.receive`: `apply_delta(H, p)`,
    its own blocks outside merge rounds its own upload's reconstruction); any other peer gets full values of the
    new H. Either way every peer then holds the server's H, and loads it.
@@ -120,7 +120,7 @@ def next_held(
         elif name in relayed:
             item, held[name] = Coded(relayed[name], previous.round), new_global[name]
         else:
-            sent = encode_delta(quantizer, name, new_global[name], previous.tensors[name])
+            sent = encode_delta(quantizer.down, name, new_global[name], previous.tensors[name])
             item, held[name] = Coded(sent.payload, previous.round), sent.reconstruction
         deltas[name] = item
     return Served(step, {n: held[n] for n in new_global if n in held}, deltas, previous.round)

@@ -166,6 +166,11 @@ class Int8:
         if not MIN_BLOCK <= self.block <= MAX_BLOCK:
             raise ValueError(f"codec_settings.block = {self.block} must be in [{MIN_BLOCK}, {MAX_BLOCK}]")
 
+    @property
+    def down(self) -> Int8:
+        """The server's deltas: the same format."""
+        return self
+
     def encode(self, name: str, x: torch.Tensor) -> Int8Payload:
         return quantize(name, x, self.block)
 

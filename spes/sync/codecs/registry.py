@@ -35,7 +35,10 @@ class Codec:
     peer: Callable[[], PeerCodec]
     server: Callable[[], ServerCodec]
     round_bytes: Callable[[int], int]
-    """Bytes a tensor of n values moves in a round once both ends hold a model (the steady state)."""
+    """Bytes a tensor of n values moves up in a round once both ends hold a model (the steady state); as much down
+    for a block relayed from its owner."""
+    down_bytes: Callable[[int], int]
+    """Bytes of the server's delta of a tensor of n values it re-encodes (averaged tensors, merged blocks)."""
     full_bytes: Callable[[int], int]
     """Bytes of a tensor of n values sent as full values (a held-model codec's first round, a catch-up)."""
 
@@ -43,7 +46,8 @@ class Codec:
 def _raw(dtype: str) -> Callable[[dict[str, int]], Codec]:
     def build(settings: dict[str, int]) -> Codec:
         size = RAW_DTYPES[dtype].itemsize
-        return Codec(dtype, {}, lambda: RawPeer(dtype), lambda: RawServer(dtype), size.__mul__, size.__mul__)
+        count = size.__mul__
+        return Codec(dtype, {}, lambda: RawPeer(dtype), lambda: RawServer(dtype), count, count, count)
 
     return build
 
@@ -59,6 +63,7 @@ def _held(make: type) -> Callable[[dict[str, int]], Codec]:
             lambda: HeldPeer(quantizer),
             lambda: HeldServer(quantizer),
             quantizer.round_bytes,
+            quantizer.down.round_bytes,
             full.__mul__,
         )
 

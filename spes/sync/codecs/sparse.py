@@ -13,8 +13,10 @@ missed, stays in the sender's error-feedback buffer (`spes.sync.codecs.held`), s
 
 A payload of n values in C = ceil(n / chunk) chunks sending S entries is `4 C + ceil(S index_bits / 8) +
 ceil(S bits / 8)` bytes: the scales, then the indices, then the levels, each a little-endian bit stream (entry i
-at bits [i w, (i + 1) w), bit j of a byte is its j-th). At the defaults (4096, 64, 2) that is 0.227 bits per value
-(SparseLoCo's choice, Sarfi et al. 2025, arXiv 2508.15706: top 64 of 4096, 2-bit values, 12-bit indices).
+at bits [i w, (i + 1) w), bit j of a byte is its j-th). A peer's upload at the defaults (4096, 64, 2) is 0.227 bits
+per value (SparseLoCo's choice, Sarfi et al. 2025, arXiv 2508.15706: top 64 of 4096, 2-bit values, 12-bit
+indices); the server's deltas (`down_topk` 256, `down_bits` 8) are 1.26 bits per value of the tensors it re-encodes
+(averaged tensors, and blocks on merge rounds; a block relayed from its owner travels as uploaded).
 """
 
 from __future__ import annotations
@@ -213,14 +215,23 @@ def dequantize(payload: SparsePayload) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Sparse:
-    """The sparse quantizer of one run (`spes_config.codec_settings`), as `spes.sync.codecs.base.Quantizer`."""
+    """The sparse quantizer of one run (`spes_config.codec_settings`), as `spes.sync.codecs.base.Quantizer`.
+
+    Peers send `topk` entries of `bits` bits per chunk; the server sends what the round changed in its own, wider
+    format (`down`): an averaged tensor's change is the mean of up to num_peers sparse uploads, whose entries fall
+    in different places, and re-encoding it as narrowly as one upload would sparsify it a second time.
+    """
 
     chunk: int = 4096
     """Values per chunk (each has one scale and sends its top `topk`)."""
     topk: int = 64
-    """Entries sent per chunk."""
+    """Entries a peer sends per chunk."""
     bits: int = 2
-    """Bits per sent value."""
+    """Bits per value a peer sends."""
+    down_topk: int = 256
+    """Entries the server sends per chunk, at most all of it (a block relayed from its owner travels as uploaded)."""
+    down_bits: int = 8
+    """Bits per value the server sends."""
     name: str = NAME
 
     def __post_init__(self) -> None:
@@ -228,11 +239,30 @@ class Sparse:
             raise ValueError(f"spes_config.codec_settings.chunk = {self.chunk} must be in [2, {MAX_CHUNK}]")
         if not 1 <= self.topk <= self.chunk:
             raise ValueError(f"spes_config.codec_settings.topk = {self.topk} must be in [1, chunk={self.chunk}]")
-        if not 1 <= self.bits <= MAX_BITS:
-            raise ValueError(f"spes_config.codec_settings.bits = {self.bits} must be in [1, {MAX_BITS}]")
+        if self.down_topk < 1:
+            raise ValueError(f"spes_config.codec_settings.down_topk = {self.down_topk} must be at least 1")
+        for key, bits in (("bits", self.bits), ("down_bits", self.down_bits)):
+            if not 1 <= bits <= MAX_BITS:
+                raise ValueError(f"spes_config.codec_settings.{key} = {bits} must be in [1, {MAX_BITS}]")
+
+    @property
+    def down(self) -> Sparse:
+        """The server's format (`down_topk` capped at the chunk)."""
+        topk = min(self.down_topk, self.chunk)
+        return Sparse(self.chunk, topk, self.down_bits, topk, self.down_bits)
 
     def params(self) -> dict[str, int]:
         return {"chunk": self.chunk, "topk": self.topk, "bits": self.bits}
+
+    def _read(self, params: Mapping[str, int]) -> tuple[int, int]:
+        """(topk, bits) of a payload header's parameters: the peers' format or the server's, nothing else."""
+        for topk, bits in ((self.topk, self.bits), (min(self.down_topk, self.chunk), self.down_bits)):
+            if dict(params) == {"chunk": self.chunk, "topk": topk, "bits": bits}:
+                return topk, bits
+        raise ValueError(
+            f"sparse parameters {dict(params)}, this run's are {self.params()} (peers) and {self.down.params()} "
+            "(server)"
+        )
 
     def encode(self, name: str, x: torch.Tensor) -> SparsePayload:
         return quantize(name, x, self.chunk, self.topk, self.bits)
@@ -245,16 +275,15 @@ class Sparse:
         return payload_bytes(numel, self.chunk, self.topk, self.bits)
 
     def payload_bytes(self, shape: Shape, params: Mapping[str, int]) -> int:
-        if dict(params) != self.params():
-            raise ValueError(f"sparse parameters {dict(params)}, this run's are {self.params()}")
-        return self.round_bytes(math.prod(shape))
+        return payload_bytes(math.prod(shape), self.chunk, *self._read(params))
 
     def unpack(self, name: str, shape: Shape, params: Mapping[str, int], data: torch.Tensor) -> SparsePayload:
+        topk, bits = self._read(params)
         numel = math.prod(shape)
         whole, tail = chunk_sizes(numel, self.chunk)
-        chunks, entries = whole + (tail > 0), sent_entries(numel, self.chunk, self.topk)
+        chunks, entries = whole + (tail > 0), sent_entries(numel, self.chunk, topk)
         index_end = SCALE_BYTES * chunks + -(-entries * index_bits(self.chunk) // 8)
         scales = data[: SCALE_BYTES * chunks].clone().view(torch.float32)
         indices = unpack_bits(data[SCALE_BYTES * chunks : index_end], entries, index_bits(self.chunk))
-        levels = unpack_bits(data[index_end:], entries, self.bits)
-        return SparsePayload(name, shape, self.chunk, self.topk, self.bits, scales, indices, levels)
+        levels = unpack_bits(data[index_end:], entries, bits)
+        return SparsePayload(name, shape, self.chunk, topk, bits, scales, indices, levels)
