@@ -674,3 +674,13 @@ def _overlap_f5_values(r: Records) -> str:
 @fig("overlap.loaded_ratios")
 def _overlap_loaded(r: Records) -> str:
     return span((p["ratio"] for n in ("bench_overlap_2309", "bench_overlap_2345") for p in r(n)["pairs"]), ".2f", "x")
+
+
+def _codec_vs_fp32(r: Records, codec: str) -> str:
+    runs = _codec_runs(r, codec)
+    gaps = " and ".join(f"{rel(x['final_val_loss'][f'spes_{codec}'], x['final_val_loss']['spes']):+.3%}" for x in runs)
+    return f"{gaps} final validation loss against fp32 (seeds {' and '.join(str(x['seed']) for x in runs)})"
+
+
+for _codec in ("int8", "bf16", "sparse"):
+    FIGURES[f"codec.{_codec}_vs_fp32"] = lambda r, c=_codec: _codec_vs_fp32(r, c)

@@ -221,7 +221,7 @@ FIGURE_LIKE = re.compile(
 """What looks like a measured figure in prose: a percentage, a ratio (1.8x), a number with two or more decimals,
 a number with thousands separators, a decimal number of bytes or seconds. Settings (`sync_steps` 10, 1 MiB chunks,
 RTT 50 ms) are whole numbers and pass."""
-UNCHECKED = re.compile(r"```.*?```|`[^`\n]*`|<!--.*?-->|\]\([^)]*\)", re.S)
+UNCHECKED = re.compile(r"```.*?```|`[^`\n]*`|<!--.*?-->|\]\([^)]*\)|arXiv[ :]\d{4}\.\d{4,5}", re.S)
 
 
 def stray_figures(text: str) -> list[str]:
