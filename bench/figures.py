@@ -682,5 +682,8 @@ def _codec_vs_fp32(r: Records, codec: str) -> str:
     return f"{gaps} final validation loss against fp32 (seeds {' and '.join(str(x['seed']) for x in runs)})"
 
 
-for _codec in ("int8", "bf16", "sparse"):
-    FIGURES[f"codec.{_codec}_vs_fp32"] = lambda r, c=_codec: _codec_vs_fp32(r, c)
+def _codec_figure(codec: str) -> Figure:
+    return lambda r: _codec_vs_fp32(r, codec)
+
+
+FIGURES.update({f"codec.{codec}_vs_fp32": _codec_figure(codec) for codec in ("int8", "bf16", "sparse")})
