@@ -897,3 +897,16 @@ def mini_repro_memory_md(records: Records) -> str:
 
 
 WHOLE_FILES.update({"docs/mini_repro.md": mini_repro_md, "docs/mini_repro_memory.md": mini_repro_memory_md})
+
+
+@block("import-layers")
+def import_layers(records: Records) -> str:
+    """The sync wing's floors as pyproject.toml's import-linter contract states them, top floor first."""
+    import tomllib
+
+    from common import REPO_ROOT
+
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in config if c["type"] == "layers")
+    names = [", ".join(f"`{m.strip().removeprefix('spes.sync.')}`" for m in floor.split("|")) for floor in layers]
+    return "\n".join(f"{i}. {floor}" for i, floor in enumerate(names, 1))
