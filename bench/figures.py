@@ -687,3 +687,31 @@ def _codec_figure(codec: str) -> Figure:
 
 
 FIGURES.update({f"codec.{codec}_vs_fp32": _codec_figure(codec) for codec in ("int8", "bf16", "sparse")})
+
+
+@fig("wan.cpu_max_idle")
+def _wan_cpu_max_idle(r: Records) -> str:
+    return f"{max(max(p['idle_fraction'].values()) for p in r('bench_wan')['prediction_1b']):.1%}"
+
+
+@fig("wire.int8_round_times")
+def _wire_int8_round_times(r: Records) -> str:
+    """A plain int8 round of the 1B with 4 peers through a server link of 1 Gbit/s and 100 Mbit/s (bytes only)."""
+    total = 4 * _schemes(r)["spes_int8"]["up_plus_down"] * 8
+    return f"about {total / 1e9 / 60:.0f} min at 1 Gbit/s, {total / 1e8 / 60:.0f} min at 100 Mbit/s"
+
+
+@fig("wire.int8_per_peer")
+def _wire_int8_per_peer(r: Records) -> str:
+    s = _schemes(r)
+    int8, ref, bf16 = (s[k]["up_plus_down"] for k in ("spes_int8", "reference_fp32", "spes_bf16"))
+    return (
+        f"{int8 / MIB:,.0f} MiB per peer, {int8 / ref:.3f}x the first implementation's fp32 scheme and "
+        f"{int8 / bf16:.2f}x bf16's"
+    )
+
+
+@fig("gpu.mb2_peak")
+def _gpu_mb2_peak(r: Records) -> str:
+    run = min(r("bench_wan_gpu_steps")["runs"], key=lambda x: x["microbatch"])
+    return f"micro-batch {run['microbatch']}: {run['peak_memory_gib']:.1f} GiB measured"

@@ -910,3 +910,30 @@ def import_layers(records: Records) -> str:
     layers = next(c["layers"] for c in config if c["type"] == "layers")
     names = [", ".join(f"`{m.strip().removeprefix('spes.sync.')}`" for m in floor.split("|")) for floor in layers]
     return "\n".join(f"{i}. {floor}" for i, floor in enumerate(names, 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/running.md
+
+
+@block("wan-rounds")
+def wan_rounds_table(records: Records) -> str:
+    """Round seconds of the paper's 1B, 4 peers sharing a server link of the peers' speed, per link and wire."""
+    by = {(p["peer_mbit"], p["wire"]): p for p in records("bench_wan")["prediction_1b"] if p["plane"] == "tcp"}
+    rows = [
+        [link(mbit), f"{by[(mbit, 'bf16')]['round_s']:,.0f} s", f"{by[(mbit, 'fp32')]['round_s']:,.0f} s"]
+        for mbit in sorted({k[0] for k in by}, reverse=True)
+    ]
+    return table(["link (peer and server)", "bf16 round", "fp32 round"], rows)
+
+
+@block("wan-idle")
+def wan_idle_table(records: Records) -> str:
+    """Share of a GPU node's wall time not training, per link, wire and sync_steps (data plane)."""
+    record = records("bench_wan_gpu")
+    rows = []
+    for p in sorted(record["prediction_1b"], key=lambda p: (-p["peer_mbit"], p["wire"])):
+        if p["plane"] == "tcp":
+            rows.append([link(p["peer_mbit"]), p["wire"], *(f"{v:.1%}" for v in p["idle_fraction"].values())])
+    steps = list(record["prediction_1b"][0]["idle_fraction"])
+    return table(["link", "wire", f"`sync_steps` {steps[0]}", *steps[1:]], rows)
