@@ -302,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json is not None:  # links measured earlier (e.g. here), a step time measured now (e.g. on a GPU)
         run = json.loads(args.from_json.read_text())
         measured, args.rtt_ms = run["measurements"], run["rtt_ms"]
+        # NOTE: this run's command, commit and machine are its own (write_results); the links' stay with them
+        links = {key: run.pop(key, None) for key in ("command", "commit", "machine")}
+        run.update(machine=machine_info(), links_from={"record": str(args.from_json), **links})
     else:
         measured = []
         run = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -79,15 +80,19 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_commit() -> str:
-    """The checked-out commit, with `-dirty` when tracked files other than the records in bench/results/ (which
-    a benchmark itself rewrites) differ from it; "unknown" outside git."""
+    """The checked-out commit; when tracked files other than the records in bench/results/ (which a benchmark itself
+    rewrites) differ from it, `<commit>-dirty-<hash>` with the SHA-256 (16 hex digits) of that diff (`git diff HEAD`),
+    so a figure names the exact tree it came from; "unknown" outside git."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     try:
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
-        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
+        scope = ("--", ".", ":!bench/results")
+        head = git("rev-parse", "HEAD")
+        if not git("status", "--porcelain", "--untracked-files=no", *scope):
+            return head
+        return f"{head}-dirty-{hashlib.sha256(git('diff', 'HEAD', *scope).encode()).hexdigest()[:16]}"
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

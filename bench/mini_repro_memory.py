@@ -234,9 +234,20 @@ def loss_at(curve: dict[str, Any], fraction: float, steps: int) -> float:
 
 
 def mean_curve(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
-    """Step-wise mean over seeds of one arm's curve (every seed evaluates at the same steps)."""
-    first = per_seed[0]
-    return {**first, "val_loss": [sum(v) / len(v) for v in zip(*(c["val_loss"] for c in per_seed))]}
+    """Step-wise mean over seeds of one arm's curve (every seed evaluates at the same steps): every field, not only
+    the validation loss, so no field of the mean is one seed's value. A number is averaged, a list elementwise;
+    values equal in every seed (steps, tokens) are kept as they are."""
+
+    def mean(values: list[Any]) -> Any:
+        if all(v == values[0] for v in values):
+            return values[0]
+        if isinstance(values[0], list):
+            return [mean(list(v)) for v in zip(*values, strict=True)]
+        if all(isinstance(v, int | float) for v in values):
+            return sum(values) / len(values)
+        raise ValueError(f"no mean of {values!r}")
+
+    return {key: mean([c[key] for c in per_seed]) for key in per_seed[0]}
 
 
 def crossing(a: dict[str, Any], b: dict[str, Any]) -> int | None:

@@ -1,28 +1,43 @@
 #!/usr/bin/env python
-"""Plot the full benchmark results (bench/results/*.json) into docs/benchmarks.png for docs/benchmarks.md, and
-render the README's GPU section from the GPU records.
+"""Render every published figure from the committed records: README.md and docs/*.md, and docs/benchmarks.png.
 
-    .venv/bin/python bench/report.py [--results bench/results] [--png docs/benchmarks.png] [--readme README.md]
+    .venv/bin/python bench/report.py            # re-render the documents in place, redraw the plot
+    .venv/bin/python bench/report.py --check    # exit 1, showing the difference, if any document is not as rendered
 
-Six panels: memory of the paper's 1B node (analytic) and of the small node (measured), bytes on the wire
-per peer per round for the 1B, sync throughput against raw TCP, aggregation against memcpy, and training
-tokens/s per MoE backend. A panel whose JSON is missing says so instead of failing. The README's text between
-`<!-- gpu-table:start -->` and `<!-- gpu-table:end -->` is replaced by `gpu_section`: the variants of
-`bench_gpu.json` (or a note that it does not exist yet) and, for GPUs of 24, 48 and 80 GB, the fastest measured
-setting whose peak memory fits.
+No figure of README.md or docs/ is typed by hand; a document marks where each one goes:
+
+- `<!--f:NAME-->...<!--/f-->` around a figure in a sentence: NAME is a named figure of `bench/figures.py`
+  (`FIGURES`), or a record path `record/key/.../key[|unit][:format]` (`records.Records.value`), e.g.
+  `<!--f:bench_sync/measurements/fp32_tcp/spes_over_raw_throughput:.0%-->75%<!--/f-->`;
+- `<!-- NAME:start -->` ... `<!-- NAME:end -->` around a table or paragraph: NAME is a block of `bench/tables.py`
+  (`BLOCKS`);
+- documents rendered whole (`tables.WHOLE_FILES`): the mini-reproductions' reports.
+
+A figure whose record is not committed yet reads "not measured yet (run: <command>)". Outside the marks a document
+states no measured figure (`stray_figures`); tests/test_report.py re-renders everything and fails on any
+difference, and on a record without its command, commit and machine (`records.provenance_gap`).
+
+The plot's six panels: memory of the paper's 1B node (analytic) and of the small node (measured), bytes on the
+wire per peer per round for the 1B, sync throughput against raw TCP, aggregation against memcpy, and training
+tokens/s per MoE backend. A panel whose JSON is missing says so instead of failing.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from common import REPO_ROOT, RESULTS_DIR
+from figures import FIGURES
+from records import Missing, Records, not_measured
 from spes.atomic import write_atomic
+from tables import BLOCKS, GPU_MARKERS, WHOLE_FILES
 
 GIB, MIB = 2**30, 2**20
 
@@ -131,103 +146,89 @@ def panel_train(ax: Any, train: dict[str, Any]) -> None:
     ax.set_title(f"{train['config']} on {train['device']}: training speed", fontsize=9)
 
 
-GPU_MARKERS = ("<!-- gpu-table:start -->", "<!-- gpu-table:end -->")
-CARDS = (("24 GB", "RTX 4090, L4", 22.0), ("48 GB", "L40S, A6000", 44.4), ("80 GB", "A100 / H100 80GB", 79.1))
-"""GPU classes of the advice, with the memory their cards report (GiB; the smallest of the class)."""
-USABLE = 0.9  # NOTE: spes.preflight's USABLE_MEMORY: the rest is allocator slack, CUDA context, fragmentation
+INLINE = re.compile(r"<!--f:(?P<name>[^>]*?)-->(?P<body>.*?)<!--/f-->")
+BLOCK = re.compile(r"<!-- (?P<name>[\w.-]+):start -->\n(?P<body>.*?)\n?<!-- (?P=name):end -->", re.S)
+MARK = re.compile(r"<!--f:|<!--/f-->|<!-- [\w.-]+:(?:start|end) -->")
+PUBLISHED = ("README.md", "docs")
+"""What the renderer fills: README.md and every markdown file under docs/."""
 
 
-def gpu_settings(results: Path) -> list[dict[str, Any]]:
-    """Every measured 1B node setting on a GPU: the variants of bench_gpu.json and the runs of
-    bench_wan_gpu_steps.json, each with its tokens/s of the config's step, peak GiB and record."""
-    out = []
-    gpu = _load(results, "bench_gpu") or {"variants": [], "machine": {}}
-    for v in gpu["variants"]:
-        if v["status"] == "ok" and v.get("peak_memory_bytes"):
-            s = v["settings"]
-            setting = (
-                f"`moe_backend: {v['moe_backend']}`, micro-batch {s['micro_batch']}"
-                f"{', `fused_loss`' if s['fused_loss'] else ''}{', `compile`' if s['compile'] else ''}"
-                f"{'' if s['checkpointing'] else ', no activation checkpointing'}"
-            )
-            out.append(
-                {
-                    "setting": setting,
-                    "tokens_per_s": v["tokens_per_s"],
-                    "peak_gib": v["peak_memory_bytes"] / GIB,
-                    "record": "bench_gpu.json",
-                    "device": gpu["machine"].get("name", ""),
-                }
-            )
-    steps_path = results / "bench_wan_gpu_steps.json"
-    steps = json.loads(steps_path.read_text()) if steps_path.is_file() else {"runs": []}
-    for run in steps["runs"]:
-        out.append(
-            {
-                "setting": f"`moe_backend: {run['moe_backend']}`, micro-batch {run['microbatch']} (no activation "
-                "checkpointing, whole logits: before issue 29)",
-                "tokens_per_s": run["sequences_per_step"] * 2048 / run["step_s"],
-                "peak_gib": run["peak_memory_gib"],
-                "record": steps_path.name,
-                "device": steps["device"],
-            }
-        )
+class RenderError(ValueError):
+    """A document's marks are broken or name a figure no renderer knows: says which file, line and name."""
+
+
+def published(root: Path = REPO_ROOT) -> list[Path]:
+    """Every document the renderer fills, README.md first."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def figure(name: str, records: Records) -> str:
+    """The text of the inline figure `name`: a named figure, else a record path."""
+    if name not in FIGURES and "/" not in name:
+        raise KeyError("no such named figure in bench/figures.py (a record's value is written record/key/...)")
+    try:
+        return FIGURES[name](records) if name in FIGURES else records.value(name)
+    except Missing as missing:
+        return not_measured(missing.record)
+
+
+def block_text(name: str, records: Records) -> str:
+    try:
+        return BLOCKS[name](records)
+    except Missing as missing:
+        return not_measured(missing.record)
+
+
+def render_text(text: str, records: Records, where: str = "text") -> str:
+    """`text` with every block and inline figure filled from `records`; RenderError on a broken or unknown mark."""
+
+    def line_of(offset: int) -> str:
+        return f"{where}:{text.count(chr(10), 0, offset) + 1}"
+
+    def fill_block(m: re.Match[str]) -> str:
+        if m["name"] not in BLOCKS:
+            raise RenderError(f"{line_of(m.start())}: no block {m['name']!r} in bench/tables.py")
+        return f"<!-- {m['name']}:start -->\n{block_text(m['name'], records)}\n<!-- {m['name']}:end -->"
+
+    def fill_inline(m: re.Match[str]) -> str:
+        name = m["name"].strip()
+        try:
+            value = figure(name, records)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise RenderError(f"{line_of(m.start())}: figure {name!r}: {exc}") from None
+        return f"<!--f:{m['name']}-->{value}<!--/f-->"
+
+    left = BLOCK.sub("", INLINE.sub("", text))
+    if broken := MARK.search(left):
+        raise RenderError(f"{line_of(text.index(broken[0]))}: {broken[0]!r} without its pair on the same footing")
+    return INLINE.sub(fill_inline, BLOCK.sub(fill_block, text))
+
+
+def render_all(records: Records, root: Path = REPO_ROOT) -> dict[Path, str]:
+    """Every published document as rendered from `records` (the ones without marks as they are)."""
+    out = {}
+    for path in published(root):
+        relative = str(path.relative_to(root))
+        whole = WHOLE_FILES.get(relative)
+        out[path] = whole(records) if whole is not None else render_text(path.read_text(), records, relative)
     return out
 
 
-def gpu_section(results: Path) -> str:
-    """The README's GPU section (markdown), from the records alone."""
-    gpu = _load(results, "bench_gpu")
-    lines = []
-    if gpu is None:
-        lines.append(
-            "No GPU benchmark record yet: `bench/results/bench_gpu.json` is written by `bash bench/run_gpu.sh` on a "
-            "GPU (issue 29) and this section is rendered from it by `bench/report.py`."
-        )
-    else:
-        m = gpu["machine"]
-        lines += [
-            f"The 1B SPES node (`configs/spes_1b/node_0.yaml`, peer 0, amp_bf16) on one {m.get('name', 'GPU')} "
-            f"(torch {m['torch']}, commit {gpu['commit'][:12]}; record `bench/results/bench_gpu.json`, "
-            "`bench/bench_gpu.py`): each variant's step of 256 sequences projected from timed steps of 1 and 4 "
-            "micro-batches; MFU by `tflops_per_token` and, after the slash, by the FLOPs done (frozen experts skip "
-            "their weight gradients).",
-            "",
-            "| variant | step s | tokens/s | MFU | peak GiB | syncs/step |",
-            "|---|---|---|---|---|---|",
-        ]
-        for v in gpu["variants"]:
-            if v["status"] != "ok":
-                lines.append(f"| {v['name']} | {v['status']} | | | | |")
-                continue
-            mfu = f"{v['mfu']:.1%} / {v['mfu_done']:.1%}" if "mfu" in v else "n/a"
-            peak = f"{v['peak_memory_bytes'] / GIB:.1f}" if v.get("peak_memory_bytes") else "n/a"
-            lines.append(
-                f"| {v['name']} | {v['step_s']:.2f} | {v['tokens_per_s']:,.0f} | {mfu} | {peak} | "
-                f"{v['syncs_per_step']['count']} |"
-            )
-    lines += [
-        "",
-        f"What to set, by GPU memory: the fastest measured setting whose peak is at most {USABLE:.0%} of the card's "
-        "memory (`spes.preflight`'s margin); `python -m spes.preflight CONFIG` estimates the largest micro-batch "
-        "of any other setting.",
-        "",
-    ]
-    lines += ["| GPU | setting | tokens/s | peak GiB | measured on |", "|---|---|---|---|---|"]
-    settings = gpu_settings(results)
-    for label, cards, total in CARDS:
-        fits = [s for s in settings if s["peak_gib"] <= USABLE * total]
-        if not fits:
-            smallest = min(settings, key=lambda s: s["peak_gib"], default=None)
-            what = f"smallest measured: {smallest['setting']} at {smallest['peak_gib']:.1f} GiB" if smallest else ""
-            lines.append(f"| {label} ({cards}) | no measured setting fits; {what} | | | |")
-            continue
-        best = max(fits, key=lambda s: s["tokens_per_s"])
-        lines.append(
-            f"| {label} ({cards}) | {best['setting']} | {best['tokens_per_s']:,.0f} | {best['peak_gib']:.1f} | "
-            f"{best['device']} (`{best['record']}`) |"
-        )
-    return "\n".join(lines)
+FIGURE_LIKE = re.compile(
+    r"\d[\d,]*\.\d+\s*%|\b\d+\s*%|\b\d+(?:\.\d+)?x\b|\b\d+\.\d{2,}|\b\d{1,3}(?:,\d{3})+\b"
+    r"|\b\d+\.\d+\s*(?:GiB|MiB|KiB|GB|MB|KB|ms|s|min|h)\b"
+)
+"""What looks like a measured figure in prose: a percentage, a ratio (1.8x), a number with two or more decimals,
+a number with thousands separators, a decimal number of bytes or seconds. Settings (`sync_steps` 10, 1 MiB chunks,
+RTT 50 ms) are whole numbers and pass."""
+UNCHECKED = re.compile(r"```.*?```|`[^`\n]*`|<!--.*?-->|\]\([^)]*\)|arXiv[ :]\d{4}\.\d{4,5}", re.S)
+
+
+def stray_figures(text: str) -> list[str]:
+    """`line: figure` for every measured-looking figure outside the marks, code and link targets of `text`."""
+    filled = INLINE.sub(lambda m: " " * len(m[0]), BLOCK.sub(lambda m: "\n" * m[0].count("\n"), text))
+    prose = UNCHECKED.sub(lambda m: "\n" * m[0].count("\n") + " ", filled)
+    return [f"{prose.count(chr(10), 0, m.start()) + 1}: {m[0]}" for m in FIGURE_LIKE.finditer(prose)]
 
 
 def update_readme(readme: Path, section: str) -> None:
@@ -241,15 +242,36 @@ def update_readme(readme: Path, section: str) -> None:
     write_atomic(readme, f"{head}{start}\n{section}\n{end}{tail}")
 
 
+def gpu_section(results: Path) -> str:
+    """The README's GPU section from the records of `results`."""
+    return BLOCKS["gpu-table"](Records(results))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=RESULTS_DIR, help="directory of the benchmarks' JSON")
     p.add_argument("--png", type=Path, default=REPO_ROOT / "docs" / "benchmarks.png", help="output image")
-    p.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="README whose GPU section to render")
-    p.add_argument("--no_png", action="store_true", help="only render the README's GPU section")
+    p.add_argument("--check", action="store_true", help="change nothing: exit 1 if a document is not as rendered")
+    p.add_argument("--no_png", action="store_true", help="render the documents only")
     args = p.parse_args(argv)
-    update_readme(args.readme, gpu_section(args.results))
-    print(f"rendered the GPU section of {args.readme}")
+    try:
+        rendered = render_all(Records(args.results))
+    except RenderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    stale = [path for path, text in rendered.items() if path.read_text() != text]
+    if args.check:
+        for path in stale:
+            old, new = path.read_text().splitlines(), rendered[path].splitlines()
+            print("\n".join(difflib.unified_diff(old, new, str(path), "rendered", lineterm="", n=1)))
+        if stale:
+            print(
+                f"error: {len(stale)} document(s) differ from the records: run python bench/report.py", file=sys.stderr
+            )
+        return 1 if stale else 0
+    for path in stale:
+        write_atomic(path, rendered[path])
+        print(f"rendered {path.relative_to(REPO_ROOT)}")
     if args.no_png:
         return 0
     import matplotlib

@@ -607,7 +607,8 @@ class TrainConfig:
                 self.server.min_peers,
                 f"must be <= spes_config.num_peers={s.num_peers}",
             )
-        if self.using_spes and not self.using_dilico:
+        if self.mode == "spes":
+            check_outer_optimizer(self.server, self.mode)
             k = s.num_train_experts_per_node
             _require(k >= 1, "spes_config.num_train_experts_per_node", k, "must be >= 1")
             # NOTE: peer p owns [p*k, min((p+1)*k, E)); every expert needs an owner, while peers past the last
@@ -712,6 +713,16 @@ def node_data_seed(base_seed: int, peer_id: int) -> int:
     return base_seed + NODE_SEED_STRIDE * peer_id
 
 
+def check_outer_optimizer(server: ServerSection, mode: RunMode) -> None:
+    """Refuse an outer optimizer the round would not apply: the outer step is DiLoCo's, a SPES round has none."""
+    _require(
+        server.outer_optimizer == "none" or mode == "diloco",
+        "server.outer_optimizer",
+        server.outer_optimizer,
+        f"applies to DiLoCo runs only (using_dilico: true) and this run is {mode}: set server.outer_optimizer=none",
+    )
+
+
 def _require(ok: bool, key: str, value: Any, what: str) -> None:
     if not ok:
         raise ConfigError(f"config key '{key}' = {value!r} {what}")
@@ -806,6 +817,7 @@ def load_sync_sections(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Spe
     spes = from_dict(SpesConfig, raw.get("spes_config", {}), where="command line", prefix="spes_config.")
     server = from_dict(ServerSection, raw.get("server", {}), where="command line", prefix="server.")
     mode: RunMode = "diloco" if raw.get("using_dilico") else "spes" if raw.get("using_spes", True) else "centralized"
+    check_outer_optimizer(server, mode)
     return spes, server, mode
 
 

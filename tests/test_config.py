@@ -136,6 +136,22 @@ def test_server_section_mistakes_name_the_key(tmp_path: Path, text: str, overrid
         load_config(write(tmp_path, text or "{}\n"), overrides)
 
 
+def test_an_outer_optimizer_in_a_spes_run_is_refused(tmp_path: Path) -> None:
+    """The outer Nesterov step is DiLoCo's: a SPES round would not apply it, so asking for it is an error naming the
+    key, from the run's YAML and from a server's command line alike (issue 30)."""
+    expected = "config key 'server.outer_optimizer' = 'nesterov' applies to DiLoCo runs only (using_dilico: true)"
+    with pytest.raises(ConfigError, match=re.escape(expected)) as err:
+        load_config(CONFIGS / "tiny.yaml", ["--server.outer_optimizer=nesterov"])
+    assert str(err.value).endswith("this run is spes: set server.outer_optimizer=none") and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_sync_sections(["--server.outer_optimizer=nesterov"])
+    cfg, _ = load_config(CONFIGS / "tiny.yaml", ["--using_dilico=true", "--server.outer_optimizer=nesterov"])
+    assert cfg.server.outer_optimizer == "nesterov"
+    assert load_sync_sections(["--using_dilico=true", "--server.outer_optimizer=nesterov"])[1].outer_optimizer == (
+        "nesterov"
+    )
+
+
 def test_help_lists_the_server_keys() -> None:
     lines = config_help()
     for key in (

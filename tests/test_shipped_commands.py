@@ -1,7 +1,7 @@
-"""Every command written in a shipped config's header, in a README code block or in docs/migrating.md is exercised.
+"""Every command written in a shipped config's header, in a README code block or in a doc (DOCS) is exercised.
 
 `written_commands` reads them: the indented `#   ` lines of each configs/**/*.yaml header and the lines of the
-README's and docs/migrating.md's ```bash blocks, continuation lines joined. Each command is run here, in a cheap
+```bash blocks of the README and of DOCS, continuation lines joined. Each command is run here, in a cheap
 but real form, or is named in ELSEWHERE with the test file that runs it (checked to exist and to mention it; the
 test suite's own command is CI's). What the tests here prove:
 
@@ -64,8 +64,11 @@ ELSEWHERE = {
     "AutoModelForCausalLM": ("tests/test_eval.py", "AutoModelForCausalLM"),
     "tensorboard --logdir": ("tests/test_tracking.py", "tensorboard"),
     "run_cluster.sh": ("tests/test_cluster.py", "run_cluster.sh"),
+    "-m spes.status ": ("tests/test_status.py", '"spes.status"'),
 }
 """Commands run by another test: a fragment of the command -> the test file that runs it and what it calls."""
+DOCS = ("README.md", "docs/migrating.md", "docs/running.md", "docs/architecture.md")
+"""The documents whose ```bash blocks hold commands a user runs."""
 NOT_SPES = ("openssl ", "pip install", "import secrets", "wandb sync ")
 """Commands of other tools, shown for the user's setup (certificates, a token, optional extras)."""
 
@@ -85,12 +88,12 @@ def _logical_lines(lines: list[str]) -> list[str]:
 
 
 def written_commands() -> list[tuple[str, str]]:
-    """(where, command) for every command in a shipped config's header and in the README's bash blocks."""
+    """(where, command) for every command in a shipped config's header and in the bash blocks of the README and DOCS."""
     found = []
     for path in sorted((REPO / "configs").rglob("*.yaml")):
         header = [line[4:] for line in path.read_text().splitlines() if re.match(r"#   \S|#     ", line)]
         found += [(str(path.relative_to(REPO)), c) for c in _logical_lines(header)]
-    for doc in ("README.md", "docs/migrating.md"):
+    for doc in DOCS:
         blocks = re.findall(r"```bash\n(.*?)```", (REPO / doc).read_text(), flags=re.S)
         found += [(doc, c) for block in blocks for c in _logical_lines(block.splitlines())]
     return sorted(set(found))

@@ -15,7 +15,7 @@ Without a YAML (the first implementation's habit: `--total_peers 4 --num_train_e
 model's manifest and `sync_steps` are taken from the first node to join.
 
 Security: a shared token (env SPES_TOKEN or --token_file) is checked on every call before any handler runs,
-TLS/mTLS from PEM files, and nothing received is ever unpickled (see `spes.sync.wire` and README "Security").
+TLS/mTLS from PEM files, and nothing received is ever unpickled (see `spes.sync.wire` and docs/running.md "Security").
 Off loopback the server refuses to start without a token, or with a token but no TLS, unless --insecure.
 No call can hold it: streams take bounded slots and are closed when idle, one process per peer id
 (`spes.sync.admission`); a Join's spec and manifest must equal the run's (or, a server started without one, are
@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         + f"\n\nthe first SPES implementation's flags are accepted as spellings of overrides: {aliases}"
         + "\n\nexample: SPES_TOKEN=$(cat secret) python -m spes.server configs/spes_1b/node_0.yaml --port 50051 "
         "--tls_cert server.crt --tls_key server.key --state_dir server_state\nstop with SIGTERM or Ctrl-C (exit 0); "
-        "restart with the same --state_dir to resume. See README 'Security'.",
+        "restart with the same --state_dir to resume. See docs/running.md (TLS, tokens, ports).",
     )
     parser.add_argument(
         "run",

@@ -1,0 +1,717 @@
+"""Named figures that `bench/report.py` writes into sentences of README.md and docs/ (`<!--f:NAME-->...<!--/f-->`).
+
+Each is a function of the records (`records.Records`) returning the figure as the text shows it, unit included.
+A figure that is a plain value of one record needs no name here: the document writes its path instead
+(`record/key/...|unit:format`). What is here derives something (a ratio, a range over seeds, a gap over steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from statistics import median
+from typing import Any
+
+from records import Records
+
+Figure = Callable[[Records], str]
+FIGURES: dict[str, Figure] = {}
+MIB, GIB = 2**20, 2**30
+
+
+def fig(name: str) -> Callable[[Figure], Figure]:
+    """Register a named figure."""
+
+    def register(fn: Figure) -> Figure:
+        FIGURES[name] = fn
+        return fn
+
+    return register
+
+
+def span(values: Iterable[float], spec: str, unit: str = "") -> str:
+    """`lo-hi` (or one value when they print alike) of `values` in format `spec`, then `unit`."""
+    values = sorted(values)
+    lo, hi = format(values[0], spec), format(values[-1], spec)
+    if lo == hi:
+        return f"{lo}{unit}"
+    if spec.startswith("+"):
+        return f"{lo}{unit} to {hi}{unit}"
+    return f"{lo.removesuffix('%') if hi.endswith('%') else lo}-{hi}{unit}"
+
+
+def rel(a: float, b: float) -> float:
+    """a relative to b: (a - b) / b."""
+    return (a - b) / b
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. Memory (bench_memory)
+
+
+@fig("memory.analytic_agreement")
+def _memory_agreement(r: Records) -> str:
+    return f"{max(abs(c['rel_err']) for c in r('bench_memory')['checks']):.2%}"
+
+
+@fig("memory.peak_saving")
+def _memory_peak_saving(r: Records) -> str:
+    m = r("bench_memory")["measured"]
+    spes, full = (m[k]["measured"]["peak_minus_before_bytes"] for k in ("spes", "full"))
+    return f"{(spes - full) / MIB:,.0f} MiB, {(full - spes) / full:.0%}"
+
+
+@fig("memory.static_saving")
+def _memory_static_saving(r: Records) -> str:
+    m = r("bench_memory")["measured"]
+    spes, full = (m[k]["measured"]["static_bytes"] for k in ("spes", "full"))
+    return f"{(spes - full) / MIB:,.0f} MiB"
+
+
+@fig("memory.1b_ratio")
+def _memory_1b_ratio(r: Records) -> str:
+    p = r("bench_memory")["paper_1b"]
+    spes, full = (p[k]["analytic"]["static_bytes"] for k in ("spes", "full"))
+    return f"{spes / full:.3f}x"
+
+
+@fig("memory.1b_static")
+def _memory_1b_static(r: Records) -> str:
+    p = r("bench_memory")["paper_1b"]
+    spes, full = (p[k]["analytic"]["static_bytes"] / GIB for k in ("spes", "full"))
+    return f"{spes:.2f} vs {full:.2f} GiB"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. Bytes on the wire (bench_wire)
+
+
+def _schemes(r: Records, which: str = "paper_1b") -> dict[str, Any]:
+    return r("bench_wire")[which]["schemes"]
+
+
+@fig("wire.small_spes_vs_diloco")
+def _wire_small(r: Records) -> str:
+    s = _schemes(r, "measured_config")
+    spes, dil = s["spes_fp32"]["up_plus_down"], s["diloco_fp32"]["up_plus_down"]
+    return f"{spes / MIB:.1f} MiB against {dil / MIB:.1f} MiB ({rel(spes, dil):+.1%})"
+
+
+@fig("wire.checked_rounds")
+def _wire_checked(r: Records) -> str:
+    checks = r("bench_wire")["checks"]
+    equal = sum(c["equal"] for c in checks)
+    return f"all {len(checks)}" if equal == len(checks) else f"{equal} of {len(checks)}"
+
+
+def _framing(r: Records, dtype: str, field: str) -> str:
+    f = r("bench_wire")["framing"][dtype]
+    return f"{(f[field] - f['payload']) / f['payload']:.3%}"
+
+
+@fig("wire.framing_grpc")
+def _wire_framing_grpc(r: Records) -> str:
+    f = r("bench_wire")["framing"]["fp32"]
+    return (
+        f"{(f['serialized'] - f['payload']) / 1e3:.1f} KB to a {f['payload'] / 1e6:.0f} MB upload: "
+        f"{_framing(r, 'fp32', 'serialized')} (fp32), {_framing(r, 'bf16', 'serialized')} (bf16)"
+    )
+
+
+@fig("wire.framing_tcp")
+def _wire_framing_tcp(r: Records) -> str:
+    f = r("bench_wire")["framing"]["fp32"]
+    return (
+        f"{(f['data_plane'] - f['payload']) / 1e3:.1f} KB: {_framing(r, 'fp32', 'data_plane')} (fp32), "
+        f"{_framing(r, 'bf16', 'data_plane')} (bf16)"
+    )
+
+
+@fig("wire.int8_slices")
+def _wire_int8_slices(r: Records) -> str:
+    slices = r("bench_wire")["paper_1b_int8_measured"]["slices"]
+    peak = max(max(s["peak_rss_clients"], s["peak_rss_server"]) for s in slices.values())
+    return f"{len(slices)} slices (peak {peak / GIB:.1f} GiB per process)"
+
+
+@fig("wire.int8_factors")
+def _wire_int8_factors(r: Records) -> str:
+    s = _schemes(r)
+    ref = s["reference_fp32"]["up_plus_down"]
+    spes, int8 = s["spes_fp32"]["up_plus_down"], s["spes_int8"]["up_plus_down"]
+    return f"{int8 / ref:.4f} = SPES's {spes / ref:.3f} of the elements x int8's {int8 / spes:.4f} of fp32's bytes"
+
+
+@fig("wire.int8_vs_bf16")
+def _wire_int8_vs_bf16(r: Records) -> str:
+    s = _schemes(r)
+    return f"{s['spes_int8']['up_plus_down'] / s['spes_bf16']['up_plus_down']:.3f}x"
+
+
+@fig("wire.1b_bf16_gb")
+def _wire_1b_bf16(r: Records) -> str:
+    return f"{_schemes(r)['spes_bf16']['up_plus_down'] / 1e9:.2f} GB"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2b. Codecs: final loss against fp32 (mini_repro --int8 and the codec arms)
+
+
+def _codec_runs(r: Records, codec: str) -> list[dict[str, Any]]:
+    return [r(f"mini_repro_{codec}"), r(f"mini_repro_{codec}_seed7")]
+
+
+@fig("int8.loss_vs_fp32")
+def _int8_loss(r: Records) -> str:
+    runs = _codec_runs(r, "int8")
+    return " and ".join(f"{x['int8_vs_fp32']:+.3%}" for x in runs)
+
+
+@fig("int8.curve_gap")
+def _int8_curve_gap(r: Records) -> str:
+    runs = _codec_runs(r, "int8")
+    gaps = [
+        abs(a - b)
+        for x in runs
+        for a, b in zip(x["curves"]["spes"]["val_loss"], x["curves"]["spes_int8"]["val_loss"], strict=True)
+    ]
+    return f"{max(gaps):.3f} at any of its {len(runs[0]['curves']['spes']['val_loss'])} evaluations"
+
+
+@fig("int8.bytes_ratio")
+def _int8_bytes_ratio(r: Records) -> str:
+    b = r("mini_repro_int8")["bytes_total"]
+    return f"{b['spes_int8'] / b['spes']:.3f}x"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. Sync throughput (bench_sync)
+
+
+def _sync(r: Records, run: str) -> dict[str, Any]:
+    return r("bench_sync")["measurements"][run]
+
+
+@fig("sync.round_gb")
+def _sync_round_gb(r: Records) -> str:
+    rnd = _sync(r, "fp32_tcp")["spes_rounds"][0]
+    return (
+        f"uploads {rnd['up_per_peer'][0] / 1e9:.2f} GB and downloads {rnd['down_per_peer'][0] / 1e9:.2f} GB "
+        f"(fp32), so a round moves {rnd['bytes'] / 1e9:.2f} GB"
+    )
+
+
+@fig("sync.tcp_rounds")
+def _sync_tcp_rounds(r: Records) -> str:
+    m = _sync(r, "fp32_tcp")
+    spes = ", ".join(f"{x['seconds']:.2f}" for x in m["spes_rounds"])
+    return f"{spes} s (raw {span((x['seconds'] for x in m['raw_rounds']), '.2f', ' s')})"
+
+
+@fig("sync.grpc_share")
+def _sync_grpc_share(r: Records) -> str:
+    return span((_sync(r, k)["spes_over_raw_throughput"] for k in ("fp32_grpc", "bf16_grpc")), ".0%")
+
+
+@fig("sync.raw_gb_s")
+def _sync_raw(r: Records) -> str:
+    return f"{max(x['gb_s'] for x in _sync(r, 'fp32_tcp')['raw_rounds']):.1f} GB/s"
+
+
+@fig("sync.exchange_at_1gbit")
+def _sync_at_1gbit(r: Records) -> str:
+    fp32 = sum(_sync(r, "fp32_tcp")["spes_rounds"][0][k][0] for k in ("up_per_peer", "down_per_peer"))
+    bf16 = sum(_sync(r, "bf16_tcp")["spes_rounds"][0][k][0] for k in ("up_per_peer", "down_per_peer"))
+    return f"({fp32 / 1e9:.2f} GB) takes {fp32 * 8 / 1e9:.1f} s on the wire and bf16 {bf16 * 8 / 1e9:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Aggregation (bench_aggregate)
+
+
+def _agg(r: Records, case: str, dtype: str) -> dict[str, Any]:
+    return next(x for x in r("bench_aggregate")["results"] if x["case"] == case and x["dtype"] == dtype)
+
+
+@fig("aggregate.plain_vs_copy")
+def _agg_plain(r: Records) -> str:
+    row = _agg(r, "spes plain round", "fp32")
+    return f"{1 / row['aggregate_over_copy_into']:.1f}x"
+
+
+@fig("aggregate.plain_vs_clone")
+def _agg_clone(r: Records) -> str:
+    return f"{_agg(r, 'spes plain round', 'fp32')['aggregate_over_memcpy']:.1f}x"
+
+
+@fig("aggregate.bf16_merge_s")
+def _agg_bf16_merge(r: Records) -> str:
+    return f"{_agg(r, 'spes merge round', 'bf16')['aggregate_s']:.2f} s"
+
+
+@fig("aggregate.clone_range")
+def _agg_clone_range(r: Records) -> str:
+    return span((x["memcpy_gb_s"] for x in r("bench_aggregate")["results"]), ".1f", " GB/s")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. Training speed (bench_train, bench_train_gpu, bench_fused_loss)
+
+
+def _train(r: Records, variant: str, record: str = "bench_train") -> dict[str, Any]:
+    return next(x for x in r(record)["results"] if x["variant"] == variant)
+
+
+@fig("train.spes_speedup")
+def _train_speedup(r: Records) -> str:
+    return f"{_train(r, 'spes/torch')['speed_vs_full_torch']:.2f}x"
+
+
+@fig("train.grouped_cpu")
+def _train_grouped_cpu(r: Records) -> str:
+    ratios = [
+        _train(r, f"{kind}/grouped_mm")["tokens_per_s"] / _train(r, f"{kind}/torch")["tokens_per_s"]
+        for kind in ("spes", "full")
+    ]
+    return span(ratios, ".2f", "x")
+
+
+@fig("train.mflop_per_token")
+def _train_mflop(r: Records) -> str:
+    return f"{r('bench_train')['tflops_per_token'] * 1e6:.1f} MFLOP/token"
+
+
+@fig("train.grouped_gpu")
+def _train_grouped_gpu(r: Records) -> str:
+    return span(
+        (_train(r, f"{k}/grouped_mm", "bench_train_gpu")["speed_vs_full_torch"] for k in ("spes", "full")), ".2f", "x"
+    )
+
+
+@fig("train.gpu_mfu")
+def _train_gpu_mfu(r: Records) -> str:
+    return span((x["mfu"] for x in r("bench_train_gpu")["results"]), ".2%")
+
+
+@fig("train.gpu_spes_loop")
+def _train_gpu_spes_loop(r: Records) -> str:
+    return f"{_train(r, 'spes/torch', 'bench_train_gpu')['speed_vs_full_torch']:.2f}x"
+
+
+@fig("fused.memory_ratio")
+def _fused_memory(r: Records) -> str:
+    return f"{r('bench_fused_loss')['memory_ratio']:.2f}x"
+
+
+@fig("fused.time_ratio")
+def _fused_time(r: Records) -> str:
+    return f"{r('bench_fused_loss')['step_time_ratio']:.2f}x"
+
+
+@fig("gpu.gib_per_sequence")
+def _gpu_per_sequence(r: Records) -> str:
+    runs = {
+        x["microbatch"]: x["peak_memory_gib"] for x in r("bench_wan_gpu_steps")["runs"] if x["moe_backend"] == "torch"
+    }
+    (a, pa), (b, pb) = sorted(runs.items())[:2]
+    return f"{(pb - pa) / (b - a):.1f} GiB"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. Mini-reproduction (mini_repro, mini_repro_seed7)
+
+SEEDS = ("mini_repro", "mini_repro_seed7")
+
+
+def _finals(r: Records, run: str) -> list[float]:
+    return [r(n)["curves"][run]["val_loss"][-1] for n in SEEDS]
+
+
+def _gaps(r: Records, a: str, b: str, *, from_step: int = 0, to_step: int | None = None) -> list[float]:
+    """a - b at every evaluated step in [from_step, to_step], both seeds."""
+    out = []
+    for name in SEEDS:
+        c = r(name)["curves"]
+        for step, x, y in zip(c[a]["step"], c[a]["val_loss"], c[b]["val_loss"], strict=True):
+            if step >= from_step and (to_step is None or step <= to_step):
+                out.append(x - y)
+    return out
+
+
+@fig("mini.vs_central")
+def _mini_vs_central(r: Records) -> str:
+    return span((rel(a, b) for a, b in zip(_finals(r, "spes"), _finals(r, "centralized"))), ".1%")
+
+
+@fig("mini.diloco_vs_central")
+def _mini_diloco_vs_central(r: Records) -> str:
+    return span((rel(a, b) for a, b in zip(_finals(r, "diloco"), _finals(r, "centralized"))), ".1%")
+
+
+@fig("mini.spes_vs_diloco")
+def _mini_spes_vs_diloco(r: Records) -> str:
+    return span((rel(a, b) for a, b in zip(_finals(r, "spes"), _finals(r, "diloco"))), ".1%")
+
+
+@fig("mini.bytes_saving")
+def _mini_bytes(r: Records) -> str:
+    c = r("mini_repro")["curves"]
+    return f"{-rel(c['spes']['bytes'][-1], c['diloco']['bytes'][-1]):.0%}"
+
+
+@fig("mini.end_gap_diloco")
+def _mini_end_gap_diloco(r: Records) -> str:
+    return span((a - b for a, b in zip(_finals(r, "diloco"), _finals(r, "centralized"))), ".2f", " nats")
+
+
+@fig("mini.end_gap_spes")
+def _mini_end_gap_spes(r: Records) -> str:
+    return span((a - b for a, b in zip(_finals(r, "spes"), _finals(r, "centralized"))), ".2f", " nats")
+
+
+@fig("mini.trail_diloco_from_80")
+def _mini_trail_diloco(r: Records) -> str:
+    return span(_gaps(r, "diloco", "centralized", from_step=80), ".2f", " nats")
+
+
+@fig("mini.trail_spes_from_80")
+def _mini_trail_spes(r: Records) -> str:
+    return span(_gaps(r, "spes", "centralized", from_step=80), ".2f", " nats")
+
+
+@fig("mini.spes_diloco_end_nats")
+def _mini_sd_end(r: Records) -> str:
+    return " / ".join(f"{a - b:.2f}" for a, b in zip(_finals(r, "spes"), _finals(r, "diloco"))) + " nats"
+
+
+@fig("mini.spes_diloco_first_40")
+def _mini_sd_first(r: Records) -> str:
+    return f"{max(abs(g) for g in _gaps(r, 'spes', 'diloco', to_step=40)):.3f} nats"
+
+
+@fig("mini.spes_diloco_from_80")
+def _mini_sd_80(r: Records) -> str:
+    return span(_gaps(r, "spes", "diloco", from_step=80), ".2f", " nats")
+
+
+def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """ys at x, linear between the points (None outside them)."""
+    for i in range(1, len(xs)):
+        if xs[i - 1] <= x <= xs[i]:
+            return ys[i - 1] + (x - xs[i - 1]) / (xs[i] - xs[i - 1]) * (ys[i] - ys[i - 1])
+    return None
+
+
+def _per_byte_leads(r: Records) -> list[list[tuple[float, float]]]:
+    """Per seed, (SPES's bytes, DiLoCo's loss at those bytes - SPES's) at each SPES evaluation DiLoCo spans."""
+    out = []
+    for name in SEEDS:
+        c = r(name)["curves"]
+        s, d = c["spes"], c["diloco"]
+        leads = [(b, _interp(b, d["bytes"], d["val_loss"])) for b in s["bytes"]]
+        out.append([(b, v - loss) for (b, v), loss in zip(leads, s["val_loss"], strict=True) if v is not None])
+    return out
+
+
+@fig("mini.per_byte_ahead_from")
+def _mini_ahead_from(r: Records) -> str:
+    starts = []
+    for leads in _per_byte_leads(r):
+        start = leads[-1][0]
+        for b, lead in reversed(leads):
+            if lead <= 0:
+                break
+            start = b
+        starts.append(start)
+    return f"{max(starts) / MIB:,.0f} MiB"
+
+
+@fig("mini.per_byte_peak_lead")
+def _mini_peak_lead(r: Records) -> str:
+    return " / ".join(f"{max(v for _, v in leads):.2f}" for leads in _per_byte_leads(r)) + " nats"
+
+
+@fig("mini.per_byte_final_lead")
+def _mini_final_lead(r: Records) -> str:
+    return " / ".join(f"{leads[-1][1]:.2f}" for leads in _per_byte_leads(r)) + " nats"
+
+
+@fig("mini.spes_final_mib")
+def _mini_spes_mib(r: Records) -> str:
+    return f"{r('mini_repro')['curves']['spes']['bytes'][-1] / MIB:,.0f} MiB"
+
+
+@fig("mini.merged_vs_local_220")
+def _mini_merged_local(r: Records) -> str:
+    c = r("mini_repro")["curves"]["spes"]
+    i = c["step"].index(220)
+    return f"{c['val_loss'][i]:.3f} vs {c['local_val_loss_mean'][i]:.3f}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6b. At equal memory per node (mini_repro_memory)
+
+
+def _mem(r: Records) -> dict[str, Any]:
+    return r("mini_repro_memory")
+
+
+def _mem_final(r: Records, arm: str) -> float:
+    return _mem(r)["mean_curves"][arm]["val_loss"][-1]
+
+
+@fig("memrepro.vs_diloco")
+def _memrepro_vs_diloco(r: Records) -> str:
+    return f"{rel(_mem_final(r, 'spes_large'), _mem_final(r, 'diloco_small')):+.2%}"
+
+
+@fig("memrepro.vs_single")
+def _memrepro_vs_single(r: Records) -> str:
+    return f"{-rel(_mem_final(r, 'spes_large'), _mem_final(r, 'single_small')):.1%}"
+
+
+@fig("memrepro.end_nats_per_seed")
+def _memrepro_nats(r: Records) -> str:
+    curves = _mem(r)["curves"]
+    return ", ".join(
+        f"{curves[s]['spes_large']['val_loss'][-1] - curves[s]['diloco_small']['val_loss'][-1]:+.3f} nats (seed {s})"
+        for s in sorted(curves, key=int)
+    )
+
+
+@fig("memrepro.above_from")
+def _memrepro_above_from(r: Records) -> str:
+    """Per seed, the first evaluated step from which SPES stays above DiLoCo to the end."""
+    curves, out = _mem(r)["curves"], []
+    for seed in sorted(curves, key=int):
+        s, d = curves[seed]["spes_large"], curves[seed]["diloco_small"]
+        start = None
+        for step, a, b in zip(s["step"], s["val_loss"], d["val_loss"], strict=True):
+            start = (start or step) if a > b else None
+        out.append(f"step {start} (seed {seed})" if start is not None else f"never (seed {seed})")
+    return " and ".join(out)
+
+
+def _cost(r: Records, arm: str, other: str) -> list[float]:
+    m = _mem(r)["mean_curves"]
+    return [rel(a, b) for a, b in zip(m[arm]["val_loss"], m[other]["val_loss"], strict=True)]
+
+
+@fig("memrepro.spes_cost_range")
+def _memrepro_cost(r: Records) -> str:
+    return span(_cost(r, "spes_large", "diloco_large"), "+.2%")
+
+
+@fig("memrepro.spes_cost_end_per_seed")
+def _memrepro_cost_seed(r: Records) -> str:
+    curves = _mem(r)["curves"]
+    return ", ".join(
+        f"{rel(curves[s]['spes_large']['val_loss'][-1], curves[s]['diloco_large']['val_loss'][-1]):+.2%} (seed {s})"
+        for s in sorted(curves, key=int)
+    )
+
+
+@fig("memrepro.large_diloco_vs_small")
+def _memrepro_large(r: Records) -> str:
+    return f"{rel(_mem_final(r, 'diloco_large'), _mem_final(r, 'diloco_small')):+.2%}"
+
+
+@fig("memrepro.merge_effect")
+def _memrepro_merge(r: Records) -> str:
+    return f"{rel(_mem_final(r, 'spes_large'), _mem_final(r, 'spes_large_nomerge')):+.2%}"
+
+
+@fig("memrepro.nesterov")
+def _memrepro_nesterov(r: Records) -> str:
+    return f"{rel(_mem_final(r, 'diloco_nesterov'), _mem_final(r, 'diloco_small')):+.2%}"
+
+
+@fig("memrepro.total_min")
+def _memrepro_total(r: Records) -> str:
+    return f"{_mem(r)['run']['total_wall_s'] / 60:.0f} min"
+
+
+@fig("memrepro.arm_walls")
+def _memrepro_walls(r: Records) -> str:
+    walls = _mem(r)["walls_s"]
+    multi = ("spes_large", "diloco_small", "diloco_nesterov", "diloco_large", "spes_large_nomerge")
+    return span((w[a] for w in walls.values() for a in multi if a in w), ".0f", " s")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7-8. Server memory, soak
+
+
+@fig("server_memory.over_bound")
+def _server_over_bound(r: Records) -> str:
+    return span((c["peak_over_idle_per_bound"] - 1 for c in r("bench_server_memory")["cases"]), ".0%")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9. Emulated links (bench_wan, bench_wan_gpu)
+
+
+@fig("wan.efficiency")
+def _wan_efficiency(r: Records) -> str:
+    return span((m["efficiency"] for m in r("bench_wan")["measurements"]), ".0%")
+
+
+def _prediction(r: Records, record: str, mbit: float, wire: str, plane: str = "tcp") -> dict[str, Any]:
+    return next(
+        p for p in r(record)["prediction_1b"] if p["peer_mbit"] == mbit and p["wire"] == wire and p["plane"] == plane
+    )
+
+
+@fig("wan.1b_bytes")
+def _wan_1b_bytes(r: Records) -> str:
+    bf16, fp32 = (_prediction(r, "bench_wan", 1000.0, w)["bytes_per_peer"] / 1e9 for w in ("bf16", "fp32"))
+    return f"{bf16:.2f} GB per peer and round in bf16, {fp32:.2f} GB in fp32"
+
+
+@fig("wan.cpu_step")
+def _wan_cpu_step(r: Records) -> str:
+    s = r("bench_wan")["step_measurement_1b"]
+    timed = " and ".join(f"{x:.1f}" for x in s["timed_step_seconds"])
+    return f"{timed} s for one sequence, so {s['step_s']:,.0f} s for the config's {s['sequences_per_step']} sequences"
+
+
+@fig("wan.gpu_step")
+def _wan_gpu_step(r: Records) -> str:
+    s = r("bench_wan_gpu")["step_measurement_1b"]
+    timed = ", ".join(f"{x:.2f}" for x in s["timed_step_seconds"])
+    tokens = s["sequences_per_step"] * 2048 / s["step_s"]
+    return (
+        f"{timed} s per optimizer step (median {median(s['timed_step_seconds']):.2f} s), {tokens / 1e3:.0f}k tokens/s"
+    )
+
+
+@fig("wan.gpu_peak")
+def _wan_gpu_peak(r: Records) -> str:
+    return f"{r('bench_wan_gpu')['step_measurement_1b']['peak_memory_bytes'] / GIB:.1f} GiB"
+
+
+@fig("wan.gpu_step_s")
+def _wan_gpu_step_s(r: Records) -> str:
+    return f"{r('bench_wan_gpu')['step_s_1b']:.1f} s"
+
+
+@fig("wan.gpu_grouped_step_s")
+def _wan_gpu_grouped(r: Records) -> str:
+    run = next(x for x in r("bench_wan_gpu_steps")["runs"] if x["moe_backend"] == "grouped_mm")
+    return f"{run['step_s']:.1f} s"
+
+
+@fig("wan.gpu_grouped_speedup")
+def _wan_gpu_grouped_speedup(r: Records) -> str:
+    run = next(x for x in r("bench_wan_gpu_steps")["runs"] if x["moe_backend"] == "grouped_mm")
+    return f"{r('bench_wan_gpu')['step_s_1b'] / run['step_s']:.2f}x"
+
+
+@fig("wan.gpu_train_share_1g_bf16_100")
+def _wan_train_share(r: Records) -> str:
+    return f"{1 - _prediction(r, 'bench_wan_gpu', 1000.0, 'bf16')['idle_fraction']['100']:.0%}"
+
+
+@fig("wan.gpu_idle_100m_bf16_100")
+def _wan_idle_100m(r: Records) -> str:
+    return f"{_prediction(r, 'bench_wan_gpu', 100.0, 'bf16')['idle_fraction']['100']:.0%}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9b. Overlapped rounds (mini_repro_overlap*, bench_overlap*)
+
+
+def _arm(r: Records, record: str, arm: str) -> dict[str, Any]:
+    return r(record)["arms"][arm]
+
+
+@fig("overlap.d10_loss")
+def _overlap_d10(r: Records) -> str:
+    return " and ".join(
+        f"{_arm(r, n, 'spes_overlap_d10')['vs_blocking']:+.2%}"
+        for n in ("mini_repro_overlap", "mini_repro_overlap_seed7")
+    )
+
+
+@fig("overlap.d10_c05_loss")
+def _overlap_c05(r: Records) -> str:
+    return " and ".join(
+        f"{_arm(r, n, 'spes_overlap_d10_c0.5')['vs_blocking']:+.2%}"
+        for n in ("mini_repro_overlap_correction", "mini_repro_overlap_seed7")
+    )
+
+
+@fig("overlap.f5_loss")
+def _overlap_f5(r: Records) -> str:
+    return " and ".join(
+        f"{_arm(r, n, 'spes_overlap_d2_f5')['vs_blocking']:+.2%}"
+        for n in ("mini_repro_overlap_f5", "mini_repro_overlap_f5_seed7")
+    )
+
+
+@fig("overlap.whole_ratio")
+def _overlap_whole_ratio(r: Records) -> str:
+    o = r("bench_overlap")
+    pairs = " and ".join(f"{p['ratio']:.2f}x" for p in o["pairs"])
+    return f"{o['ratio']:.2f}x (median of {len(o['pairs'])} pairs of runs, {pairs})"
+
+
+@fig("overlap.f5_ratio")
+def _overlap_f5_ratio(r: Records) -> str:
+    ratios = [r(n)["ratio"] for n in ("bench_overlap_f5", "bench_overlap_f5_pair2")]
+    return f"{median(ratios):.2f}x (median of 2 pairs, {' and '.join(f'{x:.2f}x' for x in ratios)})"
+
+
+@fig("overlap.f5_tiny_ratio")
+def _overlap_f5_tiny(r: Records) -> str:
+    return f"{r('bench_overlap_f5_2layers')['ratio']:.2f}x"
+
+
+@fig("overlap.f5_by_values_ratio")
+def _overlap_f5_values(r: Records) -> str:
+    return f"{r('bench_overlap_f5_by_values')['ratio']:.2f}x"
+
+
+@fig("overlap.loaded_ratios")
+def _overlap_loaded(r: Records) -> str:
+    return span((p["ratio"] for n in ("bench_overlap_2309", "bench_overlap_2345") for p in r(n)["pairs"]), ".2f", "x")
+
+
+def _codec_vs_fp32(r: Records, codec: str) -> str:
+    runs = _codec_runs(r, codec)
+    gaps = " and ".join(f"{rel(x['final_val_loss'][f'spes_{codec}'], x['final_val_loss']['spes']):+.3%}" for x in runs)
+    return f"{gaps} final validation loss against fp32 (seeds {' and '.join(str(x['seed']) for x in runs)})"
+
+
+def _codec_figure(codec: str) -> Figure:
+    return lambda r: _codec_vs_fp32(r, codec)
+
+
+FIGURES.update({f"codec.{codec}_vs_fp32": _codec_figure(codec) for codec in ("int8", "bf16", "sparse")})
+
+
+@fig("wan.cpu_max_idle")
+def _wan_cpu_max_idle(r: Records) -> str:
+    return f"{max(max(p['idle_fraction'].values()) for p in r('bench_wan')['prediction_1b']):.1%}"
+
+
+@fig("wire.int8_round_times")
+def _wire_int8_round_times(r: Records) -> str:
+    """A plain int8 round of the 1B with 4 peers through a server link of 1 Gbit/s and 100 Mbit/s (bytes only)."""
+    total = 4 * _schemes(r)["spes_int8"]["up_plus_down"] * 8
+    return f"about {total / 1e9 / 60:.0f} min at 1 Gbit/s, {total / 1e8 / 60:.0f} min at 100 Mbit/s"
+
+
+@fig("wire.int8_per_peer")
+def _wire_int8_per_peer(r: Records) -> str:
+    s = _schemes(r)
+    int8, ref, bf16 = (s[k]["up_plus_down"] for k in ("spes_int8", "reference_fp32", "spes_bf16"))
+    return (
+        f"{int8 / MIB:,.0f} MiB per peer, {int8 / ref:.3f}x the first implementation's fp32 scheme and "
+        f"{int8 / bf16:.2f}x bf16's"
+    )
+
+
+@fig("gpu.mb2_peak")
+def _gpu_mb2_peak(r: Records) -> str:
+    run = min(r("bench_wan_gpu_steps")["runs"], key=lambda x: x["microbatch"])
+    return f"micro-batch {run['microbatch']}: {run['peak_memory_gib']:.1f} GiB measured"

@@ -1,0 +1,128 @@
+"""The committed benchmark records (bench/results/*.json) as the renderer reads them, and what each must carry.
+
+Every figure published in README.md and docs/ is read from one of these records by `bench/report.py`. A record
+names the run that produced it: its `command`, its `commit` (a clean tree's full hash, or `<hash>-dirty-<diff
+hash>` as `bench/common.py: git_commit` writes it) and its `machine`. Records written before those rules held
+are listed in `KNOWN_GAPS` with what they lack; the list may only shrink (tests/test_report.py): a new record
+without its provenance, or a listed one that no longer lacks it, fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+CLEAN_COMMIT = re.compile(r"[0-9a-f]{40}")
+DIRTY_COMMIT = re.compile(r"[0-9a-f]{40}-dirty-[0-9a-f]{16}")
+
+KNOWN_GAPS = {
+    "bench_fused_loss": "dirty tree, diff not kept",
+    "bench_overlap": "dirty tree, diff not kept",
+    "bench_overlap_0022": "dirty tree, diff not kept",
+    "bench_overlap_2309": "dirty tree, diff not kept",
+    "bench_overlap_2345": "dirty tree, diff not kept",
+    "bench_soak": "no command; no commit",
+    "bench_soak_no_chaos": "no command; no commit",
+    "bench_wan_gpu": "dirty tree, diff not kept",
+    "bench_wan_gpu_steps": "commit not a full hash; no machine",
+    "bench_wire": "dirty tree, diff not kept",
+    "code_stats": "dirty tree, diff not kept; no machine",
+    "code_stats_92d762a": "dirty tree, diff not kept; no machine",
+    "code_stats_92d762a_ruff_format": "dirty tree, diff not kept; no machine",
+    "code_stats_after": "no machine",
+    "mini_repro_int8": "dirty tree, diff not kept",
+    "mini_repro_memory": "dirty tree, diff not kept",
+    "mini_repro_overlap": "dirty tree, diff not kept",
+}
+"""Records written before their provenance was checked (issue 30), and what each lacks. Shown beside their figures
+in docs/benchmarks.md's list of records (with a record's own `provenance_note`, if any); re-measuring one removes it
+from here."""
+
+COMMANDS = {
+    "bench_gpu": "bash bench/prepare_gpu.sh, then bash bench/run_gpu.sh on a GPU",
+    "bench_fused_loss_gpu": "python bench/bench_fused_loss.py --device cuda",
+    "mini_repro_bf16": "python bench/mini_repro.py --bf16",
+    "mini_repro_bf16_seed7": "python bench/mini_repro.py --bf16 --seed 7",
+    "mini_repro_sparse": "python bench/mini_repro.py --codec sparse",
+    "mini_repro_sparse_seed7": "python bench/mini_repro.py --codec sparse --seed 7",
+    "bench_wire_sparse": "python bench/bench_wire.py",
+    "bench_overlap_f5_same_shape": (
+        "python bench/bench_overlap.py --fragments 5 --repeats 2 on the model and peers whose loss "
+        "bench/mini_repro.py --overlap --overlap_fragments 5 measures (issue 30 point 2)"
+    ),
+}
+"""The command that writes a record not committed yet (a record that exists names its own)."""
+
+
+class Missing(Exception):
+    """A figure's record is not committed (yet)."""
+
+    def __init__(self, record: str) -> None:
+        super().__init__(record)
+        self.record = record
+
+
+def not_measured(record: str) -> str:
+    """What a figure of a record that does not exist yet says instead."""
+    command = COMMANDS.get(record, f"the benchmark that writes bench/results/{record}.json")
+    return f"not measured yet (run: `{command}`)"
+
+
+class Records:
+    """The records of one results directory, each read once; `records("bench_sync")` is the record's JSON."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._read: dict[str, dict[str, Any]] = {}
+
+    def __call__(self, name: str) -> dict[str, Any]:
+        if name not in self._read:
+            path = self.directory / f"{name}.json"
+            if not path.is_file():
+                raise Missing(name)
+            record = json.loads(path.read_text())
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: a record is a JSON object")
+            self._read[name] = record
+        return self._read[name]
+
+    def names(self) -> list[str]:
+        return sorted(p.stem for p in self.directory.glob("*.json"))
+
+    def value(self, expression: str) -> str:
+        """A figure written in a document as `record/key/.../key[|unit][:format]`: the record's value at that path
+        (list items by index), divided by `unit` (mib, gib, mb, gb, k, pct) and formatted (`format(value, spec)`)."""
+        path, _, spec = expression.partition(":")
+        path, _, unit = path.partition("|")
+        name, *keys = path.split("/")
+        value: Any = self(name)
+        for key in keys:
+            try:
+                value = value[int(key)] if isinstance(value, list) else value[key]
+            except (KeyError, IndexError, ValueError, TypeError):
+                raise KeyError(f"{name}.json has no {'/'.join(keys)} (at {key!r})") from None
+        if unit:
+            value = value / UNITS[unit]
+        return format(value, spec)
+
+
+UNITS = {"mib": 2**20, "gib": 2**30, "mb": 1e6, "gb": 1e9, "k": 1e3, "pct": 1e-2}
+
+
+def provenance_gap(record: dict[str, Any]) -> str | None:
+    """What of its command, commit and machine a record lacks ("dirty tree, diff not kept", ...), None if nothing."""
+    gaps = []
+    command, commit, machine = record.get("command"), record.get("commit"), record.get("machine")
+    if not isinstance(command, str) or not command:
+        gaps.append("no command")
+    if not isinstance(commit, str) or not commit:
+        gaps.append("no commit")
+    elif re.fullmatch(r"[0-9a-f]{40}-dirty", commit):
+        gaps.append("dirty tree, diff not kept")
+    elif not (CLEAN_COMMIT.fullmatch(commit) or DIRTY_COMMIT.fullmatch(commit)):
+        gaps.append("commit not a full hash")
+    if not isinstance(machine, dict) or not machine:
+        gaps.append("no machine")
+    return "; ".join(gaps) or None

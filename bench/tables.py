@@ -1,0 +1,939 @@
+"""The tables (and the paragraphs around them) that `bench/report.py` renders into README.md and docs/ from records.
+
+Each entry of `BLOCKS` fills the text between `<!-- NAME:start -->` and `<!-- NAME:end -->` of any published
+document; `WHOLE_FILES` are documents rendered whole (the mini-reproductions' reports). A block whose record is
+missing says "not measured yet (run: ...)" instead (`records.Missing`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from records import Missing, Records, not_measured
+
+GIB, MIB = 2**30, 2**20
+
+Block = Callable[[Records], str]
+BLOCKS: dict[str, Block] = {}
+
+
+def block(name: str) -> Callable[[Block], Block]:
+    """Register a block renderer under `name` (the marker's name)."""
+
+    def register(fn: Block) -> Block:
+        BLOCKS[name] = fn
+        return fn
+
+    return register
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def short(commit: str) -> str:
+    """A commit as the docs show it: 7 hex digits, `-dirty` kept."""
+    return commit[:7] + ("-dirty" if "-dirty" in commit else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU advice (README)
+
+GPU_MARKERS = ("<!-- gpu-table:start -->", "<!-- gpu-table:end -->")
+CARDS = (("24 GB", "RTX 4090, L4", 22.0), ("48 GB", "L40S, A6000", 44.4), ("80 GB", "A100 / H100 80GB", 79.1))
+"""GPU classes of the advice, with the memory their cards report (GiB; the smallest of the class)."""
+USABLE = 0.9  # NOTE: spes.preflight's USABLE_MEMORY: the rest is allocator slack, CUDA context, fragmentation
+
+
+def _full(records: Records, name: str) -> dict[str, Any] | None:
+    try:
+        record = records(name)
+    except Missing:
+        return None
+    return record if record.get("mode") == "full" else None
+
+
+def gpu_settings(records: Records) -> list[dict[str, Any]]:
+    """Every measured 1B node setting on a GPU: the variants of bench_gpu.json and the runs of
+    bench_wan_gpu_steps.json, each with its tokens/s of the config's step, peak GiB and record."""
+    out = []
+    gpu = _full(records, "bench_gpu") or {"variants": [], "machine": {}}
+    for v in gpu["variants"]:
+        if v["status"] == "ok" and v.get("peak_memory_bytes"):
+            s = v["settings"]
+            setting = (
+                f"`moe_backend: {v['moe_backend']}`, micro-batch {s['micro_batch']}"
+                f"{', `fused_loss`' if s['fused_loss'] else ''}{', `compile`' if s['compile'] else ''}"
+                f"{'' if s['checkpointing'] else ', no activation checkpointing'}"
+            )
+            out.append(
+                {
+                    "setting": setting,
+                    "tokens_per_s": v["tokens_per_s"],
+                    "peak_gib": v["peak_memory_bytes"] / GIB,
+                    "record": "bench_gpu.json",
+                    "device": gpu["machine"].get("name", ""),
+                }
+            )
+    try:
+        steps = records("bench_wan_gpu_steps")
+    except Missing:
+        steps = {"runs": []}
+    for run in steps["runs"]:
+        out.append(
+            {
+                "setting": f"`moe_backend: {run['moe_backend']}`, micro-batch {run['microbatch']} (no activation "
+                "checkpointing, whole logits: before issue 29)",
+                "tokens_per_s": run["sequences_per_step"] * 2048 / run["step_s"],
+                "peak_gib": run["peak_memory_gib"],
+                "record": "bench_wan_gpu_steps.json",
+                "device": steps["device"],
+            }
+        )
+    return out
+
+
+def _gpu_variants(gpu: dict[str, Any]) -> list[str]:
+    m = gpu["machine"]
+    lines = [
+        f"The 1B SPES node (`configs/spes_1b/node_0.yaml`, peer 0, amp_bf16) on one {m.get('name', 'GPU')} "
+        f"(torch {m['torch']}, commit {gpu['commit'][:12]}; record `bench/results/bench_gpu.json`, "
+        "`bench/bench_gpu.py`): each variant's step of 256 sequences projected from timed steps of 1 and 4 "
+        "micro-batches; MFU by `tflops_per_token` and, after the slash, by the FLOPs done (frozen experts skip "
+        "their weight gradients).",
+        "",
+        "| variant | step s | tokens/s | MFU | peak GiB | syncs/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in gpu["variants"]:
+        if v["status"] != "ok":
+            lines.append(f"| {v['name']} | {v['status']} | | | | |")
+            continue
+        mfu = f"{v['mfu']:.1%} / {v['mfu_done']:.1%}" if "mfu" in v else "n/a"
+        peak = f"{v['peak_memory_bytes'] / GIB:.1f}" if v.get("peak_memory_bytes") else "n/a"
+        lines.append(
+            f"| {v['name']} | {v['step_s']:.2f} | {v['tokens_per_s']:,.0f} | {mfu} | {peak} | "
+            f"{v['syncs_per_step']['count']} |"
+        )
+    return lines
+
+
+@block("gpu-table")
+def gpu_block(records: Records) -> str:
+    """The README's GPU section (markdown), from the records alone."""
+    gpu = _full(records, "bench_gpu")
+    lines = []
+    if gpu is None:
+        lines.append(
+            "No GPU benchmark record yet: `bench/results/bench_gpu.json` is written by `bash bench/run_gpu.sh` on a "
+            "GPU (issue 29) and this section is rendered from it by `bench/report.py`."
+        )
+    else:
+        lines += _gpu_variants(gpu)
+    lines += [
+        "",
+        f"What to set, by GPU memory: the fastest measured setting whose peak is at most {USABLE:.0%} of the card's "
+        "memory (`spes.preflight`'s margin); `python -m spes.preflight CONFIG` estimates the largest micro-batch "
+        "of any other setting.",
+        "",
+    ]
+    lines += ["| GPU | setting | tokens/s | peak GiB | measured on |", "|---|---|---|---|---|"]
+    settings = gpu_settings(records)
+    for label, cards, total in CARDS:
+        fits = [s for s in settings if s["peak_gib"] <= USABLE * total]
+        if not fits:
+            smallest = min(settings, key=lambda s: s["peak_gib"], default=None)
+            what = f"smallest measured: {smallest['setting']} at {smallest['peak_gib']:.1f} GiB" if smallest else ""
+            lines.append(f"| {label} ({cards}) | no measured setting fits; {what} | | | |")
+            continue
+        best = max(fits, key=lambda s: s["tokens_per_s"])
+        lines.append(
+            f"| {label} ({cards}) | {best['setting']} | {best['tokens_per_s']:,.0f} | {best['peak_gib']:.1f} | "
+            f"{best['device']} (`{best['record']}`) |"
+        )
+    return "\n".join(lines)
+
+
+def mib(b: float) -> str:
+    return f"{b / MIB:,.0f} MiB"
+
+
+def pct(x: float) -> str:
+    return f"{x:+.2%}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/benchmarks.md
+
+
+@block("bench-memory")
+def memory_tables(records: Records) -> str:
+    r = records("bench_memory")
+    m, ratio = r["measured"], r["ratios_spes_over_full"]
+    peers = "peer 0 of 4"
+
+    def row(label: str, x: dict[str, Any]) -> list[Any]:
+        mb = [f"{x[k] / MIB:.1f} MiB" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "static_bytes")]
+        return [
+            label,
+            f"{x['params'] / 1e6:.2f}M",
+            f"{x['trainable_params'] / 1e6:.2f}M",
+            *mb,
+            f"{x['peak_minus_before_bytes'] / MIB:.1f} MiB",
+        ]
+
+    spes, full = m["spes"]["measured"], m["full"]["measured"]
+    small = table(
+        [
+            f"{r['config']} (measured)",
+            "params",
+            "trained",
+            "weights",
+            "grads",
+            "AdamW",
+            "static",
+            "peak RSS above baseline",
+        ],
+        [
+            row(f"SPES node ({peers})", spes),
+            row("full node (DiLoCo / centralized)", full),
+            [
+                "SPES / full",
+                "",
+                f"{spes['trainable_params'] / full['trainable_params']:.3f}",
+                f"{spes['param_bytes'] / full['param_bytes']:.3f}",
+                f"{ratio['grad_bytes']:.3f}",
+                f"{ratio['optimizer_bytes']:.3f}",
+                f"**{ratio['static_bytes']:.3f}**",
+                f"{ratio['peak_minus_before_bytes']:.3f}",
+            ],
+        ],
+    )
+    p = {k: v["analytic"] for k, v in r["paper_1b"].items()}
+
+    def row_1b(label: str, x: dict[str, Any]) -> list[Any]:
+        gb = [f"{x[k] / GIB:.2f} GiB" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "static_bytes")]
+        return [label, f"{x['params'] / 1e9:.3f}B", f"{x['trainable_params'] / 1e9:.3f}B", *gb]
+
+    a, b = p["spes"], p["full"]
+    big = table(
+        ["paper 1B (analytic, one replica)", "params", "trained", "weights", "grads", "AdamW", "static"],
+        [
+            row_1b("SPES node (4 of 16 experts)", a),
+            row_1b("full node", b),
+            [
+                "SPES / full",
+                "",
+                f"{a['trainable_params'] / b['trainable_params']:.3f}",
+                f"{a['param_bytes'] / b['param_bytes']:.3f}",
+                f"{a['grad_bytes'] / b['grad_bytes']:.3f}",
+                f"{a['optimizer_bytes'] / b['optimizer_bytes']:.3f}",
+                f"**{a['static_bytes'] / b['static_bytes']:.3f}** "
+                f"({(a['static_bytes'] - b['static_bytes']) / GIB:.2f} GiB)",
+            ],
+        ],
+    )
+    return f"{small}\n\n{big}"
+
+
+SCHEME_LABELS = {
+    "spes_fp32": "SPES fp32",
+    "spes_bf16": "**SPES bf16**",
+    "spes_int8": "SPES int8 deltas (section 2b)",
+    "diloco_fp32": "DiLoCo fp32",
+    "diloco_bf16": "DiLoCo bf16",
+    "reference_fp32": "reference fp32",
+}
+
+
+@block("bench-wire")
+def wire_table(records: Records) -> str:
+    s = records("bench_wire")["paper_1b"]["schemes"]
+    ref = s["reference_fp32"]["up_plus_down"]
+    rows = []
+    for name, label in SCHEME_LABELS.items():
+        x = s[name]
+        diloco = s.get(f"diloco_{name.split('_')[1]}") if name.startswith(("spes", "diloco")) else None
+        rows.append(
+            [
+                label,
+                mib(x["up"]),
+                mib(x["down"]),
+                mib(x["down_merge_round"]),
+                mib(x["up_plus_down"]),
+                mib(x["amortized_up_plus_down"]),
+                f"{x['up_plus_down'] / ref:.3f}",
+                f"{x['up_plus_down'] / diloco['up_plus_down']:.3f}" if diloco else "-",
+            ]
+        )
+    return table(
+        [
+            "paper 1B, per peer per round",
+            "up",
+            "down",
+            "down, merge round",
+            "up + down",
+            "amortized",
+            "/ reference",
+            "/ DiLoCo same dtype",
+        ],
+        rows,
+    )
+
+
+@block("bench-wire-int8")
+def wire_int8_table(records: Records) -> str:
+    r = records("bench_wire")
+    t, ref = r["paper_1b_int8_measured"]["totals"], r["paper_1b"]["schemes"]["reference_fp32"]["up_plus_down"]
+    rows = [
+        [
+            label,
+            mib(t[k]["up"]),
+            mib(t[k]["down"]),
+            mib(t[k]["up"] + t[k]["down"]),
+            f"{(t[k]['up'] + t[k]['down']) / ref:.4f}",
+        ]
+        for k, label in (
+            ("first", "first round (full fp32 values)"),
+            ("merge", "merge round"),
+            ("plain", "plain round"),
+        )
+    ]
+    p = r["paper_1b"]
+    n, m = p["rounds_in_run"], p["merge_rounds_in_run"]
+    amortized = (m * (t["merge"]["up"] + t["merge"]["down"]) + (n - m) * (t["plain"]["up"] + t["plain"]["down"])) / n
+    rows.append([f"amortized ({m} merge rounds of {n})", "", "", mib(amortized), f"**{amortized / ref:.4f}**"])
+    return table(["paper 1B, peer 0", "up", "down", "up + down", f"/ reference fp32 ({mib(ref)})"], rows)
+
+
+CODECS = ("int8", "bf16", "sparse")
+
+
+@block("codec-loss")
+def codec_loss_table(records: Records) -> str:
+    """Final validation loss of the mini-reproduction's SPES arm per codec against fp32, each in its own run."""
+    rows = []
+    for codec in CODECS:
+        cells = []
+        for suffix in ("", "_seed7"):
+            name = f"mini_repro_{codec}{suffix}"
+            try:
+                x = records(name)
+            except Missing as missing:
+                cells += [not_measured(missing.record), ""]
+                continue
+            fp32, coded = x["final_val_loss"]["spes"], x["final_val_loss"][f"spes_{codec}"]
+            cells += [f"{fp32:.4f} / {coded:.4f}", f"**{(coded - fp32) / fp32:+.3%}**"]
+        rows.append([f"`{codec}`", *cells])
+    return table(["codec", "seed 6198: fp32 / codec", "vs fp32", "seed 7: fp32 / codec", "vs fp32"], rows)
+
+
+@block("int8-runs")
+def int8_runs_table(records: Records) -> str:
+    rows = []
+    for name in ("mini_repro_int8", "mini_repro_int8_seed7"):
+        x = records(name)
+        for arm, label in (("spes", "fp32 wire"), ("spes_int8", "int8 deltas")):
+            rows.append(
+                [
+                    f"seed {x['seed']}, {label}",
+                    f"{x['final_val_loss'][arm]:.4f}",
+                    f"{x['tokens'][arm]:,}",
+                    mib(x["bytes_total"][arm]),
+                    f"{x['walls_s'][arm]:.0f} s",
+                    short(x["commit"]),
+                ]
+            )
+    return table(
+        [
+            "SPES, 4 peers",
+            "final validation loss (merged model)",
+            "tokens (logged)",
+            "bytes moved by all peers",
+            "wall",
+            "commit",
+        ],
+        rows,
+    )
+
+
+SYNC_LABELS = {
+    "fp32_grpc": ("fp32", "gRPC"),
+    "fp32_tcp": ("**fp32**", "**TCP data plane**"),
+    "bf16_grpc": ("bf16", "gRPC"),
+    "bf16_tcp": ("bf16", "TCP data plane"),
+}
+
+
+@block("bench-sync")
+def sync_table(records: Records) -> str:
+    rows = []
+    for key, (wire, plane) in SYNC_LABELS.items():
+        m = records("bench_sync")["measurements"][key]
+        best = min(m["spes_rounds"], key=lambda x: x["seconds"])
+        raw = min(m["raw_rounds"], key=lambda x: x["seconds"])
+        rows.append(
+            [
+                wire,
+                plane,
+                f"{best['bytes'] / 1e9:.2f}",
+                f"{best['seconds']:.2f} s",
+                f"{best['gb_s']:.2f}",
+                f"{min(m['server_aggregation_s']):.2f} s",
+                f"{raw['seconds']:.2f} s",
+                f"{raw['gb_s']:.2f}",
+                f"**{m['spes_over_raw_throughput']:.1%}**",
+                f"{m['spes_over_raw_excluding_aggregation']:.1%}",
+            ]
+        )
+    return table(
+        [
+            "wire",
+            "payloads over",
+            "GB moved",
+            "SPES round",
+            "SPES GB/s",
+            "of which aggregation",
+            "raw TCP",
+            "raw GB/s",
+            "**SPES / raw**",
+            "excl. aggregation",
+        ],
+        rows,
+    )
+
+
+@block("bench-aggregate")
+def aggregate_table(records: Records) -> str:
+    rows = [
+        [
+            x["case"],
+            x["dtype"],
+            f"{x['upload_bytes'] / 1e9:.2f}",
+            f"{x['aggregate_s']:.2f} s ({x['aggregate_gb_s']:.1f} GB/s)",
+            f"{x['memcpy_gb_s']:.1f} GB/s",
+            f"{x['copy_into_gb_s']:.1f} GB/s",
+            f"**{x['aggregate_over_copy_into']:.2f}**",
+            f"{x['aggregate_over_memcpy']:.2f}",
+        ]
+        for x in records("bench_aggregate")["results"]
+    ]
+    return table(
+        ["case", "uploads", "GB in", "aggregate", "clone", "copy_", "**aggregate / copy_**", "aggregate / clone"], rows
+    )
+
+
+@block("bench-train")
+def train_table(records: Records) -> str:
+    rows = [
+        [
+            x["variant"].replace("/", " / "),
+            f"{x['median_step_s']:.2f} s",
+            f"{x['tokens_per_s']:,.0f}",
+            f"{x['gflops']:.0f}",
+            f"**{x['speed_vs_full_torch']:.2f}**",
+        ]
+        for x in records("bench_train")["results"]
+    ]
+    return table(["node / MoE backend", "step", "tokens/s", "GFLOP/s", "vs full/torch"], rows)
+
+
+@block("bench-train-gpu")
+def train_gpu_table(records: Records) -> str:
+    rows = [
+        [
+            x["variant"].replace("/", " / "),
+            f"{x['median_step_s']:.3f} s",
+            f"{x['tokens_per_s']:,.0f}",
+            f"**{x['speed_vs_full_torch']:.2f}**",
+            f"{x['mfu']:.2%}",
+            f"{x['peak_memory_bytes'] / GIB:.2f}",
+        ]
+        for x in records("bench_train_gpu")["results"]
+    ]
+    return table(["node / MoE backend", "step", "tokens/s", "vs full/torch", "MFU", "peak GiB"], rows)
+
+
+@block("bench-fused-loss")
+def fused_loss_table(records: Records) -> str:
+    arms = records("bench_fused_loss")["arms"]
+    rows = [
+        [label, f"{a['first_loss']:.6f}", f"{a['median_step_s']:.1f}", mib(a["memory_added_bytes"])]
+        for label, a in (("whole logits", arms["whole"]), ("`fused_loss: true`", arms["fused"]))
+    ]
+    return table(["loss", "first loss", "step s (median)", "memory a step adds"], rows)
+
+
+@block("mini-repro")
+def mini_repro_table(records: Records) -> str:
+    runs = [records("mini_repro"), records("mini_repro_seed7")]
+    labels = {"centralized": "centralized (4x batch)", "diloco": "DiLoCo, 4 peers", "spes": "SPES, 4 peers"}
+    rows = []
+    for name, label in labels.items():
+        finals = [x["curves"][name]["val_loss"][-1] for x in runs]
+        base = [x["curves"]["centralized"]["val_loss"][-1] for x in runs]
+        c = runs[0]["curves"][name]
+        moved = "0" if name == "centralized" else mib(c["bytes"][-1])
+        per_round = (
+            "-"
+            if name == "centralized"
+            else (
+                f"{c['bytes_per_peer_round_up'] / MIB:.1f} / {min(c['bytes_per_peer_round_down']) / MIB:.1f} MiB"
+                + (
+                    f" ({max(c['bytes_per_peer_round_down']) / MIB:.1f} on merge rounds)"
+                    if max(c["bytes_per_peer_round_down"]) != min(c["bytes_per_peer_round_down"])
+                    else ""
+                )
+            )
+        )
+        vs = "-" if name == "centralized" else " / ".join(f"{(f - b) / b:+.1%}" for f, b in zip(finals, base))
+        rows.append(
+            [label, *(f"{f:.4f}" for f in finals), f"**{sum(finals) / len(finals):.4f}**", vs, moved, per_round]
+        )
+    seeds = [str(x["seed"]) for x in runs]
+    return table(
+        [
+            "run",
+            *(f"final val loss, seed {s}" for s in seeds),
+            "**mean**",
+            f"vs centralized ({' / '.join(seeds)})",
+            "bytes, all peers, up + down",
+            "per peer and round (up / down)",
+        ],
+        rows,
+    )
+
+
+@block("mini-repro-memory")
+def mini_repro_memory_table(records: Records) -> str:
+    r = records("mini_repro_memory")
+    means, sizes = r["mean_curves"], r["sizes"]
+    base = means["diloco_small"]["val_loss"][-1]
+    any_seed = next(iter(r["curves"].values()))
+    rows = [
+        [
+            arm["label"],
+            sizes[arm["size"]],
+            f"{means[arm['name']]['val_loss'][-1]:.4f}",
+            pct((means[arm["name"]]["val_loss"][-1] - base) / base),
+            mib(any_seed[arm["name"]]["bytes"][-1]),
+        ]
+        for arm in r["arms"]
+    ]
+    return table(
+        [
+            f"arm (mean of {len(r['seeds'])} seeds)",
+            "experts",
+            "final val loss",
+            "vs DiLoCo at the budget",
+            "communicated",
+        ],
+        rows,
+    )
+
+
+@block("bench-server-memory")
+def server_memory_table(records: Records) -> str:
+    rows = [
+        [
+            f"{c['model_mb']:,.0f} MiB",
+            c["peers"],
+            f"{c['staged_mb']:,.0f} MiB",
+            f"{c['idle_rss_mb']:,.0f} MiB",
+            f"{c['peak_rss_mb']:,.0f} MiB",
+            f"{c['peak_over_idle_mb']:,.0f} MiB",
+            f"{c['peak_over_idle_per_model']:.2f}",
+            f"{c['bound_mb']:,.0f} MiB",
+            f"**{c['peak_over_idle_per_bound']:.2f}**",
+        ]
+        for c in records("bench_server_memory")["cases"]
+    ]
+    return table(
+        [
+            "model",
+            "peers",
+            "staged uploads",
+            "idle RSS",
+            "peak RSS",
+            "peak - idle",
+            "/ model",
+            "bound",
+            "**peak - idle / bound**",
+        ],
+        rows,
+    )
+
+
+@block("bench-soak")
+def soak_table(records: Records) -> str:
+    rows = []
+    for name, label in (("bench_soak", "under churn"), ("bench_soak_no_chaos", "no churn (baseline)")):
+        x = records(name)
+        c, w = x["chaos"], x["after_warmup"]
+        faults = (
+            f"{c['idle_grpc_streams']} idle gRPC streams, {c['idle_data_connections']} idle data-plane connections, "
+            f"{c['killed_uploads_grpc']} + {c['killed_uploads_data']} uploads killed mid-tensor (gRPC + data plane), "
+            f"{c['garbage_frames']} garbage frames, {c['reconnects']} reconnects"
+            if c
+            else "none"
+        )
+        logged = (
+            f"{x['idle_closed_logged']} idle streams closed, {x['broken_uploads_logged']} broken uploads dropped, "
+            f"{x['server_refusals_logged']} refusals"
+            if c
+            else "-"
+        )
+        rows.append(
+            [
+                label,
+                f"**{x['rounds_exact']} / {x['rounds']}**",
+                faults,
+                logged,
+                f"{span_of(w['rss_min_max_mb'], '.1f')} MiB ({w['rss_growth_mb']:+.1f})",
+                span_of(w["threads_min_max"], "d"),
+                span_of(w["fds_min_max"], "d"),
+            ]
+        )
+    w = records("bench_soak")["after_warmup"]
+    return table(
+        [
+            "run",
+            "rounds exact",
+            "faults injected",
+            "server logged",
+            f"RSS rounds {w['from_round']}-{w['to_round']}",
+            "threads",
+            "fds",
+        ],
+        rows,
+    )
+
+
+def span_of(pair: list[float], spec: str) -> str:
+    lo, hi = (format(v, spec) for v in pair)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def link(mbit: float) -> str:
+    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
+@block("bench-wan")
+def wan_table(records: Records) -> str:
+    rows = [
+        [
+            link(m["peer_mbit"]),
+            f"1/{m['scale']}",
+            m["wire"],
+            "data plane" if m["plane"] == "tcp" else "gRPC",
+            f"{m['bytes_per_peer'][0] / 1e6:.1f}",
+            f"{m['ideal_s']:.2f}",
+            f"{m['spes_s']:.2f}",
+            f"**{m['efficiency']:.1%}**",
+            f"{m['raw_efficiency']:.1%}",
+        ]
+        for m in records("bench_wan")["measurements"]
+    ]
+    return table(
+        [
+            "link",
+            "model",
+            "wire",
+            "plane",
+            "MB per peer",
+            "ideal s",
+            "SPES s",
+            "**SPES / ideal**",
+            "raw socket / ideal",
+        ],
+        rows,
+    )
+
+
+def _idle_rows(record: dict[str, Any], both_planes: bool) -> list[list[Any]]:
+    by = {(p["peer_mbit"], p["wire"], p["plane"]): p for p in record["prediction_1b"]}
+    rows = []
+    for mbit, wire in sorted({(k[0], k[1]) for k in by}, key=lambda k: (-k[0], k[1])):
+        tcp, grpc = by[(mbit, wire, "tcp")], by[(mbit, wire, "grpc")]
+        cells = [
+            f"{tcp['idle_fraction'][n]:.1%} / {grpc['idle_fraction'][n]:.1%}"
+            if both_planes
+            else f"{tcp['idle_fraction'][n]:.2%}"
+            for n in tcp["idle_fraction"]
+        ]
+        rows.append([link(mbit), wire, f"{tcp['round_s']:,.0f} / {grpc['round_s']:,.0f}", *cells])
+    return rows
+
+
+def _idle_headers(record: dict[str, Any]) -> list[str]:
+    steps = list(record["prediction_1b"][0]["idle_fraction"])
+    return ["link", "wire", "round s (data plane / gRPC)", f"not training at sync_steps {steps[0]}", *steps[1:]]
+
+
+@block("bench-wan-1b-cpu")
+def wan_cpu_table(records: Records) -> str:
+    r = records("bench_wan")
+    return table(_idle_headers(r), _idle_rows(r, both_planes=False))
+
+
+@block("bench-wan-1b-gpu")
+def wan_gpu_table(records: Records) -> str:
+    r = records("bench_wan_gpu")
+    return table(_idle_headers(r), _idle_rows(r, both_planes=True))
+
+
+@block("bench-wan-gpu-steps")
+def wan_gpu_steps_table(records: Records) -> str:
+    step = records("bench_wan_gpu")["step_measurement_1b"]
+    rows = [
+        [
+            f"micro-batch {step['microbatch']}, `moe_backend: torch` (the config)",
+            f"{records('bench_wan_gpu')['step_s_1b']:.2f} (median of {len(step['timed_step_seconds'])})",
+            f"{step['peak_memory_bytes'] / GIB:.1f}",
+        ]
+    ]
+    rows += [
+        [f"micro-batch {x['microbatch']}, `{x['moe_backend']}`", f"{x['step_s']:.1f}", f"{x['peak_memory_gib']:.1f}"]
+        for x in records("bench_wan_gpu_steps")["runs"]
+    ]
+    return table([f"1B SPES node step on the {step['device']}", "step s", "peak GiB"], rows)
+
+
+def _arm_commit(arm: dict[str, Any]) -> str:
+    return short((arm.get("run") or {}).get("commit", "?"))
+
+
+def _overlap_rows(records: Records, names: list[str], arms: list[str]) -> list[list[Any]]:
+    rows = []
+    for arm in arms:
+        cells = []
+        for name in names:
+            x = records(name)["arms"].get(arm)
+            cells += (
+                [f"{x['final_val_loss']:.4f}", pct(x["vs_blocking"]) if arm != "spes" else "", _arm_commit(x)]
+                if x
+                else ["", "", ""]
+            )
+        rows.append(cells)
+    return rows
+
+
+def _overlap_label(arm: str) -> list[str]:
+    """(run, F, D, c) of an arm name of bench/mini_repro.py (`spes`, `spes_overlap_d2_f5_c0.5`)."""
+    if arm == "spes":
+        return ["blocking", "-", "-", "-"]
+    parts = dict((p[0], p[1:]) for p in arm.removeprefix("spes_overlap_").split("_"))
+    return ["overlapped", parts.get("f", "1"), parts["d"], parts.get("c", "1")]
+
+
+@block("overlap-loss")
+def overlap_loss_table(records: Records) -> str:
+    """Every overlapped arm of the mini-reproduction against the blocking arm, per seed, with each arm's commit."""
+    sets = [
+        (
+            ["mini_repro_overlap", "mini_repro_overlap_seed7"],
+            ["spes", "spes_overlap_d10", "spes_overlap_d5", "spes_overlap_d1"],
+        ),
+        (["mini_repro_overlap_correction", "mini_repro_overlap_seed7"], ["spes_overlap_d10_c0.5"]),
+        (["mini_repro_overlap_f5", "mini_repro_overlap_f5_seed7"], ["spes_overlap_d2_f5"]),
+        (["mini_repro_overlap_f5_c0.5", "mini_repro_overlap_f5_seed7"], ["spes_overlap_d2_f5_c0.5"]),
+        (["mini_repro_overlap_f2", "mini_repro_overlap_f5_seed7"], ["spes_overlap_d5_f2"]),
+    ]
+    rows = []
+    for names, arms in sets:
+        for arm, cells in zip(arms, _overlap_rows(records, names, arms), strict=True):
+            rows.append([*_overlap_label(arm), *cells])
+    blocking = [records(n)["arms"]["spes"] for n in ("mini_repro_overlap_f5", "mini_repro_overlap_f5_seed7")]
+    head = [
+        "run",
+        "F",
+        "D",
+        "c",
+        "seed 6198: final val loss",
+        "vs blocking",
+        "commit",
+        "seed 7",
+        "vs blocking",
+        "commit",
+    ]
+    note = (
+        f"Each blocking arm ran once and is the reference of every overlapped arm of its seed: seed 6198's at "
+        f"{_arm_commit(blocking[0])}, seed 7's at {_arm_commit(blocking[1])}."
+    )
+    return f"{table(head, rows)}\n\n{note}"
+
+
+@block("overlap-throughput")
+def overlap_throughput_table(records: Records) -> str:
+    rows = []
+    for name in (
+        "bench_overlap",
+        "bench_overlap_0022",
+        "bench_overlap_2309",
+        "bench_overlap_2345",
+        "bench_overlap_f5",
+        "bench_overlap_f5_pair2",
+        "bench_overlap_f5_by_values",
+        "bench_overlap_f5_2layers",
+    ):
+        x = records(name)
+        layers = next((o.split("=")[1] for o in x["overrides"] if o.startswith("--model.n_layers=")), "2")
+        what = (
+            f"`{name}.json`: {x['peers']} peers, {layers} layers, F = {x.get('fragments') or 1}, "
+            f"{x['link']['mbit']:.1f} Mbit/s"
+        )
+        for i, pair in enumerate(x["pairs"], 1):
+            first = min(("blocking", "overlapped"), key=lambda arm: pair[arm]["machine"]["when"])
+            order = "AB" if first == "blocking" else "BA"
+            for arm in ("blocking", "overlapped"):
+                a = pair[arm]
+                waited = sum(a["waited_s"]) / len(a["waited_s"]) / a["train_wall_s"]
+                rows.append(
+                    [
+                        what if i == 1 and arm == "blocking" else "",
+                        f"{i} ({order})",
+                        arm,
+                        f"{a['median_step_s']:.2f}",
+                        f"{a['round_s']:.1f}",
+                        f"{a['train_wall_s']:.0f}",
+                        f"{a['tokens'] / a['train_wall_s']:,.0f}",
+                        f"{waited:.0%}",
+                        f"{a['machine']['load_avg_1_5_15'][0]:.1f}",
+                        f"**{pair['ratio']:.2f}x**" if arm == "overlapped" else "",
+                    ]
+                )
+    return table(
+        [
+            "record",
+            "pair (order)",
+            "run",
+            "step s",
+            "round s",
+            "train s",
+            "tokens/s",
+            "waiting for rounds",
+            "load avg",
+            "overlapped / blocking",
+        ],
+        rows,
+    )
+
+
+@block("records")
+def records_table(records: Records) -> str:
+    """Every committed record: what made it (command, commit, machine) and, for older ones, what it lacks."""
+    from records import KNOWN_GAPS
+
+    rows = []
+    for name in records.names():
+        x = records(name)
+        m = x.get("machine") or {}
+        machine = m.get("name") or (f"{m['cpus']} CPU cores, load {m['load_avg_1_5_15'][0]}" if "cpus" in m else "")
+        when = m.get("when", x.get("when", ""))
+        gap = KNOWN_GAPS.get(name, "")
+        if x.get("provenance_note"):
+            gap += " (see its provenance_note)"
+        command = x.get("command", "")
+        rows.append(
+            [
+                f"`{name}.json`",
+                f"`{command}`" if command else "",
+                short(x.get("commit", "")),
+                machine,
+                str(when)[:16],
+                gap,
+            ]
+        )
+    return table(["record", "command", "commit", "machine", "when", "lacks"], rows)
+
+
+WHOLE_FILES: dict[str, Block] = {}
+
+
+def mini_repro_md(records: Records) -> str:
+    """docs/mini_repro.md: the report `bench/mini_repro.py` writes, from its records (every seed's)."""
+    import mini_repro
+
+    record = records("mini_repro")
+    seeds = [records(n) for n in records.names() if n == "mini_repro" or n.startswith("mini_repro_seed")]
+    finals = {r["seed"]: mini_repro.final_losses(r["curves"]) for r in seeds}
+    run = record.get("run") or {}
+    return mini_repro.report(
+        mini_repro.Setup(**record["setup"]),
+        record["curves"],
+        record["walls_s"],
+        record["params"],
+        record["machine"],
+        "mini_repro.png",
+        finals,
+        correction=False,
+        note=run.get("note"),
+    )
+
+
+def mini_repro_memory_md(records: Records) -> str:
+    """docs/mini_repro_memory.md: the report `bench/mini_repro_memory.py` writes, from its record."""
+    import mini_repro
+    import mini_repro_memory
+
+    record = records("mini_repro_memory")
+    per_seed = {int(seed): curves for seed, curves in record["curves"].items()}
+    walls = {int(seed): w for seed, w in record["walls_s"].items()}
+    sizes = {**record["sizes"], "spes_nodes": {int(e): b for e, b in record["sizes"]["spes_nodes"].items()}}
+    return mini_repro_memory.report(
+        mini_repro.Setup(**record["setup"]),
+        sizes,
+        per_seed,
+        record["mean_curves"],
+        walls,
+        record["machine"],
+        (record.get("run") or {}).get("total_wall_s"),
+        "mini_repro_memory.png",
+    )
+
+
+WHOLE_FILES.update({"docs/mini_repro.md": mini_repro_md, "docs/mini_repro_memory.md": mini_repro_memory_md})
+
+
+@block("import-layers")
+def import_layers(records: Records) -> str:
+    """The sync wing's floors as pyproject.toml's import-linter contract states them, top floor first."""
+    import tomllib
+
+    from common import REPO_ROOT
+
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in config if c["type"] == "layers")
+    names = [", ".join(f"`{m.strip().removeprefix('spes.sync.')}`" for m in floor.split("|")) for floor in layers]
+    return "\n".join(f"{i}. {floor}" for i, floor in enumerate(names, 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# docs/running.md
+
+
+@block("wan-rounds")
+def wan_rounds_table(records: Records) -> str:
+    """Round seconds of the paper's 1B, 4 peers sharing a server link of the peers' speed, per link and wire."""
+    by = {(p["peer_mbit"], p["wire"]): p for p in records("bench_wan")["prediction_1b"] if p["plane"] == "tcp"}
+    rows = [
+        [link(mbit), f"{by[(mbit, 'bf16')]['round_s']:,.0f} s", f"{by[(mbit, 'fp32')]['round_s']:,.0f} s"]
+        for mbit in sorted({k[0] for k in by}, reverse=True)
+    ]
+    return table(["link (peer and server)", "bf16 round", "fp32 round"], rows)
+
+
+@block("wan-idle")
+def wan_idle_table(records: Records) -> str:
+    """Share of a GPU node's wall time not training, per link, wire and sync_steps (data plane)."""
+    record = records("bench_wan_gpu")
+    rows = []
+    for p in sorted(record["prediction_1b"], key=lambda p: (-p["peer_mbit"], p["wire"])):
+        if p["plane"] == "tcp":
+            rows.append([link(p["peer_mbit"]), p["wire"], *(f"{v:.1%}" for v in p["idle_fraction"].values())])
+    steps = list(record["prediction_1b"][0]["idle_fraction"])
+    return table(["link", "wire", f"`sync_steps` {steps[0]}", *steps[1:]], rows)

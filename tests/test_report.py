@@ -1,0 +1,143 @@
+"""bench/report.py: every figure of README.md and docs/ is the one its committed record gives, and every record says
+what produced it (issue 30).
+
+The documents are re-rendered from bench/results/ and must equal what is committed; outside the renderer's marks a
+document states no measured figure; a record lacks none of its command, commit and machine (bar the older ones
+listed in `records.KNOWN_GAPS`, a list that may only shrink); a figure whose record is not there yet says "not
+measured yet" with the command that measures it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from common import git_commit  # noqa: E402
+from records import CLEAN_COMMIT, DIRTY_COMMIT, KNOWN_GAPS, Records, provenance_gap  # noqa: E402
+from report import RenderError, published, render_all, render_text, stray_figures  # noqa: E402
+from tables import WHOLE_FILES  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+
+
+def test_every_published_document_is_as_its_records_render_it() -> None:
+    stale = [str(p.relative_to(REPO)) for p, text in render_all(Records(RESULTS)).items() if p.read_text() != text]
+    assert not stale, f"{stale} differ from what the records give: run python bench/report.py (--check shows how)"
+
+
+def test_prose_states_no_figure_the_renderer_does_not_fill() -> None:
+    stray = {
+        str(path.relative_to(REPO)): found
+        for path in published(REPO)
+        if str(path.relative_to(REPO)) not in WHOLE_FILES and (found := stray_figures(path.read_text()))
+    }
+    assert not stray, (
+        f"figures typed by hand (put each in a <!--f:...--> mark, or write a setting in backticks): {stray}"
+    )
+
+
+def test_every_record_names_its_command_commit_and_machine() -> None:
+    records = Records(RESULTS)
+    gaps = {name: gap for name in records.names() if (gap := provenance_gap(records(name)))}
+    new = {name: gap for name, gap in gaps.items() if name not in KNOWN_GAPS}
+    assert not new, (
+        f"records without their provenance (command, commit of a clean tree or with its diff's hash, machine): {new}"
+    )
+    fixed = sorted(set(KNOWN_GAPS) - set(gaps))
+    assert not fixed, f"{fixed} no longer lack provenance: remove them from records.KNOWN_GAPS"
+    assert gaps == KNOWN_GAPS
+
+
+@pytest.mark.parametrize(
+    ("record", "gap"),
+    [
+        ({"command": "python bench/x.py", "commit": "a" * 40, "machine": {"cpus": 2}}, None),
+        ({"command": "python bench/x.py", "commit": "a" * 40 + "-dirty-" + "b" * 16, "machine": {"cpus": 2}}, None),
+        (
+            {"command": "python bench/x.py", "commit": "a" * 40 + "-dirty", "machine": {"cpus": 2}},
+            "dirty tree, diff not kept",
+        ),
+        ({"commit": "a" * 40, "machine": {"cpus": 2}}, "no command"),
+        ({"command": "x", "commit": "58a7846 + a change", "machine": {}}, "commit not a full hash; no machine"),
+        ({"command": "x", "machine": {"cpus": 2}}, "no commit"),
+    ],
+)
+def test_a_record_without_its_provenance_is_named(record: dict, gap: str | None) -> None:
+    assert provenance_gap(record) == gap
+
+
+def test_a_benchmark_names_a_dirty_tree_by_its_diff() -> None:
+    commit = git_commit()
+    assert CLEAN_COMMIT.fullmatch(commit) or DIRTY_COMMIT.fullmatch(commit), commit
+
+
+def write_record(directory: Path, name: str, record: dict) -> None:
+    (directory / f"{name}.json").write_text(json.dumps({"command": "c", "commit": "a" * 40, "machine": {}, **record}))
+
+
+def test_figures_are_filled_from_record_paths_and_a_missing_record_says_how_to_measure_it(tmp_path: Path) -> None:
+    write_record(tmp_path, "bench_x", {"bytes": 3 * 2**20, "runs": [{"ratio": 0.5}]})
+    text = (
+        "<!--f:bench_x/bytes|mib:.1f-->old<!--/f--> MiB, <!--f:bench_x/runs/0/ratio:.0%-->?<!--/f-->; "
+        "<!--f:mini_repro_bf16/final_val_loss/spes-->5<!--/f-->"
+    )
+    assert render_text(text, Records(tmp_path)) == (
+        "<!--f:bench_x/bytes|mib:.1f-->3.0<!--/f--> MiB, <!--f:bench_x/runs/0/ratio:.0%-->50%<!--/f-->; "
+        "<!--f:mini_repro_bf16/final_val_loss/spes-->not measured yet (run: `python bench/mini_repro.py --bf16`)"
+        "<!--/f-->"
+    )
+    # a named figure and a block whose record is missing say the same
+    assert "not measured yet (run: `the benchmark that writes bench/results/bench_sync.json`)" in render_text(
+        "a <!--f:sync.raw_gb_s-->x<!--/f--> b", Records(tmp_path)
+    )
+    block = "<!-- bench-train:start -->\nold\n<!-- bench-train:end -->"
+    assert render_text(block, Records(tmp_path)) == (
+        "<!-- bench-train:start -->\nnot measured yet (run: `the benchmark that writes bench/results/bench_train.json`)"
+        "\n<!-- bench-train:end -->"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a\n<!--f:no.such.figure-->1<!--/f-->", r"doc.md:2: figure 'no.such.figure'"),
+        ("<!--f:bench_x/nothing-->1<!--/f-->", r"bench_x.json has no nothing"),
+        ("<!-- no-such-block:start -->\n<!-- no-such-block:end -->", r"doc.md:1: no block 'no-such-block'"),
+        ("x\n<!-- bench-train:start -->\nold", r"doc.md:2: '<!-- bench-train:start -->' without its pair"),
+        ("<!--f:bench_x/bytes-->1", r"'<!--f:' without its pair"),
+    ],
+)
+def test_a_broken_mark_is_refused_naming_the_file_and_line(tmp_path: Path, text: str, message: str) -> None:
+    write_record(tmp_path, "bench_x", {"bytes": 1})
+    with pytest.raises(RenderError, match=message):
+        render_text(text, Records(tmp_path), "doc.md")
+
+
+def test_figures_outside_the_marks_are_found() -> None:
+    text = (
+        "SPES ends 1.3% above, at 1.83x the speed, loss 5.2311 over 1,638,400 tokens in 8.5 s.\n"
+        "`0.5%` in code, <!--f:a/b-->4.7%<!--/f--> marked, [link](x_1.83x.md), sync_steps 10, 1 MiB chunks, 50 ms.\n"
+        "```\n9.99%\n```\n<!-- t:start -->\n| 3.14% |\n<!-- t:end -->\nlast 2.5x\n"
+    )
+    assert stray_figures(text) == ["1: 1.3%", "1: 1.83x", "1: 5.2311", "1: 1,638,400", "1: 8.5 s", "9: 2.5x"]
+
+
+def test_the_equal_memory_record_means_every_field_over_its_seeds() -> None:
+    """mini_repro_memory.json's mean curves are the mean of its seeds' curves, field by field (issue 30: they were one
+    seed's values but for the validation loss)."""
+    from mini_repro_memory import mean_curve
+
+    record = json.loads((RESULTS / "mini_repro_memory.json").read_text())
+    for arm, mean in record["mean_curves"].items():
+        seeds = [record["curves"][seed][arm] for seed in record["curves"]]
+        assert mean == mean_curve(seeds)
+        for key in ("local_val_loss_mean", "sync_seconds_peer0"):
+            values = [s.get(key) for s in seeds]
+            if values[0] != values[1]:
+                assert mean[key] != values[0] and mean[key] != values[1], (arm, key)
