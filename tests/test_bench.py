@@ -114,6 +114,27 @@ def test_bench_wire_quick_measured_equals_analytic(tmp_path: Path) -> None:
     assert "measured = analytic for every peer and round: yes" in stdout
 
 
+@pytest.mark.timeout(300)
+def test_bench_codec_quick_weighs_cpu_seconds_against_wire_seconds(tmp_path: Path) -> None:
+    results, stdout = run_bench("bench_codec", tmp_path, "--codecs", "int8", "sparse")
+    int8, sparse = results["codecs"]["int8"], results["codecs"]["sparse"]
+    for codec in (int8, sparse):
+        assert codec["peer_s"] == pytest.approx(codec["peer_encode_s"] + codec["peer_decode_s"])
+        assert codec["peer_encode_s"] > 0 and codec["server_s"] > 0
+        assert codec["bytes"] < codec["fp32_bytes"]
+        assert codec["saved_s"]["100 Mbit/s"] == pytest.approx(10 * codec["saved_s"]["1000 Mbit/s"])
+    assert sparse["bytes"] < int8["bytes"] and sparse["settings"] == {}
+    assert "sparse: peer " in stdout
+    refused = subprocess.run(
+        [sys.executable, str(BENCH / "bench_codec.py"), "--quick", "--codecs", "bf16", "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "measure a held-model codec" in refused.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_memory_quick_within_5_percent(tmp_path: Path) -> None:
