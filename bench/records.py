@@ -43,10 +43,9 @@ from here."""
 COMMANDS = {
     "bench_gpu": "bash bench/prepare_gpu.sh, then bash bench/run_gpu.sh on a GPU",
     "bench_fused_loss_gpu": "python bench/bench_fused_loss.py --device cuda",
-    "mini_repro_bf16": "python bench/mini_repro.py --bf16",
-    "mini_repro_bf16_seed7": "python bench/mini_repro.py --bf16 --seed 7",
-    "mini_repro_sparse": "python bench/mini_repro.py --codec sparse",
-    "mini_repro_sparse_seed7": "python bench/mini_repro.py --codec sparse --seed 7",
+    "mini_repro_codecs": "python bench/mini_repro.py --codecs int8 bf16 sparse",
+    "mini_repro_codecs_seed7": "python bench/mini_repro.py --codecs bf16 sparse --seed 7",
+    "mini_repro_codecs_diloco": "python bench/mini_repro.py --codecs sparse --dilico",
     "bench_wire_sparse": "python bench/bench_wire.py",
     "bench_overlap_f5_same_shape": (
         "python bench/bench_overlap.py --fragments 5 --repeats 2 on the model and peers whose loss "
@@ -126,3 +125,21 @@ def provenance_gap(record: dict[str, Any]) -> str | None:
     if not isinstance(machine, dict) or not machine:
         gaps.append("no machine")
     return "; ".join(gaps) or None
+
+
+CODEC_SEEDS = {"": 6198, "_seed7": 7}
+"""The mini-reproduction's seeds by record suffix."""
+
+
+def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float, float]:
+    """(fp32, codec) final validation losses of the SPES arm in one seed's codec comparison (`suffix`: "" or
+    "_seed7"): int8's from its own records (`mini_repro.py --int8`, the comparison's first form), every other
+    codec's from its arm `codec_<codec>` in `mini_repro_codecs<suffix>`; Missing when that run has no such arm."""
+    if codec == "int8":
+        x = records(f"mini_repro_int8{suffix}")
+        return x["final_val_loss"]["spes"], x["final_val_loss"]["spes_int8"]
+    name = f"mini_repro_codecs{suffix}"
+    arms = records(name)["arms"]
+    if f"codec_{codec}" not in arms:
+        raise Missing(name)
+    return arms["spes"]["final_val_loss"], arms[f"codec_{codec}"]["final_val_loss"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from records import Missing, Records, not_measured
+from records import CODEC_SEEDS, Missing, Records, codec_losses, not_measured
 
 GIB, MIB = 2**30, 2**20
 
@@ -315,21 +315,47 @@ CODECS = ("int8", "bf16", "sparse")
 
 @block("codec-loss")
 def codec_loss_table(records: Records) -> str:
-    """Final validation loss of the mini-reproduction's SPES arm per codec against fp32, each in its own run."""
+    """Final validation loss of the mini-reproduction's SPES arm per codec against fp32, side by side in one run."""
     rows = []
     for codec in CODECS:
         cells = []
-        for suffix in ("", "_seed7"):
-            name = f"mini_repro_{codec}{suffix}"
+        for suffix in CODEC_SEEDS:
             try:
-                x = records(name)
+                fp32, coded = codec_losses(records, codec, suffix)
             except Missing as missing:
                 cells += [not_measured(missing.record), ""]
                 continue
-            fp32, coded = x["final_val_loss"]["spes"], x["final_val_loss"][f"spes_{codec}"]
             cells += [f"{fp32:.4f} / {coded:.4f}", f"**{(coded - fp32) / fp32:+.3%}**"]
         rows.append([f"`{codec}`", *cells])
     return table(["codec", "seed 6198: fp32 / codec", "vs fp32", "seed 7: fp32 / codec", "vs fp32"], rows)
+
+
+@block("codec-curve")
+def codec_curve_table(records: Records) -> str:
+    """Every arm of the codec comparisons: bits per parameter per peer and round against the final loss."""
+    rows = []
+    for name in ("mini_repro_codecs", "mini_repro_codecs_seed7", "mini_repro_codecs_diloco"):
+        try:
+            x = records(name)
+        except Missing:
+            continue
+        base = "diloco" if name.endswith("diloco") else "spes"
+        for arm, a in sorted(x["arms"].items(), key=lambda kv: -kv[1]["bits_per_param"]["last"]):
+            settings = [f.split(".")[-1] for f in a["flags"]] or ["fp32"]
+            rows.append(
+                [
+                    f"{base.upper() if base == 'spes' else 'DiLoCo'}, seed {x['seed']}",
+                    f"`{' '.join(settings)}`",
+                    f"{a['bits_per_param']['last']:.3f}",
+                    f"{a['bits_per_param']['mean']:.3f}",
+                    f"{a['final_val_loss']:.4f}",
+                    "" if arm == base else f"**{a['vs_fp32']:+.2%}**",
+                ]
+            )
+    if not rows:
+        raise Missing("mini_repro_codecs")
+    headers = ["run", "codec", "bits/param/round, steady", "over the run", "final val loss", "vs fp32"]
+    return table(headers, rows)
 
 
 @block("int8-runs")
