@@ -726,3 +726,15 @@ def _wire_int8_per_peer(r: Records) -> str:
 def _gpu_mb2_peak(r: Records) -> str:
     run = min(r("bench_wan_gpu_steps")["runs"], key=lambda x: x["microbatch"])
     return f"micro-batch {run['microbatch']}: {run['peak_memory_gib']:.1f} GiB measured"
+
+
+@fig("quickstart.stages")
+def _quickstart_stages(r: Records) -> str:
+    """The README's first command on a fresh clone, stage by stage (bench_quickstart)."""
+    x = r("bench_quickstart")
+
+    def took(seconds: float) -> str:
+        return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+
+    stages = ", ".join(f"{name} {took(s)}" for name, s in x["stages"].items())
+    return f"{stages}: {took(x['total_seconds'])} in all on a fresh clone ({x['machine']['cpus']} cores)"

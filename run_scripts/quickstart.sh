@@ -4,10 +4,28 @@
 # merge warm-up rounds, and a summary table. Extra args go to every peer as overrides (--key=value).
 # A run lives in OUT (default output/quickstart): a second start with the same OUT is refused unless RESUME=1
 # continues it (the server from its state, every peer from its latest checkpoint); pick another OUT for a new run.
+# Each stage says what it does and how long it took on a fresh clone (bench/results/bench_quickstart.json,
+# written by bench/bench_quickstart.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+stage() {  # stage NUMBER NAME WHAT: one line, with the stage's measured time when a record has it
+  local took
+  took=$(python3 - "$2" 2>/dev/null <<'PY' || true
+import json, sys
+record = json.load(open("bench/results/bench_quickstart.json"))
+seconds = record["stages"][sys.argv[1]]
+print(f"; on a fresh clone: {seconds:.0f} s" if seconds < 90 else f"; on a fresh clone: {seconds / 60:.0f} min")
+PY
+)
+  echo "quickstart [$1/3] $2: $3$took"
+}
+
+stage 1 install "torch (CPU) and spes[dev] into .venv, the first time only"
 bash run_scripts/setup.sh
+stage 2 corpus "the local corpus and tokenizer in data/default, the first time only"
 .venv/bin/python data_process_scripts/build_default_corpus.py --output_dir data/default
+stage 3 train "a server and 4 peers on loopback, ${STEPS:-400} steps (progress below: peer 0's log)"
 exec .venv/bin/python -m spes.launch configs/tiny.yaml --out "${OUT:-output/quickstart}" \
   $( [ -n "${RESUME:-}" ] && echo --resume ) -- \
   --server.merge_interval="${MERGE_INTERVAL:-20}" --server.merge_alpha_start="${MERGE_ALPHA_START:-0.05}" \

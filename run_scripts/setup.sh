@@ -15,8 +15,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && "$VENV/bin/python" -c "i
   exit 0
 fi
 echo "setup: installing torch==$TORCH_VERSION and spes[dev] into $VENV (a few minutes the first time)"
-pip_install() {  # NOTE: drops pip's "Location ... is ignored" notes about this machine's extra index
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+pip_install() {  # pip's progress, a line per package it collects and one per install, without its notes
+  "$VENV/bin/python" -m pip install --progress-bar off --disable-pip-version-check "$@" 2>&1 \
+    | { grep --line-buffered -E "^(Collecting|Installing|Successfully|ERROR)" | sed -u 's/^/setup: /' || true; }
 }
 pip_install "torch==$TORCH_VERSION"
 pip_install -e ".[dev]"

@@ -7,6 +7,7 @@ side, and docs/benchmarks.md holds the full runs. Only exact facts are checked (
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -618,3 +619,38 @@ def test_the_readme_gpu_section_is_the_rendered_one() -> None:
     text = (REPO / "README.md").read_text()
     rendered = text.split(GPU_MARKERS[0], 1)[1].split(GPU_MARKERS[1], 1)[0].strip("\n")
     assert rendered == gpu_section(REPO / "bench" / "results"), "run bench/report.py --no_png"
+
+
+def test_bench_quickstart_times_each_stage_from_its_line_to_the_next(tmp_path: Path) -> None:
+    from bench_quickstart import timed_stages
+
+    script = tmp_path / "qs.sh"
+    script.write_text(
+        "echo 'quickstart [1/3] install: x'; sleep 0.3\n"
+        "echo 'quickstart [2/3] corpus: y'\n"
+        "echo 'quickstart [3/3] train: z'; sleep 0.6; echo 'SPES run summary'\n"
+    )
+    stages, tail = timed_stages(["bash", str(script)], tmp_path, dict(os.environ), timeout=60)
+    assert list(stages) == ["install", "corpus", "train"] and "SPES run summary" in tail
+    assert 0.3 <= stages["install"] < 5 and stages["corpus"] < 0.3 and 0.6 <= stages["train"] < 5
+    script.write_text("echo 'quickstart [1/3] install: x'; exit 3\n")
+    with pytest.raises(SystemExit, match="exited with 3"):
+        timed_stages(["bash", str(script)], tmp_path, dict(os.environ), timeout=60)
+
+
+def test_quickstart_says_each_stage_with_its_time_from_the_record(tmp_path: Path) -> None:
+    """The stage lines of run_scripts/quickstart.sh, with and without a committed record of a fresh clone."""
+    text = (REPO / "run_scripts" / "quickstart.sh").read_text()
+    stage = "stage() {" + text.split("\nstage() {")[1].split("\nstage 1 ")[0]
+    script = tmp_path / "stage.sh"
+    script.write_text(stage + '\nstage 1 install "what it does"\nstage 3 train "what it does"\n')
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    plain = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert plain.splitlines() == ["quickstart [1/3] install: what it does", "quickstart [3/3] train: what it does"]
+    record = {"stages": {"install": 250.0, "corpus": 20.0, "train": 40.0}}
+    (tmp_path / "bench" / "results" / "bench_quickstart.json").write_text(json.dumps(record))
+    timed = subprocess.run(["bash", str(script)], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert timed.splitlines() == [
+        "quickstart [1/3] install: what it does; on a fresh clone: 4 min",
+        "quickstart [3/3] train: what it does; on a fresh clone: 40 s",
+    ]
