@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from statistics import median
 from typing import Any
 
-from records import CODEC_SEEDS, Missing, Records, codec_losses
+from records import CODEC_SEEDS, Missing, Records, codec_losses, wire_measured
 
 Figure = Callable[[Records], str]
 FIGURES: dict[str, Figure] = {}
@@ -128,8 +128,11 @@ def _wire_framing_tcp(r: Records) -> str:
 
 @fig("wire.int8_slices")
 def _wire_int8_slices(r: Records) -> str:
-    slices = r("bench_wire")["paper_1b_int8_measured"]["slices"]
-    peak = max(max(s["peak_rss_clients"], s["peak_rss_server"]) for s in slices.values())
+    measured = wire_measured(r)
+    slices = measured["int8"]["slices"]
+    peak = max(
+        max(s["peak_rss_clients"], s["peak_rss_server"]) for m in measured.values() for s in m["slices"].values()
+    )
     return f"{len(slices)} slices (peak {peak / GIB:.1f} GiB per process)"
 
 

@@ -144,3 +144,10 @@ def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float,
     if f"codec_{codec}" not in arms:
         raise Missing(name)
     return arms["spes"]["final_val_loss"], arms[f"codec_{codec}"]["final_val_loss"]
+
+
+def wire_measured(records: Records) -> dict[str, Any]:
+    """The codecs bench_wire measured on the paper's 1B through real servers, by label (a record of its first form
+    holds int8's alone, under `paper_1b_int8_measured`)."""
+    r = records("bench_wire")
+    return r["paper_1b_measured"] if "paper_1b_measured" in r else {"int8": r["paper_1b_int8_measured"]}

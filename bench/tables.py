@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from records import CODEC_SEEDS, Missing, Records, codec_losses, not_measured
+from records import CODEC_SEEDS, Missing, Records, codec_losses, not_measured, wire_measured
 
 GIB, MIB = 2**30, 2**20
 
@@ -285,29 +285,30 @@ def wire_table(records: Records) -> str:
     )
 
 
-@block("bench-wire-int8")
-def wire_int8_table(records: Records) -> str:
+@block("bench-wire-measured")
+def wire_measured_table(records: Records) -> str:
+    """Peer 0's bytes on the paper's 1B through real servers, per codec measured: the first round (as a catch-up),
+    a merge round, a plain round, and the run's average over its merge rounds."""
     r = records("bench_wire")
-    t, ref = r["paper_1b_int8_measured"]["totals"], r["paper_1b"]["schemes"]["reference_fp32"]["up_plus_down"]
-    rows = [
-        [
-            label,
-            mib(t[k]["up"]),
-            mib(t[k]["down"]),
-            mib(t[k]["up"] + t[k]["down"]),
-            f"{(t[k]['up'] + t[k]['down']) / ref:.4f}",
-        ]
+    ref, p = r["paper_1b"]["schemes"]["reference_fp32"]["up_plus_down"], r["paper_1b"]
+    n, m = p["rounds_in_run"], p["merge_rounds_in_run"]
+    rows = []
+    for codec, measured in wire_measured(records).items():
+        t = measured["totals"]
         for k, label in (
-            ("first", "first round (full fp32 values)"),
+            ("first", "first round, or a catch-up (full fp32 values)"),
             ("merge", "merge round"),
             ("plain", "plain round"),
+        ):
+            both = t[k]["up"] + t[k]["down"]
+            rows.append([f"`{codec}`", label, mib(t[k]["up"]), mib(t[k]["down"]), mib(both), f"{both / ref:.4f}"])
+        merged, plain = (t[k]["up"] + t[k]["down"] for k in ("merge", "plain"))
+        amortized = (m * merged + (n - m) * plain) / n
+        rows.append(
+            [f"`{codec}`", f"amortized ({m} merge rounds of {n})", "", "", mib(amortized), f"**{amortized / ref:.4f}**"]
         )
-    ]
-    p = r["paper_1b"]
-    n, m = p["rounds_in_run"], p["merge_rounds_in_run"]
-    amortized = (m * (t["merge"]["up"] + t["merge"]["down"]) + (n - m) * (t["plain"]["up"] + t["plain"]["down"])) / n
-    rows.append([f"amortized ({m} merge rounds of {n})", "", "", mib(amortized), f"**{amortized / ref:.4f}**"])
-    return table(["paper 1B, peer 0", "up", "down", "up + down", f"/ reference fp32 ({mib(ref)})"], rows)
+    headers = ["codec", "paper 1B, peer 0", "up", "down", "up + down", f"/ reference fp32 ({mib(ref)})"]
+    return table(headers, rows)
 
 
 CODECS = ("int8", "bf16", "sparse")
