@@ -13,8 +13,7 @@ A round's codec work, SPES peer 0 of the run spec the server builds from the con
 Each distinct tensor shape is timed once on a random delta (the work depends on the shape alone) and weighted by
 how many tensors of the round have it. The record puts each codec's seconds beside the seconds its bytes save
 against the fp32 wire at 1 Gbit/s and 100 Mbit/s (`RunSpec.round_bytes`): compression pays where the saving is the
-larger. Seconds are process CPU time with `--threads` torch threads, the fastest of `--repeats`. It also states
-the memory a held-model codec keeps per node: the held model and the carried error, in fp32.
+larger. Seconds are process CPU time with `--threads` torch threads, the fastest of `--repeats`.
 """
 
 from __future__ import annotations
@@ -118,16 +117,6 @@ def wire_saving(spec: RunSpec, fp32: RunSpec) -> dict[str, Any]:
     }
 
 
-def held_memory(spec: RunSpec) -> dict[str, int]:
-    """Bytes a held-model codec keeps on a node between rounds beyond its training state (`HeldPeer`): the held
-    model, every tensor in fp32, and the carried error of every tensor the node trains, in fp32; and on the server
-    the held model beside its fp32 global model."""
-    assert spec.manifest is not None
-    numel = {n: math.prod(s) for n, s in spec.manifest.items()}
-    held = 4 * sum(numel.values())
-    return {"peer_held": held, "peer_carried": 4 * sum(numel[n] for n in spec.trainable(0)), "server_held": held}
-
-
 def measure(config: Path, codec: CodecChoice, repeats: int) -> dict[str, Any]:
     cfg = load_config(config, codec.overrides())[0]
     spec = run_spec(cfg, manifest_of(cfg))
@@ -142,7 +131,7 @@ def measure(config: Path, codec: CodecChoice, repeats: int) -> dict[str, Any]:
         + " against fp32",
         flush=True,
     )
-    return {"settings": codec.settings, **seconds, **saving, "memory": held_memory(spec)}
+    return {"settings": codec.settings, **seconds, **saving}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -741,3 +741,16 @@ def _quickstart_stages(r: Records) -> str:
 
     stages = ", ".join(f"{name} {took(s)}" for name, s in x["stages"].items())
     return f"{stages}: {took(x['total_seconds'])} in all on a fresh clone ({x['machine']['cpus']} cores)"
+
+
+def _codec_cpu(r: Records, codec: str) -> str:
+    x = r("bench_codec")
+    c, threads = x["codecs"][codec], x["threads"]
+    saved = ", ".join(f"{s:.1f} s at {link}" for link, s in c["saved_s"].items())
+    return (
+        f"{c['peer_s']:.1f} s on the node and {c['server_s']:.1f} s on the server per round ({threads} thread"
+        f"{'s' * (threads > 1)}), against {saved} that its bytes save over fp32"
+    )
+
+
+FIGURES.update({f"codec.{codec}_cpu_1b": (lambda r, c=codec: _codec_cpu(r, c)) for codec in ("int8", "sparse")})

@@ -44,6 +44,7 @@ COMMANDS = {
     "bench_gpu": "bash bench/prepare_gpu.sh, then bash bench/run_gpu.sh on a GPU",
     "bench_fused_loss_gpu": "python bench/bench_fused_loss.py --device cuda",
     "bench_quickstart": "python bench/bench_quickstart.py",
+    "bench_codec": "python bench/bench_codec.py",
     "mini_repro_codecs": "python bench/mini_repro.py --codecs int8 bf16 sparse",
     "mini_repro_codecs_seed7": "python bench/mini_repro.py --codecs bf16 sparse --seed 7",
     "mini_repro_codecs_diloco": "python bench/mini_repro.py --codecs sparse --dilico",

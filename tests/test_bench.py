@@ -125,8 +125,6 @@ def test_bench_codec_quick_weighs_cpu_seconds_against_wire_seconds(tmp_path: Pat
         assert codec["bytes"] < codec["fp32_bytes"]
         assert codec["saved_s"]["100 Mbit/s"] == pytest.approx(10 * codec["saved_s"]["1000 Mbit/s"])
     assert sparse["bytes"] < int8["bytes"] and sparse["settings"] == {}
-    memory = sparse["memory"]
-    assert memory == int8["memory"] and memory["peer_carried"] < memory["peer_held"] == memory["server_held"]
     assert "sparse: peer " in stdout
     refused = subprocess.run(
         [sys.executable, str(BENCH / "bench_codec.py"), "--quick", "--codecs", "bf16", "--out", str(tmp_path / "x")],
