@@ -3,7 +3,7 @@
 Every case asserts the refusal code, that Status still answers within 1 s (a deadline on a connected channel),
 that the server's resident memory stays under RSS_BOUND, and that a following legitimate round completes with
 exactly the fault-free result. The server runs with small limits so the limits themselves are exercised:
---stream_idle_timeout 2, --max_streams 16 (per plane), --max_streams_per_peer 6.
+--stream_idle_timeout 2, --max_streams 16 (per plane), --max_streams_per_peer 6, --handshake_timeout 3.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from fault_helpers import REPO, ServerProcess, assert_exact, fault_free, proc_usage, server_process, spec_overrides
 
 from spes.sync import plane_tcp
@@ -31,7 +32,7 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROTOCOL_VERSION
 from spes.sync.server import spec_of_run
-from spes.sync.wire import upload_digest
+from spes.sync.wire import encode_tensors, upload_digest
 from sync_helpers import NO_MERGE, TOKEN, make_client, peer_upload, running_server, tiny_spec
 
 PEERS = 2
@@ -40,6 +41,8 @@ MANIFEST = SPEC.manifest or {}
 RSS_BOUND = 1 << 30
 """The server process (torch imported, a tiny model) stays far below this; a 4 TiB manifest would not."""
 IDLE_S = 2
+HANDSHAKE_S = 3
+SLOTS = 16
 ARGS = [
     *spec_overrides(SPEC),
     "--data_port",
@@ -47,11 +50,14 @@ ARGS = [
     "--stream_idle_timeout",
     str(IDLE_S),
     "--max_streams",
-    "16",
+    str(SLOTS),
     "--max_streams_per_peer",
     "6",
+    "--handshake_timeout",
+    str(HANDSHAKE_S),
 ]
 UPLOAD = "/spes.v1.ParameterServer/Upload"
+PROBE = "/spes.v1.ParameterServer/Probe"
 
 
 class Run:
@@ -63,6 +69,8 @@ class Run:
         for client in self.clients:
             client.join()
         self.run_id = self.clients[0].run_id
+        self.data_port: int = self.clients[0].plane.port  # type: ignore[attr-defined]
+        """The server's data plane (a client may fall back to gRPC once it finds it busy)."""
         self.probe = stack.enter_context(grpc.insecure_channel(server.addr))
         grpc.channel_ready_future(self.probe).result(timeout=10)
 
@@ -178,9 +186,8 @@ def test_idle_streams_and_connections_hold_nothing(tmp_path: Path) -> None:
 
 
 def _data_port(r: Run) -> int:
-    port = r.clients[0].plane.port  # type: ignore[attr-defined]
-    assert port, "the data plane is on (--data_port 0)"
-    return port
+    assert r.data_port, "the data plane is on (--data_port 0)"
+    return r.data_port
 
 
 @pytest.mark.slow
@@ -381,3 +388,174 @@ def test_the_server_knows_the_model_from_the_runs_yaml(tmp_path: Path) -> None:
     want = fault_free({step: uploads}, spec)
     for got, _ in results:
         assert_exact(got, want)
+
+
+def upload_stub(channel: grpc.Channel) -> grpc.StreamUnaryMultiCallable:
+    return channel.stream_unary(
+        UPLOAD, request_serializer=pb.UploadMessage.SerializeToString, response_deserializer=pb.UploadReply.FromString
+    )
+
+
+def status_while(run: Run, seconds: float) -> int:
+    """Ask Status every 0.2 s for `seconds` (each within 1 s, or the test fails); returns how many answered."""
+    answered, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        run.status()
+        answered += 1
+        time.sleep(0.2)
+    return answered
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_hello_dribbled_byte_by_byte_loses_its_slot(run: Run) -> None:
+    """Every data-plane slot taken by connections sending their hello one byte a second: each is closed once
+    --handshake_timeout has passed since it connected, whatever it still sends; Status answers throughout and the
+    peers' next round completes (over the freed slots or gRPC)."""
+    port, stop = _data_port(run), threading.Event()
+
+    def dribble(sock: socket.socket) -> float:
+        start = time.monotonic()
+        with contextlib.suppress(OSError):
+            for byte in hello(token=None):
+                if stop.wait(1.0):
+                    break
+                sock.sendall(bytes([byte]))
+        return time.monotonic() - start
+
+    with ExitStack() as stack, ThreadPoolExecutor(SLOTS) as pool:
+        socks = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30)) for _ in range(SLOTS)]
+        held = [pool.submit(dribble, s) for s in socks]
+        assert status_while(run, HANDSHAKE_S - 1) > 0
+        run.round()
+        codes = {error_code(s) for s in socks}
+        stop.set()
+        seconds = [f.result(timeout=30) for f in held]
+    assert codes <= {"DEADLINE_EXCEEDED", "closed"}, codes
+    assert max(seconds) < HANDSHAKE_S + 5, seconds  # cut off, not left to dribble its whole hello (~30 s)
+    run.check_healthy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_slow_grpc_upload_is_closed_and_superseded(run: Run) -> None:
+    """An upload that sends 4 bytes every half second is never idle, but moves far less than --min_stream_rate:
+    it is closed, nothing of it kept; one in the name of a peer whose real upload comes next does not hold that
+    upload up."""
+    stop = threading.Event()
+    chunks = list(encode_tensors({"embed.weight": torch.zeros(MANIFEST["embed.weight"])}, "fp32", chunk_bytes=4))
+
+    def trickle() -> Iterator[pb.UploadMessage]:
+        yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=run.step + 1))
+        for chunk in chunks:  # valid chunks, 4 bytes each
+            if stop.wait(0.5):
+                return
+            yield pb.UploadMessage(chunk=chunk)
+
+    started = time.monotonic()
+    slow = upload_stub(run.probe).future(trickle(), timeout=60)
+    assert rpc_code(slow) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+    assert time.monotonic() - started < 20  # closed by the rate floor, not by its own 60 s deadline
+    assert "under --min_stream_rate" in run.server.log_text()
+    assert not run.status().peers_uploaded  # nothing of it was kept
+    stalled = upload_stub(run.probe).future(trickle(), timeout=60)
+    time.sleep(0.5)
+    run.round()  # peer 0 is not locked out: its real upload ends its stalled one (or the rate floor did already)
+    stop.set()
+    error = stalled.exception(timeout=30)
+    assert isinstance(error, grpc.RpcError), error
+    assert "superseded by a newer upload of peer 0" in error.details() or "min_stream_rate" in error.details()
+    run.check_healthy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_silent_probes_past_the_slots_hold_no_handler(run: Run) -> None:
+    """--max_streams + 16 link tests that never send: the ones past the slots are refused at once
+    (RESOURCE_EXHAUSTED), the rest closed when idle; Status answers within 1 s throughout; a round completes."""
+    stop = threading.Event()
+
+    def probe() -> grpc.StatusCode:
+        call = run.probe.stream_stream(PROBE)(never_sends(stop), timeout=60)
+        try:
+            for _ in call:
+                pass
+        except grpc.RpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    with ThreadPoolExecutor(SLOTS + 16) as pool:
+        calls = [pool.submit(probe) for _ in range(SLOTS + 16)]
+        assert status_while(run, IDLE_S + 1) > 0
+        run.round()
+        stop.set()
+        codes = [f.result(timeout=30) for f in calls]
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes and grpc.StatusCode.DEADLINE_EXCEEDED in codes, codes
+    assert set(codes) <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}, codes
+    run.check_healthy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_upload_for_a_far_future_round_is_refused_naming_the_expected_one(run: Run) -> None:
+    """Round 10**12 on either plane, from a crafted client and from a node: FAILED_PRECONDITION naming the round the
+    run expects; no round is opened, and the run goes on."""
+    far, expected = 10**12, run.step + 1
+    with pytest.raises(grpc.RpcError) as err:
+        upload_stub(run.probe)(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=1, round=far))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"uploads round {far}, but the run's next round is {expected}" in err.value.details()
+    with socket.create_connection(("127.0.0.1", _data_port(run)), timeout=30) as sock:
+        sock.sendall(hello(peer=1, step=far))
+        error = plane_tcp.recv_reply(sock).error
+    assert (error.code, error.reason) == ("FAILED_PRECONDITION", "future_round"), error
+    with pytest.raises(SyncError) as node:
+        run.clients[0].sync(far, peer_upload(SPEC, 0, seed=1))
+    assert f"the run's next round is {expected}" in str(node.value), node.value
+    assert run.status().open_round == -1
+    run.check_healthy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_aggregate_that_overflows_is_never_published(run: Run) -> None:
+    """Both peers upload finite 3.0e38 for a shared tensor: their fp32 mean overflows; the round is refused naming
+    the tensor, the global model stays at the previous round, and the same round with sane values is exact."""
+    step = run.step + 1
+    uploads = {p: peer_upload(SPEC, p, seed=step) for p in range(PEERS)}
+    for upload in uploads.values():
+        upload["embed.weight"].fill_(3.0e38)
+    with ThreadPoolExecutor(PEERS) as pool:
+        futures = [pool.submit(c.sync, step, uploads[p]) for p, c in enumerate(run.clients)]
+        errors = [f.exception(timeout=90) for f in futures]
+    for err in errors:
+        assert isinstance(err, SyncError), err
+        assert "'embed.weight' holds NaN or Inf" in str(err), err
+    status = run.status()
+    assert status.current_round == run.step and not status.peers_uploaded
+    run.check_healthy()  # round `step` again, with finite values: exactly the fault-free result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_different_reupload_in_an_open_round_is_refused(run: Run) -> None:
+    """Peer 0 uploads, then sends other values for the same open round: ALREADY_EXISTS naming the peer and the
+    round; the first upload stands and the round completes exactly as without the second."""
+    step = run.step + 1
+    uploads = {p: peer_upload(SPEC, p, seed=step) for p in range(PEERS)}
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run.clients[0].sync, step, uploads[0])
+        wait_until = time.monotonic() + 30
+        while run.status().peers_uploaded != [0] and time.monotonic() < wait_until:
+            time.sleep(0.05)
+        other = upload_digest(uploads[0], "fp32") ^ 1
+        with pytest.raises(grpc.RpcError) as err:
+            upload_stub(run.probe)(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step, digest=other))]))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert f"peer 0 uploads round {step} again with other values" in err.value.details()
+        got, _ = run.clients[1].sync(step, uploads[1])
+        want = fault_free({step: uploads}, SPEC)
+        assert_exact(got, want)
+        assert_exact(first.result(timeout=30)[0], want)
+    run.step = step
+    run.check_healthy()
