@@ -754,3 +754,25 @@ def _codec_cpu(r: Records, codec: str) -> str:
 
 
 FIGURES.update({f"codec.{codec}_cpu_1b": (lambda r, c=codec: _codec_cpu(r, c)) for codec in ("int8", "sparse")})
+
+
+@fig("codec.sparse_crossing")
+def _sparse_crossing(r: Records) -> str:
+    """Where the SPES sparse arms' loss against fp32 crosses the 1% target, in bits per parameter per round."""
+    x = r("mini_repro_codecs")
+    arms = sorted(
+        ((a["bits_per_param"]["last"], a["vs_fp32"], name) for name, a in x["arms"].items() if "sparse" in name),
+        reverse=True,
+    )
+    within = [a for a in arms if abs(a[1]) <= x["target"]]
+    above = [a for a in arms if abs(a[1]) > x["target"]]
+    if not within:
+        bits, gap, _ = above[0]
+        return f"no sparse setting measured reaches {x['target']:.0%}: the densest, {bits:.2f} bits, ends {gap:+.2%}"
+    low, high = within[-1], next((a for a in above if a[0] < within[-1][0]), None)
+    if high is None:
+        return f"every sparse setting measured is within {x['target']:.0%}, down to {low[0]:.2f} bits ({low[1]:+.2%})"
+    return (
+        f"the curve crosses {x['target']:.0%} between {high[0]:.2f} bits ({high[1]:+.2%}) and {low[0]:.2f} bits "
+        f"({low[1]:+.2%}) per parameter per round"
+    )

@@ -342,7 +342,7 @@ def codec_curve_table(records: Records) -> str:
             continue
         base = "diloco" if name.endswith("diloco") else "spes"
         for arm, a in sorted(x["arms"].items(), key=lambda kv: -kv[1]["bits_per_param"]["last"]):
-            settings = [f.split(".")[-1] for f in a["flags"]] or ["fp32"]
+            settings = [f.split(".")[-1].removeprefix("codec=") for f in a["flags"]] or ["fp32"]
             rows.append(
                 [
                     f"{base.upper() if base == 'spes' else 'DiLoCo'}, seed {x['seed']}",

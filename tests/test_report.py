@@ -85,12 +85,12 @@ def test_figures_are_filled_from_record_paths_and_a_missing_record_says_how_to_m
     write_record(tmp_path, "bench_x", {"bytes": 3 * 2**20, "runs": [{"ratio": 0.5}]})
     text = (
         "<!--f:bench_x/bytes|mib:.1f-->old<!--/f--> MiB, <!--f:bench_x/runs/0/ratio:.0%-->?<!--/f-->; "
-        "<!--f:mini_repro_bf16/final_val_loss/spes-->5<!--/f-->"
+        "<!--f:mini_repro_codecs_seed7/arms/spes/final_val_loss-->5<!--/f-->"
     )
     assert render_text(text, Records(tmp_path)) == (
         "<!--f:bench_x/bytes|mib:.1f-->3.0<!--/f--> MiB, <!--f:bench_x/runs/0/ratio:.0%-->50%<!--/f-->; "
-        "<!--f:mini_repro_bf16/final_val_loss/spes-->not measured yet (run: `python bench/mini_repro.py --bf16`)"
-        "<!--/f-->"
+        "<!--f:mini_repro_codecs_seed7/arms/spes/final_val_loss-->not measured yet "
+        "(run: `python bench/mini_repro.py --codecs bf16 sparse --seed 7`)<!--/f-->"
     )
     # a named figure and a block whose record is missing say the same
     assert "not measured yet (run: `the benchmark that writes bench/results/bench_sync.json`)" in render_text(
