@@ -776,3 +776,9 @@ def _sparse_crossing(r: Records) -> str:
         f"the curve crosses {x['target']:.0%} between {high[0]:.2f} bits ({high[1]:+.2%}) and {low[0]:.2f} bits "
         f"({low[1]:+.2%}) per parameter per round"
     )
+
+
+@fig("codec.sparse_vs_fp32_diloco")
+def _sparse_diloco(r: Records) -> str:
+    x = r("mini_repro_codecs_diloco")
+    return f"{x['arms']['codec_sparse']['vs_fp32']:+.3%} in the DiLoCo arm (seed {x['seed']})"

@@ -624,13 +624,14 @@ def test_bench_quickstart_times_each_stage_from_its_line_to_the_next(tmp_path: P
 
     script = tmp_path / "qs.sh"
     script.write_text(
-        "echo 'quickstart [1/3] install: x'; sleep 0.3\n"
+        "echo 'quickstart [1/3] install: x'; sleep 1\n"
         "echo 'quickstart [2/3] corpus: y'\n"
-        "echo 'quickstart [3/3] train: z'; sleep 0.6; echo 'SPES run summary'\n"
+        "echo 'quickstart [3/3] train: z'; sleep 1; echo 'SPES run summary'\n"
     )
     stages, tail = timed_stages(["bash", str(script)], tmp_path, dict(os.environ), timeout=60)
     assert list(stages) == ["install", "corpus", "train"] and "SPES run summary" in tail
-    assert 0.3 <= stages["install"] < 5 and stages["corpus"] < 0.3 and 0.6 <= stages["train"] < 5
+    assert stages["install"] > 0.5 and stages["train"] > 0.5  # each stage holds its own sleep
+    assert sum(stages.values()) < 60
     script.write_text("echo 'quickstart [1/3] install: x'; exit 3\n")
     with pytest.raises(SystemExit, match="exited with 3"):
         timed_stages(["bash", str(script)], tmp_path, dict(os.environ), timeout=60)
