@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         clone = Path(tmp) / "spes"
         subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True)
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-        steps = ["STEPS=6"] if args.quick else []
-        env.update(s.split("=", 1) for s in steps)
+        steps = {"STEPS": "6"} if args.quick else {}
+        env.update(steps)
         stages, tail = timed_stages(["bash", "run_scripts/quickstart.sh"], clone, env, args.timeout)
     if list(stages) != ["install", "corpus", "train"] or "SPES run summary" not in tail:
         raise SystemExit(f"error: the quickstart's stages were {list(stages)}, or it printed no summary table")

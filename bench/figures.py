@@ -753,7 +753,11 @@ def _codec_cpu(r: Records, codec: str) -> str:
     )
 
 
-FIGURES.update({f"codec.{codec}_cpu_1b": (lambda r, c=codec: _codec_cpu(r, c)) for codec in ("int8", "sparse")})
+def _codec_cpu_figure(codec: str) -> Figure:
+    return lambda r: _codec_cpu(r, codec)
+
+
+FIGURES.update({f"codec.{codec}_cpu_1b": _codec_cpu_figure(codec) for codec in ("int8", "sparse")})
 
 
 @fig("codec.sparse_crossing")
