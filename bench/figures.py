@@ -786,3 +786,22 @@ def _sparse_crossing(r: Records) -> str:
 def _sparse_diloco(r: Records) -> str:
     x = r("mini_repro_codecs_diloco")
     return f"{x['arms']['codec_sparse']['vs_fp32']:+.3%} in the DiLoCo arm (seed {x['seed']})"
+
+
+@fig("wire.sparse_per_peer")
+def _wire_sparse_per_peer(r: Records) -> str:
+    """The sparse codec's bytes per peer on the paper's 1B, measured through real servers (bench_wire)."""
+    x = r("bench_wire")
+    t = wire_measured(r)["sparse"]["totals"]
+    params = x["paper_1b"]["model_bytes_fp32"] / 4
+    plain, merge, first = (t[k]["up"] + t[k]["down"] for k in ("plain", "merge", "first"))
+    bits = f" ({8 * plain / params:.2f} bits per parameter of the model)"
+    amortized = (
+        x["targets"]["measured_spes_sparse_amortized_over_reference"]
+        * x["paper_1b"]["schemes"]["reference_fp32"]["up_plus_down"]
+    )
+    return (
+        f"{plain / MIB:,.0f} MiB per peer in a plain round{bits}, {merge / MIB:,.0f} MiB in a merge round, "
+        f"{amortized / MIB:,.0f} MiB averaged over the run's rounds; the first round and a catch-up "
+        f"{first / MIB:,.0f} MiB"
+    )
