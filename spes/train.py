@@ -350,7 +350,7 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
             if syncer is not None and node.checkpoint.trainer.get("step"):  # NOTE: not when its step is reset
                 landed = syncer.resume(node.checkpoint.path, trainer.step)
             if landed is not None:
-                trainer.step = landed.step  # NOTE: moves on when this node had fallen behind the run
+                trainer.resumed_round(landed)  # NOTE: moves on when this node had fallen behind the run
                 log(f"step {trainer.step}: applied the round the interrupted run was waiting for")
     except BaseException:
         if syncer is not None:

@@ -153,6 +153,17 @@ class Trainer:
             return lr_at(step, sched, peak, self.t_max)
         return rewarmed_lr(step, *self.lr_rewarm, lambda s: lr_at(s, sched, peak, self.t_max))
 
+    def resumed_round(self, result: SyncResult) -> None:
+        """The round an interrupted run was waiting for, applied at resume: continue from its step and log that
+        step's row with the round's figures (the interrupted process saved before it could; the step's training
+        figures went with it)."""
+        self.step = result.step
+        metrics = result.metrics()
+        self.metrics.truncate(self.step - 1)
+        self.history.append({"step": self.step, **metrics})
+        self.metrics.write(self.step, metrics)
+        self.trackers.log(self.step, metrics)
+
     # -- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
         """Train to `max_steps`; returns the logged metric records."""

@@ -3,6 +3,7 @@ exactly; a launcher's echo of the signal is not a second Ctrl-C."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +75,9 @@ def test_a_node_stopped_while_waiting_for_a_round_keeps_it_in_its_checkpoint_and
         assert resumed.wait(timeout=180) == 0 and second.wait(timeout=180) == 0
         log = (tmp_path / "node0.log").read_text()
         assert "step 4: applied the round the interrupted run was waiting for" in log, log[-2000:]
+        rows = [json.loads(line) for line in (tmp_path / "node0" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, 13)), "each step logged once"
+        assert [r["step"] for r in rows if "sync_s" in r] == [4, 8, 12], "the resumed round's row too"
     finally:
         for p in procs:
             p.kill()
