@@ -18,7 +18,6 @@ larger. Seconds are process CPU time with `--threads` torch threads, the fastest
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections import Counter
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from common import REPO_ROOT, CodecChoice, codec_choice, machine_info, manifest_of, parser, write_results
+from common import REPO_ROOT, CodecChoice, best_seconds, codec_choice, machine_info, manifest_of, parser, write_results
 from spes.config import load_config
 from spes.sync.codecs.base import Quantizer
 from spes.sync.codecs.registry import REGISTRY
@@ -48,25 +47,16 @@ def quantizer_of(codec: CodecChoice) -> Quantizer:
     return kind(**codec.settings)
 
 
-def cpu_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """The least process CPU time of `repeats` calls (after one untimed warm-up)."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        started = time.process_time()
-        fn()
-        best = min(best, time.process_time() - started)
-    return best
-
-
 def shape_seconds(quantizer: Quantizer, shape: Shape, repeats: int) -> dict[str, float]:
     """Seconds to encode + pack, and to unpack + decode, one tensor of `shape` in `quantizer`'s format."""
     delta = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 1e-3
     payload = quantizer.encode("t", delta)
     data, params = payload.pack(), payload.params()
     return {
-        "encode": cpu_seconds(lambda: quantizer.encode("t", delta).pack(), repeats),
-        "decode": cpu_seconds(lambda: quantizer.decode(quantizer.unpack("t", shape, params, data)), repeats),
+        "encode": best_seconds(lambda: quantizer.encode("t", delta).pack(), repeats, time.process_time),
+        "decode": best_seconds(
+            lambda: quantizer.decode(quantizer.unpack("t", shape, params, data)), repeats, time.process_time
+        ),
     }
 
 
