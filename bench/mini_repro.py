@@ -40,8 +40,9 @@ overlapped schedule. (The int8 records `mini_repro_int8*.json` came from this co
 round applied D steps after its sync step, with the local progress made meanwhile; default D = sync_steps), into
 `bench/results/mini_repro_overlap[_seed<S>]/<arm>/`, refuses unequal tokens as above, and records every arm's
 final validation loss in `bench/results/mini_repro_overlap*.json` (the figures in docs/benchmarks.md). `--only
-ARM...` runs just those arms and reads the others as an earlier run left them in the same directory (each arm
-keeps its command, commit and machine in `<arm>/run.json`).
+ARM...` records the base arm and just those arms. Each arm keeps its command, commit and machine in
+`<arm>/run.json`; an arm whose directory already holds a complete run at this (clean) commit is read instead of
+run again, so an interrupted comparison resumes, and a record whose arms ran at different commits is refused.
 """
 
 from __future__ import annotations
@@ -632,12 +633,21 @@ def arm_commands(base: str, setup: Setup, common: list[str], out: Path, variants
     return arms
 
 
-def run_arms(commands: Commands, runs: Path, only: list[str] | None) -> dict[str, float]:
-    """Run the arms `only` (default: all), one at a time, each with its own record of what ran it; wall seconds of
-    every arm run so far in `runs`."""
+def arm_commit(run: Path) -> str | None:
+    """The commit the arm in `run` ran at, if it ran to the end (its `run.json` is written last)."""
+    info = run / "run.json"
+    return json.loads(info.read_text())["commit"] if info.is_file() else None
+
+
+def run_arms(commands: Commands, runs: Path) -> dict[str, float]:
+    """Run the arms, one at a time, each with its own record of what ran it, except those already run to the end
+    at this clean commit; wall seconds of every arm run so far in `runs`."""
     walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
     info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit()}
-    for arm in only or commands:
+    for arm in commands:
+        if "-dirty" not in info["commit"] and arm_commit(runs / arm) == info["commit"]:
+            print(f"{arm}: complete at {info['commit'][:7]} in {runs / arm}, read instead of run again", flush=True)
+            continue
         walls.update(run_all({arm: commands[arm]}, runs))
         write_atomic(runs / arm / "run.json", json.dumps({**info, "machine": machine_info()}, indent=1) + "\n")
         write_atomic(runs / "walls.json", json.dumps(walls))
@@ -656,6 +666,8 @@ def compare_arms(
     walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
     curves = {arm: peers_curve(runs / arm) for arm in commands}
     check_equal_tokens(curves, runs, base_run=base)
+    if len(set(commits := {arm: arm_commit(runs / arm) for arm in commands}.values())) > 1:
+        raise SystemExit(f"error: the arms in {runs} ran at different commits ({commits}); run them at one commit")
     base_loss = curves[base]["val_loss"][-1]
     arms = {}
     for arm, c in curves.items():
@@ -699,9 +711,11 @@ def compare(
     variants = {**overlaps, **codec_variants(args.codecs, overlaps)}
     if unknown := sorted(set(args.only or []) - {base, *variants}):
         p.error(f"--only {unknown}: the arms of this run are {base} and {list(variants)}")
+    if args.only:
+        variants = {arm: flags for arm, flags in variants.items() if arm in args.only}
     commands = arm_commands(base, setup, common, runs, variants)
     if not args.report_only:
-        run_arms(commands, runs, args.only)
+        run_arms(commands, runs)
     vs = "vs_fp32" if args.codecs else "vs_blocking"
     result = compare_arms(commands, runs, base, variants, vs, total_params)
     print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
@@ -754,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         metavar="ARM",
-        help="with --overlap or --codecs: run only these arms, read the others",
+        help="with --overlap or --codecs: record the base arm and only these arms",
     )
     p.set_defaults(out=None)
     args = p.parse_args(argv)

@@ -243,6 +243,29 @@ def test_mini_repro_overlap_compares_every_arm_at_equal_tokens(tmp_path: Path) -
         _compare(tmp_path, "spes", variants, "vs_blocking")
 
 
+def test_mini_repro_arms_at_one_commit_and_complete_arms_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record mixing commits is refused; an arm complete at the current clean commit is read, not run again."""
+    import mini_repro
+    from mini_repro import QUICK, arm_commands, run_arms
+
+    variants = {"spes_overlap_d1": ["--spes_config.overlap_sync=true"]}
+    for run, commit in (("spes", "a" * 40), ("spes_overlap_d1", "b" * 40)):
+        for p in range(4):
+            _metrics(tmp_path / run / f"node{p}", 512)
+        (tmp_path / run / "run.json").write_text(json.dumps({"commit": commit}))
+    with pytest.raises(SystemExit, match="ran at different commits"):
+        _compare(tmp_path, "spes", variants, "vs_blocking")
+    monkeypatch.setattr(mini_repro, "git_commit", lambda: "b" * 40)
+    with pytest.raises(SystemExit, match="spes run failed"):  # spes ran at another commit: run again (here: fails)
+        run_arms(arm_commands("spes", QUICK, ["--no_such_key=1"], tmp_path, variants), tmp_path)
+    commit = "c" * 40
+    monkeypatch.setattr(mini_repro, "git_commit", lambda: commit)
+    for run in ("spes", "spes_overlap_d1"):
+        (tmp_path / run / "run.json").write_text(json.dumps({"commit": commit}))
+    assert run_arms(arm_commands("spes", QUICK, [], tmp_path, variants), tmp_path) == {}
+    assert _compare(tmp_path, "spes", variants, "vs_blocking")["arms"]["spes"]["run"] == {"commit": commit}
+
+
 def _compare(runs: Path, base: str, variants: dict[str, list[str]], vs: str) -> dict:
     """The comparison `mini_repro.py --report-only` writes from the arms' logs in `runs` (a 1,000-parameter model)."""
     from mini_repro import QUICK, arm_commands, compare_arms
