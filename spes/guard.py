@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from spes.distributed import DistInfo, all_reduce_mean
+from spes.distributed import DistInfo, all_ranks_ok, all_reduce_mean, is_dtensor
 
 
 class NonFiniteError(RuntimeError):
@@ -32,17 +32,16 @@ def all_finite(values: torch.Tensor, info: DistInfo) -> tuple[bool, list[float]]
 def first_nonfinite_parameter(model: nn.Module) -> str | None:
     """The name of this rank's first parameter (or local shard) holding NaN/inf, or None."""
     for name, p in model.named_parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
+        local = p.to_local() if is_dtensor(p) else p
         if not bool(torch.isfinite(local.detach()).all()):
             return name
     return None
 
 
-def check_weights_finite(model: nn.Module, info: DistInfo, what: str, fix: str) -> None:
+def check_weights_finite(model: nn.Module, what: str, fix: str) -> None:
     """Raise NonFiniteError on every rank if any rank holds a non-finite weight; `what` names the weights (e.g.
     "the checkpoint of step 80"), `fix` says what to do."""
     bad = first_nonfinite_parameter(model)
-    ok, _ = all_finite(torch.tensor([0.0 if bad is None else math.inf], device=info.device), info)
-    if not ok:
+    if not all_ranks_ok(bad is None):
         where = f" ({bad})" if bad is not None else " (on another rank)"
         raise NonFiniteError(f"{what}: the model weights hold NaN/inf{where}; {fix}")

@@ -266,7 +266,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     if load_path:
         fresh_optimizer = cfg.reset_optimizer_state and not continuing
         ckpt = restore(load_path, model, optimizer, with_optim=not fresh_optimizer)
-        check_weights_finite(model, info, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
+        check_weights_finite(model, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
         log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
         ckpt = replace(ckpt, trainer=_trainer_state(cfg, ckpt, continuing, log))
     elif cfg.reset_optimizer_state or cfg.reset_trainer_state:

@@ -338,7 +338,6 @@ class Trainer:
             assert self.syncer is not None
             check_weights_finite(
                 self.model,
-                self.info,
                 f"not uploading the weights of step {step}",
                 "the server keeps the last good round; resume from an earlier checkpoint",
             )
@@ -406,7 +405,6 @@ class Trainer:
         cfg = self.cfg
         check_weights_finite(
             self.model,
-            self.info,
             f"not saving the checkpoint of step {self.step}",
             f"the newest checkpoint in {cfg.save_folder} is kept; resume from it with a lower optimizer.learning_rate",
         )

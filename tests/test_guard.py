@@ -52,12 +52,12 @@ def test_all_finite_and_the_first_bad_parameter() -> None:
 
 def test_non_finite_weights_are_refused_naming_the_first_and_what_was_refused() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    check_weights_finite(model, CPU, "not saving", "never said")  # finite: nothing to say
+    check_weights_finite(model, "not saving", "never said")  # finite: nothing to say
     with torch.no_grad():
         model[1].weight[1, 0] = float("-inf")
         model[1].bias[0] = float("nan")
     with pytest.raises(NonFiniteError) as err:
-        check_weights_finite(model, CPU, "not saving the checkpoint of step 3", "resume from step 2")
+        check_weights_finite(model, "not saving the checkpoint of step 3", "resume from step 2")
     assert (
         str(err.value)
         == "not saving the checkpoint of step 3: the model weights hold NaN/inf (1.weight); resume from step 2"
@@ -258,7 +258,7 @@ def _nan_on_rank_1(args: dict, info: DistInfo) -> list:
     messages = []
     for model in (plain, sharded):
         try:
-            check_weights_finite(model, info, "not saving", "resume from an earlier checkpoint")
+            check_weights_finite(model, "not saving", "resume from an earlier checkpoint")
             messages.append(None)
         except NonFiniteError as exc:
             messages.append(str(exc))
