@@ -95,6 +95,59 @@ EQUIVALENT: dict[str, str] = {
         "step is 0, whose numerator is 0 whatever the divisor",
     ),
     **mutants(
+        "spes.sync.codecs.int8.x_dequantize",
+        "4",
+        "the output's dtype left to torch's default, float32: the one asked for",
+    ),
+    **mutants(
+        "spes.sync.codecs.int8.x_quantize",
+        "17 20",
+        "the scales' dtype left to torch's default, float32: the one asked for",
+    ),
+    **mutants(
+        "spes.sync.codecs.int8.x_dequantize",
+        "5 8",
+        "the output made on the default device, the CPU: every payload spes decodes is CPU bytes off the wire",
+    ),
+    **mutants(
+        "spes.sync.codecs.int8.x_quantize",
+        "11 14 18 21",
+        "the payload made on the default device, the CPU: every delta spes quantizes is on the CPU (gather_full's "
+        "copies on a node, the server's global model)",
+    ),
+    **mutants(
+        "spes.sync.codecs.int8.x_quantize",
+        "84",
+        "`scale >= 0`: a zero block's 0 / 0 is NaN, which torch casts to int8 as 0 (x86-64, aarch64): the same "
+        "values; the guard keeps that 0 from being a platform's accident",
+    ),
+    **mutants(
+        "spes.sync.codecs.int8.x_quantize",
+        "88",
+        "`.to(None)` keeps the rounded floats, which the assignment into the int8 values casts exactly",
+    ),
+    **mutants(
+        "spes.sync.codecs.int8.x_quantize",
+        "89 90 92",
+        "one bound of the clamp dropped: |x| / fl(absmax / 127) is at most 127 (1 + 2^-23)^2 < 127.5 in fp32, so "
+        "the rounded quotient never passes +-127 and neither bound ever binds",
+    ),
+    **mutants(
+        "spes.sync.codecs.int8.xǁInt8Payloadǁpack",
+        "4 5 6",
+        "the message of a big-endian host's refusal: unreachable on the little-endian hosts spes runs and is tested on",
+    ),
+    **mutants(
+        "spes.sync.fragments.x_split_fragments",
+        "32",
+        "every fragment's load starting at 1 instead of 0: the same constant added to all, so the lightest is the same",
+    ),
+    **mutants(
+        "spes.sync.fragments.xǁLayoutǁof",
+        "18 25",
+        "split_fragments called for one fragment too: it returns (tuple(manifest),), what the other branch builds",
+    ),
+    **mutants(
         "spes.sync.merge.x__add_widened",
         "10 12",
         "the scratch buffer's dtype left to torch's default, fp32: `total`'s (a mean is always summed in fp32)",

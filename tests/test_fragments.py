@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spes.sync.fragments import WHOLE, Layout, fragment_unit, merge_step, split_fragments, turn_of
+from spes.sync.fragments import WHOLE, Layout, fragment_unit, merge_step, split_fragments, turn_of, wire_weight
 from tests.sync_helpers import tiny_manifest
 
 
@@ -85,3 +85,40 @@ def test_a_whole_round_of_a_fragmented_run_merges_only_the_fragment_whose_turn_i
     assert layout.merged_names(6, 1, manifest) == (8, None)
     assert Layout.of(manifest, 1, 0).merged_names(6, WHOLE, manifest) == (6, None)
     assert [turn_of(step, 10, 5) for step in (2, 4, 10, 12, 3)] == [1, 2, 5, 1, WHOLE]
+
+
+def test_an_expert_block_weighs_one_way_in_spes_mode_and_every_other_tensor_both_ways() -> None:
+    expert = "blocks.3.ffn.experts.w1.2"
+    assert [wire_weight(expert, "spes"), wire_weight(expert, "diloco")] == [1, 2]
+    assert [wire_weight("blocks.3.ffn.router.weight", "spes"), wire_weight("embed.weight", "spes")] == [2, 2]
+
+
+# Units of 20 (embedding), 30 (an expert block: 30 values, one way), 50 (attention: 25 values, both ways) and 20
+# (LM head) wire bytes in SPES mode; 20, 60, 50 and 20 in DiLoCo, where the experts travel both ways.
+WEIGHED = {"embed.weight": (10,), "blocks.0.ffn.experts.w1.0": (30,), "blocks.1.attn.qkv.weight": (25,)}
+WEIGHED["lm_head.weight"] = (10,)
+
+
+def test_fragments_are_balanced_by_wire_bytes_heaviest_unit_first() -> None:
+    """Heaviest first, each to the lightest fragment so far (ties: the lowest number). SPES: attention 50 to 1,
+    experts 30 to 2, embedding 20 to 2 (now 50), LM head to the tie's lowest, 1. DiLoCo: experts 60 to 1,
+    attention 50 to 2, embedding to 2 (70), LM head to 1 (80). Taking units in another order (lightest first, by
+    name) or weighing every tensor alike cuts otherwise."""
+    spes = (("blocks.1.attn.qkv.weight", "lm_head.weight"), ("embed.weight", "blocks.0.ffn.experts.w1.0"))
+    diloco = (("blocks.0.ffn.experts.w1.0", "lm_head.weight"), ("embed.weight", "blocks.1.attn.qkv.weight"))
+    assert split_fragments(WEIGHED, 2) == split_fragments(WEIGHED, 2, "spes") == spes
+    assert split_fragments(WEIGHED, 2, "diloco") == diloco
+    assert Layout.of(WEIGHED, 2, 4).parts == Layout.of(WEIGHED, 2, 4, "spes").parts == spes
+    assert Layout.of(WEIGHED, 2, 4, "diloco").parts == diloco
+
+
+def test_the_bounds_of_a_layout() -> None:
+    """The whole round is a fragment number of every layout; sync_steps may equal the number of fragments (a round
+    every step); with 2 fragments the run's last step syncs even off the schedule."""
+    layout = Layout.of(WEIGHED, 2, 4)
+    layout.check(WHOLE)
+    Layout.of(WEIGHED, 1, 4).check(WHOLE)
+    assert Layout.of(WEIGHED, 2, 2).round_interval == 1
+    with pytest.raises(ValueError, match="sync_steps=1 is not a multiple of the 2 fragments"):
+        Layout.of(WEIGHED, 2, 1)
+    assert layout.syncs_at(7, last_step=7) and not layout.syncs_at(7, last_step=9)

@@ -77,6 +77,7 @@ def test_chunked_quantization_equals_one_piece(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(compress, "_CHUNK_ELEMS", 300)  # 256-value chunks, the last one odd
     pieces = quantize("w", x, block=64)
     assert torch.equal(whole.values, pieces.values) and torch.equal(whole.scales, pieces.scales)
+    assert bool(((x - dequantize(pieces)).abs() <= per_value_scale(pieces) / 2 * SLACK).all())  # every chunk's
 
 
 def test_bf16_inputs() -> None:
@@ -131,8 +132,12 @@ def test_error_feedback_bounds_the_drift_of_summed_deltas() -> None:
 def test_non_finite_input_raises_naming_the_tensor() -> None:
     x = torch.randn(1000)
     x[700] = float("nan")
-    with pytest.raises(ValueError, match=r"'blocks.0.attn.w_q' holds NaN or Inf values \(first in block 2 of 4\)"):
+    with pytest.raises(ValueError) as err:
         quantize("blocks.0.attn.w_q", x, block=256)
+    assert str(err.value) == (
+        "tensor 'blocks.0.attn.w_q' holds NaN or Inf values (first in block 2 of 4): this peer's training diverged "
+        "or its carried error is corrupt"
+    )
     with pytest.raises(ValueError, match=r"'w' holds NaN or Inf"):
         encode_delta(Int8(), "w", torch.ones(4), torch.ones(4), torch.tensor([0.0, float("inf"), 0.0, 0.0]))
     with pytest.raises(ValueError, match=r"'w': cannot quantize dtype torch.int64"):
@@ -183,3 +188,19 @@ def test_byte_accounting_and_ratio_to_fp32(block: int) -> None:
 def test_default_block_meets_the_round_target() -> None:
     assert DEFAULT_BLOCK == 256
     assert math.isclose(fp32_ratio(DEFAULT_BLOCK, DEFAULT_BLOCK), 0.25390625)
+
+
+def test_the_codec_object_accounts_its_bytes_and_names_its_parameters() -> None:
+    """What the wire header carries and checks: `{"block": B}`, and `numel + 4 ceil(numel / B)` bytes; the largest
+    block is allowed; the ratio of a one-value tensor is one value and one scale over 4 bytes."""
+    codec = Int8(256)
+    assert codec.round_bytes(1000) == codec.payload_bytes((10, 100), {"block": 256}) == 1000 + 4 * 4
+    payload = codec.encode("blocks.0.attn.w_q", torch.randn(10, 100))
+    assert payload.params() == {"block": 256} and payload.codec == "int8"
+    again = codec.unpack("blocks.0.attn.w_q", (10, 100), payload.params(), payload.pack())
+    assert again.name == "blocks.0.attn.w_q" and torch.equal(codec.decode(again), dequantize(payload))
+    assert Int8(compress.MAX_BLOCK).block == 1 << 16
+    assert fp32_ratio(1, 256) == (1 + 4) / 4
+    with pytest.raises(ValueError) as err:
+        fp32_ratio(0, 256)
+    assert str(err.value) == "the fp32 ratio needs at least one value, got numel=0"
