@@ -148,6 +148,27 @@ EQUIVALENT: dict[str, str] = {
         "split_fragments called for one fragment too: it returns (tuple(manifest),), what the other branch builds",
     ),
     **mutants(
+        "spes.sync.overlap.x_apply_overlapped",
+        "12",
+        "`same_dtype=None`: read only as a truth value, like False",
+    ),
+    **mutants(
+        "spes.sync.overlap.x_apply_overlapped",
+        "29",
+        "a global tensor cloned even when widening made it a new tensor: the same values, one copy more",
+    ),
+    **mutants(
+        "spes.sync.overlap.x_apply_overlapped",
+        "22 24 51 56",
+        "a tensor left on its device instead of moved to the parameter's: spes applies a round to gather_full's CPU "
+        "copies, and the global model and the snapshot are on the CPU too",
+    ),
+    **mutants(
+        "spes.sync.overlap.xǁPendingRoundǁsave",
+        "11",
+        "`.to(None)` leaves a snapshot where it is: a snapshot is gather_full's CPU copies",
+    ),
+    **mutants(
         "spes.sync.merge.x__add_widened",
         "10 12",
         "the scratch buffer's dtype left to torch's default, fp32: `total`'s (a mean is always summed in fp32)",

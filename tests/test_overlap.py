@@ -78,6 +78,9 @@ def test_untrained_tensors_take_the_global_values() -> None:
     # "own" was not downloaded: the server took it verbatim from the snapshot, so theta_now is kept
     assert torch.equal(out["own"], now["own"]) and out["own"] is not now["own"]
     assert torch.equal(out["shared"], torch.ones(2))
+    narrow = apply_overlapped({"other_experts": glob["other_experts"].bfloat16()}, now, snapshot)
+    assert narrow["other_experts"].dtype == torch.float32  # widened to the parameter's dtype, as loading would
+    assert torch.equal(narrow["other_experts"], glob["other_experts"])
 
 
 def test_delayed_steps_keep_the_local_progress() -> None:
@@ -99,7 +102,8 @@ def test_delayed_steps_keep_the_local_progress() -> None:
             {"w": torch.zeros(4)},
             {"w": torch.zeros(4)},
             {"w": torch.zeros(4, dtype=torch.bfloat16)},
-            r"'w'.*dtype torch.bfloat16 in the snapshot",
+            r"^tensor 'w': dtype torch.bfloat16 in the snapshot, the node's parameter has torch.float32 \(the snapshot "
+            r"must be an exact copy\)$",
         ),
         ({"w": torch.zeros(4, dtype=torch.int64)}, {"w": torch.zeros(4)}, {}, r"'w'.*not a floating-point"),
         ({"x": torch.zeros(4)}, {"w": torch.zeros(4)}, {}, r"'x' is in the global model but not"),
@@ -119,6 +123,9 @@ def test_take_copies_and_due() -> None:
     assert pending.due(sync_steps=100) == 300
     with pytest.raises(ValueError, match="round_id and step >= 0"):
         PendingRound(round_id=-1, step=0, snapshot={})
+    with pytest.raises(ValueError, match="round_id and step >= 0"):
+        PendingRound(round_id=0, step=-1, snapshot={})
+    assert PendingRound(round_id=0, step=0, snapshot={}).due(sync_steps=10) == 10  # a round at step 0 is one
 
 
 def test_save_load_round_trip(tmp_path) -> None:
