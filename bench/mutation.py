@@ -160,8 +160,9 @@ EQUIVALENT: dict[str, str] = {
     **mutants(
         "spes.sync.overlap.x_apply_overlapped",
         "22 24 51 56",
-        "a tensor left on its device instead of moved to the parameter's: spes applies a round to gather_full's CPU "
-        "copies, and the global model and the snapshot are on the CPU too",
+        "a tensor left on its device instead of moved to the parameter's: the trained tensors and their snapshot are "
+        "gather_full's CPU copies, the global model comes off the wire on the CPU, and load_full moves each result "
+        "to its parameter's device (a frozen one may be on the GPU): the same values are loaded",
     ),
     **mutants(
         "spes.sync.overlap.xǁPendingRoundǁsave",
@@ -189,6 +190,32 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.merge.x_merge_experts",
         "66",
         "torch.sort without dim=1 sorts along the last dimension, dim 1 of the 2-D similarity matrix",
+    ),
+    **mutants(
+        "spes.sync.rounds.xǁRoundStateǁ__init__",
+        "3 4 9 13",
+        "the state of the round before any opens: stage_upload sets opened_at and fragment when one opens, and "
+        "nothing reads them before; aggregating=None reads as False",
+    ),
+    **mutants(
+        "spes.sync.rounds.xǁRoundStateǁ_admit_open",
+        "21",
+        "`step <= open_round`: every branch above has already answered step == open_round",
+    ),
+    **mutants(
+        "spes.sync.rounds.xǁRoundStateǁadmit",
+        "38 40",
+        "the default of a committed peer's digest: a peer in `uploaded` always has one (stage_upload records both)",
+    ),
+    **mutants(
+        "spes.sync.rounds.xǁRoundStateǁcheck_download",
+        "15",
+        "`step <= latest`: step == latest has already returned True",
+    ),
+    **mutants(
+        "spes.sync.rounds.xǁRoundStateǁseconds_left",
+        "5",
+        "float('INF'): Python reads it as float('inf')",
     ),
     **mutants(
         "spes.sync.wire.xǁVerifiedChecksumsǁknown",

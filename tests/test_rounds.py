@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
 import torch
@@ -154,3 +156,82 @@ def test_a_re_upload_that_differs_from_the_committed_one_is_refused_naming_the_p
     assert state.admit(1, 1, digest=9)
     with pytest.raises(Refused, match="peer 1 uploads round 1 again with other values"):
         state.admit(1, 1, digest=10)
+
+
+def refusal(call, *args, **kwargs) -> Refused:  # type: ignore[no-untyped-def]
+    """The Refused that `call(*args, **kwargs)` raises."""
+    with pytest.raises(Refused) as err:
+        call(*args, **kwargs)
+    return err.value
+
+
+def test_every_refusal_in_full_with_its_status_code() -> None:
+    """What a peer reads: the whole message and the gRPC status its client decides on (retry, catch up, stop)."""
+    assert quorum(ServerSection(), 4) == 3  # a majority of 4
+    state = RoundState(3, ServerSection(), every(5))
+    future = refusal(state.admit, 0, 7)
+    assert (future.code, str(future)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "peer 0 uploads round 7, but the run's next round is 5 (before any round): do all nodes use the run's "
+        "spes_config.sync_steps and max_duration?",
+    )
+    state.stage_upload(0, 5, {}, fragment=1)
+    other = refusal(state.admit, 1, 5, fragment=2)
+    assert (other.code, str(other)) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "peer 1 uploads fragment 2 for round 5, whose other uploads are of fragment 1: do all peers use the same "
+        "spes_config.sync_steps and overlap_fragments?",
+    )
+    assert not state.admit(1, 5, fragment=1)
+    assert [refusal(state.admit, 1, step).code for step in (3, 10)] == [grpc.StatusCode.FAILED_PRECONDITION] * 2
+    section = ServerSection(dead_peer_policy="quorum", min_peers=1)
+    state = RoundState(3, section, every(5))
+    state.stage_upload(0, 5, {})
+    assert state.close_blocker(frozenset({1})) == (
+        "still waiting for peers [1, 2]: no global copy of the experts of peers [1] exists yet (the run's first "
+        "round, or the first of their fragment), so this round needs every such owner"
+    )
+    state.restore(completed(10, {0, 1}))
+    stale = refusal(state.admit, 0, 5)
+    assert (stale.code, str(stale)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "round 5 is old: round 10 has already completed",
+    )
+    assert refusal(state.check_download, 0, 5, full=False).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert refusal(state.check_download, 0, 15, full=False).code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_failed_round_takes_uploads_again_and_the_state_checks_its_own_order() -> None:
+    """After a failed aggregation the peers upload the round again; staging, handing over and completing out of
+    order (a second upload of a peer, a second hand-over, completing what was not handed over) are refused."""
+    state = RoundState(2, ServerSection(), every(5))
+    upload = {"x": torch.ones(2)}
+    state.stage_upload(0, 5, upload, digest=3)
+    with pytest.raises(AssertionError):
+        state.stage_upload(0, 5, upload)  # admit says it is committed: nobody stages it twice
+    with pytest.raises(AssertionError):
+        state.complete(completed(5, {0}))  # not handed to the aggregator yet
+    uploads, _ = state.take_uploads()
+    assert uploads == {0: upload}
+    with pytest.raises(AssertionError):
+        state.take_uploads()
+    state.fail(5, "aggregation of round 5 failed: boom")
+    assert not state.admit(0, 5, digest=4)  # the failed upload is gone, so other values are welcome
+    state.stage_upload(0, 5, upload, digest=4)
+    assert state.snapshot().aggregating is False and state.admit(0, 5, digest=4)
+
+
+def test_a_snapshot_tells_the_open_round_its_age_and_the_last_rounds_merge() -> None:
+    state = RoundState(2, ServerSection(round_timeout_s=60), every(5))
+    idle = state.snapshot()
+    assert (idle.open_round, idle.merged, idle.alpha, idle.open_age_s) == (None, False, 0.0, 0.0)
+    state.stage_upload(0, 5, {})
+    state.opened_at -= 5  # opened 5 s ago
+    snap = state.snapshot()
+    assert snap.open_round == 5 and 5 <= snap.open_age_s < 60
+    assert 0 < state.seconds_left() <= 55
+    state.take_uploads()
+    state.restore(replace(completed(5, {0}), alpha=0.25))
+    done = state.snapshot()
+    assert (done.open_round, done.completed_round, done.merged, done.alpha) == (None, 5, True, 0.25)
+    assert done.open_age_s == 0.0
