@@ -138,6 +138,62 @@ EQUIVALENT: dict[str, str] = {
         "the message of a big-endian host's refusal: unreachable on the little-endian hosts spes runs and is tested on",
     ),
     **mutants(
+        "spes.sync.codecs.sparse.x_pack_bits",
+        "3 5 8 11 37 39",
+        "a dtype left to torch's default or to its type promotion (int64 shifts, an int64 bit stream, the int64 "
+        "entries as given): the same bits, the bytes summed into uint8 either way",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x_unpack_bits",
+        "6 8 16 22 24",
+        "a dtype left to torch's default or to its type promotion (int64 shifts; uint8 bits shifted by int64 "
+        "promote to int64): the same integers",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.xǁSparsePayloadǁ__post_init__",
+        "48 51",
+        "torch.full of an int fill is int64 without being asked",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.xǁSparsePayloadǁ__post_init__",
+        "61",
+        "rows spaced chunk + 2 apart instead of chunk + 1: an index in range is below chunk, so rows never overlap "
+        "either way (one out of range is refused by the other check)",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.xǁSparsePayloadǁpack",
+        "4 5 6",
+        "the message of a big-endian host's refusal: unreachable on the little-endian hosts spes runs and is tested on",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x__scale_and_levels",
+        "29 30 32",
+        "one bound of the clamp dropped: |x| <= s, so the correctly rounded x / s is in [-1, 1] and "
+        "(x / s * top + top) / 2 in [0, top]: neither bound ever binds",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x__values",
+        "8 15",
+        "the small int64 level numbers times the fp32 scale promote to fp32 exactly without the cast",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x_quantize",
+        "24 25 27",
+        "topk's default dimension is the last, dim 1 of the rows; its entries sorted or not, they are sorted by "
+        "position next",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x_quantize",
+        "35",
+        "`and` between the two finiteness checks: the largest magnitude is always among the top k >= 1 (topk ranks "
+        "NaN above every number), so a chunk holding NaN or Inf fails both",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x_dequantize",
+        "3 5",
+        "the output's dtype left to torch's default, float32: the one asked for",
+    ),
+    **mutants(
         "spes.sync.fragments.x_split_fragments",
         "32",
         "every fragment's load starting at 1 instead of 0: the same constant added to all, so the lightest is the same",

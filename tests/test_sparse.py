@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from spes.sync.codecs.held import encode_delta
-from spes.sync.codecs.sparse import Sparse, dequantize, pack_bits, payload_bytes, quantize, unpack_bits
+from spes.sync.codecs.sparse import (
+    MAX_CHUNK,
+    Sparse,
+    SparsePayload,
+    dequantize,
+    index_bits,
+    pack_bits,
+    payload_bytes,
+    quantize,
+    unpack_bits,
+)
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 7, 12, 20])
@@ -97,3 +107,103 @@ def test_bad_settings_headers_and_payloads_are_refused_naming_them() -> None:
     data[:4] = torch.tensor([0, 0, 0xC0, 0xFF], dtype=torch.uint8)  # a NaN scale
     with pytest.raises(ValueError, match=r"sparse payload has a negative, NaN or Inf scale"):
         codec.unpack("w", (100,), payload.params(), data)
+
+
+def message(call, *args, **kwargs) -> str:  # type: ignore[no-untyped-def]
+    """The message of the ValueError that `call(*args, **kwargs)` raises."""
+    with pytest.raises(ValueError) as err:
+        call(*args, **kwargs)
+    return str(err.value)
+
+
+def test_index_widths_and_exact_byte_counts() -> None:
+    assert [index_bits(c) for c in (2, 3, 4, 5, 4096, 4097)] == [1, 2, 2, 3, 12, 13]
+    # 100 values in chunks of 64 (64 + 36), 3 entries each: 2 scales (8 bytes), 6 x 6 index bits (5 bytes), 6 x 2
+    # level bits (2 bytes)
+    assert payload_bytes(100, 64, 3, 2) == 8 + 5 + 2
+
+
+@pytest.mark.parametrize("numel", [64, 65, 128, 200])
+def test_a_tensor_of_whole_chunks_or_a_short_last_one_round_trips_through_the_wire(numel: int) -> None:
+    codec = Sparse(chunk=64, topk=4, bits=3)
+    x = torch.randn(numel)
+    payload = codec.encode("w", x)
+    again = codec.unpack("w", (numel,), codec.params(), payload.pack())
+    assert (again.name, again.scales.numel()) == ("w", math.ceil(numel / 64))
+    assert torch.equal(codec.decode(again), codec.decode(payload))
+
+
+def test_small_magnitudes_zeros_and_the_sign_levels() -> None:
+    """Levels are relative to the chunk's largest magnitude whatever its size (below 1 too); a zero chunk sends
+    zeros with levels in range; at 1 bit a positive value below 1 is positive and a zero sent takes the negative
+    level. Levels are int64 at every width."""
+    small = quantize("w", torch.tensor([0.3, -0.3, 0.1]), chunk=3, topk=3, bits=2)
+    torch.testing.assert_close(dequantize(small), torch.tensor([0.3, -0.3, 0.1]))
+    zeros = quantize("w", torch.zeros(8), chunk=4, topk=2, bits=2)  # level 2 of 0..3: round(1.5), half to even
+    assert zeros.scales.tolist() == [0.0, 0.0] and zeros.levels.tolist() == [2, 2, 2, 2]
+    assert not dequantize(zeros).any()
+    sign = quantize("w", torch.tensor([0.5, -0.25, 0.0]), chunk=3, topk=3, bits=1)
+    assert sign.levels.tolist() == [1, 0, 0] and sign.levels.dtype == small.levels.dtype == torch.int64
+    assert dequantize(sign).tolist() == [0.25, -0.25, -0.25]  # the mean magnitude sent, 0.25
+
+
+def test_an_empty_tensor_is_an_empty_payload() -> None:
+    payload = quantize("w", torch.zeros(0, 5), chunk=64, topk=4, bits=2)
+    assert payload.name == "w" and payload.num_bytes == payload.pack().numel() == 0
+    assert [t.dtype for t in (payload.scales, payload.indices, payload.levels)] == [torch.float32, torch.int64] * 1 + [
+        torch.int64
+    ]
+    assert [t.numel() for t in (payload.scales, payload.indices, payload.levels)] == [0, 0, 0]
+    assert dequantize(payload).shape == (0, 5)
+
+
+def test_the_settings_bounds_and_what_the_header_carries() -> None:
+    for ok in (Sparse(chunk=2, topk=1, bits=1, down_topk=1, down_bits=1), Sparse(chunk=MAX_CHUNK)):
+        assert ok.params() == {"chunk": ok.chunk, "topk": ok.topk, "bits": ok.bits}
+    assert Sparse(chunk=256, topk=16, bits=3).params() == {"chunk": 256, "topk": 16, "bits": 3}
+    assert message(Sparse, chunk=1) == "spes_config.codec_settings.chunk = 1 must be in [2, 1048576]"
+    assert message(Sparse, down_topk=0) == "spes_config.codec_settings.down_topk = 0 must be at least 1"
+    assert message(Sparse, bits=0) == "spes_config.codec_settings.bits = 0 must be in [1, 8]"
+    assert message(Sparse(chunk=64, topk=4, bits=2).payload_bytes, (100,), {"chunk": 64, "topk": 5, "bits": 2}) == (
+        "sparse parameters {'chunk': 64, 'topk': 5, 'bits': 2}, this run's are {'chunk': 64, 'topk': 4, 'bits': 2} "
+        "(peers) and {'chunk': 64, 'topk': 64, 'bits': 8} (server)"
+    )
+    assert message(quantize, "w", torch.ones(3, dtype=torch.int64), 64, 4, 2) == (
+        "tensor 'w': cannot quantize dtype torch.int64, a floating-point delta is needed"
+    )
+    assert message(quantize, "w", torch.tensor([1.0, float("inf")]), 64, 4, 2) == (
+        "tensor 'w' holds NaN or Inf values: this peer's training diverged or its carried error is corrupt"
+    )
+
+
+def payload_of(numel: int, scales: list[float], indices: list[int], levels: list[int]) -> SparsePayload:
+    """A payload of `numel` values in chunks of 64, two entries each, built by hand (as `unpack` would)."""
+    return SparsePayload(
+        "w", (numel,), 64, 2, 2, torch.tensor(scales), torch.tensor(indices), torch.tensor(levels, dtype=torch.int64)
+    )
+
+
+def test_a_payload_that_does_not_fit_its_shape_is_refused_in_full() -> None:
+    payload_of(65, [1.0, 0.0], [3, 40, 0], [0, 3, 1])  # fits: a zero scale is a zero chunk
+    assert message(payload_of, 65, [1.0], [3, 40, 0], [0, 3, 1]) == "tensor 'w': sparse payload needs 2 float32 scales"
+    assert (
+        message(payload_of, 128, [1.0], [3, 40, 0, 1], [0] * 4) == "tensor 'w': sparse payload needs 2 float32 scales"
+    )
+    wide = torch.ones(2, dtype=torch.float64)
+    assert "needs 2 float32 scales" in message(
+        SparsePayload, "w", (65,), 64, 2, 2, wide, torch.tensor([3, 40, 0]), wide
+    )
+    assert (
+        message(payload_of, 65, [1.0, 1.0], [3, 40, 0], [0, 3])
+        == "tensor 'w': sparse payload needs 3 indices and levels"
+    )
+    assert message(payload_of, 65, [1.0, -1.0], [3, 40, 0], [0, 3, 1]) == (
+        "tensor 'w': sparse payload has a negative, NaN or Inf scale"
+    )
+    bad_index = "tensor 'w': sparse payload has an index outside its chunk or out of order"
+    for indices in ([3, 64, 0], [3, 70, 0], [3, 3, 0], [40, 3, 0]):  # past the chunk (in order), a repeat, reversed
+        assert message(payload_of, 65, [1.0, 1.0], indices, [0, 3, 1]) == bad_index
+    levels = torch.zeros(3, dtype=torch.int64)
+    assert "out of order" in message(
+        SparsePayload, "w", (64,), 64, 3, 2, torch.ones(1), torch.tensor([0, 5, 3]), levels
+    )
