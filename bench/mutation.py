@@ -96,7 +96,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.codecs.int8.x_dequantize",
-        "4",
+        "4 7",
         "the output's dtype left to torch's default, float32: the one asked for",
     ),
     **mutants(
