@@ -27,7 +27,7 @@ KNOWN_GAPS = {
     "bench_soak_no_chaos": "no command; no commit",
     "bench_wan_gpu": "dirty tree, diff not kept",
     "bench_wan_gpu_steps": "commit not a full hash; no machine",
-    "code_stats": "dirty tree, diff not kept; no machine",
+    "code_stats": "no machine",
     "code_stats_92d762a": "dirty tree, diff not kept; no machine",
     "code_stats_92d762a_ruff_format": "dirty tree, diff not kept; no machine",
     "code_stats_after": "no machine",
