@@ -490,15 +490,39 @@ def test_bench_overlap_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         "2",
         "--sync_steps",
         "4",
+        "--codecs",
+        "fp32",
+        "int8",
         *corpus_flags(tiny_corpus, valid=False),
     )
     (pair,) = results["pairs"]
-    blocking, overlapped = pair["blocking"], pair["overlapped"]
-    assert blocking["tokens"] == overlapped["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 steps x 16 sequences of 64
-    assert blocking["rounds"] == [1, 1] and overlapped["rounds"] == [2, 2]  # fragment 1 at step 2, whole at 4
+    blocking, overlapped, coded = pair["blocking"], pair["overlapped"], pair["overlapped_int8"]
+    assert blocking["tokens"] == overlapped["tokens"] == coded["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 x 16 x 64
+    assert blocking["rounds"] == [1, 1] and overlapped["rounds"] == coded["rounds"] == [2, 2]  # steps 2 and 4
     assert "--spes_config.overlap_fragments=2" in results["overlap_flags"]
     assert all(b > 0 for b in overlapped["relay_bytes"]["bytes_up"] + overlapped["relay_bytes"]["bytes_down"])
-    assert results["ratio"] == pair["ratio"] > 0 and "overlapped / blocking tokens/s" in stdout
+    assert sum(coded["bytes_up"]) < sum(overlapped["bytes_up"])  # int8 deltas after the first (full) round
+    assert results["codecs"] == {"overlapped": "fp32", "overlapped_int8": "int8"}
+    assert results["ratio"] == pair["ratio"] == results["ratios"]["overlapped"] > 0
+    assert results["ratios"]["overlapped_int8"] == pair["ratios"]["overlapped_int8"] > 0
+    assert "overlapped / blocking tokens/s" in stdout and "overlapped_int8 / blocking tokens/s" in stdout
+
+
+def test_bench_overlap_mini_repro_shape_is_the_mini_reproductions_run() -> None:
+    """`--shape mini_repro` trains bench/mini_repro.py's model, peers, batch and merge warm-up (a valid config)."""
+    from bench_overlap import Shape, mini_repro_shape
+    from mini_repro import FULL
+    from spes.config import load_config
+
+    shape = mini_repro_shape()
+    cfg, _ = load_config(REPO / "configs" / "tiny.yaml", list(shape.overrides))
+    assert shape == Shape(4, shape.overrides) and cfg.spes_config.num_peers == 4
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.global_train_batch_size) == (
+        FULL.d_model,
+        FULL.n_layers,
+        FULL.peer_batch,
+    )
+    assert cfg.server.merge_interval == FULL.merge_interval
 
 
 def test_bench_overlap_refuses_arms_that_differ() -> None:
@@ -526,6 +550,12 @@ def test_bench_overlap_refuses_arms_that_differ() -> None:
     ]
     bypassed = {**arm, "relay_bytes": {"bytes_up": [0, 250], "bytes_down": [300, 300]}}
     assert "did it bypass the link?" in check_premises(arm, bypassed)[0]
+    coded = {**fragmented, "bytes_up": [60.0, 60.0], "relay_bytes": {"bytes_up": [70, 70], "bytes_down": [9, 9]}}
+    assert check_premises(arm, coded, fragments=2, codec="int8") == []  # fewer bytes by design, same tokens
+    assert "uploaded less" in check_premises(arm, coded, fragments=2)[0]
+    assert check_premises(arm, {**coded, "steps": [4, 3]}, fragments=2, codec="int8") == [
+        "steps differ: blocking [4, 4], overlapped [4, 3]"
+    ]
 
 
 def test_bench_fused_loss_quick(tmp_path: Path) -> None:
