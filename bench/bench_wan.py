@@ -53,6 +53,7 @@ from common import (
     write_results,
 )
 from spes.config import load_config
+from spes.sync.codecs.registry import REGISTRY
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 RELAY = Path(__file__).resolve().parent / "link_relay.py"
@@ -86,6 +87,10 @@ SCALES = {
 }
 SPEEDS = {1000.0: 12, 100.0: 192, 20.0: 768}  # Mbit/s -> model scale
 SYNC_STEPS = (25, 50, 100, 200)
+FRAGMENTS = (1, 5)
+"""`spes_config.overlap_fragments` of the overlapped predictions."""
+WIRES = ("bf16", "fp32")
+PLANES = ("tcp", "grpc")
 
 
 @dataclass(frozen=True)
@@ -174,15 +179,36 @@ def measure(
     return out
 
 
+def idle_share(round_s: float, step_s: float, sync_steps: int, fragments: int = 0, rtt_s: float = 0.0) -> float:
+    """The share of a node's wall time not training, with rounds of `round_s` every `sync_steps` steps of `step_s`.
+
+    Blocking (`fragments` 0): round / (round + sync_steps * step). Overlapped with F fragments (F >= 1): every
+    sync_steps / F steps a round of 1/F of the model, applied that many steps later, one on the link at a time, so
+    a period of sync_steps steps (compute C = sync_steps * step) puts R = round + (F - 1) * rtt on the link (each
+    extra round pays its two round trips, `rtt_s` = 2 RTT over the link's efficiency) and the node waits for what
+    the link does not hide: max(0, R - C) / max(R, C).
+    """
+    compute = sync_steps * step_s
+    if not fragments:
+        return round_s / (round_s + compute)
+    link = round_s + (fragments - 1) * rtt_s
+    return max(0.0, link - compute) / max(link, compute)
+
+
 def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: float) -> list[dict[str, Any]]:
-    """The full 1B model's round at each measured speed (its bytes at the ideal rate over the efficiency
-    measured there) and, given a step time, the share of wall time a node is not training per `sync_steps`."""
+    """The full 1B model's round at each measured speed (its steady-state bytes at the ideal rate over the
+    efficiency measured there) and, given a step time, the share of wall time a node is not training per
+    `sync_steps`: blocking, and overlapped with 1 and 5 fragments (`idle_share`)."""
     rows = []
     for m in measured:
         up, down = round_bytes(node_run(PAPER_1B, [], m["wire"])[1])
         link = LinkSpec(m["peer_mbit"], m["server_mbit"], rtt_ms)
         round_s = link.ideal_seconds(up, down) / m["efficiency"]
-        idle = None if step_s is None else {s: round_s / (round_s + s * step_s) for s in SYNC_STEPS}
+        rtt_s = 2 * rtt_ms / 1000 / m["efficiency"]
+        idle, overlapped = None, None
+        if step_s is not None:
+            idle = {s: idle_share(round_s, step_s, s) for s in SYNC_STEPS}
+            overlapped = {f: {s: idle_share(round_s, step_s, s, f, rtt_s) for s in SYNC_STEPS} for f in FRAGMENTS}
         rows.append(
             {
                 "peer_mbit": m["peer_mbit"],
@@ -191,6 +217,7 @@ def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: flo
                 "bytes_per_peer": up[0] + down[0],
                 "round_s": round_s,
                 "idle_fraction": idle,
+                "idle_fraction_overlapped": overlapped,
             }
         )
     return rows
@@ -268,6 +295,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains")
     p.add_argument(
+        "--wires",
+        nargs="+",
+        choices=sorted(REGISTRY),
+        default=None,
+        help=f"the codecs measured, each with its default settings (default {' '.join(WIRES)}; quick bf16)",
+    )
+    p.add_argument(
+        "--planes",
+        nargs="+",
+        choices=PLANES,
+        default=None,
+        help=f"where tensor payloads travel (default {' '.join(PLANES)}; quick tcp)",
+    )
+    p.add_argument(
         "--step_override",
         action="append",
         default=[],
@@ -293,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
     if unknown := [s for s in speeds if s not in SPEEDS]:
         p.error(f"--speeds {unknown}: each speed must be one of {list(SPEEDS)} (each has its model scale)")
-    wires, planes = (["bf16"], ["tcp"]) if args.quick else (["bf16", "fp32"], ["tcp", "grpc"])
+    wires = args.wires or (["bf16"] if args.quick else list(WIRES))
+    planes = args.planes or (["tcp"] if args.quick else list(PLANES))
     rounds = args.rounds or (1 if args.quick else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     workdir = RESULTS_DIR / ("bench_wan_quick" if args.quick else "bench_wan")

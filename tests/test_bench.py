@@ -472,10 +472,24 @@ def test_link_relay_carries_every_byte_both_ways(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_wan_quick(tmp_path: Path) -> None:
-    results, _ = run_bench("bench_wan", tmp_path)
-    (m,) = results["measurements"]
-    assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0  # the same bytes, read from the peers
-    assert m["ideal_s"] > 0 and m["efficiency"] > 0 and m["raw_efficiency"] > 0
+    """bf16 and the sparse codec through the emulated link; after the first (full) round, sparse rounds move
+    exactly the steady-state bytes the run spec predicts, which the raw baseline moves too."""
+    results, _ = run_bench("bench_wan", tmp_path, "--wires", "bf16", "sparse", "--warmup", "1")
+    bf16, sparse = results["measurements"]
+    for m in (bf16, sparse):
+        assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0  # the same bytes, read from the peers
+        assert m["ideal_s"] > 0 and m["efficiency"] > 0 and m["raw_efficiency"] > 0
+    assert sparse["spes_rounds"][0]["bytes"] < bf16["spes_rounds"][0]["bytes"] / 4
+    assert [p["wire"] for p in results["prediction_1b"]] == ["bf16", "sparse"]
+
+
+def test_idle_share_blocking_and_overlapped() -> None:
+    from bench_wan import idle_share
+
+    assert idle_share(10.0, 1.0, 10) == 0.5  # a round as long as the steps between rounds: half the time
+    assert idle_share(5.0, 1.0, 10, fragments=1) == 0.0  # hidden behind 10 steps
+    assert idle_share(20.0, 1.0, 10, fragments=1) == 0.5  # waits 10 s of every 20
+    assert idle_share(8.0, 1.0, 10, fragments=5, rtt_s=1.0) == 2.0 / 12.0  # 4 more rounds' round trips: 12 s
 
 
 @pytest.mark.slow
