@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from records import CODEC_SEEDS, Missing, Records, codec_losses, not_measured, wire_measured
+from common import idle_share
+from records import CODEC_SEEDS, Missing, Records, codec_losses, link, not_measured, wire_measured
 
 GIB, MIB = 2**30, 2**20
 
@@ -335,7 +336,13 @@ def codec_loss_table(records: Records) -> str:
 def codec_curve_table(records: Records) -> str:
     """Every arm of the codec comparisons: bits per parameter per peer and round against the final loss."""
     rows = []
-    for name in ("mini_repro_codecs", "mini_repro_codecs_seed7", "mini_repro_codecs_diloco"):
+    for name in (
+        "mini_repro_codecs",
+        "mini_repro_codecs_seed7",
+        "mini_repro_codecs_diloco",
+        "mini_repro_codecs_f5",
+        "mini_repro_codecs_f5_seed7",
+    ):
         try:
             x = records(name)
         except Missing:
@@ -645,10 +652,6 @@ def span_of(pair: list[float], spec: str) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-def link(mbit: float) -> str:
-    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
-
-
 @block("bench-wan")
 def wan_table(records: Records) -> str:
     rows = [
@@ -794,45 +797,58 @@ def overlap_loss_table(records: Records) -> str:
     return f"{table(head, rows)}\n\n{note}"
 
 
+OVERLAP_RECORDS = (
+    "bench_overlap",
+    "bench_overlap_0022",
+    "bench_overlap_2309",
+    "bench_overlap_2345",
+    "bench_overlap_f5",
+    "bench_overlap_f5_pair2",
+    "bench_overlap_f5_by_values",
+    "bench_overlap_f5_2layers",
+    "bench_overlap_f5_same_shape",
+)
+
+
+def _throughput_rows(name: str, x: dict[str, Any]) -> list[list[str]]:
+    """A bench_overlap record's runs, pair by pair: the blocking arm, then each overlapped arm with its ratio."""
+    layers = next((o.split("=")[1] for o in x["overrides"] if o.startswith("--model.n_layers=")), "2")
+    shape = "the mini-reproduction's model" if x.get("shape") == "mini_repro" else f"{layers} layers"
+    what = f"`{name}.json`: {x['peers']} peers, {shape}, F = {x.get('fragments') or 1}, {x['link']['mbit']:.1f} Mbit/s"
+    arms = ["blocking", *x.get("codecs", {"overlapped": "fp32"})]
+    rows = []
+    for i, pair in enumerate(x["pairs"], 1):
+        ratios = pair.get("ratios", {"overlapped": pair["ratio"]})
+        order = "AB" if min(arms, key=lambda arm: pair[arm]["machine"]["when"]) == "blocking" else "BA"
+        for arm in arms:
+            a = pair[arm]
+            waited = sum(a["waited_s"]) / len(a["waited_s"]) / a["train_wall_s"]
+            rows.append(
+                [
+                    what if i == 1 and arm == "blocking" else "",
+                    f"{i} ({order})",
+                    arm,
+                    f"{a['median_step_s']:.2f}",
+                    f"{a['round_s']:.1f}",
+                    f"{a['train_wall_s']:.0f}",
+                    f"{a['tokens'] / a['train_wall_s']:,.0f}",
+                    f"{waited:.0%}",
+                    f"{a['machine']['load_avg_1_5_15'][0]:.1f}",
+                    f"**{ratios[arm]:.2f}x**" if arm in ratios else "",
+                ]
+            )
+    return rows
+
+
 @block("overlap-throughput")
 def overlap_throughput_table(records: Records) -> str:
     rows = []
-    for name in (
-        "bench_overlap",
-        "bench_overlap_0022",
-        "bench_overlap_2309",
-        "bench_overlap_2345",
-        "bench_overlap_f5",
-        "bench_overlap_f5_pair2",
-        "bench_overlap_f5_by_values",
-        "bench_overlap_f5_2layers",
-    ):
-        x = records(name)
-        layers = next((o.split("=")[1] for o in x["overrides"] if o.startswith("--model.n_layers=")), "2")
-        what = (
-            f"`{name}.json`: {x['peers']} peers, {layers} layers, F = {x.get('fragments') or 1}, "
-            f"{x['link']['mbit']:.1f} Mbit/s"
-        )
-        for i, pair in enumerate(x["pairs"], 1):
-            first = min(("blocking", "overlapped"), key=lambda arm: pair[arm]["machine"]["when"])
-            order = "AB" if first == "blocking" else "BA"
-            for arm in ("blocking", "overlapped"):
-                a = pair[arm]
-                waited = sum(a["waited_s"]) / len(a["waited_s"]) / a["train_wall_s"]
-                rows.append(
-                    [
-                        what if i == 1 and arm == "blocking" else "",
-                        f"{i} ({order})",
-                        arm,
-                        f"{a['median_step_s']:.2f}",
-                        f"{a['round_s']:.1f}",
-                        f"{a['train_wall_s']:.0f}",
-                        f"{a['tokens'] / a['train_wall_s']:,.0f}",
-                        f"{waited:.0%}",
-                        f"{a['machine']['load_avg_1_5_15'][0]:.1f}",
-                        f"**{pair['ratio']:.2f}x**" if arm == "overlapped" else "",
-                    ]
-                )
+    for name in OVERLAP_RECORDS:
+        try:
+            rows += _throughput_rows(name, records(name))
+        except Missing:
+            if name != OVERLAP_RECORDS[-1]:  # NOTE: the same-shape record is the one a later run adds
+                raise
     return table(
         [
             "record",
@@ -952,6 +968,38 @@ def wan_rounds_table(records: Records) -> str:
         for mbit in sorted({k[0] for k in by}, reverse=True)
     ]
     return table(["link (peer and server)", "bf16 round", "fp32 round"], rows)
+
+
+IDLE_SCHEMES = (
+    ("bf16", 0, "bf16, blocking"),
+    ("int8", 0, "int8, blocking"),
+    ("int8", 5, "int8 + overlap + 5 fragments"),
+    ("sparse", 0, "sparse, blocking"),
+    ("sparse", 5, "sparse + overlap + 5 fragments"),
+)
+"""The rows of the codec idle table: (codec, `overlap_fragments` or 0 for blocking rounds, label)."""
+IDLE_SYNC_STEPS = (25, 50, 100, 200)
+
+
+@block("idle-codecs")
+def idle_codecs_table(records: Records) -> str:
+    """The 1B node's share of wall time not training, per link and codec, blocking and overlapped with 5 fragments
+    (`common.idle_share`): each codec's 1B round at the efficiency measured for it on the emulated link
+    (bench_wan_codecs), and the step measured on an H200 with `grouped_mm` (bench_wan_gpu_steps)."""
+    x = records("bench_wan_codecs")
+    step = next(run for run in records("bench_wan_gpu_steps")["runs"] if run["moe_backend"] == "grouped_mm")
+    by = {(p["peer_mbit"], p["wire"]): p for p in x["prediction_1b"]}
+    efficiency = {(m["peer_mbit"], m["wire"]): m["efficiency"] for m in x["measurements"]}
+    rows = []
+    for mbit in sorted({m for m, _ in by}, reverse=True):
+        for wire, fragments, label in IDLE_SCHEMES:
+            if (mbit, wire) not in by:
+                continue
+            round_s, rtt_s = by[(mbit, wire)]["round_s"], 2 * x["rtt_ms"] / 1000 / efficiency[(mbit, wire)]
+            idle = (idle_share(round_s, step["step_s"], s, fragments, rtt_s) for s in IDLE_SYNC_STEPS)
+            rows.append([link(mbit), label, f"{round_s:,.0f} s", *(f"{v:.1%}" for v in idle)])
+    headers = ["link", "codec and schedule", "1B round", f"`sync_steps` {IDLE_SYNC_STEPS[0]}"]
+    return table([*headers, *map(str, IDLE_SYNC_STEPS[1:])], rows)
 
 
 @block("wan-idle")

@@ -484,7 +484,7 @@ def test_bench_wan_quick(tmp_path: Path) -> None:
 
 
 def test_idle_share_blocking_and_overlapped() -> None:
-    from bench_wan import idle_share
+    from common import idle_share
 
     assert idle_share(10.0, 1.0, 10) == 0.5  # a round as long as the steps between rounds: half the time
     assert idle_share(5.0, 1.0, 10, fragments=1) == 0.0  # hidden behind 10 steps
