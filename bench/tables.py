@@ -797,6 +797,46 @@ def overlap_loss_table(records: Records) -> str:
     return f"{table(head, rows)}\n\n{note}"
 
 
+F5_ARMS = {
+    "spes": "blocking, fp32",
+    "codec_bf16": "blocking, bf16",
+    "spes_overlap_d2_f5": "overlap + 5 fragments, fp32",
+    "codec_int8_spes_overlap_d2_f5": "overlap + 5 fragments, int8",
+    "codec_sparse_spes_overlap_d2_f5": "overlap + 5 fragments, sparse",
+}
+"""The arms of `mini_repro.py --codecs bf16 int8 sparse --overlap --overlap_fragments 5 --only ...`, in order."""
+
+
+@block("overlap-codecs")
+def overlap_codecs_table(records: Records) -> str:
+    """Each seed's overlapped schedules and codecs against blocking fp32, every arm of a seed at one commit."""
+    rows = []
+    for suffix, seed in CODEC_SEEDS.items():
+        try:
+            x = records(f"mini_repro_codecs_f5{suffix}")
+        except Missing:
+            if not suffix:
+                raise
+            continue
+        for arm, label in F5_ARMS.items():
+            if arm in x["arms"]:
+                a = x["arms"][arm]
+                gap = "" if arm == "spes" else f"**{a['vs_fp32']:+.2%}**"
+                commit = short(a["run"]["commit"]) if a["run"] else ""
+                rows.append(
+                    [
+                        f"seed {seed}",
+                        label,
+                        f"{a['final_val_loss']:.4f}",
+                        gap,
+                        f"{a['bits_per_param']['last']:.2f}",
+                        commit,
+                    ]
+                )
+    headers = ["seed", "schedule and codec", "final val loss", "vs blocking fp32", "bits/param/round", "commit"]
+    return table(headers, rows)
+
+
 OVERLAP_RECORDS = (
     "bench_overlap",
     "bench_overlap_0022",
