@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from statistics import median
 from typing import Any
 
-from records import CODEC_SEEDS, Missing, Records, codec_losses, link, wire_measured
+from records import CODEC_SEEDS, F5_RECORDS, Missing, Records, codec_losses, f5_arms, link, wire_measured
 
 Figure = Callable[[Records], str]
 FIGURES: dict[str, Figure] = {}
@@ -644,19 +644,14 @@ def _overlap_c05(r: Records) -> str:
 
 
 def _f5_vs_fp32(r: Records, arm: str) -> str:
-    """An arm of the overlapped schedules' comparison (`mini_repro_codecs_f5*`: every arm and the blocking fp32 one
-    at one commit) against blocking fp32, in each seed measured (seed 6198's at least)."""
+    """An arm of the overlapped schedules' comparisons (`F5_RECORDS`, each with its own blocking fp32 arm at the
+    same commit) against blocking fp32, in each seed measured (seed 6198's at least)."""
     gaps, seeds = [], []
     for suffix, seed in CODEC_SEEDS.items():
-        try:
-            arms = r(f"mini_repro_codecs_f5{suffix}")["arms"]
-        except Missing:
+        arms = next((a for a in f5_arms(r, suffix) if arm in a), None)
+        if arms is None:
             if not suffix:
-                raise
-            continue
-        if arm not in arms:
-            if not suffix:
-                raise Missing("mini_repro_codecs_f5")
+                raise Missing(F5_RECORDS[-1])
             continue
         gaps.append(f"{arms[arm]['vs_fp32']:+.2%}")
         seeds.append(str(seed))

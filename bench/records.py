@@ -53,14 +53,23 @@ COMMANDS = {
         "--out bench/results/bench_overlap_f5_same_shape.json"
     ),
     "mini_repro_codecs_f5": (
-        "python bench/mini_repro.py --codecs bf16 int8 sparse --overlap --overlap_fragments 5 --only "
-        "spes_overlap_d2_f5 codec_bf16 codec_int8_spes_overlap_d2_f5 codec_sparse_spes_overlap_d2_f5 "
-        "--runs bench/results/mini_repro_codecs_f5 --out bench/results/mini_repro_codecs_f5.json"
+        "python bench/mini_repro.py --codecs bf16 --overlap --overlap_fragments 5 --only spes_overlap_d2_f5 "
+        "codec_bf16 --runs bench/results/mini_repro_codecs_f5 --out bench/results/mini_repro_codecs_f5.json"
     ),
     "mini_repro_codecs_f5_seed7": (
-        "python bench/mini_repro.py --codecs bf16 int8 sparse --overlap --overlap_fragments 5 --only "
-        "spes_overlap_d2_f5 codec_bf16 codec_int8_spes_overlap_d2_f5 --seed 7 "
-        "--runs bench/results/mini_repro_codecs_f5_seed7 --out bench/results/mini_repro_codecs_f5_seed7.json"
+        "python bench/mini_repro.py --codecs bf16 --overlap --overlap_fragments 5 --only spes_overlap_d2_f5 "
+        "codec_bf16 --seed 7 --runs bench/results/mini_repro_codecs_f5_seed7 "
+        "--out bench/results/mini_repro_codecs_f5_seed7.json"
+    ),
+    "mini_repro_codecs_f5_held": (
+        "python bench/mini_repro.py --codecs int8 sparse --overlap --overlap_fragments 5 --only "
+        "codec_int8_spes_overlap_d2_f5 codec_sparse_spes_overlap_d2_f5 --runs bench/results/mini_repro_codecs_f5_held "
+        "--out bench/results/mini_repro_codecs_f5_held.json"
+    ),
+    "mini_repro_codecs_f5_held_seed7": (
+        "python bench/mini_repro.py --codecs int8 sparse --overlap --overlap_fragments 5 --only "
+        "codec_int8_spes_overlap_d2_f5 --seed 7 --runs bench/results/mini_repro_codecs_f5_held_seed7 "
+        "--out bench/results/mini_repro_codecs_f5_held_seed7.json"
     ),
     "bench_wan_codecs": (
         "python bench/bench_wan.py --wires bf16 int8 sparse --planes tcp --out bench/results/bench_wan_codecs.json"
@@ -157,6 +166,23 @@ CODEC_SEEDS = {"": 6198, "_seed7": 7}
 CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5")
 """The SPES codec comparisons of the mini-reproduction, each seed's under its suffix: the codec curve, and the
 comparison of the overlapped schedules on each codec (with bf16's blocking arm)."""
+
+
+F5_RECORDS = ("mini_repro_codecs_f5", "mini_repro_codecs_f5_held")
+"""The comparisons of the overlapped schedules (5 fragments) on each codec against blocking fp32, each seed's under
+its suffix: the raw codecs' run, and the held-model codecs' run after their fix (1d792a4), each with its own blocking
+fp32 arm at its commit."""
+
+
+def f5_arms(records: Records, suffix: str = "") -> list[dict[str, Any]]:
+    """The arms of each of `F5_RECORDS<suffix>` that is committed."""
+    found = []
+    for name in F5_RECORDS:
+        try:
+            found.append(records(f"{name}{suffix}")["arms"])
+        except Missing:
+            continue
+    return found
 
 
 def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float, float]:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from common import idle_share
-from records import CODEC_SEEDS, Missing, Records, codec_losses, link, not_measured, wire_measured
+from records import CODEC_SEEDS, F5_RECORDS, Missing, Records, codec_losses, link, not_measured, wire_measured
 
 GIB, MIB = 2**30, 2**20
 
@@ -342,6 +342,8 @@ def codec_curve_table(records: Records) -> str:
         "mini_repro_codecs_diloco",
         "mini_repro_codecs_f5",
         "mini_repro_codecs_f5_seed7",
+        "mini_repro_codecs_f5_held",
+        "mini_repro_codecs_f5_held_seed7",
     ):
         try:
             x = records(name)
@@ -809,32 +811,33 @@ F5_ARMS = {
 
 @block("overlap-codecs")
 def overlap_codecs_table(records: Records) -> str:
-    """Each seed's overlapped schedules and codecs against blocking fp32, every arm of a seed at one commit."""
+    """Each seed's overlapped schedules and codecs against blocking fp32: each comparison (`F5_RECORDS`) with its
+    own blocking fp32 arm, every arm of a comparison at one commit."""
     rows = []
     for suffix, seed in CODEC_SEEDS.items():
-        try:
-            x = records(f"mini_repro_codecs_f5{suffix}")
-        except Missing:
-            if not suffix:
-                raise
-            continue
-        for arm, label in F5_ARMS.items():
-            if arm in x["arms"]:
-                a = x["arms"][arm]
-                gap = "" if arm == "spes" else f"**{a['vs_fp32']:+.2%}**"
-                commit = short(a["run"]["commit"]) if a["run"] else ""
-                rows.append(
-                    [
-                        f"seed {seed}",
-                        label,
-                        f"{a['final_val_loss']:.4f}",
-                        gap,
-                        f"{a['bits_per_param']['last']:.2f}",
-                        commit,
-                    ]
-                )
+        for name in F5_RECORDS:
+            try:
+                rows += _f5_rows(records(f"{name}{suffix}"), seed)
+            except Missing:
+                continue
+    if not rows:
+        raise Missing(F5_RECORDS[0])
     headers = ["seed", "schedule and codec", "final val loss", "vs blocking fp32", "bits/param/round", "commit"]
     return table(headers, rows)
+
+
+def _f5_rows(x: dict[str, Any], seed: int) -> list[list[str]]:
+    """One comparison's arms, its blocking fp32 arm first."""
+    rows = []
+    for arm, label in F5_ARMS.items():
+        if arm in x["arms"]:
+            a = x["arms"][arm]
+            gap = "" if arm == "spes" else f"**{a['vs_fp32']:+.2%}**"
+            commit = short(a["run"]["commit"]) if a["run"] else ""
+            rows.append(
+                [f"seed {seed}", label, f"{a['final_val_loss']:.4f}", gap, f"{a['bits_per_param']['last']:.2f}", commit]
+            )
+    return rows
 
 
 OVERLAP_RECORDS = (
