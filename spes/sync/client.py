@@ -293,7 +293,7 @@ class SyncClient:
         self, step: int, manifest: Manifest, timeout: float, *, full: bool, fragment: int = WHOLE
     ) -> tuple[pb.RoundInfo, Tensors, int]:
         """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated,
-        committed by the codec (a held-model codec returns its whole held model)."""
+        committed by the codec (what the round served; a held-model codec's full values: its whole held model)."""
         names: list[str] = []
         decoders: list[TensorDecoder] = []
 
