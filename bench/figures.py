@@ -643,6 +643,15 @@ def _overlap_c05(r: Records) -> str:
     )
 
 
+@fig("overlap.f5_loss_other_commits")
+def _overlap_f5_other_commits(r: Records) -> str:
+    """The first fragment arms against blocking arms run at other commits (issue 30: superseded, kept as measured)."""
+    return " and ".join(
+        f"{_arm(r, n, 'spes_overlap_d2_f5')['vs_blocking']:+.2%}"
+        for n in ("mini_repro_overlap_f5", "mini_repro_overlap_f5_seed7")
+    )
+
+
 def _f5_vs_fp32(r: Records, arm: str) -> str:
     """An arm of the overlapped schedules' comparisons (`F5_RECORDS`, each with its own blocking fp32 arm at the
     same commit) against blocking fp32, in each seed measured (seed 6198's at least)."""
