@@ -284,7 +284,7 @@ def test_upload_buffers_are_reused_but_never_while_a_download_reads_them() -> No
         assert first & global_ptrs(server), "round 3 was received into fresh memory, not round 1's buffers"
 
         service = server.service
-        with service.download(0, 3, True, lambda: True, 5.0) as outgoing:  # a download of round 3, not done yet
+        with service.downloads.serve(0, 3, True, lambda: True, 5.0) as outgoing:  # a download of round 3, not done yet
             assert outgoing is not None
             held = outgoing.tensors
             before = {n: t.clone() for n, t in held.items()}

@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 
 from spes.sync.admission import Sessions, StreamGuard, Ticket
 from spes.sync.auth import check_peer_identity
 from spes.sync.buffers import RoundMemory, round_limits
-from spes.sync.closing import RoundCloser
-from spes.sync.downloads import Downloads, Outgoing
+from spes.sync.closing import RoundCloser, RoundParts
+from spes.sync.downloads import Downloads
 from spes.sync.fragments import WHOLE
 from spes.sync.joins import check_join, check_run
 from spes.sync.proto import spes_pb2 as pb
@@ -29,7 +28,7 @@ from spes.sync.settings import ServerConfig
 from spes.sync.state import new_run_id, run_id_of
 from spes.sync.status import REPORT_S, describe
 from spes.sync.uploads import Uploads
-from spes.sync.wire import TensorDecoder, wire_torch_dtype
+from spes.sync.wire import wire_torch_dtype
 
 log = logging.getLogger("spes.server")
 
@@ -57,22 +56,10 @@ class Coordinator:
             min_rate=self.deploy.min_stream_rate * 1024,
         )
         self.sessions = Sessions(self.deploy.peer_liveness)
-        self.closer = RoundCloser(
-            self._cond, self.state, self.memory, self.codec, self.deploy.state_dir, self._published
-        )
-        self.uploads = Uploads(
-            self._cond, self.state, self.memory, self.codec, self.closer, self.joined, lambda: self.spec
-        )
-        self.downloads = Downloads(
-            self._cond,
-            self.state,
-            self.memory,
-            self.codec,
-            self.closer,
-            self.joined,
-            lambda: self.spec,
-            lambda: self._shutting_down,
-        )
+        parts = RoundParts(self._cond, self.state, self.memory, self.codec)
+        self.closer = RoundCloser(parts, self.deploy.state_dir, self._published)
+        self.uploads = Uploads(parts, self.closer, self.joined, lambda: self.spec)
+        self.downloads = Downloads(parts, self.closer, self.joined, lambda: self.spec, lambda: self._shutting_down)
         self.spec = self.closer.restore(self.spec)
         self._reporter = threading.Thread(target=self._report, name="spes-status-report", daemon=True)
         self._reporter.start()
@@ -126,19 +113,6 @@ class Coordinator:
         with self._cond:
             self.sessions.heard(peer, session)
 
-    # -- Upload -------------------------------------------------------------------------------
-    def upload(
-        self,
-        peer: int,
-        step: int,
-        feed: Callable[[TensorDecoder], None],
-        fragment: int = WHOLE,
-        digest: int = 0,
-        ticket: Ticket | None = None,
-    ) -> pb.UploadReply:
-        """An upload of `fragment` for round `step` from `peer`, whatever carries it (`spes.sync.uploads.Uploads`)."""
-        return self.uploads.receive(peer, step, feed, fragment, digest, ticket)
-
     def _published(self, done: Completed, seconds: float) -> None:
         """Round `done` is the latest (`spes.sync.closing`): count it and log what it did and moved."""
         with self._cond:
@@ -161,19 +135,6 @@ class Coordinator:
             "yes" if done.merged else "no",
             done.alpha,
         )
-
-    # -- Download -----------------------------------------------------------------------------
-    def download(
-        self,
-        peer: int,
-        step: int,
-        full: bool,
-        is_active: Callable[[], bool],
-        time_left_s: float | None,
-        base_round: int = -1,
-    ) -> AbstractContextManager[Outgoing | None]:
-        """A download of round `step` for `peer`, whatever carries it (`spes.sync.downloads.Downloads.serve`)."""
-        return self.downloads.serve(peer, step, full, is_active, time_left_s, base_round)
 
     def wake(self) -> None:
         """Let waiting downloads re-check their callers (one went away)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -19,9 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from spes.sync.admission import require_joined
-from spes.sync.buffers import RoundMemory
-from spes.sync.closing import RoundCloser
-from spes.sync.codecs.interface import ServerCodec
+from spes.sync.closing import RoundCloser, RoundParts
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Refused
 from spes.sync.rounds import RoundState
@@ -55,17 +52,14 @@ class Downloads:
 
     def __init__(
         self,
-        cond: threading.Condition,
-        state: RoundState,
-        memory: RoundMemory,
-        codec: ServerCodec,
+        parts: RoundParts,
         closer: RoundCloser,
         joined: Collection[int],
         spec: Callable[[], RunSpec],
         stopping: Callable[[], bool],
     ) -> None:
-        self._cond, self._state, self._memory, self._codec, self._closer = cond, state, memory, codec, closer
-        self._joined, self._spec, self._stopping = joined, spec, stopping
+        self._cond, self._state, self._memory, self._codec = parts.cond, parts.state, parts.memory, parts.codec
+        self._closer, self._joined, self._spec, self._stopping = closer, joined, spec, stopping
         self.bytes_out = 0
         """Payload bytes sent by every download that ended."""
 

@@ -9,20 +9,17 @@ served model, and staged; the one that completes the round has it closed (`spes.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Collection
 
 import grpc
 
 from spes.sync.admission import Ticket, require_joined
-from spes.sync.buffers import RoundMemory
-from spes.sync.closing import RoundCloser
+from spes.sync.closing import RoundCloser, RoundParts
 from spes.sync.codecs.base import Payload
-from spes.sync.codecs.interface import ServerCodec
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason, Refused, Tensors
-from spes.sync.rounds import Completed, RoundState
+from spes.sync.rounds import Completed
 from spes.sync.spec import RunSpec
 from spes.sync.wire import BaseMismatch, CorruptChunk, TensorDecoder, wire_torch_dtype
 
@@ -36,17 +33,10 @@ class Uploads:
     """
 
     def __init__(
-        self,
-        cond: threading.Condition,
-        state: RoundState,
-        memory: RoundMemory,
-        codec: ServerCodec,
-        closer: RoundCloser,
-        joined: Collection[int],
-        spec: Callable[[], RunSpec],
+        self, parts: RoundParts, closer: RoundCloser, joined: Collection[int], spec: Callable[[], RunSpec]
     ) -> None:
-        self._cond, self._state, self._memory, self._codec, self._closer = cond, state, memory, codec, closer
-        self._joined, self._spec = joined, spec
+        self._cond, self._state, self._memory, self._codec = parts.cond, parts.state, parts.memory, parts.codec
+        self._closer, self._joined, self._spec = closer, joined, spec
         self._uploading: dict[int, Ticket] = {}
         """Per peer, the stream of its upload being received (a newer one supersedes it)."""
         self.bytes_in = 0
