@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import signal
@@ -54,6 +53,7 @@ from common import (
 from spes.config import TrainConfig, load_config
 from spes.launch import free_port
 from spes.sync.client import SyncClient
+from spes.sync.codecs.registry import REGISTRY
 from spes.sync.spec import RunSpec, run_spec
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
@@ -468,14 +468,10 @@ def bench_raw(
 
 
 def round_bytes(spec: RunSpec) -> tuple[list[int], list[int]]:
-    """Each peer's (up, down) payload bytes in a plain round of `spec` on its (raw) codec."""
-    manifest, codec = spec.manifest or {}, spec.codec_impl
-
-    def size(names: list[str]) -> int:
-        return sum(codec.round_bytes(math.prod(manifest[n])) for n in names)
-
-    peers = range(spec.num_peers)
-    return [size(spec.trainable(q)) for q in peers], [size(spec.downloads(q, merged=False)) for q in peers]
+    """Each peer's (up, down) payload bytes in a plain round of `spec` once every end holds a model (a held-model
+    codec's steady state; `RunSpec.round_bytes`)."""
+    both = [spec.round_bytes(q, merged=False) for q in range(spec.num_peers)]
+    return [up for up, _ in both], [down for _, down in both]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -490,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--up", type=int, default=0, help="(internal)")
     p.add_argument("--down", type=int, default=0, help="(internal)")
     p.add_argument("--max-bytes", type=int, default=0, help="(internal)")
-    p.add_argument("--codec", choices=["fp32", "bf16"], default="fp32", help="(internal) the run's codec")
+    p.add_argument("--codec", choices=sorted(REGISTRY), default="fp32", help="(internal) the run's codec")
     p.add_argument("--plane", choices=["grpc", "tcp"], default="grpc", help="(internal) where tensor payloads go")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 5, quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2, quick 0)")

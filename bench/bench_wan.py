@@ -46,6 +46,7 @@ from common import (
     REPO_ROOT,
     RESULTS_DIR,
     format_table,
+    idle_share,
     machine_info,
     manifest_bytes,
     manifest_of,
@@ -53,6 +54,7 @@ from common import (
     write_results,
 )
 from spes.config import load_config
+from spes.sync.codecs.registry import REGISTRY
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 RELAY = Path(__file__).resolve().parent / "link_relay.py"
@@ -86,6 +88,10 @@ SCALES = {
 }
 SPEEDS = {1000.0: 12, 100.0: 192, 20.0: 768}  # Mbit/s -> model scale
 SYNC_STEPS = (25, 50, 100, 200)
+FRAGMENTS = (1, 5)
+"""`spes_config.overlap_fragments` of the overlapped predictions."""
+WIRES = ("bf16", "fp32")
+PLANES = ("tcp", "grpc")
 
 
 @dataclass(frozen=True)
@@ -175,14 +181,19 @@ def measure(
 
 
 def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: float) -> list[dict[str, Any]]:
-    """The full 1B model's round at each measured speed (its bytes at the ideal rate over the efficiency
-    measured there) and, given a step time, the share of wall time a node is not training per `sync_steps`."""
+    """The full 1B model's round at each measured speed (its steady-state bytes at the ideal rate over the
+    efficiency measured there) and, given a step time, the share of wall time a node is not training per
+    `sync_steps`: blocking, and overlapped with 1 and 5 fragments (`idle_share`)."""
     rows = []
     for m in measured:
         up, down = round_bytes(node_run(PAPER_1B, [], m["wire"])[1])
         link = LinkSpec(m["peer_mbit"], m["server_mbit"], rtt_ms)
         round_s = link.ideal_seconds(up, down) / m["efficiency"]
-        idle = None if step_s is None else {s: round_s / (round_s + s * step_s) for s in SYNC_STEPS}
+        rtt_s = 2 * rtt_ms / 1000 / m["efficiency"]
+        idle, overlapped = None, None
+        if step_s is not None:
+            idle = {s: idle_share(round_s, step_s, s) for s in SYNC_STEPS}
+            overlapped = {f: {s: idle_share(round_s, step_s, s, f, rtt_s) for s in SYNC_STEPS} for f in FRAGMENTS}
         rows.append(
             {
                 "peer_mbit": m["peer_mbit"],
@@ -191,6 +202,7 @@ def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: flo
                 "bytes_per_peer": up[0] + down[0],
                 "round_s": round_s,
                 "idle_fraction": idle,
+                "idle_fraction_overlapped": overlapped,
             }
         )
     return rows
@@ -268,6 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains")
     p.add_argument(
+        "--wires",
+        nargs="+",
+        choices=sorted(REGISTRY),
+        default=None,
+        help=f"the codecs measured, each with its default settings (default {' '.join(WIRES)}; quick bf16)",
+    )
+    p.add_argument(
+        "--planes",
+        nargs="+",
+        choices=PLANES,
+        default=None,
+        help=f"where tensor payloads travel (default {' '.join(PLANES)}; quick tcp)",
+    )
+    p.add_argument(
         "--step_override",
         action="append",
         default=[],
@@ -293,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
     if unknown := [s for s in speeds if s not in SPEEDS]:
         p.error(f"--speeds {unknown}: each speed must be one of {list(SPEEDS)} (each has its model scale)")
-    wires, planes = (["bf16"], ["tcp"]) if args.quick else (["bf16", "fp32"], ["tcp", "grpc"])
+    wires = args.wires or (["bf16"] if args.quick else list(WIRES))
+    planes = args.planes or (["tcp"] if args.quick else list(PLANES))
     rounds = args.rounds or (1 if args.quick else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
     workdir = RESULTS_DIR / ("bench_wan_quick" if args.quick else "bench_wan")

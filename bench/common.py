@@ -249,3 +249,19 @@ def codec_choice(text: str) -> CodecChoice:
         return CodecChoice.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def idle_share(round_s: float, step_s: float, sync_steps: int, fragments: int = 0, rtt_s: float = 0.0) -> float:
+    """The share of a node's wall time not training, with rounds of `round_s` every `sync_steps` steps of `step_s`.
+
+    Blocking (`fragments` 0): round / (round + sync_steps * step). Overlapped with F fragments (F >= 1): every
+    sync_steps / F steps a round of 1/F of the model, applied that many steps later, one on the link at a time, so
+    a period of sync_steps steps (compute C = sync_steps * step) puts R = round + (F - 1) * rtt on the link (each
+    extra round pays its two round trips, `rtt_s` = 2 RTT over the link's efficiency) and the node waits for what
+    the link does not hide: max(0, R - C) / max(R, C).
+    """
+    compute = sync_steps * step_s
+    if not fragments:
+        return round_s / (round_s + compute)
+    link = round_s + (fragments - 1) * rtt_s
+    return max(0.0, link - compute) / max(link, compute)

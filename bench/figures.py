@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from statistics import median
 from typing import Any
 
-from records import CODEC_SEEDS, Missing, Records, codec_losses, wire_measured
+from records import CODEC_SEEDS, F5_RECORDS, Missing, Records, codec_losses, f5_arms, link, wire_measured
 
 Figure = Callable[[Records], str]
 FIGURES: dict[str, Figure] = {}
@@ -643,12 +643,72 @@ def _overlap_c05(r: Records) -> str:
     )
 
 
-@fig("overlap.f5_loss")
-def _overlap_f5(r: Records) -> str:
+@fig("overlap.f5_loss_other_commits")
+def _overlap_f5_other_commits(r: Records) -> str:
+    """The first fragment arms against blocking arms run at other commits (issue 30: superseded, kept as measured)."""
     return " and ".join(
         f"{_arm(r, n, 'spes_overlap_d2_f5')['vs_blocking']:+.2%}"
         for n in ("mini_repro_overlap_f5", "mini_repro_overlap_f5_seed7")
     )
+
+
+def _f5_vs_fp32(r: Records, arm: str) -> str:
+    """An arm of the overlapped schedules' comparisons (`F5_RECORDS`, each with its own blocking fp32 arm at the
+    same commit) against blocking fp32, in each seed measured (seed 6198's at least)."""
+    gaps, seeds = [], []
+    for suffix, seed in CODEC_SEEDS.items():
+        arms = next((a for a in f5_arms(r, suffix) if arm in a), None)
+        if arms is None:
+            if not suffix:
+                raise Missing(F5_RECORDS[-1])
+            continue
+        gaps.append(f"{arms[arm]['vs_fp32']:+.2%}")
+        seeds.append(str(seed))
+    return f"{' and '.join(gaps)} (seed{'s' * (len(seeds) > 1)} {' and '.join(seeds)})"
+
+
+def _f5_figure(arm: str) -> Figure:
+    return lambda r: _f5_vs_fp32(r, arm)
+
+
+FIGURES.update(
+    {
+        "overlap.f5_loss": _f5_figure("spes_overlap_d2_f5"),
+        "overlap.f5_int8_loss": _f5_figure("codec_int8_spes_overlap_d2_f5"),
+        "overlap.f5_sparse_loss": _f5_figure("codec_sparse_spes_overlap_d2_f5"),
+    }
+)
+
+
+def _same_shape_ratio(r: Records, arm: str) -> str:
+    """An overlapped arm's tokens/s over the blocking fp32 arm's on the mini-reproduction's model and peers."""
+    x = r("bench_overlap_f5_same_shape")
+    pairs = " and ".join(f"{p['ratios'][arm]:.2f}x" for p in x["pairs"])
+    return (
+        f"{x['ratios'][arm]:.2f}x (median of {len(x['pairs'])} pairs in the order AB, BA: {pairs}; ideal "
+        f"{x['ideal_ratio']:.2f}x)"
+    )
+
+
+def _ratio_figure(arm: str) -> Figure:
+    return lambda r: _same_shape_ratio(r, arm)
+
+
+FIGURES.update(
+    {
+        "overlap.f5_same_shape_ratio": _ratio_figure("overlapped"),
+        "overlap.f5_int8_same_shape_ratio": _ratio_figure("overlapped_int8"),
+    }
+)
+
+
+@fig("wan.codec_efficiency")
+def _wan_codec_efficiency(r: Records) -> str:
+    """Each codec's measured round against the emulated link's ideal for its bytes, per link (bench_wan_codecs)."""
+    by: dict[str, list[str]] = {}
+    for m in r("bench_wan_codecs")["measurements"]:
+        by.setdefault(m["wire"], []).append(f"{m['efficiency']:.0%} at {link(m['peer_mbit'])}")
+    return "; ".join(f"{wire}: {', '.join(parts)}" for wire, parts in by.items())
 
 
 @fig("overlap.whole_ratio")

@@ -237,6 +237,12 @@ EQUIVALENT: dict[str, str] = {
         "merge_experts's three results; the blocks and their split by sizes)",
     ),
     **mutants(
+        "spes.sync.merge.x_build_global",
+        "16 17",
+        "the message of `assert per_block is not None`: an internal invariant (the coordinator builds rounds over a "
+        "complete run spec only), so no test can reach the message",
+    ),
+    **mutants(
         "spes.sync.merge.x_mean_over_peers",
         "18",
         "fp32 tensors added through the widening scratch buffer and bf16 ones by torch's mixed-dtype add: both add "

@@ -27,7 +27,7 @@ KNOWN_GAPS = {
     "bench_soak_no_chaos": "no command; no commit",
     "bench_wan_gpu": "dirty tree, diff not kept",
     "bench_wan_gpu_steps": "commit not a full hash; no machine",
-    "code_stats": "dirty tree, diff not kept; no machine",
+    "code_stats": "no machine",
     "code_stats_92d762a": "dirty tree, diff not kept; no machine",
     "code_stats_92d762a_ruff_format": "dirty tree, diff not kept; no machine",
     "code_stats_after": "no machine",
@@ -49,8 +49,30 @@ COMMANDS = {
     "mini_repro_codecs_diloco": "python bench/mini_repro.py --codecs sparse --dilico",
     "bench_wire_sparse": "python bench/bench_wire.py",
     "bench_overlap_f5_same_shape": (
-        "python bench/bench_overlap.py --fragments 5 --repeats 2 on the model and peers whose loss "
-        "bench/mini_repro.py --overlap --overlap_fragments 5 measures (issue 30 point 2)"
+        "python bench/bench_overlap.py --shape mini_repro --fragments 5 --codecs fp32 int8 --repeats 2 --steps 200 "
+        "--out bench/results/bench_overlap_f5_same_shape.json"
+    ),
+    "mini_repro_codecs_f5": (
+        "python bench/mini_repro.py --codecs bf16 --overlap --overlap_fragments 5 --only spes_overlap_d2_f5 "
+        "codec_bf16 --runs bench/results/mini_repro_codecs_f5 --out bench/results/mini_repro_codecs_f5.json"
+    ),
+    "mini_repro_codecs_f5_seed7": (
+        "python bench/mini_repro.py --codecs bf16 --overlap --overlap_fragments 5 --only spes_overlap_d2_f5 "
+        "codec_bf16 --seed 7 --runs bench/results/mini_repro_codecs_f5_seed7 "
+        "--out bench/results/mini_repro_codecs_f5_seed7.json"
+    ),
+    "mini_repro_codecs_f5_held": (
+        "python bench/mini_repro.py --codecs int8 sparse --overlap --overlap_fragments 5 --only "
+        "codec_int8_spes_overlap_d2_f5 codec_sparse_spes_overlap_d2_f5 --runs bench/results/mini_repro_codecs_f5_held "
+        "--out bench/results/mini_repro_codecs_f5_held.json"
+    ),
+    "mini_repro_codecs_f5_held_seed7": (
+        "python bench/mini_repro.py --codecs int8 sparse --overlap --overlap_fragments 5 --only "
+        "codec_int8_spes_overlap_d2_f5 --seed 7 --runs bench/results/mini_repro_codecs_f5_held_seed7 "
+        "--out bench/results/mini_repro_codecs_f5_held_seed7.json"
+    ),
+    "bench_wan_codecs": (
+        "python bench/bench_wan.py --wires bf16 int8 sparse --planes tcp --out bench/results/bench_wan_codecs.json"
     ),
 }
 """The command that writes a record not committed yet (a record that exists names its own)."""
@@ -132,22 +154,53 @@ def provenance_gap(record: dict[str, Any]) -> str | None:
     return "; ".join(gaps) or None
 
 
+def link(mbit: float) -> str:
+    """A link speed as the tables and sentences name it."""
+    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
 CODEC_SEEDS = {"": 6198, "_seed7": 7}
 """The mini-reproduction's seeds by record suffix."""
+
+
+CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5")
+"""The SPES codec comparisons of the mini-reproduction, each seed's under its suffix: the codec curve, and the
+comparison of the overlapped schedules on each codec (with bf16's blocking arm)."""
+
+
+F5_RECORDS = ("mini_repro_codecs_f5", "mini_repro_codecs_f5_held")
+"""The comparisons of the overlapped schedules (5 fragments) on each codec against blocking fp32, each seed's under
+its suffix: the raw codecs' run, and the held-model codecs' run after their fix (1d792a4), each with its own blocking
+fp32 arm at its commit."""
+
+
+def f5_arms(records: Records, suffix: str = "") -> list[dict[str, Any]]:
+    """The arms of each of `F5_RECORDS<suffix>` that is committed."""
+    found = []
+    for name in F5_RECORDS:
+        try:
+            found.append(records(f"{name}{suffix}")["arms"])
+        except Missing:
+            continue
+    return found
 
 
 def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float, float]:
     """(fp32, codec) final validation losses of the SPES arm in one seed's codec comparison (`suffix`: "" or
     "_seed7"): int8's from its own records (`mini_repro.py --int8`, the comparison's first form), every other
-    codec's from its arm `codec_<codec>` in `mini_repro_codecs<suffix>`; Missing when that run has no such arm."""
+    codec's from its arm `codec_<codec>` in the first of `CODEC_RECORDS<suffix>` that has it (each compares its
+    arms with its own fp32 arm); Missing when none has."""
     if codec == "int8":
         x = records(f"mini_repro_int8{suffix}")
         return x["final_val_loss"]["spes"], x["final_val_loss"]["spes_int8"]
-    name = f"mini_repro_codecs{suffix}"
-    arms = records(name)["arms"]
-    if f"codec_{codec}" not in arms:
-        raise Missing(name)
-    return arms["spes"]["final_val_loss"], arms[f"codec_{codec}"]["final_val_loss"]
+    for name in (f"{n}{suffix}" for n in CODEC_RECORDS):
+        try:
+            arms = records(name)["arms"]
+        except Missing:
+            continue
+        if f"codec_{codec}" in arms:
+            return arms["spes"]["final_val_loss"], arms[f"codec_{codec}"]["final_val_loss"]
+    raise Missing(f"{CODEC_RECORDS[-1]}{suffix}")
 
 
 def wire_measured(records: Records) -> dict[str, Any]:

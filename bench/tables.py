@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from records import CODEC_SEEDS, Missing, Records, codec_losses, not_measured, wire_measured
+from common import idle_share
+from records import CODEC_SEEDS, F5_RECORDS, Missing, Records, codec_losses, link, not_measured, wire_measured
 
 GIB, MIB = 2**30, 2**20
 
@@ -335,7 +336,15 @@ def codec_loss_table(records: Records) -> str:
 def codec_curve_table(records: Records) -> str:
     """Every arm of the codec comparisons: bits per parameter per peer and round against the final loss."""
     rows = []
-    for name in ("mini_repro_codecs", "mini_repro_codecs_seed7", "mini_repro_codecs_diloco"):
+    for name in (
+        "mini_repro_codecs",
+        "mini_repro_codecs_seed7",
+        "mini_repro_codecs_diloco",
+        "mini_repro_codecs_f5",
+        "mini_repro_codecs_f5_seed7",
+        "mini_repro_codecs_f5_held",
+        "mini_repro_codecs_f5_held_seed7",
+    ):
         try:
             x = records(name)
         except Missing:
@@ -645,10 +654,6 @@ def span_of(pair: list[float], spec: str) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-def link(mbit: float) -> str:
-    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
-
-
 @block("bench-wan")
 def wan_table(records: Records) -> str:
     rows = [
@@ -794,45 +799,99 @@ def overlap_loss_table(records: Records) -> str:
     return f"{table(head, rows)}\n\n{note}"
 
 
+F5_ARMS = {
+    "spes": "blocking, fp32",
+    "codec_bf16": "blocking, bf16",
+    "spes_overlap_d2_f5": "overlap + 5 fragments, fp32",
+    "codec_int8_spes_overlap_d2_f5": "overlap + 5 fragments, int8",
+    "codec_sparse_spes_overlap_d2_f5": "overlap + 5 fragments, sparse",
+}
+"""The arms of `mini_repro.py --codecs bf16 int8 sparse --overlap --overlap_fragments 5 --only ...`, in order."""
+
+
+@block("overlap-codecs")
+def overlap_codecs_table(records: Records) -> str:
+    """Each seed's overlapped schedules and codecs against blocking fp32: each comparison (`F5_RECORDS`) with its
+    own blocking fp32 arm, every arm of a comparison at one commit."""
+    rows = []
+    for suffix, seed in CODEC_SEEDS.items():
+        for name in F5_RECORDS:
+            try:
+                rows += _f5_rows(records(f"{name}{suffix}"), seed)
+            except Missing:
+                continue
+    if not rows:
+        raise Missing(F5_RECORDS[0])
+    headers = ["seed", "schedule and codec", "final val loss", "vs blocking fp32", "bits/param/round", "commit"]
+    return table(headers, rows)
+
+
+def _f5_rows(x: dict[str, Any], seed: int) -> list[list[str]]:
+    """One comparison's arms, its blocking fp32 arm first."""
+    rows = []
+    for arm, label in F5_ARMS.items():
+        if arm in x["arms"]:
+            a = x["arms"][arm]
+            gap = "" if arm == "spes" else f"**{a['vs_fp32']:+.2%}**"
+            commit = short(a["run"]["commit"]) if a["run"] else ""
+            rows.append(
+                [f"seed {seed}", label, f"{a['final_val_loss']:.4f}", gap, f"{a['bits_per_param']['last']:.2f}", commit]
+            )
+    return rows
+
+
+OVERLAP_RECORDS = (
+    "bench_overlap",
+    "bench_overlap_0022",
+    "bench_overlap_2309",
+    "bench_overlap_2345",
+    "bench_overlap_f5",
+    "bench_overlap_f5_pair2",
+    "bench_overlap_f5_by_values",
+    "bench_overlap_f5_2layers",
+    "bench_overlap_f5_same_shape",
+)
+
+
+def _throughput_rows(name: str, x: dict[str, Any]) -> list[list[str]]:
+    """A bench_overlap record's runs, pair by pair: the blocking arm, then each overlapped arm with its ratio."""
+    layers = next((o.split("=")[1] for o in x["overrides"] if o.startswith("--model.n_layers=")), "2")
+    shape = "the mini-reproduction's model" if x.get("shape") == "mini_repro" else f"{layers} layers"
+    what = f"`{name}.json`: {x['peers']} peers, {shape}, F = {x.get('fragments') or 1}, {x['link']['mbit']:.1f} Mbit/s"
+    arms = ["blocking", *x.get("codecs", {"overlapped": "fp32"})]
+    rows = []
+    for i, pair in enumerate(x["pairs"], 1):
+        ratios = pair.get("ratios", {"overlapped": pair["ratio"]})
+        order = "AB" if min(arms, key=lambda arm: pair[arm]["machine"]["when"]) == "blocking" else "BA"
+        for arm in arms:
+            a = pair[arm]
+            waited = sum(a["waited_s"]) / len(a["waited_s"]) / a["train_wall_s"]
+            rows.append(
+                [
+                    what if i == 1 and arm == "blocking" else "",
+                    f"{i} ({order})",
+                    arm,
+                    f"{a['median_step_s']:.2f}",
+                    f"{a['round_s']:.1f}",
+                    f"{a['train_wall_s']:.0f}",
+                    f"{a['tokens'] / a['train_wall_s']:,.0f}",
+                    f"{waited:.0%}",
+                    f"{a['machine']['load_avg_1_5_15'][0]:.1f}",
+                    f"**{ratios[arm]:.2f}x**" if arm in ratios else "",
+                ]
+            )
+    return rows
+
+
 @block("overlap-throughput")
 def overlap_throughput_table(records: Records) -> str:
     rows = []
-    for name in (
-        "bench_overlap",
-        "bench_overlap_0022",
-        "bench_overlap_2309",
-        "bench_overlap_2345",
-        "bench_overlap_f5",
-        "bench_overlap_f5_pair2",
-        "bench_overlap_f5_by_values",
-        "bench_overlap_f5_2layers",
-    ):
-        x = records(name)
-        layers = next((o.split("=")[1] for o in x["overrides"] if o.startswith("--model.n_layers=")), "2")
-        what = (
-            f"`{name}.json`: {x['peers']} peers, {layers} layers, F = {x.get('fragments') or 1}, "
-            f"{x['link']['mbit']:.1f} Mbit/s"
-        )
-        for i, pair in enumerate(x["pairs"], 1):
-            first = min(("blocking", "overlapped"), key=lambda arm: pair[arm]["machine"]["when"])
-            order = "AB" if first == "blocking" else "BA"
-            for arm in ("blocking", "overlapped"):
-                a = pair[arm]
-                waited = sum(a["waited_s"]) / len(a["waited_s"]) / a["train_wall_s"]
-                rows.append(
-                    [
-                        what if i == 1 and arm == "blocking" else "",
-                        f"{i} ({order})",
-                        arm,
-                        f"{a['median_step_s']:.2f}",
-                        f"{a['round_s']:.1f}",
-                        f"{a['train_wall_s']:.0f}",
-                        f"{a['tokens'] / a['train_wall_s']:,.0f}",
-                        f"{waited:.0%}",
-                        f"{a['machine']['load_avg_1_5_15'][0]:.1f}",
-                        f"**{pair['ratio']:.2f}x**" if arm == "overlapped" else "",
-                    ]
-                )
+    for name in OVERLAP_RECORDS:
+        try:
+            rows += _throughput_rows(name, records(name))
+        except Missing:
+            if name != OVERLAP_RECORDS[-1]:  # NOTE: the same-shape record is the one a later run adds
+                raise
     return table(
         [
             "record",
@@ -952,6 +1011,38 @@ def wan_rounds_table(records: Records) -> str:
         for mbit in sorted({k[0] for k in by}, reverse=True)
     ]
     return table(["link (peer and server)", "bf16 round", "fp32 round"], rows)
+
+
+IDLE_SCHEMES = (
+    ("bf16", 0, "bf16, blocking"),
+    ("int8", 0, "int8, blocking"),
+    ("int8", 5, "int8 + overlap + 5 fragments"),
+    ("sparse", 0, "sparse, blocking"),
+    ("sparse", 5, "sparse + overlap + 5 fragments"),
+)
+"""The rows of the codec idle table: (codec, `overlap_fragments` or 0 for blocking rounds, label)."""
+IDLE_SYNC_STEPS = (25, 50, 100, 200)
+
+
+@block("idle-codecs")
+def idle_codecs_table(records: Records) -> str:
+    """The 1B node's share of wall time not training, per link and codec, blocking and overlapped with 5 fragments
+    (`common.idle_share`): each codec's 1B round at the efficiency measured for it on the emulated link
+    (bench_wan_codecs), and the step measured on an H200 with `grouped_mm` (bench_wan_gpu_steps)."""
+    x = records("bench_wan_codecs")
+    step = next(run for run in records("bench_wan_gpu_steps")["runs"] if run["moe_backend"] == "grouped_mm")
+    by = {(p["peer_mbit"], p["wire"]): p for p in x["prediction_1b"]}
+    efficiency = {(m["peer_mbit"], m["wire"]): m["efficiency"] for m in x["measurements"]}
+    rows = []
+    for mbit in sorted({m for m, _ in by}, reverse=True):
+        for wire, fragments, label in IDLE_SCHEMES:
+            if (mbit, wire) not in by:
+                continue
+            round_s, rtt_s = by[(mbit, wire)]["round_s"], 2 * x["rtt_ms"] / 1000 / efficiency[(mbit, wire)]
+            idle = (idle_share(round_s, step["step_s"], s, fragments, rtt_s) for s in IDLE_SYNC_STEPS)
+            rows.append([link(mbit), label, f"{round_s:,.0f} s", *(f"{v:.1%}" for v in idle)])
+    headers = ["link", "codec and schedule", "1B round", f"`sync_steps` {IDLE_SYNC_STEPS[0]}"]
+    return table([*headers, *map(str, IDLE_SYNC_STEPS[1:])], rows)
 
 
 @block("wan-idle")

@@ -534,7 +534,14 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        m, s = self.model, self.spes_config
+        self._check_batches_and_duration()
+        if self.sync_enabled:
+            self._check_sync()
+        if self.mode == "spes":
+            self._check_ownership()
+
+    def _check_batches_and_duration(self) -> None:
+        """Batch sizes that divide, a parseable duration, positive limits."""
         _require(
             self.global_train_batch_size > 0, "global_train_batch_size", self.global_train_batch_size, "must be > 0"
         )
@@ -554,73 +561,78 @@ class TrainConfig:
         parse_duration(self.max_duration)
         _require(self.time_limit is None or self.time_limit > 0, "time_limit", self.time_limit, "must be > 0 seconds")
         _require(self.skip_nonfinite_steps >= 0, "skip_nonfinite_steps", self.skip_nonfinite_steps, "must be >= 0")
-        if self.sync_enabled:
-            _require(s.num_peers >= 1, "spes_config.num_peers", s.num_peers, "must be >= 1")
-            _require(
-                0 <= s.peer_id < s.num_peers,
-                "spes_config.peer_id",
-                s.peer_id,
-                f"must be in [0, num_peers={s.num_peers})",
-            )
-            _require(s.sync_steps >= 1, "spes_config.sync_steps", s.sync_steps, "must be >= 1")
-            _require(
-                s.decayed_factor_update_steps >= 1,
-                "spes_config.decayed_factor_update_steps",
-                s.decayed_factor_update_steps,
-                "must be >= 1",
-            )
-            _require(
-                re.fullmatch(r"\[?[\w.:-]+\]?:\d+", s.server_addr) is not None,
-                "spes_config.server_addr",
-                s.server_addr,
-                "must be host:port",
-            )
-            _require(
-                s.overlap_fragments >= 1 and s.sync_steps % s.overlap_fragments == 0,
-                "spes_config.overlap_fragments",
-                s.overlap_fragments,
-                f"must be >= 1 and divide sync_steps={s.sync_steps}: a fragment's round comes every sync_steps / F "
-                "steps",
-            )
-            _require(
-                s.overlap_sync or s.overlap_fragments == 1,
-                "spes_config.overlap_fragments",
-                s.overlap_fragments,
-                "needs spes_config.overlap_sync=true: fragments are for rounds that overlap training",
-            )
-            _require(
-                0 <= s.overlap_delay <= s.round_interval,
-                "spes_config.overlap_steps",
-                s.overlap_steps,
-                f"must be in [0, {s.round_interval}] (sync_steps / overlap_fragments): a round must land before the "
-                "next one is uploaded",
-            )
-            _require(
-                0.0 < s.overlap_correction <= 1.0,
-                "spes_config.overlap_correction",
-                s.overlap_correction,
-                "must be in (0, 1]: the share of each round's correction a node applies (0 would never sync)",
-            )
-            _require(
-                self.server.min_peers is None or self.server.min_peers <= s.num_peers,
-                "server.min_peers",
-                self.server.min_peers,
-                f"must be <= spes_config.num_peers={s.num_peers}",
-            )
-        if self.mode == "spes":
-            check_outer_optimizer(self.server, self.mode)
-            k = s.num_train_experts_per_node
-            _require(k >= 1, "spes_config.num_train_experts_per_node", k, "must be >= 1")
-            # NOTE: peer p owns [p*k, min((p+1)*k, E)); every expert needs an owner, while peers past the last
-            # block (P*k > E, as in the upcycled 9B run: 8 experts, 8 peers x 2) train only the shared parameters.
-            _require(
-                s.num_peers * k >= m.moe_num_experts,
-                "model.moe_num_experts",
-                m.moe_num_experts,
-                f"has experts no peer owns: num_peers={s.num_peers} x num_train_experts_per_node={k} "
-                f"covers only {s.num_peers * k} (e.g. set num_train_experts_per_node="
-                f"{math.ceil(m.moe_num_experts / s.num_peers)})",
-            )
+
+    def _check_sync(self) -> None:
+        """The node's `spes_config` (peers, server address, the round schedule, overlap) and `server.min_peers`."""
+        s = self.spes_config
+        _require(s.num_peers >= 1, "spes_config.num_peers", s.num_peers, "must be >= 1")
+        _require(
+            0 <= s.peer_id < s.num_peers,
+            "spes_config.peer_id",
+            s.peer_id,
+            f"must be in [0, num_peers={s.num_peers})",
+        )
+        _require(s.sync_steps >= 1, "spes_config.sync_steps", s.sync_steps, "must be >= 1")
+        _require(
+            s.decayed_factor_update_steps >= 1,
+            "spes_config.decayed_factor_update_steps",
+            s.decayed_factor_update_steps,
+            "must be >= 1",
+        )
+        _require(
+            re.fullmatch(r"\[?[\w.:-]+\]?:\d+", s.server_addr) is not None,
+            "spes_config.server_addr",
+            s.server_addr,
+            "must be host:port",
+        )
+        _require(
+            s.overlap_fragments >= 1 and s.sync_steps % s.overlap_fragments == 0,
+            "spes_config.overlap_fragments",
+            s.overlap_fragments,
+            f"must be >= 1 and divide sync_steps={s.sync_steps}: a fragment's round comes every sync_steps / F steps",
+        )
+        _require(
+            s.overlap_sync or s.overlap_fragments == 1,
+            "spes_config.overlap_fragments",
+            s.overlap_fragments,
+            "needs spes_config.overlap_sync=true: fragments are for rounds that overlap training",
+        )
+        _require(
+            0 <= s.overlap_delay <= s.round_interval,
+            "spes_config.overlap_steps",
+            s.overlap_steps,
+            f"must be in [0, {s.round_interval}] (sync_steps / overlap_fragments): a round must land before the "
+            "next one is uploaded",
+        )
+        _require(
+            0.0 < s.overlap_correction <= 1.0,
+            "spes_config.overlap_correction",
+            s.overlap_correction,
+            "must be in (0, 1]: the share of each round's correction a node applies (0 would never sync)",
+        )
+        _require(
+            self.server.min_peers is None or self.server.min_peers <= s.num_peers,
+            "server.min_peers",
+            self.server.min_peers,
+            f"must be <= spes_config.num_peers={s.num_peers}",
+        )
+
+    def _check_ownership(self) -> None:
+        """SPES: the outer optimizer is off and every expert has an owning peer."""
+        m, s = self.model, self.spes_config
+        check_outer_optimizer(self.server, self.mode)
+        k = s.num_train_experts_per_node
+        _require(k >= 1, "spes_config.num_train_experts_per_node", k, "must be >= 1")
+        # NOTE: peer p owns [p*k, min((p+1)*k, E)); every expert needs an owner, while peers past the last
+        # block (P*k > E, as in the upcycled 9B run: 8 experts, 8 peers x 2) train only the shared parameters.
+        _require(
+            s.num_peers * k >= m.moe_num_experts,
+            "model.moe_num_experts",
+            m.moe_num_experts,
+            f"has experts no peer owns: num_peers={s.num_peers} x num_train_experts_per_node={k} "
+            f"covers only {s.num_peers * k} (e.g. set num_train_experts_per_node="
+            f"{math.ceil(m.moe_num_experts / s.num_peers)})",
+        )
 
     @property
     def mode(self) -> RunMode:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.config import ConfigError, load_config, node_data_seed
+from spes.config import ConfigError, TrainConfig, load_config, node_data_seed
 
 STOP_GRACE_S = 10.0
 """How long a stopped peer (then the server) has to save and exit before it is killed."""
@@ -77,74 +77,32 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(args.out)
     try:
-        codec = [f"--spes_config.codec={args.codec}"] if args.codec else []
-        run = [*overrides, *(["--using_dilico=true"] if args.dilico else []), *codec]
-        cfg, _ = load_config(args.config, run)
-        if not cfg.sync_enabled:
-            raise ConfigError(
-                f"{args.config} is a centralized run (using_spes: false): train it with "
-                "python -m spes.train, which needs no server"
-            )
+        cfg, run = load_run(args, overrides)
+        eval_peers = check_eval_peers(args.eval_peers, cfg.num_peers)
+        resume = resume_flags(out, args.resume)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    peers = cfg.num_peers
-    eval_peers = peers if args.eval_peers is None else args.eval_peers
-    if not 1 <= eval_peers <= peers:
-        print(f"error: --eval_peers={args.eval_peers} must be between 1 and the run's {peers} peers", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    held = previous_run(out)
-    if held and not args.resume:
-        print(
-            f"error: {out} holds {held}: pass --resume (quickstart: RESUME=1) to continue it, or another --out "
-            "(quickstart: OUT=...) for a new run",
-            file=sys.stderr,
-        )
-        return 2
-    resume = ["--resume=auto", *([f"--spes_config.run_id={run_id}"] if (run_id := held_run_id(out)) else [])]
     out.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    server_cmd = [
-        sys.executable,
-        "-m",
-        "spes.server",
-        args.config,
-        *run,
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--data_port",
-        "0",
-        "--state_dir",
-        str(out / "server_state"),
-    ]
+    seeds = [node_data_seed(cfg.data_seed, i) for i in range(cfg.num_peers)]  # as the first implementation's launchers
     procs: dict[str, subprocess.Popen] = {}
     sigterm_as_interrupt()
     started = time.time()
     try:
-        procs["server"] = _spawn(server_cmd, out / "server.log", env)
-        seeds = [node_data_seed(cfg.data_seed, i) for i in range(peers)]  # as the first implementation's launchers
-        for i in range(peers):
+        procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env)
+        for i, seed in enumerate(seeds):
             peer_cmd = [
-                sys.executable,
-                "-m",
-                "spes.train",
-                args.config,
-                *run,
-                f"--spes_config.peer_id={i}",
-                f"--data.seed={seeds[i]}",
-                f"--spes_config.server_addr=127.0.0.1:{port}",
-                f"--save_folder={out}/node{i}",
+                *peer_command(args.config, run, i, seed, port, out),
                 *(["--eval_interval=null"] if i >= eval_peers else []),
-                *(resume if args.resume else []),
+                *resume,
             ]
             procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
         print(
-            f"started server on 127.0.0.1:{port} and {peers} peers (data seeds {seeds}); logs in {out}/ "
+            f"started server on 127.0.0.1:{port} and {cfg.num_peers} peers (data seeds {seeds}); logs in {out}/ "
             "(following peer0.log)"
         )
         code = _wait(procs, out / "peer0.log", args.timeout)
@@ -158,10 +116,80 @@ def main(argv: list[str] | None = None) -> int:
         _stop_all(procs)
     if code != 0:
         return code
-    summary = summarize(out, peers, time.time() - started)
+    summary = summarize(out, cfg.num_peers, time.time() - started)
     print(format_summary(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
+
+
+def load_run(args: argparse.Namespace, overrides: list[str]) -> tuple[TrainConfig, list[str]]:
+    """The run's config and the overrides every process of it gets (the launcher's flags folded in); a centralized
+    run is refused (it needs no server)."""
+    codec = [f"--spes_config.codec={args.codec}"] if args.codec else []
+    run = [*overrides, *(["--using_dilico=true"] if args.dilico else []), *codec]
+    cfg, _ = load_config(args.config, run)
+    if not cfg.sync_enabled:
+        raise ConfigError(
+            f"{args.config} is a centralized run (using_spes: false): train it with "
+            "python -m spes.train, which needs no server"
+        )
+    return cfg, run
+
+
+def check_eval_peers(eval_peers: int | None, peers: int) -> int:
+    """How many peers (ids 0..N-1) run the validation evaluations: `--eval_peers`, by default all."""
+    chosen = peers if eval_peers is None else eval_peers
+    if not 1 <= chosen <= peers:
+        raise ConfigError(f"--eval_peers={eval_peers} must be between 1 and the run's {peers} peers")
+    return chosen
+
+
+def resume_flags(out: Path, resume: bool) -> list[str]:
+    """The peers' flags to continue the run `out` holds (none without `--resume`); refuses a run held there
+    without it, so a new run never lands on an old one."""
+    held = previous_run(out)
+    if held and not resume:
+        raise ConfigError(
+            f"{out} holds {held}: pass --resume (quickstart: RESUME=1) to continue it, or another --out "
+            "(quickstart: OUT=...) for a new run"
+        )
+    if not resume:
+        return []
+    return ["--resume=auto", *([f"--spes_config.run_id={run_id}"] if (run_id := held_run_id(out)) else [])]
+
+
+def server_command(config: str, run: list[str], port: int, out: Path) -> list[str]:
+    """The parameter server of the run on loopback `port`, its data plane on a free port, its state under `out`."""
+    return [
+        sys.executable,
+        "-m",
+        "spes.server",
+        config,
+        *run,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--data_port",
+        "0",
+        "--state_dir",
+        str(out / "server_state"),
+    ]
+
+
+def peer_command(config: str, run: list[str], peer: int, seed: int, port: int, out: Path) -> list[str]:
+    """Node `peer` of the run, reading its data in the order of `seed`, saving under `out`/node`peer`."""
+    return [
+        sys.executable,
+        "-m",
+        "spes.train",
+        config,
+        *run,
+        f"--spes_config.peer_id={peer}",
+        f"--data.seed={seed}",
+        f"--spes_config.server_addr=127.0.0.1:{port}",
+        f"--save_folder={out}/node{peer}",
+    ]
 
 
 def previous_run(out: Path) -> str:

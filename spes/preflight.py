@@ -326,7 +326,7 @@ def check_link(
 
     s = cfg.spes_config
     try:
-        stats = client.measure_link(link_bytes)
+        stats = client.connection.measure_link(link_bytes)
     except SyncError as exc:
         return fail("link", str(exc), "check the network between this node and the server (and its data port)")
     up, down = client.spec.round_bytes(s.peer_id, merged=False)

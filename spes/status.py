@@ -14,7 +14,7 @@ import grpc
 
 from spes.config import SpesConfig
 from spes.sync.auth import TOKEN_ENV, read_token
-from spes.sync.client import open_channel
+from spes.sync.connection import open_channel
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.status import describe

@@ -472,10 +472,24 @@ def test_link_relay_carries_every_byte_both_ways(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_wan_quick(tmp_path: Path) -> None:
-    results, _ = run_bench("bench_wan", tmp_path)
-    (m,) = results["measurements"]
-    assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0  # the same bytes, read from the peers
-    assert m["ideal_s"] > 0 and m["efficiency"] > 0 and m["raw_efficiency"] > 0
+    """bf16 and the sparse codec through the emulated link; after the first (full) round, sparse rounds move
+    exactly the steady-state bytes the run spec predicts, which the raw baseline moves too."""
+    results, _ = run_bench("bench_wan", tmp_path, "--wires", "bf16", "sparse", "--warmup", "1")
+    bf16, sparse = results["measurements"]
+    for m in (bf16, sparse):
+        assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0  # the same bytes, read from the peers
+        assert m["ideal_s"] > 0 and m["efficiency"] > 0 and m["raw_efficiency"] > 0
+    assert sparse["spes_rounds"][0]["bytes"] < bf16["spes_rounds"][0]["bytes"] / 4
+    assert [p["wire"] for p in results["prediction_1b"]] == ["bf16", "sparse"]
+
+
+def test_idle_share_blocking_and_overlapped() -> None:
+    from common import idle_share
+
+    assert idle_share(10.0, 1.0, 10) == 0.5  # a round as long as the steps between rounds: half the time
+    assert idle_share(5.0, 1.0, 10, fragments=1) == 0.0  # hidden behind 10 steps
+    assert idle_share(20.0, 1.0, 10, fragments=1) == 0.5  # waits 10 s of every 20
+    assert idle_share(8.0, 1.0, 10, fragments=5, rtt_s=1.0) == 2.0 / 12.0  # 4 more rounds' round trips: 12 s
 
 
 @pytest.mark.slow
@@ -490,15 +504,39 @@ def test_bench_overlap_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
         "2",
         "--sync_steps",
         "4",
+        "--codecs",
+        "fp32",
+        "int8",
         *corpus_flags(tiny_corpus, valid=False),
     )
     (pair,) = results["pairs"]
-    blocking, overlapped = pair["blocking"], pair["overlapped"]
-    assert blocking["tokens"] == overlapped["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 steps x 16 sequences of 64
-    assert blocking["rounds"] == [1, 1] and overlapped["rounds"] == [2, 2]  # fragment 1 at step 2, whole at 4
+    blocking, overlapped, coded = pair["blocking"], pair["overlapped"], pair["overlapped_int8"]
+    assert blocking["tokens"] == overlapped["tokens"] == coded["tokens"] == 2 * 4 * 16 * 64  # 2 peers x 4 x 16 x 64
+    assert blocking["rounds"] == [1, 1] and overlapped["rounds"] == coded["rounds"] == [2, 2]  # steps 2 and 4
     assert "--spes_config.overlap_fragments=2" in results["overlap_flags"]
     assert all(b > 0 for b in overlapped["relay_bytes"]["bytes_up"] + overlapped["relay_bytes"]["bytes_down"])
-    assert results["ratio"] == pair["ratio"] > 0 and "overlapped / blocking tokens/s" in stdout
+    assert sum(coded["bytes_up"]) < sum(overlapped["bytes_up"])  # int8 deltas after the first (full) round
+    assert results["codecs"] == {"overlapped": "fp32", "overlapped_int8": "int8"}
+    assert results["ratio"] == pair["ratio"] == results["ratios"]["overlapped"] > 0
+    assert results["ratios"]["overlapped_int8"] == pair["ratios"]["overlapped_int8"] > 0
+    assert "overlapped / blocking tokens/s" in stdout and "overlapped_int8 / blocking tokens/s" in stdout
+
+
+def test_bench_overlap_mini_repro_shape_is_the_mini_reproductions_run() -> None:
+    """`--shape mini_repro` trains bench/mini_repro.py's model, peers, batch and merge warm-up (a valid config)."""
+    from bench_overlap import Shape, mini_repro_shape
+    from mini_repro import FULL
+    from spes.config import load_config
+
+    shape = mini_repro_shape()
+    cfg, _ = load_config(REPO / "configs" / "tiny.yaml", list(shape.overrides))
+    assert shape == Shape(4, shape.overrides) and cfg.spes_config.num_peers == 4
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.global_train_batch_size) == (
+        FULL.d_model,
+        FULL.n_layers,
+        FULL.peer_batch,
+    )
+    assert cfg.server.merge_interval == FULL.merge_interval
 
 
 def test_bench_overlap_refuses_arms_that_differ() -> None:
@@ -526,6 +564,12 @@ def test_bench_overlap_refuses_arms_that_differ() -> None:
     ]
     bypassed = {**arm, "relay_bytes": {"bytes_up": [0, 250], "bytes_down": [300, 300]}}
     assert "did it bypass the link?" in check_premises(arm, bypassed)[0]
+    coded = {**fragmented, "bytes_up": [60.0, 60.0], "relay_bytes": {"bytes_up": [70, 70], "bytes_down": [9, 9]}}
+    assert check_premises(arm, coded, fragments=2, codec="int8") == []  # fewer bytes by design, same tokens
+    assert "uploaded less" in check_premises(arm, coded, fragments=2)[0]
+    assert check_premises(arm, {**coded, "steps": [4, 3]}, fragments=2, codec="int8") == [
+        "steps differ: blocking [4, 4], overlapped [4, 3]"
+    ]
 
 
 def test_bench_fused_loss_quick(tmp_path: Path) -> None:

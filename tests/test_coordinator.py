@@ -52,24 +52,24 @@ def test_a_round_through_the_coordinator_alone() -> None:
     service = coordinator(SPEC)
     try:
         with pytest.raises(Refused) as err:
-            service.upload(0, 1, feeding({}))
+            service.uploads.receive(0, 1, feeding({}))
         assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED)
         for peer in range(2):
             reply = service.join(join_request(peer), session=f"s{peer}", address="test", common_name=lambda: None)
             assert (reply.current_round, reply.open_round) == (-1, -1)
         uploads = {p: peer_upload(SPEC, p, seed=1) for p in range(2)}
         want = build_global(uploads, spec=SPEC, step=1).tensors
-        assert list(service.upload(0, 1, feeding(uploads[0])).uploaded_peers) == [0]
-        assert service.upload(0, 1, feeding(uploads[0])).duplicate
-        assert list(service.upload(1, 1, feeding(uploads[1])).uploaded_peers) == [0, 1]
-        with service.download(1, 1, False, lambda: True, 30.0) as outgoing:
+        assert list(service.uploads.receive(0, 1, feeding(uploads[0])).uploaded_peers) == [0]
+        assert service.uploads.receive(0, 1, feeding(uploads[0])).duplicate
+        assert list(service.uploads.receive(1, 1, feeding(uploads[1])).uploaded_peers) == [0, 1]
+        with service.downloads.serve(1, 1, False, lambda: True, 30.0) as outgoing:
             assert outgoing is not None
             assert sorted(outgoing.info.names) == sorted(SPEC.downloads(1, merged=False))
             assert all(torch.equal(outgoing.tensors[n], want[n]) for n in outgoing.info.names)
             outgoing.sent = 123
         status = service.status()
         assert (status.current_round, status.num_peers, status.bytes_out) == (1, 2, 123)
-        with service.download(0, 2, False, lambda: False, 30.0) as gone:  # the caller went away while waiting
+        with service.downloads.serve(0, 2, False, lambda: False, 30.0) as gone:  # the caller went away while waiting
             assert gone is None
     finally:
         service.shutdown(grace_s=1.0)
@@ -96,9 +96,9 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
             assert merge_at == merge_step(step, 4, fragment) or fragment == WHOLE
             want = build_global(uploads, spec=spec, step=merge_at, mergeable=mergeable)
             for peer in range(2):
-                service.upload(peer, step, feeding(uploads[peer]), fragment)
+                service.uploads.receive(peer, step, feeding(uploads[peer]), fragment)
             held.update(want.tensors)
-            with service.download(0, step, False, lambda: True, 30.0) as outgoing:
+            with service.downloads.serve(0, step, False, lambda: True, 30.0) as outgoing:
                 assert outgoing is not None
                 alpha = round_alpha(merge_at, "spes", merge)  # the whole round at 6 stands in for fragment 2's
                 assert (outgoing.info.merged, outgoing.info.alpha) == (True, alpha) and alpha > 0
@@ -109,9 +109,9 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
                 with pytest.raises(
                     Refused, match=rf"holds only the fragments .* \({len(layout.parts[0])} of {len(MANIFEST)} tensors\)"
                 ):
-                    service.download(0, step, True, lambda: True, 30.0).__enter__()
+                    service.downloads.serve(0, step, True, lambda: True, 30.0).__enter__()
                 continue
-            with service.download(0, step, True, lambda: True, 30.0) as whole:  # what a catching-up peer loads
+            with service.downloads.serve(0, step, True, lambda: True, 30.0) as whole:  # what a catching-up peer loads
                 assert whole is not None and sorted(whole.info.names) == sorted(held)
                 assert all(torch.equal(whole.tensors[n], held[n]) for n in held)
         assert sorted(held) == sorted(MANIFEST)
@@ -136,12 +136,14 @@ def test_fragment_layouts_and_uploads_that_disagree_are_refused() -> None:
         layout = spec.layout
         upload = {n: t for n, t in peer_upload(spec, 0, 1).items() if n in layout.parts[0]}
         with pytest.raises(Refused, match=r"fragment 3 is not one of this run's \(0 or 1..2\)"):
-            service.upload(0, 2, feeding(upload), 3)
-        service.upload(0, 2, feeding(upload), 1)
+            service.uploads.receive(0, 2, feeding(upload), 3)
+        service.uploads.receive(0, 2, feeding(upload), 1)
         with pytest.raises(Refused, match="uploads fragment 2 for round 2, whose other uploads are of fragment 1"):
-            service.upload(1, 2, feeding({}), 2)
+            service.uploads.receive(1, 2, feeding({}), 2)
         with pytest.raises(Refused, match="is not expected here"):  # fragment 1's round, fragment 2's tensors
-            service.upload(1, 2, feeding({n: t for n, t in peer_upload(spec, 1, 1).items() if n in layout.parts[1]}), 1)
+            service.uploads.receive(
+                1, 2, feeding({n: t for n, t in peer_upload(spec, 1, 1).items() if n in layout.parts[1]}), 1
+            )
     finally:
         service.shutdown(grace_s=1.0)
 
@@ -159,14 +161,14 @@ def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tm
             service.join(join_request(peer, spec), **JOIN)  # type: ignore[arg-type]
         for peer in range(2):
             part = {n: t for n, t in peer_upload(spec, peer, 2).items() if n in layout.parts[0]}
-            service.upload(peer, 2, feeding(part), 1)
-        with service.download(0, 2, False, lambda: True, 30.0) as done:  # round 2 complete
+            service.uploads.receive(peer, 2, feeding(part), 1)
+        with service.downloads.serve(0, 2, False, lambda: True, 30.0) as done:  # round 2 complete
             assert done is not None
         part = {n: t for n, t in peer_upload(spec, 0, 4).items() if n in layout.parts[1]}
-        service.upload(0, 4, feeding(part), 2)
+        service.uploads.receive(0, 4, feeding(part), 2)
         time.sleep(0.3)
         with pytest.raises(Refused, match=r"no global copy of the experts of peers \[1\] exists yet"):
-            service.download(0, 4, False, lambda: True, 5.0).__enter__()
+            service.downloads.serve(0, 4, False, lambda: True, 5.0).__enter__()
     finally:
         service.shutdown(grace_s=1.0)
     with pytest.raises(ValueError, match="written by a run with overlap_fragments=2, this server has overlap_fr"):
@@ -188,14 +190,14 @@ def test_an_aggregate_that_overflows_is_refused_naming_the_tensor_and_nothing_is
             service.join(join_request(peer), **JOIN)  # type: ignore[arg-type]
         uploads = {p: peer_upload(SPEC, p, seed=1) for p in range(2)}
         for peer in range(2):
-            service.upload(peer, 1, feeding(uploads[peer]))
-        with service.download(0, 1, False, lambda: True, 30.0) as first:
+            service.uploads.receive(peer, 1, feeding(uploads[peer]))
+        with service.downloads.serve(0, 1, False, lambda: True, 30.0) as first:
             assert first is not None
         for peer in range(2):
             uploads[peer]["lm_head.weight"].fill_(3.0e38)
-            service.upload(peer, 2, feeding(uploads[peer]))
+            service.uploads.receive(peer, 2, feeding(uploads[peer]))
         with pytest.raises(Refused, match=r"aggregate of tensor 'lm_head.weight' holds NaN or Inf") as err:
-            service.download(0, 2, False, lambda: True, 5.0).__enter__()
+            service.downloads.serve(0, 2, False, lambda: True, 5.0).__enter__()
         assert err.value.code == grpc.StatusCode.INTERNAL
         assert service.status().current_round == 1
         done = service.state.completed

@@ -18,7 +18,7 @@ from conftest import Corpus
 from node_runs import assert_same_models, launch, node_models, start_node, start_server, wait_for
 from spes.config import SpesConfig
 from spes.interrupt import StopRequest
-from spes.sync.client import open_channel
+from spes.sync.connection import open_channel
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 

@@ -401,11 +401,14 @@ def _overlapped_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
             digest = hashlib.sha256(b"".join(after[n].numpy().tobytes() for n in sorted(after))).hexdigest()
             expected = apply_overlapped(glob, before, snapshot) if info.is_main else {}
             served = hashlib.sha256(b"".join(glob[n].numpy().tobytes() for n in sorted(glob))).hexdigest()
+            others = set(self.trainable) - set(kwargs["trained"])  # trained here, outside the round's fragment
             landed[str(step)] = {
                 "digest": digest,
                 "served": served,
                 "rule_holds": all(torch.equal(after[n], t) for n, t in expected.items()),
                 "applied": sorted(expected),
+                "others_kept": all(torch.equal(after[n], before[n]) for n in others),
+                "others": len(others),
             }
             return result
 
@@ -429,7 +432,9 @@ def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_aft
     last step. Node 0 runs on 2 DDP ranks, node 1 on 2 FSDP2 ranks (gloo), nodes 2 and 3 on one process each.
 
     After every round every node received the same held model, bit for bit (the digest of what it loads before its
-    own progress is added), the overlap rule holds on whole tensors, and every rank of a node holds the same."""
+    own progress is added), the overlap rule holds on whole tensors, every rank of a node holds the same, and a
+    fragment's round leaves the node's tensors of the other fragment as it trained them (a held model served whole
+    would reset them to their last round's values: training stalls)."""
     from dist_helpers import SMALL_NODE
 
     extra = (
@@ -464,5 +469,6 @@ def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_aft
         assert sorted(main) == ["2", "3", "4"]  # rounds 1, 2 and 3 a step later, 4 at once
         for step in ("2", "3", "4"):
             assert main[step]["rule_holds"] and main[step]["applied"], step
+            assert main[step]["others_kept"] and (main[step]["others"] > 0) == (step != "4"), step
             assert all(other[step]["digest"] == main[step]["digest"] for other in ranks[1:]), step
             assert main[step]["served"] == nodes[0][0][step]["served"], step  # every node: the same held model

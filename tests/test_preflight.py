@@ -453,8 +453,8 @@ def test_the_link_test_is_authenticated_bounded_and_counted_nowhere(token: None)
         before = status(addr)
         for plane in ("grpc", "tcp"):
             with make_client(addr, tiny_spec(num_peers=4), 0, token=TOKEN, data_plane=plane) as client:
-                client._use_data_plane(pb.JoinReply(data_port=srv.data_port))
-                assert client.measure_link(3 << 20).plane == plane
+                client.connection.use_data_plane(pb.JoinReply(data_port=srv.data_port))
+                assert client.connection.measure_link(3 << 20).plane == plane
         with grpc.insecure_channel(addr) as channel:
             probe = pb_grpc.ParameterServerStub(channel).Probe
             for bearer, size, code in (

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from spes.config import ServerSection
 from spes.moe import parse_expert_block
-from spes.sync import coordinator, wire
+from spes.sync import downloads, wire
 from spes.sync.client import SyncError
 from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
@@ -284,7 +284,7 @@ def test_upload_buffers_are_reused_but_never_while_a_download_reads_them() -> No
         assert first & global_ptrs(server), "round 3 was received into fresh memory, not round 1's buffers"
 
         service = server.service
-        with service.download(0, 3, True, lambda: True, 5.0) as outgoing:  # a download of round 3, not done yet
+        with service.downloads.serve(0, 3, True, lambda: True, 5.0) as outgoing:  # a download of round 3, not done yet
             assert outgoing is not None
             held = outgoing.tensors
             before = {n: t.clone() for n, t in held.items()}
@@ -330,7 +330,7 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0
 def test_shutdown_wakes_waiting_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The waiting download ends at once: woken by the shutdown, not by its own re-check (made 30 s here) nor by
     the end of the 1 s grace period."""
-    monkeypatch.setattr(coordinator, "WAIT_POLL_S", 30.0)
+    monkeypatch.setattr(downloads, "WAIT_POLL_S", 30.0)
     with running_server() as (server, addr), stub_for(addr) as stub:
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import grpc
@@ -48,6 +48,16 @@ SESSION_KEY = "spes-session"
 """gRPC metadata key carrying a client process's random session id."""
 PEER_KEY = "spes-peer"
 """gRPC metadata key naming the peer id a heartbeat (Status call) is sent for."""
+
+
+def require_joined(joined: Collection[int], peer: int) -> None:
+    """Refuse an Upload or Download of a peer that has not joined (reason not_joined: the client joins again)."""
+    if peer not in joined:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"peer {peer} has not joined this server: call Join first",
+            Reason.NOT_JOINED,
+        )
 
 
 def cancel_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:

@@ -17,45 +17,36 @@ told it has not joined, it joins again; told the server holds no upload of it fo
 again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed
 without it) catches up: `sync` returns the latest global model, every tensor of it, with
 `SyncStats.caught_up` set and `round` the server's step, and the caller continues from there. Other failures
-raise `SyncError` carrying the gRPC status code and the server's explanation. The token is never logged.
+raise `SyncError` carrying the gRPC status code and the server's explanation. The token is never logged. The
+channel, the plane payloads take (falling back to gRPC when the data plane fails) and the presence stream are the
+client's `spes.sync.connection.Connection`.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
 
 from spes.config import SpesConfig
-from spes.sync import plane_tcp
-from spes.sync.admission import PEER_KEY, SESSION_KEY
+from spes.sync.connection import Connection
 from spes.sync.fragments import WHOLE
 from spes.sync.plane import Plane
-from spes.sync.plane_grpc import GrpcPlane, failure_of
-from spes.sync.presence import Presence
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.protocol import PROBE_MAX_BYTES, PROTOCOL_VERSION, Manifest, Reason, SyncError, Tensors
+from spes.sync.protocol import PROTOCOL_VERSION, Manifest, Reason, SyncError, Tensors
 from spes.sync.retry import retrying, time_left
 from spes.sync.spec import RunSpec
-from spes.sync.wire import TensorDecoder, grpc_options, read_file
+from spes.sync.wire import TensorDecoder
 
 log = logging.getLogger("spes.client")
 
-PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
-TCP_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-"""Data-plane failures after which a round goes over gRPC instead (a busy, unreachable or stalled data plane; a
-server restarted on another data port is found again at the re-join its gRPC refusal asks for)."""
 T = TypeVar("T")
-MAX_MESSAGE_MB = 64
-"""The client's gRPC message limit: chunks are 1 MiB, the control messages a few KiB."""
 
 
 @dataclass(frozen=True)
@@ -111,18 +102,11 @@ class ServerStatus:
         )
 
 
-@dataclass(frozen=True)
-class LinkStats:
-    """What `SyncClient.measure_link` measured: the plane, round-trip time and throughput each way."""
-
-    plane: Literal["tcp", "grpc"]
-    rtt_s: float
-    up_bytes_per_s: float
-    down_bytes_per_s: float
-
-
 class SyncClient:
-    """A peer's connection to the parameter server (thread-compatible, not thread-safe).
+    """A peer's side of the rounds: join, sync, catch up, recover (thread-compatible, not thread-safe).
+
+    The channel, the plane payloads travel on and the presence stream are its `connection`
+    (`spes.sync.connection.Connection`).
 
     With `reuse_buffers`, downloads land in buffers kept from round to round (no fresh memory to fault in
     per round), so a `sync` result is only valid until the next call: for callers that copy it out at once,
@@ -153,41 +137,24 @@ class SyncClient:
                 f"need spes_config.rpc_timeout_s > 0, round_timeout_s > 0, max_retries >= 0; got "
                 f"{s.rpc_timeout_s}, {s.round_timeout_s}, {s.max_retries}"
             )
-        if (s.tls_cert is None) != (s.tls_key is None):
-            raise ValueError("spes_config.tls_cert and tls_key (mutual TLS) must be given together")
-        self.spec, self.peer_id, self.settings = spec, peer_id, s
-        self.server_addr, self.data_plane = s.server_addr, s.data_plane
+        self.spec, self.peer_id = spec, peer_id
         self.rpc_timeout_s, self.round_timeout_s, self.max_retries = s.rpc_timeout_s, s.round_timeout_s, s.max_retries
         self.run_id = run_id or s.run_id or ""
         """The run this node belongs to: the server's, once joined ("" for a fresh node before its first join)."""
         self.codec = spec.codec_impl.peer()
         """This peer's end of the run's codec (its state: a held model, error feedback)."""
-        self._session = secrets.token_hex(8)  # this process, told apart from another claiming the same peer id
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (SESSION_KEY, self._session),
-            (PEER_KEY, str(peer_id)),
-            *((("authorization", f"Bearer {token}"),) if token else ()),
-        )
-        self._token = token
-        self._data_tls = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key) if s.data_plane != "grpc" else None
-        self._channel = open_channel(s)
-        self._stub = pb_grpc.ParameterServerStub(self._channel)
-        self._grpc = GrpcPlane(
-            self._stub,
-            peer_id=peer_id,
-            wire_dtype=self.codec.raw_dtype,
-            metadata=self._metadata,
-            rpc_timeout_s=s.rpc_timeout_s,
-        )
-        self.plane: Plane = self._grpc
-        """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
+        self.connection = Connection(s, peer_id, self.codec.raw_dtype, token)
         self._manifest: Manifest = dict(spec.manifest or {})
         self._trainable = spec.trainable(peer_id)
         self._own = set(spec.own(peer_id))
         """The trained names this peer downloads only on merge rounds (its expert blocks)."""
         self._joined = False
         self._buffers: dict[str, torch.Tensor] | None = {} if reuse_buffers else None
-        self._presence: Presence | None = None
+
+    @property
+    def plane(self) -> Plane:
+        """The plane tensor payloads travel on (`Connection.plane`)."""
+        return self.connection.plane
 
     # -- public API ---------------------------------------------------------------------------
     def join(self) -> int:
@@ -199,7 +166,7 @@ class SyncClient:
 
     def check_join(self) -> bool:
         """Preflight: the server runs every check of `join` (token, certificate, protocol, spec, manifest) and
-        registers nothing. Afterwards `measure_link` uses the plane `sync` would.
+        registers nothing. Afterwards `Connection.measure_link` uses the plane `sync` would.
 
         Returns whether the manifest was compared with the run's (False: a server without the run's YAML that no
         peer has joined yet).
@@ -207,7 +174,7 @@ class SyncClient:
         request = self._request(dry_run=True)
         reply = self._retrying(
             "preflight join",
-            lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
+            lambda timeout: self.connection.stub.Join(request, timeout=timeout, metadata=self.connection.metadata),
             per_attempt_s=self.rpc_timeout_s,
         )
         if not reply.dry_run:
@@ -217,29 +184,8 @@ class SyncClient:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 reason=Reason.OLD_SERVER,
             )
-        self._use_data_plane(reply)
+        self.connection.use_data_plane(reply)
         return reply.manifest_checked
-
-    def measure_link(self, num_bytes: int, pings: int = 5) -> LinkStats:
-        """Round-trip time (fastest of `pings` Status calls) and throughput of `num_bytes` each way over the
-        plane `sync` uses (call `check_join` or `join` first); the server counts none of it."""
-        if not 0 < num_bytes <= PROBE_MAX_BYTES:
-            raise ValueError(f"a link test moves 1 to {PROBE_MAX_BYTES} bytes each way, got {num_bytes}")
-        rtts = []
-        try:
-            for _ in range(pings):
-                start = time.perf_counter()
-                self._stub.Status(pb.StatusRequest(), timeout=self.rpc_timeout_s, metadata=self._metadata)
-                rtts.append(time.perf_counter() - start)
-        except grpc.RpcError as err:
-            raise failure_of("link test", err) from None
-        up_s, down_s = self.plane.probe(num_bytes)
-        return LinkStats(
-            plane="tcp" if self.plane.name == "tcp" else "grpc",
-            rtt_s=min(rtts),
-            up_bytes_per_s=num_bytes / up_s,
-            down_bytes_per_s=num_bytes / down_s,
-        )
 
     def sync(
         self, step: int, tensors: Mapping[str, torch.Tensor], fragment: int = WHOLE
@@ -305,14 +251,14 @@ class SyncClient:
         """The server's Status as it sent it (`spes.sync.status.describe` reads it)."""
         return self._retrying(
             "status",
-            lambda timeout: self._stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self._metadata),
+            lambda timeout: self.connection.stub.Status(
+                pb.StatusRequest(), timeout=timeout, metadata=self.connection.metadata
+            ),
             per_attempt_s=self.rpc_timeout_s,
         )
 
     def close(self) -> None:
-        if self._presence is not None:
-            self._presence.close(self.rpc_timeout_s)
-        self._channel.close()
+        self.connection.close()
 
     def __enter__(self) -> SyncClient:
         return self
@@ -336,28 +282,18 @@ class SyncClient:
     def _join(self, request: pb.JoinRequest) -> int:
         reply = self._retrying(
             "join",
-            lambda timeout: self._stub.Join(request, timeout=timeout, metadata=self._metadata),
+            lambda timeout: self.connection.stub.Join(request, timeout=timeout, metadata=self.connection.metadata),
             per_attempt_s=self.rpc_timeout_s,
         )
         self.run_id = reply.run_id or self.run_id
-        if self._presence is None:
-            self._presence = Presence(self._channel, self._metadata, self.peer_id)
-            self._presence.start(self.rpc_timeout_s)
-        self._use_data_plane(reply)
+        self.connection.joined(reply)
         return reply.current_round
-
-    def _use_data_plane(self, reply: pb.JoinReply) -> None:
-        """Pick the plane for tensor payloads from the port the server advertised at Join."""
-        tcp = data_plane(
-            self.settings, reply, self._data_tls, self.peer_id, self.codec.raw_dtype, self._token, self._session
-        )
-        self.plane = self._grpc if tcp is None else tcp
 
     def _download(
         self, step: int, manifest: Manifest, timeout: float, *, full: bool, fragment: int = WHOLE
     ) -> tuple[pb.RoundInfo, Tensors, int]:
         """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated,
-        committed by the codec (a held-model codec returns its whole held model)."""
+        committed by the codec (what the round served; a held-model codec's full values: its whole held model)."""
         names: list[str] = []
         decoders: list[TensorDecoder] = []
 
@@ -411,14 +347,7 @@ class SyncClient:
                 "the server holds another model than peer %d's (%s): sending full values", self.peer_id, failure
             )
             return True
-        if self.plane is not self._grpc and (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
-            log.warning(
-                "the server's data plane failed (%s): payloads go over gRPC until the next join finds it again",
-                failure,
-            )
-            self.plane = self._grpc
-            return True
-        return False
+        return self.connection.fall_back(failure)
 
     # -- helpers ------------------------------------------------------------------------------
     def _require_joined(self) -> Manifest:
@@ -447,63 +376,6 @@ class SyncClient:
 
     def _until(self, deadline: float) -> float:
         return time_left(deadline, self.round_timeout_s)
-
-
-def open_channel(settings: SpesConfig) -> grpc.Channel:
-    """The gRPC channel to `settings.server_addr`: TLS (and a client certificate) when the settings name them."""
-    s, options = settings, grpc_options(MAX_MESSAGE_MB)
-    if s.tls_ca is None and s.tls_cert is None:
-        return grpc.insecure_channel(s.server_addr, options=options)
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=read_file(s.tls_ca, "spes_config.tls_ca") if s.tls_ca else None,
-        private_key=read_file(s.tls_key, "spes_config.tls_key") if s.tls_key else None,
-        certificate_chain=read_file(s.tls_cert, "spes_config.tls_cert") if s.tls_cert else None,
-    )
-    return grpc.secure_channel(s.server_addr, credentials, options=options)
-
-
-def data_plane(
-    s: SpesConfig,
-    reply: pb.JoinReply,
-    tls: object,
-    peer_id: int,
-    wire_dtype: str,
-    token: str | None,
-    session: str,
-) -> plane_tcp.TcpPlane | None:
-    """The raw-TCP plane to the data port the server advertised at Join, or None for gRPC: `data_plane: grpc`, no
-    port advertised, or (`auto`) a port that does not answer from here (a firewall may pass only gRPC)."""
-    if s.data_plane == "tcp" and not reply.data_port:
-        raise SyncError(
-            "data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
-            "(or use data_plane='auto')",
-            grpc.StatusCode.FAILED_PRECONDITION,
-        )
-    if s.data_plane == "grpc" or not reply.data_port:
-        return None
-    host = s.server_addr.rsplit(":", 1)[0].strip("[]")
-    tcp = plane_tcp.TcpPlane(
-        host,
-        reply.data_port,
-        tls,  # type: ignore[arg-type]
-        peer_id=peer_id,
-        wire_dtype=wire_dtype,
-        token=token,
-        session=session,
-        rpc_timeout_s=s.rpc_timeout_s,
-    )
-    if s.data_plane == "auto":
-        try:
-            tcp.ping(min(s.rpc_timeout_s, PROBE_TIMEOUT_S))
-        except (SyncError, OSError) as exc:
-            log.warning(
-                "the server's data plane (port %d) does not answer from here (%s): tensor payloads go over gRPC, "
-                "several times slower. Open that port, or set spes_config.data_plane=grpc to skip this check",
-                reply.data_port,
-                exc,
-            )
-            return None
-    return tcp
 
 
 def announced(

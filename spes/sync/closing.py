@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from spes.sync.aggregate import build_round
 from spes.sync.buffers import RoundMemory
@@ -27,19 +28,22 @@ from spes.sync.state import SavedRound, load_round, save_round
 log = logging.getLogger("spes.server")
 
 
+@dataclass(frozen=True)
+class RoundParts:
+    """What the coordinator's jobs (closing rounds, uploads, downloads) share, all guarded by `cond`, the
+    coordinator's condition: the round rules' state, the kept buffers and the run's codec."""
+
+    cond: threading.Condition
+    state: RoundState
+    memory: RoundMemory
+    codec: ServerCodec
+
+
 class RoundCloser:
     """Builds, persists and publishes rounds for the coordinator, whose condition guards `state` and `memory`."""
 
-    def __init__(
-        self,
-        cond: threading.Condition,
-        state: RoundState,
-        memory: RoundMemory,
-        codec: ServerCodec,
-        state_dir: str | None,
-        published: Callable[[Completed, float], None],
-    ) -> None:
-        self._cond, self._state, self._memory, self._codec = cond, state, memory, codec
+    def __init__(self, parts: RoundParts, state_dir: str | None, published: Callable[[Completed, float], None]) -> None:
+        self._cond, self._state, self._memory, self._codec = parts.cond, parts.state, parts.memory, parts.codec
         self._state_dir, self._published = state_dir, published
         self._thread: threading.Thread | None = None
 

@@ -3,7 +3,8 @@
 The manifest's tensor count is checked before anything else is read and its size (fp32) against `max_model_gb`
 (None: unbounded, when the server knows the run's model), so no buffer is ever sized by a peer's numbers past
 those bounds. Refusals name what differs, root causes first: the protocol, the spec's fields in the order of
-`spes.sync.spec.FIELD_KEYS` (the mode, then the layout, the schedule, the codec), then the manifest.
+`spes.sync.spec.FIELD_KEYS` (the mode, then the layout, the schedule, the codec), then the manifest. `check_run`
+then keeps two runs apart: a node of another run (its checkpoint's run id) is refused.
 """
 
 from __future__ import annotations
@@ -15,13 +16,38 @@ import grpc
 
 from spes.moe import parse_expert_block
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import PROTOCOL_VERSION, Manifest, Refused, Shape, version_refusal
+from spes.sync.protocol import PROTOCOL_VERSION, Manifest, Reason, Refused, Shape, version_refusal
 from spes.sync.spec import RunSpec
 
 MAX_MODEL_GB = 48.0
 """Default --max_model_gb: the paper's largest config (configs/upcycled_9b, 9.4B parameters) is 37.7 GB in fp32."""
 MAX_TENSORS = 16384
 """Default --max_tensors: configs/upcycled_9b has 591 tensors."""
+
+
+def check_run(peer: int, theirs: str, run_id: str, completed_round: int | None) -> None:
+    """A node of the run `run_id`, or a fresh node (`theirs` empty) while the run has no completed round; refuses any
+    other (reason other_run), saying what to do: two runs are never mixed."""
+    if theirs == run_id:
+        return
+    if not theirs and completed_round is None:
+        return
+    held = f"run {run_id}" + (f" at round {completed_round}" if completed_round is not None else " (no round yet)")
+    if not theirs:
+        raise Refused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"peer {peer} starts a fresh run, but this server holds {held}: to continue that run resume the node "
+            f"from its checkpoint (--resume=auto), or join it afresh with spes_config.run_id={run_id}; for a "
+            "new run start the server with a fresh --state_dir",
+            Reason.OTHER_RUN,
+        )
+    raise Refused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"peer {peer} belongs to run {theirs} (its checkpoint or spes_config.run_id), but this server holds "
+        f"{held}: restart the server with that run's --state_dir, or start the node fresh (without --resume) "
+        "for this one",
+        Reason.OTHER_RUN,
+    )
 
 
 def check_join(

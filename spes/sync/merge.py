@@ -188,9 +188,7 @@ def build_global(
     the expert blocks a merge round may change (`spes.sync.fragments.Layout.merged_names`). Raises ValueError
     when an upload is missing or too large.
     """
-    arrived = sorted(uploads)
-    if not arrived or not set(arrived) <= set(range(spec.num_peers)):
-        raise ValueError(f"build_global needs uploads of peers in 0..{spec.num_peers - 1}, got peers {arrived}")
+    arrived = _arrived(uploads, spec)
     previous = previous or {}
     names = sorted({name for upload in uploads.values() for name in upload}) if names is None else names
     server, per_block = spec.server, spec.experts_per_block
@@ -206,34 +204,72 @@ def build_global(
     layers: dict[str, dict[str, dict[int, str]]] = {}
     for name in names:
         owner = spec.owner(name)
-        if owner is not None:
-            parsed = parse_expert_block(name)
-            assert parsed is not None
+        if owner is None:
+            new_global[name] = _shared_mean(name, arrived, uploads, take, consume=consume, empty=empty)
+            if nesterov and name in previous:  # NOTE: a tensor's first round (of its fragment) is its starting point
+                new_global[name], new_momentum[name] = _outer_step(
+                    name, new_global[name], previous[name], momentum, server
+                )
+        else:
             new_global[name] = _owner_block(name, owner, uploads, previous, per_block, take)
             if mergeable is None or name in mergeable:
-                layers.setdefault(parsed.prefix, {}).setdefault(parsed.kind, {})[parsed.block] = name
-            continue
-        missing = [p for p in arrived if name not in uploads[p]]
-        if missing:
-            raise ValueError(
-                f"tensor {name!r} is averaged over the arrived peers but peers {missing} did not upload it"
-            )
-        tensors = [take(p, name) for p in arrived]
-        out = None
-        if empty is not None and tensors[0].dtype != torch.float32:  # a bf16 mean is summed in fp32
-            out = empty(tuple(tensors[0].shape), torch.float32)
-        mean = {name: mean_over_peers(tensors, reuse_first=consume, out=out)}
-        if nesterov and name in previous:  # NOTE: a tensor's first round (of its fragment) is its starting point
-            buf = {name: momentum[name]} if momentum and name in momentum else {}
-            mean, buf = outer_nesterov_step(
-                {name: previous[name]}, mean, buf, lr=server.outer_lr, momentum=server.outer_momentum
-            )
-            new_momentum.update(buf)
-        new_global.update(mean)
+                _add_to_layer(layers, name)
     if alpha > 0:
         for prefix, kinds in layers.items():
             _merge_layer(new_global, prefix, kinds, alpha, server.merge_topk)
     return GlobalRound({name: new_global[name] for name in names}, new_momentum, alpha)
+
+
+def _arrived(uploads: Mapping[int, object], spec: RunSpec) -> list[int]:
+    """The peers whose uploads arrived, in order: at least one, each a peer of the run."""
+    arrived = sorted(uploads)
+    if not arrived or not set(arrived) <= set(range(spec.num_peers)):
+        raise ValueError(f"build_global needs uploads of peers in 0..{spec.num_peers - 1}, got peers {arrived}")
+    return arrived
+
+
+def _shared_mean(
+    name: str,
+    arrived: list[int],
+    uploads: Mapping[int, Mapping[str, torch.Tensor]],
+    take: Callable[[int, str], torch.Tensor],
+    *,
+    consume: bool,
+    empty: Callable[[Shape, torch.dtype], torch.Tensor] | None,
+) -> torch.Tensor:
+    """Shared tensor `name` of the round: mean_{p in arrived} upload_p[name] in fp32, summed in peer order
+    (`mean_over_peers`; with `consume` in the first peer's fp32 upload, a bf16 mean in `empty`'s buffer)."""
+    missing = [p for p in arrived if name not in uploads[p]]
+    if missing:
+        raise ValueError(f"tensor {name!r} is averaged over the arrived peers but peers {missing} did not upload it")
+    tensors = [take(p, name) for p in arrived]
+    out = None
+    if empty is not None and tensors[0].dtype != torch.float32:  # a bf16 mean is summed in fp32
+        out = empty(tuple(tensors[0].shape), torch.float32)
+    return mean_over_peers(tensors, reuse_first=consume, out=out)
+
+
+def _outer_step(
+    name: str,
+    mean: torch.Tensor,
+    previous: torch.Tensor,
+    momentum: Mapping[str, torch.Tensor] | None,
+    server: ServerSection,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DiLoCo's outer Nesterov step (`outer_nesterov_step`) of one tensor from its previous global value and its
+    momentum (none before its second round): (new global value, new momentum)."""
+    buf = {name: momentum[name]} if momentum and name in momentum else {}
+    new_global, new_buf = outer_nesterov_step(
+        {name: previous}, {name: mean}, buf, lr=server.outer_lr, momentum=server.outer_momentum
+    )
+    return new_global[name], new_buf[name]
+
+
+def _add_to_layer(layers: dict[str, dict[str, dict[int, str]]], name: str) -> None:
+    """Note expert block `name` under its layer and kind (layer prefix -> kind -> block -> name) for the merge."""
+    parsed = parse_expert_block(name)
+    assert parsed is not None
+    layers.setdefault(parsed.prefix, {}).setdefault(parsed.kind, {})[parsed.block] = name
 
 
 def _owner_block(

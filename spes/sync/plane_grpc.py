@@ -68,7 +68,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                     raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its UploadMeta message")
                 self._open(ticket, first.meta.peer_id, context)
                 meta = first.meta
-                return self.service.upload(meta.peer_id, meta.round, feed, meta.fragment, meta.digest, ticket)
+                return self.service.uploads.receive(meta.peer_id, meta.round, feed, meta.fragment, meta.digest, ticket)
         except Refused as exc:
             _abort(context, exc)
         except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
@@ -85,7 +85,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 self._open(ticket, request.peer_id, context)
                 ticket.wait_for_round(True)
                 outgoing = stack.enter_context(
-                    self.service.download(
+                    self.service.downloads.serve(
                         request.peer_id,
                         request.round,
                         request.full,

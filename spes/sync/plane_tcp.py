@@ -532,7 +532,7 @@ class DataHandler:
             recv_tensors(sock, decoder, len(decoder.expected), SERVER_MAX_FRAME_BYTES, ticket.moved)
             received = True
 
-        reply = self.service.upload(peer, step, feed, fragment, digest, ticket)
+        reply = self.service.uploads.receive(peer, step, feed, fragment, digest, ticket)
         if not received and not reply.duplicate:
             return  # the peer went away mid-upload: nothing was kept, nobody to answer
         send_frame(sock, pb.DataReply(uploaded=reply))
@@ -540,7 +540,7 @@ class DataHandler:
     def _download(self, sock: socket.socket, peer: int, step: int, hello: pb.DataHello, ticket: Ticket) -> None:
         time_left = hello.timeout_s if hello.timeout_s > 0 else None
         ticket.wait_for_round(True)
-        with self.service.download(
+        with self.service.downloads.serve(
             peer, step, hello.full, lambda: not peer_closed(sock), time_left, hello.base_round
         ) as outgoing:
             ticket.wait_for_round(False)

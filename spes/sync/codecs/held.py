@@ -174,20 +174,24 @@ class HeldPeer:
         return info.base_round == NO_BASE
 
     def receive(self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool) -> Tensors:
-        """The new held model, every tensor of it. A peer that caught up drops its carried error (its upload was
-        not taken); otherwise the upload's becomes the carried one."""
+        """The new held model of the tensors the round served (what the server announced, and this peer's own
+        blocks of its upload, which come back as their reconstruction), as a raw codec returns what it downloaded:
+        with fragments a round serves one fragment, and the node's other tensors keep their local progress. Full
+        values (no base) are the whole held model. A peer that caught up drops its carried error (its upload was not
+        taken); otherwise the upload's becomes the carried one."""
         values = decoder.finish()
         if info.base_round == NO_BASE:
-            held = dict(values)
+            held = served = dict(values)
         else:
             # NOTE: the client checked the announced names; a tensor the round did not change keeps its held value
             own, coded = self._pending[1], decoder.coded
-            held = {**self.held, **own, **values}
-            held.update({n: apply_delta(self.held[n], c.payload, self.quantizer) for n, c in coded.items()})
+            served = {**own, **values}
+            served.update({n: apply_delta(self.held[n], c.payload, self.quantizer) for n, c in coded.items()})
+            held = {**self.held, **served}
         self.held, self.round = held, info.round
         self.carried = {} if caught_up else self._pending[0]
         self._pending = ({}, {})
-        return held
+        return served
 
     def forget(self) -> bool:
         """Drop the held model and the carried error: the next upload is full values."""

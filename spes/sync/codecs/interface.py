@@ -78,7 +78,9 @@ class PeerCodec(Protocol):
         ...
 
     def receive(self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool) -> Tensors:
-        """Commit the round from its finished download; what the node loads (a held-model codec: every tensor)."""
+        """Commit the round from its finished download; what the node loads: the tensors the round served (a
+        held-model codec: their held values, and this peer's own uploaded blocks as reconstructed; with full values
+        every tensor)."""
         ...
 
     def forget(self) -> bool:

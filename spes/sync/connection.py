@@ -1,0 +1,183 @@
+"""A peer's connection to the parameter server: the gRPC channel, the plane tensor payloads travel on, presence.
+
+A `SyncClient` holds one `Connection`. It opens the channel (TLS when the settings name certificates), tags every
+call with the peer id, this process's session and the run's token, and after each Join keeps the presence stream
+open (`spes.sync.presence`) and picks the plane: the raw-TCP data plane (`spes.sync.plane_tcp`) at the port the
+server advertised, or gRPC (`spes.sync.plane_grpc`) when `data_plane` says so, no port is advertised or (`auto`) it
+does not answer. A data plane that fails mid-run is left for gRPC until the next Join finds it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+
+from spes.config import SpesConfig
+from spes.sync import plane_tcp
+from spes.sync.admission import PEER_KEY, SESSION_KEY
+from spes.sync.plane import Plane
+from spes.sync.plane_grpc import GrpcPlane, failure_of
+from spes.sync.presence import Presence
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
+from spes.sync.wire import grpc_options, read_file
+
+log = logging.getLogger("spes.client")
+
+PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
+TCP_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Data-plane failures after which a round goes over gRPC instead (a busy, unreachable or stalled data plane; a
+server restarted on another data port is found again at the re-join its gRPC refusal asks for)."""
+MAX_MESSAGE_MB = 64
+"""The client's gRPC message limit: chunks are 1 MiB, the control messages a few KiB."""
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """What `Connection.measure_link` measured: the plane, round-trip time and throughput each way."""
+
+    plane: Literal["tcp", "grpc"]
+    rtt_s: float
+    up_bytes_per_s: float
+    down_bytes_per_s: float
+
+
+class Connection:
+    """Peer `peer_id`'s channel to `settings.server_addr` and the plane its payloads take (not thread-safe)."""
+
+    def __init__(self, settings: SpesConfig, peer_id: int, wire_dtype: str, token: str | None) -> None:
+        """`wire_dtype`: the raw dtype of the run's codec; `token`: the run's secret (None: no authentication)."""
+        s = settings
+        if (s.tls_cert is None) != (s.tls_key is None):
+            raise ValueError("spes_config.tls_cert and tls_key (mutual TLS) must be given together")
+        self.settings, self.peer_id, self._wire_dtype, self._token = s, peer_id, wire_dtype, token
+        self._session = secrets.token_hex(8)  # this process, told apart from another claiming the same peer id
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (SESSION_KEY, self._session),
+            (PEER_KEY, str(peer_id)),
+            *((("authorization", f"Bearer {token}"),) if token else ()),
+        )
+        """Sent with every call: the session, the peer id and the token (never logged)."""
+        self._data_tls = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key) if s.data_plane != "grpc" else None
+        self._channel = open_channel(s)
+        self.stub = pb_grpc.ParameterServerStub(self._channel)
+        self._grpc = GrpcPlane(
+            self.stub, peer_id=peer_id, wire_dtype=wire_dtype, metadata=self.metadata, rpc_timeout_s=s.rpc_timeout_s
+        )
+        self.plane: Plane = self._grpc
+        """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
+        self._presence: Presence | None = None
+
+    def joined(self, reply: pb.JoinReply) -> None:
+        """A Join was answered: open the presence stream (once; it reopens itself) and pick the plane."""
+        if self._presence is None:
+            self._presence = Presence(self._channel, self.metadata, self.peer_id)
+            self._presence.start(self.settings.rpc_timeout_s)
+        self.use_data_plane(reply)
+
+    def use_data_plane(self, reply: pb.JoinReply) -> None:
+        """Pick the plane for tensor payloads from the port the server advertised at Join."""
+        tcp = data_plane(
+            self.settings, reply, self._data_tls, self.peer_id, self._wire_dtype, self._token, self._session
+        )
+        self.plane = self._grpc if tcp is None else tcp
+
+    def fall_back(self, failure: SyncError) -> bool:
+        """Whether `failure` of the data plane (busy, unreachable, stalled) sends payloads over gRPC from now on."""
+        if self.plane is self._grpc or not (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
+            return False
+        log.warning(
+            "the server's data plane failed (%s): payloads go over gRPC until the next join finds it again", failure
+        )
+        self.plane = self._grpc
+        return True
+
+    def measure_link(self, num_bytes: int, pings: int = 5) -> LinkStats:
+        """Round-trip time (fastest of `pings` Status calls) and throughput of `num_bytes` each way over the
+        plane `sync` uses (after `SyncClient.check_join` or `join`); the server counts none of it."""
+        if not 0 < num_bytes <= PROBE_MAX_BYTES:
+            raise ValueError(f"a link test moves 1 to {PROBE_MAX_BYTES} bytes each way, got {num_bytes}")
+        rtts = []
+        timeout = self.settings.rpc_timeout_s
+        try:
+            for _ in range(pings):
+                start = time.perf_counter()
+                self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
+                rtts.append(time.perf_counter() - start)
+        except grpc.RpcError as err:
+            raise failure_of("link test", err) from None
+        up_s, down_s = self.plane.probe(num_bytes)
+        return LinkStats(
+            plane="tcp" if self.plane.name == "tcp" else "grpc",
+            rtt_s=min(rtts),
+            up_bytes_per_s=num_bytes / up_s,
+            down_bytes_per_s=num_bytes / down_s,
+        )
+
+    def close(self) -> None:
+        if self._presence is not None:
+            self._presence.close(self.settings.rpc_timeout_s)
+        self._channel.close()
+
+
+def open_channel(settings: SpesConfig) -> grpc.Channel:
+    """The gRPC channel to `settings.server_addr`: TLS (and a client certificate) when the settings name them."""
+    s, options = settings, grpc_options(MAX_MESSAGE_MB)
+    if s.tls_ca is None and s.tls_cert is None:
+        return grpc.insecure_channel(s.server_addr, options=options)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read_file(s.tls_ca, "spes_config.tls_ca") if s.tls_ca else None,
+        private_key=read_file(s.tls_key, "spes_config.tls_key") if s.tls_key else None,
+        certificate_chain=read_file(s.tls_cert, "spes_config.tls_cert") if s.tls_cert else None,
+    )
+    return grpc.secure_channel(s.server_addr, credentials, options=options)
+
+
+def data_plane(
+    s: SpesConfig,
+    reply: pb.JoinReply,
+    tls: object,
+    peer_id: int,
+    wire_dtype: str,
+    token: str | None,
+    session: str,
+) -> plane_tcp.TcpPlane | None:
+    """The raw-TCP plane to the data port the server advertised at Join, or None for gRPC: `data_plane: grpc`, no
+    port advertised, or (`auto`) a port that does not answer from here (a firewall may pass only gRPC)."""
+    if s.data_plane == "tcp" and not reply.data_port:
+        raise SyncError(
+            "data_plane='tcp' but the server advertises no data port: start it with --data_port 0 "
+            "(or use data_plane='auto')",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
+    if s.data_plane == "grpc" or not reply.data_port:
+        return None
+    host = s.server_addr.rsplit(":", 1)[0].strip("[]")
+    tcp = plane_tcp.TcpPlane(
+        host,
+        reply.data_port,
+        tls,  # type: ignore[arg-type]
+        peer_id=peer_id,
+        wire_dtype=wire_dtype,
+        token=token,
+        session=session,
+        rpc_timeout_s=s.rpc_timeout_s,
+    )
+    if s.data_plane == "auto":
+        try:
+            tcp.ping(min(s.rpc_timeout_s, PROBE_TIMEOUT_S))
+        except (SyncError, OSError) as exc:
+            log.warning(
+                "the server's data plane (port %d) does not answer from here (%s): tensor payloads go over gRPC, "
+                "several times slower. Open that port, or set spes_config.data_plane=grpc to skip this check",
+                reply.data_port,
+                exc,
+            )
+            return None
+    return tcp
