@@ -472,15 +472,15 @@ def test_link_relay_carries_every_byte_both_ways(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_wan_quick(tmp_path: Path) -> None:
-    """bf16 and the sparse codec through the emulated link; after the first (full) round, sparse rounds move
-    exactly the steady-state bytes the run spec predicts, which the raw baseline moves too."""
-    results, _ = run_bench("bench_wan", tmp_path, "--wires", "bf16", "sparse", "--warmup", "1")
-    bf16, sparse = results["measurements"]
-    for m in (bf16, sparse):
-        assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0  # the same bytes, read from the peers
-        assert m["ideal_s"] > 0 and m["efficiency"] > 0 and m["raw_efficiency"] > 0
-    assert sparse["spes_rounds"][0]["bytes"] < bf16["spes_rounds"][0]["bytes"] / 4
-    assert [p["wire"] for p in results["prediction_1b"]] == ["bf16", "sparse"]
+    """The sparse codec through the emulated link (the raw codecs take the same path with fewer steps): after the
+    first (full) round, its rounds move exactly the steady-state bytes the run spec predicts, which the raw
+    baseline moves too, and far fewer than the 1B's bf16 rounds would."""
+    results, _ = run_bench("bench_wan", tmp_path, "--wires", "sparse", "--warmup", "1")
+    (m,) = results["measurements"]
+    assert m["spes_rounds"][0]["bytes"] == m["raw_rounds"][0]["bytes"] > 0  # the same bytes, read from the peers
+    assert m["ideal_s"] > 0 and m["efficiency"] > 0 and m["raw_efficiency"] > 0
+    (p,) = results["prediction_1b"]
+    assert p["wire"] == "sparse" and 0 < p["bytes_per_peer"] < 2 * 1_000**3 / 16  # well under 1 bit per parameter
 
 
 def test_idle_share_blocking_and_overlapped() -> None:
