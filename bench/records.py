@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,16 @@ class Records:
             self._read[name] = record
         return self._read[name]
 
+    def committed(self, names: Iterable[str]) -> list[dict[str, Any]]:
+        """The records of `names` that are committed, in order (a later run may add the others)."""
+        found = []
+        for name in names:
+            try:
+                found.append(self(name))
+            except Missing:
+                continue
+        return found
+
     def names(self) -> list[str]:
         return sorted(p.stem for p in self.directory.glob("*.json"))
 
@@ -176,13 +187,7 @@ fp32 arm at its commit."""
 
 def f5_arms(records: Records, suffix: str = "") -> list[dict[str, Any]]:
     """The arms of each of `F5_RECORDS<suffix>` that is committed."""
-    found = []
-    for name in F5_RECORDS:
-        try:
-            found.append(records(f"{name}{suffix}")["arms"])
-        except Missing:
-            continue
-    return found
+    return [x["arms"] for x in records.committed(f"{n}{suffix}" for n in F5_RECORDS)]
 
 
 def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float, float]:
@@ -193,13 +198,9 @@ def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float,
     if codec == "int8":
         x = records(f"mini_repro_int8{suffix}")
         return x["final_val_loss"]["spes"], x["final_val_loss"]["spes_int8"]
-    for name in (f"{n}{suffix}" for n in CODEC_RECORDS):
-        try:
-            arms = records(name)["arms"]
-        except Missing:
-            continue
-        if f"codec_{codec}" in arms:
-            return arms["spes"]["final_val_loss"], arms[f"codec_{codec}"]["final_val_loss"]
+    for x in records.committed(f"{n}{suffix}" for n in CODEC_RECORDS):
+        if f"codec_{codec}" in x["arms"]:
+            return x["arms"]["spes"]["final_val_loss"], x["arms"][f"codec_{codec}"]["final_val_loss"]
     raise Missing(f"{CODEC_RECORDS[-1]}{suffix}")
 
 

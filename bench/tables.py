@@ -336,20 +336,9 @@ def codec_loss_table(records: Records) -> str:
 def codec_curve_table(records: Records) -> str:
     """Every arm of the codec comparisons: bits per parameter per peer and round against the final loss."""
     rows = []
-    for name in (
-        "mini_repro_codecs",
-        "mini_repro_codecs_seed7",
-        "mini_repro_codecs_diloco",
-        "mini_repro_codecs_f5",
-        "mini_repro_codecs_f5_seed7",
-        "mini_repro_codecs_f5_held",
-        "mini_repro_codecs_f5_held_seed7",
-    ):
-        try:
-            x = records(name)
-        except Missing:
-            continue
-        base = "diloco" if name.endswith("diloco") else "spes"
+    names = ("mini_repro_codecs", "mini_repro_codecs_seed7", "mini_repro_codecs_diloco")
+    for x in records.committed([*names, *(f"{n}{s}" for n in F5_RECORDS for s in CODEC_SEEDS)]):
+        base = "diloco" if "diloco" in x["arms"] else "spes"
         for arm, a in sorted(x["arms"].items(), key=lambda kv: -kv[1]["bits_per_param"]["last"]):
             settings = [f.split(".")[-1].removeprefix("codec=") for f in a["flags"]] or ["fp32"]
             rows.append(
@@ -815,11 +804,8 @@ def overlap_codecs_table(records: Records) -> str:
     own blocking fp32 arm, every arm of a comparison at one commit."""
     rows = []
     for suffix, seed in CODEC_SEEDS.items():
-        for name in F5_RECORDS:
-            try:
-                rows += _f5_rows(records(f"{name}{suffix}"), seed)
-            except Missing:
-                continue
+        for x in records.committed(f"{name}{suffix}" for name in F5_RECORDS):
+            rows += _f5_rows(x, seed)
     if not rows:
         raise Missing(F5_RECORDS[0])
     headers = ["seed", "schedule and codec", "final val loss", "vs blocking fp32", "bits/param/round", "commit"]
