@@ -448,9 +448,10 @@ def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_aft
     last step. Node 0 runs on 2 DDP ranks, node 1 on 2 FSDP2 ranks (gloo), nodes 2 and 3 on one process each.
 
     After every round every node holds the same held model, bit for bit, and what it loads before its own progress
-    is added is of it (but for its own blocks taken verbatim, which it keeps), the overlap rule holds on whole tensors, every rank of a node holds the same, and a
-    fragment's round leaves the node's tensors of the other fragment as it trained them (a held model served whole
-    would reset them to their last round's values: training stalls)."""
+    is added is of it (but for its own blocks taken verbatim, which it keeps), the overlap rule holds on whole
+    tensors, every rank of a node holds the same, and a fragment's round leaves the node's tensors of the other
+    fragment as it trained them (a held model served whole would reset them to their last round's values: training
+    stalls)."""
     from dist_helpers import SMALL_NODE
 
     extra = (
