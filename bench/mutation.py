@@ -223,11 +223,6 @@ EQUIVALENT: dict[str, str] = {
         "never sent), and the two kinds' keys stay distinct",
     ),
     **mutants(
-        "spes.sync.codecs.held.xǁHeldServerǁselect",
-        "8",
-        "`whole=None` for deltas: read only as a truth value, like False",
-    ),
-    **mutants(
         "spes.sync.fragments.x_split_fragments",
         "32",
         "every fragment's load starting at 1 instead of 0: the same constant added to all, so the lightest is the same",
