@@ -62,6 +62,12 @@ def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
         assert torch.equal(got[name].view(torch.int32), tensor.view(torch.int32)), name
 
 
+def assert_on_held(loaded: dict[str, torch.Tensor], server: ParameterServer) -> None:
+    """What a node loaded is the server's held model of those tensors, bit for bit."""
+    held = held_of(server)
+    assert_bit_identical(loaded, {n: held[n] for n in loaded})
+
+
 # -- the math of rounds, through the production classes and the wire ------------------------------------------------
 def through(items: dict, decoder: TensorDecoder) -> TensorDecoder:
     """Send `items` through the chunked wire into `decoder`, as either plane would."""
@@ -72,9 +78,10 @@ def through(items: dict, decoder: TensorDecoder) -> TensorDecoder:
 
 def one_round(
     spec: RunSpec, step: int, peers: list[HeldPeer], server: HeldServer, served: Served | None, glob: dict, theta: list
-) -> tuple[Served, dict]:
+) -> tuple[Served, dict, list[dict]]:
     """Round `step`: every peer uploads `theta[p]` (what it trains), the server aggregates (`build_global`) and
-    serves, every peer downloads what it needs and commits. Returns the new served round and global model."""
+    serves, every peer downloads what it needs and commits. Returns the new served round, the global model and
+    what each peer's codec returned (what its node loads)."""
     assert spec.manifest is not None
     values, relayed = {}, {}
     for p, peer in enumerate(peers):
@@ -83,7 +90,7 @@ def one_round(
         decoder = through(items, server.upload_decoder(expected, {}, served))
         values[p], own = server.upload_values(decoder, decoder.finish(), spec.own(p), glob, served)
         relayed.update(own)
-    alpha = round_alpha(step, spec.mode, spec.server)
+    alpha, loaded = round_alpha(step, spec.mode, spec.server), []
     built = build_global(values, spec=spec, step=step, names=list(spec.manifest), previous=glob)
     new_served = server.serve(step, built.tensors, served, list(spec.manifest), relayed if alpha == 0 else {})
     for p, peer in enumerate(peers):
@@ -91,19 +98,22 @@ def one_round(
         names = list(spec.manifest) if selection.whole else spec.downloads(p, merged=alpha > 0)
         info = pb.RoundInfo(round=step, merged=alpha > 0, names=names, base_round=selection.base_round)
         decoder = peer.decoder({n: spec.manifest[n] for n in names}, None)
-        peer.receive(info, through({n: selection.items[n] for n in names}, decoder), caught_up=False)
-    return new_served, built.tensors
+        loaded.append(peer.receive(info, through({n: selection.items[n] for n in names}, decoder), caught_up=False))
+    return new_served, built.tensors, loaded
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_error_feedback_keeps_what_was_not_sent_over_30_rounds(codec: str) -> None:
-    """Two peers train small steady updates (below an int8 step, mostly outside a chunk's top-k) for 30 rounds.
+    """Two nodes train small steady updates (below an int8 step, mostly outside a chunk's top-k) for 30 rounds.
 
-    The server's global model G must equal the lossless run's L less the mean of the peers' carried errors (for an
-    expert block, its owner's): G_r - L_r = -mean_p(e_p,r), exactly up to fp32 rounding, whatever the number of
-    rounds. Dropping the error feedback (or applying an upload to the held model instead of the global one) breaks
-    the identity by the lost updates, which grow every round. Every peer ends each round on the server's held
-    model, bit for bit.
+    What a node still owes the run is o = theta - H + e (its model less the held model, plus its carried error):
+    e for an averaged tensor (the node loads H), theta - H for its own blocks (it keeps them as it trained them).
+    The server's global model G must equal the lossless run's L less the mean of the nodes' o (an expert block:
+    its owner's): G_r - L_r = -mean_p(o_p,r), exactly up to fp32 rounding, whatever the number of rounds.
+    Dropping the error feedback or applying an upload to the held model instead of the global one breaks the
+    identity by the lost updates, which grow every round. An owner's model holds its own blocks as the lossless
+    run does (loading their reconstruction would set it back by what the upload left out, every round). Every
+    peer ends each round on the server's held model, bit for bit.
     """
     spec = spec_of(codec, ServerSection(merge_interval=0))
     assert spec.manifest is not None
@@ -113,8 +123,8 @@ def test_error_feedback_keeps_what_was_not_sent_over_30_rounds(codec: str) -> No
         HeldServer(spec.codec_impl.server().quantizer),
         [HeldPeer(spec.codec_impl.peer().quantizer) for _ in range(2)],
     )  # type: ignore[attr-defined]
-    served, glob, lossless = None, dict(init), dict(init)
-    lost_without_feedback = 0.0
+    served, glob, lossless, nodes = None, dict(init), dict(init), [dict(init), dict(init)]
+    owed_at_most = 0.0
     for step in range(1, 31):
         progress = []
         for p in range(2):
@@ -122,9 +132,9 @@ def test_error_feedback_keeps_what_was_not_sent_over_30_rounds(codec: str) -> No
             for t in steady.values():
                 t.view(-1)[::64] = 0.5  # one large entry per chunk or block sets the step and the top-k
             progress.append(steady)
-        base = [peer.held if peer.round is not None else init for peer in peers]
-        theta = [{n: base[p][n] + progress[p][n] for n in progress[p]} for p in range(2)]
-        served, glob = one_round(spec, step, peers, server, served, glob, theta)
+        theta = [{n: nodes[p][n] + progress[p][n] for n in progress[p]} for p in range(2)]
+        served, glob, loaded = one_round(spec, step, peers, server, served, glob, theta)
+        nodes = [{**nodes[p], **theta[p], **loaded[p]} for p in range(2)]
         lossless = build_global(
             {p: {n: lossless[n] + progress[p][n] for n in progress[p]} for p in range(2)}, spec=spec, step=step
         ).tensors
@@ -132,11 +142,17 @@ def test_error_feedback_keeps_what_was_not_sent_over_30_rounds(codec: str) -> No
             assert_bit_identical(peer.held, served.tensors)
         for name in spec.manifest:
             owner, zero = spec.owner(name), torch.zeros(spec.manifest[name])
-            carried = [peers[p].carried.get(name, zero) for p in range(2) if owner in (None, p)]
-            gap = glob[name] - lossless[name] + sum(carried) / len(carried)
+            owed = [
+                nodes[p][name] - peers[p].held[name] + peers[p].carried.get(name, zero)
+                for p in range(2)
+                if owner in (None, p)
+            ]
+            gap = glob[name] - lossless[name] + sum(owed) / len(owed)
             assert float(gap.abs().max()) < 1e-5, (step, name)
-            lost_without_feedback = max(lost_without_feedback, float(sum(c.abs().max() for c in carried)))
-    assert lost_without_feedback > 1e-3, "the case must carry errors a codec without feedback would lose"
+            if owner is not None:
+                assert float((nodes[owner][name] - lossless[name]).abs().max()) < 1e-5, (step, name)
+            owed_at_most = max(owed_at_most, float(sum(o.abs().max() for o in owed)))
+    assert owed_at_most > 1e-3, "the case must owe updates a codec without feedback would lose"
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -151,7 +167,7 @@ def test_a_merge_round_keeps_every_peer_on_the_servers_held_model(codec: str) ->
     for step in (10, 20, 30, 40):  # 30 merges: owners download their own blocks, nothing is relayed
         base = [peer.held if peer.round is not None else init for peer in peers]
         theta = [trained(base[p], spec, p, step) for p in range(2)]
-        served, glob = one_round(spec, step, peers, server, served, glob, theta)
+        served, glob, _ = one_round(spec, step, peers, server, served, glob, theta)
         for peer in peers:
             assert_bit_identical(peer.held, served.tensors)
             assert peer.round == step
@@ -357,7 +373,8 @@ def test_a_restored_round_holds_the_persisted_held_model() -> None:
 @pytest.mark.parametrize("plane", ["grpc", "tcp"])
 def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec: str, plane: str) -> None:
     """Two peers, four rounds (the third a merge round): the first moves full values, the others coded deltas
-    of exactly the analytic size; every peer's result is the server's held model, bit for bit."""
+    of exactly the analytic size; every peer's result is the server's held model, bit for bit, but for its own
+    blocks on a round without merging: those it keeps as it trained them."""
     spec = spec_of(codec)
     assert spec.manifest is not None
     gen = torch.Generator().manual_seed(0)
@@ -368,11 +385,14 @@ def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec:
     ):
         models = [init, init]
         for step in (10, 20, 30, 40):
-            results = sync_all(clients, step, {p: trained(models[p], spec, p, step) for p in range(2)})
-            models = [results[p][0] for p in range(2)]
-            for p in range(2):
-                assert_bit_identical(models[p], held_of(server))
+            theta = {p: trained(models[p], spec, p, step) for p in range(2)}
+            results = sync_all(clients, step, theta)
             merged = step == 30
+            for p in range(2):
+                kept = [] if step == 10 or merged else spec.own(p)
+                assert sorted(results[p][0]) == sorted(n for n in spec.manifest if n not in kept)
+                assert_on_held(results[p][0], server)
+                models[p] = {**models[p], **theta[p], **results[p][0]}
             for p, (_, stats) in results.items():
                 up = spec.trainable(p)
                 assert stats.merged == merged and clients[p].plane.name == plane
@@ -404,14 +424,17 @@ def test_a_new_peer_and_a_peer_holding_another_model_get_full_values(codec: str)
         with make_client(addr, spec, 1, run_id=server.service.run_id) as fresh:  # a replacement node of this run
             fresh.join()
             peers = [clients[0], fresh]
-            results = sync_all(peers, 20, {p: trained(model, spec, p, 20) for p in range(2)})
+            theta = {p: trained(model, spec, p, 20) for p in range(2)}
+            results = sync_all(peers, 20, theta)
             assert results[1][1].bytes_down == everything and results[0][1].bytes_down < everything / 3
+            assert len(results[1][0]) == len(spec.manifest)
             for p in range(2):
-                assert_bit_identical(results[p][0], held_of(server))
+                assert_on_held(results[p][0], server)
             codec_state = clients[0].codec
             assert codec_state.base_round == 20
             codec_state.round = 10  # type: ignore[attr-defined]  # a held model of another round than the server's
-            results = sync_all(peers, 30, {p: trained(results[p][0], spec, p, 30) for p in range(2)})
+            models = [{**model, **theta[p], **results[p][0]} for p in range(2)]
+            results = sync_all(peers, 30, {p: trained(models[p], spec, p, 30) for p in range(2)})
             assert results[0][1].bytes_down == everything and codec_state.base_round == 30
             for p in range(2):
                 assert_bit_identical(results[p][0], held_of(server))
@@ -514,7 +537,9 @@ def test_a_restarted_server_serves_its_persisted_held_model(tmp_path: Path, code
     init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
     with running_server(spec, state_dir=str(tmp_path)) as (server, addr), joined_clients(addr, spec) as clients:
         sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
-        results = sync_all(clients, 20, {p: trained(init, spec, p, 20) for p in range(2)})
+        theta = {p: trained(init, spec, p, 20) for p in range(2)}
+        results = sync_all(clients, 20, theta)
+        models = [{**init, **theta[p], **results[p][0]} for p in range(2)]
         held = {n: t.clone() for n, t in held_of(server).items()}
         states = [client.codec.state_dict() for client in clients]
         run_id = clients[0].run_id
@@ -527,7 +552,7 @@ def test_a_restarted_server_serves_its_persisted_held_model(tmp_path: Path, code
         assert done is not None and done.served.base is None
         for client, state in zip(clients, states, strict=True):
             client.codec.load_state_dict(*state)  # as a resumed node does from its checkpoint
-        results = sync_all(clients, 30, {p: trained(results[p][0], spec, p, 30) for p in range(2)})
+        results = sync_all(clients, 30, {p: trained(models[p], spec, p, 30) for p in range(2)})
         for p in range(2):  # the restored held model is the base of the next round's deltas, both ways
             assert_bit_identical(results[p][0], held_of(server))
             step_30_merges = spec.round_bytes(p, merged=True)
@@ -559,20 +584,20 @@ def test_error_feedback_keeps_thirty_int8_rounds_within_one_step_of_the_lossless
     init = {n: torch.randn(s, generator=gen) for n, s in (spec.manifest or {}).items()}
     lossless = init
     with running_server(spec) as (server, addr), joined_clients(addr, spec) as clients:
-        held = [init, init]
+        models = [init, init]
         for step in range(10, 310, 10):
             deltas = {p: drifting_deltas(spec, p, step) for p in range(2)}
-            uploads = {p: {n: held[p][n] + d for n, d in deltas[p].items()} for p in range(2)}
+            uploads = {p: {n: models[p][n] + d for n, d in deltas[p].items()} for p in range(2)}
             results = sync_all(clients, step, uploads)
-            held = [results[p][0] for p in range(2)]
+            models = [{**models[p], **uploads[p], **results[p][0]} for p in range(2)]
             fp32 = {p: {n: lossless[n] + d for n, d in deltas[p].items()} for p in range(2)}
             lossless = build_global(fp32, spec=spec, step=step).tensors
-        assert_bit_identical(held[0], held_of(server))
+        assert_on_held(results[0][0], server)
     step_size = 0.5 / int8.QMAX
     for name, want in lossless.items():
-        error = (held[0][name] - want).abs().max().item()
+        error = (models[0][name] - want).abs().max().item()
         assert error <= step_size * 1.05, (name, error, step_size)
-        moved = (held[0][name] - init[name]).view(-1)
+        moved = (models[0][name] - init[name]).view(-1)
         block = int8.DEFAULT_BLOCK
         drift = torch.cat([moved[i + 1 : i + block] for i in range(0, moved.numel(), block)])
         assert drift.mean().item() > 30 * 5e-4 / 2, name  # the drifting values moved, not only the outliers

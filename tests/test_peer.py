@@ -17,7 +17,7 @@ from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
 from spes.sync.client import SyncStats
 from spes.sync.fragments import WHOLE, merge_step
-from spes.sync.merge import build_global, parse_expert_block
+from spes.sync.merge import build_global, parse_expert_block, round_alpha
 from spes.sync.overlap import apply_overlapped
 from spes.sync.peer import CODEC_FILE, PENDING_FILE, RUN_FILE, PeerSync, SyncResult
 from spes.sync.protocol import SyncError, Tensors
@@ -45,6 +45,8 @@ class RecordingSync:
         self.inner, self.model = inner, model
         self.before: dict[int, dict[str, torch.Tensor]] = {}
         self.after: dict[int, dict[str, torch.Tensor]] = {}
+        self.held: dict[int, dict[str, torch.Tensor]] = {}
+        """A held-model codec's held model after each round."""
 
     def state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
@@ -53,6 +55,9 @@ class RecordingSync:
         self.before[step] = self.state()
         result = self.inner.sync(step)
         self.after[step] = self.state()
+        held = getattr(self.inner.client.codec, "held", None) if self.inner.client is not None else None
+        if held is not None:
+            self.held[step] = {n: t.clone() for n, t in held.items()}
         return result
 
     def __getattr__(self, name: str) -> object:  # the rest of the Syncer: PeerSync's own
@@ -139,19 +144,28 @@ def test_frozen_experts_change_only_through_sync(tiny_corpus, tmp_path: Path) ->
 def test_held_codec_trainers_hold_the_servers_model_bit_for_bit_after_every_round(
     tiny_corpus, tmp_path: Path, codec: str
 ) -> None:
-    """`spes_config.codec: int8` (or sparse) end to end: after every round (a merge round included) both trainers'
-    whole models are equal bit for bit, and after the last one equal to the server's held model."""
+    """`spes_config.codec: int8` (or sparse) end to end: after every round (a merge round included) both trainers
+    hold the same held model bit for bit, after the last one the server's, and load it, but for each one's own
+    expert blocks on a round without merging: those it keeps as it trained them (what it uploaded)."""
     extra = (f"--spes_config.codec={codec}",)
-    with running_server(server_spec(tiny_corpus, tmp_path, *run_args(False, extra=extra))) as (server, addr):
+    spec = server_spec(tiny_corpus, tmp_path, *run_args(False, extra=extra))
+    with running_server(spec) as (server, addr):
         peers = run_peers(tiny_corpus, tmp_path, addr, dilico=False, extra=extra)
         done = server.service.state.completed
-    (rec0, _), (rec1, _) = peers
-    assert sorted(rec0.after) == [2, 4, 6, 8] and done is not None and done.served.round == 8
-    for step, model in rec0.after.items():
-        for name, value in model.items():
-            assert torch.equal(value.view(torch.int32), rec1.after[step][name].view(torch.int32)), (name, step)
+    assert sorted(peers[0][0].after) == [2, 4, 6, 8] and done is not None and done.served.round == 8
+    merged = [step for step in peers[0][0].after if round_alpha(step, spec.mode, spec.server) > 0]
+    assert merged == [4, 8]
+    for step in (2, 4, 6, 8):
+        held = peers[0][0].held[step]
+        for p, (rec, _) in enumerate(peers):
+            assert sorted(rec.held[step]) == sorted(rec.after[step])
+            for name, value in rec.after[step].items():
+                assert torch.equal(rec.held[step][name].view(torch.int32), held[name].view(torch.int32)), (name, step)
+                as_trained = step not in merged and spec.owner(name) == p
+                want = rec.before[step][name] if as_trained else held[name]
+                assert torch.equal(value.view(torch.int32), want.view(torch.int32)), (p, name, step)
     for name, value in done.served.tensors.items():
-        assert torch.equal(value.view(torch.int32), rec0.after[8][name].view(torch.int32)), name
+        assert torch.equal(value.view(torch.int32), peers[0][0].held[8][name].view(torch.int32)), name
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -400,12 +414,14 @@ def _overlapped_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
             after = _full(self.model)
             digest = hashlib.sha256(b"".join(after[n].numpy().tobytes() for n in sorted(after))).hexdigest()
             expected = apply_overlapped(glob, before, snapshot) if info.is_main else {}
-            served = hashlib.sha256(b"".join(glob[n].numpy().tobytes() for n in sorted(glob))).hexdigest()
+            held = self.client.codec.held if self.client is not None else {}  # type: ignore[attr-defined]
+            served = hashlib.sha256(b"".join(held[n].numpy().tobytes() for n in sorted(held))).hexdigest()
             others = set(self.trainable) - set(kwargs["trained"])  # trained here, outside the round's fragment
             landed[str(step)] = {
                 "digest": digest,
                 "served": served,
                 "rule_holds": all(torch.equal(after[n], t) for n, t in expected.items()),
+                "served_is_held": all(torch.equal(t, held[n]) for n, t in glob.items()),
                 "applied": sorted(expected),
                 "others_kept": all(torch.equal(after[n], before[n]) for n in others),
                 "others": len(others),
@@ -431,8 +447,8 @@ def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_aft
     one fragment: each rank gathers and loads only its tensors), each applied 1 step later, the whole model at the
     last step. Node 0 runs on 2 DDP ranks, node 1 on 2 FSDP2 ranks (gloo), nodes 2 and 3 on one process each.
 
-    After every round every node received the same held model, bit for bit (the digest of what it loads before its
-    own progress is added), the overlap rule holds on whole tensors, every rank of a node holds the same, and a
+    After every round every node holds the same held model, bit for bit, and what it loads before its own progress
+    is added is of it (but for its own blocks taken verbatim, which it keeps), the overlap rule holds on whole tensors, every rank of a node holds the same, and a
     fragment's round leaves the node's tensors of the other fragment as it trained them (a held model served whole
     would reset them to their last round's values: training stalls)."""
     from dist_helpers import SMALL_NODE
@@ -468,7 +484,7 @@ def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_aft
         main = ranks[0]
         assert sorted(main) == ["2", "3", "4"]  # rounds 1, 2 and 3 a step later, 4 at once
         for step in ("2", "3", "4"):
-            assert main[step]["rule_holds"] and main[step]["applied"], step
+            assert main[step]["rule_holds"] and main[step]["applied"] and main[step]["served_is_held"], step
             assert main[step]["others_kept"] and (main[step]["others"] > 0) == (step != "4"), step
             assert all(other[step]["digest"] == main[step]["digest"] for other in ranks[1:]), step
             assert main[step]["served"] == nodes[0][0][step]["served"], step  # every node: the same held model

@@ -18,7 +18,9 @@ round it is of. The server keeps its global model G in full precision beside it.
    against what the peers then hold, which feeds the error back), a tensor new to H as its full values.
 4. A peer holding the H those payloads apply to reconstructs the new one (`HeldPeer.receive`: `apply_delta(H, p)`,
    its own blocks outside merge rounds its own upload's reconstruction); any other peer gets full values of the
-   new H. Either way every peer then holds the server's H, and loads it.
+   new H. Either way every peer then holds the server's H, and loads what the round served. Its own blocks
+   taken verbatim it does not load: nobody else trains them, so it keeps training them as trained, and what
+   their upload left out is `theta - H` at its next upload (their carried error stays as it was, see `receive`).
 
 Sender and receiver call the same `apply_delta` (an elementwise add of the decoded fp32 delta, never a fused form),
 so they agree bit for bit. With error feedback, the reconstructed deltas of a tensor sum over rounds to the true
@@ -174,22 +176,32 @@ class HeldPeer:
         return info.base_round == NO_BASE
 
     def receive(self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool) -> Tensors:
-        """The new held model of the tensors the round served (what the server announced, and this peer's own
-        blocks of its upload, which come back as their reconstruction), as a raw codec returns what it downloaded:
-        with fragments a round serves one fragment, and the node's other tensors keep their local progress. Full
-        values (no base) are the whole held model. A peer that caught up drops its carried error (its upload was not
-        taken); otherwise the upload's becomes the carried one."""
+        """The new held model of the tensors the round served, as a raw codec returns what it downloaded: with
+        fragments a round serves one fragment, and the node's other tensors keep their local progress. Full values
+        (no base) are the whole held model. A peer that caught up drops its carried error (its upload was not
+        taken); otherwise the upload's becomes the carried one.
+
+        The peer's own blocks that the server took verbatim (not served back: a round without merging) are held
+        as their upload's reconstruction H' = H + decode(p) but not returned, so the node keeps them as it trained
+        them, as on a raw wire. What the upload left out then stays in theta - H', so their carried error e stays
+        as it was: what the node still owes is theta - H + e before the round and theta - H' + e after it.
+        """
         values = decoder.finish()
+        relayed: Tensors = {}
         if info.base_round == NO_BASE:
             held = served = dict(values)
         else:
             # NOTE: the client checked the announced names; a tensor the round did not change keeps its held value
-            own, coded = self._pending[1], decoder.coded
-            served = {**own, **values}
-            served.update({n: apply_delta(self.held[n], c.payload, self.quantizer) for n, c in coded.items()})
-            held = {**self.held, **served}
+            served = {
+                **values,
+                **{n: apply_delta(self.held[n], c.payload, self.quantizer) for n, c in decoder.coded.items()},
+            }
+            relayed = {n: t for n, t in self._pending[1].items() if n not in served}
+            held = {**self.held, **relayed, **served}
+        errors = {n: e for n, e in self._pending[0].items() if n not in relayed}
+        kept = {n: self.carried[n] for n in relayed if n in self.carried}
         self.held, self.round = held, info.round
-        self.carried = {} if caught_up else self._pending[0]
+        self.carried = {} if caught_up else {**errors, **kept}
         self._pending = ({}, {})
         return served
 
