@@ -220,7 +220,7 @@ def test_a_tensor_the_held_model_lacks_travels_as_full_fp32_values_and_is_held_a
     """A fragment's first round: the peer's held model (round 10) has `shared` but not its own expert block `own`
     nor `other`. The peer sends `shared` as a delta and `own` as full fp32 values; the server holds and serves them
     so (a delta against round 10 for `shared`, full values for `other`); the peer, which does not download its own
-    block, holds what it sent, a copy that its training goes on changing without touching the held model."""
+    block nor load it, holds what it sent: a copy, which its training goes on changing without touching."""
     gen = torch.Generator().manual_seed(5)
     model = {"shared": torch.randn(SHAPE, generator=gen)}
     peer, server, previous = holding(model, 10), HeldServer(QUANTIZER), Served(10, dict(model))
@@ -238,7 +238,7 @@ def test_a_tensor_the_held_model_lacks_travels_as_full_fp32_values_and_is_held_a
     for name in ("own", "other"):
         assert_bit_identical({name: served.deltas[name]}, {name: glob[name]})  # type: ignore[dict-item]
     loaded = download(peer, server, served, ["shared", "other"])
-    assert sorted(loaded) == ["other", "own", "shared"] and peer.round == 20
+    assert sorted(loaded) == ["other", "shared"] and peer.round == 20
     assert_bit_identical(peer.held, served.tensors)
     trained["own"].add_(1.0)  # training goes on in the node's own tensor
     assert_bit_identical(peer.held, served.tensors)
