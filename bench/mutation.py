@@ -207,14 +207,14 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.codecs.held.xǁHeldPeerǁ__init__",
         "2 4 5",
         "the state of a peer before its first round: `held` and `carried` are read only once a round set `round` "
-        "(until then an upload is full values), `_pending` only after an upload set it (the client uploads before "
-        "each download it commits with caught_up=False; a catch-up's full values read none of it)",
+        "(until then an upload is full values), `_pending` only by `receive`, which the client calls only after "
+        "an upload of the same sync() set it (a catch-up follows the upload the server refused as stale)",
     ),
     **mutants(
         "spes.sync.codecs.held.xǁHeldPeerǁreceive",
-        "21",
+        "26",
         "`_pending` reset to None instead of empty after a round: the upload's tensors are dropped all the same, and "
-        "the next upload sets it before anything reads it",
+        "the next upload sets it before a receive reads it",
     ),
     **mutants(
         "spes.sync.codecs.held.xǁHeldServerǁselect",
