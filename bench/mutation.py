@@ -42,6 +42,16 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_held.py::test_error_feedback_keeps_what_was_not_sent_over_30_rounds[int8]",
         "tests/test_held.py::test_a_merge_round_keeps_every_peer_on_the_servers_held_model",
         "tests/test_held.py::test_a_peer_state_round_trips_and_refuses_another_codec",
+        "tests/test_held.py::test_a_tensor_the_held_model_lacks_travels_as_full_fp32_values_and_is_held_as_sent",
+        "tests/test_held.py::test_a_bf16_tensor_the_held_model_lacks_is_held_in_fp32",
+        "tests/test_held.py::test_a_download_carries_deltas_only_to_a_peer_holding_their_base",
+        "tests/test_held.py::test_a_peer_refuses_deltas_against_a_model_it_does_not_hold",
+        "tests/test_held.py::test_a_peer_that_forgets_its_held_model_sends_full_values",
+        "tests/test_held.py::test_a_peer_that_caught_up_drops_its_carried_error",
+        "tests/test_held.py::test_bad_tensors_are_refused_naming_the_tensor",
+        "tests/test_held.py::test_an_upload_is_refused_when_it_is_not_finite_naming_the_tensor",
+        "tests/test_held.py::test_full_values_are_received_into_the_servers_kept_buffers",
+        "tests/test_held.py::test_a_restored_round_holds_the_persisted_held_model",
         "tests/test_int8.py",
         "tests/test_sparse.py",
     ),
@@ -194,6 +204,25 @@ EQUIVALENT: dict[str, str] = {
         "the output's dtype left to torch's default, float32: the one asked for",
     ),
     **mutants(
+        "spes.sync.codecs.held.xǁHeldPeerǁ__init__",
+        "2 4 5",
+        "the state of a peer before its first round: `held` and `carried` are read only once a round set `round` "
+        "(until then an upload is full values), `_pending` only by `receive`, which the client calls only after "
+        "an upload of the same sync() set it (a catch-up follows the upload the server refused as stale)",
+    ),
+    **mutants(
+        "spes.sync.codecs.held.xǁHeldPeerǁreceive",
+        "26",
+        "`_pending` reset to None instead of empty after a round: the upload's tensors are dropped all the same, and "
+        "the next upload sets it before a receive reads it",
+    ),
+    **mutants(
+        "spes.sync.codecs.held.xǁHeldServerǁselect",
+        "7 14 15 18 23 24",
+        "another key of one kind of download: the key only tells a round's shared encoded forms apart (a dict key, "
+        "never sent), and the two kinds' keys stay distinct",
+    ),
+    **mutants(
         "spes.sync.fragments.x_split_fragments",
         "32",
         "every fragment's load starting at 1 instead of 0: the same constant added to all, so the lightest is the same",
@@ -344,6 +373,7 @@ EQUIVALENT: dict[str, str] = {
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 
 AGREE = "tests/test_guard.py::test_every_rank_agrees_on_one_ranks_nan"
+CUDA_PEER = "tests/test_held.py::test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model"
 KILLED_BY: dict[str, str] = {
     **mutants("spes.guard.x_check_weights_finite", "8 10 11", f"{AGREE}[gloo]"),  # a clean rank's message
     # a CUDA tensor's bytes read without moving it to the host first
@@ -353,6 +383,9 @@ KILLED_BY: dict[str, str] = {
     **mutants(
         "spes.sync.wire.x_encode_whole", "4 6", "tests/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
     ),
+    # a delta measured or applied across devices: CUDA trained tensors, a CPU held model and carried error
+    **mutants("spes.sync.codecs.held.x__plus", "3", CUDA_PEER),
+    **mutants("spes.sync.codecs.held.x_encode_delta", "15 19", CUDA_PEER),
 }
 """Mutants killed by a test mutmut cannot credit (it starts processes, whose calls mutmut does not trace), by name:
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail

@@ -21,7 +21,8 @@ from spes.config import ServerSection
 from spes.sync import plane_tcp
 from spes.sync.client import SyncError
 from spes.sync.codecs import int8
-from spes.sync.codecs.held import HeldPeer, HeldServer
+from spes.sync.codecs.base import NO_BASE
+from spes.sync.codecs.held import HeldPeer, HeldServer, encode_delta, next_held
 from spes.sync.codecs.interface import Served
 from spes.sync.merge import build_global, round_alpha
 from spes.sync.proto import spes_pb2 as pb
@@ -173,18 +174,197 @@ def test_a_merge_round_keeps_every_peer_on_the_servers_held_model(codec: str) ->
 
 
 def test_a_peer_state_round_trips_and_refuses_another_codec() -> None:
+    """A resumed node gets back its held model, its round and its carried error (the next delta adds it); an empty
+    state (a node that held none) drops what the peer held."""
     spec = spec_of("sparse")
     peer = spec.codec_impl.peer()
     assert peer.state_dict() == ({}, {})
-    peer.held, peer.round, peer.carried = {"a": torch.ones(3)}, 7, {"a": torch.zeros(3)}  # type: ignore[attr-defined]
+    held, carried = {"a": torch.ones(3)}, {"a": torch.tensor([0.25, -0.5, 0.0])}
+    peer.held, peer.round, peer.carried = held, 7, carried  # type: ignore[attr-defined]
     metadata, tensors = peer.state_dict()
     other = spec.codec_impl.peer()
     other.load_state_dict(metadata, tensors)
-    assert other.base_round == 7 and torch.equal(other.held["a"], torch.ones(3))  # type: ignore[attr-defined]
+    assert other.base_round == 7
+    assert_bit_identical(other.held, held)  # type: ignore[attr-defined]
+    assert_bit_identical(other.carried, carried)  # type: ignore[attr-defined]
+    other.load_state_dict({}, {})
+    assert other.base_round == NO_BASE and other.state_dict() == ({}, {})
     with pytest.raises(ValueError, match="codec state of 'sparse', this run's codec is 'int8'"):
         spec_of("int8").codec_impl.peer().load_state_dict(metadata, tensors)
     with pytest.raises(ValueError, match="this run's codec is 'fp32'"):
         tiny_spec().codec_impl.peer().load_state_dict(metadata, tensors)
+
+
+QUANTIZER = int8.Int8(block=int8.MIN_BLOCK)
+SHAPE = (4, 64)
+"""Two int8 blocks per tensor."""
+
+
+def holding(model: dict[str, torch.Tensor], step: int) -> HeldPeer:
+    """A peer holding `model` as the held model of round `step` (as a node resumed from its checkpoint)."""
+    peer = HeldPeer(QUANTIZER)
+    peer.load_state_dict({"codec": QUANTIZER.name, "round": str(step)}, {f"held/{n}": t for n, t in model.items()})
+    return peer
+
+
+def download(peer: HeldPeer, server: HeldServer, served: Served, names: list[str], *, full: bool = False) -> dict:
+    """`names` of the round `served` as the server selects them for `peer`, through the wire; what it loads."""
+    selection = server.select(served, full=full, base_round=peer.base_round)
+    info = pb.RoundInfo(round=served.round, names=names, base_round=selection.base_round)
+    assert peer.whole(info) == (selection.base_round == NO_BASE)
+    decoder = peer.decoder({n: SHAPE for n in names}, None)
+    return peer.receive(info, through({n: selection.items[n] for n in names}, decoder), caught_up=full)
+
+
+def test_a_tensor_the_held_model_lacks_travels_as_full_fp32_values_and_is_held_as_sent() -> None:
+    """A fragment's first round: the peer's held model (round 10) has `shared` but not its own expert block `own`
+    nor `other`. The peer sends `shared` as a delta and `own` as full fp32 values; the server holds and serves them
+    so (a delta against round 10 for `shared`, full values for `other`); the peer, which does not download its own
+    block nor load it, holds what it sent: a copy, which its training goes on changing without touching."""
+    gen = torch.Generator().manual_seed(5)
+    model = {"shared": torch.randn(SHAPE, generator=gen)}
+    peer, server, previous = holding(model, 10), HeldServer(QUANTIZER), Served(10, dict(model))
+    trained = {"shared": model["shared"] + 1e-2, "own": torch.randn(SHAPE, generator=gen)}
+    items = peer.upload(trained, own=["own"])
+    assert isinstance(items["shared"], Coded) and items["shared"].base_round == 10
+    assert isinstance(items["own"], torch.Tensor) and torch.equal(items["own"], trained["own"])
+    decoder = through(items, server.upload_decoder({n: SHAPE for n in trained}, {}, previous))
+    values, relayed = server.upload_values(decoder, decoder.finish(), ["own"], model, previous)
+    glob = {**values, "other": torch.randn(SHAPE, generator=gen)}
+    served = server.serve(20, glob, previous, list(glob), relayed)
+    assert served.base == 10 and served.round == 20
+    coded = served.deltas["shared"]
+    assert isinstance(coded, Coded) and coded.base_round == 10
+    for name in ("own", "other"):
+        assert_bit_identical({name: served.deltas[name]}, {name: glob[name]})  # type: ignore[dict-item]
+    loaded = download(peer, server, served, ["shared", "other"])
+    assert sorted(loaded) == ["other", "shared"] and peer.round == 20
+    assert_bit_identical(peer.held, served.tensors)
+    trained["own"].add_(1.0)  # training goes on in the node's own tensor
+    assert_bit_identical(peer.held, served.tensors)
+
+
+@pytest.mark.gpu
+def test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model() -> None:
+    """A node resumed from its checkpoint holds its held model and carried error on the CPU and gives the codec its
+    trained tensors on the GPU: the delta is measured across devices, and the peer holds its reconstruction on the
+    CPU, bit for bit what the server reconstructs."""
+    gen = torch.Generator().manual_seed(7)
+    model, carried = torch.randn(SHAPE, generator=gen), 1e-3 * torch.randn(SHAPE, generator=gen)
+    peer = HeldPeer(QUANTIZER)
+    peer.load_state_dict({"codec": QUANTIZER.name, "round": "10"}, {"held/w": model, "carried/w": carried})
+    items = peer.upload({"w": (model + 1e-2).cuda()}, own=["w"])
+    server, previous = HeldServer(QUANTIZER), Served(10, {"w": model})
+    decoder = through(items, server.upload_decoder({"w": SHAPE}, {}, previous))
+    values, relayed = server.upload_values(decoder, decoder.finish(), ["w"], previous.tensors, previous)
+    served = server.serve(20, values, previous, ["w"], relayed)
+    peer.receive(pb.RoundInfo(round=20, base_round=10), peer.decoder({}, None), caught_up=False)
+    assert peer.held["w"].device.type == "cpu"
+    assert_bit_identical(peer.held, served.tensors)
+
+
+def test_a_bf16_tensor_the_held_model_lacks_is_held_in_fp32() -> None:
+    peer = holding({"shared": torch.zeros(SHAPE)}, 10)
+    own = torch.linspace(-1, 1, math.prod(SHAPE)).view(SHAPE).bfloat16()
+    items = peer.upload({"own": own}, own=["own"])
+    assert items["own"].dtype == torch.float32  # type: ignore[union-attr]
+    peer.receive(pb.RoundInfo(round=20, base_round=10), peer.decoder({}, None), caught_up=False)
+    assert peer.held["own"].dtype == torch.float32 and torch.equal(peer.held["own"], own.float())
+
+
+def test_a_download_carries_deltas_only_to_a_peer_holding_their_base() -> None:
+    server, tensors = HeldServer(QUANTIZER), {"a": torch.ones(SHAPE)}
+    deltas = {"a": Coded(QUANTIZER.encode("a", torch.ones(SHAPE)), 10)}
+    served = Served(20, tensors, dict(deltas), base=10)
+    selection = server.select(served, full=False, base_round=10)
+    assert (selection.items, selection.whole, selection.base_round) == (deltas, False, 10)
+    for full, base_round in ((True, 10), (False, 9), (False, NO_BASE)):  # a catch-up, another base, none
+        selection = server.select(served, full=full, base_round=base_round)
+        assert (selection.items, selection.whole, selection.base_round) == (tensors, True, NO_BASE)
+    for base_round in (10, NO_BASE):  # no base: the first round, or a restarted server's
+        selection = server.select(Served(20, tensors), full=False, base_round=base_round)
+        assert (selection.items, selection.whole, selection.base_round) == (tensors, True, NO_BASE)
+
+
+def test_a_peer_refuses_deltas_against_a_model_it_does_not_hold() -> None:
+    peer = holding({"a": torch.zeros(SHAPE)}, 10)
+    assert peer.whole(pb.RoundInfo(round=20, base_round=NO_BASE))
+    assert not peer.whole(pb.RoundInfo(round=20, base_round=10))
+    with pytest.raises(
+        ValueError, match="round 20: payloads against the held model of round 9, but this peer holds 10"
+    ):
+        peer.whole(pb.RoundInfo(round=20, base_round=9))
+    with pytest.raises(ValueError, match="held model of round 10, but this peer holds -1"):
+        HeldPeer(QUANTIZER).whole(pb.RoundInfo(round=20, base_round=10))
+
+
+def test_a_peer_that_forgets_its_held_model_sends_full_values() -> None:
+    """After a base_mismatch the client makes the peer forget its held model: the next upload is full values."""
+    model = {"a": torch.ones(SHAPE)}
+    peer = holding(model, 10)
+    assert isinstance(peer.upload(model, own=[])["a"], Coded)
+    assert peer.forget() is True
+    assert peer.base_round == NO_BASE and peer.state_dict() == ({}, {})
+    assert peer.upload(model, own=[])["a"] is model["a"]
+    assert peer.forget() is False
+
+
+def test_a_peer_that_caught_up_drops_its_carried_error() -> None:
+    """Its upload was not taken, so the error it carried is not owed to the model: once caught up, sending the held
+    model itself is a zero delta (with the stale error carried, the server would move the model)."""
+    gen = torch.Generator().manual_seed(6)
+    model = {"a": torch.randn(SHAPE, generator=gen)}
+    peer, server = holding(model, 10), HeldServer(QUANTIZER)
+    peer.upload({"a": model["a"] + 1e-3 * torch.randn(SHAPE, generator=gen)}, own=[])  # a lossy delta
+    caught_up = Served(30, {"a": torch.randn(SHAPE, generator=gen)})
+    download(peer, server, caught_up, ["a"], full=True)
+    assert peer.carried == {}
+    coded = peer.upload(peer.held, own=[])["a"]
+    assert isinstance(coded, Coded) and not QUANTIZER.decode(coded.payload).any()
+
+
+def test_bad_tensors_are_refused_naming_the_tensor() -> None:
+    value = torch.zeros(SHAPE)
+    for what, base, carried in (("base", torch.zeros(3), None), ("carried error", value, torch.zeros(3))):
+        with pytest.raises(ValueError, match=f"tensor 'w': shape \\[4, 64\\], its {what} has shape \\[3\\]"):
+            encode_delta(QUANTIZER, "w", value, base, carried)
+    diverged = torch.full(SHAPE, float("nan"))
+    with pytest.raises(ValueError, match="tensor 'w' holds NaN or Inf"):  # a peer's upload
+        holding({"w": value}, 10).upload({"w": diverged}, own=[])
+    with pytest.raises(ValueError, match="tensor 'w' holds NaN or Inf"):  # the server's deltas
+        next_held(QUANTIZER, 20, {"w": diverged}, Served(10, {"w": value}), ["w"], {})
+
+
+def test_an_upload_is_refused_when_it_is_not_finite_naming_the_tensor() -> None:
+    """Full values holding NaN, and a finite delta that overflows once applied to the global model (3e38 + 3e38)."""
+    server, big = HeldServer(QUANTIZER), torch.full(SHAPE, 3e38)
+    previous = Served(10, {"w": torch.zeros(SHAPE)})
+    raw = {"w": torch.full(SHAPE, float("nan"))}
+    with pytest.raises(ValueError, match="tensor 'w' holds NaN or Inf values: this peer's training diverged"):
+        through(raw, server.upload_decoder({"w": SHAPE}, {}, previous))
+    decoder = through(
+        holding(previous.tensors, 10).upload({"w": big}, own=[]), server.upload_decoder({"w": SHAPE}, {}, previous)
+    )
+    want = "tensor 'w' holds NaN or Inf values once its int8 delta is applied: this peer's training diverged"
+    with pytest.raises(ValueError, match=want):
+        server.upload_values(decoder, decoder.finish(), [], {"w": big}, previous)
+
+
+def test_full_values_are_received_into_the_servers_kept_buffers() -> None:
+    buffer, into = torch.empty(SHAPE), {}
+    into["w"] = buffer
+    values = {"w": torch.randn(SHAPE)}
+    received = through(values, HeldServer(QUANTIZER).upload_decoder({"w": SHAPE}, into, None)).finish()
+    assert received["w"] is buffer and torch.equal(buffer, values["w"])
+
+
+def test_a_restored_round_holds_the_persisted_held_model() -> None:
+    server, glob = HeldServer(QUANTIZER), {"a": torch.ones(SHAPE)}
+    held = Served(20, {"a": torch.zeros(SHAPE)}, {"a": torch.zeros(SHAPE)}, base=10)
+    restored = server.restore(20, glob, server.persisted(held))
+    assert (restored.round, restored.tensors, restored.deltas, restored.base) == (20, held.tensors, {}, None)
+    restored = server.restore(20, glob, {})  # nothing persisted: the held model is the global model
+    assert (restored.round, restored.tensors, restored.base) == (20, glob, None)
 
 
 # -- real servers and clients ---------------------------------------------------------------------------------------
