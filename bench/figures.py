@@ -11,7 +11,17 @@ from collections.abc import Callable, Iterable, Sequence
 from statistics import median
 from typing import Any
 
-from records import CODEC_SEEDS, F5_RECORDS, Missing, Records, codec_losses, f5_arms, link, wire_measured
+from records import (
+    CODEC_SEEDS,
+    F5_RECORDS,
+    OWN_BLOCKS,
+    Missing,
+    Records,
+    codec_losses,
+    f5_arms,
+    link,
+    wire_measured,
+)
 
 Figure = Callable[[Records], str]
 FIGURES: dict[str, Figure] = {}
@@ -820,10 +830,10 @@ def _codec_cpu_figure(codec: str) -> Figure:
 FIGURES.update({f"codec.{codec}_cpu_1b": _codec_cpu_figure(codec) for codec in ("int8", "sparse")})
 
 
-@fig("codec.sparse_crossing")
-def _sparse_crossing(r: Records) -> str:
-    """Where the SPES sparse arms' loss against fp32 crosses the 1% target, in bits per parameter per round."""
-    x = r("mini_repro_codecs")
+def _sparse_crossing(r: Records, name: str) -> str:
+    """Where the SPES sparse arms' loss against fp32 in record `name` crosses the 1% target, in bits per parameter
+    per round."""
+    x = r(name)
     arms = sorted(
         ((a["bits_per_param"]["last"], a["vs_fp32"], name) for name, a in x["arms"].items() if "sparse" in name),
         reverse=True,
@@ -840,6 +850,39 @@ def _sparse_crossing(r: Records) -> str:
         f"the curve crosses {x['target']:.0%} between {high[0]:.2f} bits ({high[1]:+.2%}) and {low[0]:.2f} bits "
         f"({low[1]:+.2%}) per parameter per round"
     )
+
+
+FIGURES.update(
+    {
+        "codec.sparse_crossing": lambda r: _sparse_crossing(r, "mini_repro_codecs"),
+        "codec.sparse_crossing_own": lambda r: _sparse_crossing(r, OWN_BLOCKS),
+    }
+)
+
+
+@fig("codec.own_blocks")
+def _own_blocks(r: Records) -> str:
+    """What an owner keeping its own blocks (1da3a8e) changed: each held-model arm's loss against fp32 in the
+    newest record before it and in the record after, each comparison's arms at one commit, in each seed measured."""
+    before = {  # arm: (what it is, the record before)
+        "codec_sparse": ("sparse", "mini_repro_codecs"),
+        "codec_sparse_topk1024_down-topk2048": ("sparse at topk 1024", "mini_repro_codecs"),
+        "codec_int8_spes_overlap_d2_f5": ("int8 + overlap + 5 fragments", "mini_repro_codecs_f5_held"),
+    }
+    parts = []
+    for suffix, seed in CODEC_SEEDS.items():
+        after = r.committed([f"{OWN_BLOCKS}{suffix}"])
+        if not after:
+            if not suffix:
+                raise Missing(OWN_BLOCKS)
+            continue
+        gaps = [
+            f"{label} {r(f'{old}{suffix}')['arms'][arm]['vs_fp32']:+.2%} -> {after[0]['arms'][arm]['vs_fp32']:+.2%}"
+            for arm, (label, old) in before.items()
+            if arm in after[0]["arms"]
+        ]
+        parts.append(f"seed {seed}: " + ", ".join(gaps))
+    return "; ".join(parts)
 
 
 @fig("codec.sparse_vs_fp32_diloco")

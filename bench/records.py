@@ -174,31 +174,35 @@ CODEC_SEEDS = {"": 6198, "_seed7": 7}
 """The mini-reproduction's seeds by record suffix."""
 
 
-CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5")
-"""The SPES codec comparisons of the mini-reproduction, each seed's under its suffix: the codec curve, and the
-comparison of the overlapped schedules on each codec (with bf16's blocking arm)."""
+OWN_BLOCKS = "mini_repro_codecs_own"
+"""The held-model codecs' comparison after an owner keeps its own blocks as trained (1da3a8e)."""
+
+CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5", OWN_BLOCKS)
+"""The SPES codec comparisons of the mini-reproduction, oldest first, each seed's under its suffix: the codec curve,
+the comparison of the overlapped schedules on each codec (with bf16's blocking arm), and the held-model codecs'
+after their change of 1da3a8e."""
 
 
-F5_RECORDS = ("mini_repro_codecs_f5", "mini_repro_codecs_f5_held")
-"""The comparisons of the overlapped schedules (5 fragments) on each codec against blocking fp32, each seed's under
-its suffix: the raw codecs' run, and the held-model codecs' run after their fix (1d792a4), each with its own blocking
-fp32 arm at its commit."""
+F5_RECORDS = ("mini_repro_codecs_f5", "mini_repro_codecs_f5_held", OWN_BLOCKS)
+"""The comparisons of the overlapped schedules (5 fragments) on each codec against blocking fp32, oldest first, each
+seed's under its suffix: the raw codecs' run, the held-model codecs' run after their fix (1d792a4), and after an
+owner keeps its own blocks (1da3a8e), each with its own blocking fp32 arm at its commit."""
 
 
 def f5_arms(records: Records, suffix: str = "") -> list[dict[str, Any]]:
-    """The arms of each of `F5_RECORDS<suffix>` that is committed."""
-    return [x["arms"] for x in records.committed(f"{n}{suffix}" for n in F5_RECORDS)]
+    """The arms of each of `F5_RECORDS<suffix>` that is committed, newest first."""
+    return [x["arms"] for x in reversed(records.committed(f"{n}{suffix}" for n in F5_RECORDS))]
 
 
 def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float, float]:
     """(fp32, codec) final validation losses of the SPES arm in one seed's codec comparison (`suffix`: "" or
     "_seed7"): int8's from its own records (`mini_repro.py --int8`, the comparison's first form), every other
-    codec's from its arm `codec_<codec>` in the first of `CODEC_RECORDS<suffix>` that has it (each compares its
+    codec's from its arm `codec_<codec>` in the newest of `CODEC_RECORDS<suffix>` that has it (each compares its
     arms with its own fp32 arm); Missing when none has."""
     if codec == "int8":
         x = records(f"mini_repro_int8{suffix}")
         return x["final_val_loss"]["spes"], x["final_val_loss"]["spes_int8"]
-    for x in records.committed(f"{n}{suffix}" for n in CODEC_RECORDS):
+    for x in reversed(records.committed(f"{n}{suffix}" for n in CODEC_RECORDS)):
         if f"codec_{codec}" in x["arms"]:
             return x["arms"]["spes"]["final_val_loss"], x["arms"][f"codec_{codec}"]["final_val_loss"]
     raise Missing(f"{CODEC_RECORDS[-1]}{suffix}")
