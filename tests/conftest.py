@@ -18,6 +18,12 @@ import torch
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 REPO = Path(__file__).resolve().parents[1]
+# NOTE: the suite runs two workers on two cores (run_scripts/test.sh). A torch process with a thread per core next to
+# other busy processes runs many times slower (its threads wait on each other whenever one is descheduled: 108 s
+# against 21 s to size bench/mini_repro_memory.py's models on a loaded machine), so the tests and every process
+# they start use one torch thread unless OMP_NUM_THREADS says otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 GPU_SKIPPED = "gpu tests skipped: no CUDA"
 """The summary line's count of GPU tests this machine could not run ("= 480 passed, 3 gpu tests skipped: no CUDA
 in ... ="), so a CI run that checked nothing on a GPU says so where it is read."""
