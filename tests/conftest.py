@@ -3,12 +3,15 @@ each made once per session; GPU tests (`@pytest.mark.gpu`) skipped without CUDA 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
@@ -18,6 +21,12 @@ import torch
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 REPO = Path(__file__).resolve().parents[1]
+# NOTE: the suite runs two workers on two cores (run_scripts/test.sh). A torch process with a thread per core next to
+# other busy processes runs many times slower (its threads wait on each other whenever one is descheduled: 108 s
+# against 21 s to size bench/mini_repro_memory.py's models on a loaded machine), so the tests and every process
+# they start use one torch thread unless OMP_NUM_THREADS says otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 GPU_SKIPPED = "gpu tests skipped: no CUDA"
 """The summary line's count of GPU tests this machine could not run ("= 480 passed, 3 gpu tests skipped: no CUDA
 in ... ="), so a CI run that checked nothing on a GPU says so where it is read."""
@@ -67,6 +76,25 @@ def _run(*args: str) -> None:
     subprocess.run([sys.executable, *args], check=True, capture_output=True, cwd=REPO, timeout=300)
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name` of a session fixture, filled by `make(folder)` once per test session, not once per xdist
+    worker (the suite runs two, run_scripts/test.sh): the first worker to get here makes it under a file lock, the
+    other waits, then finds it made (pytest-xdist's recipe for a session fixture made once)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    folder = tmp_path_factory.getbasetemp().parent / name  # NOTE: the parent of every worker's basetemp
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / ".made").is_file():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed to make it left
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test may reach a model hub."""
@@ -85,8 +113,15 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> LoadedTokenizer:
 
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
-    """~120 stdlib modules for training, 10 held out; a 4096-token byte-level BPE like configs/tiny.yaml expects."""
-    root = tmp_path_factory.mktemp("corpus")
+    """~120 stdlib modules for training, 10 held out; a 4096-token byte-level BPE like configs/tiny.yaml expects.
+    Tests only read it."""
+    root = made_once(tmp_path_factory, "corpus", _make_corpus)
+    return Corpus(
+        root=root, tokenizer=root / "tok", train=str(root / "train" / "*.npy"), valid=str(root / "valid" / "*.npy")
+    )
+
+
+def _make_corpus(root: Path) -> None:
     stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     _write_docs(root / "train.jsonl", stdlib[:120])
     _write_docs(root / "valid.jsonl", stdlib[120:130])
@@ -112,9 +147,6 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
             "--processes",
             "1",
         )
-    return Corpus(
-        root=root, tokenizer=root / "tok", train=str(root / "train" / "*.npy"), valid=str(root / "valid" / "*.npy")
-    )
 
 
 QUICKSTART = ["-m", "spes.launch", "configs/tiny.yaml"]
@@ -139,7 +171,14 @@ def quickstart_run(tiny_corpus: Corpus, tmp_path_factory: pytest.TempPathFactory
     of 10, the second a merge round, validation after each, a checkpoint at the end). One run shared by the tests
     of the launcher (tests/test_launch.py), the header command (tests/test_shipped_commands.py) and the
     convert -> load -> evaluate chain (tests/test_eval.py)."""
-    out = tmp_path_factory.mktemp("quickstart") / "run"
+    folder = made_once(tmp_path_factory, "quickstart", lambda folder: _launch_quickstart(tiny_corpus, folder))
+    fields = json.loads((folder / "launched.json").read_text())
+    return LaunchedRun(**{**fields, "out": Path(fields["out"])})
+
+
+def _launch_quickstart(tiny_corpus: Corpus, folder: Path) -> None:
+    """Run the quickstart into `folder`/run; record its `LaunchedRun` in `folder`/launched.json."""
+    out = folder / "run"
     argv = [
         sys.executable,
         *QUICKSTART,
@@ -163,4 +202,5 @@ def quickstart_run(tiny_corpus: Corpus, tmp_path_factory: pytest.TempPathFactory
         if str(out) in " ".join(p.info["cmdline"] or [])
     ]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return LaunchedRun(argv=argv, stdout=done.stdout, out=out, leftovers=leftovers)
+    run = LaunchedRun(argv=argv, stdout=done.stdout, out=out, leftovers=leftovers)
+    (folder / "launched.json").write_text(json.dumps({**asdict(run), "out": str(out)}))
