@@ -45,7 +45,7 @@ from spes.shards import resolve_paths
 from spes.sync.client import SyncError
 from spes.tokenizer import check_vocab, load_tokenizer
 from spes.torchrun import ERROR_DIR_ENV
-from spes.trainer import Trainer
+from spes.trainer import Trainer, scheduler_in_steps
 
 if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync
     from spes.sync.peer import PeerSync
@@ -183,7 +183,7 @@ def _trainer_state(cfg: TrainConfig, ckpt: Checkpoint, continuing: bool, log: Ca
         state = dict(ckpt.trainer)
     if cfg.reset_optimizer_state and not cfg.reset_trainer_state:
         step = int(state.get("step", 0))
-        state["lr_rewarm"] = [step, step + cfg.scheduler.t_warmup]
+        state["lr_rewarm"] = [step, step + scheduler_in_steps(cfg).t_warmup]
     if asked:
         log(
             f"from {ckpt.path}: weights{'' if cfg.reset_optimizer_state else ', optimizer state'}"

@@ -12,6 +12,7 @@ import base64
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from spes import checkpoint
-from spes.config import TrainConfig, parse_duration, to_dict
+from spes.config import SchedulerConfig, TrainConfig, parse_duration, to_dict
 from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
@@ -76,6 +77,15 @@ def schedule_length(cfg: TrainConfig) -> int:
     return t_max
 
 
+def scheduler_in_steps(cfg: TrainConfig) -> SchedulerConfig:
+    """`cfg.scheduler` counted in optimizer steps: with `scheduler.units: tokens` its `t_warmup` is a number of
+    tokens (as `t_max`, see `schedule_length`), and `lr_at` compares it with a step."""
+    sched = cfg.scheduler
+    if sched.units == "steps":
+        return sched
+    return replace(sched, units="steps", t_warmup=math.ceil(sched.t_warmup / cfg.tokens_per_step))
+
+
 def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy in fp32, summed over the kept labels and divided by all labels.
 
@@ -115,7 +125,7 @@ class Trainer:
         self.cfg, self.model, self.optimizer, self.loader, self.info = cfg, model, optimizer, loader, info
         self.eval_batches, self.syncer, self.log = eval_batches, syncer, log
         self.step, self.tokens = 0, 0
-        self.max_steps, self.t_max = cfg.max_steps, schedule_length(cfg)
+        self.max_steps, self.t_max, self.scheduler = cfg.max_steps, schedule_length(cfg), scheduler_in_steps(cfg)
         self.speed = SpeedMonitor(cfg.speed_monitor.window_size)
         self.metrics = MetricsLog(cfg.save_folder, enabled=info.is_main)
         self.trackers = Trackers(cfg, enabled=info.is_main, world_size=info.world_size)
@@ -148,7 +158,7 @@ class Trainer:
 
     def lr(self, step: int) -> float:
         """The learning rate of optimizer step `step`: the schedule, or its bolted-on warm-up."""
-        peak, sched = self.cfg.optimizer.learning_rate, self.cfg.scheduler
+        peak, sched = self.cfg.optimizer.learning_rate, self.scheduler
         if self.lr_rewarm is None:
             return lr_at(step, sched, peak, self.t_max)
         return rewarmed_lr(step, *self.lr_rewarm, lambda s: lr_at(s, sched, peak, self.t_max))

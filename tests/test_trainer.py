@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from spes.config import load_config
 from spes.distributed import DistInfo
-from spes.optim import optimizer_state_bytes
+from spes.optim import lr_at, optimizer_state_bytes
 from spes.train import build_node, main
-from spes.trainer import IGNORE_INDEX, Trainer, language_model_loss
+from spes.trainer import IGNORE_INDEX, Trainer, language_model_loss, schedule_length, scheduler_in_steps
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -144,6 +144,20 @@ def test_bf16_autocast_trains_on_cpu(tiny_corpus, tmp_path: Path) -> None:
 def test_duration_in_tokens_is_converted_to_steps() -> None:
     cfg, _ = load_config(TINY, ["--max_duration=2048T"])  # 16 sequences x 64 tokens per step
     assert cfg.max_steps == 2
+
+
+def test_a_schedule_in_tokens_warms_up_over_that_many_tokens() -> None:
+    """`scheduler.units: tokens` counts t_warmup and t_max in tokens (1024 per step of configs/tiny.yaml): a warm-up
+    of 2048 tokens is 2 steps, so the rate reaches its peak at step 2, not after 2048 steps."""
+    tokens = ["--scheduler.units=tokens", "--scheduler.t_warmup=2048", "--scheduler.t_max=10240", "--max_duration=10st"]
+    cfg, _ = load_config(TINY, tokens)
+    assert cfg.tokens_per_step == 1024
+    sched = scheduler_in_steps(cfg)
+    assert (sched.units, sched.t_warmup, schedule_length(cfg)) == ("steps", 2, 10)
+    steps, _ = load_config(TINY, ["--scheduler.t_warmup=2", "--max_duration=10st"])
+    assert scheduler_in_steps(steps) is steps.scheduler
+    peak = cfg.optimizer.learning_rate
+    assert [lr_at(s, sched, peak, 10) for s in range(11)] == [lr_at(s, steps.scheduler, peak, 10) for s in range(11)]
 
 
 def test_validation_loss_is_logged_before_and_after_nothing_else(tiny_corpus, tmp_path: Path) -> None:
