@@ -88,21 +88,10 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.optim.x_lr_at",
-        "4",
-        "`step <= t_warmup`: at step == t_warmup the warm-up line and the decay both give peak_lr (up to the last bit "
-        "of one rounding)",
-    ),
-    **mutants(
-        "spes.optim.x_rewarmed_lr",
-        "1",
-        "`step > end`: at step == end the rising line gives schedule(end) * (end - start) / (end - start), the "
-        "schedule's value (up to the last bit of one rounding)",
-    ),
-    **mutants(
-        "spes.optim.x_lr_at",
         "18",
-        "`max(t_warmup, 2)`: the warm-up division runs only for 0 <= step < t_warmup; with t_warmup 1 the only such "
-        "step is 0, whose numerator is 0 whatever the divisor",
+        "`max(t_warmup, 2)`: it differs from max(t_warmup, 1) only for t_warmup <= 1, where the one step the warm-up "
+        "line serves (step < t_warmup) is step 0 of t_warmup 1, whose numerator (peak - start) * 0 is 0 whatever the "
+        "divisor; no step is negative (the trainer asks from step 1 on, a re-warm-up for its end and the steps after)",
     ),
     **mutants(
         "spes.sync.codecs.int8.x_dequantize",
