@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,26 @@ def test_chunked_quantization_equals_one_piece(monkeypatch: pytest.MonkeyPatch) 
     pieces = quantize("w", x, block=64)
     assert torch.equal(whole.values, pieces.values) and torch.equal(whole.scales, pieces.scales)
     assert bool(((x - dequantize(pieces)).abs() <= per_value_scale(pieces) / 2 * SLACK).all())  # every chunk's
+
+
+@pytest.mark.parametrize("block", [256, 384])
+def test_a_tensor_of_several_chunks_is_quantized_block_by_block(block: int) -> None:
+    """At the real chunk size: a first chunk of whole blocks (2^20 values; 2730 blocks of 384, which does not divide
+    2^20), then a second of three whole blocks and a partial one; against the module docstring's formula computed
+    apart, per block, in numpy: scale = fp32(absmax / 127), value = rint(x / scale)."""
+    numel = (1 << 20) + 3 * block + 5
+    gen = torch.Generator().manual_seed(block)
+    # a magnitude per block, so a block quantized with another's scale shows
+    magnitudes = torch.logspace(-4, 2, num_blocks(numel, block)).repeat_interleave(block)[:numel]
+    x = torch.randn(numel, generator=gen) * magnitudes
+    payload = quantize("w", x, block)
+    flat = x.numpy()
+    absmax = np.maximum.reduceat(np.abs(flat), np.arange(0, numel, block))
+    scales = absmax / np.float32(compress.QMAX)
+    values = np.rint(flat / np.repeat(scales, block)[:numel])
+    assert scales.dtype == np.float32 and bool((scales > 0).all())
+    assert np.array_equal(payload.scales.numpy(), scales)
+    assert np.array_equal(payload.values.numpy(), values.astype(np.int8))
 
 
 def test_bf16_inputs() -> None:

@@ -39,6 +39,30 @@ def test_the_bolt_on_warm_up_after_an_optimizer_reset_meets_the_schedule() -> No
     assert [rewarmed_lr(s, 500, 510, schedule) for s in (510, 700)] == [schedule(510), schedule(700)]
 
 
+def test_the_bolt_on_warm_up_ends_exactly_on_the_schedule() -> None:
+    """The learning rate the trainer sets and logs at a re-warm-up's last step is the schedule's, bit for bit:
+    schedule(end) * (end - start) / (end - start) rounds twice and misses it at many steps (0.1 * 3 / 3 is not
+    0.1); a zero-length re-warm-up (t_warmup 0) is the schedule from its first step."""
+    cfg = SchedulerConfig(name="cosine_with_warmup", t_warmup=10, alpha_f=0.1)
+
+    def schedule(step: int) -> float:
+        return lr_at(step, cfg, 4e-4, 1000)
+
+    assert any(schedule(s) * 10 / 10 != schedule(s) for s in range(10, 300)), "the case must round"
+    for start in range(0, 290):
+        assert rewarmed_lr(start + 10, start, start + 10, schedule) == schedule(start + 10), start
+    for step in (0, 7, 500):
+        assert rewarmed_lr(step, step, step, schedule) == schedule(step)
+
+
+def test_the_warm_up_hands_over_to_the_decay_at_the_peak_exactly() -> None:
+    """At step t_warmup the linear schedule's learning rate is the configured peak itself, as logged; the warm-up
+    line there, start + (peak - start) * t / t, misses it by a bit (at a peak of 3e-4, for every t below)."""
+    for t_warmup in (1, 2, 3, 10, 100, 2000):
+        cfg = SchedulerConfig(name="linear_with_warmup", t_warmup=t_warmup, alpha_f=0.1)
+        assert lr_at(t_warmup, cfg, 3e-4, 10 * t_warmup) == 3e-4, t_warmup
+
+
 def test_linear_and_constant() -> None:
     linear = SchedulerConfig(name="linear_with_warmup", t_warmup=0, alpha_f=0.0)
     assert lr_at(50, linear, 2.0, 100) == pytest.approx(1.0)

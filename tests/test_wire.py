@@ -15,6 +15,7 @@ import torch
 
 from spes.sync import wire
 from spes.sync.codecs import int8
+from spes.sync.codecs.sparse import Sparse
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.wire import (
     DIGEST,
@@ -30,6 +31,7 @@ from spes.sync.wire import (
     encode_tensors,
     finite,
     payload_bytes,
+    upload_digest,
     write_raw,
 )
 
@@ -484,6 +486,35 @@ def test_the_edges_of_a_stream_a_mutation_run_found() -> None:
     with pytest.raises(ValueError, match=r": 'a0', 'a1', 'a2', 'a3', 'a4' and 1 more$"):
         TensorDecoder({f"a{i}": (1,) for i in range(6)}, "fp32").finish()
     assert list(wire.EncodedModel({"b": torch.ones(1), "a": torch.ones(2)}, "fp32")) == ["b", "a"]
+
+
+def test_a_sparse_delta_is_unpacked_by_its_headers_parameters_in_either_format() -> None:
+    """The decoder hands the header's parameters to the codec: a sparse payload is read by them, in the peers'
+    narrow format or the server's wider one (int8's carry only the block, which the run fixes)."""
+    codec = Sparse(chunk=64, topk=4, bits=2, down_topk=16, down_bits=6)
+    gen = torch.Generator().manual_seed(6)
+    for fmt in (codec, codec.down):
+        payload = fmt.encode("w", torch.randn(5, 40, generator=gen))
+        decoder = TensorDecoder({"w": (5, 40)}, "fp32", coded=codec, base_round=2)
+        for chunk in encode_tensors({"w": Coded(payload, 2)}, "fp32", chunk_bytes=16):
+            decoder.feed(chunk)
+        assert decoder.finish() == {}
+        got = decoder.coded["w"].payload
+        assert got.params() == fmt.params() and torch.equal(codec.decode(got), codec.decode(payload))
+
+
+def test_an_uploads_digest_is_xxh3_of_its_names_and_wire_bytes_in_order() -> None:
+    """What tells a retry of a committed upload from a different one: one XXH3-64 over each name and its wire bytes
+    (raw values in the wire dtype, a coded payload packed), in the upload's order."""
+    gen = torch.Generator().manual_seed(7)
+    raw = torch.randn(3, 5, generator=gen)
+    payload = int8.quantize("d", torch.randn(300, generator=gen), block=128)
+    items: dict[str, wire.Item] = {"w": raw, "d": Coded(payload, base_round=4)}
+    packed = payload.pack().numpy().tobytes()
+    for wire_dtype, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        values = raw.to(dtype).reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert upload_digest(items, wire_dtype) == checksum(b"w" + values + b"d" + packed), wire_dtype
+    assert upload_digest(dict(reversed(items.items())), "fp32") != upload_digest(items, "fp32")
 
 
 @pytest.mark.gpu
