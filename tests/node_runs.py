@@ -4,6 +4,7 @@ kill or restart their processes: the nodes as `python -m spes.train` children, t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -65,9 +66,23 @@ def start_node(corpus: Corpus, out: Path, peer: int, port: int, *flags: str) -> 
 
 
 def launch(corpus: Corpus, out: Path, *flags: str) -> subprocess.Popen:
-    """`python -m spes.launch` of the run into `out`, its output piped."""
+    """`python -m spes.launch` of the run into `out`, its output piped, taking Ctrl-C as from a terminal."""
     argv = [sys.executable, "-m", "spes.launch", TINY, "--out", str(out), *flags, "--", *corpus_args(corpus), *RUN]
-    return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
+    )
+
+
+def _default_sigint() -> None:
+    """SIGINT back to its default in the child, so Python gives it a Ctrl-C handler: a suite run in the background
+    (`cmd &` without job control) has SIGINT ignored, and a child inherits that, so the launcher would not stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def node_models(out: Path) -> list[dict[str, torch.Tensor]]:
