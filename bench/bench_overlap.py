@@ -15,7 +15,8 @@ same rate, and a one-way delay of RTT/2):
   2. blocking: the run with the link rate set so that one round takes `sync_steps` calibrated step times;
   3. overlapped: the same run and link with `spes_config.overlap_sync=true` (each round applied `sync_steps`
      later, the default `overlap_steps`); with `--fragments F`, also `overlap_fragments=F`: a round over 1/F of
-     the model every `sync_steps / F` steps, each applied that much later, and a whole round at the last step.
+     the model every `sync_steps / F` steps, each applied that much later, and a whole round at the last step;
+     `--overlap_steps D` applies each round D steps after its sync step instead.
 
 Throughput = the tokens the trainers logged (`tokens` in metrics.jsonl, summed over the peers) / the run's
 training wall time (the longest of the peers' `time` at their last logged step: from the trainer's start,
@@ -330,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fragments > 1:
         name = name.replace("bench_overlap", f"bench_overlap_f{args.fragments}", 1)
     overlap = [*OVERLAP, f"--spes_config.overlap_fragments={args.fragments}"] if args.fragments > 1 else OVERLAP
+    if args.overlap_steps is not None:
+        name += f"_d{args.overlap_steps}"
+        overlap = [*overlap, f"--spes_config.overlap_steps={args.overlap_steps}"]
     overrides = run_overrides(args.steps, args.sync_steps, shape, args)
     workdir = args.runs or RESULTS_DIR / name
     timeout = 300.0 if args.quick else 3600.0
@@ -384,6 +388,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="rounds of the arms, in the order AB, BA, AB...: the median")
     p.add_argument(
         "--fragments", type=int, default=1, help="the overlapped arm's spes_config.overlap_fragments (default 1)"
+    )
+    p.add_argument(
+        "--overlap_steps",
+        type=int,
+        default=None,
+        metavar="D",
+        help="the overlapped arms' spes_config.overlap_steps: steps from a sync step to the one that applies its "
+        "round (default: the config's, sync_steps / fragments)",
     )
     p.add_argument(
         "--codecs",

@@ -22,17 +22,34 @@ from spes.sync.codecs.sparse import (
 )
 
 
-@pytest.mark.parametrize("width", [1, 2, 3, 7, 12, 20])
-def test_bit_streams_round_trip_at_every_width(width: int) -> None:
-    values = torch.randint(0, 1 << width, (37,))
+@pytest.mark.parametrize("width", range(1, 21))
+@pytest.mark.parametrize("count", [0, 1, 7, 37])
+def test_bit_streams_hold_each_entrys_bits_in_order_at_every_width(width: int, count: int) -> None:
+    values = torch.randint(0, 1 << width, (count,), generator=torch.Generator().manual_seed(width))
+    # the stream as one integer: entry i at bits [i width, (i + 1) width), read out least significant byte first
+    expected = sum(v << (i * width) for i, v in enumerate(values.tolist())).to_bytes(-(-count * width // 8), "little")
     packed = pack_bits(values, width)
-    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(37 * width / 8)
-    assert torch.equal(unpack_bits(packed, 37, width), values)
+    assert packed.dtype == torch.uint8 and bytes(packed.tolist()) == expected
+    assert torch.equal(unpack_bits(torch.tensor(list(expected), dtype=torch.uint8), count, width), values)
 
 
 def test_the_bit_stream_is_little_endian_entry_by_entry() -> None:
     # entry i at bits [3i, 3i + 3), bit j of a byte its j-th: 5 = 101, 3 = 011 -> bits 1,0,1,1,1,0 -> 0b011101
     assert pack_bits(torch.tensor([5, 3]), 3).tolist() == [0b011101]
+    assert pack_bits(torch.tensor([0xABC, 0x123]), 12).tolist() == [0xBC, 0x3A, 0x12]
+
+
+def test_a_short_bit_stream_is_refused() -> None:
+    assert message(unpack_bits, torch.zeros(2, dtype=torch.uint8), 2, 12) == (
+        "a bit stream of 2 entries of 12 bits needs 3 bytes, got 2"
+    )
+
+
+def test_nan_or_inf_anywhere_in_a_chunk_is_refused() -> None:
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(3 * 4096)
+        x[4096 + 1234] = bad  # one value in the middle of a chunk, which sends 64 of its 4096
+        assert "holds NaN or Inf values" in message(quantize, "w", x, 4096, 64, 2)
 
 
 @pytest.mark.parametrize("numel", [1, 5, 63, 64, 100, 4096, 4096 * 2 + 17])

@@ -61,18 +61,50 @@ def payload_bytes(numel: int, chunk: int, topk: int, bits: int) -> int:
     return SCALE_BYTES * (whole + (tail > 0)) + -(-entries * index_bits(chunk) // 8) + -(-entries * bits // 8)
 
 
+def _group_layout(width: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """How `pack_bits` lays out a group of g = 8 / gcd(width, 8) entries, the fewest that fill whole bytes
+    (width * g / 8 of them): per entry j of the group, its first byte (j width // 8), its bit offset in that byte
+    (j width % 8) and how many bytes it reaches into (at most 4 for width <= 20)."""
+    group = 8 // math.gcd(width, 8)
+    return group, [((j * width) // 8, (j * width) % 8, ((j * width) % 8 + width + 7) // 8) for j in range(group)]
+
+
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
-    """Non-negative integers < 2^width as a little-endian bit stream of ceil(len * width / 8) bytes (uint8)."""
-    shifts = torch.arange(width, dtype=torch.int64)
-    stream = ((values.to(torch.int64)[:, None] >> shifts) & 1).to(torch.uint8).reshape(-1)
-    stream = torch.nn.functional.pad(stream, (0, -stream.numel() % 8)).view(-1, 8)
-    return (stream << torch.arange(8, dtype=torch.uint8)).sum(dim=1, dtype=torch.uint8)
+    """Non-negative integers < 2^width as a little-endian bit stream of ceil(len * width / 8) bytes (uint8).
+
+    Entry i occupies bits [i width, (i + 1) width) of the stream, bit j of a byte being its j-th. Built a group of
+    entries at a time (`_group_layout`): each entry of a group, shifted to its offset, is OR-ed into the bytes it
+    reaches, so the work is a few passes over the entries whatever the width (no per-bit intermediate).
+    """
+    group, layout = _group_layout(width)
+    count = values.numel()
+    groups = -(-count // group)
+    entries = torch.nn.functional.pad(values.reshape(-1).to(torch.int32), (0, groups * group - count))
+    entries = entries.view(groups, group)
+    out = torch.zeros(width * group // 8, groups, dtype=torch.int32)
+    for j, (first, offset, reach) in enumerate(layout):
+        shifted = entries[:, j] << offset
+        for b in range(reach):
+            out[first + b] |= (shifted >> (8 * b)) & 0xFF
+    return out.t().reshape(-1)[: -(-count * width // 8)].to(torch.uint8)
 
 
 def unpack_bits(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
-    """The `count` integers of `width` bits that `pack_bits` wrote into `data` (int64)."""
-    stream = ((data[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[: count * width]
-    return (stream.view(count, width).to(torch.int64) << torch.arange(width, dtype=torch.int64)).sum(dim=1)
+    """The `count` integers of `width` bits that `pack_bits` wrote into `data` (int64); ValueError if it is short."""
+    need = -(-count * width // 8)
+    if data.numel() < need:
+        raise ValueError(f"a bit stream of {count} entries of {width} bits needs {need} bytes, got {data.numel()}")
+    group, layout = _group_layout(width)
+    groups = -(-count // group)
+    stream = torch.nn.functional.pad(data[:need].to(torch.int64), (0, groups * width * group // 8 - need))
+    columns = stream.view(groups, width * group // 8).t()
+    out = torch.empty(groups, group, dtype=torch.int64)
+    for j, (first, offset, reach) in enumerate(layout):
+        word = columns[first].clone()
+        for b in range(1, reach):
+            word |= columns[first + b] << (8 * b)
+        out[:, j] = (word >> offset) & ((1 << width) - 1)
+    return out.reshape(-1)[:count]
 
 
 @dataclass(frozen=True)
@@ -175,15 +207,15 @@ def quantize(name: str, x: torch.Tensor, chunk: int, topk: int, bits: int) -> Sp
     flat = x.detach().reshape(-1).float()
     scales, indices, levels = [], [], []
     for rows in _rows(flat, chunk):
-        k = min(topk, rows.shape[1])
-        picked = rows.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
-        selected = rows.gather(1, picked)
-        if not bool(torch.isfinite(selected).all()) or not bool(torch.isfinite(rows.abs().amax())):
+        top = rows.abs().topk(min(topk, rows.shape[1]), dim=1, sorted=False)
+        # NOTE: topk ranks NaN above every number, and Inf above the rest: a chunk holding either sends it
+        if not bool(torch.isfinite(top.values).all()):
             raise ValueError(
                 f"tensor {name!r} holds NaN or Inf values: this peer's training diverged or its carried error is "
                 "corrupt"
             )
-        scale, level = _scale_and_levels(selected, bits)
+        picked = top.indices.sort(dim=1).values
+        scale, level = _scale_and_levels(rows.gather(1, picked), bits)
         scales.append(scale)
         indices.append(picked.reshape(-1))
         levels.append(level.reshape(-1))
