@@ -18,6 +18,10 @@ same rate, and a one-way delay of RTT/2):
      the model every `sync_steps / F` steps, each applied that much later, and a whole round at the last step;
      `--overlap_steps D` applies each round D steps after its sync step instead.
 
+Each arm also records the CPU seconds of its peers, the server and the relay (`cpu_s`): on a machine with fewer
+cores than processes, what the server and the relay spend while the peers train (overlapped) slows the peers,
+while a blocking run spends it while they wait.
+
 Throughput = the tokens the trainers logged (`tokens` in metrics.jsonl, summed over the peers) / the run's
 training wall time (the longest of the peers' `time` at their last logged step: from the trainer's start,
 after start-up and join, to its last step, whatever it waited for). With R rounds each as long as `sync_steps`
@@ -44,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import subprocess
 import time
@@ -149,7 +155,7 @@ def run_arm(
         log,
     )
     procs: list[subprocess.Popen] = [server]
-    started = time.monotonic()
+    started, children = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         wait_for_log(log, "listening", server)
         relay, hosts = link.relay([port, data_port], peers)
@@ -175,12 +181,24 @@ def run_arm(
         if any(p.returncode != 0 for p in nodes):
             raise SystemExit(f"error: {name}: a peer failed; see the logs in {out}")
         process_wall = time.monotonic() - started
+        reaped = resource.getrusage(resource.RUSAGE_CHILDREN)  # the peers, reaped by poll(): not the server nor relay
+        cpu = {
+            "peers": reaped.ru_utime + reaped.ru_stime - children.ru_utime - children.ru_stime,
+            "server": cpu_seconds(server.pid),
+            "relay": cpu_seconds(relay.pid),
+        }
         relay.terminate()
         carried, _ = relay.communicate(timeout=30)
     finally:
         stop(procs)
     relayed = json.loads(carried.strip().splitlines()[-1])
-    return {**summarize(out, overrides, peers), "process_wall_s": process_wall, "relay_bytes": relayed}
+    return {**summarize(out, overrides, peers), "process_wall_s": process_wall, "relay_bytes": relayed, "cpu_s": cpu}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process so far (Linux: fields 14 and 15 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(out: Path, overrides: list[str], count: int) -> dict[str, Any]:

@@ -530,6 +530,8 @@ def test_bench_overlap_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
     assert {"--spes_config.overlap_fragments=2", "--spes_config.overlap_steps=1"} <= set(results["overlap_flags"])
     assert all(b > 0 for b in overlapped["relay_bytes"]["bytes_up"] + overlapped["relay_bytes"]["bytes_down"])
     assert sum(coded["bytes_up"]) < sum(overlapped["bytes_up"])  # int8 deltas after the first (full) round
+    for arm in (blocking, overlapped, coded):  # where the CPU went: the peers train, the server and relay move bytes
+        assert arm["cpu_s"]["peers"] > arm["cpu_s"]["server"] > 0 < arm["cpu_s"]["relay"]
     assert results["codecs"] == {"overlapped": "fp32", "overlapped_int8": "int8"}
     assert results["ratio"] == pair["ratio"] == results["ratios"]["overlapped"] > 0
     assert results["ratios"]["overlapped_int8"] == pair["ratios"]["overlapped_int8"] > 0
