@@ -686,30 +686,48 @@ FIGURES.update(
         "overlap.f5_loss": _f5_figure("spes_overlap_d2_f5"),
         "overlap.f5_int8_loss": _f5_figure("codec_int8_spes_overlap_d2_f5"),
         "overlap.f5_sparse_loss": _f5_figure("codec_sparse_spes_overlap_d2_f5"),
+        "overlap.f5_d1_int8_loss": _f5_figure("codec_int8_spes_overlap_d1_f5"),
     }
 )
 
 
-def _same_shape_ratio(r: Records, arm: str) -> str:
-    """An overlapped arm's tokens/s over the blocking fp32 arm's on the mini-reproduction's model and peers."""
-    x = r("bench_overlap_f5_same_shape")
-    pairs = " and ".join(f"{p['ratios'][arm]:.2f}x" for p in x["pairs"])
-    return (
-        f"{x['ratios'][arm]:.2f}x (median of {len(x['pairs'])} pairs in the order AB, BA: {pairs}; ideal "
-        f"{x['ideal_ratio']:.2f}x)"
-    )
+def _same_shape_ratio(r: Records, arm: str, name: str) -> str:
+    """An overlapped arm's tokens/s over the blocking fp32 arm's on the mini-reproduction's model and peers (record
+    `name`, its pairs in the order AB, BA, AB...)."""
+    x = r(name)
+    pairs = ", ".join(f"{p['ratios'][arm]:.2f}x" for p in x["pairs"])
+    order = ", ".join(("AB", "BA")[i % 2] for i in range(len(x["pairs"])))
+    n, ideal = len(x["pairs"]), x["ideal_ratio"]
+    return f"{x['ratios'][arm]:.2f}x (median of {n} pairs in the order {order}: {pairs}; ideal {ideal:.2f}x)"
 
 
-def _ratio_figure(arm: str) -> Figure:
-    return lambda r: _same_shape_ratio(r, arm)
+def _ratio_figure(arm: str, name: str = "bench_overlap_f5_same_shape") -> Figure:
+    return lambda r: _same_shape_ratio(r, arm, name)
 
 
 FIGURES.update(
     {
         "overlap.f5_same_shape_ratio": _ratio_figure("overlapped"),
         "overlap.f5_int8_same_shape_ratio": _ratio_figure("overlapped_int8"),
+        "overlap.f5_int8_quiet_ratio": _ratio_figure("overlapped_int8", "bench_overlap_f5_int8"),
+        "overlap.f5_d1_int8_ratio": _ratio_figure("overlapped_int8", "bench_overlap_f5_d1_int8"),
     }
 )
+
+
+@fig("overlap.f5_d1_cpu")
+def _overlap_f5_d1_cpu(r: Records) -> str:
+    """Where the CPU went in the overlapped arms of bench_overlap_f5_d1_int8: every core busy."""
+    x = r("bench_overlap_f5_d1_int8")
+    arms = [p["overlapped_int8"] for p in x["pairs"]]
+    cpu = {k: median(a["cpu_s"][k] for a in arms) for k in ("peers", "server", "relay")}
+    wall = median(a["process_wall_s"] for a in arms)
+    cores = x["machine"]["cpus"]
+    return (
+        f"the peers {cpu['peers']:.0f} CPU seconds, the server {cpu['server']:.0f} and the relay {cpu['relay']:.0f} "
+        f"in {wall:.0f} s of wall time on {cores} cores ({sum(cpu.values()) / (cores * wall):.0%} of them; medians "
+        f"of {len(arms)} runs)"
+    )
 
 
 @fig("wan.codec_efficiency")

@@ -183,10 +183,11 @@ the comparison of the overlapped schedules on each codec (with bf16's blocking a
 after their change of 1da3a8e."""
 
 
-F5_RECORDS = ("mini_repro_codecs_f5", "mini_repro_codecs_f5_held", OWN_BLOCKS)
+F5_RECORDS = ("mini_repro_codecs_f5", "mini_repro_codecs_f5_held", OWN_BLOCKS, "mini_repro_codecs_d1")
 """The comparisons of the overlapped schedules (5 fragments) on each codec against blocking fp32, oldest first, each
-seed's under its suffix: the raw codecs' run, the held-model codecs' run after their fix (1d792a4), and after an
-owner keeps its own blocks (1da3a8e), each with its own blocking fp32 arm at its commit."""
+seed's under its suffix: the raw codecs' run, the held-model codecs' run after their fix (1d792a4), after an owner
+keeps its own blocks (1da3a8e), and each round applied one step after its sync step (`overlap_steps: 1`), each with
+its own blocking fp32 arm at its commit."""
 
 
 def f5_arms(records: Records, suffix: str = "") -> list[dict[str, Any]]:

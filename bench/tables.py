@@ -794,6 +794,8 @@ F5_ARMS = {
     "spes_overlap_d2_f5": "overlap + 5 fragments, fp32",
     "codec_int8_spes_overlap_d2_f5": "overlap + 5 fragments, int8",
     "codec_sparse_spes_overlap_d2_f5": "overlap + 5 fragments, sparse",
+    "codec_int8_spes_overlap_d1_f5": "overlap + 5 fragments, applied 1 step later, int8",
+    "codec_sparse_spes_overlap_d1_f5": "overlap + 5 fragments, applied 1 step later, sparse",
 }
 """The arms of `mini_repro.py --codecs bf16 int8 sparse --overlap --overlap_fragments 5 --only ...`, in order."""
 
