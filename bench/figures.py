@@ -13,6 +13,7 @@ from typing import Any
 
 from records import (
     CODEC_SEEDS,
+    DENSE_SPARSE,
     F5_RECORDS,
     OWN_BLOCKS,
     Missing,
@@ -874,6 +875,7 @@ FIGURES.update(
     {
         "codec.sparse_crossing": lambda r: _sparse_crossing(r, "mini_repro_codecs"),
         "codec.sparse_crossing_own": lambda r: _sparse_crossing(r, OWN_BLOCKS),
+        "codec.sparse_crossing_dense": lambda r: _sparse_crossing(r, DENSE_SPARSE),
     }
 )
 

@@ -177,10 +177,13 @@ CODEC_SEEDS = {"": 6198, "_seed7": 7}
 OWN_BLOCKS = "mini_repro_codecs_own"
 """The held-model codecs' comparison after an owner keeps its own blocks as trained (1da3a8e)."""
 
-CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5", OWN_BLOCKS)
+DENSE_SPARSE = "mini_repro_codecs_dense"
+"""The sparse curve at 1da3a8e with a denser setting beside the two of `OWN_BLOCKS` (seed 6198)."""
+
+CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5", OWN_BLOCKS, DENSE_SPARSE)
 """The SPES codec comparisons of the mini-reproduction, oldest first, each seed's under its suffix: the codec curve,
-the comparison of the overlapped schedules on each codec (with bf16's blocking arm), and the held-model codecs'
-after their change of 1da3a8e."""
+the comparison of the overlapped schedules on each codec (with bf16's blocking arm), the held-model codecs'
+after their change of 1da3a8e, and the denser sparse curve at that commit."""
 
 
 F5_RECORDS = ("mini_repro_codecs_f5", "mini_repro_codecs_f5_held", OWN_BLOCKS, "mini_repro_codecs_d1")
