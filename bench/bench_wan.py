@@ -14,10 +14,8 @@ counts through the same relay, in the same run, shows what the emulated link its
 
 Models: the paper's 1B layout (16 experts, 4 peers x 4) scaled down so a round takes seconds, with the
 ratios between embeddings, attention and experts kept: one layer and the vocabulary / 12 is 1/12 of the 1B
-model; halving d_model and the expert width and the vocabulary again gives 1/48, 1/192, 1/768. bf16 uses 1/12
-(1 Gbit/s), 1/192 (100 Mbit/s) and 1/768 (20 Mbit/s); a wire that moves fewer bytes runs on the smallest model
-whose ideal round is at least as long as bf16's there (1/12 at most: `scale_for`), so that the round trips weigh
-as little in its efficiency as in bf16's and as on the 1B model.
+model; halving d_model and the expert width and the vocabulary again gives 1/48, 1/192, 1/768. The speeds
+use 1/12 (1 Gbit/s), 1/192 (100 Mbit/s) and 1/768 (20 Mbit/s).
 
 From the measured efficiency the benchmark predicts the full 1B model's round at each speed (its bytes per
 peer from its manifest, divided by the ideal rate, over the efficiency measured at that speed) and the
@@ -31,7 +29,6 @@ measured elsewhere, and `--from_json` the links measured by an earlier run.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import statistics
@@ -181,27 +178,6 @@ def measure(
                 }
             )
     return out
-
-
-def scale_for(wire: str, link: LinkSpec) -> int:
-    """The model scale `wire` is measured at on `link`: the smallest model of `SCALES` whose ideal round is at
-    least bf16's at the speed's own scale (`SPEEDS`), else the largest (1/12).
-
-    A round also costs round trips and connections, which the 1B model's round hardly notices; a codec that moves
-    a twentieth of bf16's bytes, measured on bf16's model, would be mostly those, and its efficiency would not
-    carry over to the 1B model. On a model with as long an ideal round they weigh as little as for bf16.
-    """
-    floor = link.ideal_seconds(*scaled_round_bytes(SPEEDS[link.peer_mbit], "bf16"))
-    for scale in sorted(SCALES, reverse=True):
-        if link.ideal_seconds(*scaled_round_bytes(scale, wire)) >= floor:
-            return scale
-    return min(SCALES)
-
-
-@functools.cache
-def scaled_round_bytes(scale: int, wire: str) -> tuple[list[int], list[int]]:
-    """Each peer's (up, down) bytes in a plain round of the 1B layout at `scale` on `wire` (`round_bytes`)."""
-    return round_bytes(node_run(PAPER_1B, SCALES[scale], wire)[1])
 
 
 def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: float) -> list[dict[str, Any]]:
@@ -370,14 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         for speed in speeds:
             link = LinkSpec(speed, speed * args.server_factor, args.rtt_ms)
-            for wire in wires:
-                scale = 768 if args.quick else scale_for(wire, link)
-                print(
-                    f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT "
-                    f"{args.rtt_ms:g} ms; {wire} on a model 1/{scale} of the 1B",
-                    flush=True,
-                )
-                measured += measure(link, scale, [wire], planes, warmup, rounds, workdir)
+            scale = 768 if args.quick else SPEEDS[speed]
+            print(
+                f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT {args.rtt_ms:g} "
+                f"ms; model 1/{scale} of the 1B",
+                flush=True,
+            )
+            measured += measure(link, scale, wires, planes, warmup, rounds, workdir)
     rows = [
         [
             f"{m['peer_mbit']:g}",
