@@ -688,6 +688,7 @@ FIGURES.update(
         "overlap.f5_int8_loss": _f5_figure("codec_int8_spes_overlap_d2_f5"),
         "overlap.f5_sparse_loss": _f5_figure("codec_sparse_spes_overlap_d2_f5"),
         "overlap.f5_d1_int8_loss": _f5_figure("codec_int8_spes_overlap_d1_f5"),
+        "overlap.f5_d1_sparse_loss": _f5_figure("codec_sparse_spes_overlap_d1_f5"),
     }
 )
 

@@ -323,6 +323,21 @@ def test_a_peer_that_caught_up_drops_its_carried_error() -> None:
     assert isinstance(coded, Coded) and not QUANTIZER.decode(coded.payload).any()
 
 
+def test_a_fragments_round_keeps_the_error_the_other_fragments_carry() -> None:
+    """With fragments an upload holds one fragment's tensors: what the other fragments' earlier uploads left out is
+    still owed, and must still be carried when their own round comes (dropping it lost most of a sparse delta)."""
+    gen = torch.Generator().manual_seed(7)
+    model = {n: torch.randn(SHAPE, generator=gen) for n in ("a", "b")}
+    peer, server = holding(model, 10), HeldServer(QUANTIZER)
+    peer.upload({n: v + 1e-3 * torch.randn(SHAPE, generator=gen) for n, v in model.items()}, own=[])
+    download(peer, server, next_held(QUANTIZER, 20, model, Served(10, model), ["a", "b"], {}), ["a", "b"])
+    carried_b = peer.carried["b"].clone()
+    assert carried_b.any()
+    peer.upload({"a": peer.held["a"] + 1e-3 * torch.randn(SHAPE, generator=gen)}, own=[])  # fragment a's round
+    download(peer, server, next_held(QUANTIZER, 22, peer.held, Served(20, peer.held), ["a"], {}), ["a"])
+    assert set(peer.carried) == {"a", "b"} and torch.equal(peer.carried["b"], carried_b)
+
+
 def test_bad_tensors_are_refused_naming_the_tensor() -> None:
     value = torch.zeros(SHAPE)
     for what, base, carried in (("base", torch.zeros(3), None), ("carried error", value, torch.zeros(3))):

@@ -179,7 +179,8 @@ class HeldPeer:
         """The new held model of the tensors the round served, as a raw codec returns what it downloaded: with
         fragments a round serves one fragment, and the node's other tensors keep their local progress. Full values
         (no base) are the whole held model. A peer that caught up drops its carried error (its upload was not
-        taken); otherwise the upload's becomes the carried one.
+        taken); otherwise the upload's errors replace those of the tensors it coded, and every other tensor's (a
+        fragment not synchronized this round) stays carried until its own round.
 
         The peer's own blocks that the server took verbatim (not served back: a round without merging) are held
         as their upload's reconstruction H' = H + decode(p) but not returned, so the node keeps them as it trained
@@ -199,9 +200,8 @@ class HeldPeer:
             relayed = {n: t for n, t in self._pending[1].items() if n not in served}
             held = {**self.held, **relayed, **served}
         errors = {n: e for n, e in self._pending[0].items() if n not in relayed}
-        kept = {n: self.carried[n] for n in relayed if n in self.carried}
         self.held, self.round = held, info.round
-        self.carried = {} if caught_up else {**errors, **kept}
+        self.carried = {} if caught_up else {**self.carried, **errors}
         self._pending = ({}, {})
         return served
 
