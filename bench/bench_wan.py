@@ -14,8 +14,11 @@ counts through the same relay, in the same run, shows what the emulated link its
 
 Models: the paper's 1B layout (16 experts, 4 peers x 4) scaled down so a round takes seconds, with the
 ratios between embeddings, attention and experts kept: one layer and the vocabulary / 12 is 1/12 of the 1B
-model; halving d_model and the expert width and the vocabulary again gives 1/48, 1/192, 1/768. The speeds
-use 1/12 (1 Gbit/s), 1/192 (100 Mbit/s) and 1/768 (20 Mbit/s).
+model; halving d_model and the expert width and the vocabulary again gives 1/48, 1/192, 1/768. bf16 uses 1/12
+(1 Gbit/s), 1/192 (100 Mbit/s) and 1/768 (20 Mbit/s); a wire that moves fewer bytes runs on the smallest model
+whose ideal round is at least as long as bf16's there, so that round trips weigh as little in its efficiency as in
+bf16's and as on the 1B model, among the models whose first round (a held-model codec's full fp32 values, the whole
+model down) the link carries within `FIRST_ROUND_S` (`scale_for`).
 
 From the measured efficiency the benchmark predicts the full 1B model's round at each speed (its bytes per
 peer from its manifest, divided by the ideal rate, over the efficiency measured at that speed) and the
@@ -29,6 +32,7 @@ measured elsewhere, and `--from_json` the links measured by an earlier run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -42,6 +46,7 @@ import torch
 
 from bench_sync import bench_raw, bench_spes, expect_line, node_run, round_bytes, spawn
 from bench_train import build_variant, timed_step
+from bench_wire import round_bytes as first_round_bytes
 from common import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -86,7 +91,10 @@ SCALES = {
         "--model.embedding_size=1580",
     ],
 }
-SPEEDS = {1000.0: 12, 100.0: 192, 20.0: 768}  # Mbit/s -> model scale
+SPEEDS = {1000.0: 12, 100.0: 192, 20.0: 768}  # Mbit/s -> bf16's model scale
+FIRST_ROUND_S = 240.0
+"""The longest ideal first round a wire is measured with (bench_sync's rounds time out at 900 s; the data plane's
+stall guard wants a transfer moving)."""
 SYNC_STEPS = (25, 50, 100, 200)
 FRAGMENTS = (1, 5)
 """`spes_config.overlap_fragments` of the overlapped predictions."""
@@ -178,6 +186,38 @@ def measure(
                 }
             )
     return out
+
+
+def scale_for(wire: str, link: LinkSpec) -> int:
+    """The model scale `wire` is measured at on `link`: the smallest model of `SCALES` whose ideal round is at
+    least bf16's at the speed's own scale (`SPEEDS`), else the largest; among those whose ideal first round fits
+    `FIRST_ROUND_S`.
+
+    A round also costs round trips and connections, which the 1B model's round hardly notices; a codec that moves
+    a twentieth of bf16's bytes, measured on bf16's model, would be mostly those, and its efficiency would not
+    carry over to the 1B model. On a model with as long an ideal round they weigh as little as for bf16.
+    """
+    floor = link.ideal_seconds(*scaled_round_bytes(SPEEDS[link.peer_mbit], "bf16"))
+    fits = [
+        s
+        for s in sorted(SCALES, reverse=True)
+        if link.ideal_seconds(*scaled_round_bytes(s, wire, True)) <= FIRST_ROUND_S
+    ]
+    if not fits:
+        raise SystemExit(f"error: no model of {sorted(SCALES)} moves a first {wire} round within {FIRST_ROUND_S:g} s")
+    return next((s for s in fits if link.ideal_seconds(*scaled_round_bytes(s, wire)) >= floor), fits[-1])
+
+
+@functools.cache
+def scaled_round_bytes(scale: int, wire: str, first: bool = False) -> tuple[list[int], list[int]]:
+    """Each peer's (up, down) bytes in a round of the 1B layout at `scale` on `wire`: a plain steady-state round
+    (`round_bytes`), or with `first` the run's first round (`bench_wire.round_bytes`: full values on a held-model
+    codec)."""
+    spec = node_run(PAPER_1B, SCALES[scale], wire)[1]
+    if not first:
+        return round_bytes(spec)
+    both = [first_round_bytes(spec, q, merged=False, first=True) for q in range(spec.num_peers)]
+    return [up for up, _ in both], [down for _, down in both]
 
 
 def predict_1b(measured: list[dict[str, Any]], step_s: float | None, rtt_ms: float) -> list[dict[str, Any]]:
@@ -346,13 +386,14 @@ def main(argv: list[str] | None = None) -> int:
         }
         for speed in speeds:
             link = LinkSpec(speed, speed * args.server_factor, args.rtt_ms)
-            scale = 768 if args.quick else SPEEDS[speed]
-            print(
-                f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT {args.rtt_ms:g} "
-                f"ms; model 1/{scale} of the 1B",
-                flush=True,
-            )
-            measured += measure(link, scale, wires, planes, warmup, rounds, workdir)
+            for wire in wires:
+                scale = 768 if args.quick else scale_for(wire, link)
+                print(
+                    f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT "
+                    f"{args.rtt_ms:g} ms; {wire} on a model 1/{scale} of the 1B",
+                    flush=True,
+                )
+                measured += measure(link, scale, [wire], planes, warmup, rounds, workdir)
     rows = [
         [
             f"{m['peer_mbit']:g}",

@@ -418,6 +418,23 @@ def test_wan_ideal_round_is_bytes_over_the_tighter_link_plus_round_trips() -> No
     assert link.ideal_seconds([10**6] * 3, [2 * 10**6, 0, 0]) == pytest.approx(1.5 + 0.1 + 2.0 + 0.1)
 
 
+def test_a_wire_of_fewer_bytes_is_measured_on_a_model_whose_ideal_round_is_as_long_as_bf16s() -> None:
+    from bench_wan import FIRST_ROUND_S, SCALES, SPEEDS, LinkSpec, scale_for, scaled_round_bytes
+
+    link = LinkSpec(20.0, 20.0, 50.0)
+    assert scale_for("bf16", link) == SPEEDS[20.0] == 768
+    floor = link.ideal_seconds(*scaled_round_bytes(768, "bf16"))
+    chosen = scale_for("int8", link)  # a smaller model's int8 round would be shorter than bf16's, this one's is not
+    assert link.ideal_seconds(*scaled_round_bytes(chosen, "int8")) >= floor
+    assert all(link.ideal_seconds(*scaled_round_bytes(s, "int8")) < floor for s in SCALES if s > chosen)
+    assert chosen == 192
+    # no sparse round is as long as bf16's; the largest model whose first round of full values fits the bound
+    sparse = scale_for("sparse", link)
+    assert link.ideal_seconds(*scaled_round_bytes(sparse, "sparse", True)) <= FIRST_ROUND_S
+    assert all(link.ideal_seconds(*scaled_round_bytes(s, "sparse", True)) > FIRST_ROUND_S for s in SCALES if s < sparse)
+    assert link.ideal_seconds(*scaled_round_bytes(sparse, "sparse")) < floor and sparse == 48
+
+
 @pytest.mark.timeout(60)
 def test_link_relay_carries_every_byte_both_ways(tmp_path: Path) -> None:
     import socket
