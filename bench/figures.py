@@ -12,6 +12,7 @@ from statistics import median
 from typing import Any
 
 from records import (
+    BEFORE_CARRIED_FIX,
     CODEC_SEEDS,
     DENSE_SPARSE,
     F5_RECORDS,
@@ -663,23 +664,23 @@ def _overlap_f5_other_commits(r: Records) -> str:
     )
 
 
-def _f5_vs_fp32(r: Records, arm: str) -> str:
-    """An arm of the overlapped schedules' comparisons (`F5_RECORDS`, each with its own blocking fp32 arm at the
-    same commit) against blocking fp32, in each seed measured (seed 6198's at least)."""
+def _f5_vs_fp32(r: Records, arm: str, names: Sequence[str] = F5_RECORDS) -> str:
+    """An arm of the overlapped schedules' comparisons (the newest of `names` that has it, each with its own
+    blocking fp32 arm at the same commit) against blocking fp32, in each seed measured (seed 6198's at least)."""
     gaps, seeds = [], []
     for suffix, seed in CODEC_SEEDS.items():
-        arms = next((a for a in f5_arms(r, suffix) if arm in a), None)
+        arms = next((a for a in f5_arms(r, suffix, names) if arm in a), None)
         if arms is None:
             if not suffix:
-                raise Missing(F5_RECORDS[-1])
+                raise Missing(names[-1])
             continue
         gaps.append(f"{arms[arm]['vs_fp32']:+.2%}")
         seeds.append(str(seed))
     return f"{' and '.join(gaps)} (seed{'s' * (len(seeds) > 1)} {' and '.join(seeds)})"
 
 
-def _f5_figure(arm: str) -> Figure:
-    return lambda r: _f5_vs_fp32(r, arm)
+def _f5_figure(arm: str, names: Sequence[str] = F5_RECORDS) -> Figure:
+    return lambda r: _f5_vs_fp32(r, arm, names)
 
 
 FIGURES.update(
@@ -689,6 +690,8 @@ FIGURES.update(
         "overlap.f5_sparse_loss": _f5_figure("codec_sparse_spes_overlap_d2_f5"),
         "overlap.f5_d1_int8_loss": _f5_figure("codec_int8_spes_overlap_d1_f5"),
         "overlap.f5_d1_sparse_loss": _f5_figure("codec_sparse_spes_overlap_d1_f5"),
+        "overlap.f5_d1_int8_loss_before_fix": _f5_figure("codec_int8_spes_overlap_d1_f5", [BEFORE_CARRIED_FIX]),
+        "overlap.f5_d1_sparse_loss_before_fix": _f5_figure("codec_sparse_spes_overlap_d1_f5", [BEFORE_CARRIED_FIX]),
     }
 )
 
@@ -734,10 +737,11 @@ def _overlap_f5_d1_cpu(r: Records) -> str:
 
 @fig("wan.codec_efficiency")
 def _wan_codec_efficiency(r: Records) -> str:
-    """Each codec's measured round against the emulated link's ideal for its bytes, per link (bench_wan_codecs)."""
+    """Each codec's measured round against the emulated link's ideal for its bytes, per link and on which scaled
+    model (bench_wan_codecs)."""
     by: dict[str, list[str]] = {}
     for m in r("bench_wan_codecs")["measurements"]:
-        by.setdefault(m["wire"], []).append(f"{m['efficiency']:.0%} at {link(m['peer_mbit'])}")
+        by.setdefault(m["wire"], []).append(f"{m['efficiency']:.0%} at {link(m['peer_mbit'])} (1/{m['scale']})")
     return "; ".join(f"{wire}: {', '.join(parts)}" for wire, parts in by.items())
 
 

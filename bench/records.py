@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -186,16 +186,25 @@ the comparison of the overlapped schedules on each codec (with bf16's blocking a
 after their change of 1da3a8e, and the denser sparse curve at that commit."""
 
 
-F5_RECORDS = ("mini_repro_codecs_f5", "mini_repro_codecs_f5_held", OWN_BLOCKS, "mini_repro_codecs_d1")
+BEFORE_CARRIED_FIX = "mini_repro_codecs_d1"
+"""Each round applied one step after its sync step (`overlap_steps: 1`) at 1da3a8e, before a fragment's round kept
+the error the other fragments carry (428a315)."""
+F5_RECORDS = (
+    "mini_repro_codecs_f5",
+    "mini_repro_codecs_f5_held",
+    OWN_BLOCKS,
+    BEFORE_CARRIED_FIX,
+    "mini_repro_codecs_fix",
+)
 """The comparisons of the overlapped schedules (5 fragments) on each codec against blocking fp32, oldest first, each
 seed's under its suffix: the raw codecs' run, the held-model codecs' run after their fix (1d792a4), after an owner
-keeps its own blocks (1da3a8e), and each round applied one step after its sync step (`overlap_steps: 1`), each with
-its own blocking fp32 arm at its commit."""
+keeps its own blocks (1da3a8e), each round applied one step after its sync step (`overlap_steps: 1`), and that again
+after the fix of the carried error over fragments, each with its own blocking fp32 arm at its commit."""
 
 
-def f5_arms(records: Records, suffix: str = "") -> list[dict[str, Any]]:
-    """The arms of each of `F5_RECORDS<suffix>` that is committed, newest first."""
-    return [x["arms"] for x in reversed(records.committed(f"{n}{suffix}" for n in F5_RECORDS))]
+def f5_arms(records: Records, suffix: str = "", names: Sequence[str] = F5_RECORDS) -> list[dict[str, Any]]:
+    """The arms of each of `names<suffix>` (by default `F5_RECORDS`) that is committed, newest first."""
+    return [x["arms"] for x in reversed(records.committed(f"{n}{suffix}" for n in names))]
 
 
 def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float, float]:
