@@ -653,8 +653,8 @@ def span_of(pair: list[float], spec: str) -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
-@block("bench-wan")
-def wan_table(records: Records) -> str:
+def _wan_link_table(record: dict[str, Any]) -> str:
+    """Each measured link, model scale, wire and plane: the round against the link's ideal for its bytes."""
     rows = [
         [
             link(m["peer_mbit"]),
@@ -667,22 +667,21 @@ def wan_table(records: Records) -> str:
             f"**{m['efficiency']:.1%}**",
             f"{m['raw_efficiency']:.1%}",
         ]
-        for m in records("bench_wan")["measurements"]
+        for m in record["measurements"]
     ]
-    return table(
-        [
-            "link",
-            "model",
-            "wire",
-            "plane",
-            "MB per peer",
-            "ideal s",
-            "SPES s",
-            "**SPES / ideal**",
-            "raw socket / ideal",
-        ],
-        rows,
-    )
+    headers = ["link", "model", "wire", "plane", "MB per peer", "ideal s", "SPES s", "**SPES / ideal**"]
+    return table([*headers, "raw socket / ideal"], rows)
+
+
+@block("bench-wan")
+def wan_table(records: Records) -> str:
+    return _wan_link_table(records("bench_wan"))
+
+
+@block("bench-wan-codecs")
+def wan_codecs_table(records: Records) -> str:
+    """The codecs through the same links (`bench_wan.py --wires`), each on its own scaled model (`scale_for`)."""
+    return _wan_link_table(records("bench_wan_codecs"))
 
 
 def _idle_rows(record: dict[str, Any], both_planes: bool) -> list[list[Any]]:
