@@ -46,7 +46,7 @@ import torch
 
 from bench_sync import bench_raw, bench_spes, expect_line, node_run, round_bytes, spawn
 from bench_train import build_variant, timed_step
-from bench_wire import round_bytes as first_round_bytes
+from bench_wire import round_bytes as peer_round_bytes
 from common import (
     REPO_ROOT,
     RESULTS_DIR,
@@ -210,13 +210,10 @@ def scale_for(wire: str, link: LinkSpec) -> int:
 
 @functools.cache
 def scaled_round_bytes(scale: int, wire: str, first: bool = False) -> tuple[list[int], list[int]]:
-    """Each peer's (up, down) bytes in a round of the 1B layout at `scale` on `wire`: a plain steady-state round
-    (`round_bytes`), or with `first` the run's first round (`bench_wire.round_bytes`: full values on a held-model
-    codec)."""
+    """Each peer's (up, down) bytes in a round of the 1B layout at `scale` on `wire` (`bench_wire.round_bytes`): a
+    plain steady-state round, or with `first` the run's first round (full values on a held-model codec)."""
     spec = node_run(PAPER_1B, SCALES[scale], wire)[1]
-    if not first:
-        return round_bytes(spec)
-    both = [first_round_bytes(spec, q, merged=False, first=True) for q in range(spec.num_peers)]
+    both = [peer_round_bytes(spec, q, merged=False, first=first) for q in range(spec.num_peers)]
     return [up for up, _ in both], [down for _, down in both]
 
 
