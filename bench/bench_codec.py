@@ -5,19 +5,28 @@
     .venv/bin/python bench/bench_codec.py --codecs sparse:topk=128 --threads 4
     .venv/bin/python bench/bench_codec.py --quick              # configs/tiny.yaml (what CI runs)
 
-A round's codec work, SPES peer 0 of the run spec the server builds from the config (a plain round, no merge):
-  - the peer: encode every tensor it trains (`quantizer.encode` + `pack`), and read every tensor it downloads
-    (`unpack` + `decode`: blocks relayed from their owners in the peers' format, the rest in the server's);
-  - the server: read every peer's upload and encode every tensor it re-encodes (the shared tensors, once) in its
-    format (`quantizer.down`).
+A round's codec work, SPES peer 0 of the run spec the server builds from the config (a plain round, no merge), all
+of it as the round does it (`spes.sync.codecs.held`):
+  - the peer: encode every tensor it trains against its held model with its carried error (`encode_delta`: the
+    payload, the new error and the reconstruction; `pack`), and apply every tensor it downloads to its held model
+    (`unpack` + `apply_delta`: blocks relayed from their owners in the peers' format, the rest in the server's);
+  - the server: apply every peer's upload, and encode every tensor it re-encodes (the shared tensors, once) in its
+    format (`quantizer.down`, no carried error).
 Each distinct tensor shape is timed once on a random delta (the work depends on the shape alone) and weighted by
 how many tensors of the round have it. The record puts each codec's seconds beside the seconds its bytes save
 against the fp32 wire at 1 Gbit/s and 100 Mbit/s (`RunSpec.round_bytes`): compression pays where the saving is the
 larger. Seconds are process CPU time with `--threads` torch threads, the fastest of `--repeats`.
+
+Pages: every round makes fresh model-sized tensors, and a fresh tensor costs a page fault per page it touches. spes
+turns on PyTorch's 2 MiB pages for CPU tensors of 2 MiB and more (`THP_MEM_ALLOC_ENABLE`, set in `spes/__init__.py`);
+the benchmark measures in two processes, with them and with 4 KiB pages, and reports the ratio when the kernel gave
+the first one huge pages (`AnonHugePages` seen while it measured; the figures are those of 2 MiB pages).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
 from collections import Counter
@@ -27,9 +36,20 @@ from typing import Any
 
 import torch
 
-from common import REPO_ROOT, CodecChoice, best_seconds, codec_choice, machine_info, manifest_of, parser, write_results
+from common import (
+    REPO_ROOT,
+    CodecChoice,
+    best_seconds,
+    codec_choice,
+    machine_info,
+    manifest_of,
+    parser,
+    run_child,
+    write_results,
+)
 from spes.config import load_config
 from spes.sync.codecs.base import Quantizer
+from spes.sync.codecs.held import apply_delta, encode_delta
 from spes.sync.codecs.registry import REGISTRY
 from spes.sync.protocol import Shape
 from spes.sync.spec import RunSpec, run_spec
@@ -37,6 +57,8 @@ from spes.sync.spec import RunSpec, run_spec
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 LINKS_MBIT = (1000, 100)
+PAGES = {"2 MiB": "1", "4 KiB": "0"}
+"""The page sizes compared -> THP_MEM_ALLOC_ENABLE of the measuring process."""
 
 
 def quantizer_of(codec: CodecChoice) -> Quantizer:
@@ -47,17 +69,56 @@ def quantizer_of(codec: CodecChoice) -> Quantizer:
     return kind(**codec.settings)
 
 
-def shape_seconds(quantizer: Quantizer, shape: Shape, repeats: int) -> dict[str, float]:
-    """Seconds to encode + pack, and to unpack + decode, one tensor of `shape` in `quantizer`'s format."""
-    delta = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 1e-3
-    payload = quantizer.encode("t", delta)
-    data, params = payload.pack(), payload.params()
-    return {
-        "encode": best_seconds(lambda: quantizer.encode("t", delta).pack(), repeats, time.process_time),
-        "decode": best_seconds(
-            lambda: quantizer.decode(quantizer.unpack("t", shape, params, data)), repeats, time.process_time
-        ),
-    }
+def huge_page_kib() -> int:
+    """KiB of this process's memory in huge pages now (0 where the kernel says nothing)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0
+
+
+class ShapeTimer:
+    """CPU seconds of one tensor's round work per (format, shape), each computed once; notes the huge pages seen."""
+
+    def __init__(self, repeats: int) -> None:
+        self.repeats = repeats
+        self.huge_kib = 0
+        self._cache: dict[tuple[int, Shape, str], float] = {}
+
+    def encode(self, quantizer: Quantizer, shape: Shape, carried: bool) -> float:
+        """`encode_delta` (with a carried error or without) + `pack` of a tensor of `shape`."""
+        key = (id(quantizer), shape, f"encode {carried}")
+        if key not in self._cache:
+            base, value, error = self._tensors(shape)
+            self._cache[key] = self._time(
+                lambda: encode_delta(quantizer, "t", value, base, error if carried else None).payload.pack()
+            )
+        return self._cache[key]
+
+    def decode(self, quantizer: Quantizer, shape: Shape) -> float:
+        """`unpack` + `apply_delta` to the held model of a payload of `shape` in `quantizer`'s format."""
+        key = (id(quantizer), shape, "decode")
+        if key not in self._cache:
+            base, value, _ = self._tensors(shape)
+            payload = encode_delta(quantizer, "t", value, base).payload
+            data, params = payload.pack(), payload.params()
+            self._cache[key] = self._time(
+                lambda: apply_delta(base, quantizer.unpack("t", shape, params, data), quantizer)
+            )
+        return self._cache[key]
+
+    @staticmethod
+    def _tensors(shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A held model, a trained value near it, a carried error (fixed seeds: every arm times the same work)."""
+        gen = torch.Generator().manual_seed(0)
+        base = torch.randn(shape, generator=gen)
+        return base, base + torch.randn(shape, generator=gen) * 1e-3, torch.randn(shape, generator=gen) * 1e-4
+
+    def _time(self, fn: Callable[[], object]) -> float:
+        seconds = best_seconds(fn, self.repeats, time.process_time)
+        self.huge_kib = max(self.huge_kib, huge_page_kib())
+        return seconds
 
 
 def weighted(spec: RunSpec, names: Iterable[str], per_shape: Callable[[Shape], float]) -> float:
@@ -67,26 +128,18 @@ def weighted(spec: RunSpec, names: Iterable[str], per_shape: Callable[[Shape], f
     return sum(count * per_shape(shape) for shape, count in counts.items())
 
 
-def round_seconds(spec: RunSpec, quantizer: Quantizer, repeats: int) -> dict[str, float]:
+def round_seconds(spec: RunSpec, quantizer: Quantizer, timer: ShapeTimer) -> dict[str, float]:
     """Peer 0's and the server's codec seconds in one plain round of `spec`."""
     up, down = quantizer, quantizer.down
-    cache: dict[tuple[int, Shape], dict[str, float]] = {}
-
-    def timed(q: Quantizer, shape: Shape) -> dict[str, float]:
-        key = (id(q), shape)
-        if key not in cache:
-            cache[key] = shape_seconds(q, shape, repeats)
-        return cache[key]
-
     downloads = spec.downloads(0, merged=False)
     relayed = [n for n in downloads if spec.owner(n) is not None]
     reencoded = [n for n in spec.trainable(0) if spec.owner(n) is None]
     uploads = [n for p in range(spec.num_peers) for n in spec.trainable(p)]
-    peer_encode = weighted(spec, spec.trainable(0), lambda s: timed(up, s)["encode"])
-    peer_decode = weighted(spec, relayed, lambda s: timed(up, s)["decode"])
-    peer_decode += weighted(spec, [n for n in downloads if n not in relayed], lambda s: timed(down, s)["decode"])
-    server_decode = weighted(spec, uploads, lambda s: timed(up, s)["decode"])
-    server_encode = weighted(spec, reencoded, lambda s: timed(down, s)["encode"])
+    peer_encode = weighted(spec, spec.trainable(0), lambda s: timer.encode(up, s, carried=True))
+    peer_decode = weighted(spec, relayed, lambda s: timer.decode(up, s))
+    peer_decode += weighted(spec, [n for n in downloads if n not in relayed], lambda s: timer.decode(down, s))
+    server_decode = weighted(spec, uploads, lambda s: timer.decode(up, s))
+    server_encode = weighted(spec, reencoded, lambda s: timer.encode(down, s, carried=False))
     return {
         "peer_encode_s": peer_encode,
         "peer_decode_s": peer_decode,
@@ -107,21 +160,32 @@ def wire_saving(spec: RunSpec, fp32: RunSpec) -> dict[str, Any]:
     }
 
 
-def measure(config: Path, codec: CodecChoice, repeats: int) -> dict[str, Any]:
+def measure(config: Path, codec: CodecChoice, timer: ShapeTimer) -> dict[str, Any]:
     cfg = load_config(config, codec.overrides())[0]
     spec = run_spec(cfg, manifest_of(cfg))
     fp32_cfg = load_config(config, CodecChoice.parse("fp32").overrides())[0]
     fp32 = run_spec(fp32_cfg, manifest_of(fp32_cfg))
-    seconds = round_seconds(spec, quantizer_of(codec), repeats)
-    saving = wire_saving(spec, fp32)
+    seconds = round_seconds(spec, quantizer_of(codec), timer)
+    return {"settings": codec.settings, **seconds, **wire_saving(spec, fp32)}
+
+
+def child(config: Path, codecs: list[CodecChoice], repeats: int) -> dict[str, Any]:
+    """Every codec measured in this process (its page size set by its parent)."""
+    timer = ShapeTimer(repeats)
+    codecs_seconds = {c.label: measure(config, c, timer) for c in codecs}
+    return {"codecs": codecs_seconds, "huge_page_kib": timer.huge_kib}
+
+
+def report(label: str, c: dict[str, Any], fourk: dict[str, Any] | None) -> None:
+    saved = ", ".join(f"{s:.1f} s at {link}" for link, s in c["saved_s"].items())
+    pages = ""
+    if fourk is not None:
+        pages = f" (x{fourk['peer_s'] / c['peer_s']:.2f} / x{fourk['server_s'] / c['server_s']:.2f} with 4 KiB pages)"
     print(
-        f"{codec.label}: peer {seconds['peer_s']:.2f} s (encode {seconds['peer_encode_s']:.2f}, decode "
-        f"{seconds['peer_decode_s']:.2f}), server {seconds['server_s']:.2f} s per round; its bytes save "
-        + ", ".join(f"{s:.1f} s at {link}" for link, s in saving["saved_s"].items())
-        + " against fp32",
+        f"{label}: peer {c['peer_s']:.2f} s (encode {c['peer_encode_s']:.2f}, decode {c['peer_decode_s']:.2f}), server "
+        f"{c['server_s']:.2f} s per round{pages}; its bytes save {saved} against fp32",
         flush=True,
     )
-    return {"settings": codec.settings, **seconds, **saving}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,12 +196,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: seconds per core)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per shape (default 3; quick: 1)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = args.config or (TINY if args.quick else PAPER_1B)
     codecs = args.codecs or [CodecChoice.parse(c) for c in ("int8", "sparse")]
+    for codec in codecs:
+        quantizer_of(codec)  # refuse a raw codec before measuring anything
     repeats = args.repeats or (1 if args.quick else 3)
-    results = {c.label: measure(config, c, repeats) for c in codecs}
+    if args.child:
+        print(json.dumps(child(config, codecs, repeats)))
+        return 0
+    forwarded = ["--child", "--config", str(config), "--threads", str(args.threads), "--repeats", str(repeats)]
+    forwarded += ["--codecs", *(c.text for c in codecs)]
+    pages = {
+        size: run_child(Path(__file__), forwarded, env={"THP_MEM_ALLOC_ENABLE": flag}, timeout=3600)
+        for size, flag in PAGES.items()
+    }
+    huge = pages["2 MiB"]["huge_page_kib"] > 0
+    if not huge:
+        print("the kernel gave no huge pages (transparent_hugepage: never?): no ratio of the page sizes", flush=True)
+    for label, c in pages["2 MiB"]["codecs"].items():
+        report(label, c, pages["4 KiB"]["codecs"][label] if huge else None)
     write_results(
         args.out,
         {
@@ -146,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
             "repeats": repeats,
             "machine": machine_info(),
-            "codecs": results,
+            "codecs": pages["2 MiB"]["codecs"],
+            "pages": pages,
+            "huge_pages_seen": huge,
         },
     )
     return 0

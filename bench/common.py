@@ -235,6 +235,12 @@ class CodecChoice:
         build_codec(name, settings)
         return cls(text.replace("_", "-"), name, settings)
 
+    @property
+    def text(self) -> str:
+        """How `--codecs` names it (`parse`'s inverse)."""
+        given = ",".join(f"{k}={v}" for k, v in self.settings.items())
+        return f"{self.name}:{given}" if given else self.name
+
     def overrides(self) -> list[str]:
         """The run-config overrides that select this codec."""
         return [

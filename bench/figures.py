@@ -858,6 +858,24 @@ def _codec_cpu_figure(codec: str) -> Figure:
 FIGURES.update({f"codec.{codec}_cpu_1b": _codec_cpu_figure(codec) for codec in ("int8", "sparse")})
 
 
+@fig("codec.pages")
+def _codec_pages(r: Records) -> str:
+    """How much longer each codec's round work takes with 4 KiB pages than with the 2 MiB pages spes turns on
+    (bench_codec's two processes)."""
+    x = r("bench_codec")
+    if not x["huge_pages_seen"]:
+        raise ValueError("bench_codec: the kernel gave no huge pages, so the record has no ratio of page sizes")
+    small = x["pages"]["4 KiB"]["codecs"]
+
+    def times(name: str, c: dict, end: str) -> str:
+        return f"x{small[name][f'{end}_s'] / c[f'{end}_s']:.2f}"
+
+    return "; ".join(
+        f"{name} {times(name, c, 'peer')} on the node and {times(name, c, 'server')} on the server"
+        for name, c in x["codecs"].items()
+    )
+
+
 def _sparse_crossing(r: Records, name: str) -> str:
     """Where the SPES sparse arms' loss against fp32 in record `name` crosses the 1% target, in bits per parameter
     per round."""

@@ -126,6 +126,10 @@ def test_bench_codec_quick_weighs_cpu_seconds_against_wire_seconds(tmp_path: Pat
         assert codec["saved_s"]["100 Mbit/s"] == pytest.approx(10 * codec["saved_s"]["1000 Mbit/s"])
     assert sparse["bytes"] < int8["bytes"] and sparse["settings"] == {}
     assert "sparse: peer " in stdout
+    # measured twice, in processes with 2 MiB and 4 KiB pages; the record's figures are the first's
+    assert results["pages"]["2 MiB"]["codecs"] == results["codecs"]
+    assert set(results["pages"]["4 KiB"]["codecs"]) == {"int8", "sparse"}
+    assert results["huge_pages_seen"] == (results["pages"]["2 MiB"]["huge_page_kib"] > 0)
     refused = subprocess.run(
         [sys.executable, str(BENCH / "bench_codec.py"), "--quick", "--codecs", "bf16", "--out", str(tmp_path / "x")],
         capture_output=True,
