@@ -639,6 +639,13 @@ def arm_commit(run: Path) -> str | None:
     return json.loads(info.read_text())["commit"] if info.is_file() else None
 
 
+def rendered_from(commit: str | None) -> dict[str, str]:
+    """The command and commit a `--report-only` record names: those of the runs it reads (their commit, and this
+    command without the flag, which runs them again), not the re-render's own."""
+    argv = [a for a in sys.argv if a != "--report-only"]
+    return {"command": " ".join([Path(sys.executable).name, *argv]), "commit": commit or "unknown"}
+
+
 def run_arms(commands: Commands, runs: Path) -> dict[str, float]:
     """Run the arms, one at a time, each with its own record of what ran it, except those already run to the end
     at this clean commit; wall seconds of every arm run so far in `runs`."""
@@ -726,8 +733,10 @@ def compare(
             f"waited {result['curves'][arm]['sync_wait_seconds_peer0']:.1f} s (peer 0)"
         )
     print(f"target: within {100 * ARM_TARGET:g}% of the {base} arm")
+    origin = rendered_from(arm_commit(runs / base)) if args.report_only else {}
     write_results(
-        out_json, {"mode": "quick" if args.quick else "full", "seed": args.seed, "setup": asdict(setup), **result}
+        out_json,
+        {"mode": "quick" if args.quick else "full", "seed": args.seed, "setup": asdict(setup), **result, **origin},
     )
     return 0
 
@@ -851,6 +860,7 @@ def main(argv: list[str] | None = None) -> int:
             "walls_s": walls,
             "tokens": {name: curves[name]["tokens_final"] for name in RUNS},
             "curves": curves,
+            **(rendered_from((run_info or {}).get("commit")) if args.report_only else {}),
         },
     )
     return 0

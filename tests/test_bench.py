@@ -270,6 +270,17 @@ def test_mini_repro_arms_at_one_commit_and_complete_arms_read(tmp_path: Path, mo
     assert _compare(tmp_path, "spes", variants, "vs_blocking")["arms"]["spes"]["run"] == {"commit": commit}
 
 
+def test_a_report_only_record_names_the_runs_command_and_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mini_repro import rendered_from
+
+    monkeypatch.setattr(sys, "argv", ["bench/mini_repro.py", "--codecs", "int8", "--report-only", "--seed", "7"])
+    assert rendered_from("a" * 40) == {
+        "command": f"{Path(sys.executable).name} bench/mini_repro.py --codecs int8 --seed 7",
+        "commit": "a" * 40,
+    }
+    assert rendered_from(None)["commit"] == "unknown"
+
+
 def _compare(runs: Path, base: str, variants: dict[str, list[str]], vs: str) -> dict:
     """The comparison `mini_repro.py --report-only` writes from the arms' logs in `runs` (a 1,000-parameter model)."""
     from mini_repro import QUICK, arm_commands, compare_arms
