@@ -15,6 +15,7 @@ import torch
 
 from spes.sync import wire
 from spes.sync.codecs import int8
+from spes.sync.codecs.base import Payload
 from spes.sync.codecs.sparse import Sparse
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.wire import (
@@ -501,6 +502,31 @@ def test_a_sparse_delta_is_unpacked_by_its_headers_parameters_in_either_format()
         assert decoder.finish() == {}
         got = decoder.coded["w"].payload
         assert got.params() == fmt.params() and torch.equal(codec.decode(got), codec.decode(payload))
+
+
+def test_each_payload_is_applied_as_soon_as_it_has_arrived_whole() -> None:
+    """With `apply`, a payload is turned into values when its last byte is in (the next tensor's header, or the
+    end), while the rest of the stream may still be on its way; raw values are not passed to it."""
+    codec = Sparse(chunk=64, topk=4, bits=2)
+    gen = torch.Generator().manual_seed(8)
+    payloads = {n: codec.encode(n, torch.randn(3, 40, generator=gen)) for n in ("a", "b")}
+    seen: list[str] = []
+
+    def apply(payload: Payload) -> torch.Tensor:
+        seen.append(payload.name)
+        return torch.full(payload.shape, float(len(seen)))
+
+    decoder = TensorDecoder({"a": (3, 40), "b": (3, 40), "c": (2,)}, "fp32", coded=codec, base_round=1, apply=apply)
+    items = {"a": Coded(payloads["a"], 1), "b": Coded(payloads["b"], 1), "c": torch.ones(2)}
+    chunks = list(encode_tensors(items, "fp32"))
+    first_of_b = next(i for i, c in enumerate(chunks) if c.HasField("header") and c.header.name == "b")
+    for chunk in chunks[: first_of_b + 1]:
+        decoder.feed(chunk)
+    assert seen == ["a"] and list(decoder.applied) == ["a"]  # a is applied while b's bytes arrive
+    for chunk in chunks[first_of_b + 1 :]:
+        decoder.feed(chunk)
+    assert list(decoder.finish()) == ["c"] and seen == ["a", "b"]
+    assert decoder.applied["b"].eq(2.0).all() and set(decoder.coded) == {"a", "b"}
 
 
 def test_an_uploads_digest_is_xxh3_of_its_names_and_wire_bytes_in_order() -> None:

@@ -375,7 +375,9 @@ class TensorDecoder:
     `coded`, not in what `finish` returns) instead of raw values: the header must name that codec, its parameters
     and byte count must be what the format expects for the shape (checked before a byte is read), the payload must
     unpack (the format's own checks), and its base round must be `base_round` (-1: the receiver holds no base, so
-    every payload is refused); another base is a `BaseMismatch`. Without `coded`, a coded payload is refused.
+    every payload is refused); another base is a `BaseMismatch`. Without `coded`, a coded payload is refused. With
+    `apply`, each payload received whole is turned into values at once (`applied`), so that work (a held-model
+    codec's delta added to what the receiver holds) overlaps the arrival of the stream's next bytes.
     """
 
     def __init__(
@@ -387,14 +389,17 @@ class TensorDecoder:
         require_finite: bool = False,
         coded: Format | None = None,
         base_round: int = -1,
+        apply: Callable[[Payload], torch.Tensor] | None = None,
     ) -> None:
         self._expected = {name: tuple(int(d) for d in shape) for name, shape in expected.items()}
         self._into, self._require_finite = into, require_finite
-        self._format, self._base_round = coded, base_round
+        self._format, self._base_round, self._apply = coded, base_round, apply
         self._params: dict[str, int] | None = None
         """The parameters of the coded payload being received (None: raw values)."""
         self.coded: dict[str, Coded] = {}
         """The coded payloads received whole."""
+        self.applied: dict[str, torch.Tensor] = {}
+        """With `apply`: what it made of each payload in `coded`."""
         self._itemsize = _ITEMSIZE[wire_dtype]
         self._checked = 0
         self._wire_dtype = wire_dtype
@@ -561,6 +566,8 @@ class TensorDecoder:
             assert self._format is not None
             payload = self._format.unpack(name, self._expected[name], self._params, self._tensor)
             self.coded[name] = Coded(payload, self._base_round)
+            if self._apply is not None:
+                self.applied[name] = self._apply(payload)
         else:
             self._done[name] = self._tensor
             self.checksums[name] = self._digest

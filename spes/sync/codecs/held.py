@@ -16,7 +16,7 @@ round it is of. The server keeps its global model G in full precision beside it.
    (`next_held`): blocks taken verbatim relayed as uploaded, every other tensor the round changed encoded as
    `G_new - H` in the server's format (`quantizer.down`) with no carried error (the next round's delta is measured
    against what the peers then hold, which feeds the error back), a tensor new to H as its full values.
-4. A peer holding the H those payloads apply to reconstructs the new one (`HeldPeer.receive`: `apply_delta(H, p)`,
+4. A peer holding the H those payloads apply to reconstructs the new one (`apply_delta(H, p)` as each arrives,
    its own blocks outside merge rounds its own upload's reconstruction); any other peer gets full values of the
    new H. Either way every peer then holds the server's H, and loads what the round served. Its own blocks
    taken verbatim it does not load: nobody else trains them, so it keeps training them as trained, and what
@@ -164,8 +164,19 @@ class HeldPeer:
         return {n: Coded(sent[n].payload, self.round) if n in sent else new[n] for n in trained}
 
     def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:
-        """Payloads against the held model, or full values into fresh tensors (they become the held model)."""
-        return TensorDecoder(expected, VALUES_DTYPE, coded=self.quantizer, base_round=self.base_round)
+        """Payloads against the held model, each applied to it as it arrives (the work overlaps the rest of the
+        download; the held model itself changes only in `receive`), or full values into fresh tensors (they become
+        the held model)."""
+        return TensorDecoder(
+            expected, VALUES_DTYPE, coded=self.quantizer, base_round=self.base_round, apply=self._applied
+        )
+
+    def _applied(self, payload: Payload) -> torch.Tensor:
+        """What the held model becomes with `payload` (ValueError for a tensor it does not hold)."""
+        base = self.held.get(payload.name)
+        if base is None:
+            raise ValueError(f"tensor {payload.name!r}: a delta against a held model that does not hold it")
+        return apply_delta(base, payload, self.quantizer)
 
     def whole(self, info: pb.RoundInfo) -> bool:
         if info.base_round != NO_BASE and info.base_round != self.base_round:
@@ -193,10 +204,7 @@ class HeldPeer:
             held = served = dict(values)
         else:
             # NOTE: the client checked the announced names; a tensor the round did not change keeps its held value
-            served = {
-                **values,
-                **{n: apply_delta(self.held[n], c.payload, self.quantizer) for n, c in decoder.coded.items()},
-            }
+            served = {**values, **decoder.applied}
             relayed = {n: t for n, t in self._pending[1].items() if n not in served}
             held = {**self.held, **relayed, **served}
         errors = {n: e for n, e in self._pending[0].items() if n not in relayed}
