@@ -84,11 +84,12 @@ class ShapeTimer:
     def __init__(self, repeats: int) -> None:
         self.repeats = repeats
         self.huge_kib = 0
-        self._cache: dict[tuple[int, Shape, str], float] = {}
+        self._cache: dict[tuple[Quantizer, Shape, str], float] = {}
+        """By the quantizer's value (a frozen dataclass: its settings), not its id, which a freed one passes on."""
 
     def encode(self, quantizer: Quantizer, shape: Shape, carried: bool) -> float:
         """`encode_delta` (with a carried error or without) + `pack` of a tensor of `shape`."""
-        key = (id(quantizer), shape, f"encode {carried}")
+        key = (quantizer, shape, f"encode {carried}")
         if key not in self._cache:
             base, value, error = self._tensors(shape)
             self._cache[key] = self._time(
@@ -98,7 +99,7 @@ class ShapeTimer:
 
     def decode(self, quantizer: Quantizer, shape: Shape) -> float:
         """`unpack` + `apply_delta` to the held model of a payload of `shape` in `quantizer`'s format."""
-        key = (id(quantizer), shape, "decode")
+        key = (quantizer, shape, "decode")
         if key not in self._cache:
             base, value, _ = self._tensors(shape)
             payload = encode_delta(quantizer, "t", value, base).payload
