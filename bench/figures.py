@@ -739,14 +739,18 @@ def _overlap_f5_d1_cpu(r: Records) -> str:
     )
 
 
-@fig("wan.codec_efficiency")
-def _wan_codec_efficiency(r: Records) -> str:
+def _wan_codec_efficiency(r: Records, name: str) -> str:
     """Each codec's measured round against the emulated link's ideal for its bytes, per link and on which scaled
-    model (bench_wan_codecs)."""
+    model (a record of `bench_wan.py --wires ...`)."""
     by: dict[str, list[str]] = {}
-    for m in r("bench_wan_codecs")["measurements"]:
+    for m in r(name)["measurements"]:
         by.setdefault(m["wire"], []).append(f"{m['efficiency']:.0%} at {link(m['peer_mbit'])} (1/{m['scale']})")
     return "; ".join(f"{wire}: {', '.join(parts)}" for wire, parts in by.items())
+
+
+FIGURES["wan.codec_efficiency"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs")
+FIGURES["wan.codec_efficiency_7bb5219"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_7bb5219")
+"""Before 2 MiB pages, and before the peers applied each delta as it arrived (the same run at 7bb5219)."""
 
 
 @fig("overlap.whole_ratio")
