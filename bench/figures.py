@@ -15,6 +15,7 @@ from records import (
     BEFORE_CARRIED_FIX,
     CODEC_SEEDS,
     DENSE_SPARSE,
+    DILOCO_CURVE,
     F5_RECORDS,
     OWN_BLOCKS,
     Missing,
@@ -881,7 +882,7 @@ def _codec_pages(r: Records) -> str:
 
 
 def _sparse_crossing(r: Records, name: str) -> str:
-    """Where the SPES sparse arms' loss against fp32 in record `name` crosses the 1% target, in bits per parameter
+    """Where the sparse arms' loss against fp32 in record `name` crosses the 1% target, in bits per parameter
     per round."""
     x = r(name)
     arms = sorted(
@@ -907,6 +908,7 @@ FIGURES.update(
         "codec.sparse_crossing": lambda r: _sparse_crossing(r, "mini_repro_codecs"),
         "codec.sparse_crossing_own": lambda r: _sparse_crossing(r, OWN_BLOCKS),
         "codec.sparse_crossing_dense": lambda r: _sparse_crossing(r, DENSE_SPARSE),
+        "codec.sparse_crossing_diloco": lambda r: _sparse_crossing(r, DILOCO_CURVE),
     }
 )
 

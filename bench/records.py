@@ -180,6 +180,9 @@ OWN_BLOCKS = "mini_repro_codecs_own"
 DENSE_SPARSE = "mini_repro_codecs_dense"
 """The sparse curve at 1da3a8e with a denser setting beside the two of `OWN_BLOCKS` (seed 6198)."""
 
+DILOCO_CURVE = "mini_repro_codecs_diloco_curve"
+"""The sparse curve in DiLoCo mode: three denser settings than the default beside fp32 (seed 6198)."""
+
 CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5", OWN_BLOCKS, DENSE_SPARSE)
 """The SPES codec comparisons of the mini-reproduction, oldest first, each seed's under its suffix: the codec curve,
 the comparison of the overlapped schedules on each codec (with bf16's blocking arm), the held-model codecs'

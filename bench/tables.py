@@ -14,6 +14,7 @@ from common import idle_share
 from records import (
     CODEC_SEEDS,
     DENSE_SPARSE,
+    DILOCO_CURVE,
     F5_RECORDS,
     Missing,
     Records,
@@ -346,7 +347,7 @@ def codec_loss_table(records: Records) -> str:
 def codec_curve_table(records: Records) -> str:
     """Every arm of the codec comparisons: bits per parameter per peer and round against the final loss."""
     rows = []
-    names = ("mini_repro_codecs", "mini_repro_codecs_seed7", "mini_repro_codecs_diloco", DENSE_SPARSE)
+    names = ("mini_repro_codecs", "mini_repro_codecs_seed7", "mini_repro_codecs_diloco", DILOCO_CURVE, DENSE_SPARSE)
     for x in records.committed([*names, *(f"{n}{s}" for n in F5_RECORDS for s in CODEC_SEEDS)]):
         base = "diloco" if "diloco" in x["arms"] else "spes"
         for arm, a in sorted(x["arms"].items(), key=lambda kv: -kv[1]["bits_per_param"]["last"]):
