@@ -97,9 +97,14 @@ def git_commit() -> str:
         return "unknown"
 
 
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """How a record names the command that produced it: the interpreter's name and `argv` (default: this one's)."""
+    return " ".join([Path(sys.executable).name, *(sys.argv if argv is None else argv)])
+
+
 def write_results(path: Path, results: dict[str, Any]) -> None:
     """Write the results JSON atomically, with the command and commit that produced it."""
-    record = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(), **results}
+    record = {"command": command_line(), "commit": git_commit(), **results}
     write_atomic(path, json.dumps(record, indent=1) + "\n")
     print(f"saved {path}")
 

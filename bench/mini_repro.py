@@ -64,6 +64,7 @@ from common import (
     CodecChoice,
     check_corpus,
     codec_choice,
+    command_line,
     corpus_args,
     git_commit,
     machine_info,
@@ -642,8 +643,7 @@ def arm_commit(run: Path) -> str | None:
 def rendered_from(commit: str | None) -> dict[str, str]:
     """The command and commit a `--report-only` record names: those of the runs it reads (their commit, and this
     command without the flag, which runs them again), not the re-render's own."""
-    argv = [a for a in sys.argv if a != "--report-only"]
-    return {"command": " ".join([Path(sys.executable).name, *argv]), "commit": commit or "unknown"}
+    return {"command": command_line([a for a in sys.argv if a != "--report-only"]), "commit": commit or "unknown"}
 
 
 def run_arms(commands: Commands, runs: Path) -> dict[str, float]:
