@@ -23,7 +23,7 @@ from spes.sync.client import SyncError
 from spes.sync.codecs import int8
 from spes.sync.codecs.base import NO_BASE
 from spes.sync.codecs.held import HeldPeer, HeldServer, encode_delta, next_held
-from spes.sync.codecs.interface import Served
+from spes.sync.codecs.interface import Served, UploadBase
 from spes.sync.merge import build_global, round_alpha
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason
@@ -87,8 +87,9 @@ def one_round(
     for p, peer in enumerate(peers):
         items = peer.upload(theta[p], spec.own(p))
         expected = {n: spec.manifest[n] for n in theta[p]}
-        decoder = through(items, server.upload_decoder(expected, {}, served))
-        values[p], own = server.upload_values(decoder, decoder.finish(), spec.own(p), glob, served)
+        base = UploadBase(served, glob, spec.own(p))
+        decoder = through(items, server.upload_decoder(expected, {}, base))
+        values[p], own = server.upload_values(decoder, decoder.finish(), base)
         relayed.update(own)
     alpha, loaded = round_alpha(step, spec.mode, spec.server), []
     built = build_global(values, spec=spec, step=step, names=list(spec.manifest), previous=glob)
@@ -228,8 +229,9 @@ def test_a_tensor_the_held_model_lacks_travels_as_full_fp32_values_and_is_held_a
     items = peer.upload(trained, own=["own"])
     assert isinstance(items["shared"], Coded) and items["shared"].base_round == 10
     assert isinstance(items["own"], torch.Tensor) and torch.equal(items["own"], trained["own"])
-    decoder = through(items, server.upload_decoder({n: SHAPE for n in trained}, {}, previous))
-    values, relayed = server.upload_values(decoder, decoder.finish(), ["own"], model, previous)
+    base = UploadBase(previous, model, ["own"])
+    decoder = through(items, server.upload_decoder({n: SHAPE for n in trained}, {}, base))
+    values, relayed = server.upload_values(decoder, decoder.finish(), base)
     glob = {**values, "other": torch.randn(SHAPE, generator=gen)}
     served = server.serve(20, glob, previous, list(glob), relayed)
     assert served.base == 10 and served.round == 20
@@ -255,8 +257,9 @@ def test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model() -> No
     peer.load_state_dict({"codec": QUANTIZER.name, "round": "10"}, {"held/w": model, "carried/w": carried})
     items = peer.upload({"w": (model + 1e-2).cuda()}, own=["w"])
     server, previous = HeldServer(QUANTIZER), Served(10, {"w": model})
-    decoder = through(items, server.upload_decoder({"w": SHAPE}, {}, previous))
-    values, relayed = server.upload_values(decoder, decoder.finish(), ["w"], previous.tensors, previous)
+    base = UploadBase(previous, previous.tensors, ["w"])
+    decoder = through(items, server.upload_decoder({"w": SHAPE}, {}, base))
+    values, relayed = server.upload_values(decoder, decoder.finish(), base)
     served = server.serve(20, values, previous, ["w"], relayed)
     peer.receive(pb.RoundInfo(round=20, base_round=10), peer.decoder({}, None), caught_up=False)
     assert peer.held["w"].device.type == "cpu"
@@ -356,20 +359,44 @@ def test_an_upload_is_refused_when_it_is_not_finite_naming_the_tensor() -> None:
     previous = Served(10, {"w": torch.zeros(SHAPE)})
     raw = {"w": torch.full(SHAPE, float("nan"))}
     with pytest.raises(ValueError, match="tensor 'w' holds NaN or Inf values: this peer's training diverged"):
-        through(raw, server.upload_decoder({"w": SHAPE}, {}, previous))
-    decoder = through(
-        holding(previous.tensors, 10).upload({"w": big}, own=[]), server.upload_decoder({"w": SHAPE}, {}, previous)
-    )
+        through(raw, server.upload_decoder({"w": SHAPE}, {}, UploadBase(previous, previous.tensors, [])))
     want = "tensor 'w' holds NaN or Inf values once its int8 delta is applied: this peer's training diverged"
     with pytest.raises(ValueError, match=want):
-        server.upload_values(decoder, decoder.finish(), [], {"w": big}, previous)
+        through(
+            holding(previous.tensors, 10).upload({"w": big}, own=[]),
+            server.upload_decoder({"w": SHAPE}, {}, UploadBase(previous, {"w": big}, [])),
+        ).finish()
+
+
+def test_the_server_applies_each_payload_as_it_arrives_and_refuses_one_its_base_lacks() -> None:
+    """An averaged tensor's delta is applied to the global model once its last byte is in, before the next
+    tensor's bytes (the work overlaps the rest of the upload); a delta for a tensor the base does not hold is a
+    refusal naming it, not a server error."""
+    gen = torch.Generator().manual_seed(3)
+    glob = {n: torch.randn(SHAPE, generator=gen) for n in ("a", "b")}
+    previous = Served(10, {n: t.clone() for n, t in glob.items()})
+    items = holding(previous.tensors, 10).upload({n: t + 1e-2 for n, t in glob.items()}, own=[])
+    server, expected = HeldServer(QUANTIZER), {"a": SHAPE, "b": SHAPE}
+    decoder = server.upload_decoder(expected, {}, UploadBase(previous, glob, []))
+    for chunk in encode_tensors(items, "fp32"):
+        decoder.feed(chunk)
+        if chunk.header.name == "b":  # the next tensor's header: "a" is whole
+            assert list(decoder.applied) == ["a"]
+    values, relayed = server.upload_values(decoder, decoder.finish(), UploadBase(previous, glob, []))
+    assert sorted(values) == ["a", "b"] and not relayed
+    assert torch.allclose(values["a"], glob["a"] + 1e-2, atol=1e-3)
+    lacking = UploadBase(Served(10, {"a": previous.tensors["a"]}), {"a": glob["a"]}, [])
+    with pytest.raises(ValueError, match="tensor 'b': a delta against a model that does not hold it"):
+        through(items, server.upload_decoder(expected, {}, lacking)).finish()
 
 
 def test_full_values_are_received_into_the_servers_kept_buffers() -> None:
     buffer, into = torch.empty(SHAPE), {}
     into["w"] = buffer
     values = {"w": torch.randn(SHAPE)}
-    received = through(values, HeldServer(QUANTIZER).upload_decoder({"w": SHAPE}, into, None)).finish()
+    received = through(
+        values, HeldServer(QUANTIZER).upload_decoder({"w": SHAPE}, into, UploadBase(None, {}, []))
+    ).finish()
     assert received["w"] is buffer and torch.equal(buffer, values["w"])
 
 

@@ -16,6 +16,7 @@ import grpc
 from spes.sync.admission import Ticket, require_joined
 from spes.sync.closing import RoundCloser, RoundParts
 from spes.sync.codecs.base import Payload
+from spes.sync.codecs.interface import UploadBase
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason, Refused, Tensors
@@ -112,15 +113,11 @@ class Uploads:
         names = spec.layout.names(fragment, spec.trainable(peer))
         dtype = wire_torch_dtype(self._codec.raw_dtype)
         buffers = {n: self._memory.pool.take(spec.manifest[n], dtype) for n in names}
-        decoder = self._codec.upload_decoder(
-            {n: spec.manifest[n] for n in names}, buffers, base.served if base else None
-        )
+        applies_to = UploadBase(base.served if base else None, base.global_model if base else {}, spec.own(peer, names))
+        decoder = self._codec.upload_decoder({n: spec.manifest[n] for n in names}, buffers, applies_to)
         try:
             feed(decoder)
-            raw = decoder.finish()
-            values, relayed = self._codec.upload_values(
-                decoder, raw, spec.own(peer, names), base.global_model if base else {}, base.served if base else None
-            )
+            values, relayed = self._codec.upload_values(decoder, decoder.finish(), applies_to)
         except (grpc.RpcError, OSError):
             log.warning(
                 "upload of peer %d for round %d broke off after %d bytes; nothing was kept",

@@ -8,8 +8,8 @@ round it is of. The server keeps its global model G in full precision beside it.
    H (the first round, joined late, caught up, or refused for its base) sends full values (fp32), and so does a
    peer for a tensor its H does not hold yet (with fragments, H fills up over the first `sync_steps` steps).
 2. The server refuses a payload against another base (`spes.sync.wire.BaseMismatch`, reason `base_mismatch`: the
-   peer then sends full values) and turns the others into values (`HeldServer.upload_values`): the peer's own
-   blocks `H + delta` (what the peer itself reconstructs, so the payload can be relayed unchanged), averaged
+   peer then sends full values) and turns each of the others into values as it arrives (`HeldServer`): the peer's
+   own blocks `H + delta` (what the peer itself reconstructs, so the payload can be relayed unchanged), averaged
    tensors `G + delta` (the peer's progress applied to the full-precision G, so what the last download's
    quantization left out of H stays in the model). They aggregate as on any wire (`spes.sync.merge`).
 3. After the round the server makes the new held model and the payloads every up-to-date peer downloads
@@ -31,11 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from spes.sync.codecs.base import NO_BASE, Payload, Quantizer
-from spes.sync.codecs.interface import Selection, Served
+from spes.sync.codecs.interface import Selection, Served, UploadBase
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
 from spes.sync.wire import Coded, Item, TensorDecoder, finite
@@ -248,36 +249,40 @@ class HeldServer:
         self.quantizer = quantizer
 
     def upload_decoder(
-        self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], served: Served | None
+        self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], base: UploadBase
     ) -> TensorDecoder:
-        base = NO_BASE if served is None else served.round
+        """Full values into `into`; each payload applied as it arrives (`_applied`), so the work overlaps the rest
+        of the upload and of the other peers' uploads."""
         return TensorDecoder(
-            expected, VALUES_DTYPE, into=into, require_finite=True, coded=self.quantizer, base_round=base
+            expected,
+            VALUES_DTYPE,
+            into=into,
+            require_finite=True,
+            coded=self.quantizer,
+            base_round=NO_BASE if base.served is None else base.served.round,
+            apply=partial(self._applied, base),
         )
 
+    def _applied(self, base: UploadBase, payload: Payload) -> torch.Tensor:
+        """A payload applied to the held model (a block taken verbatim: what the peer reconstructs) or to the global
+        model (an averaged tensor); ValueError naming a tensor the base lacks or that is not finite once applied."""
+        assert base.served is not None  # the decoder refuses every payload when no round has completed
+        model = base.served.tensors if payload.name in base.verbatim else base.global_model
+        if payload.name not in model:
+            raise ValueError(f"tensor {payload.name!r}: a delta against a model that does not hold it")
+        value = apply_delta(model[payload.name], payload, self.quantizer)
+        if not finite(value):
+            raise ValueError(
+                f"tensor {payload.name!r} holds NaN or Inf values once its {self.quantizer.name} delta is applied: "
+                "this peer's training diverged"
+            )
+        return value
+
     def upload_values(
-        self,
-        decoder: TensorDecoder,
-        raw: Tensors,
-        verbatim: Collection[str],
-        global_model: Mapping[str, torch.Tensor],
-        served: Served | None,
+        self, decoder: TensorDecoder, raw: Tensors, base: UploadBase
     ) -> tuple[Tensors, dict[str, Payload]]:
-        """Full values as received; a payload applied to the held model (a block taken verbatim: what the peer
-        reconstructs) or to the global model (an averaged tensor). ValueError naming a tensor that is not finite
-        once its delta is applied."""
-        values = dict(raw)
-        if decoder.coded:
-            assert served is not None  # the decoder refuses every payload when no round has completed
-        for name, coded in decoder.coded.items():
-            base = (served.tensors if name in verbatim else global_model)[name]  # type: ignore[union-attr]
-            values[name] = value = apply_delta(base, coded.payload, self.quantizer)
-            if not finite(value):
-                raise ValueError(
-                    f"tensor {name!r} holds NaN or Inf values once its {self.quantizer.name} delta is applied: this "
-                    "peer's training diverged"
-                )
-        return values, {n: decoder.coded[n].payload for n in verbatim if n in decoder.coded}
+        """Full values as received, and each payload as applied on arrival."""
+        return {**raw, **decoder.applied}, {n: decoder.coded[n].payload for n in base.verbatim if n in decoder.coded}
 
     def serve(
         self,

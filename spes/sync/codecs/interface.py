@@ -52,6 +52,17 @@ class Selection:
     base_round: int = NO_BASE
 
 
+@dataclass(frozen=True)
+class UploadBase:
+    """What the payloads of one upload apply to: the latest completed round's `served` model (None: no round has
+    completed, every payload is refused), its full-precision `global_model`, and the names taken `verbatim` from
+    this peer (its own blocks: what it reconstructs is what the round takes)."""
+
+    served: Served | None
+    global_model: Mapping[str, torch.Tensor]
+    verbatim: Collection[str]
+
+
 class PeerCodec(Protocol):
     """A peer's end of a codec. `upload` prepares a round (nothing committed: a retry prepares the same bytes);
     `receive` commits it once its download has arrived."""
@@ -103,21 +114,16 @@ class ServerCodec(Protocol):
     """The dtype raw uploads arrive in (their buffers' dtype)."""
 
     def upload_decoder(
-        self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], served: Served | None
+        self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], base: UploadBase
     ) -> TensorDecoder:
-        """The decoder of one upload into kept buffers; `served`: the latest completed round's (deltas apply to it)."""
+        """The decoder of one upload into kept buffers, turning each payload into values as it arrives."""
         ...
 
     def upload_values(
-        self,
-        decoder: TensorDecoder,
-        raw: Tensors,
-        verbatim: Collection[str],
-        global_model: Mapping[str, torch.Tensor],
-        served: Served | None,
+        self, decoder: TensorDecoder, raw: Tensors, base: UploadBase
     ) -> tuple[Tensors, dict[str, Payload]]:
-        """What the round math counts as the upload (`raw` values plus decoded payloads), and the payloads of the
-        names taken `verbatim` from this peer, which downloads may relay unchanged."""
+        """What the round math counts as the finished upload (`raw` values plus its applied payloads), and the
+        payloads of the names taken verbatim, which downloads may relay unchanged."""
         ...
 
     def serve(

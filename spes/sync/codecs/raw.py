@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 import torch
 
 from spes.sync.codecs.base import NO_BASE, Payload
-from spes.sync.codecs.interface import Selection, Served
+from spes.sync.codecs.interface import Selection, Served, UploadBase
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
 from spes.sync.wire import RAW_DTYPES, Item, TensorDecoder
@@ -62,17 +62,12 @@ class RawServer:
         self.raw_dtype = dtype
 
     def upload_decoder(
-        self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], served: Served | None
+        self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], base: UploadBase
     ) -> TensorDecoder:
         return TensorDecoder(expected, self.raw_dtype, into=into, require_finite=True)
 
     def upload_values(
-        self,
-        decoder: TensorDecoder,
-        raw: Tensors,
-        verbatim: Collection[str],
-        global_model: Mapping[str, torch.Tensor],
-        served: Served | None,
+        self, decoder: TensorDecoder, raw: Tensors, base: UploadBase
     ) -> tuple[Tensors, dict[str, Payload]]:
         return raw, {}
 
