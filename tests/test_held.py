@@ -341,6 +341,29 @@ def test_a_fragments_round_keeps_the_error_the_other_fragments_carry() -> None:
     assert set(peer.carried) == {"a", "b"} and torch.equal(peer.carried["b"], carried_b)
 
 
+def test_an_upload_is_made_as_a_plane_reads_it_and_its_digest_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tensor is encoded when a plane first reads it (its first bytes go while the rest is encoded), once; the
+    digest the server tells a retry by is made from the inputs: equal for a retry, different for other values,
+    another carried error or another held round. A duplicate upload (the server had it, nothing was read) still
+    leaves each tensor's error carried at `receive`, as its first sending did."""
+    gen = torch.Generator().manual_seed(8)
+    model = {n: torch.randn(SHAPE, generator=gen) for n in ("a", "b")}
+    theta = {n: v + 1e-3 * torch.randn(SHAPE, generator=gen) for n, v in model.items()}
+    peer, served = holding(model, 10), next_held(QUANTIZER, 20, model, Served(10, model), ["a", "b"], {})
+    encoded: list[str] = []
+    encode = int8.Int8.encode
+    monkeypatch.setattr(int8.Int8, "encode", lambda self, name, x: encoded.append(name) or encode(self, name, x))
+    items, digest = peer.upload(theta, own=[]), peer.digest(theta)
+    assert encoded == [] and list(items) == ["a", "b"]
+    assert isinstance(items["a"], Coded) and items["a"] is items["a"] and encoded == ["a"]
+    assert peer.digest(dict(theta)) == digest != peer.digest({**theta, "b": theta["b"] + 1e-3})
+    assert holding(model, 11).digest(theta) != digest
+    download(peer, HeldServer(QUANTIZER), served, ["a"])
+    assert encoded == ["a", "b"] and sorted(peer.carried) == ["a", "b"]
+    assert torch.equal(peer.carried["b"], encode_delta(QUANTIZER, "b", theta["b"], model["b"]).error)
+    assert peer.digest(theta) != holding(peer.held, 20).digest(theta)  # the same round, no carried error
+
+
 def test_bad_tensors_are_refused_naming_the_tensor() -> None:
     value = torch.zeros(SHAPE)
     for what, base, carried in (("base", torch.zeros(3), None), ("carried error", value, torch.zeros(3))):
@@ -348,7 +371,7 @@ def test_bad_tensors_are_refused_naming_the_tensor() -> None:
             encode_delta(QUANTIZER, "w", value, base, carried)
     diverged = torch.full(SHAPE, float("nan"))
     with pytest.raises(ValueError, match="tensor 'w' holds NaN or Inf"):  # a peer's upload
-        holding({"w": value}, 10).upload({"w": diverged}, own=[])
+        dict(holding({"w": value}, 10).upload({"w": diverged}, own=[]))  # made as a plane reads it
     with pytest.raises(ValueError, match="tensor 'w' holds NaN or Inf"):  # the server's deltas
         next_held(QUANTIZER, 20, {"w": diverged}, Served(10, {"w": value}), ["w"], {})
 
@@ -447,6 +470,27 @@ def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec:
                     assert (stats.bytes_up, stats.bytes_down) == spec.round_bytes(p, merged=merged)
         done = server.service.state.completed
         assert done is not None and done.served.base == 30
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plane", ["grpc", "tcp"])
+def test_a_diverged_peer_stops_naming_the_tensor_though_its_upload_is_made_while_sent(plane: str) -> None:
+    """A payload is made as the plane sends it: a tensor that is not finite stops the upload with the codec's error
+    naming it, on either plane (gRPC would report its own "exception iterating requests" instead), not a retry."""
+    spec = spec_of("sparse")
+    assert spec.manifest is not None
+    gen = torch.Generator().manual_seed(1)
+    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
+    with (
+        running_server(spec, data_port=0 if plane == "tcp" else -1) as (_, addr),
+        joined_clients(addr, spec, data_plane=plane) as clients,
+    ):
+        sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
+        diverged = trained(init, spec, 0, 20)
+        last = list(diverged)[-1]
+        diverged[last][0] = float("nan")
+        with pytest.raises(ValueError, match=f"tensor '{last}' holds NaN or Inf values: this peer's training"):
+            clients[0].sync(20, diverged)
 
 
 @pytest.mark.timeout(60)

@@ -22,9 +22,13 @@ class Plane(Protocol):
     name: str
     """"grpc" or "tcp"."""
 
-    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = 0) -> tuple[int, bool]:
-        """Send this peer's upload of round `step` (values, or coded payloads) over `fragment` of the model (0: all
-        of it, `spes.sync.fragments`): (payload bytes sent, whether the server already had it)."""
+    def upload(
+        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = 0, digest: int | None = None
+    ) -> tuple[int, bool]:
+        """Send this peer's upload of round `step` (values, or coded payloads, each read once, in order) over
+        `fragment` of the model (0: all of it, `spes.sync.fragments`): (payload bytes sent, whether the server
+        already had it). `digest` tells a retry from another upload (the codec's; default: the items' own
+        `spes.sync.wire.upload_digest`, which reads them all before the first byte goes)."""
         ...
 
     def download(

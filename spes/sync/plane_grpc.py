@@ -185,20 +185,33 @@ class GrpcPlane:
         self._stub, self.peer_id, self.wire_dtype = stub, peer_id, wire_dtype
         self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
 
-    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE) -> tuple[int, bool]:
-        sent, digest = 0, upload_digest(tensors, self.wire_dtype)
+    def upload(
+        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE, digest: int | None = None
+    ) -> tuple[int, bool]:
+        sent, failed = 0, []
+        meta = pb.UploadMeta(
+            peer_id=self.peer_id,
+            round=step,
+            fragment=fragment,
+            digest=upload_digest(tensors, self.wire_dtype) if digest is None else digest,
+        )
 
         def messages() -> Iterator[pb.UploadMessage]:
             nonlocal sent
-            meta = pb.UploadMeta(peer_id=self.peer_id, round=step, fragment=fragment, digest=digest)
             yield pb.UploadMessage(meta=meta)
-            for chunk in encode_tensors(tensors, self.wire_dtype):
-                sent += len(chunk.data)
-                yield pb.UploadMessage(chunk=chunk)
+            try:
+                for chunk in encode_tensors(tensors, self.wire_dtype):
+                    sent += len(chunk.data)
+                    yield pb.UploadMessage(chunk=chunk)
+            except ValueError as exc:  # NOTE: an item made while sending refused (not finite): grpc would hide it
+                failed.append(exc)
+                raise
 
         try:
             reply = self._stub.Upload(messages(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
+            if failed:
+                raise failed[0] from None
             raise failure_of(f"upload of round {step}", err) from None
         return sent, reply.duplicate
 

@@ -580,8 +580,10 @@ class TcpPlane:
         with self._connect(pb.DATA_OP_PING, -1, timeout) as sock:
             self._reply(sock, "data-plane ping", "ok")
 
-    def upload(self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE) -> tuple[int, bool]:
-        digest = upload_digest(tensors, self.wire_dtype)
+    def upload(
+        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE, digest: int | None = None
+    ) -> tuple[int, bool]:
+        digest = upload_digest(tensors, self.wire_dtype) if digest is None else digest
         sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout, fragment=fragment, digest=digest)
         what, sent = f"upload of round {step}", 0
         try:

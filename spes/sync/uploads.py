@@ -56,7 +56,7 @@ class Uploads:
         raw-TCP data plane).
 
         `feed(decoder)` is called only once the upload is admitted and must pass it every tensor; raises `Refused`.
-        `digest` (`spes.sync.wire.upload_digest`) tells a retry of a committed upload from a different one. A new
+        `digest` (the codec's `PeerCodec.digest`) tells a retry of a committed upload from a different one. A new
         upload of a peer supersedes its own stalled one (`ticket`: this one's stream, the older's is ended).
         An empty reply (round 0, not a duplicate) means the peer went away mid-upload and nothing was kept.
         """

@@ -29,7 +29,7 @@ ones plus the first carried error minus the last: the drift stays within one rou
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 
@@ -39,7 +39,7 @@ from spes.sync.codecs.base import NO_BASE, Payload, Quantizer
 from spes.sync.codecs.interface import Selection, Served, UploadBase
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
-from spes.sync.wire import Coded, Item, TensorDecoder, finite
+from spes.sync.wire import Coded, Item, TensorDecoder, finite, upload_digest
 
 VALUES_DTYPE = "fp32"
 """Full values of a held-model codec travel in fp32: the held model is fp32 on every end."""
@@ -129,6 +129,32 @@ def next_held(
     return Served(step, {n: held[n] for n in new_global if n in held}, deltas, previous.round)
 
 
+class LazyUpload(Mapping[str, Item]):
+    """An upload whose items are made when first read, each once: a plane sends the first item while the others
+    are still to be made. `complete` makes those never read (a duplicate upload's: the server already has them)."""
+
+    def __init__(self, names: list[str], make: Callable[[str], Item]) -> None:
+        self._names, self._make = names, make
+        self._made: dict[str, Item] = {}
+
+    def __getitem__(self, name: str) -> Item:
+        if name not in self._made:
+            if name not in self._names:
+                raise KeyError(name)
+            self._made[name] = self._make(name)
+        return self._made[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def complete(self) -> None:
+        for name in self._names:
+            self[name]
+
+
 class HeldPeer:
     """A peer's end (`spes.sync.codecs.base.PeerCodec`): its held model, that model's round, the carried error,
     and the upload in flight. The held tensors are the peer's own: the caller loads them and must not change them."""
@@ -142,27 +168,46 @@ class HeldPeer:
         self.carried: Tensors = {}
         """Per trained tensor, what quantization left out of the last upload (added to the next delta)."""
         self._pending: tuple[Tensors, Tensors] = ({}, {})
-        """The upload in flight: its carried error, and the reconstructions of the tensors it may not download."""
+        """The upload in flight, of each item made so far: its carried error, and the reconstructions of the tensors
+        it may not download."""
+        self._upload: LazyUpload | None = None
 
     @property
     def base_round(self) -> int:
         return NO_BASE if self.round is None else self.round
 
-    def upload(self, trained: Mapping[str, torch.Tensor], own: Collection[str]) -> dict[str, Item]:
-        """Coded deltas against the held model; full values without one, or for a tensor it does not hold yet (its
-        own blocks among those are then held as sent: nobody sends them back)."""
+    def upload(self, trained: Mapping[str, torch.Tensor], own: Collection[str]) -> Mapping[str, Item]:
+        """Coded deltas against the held model, each made when a plane first reads it (its first bytes go while
+        the rest is encoded); full values without one, or for a tensor it does not hold yet (its own blocks among
+        those are then held as sent: nobody sends them back)."""
+        self._pending, self._upload = ({}, {}), None
         if self.round is None:
-            self._pending = ({}, {})
             return dict(trained)
-        sent = {
-            n: encode_delta(self.quantizer, n, v, self.held[n], self.carried.get(n))
-            for n, v in trained.items()
-            if n in self.held
-        }
-        new = {n: v.detach().to(torch.float32, copy=True) for n, v in trained.items() if n not in self.held}
-        recon = {n: sent[n].reconstruction if n in sent else new[n] for n in own if n in trained}
-        self._pending = ({n: s.error for n, s in sent.items()}, recon)
-        return {n: Coded(sent[n].payload, self.round) if n in sent else new[n] for n in trained}
+        self._upload = LazyUpload(list(trained), partial(self._item, trained, frozenset(own), self.round))
+        return self._upload
+
+    def _item(self, trained: Mapping[str, torch.Tensor], own: Collection[str], base_round: int, name: str) -> Item:
+        """One item of the upload in flight; its carried error and, for an own block, what it becomes are kept."""
+        errors, reconstructions = self._pending
+        value = trained[name]
+        if name in self.held:
+            sent = encode_delta(self.quantizer, name, value, self.held[name], self.carried.get(name))
+            item: Item = Coded(sent.payload, base_round)
+            errors[name], held = sent.error, sent.reconstruction
+        else:
+            item = held = value.detach().to(torch.float32, copy=True)
+        if name in own:
+            reconstructions[name] = held
+        return item
+
+    def digest(self, trained: Mapping[str, torch.Tensor]) -> int:
+        """What the upload is made of: the values, and with a held model its round and the carried errors (equal
+        inputs make equal payloads), so it is known before any payload is made."""
+        if self.round is None:
+            return upload_digest(trained, VALUES_DTYPE)
+        made_of = {f"{self.round}/{n}": v for n, v in trained.items()}
+        made_of.update({f"carried/{n}": self.carried[n] for n in trained if n in self.carried})
+        return upload_digest(made_of, VALUES_DTYPE)
 
     def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:
         """Payloads against the held model, each applied to it as it arrives (the work overlaps the rest of the
@@ -200,6 +245,8 @@ class HeldPeer:
         as it was: what the node still owes is theta - H + e before the round and theta - H' + e after it.
         """
         values = decoder.finish()
+        if self._upload is not None and not caught_up:
+            self._upload.complete()  # NOTE: a duplicate's items were never read, but the server took them
         relayed: Tensors = {}
         if info.base_round == NO_BASE:
             held = served = dict(values)
@@ -211,13 +258,14 @@ class HeldPeer:
         errors = {n: e for n, e in self._pending[0].items() if n not in relayed}
         self.held, self.round = held, info.round
         self.carried = {} if caught_up else {**self.carried, **errors}
-        self._pending = ({}, {})
+        self._pending, self._upload = ({}, {}), None
         return served
 
     def forget(self) -> bool:
         """Drop the held model and the carried error: the next upload is full values."""
         had = self.round is not None
         self.held, self.round, self.carried = {}, None, {}
+        self._pending, self._upload = ({}, {}), None
         return had
 
     def state_dict(self) -> tuple[dict[str, str], Tensors]:

@@ -75,8 +75,14 @@ class PeerCodec(Protocol):
         """The round of the model this peer holds that deltas apply to (`NO_BASE`: none)."""
         ...
 
-    def upload(self, trained: Mapping[str, torch.Tensor], own: Collection[str]) -> dict[str, Item]:
-        """The items to send for `trained`; `own`: names this peer does not download outside merge rounds."""
+    def upload(self, trained: Mapping[str, torch.Tensor], own: Collection[str]) -> Mapping[str, Item]:
+        """The items to send for `trained`, in its order (a codec may make each when it is first read); `own`:
+        names this peer does not download outside merge rounds."""
+        ...
+
+    def digest(self, trained: Mapping[str, torch.Tensor]) -> int:
+        """What tells a retry of the upload of `trained` from another (equal for equal bytes), known before the
+        upload is made: the server compares it with the one it committed."""
         ...
 
     def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:

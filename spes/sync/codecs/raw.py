@@ -15,7 +15,7 @@ from spes.sync.codecs.base import NO_BASE, Payload
 from spes.sync.codecs.interface import Selection, Served, UploadBase
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
-from spes.sync.wire import RAW_DTYPES, Item, TensorDecoder
+from spes.sync.wire import RAW_DTYPES, Item, TensorDecoder, upload_digest
 
 
 class RawPeer:
@@ -32,6 +32,9 @@ class RawPeer:
 
     def upload(self, trained: Mapping[str, torch.Tensor], own: Collection[str]) -> dict[str, Item]:
         return dict(trained)
+
+    def digest(self, trained: Mapping[str, torch.Tensor]) -> int:
+        return upload_digest(trained, self.raw_dtype)
 
     def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:
         return TensorDecoder(expected, self.raw_dtype, into=into)
