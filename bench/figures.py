@@ -752,6 +752,44 @@ def _wan_codec_efficiency(r: Records, name: str) -> str:
 FIGURES["wan.codec_efficiency"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs")
 FIGURES["wan.codec_efficiency_7bb5219"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_7bb5219")
 """Before 2 MiB pages, and before the peers applied each delta as it arrived (the same run at 7bb5219)."""
+FIGURES["wan.codec_efficiency_a319b1b"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_a319b1b")
+"""Before the uploads were encoded while sent and applied by the server as they arrived (the same run at a319b1b)."""
+
+
+@fig("wan.sparse_cpu_bound")
+def _wan_sparse_cpu_bound(r: Records) -> str:
+    """The bound the machine puts on the sparse round at 100 Mbit/s: its codec work (bench_codec's 1B seconds per
+    round, one thread, divided by the scale the link bench measured) for every peer and the server, spread over
+    every core, against the ideal round for its bytes."""
+    wan, codec = r("bench_wan_codecs"), r("bench_codec")
+    if codec["config"] != wan["config"] or codec["threads"] != 1:
+        raise ValueError("bench_codec and bench_wan_codecs must time the same config, bench_codec with 1 thread")
+    m = next(m for m in wan["measurements"] if m["wire"] == "sparse" and m["peer_mbit"] == 100.0)
+    work, cores = codec["codecs"]["sparse"], wan["machine"]["cpus"]
+    peers = len(m["spes_rounds"][0]["up_per_peer"])
+    seconds = (peers * work["peer_s"] + work["server_s"]) / m["scale"]
+    return (
+        f"{seconds:.2f} CPU seconds per round for its {peers} peers and the server on the 1/{m['scale']} model, "
+        f"{seconds / cores:.2f} s on {cores} cores, longer than the whole ideal round ({m['ideal_s']:.2f} s): at "
+        f"most {m['ideal_s'] * cores / seconds:.0%} of the ideal with every byte overlapped"
+    )
+
+
+@fig("wan.pipelining_ab")
+def _wan_pipelining_ab(r: Records) -> str:
+    """The same link measurement at the commit before the uploads were pipelined and after, in the order the runs
+    were made (`wan_ab_<wire>_<n>` records, each of one wire at one speed, on one machine)."""
+    parts = []
+    for wire, runs in (("int8", 4), ("sparse", 4)):
+        records = [r(f"wan_ab_{wire}_{n}") for n in range(1, runs + 1)]
+        speeds = {m["peer_mbit"] for x in records for m in x["measurements"]}
+        speed = min(speeds)
+        if {x["machine"]["cpus"] for x in records} != {2} or {x["rounds"] for x in records} != {records[0]["rounds"]}:
+            raise ValueError(f"wan_ab_{wire}: the runs must be of one machine shape and as many rounds")
+        found = [(x["commit"][:7], m) for x in records for m in x["measurements"] if m["peer_mbit"] == speed]
+        runs_text = ", ".join(f"{m['efficiency']:.0%} at {commit}" for commit, m in found)
+        parts.append(f"{wire} at {link(speed)} (1/{found[0][1]['scale']}): {runs_text}")
+    return "; ".join(parts)
 
 
 @fig("overlap.whole_ratio")
