@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,7 +20,7 @@ import torch
 
 from spes.config import ServerSection
 from spes.sync import plane_tcp
-from spes.sync.client import SyncError
+from spes.sync.client import SyncClient, SyncError
 from spes.sync.codecs import int8
 from spes.sync.codecs.base import NO_BASE
 from spes.sync.codecs.held import HeldPeer, HeldServer, encode_delta, next_held
@@ -433,6 +434,22 @@ def test_a_restored_round_holds_the_persisted_held_model() -> None:
 
 
 # -- real servers and clients ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def held_run(
+    codec: str, plane: str, seed: int
+) -> Iterator[tuple[RunSpec, dict[str, torch.Tensor], ParameterServer, list[SyncClient]]]:
+    """A server of `spec_of(codec)` with its payloads on `plane`, two joined clients, and a random initial model."""
+    spec = spec_of(codec)
+    assert spec.manifest is not None
+    gen = torch.Generator().manual_seed(seed)
+    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
+    with (
+        running_server(spec, data_port=0 if plane == "tcp" else -1) as (server, addr),
+        joined_clients(addr, spec, data_plane=plane) as clients,
+    ):
+        yield spec, init, server, clients
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("plane", ["grpc", "tcp"])
@@ -440,14 +457,8 @@ def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec:
     """Two peers, four rounds (the third a merge round): the first moves full values, the others coded deltas
     of exactly the analytic size; every peer's result is the server's held model, bit for bit, but for its own
     blocks on a round without merging: those it keeps as it trained them."""
-    spec = spec_of(codec)
-    assert spec.manifest is not None
-    gen = torch.Generator().manual_seed(0)
-    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
-    with (
-        running_server(spec, data_port=0 if plane == "tcp" else -1) as (server, addr),
-        joined_clients(addr, spec, data_plane=plane) as clients,
-    ):
+    with held_run(codec, plane, seed=0) as (spec, init, server, clients):
+        assert spec.manifest is not None
         models = [init, init]
         for step in (10, 20, 30, 40):
             theta = {p: trained(models[p], spec, p, step) for p in range(2)}
@@ -477,14 +488,7 @@ def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec:
 def test_a_diverged_peer_stops_naming_the_tensor_though_its_upload_is_made_while_sent(plane: str) -> None:
     """A payload is made as the plane sends it: a tensor that is not finite stops the upload with the codec's error
     naming it, on either plane (gRPC would report its own "exception iterating requests" instead), not a retry."""
-    spec = spec_of("sparse")
-    assert spec.manifest is not None
-    gen = torch.Generator().manual_seed(1)
-    init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
-    with (
-        running_server(spec, data_port=0 if plane == "tcp" else -1) as (_, addr),
-        joined_clients(addr, spec, data_plane=plane) as clients,
-    ):
+    with held_run("sparse", plane, seed=1) as (spec, init, _, clients):
         sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
         diverged = trained(init, spec, 0, 20)
         last = list(diverged)[-1]
