@@ -183,12 +183,22 @@ class HeldPeer:
         self._pending, self._upload = ({}, {}), None
         if self.round is None:
             return dict(trained)
-        self._upload = LazyUpload(list(trained), partial(self._item, trained, frozenset(own), self.round))
+        make = partial(self._item, trained, frozenset(own), self.round, self._pending)
+        self._upload = LazyUpload(list(trained), make)
         return self._upload
 
-    def _item(self, trained: Mapping[str, torch.Tensor], own: Collection[str], base_round: int, name: str) -> Item:
-        """One item of the upload in flight; its carried error and, for an own block, what it becomes are kept."""
-        errors, reconstructions = self._pending
+    def _item(
+        self,
+        trained: Mapping[str, torch.Tensor],
+        own: Collection[str],
+        base_round: int,
+        pending: tuple[Tensors, Tensors],
+        name: str,
+    ) -> Item:
+        """One item of the upload in flight; its carried error and, for an own block, what it becomes are kept in
+        `pending`, that upload's own (a sending thread still running after a retry began writes nothing into the
+        retry's)."""
+        errors, reconstructions = pending
         value = trained[name]
         if name in self.held:
             sent = encode_delta(self.quantizer, name, value, self.held[name], self.carried.get(name))
