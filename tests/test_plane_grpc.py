@@ -15,7 +15,7 @@ from spes.sync.plane_grpc import GrpcPlane
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
-from spes.sync.wire import TensorDecoder
+from spes.sync.wire import TensorDecoder, upload_digest
 from sync_helpers import NO_MERGE, peer_upload, running_server, tiny_spec
 from test_server import join_request
 
@@ -46,11 +46,16 @@ def test_a_round_over_the_grpc_plane_equals_build_global() -> None:
     uploads = {p: peer_upload(SPEC, p, seed=3) for p in range(2)}
     want = build_global(uploads, spec=SPEC, step=1).tensors
     with running_server(SPEC) as (_, addr), planes(addr) as (plane0, plane1):
-        assert plane0.upload(1, uploads[0], timeout=10) == (sum(t.numel() * 4 for t in uploads[0].values()), False)
-        assert plane0.upload(1, uploads[0], timeout=10)[1]  # the same upload again: a no-op the server reports
+        assert plane0.upload(1, uploads[0], timeout=10, digest=upload_digest(uploads[0], "fp32")) == (
+            sum(t.numel() * 4 for t in uploads[0].values()),
+            False,
+        )
+        assert plane0.upload(1, uploads[0], timeout=10, digest=upload_digest(uploads[0], "fp32"))[
+            1
+        ]  # the same upload again: a no-op the server reports
         with ThreadPoolExecutor(1) as pool:  # peer 0's download waits for peer 1's upload
             waiting = pool.submit(plane0.download, 1, 10, full=False, base_round=-1, decoder_for=expect_for(0, 1))
-            plane1.upload(1, uploads[1], timeout=10)
+            plane1.upload(1, uploads[1], timeout=10, digest=upload_digest(uploads[1], "fp32"))
             info, got, received = waiting.result(timeout=30)
         assert (info.round, list(info.peers), info.merged) == (1, [0, 1], False)
         assert received == sum(t.numel() * 4 for t in got.values())
@@ -73,12 +78,12 @@ def test_refusals_arrive_as_sync_errors_with_their_reason() -> None:
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)
         upload = peer_upload(SPEC, 1, seed=1)
-        stranger.upload(1, upload, timeout=10)
+        stranger.upload(1, upload, timeout=10, digest=upload_digest(upload, "fp32"))
         with pytest.raises(SyncError, match="round 0 is old: round 1 is open now") as err:
-            stranger.upload(0, upload, timeout=10)
+            stranger.upload(0, upload, timeout=10, digest=upload_digest(upload, "fp32"))
         assert err.value.reason == Reason.STALE_ROUND
         with pytest.raises(SyncError, match="round 5 is ahead of the open round 1") as err:
-            stranger.upload(5, upload, timeout=10)
+            stranger.upload(5, upload, timeout=10, digest=upload_digest(upload, "fp32"))
         assert err.value.reason == Reason.FUTURE_ROUND
 
 

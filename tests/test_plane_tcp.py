@@ -19,7 +19,7 @@ from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Reason, SyncError
 from spes.sync.server import ParameterServer
-from spes.sync.wire import DIGEST, TensorDecoder, checksum
+from spes.sync.wire import DIGEST, TensorDecoder, checksum, upload_digest
 from sync_helpers import NO_MERGE, TOKEN, peer_upload, running_server, sync_all, tiny_spec, write_pki
 from test_client import check_round, joined_clients
 from test_server import join_request, stub_for
@@ -276,7 +276,7 @@ def test_tcp_plane_round_trip_and_refusals() -> None:
         ]
         tcp[0].ping(5)
         with pytest.raises(SyncError, match="has not joined") as err:
-            tcp[0].upload(2, uploads[0], timeout=10)
+            tcp[0].upload(2, uploads[0], timeout=10, digest=upload_digest(uploads[0], "fp32"))
         assert (err.value.code, err.value.reason, err.value.retryable) == (
             grpc.StatusCode.FAILED_PRECONDITION,
             Reason.NOT_JOINED,
@@ -285,7 +285,7 @@ def test_tcp_plane_round_trip_and_refusals() -> None:
         for peer in range(2):
             stub.Join(join_request(peer, spec=spec), timeout=10)
         for peer in range(2):
-            assert tcp[peer].upload(2, uploads[peer], timeout=10) == (
+            assert tcp[peer].upload(2, uploads[peer], timeout=10, digest=upload_digest(uploads[peer], "fp32")) == (
                 sum(t.numel() * 4 for t in uploads[peer].values()),
                 False,
             )

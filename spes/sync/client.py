@@ -216,7 +216,7 @@ class SyncClient:
 
         def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, dict[str, torch.Tensor], int]]:
             upload, digest = self.codec.upload(ordered, self._own), self.codec.digest(ordered)
-            sent, duplicate = self.plane.upload(step, upload, self._until(deadline), fragment, digest)
+            sent, duplicate = self.plane.upload(step, upload, self._until(deadline), fragment, digest=digest)
             if duplicate:
                 log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
             return sent, self._download(step, manifest, self._until(deadline), full=False, fragment=fragment)

@@ -23,12 +23,11 @@ class Plane(Protocol):
     """"grpc" or "tcp"."""
 
     def upload(
-        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = 0, digest: int | None = None
+        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = 0, *, digest: int
     ) -> tuple[int, bool]:
         """Send this peer's upload of round `step` (values, or coded payloads, each read once, in order) over
         `fragment` of the model (0: all of it, `spes.sync.fragments`): (payload bytes sent, whether the server
-        already had it). `digest` tells a retry from another upload (the codec's; default: the items' own
-        `spes.sync.wire.upload_digest`, which reads them all before the first byte goes)."""
+        already had it). `digest` tells a retry from another upload (the codec's `PeerCodec.digest`)."""
         ...
 
     def download(

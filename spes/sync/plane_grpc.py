@@ -30,7 +30,7 @@ from spes.sync.protocol import (
     Tensors,
     classify,
 )
-from spes.sync.wire import Item, TensorDecoder, encode_tensors, upload_digest
+from spes.sync.wire import Item, TensorDecoder, encode_tensors
 
 if TYPE_CHECKING:
     from spes.sync.coordinator import Coordinator
@@ -186,15 +186,10 @@ class GrpcPlane:
         self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
 
     def upload(
-        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE, digest: int | None = None
+        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE, *, digest: int
     ) -> tuple[int, bool]:
         sent, failed = 0, []
-        meta = pb.UploadMeta(
-            peer_id=self.peer_id,
-            round=step,
-            fragment=fragment,
-            digest=upload_digest(tensors, self.wire_dtype) if digest is None else digest,
-        )
+        meta = pb.UploadMeta(peer_id=self.peer_id, round=step, fragment=fragment, digest=digest)
 
         def messages() -> Iterator[pb.UploadMessage]:
             nonlocal sent

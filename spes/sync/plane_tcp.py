@@ -62,7 +62,6 @@ from spes.sync.wire import (
     TensorDecoder,
     header_for,
     read_file,
-    upload_digest,
     write_raw,
 )
 
@@ -581,9 +580,8 @@ class TcpPlane:
             self._reply(sock, "data-plane ping", "ok")
 
     def upload(
-        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE, digest: int | None = None
+        self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE, *, digest: int
     ) -> tuple[int, bool]:
-        digest = upload_digest(tensors, self.wire_dtype) if digest is None else digest
         sock = self._connect(pb.DATA_OP_UPLOAD, step, timeout, fragment=fragment, digest=digest)
         what, sent = f"upload of round {step}", 0
         try:
