@@ -10,6 +10,7 @@ import pytest
 
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.status import describe
+from spes.sync.wire import upload_digest
 from sync_helpers import TOKEN, make_client, peer_upload, running_server, tiny_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +43,8 @@ def test_the_status_command_asks_a_real_server(tmp_path: Path) -> None:
     secret.write_text(TOKEN)
     with running_server(spec, token=TOKEN) as (server, addr), make_client(addr, spec, 0, token=TOKEN) as client:
         client.join()
-        client.plane.upload(1, peer_upload(spec, 0, seed=1), timeout=10)
+        upload = peer_upload(spec, 0, seed=1)
+        client.plane.upload(1, upload, timeout=10, digest=upload_digest(upload, "fp32"))
         out = subprocess.run(
             [sys.executable, "-m", "spes.status", addr, "--token_file", str(secret)],
             cwd=REPO,
