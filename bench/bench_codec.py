@@ -8,7 +8,7 @@
 A round's codec work, SPES peer 0 of the run spec the server builds from the config (a plain round, no merge), all
 of it as the round does it (`spes.sync.codecs.held`):
   - the peer: encode every tensor it trains against its held model with its carried error (`encode_delta`: the
-    payload, the new error and the reconstruction; `pack`), and apply every tensor it downloads to its held model
+    payload and the new error, and the reconstruction of the blocks it owns; `pack`), and apply every tensor it downloads to its held model
     (`unpack` + `apply_delta`: blocks relayed from their owners in the peers' format, the rest in the server's);
   - the server: apply every peer's upload, and encode every tensor it re-encodes (the shared tensors, once) in its
     format (`quantizer.down`, no carried error).
@@ -87,14 +87,20 @@ class ShapeTimer:
         self._cache: dict[tuple[Quantizer, Shape, str], float] = {}
         """By the quantizer's value (a frozen dataclass: its settings), not its id, which a freed one passes on."""
 
-    def encode(self, quantizer: Quantizer, shape: Shape, carried: bool) -> float:
-        """`encode_delta` (with a carried error or without) + `pack` of a tensor of `shape`."""
-        key = (quantizer, shape, f"encode {carried}")
+    def encode(self, quantizer: Quantizer, shape: Shape, carried: bool, reconstruct: bool) -> float:
+        """`encode_delta` (with a carried error or without) + `pack` of a tensor of `shape`, and its reconstruction
+        when the encoder keeps it (a peer's own blocks, every tensor the server encodes)."""
+        key = (quantizer, shape, f"encode {carried} {reconstruct}")
         if key not in self._cache:
             base, value, error = self._tensors(shape)
-            self._cache[key] = self._time(
-                lambda: encode_delta(quantizer, "t", value, base, error if carried else None).payload.pack()
-            )
+
+            def work() -> None:
+                sent = encode_delta(quantizer, "t", value, base, error if carried else None)
+                sent.payload.pack()
+                if reconstruct:
+                    _ = sent.reconstruction  # made when first read
+
+            self._cache[key] = self._time(work)
         return self._cache[key]
 
     def decode(self, quantizer: Quantizer, shape: Shape) -> float:
@@ -136,11 +142,14 @@ def round_seconds(spec: RunSpec, quantizer: Quantizer, timer: ShapeTimer) -> dic
     relayed = [n for n in downloads if spec.owner(n) is not None]
     reencoded = [n for n in spec.trainable(0) if spec.owner(n) is None]
     uploads = [n for p in range(spec.num_peers) for n in spec.trainable(p)]
-    peer_encode = weighted(spec, spec.trainable(0), lambda s: timer.encode(up, s, carried=True))
+    own = spec.own(0, spec.trainable(0))
+    peer_encode = weighted(spec, own, lambda s: timer.encode(up, s, carried=True, reconstruct=True))
+    shared = [n for n in spec.trainable(0) if n not in own]
+    peer_encode += weighted(spec, shared, lambda s: timer.encode(up, s, carried=True, reconstruct=False))
     peer_decode = weighted(spec, relayed, lambda s: timer.decode(up, s))
     peer_decode += weighted(spec, [n for n in downloads if n not in relayed], lambda s: timer.decode(down, s))
     server_decode = weighted(spec, uploads, lambda s: timer.decode(up, s))
-    server_encode = weighted(spec, reencoded, lambda s: timer.encode(down, s, carried=False))
+    server_encode = weighted(spec, reencoded, lambda s: timer.encode(down, s, carried=False, reconstruct=True))
     return {
         "peer_encode_s": peer_encode,
         "peer_decode_s": peer_decode,

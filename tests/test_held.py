@@ -22,9 +22,10 @@ from spes.config import ServerSection
 from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError
 from spes.sync.codecs import int8
-from spes.sync.codecs.base import NO_BASE
+from spes.sync.codecs.base import NO_BASE, Quantizer
 from spes.sync.codecs.held import HeldPeer, HeldServer, encode_delta, next_held
 from spes.sync.codecs.interface import Served, UploadBase
+from spes.sync.codecs.sparse import Sparse
 from spes.sync.merge import build_global, round_alpha
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason
@@ -422,6 +423,24 @@ def test_full_values_are_received_into_the_servers_kept_buffers() -> None:
         values, HeldServer(QUANTIZER).upload_decoder({"w": SHAPE}, into, UploadBase(None, {}, []))
     ).finish()
     assert received["w"] is buffer and torch.equal(buffer, values["w"])
+
+
+@pytest.mark.parametrize("quantizer", [QUANTIZER, Sparse(chunk=64, topk=8)], ids=["int8", "sparse"])
+def test_payloads_are_applied_into_the_servers_kept_buffers(quantizer: Quantizer) -> None:
+    """An applied payload lands in the buffer the server keeps for that tensor from round to round (fresh memory
+    costs a page fault per page), holding exactly what the peer reconstructs."""
+    glob = {"w": torch.randn(SHAPE, generator=torch.Generator().manual_seed(5))}
+    previous = Served(10, {"w": glob["w"].clone()})
+    peer = HeldPeer(quantizer)
+    peer.load_state_dict({"codec": quantizer.name, "round": "10"}, {"held/w": previous.tensors["w"]})
+    items = peer.upload({"w": glob["w"] + 1e-2}, own=["w"])
+    into = {"w": torch.empty(SHAPE)}
+    buffer = into["w"]
+    base = UploadBase(previous, glob, ["w"])
+    decoder = through(dict(items), HeldServer(quantizer).upload_decoder({"w": SHAPE}, into, base))
+    values, _ = HeldServer(quantizer).upload_values(decoder, decoder.finish(), base)
+    assert values["w"] is buffer
+    assert torch.equal(buffer.view(torch.int32), peer._pending[1]["w"].view(torch.int32))
 
 
 def test_a_restored_round_holds_the_persisted_held_model() -> None:

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from spes.sync.codecs.held import encode_delta
+from spes.sync.codecs.base import Scattered
+from spes.sync.codecs.held import apply_delta, encode_delta
 from spes.sync.codecs.sparse import (
     MAX_CHUNK,
     Sparse,
@@ -91,6 +92,27 @@ def test_error_feedback_carries_exactly_what_the_payload_missed() -> None:
     target = value - base + carried
     assert torch.equal(sent.error, target - codec.decode(sent.payload))
     assert torch.equal(sent.reconstruction, base + codec.decode(sent.payload))
+
+
+def test_a_delta_is_its_sent_entries_and_applying_it_touches_nothing_else() -> None:
+    """`delta` is the sent entries at their positions in the flattened tensor (chunk edges and the shorter last
+    chunk included); applying it leaves every other entry's bits as they were, -0.0 included (a dense add of the
+    decoded zeros would make it +0.0: the work and the memory of a dense delta, for nothing)."""
+    codec = Sparse(chunk=64, topk=4, bits=2)
+    x = torch.randn(3, 50)  # 150 values: 2 whole chunks and one of 22
+    payload = codec.encode("w", x)
+    sent = codec.delta(payload)
+    assert isinstance(sent, Scattered) and sent.positions.numel() == 12
+    dense = torch.zeros(150).index_copy_(0, sent.positions, sent.values).view(3, 50)
+    assert torch.equal(dense, codec.decode(payload))
+    assert sorted(sent.positions.tolist()) == sent.positions.tolist() and sent.positions.max() < 150
+    base = torch.randn(3, 50)
+    untouched = torch.ones(150, dtype=torch.bool)
+    untouched[sent.positions] = False
+    base.view(-1)[untouched.nonzero()[0]] = -0.0
+    held = apply_delta(base, payload, codec)
+    assert torch.equal(held.view(-1)[untouched].view(torch.int32), base.view(-1)[untouched].view(torch.int32))
+    assert torch.equal(held.view(-1)[~untouched], (base + codec.decode(payload)).view(-1)[~untouched])
 
 
 def test_the_server_sends_in_its_own_format_and_both_formats_are_read() -> None:
@@ -218,7 +240,8 @@ def test_a_payload_that_does_not_fit_its_shape_is_refused_in_full() -> None:
         "tensor 'w': sparse payload has a negative, NaN or Inf scale"
     )
     bad_index = "tensor 'w': sparse payload has an index outside its chunk or out of order"
-    for indices in ([3, 64, 0], [3, 70, 0], [3, 3, 0], [40, 3, 0]):  # past the chunk (in order), a repeat, reversed
+    # past the chunk (in order), a repeat, reversed, before the chunk (in order)
+    for indices in ([3, 64, 0], [3, 70, 0], [3, 3, 0], [40, 3, 0], [-1, 3, 0]):
         assert message(payload_of, 65, [1.0, 1.0], indices, [0, 3, 1]) == bad_index
     levels = torch.zeros(3, dtype=torch.int64)
     assert "out of order" in message(

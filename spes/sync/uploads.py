@@ -138,7 +138,8 @@ class Uploads:
         finally:
             with self._cond:
                 self.bytes_in += decoder.bytes_received
-        self._memory.pool.give(buffers[n] for n in decoder.coded)  # came coded: their raw buffers went unused
+        # NOTE: a payload the codec applied elsewhere than into its kept buffer left that buffer unused
+        self._memory.pool.give(b for n, b in buffers.items() if values.get(n) is not b)
         return values, decoder.checksums, relayed
 
     def _upload_reply(self, step: int, *, duplicate: bool) -> pb.UploadReply:

@@ -9,6 +9,7 @@ codec; what a whole codec is (its ends, what a round serves) is `spes.sync.codec
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -17,6 +18,21 @@ from spes.sync.protocol import Shape
 
 NO_BASE = -1
 """The base round of a peer or payload that refers to no held model (full values)."""
+
+
+@dataclass(frozen=True)
+class Scattered:
+    """A delta that is zero except at `positions` of the flattened tensor, where it is `values`: what a sparse
+    codec's payload adds, so that applying it touches only the entries it sent (no dense copy of its zeros)."""
+
+    positions: torch.Tensor
+    """int64, strictly increasing."""
+    values: torch.Tensor
+    """float32, one per position."""
+
+
+Delta = torch.Tensor | Scattered
+"""What a payload adds to a held tensor: dense fp32 of its shape, or `Scattered`."""
 
 
 class Payload(Protocol):
@@ -75,6 +91,10 @@ class Quantizer(Format, Protocol):
 
     def decode(self, payload: Payload) -> torch.Tensor:
         """The dense fp32 tensor a payload stands for (of `payload.shape`)."""
+        ...
+
+    def delta(self, payload: Payload) -> Delta:
+        """What `payload` adds to a held tensor: `decode(payload)`, or only its nonzero entries (`Scattered`)."""
         ...
 
     def round_bytes(self, numel: int) -> int:

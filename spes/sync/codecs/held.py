@@ -22,8 +22,8 @@ round it is of. The server keeps its global model G in full precision beside it.
    taken verbatim it does not load: nobody else trains them, so it keeps training them as trained, and what
    their upload left out is `theta - H` at its next upload (their carried error stays as it was, see `receive`).
 
-Sender and receiver call the same `apply_delta` (an elementwise add of the decoded fp32 delta, never a fused form),
-so they agree bit for bit. With error feedback, the reconstructed deltas of a tensor sum over rounds to the true
+Sender and receiver call the same `apply_delta` (an elementwise add of the decoded fp32 delta, never a fused form; a
+sparse codec's delta added at the positions it sent, `spes.sync.codecs.base.Scattered`), so they agree bit for bit. With error feedback, the reconstructed deltas of a tensor sum over rounds to the true
 ones plus the first carried error minus the last: the drift stays within one round's quantization error.
 """
 
@@ -31,11 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 
-from spes.sync.codecs.base import NO_BASE, Payload, Quantizer
+from spes.sync.codecs.base import NO_BASE, Delta, Payload, Quantizer, Scattered
 from spes.sync.codecs.interface import Selection, Served, UploadBase
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
@@ -45,8 +45,11 @@ VALUES_DTYPE = "fp32"
 """Full values of a held-model codec travel in fp32: the held model is fp32 on every end."""
 
 
-def apply_delta(base: torch.Tensor, payload: Payload, quantizer: Quantizer) -> torch.Tensor:
-    """What a receiver holding `base` reconstructs: base + decode(payload), in fp32, cast to base's dtype.
+def apply_delta(
+    base: torch.Tensor, payload: Payload, quantizer: Quantizer, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """What a receiver holding `base` reconstructs: base + decode(payload), in fp32, cast to base's dtype; into
+    `out` (fp32, of base's shape) when given, memory a receiver keeps across rounds.
 
     Sender and receiver must both call this (not a fused or reordered form of it) to agree bit for bit:
     an elementwise add is exactly rounded on any device, a fused multiply-add is not the same.
@@ -55,12 +58,27 @@ def apply_delta(base: torch.Tensor, payload: Payload, quantizer: Quantizer) -> t
         raise ValueError(
             f"tensor {payload.name!r}: delta of shape {list(payload.shape)} against a base of shape {list(base.shape)}"
         )
-    return _plus(base, quantizer.decode(payload))
+    return _plus(base, quantizer.delta(payload), out)
 
 
-def _plus(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """base + delta in fp32 (summed into `delta`, which it consumes), cast to base's dtype."""
-    return delta.to(base.device).add_(base.float()).to(base.dtype)
+def _plus(base: torch.Tensor, delta: Delta, out: torch.Tensor | None = None) -> torch.Tensor:
+    """base + delta in fp32, cast to base's dtype: a dense delta is summed into itself (which it consumes) or into
+    `out`; a `Scattered` one into a copy of base (in `out`), at its positions only (an entry it does not touch
+    keeps base's bits)."""
+    if isinstance(delta, Scattered):
+        copy = base.to(torch.float32, copy=True) if out is None else out.copy_(base)
+        return _add(copy, delta, 1).to(base.dtype)
+    if out is None:
+        return delta.to(base.device).add_(base.float()).to(base.dtype)
+    return torch.add(delta.to(out.device), base.float(), out=out).to(base.dtype)
+
+
+def _add(out: torch.Tensor, delta: Delta, sign: int) -> torch.Tensor:
+    """out += sign * delta, in place (out fp32); each entry is rounded once, as a dense add would round it."""
+    if isinstance(delta, Scattered):
+        out.view(-1).index_add_(0, delta.positions.to(out.device), delta.values.to(out.device), alpha=sign)
+        return out
+    return out.add_(delta.to(out.device), alpha=sign)
 
 
 @dataclass(frozen=True)
@@ -70,8 +88,14 @@ class EncodedDelta:
     payload: Payload
     error: torch.Tensor
     """The carried error for the next delta of this tensor: target - decode(payload), fp32."""
-    reconstruction: torch.Tensor
-    """`apply_delta(base, payload)`: what the receiver will hold, bit for bit."""
+    _base: torch.Tensor
+    _delta: Delta
+
+    @cached_property
+    def reconstruction(self) -> torch.Tensor:
+        """`apply_delta(base, payload)`: what the receiver will hold, bit for bit. Made when first read: a peer
+        needs it only for the blocks it owns."""
+        return _plus(self._base, self._delta)
 
 
 def encode_delta(
@@ -91,9 +115,9 @@ def encode_delta(
     if carried is not None:
         target += carried.to(value.device)
     payload = quantizer.encode(name, target)
-    delta = quantizer.decode(payload)
-    error = target.sub_(delta)  # NOTE: in place, as every step below: a large tensor is held at most twice more
-    return EncodedDelta(payload, error, _plus(base, delta))
+    delta = quantizer.delta(payload)
+    error = _add(target, delta, -1)  # NOTE: in place, as every step below: a large tensor is held at most twice more
+    return EncodedDelta(payload, error, base, delta)
 
 
 def next_held(
@@ -200,15 +224,16 @@ class HeldPeer:
         retry's)."""
         errors, reconstructions = pending
         value = trained[name]
-        if name in self.held:
-            sent = encode_delta(self.quantizer, name, value, self.held[name], self.carried.get(name))
-            item: Item = Coded(sent.payload, base_round)
-            errors[name], held = sent.error, sent.reconstruction
-        else:
-            item = held = value.detach().to(torch.float32, copy=True)
+        if name not in self.held:
+            item = value.detach().to(torch.float32, copy=True)
+            if name in own:
+                reconstructions[name] = item
+            return item
+        sent = encode_delta(self.quantizer, name, value, self.held[name], self.carried.get(name))
+        errors[name] = sent.error
         if name in own:
-            reconstructions[name] = held
-        return item
+            reconstructions[name] = sent.reconstruction
+        return Coded(sent.payload, base_round)
 
     def digest(self, trained: Mapping[str, torch.Tensor]) -> int:
         """What the upload is made of: the values, and with a held model its round and the carried errors (equal
@@ -309,8 +334,8 @@ class HeldServer:
     def upload_decoder(
         self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], base: UploadBase
     ) -> TensorDecoder:
-        """Full values into `into`; each payload applied as it arrives (`_applied`), so the work overlaps the rest
-        of the upload and of the other peers' uploads."""
+        """Full values into `into`; each payload applied as it arrives (`_applied`, also into `into`), so the work
+        overlaps the rest of the upload and of the other peers' uploads."""
         return TensorDecoder(
             expected,
             VALUES_DTYPE,
@@ -318,17 +343,18 @@ class HeldServer:
             require_finite=True,
             coded=self.quantizer,
             base_round=NO_BASE if base.served is None else base.served.round,
-            apply=partial(self._applied, base),
+            apply=partial(self._applied, base, into),
         )
 
-    def _applied(self, base: UploadBase, payload: Payload) -> torch.Tensor:
+    def _applied(self, base: UploadBase, into: Mapping[str, torch.Tensor], payload: Payload) -> torch.Tensor:
         """A payload applied to the held model (a block taken verbatim: what the peer reconstructs) or to the global
-        model (an averaged tensor); ValueError naming a tensor the base lacks or that is not finite once applied."""
+        model (an averaged tensor), into the upload's kept buffer for it (no fresh memory); ValueError naming a
+        tensor the base lacks or that is not finite once applied."""
         assert base.served is not None  # the decoder refuses every payload when no round has completed
         model = base.served.tensors if payload.name in base.verbatim else base.global_model
         if payload.name not in model:
             raise ValueError(f"tensor {payload.name!r}: a delta against a model that does not hold it")
-        value = apply_delta(model[payload.name], payload, self.quantizer)
+        value = apply_delta(model[payload.name], payload, self.quantizer, into.get(payload.name))
         if not finite(value):
             raise ValueError(
                 f"tensor {payload.name!r} holds NaN or Inf values once its {self.quantizer.name} delta is applied: "

@@ -178,6 +178,9 @@ class Int8:
         assert isinstance(payload, Int8Payload)
         return dequantize(payload)
 
+    def delta(self, payload: Payload) -> torch.Tensor:
+        return self.decode(payload)
+
     def round_bytes(self, numel: int) -> int:
         return payload_bytes(numel, self.block)
 

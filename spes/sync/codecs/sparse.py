@@ -21,6 +21,7 @@ indices); the server's deltas (`down_topk` 256, `down_bits` 8) are 1.26 bits per
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spes.sync.codecs.base import Payload
+from spes.sync.codecs.base import Payload, Scattered
 from spes.sync.protocol import Shape
 
 NAME = "sparse"
@@ -133,13 +134,25 @@ class SparsePayload:
             raise ValueError(f"tensor {self.name!r}: sparse payload needs {entries} indices and levels")
         if self.scales.numel() and not bool((torch.isfinite(self.scales) & (self.scales >= 0)).all()):
             raise ValueError(f"tensor {self.name!r}: sparse payload has a negative, NaN or Inf scale")
-        per = min(self.topk, self.chunk)
         limits = torch.full((entries,), self.chunk, dtype=torch.int64)
-        limits[whole * per :] = tail
-        rows = torch.arange(entries) // per
-        order = self.indices + rows * (self.chunk + 1)  # strictly increasing overall iff so within each chunk
-        if entries and (bool((self.indices >= limits).any()) or bool((order[1:] <= order[:-1]).any())):
+        limits[whole * min(self.topk, self.chunk) :] = tail
+        # NOTE: with every index inside its chunk, positions increase strictly iff indices do within each chunk
+        if entries and (
+            bool(((self.indices < 0) | (self.indices >= limits)).any())
+            or bool((self.positions[1:] <= self.positions[:-1]).any())
+        ):
             raise ValueError(f"tensor {self.name!r}: sparse payload has an index outside its chunk or out of order")
+
+    @functools.cached_property
+    def chunk_of(self) -> torch.Tensor:
+        """The chunk of each sent entry (int64): entry e of a chunk sending `per` = min(topk, chunk) is in chunk
+        e // per (the last, shorter chunk sends at most `per` too)."""
+        return torch.arange(self.indices.numel()) // min(self.topk, self.chunk)
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Each sent entry's position in the flattened tensor: chunk * `chunk` + its index in the chunk."""
+        return self.indices + self.chunk_of * self.chunk
 
     @property
     def codec(self) -> str:
@@ -182,11 +195,11 @@ def _scale_and_levels(selected: torch.Tensor, bits: int) -> tuple[torch.Tensor, 
 
 
 def _values(scale: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """The values `levels` stand for in rows of one scale each (`_scale_and_levels`' inverse, fp32)."""
+    """The values `levels` stand for, each with its own chunk's `scale` (`_scale_and_levels`' inverse, fp32)."""
     top = _levels(bits) - 1
     if bits == 1:
-        return (2 * levels - 1).to(torch.float32) * scale[:, None]
-    return (2 * levels - top).to(torch.float32) * scale[:, None] / top
+        return (2 * levels - 1).to(torch.float32) * scale
+    return (2 * levels - top).to(torch.float32) * scale / top
 
 
 def _rows(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
@@ -232,17 +245,17 @@ def quantize(name: str, x: torch.Tensor, chunk: int, topk: int, bits: int) -> Sp
     )
 
 
+def scattered(payload: SparsePayload) -> Scattered:
+    """The delta a payload stands for as its sent entries: each one's level value at its position."""
+    scale = payload.scales[payload.chunk_of]
+    return Scattered(payload.positions, _values(scale, payload.levels, payload.bits))
+
+
 def dequantize(payload: SparsePayload) -> torch.Tensor:
     """The dense fp32 delta a payload stands for: each sent entry's level value at its index, zeros elsewhere."""
+    sent = scattered(payload)
     out = torch.zeros(math.prod(payload.shape), dtype=torch.float32)
-    entries = chunks = 0
-    for rows in _rows(out, payload.chunk):  # NOTE: views of `out`, filled in place
-        count, k = rows.shape[0], min(payload.topk, rows.shape[1])
-        index = payload.indices[entries : entries + count * k].view(count, k)
-        level = payload.levels[entries : entries + count * k].view(count, k)
-        rows.scatter_(1, index, _values(payload.scales[chunks : chunks + count], level, payload.bits))
-        entries, chunks = entries + count * k, chunks + count
-    return out.view(payload.shape)
+    return out.index_copy_(0, sent.positions, sent.values).view(payload.shape)
 
 
 @dataclass(frozen=True)
@@ -302,6 +315,10 @@ class Sparse:
     def decode(self, payload: Payload) -> torch.Tensor:
         assert isinstance(payload, SparsePayload)
         return dequantize(payload)
+
+    def delta(self, payload: Payload) -> Scattered:
+        assert isinstance(payload, SparsePayload)
+        return scattered(payload)
 
     def round_bytes(self, numel: int) -> int:
         return payload_bytes(numel, self.chunk, self.topk, self.bits)
