@@ -8,8 +8,9 @@
 A round's codec work, SPES peer 0 of the run spec the server builds from the config (a plain round, no merge), all
 of it as the round does it (`spes.sync.codecs.held`):
   - the peer: encode every tensor it trains against its held model with its carried error (`encode_delta`: the
-    payload and the new error, and the reconstruction of the blocks it owns; `pack`), and apply every tensor it downloads to its held model
-    (`unpack` + `apply_delta`: blocks relayed from their owners in the peers' format, the rest in the server's);
+    payload and the new error, and the reconstruction of the blocks it owns; `pack`), and apply every tensor it
+    downloads to its held model (`unpack` + `apply_delta`: blocks relayed from their owners in the peers' format,
+    the rest in the server's);
   - the server: apply every peer's upload, and encode every tensor it re-encodes (the shared tensors, once) in its
     format (`quantizer.down`, no carried error).
 Each distinct tensor shape is timed once on a random delta (the work depends on the shape alone) and weighted by

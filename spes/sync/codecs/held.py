@@ -23,8 +23,9 @@ round it is of. The server keeps its global model G in full precision beside it.
    their upload left out is `theta - H` at its next upload (their carried error stays as it was, see `receive`).
 
 Sender and receiver call the same `apply_delta` (an elementwise add of the decoded fp32 delta, never a fused form; a
-sparse codec's delta added at the positions it sent, `spes.sync.codecs.base.Scattered`), so they agree bit for bit. With error feedback, the reconstructed deltas of a tensor sum over rounds to the true
-ones plus the first carried error minus the last: the drift stays within one round's quantization error.
+sparse codec's delta added at the positions it sent, `spes.sync.codecs.base.Scattered`), so they agree bit for bit.
+With error feedback, the reconstructed deltas of a tensor sum over rounds to the true ones plus the first carried
+error minus the last: the drift stays within one round's quantization error.
 """
 
 from __future__ import annotations
