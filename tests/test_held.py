@@ -391,6 +391,14 @@ def test_an_upload_is_refused_when_it_is_not_finite_naming_the_tensor() -> None:
             holding(previous.tensors, 10).upload({"w": big}, own=[]),
             server.upload_decoder({"w": SHAPE}, {}, UploadBase(previous, {"w": big}, [])),
         ).finish()
+    sparse = Sparse(chunk=64, topk=8)  # only the sent entries overflow: those are the ones checked
+    peer = HeldPeer(sparse)
+    peer.load_state_dict({"codec": "sparse", "round": "10"}, {"held/w": previous.tensors["w"]})
+    with pytest.raises(ValueError, match=want.replace("int8", "sparse")):
+        through(
+            peer.upload({"w": big}, own=[]),
+            HeldServer(sparse).upload_decoder({"w": SHAPE}, {}, UploadBase(previous, {"w": big}, [])),
+        ).finish()
 
 
 def test_the_server_applies_each_payload_as_it_arrives_and_refuses_one_its_base_lacks() -> None:

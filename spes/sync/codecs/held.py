@@ -82,6 +82,12 @@ def _add(out: torch.Tensor, delta: Delta, sign: int) -> torch.Tensor:
     return out.add_(delta.to(out.device), alpha=sign)
 
 
+def changed(value: torch.Tensor, delta: Delta) -> torch.Tensor:
+    """The entries of `value` (a base plus `delta`) that the delta may have changed: all of them, or a `Scattered`
+    delta's positions. A check of those for NaN and Inf covers the whole of a finite base's result."""
+    return value.view(-1)[delta.positions.to(value.device)] if isinstance(delta, Scattered) else value
+
+
 @dataclass(frozen=True)
 class EncodedDelta:
     """What `encode_delta` returns: the payload to send and what both ends make of it."""
@@ -350,13 +356,14 @@ class HeldServer:
     def _applied(self, base: UploadBase, into: Mapping[str, torch.Tensor], payload: Payload) -> torch.Tensor:
         """A payload applied to the held model (a block taken verbatim: what the peer reconstructs) or to the global
         model (an averaged tensor), into the upload's kept buffer for it (no fresh memory); ValueError naming a
-        tensor the base lacks or that is not finite once applied."""
+        tensor the base lacks or that is not finite once applied (both models are finite: a round is published
+        only so, so the entries the delta changed are checked)."""
         assert base.served is not None  # the decoder refuses every payload when no round has completed
         model = base.served.tensors if payload.name in base.verbatim else base.global_model
         if payload.name not in model:
             raise ValueError(f"tensor {payload.name!r}: a delta against a model that does not hold it")
         value = apply_delta(model[payload.name], payload, self.quantizer, into.get(payload.name))
-        if not finite(value):
+        if not finite(changed(value, self.quantizer.delta(payload))):
             raise ValueError(
                 f"tensor {payload.name!r} holds NaN or Inf values once its {self.quantizer.name} delta is applied: "
                 "this peer's training diverged"
