@@ -210,12 +210,21 @@ def holding(model: dict[str, torch.Tensor], step: int) -> HeldPeer:
     return peer
 
 
-def download(peer: HeldPeer, server: HeldServer, served: Served, names: list[str], *, full: bool = False) -> dict:
-    """`names` of the round `served` as the server selects them for `peer`, through the wire; what it loads."""
+def download(
+    peer: HeldPeer,
+    server: HeldServer,
+    served: Served,
+    names: list[str],
+    *,
+    full: bool = False,
+    into: dict | None = None,
+) -> dict:
+    """`names` of the round `served` as the server selects them for `peer`, through the wire (into a client's kept
+    buffers `into`, if given); what it loads."""
     selection = server.select(served, full=full, base_round=peer.base_round)
     info = pb.RoundInfo(round=served.round, names=names, base_round=selection.base_round)
     assert peer.whole(info) == (selection.base_round == NO_BASE)
-    decoder = peer.decoder({n: SHAPE for n in names}, None)
+    decoder = peer.decoder({n: SHAPE for n in names}, into)
     return peer.receive(info, through({n: selection.items[n] for n in names}, decoder), caught_up=full)
 
 
@@ -434,6 +443,34 @@ def test_full_values_are_received_into_the_servers_kept_buffers() -> None:
 
 
 @pytest.mark.parametrize("quantizer", [QUANTIZER, Sparse(chunk=64, topk=8)], ids=["int8", "sparse"])
+def test_a_peer_keeping_its_buffers_applies_a_download_into_the_tensors_the_last_round_replaced(
+    quantizer: Quantizer,
+) -> None:
+    """With kept buffers (the trainer's client) a round's deltas land in the held tensors the round before replaced,
+    which nothing reads any more, and make the same held model bit for bit as fresh memory does; the last round's
+    result, the held model until this one commits, is untouched."""
+    gen = torch.Generator().manual_seed(8)
+    model = {"w": torch.randn(SHAPE, generator=gen)}
+    server = HeldServer(quantizer)
+    peers = []
+    for _ in range(2):
+        peer = HeldPeer(quantizer)
+        peer.load_state_dict({"codec": quantizer.name, "round": "10"}, {"held/w": model["w"].clone()})
+        peers.append(peer)
+    reusing, fresh = peers
+    served, held_10 = Served(10, {"w": model["w"].clone()}), reusing.held["w"]
+    got = {}
+    for step in (20, 30):
+        served = server.serve(step, {"w": torch.randn(SHAPE, generator=gen)}, served, ["w"], {})
+        last = reusing.held["w"].clone()
+        got[step] = download(reusing, server, served, ["w"], into={})["w"]
+        want = download(fresh, server, served, ["w"])["w"]
+        assert torch.equal(got[step].view(torch.int32), want.view(torch.int32))
+        assert torch.equal(got.get(step - 10, held_10), last)  # the last round's result, untouched
+    assert got[20] is not held_10 and got[30] is held_10  # round 20 replaced round 10's tensor; round 30 reused it
+
+
+@pytest.mark.parametrize("quantizer", [QUANTIZER, Sparse(chunk=64, topk=8)], ids=["int8", "sparse"])
 def test_payloads_are_applied_into_the_servers_kept_buffers(quantizer: Quantizer) -> None:
     """An applied payload lands in the buffer the server keeps for that tensor from round to round (fresh memory
     costs a page fault per page), holding exactly what the peer reconstructs."""
@@ -472,7 +509,8 @@ def held_run(
     init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
     with (
         running_server(spec, data_port=0 if plane == "tcp" else -1) as (server, addr),
-        joined_clients(addr, spec, data_plane=plane) as clients,
+        # NOTE: peer 0 keeps its buffers (as the trainer's client does), peer 1 does not
+        joined_clients(addr, spec, data_plane=plane, per_peer=lambda p: {"reuse_buffers": p == 0}) as clients,
     ):
         yield spec, init, server, clients
 

@@ -202,6 +202,10 @@ class HeldPeer:
         """The upload in flight, of each item made so far: its carried error, and the reconstructions of the tensors
         it may not download."""
         self._upload: LazyUpload | None = None
+        self._spare: Tensors = {}
+        """The held tensors the last `receive` replaced: a download into kept buffers (`SyncClient`'s
+        `reuse_buffers`, whose caller copies a round's result out before the next) applies into them, so a round
+        faults in no fresh memory. Nothing else reads them: the held model is a new dict of other tensors."""
 
     @property
     def base_round(self) -> int:
@@ -253,18 +257,27 @@ class HeldPeer:
 
     def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:
         """Payloads against the held model, each applied to it as it arrives (the work overlaps the rest of the
-        download; the held model itself changes only in `receive`), or full values into fresh tensors (they become
-        the held model)."""
+        download; the held model itself changes only in `receive`), into the tensors the last round replaced when
+        the client keeps its buffers (`into`); or full values into fresh tensors (they become the held model)."""
+        spare = self._spare if into is not None else {}
         return TensorDecoder(
-            expected, VALUES_DTYPE, coded=self.quantizer, base_round=self.base_round, apply=self._applied
+            expected,
+            VALUES_DTYPE,
+            coded=self.quantizer,
+            base_round=self.base_round,
+            apply=partial(self._applied, spare),
         )
 
-    def _applied(self, payload: Payload) -> torch.Tensor:
-        """What the held model becomes with `payload` (ValueError for a tensor it does not hold)."""
+    def _applied(self, spare: Tensors, payload: Payload) -> torch.Tensor:
+        """What the held model becomes with `payload`, in its spare tensor when there is one (ValueError for a tensor
+        it does not hold)."""
         base = self.held.get(payload.name)
         if base is None:
             raise ValueError(f"tensor {payload.name!r}: a delta against a held model that does not hold it")
-        return apply_delta(base, payload, self.quantizer)
+        out = spare.get(payload.name)
+        if out is not None and (out.shape, out.dtype, out.device) != (base.shape, torch.float32, base.device):
+            out = None
+        return apply_delta(base, payload, self.quantizer, out)
 
     def whole(self, info: pb.RoundInfo) -> bool:
         if info.base_round != NO_BASE and info.base_round != self.base_round:
@@ -298,6 +311,8 @@ class HeldPeer:
             relayed = {n: t for n, t in self._pending[1].items() if n not in served}
             held = {**self.held, **relayed, **served}
         errors = {n: e for n, e in self._pending[0].items() if n not in relayed}
+        kept = {id(t) for t in held.values()}
+        self._spare = {n: t for n, t in self.held.items() if id(t) not in kept}
         self.held, self.round = held, info.round
         self.carried = {} if caught_up else {**self.carried, **errors}
         self._pending, self._upload = ({}, {}), None
@@ -306,7 +321,7 @@ class HeldPeer:
     def forget(self) -> bool:
         """Drop the held model and the carried error: the next upload is full values."""
         had = self.round is not None
-        self.held, self.round, self.carried = {}, None, {}
+        self.held, self.round, self.carried, self._spare = {}, None, {}, {}
         self._pending, self._upload = ({}, {}), None
         return had
 
@@ -325,7 +340,7 @@ class HeldPeer:
             return
         if metadata.get("codec") != self.quantizer.name:
             raise ValueError(f"codec state of {metadata.get('codec')!r}, this run's codec is {self.quantizer.name!r}")
-        self.round = int(metadata["round"])
+        self.round, self._spare = int(metadata["round"]), {}
         self.held = {n.removeprefix("held/"): t for n, t in tensors.items() if n.startswith("held/")}
         self.carried = {n.removeprefix("carried/"): t for n, t in tensors.items() if n.startswith("carried/")}
 
