@@ -9,8 +9,8 @@ A round's codec work, SPES peer 0 of the run spec the server builds from the con
 of it as the round does it (`spes.sync.codecs.held`):
   - the peer: encode every tensor it trains against its held model with its carried error (`encode_delta`: the
     payload and the new error, and the reconstruction of the blocks it owns; `pack`), and apply every tensor it
-    downloads to its held model (`unpack` + `apply_delta`: blocks relayed from their owners in the peers' format,
-    the rest in the server's);
+    downloads to its held model (`unpack` + `apply_delta` into kept memory: blocks relayed from their owners in the
+    peers' format, the rest in the server's);
   - the server: apply every peer's upload, and encode every tensor it re-encodes (the shared tensors, once) in its
     format (`quantizer.down`, no carried error).
 Each distinct tensor shape is timed once on a random delta (the work depends on the shape alone) and weighted by
@@ -105,14 +105,15 @@ class ShapeTimer:
         return self._cache[key]
 
     def decode(self, quantizer: Quantizer, shape: Shape) -> float:
-        """`unpack` + `apply_delta` to the held model of a payload of `shape` in `quantizer`'s format."""
+        """`unpack` + `apply_delta` to the held model of a payload of `shape` in `quantizer`'s format, into memory
+        kept from round to round (the server's upload buffers, a trainer's spare held tensors)."""
         key = (quantizer, shape, "decode")
         if key not in self._cache:
             base, value, _ = self._tensors(shape)
             payload = encode_delta(quantizer, "t", value, base).payload
-            data, params = payload.pack(), payload.params()
+            data, params, kept = payload.pack(), payload.params(), torch.empty_like(base)
             self._cache[key] = self._time(
-                lambda: apply_delta(base, quantizer.unpack("t", shape, params, data), quantizer)
+                lambda: apply_delta(base, quantizer.unpack("t", shape, params, data), quantizer, kept)
             )
         return self._cache[key]
 

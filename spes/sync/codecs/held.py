@@ -50,7 +50,7 @@ def apply_delta(
     base: torch.Tensor, payload: Payload, quantizer: Quantizer, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """What a receiver holding `base` reconstructs: base + decode(payload), in fp32, cast to base's dtype; into
-    `out` (fp32, of base's shape) when given, memory a receiver keeps across rounds.
+    `out`, memory a receiver keeps across rounds, when it fits (fp32, base's shape and device, not base itself).
 
     Sender and receiver must both call this (not a fused or reordered form of it) to agree bit for bit:
     an elementwise add is exactly rounded on any device, a fused multiply-add is not the same.
@@ -59,7 +59,12 @@ def apply_delta(
         raise ValueError(
             f"tensor {payload.name!r}: delta of shape {list(payload.shape)} against a base of shape {list(base.shape)}"
         )
-    return _plus(base, quantizer.delta(payload), out)
+    fits = (
+        out is not None
+        and out is not base
+        and (out.shape, out.dtype, out.device) == (base.shape, torch.float32, base.device)
+    )
+    return _plus(base, quantizer.delta(payload), out if fits else None)
 
 
 def _plus(base: torch.Tensor, delta: Delta, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -274,10 +279,7 @@ class HeldPeer:
         base = self.held.get(payload.name)
         if base is None:
             raise ValueError(f"tensor {payload.name!r}: a delta against a held model that does not hold it")
-        out = spare.get(payload.name)
-        if out is not None and (out.shape, out.dtype, out.device) != (base.shape, torch.float32, base.device):
-            out = None
-        return apply_delta(base, payload, self.quantizer, out)
+        return apply_delta(base, payload, self.quantizer, spare.get(payload.name))
 
     def whole(self, info: pb.RoundInfo) -> bool:
         if info.base_round != NO_BASE and info.base_round != self.base_round:
