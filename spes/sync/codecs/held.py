@@ -49,8 +49,9 @@ VALUES_DTYPE = "fp32"
 def apply_delta(
     base: torch.Tensor, payload: Payload, quantizer: Quantizer, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """What a receiver holding `base` reconstructs: base + decode(payload), in fp32, cast to base's dtype; into
-    `out`, memory a receiver keeps across rounds, when it fits (fp32, base's shape and device, not base itself).
+    """What a receiver holding `base` reconstructs: base + decode(payload), in fp32, cast to base's dtype; a delta
+    that brings no memory of its own (`Scattered`) lands in `out`, memory a receiver keeps across rounds, when it
+    fits (fp32, base's shape and device, not base itself).
 
     Sender and receiver must both call this (not a fused or reordered form of it) to agree bit for bit:
     an elementwise add is exactly rounded on any device, a fused multiply-add is not the same.
@@ -68,15 +69,13 @@ def apply_delta(
 
 
 def _plus(base: torch.Tensor, delta: Delta, out: torch.Tensor | None = None) -> torch.Tensor:
-    """base + delta in fp32, cast to base's dtype: a dense delta is summed into itself (which it consumes) or into
-    `out`; a `Scattered` one into a copy of base (in `out`), at its positions only (an entry it does not touch
-    keeps base's bits)."""
+    """base + delta in fp32, cast to base's dtype: a dense delta is summed into itself (which it consumes: it is
+    fresh memory already, and one more tensor to write would cost more); a `Scattered` one into a copy of base, in
+    `out` when given, at its positions only (an entry it does not touch keeps base's bits)."""
     if isinstance(delta, Scattered):
         copy = base.to(torch.float32, copy=True) if out is None else out.copy_(base)
         return _add(copy, delta, 1).to(base.dtype)
-    if out is None:
-        return delta.to(base.device).add_(base.float()).to(base.dtype)
-    return torch.add(delta.to(out.device), base.float(), out=out).to(base.dtype)
+    return delta.to(base.device).add_(base.float()).to(base.dtype)
 
 
 def _add(out: torch.Tensor, delta: Delta, sign: int) -> torch.Tensor:
