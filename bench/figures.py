@@ -752,6 +752,8 @@ def _wan_codec_efficiency(r: Records, name: str) -> str:
 FIGURES["wan.codec_efficiency"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs")
 FIGURES["wan.codec_efficiency_7bb5219"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_7bb5219")
 """Before 2 MiB pages, and before the peers applied each delta as it arrived (the same run at 7bb5219)."""
+FIGURES["wan.codec_efficiency_ab1e2d9"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_ab1e2d9")
+"""The same run half an hour earlier, at ab1e2d9 (int8's deltas then applied into kept memory, since undone)."""
 FIGURES["wan.codec_efficiency_a319b1b"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_a319b1b")
 """Before the uploads were encoded while sent and applied by the server as they arrived (the same run at a319b1b)."""
 
@@ -775,21 +777,35 @@ def _wan_sparse_cpu_bound(r: Records) -> str:
     )
 
 
+def _wan_runs(r: Records, names: Sequence[str], wire: str, speed: float) -> str:
+    """One wire at one speed in link records made one after the other (at commits A and B, in the order ABBA): its
+    efficiency in each, with the commit that ran it."""
+    records = [r(name) for name in names]
+    if {x["machine"]["cpus"] for x in records} != {2} or {x["rounds"] for x in records} != {records[0]["rounds"]}:
+        raise ValueError(f"{', '.join(names)}: the runs must be of one machine shape and as many rounds")
+    found = [(x["commit"][:7], m) for x in records for m in x["measurements"] if m["peer_mbit"] == speed]
+    if len(found) != len(records) or {m["wire"] for _, m in found} != {wire}:
+        raise ValueError(f"{', '.join(names)}: each run must measure {wire} at {link(speed)} once")
+    runs = ", ".join(f"{m['efficiency']:.0%} at {commit}" for commit, m in found)
+    return f"{wire} at {link(speed)} (1/{found[0][1]['scale']}): {runs}"
+
+
 @fig("wan.pipelining_ab")
 def _wan_pipelining_ab(r: Records) -> str:
     """The same link measurement at the commit before the uploads were pipelined and after, in the order the runs
     were made (`wan_ab_<wire>_<n>` records, each of one wire at one speed, on one machine)."""
-    parts = []
-    for wire, runs in (("int8", 4), ("sparse", 4)):
-        records = [r(f"wan_ab_{wire}_{n}") for n in range(1, runs + 1)]
-        speeds = {m["peer_mbit"] for x in records for m in x["measurements"]}
-        speed = min(speeds)
-        if {x["machine"]["cpus"] for x in records} != {2} or {x["rounds"] for x in records} != {records[0]["rounds"]}:
-            raise ValueError(f"wan_ab_{wire}: the runs must be of one machine shape and as many rounds")
-        found = [(x["commit"][:7], m) for x in records for m in x["measurements"] if m["peer_mbit"] == speed]
-        runs_text = ", ".join(f"{m['efficiency']:.0%} at {commit}" for commit, m in found)
-        parts.append(f"{wire} at {link(speed)} (1/{found[0][1]['scale']}): {runs_text}")
-    return "; ".join(parts)
+    return "; ".join(
+        _wan_runs(r, [f"wan_ab_{wire}_{n}" for n in range(1, 5)], wire, speed)
+        for wire, speed in (("int8", 1000.0), ("sparse", 100.0))
+    )
+
+
+@fig("wan.sparse_apply_ab")
+def _wan_sparse_apply_ab(r: Records) -> str:
+    """The sparse link runs before and after its deltas were applied at the positions they sent (and the server
+    applied uploads into its kept buffers), in the order they were run: 95eb62a, 742001e twice, 95eb62a."""
+    names = ["wan_sparse_A1", "wan_ab_sparse_c1", "wan_ab_sparse_c2", "wan_ab_sparse_a2"]
+    return "; ".join(_wan_runs(r, names, "sparse", speed) for speed in (100.0, 20.0))
 
 
 @fig("overlap.whole_ratio")
