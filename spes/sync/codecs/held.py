@@ -56,6 +56,11 @@ def apply_delta(
     Sender and receiver must both call this (not a fused or reordered form of it) to agree bit for bit:
     an elementwise add is exactly rounded on any device, a fused multiply-add is not the same.
     """
+    return _apply(base, payload, quantizer.delta(payload), out)
+
+
+def _apply(base: torch.Tensor, payload: Payload, delta: Delta, out: torch.Tensor | None) -> torch.Tensor:
+    """`apply_delta` of a payload whose `delta` its quantizer already made (a caller that reads it again)."""
     if tuple(base.shape) != tuple(payload.shape):
         raise ValueError(
             f"tensor {payload.name!r}: delta of shape {list(payload.shape)} against a base of shape {list(base.shape)}"
@@ -65,7 +70,7 @@ def apply_delta(
         and out is not base
         and (out.shape, out.dtype, out.device) == (base.shape, torch.float32, base.device)
     )
-    return _plus(base, quantizer.delta(payload), out if fits else None)
+    return _plus(base, delta, out if fits else None)
 
 
 def _plus(base: torch.Tensor, delta: Delta, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,8 +213,8 @@ class HeldPeer:
         self._upload: LazyUpload | None = None
         self._spare: Tensors = {}
         """The held tensors the last `receive` replaced: a download into kept buffers (`SyncClient`'s
-        `reuse_buffers`, whose caller copies a round's result out before the next) applies into them, so a round
-        faults in no fresh memory. Nothing else reads them: the held model is a new dict of other tensors."""
+        `reuse_buffers`, whose caller copies a round's result out before the next) applies its sparse deltas into
+        them, so they fault in no fresh memory. Nothing else reads them: the held model is a new dict of others."""
 
     @property
     def base_round(self) -> int:
@@ -378,8 +383,9 @@ class HeldServer:
         model = base.served.tensors if payload.name in base.verbatim else base.global_model
         if payload.name not in model:
             raise ValueError(f"tensor {payload.name!r}: a delta against a model that does not hold it")
-        value = apply_delta(model[payload.name], payload, self.quantizer, into.get(payload.name))
-        if not finite(changed(value, self.quantizer.delta(payload))):
+        delta = self.quantizer.delta(payload)
+        value = _apply(model[payload.name], payload, delta, into.get(payload.name))
+        if not finite(changed(value, delta)):
             raise ValueError(
                 f"tensor {payload.name!r} holds NaN or Inf values once its {self.quantizer.name} delta is applied: "
                 "this peer's training diverged"
