@@ -28,6 +28,7 @@ torchrun); with one, the record says they did not.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import hashlib
 import importlib.util
@@ -348,7 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget_s", type=float, default=420.0, help="start no variant after this many seconds")
     p.add_argument("--only", default=None, help="comma-separated variant names to run (default: all)")
     p.add_argument("--pytest_junit", type=Path, default=None, help="a `pytest -m gpu --junitxml` file to summarize")
-    p.add_argument("--preflight", action="store_true", help="also record `python -m spes.preflight --gpu`'s output")
+    p.add_argument(
+        "--preflight",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also record `python -m spes.preflight --gpu`'s output",
+    )
     args = p.parse_args(argv)
     device_kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_kind == "cuda" and not torch.cuda.is_available():

@@ -3,6 +3,7 @@
 #
 #   device run: command "bash bench/run_gpu.sh", carry [".whl"], timeout_s 600
 #
+# Arguments go on to bench/bench_gpu.py (a rerun of some variants: --only NAME,NAME --no-preflight).
 # Time: the tests at most 60 s, variants started until 270 s (a compile variant may run ~2 min past it), the
 # preflight at most 90 s: under the 600 s a command may run; a run cut short still leaves the record of every
 # variant finished (status "running").
@@ -41,4 +42,4 @@ timeout "$GPU_TESTS_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-
 echo "pytest -m gpu exit status $? (5: no test is marked gpu; 124: timed out)"
 echo "=== bench_gpu (variants until ${BUDGET_S}s)"
 "$PY" bench/bench_gpu.py --device cuda --budget_s "$BUDGET_S" --pytest_junit "$OUT/gpu_tests.xml" --preflight \
-  --out "$OUT/bench_gpu.json"
+  --out "$OUT/bench_gpu.json" "$@"

@@ -132,8 +132,7 @@ def uses_fsdp(cfg: TrainConfig, info: DistInfo) -> bool:
 
 def parallelize(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> nn.Module:
     """Activation checkpointing, torch.compile per block, then DDP or FSDP2 per block, as the config asks."""
-    apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    apply_compile(model, cfg.compile)
+    apply_checkpointing_and_compile(model, cfg.activation_checkpointing, cfg.compile)
     if info.world_size == 1 or cfg.distributed_strategy in (None, "single"):
         return model
     if cfg.distributed_strategy == "ddp":
@@ -177,40 +176,33 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> nn.Module:
     return model
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str | bool | None) -> None:
-    """Recompute activations in backward: whole blocks, attention and experts separately, or one in N blocks.
+def apply_checkpointing_and_compile(model: nn.Module, mode: str | bool | None, options: dict | bool | None) -> None:
+    """Activation checkpointing (config key `activation_checkpointing`), then `torch.compile` per block (`compile`).
 
-    The module's `forward` is wrapped in place (rather than with `checkpoint_wrapper`), so parameter names,
-    which the sync path and checkpoints rely on, do not change. FSDP2's hooks run in `__call__`, outside
-    the wrapped `forward`, so a block's parameters are gathered before its recomputation.
+    Checkpointing recomputes in backward whole blocks, attention and experts separately (`fine_grained`), or one in
+    N blocks. The module's `forward` is wrapped in place (rather than with `checkpoint_wrapper`), so parameter
+    names, which the sync path and checkpoints rely on, do not change; FSDP2's hooks run in `__call__`, outside the
+    wrapped `forward`, so a block's parameters are gathered before its recomputation.
+
+    Compile goes per block, as torchtitan does: one block's graph is compiled once and reused by every layer, and
+    the MoE's data-dependent routing breaks only the graph it lives in. A recomputed module is compiled inside its
+    checkpoint, `checkpoint(torch.compile(forward))`, rather than traced through it: Inductor (torch 2.11, CUDA)
+    failed on a block graph holding the checkpoint and the MoE's graph break (bench/results/bench_gpu.json).
+    `compile` null/false keeps eager mode; true uses torch's defaults; a mapping passes `mode`, `fullgraph`,
+    `dynamic`, `backend` on (OLMo's `compile:` section).
     """
-    if not mode:
-        return
+    kwargs = compile_kwargs(options)
     every = {"one_in_two": 2, "one_in_four": 4}.get(str(mode), 1)
     for i, block in enumerate(model.blocks):  # type: ignore[arg-type]  # torch types a submodule as Tensor | Module
-        if i % every:
-            continue
-        for module in (block.attn, block.ffn) if mode == "fine_grained" else (block,):
-            module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+        recomputed = [] if not mode or i % every else [block.attn, block.ffn] if mode == "fine_grained" else [block]
+        for module in recomputed:
+            forward = module.forward if kwargs is None else torch.compile(module.forward, **kwargs)
+            module.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+        if kwargs is not None and not recomputed:
+            block.compile(**kwargs)
 
 
 COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend")
-
-
-def apply_compile(model: nn.Module, options: dict | bool | None) -> None:
-    """`torch.compile` each decoder block in place, as torchtitan does (config key `compile`).
-
-    Per block rather than the whole model: one block's graph is compiled once and reused by every
-    layer, compile time does not grow with depth, and the MoE's data-dependent routing breaks only
-    the graph it lives in. `Module.compile` keeps parameter names, which checkpoints and the sync
-    path rely on. null/false (the default, on every device) keeps eager mode; true uses the defaults;
-    a mapping passes `mode`, `fullgraph`, `dynamic`, `backend` on (OLMo's `compile:` section).
-    """
-    kwargs = compile_kwargs(options)
-    if kwargs is None:
-        return
-    for block in model.blocks:  # type: ignore[union-attr]  # torch types a submodule as Tensor | Module
-        block.compile(**kwargs)
 
 
 def compile_kwargs(options: dict | bool | None) -> dict | None:
