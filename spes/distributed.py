@@ -18,7 +18,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
@@ -187,7 +187,8 @@ def apply_checkpointing_and_compile(model: nn.Module, mode: str | bool | None, o
     Compile goes per block, as torchtitan does: one block's graph is compiled once and reused by every layer, and
     the MoE's data-dependent routing breaks only the graph it lives in. A recomputed module is compiled inside its
     checkpoint, `checkpoint(torch.compile(forward))`, rather than traced through it: Inductor (torch 2.11, CUDA)
-    failed on a block graph holding the checkpoint and the MoE's graph break (bench/results/bench_gpu.json).
+    failed on a block graph holding the checkpoint (bench/results/bench_gpu.json). `fused_loss`'s chunk of the
+    LM head and loss is compiled too.
     `compile` null/false keeps eager mode; true uses torch's defaults; a mapping passes `mode`, `fullgraph`,
     `dynamic`, `backend` on (OLMo's `compile:` section).
     """
@@ -200,6 +201,9 @@ def apply_checkpointing_and_compile(model: nn.Module, mode: str | bool | None, o
             module.forward = functools.partial(checkpoint, forward, use_reentrant=False)
         if kwargs is not None and not recomputed:
             block.compile(**kwargs)
+    if kwargs is not None:  # `fused_loss`'s head: its chunks' loss in a pass or two over the bf16 logits
+        chunk_fn: Callable = model.chunk_loss_sums  # type: ignore[assignment]  # torch types it Tensor | Module
+        model.chunk_loss_sums = torch.compile(chunk_fn, **kwargs)  # type: ignore[assignment]  # and so here
 
 
 COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend")

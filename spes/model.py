@@ -13,6 +13,7 @@ Shape legend: B batch, S sequence, D d_model, H heads, G kv heads, Hd head size,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,8 +161,23 @@ class ModelOutput:
     logit_z_sum: torch.Tensor | None = None  # given the labels and `logit_z`: logsumexp(logits)^2, summed alike
 
 
+def chunk_loss_sums(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, logit_z: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logit_loss_sums` of one chunk of tokens' logits, the LM head applied here."""
+    return logit_loss_sums(F.linear(h_ND, weight_VD), labels_N, logit_z=logit_z)
+
+
+ChunkLossSums = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
 def head_loss_sums(
-    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, *, logit_z: bool
+    h_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_N: torch.Tensor,
+    *,
+    logit_z: bool,
+    chunk_fn: ChunkLossSums = chunk_loss_sums,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums over the kept labels of the cross entropy and (with `logit_z`) of logsumexp(logits)^2, computing the
     LM head a chunk of tokens at a time and recomputing each chunk's logits in backward (`fused_loss`).
@@ -169,20 +185,15 @@ def head_loss_sums(
     Why: the whole batch's logits, upcast to fp32 for the loss, with the log-softmax and the gradients backward
     keeps, are most of a node's activation memory at a large vocabulary (the 1B config's 151,936 entries: ~7 fp32
     copies, 4.3 MB per token); here only one chunk's exist at a time. Equal to the unchunked loss up to the order
-    of the sums.
+    of the sums. `chunk_fn` computes a chunk: `chunk_loss_sums`, or under `compile` that function compiled (one
+    pass over the bf16 logits for the loss and one for its gradient, no fp32 copy in memory).
     """
     chunk = max(1, LOSS_CHUNK_ELEMENTS // weight_VD.shape[0])
     ce = z = h_ND.new_zeros((), dtype=torch.float32)
     for h, labels in zip(h_ND.split(chunk), labels_N.split(chunk)):
-        ce_c, z_c = checkpoint(_chunk_loss_sums, h, weight_VD, labels, logit_z, use_reentrant=False)
+        ce_c, z_c = checkpoint(chunk_fn, h, weight_VD, labels, logit_z, use_reentrant=False)
         ce, z = ce + ce_c, z + z_c
     return ce, z
-
-
-def _chunk_loss_sums(
-    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, logit_z: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return logit_loss_sums(F.linear(h_ND, weight_VD), labels_N, logit_z=logit_z)
 
 
 def logit_loss_sums(
@@ -240,6 +251,7 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
         self.lm_head = nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
+        self.chunk_loss_sums: ChunkLossSums = chunk_loss_sums  # `fused_loss`'s chunk; compiled under `compile`
         cos, sin = rope_tables(cfg.max_sequence_length, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -317,7 +329,9 @@ class Transformer(nn.Module):
         h = self.norm(x)
         if labels_BS is None:
             return ModelOutput(logits=self.lm_head(h), lb_loss=lb, z_loss=z, tokens_per_expert=torch.stack(counts))
-        ce, logit_z_sum = head_loss_sums(h.flatten(0, 1), self.lm_head.weight, labels_BS.flatten(), logit_z=logit_z)
+        ce, logit_z_sum = head_loss_sums(
+            h.flatten(0, 1), self.lm_head.weight, labels_BS.flatten(), logit_z=logit_z, chunk_fn=self.chunk_loss_sums
+        )
         return ModelOutput(None, lb, z, torch.stack(counts), ce_sum=ce, logit_z_sum=logit_z_sum)
 
 
