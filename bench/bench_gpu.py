@@ -109,11 +109,11 @@ def variants(quick: bool) -> list[Variant]:
     ]
 
 
-def compile_option(on: bool, quick: bool) -> dict | None:
+def compile_option(on: bool, quick: bool) -> dict | bool:
     """The config's `compile` for a variant: static shapes on the GPU (one compile per micro-batch shape, no
     switch to dynamic shapes between variants); on a quick run dynamo's tracing without Inductor (seconds)."""
     if not on:
-        return None
+        return False
     return {"backend": "eager"} if quick else {"dynamic": False}
 
 

@@ -332,6 +332,46 @@ def _gpu_per_sequence(r: Records) -> str:
     return f"{(pb - pa) / (b - a):.1f} GiB"
 
 
+def _gpu_variant(r: Records, record: str, name: str) -> dict:
+    return next(v for v in r(record)["variants"] if v["name"] == name and v["status"] == "ok")
+
+
+def _gpu_ratio(r: Records, record: str, faster: str, slower: str) -> str:
+    """Tokens/s of one variant over another's, both of one run (`record`): never across runs."""
+    a, b = (_gpu_variant(r, record, name)["tokens_per_s"] for name in (faster, slower))
+    return f"{a / b:.2f}x ({a:,.0f} / {b:,.0f} tokens/s)"
+
+
+@fig("gpu.compile_speedup")
+def _gpu_compile_speedup(r: Records) -> str:
+    return _gpu_ratio(r, "bench_gpu_compile", "grouped_mm+compile", "grouped_mm")
+
+
+@fig("gpu.head_speedup")
+def _gpu_head_speedup(r: Records) -> str:
+    return _gpu_ratio(r, "bench_gpu_head", "grouped_mm+fused+compile", "grouped_mm+compile")
+
+
+@fig("gpu.head_memory")
+def _gpu_head_memory(r: Records) -> str:
+    fused = _gpu_variant(r, "bench_gpu_head", "grouped_mm+fused+compile")["peak_memory_bytes"]
+    whole = _gpu_variant(r, "bench_gpu_head", "grouped_mm+compile")["peak_memory_bytes"]
+    return f"{fused / GIB:.1f} GiB against {whole / GIB:.1f} GiB"
+
+
+@fig("gpu.best_mfu")
+def _gpu_best_mfu(r: Records) -> str:
+    v = _gpu_variant(r, "bench_gpu_head", "grouped_mm+fused+compile")
+    return f"{v['mfu']:.1%} ({v['mfu_done']:.1%} of the FLOPs done)"
+
+
+@fig("gpu.same_variant_spread")
+def _gpu_spread(r: Records) -> str:
+    a = _gpu_variant(r, "bench_gpu_compile", "grouped_mm+compile")["tokens_per_s"]
+    b = _gpu_variant(r, "bench_gpu_head", "grouped_mm+compile")["tokens_per_s"]
+    return f"{a:,.0f} and {b:,.0f} tokens/s"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 6. Mini-reproduction (mini_repro, mini_repro_seed7)
 

@@ -69,28 +69,42 @@ def _full(records: Records, name: str) -> dict[str, Any] | None:
     return record if record.get("mode") == "full" else None
 
 
+GPU_RUNS = {
+    "bench_gpu": "every variant, as prepared",
+    "bench_gpu_compile": "the compiled variants again, each recomputed module now compiled inside its checkpoint",
+    "bench_gpu_head": "compiled variants again, `fused_loss`'s chunk of LM head and loss now compiled too",
+}
+"""The GPU runs of the 1B node, oldest first, and what each measured. Figures compare within one run only."""
+
+
+def gpu_runs(records: Records) -> list[tuple[str, dict[str, Any]]]:
+    return [(name, run) for name in GPU_RUNS if (run := _full(records, name)) is not None]
+
+
+def _setting(v: dict[str, Any]) -> str:
+    s = v["settings"]
+    return (
+        f"`moe_backend: {v['moe_backend']}`, micro-batch {s['micro_batch']}"
+        f"{', `fused_loss`' if s['fused_loss'] else ''}{', `compile`' if s['compile'] else ''}"
+        f"{'' if s['checkpointing'] else ', no activation checkpointing'}"
+    )
+
+
 def gpu_settings(records: Records) -> list[dict[str, Any]]:
-    """Every measured 1B node setting on a GPU: the variants of bench_gpu.json and the runs of
-    bench_wan_gpu_steps.json, each with its tokens/s of the config's step, peak GiB and record."""
-    out = []
-    gpu = _full(records, "bench_gpu") or {"variants": [], "machine": {}}
-    for v in gpu["variants"]:
-        if v["status"] == "ok" and v.get("peak_memory_bytes"):
-            s = v["settings"]
-            setting = (
-                f"`moe_backend: {v['moe_backend']}`, micro-batch {s['micro_batch']}"
-                f"{', `fused_loss`' if s['fused_loss'] else ''}{', `compile`' if s['compile'] else ''}"
-                f"{'' if s['checkpointing'] else ', no activation checkpointing'}"
-            )
-            out.append(
-                {
-                    "setting": setting,
+    """Every measured 1B node setting on a GPU, each at its newest measurement: the variants of the GPU runs and
+    the runs of bench_wan_gpu_steps.json, each with its tokens/s of the config's step, peak GiB and record."""
+    newest: dict[str, dict[str, Any]] = {}
+    for name, run in gpu_runs(records):
+        for v in run["variants"]:
+            if v["status"] == "ok" and v.get("peak_memory_bytes"):
+                newest[_setting(v)] = {
+                    "setting": _setting(v),
                     "tokens_per_s": v["tokens_per_s"],
                     "peak_gib": v["peak_memory_bytes"] / GIB,
-                    "record": "bench_gpu.json",
-                    "device": gpu["machine"].get("name", ""),
+                    "record": f"{name}.json",
+                    "device": run["machine"].get("name", ""),
                 }
-            )
+    out = list(newest.values())
     try:
         steps = records("bench_wan_gpu_steps")
     except Missing:
@@ -109,14 +123,13 @@ def gpu_settings(records: Records) -> list[dict[str, Any]]:
     return out
 
 
-def _gpu_variants(gpu: dict[str, Any]) -> list[str]:
+def _gpu_variants(name: str, gpu: dict[str, Any]) -> list[str]:
     m = gpu["machine"]
     lines = [
-        f"The 1B SPES node (`configs/spes_1b/node_0.yaml`, peer 0, amp_bf16) on one {m.get('name', 'GPU')} "
-        f"(torch {m['torch']}, commit {gpu['commit'][:12]}; record `bench/results/bench_gpu.json`, "
-        "`bench/bench_gpu.py`): each variant's step of 256 sequences projected from timed steps of 1 and 4 "
-        "micro-batches; MFU by `tflops_per_token` and, after the slash, by the FLOPs done (frozen experts skip "
-        "their weight gradients).",
+        f"**`{name}.json`**: {GPU_RUNS[name]}. The 1B SPES node (`configs/spes_1b/node_0.yaml`, peer 0, amp_bf16) "
+        f"on one {m.get('name', 'GPU')} (torch {m['torch']}, commit {gpu['commit'][:12]}; `bench/bench_gpu.py`): "
+        "each variant's step of 256 sequences projected from timed steps of 1 and 4 micro-batches; MFU by "
+        "`tflops_per_token` and, after the slash, by the FLOPs done (frozen experts skip their weight gradients).",
         "",
         "| variant | step s | tokens/s | MFU | peak GiB | syncs/step |",
         "|---|---|---|---|---|---|",
@@ -131,26 +144,25 @@ def _gpu_variants(gpu: dict[str, Any]) -> list[str]:
             f"| {v['name']} | {v['step_s']:.2f} | {v['tokens_per_s']:,.0f} | {mfu} | {peak} | "
             f"{v['syncs_per_step']['count']} |"
         )
-    return lines
+    return [*lines, ""]
 
 
 @block("gpu-table")
 def gpu_block(records: Records) -> str:
     """The README's GPU section (markdown), from the records alone."""
-    gpu = _full(records, "bench_gpu")
+    runs = gpu_runs(records)
     lines = []
-    if gpu is None:
+    if not runs:
         lines.append(
             "No GPU benchmark record yet: `bench/results/bench_gpu.json` is written by `bash bench/run_gpu.sh` on a "
             "GPU (issue 29) and this section is rendered from it by `bench/report.py`."
         )
-    else:
-        lines += _gpu_variants(gpu)
+    for name, run in runs:
+        lines += _gpu_variants(name, run)
     lines += [
-        "",
-        f"What to set, by GPU memory: the fastest measured setting whose peak is at most {USABLE:.0%} of the card's "
-        "memory (`spes.preflight`'s margin); `python -m spes.preflight CONFIG` estimates the largest micro-batch "
-        "of any other setting.",
+        f"What to set, by GPU memory: the fastest measured setting (at its newest measurement) whose peak is at most "
+        f"{USABLE:.0%} of the card's memory (`spes.preflight`'s margin); `python -m spes.preflight CONFIG` estimates "
+        "the largest micro-batch of any other setting.",
         "",
     ]
     lines += ["| GPU | setting | tokens/s | peak GiB | measured on |", "|---|---|---|---|---|"]

@@ -446,12 +446,15 @@ class TrainConfig:
     dry_run: bool = _f(False, "build the node (data, model, optimizer, checkpoint) and stop before training")
     no_pre_train_checkpoint: bool = _f(True, "skip the checkpoint at step 0")
     compile: dict | bool | None = _f(
-        None, "torch.compile each decoder block: true, or {mode, fullgraph, dynamic, backend}; null/false: eager"
+        None,
+        "torch.compile each decoder block and fused_loss's head: true, or {mode, fullgraph, dynamic, backend}; "
+        "false: eager; null: {dynamic: false} on a CUDA GPU, eager elsewhere",
     )
     fused_loss: bool | None = _f(
         None,
         "compute the LM head and the loss a chunk of tokens at a time, recomputing each chunk's logits in backward: "
-        "the batch's logits never exist whole (most of the activation memory at a large vocabulary); null = false",
+        "the batch's logits never exist whole (most of the activation memory at a large vocabulary); null: true on "
+        "a CUDA GPU, false elsewhere",
     )
     softmax_auxiliary_loss: bool = _f(False, "add a z-loss on the output logits")
     auxiliary_loss_multiplier: float = _f(1e-4, "weight of the output-logit z-loss")
@@ -673,6 +676,18 @@ class TrainConfig:
         """Where this launch stops: `duration_steps`, capped by `stop_at`."""
         steps = self.duration_steps
         return min(steps, self.stop_at) if self.stop_at is not None else steps
+
+    def on_device(self, kind: str) -> TrainConfig:
+        """This config with the defaults that depend on the device settled: `compile` and `fused_loss` left null
+        mean, on a CUDA GPU, per-block compile with static shapes and the chunked head (the fastest variant of the
+        1B node measured, with the least memory: bench/results/bench_gpu_head.json), and elsewhere eager with whole
+        logits (compiling takes minutes on a CPU; a small vocabulary's logits are cheap)."""
+        cuda = kind == "cuda"
+        return dataclasses.replace(
+            self,
+            compile=({"dynamic": False} if cuda else False) if self.compile is None else self.compile,
+            fused_loss=cuda if self.fused_loss is None else self.fused_loss,
+        )
 
     def owned_experts(self) -> tuple[int, int] | None:
         """The expert range [lo, hi) this node trains, or None when it trains every expert."""

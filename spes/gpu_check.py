@@ -237,7 +237,7 @@ def main(config: str | None, overrides: list[str]) -> int:
         ]
         return subprocess.run(cmd).returncode
     try:
-        cfg, _ = load_config(config or DEFAULT_CONFIG, overrides)
+        cfg = load_config(config or DEFAULT_CONFIG, overrides)[0].on_device("cuda")
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -449,6 +449,7 @@ def check_data(cfg: TrainConfig) -> Check:
 # -- the report ---------------------------------------------------------------------------------------------------
 def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
     devices = find_devices(args.nproc)
+    cfg = cfg.on_device(devices.kind)
     checks = [check_devices(cfg, devices)]
     budget = int(args.memory_budget_gb * GIB) if args.memory_budget_gb is not None else None
     checks.append(check_memory(cfg, devices, budget))

@@ -94,6 +94,7 @@ def build_timed_node(cfg: TrainConfig, device: torch.device) -> Trainer:
     """The node of one process as `spes.train` builds it (model on meta, weights, activation checkpointing and
     compile as configured, AdamW over its trainable parameters) and its trainer, without data or a server.
     `cfg.save_folder` must be a scratch folder (the trainer's metrics log lives there)."""
+    cfg = cfg.on_device(device.type)
     with torch.device("meta"):
         model = Transformer.for_run(cfg, training=True)
     model.to_empty(device=device)

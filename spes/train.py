@@ -276,6 +276,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
 
 def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:
     info = init_distributed(cfg)
+    cfg = cfg.on_device(info.device.type)
     finished = False
     try:
         _train(cfg, info, inert)

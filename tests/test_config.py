@@ -731,3 +731,14 @@ def test_fragments_sync_every_sync_steps_over_f_and_land_that_much_later_by_defa
     s = load_config(CONFIGS / "tiny.yaml", flags)[0].spes_config
     assert (s.round_interval, s.overlap_delay) == (2, 2)
     assert load_config(CONFIGS / "tiny.yaml")[0].spes_config.round_interval == 10
+
+
+def test_compile_and_fused_loss_left_null_are_settled_per_device() -> None:
+    cfg = load_config(CONFIGS / "tiny.yaml")[0]
+    assert cfg.compile is None and cfg.fused_loss is None
+    gpu, cpu = cfg.on_device("cuda"), cfg.on_device("cpu")
+    assert (gpu.compile, gpu.fused_loss) == ({"dynamic": False}, True)
+    assert (cpu.compile, cpu.fused_loss) == (False, False)
+    chosen = load_config(CONFIGS / "tiny.yaml", ["--compile=false", "--fused_loss=false"])[0].on_device("cuda")
+    assert (chosen.compile, chosen.fused_loss) == (False, False)  # a value set is kept
+    assert gpu.on_device("cpu") == gpu  # settled once
