@@ -8,11 +8,13 @@
 The node is `configs/spes_1b/node_0.yaml` as `spes.train` builds it (peer 0, amp_bf16, fine-grained activation
 checkpointing), timed by `spes.speed`, the measurement `python -m spes.preflight --gpu` reports too. Variants
 change one thing at a time from there: `model.moe_backend` (torch, grouped_mm, megablocks when importable),
-`compile` off/on, `fused_loss` off/on, the micro-batch (4, 8, 16), activation checkpointing off.
+`compile` off/on, `fused_loss` off/on, the micro-batch (4, 8, 16), activation checkpointing off; the variant of
+the CUDA defaults runs once more at the end, so the record shows how much one run drifts.
 
 What a variant measures, honestly: a step of the config's 256 sequences takes seconds, so steps of 1 and of 4
-micro-batches of the variant's real shape (micro-batch x 2,048 tokens) are timed (3 each, after one warm-up
-step of 4 that also compiles), and the whole step is projected from the line through them (`spes.speed`):
+micro-batches of the variant's real shape (micro-batch x 2,048 tokens) are timed (5 each, after two warm-up
+steps of 4, the first of which also compiles), and the whole step is projected from the line through their medians
+(`spes.speed`; `timed_spread` says how far apart the timings of 4 were):
 `step_s`, `tokens_per_s`, `mfu` (by `tflops_per_token`) and `mfu_done` (by the FLOPs done: frozen experts skip
 their weight gradients; the share of routed copies on trained experts is read from a forward). The largest
 timed step's own figures are kept beside them (`measured_*`). Peak memory is `torch.cuda.max_memory_allocated`
@@ -87,6 +89,10 @@ class Variant:
         return flags + ([] if self.checkpointing else ["--activation_checkpointing=null"])
 
 
+AGAIN = "grouped_mm+fused+compile again"
+"""The CUDA defaults' variant measured once more at the end: its two figures bound the drift within one run."""
+
+
 def variants(quick: bool) -> list[Variant]:
     """One change at a time from grouped_mm, eager, whole logits, micro-batch 8; cheap ones first."""
     if quick:
@@ -106,6 +112,7 @@ def variants(quick: bool) -> list[Variant]:
         Variant("grouped_mm+fused+compile mb16", "grouped_mm", True, True, 16),
         Variant("grouped_mm+fused+compile mb4", "grouped_mm", True, True, 4),
         Variant("grouped_mm+fused+compile no-ckpt", "grouped_mm", True, True, 8, checkpointing=False),
+        Variant(AGAIN, "grouped_mm", True, True, 8),
     ]
 
 
@@ -256,9 +263,9 @@ def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]
             cfg, _ = load_config(CONFIG, [f"--save_folder={scratch}", *(CUT if quick else []), *v.overrides()])
             cfg = replace(cfg, compile=compile_option(v.compile, quick))
             trainer = speed.build_timed_node(cfg, device)
-            steps = 1 if quick else 3
+            steps = 1 if quick else 5
             batch_of = lambda n: speed.random_batch(cfg, n)  # noqa: E731
-            times = speed.time_steps(trainer, batch_of, micro_batches=MICRO_BATCHES[quick], steps=steps)
+            times = speed.time_steps(trainer, batch_of, micro_batches=MICRO_BATCHES[quick], steps=steps, warmup=2)
             share = speed.trained_expert_share(trainer, speed.random_batch(cfg, v.micro_batch))
             figures = speed.step_figures(cfg, times, device, share)
             profile_batch = speed.random_batch(cfg, 2 * v.micro_batch, seed=1)

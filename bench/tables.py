@@ -7,6 +7,7 @@ missing says "not measured yet (run: ...)" instead (`records.Missing`).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -129,20 +130,23 @@ def _gpu_variants(name: str, gpu: dict[str, Any]) -> list[str]:
         f"**`{name}.json`**: {GPU_RUNS[name]}. The 1B SPES node (`configs/spes_1b/node_0.yaml`, peer 0, amp_bf16) "
         f"on one {m.get('name', 'GPU')} (torch {m['torch']}, commit {gpu['commit'][:12]}; `bench/bench_gpu.py`): "
         "each variant's step of 256 sequences projected from timed steps of 1 and 4 micro-batches; MFU by "
-        "`tflops_per_token` and, after the slash, by the FLOPs done (frozen experts skip their weight gradients).",
+        "`tflops_per_token` and, after the slash, by the FLOPs done (frozen experts skip their weight gradients); "
+        "spread: (slowest - fastest) / median of the timed steps of 4.",
         "",
-        "| variant | step s | tokens/s | MFU | peak GiB | syncs/step |",
-        "|---|---|---|---|---|---|",
+        "| variant | step s | tokens/s | MFU | peak GiB | syncs/step | spread |",
+        "|---|---|---|---|---|---|---|",
     ]
     for v in gpu["variants"]:
         if v["status"] != "ok":
-            lines.append(f"| {v['name']} | {v['status']} | | | | |")
+            lines.append(f"| {v['name']} | {v['status']} | | | | | |")
             continue
         mfu = f"{v['mfu']:.1%} / {v['mfu_done']:.1%}" if "mfu" in v else "n/a"
         peak = f"{v['peak_memory_bytes'] / GIB:.1f}" if v.get("peak_memory_bytes") else "n/a"
+        timed = v["timed_steps_s"][str(max(map(int, v["timed_steps_s"])))]
+        spread = (max(timed) - min(timed)) / statistics.median(timed)
         lines.append(
             f"| {v['name']} | {v['step_s']:.2f} | {v['tokens_per_s']:,.0f} | {mfu} | {peak} | "
-            f"{v['syncs_per_step']['count']} |"
+            f"{v['syncs_per_step']['count']} | {spread:.0%} |"
         )
     return [*lines, ""]
 

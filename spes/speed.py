@@ -203,6 +203,7 @@ def step_figures(cfg: TrainConfig, times: StepTimes, device: torch.device, share
     step_s = times.projected_step_s(num_micro)
     largest = max(times.seconds)
     measured_s = statistics.median(times.seconds[largest])
+    spread = (max(times.seconds[largest]) - min(times.seconds[largest])) / measured_s
     tps = tokens / step_s
     flops, done = tflops_per_token(cfg.model) * 1e12, tflops_done_per_token(cfg.model, share) * 1e12
     out: dict[str, Any] = {
@@ -217,6 +218,7 @@ def step_figures(cfg: TrainConfig, times: StepTimes, device: torch.device, share
         "measured_step_s": measured_s,
         "measured_tokens_per_s": largest * mb * cfg.model.max_sequence_length / measured_s,
         "timed_steps_s": {str(m): s for m, s in times.seconds.items()},
+        "timed_spread": spread,  # (slowest - fastest) / median of the largest steps: how far one timing is to trust
         "warmup_s": times.warmup_seconds,
         "tflops_per_token": flops / 1e12,
         "trained_expert_share": share,

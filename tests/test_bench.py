@@ -691,7 +691,7 @@ def test_report_renders_the_gpu_section_from_the_records(tmp_path: Path) -> None
         return {
             "name": name, "status": "ok", "settings": settings, "moe_backend": "grouped_mm", "step_s": 3.0,
             "tokens_per_s": tps, "mfu": 0.3, "mfu_done": 0.27, "peak_memory_bytes": gib * 2**30,
-            "syncs_per_step": {"count": 1},
+            "syncs_per_step": {"count": 1}, "timed_steps_s": {"1": [1.0], "4": [1.0, 1.1, 1.2]},
         }  # fmt: skip
 
     record = {
@@ -701,9 +701,15 @@ def test_report_renders_the_gpu_section_from_the_records(tmp_path: Path) -> None
     }  # fmt: skip
     (tmp_path / "bench_gpu.json").write_text(json.dumps(record))
     section = gpu_section(tmp_path)
-    assert "| mb8 | 3.00 | 180,000 | 30.0% / 27.0% | 35.0 | 1 |" in section and "| mb16 | oom |" in section
+    assert "| mb8 | 3.00 | 180,000 | 30.0% / 27.0% | 35.0 | 1 | 18% |" in section and "| mb16 | oom |" in section
     assert "| 80 GB (A100 / H100 80GB) | `moe_backend: grouped_mm`, micro-batch 8, `fused_loss` | 180,000 |" in section
     assert "| 24 GB (RTX 4090, L4) | `moe_backend: grouped_mm`, micro-batch 4, `fused_loss` | 150,000 |" in section
+    later = {**record, "variants": [variant("mb8 again", 8, 120_000.0, 35.0)]}  # a later run: its figure counts
+    (tmp_path / "bench_gpu_head.json").write_text(json.dumps(later))
+    section = gpu_section(tmp_path)
+    assert "**`bench_gpu.json`**" in section and "**`bench_gpu_head.json`**" in section
+    assert "micro-batch 8, `fused_loss` | 180,000 |" not in section
+    assert "| 80 GB (A100 / H100 80GB) | `moe_backend: grouped_mm`, micro-batch 4, `fused_loss` | 150,000 |" in section
 
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- gpu-table:start -->\nold\n<!-- gpu-table:end -->\nrest\n")
