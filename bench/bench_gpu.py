@@ -8,8 +8,9 @@
 The node is `configs/spes_1b/node_0.yaml` as `spes.train` builds it (peer 0, amp_bf16, fine-grained activation
 checkpointing), timed by `spes.speed`, the measurement `python -m spes.preflight --gpu` reports too. Variants
 change one thing at a time from there: `model.moe_backend` (torch, grouped_mm, megablocks when importable),
-`compile` off/on, `fused_loss` off/on, the micro-batch (4, 8, 16), activation checkpointing off; the variant of
-the CUDA defaults runs once more at the end, so the record shows how much one run drifts.
+`compile` off/on, `fused_loss` off/on, the micro-batch (4, 8, 16), activation checkpointing off, larger chunks
+of `fused_loss`'s head (`spes.model.LOSS_CHUNK_ELEMENTS`, set for the variant); the variant of
+the CUDA defaults runs once more after those, so the record shows how much one run drifts.
 
 What a variant measures, honestly: a step of the config's 256 sequences takes seconds, so steps of 1 and of 4
 micro-batches of the variant's real shape (micro-batch x 2,048 tokens) are timed (5 each, after two warm-up
@@ -31,6 +32,7 @@ torchrun); with one, the record says they did not.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import importlib.util
@@ -42,12 +44,14 @@ import tempfile
 import time
 import warnings
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import spes.model
 from common import REPO_ROOT, format_table, machine_info, parser
 from spes import speed
 from spes.atomic import write_atomic
@@ -79,6 +83,7 @@ class Variant:
     fused_loss: bool
     micro_batch: int
     checkpointing: bool = True
+    loss_chunk: int | None = None  # `spes.model.LOSS_CHUNK_ELEMENTS` for this variant (no config key sets it)
 
     def overrides(self) -> list[str]:
         flags = [
@@ -90,11 +95,13 @@ class Variant:
 
 
 AGAIN = "grouped_mm+fused+compile again"
-"""The CUDA defaults' variant measured once more at the end: its two figures bound the drift within one run."""
+"""The CUDA defaults' variant measured once more after the open questions: its two figures bound the drift within
+one run."""
 
 
 def variants(quick: bool) -> list[Variant]:
-    """One change at a time from grouped_mm, eager, whole logits, micro-batch 8; cheap ones first."""
+    """One change at a time from the CUDA defaults (grouped_mm, compiled, `fused_loss`, micro-batch 8), the
+    questions open first (a run cut short by its budget keeps those), the defaults again after them."""
     if quick:
         return [
             Variant("torch", "torch", False, False, 4),
@@ -102,17 +109,19 @@ def variants(quick: bool) -> list[Variant]:
             Variant("grouped_mm+fused", "grouped_mm", False, True, 8),
         ]
     return [
-        Variant("torch", "torch", False, False, 8),
-        Variant("grouped_mm", "grouped_mm", False, False, 8),
-        Variant("grouped_mm+fused", "grouped_mm", False, True, 8),
-        Variant("torch+fused", "torch", False, True, 8),
-        Variant("megablocks+fused", "megablocks", False, True, 8),
         Variant("grouped_mm+fused+compile", "grouped_mm", True, True, 8),
+        Variant("grouped_mm+fused+compile chunk x4", "grouped_mm", True, True, 8, loss_chunk=1 << 28),
+        Variant("grouped_mm+fused+compile chunk x16", "grouped_mm", True, True, 8, loss_chunk=1 << 30),
+        Variant("grouped_mm+fused+compile no-ckpt", "grouped_mm", True, True, 8, checkpointing=False),
         Variant("grouped_mm+compile", "grouped_mm", True, False, 8),
+        Variant("grouped_mm+fused", "grouped_mm", False, True, 8),
+        Variant(AGAIN, "grouped_mm", True, True, 8),
         Variant("grouped_mm+fused+compile mb16", "grouped_mm", True, True, 16),
         Variant("grouped_mm+fused+compile mb4", "grouped_mm", True, True, 4),
-        Variant("grouped_mm+fused+compile no-ckpt", "grouped_mm", True, True, 8, checkpointing=False),
-        Variant(AGAIN, "grouped_mm", True, True, 8),
+        Variant("grouped_mm", "grouped_mm", False, False, 8),
+        Variant("torch+fused", "torch", False, True, 8),
+        Variant("torch", "torch", False, False, 8),
+        Variant("megablocks+fused", "megablocks", False, True, 8),
     ]
 
 
@@ -251,6 +260,18 @@ def syncs_per_step(trainer: Trainer, batch: torch.Tensor) -> dict[str, Any]:
     return {"how": "spes.speed.SyncCounter (CPU test double)", "count": len(events), "first": events[:5]}
 
 
+@contextlib.contextmanager
+def loss_chunk(elements: int | None) -> Iterator[None]:
+    """Logits per chunk of `fused_loss`'s head for one variant: compiled, a chunk holds no fp32 copy of its logits,
+    so larger chunks (fewer weight casts, fewer fp32 adds of the head's weight gradient) may fit and win."""
+    kept = spes.model.LOSS_CHUNK_ELEMENTS
+    spes.model.LOSS_CHUNK_ELEMENTS = elements or kept
+    try:
+        yield
+    finally:
+        spes.model.LOSS_CHUNK_ELEMENTS = kept
+
+
 def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]:
     """Build, time, profile and count one variant; out of memory and errors are results too."""
     row: dict[str, Any] = {"name": v.name, "settings": {**v.__dict__, "overrides": v.overrides()}}
@@ -259,13 +280,13 @@ def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]
     started = time.perf_counter()
     trainer = None
     try:
-        with tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
+        with loss_chunk(v.loss_chunk), tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
             cfg, _ = load_config(CONFIG, [f"--save_folder={scratch}", *(CUT if quick else []), *v.overrides()])
             cfg = replace(cfg, compile=compile_option(v.compile, quick))
             trainer = speed.build_timed_node(cfg, device)
-            steps = 1 if quick else 5
             batch_of = lambda n: speed.random_batch(cfg, n)  # noqa: E731
-            times = speed.time_steps(trainer, batch_of, micro_batches=MICRO_BATCHES[quick], steps=steps, warmup=2)
+            repeats = {"steps": 1, "warmup": 1} if quick else {}  # the full run: spes.speed's, as the preflight's
+            times = speed.time_steps(trainer, batch_of, micro_batches=MICRO_BATCHES[quick], **repeats)
             share = speed.trained_expert_share(trainer, speed.random_batch(cfg, v.micro_batch))
             figures = speed.step_figures(cfg, times, device, share)
             profile_batch = speed.random_batch(cfg, 2 * v.micro_batch, seed=1)

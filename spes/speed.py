@@ -156,8 +156,8 @@ def time_steps(
     trainer: Trainer,
     batch_of: Callable[[int], torch.Tensor],
     micro_batches: tuple[int, ...] = (1, 4),
-    steps: int = 3,
-    warmup: int = 1,
+    steps: int = 5,
+    warmup: int = 2,
 ) -> StepTimes:
     """Time `steps` steps of each number of `micro_batches` (after `warmup` steps of the largest: first-call
     allocations, AdamW's state, compilation); `batch_of(n)` gives a batch of n sequences."""

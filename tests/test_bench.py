@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import Corpus
 
@@ -646,6 +647,29 @@ def test_bench_gpu_quick_records_every_variant_with_its_profile_and_syncs(tmp_pa
     assert record["gpu_tests"]["tests"] == 3 and record["gpu_tests"]["failed"] == ["tests.test_x::test_b"]
     assert record["megablocks"]["importable"] in (True, False) and record["megablocks"]["why"]
     assert record["preflight_gpu"]["ran"] and "gpu: no CUDA device" in record["preflight_gpu"]["output"]
+
+
+def test_bench_gpu_loss_chunk_variant_sets_the_heads_chunk_for_itself_only(tmp_path: Path) -> None:
+    """A variant's `loss_chunk` is the chunk `fused_loss`'s head uses while it runs (more chunks for a smaller one),
+    and the product's constant is back afterwards."""
+    import bench_gpu
+    import spes.model
+
+    kept = spes.model.LOSS_CHUNK_ELEMENTS
+    h, labels = torch.randn(64, 8), torch.randint(0, 32, (64,))
+    weight = torch.randn(32, 8)
+    calls = []
+
+    def counting(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(1)
+        return spes.model.chunk_loss_sums(*args)  # type: ignore[arg-type]
+
+    with bench_gpu.loss_chunk(32 * 16):  # 16 tokens of 32 logits a chunk
+        spes.model.head_loss_sums(h, weight, labels, logit_z=False, chunk_fn=counting)
+        assert spes.model.LOSS_CHUNK_ELEMENTS == 32 * 16
+    assert len(calls) == 64 // 16 and spes.model.LOSS_CHUNK_ELEMENTS == kept
+    with bench_gpu.loss_chunk(None):
+        assert spes.model.LOSS_CHUNK_ELEMENTS == kept
 
 
 def test_bench_gpu_records_a_failing_variant_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
