@@ -21,6 +21,7 @@ from records import (
     Missing,
     Records,
     codec_losses,
+    default_gpu_step,
     f5_arms,
     link,
     wire_measured,
@@ -357,6 +358,12 @@ def _gpu_head_memory(r: Records) -> str:
     fused = _gpu_variant(r, "bench_gpu_head", "grouped_mm+fused+compile")["peak_memory_bytes"]
     whole = _gpu_variant(r, "bench_gpu_head", "grouped_mm+compile")["peak_memory_bytes"]
     return f"{fused / GIB:.1f} GiB against {whole / GIB:.1f} GiB"
+
+
+@fig("gpu.default_step")
+def _gpu_default_step(r: Records) -> str:
+    step_s, name = default_gpu_step(r)
+    return f"{step_s:.2f} s (`{name}.json`)"
 
 
 @fig("gpu.best_mfu")

@@ -229,3 +229,37 @@ def wire_measured(records: Records) -> dict[str, Any]:
     holds int8's alone, under `paper_1b_int8_measured`)."""
     r = records("bench_wire")
     return r["paper_1b_measured"] if "paper_1b_measured" in r else {"int8": r["paper_1b_int8_measured"]}
+
+
+GPU_RUNS = {
+    "bench_gpu": "every variant, as prepared",
+    "bench_gpu_compile": "the compiled variants again, each recomputed module now compiled inside its checkpoint",
+    "bench_gpu_head": "compiled variants again, `fused_loss`'s chunk of LM head and loss now compiled too",
+}
+"""The GPU runs of the 1B node, oldest first, and what each measured. Figures compare within one run only."""
+
+
+def gpu_runs(records: Records) -> list[tuple[str, dict[str, Any]]]:
+    """The GPU runs committed, oldest first, each with its record (a full run's: not a `--quick` one)."""
+    out = []
+    for name in GPU_RUNS:
+        try:
+            run = records(name)
+        except Missing:
+            continue
+        if run.get("mode") == "full":
+            out.append((name, run))
+    return out
+
+
+CUDA_DEFAULTS = "grouped_mm+fused+compile"
+"""The variant of the node as a config that leaves `compile` and `fused_loss` null builds it on a CUDA GPU."""
+
+
+def default_gpu_step(records: Records) -> tuple[float, str]:
+    """The 1B node's step at its CUDA defaults, in seconds, from the newest GPU run that measured it, and that run."""
+    for name, run in reversed(gpu_runs(records)):
+        for v in run["variants"]:
+            if v["name"] == CUDA_DEFAULTS and v["status"] == "ok":
+                return v["step_s"], name
+    raise Missing(f"no GPU run measured {CUDA_DEFAULTS}")

@@ -17,9 +17,12 @@ from records import (
     DENSE_SPARSE,
     DILOCO_CURVE,
     F5_RECORDS,
+    GPU_RUNS,
     Missing,
     Records,
     codec_losses,
+    default_gpu_step,
+    gpu_runs,
     link,
     not_measured,
     wire_measured,
@@ -60,26 +63,6 @@ GPU_MARKERS = ("<!-- gpu-table:start -->", "<!-- gpu-table:end -->")
 CARDS = (("24 GB", "RTX 4090, L4", 22.0), ("48 GB", "L40S, A6000", 44.4), ("80 GB", "A100 / H100 80GB", 79.1))
 """GPU classes of the advice, with the memory their cards report (GiB; the smallest of the class)."""
 USABLE = 0.9  # NOTE: spes.preflight's USABLE_MEMORY: the rest is allocator slack, CUDA context, fragmentation
-
-
-def _full(records: Records, name: str) -> dict[str, Any] | None:
-    try:
-        record = records(name)
-    except Missing:
-        return None
-    return record if record.get("mode") == "full" else None
-
-
-GPU_RUNS = {
-    "bench_gpu": "every variant, as prepared",
-    "bench_gpu_compile": "the compiled variants again, each recomputed module now compiled inside its checkpoint",
-    "bench_gpu_head": "compiled variants again, `fused_loss`'s chunk of LM head and loss now compiled too",
-}
-"""The GPU runs of the 1B node, oldest first, and what each measured. Figures compare within one run only."""
-
-
-def gpu_runs(records: Records) -> list[tuple[str, dict[str, Any]]]:
-    return [(name, run) for name in GPU_RUNS if (run := _full(records, name)) is not None]
 
 
 def _setting(v: dict[str, Any]) -> str:
@@ -1053,9 +1036,9 @@ IDLE_SYNC_STEPS = (25, 50, 100, 200)
 def idle_codecs_table(records: Records) -> str:
     """The 1B node's share of wall time not training, per link and codec, blocking and overlapped with 5 fragments
     (`common.idle_share`): each codec's 1B round at the efficiency measured for it on the emulated link
-    (bench_wan_codecs), and the step measured on an H200 with `grouped_mm` (bench_wan_gpu_steps)."""
+    (bench_wan_codecs), and the node's step at its CUDA defaults measured on an H200 (`default_gpu_step`)."""
     x = records("bench_wan_codecs")
-    step = next(run for run in records("bench_wan_gpu_steps")["runs"] if run["moe_backend"] == "grouped_mm")
+    step_s, _ = default_gpu_step(records)
     by = {(p["peer_mbit"], p["wire"]): p for p in x["prediction_1b"]}
     efficiency = {(m["peer_mbit"], m["wire"]): m["efficiency"] for m in x["measurements"]}
     rows = []
@@ -1064,7 +1047,7 @@ def idle_codecs_table(records: Records) -> str:
             if (mbit, wire) not in by:
                 continue
             round_s, rtt_s = by[(mbit, wire)]["round_s"], 2 * x["rtt_ms"] / 1000 / efficiency[(mbit, wire)]
-            idle = (idle_share(round_s, step["step_s"], s, fragments, rtt_s) for s in IDLE_SYNC_STEPS)
+            idle = (idle_share(round_s, step_s, s, fragments, rtt_s) for s in IDLE_SYNC_STEPS)
             rows.append([link(mbit), label, f"{round_s:,.0f} s", *(f"{v:.1%}" for v in idle)])
     headers = ["link", "codec and schedule", "1B round", f"`sync_steps` {IDLE_SYNC_STEPS[0]}"]
     return table([*headers, *map(str, IDLE_SYNC_STEPS[1:])], rows)
