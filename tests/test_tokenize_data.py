@@ -166,7 +166,7 @@ def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_killed_cli_run_leaves_nothing_that_looks_complete(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 4000)
     out = tmp_path / "out"
@@ -189,14 +189,14 @@ def test_killed_cli_run_leaves_nothing_that_looks_complete(tokenizer: LoadedToke
         stderr=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # NOTE: the script's imports alone took over 30 s on a loaded 2-core CI host
         while not list(out.glob("*.npy.json")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait()
     shards = sorted(out.glob("*.npy"))
-    assert shards, "the run ended before writing a shard"
+    assert shards, f"no shard written (exit status {proc.returncode}; -9: killed by this test at its deadline)"
     for shard in shards:  # every shard that appeared has its sidecar (written before the rename) and matches it
         assert sidecar_path(shard).is_file(), f"{shard.name} appeared without its sidecar"
         assert read_shard_info(shard).num_tokens == len(np.load(shard, mmap_mode="r"))
