@@ -799,6 +799,8 @@ def _wan_codec_efficiency(r: Records, name: str) -> str:
 FIGURES["wan.codec_efficiency"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs")
 FIGURES["wan.codec_efficiency_7bb5219"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_7bb5219")
 """Before 2 MiB pages, and before the peers applied each delta as it arrived (the same run at 7bb5219)."""
+FIGURES["wan.codec_efficiency_b46ff39"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_b46ff39")
+"""The same run at b46ff39: the server then decoded each int8 payload twice (fixed in 62ab8a6)."""
 FIGURES["wan.codec_efficiency_ab1e2d9"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_ab1e2d9")
 """The same run half an hour earlier, at ab1e2d9 (int8's deltas then applied into kept memory, since undone)."""
 FIGURES["wan.codec_efficiency_a319b1b"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_a319b1b")
