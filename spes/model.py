@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from spes.config import ModelConfig, TrainConfig
 from spes.distributed import is_dtensor
@@ -188,12 +188,61 @@ def head_loss_sums(
     of the sums. `chunk_fn` computes a chunk: `chunk_loss_sums`, or under `compile` that function compiled (one
     pass over the bf16 logits for the loss and one for its gradient, no fp32 copy in memory).
     """
-    chunk = max(1, LOSS_CHUNK_ELEMENTS // weight_VD.shape[0])
-    ce = z = h_ND.new_zeros((), dtype=torch.float32)
-    for h, labels in zip(h_ND.split(chunk), labels_N.split(chunk)):
-        ce_c, z_c = checkpoint(chunk_fn, h, weight_VD, labels, logit_z, use_reentrant=False)
-        ce, z = ce + ce_c, z + z_c
+    ce, z = _ChunkedHeadLoss.apply(h_ND, weight_VD, labels_N, logit_z, chunk_fn)
     return ce, z
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """`head_loss_sums` with a backward of its own: the forward keeps no graph, the backward recomputes one chunk's
+    logits at a time. The weight is cast to the autocast dtype once per pass, not in every chunk (the 1B head's
+    151,936 x 768 weight: a cast per chunk was a tenth of a GPU step), and its gradient is summed over the chunks
+    in fp32, each chunk's gradient rounded as autograd's cast rounded it."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, logit_z: bool, chunk_fn: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        device = h_ND.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.logit_z, ctx.chunk_fn = logit_z, chunk_fn
+        ctx.save_for_backward(h_ND, weight_VD, labels_N)
+        weight = _compute_weight(weight_VD, ctx.autocast)
+        ce = z = h_ND.new_zeros((), dtype=torch.float32)
+        for h, labels in _chunks(h_ND, labels_N, weight_VD.shape[0]):
+            ce_c, z_c = chunk_fn(h, weight, labels, logit_z)
+            ce, z = ce + ce_c, z + z_c
+        return ce, z
+
+    @staticmethod
+    def backward(ctx: Any, grad_ce: torch.Tensor, grad_z: torch.Tensor) -> tuple[Any, ...]:
+        h_ND, weight_VD, labels_N = ctx.saved_tensors
+        device, enabled, dtype = ctx.autocast
+        grad_h = torch.empty_like(h_ND)
+        grad_w = torch.zeros_like(weight_VD, dtype=torch.float32)
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            weight = _compute_weight(weight_VD.detach(), ctx.autocast).requires_grad_()
+            start = 0
+            for h, labels in _chunks(h_ND.detach(), labels_N, weight_VD.shape[0]):
+                h = h.requires_grad_()
+                ce_c, z_c = ctx.chunk_fn(h, weight, labels, ctx.logit_z)
+                outputs, grads = ((ce_c, z_c), (grad_ce, grad_z)) if ctx.logit_z else ((ce_c,), (grad_ce,))
+                g_h, g_w = torch.autograd.grad(outputs, (h, weight), grads)
+                grad_h[start : start + len(h)] = g_h
+                grad_w += g_w
+                start += len(h)
+        return grad_h, grad_w.to(weight_VD.dtype), None, None, None
+
+
+def _compute_weight(weight_VD: torch.Tensor, autocast: tuple[str, bool, torch.dtype]) -> torch.Tensor:
+    """The head's weight in the dtype autocast computes the head in (itself when autocast is off)."""
+    _, enabled, dtype = autocast
+    return weight_VD.to(dtype) if enabled else weight_VD
+
+
+def _chunks(h_ND: torch.Tensor, labels_N: torch.Tensor, vocab: int) -> zip:
+    """The tokens' hidden states and labels, `LOSS_CHUNK_ELEMENTS` logits' worth of tokens at a time."""
+    chunk = max(1, LOSS_CHUNK_ELEMENTS // vocab)
+    return zip(h_ND.split(chunk), labels_N.split(chunk))
 
 
 def logit_loss_sums(
