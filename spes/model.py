@@ -230,6 +230,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad_h[start : start + len(h)] = g_h
                 grad_w += g_w
                 start += len(h)
+                del g_h, g_w  # NOTE: else the last chunk's weight gradient lives on beside the next one's
         return grad_h, grad_w.to(weight_VD.dtype), None, None, None
 
 
