@@ -319,6 +319,16 @@ def _fused_memory(r: Records) -> str:
     return f"{r('bench_fused_loss')['memory_ratio']:.2f}x"
 
 
+@fig("fused.own_backward_ab")
+def _fused_own_backward(r: Records) -> str:
+    before, after = r("bench_fused_loss_c05659f"), r("bench_fused_loss")
+    return (
+        f"memory {before['memory_ratio']:.2f}x -> {after['memory_ratio']:.2f}x, step time "
+        f"{before['step_time_ratio']:.2f}x -> {after['step_time_ratio']:.2f}x of the whole logits' "
+        f"({before['commit'][:7]} -> {after['commit'][:7]}, each ratio within its own run)"
+    )
+
+
 @fig("fused.time_ratio")
 def _fused_time(r: Records) -> str:
     return f"{r('bench_fused_loss')['step_time_ratio']:.2f}x"
