@@ -14,6 +14,7 @@ from typing import Any
 from records import (
     BEFORE_CARRIED_FIX,
     CODEC_SEEDS,
+    CUDA_DEFAULTS,
     DENSE_SPARSE,
     DILOCO_CURVE,
     F5_RECORDS,
@@ -23,6 +24,7 @@ from records import (
     codec_losses,
     default_gpu_step,
     f5_arms,
+    gpu_variant,
     link,
     wire_measured,
 )
@@ -344,7 +346,10 @@ def _gpu_per_sequence(r: Records) -> str:
 
 
 def _gpu_variant(r: Records, record: str, name: str) -> dict:
-    return next(v for v in r(record)["variants"] if v["name"] == name and v["status"] == "ok")
+    v = gpu_variant(r(record), name)
+    if v is None:
+        raise Missing(f"{record}: no finished variant {name!r}")
+    return v
 
 
 def _gpu_ratio(r: Records, record: str, faster: str, slower: str) -> str:
@@ -360,12 +365,12 @@ def _gpu_compile_speedup(r: Records) -> str:
 
 @fig("gpu.head_speedup")
 def _gpu_head_speedup(r: Records) -> str:
-    return _gpu_ratio(r, "bench_gpu_head", "grouped_mm+fused+compile", "grouped_mm+compile")
+    return _gpu_ratio(r, "bench_gpu_head", CUDA_DEFAULTS, "grouped_mm+compile")
 
 
 @fig("gpu.head_memory")
 def _gpu_head_memory(r: Records) -> str:
-    fused = _gpu_variant(r, "bench_gpu_head", "grouped_mm+fused+compile")["peak_memory_bytes"]
+    fused = _gpu_variant(r, "bench_gpu_head", CUDA_DEFAULTS)["peak_memory_bytes"]
     whole = _gpu_variant(r, "bench_gpu_head", "grouped_mm+compile")["peak_memory_bytes"]
     return f"{fused / GIB:.1f} GiB against {whole / GIB:.1f} GiB"
 
@@ -378,7 +383,7 @@ def _gpu_default_step(r: Records) -> str:
 
 @fig("gpu.best_mfu")
 def _gpu_best_mfu(r: Records) -> str:
-    v = _gpu_variant(r, "bench_gpu_head", "grouped_mm+fused+compile")
+    v = _gpu_variant(r, "bench_gpu_head", CUDA_DEFAULTS)
     return f"{v['mfu']:.1%} ({v['mfu_done']:.1%} of the FLOPs done)"
 
 

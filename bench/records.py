@@ -255,10 +255,14 @@ CUDA_DEFAULTS = "grouped_mm+fused+compile"
 """The variant of the node as a config that leaves `compile` and `fused_loss` null builds it on a CUDA GPU."""
 
 
+def gpu_variant(run: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The variant `name` of a GPU run, if it ran to the end there."""
+    return next((v for v in run["variants"] if v["name"] == name and v["status"] == "ok"), None)
+
+
 def default_gpu_step(records: Records) -> tuple[float, str]:
     """The 1B node's step at its CUDA defaults, in seconds, from the newest GPU run that measured it, and that run."""
     for name, run in reversed(gpu_runs(records)):
-        for v in run["variants"]:
-            if v["name"] == CUDA_DEFAULTS and v["status"] == "ok":
-                return v["step_s"], name
+        if (v := gpu_variant(run, CUDA_DEFAULTS)) is not None:
+            return v["step_s"], name
     raise Missing(f"no GPU run measured {CUDA_DEFAULTS}")
