@@ -361,6 +361,7 @@ def test_an_upload_is_made_as_a_plane_reads_it_and_its_digest_before(monkeypatch
     model = {n: torch.randn(SHAPE, generator=gen) for n in ("a", "b")}
     theta = {n: v + 1e-3 * torch.randn(SHAPE, generator=gen) for n, v in model.items()}
     peer, served = holding(model, 10), next_held(QUANTIZER, 20, model, Served(10, model), ["a", "b"], {})
+    served.complete()  # the server's encoding, not counted below
     encoded: list[str] = []
     encode = int8.Int8.encode
     monkeypatch.setattr(int8.Int8, "encode", lambda self, name, x: encoded.append(name) or encode(self, name, x))
@@ -373,6 +374,34 @@ def test_an_upload_is_made_as_a_plane_reads_it_and_its_digest_before(monkeypatch
     assert encoded == ["a", "b"] and sorted(peer.carried) == ["a", "b"]
     assert torch.equal(peer.carried["b"], encode_delta(QUANTIZER, "b", theta["b"], model["b"]).error)
     assert peer.digest(theta) != holding(peer.held, 20).digest(theta)  # the same round, no carried error
+
+
+def test_the_servers_deltas_are_made_when_first_read_and_what_could_fail_there_fails_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round is published before the server has encoded its deltas (the encoding overlaps the downloads): each is
+    encoded once, when a download (or `complete`) first reads it, as `encode_delta` would have; until then the round
+    keeps what it is made of alive (`holds`, for buffer reuse); what could fail there fails in `next_held`."""
+    gen = torch.Generator().manual_seed(12)
+    model = {n: torch.randn(SHAPE, generator=gen) for n in ("a", "b", "c")}
+    new = {n: v + 1e-2 * torch.randn(SHAPE, generator=gen) for n, v in model.items()}
+    encoded: list[str] = []
+    encode = int8.Int8.encode
+    monkeypatch.setattr(int8.Int8, "encode", lambda self, name, x: encoded.append(name) or encode(self, name, x))
+    served = next_held(QUANTIZER, 20, new, Served(10, model), ["a", "b"], {})
+    assert "a" in served.tensors and "a" in served.deltas and "c" not in served.deltas
+    assert encoded == [] and list(served.deltas) == ["a", "b"] and list(served.tensors) == ["a", "b", "c"]
+    assert {id(t) for t in served.holds()} == {id(t) for t in (*model.values(), new["a"], new["b"])}
+    item = served.deltas["b"]
+    assert encoded == ["b"] and served.deltas["b"] is item and served.tensors["c"] is model["c"]
+    eager = encode_delta(QUANTIZER, "b", new["b"], model["b"])
+    assert isinstance(item, Coded) and item.base_round == 10 and torch.equal(served.tensors["b"], eager.reconstruction)
+    assert torch.equal(QUANTIZER.decode(item.payload), QUANTIZER.decode(eager.payload))
+    served.complete()
+    assert encoded == ["b", "b", "a"]  # the check's own encode of "b" above, then "a" once
+    assert {id(t) for t in served.holds()} == {id(served.tensors[n]) for n in ("a", "b", "c")}
+    with pytest.raises(ValueError, match="tensor 'a' holds NaN or Inf values, or values beyond 1e\\+30"):
+        next_held(QUANTIZER, 20, {**new, "a": torch.full(SHAPE, 2e30)}, Served(10, model), ["a"], {})
 
 
 def test_bad_tensors_are_refused_naming_the_tensor() -> None:

@@ -16,6 +16,7 @@ from spes.sync.codecs.sparse import (
     SparsePayload,
     dequantize,
     index_bits,
+    largest,
     pack_bits,
     payload_bytes,
     quantize,
@@ -51,6 +52,26 @@ def test_nan_or_inf_anywhere_in_a_chunk_is_refused() -> None:
         x = torch.randn(3 * 4096)
         x[4096 + 1234] = bad  # one value in the middle of a chunk, which sends 64 of its 4096
         assert "holds NaN or Inf values" in message(quantize, "w", x, 4096, 64, 2)
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy-tailed", "ties", "nan and inf"])
+def test_the_largest_entries_of_each_row_are_topks_though_found_in_two_small_selections(kind: str) -> None:
+    """k of 1 .. 128 of 4096 take the grouped path, all 4096 plain `topk`: the same values either way (which of equal
+    entries is taken may differ), each position once."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 4096, generator=gen)
+    if kind == "heavy-tailed":
+        x = x**5
+    elif kind == "ties":
+        x = torch.randint(-20, 20, (16, 4096), generator=gen).float()
+    elif kind == "nan and inf":
+        x[3, 100], x[3, 4000], x[5, 7] = float("nan"), float("inf"), float("-inf")
+    magnitudes = x.abs()
+    for k in (1, 8, 64, 128, 4096):
+        got = largest(magnitudes, k)
+        assert got.shape == (16, k) and all(len(set(row)) == k for row in got.tolist())
+        values = magnitudes.gather(1, got).sort(dim=1, descending=True).values
+        torch.testing.assert_close(values, magnitudes.topk(k, dim=1).values, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("numel", [1, 5, 63, 64, 100, 4096, 4096 * 2 + 17])

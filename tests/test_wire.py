@@ -16,6 +16,7 @@ import torch
 from spes.sync import wire
 from spes.sync.codecs import int8
 from spes.sync.codecs.base import Payload
+from spes.sync.codecs.lazy import Lazy
 from spes.sync.codecs.sparse import Sparse
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.wire import (
@@ -26,6 +27,7 @@ from spes.sync.wire import (
     EncodedModel,
     TensorDecoder,
     VerifiedChecksums,
+    byte_view,
     checksum,
     decode_tensors,
     encode_tensor,
@@ -294,6 +296,21 @@ def test_verified_checksums_hold_only_while_the_very_tensor_is_unchanged() -> No
     model = {"kept": kept, "averaged": averaged, "gone": torch.randn(8), "other": other}
     assert verified.known(model, "fp32") == {"kept": (kept, 1)}
     assert verified.known(model, "bf16") == {}  # recorded for another wire dtype
+
+
+def test_an_encoded_model_reads_an_item_only_when_asked_and_sends_a_verified_one_as_it_is() -> None:
+    """A download's items may be made when first read (`spes.sync.codecs.lazy`): making the shared encoded form reads
+    none of them; the first download asking for one reads it, once, and a recorded unchanged buffer keeps its
+    recorded checksum."""
+    kept, read = torch.randn(8), []
+    verified = VerifiedChecksums()
+    verified.record({"kept": kept}, {"kept": 7}, "fp32")
+    items = Lazy(["kept", "made"], lambda name: read.append(name) or (kept if name == "kept" else torch.ones(4)))
+    encoded = EncodedModel(items, "fp32", verified)
+    assert read == [] and list(encoded) == ["kept", "made"]
+    assert encoded["kept"] == (kept, 7) and read == ["kept"]
+    assert encoded["made"][1] == checksum(byte_view(torch.ones(4))) and encoded["made"] is encoded["made"]
+    assert read == ["kept", "made"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

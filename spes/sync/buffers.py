@@ -133,8 +133,7 @@ class RoundMemory:
     def encoded(self, key: str, items: Mapping[str, Item], dtype: str) -> EncodedModel:
         """The shared encoded form of one kind of download of the current round (made by the first to ask)."""
         if key not in self._encoded:
-            known = self.checksums.known({n: t for n, t in items.items() if isinstance(t, torch.Tensor)}, dtype)
-            self._encoded[key] = EncodedModel(items, dtype, known)
+            self._encoded[key] = EncodedModel(items, dtype, self.checksums)
         return self._encoded[key]
 
     def _release(self) -> None:

@@ -19,6 +19,7 @@ import grpc
 
 from spes.sync.admission import require_joined
 from spes.sync.closing import RoundCloser, RoundParts
+from spes.sync.codecs.lazy import Overlay
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Refused
 from spes.sync.rounds import RoundState
@@ -122,7 +123,8 @@ class Downloads:
             base_round=selection.base_round,
         )
         encoded = self._memory.encoded(selection.key, selection.items, self._codec.raw_dtype)
-        return Outgoing(info, {n: selection.items[n] for n in names}, encoded, self._codec.raw_dtype)
+        sent = Overlay(names, {}, selection.items.__getitem__)  # NOTE: a view: a codec may make an item when read
+        return Outgoing(info, sent, encoded, self._codec.raw_dtype)
 
     def _await_round(
         self, peer: int, step: int, full: bool, is_active: Callable[[], bool], time_left_s: float | None

@@ -61,7 +61,7 @@ class Completed:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the round holds (global model, momentum, what the codec serves), for buffer reuse."""
-        return [*self.global_model.values(), *self.momentum.values(), *self.served.tensors.values()]
+        return [*self.global_model.values(), *self.momentum.values(), *self.served.holds()]
 
 
 @dataclass(frozen=True)

@@ -181,23 +181,30 @@ class EncodedModel(Mapping[str, Encoded]):
 
     Every peer downloads the same global model of a round: the first download that needs a tensor encodes
     it (in its own thread, so peers wanting different tensors work in parallel), later and concurrent ones
-    reuse the result instead of converting and checksumming the same bytes again. `known` holds forms
-    whose checksum is already known (`VerifiedChecksums.known`).
+    reuse the result instead of converting and checksumming the same bytes again. A tensor that `checksums`
+    holds unchanged is sent as it is, with the checksum recorded (`VerifiedChecksums.known`). An item is read
+    only when first asked for: a codec may make it then (`spes.sync.codecs.lazy`).
     """
 
     def __init__(
-        self, tensors: Mapping[str, Item], wire_dtype: str, known: Mapping[str, Encoded] | None = None
+        self, tensors: Mapping[str, Item], wire_dtype: str, checksums: VerifiedChecksums | None = None
     ) -> None:
         wire_torch_dtype(wire_dtype)
-        self._tensors, self._wire_dtype = tensors, wire_dtype
+        self._tensors, self._wire_dtype, self._checksums = tensors, wire_dtype, checksums
         self._locks = {name: threading.Lock() for name in tensors}
-        self._done: dict[str, Encoded] = dict(known or {})
+        self._done: dict[str, Encoded] = {}
 
     def __getitem__(self, name: str) -> Encoded:
         with self._locks[name]:
             if name not in self._done:
-                self._done[name] = encode_whole(self._tensors[name], self._wire_dtype)
+                item = self._tensors[name]
+                self._done[name] = self._known(name, item) or encode_whole(item, self._wire_dtype)
             return self._done[name]
+
+    def _known(self, name: str, item: Item) -> Encoded | None:
+        if self._checksums is None or not isinstance(item, torch.Tensor):
+            return None
+        return self._checksums.known({name: item}, self._wire_dtype).get(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)

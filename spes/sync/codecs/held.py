@@ -15,7 +15,9 @@ round it is of. The server keeps its global model G in full precision beside it.
 3. After the round the server makes the new held model and the payloads every up-to-date peer downloads
    (`next_held`): blocks taken verbatim relayed as uploaded, every other tensor the round changed encoded as
    `G_new - H` in the server's format (`quantizer.down`) with no carried error (the next round's delta is measured
-   against what the peers then hold, which feeds the error back), a tensor new to H as its full values.
+   against what the peers then hold, which feeds the error back), a tensor new to H as its full values. The round
+   is published before those are encoded: each is encoded when a download first reads it, so the encoding
+   overlaps the downloads instead of delaying their first byte (`Reencoding`).
 4. A peer holding the H those payloads apply to reconstructs the new one (`apply_delta(H, p)` as each arrives,
    its own blocks outside merge rounds its own upload's reconstruction); any other peer gets full values of the
    new H. Either way every peer then holds the server's H, and loads what the round served. Its own blocks
@@ -30,7 +32,7 @@ error minus the last: the drift stays within one round's quantization error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from functools import cached_property, partial
 
@@ -38,10 +40,13 @@ import torch
 
 from spes.sync.codecs.base import NO_BASE, Delta, Payload, Quantizer, Scattered
 from spes.sync.codecs.interface import Selection, Served, UploadBase
+from spes.sync.codecs.lazy import Lazy, Overlay
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
 from spes.sync.wire import Coded, Item, TensorDecoder, finite, upload_digest
 
+REENCODE_LIMIT = 2.0**100
+"""Largest magnitude the server re-encodes (`headroom`); a model's values are many orders of magnitude below."""
 VALUES_DTYPE = "fp32"
 """Full values of a held-model codec travel in fp32: the held model is fp32 on every end."""
 
@@ -152,47 +157,80 @@ def next_held(
     tensor the previous held model lacks (its fragment's first round) is held and sent as its full values.
     Without a previous held model (the first round, or a restarted server) the held model is the global model
     itself, and every peer gets it as full values.
+
+    Every other tensor is re-encoded (`Reencoding`): its payload and held value are made when a download first
+    reads them, so the round is published before they are. What could fail there is checked here (`headroom`).
     """
     if previous is None:
         return Served(step, dict(new_global))
-    held, deltas = dict(previous.tensors), {}
+    held: dict[str, torch.Tensor] = {}
+    deltas: dict[str, Item] = {}
+    coded = []
     for name in names:
-        item: Item
         if name not in previous.tensors:
-            item = held[name] = new_global[name]
+            deltas[name] = held[name] = new_global[name]
         elif name in relayed:
-            item, held[name] = Coded(relayed[name], previous.round), new_global[name]
+            deltas[name], held[name] = Coded(relayed[name], previous.round), new_global[name]
         else:
-            sent = encode_delta(quantizer.down, name, new_global[name], previous.tensors[name])
-            item, held[name] = Coded(sent.payload, previous.round), sent.reconstruction
-        deltas[name] = item
-    return Served(step, {n: held[n] for n in new_global if n in held}, deltas, previous.round)
+            headroom(name, new_global[name], previous.tensors[name])
+            coded.append(name)
+    later = Reencoding(quantizer.down, previous.round, new_global, previous.tensors, coded)
+    kept = {n: t for n, t in {**previous.tensors, **held}.items() if n not in later.names}
+    tensors = Overlay([n for n in new_global if n in kept or n in later.names], kept, later.held)
+    return Served(step, tensors, Overlay(list(names), deltas, later.item), previous.round, later)
 
 
-class LazyUpload(Mapping[str, Item]):
-    """An upload whose items are made when first read, each once: a plane sends the first item while the others
-    are still to be made. `complete` makes those never read (a duplicate upload's: the server already has them)."""
+def headroom(name: str, value: torch.Tensor, base: torch.Tensor) -> None:
+    """ValueError naming `name` unless re-encoding `value` against `base` surely stays finite, so that it may be
+    left to a download: max |value| + 2 max |base| bounds the delta value - base and what a receiver makes of
+    base + decode(delta) (|decode| is at most the delta's largest magnitude), and `REENCODE_LIMIT` leaves room for
+    a codec's intermediate products (a level times its scale)."""
+    if not value.numel():
+        return
+    bound = sum(w * float(max(-lo, hi)) for w, (lo, hi) in ((1, torch.aminmax(value)), (2, torch.aminmax(base))))
+    if not bound <= REENCODE_LIMIT:  # NOTE: also False for NaN
+        raise ValueError(
+            f"tensor {name!r} holds NaN or Inf values, or values beyond {REENCODE_LIMIT:.0e} (fp32's range is "
+            "3e38): the global model diverged"
+        )
 
-    def __init__(self, names: list[str], make: Callable[[str], Item]) -> None:
-        self._names, self._make = names, make
-        self._made: dict[str, Item] = {}
 
-    def __getitem__(self, name: str) -> Item:
-        if name not in self._made:
-            if name not in self._names:
-                raise KeyError(name)
-            self._made[name] = self._make(name)
-        return self._made[name]
+class Reencoding:
+    """The tensors of a round's held model that the server re-encodes (`next_held`), each made once, when first
+    read: by a download, which sends the first while the next are made, or by the closing thread (`complete`).
+    Thread-safe (`spes.sync.codecs.lazy.Lazy`). Until made, a tensor's global value and held base stay alive."""
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+    def __init__(
+        self,
+        quantizer: Quantizer,
+        base_round: int,
+        new_global: Tensors,
+        base: Mapping[str, torch.Tensor],
+        names: list[str],
+    ) -> None:
+        self._of = {n: (new_global[n], base[n]) for n in names}
+        self._made = Lazy(names, partial(self._encode, quantizer, base_round))
 
-    def __len__(self) -> int:
-        return len(self._names)
+    def _encode(self, quantizer: Quantizer, base_round: int, name: str) -> tuple[Coded, torch.Tensor]:
+        sent = encode_delta(quantizer, name, *self._of[name])
+        return Coded(sent.payload, base_round), sent.reconstruction
+
+    @property
+    def names(self) -> Collection[str]:
+        return self._of.keys()
+
+    def item(self, name: str) -> Item:
+        return self._made[name][0]
+
+    def held(self, name: str) -> torch.Tensor:
+        return self._made[name][1]
+
+    def holds(self) -> list[torch.Tensor]:
+        made = self._made.made()
+        return [t for n, of in self._of.items() for t in ((made[n][1],) if n in made else of)]
 
     def complete(self) -> None:
-        for name in self._names:
-            self[name]
+        self._made.complete()
 
 
 class HeldPeer:
@@ -210,7 +248,7 @@ class HeldPeer:
         self._pending: tuple[Tensors, Tensors] = ({}, {})
         """The upload in flight, of each item made so far: its carried error, and the reconstructions of the tensors
         it may not download."""
-        self._upload: LazyUpload | None = None
+        self._upload: Lazy[Item] | None = None
         self._spare: Tensors = {}
         """The held tensors the last `receive` replaced: a download into kept buffers (`SyncClient`'s
         `reuse_buffers`, whose caller copies a round's result out before the next) applies its sparse deltas into
@@ -228,7 +266,7 @@ class HeldPeer:
         if self.round is None:
             return dict(trained)
         make = partial(self._item, trained, frozenset(own), self.round, self._pending)
-        self._upload = LazyUpload(list(trained), make)
+        self._upload = Lazy(trained, make)
         return self._upload
 
     def _item(
@@ -415,7 +453,7 @@ class HeldServer:
         return Selection(served.tensors, "held", whole=True)
 
     def persisted(self, served: Served) -> Tensors:
-        return served.tensors
+        return dict(served.tensors)
 
     def restore(self, step: int, global_model: Tensors, persisted: Tensors) -> Served:
         return Served(step, persisted or dict(global_model))

@@ -36,9 +36,41 @@ class Served:
     """
 
     round: int
-    tensors: Tensors
-    deltas: dict[str, Item] = field(default_factory=dict)
+    tensors: Mapping[str, torch.Tensor]
+    deltas: Mapping[str, Item] = field(default_factory=dict)
     base: int | None = None
+    deferred: Deferred | None = None
+    """Items the codec makes when first read (a download's, or `complete`'s), so the round is published before it
+    has made them and their work overlaps the downloads; None when every item is made."""
+
+    def holds(self) -> list[torch.Tensor]:
+        """The tensors this round keeps alive, without making any item: those made, and what the rest are made of."""
+        if self.deferred is None:
+            return list(self.tensors.values())
+        later = self.deferred.names
+        return [*(self.tensors[n] for n in self.tensors if n not in later), *self.deferred.holds()]
+
+    def complete(self) -> None:
+        """Make every deferred item (the closing thread, once the round is published)."""
+        if self.deferred is not None:
+            self.deferred.complete()
+
+
+class Deferred(Protocol):
+    """What a codec left to make when `Served` items are first read."""
+
+    @property
+    def names(self) -> Collection[str]:
+        """The tensors whose items are deferred."""
+        ...
+
+    def holds(self) -> list[torch.Tensor]:
+        """The deferred tensors' made values, and the tensors the others will be made of."""
+        ...
+
+    def complete(self) -> None:
+        """Make every deferred item."""
+        ...
 
 
 @dataclass(frozen=True)
