@@ -198,7 +198,8 @@ def headroom(name: str, value: torch.Tensor, base: torch.Tensor) -> None:
 class Reencoding:
     """The tensors of a round's held model that the server re-encodes (`next_held`), each made once, when first
     read: by a download, which sends the first while the next are made, or by the closing thread (`complete`).
-    Thread-safe (`spes.sync.codecs.lazy.Lazy`). Until made, a tensor's global value and held base stay alive."""
+    Thread-safe (`spes.sync.codecs.lazy.Lazy`). Until made, a tensor's global value and held base stay alive;
+    once made, only what it was made into."""
 
     def __init__(
         self,
@@ -208,16 +209,18 @@ class Reencoding:
         base: Mapping[str, torch.Tensor],
         names: list[str],
     ) -> None:
+        self._names = frozenset(names)
         self._of = {n: (new_global[n], base[n]) for n in names}
         self._made = Lazy(names, partial(self._encode, quantizer, base_round))
 
     def _encode(self, quantizer: Quantizer, base_round: int, name: str) -> tuple[Coded, torch.Tensor]:
         sent = encode_delta(quantizer, name, *self._of[name])
+        del self._of[name]  # NOTE: the previous held value may go back to the server's pool once its round does
         return Coded(sent.payload, base_round), sent.reconstruction
 
     @property
     def names(self) -> Collection[str]:
-        return self._of.keys()
+        return self._names
 
     def item(self, name: str) -> Item:
         return self._made[name][0]
@@ -226,8 +229,8 @@ class Reencoding:
         return self._made[name][1]
 
     def holds(self) -> list[torch.Tensor]:
-        made = self._made.made()
-        return [t for n, of in self._of.items() for t in ((made[n][1],) if n in made else of)]
+        of = dict(self._of)  # NOTE: before `made`: a name leaves `_of` when made, before `made` has it
+        return [*(t for pair in of.values() for t in pair), *(held for _, held in self._made.made().values())]
 
     def complete(self) -> None:
         self._made.complete()
