@@ -7,6 +7,8 @@ import logging
 import pickle
 import socket
 import struct
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -15,6 +17,7 @@ import torch
 
 from spes.launch import free_port
 from spes.sync import plane_tcp
+from spes.sync.codecs.lazy import Lazy
 from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Reason, SyncError
@@ -300,3 +303,44 @@ def test_tcp_plane_round_trip_and_refusals() -> None:
         assert info.round == 2 and sorted(got) == sorted(names)
         assert received == sum(t.numel() * 4 for t in got.values())
         assert all(torch.equal(got[n], want[n]) for n in names)
+
+
+@pytest.mark.timeout(30)
+def test_an_upload_makes_its_first_item_while_the_servers_go_is_on_its_way() -> None:
+    """A codec makes an item when a plane first reads it (`spes.sync.codecs.lazy`): the plane reads the first one
+    right after its hello, so its encoding overlaps the round trip to the server's go instead of following it. The
+    hand-driven server here answers only once the first item is made (a duplicate: nothing more is sent)."""
+    made = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            assert plane_tcp.recv_hello(conn).op == pb.DATA_OP_UPLOAD
+            made.wait(timeout=10)
+            plane_tcp.send_frame(conn, pb.DataReply(uploaded=pb.UploadReply(duplicate=True)))
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+
+    def make(name: str) -> torch.Tensor:
+        if name == "a":
+            made.set()
+        return torch.ones(2)
+
+    items = Lazy(["a", "b"], make)
+    plane = plane_tcp.TcpPlane(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        None,
+        peer_id=0,
+        wire_dtype="fp32",
+        token=None,
+        session="s",
+        rpc_timeout_s=10,
+    )
+    start = time.monotonic()
+    assert plane.upload(1, items, timeout=20, digest=0) == (0, True)
+    assert time.monotonic() - start < 5 and list(items.made()) == ["a"]
+    server.join(timeout=5)
+    listener.close()
