@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import struct
 import sys
-import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 import xxhash
 
 from spes.sync.codecs.base import Format, Payload
+from spes.sync.codecs.lazy import Lazy
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape
 
@@ -176,7 +176,7 @@ def encode_whole(item: Item, wire_dtype: str) -> Encoded:
     return flat, checksum(byte_view(flat))
 
 
-class EncodedModel(Mapping[str, Encoded]):
+class EncodedModel(Lazy[Encoded]):
     """A model's items in one wire dtype, each converted and checksummed at most once, when first asked for.
 
     Every peer downloads the same global model of a round: the first download that needs a tensor encodes
@@ -191,26 +191,16 @@ class EncodedModel(Mapping[str, Encoded]):
     ) -> None:
         wire_torch_dtype(wire_dtype)
         self._tensors, self._wire_dtype, self._checksums = tensors, wire_dtype, checksums
-        self._locks = {name: threading.Lock() for name in tensors}
-        self._done: dict[str, Encoded] = {}
+        super().__init__(tensors, self._encode)
 
-    def __getitem__(self, name: str) -> Encoded:
-        with self._locks[name]:
-            if name not in self._done:
-                item = self._tensors[name]
-                self._done[name] = self._known(name, item) or encode_whole(item, self._wire_dtype)
-            return self._done[name]
+    def _encode(self, name: str) -> Encoded:
+        item = self._tensors[name]
+        return self._known(name, item) or encode_whole(item, self._wire_dtype)
 
     def _known(self, name: str, item: Item) -> Encoded | None:
         if self._checksums is None or not isinstance(item, torch.Tensor):
             return None
         return self._checksums.known({name: item}, self._wire_dtype).get(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
 
 
 class VerifiedChecksums:
