@@ -217,21 +217,24 @@ def largest(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     """Per row of `magnitudes` (rows x length, each entry >= 0, NaN or Inf), the positions of its k largest entries,
     in no particular order; NaN ranks above every number, as in `torch.topk`.
 
-    Two small selections instead of one over the whole row where that is cheaper (a row 32 or more times longer than
+    Two small selections instead of one over the whole row where that is cheaper (a row 16 or more times longer than
     k): cut into groups of g, a row's k largest entries all lie in the k groups of largest maxima (an entry of any
     other group is below k group maxima, k distinct entries), so they are the k largest of those k g entries. The
-    work goes from the row's length to length / g + k g entries, least at g = sqrt(length / k). The same entries as
-    `torch.topk` but for the order, and which of several equal entries is taken.
+    work goes from the row's length to length / g + k g entries, least at g = sqrt(length / k). Group i holds the
+    entries i, i + s, ..., i + (g - 1) s of stride s = length / g, so its maximum is an elementwise maximum of g
+    contiguous slices. The same entries as `torch.topk` but for the order, and which of several equal entries is
+    taken.
     """
     rows, length = magnitudes.shape
     group = 1 << (max(0, (length // k).bit_length() - 1) // 2)  # NOTE: a power of two, at most sqrt(length / k)
-    if length < 32 * k or length % group:
+    if length < 16 * k or length % group:
         return magnitudes.topk(k, dim=1, sorted=False).indices
-    groups = magnitudes.view(rows, length // group, group)
-    best = groups.amax(dim=2).topk(k, dim=1, sorted=False).indices
-    candidates = groups.gather(1, best[:, :, None].expand(rows, k, group)).view(rows, k * group)
+    stride = length // group
+    groups = magnitudes.view(rows, group, stride)
+    best = groups.amax(dim=1).topk(k, dim=1, sorted=False).indices
+    candidates = groups.gather(2, best[:, None, :].expand(rows, group, k)).reshape(rows, group * k)
     picked = candidates.topk(k, dim=1, sorted=False).indices
-    return best.gather(1, picked // group) * group + picked % group
+    return best.gather(1, picked % k) + picked // k * stride
 
 
 def quantize(name: str, x: torch.Tensor, chunk: int, topk: int, bits: int) -> SparsePayload:
