@@ -842,6 +842,25 @@ def _wan_sparse_cpu_bound(r: Records) -> str:
     )
 
 
+def _wan_sparse_host_round(r: Records, name: str) -> str:
+    """The sparse round on the fastest link of a link record against the ideal of the next slower one, at the same
+    model scale: a slower link cannot make the round shorter, so the fast link's round bounds the slow one's
+    efficiency (the fast link's own ideal being a small part of its round, that round is what the machine needs)."""
+    rows = {m["peer_mbit"]: m for m in r(name)["measurements"] if m["wire"] == "sparse"}
+    fast, slow = rows.get(1000.0), rows.get(100.0)
+    if fast is None or slow is None or fast["scale"] != slow["scale"]:
+        raise ValueError(f"{name}: needs sparse at 1 Gbit/s and 100 Mbit/s on one model scale")
+    return (
+        f"{fast['spes_s']:.2f} s at {link(1000.0)} (its ideal {fast['ideal_s']:.2f} s), against {slow['ideal_s']:.2f} s "
+        f"ideal at {link(100.0)}: there at most {min(1.0, slow['ideal_s'] / fast['spes_s']):.0%} of the ideal "
+        f"(1/{fast['scale']} model, {r(name)['commit'][:7]})"
+    )
+
+
+FIGURES["wan.sparse_host_round"] = lambda r: _wan_sparse_host_round(r, "bench_wan_codecs")
+"""The machine's sparse round, measured: the table's record."""
+
+
 def _wan_runs(r: Records, names: Sequence[str], wire: str, speed: float) -> str:
     """One wire at one speed in link records made one after the other (at commits A and B, in the order ABBA): its
     efficiency in each, with the commit that ran it."""

@@ -75,8 +75,11 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
 
     Entry i occupies bits [i width, (i + 1) width) of the stream, bit j of a byte being its j-th. Built a group of
     entries at a time (`_group_layout`): each entry of a group, shifted to its offset, is OR-ed into the bytes it
-    reaches, so the work is a few passes over the entries whatever the width (no per-bit intermediate).
+    reaches, so the work is a few passes over the entries whatever the width (no per-bit intermediate); entries of
+    8 bits are their own bytes.
     """
+    if width == 8:
+        return values.reshape(-1).to(torch.uint8)
     group, layout = _group_layout(width)
     count = values.numel()
     groups = -(-count // group)
@@ -95,6 +98,8 @@ def unpack_bits(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
     need = -(-count * width // 8)
     if data.numel() < need:
         raise ValueError(f"a bit stream of {count} entries of {width} bits needs {need} bytes, got {data.numel()}")
+    if width == 8:
+        return data[:count].to(torch.int64)
     group, layout = _group_layout(width)
     groups = -(-count // group)
     stream = torch.nn.functional.pad(data[:need].to(torch.int64), (0, groups * width * group // 8 - need))
