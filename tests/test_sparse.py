@@ -56,8 +56,8 @@ def test_nan_or_inf_anywhere_in_a_chunk_is_refused() -> None:
 
 @pytest.mark.parametrize("kind", ["normal", "heavy-tailed", "ties", "nan and inf"])
 def test_the_largest_entries_of_each_row_are_topks_though_found_in_two_small_selections(kind: str) -> None:
-    """k of 1 .. 256 of 4096 take the grouped path, 300 and all 4096 plain `topk`: the same values either way (which of equal
-    entries is taken may differ), each position once."""
+    """k of 1 .. 256 of 4096 take the grouped path, 300 and all 4096 plain `topk`: the same values either way (which
+    of equal entries is taken may differ), each position once."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(16, 4096, generator=gen)
     if kind == "heavy-tailed":
@@ -261,8 +261,8 @@ def test_a_payload_that_does_not_fit_its_shape_is_refused_in_full() -> None:
         "tensor 'w': sparse payload has a negative, NaN or Inf scale"
     )
     bad_index = "tensor 'w': sparse payload has an index outside its chunk or out of order"
-    # past the chunk (in order), a repeat, reversed, before the chunk (in order)
-    for indices in ([3, 64, 0], [3, 70, 0], [3, 3, 0], [40, 3, 0], [-1, 3, 0]):
+    # past the chunk (in order), a repeat, reversed, before the chunk (in order), past the last 1-value chunk
+    for indices in ([3, 64, 0], [3, 70, 0], [3, 3, 0], [40, 3, 0], [-1, 3, 0], [3, 40, 1], [3, 40, -1]):
         assert message(payload_of, 65, [1.0, 1.0], indices, [0, 3, 1]) == bad_index
     levels = torch.zeros(3, dtype=torch.int64)
     assert "out of order" in message(

@@ -139,25 +139,27 @@ class SparsePayload:
             raise ValueError(f"tensor {self.name!r}: sparse payload needs {entries} indices and levels")
         if self.scales.numel() and not bool((torch.isfinite(self.scales) & (self.scales >= 0)).all()):
             raise ValueError(f"tensor {self.name!r}: sparse payload has a negative, NaN or Inf scale")
-        limits = torch.full((entries,), self.chunk, dtype=torch.int64)
-        limits[whole * min(self.topk, self.chunk) :] = tail
-        # NOTE: with every index inside its chunk, positions increase strictly iff indices do within each chunk
-        if entries and (
-            bool(((self.indices < 0) | (self.indices >= limits)).any())
-            or bool((self.positions[1:] <= self.positions[:-1]).any())
-        ):
+        per = self._sent_rows[1]
+        rows = [(self.indices[: whole * per].view(whole, per), self.chunk), (self.indices[whole * per :][None], tail)]
+        if not all(_inside_and_increasing(r, limit) for r, limit in rows if r.numel()):
             raise ValueError(f"tensor {self.name!r}: sparse payload has an index outside its chunk or out of order")
 
     @functools.cached_property
-    def chunk_of(self) -> torch.Tensor:
-        """The chunk of each sent entry (int64): entry e of a chunk sending `per` = min(topk, chunk) is in chunk
-        e // per (the last, shorter chunk sends at most `per` too)."""
-        return torch.arange(self.indices.numel()) // min(self.topk, self.chunk)
+    def _sent_rows(self) -> tuple[int, int]:
+        """(whole chunks, entries each sends = min(topk, chunk)); the last, shorter chunk sends the rest."""
+        return chunk_sizes(math.prod(self.shape), self.chunk)[0], min(self.topk, self.chunk)
+
+    def per_entry(self, per_chunk: torch.Tensor) -> torch.Tensor:
+        """A value of each chunk (its scale, its offset) repeated for every entry it sends."""
+        whole, per = self._sent_rows
+        body = per_chunk[:whole, None].expand(whole, per).reshape(-1)
+        rest = self.indices.numel() - whole * per
+        return torch.cat([body, per_chunk[whole:].expand(rest)]) if rest else body
 
     @functools.cached_property
     def positions(self) -> torch.Tensor:
         """Each sent entry's position in the flattened tensor: chunk * `chunk` + its index in the chunk."""
-        return self.indices + self.chunk_of * self.chunk
+        return self.indices + self.per_entry(torch.arange(self.scales.numel()) * self.chunk)
 
     @property
     def codec(self) -> str:
@@ -180,6 +182,11 @@ class SparsePayload:
             pack_bits(self.levels, self.bits),
         ]
         return torch.cat(parts)
+
+
+def _inside_and_increasing(rows: torch.Tensor, limit: int) -> bool:
+    """Each row strictly increasing from at least 0 to below `limit`: every entry inside [0, limit), in order."""
+    return bool((rows[:, 0] >= 0).all() and (rows[:, -1] < limit).all() and (rows[:, 1:] > rows[:, :-1]).all())
 
 
 def _levels(bits: int) -> int:
@@ -276,7 +283,7 @@ def quantize(name: str, x: torch.Tensor, chunk: int, topk: int, bits: int) -> Sp
 
 def scattered(payload: SparsePayload) -> Scattered:
     """The delta a payload stands for as its sent entries: each one's level value at its position."""
-    scale = payload.scales[payload.chunk_of]
+    scale = payload.per_entry(payload.scales)
     return Scattered(payload.positions, _values(scale, payload.levels, payload.bits))
 
 
