@@ -814,6 +814,8 @@ def _wan_codec_efficiency(r: Records, name: str) -> str:
 FIGURES["wan.codec_efficiency"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs")
 FIGURES["wan.codec_efficiency_7bb5219"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_7bb5219")
 """Before 2 MiB pages, and before the peers applied each delta as it arrived (the same run at 7bb5219)."""
+FIGURES["wan.codec_efficiency_ab52d67"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_ab52d67")
+"""The table's run at ab52d67, before the sparse work of b361a8c and 18d045f."""
 FIGURES["wan.codec_efficiency_b46ff39"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_b46ff39")
 """The same run at b46ff39: the server then decoded each int8 payload twice (fixed in 62ab8a6)."""
 FIGURES["wan.codec_efficiency_ab1e2d9"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_ab1e2d9")
