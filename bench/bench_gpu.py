@@ -34,10 +34,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import hashlib
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -52,7 +50,7 @@ from typing import Any
 import torch
 
 import spes.model
-from common import REPO_ROOT, format_table, machine_info, parser
+from common import REPO_ROOT, format_table, git_commit, machine_info, parser
 from spes import speed
 from spes.atomic import write_atomic
 from spes.checks import matmul_flops_per_s
@@ -131,24 +129,6 @@ def compile_option(on: bool, quick: bool) -> dict | bool:
     if not on:
         return False
     return {"backend": "eager"} if quick else {"dynamic": False}
-
-
-def commit_of() -> str:
-    """SPES_COMMIT (bench/prepare_gpu.sh writes it for a machine without the repository's .git), else git's HEAD,
-    with `-dirty+<sha256 of the diff>` when tracked files differ from it."""
-    if os.environ.get("SPES_COMMIT"):
-        return os.environ["SPES_COMMIT"]
-
-    def git(*args: str) -> bytes:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, check=True).stdout
-
-    try:
-        head = git("rev-parse", "HEAD").decode().strip()
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
-        diff = git("diff", "HEAD", "--", ".", ":!bench/results")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (f"-dirty+{hashlib.sha256(diff).hexdigest()[:12]}" if dirty else "")
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
@@ -403,7 +383,7 @@ def run(args: Any, device: torch.device, quick: bool) -> int:
     started = time.perf_counter()
     record: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "commit": commit_of(),
+        "commit": git_commit(),
         "machine": {**machine_info(), **device_info(device)},
         "config": str(CONFIG.relative_to(REPO_ROOT)),
         "mode": "quick (cut-down shape)" if quick else "full",

@@ -82,7 +82,10 @@ def machine_info() -> dict[str, Any]:
 def git_commit() -> str:
     """The checked-out commit; when tracked files other than the records in bench/results/ (which a benchmark itself
     rewrites) differ from it, `<commit>-dirty-<hash>` with the SHA-256 (16 hex digits) of that diff (`git diff HEAD`),
-    so a figure names the exact tree it came from; "unknown" outside git."""
+    so a figure names the exact tree it came from; "unknown" outside git. SPES_COMMIT, where set, is taken as it is:
+    bench/prepare_gpu.sh writes it (this function's answer there) for a machine that gets the tree without .git."""
+    if os.environ.get("SPES_COMMIT"):
+        return os.environ["SPES_COMMIT"]
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout.strip()

@@ -8,8 +8,9 @@
 # tests' certificates; with cffi and pycparser), and its grpcio (1.84.0 when last seen) is older than the one
 # spes/sync/proto was generated for. This downloads their wheels for CPython 3.12 on x86-64 (grpcio and
 # protobuf at this machine's versions, which the generated code needs) into .whl/ (ignored by git), and writes
-# .whl/COMMIT: the checked-out commit, with -dirty+<sha256 of the diff> when the tree differs,
-# since the device gets the working tree without .git. Carry .whl with the run: carry [".whl"].
+# .whl/COMMIT: the checked-out commit as every benchmark names it (bench/common.py `git_commit`: -dirty-<sha256 of
+# the diff> when the tree differs), since the device gets the working tree without .git; bench/run_gpu.sh exports it
+# as SPES_COMMIT, which every benchmark's record then names. Carry .whl with the run: carry [".whl"].
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -22,10 +23,7 @@ for spec in "omegaconf==$(version omegaconf)" "grpcio-health-checking==$(version
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "$spec"
 done
-commit=$(git rev-parse HEAD)
-if [ -n "$(git status --porcelain --untracked-files=no -- . ':!bench/results')" ]; then
-  commit="$commit-dirty+$(git diff HEAD -- . ':!bench/results' | sha256sum | cut -c1-12)"
-fi
+commit=$(env -u SPES_COMMIT "$PY" -c "import sys; sys.path.insert(0, 'bench'); from common import git_commit; print(git_commit())")
 echo "$commit" > .whl/COMMIT
 ls .whl
 echo "prepared .whl for commit $commit; now run on the device: bash bench/run_gpu.sh (carry .whl)"

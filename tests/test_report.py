@@ -77,6 +77,13 @@ def test_a_benchmark_names_a_dirty_tree_by_its_diff() -> None:
     assert CLEAN_COMMIT.fullmatch(commit) or DIRTY_COMMIT.fullmatch(commit), commit
 
 
+def test_a_benchmark_on_a_machine_without_the_repository_names_the_commit_it_was_prepared_at(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPES_COMMIT", "c" * 40)  # NOTE: bench/prepare_gpu.sh's .whl/COMMIT, exported by run_gpu.sh
+    assert git_commit() == "c" * 40
+
+
 def write_record(directory: Path, name: str, record: dict) -> None:
     (directory / f"{name}.json").write_text(json.dumps({"command": "c", "commit": "a" * 40, "machine": {}, **record}))
 
