@@ -816,6 +816,8 @@ FIGURES["wan.codec_efficiency_7bb5219"] = lambda r: _wan_codec_efficiency(r, "be
 """Before 2 MiB pages, and before the peers applied each delta as it arrived (the same run at 7bb5219)."""
 FIGURES["wan.codec_efficiency_ab52d67"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_ab52d67")
 """The table's run at ab52d67, before the sparse work of b361a8c and 18d045f."""
+FIGURES["wan.codec_efficiency_18d045f"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_18d045f")
+"""The table's run at 18d045f, before the sparse selections moved to numpy (17b3cbd)."""
 FIGURES["wan.codec_efficiency_b46ff39"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_b46ff39")
 """The same run at b46ff39: the server then decoded each int8 payload twice (fixed in 62ab8a6)."""
 FIGURES["wan.codec_efficiency_ab1e2d9"] = lambda r: _wan_codec_efficiency(r, "bench_wan_codecs_ab1e2d9")
@@ -830,8 +832,10 @@ def _wan_sparse_cpu_bound(r: Records) -> str:
     round, one thread, divided by the scale the link bench measured) for every peer and the server, spread over
     every core, against the ideal round for its bytes."""
     wan, codec = r("bench_wan_codecs"), r("bench_codec")
-    if codec["config"] != wan["config"] or codec["threads"] != 1:
-        raise ValueError("bench_codec and bench_wan_codecs must time the same config, bench_codec with 1 thread")
+    if codec["config"] != wan["config"] or codec["threads"] != 1 or codec["commit"] != wan["commit"]:
+        raise ValueError(
+            "bench_codec and bench_wan_codecs must time the same config at the same commit, bench_codec with 1 thread"
+        )
     m = next(m for m in wan["measurements"] if m["wire"] == "sparse" and m["peer_mbit"] == 100.0)
     work, cores = codec["codecs"]["sparse"], wan["machine"]["cpus"]
     peers = len(m["spes_rounds"][0]["up_per_peer"])
@@ -1038,6 +1042,32 @@ def _codec_pages(r: Records) -> str:
     return "; ".join(
         f"{name} {times(name, c, 'peer')} on the node and {times(name, c, 'server')} on the server"
         for name, c in x["codecs"].items()
+    )
+
+
+@fig("codec.sparse_select_ab")
+def _codec_sparse_select_ab(r: Records) -> str:
+    """The sparse codec's encode seconds per 1B round before and after its selections moved to numpy (and a group's
+    largest magnitude to max(max, -min)): bench_codec at 5bf0e95, 17b3cbd twice, 5bf0e95, one config and thread."""
+    runs = [r(f"bench_codec_select_{n}") for n in ("a1", "b1", "b2", "a2")]
+    if len({(x["config"], x["threads"], x["repeats"], x["machine"]["cpus"]) for x in runs}) != 1:
+        raise ValueError("bench_codec_select_*: the runs differ in config, threads, repeats or machine")
+    by_commit: dict[str, list[dict]] = {}
+    for x in runs:
+        by_commit.setdefault(x["commit"][:7], []).append(x["codecs"]["sparse"])
+    if len(by_commit) != 2 or any(len(v) != 2 for v in by_commit.values()):
+        raise ValueError("bench_codec_select_*: need two runs at each of two commits")
+    (before, a), (after, b) = by_commit.items()
+
+    def ratio(end: str) -> str:
+        return f"{median(c[end] for c in a) / median(c[end] for c in b):.2f}x"
+
+    def seconds(end: str) -> str:
+        return ", ".join(f"{x['codecs']['sparse'][end]:.2f} s at {x['commit'][:7]}" for x in runs)
+
+    return (
+        f"the node's encode {seconds('peer_encode_s')} ({ratio('peer_encode_s')} faster); the server's "
+        f"{seconds('server_encode_s')} ({ratio('server_encode_s')})"
     )
 
 
