@@ -105,7 +105,15 @@ def grpc_peer(
             start = time.time()
             _, stats = client.sync(r, tensors)
             print(
-                json.dumps({"start": start, "end": time.time(), "up": stats.bytes_up, "down": stats.bytes_down}),
+                json.dumps(
+                    {
+                        "start": start,
+                        "end": time.time(),
+                        "up": stats.bytes_up,
+                        "down": stats.bytes_down,
+                        "phases": None if stats.phases is None else dataclasses.asdict(stats.phases),
+                    }
+                ),
                 flush=True,
             )
 
@@ -183,7 +191,8 @@ def expect_line(proc: subprocess.Popen, what: str) -> str:
 
 
 class RoundRecord(TypedDict):
-    """One measured round: its wall time and the payload bytes each peer sent and received."""
+    """One measured round: its wall time, the payload bytes each peer sent and received, and where each SPES peer's
+    seconds went (`spes.sync.client.RoundPhases`; None for the raw baseline's peers)."""
 
     round: int
     seconds: float
@@ -191,6 +200,7 @@ class RoundRecord(TypedDict):
     gb_s: float
     up_per_peer: list[int]
     down_per_peer: list[int]
+    phases_per_peer: list[dict[str, float] | None]
 
 
 def run_rounds(
@@ -233,6 +243,7 @@ def run_rounds(
                 "gb_s": moved / wall / 1e9,
                 "up_per_peer": [x["up"] for x in records],
                 "down_per_peer": [x["down"] for x in records],
+                "phases_per_peer": [x.get("phases") for x in records],
             }
         )
     return results, profiles

@@ -868,6 +868,35 @@ FIGURES["wan.sparse_host_round"] = lambda r: _wan_sparse_host_round(r, "bench_wa
 """The machine's sparse round, measured: the table's record."""
 
 
+def _link_need(m: dict[str, Any], sizes: list[int]) -> float:
+    """What a link measurement's link needs to move one phase's bytes, as `bench_wan.LinkSpec.ideal_seconds` counts
+    it: max(slowest peer's bytes / peer rate, all bytes / server rate) + RTT."""
+    peer, server = m["peer_mbit"] * 1e6 / 8, m["server_mbit"] * 1e6 / 8
+    return max(max(sizes) / peer, sum(sizes) / server) + m["rtt_ms"] / 1000
+
+
+def _phases_at(m: dict[str, Any]) -> str:
+    """A sparse link measurement's fastest timed round, phase by phase (the median over its peers)."""
+    best = min(m["spes_rounds"], key=lambda round_: round_["seconds"])
+    phases = best["phases_per_peer"]
+    if m["wire"] != "sparse" or not phases or None in phases:
+        raise ValueError("wan_sparse_phases: every measurement must be sparse, with each peer's phases")
+    upload, publish, download = (median(p[key] for p in phases) for key in ("upload_s", "publish_s", "download_s"))
+    return (
+        f"at {link(m['peer_mbit'])} (1/{m['scale']}, round {best['seconds']:.2f} s, ideal {m['ideal_s']:.2f} s): "
+        f"upload {upload:.2f} s (its bytes need {_link_need(m, best['up_per_peer']):.2f} s), publication "
+        f"{publish:.2f} s, download {download:.2f} s (its bytes need {_link_need(m, best['down_per_peer']):.2f} s)"
+    )
+
+
+@fig("wan.sparse_phases")
+def _wan_sparse_phases(r: Records) -> str:
+    """Where the sparse round's seconds go, per link of `wan_sparse_phases` (`spes.sync.client.RoundPhases`, the
+    median over the peers), against what the link needs for each transfer's bytes."""
+    x = r("wan_sparse_phases")
+    return f"{'; '.join(_phases_at(m) for m in x['measurements'])} ({x['commit'][:7]}, medians over the peers)"
+
+
 def _wan_runs(r: Records, names: Sequence[str], wire: str, speed: float) -> str:
     """One wire at one speed in link records made one after the other (at commits A and B, in the order ABBA): its
     efficiency in each, with the commit that ran it."""

@@ -74,6 +74,10 @@ COMMANDS = {
     "bench_wan_codecs": (
         "python bench/bench_wan.py --wires bf16 int8 sparse --planes tcp --out bench/results/bench_wan_codecs.json"
     ),
+    "wan_sparse_phases": (
+        "python bench/bench_wan.py --speeds 1000 100 20 --wires sparse --planes tcp --rounds 3 "
+        "--out bench/results/wan_sparse_phases.json"
+    ),
 }
 """The command that writes a record not committed yet (a record that exists names its own)."""
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,9 @@ def test_two_peers_three_rounds(mode: str) -> None:
             check_round(results, uploads, spec, step=step)
             assert not any(stats.merged for _, stats in results.values())
             assert all(stats.bytes_up > 0 and stats.bytes_down > 0 for _, stats in results.values())
+            for _, stats in results.values():  # where the seconds went: three phases, one after the other
+                assert stats.phases is not None and min(asdict(stats.phases).values()) >= 0
+                assert sum(asdict(stats.phases).values()) <= stats.seconds
         status = clients[0].status()
         assert status.current_round == 30 and status.open_round == -1 and status.peers_joined == (0, 1)
 

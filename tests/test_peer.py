@@ -15,7 +15,7 @@ import torch
 from dist_helpers import run_ranks
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
-from spes.sync.client import SyncStats
+from spes.sync.client import RoundPhases, SyncStats
 from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, parse_expert_block, round_alpha
 from spes.sync.overlap import apply_overlapped
@@ -176,8 +176,11 @@ OVERLAP = ["--spes_config.overlap_sync=true"]
 
 
 def test_results_of_one_step_add_up() -> None:
-    due = SyncResult(step=8, stats=SyncStats(1.0, 10, 20, 6, True, 0.5), rounds=1, waited_s=0.25)
-    started_and_due = SyncResult(step=8, stats=SyncStats(2.0, 30, 40, 8, False, 0.0), rounds=1, waited_s=0.5)
+    phases = RoundPhases(0.25, 0.5, 0.125)
+    due = SyncResult(step=8, stats=SyncStats(1.0, 10, 20, 6, True, 0.5, phases=phases), rounds=1, waited_s=0.25)
+    started_and_due = SyncResult(
+        step=8, stats=SyncStats(2.0, 30, 40, 8, False, 0.0, phases=phases), rounds=1, waited_s=0.5
+    )
     both = SyncResult(step=8, rounds=0).then(due).then(started_and_due)
     assert both.metrics() == {
         "sync_s": 3.0,
@@ -186,6 +189,9 @@ def test_results_of_one_step_add_up() -> None:
         "sync_round": 8,
         "merged": True,
         "merge_alpha": 0.0,
+        "sync_upload_s": 0.5,
+        "sync_publish_s": 1.0,
+        "sync_download_s": 0.25,
         "sync_wait_s": 0.75,
         "sync_rounds": 2,
     }

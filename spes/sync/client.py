@@ -50,6 +50,25 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class RoundPhases:
+    """Where a round's seconds went on this peer (its last attempt's, when it was retried): a round whose upload
+    takes longer than its bytes need is bound by the encode, one that waits long for its publication by the other
+    peers or the server's aggregation, one whose download is long by the link or the decode."""
+
+    upload_s: float
+    """From the start of the upload (its encode included) until the server acknowledged it."""
+    publish_s: float
+    """From then until the round's announcement arrived: the other peers' uploads and the server's aggregation."""
+    download_s: float
+    """From then until the download was received and applied."""
+
+    def __add__(self, other: RoundPhases) -> RoundPhases:
+        return RoundPhases(
+            self.upload_s + other.upload_s, self.publish_s + other.publish_s, self.download_s + other.download_s
+        )
+
+
+@dataclass(frozen=True)
 class SyncStats:
     """What one `sync` call cost and what the server did in that round."""
 
@@ -63,6 +82,8 @@ class SyncStats:
     """Peers whose uploads built the round (fewer than all when a quorum round closed without some)."""
     caught_up: bool = False
     """True when this peer had fallen behind: the result is the whole global model of round `round`."""
+    phases: RoundPhases | None = None
+    """Where the seconds went (None on a catch-up)."""
 
 
 @dataclass(frozen=True)
@@ -214,16 +235,12 @@ class SyncClient:
         deadline = time.monotonic() + self.round_timeout_s
         ordered = {name: tensors[name] for name in trained}
 
-        def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, dict[str, torch.Tensor], int]]:
-            upload, digest = self.codec.upload(ordered, self._own), self.codec.digest(ordered)
-            sent, duplicate = self.plane.upload(step, upload, self._until(deadline), fragment, digest=digest)
-            if duplicate:
-                log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
-            return sent, self._download(step, manifest, self._until(deadline), full=False, fragment=fragment)
+        def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, Tensors, int], RoundPhases | None]:
+            return self._exchange(step, ordered, manifest, fragment, deadline)
 
         caught_up = False
         try:
-            sent, (info, downloaded, received) = self._retrying(
+            sent, (info, downloaded, received), phases = self._retrying(
                 "sync", exchange, deadline=deadline, recover=self._recover
             )
         except SyncError as err:
@@ -231,6 +248,7 @@ class SyncClient:
                 raise
             log.warning("peer %d is behind the run (%s): loading the latest global model", self.peer_id, err)
             sent, (info, downloaded, received), caught_up = 0, self._latest(step, manifest, deadline), True
+            phases = None
         stats = SyncStats(
             seconds=time.perf_counter() - start,
             bytes_up=sent,
@@ -240,8 +258,26 @@ class SyncClient:
             alpha=info.alpha,
             peers=tuple(info.peers),
             caught_up=caught_up,
+            phases=phases,
         )
         return downloaded, stats
+
+    def _exchange(
+        self, step: int, ordered: Tensors, manifest: Manifest, fragment: int, deadline: float
+    ) -> tuple[int, tuple[pb.RoundInfo, Tensors, int], RoundPhases | None]:
+        """One attempt at round `step`: the upload, then the download; and where its seconds went."""
+        began = time.perf_counter()
+        upload, digest = self.codec.upload(ordered, self._own), self.codec.digest(ordered)
+        sent, duplicate = self.plane.upload(step, upload, self._until(deadline), fragment, digest=digest)
+        if duplicate:
+            log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
+        uploaded = time.perf_counter()
+        announced: list[float] = []
+        got = self._download(step, manifest, self._until(deadline), full=False, fragment=fragment, at=announced)
+        phases = None
+        if announced:
+            phases = RoundPhases(uploaded - began, announced[-1] - uploaded, time.perf_counter() - announced[-1])
+        return sent, got, phases
 
     def status(self) -> ServerStatus:
         """The server's current round, peers and traffic counters."""
@@ -290,14 +326,24 @@ class SyncClient:
         return reply.current_round
 
     def _download(
-        self, step: int, manifest: Manifest, timeout: float, *, full: bool, fragment: int = WHOLE
+        self,
+        step: int,
+        manifest: Manifest,
+        timeout: float,
+        *,
+        full: bool,
+        fragment: int = WHOLE,
+        at: list[float] | None = None,
     ) -> tuple[pb.RoundInfo, Tensors, int]:
         """One download attempt over the plane in use: RoundInfo, then exactly the announced tensors, validated,
-        committed by the codec (what the round served; a held-model codec's full values: its whole held model)."""
+        committed by the codec (what the round served; a held-model codec's full values: its whole held model).
+        `at` gets the `time.perf_counter()` at which the RoundInfo arrived."""
         names: list[str] = []
         decoders: list[TensorDecoder] = []
 
         def decoder_for(info: pb.RoundInfo) -> TensorDecoder:
+            if at is not None:
+                at.append(time.perf_counter())
             try:
                 whole = self.codec.whole(info) and not full
             except ValueError as exc:

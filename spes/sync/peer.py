@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,7 +40,7 @@ from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.interrupt import Interrupted
 from spes.sync.auth import read_token
-from spes.sync.client import SyncClient, SyncStats
+from spes.sync.client import RoundPhases, SyncClient, SyncStats
 from spes.sync.fragments import WHOLE
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, SyncError, Tensors
@@ -89,6 +89,7 @@ class SyncResult:
                 bytes_up=self.stats.bytes_up + later.stats.bytes_up,
                 bytes_down=self.stats.bytes_down + later.stats.bytes_down,
                 merged=self.stats.merged or later.stats.merged,
+                phases=_sum_phases(self.stats.phases, later.stats.phases),
             )
         waits = [w for w in (self.waited_s, later.waited_s) if w is not None]
         return replace(later, stats=stats, rounds=self.rounds + later.rounds, waited_s=sum(waits) if waits else None)
@@ -105,12 +106,19 @@ class SyncResult:
                 "merged": self.stats.merged,
                 "merge_alpha": self.stats.alpha,
             }
+            if self.stats.phases is not None:
+                metrics.update({f"sync_{k}": v for k, v in asdict(self.stats.phases).items()})
         if self.waited_s is not None:
             metrics["sync_wait_s"] = self.waited_s
             metrics["sync_rounds"] = self.rounds
         if self.caught_up:
             metrics["caught_up_to"] = self.step
         return metrics
+
+
+def _sum_phases(first: RoundPhases | None, then: RoundPhases | None) -> RoundPhases | None:
+    """Two exchanges' phases added up; None unless both have them (a catch-up has none)."""
+    return None if first is None or then is None else first + then
 
 
 def model_manifest(model: nn.Module) -> tuple[Manifest, list[str]]:
