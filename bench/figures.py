@@ -826,25 +826,54 @@ FIGURES["wan.codec_efficiency_a319b1b"] = lambda r: _wan_codec_efficiency(r, "be
 """Before the uploads were encoded while sent and applied by the server as they arrived (the same run at a319b1b)."""
 
 
-@fig("wan.sparse_cpu_bound")
-def _wan_sparse_cpu_bound(r: Records) -> str:
-    """The bound the machine puts on the sparse round at 100 Mbit/s: its codec work (bench_codec's 1B seconds per
-    round, one thread, divided by the scale the link bench measured) for every peer and the server, spread over
-    every core, against the ideal round for its bytes."""
+def _sparse_work_at_100(r: Records) -> tuple[dict[str, Any], dict[str, float], int, int]:
+    """The link table's sparse measurement at 100 Mbit/s, bench_codec's sparse seconds per 1B round (one thread),
+    the link machine's cores and the peers: the two records of one config at one commit."""
     wan, codec = r("bench_wan_codecs"), r("bench_codec")
     if codec["config"] != wan["config"] or codec["threads"] != 1 or codec["commit"] != wan["commit"]:
         raise ValueError(
             "bench_codec and bench_wan_codecs must time the same config at the same commit, bench_codec with 1 thread"
         )
     m = next(m for m in wan["measurements"] if m["wire"] == "sparse" and m["peer_mbit"] == 100.0)
-    work, cores = codec["codecs"]["sparse"], wan["machine"]["cpus"]
-    peers = len(m["spes_rounds"][0]["up_per_peer"])
+    return m, codec["codecs"]["sparse"], wan["machine"]["cpus"], len(m["spes_rounds"][0]["up_per_peer"])
+
+
+@fig("wan.sparse_cpu_bound")
+def _wan_sparse_cpu_bound(r: Records) -> str:
+    """The bound the machine puts on the sparse round at 100 Mbit/s: its codec work (bench_codec's 1B seconds per
+    round, one thread, divided by the scale the link bench measured) for every peer and the server, spread over
+    every core, against the ideal round for its bytes."""
+    m, work, cores, peers = _sparse_work_at_100(r)
     seconds = (peers * work["peer_s"] + work["server_s"]) / m["scale"]
     than = "longer than" if seconds / cores > m["ideal_s"] else "within"
     return (
         f"{seconds:.2f} CPU seconds per round for its {peers} peers and the server on the 1/{m['scale']} model, "
         f"{seconds / cores:.2f} s on {cores} cores, {than} the whole ideal round ({m['ideal_s']:.2f} s): at "
         f"most {min(1.0, m['ideal_s'] * cores / seconds):.0%} of the ideal with every byte overlapped"
+    )
+
+
+@fig("wan.sparse_barrier_bound")
+def _wan_sparse_barrier_bound(r: Records) -> str:
+    """The bound the round's barrier puts on the sparse round at 100 Mbit/s: the server aggregates once every
+    upload is in and applied, and the downloads follow, so with e a peer's encode and d the server's apply of the
+    P uploads (bench_codec's seconds over the scale, one thread: the codec's work alone), need(.) what the link
+    needs for a phase's bytes,
+
+        round >= max((P e + d) / cores, need(up)) + need(down)     (every process sharing the machine's cores)
+        round >= max(e, need(up)) + need(down)                     (a core each: a peer encodes while its bytes go)
+    """
+    m, work, cores, peers = _sparse_work_at_100(r)
+    best = min(m["spes_rounds"], key=lambda round_: round_["seconds"])
+    up, down = _link_need(m, best["up_per_peer"]), _link_need(m, best["down_per_peer"])
+    encode, apply = work["peer_encode_s"] / m["scale"], work["server_decode_s"] / m["scale"]
+    shared = max((peers * encode + apply) / cores, up) + down
+    own = max(encode, up) + down
+    return (
+        f"{peers} encodes of {encode:.2f} s and the server's {apply:.2f} s applying them on {cores} cores, then the "
+        f"download's {down:.2f} s: at least {shared:.2f} s, at most {m['ideal_s'] / shared:.0%} of the "
+        f"{m['ideal_s']:.2f} s ideal at {link(100.0)}; with a core per process at least {own:.2f} s, at most "
+        f"{m['ideal_s'] / own:.0%} (1/{m['scale']} model, {r('bench_codec')['commit'][:7]})"
     )
 
 

@@ -18,24 +18,10 @@
 # $OUT/run_gpu.log. Off the device (no $OUT) it writes to bench/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
-PY=${PYTHON:-python3}
 GPU_TESTS_S=${GPU_TESTS_S:-60}
 BUDGET_S=${BUDGET_S:-270}
-exec > >(tee "$OUT/run_gpu.log") 2>&1
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "error: installing the carried wheels failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-  [ -f .whl/COMMIT ] && export SPES_COMMIT=$(cat .whl/COMMIT)
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1
-"$PY" -c "import omegaconf, torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" || {
-  echo "error: spes cannot be imported here: run 'bash bench/prepare_gpu.sh' on the development machine and carry .whl"
-  exit 1
-}
+exec > >(tee "${OUT:-bench/results}/run_gpu.log") 2>&1
+source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 echo "=== pytest -m gpu (at most ${GPU_TESTS_S}s)"
 timeout "$GPU_TESTS_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests
