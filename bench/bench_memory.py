@@ -30,9 +30,9 @@ import torch
 from common import MIB, REPO_ROOT, format_table, machine_info, parser, run_child, write_results
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer, count_params
+from spes.objective import language_model_loss
 from spes.optim import build_optimizer, optimizer_state_bytes
 from spes.preflight import FP32, memory_need, model_state_bytes
-from spes.trainer import language_model_loss
 
 TOLERANCE = 0.05
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"

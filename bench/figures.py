@@ -1115,7 +1115,7 @@ def _codec_sparse_select_ab(r: Records) -> str:
         by_commit.setdefault(x["commit"][:7], []).append(x["codecs"]["sparse"])
     if len(by_commit) != 2 or any(len(v) != 2 for v in by_commit.values()):
         raise ValueError("bench_codec_select_*: need two runs at each of two commits")
-    (before, a), (after, b) = by_commit.items()
+    a, b = by_commit.values()  # NOTE: in the order of the runs, the commit before first
 
     def ratio(end: str) -> str:
         return f"{median(c[end] for c in a) / median(c[end] for c in b):.2f}x"

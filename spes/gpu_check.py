@@ -166,8 +166,8 @@ def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Chec
     from spes.config import TrainConfig
     from spes.distributed import DistInfo, apply_fsdp
     from spes.model import Transformer
+    from spes.objective import language_model_loss
     from spes.optim import build_optimizer
-    from spes.trainer import language_model_loss
 
     assert isinstance(cfg, TrainConfig)
     if world == 1:

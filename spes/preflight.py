@@ -33,7 +33,7 @@ from spes.model import LOSS_CHUNK_ELEMENTS, Transformer, analytic_param_counts, 
 from spes.sync.auth import TOKEN_ENV
 
 if TYPE_CHECKING:
-    from spes.sync.client import SyncClient
+    from spes.sync.client import SyncClient, SyncError
 
 FP32 = 4
 BF16 = 2
@@ -235,7 +235,7 @@ def check_server(
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
     from spes.sync.client import SyncError
     from spes.sync.peer import node_spec, sync_client
-    from spes.sync.protocol import PROTOCOL_VERSION, Reason
+    from spes.sync.protocol import PROTOCOL_VERSION
 
     s = cfg.spes_config
     if not cfg.sync_enabled:
@@ -248,58 +248,72 @@ def check_server(
         f"mode {cfg.mode}, {cfg.num_peers} peers, {cfg.experts_per_peer} experts per block, peer {s.peer_id}, "
         f"manifest of {len(shapes)} tensors"
     )
+    try:
+        checked = client.check_join()
+    except SyncError as exc:
+        client.close()
+        return _refused_join(cfg, exc), None
+    known = "matches the run's" if checked else "will set the run's (no peer has joined yet)"
+    reached = f"{s.server_addr} reachable, protocol v{PROTOCOL_VERSION}"
+    return [
+        ok("server", f"{reached}, credentials accepted ({_security(cfg)})"),
+        ok("settings", f"{settings}: the server accepts them; the manifest {known}"),
+    ], client
+
+
+def _security(cfg: TrainConfig) -> str:
+    """How this node authenticates to the server, in words."""
+    s = cfg.spes_config
     parts = (
         "token" if s.token_file or os.environ.get(TOKEN_ENV) else "",
         "TLS" if s.tls_ca or s.tls_cert else "",
         f"client certificate {s.tls_cert}" if s.tls_cert else "",
     )
-    security = ", ".join(p for p in parts if p) or "no token, no TLS"
-    try:
-        checked = client.check_join()
-    except SyncError as exc:
-        client.close()
-        code = exc.code.name if exc.code is not None else ""
-        fixes = {
-            "UNAVAILABLE": "start the server, or check spes_config.server_addr, the firewall and spes_config.tls_ca",
-            "DEADLINE_EXCEEDED": "the server does not answer in time: check spes_config.server_addr and the network",
-            "UNAUTHENTICATED": "set SPES_TOKEN (or spes_config.token_file) to the run's shared secret",
-            "PERMISSION_DENIED": "use the client certificate issued for this peer (common name peer-<peer_id>) "
-            "in spes_config.tls_cert/tls_key, or check spes_config.peer_id",
-        }
-        if code in fixes:
-            return [
-                fail("server", f"{s.server_addr}: {exc}", fixes[code]),
-                skip("settings", "not checked: the server refused or did not answer"),
-            ], None
-        if exc.reason == Reason.OLD_SERVER:
-            return [
-                fail(
-                    "server",
-                    f"{s.server_addr}: {exc}",
-                    "update the parameter server to this spes version (the "
-                    "training protocol is the same); its settings were accepted",
-                ),
-                skip("settings", "not checked by an older server"),
-            ], None
-        if exc.reason == Reason.WRONG_PROTOCOL or "wire protocol" in str(exc):  # NOTE: a v3 server gives no reason
-            return [
-                fail("server", f"{s.server_addr}: {exc}", "run the same spes version on the server and every node"),
-                skip("settings", "not checked: the server speaks another protocol"),
-            ], None
+    return ", ".join(p for p in parts if p) or "no token, no TLS"
+
+
+_JOIN_FIXES = {
+    "UNAVAILABLE": "start the server, or check spes_config.server_addr, the firewall and spes_config.tls_ca",
+    "DEADLINE_EXCEEDED": "the server does not answer in time: check spes_config.server_addr and the network",
+    "UNAUTHENTICATED": "set SPES_TOKEN (or spes_config.token_file) to the run's shared secret",
+    "PERMISSION_DENIED": "use the client certificate issued for this peer (common name peer-<peer_id>) "
+    "in spes_config.tls_cert/tls_key, or check spes_config.peer_id",
+}
+"""The fix for each way a server may refuse a dry join, or not answer it, before it looks at the settings."""
+
+
+def _refused_join(cfg: TrainConfig, exc: SyncError) -> list[Check]:
+    """The server and settings checks of a dry join the server refused: the link or the credentials, the version,
+    or (the server reachable and the credentials accepted) the settings."""
+    from spes.sync.protocol import Reason
+
+    addr = cfg.spes_config.server_addr
+    code = exc.code.name if exc.code is not None else ""
+    if code in _JOIN_FIXES:
         return [
-            ok("server", f"{s.server_addr} reachable, credentials accepted ({security})"),
-            fail(
-                "settings",
-                str(exc),
-                "make this node's config match the run's (the YAML the server was "
-                "started with and the other nodes' configs)",
-            ),
-        ], None
-    known = "matches the run's" if checked else "will set the run's (no peer has joined yet)"
+            fail("server", f"{addr}: {exc}", _JOIN_FIXES[code]),
+            skip("settings", "not checked: the server refused or did not answer"),
+        ]
+    if exc.reason == Reason.OLD_SERVER:
+        fix = "update the parameter server to this spes version (the training protocol is the same); its settings "
+        return [
+            fail("server", f"{addr}: {exc}", fix + "were accepted"),
+            skip("settings", "not checked by an older server"),
+        ]
+    if exc.reason == Reason.WRONG_PROTOCOL or "wire protocol" in str(exc):  # NOTE: a v3 server gives no reason
+        return [
+            fail("server", f"{addr}: {exc}", "run the same spes version on the server and every node"),
+            skip("settings", "not checked: the server speaks another protocol"),
+        ]
     return [
-        ok("server", f"{s.server_addr} reachable, protocol v{PROTOCOL_VERSION}, credentials accepted ({security})"),
-        ok("settings", f"{settings}: the server accepts them; the manifest {known}"),
-    ], client
+        ok("server", f"{addr} reachable, credentials accepted ({_security(cfg)})"),
+        fail(
+            "settings",
+            str(exc),
+            "make this node's config match the run's (the YAML the server was started with and the other nodes' "
+            "configs)",
+        ),
+    ]
 
 
 def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:

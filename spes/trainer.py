@@ -21,14 +21,14 @@ from torch import nn
 
 from spes import checkpoint
 from spes.config import SchedulerConfig, TrainConfig, parse_duration, to_dict
-from spes.data import repetitive_instances
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
 from spes.interrupt import Interrupted, StopRequest
-from spes.model import IGNORE_INDEX, ModelOutput, logit_loss_sums, tflops_per_token
+from spes.model import tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak_memory_mb
+from spes.objective import language_model_loss, micro_batch_loss
 from spes.optim import lr_at, rewarmed_lr, set_lr
 from spes.tracking import Trackers
 
@@ -84,16 +84,6 @@ def scheduler_in_steps(cfg: TrainConfig) -> SchedulerConfig:
     if sched.units == "steps":
         return sched
     return replace(sched, units="steps", t_warmup=math.ceil(sched.t_warmup / cfg.tokens_per_step))
-
-
-def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy in fp32, summed over the kept labels and divided by all labels.
-
-    NOTE: as in OLMo, ignored labels still count in the denominator, so a filtered window adds zero
-    (and a micro-batch with every window filtered gives 0, not NaN).
-    """
-    total, _ = logit_loss_sums(logits_BSV.flatten(0, 1), labels_BS.flatten(), logit_z=False)
-    return total / labels_BS.numel()
 
 
 def _encode_rng() -> dict[str, str]:
@@ -233,7 +223,7 @@ class Trainer:
         micro = batch.split(self.cfg.device_train_microbatch_size)
         for i, mb in enumerate(micro):
             with grad_sync(self.model, i == len(micro) - 1), self.autocast:
-                loss, mb_ce, out = self._micro_batch_loss(mb)
+                loss, mb_ce, out = micro_batch_loss(self.model, mb, self.cfg)
             (loss / len(micro)).backward()
             sums += torch.stack([mb_ce.detach(), out.lb_loss.detach(), out.z_loss.detach()]) / len(micro)
             if self.cfg.model.moe_log_expert_assignment:
@@ -271,25 +261,6 @@ class Trainer:
             batch = batch.pin_memory()  # NOTE: a pageable copy would wait for the work queued before it
         return batch.to(self.info.device, non_blocking=True)
 
-    def _micro_batch_loss(self, batch_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
-        """The loss to backpropagate (cross entropy, the MoE's auxiliary losses, the optional softmax z-loss), the
-        cross entropy alone, and the model's output."""
-        labels = self._labels(batch_BS)
-        logit_z = self.cfg.softmax_auxiliary_loss
-        if self.cfg.fused_loss:  # the model computes the loss sums itself, its head a chunk at a time
-            out = self.model(batch_BS[:, :-1], labels, logit_z=logit_z)
-            assert out.ce_sum is not None and out.logit_z_sum is not None
-            ce_sum, z_sum = out.ce_sum, out.logit_z_sum
-        else:
-            out = self.model(batch_BS[:, :-1])
-            assert out.logits is not None
-            ce_sum, z_sum = logit_loss_sums(out.logits.flatten(0, 1), labels.flatten(), logit_z=logit_z)
-        ce = ce_sum / labels.numel()
-        loss = ce + out.lb_loss + out.z_loss
-        if logit_z:  # as in OLMo, over the kept labels' positions, / all positions
-            loss = loss + self.cfg.auxiliary_loss_multiplier * z_sum / labels.numel()
-        return loss, ce, out
-
     def _node_total(self, counts: torch.Tensor) -> list:
         """Per-rank counts summed over the node's ranks, as (nested) lists of ints for metrics.jsonl."""
         mean = all_reduce_mean(counts.double(), self.info)
@@ -310,20 +281,6 @@ class Trainer:
                 f"steps in a row"
             )
         self.log(f"warning: {what}; its update is skipped ({self.nonfinite_in_a_row} of at most {allowed} in a row)")
-
-    def _labels(self, batch_BS: torch.Tensor) -> torch.Tensor:
-        """Next-token labels; windows caught by `data.instance_filter` are left out of the loss."""
-        labels = batch_BS[:, 1:]
-        flt = self.cfg.data.instance_filter
-        if flt is None:
-            return labels
-        drop_B = repetitive_instances(
-            batch_BS,
-            min_period=flt.repetition_min_period,
-            max_period=flt.repetition_max_period,
-            max_count=flt.repetition_max_count,
-        )
-        return labels.masked_fill(drop_B.unsqueeze(1), IGNORE_INDEX)
 
     def _apply_decayed_aux_factor(self) -> None:
         spes = self.cfg.spes_config

@@ -277,7 +277,7 @@ def upcycle(
     return step, plan
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m spes.upcycle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -309,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         help="demo/testing only: write a random dense model of this type that --config can upcycle "
         "to --hf (with the config's tokenizer when it exists), then exit",
     )
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = build_parser().parse_known_args(argv)
     try:
         cfg, _ = load_config(args.config, overrides)
         if args.make_random_dense:

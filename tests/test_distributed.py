@@ -553,7 +553,7 @@ def _train_two_steps(compile_option: dict | bool | None) -> tuple[list[float], t
     """Two AdamW steps of configs/tiny.yaml's model as SPES peer 1 (experts 2-3 trainable) on fixed tokens."""
     from spes.distributed import apply_checkpointing_and_compile
     from spes.model import Transformer
-    from spes.trainer import language_model_loss
+    from spes.objective import language_model_loss
 
     cfg = load_config(TINY, ["--spes_config.peer_id=1"])[0]
     torch.manual_seed(0)

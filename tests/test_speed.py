@@ -11,6 +11,7 @@ import torch
 
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer
+from spes.objective import micro_batch_loss
 from spes.speed import SyncCounter, build_timed_node, random_batch, step_figures, time_steps, trained_expert_share
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ def _losses_and_grads(cfg: TrainConfig, batch: torch.Tensor) -> tuple[list[float
     """The gradients of one micro-batch, then the losses of two optimizer steps (which those gradients drive)."""
     trainer = build_timed_node(cfg, torch.device("cpu"))
     with trainer.autocast:
-        loss, _, _ = trainer._micro_batch_loss(batch[: cfg.device_train_microbatch_size])
+        loss, _, _ = micro_batch_loss(trainer.model, batch[: cfg.device_train_microbatch_size], cfg)
     loss.backward()
     grads = {n: p.grad.float().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,61 @@
+"""What a node minimizes: next-token cross entropy (with OLMo's instance filter), the MoE's auxiliary losses and
+the optional softmax z-loss, per micro-batch; and the validation loss. Pure functions of a model and a batch, so
+the training loop (`spes.trainer`), the GPU check and the tests compute one objective."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from spes.config import InstanceFilterConfig, TrainConfig
+from spes.data import repetitive_instances
+from spes.model import IGNORE_INDEX, ModelOutput, logit_loss_sums
+
+
+def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy in fp32, summed over the kept labels and divided by all labels.
+
+    NOTE: as in OLMo, ignored labels still count in the denominator, so a filtered window adds zero
+    (and a micro-batch with every window filtered gives 0, not NaN).
+    """
+    total, _ = logit_loss_sums(logits_BSV.flatten(0, 1), labels_BS.flatten(), logit_z=False)
+    return total / labels_BS.numel()
+
+
+def next_token_labels(batch_BS: torch.Tensor, instance_filter: InstanceFilterConfig | None) -> torch.Tensor:
+    """Next-token labels; windows caught by `data.instance_filter` are left out of the loss."""
+    labels = batch_BS[:, 1:]
+    if instance_filter is None:
+        return labels
+    drop_B = repetitive_instances(
+        batch_BS,
+        min_period=instance_filter.repetition_min_period,
+        max_period=instance_filter.repetition_max_period,
+        max_count=instance_filter.repetition_max_count,
+    )
+    return labels.masked_fill(drop_B.unsqueeze(1), IGNORE_INDEX)
+
+
+def micro_batch_loss(
+    model: nn.Module, batch_BS: torch.Tensor, cfg: TrainConfig
+) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
+    """The loss to backpropagate (cross entropy, the MoE's auxiliary losses, the optional softmax z-loss), the
+    cross entropy alone, and the model's output.
+
+        loss = CE + lb_loss + z_loss (+ auxiliary_loss_multiplier * sum(logsumexp^2) / labels, with z-loss)
+    """
+    labels = next_token_labels(batch_BS, cfg.data.instance_filter)
+    logit_z = cfg.softmax_auxiliary_loss
+    if cfg.fused_loss:  # the model computes the loss sums itself, its head a chunk at a time
+        out = model(batch_BS[:, :-1], labels, logit_z=logit_z)
+        assert out.ce_sum is not None and out.logit_z_sum is not None
+        ce_sum, z_sum = out.ce_sum, out.logit_z_sum
+    else:
+        out = model(batch_BS[:, :-1])
+        assert out.logits is not None
+        ce_sum, z_sum = logit_loss_sums(out.logits.flatten(0, 1), labels.flatten(), logit_z=logit_z)
+    ce = ce_sum / labels.numel()
+    loss = ce + out.lb_loss + out.z_loss
+    if logit_z:  # as in OLMo, over the kept labels' positions, / all positions
+        loss = loss + cfg.auxiliary_loss_multiplier * z_sum / labels.numel()
+    return loss, ce, out
