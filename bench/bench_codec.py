@@ -16,7 +16,8 @@ of it as the round does it (`spes.sync.codecs.held`):
 Each distinct tensor shape is timed once on a random delta (the work depends on the shape alone) and weighted by
 how many tensors of the round have it. The record puts each codec's seconds beside the seconds its bytes save
 against the fp32 wire at 1 Gbit/s and 100 Mbit/s (`RunSpec.round_bytes`): compression pays where the saving is the
-larger. Seconds are process CPU time with `--threads` torch threads, the fastest of `--repeats`.
+larger. Seconds are process CPU time with `--threads` torch threads (`--clock wall`: wall time, what a round waits on
+that many threads), the fastest of `--repeats`.
 
 Pages: every round makes fresh model-sized tensors, and a fresh tensor costs a page fault per page it touches. spes
 turns on PyTorch's 2 MiB pages for CPU tensors of 2 MiB and more (`THP_MEM_ALLOC_ENABLE`, set in `spes/__init__.py`);
@@ -58,6 +59,7 @@ from spes.sync.spec import RunSpec, run_spec
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 LINKS_MBIT = (1000, 100)
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 PAGES = {"2 MiB": "1", "4 KiB": "0"}
 """The page sizes compared -> THP_MEM_ALLOC_ENABLE of the measuring process."""
 
@@ -82,8 +84,8 @@ def huge_page_kib() -> int:
 class ShapeTimer:
     """CPU seconds of one tensor's round work per (format, shape), each computed once; notes the huge pages seen."""
 
-    def __init__(self, repeats: int) -> None:
-        self.repeats = repeats
+    def __init__(self, repeats: int, clock: Callable[[], float]) -> None:
+        self.repeats, self.clock = repeats, clock
         self.huge_kib = 0
         self._cache: dict[tuple[Quantizer, Shape, str], float] = {}
         """By the quantizer's value (a frozen dataclass: its settings), not its id, which a freed one passes on."""
@@ -125,7 +127,7 @@ class ShapeTimer:
         return base, base + torch.randn(shape, generator=gen) * 1e-3, torch.randn(shape, generator=gen) * 1e-4
 
     def _time(self, fn: Callable[[], object]) -> float:
-        seconds = best_seconds(fn, self.repeats, time.process_time)
+        seconds = best_seconds(fn, self.repeats, self.clock)
         self.huge_kib = max(self.huge_kib, huge_page_kib())
         return seconds
 
@@ -181,9 +183,9 @@ def measure(config: Path, codec: CodecChoice, timer: ShapeTimer) -> dict[str, An
     return {"settings": codec.settings, **seconds, **wire_saving(spec, fp32)}
 
 
-def child(config: Path, codecs: list[CodecChoice], repeats: int) -> dict[str, Any]:
+def child(config: Path, codecs: list[CodecChoice], repeats: int, clock: str) -> dict[str, Any]:
     """Every codec measured in this process (its page size set by its parent)."""
-    timer = ShapeTimer(repeats)
+    timer = ShapeTimer(repeats, CLOCKS[clock])
     codecs_seconds = {c.label: measure(config, c, timer) for c in codecs}
     return {"codecs": codecs_seconds, "huge_page_kib": timer.huge_kib}
 
@@ -208,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: seconds per core)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per shape (default 3; quick: 1)")
+    p.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="cpu",
+        help="cpu: the process's CPU seconds (the work, on any number of threads); wall: seconds on the clock (what a "
+        "round waits with --threads threads)",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -217,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         quantizer_of(codec)  # refuse a raw codec before measuring anything
     repeats = args.repeats or (1 if args.quick else 3)
     if args.child:
-        print(json.dumps(child(config, codecs, repeats)))
+        print(json.dumps(child(config, codecs, repeats, args.clock)))
         return 0
     forwarded = ["--child", "--config", str(config), "--threads", str(args.threads), "--repeats", str(repeats)]
+    forwarded += ["--clock", args.clock]
     forwarded += ["--codecs", *(c.text for c in codecs)]
     pages = {
         size: run_child(Path(__file__), forwarded, env={"THP_MEM_ALLOC_ENABLE": flag}, timeout=3600)
@@ -236,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             "mode": "quick" if args.quick else "full",
             "config": str(config.relative_to(REPO_ROOT)),
             "threads": args.threads,
+            "clock": args.clock,
             "repeats": repeats,
             "machine": machine_info(),
             "codecs": pages["2 MiB"]["codecs"],

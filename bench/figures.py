@@ -829,7 +829,7 @@ FIGURES["wan.codec_efficiency_a319b1b"] = lambda r: _wan_codec_efficiency(r, "be
 def _sparse_work_at_100(r: Records) -> tuple[dict[str, Any], dict[str, float], int, int]:
     """The link table's sparse measurement at 100 Mbit/s, bench_codec's sparse seconds per 1B round (one thread),
     the link machine's cores and the peers: the two records of one config at one commit."""
-    wan, codec = r("bench_wan_codecs"), r("bench_codec")
+    wan, codec = r("bench_wan_codecs"), _codec_seconds(r, "bench_codec")
     if codec["config"] != wan["config"] or codec["threads"] != 1 or codec["commit"] != wan["commit"]:
         raise ValueError(
             "bench_codec and bench_wan_codecs must time the same config at the same commit, bench_codec with 1 thread"
@@ -1068,8 +1068,17 @@ def _quickstart_stages(r: Records) -> str:
     return f"{stages}: {took(x['total_seconds'])} in all on a fresh clone ({x['machine']['cpus']} cores)"
 
 
+def _codec_seconds(r: Records, name: str, clock: str = "cpu") -> dict[str, Any]:
+    """A bench_codec record whose seconds are of `clock` (cpu: the work; wall: what a round waits; records from
+    before the choice timed the CPU)."""
+    x = r(name)
+    if x.get("clock", "cpu") != clock:
+        raise ValueError(f"{name}: timed the {x.get('clock', 'cpu')} clock, this figure reads the {clock} clock")
+    return x
+
+
 def _codec_cpu(r: Records, codec: str) -> str:
-    x = r("bench_codec")
+    x = _codec_seconds(r, "bench_codec")
     c, threads = x["codecs"][codec], x["threads"]
     saved = ", ".join(f"{s:.1f} s at {link}" for link, s in c["saved_s"].items())
     return (
@@ -1107,7 +1116,7 @@ def _codec_pages(r: Records) -> str:
 def _codec_sparse_select_ab(r: Records) -> str:
     """The sparse codec's encode seconds per 1B round before and after its selections moved to numpy (and a group's
     largest magnitude to max(max, -min)): bench_codec at 5bf0e95, 17b3cbd twice, 5bf0e95, one config and thread."""
-    runs = [r(f"bench_codec_select_{n}") for n in ("a1", "b1", "b2", "a2")]
+    runs = [_codec_seconds(r, f"bench_codec_select_{n}") for n in ("a1", "b1", "b2", "a2")]
     if len({(x["config"], x["threads"], x["repeats"], x["machine"]["cpus"]) for x in runs}) != 1:
         raise ValueError("bench_codec_select_*: the runs differ in config, threads, repeats or machine")
     by_commit: dict[str, list[dict]] = {}
