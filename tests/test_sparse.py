@@ -12,6 +12,7 @@ from spes.sync.codecs.base import Scattered
 from spes.sync.codecs.held import apply_delta, encode_delta
 from spes.sync.codecs.sparse import (
     MAX_CHUNK,
+    ROWS_PER_THREAD,
     Sparse,
     SparsePayload,
     dequantize,
@@ -72,6 +73,23 @@ def test_the_largest_entries_of_each_row_are_topks_though_found_in_two_small_sel
         assert got.shape == (16, k) and bool((got[:, 1:] > got[:, :-1]).all())  # NOTE: each position once, in order
         values = magnitudes.gather(1, got).sort(dim=1, descending=True).values
         torch.testing.assert_close(values, magnitudes.topk(k, dim=1).values, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("rows", [64, 129, 1000])
+def test_the_selection_is_the_same_on_any_number_of_threads(rows: int) -> None:
+    """Blocks of rows go to torch's intra-op threads (at least `ROWS_PER_THREAD` each, the last block shorter): each
+    row's positions are those of one thread, whatever the split."""
+    x = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [largest(x, k) for k in (64, 256, 300)]
+        for n in (2, 3, 7):
+            torch.set_num_threads(n)
+            assert all(torch.equal(largest(x, k), want) for k, want in zip((64, 256, 300), alone))
+    finally:
+        torch.set_num_threads(threads)
+    assert ROWS_PER_THREAD * 2 <= 129  # NOTE: so 129 and 1000 rows are split, 64 is not
 
 
 @pytest.mark.parametrize("numel", [1, 5, 63, 64, 100, 4096, 4096 * 2 + 17])

@@ -24,7 +24,8 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,12 +227,36 @@ def _rows(flat: torch.Tensor, chunk: int) -> list[torch.Tensor]:
     return blocks
 
 
+ROWS_PER_THREAD = 64
+"""Fewest rows a thread of the selection takes (fewer and handing them over costs more than it saves)."""
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spes-select")
+
+
+def _by_rows(work: Callable[[np.ndarray], np.ndarray], rows: np.ndarray) -> torch.Tensor:
+    """`work` of each row of `rows`, in blocks of rows on torch's intra-op threads (`torch.get_num_threads`, as
+    every other op of the codec): numpy's selections and sorts run on one core, but without the GIL, and a row's
+    result does not depend on the block it is in."""
+    threads = max(1, min(torch.get_num_threads(), len(rows) // ROWS_PER_THREAD))
+    if threads == 1:
+        return torch.from_numpy(work(rows))
+    step = -(-len(rows) // threads)
+    return torch.from_numpy(
+        np.concatenate(list(_pool(threads).map(work, np.split(rows, range(step, len(rows), step)))))
+    )
+
+
 def _top(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
     """Per row of `magnitudes` (rows x length, float32), the positions of its k largest entries in no particular
     order, NaN above every number. numpy's `argpartition` (introselect) is the selection: it costs half of
     `torch.topk`'s on CPU rows of a few hundred to a few thousand entries, where topk's per-row setup dominates."""
-    order = np.argpartition(magnitudes.numpy(), magnitudes.shape[1] - k, axis=1)
-    return torch.from_numpy(np.ascontiguousarray(order[:, magnitudes.shape[1] - k :]))
+    keep = magnitudes.shape[1] - k
+    return _by_rows(
+        lambda rows: np.ascontiguousarray(np.argpartition(rows, keep, axis=1)[:, keep:]), magnitudes.numpy()
+    )
 
 
 def largest(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -261,7 +286,7 @@ def largest(values: torch.Tensor, k: int) -> torch.Tensor:
 
 def _increasing(positions: torch.Tensor) -> torch.Tensor:
     """Each row sorted (numpy's sort: a tenth of `torch.sort`'s time on many short CPU rows)."""
-    return torch.from_numpy(np.sort(positions.numpy(), axis=1))
+    return _by_rows(lambda rows: np.sort(rows, axis=1), positions.numpy())
 
 
 def quantize(name: str, x: torch.Tensor, chunk: int, topk: int, bits: int) -> SparsePayload:
