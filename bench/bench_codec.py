@@ -4,6 +4,7 @@
     .venv/bin/python bench/bench_codec.py                      # int8 and sparse on configs/spes_1b, 1 thread
     .venv/bin/python bench/bench_codec.py --codecs sparse:topk=128 --threads 4
     .venv/bin/python bench/bench_codec.py --quick              # configs/tiny.yaml (what CI runs)
+    .venv/bin/python bench/bench_codec.py --codecs sparse --threads 2 --clock wall --serial_selection
 
 A round's codec work, SPES peer 0 of the run spec the server builds from the config (a plain round, no merge), all
 of it as the round does it (`spes.sync.codecs.held`):
@@ -17,7 +18,9 @@ Each distinct tensor shape is timed once on a random delta (the work depends on 
 how many tensors of the round have it. The record puts each codec's seconds beside the seconds its bytes save
 against the fp32 wire at 1 Gbit/s and 100 Mbit/s (`RunSpec.round_bytes`): compression pays where the saving is the
 larger. Seconds are process CPU time with `--threads` torch threads (`--clock wall`: wall time, what a round waits on
-that many threads), the fastest of `--repeats`.
+that many threads), the fastest of `--repeats`. `--serial_selection` times each sparse codec again right after with
+its selections' numpy calls on one thread (`spes.sync.codecs.sparse.ROWS_PER_THREAD` out of reach), every other op on
+torch's threads: what running them on torch's threads saves, side by side in one process.
 
 Pages: every round makes fresh model-sized tensors, and a fresh tensor costs a page fault per page it touches. spes
 turns on PyTorch's 2 MiB pages for CPU tensors of 2 MiB and more (`THP_MEM_ALLOC_ENABLE`, set in `spes/__init__.py`);
@@ -28,6 +31,7 @@ the first one huge pages (`AnonHugePages` seen while it measured; the figures ar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -50,6 +54,7 @@ from common import (
     write_results,
 )
 from spes.config import load_config
+from spes.sync.codecs import sparse
 from spes.sync.codecs.base import Quantizer
 from spes.sync.codecs.held import apply_delta, encode_delta
 from spes.sync.codecs.registry import REGISTRY
@@ -60,6 +65,7 @@ PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 LINKS_MBIT = (1000, 100)
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+ENDS = ("peer_encode", "peer_decode", "server_decode", "server_encode")
 PAGES = {"2 MiB": "1", "4 KiB": "0"}
 """The page sizes compared -> THP_MEM_ALLOC_ENABLE of the measuring process."""
 
@@ -183,11 +189,28 @@ def measure(config: Path, codec: CodecChoice, timer: ShapeTimer) -> dict[str, An
     return {"settings": codec.settings, **seconds, **wire_saving(spec, fp32)}
 
 
-def child(config: Path, codecs: list[CodecChoice], repeats: int, clock: str) -> dict[str, Any]:
-    """Every codec measured in this process (its page size set by its parent)."""
-    timer = ShapeTimer(repeats, CLOCKS[clock])
-    codecs_seconds = {c.label: measure(config, c, timer) for c in codecs}
-    return {"codecs": codecs_seconds, "huge_page_kib": timer.huge_kib}
+def child(config: Path, codecs: list[CodecChoice], repeats: int, clock: str, serial: bool) -> dict[str, Any]:
+    """Every codec measured in this process (its page size set by its parent); with `serial`, each sparse codec
+    measured again right after with its selections on one thread (`serial_selection`)."""
+    timer, alone = ShapeTimer(repeats, CLOCKS[clock]), ShapeTimer(repeats, CLOCKS[clock])
+    codecs_seconds, serial_seconds = {}, {}
+    for c in codecs:
+        codecs_seconds[c.label] = measure(config, c, timer)
+        if serial and c.name == sparse.NAME:
+            serial_seconds[c.label] = serial_selection(functools.partial(measure, config, c, alone))
+    out = {"codecs": codecs_seconds, "huge_page_kib": max(timer.huge_kib, alone.huge_kib)}
+    return {**out, "serial_selection": serial_seconds} if serial else out
+
+
+def serial_selection(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """`work` with the sparse selections' numpy calls on one thread, whatever torch's thread count (every other op
+    on torch's threads as before): what they cost before they ran on torch's threads."""
+    rows = sparse.ROWS_PER_THREAD
+    sparse.ROWS_PER_THREAD = sys.maxsize
+    try:
+        return work()
+    finally:
+        sparse.ROWS_PER_THREAD = rows
 
 
 def report(label: str, c: dict[str, Any], fourk: dict[str, Any] | None) -> None:
@@ -217,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu: the process's CPU seconds (the work, on any number of threads); wall: seconds on the clock (what a "
         "round waits with --threads threads)",
     )
+    p.add_argument(
+        "--serial_selection",
+        action="store_true",
+        help="also time each sparse codec with its selections on one thread, right after (2 MiB pages only)",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -226,13 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         quantizer_of(codec)  # refuse a raw codec before measuring anything
     repeats = args.repeats or (1 if args.quick else 3)
     if args.child:
-        print(json.dumps(child(config, codecs, repeats, args.clock)))
+        print(json.dumps(child(config, codecs, repeats, args.clock, args.serial_selection)))
         return 0
     forwarded = ["--child", "--config", str(config), "--threads", str(args.threads), "--repeats", str(repeats)]
     forwarded += ["--clock", args.clock]
     forwarded += ["--codecs", *(c.text for c in codecs)]
+    serial = ["--serial_selection"] if args.serial_selection else []
     pages = {
-        size: run_child(Path(__file__), forwarded, env={"THP_MEM_ALLOC_ENABLE": flag}, timeout=3600)
+        size: run_child(
+            Path(__file__), forwarded + serial * (size == "2 MiB"), env={"THP_MEM_ALLOC_ENABLE": flag}, timeout=3600
+        )
         for size, flag in PAGES.items()
     }
     huge = pages["2 MiB"]["huge_page_kib"] > 0
@@ -240,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         print("the kernel gave no huge pages (transparent_hugepage: never?): no ratio of the page sizes", flush=True)
     for label, c in pages["2 MiB"]["codecs"].items():
         report(label, c, pages["4 KiB"]["codecs"][label] if huge else None)
+    for label, c in pages["2 MiB"].get("serial_selection", {}).items():
+        fast = pages["2 MiB"]["codecs"][label]
+        ends = ", ".join(f"{end} {c[f'{end}_s']:.2f} s (x{c[f'{end}_s'] / fast[f'{end}_s']:.2f})" for end in ENDS)
+        print(f"{label} with its selections on one thread: {ends}", flush=True)
     write_results(
         args.out,
         {
@@ -250,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": repeats,
             "machine": machine_info(),
             "codecs": pages["2 MiB"]["codecs"],
+            **({"serial_selection": pages["2 MiB"]["serial_selection"]} if args.serial_selection else {}),
             "pages": pages,
             "huge_pages_seen": huge,
         },

@@ -118,8 +118,12 @@ def test_bench_wire_quick_measured_equals_analytic(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_codec_quick_weighs_cpu_seconds_against_wire_seconds(tmp_path: Path) -> None:
-    results, stdout = run_bench("bench_codec", tmp_path, "--codecs", "int8", "sparse")
+    results, stdout = run_bench("bench_codec", tmp_path, "--codecs", "int8", "sparse", "--serial_selection")
     int8, sparse = results["codecs"]["int8"], results["codecs"]["sparse"]
+    # the sparse codec again with its selections on one thread, on the same shapes and wire
+    assert set(results["serial_selection"]) == {"sparse"} and results["serial_selection"]["sparse"]["peer_encode_s"] > 0
+    assert results["serial_selection"]["sparse"]["bytes"] == sparse["bytes"] and results["clock"] == "cpu"
+    assert "sparse with its selections on one thread" in stdout
     for codec in (int8, sparse):
         assert codec["peer_s"] == pytest.approx(codec["peer_encode_s"] + codec["peer_decode_s"])
         assert codec["peer_encode_s"] > 0 and codec["server_s"] > 0
