@@ -18,9 +18,9 @@ Each distinct tensor shape is timed once on a random delta (the work depends on 
 how many tensors of the round have it. The record puts each codec's seconds beside the seconds its bytes save
 against the fp32 wire at 1 Gbit/s and 100 Mbit/s (`RunSpec.round_bytes`): compression pays where the saving is the
 larger. Seconds are process CPU time with `--threads` torch threads (`--clock wall`: wall time, what a round waits on
-that many threads), the fastest of `--repeats`. `--serial_selection` times each sparse codec again right after with
-its selections' numpy calls on one thread (`spes.sync.codecs.sparse.ROWS_PER_THREAD` out of reach), every other op on
-torch's threads: what running them on torch's threads saves, side by side in one process.
+that many threads), the fastest of `--repeats`. `--serial_selection` also times each work with the sparse selections'
+numpy calls on one thread (`spes.sync.codecs.sparse.ROWS_PER_THREAD` out of reach), every other op on torch's
+threads, the two call by call in turn: what running them on torch's threads saves, side by side in one process.
 
 Pages: every round makes fresh model-sized tensors, and a fresh tensor costs a page fault per page it touches. spes
 turns on PyTorch's 2 MiB pages for CPU tensors of 2 MiB and more (`THP_MEM_ALLOC_ENABLE`, set in `spes/__init__.py`);
@@ -31,12 +31,12 @@ the first one huge pages (`AnonHugePages` seen while it measured; the figures ar
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +87,22 @@ def huge_page_kib() -> int:
         return 0
 
 
-class ShapeTimer:
-    """CPU seconds of one tensor's round work per (format, shape), each computed once; notes the huge pages seen."""
+Key = tuple[Quantizer, Shape, str]
 
-    def __init__(self, repeats: int, clock: Callable[[], float]) -> None:
-        self.repeats, self.clock = repeats, clock
+
+class ShapeTimer:
+    """Seconds of one tensor's round work per (format, shape), each computed once; notes the huge pages seen.
+
+    With `serial`, each work is also timed with the sparse selections' numpy calls on one thread, the two variants
+    call by call in turn (so drift and the process's history weigh on both alike); `serial_view` then reads those."""
+
+    def __init__(self, repeats: int, clock: Callable[[], float], serial: bool = False) -> None:
+        self.repeats, self.clock, self.serial = repeats, clock, serial
         self.huge_kib = 0
-        self._cache: dict[tuple[Quantizer, Shape, str], float] = {}
+        self.serial_view = False
+        self._cache: dict[Key, float] = {}
         """By the quantizer's value (a frozen dataclass: its settings), not its id, which a freed one passes on."""
+        self._serial: dict[Key, float] = {}
 
     def encode(self, quantizer: Quantizer, shape: Shape, carried: bool, reconstruct: bool) -> float:
         """`encode_delta` (with a carried error or without) + `pack` of a tensor of `shape`, and its reconstruction
@@ -109,8 +117,8 @@ class ShapeTimer:
                 if reconstruct:
                     _ = sent.reconstruction  # made when first read
 
-            self._cache[key] = self._time(work)
-        return self._cache[key]
+            self._time(key, work)
+        return self._read(key)
 
     def decode(self, quantizer: Quantizer, shape: Shape) -> float:
         """`unpack` + `apply_delta` to the held model of a payload of `shape` in `quantizer`'s format, into memory
@@ -120,10 +128,8 @@ class ShapeTimer:
             base, value, _ = self._tensors(shape)
             payload = encode_delta(quantizer, "t", value, base).payload
             data, params, kept = payload.pack(), payload.params(), torch.empty_like(base)
-            self._cache[key] = self._time(
-                lambda: apply_delta(base, quantizer.unpack("t", shape, params, data), quantizer, kept)
-            )
-        return self._cache[key]
+            self._time(key, lambda: apply_delta(base, quantizer.unpack("t", shape, params, data), quantizer, kept))
+        return self._read(key)
 
     @staticmethod
     def _tensors(shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,10 +138,46 @@ class ShapeTimer:
         base = torch.randn(shape, generator=gen)
         return base, base + torch.randn(shape, generator=gen) * 1e-3, torch.randn(shape, generator=gen) * 1e-4
 
-    def _time(self, fn: Callable[[], object]) -> float:
-        seconds = best_seconds(fn, self.repeats, self.clock)
+    def _time(self, key: Key, fn: Callable[[], object]) -> None:
+        if self.serial:
+            self._cache[key], self._serial[key] = best_of_both(fn, self.repeats, self.clock)
+        else:
+            self._cache[key] = best_seconds(fn, self.repeats, self.clock)
         self.huge_kib = max(self.huge_kib, huge_page_kib())
-        return seconds
+
+    def _read(self, key: Key) -> float:
+        return (self._serial if self.serial_view else self._cache)[key]
+
+
+@contextlib.contextmanager
+def serial_selection() -> Iterator[None]:
+    """The sparse selections' numpy calls on one thread, whatever torch's thread count (every other op on torch's
+    threads as before): what they cost before they ran on torch's threads."""
+    rows = sparse.ROWS_PER_THREAD
+    sparse.ROWS_PER_THREAD = sys.maxsize
+    try:
+        yield
+    finally:
+        sparse.ROWS_PER_THREAD = rows
+
+
+def best_of_both(fn: Callable[[], object], repeats: int, clock: Callable[[], float]) -> tuple[float, float]:
+    """The fastest of `repeats` calls of `fn` as it is and with `serial_selection`, called in turn (one untimed call
+    of each first)."""
+
+    def serial() -> None:
+        with serial_selection():
+            fn()
+
+    fn()
+    serial()
+    best = [float("inf"), float("inf")]
+    for _ in range(repeats):
+        for i, call in enumerate((fn, serial)):
+            started = clock()
+            call()
+            best[i] = min(best[i], clock() - started)
+    return best[0], best[1]
 
 
 def weighted(spec: RunSpec, names: Iterable[str], per_shape: Callable[[Shape], float]) -> float:
@@ -190,27 +232,15 @@ def measure(config: Path, codec: CodecChoice, timer: ShapeTimer) -> dict[str, An
 
 
 def child(config: Path, codecs: list[CodecChoice], repeats: int, clock: str, serial: bool) -> dict[str, Any]:
-    """Every codec measured in this process (its page size set by its parent); with `serial`, each sparse codec
-    measured again right after with its selections on one thread (`serial_selection`)."""
-    timer, alone = ShapeTimer(repeats, CLOCKS[clock]), ShapeTimer(repeats, CLOCKS[clock])
-    codecs_seconds, serial_seconds = {}, {}
-    for c in codecs:
-        codecs_seconds[c.label] = measure(config, c, timer)
-        if serial and c.name == sparse.NAME:
-            serial_seconds[c.label] = serial_selection(functools.partial(measure, config, c, alone))
-    out = {"codecs": codecs_seconds, "huge_page_kib": max(timer.huge_kib, alone.huge_kib)}
-    return {**out, "serial_selection": serial_seconds} if serial else out
-
-
-def serial_selection(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """`work` with the sparse selections' numpy calls on one thread, whatever torch's thread count (every other op
-    on torch's threads as before): what they cost before they ran on torch's threads."""
-    rows = sparse.ROWS_PER_THREAD
-    sparse.ROWS_PER_THREAD = sys.maxsize
-    try:
-        return work()
-    finally:
-        sparse.ROWS_PER_THREAD = rows
+    """Every codec measured in this process (its page size set by its parent); with `serial`, each also with its
+    selections on one thread, call by call in turn (`best_of_both`)."""
+    timer = ShapeTimer(repeats, CLOCKS[clock], serial)
+    codecs_seconds = {c.label: measure(config, c, timer) for c in codecs}
+    out = {"codecs": codecs_seconds, "huge_page_kib": timer.huge_kib}
+    if not serial:
+        return out
+    timer.serial_view = True  # NOTE: every shape is timed by now: the same rounds read their serial seconds
+    return {**out, "serial_selection": {c.label: measure(config, c, timer) for c in codecs if c.name == sparse.NAME}}
 
 
 def report(label: str, c: dict[str, Any], fourk: dict[str, Any] | None) -> None:
