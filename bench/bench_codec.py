@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--serial_selection",
         action="store_true",
-        help="also time each sparse codec with its selections on one thread, right after (2 MiB pages only)",
+        help="also time each sparse codec with its selections on one thread, call by call in turn (2 MiB pages only)",
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

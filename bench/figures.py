@@ -1112,29 +1112,6 @@ def _codec_pages(r: Records) -> str:
     )
 
 
-def _codec_sparse_ab(r: Records, prefix: str, clock: str, ends: Sequence[str]) -> str:
-    """The sparse codec's seconds per 1B round at two commits, bench_codec runs `<prefix>_a1, b1, b2, a2` (ABBA, one
-    config, thread count, clock and machine), for each of `ends` (peer_encode, server_encode, ...), with how many
-    times faster the second commit is (the medians of its runs against the first's)."""
-    names = [f"{prefix}_{n}" for n in ("a1", "b1", "b2", "a2")]
-    runs = [_codec_seconds(r, name, clock) for name in names]
-    if len({(x["config"], x["threads"], x["repeats"], x["machine"]["cpus"]) for x in runs}) != 1:
-        raise ValueError(f"{prefix}_*: the runs differ in config, threads, repeats or machine")
-    by_commit: dict[str, list[dict]] = {}
-    for x in runs:
-        by_commit.setdefault(x["commit"][:7], []).append(x["codecs"]["sparse"])
-    if len(by_commit) != 2 or any(len(v) != 2 for v in by_commit.values()) or runs[0]["commit"] != runs[3]["commit"]:
-        raise ValueError(f"{prefix}_*: need two runs at each of two commits, in the order ABBA")
-    a, b = by_commit.values()
-
-    def one(end: str) -> str:
-        seconds = ", ".join(f"{x['codecs']['sparse'][f'{end}_s']:.2f} s at {x['commit'][:7]}" for x in runs)
-        ratio = median(c[f"{end}_s"] for c in a) / median(c[f"{end}_s"] for c in b)
-        return f"{seconds} ({ratio:.2f}x faster)"
-
-    return "; ".join(f"{ENDS[end]} {one(end)}" for end in ends)
-
-
 ENDS = {
     "peer_encode": "the node's encode",
     "peer_decode": "the node's decode",
@@ -1147,7 +1124,22 @@ ENDS = {
 def _codec_sparse_select_ab(r: Records) -> str:
     """The sparse codec's encode seconds per 1B round before and after its selections moved to numpy (and a group's
     largest magnitude to max(max, -min)): bench_codec at 5bf0e95, 17b3cbd twice, 5bf0e95, one config and thread."""
-    return _codec_sparse_ab(r, "bench_codec_select", "cpu", ("peer_encode", "server_encode"))
+    runs = [_codec_seconds(r, f"bench_codec_select_{n}") for n in ("a1", "b1", "b2", "a2")]
+    if len({(x["config"], x["threads"], x["repeats"], x["machine"]["cpus"]) for x in runs}) != 1:
+        raise ValueError("bench_codec_select_*: the runs differ in config, threads, repeats or machine")
+    by_commit: dict[str, list[dict]] = {}
+    for x in runs:
+        by_commit.setdefault(x["commit"][:7], []).append(x["codecs"]["sparse"])
+    if len(by_commit) != 2 or any(len(v) != 2 for v in by_commit.values()) or runs[0]["commit"] != runs[3]["commit"]:
+        raise ValueError("bench_codec_select_*: need two runs at each of two commits, in the order ABBA")
+    a, b = by_commit.values()
+
+    def one(end: str) -> str:
+        seconds = ", ".join(f"{x['codecs']['sparse'][f'{end}_s']:.2f} s at {x['commit'][:7]}" for x in runs)
+        ratio = median(c[f"{end}_s"] for c in a) / median(c[f"{end}_s"] for c in b)
+        return f"{ENDS[end]} {seconds} ({ratio:.2f}x faster)"
+
+    return f"{one('peer_encode')}; {one('server_encode')}"
 
 
 @fig("codec.sparse_threads")
