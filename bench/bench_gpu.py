@@ -9,7 +9,7 @@ The node is `configs/spes_1b/node_0.yaml` as `spes.train` builds it (peer 0, amp
 checkpointing), timed by `spes.speed`, the measurement `python -m spes.preflight --gpu` reports too. Variants
 change one thing at a time from there: `model.moe_backend` (torch, grouped_mm, megablocks when importable),
 `compile` off/on, `fused_loss` off/on, the micro-batch (4, 8, 16), activation checkpointing off, larger chunks
-of `fused_loss`'s head (`spes.model.LOSS_CHUNK_ELEMENTS`, set for the variant); the variant of
+of `fused_loss`'s head (`spes.head_loss.LOSS_CHUNK_ELEMENTS`, set for the variant); the variant of
 the CUDA defaults runs once more after those, so the record shows how much one run drifts.
 
 What a variant measures, honestly: a step of the config's 256 sequences takes seconds, so steps of 1 and of 4
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-import spes.model
+import spes.head_loss
 from common import REPO_ROOT, format_table, git_commit, machine_info, parser
 from spes import speed
 from spes.atomic import write_atomic
@@ -81,7 +81,7 @@ class Variant:
     fused_loss: bool
     micro_batch: int
     checkpointing: bool = True
-    loss_chunk: int | None = None  # `spes.model.LOSS_CHUNK_ELEMENTS` for this variant (no config key sets it)
+    loss_chunk: int | None = None  # `spes.head_loss.LOSS_CHUNK_ELEMENTS` for this variant (no config key sets it)
 
     def overrides(self) -> list[str]:
         flags = [
@@ -244,12 +244,12 @@ def syncs_per_step(trainer: Trainer, batch: torch.Tensor) -> dict[str, Any]:
 def loss_chunk(elements: int | None) -> Iterator[None]:
     """Logits per chunk of `fused_loss`'s head for one variant: compiled, a chunk holds no fp32 copy of its logits,
     so larger chunks (fewer weight casts, fewer fp32 adds of the head's weight gradient) may fit and win."""
-    kept = spes.model.LOSS_CHUNK_ELEMENTS
-    spes.model.LOSS_CHUNK_ELEMENTS = elements or kept
+    kept = spes.head_loss.LOSS_CHUNK_ELEMENTS
+    spes.head_loss.LOSS_CHUNK_ELEMENTS = elements or kept
     try:
         yield
     finally:
-        spes.model.LOSS_CHUNK_ELEMENTS = kept
+        spes.head_loss.LOSS_CHUNK_ELEMENTS = kept
 
 
 def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]:

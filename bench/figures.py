@@ -321,14 +321,23 @@ def _fused_memory(r: Records) -> str:
     return f"{r('bench_fused_loss')['memory_ratio']:.2f}x"
 
 
-@fig("fused.own_backward_ab")
-def _fused_own_backward(r: Records) -> str:
-    before, after = r("bench_fused_loss_c05659f"), r("bench_fused_loss")
+def _fused_ab(before: dict, after: dict) -> str:
+    """Two commits' `fused_loss` step, each as a ratio to the whole logits' step measured in its own run."""
     return (
         f"memory {before['memory_ratio']:.2f}x -> {after['memory_ratio']:.2f}x, step time "
         f"{before['step_time_ratio']:.2f}x -> {after['step_time_ratio']:.2f}x of the whole logits' "
         f"({before['commit'][:7]} -> {after['commit'][:7]}, each ratio within its own run)"
     )
+
+
+@fig("fused.own_backward_ab")
+def _fused_own_backward(r: Records) -> str:
+    return _fused_ab(r("bench_fused_loss_c05659f"), r("bench_fused_loss_1680c42"))
+
+
+@fig("fused.in_forward_ab")
+def _fused_in_forward(r: Records) -> str:
+    return _fused_ab(r("bench_fused_loss_1680c42"), r("bench_fused_loss"))
 
 
 @fig("fused.time_ratio")

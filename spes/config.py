@@ -452,7 +452,7 @@ class TrainConfig:
     )
     fused_loss: bool | None = _f(
         None,
-        "compute the LM head and the loss a chunk of tokens at a time, recomputing each chunk's logits in backward: "
+        "compute the LM head and the loss a chunk of tokens at a time, each chunk's gradient with its loss: "
         "the batch's logits never exist whole (most of the activation memory at a large vocabulary); null: true on "
         "a CUDA GPU, false elsewhere",
     )

@@ -18,7 +18,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeGuard
 
@@ -201,9 +201,8 @@ def apply_checkpointing_and_compile(model: nn.Module, mode: str | bool | None, o
             module.forward = functools.partial(checkpoint, forward, use_reentrant=False)
         if kwargs is not None and not recomputed:
             block.compile(**kwargs)
-    if kwargs is not None:  # `fused_loss`'s head: its chunks' loss in a pass or two over the bf16 logits
-        chunk_fn: Callable = model.chunk_loss_sums  # type: ignore[assignment]  # torch types it Tensor | Module
-        model.chunk_loss_sums = torch.compile(chunk_fn, **kwargs)  # type: ignore[assignment]  # and so here
+    if kwargs is not None:  # `fused_loss`'s head: its chunks' loss and gradient in a pass or two over the logits
+        model.head_chunk_fns = model.head_chunk_fns.compiled(**kwargs)  # type: ignore[union-attr,operator]
 
 
 COMPILE_OPTIONS = ("mode", "fullgraph", "dynamic", "backend")

@@ -13,9 +13,7 @@ Shape legend: B batch, S sequence, D d_model, H heads, G kv heads, Hd head size,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +21,7 @@ from torch import nn
 
 from spes.config import ModelConfig, TrainConfig
 from spes.distributed import is_dtensor
+from spes.head_loss import ChunkFns, head_loss_sums
 from spes.moe import ExpertBlocks, MoE, init_truncated_normal_
 
 
@@ -146,116 +145,18 @@ class Block(nn.Module):
         return x + self.dropout(y), aux.lb_loss, aux.z_loss, aux.tokens_per_expert
 
 
-IGNORE_INDEX = -100  # a label left out of the loss (a window dropped by data.instance_filter)
-LOSS_CHUNK_ELEMENTS = 1 << 26
-"""Logits computed at once by `head_loss_sums`: 256 MiB per fp32 copy, whatever the vocabulary."""
-
-
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None  # (B, S, V) in the compute dtype; None when the model was given the labels
     lb_loss: torch.Tensor  # summed over layers, weighted
     z_loss: torch.Tensor  # summed over layers, weighted
     tokens_per_expert: torch.Tensor  # (L, E)
-    ce_sum: torch.Tensor | None = None  # given the labels: fp32 next-token cross entropy summed over kept labels
-    logit_z_sum: torch.Tensor | None = None  # given the labels and `logit_z`: logsumexp(logits)^2, summed alike
-
-
-def chunk_loss_sums(
-    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, logit_z: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logit_loss_sums` of one chunk of tokens' logits, the LM head applied here."""
-    return logit_loss_sums(F.linear(h_ND, weight_VD), labels_N, logit_z=logit_z)
-
-
-ChunkLossSums = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
-
-
-def head_loss_sums(
-    h_ND: torch.Tensor,
-    weight_VD: torch.Tensor,
-    labels_N: torch.Tensor,
-    *,
-    logit_z: bool,
-    chunk_fn: ChunkLossSums = chunk_loss_sums,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sums over the kept labels of the cross entropy and (with `logit_z`) of logsumexp(logits)^2, computing the
-    LM head a chunk of tokens at a time and recomputing each chunk's logits in backward (`fused_loss`).
-
-    Why: the whole batch's logits, upcast to fp32 for the loss, with the log-softmax and the gradients backward
-    keeps, are most of a node's activation memory at a large vocabulary (the 1B config's 151,936 entries: ~7 fp32
-    copies, 4.3 MB per token); here only one chunk's exist at a time. Equal to the unchunked loss up to the order
-    of the sums. `chunk_fn` computes a chunk: `chunk_loss_sums`, or under `compile` that function compiled (one
-    pass over the bf16 logits for the loss and one for its gradient, no fp32 copy in memory).
-    """
-    ce, z = _ChunkedHeadLoss.apply(h_ND, weight_VD, labels_N, logit_z, chunk_fn)
-    return ce, z
-
-
-class _ChunkedHeadLoss(torch.autograd.Function):
-    """`head_loss_sums` with a backward of its own: the forward keeps no graph, the backward recomputes one chunk's
-    logits at a time. The weight is cast to the autocast dtype once per pass, not in every chunk (the 1B head's
-    151,936 x 768 weight: a cast per chunk was a tenth of a GPU step), and its gradient is summed over the chunks
-    in fp32, each chunk's gradient rounded as autograd's cast rounded it."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, logit_z: bool, chunk_fn: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        device = h_ND.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.logit_z, ctx.chunk_fn = logit_z, chunk_fn
-        ctx.save_for_backward(h_ND, weight_VD, labels_N)
-        weight = _compute_weight(weight_VD, ctx.autocast)
-        ce = z = h_ND.new_zeros((), dtype=torch.float32)
-        for h, labels in _chunks(h_ND, labels_N, weight_VD.shape[0]):
-            ce_c, z_c = chunk_fn(h, weight, labels, logit_z)
-            ce, z = ce + ce_c, z + z_c
-        return ce, z
-
-    @staticmethod
-    def backward(ctx: Any, grad_ce: torch.Tensor, grad_z: torch.Tensor) -> tuple[Any, ...]:
-        h_ND, weight_VD, labels_N = ctx.saved_tensors
-        device, enabled, dtype = ctx.autocast
-        grad_h = torch.empty_like(h_ND)
-        grad_w = torch.zeros_like(weight_VD, dtype=torch.float32)
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            weight = _compute_weight(weight_VD.detach(), ctx.autocast).requires_grad_()
-            start = 0
-            for h, labels in _chunks(h_ND.detach(), labels_N, weight_VD.shape[0]):
-                h = h.requires_grad_()
-                ce_c, z_c = ctx.chunk_fn(h, weight, labels, ctx.logit_z)
-                outputs, grads = ((ce_c, z_c), (grad_ce, grad_z)) if ctx.logit_z else ((ce_c,), (grad_ce,))
-                g_h, g_w = torch.autograd.grad(outputs, (h, weight), grads)
-                grad_h[start : start + len(h)] = g_h
-                grad_w += g_w
-                start += len(h)
-                del g_h, g_w  # NOTE: else the last chunk's weight gradient lives on beside the next one's
-        return grad_h, grad_w.to(weight_VD.dtype), None, None, None
-
-
-def _compute_weight(weight_VD: torch.Tensor, autocast: tuple[str, bool, torch.dtype]) -> torch.Tensor:
-    """The head's weight in the dtype autocast computes the head in (itself when autocast is off)."""
-    _, enabled, dtype = autocast
-    return weight_VD.to(dtype) if enabled else weight_VD
-
-
-def _chunks(h_ND: torch.Tensor, labels_N: torch.Tensor, vocab: int) -> zip:
-    """The tokens' hidden states and labels, `LOSS_CHUNK_ELEMENTS` logits' worth of tokens at a time."""
-    chunk = max(1, LOSS_CHUNK_ELEMENTS // vocab)
-    return zip(h_ND.split(chunk), labels_N.split(chunk))
-
-
-def logit_loss_sums(
-    logits_NV: torch.Tensor, labels_N: torch.Tensor, *, logit_z: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """In fp32, sums over the kept labels of the next-token cross entropy and (with `logit_z`, else 0) of
-    logsumexp(logits)^2, the output z-loss; callers divide by all labels, kept or not (OLMo's normalization)."""
-    logits = logits_NV.float()
-    ce = F.cross_entropy(logits, labels_N, ignore_index=IGNORE_INDEX, reduction="sum")
-    if not logit_z:
-        return ce, ce.new_zeros(())
-    return ce, (torch.logsumexp(logits, dim=-1).square() * (labels_N != IGNORE_INDEX)).sum()
+    # given the labels (`head_loss_sums`): fp32 sums over the kept labels of the next-token cross entropy and of
+    # logsumexp(logits)^2 (with a `logit_z_weight`), and ce_sum + logit_z_weight * logit_z_sum, the one of the three
+    # a gradient flows through
+    ce_sum: torch.Tensor | None = None
+    logit_z_sum: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
 
 
 def resolve_moe_backends(model: nn.Module, device: torch.device) -> None:
@@ -301,7 +202,7 @@ class Transformer(nn.Module):
         )
         self.norm = RMSNorm(cfg.d_model, cfg.layer_norm_eps, cfg.layer_norm_with_affine)
         self.lm_head = nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
-        self.chunk_loss_sums: ChunkLossSums = chunk_loss_sums  # `fused_loss`'s chunk; compiled under `compile`
+        self.head_chunk_fns = ChunkFns()  # `fused_loss`'s chunk math; compiled under `compile`
         cos, sin = rope_tables(cfg.max_sequence_length, cfg.head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -360,7 +261,7 @@ class Transformer(nn.Module):
                 module.set_own_count_scale(factor)
 
     def forward(
-        self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *, logit_z: bool = False
+        self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor | None = None, *, logit_z_weight: float | None = None
     ) -> ModelOutput:
         """The logits, or given `labels_BS` the loss sums of `head_loss_sums` instead (computed here, inside the
         forward, so FSDP has the head's weight gathered), with the MoE's auxiliary losses."""
@@ -379,10 +280,14 @@ class Transformer(nn.Module):
         h = self.norm(x)
         if labels_BS is None:
             return ModelOutput(logits=self.lm_head(h), lb_loss=lb, z_loss=z, tokens_per_expert=torch.stack(counts))
-        ce, logit_z_sum = head_loss_sums(
-            h.flatten(0, 1), self.lm_head.weight, labels_BS.flatten(), logit_z=logit_z, chunk_fn=self.chunk_loss_sums
+        loss_sum, ce_sum, logit_z_sum = head_loss_sums(
+            h.flatten(0, 1),
+            self.lm_head.weight,
+            labels_BS.flatten(),
+            logit_z_weight=logit_z_weight,
+            chunk_fns=self.head_chunk_fns,
         )
-        return ModelOutput(None, lb, z, torch.stack(counts), ce_sum=ce, logit_z_sum=logit_z_sum)
+        return ModelOutput(None, lb, z, torch.stack(counts), ce_sum, logit_z_sum, loss_sum)
 
 
 # ---------------------------------------------------------------------------------------------------------------

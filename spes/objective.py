@@ -9,7 +9,8 @@ from torch import nn
 
 from spes.config import InstanceFilterConfig, TrainConfig
 from spes.data import repetitive_instances
-from spes.model import IGNORE_INDEX, ModelOutput, logit_loss_sums
+from spes.head_loss import IGNORE_INDEX, logit_loss_sums
+from spes.model import ModelOutput
 
 
 def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -42,20 +43,19 @@ def micro_batch_loss(
     """The loss to backpropagate (cross entropy, the MoE's auxiliary losses, the optional softmax z-loss), the
     cross entropy alone, and the model's output.
 
-        loss = CE + lb_loss + z_loss (+ auxiliary_loss_multiplier * sum(logsumexp^2) / labels, with z-loss)
+        loss = (CE sum + auxiliary_loss_multiplier * sum(logsumexp^2) [with the z-loss]) / labels + lb_loss + z_loss
     """
     labels = next_token_labels(batch_BS, cfg.data.instance_filter)
-    logit_z = cfg.softmax_auxiliary_loss
+    logit_z_weight = cfg.auxiliary_loss_multiplier if cfg.softmax_auxiliary_loss else None
     if cfg.fused_loss:  # the model computes the loss sums itself, its head a chunk at a time
-        out = model(batch_BS[:, :-1], labels, logit_z=logit_z)
-        assert out.ce_sum is not None and out.logit_z_sum is not None
-        ce_sum, z_sum = out.ce_sum, out.logit_z_sum
+        out = model(batch_BS[:, :-1], labels, logit_z_weight=logit_z_weight)
+        assert out.loss_sum is not None and out.ce_sum is not None
+        loss_sum, ce_sum = out.loss_sum, out.ce_sum
     else:
         out = model(batch_BS[:, :-1])
         assert out.logits is not None
-        ce_sum, z_sum = logit_loss_sums(out.logits.flatten(0, 1), labels.flatten(), logit_z=logit_z)
-    ce = ce_sum / labels.numel()
-    loss = ce + out.lb_loss + out.z_loss
-    if logit_z:  # as in OLMo, over the kept labels' positions, / all positions
-        loss = loss + cfg.auxiliary_loss_multiplier * z_sum / labels.numel()
-    return loss, ce, out
+        ce_sum, z_sum = logit_loss_sums(out.logits.flatten(0, 1), labels.flatten(), logit_z=logit_z_weight is not None)
+        loss_sum = ce_sum if logit_z_weight is None else ce_sum + logit_z_weight * z_sum
+    # NOTE: as in OLMo, the z-loss is summed over the kept labels' positions and divided by all positions
+    loss = loss_sum / labels.numel() + out.lb_loss + out.z_loss
+    return loss, ce_sum / labels.numel(), out

@@ -657,23 +657,24 @@ def test_bench_gpu_loss_chunk_variant_sets_the_heads_chunk_for_itself_only(tmp_p
     """A variant's `loss_chunk` is the chunk `fused_loss`'s head uses while it runs (more chunks for a smaller one),
     and the product's constant is back afterwards."""
     import bench_gpu
-    import spes.model
+    import spes.head_loss
 
-    kept = spes.model.LOSS_CHUNK_ELEMENTS
+    kept = spes.head_loss.LOSS_CHUNK_ELEMENTS
     h, labels = torch.randn(64, 8), torch.randint(0, 32, (64,))
     weight = torch.randn(32, 8)
     calls = []
 
     def counting(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
         calls.append(1)
-        return spes.model.chunk_loss_sums(*args)  # type: ignore[arg-type]
+        return spes.head_loss.chunk_loss_sums(*args)  # type: ignore[arg-type]
 
     with bench_gpu.loss_chunk(32 * 16):  # 16 tokens of 32 logits a chunk
-        spes.model.head_loss_sums(h, weight, labels, logit_z=False, chunk_fn=counting)
-        assert spes.model.LOSS_CHUNK_ELEMENTS == 32 * 16
-    assert len(calls) == 64 // 16 and spes.model.LOSS_CHUNK_ELEMENTS == kept
+        fns = spes.head_loss.ChunkFns(sums=counting)
+        spes.head_loss.head_loss_sums(h, weight, labels, logit_z_weight=None, chunk_fns=fns)
+        assert spes.head_loss.LOSS_CHUNK_ELEMENTS == 32 * 16
+    assert len(calls) == 64 // 16 and spes.head_loss.LOSS_CHUNK_ELEMENTS == kept
     with bench_gpu.loss_chunk(None):
-        assert spes.model.LOSS_CHUNK_ELEMENTS == kept
+        assert spes.head_loss.LOSS_CHUNK_ELEMENTS == kept
 
 
 def test_bench_gpu_records_a_failing_variant_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from spes.config import InstanceFilterConfig
-from spes.model import IGNORE_INDEX
+from spes.head_loss import IGNORE_INDEX
 from spes.objective import language_model_loss, next_token_labels
 
 

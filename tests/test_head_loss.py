@@ -1,0 +1,111 @@
+"""Tests of spes.head_loss: `fused_loss`'s chunked head gives the whole logits' loss and gradients (fp32 and bf16
+autocast, ignored labels, a short last chunk), computes each chunk once with one cast of the weight, does no
+gradient work when none is wanted, and refuses a second backward instead of scaling twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spes.head_loss
+from spes.head_loss import IGNORE_INDEX, ChunkFns, chunk_loss_grads, head_loss_sums, logit_loss_sums
+
+Z = 1e-2  # a logit z-loss weight large enough for its gradient to show
+
+
+def inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """40 tokens of width 16 over a 50-entry vocabulary, three labels ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(40, 16, generator=gen, requires_grad=True)
+    w = torch.randn(50, 16, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 50, (40,), generator=gen)
+    labels[[3, 17, 39]] = IGNORE_INDEX
+    return h, w, labels
+
+
+def whole_logits(
+    h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, z_weight: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, ce, z) of the whole logits, as the plain path computes them."""
+    ce, z = logit_loss_sums(F.linear(h, w), labels, logit_z=z_weight is not None)
+    return ce + (z_weight or 0.0) * z, ce, z
+
+
+@pytest.fixture
+def chunks_of_7(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Chunks of 7 tokens over the 50-entry vocabulary: 6 chunks of 40 tokens, the last one short."""
+    monkeypatch.setattr(spes.head_loss, "LOSS_CHUNK_ELEMENTS", 7 * 50)
+    return -(-40 // 7)
+
+
+@pytest.mark.parametrize("z_weight", [None, 0.0, Z])
+def test_chunked_loss_and_gradients_are_the_whole_logits(chunks_of_7: int, z_weight: float | None) -> None:
+    h, w, labels = inputs(0)
+    got = head_loss_sums(h, w, labels, logit_z_weight=z_weight)
+    want = whole_logits(h, w, labels, z_weight)
+    torch.testing.assert_close(got, want)
+    assert not got[1].requires_grad and not got[2].requires_grad
+    torch.testing.assert_close(torch.autograd.grad(3 * got[0], (h, w)), torch.autograd.grad(3 * want[0], (h, w)))
+
+
+def test_chunk_gradient_is_autograds_of_the_chunks_loss() -> None:
+    """The formula of `chunk_loss_grads` against autograd through `logit_loss_sums`, ignored labels included."""
+    h, w, labels = inputs(1)
+    logits = F.linear(h, w).detach().requires_grad_()
+    ce, z = logit_loss_sums(logits, labels, logit_z=True)
+    (want,) = torch.autograd.grad(ce + Z * z, logits)
+    got_ce, got_z, got = chunk_loss_grads(h.detach(), w.detach(), labels, Z)
+    torch.testing.assert_close((got_ce, got_z, got), (ce, z, want))
+    assert bool((got[[3, 17, 39]] == 0).all())
+
+
+def test_under_autocast_each_chunk_is_computed_once_with_one_cast_of_the_weight(chunks_of_7: int) -> None:
+    """Under bf16 autocast every chunk gets the one bf16 copy of the weight, no chunk is computed twice (the
+    gradient comes with the loss), and the loss and gradients are the whole logits' under the same autocast to
+    bf16's precision; the weight's gradient comes back in the weight's own dtype."""
+    h, w, labels = inputs(2)
+    seen: list[torch.Tensor] = []
+
+    def recording(h_c: torch.Tensor, w_c: torch.Tensor, labels_c: torch.Tensor, z_weight: float | None) -> tuple:
+        seen.append(w_c)
+        return chunk_loss_grads(h_c, w_c, labels_c, z_weight)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, ce, z = head_loss_sums(h, w, labels, logit_z_weight=Z, chunk_fns=ChunkFns(grads=recording))
+        got = torch.autograd.grad(loss, (h, w))
+        want_loss, want_ce, want_z = whole_logits(h, w, labels, Z)
+        want = torch.autograd.grad(want_loss, (h, w))
+    assert len(seen) == chunks_of_7 and all(t.dtype == torch.bfloat16 for t in seen)
+    assert len({id(t) for t in seen}) == 1
+    torch.testing.assert_close((ce, z), (want_ce, want_z))
+    assert got[0].dtype == got[1].dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_no_gradient_work_when_none_is_wanted(chunks_of_7: int) -> None:
+    """Under no_grad, or with inputs that want no gradient, only the sums are computed; where only the hidden
+    states want one, the weight gets none."""
+
+    def refused(*_: object) -> tuple:
+        raise AssertionError("a gradient was computed that nobody wants")
+
+    h, w, labels = inputs(3)
+    want = whole_logits(h, w, labels, Z)
+    with torch.no_grad():
+        got = head_loss_sums(h, w, labels, logit_z_weight=Z, chunk_fns=ChunkFns(grads=refused))
+    torch.testing.assert_close(got, want)
+    got = head_loss_sums(h.detach(), w.detach(), labels, logit_z_weight=Z, chunk_fns=ChunkFns(grads=refused))
+    torch.testing.assert_close(got, want)
+    loss, _, _ = head_loss_sums(h, w.detach(), labels, logit_z_weight=Z)
+    loss.backward()
+    assert w.grad is None and h.grad is not None
+    torch.testing.assert_close(h.grad, torch.autograd.grad(want[0], h)[0])
+
+
+def test_a_second_backward_is_refused_not_scaled_twice() -> None:
+    h, w, labels = inputs(4)
+    loss, _, _ = head_loss_sums(h, w, labels, logit_z_weight=None)
+    (2 * loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
