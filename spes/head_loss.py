@@ -5,7 +5,7 @@ Why chunks: the whole batch's logits, upcast to fp32 for the loss, with what aut
 are most of a node's activation memory at a large vocabulary (the 1B config's 151,936 entries: ~7 fp32 copies,
 4.3 MB per token); chunked, only one chunk's exist at a time. Why the gradient in the forward: the loss is the last
 thing a step computes, so each chunk's gradient can be taken while its logits exist, and no backward has to compute
-the head's logits a second time (a fifth of a 1B node's FLOPs).
+the head's logits a second time (2 D V FLOPs a token).
 
 Shape legend: N tokens, T a chunk's tokens, D d_model, V embedding rows.
 """
