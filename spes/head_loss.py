@@ -65,12 +65,15 @@ def chunk_loss_grads(
     lse_T1 = torch.logsumexp(x_TV, dim=-1, keepdim=True)
     kept_T1 = (labels_T != IGNORE_INDEX).unsqueeze(1)
     label_T1 = labels_T.clamp_min(0).unsqueeze(1)  # an ignored label points anywhere: `kept` zeroes its terms
-    ce = ((lse_T1 - x_TV.gather(1, label_T1)) * kept_T1).sum()
+    target_T1 = x_TV.gather(1, label_T1)
+    ce = ((lse_T1 - target_T1) * kept_T1).sum()
     z = (lse_T1.square() * kept_T1).sum() if logit_z_weight is not None else ce.new_zeros(())
     scale_T1 = kept_T1 * (1 + 2 * logit_z_weight * lse_T1) if logit_z_weight else kept_T1.float()
-    grad_TV = (x_TV - lse_T1).exp_().mul_(scale_T1)
-    grad_TV.scatter_add_(1, label_T1, -kept_T1.float())
-    return ce, z, grad_TV.to(logits.dtype)
+    grad_TV = (x_TV - lse_T1).exp_().mul_(scale_T1).to(logits.dtype)
+    # NOTE: the label's entry written after the cast, from its fp32 value (rounded once, as the rest): compiled, the
+    # pass over the logits then writes the low-precision gradient directly, and only T entries are written again
+    at_label_T1 = (target_T1 - lse_T1).exp_().mul_(scale_T1).sub_(kept_T1.float())
+    return ce, z, grad_TV.scatter_(1, label_T1, at_label_T1.to(grad_TV.dtype))
 
 
 @dataclass(frozen=True)
