@@ -9,8 +9,10 @@ The node is `configs/spes_1b/node_0.yaml` as `spes.train` builds it (peer 0, amp
 checkpointing), timed by `spes.speed`, the measurement `python -m spes.preflight --gpu` reports too. Variants
 change one thing at a time from there: `model.moe_backend` (torch, grouped_mm, megablocks when importable),
 `compile` off/on, `fused_loss` off/on, the micro-batch (4, 8, 16), activation checkpointing off, larger chunks
-of `fused_loss`'s head (`spes.head_loss.LOSS_CHUNK_ELEMENTS`, set for the variant); the variant of
-the CUDA defaults runs once more after those, so the record shows how much one run drifts.
+of `fused_loss`'s head (`spes.head_loss.LOSS_CHUNK_ELEMENTS`, set for the variant), liger-kernel's fused linear
+cross entropy in place of `spes.head_loss` (the well-kept kernel library measured against the project's own head;
+its wheel carried by `bench/prepare_gpu.sh`); the variant of the CUDA defaults runs once more after those, so the
+record shows how much one run drifts.
 
 What a variant measures, honestly: a step of the config's 256 sequences takes seconds, so steps of 1 and of 4
 micro-batches of the variant's real shape (micro-batch x 2,048 tokens) are timed (5 each, after two warm-up
@@ -50,6 +52,7 @@ from typing import Any
 import torch
 
 import spes.head_loss
+import spes.model
 from common import REPO_ROOT, format_table, git_commit, machine_info, parser
 from spes import speed
 from spes.atomic import write_atomic
@@ -82,6 +85,7 @@ class Variant:
     micro_batch: int
     checkpointing: bool = True
     loss_chunk: int | None = None  # `spes.head_loss.LOSS_CHUNK_ELEMENTS` for this variant (no config key sets it)
+    head: str | None = None  # "liger": liger-kernel's head and loss instead of spes.head_loss's (no config key)
 
     def overrides(self) -> list[str]:
         flags = [
@@ -110,6 +114,7 @@ def variants(quick: bool) -> list[Variant]:
         Variant("grouped_mm+fused+compile", "grouped_mm", True, True, 8),
         Variant("grouped_mm+fused+compile chunk x4", "grouped_mm", True, True, 8, loss_chunk=1 << 28),
         Variant("grouped_mm+fused+compile chunk x16", "grouped_mm", True, True, 8, loss_chunk=1 << 30),
+        Variant("grouped_mm+liger+compile", "grouped_mm", True, True, 8, head="liger"),
         Variant("grouped_mm+fused+compile no-ckpt", "grouped_mm", True, True, 8, checkpointing=False),
         Variant("grouped_mm+compile", "grouped_mm", True, False, 8),
         Variant("grouped_mm+fused", "grouped_mm", False, True, 8),
@@ -252,6 +257,45 @@ def loss_chunk(elements: int | None) -> Iterator[None]:
         spes.head_loss.LOSS_CHUNK_ELEMENTS = kept
 
 
+def liger_head_loss_sums(
+    h_ND: torch.Tensor, weight_VD: torch.Tensor, labels_N: torch.Tensor, *, logit_z_weight: float | None, **_: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`spes.head_loss.head_loss_sums`'s (ce + w z, ce, z) from liger-kernel's fused linear cross entropy: with sum
+    reduction its loss is ce + w z over the kept labels and its `z_loss` the w z term (liger 0.8.5's ops)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    w = logit_z_weight or 0.0
+    loss, wz = liger_fused_linear_cross_entropy(
+        h_ND,
+        weight_VD,
+        labels_N,
+        ignore_index=spes.head_loss.IGNORE_INDEX,
+        lse_square_scale=w,
+        reduction="sum",
+        return_z_loss=True,
+        accum_dtype=torch.float32,
+    )
+    loss, wz = loss.float(), wz.float()
+    return loss, (loss - wz).detach(), (wz / w if w else wz).detach()
+
+
+@contextlib.contextmanager
+def head(kind: str | None) -> Iterator[None]:
+    """The head and loss the model computes with `fused_loss` for one variant: spes.head_loss's (None) or
+    liger-kernel's ("liger"; a missing wheel is the variant's error, naming the fix)."""
+    if kind is None:
+        yield
+        return
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise RuntimeError("liger-kernel is not importable: bash bench/prepare_gpu.sh downloads its wheel into .whl")
+    kept = spes.model.head_loss_sums
+    spes.model.head_loss_sums = liger_head_loss_sums  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        spes.model.head_loss_sums = kept
+
+
 def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]:
     """Build, time, profile and count one variant; out of memory and errors are results too."""
     row: dict[str, Any] = {"name": v.name, "settings": {**v.__dict__, "overrides": v.overrides()}}
@@ -260,7 +304,7 @@ def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]
     started = time.perf_counter()
     trainer = None
     try:
-        with loss_chunk(v.loss_chunk), tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
+        with loss_chunk(v.loss_chunk), head(v.head), tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
             cfg, _ = load_config(CONFIG, [f"--save_folder={scratch}", *(CUT if quick else []), *v.overrides()])
             cfg = replace(cfg, compile=compile_option(v.compile, quick))
             trainer = speed.build_timed_node(cfg, device)

@@ -75,13 +75,14 @@ def _setting(v: dict[str, Any]) -> str:
 
 
 def gpu_settings(records: Records) -> list[dict[str, Any]]:
-    """Every measured 1B node setting on a GPU a config can make (a variant with a bench-only loss chunk is not
-    one), each at its newest measurement: the variants of the GPU runs and
+    """Every measured 1B node setting on a GPU a config can make (a variant with a bench-only loss chunk or head is
+    not one), each at its newest measurement: the variants of the GPU runs and
     the runs of bench_wan_gpu_steps.json, each with its tokens/s of the config's step, peak GiB and record."""
     newest: dict[str, dict[str, Any]] = {}
     for name, run in gpu_runs(records):
         for v in run["variants"]:
-            if v["status"] == "ok" and v.get("peak_memory_bytes") and not v["settings"].get("loss_chunk"):
+            bench_only = v["settings"].get("loss_chunk") or v["settings"].get("head")
+            if v["status"] == "ok" and v.get("peak_memory_bytes") and not bench_only:
                 newest[_setting(v)] = {
                     "setting": _setting(v),
                     "tokens_per_s": v["tokens_per_s"],

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 IGNORE_INDEX = -100  # a label left out of the loss (a window dropped by data.instance_filter)
 LOSS_CHUNK_ELEMENTS = 1 << 26
@@ -101,8 +102,7 @@ def head_loss_sums(
 
     Only the first is differentiable: when a gradient is wanted, each chunk's gradient with respect to `h_ND` and
     `weight_VD` is computed with its loss, and backward scales them. Equal to the whole logits' loss up to the order
-    of the sums; the weight's gradient is summed over the chunks in fp32, each chunk's rounded as autograd's cast
-    rounds it.
+    of the sums; the weight's gradient is summed over the chunks in fp32 (`_add_product`).
     """
     chunk_fns = chunk_fns or ChunkFns()
     wanted = torch.is_grad_enabled() and (h_ND.requires_grad or weight_VD.requires_grad)
@@ -159,12 +159,29 @@ class _HeadLoss(torch.autograd.Function):
 
 
 def _add_product(out_VD: torch.Tensor, a_VT: torch.Tensor, b_TD: torch.Tensor) -> None:
-    """out += a @ b; in one BLAS call when `out` has the operands' dtype, else through their product (bf16 operands:
-    each chunk's product rounded to bf16, as autograd rounds the weight's gradient under autocast)."""
+    """out += a @ b, the sum over the chunks of the weight's gradient. One GEMM accumulating into `out` when it has
+    the operands' dtype, or on a CUDA GPU (sm80+) an fp32 `out` of bf16/fp16 operands (addmm's `out_dtype`, as
+    liger-kernel accumulates its head's weight gradient): no weight-sized temporary and add per chunk, and each
+    chunk's product is not rounded to bf16. Elsewhere through the product, rounded as autograd rounds the weight's
+    gradient under autocast."""
     if a_VT.dtype == out_VD.dtype:
         out_VD.addmm_(a_VT, b_TD)
+    elif _gemm_accumulates_fp32(out_VD, a_VT):
+        torch.addmm(out_VD, a_VT, b_TD, out_dtype=torch.float32, out=out_VD)
     else:
         out_VD += a_VT @ b_TD
+
+
+def _gemm_accumulates_fp32(out: torch.Tensor, operand: torch.Tensor) -> bool:
+    """Whether cuBLAS can add a low-precision product into fp32 `out` itself (`torch.addmm(..., out_dtype=)`,
+    torch 2.8 and later, CUDA compute capability 8.0 and later)."""
+    return (
+        out.is_cuda
+        and out.dtype == torch.float32
+        and operand.dtype in (torch.bfloat16, torch.float16)
+        and TorchVersion(torch.__version__) >= "2.8"
+        and torch.cuda.get_device_capability(out.device) >= (8, 0)
+    )
 
 
 def _compute_weight(weight_VD: torch.Tensor) -> torch.Tensor:

@@ -345,7 +345,7 @@ def tflops_done_per_token(cfg: ModelConfig, trained_expert_share: float) -> floa
     """The training FLOPs per token a node actually does when only `trained_expert_share` of the routed token
     copies land on experts it trains: every matmul's forward (2 x params) and input gradient (2x), weight
     gradients (2x) for the shared matmuls and the trained experts only, plus attention. Recomputation
-    (activation checkpointing, `fused_loss`'s head) is not counted: this is model FLOPs, not hardware FLOPs.
+    (activation checkpointing) is not counted: this is model FLOPs, not hardware FLOPs.
     With `trained_expert_share` 1 (a full model) it is `tflops_per_token`."""
     counts = analytic_param_counts(cfg)
     assert cfg.embedding_size is not None

@@ -6,6 +6,7 @@ side, and docs/benchmarks.md holds the full runs. Only exact facts are checked (
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
 import os
 import shutil
@@ -675,6 +676,49 @@ def test_bench_gpu_loss_chunk_variant_sets_the_heads_chunk_for_itself_only(tmp_p
     assert len(calls) == 64 // 16 and spes.head_loss.LOSS_CHUNK_ELEMENTS == kept
     with bench_gpu.loss_chunk(None):
         assert spes.head_loss.LOSS_CHUNK_ELEMENTS == kept
+
+
+def test_bench_gpu_liger_variant_computes_the_heads_contract_with_liger_for_itself_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The liger variant's model takes its head and loss from liger-kernel's fused linear cross entropy, mapped to
+    spes.head_loss's (ce + w z, ce, z) and the same gradients (here a stand-in computing liger 0.8.5's contract from
+    the whole logits: the real one needs a GPU), and spes.head_loss's afterwards; without liger-kernel the variant
+    fails naming the fix."""
+    import types
+
+    import bench_gpu
+    import spes.head_loss
+    import spes.model
+
+    def liger_contract(h, w, labels, *, ignore_index, lse_square_scale, reduction, return_z_loss, accum_dtype):  # type: ignore[no-untyped-def]
+        assert (ignore_index, reduction, return_z_loss, accum_dtype) == (-100, "sum", True, torch.float32)
+        logits = (h @ w.T).float()
+        kept = labels != ignore_index
+        wz = (lse_square_scale * torch.logsumexp(logits, -1).square() * kept).sum()
+        return torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum") + wz, wz
+
+    with pytest.raises(RuntimeError, match="prepare_gpu.sh"), bench_gpu.head("liger"):
+        pass
+    package = types.ModuleType("liger_kernel")
+    package.__spec__ = importlib.machinery.ModuleSpec("liger_kernel", None)
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_contract  # type: ignore[attr-defined]
+    for name, module in (("liger_kernel", package), ("liger_kernel.transformers.functional", functional)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", types.ModuleType("liger_kernel.transformers"))
+    kept = spes.model.head_loss_sums
+    h, w = torch.randn(40, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    labels = torch.randint(0, 30, (40,))
+    labels[5] = -100
+    for z_weight in (None, 1e-2):
+        with bench_gpu.head("liger"):
+            got = spes.model.head_loss_sums(h, w, labels, logit_z_weight=z_weight)
+            assert spes.model.head_loss_sums is not kept
+        want = spes.head_loss.head_loss_sums(h, w, labels, logit_z_weight=z_weight)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got[0], (h, w)), torch.autograd.grad(want[0], (h, w)))
+    assert spes.model.head_loss_sums is kept
 
 
 def test_bench_gpu_records_a_failing_variant_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

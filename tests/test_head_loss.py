@@ -109,3 +109,33 @@ def test_a_second_backward_is_refused_not_scaled_twice() -> None:
     (2 * loss).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_the_fp32_accumulating_gemm_call_is_well_formed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path of `_add_product` (bf16 operands into an fp32 sum by addmm's out_dtype) checked for its
+    signature, shapes and dtypes on the meta device, since only a GPU runs it."""
+    monkeypatch.setattr(spes.head_loss, "_gemm_accumulates_fp32", lambda *_: True)
+    out = torch.empty(50, 16, device="meta")
+    a, b = (
+        torch.empty(50, 7, dtype=torch.bfloat16, device="meta"),
+        torch.empty(7, 16, dtype=torch.bfloat16, device="meta"),
+    )
+    spes.head_loss._add_product(out, a, b)
+    assert out.dtype == torch.float32 and out.shape == (50, 16)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_weight_gradient_is_accumulated_in_fp32_inside_the_gemm(chunks_of_7: int) -> None:
+    """On CUDA under bf16 autocast each chunk's weight gradient is added into the fp32 sum by the GEMM itself
+    (addmm's out_dtype), and the loss and gradients are the whole logits' to bf16's precision."""
+    h, w, labels = (t.cuda() for t in inputs(5))
+    h, w = h.detach().requires_grad_(), w.detach().requires_grad_()
+    assert spes.head_loss._gemm_accumulates_fp32(torch.zeros(2, device="cuda"), h.bfloat16())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, ce, z = head_loss_sums(h, w, labels, logit_z_weight=Z)
+        got = torch.autograd.grad(loss, (h, w))
+        want_loss, want_ce, want_z = whole_logits(h, w, labels, Z)
+        want = torch.autograd.grad(want_loss, (h, w))
+    torch.testing.assert_close((ce, z), (want_ce, want_z))
+    assert got[1].dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
