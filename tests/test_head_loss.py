@@ -136,6 +136,7 @@ def test_on_a_gpu_the_weight_gradient_is_accumulated_in_fp32_inside_the_gemm(chu
         got = torch.autograd.grad(loss, (h, w))
         want_loss, want_ce, want_z = whole_logits(h, w, labels, Z)
         want = torch.autograd.grad(want_loss, (h, w))
-    torch.testing.assert_close((ce, z), (want_ce, want_z))
+    # NOTE: a GEMM of 7 rows and one of 40 may round some bf16 logits apart on a GPU
+    torch.testing.assert_close((ce, z), (want_ce, want_z), rtol=1e-3, atol=1e-3)
     assert got[1].dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
