@@ -289,7 +289,7 @@ def head(kind: str | None) -> Iterator[None]:
     if importlib.util.find_spec("liger_kernel") is None:
         raise RuntimeError("liger-kernel is not importable: bash bench/prepare_gpu.sh downloads its wheel into .whl")
     kept = spes.model.head_loss_sums
-    spes.model.head_loss_sums = liger_head_loss_sums  # type: ignore[assignment]
+    spes.model.head_loss_sums = liger_head_loss_sums
     try:
         yield
     finally:
