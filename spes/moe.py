@@ -267,16 +267,14 @@ class ExpertBlocks(nn.Module):
         lo, hi = self.own_bounds
         trained = [p.to(dtype) for (b_lo, _), p in zip(self.bounds, blocks) if lo <= b_lo < hi]
         frozen = [p.detach().to(dtype) for (b_lo, _), p in zip(self.bounds, blocks) if not lo <= b_lo < hi]
-        w_frozen = torch.cat(frozen) if frozen else None
         if not trained:
-            assert w_frozen is not None
-            return F.grouped_mm(x_AD, w_frozen, offs=offs_G)
+            return F.grouped_mm(x_AD, torch.cat(frozen), offs=offs_G)
         w_trained = torch.cat(trained) if len(trained) > 1 else trained[0]
-        return _TrainedFirstGroupedMM.apply(x_AD, w_trained, w_frozen, offs_G)
+        return _TrainedFirstGroupedMM.apply(x_AD, w_trained, frozen, offs_G)
 
 
 class _TrainedFirstGroupedMM(torch.autograd.Function):
-    """grouped_mm(x, cat(w_trained, w_frozen)) whose backward computes weight gradients for `w_trained` only.
+    """grouped_mm(x, cat(w_trained, *frozen)) whose backward computes weight gradients for `w_trained` only.
 
     torch's own grouped_mm backward would compute the gradient of every expert's weight, the frozen ones
     included, and throw it away: the work a SPES node is meant to skip. The trained experts' rows come first
@@ -288,10 +286,12 @@ class _TrainedFirstGroupedMM(torch.autograd.Function):
         ctx: Any,
         x_AD: torch.Tensor,
         w_trained_NDF: torch.Tensor,
-        w_frozen_MDF: torch.Tensor | None,
+        frozen: list[torch.Tensor],
         offs_G: torch.Tensor,
     ) -> torch.Tensor:
-        w_GDF = w_trained_NDF if w_frozen_MDF is None else torch.cat([w_trained_NDF, w_frozen_MDF])
+        # NOTE: the frozen blocks come as a list, concatenated here once with the trained ones (not first among
+        # themselves: a copy of every frozen weight less per call)
+        w_GDF = torch.cat([w_trained_NDF, *frozen]) if frozen else w_trained_NDF
         ctx.save_for_backward(x_AD, w_GDF, offs_G)
         ctx.num_trained = w_trained_NDF.shape[0]
         return F.grouped_mm(x_AD, w_GDF, offs=offs_G)
