@@ -166,7 +166,7 @@ def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Chec
     from spes.config import TrainConfig
     from spes.distributed import DistInfo, apply_fsdp
     from spes.model import Transformer
-    from spes.objective import language_model_loss
+    from spes.objective import micro_batch_loss
     from spes.optim import build_optimizer
 
     assert isinstance(cfg, TrainConfig)
@@ -188,9 +188,7 @@ def check_fsdp(cfg: object, world: int, rank: int, device: torch.device) -> Chec
     reset_peak_memory(device)
     start = time.perf_counter()
     with torch.autocast(device.type, dtype=torch.bfloat16):
-        out = model(batch[:, :-1])
-    assert out.logits is not None
-    loss = language_model_loss(out.logits, batch[:, 1:]) + out.lb_loss + out.z_loss
+        loss, _, _ = micro_batch_loss(model, batch, small)  # the node's objective: `fused_loss` as configured
     loss.backward()
     optimizer.step()
     synchronize(device)

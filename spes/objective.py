@@ -23,6 +23,20 @@ def language_model_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> to
     return total / labels_BS.numel()
 
 
+def validation_loss(model: nn.Module, batch_BS: torch.Tensor, fused_loss: bool | None) -> torch.Tensor:
+    """`language_model_loss` of a validation batch; with `fused_loss` through the model's chunked head, so that a
+    validation forward never holds the batch's logits either (8 sequences of the 1B config's 151,936-entry vocabulary:
+    2.5 billion logits, in bf16 and upcast to fp32, more than a training micro-batch's peak with `fused_loss`)."""
+    labels = batch_BS[:, 1:]
+    if fused_loss:
+        out = model(batch_BS[:, :-1], labels)
+        assert out.ce_sum is not None
+        return out.ce_sum / labels.numel()
+    out = model(batch_BS[:, :-1])
+    assert out.logits is not None
+    return language_model_loss(out.logits, labels)
+
+
 def next_token_labels(batch_BS: torch.Tensor, instance_filter: InstanceFilterConfig | None) -> torch.Tensor:
     """Next-token labels; windows caught by `data.instance_filter` are left out of the loss."""
     labels = batch_BS[:, 1:]

@@ -28,7 +28,7 @@ from spes.interrupt import Interrupted, StopRequest
 from spes.model import tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak_memory_mb
-from spes.objective import language_model_loss, micro_batch_loss
+from spes.objective import micro_batch_loss, validation_loss
 from spes.optim import lr_at, rewarmed_lr, set_lr
 from spes.tracking import Trackers
 
@@ -359,9 +359,7 @@ class Trainer:
         for batch in self.eval_batches():
             batch = batch.to(self.info.device)
             with self.autocast:
-                out = self.model(batch[:, :-1])
-            assert out.logits is not None
-            total += language_model_loss(out.logits, batch[:, 1:]) * batch.shape[0]
+                total += validation_loss(self.model, batch, self.cfg.fused_loss) * batch.shape[0]
             count += batch.shape[0]
         self.model.train()
         return float(total / max(count, 1))

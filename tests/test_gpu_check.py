@@ -70,6 +70,7 @@ def test_the_block_smoke_compiles_the_block_when_the_config_does() -> None:
 
 def _ranks_worker(args: dict[str, Any], info: DistInfo) -> list[list[str]]:
     cfg = small_config()
+    cfg.fused_loss = True  # as a CUDA GPU settles it (TrainConfig.on_device): the step takes the node's objective
     checks = [
         check_all_reduce(info.world_size, info.device, num_bytes=1 << 16),
         check_fsdp(cfg, info.world_size, info.rank, info.device),
