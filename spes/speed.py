@@ -183,7 +183,8 @@ def trained_expert_share(trainer: Trainer, batch: torch.Tensor) -> float:
         return 1.0
     batch = batch.to(trainer.info.device)
     with trainer.autocast:
-        counts_LE = trainer.model(batch[:, :-1]).tokens_per_expert
+        # NOTE: given the labels, the model's head computes loss sums a chunk at a time instead of the logits
+        counts_LE = trainer.model(batch[:, :-1], batch[:, 1:]).tokens_per_expert
     return float(counts_LE[:, owned[0] : owned[1]].sum() / counts_LE.sum())
 
 
