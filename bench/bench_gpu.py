@@ -22,7 +22,7 @@ steps of 4, the first of which also compiles), and the whole step is projected f
 their weight gradients; the share of routed copies on trained experts is read from a forward). The largest
 timed step's own figures are kept beside them (`measured_*`). Peak memory is `torch.cuda.max_memory_allocated`
 over the timed steps. One step of 2 micro-batches runs under `torch.profiler` (the 20 kernels with the most
-device time) and one under CUDA's sync debug mode (host-device synchronizations per step; on the CPU,
+device time, and the 20 eager aten ops by input shapes whose kernels took the most: what launched a kernel) and one under CUDA's sync debug mode (host-device synchronizations per step; on the CPU,
 `spes.speed.SyncCounter` counts the sync points of spes code instead).
 
 The record is rewritten after every variant, so a variant that fails (out of memory, a compile error) is
@@ -201,28 +201,40 @@ def check_grouped(device: torch.device) -> dict[str, Any]:
     return {"output_rel_err": errors[0], "trained_grad_rel_err": max(errors[1:]), "ok": max(errors) < 2e-2}
 
 
-def top_kernels(trainer: Trainer, batch: torch.Tensor) -> list[dict[str, Any]]:
-    """The `TOP_KERNELS` GPU kernels (CPU ops on the CPU) with the most self time in one step, and host-side
-    sync API calls, from `torch.profiler`."""
+def profile_step(trainer: Trainer, batch: torch.Tensor) -> dict[str, list[dict[str, Any]]]:
+    """One step under `torch.profiler`: the `TOP_KERNELS` GPU kernels (CPU ops on the CPU) with the most self
+    time (`top_kernels`), and the eager aten ops, by input shapes, whose own kernels took the most device time
+    (`top_ops`: which op of spes launched a row of the first table; a compiled graph's kernels have no aten op)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.info.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         trainer.train_step(batch)
         if cuda:
             torch.cuda.synchronize()
-    events = prof.key_averages()
 
     def self_time(e: Any) -> float:  # microseconds
         return float(getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total)
 
-    rows = [e for e in events if (e.device_type == DeviceType.CUDA) == cuda and self_time(e) > 0]
-    total = sum(self_time(e) for e in rows) or 1.0
-    rows.sort(key=self_time, reverse=True)
+    kernels = [e for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda]
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+    return {"top_kernels": _top(kernels, self_time), "top_ops": _top(ops, self_time, shapes=True)}
+
+
+def _top(events: list[Any], time_of: Any, shapes: bool = False) -> list[dict[str, Any]]:
+    """The `TOP_KERNELS` events with the most time, each with its share of all the events' time."""
+    rows = sorted((e for e in events if time_of(e) > 0), key=time_of, reverse=True)
+    total = sum(time_of(e) for e in rows) or 1.0
     return [
-        {"name": e.key[:160], "calls": e.count, "ms": self_time(e) / 1e3, "share": self_time(e) / total}
+        {
+            "name": e.key[:160],
+            **({"shapes": str(e.input_shapes)[:200]} if shapes else {}),
+            "calls": e.count,
+            "ms": time_of(e) / 1e3,
+            "share": time_of(e) / total,
+        }
         for e in rows[:TOP_KERNELS]
     ]
 
@@ -318,7 +330,7 @@ def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]
                 status="ok",
                 moe_backend=speed.moe_backend_of(trainer.model),
                 **figures,
-                top_kernels=top_kernels(trainer, profile_batch),
+                **profile_step(trainer, profile_batch),
                 top_kernels_step="one step of 2 micro-batches",
                 syncs_per_step=syncs_per_step(trainer, profile_batch),
             )

@@ -643,6 +643,8 @@ def test_bench_gpu_quick_records_every_variant_with_its_profile_and_syncs(tmp_pa
         assert v["status"] == "ok", v
         assert v["step_s"] > 0 and v["tokens_per_s"] > 0 and v["tflops_done_per_token"] < v["tflops_per_token"]
         assert 0 < len(v["top_kernels"]) <= 20 and v["top_kernels"][0]["ms"] > 0
+        ops = v["top_ops"]
+        assert 0 < len(ops) <= 20 and ops[0]["name"].startswith("aten::") and ops[0]["shapes"].startswith("[[")
     torch_v, grouped = record["variants"]
     assert grouped["syncs_per_step"]["count"] == 1 < torch_v["syncs_per_step"]["count"]
     assert record["multi_gpu"] == {
