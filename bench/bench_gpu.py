@@ -22,8 +22,9 @@ steps of 4, the first of which also compiles), and the whole step is projected f
 their weight gradients; the share of routed copies on trained experts is read from a forward). The largest
 timed step's own figures are kept beside them (`measured_*`). Peak memory is `torch.cuda.max_memory_allocated`
 over the timed steps. One step of 2 micro-batches runs under `torch.profiler` (the 20 kernels with the most
-device time, and the 20 eager aten ops by input shapes whose kernels took the most: what launched a kernel) and one under CUDA's sync debug mode (host-device synchronizations per step; on the CPU,
-`spes.speed.SyncCounter` counts the sync points of spes code instead).
+device time, and the 20 eager aten ops by input shapes whose kernels took the most: what launched a kernel) and
+one under CUDA's sync debug mode (host-device synchronizations per step; on the CPU, `spes.speed.SyncCounter`
+counts the sync points of spes code instead).
 
 The record is rewritten after every variant, so a variant that fails (out of memory, a compile error) is
 recorded as such and a run cut short keeps what it measured; variants past `--budget_s` are recorded as
