@@ -7,10 +7,11 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -99,6 +100,16 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callabl
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     """No test may reach a model hub."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def dead_port() -> Iterator[int]:
+    """A loopback port where no server is, nor can be while the test runs: bound and never listening, so a
+    connection to it is refused (a port found free and released could be taken meanwhile by a server another
+    test worker starts, and a node would then join that server's run)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

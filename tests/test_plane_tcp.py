@@ -15,7 +15,6 @@ import grpc
 import pytest
 import torch
 
-from spes.launch import free_port
 from spes.sync import plane_tcp
 from spes.sync.codecs.lazy import Lazy
 from spes.sync.merge import build_global
@@ -232,12 +231,14 @@ def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_auto_falls_back_to_grpc_when_the_data_port_does_not_answer(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_falls_back_to_grpc_when_the_data_port_does_not_answer(
+    caplog: pytest.LogCaptureFixture, dead_port: int
+) -> None:
     """A firewall may pass the gRPC port only: `auto` checks the advertised data port at join and, when it does
     not answer from here, sends payloads over gRPC instead of failing every transfer."""
     uploads = {p: peer_upload(SPEC, p, seed=4) for p in range(2)}
     with running_server(SPEC, data_port=0) as (server, addr):
-        server.service.data_port = free_port()  # advertise a port nobody listens on
+        server.service.data_port = dead_port  # advertise a port nobody listens on
         with caplog.at_level(logging.WARNING, logger="spes.client"), joined_clients(addr, SPEC) as clients:
             assert all(c.plane.name == "grpc" for c in clients)
             check_round(sync_all(clients, 1, uploads), uploads, SPEC, step=1)

@@ -260,11 +260,9 @@ def test_a_slow_link_at_these_sync_steps_fails_the_link_check(
 
 
 def test_an_unreachable_server_fails_in_seconds(
-    token: None, node: list[str], capsys: pytest.CaptureFixture[str]
+    token: None, node: list[str], capsys: pytest.CaptureFixture[str], dead_port: int
 ) -> None:
-    from spes.launch import free_port
-
-    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr=127.0.0.1:{free_port()}")
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr=127.0.0.1:{dead_port}")
     assert rc == 1
     assert lines["server"].startswith("FAIL") and "UNAVAILABLE" in lines["server"]
     assert "-> start the server" in lines["server"]

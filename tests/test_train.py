@@ -16,7 +16,6 @@ import pytest
 
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
-from spes.launch import free_port
 from spes.train import main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +80,7 @@ def test_config_data_and_tokenizer_failures_are_one_line(
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
+def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path, dead_port: int) -> None:
     """No server; a server of another run layout; a round the other peer never joins."""
     node = [
         TINY,
@@ -92,7 +91,7 @@ def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path) -> None:
         "--max_duration=2st",
         "--save_interval=null",
     ]
-    code, out = train(tmp_path, *node, f"--spes_config.server_addr=127.0.0.1:{free_port()}", name="nobody.log")
+    code, out = train(tmp_path, *node, f"--spes_config.server_addr=127.0.0.1:{dead_port}", name="nobody.log")
     assert_one_line(code, out, "127.0.0.1")
     two = [
         "--spes_config.num_peers=2",
@@ -136,7 +135,7 @@ def test_a_busy_port_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_under_torchrun_the_scripts_end_with_the_error_line(tiny_corpus, tmp_path: Path) -> None:
+def test_under_torchrun_the_scripts_end_with_the_error_line(tiny_corpus, tmp_path: Path, dead_port: int) -> None:
     """run_single_node.sh with 2 ranks and no server: the culprit's line comes last, no ChildFailedError block."""
     env = child_env(CONFIG=TINY, NPROC_PER_NODE="2", PYTHON=sys.executable)
     cmd = [
@@ -148,7 +147,7 @@ def test_under_torchrun_the_scripts_end_with_the_error_line(tiny_corpus, tmp_pat
         "--distributed_strategy=ddp",
         "--spes_config.max_retries=0",
         "--spes_config.rpc_timeout_s=5",
-        f"--spes_config.server_addr=127.0.0.1:{free_port()}",
+        f"--spes_config.server_addr=127.0.0.1:{dead_port}",
         "--max_duration=2st",
     ]
     proc = run_logged(cmd, tmp_path / "node.log", timeout=150, env=env)
