@@ -45,10 +45,10 @@ import tempfile
 import time
 import warnings
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -258,16 +258,12 @@ def syncs_per_step(trainer: Trainer, batch: torch.Tensor) -> dict[str, Any]:
     return {"how": "spes.speed.SyncCounter (CPU test double)", "count": len(events), "first": events[:5]}
 
 
-@contextlib.contextmanager
-def loss_chunk(elements: int | None) -> Iterator[None]:
+def loss_chunk(elements: int | None) -> contextlib.AbstractContextManager:
     """Logits per chunk of `fused_loss`'s head for one variant: compiled, a chunk holds no fp32 copy of its logits,
     so larger chunks (fewer weight casts, fewer fp32 adds of the head's weight gradient) may fit and win."""
-    kept = spes.head_loss.LOSS_CHUNK_ELEMENTS
-    spes.head_loss.LOSS_CHUNK_ELEMENTS = elements or kept
-    try:
-        yield
-    finally:
-        spes.head_loss.LOSS_CHUNK_ELEMENTS = kept
+    if elements is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(spes.head_loss, "LOSS_CHUNK_ELEMENTS", elements)
 
 
 def liger_head_loss_sums(
@@ -292,21 +288,14 @@ def liger_head_loss_sums(
     return loss, (loss - wz).detach(), (wz / w if w else wz).detach()
 
 
-@contextlib.contextmanager
-def head(kind: str | None) -> Iterator[None]:
+def head(kind: str | None) -> contextlib.AbstractContextManager:
     """The head and loss the model computes with `fused_loss` for one variant: spes.head_loss's (None) or
     liger-kernel's ("liger"; a missing wheel is the variant's error, naming the fix)."""
     if kind is None:
-        yield
-        return
+        return contextlib.nullcontext()
     if importlib.util.find_spec("liger_kernel") is None:
         raise RuntimeError("liger-kernel is not importable: bash bench/prepare_gpu.sh downloads its wheel into .whl")
-    kept = spes.model.head_loss_sums
-    spes.model.head_loss_sums = liger_head_loss_sums
-    try:
-        yield
-    finally:
-        spes.model.head_loss_sums = kept
+    return mock.patch.object(spes.model, "head_loss_sums", liger_head_loss_sums)
 
 
 def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]:

@@ -172,14 +172,18 @@ def _add_product(out_VD: torch.Tensor, a_VT: torch.Tensor, b_TD: torch.Tensor) -
         out_VD += a_VT @ b_TD
 
 
+ADDMM_OUT_DTYPE = TorchVersion(torch.__version__) >= "2.8"
+"""Whether this torch's `addmm` takes `out_dtype` (2.8 and later)."""
+
+
 def _gemm_accumulates_fp32(out: torch.Tensor, operand: torch.Tensor) -> bool:
     """Whether cuBLAS can add a low-precision product into fp32 `out` itself (`torch.addmm(..., out_dtype=)`,
     torch 2.8 and later, CUDA compute capability 8.0 and later)."""
     return (
-        out.is_cuda
+        ADDMM_OUT_DTYPE
+        and out.is_cuda
         and out.dtype == torch.float32
         and operand.dtype in (torch.bfloat16, torch.float16)
-        and TorchVersion(torch.__version__) >= "2.8"
         and torch.cuda.get_device_capability(out.device) >= (8, 0)
     )
 

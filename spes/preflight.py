@@ -175,8 +175,10 @@ def memory_need(cfg: TrainConfig, nproc: int) -> tuple[int, int]:
         per_rank += state.grads
     if cfg.precision == "amp_bf16":
         per_rank += BF16 * state.params
-    if cfg.fused_loss:  # one chunk of logits, whatever the micro-batch, and the head's fp32 gradient sum, held from
-        assert cfg.model.embedding_size is not None  # the forward to the backward (`spes.head_loss.head_loss_sums`)
+    if cfg.fused_loss:
+        # one chunk of logits, whatever the micro-batch, and the head's fp32 gradient sum, held from the forward to
+        # the backward (`spes.head_loss.head_loss_sums`)
+        assert cfg.model.embedding_size is not None
         per_rank += LOGIT_COPIES * FP32 * LOSS_CHUNK_ELEMENTS + FP32 * cfg.model.embedding_size * cfg.model.d_model
     return per_rank, activation_bytes_per_sequence(cfg)
 
