@@ -179,29 +179,34 @@ def apply_fsdp(model: nn.Module, cfg: TrainConfig, info: DistInfo) -> nn.Module:
 def apply_checkpointing_and_compile(model: nn.Module, mode: str | bool | None, options: dict | bool | None) -> None:
     """Activation checkpointing (config key `activation_checkpointing`), then `torch.compile` per block (`compile`).
 
-    Checkpointing recomputes in backward whole blocks, attention and experts separately (`fine_grained`), or one in
-    N blocks. The module's `forward` is wrapped in place (rather than with `checkpoint_wrapper`), so parameter
-    names, which the sync path and checkpoints rely on, do not change; FSDP2's hooks run in `__call__`, outside the
-    wrapped `forward`, so a block's parameters are gathered before its recomputation.
+    Checkpointing recomputes in backward whole blocks, a block's attention and expert sublayers separately
+    (`fine_grained`: `Block.attn_sublayer`, `Block.ffn_sublayer`, each with its norm and residual add), or one in N
+    blocks. The unit's method is wrapped in place (rather than with `checkpoint_wrapper`), so parameter names, which
+    the sync path and checkpoints rely on, do not change; FSDP2's hooks run in the block's `__call__`, outside the
+    wrapped methods, so a block's parameters are gathered before its recomputation.
 
     Compile goes per block, as torchtitan does: one block's graph is compiled once and reused by every layer, and
-    the MoE's data-dependent routing breaks only the graph it lives in. A recomputed module is compiled inside its
-    checkpoint, `checkpoint(torch.compile(forward))`, rather than traced through it: Inductor (torch 2.11, CUDA)
-    failed on a block graph holding the checkpoint (bench/results/bench_gpu.json). `fused_loss`'s chunk of the
-    LM head and loss is compiled too.
+    the MoE's data-dependent routing breaks only the graph it lives in. A recomputed unit is compiled inside its
+    checkpoint, `checkpoint(torch.compile(unit))`, rather than traced through it: Inductor (torch 2.11, CUDA)
+    failed on a block graph holding the checkpoint (bench/results/bench_gpu.json). The final norm and
+    `fused_loss`'s chunk of the LM head and loss are compiled too: nothing the size of the residual stream runs
+    eager.
     `compile` null/false keeps eager mode; true uses torch's defaults; a mapping passes `mode`, `fullgraph`,
     `dynamic`, `backend` on (OLMo's `compile:` section).
     """
     kwargs = compile_kwargs(options)
     every = {"one_in_two": 2, "one_in_four": 4}.get(str(mode), 1)
+    sublayers = ["attn_sublayer", "ffn_sublayer"] if mode == "fine_grained" else ["forward"]
     for i, block in enumerate(model.blocks):  # type: ignore[arg-type]  # torch types a submodule as Tensor | Module
-        recomputed = [] if not mode or i % every else [block.attn, block.ffn] if mode == "fine_grained" else [block]
-        for module in recomputed:
-            forward = module.forward if kwargs is None else torch.compile(module.forward, **kwargs)
-            module.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+        recomputed = [] if not mode or i % every else sublayers
+        for name in recomputed:
+            unit = getattr(block, name)
+            unit = unit if kwargs is None else torch.compile(unit, **kwargs)
+            setattr(block, name, functools.partial(checkpoint, unit, use_reentrant=False))
         if kwargs is not None and not recomputed:
             block.compile(**kwargs)
     if kwargs is not None:  # `fused_loss`'s head: its chunks' loss and gradient in a pass or two over the logits
+        model.norm.compile(**kwargs)  # type: ignore[union-attr]
         model.head_chunk_fns = model.head_chunk_fns.compiled(**kwargs)  # type: ignore[union-attr,operator]
 
 

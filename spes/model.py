@@ -140,7 +140,16 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin))
+        return self.ffn_sublayer(self.attn_sublayer(x, cos, sin))
+
+    def attn_sublayer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x + attn(norm(x)): with `ffn_sublayer`, the unit `fine_grained` checkpointing recomputes and compiles,
+        norm and residual add included, so no part of a block runs eager (an eager fp32 RMSNorm with its backward
+        is a dozen passes over the residual stream)."""
+        return x + self.dropout(self.attn(self.attn_norm(x), cos, sin))
+
+    def ffn_sublayer(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x + moe(norm(x)), with the MoE's auxiliary losses and routing counts."""
         y, aux = self.ffn(self.ffn_norm(x))
         return x + self.dropout(y), aux.lb_loss, aux.z_loss, aux.tokens_per_expert
 
