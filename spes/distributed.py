@@ -205,7 +205,7 @@ def apply_checkpointing_and_compile(model: nn.Module, mode: str | bool | None, o
             setattr(block, name, functools.partial(checkpoint, unit, use_reentrant=False))
         if kwargs is not None and not recomputed:
             block.compile(**kwargs)
-    if kwargs is not None:  # `fused_loss`'s head: its chunks' loss and gradient in a pass or two over the logits
+    if kwargs is not None:  # the final norm, and `fused_loss`'s head: a chunk's loss and gradient in one pass
         model.norm.compile(**kwargs)  # type: ignore[union-attr]
         model.head_chunk_fns = model.head_chunk_fns.compiled(**kwargs)  # type: ignore[union-attr,operator]
 
