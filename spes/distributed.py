@@ -196,9 +196,9 @@ def apply_checkpointing_and_compile(model: nn.Module, mode: str | bool | None, o
     """
     kwargs = compile_kwargs(options)
     every = {"one_in_two": 2, "one_in_four": 4}.get(str(mode), 1)
-    sublayers = ["attn_sublayer", "ffn_sublayer"] if mode == "fine_grained" else ["forward"]
+    units = ["attn_sublayer", "ffn_sublayer"] if mode == "fine_grained" else ["forward"]  # a block's methods
     for i, block in enumerate(model.blocks):  # type: ignore[arg-type]  # torch types a submodule as Tensor | Module
-        recomputed = [] if not mode or i % every else sublayers
+        recomputed = [] if not mode or i % every else units
         for name in recomputed:
             unit = getattr(block, name)
             unit = unit if kwargs is None else torch.compile(unit, **kwargs)

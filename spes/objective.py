@@ -28,13 +28,28 @@ def validation_loss(model: nn.Module, batch_BS: torch.Tensor, fused_loss: bool |
     validation forward never holds the batch's logits either (8 sequences of the 1B config's 151,936-entry vocabulary:
     2.5 billion logits, in bf16 and upcast to fp32, more than a training micro-batch's peak with `fused_loss`)."""
     labels = batch_BS[:, 1:]
+    _, ce_sum, _ = loss_sums(model, batch_BS, labels, fused_loss=fused_loss, logit_z_weight=None)
+    return ce_sum / labels.numel()
+
+
+def loss_sums(
+    model: nn.Module,
+    batch_BS: torch.Tensor,
+    labels_BS: torch.Tensor,
+    *,
+    fused_loss: bool | None,
+    logit_z_weight: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, ModelOutput]:
+    """(CE sum + w * sum(logsumexp^2), CE sum, the model's output) over the kept labels, w the `logit_z_weight`
+    (None: no z-loss); with `fused_loss` the model computes the sums itself, its head a chunk at a time."""
     if fused_loss:
-        out = model(batch_BS[:, :-1], labels)
-        assert out.ce_sum is not None
-        return out.ce_sum / labels.numel()
+        out = model(batch_BS[:, :-1], labels_BS, logit_z_weight=logit_z_weight)
+        assert out.loss_sum is not None and out.ce_sum is not None
+        return out.loss_sum, out.ce_sum, out
     out = model(batch_BS[:, :-1])
     assert out.logits is not None
-    return language_model_loss(out.logits, labels)
+    ce_sum, z_sum = logit_loss_sums(out.logits.flatten(0, 1), labels_BS.flatten(), logit_z=logit_z_weight is not None)
+    return (ce_sum if logit_z_weight is None else ce_sum + logit_z_weight * z_sum), ce_sum, out
 
 
 def next_token_labels(batch_BS: torch.Tensor, instance_filter: InstanceFilterConfig | None) -> torch.Tensor:
@@ -61,15 +76,7 @@ def micro_batch_loss(
     """
     labels = next_token_labels(batch_BS, cfg.data.instance_filter)
     logit_z_weight = cfg.auxiliary_loss_multiplier if cfg.softmax_auxiliary_loss else None
-    if cfg.fused_loss:  # the model computes the loss sums itself, its head a chunk at a time
-        out = model(batch_BS[:, :-1], labels, logit_z_weight=logit_z_weight)
-        assert out.loss_sum is not None and out.ce_sum is not None
-        loss_sum, ce_sum = out.loss_sum, out.ce_sum
-    else:
-        out = model(batch_BS[:, :-1])
-        assert out.logits is not None
-        ce_sum, z_sum = logit_loss_sums(out.logits.flatten(0, 1), labels.flatten(), logit_z=logit_z_weight is not None)
-        loss_sum = ce_sum if logit_z_weight is None else ce_sum + logit_z_weight * z_sum
+    loss_sum, ce_sum, out = loss_sums(model, batch_BS, labels, fused_loss=cfg.fused_loss, logit_z_weight=logit_z_weight)
     # NOTE: as in OLMo, the z-loss is summed over the kept labels' positions and divided by all positions
     loss = loss_sum / labels.numel() + out.lb_loss + out.z_loss
     return loss, ce_sum / labels.numel(), out

@@ -35,9 +35,9 @@ def test_with_fused_loss_validation_asks_the_model_for_loss_sums_not_logits() ->
     given_labels = []
 
     class Recording(nn.Module):
-        def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> object:
+        def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: object) -> object:
             given_labels.append(labels is not None)
-            return model(ids, labels)
+            return model(ids, labels, **kwargs)
 
     with torch.no_grad():
         fused, whole = (validation_loss(Recording(), batch, fused_loss) for fused_loss in (True, False))
