@@ -26,19 +26,23 @@ device time, and the 20 eager aten ops by input shapes whose kernels took the mo
 one under CUDA's sync debug mode (host-device synchronizations per step; on the CPU, `spes.speed.SyncCounter`
 counts the sync points of spes code instead).
 
-The record is rewritten after every variant, so a variant that fails (out of memory, a compile error) is
-recorded as such and a run cut short keeps what it measured; variants past `--budget_s` are recorded as
-skipped. With more than one GPU, an NCCL all-reduce and an FSDP2 step run too (`spes.gpu_check`, under
-torchrun); with one, the record says they did not.
+Each variant runs in a process of its own (`--variant NAME`), so none is measured in what an earlier one left
+behind: its compiled graphs, the allocator's cache, a grown Python heap, a sticky CUDA error. Each row's
+`device_busy` is the profiled step's kernel time over the timed step of as many micro-batches: below 1, the
+device waited for the host (or a sync, or a pause) that long. The record is rewritten after every variant, so a
+variant that fails (out of memory, a compile error, a crash, a hang past `--variant_timeout_s`) is recorded as
+such and a run cut short keeps what it measured; variants past `--budget_s` are recorded as skipped. With more
+than one GPU, an NCCL all-reduce and an FSDP2 step run too (`spes.gpu_check`, under torchrun); with one, the record
+says they did not.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -212,10 +216,11 @@ def check_grouped(device: torch.device) -> dict[str, Any]:
     return {"output_rel_err": errors[0], "trained_grad_rel_err": max(errors[1:]), "ok": max(errors) < 2e-2}
 
 
-def profile_step(trainer: Trainer, batch: torch.Tensor) -> dict[str, list[dict[str, Any]]]:
+def profile_step(trainer: Trainer, batch: torch.Tensor) -> dict[str, Any]:
     """One step under `torch.profiler`: the `TOP_KERNELS` GPU kernels (CPU ops on the CPU) with the most self
-    time (`top_kernels`), and the eager aten ops, by input shapes, whose own kernels took the most device time
-    (`top_ops`: which op of spes launched a row of the first table; a compiled graph's kernels have no aten op)."""
+    time (`top_kernels`), the eager aten ops, by input shapes, whose own kernels took the most device time
+    (`top_ops`: which op of spes launched a row of the first table; a compiled graph's kernels have no aten op),
+    and the time of all the kernels (`profiled_kernel_ms`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -229,9 +234,19 @@ def profile_step(trainer: Trainer, batch: torch.Tensor) -> dict[str, list[dict[s
     def self_time(e: Any) -> float:  # microseconds
         return float(getattr(e, "self_device_time_total", 0) if cuda else e.self_cpu_time_total)
 
-    kernels = [e for e in prof.key_averages() if (e.device_type == DeviceType.CUDA) == cuda]
+    # NOTE: on the GPU a record_function range (`Optimizer.step#AdamW.step`) is an event too, spanning kernels that
+    # are rows of their own; on the CPU its self time is work no aten op covers (a compiled graph's kernels)
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if (e.device_type == DeviceType.CUDA) == cuda and not (cuda and getattr(e, "is_user_annotation", False))
+    ]
     ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
-    return {"top_kernels": _top(kernels, self_time), "top_ops": _top(ops, self_time, shapes=True)}
+    return {
+        "top_kernels": _top(kernels, self_time),
+        "top_ops": _top(ops, self_time, shapes=True),
+        "profiled_kernel_ms": sum(self_time(e) for e in kernels) / 1e3,
+    }
 
 
 def _top(events: list[Any], time_of: Any, shapes: bool = False) -> list[dict[str, Any]]:
@@ -314,7 +329,6 @@ def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]
     if v.backend == "megablocks" and not megablocks_status()["importable"]:
         return {**row, "status": "skipped", "why": megablocks_status()["why"]}
     started = time.perf_counter()
-    trainer = None
     try:
         with loss_chunk(v.loss_chunk), head(v.head), tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
             cfg, _ = load_config(CONFIG, [f"--save_folder={scratch}", *(CUT if quick else []), *v.overrides()])
@@ -326,25 +340,47 @@ def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]
             share = speed.trained_expert_share(trainer, speed.random_batch(cfg, v.micro_batch))
             figures = speed.step_figures(cfg, times, device, share)
             profile_batch = speed.random_batch(cfg, 2 * v.micro_batch, seed=1)
+            profile = profile_step(trainer, profile_batch)
             row.update(
                 status="ok",
                 moe_backend=speed.moe_backend_of(trainer.model),
                 **figures,
-                **profile_step(trainer, profile_batch),
+                **profile,
+                device_busy=profile["profiled_kernel_ms"] / 1e3 / times.projected_step_s(2),
                 top_kernels_step="one step of 2 micro-batches",
                 syncs_per_step=syncs_per_step(trainer, profile_batch),
             )
     except torch.OutOfMemoryError as exc:
         row.update(status="oom", error=str(exc).splitlines()[0][:500])
-    except Exception as exc:  # NOTE: a compile or kernel failure is a finding; the other variants still run
+    except Exception as exc:  # NOTE: a compile or kernel failure is a finding: the variant's row says which
         row.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:1500]}")
-    finally:
-        del trainer
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     row["wall_s"] = time.perf_counter() - started
     return row
+
+
+def run_isolated(v: Variant, device: torch.device, quick: bool, timeout_s: float) -> dict[str, Any]:
+    """`run_variant` in a process of its own (this script's `--variant`); its output goes to this one's log, and a
+    process that dies or hangs without writing its row is the variant's error.
+
+    NOTE: in one process, later variants ran in what earlier ones left: in bench_gpu_head.json (2d1090a) each of the
+    three after the first kept the GPU less busy than the first did, where the same variants measured in
+    bench_gpu_compile.json (1e16eba) were all about as busy as its first (the README's "GPU busy" column).
+    """
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_variant_") as scratch:
+        out = Path(scratch) / "row.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--variant", v.name, "--device", device.type]
+        cmd += ["--out", str(out), *(["--quick"] if quick else [])]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT)
+        except subprocess.TimeoutExpired:
+            why = f"still running after --variant_timeout_s {timeout_s:g}"
+            return {"name": v.name, "status": "timeout", "why": why}
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr[-4000:])
+        if out.is_file():
+            return json.loads(out.read_text())
+    why = f"its process exited with status {proc.returncode} and no row; stderr ends: {proc.stderr[-1500:]}"
+    return {"name": v.name, "status": "error", "error": why}
 
 
 def multi_gpu(device: torch.device) -> dict[str, Any]:
@@ -397,14 +433,14 @@ def print_table(record: dict[str, Any]) -> None:
     rows = []
     for r in record["variants"]:
         if r["status"] != "ok":
-            rows.append([r["name"], r["status"], "", "", "", "", ""])
+            rows.append([r["name"], r["status"], "", "", "", "", "", ""])
             continue
         mem = f"{r['peak_memory_bytes'] / 2**30:.1f}" if r["peak_memory_bytes"] else "n/a"
         mfu = f"{r['mfu']:.1%} / {r['mfu_done']:.1%}" if "mfu" in r else "n/a"
-        rows.append(
-            [r["name"], "ok", f"{r['step_s']:.3g}", f"{r['tokens_per_s']:,.0f}", mfu, mem, r["syncs_per_step"]["count"]]
-        )
-    print(format_table(["variant", "status", "step s", "tokens/s", "MFU / of done", "peak GiB", "syncs"], rows))
+        figures = [f"{r['step_s']:.3g}", f"{r['tokens_per_s']:,.0f}", mfu, mem, f"{r['device_busy']:.0%}"]
+        rows.append([r["name"], "ok", *figures, r["syncs_per_step"]["count"]])
+    head = ["variant", "status", "step s", "tokens/s", "MFU / of done", "peak GiB", "busy", "syncs"]
+    print(format_table(head, rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -412,6 +448,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when there is one")
     p.add_argument("--budget_s", type=float, default=420.0, help="start no variant after this many seconds")
     p.add_argument("--only", default=None, help="comma-separated variant names to run (default: all)")
+    p.add_argument(
+        "--variant",
+        default=None,
+        help="run this one variant in this process and write its row to --out (how the benchmark runs each variant)",
+    )
+    p.add_argument(
+        "--variant_timeout_s",
+        type=float,
+        default=150.0,
+        help="a variant still running after this long is recorded as timed out",
+    )
     p.add_argument("--pytest_junit", type=Path, default=None, help="a `pytest -m gpu --junitxml` file to summarize")
     p.add_argument(
         "--preflight",
@@ -429,9 +476,19 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu":  # NOTE: on a shared CPU, threads that wait for each other make tiny steps 10x slower
         torch.set_num_threads(1)
     try:
-        return run(args, device, quick)
+        return run_one(args, device, quick) if args.variant is not None else run(args, device, quick)
     finally:
         torch.set_num_threads(threads)
+
+
+def run_one(args: Any, device: torch.device, quick: bool) -> int:
+    """The child's side of `run_isolated`: one variant's row, written to --out."""
+    found = [v for v in variants(quick) if v.name == args.variant]
+    if not found:
+        names = ", ".join(v.name for v in variants(quick))
+        raise SystemExit(f"error: no variant named {args.variant!r} in this mode; the variants: {names}")
+    write_record(args.out, {**run_variant(found[0], device, quick), "process": os.getpid()})
+    return 0
 
 
 def run(args: Any, device: torch.device, quick: bool) -> int:
@@ -461,7 +518,7 @@ def run(args: Any, device: torch.device, quick: bool) -> int:
             )
             continue
         print(f"=== {v.name} (t={time.perf_counter() - started:.0f}s)", flush=True)
-        record["variants"].append(run_variant(v, device, quick))
+        record["variants"].append(run_isolated(v, device, quick, args.variant_timeout_s))
         record["elapsed_s"] = time.perf_counter() - started
         write_record(args.out, record)
     record["multi_gpu"] = multi_gpu(device)

@@ -4,8 +4,8 @@
 #   device run: command "bash bench/run_gpu.sh", carry [".whl"], timeout_s 600
 #
 # Arguments go on to bench/bench_gpu.py (a rerun of some variants: --only NAME,NAME --no-preflight).
-# Time: the tests at most 60 s, variants started until 270 s (a compile variant may run ~2 min past it), the
-# preflight at most 90 s: under the 600 s a command may run; a run cut short still leaves the record of every
+# Time: the tests at most 60 s, variants started until 270 s, each in a process of its own stopped after 120 s,
+# the preflight at most 90 s: under the 600 s a command may run; a run cut short still leaves the record of every
 # variant finished (status "running").
 #
 # On the device (no network; python3 with CUDA torch, see bench/prepare_gpu.sh for what it lacks) it installs the
@@ -20,6 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 GPU_TESTS_S=${GPU_TESTS_S:-60}
 BUDGET_S=${BUDGET_S:-270}
+VARIANT_TIMEOUT_S=${VARIANT_TIMEOUT_S:-120}
 exec > >(tee "${OUT:-bench/results}/run_gpu.log") 2>&1
 source bench/device_env.sh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -27,5 +28,5 @@ echo "=== pytest -m gpu (at most ${GPU_TESTS_S}s)"
 timeout "$GPU_TESTS_S" "$PY" -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests
 echo "pytest -m gpu exit status $? (5: no test is marked gpu; 124: timed out)"
 echo "=== bench_gpu (variants until ${BUDGET_S}s)"
-"$PY" bench/bench_gpu.py --device cuda --budget_s "$BUDGET_S" --pytest_junit "$OUT/gpu_tests.xml" --preflight \
+"$PY" bench/bench_gpu.py --device cuda --budget_s "$BUDGET_S" --variant_timeout_s "$VARIANT_TIMEOUT_S" --pytest_junit "$OUT/gpu_tests.xml" --preflight \
   --out "$OUT/bench_gpu.json" "$@"

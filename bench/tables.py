@@ -116,14 +116,15 @@ def _gpu_variants(name: str, gpu: dict[str, Any]) -> list[str]:
         f"on one {m.get('name', 'GPU')} (torch {m['torch']}, commit {gpu['commit'][:12]}; `bench/bench_gpu.py`): "
         "each variant's step of 256 sequences projected from timed steps of 1 and 4 micro-batches; MFU by "
         "`tflops_per_token` and, after the slash, by the FLOPs done (frozen experts skip their weight gradients); "
-        "spread: (slowest - fastest) / median of the timed steps of 4.",
+        "spread: (slowest - fastest) / median of the timed steps of 4; GPU busy: the profiled step's kernel time "
+        "over the timed step of as many micro-batches (below 100%, the GPU waited).",
         "",
-        "| variant | step s | tokens/s | MFU | peak GiB | syncs/step | spread |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | step s | tokens/s | MFU | peak GiB | syncs/step | spread | GPU busy |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for v in gpu["variants"]:
         if v["status"] != "ok":
-            lines.append(f"| {v['name']} | {v['status']} | | | | | |")
+            lines.append(f"| {v['name']} | {v['status']} | | | | | | |")
             continue
         mfu = f"{v['mfu']:.1%} / {v['mfu_done']:.1%}" if "mfu" in v else "n/a"
         peak = f"{v['peak_memory_bytes'] / GIB:.1f}" if v.get("peak_memory_bytes") else "n/a"
@@ -131,9 +132,20 @@ def _gpu_variants(name: str, gpu: dict[str, Any]) -> list[str]:
         spread = (max(timed) - min(timed)) / statistics.median(timed)
         lines.append(
             f"| {v['name']} | {v['step_s']:.2f} | {v['tokens_per_s']:,.0f} | {mfu} | {peak} | "
-            f"{v['syncs_per_step']['count']} | {spread:.0%} |"
+            f"{v['syncs_per_step']['count']} | {spread:.0%} | {device_busy(v):.0%} |"
         )
     return [*lines, ""]
+
+
+def device_busy(v: dict[str, Any]) -> float:
+    """A variant's `device_busy` (bench_gpu.py); for a record from before it, the same from the kernel table: the
+    total its shares imply, less the record_function ranges in it (they span kernels that are rows of their own)."""
+    if "device_busy" in v:
+        return float(v["device_busy"])
+    top = v["top_kernels"]
+    spans = sum(k["ms"] for k in top if k["name"].startswith("Optimizer."))
+    kernel_s = (top[0]["ms"] / top[0]["share"] - spans) / 1e3
+    return kernel_s / (v["fixed_s"] + 2 * v["per_micro_batch_s"])
 
 
 @block("gpu-table")

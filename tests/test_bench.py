@@ -623,8 +623,9 @@ def test_bench_fused_loss_quick(tmp_path: Path) -> None:
 
 
 def test_bench_gpu_quick_records_every_variant_with_its_profile_and_syncs(tmp_path: Path) -> None:
-    """The GPU benchmark's CPU smoke run (cut-down shape): each variant's figures, kernel table and sync count;
-    a junit file of the GPU tests summarized; the multi-GPU part says why it did not run."""
+    """The GPU benchmark's CPU smoke run (cut-down shape): each variant's figures, kernel table and sync count,
+    measured in a process of its own; a junit file of the GPU tests summarized; the multi-GPU part says why it did
+    not run."""
     import bench_gpu
 
     junit = tmp_path / "gpu_tests.xml"
@@ -645,7 +646,9 @@ def test_bench_gpu_quick_records_every_variant_with_its_profile_and_syncs(tmp_pa
         assert 0 < len(v["top_kernels"]) <= 20 and v["top_kernels"][0]["ms"] > 0
         ops = v["top_ops"]
         assert 0 < len(ops) <= 20 and ops[0]["name"].startswith("aten::") and ops[0]["shapes"].startswith("[[")
+        assert v["profiled_kernel_ms"] >= sum(k["ms"] for k in v["top_kernels"]) and v["device_busy"] > 0
     torch_v, grouped = record["variants"]
+    assert len({os.getpid(), torch_v["process"], grouped["process"]}) == 3
     assert grouped["syncs_per_step"]["count"] == 1 < torch_v["syncs_per_step"]["count"]
     assert record["multi_gpu"] == {
         "ran": False,
@@ -654,6 +657,21 @@ def test_bench_gpu_quick_records_every_variant_with_its_profile_and_syncs(tmp_pa
     assert record["gpu_tests"]["tests"] == 3 and record["gpu_tests"]["failed"] == ["tests.test_x::test_b"]
     assert record["megablocks"]["importable"] in (True, False) and record["megablocks"]["why"]
     assert record["preflight_gpu"]["ran"] and "gpu: no CUDA device" in record["preflight_gpu"]["output"]
+
+
+def test_bench_gpu_records_a_variant_that_hangs_and_goes_on(tmp_path: Path) -> None:
+    """A variant's process still running at --variant_timeout_s is stopped and recorded as timed out; the record is
+    complete all the same (an unknown --variant is refused naming the ones there are)."""
+    import bench_gpu
+
+    out = tmp_path / "bench_gpu.json"
+    assert bench_gpu.main(["--quick", "--out", str(out), "--only", "torch", "--variant_timeout_s", "0.5"]) == 0
+    record = json.loads(out.read_text())
+    assert record["status"] == "complete"
+    why = "still running after --variant_timeout_s 0.5"
+    assert record["variants"] == [{"name": "torch", "status": "timeout", "why": why}]
+    with pytest.raises(SystemExit, match="no variant named 'nope'.*grouped_mm"):
+        bench_gpu.main(["--quick", "--out", str(out), "--variant", "nope"])
 
 
 def test_bench_gpu_loss_chunk_variant_sets_the_heads_chunk_for_itself_only(tmp_path: Path) -> None:
@@ -724,7 +742,8 @@ def test_bench_gpu_liger_variant_computes_the_heads_contract_with_liger_for_itse
 
 
 def test_bench_gpu_records_a_failing_variant_and_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Out of memory and any other error are results; a variant past the time budget is recorded as skipped."""
+    """Out of memory and any other error are a variant's results (the row its process writes); a variant past the
+    time budget is recorded as skipped."""
     import torch
 
     import bench_gpu
@@ -740,12 +759,12 @@ def test_bench_gpu_records_a_failing_variant_and_goes_on(tmp_path: Path, monkeyp
         return build(cfg, device)
 
     monkeypatch.setattr(speed, "build_timed_node", failing)
-    out = tmp_path / "bench_gpu.json"
-    assert bench_gpu.main(["--quick", "--out", str(out)]) == 0
-    status = {v["name"]: (v["status"], v.get("error", "")) for v in json.loads(out.read_text())["variants"]}
+    rows = [bench_gpu.run_variant(v, torch.device("cpu"), quick=True) for v in bench_gpu.variants(quick=True)]
+    status = {v["name"]: (v["status"], v.get("error", "")) for v in rows}
     assert status["grouped_mm+fused"][0] == "oom" and "9.00 GiB" in status["grouped_mm+fused"][1]
     assert status["torch"] == ("error", "RuntimeError: compile failed")
     assert status["grouped_mm"][0] == "ok"
+    out = tmp_path / "bench_gpu.json"
     bench_gpu.main(["--quick", "--out", str(out), "--budget_s", "-1"])
     assert {v["status"] for v in json.loads(out.read_text())["variants"]} == {"skipped"}
 
@@ -766,17 +785,22 @@ def test_report_renders_the_gpu_section_from_the_records(tmp_path: Path) -> None
         return {
             "name": name, "status": "ok", "settings": settings, "moe_backend": "grouped_mm", "step_s": 3.0,
             "tokens_per_s": tps, "mfu": 0.3, "mfu_done": 0.27, "peak_memory_bytes": gib * 2**30,
-            "syncs_per_step": {"count": 1}, "timed_steps_s": {"1": [1.0], "4": [1.0, 1.1, 1.2]},
+            "syncs_per_step": {"count": 1}, "timed_steps_s": {"1": [1.0], "4": [1.0, 1.1, 1.2]}, "device_busy": 0.9,
         }  # fmt: skip
 
+    # a record from before `device_busy`: the kernel table's total (ms / share) less the optimizer's range over
+    # the projected step of 2 micro-batches: (180 - 10) ms / (0.02 + 2 * 0.1) s = 77%
+    older = {k: v for k, v in variant("mb4", 4, 150_000.0, 19.0).items() if k != "device_busy"}
+    kernels = [{"name": "gemm", "ms": 90.0, "share": 0.5}, {"name": "Optimizer.step#AdamW.step", "ms": 10.0}]
+    older.update(top_kernels=kernels, fixed_s=0.02, per_micro_batch_s=0.1)
     record = {
         "mode": "full", "commit": "abc", "machine": {"name": "NVIDIA H100 80GB HBM3", "torch": "2.11"},
-        "variants": [variant("mb8", 8, 180_000.0, 35.0), variant("mb4", 4, 150_000.0, 19.0),
-                     {"name": "mb16", "status": "oom", "settings": {}}],
+        "variants": [variant("mb8", 8, 180_000.0, 35.0), older, {"name": "mb16", "status": "oom", "settings": {}}],
     }  # fmt: skip
     (tmp_path / "bench_gpu.json").write_text(json.dumps(record))
     section = gpu_section(tmp_path)
-    assert "| mb8 | 3.00 | 180,000 | 30.0% / 27.0% | 35.0 | 1 | 18% |" in section and "| mb16 | oom |" in section
+    assert "| mb8 | 3.00 | 180,000 | 30.0% / 27.0% | 35.0 | 1 | 18% | 90% |" in section and "| mb16 | oom |" in section
+    assert "| mb4 | 3.00 | 150,000 | 30.0% / 27.0% | 19.0 | 1 | 18% | 77% |" in section
     assert "| 80 GB (A100 / H100 80GB) | `moe_backend: grouped_mm`, micro-batch 8, `fused_loss` | 180,000 |" in section
     assert "| 24 GB (RTX 4090, L4) | `moe_backend: grouped_mm`, micro-batch 4, `fused_loss` | 150,000 |" in section
     later = {**record, "variants": [variant("mb8 again", 8, 120_000.0, 35.0)]}  # a later run: its figure counts
