@@ -515,6 +515,11 @@ class TrainConfig:
     save_interval_unsharded: int | None = _f(None, "steps between unsharded (single-file) checkpoints")
     save_num_unsharded_checkpoints_to_keep: int = _f(-1, "keep this many unsharded checkpoints (-1: all)")
     log_interval: int = _f(1, "steps between console/JSONL metric lines")
+    gen1_gc_interval: int | None = _f(
+        1,
+        "steps between generation-1 garbage collections, Python's automatic collection off while training (as "
+        "OLMo: an automatic one pauses a step at a moment of its own on each rank); null: automatic collection",
+    )
     time_limit: float | None = _f(None, "seconds of training after which the node saves and stops (null: none)")
     model: ModelConfig = _sub(ModelConfig, "the model")
     optimizer: OptimizerConfig = _sub(OptimizerConfig, "the optimizer")
@@ -564,6 +569,12 @@ class TrainConfig:
         parse_duration(self.max_duration)
         _require(self.time_limit is None or self.time_limit > 0, "time_limit", self.time_limit, "must be > 0 seconds")
         _require(self.skip_nonfinite_steps >= 0, "skip_nonfinite_steps", self.skip_nonfinite_steps, "must be >= 0")
+        _require(
+            self.gen1_gc_interval is None or self.gen1_gc_interval >= 1,
+            "gen1_gc_interval",
+            self.gen1_gc_interval,
+            "must be >= 1 step (null: Python's automatic collection)",
+        )
 
     def _check_sync(self) -> None:
         """The node's `spes_config` (peers, server address, the round schedule, overlap) and `server.min_peers`."""

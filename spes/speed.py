@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from spes.config import TrainConfig
 from spes.distributed import DistInfo, parallelize
+from spes.gc_schedule import scheduled_collection
 from spes.model import Transformer, tflops_done_per_token, tflops_per_token
 from spes.moe import ExpertBlocks
 from spes.monitor import peak_flops
@@ -160,16 +161,24 @@ def time_steps(
     warmup: int = 2,
 ) -> StepTimes:
     """Time `steps` steps of each number of `micro_batches` (after `warmup` steps of the largest: first-call
-    allocations, AdamW's state, compilation); `batch_of(n)` gives a batch of n sequences."""
+    allocations, AdamW's state, compilation); `batch_of(n)` gives a batch of n sequences. The garbage collector
+    runs as in `Trainer.fit` (`gen1_gc_interval`), between the timed steps."""
     mb = trainer.cfg.device_train_microbatch_size
     device = trainer.info.device
     times = StepTimes(micro_batch=mb)
-    times.warmup_seconds = [timed_step(trainer, batch_of(max(micro_batches) * mb)) for _ in range(warmup)]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for m in micro_batches:
-        batch = batch_of(m * mb)
-        times.seconds[m] = [timed_step(trainer, batch) for _ in range(steps)]
+    with scheduled_collection(trainer.cfg.gen1_gc_interval) as collect:
+
+        def step(batch: torch.Tensor) -> float:
+            seconds = timed_step(trainer, batch)
+            collect(trainer.step)
+            return seconds
+
+        times.warmup_seconds = [step(batch_of(max(micro_batches) * mb)) for _ in range(warmup)]
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        for m in micro_batches:
+            batch = batch_of(m * mb)
+            times.seconds[m] = [step(batch) for _ in range(steps)]
     if device.type == "cuda":
         times.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
     return times

@@ -23,6 +23,7 @@ from spes import checkpoint
 from spes.config import SchedulerConfig, TrainConfig, parse_duration, to_dict
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
+from spes.gc_schedule import scheduled_collection
 from spes.guard import NonFiniteError, all_finite, check_weights_finite
 from spes.interrupt import Interrupted, StopRequest
 from spes.model import tflops_per_token
@@ -175,7 +176,7 @@ class Trainer:
         if self.step == 0 and not self.cfg.no_pre_train_checkpoint:
             self.save()  # the initial weights, e.g. to compare runs that start from them
         fit_started = time.monotonic()
-        with StopRequest(self.log) as stop:
+        with StopRequest(self.log) as stop, scheduled_collection(self.cfg.gen1_gc_interval) as collect:
             if self.syncer is not None:
                 self.syncer.stopping = lambda: stop.requested
             while self.step < self.max_steps:
@@ -187,6 +188,7 @@ class Trainer:
                     waited_out = False
                 except Interrupted:  # a stop request while waiting for a round: it stays in flight, saved with us
                     waited_out = True
+                collect(self.step)
                 limit = self.cfg.time_limit
                 interrupted, out_of_time = self._stop_requested(
                     stop, limit is not None and time.monotonic() - fit_started >= limit
