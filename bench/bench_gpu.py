@@ -8,11 +8,11 @@
 The node is `configs/spes_1b/node_0.yaml` as `spes.train` builds it (peer 0, amp_bf16, fine-grained activation
 checkpointing), timed by `spes.speed`, the measurement `python -m spes.preflight --gpu` reports too. Variants
 change one thing at a time from there: `model.moe_backend` (torch, grouped_mm, megablocks when importable),
-`compile` off/on, `fused_loss` off/on, the micro-batch (4, 8, 16), activation checkpointing off, larger chunks
-of `fused_loss`'s head (`spes.head_loss.LOSS_CHUNK_ELEMENTS`, set for the variant), liger-kernel's fused linear
-cross entropy in place of `spes.head_loss` (the well-kept kernel library measured against the project's own head;
-its wheel carried by `bench/prepare_gpu.sh`); the variant of the CUDA defaults runs once more after those, so the
-record shows how much one run drifts.
+`compile` off/on (and in torch's reduce-overhead mode: CUDA graphs), `fused_loss` off/on, the micro-batch (4, 8,
+16), activation checkpointing off, larger chunks of `fused_loss`'s head (`spes.head_loss.LOSS_CHUNK_ELEMENTS`, set
+for the variant), liger-kernel's fused linear cross entropy in place of `spes.head_loss` (the well-kept kernel
+library measured against the project's own head; its wheel carried by `bench/prepare_gpu.sh`); the variant of the
+CUDA defaults runs once more after those, so the record shows how much one run drifts.
 
 What a variant measures, honestly: a step of the config's 256 sequences takes seconds, so steps of 1 and of 4
 micro-batches of the variant's real shape (micro-batch x 2,048 tokens) are timed (5 each, after two warm-up
@@ -91,6 +91,7 @@ class Variant:
     checkpointing: bool = True
     loss_chunk: int | None = None  # `spes.head_loss.LOSS_CHUNK_ELEMENTS` for this variant (no config key sets it)
     head: str | None = None  # "liger": liger-kernel's head and loss instead of spes.head_loss's (no config key)
+    compile_mode: str | None = None  # the config's `compile.mode` (torch.compile's; None: its default)
 
     def overrides(self) -> list[str]:
         flags = [
@@ -131,6 +132,17 @@ def variants(quick: bool) -> list[Variant]:
             checkpointing=False,
             loss_chunk=1 << 28,
         ),
+        # NOTE: CUDA graphs for a host that cannot keep the GPU fed (`device_busy` below 1); without checkpointing,
+        # as a compiled module inside a non-reentrant checkpoint fails under them (pytorch/pytorch#154306)
+        Variant(
+            "grouped_mm+fused+compile reduce-overhead no-ckpt",
+            "grouped_mm",
+            True,
+            True,
+            8,
+            checkpointing=False,
+            compile_mode="reduce-overhead",
+        ),
         Variant("grouped_mm+compile", "grouped_mm", True, False, 8),
         Variant("grouped_mm+fused", "grouped_mm", False, True, 8),
         Variant(AGAIN, "grouped_mm", True, True, 8),
@@ -143,12 +155,14 @@ def variants(quick: bool) -> list[Variant]:
     ]
 
 
-def compile_option(on: bool, quick: bool) -> dict | bool:
-    """The config's `compile` for a variant: static shapes on the GPU (one compile per micro-batch shape, no
-    switch to dynamic shapes between variants); on a quick run dynamo's tracing without Inductor (seconds)."""
-    if not on:
+def compile_option(v: Variant, quick: bool) -> dict | bool:
+    """The config's `compile` for a variant: static shapes on the GPU (one compile per micro-batch shape), in the
+    variant's mode; on a quick run dynamo's tracing without Inductor (seconds)."""
+    if not v.compile:
         return False
-    return {"backend": "eager"} if quick else {"dynamic": False}
+    if quick:
+        return {"backend": "eager"}
+    return {"dynamic": False, **({"mode": v.compile_mode} if v.compile_mode else {})}
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
@@ -332,7 +346,7 @@ def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]
     try:
         with loss_chunk(v.loss_chunk), head(v.head), tempfile.TemporaryDirectory(prefix="bench_gpu_") as scratch:
             cfg, _ = load_config(CONFIG, [f"--save_folder={scratch}", *(CUT if quick else []), *v.overrides()])
-            cfg = replace(cfg, compile=compile_option(v.compile, quick))
+            cfg = replace(cfg, compile=compile_option(v, quick))
             trainer = speed.build_timed_node(cfg, device)
             batch_of = lambda n: speed.random_batch(cfg, n)  # noqa: E731
             repeats = {"steps": 1, "warmup": 1} if quick else {}  # the full run: spes.speed's, as the preflight's

@@ -674,6 +674,17 @@ def test_bench_gpu_records_a_variant_that_hangs_and_goes_on(tmp_path: Path) -> N
         bench_gpu.main(["--quick", "--out", str(out), "--variant", "nope"])
 
 
+def test_bench_gpu_runs_cuda_graphs_only_without_checkpointing() -> None:
+    """The reduce-overhead variant (CUDA graphs) compiles in that mode with static shapes and checkpoints nothing: a
+    compiled module inside a non-reentrant checkpoint fails under CUDA graphs (pytorch/pytorch#154306)."""
+    import bench_gpu
+
+    graphed = [v for v in bench_gpu.variants(quick=False) if v.compile_mode == "reduce-overhead"]
+    assert len(graphed) == 1
+    assert bench_gpu.compile_option(graphed[0], quick=False) == {"dynamic": False, "mode": "reduce-overhead"}
+    assert "--activation_checkpointing=null" in graphed[0].overrides()
+
+
 def test_bench_gpu_loss_chunk_variant_sets_the_heads_chunk_for_itself_only(tmp_path: Path) -> None:
     """A variant's `loss_chunk` is the chunk `fused_loss`'s head uses while it runs (more chunks for a smaller one),
     and the product's constant is back afterwards."""
