@@ -4,6 +4,7 @@ each made once per session; GPU tests (`@pytest.mark.gpu`) skipped without CUDA 
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import os
 import shutil
@@ -110,6 +111,29 @@ def dead_port() -> Iterator[int]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         yield sock.getsockname()[1]
+
+
+@pytest.fixture
+def collections() -> Iterator[list[int]]:
+    """The generation of every garbage collection that starts while the test runs."""
+    seen: list[int] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(record)
+
+
+def make_garbage(cycles: int = 5000) -> None:
+    """Reference cycles: thousands of allocations past the collector's threshold (700), then unreachable."""
+    for _ in range(cycles):
+        a: list = []
+        a.append(a)
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import make_garbage
 from spes.config import ConfigError, load_config
 from spes.distributed import DistInfo
 from spes.gc_schedule import scheduled_collection
@@ -16,29 +16,6 @@ from spes.train import build_node
 from spes.trainer import Trainer
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
-
-
-@pytest.fixture
-def collections() -> Iterator[list[int]]:
-    """The generation of every collection that starts while the test runs."""
-    seen: list[int] = []
-
-    def record(phase: str, info: dict) -> None:
-        if phase == "start":
-            seen.append(info["generation"])
-
-    gc.callbacks.append(record)
-    try:
-        yield seen
-    finally:
-        gc.callbacks.remove(record)
-
-
-def make_garbage(cycles: int = 5000) -> None:
-    """Reference cycles: thousands of allocations past the collector's threshold (700), then unreachable."""
-    for _ in range(cycles):
-        a: list = []
-        a.append(a)
 
 
 def test_collections_happen_at_the_scheduled_steps_only(collections: list[int]) -> None:
