@@ -43,6 +43,8 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,10 +61,12 @@ import torch
 import spes.head_loss
 import spes.model
 from common import REPO_ROOT, format_table, git_commit, machine_info, parser
+from records import CUDA_DEFAULTS
 from spes import speed
 from spes.atomic import write_atomic
 from spes.checks import matmul_flops_per_s
 from spes.config import load_config
+from spes.gpu_check import step_settings
 from spes.trainer import Trainer
 
 CONFIG = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
@@ -102,7 +106,7 @@ class Variant:
         return flags + ([] if self.checkpointing else ["--activation_checkpointing=null"])
 
 
-AGAIN = "grouped_mm+fused+compile again"
+AGAIN = f"{CUDA_DEFAULTS} again"
 """The CUDA defaults' variant measured once more after the open questions: its two figures bound the drift within
 one run."""
 
@@ -118,7 +122,7 @@ def variants(quick: bool) -> list[Variant]:
             Variant("grouped_mm+fused", "grouped_mm", False, True, 8),
         ]
     return [
-        Variant("grouped_mm+fused+compile", "grouped_mm", True, True, 8),
+        Variant(CUDA_DEFAULTS, "grouped_mm", True, True, 8),
         Variant("grouped_mm+fused+compile chunk x4", "grouped_mm", True, True, 8, loss_chunk=1 << 28),
         Variant("grouped_mm+fused+compile chunk x16", "grouped_mm", True, True, 8, loss_chunk=1 << 30),
         Variant("grouped_mm+liger+compile", "grouped_mm", True, True, 8, head="liger"),
@@ -423,6 +427,36 @@ def preflight_gpu(timeout_s: float = 90) -> dict[str, Any]:
     return {"ran": True, "returncode": proc.returncode, "output": proc.stdout[-4000:], "stderr": proc.stderr[-2000:]}
 
 
+PREFLIGHT_STEP = re.compile(
+    r"^ok\s+step\s+node step \((?P<settings>[^)]*)\): (?P<tps>[0-9,]+) tokens/s.*?"
+    r"MFU (?P<mfu>[0-9.]+)% by tflops_per_token",
+    re.MULTILINE,
+)
+
+
+def preflight_agreement(output: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The preflight's tokens/s and MFU against this run's `CUDA_DEFAULTS` variants (issue 29: the same figures):
+    compared only when the preflight stepped the same setting, and as its ratio to their median."""
+    found = PREFLIGHT_STEP.search(output)
+    if found is None:
+        return {"compared": False, "why": "no 'ok step' line in the preflight's output"}
+    defaults = step_settings(load_config(CONFIG, [])[0].on_device("cuda"), "grouped_mm")  # CUDA_DEFAULTS' setting
+    if found["settings"] != defaults:
+        return {"compared": False, "why": f"the preflight stepped '{found['settings']}', not {CUDA_DEFAULTS}"}
+    bench = [v for v in rows if v["name"] in (CUDA_DEFAULTS, AGAIN) and v["status"] == "ok"]
+    if not bench:
+        return {"compared": False, "why": f"{CUDA_DEFAULTS} did not run to the end here"}
+    tps, mfu = float(found["tps"].replace(",", "")), float(found["mfu"]) / 100
+    bench_tps = statistics.median(v["tokens_per_s"] for v in bench)
+    return {
+        "compared": True,
+        "preflight_tokens_per_s": tps,
+        "preflight_mfu": mfu,
+        "bench_tokens_per_s": {v["name"]: v["tokens_per_s"] for v in bench},
+        "ratio": tps / bench_tps,
+    }
+
+
 def junit_summary(path: Path) -> dict[str, Any]:
     """Counts of a pytest --junitxml file (bench/run_gpu.sh runs `pytest -m gpu` first)."""
     if not path.is_file():
@@ -538,10 +572,15 @@ def run(args: Any, device: torch.device, quick: bool) -> int:
     record["multi_gpu"] = multi_gpu(device)
     if args.preflight:
         record["preflight_gpu"] = preflight_gpu()
+        record["preflight_agreement"] = preflight_agreement(
+            record["preflight_gpu"].get("output", ""), record["variants"]
+        )
     record["status"] = "complete"
     record["elapsed_s"] = time.perf_counter() - started
     write_record(args.out, record)
     print_table(record)
+    if "preflight_agreement" in record:
+        print(f"preflight --gpu against {CUDA_DEFAULTS}: {record['preflight_agreement']}")
     print(f"saved {args.out}")
     return 0
 

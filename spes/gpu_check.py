@@ -19,11 +19,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from spes import monitor
 from spes.checks import Check, fail, gib, matmul_flops_per_s, ok, report, skip
+
+if TYPE_CHECKING:
+    from spes.config import TrainConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "spes_1b" / "node_0.yaml"
 ITERS = 5
@@ -127,11 +131,15 @@ def check_step(cfg: object, device: torch.device, world: int) -> Check:
         figures = speed.step_figures(node_cfg, times, device, share)
         backend = speed.moe_backend_of(trainer.model)
     memory = gib(figures["peak_memory_bytes"]) if figures["peak_memory_bytes"] is not None else "n/a (CPU)"
-    settings = (
+    return ok("step", f"node step ({step_settings(cfg, backend)}): {speed.describe(figures)}; peak memory {memory}")
+
+
+def step_settings(cfg: TrainConfig, backend: str) -> str:
+    """What the step line says it stepped (the GPU benchmark compares its figures with the variant of that)."""
+    return (
         f"backend {backend}, {'compiled' if cfg.compile else 'eager'}, "
         f"{'fused_loss' if cfg.fused_loss else 'whole logits'}, activation checkpointing {cfg.activation_checkpointing}"
     )
-    return ok("step", f"node step ({settings}): {speed.describe(figures)}; peak memory {memory}")
 
 
 def check_all_reduce(world: int, device: torch.device, num_bytes: int = ALL_REDUCE_BYTES) -> Check:

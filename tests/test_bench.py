@@ -657,6 +657,7 @@ def test_bench_gpu_quick_records_every_variant_with_its_profile_and_syncs(tmp_pa
     assert record["gpu_tests"]["tests"] == 3 and record["gpu_tests"]["failed"] == ["tests.test_x::test_b"]
     assert record["megablocks"]["importable"] in (True, False) and record["megablocks"]["why"]
     assert record["preflight_gpu"]["ran"] and "gpu: no CUDA device" in record["preflight_gpu"]["output"]
+    assert record["preflight_agreement"] == {"compared": False, "why": "no 'ok step' line in the preflight's output"}
 
 
 def test_bench_gpu_records_a_variant_that_hangs_and_goes_on(tmp_path: Path) -> None:
@@ -672,6 +673,43 @@ def test_bench_gpu_records_a_variant_that_hangs_and_goes_on(tmp_path: Path) -> N
     assert record["variants"] == [{"name": "torch", "status": "timeout", "why": why}]
     with pytest.raises(SystemExit, match="no variant named 'nope'.*grouped_mm"):
         bench_gpu.main(["--quick", "--out", str(out), "--variant", "nope"])
+
+
+def test_bench_gpu_compares_the_preflights_step_with_its_cuda_defaults() -> None:
+    """Issue 29: `spes.preflight --gpu` reports the benchmark's tokens/s and MFU. The step line (made by the
+    preflight's own code) is compared with the run's CUDA-defaults variants, and only when it stepped that setting."""
+    import bench_gpu
+    from records import CUDA_DEFAULTS
+    from spes import speed
+    from spes.checks import ok, report
+    from spes.config import load_config
+    from spes.gpu_check import step_settings
+
+    figures = {
+        "tokens_per_s": 262_000.0, "micro_batches_per_step": 32, "micro_batch": 8, "step_s": 2.0,
+        "per_micro_batch_s": 0.06, "fixed_s": 0.08, "mfu": 0.44, "mfu_done": 0.4, "trained_expert_share": 0.31,
+        "peak_tflops": 989.0,
+    }  # fmt: skip
+
+    def preflight_output(*overrides: str) -> str:
+        cfg = load_config(bench_gpu.CONFIG, list(overrides))[0].on_device("cuda")
+        lines: list[str] = []
+        step = f"node step ({step_settings(cfg, 'grouped_mm')}): {speed.describe(figures)}; peak memory 13 GiB"
+        report([ok("block", "one block"), ok("step", step)], out=lines.append)
+        return "\n".join(lines)
+
+    rows = [
+        {"name": CUDA_DEFAULTS, "status": "ok", "tokens_per_s": 250_000.0},
+        {"name": bench_gpu.AGAIN, "status": "ok", "tokens_per_s": 270_000.0},
+        {"name": "grouped_mm+fused+compile mb4", "status": "ok", "tokens_per_s": 100_000.0},
+    ]
+    got = bench_gpu.preflight_agreement(preflight_output(), rows)
+    assert got["compared"] and got["ratio"] == pytest.approx(262_000 / 260_000)
+    assert got["preflight_mfu"] == pytest.approx(0.44) and got["preflight_tokens_per_s"] == 262_000
+    eager = bench_gpu.preflight_agreement(preflight_output("--compile=false"), rows)
+    assert not eager["compared"] and "eager" in eager["why"] and CUDA_DEFAULTS in eager["why"]
+    assert not bench_gpu.preflight_agreement("gpu: no CUDA device", rows)["compared"]
+    assert not bench_gpu.preflight_agreement(preflight_output(), rows[2:])["compared"]
 
 
 def test_bench_gpu_runs_cuda_graphs_only_without_checkpointing() -> None:
