@@ -61,7 +61,7 @@ import torch
 import spes.head_loss
 import spes.model
 from common import REPO_ROOT, format_table, git_commit, machine_info, parser
-from records import CUDA_DEFAULTS
+from records import CUDA_DEFAULTS, PROFILED_MICRO_BATCHES
 from spes import speed
 from spes.atomic import write_atomic
 from spes.checks import matmul_flops_per_s
@@ -357,15 +357,15 @@ def run_variant(v: Variant, device: torch.device, quick: bool) -> dict[str, Any]
             times = speed.time_steps(trainer, batch_of, micro_batches=MICRO_BATCHES[quick], **repeats)
             share = speed.trained_expert_share(trainer, speed.random_batch(cfg, v.micro_batch))
             figures = speed.step_figures(cfg, times, device, share)
-            profile_batch = speed.random_batch(cfg, 2 * v.micro_batch, seed=1)
+            profile_batch = speed.random_batch(cfg, PROFILED_MICRO_BATCHES * v.micro_batch, seed=1)
             profile = profile_step(trainer, profile_batch)
             row.update(
                 status="ok",
                 moe_backend=speed.moe_backend_of(trainer.model),
                 **figures,
                 **profile,
-                device_busy=profile["profiled_kernel_ms"] / 1e3 / times.projected_step_s(2),
-                top_kernels_step="one step of 2 micro-batches",
+                device_busy=profile["profiled_kernel_ms"] / 1e3 / times.projected_step_s(PROFILED_MICRO_BATCHES),
+                top_kernels_step=f"one step of {PROFILED_MICRO_BATCHES} micro-batches",
                 syncs_per_step=syncs_per_step(trainer, profile_batch),
             )
     except torch.OutOfMemoryError as exc:

@@ -258,6 +258,9 @@ def gpu_runs(records: Records) -> list[tuple[str, dict[str, Any]]]:
 CUDA_DEFAULTS = "grouped_mm+fused+compile"
 """The variant of the node as a config that leaves `compile` and `fused_loss` null builds it on a CUDA GPU."""
 
+PROFILED_MICRO_BATCHES = 2
+"""Micro-batches of the step bench_gpu.py profiles: its kernel table and `device_busy` are of a step this long."""
+
 
 def gpu_variant(run: dict[str, Any], name: str) -> dict[str, Any] | None:
     """The variant `name` of a GPU run, if it ran to the end there."""

@@ -18,6 +18,7 @@ from records import (
     DILOCO_CURVE,
     F5_RECORDS,
     GPU_RUNS,
+    PROFILED_MICRO_BATCHES,
     Missing,
     Records,
     codec_losses,
@@ -145,7 +146,7 @@ def device_busy(v: dict[str, Any]) -> float:
     top = v["top_kernels"]
     spans = sum(k["ms"] for k in top if k["name"].startswith("Optimizer."))
     kernel_s = (top[0]["ms"] / top[0]["share"] - spans) / 1e3
-    return kernel_s / (v["fixed_s"] + 2 * v["per_micro_batch_s"])
+    return kernel_s / (v["fixed_s"] + PROFILED_MICRO_BATCHES * v["per_micro_batch_s"])
 
 
 @block("gpu-table")
