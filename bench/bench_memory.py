@@ -138,6 +138,72 @@ def rel_err(measured: float, expected: float) -> float:
     return abs(measured - expected) / expected if expected else 0.0
 
 
+CHECKED = ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes")
+RATIOS = (*CHECKED, "peak_minus_before_bytes")
+
+
+def measure_kind(config: Path, kind: str) -> dict[str, Any]:
+    """One node kind measured in a process of its own (its peak RSS its own), with the figures derived from it and
+    the preflight's estimate of the same node beside them."""
+    m = run_child(Path(__file__), ["--child", kind, "--config", str(config)])
+    m["static_bytes"] = m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
+    m["peak_minus_before_bytes"] = m["peak_rss_bytes"] - m["rss_before_bytes"]
+    cfg = node_config(config, kind)
+    static, per_seq = memory_need(cfg, 1)
+    m["preflight_estimate_bytes"] = static + cfg.device_train_microbatch_size * per_seq
+    return m
+
+
+def agreement(kind: str, m: dict[str, Any], a: dict[str, int]) -> list[dict[str, Any]]:
+    """The measured figures against the analytic ones: the 5% check the benchmark stands on."""
+    errors = {key: rel_err(m[key], a[key]) for key in CHECKED}
+    return [
+        {"kind": kind, "figure": k, "measured": m[k], "analytic": a[k], "rel_err": e, "within_5pct": e <= TOLERANCE}
+        for k, e in errors.items()
+    ]
+
+
+def measured_table(measured: dict[str, dict[str, Any]]) -> str:
+    """The measured nodes, MiB per figure, the analytic static memory and the preflight's estimate beside them."""
+    rows = [
+        [
+            kind,
+            f"{m['params'] / 1e6:.2f}M",
+            f"{m['trainable_params'] / 1e6:.2f}M",
+            *(f"{m[k] / MIB:.1f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "static_bytes")),
+            f"{row['analytic']['static_bytes'] / MIB:.1f}",
+            f"{m['peak_minus_before_bytes'] / MIB:.1f}",
+            f"{m['preflight_estimate_bytes'] / MIB:.1f}",
+        ]
+        for kind, row in measured.items()
+        for m in [row["measured"]]
+    ]
+    header = ["node", "params", "trained", "weights MiB", "grads MiB", "AdamW MiB", "static MiB", "analytic MiB"]
+    return format_table([*header, "peak RSS - base MiB", "preflight estimate MiB"], rows)
+
+
+def paper_1b() -> dict[str, dict[str, Any]]:
+    """The paper's 1B config counted analytically and on the meta device (nothing allocated); prints its table."""
+    paper: dict[str, dict[str, Any]] = {}
+    rows = []
+    for kind in KINDS:
+        cfg = node_config(PAPER_1B, kind)
+        a, meta = analytic(cfg), meta_counts(cfg)
+        err = max(rel_err(meta[k], a[k]) for k in meta)
+        paper[kind] = {"analytic": a, "meta_device": meta, "meta_vs_analytic_rel_err": err}
+        gib = (f"{a[k] / 2**30:.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes", "static_bytes"))
+        rows.append([kind, f"{a['params'] / 1e9:.3f}B", f"{a['trainable_params'] / 1e9:.3f}B", *gib, f"{err:.1e}"])
+    ps, pf = paper["spes"]["analytic"], paper["full"]["analytic"]
+    print(f"\npaper 1B config ({PAPER_1B.relative_to(REPO_ROOT)}), fp32 weights + grads + AdamW, one replica:")
+    header = ["node", "params", "trained", "weights GiB", "grads GiB", "AdamW GiB", "static GiB", "meta vs analytic"]
+    print(format_table(header, rows))
+    print(
+        f"SPES / full static memory: {ps['static_bytes'] / pf['static_bytes']:.3f} "
+        f"(saves {(pf['static_bytes'] - ps['static_bytes']) / 2**30:.2f} GiB per replica)"
+    )
+    return paper
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_memory", __doc__)
     p.add_argument("--child", choices=sorted(KINDS), help=argparse.SUPPRESS)
@@ -148,112 +214,28 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_node(config, args.child)))
         return 0
 
-    measured_rows, checks, rows = {}, [], []
-    for kind in KINDS:
-        m = run_child(Path(__file__), ["--child", kind, "--config", str(config)])
-        a = analytic(node_config(config, kind))
-        m["static_bytes"] = m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
-        m["peak_minus_before_bytes"] = m["peak_rss_bytes"] - m["rss_before_bytes"]
-        static, per_seq = memory_need(node_config(config, kind), 1)
-        m["preflight_estimate_bytes"] = static + node_config(config, kind).device_train_microbatch_size * per_seq
-        for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes"):
-            err = rel_err(m[key], a[key])
-            checks.append(
-                {
-                    "kind": kind,
-                    "figure": key,
-                    "measured": m[key],
-                    "analytic": a[key],
-                    "rel_err": err,
-                    "within_5pct": err <= TOLERANCE,
-                }
-            )
-        measured_rows[kind] = {"measured": m, "analytic": a}
-        rows.append(
-            [
-                kind,
-                f"{m['params'] / 1e6:.2f}M",
-                f"{m['trainable_params'] / 1e6:.2f}M",
-                f"{m['param_bytes'] / MIB:.1f}",
-                f"{m['grad_bytes'] / MIB:.1f}",
-                f"{m['optimizer_bytes'] / MIB:.1f}",
-                f"{m['static_bytes'] / MIB:.1f}",
-                f"{a['static_bytes'] / MIB:.1f}",
-                f"{m['peak_minus_before_bytes'] / MIB:.1f}",
-                f"{m['preflight_estimate_bytes'] / MIB:.1f}",
-            ]
-        )
-    s, f = (measured_rows[k]["measured"] for k in ("spes", "full"))
-    ratios = {
-        key: s[key] / f[key]
-        for key in ("trainable_bytes", "grad_bytes", "optimizer_bytes", "static_bytes", "peak_minus_before_bytes")
+    measured = {
+        kind: {"measured": measure_kind(config, kind), "analytic": analytic(node_config(config, kind))}
+        for kind in KINDS
     }
+    checks = [c for kind, row in measured.items() for c in agreement(kind, row["measured"], row["analytic"])]
+    s, f = (measured[k]["measured"] for k in ("spes", "full"))
+    ratios = {key: s[key] / f[key] for key in RATIOS}
     print(f"measured on {config.relative_to(REPO_ROOT)} (one micro-batch of {s['tokens_per_step']} tokens, fp32, CPU):")
-    print(
-        format_table(
-            [
-                "node",
-                "params",
-                "trained",
-                "weights MiB",
-                "grads MiB",
-                "AdamW MiB",
-                "static MiB",
-                "analytic MiB",
-                "peak RSS - base MiB",
-                "preflight estimate MiB",
-            ],
-            rows,
-        )
-    )
+    print(measured_table(measured))
     print("SPES / full: " + ", ".join(f"{k.replace('_bytes', '')} {v:.3f}" for k, v in ratios.items()))
     worst = max(c["rel_err"] for c in checks)
     print(f"measured vs analytic: worst relative error {worst:.2%} ({'OK' if worst <= TOLERANCE else 'OVER 5%'})")
-
-    paper: dict[str, dict[str, Any]] = {}
-    paper_rows = []
-    for kind in KINDS:
-        cfg = node_config(PAPER_1B, kind)
-        a, meta = analytic(cfg), meta_counts(cfg)
-        err = max(rel_err(meta[k], a[k]) for k in meta)
-        paper[kind] = {"analytic": a, "meta_device": meta, "meta_vs_analytic_rel_err": err}
-        paper_rows.append(
-            [
-                kind,
-                f"{a['params'] / 1e9:.3f}B",
-                f"{a['trainable_params'] / 1e9:.3f}B",
-                f"{a['param_bytes'] / 2**30:.2f}",
-                f"{a['grad_bytes'] / 2**30:.2f}",
-                f"{a['optimizer_bytes'] / 2**30:.2f}",
-                f"{a['static_bytes'] / 2**30:.2f}",
-                f"{err:.1e}",
-            ]
-        )
-    ps, pf = paper["spes"]["analytic"], paper["full"]["analytic"]
-    print(f"\npaper 1B config ({PAPER_1B.relative_to(REPO_ROOT)}), fp32 weights + grads + AdamW, one replica:")
-    print(
-        format_table(
-            ["node", "params", "trained", "weights GiB", "grads GiB", "AdamW GiB", "static GiB", "meta vs analytic"],
-            paper_rows,
-        )
-    )
-    print(
-        f"SPES / full static memory: {ps['static_bytes'] / pf['static_bytes']:.3f} "
-        f"(saves {(pf['static_bytes'] - ps['static_bytes']) / 2**30:.2f} GiB per replica)"
-    )
-
-    write_results(
-        args.out,
-        {
-            "mode": "quick" if args.quick else "full",
-            "machine": machine_info(),
-            "config": str(config.relative_to(REPO_ROOT)),
-            "measured": measured_rows,
-            "ratios_spes_over_full": ratios,
-            "checks": checks,
-            "paper_1b": paper,
-        },
-    )
+    record = {
+        "mode": "quick" if args.quick else "full",
+        "machine": machine_info(),
+        "config": str(config.relative_to(REPO_ROOT)),
+        "measured": measured,
+        "ratios_spes_over_full": ratios,
+        "checks": checks,
+        "paper_1b": paper_1b(),
+    }
+    write_results(args.out, record)
     return 0 if worst <= TOLERANCE else 1
 
 
