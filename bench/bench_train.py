@@ -78,6 +78,64 @@ def timed_step(variant: Variant, batch: torch.Tensor) -> float:
     return speed.timed_step(variant.trainer, batch)
 
 
+def step_in_turns(variants: list[Variant], batch: torch.Tensor, steps: int, device: torch.device) -> dict[str, int]:
+    """A warm-up step of each variant (first-call allocations, AdamW state), then `steps` rounds of one step of each
+    in turn, so a change in the machine's load hits every variant alike; on a GPU, each variant's peak memory."""
+    for v in variants:
+        timed_step(v, batch)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    peaks: dict[str, int] = {}
+    for _ in range(steps):
+        for v in variants:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            v.step_seconds.append(timed_step(v, batch))
+            if device.type == "cuda":
+                peaks[v.name] = max(peaks.get(v.name, 0), torch.cuda.max_memory_allocated(device))
+    return peaks
+
+
+def result(
+    v: Variant, tokens: int, flops: float, peak: float | None, base: float, peaks: dict[str, int]
+) -> dict[str, Any]:
+    """One variant's record: its median step, tokens/s and achieved FLOP/s, speed against full/torch (`base`, its
+    median step), and where known its MFU and peak memory."""
+    median = statistics.median(v.step_seconds)
+    tps = tokens / median
+    r: dict[str, Any] = {
+        "variant": v.name,
+        "backend": v.backend,
+        "kind": v.kind,
+        "step_seconds": v.step_seconds,
+        "median_step_s": median,
+        "tokens_per_s": tps,
+        "gflops": tps * flops / 1e9,
+        "speed_vs_full_torch": base / median,
+        "trainable_params": sum(p.numel() for p in v.trainer.trainable),
+    }
+    if peak is not None:
+        r["mfu"] = tps * flops / peak
+    if v.name in peaks:
+        r["peak_memory_bytes"] = peaks[v.name]
+    return r
+
+
+def results_table(results: list[dict[str, Any]]) -> str:
+    """The variants side by side, MFU and peak memory columns only where measured (a GPU)."""
+    rows = [
+        [r["variant"], f"{r['median_step_s']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['gflops']:.1f}"]
+        + [f"{r['speed_vs_full_torch']:.2f}"]
+        + ([f"{r['mfu']:.1%}"] if "mfu" in r else [])
+        + ([f"{r['peak_memory_bytes'] / 2**30:.2f}"] if "peak_memory_bytes" in r else [])
+        for r in results
+    ]
+    headers = ["node/backend", "step s", "tokens/s", "GFLOP/s", "vs full/torch"]
+    headers += ["MFU"] if "mfu" in results[0] else []
+    headers += ["peak GiB"] if "peak_memory_bytes" in results[0] else []
+    return format_table(headers, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_train", __doc__)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
@@ -98,70 +156,29 @@ def main(argv: list[str] | None = None) -> int:
         batch = torch.randint(
             0, cfg.model.vocab_size, (cfg.global_train_batch_size, cfg.model.max_sequence_length + 1), generator=gen
         )
-        tokens = cfg.global_train_batch_size * cfg.model.max_sequence_length
-        for v in variants:  # warm-up: first-call allocations, AdamW state
-            timed_step(v, batch)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        peaks: dict[str, int] = {}
-        for _ in range(steps):
-            for v in variants:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                v.step_seconds.append(timed_step(v, batch))
-                if device.type == "cuda":
-                    peaks[v.name] = max(peaks.get(v.name, 0), torch.cuda.max_memory_allocated(device))
+        peaks = step_in_turns(variants, batch, steps, device)
 
+    tokens = cfg.global_train_batch_size * cfg.model.max_sequence_length
     flops = tflops_per_token(cfg.model) * 1e12
-    peak = peak_flops(device)
     base = statistics.median(next(v for v in variants if v.name == "full/torch").step_seconds)
-    results: list[dict[str, Any]] = []
-    rows = []
-    for v in variants:
-        median = statistics.median(v.step_seconds)
-        tps = tokens / median
-        r: dict[str, Any] = {
-            "variant": v.name,
-            "backend": v.backend,
-            "kind": v.kind,
-            "step_seconds": v.step_seconds,
-            "median_step_s": median,
-            "tokens_per_s": tps,
-            "gflops": tps * flops / 1e9,
-            "speed_vs_full_torch": base / median,
-            "trainable_params": sum(p.numel() for p in v.trainer.trainable),
-        }
-        if peak is not None:
-            r["mfu"] = tps * flops / peak
-        if v.name in peaks:
-            r["peak_memory_bytes"] = peaks[v.name]
-        results.append(r)
-        rows.append(
-            [v.name, f"{median:.3f}", f"{tps:,.0f}", f"{r['gflops']:.1f}", f"{r['speed_vs_full_torch']:.2f}"]
-            + ([f"{r['mfu']:.1%}"] if "mfu" in r else [])
-            + ([f"{r['peak_memory_bytes'] / 2**30:.2f}"] if "peak_memory_bytes" in r else [])
-        )
-    headers = ["node/backend", "step s", "tokens/s", "GFLOP/s", "vs full/torch"]
-    headers += ["MFU"] if peak is not None else []
-    headers += ["peak GiB"] if peaks else []
+    peak = peak_flops(device)
+    results = [result(v, tokens, flops, peak, base, peaks) for v in variants]
     print(
         f"{config.relative_to(REPO_ROOT)} on {device}: global batch {cfg.global_train_batch_size} x "
         f"{cfg.model.max_sequence_length} tokens, micro-batch {cfg.device_train_microbatch_size}, "
         f"{cfg.precision}, median of {steps} step(s), torch threads {torch.get_num_threads()}"
     )
-    print(format_table(headers, rows))
-    write_results(
-        args.out,
-        {
-            "mode": "quick" if args.quick else "full",
-            "machine": machine_info(),
-            "device": str(device),
-            "config": str(config.relative_to(REPO_ROOT)),
-            "tokens_per_step": tokens,
-            "tflops_per_token": flops / 1e12,
-            "results": results,
-        },
-    )
+    print(results_table(results))
+    record = {
+        "mode": "quick" if args.quick else "full",
+        "machine": machine_info(),
+        "device": str(device),
+        "config": str(config.relative_to(REPO_ROOT)),
+        "tokens_per_step": tokens,
+        "tflops_per_token": flops / 1e12,
+        "results": results,
+    }
+    write_results(args.out, record)
     return 0
 
 
