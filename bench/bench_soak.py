@@ -123,7 +123,7 @@ def chaos(addr: str, data_port: int, counts_path: Path) -> int:
         "garbage_frames": 0,
         "reconnects": 0,
     }
-    host, port = addr.rsplit(":", 1)
+    host, _ = addr.rsplit(":", 1)
     peer = 0
     counts_path.write_text(json.dumps(counts))  # ready: the soak starts its rounds now
     while not stop.is_set():
@@ -139,23 +139,7 @@ def chaos(addr: str, data_port: int, counts_path: Path) -> int:
             counts["idle_grpc_streams"] += len(calls)
             socks = [socket.create_connection((host, data_port), timeout=5) for _ in range(4)]
             counts["idle_data_connections"] += len(socks)
-            for _ in range(5):
-                try:
-                    status = pb_grpc.ParameterServerStub(channel).Status(pb.StatusRequest(), timeout=5)
-                except grpc.RpcError:
-                    break
-                peer, step = (peer + 1) % PEERS, max(status.open_round, status.current_round + 1)
-                counts["killed_uploads_grpc"] += kill_grpc_upload(channel, peer, step)
-                counts["killed_uploads_data"] += kill_data_upload(host, data_port, peer, step)
-                for target in ((host, int(port)), (host, data_port)):
-                    try:
-                        with socket.create_connection(target, timeout=5) as sock:
-                            sock.sendall(os.urandom(128))
-                        counts["garbage_frames"] += 1
-                    except OSError:
-                        pass
-                if stop.wait(0.5):
-                    break
+            peer = broken_uploads(channel, addr, data_port, peer, counts, stop)
             hold.set()
             for sock in socks:
                 reset(sock)
@@ -163,6 +147,32 @@ def chaos(addr: str, data_port: int, counts_path: Path) -> int:
                 call.cancel()
     counts_path.write_text(json.dumps(counts))
     return 0
+
+
+def broken_uploads(
+    channel: grpc.Channel, addr: str, data_port: int, peer: int, counts: dict[str, int], stop: threading.Event
+) -> int:
+    """Up to 5 times, half a second apart: an upload killed mid-tensor on each plane, claiming the next peer and the
+    open round, and garbage to both ports; returns the last peer claimed (the next cycle goes on from it)."""
+    host, port = addr.rsplit(":", 1)
+    for _ in range(5):
+        try:
+            status = pb_grpc.ParameterServerStub(channel).Status(pb.StatusRequest(), timeout=5)
+        except grpc.RpcError:
+            break
+        peer, step = (peer + 1) % PEERS, max(status.open_round, status.current_round + 1)
+        counts["killed_uploads_grpc"] += kill_grpc_upload(channel, peer, step)
+        counts["killed_uploads_data"] += kill_data_upload(host, data_port, peer, step)
+        for target in ((host, int(port)), (host, data_port)):
+            try:
+                with socket.create_connection(target, timeout=5) as sock:
+                    sock.sendall(os.urandom(128))
+                counts["garbage_frames"] += 1
+            except OSError:
+                pass
+        if stop.wait(0.5):
+            break
+    return peer
 
 
 TENSOR: dict[str, Any] = {"name": "embed.weight", "dtype": "fp32", "shape": [256, D], "num_bytes": 256 * D * 4}
@@ -206,17 +216,14 @@ def kill_data_upload(host: str, data_port: int, peer: int, step: int) -> int:
 
 # -- the soak ---------------------------------------------------------------------------------------------------
 def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> dict[str, Any]:
+    """`rounds` rounds of 4 peers against a real server, the fifth process attacking it unless `attack` is off;
+    the record of what was checked, injected and logged, and how the server's resources moved."""
     spec = run()
-    shapes = spec.manifest or {}
-    trainable = {p: spec.trainable(p) for p in range(PEERS)}
     server, port = start_server(
         [*spec_overrides(spec), "--data_port", "0", "--stream_idle_timeout", "2"], workdir / "server.log"
     )
     addr = f"127.0.0.1:{port}"
     chaos_proc = None
-    samples: list[dict[str, Any]] = []
-    exact_rounds = 0
-    seconds: list[float] = []
     try:
         settings = SpesConfig(server_addr=addr, rpc_timeout_s=20, round_timeout_s=120, max_retries=10)
         clients = [SyncClient(spec, p, settings) for p in range(PEERS)]
@@ -225,33 +232,8 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
         data_plane = clients[0].plane
         if not isinstance(data_plane, TcpPlane):
             raise RuntimeError("the server offers a data plane (--data_port 0) but client 0 did not take it")
-        counts_path = workdir / "chaos.json"
-        if not attack:
-            counts_path.write_text("{}")
-        chaos_proc = (
-            None
-            if not attack
-            else subprocess.Popen(
-                [sys.executable, __file__, "--chaos", addr, str(data_plane.port), str(counts_path)], cwd=REPO_ROOT
-            )
-        )
-        while not counts_path.exists():
-            if chaos_proc is not None and chaos_proc.poll() is not None:
-                raise RuntimeError("the chaos process exited before it started")
-            time.sleep(0.1)
-        with ThreadPoolExecutor(PEERS) as pool:
-            for step in range(1, rounds + 1):
-                gen = torch.Generator().manual_seed(step)
-                uploads = {p: {n: torch.randn(shapes[n], generator=gen) for n in trainable[p]} for p in range(PEERS)}
-                want = build_global(uploads, spec=spec, step=step).tensors
-                start = time.perf_counter()
-                futures = [pool.submit(c.sync, step, uploads[p]) for p, c in enumerate(clients)]
-                results = [f.result(timeout=300) for f in futures]
-                seconds.append(time.perf_counter() - start)
-                exact_rounds += all(torch.equal(t, want[n]) for got, _ in results for n, t in got.items())
-                if step % 10 == 0 or step == 1:
-                    samples.append({"round": step, **usage(server.pid)})
-                time.sleep(pause_s)  # the peers' local training between two rounds
+        chaos_proc = start_chaos(addr, data_plane.port, workdir / "chaos.json", attack)
+        exact_rounds, seconds, samples = sync_rounds(spec, clients, rounds, pause_s, server.pid)
         for client in clients:
             client.close()
     finally:
@@ -260,30 +242,74 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
             chaos_proc.wait(timeout=60)
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-    counts = json.loads((workdir / "chaos.json").read_text())
     log = (workdir / "server.log").read_text(errors="replace")
-    warm = [s for s in samples if s["round"] >= max(10, rounds // 5)]
-    first, last = warm[0], warm[-1]
     return {
         "rounds": rounds,
         "peers": PEERS,
-        "model_mb": manifest_bytes(shapes) / MIB,
+        "model_mb": manifest_bytes(spec.manifest or {}) / MIB,
         "rounds_exact": exact_rounds,
-        "chaos": counts,
+        "chaos": json.loads((workdir / "chaos.json").read_text()),
         "server_refusals_logged": log.count("refused ("),
         "idle_closed_logged": log.count("idle for"),
         "broken_uploads_logged": log.count("nothing was kept"),
         "samples": samples,
-        "after_warmup": {
-            "from_round": first["round"],
-            "to_round": last["round"],
-            "rss_growth_mb": (last["rss"] - first["rss"]) / MIB,
-            "rss_min_max_mb": [min(s["rss"] for s in warm) / MIB, max(s["rss"] for s in warm) / MIB],
-            "threads_min_max": [min(s["threads"] for s in warm), max(s["threads"] for s in warm)],
-            "fds_min_max": [min(s["fds"] for s in warm), max(s["fds"] for s in warm)],
-        },
+        "after_warmup": after_warmup(samples, rounds),
         "seconds_per_round_median": sorted(seconds)[len(seconds) // 2],
         "pause_s": pause_s,
+    }
+
+
+def start_chaos(addr: str, data_port: int, counts_path: Path, attack: bool) -> subprocess.Popen | None:
+    """The fifth process (None with `attack` off), once it is ready: it writes `counts_path` when it starts."""
+    if not attack:
+        counts_path.write_text("{}")
+        return None
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--chaos", addr, str(data_port), str(counts_path)], cwd=REPO_ROOT
+    )
+    while not counts_path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError("the chaos process exited before it started")
+        time.sleep(0.1)
+    return proc
+
+
+def sync_rounds(
+    spec: RunSpec, clients: list[SyncClient], rounds: int, pause_s: float, server_pid: int
+) -> tuple[int, list[float], list[dict[str, Any]]]:
+    """The rounds, every peer at once: (rounds in which every download equalled the fault-free global model bit for
+    bit, each round's seconds, the server's usage sampled at round 1 and every 10th)."""
+    shapes = spec.manifest or {}
+    trainable = {p: spec.trainable(p) for p in range(PEERS)}
+    exact_rounds, seconds, samples = 0, [], []
+    with ThreadPoolExecutor(PEERS) as pool:
+        for step in range(1, rounds + 1):
+            gen = torch.Generator().manual_seed(step)
+            uploads = {p: {n: torch.randn(shapes[n], generator=gen) for n in trainable[p]} for p in range(PEERS)}
+            want = build_global(uploads, spec=spec, step=step).tensors
+            start = time.perf_counter()
+            futures = [pool.submit(c.sync, step, uploads[p]) for p, c in enumerate(clients)]
+            results = [f.result(timeout=300) for f in futures]
+            seconds.append(time.perf_counter() - start)
+            exact_rounds += all(torch.equal(t, want[n]) for got, _ in results for n, t in got.items())
+            if step % 10 == 0 or step == 1:
+                samples.append({"round": step, **usage(server_pid)})
+            time.sleep(pause_s)  # the peers' local training between two rounds
+    return exact_rounds, seconds, samples
+
+
+def after_warmup(samples: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
+    """How the server's RSS, threads and descriptors moved after the warm-up (the first 20% of the rounds, at least
+    10): growth there would be a leak."""
+    warm = [s for s in samples if s["round"] >= max(10, rounds // 5)]
+    first, last = warm[0], warm[-1]
+    return {
+        "from_round": first["round"],
+        "to_round": last["round"],
+        "rss_growth_mb": (last["rss"] - first["rss"]) / MIB,
+        "rss_min_max_mb": [min(s["rss"] for s in warm) / MIB, max(s["rss"] for s in warm) / MIB],
+        "threads_min_max": [min(s["threads"] for s in warm), max(s["threads"] for s in warm)],
+        "fds_min_max": [min(s["fds"] for s in warm), max(s["fds"] for s in warm)],
     }
 
 
