@@ -82,6 +82,28 @@ def measure(config: Path, overrides: list[str], fused: bool, steps: int, device:
     }
 
 
+def run_arms(steps: int, device: str, quick: bool) -> dict[str, dict[str, Any]]:
+    """Each arm in a process of its own (its memory high-water mark its own), refused unless both trained on the
+    same tokens."""
+    flags = ["--steps", str(steps), "--device", device, *(["--quick"] if quick else [])]
+    arms = {name: run_child(Path(__file__), ["--child", name, *flags], timeout=1800) for name in ("whole", "fused")}
+    if arms["whole"]["tokens_per_step"] != arms["fused"]["tokens_per_step"]:
+        raise SystemExit(f"error: the arms trained on different token counts: {arms}; no report written")
+    return arms
+
+
+def loss_agreement(whole: dict[str, Any], fused: dict[str, Any]) -> float:
+    """The arms' first losses' relative difference, refused past `LOSS_AGREEMENT`: a faster loss that computes
+    something else is no result."""
+    agreement = abs(fused["first_loss"] - whole["first_loss"]) / abs(whole["first_loss"])
+    if agreement > LOSS_AGREEMENT:
+        raise SystemExit(
+            f"error: the arms' first losses differ by {agreement:.2e} (more than {LOSS_AGREEMENT:g}): not the same "
+            "computation, no report written"
+        )
+    return agreement
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_fused_loss", __doc__)
     p.add_argument("--child", choices=["whole", "fused"], help=argparse.SUPPRESS)
@@ -97,61 +119,33 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(config, overrides, args.child == "fused", steps, device)))
         return 0
 
-    arms = {
-        name: run_child(
-            Path(__file__),
-            [
-                "--child",
-                name,
-                "--steps",
-                str(steps),
-                "--device",
-                args.device,
-                *(["--quick"] if args.quick else []),
-            ],
-            timeout=1800,
-        )
-        for name in ("whole", "fused")
-    }
+    arms = run_arms(steps, args.device, args.quick)
     whole, fused = arms["whole"], arms["fused"]
-    if whole["tokens_per_step"] != fused["tokens_per_step"]:
-        raise SystemExit(f"error: the arms trained on different token counts: {arms}; no report written")
-    agreement = abs(fused["first_loss"] - whole["first_loss"]) / abs(whole["first_loss"])
-    if agreement > LOSS_AGREEMENT:
-        raise SystemExit(
-            f"error: the arms' first losses differ by {agreement:.2e} (more than {LOSS_AGREEMENT:g}): not the same "
-            "computation, no report written"
-        )
+    agreement = loss_agreement(whole, fused)
     memory_ratio = fused["memory_added_bytes"] / whole["memory_added_bytes"]
     time_ratio = fused["median_step_s"] / whole["median_step_s"]
     print(
         f"{config.relative_to(REPO_ROOT)} {' '.join(overrides)} on {args.device}: {whole['tokens_per_step']:,} tokens "
         f"per step, vocabulary {whole['vocab']:,}"
     )
-    print(
-        format_table(
-            ["loss", "first loss", "step s", "memory added MiB"],
-            [
-                [name, f"{a['first_loss']:.6f}", f"{a['median_step_s']:.3f}", f"{a['memory_added_bytes'] / MIB:,.0f}"]
-                for name, a in arms.items()
-            ],
-        )
-    )
+    rows = [
+        [name, f"{a['first_loss']:.6f}", f"{a['median_step_s']:.3f}", f"{a['memory_added_bytes'] / MIB:,.0f}"]
+        for name, a in arms.items()
+    ]
+    print(format_table(["loss", "first loss", "step s", "memory added MiB"], rows))
     print(f"fused / whole: memory added {memory_ratio:.3f}x, step time {time_ratio:.3f}x")
-    write_results(
-        args.out,
-        {
-            "mode": "quick" if args.quick else "full",
-            "machine": machine_info(),
-            "device": args.device,
-            "config": str(config.relative_to(REPO_ROOT)),
-            "overrides": overrides,
-            "arms": arms,
-            "loss_agreement": agreement,
-            "memory_ratio": memory_ratio,
-            "step_time_ratio": time_ratio,
-        },
-    )
+    record = {
+        "mode": "quick" if args.quick else "full",
+        "machine": machine_info(),
+        "device": args.device,
+        "config": str(config.relative_to(REPO_ROOT)),
+        "overrides": overrides,
+        "arms": arms,
+        "loss_agreement": agreement,
+        "memory_ratio": memory_ratio,
+        "step_time_ratio": time_ratio,
+    }
+    write_results(args.out, record)
     return 0
 
 
