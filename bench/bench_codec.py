@@ -255,7 +255,8 @@ def report(label: str, c: dict[str, Any], fourk: dict[str, Any] | None) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The benchmark's flags; `--child` is the measuring process's (one per page size)."""
     p = parser("bench_codec", __doc__)
     p.add_argument("--config", type=Path, default=None, help="the run's YAML (default: the paper's 1B; quick: tiny)")
     p.add_argument(
@@ -276,7 +277,39 @@ def main(argv: list[str] | None = None) -> int:
         help="also time each sparse codec with its selections on one thread, call by call in turn (2 MiB pages only)",
     )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def measure_pages(args: argparse.Namespace, config: Path, codecs: list[CodecChoice], repeats: int) -> dict[str, Any]:
+    """The codecs measured once per page size, each in a process of its own (transparent huge pages are a
+    process's setting); the one-thread selections only with 2 MiB pages."""
+    forwarded = ["--child", "--config", str(config), "--threads", str(args.threads), "--repeats", str(repeats)]
+    forwarded += ["--clock", args.clock]
+    forwarded += ["--codecs", *(c.text for c in codecs)]
+    serial = ["--serial_selection"] if args.serial_selection else []
+    return {
+        size: run_child(
+            Path(__file__), forwarded + serial * (size == "2 MiB"), env={"THP_MEM_ALLOC_ENABLE": flag}, timeout=3600
+        )
+        for size, flag in PAGES.items()
+    }
+
+
+def print_pages(pages: dict[str, Any], huge: bool) -> None:
+    """Each codec at 2 MiB pages (against 4 KiB ones when the kernel gave huge pages), then its one-thread
+    selections against the threaded ones."""
+    if not huge:
+        print("the kernel gave no huge pages (transparent_hugepage: never?): no ratio of the page sizes", flush=True)
+    for label, c in pages["2 MiB"]["codecs"].items():
+        report(label, c, pages["4 KiB"]["codecs"][label] if huge else None)
+    for label, c in pages["2 MiB"].get("serial_selection", {}).items():
+        fast = pages["2 MiB"]["codecs"][label]
+        ends = ", ".join(f"{end} {c[f'{end}_s']:.2f} s (x{c[f'{end}_s'] / fast[f'{end}_s']:.2f})" for end in ENDS)
+        print(f"{label} with its selections on one thread: {ends}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
     torch.set_num_threads(args.threads)
     config = args.config or (TINY if args.quick else PAPER_1B)
     codecs = args.codecs or [CodecChoice.parse(c) for c in ("int8", "sparse")]
@@ -286,40 +319,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(config, codecs, repeats, args.clock, args.serial_selection)))
         return 0
-    forwarded = ["--child", "--config", str(config), "--threads", str(args.threads), "--repeats", str(repeats)]
-    forwarded += ["--clock", args.clock]
-    forwarded += ["--codecs", *(c.text for c in codecs)]
-    serial = ["--serial_selection"] if args.serial_selection else []
-    pages = {
-        size: run_child(
-            Path(__file__), forwarded + serial * (size == "2 MiB"), env={"THP_MEM_ALLOC_ENABLE": flag}, timeout=3600
-        )
-        for size, flag in PAGES.items()
-    }
+    pages = measure_pages(args, config, codecs, repeats)
     huge = pages["2 MiB"]["huge_page_kib"] > 0
-    if not huge:
-        print("the kernel gave no huge pages (transparent_hugepage: never?): no ratio of the page sizes", flush=True)
-    for label, c in pages["2 MiB"]["codecs"].items():
-        report(label, c, pages["4 KiB"]["codecs"][label] if huge else None)
-    for label, c in pages["2 MiB"].get("serial_selection", {}).items():
-        fast = pages["2 MiB"]["codecs"][label]
-        ends = ", ".join(f"{end} {c[f'{end}_s']:.2f} s (x{c[f'{end}_s'] / fast[f'{end}_s']:.2f})" for end in ENDS)
-        print(f"{label} with its selections on one thread: {ends}", flush=True)
-    write_results(
-        args.out,
-        {
-            "mode": "quick" if args.quick else "full",
-            "config": str(config.relative_to(REPO_ROOT)),
-            "threads": args.threads,
-            "clock": args.clock,
-            "repeats": repeats,
-            "machine": machine_info(),
-            "codecs": pages["2 MiB"]["codecs"],
-            **({"serial_selection": pages["2 MiB"]["serial_selection"]} if args.serial_selection else {}),
-            "pages": pages,
-            "huge_pages_seen": huge,
-        },
-    )
+    print_pages(pages, huge)
+    record = {
+        "mode": "quick" if args.quick else "full",
+        "config": str(config.relative_to(REPO_ROOT)),
+        "threads": args.threads,
+        "clock": args.clock,
+        "repeats": repeats,
+        "machine": machine_info(),
+        "codecs": pages["2 MiB"]["codecs"],
+        **({"serial_selection": pages["2 MiB"]["serial_selection"]} if args.serial_selection else {}),
+        "pages": pages,
+        "huge_pages_seen": huge,
+    }
+    write_results(args.out, record)
     return 0
 
 
