@@ -22,6 +22,7 @@ hottest lines of the server and of peer 0 into the results.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -348,6 +349,56 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def server_args(config: Path, overrides: list[str], codec: str, plane: str, port: int, data_port: int) -> list[str]:
+    """`python -m spes.server`'s command line as a user would write it, plus the benchmark's settings: no merge
+    rounds, so that every timed round moves the same bytes."""
+    run = [*overrides, f"--spes_config.codec={codec}", "--server.merge_interval=0", "--server.round_timeout_s=900"]
+    return [
+        "-m",
+        "spes.server",
+        str(config),
+        *run,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data_port",
+        str(data_port) if plane == "tcp" else "-1",
+    ]
+
+
+def peer_args(
+    config: Path, overrides: list[str], codec: str, plane: str, rounds: int, peer: int, host: str, port: int
+) -> list[str]:
+    """This script's command line as SPES peer `peer` (`--role grpc-peer`) for `rounds` rounds, its config and
+    overrides the server's."""
+    return [
+        str(SCRIPT),
+        "--role",
+        "grpc-peer",
+        "--config",
+        str(config),
+        "--peer-id",
+        str(peer),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--codec",
+        codec,
+        "--plane",
+        plane,
+        "--rounds",
+        str(rounds),
+        *[f"--override={o}" for o in overrides],
+    ]
+
+
+def aggregation_seconds(log: str) -> list[float]:
+    """The server's aggregation time of each round, from its log: work the raw baseline's server does not do."""
+    return [float(line.split("aggregation ")[1].split(" s")[0]) for line in log.splitlines() if "aggregation " in line]
+
+
 def bench_spes(
     config: Path,
     overrides: list[str],
@@ -369,49 +420,13 @@ def bench_spes(
     cfg = load_config(config, overrides)[0]
     port, data_port = free_port(), free_port()
     log = workdir / f"server_{codec}_{plane}.log"
-    run = [*overrides, f"--spes_config.codec={codec}", "--server.merge_interval=0", "--server.round_timeout_s=900"]
-    server = spawn(
-        [
-            "-m",
-            "spes.server",
-            str(config),
-            *run,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--data_port",
-            str(data_port) if plane == "tcp" else "-1",
-        ],
-        log,
-    )
+    server = spawn(server_args(config, overrides, codec, plane, port, data_port), log)
     procs = [server]
     try:
         wait_for_log(log, "listening", server)
         hosts = peer_hosts(relay, [port, data_port], cfg.spes_config.num_peers, procs)
         peers = [
-            spawn(
-                [
-                    str(SCRIPT),
-                    "--role",
-                    "grpc-peer",
-                    "--config",
-                    str(config),
-                    "--peer-id",
-                    str(p),
-                    "--host",
-                    hosts[p],
-                    "--port",
-                    str(port),
-                    "--codec",
-                    codec,
-                    "--plane",
-                    plane,
-                    "--rounds",
-                    str(warmup + rounds + profile),
-                    *[f"--override={o}" for o in overrides],
-                ]
-            )
+            spawn(peer_args(config, overrides, codec, plane, warmup + rounds + profile, p, hosts[p], port))
             for p in range(cfg.spes_config.num_peers)
         ]
         procs += peers
@@ -420,12 +435,7 @@ def bench_spes(
         results, profiles = run_rounds(peers, warmup, rounds, pids, profile_dir)
     finally:
         stop(procs)
-    aggregation = [
-        float(line.split("aggregation ")[1].split(" s")[0])
-        for line in log.read_text().splitlines()
-        if "aggregation " in line
-    ]
-    return results, profiles, aggregation[warmup : warmup + rounds]
+    return results, profiles, aggregation_seconds(log.read_text())[warmup : warmup + rounds]
 
 
 def bench_raw(
@@ -485,7 +495,9 @@ def round_bytes(spec: RunSpec) -> tuple[list[int], list[int]]:
     return [up for up, _ in both], [down for _, down in both]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with the quick and full defaults filled in; the internal options are the spawned processes'
+    (`--role`: this script run again as a peer or as the raw baseline)."""
     p = parser("bench_sync", __doc__)
     p.add_argument("--role", choices=["grpc-peer", "raw-server", "raw-peer"], default=None, help="(internal)")
     p.add_argument("--config", type=Path, default=None, help="(internal) model config of a peer")
@@ -507,64 +519,79 @@ def main(argv: list[str] | None = None) -> int:
         help="py-spy profiles of the server and peer 0 in one more, untimed, fp32 round",
     )
     args = p.parse_args(argv)
-    rounds = args.rounds or (1 if args.quick else 5)
-    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)
-    if args.role == "grpc-peer":
-        grpc_peer(args.config, args.override, args.peer_id, f"{args.host}:{args.port}", args.codec, rounds, args.plane)
-        return 0
-    if args.role == "raw-server":
-        raw_server(args.port, args.peers, rounds, args.max_bytes)
-        return 0
-    if args.role == "raw-peer":
-        raw_peer(args.host, args.port, args.up, args.down, rounds)
-        return 0
+    args.rounds = args.rounds or (1 if args.quick else 5)
+    args.warmup = args.warmup if args.warmup is not None else (0 if args.quick else 2)
+    return args
 
-    config, overrides = (QUICK_CONFIG, QUICK_MODEL) if args.quick else (PAPER_1B, FULL_MODEL)
-    cfg = load_config(config, overrides)[0]
-    manifest = manifest_of(cfg)
-    workdir = RESULTS_DIR / ("bench_sync_quick" if args.quick else "bench_sync")
-    workdir.mkdir(parents=True, exist_ok=True)
-    print(
-        f"model: {manifest_bytes(manifest) / 1e9:.2f} GB fp32, {len(manifest)} tensors, "
-        f"{cfg.spes_config.num_peers} peers x {cfg.experts_per_peer} experts; "
-        f"{warmup} untimed + {rounds} timed round(s) each"
-    )
-    measurements: dict[str, Any] = {}
-    rows = []
-    for codec in ("fp32",) if args.quick else ("fp32", "bf16"):
+
+def run_role(args: argparse.Namespace) -> None:
+    """One of the processes the orchestrator spawns (`--role`): this script again, so every peer and the raw
+    baseline's server run in processes of their own, as on separate machines."""
+    if args.role == "grpc-peer":
+        addr = f"{args.host}:{args.port}"
+        grpc_peer(args.config, args.override, args.peer_id, addr, args.codec, args.rounds, args.plane)
+    elif args.role == "raw-server":
+        raw_server(args.port, args.peers, args.rounds, args.max_bytes)
+    else:
+        raw_peer(args.host, args.port, args.up, args.down, args.rounds)
+
+
+def fastest(rounds: list[RoundRecord]) -> RoundRecord:
+    """The least disturbed of the timed rounds: the one SPES and the raw baseline are compared by."""
+    return min(rounds, key=lambda x: x["seconds"])
+
+
+def comparison(
+    spes: list[RoundRecord], raw: list[RoundRecord], aggregation: list[float], profiles: dict[str, Any]
+) -> dict[str, Any]:
+    """One codec and plane's record: SPES's throughput over the raw socket's, also without the server's aggregation
+    (work the raw server does not do)."""
+    spes_s, raw_s = fastest(spes)["seconds"], fastest(raw)["seconds"]
+    return {
+        "spes_rounds": spes,
+        "raw_rounds": raw,
+        "server_aggregation_s": aggregation,
+        "spes_over_raw_throughput": raw_s / spes_s,
+        "spes_over_raw_excluding_aggregation": raw_s / max(spes_s - min(aggregation, default=0.0), 1e-9),
+        "profiles": profiles,
+    }
+
+
+def measure_codecs(
+    config: Path, overrides: list[str], codecs: list[str], warmup: int, rounds: int, workdir: Path, profile: bool
+) -> dict[str, Any]:
+    """Per codec the raw baseline once, moving the codec's round bytes, and SPES over each plane against it; keyed
+    `<codec>_<plane>`. `profile` profiles the fp32 rounds."""
+    measurements = {}
+    for codec in codecs:
         up, down = round_bytes(node_run(config, overrides, codec)[1])
         raw = bench_raw(up, down, warmup, rounds)
-        best_raw = min(raw, key=lambda x: x["seconds"])
         for plane in ("grpc", "tcp"):
             spes, profiles, aggregation = bench_spes(
-                config, overrides, codec, plane, warmup, rounds, workdir, args.profile and codec == "fp32"
+                config, overrides, codec, plane, warmup, rounds, workdir, profile and codec == "fp32"
             )
-            best = min(spes, key=lambda x: x["seconds"])
-            agg = min(aggregation) if aggregation else 0.0
-            ratio = best_raw["seconds"] / best["seconds"]
-            ratio_no_agg = best_raw["seconds"] / max(best["seconds"] - agg, 1e-9)
-            measurements[f"{codec}_{plane}"] = {
-                "spes_rounds": spes,
-                "raw_rounds": raw,
-                "server_aggregation_s": aggregation,
-                "spes_over_raw_throughput": ratio,
-                "spes_over_raw_excluding_aggregation": ratio_no_agg,
-                "profiles": profiles,
-            }
-            rows.append(
-                [
-                    codec,
-                    plane,
-                    f"{best['bytes'] / 1e9:.2f}",
-                    f"{best['seconds']:.2f}",
-                    f"{best['gb_s']:.2f}",
-                    f"{agg:.2f}",
-                    f"{best_raw['seconds']:.2f}",
-                    f"{best_raw['gb_s']:.2f}",
-                    f"{ratio:.1%}",
-                    f"{ratio_no_agg:.1%}",
-                ]
-            )
+            measurements[f"{codec}_{plane}"] = comparison(spes, raw, aggregation, profiles)
+    return measurements
+
+
+def table_row(key: str, m: dict[str, Any]) -> list[str]:
+    """A `comparison`'s line in the printed table: its fastest rounds, SPES's and the raw socket's."""
+    best, best_raw = fastest(m["spes_rounds"]), fastest(m["raw_rounds"])
+    return [
+        *key.rsplit("_", 1),
+        f"{best['bytes'] / 1e9:.2f}",
+        f"{best['seconds']:.2f}",
+        f"{best['gb_s']:.2f}",
+        f"{min(m['server_aggregation_s'], default=0.0):.2f}",
+        f"{best_raw['seconds']:.2f}",
+        f"{best_raw['gb_s']:.2f}",
+        f"{m['spes_over_raw_throughput']:.1%}",
+        f"{m['spes_over_raw_excluding_aggregation']:.1%}",
+    ]
+
+
+def print_tables(measurements: dict[str, Any]) -> None:
+    """SPES against the raw socket per codec and plane, then the hottest lines of each profiled process."""
     print(
         format_table(
             [
@@ -579,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                 "SPES / raw",
                 "excl. aggregation",
             ],
-            rows,
+            [table_row(key, m) for key, m in measurements.items()],
         )
     )
     for key, m in measurements.items():
@@ -587,6 +614,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nprofile of the {name} ({key} round, {prof['samples']} samples), hottest lines by own time:")
             for frame, share in prof["own"]:
                 print(f"  {share:6.1%}  {frame}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The orchestrator (or, with `--role`, one of its processes): every codec and plane measured, the tables
+    printed, the record written."""
+    args = parse_args(argv)
+    if args.role is not None:
+        run_role(args)
+        return 0
+    config, overrides = (QUICK_CONFIG, QUICK_MODEL) if args.quick else (PAPER_1B, FULL_MODEL)
+    cfg = load_config(config, overrides)[0]
+    manifest = manifest_of(cfg)
+    workdir = RESULTS_DIR / ("bench_sync_quick" if args.quick else "bench_sync")
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(
+        f"model: {manifest_bytes(manifest) / 1e9:.2f} GB fp32, {len(manifest)} tensors, "
+        f"{cfg.spes_config.num_peers} peers x {cfg.experts_per_peer} experts; "
+        f"{args.warmup} untimed + {args.rounds} timed round(s) each"
+    )
+    codecs = ["fp32"] if args.quick else ["fp32", "bf16"]
+    measurements = measure_codecs(config, overrides, codecs, args.warmup, args.rounds, workdir, args.profile)
+    print_tables(measurements)
     write_results(
         args.out,
         {
@@ -595,8 +644,8 @@ def main(argv: list[str] | None = None) -> int:
             "config": str(config.relative_to(REPO_ROOT)),
             "overrides": overrides,
             "model_bytes_fp32": manifest_bytes(manifest),
-            "warmup_rounds": warmup,
-            "rounds": rounds,
+            "warmup_rounds": args.warmup,
+            "rounds": args.rounds,
             "measurements": measurements,
         },
     )

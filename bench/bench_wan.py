@@ -32,6 +32,7 @@ measured elsewhere, and `--from_json` the links measured by an earlier run.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -283,7 +284,8 @@ def measure_step_1b(steps: int, device: torch.device, overrides: list[str]) -> d
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line as a parser, not parsed, so that main can reject a bad --device or --speeds with its usage."""
     p = parser("bench_wan", __doc__)
     p.add_argument("--rtt_ms", type=float, default=50.0, help="round-trip time of every link")
     p.add_argument("--server_factor", type=float, default=1.0, help="server link speed / peer link speed")
@@ -296,26 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 2, quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1, quick 0)")
-    p.add_argument(
-        "--step_s",
-        type=float,
-        default=None,
-        help="seconds of one optimizer step of the 1B config measured elsewhere (for the idle fraction)",
-    )
-    p.add_argument(
-        "--from_json",
-        type=Path,
-        default=None,
-        help="take the link measurements from this earlier result instead of measuring them",
-    )
-    p.add_argument(
-        "--measure_step",
-        type=int,
-        default=0,
-        metavar="N",
-        help="time N steps of the 1B SPES node here instead (CPU: one-sequence steps, ~16 GB of memory)",
-    )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains")
+    add_prediction_options(p)
     p.add_argument(
         "--wires",
         nargs="+",
@@ -338,87 +321,123 @@ def main(argv: list[str] | None = None) -> int:
         help="with --measure_step: a config override of the timed node (repeatable), e.g. "
         "--step_override=--model.moe_backend=grouped_mm",
     )
-    args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda needs a CUDA GPU and a CUDA build of torch")
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    step = measure_step_1b(args.measure_step, device, args.step_override) if args.measure_step else None
-    if step is not None:
-        peak = step["peak_memory_bytes"]
-        print(
-            f"1B SPES node on {step['device']} ({step['precision']}): median of {len(step['timed_step_seconds'])} "
-            f"steps of {step['sequences_per_timed_step']} sequences, so {step['step_s']:.1f} s per step of "
-            f"{step['sequences_per_step']} sequences (micro-batch {step['microbatch']}, {step['moe_backend']}); "
-            f"peak memory {'n/a' if peak is None else f'{peak / 2**30:.1f} GiB'}",
-            flush=True,
-        )
-        args.step_s = step["step_s"]
-    speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
-    if unknown := [s for s in speeds if s not in SPEEDS]:
-        p.error(f"--speeds {unknown}: each speed must be one of {list(SPEEDS)} (each has its model scale)")
+    return p
+
+
+def add_prediction_options(p: argparse.ArgumentParser) -> None:
+    """Where the 1B prediction's step time and links come from, when not from this run's own measurements."""
+    p.add_argument(
+        "--step_s",
+        type=float,
+        default=None,
+        help="seconds of one optimizer step of the 1B config measured elsewhere (for the idle fraction)",
+    )
+    p.add_argument(
+        "--from_json",
+        type=Path,
+        default=None,
+        help="take the link measurements from this earlier result instead of measuring them",
+    )
+    p.add_argument(
+        "--measure_step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time N steps of the 1B SPES node here instead (CPU: one-sequence steps, ~16 GB of memory)",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains")
+
+
+def step_line(step: dict[str, Any]) -> str:
+    """What `measure_step_1b` measured, printed as soon as it is known: the links take many minutes more."""
+    peak = step["peak_memory_bytes"]
+    return (
+        f"1B SPES node on {step['device']} ({step['precision']}): median of {len(step['timed_step_seconds'])} "
+        f"steps of {step['sequences_per_timed_step']} sequences, so {step['step_s']:.1f} s per step of "
+        f"{step['sequences_per_step']} sequences (micro-batch {step['microbatch']}, {step['moe_backend']}); "
+        f"peak memory {'n/a' if peak is None else f'{peak / 2**30:.1f} GiB'}"
+    )
+
+
+def earlier_links(path: Path) -> dict[str, Any]:
+    """An earlier run's record (--from_json) as this run's: links measured earlier (e.g. here) meet a step time
+    measured now (e.g. on a GPU)."""
+    run = json.loads(path.read_text())
+    # NOTE: this run's command, commit and machine are its own (write_results); the links' stay with them
+    links = {key: run.pop(key, None) for key in ("command", "commit", "machine")}
+    run.update(machine=machine_info(), links_from={"record": str(path), **links})
+    return run
+
+
+def measure_links(args: argparse.Namespace, speeds: list[float], workdir: Path) -> dict[str, Any]:
+    """A new record: the machine first (its load as the measurements start), then each speed's link per wire, each
+    wire on its own model scale (`scale_for`)."""
     wires = args.wires or (["bf16"] if args.quick else list(WIRES))
     planes = args.planes or (["tcp"] if args.quick else list(PLANES))
     rounds = args.rounds or (1 if args.quick else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
-    workdir = RESULTS_DIR / ("bench_wan_quick" if args.quick else "bench_wan")
-    workdir.mkdir(parents=True, exist_ok=True)
+    measured: list[dict[str, Any]] = []
+    run = {
+        "mode": "quick" if args.quick else "full",
+        "machine": machine_info(),
+        "config": str(PAPER_1B.relative_to(REPO_ROOT)),
+        "rtt_ms": args.rtt_ms,
+        "server_factor": args.server_factor,
+        "warmup_rounds": warmup,
+        "rounds": rounds,
+        "measurements": measured,
+    }
+    for speed in speeds:
+        link = LinkSpec(speed, speed * args.server_factor, args.rtt_ms)
+        for wire in wires:
+            scale = 768 if args.quick else scale_for(wire, link)
+            print(
+                f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT "
+                f"{args.rtt_ms:g} ms; {wire} on a model 1/{scale} of the 1B",
+                flush=True,
+            )
+            measured += measure(link, scale, [wire], planes, warmup, rounds, workdir)
+    return run
 
-    if args.from_json is not None:  # links measured earlier (e.g. here), a step time measured now (e.g. on a GPU)
-        run = json.loads(args.from_json.read_text())
-        measured, args.rtt_ms = run["measurements"], run["rtt_ms"]
-        # NOTE: this run's command, commit and machine are its own (write_results); the links' stay with them
-        links = {key: run.pop(key, None) for key in ("command", "commit", "machine")}
-        run.update(machine=machine_info(), links_from={"record": str(args.from_json), **links})
-    else:
-        measured = []
-        run = {
-            "mode": "quick" if args.quick else "full",
-            "machine": machine_info(),
-            "config": str(PAPER_1B.relative_to(REPO_ROOT)),
-            "rtt_ms": args.rtt_ms,
-            "server_factor": args.server_factor,
-            "warmup_rounds": warmup,
-            "rounds": rounds,
-            "measurements": measured,
-        }
-        for speed in speeds:
-            link = LinkSpec(speed, speed * args.server_factor, args.rtt_ms)
-            for wire in wires:
-                scale = 768 if args.quick else scale_for(wire, link)
-                print(
-                    f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT "
-                    f"{args.rtt_ms:g} ms; {wire} on a model 1/{scale} of the 1B",
-                    flush=True,
-                )
-                measured += measure(link, scale, [wire], planes, warmup, rounds, workdir)
-    rows = [
-        [
-            f"{m['peer_mbit']:g}",
-            f"1/{m['scale']}",
-            m["wire"],
-            m["plane"],
-            f"{m['bytes_per_peer'][0] / 1e6:.1f}",
-            f"{m['ideal_s']:.2f}",
-            f"{m['spes_s']:.2f}",
-            f"{m['efficiency']:.1%}",
-            f"{m['raw_s']:.2f}",
-            f"{m['raw_efficiency']:.1%}",
-        ]
-        for m in measured
+
+def link_row(m: dict[str, Any]) -> list[str]:
+    """A measured link's line in the first table: its round against the ideal, SPES's and the raw socket's."""
+    return [
+        f"{m['peer_mbit']:g}",
+        f"1/{m['scale']}",
+        m["wire"],
+        m["plane"],
+        f"{m['bytes_per_peer'][0] / 1e6:.1f}",
+        f"{m['ideal_s']:.2f}",
+        f"{m['spes_s']:.2f}",
+        f"{m['efficiency']:.1%}",
+        f"{m['raw_s']:.2f}",
+        f"{m['raw_efficiency']:.1%}",
     ]
-    prediction = predict_1b(measured, args.step_s, args.rtt_ms)
-    # NOTE: the record first: a reader that stops reading the tables (`| head`) must not cost the measurement
-    write_results(args.out, {**run, "prediction_1b": prediction, "step_s_1b": args.step_s, "step_measurement_1b": step})
+
+
+def prediction_row(r: dict[str, Any]) -> list[str]:
+    """A `predict_1b` row's line in the second table: the 1B round and the idle share per `SYNC_STEPS`."""
+    return [
+        f"{r['peer_mbit']:g}",
+        r["wire"],
+        r["plane"],
+        f"{r['bytes_per_peer'] / 1e9:.2f}",
+        f"{r['round_s']:.0f}",
+        *(f"{r['idle_fraction'][n]:.1%}" if r["idle_fraction"] else "-" for n in SYNC_STEPS),
+    ]
+
+
+def print_tables(measured: list[dict[str, Any]], prediction: list[dict[str, Any]], step_s: float | None) -> None:
+    """The links as measured, the 1B model's predicted rounds, and the efficiencies as one JSON line for scripts."""
     print(
         format_table(
             ["Mbit/s", "model", "wire", "plane", "MB/peer", "ideal s", "SPES s", "SPES/ideal", "raw s", "raw/ideal"],
-            rows,
+            [link_row(m) for m in measured],
         )
     )
     step_note = (
-        "no step time given (--step_s or --measure_step)"
-        if args.step_s is None
-        else f"one optimizer step = {args.step_s:g} s"
+        "no step time given (--step_s or --measure_step)" if step_s is None else f"one optimizer step = {step_s:g} s"
     )
     print(
         f"\nthe paper's 1B model at the measured efficiencies ({step_note}): round s and the share of wall "
@@ -427,20 +446,34 @@ def main(argv: list[str] | None = None) -> int:
     print(
         format_table(
             ["Mbit/s", "wire", "plane", "GB/peer", "round s", *map(str, SYNC_STEPS)],
-            [
-                [
-                    f"{r['peer_mbit']:g}",
-                    r["wire"],
-                    r["plane"],
-                    f"{r['bytes_per_peer'] / 1e9:.2f}",
-                    f"{r['round_s']:.0f}",
-                    *(f"{r['idle_fraction'][n]:.1%}" if r["idle_fraction"] else "-" for n in SYNC_STEPS),
-                ]
-                for r in prediction
-            ],
+            [prediction_row(r) for r in prediction],
         )
     )
     print(json.dumps({"efficiency": [round(m["efficiency"], 3) for m in measured]}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One run: the 1B node's step time and the links, then the 1B prediction from both; the record before the
+    tables."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU and a CUDA build of torch")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    step = measure_step_1b(args.measure_step, device, args.step_override) if args.measure_step else None
+    if step is not None:
+        print(step_line(step), flush=True)
+    step_s = args.step_s if step is None else step["step_s"]
+    speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
+    if unknown := [s for s in speeds if s not in SPEEDS]:
+        p.error(f"--speeds {unknown}: each speed must be one of {list(SPEEDS)} (each has its model scale)")
+    workdir = RESULTS_DIR / ("bench_wan_quick" if args.quick else "bench_wan")
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = earlier_links(args.from_json) if args.from_json is not None else measure_links(args, speeds, workdir)
+    prediction = predict_1b(run["measurements"], step_s, run["rtt_ms"])
+    # NOTE: the record first: a reader that stops reading the tables (`| head`) must not cost the measurement
+    write_results(args.out, {**run, "prediction_1b": prediction, "step_s_1b": step_s, "step_measurement_1b": step})
+    print_tables(run["measurements"], prediction, step_s)
     return 0
 
 

@@ -30,6 +30,7 @@ steps while alpha > 0, alpha decaying to 0 at step 10000: the paper's launch set
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import multiprocessing
@@ -437,7 +438,8 @@ def paper_targets(paper: dict[str, Any], codecs: Sequence[CodecChoice], measured
     return targets
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with the quick and full defaults of --config and --paper_codecs filled in."""
     p = parser("bench_wire", __doc__)
     p.add_argument("--config", type=Path, default=None, help="config measured for real (default: small, quick: tiny)")
     p.add_argument(
@@ -457,20 +459,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the codecs measured on the paper's 1B manifest through real servers (default: int8; --quick: none)",
     )
     args = p.parse_args(argv)
-    config = args.config or REPO_ROOT / "configs" / ("tiny.yaml" if args.quick else "small.yaml")
-    paper_codecs = args.paper_codecs
-    if paper_codecs is None:
-        paper_codecs = [] if args.quick else [CodecChoice.parse("int8")]
+    args.config = args.config or REPO_ROOT / "configs" / ("tiny.yaml" if args.quick else "small.yaml")
+    if args.paper_codecs is None:
+        args.paper_codecs = [] if args.quick else [CodecChoice.parse("int8")]
+    return args
 
-    paper = analytic_table(PAPER_1B, PAPER_MERGE, args.codecs)
-    small = analytic_table(config, PAPER_MERGE, args.codecs)
-    print_scheme_table(f"paper 1B ({PAPER_1B.relative_to(REPO_ROOT)}), from shapes", paper)
-    print_scheme_table(f"{config.relative_to(REPO_ROOT)}, from shapes", small)
 
-    measured, checks = measure_rounds(config, args.codecs)
-    print(f"\nmeasured through a real server on loopback ({config.relative_to(REPO_ROOT)}, 4 peers):")
-    print(format_table(["round", "peer", "up MiB", "down MiB", "= analytic"], [rows_of(c) for c in checks]))
-    framing = {wire: framing_overhead(config, wire) for wire in ("fp32", "bf16")}
+def check_table(checks: list[dict[str, Any]]) -> str:
+    """Measured rounds against the analytic figures, one line per peer and round."""
+    return format_table(["round", "peer", "up MiB", "down MiB", "= analytic"], [rows_of(c) for c in checks])
+
+
+def print_framing(framing: dict[str, dict[str, int]]) -> None:
+    """What the messages add to the payload bytes, per raw codec and plane (the tables count payloads only)."""
     for wire, f in framing.items():
         for plane, key in (("gRPC", "serialized"), ("data plane", "data_plane")):
             print(
@@ -478,14 +479,38 @@ def main(argv: list[str] | None = None) -> int:
                 f"({100 * (f[key] - f['payload']) / f['payload']:.4f}%)"
             )
 
-    paper_measured = {}
-    for codec in paper_codecs:
-        paper_measured[codec.label] = got = measure_paper(PAPER_1B, codec)
+
+def measure_paper_codecs(codecs: Sequence[CodecChoice]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Each of `codecs` on the paper's 1B through real servers (`measure_paper`), its round totals checked against
+    the analytic figures; its checks printed as soon as it finishes (each is a long measurement, slice by slice)."""
+    measured: dict[str, Any] = {}
+    checks: list[dict[str, Any]] = []
+    for codec in codecs:
+        measured[codec.label] = got = measure_paper(PAPER_1B, codec)
         spec = run_specs(PAPER_1B, codec)["spes"]
         for kind, total in got["totals"].items():
             want = round_bytes(spec, 0, kind == "merge", kind == "first")
             checks.append(check(f"paper_1b_{codec.label}_{kind}", 0, (total["up"], total["down"]), want))
-        print(format_table(["round", "peer", "up MiB", "down MiB", "= analytic"], [rows_of(c) for c in checks[-3:]]))
+        print(check_table(checks[-3:]))
+    return measured, checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The analytic tables, the measured rounds and their checks, then the targets; exit status 1 when a check or
+    the int8 target fails."""
+    args = parse_args(argv)
+    paper = analytic_table(PAPER_1B, PAPER_MERGE, args.codecs)
+    small = analytic_table(args.config, PAPER_MERGE, args.codecs)
+    print_scheme_table(f"paper 1B ({PAPER_1B.relative_to(REPO_ROOT)}), from shapes", paper)
+    print_scheme_table(f"{args.config.relative_to(REPO_ROOT)}, from shapes", small)
+
+    measured, checks = measure_rounds(args.config, args.codecs)
+    print(f"\nmeasured through a real server on loopback ({args.config.relative_to(REPO_ROOT)}, 4 peers):")
+    print(check_table(checks))
+    framing = {wire: framing_overhead(args.config, wire) for wire in ("fp32", "bf16")}
+    print_framing(framing)
+    paper_measured, paper_checks = measure_paper_codecs(args.paper_codecs)
+    checks += paper_checks
 
     targets = paper_targets(paper, args.codecs, paper_measured)
     ok = (
@@ -497,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "mode": "quick" if args.quick else "full",
             "machine": machine_info(),
-            "config": str(config.relative_to(REPO_ROOT)),
+            "config": str(args.config.relative_to(REPO_ROOT)),
             "codecs": [c.label for c in args.codecs],
             "paper_1b": paper,
             "measured_config": small,
