@@ -285,7 +285,7 @@ def measure_step_1b(steps: int, device: torch.device, overrides: list[str]) -> d
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line as a parser, not parsed, so that main can reject a bad --device or --speeds with its usage."""
+    """The command line as a parser, not parsed, so that main can refuse a bad --device or --speeds with its usage."""
     p = parser("bench_wan", __doc__)
     p.add_argument("--rtt_ms", type=float, default=50.0, help="round-trip time of every link")
     p.add_argument("--server_factor", type=float, default=1.0, help="server link speed / peer link speed")
@@ -459,14 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda needs a CUDA GPU and a CUDA build of torch")
+    speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
+    if unknown := [s for s in speeds if s not in SPEEDS]:  # NOTE: before the step's minutes, not after them
+        p.error(f"--speeds {unknown}: each speed must be one of {list(SPEEDS)} (each has its model scale)")
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     step = measure_step_1b(args.measure_step, device, args.step_override) if args.measure_step else None
     if step is not None:
         print(step_line(step), flush=True)
     step_s = args.step_s if step is None else step["step_s"]
-    speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
-    if unknown := [s for s in speeds if s not in SPEEDS]:
-        p.error(f"--speeds {unknown}: each speed must be one of {list(SPEEDS)} (each has its model scale)")
     workdir = RESULTS_DIR / ("bench_wan_quick" if args.quick else "bench_wan")
     workdir.mkdir(parents=True, exist_ok=True)
     run = earlier_links(args.from_json) if args.from_json is not None else measure_links(args, speeds, workdir)

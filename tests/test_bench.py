@@ -521,6 +521,16 @@ def test_bench_wan_quick(tmp_path: Path) -> None:
     assert p["wire"] == "sparse" and 0 < p["bytes_per_peer"] < 2 * 1_000**3 / 16  # well under 1 bit per parameter
 
 
+@pytest.mark.timeout(60)
+def test_bench_wan_refuses_an_unknown_speed_before_timing_the_1b_step(tmp_path: Path) -> None:
+    """--speeds is checked first: a typo costs seconds, not the minutes of --measure_step it would wait behind."""
+    out = tmp_path / "x.json"
+    cmd = [sys.executable, str(BENCH / "bench_wan.py"), "--speeds", "7", "--measure_step", "1", "--out", str(out)]
+    refused = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=50)
+    assert refused.returncode == 2 and "--speeds [7.0]: each speed must be one of" in refused.stderr
+    assert "1B SPES node" not in refused.stdout and not out.exists()
+
+
 def test_idle_share_blocking_and_overlapped() -> None:
     from common import idle_share
 
