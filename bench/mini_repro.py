@@ -251,6 +251,11 @@ def run_all(commands: Commands, out: Path, lanes: int = 1) -> dict[str, float]:
     return walls
 
 
+def read_json(path: Path, missing: Any) -> Any:
+    """What a run wrote to `path`, or `missing` where it wrote nothing (e.g. runs older than the file)."""
+    return json.loads(path.read_text()) if path.is_file() else missing
+
+
 def _records(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise SystemExit(f"error: {path} is missing: run without --report-only first")
@@ -670,7 +675,7 @@ def rendered_from(commit: str | None) -> dict[str, str]:
 def run_arms(commands: Commands, runs: Path) -> dict[str, float]:
     """Run the arms, one at a time, each with its own record of what ran it, except those already run to the end
     at this clean commit; wall seconds of every arm run so far in `runs`."""
-    walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
+    walls = read_json(runs / "walls.json", {})
     info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit()}
     for arm in commands:
         if "-dirty" not in info["commit"] and arm_commit(runs / arm) == info["commit"]:
@@ -691,7 +696,7 @@ def compare_arms(
     bits_per_param = 8 * (bytes up + bytes down) / `total_params`, per peer and round: over the whole run
     (`mean`, its first full-value round included) and in the last round (`last`, a codec's steady state).
     """
-    walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
+    walls = read_json(runs / "walls.json", {})
     curves = {arm: peers_curve(runs / arm) for arm in commands}
     check_equal_tokens(curves, runs, base_run=base)
     if len(set(commits := {arm: arm_commit(runs / arm) for arm in commands}.values())) > 1:
@@ -699,7 +704,6 @@ def compare_arms(
     base_loss = curves[base]["val_loss"][-1]
     arms = {}
     for arm, c in curves.items():
-        info_path = runs / arm / "run.json"
         mean_bytes = c["bytes"][-1] / PEERS / c["rounds"]
         last_bytes = c["bytes_per_peer_round_up"] + c["bytes_per_peer_round_down"][-1]
         arms[arm] = {
@@ -709,7 +713,7 @@ def compare_arms(
             "within_target": abs(c["val_loss"][-1] - base_loss) / base_loss <= ARM_TARGET,
             "bits_per_param": {"mean": 8 * mean_bytes / total_params, "last": 8 * last_bytes / total_params},
             "wall_s": walls.get(arm),
-            "run": json.loads(info_path.read_text()) if info_path.is_file() else None,
+            "run": read_json(runs / arm / "run.json", None),
         }
     return {
         "machine": machine_info(),
@@ -762,14 +766,32 @@ def compare(
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser("mini_repro", __doc__)
-    p.add_argument("--runs", type=Path, default=None, help="run directory (default: bench/results/mini_repro[_quick])")
-    p.add_argument(
-        "--docs", type=Path, default=None, help="where mini_repro.md/.png go (default: docs/; quick: --runs)"
-    )
+def pipeline_args(p: argparse.ArgumentParser, name: str, docs_help: str) -> None:
+    """The flags of both mini-reproductions: where the runs and the report go, --report-only and the corpus; --out
+    is left unset, as the record's default name depends on the other flags (see `outputs`)."""
+    p.add_argument("--runs", type=Path, default=None, help=f"run directory (default: bench/results/{name}[_quick])")
+    p.add_argument("--docs", type=Path, default=None, help=docs_help)
     p.add_argument("--report-only", action="store_true", help="only re-collect, re-plot and re-write the report")
     corpus_args(p)
+    p.set_defaults(out=None)
+
+
+def outputs(args: argparse.Namespace, name: str, to_docs: bool) -> tuple[Path, Path, Path]:
+    """Where the runs, the report and the record of `name` go unless a flag says: bench/results/<name>/, docs/ if
+    `to_docs` (else the runs' folder), and bench/results/<name>.json."""
+    runs = args.runs or RESULTS_DIR / name
+    return runs, args.docs or (REPO_ROOT / "docs" if to_docs else runs), args.out or RESULTS_DIR / f"{name}.json"
+
+
+def recorded_machine(run_info: dict[str, Any] | None) -> dict[str, Any]:
+    """The machine the runs ran on, as their run.json names it; this one, for runs that did not record it."""
+    return (run_info or {}).get("machine") or machine_info()
+
+
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line: the three runs, or with --codecs / --overlap the comparison of a base arm's variants."""
+    p = parser("mini_repro", __doc__)
+    pipeline_args(p, "mini_repro", "where mini_repro.md/.png go (default: docs/; quick: --runs)")
     p.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help="model-init and data-order seed (default %(default)s)"
     )
@@ -800,64 +822,41 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARM",
         help="with --overlap or --codecs: record the base arm and only these arms",
     )
-    p.set_defaults(out=None)
-    args = p.parse_args(argv)
-    setup = QUICK if args.quick else FULL
-    default = args.seed == DEFAULT_SEED and not args.quick
+    return p
+
+
+def run_name(args: argparse.Namespace, default: bool) -> str:
+    """The name of the runs' folder and record: it says the mode, the seed (unless `default`) and the comparison."""
     name = "mini_repro_quick" if args.quick else "mini_repro" if default else f"mini_repro_seed{args.seed}"
     if args.codecs:
-        name = name.replace("mini_repro", "mini_repro_codecs" + ("_diloco" if args.dilico else ""), 1)
-    elif args.overlap:
-        name = name.replace("mini_repro", "mini_repro_overlap", 1)
-    runs = args.runs or RESULTS_DIR / name
-    docs = args.docs or (REPO_ROOT / "docs" if default else runs)
-    out_json = args.out or RESULTS_DIR / f"{name}.json"
-    check_corpus(args)
-    common = setup.overrides(args.tokenizer, args.train, args.valid, args.seed)
+        return name.replace("mini_repro", "mini_repro_codecs" + ("_diloco" if args.dilico else ""), 1)
+    if args.overlap:
+        return name.replace("mini_repro", "mini_repro_overlap", 1)
+    return name
+
+
+def param_counts(common: list[str]) -> dict[str, int]:
+    """The model's parameters, from the runs' config: in total, active per token, and trained by one SPES peer."""
     cfg, _ = load_config(REPO_ROOT / CONFIG, common)
     counts = analytic_param_counts(cfg.model)
-    params = {
+    return {
         "total": counts.total,
         "active": counts.active_per_token,
         "spes_trainable": analytic_param_counts(cfg.model, cfg.spes_config.num_train_experts_per_node).trainable,
     }
 
-    runs.mkdir(parents=True, exist_ok=True)
-    if args.codecs or args.overlap:
-        return compare(p, args, setup, common, runs, out_json, params["total"])
-    if args.report_only:
-        walls = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
-        run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
-    else:
-        walls = run_all(run_commands(setup, common, runs), runs)
-        (runs / "walls.json").write_text(json.dumps(walls))
-        run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
-        write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
-    curves = collect(runs)
-    check_equal_tokens(curves, runs)
-    machine = (run_info or {}).get("machine") or machine_info()
-    png = docs / "mini_repro.png"
-    plot(
-        curves,
-        png,
-        f"{params['total'] / 1e6:.1f}M-parameter MoE, {PEERS} peers, "
-        f"{curves['centralized']['tokens_final'] / 1e6:.2f}M tokens per run (measured), "
-        f"sync every {setup.sync_steps} steps",
-    )
-    finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(args.seed))}
-    md = report(
-        setup,
-        curves,
-        walls,
-        params,
-        machine,
-        png.name,
-        finals,
-        correction=not args.quick,
-        note=(run_info or {}).get("note"),
-    )
-    write_atomic(docs / "mini_repro.md", md)
 
+def run_three(setup: Setup, common: list[str], runs: Path) -> tuple[dict[str, float], dict[str, Any]]:
+    """Train the three runs, then keep their wall times and what ran them in `runs` for --report-only."""
+    walls = run_all(run_commands(setup, common, runs), runs)
+    (runs / "walls.json").write_text(json.dumps(walls))
+    run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
+    write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
+    return walls, run_info
+
+
+def print_summary(curves: dict[str, Any], walls: dict[str, float]) -> None:
+    """The measured tokens and each run's final loss, traffic and wall time, for the console."""
     print(measured_tokens_line(curves))
     header = f"{'run':>12}  {'final val':>9}  {'vs central':>10}  {'MiB comm':>9}  {'wall s':>7}"
     print(header + "\n" + "-" * len(header))
@@ -868,22 +867,68 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:>12}  {c['val_loss'][-1]:9.4f}  {100 * (c['val_loss'][-1] - base) / base:+9.2f}%  "
             f"{c['bytes'][-1] / 2**20:9.1f}  {walls.get(name, float('nan')):7.0f}"
         )
-    print(f"wrote {docs / 'mini_repro.md'} and {png}")
-    write_results(
-        out_json,
-        {
-            "mode": "quick" if args.quick else "full",
-            "seed": args.seed,
-            "machine": machine,
-            "run": run_info,
-            "setup": asdict(setup),
-            "params": params,
-            "walls_s": walls,
-            "tokens": {name: curves[name]["tokens_final"] for name in RUNS},
-            "curves": curves,
-            **(rendered_from((run_info or {}).get("commit")) if args.report_only else {}),
-        },
+
+
+def results_record(
+    args: argparse.Namespace,
+    setup: Setup,
+    params: dict[str, int],
+    machine: dict[str, Any],
+    run_info: dict[str, Any] | None,
+    walls: dict[str, float],
+    curves: dict[str, Any],
+) -> dict[str, Any]:
+    """The three runs' record in bench/results/; a --report-only one names the runs' command and commit, not its own."""
+    return {
+        "mode": "quick" if args.quick else "full",
+        "seed": args.seed,
+        "machine": machine,
+        "run": run_info,
+        "setup": asdict(setup),
+        "params": params,
+        "walls_s": walls,
+        "tokens": {name: curves[name]["tokens_final"] for name in RUNS},
+        "curves": curves,
+        **(rendered_from((run_info or {}).get("commit")) if args.report_only else {}),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three trainings (or read the last ones), then plot, report and record them; or run a comparison."""
+    p = arg_parser()
+    args = p.parse_args(argv)
+    setup = QUICK if args.quick else FULL
+    default = args.seed == DEFAULT_SEED and not args.quick
+    runs, docs, out_json = outputs(args, run_name(args, default), to_docs=default)
+    check_corpus(args)
+    common = setup.overrides(args.tokenizer, args.train, args.valid, args.seed)
+    params = param_counts(common)
+
+    runs.mkdir(parents=True, exist_ok=True)
+    if args.codecs or args.overlap:
+        return compare(p, args, setup, common, runs, out_json, params["total"])
+    if args.report_only:
+        walls, run_info = read_json(runs / "walls.json", {}), read_json(runs / "run.json", None)
+    else:
+        walls, run_info = run_three(setup, common, runs)
+    curves = collect(runs)
+    check_equal_tokens(curves, runs)
+    machine = recorded_machine(run_info)
+    png = docs / "mini_repro.png"
+    plot(
+        curves,
+        png,
+        f"{params['total'] / 1e6:.1f}M-parameter MoE, {PEERS} peers, "
+        f"{curves['centralized']['tokens_final'] / 1e6:.2f}M tokens per run (measured), "
+        f"sync every {setup.sync_steps} steps",
     )
+    finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(args.seed))}
+    note = (run_info or {}).get("note")
+    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick, note=note)
+    write_atomic(docs / "mini_repro.md", md)
+    print_summary(curves, walls)
+    print(f"wrote {docs / 'mini_repro.md'} and {png}")
+    write_results(out_json, results_record(args, setup, params, machine, run_info, walls, curves))
     return 0
 
 
