@@ -33,6 +33,7 @@ separately. Outputs: `<runs>/seed<S>/<arm>/`, `bench/results/mini_repro_memory.j
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -44,17 +45,7 @@ from typing import Any
 import torch
 
 from bench_memory import build, tensor_bytes, train_steps
-from common import (
-    MIB,
-    REPO_ROOT,
-    RESULTS_DIR,
-    check_corpus,
-    corpus_args,
-    git_commit,
-    machine_info,
-    parser,
-    write_results,
-)
+from common import MIB, REPO_ROOT, check_corpus, git_commit, machine_info, parser, write_results
 from mini_repro import (
     CONFIG,
     DEFAULT_SEED,
@@ -64,8 +55,12 @@ from mini_repro import (
     Commands,
     Setup,
     central_curve,
+    outputs,
     pct,
     peers_curve,
+    pipeline_args,
+    read_json,
+    recorded_machine,
     run_all,
 )
 from spes.atomic import write_atomic
@@ -443,33 +438,97 @@ def report(
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line: mini_repro.py's run and corpus flags, the seeds, and the expert count that sets the budget."""
     p = parser("mini_repro_memory", __doc__)
-    p.add_argument(
-        "--runs", type=Path, default=None, help="run directory (default: bench/results/mini_repro_memory[_quick])"
-    )
-    p.add_argument("--docs", type=Path, default=None, help="report and plot folder (default: docs/; quick: --runs)")
-    p.add_argument("--report-only", action="store_true", help="only re-collect, re-plot and re-write the report")
-    corpus_args(p)
+    pipeline_args(p, "mini_repro_memory", "report and plot folder (default: docs/; quick: --runs)")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help=f"seeds (default: {SEEDS}; quick: the first)")
     p.add_argument("--small_experts", type=int, default=8, help="experts of the full model that sets the budget")
-    p.set_defaults(out=None)
-    args = p.parse_args(argv)
-    if args.small_experts < PEERS or args.small_experts % PEERS:
-        raise SystemExit(f"error: --small_experts={args.small_experts} must be a positive multiple of {PEERS}")
+    return p
+
+
+def memory_setup(quick: bool) -> Setup:
+    """The runs' sizes: mini_repro.py's, but validated on 256 windows every 50 steps (quick: mini_repro.py's own)."""
     # NOTE: 256 validation windows (4x mini_repro.py's) but every 50 steps instead of 20, so that the 14 runs stay
     # near an hour on 2 cores (63 min measured on a quiet machine, docs/benchmarks.md 6b) with 25/50/100% on
     # evaluated steps.
-    setup = (
-        QUICK
-        if args.quick
-        else replace(FULL, eval_batches=VALIDATION_WINDOWS // FULL.eval_batch_size, eval_interval=EVAL_INTERVAL)
-    )
+    if quick:
+        return QUICK
+    return replace(FULL, eval_batches=VALIDATION_WINDOWS // FULL.eval_batch_size, eval_interval=EVAL_INTERVAL)
+
+
+def run_and_record(
+    setup: Setup, sizes: dict[str, Any], args: argparse.Namespace, seeds: Sequence[int], runs: Path
+) -> None:
+    """Run every arm of every seed, then keep the wall times and what ran them in `runs` for --report-only."""
+    started, machine_before = time.time(), machine_info()
+    walls_s = run_schedule(setup, sizes, args, seeds, runs)
+    run_info = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "commit": git_commit(),
+        "machine": machine_before,
+        "machine_after": machine_info(),
+        "total_wall_s": time.time() - started,
+    }
+    write_atomic(runs / "walls.json", json.dumps(walls_s) + "\n")
+    write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
+
+
+def seed_walls(walls_s: dict[str, float], seeds: Sequence[int]) -> dict[int, dict[str, float]]:
+    """walls.json's wall seconds (keyed `seed<S>/<arm>`) per seed and arm, for the arms that have one."""
+    return {
+        seed: {arm.name: walls_s[f"seed{seed}/{arm.name}"] for arm in ARMS if f"seed{seed}/{arm.name}" in walls_s}
+        for seed in seeds
+    }
+
+
+def collect_seeds(runs: Path, seeds: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """Every seed's curves, each seed refused unless its arms trained on the tokens they should."""
+    per_seed: dict[int, dict[str, Any]] = {}
+    for seed in seeds:
+        out = runs / f"seed{seed}"
+        per_seed[seed] = collect(out)
+        check_tokens(per_seed[seed], out)
+    return per_seed
+
+
+def results_record(
+    args: argparse.Namespace,
+    setup: Setup,
+    seeds: Sequence[int],
+    sizes: dict[str, Any],
+    machine: dict[str, Any],
+    run_info: dict[str, Any] | None,
+    walls: dict[int, dict[str, float]],
+    per_seed: dict[int, dict[str, Any]],
+    means: dict[str, Any],
+) -> dict[str, Any]:
+    """The comparison's record in bench/results/: every seed's curves and their means, from which tables.py re-renders
+    the report."""
+    return {
+        "mode": "quick" if args.quick else "full",
+        "seeds": seeds,
+        "machine": machine,
+        "run": run_info,
+        "setup": asdict(setup),
+        "sizes": sizes,
+        "arms": [asdict(a) for a in ARMS],
+        "walls_s": walls,
+        "tokens": {a.name: per_seed[seeds[0]][a.name]["tokens_final"] for a in ARMS},
+        "curves": per_seed,
+        "mean_curves": means,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Size the models, run every arm of every seed (or read the last runs), then plot, report and record them."""
+    args = arg_parser().parse_args(argv)
+    if args.small_experts < PEERS or args.small_experts % PEERS:
+        raise SystemExit(f"error: --small_experts={args.small_experts} must be a positive multiple of {PEERS}")
+    setup = memory_setup(args.quick)
     seeds = args.seeds or (SEEDS[:1] if args.quick else SEEDS)
     name = "mini_repro_memory_quick" if args.quick else "mini_repro_memory"
-    runs = args.runs or RESULTS_DIR / name
-    docs = args.docs or (runs if args.quick else REPO_ROOT / "docs")
-    out_json = args.out or RESULTS_DIR / f"{name}.json"
+    runs, docs, out_json = outputs(args, name, to_docs=not args.quick)
 
     check_corpus(args)
     sizes = pick_sizes(setup.overrides(args.tokenizer, args.train, args.valid, seeds[0]), args.small_experts)
@@ -479,29 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     if not args.report_only:
-        started, machine_before = time.time(), machine_info()
-        walls_s = run_schedule(setup, sizes, args, seeds, runs)
-        run_info: dict[str, Any] | None = {
-            "command": " ".join([sys.executable, *sys.argv]),
-            "commit": git_commit(),
-            "machine": machine_before,
-            "machine_after": machine_info(),
-            "total_wall_s": time.time() - started,
-        }
-        write_atomic(runs / "walls.json", json.dumps(walls_s) + "\n")
-        write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
-    walls_s = json.loads((runs / "walls.json").read_text()) if (runs / "walls.json").is_file() else {}
-    walls = {
-        seed: {arm.name: walls_s[f"seed{seed}/{arm.name}"] for arm in ARMS if f"seed{seed}/{arm.name}" in walls_s}
-        for seed in seeds
-    }
-    per_seed: dict[int, dict[str, Any]] = {}
-    for seed in seeds:
-        out = runs / f"seed{seed}"
-        per_seed[seed] = collect(out)
-        check_tokens(per_seed[seed], out)
-    run_info = json.loads((runs / "run.json").read_text()) if (runs / "run.json").is_file() else None
-    machine = (run_info or {}).get("machine") or machine_info()
+        run_and_record(setup, sizes, args, seeds, runs)
+    walls = seed_walls(read_json(runs / "walls.json", {}), seeds)
+    per_seed = collect_seeds(runs, seeds)
+    run_info = read_json(runs / "run.json", None)
+    machine = recorded_machine(run_info)
     means = {arm.name: mean_curve([per_seed[s][arm.name] for s in seeds]) for arm in ARMS}
     png = docs / "mini_repro_memory.png"
     plot(
@@ -513,22 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     md = report(setup, sizes, per_seed, means, walls, machine, (run_info or {}).get("total_wall_s"), png.name)
     write_atomic(docs / "mini_repro_memory.md", md)
     print(md)
-    write_results(
-        out_json,
-        {
-            "mode": "quick" if args.quick else "full",
-            "seeds": seeds,
-            "machine": machine,
-            "run": run_info,
-            "setup": asdict(setup),
-            "sizes": sizes,
-            "arms": [asdict(a) for a in ARMS],
-            "walls_s": walls,
-            "tokens": {a.name: per_seed[seeds[0]][a.name]["tokens_final"] for a in ARMS},
-            "curves": per_seed,
-            "mean_curves": means,
-        },
-    )
+    write_results(out_json, results_record(args, setup, seeds, sizes, machine, run_info, walls, per_seed, means))
     return 0
 
 
