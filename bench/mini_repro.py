@@ -849,7 +849,7 @@ def param_counts(common: list[str]) -> dict[str, int]:
 def run_three(setup: Setup, common: list[str], runs: Path) -> tuple[dict[str, float], dict[str, Any]]:
     """Train the three runs, then keep their wall times and what ran them in `runs` for --report-only."""
     walls = run_all(run_commands(setup, common, runs), runs)
-    (runs / "walls.json").write_text(json.dumps(walls))
+    write_atomic(runs / "walls.json", json.dumps(walls) + "\n")
     run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
     write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
     return walls, run_info

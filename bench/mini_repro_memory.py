@@ -61,6 +61,7 @@ from mini_repro import (
     pipeline_args,
     read_json,
     recorded_machine,
+    rendered_from,
     run_all,
 )
 from spes.atomic import write_atomic
@@ -504,7 +505,7 @@ def results_record(
     means: dict[str, Any],
 ) -> dict[str, Any]:
     """The comparison's record in bench/results/: every seed's curves and their means, from which tables.py re-renders
-    the report."""
+    the report; a --report-only one names the runs' command and commit, not its own (as mini_repro's)."""
     return {
         "mode": "quick" if args.quick else "full",
         "seeds": seeds,
@@ -517,6 +518,7 @@ def results_record(
         "tokens": {a.name: per_seed[seeds[0]][a.name]["tokens_final"] for a in ARMS},
         "curves": per_seed,
         "mean_curves": means,
+        **(rendered_from((run_info or {}).get("commit")) if args.report_only else {}),
     }
 
 

@@ -287,6 +287,21 @@ def test_a_report_only_record_names_the_runs_command_and_commit(monkeypatch: pyt
     assert rendered_from(None)["commit"] == "unknown"
 
 
+def test_a_report_only_memory_record_names_the_runs_command_and_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As mini_repro's: a re-rendered record is the runs', not the re-render's (their commit, their command)."""
+    import argparse
+
+    from mini_repro_memory import ARMS, SEEDS, memory_setup, results_record
+
+    monkeypatch.setattr(sys, "argv", ["bench/mini_repro_memory.py", "--report-only"])
+    per_seed = {SEEDS[0]: {arm.name: {"tokens_final": 1} for arm in ARMS}}
+    args = {"quick": True, "report_only": True}
+    rest = (memory_setup(True), SEEDS[:1], {}, {}, {"commit": "b" * 40}, {}, per_seed, {})
+    record = results_record(argparse.Namespace(**args), *rest)
+    assert record["commit"] == "b" * 40 and record["command"].endswith("bench/mini_repro_memory.py")
+    assert "commit" not in results_record(argparse.Namespace(**{**args, "report_only": False}), *rest)
+
+
 def _compare(runs: Path, base: str, variants: dict[str, list[str]], vs: str) -> dict:
     """The comparison `mini_repro.py --report-only` writes from the arms' logs in `runs` (a 1,000-parameter model)."""
     from mini_repro import QUICK, arm_commands, compare_arms
