@@ -39,33 +39,33 @@ MODULES: dict[str, tuple[str, ...]] = {
     # the delta math through the production classes and the wire, no server (those tests are the slow ones); one
     # codec for the rounds' math (the other's 30 rounds triple a mutant's time and run the same lines of held.py)
     "spes/sync/codecs/held.py": (
-        "tests/test_held.py::test_error_feedback_keeps_what_was_not_sent_over_30_rounds[int8]",
-        "tests/test_held.py::test_a_merge_round_keeps_every_peer_on_the_servers_held_model",
-        "tests/test_held.py::test_a_peer_state_round_trips_and_refuses_another_codec",
-        "tests/test_held.py::test_a_tensor_the_held_model_lacks_travels_as_full_fp32_values_and_is_held_as_sent",
-        "tests/test_held.py::test_a_bf16_tensor_the_held_model_lacks_is_held_in_fp32",
-        "tests/test_held.py::test_a_download_carries_deltas_only_to_a_peer_holding_their_base",
-        "tests/test_held.py::test_a_peer_refuses_deltas_against_a_model_it_does_not_hold",
-        "tests/test_held.py::test_a_peer_that_forgets_its_held_model_sends_full_values",
-        "tests/test_held.py::test_a_peer_that_caught_up_drops_its_carried_error",
-        "tests/test_held.py::test_bad_tensors_are_refused_naming_the_tensor",
-        "tests/test_held.py::test_an_upload_is_refused_when_it_is_not_finite_naming_the_tensor",
-        "tests/test_held.py::test_full_values_are_received_into_the_servers_kept_buffers",
-        "tests/test_held.py::test_a_restored_round_holds_the_persisted_held_model",
-        "tests/test_int8.py",
-        "tests/test_sparse.py",
+        "tests/sync/codecs/test_held.py::test_error_feedback_keeps_what_was_not_sent_over_30_rounds[int8]",
+        "tests/sync/codecs/test_held.py::test_a_merge_round_keeps_every_peer_on_the_servers_held_model",
+        "tests/sync/codecs/test_held.py::test_a_peer_state_round_trips_and_refuses_another_codec",
+        "tests/sync/codecs/test_held.py::test_a_tensor_the_held_model_lacks_travels_as_full_fp32_values_and_is_held_as_sent",
+        "tests/sync/codecs/test_held.py::test_a_bf16_tensor_the_held_model_lacks_is_held_in_fp32",
+        "tests/sync/codecs/test_held.py::test_a_download_carries_deltas_only_to_a_peer_holding_their_base",
+        "tests/sync/codecs/test_held.py::test_a_peer_refuses_deltas_against_a_model_it_does_not_hold",
+        "tests/sync/codecs/test_held.py::test_a_peer_that_forgets_its_held_model_sends_full_values",
+        "tests/sync/codecs/test_held.py::test_a_peer_that_caught_up_drops_its_carried_error",
+        "tests/sync/codecs/test_held.py::test_bad_tensors_are_refused_naming_the_tensor",
+        "tests/sync/codecs/test_held.py::test_an_upload_is_refused_when_it_is_not_finite_naming_the_tensor",
+        "tests/sync/codecs/test_held.py::test_full_values_are_received_into_the_servers_kept_buffers",
+        "tests/sync/codecs/test_held.py::test_a_restored_round_holds_the_persisted_held_model",
+        "tests/sync/codecs/test_int8.py",
+        "tests/sync/codecs/test_sparse.py",
     ),
-    "spes/sync/codecs/int8.py": ("tests/test_int8.py",),
-    "spes/sync/codecs/sparse.py": ("tests/test_sparse.py",),
-    "spes/sync/fragments.py": ("tests/test_fragments.py",),
-    "spes/sync/merge.py": ("tests/test_merge.py",),
-    "spes/sync/overlap.py": ("tests/test_overlap.py",),
-    "spes/sync/rounds.py": ("tests/test_rounds.py",),
+    "spes/sync/codecs/int8.py": ("tests/sync/codecs/test_int8.py",),
+    "spes/sync/codecs/sparse.py": ("tests/sync/codecs/test_sparse.py",),
+    "spes/sync/fragments.py": ("tests/sync/test_fragments.py",),
+    "spes/sync/merge.py": ("tests/sync/test_merge.py",),
+    "spes/sync/overlap.py": ("tests/sync/test_overlap.py",),
+    "spes/sync/rounds.py": ("tests/sync/test_rounds.py",),
     # the generated stubs' check runs protoc in a scratch copy of run_scripts/: nothing of wire.py
     "spes/sync/wire.py": (
-        "tests/test_wire.py",
+        "tests/sync/test_wire.py",
         "--deselect",
-        "tests/test_wire.py::test_committed_stubs_are_up_to_date",
+        "tests/sync/test_wire.py::test_committed_stubs_are_up_to_date",
     ),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
@@ -349,15 +349,17 @@ EQUIVALENT: dict[str, str] = {
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 
 AGREE = "tests/test_guard.py::test_every_rank_agrees_on_one_ranks_nan"
-CUDA_PEER = "tests/test_held.py::test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model"
+CUDA_PEER = "tests/sync/codecs/test_held.py::test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model"
 KILLED_BY: dict[str, str] = {
     **mutants("spes.guard.x_check_weights_finite", "8 10 11", f"{AGREE}[gloo]"),  # a clean rank's message
     # a CUDA tensor's bytes read without moving it to the host first
     **mutants(
-        "spes.sync.wire.x__wire_pieces", "14 16", "tests/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
+        "spes.sync.wire.x__wire_pieces",
+        "14 16",
+        "tests/sync/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes",
     ),
     **mutants(
-        "spes.sync.wire.x_encode_whole", "3 5", "tests/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
+        "spes.sync.wire.x_encode_whole", "3 5", "tests/sync/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
     ),
     # a delta measured or applied across devices: CUDA trained tensors, a CPU held model and carried error
     **mutants("spes.sync.codecs.held.x__plus", "3", CUDA_PEER),

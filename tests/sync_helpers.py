@@ -1,17 +1,18 @@
-"""Shared helpers for the sync tests: tiny SPES-named models and their run specs, in-process servers, clients, TLS
-certificates."""
+"""Shared helpers for the sync tests: tiny SPES-named models and their run specs, in-process servers, clients and
+their Join requests, TLS certificates, and the check of a round against the pure round function."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import ipaddress
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import grpc
 import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -19,7 +20,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from spes.config import ServerSection, SpesConfig
-from spes.sync.protocol import Mode
+from spes.sync.merge import build_global
+from spes.sync.proto import spes_pb2 as pb
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from spes.sync.protocol import PROTOCOL_VERSION, Mode
 from spes.sync.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -131,6 +135,64 @@ def sync_all(
     with ThreadPoolExecutor(len(clients)) as pool:
         futures = {p: pool.submit(client.sync, step, uploads[p]) for p, client in enumerate(clients)}
         return {p: future.result(timeout=timeout_s) for p, future in futures.items()}
+
+
+@contextlib.contextmanager
+def joined_clients(
+    addr: str,
+    spec: RunSpec,
+    *,
+    per_peer: Callable[[int], dict[str, Any]] | None = None,
+    token: str | None = None,
+    **settings: object,
+) -> Iterator[list[SyncClient]]:
+    """Peers 0..num_peers-1 of `spec`, joined; `per_peer(p)` adds peer p's own settings (e.g. its certificate)."""
+    with contextlib.ExitStack() as stack:
+        clients = []
+        for peer in range(spec.num_peers):
+            own = {"rpc_timeout_s": 10, "round_timeout_s": 30, **settings, **(per_peer(peer) if per_peer else {})}
+            client = stack.enter_context(make_client(addr, spec, peer, token=token, **own))
+            client.join()
+            clients.append(client)
+        yield clients
+
+
+def check_round(results: dict, uploads: dict, spec: RunSpec, *, step: int) -> None:
+    """Each peer got exactly what it needs, equal to build_global over the uploads."""
+    want = build_global(uploads, spec=spec, step=step).tensors
+    for peer, (got, stats) in results.items():
+        assert stats.round == step
+        assert sorted(got) == sorted(spec.downloads(peer, merged=stats.merged))
+        for name, tensor in got.items():
+            assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+            torch.testing.assert_close(tensor, want[name], rtol=0, atol=0)
+
+
+def join_request(
+    peer: int,
+    spec: RunSpec | None = None,
+    *,
+    manifest: dict[str, tuple[int, ...]] | None = None,
+    run_id: str = "",
+) -> pb.JoinRequest:
+    """Peer `peer`'s Join of `spec` (default: `tiny_spec()`) in run `run_id` ("": a fresh node), announcing
+    `manifest` (default: the spec's)."""
+    spec = spec or tiny_spec()
+    shapes = (spec.manifest or {}) if manifest is None else manifest
+    return pb.JoinRequest(
+        peer_id=peer,
+        manifest=[pb.TensorSpec(name=n, shape=s) for n, s in shapes.items()],
+        protocol=PROTOCOL_VERSION,
+        spec=spec.to_proto(),
+        run_id=run_id,
+    )
+
+
+@contextlib.contextmanager
+def stub_for(addr: str) -> Iterator[pb_grpc.ParameterServerStub]:
+    """A raw stub of the server at `addr`, for the tests that speak the protocol without a client."""
+    with grpc.insecure_channel(addr) as channel:
+        yield pb_grpc.ParameterServerStub(channel)
 
 
 def _write_cert(

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dist_helpers import SMALL_NODE, run_logged, run_ranks
+from peer_nodes import peer_config, start_peer
 from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.guard import NonFiniteError, all_finite, check_weights_finite, first_nonfinite_parameter
@@ -20,7 +21,6 @@ from spes.sync.server import spec_of_run
 from spes.train import build_node, main
 from spes.trainer import Trainer
 from sync_helpers import running_server
-from test_peer import peer_config, start_peer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")

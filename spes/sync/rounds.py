@@ -1,7 +1,8 @@
 """Round bookkeeping of the parameter server: who may upload what, and when a round may close.
 
 The server calls `RoundState` under its lock (and `spes.sync.aggregate.build_round`, the round's math, on its
-aggregation thread); nothing here touches sockets or files, so every rule is tested directly (tests/test_rounds.py).
+aggregation thread); nothing here touches sockets or files, so every rule is tested directly
+(tests/sync/test_rounds.py).
 
 A round is keyed by the global step at which the peers synchronize. It opens with its first verified upload, and
 only the round the run's schedule expects next may open (`spes.sync.spec.RunSpec.next_round`: an upload for any

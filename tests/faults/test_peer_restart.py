@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from peer_nodes import CPU, MERGE, TINY, peer_overrides
 from spes.config import load_config
-from spes.distributed import DistInfo
 from spes.sync.peer import PeerSync, SyncResult, read_run_id
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
@@ -19,16 +19,6 @@ from spes.train import build_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-MERGE = [
-    "--server.merge_interval=4",
-    "--server.merge_alpha_start=0.05",
-    "--server.merge_decay_steps=100",
-    "--server.merge_topk=2",
-]
-"""The server's merge warm-up in these runs: every 4 steps (the nodes' copy of the section is not compared)."""
 STEPS = 8
 
 
@@ -74,34 +64,30 @@ class Recording:
 
 
 def overrides(corpus: Any, tmp_path: Path, addr: str, peer: int) -> list[str]:
-    """The command line of peer `peer` of these runs (`python -m spes.train configs/tiny.yaml ...`)."""
-    return [
-        *corpus.overrides(tmp_path / f"node{peer}"),
-        f"--spes_config.peer_id={peer}",
-        "--spes_config.num_peers=2",
-        "--spes_config.num_train_experts_per_node=4",
-        f"--spes_config.server_addr={addr}",
-        "--spes_config.sync_steps=2",
+    """The command line of peer `peer` of these runs (`python -m spes.train configs/tiny.yaml ...`): the in-process
+    peers' (`peer_nodes`), run longer, saving every round, retrying more."""
+    return peer_overrides(
+        corpus,
+        tmp_path,
+        addr,
+        peer,
         f"--max_duration={STEPS}st",
-        "--eval_interval=null",
         "--save_interval=2",
         "--save_num_checkpoints_to_keep=-1",
-        "--spes_config.rpc_timeout_s=30",
-        "--spes_config.round_timeout_s=60",
         "--spes_config.max_retries=8",
-    ]
+    )
 
 
 def server_spec(corpus: Any, tmp_path: Path) -> RunSpec:
     """The spec the server of these runs builds from the nodes' YAML and overrides, with its merge warm-up."""
-    return spec_of_run(str(TINY), [*overrides(corpus, tmp_path, "127.0.0.1:1", 0), *MERGE])
+    return spec_of_run(TINY, [*overrides(corpus, tmp_path, "127.0.0.1:1", 0), *MERGE])
 
 
 def node(
     corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | None = None, crash_at: int | None = None
 ) -> tuple[Trainer, Recording]:
     """One peer as `python -m spes.train configs/tiny.yaml` would build it (--resume: `load_path`)."""
-    cfg, _ = load_config(str(TINY), overrides(corpus, tmp_path, addr, peer))
+    cfg, _ = load_config(TINY, overrides(corpus, tmp_path, addr, peer))
     cfg.load_path = load_path
     built = build_node(cfg, CPU, log=lambda _m: None)
     run_id = read_run_id(built.checkpoint.path) if built.checkpoint is not None else None  # as spes.train does

@@ -32,8 +32,7 @@ from spes.sync.protocol import Reason
 from spes.sync.server import ParameterServer
 from spes.sync.spec import RunSpec
 from spes.sync.wire import DIGEST, Coded, TensorDecoder, checksum, encode_tensors, header_for
-from sync_helpers import NO_MERGE, make_client, running_server, sync_all, tiny_spec
-from test_client import joined_clients
+from sync_helpers import NO_MERGE, joined_clients, make_client, running_server, sync_all, tiny_spec
 
 MERGE = ServerSection(merge_interval=30, merge_alpha_start=0.5, merge_decay_steps=1000, merge_topk=1)
 """Step 30 is a merge round."""

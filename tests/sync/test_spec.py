@@ -16,7 +16,7 @@ from spes.sync.server import spec_of_run
 from spes.sync.spec import FIELD_KEYS, RunSpec, run_spec
 from sync_helpers import tiny_spec
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def node_spec(path: Path, *overrides: str) -> tuple[RunSpec, list[str]]:

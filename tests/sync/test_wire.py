@@ -38,7 +38,7 @@ from spes.sync.wire import (
     write_raw,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 INT8 = int8.Int8(block=128)
 """The int8 format of the tests' payloads."""

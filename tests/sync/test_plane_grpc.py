@@ -16,8 +16,7 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
 from spes.sync.wire import TensorDecoder, upload_digest
-from sync_helpers import NO_MERGE, peer_upload, running_server, tiny_spec
-from test_server import join_request
+from sync_helpers import NO_MERGE, join_request, peer_upload, running_server, tiny_spec
 
 SPEC = tiny_spec(server=NO_MERGE)
 MANIFEST = SPEC.manifest or {}

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -30,31 +29,27 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.server import build_parser, config_from_args, spec_of_run, start_server
 from spes.sync.settings import DeployConfig, ServerConfig
-from spes.sync.spec import RunSpec
 from spes.sync.wire import checksum, encode_tensors
-from sync_helpers import NO_MERGE, TOKEN, make_client, peer_upload, running_server, sync_all, tiny_spec
-from test_client import check_round, joined_clients
-from test_coordinator import join_request as spec_join
+from sync_helpers import (
+    NO_MERGE,
+    TOKEN,
+    check_round,
+    join_request,
+    joined_clients,
+    make_client,
+    peer_upload,
+    running_server,
+    stub_for,
+    sync_all,
+    tiny_spec,
+)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPEC = tiny_spec()
 SPEC10 = tiny_spec(sync_steps=10)
 """A round every 10 steps, for the tests that name rounds 10, 20, ..."""
 MANIFEST = SPEC.manifest or {}
 StatusCode = grpc.StatusCode
-
-
-def join_request(
-    peer: int, *, spec: RunSpec = SPEC, manifest: dict[str, tuple[int, ...]] | None = None, run_id: str = ""
-) -> pb.JoinRequest:
-    """Peer `peer`'s Join of `spec` in run `run_id` ("": a fresh node), announcing `manifest` (default: the
-    spec's)."""
-    request = spec_join(peer, spec)
-    request.run_id = run_id
-    if manifest is not None:
-        del request.manifest[:]
-        request.manifest.extend(pb.TensorSpec(name=n, shape=s) for n, s in manifest.items())
-    return request
 
 
 def upload_messages(peer: int, step: int, chunks: list[pb.TensorChunk]) -> Iterator[pb.UploadMessage]:
@@ -65,12 +60,6 @@ def upload_messages(peer: int, step: int, chunks: list[pb.TensorChunk]) -> Itera
 
 def good_chunks(peer: int, seed: int = 0) -> list[pb.TensorChunk]:
     return list(encode_tensors(peer_upload(SPEC, peer, seed), "fp32"))
-
-
-@contextmanager
-def stub_for(addr: str) -> Iterator[pb_grpc.ParameterServerStub]:
-    with grpc.insecure_channel(addr) as channel:
-        yield pb_grpc.ParameterServerStub(channel)
 
 
 def expect_code(code: StatusCode, match: str, call: object, *args: object, **kwargs: object) -> str:
@@ -725,7 +714,7 @@ def test_off_loopback_needs_a_token_and_tls_unless_insecure(tmp_path: Path) -> N
 
 
 def test_the_runs_yaml_gives_the_spec_and_the_manifest() -> None:
-    config = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
     spec = config_from_args(build_parser().parse_args([config])).spec
     assert (spec.num_peers, spec.experts_per_block, spec.mode, spec.sync_steps) == (4, 2, "spes", 10)
     assert spec == spec_of_run(config) and spec.manifest is not None and "lm_head.weight" in spec.manifest

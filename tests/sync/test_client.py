@@ -5,12 +5,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -18,7 +15,7 @@ import torch
 
 from spes.config import ServerSection
 from spes.sync import plane_tcp
-from spes.sync.client import SyncClient, SyncError
+from spes.sync.client import SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.retry import backoff_s
@@ -28,6 +25,8 @@ from spes.sync.spec import RunSpec
 from sync_helpers import (
     NO_MERGE,
     TOKEN,
+    check_round,
+    joined_clients,
     make_client,
     peer_upload,
     running_server,
@@ -35,37 +34,6 @@ from sync_helpers import (
     tiny_spec,
     write_pki,
 )
-
-
-@contextmanager
-def joined_clients(
-    addr: str,
-    spec: RunSpec,
-    *,
-    per_peer: Callable[[int], dict[str, Any]] | None = None,
-    token: str | None = None,
-    **settings: object,
-) -> Iterator[list[SyncClient]]:
-    """Peers 0..num_peers-1 of `spec`, joined; `per_peer(p)` adds peer p's own settings (e.g. its certificate)."""
-    with ExitStack() as stack:
-        clients = []
-        for peer in range(spec.num_peers):
-            own = {"rpc_timeout_s": 10, "round_timeout_s": 30, **settings, **(per_peer(peer) if per_peer else {})}
-            client = stack.enter_context(make_client(addr, spec, peer, token=token, **own))
-            client.join()
-            clients.append(client)
-        yield clients
-
-
-def check_round(results: dict, uploads: dict, spec: RunSpec, *, step: int) -> None:
-    """Each peer got exactly what it needs, equal to build_global over the uploads."""
-    want = build_global(uploads, spec=spec, step=step).tensors
-    for peer, (got, stats) in results.items():
-        assert stats.round == step
-        assert sorted(got) == sorted(spec.downloads(peer, merged=stats.merged))
-        for name, tensor in got.items():
-            assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
-            torch.testing.assert_close(tensor, want[name], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(60)

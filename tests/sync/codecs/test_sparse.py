@@ -1,5 +1,5 @@
 """The sparse codec's math alone: what is sent is rebuilt exactly, chunk edges, levels, bit streams, sizes and
-refusals (error feedback over rounds and the held model on real servers: tests/test_held.py)."""
+refusals (error feedback over rounds and the held model on real servers: tests/sync/codecs/test_held.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dist_helpers import run_ranks
-from spes.config import TrainConfig, load_config
+from peer_nodes import MERGE, QUIET, TINY, peer_config, peer_overrides, start_peer
+from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.sync.client import RoundPhases, SyncStats
 from spes.sync.fragments import WHOLE, merge_step
@@ -23,19 +24,9 @@ from spes.sync.peer import CODEC_FILE, PENDING_FILE, RUN_FILE, PeerSync, SyncRes
 from spes.sync.protocol import SyncError, Tensors
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
-from spes.train import build_node, start_node
+from spes.train import build_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
-
-REPO = Path(__file__).resolve().parents[1]
-CPU = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-MERGE = [
-    "--server.merge_interval=4",
-    "--server.merge_alpha_start=0.05",
-    "--server.merge_decay_steps=100",
-    "--server.merge_topk=2",
-]
-"""The server's merge warm-up in these runs: every 4 steps (the nodes' copy of the section is not compared)."""
 
 
 class RecordingSync:
@@ -95,7 +86,7 @@ def run_args(dilico: bool, steps: int = 8, extra: tuple[str, ...] = ()) -> tuple
 def server_spec(corpus: Any, folder: Path, *extra: str, num_peers: int = 2) -> RunSpec:
     """The spec the server of these runs builds from the nodes' YAML and overrides, with its merge warm-up."""
     overrides = peer_overrides(corpus, folder, "127.0.0.1:1", 0, *extra, f"--spes_config.num_peers={num_peers}")
-    return spec_of_run(str(REPO / "configs" / "tiny.yaml"), [*overrides, *MERGE])
+    return spec_of_run(TINY, [*overrides, *MERGE])
 
 
 def trained(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -171,7 +162,6 @@ def test_held_codec_trainers_hold_the_servers_model_bit_for_bit_after_every_roun
 # ---------------------------------------------------------------------------------------------------------------
 # Overlapped rounds (spes_config.overlap_sync)
 
-QUIET = lambda _m: None  # noqa: E731
 OVERLAP = ["--spes_config.overlap_sync=true"]
 
 
@@ -196,33 +186,6 @@ def test_results_of_one_step_add_up() -> None:
         "sync_rounds": 2,
     }
     assert SyncResult(step=4, rounds=0).metrics() == {} and "sync_wait_s" not in SyncResult(step=4).metrics()
-
-
-def peer_overrides(corpus: Any, folder: Path, addr: str, peer: int, *extra: str) -> list[str]:
-    """Peer `peer` of 2 (4 experts each) of configs/tiny.yaml, syncing every 2 steps, 8 steps; then `extra`."""
-    return [
-        *corpus.overrides(folder / f"node{peer}"),
-        f"--spes_config.peer_id={peer}",
-        "--spes_config.num_peers=2",
-        "--spes_config.num_train_experts_per_node=4",
-        f"--spes_config.server_addr={addr}",
-        "--spes_config.sync_steps=2",
-        "--max_duration=8st",
-        "--eval_interval=null",
-        "--save_interval=null",
-        "--spes_config.rpc_timeout_s=30",
-        "--spes_config.round_timeout_s=60",
-        *extra,
-    ]
-
-
-def peer_config(corpus: Any, folder: Path, addr: str, peer: int, *extra: str) -> TrainConfig:
-    return load_config(str(REPO / "configs" / "tiny.yaml"), peer_overrides(corpus, folder, addr, peer, *extra))[0]
-
-
-def start_peer(cfg: TrainConfig, log: Callable[[str], None] = QUIET) -> Trainer:
-    """A node as `python -m spes.train` starts it (its syncer is `trainer.syncer`)."""
-    return start_node(cfg, CPU, log=log)[0]
 
 
 def fit(trainer: Trainer) -> Trainer:
@@ -408,7 +371,7 @@ def _full(model: torch.nn.Module) -> Tensors:
 def _overlapped_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     """One overlapped node on this torchrun's ranks. At each round it applies, rank 0 checks the weights every rank
     then holds against the rule computed from whole tensors; every rank reports a digest of what it holds."""
-    cfg = load_config(str(REPO / "configs" / "tiny.yaml"), args["overrides"])[0]
+    cfg = load_config(TINY, args["overrides"])[0]
     node = build_node(cfg, info, log=QUIET)
     landed: dict[str, Any] = {}
 
@@ -477,7 +440,11 @@ def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_aft
             tiny_corpus, tmp_path, addr, peer, *extra, "--spes_config.num_peers=4", f"--distributed_strategy={strategy}"
         )
         return run_ranks(
-            ranks, "test_peer:_overlapped_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}", timeout=300
+            ranks,
+            "sync.test_peer:_overlapped_node_worker",
+            {"overrides": overrides},
+            tmp_path / f"ranks{peer}",
+            timeout=300,
         )
 
     layout = [(0, "ddp", 2), (1, "fsdp", 2), (2, "single", 1), (3, "single", 1)]

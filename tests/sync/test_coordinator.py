@@ -13,26 +13,15 @@ from spes.config import ServerSection
 from spes.sync.coordinator import Coordinator
 from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, round_alpha
-from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import PROTOCOL_VERSION, Reason, Refused
+from spes.sync.protocol import Reason, Refused
 from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.spec import RunSpec
 from spes.sync.wire import TensorDecoder, encode_tensors
-from sync_helpers import NO_MERGE, peer_upload, tiny_spec
+from sync_helpers import NO_MERGE, join_request, peer_upload, tiny_spec
 
 SPEC = tiny_spec(server=NO_MERGE)
 MANIFEST = SPEC.manifest or {}
 JOIN = {"session": "s", "address": "test", "common_name": lambda: None}
-
-
-def join_request(peer: int, spec: RunSpec = SPEC, run_id: str = "") -> pb.JoinRequest:
-    return pb.JoinRequest(
-        peer_id=peer,
-        manifest=[pb.TensorSpec(name=n, shape=s) for n, s in (spec.manifest or {}).items()],
-        protocol=PROTOCOL_VERSION,
-        spec=spec.to_proto(),
-        run_id=run_id,
-    )
 
 
 def feeding(tensors: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
@@ -55,7 +44,7 @@ def test_a_round_through_the_coordinator_alone() -> None:
             service.uploads.receive(0, 1, feeding({}))
         assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED)
         for peer in range(2):
-            reply = service.join(join_request(peer), session=f"s{peer}", address="test", common_name=lambda: None)
+            reply = service.join(join_request(peer, SPEC), session=f"s{peer}", address="test", common_name=lambda: None)
             assert (reply.current_round, reply.open_round) == (-1, -1)
         uploads = {p: peer_upload(SPEC, p, seed=1) for p in range(2)}
         want = build_global(uploads, spec=SPEC, step=1).tensors
@@ -175,7 +164,7 @@ def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tm
         coordinator(tiny_spec(sync_steps=4, server=quorum), state_dir=str(tmp_path))
     restarted = coordinator(spec, state_dir=str(tmp_path))
     try:  # the node resumes from its checkpoint, which names the run
-        restarted.join(join_request(0, spec, restarted.run_id), **JOIN)  # type: ignore[arg-type]
+        restarted.join(join_request(0, spec, run_id=restarted.run_id), **JOIN)  # type: ignore[arg-type]
     finally:
         restarted.shutdown(grace_s=1.0)
 
@@ -187,7 +176,7 @@ def test_an_aggregate_that_overflows_is_refused_naming_the_tensor_and_nothing_is
     service = coordinator(SPEC)
     try:
         for peer in range(2):
-            service.join(join_request(peer), **JOIN)  # type: ignore[arg-type]
+            service.join(join_request(peer, SPEC), **JOIN)  # type: ignore[arg-type]
         uploads = {p: peer_upload(SPEC, p, seed=1) for p in range(2)}
         for peer in range(2):
             service.uploads.receive(peer, 1, feeding(uploads[peer]))

@@ -13,7 +13,7 @@ from spes.sync.status import describe
 from spes.sync.wire import upload_digest
 from sync_helpers import TOKEN, make_client, peer_upload, running_server, tiny_spec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_line_names_the_open_round_who_is_in_and_when_the_missing_were_last_heard() -> None:

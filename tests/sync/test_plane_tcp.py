@@ -22,9 +22,19 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Reason, SyncError
 from spes.sync.server import ParameterServer
 from spes.sync.wire import DIGEST, TensorDecoder, checksum, upload_digest
-from sync_helpers import NO_MERGE, TOKEN, peer_upload, running_server, sync_all, tiny_spec, write_pki
-from test_client import check_round, joined_clients
-from test_server import join_request, stub_for
+from sync_helpers import (
+    NO_MERGE,
+    TOKEN,
+    check_round,
+    join_request,
+    joined_clients,
+    peer_upload,
+    running_server,
+    stub_for,
+    sync_all,
+    tiny_spec,
+    write_pki,
+)
 
 
 def raw_upload(server: ParameterServer, *, peer: int = 0, step: int = 1, token: str | None = TOKEN) -> socket.socket:
