@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from bench_sync import bench_raw, bench_spes, expect_line, node_run, round_bytes, spawn
+from bench_sync import bench_raw, bench_spes, expect_line, fastest, node_run, round_bytes, spawn
 from bench_train import build_variant, timed_step
 from bench_wire import round_bytes as peer_round_bytes
 from common import (
@@ -150,7 +150,7 @@ def measure(
     for wire in wires:
         up, down = round_bytes(node_run(PAPER_1B, overrides, wire)[1])  # what the raw baseline sends
         raw = bench_raw(up, down, warmup, rounds, relay=lambda ports: link.relay(ports, peers))
-        best_raw = min(raw, key=lambda r: r["seconds"])
+        best_raw = fastest(raw)
         for plane in planes:
             spes, _, _ = bench_spes(
                 PAPER_1B,
@@ -163,7 +163,7 @@ def measure(
                 False,
                 relay=lambda ports: link.relay(ports, peers),
             )
-            best = min(spes, key=lambda r: r["seconds"])
+            best = fastest(spes)
             ideal = link.ideal_seconds(best["up_per_peer"], best["down_per_peer"])
             raw_ideal = link.ideal_seconds(best_raw["up_per_peer"], best_raw["down_per_peer"])
             out.append(
