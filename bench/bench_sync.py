@@ -441,21 +441,11 @@ def bench_spes(
 def bench_raw(
     up: list[int], down: list[int], warmup: int, rounds: int, relay: Relay | None = None
 ) -> list[RoundRecord]:
-    port = free_port()
+    """The baseline: a raw-socket server and peers moving the same bytes per round as SPES's, with nothing else."""
+    port, total = free_port(), warmup + rounds
     server = spawn(
-        [
-            str(SCRIPT),
-            "--role",
-            "raw-server",
-            "--port",
-            str(port),
-            "--peers",
-            str(len(up)),
-            "--rounds",
-            str(warmup + rounds),
-            "--max-bytes",
-            str(max(up + down)),
-        ]
+        [str(SCRIPT), "--role=raw-server", f"--port={port}", f"--peers={len(up)}", f"--rounds={total}"]
+        + [f"--max-bytes={max(up + down)}"]
     )
     procs = [server]
     try:
@@ -463,21 +453,8 @@ def bench_raw(
         hosts = peer_hosts(relay, [port], len(up), procs)
         peers = [
             spawn(
-                [
-                    str(SCRIPT),
-                    "--role",
-                    "raw-peer",
-                    "--host",
-                    host,
-                    "--port",
-                    str(port),
-                    "--up",
-                    str(u),
-                    "--down",
-                    str(d),
-                    "--rounds",
-                    str(warmup + rounds),
-                ]
+                [str(SCRIPT), "--role=raw-peer", f"--host={host}", f"--port={port}", f"--up={u}", f"--down={d}"]
+                + [f"--rounds={total}"]
             )
             for host, u, d in zip(hosts, up, down)
         ]
