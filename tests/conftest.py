@@ -15,6 +15,7 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -134,6 +135,18 @@ def make_garbage(cycles: int = 5000) -> None:
     for _ in range(cycles):
         a: list = []
         a.append(a)
+
+
+def littering(trainer: Any) -> None:
+    """Make each of `trainer`'s steps also make `make_garbage`'s cycles: enough that automatic collection, were it
+    on, would run several times a step."""
+    step = trainer.train_step
+
+    def step_with_garbage(batch: torch.Tensor) -> dict:
+        make_garbage()
+        return step(batch)
+
+    trainer.train_step = step_with_garbage
 
 
 @pytest.fixture(scope="session")

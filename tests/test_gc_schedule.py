@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_garbage
+from conftest import littering, make_garbage
 from spes.config import ConfigError, load_config
 from spes.distributed import DistInfo
 from spes.gc_schedule import scheduled_collection
@@ -60,13 +60,7 @@ def test_training_runs_no_automatic_collection(tiny_corpus, tmp_path: Path, coll
     trainer = Trainer(
         cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=info, log=lambda _m: None
     )
-    step = trainer.train_step
-
-    def step_with_garbage(batch: torch.Tensor) -> dict:
-        make_garbage()
-        return step(batch)
-
-    trainer.train_step = step_with_garbage  # type: ignore[method-assign]
+    littering(trainer)
     gc.collect()
     collections.clear()
     trainer.fit()

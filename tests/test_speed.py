@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_garbage
+from conftest import littering
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer
 from spes.objective import micro_batch_loss
@@ -134,13 +134,7 @@ def test_time_steps_collects_garbage_as_training_does(tmp_path: Path, collection
     """The timed steps run under `gen1_gc_interval` as `Trainer.fit`'s do: no automatic collection (each step here
     also makes thousands of reference cycles), a generation-1 one after steps 3 and 6 of 2 + 2 x 2."""
     trainer = build_timed_node(tiny(tmp_path, "--gen1_gc_interval=3"), torch.device("cpu"))
-    step = trainer.train_step
-
-    def step_with_garbage(batch: torch.Tensor) -> dict:
-        make_garbage()
-        return step(batch)
-
-    trainer.train_step = step_with_garbage  # type: ignore[method-assign]
+    littering(trainer)
     collections.clear()  # those of building the node
     time_steps(trainer, lambda n: random_batch(trainer.cfg, n), micro_batches=(1, 2), steps=2, warmup=2)
     assert collections == [1, 1]
