@@ -533,11 +533,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_one(args: Any, device: torch.device, quick: bool) -> int:
     """The child's side of `run_isolated`: one variant's row, written to --out."""
-    found = [v for v in variants(quick) if v.name == args.variant]
-    if not found:
-        names = ", ".join(v.name for v in variants(quick))
-        raise SystemExit(f"error: no variant named {args.variant!r} in this mode; the variants: {names}")
-    write_record(args.out, {**run_variant(found[0], device, quick), "process": os.getpid()})
+    by_name = {v.name: v for v in variants(quick)}
+    if args.variant not in by_name:
+        raise SystemExit(f"error: no variant named {args.variant!r} in this mode; the variants: {', '.join(by_name)}")
+    write_record(args.out, {**run_variant(by_name[args.variant], device, quick), "process": os.getpid()})
     return 0
 
 
