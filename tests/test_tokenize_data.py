@@ -190,7 +190,9 @@ def test_killed_cli_run_leaves_nothing_that_looks_complete(tokenizer: LoadedToke
     )
     try:
         deadline = time.monotonic() + 120  # NOTE: the script's imports alone took over 30 s on a loaded 2-core CI host
-        while not list(out.glob("*.npy.json")) and time.monotonic() < deadline and proc.poll() is None:
+        # NOTE: the first finished shard, not its sidecar: the sidecar is written before the shard is renamed into
+        # place, so a kill as soon as a sidecar appears can leave no shard at all (CI at d038a10 saw exactly that)
+        while not list(out.glob("*.npy")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
     finally:
