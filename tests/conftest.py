@@ -149,6 +149,15 @@ def littering(trainer: Any) -> None:
     trainer.train_step = step_with_garbage
 
 
+def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """The scalars of the TensorBoard event files under `log_dir`: {tag: {step: value}}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> LoadedTokenizer:
     """A 512-token byte-level BPE, trained once per session (for tests that need a real tokenizer, not a corpus)."""

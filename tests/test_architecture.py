@@ -1,9 +1,15 @@
 """The package's structure: no import cycle anywhere in spes (grimp's graph of every import, function-level and
-type-only ones included), and the sync wing's floors ([tool.importlinter] in pyproject.toml, `lint-imports` in CI)."""
+type-only ones included), and the sync wing's floors ([tool.importlinter] in pyproject.toml, `lint-imports` in CI);
+in tests/, no test module imports another (what tests share lives in helper modules and conftest.py)."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import grimp
+
+TESTS = Path(__file__).resolve().parent
 
 
 def import_cycles(package: str) -> list[list[str]]:
@@ -55,3 +61,25 @@ def test_a_cycle_is_found_when_there_is_one(tmp_path, monkeypatch) -> None:  # t
     (package / "b.py").write_text("def f() -> None:\n    from circle import a  # a function-level import counts\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert import_cycles("circle") == [["circle.a", "circle.b"]]
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    """The modules named `test_*` that the Python file at `path` imports, at any depth of its code."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+    return sorted({n for n in names if any(part.startswith("test_") for part in n.split("."))})
+
+
+def test_no_test_module_imports_another() -> None:
+    found = {str(p.relative_to(TESTS)): imported_test_modules(p) for p in sorted(TESTS.rglob("*.py"))}
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+def test_a_test_module_import_is_found(tmp_path: Path) -> None:
+    module = tmp_path / "test_x.py"
+    module.write_text("import os\nfrom sync_helpers import stub_for\n\ndef f() -> None:\n    from sync.test_peer import g\n")
+    assert imported_test_modules(module) == ["sync.test_peer", "sync.test_peer.g"]

@@ -207,7 +207,7 @@ def test_quickstart_model_converts_loads_generates_and_evaluates(
     corpus.mkdir()
     (corpus / "valid").symlink_to(Path(tiny_corpus.valid).parent)
     (corpus / "tokenizer").symlink_to(tiny_corpus.tokenizer)
-    from test_hub import cache_repo
+    from hf_fixtures import cache_repo
 
     cache_repo(tmp_path / "hf_home", "spes/tiny-quickstart", hf_dir)
     env = {

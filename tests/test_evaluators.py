@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tensorboard_scalars
 from spes.config import ConfigError, TrainConfig, load_config
 from spes.evaluators import DownstreamEvals, Evaluator, lm_eval_scores, parse_evaluators
 from spes.train import main
@@ -103,8 +104,6 @@ def test_training_run_scores_downstream_tasks_at_eval_steps(
     assert "step 6 downstream: spes_heldout_ppl/bits_per_byte" in out
     manifest = json.loads((tmp_path / "run" / "downstream" / "tasks" / "manifest.json").read_text())
     assert manifest["settings"]["max_tokens"] == 64  # the same local task files eval_full.sh builds, fitted
-
-    from test_tracking import tensorboard_scalars
 
     scalars = tensorboard_scalars(tmp_path / "tb")
     assert set(scalars["eval/spes_next_text/acc"]) == {3, 6}

@@ -12,64 +12,12 @@ import torch
 import transformers
 from torch.testing import assert_close
 
+from hf_fixtures import BASE, CASES, make_checkpoint
 from spes import hf
 from spes.checkpoint import CheckpointError, load_model_state
 from spes.config import ModelConfig
 from spes.model import Transformer
 from spes.tokenizer import LoadedTokenizer
-
-BASE: dict[str, Any] = dict(
-    d_model=32,
-    n_heads=4,
-    n_layers=2,
-    mlp_hidden_size=48,
-    moe_num_experts=4,
-    moe_top_k=2,
-    max_sequence_length=64,
-    rope_theta=5e5,
-    layer_norm_eps=1e-6,
-)
-CASES: dict[str, tuple[dict[str, Any], str]] = {
-    "olmoe": (dict(attention_layer_norm=True), "OlmoeForCausalLM"),
-    "olmoe_gqa_no_affine_normalized": (
-        dict(
-            attention_layer_norm=True,
-            n_kv_heads=2,
-            layer_norm_with_affine=False,
-            attention_layer_norm_with_affine=False,
-            moe_normalize_expert_weights=True,
-        ),
-        "OlmoeForCausalLM",
-    ),
-    "qwen3_per_head_gqa": (
-        dict(
-            attention_layer_norm=True,
-            attention_layer_norm_over_head=True,
-            n_kv_heads=2,
-            moe_normalize_expert_weights=True,
-        ),
-        "Qwen3MoeForCausalLM",
-    ),
-    "mixtral_no_qk_norm": (dict(n_kv_heads=2, moe_normalize_expert_weights=True), "MixtralForCausalLM"),
-}
-
-
-def make_checkpoint(
-    root: Path, tokenizer: LoadedTokenizer, options: dict[str, Any], *, block_size: int = 2, step: int = 5
-) -> tuple[Path, Transformer]:
-    """A spes step directory of a random model whose norms are not all ones (so their mapping is tested)."""
-    model_cfg = {**BASE, **options, "vocab_size": tokenizer.vocab_size, "embedding_size": tokenizer.vocab_size + 20}
-    cfg = hf.run_config_for(model_cfg, experts_per_peer=block_size, run_name="t")
-    model = Transformer.for_run(cfg)
-    model.init_weights(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    step_dir = hf.write_step_dir(
-        root / f"step{step}", hf.fuse_expert_blocks(model.state_dict()), cfg, tokenizer=tokenizer.path.parent
-    )
-    return step_dir, model.eval()
 
 
 def hf_logits(hf_dir: Path, ids: torch.Tensor) -> tuple[str, torch.Tensor]:

@@ -8,22 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_fixtures import CASES, cache_repo, make_checkpoint
 from spes import hf, hub, upcycle
 from spes.checkpoint import load_model_state
 from spes.tokenizer import LoadedTokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-REVISION = "0123456789abcdef0123456789abcdef01234567"
-
-
-def cache_repo(hf_home: Path, repo_id: str, files_from: Path) -> Path:
-    """Lay out `repo_id` in the Hub cache under `hf_home` as huggingface_hub does: refs/main names a snapshot."""
-    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
-    snapshot = repo / "snapshots" / REVISION
-    shutil.copytree(files_from, snapshot)
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(REVISION)
-    return snapshot
 
 
 @pytest.fixture
@@ -77,7 +67,6 @@ def test_paths_that_are_not_ids_are_named(hf_home: Path) -> None:
 
 
 def test_hf_import_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
-    from test_hf import CASES, make_checkpoint
 
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
     exported = hf.export_checkpoint(step_dir, tmp_path / "exported")

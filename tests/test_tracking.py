@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tensorboard_scalars
 from spes.config import ConfigError, TensorBoardConfig, TrainConfig, WandbConfig
 from spes.tracking import Trackers, olmo_aliases
 from spes.train import main
@@ -51,14 +52,6 @@ def wandb_history(run_dir: Path) -> tuple[object, dict[int, dict[str, float]]]:
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             history[int(items["_step"])] = items
     return run, history
-
-
-def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(log_dir))
-    events.Reload()
-    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
 
 
 def test_training_run_logs_every_metric_to_wandb_offline_and_tensorboard(
