@@ -81,5 +81,7 @@ def test_no_test_module_imports_another() -> None:
 
 def test_a_test_module_import_is_found(tmp_path: Path) -> None:
     module = tmp_path / "test_x.py"
-    module.write_text("import os\nfrom sync_helpers import stub_for\n\ndef f() -> None:\n    from sync.test_peer import g\n")
+    module.write_text(
+        "import os\nfrom sync_helpers import stub_for\n\ndef f() -> None:\n    from sync.test_peer import g\n"
+    )
     assert imported_test_modules(module) == ["sync.test_peer", "sync.test_peer.g"]

@@ -355,15 +355,23 @@ class DataPlaneListener:
         self._thread.start()
 
     def _accept_loop(self) -> None:
+        failing = False
         while not self._stopping.is_set():
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stopping.is_set():
                     return
-                raise
+                # NOTE: out of descriptors or buffers (EMFILE, ENFILE, ENOBUFS), or a connection gone before it was
+                # accepted: the listener stays, and the kernel's backlog holds the next ones until it can accept
+                if not failing:
+                    log.warning("data plane: accept failed (%s): retrying every 0.1 s", exc)
+                failing = True
+                self._stopping.wait(0.1)
+                continue
+            failing = False
             conn.settimeout(self._io_timeout_s)
             tune(conn)
             if not self._pending.acquire(blocking=False):

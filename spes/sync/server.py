@@ -18,8 +18,9 @@ Security: a shared token (env SPES_TOKEN or --token_file) is checked on every ca
 TLS/mTLS from PEM files, and nothing received is ever unpickled (see `spes.sync.wire` and docs/running.md "Security").
 Off loopback the server refuses to start without a token, or with a token but no TLS, unless --insecure.
 No call can hold it: streams take bounded slots and are closed when idle, one process per peer id
-(`spes.sync.admission`); a Join's spec and manifest must equal the run's (or, a server started without one, are
-bounded by --max_tensors and --max_model_gb).
+(`spes.sync.admission`); connections are bounded, closed when their handshake stalls, and fit in the process's
+open-file limit (`connection_limits`, `ensure_open_files`); a Join's spec and manifest must equal the run's (or,
+a server started without one, are bounded by --max_tensors and --max_model_gb).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import resource
 import signal
 import sys
 import threading
@@ -45,7 +47,7 @@ from spes.sync.auth import TokenAuthInterceptor
 from spes.sync.coordinator import Coordinator
 from spes.sync.plane_grpc import SpesServicer
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.settings import ServerConfig, add_deploy_flags, deploy_from_args
+from spes.sync.settings import DeployConfig, ServerConfig, add_deploy_flags, deploy_from_args
 from spes.sync.spec import RunSpec, run_spec
 from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, grpc_options, read_file
 
@@ -108,6 +110,7 @@ def start_server(cfg: ServerConfig) -> ParameterServer:
 
 def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     deploy = cfg.deploy
+    ensure_open_files(deploy)
     interceptors = [TokenAuthInterceptor(deploy.token)] if deploy.token is not None else []
     # NOTE: streams hold at most `max_streams` threads (StreamGuard); the rest serve Join, Status and health checks.
     executor = futures.ThreadPoolExecutor(max_workers=deploy.max_streams + UNARY_RESERVE, thread_name_prefix="spes-rpc")
@@ -115,7 +118,12 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
         executor,
         interceptors=interceptors,
         # NOTE: no SO_REUSEPORT: a second server on the same port must fail, not share the peers' calls.
-        options=[*grpc_options(deploy.max_message_mb), ("grpc.so_reuseport", 0), *KEEPALIVE_SERVER_OPTIONS],
+        options=[
+            *grpc_options(deploy.max_message_mb),
+            ("grpc.so_reuseport", 0),
+            *KEEPALIVE_SERVER_OPTIONS,
+            *connection_limits(deploy),
+        ],
     )
     pb_grpc.add_ParameterServerServicer_to_server(SpesServicer(service), server)
     health_servicer = GuardedHealth(service.guard, service.presence)
@@ -151,6 +159,33 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     for service_name in ("", SERVICE_NAME):
         health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     return ParameterServer(server, service, health_servicer, port, executor, data_plane)
+
+
+def connection_limits(deploy: DeployConfig) -> list[tuple[str, int]]:
+    """gRPC core's bounds on the port's connections: at most `max_connections` open (past it a new one is closed
+    at accept), each closed unless its handshake completes within `handshake_timeout` (gRPC's default: 120 s).
+    Without them a flood of silent connections held a descriptor each until the process could open no file: the
+    data plane stopped accepting and the round's state file could not be written."""
+    return [
+        ("grpc.max_allowed_incoming_connections", deploy.max_connections),
+        ("grpc.server_handshake_timeout_ms", round(deploy.handshake_timeout * 1000)),
+    ]
+
+
+def ensure_open_files(deploy: DeployConfig) -> None:
+    """Raise this process's soft limit of open files (`ulimit -n`) to what `deploy`'s limits can hold
+    (`DeployConfig.open_files`), or ValueError naming the limits when its hard limit is below that."""
+    needed = deploy.open_files()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise ValueError(
+            f"--max_connections={deploy.max_connections} and --max_streams={deploy.max_streams} need {needed} "
+            f"open files, and this process may open {hard} (ulimit -Hn): raise the limit or lower those flags"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    log.info("raised the open-file limit from %d to %d (--max_connections, --max_streams)", soft, needed)
 
 
 def _bind(listen: Callable[[], T], address: str, flag: str) -> T:

@@ -16,6 +16,10 @@ from spes.sync.auth import TOKEN_ENV, read_token
 from spes.sync.joins import MAX_MODEL_GB, MAX_TENSORS
 from spes.sync.spec import RunSpec
 
+FILE_RESERVE = 64
+"""Descriptors kept for the server's own use: listeners, gRPC's event fds, logs, the round files it writes (an
+idle server with two joined peers holds 11)."""
+
 
 def _flag(default: Any, group: str, doc: str, **extra: Any) -> Any:
     return field(default=default, metadata={"group": group, "doc": doc, **extra})
@@ -48,9 +52,23 @@ class DeployConfig:
         "--stream_idle_timeout has passed (slower: closed, an upload dropped)",
     )
     handshake_timeout: float = _flag(
-        10.0, "limits", "seconds: a data-plane connection must complete its TLS handshake and hello within this long"
+        10.0,
+        "limits",
+        "seconds: a connection must complete its handshake within this long (TLS, then the HTTP/2 preface on the "
+        "gRPC port, the hello on the data plane), or it is closed",
     )
-    max_streams: int = _flag(64, "limits", "upload/download streams served at once per plane; more: RESOURCE_EXHAUSTED")
+    max_connections: int = _flag(
+        256,
+        "limits",
+        "TCP connections the gRPC port holds at once (a node keeps one open); past it a new one is closed at once, "
+        "and the connections already open keep working",
+    )
+    max_streams: int = _flag(
+        64,
+        "limits",
+        "upload/download streams served at once per plane (the data plane also holds as many connections still "
+        "in their handshake); more: RESOURCE_EXHAUSTED",
+    )
     max_streams_per_peer: int = _flag(
         6, "limits", "streams one peer id may hold open at once; more: RESOURCE_EXHAUSTED"
     )
@@ -111,6 +129,7 @@ class DeployConfig:
             "stream_idle_timeout",
             "max_model_gb",
             "peer_liveness",
+            "max_connections",
             "max_streams",
             "max_streams_per_peer",
             "max_tensors",
@@ -119,6 +138,11 @@ class DeployConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0, got {getattr(self, name)}")
+
+    def open_files(self) -> int:
+        """File descriptors this server may hold at once: `max_connections` on the gRPC port, twice `max_streams` on
+        the data plane (connections in their handshake, and operating ones), and `FILE_RESERVE` of its own."""
+        return self.max_connections + 2 * self.max_streams + FILE_RESERVE
 
     def check_exposure(self) -> None:
         """Refuse to serve off loopback without a token, or a token in clear text, unless `insecure` (ValueError)."""

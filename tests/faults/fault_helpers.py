@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -59,12 +60,26 @@ class ServerProcess:
 
 
 def start_server_process(
-    log: Path, args: list[str], *, port: int = 0, env: dict[str, str] | None = None, timeout_s: float = 60
+    log: Path,
+    args: list[str],
+    *,
+    port: int = 0,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60,
+    open_files: tuple[int, int] | None = None,
 ) -> ServerProcess:
-    """Start the server on 127.0.0.1 and wait for its 'listening on' line (the port it bound)."""
+    """Start the server on 127.0.0.1 and wait for its 'listening on' line (the port it bound); `open_files`: its
+    (soft, hard) limit of open files."""
     command = [sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out, stderr=out)
+        proc = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, **(env or {})},
+            stdout=out,
+            stderr=out,
+            preexec_fn=None if open_files is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, open_files),
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in log.read_text(errors="replace").splitlines():

@@ -12,8 +12,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
+import resource
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -559,3 +563,81 @@ def test_a_different_reupload_in_an_open_round_is_refused(run: Run) -> None:
         assert_exact(first.result(timeout=30)[0], want)
     run.step = step
     run.check_healthy()
+
+
+OPEN_FILES = 200
+"""The flooded server's limit of open files (soft and hard): fewer than the flood's connections."""
+FLOOD_ARGS = [*ARGS, "--max_connections", "32"]
+"""Its descriptor budget: 32 gRPC connections + 2 x 16 data-plane ones + 64 of its own = 128."""
+
+
+def still_open(sock: socket.socket) -> bool:
+    """Whether the server still holds this silent connection: what it sent (gRPC's settings frame, a refusal) read,
+    the connection has not ended."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_connection_flood_holds_the_budget_and_the_run_goes_on(tmp_path: Path) -> None:
+    """250 silent connections to the gRPC port and 100 to the data plane of a server that may open 200 files: it
+    holds no more descriptors than its limits allow (--max_connections 32 + 2 x --max_streams 16 + 64), Status
+    answers on the connected channel, a round completes exactly and is persisted, and every silent connection is
+    closed within --handshake_timeout. Before those bounds (gRPC keeps a silent connection 120 s, with no cap) the
+    same flood took every descriptor: the data plane's listener died and the round's state file could not be
+    written, so the round failed for every peer."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1024:  # this process holds the flood's 350 client ends
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    state = tmp_path / "state"
+    args = [*FLOOD_ARGS, "--state_dir", str(state)]
+    with (
+        server_process(tmp_path / "server.log", args, open_files=(OPEN_FILES, OPEN_FILES)) as server,
+        ExitStack() as stack,
+    ):
+        r = Run(server, stack)
+        r.round()
+        # NOTE: what the server has not accepted waits in the kernel's backlog (no descriptor of the server's); a
+        # connect past a full backlog waits for the kernel's retries, hence the long connect timeout
+        flood = [stack.enter_context(socket.create_connection(("127.0.0.1", server.port), 30)) for _ in range(250)]
+        flood += [stack.enter_context(socket.create_connection(("127.0.0.1", r.data_port), 30)) for _ in range(100)]
+        assert proc_usage(server.proc.pid)["fds"] <= 128
+        r.check_healthy()
+        assert (state / f"round-{r.step}.safetensors").exists()
+        deadline = time.monotonic() + 3 * HANDSHAKE_S
+        while (left := [i for i, s in enumerate(flood) if still_open(s)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert left == []
+        r.check_healthy()
+        assert "Too many open files" not in server.log_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_server_raises_its_open_file_limit_or_refuses_to_start(tmp_path: Path) -> None:
+    """Its limits (--max_connections 256 and --max_streams 64 by default: 256 + 128 + 64 = 448 descriptors) need
+    more open files than a soft limit of 200: raised to 448 when the hard limit allows, else a one-line refusal."""
+    with server_process(tmp_path / "raised.log", spec_overrides(SPEC), open_files=(200, 1000)) as server:
+        limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
+        assert re.search(r"Max open files\s+448\s+1000", limits), limits
+    refused = subprocess.run(
+        [sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", "0", *spec_overrides(SPEC)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)),
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: --max_connections=256 and --max_streams=64 need 448 open files, and this process may open 200 "
+        "(ulimit -Hn): raise the limit or lower those flags"
+    )

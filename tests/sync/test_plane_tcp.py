@@ -355,3 +355,31 @@ def test_an_upload_makes_its_first_item_while_the_servers_go_is_on_its_way() -> 
     assert time.monotonic() - start < 5 and list(items.made()) == ["a"]
     server.join(timeout=5)
     listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_listener_outlives_failed_accepts(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Accepts failing with EMFILE (the process out of descriptors) leave the data plane listening: once they
+    succeed again, a round goes over it (the listener's thread used to die on the first one)."""
+    accept, failures = socket.socket.accept, [3]
+
+    def out_of_files(sock: socket.socket) -> tuple[socket.socket, object]:
+        if failures[0] and threading.current_thread().name == "spes-data-accept":
+            failures[0] -= 1
+            raise OSError(24, "Too many open files")
+        return accept(sock)
+
+    spec = tiny_spec(server=NO_MERGE, sync_steps=5)
+    with running_server(spec, data_port=0) as (_, addr), caplog.at_level(logging.WARNING, "spes.transport"):
+        monkeypatch.setattr(socket.socket, "accept", out_of_files)
+        with joined_clients(addr, spec, data_plane="tcp") as clients:
+            uploads = {p: peer_upload(spec, p, seed=5) for p in range(2)}
+            results = sync_all(clients, 5, uploads)
+            check_round(results, uploads, spec, step=5)
+            assert all(client.plane.name == "tcp" for client in clients)
+    assert failures == [0]
+    assert [r.message for r in caplog.records].count(
+        "data plane: accept failed ([Errno 24] Too many open files): retrying every 0.1 s"
+    ) == 1
