@@ -17,6 +17,8 @@ next message would hold a thread for ever, and enough of them would stop the ser
   message every few seconds (never idle) cannot hold a slot either; a ticket with a `deadline` (a data-plane
   connection's handshake) ends at it, whatever it sends.
 
+`PendingSlots` bound the data plane's connections still in their handshake, in all and per address.
+
 `Sessions` tells a second live process claiming a joined peer id from a restarted one. Each `SyncClient`
 sends a random per-process session id with every call (gRPC metadata `spes-session`, data-plane field
 `session`) and, once joined, keeps one presence stream open: a standard health `Watch` call carrying its
@@ -227,6 +229,31 @@ class StreamGuard:
     def stop(self) -> None:
         self._stopping.set()
         self._watchdog.join(timeout=2.0)
+
+
+class PendingSlots:
+    """Slots for connections still in their handshake (not yet authenticated): at most `total`, and at most
+    `per_address` from one address (a quarter of them unless given), so that a flood from one host leaves the
+    others' connections room. Thread-safe."""
+
+    def __init__(self, total: int, per_address: int | None = None) -> None:
+        self.total, self.per_address = total, per_address or max(1, total // 4)
+        self._lock = threading.Lock()
+        self._held: dict[str, int] = {}
+
+    def take(self, address: str) -> bool:
+        """A slot for a connection from `address`, or False (past either bound)."""
+        with self._lock:
+            if sum(self._held.values()) >= self.total or self._held.get(address, 0) >= self.per_address:
+                return False
+            self._held[address] = self._held.get(address, 0) + 1
+            return True
+
+    def release(self, address: str) -> None:
+        with self._lock:
+            self._held[address] -= 1
+            if not self._held[address]:
+                del self._held[address]
 
 
 class GuardedHealth(health.HealthServicer):

@@ -38,7 +38,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError, Message
 
-from spes.sync.admission import Ticket
+from spes.sync.admission import PendingSlots, Ticket
 from spes.sync.auth import tls_common_name, token_matches
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
@@ -325,8 +325,9 @@ class DataPlaneListener:
     """Accepts data-plane connections on its own thread, one bounded handler thread per connection.
 
     A connection holds nothing but a pending slot until it is authenticated: at most `max_connections` pending
-    ones, each ended `handshake_s` after it was accepted unless its handler has authenticated it by then (its TLS
-    handshake and hello included, however slowly a client sends them). `handle(sock, authenticated)` owns the
+    ones (a quarter of them from one address, `PendingSlots`), each ended `handshake_s` after it was accepted unless
+    its handler has authenticated it by then (its TLS handshake and hello included, however slowly a client sends
+    them). `handle(sock, authenticated)` owns the
     (TLS-wrapped) socket for one operation and enters `authenticated()` once the hello's token checks out: that
     trades the pending slot for one of `max_connections` operation slots (refused RESOURCE_EXHAUSTED, reason
     "busy", when none is free; the client retries, then falls back to gRPC). Every receive is bounded by
@@ -345,7 +346,7 @@ class DataPlaneListener:
         handshake_s: float = 10.0,
     ) -> None:
         self._handle, self._tls, self._io_timeout_s, self._handshake_s = handle, tls, io_timeout_s, handshake_s
-        self._pending = threading.BoundedSemaphore(max_connections)
+        self._pending = PendingSlots(max_connections)
         self._active = threading.BoundedSemaphore(max_connections)
         self._stopping = threading.Event()
         self._sock = socket.create_server((host, port), backlog=max_connections)
@@ -358,7 +359,7 @@ class DataPlaneListener:
         failing = False
         while not self._stopping.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, address = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError as exc:
@@ -374,12 +375,12 @@ class DataPlaneListener:
             failing = False
             conn.settimeout(self._io_timeout_s)
             tune(conn)
-            if not self._pending.acquire(blocking=False):
+            if not self._pending.take(address[0]):
                 self._refuse_busy(conn)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="spes-data-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, address[0]), name="spes-data-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, address: str) -> None:
         pending = [True]
         deadline = threading.Timer(self._handshake_s, _shut, args=(conn,))
         deadline.start()
@@ -387,7 +388,7 @@ class DataPlaneListener:
         @contextlib.contextmanager
         def authenticated() -> Iterator[None]:
             deadline.cancel()
-            self._pending.release()
+            self._pending.release(address)
             pending[0] = False
             if not self._active.acquire(blocking=False):
                 raise Refused(
@@ -419,7 +420,7 @@ class DataPlaneListener:
             deadline.cancel()
             conn.close()
             if pending[0]:
-                self._pending.release()
+                self._pending.release(address)
 
     def _refuse_busy(self, conn: socket.socket) -> None:
         """Answer "busy" without a thread: a plain socket takes the short frame at once; a TLS one (whose

@@ -150,6 +150,24 @@ def tensor_header(shape: list[int], num_bytes: int) -> pb.TensorHeader:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_flood_from_one_address_leaves_the_data_plane_to_the_others(run: Run) -> None:
+    """Silent data-plane connections from 127.0.0.2 hold at most a quarter of the 16 pending slots, so the peers'
+    round (from 127.0.0.1) still goes over the data plane (with all 16 held, they would fall back to gRPC)."""
+    with ExitStack() as stack:
+        flood = []
+        for _ in range(SLOTS):
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.2", 0))
+            sock.connect(("127.0.0.1", _data_port(run)))
+            flood.append(sock)
+        time.sleep(0.3)
+        assert [error_code(s) for s in flood[SLOTS // 4 :]] == ["RESOURCE_EXHAUSTED"] * (SLOTS - SLOTS // 4)
+        run.check_healthy()
+        assert [client.plane.name for client in run.clients] == ["tcp"] * PEERS
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_idle_streams_and_connections_hold_nothing(tmp_path: Path) -> None:
     """200 idle gRPC streams and 200 idle data-plane connections, half with the token and half without: the

@@ -1,4 +1,5 @@
-"""The server's guards on their own: stream slots, the idle-stream watchdog, and which process is a peer id."""
+"""The server's guards on their own: stream slots, the idle-stream watchdog, pending connection slots, and which
+process is a peer id."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from spes.sync.admission import Sessions, StreamGuard
+from spes.sync.admission import PendingSlots, Sessions, StreamGuard
 from spes.sync.protocol import Refused
 
 
@@ -34,6 +35,19 @@ def test_stream_slots_total_and_per_peer() -> None:
         assert guard.open_streams == 0
     finally:
         guard.stop()
+
+
+def test_pending_slots_in_all_and_per_address() -> None:
+    slots = PendingSlots(8)
+    assert slots.per_address == 2
+    assert [slots.take("10.0.0.1") for _ in range(3)] == [True, True, False]
+    assert all(slots.take(f"10.0.0.{i}") for i in (2, 2, 3, 3, 4, 4))
+    assert not slots.take("10.0.0.5")  # all 8 held
+    slots.release("10.0.0.1")
+    assert not slots.take("10.0.0.2") and slots.take("10.0.0.1")
+    slots.release("10.0.0.3")
+    assert slots.take("10.0.0.5")
+    assert PendingSlots(2).per_address == 1 and PendingSlots(8, per_address=8).per_address == 8
 
 
 def test_watchdog_ends_idle_streams_but_not_waiting_ones() -> None:
