@@ -155,12 +155,7 @@ def test_a_flood_from_one_address_leaves_the_data_plane_to_the_others(run: Run) 
     """Silent data-plane connections from 127.0.0.2 hold at most a quarter of the 16 pending slots, so the peers'
     round (from 127.0.0.1) still goes over the data plane (with all 16 held, they would fall back to gRPC)."""
     with ExitStack() as stack:
-        flood = []
-        for _ in range(SLOTS):
-            sock = stack.enter_context(socket.socket())
-            sock.bind(("127.0.0.2", 0))
-            sock.connect(("127.0.0.1", _data_port(run)))
-            flood.append(sock)
+        flood = [stack.enter_context(connect_from("127.0.0.2", _data_port(run))) for _ in range(SLOTS)]
         time.sleep(0.3)
         assert [error_code(s) for s in flood[SLOTS // 4 :]] == ["RESOURCE_EXHAUSTED"] * (SLOTS - SLOTS // 4)
         run.check_healthy()
@@ -205,6 +200,15 @@ def test_idle_streams_and_connections_hold_nothing(tmp_path: Path) -> None:
         assert {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAUTHENTICATED"} <= data_codes, data_codes
         r.check_healthy()
         assert "idle" in server.log_text()
+
+
+def connect_from(source: str, port: int) -> socket.socket:
+    """A connection to the server's `port` from loopback address `source` (all of 127/8 is this host's)."""
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    return sock
 
 
 def _data_port(r: Run) -> int:
@@ -431,9 +435,10 @@ def status_while(run: Run, seconds: float) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_hello_dribbled_byte_by_byte_loses_its_slot(run: Run) -> None:
-    """Every data-plane slot taken by connections sending their hello one byte a second: each is closed once
-    --handshake_timeout has passed since it connected, whatever it still sends; Status answers throughout and the
-    peers' next round completes (over the freed slots or gRPC)."""
+    """Every data-plane slot taken by connections sending their hello one byte a second (from four addresses: one
+    holds at most a quarter of the slots): each is closed once --handshake_timeout has passed since it connected,
+    whatever it still sends; Status answers throughout and the peers' next round completes (over the freed slots or
+    gRPC)."""
     port, stop = _data_port(run), threading.Event()
 
     def dribble(sock: socket.socket) -> float:
@@ -446,7 +451,7 @@ def test_a_hello_dribbled_byte_by_byte_loses_its_slot(run: Run) -> None:
         return time.monotonic() - start
 
     with ExitStack() as stack, ThreadPoolExecutor(SLOTS) as pool:
-        socks = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30)) for _ in range(SLOTS)]
+        socks = [stack.enter_context(connect_from(f"127.0.0.{1 + i % 4}", port)) for i in range(SLOTS)]
         held = [pool.submit(dribble, s) for s in socks]
         assert status_while(run, HANDSHAKE_S - 1) > 0
         run.round()
