@@ -521,6 +521,11 @@ class TrainConfig:
         "OLMo: an automatic one pauses a step at a moment of its own on each rank); null: automatic collection",
     )
     time_limit: float | None = _f(None, "seconds of training after which the node saves and stops (null: none)")
+    torch_profiling: bool = _f(
+        False,
+        "profile training steps 7-9 of this process with torch.profiler (as OLMo): a table of operators in the log, "
+        "a Chrome trace in save_folder/profiler/ (main rank)",
+    )
     model: ModelConfig = _sub(ModelConfig, "the model")
     optimizer: OptimizerConfig = _sub(OptimizerConfig, "the optimizer")
     scheduler: SchedulerConfig = _sub(SchedulerConfig, "the learning-rate schedule")

@@ -31,6 +31,7 @@ from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak_memory_mb
 from spes.objective import micro_batch_loss, validation_loss
 from spes.optim import lr_at, rewarmed_lr, set_lr
+from spes.profiling import step_profiler
 from spes.tracking import Trackers
 
 if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync
@@ -176,7 +177,12 @@ class Trainer:
         if self.step == 0 and not self.cfg.no_pre_train_checkpoint:
             self.save()  # the initial weights, e.g. to compare runs that start from them
         fit_started = time.monotonic()
-        with StopRequest(self.log) as stop, scheduled_collection(self.cfg.gen1_gc_interval) as collect:
+        profiling = self.cfg.torch_profiling and self.info.is_main
+        with (
+            StopRequest(self.log) as stop,
+            scheduled_collection(self.cfg.gen1_gc_interval) as collect,
+            step_profiler(profiling, Path(self.cfg.save_folder) / "profiler", self.log, self.info.device) as profiled,
+        ):
             if self.syncer is not None:
                 self.syncer.stopping = lambda: stop.requested
             while self.step < self.max_steps:
@@ -189,6 +195,7 @@ class Trainer:
                 except Interrupted:  # a stop request while waiting for a round: it stays in flight, saved with us
                     waited_out = True
                 collect(self.step)
+                profiled(self.step)
                 limit = self.cfg.time_limit
                 interrupted, out_of_time = self._stop_requested(
                     stop, limit is not None and time.monotonic() - fit_started >= limit
