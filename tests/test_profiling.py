@@ -61,3 +61,16 @@ def test_a_training_run_with_torch_profiling_writes_its_trace(
     trace = tmp_path / "run" / "profiler" / "steps7-9.chrome_trace.json.gz"
     assert "ProfilerStep#8" in trace_names(trace)
     assert "profile of steps 7-9, by own time:" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_table_is_by_device_time_and_the_trace_holds_kernels(tmp_path: Path) -> None:
+    lines: list[str] = []
+    x = torch.randn(512, 512, device="cuda")
+    with step_profiler(True, tmp_path, lines.append, torch.device("cuda")) as profiled:
+        for step in range(1, WAIT + WARMUP + ACTIVE + 1):
+            torch.mm(x, x)
+            profiled(step)
+    assert "Self CUDA" in lines[0]
+    events = json.loads(gzip.decompress((tmp_path / "steps7-9.chrome_trace.json.gz").read_bytes()))["traceEvents"]
+    assert any(event.get("cat") == "kernel" for event in events)
