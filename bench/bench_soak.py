@@ -53,10 +53,13 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROTOCOL_VERSION
 from spes.sync.spec import RunSpec
+from spes.sync.throttle import left_out
 
 PEERS, K, LAYERS, D = 4, 2, 2, 64
 MERGE = ServerSection(merge_interval=5, merge_alpha_start=0.5, merge_decay_steps=10_000, merge_topk=2)
 UPLOAD = "/spes.v1.ParameterServer/Upload"
+REFUSALS = frozenset(code.name for code in grpc.StatusCode)
+"""The kinds of the server's throttled "refused (CODE): ..." warnings."""
 
 
 def manifest() -> dict[str, tuple[int, ...]]:
@@ -243,14 +246,16 @@ def soak(rounds: int, pause_s: float, workdir: Path, *, attack: bool = True) -> 
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     log = (workdir / "server.log").read_text(errors="replace")
+    unlogged = left_out(log)
     return {
         "rounds": rounds,
         "peers": PEERS,
         "model_mb": manifest_bytes(spec.manifest or {}) / MIB,
         "rounds_exact": exact_rounds,
         "chaos": json.loads((workdir / "chaos.json").read_text()),
-        "server_refusals_logged": log.count("refused ("),
-        "idle_closed_logged": log.count("idle for"),
+        # NOTE: the server logs what a client can cause at a bounded rate and counts the rest (spes.sync.throttle)
+        "server_refusals_logged": log.count("refused (") + sum(n for kind, n in unlogged.items() if kind in REFUSALS),
+        "idle_closed_logged": log.count("idle for") + unlogged.get("idle connection", 0),
         "broken_uploads_logged": log.count("nothing was kept"),
         "samples": samples,
         "after_warmup": after_warmup(samples, rounds),

@@ -22,6 +22,7 @@ from typing import Any, NoReturn, cast
 import grpc
 
 from spes.sync.protocol import Refused
+from spes.sync.throttle import ThrottledLog
 from spes.sync.wire import read_file
 
 log = logging.getLogger("spes.server")
@@ -60,8 +61,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
     A refused call never reaches a handler and its request is never deserialized, so it changes no state.
     """
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, warn: ThrottledLog | None = None) -> None:
+        """`warn`: the server's throttled warnings (its own when not given)."""
         self._bearer = f"Bearer {token}"
+        self._warn = warn or ThrottledLog(log)
 
     def intercept_service(
         self,
@@ -72,7 +75,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if token_matches(metadata.get("authorization", ""), self._bearer):
             return handler
-        log.warning("refused %s: missing or wrong token", handler_call_details.method)
+        self._warn.warning("wrong token", "refused %s: missing or wrong token", handler_call_details.method)
         return None if handler is None else _deny_like(handler)
 
 

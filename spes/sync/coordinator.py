@@ -27,6 +27,7 @@ from spes.sync.rounds import Completed, RoundState
 from spes.sync.settings import ServerConfig
 from spes.sync.state import new_run_id, run_id_of
 from spes.sync.status import REPORT_S, describe
+from spes.sync.throttle import ThrottledLog
 from spes.sync.uploads import Uploads
 from spes.sync.wire import wire_torch_dtype
 
@@ -56,6 +57,8 @@ class Coordinator:
             min_rate=self.deploy.min_stream_rate * 1024,
         )
         self.sessions = Sessions(self.deploy.peer_liveness)
+        self.warn = ThrottledLog(log)
+        """What a client can make this server warn about (a wrong token, a refused call), at a bounded rate."""
         parts = RoundParts(self._cond, self.state, self.memory, self.codec)
         self.closer = RoundCloser(parts, self.deploy.state_dir, self._published)
         self.uploads = Uploads(parts, self.closer, self.joined, lambda: self.spec)
@@ -200,6 +203,7 @@ class Coordinator:
             self._cond.notify_all()
         self.closer.join(grace_s)
         self.guard.stop()
+        self.warn.flush()
 
 
 def _or_minus_one(value: int | None) -> int:

@@ -51,7 +51,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 request, _metadata(context, SESSION_KEY), context.peer(), lambda: grpc_common_name(context)
             )
         except Refused as exc:
-            _abort(context, exc)
+            self._abort(context, exc)
 
     def Upload(self, request_iterator: Iterator[pb.UploadMessage], context: grpc.ServicerContext) -> pb.UploadReply:
         def feed(decoder: TensorDecoder) -> None:
@@ -70,7 +70,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 meta = first.meta
                 return self.service.uploads.receive(meta.peer_id, meta.round, feed, meta.fragment, meta.digest, ticket)
         except Refused as exc:
-            _abort(context, exc)
+            self._abort(context, exc)
         except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
             return pb.UploadReply()
 
@@ -79,7 +79,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         try:
             ticket = self.service.guard.grpc_ticket(context)
         except Refused as exc:
-            _abort(context, exc)
+            self._abort(context, exc)
         with ticket, ExitStack() as stack:
             try:
                 self._open(ticket, request.peer_id, context)
@@ -95,7 +95,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                     )
                 )
             except Refused as exc:
-                _abort(context, exc)
+                self._abort(context, exc)
             if outgoing is None:
                 return
             ticket.wait_for_round(False)
@@ -113,7 +113,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
         try:
             ticket = self.service.guard.grpc_ticket(context)
         except Refused as exc:
-            _abort(context, exc)
+            self._abort(context, exc)
         with ticket:
             reply_bytes, received = 0, 0
             for index, message in enumerate(_watched(request_iterator, ticket)):
@@ -122,7 +122,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 received += len(message.data)
                 if received > PROBE_MAX_BYTES or reply_bytes > PROBE_MAX_BYTES:
                     refused = f"a link test moves at most {PROBE_MAX_BYTES} bytes each way"
-                    _abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT, refused))
+                    self._abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT, refused))
             yield pb.ProbeMessage()
             chunk = bytes(min(reply_bytes, PROBE_CHUNK_BYTES))
             for offset in range(0, reply_bytes, len(chunk) or 1):
@@ -135,13 +135,12 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def _open(self, ticket: Ticket, peer: int, context: grpc.ServicerContext) -> None:
         self.service.open_stream(ticket, peer, _metadata(context, SESSION_KEY), lambda: grpc_common_name(context))
 
-
-def _abort(context: grpc.ServicerContext, exc: Refused) -> NoReturn:
-    log.warning("refused (%s): %s", exc.code.name, exc)
-    if exc.reason:
-        context.set_trailing_metadata(((REASON_KEY, exc.reason.value),))
-    context.abort(exc.code, str(exc))
-    raise AssertionError("unreachable: context.abort raises")
+    def _abort(self, context: grpc.ServicerContext, exc: Refused) -> NoReturn:
+        self.service.warn.warning(exc.code.name, "refused (%s): %s", exc.code.name, exc)
+        if exc.reason:
+            context.set_trailing_metadata(((REASON_KEY, exc.reason.value),))
+        context.abort(exc.code, str(exc))
+        raise AssertionError("unreachable: context.abort raises")
 
 
 def _metadata(context: grpc.ServicerContext, key: str) -> str:

@@ -53,6 +53,7 @@ from spes.sync.protocol import (
     classify,
     version_refusal,
 )
+from spes.sync.throttle import ThrottledLog
 from spes.sync.wire import (
     DIGEST,
     KEEPALIVE_S,
@@ -344,9 +345,11 @@ class DataPlaneListener:
         max_connections: int,
         io_timeout_s: float,
         handshake_s: float = 10.0,
+        warn: ThrottledLog | None = None,
     ) -> None:
         self._handle, self._tls, self._io_timeout_s, self._handshake_s = handle, tls, io_timeout_s, handshake_s
         self._pending = PendingSlots(max_connections)
+        self._warn = warn or ThrottledLog(log)
         self._active = threading.BoundedSemaphore(max_connections)
         self._stopping = threading.Event()
         self._sock = socket.create_server((host, port), backlog=max_connections)
@@ -404,7 +407,11 @@ class DataPlaneListener:
                 conn = self._tls.wrap_socket(conn, server_side=True)
             self._handle(conn, authenticated)
         except TimeoutError:
-            log.warning("data-plane connection idle for %g s: closed (--stream_idle_timeout)", self._io_timeout_s)
+            self._warn.warning(
+                "idle connection",
+                "data-plane connection idle for %g s: closed (--stream_idle_timeout)",
+                self._io_timeout_s,
+            )
             with contextlib.suppress(OSError):
                 send_frame(
                     conn,
@@ -415,7 +422,7 @@ class DataPlaneListener:
                     ),
                 )
         except (OSError, TransportError) as exc:
-            log.warning("data-plane connection dropped: %s", exc)
+            self._warn.warning("dropped connection", "data-plane connection dropped: %s", exc)
         finally:
             deadline.cancel()
             conn.close()
@@ -473,6 +480,7 @@ class DataHandler:
 
     def __init__(self, service: Coordinator, token: str | None) -> None:
         self.service, self.token = service, token
+        self._warn = service.warn
 
     def __call__(
         self, sock: socket.socket, authenticated: Callable[[], contextlib.AbstractContextManager[None]]
@@ -482,11 +490,11 @@ class DataHandler:
         try:
             hello = recv_hello(sock, SERVER_MAX_FRAME_BYTES)
         except WrongVersion as exc:
-            log.warning("refused %s", exc)
+            self._warn.warning("wrong version", "refused %s", exc)
             refuse_version(sock, exc.version)
             return
         except FrameError as exc:
-            log.warning("refused a data-plane hello: %s", exc)
+            self._warn.warning("bad hello", "refused a data-plane hello: %s", exc)
             refused = Refused(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{exc} (after a v{VERSION} preamble): this server speaks v{VERSION}; run the same spes "
@@ -496,7 +504,7 @@ class DataHandler:
             close_after_error(sock, refusal_reply(refused))
             return
         if not token_matches(hello.token or None, self.token):
-            log.warning("refused a data-plane connection: missing or wrong token")
+            self._warn.warning("wrong token", "refused a data-plane connection: missing or wrong token")
             close_after_error(
                 sock,
                 error_reply(
@@ -510,7 +518,7 @@ class DataHandler:
             with authenticated(), self.service.guard.admit(lambda _why: _shut(sock), total=False) as ticket:
                 self._operate(sock, hello, ticket)
         except Refused as exc:
-            log.warning("refused (%s): %s", exc.code.name, exc)
+            self._warn.warning(exc.code.name, "refused (%s): %s", exc.code.name, exc)
             close_after_error(sock, refusal_reply(exc))
 
     def _operate(self, sock: socket.socket, hello: pb.DataHello, ticket: Ticket) -> None:

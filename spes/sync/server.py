@@ -111,7 +111,7 @@ def start_server(cfg: ServerConfig) -> ParameterServer:
 def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     deploy = cfg.deploy
     ensure_open_files(deploy)
-    interceptors = [TokenAuthInterceptor(deploy.token)] if deploy.token is not None else []
+    interceptors = [TokenAuthInterceptor(deploy.token, service.warn)] if deploy.token is not None else []
     # NOTE: streams hold at most `max_streams` threads (StreamGuard); the rest serve Join, Status and health checks.
     executor = futures.ThreadPoolExecutor(max_workers=deploy.max_streams + UNARY_RESERVE, thread_name_prefix="spes-rpc")
     server = grpc.server(
@@ -150,6 +150,7 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
                 max_connections=deploy.max_streams,
                 io_timeout_s=deploy.stream_idle_timeout,
                 handshake_s=deploy.handshake_timeout,
+                warn=service.warn,
             ),
             f"{deploy.host}:{deploy.data_port}",
             "--data_port",

@@ -664,3 +664,27 @@ def test_the_server_raises_its_open_file_limit_or_refuses_to_start(tmp_path: Pat
         "error: --max_connections=256 and --max_streams=64 need 448 open files, and this process may open 200 "
         "(ulimit -Hn): raise the limit or lower those flags"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_wrong_token_loop_is_refused_and_logged_at_a_bounded_rate(tmp_path: Path) -> None:
+    """Thousands of wrong-token calls on one connection (each refused UNAUTHENTICATED) make at most 10 log lines a
+    10 s window, and the server's stop says how many it left out: every call accounted for, the log a few lines
+    (logged in full, ~1,500 calls a second wrote 165 KB of log a second)."""
+    log = tmp_path / "server.log"
+    with server_process(log, ARGS, env={"SPES_TOKEN": TOKEN}) as server, grpc.insecure_channel(server.addr) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        bad = (("authorization", "Bearer not-the-token"),)
+        calls, started = 0, time.monotonic()
+        while time.monotonic() - started < 2 or calls < 500:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Status(pb.StatusRequest(), timeout=5, metadata=bad)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            calls += 1
+        assert server.stop() == 0
+    lines = log.read_text().splitlines()
+    logged = sum("refused /spes.v1.ParameterServer/Status: missing or wrong token" in line for line in lines)
+    left_out = [int(m.group(1)) for line in lines if (m := re.search(r"(\d+) more 'wrong token' warnings", line))]
+    assert 1 <= logged <= 10 * (1 + (time.monotonic() - started) // 10) and logged + sum(left_out) == calls
+    assert len(lines) < 40 and "not-the-token" not in log.read_text()
