@@ -36,15 +36,20 @@ def step_profiler(
     if not enabled:
         yield lambda _step: None
         return
-    current = [0]
+    seen: list[int] = []
     cuda = device.type == "cuda"
 
     def ready(prof: torch.profiler.profile) -> None:
-        steps = f"{current[0] - ACTIVE + 1}-{current[0]}"
+        # NOTE: also called when a run ends inside the recorded steps: then it names those it recorded
+        steps = f"{seen[min(WAIT + WARMUP, len(seen) - 1)]}-{seen[-1]}"
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         log(f"profile of steps {steps}, by own time:\n{prof.key_averages().table(sort_by=sort, row_limit=TABLE_ROWS)}")
         trace = folder / f"steps{steps}.chrome_trace.json.gz"
-        write_atomic(trace, lambda tmp: _gzipped_trace(prof, tmp))
+        try:
+            write_atomic(trace, lambda tmp: _gzipped_trace(prof, tmp))
+        except OSError as exc:  # a diagnostic: the run goes on without it
+            log(f"profiler trace not written ({exc}): training goes on")
+            return
         log(f"profiler trace written to {trace}")
 
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -52,7 +57,7 @@ def step_profiler(
     with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=ready) as prof:
 
         def profiled(step: int) -> None:
-            current[0] = step
+            seen.append(step)
             prof.step()
 
         yield profiled

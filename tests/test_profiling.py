@@ -36,6 +36,23 @@ def test_steps_7_to_9_of_the_process_are_profiled_and_named_by_the_training_step
     assert lines[1:] == [f"profiler trace written to {trace}"]
 
 
+def test_a_run_that_ends_inside_the_recorded_steps_names_those_it_recorded(tmp_path: Path) -> None:
+    lines: list[str] = []
+    with step_profiler(True, tmp_path, lines.append, torch.device("cpu")) as profiled:
+        for step in range(1, WAIT + WARMUP + 3):  # steps 1 to 8: the run ends after the second recorded one
+            profiled(step)
+    assert lines[-1] == f"profiler trace written to {tmp_path / 'steps7-8.chrome_trace.json.gz'}"
+
+
+def test_a_trace_that_cannot_be_written_leaves_the_run_going(tmp_path: Path) -> None:
+    (tmp_path / "profiler").write_text("a file where the folder should be")
+    lines: list[str] = []
+    with step_profiler(True, tmp_path / "profiler", lines.append, torch.device("cpu")) as profiled:
+        for step in range(1, 13):
+            profiled(step)
+    assert lines[-1].startswith("profiler trace not written (") and lines[-1].endswith("): training goes on")
+
+
 def test_off_it_never_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.profiler, "profile", None)  # starting one would fail
     with step_profiler(False, tmp_path / "profiler", print, torch.device("cpu")) as profiled:
