@@ -18,7 +18,6 @@ from spes.sync import plane_tcp
 from spes.sync.client import SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.retry import backoff_s
 from spes.sync.server import start_server
 from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.spec import RunSpec
@@ -208,12 +207,6 @@ def test_client_retries_until_the_server_comes_up() -> None:
         thread.join()
         for server in started:
             server.stop(grace_s=0)
-
-
-def test_backoff_is_exponential_with_jitter() -> None:
-    for attempt in range(8):
-        cap = min(30.0, 0.5 * 2**attempt)
-        assert cap / 2 <= backoff_s(attempt) <= cap
 
 
 def test_client_checks_its_own_inputs() -> None:

@@ -1,0 +1,118 @@
+"""How a client retries (`spes.sync.retry`), on its own: backoff, which failures are retried and how often, repairs
+tried at once, the round's deadline, and a peer id held by another process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from spes.sync import retry
+from spes.sync.protocol import Reason, SyncError, classify
+from spes.sync.retry import MAX_RECOVERIES, backoff_s, retrying, time_left
+
+UNAVAILABLE = classify("upload of round 3", grpc.StatusCode.UNAVAILABLE, "connection refused", "")
+REFUSED = classify("upload of round 3", grpc.StatusCode.FAILED_PRECONDITION, "round 3 is closed", "")
+
+
+class Clock:
+    """time.monotonic and time.sleep of the retry module, on a clock that only moves when something sleeps."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.now, self.slept = 100.0, []
+        monkeypatch.setattr(retry.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(retry.time, "sleep", self.sleep)
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def failing(failures: list[SyncError | grpc.RpcError], result: str = "done") -> Callable[[float], str]:
+    """An attempt that raises `failures` in turn, then returns `result`; it records each call's timeout."""
+
+    def attempt(timeout: float) -> str:
+        attempt.timeouts.append(timeout)  # type: ignore[attr-defined]
+        if failures:
+            raise failures.pop(0)
+        return result
+
+    attempt.timeouts = []  # type: ignore[attr-defined]
+    return attempt
+
+
+def test_backoff_is_exponential_with_jitter() -> None:
+    for attempt in range(8):
+        cap = min(30.0, 0.5 * 2**attempt)
+        assert cap / 2 <= backoff_s(attempt) <= cap
+
+
+def test_transient_failures_are_retried_with_backoff_up_to_max_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock(monkeypatch)
+    assert retrying("upload", failing([UNAVAILABLE] * 3), max_retries=3) == "done"
+    assert len(clock.slept) == 3 and all(0.5 * 2**i / 2 <= s <= 0.5 * 2**i for i, s in enumerate(clock.slept))
+    with pytest.raises(SyncError) as err:
+        retrying("upload", failing([UNAVAILABLE] * 4), max_retries=3)
+    assert err.value is UNAVAILABLE
+
+
+def test_a_refusal_no_retry_can_change_ends_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock(monkeypatch)
+    with pytest.raises(SyncError) as err:
+        retrying("upload", failing([REFUSED]), max_retries=8)
+    assert err.value is REFUSED and clock.slept == []
+
+
+def test_a_repair_is_tried_at_once_and_at_most_max_recoveries_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock(monkeypatch)
+    repairs: list[SyncError] = []
+
+    def recover(failure: SyncError) -> bool:
+        repairs.append(failure)
+        return failure is REFUSED
+
+    assert retrying("upload", failing([REFUSED] * MAX_RECOVERIES), max_retries=0, recover=recover) == "done"
+    assert len(repairs) == MAX_RECOVERIES and clock.slept == []
+    with pytest.raises(SyncError) as err:
+        retrying("upload", failing([REFUSED] * (MAX_RECOVERIES + 1)), max_retries=0, recover=recover)
+    assert err.value is REFUSED
+
+
+def test_every_attempt_and_wait_keeps_to_the_rounds_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock(monkeypatch)
+    attempt = failing([UNAVAILABLE] * 10)
+    with pytest.raises(SyncError, match="did not finish within round_timeout_s=3") as err:
+        retrying("download", attempt, max_retries=10, per_attempt_s=10, deadline=(clock.now + 3, 3))
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert attempt.timeouts[0] == 3 and all(t <= 3 for t in attempt.timeouts)  # type: ignore[attr-defined]
+    assert sum(clock.slept) == pytest.approx(3)  # the last wait ends at the deadline, not past it
+    with pytest.raises(SyncError, match="round_timeout_s=60"):
+        time_left(clock.now, 60)
+
+
+def test_a_peer_id_held_by_another_process_is_retried_for_a_while_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock(monkeypatch)
+    held = classify("join", grpc.StatusCode.ALREADY_EXISTS, "peer 0 is live at ...", Reason.DUPLICATE_PEER)
+    assert held.retryable
+    with pytest.raises(SyncError) as err:
+        retrying("join", failing([held] * 100), max_retries=100)
+    assert err.value is held and retry.DUPLICATE_WAIT_S < sum(clock.slept) < retry.DUPLICATE_WAIT_S + 2 * 30
+
+
+def test_a_grpc_error_is_named_and_classified(monkeypatch: pytest.MonkeyPatch) -> None:
+    Clock(monkeypatch)
+
+    class Unavailable(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self) -> str:
+            return "socket closed"
+
+        def trailing_metadata(self) -> tuple:
+            return ()
+
+    with pytest.raises(SyncError) as err:
+        retrying("status", failing([Unavailable()] * 2), max_retries=1)
+    assert str(err.value) == "status failed (UNAVAILABLE): socket closed" and err.value.retryable
