@@ -328,11 +328,11 @@ class DataPlaneListener:
     A connection holds nothing but a pending slot until it is authenticated: at most `max_connections` pending
     ones (a quarter of them from one address, `PendingSlots`), each ended `handshake_s` after it was accepted unless
     its handler has authenticated it by then (its TLS handshake and hello included, however slowly a client sends
-    them). `handle(sock, authenticated)` owns the
-    (TLS-wrapped) socket for one operation and enters `authenticated()` once the hello's token checks out: that
-    trades the pending slot for one of `max_connections` operation slots (refused RESOURCE_EXHAUSTED, reason
-    "busy", when none is free; the client retries, then falls back to gRPC). Every receive is bounded by
-    `io_timeout_s`; a connection that sends nothing for that long is answered DEADLINE_EXCEEDED and closed.
+    them). `handle(sock, authenticated)` owns the (TLS-wrapped) socket for one operation and enters
+    `authenticated()` once the hello's token checks out: that trades the pending slot for one of `max_connections`
+    operation slots (refused RESOURCE_EXHAUSTED, reason "busy", when none is free; the client retries, then falls
+    back to gRPC). Every receive is bounded by `io_timeout_s`; a connection that sends nothing for that long is
+    answered DEADLINE_EXCEEDED and closed. `warn`: the server's throttled warnings (its own when not given).
     """
 
     def __init__(
