@@ -69,8 +69,8 @@ ELSEWHERE = {
 """Commands run by another test: a fragment of the command -> the test file that runs it and what it calls."""
 DOCS = ("README.md", "docs/migrating.md", "docs/running.md", "docs/architecture.md")
 """The documents whose ```bash blocks hold commands a user runs."""
-NOT_SPES = ("openssl ", "pip install", "import secrets", "wandb sync ")
-"""Commands of other tools, shown for the user's setup (certificates, a token, optional extras)."""
+NOT_SPES = ("openssl ", "pip install", "import secrets", "wandb sync ", "iptables ")
+"""Commands of other tools, shown for the user's setup (certificates, a token, optional extras, a firewall)."""
 
 
 def _logical_lines(lines: list[str]) -> list[str]:
