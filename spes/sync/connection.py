@@ -36,6 +36,10 @@ TCP_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEA
 server restarted on another data port is found again at the re-join its gRPC refusal asks for)."""
 MAX_MESSAGE_MB = 64
 """The client's gRPC message limit: chunks are 1 MiB, the control messages a few KiB."""
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+"""Each channel keeps its connection state to itself. In gRPC's process-wide pool, a new channel to a server restarted
+on the same address took over an older channel's failed connection: refused at once, for as long as that one's
+reconnect backoff ran."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +132,7 @@ class Connection:
 
 def open_channel(settings: SpesConfig) -> grpc.Channel:
     """The gRPC channel to `settings.server_addr`: TLS (and a client certificate) when the settings name them."""
-    s, options = settings, grpc_options(MAX_MESSAGE_MB)
+    s, options = settings, [*grpc_options(MAX_MESSAGE_MB), OWN_CONNECTION]
     if s.tls_ca is None and s.tls_cert is None:
         return grpc.insecure_channel(s.server_addr, options=options)
     credentials = grpc.ssl_channel_credentials(

@@ -17,12 +17,15 @@ REFUSED = classify("upload of round 3", grpc.StatusCode.FAILED_PRECONDITION, "ro
 
 
 class Clock:
-    """time.monotonic and time.sleep of the retry module, on a clock that only moves when something sleeps."""
+    """The retry module's `time` (its module only: other threads keep the real one), a clock that only moves when
+    the loop sleeps."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.now, self.slept = 100.0, []
-        monkeypatch.setattr(retry.time, "monotonic", lambda: self.now)
-        monkeypatch.setattr(retry.time, "sleep", self.sleep)
+        monkeypatch.setattr(retry, "time", self)
+
+    def monotonic(self) -> float:
+        return self.now
 
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
