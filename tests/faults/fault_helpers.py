@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -59,6 +58,20 @@ class ServerProcess:
         return self.proc.wait(timeout=15)
 
 
+def server_command(open_files: tuple[int, int] | None = None) -> list[str]:
+    """`python -m spes.server`, in a process whose (soft, hard) limit of open files is `open_files` if given.
+
+    NOTE: the limit is set by the new interpreter itself, not by a `preexec_fn`: Python code run between fork and
+    exec of a process using gRPC (these tests' in-process servers and clients) crashed the child in gRPC's poller."""
+    if open_files is None:
+        return [sys.executable, "-m", "spes.server"]
+    limit = (
+        f"import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, {open_files}); "
+        "sys.argv[0] = 'spes.server'; runpy.run_module('spes.server', run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", limit]
+
+
 def start_server_process(
     log: Path,
     args: list[str],
@@ -70,16 +83,9 @@ def start_server_process(
 ) -> ServerProcess:
     """Start the server on 127.0.0.1 and wait for its 'listening on' line (the port it bound); `open_files`: its
     (soft, hard) limit of open files."""
-    command = [sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", str(port), *args]
+    command = [*server_command(open_files), "--host", "127.0.0.1", "--port", str(port), *args]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env={**os.environ, **(env or {})},
-            stdout=out,
-            stderr=out,
-            preexec_fn=None if open_files is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, open_files),
-        )
+        proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, **(env or {})}, stdout=out, stderr=out)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for line in log.read_text(errors="replace").splitlines():

@@ -17,7 +17,6 @@ import resource
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +27,16 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from fault_helpers import REPO, ServerProcess, assert_exact, fault_free, proc_usage, server_process, spec_overrides
+from fault_helpers import (
+    REPO,
+    ServerProcess,
+    assert_exact,
+    fault_free,
+    proc_usage,
+    server_command,
+    server_process,
+    spec_overrides,
+)
 
 from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError
@@ -652,12 +660,11 @@ def test_the_server_raises_its_open_file_limit_or_refuses_to_start(tmp_path: Pat
         limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
         assert re.search(r"Max open files\s+448\s+1000", limits), limits
     refused = subprocess.run(
-        [sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", "0", *spec_overrides(SPEC)],
+        [*server_command((200, 200)), "--host", "127.0.0.1", "--port", "0", *spec_overrides(SPEC)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200)),
     )
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.strip().splitlines()[-1] == (
