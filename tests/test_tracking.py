@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,18 @@ def wandb_history(run_dir: Path) -> tuple[object, dict[int, dict[str, float]]]:
     return run, history
 
 
+@pytest.fixture
+def fresh_wandb() -> Iterator[None]:
+    """W&B keeps the settings of a process's first run for every later one (offline or not, whatever the environment
+    says by then): each test that starts a run starts from none, and leaves none behind."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+@pytest.mark.usefixtures("fresh_wandb")
 def test_training_run_logs_every_metric_to_wandb_offline_and_tensorboard(
     tiny_corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
@@ -163,15 +176,13 @@ def test_missing_package_names_the_extra(
         Trackers(cfg, enabled=True)
 
 
+@pytest.mark.usefixtures("fresh_wandb")
 def test_wandb_without_an_account_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no stored login
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    import wandb
-
-    wandb.teardown()  # NOTE: W&B keeps the settings of this process's first run (offline, in earlier tests)
     cfg = TrainConfig(save_folder=str(tmp_path / "run"), wandb=WandbConfig(project="p"))
     with pytest.raises(ConfigError, match="W&B could not start: .*WANDB_MODE=offline"):
         Trackers(cfg, enabled=True)
