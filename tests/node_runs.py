@@ -4,7 +4,6 @@ kill or restart their processes: the nodes as `python -m spes.train` children, t
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -67,22 +66,18 @@ def start_node(corpus: Corpus, out: Path, peer: int, port: int, *flags: str) -> 
 
 def launch(corpus: Corpus, out: Path, *flags: str) -> subprocess.Popen:
     """`python -m spes.launch` of the run into `out`, its output piped, taking Ctrl-C as from a terminal."""
-    argv = [sys.executable, "-m", "spes.launch", TINY, "--out", str(out), *flags, "--", *corpus_args(corpus), *RUN]
-    return subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_default_sigint,
-    )
+    argv = [sys.executable, "-c", CTRL_C_PRELUDE, TINY, "--out", str(out), *flags, "--", *corpus_args(corpus), *RUN]
+    return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _default_sigint() -> None:
-    """SIGINT back to its default in the child, so Python gives it a Ctrl-C handler: a suite run in the background
-    (`cmd &` without job control) has SIGINT ignored, and a child inherits that, so the launcher would not stop."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+CTRL_C_PRELUDE = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'spes.launch'; runpy.run_module('spes.launch', run_name='__main__', alter_sys=True)"
+)
+"""`python -m spes.launch` taking Ctrl-C as from a terminal: a suite run in the background (`cmd &` without job
+control) has SIGINT ignored and a child inherits that, so the launcher would not stop; the child's own interpreter
+gives it Python's handler back. (Not a `preexec_fn`: Python code between fork and exec of a process that uses gRPC
+can crash the child in gRPC's poller.)"""
 
 
 def node_models(out: Path) -> list[dict[str, torch.Tensor]]:
