@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -128,6 +129,14 @@ def collections() -> Iterator[list[int]]:
         yield seen
     finally:
         gc.callbacks.remove(record)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll `condition` until it holds; fail naming `what` after `timeout_s` (a hand-off, not a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        time.sleep(0.02)
 
 
 def make_garbage(cycles: int = 5000) -> None:

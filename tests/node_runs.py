@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from conftest import Corpus
+from conftest import Corpus, wait_until
 from spes.config import node_data_seed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +48,7 @@ def start_server(corpus: Corpus, out: Path, port: int = 0) -> tuple[subprocess.P
     mark = log.stat().st_size if log.exists() else 0
     argv = [sys.executable, "-m", "spes.server", TINY, *corpus_args(corpus), *RUN, "--host", "127.0.0.1"]
     proc = start([*argv, "--port", str(port), "--data_port", "0", "--state_dir", str(out / "server_state")], log)
-    wait_for(lambda: "listening on 127.0.0.1:" in log.read_text()[mark:] or proc.poll() is not None, "the server")
+    wait_until(lambda: "listening on 127.0.0.1:" in log.read_text()[mark:] or proc.poll() is not None, "the server", 90)
     text = log.read_text()[mark:]
     assert "listening on 127.0.0.1:" in text, text
     return proc, int(text.split("listening on 127.0.0.1:")[1].split()[0])
@@ -90,10 +88,3 @@ def assert_same_models(got: list[dict[str, torch.Tensor]], want: list[dict[str, 
     for g, w in zip(got, want):
         assert g.keys() == w.keys()
         assert all(torch.equal(g[n], w[n]) for n in w), [n for n in w if not torch.equal(g[n], w[n])][:3]
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import spes.interrupt
-from conftest import Corpus
-from node_runs import assert_same_models, launch, node_models, start_node, start_server, wait_for
+from conftest import Corpus, wait_until
+from node_runs import assert_same_models, launch, node_models, start_node, start_server
 from spes.config import SpesConfig
 from spes.interrupt import StopRequest
 from spes.sync.connection import open_channel
@@ -62,7 +62,7 @@ def test_a_node_stopped_while_waiting_for_a_round_keeps_it_in_its_checkpoint_and
         first = node(0)  # peer 1 is not there yet: peer 0 uploads the round of step 4 and waits for it
         with open_channel(SpesConfig(server_addr=f"127.0.0.1:{port}")) as channel:
             stub = pb_grpc.ParameterServerStub(channel)
-            wait_for(lambda: list(stub.Status(pb.StatusRequest(), timeout=5).peers_uploaded) == [0], "the upload")
+            wait_until(lambda: list(stub.Status(pb.StatusRequest(), timeout=5).peers_uploaded) == [0], "the upload", 90)
         asked = time.monotonic()
         first.send_signal(signal.SIGINT)
         assert first.wait(timeout=30) == 130
@@ -95,7 +95,7 @@ def test_ctrl_c_on_the_launcher_saves_every_node_within_seconds_and_resume_finis
     log0 = out / "peer0.log"
     # NOTE: stop the run between its first and second round, read from peer 0's own log: the launcher's echo of it
     # lags by up to its 0.5 s poll, long enough under load for the rest of this short run to finish first
-    wait_for(lambda: log0.is_file() and "step 6/12" in log0.read_text(), "peer 0's step 6")
+    wait_until(lambda: log0.is_file() and "step 6/12" in log0.read_text(), "peer 0's step 6", 90)
     asked = time.monotonic()
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)

@@ -115,6 +115,7 @@ class Uploads:
         buffers = {n: self._memory.pool.take(spec.manifest[n], dtype) for n in names}
         applies_to = UploadBase(base.served if base else None, base.global_model if base else {}, spec.own(peer, names))
         decoder = self._codec.upload_decoder({n: spec.manifest[n] for n in names}, buffers, applies_to)
+        log.debug("receiving the upload of peer %d for round %d", peer, step)
         try:
             feed(decoder)
             values, relayed = self._codec.upload_values(decoder, decoder.finish(), applies_to)

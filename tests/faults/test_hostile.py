@@ -38,6 +38,7 @@ from fault_helpers import (
     spec_overrides,
 )
 
+from conftest import wait_until
 from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError
 from spes.sync.proto import spes_pb2 as pb
@@ -580,9 +581,7 @@ def test_a_different_reupload_in_an_open_round_is_refused(run: Run) -> None:
     uploads = {p: peer_upload(SPEC, p, seed=step) for p in range(PEERS)}
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(run.clients[0].sync, step, uploads[0])
-        wait_until = time.monotonic() + 30
-        while run.status().peers_uploaded != [0] and time.monotonic() < wait_until:
-            time.sleep(0.05)
+        wait_until(lambda: run.status().peers_uploaded == [0], "peer 0's upload")
         other = upload_digest(uploads[0], "fp32") ^ 1
         with pytest.raises(grpc.RpcError) as err:
             upload_stub(run.probe)(iter([pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=step, digest=other))]))

@@ -15,6 +15,7 @@ from fault_helpers import REPO, assert_exact, fault_free, server_process, spec_o
 from safetensors.torch import load_file
 from tcp_proxy import TcpProxy
 
+from conftest import wait_until
 from spes.config import ServerSection
 from spes.sync.client import SyncClient, SyncError
 from spes.sync.spec import RunSpec
@@ -56,7 +57,7 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
     upload_bytes = sum(payload_bytes(MANIFEST[n], "fp32") for n in SPEC.trainable(1))
     env = {"SPES_TOKEN": TOKEN}
     with (
-        server_process(tmp_path / "server.log", spec_overrides(SPEC), env=env) as server,
+        server_process(tmp_path / "server.log", [*spec_overrides(SPEC), "--log_level", "DEBUG"], env=env) as server,
         client(server.addr, 0) as peer0,
     ):
         peer0.join()
@@ -69,13 +70,21 @@ def test_a_peer_killed_mid_upload_restarts_and_the_round_is_exact(tmp_path: Path
                 stderr=subprocess.STDOUT,
             )
             try:
-                # NOTE: kill once the second upload (round 2) is ~200 KB in; the first was `upload_bytes` long. The
-                # connection is cut with it: what the victim had already written into its socket (on a loaded machine,
-                # its whole upload) would otherwise still reach the server, and the round would complete.
+                # NOTE: once the second upload (round 2) is ~200 KB in (the first was `upload_bytes` long), the proxy
+                # holds the rest back (the watcher runs in its upload pump) until the server has begun receiving it;
+                # then the victim is killed and the connection cut with it: what the victim had already written into
+                # its socket (on a loaded machine, its whole upload) would otherwise still reach the server, and the
+                # round would complete. Cut before the server began, the upload would be dropped before any handler
+                # saw it, and the path where a begun upload breaks off would go untested.
                 def kill(direction: str, total: int) -> None:
-                    if direction == "up" and total > upload_bytes + 200_000 and victim.poll() is None:
-                        victim.kill()
-                        proxy.cut()
+                    if direction != "up" or total <= upload_bytes + 200_000 or victim.poll() is not None:
+                        return
+                    wait_until(
+                        lambda: "receiving the upload of peer 1 for round 2" in server.log_text(),
+                        "the server to receive",
+                    )
+                    victim.kill()
+                    proxy.cut()
 
                 proxy.watchers.append(kill)
                 round_1 = peer0.sync(1, uploads[1][0])

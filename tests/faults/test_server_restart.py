@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Corpus
-from node_runs import start_node, start_server, wait_for
+from conftest import Corpus, wait_until
+from node_runs import start_node, start_server
 
 
 def _rounds(node: Path) -> list[dict]:
@@ -28,7 +28,7 @@ def test_nodes_find_a_restarted_server_on_its_new_data_port_and_finish_with_ever
     try:
         procs += [start_node(tiny_corpus, tmp_path, peer, port) for peer in (0, 1)]
         log = tmp_path / "server.log"
-        wait_for(lambda: "round 4 complete" in log.read_text(), "the first round", timeout_s=180)
+        wait_until(lambda: "round 4 complete" in log.read_text(), "the first round", timeout_s=180)
         server.send_signal(signal.SIGKILL)
         server.wait()
         server, again = start_server(tiny_corpus, tmp_path, port=port)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -20,6 +20,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conftest import wait_until
 from spes.config import ServerSection
 from spes.moe import parse_expert_block
 from spes.sync import downloads, wire
@@ -307,14 +308,6 @@ def test_download_waits_then_times_out_on_the_server_round_timeout() -> None:
         assert list(stub.Download(pb.DownloadRequest(peer_id=0, round=1), timeout=10))[0].info.peers == [0, 1]
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    """Poll `condition` until it holds; fail naming `what` after `timeout_s` (a hand-off, not a fixed sleep)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
-        time.sleep(0.01)
-
-
 @pytest.mark.timeout(60)
 def test_shutdown_wakes_waiting_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The waiting download ends at once: woken by the shutdown, not by its own re-check (made 30 s here) nor by
@@ -334,7 +327,7 @@ def test_shutdown_wakes_waiting_downloads(monkeypatch: pytest.MonkeyPatch) -> No
 
         waiter = threading.Thread(target=wait_for_round)
         waiter.start()
-        wait_until(lambda: server.service.guard.open_streams == 1, "the download's stream to be admitted")
+        wait_until(lambda: server.service.guard.open_streams == 1, "the download's stream to be admitted", 10)
         assert waiter.is_alive() and not codes  # it waits for round 1, which peer 1 never uploads
         start = time.monotonic()
         server.stop(grace_s=1.0)
@@ -355,7 +348,7 @@ def test_a_health_watcher_that_never_reads_blocks_neither_health_nor_stop() -> N
     try:
         never_read = health_pb2_grpc.HealthStub(stalled).Watch(request)
         # its handler has run (it holds a stream slot): the first status waits for a window that never opens
-        wait_until(lambda: server.service.guard.open_streams == 1, "the stalled watch to be admitted")
+        wait_until(lambda: server.service.guard.open_streams == 1, "the stalled watch to be admitted", 10)
         with grpc.insecure_channel(addr) as channel:
             health = health_pb2_grpc.HealthStub(channel)
             assert health.Check(request, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
