@@ -113,8 +113,8 @@ class PeerCodec(Protocol):
         ...
 
     def digest(self, trained: Mapping[str, torch.Tensor]) -> int:
-        """What tells a retry of the upload of `trained` from another (equal for equal bytes), known before the
-        upload is made: the server compares it with the one it committed."""
+        """What tells a retry of the upload of `trained` from another (equal for equal values), known before the
+        upload is made, and cheap: the server compares it with the one it committed."""
         ...
 
     def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:
