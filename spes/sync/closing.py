@@ -4,8 +4,8 @@ The coordinator hands `RoundCloser.close` the open round once every peer is in (
 thread then builds the round (`spes.sync.aggregate.build_round`), persists it under `--state_dir`
 (`spes.sync.state`, before any peer may download it), and publishes it: the completed round in `RoundState`, its
 tensors in `RoundMemory`, the waiting downloads woken. A failure (an aggregate that is not finite, a full disk)
-is reported to the waiting peers instead and the previous round stays the latest. `restore` is the other way a
-round becomes the latest: a restarted server's persisted one.
+is reported to the waiting peers instead, with what to do, and the previous round stays the latest. `restore` is
+the other way a round becomes the latest: a restarted server's persisted one.
 """
 
 from __future__ import annotations
@@ -82,6 +82,28 @@ class RoundCloser:
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
 
+    def _persist(self, done: Completed, spec: RunSpec) -> None:
+        """Save `done` under `--state_dir` (if given), before any peer may download it."""
+        if self._state_dir:
+            saved = SavedRound(
+                done.round,
+                tuple(sorted(done.peers)),
+                done.fragment,
+                done.alpha,
+                done.global_model,
+                done.momentum,
+                self._codec.persisted(done.served),
+                spec,
+            )
+            save_round(self._state_dir, saved)
+
+    def _fail(self, step: int, message: str) -> None:
+        """Round `step` is not published: the waiting peers get `message`, and may upload it again."""
+        log.exception("%s", message)
+        with self._cond:
+            self._state.fail(step, message)
+            self._cond.notify_all()
+
     def _run(
         self, step: int, uploads: dict[int, Tensors], relayed: dict[str, Payload], fragment: int, spec: RunSpec
     ) -> None:
@@ -94,23 +116,19 @@ class RoundCloser:
             del uploads, relayed
             self._memory.pool.give(received, keep=done.tensors())  # merged or converted
             del received
-            if self._state_dir:
-                saved = SavedRound(
-                    step,
-                    tuple(sorted(done.peers)),
-                    fragment,
-                    done.alpha,
-                    done.global_model,
-                    done.momentum,
-                    self._codec.persisted(done.served),
-                    spec,
-                )
-                save_round(self._state_dir, saved)
-        except Exception as exc:  # report any aggregation or disk failure to the waiting peers
-            log.exception("round %d: aggregation failed", step)
-            with self._cond:
-                self._state.fail(step, f"aggregation of round {step} failed: {exc}")
-                self._cond.notify_all()
+        except Exception as exc:  # report any aggregation failure to the waiting peers
+            self._fail(step, f"aggregation of round {step} failed: {exc}")
+            return
+        try:
+            self._persist(done, spec)
+        except Exception as exc:
+            fix = (
+                ": free space there (or fix its permissions), then resume the nodes with --resume=auto; the server's "
+                "latest round is still the one before, and the nodes upload this one again"
+                if isinstance(exc, OSError)
+                else ""
+            )
+            self._fail(step, f"the server could not save round {step} under --state_dir {self._state_dir} ({exc}){fix}")
             return
         with self._cond:
             self._state.complete(done)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from spes.sync.merge import build_global, round_alpha
 from spes.sync.protocol import Reason, Refused
 from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.spec import RunSpec
+from spes.sync.state import load_round
 from spes.sync.wire import TensorDecoder, encode_tensors
 from sync_helpers import NO_MERGE, join_request, peer_upload, tiny_spec
 
@@ -191,5 +193,38 @@ def test_an_aggregate_that_overflows_is_refused_naming_the_tensor_and_nothing_is
         assert service.status().current_round == 1
         done = service.state.completed
         assert done is not None and all(bool(torch.isfinite(t).all()) for t in done.global_model.values())
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be_uploaded_again(
+    tmp_path: Path,
+) -> None:
+    """The round's file cannot be written (here `--state_dir` became a file): the waiting peers are told where and
+    what to do, nothing is published, round 1 stays the latest on disk and in memory; once the directory is
+    writable again the same uploads complete the round, which is then persisted."""
+    state_dir = tmp_path / "state"
+    service = coordinator(SPEC, state_dir=str(state_dir))
+    try:
+        for peer in range(2):
+            service.join(join_request(peer, SPEC), **JOIN)  # type: ignore[arg-type]
+        for step in (1, 2):
+            for peer in range(2):
+                service.uploads.receive(peer, step, feeding(peer_upload(SPEC, peer, seed=step)))
+            if step == 1:
+                with service.downloads.serve(0, 1, False, lambda: True, 30.0) as first:
+                    assert first is not None
+                shutil.rmtree(state_dir)
+                state_dir.write_text("not a directory")
+        with pytest.raises(Refused, match=rf"could not save round 2 under --state_dir {state_dir} .*--resume=auto"):
+            service.downloads.serve(0, 2, False, lambda: True, 5.0).__enter__()
+        assert service.status().current_round == 1
+        state_dir.unlink()
+        for peer in range(2):
+            service.uploads.receive(peer, 2, feeding(peer_upload(SPEC, peer, seed=2)))
+        with service.downloads.serve(0, 2, False, lambda: True, 30.0) as second:
+            assert second is not None
+        assert load_round(state_dir, service.spec).step == 2  # type: ignore[union-attr]
     finally:
         service.shutdown(grace_s=1.0)
