@@ -67,6 +67,9 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect",
         "tests/sync/test_wire.py::test_committed_stubs_are_up_to_date",
     ),
+    "spes/head_loss.py": ("tests/test_head_loss.py",),
+    "spes/objective.py": ("tests/test_objective.py",),
+    "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
@@ -345,11 +348,63 @@ EQUIVALENT: dict[str, str] = {
         "`... or self._params is not None and end == self._checked`: a raw tensor then checks an empty slice "
         "(finite), a coded payload its uint8 bytes (always finite): the same answers",
     ),
+    **mutants(
+        "spes.head_loss.x__gemm_accumulates_fp32",
+        "7",
+        "the capability of the current CUDA device for the output's: spes makes each process's one GPU the current "
+        "device (spes.distributed.init_distributed), so they are the same device",
+    ),
+    **mutants(
+        "spes.head_loss.x__gemm_accumulates_fp32",
+        "8 9 10",
+        "the capability threshold moved above 8.0: Ampere GPUs would take the other path, which adds the same "
+        "product (rounded to bf16 first); the GPU tests run on Hopper (9.0), where every threshold answers alike",
+    ),
+    **mutants(
+        "spes.head_loss.x_chunk_loss_grads",
+        "14",
+        "logsumexp over dim 1 for dim -1: a chunk's logits are 2-D (tokens, vocabulary), so they are the same dim",
+    ),
+    **mutants(
+        "spes.head_loss.x_logit_loss_sums",
+        "20",
+        "logsumexp over dim 1 for dim -1: the logits are 2-D (tokens, vocabulary), so they are the same dim",
+    ),
+    **mutants(
+        "spes.head_loss.x_logit_loss_sums",
+        "9",
+        "cross_entropy without ignore_index=IGNORE_INDEX: torch's default ignore_index is -100, IGNORE_INDEX",
+    ),
+    **mutants(
+        "spes.head_loss.x_head_loss_sums",
+        "18 20",
+        "the sums' accumulators started in the hidden states' dtype: the first chunk's fp32 0-dim sums promote them "
+        "to fp32 (0-dim tensors of one kind promote to the wider dtype)",
+    ),
+    **mutants(
+        "spes.head_loss.xǁ_HeadLossǁforward",
+        "18 20",
+        "the sums' accumulators started in the hidden states' dtype: the first chunk's fp32 0-dim sums promote them "
+        "to fp32 (0-dim tensors of one kind promote to the wider dtype)",
+    ),
+    **mutants(
+        "spes.head_loss.xǁ_HeadLossǁforward",
+        "63",
+        "no cast of the weight's gradient to the weight's dtype in backward: autograd casts a gradient to its "
+        "input's dtype itself (the cast only frees the fp32 buffer sooner)",
+    ),
+    **mutants(
+        "spes.head_loss.xǁ_HeadLossǁbackward",
+        "11",
+        "no cast of the weight's gradient to the weight's dtype: autograd casts a gradient to its input's dtype "
+        "itself (the cast only frees the fp32 buffer sooner)",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 
 AGREE = "tests/test_guard.py::test_every_rank_agrees_on_one_ranks_nan"
 CUDA_PEER = "tests/sync/codecs/test_held.py::test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model"
+GPU_HEAD = "tests/test_head_loss.py::test_on_a_gpu_the_weight_gradient_is_accumulated_in_fp32_inside_the_gemm"
 KILLED_BY: dict[str, str] = {
     **mutants("spes.guard.x_check_weights_finite", "8 10 11", f"{AGREE}[gloo]"),  # a clean rank's message
     # a CUDA tensor's bytes read without moving it to the host first
@@ -364,6 +419,9 @@ KILLED_BY: dict[str, str] = {
     # a delta measured or applied across devices: CUDA trained tensors, a CPU held model and carried error
     **mutants("spes.sync.codecs.held.x__plus", "3", CUDA_PEER),
     **mutants("spes.sync.codecs.held.x_encode_delta", "15 19", CUDA_PEER),
+    # the fp32-accumulating GEMM of `fused_loss`'s head, which only a GPU runs
+    **mutants("spes.head_loss.x__add_product", "7 14 18 19", GPU_HEAD),
+    **mutants("spes.head_loss.x__gemm_accumulates_fp32", "5 6", GPU_HEAD),
 }
 """Mutants killed by a test mutmut cannot credit (it starts processes, whose calls mutmut does not trace), by name:
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail

@@ -4,6 +4,9 @@ gradient work when none is wanted, and refuses a second backward instead of scal
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,25 @@ def whole_logits(
     """(loss, ce, z) of the whole logits, as the plain path computes them."""
     ce, z = logit_loss_sums(F.linear(h, w), labels, logit_z=z_weight is not None)
     return ce + (z_weight or 0.0) * z, ce, z
+
+
+@contextlib.contextmanager
+def made_like() -> Iterator[list[tuple[int, ...]]]:
+    """The shapes of the tensors made by `torch.empty_like` and `torch.zeros_like` meanwhile (the gradient buffers)."""
+    made: list[tuple[int, ...]] = []
+    originals = torch.empty_like, torch.zeros_like
+
+    def recording(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def make(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            made.append(tuple(t.shape))
+            return original(t, *args, **kwargs)
+
+        return make
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "empty_like", recording(originals[0]))
+        patch.setattr(torch, "zeros_like", recording(originals[1]))
+        yield made
 
 
 @pytest.fixture
@@ -94,10 +116,14 @@ def test_no_gradient_work_when_none_is_wanted(chunks_of_7: int) -> None:
     want = whole_logits(h, w, labels, Z)
     with torch.no_grad():
         got = head_loss_sums(h, w, labels, logit_z_weight=Z, chunk_fns=ChunkFns(grads=refused))
-    torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want)
+        got = head_loss_sums(h, w, labels, logit_z_weight=0.0, chunk_fns=ChunkFns(grads=refused))
+        torch.testing.assert_close(got, whole_logits(h, w, labels, 0.0))
     got = head_loss_sums(h.detach(), w.detach(), labels, logit_z_weight=Z, chunk_fns=ChunkFns(grads=refused))
     torch.testing.assert_close(got, want)
-    loss, _, _ = head_loss_sums(h, w.detach(), labels, logit_z_weight=Z)
+    with made_like() as made:
+        loss, _, _ = head_loss_sums(h, w.detach(), labels, logit_z_weight=Z)
+    assert (40, 16) in made and (50, 16) not in made  # no buffer for a gradient nobody wants
     loss.backward()
     assert w.grad is None and h.grad is not None
     torch.testing.assert_close(h.grad, torch.autograd.grad(want[0], h)[0])
@@ -140,3 +166,59 @@ def test_on_a_gpu_the_weight_gradient_is_accumulated_in_fp32_inside_the_gemm(chu
     torch.testing.assert_close((ce, z), (want_ce, want_z), rtol=1e-3, atol=1e-3)
     assert got[1].dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(("elements", "sizes"), [(7 * 50, [7] * 5 + [5]), (10, [1] * 40)])
+def test_a_chunk_holds_loss_chunk_elements_logits_at_least_one_token(
+    monkeypatch: pytest.MonkeyPatch, elements: int, sizes: list[int]
+) -> None:
+    """A chunk is `LOSS_CHUNK_ELEMENTS` // V tokens (the memory bound `fused_loss` promises), one token when the
+    vocabulary alone is larger; with and without a gradient wanted."""
+    monkeypatch.setattr(spes.head_loss, "LOSS_CHUNK_ELEMENTS", elements)
+    seen: dict[str, list[int]] = {"sums": [], "grads": []}
+
+    def sums(h_c: torch.Tensor, *rest: object) -> tuple:
+        seen["sums"].append(len(h_c))
+        return spes.head_loss.chunk_loss_sums(h_c, *rest)  # type: ignore[arg-type]
+
+    def grads(h_c: torch.Tensor, *rest: object) -> tuple:
+        seen["grads"].append(len(h_c))
+        return chunk_loss_grads(h_c, *rest)  # type: ignore[arg-type]
+
+    h, w, labels = inputs(6)
+    fns = ChunkFns(sums, grads)
+    with torch.no_grad():
+        head_loss_sums(h, w, labels, logit_z_weight=Z, chunk_fns=fns)
+    head_loss_sums(h, w, labels, logit_z_weight=Z, chunk_fns=fns)
+    assert seen == {"sums": sizes, "grads": sizes}
+
+
+def test_only_the_weight_wanting_a_gradient_gets_the_whole_logits_one(chunks_of_7: int) -> None:
+    """Hidden states that want no gradient (a frozen trunk) still give the head's weight its gradient."""
+    h, w, labels = inputs(7)
+    with made_like() as made:
+        loss, _, _ = head_loss_sums(h.detach(), w, labels, logit_z_weight=Z)
+    assert (50, 16) in made and (40, 16) not in made
+    loss.backward()
+    assert h.grad is None
+    torch.testing.assert_close(w.grad, torch.autograd.grad(whole_logits(h.detach(), w, labels, Z)[0], w)[0])
+
+
+def test_compiled_chunk_fns_compute_what_the_plain_ones_do(chunks_of_7: int) -> None:
+    """`ChunkFns.compiled` (what `compile` gives the model's head) compiles both functions with the options given
+    (here a backend that records the graphs it is handed and runs them as traced)."""
+    graphs: list[int] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        graphs.append(len(example_inputs))
+        return gm.forward
+
+    fns = ChunkFns().compiled(backend=recording, dynamic=False)
+    h, w, labels = inputs(8)
+    got = head_loss_sums(h, w, labels, logit_z_weight=Z, chunk_fns=fns)
+    assert graphs, "the gradient's chunk function was not compiled with the options given"
+    torch.testing.assert_close(got, whole_logits(h, w, labels, Z))
+    traced = len(graphs)
+    with torch.no_grad():
+        torch.testing.assert_close(head_loss_sums(h, w, labels, logit_z_weight=Z, chunk_fns=fns), got)
+    assert len(graphs) > traced, "the sums' chunk function was not compiled with the options given"

@@ -37,3 +37,22 @@ def test_each_kind_logs_its_burst_per_window_and_says_what_it_left_out(caplog: p
         "2 more 'token' warnings left out in 3 s",
     ]
     assert left_out(caplog.text) == {"token": 8}
+
+
+def test_by_default_ten_per_kind_every_ten_seconds_a_window_starting_at_its_edge(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The server's setting (what docs/running.md states): 10 warnings of a kind per 10 s; the next window opens
+    exactly 10 s after the first."""
+    now = [100.0]
+    warn = ThrottledLog(logging.getLogger("throttle-test"), clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, "throttle-test"):
+        for i in range(11):
+            warn.warning("token", "bad token %d", i)
+        now[0] = 110.0
+        warn.warning("token", "bad token %d", 11)
+    assert [r.getMessage() for r in caplog.records] == [
+        *(f"bad token {i}" for i in range(10)),
+        "1 more 'token' warnings left out in 10 s",
+        "bad token 11",
+    ]
