@@ -222,3 +222,22 @@ def test_compiled_chunk_fns_compute_what_the_plain_ones_do(chunks_of_7: int) -> 
     with torch.no_grad():
         torch.testing.assert_close(head_loss_sums(h, w, labels, logit_z_weight=Z, chunk_fns=fns), got)
     assert len(graphs) > traced, "the sums' chunk function was not compiled with the options given"
+
+
+def test_a_bf16_weights_gradient_is_summed_over_the_chunks_in_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 head without autocast, one token a chunk: its gradient is the sum of the chunks' own (bf16) products
+    rounded once, to bf16, at the end: within half a bf16 step (2^-8 of the value) of that sum in fp64. Summed in
+    bf16 instead, 63 roundings of the running sum missed it by up to twice the value."""
+    monkeypatch.setattr(spes.head_loss, "LOSS_CHUNK_ELEMENTS", 50)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 16, generator=gen).bfloat16()
+    w = torch.randn(50, 16, generator=gen).bfloat16().requires_grad_()
+    labels = torch.randint(0, 50, (64,), generator=gen)
+    loss, _, _ = head_loss_sums(h, w, labels, logit_z_weight=None)
+    (got,) = torch.autograd.grad(loss, w)
+    want = torch.zeros(50, 16, dtype=torch.float64)
+    for t in range(64):
+        g_TV = chunk_loss_grads(h[t : t + 1], w.detach(), labels[t : t + 1], None)[2]
+        want += (g_TV.T @ h[t : t + 1]).double()
+    assert got.dtype == torch.bfloat16
+    assert bool(((got.double() - want).abs() <= (2**-8 + 1e-5) * want.abs() + 1e-6).all())
