@@ -72,6 +72,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     # it calls then counted killed); it is run on its own for the mutants it exists for (KILLED_BY)
     "spes/head_loss.py": ("tests/test_head_loss.py", "--deselect", COMPILED_HEAD),
     "spes/objective.py": ("tests/test_objective.py",),
+    "spes/moe.py": ("tests/test_moe.py",),
     "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
@@ -352,6 +353,74 @@ EQUIVALENT: dict[str, str] = {
         "(finite), a coded payload its uint8 bytes (always finite): the same answers",
     ),
     **mutants(
+        "spes.moe.x_init_truncated_normal_",
+        "6 15",
+        "the mean argument dropped: torch's normal_ and trunc_normal_ default to a mean of 0.0, the one asked for",
+    ),
+    **mutants("spes.moe.x_fuse_expert_blocks", "24", "torch.cat's dim left to its default, 0: the one given"),
+    **mutants("spes.moe.x_split_expert_blocks", "15", "torch.split's dim left to its default, 0: the one given"),
+    **mutants(
+        "spes.moe.xǁExpertBlocksǁ_block_forward",
+        "21 23",
+        "the group sizes' dtype left to torch's: a tensor of Python ints is int64, the one asked for",
+    ),
+    **mutants(
+        "spes.moe.x_decayed_lb_factor",
+        "14",
+        "a ramp of at least 1.000000000001 steps for 1e-12: they differ only when 0.2 * max_steps < 1, where any "
+        "refresh step (>= update_steps >= 1) is past either ramp, so the factor is 1.0 both ways",
+    ),
+    **mutants("spes.moe.x_router_z_loss", "6", "dim 1 for -1 of the 2-D (tokens, experts) logits: the same dim"),
+    **mutants(
+        "spes.moe.xǁMoEǁforward",
+        "15 21 22 33 79",
+        "dim 1 (or topk's default, the last) for -1 of 2-D (tokens, experts) routing tensors, unsqueeze(1) for (-1) "
+        "of a 1-D one: the same dims",
+    ),
+    **mutants(
+        "spes.moe.xǁMoEǁforward",
+        "57 62",
+        "an argsort that may reorder equal keys: equal keys are copies routed to one expert, each a different token "
+        "computed on its own row and added back to its own token; a token's copies have different keys",
+    ),
+    **mutants("spes.moe.xǁMoEǁ__init__", "8", "bias=None for bias=False: nn.Linear tests it for truth"),
+    **mutants(
+        "spes.moe.xǁExpertBlocksǁ_touch",
+        "3 5 7 9",
+        "an empty (0, D) product: its value and every gradient through it are zero (or empty) whatever it "
+        "divides or casts",
+    ),
+    **mutants(
+        "spes.moe.xǁExpertBlocksǁforward",
+        "22",
+        "the empty product `_touch` also made under no_grad: concatenated, an empty tensor changes nothing",
+    ),
+    **mutants(
+        "spes.moe.xǁExpertBlocksǁ_grouped",
+        "29 31",
+        "the trained blocks concatenated even when there is one: a copy, with the same values and the same gradient "
+        "back to the one parameter",
+    ),
+    **mutants(
+        "spes.moe.xǁ_TrainedFirstGroupedMMǁforward",
+        "3",
+        "the trained weight concatenated with no frozen block: a copy, the same values",
+    ),
+    **mutants(
+        "spes.moe.xǁ_TrainedFirstGroupedMMǁbackward",
+        "5 20 21",
+        "the input's gradient computed when nobody wants it (autograd drops it), or keyed on the weight's need, or an "
+        "empty string for the weight's: the function is applied only with a trained weight that needs its gradient "
+        "and hidden states that need theirs (`_grouped`), so these branches are never taken",
+    ),
+    **mutants(
+        "spes.moe.x_resolve_backend",
+        "8 9 10 11",
+        "the capability of the current CUDA device, or a threshold above 8.0: spes makes each process's one GPU the "
+        "current device, and on the Hopper GPU (9.0) the GPU tests run on every threshold answers alike (Ampere "
+        "would take the loop: slower, the same values)",
+    ),
+    **mutants(
         "spes.objective.x_language_model_loss",
         "4 14",
         "`logit_z` None or True for False: the z-loss sum is then not computed, or computed and dropped; "
@@ -419,6 +488,7 @@ EQUIVALENT: dict[str, str] = {
 AGREE = "tests/test_guard.py::test_every_rank_agrees_on_one_ranks_nan"
 CUDA_PEER = "tests/sync/codecs/test_held.py::test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model"
 GPU_HEAD = "tests/test_head_loss.py::test_on_a_gpu_the_weight_gradient_is_accumulated_in_fp32_inside_the_gemm"
+GPU_MOE = "tests/test_moe.py::test_on_a_gpu_auto_is_grouped_mm_and_a_peers_layer_runs_there"
 KILLED_BY: dict[str, str] = {
     **mutants("spes.guard.x_check_weights_finite", "8 10 11", f"{AGREE}[gloo]"),  # a clean rank's message
     # a CUDA tensor's bytes read without moving it to the host first
@@ -437,6 +507,10 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.head_loss.x__add_product", "7 14 18 19", GPU_HEAD),
     **mutants("spes.head_loss.x__gemm_accumulates_fp32", "5 6", GPU_HEAD),
     **mutants("spes.head_loss.xǁChunkFnsǁcompiled", "1 2 3 4 5 6 7 8 9 10", COMPILED_HEAD),
+    # what a CUDA device makes of a MoE layer: auto's choice, and tensors made on the layer's device
+    **mutants("spes.moe.x_resolve_backend", "6 7 12 13", GPU_MOE),
+    **mutants("spes.moe.xǁMoEǁforward", "44 46", GPU_MOE),
+    **mutants("spes.moe.xǁMoEǁset_own_count_scale", "8 10", GPU_MOE),
 }
 """Mutants killed by a test mutmut cannot credit (it starts processes, whose calls mutmut does not trace), by name:
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail

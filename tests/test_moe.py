@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
+import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -100,7 +103,7 @@ def module_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("block_size", [2, 3, 8])
+@pytest.mark.parametrize("block_size", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("normalize_p", [None, 1.0])
 @pytest.mark.parametrize("trainable_block", [None, 1])
 def test_backend_matches_naive_loop_forward_and_gradients(
@@ -132,8 +135,13 @@ def test_frozen_blocks_get_no_gradient(backend: str) -> None:
 def test_megablocks_backend_missing_is_a_clear_error() -> None:
     if importlib.util.find_spec("megablocks") is not None and importlib.util.find_spec("grouped_gemm") is not None:
         pytest.skip("megablocks is installed here")
-    with pytest.raises(ValueError, match=r"model\.moe_backend.*megablocks.*torch or grouped_mm"):
+    message = (
+        "config key 'model.moe_backend' = 'megablocks' needs the megablocks and grouped_gemm packages, which build "
+        "only on CUDA machines (`pip install megablocks`); use moe_backend: torch or grouped_mm here"
+    )
+    with pytest.raises(ValueError) as err:
         make_moe("megablocks")
+    assert str(err.value) == message
 
 
 def test_load_balancing_loss_by_hand() -> None:
@@ -257,17 +265,19 @@ def test_fuse_refuses_missing_block() -> None:
         fuse_expert_blocks({"x.experts.w1.0": torch.zeros(1, 1, 1), "x.experts.w1.2": torch.zeros(1, 1, 1)})
 
 
-def test_trainable_block_without_tokens_still_gets_a_zero_gradient() -> None:
-    """DDP needs every trainable parameter in each backward, even when no token routed to the owned block."""
+@pytest.mark.parametrize(("block_size", "counts"), [(2, [3, 2, 0, 0]), (1, [3, 0, 2, 0])])
+def test_trainable_block_without_tokens_still_gets_a_zero_gradient(block_size: int, counts: list[int]) -> None:
+    """DDP needs every trainable parameter in each backward, even when no token routed to the owned block (of two
+    experts, or of one)."""
     from spes.moe import ExpertBlocks
 
-    blocks = ExpertBlocks(num_experts=4, block_size=2, d_model=8, hidden=8, trainable_block=1)
+    blocks = ExpertBlocks(num_experts=4, block_size=block_size, d_model=8, hidden=8, trainable_block=1)
     for p in [*blocks.w1, *blocks.v1, *blocks.w2]:
         torch.nn.init.normal_(p)
     x = torch.randn(5, 8, requires_grad=True)
     for backend in BACKENDS:
         blocks.zero_grad(set_to_none=True)
-        blocks(x, torch.tensor([3, 2, 0, 0]), backend).square().sum().backward()
+        blocks(x, torch.tensor(counts), backend).square().sum().backward()
         for kind in (blocks.w1, blocks.v1, blocks.w2):
             assert kind[0].grad is None  # frozen
             assert kind[1].grad is not None and not kind[1].grad.any()  # owned, untouched by tokens
@@ -301,3 +311,153 @@ def test_frozen_blocks_held_in_bf16_give_the_same_results_under_autocast(backend
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.fixture
+def fake_grouped_gemm(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[torch.dtype]]:
+    """megablocks importable, with grouped_gemm's `ops.gmm` as its contract says (rows of `a` in consecutive groups of
+    `batch_sizes`, a CPU int64 tensor, times `b[i]`; `a` and `b` of one dtype) in plain torch: the megablocks
+    backend's own code then runs here. Yields the dtypes gmm was called with."""
+    dtypes: list[torch.dtype] = []
+
+    def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor) -> torch.Tensor:
+        assert batch_sizes.dtype == torch.long and batch_sizes.device.type == "cpu"
+        assert a.dtype == b.dtype and len(batch_sizes) == len(b), (a.dtype, b.dtype, batch_sizes)
+        dtypes.append(a.dtype)
+        rows = a.split(batch_sizes.tolist())
+        return torch.cat([r @ w for r, w in zip(rows, b)])
+
+    grouped_gemm = types.ModuleType("grouped_gemm")
+    grouped_gemm.ops = types.SimpleNamespace(gmm=gmm)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "grouped_gemm", grouped_gemm)
+    monkeypatch.setitem(sys.modules, "megablocks", types.ModuleType("megablocks"))
+    yield dtypes
+
+
+@pytest.mark.parametrize("block_size", [1, 3])
+@pytest.mark.parametrize("trainable_block", [None, 1])
+def test_the_megablocks_path_matches_the_naive_loop(
+    fake_grouped_gemm: list[torch.dtype], block_size: int, trainable_block: int | None
+) -> None:
+    moe = make_moe("megablocks", block_size=block_size, trainable_block=trainable_block)
+    x = torch.randn(3, 7, D, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(moe(x)[0], naive_moe_forward(moe, x), atol=1e-5, rtol=1e-5)
+    got, want = grads_of(moe, x, module_forward), grads_of(moe, x, naive_moe_forward)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_under_autocast_the_megablocks_path_multiplies_in_bf16(fake_grouped_gemm: list[torch.dtype]) -> None:
+    """gmm is not covered by autocast: the backend casts rows and weights (fp32 trained, bf16 frozen) to bf16
+    itself, and gives the loop's results."""
+    held = make_moe("megablocks", block_size=2, trainable_block=1, hidden=16, frozen_dtype=torch.bfloat16)
+    loop = make_moe("torch", block_size=2, trainable_block=1, hidden=16, frozen_dtype=torch.bfloat16)
+    loop.load_state_dict(held.state_dict())
+    x = torch.randn(4, 9, D, generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = held(x)[0], loop(x)[0]
+    assert fake_grouped_gemm and set(fake_grouped_gemm) == {torch.bfloat16}
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+def test_a_moe_built_with_the_default_backend_runs_the_loop_here() -> None:
+    moe = MoE(
+        d_model=D,
+        hidden=HIDDEN,
+        num_experts=E,
+        top_k=K,
+        block_size=2,
+        trainable_block=None,
+        num_layers=1,
+        lb_weight=0.01,
+        z_weight=0.001,
+        normalize_p=None,
+    )
+    moe.load_state_dict(make_moe().state_dict())
+    x = torch.randn(2, 5, D)
+    torch.testing.assert_close(moe(x)[0], naive_moe_forward(moe, x), atol=1e-5, rtol=1e-5)
+    assert moe.experts.backend == "auto" and moe.experts.resolved_backend(x.device) == "torch"
+    from spes.moe import ExpertBlocks
+
+    assert ExpertBlocks(num_experts=E, block_size=2, d_model=D, hidden=HIDDEN, trainable_block=None).backend == "auto"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_blocks_without_tokens_before_and_between_others_are_skipped(backend: str) -> None:
+    """Only the last blocks got tokens, or none did (an empty batch): each gets what is routed to it."""
+    from spes.moe import ExpertBlocks
+
+    blocks = ExpertBlocks(num_experts=6, block_size=2, d_model=8, hidden=8, trainable_block=None)
+    for p in [*blocks.w1, *blocks.v1, *blocks.w2]:
+        torch.nn.init.normal_(p)
+    x = torch.randn(5, 8)
+    got = blocks(x, torch.tensor([0, 0, 3, 0, 0, 2]), backend)
+    w1, v1, w2 = (torch.cat(list(k)) for k in (blocks.w1, blocks.v1, blocks.w2))
+    want = torch.cat([(F.silu(x[r] @ w1[e]) * (x[r] @ v1[e])) @ w2[e] for r, e in ((slice(0, 3), 2), (slice(3, 5), 5))])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        empty = blocks(x[:0], torch.zeros(6, dtype=torch.long), backend)
+    assert empty.shape == (0, 8)
+
+
+def test_the_own_count_scale_is_set_for_a_peer_only() -> None:
+    """A full model trains every expert and a peer past the last block none: neither scales any count."""
+    for trainable_block in (None, E // 2):
+        moe = make_moe(block_size=2, trainable_block=trainable_block)
+        moe.set_own_count_scale(0.8)
+        assert moe.own_count_scale is None
+    moe = make_moe(block_size=2, trainable_block=1)
+    moe.set_own_count_scale(0.8)
+    assert moe.own_count_scale is not None
+    assert moe.own_count_scale.tolist() == pytest.approx([1, 1, 0.8, 0.8, 1, 1, 1, 1])
+
+
+def test_block_size_one_splits_into_single_experts_and_zero_is_refused() -> None:
+    state = {"embed.weight": torch.randn(4, 3), "x.experts.w1": torch.randn(3, 2, 2)}
+    blocks = split_expert_blocks(state, 1)
+    assert sorted(blocks) == ["embed.weight", "x.experts.w1.0", "x.experts.w1.1", "x.experts.w1.2"]
+    with pytest.raises(ValueError, match="^block_size must be >= 1, got 0$"):
+        split_expert_blocks(state, 0)
+
+
+def test_fuse_names_the_blocks_it_found() -> None:
+    with pytest.raises(ValueError, match=r"^expert blocks of 'x.experts.w1' are not numbered 0\.\.1: found \[0, 2\]$"):
+        fuse_expert_blocks({"x.experts.w1.0": torch.zeros(1, 1, 1), "x.experts.w1.2": torch.zeros(1, 1, 1)})
+
+
+@pytest.mark.parametrize("cutoff", [None, 3.0])
+def test_init_is_olmos_normal_truncated_at_the_cutoff(cutoff: float | None) -> None:
+    """N(0, std^2), its tails cut at +-cutoff * std when a cutoff is given (a 3-std cut keeps 98.7% of the std)."""
+    std, n = 0.02, 200_000
+    t = torch.empty(n)
+    torch.manual_seed(0)
+    init_truncated_normal_(t, std, cutoff)
+    assert abs(float(t.mean())) < 5 * std / math.sqrt(n)
+    if cutoff is None:
+        assert float(t.std()) == pytest.approx(std, rel=0.01)
+        assert int((t.abs() > 3 * std).sum()) > 300  # 0.27% of a normal lies past 3 std
+    else:
+        assert float(t.std()) == pytest.approx(0.9866 * std, rel=0.01)
+        assert -cutoff * std <= float(t.min()) < -0.99 * cutoff * std
+        assert 0.99 * cutoff * std < float(t.max()) <= cutoff * std
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_auto_is_grouped_mm_and_a_peers_layer_runs_there() -> None:
+    """`auto` resolves to grouped_mm on a CUDA GPU of capability 8.0 or newer, and a SPES peer's layer (its own
+    counts scaled, bf16 autocast) runs there with every tensor it makes on the GPU."""
+    from spes.moe import resolve_backend
+
+    device = torch.device("cuda")
+    assert resolve_backend("auto", device) == "grouped_mm"
+    moe = make_moe("auto", block_size=2, trainable_block=1, hidden=16).to(device)
+    moe.set_own_count_scale(0.8)
+    assert moe.own_count_scale is not None and moe.own_count_scale.device.type == "cuda"
+    x = torch.randn(4, 9, D, device=device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y, aux = moe(x)
+    assert moe.experts.resolved_backend(device) == "grouped_mm"
+    assert y.device.type == "cuda" and bool(torch.isfinite(y).all()) and bool(torch.isfinite(aux.lb_loss))
+    assert int(aux.tokens_per_expert.sum()) == 4 * 9 * K
