@@ -73,6 +73,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/head_loss.py": ("tests/test_head_loss.py", "--deselect", COMPILED_HEAD),
     "spes/objective.py": ("tests/test_objective.py",),
     "spes/moe.py": ("tests/test_moe.py",),
+    "spes/data.py": ("tests/test_data.py",),
     "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
@@ -421,6 +422,35 @@ EQUIVALENT: dict[str, str] = {
         "would take the loop: slower, the same values)",
     ),
     **mutants(
+        "spes.data.x_repetitive_instances",
+        "47",
+        "`/` for `//` before comparing with the integer max_count: x >= m exactly when floor(x) >= m",
+    ),
+    **mutants(
+        "spes.data.xǁBatchLoaderǁ_rank_indices",
+        "11 18",
+        "a full batch padded with nothing, or a short one padded past the global batch: the rank slices take rows "
+        "below the global batch size only",
+    ),
+    **mutants(
+        "spes.data.xǁBatchLoaderǁ_start_batches",
+        "1 2",
+        "which of the two paths serves 0 (or 1) workers: DataLoader in-process and the generator yield the same "
+        "batches in the same order (test_worker_processes_yield_the_same_batches)",
+    ),
+    **mutants(
+        "spes.data.xǁBatchLoaderǁ_start_batches",
+        "9 13",
+        "the workers' batches left unpinned: the trainer pins an unpinned batch itself before its copy to the GPU "
+        "(Trainer._to_device); only where the pinning happens differs",
+    ),
+    **mutants(
+        "spes.data.xǁBatchLoaderǁ_maybe_pin",
+        "1",
+        "batches left unpinned: the trainer pins an unpinned batch itself before its copy to the GPU "
+        "(Trainer._to_device); only where the pinning happens differs",
+    ),
+    **mutants(
         "spes.objective.x_language_model_loss",
         "4 14",
         "`logit_z` None or True for False: the z-loss sum is then not computed, or computed and dropped; "
@@ -511,6 +541,9 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.moe.x_resolve_backend", "6 7 12 13", GPU_MOE),
     **mutants("spes.moe.xǁMoEǁforward", "44 46", GPU_MOE),
     **mutants("spes.moe.xǁMoEǁset_own_count_scale", "8 10", GPU_MOE),
+    **mutants(
+        "spes.data.x_repetitive_instances", "5 8 26 28", "tests/test_data.py::test_the_repetition_filter_runs_on_a_gpu"
+    ),
 }
 """Mutants killed by a test mutmut cannot credit (it starts processes, whose calls mutmut does not trace), by name:
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail

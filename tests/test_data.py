@@ -209,8 +209,11 @@ def test_a_state_of_an_earlier_spes_resumes_in_its_own_order(dataset: TokenSeque
     """A checkpoint written before the order rule changed holds no "order": its run continues in the order it
     started with (numpy default_rng([seed, epoch])), so a resume is still exact."""
     loader = BatchLoader(dataset, batch_size=6, seed=3)
-    loader.load_state_dict({"epoch": 0, "position": 12, "seed": 3})
-    legacy = np.random.default_rng([3, 0]).permutation(len(dataset))
+    # NOTE: epoch 1: numpy seeds default_rng([3, 0]) as it seeds PCG64(3) (a trailing zero adds no entropy), so in
+    # epoch 0 the two orders are one and the same
+    loader.load_state_dict({"epoch": 1, "position": 12, "seed": 3})
+    legacy = np.random.default_rng([3, 1]).permutation(len(dataset))
+    assert not np.array_equal(legacy, olmo_order(3, 1, len(dataset)))
     assert torch.equal(next(loader), dataset.get_batch(legacy[12:18]))
     assert loader.state_dict()["order"] == "legacy"
     with pytest.raises(ValueError, match="order 'other'"):
@@ -305,3 +308,179 @@ def test_repetition_filter_on_crafted_windows() -> None:
     ]
     # 32 equal tokens are only 16 repeats of period 2: without period 1 that window is kept
     assert repetitive_instances(batch, min_period=2, max_period=13, max_count=32)[3].item() is False
+
+
+def _oracle_repetitive(window: list[int], min_period: int, max_period: int, max_count: int) -> bool:
+    """The filter's definition, position by position: a run of r positions t with x[t] == x[t - p] (r may be 0)
+    is r + p periodic tokens, (r + p) // p whole repeats of its first p; periods p < the window's length."""
+    for p in range(min_period, min(max_period, len(window) - 1) + 1):
+        run = longest = 0
+        for t in range(p, len(window)):
+            run = run + 1 if window[t] == window[t - p] else 0
+            longest = max(longest, run)
+        if (longest + p) // p >= max_count:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("length", [2, 3, 9, 24])
+def test_the_repetition_filter_is_its_definition_at_every_edge(length: int) -> None:
+    """Windows made of short periodic stretches in noise, at every period bound (max_period past the window
+    included) and count threshold, against the definition computed position by position."""
+    gen = torch.Generator().manual_seed(length)
+    windows = []
+    for _ in range(40):
+        period = int(torch.randint(1, 5, (1,), generator=gen))
+        stretch = torch.randint(0, 3, (period,), generator=gen).repeat(length)[
+            : int(torch.randint(1, length + 1, (1,), generator=gen))
+        ]
+        noise = torch.randint(10, 10_000, (length,), generator=gen)
+        start = int(torch.randint(0, length - len(stretch) + 1, (1,), generator=gen))
+        noise[start : start + len(stretch)] = stretch
+        windows.append(noise)
+    batch = torch.stack(windows)
+    for min_period, max_period in ((1, 1), (1, 3), (2, 4), (1, length - 1), (1, length + 5)):
+        for max_count in (1, 2, 3, 4, 6):
+            got = repetitive_instances(batch, min_period=min_period, max_period=max_period, max_count=max_count)
+            want = [_oracle_repetitive(w.tolist(), min_period, max_period, max_count) for w in batch]
+            assert got.tolist() == want, (min_period, max_period, max_count)
+
+
+@pytest.mark.gpu
+def test_the_repetition_filter_runs_on_a_gpu() -> None:
+    batch = torch.tensor([[5, 5, 5, 5, 1, 2], [1, 2, 3, 4, 5, 6]], device="cuda")
+    got = repetitive_instances(batch, min_period=1, max_period=3, max_count=4)
+    assert got.device.type == "cuda" and got.tolist() == [True, False]
+
+
+def test_without_drop_last_an_epoch_of_whole_batches_has_no_extra_batch(dataset: TokenSequenceDataset) -> None:
+    """38 windows in batches of 19: two batches an epoch, the third is the next epoch's first."""
+    loader = BatchLoader(dataset, batch_size=19, seed=4, drop_last=False)
+    batches = _take(loader, 3)
+    order = olmo_order(4, 1, len(dataset))
+    assert torch.equal(batches[2], dataset.get_batch(order[:19]))
+    assert loader.state_dict()["epoch"] == 1
+
+
+def test_the_smallest_settings_are_allowed(shards: list[Path]) -> None:
+    """A batch of one window, a dataset of exactly one batch, one window without drop_last, windows of one token."""
+    dataset = TokenSequenceDataset(shards, SEQ_LEN)
+    assert next(BatchLoader(dataset, batch_size=1, seed=0, shuffle=False))[0].tolist() == [0, 1, 2, 3]
+    assert len(_take(BatchLoader(dataset, batch_size=len(dataset), seed=0), 2)) == 2
+    one = TokenSequenceDataset(shards[2:], 7)
+    assert len(one) == 1 and next(BatchLoader(one, batch_size=1, seed=0, drop_last=False)).shape == (1, 7)
+    assert len(TokenSequenceDataset(shards, 1)) == 160
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"epoch": 0, "seed": 0}, "data loader state lacks ['position']"),
+        ({"epoch": 0, "position": -4, "seed": 0}, "has a negative epoch or position"),
+        ({"epoch": -1, "position": 0, "seed": 0}, "has a negative epoch or position"),
+    ],
+)
+def test_a_bad_loader_state_is_refused_naming_what_is_wrong(
+    dataset: TokenSequenceDataset, state: dict, message: str
+) -> None:
+    with pytest.raises(ValueError) as err:
+        BatchLoader(dataset, batch_size=4, seed=0).load_state_dict(state)
+    assert message in str(err.value)
+
+
+def test_settings_and_shards_are_refused_in_one_line_naming_the_culprit(shards: list[Path], tmp_path: Path) -> None:
+    dataset = TokenSequenceDataset(shards, SEQ_LEN)
+    cases = [
+        (lambda: BatchLoader(dataset, batch_size=4, seed=0, num_workers=-1), "data.num_workers=-1 must be >= 0"),
+        (
+            lambda: BatchLoader(TokenSequenceDataset(shards[2:], 8), batch_size=1, seed=0, drop_last=False),
+            "the dataset has no sequence of 8 tokens (shards too short)",
+        ),
+        (lambda: TokenSequenceDataset(shards, 0), "seq_len must be >= 1, got 0"),
+        (lambda: TokenSequenceDataset([], 4), "TokenSequenceDataset needs at least one token shard"),
+        (
+            lambda: TokenSequenceDataset([tmp_path / "x.bin"], 4),
+            f"token shard {tmp_path / 'x.bin'} is not a .npy file (tokenize_data.py writes .npy shards)",
+        ),
+        (lambda: iterate_eval_batches(dataset, 0).__next__(), "eval batch_size must be >= 1, got 0"),
+        (
+            lambda: iterate_eval_batches(dataset, 4, rank=2, world_size=2).__next__(),
+            "rank=2 must be in [0, world_size=2)",
+        ),
+    ]
+    two_d = tmp_path / "two_d.npy"
+    np.save(two_d, np.zeros((3, 4), dtype=np.uint16))
+    cases.append(
+        (lambda: TokenSequenceDataset([two_d], 4), f"token shard {two_d} holds a 2-D array; token shards are 1-D")
+    )
+    for make, message in cases:
+        with pytest.raises(ValueError) as err:
+            make()
+        assert str(err.value) == message
+    assert next(iterate_eval_batches(dataset, 1)).shape == (1, SEQ_LEN)
+    assert next(iterate_eval_batches(dataset, 4, rank=1, world_size=2)).shape == (4, SEQ_LEN)
+
+
+def test_shards_without_sidecars_are_noted_once_and_counted(
+    shards: list[Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bare = [tmp_path / f"bare_{i}.npy" for i in range(3)]
+    for path in bare:
+        np.save(path, np.arange(8, dtype=np.uint16))
+    with caplog.at_level("WARNING", "spes.data"):
+        TokenSequenceDataset([shards[0], *bare], SEQ_LEN)
+        TokenSequenceDataset(bare[:1], SEQ_LEN)
+    notes = [r.getMessage() for r in caplog.records]
+    assert notes[0].startswith(f"note: token shard {bare[0]} (and 2 more) has no .npy.json sidecar")
+    assert notes[1].startswith(f"note: token shard {bare[0]} has no .npy.json sidecar")
+
+
+def test_the_other_tokenizers_shard_is_named_beside_the_first(tmp_path: Path) -> None:
+    paths = [
+        write_token_shard(tmp_path / f"part_{i}.npy", np.arange(8, dtype=np.uint16), fingerprint=f)
+        for i, f in enumerate(["aaa", "aaa", "bbb"])
+    ]
+    with pytest.raises(ValueError) as err:
+        TokenSequenceDataset(paths, 4)
+    assert str(err.value) == (
+        f"token shards were made with different tokenizers: {paths[0]} and {paths[2]}; "
+        "tokenize all data with the same tokenizer"
+    )
+
+
+def test_windows_count_back_from_the_end_and_each_shard_is_mapped_once(
+    shards: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import spes.data
+
+    opened: list[Path] = []
+    real = spes.data.open_token_array
+
+    def counting(path: Path, dtype: str | None) -> np.ndarray:
+        opened.append(path)
+        return real(path, dtype)
+
+    monkeypatch.setattr(spes.data, "open_token_array", counting)
+    dataset = TokenSequenceDataset(shards, SEQ_LEN)
+    assert torch.equal(dataset[-len(dataset)], dataset[0]) and torch.equal(dataset[-1], dataset[len(dataset) - 1])
+    dataset.get_batch(range(len(dataset)))
+    assert sorted(opened) == sorted(shards)
+    assert dataset._window_starts.dtype == np.int64
+    with pytest.raises(
+        IndexError, match=f"^window {len(dataset)} out of range for a dataset of {len(dataset)} windows$"
+    ):
+        dataset[len(dataset)]
+
+
+def test_pin_memory_without_an_accelerator_is_said_and_not_done(
+    dataset: TokenSequenceDataset, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    with caplog.at_level("INFO", "spes.data"):
+        plain = BatchLoader(dataset, batch_size=4, seed=0)
+        assert not caplog.records and plain.pin_memory is False
+        asked = BatchLoader(dataset, batch_size=4, seed=0, pin_memory=True)
+    assert asked.pin_memory is False and not next(asked).is_pinned()
+    assert [r.getMessage() for r in caplog.records] == [
+        "data.pin_memory is set but no accelerator is available; batches are not pinned"
+    ]
