@@ -440,6 +440,12 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.data.xǁBatchLoaderǁ_start_batches",
+        "12",
+        "DataLoader's num_workers left at its default, 0, when asked for workers: the same batches in the same "
+        "order, made in this process",
+    ),
+    **mutants(
+        "spes.data.xǁBatchLoaderǁ_start_batches",
         "9 13",
         "the workers' batches left unpinned: the trainer pins an unpinned batch itself before its copy to the GPU "
         "(Trainer._to_device); only where the pinning happens differs",

@@ -438,12 +438,12 @@ def test_shards_without_sidecars_are_noted_once_and_counted(
 def test_the_other_tokenizers_shard_is_named_beside_the_first(tmp_path: Path) -> None:
     paths = [
         write_token_shard(tmp_path / f"part_{i}.npy", np.arange(8, dtype=np.uint16), fingerprint=f)
-        for i, f in enumerate(["aaa", "aaa", "bbb"])
+        for i, f in enumerate(["aaa", "bbb", "bbb"])
     ]
     with pytest.raises(ValueError) as err:
         TokenSequenceDataset(paths, 4)
     assert str(err.value) == (
-        f"token shards were made with different tokenizers: {paths[0]} and {paths[2]}; "
+        f"token shards were made with different tokenizers: {paths[0]} and {paths[1]}; "
         "tokenize all data with the same tokenizer"
     )
 
