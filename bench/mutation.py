@@ -75,6 +75,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/moe.py": ("tests/test_moe.py",),
     "spes/data.py": ("tests/test_data.py",),
     "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
+    "spes/sync/aggregate.py": ("tests/sync/test_aggregate.py", "tests/sync/test_coordinator.py"),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
