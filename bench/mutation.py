@@ -458,6 +458,12 @@ EQUIVALENT: dict[str, str] = {
         "(Trainer._to_device); only where the pinning happens differs",
     ),
     **mutants(
+        "spes.sync.aggregate.x_build_round",
+        "28 37",
+        "build_global's names left to its default, the uploaded names sorted: an upload holds exactly the round's "
+        "fragment's names (the server decodes no other), and the global model is put in the manifest's order after",
+    ),
+    **mutants(
         "spes.objective.x_language_model_loss",
         "4 14",
         "`logit_z` None or True for False: the z-loss sum is then not computed, or computed and dropped; "
