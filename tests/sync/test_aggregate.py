@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ from spes.sync.codecs.interface import Served
 from spes.sync.codecs.raw import RawServer
 from spes.sync.fragments import WHOLE
 from spes.sync.merge import build_global
-from spes.sync.protocol import Shape, Tensors
+from spes.sync.protocol import Shape
 from spes.sync.rounds import Completed
 from spes.sync.spec import RunSpec
 from sync_helpers import NO_MERGE, peer_upload, tiny_spec
@@ -32,16 +31,10 @@ class RecordingCodec(RawServer):
         super().__init__("fp32")
         self.served: list[dict[str, Any]] = []
 
-    def serve(
-        self,
-        step: int,
-        global_model: Tensors,
-        previous: Served | None,
-        names: Collection[str],
-        relayed: Mapping[str, Payload],
-    ) -> Served:
+    def serve(self, *args: Any, **kwargs: Any) -> Served:
+        step, _, previous, names, relayed = args  # as build_round passes them
         self.served.append({"step": step, "previous": previous, "names": list(names), "relayed": relayed})
-        return super().serve(step, global_model, previous, names, relayed)
+        return super().serve(*args, **kwargs)
 
 
 def uploads(spec: RunSpec, seed: int) -> dict[int, dict[str, torch.Tensor]]:
