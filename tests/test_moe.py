@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from spes.moe import (
     ExpertBlock,
+    ExpertBlocks,
     MoE,
     decayed_lb_factor,
     fuse_expert_blocks,
@@ -62,16 +63,15 @@ def make_moe(
     return moe
 
 
-def full_experts(moe: MoE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def full_experts(ex: ExpertBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All experts of the layer as (E, ...) tensors, concatenated from the ownership blocks (differentiably)."""
-    ex = moe.experts
     return torch.cat(list(ex.w1)), torch.cat(list(ex.v1)), torch.cat(list(ex.w2))
 
 
 def naive_moe_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The definition: each token visits its top-k experts one at a time and sums their weighted SwiGLU outputs."""
     x_TD = x.reshape(-1, x.shape[-1])
-    w1, v1, w2 = full_experts(moe)
+    w1, v1, w2 = full_experts(moe.experts)
     probs = torch.softmax(x_TD @ moe.router.weight.T, dim=-1)
     rows = []
     for t in range(x_TD.shape[0]):
@@ -269,8 +269,6 @@ def test_fuse_refuses_missing_block() -> None:
 def test_trainable_block_without_tokens_still_gets_a_zero_gradient(block_size: int, counts: list[int]) -> None:
     """DDP needs every trainable parameter in each backward, even when no token routed to the owned block (of two
     experts, or of one)."""
-    from spes.moe import ExpertBlocks
-
     blocks = ExpertBlocks(num_experts=4, block_size=block_size, d_model=8, hidden=8, trainable_block=1)
     for p in [*blocks.w1, *blocks.v1, *blocks.w2]:
         torch.nn.init.normal_(p)
@@ -379,22 +377,18 @@ def test_a_moe_built_with_the_default_backend_runs_the_loop_here() -> None:
     x = torch.randn(2, 5, D)
     torch.testing.assert_close(moe(x)[0], naive_moe_forward(moe, x), atol=1e-5, rtol=1e-5)
     assert moe.experts.backend == "auto" and moe.experts.resolved_backend(x.device) == "torch"
-    from spes.moe import ExpertBlocks
-
     assert ExpertBlocks(num_experts=E, block_size=2, d_model=D, hidden=HIDDEN, trainable_block=None).backend == "auto"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_blocks_without_tokens_before_and_between_others_are_skipped(backend: str) -> None:
     """Only the last blocks got tokens, or none did (an empty batch): each gets what is routed to it."""
-    from spes.moe import ExpertBlocks
-
     blocks = ExpertBlocks(num_experts=6, block_size=2, d_model=8, hidden=8, trainable_block=None)
     for p in [*blocks.w1, *blocks.v1, *blocks.w2]:
         torch.nn.init.normal_(p)
     x = torch.randn(5, 8)
     got = blocks(x, torch.tensor([0, 0, 3, 0, 0, 2]), backend)
-    w1, v1, w2 = (torch.cat(list(k)) for k in (blocks.w1, blocks.v1, blocks.w2))
+    w1, v1, w2 = full_experts(blocks)
     want = torch.cat([(F.silu(x[r] @ w1[e]) * (x[r] @ v1[e])) @ w2[e] for r, e in ((slice(0, 3), 2), (slice(3, 5), 5))])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     with torch.no_grad():

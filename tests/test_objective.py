@@ -7,12 +7,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spes.config import InstanceFilterConfig, load_config
+from spes.config import InstanceFilterConfig, TrainConfig, load_config
 from spes.head_loss import IGNORE_INDEX
 from spes.model import Transformer
 from spes.objective import language_model_loss, micro_batch_loss, next_token_labels, validation_loss
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def tiny_model_and_batch(*overrides: str) -> tuple[Transformer, torch.Tensor, TrainConfig]:
+    """configs/tiny.yaml's model (with `overrides`) and three windows of it, the last one token repeated (the
+    instance filter drops it)."""
+    cfg = load_config(CONFIGS / "tiny.yaml", list(overrides))[0]
+    model = Transformer.for_run(cfg)
+    model.init_weights(0)
+    batch = torch.randint(0, cfg.model.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
+    batch[2] = 7
+    return model, batch, cfg
 
 
 def test_the_instance_filter_leaves_repetitive_windows_out_of_the_loss() -> None:
@@ -30,10 +41,7 @@ def test_the_instance_filter_leaves_repetitive_windows_out_of_the_loss() -> None
 def test_with_fused_loss_validation_asks_the_model_for_loss_sums_not_logits() -> None:
     """The same validation loss either way; with `fused_loss` the model gets the labels (its chunked head) and
     returns no logits."""
-    cfg = load_config(CONFIGS / "tiny.yaml", [])[0]
-    model = Transformer.for_run(cfg)
-    model.init_weights(0)
-    batch = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    model, batch, _ = tiny_model_and_batch()
     given_labels = []
 
     class Recording(nn.Module):
@@ -45,15 +53,6 @@ def test_with_fused_loss_validation_asks_the_model_for_loss_sums_not_logits() ->
         fused, whole = (validation_loss(Recording(), batch, fused_loss) for fused_loss in (True, False))
     assert given_labels == [True, False]
     torch.testing.assert_close(fused, whole)
-
-
-def tiny_model_and_batch(*overrides: str) -> tuple[Transformer, torch.Tensor, object]:
-    cfg = load_config(CONFIGS / "tiny.yaml", list(overrides))[0]
-    model = Transformer.for_run(cfg)
-    model.init_weights(0)
-    batch = torch.randint(0, cfg.model.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
-    batch[2] = 7  # a window of one repeated token: the instance filter drops it
-    return model, batch, cfg
 
 
 @pytest.mark.parametrize("fused_loss", [False, True])
@@ -69,7 +68,7 @@ def test_the_micro_batch_loss_is_olmos_sum_over_all_labels(fused_loss: bool) -> 
         "--data.instance_filter.repetition_max_count=4",
     )
     with torch.no_grad():
-        loss, ce, out = micro_batch_loss(model, batch, cfg)  # type: ignore[arg-type]
+        loss, ce, out = micro_batch_loss(model, batch, cfg)
         plain = model(batch[:, :-1])
     logits, labels = plain.logits.float(), batch[:2, 1:]  # the third window is filtered
     n = batch[:, 1:].numel()
@@ -84,7 +83,7 @@ def test_the_micro_batch_loss_is_olmos_sum_over_all_labels(fused_loss: bool) -> 
 def test_without_the_softmax_z_loss_the_loss_is_the_cross_entropy_and_the_moe_losses() -> None:
     model, batch, cfg = tiny_model_and_batch("--softmax_auxiliary_loss=false", "--auxiliary_loss_multiplier=0.5")
     with torch.no_grad():
-        loss, ce, out = micro_batch_loss(model, batch, cfg)  # type: ignore[arg-type]
+        loss, ce, out = micro_batch_loss(model, batch, cfg)
     torch.testing.assert_close(loss, ce + out.lb_loss + out.z_loss)
     want = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())  # type: ignore[union-attr]
     torch.testing.assert_close(ce, want)
