@@ -76,6 +76,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/data.py": ("tests/test_data.py",),
     "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
     "spes/sync/aggregate.py": ("tests/sync/test_aggregate.py", "tests/sync/test_coordinator.py"),
+    "spes/sync/auth.py": ("tests/sync/test_auth.py",),
+    "spes/sync/spec.py": ("tests/sync/test_spec.py",),
+    "spes/model.py": ("tests/test_model.py",),
+    "spes/speed.py": ("tests/test_speed.py",),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
