@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from spes import hf
 from spes.model import Transformer
@@ -47,6 +48,23 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "mixtral_no_qk_norm": (dict(n_kv_heads=2, moe_normalize_expert_weights=True), "MixtralForCausalLM"),
 }
+
+
+def save_tiny_olmoe(path: Path, **options: Any) -> Path:
+    """A one-layer, two-expert OLMoE as transformers saves it, with `options` set on its config."""
+    config = transformers.OlmoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_experts=2,
+        num_experts_per_tok=1,
+        eos_token_id=0,
+        **options,
+    )
+    transformers.OlmoeForCausalLM(config).save_pretrained(str(path))
+    return path
 
 
 def make_checkpoint(

@@ -12,7 +12,7 @@ import torch
 import transformers
 from torch.testing import assert_close
 
-from hf_fixtures import BASE, CASES, make_checkpoint
+from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
 from spes import hf
 from spes.checkpoint import CheckpointError, load_model_state
 from spes.config import ModelConfig
@@ -187,20 +187,9 @@ def test_import_refuses_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_import_refuses_unsupported_options(tmp_path: Path) -> None:
-    config = transformers.OlmoeConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_experts=2,
-        num_experts_per_tok=1,
-        clip_qkv=8.0,
-        eos_token_id=0,
-    )
-    transformers.OlmoeForCausalLM(config).save_pretrained(str(tmp_path / "olmoe"))
+    olmoe = save_tiny_olmoe(tmp_path / "olmoe", clip_qkv=8.0)
     with pytest.raises(ValueError, match="'clip_qkv' = 8.0 is not supported"):
-        hf.import_hf(tmp_path / "olmoe", tmp_path / "out")
+        hf.import_hf(olmoe, tmp_path / "out")
 
 
 def test_cli_export_from_run_dir_and_error_exit(

@@ -12,6 +12,7 @@ import torch
 import transformers
 from torch.testing import assert_close
 
+from hf_fixtures import save_tiny_olmoe
 from spes import upcycle
 from spes.checkpoint import load_model_state
 from spes.config import ModelConfig, load_config
@@ -247,23 +248,13 @@ def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedT
     transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "biased"))
     with pytest.raises(ValueError, match="'attention_bias' = True is not supported"):
         upcycle.upcycle(tmp_path / "biased", cfg, tmp_path / "a" / "step0")
-    moe = transformers.OlmoeConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_experts=2,
-        num_experts_per_tok=1,
-        eos_token_id=0,
-    )
-    transformers.OlmoeForCausalLM(moe).save_pretrained(str(tmp_path / "moe"))
+    moe = save_tiny_olmoe(tmp_path / "moe")
     with pytest.raises(
         ValueError,
         match=r"model_type 'olmoe' is not supported here; expected one of \['llama', "
         r"'qwen3'\]",
     ):
-        upcycle.upcycle(tmp_path / "moe", cfg, tmp_path / "b" / "step0")
+        upcycle.upcycle(moe, cfg, tmp_path / "b" / "step0")
 
 
 def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]) -> None:
