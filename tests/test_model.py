@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from spes.config import TrainConfig, load_config
-from spes.model import Transformer, analytic_param_counts, count_params
+from spes.model import Transformer, analytic_param_counts, count_params, tflops_done_per_token, tflops_per_token
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -43,6 +43,22 @@ def test_paper_1b_parameter_counts() -> None:
     assert counts.total == shared + layers * experts * one_expert == 1_167_840_000
     assert counts.active_per_token == shared + layers * 2 * one_expert == 375_116_544
     assert counts.trainable == shared + layers * 4 * one_expert == 488_362_752
+
+
+def test_paper_1b_flops_per_token_written_out() -> None:
+    """MFU's numerator: 6 FLOPs per active matmul parameter (forward 2, input gradient 2, weight gradient 2; the input
+    embedding is a lookup, no matmul) plus causal attention's 12 L d S / 2; a node that trains a share s of the
+    routed copies' experts skips the weight gradient of the rest (4 + 2 s per expert parameter)."""
+    model = load_config(CONFIGS / "spes_1b" / "node_0.yaml")[0].model
+    d, layers, width, seq, rows = 768, 12, 2048, 2048, 151936
+    matmul = 375_116_544 - rows * d  # active per token (test_paper_1b_parameter_counts) less the input embedding
+    expert = layers * 2 * 3 * d * width  # top-2 SwiGLU experts
+    attention = 12 * layers * d * seq // 2
+    assert tflops_per_token(model) == pytest.approx((6 * matmul + attention) / 1e12, rel=1e-12)
+    assert tflops_per_token(model) == pytest.approx(0.001664, abs=1e-6)  # issue 29's figure
+    for share in (0.0, 0.25, 1.0):
+        done = 6 * (matmul - expert) + (4 + 2 * share) * expert + attention
+        assert tflops_done_per_token(model, share) == pytest.approx(done / 1e12, rel=1e-12)
 
 
 @pytest.mark.parametrize("path", ["diloco_1b/node_2.yaml", "centralized_1b.yaml"])
