@@ -4,6 +4,9 @@ on every call) and peer ids bound to certificates."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import socket
+import ssl
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -13,8 +16,16 @@ from typing import Any
 import grpc
 import pytest
 
-from spes.sync.auth import TokenAuthInterceptor, check_peer_identity, read_token, token_matches
+from spes.sync.auth import (
+    TokenAuthInterceptor,
+    check_peer_identity,
+    grpc_common_name,
+    read_token,
+    tls_common_name,
+    token_matches,
+)
 from spes.sync.protocol import Refused
+from spes.sync.throttle import ThrottledLog, left_out
 
 
 def test_token_matches_only_the_exact_secret() -> None:
@@ -57,6 +68,45 @@ def test_a_peer_may_only_act_as_the_peer_its_certificate_names(claimed: int, com
     with pytest.raises(Refused) as err:
         check_peer_identity(claimed, common_name)
     assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and f"'peer-{claimed}'" in str(err.value)
+    shown = "no client certificate" if common_name is None else f"a certificate for {common_name!r}"
+    assert str(err.value).startswith(f"a call for peer {claimed} came with {shown}: with --tls_peer_ids, ")
+
+
+class _Context:
+    """What `grpc_common_name` reads of a call: its auth context."""
+
+    def __init__(self, auth: dict[str, list[bytes]]) -> None:
+        self.auth = auth
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self.auth
+
+
+class _TlsSocket(ssl.SSLSocket):
+    """A TLS socket as far as `tls_common_name` asks: the certificate its peer presented."""
+
+    cert: dict[str, Any] | None
+
+    def getpeercert(self, binary_form: bool = False) -> Any:
+        return self.cert
+
+
+def tls_socket(cert: dict[str, Any] | None) -> _TlsSocket:
+    sock = _TlsSocket.__new__(_TlsSocket)  # not connected: SSLSocket's constructor is the context's to call
+    sock.cert = cert
+    return sock
+
+
+def test_the_common_name_of_a_calls_certificate_on_each_plane() -> None:
+    assert grpc_common_name(_Context({"x509_common_name": [b"peer-3"]})) == "peer-3"  # type: ignore[arg-type]
+    assert grpc_common_name(_Context({})) is None  # type: ignore[arg-type]
+    subject = ((("countryName", "US"),), (("organizationName", "run"), ("commonName", "peer-2")))
+    assert tls_common_name(tls_socket({"subject": subject})) == "peer-2"
+    assert tls_common_name(tls_socket({})) is None  # a certificate not validated: nothing to read
+    assert tls_common_name(tls_socket(None)) is None  # no certificate
+    assert tls_common_name(tls_socket({"subject": ((("organizationName", "run"),),)})) is None
+    with socket.socket() as plain:  # no TLS
+        assert tls_common_name(plain) is None
 
 
 def test_a_token_file_others_can_read_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -66,7 +116,7 @@ def test_a_token_file_others_can_read_is_a_warning(tmp_path: Path, caplog: pytes
     assert read_token(str(secret), "--token_file") == "s3cret" and "chmod" not in caplog.text
     secret.chmod(0o644)
     assert read_token(str(secret), "--token_file") == "s3cret"
-    assert f"--token_file {secret} is readable by group or others: run `chmod 600 {secret}`" in caplog.text
+    assert caplog.messages == [f"--token_file {secret} is readable by group or others: run `chmod 600 {secret}`"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -160,7 +210,29 @@ def test_the_interceptor_refuses_a_missing_or_wrong_token_before_any_byte_is_rea
             ), case
     assert echo.ran == [] and echo.deserialized == []
     refused = f"refused /{SERVICE}/{kind}: missing or wrong token"
-    assert caplog.text.count(refused) == len(BAD_METADATA) and SECRET not in caplog.text
+    assert caplog.messages == [refused] * len(BAD_METADATA) and SECRET not in caplog.text
+
+
+@dataclass
+class _Details:
+    method: str
+    invocation_metadata: tuple[tuple[str, str], ...]
+
+
+def test_refused_calls_are_throttled_as_wrong_token_warnings(caplog: pytest.LogCaptureFixture) -> None:
+    """The kind the soak benchmark counts (`left_out`) is 'wrong token'; a refused call gets a denying handler, an
+    unknown method stays None (UNIMPLEMENTED)."""
+    warn = ThrottledLog(logging.getLogger("spes.server"), burst=1)
+    interceptor = TokenAuthInterceptor(SECRET, warn)
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    for _ in range(3):
+        denied = interceptor.intercept_service(lambda _: handler, _Details("/s/m", (("authorization", "x"),)))
+        assert denied is not None and denied is not handler
+    assert interceptor.intercept_service(lambda _: None, _Details("/s/m", ())) is None
+    ok = interceptor.intercept_service(lambda _: handler, _Details("/s/m", (("authorization", f"Bearer {SECRET}"),)))
+    assert ok is handler
+    warn.flush()
+    assert caplog.messages[0] == "refused /s/m: missing or wrong token" and left_out(caplog.text) == {"wrong token": 3}
 
 
 @pytest.mark.timeout(60)
