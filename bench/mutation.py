@@ -531,6 +531,27 @@ EQUIVALENT: dict[str, str] = {
         "no cast of the weight's gradient to the weight's dtype: autograd casts a gradient to its input's dtype "
         "itself (the cast only frees the fp32 buffer sooner)",
     ),
+    **mutants(
+        "spes.sync.auth.x__deny_like",
+        "8 9 10",
+        "the message of the AssertionError after context.abort, which raises: the line never runs",
+    ),
+    **mutants(
+        "spes.sync.auth.x_check_peer_identity",
+        "4",
+        "`common_name or 'XXXX'`: no name matches peer-<id> either way, so a call without a certificate is refused",
+    ),
+    **mutants(
+        "spes.sync.auth.x_tls_common_name",
+        "5 9 10",
+        "the type named to typing.cast, which returns its value unchanged at run time",
+    ),
+    **mutants(
+        "spes.sync.auth.xǁTokenAuthInterceptorǁintercept_service",
+        "11 13 16",
+        "the value of a missing authorization header: None is not a str and 'XXXX' is not 'Bearer <token>', so "
+        "token_matches refuses the call as it refuses ''",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 
