@@ -81,7 +81,8 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/sync/test_client.py::test_tls_peer_ids_bind_each_peer_to_its_certificate",
     ),
     "spes/sync/spec.py": ("tests/sync/test_spec.py",),
-    "spes/model.py": ("tests/test_model.py",),
+    # the forward's numerics against transformers' own models (RoPE, norms, QK-norm kinds, GQA, renormalization)
+    "spes/model.py": ("tests/test_model.py", "tests/test_hf.py::test_export_logits_match_transformers"),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
@@ -552,6 +553,53 @@ EQUIVALENT: dict[str, str] = {
         "the value of a missing authorization header: None is not a str and 'XXXX' is not 'Bearer <token>', so "
         "token_matches refuses the call as it refuses ''",
     ),
+    **mutants(
+        "spes.model.x_analytic_param_counts",
+        "1",
+        "an assertion for the type checker: ModelConfig.__post_init__ sets both embedding_size and n_kv_heads",
+    ),
+    **mutants(
+        "spes.model.x_count_params",
+        "14",
+        "`/` for `//`: the experts' parameters are L x E x 3 d f, a multiple of E, so the active count is the same "
+        "whole number (a float equal to the int)",
+    ),
+    **mutants(
+        "spes.model.x_rope_tables",
+        "9 14 24 27",
+        "the positions or frequency exponents drawn as int64: the division by head_dim and the outer product with "
+        "float32 promote to float32, and the integers are exact",
+    ),
+    **mutants(
+        "spes.model.x_rope_tables",
+        "10 15 25 28",
+        "the tables computed on the default device: init_weights copies them into the buffers wherever those are "
+        "(on the CPU the same values; on a GPU they may differ in the last bit, which no test pins)",
+    ),
+    **mutants("spes.model.x_rope_tables", "34", "dim=+1 of the 2-D (S, Hd / 2) angles is dim=-1"),
+    **mutants(
+        "spes.model.xǁAttentionǁ__init__",
+        "8 17 26 35",
+        "bias=None: nn.Linear makes a bias only when bias is truthy",
+    ),
+    **mutants("spes.model.xǁTransformerǁ__init__", "33", "bias=None: nn.Linear makes a bias only when bias is truthy"),
+    **mutants(
+        "spes.model.xǁAttentionǁ__init__",
+        "42 43",
+        "'' for None as a QK-norm that is not there: forward applies the norms only when both are not None, and "
+        "without attention_layer_norm the other one is None",
+    ),
+    **mutants(
+        "spes.model.xǁTransformerǁforward",
+        "1 6",
+        "shape[+1] of the (B, S) token ids is shape[-1]",
+    ),
+    **mutants(
+        "spes.model.xǁTransformerǁforward",
+        "14 16",
+        "the aux sums started in the embedding's dtype, which is float32 in every precision spes runs (amp keeps "
+        "parameters in fp32)",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 
@@ -560,6 +608,12 @@ CUDA_PEER = "tests/sync/codecs/test_held.py::test_a_peer_training_on_cuda_sends_
 GPU_HEAD = "tests/test_head_loss.py::test_on_a_gpu_the_weight_gradient_is_accumulated_in_fp32_inside_the_gemm"
 GPU_MOE = "tests/test_moe.py::test_on_a_gpu_auto_is_grouped_mm_and_a_peers_layer_runs_there"
 KILLED_BY: dict[str, str] = {
+    # FSDP2 DTensor shards, on two gloo ranks (torchrun): too slow to run for every mutant of the model
+    **mutants(
+        "spes.model.x_assign_whole",
+        "1 2 3 4 5 6 7 8 9 10",
+        "tests/test_distributed.py::test_fsdp_ranks_initialize_only_their_shards_to_the_unsharded_values[fsdp]",
+    ),
     **mutants("spes.guard.x_check_weights_finite", "8 10 11", f"{AGREE}[gloo]"),  # a clean rank's message
     # a CUDA tensor's bytes read without moving it to the host first
     **mutants(

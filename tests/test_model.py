@@ -11,7 +11,18 @@ import torch
 import torch.nn.functional as F
 
 from spes.config import TrainConfig, load_config
-from spes.model import Transformer, analytic_param_counts, count_params, tflops_done_per_token, tflops_per_token
+from spes.head_loss import ChunkFns, chunk_loss_grads, chunk_loss_sums
+from spes.model import (
+    ParamCounts,
+    RMSNorm,
+    Transformer,
+    analytic_param_counts,
+    apply_rope,
+    count_params,
+    rope_tables,
+    tflops_done_per_token,
+    tflops_per_token,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -54,11 +65,11 @@ def test_paper_1b_flops_per_token_written_out() -> None:
     matmul = 375_116_544 - rows * d  # active per token (test_paper_1b_parameter_counts) less the input embedding
     expert = layers * 2 * 3 * d * width  # top-2 SwiGLU experts
     attention = 12 * layers * d * seq // 2
-    assert tflops_per_token(model) == pytest.approx((6 * matmul + attention) / 1e12, rel=1e-12)
+    assert tflops_per_token(model) == (6 * matmul + attention) / 1e12  # integers summed exactly, then one division
     assert tflops_per_token(model) == pytest.approx(0.001664, abs=1e-6)  # issue 29's figure
     for share in (0.0, 0.25, 1.0):
         done = 6 * (matmul - expert) + (4 + 2 * share) * expert + attention
-        assert tflops_done_per_token(model, share) == pytest.approx(done / 1e12, rel=1e-12)
+        assert tflops_done_per_token(model, share) == done / 1e12
 
 
 @pytest.mark.parametrize("path", ["diloco_1b/node_2.yaml", "centralized_1b.yaml"])
@@ -200,8 +211,121 @@ def test_bf16_autocast_forward_and_backward_on_cpu(backend: str) -> None:
 
 def test_sequence_longer_than_max_sequence_length_is_refused() -> None:
     model = built(tiny())
-    with pytest.raises(ValueError, match="max_sequence_length=64"):
-        model(torch.zeros(1, 65, dtype=torch.long))
+    assert model(torch.zeros(2, 64, dtype=torch.long)).logits.shape[1] == 64  # the longest there is
+    with pytest.raises(ValueError, match="^a sequence of 65 tokens is longer than model.max_sequence_length=64: "):
+        model(torch.zeros(2, 65, dtype=torch.long))
+
+
+def test_frozen_experts_are_held_in_bf16_only_by_an_amp_bf16_node_that_trains() -> None:
+    amp = tiny("--precision=amp_bf16", "--spes_config.peer_id=1")
+
+    def dtypes(model: Transformer) -> set[tuple[bool, torch.dtype]]:
+        return {(p.requires_grad, p.dtype) for p in model.parameters()}
+
+    assert dtypes(Transformer.for_run(amp, training=True)) == {(True, torch.float32), (False, torch.bfloat16)}
+    assert dtypes(Transformer.for_run(amp)) == {(True, torch.float32), (False, torch.float32)}  # an export, an eval
+    assert dtypes(Transformer.for_run(tiny("--spes_config.peer_id=1"), training=True)) == {
+        (True, torch.float32),
+        (False, torch.float32),
+    }
+
+
+def test_rope_is_rotate_half_with_llamas_frequencies_and_keeps_the_dtype() -> None:
+    """cos/sin[s, i] of angle s theta^(-2i/d) for i < d/2, repeated for the second half; x rotated as
+    (x1 cos - x2 sin, x2 cos + x1 sin) over its halves x1, x2."""
+    seq, dim, theta = 5, 8, 500.0
+    cos, sin = rope_tables(seq, dim, theta)
+    angle = torch.arange(seq, dtype=torch.float64)[:, None] * theta ** (-torch.arange(0, dim, 2) / dim)
+    torch.testing.assert_close(cos, angle.cos().repeat(1, 2).float())
+    torch.testing.assert_close(sin, angle.sin().repeat(1, 2).float())
+    x = torch.randn(2, 3, seq, dim, generator=torch.Generator().manual_seed(0))
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+    c, s_ = cos[:, : dim // 2], sin[:, : dim // 2]
+    torch.testing.assert_close(apply_rope(x, cos, sin), torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1))
+    assert apply_rope(x.bfloat16(), cos, sin).dtype == torch.bfloat16
+    model = built(tiny())
+    assert "rope_cos" not in model.state_dict() and "rope_sin" not in model.state_dict()  # recomputed, not saved
+
+
+def test_rms_norm_is_x_over_its_root_mean_square_times_the_weight_in_the_inputs_dtype() -> None:
+    norm = RMSNorm(4, eps=0.5)
+    assert norm.weight is not None and RMSNorm(4, eps=0.5, affine=False).weight is None
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    x = torch.tensor([[1.0, -2.0, 3.0, 0.5]])
+    want = x / (x.square().mean() + 0.5).sqrt() * norm.weight
+    torch.testing.assert_close(norm(x), want.detach())
+    assert norm(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_attention_dropout_drops_in_training_only() -> None:
+    ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(1))
+    plain, dropping = built(tiny()), built(tiny("--model.attention_dropout=0.5"))
+    with torch.no_grad():
+        torch.testing.assert_close(dropping.eval()(ids).logits, plain.eval()(ids).logits)
+        assert not torch.allclose(dropping.train()(ids).logits, plain.train()(ids).logits)
+
+
+def test_the_aux_losses_and_counts_are_the_layers_summed_and_stacked_on_either_path() -> None:
+    cfg = tiny()
+    model = built(cfg)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    layers: list = []
+    for block in model.blocks:
+        block.ffn.register_forward_hook(lambda _m, _i, out: layers.append(out[1]))
+    with torch.no_grad():
+        whole = model(ids[:, :-1])
+        fused = model(ids[:, :-1], ids[:, 1:], logit_z_weight=1e-2)
+    first = layers[: len(model.blocks)]
+    torch.testing.assert_close(whole.lb_loss, sum(a.lb_loss for a in first))
+    torch.testing.assert_close(whole.z_loss, sum(a.z_loss for a in first))
+    assert whole.z_loss > 0 and whole.lb_loss > 0
+    assert torch.equal(whole.tokens_per_expert, torch.stack([a.tokens_per_expert for a in first]))
+    assert whole.tokens_per_expert.sum(-1).tolist() == [2 * 8 * cfg.model.moe_top_k] * cfg.model.n_layers
+    torch.testing.assert_close(fused.z_loss, whole.z_loss)
+    assert torch.equal(fused.tokens_per_expert, whole.tokens_per_expert)
+    assert whole.logits is not None and fused.logit_z_sum is not None and fused.ce_sum is not None
+    torch.testing.assert_close(fused.logit_z_sum, torch.logsumexp(whole.logits.float(), dim=-1).square().sum())
+    torch.testing.assert_close(fused.loss_sum, fused.ce_sum + 1e-2 * fused.logit_z_sum)
+
+
+def test_the_head_runs_the_models_chunk_fns_which_compile_replaces() -> None:
+    model = built(tiny())
+    assert isinstance(model.head_chunk_fns, ChunkFns)
+    called: list[str] = []
+
+    def sums(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        called.append("sums")
+        return chunk_loss_sums(*args)  # type: ignore[arg-type]
+
+    def grads(*args: object) -> tuple[torch.Tensor, ...]:
+        called.append("grads")
+        return chunk_loss_grads(*args)  # type: ignore[arg-type]
+
+    model.head_chunk_fns = ChunkFns(sums, grads)
+    ids = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids[:, :-1], ids[:, 1:])
+    model(ids[:, :-1], ids[:, 1:]).loss_sum.backward()
+    assert called == ["sums", "grads"]
+
+
+def test_the_decayed_factor_scales_the_own_experts_counts_in_every_layer() -> None:
+    model = built(tiny("--spes_config.peer_id=1"))
+    model.set_own_count_scale(0.7)
+    for block in model.blocks:
+        assert block.ffn.own_count_scale.tolist() == pytest.approx([1, 1, 0.7, 0.7, 1, 1, 1, 1])
+
+
+def test_every_layer_takes_the_configs_backend_and_renormalization() -> None:
+    model = built(tiny("--model.moe_backend=grouped_mm", "--model.moe_normalize_expert_weights=2"))
+    assert all(b.ffn.experts.backend == "grouped_mm" and b.ffn.normalize_p == 2.0 for b in model.blocks)
+
+
+def test_param_counts_describe_themselves_in_millions() -> None:
+    assert ParamCounts(total=1_500_000, active_per_token=250_000, trainable=2_000_000).describe() == (
+        "parameters: total 1.50M | active per token 0.25M | trainable on this node 2.00M"
+    )
 
 
 def test_given_labels_the_model_returns_loss_sums_instead_of_logits() -> None:

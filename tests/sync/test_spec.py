@@ -120,9 +120,13 @@ def test_ownership_questions_about_given_names_and_the_open_or_unknown_ones() ->
     with pytest.raises(ValueError, match=r"^expert block 'blocks.0.ffn.experts.w1.2' has no owner: the run has 2 "):
         spec.owner("blocks.0.ffn.experts.w1.2")
     unowned = replace(spec, block_owners=None, manifest=None)
-    with pytest.raises(ValueError, match=r"^the run spec's ownership is open \(no node has joined a server started "):
+    with pytest.raises(
+        ValueError, match=r"^the run spec's ownership is open \(no node has joined a server started without YAML\)$"
+    ):
         unowned.owner(names[0])
-    with pytest.raises(ValueError, match=r"^the run spec has no manifest yet \(no node has joined a server started "):
+    with pytest.raises(
+        ValueError, match=r"^the run spec has no manifest yet \(no node has joined a server started without YAML\)$"
+    ):
         unowned.trainable(0)
 
 
@@ -185,7 +189,14 @@ def test_the_schedule_names_the_round_expected_next() -> None:
 
 
 def test_a_nodes_spec_carries_its_configs_last_step_server_section_and_origin() -> None:
-    cfg, _ = load_config(CONFIGS / "tiny.yaml", ["--server.merge_topk=3", "--max_duration=77"])
+    overrides = [
+        "--server.merge_topk=3",
+        "--max_duration=77",
+        "--spes_config.overlap_sync=true",
+        "--spes_config.overlap_fragments=2",
+    ]
+    cfg, _ = load_config(CONFIGS / "tiny.yaml", overrides)
     spec = run_spec(cfg, None, origin="configs/tiny.yaml")
+    assert spec.overlap_fragments == 2 and spec.sync_steps == cfg.spes_config.sync_steps
     assert spec.last_step == cfg.duration_steps == 77 and spec.server == cfg.server and spec.server.merge_topk == 3
     assert spec.origin == "configs/tiny.yaml" and spec.manifest is None and run_spec(cfg, None).origin == ""
