@@ -81,6 +81,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/sync/test_client.py::test_tls_peer_ids_bind_each_peer_to_its_certificate",
     ),
     "spes/sync/spec.py": ("tests/sync/test_spec.py",),
+    "spes/sync/admission.py": ("tests/sync/test_admission.py",),
     # the forward's numerics against transformers' own models (RoPE, norms, QK-norm kinds, GQA, renormalization)
     "spes/model.py": ("tests/test_model.py", "tests/test_hf.py::test_export_logits_match_transformers"),
 }
