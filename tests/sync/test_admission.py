@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from spes.sync.admission import PendingSlots, Sessions, StreamGuard
+from spes.sync.admission import PendingSlots, Sessions, StreamGuard, require_joined
 from spes.sync.protocol import Refused
 
 
@@ -83,3 +83,64 @@ def test_a_live_peer_id_is_refused_and_a_dead_one_taken_over() -> None:
     assert err.value.reason == "superseded"
     sessions.heard(0, "b")
     sessions.heard(1, "x")  # not joined: nothing to check
+
+
+def test_why_the_watchdog_ends_a_stream() -> None:
+    """Past its handshake deadline; idle (unless waiting on its round); or moving bytes under the rate floor once
+    the idle timeout has passed since its first byte (min_rate x the time past that)."""
+    guard = StreamGuard(idle_timeout_s=10, max_streams=4, max_per_peer=4, min_rate=100.0)
+    try:
+        ticket = guard.admit(None)
+        start = ticket.last_active
+        assert ticket.too_slow(start + 10) == ""  # idle exactly the timeout: not yet
+        assert ticket.too_slow(start + 10.5) == "no message for --stream_idle_timeout=10 s"
+        ticket.wait_for_round(True)
+        assert ticket.too_slow(ticket.last_active + 1000) == ""
+        ticket.wait_for_round(False)
+        ticket.moved(300)
+        moving = ticket.moving_since
+        assert moving is not None and ticket.last_active == moving
+        ticket.moved(200)
+        assert ticket.moved_bytes == 500 and ticket.last_active >= moving
+        ticket.moved(0)
+        assert ticket.moving_since == moving  # held to the floor from the first byte on
+        ticket.last_active = moving + 1000  # never idle from here on
+        assert ticket.too_slow(moving + 10) == ""  # the first idle timeout is free
+        assert ticket.too_slow(moving + 15) == ""  # 500 bytes >= 100 x 5
+        assert ticket.too_slow(moving + 15.5) == "it moved 500 bytes in 16 s, under --min_stream_rate"
+        overdue = guard.admit(None, deadline_s=5)
+        assert overdue.deadline is not None and overdue.deadline <= overdue.last_active + 5
+        assert overdue.too_slow(overdue.deadline) == ""
+        assert overdue.too_slow(overdue.deadline + 0.01) == "its handshake did not complete in time"
+        assert guard.admit(None).deadline is None
+    finally:
+        guard.stop()
+
+
+def test_a_call_before_join_is_refused_to_join_first() -> None:
+    require_joined({0, 2}, 2)
+    with pytest.raises(Refused) as err:
+        require_joined({0, 2}, 1)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and err.value.reason == "not_joined"
+    assert str(err.value) == "peer 1 has not joined this server: call Join first"
+
+
+def test_presence_streams_say_which_process_is_a_peer() -> None:
+    sessions = Sessions(liveness_s=60)
+    sessions.present(3, "a", "ipv4:10.0.0.1:1")  # not joined yet: a presence registers it
+    sessions.present(3, "b", "ipv4:10.0.0.2:2")  # another process while "a" is live: ignored
+    sessions.absent(3, "b")  # nor does its end count
+    [(peer, since, present)] = sessions.presence()
+    assert (peer, present) == (3, True) and 0 <= since < 1
+    sessions.absent(3, "a")
+    assert sessions.presence()[0][2] is False
+    sessions.present(3, "b", "ipv4:10.0.0.2:2")  # "a" watched and has no stream open: "b" takes over
+    with pytest.raises(Refused) as err:
+        sessions.heard(3, "a")
+    assert str(err.value) == (
+        "peer_id 3 has been taken over by another process at ipv4:10.0.0.2:2: this process stops; give every node "
+        "its own spes_config.peer_id"
+    )
+    sessions.heard(3, "")  # a call without a session (an older client) is not checked
+    sessions.forget()
+    assert sessions.presence() == []
