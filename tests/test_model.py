@@ -323,9 +323,11 @@ def test_every_layer_takes_the_configs_backend_and_renormalization() -> None:
 
 
 def test_param_counts_describe_themselves_in_millions() -> None:
-    assert ParamCounts(total=1_500_000, active_per_token=250_000, trainable=2_000_000).describe() == (
-        "parameters: total 1.50M | active per token 0.25M | trainable on this node 2.00M"
+    counts = ParamCounts(total=12_345_678_901, active_per_token=250_000, trainable=2_468_000_000_000)
+    assert counts.describe() == (
+        "parameters: total 12,345.68M | active per token 0.25M | trainable on this node 2,468,000.00M"
     )
+    assert ParamCounts(1, 3_210_987_654, 1).describe().split(" | ")[1] == "active per token 3,210.99M"
 
 
 def test_given_labels_the_model_returns_loss_sums_instead_of_logits() -> None:
