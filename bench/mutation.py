@@ -82,6 +82,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     "spes/sync/spec.py": ("tests/sync/test_spec.py",),
     "spes/sync/admission.py": ("tests/sync/test_admission.py",),
+    "spes/atomic.py": ("tests/test_atomic.py",),
+    "spes/sync/codecs/raw.py": ("tests/sync/codecs/test_raw.py",),
+    "spes/sync/buffers.py": ("tests/sync/test_buffers.py",),
+    "spes/sync/state.py": ("tests/sync/test_state.py",),
+    # the kill-during-save and resume-on-other-ranks runs are processes of their own (mutmut credits none of them)
+    "spes/checkpoint.py": ("tests/test_checkpoint.py", "-m", "not slow"),
+    "spes/config.py": ("tests/test_config.py",),
     # the forward's numerics against transformers' own models (RoPE, norms, QK-norm kinds, GQA, renormalization)
     "spes/model.py": ("tests/test_model.py", "tests/test_hf.py::test_export_logits_match_transformers"),
 }
