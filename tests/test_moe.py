@@ -311,6 +311,25 @@ def test_frozen_blocks_held_in_bf16_give_the_same_results_under_autocast(backend
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_under_autocast_each_routed_copy_is_weighted_in_the_experts_dtype() -> None:
+    """As transformers' OLMoE (routing weights cast to the hidden states' dtype): a copy's output times its top-k
+    weight is rounded to bf16, then the copies of a token are summed in the output's dtype."""
+    moe = make_moe("torch", block_size=2, trainable_block=1)
+    x_TD = torch.randn(12, D, generator=torch.Generator().manual_seed(4))
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    moe.experts.register_forward_hook(lambda _m, args, y: seen.append((args[0], args[1], y)))
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        out = moe(x_TD)[0]
+        topw_TK, topi_TK = moe.router(x_TD).float().softmax(dim=-1).topk(K, dim=-1)
+    [(rows_AD, tokens_per_expert_E, y_AD)] = seen
+    assert y_AD.dtype == torch.bfloat16
+    token_A = torch.tensor([int((x_TD == row).all(-1).nonzero()) for row in rows_AD])  # the copies' tokens
+    expert_A = torch.repeat_interleave(torch.arange(E), tokens_per_expert_E)  # copies in expert order
+    weight_A = torch.stack([topw_TK[t][topi_TK[t] == e][0] for t, e in zip(token_A.tolist(), expert_A.tolist())])
+    weighted = (y_AD * weight_A.to(torch.bfloat16).unsqueeze(-1)).float()
+    assert torch.equal(out, torch.zeros_like(x_TD).index_add_(0, token_A, weighted))
+
+
 @pytest.fixture
 def fake_grouped_gemm(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[torch.dtype]]:
     """megablocks importable, with grouped_gemm's `ops.gmm` as its contract says (rows of `a` in consecutive groups of
