@@ -562,6 +562,43 @@ EQUIVALENT: dict[str, str] = {
         "token_matches refuses the call as it refuses ''",
     ),
     **mutants(
+        "spes.sync.admission.xǁPendingSlotsǁ__init__",
+        "8",
+        "`total / 4`: the per-address bound a float of the same value, compared with whole counts alike",
+    ),
+    **mutants(
+        "spes.sync.admission.xǁSessionsǁpresent",
+        "15",
+        "a new session's last_seen left None: the same call sets it (the session is its own, so it is counted)",
+    ),
+    **mutants(
+        "spes.sync.admission.xǁStreamGuardǁ_watch",
+        "6 7 8",
+        "the watchdog's polling period: how soon past its limit a stream ends (a quarter of the idle timeout, 0.5 s "
+        "at most), not whether; no test times it",
+    ),
+    **mutants(
+        "spes.sync.admission.xǁStreamGuardǁstop",
+        "1 2",
+        "how long stop() waits for the watchdog, which ends within one polling period (0.5 s at most)",
+    ),
+    **mutants(
+        "spes.sync.admission.xǁTicketǁ__init__",
+        "4 6",
+        "None for False as a new ticket's waiting and expired flags: both are only ever tested for truth",
+    ),
+    **mutants(
+        "spes.sync.admission.xǁTicketǁtoo_slow",
+        "15 16",
+        "the first bound of the rate check: while now - started <= idle_timeout_s the floor min_rate x (now - "
+        "started - idle_timeout_s) is not positive, so no byte count is under it; the bound only spares the product",
+    ),
+    **mutants(
+        "spes.sync.admission.xǁGuardedHealthǁ__init__",
+        "1",
+        "experimental_non_blocking=None: grpcio's health servicer tests it for truth, as False",
+    ),
+    **mutants(
         "spes.model.x_analytic_param_counts",
         "1",
         "an assertion for the type checker: ModelConfig.__post_init__ sets both embedding_size and n_kv_heads",
@@ -627,6 +664,12 @@ CUDA_PEER = "tests/sync/codecs/test_held.py::test_a_peer_training_on_cuda_sends_
 GPU_HEAD = "tests/test_head_loss.py::test_on_a_gpu_the_weight_gradient_is_accumulated_in_fp32_inside_the_gemm"
 GPU_MOE = "tests/test_moe.py::test_on_a_gpu_auto_is_grouped_mm_and_a_peers_layer_runs_there"
 KILLED_BY: dict[str, str] = {
+    # a whole server (the one the health service stalls): run apart, not for every mutant of admission.py
+    **mutants(
+        "spes.sync.admission.xǁGuardedHealthǁ__init__",
+        "2",
+        "tests/sync/test_server.py::test_a_health_watcher_that_never_reads_blocks_neither_health_nor_stop",
+    ),
     # FSDP2 DTensor shards, on two gloo ranks (torchrun): too slow to run for every mutant of the model
     **mutants(
         "spes.model.x_assign_whole",

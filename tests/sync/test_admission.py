@@ -3,12 +3,27 @@ process is a peer id."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from spes.sync.admission import PendingSlots, Sessions, StreamGuard, require_joined
+from conftest import wait_until
+from spes.sync.admission import (
+    PEER_KEY,
+    SESSION_KEY,
+    GuardedHealth,
+    PendingSlots,
+    Session,
+    Sessions,
+    StreamGuard,
+    require_joined,
+)
 from spes.sync.protocol import Refused
 
 
@@ -24,6 +39,7 @@ def test_stream_slots_total_and_per_peer() -> None:
         with pytest.raises(Refused, match="peer 7 already has --max_streams_per_peer=2") as err:
             tickets[2].claim(7)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.reason == "busy"
         tickets[0].close()
         tickets[2].claim(7)  # a slot of peer 7 came free
         outside = guard.admit(None, total=False)  # the data plane: counted per peer only
@@ -48,19 +64,51 @@ def test_pending_slots_in_all_and_per_address() -> None:
     slots.release("10.0.0.3")
     assert slots.take("10.0.0.5")
     assert PendingSlots(2).per_address == 1 and PendingSlots(8, per_address=8).per_address == 8
+    three = PendingSlots(12)  # 3 per address
+    assert [three.take("a") for _ in range(4)] == [True, True, True, False]
+    three.release("a")  # 2 held: one more, not two
+    assert [three.take("a") for _ in range(2)] == [True, False]
+    one = PendingSlots(2)
+    assert one.take("b") and not one.take("b") and one.take("c")  # a new address starts at none held
 
 
-def test_watchdog_ends_idle_streams_but_not_waiting_ones() -> None:
+def test_watchdog_ends_idle_streams_but_not_waiting_or_closed_ones(caplog: pytest.LogCaptureFixture) -> None:
     guard = StreamGuard(idle_timeout_s=0.3, max_streams=4, max_per_peer=4)
+    assert guard.min_rate == 0.0  # no rate floor unless asked for
     ended = threading.Event()
+    closed: list[str] = []
     try:
         idle = guard.admit(lambda details: ended.set())
+        idle.claim(5)
         waiting = guard.admit(None)
         waiting.wait_for_round(True)
+        guard.admit(closed.append).close()  # closed before its idle timeout: no longer watched
         assert ended.wait(5)
-        assert idle.expired and not waiting.expired
+        assert idle.expired and not waiting.expired and closed == []
         with pytest.raises(TimeoutError, match="--stream_idle_timeout=0.3"):
             idle.check()
+        assert caplog.messages == ["stream of peer 5 closed: no message for --stream_idle_timeout=0.3 s"]
+        watchdogs = [t for t in threading.enumerate() if t.name == "spes-stream-watchdog"]
+        assert watchdogs and all(t.daemon for t in watchdogs)  # never keeps a stopping process alive
+    finally:
+        guard.stop()
+
+
+def test_a_peers_slots_come_back_one_by_one() -> None:
+    guard = StreamGuard(idle_timeout_s=60, max_streams=8, max_per_peer=3)
+    try:
+        tickets = [guard.admit(None) for _ in range(5)]
+        for ticket in tickets[:3]:
+            ticket.claim(2)
+        tickets[0].close()  # two left: one more, not two
+        tickets[3].claim(2)
+        with pytest.raises(Refused):
+            tickets[4].claim(2)
+        single = StreamGuard(idle_timeout_s=60, max_streams=1, max_per_peer=1)
+        try:
+            single.admit(None).claim(9)  # a peer's first stream is within a limit of one
+        finally:
+            single.stop()
     finally:
         guard.stop()
 
@@ -72,7 +120,11 @@ def test_a_live_peer_id_is_refused_and_a_dead_one_taken_over() -> None:
     with pytest.raises(Refused) as err:  # heard from just now, no presence stream yet: live
         sessions.join(0, "b", "ipv4:10.0.0.2:6000")
     assert err.value.code == grpc.StatusCode.ALREADY_EXISTS and err.value.reason == "duplicate_peer"
-    assert "10.0.0.1:5001" in str(err.value) and "10.0.0.2:6000" in str(err.value)
+    assert str(err.value) == (
+        "peer_id 0 is already joined by a live process at ipv4:10.0.0.1:5001; this join came from ipv4:10.0.0.2:6000: "
+        "give every node its own spes_config.peer_id (a restarted node is admitted as soon as its old process's "
+        "connection is gone)"
+    )
     sessions.present(0, "a", "ipv4:10.0.0.1:5001")
     with pytest.raises(Refused):  # its presence stream is open: live
         sessions.join(0, "b", "ipv4:10.0.0.2:6000")
@@ -81,8 +133,11 @@ def test_a_live_peer_id_is_refused_and_a_dead_one_taken_over() -> None:
     with pytest.raises(Refused) as err:
         sessions.heard(0, "a")  # the old process, if it was only cut off, learns it was replaced
     assert err.value.reason == "superseded"
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
     sessions.heard(0, "b")
     sessions.heard(1, "x")  # not joined: nothing to check
+    [(peer, since, present)] = sessions.presence()
+    assert (peer, present) == (0, False) and 0 <= since < 1
 
 
 def test_why_the_watchdog_ends_a_stream() -> None:
@@ -109,7 +164,7 @@ def test_why_the_watchdog_ends_a_stream() -> None:
         assert ticket.too_slow(moving + 15) == ""  # 500 bytes >= 100 x 5
         assert ticket.too_slow(moving + 15.5) == "it moved 500 bytes in 16 s, under --min_stream_rate"
         overdue = guard.admit(None, deadline_s=5)
-        assert overdue.deadline is not None and overdue.deadline <= overdue.last_active + 5
+        assert overdue.deadline is not None and overdue.last_active + 4.9 < overdue.deadline <= overdue.last_active + 5
         assert overdue.too_slow(overdue.deadline) == ""
         assert overdue.too_slow(overdue.deadline + 0.01) == "its handshake did not complete in time"
         assert guard.admit(None).deadline is None
@@ -142,5 +197,98 @@ def test_presence_streams_say_which_process_is_a_peer() -> None:
         "its own spes_config.peer_id"
     )
     sessions.heard(3, "")  # a call without a session (an older client) is not checked
+    sessions.present(3, "b", "ipv4:10.0.0.2:2")  # two streams of one process: it stays present until both end
+    sessions.absent(3, "b")
+    assert sessions.presence()[0][2] is True
+    stale = Sessions(liveness_s=0)  # a joined process never watched, not heard from within liveness_s: replaced
+    stale.join(4, "a", "ipv4:10.0.0.1:1")
+    stale.present(4, "b", "ipv4:10.0.0.2:2")
+    with pytest.raises(Refused, match="taken over by another process at ipv4:10.0.0.2:2"):
+        stale.heard(4, "a")
     sessions.forget()
     assert sessions.presence() == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On a real gRPC server on loopback: the health Watch that is a peer's presence, and a stream the watchdog ends.
+
+SERVICE = "spes.test.Guarded"
+
+
+@contextlib.contextmanager
+def guarded_server(guard: StreamGuard, presence: list) -> Iterator[str]:
+    """A gRPC server with `GuardedHealth` (presences recorded in `presence`) and a stream method that holds a
+    `grpc_ticket` until the watchdog ends it; its address."""
+
+    def on_presence(peer: int, session: str, address: str) -> Callable[[], None]:
+        presence.append(("present", peer, session, address))
+        return lambda: presence.append(("absent", peer, session))
+
+    def held(_request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with guard.grpc_ticket(context) as ticket:
+            while not ticket.expired:
+                time.sleep(0.02)
+            yield b"never sent: the call was ended"
+
+    server = grpc.server(ThreadPoolExecutor(8))
+    health = GuardedHealth(guard, on_presence)
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    handler = grpc.unary_stream_rpc_method_handler(held)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Held": handler})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=None)
+        guard.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_presence_watch_holds_a_slot_of_its_peer_until_it_ends() -> None:
+    guard = StreamGuard(idle_timeout_s=0.2, max_streams=4, max_per_peer=1)
+    presence: list = []
+    request = health_pb2.HealthCheckRequest(service="")
+    with guarded_server(guard, presence) as addr, grpc.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(request, metadata=((PEER_KEY, "3"), (SESSION_KEY, "s1")), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        assert [p[:3] for p in presence] == [("present", 3, "s1")] and presence[0][3].startswith("ipv4:127.0.0.1:")
+        time.sleep(0.5)  # past the idle timeout: a watch waits on the server, it is never idle
+        assert guard.open_streams == 1
+        second = stub.Watch(request, metadata=((PEER_KEY, "3"), (SESSION_KEY, "s2")), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            next(second)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == "peer 3 already has --max_streams_per_peer=1 streams open: retry shortly"
+        anonymous = stub.Watch(request, timeout=30)  # no peer: watched and counted, no presence
+        assert next(anonymous).status == health_pb2.HealthCheckResponse.SERVING
+        assert guard.open_streams == 2 and len(presence) == 1
+        watch.cancel()
+        anonymous.cancel()
+        wait_until(lambda: guard.open_streams == 0, "the ended watches to give their slots back", 10)
+        assert presence[1:] == [("absent", 3, "s1")]
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_ends_an_idle_grpc_stream_with_deadline_exceeded_saying_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    guard = StreamGuard(idle_timeout_s=0.2, max_streams=4, max_per_peer=4)
+    with guarded_server(guard, []) as addr, grpc.insecure_channel(addr) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(channel.unary_stream(f"/{SERVICE}/Held")(b"", timeout=30))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    why = "no message for --stream_idle_timeout=0.2 s"
+    assert err.value.details() == f"stream closed ({why}): nothing it sent was kept"
+    assert caplog.messages == [f"stream of peer unknown closed: {why}"]
+
+
+def test_a_process_is_live_while_a_presence_stream_is_open_or_else_for_liveness_s_after_it_was_heard() -> None:
+    heard = Session("s", "ipv4:10.0.0.1:1", last_seen=100.0)
+    assert heard.live(104.9, liveness_s=5) and not heard.live(105.0, liveness_s=5)
+    watched = Session("s", "ipv4:10.0.0.1:1", last_seen=100.0, watched=True)
+    assert not watched.live(100.0, liveness_s=5)  # its stream ended: gone at once
+    watched.presence = 1
+    assert watched.live(10_000.0, liveness_s=5)
