@@ -599,6 +599,11 @@ EQUIVALENT: dict[str, str] = {
         "experimental_non_blocking=None: grpcio's health servicer tests it for truth, as False",
     ),
     **mutants(
+        "spes.sync.buffers.xǁBufferPoolǁset_limits",
+        "4 6",
+        "`get(key, None)` for `get(key, 0)`: free[None:] and free[0:] are both the whole list, deleted alike",
+    ),
+    **mutants(
         "spes.model.x_analytic_param_counts",
         "1",
         "an assertion for the type checker: ModelConfig.__post_init__ sets both embedding_size and n_kv_heads",

@@ -1,6 +1,17 @@
+"""The server's receive buffers: the pool by shape and dtype, the rounds it takes them back from, and what a round
+takes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
 import torch
 
-from spes.sync.buffers import BufferPool
+from spes.sync.buffers import BufferPool, RoundMemory, round_limits
+from spes.sync.codecs.interface import Served
+from spes.sync.fragments import WHOLE
+from spes.sync.rounds import Completed
+from sync_helpers import tiny_spec
 
 
 def test_take_returns_given_buffers_by_shape_and_dtype() -> None:
@@ -13,6 +24,7 @@ def test_take_returns_given_buffers_by_shape_and_dtype() -> None:
     assert pool.take((3, 4), torch.bfloat16) is b
     fresh = pool.take((3, 4), torch.float32)
     assert fresh.shape == (3, 4) and fresh.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    assert pool.take((3, 4), torch.bfloat16).dtype == torch.bfloat16  # a new one, of the dtype asked for
     assert pool.nbytes == 0
 
 
@@ -22,6 +34,12 @@ def test_kept_views_and_surplus_tensors_are_not_pooled() -> None:
     in_use, merged = torch.zeros(8), torch.zeros(16)
     pool.give([in_use, *torch.split(merged, 8)], keep=[in_use])  # views of a larger tensor pin all of it
     assert pool.nbytes == 0
+    unlimited = BufferPool()
+    unlimited.give([torch.zeros(8)])
+    assert unlimited.nbytes == 0  # no limits set: nothing is kept
+    free = torch.zeros(8)
+    pool.give([in_use, free], keep=[in_use])  # a kept tensor is passed over, not the end of the list
+    assert pool.take((8,), torch.float32) is free
     pool.give([torch.zeros(8), torch.zeros(8)])
     assert pool.nbytes == torch.zeros(8).nbytes  # at most the limit per shape
     pool.give([torch.zeros(2)])
@@ -32,3 +50,56 @@ def test_kept_views_and_surplus_tensors_are_not_pooled() -> None:
     assert pool.nbytes == 2 * t.nbytes  # the same tensor given twice is kept once
     pool.set_limits({})
     assert pool.nbytes == 0
+
+
+def completed(step: int, **model: torch.Tensor) -> Completed:
+    return Completed(step, frozenset({0}), WHOLE, 0.0, model, {}, Served(step, model))
+
+
+def test_a_superseded_round_is_pooled_once_its_last_reader_is_done_keeping_what_the_current_one_holds() -> None:
+    memory = RoundMemory()
+    memory.pool.set_limits({((4,), torch.float32): 4})
+    first, carried, second = torch.zeros(4), torch.ones(4), torch.full((4,), 2.0)
+    memory.publish(completed(1, a=first, b=carried))
+    memory.pin(1)
+    memory.pin(1)  # two downloads of round 1
+    memory.publish(completed(2, a=second, b=carried))  # b carried over (a fragment's round)
+    memory.unpin(1)
+    assert memory.pool.nbytes == 0  # one download still reads round 1
+    memory.unpin(1)
+    assert memory.pool.nbytes == first.nbytes  # round 1's own tensor only: round 2 holds b
+    assert memory.pool.take((4,), torch.float32) is first
+    memory.pin(2)
+    memory.publish(completed(3, a=torch.zeros(4), b=torch.zeros(4)))
+    assert memory.pool.nbytes == 0  # round 2 is read
+    memory.unpin(2)
+    assert memory.pool.nbytes == second.nbytes + carried.nbytes
+
+
+def test_each_kind_of_download_of_a_round_is_encoded_once() -> None:
+    memory = RoundMemory()
+    items = {"a": torch.ones(3)}
+    memory.publish(completed(1, **items))
+    encoded = memory.encoded("raw", items, "bf16")
+    assert memory.encoded("raw", {"a": torch.zeros(3)}, "fp32") is encoded  # the first to ask made it
+    assert memory.encoded("raw+whole", items, "fp32") is not encoded
+    data, _ = encoded.get("a")
+    assert data.dtype == torch.bfloat16 and torch.equal(data.float(), items["a"])
+    memory.publish(completed(2, **items))
+    assert memory.encoded("raw", items, "fp32") is not encoded  # a new round: made again
+
+
+def test_one_round_takes_every_joined_peers_uploads_and_the_fp32_sums_of_narrower_shared_tensors() -> None:
+    spec = tiny_spec(num_peers=3)
+    manifest = spec.manifest or {}
+    shared = [n for n in manifest if spec.owner(n) is None]
+    assert shared and len(shared) < len(manifest)
+
+    def shapes(names: list[str], dtype: torch.dtype) -> Counter:
+        return Counter((manifest[n], dtype) for n in names)
+
+    joined = [0, 2]
+    uploads = shapes([n for p in joined for n in spec.trainable(p)], torch.bfloat16)
+    assert round_limits(spec, joined, torch.bfloat16) == uploads + shapes(shared, torch.float32)
+    fp32 = shapes([n for p in joined for n in spec.trainable(p)], torch.float32)
+    assert round_limits(spec, joined, torch.float32) == fp32

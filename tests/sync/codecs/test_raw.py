@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from spes.sync import wire
+from spes.sync.codecs.base import NO_BASE
+from spes.sync.codecs.interface import UploadBase
 from spes.sync.codecs.raw import RawPeer, RawServer
+from spes.sync.proto import spes_pb2 as pb
 
 
 def trained() -> dict[str, torch.Tensor]:
@@ -52,3 +55,44 @@ def test_a_raw_peer_keeps_no_state_and_refuses_another_codecs() -> None:
     peer.load_state_dict({}, {})
     with pytest.raises(ValueError, match="codec state of 'int8', this run's codec is 'bf16'"):
         peer.load_state_dict({"codec": "int8"}, {})
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_round_travels_as_the_values_in_the_wire_dtype_both_ways(dtype: str) -> None:
+    """A peer uploads what it trained as it is; the server decodes it into its own buffers (refusing non-finite
+    values), serves its global model as it is, whole or not as asked, and a peer decodes the download."""
+    peer, server = RawPeer(dtype), RawServer(dtype)
+    values = trained()
+    upload = peer.upload(values, own=["a"])
+    assert upload == values and upload is not values
+    shapes = {name: tuple(t.shape) for name, t in values.items()}
+    buffers = {name: torch.empty(shape, dtype=wire.RAW_DTYPES[dtype]) for name, shape in shapes.items()}
+    decoder = server.upload_decoder(shapes, buffers, UploadBase(None, {}, frozenset()))
+    for chunk in wire.encode_tensors(upload, dtype):
+        decoder.feed(chunk)
+    received, payloads = server.upload_values(decoder, decoder.finish(), UploadBase(None, {}, frozenset()))
+    assert payloads == {} and all(received[n] is buffers[n] for n in values)
+    for name in values:
+        torch.testing.assert_close(received[name].float(), values[name].to(wire.RAW_DTYPES[dtype]).float())
+    nan = server.upload_decoder(shapes, {}, UploadBase(None, {}, frozenset()))
+    with pytest.raises(ValueError, match="'b'"):
+        for chunk in wire.encode_tensors({**values, "b": torch.full((5,), float("nan"))}, dtype):
+            nan.feed(chunk)
+        nan.finish()
+
+    served = server.serve(7, received, None, list(values), {})
+    assert (served.round, served.tensors, served.deltas, served.base) == (7, received, {}, None)
+    assert server.persisted(served) == {}
+    restored = server.restore(7, received, {})
+    assert (restored.round, restored.tensors) == (7, received)
+    for full in (True, False):
+        selection = server.select(served, full=full, base_round=3)
+        assert (selection.items, selection.key, selection.whole) == (received, "raw", full)
+
+    info = pb.RoundInfo()
+    assert not peer.whole(info) and not peer.forget() and peer.base_round == NO_BASE
+    download = peer.decoder(shapes, None)
+    for chunk in wire.encode_tensors(selection.items, dtype):
+        download.feed(chunk)
+    got = peer.receive(info, download, caught_up=True)
+    assert got.keys() == values.keys() and all(torch.equal(got[n], received[n]) for n in values)
