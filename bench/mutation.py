@@ -89,6 +89,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     # the kill-during-save and resume-on-other-ranks runs are processes of their own (mutmut credits none of them)
     "spes/checkpoint.py": ("tests/test_checkpoint.py", "-m", "not slow"),
     "spes/config.py": ("tests/test_config.py",),
+    # the coordinator's handlers, driven in-process (no server, no network)
+    "spes/sync/joins.py": ("tests/sync/test_joins.py", "tests/sync/test_coordinator.py"),
+    "spes/sync/uploads.py": ("tests/sync/test_coordinator.py", "tests/sync/test_joins.py"),
+    "spes/sync/downloads.py": ("tests/sync/test_coordinator.py", "tests/sync/test_joins.py"),
+    "spes/sync/closing.py": ("tests/sync/test_coordinator.py",),
     # the forward's numerics against transformers' own models (RoPE, norms, QK-norm kinds, GQA, renormalization)
     "spes/model.py": ("tests/test_model.py", "tests/test_hf.py::test_export_logits_match_transformers"),
 }
