@@ -687,6 +687,33 @@ EQUIVALENT: dict[str, str] = {
         "at its one '/' every way",
     ),
     **mutants(
+        "spes.sync.admission.xǁGuardedHealthǁWatch",
+        "7 9 10",
+        "the value of a missing peer header: 'None' and 'XXXX' are no more digits than '', so no presence either way",
+    ),
+    **mutants(
+        "spes.sync.admission.xǁGuardedHealthǁWatch",
+        "18",
+        "the context a watch's ticket would cancel: a watch waits on the server (wait_for_round(True)) and has no "
+        "deadline, so the watchdog never ends it",
+    ),
+    **mutants(
+        "spes.sync.admission.xǁGuardedHealthǁWatch",
+        "46 49",
+        "the send callback passed on: the service runs in blocking mode, where grpcio calls Watch without one, so "
+        "it is None either way",
+    ),
+    **mutants(
+        "spes.atomic.x_publish_dir",
+        "5 6",
+        "which files are fsynced before the rename: durability across a power cut, which no test can observe",
+    ),
+    **mutants(
+        "spes.sync.buffers.x_round_limits",
+        "8",
+        "trainable(None) is the shared tensors alone, which are all that `averaged` keeps of any peer's list",
+    ),
+    **mutants(
         "spes.model.x_analytic_param_counts",
         "1",
         "an assertion for the type checker: ModelConfig.__post_init__ sets both embedding_size and n_kv_heads",

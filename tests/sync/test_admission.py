@@ -130,6 +130,8 @@ def test_a_live_peer_id_is_refused_and_a_dead_one_taken_over() -> None:
         sessions.join(0, "b", "ipv4:10.0.0.2:6000")
     sessions.absent(0, "a")  # its connection is gone (process killed): the restart takes over at once
     assert "10.0.0.1:5001" in sessions.join(0, "b", "ipv4:10.0.0.2:6000")
+    with pytest.raises(Refused, match="already joined by a live process at ipv4:10.0.0.2:6000; this join came from"):
+        sessions.join(0, "c", "ipv4:10.0.0.3:7000")  # the new process, just heard from, is now the live one
     with pytest.raises(Refused) as err:
         sessions.heard(0, "a")  # the old process, if it was only cut off, learns it was replaced
     assert err.value.reason == "superseded"
@@ -263,10 +265,13 @@ def test_a_presence_watch_holds_a_slot_of_its_peer_until_it_ends() -> None:
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert err.value.details() == "peer 3 already has --max_streams_per_peer=1 streams open: retry shortly"
         anonymous = stub.Watch(request, timeout=30)  # no peer: watched and counted, no presence
-        assert next(anonymous).status == health_pb2.HealthCheckResponse.SERVING
-        assert guard.open_streams == 2 and len(presence) == 1
-        watch.cancel()
-        anonymous.cancel()
+        no_session = stub.Watch(request, metadata=((PEER_KEY, "4"),), timeout=30)
+        no_peer = stub.Watch(request, metadata=((SESSION_KEY, "s3"),), timeout=30)
+        for other in (anonymous, no_session, no_peer):
+            assert next(other).status == health_pb2.HealthCheckResponse.SERVING
+        assert guard.open_streams == 4 and len(presence) == 1
+        for ended in (watch, anonymous, no_session, no_peer):
+            ended.cancel()
         wait_until(lambda: guard.open_streams == 0, "the ended watches to give their slots back", 10)
         assert presence[1:] == [("absent", 3, "s1")]
 

@@ -78,7 +78,11 @@ def test_a_superseded_round_is_pooled_once_its_last_reader_is_done_keeping_what_
 
 def test_each_kind_of_download_of_a_round_is_encoded_once() -> None:
     memory = RoundMemory()
+    memory.pin(0)
+    memory.unpin(0)  # a reader done before any round was published: nothing to give back
     items = {"a": torch.ones(3)}
+    memory.checksums.record(items, {"a": 12345}, "fp32")  # a verified upload's buffer: its checksum is not redone
+    assert memory.encoded("first", items, "fp32").get("a")[1] == 12345
     memory.publish(completed(1, **items))
     encoded = memory.encoded("raw", items, "bf16")
     assert memory.encoded("raw", {"a": torch.zeros(3)}, "fp32") is encoded  # the first to ask made it

@@ -91,8 +91,9 @@ def test_a_round_travels_as_the_values_in_the_wire_dtype_both_ways(dtype: str) -
 
     info = pb.RoundInfo()
     assert not peer.whole(info) and not peer.forget() and peer.base_round == NO_BASE
-    download = peer.decoder(shapes, None)
+    into = {name: torch.empty(shape, dtype=wire.RAW_DTYPES[dtype]) for name, shape in shapes.items()}
+    download = peer.decoder(shapes, into)  # into a peer's own buffers
     for chunk in wire.encode_tensors(selection.items, dtype):
         download.feed(chunk)
     got = peer.receive(info, download, caught_up=True)
-    assert got.keys() == values.keys() and all(torch.equal(got[n], received[n]) for n in values)
+    assert got.keys() == values.keys() and all(got[n] is into[n] and torch.equal(got[n], received[n]) for n in values)
