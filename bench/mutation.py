@@ -714,6 +714,13 @@ EQUIVALENT: dict[str, str] = {
         "trainable(None) is the shared tensors alone, which are all that `averaged` keeps of any peer's list",
     ),
     **mutants(
+        "spes.config.x__f",
+        "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15",
+        "called only while spes.config is imported (the dataclasses' fields), before mutmut's child switches a mutant "
+        "on, so no test sees one; the defaults and docs it makes are checked by the shipped configs' and "
+        "test_every_key_has_a_doc's tests",
+    ),
+    **mutants(
         "spes.model.x_analytic_param_counts",
         "1",
         "an assertion for the type checker: ModelConfig.__post_init__ sets both embedding_size and n_kv_heads",

@@ -783,7 +783,7 @@ def parse_duration(value: str | int) -> tuple[int, Literal["steps", "tokens"]]:
         if match is None or match.group(2) == "ep":
             raise ValueError(value)
         amount = int(float(match.group(1)))
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: a number past a float's range ('1e999T')
         raise ConfigError(
             f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')"
         ) from None

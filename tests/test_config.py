@@ -18,10 +18,12 @@ from spes.config import (
     InstanceFilterConfig,
     SpesConfig,
     TrainConfig,
+    _yaml_problem,
     config_help,
     load_config,
     load_sync_sections,
     node_data_seed,
+    parse_duration,
 )
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -692,7 +694,43 @@ def test_peers_past_the_last_expert_block_own_nothing() -> None:
 def test_a_yaml_syntax_error_is_one_line_with_its_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(write(tmp_path, "model:\n  d_model: 64\n n_heads: [4\n"))
-    assert "line 3, column 2: not valid YAML" in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).endswith(
+        "run.yaml: line 3, column 2: not valid YAML (did not find expected key); check the indentation, colons and "
+        "brackets there"
+    )
+    without_a_mark = yaml.YAMLError("a problem\n  on two lines")  # folded to one line, no position to name
+    assert _yaml_problem(without_a_mark) == (
+        "not valid YAML (a problem on two lines); check the indentation, colons and brackets there"
+    )
+
+
+@pytest.mark.parametrize(
+    "value, parsed",
+    [
+        (700, (700, "steps")),
+        ("1000st", (1000, "steps")),
+        ("1000", (1000, "steps")),
+        (" 2e9T ", (2_000_000_000, "tokens")),
+    ],
+)
+def test_a_duration_is_steps_or_tokens(value: str | int, parsed: tuple[int, str]) -> None:
+    assert parse_duration(value) == parsed
+
+
+@pytest.mark.parametrize("value", ["3ep", "ten", "5min", "1e999T"])
+def test_a_duration_of_epochs_or_another_unit_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_duration(value)
+    assert str(err.value) == f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')"
+
+
+def test_help_gives_each_key_its_default_type_and_doc_and_each_section_a_heading() -> None:
+    lines = config_help()
+    assert "  --server.merge_topk=4  [int]  most similar other experts each expert is pulled towards" in lines
+    codec_settings = next(line for line in lines if line.startswith("  --spes_config.codec_settings="))
+    assert codec_settings.startswith("  --spes_config.codec_settings={}  [")  # a dict default, made by its factory
+    heading = next(line for line in lines if line.startswith("  server.*"))
+    assert heading.startswith("  server.*  -- ") and len(heading) > len("  server.*  -- ")
 
 
 @pytest.mark.parametrize(
@@ -742,3 +780,118 @@ def test_compile_and_fused_loss_left_null_are_settled_per_device() -> None:
     chosen = load_config(CONFIGS / "tiny.yaml", ["--compile=false", "--fused_loss=false"])[0].on_device("cuda")
     assert (chosen.compile, chosen.fused_loss) == (False, False)  # a value set is kept
     assert gpu.on_device("cpu") == gpu  # settled once
+
+
+# Every bound of a setting: refused one past its edge with the whole message, accepted at the edge.
+BOUNDS = [
+    # (a setting one past its edge, the message's tail, the setting at its edge)
+    (["--global_train_batch_size=0"], "'global_train_batch_size' = 0 must be > 0", []),
+    ([], "", ["--global_train_batch_size=1", "--device_train_microbatch_size=1"]),
+    (["--device_train_microbatch_size=0"], "'device_train_microbatch_size' = 0 must be > 0", []),
+    (["--device_eval_batch_size=0"], "'device_eval_batch_size' = 0 must be > 0", ["--device_eval_batch_size=1"]),
+    (["--time_limit=0"], "'time_limit' = 0.0 must be > 0 seconds", ["--time_limit=0.5"]),
+    (["--skip_nonfinite_steps=-1"], "'skip_nonfinite_steps' = -1 must be >= 0", ["--skip_nonfinite_steps=0"]),
+    (
+        ["--gen1_gc_interval=0"],
+        "'gen1_gc_interval' = 0 must be >= 1 step (null: Python's automatic collection)",
+        ["--gen1_gc_interval=1"],
+    ),
+    (
+        ["--spes_config.num_peers=0"],
+        "'spes_config.num_peers' = 0 must be >= 1",
+        ["--spes_config.num_peers=1", "--spes_config.num_train_experts_per_node=8"],
+    ),
+    (["--spes_config.sync_steps=0"], "'spes_config.sync_steps' = 0 must be >= 1", ["--spes_config.sync_steps=1"]),
+    (
+        ["--spes_config.decayed_factor_update_steps=0"],
+        "'spes_config.decayed_factor_update_steps' = 0 must be >= 1",
+        ["--spes_config.decayed_factor_update_steps=1"],
+    ),
+    (
+        ["--spes_config.server_addr=:5000"],
+        "'spes_config.server_addr' = ':5000' must be host:port",
+        ["--spes_config.server_addr=h:1"],
+    ),
+    (
+        ["--spes_config.overlap_fragments=2"],
+        "'spes_config.overlap_fragments' = 2 needs spes_config.overlap_sync=true: fragments are for rounds that "
+        "overlap training",
+        ["--spes_config.overlap_sync=true", "--spes_config.overlap_fragments=10"],
+    ),
+    (
+        ["--spes_config.overlap_sync=true", "--spes_config.overlap_steps=11"],
+        "'spes_config.overlap_steps' = 11 must be in [0, 10] (sync_steps / overlap_fragments): a round must land "
+        "before the next one is uploaded",
+        ["--spes_config.overlap_sync=true", "--spes_config.overlap_steps=10"],
+    ),
+    (
+        ["--spes_config.overlap_correction=0"],
+        "'spes_config.overlap_correction' = 0.0 must be in (0, 1]: the share of each round's correction a node "
+        "applies (0 would never sync)",
+        ["--spes_config.overlap_correction=1"],
+    ),
+    (
+        ["--spes_config.num_train_experts_per_node=0"],
+        "'spes_config.num_train_experts_per_node' = 0 must be >= 1",
+        ["--spes_config.num_train_experts_per_node=1", "--model.moe_num_experts=4"],
+    ),
+    (
+        ["--model.moe_num_experts=16"],
+        "'model.moe_num_experts' = 16 has experts no peer owns: num_peers=4 x num_train_experts_per_node=2 covers "
+        "only 8 (e.g. set num_train_experts_per_node=4)",
+        ["--model.moe_num_experts=8"],
+    ),
+    (
+        ["--server.merge_alpha_start=-0.1"],
+        "'server.merge_alpha_start' = -0.1 must be a finite number >= 0",
+        ["--server.merge_alpha_start=0"],
+    ),
+    (["--server.merge_alpha_start=inf"], "'server.merge_alpha_start' = inf must be a finite number >= 0", []),
+    (["--server.merge_decay_steps=0"], "'server.merge_decay_steps' = 0 must be > 0", ["--server.merge_decay_steps=1"]),
+    (["--server.merge_topk=0"], "'server.merge_topk' = 0 must be >= 1", ["--server.merge_topk=1"]),
+    (["--server.outer_lr=0"], "'server.outer_lr' = 0.0 must be > 0", ["--server.outer_lr=0.001"]),
+    (["--server.outer_momentum=1"], "'server.outer_momentum' = 1.0 must be in [0, 1)", ["--server.outer_momentum=0"]),
+    (["--server.outer_momentum=-0.1"], "'server.outer_momentum' = -0.1 must be in [0, 1)", []),
+    (["--server.round_timeout_s=0"], "'server.round_timeout_s' = 0.0 must be > 0", ["--server.round_timeout_s=0.5"]),
+    (["--server.min_peers=0"], "'server.min_peers' = 0 must be >= 1", ["--server.min_peers=1"]),
+    (["--server.min_peers=5"], "'server.min_peers' = 5 must be <= spes_config.num_peers=4", ["--server.min_peers=4"]),
+    (
+        ["--scheduler.warmup_min_lr=-1"],
+        "'scheduler.warmup_min_lr' = -1.0 must be >= 0 (or null for 10% of the peak)",
+        ["--scheduler.warmup_min_lr=0"],
+    ),
+    (
+        ["--data.instance_filter.repetition_min_period=0"],
+        "'data.instance_filter.repetition_min_period' = 0 must be >= 1",
+        ["--data.instance_filter.repetition_min_period=1"],
+    ),
+    (
+        ["--data.instance_filter.repetition_max_period=0", "--data.instance_filter.repetition_min_period=1"],
+        "'data.instance_filter.repetition_max_period' = 0 must be >= repetition_min_period=1",
+        ["--data.instance_filter.repetition_max_period=1", "--data.instance_filter.repetition_min_period=1"],
+    ),
+    (
+        ["--data.instance_filter.repetition_max_count=1"],
+        "'data.instance_filter.repetition_max_count' = 1 must be >= 2",
+        ["--data.instance_filter.repetition_max_count=2"],
+    ),
+    (["--model.moe_top_k=0"], "'model.moe_top_k' = 0 must be in [1, moe_num_experts=8]", ["--model.moe_top_k=1"]),
+    (["--model.moe_top_k=9"], "'model.moe_top_k' = 9 must be in [1, moe_num_experts=8]", ["--model.moe_top_k=8"]),
+    (
+        ["--model.embedding_size=4095"],
+        "'model.embedding_size' = 4095 must be >= model.vocab_size=4096",
+        ["--model.embedding_size=4096"],
+    ),
+]
+
+
+@pytest.mark.parametrize("past, message, edge", BOUNDS)
+def test_every_bound_refuses_one_past_its_edge_in_full_and_takes_the_edge(
+    past: list[str], message: str, edge: list[str]
+) -> None:
+    if past:
+        with pytest.raises(ConfigError) as err:
+            load_config(CONFIGS / "tiny.yaml", past)
+        assert str(err.value).endswith(f"config key {message}"), str(err.value)
+    if edge:
+        load_config(CONFIGS / "tiny.yaml", edge)
