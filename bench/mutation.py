@@ -721,6 +721,15 @@ EQUIVALENT: dict[str, str] = {
         "test_every_key_has_a_doc's tests",
     ),
     **mutants(
+        "spes.sync.joins.x_check_join",
+        "62",
+        "1e9 + 1 bytes to the GB: the size off by one part in a billion, below what any bound or the message's four "
+        "digits can tell",
+    ),
+    **mutants(
+        "spes.sync.joins.x_check_manifest", "6 7", "the message of an assertion that holds (a peer's spec is complete)"
+    ),
+    **mutants(
         "spes.model.x_analytic_param_counts",
         "1",
         "an assertion for the type checker: ModelConfig.__post_init__ sets both embedding_size and n_kv_heads",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import grpc
 import pytest
 
-from spes.sync.joins import check_join, check_manifest, manifest_differences
+from spes.sync.joins import check_join, check_manifest, check_run, describe_names, manifest_differences
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Refused
 from spes.sync.spec import RunSpec
@@ -117,4 +118,70 @@ def test_manifest_checks() -> None:
     assert manifest_differences(MANIFEST, MANIFEST) == ""
     assert "missing 'lm_head.weight'" in manifest_differences(
         MANIFEST, {n: s for n, s in MANIFEST.items() if n != "lm_head.weight"}
+    )
+
+
+def test_a_manifest_is_bounded_in_tensors_before_anything_else_and_in_size_when_the_run_has_no_model() -> None:
+    count = len(MANIFEST)
+    check_join(join(1), SPEC, max_tensors=count)  # exactly the bound
+    with pytest.raises(Refused) as err:
+        check_join(join(1, protocol=0), SPEC, max_tensors=count - 1)  # before its protocol is even read
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(err.value) == f"peer 1's manifest names {count} tensors, more than --max_tensors={count - 1}"
+    open_spec = replace(SPEC, manifest=None)
+    size_gb = 4 * sum(math.prod(shape) for shape in MANIFEST.values()) / 1e9  # fp32
+    check_join(join(0), open_spec, max_model_gb=size_gb)  # exactly the bound
+    with pytest.raises(Refused) as err:
+        check_join(join(0), open_spec, max_model_gb=size_gb * 0.999)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(err.value).startswith(f"peer 0's manifest declares a model of {size_gb:.4g} GB in fp32, more than ")
+
+
+def test_refusals_name_the_peer_and_where_the_runs_model_came_from() -> None:
+    with pytest.raises(Refused) as err:
+        check_join(join(0, protocol=5), SPEC)
+    assert str(err.value).startswith("peer 0 speaks wire protocol v5")
+    negative = [*join(0).manifest, pb.TensorSpec(name="x", shape=[2, -1])]
+    with pytest.raises(Refused) as err:
+        check_join(join(0, manifest=negative), SPEC)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(err.value) == "peer 0: tensor 'x' has a negative dimension in shape [2, -1]"
+    empty_dim = {**MANIFEST, "x": (0, 3)}  # an empty tensor is a tensor
+    check_manifest(empty_dim, SPEC)
+    with pytest.raises(Refused) as err:
+        check_join(join(0, tiny_spec(d=16)), replace(SPEC, origin="configs/tiny.yaml"))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(err.value).startswith("peer 0's model differs from the run's (configs/tiny.yaml): ")
+    with pytest.raises(ValueError, match="^the manifest is empty: send the name and shape of every tensor of the mod"):
+        check_manifest({}, SPEC)
+
+
+def test_how_a_model_differs_is_said_in_a_few_names_of_each_kind() -> None:
+    known = {f"t{i}": (2,) for i in range(10)}
+    given = {**{f"t{i}": (3,) for i in range(3, 10)}, "u0": (1,), "u1": (1,)}
+    assert manifest_differences(known, given) == (
+        "missing 't0', 't1', 't2'; unknown 'u0', 'u1'; "
+        + "; ".join(f"'t{i}' has shape [3], the run's is [2]" for i in range(3, 8))  # five of the seven reshaped
+    )
+    assert describe_names([f"n{i}" for i in range(5)]) == "'n0', 'n1', 'n2', 'n3', 'n4'"
+    assert describe_names([f"n{i}" for i in range(7)]) == "'n0', 'n1', 'n2', 'n3', 'n4' and 2 more"
+
+
+def test_two_runs_are_never_mixed() -> None:
+    check_run(0, "abc", "abc", 7)  # a node of this run
+    check_run(0, "", "abc", None)  # a fresh node while the run has no round yet
+    with pytest.raises(Refused) as err:
+        check_run(1, "", "abc", 7)
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "other_run")
+    assert str(err.value) == (
+        "peer 1 starts a fresh run, but this server holds run abc at round 7: to continue that run resume the node "
+        "from its checkpoint (--resume=auto), or join it afresh with spes_config.run_id=abc; for a new run start "
+        "the server with a fresh --state_dir"
+    )
+    with pytest.raises(Refused) as err:
+        check_run(2, "xyz", "abc", None)  # another run's node, even before this run's first round
+    assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "other_run")
+    assert str(err.value) == (
+        "peer 2 belongs to run xyz (its checkpoint or spes_config.run_id), but this server holds run abc (no round "
+        "yet): restart the server with that run's --state_dir, or start the node fresh (without --resume) for this one"
     )
