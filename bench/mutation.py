@@ -730,6 +730,12 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.joins.x_check_manifest", "6 7", "the message of an assertion that holds (a peer's spec is complete)"
     ),
     **mutants(
+        "spes.config.xǁModelConfigǁ__post_init__",
+        "43",
+        "`/` for `//` in the RoPE check: the check before it has made d_model a multiple of n_heads, so both are the "
+        "same whole number",
+    ),
+    **mutants(
         "spes.model.x_analytic_param_counts",
         "1",
         "an assertion for the type checker: ModelConfig.__post_init__ sets both embedding_size and n_kv_heads",

@@ -179,6 +179,16 @@ def test_a_server_without_the_run_takes_its_sync_sections_from_overrides() -> No
         load_sync_sections(["--model.d_model=64"])
     with pytest.raises(ConfigError, match="did you mean 'server.merge_topk'"):
         load_sync_sections(["--server.merge_top=2"])
+    assert load_sync_sections(["--using_spes=false"])[2] == "centralized"
+    assert load_sync_sections(["--using_spes=true", "--using_dilico=false"])[2] == "spes"
+    with pytest.raises(ConfigError) as err:
+        load_sync_sections(["--model.d_model=64"])
+    assert str(err.value) == (
+        "command line (--model.d_model=64): without the run's YAML only --spes_config.*, --server.*, --using_spes "
+        "and --using_dilico apply; give the run's YAML first (python -m spes.server RUN.yaml ...)"
+    )
+    with pytest.raises(ConfigError, match="^command line: config key 'server.merge_topk' = 0 must be >= 1$"):
+        load_sync_sections(["--server.merge_topk=0"])  # (spes_config's bounds are the run spec's: test_spec)
 
 
 def test_paper_1b_config_values() -> None:
@@ -877,6 +887,19 @@ BOUNDS = [
     ),
     (["--model.moe_top_k=0"], "'model.moe_top_k' = 0 must be in [1, moe_num_experts=8]", ["--model.moe_top_k=1"]),
     (["--model.moe_top_k=9"], "'model.moe_top_k' = 9 must be in [1, moe_num_experts=8]", ["--model.moe_top_k=8"]),
+    (["--model.d_model=66"], "'model.d_model' = 66 must be divisible by model.n_heads=4", ["--model.d_model=72"]),
+    (["--model.n_kv_heads=3"], "'model.n_kv_heads' = 3 must divide model.n_heads=4", ["--model.n_kv_heads=2"]),
+    (["--model.d_model=68"], "'model.d_model' = 68 head size d_model / n_heads must be even for RoPE", []),
+    (
+        ["--model.mlp_hidden_size=127"],
+        "'model.mlp_hidden_size' = 127 must be even (each expert is mlp_hidden_size / 2 wide)",
+        ["--model.mlp_hidden_size=126"],
+    ),
+    (
+        ["--model.weight_tying=true"],
+        "'model.weight_tying' = True is not supported by the OLMoE-style model of spes (remove it)",
+        [],
+    ),
     (
         ["--model.embedding_size=4095"],
         "'model.embedding_size' = 4095 must be >= model.vocab_size=4096",
