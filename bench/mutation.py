@@ -1072,7 +1072,7 @@ def rechecked(previous: dict[str, Any] | None, module: str) -> tuple[str, ...]:
     """The mutants `previous` (a module's record) did not see killed; refuses when the module changed since."""
     if previous is None or not previous.get("complete"):
         raise SystemExit(f"error: --recheck needs a complete record of {module}: run it whole first")
-    then = previous["commit"].removesuffix("-dirty")
+    then = previous["commit"].split("-dirty", 1)[0]  # `<commit>-dirty-<hash>`: the module as that commit has it
     source = subprocess.run(["git", "show", f"{then}:{module}"], cwd=REPO_ROOT, capture_output=True, text=True)
     if source.returncode != 0 or source.stdout != (REPO_ROOT / module).read_text():
         raise SystemExit(f"error: {module} changed since its record's commit {then[:12]}: run it whole, not --recheck")
