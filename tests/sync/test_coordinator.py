@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -226,5 +227,105 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
         with service.downloads.serve(0, 2, False, lambda: True, 30.0) as second:
             assert second is not None
         assert load_round(state_dir, service.spec).step == 2  # type: ignore[union-attr]
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+def joined(spec: RunSpec = SPEC, **deploy: object) -> Coordinator:
+    service = coordinator(spec, **deploy)
+    for peer in range(spec.num_peers):
+        service.join(join_request(peer, spec), session=f"s{peer}", address="test", common_name=lambda: None)
+    return service
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_counts_its_bytes_refuses_bad_payloads_by_kind_and_keeps_nothing_of_a_broken_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    service = joined()
+    try:
+        upload = peer_upload(SPEC, 0, seed=2)
+        size = sum(t.numel() * 4 for t in upload.values())
+
+        def broken(decoder: TensorDecoder) -> None:
+            decoder.feed(next(encode_tensors(upload, "fp32")))
+            raise OSError("connection reset")
+
+        reply = service.uploads.receive(0, 1, broken)
+        assert reply.round == 0 and not reply.duplicate  # nothing kept, nothing staged
+        assert "upload of peer 0 for round 1 broke off after" in caplog.text and "nothing was kept" in caplog.text
+        assert service.state.snapshot().uploaded_peers == ()
+
+        def corrupt(decoder: TensorDecoder) -> None:
+            chunk = next(encode_tensors(upload, "fp32"))
+            chunk.checksum ^= 1
+            decoder.feed(chunk)
+
+        with pytest.raises(Refused) as err:
+            service.uploads.receive(0, 1, corrupt)
+        assert (err.value.code, err.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.CORRUPT)
+        assert str(err.value).startswith("upload of peer 0 for round 1: ")
+        before = service.uploads.bytes_in
+        first = service.uploads.receive(0, 1, feeding(upload), digest=7)
+        assert (first.round, first.duplicate, list(first.uploaded_peers)) == (1, False, [0])
+        assert service.uploads.bytes_in == before + size  # added up over uploads, kept or not
+        again = service.uploads.receive(0, 1, feeding(upload), digest=7)  # a retry of the committed upload
+        assert (again.round, again.duplicate) == (1, True)
+        with pytest.raises(Refused, match="upload of peer 1 for round 1: "):
+            service.uploads.receive(1, 1, feeding(upload), fragment=3)  # no fragment 3 in this run
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_newer_upload_of_a_peer_ends_its_stalled_one() -> None:
+    service = joined()
+    guard = service.guard
+    try:
+        stalled, newer = guard.admit(None), guard.admit(None)
+        upload = peer_upload(SPEC, 0, seed=3)
+        started = threading.Event()
+
+        def stall(decoder: TensorDecoder) -> None:
+            started.set()
+            while not stalled.expired:
+                time.sleep(0.01)
+            raise OSError("ended")
+
+        worker = threading.Thread(target=lambda: service.uploads.receive(0, 1, stall, ticket=stalled))
+        worker.start()
+        assert started.wait(10)
+        reply = service.uploads.receive(0, 1, feeding(upload), ticket=newer)
+        worker.join(10)
+        assert stalled.expired and stalled.why == "superseded by a newer upload of peer 0" and not newer.expired
+        assert list(reply.uploaded_peers) == [0]
+        assert service.uploads.receive(1, 1, feeding(peer_upload(SPEC, 1, seed=3))).uploaded_peers == [0, 1]
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_download_says_its_round_and_peers_and_ends_when_the_server_stops_or_the_caller_runs_out() -> None:
+    service = joined()
+    try:
+        uploads = {p: peer_upload(SPEC, p, seed=4) for p in range(2)}
+        for peer in range(2):
+            service.uploads.receive(peer, 1, feeding(uploads[peer]))
+        with service.downloads.serve(0, 1, False, lambda: True, None) as outgoing:
+            assert outgoing is not None
+            assert (outgoing.info.round, list(outgoing.info.peers), outgoing.info.base_round) == (1, [0, 1], -1)
+            assert outgoing.wire_dtype == "fp32" and set(outgoing.tensors) == set(outgoing.info.names)
+        service.uploads.receive(0, 2, feeding(uploads[0]))
+        start = time.monotonic()
+        with service.downloads.serve(0, 2, False, lambda: True, 0.3) as late:  # peer 1's upload never comes
+            assert late is None
+        assert 0.3 <= time.monotonic() - start < 5
+        service.shutdown(grace_s=1.0)
+        with pytest.raises(Refused) as err, service.downloads.serve(0, 2, False, lambda: True, 5.0):
+            pass
+        assert (err.value.code, str(err.value)) == (
+            grpc.StatusCode.UNAVAILABLE,
+            "the parameter server is shutting down",
+        )
     finally:
         service.shutdown(grace_s=1.0)
