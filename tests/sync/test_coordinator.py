@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 import time
@@ -200,7 +201,7 @@ def test_an_aggregate_that_overflows_is_refused_naming_the_tensor_and_nothing_is
 
 @pytest.mark.timeout(60)
 def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be_uploaded_again(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The round's file cannot be written (here `--state_dir` became a file): the waiting peers are told where and
     what to do, nothing is published, round 1 stays the latest on disk and in memory; once the directory is
@@ -218,8 +219,13 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
                     assert first is not None
                 shutil.rmtree(state_dir)
                 state_dir.write_text("not a directory")
-        with pytest.raises(Refused, match=rf"could not save round 2 under --state_dir {state_dir} .*--resume=auto"):
+        with pytest.raises(Refused) as err:
             service.downloads.serve(0, 2, False, lambda: True, 5.0).__enter__()
+        assert str(err.value).startswith(f"the server could not save round 2 under --state_dir {state_dir} (")
+        assert str(err.value).endswith(
+            "): free space there (or fix its permissions), then resume the nodes with --resume=auto; the server's "
+            "latest round is still the one before, and the nodes upload this one again"
+        )
         assert service.status().current_round == 1
         state_dir.unlink()
         for peer in range(2):
@@ -229,6 +235,19 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
         assert load_round(state_dir, service.spec).step == 2  # type: ignore[union-attr]
     finally:
         service.shutdown(grace_s=1.0)
+    caplog.set_level(logging.INFO, "spes.server")
+    restarted = coordinator(SPEC, state_dir=str(state_dir))  # a restarted server resumes from round 2
+    try:
+        assert (
+            restarted.status().current_round == 2
+            and f"resumed from {state_dir}: round 2 complete (peers [0, 1])" in (caplog.text)
+        )
+        restarted.join(join_request(0, SPEC, run_id=restarted.status().run_id), **JOIN)  # type: ignore[arg-type]
+        with restarted.downloads.serve(0, 2, True, lambda: True, 5.0) as caught_up:  # a node catching up
+            assert caught_up is not None and caught_up.info.round == 2 and list(caught_up.info.peers) == [0, 1]
+            assert set(caught_up.info.names) == set(MANIFEST)
+    finally:
+        restarted.shutdown(grace_s=1.0)
 
 
 def joined(spec: RunSpec = SPEC, **deploy: object) -> Coordinator:
