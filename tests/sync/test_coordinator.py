@@ -6,6 +6,7 @@ import logging
 import shutil
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -346,5 +347,28 @@ def test_a_download_says_its_round_and_peers_and_ends_when_the_server_stops_or_t
             grpc.StatusCode.UNAVAILABLE,
             "the parameter server is shutting down",
         )
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_download_waiting_past_the_round_timeout_closes_a_quorum_round_with_the_peers_that_came(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    quorum = ServerSection(merge_interval=0, dead_peer_policy="quorum", round_timeout_s=0.5, min_peers=1)
+    spec = replace(SPEC, server=quorum)
+    service = joined(spec)
+    try:
+        for peer in range(2):  # round 1 with both: the global model then holds a copy of every owner's blocks
+            service.uploads.receive(peer, 1, feeding(peer_upload(spec, peer, seed=5)))
+        with service.downloads.serve(0, 1, False, lambda: True, 30.0) as first:
+            assert first is not None
+        service.uploads.receive(0, 2, feeding(peer_upload(spec, 0, seed=6)))  # peer 1 never uploads round 2
+        start = time.monotonic()
+        with service.downloads.serve(0, 2, False, lambda: True, 30.0) as outgoing:
+            assert outgoing is not None and outgoing.info.round == 2 and list(outgoing.info.peers) == [0]
+        assert 0.4 < time.monotonic() - start < 10
+        assert "round 2 timed out: closing it with peers [0] (server.dead_peer_policy quorum)" in caplog.messages
+        assert service.status().current_round == 2
     finally:
         service.shutdown(grace_s=1.0)
