@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import ipaddress
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +20,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from spes.config import ServerSection, SpesConfig
+from spes.sync.codecs.interface import Served
+from spes.sync.fragments import WHOLE
 from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROTOCOL_VERSION, Mode
+from spes.sync.rounds import Completed
 from spes.sync.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -95,6 +98,12 @@ def peer_upload(spec: RunSpec, peer: int, seed: int) -> dict[str, torch.Tensor]:
     """What `peer` would upload in a round: random values for the names it trains."""
     assert spec.manifest is not None
     return random_tensors(spec.manifest, spec.trainable(peer), seed=seed * 100 + peer)
+
+
+def completed(step: int, peers: Collection[int] = (0,), model: dict[str, torch.Tensor] | None = None) -> Completed:
+    """A completed whole round of a raw codec, built by `peers`, of `model` (default: one tensor)."""
+    model = {"x": torch.ones(1)} if model is None else model
+    return Completed(step, frozenset(peers), WHOLE, 0.0, model, {}, Served(step, model))
 
 
 @contextlib.contextmanager

@@ -8,10 +8,7 @@ from collections import Counter
 import torch
 
 from spes.sync.buffers import BufferPool, RoundMemory, round_limits
-from spes.sync.codecs.interface import Served
-from spes.sync.fragments import WHOLE
-from spes.sync.rounds import Completed
-from sync_helpers import tiny_spec
+from sync_helpers import completed, tiny_spec
 
 
 def test_take_returns_given_buffers_by_shape_and_dtype() -> None:
@@ -52,25 +49,21 @@ def test_kept_views_and_surplus_tensors_are_not_pooled() -> None:
     assert pool.nbytes == 0
 
 
-def completed(step: int, **model: torch.Tensor) -> Completed:
-    return Completed(step, frozenset({0}), WHOLE, 0.0, model, {}, Served(step, model))
-
-
 def test_a_superseded_round_is_pooled_once_its_last_reader_is_done_keeping_what_the_current_one_holds() -> None:
     memory = RoundMemory()
     memory.pool.set_limits({((4,), torch.float32): 4})
     first, carried, second = torch.zeros(4), torch.ones(4), torch.full((4,), 2.0)
-    memory.publish(completed(1, a=first, b=carried))
+    memory.publish(completed(1, model={"a": first, "b": carried}))
     memory.pin(1)
     memory.pin(1)  # two downloads of round 1
-    memory.publish(completed(2, a=second, b=carried))  # b carried over (a fragment's round)
+    memory.publish(completed(2, model={"a": second, "b": carried}))  # b carried over (a fragment's round)
     memory.unpin(1)
     assert memory.pool.nbytes == 0  # one download still reads round 1
     memory.unpin(1)
     assert memory.pool.nbytes == first.nbytes  # round 1's own tensor only: round 2 holds b
     assert memory.pool.take((4,), torch.float32) is first
     memory.pin(2)
-    memory.publish(completed(3, a=torch.zeros(4), b=torch.zeros(4)))
+    memory.publish(completed(3, model={"a": torch.zeros(4), "b": torch.zeros(4)}))
     assert memory.pool.nbytes == 0  # round 2 is read
     memory.unpin(2)
     assert memory.pool.nbytes == second.nbytes + carried.nbytes
@@ -83,13 +76,13 @@ def test_each_kind_of_download_of_a_round_is_encoded_once() -> None:
     items = {"a": torch.ones(3)}
     memory.checksums.record(items, {"a": 12345}, "fp32")  # a verified upload's buffer: its checksum is not redone
     assert memory.encoded("first", items, "fp32").get("a")[1] == 12345
-    memory.publish(completed(1, **items))
+    memory.publish(completed(1, model=items))
     encoded = memory.encoded("raw", items, "bf16")
     assert memory.encoded("raw", {"a": torch.zeros(3)}, "fp32") is encoded  # the first to ask made it
     assert memory.encoded("raw+whole", items, "fp32") is not encoded
     data, _ = encoded.get("a")
     assert data.dtype == torch.bfloat16 and torch.equal(data.float(), items["a"])
-    memory.publish(completed(2, **items))
+    memory.publish(completed(2, model=items))
     assert memory.encoded("raw", items, "fp32") is not encoded  # a new round: made again
 
 

@@ -41,6 +41,18 @@ def coordinator(spec: RunSpec, **deploy: object) -> Coordinator:
     return Coordinator(ServerConfig(spec, DeployConfig(**deploy)))  # type: ignore[arg-type]
 
 
+def joined(spec: RunSpec = SPEC, **deploy: object) -> Coordinator:
+    """A coordinator every peer of `spec` has joined (shut down again if a join fails)."""
+    service = coordinator(spec, **deploy)
+    try:
+        for peer in range(spec.num_peers):
+            service.join(join_request(peer, spec), session=f"s{peer}", address="test", common_name=lambda: None)
+    except BaseException:
+        service.shutdown(grace_s=1.0)
+        raise
+    return service
+
+
 @pytest.mark.timeout(60)
 def test_a_round_through_the_coordinator_alone() -> None:
     service = coordinator(SPEC)
@@ -78,10 +90,8 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
     merge = ServerSection(merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=100)
     spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=merge)
     layout = spec.layout
-    service = coordinator(spec)
+    service = joined(spec)
     try:
-        for peer in range(2):
-            service.join(join_request(peer, spec), session=f"s{peer}", address="test", common_name=lambda: None)
         held: dict[str, torch.Tensor] = {}
         for step, fragment in ((2, 1), (4, 2), (6, WHOLE)):
             names = layout.names(fragment, MANIFEST)
@@ -149,10 +159,8 @@ def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tm
     quorum = ServerSection(merge_interval=0, dead_peer_policy="quorum", min_peers=1, round_timeout_s=0.2)
     spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=quorum)
     layout = spec.layout
-    service = coordinator(spec, state_dir=str(tmp_path))
+    service = joined(spec, state_dir=str(tmp_path))
     try:
-        for peer in range(2):
-            service.join(join_request(peer, spec), **JOIN)  # type: ignore[arg-type]
         for peer in range(2):
             part = {n: t for n, t in peer_upload(spec, peer, 2).items() if n in layout.parts[0]}
             service.uploads.receive(peer, 2, feeding(part), 1)
@@ -178,10 +186,8 @@ def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tm
 def test_an_aggregate_that_overflows_is_refused_naming_the_tensor_and_nothing_is_published() -> None:
     """Two peers upload finite values of 3e38: their fp32 mean overflows. The round fails with the tensor's name,
     the previous round stays the latest, and the peers may upload again."""
-    service = coordinator(SPEC)
+    service = joined()
     try:
-        for peer in range(2):
-            service.join(join_request(peer, SPEC), **JOIN)  # type: ignore[arg-type]
         uploads = {p: peer_upload(SPEC, p, seed=1) for p in range(2)}
         for peer in range(2):
             service.uploads.receive(peer, 1, feeding(uploads[peer]))
@@ -208,10 +214,8 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
     what to do, nothing is published, round 1 stays the latest on disk and in memory; once the directory is
     writable again the same uploads complete the round, which is then persisted."""
     state_dir = tmp_path / "state"
-    service = coordinator(SPEC, state_dir=str(state_dir))
+    service = joined(state_dir=str(state_dir))
     try:
-        for peer in range(2):
-            service.join(join_request(peer, SPEC), **JOIN)  # type: ignore[arg-type]
         for step in (1, 2):
             for peer in range(2):
                 service.uploads.receive(peer, step, feeding(peer_upload(SPEC, peer, seed=step)))
@@ -243,19 +247,12 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
             restarted.status().current_round == 2
             and f"resumed from {state_dir}: round 2 complete (peers [0, 1])" in (caplog.text)
         )
-        restarted.join(join_request(0, SPEC, run_id=restarted.status().run_id), **JOIN)  # type: ignore[arg-type]
+        restarted.join(join_request(0, SPEC, run_id=restarted.run_id), **JOIN)  # type: ignore[arg-type]
         with restarted.downloads.serve(0, 2, True, lambda: True, 5.0) as caught_up:  # a node catching up
             assert caught_up is not None and caught_up.info.round == 2 and list(caught_up.info.peers) == [0, 1]
             assert set(caught_up.info.names) == set(MANIFEST)
     finally:
         restarted.shutdown(grace_s=1.0)
-
-
-def joined(spec: RunSpec = SPEC, **deploy: object) -> Coordinator:
-    service = coordinator(spec, **deploy)
-    for peer in range(spec.num_peers):
-        service.join(join_request(peer, spec), session=f"s{peer}", address="test", common_name=lambda: None)
-    return service
 
 
 @pytest.mark.timeout(60)

@@ -9,20 +9,14 @@ import pytest
 import torch
 
 from spes.config import ServerSection
-from spes.sync.codecs.interface import Served
-from spes.sync.fragments import WHOLE
 from spes.sync.protocol import Refused
-from spes.sync.rounds import Completed, RoundState, quorum
+from spes.sync.rounds import RoundState, quorum
+from sync_helpers import completed
 
 
 def every(interval: int):  # type: ignore[no-untyped-def]
     """A schedule with a round every `interval` steps (`RunSpec.next_round` without a last step)."""
     return lambda after: ((after or 0) // interval + 1) * interval
-
-
-def completed(step: int, peers: set[int]) -> Completed:
-    model = {"x": torch.ones(1)}
-    return Completed(step, frozenset(peers), WHOLE, 0.0, model, {}, Served(step, model))
 
 
 def test_admission_duplicates_old_future_and_busy_rounds() -> None:

@@ -67,14 +67,15 @@ def test_a_round_travels_as_the_values_in_the_wire_dtype_both_ways(dtype: str) -
     assert upload == values and upload is not values
     shapes = {name: tuple(t.shape) for name, t in values.items()}
     buffers = {name: torch.empty(shape, dtype=wire.RAW_DTYPES[dtype]) for name, shape in shapes.items()}
-    decoder = server.upload_decoder(shapes, buffers, UploadBase(None, {}, frozenset()))
+    no_round_yet = UploadBase(None, {}, frozenset())
+    decoder = server.upload_decoder(shapes, buffers, no_round_yet)
     for chunk in wire.encode_tensors(upload, dtype):
         decoder.feed(chunk)
-    received, payloads = server.upload_values(decoder, decoder.finish(), UploadBase(None, {}, frozenset()))
+    received, payloads = server.upload_values(decoder, decoder.finish(), no_round_yet)
     assert payloads == {} and all(received[n] is buffers[n] for n in values)
     for name in values:
         torch.testing.assert_close(received[name].float(), values[name].to(wire.RAW_DTYPES[dtype]).float())
-    nan = server.upload_decoder(shapes, {}, UploadBase(None, {}, frozenset()))
+    nan = server.upload_decoder(shapes, {}, no_round_yet)
     with pytest.raises(ValueError, match="'b'"):
         for chunk in wire.encode_tensors({**values, "b": torch.full((5,), float("nan"))}, dtype):
             nan.feed(chunk)
