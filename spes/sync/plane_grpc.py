@@ -9,6 +9,7 @@ call with its gRPC status, and its `Reason` as trailing metadata `spes-reason` (
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spes.server")
 
+LOST_GRACE_S = 1.0
+"""How long an upload stream that ended short waits to learn whether its connection was lost: gRPC reports the
+end of the stream and the call's cancellation as two events, and the end may come first."""
+
 
 # -- server -------------------------------------------------------------------------------------------------------
 class SpesServicer(pb_grpc.ParameterServerServicer):
@@ -54,11 +59,16 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             self._abort(context, exc)
 
     def Upload(self, request_iterator: Iterator[pb.UploadMessage], context: grpc.ServicerContext) -> pb.UploadReply:
+        ended = threading.Event()
+        context.add_callback(ended.set)  # runs once the call is over: here, only if the peer cancelled or went away
+
         def feed(decoder: TensorDecoder) -> None:
             for message in messages:
                 if not message.HasField("chunk"):
                     raise ValueError("UploadMeta sent twice in one upload")
                 decoder.feed(message.chunk)
+            if not decoder.complete and (ended.wait(LOST_GRACE_S) or not context.is_active()):
+                raise ConnectionError("the peer's connection closed before its upload ended")
 
         try:
             with self.service.guard.grpc_ticket(context) as ticket:

@@ -416,6 +416,12 @@ class TensorDecoder:
         """The receiver's manifest: name -> shape of every tensor this stream may carry."""
         return self._expected
 
+    @property
+    def complete(self) -> bool:
+        """Whether every expected tensor has arrived whole (what `finish` requires, short of the checksums)."""
+        whole = self._name is not None and self._filled == len(self._buf)
+        return set(self._expected) <= {*self._done, *self.coded, *([self._name] if whole else [])}
+
     def feed(self, chunk: pb.TensorChunk) -> None:
         """Take one chunk; raises ValueError on anything unexpected."""
         if chunk.HasField("header"):

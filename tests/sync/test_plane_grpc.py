@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -10,12 +11,13 @@ import grpc
 import pytest
 import torch
 
+from conftest import wait_until
 from spes.sync.merge import build_global
 from spes.sync.plane_grpc import GrpcPlane
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
-from spes.sync.wire import TensorDecoder, upload_digest
+from spes.sync.wire import TensorDecoder, encode_tensors, upload_digest
 from sync_helpers import NO_MERGE, join_request, peer_upload, running_server, tiny_spec
 
 SPEC = tiny_spec(server=NO_MERGE)
@@ -95,3 +97,22 @@ def test_link_test_over_grpc() -> None:
         with pytest.raises(SyncError, match="at most") as err:
             plane.probe(PROBE_MAX_BYTES + 1)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_cut_short_by_its_peer_going_away_is_logged_as_broken_off(caplog: pytest.LogCaptureFixture) -> None:
+    """gRPC may report the end of a lost peer's stream before its cancellation: the server waits for the second
+    event (`LOST_GRACE_S`) and logs the upload as broken off, not as a malformed one it refused."""
+    upload = peer_upload(SPEC, 0, seed=1)
+    chunks = list(encode_tensors(upload, "fp32"))
+    with running_server(SPEC) as (server, addr), grpc.insecure_channel(addr) as channel:
+        stub = pb_grpc.ParameterServerStub(channel)
+        stub.Join(join_request(0), timeout=10)
+        stub.Join(join_request(1), timeout=10)
+        messages = [pb.UploadMessage(meta=pb.UploadMeta(peer_id=0, round=1))]
+        call = stub.Upload.future(iter(messages + [pb.UploadMessage(chunk=c) for c in chunks[:-1]]), timeout=10)
+        time.sleep(0.2)  # the stream has ended, short; then the peer goes away
+        call.cancel()
+        wait_until(lambda: "broke off after" in caplog.text, "the server to drop the upload")
+        assert "refused" not in caplog.text
+        assert not server.service.status().peers_uploaded

@@ -372,6 +372,20 @@ def test_an_int8_delta_travels_whole_through_the_framing() -> None:
     assert decoder.bytes_received == payload.num_bytes + 16  # every chunk counted, not only the last
 
 
+def test_a_stream_is_complete_once_its_last_expected_tensor_arrived_whole() -> None:
+    decoder = TensorDecoder({"a": (2,), "b": (300,)}, "fp32")
+    assert not decoder.complete
+    for chunk in encode_tensors({"a": torch.ones(2)}, "fp32"):
+        decoder.feed(chunk)
+    chunks = list(encode_tensors({"b": torch.ones(300)}, "fp32", chunk_bytes=400))
+    for chunk in chunks[:-1]:
+        decoder.feed(chunk)
+    assert not decoder.complete  # the last tensor is still short
+    decoder.feed(chunks[-1])
+    assert decoder.complete  # before `finish` has closed it
+    assert sorted(decoder.finish()) == ["a", "b"] and decoder.complete
+
+
 def test_the_refusals_say_what_went_wrong() -> None:
     names = [f"t{i}" for i in range(8)]
     decoder = TensorDecoder(dict.fromkeys(names, (2,)), "fp32")
