@@ -31,6 +31,12 @@ from typing import Any
 from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, write_results
 
 COMPILED_HEAD = "tests/test_head_loss.py::test_compiled_chunk_fns_compute_what_the_plain_ones_do"
+HANDLER_TESTS = (
+    "tests/sync/test_coordinator.py",
+    "tests/sync/test_joins.py",
+    "tests/sync/test_plane_grpc.py",
+    "tests/sync/codecs/test_held.py",
+)
 MODULES: dict[str, tuple[str, ...]] = {
     "spes/guard.py": (
         "tests/test_guard.py::test_all_finite_and_the_first_bad_parameter",
@@ -89,11 +95,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     # the kill-during-save and resume-on-other-ranks runs are processes of their own (mutmut credits none of them)
     "spes/checkpoint.py": ("tests/test_checkpoint.py", "-m", "not slow"),
     "spes/config.py": ("tests/test_config.py",),
-    # the coordinator's handlers, driven in-process (no server, no network)
+    # the coordinator's handlers, driven in-process: straight, and through in-process servers on loopback (the gRPC
+    # plane's handlers, and the held-model codecs whose uploads apply to the latest round)
     "spes/sync/joins.py": ("tests/sync/test_joins.py", "tests/sync/test_coordinator.py"),
-    "spes/sync/uploads.py": ("tests/sync/test_coordinator.py", "tests/sync/test_joins.py"),
-    "spes/sync/downloads.py": ("tests/sync/test_coordinator.py", "tests/sync/test_joins.py"),
-    "spes/sync/closing.py": ("tests/sync/test_coordinator.py",),
+    "spes/sync/uploads.py": HANDLER_TESTS,
+    "spes/sync/downloads.py": HANDLER_TESTS,
+    "spes/sync/closing.py": HANDLER_TESTS,
     # the forward's numerics against transformers' own models (RoPE, norms, QK-norm kinds, GQA, renormalization)
     "spes/model.py": ("tests/test_model.py", "tests/test_hf.py::test_export_logits_match_transformers"),
 }

@@ -158,10 +158,11 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
     mismatched = any(manifest.get(name) != shape for name, shape in shapes.items())
     partial = shapes != manifest and fragment == WHOLE
     codec_shapes = {name: tuple(t.shape) for name, t in codec_state.items()}
-    if mismatched or partial or not set(momentum) <= set(manifest) or codec_shapes not in ({}, manifest):
+    # NOTE: a codec's state is of the tensors the global model holds (before every fragment has had a round, a part)
+    if mismatched or partial or not set(momentum) <= set(manifest) or codec_shapes not in ({}, shapes):
         raise ValueError(f"{directory / tensor_name}: its tensors do not match the manifest in {state_path}")
     ordered = {name: global_model[name] for name in manifest if name in global_model}  # the order served before
-    codec_state = {name: codec_state[name] for name in manifest} if codec_state else {}
+    codec_state = {name: codec_state[name] for name in manifest if name in codec_state}
     complete = spec.completed_by(recorded)
     return SavedRound(step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete)
 

@@ -165,6 +165,23 @@ def test_a_state_without_the_optional_fields_is_a_whole_round_without_shared_cod
     assert loaded is not None and loaded.fragment == 0 and loaded.codec_state == {}
 
 
+def test_a_codecs_state_is_of_the_tensors_the_global_model_holds_in_a_fragments_round_too(tmp_path: Path) -> None:
+    """Before every fragment has had a round, the held model is as partial as the global model: a restarted server
+    resumes from it (it was refused as not matching the manifest)."""
+    spec = tiny_spec(codec="int8", overlap_fragments=2, sync_steps=4)
+    whole = dataclasses.replace(saved(2, seed=5), spec=spec, momentum={}, fragment=1)
+    part = {n: t for n, t in whole.global_model.items() if n.startswith("blocks.0.")}
+    fragment_round = dataclasses.replace(whole, global_model=part, codec_state={n: t + 1 for n, t in part.items()})
+    save_round(tmp_path, fragment_round)
+    got = load_round(tmp_path, spec)
+    assert got is not None and list(got.codec_state) == [n for n in MANIFEST if n in part]
+    assert_equal(got, fragment_round)
+    elsewhere = {n: torch.zeros(s) for n, s in MANIFEST.items() if n not in part}
+    save_round(tmp_path, dataclasses.replace(fragment_round, codec_state=elsewhere))  # not what the model holds
+    with pytest.raises(ValueError, match="do not match the manifest"):
+        load_round(tmp_path, spec)
+
+
 def test_momentum_must_be_of_model_tensors_and_every_tensor_of_its_shape(tmp_path: Path) -> None:
     full = saved(10)
     everywhere = dataclasses.replace(full, momentum={n: torch.zeros(s) for n, s in MANIFEST.items()})

@@ -1,0 +1,180 @@
+"""Closing a round (spes.sync.closing): `RoundCloser` over its own round state, memory and codec, no coordinator."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from spes.sync import closing
+from spes.sync.buffers import RoundMemory
+from spes.sync.closing import RoundCloser, RoundParts
+from spes.sync.fragments import WHOLE
+from spes.sync.merge import build_global
+from spes.sync.rounds import Completed, RoundState
+from spes.sync.spec import RunSpec
+from sync_helpers import NO_MERGE, peer_upload, tiny_spec
+
+SPEC = tiny_spec(server=NO_MERGE)
+
+
+class Closer:
+    """A `RoundCloser` of `spec` and what it shares, recording what it published and after how long."""
+
+    def __init__(self, spec: RunSpec, state_dir: Path | None = None) -> None:
+        self.spec = spec
+        self.parts = RoundParts(
+            threading.Condition(),
+            RoundState(spec.num_peers, spec.server, spec.next_round),
+            RoundMemory(),
+            spec.codec_impl.server(),
+        )
+        self.published: list[tuple[Completed, float]] = []
+        self.closer = RoundCloser(
+            self.parts, str(state_dir) if state_dir else None, lambda done, s: self.published.append((done, s))
+        )
+
+    def close(self, step: int, fragment: int = WHOLE, seed: int = 1) -> dict[int, dict[str, torch.Tensor]]:
+        """Every peer's upload of `fragment` of round `step` staged, and the round handed to `close`."""
+        names = self.spec.layout.names(fragment, self.spec.manifest or {})
+        uploads = {p: {n: t for n, t in peer_upload(self.spec, p, seed).items() if n in names} for p in (0, 1)}
+        with self.parts.cond:
+            # NOTE: copies: the aggregation may sum into the received buffers
+            staged = [
+                self.parts.state.stage_upload(p, step, {n: t.clone() for n, t in uploads[p].items()}, None, fragment)
+                for p in (0, 1)
+            ]
+            assert staged == [False, True]
+            self.closer.close(step, self.spec)
+        return uploads
+
+    def wait(self) -> None:
+        self.closer.join(30)
+
+
+@contextmanager
+def held_build(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, list[threading.Thread]]]:
+    """`build_round` held until the event is set; yields it and the threads that called it."""
+    release, callers = threading.Event(), []
+    build: Callable[..., Completed] = closing.build_round
+
+    def held(*args: object) -> Completed:
+        callers.append(threading.current_thread())
+        assert release.wait(30)
+        return build(*args)
+
+    monkeypatch.setattr(closing, "build_round", held)
+    try:
+        yield release, callers
+    finally:
+        release.set()
+
+
+@pytest.mark.timeout(60)
+def test_a_round_is_built_on_a_thread_of_its_own_then_published_with_the_seconds_it_took(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run = Closer(SPEC)
+    with held_build(monkeypatch) as (release, callers):
+        began = time.perf_counter()
+        uploads = run.close(1)
+        while not callers:
+            time.sleep(0.01)
+        assert (callers[0].name, callers[0].daemon) == ("aggregate-1", True)  # named in a dump; never holds exit
+        assert run.published == [] and run.parts.state.aggregating
+        time.sleep(0.05)
+        release.set()
+        run.wait()
+    took = time.perf_counter() - began
+    [(done, seconds)] = run.published
+    assert run.parts.state.completed is not None and run.parts.state.completed.round == 1
+    assert (done.round, done.peers) == (1, frozenset({0, 1}))
+    assert 0.05 <= seconds <= took
+    want = build_global(uploads, spec=SPEC, step=1).tensors
+    assert all(torch.equal(done.global_model[n], want[n]) for n in want)
+
+
+@pytest.mark.timeout(60)
+def test_join_gives_up_on_a_stuck_aggregation_after_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    run = Closer(SPEC)
+    with held_build(monkeypatch) as (_, callers):
+        run.close(1)
+        while not callers:
+            time.sleep(0.01)
+        run.closer.join(0.1)  # a shutdown's grace: returns though the round is still being built
+        assert callers[0].is_alive() and run.published == []
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_aggregation_is_logged_and_left_to_the_peers_to_upload_again(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def fails(*args: object) -> Completed:
+        raise ValueError("the aggregate of 'embed.weight' is not finite")
+
+    monkeypatch.setattr(closing, "build_round", fails)
+    run = Closer(SPEC)
+    run.close(1)
+    run.wait()
+    message = "aggregation of round 1 failed: the aggregate of 'embed.weight' is not finite"
+    assert run.parts.state.failure == (1, message) and run.published == [] and not run.parts.state.uploaded
+    [record] = [r for r in caplog.records if r.name == "spes.server"]
+    assert (record.getMessage(), record.levelno, record.exc_info is not None) == (message, logging.ERROR, True)
+
+
+@pytest.mark.timeout(60)
+def test_a_round_that_cannot_be_saved_is_not_published_and_says_how_to_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    not_a_dir = tmp_path / "state"
+    not_a_dir.write_text("")
+    run = Closer(SPEC, not_a_dir)
+    run.close(1)
+    run.wait()
+    step, message = run.parts.state.failure or (None, "")
+    assert step == 1 and message.startswith(f"the server could not save round 1 under --state_dir {not_a_dir} (")
+    assert message.endswith(
+        "): free space there (or fix its permissions), then resume the nodes with --resume=auto; the server's latest "
+        "round is still the one before, and the nodes upload this one again"
+    )
+    assert run.published == [] and run.parts.state.completed is None
+
+    def refuses(directory: str, saved: object) -> None:
+        raise ValueError("no")
+
+    monkeypatch.setattr(closing, "save_round", refuses)
+    run = Closer(SPEC, tmp_path / "elsewhere")
+    run.close(1)
+    run.wait()
+    assert run.parts.state.failure == (
+        1,
+        f"the server could not save round 1 under --state_dir {tmp_path}/elsewhere (no)",
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_server_restores_the_round_it_saved_with_its_fragment_and_held_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "spes.server")
+    spec = tiny_spec(codec="int8", overlap_fragments=2, sync_steps=4, server=NO_MERGE)
+    before = Closer(spec, tmp_path)
+    before.close(2, fragment=1)
+    before.wait()
+    saved = before.parts.state.completed
+    assert saved is not None and saved.fragment == 1
+
+    after = Closer(spec, tmp_path)
+    assert after.closer.restore(spec) == spec
+    done = after.parts.state.completed
+    assert done is not None and (done.round, done.peers, done.fragment) == (2, frozenset({0, 1}), 1)
+    assert done.served.round == 2 and sorted(done.served.tensors) == sorted(saved.served.tensors)
+    assert all(torch.equal(done.served.tensors[n], t) for n, t in saved.served.tensors.items())  # the held model
+    assert f"resumed from {tmp_path}: round 2 complete (peers [0, 1]); waiting for peers to re-join" in caplog.text
+    assert Closer(spec).closer.restore(spec) is spec  # no --state_dir: nothing to restore
