@@ -34,6 +34,7 @@ COMPILED_HEAD = "tests/test_head_loss.py::test_compiled_chunk_fns_compute_what_t
 HANDLER_TESTS = (
     "tests/sync/test_coordinator.py",
     "tests/sync/test_joins.py",
+    "tests/sync/test_closing.py",
     "tests/sync/test_plane_grpc.py",
     "tests/sync/codecs/test_held.py",
 )

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from conftest import wait_until
 from spes.config import ServerSection
 from spes.sync.coordinator import Coordinator
 from spes.sync.fragments import WHOLE, merge_step
@@ -39,6 +40,11 @@ def feeding(tensors: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
 
 def coordinator(spec: RunSpec, **deploy: object) -> Coordinator:
     return Coordinator(ServerConfig(spec, DeployConfig(**deploy)))  # type: ignore[arg-type]
+
+
+def completed_round(service: Coordinator, step: int) -> None:
+    """Wait until round `step` is the latest completed (it is built on a thread of its own)."""
+    wait_until(lambda: service.status().current_round == step, f"round {step} to complete")
 
 
 def joined(spec: RunSpec = SPEC, **deploy: object) -> Coordinator:
@@ -317,6 +323,54 @@ def test_a_newer_upload_of_a_peer_ends_its_stalled_one() -> None:
         assert stalled.expired and stalled.why == "superseded by a newer upload of peer 0" and not newer.expired
         assert list(reply.uploaded_peers) == [0]
         assert service.uploads.receive(1, 1, feeding(peer_upload(SPEC, 1, seed=3))).uploaded_peers == [0, 1]
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_an_upload_that_ended_is_not_ended_again_by_the_peers_next_one() -> None:
+    service = joined()
+    try:
+        first, second = service.guard.admit(None), service.guard.admit(None)
+        service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)), ticket=first)
+        service.uploads.receive(1, 1, feeding(peer_upload(SPEC, 1, seed=1)))
+        completed_round(service, 1)
+        service.uploads.receive(0, 2, feeding(peer_upload(SPEC, 0, seed=2)), ticket=second)
+        assert not first.expired and not second.expired
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_retry_that_wins_the_race_makes_the_slower_copy_a_duplicate_and_a_duplicate_is_never_read() -> None:
+    """Two copies of one upload in flight at once (a peer's retry of one whose reply it lost): the first to finish
+    is staged, the other's buffers go back and it is answered as a duplicate."""
+    service = joined()
+    try:
+        upload = peer_upload(SPEC, 0, seed=5)
+        retried: list[object] = []
+
+        def overtaken(decoder: TensorDecoder) -> None:
+            worker = threading.Thread(
+                target=lambda: retried.append(service.uploads.receive(0, 1, feeding(upload), 0, 9))
+            )
+            worker.start()
+            worker.join(10)
+            feeding(upload)(decoder)
+
+        slower = service.uploads.receive(0, 1, overtaken, 0, 9)
+        [faster] = retried
+        assert (faster.round, faster.duplicate, list(faster.uploaded_peers)) == (1, False, [0])  # type: ignore[attr-defined]
+        assert (slower.round, slower.duplicate, list(slower.uploaded_peers)) == (1, True, [0])
+
+        def unread(decoder: TensorDecoder) -> None:
+            raise AssertionError("a duplicate's payload was read")
+
+        assert service.uploads.receive(0, 1, unread, 0, 9).duplicate
+        service.uploads.receive(1, 1, feeding(peer_upload(SPEC, 1, seed=5)))
+        completed_round(service, 1)
+        late = service.uploads.receive(0, 1, unread, 0, 9)  # a retry of an upload of the round just completed
+        assert (late.round, late.duplicate, list(late.uploaded_peers)) == (1, True, [0, 1])
     finally:
         service.shutdown(grace_s=1.0)
 
