@@ -801,6 +801,21 @@ EQUIVALENT: dict[str, str] = {
         "the aux sums started in the embedding's dtype, which is float32 in every precision spes runs (amp keeps "
         "parameters in fp32)",
     ),
+    **mutants(
+        "spes.sync.uploads.xǁUploadsǁ_decode",
+        "28 30",
+        "the peer's own blocks of the whole manifest for those of the upload's fragment: the codec consults that "
+        "set only for tensors the upload carries",
+    ),
+    **mutants(
+        "spes.sync.uploads.xǁUploadsǁreceive",
+        "1",
+        "the digest of an in-process caller that gives none (both planes always do): any constant names the same "
+        "content for every such call",
+    ),
+    **mutants(
+        "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 
@@ -808,7 +823,24 @@ AGREE = "tests/test_guard.py::test_every_rank_agrees_on_one_ranks_nan"
 CUDA_PEER = "tests/sync/codecs/test_held.py::test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model"
 GPU_HEAD = "tests/test_head_loss.py::test_on_a_gpu_the_weight_gradient_is_accumulated_in_fp32_inside_the_gemm"
 GPU_MOE = "tests/test_moe.py::test_on_a_gpu_auto_is_grouped_mm_and_a_peers_layer_runs_there"
+SERVER = "tests/sync/test_server.py::"
 KILLED_BY: dict[str, str] = {
+    # what a whole in-process server keeps from round to round: buffers of the wire's dtype, verified checksums
+    **mutants(
+        "spes.sync.uploads.xǁUploadsǁ_decode",
+        "9 13",
+        f"{SERVER}test_upload_buffers_are_reused_but_never_while_a_download_reads_them",
+    ),
+    **mutants(
+        "spes.sync.uploads.xǁUploadsǁreceive",
+        "72",
+        f"{SERVER}test_downloads_hash_again_only_what_the_round_changed[grpc]",
+    ),
+    **mutants(
+        "spes.sync.closing.xǁRoundCloserǁ_run",
+        "12 20",
+        f"{SERVER}test_bf16_rounds_sum_their_fp32_means_into_kept_buffers",
+    ),
     # a whole server (the one the health service stalls): run apart, not for every mutant of admission.py
     **mutants(
         "spes.sync.admission.xǁGuardedHealthǁ__init__",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import torch
 from spes.sync import closing
 from spes.sync.buffers import RoundMemory
 from spes.sync.closing import RoundCloser, RoundParts
+from spes.sync.codecs.interface import Served
 from spes.sync.fragments import WHOLE
 from spes.sync.merge import build_global
 from spes.sync.rounds import Completed, RoundState
@@ -45,11 +47,10 @@ class Closer:
         names = self.spec.layout.names(fragment, self.spec.manifest or {})
         uploads = {p: {n: t for n, t in peer_upload(self.spec, p, seed).items() if n in names} for p in (0, 1)}
         with self.parts.cond:
-            # NOTE: copies: the aggregation may sum into the received buffers
-            staged = [
-                self.parts.state.stage_upload(p, step, {n: t.clone() for n, t in uploads[p].items()}, None, fragment)
-                for p in (0, 1)
-            ]
+            # NOTE: received into the pool's buffers, as the server does (the aggregation may sum into them)
+            pool = self.parts.memory.pool
+            received = {p: {n: pool.take(t.shape, t.dtype).copy_(t) for n, t in uploads[p].items()} for p in (0, 1)}
+            staged = [self.parts.state.stage_upload(p, step, received[p], None, fragment) for p in (0, 1)]
             assert staged == [False, True]
             self.closer.close(step, self.spec)
         return uploads
@@ -116,13 +117,13 @@ def test_a_failed_aggregation_is_logged_and_left_to_the_peers_to_upload_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def fails(*args: object) -> Completed:
-        raise ValueError("the aggregate of 'embed.weight' is not finite")
+        raise ValueError("the aggregate of 'embed.weight' is 100% NaN")  # a '%' in what is logged
 
     monkeypatch.setattr(closing, "build_round", fails)
     run = Closer(SPEC)
     run.close(1)
     run.wait()
-    message = "aggregation of round 1 failed: the aggregate of 'embed.weight' is not finite"
+    message = "aggregation of round 1 failed: the aggregate of 'embed.weight' is 100% NaN"
     assert run.parts.state.failure == (1, message) and run.published == [] and not run.parts.state.uploaded
     [record] = [r for r in caplog.records if r.name == "spes.server"]
     assert (record.getMessage(), record.levelno, record.exc_info is not None) == (message, logging.ERROR, True)
@@ -176,5 +177,63 @@ def test_a_restarted_server_restores_the_round_it_saved_with_its_fragment_and_he
     assert done is not None and (done.round, done.peers, done.fragment) == (2, frozenset({0, 1}), 1)
     assert done.served.round == 2 and sorted(done.served.tensors) == sorted(saved.served.tensors)
     assert all(torch.equal(done.served.tensors[n], t) for n, t in saved.served.tensors.items())  # the held model
-    assert f"resumed from {tmp_path}: round 2 complete (peers [0, 1]); waiting for peers to re-join" in caplog.text
+    assert f"resumed from {tmp_path}: round 2 complete (peers [0, 1]); waiting for peers to re-join" in [
+        r.getMessage() for r in caplog.records
+    ]
     assert Closer(spec).closer.restore(spec) is spec  # no --state_dir: nothing to restore
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restored", [False, True])
+def test_a_superseded_round_is_retired_into_the_pool_and_its_memory_reused(restored: bool, tmp_path: Path) -> None:
+    """Round 1, built or restored, goes back to the pool once round 2 replaces it (no download reads it): round 3
+    is built into its memory."""
+    if restored:
+        saving = Closer(SPEC, tmp_path)
+        saving.close(1)
+        saving.wait()
+    run = Closer(SPEC, tmp_path)
+    run.parts.memory.pool.set_limits({(shape, torch.float32): 8 for shape in (SPEC.manifest or {}).values()})
+    if restored:
+        run.closer.restore(SPEC)
+    else:
+        run.close(1)
+        run.wait()
+    first = run.parts.state.completed
+    assert first is not None and first.round == 1
+    for step in (2, 3):
+        run.close(step, seed=step)
+        run.wait()
+    third = run.parts.state.completed
+    assert third is not None and third.round == 3
+    assert {t.data_ptr() for t in first.global_model.values()} & {t.data_ptr() for t in third.tensors()}
+
+
+@pytest.mark.timeout(60)
+def test_once_published_a_round_makes_what_its_downloads_send_and_says_when_or_why_not(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, "spes.server")
+    run = Closer(SPEC)
+    began = time.perf_counter()
+    run.close(1)
+    run.wait()
+    took = time.perf_counter() - began
+    [made] = [
+        m
+        for r in caplog.records
+        if (m := re.fullmatch(r"round 1: what .* made (\S+) s after it began", r.getMessage()))
+    ]
+    assert 0 <= float(made[1]) <= took + 0.005  # its own seconds, rounded to 2 places
+
+    def fails(self: Served) -> None:
+        raise RuntimeError("re-encoding failed")
+
+    monkeypatch.setattr(Served, "complete", fails)
+    caplog.clear()
+    run.close(2, seed=2)
+    run.wait()
+    assert run.parts.state.completed is not None and run.parts.state.completed.round == 2  # published all the same
+    [failed] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert failed.getMessage() == "round 2: making what its downloads send failed" and failed.exc_info is not None
+    assert not any("what its downloads send made" in r.getMessage() for r in caplog.records)

@@ -266,6 +266,7 @@ def test_an_upload_counts_its_bytes_refuses_bad_payloads_by_kind_and_keeps_nothi
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     service = joined()
+    caplog.set_level(logging.DEBUG, "spes.server")
     try:
         upload = peer_upload(SPEC, 0, seed=2)
         size = sum(t.numel() * 4 for t in upload.values())
@@ -276,8 +277,13 @@ def test_an_upload_counts_its_bytes_refuses_bad_payloads_by_kind_and_keeps_nothi
 
         reply = service.uploads.receive(0, 1, broken)
         assert reply.round == 0 and not reply.duplicate  # nothing kept, nothing staged
-        assert "upload of peer 0 for round 1 broke off after" in caplog.text and "nothing was kept" in caplog.text
         assert service.state.snapshot().uploaded_peers == ()
+        broken_off = service.uploads.bytes_in
+        assert broken_off == len(next(encode_tensors(upload, "fp32")).data)  # what arrived before the break
+        assert [r.getMessage() for r in caplog.records] == [
+            "receiving the upload of peer 0 for round 1",  # what tests/faults waits for before cutting an upload
+            f"upload of peer 0 for round 1 broke off after {broken_off} bytes; nothing was kept",
+        ]
 
         def corrupt(decoder: TensorDecoder) -> None:
             chunk = next(encode_tensors(upload, "fp32"))
@@ -289,13 +295,15 @@ def test_an_upload_counts_its_bytes_refuses_bad_payloads_by_kind_and_keeps_nothi
         assert (err.value.code, err.value.reason) == (grpc.StatusCode.INVALID_ARGUMENT, Reason.CORRUPT)
         assert str(err.value).startswith("upload of peer 0 for round 1: ")
         before = service.uploads.bytes_in
+        assert before == broken_off  # a chunk that fails its checksum is not counted, and the count is kept
         first = service.uploads.receive(0, 1, feeding(upload), digest=7)
         assert (first.round, first.duplicate, list(first.uploaded_peers)) == (1, False, [0])
         assert service.uploads.bytes_in == before + size  # added up over uploads, kept or not
         again = service.uploads.receive(0, 1, feeding(upload), digest=7)  # a retry of the committed upload
         assert (again.round, again.duplicate) == (1, True)
-        with pytest.raises(Refused, match="upload of peer 1 for round 1: "):
+        with pytest.raises(Refused, match="upload of peer 1 for round 1: ") as err:
             service.uploads.receive(1, 1, feeding(upload), fragment=3)  # no fragment 3 in this run
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         service.shutdown(grace_s=1.0)
 
