@@ -816,6 +816,29 @@ EQUIVALENT: dict[str, str] = {
     **mutants(
         "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
     ),
+    **mutants(
+        "spes.sync.downloads.x_uncopied_owners",
+        "2",
+        "a DiLoCo spec (the other way past the check) has no owned blocks: spec.owner is None for every tensor",
+    ),
+    **mutants(
+        "spes.sync.downloads.xǁDownloadsǁ_await_round",
+        "16",
+        "> for >= against the monotonic clock: equal only at one instant, and the next poll gives up",
+    ),
+    **mutants(
+        "spes.sync.downloads.xǁDownloadsǁ_await_round",
+        "48 49 51",
+        "a wait bounded by WAIT_POLL_S anyway: the download re-checks its round and deadline at the next poll "
+        "(a quorum close or a give-up at most that much later)",
+    ),
+    **mutants("spes.sync.downloads.xǁDownloadsǁ_outgoing", "2", "an assertion for the type checker that always holds"),
+    **mutants(
+        "spes.sync.downloads.xǁDownloadsǁ_outgoing",
+        "13 14",
+        "every codec's whole selection is of the tensors the global model holds, and a delta selection's names "
+        "are restricted to the round's fragment and downloads as the global model's are",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 

@@ -118,8 +118,13 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
             if step == 2:  # only fragment 1 has had a round: no whole model to catch up to yet
                 with pytest.raises(
                     Refused, match=rf"holds only the fragments .* \({len(layout.parts[0])} of {len(MANIFEST)} tensors\)"
-                ):
+                ) as err:
                     service.downloads.serve(0, step, True, lambda: True, 30.0).__enter__()
+                assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+                assert str(err.value).endswith(
+                    "tensors): a node that falls behind before every fragment has had one (step sync_steps) must start "
+                    "the run again"
+                )
                 continue
             with service.downloads.serve(0, step, True, lambda: True, 30.0) as whole:  # what a catching-up peer loads
                 assert whole is not None and sorted(whole.info.names) == sorted(held)
@@ -379,6 +384,20 @@ def test_a_retry_that_wins_the_race_makes_the_slower_copy_a_duplicate_and_a_dupl
         completed_round(service, 1)
         late = service.uploads.receive(0, 1, unread, 0, 9)  # a retry of an upload of the round just completed
         assert (late.round, late.duplicate, list(late.uploaded_peers)) == (1, True, [0, 1])
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_download_waits_for_the_open_round_though_its_peer_did_not_upload_it() -> None:
+    """A catching-up node asks for the whole model of the round in progress without taking part in it."""
+    service = joined()
+    try:
+        service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)))
+        with service.downloads.serve(1, 1, True, lambda: True, 0.2) as waited:  # its own time ran out, no refusal
+            assert waited is None
+        with pytest.raises(Refused, match="holds no upload of peer 1 for round 1"):
+            service.downloads.serve(1, 1, False, lambda: True, 0.2).__enter__()
     finally:
         service.shutdown(grace_s=1.0)
 
