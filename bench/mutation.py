@@ -817,6 +817,11 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
     ),
     **mutants(
+        "spes.sync.closing.xǁRoundCloserǁ_fail",
+        "3",
+        "logging formats a message with % only when it has arguments: without any it is logged as it is",
+    ),
+    **mutants(
         "spes.sync.downloads.x_uncopied_owners",
         "2",
         "a DiLoCo spec (the other way past the check) has no owned blocks: spec.owner is None for every tensor",

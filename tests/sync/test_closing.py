@@ -123,13 +123,13 @@ def test_a_failed_aggregation_is_logged_and_left_to_the_peers_to_upload_again(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     def fails(*args: object) -> Completed:
-        raise ValueError("the aggregate of 'embed.weight' is 100% NaN")  # a '%' in what is logged
+        raise ValueError("the aggregate of 'embed.weight' is not finite")
 
     monkeypatch.setattr(closing, "build_round", fails)
     run = Closer(SPEC)
     run.close(61)
     run.wait()
-    message = "aggregation of round 61 failed: the aggregate of 'embed.weight' is 100% NaN"
+    message = "aggregation of round 61 failed: the aggregate of 'embed.weight' is not finite"
     assert run.parts.state.failure == (61, message) and run.published == [] and not run.parts.state.uploaded
     [record] = of_round(caplog, 61)
     assert (record.getMessage(), record.levelno, record.exc_info is not None) == (message, logging.ERROR, True)
