@@ -136,6 +136,54 @@ def test_a_checkpoint_before_the_first_step_leaves_the_optimizer_untouched(tmp_p
     assert not fresh_optim.state
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_save_and_restore_carry_the_model_the_optimizer_the_trainer_and_the_config(
+    tmp_path: Path, sharded: bool
+) -> None:
+    """The trainer's pair, either kind, into a folder not made yet; `keep` prunes; without the optimizer's state
+    only the weights and the trainer state come back."""
+    cfg, model, optimizer = _node(steps=2)
+    folder = tmp_path / "runs" / "node0"
+    for step in (2, 3):
+        trainer = {"step": step, "tokens": 100 * step}
+        path = save(folder, step, model, optimizer, trainer_state=trainer, config=to_dict(cfg), sharded=sharded, keep=1)
+    assert path is not None and [p.name for p in list_checkpoints(folder)] == [path.name]
+    meta = json.loads((path / META_FILE).read_text())
+    assert (meta["kind"], meta["step"]) == ("sharded" if sharded else "unsharded", 3)
+    assert load_checkpoint(path).config == to_dict(cfg)
+    for with_optim in (True, False):
+        _, fresh, fresh_optim = _node(steps=0)
+        restored = restore(path, fresh, fresh_optim, with_optim=with_optim)
+        assert restored.trainer == {"step": 3, "tokens": 300} and restored.config == to_dict(cfg)
+        _assert_same_state(fresh.state_dict(), model.state_dict())
+        assert bool(fresh_optim.state) == with_optim
+        for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+            if p.requires_grad and with_optim:
+                _assert_same_state(fresh_optim.state[p], optimizer.state[q])
+
+
+def test_a_centralized_checkpoint_restores_into_a_spes_peer_as_its_weights_reblocked(tmp_path: Path) -> None:
+    """One block of every expert (centralized) -> blocks of the peer's size: the weights carry over, the optimizer
+    and trainer state cannot (frozen blocks have no moments): the peer starts anew from them."""
+    cfg = load_config(TINY, [*SMALL_NODE, "--model.moe_num_experts=4", "--using_spes=false"])[0]
+    central = Transformer.for_run(cfg)
+    central.init_weights(cfg.seed)
+    optimizer = build_optimizer(central, cfg.optimizer)
+    path = save(tmp_path, 5, central, optimizer, trainer_state={"step": 5}, config=to_dict(cfg), sharded=False)
+    assert path is not None
+    _, peer, peer_optim = _node(steps=0)
+    restored = restore(path, peer, peer_optim)
+    assert restored.trainer == {} and not peer_optim.state
+    saved = central.state_dict()
+    for name, tensor in peer.state_dict().items():
+        if ".experts." in name:
+            layer, block = name.rsplit(".", 1)
+            whole = saved[f"{layer}.0"]
+            assert torch.equal(tensor, whole[int(block) * 2 : (int(block) + 1) * 2]), name
+        else:
+            assert torch.equal(tensor, saved[name]), name
+
+
 def test_latest_follows_the_newest_save_of_either_kind_and_pruning_is_per_kind(tmp_path: Path) -> None:
     cfg, model, optimizer = _node()
     for step in (1, 2, 3):
@@ -175,6 +223,17 @@ def test_unshard_command_writes_the_unsharded_layout(tmp_path: Path) -> None:
     assert a.optim["param_groups"] == b.optim["param_groups"] and a.trainer == b.trainer
     with pytest.raises(FileExistsError, match="already exists"):
         unshard(tmp_path / "run", out)
+    for taken in (out, out / "config.yaml"):  # a directory with files, or a file
+        with pytest.raises(FileExistsError) as err:
+            unshard(tmp_path / "run", taken)
+        assert str(err.value) == f"{taken} already exists; choose a new directory (e.g. {tmp_path / 'run' / 'step2'})"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert unshard(tmp_path / "run", empty) == empty  # in-process too: the same checkpoint as the command's
+    again = load_checkpoint(empty)
+    _assert_same_state(again.model, a.model)
+    assert (again.trainer, again.config) == (a.trainer, a.config) == ({"step": 2}, to_dict(cfg))
+    assert json.loads((empty / META_FILE).read_text())["step"] == 2
     with pytest.raises(CheckpointError, match="already an unsharded checkpoint"):
         unshard(out, tmp_path / "again")
 
