@@ -817,6 +817,11 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
     ),
     **mutants(
+        "spes.checkpoint.x__write_meta",
+        "7",
+        "sort_keys=None: yaml sorts a mapping's keys only when sort_keys is truthy, as for False",
+    ),
+    **mutants(
         "spes.sync.closing.xǁRoundCloserǁ_fail",
         "3",
         "logging formats a message with % only when it has arguments: without any it is logged as it is",

@@ -544,3 +544,66 @@ def test_unreadable_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
     (step / META_FILE).write_text("{ half")
     with pytest.raises(CheckpointError, match=r"meta.json: unreadable checkpoint metadata \(.*\); use an earlier ch"):
         is_sharded(step)
+
+
+def test_optimizer_state_of_another_peer_is_refused_naming_up_to_three_names_of_each_side(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node(steps=1)
+    path = save(tmp_path, 1, model, optimizer, trainer_state={}, config=to_dict(cfg), sharded=False)
+    assert path is not None
+    _, other, other_optim = _node("--spes_config.peer_id=1", steps=0)
+    with pytest.raises(CheckpointError) as err:
+        restore(path, other, other_optim)
+    ours = [f"blocks.{i}.ffn.experts.{w}.0" for i in range(2) for w in ("v1", "w1", "w2")]
+    theirs = [n.removesuffix(".0") + ".1" for n in ours]
+    assert str(err.value) == (
+        f"{path}: the optimizer state is for other parameters than this run trains (checkpoint only: "
+        f"{sorted(ours)[:3]}, run only: {sorted(theirs)[:3]}); was it written by another spes_config.peer_id or "
+        "with using_spes/using_dilico set otherwise?"
+    )
+    assert restore(path, other, other_optim, with_optim=False).trainer == {}  # the weights alone: any peer's
+
+
+def test_unreadable_tensor_files_of_the_recorded_size_are_refused_naming_the_file(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node(steps=1)
+    for sharded in (False, True):
+        path = save(tmp_path / str(sharded), 1, model, optimizer, trainer_state={}, config={}, sharded=sharded)
+        assert path is not None
+        [tensors] = [p for p in path.iterdir() if p.name.endswith(".safetensors") and "optim" not in p.name]
+        tensors.write_bytes(bytes(tensors.stat().st_size))  # zeros: the size meta.json recorded, no header
+        with pytest.raises(CheckpointError) as err:
+            load_checkpoint(path)
+        what = f"{path}: unreadable shard files (" if sharded else f"{tensors}: not a readable safetensors file ("
+        assert str(err.value).startswith(what), err.value
+        assert str(err.value).endswith("); the checkpoint is corrupt, use an earlier one")
+
+
+def test_a_checkpoint_written_without_its_config_reads_as_an_empty_one(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node(steps=1)
+    path = save(tmp_path, 1, model, optimizer, trainer_state={"step": 1}, config=to_dict(cfg), sharded=False)
+    assert path is not None
+    meta = json.loads((path / META_FILE).read_text())
+    del meta["files"][CONFIG_FILE]
+    (path / META_FILE).write_text(json.dumps(meta))
+    (path / CONFIG_FILE).unlink()
+    assert load_checkpoint(path).config == {}
+    _, fresh, fresh_optim = _node(steps=0)
+    assert restore(path, fresh, fresh_optim).config == {}
+
+
+def test_a_sharded_checkpoint_of_an_amp_node_reads_back_its_bf16_frozen_experts_as_bf16(tmp_path: Path) -> None:
+    """Under amp_bf16 a training node holds its frozen experts in bf16: read whole (unshard, export), a sharded
+    checkpoint gives them back as they were saved; without the optimizer, only the model is read."""
+    cfg = load_config(TINY, [*SMALL_NODE, *PEER0, "--precision=amp_bf16"])[0]
+    model = Transformer.for_run(cfg, training=True)
+    model.init_weights(cfg.seed)
+    frozen = "blocks.0.ffn.experts.w1.1"
+    assert model.state_dict()[frozen].dtype == torch.bfloat16
+    optimizer = build_optimizer(model, cfg.optimizer)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    optimizer.step()
+    path = save(tmp_path, 1, model, optimizer, trainer_state={}, config={}, sharded=True)
+    assert path is not None and load_checkpoint(path).optim is not None
+    ckpt = load_checkpoint(path, with_optim=False)
+    _assert_same_state(ckpt.model, model.state_dict())
+    assert ckpt.model[frozen].dtype == torch.bfloat16 and ckpt.optim is None
