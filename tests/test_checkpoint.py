@@ -10,12 +10,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import yaml
 
-from dist_helpers import SMALL_NODE, child_env, run_logged, torchrun
+from dist_helpers import SMALL_NODE, child_env, run_logged, run_ranks, torchrun
 from spes.checkpoint import (
     CONFIG_FILE,
     LATEST,
@@ -35,6 +36,7 @@ from spes.checkpoint import (
     unshard,
 )
 from spes.config import TrainConfig, load_config, to_dict
+from spes.distributed import DistInfo
 from spes.model import Transformer
 from spes.optim import build_optimizer
 
@@ -406,6 +408,56 @@ def test_resume_on_another_number_of_ranks_continues_the_loss_curve(tiny_corpus,
     assert from_fsdp.trainer["data"] == from_single.trainer["data"]
     for name, t in from_single.model.items():
         torch.testing.assert_close(from_fsdp.model[name], t, rtol=0, atol=1e-5, msg=name)
+
+
+def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, bool]:
+    """FSDP2 x 2, one step, then a checkpoint of either kind restored into a fresh FSDP2 model and optimizer: does
+    each rank hold its shards of every weight and moment again, exactly?"""
+    from spes.distributed import parallelize
+
+    cfg = load_config(TINY, [*SMALL_NODE, *PEER0, "--distributed_strategy=fsdp"])[0]
+
+    def built() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        with torch.device("meta"):
+            model = parallelize(Transformer.for_run(cfg), cfg, info)
+        model.to_empty(device="cpu")
+        model.init_weights(cfg.seed)
+        return model, build_optimizer(model, cfg.optimizer)
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    model, optimizer = built()
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 17), generator=torch.Generator().manual_seed(info.rank))
+    logits = model(tokens[:, :-1]).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    same = {}
+    for sharded in (True, False):
+        folder = Path(args["folder"]) / str(sharded)
+        save(folder, 1, model, optimizer, trainer_state={"step": 1}, config={"seed": 7}, sharded=sharded)
+        torch.distributed.barrier()  # the main rank wrote an unsharded one alone
+        fresh, fresh_optim = built()
+        restored = restore(folder, fresh, fresh_optim)
+        pairs = list(zip(model.parameters(), fresh.parameters(), strict=True))
+        moments = all(
+            torch.equal(local(optimizer.state[p][k]), local(fresh_optim.state[q][k]))
+            for p, q in pairs
+            if p.requires_grad
+            for k in ("exp_avg", "exp_avg_sq")
+        )
+        weights = all(torch.equal(local(p.detach()), local(q.detach())) for p, q in pairs)
+        same["sharded" if sharded else "unsharded"] = (
+            weights and moments and restored.trainer == {"step": 1} and restored.config == {"seed": 7}
+        )
+    return same
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_path: Path) -> None:
+    ranks = run_ranks(2, "test_checkpoint:_fsdp_checkpoint_worker", {"folder": str(tmp_path / "ckpt")}, tmp_path)
+    assert ranks == [{"sharded": True, "unsharded": True}] * 2
 
 
 def test_a_kill_while_replacing_a_checkpoint_of_the_same_step_keeps_it_loadable(tmp_path: Path) -> None:
