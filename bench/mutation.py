@@ -817,6 +817,38 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
     ),
     **mutants(
+        "spes.config.x__unknown_key_message",
+        "8 9 10",
+        "the best match is close[0] whatever n, and 0.6 is difflib's default cutoff",
+    ),
+    **mutants(
+        "spes.config.x__coerce",
+        "25 26",
+        "a union member's key and place are named only in the errors the union swallows before naming its own",
+    ),
+    **mutants(
+        "spes.config.x__coerce",
+        "66",
+        "every dict-typed key is a plain `dict` (its origin is None): `isinstance(value, dict)` decides the same",
+    ),
+    **mutants(
+        "spes.config.x_load_sync_sections",
+        "7 10",
+        "the part before the first '=' is the same whatever the split's limit",
+    ),
+    **mutants(
+        "spes.config.x_load_sync_sections",
+        "26 30 31 38 39 40 41 50 59 60",
+        "from_dict here reads only keys and values `_check_overrides` has already checked, and a prefix is named "
+        "only in unknown-key and type errors; the place, in the checks of the section itself, which SpesConfig "
+        "does not have (ServerSection's are named by test_config)",
+    ),
+    **mutants(
+        "spes.config.x_parse_duration",
+        "13",
+        "the ValueError is caught at once and replaced by the ConfigError naming max_duration, which never reads it",
+    ),
+    **mutants(
         "spes.checkpoint.x__write_meta",
         "7",
         "sort_keys=None: yaml sorts a mapping's keys only when sort_keys is truthy, as for False",

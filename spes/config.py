@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 RunMode = Literal["centralized", "spes", "diloco"]
@@ -801,7 +801,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """
     where = f"{path}" if path is not None else "config"
     try:
-        base = OmegaConf.create({}) if path is None else OmegaConf.load(_existing(path))
+        base = OmegaConf.create({}) if path is None else _load_mapping(path)
         dotlist = [_override_to_dotlist(o) for o in overrides]
         _check_overrides(dotlist)
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
@@ -810,8 +810,6 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(f"{where}: cannot read config: {str(e).splitlines()[0]}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: a config file must be a YAML mapping of keys to values")
     if "save_folder" not in raw:
         raw["save_folder"] = f"output/{raw.get('run_name', 'spes')}"
     inert = sorted(k for k in _flat_keys(raw) if k in INERT_KEYS)
@@ -862,6 +860,22 @@ def load_sync_sections(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Spe
     mode: RunMode = "diloco" if raw.get("using_dilico") else "spes" if raw.get("using_spes", True) else "centralized"
     check_outer_optimizer(server, mode)
     return spes, server, mode
+
+
+def _load_mapping(path: str | Path) -> DictConfig:
+    """The YAML file at `path`, which must hold a mapping (or nothing): ConfigError saying what it holds instead
+    (OmegaConf itself fails on a list only at the merge, with a traceback, and on a single value naming no file)."""
+    p = _existing(path)
+    try:
+        loaded = OmegaConf.load(p)
+    except OSError as e:
+        if type(e) is not OSError:  # a subclass: the file could not be read (permissions), said as it is
+            raise
+        loaded = None  # OmegaConf's refusal of a document that is one number, boolean or date
+    if not isinstance(loaded, DictConfig):
+        what = "a list" if isinstance(loaded, ListConfig) else "a single value"
+        raise ConfigError(f"{p}: a config file must be a YAML mapping of keys to values, not {what}")
+    return loaded
 
 
 def _existing(path: str | Path) -> Path:

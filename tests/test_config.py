@@ -20,6 +20,7 @@ from spes.config import (
     TrainConfig,
     _yaml_problem,
     config_help,
+    from_dict,
     load_config,
     load_sync_sections,
     node_data_seed,
@@ -918,3 +919,106 @@ def test_every_bound_refuses_one_past_its_edge_in_full_and_takes_the_edge(
         assert str(err.value).endswith(f"config key {message}"), str(err.value)
     if edge:
         load_config(CONFIGS / "tiny.yaml", edge)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the user reads, word for word
+
+
+def refusal(path: Path | None, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        load_config(path, list(overrides))
+    return str(err.value)
+
+
+def test_a_file_that_is_not_a_mapping_is_refused_saying_what_it_holds(tmp_path: Path) -> None:
+    """A list or a single value where the keys go (OmegaConf failed on a list with a traceback at the merge)."""
+    for text, what in (("- 1\n- 2\n", "a list"), ("5\n", "a single value"), ("true\n", "a single value")):
+        path = write(tmp_path, text)
+        want = f"{path}: a config file must be a YAML mapping of keys to values, not {what}"
+        assert refusal(path) == refusal(path, "--seed=3") == want
+    assert load_config(write(tmp_path, ""))[0] == load_config(None)[0]  # an empty file: every default
+    assert refusal(write(tmp_path, "model: 5\n")) == (
+        f"{tmp_path / 'run.yaml'}: config key 'model' = 5 has the wrong type: expected ModelConfig"
+    )
+
+
+def test_a_wrong_type_names_the_key_the_value_and_the_type_a_user_reads() -> None:
+    def wrong(override: str, key: str, value: str, expected: str) -> str:
+        return f"command line (--{override}): config key '{key}' = {value} has the wrong type: expected {expected}"
+
+    assert refusal(None, "--model.d_model=abc") == wrong("model.d_model=abc", "model.d_model", "'abc'", "int")
+    assert refusal(None, "--save_interval=abc") == wrong("save_interval=abc", "save_interval", "'abc'", "int | None")
+    assert refusal(None, "--optimizer.betas=5") == wrong("optimizer.betas=5", "optimizer.betas", "5", "list[float]")
+    strategies = "Optional[Literal['single', 'ddp', 'fsdp']]"  # typing's own spelling, without 'typing.'
+    assert refusal(None, "--distributed_strategy=5") == wrong(
+        "distributed_strategy=5", "distributed_strategy", "5", strategies
+    )
+    assert refusal(None, "--wandb.tags=abc") == wrong("wandb.tags=abc", "wandb.tags", "'abc'", "list[str] | None") + (
+        "; write a list: --wandb.tags=[abc]"
+    )
+
+
+def test_values_and_keys_the_parser_must_not_split_or_check_wrongly() -> None:
+    assert load_config(None, ["--model.d_model=1536.0"])[0].model.d_model == 1536  # a whole float: an int
+    assert isinstance(load_config(None, ["--model.d_model=1536.0"])[0].model.d_model, int)
+    assert load_config(None, ["--run_name=a=b"])[0].run_name == "a=b"  # the key ends at the first '='
+    settings = ["--spes_config.codec=sparse", "--spes_config.codec_settings.chunk=64"]  # below a free-form mapping
+    assert load_config(None, settings)[0].spes_config.codec_settings == {"chunk": 64}
+    assert load_config(None, ["--save_interval=${log_interval}"])[0].save_interval == TrainConfig().log_interval
+    cfg = load_config(None, [])[0]
+    assert cfg.save_folder == "output/spes" and load_config(None, ["--run_name=x"])[0].save_folder == "output/x"
+    assert refusal(None, "--save_folder=${nope}") == "config: cannot read config: Interpolation key 'nope' not found"
+
+
+def test_an_unknown_key_names_its_closest_key_or_every_key_of_its_section() -> None:
+    valid = ", ".join(f.name for f in dataclasses.fields(type(TrainConfig().model)))
+    assert refusal(None, "--model.zzzzzzzz=1") == (
+        f"command line (--model.zzzzzzzz=1): unknown config key 'model.zzzzzzzz'; valid keys here: {valid}"
+    )
+    with pytest.raises(ConfigError) as err:
+        from_dict(TrainConfig, {"sed": 1})
+    assert str(err.value) == "config: unknown config key 'sed'; did you mean 'seed'?"
+    with pytest.raises(ConfigError) as err:
+        from_dict(TrainConfig, [1])  # type: ignore[arg-type]
+    assert str(err.value) == "config: config key '<root>' must be a mapping, got [1]"
+
+
+def test_refusals_of_the_checks_name_the_value_they_refuse() -> None:
+    peer = ["--using_spes=true", "--spes_config.num_peers=2", "--model.moe_num_experts=4"]
+    assert refusal(None, "--global_train_batch_size=7", "--device_train_microbatch_size=2") == (
+        "config: config key 'global_train_batch_size' = 7 must be divisible by device_train_microbatch_size=2"
+    )
+    assert refusal(None, *peer, "--spes_config.peer_id=9") == (
+        "config: config key 'spes_config.peer_id' = 9 must be in [0, num_peers=2)"
+    )
+    assert refusal(None, *peer, "--spes_config.overlap_fragments=3", "--spes_config.sync_steps=10") == (
+        "config: config key 'spes_config.overlap_fragments' = 3 must be >= 1 and divide sync_steps=10: a fragment's "
+        "round comes every sync_steps / F steps"
+    )
+
+
+def test_a_server_without_yaml_takes_defaults_for_the_sections_its_command_line_leaves_out() -> None:
+    spes, server, mode = load_sync_sections(["--server.merge_interval=5"])
+    assert spes == SpesConfig() and server.merge_interval == 5 and mode == "spes"
+    spes, server, mode = load_sync_sections(["--spes_config.num_peers=3"])
+    assert spes.num_peers == 3 and server == type(server)() and mode == "spes"
+    with pytest.raises(ConfigError) as err:
+        load_sync_sections(["--server.merge_topk=0"])
+    assert str(err.value) == "command line: config key 'server.merge_topk' = 0 must be >= 1"
+    with pytest.raises(ConfigError) as err:  # a sync key whose value holds '=': its type is wrong, not its key
+        load_sync_sections(["--using_spes=a=b"])
+    assert str(err.value).endswith("config key 'using_spes' = 'a=b' has the wrong type: expected bool")
+
+
+def test_help_lists_every_section_and_key_with_its_doc() -> None:
+    lines = config_help()
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    model = {f.name: f for f in dataclasses.fields(type(TrainConfig().model))}
+    assert f"  model.*  -- {fields['model'].metadata['doc']}" in lines
+    d_model = model["d_model"]
+    assert f"  --model.d_model={d_model.default!r}  [int]  {d_model.metadata['doc']}" in lines
+    assert (
+        f"  --save_interval={TrainConfig().save_interval!r}  [int | None]  {fields['save_interval'].metadata['doc']}"
+        in lines
+    )
