@@ -152,6 +152,7 @@ def test_save_and_restore_carry_the_model_the_optimizer_the_trainer_and_the_conf
     assert path is not None and [p.name for p in list_checkpoints(folder)] == [path.name]
     meta = json.loads((path / META_FILE).read_text())
     assert (meta["kind"], meta["step"]) == ("sharded" if sharded else "unsharded", 3)
+    assert meta.get("world_size") == (1 if sharded else None)  # the ranks that wrote the shards
     assert load_checkpoint(path).config == to_dict(cfg)
     for with_optim in (True, False):
         _, fresh, fresh_optim = _node(steps=0)
@@ -171,6 +172,9 @@ def test_a_centralized_checkpoint_restores_into_a_spes_peer_as_its_weights_reblo
     central = Transformer.for_run(cfg)
     central.init_weights(cfg.seed)
     optimizer = build_optimizer(central, cfg.optimizer)
+    for p in central.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # its moments are of every expert: they cannot follow
     path = save(tmp_path, 5, central, optimizer, trainer_state={"step": 5}, config=to_dict(cfg), sharded=False)
     assert path is not None
     _, peer, peer_optim = _node(steps=0)
@@ -198,6 +202,7 @@ def test_latest_follows_the_newest_save_of_either_kind_and_pruning_is_per_kind(t
     assert [p.name for p in list_checkpoints(tmp_path, "sharded")] == ["step2-sharded", "step3-sharded"]
     _save_sharded(tmp_path, 6, cfg, model, optimizer, keep=2)
     assert resolve_checkpoint(tmp_path).name == "step6-sharded"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step3-sharded", "step5", "step6-sharded"]
 
 
 def test_unshard_command_writes_the_unsharded_layout(tmp_path: Path) -> None:
@@ -511,6 +516,18 @@ def test_extra_files_are_part_of_either_kind_and_survive_unsharding(tmp_path: Pa
         load_checkpoint(path)
 
 
+def test_a_sharded_save_whose_last_files_fail_raises_that_error_and_keeps_latest(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node(steps=1)
+    first = save(tmp_path, 1, model, optimizer, trainer_state={}, config={}, sharded=True)
+
+    def full_disk(path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left on device"):
+        save(tmp_path, 2, model, optimizer, trainer_state={}, config={}, sharded=True, extra={"x": full_disk})
+    assert resolve_checkpoint(tmp_path) == first
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Finding a checkpoint: by step, through `latest`, after a kill; what a killed save left behind
 
@@ -585,8 +602,8 @@ def test_a_model_of_another_config_is_refused_naming_up_to_three_names_of_each_s
         f"{tmp_path}: checkpoint does not match this model config: missing ['b', 'c', 'd'], unexpected [] (was it "
         "written with other model or spes_config keys?)"
     )
-    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['z'\]"):
-        check_model_compatible({"a": t, "z": t}, {"a": t}, tmp_path)
+    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['w', 'x', 'y'\] \(was"):
+        check_model_compatible({"a": t, "w": t, "x": t, "y": t, "z": t}, {"a": t}, tmp_path)
     with pytest.raises(CheckpointError, match="tensor a has shape \\(2,\\) in the checkpoint but \\(3,\\) in this"):
         check_model_compatible({"a": t}, {"a": torch.zeros(3)}, tmp_path)
 
@@ -598,9 +615,12 @@ def test_unreadable_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
         is_sharded(step)
 
 
-def test_optimizer_state_of_another_peer_is_refused_naming_up_to_three_names_of_each_side(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sharded", [False, True])
+def test_optimizer_state_of_another_peer_is_refused_naming_up_to_three_names_of_each_side(
+    tmp_path: Path, sharded: bool
+) -> None:
     cfg, model, optimizer = _node(steps=1)
-    path = save(tmp_path, 1, model, optimizer, trainer_state={}, config=to_dict(cfg), sharded=False)
+    path = save(tmp_path, 1, model, optimizer, trainer_state={}, config=to_dict(cfg), sharded=sharded)
     assert path is not None
     _, other, other_optim = _node("--spes_config.peer_id=1", steps=0)
     with pytest.raises(CheckpointError) as err:
@@ -613,6 +633,10 @@ def test_optimizer_state_of_another_peer_is_refused_naming_up_to_three_names_of_
         "with using_spes/using_dilico set otherwise?"
     )
     assert restore(path, other, other_optim, with_optim=False).trainer == {}  # the weights alone: any peer's
+    _, wider, wider_optim = _node("--model.d_model=64", steps=0)
+    with pytest.raises(CheckpointError) as err:
+        restore(path, wider, wider_optim)
+    assert str(err.value).startswith(f"{path}: tensor ") and "has shape" in str(err.value)
 
 
 def test_unreadable_tensor_files_of_the_recorded_size_are_refused_naming_the_file(tmp_path: Path) -> None:
