@@ -6,6 +6,8 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,27 +44,32 @@ def coordinator(spec: RunSpec, **deploy: object) -> Coordinator:
     return Coordinator(ServerConfig(spec, DeployConfig(**deploy)))  # type: ignore[arg-type]
 
 
+@contextmanager
+def running(service: Coordinator) -> Iterator[Coordinator]:
+    """`service`, shut down on leaving, whether the test passed or not."""
+    try:
+        yield service
+    finally:
+        service.shutdown(grace_s=1.0)
+
+
 def completed_round(service: Coordinator, step: int) -> None:
     """Wait until round `step` is the latest completed (it is built on a thread of its own)."""
     wait_until(lambda: service.status().current_round == step, f"round {step} to complete")
 
 
-def joined(spec: RunSpec = SPEC, **deploy: object) -> Coordinator:
-    """A coordinator every peer of `spec` has joined (shut down again if a join fails)."""
-    service = coordinator(spec, **deploy)
-    try:
+@contextmanager
+def joined(spec: RunSpec = SPEC, **deploy: object) -> Iterator[Coordinator]:
+    """A running coordinator every peer of `spec` has joined."""
+    with running(coordinator(spec, **deploy)) as service:
         for peer in range(spec.num_peers):
             service.join(join_request(peer, spec), session=f"s{peer}", address="test", common_name=lambda: None)
-    except BaseException:
-        service.shutdown(grace_s=1.0)
-        raise
-    return service
+        yield service
 
 
 @pytest.mark.timeout(60)
 def test_a_round_through_the_coordinator_alone() -> None:
-    service = coordinator(SPEC)
-    try:
+    with running(coordinator(SPEC)) as service:
         with pytest.raises(Refused) as err:
             service.uploads.receive(0, 1, feeding({}))
         assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, Reason.NOT_JOINED)
@@ -83,8 +90,6 @@ def test_a_round_through_the_coordinator_alone() -> None:
         assert (status.current_round, status.num_peers, status.bytes_out) == (1, 2, 123)
         with service.downloads.serve(0, 2, False, lambda: False, 30.0) as gone:  # the caller went away while waiting
             assert gone is None
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
@@ -96,8 +101,7 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
     merge = ServerSection(merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=100)
     spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=merge)
     layout = spec.layout
-    service = joined(spec)
-    try:
+    with joined(spec) as service:
         held: dict[str, torch.Tensor] = {}
         for step, fragment in ((2, 1), (4, 2), (6, WHOLE)):
             names = layout.names(fragment, MANIFEST)
@@ -130,15 +134,12 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
                 assert whole is not None and sorted(whole.info.names) == sorted(held)
                 assert all(torch.equal(whole.tensors[n], held[n]) for n in held)
         assert sorted(held) == sorted(MANIFEST)
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
 def test_fragment_layouts_and_uploads_that_disagree_are_refused() -> None:
     spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=NO_MERGE)
-    service = coordinator(spec)
-    try:
+    with running(coordinator(spec)) as service:
         for other, code, match in (
             (tiny_spec(overlap_fragments=5, sync_steps=10), grpc.StatusCode.FAILED_PRECONDITION, "sync_steps = 10"),
             (tiny_spec(sync_steps=4), grpc.StatusCode.FAILED_PRECONDITION, "overlap_fragments = 1 but the run has"),
@@ -159,8 +160,6 @@ def test_fragment_layouts_and_uploads_that_disagree_are_refused() -> None:
             service.uploads.receive(
                 1, 2, feeding({n: t for n, t in peer_upload(spec, 1, 1).items() if n in layout.parts[1]}), 1
             )
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
@@ -170,8 +169,7 @@ def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tm
     quorum = ServerSection(merge_interval=0, dead_peer_policy="quorum", min_peers=1, round_timeout_s=0.2)
     spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=quorum)
     layout = spec.layout
-    service = joined(spec, state_dir=str(tmp_path))
-    try:
+    with joined(spec, state_dir=str(tmp_path)) as service:
         for peer in range(2):
             part = {n: t for n, t in peer_upload(spec, peer, 2).items() if n in layout.parts[0]}
             service.uploads.receive(peer, 2, feeding(part), 1)
@@ -182,23 +180,18 @@ def test_a_quorum_round_waits_for_the_owners_of_a_fragment_never_synchronized(tm
         time.sleep(0.3)
         with pytest.raises(Refused, match=r"no global copy of the experts of peers \[1\] exists yet"):
             service.downloads.serve(0, 4, False, lambda: True, 5.0).__enter__()
-    finally:
-        service.shutdown(grace_s=1.0)
     with pytest.raises(ValueError, match="written by a run with overlap_fragments=2, this server has overlap_fr"):
         coordinator(tiny_spec(sync_steps=4, server=quorum), state_dir=str(tmp_path))
-    restarted = coordinator(spec, state_dir=str(tmp_path))
-    try:  # the node resumes from its checkpoint, which names the run
+    with running(coordinator(spec, state_dir=str(tmp_path))) as restarted:
+        # the node resumes from its checkpoint, which names the run
         restarted.join(join_request(0, spec, run_id=restarted.run_id), **JOIN)  # type: ignore[arg-type]
-    finally:
-        restarted.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
 def test_an_aggregate_that_overflows_is_refused_naming_the_tensor_and_nothing_is_published() -> None:
     """Two peers upload finite values of 3e38: their fp32 mean overflows. The round fails with the tensor's name,
     the previous round stays the latest, and the peers may upload again."""
-    service = joined()
-    try:
+    with joined() as service:
         uploads = {p: peer_upload(SPEC, p, seed=1) for p in range(2)}
         for peer in range(2):
             service.uploads.receive(peer, 1, feeding(uploads[peer]))
@@ -213,8 +206,6 @@ def test_an_aggregate_that_overflows_is_refused_naming_the_tensor_and_nothing_is
         assert service.status().current_round == 1
         done = service.state.completed
         assert done is not None and all(bool(torch.isfinite(t).all()) for t in done.global_model.values())
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
@@ -225,8 +216,7 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
     what to do, nothing is published, round 1 stays the latest on disk and in memory; once the directory is
     writable again the same uploads complete the round, which is then persisted."""
     state_dir = tmp_path / "state"
-    service = joined(state_dir=str(state_dir))
-    try:
+    with joined(state_dir=str(state_dir)) as service:
         for step in (1, 2):
             for peer in range(2):
                 service.uploads.receive(peer, step, feeding(peer_upload(SPEC, peer, seed=step)))
@@ -249,11 +239,8 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
         with service.downloads.serve(0, 2, False, lambda: True, 30.0) as second:
             assert second is not None
         assert load_round(state_dir, service.spec).step == 2  # type: ignore[union-attr]
-    finally:
-        service.shutdown(grace_s=1.0)
     caplog.set_level(logging.INFO, "spes.server")
-    restarted = coordinator(SPEC, state_dir=str(state_dir))  # a restarted server resumes from round 2
-    try:
+    with running(coordinator(SPEC, state_dir=str(state_dir))) as restarted:  # a restarted server resumes from round 2
         assert (
             restarted.status().current_round == 2
             and f"resumed from {state_dir}: round 2 complete (peers [0, 1])" in (caplog.text)
@@ -262,17 +249,14 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
         with restarted.downloads.serve(0, 2, True, lambda: True, 5.0) as caught_up:  # a node catching up
             assert caught_up is not None and caught_up.info.round == 2 and list(caught_up.info.peers) == [0, 1]
             assert set(caught_up.info.names) == set(MANIFEST)
-    finally:
-        restarted.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
 def test_an_upload_counts_its_bytes_refuses_bad_payloads_by_kind_and_keeps_nothing_of_a_broken_one(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    service = joined()
-    caplog.set_level(logging.DEBUG, "spes.server")
-    try:
+    with joined() as service:
+        caplog.set_level(logging.DEBUG, "spes.server")  # from here on: the joins are not this test's
         upload = peer_upload(SPEC, 0, seed=2)
         size = sum(t.numel() * 4 for t in upload.values())
 
@@ -309,16 +293,12 @@ def test_an_upload_counts_its_bytes_refuses_bad_payloads_by_kind_and_keeps_nothi
         with pytest.raises(Refused, match="upload of peer 1 for round 1: ") as err:
             service.uploads.receive(1, 1, feeding(upload), fragment=3)  # no fragment 3 in this run
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
 def test_a_newer_upload_of_a_peer_ends_its_stalled_one() -> None:
-    service = joined()
-    guard = service.guard
-    try:
-        stalled, newer = guard.admit(None), guard.admit(None)
+    with joined() as service:
+        stalled, newer = service.guard.admit(None), service.guard.admit(None)
         upload = peer_upload(SPEC, 0, seed=3)
         started = threading.Event()
 
@@ -336,30 +316,24 @@ def test_a_newer_upload_of_a_peer_ends_its_stalled_one() -> None:
         assert stalled.expired and stalled.why == "superseded by a newer upload of peer 0" and not newer.expired
         assert list(reply.uploaded_peers) == [0]
         assert service.uploads.receive(1, 1, feeding(peer_upload(SPEC, 1, seed=3))).uploaded_peers == [0, 1]
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
 def test_an_upload_that_ended_is_not_ended_again_by_the_peers_next_one() -> None:
-    service = joined()
-    try:
+    with joined() as service:
         first, second = service.guard.admit(None), service.guard.admit(None)
         service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)), ticket=first)
         service.uploads.receive(1, 1, feeding(peer_upload(SPEC, 1, seed=1)))
         completed_round(service, 1)
         service.uploads.receive(0, 2, feeding(peer_upload(SPEC, 0, seed=2)), ticket=second)
         assert not first.expired and not second.expired
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
 def test_a_retry_that_wins_the_race_makes_the_slower_copy_a_duplicate_and_a_duplicate_is_never_read() -> None:
     """Two copies of one upload in flight at once (a peer's retry of one whose reply it lost): the first to finish
     is staged, the other's buffers go back and it is answered as a duplicate."""
-    service = joined()
-    try:
+    with joined() as service:
         upload = peer_upload(SPEC, 0, seed=5)
         retried: list[object] = []
 
@@ -384,28 +358,22 @@ def test_a_retry_that_wins_the_race_makes_the_slower_copy_a_duplicate_and_a_dupl
         completed_round(service, 1)
         late = service.uploads.receive(0, 1, unread, 0, 9)  # a retry of an upload of the round just completed
         assert (late.round, late.duplicate, list(late.uploaded_peers)) == (1, True, [0, 1])
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
 def test_a_full_download_waits_for_the_open_round_though_its_peer_did_not_upload_it() -> None:
     """A catching-up node asks for the whole model of the round in progress without taking part in it."""
-    service = joined()
-    try:
+    with joined() as service:
         service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)))
         with service.downloads.serve(1, 1, True, lambda: True, 0.2) as waited:  # its own time ran out, no refusal
             assert waited is None
         with pytest.raises(Refused, match="holds no upload of peer 1 for round 1"):
             service.downloads.serve(1, 1, False, lambda: True, 0.2).__enter__()
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
 def test_a_download_says_its_round_and_peers_and_ends_when_the_server_stops_or_the_caller_runs_out() -> None:
-    service = joined()
-    try:
+    with joined() as service:
         uploads = {p: peer_upload(SPEC, p, seed=4) for p in range(2)}
         for peer in range(2):
             service.uploads.receive(peer, 1, feeding(uploads[peer]))
@@ -425,8 +393,6 @@ def test_a_download_says_its_round_and_peers_and_ends_when_the_server_stops_or_t
             grpc.StatusCode.UNAVAILABLE,
             "the parameter server is shutting down",
         )
-    finally:
-        service.shutdown(grace_s=1.0)
 
 
 @pytest.mark.timeout(60)
@@ -435,8 +401,7 @@ def test_a_download_waiting_past_the_round_timeout_closes_a_quorum_round_with_th
 ) -> None:
     quorum = ServerSection(merge_interval=0, dead_peer_policy="quorum", round_timeout_s=0.5, min_peers=1)
     spec = replace(SPEC, server=quorum)
-    service = joined(spec)
-    try:
+    with joined(spec) as service:
         for peer in range(2):  # round 1 with both: the global model then holds a copy of every owner's blocks
             service.uploads.receive(peer, 1, feeding(peer_upload(spec, peer, seed=5)))
         with service.downloads.serve(0, 1, False, lambda: True, 30.0) as first:
@@ -448,5 +413,3 @@ def test_a_download_waiting_past_the_round_timeout_closes_a_quorum_round_with_th
         assert 0.4 < time.monotonic() - start < 10
         assert "round 2 timed out: closing it with peers [0] (server.dead_peer_policy quorum)" in caplog.messages
         assert service.status().current_round == 2
-    finally:
-        service.shutdown(grace_s=1.0)
