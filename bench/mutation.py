@@ -817,6 +817,16 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
     ),
     **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ__init__",
+        "12 18 21 25 27",
+        "the state of the tensor being received: `_start` sets it when a header opens one, before anything reads it",
+    ),
+    **mutants(
+        "spes.sync.wire.xǁTensorDecoderǁ_finish_current",
+        "30 32",
+        "with no tensor open (`_name` None) nothing reads the buffer or tensor left here before `_start` replaces them",
+    ),
+    **mutants(
         "spes.config.x__unknown_key_message",
         "8 9 10",
         "the best match is close[0] whatever n, and 0.6 is difflib's default cutoff",
