@@ -367,13 +367,13 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.wire.xǁTensorDecoderǁ__init__",
-        "7 10 11 17 19 20 22 23 24 26",
+        "7 11 12 18 20 21 23 24 25 27",
         "the state of the tensor being received before any: `_start` sets every field at each header, and "
         "nothing reads them before one (a headless chunk is refused first)",
     ),
     **mutants(
         "spes.sync.wire.xǁTensorDecoderǁ_finish_current",
-        "27 29",
+        "30 32",
         "the state reset after a tensor: `_start` sets it again at the next header before anything reads it",
     ),
     **mutants(
@@ -815,16 +815,6 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
-    ),
-    **mutants(
-        "spes.sync.wire.xǁTensorDecoderǁ__init__",
-        "12 18 21 25 27",
-        "the state of the tensor being received: `_start` sets it when a header opens one, before anything reads it",
-    ),
-    **mutants(
-        "spes.sync.wire.xǁTensorDecoderǁ_finish_current",
-        "30 32",
-        "with no tensor open (`_name` None) nothing reads the buffer or tensor left here before `_start` replaces them",
     ),
     **mutants(
         "spes.config.x__unknown_key_message",
