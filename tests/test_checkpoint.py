@@ -60,6 +60,13 @@ def _node(*overrides: str, steps: int = 1) -> tuple[TrainConfig, Transformer, to
     return cfg, model, optimizer
 
 
+def _unit_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step on gradients of ones for what the model trains (moments without a forward)."""
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    optimizer.step()
+
+
 def _save_unsharded(
     folder: Path, step: int, cfg: TrainConfig, model: Transformer, optimizer: torch.optim.Optimizer, keep: int = -1
 ) -> Path:
@@ -172,9 +179,7 @@ def test_a_centralized_checkpoint_restores_into_a_spes_peer_as_its_weights_reblo
     central = Transformer.for_run(cfg)
     central.init_weights(cfg.seed)
     optimizer = build_optimizer(central, cfg.optimizer)
-    for p in central.parameters():
-        p.grad = torch.ones_like(p)
-    optimizer.step()  # its moments are of every expert: they cannot follow
+    _unit_step(central, optimizer)  # its moments are of every expert: they cannot follow
     path = save(tmp_path, 5, central, optimizer, trainer_state={"step": 5}, config=to_dict(cfg), sharded=False)
     assert path is not None
     _, peer, peer_optim = _node(steps=0)
@@ -675,9 +680,7 @@ def test_a_sharded_checkpoint_of_an_amp_node_reads_back_its_bf16_frozen_experts_
     frozen = "blocks.0.ffn.experts.w1.1"
     assert model.state_dict()[frozen].dtype == torch.bfloat16
     optimizer = build_optimizer(model, cfg.optimizer)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p) if p.requires_grad else None
-    optimizer.step()
+    _unit_step(model, optimizer)
     path = save(tmp_path, 1, model, optimizer, trainer_state={}, config={}, sharded=True)
     assert path is not None and load_checkpoint(path).optim is not None
     ckpt = load_checkpoint(path, with_optim=False)

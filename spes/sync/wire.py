@@ -420,7 +420,11 @@ class TensorDecoder:
     def complete(self) -> bool:
         """Whether every expected tensor has arrived whole (what `finish` requires, short of the checksums)."""
         whole = self._name is not None and self._filled == len(self._buf)
-        return set(self._expected) <= {*self._done, *self.coded, *([self._name] if whole else [])}
+        return set(self._expected) <= self._arrived() | ({self._name} if whole else set())
+
+    def _arrived(self) -> set[str]:
+        """The tensors closed so far, as raw values or as coded payloads."""
+        return {*self._done, *self.coded}
 
     def feed(self, chunk: pb.TensorChunk) -> None:
         """Take one chunk; raises ValueError on anything unexpected."""
@@ -581,7 +585,7 @@ class TensorDecoder:
         (default: all expected) must have arrived, one way or the other."""
         self._finish_current()
         required = set(self._expected) if names is None else set(names)
-        missing = sorted(required - set(self._done) - set(self.coded))
+        missing = sorted(required - self._arrived())
         if missing:
             shown = ", ".join(repr(n) for n in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
