@@ -52,6 +52,7 @@ def wandb_history(run_dir: Path) -> tuple[object, dict[int, dict[str, float]]]:
         elif kind == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             history[int(items["_step"])] = items
+    assert run is not None, f"no run record in {run_file} ({len(history)} history records)"
     return run, history
 
 
@@ -87,6 +88,9 @@ def test_training_run_logs_every_metric_to_wandb_offline_and_tensorboard(
         f"--tensorboard.log_dir={tmp_path / 'tb'}",
     ]
     assert main(args) == 0
+    import wandb
+
+    wandb.teardown()  # NOTE: W&B's own process writes the run file; teardown waits for it to exit, so the file is whole
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3, 4] and "val_loss" in lines[1]
 
