@@ -26,6 +26,7 @@ from spes.checkpoint import (
     is_sharded,
     list_checkpoints,
     load_checkpoint,
+    load_model_state,
     remove_stale_temporaries,
     resolve_checkpoint,
     resolve_step,
@@ -656,6 +657,22 @@ def test_unreadable_tensor_files_of_the_recorded_size_are_refused_naming_the_fil
         what = f"{path}: unreadable shard files (" if sharded else f"{tensors}: not a readable safetensors file ("
         assert str(err.value).startswith(what), err.value
         assert str(err.value).endswith("); the checkpoint is corrupt, use an earlier one")
+
+
+def test_the_model_alone_is_read_for_export_even_when_the_optimizer_file_is_unreadable(tmp_path: Path) -> None:
+    """Export and evaluation read the weights only: a damaged optimizer state does not stop them, as it stops a
+    resume."""
+    cfg, model, optimizer = _node(steps=1)
+    for sharded in (False, True):
+        path = save(tmp_path / str(sharded), 1, model, optimizer, trainer_state={}, config={}, sharded=sharded)
+        assert path is not None
+        _assert_same_state(load_model_state(path), model.state_dict())
+    path = tmp_path / "False" / "step1"
+    (optim,) = path.glob("optim*.safetensors")
+    optim.write_bytes(bytes(optim.stat().st_size))
+    _assert_same_state(load_model_state(path), model.state_dict())
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_checkpoint(path)
 
 
 def test_a_checkpoint_written_without_its_config_reads_as_an_empty_one(tmp_path: Path) -> None:
