@@ -151,8 +151,11 @@ def test_save_and_restore_carry_the_model_the_optimizer_the_trainer_and_the_conf
     tmp_path: Path, sharded: bool
 ) -> None:
     """The trainer's pair, either kind, into a folder not made yet; `keep` prunes; without the optimizer's state
-    only the weights and the trainer state come back."""
+    only the weights and the trainer state come back. The optimizer's hyperparameters come back as they were saved
+    (a schedule may have moved them), not as a fresh optimizer holds them."""
     cfg, model, optimizer = _node(steps=2)
+    for group in optimizer.param_groups:
+        group["lr"], group["weight_decay"] = 0.123, 0.456
     folder = tmp_path / "runs" / "node0"
     for step in (2, 3):
         trainer = {"step": step, "tokens": 100 * step}
@@ -168,6 +171,9 @@ def test_save_and_restore_carry_the_model_the_optimizer_the_trainer_and_the_conf
         assert restored.trainer == {"step": 3, "tokens": 300} and restored.config == to_dict(cfg)
         _assert_same_state(fresh.state_dict(), model.state_dict())
         assert bool(fresh_optim.state) == with_optim
+        hyper = [(g["lr"], g["weight_decay"]) for g in fresh_optim.param_groups]
+        lr, decay = cfg.optimizer.learning_rate, cfg.optimizer.weight_decay
+        assert hyper == ([(0.123, 0.456)] * 2 if with_optim else [(lr, decay), (lr, 0.0)])
         for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
             if p.requires_grad and with_optim:
                 _assert_same_state(fresh_optim.state[p], optimizer.state[q])
