@@ -902,15 +902,18 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def _check_overrides(dotlist: list[str]) -> None:
-    """Every override names a key and has a value of its type, so a bad one blames the command line."""
+    """Every override names a key and has a value of its type, so a bad one blames the command line (a mapping
+    for a whole section is checked with the rest of its section, when the config is built)."""
     for item in dotlist:
         key, _, text = item.partition("=")
         where = f"command line (--{item})"
         hint = _lookup_field(TrainConfig, key.split("."), where=where)
-        if hint is not None and _dataclass_in(hint) is None and "${" not in text:
-            value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
-            for part in key.split("."):
-                value = value[part]
+        if hint is None or "${" in text:
+            continue
+        value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        for part in key.split("."):
+            value = value[part]
+        if not (_dataclass_in(hint) is not None and isinstance(value, dict)):
             _coerce(value, hint, key, where)
 
 

@@ -16,6 +16,7 @@ from spes.config import (
     INERT_KEYS,
     ConfigError,
     InstanceFilterConfig,
+    ModelConfig,
     SpesConfig,
     TrainConfig,
     _yaml_problem,
@@ -938,9 +939,10 @@ def test_a_file_that_is_not_a_mapping_is_refused_saying_what_it_holds(tmp_path: 
         want = f"{path}: a config file must be a YAML mapping of keys to values, not {what}"
         assert refusal(path) == refusal(path, "--seed=3") == want
     assert load_config(write(tmp_path, ""))[0] == load_config(None)[0]  # an empty file: every default
-    assert refusal(write(tmp_path, "model: 5\n")) == (
-        f"{tmp_path / 'run.yaml'}: config key 'model' = 5 has the wrong type: expected ModelConfig"
-    )
+    for value in ("5", "'abc'"):
+        assert refusal(write(tmp_path, f"model: {value}\n")) == (
+            f"{tmp_path / 'run.yaml'}: config key 'model' = {value} has the wrong type: expected ModelConfig"
+        )
 
 
 def test_a_wrong_type_names_the_key_the_value_and_the_type_a_user_reads() -> None:
@@ -950,6 +952,9 @@ def test_a_wrong_type_names_the_key_the_value_and_the_type_a_user_reads() -> Non
     assert refusal(None, "--model.d_model=abc") == wrong("model.d_model=abc", "model.d_model", "'abc'", "int")
     assert refusal(None, "--save_interval=abc") == wrong("save_interval=abc", "save_interval", "'abc'", "int | None")
     assert refusal(None, "--optimizer.betas=5") == wrong("optimizer.betas=5", "optimizer.betas", "5", "list[float]")
+    assert refusal(None, "--model=5") == wrong("model=5", "model", "5", "ModelConfig")  # a section: a mapping
+    settings = "spes_config.codec_settings"
+    assert refusal(None, f"--{settings}=5") == wrong(f"{settings}=5", settings, "5", "dict")
     strategies = "Optional[Literal['single', 'ddp', 'fsdp']]"  # typing's own spelling, without 'typing.'
     assert refusal(None, "--distributed_strategy=5") == wrong(
         "distributed_strategy=5", "distributed_strategy", "5", strategies
@@ -963,6 +968,9 @@ def test_values_and_keys_the_parser_must_not_split_or_check_wrongly() -> None:
     assert load_config(None, ["--model.d_model=1536.0"])[0].model.d_model == 1536  # a whole float: an int
     assert isinstance(load_config(None, ["--model.d_model=1536.0"])[0].model.d_model, int)
     assert load_config(None, ["--run_name=a=b"])[0].run_name == "a=b"  # the key ends at the first '='
+    assert load_config(None, ["seed=3"])[0].seed == 3  # in Python, OmegaConf's own dotlist form too
+    model = load_config(None, ["--model={d_model: 36, n_heads: 6}"])[0].model  # a section as one mapping
+    assert (model.d_model, model.n_heads, model.n_layers) == (36, 6, ModelConfig().n_layers)
     settings = ["--spes_config.codec=sparse", "--spes_config.codec_settings.chunk=64"]  # below a free-form mapping
     assert load_config(None, settings)[0].spes_config.codec_settings == {"chunk": 64}
     assert load_config(None, ["--save_interval=${log_interval}"])[0].save_interval == TrainConfig().log_interval
@@ -982,6 +990,9 @@ def test_an_unknown_key_names_its_closest_key_or_every_key_of_its_section() -> N
     with pytest.raises(ConfigError) as err:
         from_dict(TrainConfig, [1])  # type: ignore[arg-type]
     assert str(err.value) == "config: config key '<root>' must be a mapping, got [1]"
+    with pytest.raises(ConfigError) as err:
+        from_dict(SpesConfig, 5, where="command line", prefix="spes_config.")  # type: ignore[arg-type]
+    assert str(err.value) == "command line: config key 'spes_config' must be a mapping, got 5"
 
 
 def test_refusals_of_the_checks_name_the_value_they_refuse() -> None:
