@@ -729,6 +729,22 @@ EQUIVALENT: dict[str, str] = {
         "test_every_key_has_a_doc's tests",
     ),
     **mutants(
+        "spes.config.x__sub",
+        "1 2 3 4 5 6",
+        "called only while spes.config is imported (the dataclasses' sections), as `_f`: no test sees a mutant; "
+        "the sections and their docs are checked by test_help_lists_every_section_and_key_with_its_doc",
+    ),
+    **mutants(
+        "spes.config.x_config_help",
+        "11 13 16 33 35 38",
+        "the text shown for a field without a doc: every field has one (test_every_key_has_a_doc)",
+    ),
+    **mutants(
+        "spes.config.x__load_mapping",
+        "7",
+        "'' for None as what OmegaConf refused: neither is a mapping or a list, so both are 'a single value'",
+    ),
+    **mutants(
         "spes.sync.joins.x_check_join",
         "62",
         "1e9 + 1 bytes to the GB: the size off by one part in a billion, below what any bound or the message's four "

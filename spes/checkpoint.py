@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
-import torch.distributed as dist
 import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -277,11 +276,7 @@ def save_sharded_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     with _single_process_quiet():
-        dcp.save(
-            flat,
-            storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True),
-            no_dist=not dist.is_initialized(),
-        )
+        dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
     del flat
     ok, error = True, None
     if main:
@@ -550,7 +545,9 @@ def _read_sharded(step_dir: Path, with_optim: bool) -> tuple[dict[str, torch.Ten
     return model, optim
 
 
-def _dcp_load(target: dict[str, Any], step_dir: Path, *, no_dist: bool) -> None:
+def _dcp_load(target: dict[str, Any], step_dir: Path, *, no_dist: bool = False) -> None:
+    """DCP's load into `target`: collective under a process group unless `no_dist` (DCP itself runs in this process
+    alone when there is no group)."""
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -606,7 +603,7 @@ def _restore_sharded(
     optim_fqns = {k[len(OPTIM_KEY) :].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY) and with_optim}
     _check_optim_compatible(optim_fqns, _trainable(model), step_dir)
     flat, _ = training_state(model, optimizer if optim_fqns else None)
-    _dcp_load(flat, step_dir, no_dist=not dist.is_initialized())
+    _dcp_load(flat, step_dir)
     optim_tensors = {k[len(OPTIM_KEY) :]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
     model_state = {k[len(MODEL_KEY) :]: v for k, v in flat.items() if k.startswith(MODEL_KEY)}
     optim_state = _unflatten_optim(optim_tensors, meta["optim_param_groups"]) if optim_fqns else None
