@@ -869,6 +869,25 @@ EQUIVALENT: dict[str, str] = {
         "the ValueError is caught at once and replaced by the ConfigError naming max_duration, which never reads it",
     ),
     **mutants("spes.checkpoint.x_load_model_state", "2", "with_optim=None: a falsy flag reads the model alone too"),
+    **mutants(
+        "spes.checkpoint.x__dcp_load",
+        "1 4 7",
+        "DCP's load with or without its collective planning: without a process group it runs in this process either "
+        "way, and under FSDP2 each rank reads the bytes of its own shards either way (checked: the FSDP test passes "
+        "with no_dist=True)",
+    ),
+    **mutants(
+        "spes.checkpoint.x__read_sharded",
+        "15 18 19",
+        "no_dist for a whole read: no caller reads a sharded checkpoint whole under a process group (export, "
+        "unshard and an unsharded restore run in one process or read the unsharded kind)",
+    ),
+    **mutants(
+        "spes.checkpoint.x__restore_sharded",
+        "57 63",
+        "full=None reads as False; full=True: torch's set_*_state_dict takes DTensor values as the shards they are "
+        "(checked: the FSDP test passes with it)",
+    ),
     **mutants("spes.checkpoint.x__options", "4 6", _CPU_OFFLOAD),
     **mutants("spes.checkpoint.x__load_state", "3 6", _CPU_OFFLOAD),
     **mutants("spes.checkpoint.x__optim_state_dict", "16 19", _CPU_OFFLOAD),
@@ -943,7 +962,6 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.checkpoint.x_model_state_dict", "1 10 12 13", FSDP_CKPT),
     **mutants("spes.checkpoint.x__optim_state_dict", "1 11 14 15", FSDP_CKPT),
     **mutants("spes.checkpoint.x__restore_unsharded", "48 54", FSDP_CKPT),
-    **mutants("spes.checkpoint.x_save_sharded_checkpoint", "35", FSDP_CKPT),
     **mutants("spes.checkpoint.x_save", "19 21 22 31 34 35", FSDP_CKPT),
     # what a whole in-process server keeps from round to round: buffers of the wire's dtype, verified checksums
     **mutants(

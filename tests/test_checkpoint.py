@@ -681,6 +681,32 @@ def test_the_model_alone_is_read_for_export_even_when_the_optimizer_file_is_unre
         load_checkpoint(path)
 
 
+def test_a_failure_inside_dcps_read_is_refused_naming_the_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP's own errors (its planner's, its reader's) as one line naming the checkpoint. The checks before DCP
+    (sizes, headers, names) refuse every damaged file this test could write, so DCP's failure is injected."""
+    import torch.distributed.checkpoint as dcp
+
+    cfg, model, optimizer = _node(steps=1)
+    path = save(tmp_path, 1, model, optimizer, trainer_state={}, config={}, sharded=True)
+    assert path is not None
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no storage data for 'model/embeddings.weight'\n  (the planner's details)")
+
+    monkeypatch.setattr(dcp, "load", fail)
+    want = (
+        f"{path}: cannot read the shards (no storage data for 'model/embeddings.weight'); the checkpoint is "
+        f"corrupt or incomplete, use an earlier one"
+    )
+    _, fresh, fresh_optim = _node(steps=0)
+    for read in (load_checkpoint, lambda p: restore(p, fresh, fresh_optim)):
+        with pytest.raises(CheckpointError) as err:
+            read(path)
+        assert str(err.value) == want
+
+
 def test_a_checkpoint_written_without_its_config_reads_as_an_empty_one(tmp_path: Path) -> None:
     cfg, model, optimizer = _node(steps=1)
     path = save(tmp_path, 1, model, optimizer, trainer_state={"step": 1}, config=to_dict(cfg), sharded=False)
