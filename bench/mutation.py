@@ -744,6 +744,16 @@ EQUIVALENT: dict[str, str] = {
         "the text shown for a field without a doc: every field has one (test_every_key_has_a_doc)",
     ),
     **mutants(
+        "spes.config.x__resolve_against_defaults",
+        "3 5",
+        "resolve=None or left out: OmegaConf's default is False, which is what the shape of the user's keys reads",
+    ),
+    **mutants(
+        "spes.config.x_from_dict",
+        "9",
+        "str.rstrip takes a set of characters: 'XX.XX' strips the same '.' ending a prefix, and no section ends in X",
+    ),
+    **mutants(
         "spes.config.x__load_mapping",
         "7",
         "'' for None as what OmegaConf refused: neither is a mapping or a list, so both are 'a single value'",
@@ -843,7 +853,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.config.x__coerce",
-        "25 26",
+        "25",
         "a union member's key and place are named only in the errors the union swallows before naming its own",
     ),
     **mutants(

@@ -826,7 +826,7 @@ def _resolve_against_defaults(user: Any) -> Any:
     shape = OmegaConf.to_container(user, resolve=False)
     try:
         full = OmegaConf.merge(OmegaConf.create(to_dict(TrainConfig())), user)
-    except OmegaConfBaseException:  # a value of the wrong kind (a scalar for a section): from_dict names it
+    except TypeError:  # OmegaConf merges no list into a mapping or back (a list for a section): from_dict names it
         return OmegaConf.to_container(user, resolve=True)
     return _keys_of(OmegaConf.to_container(full, resolve=True), shape)
 

@@ -945,6 +945,16 @@ def test_a_file_that_is_not_a_mapping_is_refused_saying_what_it_holds(tmp_path: 
         )
 
 
+def test_a_list_where_a_mapping_goes_or_back_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """OmegaConf merges no list into a mapping, nor a mapping into a list: its TypeError ended in a traceback. The
+    keys before the culprit are read resolved, as always."""
+    path = write(tmp_path, "log_interval: 5\nsave_interval: ${log_interval}\nmodel: [1, 2]\n")
+    assert refusal(path) == f"{path}: config key 'model' = [1, 2] has the wrong type: expected ModelConfig"
+    path = write(tmp_path, "optimizer:\n  betas: {a: 1}\n")
+    want = f"{path}: config key 'optimizer.betas' = {{'a': 1}} has the wrong type: expected list[float]"
+    assert refusal(path) == want
+
+
 def test_a_wrong_type_names_the_key_the_value_and_the_type_a_user_reads() -> None:
     def wrong(override: str, key: str, value: str, expected: str) -> str:
         return f"command line (--{override}): config key '{key}' = {value} has the wrong type: expected {expected}"
@@ -953,6 +963,8 @@ def test_a_wrong_type_names_the_key_the_value_and_the_type_a_user_reads() -> Non
     assert refusal(None, "--save_interval=abc") == wrong("save_interval=abc", "save_interval", "'abc'", "int | None")
     assert refusal(None, "--optimizer.betas=5") == wrong("optimizer.betas=5", "optimizer.betas", "5", "list[float]")
     assert refusal(None, "--model=5") == wrong("model=5", "model", "5", "ModelConfig")  # a section: a mapping
+    later = refusal(None, "--save_interval=${log_interval}", "--model.d_model=abc")  # checked after one it passes
+    assert later == wrong("model.d_model=abc", "model.d_model", "'abc'", "int")
     settings = "spes_config.codec_settings"
     assert refusal(None, f"--{settings}=5") == wrong(f"{settings}=5", settings, "5", "dict")
     strategies = "Optional[Literal['single', 'ddp', 'fsdp']]"  # typing's own spelling, without 'typing.'
@@ -971,6 +983,7 @@ def test_values_and_keys_the_parser_must_not_split_or_check_wrongly() -> None:
     assert load_config(None, ["seed=3"])[0].seed == 3  # in Python, OmegaConf's own dotlist form too
     model = load_config(None, ["--model={d_model: 36, n_heads: 6}"])[0].model  # a section as one mapping
     assert (model.d_model, model.n_heads, model.n_layers) == (36, 6, ModelConfig().n_layers)
+    assert load_config(None, ["--model={d_model: 36}", "--model.n_heads=6"])[0].model == model  # checked as a whole
     settings = ["--spes_config.codec=sparse", "--spes_config.codec_settings.chunk=64"]  # below a free-form mapping
     assert load_config(None, settings)[0].spes_config.codec_settings == {"chunk": 64}
     assert load_config(None, ["--save_interval=${log_interval}"])[0].save_interval == TrainConfig().log_interval
