@@ -804,8 +804,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         base = OmegaConf.create({}) if path is None else _load_mapping(path)
         dotlist = [_override_to_dotlist(o) for o in overrides]
         _check_overrides(dotlist)
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
-        raw = _resolve_against_defaults(merged)
+        raw = _resolve_against_defaults(_merge_overrides(base, dotlist, where))
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: cannot read config: {str(e).splitlines()[0]}") from None
     except yaml.YAMLError as e:
@@ -814,6 +813,20 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raw["save_folder"] = f"output/{raw.get('run_name', 'spes')}"
     inert = sorted(k for k in _flat_keys(raw) if k in INERT_KEYS)
     return from_dict(TrainConfig, raw, where=where), inert
+
+
+def _merge_overrides(base: Any, dotlist: list[str], where: str) -> Any:
+    """The file's keys with the command line's over them. OmegaConf merges no list into a mapping, nor back, and
+    reads a key below a list as an index: where that fails, a value of the wrong kind in the file is named as
+    building the file alone names it, else the overrides are (a key set below a list)."""
+    try:
+        return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
+    except (TypeError, ValueError):
+        from_dict(TrainConfig, _resolve_against_defaults(base), where=where)
+        given = " ".join(f"--{item}" for item in dotlist)
+        raise ConfigError(
+            f"command line ({given}): an override sets a key below a list of {where}; set the whole list instead"
+        ) from None
 
 
 def _resolve_against_defaults(user: Any) -> Any:

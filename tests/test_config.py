@@ -949,7 +949,20 @@ def test_a_list_where_a_mapping_goes_or_back_is_refused_naming_the_key(tmp_path:
     """OmegaConf merges no list into a mapping, nor a mapping into a list: its TypeError ended in a traceback. The
     keys before the culprit are read resolved, as always."""
     path = write(tmp_path, "log_interval: 5\nsave_interval: ${log_interval}\nmodel: [1, 2]\n")
-    assert refusal(path) == f"{path}: config key 'model' = [1, 2] has the wrong type: expected ModelConfig"
+    assert (
+        refusal(path)
+        == refusal(path, "--model.d_model=5")
+        == (f"{path}: config key 'model' = [1, 2] has the wrong type: expected ModelConfig")
+    )
+    below = "an override sets a key below a list of"
+    path = write(tmp_path, "data:\n  paths: [a.npy]\n")
+    assert (
+        refusal(path, "--data.paths.x=5")
+        == f"command line (--data.paths.x=5): {below} {path}; set the whole list instead"
+    )
+    assert refusal(None, "--data.paths=[a]", "--data.paths.x=5") == (
+        f"command line (--data.paths=[a] --data.paths.x=5): {below} config; set the whole list instead"
+    )
     path = write(tmp_path, "optimizer:\n  betas: {a: 1}\n")
     want = f"{path}: config key 'optimizer.betas' = {{'a': 1}} has the wrong type: expected list[float]"
     assert refusal(path) == want
