@@ -907,11 +907,14 @@ def _override_to_dotlist(arg: str) -> str:
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
-    """A YAML syntax error as one line: where (1-based line and column) and what."""
+    """A YAML file's syntax error as one line: where (1-based line and column) and what."""
     mark = getattr(e, "problem_mark", None)
     at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    what = " ".join(str(getattr(e, "problem", None) or e).split())
-    return f"{at}not valid YAML ({what}); check the indentation, colons and brackets there"
+    return f"{at}not valid YAML ({_yaml_what(e)}); check the indentation, colons and brackets there"
+
+
+def _yaml_what(e: yaml.YAMLError) -> str:
+    return " ".join(str(getattr(e, "problem", None) or e).split())
 
 
 def _check_overrides(dotlist: list[str]) -> None:
@@ -921,9 +924,12 @@ def _check_overrides(dotlist: list[str]) -> None:
         key, _, text = item.partition("=")
         where = f"command line (--{item})"
         hint = _lookup_field(TrainConfig, key.split("."), where=where)
+        try:
+            value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{where}: the value is not valid YAML ({_yaml_what(e)}); quote it") from None
         if hint is None or "${" in text:
             continue
-        value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
         for part in key.split("."):
             value = value[part]
         if not (_dataclass_in(hint) is not None and isinstance(value, dict)):
@@ -940,7 +946,14 @@ def _lookup_field(cls: type, parts: list[str], *, where: str, prefix: str = "") 
     if len(parts) == 1:
         return hint
     sub = _dataclass_in(hint)
-    return None if sub is None else _lookup_field(sub, parts[1:], where=where, prefix=f"{prefix}{head}.")
+    if sub is not None:
+        return _lookup_field(sub, parts[1:], where=where, prefix=f"{prefix}{head}.")
+    if dict in (hint, typing.get_origin(hint)):
+        return None
+    raise ConfigError(
+        f"{where}: config key '{prefix}{head}' holds {_type_name(hint)}, not keys: there is no '{prefix}{head}."
+        f"{parts[1]}'; set the whole value instead"
+    )
 
 
 RENAMED_KEYS = {"spes_config.wire_dtype": "spes_config.codec"}
@@ -1050,9 +1063,9 @@ def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
 
 
 def _type_name(hint: Any) -> str:
-    """`int`, `str | None`, `Literal['a', 'b']`: a type as a user reads it."""
+    """`int`, `str | None`, `Literal['a', 'b']`, `WandbConfig | None`: a type as a user reads it."""
     plain = typing.get_origin(hint) is None and hasattr(hint, "__name__")
-    return hint.__name__ if plain else str(hint).replace("typing.", "")
+    return hint.__name__ if plain else str(hint).replace("typing.", "").replace(f"{__name__}.", "")
 
 
 def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:

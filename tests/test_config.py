@@ -939,6 +939,9 @@ def test_a_file_that_is_not_a_mapping_is_refused_saying_what_it_holds(tmp_path: 
         want = f"{path}: a config file must be a YAML mapping of keys to values, not {what}"
         assert refusal(path) == refusal(path, "--seed=3") == want
     assert load_config(write(tmp_path, ""))[0] == load_config(None)[0]  # an empty file: every default
+    assert refusal(write(tmp_path, "wandb: []\n")) == (
+        f"{tmp_path / 'run.yaml'}: config key 'wandb' = [] has the wrong type: expected WandbConfig | None"
+    )
     for value in ("5", "'abc'"):
         assert refusal(write(tmp_path, f"model: {value}\n")) == (
             f"{tmp_path / 'run.yaml'}: config key 'model' = {value} has the wrong type: expected ModelConfig"
@@ -955,14 +958,11 @@ def test_a_list_where_a_mapping_goes_or_back_is_refused_naming_the_key(tmp_path:
         == (f"{path}: config key 'model' = [1, 2] has the wrong type: expected ModelConfig")
     )
     below = "an override sets a key below a list of"
-    path = write(tmp_path, "data:\n  paths: [a.npy]\n")
-    assert (
-        refusal(path, "--data.paths.x=5")
-        == f"command line (--data.paths.x=5): {below} {path}; set the whole list instead"
-    )
-    assert refusal(None, "--data.paths=[a]", "--data.paths.x=5") == (
-        f"command line (--data.paths=[a] --data.paths.x=5): {below} config; set the whole list instead"
-    )
+    path = write(tmp_path, "spes_config:\n  codec_settings: {a: [1]}\n")  # a free-form mapping takes any keys
+    given = "--spes_config.codec_settings.a.b=1"
+    assert refusal(path, given) == f"command line ({given}): {below} {path}; set the whole list instead"
+    given = "--spes_config.codec_settings.a=[1] --spes_config.codec_settings.a.b=1"
+    assert refusal(None, *given.split()) == f"command line ({given}): {below} config; set the whole list instead"
     path = write(tmp_path, "optimizer:\n  betas: {a: 1}\n")
     want = f"{path}: config key 'optimizer.betas' = {{'a': 1}} has the wrong type: expected list[float]"
     assert refusal(path) == want
@@ -978,6 +978,18 @@ def test_a_wrong_type_names_the_key_the_value_and_the_type_a_user_reads() -> Non
     assert refusal(None, "--model=5") == wrong("model=5", "model", "5", "ModelConfig")  # a section: a mapping
     later = refusal(None, "--save_interval=${log_interval}", "--model.d_model=abc")  # checked after one it passes
     assert later == wrong("model.d_model=abc", "model.d_model", "'abc'", "int")
+    for given, key, what in (("seed.x=3", "seed", "int"), ("data.paths.0=b", "data.paths", "list[str]")):
+        assert refusal(None, f"--{given}") == (
+            f"command line (--{given}): config key '{key}' holds {what}, not keys: there is no "
+            f"'{given.partition('=')[0]}'; set the whole value instead"
+        )
+    for given, what in (
+        ("seed==", "could not determine a constructor for the tag 'tag:yaml.org,2002:value'"),
+        ("wandb.tags=[a,b", "did not find expected ',' or ']'"),
+    ):
+        assert (
+            refusal(None, f"--{given}") == f"command line (--{given}): the value is not valid YAML ({what}); quote it"
+        )
     settings = "spes_config.codec_settings"
     assert refusal(None, f"--{settings}=5") == wrong(f"{settings}=5", settings, "5", "dict")
     strategies = "Optional[Literal['single', 'ddp', 'fsdp']]"  # typing's own spelling, without 'typing.'
