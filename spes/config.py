@@ -43,6 +43,11 @@ def _f(default: Any, doc: str) -> Any:
     return field(default=default, metadata={"doc": doc})
 
 
+def is_host_port(addr: str) -> bool:
+    """`host:port`, `1.2.3.4:50051` or `[::1]:50051`: what gRPC dials without guessing a port."""
+    return re.fullmatch(r"\[?[\w.:-]+\]?:\d+", addr) is not None
+
+
 def _sub(cls: type, doc: str) -> Any:
     return field(default_factory=cls, metadata={"doc": doc})
 
@@ -599,7 +604,7 @@ class TrainConfig:
             "must be >= 1",
         )
         _require(
-            re.fullmatch(r"\[?[\w.:-]+\]?:\d+", s.server_addr) is not None,
+            is_host_port(s.server_addr),
             "spes_config.server_addr",
             s.server_addr,
             "must be host:port",

@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from spes.config import SpesConfig
+from spes.config import SpesConfig, is_host_port
 from spes.sync.auth import TOKEN_ENV, read_token
 from spes.sync.connection import open_channel
 from spes.sync.proto import spes_pb2 as pb
@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watch", type=float, default=0, help="ask again every this many seconds (0: once)")
     parser.add_argument("--timeout", type=float, default=10, help="seconds to wait for the server's answer")
     args = parser.parse_args(argv)
+    if not is_host_port(args.addr):
+        print(f"error: {args.addr!r} is not HOST:PORT (e.g. server.example.org:50051)", file=sys.stderr)
+        return 2
     try:
         token = read_token(args.token_file, "--token_file")
         settings = SpesConfig(server_addr=args.addr, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)

@@ -60,3 +60,10 @@ def test_the_status_command_asks_a_real_server(tmp_path: Path) -> None:
             [sys.executable, "-m", "spes.status", addr], cwd=REPO, capture_output=True, text=True, timeout=60
         )
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+
+
+def test_the_status_command_refuses_an_address_without_a_port(capsys: pytest.CaptureFixture[str]) -> None:
+    from spes.status import main
+
+    assert main(["server.example.org"]) == 2  # gRPC would dial a guessed port and say only UNAVAILABLE
+    assert capsys.readouterr().err == "error: 'server.example.org' is not HOST:PORT (e.g. server.example.org:50051)\n"
