@@ -440,8 +440,10 @@ def read_hf_weights(hf_dir: Path) -> SafetensorsState:
     """The weights of an HF model directory (safetensors only: pickled .bin files are never loaded)."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        return SafetensorsState(hf_dir / f for f in files)
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' of tensor names to files; the download is incomplete")
+        return SafetensorsState(hf_dir / f for f in sorted(set(weight_map.values())))
     single = hf_dir / "model.safetensors"
     if single.is_file():
         return SafetensorsState([single])
@@ -453,11 +455,22 @@ def read_hf_weights(hf_dir: Path) -> SafetensorsState:
     raise FileNotFoundError(f"{hf_dir} has no model.safetensors or model.safetensors.index.json{extra}")
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from an HF directory; ValueError naming the file if it is not one."""
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the download is incomplete or the file was edited") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: a JSON object was expected, not {type(loaded).__name__}")
+    return loaded
+
+
 def read_hf_config(hf_dir: Path, supported: Mapping[str, Any]) -> tuple[Any, Any]:
     """(transformers config, the matching entry of `supported`) of an HF directory, or a clear error."""
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory: it has no config.json")
-    model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+    model_type = _read_json(hf_dir / "config.json").get("model_type", "")
     if model_type not in supported:
         raise ValueError(
             f"{hf_dir}: model_type {model_type!r} is not supported here; expected one of {sorted(supported)}"

@@ -186,6 +186,19 @@ def test_import_refuses_unsupported_architecture(tmp_path: Path) -> None:
         hf.import_hf(tmp_path, tmp_path / "out")
 
 
+def test_import_names_an_hf_file_that_is_not_valid_json(tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "olmoe"')  # cut short
+    with pytest.raises(ValueError) as err:
+        hf.import_hf(bad, tmp_path / "out")
+    assert str(err.value).startswith(f"{bad / 'config.json'}: not valid JSON (Expecting ',' delimiter")
+    olmoe = save_tiny_olmoe(tmp_path / "olmoe")
+    (olmoe / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json: no 'weight_map' of tensor names to files"):
+        hf.import_hf(olmoe, tmp_path / "out")
+
+
 def test_import_refuses_unsupported_options(tmp_path: Path) -> None:
     olmoe = save_tiny_olmoe(tmp_path / "olmoe", clip_qkv=8.0)
     with pytest.raises(ValueError, match="'clip_qkv' = 8.0 is not supported"):
