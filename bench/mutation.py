@@ -857,6 +857,11 @@ EQUIVALENT: dict[str, str] = {
         "a union member's key and place are named only in the errors the union swallows before naming its own",
     ),
     **mutants(
+        "spes.config.x__lookup_field",
+        "33",
+        "every dict-typed key is a plain `dict`, which the hint itself matches: its origin is never consulted",
+    ),
+    **mutants(
         "spes.config.x__coerce",
         "66",
         "every dict-typed key is a plain `dict` (its origin is None): `isinstance(value, dict)` decides the same",

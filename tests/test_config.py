@@ -1012,6 +1012,8 @@ def test_values_and_keys_the_parser_must_not_split_or_check_wrongly() -> None:
     settings = ["--spes_config.codec=sparse", "--spes_config.codec_settings.chunk=64"]  # below a free-form mapping
     assert load_config(None, settings)[0].spes_config.codec_settings == {"chunk": 64}
     assert load_config(None, ["--save_interval=${log_interval}"])[0].save_interval == TrainConfig().log_interval
+    whole = load_config(None, ["--spes_config.codec_settings=${server}"])[0].spes_config.codec_settings
+    assert whole == dataclasses.asdict(TrainConfig().server)  # a mapping interpolated whole, its defaults resolved
     cfg = load_config(None, [])[0]
     assert cfg.save_folder == "output/spes" and load_config(None, ["--run_name=x"])[0].save_folder == "output/x"
     assert refusal(None, "--save_folder=${nope}") == "config: cannot read config: Interpolation key 'nope' not found"
