@@ -919,6 +919,7 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 def _yaml_what(e: yaml.YAMLError) -> str:
+    """What a YAML error says went wrong, on one line."""
     return " ".join(str(getattr(e, "problem", None) or e).split())
 
 
