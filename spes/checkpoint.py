@@ -437,6 +437,8 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({e}); use an earlier checkpoint") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("trainer", {}), dict):
+        raise CheckpointError(f"{meta_path}: not a checkpoint's metadata; use an earlier checkpoint")
     for name, size in meta.get("files", {}).items():
         f = step_dir / name
         if not f.is_file() or f.stat().st_size != size:
@@ -448,7 +450,17 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
 
 def _read_config(step_dir: Path) -> dict[str, Any]:
     """The run config saved with a checkpoint ({} for one written without it)."""
-    return yaml.safe_load((step_dir / CONFIG_FILE).read_text()) if (step_dir / CONFIG_FILE).is_file() else {}
+    path = step_dir / CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise CheckpointError(f"{path}: not valid YAML ({what}); use an earlier checkpoint") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a run config (a YAML mapping); use an earlier checkpoint")
+    return config
 
 
 def is_sharded(path: str | Path) -> bool:

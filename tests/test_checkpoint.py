@@ -625,6 +625,30 @@ def test_unreadable_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
     (step / META_FILE).write_text("{ half")
     with pytest.raises(CheckpointError, match=r"meta.json: unreadable checkpoint metadata \(.*\); use an earlier ch"):
         is_sharded(step)
+    for other in ("[]", '{"trainer": 3}'):  # JSON, but not what a save writes
+        (step / META_FILE).write_text(other)
+        with pytest.raises(CheckpointError) as err:
+            is_sharded(step)
+        assert str(err.value) == f"{step / META_FILE}: not a checkpoint's metadata; use an earlier checkpoint"
+
+
+def test_an_unreadable_saved_config_of_the_recorded_size_is_refused_naming_the_file(tmp_path: Path) -> None:
+    cfg, model, optimizer = _node(steps=1)
+    path = save(tmp_path, 1, model, optimizer, trainer_state={}, config=to_dict(cfg), sharded=False)
+    assert path is not None
+    saved = path / CONFIG_FILE
+    size = saved.stat().st_size
+    saved.write_text("{" + " " * (size - 1))  # cut-short YAML, the size meta.json recorded
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert (
+        str(err.value)
+        == f"{saved}: not valid YAML (expected the node content, but found '<stream end>'); use an earlier checkpoint"
+    )
+    saved.write_text("- 1" + " " * (size - 3))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert str(err.value) == f"{saved}: not a run config (a YAML mapping); use an earlier checkpoint"
 
 
 @pytest.mark.parametrize("sharded", [False, True])
