@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spes.atomic import ASIDE, publish_dir, staging_dir, write_atomic
+from spes.config import yaml_error_text
 from spes.distributed import all_ranks_ok, barrier, process_rank, process_world_size, unwrap
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 
@@ -456,8 +457,7 @@ def _read_config(step_dir: Path) -> dict[str, Any]:
     try:
         config = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        what = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise CheckpointError(f"{path}: not valid YAML ({what}); use an earlier checkpoint") from None
+        raise CheckpointError(f"{path}: not valid YAML ({yaml_error_text(e)}); use an earlier checkpoint") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: not a run config (a YAML mapping); use an earlier checkpoint")
     return config

@@ -915,11 +915,11 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     """A YAML file's syntax error as one line: where (1-based line and column) and what."""
     mark = getattr(e, "problem_mark", None)
     at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return f"{at}not valid YAML ({_yaml_what(e)}); check the indentation, colons and brackets there"
+    return f"{at}not valid YAML ({yaml_error_text(e)}); check the indentation, colons and brackets there"
 
 
-def _yaml_what(e: yaml.YAMLError) -> str:
-    """What a YAML error says went wrong, on one line."""
+def yaml_error_text(e: Exception) -> str:
+    """What a YAML error (or a decoding one) says went wrong, on one line."""
     return " ".join(str(getattr(e, "problem", None) or e).split())
 
 
@@ -933,12 +933,12 @@ def _check_overrides(dotlist: list[str]) -> None:
         try:
             value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
         except yaml.YAMLError as e:
-            raise ConfigError(f"{where}: the value is not valid YAML ({_yaml_what(e)}); quote it") from None
+            raise ConfigError(f"{where}: the value is not valid YAML ({yaml_error_text(e)}); quote it") from None
         if hint is None or "${" in text:
             continue
         for part in key.split("."):
             value = value[part]
-        if not (_dataclass_in(hint) is not None and isinstance(value, dict)):
+        if _dataclass_in(hint) is None or not isinstance(value, dict):
             _coerce(value, hint, key, where)
 
 
