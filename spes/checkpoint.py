@@ -431,6 +431,9 @@ def resolve_step(run_dir: str | Path, step: str | int) -> Path:
     raise FileNotFoundError(f"checkpoint {run / f'step{int(step)}'} does not exist; {available}")
 
 
+_META_FIELDS = {"kind": str, "step": int, "trainer": dict, "optim_param_groups": list, "files": dict}  # every save's
+
+
 def _read_meta(step_dir: Path) -> dict[str, Any]:
     """meta.json of a checkpoint, after checking every file it lists is there at its recorded size."""
     meta_path = step_dir / META_FILE
@@ -438,9 +441,9 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({e}); use an earlier checkpoint") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("trainer", {}), dict):
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), t) for k, t in _META_FIELDS.items()):
         raise CheckpointError(f"{meta_path}: not a checkpoint's metadata; use an earlier checkpoint")
-    for name, size in meta.get("files", {}).items():
+    for name, size in meta["files"].items():
         f = step_dir / name
         if not f.is_file() or f.stat().st_size != size:
             raise CheckpointError(

@@ -546,7 +546,8 @@ def test_a_sharded_save_whose_last_files_fail_raises_that_error_and_keeps_latest
 
 def _fake_checkpoint(directory: Path, kind: str = "unsharded") -> Path:
     directory.mkdir(parents=True)
-    (directory / META_FILE).write_text(json.dumps({"kind": kind}))  # no files listed
+    meta = {"kind": kind, "step": 1, "trainer": {}, "optim_param_groups": [], "files": {}}  # no files listed
+    (directory / META_FILE).write_text(json.dumps(meta))
     return directory
 
 
@@ -622,10 +623,12 @@ def test_a_model_of_another_config_is_refused_naming_up_to_three_names_of_each_s
 
 def test_unreadable_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
     step = _fake_checkpoint(tmp_path / "step1")
+    meta = json.loads((step / META_FILE).read_text())
     (step / META_FILE).write_text("{ half")
     with pytest.raises(CheckpointError, match=r"meta.json: unreadable checkpoint metadata \(.*\); use an earlier ch"):
         is_sharded(step)
-    for other in ("[]", '{"trainer": 3}'):  # JSON, but not what a save writes
+    damaged = [{**meta, "trainer": 3}, {k: v for k, v in meta.items() if k != "trainer"}, {**meta, "files": []}]
+    for other in ("[]", *map(json.dumps, damaged)):  # JSON, but not what a save writes
         (step / META_FILE).write_text(other)
         with pytest.raises(CheckpointError) as err:
             is_sharded(step)
