@@ -467,14 +467,31 @@ def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, b
         same["sharded" if sharded else "unsharded"] = (
             weights and moments and restored.trainer == {"step": 1} and restored.config == {"seed": 7}
         )
-    return same
+    return {**same, "failed_save": _failing_sharded_save(Path(args["folder"]) / "True", model, optimizer)}
+
+
+def _failing_sharded_save(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """What each rank raises when rank 0 cannot finish a sharded save (its last file hits a full disk)."""
+
+    def full_disk(path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    try:
+        save(folder, 2, model, optimizer, trainer_state={}, config={}, sharded=True, extra={"x": full_disk})
+    except (OSError, CheckpointError) as e:
+        return f"{type(e).__name__}: {e}" + ("" if resolve_checkpoint(folder).name == "step1-sharded" else " (moved)")
+    return "saved"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_path: Path) -> None:
     ranks = run_ranks(2, "test_checkpoint:_fsdp_checkpoint_worker", {"folder": str(tmp_path / "ckpt")}, tmp_path)
-    assert ranks == [{"sharded": True, "unsharded": True}] * 2
+    failed = [
+        "OSError: [Errno 28] No space left on device",
+        f"CheckpointError: rank 0 failed to finish {tmp_path / 'ckpt' / 'True' / 'step2-sharded'}; see its log",
+    ]
+    assert ranks == [{"sharded": True, "unsharded": True, "failed_save": f} for f in failed]
 
 
 def test_a_kill_while_replacing_a_checkpoint_of_the_same_step_keeps_it_loadable(tmp_path: Path) -> None:
