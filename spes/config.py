@@ -577,7 +577,9 @@ class TrainConfig:
             f"must be divisible by device_train_microbatch_size={self.device_train_microbatch_size}",
         )
         _require(self.duration_steps >= 1, "max_duration", self.max_duration, "must be at least one step")
-        _require(self.stop_at is None or self.stop_at >= 1, "stop_at", self.stop_at, "must be >= 1 (null: max_duration)")
+        _require(
+            self.stop_at is None or self.stop_at >= 1, "stop_at", self.stop_at, "must be >= 1 (null: max_duration)"
+        )
         _require(self.time_limit is None or self.time_limit > 0, "time_limit", self.time_limit, "must be > 0 seconds")
         _require(self.skip_nonfinite_steps >= 0, "skip_nonfinite_steps", self.skip_nonfinite_steps, "must be >= 0")
         _require(
