@@ -649,16 +649,14 @@ def _trainable(model: nn.Module) -> set[str]:
 
 
 def _reblock(weights: dict[str, torch.Tensor], model_state: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-    """`weights` re-blocked to the model's expert-block size, or None if that does not make them fit.
+    """`weights` re-blocked to the model's expert-block size, or None for a model without experts.
 
     Optimizer and trainer state cannot follow (frozen blocks have no moments), so the caller starts a
-    new run from these weights.
+    new run from these weights; what still differs after re-blocking (say, the layer count) is what the
+    compatibility check then names.
     """
     block = next((t.shape[0] for n, t in model_state.items() if n.endswith(".experts.w1.0")), None)
-    if block is None:
-        return None
-    reblocked = split_expert_blocks(fuse_expert_blocks(weights), block)
-    return reblocked if set(reblocked) == set(model_state) else None
+    return None if block is None else split_expert_blocks(fuse_expert_blocks(weights), block)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -202,6 +202,22 @@ def test_a_centralized_checkpoint_restores_into_a_spes_peer_as_its_weights_reblo
             assert torch.equal(tensor, saved[name]), name
 
 
+def test_a_checkpoint_of_other_layers_is_refused_naming_what_differs_after_reblocking(tmp_path: Path) -> None:
+    """Its expert blocks would fit the peer's; the refusal names the third layer, not the block layout."""
+    cfg = load_config(TINY, [*SMALL_NODE, "--model.moe_num_experts=4", "--using_spes=false", "--model.n_layers=3"])[0]
+    central = Transformer.for_run(cfg)
+    optimizer = build_optimizer(central, cfg.optimizer)
+    path = save(tmp_path, 5, central, optimizer, trainer_state={}, config=to_dict(cfg), sharded=False)
+    _, peer, peer_optim = _node(steps=0)
+    with pytest.raises(CheckpointError) as err:
+        restore(tmp_path, peer, peer_optim)
+    attn = ["blocks.2.attn.k_norm.weight", "blocks.2.attn.k_proj.weight", "blocks.2.attn.o_proj.weight"]
+    assert str(err.value) == (
+        f"{path}: checkpoint does not match this model config: missing [], unexpected {attn} "
+        "(was it written with other model or spes_config keys?)"
+    )
+
+
 def test_latest_follows_the_newest_save_of_either_kind_and_pruning_is_per_kind(tmp_path: Path) -> None:
     cfg, model, optimizer = _node()
     for step in (1, 2, 3):
