@@ -22,7 +22,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -36,11 +36,57 @@ class ConfigError(ValueError):
     """A user-fixable problem with a config file or override: the message names the key and what to do."""
 
 
-def _f(default: Any, doc: str) -> Any:
-    """A dataclass field with a default and a one-line doc (shown by `--help`)."""
+@dataclass(frozen=True)
+class Range:
+    """A numeric key's allowed values: `ge <= x` (or `gt < x`) and `x < lt`, each bound optional."""
+
+    ge: float | None = None
+    gt: float | None = None
+    lt: float | None = None
+
+    def __str__(self) -> str:
+        """`>= 1`, `> 0`, `in [0, 1)`: as `--help` and the refusal word it."""
+        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
+        if self.lt is None:
+            return f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}"
+        return f"in {low}, {self.lt:g})" if low else f"< {self.lt:g}"
+
+    def holds(self, x: float) -> bool:
+        return (
+            (self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt) and (self.lt is None or x < self.lt)
+        )
+
+
+def _number_problem(value: Any, allowed: Range | None) -> str | None:
+    """What is wrong with a key's number (no float key takes NaN or infinity), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not math.isfinite(value):
+        return "must be a finite number"
+    return None if allowed is None or allowed.holds(value) else f"must be {allowed}"
+
+
+class Section:
+    """A config section: built from YAML or in code, its numbers are checked against their fields' ranges."""
+
+    KEY: ClassVar[str] = ""  # where it sits in the run's YAML ("model."): keys are named as a user writes them
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            problem = _number_problem(value, f.metadata.get("range"))
+            if problem:
+                nullable = " or null" if type(None) in typing.get_args(hints[f.name]) else ""
+                raise ConfigError(f"config key '{self.KEY}{f.name}' = {value!r} {problem}{nullable}")
+
+
+def _f(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
+    """A dataclass field with a default, a one-line doc (shown by `--help`) and, for a number, its range."""
+    metadata = {"doc": doc, **({"range": Range(ge, gt, lt)} if (ge, gt, lt) != (None, None, None) else {})}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 def is_host_port(addr: str) -> bool:
@@ -53,46 +99,48 @@ def _sub(cls: type, doc: str) -> Any:
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Section):
     """The OLMoE-style decoder (see `spes.model`)."""
 
-    d_model: int = _f(768, "hidden size")
-    n_heads: int = _f(12, "attention heads")
-    n_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (default: n_heads)")
-    n_layers: int = _f(12, "decoder blocks")
-    mlp_hidden_size: int | None = _f(None, "MLP hidden size; each SwiGLU expert is mlp_hidden_size / 2 wide")
-    mlp_ratio: int = _f(4, "mlp_hidden_size = mlp_ratio * d_model when mlp_hidden_size is not set")
+    KEY: ClassVar[str] = "model."
+
+    d_model: int = _f(768, "hidden size", ge=1)
+    n_heads: int = _f(12, "attention heads", ge=1)
+    n_kv_heads: int | None = _f(None, "key/value heads for grouped-query attention (default: n_heads)", ge=1)
+    n_layers: int = _f(12, "decoder blocks", ge=1)
+    mlp_hidden_size: int | None = _f(None, "MLP hidden size; each SwiGLU expert is mlp_hidden_size / 2 wide", ge=2)
+    mlp_ratio: int = _f(4, "mlp_hidden_size = mlp_ratio * d_model when mlp_hidden_size is not set", ge=1)
     weight_tying: bool = _f(False, "tie input embedding and LM head (must be false: untied, as in OLMoE)")
     alibi: bool = _f(False, "ALiBi positions (not supported: RoPE is used)")
     rope: bool = _f(True, "rotary position embeddings (must be true)")
-    rope_theta: float = _f(10000.0, "RoPE base frequency")
+    rope_theta: float = _f(10000.0, "RoPE base frequency", gt=0)
     flash_attention: bool = _f(False, "inert: attention always uses torch scaled_dot_product_attention")
-    attention_dropout: float = _f(0.0, "dropout on attention probabilities")
+    attention_dropout: float = _f(0.0, "dropout on attention probabilities", ge=0, lt=1)
     attention_layer_norm: bool = _f(False, "QK-norm: RMSNorm on queries and keys")
     attention_layer_norm_with_affine: bool = _f(True, "learnable scale in the QK-norm")
     attention_layer_norm_over_head: bool = _f(False, "QK-norm per head (Qwen3) instead of over all heads (OLMoE)")
     include_bias: bool = _f(False, "biases in linear layers (must be false)")
     block_type: Literal["moe"] = _f("moe", "decoder block type")
     layer_norm_type: Literal["rms"] = _f("rms", "normalization (RMSNorm)")
-    layer_norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    layer_norm_eps: float = _f(1e-5, "RMSNorm epsilon", gt=0)
     layer_norm_with_affine: bool = _f(True, "learnable RMSNorm scale")
     bias_for_layer_norm: bool = _f(False, "bias in norms (must be false)")
     activation_type: Literal["swiglu"] = _f("swiglu", "expert activation")
-    residual_dropout: float = _f(0.0, "dropout on residual branches")
-    embedding_dropout: float = _f(0.0, "dropout on embeddings")
-    max_sequence_length: int = _f(2048, "training sequence length in tokens")
-    vocab_size: int = _f(50280, "tokenizer vocabulary size")
+    residual_dropout: float = _f(0.0, "dropout on residual branches", ge=0, lt=1)
+    embedding_dropout: float = _f(0.0, "dropout on embeddings", ge=0, lt=1)
+    max_sequence_length: int = _f(2048, "training sequence length in tokens", ge=1)
+    vocab_size: int = _f(50280, "tokenizer vocabulary size", ge=1)
     embedding_size: int | None = _f(None, "rows of the embedding/LM head (>= vocab_size; padded for speed)")
-    eos_token_id: int = _f(0, "end-of-document token id")
-    pad_token_id: int = _f(1, "padding token id")
+    eos_token_id: int = _f(0, "end-of-document token id", ge=0)
+    pad_token_id: int = _f(1, "padding token id", ge=0)
     init_device: str | None = _f(None, "inert: models are built on the meta device and materialized")
     init_fn: Literal["normal"] = _f("normal", "weight init: truncated normal")
-    init_std: float = _f(0.02, "init standard deviation")
-    init_cutoff_factor: float | None = _f(3.0, "truncate init at +-cutoff * std (null: no truncation)")
+    init_std: float = _f(0.02, "init standard deviation", gt=0)
+    init_cutoff_factor: float | None = _f(3.0, "truncate init at +-cutoff * std (null: no truncation)", gt=0)
     using_custom_moe_impl: bool = _f(False, "inert: spes always uses its own MoE")
     moe_log_expert_assignment: bool = _f(False, "log tokens per expert with the training metrics")
     moe_top_k: int = _f(2, "experts per token")
-    moe_num_experts: int = _f(8, "experts per MoE layer")
+    moe_num_experts: int = _f(8, "experts per MoE layer", ge=1)
     moe_dropless: bool = _f(True, "dropless routing (must be true)")
     moe_mlp_impl: str = _f("sparse", "inert: megablocks MLP kind; see moe_backend")
     moe_backend: Literal["auto", "torch", "grouped_mm", "megablocks"] = _f(
@@ -100,15 +148,16 @@ class ModelConfig:
         "expert compute: auto (grouped_mm on CUDA sm80+, else torch), torch (sort + per-expert matmul), grouped_mm, "
         "megablocks (GPU only)",
     )
-    moe_zloss_weight: float = _f(0.001, "router z-loss weight")
-    moe_loss_weight: float = _f(0.01, "load-balancing loss weight")
+    moe_zloss_weight: float = _f(0.001, "router z-loss weight", ge=0)
+    moe_loss_weight: float = _f(0.01, "load-balancing loss weight", ge=0)
     moe_normalize_expert_weights: float | bool | None = _f(
-        None, "renormalize the top-k routing weights (p-norm; true means p=1, weights sum to 1)"
+        None, "renormalize the top-k routing weights (p-norm; true means p=1, weights sum to 1)", gt=0
     )
     clip_qkv: float | None = _f(None, "inert when null (OLMo's q/k/v clamp is not implemented: null only)")
     moe_shared_expert: bool = _f(False, "inert when false (OLMo's always-on shared expert is not implemented)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.mlp_hidden_size is None:
             self.mlp_hidden_size = self.mlp_ratio * self.d_model
         if self.embedding_size is None:
@@ -185,39 +234,48 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
-class OptimizerConfig:
+class OptimizerConfig(Section):
+    KEY: ClassVar[str] = "optimizer."
+
     name: Literal["adamw"] = _f("adamw", "optimizer")
-    learning_rate: float = _f(4e-4, "peak learning rate")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    weight_decay: float = _f(0.1, "decoupled weight decay")
+    learning_rate: float = _f(4e-4, "peak learning rate", ge=0)
+    eps: float = _f(1e-8, "AdamW epsilon", gt=0)
+    weight_decay: float = _f(0.1, "decoupled weight decay", ge=0)
     decay_norm_and_bias: bool = _f(False, "apply weight decay to norm weights")
     decay_embeddings: bool = _f(False, "apply weight decay to embeddings")
     betas: list[float] = _f([0.9, 0.95], "AdamW betas")
     metrics_log_interval: int | None = _f(None, "inert: optimizer metrics are logged every log_interval steps")
 
-
-@dataclass(kw_only=True)
-class SchedulerConfig:
-    name: Literal["cosine_with_warmup", "linear_with_warmup", "constant"] = _f(
-        "cosine_with_warmup", "learning-rate schedule"
-    )
-    units: Literal["steps", "tokens"] = _f("steps", "unit of t_warmup and t_max")
-    t_warmup: int = _f(100, "linear warm-up length")
-    t_max: int | None = _f(None, "schedule length (default: the run's max_duration)")
-    alpha_f: float = _f(0.1, "final learning rate as a fraction of the peak")
-    warmup_min_lr: float | None = _f(None, "learning rate at step 0 of the warm-up (null: 10% of the peak, as OLMo)")
-
     def __post_init__(self) -> None:
+        super().__post_init__()
         _require(
-            self.warmup_min_lr is None or self.warmup_min_lr >= 0,
-            "scheduler.warmup_min_lr",
-            self.warmup_min_lr,
-            "must be >= 0 (or null for 10% of the peak)",
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optimizer.betas",
+            self.betas,
+            "must be two numbers in [0, 1)",
         )
 
 
 @dataclass(kw_only=True)
-class TokenizerConfig:
+class SchedulerConfig(Section):
+    KEY: ClassVar[str] = "scheduler."
+
+    name: Literal["cosine_with_warmup", "linear_with_warmup", "constant"] = _f(
+        "cosine_with_warmup", "learning-rate schedule"
+    )
+    units: Literal["steps", "tokens"] = _f("steps", "unit of t_warmup and t_max")
+    t_warmup: int = _f(100, "linear warm-up length", ge=0)
+    t_max: int | None = _f(None, "schedule length (default: the run's max_duration)", ge=1)
+    alpha_f: float = _f(0.1, "final learning rate as a fraction of the peak", ge=0)
+    warmup_min_lr: float | None = _f(
+        None, "learning rate at step 0 of the warm-up (null: 10% of the peak, as OLMo)", ge=0
+    )
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig(Section):
+    KEY: ClassVar[str] = "tokenizer."
+
     identifier: str = _f(
         "data/default/tokenizer",
         "tokenizer directory, tokenizer.json or Hugging Face Hub id (local cache first, see spes.hub)",
@@ -226,49 +284,43 @@ class TokenizerConfig:
 
 
 @dataclass(kw_only=True)
-class InstanceFilterConfig:
+class InstanceFilterConfig(Section):
     """OLMo's repetition filter: a window holding a token period repeated too often is left out of the loss."""
 
+    KEY: ClassVar[str] = "data.instance_filter."
+
     repetition_max_period: int = _f(13, "longest period (in tokens) checked for repeats")
-    repetition_min_period: int = _f(1, "shortest period (in tokens) checked for repeats")
-    repetition_max_count: int = _f(32, "a window with this many consecutive repeats of one period is filtered")
+    repetition_min_period: int = _f(1, "shortest period (in tokens) checked for repeats", ge=1)
+    repetition_max_count: int = _f(32, "a window with this many consecutive repeats of one period is filtered", ge=2)
 
     def __post_init__(self) -> None:
-        _require(
-            self.repetition_min_period >= 1,
-            "data.instance_filter.repetition_min_period",
-            self.repetition_min_period,
-            "must be >= 1",
-        )
+        super().__post_init__()
         _require(
             self.repetition_max_period >= self.repetition_min_period,
             "data.instance_filter.repetition_max_period",
             self.repetition_max_period,
             f"must be >= repetition_min_period={self.repetition_min_period}",
         )
-        _require(
-            self.repetition_max_count >= 2,
-            "data.instance_filter.repetition_max_count",
-            self.repetition_max_count,
-            "must be >= 2",
-        )
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Section):
+    KEY: ClassVar[str] = "data."
+
     paths: list[str] = _f([], "token shards: .npy files, globs, or a .txt file listing them")
     validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
     seed: int | None = _f(
         None,
         "this node's data-order seed (null: the run's `seed`); each node's YAML has its own, e.g. 6198, 7198, ... "
         "as the first implementation's node files",
+        ge=0,
     )
     memmap_dtype: str | None = _f(
         None,
         "token dtype (uint16/uint32/uint64): checked against spes shards, read from headerless OLMo files "
         "(default: the shards' own; uint16 for headerless files)",
     )
-    num_workers: int = _f(0, "data loader worker processes")
+    num_workers: int = _f(0, "data loader worker processes", ge=0)
     pad_direction: str = _f("right", "inert")
     drop_last: bool = _f(True, "drop the last incomplete global batch of an epoch")
     pin_memory: bool = _f(False, "pin host memory (GPU runs)")
@@ -281,7 +333,9 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class FSDPConfig:
+class FSDPConfig(Section):
+    KEY: ClassVar[str] = "fsdp."
+
     wrapping_strategy: Literal["by_block"] | None = _f("by_block", "FSDP2 fully_shard per decoder block")
     precision: Literal["mixed", "pure", "float"] = _f("mixed", "mixed: bf16 compute, fp32 reduce under amp_bf16")
     sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"] = _f(
@@ -290,46 +344,58 @@ class FSDPConfig:
 
 
 @dataclass(kw_only=True)
-class DDPConfig:
+class DDPConfig(Section):
+    KEY: ClassVar[str] = "ddp."
+
     grad_sync_mode: str = _f("batch", "inert")
     find_unused_params: bool = _f(False, "DDP find_unused_parameters")
 
 
 @dataclass(kw_only=True)
-class WandbConfig:
+class WandbConfig(Section):
     """Setting this section logs to Weights & Biases (`pip install -e '.[wandb]'`; WANDB_MODE=offline works)."""
+
+    KEY: ClassVar[str] = "wandb."
 
     name: str | None = _f(None, "W&B run name (default: run_name)")
     project: str | None = _f(None, "W&B project (default: spes)")
     group: str | None = _f(None, "W&B group, e.g. the run name shared by all nodes")
-    log_interval: int = _f(1, "log every N-th metrics step (evaluations always)")
+    log_interval: int = _f(1, "log every N-th metrics step (evaluations always)", ge=1)
     entity: str | None = _f(None, "W&B team or user (default: yours)")
     tags: list[str] | None = _f(["watching"], "W&B run tags (OLMo's default: [watching])")
 
 
 @dataclass(kw_only=True)
-class TensorBoardConfig:
+class TensorBoardConfig(Section):
     """Setting this section writes TensorBoard event files (`pip install -e '.[tensorboard]'`)."""
+
+    KEY: ClassVar[str] = "tensorboard."
 
     log_dir: str | None = _f(None, "event file directory (default: <save_folder>/tensorboard)")
 
 
 @dataclass(kw_only=True)
-class SpeedMonitorConfig:
-    window_size: int = _f(20, "steps averaged for tokens/s")
+class SpeedMonitorConfig(Section):
+    KEY: ClassVar[str] = "speed_monitor."
+
+    window_size: int = _f(20, "steps averaged for tokens/s", ge=1)
 
 
 @dataclass(kw_only=True)
-class SpesConfig:
+class SpesConfig(Section):
     """Where this node sits in the SPES run and how it talks to the parameter server."""
 
-    num_peers: int = _f(4, "nodes in the run")
+    KEY: ClassVar[str] = "spes_config."
+
+    num_peers: int = _f(4, "nodes in the run", ge=1)
     peer_id: int = _f(0, "this node, in [0, num_peers)")
-    num_train_experts_per_node: int = _f(2, "k: peer p owns experts [p*k, (p+1)*k) of every MoE layer")
-    sync_steps: int = _f(100, "local steps between synchronizations")
+    num_train_experts_per_node: int = _f(2, "k: peer p owns experts [p*k, (p+1)*k) of every MoE layer", ge=1)
+    sync_steps: int = _f(100, "local steps between synchronizations", ge=1)
     server_addr: str = _f("127.0.0.1:50051", "parameter server host:port")
     using_decayed_aux_loss: bool = _f(False, "scale own experts' load-balancing counts 0.7 -> 1.0 over 20% of training")
-    decayed_factor_update_steps: int = _f(500, "refresh interval of the decayed load-balancing factor (1.0 before it)")
+    decayed_factor_update_steps: int = _f(
+        500, "refresh interval of the decayed load-balancing factor (1.0 before it)", ge=1
+    )
     quant_non_local_trainable_experts: bool = _f(False, "inert (the first implementation read it and did nothing)")
     codec: str = _f(
         "fp32",
@@ -355,10 +421,10 @@ class SpesConfig:
     tls_ca: str | None = _f(None, "CA certificate to verify the server (enables TLS)")
     tls_cert: str | None = _f(None, "client certificate for mutual TLS")
     tls_key: str | None = _f(None, "client key for mutual TLS")
-    rpc_timeout_s: float = _f(120.0, "deadline of one RPC")
-    round_timeout_s: float = _f(3600.0, "longest wait for the other peers to finish a round")
+    rpc_timeout_s: float = _f(120.0, "deadline of one RPC", gt=0)
+    round_timeout_s: float = _f(3600.0, "longest wait for the other peers to finish a round", gt=0)
     max_retries: int = _f(
-        8, "retries of a failed RPC (exponential backoff with jitter; 8 ride out a ~90 s server restart)"
+        8, "retries of a failed RPC (exponential backoff with jitter; 8 ride out a ~90 s server restart)", ge=0
     )
     eval_after_sync: bool = _f(
         True,
@@ -398,7 +464,7 @@ class SpesConfig:
 
 
 @dataclass(kw_only=True)
-class ServerSection:
+class ServerSection(Section):
     """The parameter server's run settings (`python -m spes.server RUN.yaml` reads them; a node ignores them).
 
     The run's layout is not repeated here: peers, experts per block and the mode are the nodes' own
@@ -406,48 +472,36 @@ class ServerSection:
     below are the only ones: the server, `spes.launch` and the scripts all read them from here.
     """
 
+    KEY: ClassVar[str] = "server."
+
     merge_interval: int = _f(
         500, "SPES expert-merging warm-up on rounds whose step is a multiple of this (<= 0: never)"
     )
-    merge_alpha_start: float = _f(0.01, "merge strength at step 0, decayed linearly to 0 at merge_decay_steps")
-    merge_decay_steps: int = _f(10000, "step at which the merge strength reaches 0")
-    merge_topk: int = _f(4, "most similar other experts each expert is pulled towards")
+    merge_alpha_start: float = _f(0.01, "merge strength at step 0, decayed linearly to 0 at merge_decay_steps", ge=0)
+    merge_decay_steps: int = _f(10000, "step at which the merge strength reaches 0", gt=0)
+    merge_topk: int = _f(4, "most similar other experts each expert is pulled towards", ge=1)
     outer_optimizer: Literal["none", "nesterov"] = _f(
         "none",
         "DiLoCo outer step: none = the global model is the mean of the uploads (the paper's baseline); "
         "nesterov = Nesterov SGD on (previous global - mean)",
     )
-    outer_lr: float = _f(0.7, "DiLoCo outer learning rate (nesterov)")
-    outer_momentum: float = _f(0.9, "DiLoCo outer Nesterov momentum")
-    round_timeout_s: float = _f(3600.0, "seconds after a round's first upload after which it has timed out")
+    outer_lr: float = _f(0.7, "DiLoCo outer learning rate (nesterov)", gt=0)
+    outer_momentum: float = _f(0.9, "DiLoCo outer Nesterov momentum", ge=0, lt=1)
+    round_timeout_s: float = _f(3600.0, "seconds after a round's first upload after which it has timed out", gt=0)
     dead_peer_policy: Literal["wait", "quorum"] = _f(
         "wait",
         "at the timeout, wait: fail the waiting nodes naming the missing ones; quorum: close the round with "
         "the nodes that arrived (a missing owner's experts keep their last value)",
     )
-    min_peers: int | None = _f(None, "fewest nodes a quorum round needs (null: a majority)")
-
-    def __post_init__(self) -> None:
-        _require(
-            math.isfinite(self.merge_alpha_start) and self.merge_alpha_start >= 0,
-            "server.merge_alpha_start",
-            self.merge_alpha_start,
-            "must be a finite number >= 0",
-        )
-        _require(self.merge_decay_steps > 0, "server.merge_decay_steps", self.merge_decay_steps, "must be > 0")
-        _require(self.merge_topk >= 1, "server.merge_topk", self.merge_topk, "must be >= 1")
-        _require(self.outer_lr > 0, "server.outer_lr", self.outer_lr, "must be > 0")
-        _require(0 <= self.outer_momentum < 1, "server.outer_momentum", self.outer_momentum, "must be in [0, 1)")
-        _require(self.round_timeout_s > 0, "server.round_timeout_s", self.round_timeout_s, "must be > 0")
-        _require(self.min_peers is None or self.min_peers >= 1, "server.min_peers", self.min_peers, "must be >= 1")
+    min_peers: int | None = _f(None, "fewest nodes a quorum round needs (null: a majority)", ge=1)
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainConfig(Section):
     """One node's run."""
 
     run_name: str = _f("spes", "name of the run")
-    seed: int = _f(6198, "model init and dropout seed (and the data order's when data.seed is unset)")
+    seed: int = _f(6198, "model init and dropout seed (and the data order's when data.seed is unset)", ge=0)
     dry_run: bool = _f(False, "build the node (data, model, optimizer, checkpoint) and stop before training")
     no_pre_train_checkpoint: bool = _f(True, "skip the checkpoint at step 0")
     compile: dict | bool | None = _f(
@@ -462,7 +516,7 @@ class TrainConfig:
         "a CUDA GPU, false elsewhere",
     )
     softmax_auxiliary_loss: bool = _f(False, "add a z-loss on the output logits")
-    auxiliary_loss_multiplier: float = _f(1e-4, "weight of the output-logit z-loss")
+    auxiliary_loss_multiplier: float = _f(1e-4, "weight of the output-logit z-loss", ge=0)
     using_spes: bool = _f(
         False, "synchronize with a SPES parameter server (false, the first implementation's default: centralized)"
     )
@@ -485,10 +539,10 @@ class TrainConfig:
         "fresh): what a requeued job wants (--resume=auto)",
     )
     max_duration: str | int = _f("1000st", "training length: steps ('1000st' or 1000) or tokens ('2e9T')")
-    stop_at: int | None = _f(None, "stop at this step even if max_duration is larger")
-    global_train_batch_size: int = _f(512, "sequences per optimizer step on this node (all ranks)")
-    device_train_microbatch_size: int = _f(8, "sequences per forward/backward on one rank")
-    device_eval_batch_size: int = _f(8, "sequences per validation forward")
+    stop_at: int | None = _f(None, "stop at this step even if max_duration is larger", ge=1)
+    global_train_batch_size: int = _f(512, "sequences per optimizer step on this node (all ranks)", gt=0)
+    device_train_microbatch_size: int = _f(8, "sequences per forward/backward on one rank", gt=0)
+    device_eval_batch_size: int = _f(8, "sequences per validation forward", gt=0)
     precision: Literal["fp32", "amp_bf16"] = _f("amp_bf16", "amp_bf16: bf16 autocast with fp32 master weights")
     distributed_strategy: Literal["single", "ddp", "fsdp"] | None = _f(
         "single", "how the node's ranks share work (launched with torchrun)"
@@ -498,14 +552,15 @@ class TrainConfig:
     activation_checkpointing: Literal["whole_layer", "fine_grained", "one_in_two", "one_in_four"] | bool | None = _f(
         None, "recompute activations: whole_layer, fine_grained (attention + experts), one_in_N layers"
     )
-    max_grad_norm: float | None = _f(1.0, "clip the global gradient norm")
+    max_grad_norm: float | None = _f(1.0, "clip the global gradient norm (null: no clipping)", gt=0)
     max_grad_norm_ratio: float | None = _f(None, "inert")
     skip_nonfinite_steps: int = _f(
         0,
         "skip the update of up to this many steps in a row whose loss or gradient norm is NaN/inf (0: stop at "
         "the first, naming the step)",
+        ge=0,
     )
-    eval_interval: int | None = _f(None, "steps between validation-loss evaluations")
+    eval_interval: int | None = _f(None, "steps between validation-loss evaluations (null: none)", ge=1)
     eval_subset_num_batches: int = _f(-1, "validation batches per evaluation (-1: all)")
     save_folder: str = _f("output/${run_name}", "where checkpoints and metrics go")
     save_overwrite: bool = _f(
@@ -513,19 +568,20 @@ class TrainConfig:
         "a fresh start (not a resume) into a save_folder holding another run's checkpoints or metrics is refused "
         "unless true; true replaces them",
     )
-    save_interval: int | None = _f(1000, "steps between (sharded under FSDP) checkpoints")
+    save_interval: int | None = _f(1000, "steps between (sharded under FSDP) checkpoints (null: none)", ge=1)
     save_interval_ephemeral: int | None = _f(None, "inert")
     save_num_checkpoints_to_keep: int = _f(-1, "keep this many recent checkpoints (-1: all)")
     sharded_checkpointer: str | None = _f(None, "inert: torch.distributed.checkpoint is used")
-    save_interval_unsharded: int | None = _f(None, "steps between unsharded (single-file) checkpoints")
+    save_interval_unsharded: int | None = _f(None, "steps between unsharded (single-file) checkpoints", ge=1)
     save_num_unsharded_checkpoints_to_keep: int = _f(-1, "keep this many unsharded checkpoints (-1: all)")
-    log_interval: int = _f(1, "steps between console/JSONL metric lines")
+    log_interval: int = _f(1, "steps between console/JSONL metric lines", ge=1)
     gen1_gc_interval: int | None = _f(
         1,
         "steps between generation-1 garbage collections, Python's automatic collection off while training (as "
         "OLMo: an automatic one pauses a step at a moment of its own on each rank); null: automatic collection",
+        ge=1,
     )
-    time_limit: float | None = _f(None, "seconds of training after which the node saves and stops (null: none)")
+    time_limit: float | None = _f(None, "seconds of training after which the node saves and stops (null: none)", gt=0)
     torch_profiling: bool = _f(
         False,
         "profile training steps 7-9 of this process with torch.profiler (as OLMo): a table of operators in the log, "
@@ -552,6 +608,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self._check_batches_and_duration()
         if self.sync_enabled:
             self._check_sync()
@@ -559,52 +616,30 @@ class TrainConfig:
             self._check_ownership()
 
     def _check_batches_and_duration(self) -> None:
-        """Batch sizes that divide, a parseable duration, positive limits."""
-        _require(
-            self.global_train_batch_size > 0, "global_train_batch_size", self.global_train_batch_size, "must be > 0"
-        )
-        _require(
-            self.device_train_microbatch_size > 0,
-            "device_train_microbatch_size",
-            self.device_train_microbatch_size,
-            "must be > 0",
-        )
-        _require(self.device_eval_batch_size > 0, "device_eval_batch_size", self.device_eval_batch_size, "must be > 0")
+        """Batch sizes that divide, a duration of at least one step, counts that keep something."""
         _require(
             self.global_train_batch_size % self.device_train_microbatch_size == 0,
             "global_train_batch_size",
             self.global_train_batch_size,
             f"must be divisible by device_train_microbatch_size={self.device_train_microbatch_size}",
         )
+        for key in (
+            "eval_subset_num_batches",
+            "save_num_checkpoints_to_keep",
+            "save_num_unsharded_checkpoints_to_keep",
+        ):
+            count = getattr(self, key)
+            _require(count == -1 or count >= 1, key, count, "must be -1 (all) or >= 1")
         _require(self.duration_steps >= 1, "max_duration", self.max_duration, "must be at least one step")
-        _require(
-            self.stop_at is None or self.stop_at >= 1, "stop_at", self.stop_at, "must be >= 1 (null: max_duration)"
-        )
-        _require(self.time_limit is None or self.time_limit > 0, "time_limit", self.time_limit, "must be > 0 seconds")
-        _require(self.skip_nonfinite_steps >= 0, "skip_nonfinite_steps", self.skip_nonfinite_steps, "must be >= 0")
-        _require(
-            self.gen1_gc_interval is None or self.gen1_gc_interval >= 1,
-            "gen1_gc_interval",
-            self.gen1_gc_interval,
-            "must be >= 1 step (null: Python's automatic collection)",
-        )
 
     def _check_sync(self) -> None:
         """The node's `spes_config` (peers, server address, the round schedule, overlap) and `server.min_peers`."""
         s = self.spes_config
-        _require(s.num_peers >= 1, "spes_config.num_peers", s.num_peers, "must be >= 1")
         _require(
             0 <= s.peer_id < s.num_peers,
             "spes_config.peer_id",
             s.peer_id,
             f"must be in [0, num_peers={s.num_peers})",
-        )
-        _require(s.sync_steps >= 1, "spes_config.sync_steps", s.sync_steps, "must be >= 1")
-        _require(
-            s.decayed_factor_update_steps >= 1,
-            "spes_config.decayed_factor_update_steps",
-            s.decayed_factor_update_steps,
-            "must be >= 1",
         )
         _require(
             is_host_port(s.server_addr),
@@ -649,7 +684,6 @@ class TrainConfig:
         m, s = self.model, self.spes_config
         check_outer_optimizer(self.server, self.mode)
         k = s.num_train_experts_per_node
-        _require(k >= 1, "spes_config.num_train_experts_per_node", k, "must be >= 1")
         # NOTE: peer p owns [p*k, min((p+1)*k, E)); every expert needs an owner, while peers past the last
         # block (P*k > E, as in the upcycled 9B run: 8 experts, 8 peers x 2) train only the shared parameters.
         _require(
@@ -1102,5 +1136,8 @@ def config_help(cls: type = TrainConfig, prefix: str = "") -> list[str]:
             lines.extend(config_help(sub, prefix + f.name + "."))
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        lines.append(f"  --{prefix}{f.name}={default!r}  [{_type_name(hints[f.name])}]  {f.metadata.get('doc', '')}")
+        allowed = f" {f.metadata['range']}" if "range" in f.metadata else ""
+        lines.append(
+            f"  --{prefix}{f.name}={default!r}  [{_type_name(hints[f.name])}{allowed}]  {f.metadata.get('doc', '')}"
+        )
     return lines

@@ -742,7 +742,9 @@ def test_a_duration_of_epochs_or_another_unit_is_refused(value: str) -> None:
 
 def test_help_gives_each_key_its_default_type_and_doc_and_each_section_a_heading() -> None:
     lines = config_help()
-    assert "  --server.merge_topk=4  [int]  most similar other experts each expert is pulled towards" in lines
+    assert "  --server.merge_topk=4  [int >= 1]  most similar other experts each expert is pulled towards" in lines
+    assert "  --model.attention_dropout=0.0  [float in [0, 1)]  dropout on attention probabilities" in lines
+    assert "  --run_name='spes'  [str]  name of the run" in lines
     codec_settings = next(line for line in lines if line.startswith("  --spes_config.codec_settings="))
     assert codec_settings.startswith("  --spes_config.codec_settings={}  [")  # a dict default, made by its factory
     heading = next(line for line in lines if line.startswith("  server.*"))
@@ -805,11 +807,11 @@ BOUNDS = [
     ([], "", ["--global_train_batch_size=1", "--device_train_microbatch_size=1"]),
     (["--device_train_microbatch_size=0"], "'device_train_microbatch_size' = 0 must be > 0", []),
     (["--device_eval_batch_size=0"], "'device_eval_batch_size' = 0 must be > 0", ["--device_eval_batch_size=1"]),
-    (["--time_limit=0"], "'time_limit' = 0.0 must be > 0 seconds", ["--time_limit=0.5"]),
+    (["--time_limit=0"], "'time_limit' = 0.0 must be > 0 or null", ["--time_limit=0.5"]),
     (["--skip_nonfinite_steps=-1"], "'skip_nonfinite_steps' = -1 must be >= 0", ["--skip_nonfinite_steps=0"]),
     (
         ["--gen1_gc_interval=0"],
-        "'gen1_gc_interval' = 0 must be >= 1 step (null: Python's automatic collection)",
+        "'gen1_gc_interval' = 0 must be >= 1 or null",
         ["--gen1_gc_interval=1"],
     ),
     (
@@ -859,21 +861,21 @@ BOUNDS = [
     ),
     (
         ["--server.merge_alpha_start=-0.1"],
-        "'server.merge_alpha_start' = -0.1 must be a finite number >= 0",
+        "'server.merge_alpha_start' = -0.1 must be >= 0",
         ["--server.merge_alpha_start=0"],
     ),
-    (["--server.merge_alpha_start=inf"], "'server.merge_alpha_start' = inf must be a finite number >= 0", []),
+    (["--server.merge_alpha_start=inf"], "'server.merge_alpha_start' = inf must be a finite number", []),
     (["--server.merge_decay_steps=0"], "'server.merge_decay_steps' = 0 must be > 0", ["--server.merge_decay_steps=1"]),
     (["--server.merge_topk=0"], "'server.merge_topk' = 0 must be >= 1", ["--server.merge_topk=1"]),
     (["--server.outer_lr=0"], "'server.outer_lr' = 0.0 must be > 0", ["--server.outer_lr=0.001"]),
     (["--server.outer_momentum=1"], "'server.outer_momentum' = 1.0 must be in [0, 1)", ["--server.outer_momentum=0"]),
     (["--server.outer_momentum=-0.1"], "'server.outer_momentum' = -0.1 must be in [0, 1)", []),
     (["--server.round_timeout_s=0"], "'server.round_timeout_s' = 0.0 must be > 0", ["--server.round_timeout_s=0.5"]),
-    (["--server.min_peers=0"], "'server.min_peers' = 0 must be >= 1", ["--server.min_peers=1"]),
+    (["--server.min_peers=0"], "'server.min_peers' = 0 must be >= 1 or null", ["--server.min_peers=1"]),
     (["--server.min_peers=5"], "'server.min_peers' = 5 must be <= spes_config.num_peers=4", ["--server.min_peers=4"]),
     (
         ["--scheduler.warmup_min_lr=-1"],
-        "'scheduler.warmup_min_lr' = -1.0 must be >= 0 (or null for 10% of the peak)",
+        "'scheduler.warmup_min_lr' = -1.0 must be >= 0 or null",
         ["--scheduler.warmup_min_lr=0"],
     ),
     (
@@ -911,6 +913,34 @@ BOUNDS = [
         "'model.embedding_size' = 4095 must be >= model.vocab_size=4096",
         ["--model.embedding_size=4096"],
     ),
+    # Ranges declared with the fields (`_f(..., ge=, gt=, lt=)`), a NaN or infinity refused for every float
+    (["--model.n_heads=0"], "'model.n_heads' = 0 must be >= 1", ["--model.n_heads=1"]),
+    (["--model.n_kv_heads=0"], "'model.n_kv_heads' = 0 must be >= 1 or null", ["--model.n_kv_heads=1"]),
+    (["--model.d_model=0"], "'model.d_model' = 0 must be >= 1", []),
+    (["--model.n_layers=0"], "'model.n_layers' = 0 must be >= 1", ["--model.n_layers=1"]),
+    (["--model.mlp_hidden_size=0"], "'model.mlp_hidden_size' = 0 must be >= 2 or null", ["--model.mlp_hidden_size=2"]),
+    (["--model.max_sequence_length=0"], "'model.max_sequence_length' = 0 must be >= 1", []),
+    (["--model.attention_dropout=1"], "'model.attention_dropout' = 1.0 must be in [0, 1)", []),
+    (["--model.residual_dropout=-0.1"], "'model.residual_dropout' = -0.1 must be in [0, 1)", []),
+    (["--model.layer_norm_eps=0"], "'model.layer_norm_eps' = 0.0 must be > 0", []),
+    (["--model.rope_theta=nan"], "'model.rope_theta' = nan must be a finite number", []),
+    (["--model.pad_token_id=-1"], "'model.pad_token_id' = -1 must be >= 0", ["--model.pad_token_id=0"]),
+    (["--optimizer.learning_rate=-1"], "'optimizer.learning_rate' = -1.0 must be >= 0", []),
+    (["--optimizer.eps=0"], "'optimizer.eps' = 0.0 must be > 0", []),
+    (["--optimizer.betas=[0.9,1]"], "'optimizer.betas' = [0.9, 1.0] must be two numbers in [0, 1)", []),
+    (["--optimizer.betas=[0.9]"], "'optimizer.betas' = [0.9] must be two numbers in [0, 1)", []),
+    (["--max_grad_norm=0"], "'max_grad_norm' = 0.0 must be > 0 or null", ["--max_grad_norm=null"]),
+    (["--seed=-1"], "'seed' = -1 must be >= 0", ["--seed=0"]),
+    (["--data.seed=-1"], "'data.seed' = -1 must be >= 0 or null", ["--data.seed=0"]),
+    (["--log_interval=0"], "'log_interval' = 0 must be >= 1", []),
+    (["--eval_interval=0"], "'eval_interval' = 0 must be >= 1 or null", ["--eval_interval=1"]),
+    (["--save_interval=0"], "'save_interval' = 0 must be >= 1 or null", ["--save_interval=null"]),
+    (["--eval_subset_num_batches=0"], "'eval_subset_num_batches' = 0 must be -1 (all) or >= 1", []),
+    (["--save_num_checkpoints_to_keep=0"], "'save_num_checkpoints_to_keep' = 0 must be -1 (all) or >= 1", []),
+    (["--speed_monitor.window_size=0"], "'speed_monitor.window_size' = 0 must be >= 1", []),
+    (["--spes_config.rpc_timeout_s=inf"], "'spes_config.rpc_timeout_s' = inf must be a finite number", []),
+    (["--spes_config.max_retries=-1"], "'spes_config.max_retries' = -1 must be >= 0", ["--spes_config.max_retries=0"]),
+    (["--server.outer_lr=inf"], "'server.outer_lr' = inf must be a finite number", []),
 ]
 
 
@@ -1072,8 +1102,6 @@ def test_help_lists_every_section_and_key_with_its_doc() -> None:
     model = {f.name: f for f in dataclasses.fields(type(TrainConfig().model))}
     assert f"  model.*  -- {fields['model'].metadata['doc']}" in lines
     d_model = model["d_model"]
-    assert f"  --model.d_model={d_model.default!r}  [int]  {d_model.metadata['doc']}" in lines
-    assert (
-        f"  --save_interval={TrainConfig().save_interval!r}  [int | None]  {fields['save_interval'].metadata['doc']}"
-        in lines
-    )
+    assert f"  --model.d_model={d_model.default!r}  [int >= 1]  {d_model.metadata['doc']}" in lines
+    save = fields["save_interval"]
+    assert f"  --save_interval={save.default!r}  [int | None >= 1]  {save.metadata['doc']}" in lines

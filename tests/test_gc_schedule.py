@@ -70,5 +70,5 @@ def test_training_runs_no_automatic_collection(tiny_corpus, tmp_path: Path, coll
 
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_a_schedule_below_one_step_is_refused(value: str) -> None:
-    with pytest.raises(ConfigError, match="gen1_gc_interval.*must be >= 1 step"):
+    with pytest.raises(ConfigError, match="gen1_gc_interval.*must be >= 1 or null"):
         load_config(TINY, [f"--gen1_gc_interval={value}"])

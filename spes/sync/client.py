@@ -153,11 +153,6 @@ class SyncClient:
             raise ValueError("a client needs a complete run spec (its manifest and sync_steps)")
         if not 0 <= peer_id < spec.num_peers:
             raise ValueError(f"peer_id {peer_id} is outside [0, num_peers={spec.num_peers})")
-        if s.rpc_timeout_s <= 0 or s.round_timeout_s <= 0 or s.max_retries < 0:
-            raise ValueError(
-                f"need spes_config.rpc_timeout_s > 0, round_timeout_s > 0, max_retries >= 0; got "
-                f"{s.rpc_timeout_s}, {s.round_timeout_s}, {s.max_retries}"
-            )
         self.spec, self.peer_id = spec, peer_id
         self.rpc_timeout_s, self.round_timeout_s, self.max_retries = s.rpc_timeout_s, s.round_timeout_s, s.max_retries
         self.run_id = run_id or s.run_id or ""

@@ -364,7 +364,7 @@ def test_settings_at_their_bounds() -> None:
     ):
         assert ok is not None
     bad = [
-        (lambda: ServerSection(merge_alpha_start=-0.5), "'server.merge_alpha_start' = -0.5 must be a finite number"),
+        (lambda: ServerSection(merge_alpha_start=-0.5), "'server.merge_alpha_start' = -0.5 must be >= 0"),
         (lambda: ServerSection(merge_alpha_start=float("nan")), "'server.merge_alpha_start' = nan must be a finite"),
         (lambda: ServerSection(outer_lr=0.0), r"'server.outer_lr' = 0.0 must be > 0"),
         (lambda: ServerSection(outer_momentum=1.0), r"'server.outer_momentum' = 1.0 must be in \[0, 1\)"),
