@@ -128,7 +128,9 @@ class ModelConfig(Section):
     activation_type: Literal["swiglu"] = _f("swiglu", "expert activation")
     residual_dropout: float = _f(0.0, "dropout on residual branches", ge=0, lt=1)
     embedding_dropout: float = _f(0.0, "dropout on embeddings", ge=0, lt=1)
-    max_sequence_length: int = _f(2048, "training sequence length in tokens", ge=1)
+    max_sequence_length: int = _f(
+        2048, "training sequence length in tokens (a window of L tokens trains L - 1 predictions)", ge=2
+    )
     vocab_size: int = _f(50280, "tokenizer vocabulary size", ge=1)
     embedding_size: int | None = _f(None, "rows of the embedding/LM head (>= vocab_size; padded for speed)")
     eos_token_id: int = _f(0, "end-of-document token id", ge=0)

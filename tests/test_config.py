@@ -919,7 +919,7 @@ BOUNDS = [
     (["--model.d_model=0"], "'model.d_model' = 0 must be >= 1", []),
     (["--model.n_layers=0"], "'model.n_layers' = 0 must be >= 1", ["--model.n_layers=1"]),
     (["--model.mlp_hidden_size=0"], "'model.mlp_hidden_size' = 0 must be >= 2 or null", ["--model.mlp_hidden_size=2"]),
-    (["--model.max_sequence_length=0"], "'model.max_sequence_length' = 0 must be >= 1", []),
+    (["--model.max_sequence_length=1"], "'model.max_sequence_length' = 1 must be >= 2", []),
     (["--model.attention_dropout=1"], "'model.attention_dropout' = 1.0 must be in [0, 1)", []),
     (["--model.residual_dropout=-0.1"], "'model.residual_dropout' = -0.1 must be in [0, 1)", []),
     (["--model.layer_norm_eps=0"], "'model.layer_norm_eps' = 0.0 must be > 0", []),
