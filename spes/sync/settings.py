@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -125,19 +126,10 @@ class DeployConfig:
             )
         if self.token is not None and not self.token:
             raise ValueError("the auth token is empty: put a non-empty secret in SPES_TOKEN or --token_file")
-        for name in (
-            "stream_idle_timeout",
-            "max_model_gb",
-            "peer_liveness",
-            "max_connections",
-            "max_streams",
-            "max_streams_per_peer",
-            "max_tensors",
-            "min_stream_rate",
-            "handshake_timeout",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name} must be > 0, got {getattr(self, name)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["group"] == "limits" and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"--{f.name} must be a finite number > 0, got {value}")
 
     def open_files(self) -> int:
         """File descriptors this server may hold at once: `max_connections` on the gRPC port, twice `max_streams` on

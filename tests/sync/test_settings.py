@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,12 @@ LIMITS = [f.name for f in dataclasses.fields(DeployConfig) if f.metadata["group"
 
 
 @pytest.mark.parametrize("field", LIMITS)
-def test_a_limit_must_be_positive(field: str) -> None:
-    """Every flag of the "limits" group (a new one too) is refused unless positive, naming the flag."""
-    with pytest.raises(ValueError, match=f"^--{field} must be > 0, got 0$"):
-        DeployConfig(**{field: 0})
+def test_a_limit_must_be_positive_and_finite(field: str) -> None:
+    """Every flag of the "limits" group (a new one too) is refused unless a positive finite number, naming it."""
+    for value in (0, -1, math.inf, math.nan):
+        with pytest.raises(ValueError) as err:
+            DeployConfig(**{field: value})
+        assert str(err.value) == f"--{field} must be a finite number > 0, got {value}"
 
 
 def test_the_open_files_its_limits_can_hold() -> None:
