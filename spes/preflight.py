@@ -565,8 +565,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.config is None:
         parser.error("no config file given, e.g. python -m spes.preflight configs/tiny.yaml")
-    if not 0 < args.link_mb <= 256:
-        parser.error(f"--link_mb must be in (0, 256], got {args.link_mb}")
+    for flag, value, most in (
+        ("--link_mb", args.link_mb, 256.0),
+        ("--memory_budget_gb", args.memory_budget_gb, math.inf),
+        ("--step_time_s", args.step_time_s, math.inf),
+        ("--max_sync_fraction", args.max_sync_fraction, 1.0),
+    ):
+        if value is not None and not (0 < value <= most and math.isfinite(value)):
+            rule = f"in (0, {most:g}]" if math.isfinite(most) else "a finite number > 0"
+            parser.error(f"{flag} must be {rule}, got {value}")
     try:
         cfg, _ = load_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as exc:

@@ -539,3 +539,22 @@ def test_a_node_whose_logits_do_not_fit_is_told_to_fuse_its_loss() -> None:
     assert "or set device_train_microbatch_size=" in check.fix
     fused, _ = load_config(REPO / "configs" / "spes_1b" / "node_0.yaml", ["--fused_loss=true"])
     assert check_memory(fused, gpu, None).status == "ok"
+
+
+@pytest.mark.parametrize(
+    ("flag", "rule"),
+    [
+        ("--link_mb=0", "--link_mb must be in (0, 256], got 0.0"),
+        ("--link_mb=inf", "--link_mb must be in (0, 256], got inf"),
+        ("--memory_budget_gb=nan", "--memory_budget_gb must be a finite number > 0, got nan"),
+        ("--memory_budget_gb=0", "--memory_budget_gb must be a finite number > 0, got 0.0"),
+        ("--step_time_s=-1", "--step_time_s must be a finite number > 0, got -1.0"),
+        ("--max_sync_fraction=1.5", "--max_sync_fraction must be in (0, 1], got 1.5"),
+    ],
+)
+def test_a_number_flag_out_of_its_range_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str], flag: str, rule: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([TINY, flag])
+    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"python -m spes.preflight: error: {rule}\n")

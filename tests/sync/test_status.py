@@ -67,3 +67,22 @@ def test_the_status_command_refuses_an_address_without_a_port(capsys: pytest.Cap
 
     assert main(["server.example.org"]) == 2  # gRPC would dial a guessed port and say only UNAVAILABLE
     assert capsys.readouterr().err == "error: 'server.example.org' is not HOST:PORT (e.g. server.example.org:50051)\n"
+
+
+@pytest.mark.parametrize(
+    ("flag", "rule"),
+    [
+        ("--watch=-1", "--watch must be a finite number of seconds >= 0 (0: once), got -1.0"),
+        ("--watch=nan", "--watch must be a finite number of seconds >= 0 (0: once), got nan"),
+        ("--timeout=0", "--timeout must be a finite number of seconds > 0, got 0.0"),
+        ("--timeout=inf", "--timeout must be a finite number of seconds > 0, got inf"),
+    ],
+)
+def test_the_status_command_refuses_seconds_out_of_range(
+    capsys: pytest.CaptureFixture[str], flag: str, rule: str
+) -> None:
+    from spes.status import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["127.0.0.1:50051", flag])
+    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"python -m spes.status: error: {rule}\n")
