@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -72,7 +73,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "peer holds the same global model, so one evaluating peer gives the run's merged curve for 1/N of the CPU",
     )
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
-    return p.parse_args(argv), overrides
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port must be in [0, 65535] (0: a free one), got {args.port}")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
+    return args, overrides
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from conftest import LaunchedRun
+from spes.launch import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -32,6 +33,23 @@ def test_local_run_finishes_with_summary_and_no_leftover_processes(quickstart_ru
     merged = {r["val_merged_last"] for r in summary["peers"]}
     assert len(merged) == 1  # every peer evaluates the same global model after the last sync
     assert quickstart_run.leftovers == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "rule"),
+    [
+        ("--threads=0", "--threads must be >= 1, got 0"),
+        ("--port=70000", "--port must be in [0, 65535] (0: a free one), got 70000"),
+        ("--timeout=nan", "--timeout must be a finite number of seconds > 0, got nan"),
+        ("--timeout=0", "--timeout must be a finite number of seconds > 0, got 0.0"),
+    ],
+)
+def test_a_launcher_flag_out_of_its_range_is_refused_naming_it(
+    capsys: pytest.CaptureFixture[str], flag: str, rule: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([TINY, flag])
+    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"python -m spes.launch: error: {rule}\n")
 
 
 def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) -> None:
