@@ -691,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
+            if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
+                raise ValueError(f"--max_shard_gb must be a finite number > 0, got {args.max_shard_gb}")
             step = Path(args.checkpoint) if args.checkpoint else resolve_step(args.run_dir, args.step)
             out = export_checkpoint(
                 step,

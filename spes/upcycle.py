@@ -40,6 +40,7 @@ s = 1/u): each token sees k of the E slices.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -331,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.out is None:
             raise ValueError("--out is required: the checkpoint step directory to write, e.g. output/run/init/step0")
+        if args.router_std is not None and not (math.isfinite(args.router_std) and args.router_std >= 0):
+            raise ValueError(f"--router_std must be a finite number >= 0, got {args.router_std}")
         step, plan = upcycle(
             args.hf, cfg, args.out, partition=args.partition, router_std=args.router_std, overwrite=args.overwrite
         )

@@ -215,3 +215,6 @@ def test_cli_export_from_run_dir_and_error_exit(
     assert (tmp_path / "hf" / "config.json").is_file()
     assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--step", "9", "--out", str(tmp_path / "x")]) == 2
     assert "step9 does not exist; available: step3" in capsys.readouterr().err
+    for size in ("0", "nan", "inf"):
+        assert hf.main(["export", "--checkpoint", str(tmp_path / "run"), "--out", "x", "--max_shard_gb", size]) == 2
+        assert capsys.readouterr().err == f"error: --max_shard_gb must be a finite number > 0, got {float(size)}\n"

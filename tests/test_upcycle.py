@@ -280,6 +280,10 @@ def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureF
         == 2
     )
     assert f"model.vocab_size={tokenizer.vocab_size - 1} but the tokenizer has" in capsys.readouterr().err
+    for std in ("-0.1", "nan"):
+        bad = ["--config", str(config), "--hf", dense, "--out", str(tmp_path / "y" / "step0"), "--router_std", std]
+        assert upcycle.main([*bad, *overrides]) == 2
+        assert capsys.readouterr().err == f"error: --router_std must be a finite number >= 0, got {float(std)}\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------
