@@ -29,6 +29,7 @@ import glob
 import gzip
 import io
 import json
+import math
 import os
 import sys
 import time
@@ -574,7 +575,12 @@ def train_tokenizer_parser() -> argparse.ArgumentParser:
 
 def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
     """data_process_scripts/train_tokenizer.py."""
-    args = train_tokenizer_parser().parse_args(argv)
+    parser = train_tokenizer_parser()
+    args = parser.parse_args(argv)
+    if args.max_mb is not None and not (math.isfinite(args.max_mb) and args.max_mb > 0):
+        parser.error(f"--max_mb must be a finite number > 0, got {args.max_mb}")
+    if args.min_frequency < 1:
+        parser.error(f"--min_frequency must be >= 1, got {args.min_frequency}")
     files: list[Path] = []
     for pattern in args.input:
         matches = matching_files(pattern)

@@ -23,6 +23,7 @@ import argparse
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -382,8 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.max_mb <= 0:
-        print(f"error: --max_mb must be > 0, got {args.max_mb}", file=sys.stderr)
+    if not (math.isfinite(args.max_mb) and args.max_mb > 0):
+        print(f"error: --max_mb must be a finite number > 0, got {args.max_mb}", file=sys.stderr)
         return 2
     marker = args.output_dir / "corpus.json"
     if marker.is_file() and not args.force:

@@ -79,3 +79,12 @@ def test_small_build_loads_in_the_dataset_and_is_idempotent(tmp_path: Path, caps
     assert default_corpus.main(["--output_dir", str(out), "--max_mb", "1", "--quiet"]) == 0
     assert "already built" in capsys.readouterr().out
     assert json.loads((out / "corpus.json").read_text()) == corpus
+
+
+@pytest.mark.parametrize("size", ["0", "nan", "inf"])
+def test_a_size_that_is_not_a_finite_positive_number_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], size: str
+) -> None:
+    assert default_corpus.main(["--output_dir", str(tmp_path / "out"), "--max_mb", size, "--quiet"]) == 2
+    assert capsys.readouterr().err == f"error: --max_mb must be a finite number > 0, got {float(size)}\n"
+    assert not (tmp_path / "out").exists()

@@ -128,3 +128,19 @@ def test_train_tokenizer_script_reports_a_glob_matching_nothing(
 ) -> None:
     assert corpus.train_tokenizer_main(["--input", str(tmp_path / "*.none"), "--output_dir", str(tmp_path / "t")]) == 2
     assert "*.none" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "rule"),
+    [
+        ("--max_mb=nan", "--max_mb must be a finite number > 0, got nan"),
+        ("--max_mb=0", "--max_mb must be a finite number > 0, got 0.0"),
+        ("--min_frequency=-1", "--min_frequency must be >= 1, got -1"),
+    ],
+)
+def test_train_tokenizer_script_refuses_a_number_out_of_range(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, rule: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        corpus.train_tokenizer_main(["--input", str(tmp_path / "x.txt"), "--output_dir", str(tmp_path / "t"), flag])
+    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"error: {rule}\n")
