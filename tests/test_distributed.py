@@ -606,6 +606,10 @@ def test_compile_options_are_checked() -> None:
     assert all(not hasattr(b, "_compiled_call_impl") or b._compiled_call_impl is None for b in model.blocks)
     with pytest.raises(ConfigError, match=r"'compile.modee' is not a torch.compile option"):
         apply_checkpointing_and_compile(model, None, {"modee": "default"})
+    with pytest.raises(ConfigError, match=r"^config key 'compile.mode' = 'fast' is not one of torch.compile's \['def"):
+        apply_checkpointing_and_compile(model, None, {"mode": "fast"})
+    with pytest.raises(ConfigError, match=r"^config key 'compile.backend' = 'inductr' is not one of torch.compile's"):
+        apply_checkpointing_and_compile(model, None, {"backend": "inductr"})
 
 
 @pytest.mark.parametrize("mode", ["fine_grained", "one_in_two"])
