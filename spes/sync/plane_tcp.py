@@ -274,16 +274,17 @@ def serve_probe(sock: socket.socket, hello: pb.DataHello, ticket: Ticket) -> Non
 
 # -- TLS ----------------------------------------------------------------------------------------------------------
 def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
-    """The data plane's TLS context from the server's PEM files (mutual TLS with `client_ca`); None without TLS."""
+    """The data plane's TLS context from the server's PEM files (mutual TLS with `client_ca`); None without TLS.
+    The server builds it before its gRPC port: gRPC reports an unusable file only as a port it cannot bind."""
     if cert is None or key is None:
         return None
     for path, flag in ((cert, "--tls_cert"), (key, "--tls_key"), (client_ca, "--tls_client_ca")):
         if path is not None:
             read_file(path, flag)  # FileNotFoundError naming the flag
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
+    _pem(lambda: context.load_cert_chain(cert, key), f"--tls_cert {cert!r} and --tls_key {key!r}")
     if client_ca is not None:
-        context.load_verify_locations(cafile=client_ca)
+        _pem(lambda: context.load_verify_locations(cafile=client_ca), f"--tls_client_ca {client_ca!r}")
         context.verify_mode = ssl.CERT_REQUIRED
     return context
 
@@ -292,10 +293,24 @@ def client_tls(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLCont
     """The client's TLS context from the same files as its gRPC channel (system roots when `ca` is None)."""
     if ca is None and cert is None:
         return None
-    context = ssl.create_default_context(cafile=ca)
+    for path, name in ((ca, "tls_ca"), (cert, "tls_cert"), (key, "tls_key")):
+        if path is not None:
+            read_file(path, f"config key 'spes_config.{name}'")
+    context = _pem(lambda: ssl.create_default_context(cafile=ca), f"config key 'spes_config.tls_ca' {ca!r}")
     if cert is not None and key is not None:
-        context.load_cert_chain(cert, key)
+        _pem(lambda: context.load_cert_chain(cert, key), f"config keys 'spes_config.tls_cert' {cert!r} and tls_key")
     return context
+
+
+T = TypeVar("T")
+
+
+def _pem(load: Callable[[], T], files: str) -> T:
+    """`load()` of PEM files; ValueError naming them (ssl's own error names no file)."""
+    try:
+        return load()
+    except ssl.SSLError as e:
+        raise ValueError(f"{files}: not a usable PEM certificate or key ({e.reason or e})") from None
 
 
 def tune(sock: socket.socket) -> None:

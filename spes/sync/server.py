@@ -129,6 +129,7 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     health_servicer = GuardedHealth(service.guard, service.presence)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{deploy.host}:{deploy.port}"
+    tls = plane_tcp.server_tls(deploy.tls_cert, deploy.tls_key, deploy.tls_client_ca)
     if deploy.tls_cert is not None and deploy.tls_key is not None:
         credentials = grpc.ssl_server_credentials(
             [(read_file(deploy.tls_key, "--tls_key"), read_file(deploy.tls_cert, "--tls_cert"))],
@@ -140,7 +141,6 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
         port = _bind(lambda: server.add_insecure_port(address), address, "--port")
     data_plane = None
     if deploy.data_port >= 0:
-        tls = plane_tcp.server_tls(deploy.tls_cert, deploy.tls_key, deploy.tls_client_ca)
         data_plane = _bind(
             lambda: plane_tcp.DataPlaneListener(
                 deploy.host,

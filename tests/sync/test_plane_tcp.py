@@ -240,6 +240,34 @@ def test_tls_and_mutual_tls_on_the_data_plane(tmp_path: Path) -> None:
                 plane_tcp.recv_reply(sock)
 
 
+def test_a_pem_file_ssl_cannot_use_is_refused_naming_it(tmp_path: Path) -> None:
+    """ssl names no file, and gRPC reports a bad server certificate only as a port it cannot bind."""
+    pki, bad = write_pki(tmp_path), tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    cert, key = pki.server["tls_cert"], pki.server["tls_key"]
+    assert plane_tcp.server_tls(cert, key, pki.ca) is not None and plane_tcp.client_tls(pki.ca, None, None) is not None
+    refused = [
+        (lambda: plane_tcp.server_tls(str(bad), key, None), f"--tls_cert {str(bad)!r} and --tls_key {key!r}"),
+        (lambda: plane_tcp.server_tls(cert, key, str(bad)), f"--tls_client_ca {str(bad)!r}"),
+        (lambda: plane_tcp.client_tls(str(bad), None, None), f"config key 'spes_config.tls_ca' {str(bad)!r}"),
+        (lambda: plane_tcp.client_tls(pki.ca, str(bad), key), f"config keys 'spes_config.tls_cert' {str(bad)!r} and"),
+    ]
+    for build, files in refused:
+        with pytest.raises(ValueError) as err:
+            build()
+        assert str(err.value).startswith(f"{files}") and ": not a usable PEM certificate or key (" in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"^config key 'spes_config.tls_ca' '/nope.pem': file not found$"):
+        plane_tcp.client_tls("/nope.pem", None, None)
+
+
+def test_a_server_with_an_unusable_certificate_says_so_rather_than_blaming_the_port(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    with pytest.raises(ValueError, match=r"--tls_cert '.*bad.pem' and --tls_key '.*bad.pem': not a usable PEM"):
+        with running_server(SPEC, tls_cert=str(bad), tls_key=str(bad)):
+            pass
+
+
 @pytest.mark.timeout(60)
 def test_auto_falls_back_to_grpc_when_the_data_port_does_not_answer(
     caplog: pytest.LogCaptureFixture, dead_port: int
