@@ -504,7 +504,11 @@ class TrainConfig(Section):
 
     run_name: str = _f("spes", "name of the run")
     seed: int = _f(6198, "model init and dropout seed (and the data order's when data.seed is unset)", ge=0)
-    dry_run: bool = _f(False, "build the node (data, model, optimizer, checkpoint) and stop before training")
+    dry_run: bool = _f(
+        False,
+        "build the node (data, model, optimizer, checkpoint), check its run spec and evaluators, and stop before "
+        "training (nothing is written, the server is not contacted)",
+    )
     no_pre_train_checkpoint: bool = _f(True, "skip the checkpoint at step 0")
     compile: dict | bool | None = _f(
         None,

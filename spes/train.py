@@ -25,6 +25,7 @@ import gc
 import os
 import shutil
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -38,6 +39,7 @@ from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoint
 from spes.config import ConfigError, TrainConfig, config_help, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
+from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, check_weights_finite
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
@@ -307,7 +309,11 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
         )
     if cfg.dry_run:
         node = build_node(cfg, info, log)
-        log(f"dry run: built the node ({type(node.model).__name__}, data, optimizer); not training (dry_run=true)")
+        _check_start(cfg, node, info, log)
+        log(
+            f"dry run: built the node ({type(node.model).__name__}, data, optimizer) and checked its run spec and "
+            "evaluators; not training (dry_run=true)"
+        )
         return
     trainer, syncer = start_node(cfg, info, log)
     try:
@@ -319,6 +325,17 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
     finally:
         if syncer is not None:
             syncer.close()
+
+
+def _check_start(cfg: TrainConfig, node: Node, info: DistInfo, log: Callable[[str], None]) -> None:
+    """What a start checks beyond the node, without its side effects (no join, no metrics or trackers, nothing in
+    save_folder): the run spec (codec, its settings, token and TLS files) and the downstream evaluators' data."""
+    with tempfile.TemporaryDirectory() as scratch:
+        evaluators_of(replace(cfg, save_folder=scratch), info, log)
+    if cfg.sync_enabled:
+        from spes.sync.peer import PeerSync
+
+        PeerSync(cfg, node.model, info, log=log).close()
 
 
 def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> tuple[Trainer, PeerSync | None]:
