@@ -387,7 +387,7 @@ def test_a_dry_run_checks_what_a_start_checks_and_writes_nothing(  # type: ignor
     save folder, and without asking the server."""
     args = [TINY, *_tiny_corpus(tiny_corpus, tmp_path / "dry"), "--dry_run=true", "--spes_config.server_addr=h:1"]
     assert main([*args, "--spes_config.codec=zip"]) == 2
-    assert "error: spes_config.codec = 'zip' is not a codec" in capsys.readouterr().err
+    assert "error: config key 'spes_config.codec' = 'zip' is not a codec" in capsys.readouterr().err
     assert main([*args, "--evaluators=[{label: nosuchtask}]", "--eval_interval=5"]) == 0
     out = capsys.readouterr().out
     assert "left out of this run: nosuchtask" in out and "checked its run spec and evaluators" in out

@@ -83,11 +83,11 @@ class RunSpec:
         if any(not 0 <= p < self.num_peers for p in self.block_owners or ()):
             raise ValueError(f"block_owners {self.block_owners} name peers outside [0, {self.num_peers})")
         if self.overlap_fragments < 1:
-            raise ValueError(f"spes_config.overlap_fragments = {self.overlap_fragments} must be >= 1")
+            raise ValueError(f"config key 'spes_config.overlap_fragments' = {self.overlap_fragments} must be >= 1")
         if self.sync_steps is not None and (self.sync_steps < 1 or self.sync_steps % self.overlap_fragments):
             raise ValueError(
-                f"spes_config.sync_steps = {self.sync_steps} must be >= 1 and a multiple of "
-                f"overlap_fragments = {self.overlap_fragments}"
+                f"config key 'spes_config.sync_steps' = {self.sync_steps} must be >= 1 and a multiple of "
+                f"spes_config.overlap_fragments={self.overlap_fragments}"
             )
         object.__setattr__(self, "codec_settings", tuple(sorted(self.codec_impl.settings.items())))
 

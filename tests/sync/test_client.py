@@ -213,7 +213,7 @@ def test_client_checks_its_own_inputs() -> None:
     spec = tiny_spec()
     with pytest.raises(ValueError, match="peer_id 2"):
         make_client("127.0.0.1:1", spec, 2)
-    with pytest.raises(ValueError, match="spes_config.codec = 'fp8' is not a codec"):
+    with pytest.raises(ValueError, match="config key 'spes_config.codec' = 'fp8' is not a codec"):
         tiny_spec(codec="fp8")
     with pytest.raises(ValueError, match="complete run spec"):
         make_client(

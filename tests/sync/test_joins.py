@@ -80,7 +80,7 @@ def test_a_server_without_the_runs_yaml_takes_the_manifest_and_sync_steps_of_the
             lambda: join(
                 0, spec=pb.RunSpec(mode="spes", num_peers=2, experts_per_block=2, overlap_fragments=1, codec="fp8")
             ),
-            "peer 0's run spec is not valid: spes_config.codec = 'fp8' is not a codec",
+            "peer 0's run spec is not valid: config key 'spes_config.codec' = 'fp8' is not a codec",
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
     ],

@@ -108,7 +108,9 @@ def test_bad_joins_are_refused_and_change_nothing() -> None:
         )
         fp8 = join_request(1)
         fp8.spec.codec = "fp8"
-        expect_code(StatusCode.INVALID_ARGUMENT, "spes_config.codec = 'fp8' is not a codec", stub.Join, fp8)
+        expect_code(
+            StatusCode.INVALID_ARGUMENT, "config key 'spes_config.codec' = 'fp8' is not a codec", stub.Join, fp8
+        )
         reshaped = {**MANIFEST, "embed.weight": (17, 8)}
         expect_code(
             StatusCode.INVALID_ARGUMENT,

@@ -97,9 +97,15 @@ def test_a_spec_travels_as_its_message_and_back() -> None:
         (dict(num_peers=0), "a run needs num_peers >= 1 and experts per block >= 1, got 0, 2"),
         (dict(experts_per_block=0), "a run needs num_peers >= 1 and experts per block >= 1, got 2, 0"),
         (dict(block_owners=(0, 2)), r"block_owners \(0, 2\) name peers outside \[0, 2\)"),
-        (dict(overlap_fragments=0), "spes_config.overlap_fragments = 0 must be >= 1"),
-        (dict(sync_steps=0), "spes_config.sync_steps = 0 must be >= 1 and a multiple of overlap_fragments = 1"),
-        (dict(sync_steps=5, overlap_fragments=2), "spes_config.sync_steps = 5 must be >= 1 and a multiple of"),
+        (dict(overlap_fragments=0), "config key 'spes_config.overlap_fragments' = 0 must be >= 1"),
+        (
+            dict(sync_steps=0),
+            "config key 'spes_config.sync_steps' = 0 must be >= 1 and a multiple of spes_config.overlap_fragments=1",
+        ),
+        (
+            dict(sync_steps=5, overlap_fragments=2),
+            "config key 'spes_config.sync_steps' = 5 must be >= 1 and a multiple of",
+        ),
     ],
 )
 def test_a_spec_that_cannot_be_run_is_refused_naming_the_setting(changes: dict, message: str) -> None:
@@ -159,7 +165,7 @@ def test_a_centralized_run_or_a_bad_codec_setting_has_no_spec_and_says_why() -> 
         spec_of_run(str(CONFIGS / "tiny.yaml"), ["--spes_config.codec=sparse", "--spes_config.codec_settings.top_k=8"])
     with pytest.raises(ValueError, match="the int8 codec takes"):
         tiny_spec(codec="int8", codec_settings={"chunk": 8})
-    with pytest.raises(ValueError, match="spes_config.codec = 'fp16' is not a codec: use one of"):
+    with pytest.raises(ValueError, match="^config key 'spes_config.codec' = 'fp16' is not a codec: use one of"):
         tiny_spec(codec="fp16")
 
 

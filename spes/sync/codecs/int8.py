@@ -164,7 +164,9 @@ class Int8:
 
     def __post_init__(self) -> None:
         if not MIN_BLOCK <= self.block <= MAX_BLOCK:
-            raise ValueError(f"codec_settings.block = {self.block} must be in [{MIN_BLOCK}, {MAX_BLOCK}]")
+            raise ValueError(
+                f"config key 'spes_config.codec_settings.block' = {self.block} must be in [{MIN_BLOCK}, {MAX_BLOCK}]"
+            )
 
     @property
     def down(self) -> Int8:

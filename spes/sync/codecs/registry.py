@@ -83,7 +83,7 @@ def build_codec(name: str, settings: Mapping[str, int] | None = None) -> Codec:
     """The codec `name` with `settings` (missing ones take the codec's defaults); ValueError naming the key
     (`spes_config.codec` or `spes_config.codec_settings.<key>`) and what is allowed."""
     if name not in REGISTRY:
-        raise ValueError(f"spes_config.codec = {name!r} is not a codec: use one of {sorted(REGISTRY)}")
+        raise ValueError(f"config key 'spes_config.codec' = {name!r} is not a codec: use one of {sorted(REGISTRY)}")
     kind, build = REGISTRY[name]
     valid = [] if kind is None else [f.name for f in dataclasses.fields(kind) if f.name != "name"]
     for key, value in (settings or {}).items():

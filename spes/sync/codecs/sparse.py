@@ -357,14 +357,18 @@ class Sparse:
 
     def __post_init__(self) -> None:
         if not 2 <= self.chunk <= MAX_CHUNK:
-            raise ValueError(f"spes_config.codec_settings.chunk = {self.chunk} must be in [2, {MAX_CHUNK}]")
+            raise ValueError(
+                f"config key 'spes_config.codec_settings.chunk' = {self.chunk} must be in [2, {MAX_CHUNK}]"
+            )
         if not 1 <= self.topk <= self.chunk:
-            raise ValueError(f"spes_config.codec_settings.topk = {self.topk} must be in [1, chunk={self.chunk}]")
+            raise ValueError(
+                f"config key 'spes_config.codec_settings.topk' = {self.topk} must be in [1, chunk={self.chunk}]"
+            )
         if self.down_topk < 1:
-            raise ValueError(f"spes_config.codec_settings.down_topk = {self.down_topk} must be at least 1")
+            raise ValueError(f"config key 'spes_config.codec_settings.down_topk' = {self.down_topk} must be >= 1")
         for key, bits in (("bits", self.bits), ("down_bits", self.down_bits)):
             if not 1 <= bits <= MAX_BITS:
-                raise ValueError(f"spes_config.codec_settings.{key} = {bits} must be in [1, {MAX_BITS}]")
+                raise ValueError(f"config key 'spes_config.codec_settings.{key}' = {bits} must be in [1, {MAX_BITS}]")
 
     @property
     def down(self) -> Sparse:

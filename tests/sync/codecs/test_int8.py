@@ -179,7 +179,9 @@ def test_payload_validation_names_the_tensor() -> None:
         encode_delta(Int8(), "w", torch.ones(3), torch.ones(3), torch.zeros(4))
     with pytest.raises(ValueError, match=r"int8 parameters \{'block': 64\}, this run's are \{'block': 256\}"):
         Int8().payload_bytes((300,), {"block": 64})
-    with pytest.raises(ValueError, match=r"codec_settings.block = 64 must be in \[128, 65536\]"):
+    with pytest.raises(
+        ValueError, match=r"^config key 'spes_config.codec_settings.block' = 64 must be in \[128, 65536\]"
+    ):
         Int8(64)
     with pytest.raises(ValueError, match=r"block size must be >= 1"):
         quantize("w", torch.ones(3), block=0)

@@ -167,9 +167,9 @@ def test_the_server_sends_in_its_own_format_and_both_formats_are_read() -> None:
 
 
 def test_bad_settings_headers_and_payloads_are_refused_naming_them() -> None:
-    with pytest.raises(ValueError, match=r"codec_settings.topk = 0 must be in \[1, chunk=64\]"):
+    with pytest.raises(ValueError, match=r"codec_settings.topk' = 0 must be in \[1, chunk=64\]"):
         Sparse(chunk=64, topk=0)
-    with pytest.raises(ValueError, match=r"codec_settings.down_bits = 9 must be in \[1, 8\]"):
+    with pytest.raises(ValueError, match=r"codec_settings.down_bits' = 9 must be in \[1, 8\]"):
         Sparse(down_bits=9)
     codec = Sparse(chunk=64, topk=4, bits=2)
     with pytest.raises(ValueError, match=r"sparse parameters \{'chunk': 64, 'topk': 5, 'bits': 2\}"):
@@ -239,9 +239,9 @@ def test_the_settings_bounds_and_what_the_header_carries() -> None:
     for ok in (Sparse(chunk=2, topk=1, bits=1, down_topk=1, down_bits=1), Sparse(chunk=MAX_CHUNK)):
         assert ok.params() == {"chunk": ok.chunk, "topk": ok.topk, "bits": ok.bits}
     assert Sparse(chunk=256, topk=16, bits=3).params() == {"chunk": 256, "topk": 16, "bits": 3}
-    assert message(Sparse, chunk=1) == "spes_config.codec_settings.chunk = 1 must be in [2, 1048576]"
-    assert message(Sparse, down_topk=0) == "spes_config.codec_settings.down_topk = 0 must be at least 1"
-    assert message(Sparse, bits=0) == "spes_config.codec_settings.bits = 0 must be in [1, 8]"
+    assert message(Sparse, chunk=1) == "config key 'spes_config.codec_settings.chunk' = 1 must be in [2, 1048576]"
+    assert message(Sparse, down_topk=0) == "config key 'spes_config.codec_settings.down_topk' = 0 must be >= 1"
+    assert message(Sparse, bits=0) == "config key 'spes_config.codec_settings.bits' = 0 must be in [1, 8]"
     assert message(Sparse(chunk=64, topk=4, bits=2).payload_bytes, (100,), {"chunk": 64, "topk": 5, "bits": 2}) == (
         "sparse parameters {'chunk': 64, 'topk': 5, 'bits': 2}, this run's are {'chunk': 64, 'topk': 4, 'bits': 2} "
         "(peers) and {'chunk': 64, 'topk': 64, 'bits': 8} (server)"
