@@ -924,11 +924,6 @@ EQUIVALENT: dict[str, str] = {
         "optim_param_groups is read only with optim.safetensors, which a checkpoint without groups does not have",
     ),
     **mutants(
-        "spes.checkpoint.x__reblock",
-        "4",
-        "every model spes builds has a '.experts.w1.0' tensor in every layer: the generator's default is never used",
-    ),
-    **mutants(
         "spes.checkpoint.x__write_meta",
         "7",
         "sort_keys=None: yaml sorts a mapping's keys only when sort_keys is truthy, as for False",
@@ -978,6 +973,7 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.checkpoint.x__optim_state_dict", "1 11 14 15", FSDP_CKPT),
     **mutants("spes.checkpoint.x__restore_unsharded", "48 54", FSDP_CKPT),
     **mutants("spes.checkpoint.x_save", "19 21 22 31 34 35", FSDP_CKPT),
+    **mutants("spes.checkpoint.x_save_sharded_checkpoint", "72", FSDP_CKPT),  # the other ranks' message
     # what a whole in-process server keeps from round to round: buffers of the wire's dtype, verified checksums
     **mutants(
         "spes.sync.uploads.xǁUploadsǁ_decode",

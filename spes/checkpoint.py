@@ -633,9 +633,8 @@ def _restore_unsharded(
     experts had to be re-blocked: then only the weights carry over)."""
     model_state = model_state_dict(model)
     ckpt = load_checkpoint(step_dir, with_optim=with_optim)
-    reblocked = _reblock(ckpt.model, model_state) if set(ckpt.model) != set(model_state) else None
-    if reblocked is not None:  # another expert layout (e.g. centralized -> SPES): start anew from the weights
-        ckpt = replace(ckpt, model=reblocked, optim=None, trainer={})
+    if set(ckpt.model) != set(model_state):  # another expert layout (e.g. centralized -> SPES): anew from the weights
+        ckpt = replace(ckpt, model=_reblock(ckpt.model, model_state), optim=None, trainer={})
     check_model_compatible(ckpt.model, model_state, step_dir)
     if ckpt.optim is not None:
         _check_optim_compatible(set(ckpt.optim["state"]), _trainable(model), step_dir)
@@ -648,15 +647,15 @@ def _trainable(model: nn.Module) -> set[str]:
     return {n for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
-def _reblock(weights: dict[str, torch.Tensor], model_state: dict[str, Any]) -> dict[str, torch.Tensor] | None:
-    """`weights` re-blocked to the model's expert-block size, or None for a model without experts.
+def _reblock(weights: dict[str, torch.Tensor], model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """`weights` re-blocked to the model's expert-block size (every spes model has experts).
 
     Optimizer and trainer state cannot follow (frozen blocks have no moments), so the caller starts a
     new run from these weights; what still differs after re-blocking (say, the layer count) is what the
     compatibility check then names.
     """
-    block = next((t.shape[0] for n, t in model_state.items() if n.endswith(".experts.w1.0")), None)
-    return None if block is None else split_expert_blocks(fuse_expert_blocks(weights), block)
+    block = next(t.shape[0] for n, t in model_state.items() if n.endswith(".experts.w1.0"))
+    return split_expert_blocks(fuse_expert_blocks(weights), block)
 
 
 # ---------------------------------------------------------------------------------------------------------------
