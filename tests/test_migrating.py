@@ -372,6 +372,18 @@ def test_save_overwrite_guards_another_runs_saves(
     assert len((first_run / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_a_save_folder_that_cannot_be_one_fails_before_the_model_is_built(  # type: ignore[no-untyped-def]
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    args = [TINY, "--using_spes=false", *_tiny_corpus(tiny_corpus, afile), "--max_duration=2st"]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert err == f"error: save_folder {afile} is a file, not a folder; choose another save_folder (or run_name)\n"
+    assert "parameters:" not in out  # the model was not built
+
+
 def test_time_limit_saves_and_stops_and_dry_run_trains_nothing(tiny_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     args = [TINY, "--using_spes=false", *_tiny_corpus(tiny_corpus, tmp_path / "run"), "--max_duration=50st"]
     assert main([*args, "--time_limit=0.001", "--save_interval=null"]) == 0
