@@ -147,12 +147,14 @@ RUN_FILES = ("metrics.jsonl", LATEST)
 
 def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Callable[[str], None]) -> None:
     """Refuse a start that is not a resume into a save folder holding another run's saves, unless save_overwrite
-    (then the main rank removes them: an old run's later checkpoints would otherwise outrank the new run's); make
-    the folder, before the model is built (minutes for a large node), so that an unusable one fails at once."""
+    (then the main rank removes them: an old run's later checkpoints would otherwise outrank the new run's). An
+    unusable folder fails here, before the model is built (minutes for a large node)."""
     folder = Path(cfg.save_folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"save_folder {folder} is a file, not a folder; choose another save_folder (or run_name)")
-    folder.mkdir(parents=True, exist_ok=True)  # NOTE: an OSError names it (no permission, a read-only disk)
+    nearest = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"save_folder {folder}: {nearest} is not writable here; choose another save_folder")
     saves = [*list_checkpoints(folder), *(p for p in map(folder.joinpath, RUN_FILES) if p.exists())]
     if continuing or not saves:
         return

@@ -373,7 +373,7 @@ def test_save_overwrite_guards_another_runs_saves(
 
 
 def test_a_save_folder_that_cannot_be_one_fails_before_the_model_is_built(  # type: ignore[no-untyped-def]
-    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     afile = tmp_path / "afile"
     afile.write_text("")
@@ -382,6 +382,12 @@ def test_a_save_folder_that_cannot_be_one_fails_before_the_model_is_built(  # ty
     out, err = capsys.readouterr()
     assert err == f"error: save_folder {afile} is a file, not a folder; choose another save_folder (or run_name)\n"
     assert "parameters:" not in out  # the model was not built
+    monkeypatch.setattr("spes.train.os.access", lambda path, mode: path != tmp_path)  # root may write anywhere
+    args = [TINY, "--using_spes=false", *_tiny_corpus(tiny_corpus, tmp_path / "new" / "run"), "--max_duration=2st"]
+    assert main(args) == 2
+    assert capsys.readouterr().err == (
+        f"error: save_folder {tmp_path / 'new' / 'run'}: {tmp_path} is not writable here; choose another save_folder\n"
+    )
 
 
 def test_time_limit_saves_and_stops_and_dry_run_trains_nothing(tiny_corpus, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
