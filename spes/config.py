@@ -38,7 +38,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Range:
-    """A numeric key's allowed values: `ge <= x` (or `gt < x`) and `x < lt`, each bound optional."""
+    """A numeric key's allowed values: `ge <= x` or `gt < x`, and `x < lt` where an upper bound is given."""
 
     ge: float | None = None
     gt: float | None = None
@@ -46,10 +46,10 @@ class Range:
 
     def __str__(self) -> str:
         """`>= 1`, `> 0`, `in [0, 1)`: as `--help` and the refusal word it."""
-        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
         if self.lt is None:
             return f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}"
-        return f"in {low}, {self.lt:g})" if low else f"< {self.lt:g}"
+        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}"
+        return f"in {low}, {self.lt:g})"
 
     def holds(self, x: float) -> bool:
         return (
