@@ -131,6 +131,14 @@ def collections() -> Iterator[list[int]]:
         gc.callbacks.remove(record)
 
 
+def usage_error(capsys: pytest.CaptureFixture[str], call: Callable[[], object]) -> str:
+    """The line argparse printed when `call` exited 2 on a bad flag (`prog: error: ...`)."""
+    with pytest.raises(SystemExit) as exit_:
+        call()
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.splitlines()[-1]
+
+
 def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
     """Poll `condition` until it holds; fail naming `what` after `timeout_s` (a hand-off, not a fixed sleep)."""
     deadline = time.monotonic() + timeout_s

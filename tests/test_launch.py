@@ -13,7 +13,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import LaunchedRun
+from conftest import LaunchedRun, usage_error
 from spes.launch import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +47,7 @@ def test_local_run_finishes_with_summary_and_no_leftover_processes(quickstart_ru
 def test_a_launcher_flag_out_of_its_range_is_refused_naming_it(
     capsys: pytest.CaptureFixture[str], flag: str, rule: str
 ) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        parse_args([TINY, flag])
-    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"python -m spes.launch: error: {rule}\n")
+    assert usage_error(capsys, lambda: parse_args([TINY, flag])) == f"python -m spes.launch: error: {rule}"
 
 
 def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import usage_error
 from data_fixtures import write_token_shard
 from spes.config import load_config
 from spes.model import Transformer, count_params
@@ -555,6 +556,4 @@ def test_a_node_whose_logits_do_not_fit_is_told_to_fuse_its_loss() -> None:
 def test_a_number_flag_out_of_its_range_is_refused_naming_it(
     capsys: pytest.CaptureFixture[str], flag: str, rule: str
 ) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        main([TINY, flag])
-    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"python -m spes.preflight: error: {rule}\n")
+    assert usage_error(capsys, lambda: main([TINY, flag])) == f"python -m spes.preflight: error: {rule}"

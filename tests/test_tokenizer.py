@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import usage_error
 from data_fixtures import (
     SAMPLE_TEXTS,
     tokenizer_training_texts,
@@ -141,6 +142,5 @@ def test_train_tokenizer_script_reports_a_glob_matching_nothing(
 def test_train_tokenizer_script_refuses_a_number_out_of_range(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, rule: str
 ) -> None:
-    with pytest.raises(SystemExit) as exit_:
-        corpus.train_tokenizer_main(["--input", str(tmp_path / "x.txt"), "--output_dir", str(tmp_path / "t"), flag])
-    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"error: {rule}\n")
+    argv = ["--input", str(tmp_path / "x.txt"), "--output_dir", str(tmp_path / "t"), flag]
+    assert usage_error(capsys, lambda: corpus.train_tokenizer_main(argv)).endswith(f": error: {rule}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import usage_error
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.status import describe
 from spes.sync.wire import upload_digest
@@ -83,6 +84,4 @@ def test_the_status_command_refuses_seconds_out_of_range(
 ) -> None:
     from spes.status import main
 
-    with pytest.raises(SystemExit) as exit_:
-        main(["127.0.0.1:50051", flag])
-    assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"python -m spes.status: error: {rule}\n")
+    assert usage_error(capsys, lambda: main(["127.0.0.1:50051", flag])) == f"python -m spes.status: error: {rule}"
