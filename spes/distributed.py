@@ -225,9 +225,9 @@ def compile_kwargs(options: dict | bool | None) -> dict | None:
             f"use {list(COMPILE_OPTIONS)}"
         )
     modes = list(torch._inductor.list_mode_options())  # what torch.compile's docstring points to for its modes
-    backends = torch.compiler.list_backends(exclude_tags=())
+    backends = torch.compiler.list_backends(exclude_tags=())  # by name; a callable backend (Python only) is its own
     for key, allowed in (("mode", modes), ("backend", backends)):
-        if key in kwargs and kwargs[key] not in allowed:
+        if key in kwargs and not callable(kwargs[key]) and kwargs[key] not in allowed:
             raise ConfigError(f"config key 'compile.{key}' = {kwargs[key]!r} is not one of torch.compile's {allowed}")
     if kwargs.get("mode") == "default":
         kwargs.pop("mode")  # OLMo's configs spell torch's default mode out
