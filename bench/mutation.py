@@ -727,10 +727,10 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.config.x__f",
-        "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15",
+        " ".join(map(str, range(1, 26))),
         "called only while spes.config is imported (the dataclasses' fields), before mutmut's child switches a mutant "
-        "on, so no test sees one; the defaults and docs it makes are checked by the shipped configs' and "
-        "test_every_key_has_a_doc's tests",
+        "on, so no test sees one; the defaults, docs and ranges it makes are checked by the shipped configs', "
+        "test_every_key_has_a_doc's and the BOUNDS tests",
     ),
     **mutants(
         "spes.config.x__sub",
@@ -740,7 +740,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.config.x_config_help",
-        "11 13 16 33 35 38",
+        "11 13 16 42 44 47",
         "the text shown for a field without a doc: every field has one (test_every_key_has_a_doc)",
     ),
     **mutants(

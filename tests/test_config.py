@@ -17,6 +17,7 @@ from spes.config import (
     ConfigError,
     InstanceFilterConfig,
     ModelConfig,
+    Range,
     SpesConfig,
     TrainConfig,
     _yaml_problem,
@@ -393,10 +394,6 @@ def test_choice_outside_the_allowed_values(
         (["--spes_config.overlap_correction=1.5"], "spes_config.overlap_correction", "must be in (0, 1]"),
         (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
         (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
-        (["--max_duration=0st"], "max_duration", "must be at least one step"),
-        (["--max_duration=-5"], "max_duration", "must be at least one step"),
-        (["--max_duration=0.4T"], "max_duration", "must be at least one step"),
-        (["--stop_at=0"], "stop_at", "must be >= 1"),
         (["--data.instance_filter.repetition_max_count=1"], "data.instance_filter.repetition_max_count", ">= 2"),
         (["--data.instance_filter.repetition_min_period=0"], "data.instance_filter.repetition_min_period", ">= 1"),
     ],
@@ -740,6 +737,16 @@ def test_a_duration_of_epochs_or_another_unit_is_refused(value: str) -> None:
     assert str(err.value) == f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')"
 
 
+def test_a_range_is_worded_as_a_user_reads_it() -> None:
+    assert [str(r) for r in (Range(ge=1), Range(gt=0), Range(ge=0, lt=1), Range(gt=0, lt=1.5))] == [
+        ">= 1",
+        "> 0",
+        "in [0, 1)",
+        "in (0, 1.5)",
+    ]
+    assert Range(gt=0, lt=1).holds(0.5) and not Range(gt=0, lt=1).holds(0) and not Range(ge=0, lt=1).holds(1)
+
+
 def test_help_gives_each_key_its_default_type_and_doc_and_each_section_a_heading() -> None:
     lines = config_help()
     assert "  --server.merge_topk=4  [int >= 1]  most similar other experts each expert is pulled towards" in lines
@@ -927,7 +934,15 @@ BOUNDS = [
     (["--model.pad_token_id=-1"], "'model.pad_token_id' = -1 must be >= 0", ["--model.pad_token_id=0"]),
     (["--optimizer.learning_rate=-1"], "'optimizer.learning_rate' = -1.0 must be >= 0", []),
     (["--optimizer.eps=0"], "'optimizer.eps' = 0.0 must be > 0", []),
-    (["--optimizer.betas=[0.9,1]"], "'optimizer.betas' = [0.9, 1.0] must be two numbers in [0, 1)", []),
+    (
+        ["--optimizer.betas=[0.9,1]"],
+        "'optimizer.betas' = [0.9, 1.0] must be two numbers in [0, 1)",
+        ["--optimizer.betas=[0,0.999]"],
+    ),
+    (["--max_duration=0st"], "'max_duration' = '0st' must be at least one step", ["--max_duration=1st"]),
+    (["--max_duration=-5"], "'max_duration' = -5 must be at least one step", ["--max_duration=1"]),
+    (["--max_duration=0.4T"], "'max_duration' = '0.4T' must be at least one step", ["--max_duration=1T"]),
+    (["--stop_at=0"], "'stop_at' = 0 must be >= 1 or null", ["--stop_at=1"]),
     (["--optimizer.betas=[0.9]"], "'optimizer.betas' = [0.9] must be two numbers in [0, 1)", []),
     (["--max_grad_norm=0"], "'max_grad_norm' = 0.0 must be > 0 or null", ["--max_grad_norm=null"]),
     (["--seed=-1"], "'seed' = -1 must be >= 0", ["--seed=0"]),
