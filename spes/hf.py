@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
 from spes.checkpoint import CONFIG_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
-from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config, to_dict
+from spes.config import ConfigError, ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config, to_dict
 from spes.hub import TOKENIZER_FILES, resolve
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.tokenizer import check_vocab, load_tokenizer
@@ -641,11 +641,14 @@ def import_hf(
     has_tokenizer = (src / "tokenizer.json").is_file()
     vocab = load_tokenizer(src).vocab_size if has_tokenizer else None
     model = model_config_from_hf(family, hf_config, vocab_size=vocab)
-    cfg = run_config_for(
-        model,
-        experts_per_peer=experts_per_peer or model["moe_num_experts"],
-        run_name=f"import-{Path(hf_dir).absolute().name}",
-    )
+    try:
+        cfg = run_config_for(
+            model,
+            experts_per_peer=experts_per_peer or model["moe_num_experts"],
+            run_name=f"import-{Path(hf_dir).absolute().name}",
+        )
+    except ConfigError as e:  # a value spes cannot take, under the spes key it becomes
+        raise ConfigError(f"{src / 'config.json'}: importing it, {e}") from None
     state = hf_to_spes(read_hf_weights(src), family.key_map(), cfg.model, architecture=family.architecture)
     return write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
 

@@ -203,6 +203,13 @@ def test_import_refuses_unsupported_options(tmp_path: Path) -> None:
     olmoe = save_tiny_olmoe(tmp_path / "olmoe", clip_qkv=8.0)
     with pytest.raises(ValueError, match="'clip_qkv' = 8.0 is not supported"):
         hf.import_hf(olmoe, tmp_path / "out")
+    settings = json.loads((olmoe / "config.json").read_text())
+    (olmoe / "config.json").write_text(json.dumps({**settings, "clip_qkv": None, "rms_norm_eps": 0.0}))
+    with pytest.raises(ValueError) as err:
+        hf.import_hf(olmoe, tmp_path / "out")
+    assert (
+        str(err.value) == f"{olmoe / 'config.json'}: importing it, config key 'model.layer_norm_eps' = 0.0 must be > 0"
+    )
 
 
 def test_cli_export_from_run_dir_and_error_exit(
