@@ -48,15 +48,23 @@ class TokenSequenceDataset:
 
     Window `i` is a contiguous slice of one shard; windows never cross a shard's end and each
     shard's last `num_tokens % seq_len` tokens are dropped. Shards are opened lazily per process
-    (so DataLoader workers map them themselves instead of receiving copies).
+    (so DataLoader workers map them themselves instead of receiving copies). With `vocab_size`, a window holding
+    a larger token id is refused as it is read (a shard of another tokenizer; OLMo's bare files name none).
     """
 
-    def __init__(self, paths: Sequence[str | os.PathLike[str]], seq_len: int, memmap_dtype: str | None = None):
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        seq_len: int,
+        memmap_dtype: str | None = None,
+        *,
+        vocab_size: int | None = None,
+    ):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if not paths:
             raise ValueError("TokenSequenceDataset needs at least one token shard")
-        self.seq_len = seq_len
+        self.seq_len, self.vocab_size = seq_len, vocab_size
         self.paths = [Path(p) for p in paths]
         for path in self.paths:
             if path.name.endswith(PARTIAL_SUFFIX):
@@ -82,6 +90,10 @@ class TokenSequenceDataset:
                 )
             if array.ndim != 1:
                 raise ValueError(f"token shard {path} holds a {array.ndim}-D array; token shards are 1-D")
+            if array.dtype.kind != "u":
+                raise ValueError(
+                    f"token shard {path} holds {array.dtype} values; token ids are unsigned (uint16, uint32)"
+                )
             if want_dtype is not None and array.dtype != want_dtype:
                 raise ValueError(
                     f"token shard {path} holds {array.dtype} tokens but data.memmap_dtype is {want_dtype}; "
@@ -131,7 +143,14 @@ class TokenSequenceDataset:
         i %= len(self)
         shard = int(np.searchsorted(self._window_starts, i, side="right")) - 1
         start = (i - int(self._window_starts[shard])) * self.seq_len
-        return self._array(shard)[start : start + self.seq_len]
+        window = self._array(shard)[start : start + self.seq_len]
+        if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
+            raise ValueError(
+                f"token shard {self.paths[shard]} holds token id {int(window.max())} (in tokens {start}.."
+                f"{start + self.seq_len - 1}), past model.vocab_size={self.vocab_size}: it was tokenized with "
+                "another tokenizer; retokenize it or leave it out of data.paths"
+            )
+        return window
 
     def __getitem__(self, i: int) -> torch.Tensor:
         """Window `i` as a LongTensor of shape (seq_len,)."""

@@ -385,7 +385,9 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
 
 def _dataset(cfg: TrainConfig, paths: list[str]) -> TokenSequenceDataset:
     """Windows of `model.max_sequence_length` tokens over the shards `paths` name."""
-    return TokenSequenceDataset(resolve_paths(paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
+    return TokenSequenceDataset(
+        resolve_paths(paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype, vocab_size=cfg.model.vocab_size
+    )
 
 
 def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None:
@@ -393,6 +395,11 @@ def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None
     if not cfg.data.validation_paths or not cfg.eval_interval:
         return None
     dataset = _dataset(cfg, cfg.data.validation_paths)
+    if len(dataset) == 0:  # NOTE: else every evaluation reports a loss of 0 over no tokens
+        raise ValueError(
+            f"data.validation_paths hold no sequence of {dataset.seq_len} tokens: add validation data, or set "
+            "data.validation_paths=[] to train without validation"
+        )
     limit = None if cfg.eval_subset_num_batches < 0 else cfg.eval_subset_num_batches
 
     def batches() -> Iterator[torch.Tensor]:

@@ -112,6 +112,28 @@ def test_dataset_refuses_a_dtype_other_than_memmap_dtype(shards: list[Path]) -> 
     assert len(TokenSequenceDataset(shards, SEQ_LEN, memmap_dtype="uint16")) == 38
 
 
+def test_dataset_refuses_values_that_are_not_token_ids(tmp_path: Path) -> None:
+    """Floats or signed values are no tokenizer's output; an id past the vocabulary is found as its window is read
+    (a sidecar names the tokenizer, an OLMo file none), naming the shard and where in it."""
+    for dtype in (np.float32, np.int32):
+        np.save(tmp_path / "x.npy", np.zeros(16, dtype=dtype))
+        with pytest.raises(ValueError) as err:
+            TokenSequenceDataset([tmp_path / "x.npy"], SEQ_LEN)
+        named = f"token shard {tmp_path / 'x.npy'} holds {np.dtype(dtype)} values"
+        assert str(err.value) == f"{named}; token ids are unsigned (uint16, uint32)"
+    tokens = np.arange(3 * SEQ_LEN, dtype=np.uint16)
+    shard = write_token_shard(tmp_path / "a.npy", tokens, with_sidecar=False)
+    dataset = TokenSequenceDataset([shard], SEQ_LEN, vocab_size=2 * SEQ_LEN)
+    assert dataset[1].tolist() == tokens[SEQ_LEN : 2 * SEQ_LEN].tolist()  # its largest id is vocab_size - 1
+    with pytest.raises(ValueError) as err:
+        dataset.get_batch([0, 2])
+    last = 3 * SEQ_LEN - 1
+    assert str(err.value) == (
+        f"token shard {shard} holds token id {last} (in tokens {2 * SEQ_LEN}..{last}), past model.vocab_size="
+        f"{2 * SEQ_LEN}: it was tokenized with another tokenizer; retokenize it or leave it out of data.paths"
+    )
+
+
 def test_dataset_refuses_shard_and_sidecar_that_disagree(tmp_path: Path) -> None:
     path = write_token_shard(tmp_path / "a.npy", np.arange(10, dtype=np.uint16))
     write_token_shard(tmp_path / "b.npy", np.arange(10, dtype=np.uint32), with_sidecar=False)

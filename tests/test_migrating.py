@@ -409,4 +409,10 @@ def test_a_dry_run_checks_what_a_start_checks_and_writes_nothing(  # type: ignor
     assert main([*args, "--evaluators=[{label: nosuchtask}]", "--eval_interval=5"]) == 0
     out = capsys.readouterr().out
     assert "left out of this run: nosuchtask" in out and "checked its run spec and evaluators" in out
+    np.save(tmp_path / "short.npy", np.arange(10, dtype=np.uint16))  # not one window: every loss would read 0
+    assert main([*args, f"--data.validation_paths=[{tmp_path / 'short.npy'}]", "--eval_interval=5"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "error: data.validation_paths hold no sequence of 64 tokens: add validation data, or set "
+        "data.validation_paths=[] to train without validation\n"
+    )
     assert not (tmp_path / "dry").exists()
