@@ -919,11 +919,6 @@ EQUIVALENT: dict[str, str] = {
         "pruning compares a kind with 'sharded' only: any other string is the unsharded kind",
     ),
     **mutants(
-        "spes.checkpoint.x_write_unsharded",
-        "6",
-        "optim_param_groups is read only with optim.safetensors, which a checkpoint without groups does not have",
-    ),
-    **mutants(
         "spes.checkpoint.x__write_meta",
         "7",
         "sort_keys=None: yaml sorts a mapping's keys only when sort_keys is truthy, as for False",
@@ -971,7 +966,7 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.checkpoint.x__load_state", "1 2 9 12 18 22", FSDP_CKPT),
     **mutants("spes.checkpoint.x_model_state_dict", "1 10 12 13", FSDP_CKPT),
     **mutants("spes.checkpoint.x__optim_state_dict", "1 11 14 15", FSDP_CKPT),
-    **mutants("spes.checkpoint.x__restore_unsharded", "48 54", FSDP_CKPT),
+    **mutants("spes.checkpoint.x__restore_unsharded", "44 50", FSDP_CKPT),
     **mutants("spes.checkpoint.x_save", "19 21 22 31 34 35", FSDP_CKPT),
     **mutants("spes.checkpoint.x_save_sharded_checkpoint", "72", FSDP_CKPT),  # the other ranks' message
     # what a whole in-process server keeps from round to round: buffers of the wire's dtype, verified checksums
