@@ -64,6 +64,13 @@ class TaskSettings:
     max_tokens: int = 0
     """The model's context length in tokens (0: no limit); continuations fit a quarter of it."""
 
+    def __post_init__(self) -> None:
+        least = {"num_choice_items": 1, "num_choices": 2, "context_chars": 1, "continuation_chars": 1}
+        least |= {"num_ppl_docs": 1, "ppl_min_chars": 1, "ppl_max_chars": self.ppl_min_chars, "max_tokens": 0}
+        for name, low in least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"--{name} must be >= {low}, got {getattr(self, name)}")
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Items (pure)
@@ -275,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in defaults.items():
         parser.add_argument(f"--{name}", type=int, default=value, help=f"(default {value})")
     args = parser.parse_args(argv)
-    settings = TaskSettings(**{name: getattr(args, name) for name in defaults})
+    try:
+        settings = TaskSettings(**{name: getattr(args, name) for name in defaults})
+    except ValueError as e:
+        parser.error(str(e))
     try:
         if args.source:
             corpus = Path(args.source)

@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from conftest import Corpus, LaunchedRun
+from conftest import Corpus, LaunchedRun, usage_error
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eval_scripts"
@@ -103,6 +103,23 @@ def test_builder_cli_errors(tmp_path: Path) -> None:
     assert build.main(["--shards", str(tmp_path / "*.npy"), "--out", str(tmp_path / "o")]) == 2
     (tmp_path / "bad.jsonl").write_text('{"txt": 1}\n')
     assert build.main(["--text", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")]) == 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "rule"),
+    [
+        ("--num_choices=1", "--num_choices must be >= 2, got 1"),
+        ("--context_chars=0", "--context_chars must be >= 1, got 0"),
+        ("--ppl_max_chars=100", "--ppl_max_chars must be >= 200, got 100"),
+        ("--max_tokens=-1", "--max_tokens must be >= 0, got -1"),
+    ],
+)
+def test_builder_refuses_settings_that_make_no_task(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, rule: str
+) -> None:
+    build = script("build_local_tasks")
+    argv = ["--text", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o"), flag]
+    assert usage_error(capsys, lambda: build.main(argv)).endswith(f": error: {rule}")
 
 
 def test_summarize_lm_eval_results(tmp_path: Path) -> None:
