@@ -121,16 +121,16 @@ def test_dataset_refuses_values_that_are_not_token_ids(tmp_path: Path) -> None:
             TokenSequenceDataset([tmp_path / "x.npy"], SEQ_LEN)
         named = f"token shard {tmp_path / 'x.npy'} holds {np.dtype(dtype)} values"
         assert str(err.value) == f"{named}; token ids are unsigned (uint16, uint32)"
-    tokens = np.arange(3 * SEQ_LEN, dtype=np.uint16)
+    vocab = 2 * SEQ_LEN
+    tokens = np.concatenate([np.arange(vocab), np.full(SEQ_LEN, vocab)]).astype(np.uint16)
     shard = write_token_shard(tmp_path / "a.npy", tokens, with_sidecar=False)
-    dataset = TokenSequenceDataset([shard], SEQ_LEN, vocab_size=2 * SEQ_LEN)
-    assert dataset[1].tolist() == tokens[SEQ_LEN : 2 * SEQ_LEN].tolist()  # its largest id is vocab_size - 1
+    dataset = TokenSequenceDataset([shard], SEQ_LEN, vocab_size=vocab)
+    assert dataset[1].tolist() == tokens[SEQ_LEN:vocab].tolist()  # its largest id is vocab_size - 1
     with pytest.raises(ValueError) as err:
-        dataset.get_batch([0, 2])
-    last = 3 * SEQ_LEN - 1
+        dataset.get_batch([0, 2])  # window 2 holds vocab_size itself
     assert str(err.value) == (
-        f"token shard {shard} holds token id {last} (in tokens {2 * SEQ_LEN}..{last}), past model.vocab_size="
-        f"{2 * SEQ_LEN}: it was tokenized with another tokenizer; retokenize it or leave it out of data.paths"
+        f"token shard {shard} holds token id {vocab} (in tokens {vocab}..{vocab + SEQ_LEN - 1}), past model."
+        f"vocab_size={vocab}: it was tokenized with another tokenizer; retokenize it or leave it out of data.paths"
     )
 
 
