@@ -228,8 +228,16 @@ class BatchLoader:
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def state_dict(self) -> dict[str, int | str]:
-        """Where the next batch comes from: everything needed to resume exactly."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "order": self.order}
+        """Where the next batch comes from: everything needed to resume exactly, and the data it is a place in
+        (window length and count), so that a resume over other data is refused rather than silently re-shuffled."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "order": self.order,
+            "seq_len": self.dataset.seq_len,
+            "windows": len(self.dataset),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (from `state_dict()`); skipped batches are not read."""
@@ -241,6 +249,7 @@ class BatchLoader:
                 f"data loader state was saved with data.seed={state['seed']} but this run uses "
                 f"data.seed={self.seed}; resume with the same seed or start the data from scratch"
             )
+        self._check_same_data(state)
         if int(state["epoch"]) < 0 or int(state["position"]) < 0:
             raise ValueError(f"data loader state {state} has a negative epoch or position")
         self.close()
@@ -248,6 +257,25 @@ class BatchLoader:
         if self.order not in (ORDER, "legacy"):
             raise ValueError(f"data loader state has order {self.order!r}, which this spes does not know")
         self.epoch, self.position = self._normalize(int(state["epoch"]), int(state["position"]))
+
+    def _check_same_data(self, state: dict[str, Any]) -> None:
+        """Refuse a state saved over other data: its epoch order is a permutation of another window count, so
+        its position would repeat and skip windows here (as OLMo-core refuses a dataset of another fingerprint).
+        A state from an earlier spes names no data and is taken as it is."""
+        fix = (
+            "resume with the data.paths and model.max_sequence_length it was saved with, or load it into a new "
+            "save_folder with restore_dataloader=false to read this data from its beginning"
+        )
+        if "seq_len" in state and int(state["seq_len"]) != self.dataset.seq_len:
+            raise ValueError(
+                f"data loader state was saved with windows of {state['seq_len']} tokens but this run's "
+                f"model.max_sequence_length is {self.dataset.seq_len}: {fix}"
+            )
+        if "windows" in state and int(state["windows"]) != len(self.dataset):
+            raise ValueError(
+                f"data loader state was saved over {state['windows']} windows of data but this run's data.paths "
+                f"hold {len(self.dataset)}: {fix}"
+            )
 
     def close(self) -> None:
         """Stop DataLoader workers, if any; iteration restarts them from the current state."""

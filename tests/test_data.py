@@ -174,7 +174,7 @@ def test_each_epoch_is_a_new_permutation_and_epochs_roll_over(dataset: TokenSequ
     for starts in epochs:
         assert len(set(starts)) == 36 and set(starts) <= all_starts
     assert epochs[0] != epochs[1] != epochs[2]
-    assert loader.state_dict() == {"epoch": 3, "position": 0, "seed": 0, "order": "olmo"}
+    assert loader.state_dict() == {"epoch": 3, "position": 0, "seed": 0, "order": "olmo", "seq_len": 4, "windows": 38}
 
 
 def test_ranks_take_disjoint_slices_of_the_same_global_batch(dataset: TokenSequenceDataset) -> None:
@@ -190,7 +190,7 @@ def test_resume_mid_epoch_yields_the_same_batches(dataset: TokenSequenceDataset)
     first = BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2)
     head = _take(first, 3)
     state = first.state_dict()
-    assert state == {"epoch": 0, "position": 18, "seed": 11, "order": "olmo"}
+    assert state == {"epoch": 0, "position": 18, "seed": 11, "order": "olmo", "seq_len": 4, "windows": 38}
     resumed = BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2)
     resumed.load_state_dict(state)
     assert _same(head + _take(resumed, 17), uninterrupted)
@@ -200,7 +200,7 @@ def test_resume_at_an_epoch_boundary_and_after_reloading_state(dataset: TokenSeq
     uninterrupted = _take(BatchLoader(dataset, batch_size=19, seed=5), 7)
     loader = BatchLoader(dataset, batch_size=19, seed=5)
     _take(loader, 2)
-    assert loader.state_dict() == {"epoch": 1, "position": 0, "seed": 5, "order": "olmo"}
+    assert loader.state_dict() == {"epoch": 1, "position": 0, "seed": 5, "order": "olmo", "seq_len": 4, "windows": 38}
     _take(loader, 3)
     loader.load_state_dict({"epoch": 1, "position": 0, "seed": 5, "order": "olmo"})  # rewind a live loader
     assert _same(_take(loader, 5), uninterrupted[2:])
@@ -246,6 +246,22 @@ def test_load_state_dict_refuses_another_seed(dataset: TokenSequenceDataset) -> 
     loader = BatchLoader(dataset, batch_size=4, seed=1)
     with pytest.raises(ValueError, match="data.seed=2"):
         loader.load_state_dict({"epoch": 0, "position": 4, "seed": 2})
+
+
+def test_a_state_saved_over_other_data_is_refused_naming_what_changed(shards: list[Path]) -> None:
+    """Another window length or window count makes the saved position a place in another permutation (repeating
+    and skipping windows): refused, naming the key; the same data resumes, and an earlier spes' state naming no
+    data is taken as it is."""
+    state = BatchLoader(TokenSequenceDataset(shards, SEQ_LEN), batch_size=4, seed=1).state_dict()
+    for other, message in [
+        (TokenSequenceDataset(shards, SEQ_LEN + 1), "windows of 4 tokens but this run's model.max_sequence_length is 5"),
+        (TokenSequenceDataset(shards[:2], SEQ_LEN), "saved over 38 windows of data but this run's data.paths hold 37"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            BatchLoader(other, batch_size=4, seed=1).load_state_dict(state)
+        assert message in str(err.value) and "restore_dataloader=false" in str(err.value)
+        BatchLoader(other, batch_size=4, seed=1).load_state_dict({"epoch": 0, "position": 4, "seed": 1})
+    BatchLoader(TokenSequenceDataset(shards, SEQ_LEN), batch_size=4, seed=1).load_state_dict(state)
 
 
 @pytest.mark.timeout(60)
