@@ -16,6 +16,7 @@ mid-epoch without reading skipped data.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -325,13 +326,33 @@ class BatchLoader:
     def _start_batches(self) -> Iterator[torch.Tensor]:
         if self.num_workers == 0:
             return (self._maybe_pin(self.dataset.get_batch(idx)) for idx in self._rank_indices())
+        return self._worker_batches()
+
+    def _worker_batches(self) -> Iterator[torch.Tensor]:
+        """Batches read by DataLoader workers. torch re-raises a worker's error with the worker's traceback folded
+        into its message (and its workers then take seconds to stop), so the token-id check runs here, and a batch
+        a worker could not read is read again here: the user sees the reader's own one-line error."""
+        unchecked = copy.copy(self.dataset)
+        unchecked.vocab_size = None
         loader: DataLoader[torch.Tensor] = DataLoader(
-            self.dataset,  # type: ignore[arg-type]  # map-style: __len__ and __getitem__
+            unchecked,  # type: ignore[arg-type]  # map-style: __len__ and __getitem__
             batch_sampler=_IndexStream(self),
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
         )
-        return iter(loader)
+        batches, vocab_size = iter(loader), self.dataset.vocab_size
+        try:
+            for idx in self._rank_indices():
+                try:
+                    batch = next(batches)
+                except Exception:
+                    self.dataset.get_batch(idx)
+                    raise
+                if vocab_size is not None and int(batch.max()) >= vocab_size:
+                    self.dataset.get_batch(idx)
+                yield batch
+        finally:
+            del batches  # NOTE: the workers stop now, not when a traceback holding this frame is collected
 
     def _maybe_pin(self, batch: torch.Tensor) -> torch.Tensor:
         return batch.pin_memory() if self.pin_memory else batch

@@ -134,6 +134,22 @@ def test_dataset_refuses_values_that_are_not_token_ids(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.timeout(60)
+def test_a_token_id_past_the_vocabulary_read_by_a_worker_is_refused_in_one_line(tmp_path: Path) -> None:
+    """torch re-raises a worker's error with the worker's traceback folded into its message: the loader reads
+    the failed batch again in its own process, so the user sees the reader's one-line refusal."""
+    vocab = 2 * SEQ_LEN
+    shard = write_token_shard(tmp_path / "a.npy", np.full(4 * SEQ_LEN, vocab, dtype=np.uint16), with_sidecar=False)
+    loader = BatchLoader(TokenSequenceDataset([shard], SEQ_LEN, vocab_size=vocab), batch_size=2, seed=0, num_workers=1)
+    try:
+        with pytest.raises(ValueError) as err:
+            next(loader)
+    finally:
+        loader.close()
+    assert str(err.value).startswith(f"token shard {shard} holds token id {vocab} (in tokens ")
+    assert "\n" not in str(err.value)
+
+
 def test_dataset_refuses_shard_and_sidecar_that_disagree(tmp_path: Path) -> None:
     path = write_token_shard(tmp_path / "a.npy", np.arange(10, dtype=np.uint16))
     write_token_shard(tmp_path / "b.npy", np.arange(10, dtype=np.uint32), with_sidecar=False)
@@ -254,7 +270,10 @@ def test_a_state_saved_over_other_data_is_refused_naming_what_changed(shards: li
     data is taken as it is."""
     state = BatchLoader(TokenSequenceDataset(shards, SEQ_LEN), batch_size=4, seed=1).state_dict()
     for other, message in [
-        (TokenSequenceDataset(shards, SEQ_LEN + 1), "windows of 4 tokens but this run's model.max_sequence_length is 5"),
+        (
+            TokenSequenceDataset(shards, SEQ_LEN + 1),
+            "windows of 4 tokens but this run's model.max_sequence_length is 5",
+        ),
         (TokenSequenceDataset(shards[:2], SEQ_LEN), "saved over 38 windows of data but this run's data.paths hold 37"),
     ]:
         with pytest.raises(ValueError) as err:
