@@ -33,7 +33,13 @@ RunMode = Literal["centralized", "spes", "diloco"]
 
 
 class ConfigError(ValueError):
-    """A user-fixable problem with a config file or override: the message names the key and what to do."""
+    """A user-fixable problem with a config file or override: the message names the key and what to do; `key` is
+    that key (`model.n_heads`) where one key is the culprit, so a caller that filled it from elsewhere (the HF
+    import) can name its own source too."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,8 @@ class Section:
             problem = _number_problem(value, f.metadata.get("range"))
             if problem:
                 nullable = " or null" if type(None) in typing.get_args(hints[f.name]) else ""
-                raise ConfigError(f"config key '{self.KEY}{f.name}' = {value!r} {problem}{nullable}")
+                key = f"{self.KEY}{f.name}"
+                raise ConfigError(f"config key '{key}' = {value!r} {problem}{nullable}", key)
 
 
 def _f(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
@@ -816,7 +823,7 @@ def check_outer_optimizer(server: ServerSection, mode: RunMode) -> None:
 
 def _require(ok: bool, key: str, value: Any, what: str) -> None:
     if not ok:
-        raise ConfigError(f"config key '{key}' = {value!r} {what}")
+        raise ConfigError(f"config key '{key}' = {value!r} {what}", key)
 
 
 _DURATION = re.compile(r"^\s*([0-9.eE+]+)\s*(st|T|ep)?\s*$")

@@ -132,6 +132,17 @@ class HFFamily:
         qk = QK_NORM_KEYS if self.qk_norm != "none" else {}
         return {**SHARED_KEYS, **qk, **self.keys}
 
+    def config_attr(self, spes_key: str | None) -> str | None:
+        """The HF config attribute a `model.` key is imported from, if it is read from one."""
+        attrs = {
+            **CONFIG_KEYS,
+            **_MOE_CONFIG_KEYS,
+            "mlp_hidden_size": self.expert_width_attr,
+            "moe_num_experts": self.num_experts_attr,
+            "rope_theta": "rope_parameters.rope_theta",
+        }
+        return attrs.get((spes_key or "").removeprefix("model."))
+
 
 OLMOE = HFFamily(
     model_type="olmoe",
@@ -647,8 +658,9 @@ def import_hf(
             experts_per_peer=experts_per_peer or model["moe_num_experts"],
             run_name=f"import-{Path(hf_dir).absolute().name}",
         )
-    except ConfigError as e:  # a value spes cannot take, under the spes key it becomes
-        raise ConfigError(f"{src / 'config.json'}: importing it, {e}") from None
+    except ConfigError as e:  # a value spes cannot take: the spes key it becomes, and where it came from
+        attr = family.config_attr(e.key)
+        raise ConfigError(f"{src / 'config.json'}: importing it, {e}" + (f" (its '{attr}')" if attr else ""), e.key)
     state = hf_to_spes(read_hf_weights(src), family.key_map(), cfg.model, architecture=family.architecture)
     return write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
 

@@ -207,9 +207,15 @@ def test_import_refuses_unsupported_options(tmp_path: Path) -> None:
     (olmoe / "config.json").write_text(json.dumps({**settings, "clip_qkv": None, "rms_norm_eps": 0.0}))
     with pytest.raises(ValueError) as err:
         hf.import_hf(olmoe, tmp_path / "out")
-    assert (
-        str(err.value) == f"{olmoe / 'config.json'}: importing it, config key 'model.layer_norm_eps' = 0.0 must be > 0"
+    assert str(err.value) == (
+        f"{olmoe / 'config.json'}: importing it, config key 'model.layer_norm_eps' = 0.0 must be > 0 "
+        "(its 'rms_norm_eps')"
     )
+    (olmoe / "config.json").write_text(json.dumps({**settings, "clip_qkv": None, "num_experts_per_tok": 0}))
+    with pytest.raises(
+        ValueError, match=r"'model.moe_top_k' = 0 must be in \[1, moe_num_experts=2\] \(its 'num_experts_per_tok'\)$"
+    ):
+        hf.import_hf(olmoe, tmp_path / "out")
 
 
 def test_cli_export_from_run_dir_and_error_exit(
