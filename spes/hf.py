@@ -660,7 +660,8 @@ def import_hf(
         )
     except ConfigError as e:  # a value spes cannot take: the spes key it becomes, and where it came from
         attr = family.config_attr(e.key)
-        raise ConfigError(f"{src / 'config.json'}: importing it, {e}" + (f" (its '{attr}')" if attr else ""), e.key)
+        source = f" (its '{attr}')" if attr else ""
+        raise ConfigError(f"{src / 'config.json'}: importing it, {e}{source}", e.key) from None
     state = hf_to_spes(read_hf_weights(src), family.key_map(), cfg.model, architecture=family.architecture)
     return write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
 
