@@ -14,12 +14,14 @@ against the defaults as OLMo's schema does.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -44,23 +46,42 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Range:
-    """A numeric key's allowed values: `ge <= x` or `gt < x`, and `x < lt` where an upper bound is given."""
+    """A number's allowed values: `ge <= x` or `gt < x`, and `x < lt` or `x <= le` where an upper bound is given."""
 
     ge: float | None = None
     gt: float | None = None
     lt: float | None = None
+    le: float | None = None
 
     def __str__(self) -> str:
-        """`>= 1`, `> 0`, `in [0, 1)`: as `--help` and the refusal word it."""
-        if self.lt is None:
+        """`>= 1`, `> 0`, `in [0, 1)`, `in (0, 1]`: as `--help` and the refusal word it."""
+        if self.lt is None and self.le is None:
             return f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}"
         low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}"
-        return f"in {low}, {self.lt:g})"
+        return f"in {low}, {self.lt:g})" if self.lt is not None else f"in {low}, {self.le:g}]"
 
     def holds(self, x: float) -> bool:
-        return (
-            (self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt) and (self.lt is None or x < self.lt)
-        )
+        low = (self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
+        return low and (self.lt is None or x < self.lt) and (self.le is None or x <= self.le)
+
+
+def number_flag(kind: type[int] | type[float] = float, **bounds: float) -> Callable[[str], float]:
+    """An argparse `type=` for a command's numeric flag, checked as a config key is (`number_flag(gt=0)`,
+    `number_flag(int, ge=0, le=65535)`): a value out of `Range(**bounds)`, or NaN or infinity, is argparse's
+    one-line usage error, `argument --max_mb: nan must be a finite number > 0`."""
+    allowed = Range(**bounds)
+    what, finite = ("an integer", "an integer") if kind is int else ("a number", "a finite number")
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not (math.isfinite(value) and allowed.holds(value)):
+            raise argparse.ArgumentTypeError(f"{text} must be {finite} {allowed}")
+        return value
+
+    return parse
 
 
 def _number_problem(value: Any, allowed: Range | None) -> str | None:

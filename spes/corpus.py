@@ -29,7 +29,6 @@ import glob
 import gzip
 import io
 import json
-import math
 import os
 import sys
 import time
@@ -44,6 +43,7 @@ import pyarrow.parquet as pq
 import zstandard
 from tqdm import tqdm
 
+from spes.config import number_flag
 from spes.shards import PARTIAL_SUFFIX, ShardInfo, write_shard_info
 from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe
 
@@ -567,9 +567,11 @@ def train_tokenizer_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--output_dir", required=True, help="directory to write tokenizer.json and its configs to")
     parser.add_argument("--vocab_size", type=int, default=4096, help="vocabulary size, EOS and pad included")
-    parser.add_argument("--min_frequency", type=int, default=2, help="minimum count of a pair to be merged")
+    parser.add_argument(
+        "--min_frequency", type=number_flag(int, ge=1), default=2, help="minimum count of a pair to be merged"
+    )
     parser.add_argument("--text_field", default="text", help="JSON field / parquet column of the text")
-    parser.add_argument("--max_mb", type=float, default=None, help="train on at most this many MB of text")
+    parser.add_argument("--max_mb", type=number_flag(gt=0), default=None, help="train on at most this many MB of text")
     return parser
 
 
@@ -577,10 +579,6 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
     """data_process_scripts/train_tokenizer.py."""
     parser = train_tokenizer_parser()
     args = parser.parse_args(argv)
-    if args.max_mb is not None and not (math.isfinite(args.max_mb) and args.max_mb > 0):
-        parser.error(f"--max_mb must be a finite number > 0, got {args.max_mb}")
-    if args.min_frequency < 1:
-        parser.error(f"--min_frequency must be >= 1, got {args.min_frequency}")
     files: list[Path] = []
     for pattern in args.input:
         matches = matching_files(pattern)

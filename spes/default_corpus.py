@@ -23,7 +23,6 @@ import argparse
 import gzip
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spes.atomic import write_atomic
+from spes.config import number_flag
 from spes.corpus import Record, TextChunk, TokenizeSummary, tokenize_chunks
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output_dir", type=Path, default=Path("data/default"), help="where to build the corpus")
-    parser.add_argument("--max_mb", type=float, default=24.0, help="megabytes of text to take in all")
+    parser.add_argument("--max_mb", type=number_flag(gt=0), default=24.0, help="megabytes of text to take in all")
     parser.add_argument("--vocab_size", type=int, default=4096, help="vocabulary size of the trained tokenizer")
     parser.add_argument("--force", action="store_true", help="rebuild even when a complete build exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -383,9 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not (math.isfinite(args.max_mb) and args.max_mb > 0):
-        print(f"error: --max_mb must be a finite number > 0, got {args.max_mb}", file=sys.stderr)
-        return 2
     marker = args.output_dir / "corpus.json"
     if marker.is_file() and not args.force:
         corpus = json.loads(marker.read_text(encoding="utf-8"))

@@ -50,7 +50,16 @@ from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
 from spes.checkpoint import CONFIG_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
-from spes.config import ConfigError, ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config, to_dict
+from spes.config import (
+    ConfigError,
+    ModelConfig,
+    SpesConfig,
+    TokenizerConfig,
+    TrainConfig,
+    load_config,
+    number_flag,
+    to_dict,
+)
 from spes.hub import TOKENIZER_FILES, resolve
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.tokenizer import check_vocab, load_tokenizer
@@ -684,7 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--out", required=True, help="output Hugging Face model directory")
     exp.add_argument("--tokenizer", help="tokenizer directory (default: the run config's tokenizer.identifier)")
     exp.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="weight dtype (default float32)")
-    exp.add_argument("--max_shard_gb", type=float, default=5.0, help="largest safetensors shard in GiB (default 5)")
+    exp.add_argument(
+        "--max_shard_gb", type=number_flag(gt=0), default=5.0, help="largest safetensors shard in GiB (default 5)"
+    )
     exp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     imp = sub.add_parser("import", help="Hugging Face MoE directory -> spes checkpoint step directory")
     imp.add_argument(
@@ -707,8 +718,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
-            if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
-                raise ValueError(f"--max_shard_gb must be a finite number > 0, got {args.max_shard_gb}")
             step = Path(args.checkpoint) if args.checkpoint else resolve_step(args.run_dir, args.step)
             out = export_checkpoint(
                 step,

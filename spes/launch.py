@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import socket
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.config import ConfigError, TrainConfig, load_config, node_data_seed
+from spes.config import ConfigError, TrainConfig, load_config, node_data_seed, number_flag
 
 STOP_GRACE_S = 10.0
 """How long a stopped peer (then the server) has to save and exit before it is killed."""
@@ -60,11 +59,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "folder that holds a run is refused without it: two runs are never mixed)",
     )
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
-    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument("--port", type=number_flag(int, ge=0, le=65535), default=0, help="server port (default: a free one)")
     p.add_argument(
         "--codec", default=None, help="how tensors travel: fp32, bf16, int8, sparse (default: spes_config.codec)"
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per peer")
+    p.add_argument("--threads", type=number_flag(int, ge=1), default=1, help="torch threads per peer")
     p.add_argument(
         "--eval_peers",
         type=int,
@@ -72,14 +71,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="how many peers (ids 0..N-1) run the validation evaluations (default: all); after a sync every "
         "peer holds the same global model, so one evaluating peer gives the run's merged curve for 1/N of the CPU",
     )
-    p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
+    p.add_argument("--timeout", type=number_flag(gt=0), default=1800, help="give up after this many seconds")
     args = p.parse_args(argv)
-    if args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
-    if not 0 <= args.port <= 65535:
-        p.error(f"--port must be in [0, 65535] (0: a free one), got {args.port}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        p.error(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     return args, overrides
 
 

@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from spes.checks import GIB, Check, fail, gib, matmul_flops_per_s, ok, report, skip
-from spes.config import ConfigError, TrainConfig, load_config
+from spes.config import ConfigError, TrainConfig, load_config, number_flag
 from spes.distributed import check_launch
 from spes.head_loss import LOSS_CHUNK_ELEMENTS
 from spes.model import Transformer, analytic_param_counts, tflops_per_token
@@ -515,26 +515,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--nproc",
-        type=int,
+        type=number_flag(int, ge=1),
         default=None,
         help="processes the launch starts (default: NPROC_PER_NODE, else every GPU, else 1)",
     )
     parser.add_argument(
         "--memory_budget_gb",
-        type=float,
+        type=number_flag(gt=0),
         default=None,
         help="memory one process may use, GiB (default: the smallest GPU's, or available RAM)",
     )
-    parser.add_argument("--link_mb", type=float, default=16.0, help="MiB sent each way by the link test")
+    parser.add_argument(
+        "--link_mb", type=number_flag(gt=0, le=256), default=16.0, help="MiB sent each way by the link test"
+    )
     parser.add_argument(
         "--step_time_s",
-        type=float,
+        type=number_flag(gt=0),
         default=None,
         help="measured seconds per optimizer step (default: estimated from FLOPs and a matmul test)",
     )
     parser.add_argument(
         "--max_sync_fraction",
-        type=float,
+        type=number_flag(gt=0, le=1),
         default=0.5,
         help="fail the link check when the node would wait on the link more than this fraction",
     )
@@ -554,26 +556,15 @@ def main(argv: list[str] | None = None) -> int:
         return gpu_main(args.config, overrides)
     env_nproc = os.environ.get("NPROC_PER_NODE")
     if args.nproc is None and env_nproc:
-        if not env_nproc.isdigit():
+        if not env_nproc.isdigit() or int(env_nproc) < 1:
             parser.error(f"NPROC_PER_NODE={env_nproc!r} must be a positive integer")
         args.nproc = int(env_nproc)
-    if args.nproc is not None and args.nproc < 1:
-        parser.error(f"--nproc (or NPROC_PER_NODE) must be >= 1, got {args.nproc}")
     if args.devices:  # for the launch scripts: `<processes> <what they run on>`
         devices = find_devices(args.nproc)
         print(devices.nproc, devices.describe.split(";")[0])
         return 0
     if args.config is None:
         parser.error("no config file given, e.g. python -m spes.preflight configs/tiny.yaml")
-    for flag, value, most in (
-        ("--link_mb", args.link_mb, 256.0),
-        ("--memory_budget_gb", args.memory_budget_gb, math.inf),
-        ("--step_time_s", args.step_time_s, math.inf),
-        ("--max_sync_fraction", args.max_sync_fraction, 1.0),
-    ):
-        if value is not None and not (0 < value <= most and math.isfinite(value)):
-            rule = f"in (0, {most:g}]" if math.isfinite(most) else "a finite number > 0"
-            parser.error(f"{flag} must be {rule}, got {value}")
     try:
         cfg, _ = load_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as exc:

@@ -7,13 +7,12 @@ missing and when each peer was last heard from.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
 import grpc
 
-from spes.config import SpesConfig, is_host_port
+from spes.config import SpesConfig, is_host_port, number_flag
 from spes.sync.auth import TOKEN_ENV, read_token
 from spes.sync.connection import open_channel
 from spes.sync.proto import spes_pb2 as pb
@@ -28,13 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls_ca", default=None, help="CA certificate to verify the server (TLS)")
     parser.add_argument("--tls_cert", default=None, help="client certificate (mutual TLS)")
     parser.add_argument("--tls_key", default=None, help="client key (mutual TLS)")
-    parser.add_argument("--watch", type=float, default=0, help="ask again every this many seconds (0: once)")
-    parser.add_argument("--timeout", type=float, default=10, help="seconds to wait for the server's answer")
+    parser.add_argument(
+        "--watch", type=number_flag(ge=0), default=0, help="ask again every this many seconds (0: once)"
+    )
+    parser.add_argument("--timeout", type=number_flag(gt=0), default=10, help="seconds to wait for the server's answer")
     args = parser.parse_args(argv)
-    if not (math.isfinite(args.watch) and args.watch >= 0):
-        parser.error(f"--watch must be a finite number of seconds >= 0 (0: once), got {args.watch}")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        parser.error(f"--timeout must be a finite number of seconds > 0, got {args.timeout}")
     if not is_host_port(args.addr):
         print(f"error: {args.addr!r} is not HOST:PORT (e.g. server.example.org:50051)", file=sys.stderr)
         return 2

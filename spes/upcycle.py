@@ -40,7 +40,6 @@ s = 1/u): each token sees k of the E slices.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from typing import Any, Literal
 
 import torch
 
-from spes.config import ModelConfig, TrainConfig, load_config
+from spes.config import ModelConfig, TrainConfig, load_config, number_flag
 from spes.hf import (
     CONFIG_KEYS,
     QK_NORM_KEYS,
@@ -299,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--router_std",
-        type=float,
+        type=number_flag(ge=0),
         help="router init std, overriding the automatic choice (see above); 0 = all zeros, the exact "
         "start of the copy modes without sum-to-one top-k weights (experts then stay tied)",
     )
@@ -332,8 +331,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.out is None:
             raise ValueError("--out is required: the checkpoint step directory to write, e.g. output/run/init/step0")
-        if args.router_std is not None and not (math.isfinite(args.router_std) and args.router_std >= 0):
-            raise ValueError(f"--router_std must be a finite number >= 0, got {args.router_std}")
         step, plan = upcycle(
             args.hf, cfg, args.out, partition=args.partition, router_std=args.router_std, overwrite=args.overwrite
         )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import usage_error
 from spes import default_corpus
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
 from spes.shards import read_shard_info, resolve_paths
@@ -85,6 +86,7 @@ def test_small_build_loads_in_the_dataset_and_is_idempotent(tmp_path: Path, caps
 def test_a_size_that_is_not_a_finite_positive_number_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], size: str
 ) -> None:
-    assert default_corpus.main(["--output_dir", str(tmp_path / "out"), "--max_mb", size, "--quiet"]) == 2
-    assert capsys.readouterr().err == f"error: --max_mb must be a finite number > 0, got {float(size)}\n"
+    argv = ["--output_dir", str(tmp_path / "out"), "--max_mb", size, "--quiet"]
+    rule = f"argument --max_mb: {size} must be a finite number > 0"
+    assert usage_error(capsys, lambda: default_corpus.main(argv)).endswith(f": error: {rule}")
     assert not (tmp_path / "out").exists()

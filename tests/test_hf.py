@@ -12,6 +12,7 @@ import torch
 import transformers
 from torch.testing import assert_close
 
+from conftest import usage_error
 from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
 from spes import hf
 from spes.checkpoint import CheckpointError, load_model_state
@@ -229,5 +230,6 @@ def test_cli_export_from_run_dir_and_error_exit(
     assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--step", "9", "--out", str(tmp_path / "x")]) == 2
     assert "step9 does not exist; available: step3" in capsys.readouterr().err
     for size in ("0", "nan", "inf"):
-        assert hf.main(["export", "--checkpoint", str(tmp_path / "run"), "--out", "x", "--max_shard_gb", size]) == 2
-        assert capsys.readouterr().err == f"error: --max_shard_gb must be a finite number > 0, got {float(size)}\n"
+        argv = ["export", "--checkpoint", str(tmp_path / "run"), "--out", "x", "--max_shard_gb", size]
+        rule = f"argument --max_shard_gb: {size} must be a finite number > 0"
+        assert usage_error(capsys, lambda argv=argv: hf.main(argv)).endswith(f": error: {rule}")

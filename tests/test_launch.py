@@ -38,10 +38,11 @@ def test_local_run_finishes_with_summary_and_no_leftover_processes(quickstart_ru
 @pytest.mark.parametrize(
     ("flag", "rule"),
     [
-        ("--threads=0", "--threads must be >= 1, got 0"),
-        ("--port=70000", "--port must be in [0, 65535] (0: a free one), got 70000"),
-        ("--timeout=nan", "--timeout must be a finite number of seconds > 0, got nan"),
-        ("--timeout=0", "--timeout must be a finite number of seconds > 0, got 0.0"),
+        ("--threads=0", "argument --threads: 0 must be an integer >= 1"),
+        ("--port=70000", "argument --port: 70000 must be an integer in [0, 65535]"),
+        ("--port=-1", "argument --port: -1 must be an integer in [0, 65535]"),
+        ("--timeout=nan", "argument --timeout: nan must be a finite number > 0"),
+        ("--timeout=0", "argument --timeout: 0 must be a finite number > 0"),
     ],
 )
 def test_a_launcher_flag_out_of_its_range_is_refused_naming_it(

@@ -545,12 +545,14 @@ def test_a_node_whose_logits_do_not_fit_is_told_to_fuse_its_loss() -> None:
 @pytest.mark.parametrize(
     ("flag", "rule"),
     [
-        ("--link_mb=0", "--link_mb must be in (0, 256], got 0.0"),
-        ("--link_mb=inf", "--link_mb must be in (0, 256], got inf"),
-        ("--memory_budget_gb=nan", "--memory_budget_gb must be a finite number > 0, got nan"),
-        ("--memory_budget_gb=0", "--memory_budget_gb must be a finite number > 0, got 0.0"),
-        ("--step_time_s=-1", "--step_time_s must be a finite number > 0, got -1.0"),
-        ("--max_sync_fraction=1.5", "--max_sync_fraction must be in (0, 1], got 1.5"),
+        ("--link_mb=0", "argument --link_mb: 0 must be a finite number in (0, 256]"),
+        ("--link_mb=inf", "argument --link_mb: inf must be a finite number in (0, 256]"),
+        ("--memory_budget_gb=nan", "argument --memory_budget_gb: nan must be a finite number > 0"),
+        ("--memory_budget_gb=0", "argument --memory_budget_gb: 0 must be a finite number > 0"),
+        ("--step_time_s=-1", "argument --step_time_s: -1 must be a finite number > 0"),
+        ("--max_sync_fraction=1.5", "argument --max_sync_fraction: 1.5 must be a finite number in (0, 1]"),
+        ("--nproc=0", "argument --nproc: 0 must be an integer >= 1"),
+        ("--link_mb=lots", "argument --link_mb: 'lots' is not a number"),
     ],
 )
 def test_a_number_flag_out_of_its_range_is_refused_naming_it(

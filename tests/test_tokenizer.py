@@ -134,9 +134,10 @@ def test_train_tokenizer_script_reports_a_glob_matching_nothing(
 @pytest.mark.parametrize(
     ("flag", "rule"),
     [
-        ("--max_mb=nan", "--max_mb must be a finite number > 0, got nan"),
-        ("--max_mb=0", "--max_mb must be a finite number > 0, got 0.0"),
-        ("--min_frequency=-1", "--min_frequency must be >= 1, got -1"),
+        ("--max_mb=nan", "argument --max_mb: nan must be a finite number > 0"),
+        ("--max_mb=0", "argument --max_mb: 0 must be a finite number > 0"),
+        ("--min_frequency=-1", "argument --min_frequency: -1 must be an integer >= 1"),
+        ("--min_frequency=1.5", "argument --min_frequency: '1.5' is not an integer"),
     ],
 )
 def test_train_tokenizer_script_refuses_a_number_out_of_range(

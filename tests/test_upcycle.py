@@ -12,6 +12,7 @@ import torch
 import transformers
 from torch.testing import assert_close
 
+from conftest import usage_error
 from hf_fixtures import save_tiny_olmoe
 from spes import upcycle
 from spes.checkpoint import load_model_state
@@ -282,8 +283,8 @@ def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureF
     assert f"model.vocab_size={tokenizer.vocab_size - 1} but the tokenizer has" in capsys.readouterr().err
     for std in ("-0.1", "nan"):
         bad = ["--config", str(config), "--hf", dense, "--out", str(tmp_path / "y" / "step0"), "--router_std", std]
-        assert upcycle.main([*bad, *overrides]) == 2
-        assert capsys.readouterr().err == f"error: --router_std must be a finite number >= 0, got {float(std)}\n"
+        rule = f"argument --router_std: {std} must be a finite number >= 0"
+        assert usage_error(capsys, lambda bad=bad: upcycle.main([*bad, *overrides])).endswith(f": error: {rule}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -73,10 +73,10 @@ def test_the_status_command_refuses_an_address_without_a_port(capsys: pytest.Cap
 @pytest.mark.parametrize(
     ("flag", "rule"),
     [
-        ("--watch=-1", "--watch must be a finite number of seconds >= 0 (0: once), got -1.0"),
-        ("--watch=nan", "--watch must be a finite number of seconds >= 0 (0: once), got nan"),
-        ("--timeout=0", "--timeout must be a finite number of seconds > 0, got 0.0"),
-        ("--timeout=inf", "--timeout must be a finite number of seconds > 0, got inf"),
+        ("--watch=-1", "argument --watch: -1 must be a finite number >= 0"),
+        ("--watch=nan", "argument --watch: nan must be a finite number >= 0"),
+        ("--timeout=0", "argument --timeout: 0 must be a finite number > 0"),
+        ("--timeout=inf", "argument --timeout: inf must be a finite number > 0"),
     ],
 )
 def test_the_status_command_refuses_seconds_out_of_range(
