@@ -179,24 +179,18 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.codecs.sparse.x_pack_bits",
-        "13",
+        "19",
         "the entries left int64 instead of int32: shifted and masked, the same bits in the same bytes",
     ),
     **mutants(
         "spes.sync.codecs.sparse.x_unpack_bits",
-        "46",
+        "49",
         "a group's first byte OR-ed into its word a second time (at shift 0): x | x == x",
     ),
     **mutants(
-        "spes.sync.codecs.sparse.xǁSparsePayloadǁ__post_init__",
-        "48 51",
-        "torch.full of an int fill is int64 without being asked",
-    ),
-    **mutants(
-        "spes.sync.codecs.sparse.xǁSparsePayloadǁ__post_init__",
-        "61",
-        "rows spaced chunk + 2 apart instead of chunk + 1: an index in range is below chunk, so rows never overlap "
-        "either way (one out of range is refused by the other check)",
+        "spes.sync.codecs.sparse.xǁSparsePayloadǁper_entry",
+        "14",
+        "the concatenation made for a payload whose chunks are all whole too: the body and nothing, the body itself",
     ),
     **mutants(
         "spes.sync.codecs.sparse.xǁSparsePayloadǁpack",
@@ -215,14 +209,8 @@ EQUIVALENT: dict[str, str] = {
         "the small int64 level numbers times the fp32 scale promote to fp32 exactly without the cast",
     ),
     **mutants(
-        "spes.sync.codecs.sparse.x_quantize",
-        "17 18 25",
-        "topk's default dimension is the last, dim 1 of the rows; its entries sorted or not, they are sorted by "
-        "position next",
-    ),
-    **mutants(
         "spes.sync.codecs.sparse.x_dequantize",
-        "3 5",
+        "5 7",
         "the output's dtype left to torch's default, float32: the one asked for",
     ),
     **mutants(

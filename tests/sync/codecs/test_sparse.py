@@ -4,7 +4,9 @@ refusals (error feedback over rounds and the held model on real servers: tests/s
 from __future__ import annotations
 
 import math
+import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from spes.sync.codecs.sparse import (
     ROWS_PER_THREAD,
     Sparse,
     SparsePayload,
+    _by_rows,
     dequantize,
     index_bits,
     largest,
@@ -76,20 +79,41 @@ def test_the_largest_entries_of_each_row_are_topks_though_found_in_two_small_sel
 
 
 @pytest.mark.parametrize("rows", [64, 129, 1000])
-def test_the_selection_is_the_same_on_any_number_of_threads(rows: int) -> None:
-    """Blocks of rows go to torch's intra-op threads (at least `ROWS_PER_THREAD` each, the last block shorter): each
-    row's positions are those of one thread, whatever the split."""
+def test_the_selection_is_the_same_on_any_number_of_threads(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of rows go to as many threads as torch's intra-op threads (at least `ROWS_PER_THREAD` rows each, the
+    last block shorter): each row's positions are those of one thread, whatever the split.
+
+    The thread count is what the codec reads, not torch's own: torch's OpenMP pool, once grown, hangs in a forked
+    child (as the mutation runs fork one per mutant), and the split is the codec's alone."""
     x = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(5))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = [largest(x, k) for k in (64, 256, 300)]
-        for n in (2, 3, 7):
-            torch.set_num_threads(n)
-            assert all(torch.equal(largest(x, k), want) for k, want in zip((64, 256, 300), alone))
-    finally:
-        torch.set_num_threads(threads)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    alone = [largest(x, k) for k in (64, 256, 300)]
+    for n in (2, 3, 7):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        assert all(torch.equal(largest(x, k), want) for k, want in zip((64, 256, 300), alone))
     assert ROWS_PER_THREAD * 2 <= 129  # NOTE: so 129 and 1000 rows are split, 64 is not
+
+
+@pytest.mark.parametrize(
+    ("rows", "threads", "blocks"), [(200, 3, [67, 67, 66]), (200, 8, [67, 67, 66]), (127, 4, [127])]
+)
+def test_rows_are_cut_into_one_block_per_thread_in_order(
+    rows: int, threads: int, blocks: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As many blocks as threads, but none under `ROWS_PER_THREAD` rows (200 rows: at most 3), the first ones
+    ceil(rows / blocks) long, each on a pool thread, their results in row order; one block runs where it is."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    seen: list[tuple[int, str]] = []
+
+    def work(block: np.ndarray) -> np.ndarray:
+        seen.append((len(block), threading.current_thread().name))
+        return block * 2
+
+    values = np.arange(rows * 3, dtype=np.int64).reshape(rows, 3)
+    assert torch.equal(_by_rows(work, values), torch.from_numpy(values * 2))
+    assert sorted(n for n, _ in seen) == sorted(blocks)
+    split = len(blocks) > 1
+    assert all(name.startswith("spes-select") == split for _, name in seen)
 
 
 @pytest.mark.parametrize("numel", [1, 5, 63, 64, 100, 4096, 4096 * 2 + 17])
