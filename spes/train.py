@@ -147,8 +147,9 @@ RUN_FILES = ("metrics.jsonl", LATEST)
 
 def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Callable[[str], None]) -> None:
     """Refuse a start that is not a resume into a save folder holding another run's saves, unless save_overwrite
-    (then the main rank removes them: an old run's later checkpoints would otherwise outrank the new run's). An
-    unusable folder fails here, before the model is built (minutes for a large node)."""
+    (then the main rank removes them: an old run's later checkpoints would otherwise outrank the new run's; a dry
+    run says so and removes nothing). An unusable folder fails here, before the model is built (minutes for a large
+    node)."""
     folder = Path(cfg.save_folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"save_folder {folder} is a file, not a folder; choose another save_folder (or run_name)")
@@ -164,6 +165,9 @@ def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Ca
             f"save_folder {folder} already holds another run's saves ({names}); resume it with --resume, choose "
             "another save_folder (or run_name), or set save_overwrite=true to replace them"
         )
+    if cfg.dry_run:
+        log(f"dry run: save_overwrite would remove the earlier run's saves in {folder} ({names})")
+        return
     if is_main:
         for path in saves:
             if path.is_dir():
@@ -255,8 +259,8 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     eval_batches = _validation(cfg)
     load_path = _start_from(cfg, log)
     continuing = _continues_run(cfg, load_path)
-    if not cfg.dry_run:  # NOTE: --resume=auto claims the folder as this run's even before its first checkpoint
-        claim_save_folder(cfg, continuing or cfg.try_load_latest_save, info.is_main, log)
+    # NOTE: --resume=auto claims the folder as this run's even before its first checkpoint; a dry run only checks it
+    claim_save_folder(cfg, continuing or cfg.try_load_latest_save, info.is_main, log)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
         transformer = Transformer.for_run(cfg, training=True)
@@ -317,8 +321,8 @@ def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
         node = build_node(cfg, info, log)
         _check_start(cfg, node, info, log)
         log(
-            f"dry run: built the node ({type(node.model).__name__}, data, optimizer) and checked its run spec and "
-            "evaluators; not training (dry_run=true)"
+            f"dry run: built the node ({type(node.model).__name__}, data, optimizer) and checked its save folder, "
+            "run spec and evaluators; not training (dry_run=true)"
         )
         return
     trainer, syncer = start_node(cfg, info, log)

@@ -408,7 +408,7 @@ def test_a_dry_run_checks_what_a_start_checks_and_writes_nothing(  # type: ignor
     assert "error: config key 'spes_config.codec' = 'zip' is not a codec" in capsys.readouterr().err
     assert main([*args, "--evaluators=[{label: nosuchtask}]", "--eval_interval=5"]) == 0
     out = capsys.readouterr().out
-    assert "left out of this run: nosuchtask" in out and "checked its run spec and evaluators" in out
+    assert "left out of this run: nosuchtask" in out and "checked its save folder, run spec and evaluators" in out
     np.save(tmp_path / "short.npy", np.arange(10, dtype=np.uint16))  # not one window: every loss would read 0
     assert main([*args, f"--data.validation_paths=[{tmp_path / 'short.npy'}]", "--eval_interval=5"]) == 2
     assert capsys.readouterr().err.endswith(
@@ -416,3 +416,10 @@ def test_a_dry_run_checks_what_a_start_checks_and_writes_nothing(  # type: ignor
         "data.validation_paths=[] to train without validation\n"
     )
     assert not (tmp_path / "dry").exists()
+    (tmp_path / "dry").mkdir()  # a save folder of another run: refused as a start refuses it; overwritten, kept
+    (tmp_path / "dry" / "metrics.jsonl").write_text("{}\n")
+    assert main(args) == 2
+    assert "error: save_folder " in capsys.readouterr().err
+    assert main([*args, "--save_overwrite=true"]) == 0
+    assert "dry run: save_overwrite would remove the earlier run's saves" in capsys.readouterr().out
+    assert (tmp_path / "dry" / "metrics.jsonl").read_text() == "{}\n"
