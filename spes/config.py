@@ -21,7 +21,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -1157,6 +1157,25 @@ def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain data (saved with every checkpoint)."""
     return dataclasses.asdict(cfg)
+
+
+LAUNCH_KEYS = ("load_path", "try_load_latest_save", "save_overwrite", "dry_run")
+"""Keys that say how a process was started, not what the run is: a resume sets them anew."""
+
+
+def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """`key: old -> new` for each setting of `now` (a `to_dict` config) whose value `saved` (a checkpoint's
+    config) holds otherwise, sections by dotted key, `LAUNCH_KEYS` left out; a key `saved` lacks (an earlier
+    spes) is not a change."""
+    changes = []
+    for key, value in now.items():
+        if key not in saved or (not prefix and key in LAUNCH_KEYS):
+            continue
+        if isinstance(value, Mapping) and isinstance(saved[key], Mapping):
+            changes += changed_settings(saved[key], value, f"{prefix}{key}.")
+        elif saved[key] != value:
+            changes.append(f"{prefix}{key}: {saved[key]!r} -> {value!r}")
+    return changes
 
 
 def config_help(cls: type = TrainConfig, prefix: str = "") -> list[str]:

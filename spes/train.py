@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
-from spes.config import ConfigError, TrainConfig, config_help, load_config
+from spes.config import ConfigError, TrainConfig, changed_settings, config_help, load_config, to_dict
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
@@ -274,16 +274,31 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     if not sharded:  # NOTE: DDP broadcasts rank 0's weights at wrapping, so they must exist first
         model = parallelize(model, cfg, info)
     optimizer = build_optimizer(model, cfg.optimizer)
-    ckpt = None
-    if load_path:
-        fresh_optimizer = cfg.reset_optimizer_state and not continuing
-        ckpt = restore(load_path, model, optimizer, with_optim=not fresh_optimizer)
-        check_weights_finite(model, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
-        log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
-        ckpt = replace(ckpt, trainer=_trainer_state(cfg, ckpt, continuing, log))
-    elif cfg.reset_optimizer_state or cfg.reset_trainer_state:
-        log("note: reset_optimizer_state / reset_trainer_state change nothing without a load_path (as in OLMo)")
+    ckpt = _load(cfg, load_path, continuing, model, optimizer, log)
     return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)
+
+
+def _load(
+    cfg: TrainConfig,
+    load_path: str | None,
+    continuing: bool,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    log: Callable[[str], None],
+) -> Checkpoint | None:
+    """The checkpoint this start loads into the built model and optimizer, with the trainer state it takes up; a
+    resume names the settings changed since the checkpoint (an accidental change shows at once)."""
+    if not load_path:
+        if cfg.reset_optimizer_state or cfg.reset_trainer_state:
+            log("note: reset_optimizer_state / reset_trainer_state change nothing without a load_path (as in OLMo)")
+        return None
+    ckpt = restore(load_path, model, optimizer, with_optim=not (cfg.reset_optimizer_state and not continuing))
+    check_weights_finite(model, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
+    log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
+    changes = changed_settings(ckpt.config, to_dict(cfg)) if continuing else []
+    if changes:
+        log(f"resuming with {len(changes)} setting(s) changed since that checkpoint: {'; '.join(changes)}")
+    return replace(ckpt, trainer=_trainer_state(cfg, ckpt, continuing, log))
 
 
 def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:

@@ -21,12 +21,14 @@ from spes.config import (
     SpesConfig,
     TrainConfig,
     _yaml_problem,
+    changed_settings,
     config_help,
     from_dict,
     load_config,
     load_sync_sections,
     node_data_seed,
     parse_duration,
+    to_dict,
 )
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -1120,3 +1122,11 @@ def test_help_lists_every_section_and_key_with_its_doc() -> None:
     assert f"  --model.d_model={d_model.default!r}  [int >= 1]  {d_model.metadata['doc']}" in lines
     save = fields["save_interval"]
     assert f"  --save_interval={save.default!r}  [int | None >= 1]  {save.metadata['doc']}" in lines
+
+
+def test_changed_settings_name_each_key_a_resume_changes_but_not_how_it_was_launched() -> None:
+    saved = to_dict(TrainConfig())
+    now = to_dict(TrainConfig(load_path="out", dry_run=True, max_duration="2000st", model=ModelConfig(n_layers=3)))
+    assert changed_settings(saved, now) == ["max_duration: '1000st' -> '2000st'", "model.n_layers: 12 -> 3"]
+    del saved["model"]["n_layers"], saved["max_duration"]  # a key an earlier spes did not save is no change
+    assert changed_settings(saved, now) == []

@@ -34,12 +34,17 @@ def centralized(corpus, folder: Path, *extra: str) -> list[str]:  # type: ignore
     return [TINY, "--using_spes=false", *corpus.overrides(folder), *QUIET, *extra]
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_corpus, tmp_path: Path) -> None:
+def test_resume_reproduces_the_uninterrupted_run(  # type: ignore[no-untyped-def]
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """... and names the settings changed since the checkpoint it continues (here the stop it was given)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ["--max_duration=12st", "--save_interval=6", "--log_interval=1"]
     assert main(centralized(tiny_corpus, straight, *common)) == 0
     assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6")) == 0
+    capsys.readouterr()
     assert main(centralized(tiny_corpus, resumed, *common, "--resume")) == 0
+    assert "resuming with 1 setting(s) changed since that checkpoint: stop_at: 6 -> None\n" in capsys.readouterr().out
     a, b = metrics(straight), metrics(resumed)
     assert [r["step"] for r in b] == list(range(1, 13))
     for x, y in zip(a, b, strict=True):
