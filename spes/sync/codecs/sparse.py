@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -232,7 +233,9 @@ ROWS_PER_THREAD = 64
 
 
 @functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
+def _pool(threads: int, pid: int) -> ThreadPoolExecutor:
+    """The selection threads of this process (`pid`): a forked child inherits the parent's pool without its
+    threads, and work handed to it would wait forever."""
     return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spes-select")
 
 
@@ -245,7 +248,7 @@ def _by_rows(work: Callable[[np.ndarray], np.ndarray], rows: np.ndarray) -> torc
         return torch.from_numpy(work(rows))
     step = -(-len(rows) // threads)
     return torch.from_numpy(
-        np.concatenate(list(_pool(threads).map(work, np.split(rows, range(step, len(rows), step)))))
+        np.concatenate(list(_pool(threads, os.getpid()).map(work, np.split(rows, range(step, len(rows), step)))))
     )
 
 

@@ -4,7 +4,10 @@ refusals (error feedback over rounds and the held model on real servers: tests/s
 from __future__ import annotations
 
 import math
+import os
+import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -92,6 +95,26 @@ def test_the_selection_is_the_same_on_any_number_of_threads(rows: int, monkeypat
         monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
         assert all(torch.equal(largest(x, k), want) for k, want in zip((64, 256, 300), alone))
     assert ROWS_PER_THREAD * 2 <= 129  # NOTE: so 129 and 1000 rows are split, 64 is not
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_selects_on_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked once the parent's selection threads are idle inherits their pool but not the threads; it
+    makes its own (the mutation runs fork one child per mutant: each waited forever)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    rows = np.random.default_rng(0).random((200, 64))
+    want = _by_rows(lambda block: np.sort(block, axis=1), rows)
+    time.sleep(0.2)  # NOTE: the pool's threads finish and wait for work
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 once its selection comes back, else killed by the alarm (not pytest's handler)
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(10)
+            os._exit(0 if torch.equal(_by_rows(lambda block: np.sort(block, axis=1), rows), want) else 1)
+        finally:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize(
