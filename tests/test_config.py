@@ -3,6 +3,7 @@ user mistakes are reported by key, and a config file of the first SPES implement
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import textwrap
@@ -27,6 +28,7 @@ from spes.config import (
     load_config,
     load_sync_sections,
     node_data_seed,
+    number_flag,
     parse_duration,
     to_dict,
 )
@@ -740,13 +742,10 @@ def test_a_duration_of_epochs_or_another_unit_is_refused(value: str) -> None:
 
 
 def test_a_range_is_worded_as_a_user_reads_it() -> None:
-    assert [str(r) for r in (Range(ge=1), Range(gt=0), Range(ge=0, lt=1), Range(gt=0, lt=1.5))] == [
-        ">= 1",
-        "> 0",
-        "in [0, 1)",
-        "in (0, 1.5)",
-    ]
+    ranges = (Range(ge=1), Range(gt=0), Range(ge=0, lt=1), Range(gt=0, lt=1.5), Range(gt=0, le=1), Range(ge=0, le=9))
+    assert [str(r) for r in ranges] == [">= 1", "> 0", "in [0, 1)", "in (0, 1.5)", "in (0, 1]", "in [0, 9]"]
     assert Range(gt=0, lt=1).holds(0.5) and not Range(gt=0, lt=1).holds(0) and not Range(ge=0, lt=1).holds(1)
+    assert Range(gt=0, le=1).holds(1) and not Range(gt=0, le=1).holds(1.01) and Range(ge=0, le=9).holds(0)
 
 
 def test_help_gives_each_key_its_default_type_and_doc_and_each_section_a_heading() -> None:
@@ -1130,3 +1129,27 @@ def test_changed_settings_name_each_key_a_resume_changes_but_not_how_it_was_laun
     assert changed_settings(saved, now) == ["max_duration: '1000st' -> '2000st'", "model.n_layers: 12 -> 3"]
     del saved["model"]["n_layers"], saved["max_duration"]  # a key an earlier spes did not save is no change
     assert changed_settings(saved, now) == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "text", "refusal"),
+    [
+        (number_flag(gt=0), "nan", "nan must be a finite number > 0"),
+        (number_flag(gt=0), "-inf", "-inf must be a finite number > 0"),
+        (number_flag(gt=0), "0", "0 must be a finite number > 0"),
+        (number_flag(gt=0), "x", "'x' is not a number"),
+        (number_flag(int, ge=0, le=65535), "65536", "65536 must be an integer in [0, 65535]"),
+        (number_flag(int, ge=1), "1.5", "'1.5' is not an integer"),
+    ],
+)
+def test_a_number_flag_refuses_what_its_range_does_not_hold(
+    flag: typing.Callable[[str], float], text: str, refusal: str
+) -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        flag(text)
+    assert str(err.value) == refusal
+
+
+def test_a_number_flag_parses_the_edges_of_its_range_as_its_kind() -> None:
+    assert number_flag(int, ge=0, le=65535)("65535") == 65535 and number_flag(int, ge=0, le=65535)("0") == 0
+    assert number_flag(gt=0, le=1)("1") == 1.0 and isinstance(number_flag(gt=0)("2"), float)
