@@ -188,6 +188,28 @@ EQUIVALENT: dict[str, str] = {
         "a group's first byte OR-ed into its word a second time (at shift 0): x | x == x",
     ),
     **mutants(
+        "spes.sync.codecs.sparse.x__by_rows",
+        "27",
+        "a pool of Python's default size instead of `threads` workers: the rows are still cut into `threads` blocks, "
+        "so as many run at once, each row's result the same",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x__increasing",
+        "9",
+        "numpy's default axis is the last, axis 1 of the 2-D rows",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x__top",
+        "15",
+        "numpy's default axis is the last, axis 1 of the 2-D rows",
+    ),
+    **mutants(
+        "spes.sync.codecs.sparse.x_largest",
+        "10",
+        "max(1, ...) differs from max(0, ...) only where length // k <= 1: a row under 16 k, which takes one "
+        "selection and never uses g",
+    ),
+    **mutants(
         "spes.sync.codecs.sparse.xǁSparsePayloadǁper_entry",
         "14",
         "the concatenation made for a payload whose chunks are all whole too: the body and nothing, the body itself",

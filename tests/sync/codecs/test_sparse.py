@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from spes.sync.codecs import sparse
 from spes.sync.codecs.base import Scattered
 from spes.sync.codecs.held import apply_delta, encode_delta
 from spes.sync.codecs.sparse import (
@@ -95,6 +96,33 @@ def test_the_selection_is_the_same_on_any_number_of_threads(rows: int, monkeypat
         monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
         assert all(torch.equal(largest(x, k), want) for k, want in zip((64, 256, 300), alone))
     assert ROWS_PER_THREAD * 2 <= 129  # NOTE: so 129 and 1000 rows are split, 64 is not
+
+
+@pytest.mark.parametrize(
+    ("length", "k", "widths"),
+    [
+        (4096, 64, [512, 512]),  # g = 8 = sqrt(4096 / 64): 512 group peaks, then 64 groups of 8
+        (1024, 64, [256, 256]),  # 16 k: g = 4, the largest power of two at most sqrt(16)
+        (1000, 8, [125, 64]),  # g = 8 at most sqrt(125)
+        (1000, 64, [1000]),  # under 16 k: one selection
+        (1001, 8, [1001]),  # no power-of-two group divides the row: one selection
+    ],
+)
+def test_the_two_selections_cover_length_over_g_then_k_g_entries(
+    length: int, k: int, widths: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the grouping is for: selections over `length / g` group peaks and `k g` candidates, g the largest power
+    of two at most sqrt(length / k) (least work), where the row is 16 k or longer and g divides it."""
+    seen: list[int] = []
+
+    def top(magnitudes: torch.Tensor, k: int) -> torch.Tensor:
+        seen.append(magnitudes.shape[1])
+        return magnitudes.topk(k, dim=1).indices
+
+    monkeypatch.setattr(sparse, "_top", top)
+    x = torch.randn(2, length, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(largest(x, k), x.abs().topk(k, dim=1).indices.sort(dim=1).values)
+    assert seen == widths
 
 
 @pytest.mark.timeout(60)
