@@ -112,6 +112,8 @@ class Checkpoint:
     optim: dict[str, Any] | None
     trainer: dict[str, Any]
     config: dict[str, Any]
+    reblocked: bool = False
+    """Restored into another expert layout: the weights alone carried over (a new run from them, not a resume)."""
 
 
 def _flatten_optim(optim_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[dict]]:
@@ -599,10 +601,10 @@ def restore(
     meta = _read_meta(step_dir)
     config = _read_config(step_dir)
     if meta.get("kind") == "sharded":
-        trainer = _restore_sharded(step_dir, meta, model, optimizer, with_optim)
+        trainer, reblocked = _restore_sharded(step_dir, meta, model, optimizer, with_optim), False
     else:
-        trainer = _restore_unsharded(step_dir, model, optimizer, with_optim)
-    return Checkpoint(path=step_dir, model={}, optim=None, trainer=trainer, config=config)
+        trainer, reblocked = _restore_unsharded(step_dir, model, optimizer, with_optim)
+    return Checkpoint(path=step_dir, model={}, optim=None, trainer=trainer, config=config, reblocked=reblocked)
 
 
 def _restore_sharded(
@@ -628,18 +630,19 @@ def _restore_sharded(
 
 def _restore_unsharded(
     step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, with_optim: bool
-) -> dict[str, Any]:
-    """An unsharded checkpoint read whole by every rank and sharded in place; its trainer state ({} when its
-    experts had to be re-blocked: then only the weights carry over)."""
+) -> tuple[dict[str, Any], bool]:
+    """An unsharded checkpoint read whole by every rank and sharded in place: (its trainer state, whether its
+    experts had to be re-blocked: then only the weights carry over, and the trainer state is {})."""
     model_state = model_state_dict(model)
     ckpt = load_checkpoint(step_dir, with_optim=with_optim)
-    if set(ckpt.model) != set(model_state):  # another expert layout (e.g. centralized -> SPES): anew from the weights
+    reblocked = set(ckpt.model) != set(model_state)  # another expert layout (e.g. centralized -> SPES)
+    if reblocked:
         ckpt = replace(ckpt, model=_reblock(ckpt.model, model_state), optim=None, trainer={})
     check_model_compatible(ckpt.model, model_state, step_dir)
     if ckpt.optim is not None:
         _check_optim_compatible(set(ckpt.optim["state"]), _trainable(model), step_dir)
     _load_state(model, optimizer, ckpt.model, ckpt.optim, full=True)
-    return ckpt.trainer
+    return ckpt.trainer, reblocked
 
 
 def _trainable(model: nn.Module) -> set[str]:

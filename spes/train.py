@@ -293,9 +293,15 @@ def _load(
             log("note: reset_optimizer_state / reset_trainer_state change nothing without a load_path (as in OLMo)")
         return None
     ckpt = restore(load_path, model, optimizer, with_optim=not (cfg.reset_optimizer_state and not continuing))
+    changes = changed_settings(ckpt.config, to_dict(cfg)) if continuing else []
+    if continuing and ckpt.reblocked:  # NOTE: step 0 of a new run among the old run's saves: two runs mixed
+        raise ValueError(
+            f"{ckpt.path} holds this save_folder's run with another expert layout ({'; '.join(changes)}): a resume "
+            f"continues that run as it was saved; to start this layout from its weights, choose another save_folder "
+            f"with --load_path={ckpt.path}"
+        )
     check_weights_finite(model, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
     log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
-    changes = changed_settings(ckpt.config, to_dict(cfg)) if continuing else []
     if changes:
         log(f"resuming with {len(changes)} setting(s) changed since that checkpoint: {'; '.join(changes)}")
     return replace(ckpt, trainer=_trainer_state(cfg, ckpt, continuing, log))

@@ -191,7 +191,9 @@ def test_a_centralized_checkpoint_restores_into_a_spes_peer_as_its_weights_reblo
     assert path is not None
     _, peer, peer_optim = _node(steps=0)
     restored = restore(path, peer, peer_optim)
-    assert restored.trainer == {} and not peer_optim.state
+    assert restored.trainer == {} and restored.reblocked and not peer_optim.state
+    again = Transformer.for_run(cfg)
+    assert not restore(path, again, build_optimizer(again, cfg.optimizer)).reblocked  # the same layout
     saved = central.state_dict()
     for name, tensor in peer.state_dict().items():
         if ".experts." in name:

@@ -252,6 +252,23 @@ def test_a_centralized_checkpoint_seeds_a_spes_node(tiny_corpus, tmp_path: Path)
     assert [p.requires_grad for p in node.model.blocks[0].ffn.experts.w1] == [True, False, False, False]
 
 
+def test_a_resume_into_another_expert_layout_is_refused(  # type: ignore[no-untyped-def]
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Resuming a centralized run's folder as a SPES node would start a new run at step 0 among the old run's
+    checkpoints (a later resume would pick the old run's): refused, naming what changed, and nothing written."""
+    args = centralized(tiny_corpus, tmp_path, "--max_duration=2st", "--save_interval=2")
+    assert main(args) == 0
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main([*args, "--using_spes=true", "--max_duration=4st", "--resume"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: {tmp_path / 'step2'} holds this save_folder's run with another expert layout (using_spes: False -> "
+        "True; max_duration: '2st' -> '4st'): a resume continues that run as it was saved; to start this layout from "
+        f"its weights, choose another save_folder with --load_path={tmp_path / 'step2'}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_tokens_per_expert_are_logged_per_layer_when_asked(tiny_corpus, tmp_path: Path) -> None:
     """model.moe_log_expert_assignment: every routed token copy of a step counted once, per layer and expert."""
     on, off = tmp_path / "on", tmp_path / "off"
