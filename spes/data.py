@@ -329,9 +329,9 @@ class BatchLoader:
         return self._worker_batches()
 
     def _worker_batches(self) -> Iterator[torch.Tensor]:
-        """Batches read by DataLoader workers. torch re-raises a worker's error with the worker's traceback folded
-        into its message (and its workers then take seconds to stop), so the token-id check runs here, and a batch
-        a worker could not read is read again here: the user sees the reader's own one-line error."""
+        """Batches read by DataLoader workers, their token ids checked here: torch re-raises a worker's error with
+        the worker's traceback folded into its message (and its workers then take seconds to stop), so a batch
+        holding an id past the vocabulary is read again here, for the reader's one-line refusal naming the shard."""
         unchecked = copy.copy(self.dataset)
         unchecked.vocab_size = None
         loader: DataLoader[torch.Tensor] = DataLoader(
@@ -342,12 +342,7 @@ class BatchLoader:
         )
         batches, vocab_size = iter(loader), self.dataset.vocab_size
         try:
-            for idx in self._rank_indices():
-                try:
-                    batch = next(batches)
-                except Exception:
-                    self.dataset.get_batch(idx)
-                    raise
+            for idx, batch in zip(self._rank_indices(), batches):
                 if vocab_size is not None and int(batch.max()) >= vocab_size:
                     self.dataset.get_batch(idx)
                 yield batch

@@ -1129,24 +1129,37 @@ def test_changed_settings_name_each_key_a_resume_changes_but_not_how_it_was_laun
     assert changed_settings(saved, now) == ["max_duration: '1000st' -> '2000st'", "model.n_layers: 12 -> 3"]
     del saved["model"]["n_layers"], saved["max_duration"]  # a key an earlier spes did not save is no change
     assert changed_settings(saved, now) == []
+    now["tensorboard"] = {"log_dir": "tb"}  # a section that was null: one change, not a walk into null
+    assert changed_settings({**saved, "tensorboard": None}, now) == ["tensorboard: None -> {'log_dir': 'tb'}"]
+
+
+def test_a_refusal_of_one_key_carries_the_key() -> None:
+    """What lets a caller that filled the key from elsewhere (the HF import) name its own source too."""
+    for build, key in [
+        (lambda: ModelConfig(n_heads=0), "model.n_heads"),
+        (lambda: ModelConfig(d_model=30, n_heads=4), "model.d_model"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            build()
+        assert err.value.key == key and f"config key '{key}'" in str(err.value)
 
 
 @pytest.mark.parametrize(
-    ("flag", "text", "refusal"),
+    ("kind", "bounds", "text", "refusal"),
     [
-        (number_flag(gt=0), "nan", "nan must be a finite number > 0"),
-        (number_flag(gt=0), "-inf", "-inf must be a finite number > 0"),
-        (number_flag(gt=0), "0", "0 must be a finite number > 0"),
-        (number_flag(gt=0), "x", "'x' is not a number"),
-        (number_flag(int, ge=0, le=65535), "65536", "65536 must be an integer in [0, 65535]"),
-        (number_flag(int, ge=1), "1.5", "'1.5' is not an integer"),
+        (float, {"gt": 0}, "nan", "nan must be a finite number > 0"),
+        (float, {"gt": 0}, "-inf", "-inf must be a finite number > 0"),
+        (float, {"gt": 0}, "0", "0 must be a finite number > 0"),
+        (float, {"gt": 0}, "x", "'x' is not a number"),
+        (int, {"ge": 0, "le": 65535}, "65536", "65536 must be an integer in [0, 65535]"),
+        (int, {"ge": 1}, "1.5", "'1.5' is not an integer"),
     ],
 )
 def test_a_number_flag_refuses_what_its_range_does_not_hold(
-    flag: typing.Callable[[str], float], text: str, refusal: str
+    kind: type, bounds: dict[str, float], text: str, refusal: str
 ) -> None:
     with pytest.raises(argparse.ArgumentTypeError) as err:
-        flag(text)
+        number_flag(kind, **bounds)(text)
     assert str(err.value) == refusal
 
 

@@ -278,7 +278,10 @@ def test_a_state_saved_over_other_data_is_refused_naming_what_changed(shards: li
     ]:
         with pytest.raises(ValueError) as err:
             BatchLoader(other, batch_size=4, seed=1).load_state_dict(state)
-        assert message in str(err.value) and "restore_dataloader=false" in str(err.value)
+        assert str(err.value).endswith(
+            f"{message}: resume with the data.paths and model.max_sequence_length it was saved with, or load it "
+            "into a new save_folder with restore_dataloader=false to read this data from its beginning"
+        )
         BatchLoader(other, batch_size=4, seed=1).load_state_dict({"epoch": 0, "position": 4, "seed": 1})
     BatchLoader(TokenSequenceDataset(shards, SEQ_LEN), batch_size=4, seed=1).load_state_dict(state)
 
