@@ -482,14 +482,14 @@ EQUIVALENT: dict[str, str] = {
         "batches in the same order (test_worker_processes_yield_the_same_batches)",
     ),
     **mutants(
-        "spes.data.xǁBatchLoaderǁ_start_batches",
-        "12",
+        "spes.data.xǁBatchLoaderǁ_worker_batches",
+        "11",
         "DataLoader's num_workers left at its default, 0, when asked for workers: the same batches in the same "
         "order, made in this process",
     ),
     **mutants(
-        "spes.data.xǁBatchLoaderǁ_start_batches",
-        "9 13",
+        "spes.data.xǁBatchLoaderǁ_worker_batches",
+        "8 12",
         "the workers' batches left unpinned: the trainer pins an unpinned batch itself before its copy to the GPU "
         "(Trainer._to_device); only where the pinning happens differs",
     ),
