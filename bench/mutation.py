@@ -976,7 +976,7 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.checkpoint.x__load_state", "1 2 9 12 18 22", FSDP_CKPT),
     **mutants("spes.checkpoint.x_model_state_dict", "1 10 12 13", FSDP_CKPT),
     **mutants("spes.checkpoint.x__optim_state_dict", "1 11 14 15", FSDP_CKPT),
-    **mutants("spes.checkpoint.x__restore_unsharded", "44 50", FSDP_CKPT),
+    **mutants("spes.checkpoint.x__restore_unsharded", "45 51", FSDP_CKPT),
     **mutants("spes.checkpoint.x_save", "19 21 22 31 34 35", FSDP_CKPT),
     **mutants("spes.checkpoint.x_save_sharded_checkpoint", "72", FSDP_CKPT),  # the other ranks' message
     # what a whole in-process server keeps from round to round: buffers of the wire's dtype, verified checksums

@@ -127,6 +127,7 @@ def test_sharded_and_unsharded_checkpoints_hold_the_same_state_and_restore_exact
     _, fresh, fresh_optim = _node(steps=0)
     restored = restore(sharded, fresh, fresh_optim)
     assert restored.trainer == {"step": 2} and restored.path == sharded and restored.config == to_dict(cfg)
+    assert not restored.reblocked  # a sharded checkpoint is restored in its own layout or refused
     assert restored.model == {} and restored.optim is None  # no tensors: they are in the model and optimizer
     _assert_same_state(fresh.state_dict(), model.state_dict())
     for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
