@@ -245,11 +245,6 @@ class BatchLoader:
         missing = {"epoch", "position", "seed"} - set(state)
         if missing:
             raise ValueError(f"data loader state lacks {sorted(missing)}")
-        if int(state["seed"]) != self.seed:
-            raise ValueError(
-                f"data loader state was saved with data.seed={state['seed']} but this run uses "
-                f"data.seed={self.seed}; resume with the same seed or start the data from scratch"
-            )
         self._check_same_data(state)
         if int(state["epoch"]) < 0 or int(state["position"]) < 0:
             raise ValueError(f"data loader state {state} has a negative epoch or position")
@@ -260,13 +255,16 @@ class BatchLoader:
         self.epoch, self.position = self._normalize(int(state["epoch"]), int(state["position"]))
 
     def _check_same_data(self, state: dict[str, Any]) -> None:
-        """Refuse a state saved over other data: its epoch order is a permutation of another window count, so
-        its position would repeat and skip windows here (as OLMo-core refuses a dataset of another fingerprint).
-        A state from an earlier spes names no data and is taken as it is."""
-        fix = (
-            "resume with the data.paths and model.max_sequence_length it was saved with, or load it into a new "
-            "save_folder with restore_dataloader=false to read this data from its beginning"
-        )
+        """Refuse a state saved over another order or other data: its position would be a place in another
+        permutation, repeating and skipping windows here (as OLMo-core refuses another seed or a dataset of another
+        fingerprint). A state from an earlier spes names no data and is taken as it is."""
+        fresh = "or load it into a new save_folder with restore_dataloader=false to read this data from its beginning"
+        if int(state["seed"]) != self.seed:
+            raise ValueError(
+                f"data loader state was saved with data.seed={state['seed']} but this run uses data.seed={self.seed}: "
+                f"resume with the seed it was saved with, {fresh}"
+            )
+        fix = f"resume with the data.paths and model.max_sequence_length it was saved with, {fresh}"
         if "seq_len" in state and int(state["seq_len"]) != self.dataset.seq_len:
             raise ValueError(
                 f"data loader state was saved with windows of {state['seq_len']} tokens but this run's "

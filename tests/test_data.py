@@ -260,8 +260,13 @@ def test_a_state_of_an_earlier_spes_resumes_in_its_own_order(dataset: TokenSeque
 
 def test_load_state_dict_refuses_another_seed(dataset: TokenSequenceDataset) -> None:
     loader = BatchLoader(dataset, batch_size=4, seed=1)
-    with pytest.raises(ValueError, match="data.seed=2"):
+    with pytest.raises(ValueError) as err:
         loader.load_state_dict({"epoch": 0, "position": 4, "seed": 2})
+    assert str(err.value) == (
+        "data loader state was saved with data.seed=2 but this run uses data.seed=1: resume with the seed it was "
+        "saved with, or load it into a new save_folder with restore_dataloader=false to read this data from its "
+        "beginning"
+    )
 
 
 def test_a_state_saved_over_other_data_is_refused_naming_what_changed(shards: list[Path]) -> None:
