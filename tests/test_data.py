@@ -136,8 +136,8 @@ def test_dataset_refuses_values_that_are_not_token_ids(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_token_id_past_the_vocabulary_read_by_a_worker_is_refused_in_one_line(tmp_path: Path) -> None:
-    """torch re-raises a worker's error with the worker's traceback folded into its message: the loader reads
-    the failed batch again in its own process, so the user sees the reader's one-line refusal."""
+    """torch re-raises a worker's error with the worker's traceback folded into its message: the loader checks the
+    ids of a worker's batch in its own process and reads a bad one again there, for the reader's one-line refusal."""
     vocab = 2 * SEQ_LEN
     shard = write_token_shard(tmp_path / "a.npy", np.full(4 * SEQ_LEN, vocab, dtype=np.uint16), with_sidecar=False)
     loader = BatchLoader(TokenSequenceDataset([shard], SEQ_LEN, vocab_size=vocab), batch_size=2, seed=0, num_workers=1)
