@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -51,6 +52,28 @@ def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -
     if report.skipped and "gpu" in report.keywords and not torch.cuda.is_available():
         return GPU_SKIPPED, "s", "SKIPPED (no CUDA)"
     return None
+
+
+_PRESENCE_REPORTED: set[int] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A module whose fixtures are torn down must leave no `SyncClient` open: its presence stream would live on,
+    reopening itself to the address of a server long gone, and hold a peer id of the next server bound there (CI
+    saw a benchmark's peer 0 refused as a duplicate of such a leftover)."""
+    yield
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    left = [
+        t for t in threading.enumerate() if t.name.startswith("spes-presence-") and t.ident not in _PRESENCE_REPORTED
+    ]
+    _PRESENCE_REPORTED.update(t.ident for t in left if t.ident is not None)
+    if left:
+        raise AssertionError(
+            f"{item.nodeid.split('::')[0]} left {len(left)} SyncClient(s) open "
+            f"({', '.join(t.name for t in left)}): close every client (use it as a context manager)"
+        )
 
 
 @dataclass(frozen=True)

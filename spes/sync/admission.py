@@ -26,7 +26,9 @@ session. The stream lasts exactly as long as the process's connection: it ends a
 (its kernel closes the socket) and within the keepalive time (`spes.sync.wire.KEEPALIVE_S`) when the host or
 the network goes away. A Join for a peer id whose current session holds a presence stream (or, never having
 opened one, was heard from within `liveness_s`) is refused with ALREADY_EXISTS naming both addresses;
-otherwise the new process replaces the old one, whose later calls are refused (reason `superseded`).
+otherwise the new process replaces the old one, whose later calls are refused (reason `superseded`). A
+presence stream names its run too (metadata `spes-run`): one of another run is refused (reason `other_run`),
+so a process left over from an earlier run on the same address never holds a peer id of this one.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ SESSION_KEY = "spes-session"
 """gRPC metadata key carrying a client process's random session id."""
 PEER_KEY = "spes-peer"
 """gRPC metadata key naming the peer id a heartbeat (Status call) is sent for."""
+RUN_KEY = "spes-run"
+"""gRPC metadata key of a presence stream naming the run its process joined: a stream of another run (a process
+left over from an earlier run on this port) must not hold a peer id of this one."""
 
 
 def require_joined(joined: Collection[int], peer: int) -> None:
@@ -258,7 +263,8 @@ class PendingSlots:
 
 class GuardedHealth(health.HealthServicer):
     """The gRPC health service. Its Watch streams (long-lived by design) hold slots of the guard; one carrying a
-    peer's session (metadata `spes-peer`, `spes-session`) is that process's presence (`on_presence`).
+    peer's session (metadata `spes-peer`, `spes-session`, `spes-run`) is that process's presence (`on_presence`,
+    which may refuse it).
 
     Every Watch sends from its own handler thread (grpcio's blocking mode), so a status change only queues the
     latest status for each watcher. grpcio's default mode sends it to every watcher in turn under the service's
@@ -268,19 +274,19 @@ class GuardedHealth(health.HealthServicer):
     streams; its slot in the guard bounds those threads.
     """
 
-    def __init__(self, guard: StreamGuard, on_presence: Callable[[int, str, str], Callable[[], None]]) -> None:
+    def __init__(self, guard: StreamGuard, on_presence: Callable[[int, str, str, str], Callable[[], None]]) -> None:
         super().__init__(experimental_non_blocking=False)
         self._guard, self._on_presence = guard, on_presence
 
     def Watch(self, request: object, context: grpc.ServicerContext, send_response_callback: object = None) -> object:
         metadata = dict(context.invocation_metadata() or ())
-        peer, session = str(metadata.get(PEER_KEY, "")), str(metadata.get(SESSION_KEY, ""))
+        peer, session, run = (str(metadata.get(key, "")) for key in (PEER_KEY, SESSION_KEY, RUN_KEY))
         try:
             ticket = self._guard.grpc_ticket(context)
             if peer.isdigit() and session:
                 try:
                     ticket.claim(int(peer))
-                    _when_ended(context, self._on_presence(int(peer), session, context.peer()))
+                    _when_ended(context, self._on_presence(int(peer), session, run, context.peer()))
                 except Refused:
                     ticket.close()
                     raise

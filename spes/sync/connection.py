@@ -19,7 +19,7 @@ import grpc
 
 from spes.config import SpesConfig
 from spes.sync import plane_tcp
-from spes.sync.admission import PEER_KEY, SESSION_KEY
+from spes.sync.admission import PEER_KEY, RUN_KEY, SESSION_KEY
 from spes.sync.plane import Plane
 from spes.sync.plane_grpc import GrpcPlane, failure_of
 from spes.sync.presence import Presence
@@ -79,9 +79,10 @@ class Connection:
         self._presence: Presence | None = None
 
     def joined(self, reply: pb.JoinReply) -> None:
-        """A Join was answered: open the presence stream (once; it reopens itself) and pick the plane."""
+        """A Join was answered: open the presence stream of the run it joined (once; it reopens itself) and pick
+        the plane."""
         if self._presence is None:
-            self._presence = Presence(self._channel, self.metadata, self.peer_id)
+            self._presence = Presence(self._channel, (*self.metadata, (RUN_KEY, reply.run_id)), self.peer_id)
             self._presence.start(self.settings.rpc_timeout_s)
         self.use_data_plane(reply)
 

@@ -23,6 +23,7 @@ from spes.sync.downloads import Downloads
 from spes.sync.fragments import WHOLE
 from spes.sync.joins import check_join, check_run
 from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import Refused
 from spes.sync.rounds import Completed, RoundState
 from spes.sync.settings import ServerConfig
 from spes.sync.state import new_run_id, run_id_of
@@ -180,9 +181,15 @@ class Coordinator:
             if waiting:
                 log.info("waiting: %s", describe(self.status()))
 
-    def presence(self, peer: int, session: str, address: str) -> Callable[[], None]:
-        """A peer process's presence stream opened (see `spes.sync.admission`); returns what to call when it ends."""
+    def presence(self, peer: int, session: str, run: str, address: str) -> Callable[[], None]:
+        """A peer process's presence stream of run `run` opened (see `spes.sync.admission`); returns what to call
+        when it ends. Refused (reason other_run) for another run: a process left over from it holds no peer id."""
         with self._cond:
+            try:
+                check_run(peer, run, self.run_id, self.state.completed_round)
+            except Refused as exc:
+                self.warn.warning("presence", "refused a presence stream from %s: %s", address, exc)
+                raise
             self.sessions.present(peer, session, address)
 
         def ended() -> None:

@@ -77,7 +77,7 @@ class Run:
     """A server process, two live peers and a connected probe channel; `round()` runs one legitimate round."""
 
     def __init__(self, server: ServerProcess, stack: ExitStack, token: str | None = None) -> None:
-        self.server, self.token, self.step, self.run_id = server, token, 0, None
+        self.server, self.token, self.step, self.run_id, self.stack = server, token, 0, None, stack
         self.clients = [stack.enter_context(self.client(p)) for p in range(PEERS)]
         for client in self.clients:
             client.join()
@@ -335,7 +335,7 @@ def test_duplicate_peer_ids_and_a_restarted_peer(run: Run) -> None:
         assert str(err).count("ipv4:127.0.0.1:") == 2, err
     run.check_healthy()
     run.clients[0].close()  # the old process goes away; its restart takes over the id
-    run.clients[0] = run.client(0)
+    run.clients[0] = run.stack.enter_context(run.client(0))
     run.clients[0].join()
     run.check_healthy()
 

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import wait_until
 from spes.sync.admission import (
     PEER_KEY,
+    RUN_KEY,
     SESSION_KEY,
     GuardedHealth,
     PendingSlots,
@@ -24,7 +25,7 @@ from spes.sync.admission import (
     StreamGuard,
     require_joined,
 )
-from spes.sync.protocol import Refused
+from spes.sync.protocol import Reason, Refused
 
 
 def test_stream_slots_total_and_per_peer() -> None:
@@ -215,6 +216,7 @@ def test_presence_streams_say_which_process_is_a_peer() -> None:
 # On a real gRPC server on loopback: the health Watch that is a peer's presence, and a stream the watchdog ends.
 
 SERVICE = "spes.test.Guarded"
+RUN = "this-run"
 
 
 @contextlib.contextmanager
@@ -222,7 +224,9 @@ def guarded_server(guard: StreamGuard, presence: list) -> Iterator[str]:
     """A gRPC server with `GuardedHealth` (presences recorded in `presence`) and a stream method that holds a
     `grpc_ticket` until the watchdog ends it; its address."""
 
-    def on_presence(peer: int, session: str, address: str) -> Callable[[], None]:
+    def on_presence(peer: int, session: str, run: str, address: str) -> Callable[[], None]:
+        if run != RUN:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"run {run!r} is not this one", Reason.OTHER_RUN)
         presence.append(("present", peer, session, address))
         return lambda: presence.append(("absent", peer, session))
 
@@ -254,7 +258,15 @@ def test_a_presence_watch_holds_a_slot_of_its_peer_until_it_ends() -> None:
     request = health_pb2.HealthCheckRequest(service="")
     with guarded_server(guard, presence) as addr, grpc.insecure_channel(addr) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        watch = stub.Watch(request, metadata=((PEER_KEY, "3"), (SESSION_KEY, "s1")), timeout=30)
+        other_run = stub.Watch(request, metadata=((PEER_KEY, "3"), (SESSION_KEY, "s0"), (RUN_KEY, "old")), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            next(other_run)
+        assert (err.value.code(), err.value.details()) == (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "run 'old' is not this one",
+        )
+        assert presence == [] and guard.open_streams == 0  # refused: its slot came back at once
+        watch = stub.Watch(request, metadata=((PEER_KEY, "3"), (SESSION_KEY, "s1"), (RUN_KEY, RUN)), timeout=30)
         assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
         assert [p[:3] for p in presence] == [("present", 3, "s1")] and presence[0][3].startswith("ipv4:127.0.0.1:")
         time.sleep(0.5)  # past the idle timeout: a watch waits on the server, it is never idle

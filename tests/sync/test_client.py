@@ -13,12 +13,14 @@ import grpc
 import pytest
 import torch
 
+from conftest import wait_until
 from spes.config import ServerSection
 from spes.sync import plane_tcp
 from spes.sync.client import SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
+from spes.sync.presence import RETRY_S
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.server import start_server
+from spes.sync.server import ParameterServer, start_server
 from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.spec import RunSpec
 from sync_helpers import (
@@ -343,3 +345,41 @@ def test_a_client_closed_right_after_joining_frees_its_peer_id() -> None:
         for _ in range(3):
             with make_client(addr, spec, 0, rpc_timeout_s=10, max_retries=2) as client:
                 client.join()
+
+
+@pytest.mark.timeout(90)
+def test_a_leftover_client_of_another_run_holds_no_peer_id_of_a_new_server_on_its_port(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client whose server went away keeps reopening its presence stream to that address. A new run's server
+    bound there refuses it (it names another run), so the new run's peer 0 joins at once; a server that resumed the
+    same run (same --state_dir) takes it back as peer 0's presence, so a second process claiming 0 is refused."""
+    spec = tiny_spec()
+    port = free_port()
+
+    def server(state_dir: Path) -> ParameterServer:
+        return start_server(ServerConfig(spec, DeployConfig(host="127.0.0.1", port=port, state_dir=str(state_dir))))
+
+    first = server(tmp_path / "a")
+    with make_client(f"127.0.0.1:{port}", spec, 0, rpc_timeout_s=10, max_retries=0) as leftover:
+        leftover.join()
+        first.stop(grace_s=0)
+        other_run = server(tmp_path / "b")
+        try:
+            time.sleep(2 * RETRY_S + 0.5)  # the leftover's presence stream has knocked (and been refused) by now
+            assert [p.peer for p in other_run.service.status().presence] == []
+            refusal = next(r.getMessage() for r in caplog.records if "refused a presence stream" in r.getMessage())
+            assert f"peer 0 belongs to run {leftover.run_id} (its checkpoint or spes_config.run_id), but" in refusal
+            with make_client(f"127.0.0.1:{port}", spec, 0, rpc_timeout_s=10, max_retries=0) as fresh:
+                fresh.join()
+        finally:
+            other_run.stop(grace_s=0)
+        same_run = server(tmp_path / "a")
+        try:
+            wait_until(lambda: [p.connected for p in same_run.service.status().presence] == [True], "presence", 10)
+            with make_client(f"127.0.0.1:{port}", spec, 0, rpc_timeout_s=10, max_retries=0) as intruder:
+                with pytest.raises(SyncError, match="already joined by a live process") as err:
+                    intruder.join()
+            assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+        finally:
+            same_run.stop(grace_s=0)
