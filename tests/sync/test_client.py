@@ -18,7 +18,6 @@ from spes.config import ServerSection
 from spes.sync import plane_tcp
 from spes.sync.client import SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
-from spes.sync.presence import RETRY_S
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.server import ParameterServer, start_server
 from spes.sync.settings import DeployConfig, ServerConfig
@@ -366,9 +365,13 @@ def test_a_leftover_client_of_another_run_holds_no_peer_id_of_a_new_server_on_it
         first.stop(grace_s=0)
         other_run = server(tmp_path / "b")
         try:
-            time.sleep(2 * RETRY_S + 0.5)  # the leftover's presence stream has knocked (and been refused) by now
+
+            def refusals() -> list[str]:
+                return [r.getMessage() for r in caplog.records if "refused a presence stream" in r.getMessage()]
+
+            wait_until(lambda: bool(refusals()), "the leftover's presence stream to knock and be refused", 30)
             assert [p.peer for p in other_run.service.status().presence] == []
-            refusal = next(r.getMessage() for r in caplog.records if "refused a presence stream" in r.getMessage())
+            refusal = refusals()[0]
             assert f"peer 0 belongs to run {leftover.run_id} (its checkpoint or spes_config.run_id), but" in refusal
             with make_client(f"127.0.0.1:{port}", spec, 0, rpc_timeout_s=10, max_retries=0) as fresh:
                 fresh.join()
