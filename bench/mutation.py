@@ -710,18 +710,13 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.admission.xǁGuardedHealthǁWatch",
-        "7 9 10",
-        "the value of a missing peer header: 'None' and 'XXXX' are no more digits than '', so no presence either way",
-    ),
-    **mutants(
-        "spes.sync.admission.xǁGuardedHealthǁWatch",
-        "18",
+        "12",
         "the context a watch's ticket would cancel: a watch waits on the server (wait_for_round(True)) and has no "
         "deadline, so the watchdog never ends it",
     ),
     **mutants(
         "spes.sync.admission.xǁGuardedHealthǁWatch",
-        "46 49",
+        "42 45",
         "the send callback passed on: the service runs in blocking mode, where grpcio calls Watch without one, so "
         "it is None either way",
     ),
