@@ -23,8 +23,6 @@ KNOWN_GAPS = {
     "bench_overlap_0022": "dirty tree, diff not kept",
     "bench_overlap_2309": "dirty tree, diff not kept",
     "bench_overlap_2345": "dirty tree, diff not kept",
-    "bench_soak": "no command; no commit",
-    "bench_soak_no_chaos": "no command; no commit",
     "bench_wan_gpu": "dirty tree, diff not kept",
     "bench_wan_gpu_steps": "commit not a full hash; no machine",
     "code_stats": "no machine",
