@@ -19,7 +19,6 @@ CLEAN_COMMIT = re.compile(r"[0-9a-f]{40}")
 DIRTY_COMMIT = re.compile(r"[0-9a-f]{40}-dirty-[0-9a-f]{16}")
 
 KNOWN_GAPS = {
-    "bench_overlap": "dirty tree, diff not kept",
     "bench_overlap_0022": "dirty tree, diff not kept",
     "bench_overlap_2309": "dirty tree, diff not kept",
     "bench_overlap_2345": "dirty tree, diff not kept",
