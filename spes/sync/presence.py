@@ -29,6 +29,8 @@ class Presence:
         self._health, self._metadata, self.peer_id = health_pb2_grpc.HealthStub(channel), metadata, peer_id
         self._closed, self._seen = threading.Event(), threading.Event()
         self._call: grpc.Future | None = None
+        self._refused: str | None = None
+        """The last refusal said (each is said once)."""
         self._thread = threading.Thread(target=self._keep, name=f"spes-presence-{peer_id}", daemon=True)
 
     def start(self, wait_s: float) -> None:
@@ -54,5 +56,14 @@ class Presence:
                 for _ in call:
                     self._seen.set()
             except grpc.RpcError as err:
-                log.debug("presence stream of peer %d ended: %s", self.peer_id, err.code())
+                self._ended(err)
             self._closed.wait(RETRY_S)
+
+    def _ended(self, err: grpc.RpcError) -> None:
+        """A broken stream is normal (a restart, the network); a refused one (the server now holds another run) is
+        said once, with the server's words, since this process's next call will be refused too."""
+        if err.code() == grpc.StatusCode.FAILED_PRECONDITION and err.details() != self._refused:
+            self._refused = err.details()
+            log.warning("the server refused peer %d's presence stream: %s", self.peer_id, err.details())
+        else:
+            log.debug("presence stream of peer %d ended: %s", self.peer_id, err.code())

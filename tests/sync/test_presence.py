@@ -1,0 +1,51 @@
+"""The presence stream on a real gRPC server on loopback: reopened while refused, the refusal said once."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2_grpc
+
+from conftest import wait_until
+from spes.sync.admission import PEER_KEY, RUN_KEY, SESSION_KEY, GuardedHealth, StreamGuard
+from spes.sync.presence import Presence
+from spes.sync.protocol import Reason, Refused
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_presence_stream_is_reopened_and_its_refusal_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A server that holds another run refuses the stream each time it is reopened; the process says so once (its
+    next call will be refused with the same words), not once a second."""
+    knocks: list[str] = []
+
+    def refuse(peer: int, session: str, run: str, address: str) -> None:
+        knocks.append(run)
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"peer {peer} belongs to run {run}", Reason.OTHER_RUN)
+
+    guard = StreamGuard(idle_timeout_s=5, max_streams=4, max_per_peer=4)
+    server = grpc.server(ThreadPoolExecutor(8))
+    health_pb2_grpc.add_HealthServicer_to_server(GuardedHealth(guard, refuse), server)  # type: ignore[arg-type]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    presence = None
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            metadata = ((SESSION_KEY, "s"), (PEER_KEY, "2"), (RUN_KEY, "old"))
+            presence = Presence(channel, metadata, peer_id=2)
+            with caplog.at_level(logging.DEBUG, logger="spes.client"):
+                presence.start(wait_s=0.1)
+                wait_until(lambda: len(knocks) >= 3, "the stream to be reopened after each refusal", 20)
+                presence.close(timeout_s=5)
+        said = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert [r.getMessage() for r in said] == [
+            "the server refused peer 2's presence stream: peer 2 belongs to run old"
+        ]
+        assert set(knocks) == {"old"}
+    finally:
+        if presence is not None:
+            presence.close(timeout_s=5)
+        server.stop(grace=None)
+        guard.stop()
