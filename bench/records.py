@@ -30,7 +30,6 @@ KNOWN_GAPS = {
     "code_stats_after": "no machine",
     "mini_repro_int8": "dirty tree, diff not kept",
     "mini_repro_memory": "dirty tree, diff not kept",
-    "mini_repro_overlap": "dirty tree, diff not kept",
 }
 """Records written before their provenance was checked (issue 30), and what each lacks. Shown beside their figures
 in docs/benchmarks.md's list of records (with a record's own `provenance_note`, if any); re-measuring one removes it
