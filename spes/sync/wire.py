@@ -25,6 +25,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -190,17 +191,21 @@ class EncodedModel(Lazy[Encoded]):
         self, tensors: Mapping[str, Item], wire_dtype: str, checksums: VerifiedChecksums | None = None
     ) -> None:
         wire_torch_dtype(wire_dtype)
-        self._tensors, self._wire_dtype, self._checksums = tensors, wire_dtype, checksums
-        super().__init__(tensors, self._encode)
+        # NOTE: a function of the parts, not a bound method: `self` -> make -> `self` would be a reference cycle,
+        # and a round's encoded tensors would wait for the cycle collector instead of going with the round
+        super().__init__(tensors, partial(_encode_item, tensors, wire_dtype, checksums))
 
-    def _encode(self, name: str) -> Encoded:
-        item = self._tensors[name]
-        return self._known(name, item) or encode_whole(item, self._wire_dtype)
 
-    def _known(self, name: str, item: Item) -> Encoded | None:
-        if self._checksums is None or not isinstance(item, torch.Tensor):
-            return None
-        return self._checksums.known({name: item}, self._wire_dtype).get(name)
+def _encode_item(
+    tensors: Mapping[str, Item], wire_dtype: str, checksums: VerifiedChecksums | None, name: str
+) -> Encoded:
+    """`tensors[name]` on the wire: as received when `checksums` vouch for it, else converted and checksummed."""
+    item = tensors[name]
+    if checksums is not None and isinstance(item, torch.Tensor):
+        known = checksums.known({name: item}, wire_dtype).get(name)
+        if known is not None:
+            return known
+    return encode_whole(item, wire_dtype)
 
 
 class VerifiedChecksums:

@@ -211,12 +211,9 @@ class Reencoding:
     ) -> None:
         self._names = frozenset(names)
         self._of = {n: (new_global[n], base[n]) for n in names}
-        self._made = Lazy(names, partial(self._encode, quantizer, base_round))
-
-    def _encode(self, quantizer: Quantizer, base_round: int, name: str) -> tuple[Coded, torch.Tensor]:
-        sent = encode_delta(quantizer, name, *self._of[name])
-        del self._of[name]  # NOTE: the previous held value may go back to the server's pool once its round does
-        return Coded(sent.payload, base_round), sent.reconstruction
+        # NOTE: not a bound method: `self` -> make -> `self` would be a reference cycle, keeping a round's tensors
+        # for the cycle collector instead of freeing them with the round
+        self._made = Lazy(names, partial(_reencode, quantizer, base_round, self._of))
 
     @property
     def names(self) -> Collection[str]:
@@ -234,6 +231,15 @@ class Reencoding:
 
     def complete(self) -> None:
         self._made.complete()
+
+
+def _reencode(
+    quantizer: Quantizer, base_round: int, of: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str
+) -> tuple[Coded, torch.Tensor]:
+    """One tensor of `Reencoding`: its coded delta from its held base, and what the peers will hold."""
+    sent = encode_delta(quantizer, name, *of[name])
+    del of[name]  # NOTE: the previous held value may go back to the server's pool once its round does
+    return Coded(sent.payload, base_round), sent.reconstruction
 
 
 class HeldPeer:
