@@ -789,14 +789,12 @@ def overlap_loss_table(records: Records) -> str:
         (["mini_repro_overlap_f2", "mini_repro_overlap_f5_seed7"], ["spes_overlap_d5_f2"]),
     ]
     rows: list[list[Any]] = []
-    shown: list[tuple[float, str]] = []
+    shown: list[Any] = []
     for names, arms in sets:
-        reference = [
-            (records(n)["arms"]["spes"]["final_val_loss"], _arm_commit(records(n)["arms"]["spes"])) for n in names
-        ]
-        if reference != shown:
-            rows.append([*_overlap_label("spes"), *_overlap_rows(records, names, ["spes"])[0]])
-            shown = reference
+        [blocking] = _overlap_rows(records, names, ["spes"])
+        if blocking != shown:
+            rows.append([*_overlap_label("spes"), *blocking])
+            shown = blocking
         for arm, cells in zip(arms, _overlap_rows(records, names, arms), strict=True):
             rows.append([*_overlap_label(arm), *cells])
     head = [
