@@ -17,6 +17,9 @@ log = logging.getLogger("spes.client")
 
 RETRY_S = 1.0
 """A broken presence stream is reopened this soon."""
+REFUSED_RETRY_MAX_S = 30.0
+"""A refused one (the server holds another run) is reopened ever later, the wait doubling up to this: a process
+left over from an earlier run knocks on the new run's server seldom, yet still finds its own run's server back."""
 SEEN_WAIT_S = 5.0
 """How long a join waits for the server to have seen the stream (then a close is seen as one)."""
 SERVICE = "spes.v1.ParameterServer"
@@ -47,23 +50,29 @@ class Presence:
             self._thread.join(timeout=timeout_s)
 
     def _keep(self) -> None:
+        wait_s = RETRY_S
         while not self._closed.is_set():
             call = self._health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), metadata=self._metadata)
             self._call = call
             if self._closed.is_set():
                 call.cancel()
+            refused = False
             try:
                 for _ in call:
                     self._seen.set()
             except grpc.RpcError as err:
-                self._ended(err)
-            self._closed.wait(RETRY_S)
+                refused = self._ended(err)
+            self._closed.wait(wait_s if refused else RETRY_S)
+            wait_s = min(2 * wait_s, REFUSED_RETRY_MAX_S) if refused else RETRY_S
 
-    def _ended(self, err: grpc.RpcError) -> None:
-        """A broken stream is normal (a restart, the network); a refused one (the server now holds another run) is
-        said once, with the server's words, since this process's next call will be refused too."""
-        if err.code() == grpc.StatusCode.FAILED_PRECONDITION and err.details() != self._refused:
+    def _ended(self, err: grpc.RpcError) -> bool:
+        """Whether the server refused the stream. A broken stream is normal (a restart, the network); a refused one
+        (the server now holds another run) is said once, with the server's words, since this process's next call
+        will be refused too."""
+        if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            log.debug("presence stream of peer %d ended: %s", self.peer_id, err.code())
+            return False
+        if err.details() != self._refused:
             self._refused = err.details()
             log.warning("the server refused peer %d's presence stream: %s", self.peer_id, err.details())
-        else:
-            log.debug("presence stream of peer %d ended: %s", self.peer_id, err.code())
+        return True

@@ -1,8 +1,9 @@
-"""The presence stream on a real gRPC server on loopback: reopened while refused, the refusal said once."""
+"""The presence stream on a real gRPC server on loopback: reopened ever later while refused, the refusal said once."""
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -10,19 +11,27 @@ import pytest
 from grpc_health.v1 import health_pb2_grpc
 
 from conftest import wait_until
+from spes.sync import presence as presence_module
 from spes.sync.admission import PEER_KEY, RUN_KEY, SESSION_KEY, GuardedHealth, StreamGuard
 from spes.sync.presence import Presence
 from spes.sync.protocol import Reason, Refused
 
 
 @pytest.mark.timeout(60)
-def test_a_refused_presence_stream_is_reopened_and_its_refusal_said_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_refused_presence_stream_is_reopened_ever_later_and_its_refusal_said_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A server that holds another run refuses the stream each time it is reopened; the process says so once (its
-    next call will be refused with the same words), not once a second."""
+    next call will be refused with the same words), not once a second, and knocks ever more seldom (the wait
+    doubling up to its cap), so a process left over from an earlier run costs the new run's server little."""
+    monkeypatch.setattr(presence_module, "RETRY_S", 0.05)
+    monkeypatch.setattr(presence_module, "REFUSED_RETRY_MAX_S", 0.2)
     knocks: list[str] = []
+    times: list[float] = []
 
     def refuse(peer: int, session: str, run: str, address: str) -> None:
         knocks.append(run)
+        times.append(time.monotonic())
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"peer {peer} belongs to run {run}", Reason.OTHER_RUN)
 
     guard = StreamGuard(idle_timeout_s=5, max_streams=4, max_per_peer=4)
@@ -37,8 +46,11 @@ def test_a_refused_presence_stream_is_reopened_and_its_refusal_said_once(caplog:
             presence = Presence(channel, metadata, peer_id=2)
             with caplog.at_level(logging.DEBUG, logger="spes.client"):
                 presence.start(wait_s=0.1)
-                wait_until(lambda: len(knocks) >= 3, "the stream to be reopened after each refusal", 20)
+                wait_until(lambda: len(knocks) >= 6, "the stream to be reopened after each refusal", 20)
                 presence.close(timeout_s=5)
+        gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+        # NOTE: lower bounds only: a wait never ends early, a loaded machine may only make it longer
+        assert all(gap >= least for gap, least in zip(gaps, (0.05, 0.1, 0.2, 0.2, 0.2))), gaps
         said = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert [r.getMessage() for r in said] == [
             "the server refused peer 2's presence stream: peer 2 belongs to run old"
