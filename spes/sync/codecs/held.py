@@ -259,9 +259,10 @@ class HeldPeer:
         it may not download."""
         self._upload: Lazy[Item] | None = None
         self._spare: Tensors = {}
-        """The held tensors the last `receive` replaced: a download into kept buffers (`SyncClient`'s
-        `reuse_buffers`, whose caller copies a round's result out before the next) applies its sparse deltas into
-        them, so they fault in no fresh memory. Nothing else reads them: the held model is a new dict of others."""
+        """The held model before the last `receive`: a download into kept buffers (`SyncClient`'s `reuse_buffers`,
+        whose caller copies a round's result out before the next) applies its sparse deltas into the tensors that
+        round replaced, so they fault in no fresh memory. A tensor it kept is its delta's base, which `apply_delta`
+        never writes into."""
 
     @property
     def base_round(self) -> int:
@@ -364,9 +365,7 @@ class HeldPeer:
             relayed = {n: t for n, t in self._pending[1].items() if n not in served}
             held = {**self.held, **relayed, **served}
         errors = {n: e for n, e in self._pending[0].items() if n not in relayed}
-        kept = {id(t) for t in held.values()}
-        self._spare = {n: t for n, t in self.held.items() if id(t) not in kept}
-        self.held, self.round = held, info.round
+        self._spare, self.held, self.round = self.held, held, info.round
         self.carried = {} if caught_up else {**self.carried, **errors}
         self._pending, self._upload = ({}, {}), None
         return served

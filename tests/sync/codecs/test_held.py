@@ -23,7 +23,7 @@ from spes.sync import plane_tcp
 from spes.sync.client import SyncClient, SyncError
 from spes.sync.codecs import int8
 from spes.sync.codecs.base import NO_BASE, Quantizer
-from spes.sync.codecs.held import HeldPeer, HeldServer, encode_delta, next_held
+from spes.sync.codecs.held import REENCODE_LIMIT, HeldPeer, HeldServer, apply_delta, encode_delta, headroom, next_held
 from spes.sync.codecs.interface import Served, UploadBase
 from spes.sync.codecs.sparse import Sparse
 from spes.sync.merge import build_global, round_alpha
@@ -257,16 +257,17 @@ def test_a_tensor_the_held_model_lacks_travels_as_full_fp32_values_and_is_held_a
 
 
 @pytest.mark.gpu
-def test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model() -> None:
+@pytest.mark.parametrize("quantizer", [QUANTIZER, Sparse(chunk=64, topk=8)], ids=["int8", "sparse"])
+def test_a_peer_training_on_cuda_sends_deltas_against_its_cpu_held_model(quantizer: Quantizer) -> None:
     """A node resumed from its checkpoint holds its held model and carried error on the CPU and gives the codec its
-    trained tensors on the GPU: the delta is measured across devices, and the peer holds its reconstruction on the
-    CPU, bit for bit what the server reconstructs."""
+    trained tensors on the GPU: the delta is measured across devices (a quantizer's payload and delta stay on the
+    GPU), and the peer holds its reconstruction on the CPU, bit for bit what the server reconstructs."""
     gen = torch.Generator().manual_seed(7)
     model, carried = torch.randn(SHAPE, generator=gen), 1e-3 * torch.randn(SHAPE, generator=gen)
-    peer = HeldPeer(QUANTIZER)
-    peer.load_state_dict({"codec": QUANTIZER.name, "round": "10"}, {"held/w": model, "carried/w": carried})
+    peer = HeldPeer(quantizer)
+    peer.load_state_dict({"codec": quantizer.name, "round": "10"}, {"held/w": model, "carried/w": carried})
     items = peer.upload({"w": (model + 1e-2).cuda()}, own=["w"])
-    server, previous = HeldServer(QUANTIZER), Served(10, {"w": model})
+    server, previous = HeldServer(quantizer), Served(10, {"w": model})
     base = UploadBase(previous, previous.tensors, ["w"])
     decoder = through(items, server.upload_decoder({"w": SHAPE}, {}, base))
     values, relayed = server.upload_values(decoder, decoder.finish(), base)
@@ -328,7 +329,8 @@ def test_a_peer_that_caught_up_drops_its_carried_error() -> None:
     gen = torch.Generator().manual_seed(6)
     model = {"a": torch.randn(SHAPE, generator=gen)}
     peer, server = holding(model, 10), HeldServer(QUANTIZER)
-    peer.upload({"a": model["a"] + 1e-3 * torch.randn(SHAPE, generator=gen)}, own=[])  # a lossy delta
+    dict(peer.upload({"a": model["a"] + 1e-3 * torch.randn(SHAPE, generator=gen)}, own=[]))  # a lossy delta, sent
+    assert peer._pending[0]["a"].any()  # the error it would carry, had the server taken it
     caught_up = Served(30, {"a": torch.randn(SHAPE, generator=gen)})
     download(peer, server, caught_up, ["a"], full=True)
     assert peer.carried == {}
@@ -415,6 +417,73 @@ def test_bad_tensors_are_refused_naming_the_tensor() -> None:
         next_held(QUANTIZER, 20, {"w": diverged}, Served(10, {"w": value}), ["w"], {})
 
 
+@pytest.mark.parametrize("quantizer", [QUANTIZER, Sparse(chunk=64, topk=8)], ids=["int8", "sparse"])
+def test_a_delta_is_summed_in_fp32_and_cast_to_its_bases_dtype(quantizer: Quantizer) -> None:
+    """`apply_delta` on any base: base + decode(payload) in fp32, then one rounding to base's dtype (a sparse
+    delta leaves the entries it did not send as base had them)."""
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randn(SHAPE, generator=gen).bfloat16()
+    payload = quantizer.encode("w", 1e-2 * torch.randn(SHAPE, generator=gen))
+    got = apply_delta(base, payload, quantizer)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (base.float() + quantizer.decode(payload)).bfloat16())
+
+
+def test_a_sparse_delta_lands_in_kept_memory_only_where_it_fits_and_never_in_its_base() -> None:
+    """`out` is written only when it is fp32 of base's shape and not base itself: base stays as it was (it is the
+    held model every other reader shares), and memory of another dtype or shape is left alone."""
+    sparse, gen = Sparse(chunk=64, topk=8), torch.Generator().manual_seed(10)
+    base = torch.randn(SHAPE, generator=gen)
+    payload = sparse.encode("w", 1e-2 * torch.randn(SHAPE, generator=gen))
+    want, kept = apply_delta(base, payload, sparse), base.clone()
+    for out in (base, torch.zeros(SHAPE, dtype=torch.bfloat16), torch.zeros(2, 2)):
+        got = apply_delta(base, payload, sparse, out)
+        assert got is not out and torch.equal(got, want) and torch.equal(base, kept)
+    fits = torch.empty(SHAPE)
+    assert apply_delta(base, payload, sparse, fits) is fits and torch.equal(fits, want)
+
+
+def test_the_server_re_encodes_values_up_to_its_limit_and_refuses_beyond_naming_the_tensor() -> None:
+    """`headroom`'s bound at its edges: max |value| + 2 max |base| <= REENCODE_LIMIT (2^100, exact in fp32), the
+    magnitudes of negative values counted as of positive ones."""
+    limit, zeros = REENCODE_LIMIT, torch.zeros(SHAPE)
+
+    def full(x: float) -> torch.Tensor:
+        return torch.full(SHAPE, x)
+
+    for value, base in ((full(limit), zeros), (full(0.75 * limit), zeros), (zeros, full(0.45 * limit))):
+        headroom("w", value, base)
+    for value, base in ((full(-1.5 * limit), zeros), (zeros, full(-0.6 * limit)), (full(limit), full(limit * 2**-40))):
+        with pytest.raises(
+            ValueError,
+            match=r"^tensor 'w' holds NaN or Inf values, or values beyond 1e\+30 \(fp32's range is 3e38\): the "
+            "global model diverged$",
+        ):
+            headroom("w", value, base)
+
+
+def test_a_peer_refuses_a_delta_for_a_tensor_its_held_model_lacks_naming_it() -> None:
+    peer = holding({"a": torch.zeros(SHAPE)}, 10)
+    coded = {"b": Coded(QUANTIZER.encode("b", torch.ones(SHAPE)), 10)}
+    with pytest.raises(ValueError, match="tensor 'b': a delta against a held model that does not hold it"):
+        through(coded, peer.decoder({"b": SHAPE}, None)).finish()
+
+
+def test_a_taken_upload_answered_with_full_values_leaves_its_error_carried() -> None:
+    """A server restarted after the round closed serves its restored round as full values (no base) to the peers
+    whose uploads it took: they hold those values, and carry what their uploads left out as after any round."""
+    gen = torch.Generator().manual_seed(11)
+    model = {"a": torch.randn(SHAPE, generator=gen)}
+    peer = holding(model, 10)
+    dict(peer.upload({"a": model["a"] + 1e-3 * torch.randn(SHAPE, generator=gen)}, own=[]))
+    error = peer._pending[0]["a"]
+    restored = {"a": torch.randn(SHAPE, generator=gen)}
+    info = pb.RoundInfo(round=20, names=["a"], base_round=NO_BASE)
+    loaded = peer.receive(info, through(restored, peer.decoder({"a": SHAPE}, None)), caught_up=False)
+    assert torch.equal(loaded["a"], restored["a"]) and peer.round == 20
+    assert peer.carried.keys() == {"a"} and peer.carried["a"] is error
+
+
 def test_an_upload_is_refused_when_it_is_not_finite_naming_the_tensor() -> None:
     """Full values holding NaN, and a finite delta that overflows once applied to the global model (3e38 + 3e38)."""
     server, big = HeldServer(QUANTIZER), torch.full(SHAPE, 3e38)
@@ -485,7 +554,7 @@ def test_a_peer_keeping_its_buffers_applies_a_download_into_the_tensors_the_last
         peer.load_state_dict({"codec": quantizer.name, "round": "10"}, {"held/w": model["w"].clone()})
         peers.append(peer)
     reusing, fresh = peers
-    served, held_10 = Served(10, {"w": model["w"].clone()}), reusing.held["w"]
+    served, held_10, fresh_10 = Served(10, {"w": model["w"].clone()}), reusing.held["w"], fresh.held["w"]
     got = {}
     for step in (20, 30):
         served = server.serve(step, {"w": torch.randn(SHAPE, generator=gen)}, served, ["w"], {})
@@ -495,6 +564,7 @@ def test_a_peer_keeping_its_buffers_applies_a_download_into_the_tensors_the_last
         assert torch.equal(got[step].view(torch.int32), want.view(torch.int32))
         assert torch.equal(got.get(step - 10, held_10), last)  # the last round's result, untouched
     assert got[20] is not held_10 and got[30] is held_10  # round 20 replaced round 10's tensor; round 30 reused it
+    assert torch.equal(fresh_10, model["w"])  # without kept buffers a replaced tensor may still be the caller's
 
 
 @pytest.mark.parametrize("quantizer", [QUANTIZER, Sparse(chunk=64, topk=8)], ids=["int8", "sparse"])
