@@ -227,16 +227,28 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.codecs.held.xǁHeldPeerǁ__init__",
-        "2 4 5",
-        "the state of a peer before its first round: `held` and `carried` are read only once a round set `round` "
-        "(until then an upload is full values), `_pending` only by `receive`, which the client calls only after "
-        "an upload of the same sync() set it (a catch-up follows the upload the server refused as stale)",
+        "7",
+        "a fresh peer's spare tensors None instead of none: they are read only to apply a delta, which needs a held "
+        "model, and `receive` and `load_state_dict`, which give one, set them first",
     ),
     **mutants(
-        "spes.sync.codecs.held.xǁHeldPeerǁreceive",
-        "26",
-        "`_pending` reset to None instead of empty after a round: the upload's tensors are dropped all the same, and "
-        "the next upload sets it before a receive reads it",
+        "spes.sync.codecs.held.x__add",
+        "19",
+        "a dense delta left where it is: `_add` gets one only from `encode_delta`, which subtracts it from the target "
+        "it was encoded from, on that target's device (every quantizer's payload and delta stay on its input's)",
+    ),
+    **mutants(
+        "spes.sync.codecs.held.x_changed",
+        "1 6",
+        "the server's check of what a delta changed: every entry instead of the sent ones (a finite base, as every "
+        "published round is, gives the same verdict, at more cost), or its positions left where they are (the "
+        "server's models and the payloads it decodes are all on the CPU)",
+    ),
+    **mutants(
+        "spes.sync.codecs.held.xǁHeldServerǁ_applied",
+        "23",
+        "every entry checked instead of the delta's: the base is finite (a round is published only so), so the "
+        "same verdict, at more cost",
     ),
     **mutants(
         "spes.sync.codecs.held.xǁHeldServerǁselect",
@@ -1003,7 +1015,8 @@ KILLED_BY: dict[str, str] = {
         "spes.sync.wire.x_encode_whole", "3 5", "tests/sync/test_wire.py::test_a_cuda_tensor_is_sent_as_its_host_bytes"
     ),
     # a delta measured or applied across devices: CUDA trained tensors, a CPU held model and carried error
-    **mutants("spes.sync.codecs.held.x__plus", "3", CUDA_PEER),
+    **mutants("spes.sync.codecs.held.x__add", "13 14", f"{CUDA_PEER}[sparse]"),
+    **mutants("spes.sync.codecs.held.x__plus", "21", f"{CUDA_PEER}[int8]"),
     **mutants("spes.sync.codecs.held.x_encode_delta", "15 19", CUDA_PEER),
     # the fp32-accumulating GEMM of `fused_loss`'s head, which only a GPU runs
     **mutants("spes.head_loss.x__add_product", "7 14 18 19", GPU_HEAD),
