@@ -81,7 +81,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 return self.service.uploads.receive(meta.peer_id, meta.round, feed, meta.fragment, meta.digest, ticket)
         except Refused as exc:
             self._abort(context, exc)
-        except TimeoutError:  # the watchdog already ended the call (DEADLINE_EXCEEDED)
+        except (TimeoutError, ConnectionError):  # the watchdog ended the call, or the peer did: no one reads a reply
             return pb.UploadReply()
 
     def Download(self, request: pb.DownloadRequest, context: grpc.ServicerContext) -> Iterator[pb.DownloadMessage]:
@@ -126,13 +126,16 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
             self._abort(context, exc)
         with ticket:
             reply_bytes, received = 0, 0
-            for index, message in enumerate(_watched(request_iterator, ticket)):
-                if index == 0:
-                    reply_bytes = message.reply_bytes
-                received += len(message.data)
-                if received > PROBE_MAX_BYTES or reply_bytes > PROBE_MAX_BYTES:
-                    refused = f"a link test moves at most {PROBE_MAX_BYTES} bytes each way"
-                    self._abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT, refused))
+            try:
+                for index, message in enumerate(_watched(request_iterator, ticket)):
+                    if index == 0:
+                        reply_bytes = message.reply_bytes
+                    received += len(message.data)
+                    if received > PROBE_MAX_BYTES or reply_bytes > PROBE_MAX_BYTES:
+                        refused = f"a link test moves at most {PROBE_MAX_BYTES} bytes each way"
+                        self._abort(context, Refused(grpc.StatusCode.INVALID_ARGUMENT, refused))
+            except (TimeoutError, ConnectionError):  # the call is over: nobody reads the reply
+                return
             yield pb.ProbeMessage()
             chunk = bytes(min(reply_bytes, PROBE_CHUNK_BYTES))
             for offset in range(0, reply_bytes, len(chunk) or 1):
@@ -163,11 +166,21 @@ M = TypeVar("M", pb.UploadMessage, pb.ProbeMessage)
 
 def _watched(messages: Iterator[M], ticket: Ticket) -> Iterator[M]:
     """The stream's messages, each one counted by the ticket (its idle clock and byte rate); TimeoutError if the
-    watchdog ended it."""
-    for message in messages:
-        ticket.moved(message.ByteSize())
-        yield message
+    watchdog ended it, ConnectionError if the peer cancelled it (went away)."""
+    cancelled = False
+    try:
+        for message in messages:
+            ticket.moved(message.ByteSize())
+            yield message
+    except grpc.RpcError as err:
+        # NOTE: grpc keeps the error it raises for a cancelled call in the call's state, and the error's traceback
+        # holds that state: a reference cycle that kept the handler's locals (an upload's decoder) and grpc's call
+        # until CPython's rare full collection. Its traceback goes; what is raised below has no context
+        err.__traceback__ = None
+        cancelled = True
     ticket.check()
+    if cancelled:
+        raise ConnectionError("the peer cancelled its stream")
 
 
 # -- client -------------------------------------------------------------------------------------------------------

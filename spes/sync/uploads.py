@@ -119,7 +119,7 @@ class Uploads:
         try:
             feed(decoder)
             values, relayed = self._codec.upload_values(decoder, decoder.finish(), applies_to)
-        except (grpc.RpcError, OSError):
+        except OSError:  # the peer went away: its socket broke, or it cancelled its gRPC stream (ConnectionError)
             log.warning(
                 "upload of peer %d for round %d broke off after %d bytes; nothing was kept",
                 peer,
