@@ -632,7 +632,7 @@ def soak_table(records: Records) -> str:
                 f"**{x['rounds_exact']} / {x['rounds']}**",
                 faults,
                 logged,
-                f"{span_of(w['rss_min_max_mb'], '.1f')} MiB ({w['rss_growth_mb']:+.1f})",
+                f"{span_of(w['rss_min_max_mb'], '.1f')} MiB (trend {w['rss_trend_mb']:+.1f})",
                 span_of(w["threads_min_max"], "d"),
                 span_of(w["fds_min_max"], "d"),
             ]

@@ -99,4 +99,9 @@ def test_soak_under_churn_short(tmp_path: Path) -> None:
     assert result["rounds_exact"] == result["rounds"] == 20
     assert result["chaos"]["idle_grpc_streams"] > 0 and result["chaos"]["killed_uploads_data"] > 0
     after = result["after_warmup"]
-    assert after["rss_growth_mb"] < 16 and after["threads_min_max"][1] <= 32 and after["fds_min_max"][1] <= 64
+    assert (
+        after["rss_growth_mb"] < 16
+        and after["rss_trend_mb"] < 16
+        and after["threads_min_max"][1] <= 32
+        and after["fds_min_max"][1] <= 64
+    )
