@@ -305,8 +305,8 @@ def sync_rounds(
 
 def after_warmup(samples: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
     """How the server's RSS, threads and descriptors moved after the warm-up (the first 20% of the rounds, at least
-    10): growth there would be a leak. Under churn RSS moves a MiB or two from one sample to the next, so the
-    difference of the last and first samples (`rss_growth_mb`) is mostly that noise; `rss_trend_mb` compares the
+    10): growth there would be a leak. Under churn RSS jumps from one sample to the next by more than it drifts,
+    so the difference of the last and first samples (`rss_growth_mb`) is mostly those jumps; `rss_trend_mb` compares the
     means of the first and last quarters of the samples."""
     warm = [s for s in samples if s["round"] >= max(10, rounds // 5)]
     first, last, quarter = warm[0], warm[-1], max(1, len(warm) // 4)
