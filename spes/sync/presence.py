@@ -25,6 +25,12 @@ SEEN_WAIT_S = 5.0
 SERVICE = "spes.v1.ParameterServer"
 
 
+def retry_wait(refusals: int) -> float:
+    """Seconds before a stream is reopened after `refusals` refusals in a row (0: it broke):
+    min(RETRY_S * 2^(refusals - 1), REFUSED_RETRY_MAX_S)."""
+    return min(RETRY_S * 2.0 ** min(max(refusals - 1, 0), 16), REFUSED_RETRY_MAX_S)
+
+
 class Presence:
     """The presence stream of peer `peer_id` on `channel`, reopened whenever it breaks until `close`."""
 
@@ -50,7 +56,7 @@ class Presence:
             self._thread.join(timeout=timeout_s)
 
     def _keep(self) -> None:
-        wait_s = RETRY_S
+        refusals = 0
         while not self._closed.is_set():
             call = self._health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), metadata=self._metadata)
             self._call = call
@@ -62,8 +68,8 @@ class Presence:
                     self._seen.set()
             except grpc.RpcError as err:
                 refused = self._ended(err)
-            self._closed.wait(wait_s if refused else RETRY_S)
-            wait_s = min(2 * wait_s, REFUSED_RETRY_MAX_S) if refused else RETRY_S
+            refusals = refusals + 1 if refused else 0
+            self._closed.wait(retry_wait(refusals))
 
     def _ended(self, err: grpc.RpcError) -> bool:
         """Whether the server refused the stream. A broken stream is normal (a restart, the network); a refused one

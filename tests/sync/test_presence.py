@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2_grpc
 from conftest import wait_until
 from spes.sync import presence as presence_module
 from spes.sync.admission import PEER_KEY, RUN_KEY, SESSION_KEY, GuardedHealth, StreamGuard
-from spes.sync.presence import Presence
+from spes.sync.presence import REFUSED_RETRY_MAX_S, RETRY_S, Presence, retry_wait
 from spes.sync.protocol import Reason, Refused
 
 
@@ -61,3 +61,8 @@ def test_a_refused_presence_stream_is_reopened_ever_later_and_its_refusal_said_o
             presence.close(timeout_s=5)
         server.stop(grace=None)
         guard.stop()
+
+
+def test_a_refused_stream_waits_doubling_to_its_cap_and_a_broken_one_the_retry_time() -> None:
+    assert [retry_wait(n) for n in range(4)] == [RETRY_S, RETRY_S, 2 * RETRY_S, 4 * RETRY_S]
+    assert retry_wait(10**6) == REFUSED_RETRY_MAX_S == max(retry_wait(n) for n in range(100))
