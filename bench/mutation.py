@@ -86,6 +86,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     # the kill-during-save and resume-on-other-ranks runs are processes of their own (mutmut credits none of them)
     "spes/checkpoint.py": ("tests/test_checkpoint.py", "-m", "not slow"),
     "spes/config.py": ("tests/test_config.py",),
+    "spes/schema.py": ("tests/test_schema.py", "tests/test_config.py"),
     # the coordinator's handlers, driven in-process: straight, and through in-process servers on loopback (the gRPC
     # plane's handlers, and the held-model codecs whose uploads apply to the latest round)
     "spes/sync/joins.py": ("tests/sync/test_joins.py", "tests/sync/test_coordinator.py"),
@@ -746,22 +747,22 @@ EQUIVALENT: dict[str, str] = {
         "the sections and their docs are checked by test_help_lists_every_section_and_key_with_its_doc",
     ),
     **mutants(
-        "spes.config.x_config_help",
+        "spes.schema.x_config_help",
         "11 13 16 42 44 47",
         "the text shown for a field without a doc: every field has one (test_every_key_has_a_doc)",
     ),
     **mutants(
-        "spes.config.x__resolve_against_defaults",
+        "spes.schema.x__resolve_against_defaults",
         "3 5",
         "resolve=None or left out: OmegaConf's default is False, which is what the shape of the user's keys reads",
     ),
     **mutants(
-        "spes.config.x_from_dict",
+        "spes.schema.x_from_dict",
         "9",
         "str.rstrip takes a set of characters: 'XX.XX' strips the same '.' ending a prefix, and no section ends in X",
     ),
     **mutants(
-        "spes.config.x__load_mapping",
+        "spes.schema.x__load_mapping",
         "7",
         "'' for None as what OmegaConf refused: neither is a mapping or a list, so both are 'a single value'",
     ),
@@ -854,22 +855,22 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
     ),
     **mutants(
-        "spes.config.x__unknown_key_message",
+        "spes.schema.x__unknown_key_message",
         "8 9 10",
         "the best match is close[0] whatever n, and 0.6 is difflib's default cutoff",
     ),
     **mutants(
-        "spes.config.x__coerce",
+        "spes.schema.x__coerce",
         "25",
         "a union member's key and place are named only in the errors the union swallows before naming its own",
     ),
     **mutants(
-        "spes.config.x__lookup_field",
+        "spes.schema.x__lookup_field",
         "33",
         "every dict-typed key is a plain `dict`, which the hint itself matches: its origin is never consulted",
     ),
     **mutants(
-        "spes.config.x__coerce",
+        "spes.schema.x__coerce",
         "66",
         "every dict-typed key is a plain `dict` (its origin is None): `isinstance(value, dict)` decides the same",
     ),
@@ -881,7 +882,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants(
         "spes.config.x_load_sync_sections",
         "26 30 31 38 39 40 41 50 59 60",
-        "from_dict here reads only keys and values `_check_overrides` has already checked, and a prefix is named "
+        "from_dict here reads only keys and values `check_overrides` has already checked, and a prefix is named "
         "only in unknown-key and type errors; the place, in the checks of the section itself, which SpesConfig "
         "does not have (ServerSection's are named by test_config)",
     ),

@@ -43,9 +43,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spes.atomic import ASIDE, publish_dir, staging_dir, write_atomic
-from spes.config import yaml_error_text
 from spes.distributed import all_ranks_ok, barrier, process_rank, process_world_size, unwrap
 from spes.moe import fuse_expert_blocks, split_expert_blocks
+from spes.schema import yaml_error_text
 
 MODEL_FILE, OPTIM_FILE, META_FILE, CONFIG_FILE, LATEST = (
     "model.safetensors",

@@ -1,10 +1,9 @@
-"""Typed run configuration: OLMo-style YAML with `${...}` interpolation and `--section.key=value` overrides.
+"""The run's configuration: one node's YAML, OLMo-style, as typed sections (`TrainConfig` and the sections in it).
 
-YAML is only a storage format here. A file is read with OmegaConf (for interpolation and dotted
-overrides), resolved to plain Python values, and then checked against the dataclasses below by
-`from_dict`, which reports unknown keys with a "did you mean" hint and wrong types with the key,
-the value and the expected type. Cross-field consistency (head sizes, expert ownership, batch
-divisibility) is checked in `TrainConfig.__post_init__`, before any work starts.
+Each section is a dataclass of `spes.schema` (a file is read with OmegaConf for `${...}` interpolation and
+`--section.key=value` overrides, then checked key by key: unknown keys with a "did you mean" hint, wrong types
+with the key, the value and the expected type, numbers against their ranges). Cross-field consistency (head sizes,
+expert ownership, batch divisibility) is checked in `TrainConfig.__post_init__`, before any work starts.
 
 Every key of the first SPES implementation's configs is accepted. The few that change nothing here
 (`INERT_KEYS`) are named together in one warning at start. Where one of its files leaves a key out, the default
@@ -14,99 +13,20 @@ against the defaults as OLMo's schema does.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import difflib
 import math
 import re
-import types
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import OmegaConf
+
+from spes.schema import ConfigError, Range, Section, check_overrides, from_dict, override_to_dotlist, read_mapping
 
 RunMode = Literal["centralized", "spes", "diloco"]
 """What a node does: train alone, train its experts under SPES, or train everything for DiLoCo averaging."""
-
-
-class ConfigError(ValueError):
-    """A user-fixable problem with a config file or override: the message names the key and what to do; `key` is
-    that key (`model.n_heads`) where one key is the culprit, so a caller that filled it from elsewhere (the HF
-    import) can name its own source too."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-@dataclass(frozen=True)
-class Range:
-    """A number's allowed values: `ge <= x` or `gt < x`, and `x < lt` or `x <= le` where an upper bound is given."""
-
-    ge: float | None = None
-    gt: float | None = None
-    lt: float | None = None
-    le: float | None = None
-
-    def __str__(self) -> str:
-        """`>= 1`, `> 0`, `in [0, 1)`, `in (0, 1]`: as `--help` and the refusal word it."""
-        if self.lt is None and self.le is None:
-            return f">= {self.ge:g}" if self.ge is not None else f"> {self.gt:g}"
-        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}"
-        return f"in {low}, {self.lt:g})" if self.lt is not None else f"in {low}, {self.le:g}]"
-
-    def holds(self, x: float) -> bool:
-        low = (self.ge is None or x >= self.ge) and (self.gt is None or x > self.gt)
-        return low and (self.lt is None or x < self.lt) and (self.le is None or x <= self.le)
-
-
-def number_flag(kind: type[int] | type[float] = float, **bounds: float) -> Callable[[str], float]:
-    """An argparse `type=` for a command's numeric flag, checked as a config key is (`number_flag(gt=0)`,
-    `number_flag(int, ge=0, le=65535)`): a value out of `Range(**bounds)`, or NaN or infinity, is argparse's
-    one-line usage error, `argument --max_mb: nan must be a finite number > 0`."""
-    allowed = Range(**bounds)
-    what, finite = ("an integer", "an integer") if kind is int else ("a number", "a finite number")
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not (math.isfinite(value) and allowed.holds(value)):
-            raise argparse.ArgumentTypeError(f"{text} must be {finite} {allowed}")
-        return value
-
-    return parse
-
-
-def _number_problem(value: Any, allowed: Range | None) -> str | None:
-    """What is wrong with a key's number (no float key takes NaN or infinity), or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    if not math.isfinite(value):
-        return "must be a finite number"
-    return None if allowed is None or allowed.holds(value) else f"must be {allowed}"
-
-
-class Section:
-    """A config section: built from YAML or in code, its numbers are checked against their fields' ranges."""
-
-    KEY: ClassVar[str] = ""  # where it sits in the run's YAML ("model."): keys are named as a user writes them
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            problem = _number_problem(value, f.metadata.get("range"))
-            if problem:
-                hint = typing.get_type_hints(type(self))[f.name]  # NOTE: only on a refusal (0.35 ms a section)
-                nullable = " or null" if type(None) in typing.get_args(hint) else ""
-                key = f"{self.KEY}{f.name}"
-                raise ConfigError(f"config key '{key}' = {value!r} {problem}{nullable}", key)
 
 
 def _f(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
@@ -416,6 +336,7 @@ class SpesConfig(Section):
     """Where this node sits in the SPES run and how it talks to the parameter server."""
 
     KEY: ClassVar[str] = "spes_config."
+    RENAMED: ClassVar[dict[str, str]] = {"wire_dtype": "codec"}
 
     num_peers: int = _f(4, "nodes in the run", ge=1)
     peer_id: int = _f(0, "this node, in [0, num_peers)")
@@ -876,55 +797,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     Returns the config and the list of inert keys the user set (for one warning at start).
     """
     where = f"{path}" if path is not None else "config"
-    try:
-        base = OmegaConf.create({}) if path is None else _load_mapping(path)
-        dotlist = [_override_to_dotlist(o) for o in overrides]
-        _check_overrides(dotlist)
-        raw = _resolve_against_defaults(_merge_overrides(base, dotlist, where))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{where}: cannot read config: {str(e).splitlines()[0]}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: {_yaml_problem(e)}") from None
+    raw = read_mapping(TrainConfig, path, overrides, where)
     if "save_folder" not in raw:
         raw["save_folder"] = f"output/{raw.get('run_name', 'spes')}"
     inert = sorted(k for k in _flat_keys(raw) if k in INERT_KEYS)
     return from_dict(TrainConfig, raw, where=where), inert
-
-
-def _merge_overrides(base: Any, dotlist: list[str], where: str) -> Any:
-    """The file's keys with the command line's over them. OmegaConf merges no list into a mapping, nor back, and
-    reads a key below a list as an index: where that fails, a value of the wrong kind in the file is named as
-    building the file alone names it, else the overrides are (a key set below a list)."""
-    try:
-        return OmegaConf.merge(base, OmegaConf.from_dotlist(dotlist))
-    except (TypeError, ValueError):
-        from_dict(TrainConfig, _resolve_against_defaults(base), where=where)
-        given = " ".join(f"--{item}" for item in dotlist)
-        raise ConfigError(
-            f"command line ({given}): an override sets a key below a list of {where}; set the whole list instead"
-        ) from None
-
-
-def _resolve_against_defaults(user: Any) -> Any:
-    """The user's keys with `${...}` resolved, where an interpolation may name a key left at its default.
-
-    OLMo resolves a file against its schema, so the first implementation's centralized config, which has no
-    `spes_config` section, still resolves `save_folder: output/${run_name}/node${spes_config.peer_id}` (to node0).
-    Only the keys the user wrote are returned (defaults stay defaults, and the inert-key warning sees only theirs).
-    """
-    shape = OmegaConf.to_container(user, resolve=False)
-    try:
-        full = OmegaConf.merge(OmegaConf.create(to_dict(TrainConfig())), user)
-    except TypeError:  # OmegaConf merges no list into a mapping or back (a list for a section): from_dict names it
-        return OmegaConf.to_container(user, resolve=True)
-    return _keys_of(OmegaConf.to_container(full, resolve=True), shape)
-
-
-def _keys_of(resolved: Any, shape: Any) -> Any:
-    """`resolved` cut to the keys of `shape` (nested mappings; anything else is taken whole)."""
-    if isinstance(shape, dict) and isinstance(resolved, dict):
-        return {k: _keys_of(resolved.get(k), v) for k, v in shape.items()}
-    return resolved
 
 
 SYNC_SECTIONS = ("spes_config", "server", "using_spes", "using_dilico")
@@ -934,14 +811,14 @@ SYNC_SECTIONS = ("spes_config", "server", "using_spes", "using_dilico")
 def load_sync_sections(overrides: list[str] | tuple[str, ...] = ()) -> tuple[SpesConfig, ServerSection, RunMode]:
     """The `spes_config` and `server:` sections and the mode from `--key=value` overrides alone, for a server started
     without the run's YAML: it knows no model, so only these keys apply (ConfigError naming any other)."""
-    dotlist = [_override_to_dotlist(o) for o in overrides]
+    dotlist = [override_to_dotlist(o) for o in overrides]
     for item in dotlist:
         if item.split("=", 1)[0].split(".")[0] not in SYNC_SECTIONS:
             raise ConfigError(
                 f"command line (--{item}): without the run's YAML only --spes_config.*, --server.*, --using_spes and "
                 "--using_dilico apply; give the run's YAML first (python -m spes.server RUN.yaml ...)"
             )
-    _check_overrides(dotlist)
+    check_overrides(TrainConfig, dotlist)
     raw = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))
     assert isinstance(raw, dict)
     spes = from_dict(SpesConfig, raw.get("spes_config", {}), where="command line", prefix="spes_config.")
@@ -951,100 +828,6 @@ def load_sync_sections(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Spe
     return spes, server, mode
 
 
-def _load_mapping(path: str | Path) -> DictConfig:
-    """The YAML file at `path`, which must hold a mapping (or nothing): ConfigError saying what it holds instead
-    (OmegaConf itself fails on a list only at the merge, with a traceback, and on a single value naming no file)."""
-    p = _existing(path)
-    try:
-        loaded = OmegaConf.load(p)
-    except OSError as e:
-        if type(e) is not OSError:  # a subclass: the file could not be read (permissions), said as it is
-            raise
-        loaded = None  # OmegaConf's refusal of a document that is one number, boolean or date
-    if not isinstance(loaded, DictConfig):
-        what = "a list" if isinstance(loaded, ListConfig) else "a single value"
-        raise ConfigError(f"{p}: a config file must be a YAML mapping of keys to values, not {what}")
-    return loaded
-
-
-def _existing(path: str | Path) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"config file not found: {p} (pass a YAML file, e.g. configs/tiny.yaml)")
-    return p
-
-
-def _override_to_dotlist(arg: str) -> str:
-    """`--model.d_model=128` -> `model.d_model=128`."""
-    body = arg[2:] if arg.startswith("--") else arg
-    if "=" not in body:
-        raise ConfigError(f"override {arg!r} must look like --section.key=value")
-    return body
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """A YAML file's syntax error as one line: where (1-based line and column) and what."""
-    mark = getattr(e, "problem_mark", None)
-    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return f"{at}not valid YAML ({yaml_error_text(e)}); check the indentation, colons and brackets there"
-
-
-def yaml_error_text(e: Exception) -> str:
-    """What a YAML error (or a decoding one) says went wrong, on one line."""
-    return " ".join(str(getattr(e, "problem", None) or e).split())
-
-
-def _check_overrides(dotlist: list[str]) -> None:
-    """Every override names a key and has a value of its type, so a bad one blames the command line (a mapping
-    for a whole section is checked with the rest of its section, when the config is built)."""
-    for item in dotlist:
-        key, _, text = item.partition("=")
-        where = f"command line (--{item})"
-        hint = _lookup_field(TrainConfig, key.split("."), where=where)
-        try:
-            value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where}: the value is not valid YAML ({yaml_error_text(e)}); quote it") from None
-        if hint is None or "${" in text:
-            continue
-        for part in key.split("."):
-            value = value[part]
-        if _dataclass_in(hint) is None or not isinstance(value, dict):
-            _coerce(value, hint, key, where)
-
-
-def _lookup_field(cls: type, parts: list[str], *, where: str, prefix: str = "") -> Any:
-    """The type of the field a dotted key names (None below a free-form dict field); ConfigError if none."""
-    names = [f.name for f in dataclasses.fields(cls)]
-    head = parts[0]
-    if head not in names:
-        raise ConfigError(_unknown_key_message(prefix, head, names, where))
-    hint = typing.get_type_hints(cls)[head]
-    if len(parts) == 1:
-        return hint
-    sub = _dataclass_in(hint)
-    if sub is not None:
-        return _lookup_field(sub, parts[1:], where=where, prefix=f"{prefix}{head}.")
-    if dict in (hint, typing.get_origin(hint)):
-        return None
-    raise ConfigError(
-        f"{where}: config key '{prefix}{head}' holds {_type_name(hint)}, not keys: there is no '{prefix}{head}."
-        f"{parts[1]}'; set the whole value instead"
-    )
-
-
-RENAMED_KEYS = {"spes_config.wire_dtype": "spes_config.codec"}
-"""Keys of earlier spes versions and the key that now holds the setting (same values)."""
-
-
-def _unknown_key_message(prefix: str, key: str, valid: list[str], where: str) -> str:
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
-    if f"{prefix}{key}" in RENAMED_KEYS:
-        hint = f"; it is now '{RENAMED_KEYS[prefix + key]}' (same values)"
-    return f"{where}: unknown config key '{prefix}{key}'{hint}"
-
-
 def _flat_keys(d: dict, prefix: str = "") -> list[str]:
     keys = []
     for k, v in d.items():
@@ -1052,111 +835,6 @@ def _flat_keys(d: dict, prefix: str = "") -> list[str]:
         if isinstance(v, dict) and f"{prefix}{k}" not in INERT_KEYS:
             keys.extend(_flat_keys(v, f"{prefix}{k}."))
     return keys
-
-
-def _dataclass_in(hint: Any) -> type | None:
-    """The dataclass inside `X` or `X | None`, if any."""
-    if dataclasses.is_dataclass(hint):
-        return hint  # type: ignore[return-value]
-    for arg in typing.get_args(hint):
-        if dataclasses.is_dataclass(arg):
-            return arg  # type: ignore[return-value]
-    return None
-
-
-def from_dict(cls: type, data: dict[Any, Any], *, where: str = "config", prefix: str = "") -> Any:
-    """Build dataclass `cls` from a plain dict, checking every key (YAML's may be numbers too) and type."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in hints:
-            raise ConfigError(_unknown_key_message(prefix, str(key), names, where))
-        kwargs[key] = _coerce(value, hints[key], prefix + str(key), where)
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
-    """Check `value` against type `hint`, converting only where it is lossless (int -> float, '1e-3' -> float)."""
-    sub = _dataclass_in(hint)
-    if sub is not None and isinstance(value, dict):
-        return from_dict(sub, value, where=where, prefix=key + ".")
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in (a for a in args if a is not type(None)):
-            try:
-                return _coerce(value, arg, key, where)
-            except ConfigError:
-                continue
-        raise _type_error(key, value, hint, where)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: config key '{key}' = {value!r} must be one of {list(args)}")
-        return value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise _type_error(key, value, hint, where)
-        (item,) = args or (Any,)
-        return [_coerce(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
-    if hint is Any:
-        return value
-    if hint is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise _type_error(key, value, hint, where)
-        return value
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise _type_error(key, value, hint, where)
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise _type_error(key, value, hint, where)
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise _type_error(key, value, hint, where)
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise _type_error(key, value, hint, where)
-    if isinstance(value, hint):
-        return value
-    raise _type_error(key, value, hint, where)
-
-
-def _type_name(hint: Any) -> str:
-    """`int`, `str | None`, `Literal['a', 'b']`, `WandbConfig | None`: a type as a user reads it."""
-    plain = typing.get_origin(hint) is None and hasattr(hint, "__name__")
-    return hint.__name__ if plain else str(hint).replace("typing.", "").replace(f"{__name__}.", "")
-
-
-def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:
-    expected = _type_name(hint)
-    hint_list = ""
-    if isinstance(value, str) and list in (typing.get_origin(hint), *map(typing.get_origin, typing.get_args(hint))):
-        written = f"--{key}=[{value}]" if where.startswith("command line") else f"{key}: [{value}]"
-        hint_list = f"; write a list: {written}"
-    return ConfigError(f"{where}: config key '{key}' = {value!r} has the wrong type: expected {expected}{hint_list}")
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The resolved config as plain data (saved with every checkpoint)."""
-    return dataclasses.asdict(cfg)
 
 
 LAUNCH_KEYS = ("load_path", "try_load_latest_save", "save_overwrite", "dry_run")
@@ -1176,21 +854,3 @@ def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: s
         elif saved[key] != value:
             changes.append(f"{prefix}{key}: {saved[key]!r} -> {value!r}")
     return changes
-
-
-def config_help(cls: type = TrainConfig, prefix: str = "") -> list[str]:
-    """One line per key: dotted name, type, default and doc, for `--help`."""
-    lines = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        sub = _dataclass_in(hints[f.name])
-        if sub is not None:  # optional sections (wandb, tensorboard) list their keys too
-            lines.append(f"  {prefix}{f.name}.*  -- {f.metadata.get('doc', '')}")
-            lines.extend(config_help(sub, prefix + f.name + "."))
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        allowed = f" {f.metadata['range']}" if "range" in f.metadata else ""
-        lines.append(
-            f"  --{prefix}{f.name}={default!r}  [{_type_name(hints[f.name])}{allowed}]  {f.metadata.get('doc', '')}"
-        )
-    return lines

@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 import zstandard
 from tqdm import tqdm
 
-from spes.config import number_flag
+from spes.schema import number_flag
 from spes.shards import PARTIAL_SUFFIX, ShardInfo, write_shard_info
 from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe
 

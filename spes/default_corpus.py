@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spes.atomic import write_atomic
-from spes.config import number_flag
 from spes.corpus import Record, TextChunk, TokenizeSummary, tokenize_chunks
+from spes.schema import number_flag
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 MAN_ROOT = Path("/usr/share/man")

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from spes.config import ConfigError, TrainConfig
+from spes.config import TrainConfig
+from spes.schema import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

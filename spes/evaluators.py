@@ -39,8 +39,9 @@ import torch
 from torch import nn
 
 from spes.checkpoint import model_state_dict
-from spes.config import ConfigError, TrainConfig
+from spes.config import TrainConfig
 from spes.distributed import DistInfo
+from spes.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_SCRIPTS = REPO / "eval_scripts"

@@ -50,18 +50,10 @@ from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
 from spes.checkpoint import CONFIG_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
-from spes.config import (
-    ConfigError,
-    ModelConfig,
-    SpesConfig,
-    TokenizerConfig,
-    TrainConfig,
-    load_config,
-    number_flag,
-    to_dict,
-)
+from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
 from spes.hub import TOKENIZER_FILES, resolve
 from spes.moe import fuse_expert_blocks, split_expert_blocks
+from spes.schema import ConfigError, number_flag, to_dict
 from spes.tokenizer import check_vocab, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

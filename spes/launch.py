@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.config import ConfigError, TrainConfig, load_config, node_data_seed, number_flag
+from spes.config import TrainConfig, load_config, node_data_seed
+from spes.schema import ConfigError, number_flag
 
 STOP_GRACE_S = 10.0
 """How long a stopped peer (then the server) has to save and exit before it is killed."""

@@ -27,10 +27,11 @@ import psutil
 import torch
 
 from spes.checks import GIB, Check, fail, gib, matmul_flops_per_s, ok, report, skip
-from spes.config import ConfigError, TrainConfig, load_config, number_flag
+from spes.config import TrainConfig, load_config
 from spes.distributed import check_launch
 from spes.head_loss import LOSS_CHUNK_ELEMENTS
 from spes.model import Transformer, analytic_param_counts, tflops_per_token
+from spes.schema import ConfigError, number_flag
 from spes.sync.auth import TOKEN_ENV
 
 if TYPE_CHECKING:

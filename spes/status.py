@@ -12,7 +12,8 @@ import time
 
 import grpc
 
-from spes.config import SpesConfig, is_host_port, number_flag
+from spes.config import SpesConfig, is_host_port
+from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, read_token
 from spes.sync.connection import open_channel
 from spes.sync.proto import spes_pb2 as pb

@@ -23,8 +23,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from spes.config import ConfigError, TrainConfig, to_dict
+from spes.config import TrainConfig
 from spes.evaluators import TASK_NAMES
+from spes.schema import ConfigError, to_dict
 
 # Records holding these keys are logged even between `wandb.log_interval` steps (evaluations are rare).
 _ALWAYS = ("val_", "merged_", "eval/")

@@ -36,13 +36,14 @@ import torch
 from torch import nn
 
 from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
-from spes.config import ConfigError, TrainConfig, changed_settings, config_help, load_config, to_dict
+from spes.config import TrainConfig, changed_settings, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, check_weights_finite
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
+from spes.schema import ConfigError, config_help, to_dict
 from spes.shards import resolve_paths
 from spes.sync.client import SyncError
 from spes.tokenizer import check_vocab, load_tokenizer
@@ -83,7 +84,7 @@ HINTS: dict[type[BaseException], str] = {
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], str | None]:
     """(config file, overrides, resume: None, "always" or "auto")."""
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE + "\nconfig keys:\n" + "\n".join(config_help()))
+        print(USAGE + "\nconfig keys:\n" + "\n".join(config_help(TrainConfig)))
         raise SystemExit(0)
     positional = [a for a in argv if not a.startswith("--")]
     if len(positional) > 1:

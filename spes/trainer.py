@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from spes import checkpoint
-from spes.config import SchedulerConfig, TrainConfig, parse_duration, to_dict
+from spes.config import SchedulerConfig, TrainConfig, parse_duration
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.gc_schedule import scheduled_collection
@@ -32,6 +32,7 @@ from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak
 from spes.objective import micro_batch_loss, validation_loss
 from spes.optim import lr_at, rewarmed_lr, set_lr
 from spes.profiling import step_profiler
+from spes.schema import to_dict
 from spes.tracking import Trackers
 
 if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync

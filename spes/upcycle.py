@@ -48,7 +48,7 @@ from typing import Any, Literal
 
 import torch
 
-from spes.config import ModelConfig, TrainConfig, load_config, number_flag
+from spes.config import ModelConfig, TrainConfig, load_config
 from spes.hf import (
     CONFIG_KEYS,
     QK_NORM_KEYS,
@@ -62,6 +62,7 @@ from spes.hf import (
 )
 from spes.hub import resolve
 from spes.moe import init_truncated_normal_
+from spes.schema import number_flag
 from spes.tokenizer import check_vocab, load_tokenizer
 
 TIE_BREAKING_STD = 1e-4

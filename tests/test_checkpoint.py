@@ -36,10 +36,11 @@ from spes.checkpoint import (
     save_sharded_checkpoint,
     unshard,
 )
-from spes.config import TrainConfig, load_config, to_dict
+from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
 from spes.model import Transformer
 from spes.optim import build_optimizer
+from spes.schema import to_dict
 
 TINY = "configs/tiny.yaml"
 PEER0 = ["--model.moe_num_experts=4", "--spes_config.num_peers=2", "--spes_config.num_train_experts_per_node=2"]

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged, run_ranks, torchrun
-from spes.config import ConfigError, TrainConfig, load_config
+from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo, check_launch
+from spes.schema import ConfigError
 
 TINY = "configs/tiny.yaml"
 # Peer 1 of 2 owns experts 2..3 of 4: half the experts of every layer are frozen.

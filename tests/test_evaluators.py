@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tensorboard_scalars
-from spes.config import ConfigError, TrainConfig, load_config
+from spes.config import TrainConfig, load_config
 from spes.evaluators import DownstreamEvals, Evaluator, lm_eval_scores, parse_evaluators
+from spes.schema import ConfigError
 from spes.train import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from conftest import littering, make_garbage
-from spes.config import ConfigError, load_config
+from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.gc_schedule import scheduled_collection
+from spes.schema import ConfigError
 from spes.train import build_node
 from spes.trainer import Trainer
 

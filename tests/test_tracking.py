@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import tensorboard_scalars
-from spes.config import ConfigError, TensorBoardConfig, TrainConfig, WandbConfig
+from spes.config import TensorBoardConfig, TrainConfig, WandbConfig
+from spes.schema import ConfigError
 from spes.tracking import Trackers, olmo_aliases
 from spes.train import main
 

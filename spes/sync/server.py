@@ -40,7 +40,8 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from spes.config import ServerSection, config_help, load_config, load_sync_sections
+from spes.config import ServerSection, load_config, load_sync_sections
+from spes.schema import config_help
 from spes.sync import plane_tcp
 from spes.sync.admission import UNARY_RESERVE, GuardedHealth
 from spes.sync.auth import TokenAuthInterceptor

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spes.config import ConfigError, ServerSection
+from spes.config import ServerSection
 from spes.moe import parse_expert_block
+from spes.schema import ConfigError
 from spes.sync import merge
 from spes.sync.merge import build_global, mean_over_peers, merge_experts, outer_nesterov_step, round_alpha
 from spes.sync.spec import RunSpec
