@@ -18,6 +18,7 @@ from records import (
     DENSE_SPARSE,
     DILOCO_CURVE,
     F5_RECORDS,
+    INT8_RECORD,
     OWN_BLOCKS,
     Missing,
     Records,
@@ -172,34 +173,34 @@ def _wire_1b_bf16(r: Records) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2b. Codecs: final loss against fp32 (mini_repro --int8 and the codec arms)
+# 2b. Codecs: final loss against fp32 (mini_repro --codecs)
 
 
-def _codec_runs(r: Records, codec: str) -> list[dict[str, Any]]:
-    return [r(f"mini_repro_{codec}"), r(f"mini_repro_{codec}_seed7")]
+def _int8_runs(r: Records) -> list[dict[str, Any]]:
+    """int8 against fp32, seed by seed (`INT8_RECORD`)."""
+    return [r(f"{INT8_RECORD}{suffix}") for suffix in CODEC_SEEDS]
 
 
 @fig("int8.loss_vs_fp32")
 def _int8_loss(r: Records) -> str:
-    runs = _codec_runs(r, "int8")
-    return " and ".join(f"{x['int8_vs_fp32']:+.3%}" for x in runs)
+    return " and ".join(f"{x['arms']['codec_int8']['vs_fp32']:+.3%}" for x in _int8_runs(r))
 
 
 @fig("int8.curve_gap")
 def _int8_curve_gap(r: Records) -> str:
-    runs = _codec_runs(r, "int8")
+    runs = _int8_runs(r)
     gaps = [
         abs(a - b)
         for x in runs
-        for a, b in zip(x["curves"]["spes"]["val_loss"], x["curves"]["spes_int8"]["val_loss"], strict=True)
+        for a, b in zip(x["curves"]["spes"]["val_loss"], x["curves"]["codec_int8"]["val_loss"], strict=True)
     ]
     return f"{max(gaps):.3f} at any of its {len(runs[0]['curves']['spes']['val_loss'])} evaluations"
 
 
 @fig("int8.bytes_ratio")
 def _int8_bytes_ratio(r: Records) -> str:
-    b = r("mini_repro_int8")["bytes_total"]
-    return f"{b['spes_int8'] / b['spes']:.3f}x"
+    c = r(INT8_RECORD)["curves"]
+    return f"{c['codec_int8']['bytes'][-1] / c['spes']['bytes'][-1]:.3f}x"
 
 
 # ---------------------------------------------------------------------------------------------------------------

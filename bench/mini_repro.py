@@ -34,7 +34,7 @@ seed's report in docs/ lists the final losses of every other seed found in bench
 `bench/results/mini_repro_codecs[_diloco][_seed<S>]/<arm>/`, refuses unequal tokens as above, and records every
 arm's final validation loss against the fp32 arm's (`vs_fp32`, target within 1%) and its bits per parameter per
 peer and round in `bench/results/mini_repro_codecs*.json`. With `--overlap` as well, each codec also runs on each
-overlapped schedule. (The int8 records `mini_repro_int8*.json` came from this comparison's first form, `--int8`.)
+overlapped schedule.
 
 `--overlap` runs the SPES arm blocking, and with `spes_config.overlap_sync` once per `--overlap_steps D` (each
 round applied D steps after its sync step, with the local progress made meanwhile; default D = sync_steps), into

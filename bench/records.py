@@ -28,7 +28,6 @@ KNOWN_GAPS = {
     "code_stats_92d762a": "dirty tree, diff not kept; no machine",
     "code_stats_92d762a_ruff_format": "dirty tree, diff not kept; no machine",
     "code_stats_after": "no machine",
-    "mini_repro_int8": "dirty tree, diff not kept",
     "mini_repro_memory": "dirty tree, diff not kept",
 }
 """Records written before their provenance was checked (issue 30), and what each lacks. Shown beside their figures
@@ -182,10 +181,13 @@ DENSE_SPARSE = "mini_repro_codecs_dense"
 DILOCO_CURVE = "mini_repro_codecs_diloco_curve"
 """The sparse curve in DiLoCo mode: three denser settings than the default beside fp32 (seed 6198)."""
 
-CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5", OWN_BLOCKS, DENSE_SPARSE)
+INT8_RECORD = "mini_repro_codecs_int8"
+"""int8 against fp32, both seeds at one commit (`mini_repro.py --codecs int8`): the int8 runs' table and figures."""
+
+CODEC_RECORDS = ("mini_repro_codecs", "mini_repro_codecs_f5", OWN_BLOCKS, DENSE_SPARSE, INT8_RECORD)
 """The SPES codec comparisons of the mini-reproduction, oldest first, each seed's under its suffix: the codec curve,
 the comparison of the overlapped schedules on each codec (with bf16's blocking arm), the held-model codecs'
-after their change of 1da3a8e, and the denser sparse curve at that commit."""
+after their change of 1da3a8e, the denser sparse curve at that commit, and int8's against fp32."""
 
 
 BEFORE_CARRIED_FIX = "mini_repro_codecs_d1"
@@ -211,12 +213,8 @@ def f5_arms(records: Records, suffix: str = "", names: Sequence[str] = F5_RECORD
 
 def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float, float]:
     """(fp32, codec) final validation losses of the SPES arm in one seed's codec comparison (`suffix`: "" or
-    "_seed7"): int8's from its own records (`mini_repro.py --int8`, the comparison's first form), every other
-    codec's from its arm `codec_<codec>` in the newest of `CODEC_RECORDS<suffix>` that has it (each compares its
+    "_seed7"): from its arm `codec_<codec>` in the newest of `CODEC_RECORDS<suffix>` that has it (each compares its
     arms with its own fp32 arm); Missing when none has."""
-    if codec == "int8":
-        x = records(f"mini_repro_int8{suffix}")
-        return x["final_val_loss"]["spes"], x["final_val_loss"]["spes_int8"]
     for x in reversed(records.committed(f"{n}{suffix}" for n in CODEC_RECORDS)):
         if f"codec_{codec}" in x["arms"]:
             return x["arms"]["spes"]["final_val_loss"], x["arms"][f"codec_{codec}"]["final_val_loss"]

@@ -18,6 +18,7 @@ from records import (
     DILOCO_CURVE,
     F5_RECORDS,
     GPU_RUNS,
+    INT8_RECORD,
     PROFILED_MICRO_BATCHES,
     Missing,
     Records,
@@ -374,16 +375,16 @@ def codec_curve_table(records: Records) -> str:
 @block("int8-runs")
 def int8_runs_table(records: Records) -> str:
     rows = []
-    for name in ("mini_repro_int8", "mini_repro_int8_seed7"):
-        x = records(name)
-        for arm, label in (("spes", "fp32 wire"), ("spes_int8", "int8 deltas")):
+    for suffix in CODEC_SEEDS:
+        x = records(f"{INT8_RECORD}{suffix}")
+        for arm, label in (("spes", "fp32 wire"), ("codec_int8", "int8 deltas")):
             rows.append(
                 [
                     f"seed {x['seed']}, {label}",
-                    f"{x['final_val_loss'][arm]:.4f}",
+                    f"{x['arms'][arm]['final_val_loss']:.4f}",
                     f"{x['tokens'][arm]:,}",
-                    mib(x["bytes_total"][arm]),
-                    f"{x['walls_s'][arm]:.0f} s",
+                    mib(x["curves"][arm]["bytes"][-1]),
+                    f"{x['arms'][arm]['wall_s']:.0f} s",
                     short(x["commit"]),
                 ]
             )
