@@ -752,6 +752,13 @@ EQUIVALENT: dict[str, str] = {
         "the text shown for a field without a doc: every field has one (test_every_key_has_a_doc)",
     ),
     **mutants(
+        "spes.schema.x__merge_overrides",
+        "12",
+        "the defaults of no class on the failure path: overrides that cannot merge into the file meet a list where a "
+        "mapping goes or back, which the defaults of any class cannot merge with either, so the resolution takes its "
+        "fallback all the same",
+    ),
+    **mutants(
         "spes.schema.x__resolve_against_defaults",
         "3 5",
         "resolve=None or left out: OmegaConf's default is False, which is what the shape of the user's keys reads",
@@ -866,7 +873,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.schema.x__lookup_field",
-        "33",
+        "35",
         "every dict-typed key is a plain `dict`, which the hint itself matches: its origin is never consulted",
     ),
     **mutants(

@@ -144,7 +144,10 @@ def _resolve_against_defaults(cls: type, user: Any) -> Any:
     try:
         full = OmegaConf.merge(OmegaConf.create(to_dict(cls())), user)
     except TypeError:  # OmegaConf merges no list into a mapping or back (a list for a section): from_dict names it
-        return OmegaConf.to_container(user, resolve=True)
+        try:
+            return OmegaConf.to_container(user, resolve=True)
+        except OmegaConfBaseException:  # an interpolation names a default: the values as written, for from_dict
+            return OmegaConf.to_container(user, resolve=False)
     return _keys_of(OmegaConf.to_container(full, resolve=True), shape)
 
 

@@ -72,6 +72,32 @@ def test_yaml_with_overrides_resolves_against_the_sections_defaults(tmp_path: Pa
         read_mapping(Outer, path, ["--inner.rat=1"], str(path))
 
 
+def test_a_file_value_of_the_wrong_kind_is_named_though_an_interpolation_names_a_default(tmp_path: Path) -> None:
+    """A list where a section goes keeps the file from merging with the defaults, so its `${kind}` (a key it leaves
+    at its default) cannot be resolved: the refusal still names the value of the wrong kind, with or without an
+    override below it, not the interpolation."""
+    path = tmp_path / "run.yaml"
+    path.write_text("name: ${kind}\ninner: [1]\n")
+    wrong = r"config key 'inner' = \[1\] has the wrong type: expected Inner$"
+    with pytest.raises(ConfigError, match=wrong):
+        read_mapping(Outer, path, ["--inner.rate=0.2"], str(path))
+    with pytest.raises(ConfigError, match=wrong):
+        from_dict(Outer, read_mapping(Outer, path, [], str(path)))
+
+
+@dataclass
+class Plain:
+    """A dataclass that is no `Section`: no ranges, no renamed keys."""
+
+    size: int = 1
+
+
+def test_any_dataclass_is_built_and_its_unknown_keys_named() -> None:
+    assert from_dict(Plain, {"size": 2}) == Plain(2)
+    with pytest.raises(ConfigError, match=r"^config: unknown config key 'sise'; did you mean 'size'\?$"):
+        from_dict(Plain, {"sise": 2})
+
+
 def test_help_names_each_key_with_its_type_range_and_doc_and_each_section_a_heading() -> None:
     assert config_help(Outer) == [
         "  --name='run'  [str]  a name",
