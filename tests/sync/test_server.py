@@ -271,10 +271,13 @@ def test_upload_buffers_are_reused_but_never_while_a_download_reads_them() -> No
         for peer in range(2):
             stub.Join(join_request(peer), timeout=10)
         finish_round(addr, 1)
-        first = global_ptrs(server)
+        # NOTE: round 1's tensors held here, so fresh memory cannot land where they were (the allocator reuses freed
+        # addresses: comparing addresses alone would take fresh memory at a freed buffer's address for reuse)
+        first = list(server.service.state.completed.global_model.values())
         finish_round(addr, 2)
         finish_round(addr, 3)
-        assert first & global_ptrs(server), "round 3 was received into fresh memory, not round 1's buffers"
+        reused = {t.data_ptr() for t in first} & global_ptrs(server)
+        assert reused, "round 3 was received into fresh memory, not round 1's buffers"
 
         service = server.service
         with service.downloads.serve(0, 3, True, lambda: True, 5.0) as outgoing:  # a download of round 3, not done yet
