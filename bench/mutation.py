@@ -760,8 +760,9 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.schema.x__resolve_against_defaults",
-        "3 5",
-        "resolve=None or left out: OmegaConf's default is False, which is what the shape of the user's keys reads",
+        "3 5 20 22",
+        "resolve=None or left out: OmegaConf's default is False, which is what the shape of the user's keys (and "
+        "the values as written) reads",
     ),
     **mutants(
         "spes.schema.x_from_dict",
