@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 import grpc
@@ -314,9 +315,7 @@ def after_warmup(samples: list[dict[str, Any]], rounds: int) -> dict[str, Any]:
         "from_round": first["round"],
         "to_round": last["round"],
         "rss_growth_mb": (last["rss"] - first["rss"]) / MIB,
-        "rss_trend_mb": (sum(s["rss"] for s in warm[-quarter:]) - sum(s["rss"] for s in warm[:quarter]))
-        / quarter
-        / MIB,
+        "rss_trend_mb": (fmean(s["rss"] for s in warm[-quarter:]) - fmean(s["rss"] for s in warm[:quarter])) / MIB,
         "rss_min_max_mb": [min(s["rss"] for s in warm) / MIB, max(s["rss"] for s in warm) / MIB],
         "threads_min_max": [min(s["threads"] for s in warm), max(s["threads"] for s in warm)],
         "fds_min_max": [min(s["fds"] for s in warm), max(s["fds"] for s in warm)],

@@ -26,6 +26,7 @@ from records import (
     default_gpu_step,
     f5_arms,
     gpu_variant,
+    int8_runs,
     link,
     wire_measured,
 )
@@ -176,19 +177,14 @@ def _wire_1b_bf16(r: Records) -> str:
 # 2b. Codecs: final loss against fp32 (mini_repro --codecs)
 
 
-def _int8_runs(r: Records) -> list[dict[str, Any]]:
-    """int8 against fp32, seed by seed (`INT8_RECORD`)."""
-    return [r(f"{INT8_RECORD}{suffix}") for suffix in CODEC_SEEDS]
-
-
 @fig("int8.loss_vs_fp32")
 def _int8_loss(r: Records) -> str:
-    return " and ".join(f"{x['arms']['codec_int8']['vs_fp32']:+.3%}" for x in _int8_runs(r))
+    return " and ".join(f"{x['arms']['codec_int8']['vs_fp32']:+.3%}" for x in int8_runs(r))
 
 
 @fig("int8.curve_gap")
 def _int8_curve_gap(r: Records) -> str:
-    runs = _int8_runs(r)
+    runs = int8_runs(r)
     gaps = [
         abs(a - b)
         for x in runs

@@ -211,6 +211,11 @@ def f5_arms(records: Records, suffix: str = "", names: Sequence[str] = F5_RECORD
     return [x["arms"] for x in reversed(records.committed(f"{n}{suffix}" for n in names))]
 
 
+def int8_runs(records: Records) -> list[dict[str, Any]]:
+    """int8 against fp32, seed by seed (`INT8_RECORD<suffix>` for each of `CODEC_SEEDS`)."""
+    return [records(f"{INT8_RECORD}{suffix}") for suffix in CODEC_SEEDS]
+
+
 def codec_losses(records: Records, codec: str, suffix: str = "") -> tuple[float, float]:
     """(fp32, codec) final validation losses of the SPES arm in one seed's codec comparison (`suffix`: "" or
     "_seed7"): from its arm `codec_<codec>` in the newest of `CODEC_RECORDS<suffix>` that has it (each compares its

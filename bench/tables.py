@@ -18,13 +18,13 @@ from records import (
     DILOCO_CURVE,
     F5_RECORDS,
     GPU_RUNS,
-    INT8_RECORD,
     PROFILED_MICRO_BATCHES,
     Missing,
     Records,
     codec_losses,
     default_gpu_step,
     gpu_runs,
+    int8_runs,
     link,
     not_measured,
     wire_measured,
@@ -375,8 +375,7 @@ def codec_curve_table(records: Records) -> str:
 @block("int8-runs")
 def int8_runs_table(records: Records) -> str:
     rows = []
-    for suffix in CODEC_SEEDS:
-        x = records(f"{INT8_RECORD}{suffix}")
+    for x in int8_runs(records):
         for arm, label in (("spes", "fp32 wire"), ("codec_int8", "int8 deltas")):
             rows.append(
                 [
