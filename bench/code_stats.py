@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, format_table, parser, write_results
+from common import REPO_ROOT, format_table, machine_info, parser, write_results
 
 PACKAGE = "spes"
 
@@ -67,6 +67,13 @@ def ruff_formatted(path: str, text: str) -> str:
         text=True,
         check=True,
     ).stdout
+
+
+def ruff_version() -> str:
+    """The formatter's version, which a `--ruff-format` measurement depends on."""
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", "--version"], capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
 
 
 def count_lines(text: str) -> dict[str, int]:
@@ -146,7 +153,10 @@ def main() -> None:
                 [[s["name"], s["lines"], f"{s['path']}:{s['line']}"] for s in stats[f"largest_{kind}"]],
             )
         )
-    write_results(args.out, {"rev": args.rev or "working tree", "ruff_format": args.ruff_format, **stats})
+    machine = machine_info() | ({"ruff": ruff_version()} if args.ruff_format else {})
+    write_results(
+        args.out, {"rev": args.rev or "working tree", "ruff_format": args.ruff_format, "machine": machine, **stats}
+    )
 
 
 if __name__ == "__main__":

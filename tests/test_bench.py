@@ -84,6 +84,7 @@ def test_code_stats_measures_the_package(tmp_path: Path) -> None:
     assert stats["modules"]["spes/model.py"]["lines"] == len((REPO / "spes" / "model.py").read_text().splitlines())
     assert not any("_pb2" in path for path in stats["modules"])
     assert len(stats["largest_functions"]) == 3 and "largest classes" in out
+    assert stats["rev"] == "working tree" and stats["machine"]["cpus"] > 0 and "ruff" not in stats["machine"]
 
 
 def test_hottest_lines_counts_own_and_inclusive_samples(tmp_path: Path) -> None:
