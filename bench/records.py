@@ -24,10 +24,6 @@ KNOWN_GAPS = {
     "bench_overlap_2345": "dirty tree, diff not kept",
     "bench_wan_gpu": "dirty tree, diff not kept",
     "bench_wan_gpu_steps": "commit not a full hash; no machine",
-    "code_stats": "no machine",
-    "code_stats_92d762a": "dirty tree, diff not kept; no machine",
-    "code_stats_92d762a_ruff_format": "dirty tree, diff not kept; no machine",
-    "code_stats_after": "no machine",
     "mini_repro_memory": "dirty tree, diff not kept",
 }
 """Records written before their provenance was checked (issue 30), and what each lacks. Shown beside their figures
