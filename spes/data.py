@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from spes.shards import PARTIAL_SUFFIX, find_shard_info, open_token_array
+from spes.shards import PARTIAL_SUFFIX, ShardInfo, find_shard_info, open_token_array
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,52 @@ def olmo_order(seed: int, epoch: int, num_windows: int) -> np.ndarray:
     generator seeded with `seed + epoch`. With the same shards, window length and seed, a node reads the same
     windows in the same order as there (global batch k = positions [k*B, (k+1)*B) of it)."""
     return np.random.Generator(np.random.PCG64(seed + epoch)).permutation(num_windows)
+
+
+def check_shard_name(path: Path) -> None:
+    """ValueError unless `path` names a finished `.npy` token shard (not tokenize_data.py's half-written file)."""
+    if path.name.endswith(PARTIAL_SUFFIX):
+        raise ValueError(
+            f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
+            f"and rerun tokenize_data.py, or leave it out of data.paths"
+        )
+    if path.suffix != ".npy":
+        raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
+
+
+def check_shard_array(path: Path, array: np.ndarray, info: ShardInfo | None, want_dtype: np.dtype | None) -> None:
+    """ValueError unless the shard at `path` is a 1-D array of unsigned token ids that matches its sidecar `info`
+    (if any) and `want_dtype` (`data.memmap_dtype`, if set)."""
+    if info is not None and (array.ndim != 1 or array.dtype != np.dtype(info.dtype) or len(array) != info.num_tokens):
+        raise ValueError(
+            f"token shard {path} does not match its sidecar (array {array.dtype} {array.shape}, sidecar "
+            f"{info.dtype} ({info.num_tokens},)); rerun tokenize_data.py for it"
+        )
+    if array.ndim != 1:
+        raise ValueError(f"token shard {path} holds a {array.ndim}-D array; token shards are 1-D")
+    if array.dtype.kind != "u":
+        raise ValueError(f"token shard {path} holds {array.dtype} values; token ids are unsigned (uint16, uint32)")
+    if want_dtype is not None and array.dtype != want_dtype:
+        raise ValueError(
+            f"token shard {path} holds {array.dtype} tokens but data.memmap_dtype is {want_dtype}; "
+            f"set data.memmap_dtype={array.dtype} or leave it unset to use the shards' dtype"
+        )
+
+
+def common_fingerprint(paths: Sequence[Path], infos: Sequence[ShardInfo | None]) -> str | None:
+    """The one tokenizer fingerprint the shards' sidecars record (None without sidecars); ValueError naming two
+    shards of different tokenizers."""
+    known = [(p, i) for p, i in zip(paths, infos) if i is not None]
+    if not known:
+        return None
+    first_path, first = known[0]
+    odd = next((p for p, i in known if i.tokenizer_fingerprint != first.tokenizer_fingerprint), None)
+    if odd is not None:
+        raise ValueError(
+            f"token shards were made with different tokenizers: {first_path} and {odd}; "
+            f"tokenize all data with the same tokenizer"
+        )
+    return first.tokenizer_fingerprint
 
 
 class TokenSequenceDataset:
@@ -68,13 +114,7 @@ class TokenSequenceDataset:
         self.seq_len, self.vocab_size = seq_len, vocab_size
         self.paths = [Path(p) for p in paths]
         for path in self.paths:
-            if path.name.endswith(PARTIAL_SUFFIX):
-                raise ValueError(
-                    f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
-                    f"and rerun tokenize_data.py, or leave it out of data.paths"
-                )
-            if path.suffix != ".npy":
-                raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
+            check_shard_name(path)
         want_dtype = np.dtype(memmap_dtype) if memmap_dtype is not None else None
         self.memmap_dtype = memmap_dtype
         self.shard_infos = [find_shard_info(p) for p in self.paths]
@@ -82,24 +122,7 @@ class TokenSequenceDataset:
         lengths = []
         for index, (path, info) in enumerate(zip(self.paths, self.shard_infos)):
             array = self._array(index)
-            if info is not None and (
-                array.ndim != 1 or array.dtype != np.dtype(info.dtype) or len(array) != info.num_tokens
-            ):
-                raise ValueError(
-                    f"token shard {path} does not match its sidecar (array {array.dtype} {array.shape}, sidecar "
-                    f"{info.dtype} ({info.num_tokens},)); rerun tokenize_data.py for it"
-                )
-            if array.ndim != 1:
-                raise ValueError(f"token shard {path} holds a {array.ndim}-D array; token shards are 1-D")
-            if array.dtype.kind != "u":
-                raise ValueError(
-                    f"token shard {path} holds {array.dtype} values; token ids are unsigned (uint16, uint32)"
-                )
-            if want_dtype is not None and array.dtype != want_dtype:
-                raise ValueError(
-                    f"token shard {path} holds {array.dtype} tokens but data.memmap_dtype is {want_dtype}; "
-                    f"set data.memmap_dtype={array.dtype} or leave it unset to use the shards' dtype"
-                )
+            check_shard_array(path, array, info, want_dtype)
             lengths.append(len(array))
         bare = [i for i, info in enumerate(self.shard_infos) if info is None]
         if bare:
@@ -108,16 +131,7 @@ class TokenSequenceDataset:
                 f"note: token shard {self.paths[bare[0]]}{more} has no .npy.json sidecar (an OLMo-style "
                 f"file): read as {self._array(bare[0]).dtype} tokens; its tokenizer cannot be checked"
             )
-        known = [(p, i) for p, i in zip(self.paths, self.shard_infos) if i is not None]
-        fingerprints = {info.tokenizer_fingerprint for _, info in known}
-        if len(fingerprints) > 1:
-            first = known[0][1].tokenizer_fingerprint
-            odd = next(p for p, i in known if i.tokenizer_fingerprint != first)
-            raise ValueError(
-                f"token shards were made with different tokenizers: {known[0][0]} and {odd}; "
-                f"tokenize all data with the same tokenizer"
-            )
-        self.fingerprint: str | None = known[0][1].tokenizer_fingerprint if known else None
+        self.fingerprint = common_fingerprint(self.paths, self.shard_infos)
         """The tokenizer fingerprint the sidecars record; None when no shard has a sidecar."""
         self.num_tokens = int(sum(lengths))
         # window_starts[k] = index of shard k's first window; the last entry is the window count.
