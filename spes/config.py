@@ -23,7 +23,16 @@ from typing import Any, ClassVar, Literal
 
 from omegaconf import OmegaConf
 
-from spes.schema import ConfigError, Range, Section, check_overrides, from_dict, override_to_dotlist, read_mapping
+from spes.schema import (
+    ConfigError,
+    Range,
+    Section,
+    check_overrides,
+    from_dict,
+    from_file_and_overrides,
+    override_to_dotlist,
+    read_mapping,
+)
 
 RunMode = Literal["centralized", "spes", "diloco"]
 """What a node does: train alone, train its experts under SPES, or train everything for DiLoCo averaging."""
@@ -801,7 +810,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if "save_folder" not in raw:
         raw["save_folder"] = f"output/{raw.get('run_name', 'spes')}"
     inert = sorted(k for k in _flat_keys(raw) if k in INERT_KEYS)
-    return from_dict(TrainConfig, raw, where=where), inert
+    return from_file_and_overrides(TrainConfig, raw, where, overrides), inert
 
 
 SYNC_SECTIONS = ("spes_config", "server", "using_spes", "using_dilico")

@@ -273,7 +273,28 @@ def from_dict(cls: type, data: dict[Any, Any], *, where: str = "config", prefix:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where}: {e}", e.key) from None
+
+
+def from_file_and_overrides(cls: type, raw: dict[str, Any], where: str, overrides: Sequence[str]) -> Any:
+    """`from_dict(cls, raw)` for a mapping read from file `where` with `overrides` over it: a refusal of a key that an
+    override set names that override (`command line (--spes_config.sync_steps=0)`), not the file."""
+    try:
+        return from_dict(cls, raw, where=where)
+    except ConfigError as e:
+        given = _override_setting(e.key, overrides)
+        if given is None:
+            raise
+        raise ConfigError(f"command line (--{given}): {str(e).removeprefix(f'{where}: ')}", e.key) from None
+
+
+def _override_setting(key: str | None, overrides: Sequence[str]) -> str | None:
+    """The last of `overrides` that sets config key `key` (itself, or a whole section holding it), as `key=value`."""
+    for item in reversed([override_to_dotlist(o) for o in overrides]):
+        name = item.partition("=")[0]
+        if key is not None and (key == name or key.startswith(name + ".")):
+            return item
+    return None
 
 
 def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:

@@ -1074,15 +1074,36 @@ def test_an_unknown_key_names_its_closest_key_or_every_key_of_its_section() -> N
 def test_refusals_of_the_checks_name_the_value_they_refuse() -> None:
     peer = ["--using_spes=true", "--spes_config.num_peers=2", "--model.moe_num_experts=4"]
     assert refusal(None, "--global_train_batch_size=7", "--device_train_microbatch_size=2") == (
-        "config: config key 'global_train_batch_size' = 7 must be divisible by device_train_microbatch_size=2"
+        "command line (--global_train_batch_size=7): config key 'global_train_batch_size' = 7 must be divisible by "
+        "device_train_microbatch_size=2"
     )
     assert refusal(None, *peer, "--spes_config.peer_id=9") == (
-        "config: config key 'spes_config.peer_id' = 9 must be in [0, num_peers=2)"
+        "command line (--spes_config.peer_id=9): config key 'spes_config.peer_id' = 9 must be in [0, num_peers=2)"
     )
     assert refusal(None, *peer, "--spes_config.overlap_fragments=3", "--spes_config.sync_steps=10") == (
-        "config: config key 'spes_config.overlap_fragments' = 3 must be >= 1 and divide sync_steps=10: a fragment's "
-        "round comes every sync_steps / F steps"
+        "command line (--spes_config.overlap_fragments=3): config key 'spes_config.overlap_fragments' = 3 must be "
+        ">= 1 and divide sync_steps=10: a fragment's round comes every sync_steps / F steps"
     )
+
+
+def test_a_refused_value_names_where_it_was_set_the_file_or_the_override(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("spes_config:\n  sync_steps: 0\n")
+    assert refusal(path) == f"{path}: config key 'spes_config.sync_steps' = 0 must be >= 1"
+    path.write_text("spes_config:\n  sync_steps: 5\n")
+    assert refusal(path, "--spes_config.sync_steps=9", "--spes_config.sync_steps=0") == (
+        "command line (--spes_config.sync_steps=0): config key 'spes_config.sync_steps' = 0 must be >= 1"
+    )
+    assert refusal(path, "--model={d_model: 30, n_heads: 4}") == (  # a whole section set on the command line
+        "command line (--model={d_model: 30, n_heads: 4}): config key 'model.d_model' = 30 must be divisible by "
+        "model.n_heads=4"
+    )
+    assert refusal(path, "--model.n_heads=5") == (  # a check of two keys names the one it refuses, set in no override
+        f"{path}: config key 'model.d_model' = {ModelConfig().d_model} must be divisible by model.n_heads=5"
+    )
+    with pytest.raises(ConfigError) as err:
+        from_dict(TrainConfig, {"spes_config": {"sync_steps": 0}}, where="x")
+    assert err.value.key == "spes_config.sync_steps"
 
 
 def test_a_server_without_yaml_takes_defaults_for_the_sections_its_command_line_leaves_out() -> None:
