@@ -20,6 +20,15 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.status import describe
 
+FIXES = {
+    "UNAVAILABLE": "is the parameter server running there (python -m spes.server), its port open to this machine, "
+    "and --tls_ca given if it serves TLS?",
+    "DEADLINE_EXCEEDED": "no answer within --timeout: check the address and the network, or raise --timeout",
+    "UNAUTHENTICATED": f"pass the run's shared secret (--token_file, or env {TOKEN_ENV})",
+    "PERMISSION_DENIED": "this server wants a client certificate it accepts (--tls_cert, --tls_key)",
+}
+"""What to do when the server does not answer Status, or refuses it, by gRPC status code."""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m spes.status", description=__doc__.split("\n\n")[0])
@@ -50,7 +59,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
             except grpc.RpcError as err:
-                print(f"error: {args.addr}: {err.code().name}: {err.details()}", file=sys.stderr)
+                fix = FIXES.get(err.code().name)
+                print(
+                    f"error: {args.addr}: {err.code().name}: {err.details()}" + (f"; {fix}" if fix else ""),
+                    file=sys.stderr,
+                )
                 return 1
             print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
             if not args.watch:

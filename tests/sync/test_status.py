@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +62,20 @@ def test_the_status_command_asks_a_real_server(tmp_path: Path) -> None:
             [sys.executable, "-m", "spes.status", addr], cwd=REPO, capture_output=True, text=True, timeout=60
         )
         assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+        assert refused.stderr.strip().endswith("; pass the run's shared secret (--token_file, or env SPES_TOKEN)")
+
+
+@pytest.mark.timeout(60)
+def test_the_status_command_says_what_to_check_when_nothing_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    from spes.status import main
+
+    with socket.socket() as unused:  # bound, never listening: a connection to it is refused
+        unused.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{unused.getsockname()[1]}"
+        assert main([addr, "--timeout", "5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {addr}: UNAVAILABLE: ") and len(err.splitlines()) == 1
+    assert "is the parameter server running there (python -m spes.server)" in err
 
 
 def test_the_status_command_refuses_an_address_without_a_port(capsys: pytest.CaptureFixture[str]) -> None:
