@@ -1,15 +1,18 @@
 """The package's structure: no import cycle anywhere in spes (grimp's graph of every import, function-level and
 type-only ones included), and the sync wing's floors ([tool.importlinter] in pyproject.toml, `lint-imports` in CI);
-in tests/, no test module imports another (what tests share lives in helper modules and conftest.py)."""
+in tests/, no test module imports another (what tests share lives in helper modules and conftest.py); every module
+has its row in docs/architecture.md's table of concerns."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import grimp
 
 TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 
 def import_cycles(package: str) -> list[list[str]]:
@@ -85,3 +88,34 @@ def test_a_test_module_import_is_found(tmp_path: Path) -> None:
         "import os\nfrom sync_helpers import stub_for\n\ndef f() -> None:\n    from sync.test_peer import g\n"
     )
     assert imported_test_modules(module) == ["sync.test_peer", "sync.test_peer.g"]
+
+
+def concern_table_modules(text: str) -> set[str]:
+    """The modules named in the architecture document's table of concerns: `spes/x.py`, `spes/sync/{a,b}.py`, and a
+    folder (`spes/sync/codecs/`) for every module in it."""
+    table = text.split("## Where each concern lives", 1)[1].split("\n## ", 1)[0]
+    named = set()
+    for path in re.findall(r"`(spes/[\w/{},]+(?:\.py|/))`", table):
+        head, _, rest = path.partition("{")
+        named |= (
+            {head + name + rest.partition("}")[2] for name in rest.partition("}")[0].split(",")} if rest else {path}
+        )
+    return named
+
+
+def test_every_module_has_its_row_in_the_architecture_document() -> None:
+    named = concern_table_modules((REPO / "docs" / "architecture.md").read_text())
+    modules = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "spes").rglob("*.py")
+        if p.name != "__init__.py" and "proto" not in p.parts
+    }
+    missing = sorted(
+        m for m in modules if m not in named and not any(m.startswith(d) for d in named if d.endswith("/"))
+    )
+    assert not missing, f"modules without a row in docs/architecture.md's 'Where each concern lives': {missing}"
+    assert concern_table_modules("## Where each concern lives\n| x | `spes/sync/{a,b}.py`, `spes/c/` |\n## next") == {
+        "spes/sync/a.py",
+        "spes/sync/b.py",
+        "spes/c/",
+    }
