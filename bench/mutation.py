@@ -71,6 +71,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/objective.py": ("tests/test_objective.py",),
     "spes/moe.py": ("tests/test_moe.py",),
     "spes/data.py": ("tests/test_data.py",),
+    "spes/shards.py": ("tests/test_shards.py", "tests/test_data.py"),
+    "spes/hub.py": ("tests/test_hub.py",),
+    "spes/sync/retry.py": ("tests/sync/test_retry.py",),
     "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
     "spes/sync/aggregate.py": ("tests/sync/test_aggregate.py", "tests/sync/test_coordinator.py"),
     "spes/sync/auth.py": (
