@@ -82,7 +82,7 @@ def find_shard_info(shard: str | os.PathLike[str]) -> ShardInfo | None:
         raw = json.loads(path.read_text(encoding="utf-8"))
         raw["source_files"] = tuple(raw["source_files"])
         info = ShardInfo(**raw)
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"sidecar {path} is malformed ({err}); rerun tokenize_data.py for this shard") from err
     if info.format_version != SHARD_FORMAT_VERSION:
         raise ValueError(

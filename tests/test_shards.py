@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from data_fixtures import write_token_shard
-from spes.shards import resolve_paths
+from spes.shards import (
+    SHARD_FORMAT_VERSION,
+    find_shard_info,
+    has_npy_header,
+    open_token_array,
+    read_shard_info,
+    resolve_paths,
+    sidecar_path,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,6 +27,54 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def shards(tmp_path: Path) -> list[Path]:
     return [write_token_shard(tmp_path / f"part_{i:05d}.npy", np.arange(10, dtype=np.uint16)) for i in range(3)]
+
+
+def test_a_sidecar_is_read_back_as_written_and_its_absence_is_none_or_named(shards: list[Path], tmp_path: Path) -> None:
+    info = read_shard_info(shards[0])
+    assert (info.dtype, info.num_tokens, info.source_files, info.format_version) == (
+        "uint16",
+        10,
+        ("synthetic",),
+        SHARD_FORMAT_VERSION,
+    )
+    bare = write_token_shard(tmp_path / "bare.npy", np.arange(4, dtype=np.uint16), with_sidecar=False)
+    assert find_shard_info(bare) is None and sidecar_path(bare).name == "bare.npy.json"
+    with pytest.raises(ValueError, match=f"token shard {bare} has no sidecar bare.npy.json.*tokenize_data.py"):
+        read_shard_info(bare)
+
+
+@pytest.mark.parametrize(
+    "sidecar",
+    [b"{not json", b"[1, 2]", b'{"dtype": "uint16"}', b'{"source_files": [], "nonsense": 1}', b"\xff\xfe\x00"],
+    ids=["not JSON", "a list", "keys missing", "an unknown key", "not UTF-8"],
+)
+def test_a_malformed_sidecar_is_refused_naming_it(shards: list[Path], sidecar: bytes) -> None:
+    sidecar_path(shards[0]).write_bytes(sidecar)
+    with pytest.raises(ValueError, match=f"^sidecar {sidecar_path(shards[0])} is malformed .*; rerun tokenize_data"):
+        find_shard_info(shards[0])
+
+
+def test_a_sidecar_of_another_format_version_is_refused(shards: list[Path]) -> None:
+    path = sidecar_path(shards[0])
+    path.write_text(path.read_text().replace(f'"format_version": {SHARD_FORMAT_VERSION}', '"format_version": 7'))
+    with pytest.raises(ValueError, match=f"has format_version 7; this spes reads version {SHARD_FORMAT_VERSION}$"):
+        find_shard_info(shards[0])
+
+
+def test_a_headerless_file_is_read_as_memmap_dtype_and_refused_when_it_cannot_be(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.npy"
+    np.arange(6, dtype=np.uint32).tofile(flat)
+    assert not has_npy_header(flat) and has_npy_header(write_token_shard(tmp_path / "real.npy", np.arange(3)))
+    tokens = open_token_array(flat, "uint32")
+    assert tokens.dtype == np.uint32 and tokens.tolist() == list(range(6)) and not tokens.flags.writeable
+    assert open_token_array(flat).dtype == np.uint16 and len(open_token_array(flat)) == 12  # OLMo's default
+    with pytest.raises(ValueError, match=r"data.memmap_dtype='float32' is not a token dtype; use one of \['uint8'"):
+        open_token_array(flat, "float32")
+    np.arange(3, dtype=np.uint8).tofile(flat)
+    with pytest.raises(ValueError, match=f"{flat} has 3 bytes, not a multiple of 2 \\(data.memmap_dtype=uint16\\)"):
+        open_token_array(flat)
+    flat.write_bytes(b"")
+    assert open_token_array(flat, "uint32").shape == (0,) and open_token_array(flat, "uint32").dtype == np.uint32
 
 
 def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: list[Path], tmp_path: Path) -> None:
