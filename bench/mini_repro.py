@@ -878,7 +878,8 @@ def results_record(
     walls: dict[str, float],
     curves: dict[str, Any],
 ) -> dict[str, Any]:
-    """The three runs' record in bench/results/; a --report-only one names the runs' command and commit, not its own."""
+    """The three runs' record in bench/results/, naming the runs' command and commit: not the tree's as the record is
+    written (the run has written its report into docs/ by then), nor a --report-only re-render's."""
     return {
         "mode": "quick" if args.quick else "full",
         "seed": args.seed,
@@ -889,7 +890,7 @@ def results_record(
         "walls_s": walls,
         "tokens": {name: curves[name]["tokens_final"] for name in RUNS},
         "curves": curves,
-        **(rendered_from((run_info or {}).get("commit")) if args.report_only else {}),
+        **rendered_from((run_info or {}).get("commit")),
     }
 
 

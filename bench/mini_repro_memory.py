@@ -505,7 +505,8 @@ def results_record(
     means: dict[str, Any],
 ) -> dict[str, Any]:
     """The comparison's record in bench/results/: every seed's curves and their means, from which tables.py re-renders
-    the report; a --report-only one names the runs' command and commit, not its own (as mini_repro's)."""
+    the report. It names the runs' command and commit, not the tree's as the record is written (the run has written
+    its report into docs/ by then) nor a --report-only re-render's (as mini_repro's)."""
     return {
         "mode": "quick" if args.quick else "full",
         "seeds": seeds,
@@ -518,7 +519,7 @@ def results_record(
         "tokens": {a.name: per_seed[seeds[0]][a.name]["tokens_final"] for a in ARMS},
         "curves": per_seed,
         "mean_curves": means,
-        **(rendered_from((run_info or {}).get("commit")) if args.report_only else {}),
+        **rendered_from((run_info or {}).get("commit")),
     }
 
 
