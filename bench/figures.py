@@ -594,14 +594,25 @@ def _memrepro_cost_seed(r: Records) -> str:
     )
 
 
+def _effect(r: Records, arm: str, other: str) -> str:
+    """`arm`'s final loss against `other`'s: the mean of the seeds, each seed's, and whether the seeds agree on its
+    sign (an effect smaller than the seeds' disagreement is not one this run measures)."""
+    curves = _mem(r)["curves"]
+    seeds = sorted(curves, key=int)
+    each = [rel(curves[s][arm]["val_loss"][-1], curves[s][other]["val_loss"][-1]) for s in seeds]
+    agree = "lower in every seed" if max(each) < 0 else "higher in every seed" if min(each) > 0 else "mixed signs"
+    per_seed = ", ".join(f"{e:+.2%} (seed {s})" for e, s in zip(each, seeds, strict=True))
+    return f"{rel(_mem_final(r, arm), _mem_final(r, other)):+.2%}: {per_seed}, {agree}"
+
+
 @fig("memrepro.large_diloco_vs_small")
 def _memrepro_large(r: Records) -> str:
-    return f"{rel(_mem_final(r, 'diloco_large'), _mem_final(r, 'diloco_small')):+.2%}"
+    return _effect(r, "diloco_large", "diloco_small")
 
 
 @fig("memrepro.merge_effect")
 def _memrepro_merge(r: Records) -> str:
-    return f"{rel(_mem_final(r, 'spes_large'), _mem_final(r, 'spes_large_nomerge')):+.2%}"
+    return _effect(r, "spes_large", "spes_large_nomerge")
 
 
 @fig("memrepro.nesterov")

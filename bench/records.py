@@ -24,7 +24,6 @@ KNOWN_GAPS = {
     "bench_overlap_2345": "dirty tree, diff not kept",
     "bench_wan_gpu": "dirty tree, diff not kept",
     "bench_wan_gpu_steps": "commit not a full hash; no machine",
-    "mini_repro_memory": "dirty tree, diff not kept",
 }
 """Records written before their provenance was checked (issue 30), and what each lacks. Shown beside their figures
 in docs/benchmarks.md's list of records (with a record's own `provenance_note`, if any); re-measuring one removes it

@@ -148,3 +148,24 @@ def test_the_equal_memory_record_means_every_field_over_its_seeds() -> None:
             values = [s.get(key) for s in seeds]
             if values[0] != values[1]:
                 assert mean[key] != values[0] and mean[key] != values[1], (arm, key)
+
+
+@pytest.mark.parametrize(
+    ("finals", "verdict"),
+    [((4.0, 4.1), "lower in every seed"), ((4.4, 4.4), "higher in every seed"), ((4.0, 4.4), "mixed signs")],
+)
+def test_an_equal_memory_effect_says_whether_its_seeds_agree_on_its_sign(
+    tmp_path: Path, finals: tuple[float, float], verdict: str
+) -> None:
+    """A small effect of one run is stated with each seed's sign, so prose cannot call a mixed one a gain."""
+    curve = {"val_loss": [5.0, 4.2], "step": [0, 400]}
+    mine = [{"val_loss": [5.0, f], "step": [0, 400]} for f in finals]
+    curves = {
+        "7": {"diloco_large": mine[0], "diloco_small": curve},
+        "6198": {"diloco_large": mine[1], "diloco_small": curve},
+    }
+    mean = {"diloco_large": {"val_loss": [5.0, sum(finals) / 2]}, "diloco_small": curve}
+    write_record(tmp_path, "mini_repro_memory", {"curves": curves, "mean_curves": mean})
+    text = render_text("<!--f:memrepro.large_diloco_vs_small-->?<!--/f-->", Records(tmp_path))
+    each = ", ".join(f"{(f - 4.2) / 4.2:+.2%} (seed {s})" for f, s in zip(finals, ("7", "6198"), strict=True))
+    assert text.endswith(f"{each}, {verdict}<!--/f-->"), text
