@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -98,3 +103,70 @@ def test_upcycle_from_a_hub_id(
         == 2
     )
     assert "'Qwen/Not-There' is not a local path" in capsys.readouterr().err
+
+
+def test_the_cache_dir_is_where_huggingface_hub_looks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert hub.hub_cache_dir() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hub.hub_cache_dir() == tmp_path / "xdg" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", "~/hf")
+    assert hub.hub_cache_dir() == tmp_path / "home" / "hf" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", "~/cache")
+    assert hub.hub_cache_dir() == tmp_path / "home" / "cache"
+
+
+@pytest.mark.parametrize(("value", "offline"), [("1", True), (" True ", True), ("on", True), ("0", False), ("", False)])
+def test_hf_hub_offline_is_read_as_huggingface_hub_reads_it(
+    value: str, offline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    assert hub.hub_offline() is offline
+
+
+class _NoSuchRepo(BaseHTTPRequestHandler):
+    """A Hub endpoint on loopback that knows no repository (what huggingface.co answers for a mistyped id)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        body = b'{"error": "Repository not found"}'
+        self.send_response(404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_an_id_the_hub_does_not_know_is_named_with_what_to_check(tmp_path: Path) -> None:
+    """The online path, against a Hub endpoint on loopback (HF_ENDPOINT): reachable, the id unknown there."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepo)
+    server.paths = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env |= {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    code = "from spes import hub; print(hub.hub_reachable()); hub.resolve('org/absent', what='tokenizer.identifier')"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=100
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.stdout.strip() == "True" and out.returncode == 1
+    assert server.paths and all("org/absent" in p for p in server.paths)  # type: ignore[attr-defined]
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith(
+        "FileNotFoundError: tokenizer.identifier 'org/absent' is not a local path, not in the Hugging Face cache "
+        f"{tmp_path / 'hf_home' / 'hub'}, and could not be downloaded (RepositoryNotFoundError: "
+    ), error
+    assert error.endswith("); check the id, your network and HF_TOKEN, or pass a local directory"), error
