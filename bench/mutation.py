@@ -970,6 +970,26 @@ EQUIVALENT: dict[str, str] = {
         "every codec's whole selection is of the tensors the global model holds, and a delta selection's names "
         "are restricted to the round's fragment and downloads as the global model's are",
     ),
+    **mutants(
+        "spes.shards.x__resolve_entry",
+        "3",
+        "joining an absolute entry to base_dir: pathlib's `base / absolute` is the absolute path itself",
+    ),
+    **mutants(
+        "spes.shards.x__resolve_entry",
+        "41 43",
+        "encoding 'UTF-8' or the locale's: Python reads the C locale as UTF-8 (PEP 538), so no machine these tests "
+        "run on tells them apart; the explicit encoding keeps a list file readable under any other locale",
+    ),
+    **mutants(
+        "spes.shards.x_find_shard_info", "6 8", "the sidecar's encoding, as the list file's (41 43 of _resolve_entry)"
+    ),
+    **mutants(
+        "spes.shards.x_open_token_array",
+        "4 7 10",
+        "allow_pickle with mmap_mode='r': numpy refuses to map an object array whatever the flag says ('Array can't "
+        "be memory-mapped: Python objects in dtype', checked); the flag states the rule where a mutant drops the map",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 

@@ -37,6 +37,7 @@ def test_a_sidecar_is_read_back_as_written_and_its_absence_is_none_or_named(shar
         ("synthetic",),
         SHARD_FORMAT_VERSION,
     )
+    assert sidecar_path(shards[0]).read_text().startswith('{\n  "tokenizer_fingerprint": ')  # a person reads it too
     bare = write_token_shard(tmp_path / "bare.npy", np.arange(4, dtype=np.uint16), with_sidecar=False)
     assert find_shard_info(bare) is None and sidecar_path(bare).name == "bare.npy.json"
     with pytest.raises(ValueError, match=f"token shard {bare} has no sidecar bare.npy.json.*tokenize_data.py"):
@@ -62,9 +63,11 @@ def test_a_sidecar_of_another_format_version_is_refused(shards: list[Path]) -> N
 
 
 def test_a_headerless_file_is_read_as_memmap_dtype_and_refused_when_it_cannot_be(tmp_path: Path) -> None:
+    real = open_token_array(write_token_shard(tmp_path / "real.npy", np.arange(5, dtype=np.uint32)))
+    assert isinstance(real, np.memmap) and not real.flags.writeable and real.dtype == np.uint32  # mapped, not read
     flat = tmp_path / "flat.npy"
     np.arange(6, dtype=np.uint32).tofile(flat)
-    assert not has_npy_header(flat) and has_npy_header(write_token_shard(tmp_path / "real.npy", np.arange(3)))
+    assert not has_npy_header(flat) and has_npy_header(tmp_path / "real.npy")
     tokens = open_token_array(flat, "uint32")
     assert tokens.dtype == np.uint32 and tokens.tolist() == list(range(6)) and not tokens.flags.writeable
     assert open_token_array(flat).dtype == np.uint16 and len(open_token_array(flat)) == 12  # OLMo's default
@@ -91,16 +94,47 @@ def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: li
     ]
 
 
-@pytest.mark.parametrize("entry", ["nothing_*.npy", "missing.npy", "empty_dir"])
-def test_resolve_paths_names_the_entry_that_matches_nothing(entry: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("entry", "kind", "why"),
+    [
+        ("nothing_*.npy", "data path pattern", "matches no file"),
+        ("missing.npy", "data path", "does not exist"),
+        ("empty_dir", "data directory", "holds no .npy token shards"),
+    ],
+)
+def test_resolve_paths_names_the_entry_that_matches_nothing(entry: str, kind: str, why: str, tmp_path: Path) -> None:
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(FileNotFoundError, match=re.escape(entry)):
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(f'{kind} {entry!r} {why}')}$"):
         resolve_paths([entry], base_dir=tmp_path)
+    listing = tmp_path / "files.txt"  # the same entry in a list file: named with the list
+    listing.write_text(f"{entry}\n")
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(f'{kind} {entry!r} (listed in {listing}) {why}')}$"):
+        resolve_paths([listing])
 
 
-def test_resolve_paths_refuses_an_empty_list() -> None:
-    with pytest.raises(ValueError, match="data.paths is empty"):
+def test_a_glob_reaches_into_subdirectories_with_two_stars(tmp_path: Path) -> None:
+    for d in ("a", "b/c"):
+        (tmp_path / d).mkdir(parents=True)
+    nested = [write_token_shard(tmp_path / d / "part.npy", np.arange(4, dtype=np.uint16)) for d in ("a", "b/c")]
+    (tmp_path / "b" / "dir.npy").mkdir()  # a directory the pattern matches is no shard
+    assert resolve_paths(str(tmp_path / "**" / "*.npy")) == nested
+
+
+def test_resolve_paths_refuses_an_empty_list_and_a_list_file_naming_nothing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="^data.paths is empty: give token shard files, globs, directories or .txt"):
         resolve_paths([])
+    listing = tmp_path / "files.txt"
+    listing.write_text("# nothing yet\n\n")
+    with pytest.raises(ValueError, match=f"^data list file {re.escape(str(listing))} names no shards$"):
+        resolve_paths(str(listing))
+
+
+def test_a_list_file_inside_a_list_file_is_taken_as_a_path_not_expanded(shards: list[Path], tmp_path: Path) -> None:
+    inner = tmp_path / "inner.txt"
+    inner.write_text(f"{shards[0]}\n")
+    outer = tmp_path / "outer.txt"
+    outer.write_text("inner.txt\n")
+    assert resolve_paths(str(outer)) == [inner]  # the dataset then refuses it as no .npy shard
 
 
 def test_tokenization_imports_no_torch() -> None:
