@@ -990,6 +990,11 @@ EQUIVALENT: dict[str, str] = {
         "allow_pickle with mmap_mode='r': numpy refuses to map an object array whatever the flag says ('Array can't "
         "be memory-mapped: Python objects in dtype', checked); the flag states the rule where a mutant drops the map",
     ),
+    **mutants(
+        "spes.sync.retry.x_retrying",
+        "3",
+        "'' for None as the first refusal's time: both are false, so `duplicate_since or time.monotonic()` starts it",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 

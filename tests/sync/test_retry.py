@@ -3,6 +3,7 @@ tried at once, the round's deadline, and a peer id held by another process."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import grpc
@@ -119,3 +120,35 @@ def test_a_grpc_error_is_named_and_classified(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(SyncError) as err:
         retrying("status", failing([Unavailable()] * 2), max_retries=1)
     assert str(err.value) == "status failed (UNAVAILABLE): socket closed" and err.value.retryable
+
+
+def test_each_attempt_gets_the_per_attempt_timeout_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    Clock(monkeypatch)
+    bounded = failing([UNAVAILABLE])
+    assert retrying("join", bounded, max_retries=1, per_attempt_s=7.5) == "done"
+    assert bounded.timeouts == [7.5, 7.5]  # type: ignore[attr-defined]
+    unbounded = failing([])
+    assert retrying("status", unbounded, max_retries=0) == "done"
+    assert unbounded.timeouts == [math.inf]  # type: ignore[attr-defined]
+
+
+def test_a_held_peer_id_is_retried_until_exactly_its_wait_has_passed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retried while at most DUPLICATE_WAIT_S have passed since the first refusal, refused once more have."""
+    clock = Clock(monkeypatch)
+    held = classify("join", grpc.StatusCode.ALREADY_EXISTS, "peer 0 is live at ...", Reason.DUPLICATE_PEER)
+    monkeypatch.setattr(retry, "backoff_s", lambda attempt: retry.DUPLICATE_WAIT_S / 3)
+    assert retrying("join", failing([held] * 4), max_retries=10) == "done"  # the 4th refusal comes at exactly the wait
+    assert sum(clock.slept) == retry.DUPLICATE_WAIT_S + retry.DUPLICATE_WAIT_S / 3
+    with pytest.raises(SyncError) as err:
+        retrying("join", failing([held] * 5), max_retries=10)
+    assert err.value is held
+
+
+def test_each_retry_is_logged_with_the_failure_and_the_wait(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Clock(monkeypatch)
+    monkeypatch.setattr(retry, "backoff_s", lambda attempt: 1.25)
+    with caplog.at_level("WARNING", logger="spes.client"):
+        retrying("upload", failing([UNAVAILABLE]), max_retries=3)
+    assert caplog.messages == [f"{UNAVAILABLE}; retry 1/3 in 1.2 s"]
