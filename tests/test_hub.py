@@ -48,8 +48,8 @@ def test_local_path_comes_before_the_cache(
 def test_offline_and_not_cached_names_the_id(hf_home: Path) -> None:
     with pytest.raises(
         FileNotFoundError,
-        match=r"tokenizer 'Qwen/NotCached' is not a local path and not in the "
-        r"Hugging Face cache .*HF_HUB_OFFLINE=1",
+        match=r"^tokenizer 'Qwen/NotCached' is not a local path and not in the Hugging Face cache .*, and "
+        r"HF_HUB_OFFLINE=1 forbids downloading it: run once online \(or `hf download Qwen/NotCached`\), set HF_HOME",
     ):
         load_tokenizer("Qwen/NotCached")
     with pytest.raises(FileNotFoundError, match=r"--hf 'org/missing-model'.*HF_HUB_OFFLINE=1"):
@@ -60,7 +60,9 @@ def test_unreachable_hub_is_an_immediate_error(hf_home: Path, monkeypatch: pytes
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
     assert not hub.hub_reachable()
-    with pytest.raises(FileNotFoundError, match="'org/tok' is not a local path.*the Hub is not reachable"):
+    with pytest.raises(
+        FileNotFoundError, match="'org/tok' is not a local path.*, and the Hub is not reachable from here: "
+    ):
         hub.resolve("org/tok", what="tokenizer")
 
 
@@ -69,6 +71,19 @@ def test_paths_that_are_not_ids_are_named(hf_home: Path) -> None:
         load_tokenizer("./no/such/dir")
     assert hub.looks_like_repo_id("Qwen/Qwen3-1.7B") and hub.looks_like_repo_id("gpt2")
     assert not hub.looks_like_repo_id("../x/y") and not hub.looks_like_repo_id("/abs/path")
+    assert not hub.looks_like_repo_id("org/a..b")  # the Hub allows no '..' in a name: a path, then
+
+
+def test_an_id_without_huggingface_hub_installed_says_which_extra_to_install(
+    hf_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # what `import huggingface_hub` meets without it
+    with pytest.raises(FileNotFoundError) as err:
+        hub.resolve("org/tok", what="--hf")
+    assert str(err.value) == (
+        "--hf 'org/tok' is not a local path; reading it from the Hugging Face Hub needs huggingface_hub "
+        "(pip install -e '.[hf]')"
+    )
 
 
 def test_hf_import_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
@@ -163,10 +178,12 @@ def test_an_id_the_hub_does_not_know_is_named_with_what_to_check(tmp_path: Path)
         server.shutdown()
         server.server_close()
     assert out.stdout.strip() == "True" and out.returncode == 1
-    assert server.paths and all("org/absent" in p for p in server.paths)  # type: ignore[attr-defined]
+    asked = server.paths  # type: ignore[attr-defined]
+    assert len(asked) == 1 and "org/absent" in asked[0], asked  # the cache is looked up offline first, then one ask
     error = out.stderr.strip().splitlines()[-1]
     assert error.startswith(
         "FileNotFoundError: tokenizer.identifier 'org/absent' is not a local path, not in the Hugging Face cache "
         f"{tmp_path / 'hf_home' / 'hub'}, and could not be downloaded (RepositoryNotFoundError: "
     ), error
     assert error.endswith("); check the id, your network and HF_TOKEN, or pass a local directory"), error
+    assert "404" in error.partition("(RepositoryNotFoundError: ")[2], error  # the Hub's own first line
