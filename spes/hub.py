@@ -32,6 +32,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.jinja")
+DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -41,15 +42,21 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
+def endpoint_address(endpoint: str | None) -> tuple[str, int]:
+    """The (host, port) a connection to the Hub endpoint `endpoint` (`HF_ENDPOINT`; None: huggingface.co) dials:
+    the URL's port, else its scheme's (a mirror at `http://host` listens on 80)."""
+    url = urlparse(endpoint or DEFAULT_ENDPOINT)
+    return url.hostname or urlparse(DEFAULT_ENDPOINT).netloc, url.port or (80 if url.scheme == "http" else 443)
+
+
 def hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the Hub endpoint (`HF_ENDPOINT`, default huggingface.co) accepts a TCP connection now.
 
     A quick probe, so that a machine without internet gets an immediate answer instead of minutes of
     retries inside `huggingface_hub` / `datasets`.
     """
-    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
-        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout_s).close()
+        socket.create_connection(endpoint_address(os.environ.get("HF_ENDPOINT")), timeout=timeout_s).close()
     except OSError:
         return False
     return True
@@ -103,8 +110,9 @@ def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[st
     try:
         return Path(snapshot_download(name, cache_dir=cache, allow_patterns=list(files)))
     except Exception as err:  # noqa: BLE001  # network, auth and not-found errors all mean the same to the user
+        first_line = str(err).partition("\n")[0]
         raise FileNotFoundError(
             f"{what} {name!r} is not a local path, not in the Hugging Face cache {cache}, and could not be "
-            f"downloaded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); check the id, "
-            f"your network and HF_TOKEN, or pass a local directory"
+            f"downloaded ({type(err).__name__}: {first_line}); check the id, your network and HF_TOKEN, or pass a "
+            "local directory"
         ) from None

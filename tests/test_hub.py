@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -54,6 +56,26 @@ def test_offline_and_not_cached_names_the_id(hf_home: Path) -> None:
         load_tokenizer("Qwen/NotCached")
     with pytest.raises(FileNotFoundError, match=r"--hf 'org/missing-model'.*HF_HUB_OFFLINE=1"):
         hf.import_hf("org/missing-model", hf_home / "out" / "step0")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "address"),
+    [
+        (None, ("huggingface.co", 443)),
+        ("", ("huggingface.co", 443)),
+        ("https://hf-mirror.com", ("hf-mirror.com", 443)),
+        ("http://mirror.lan", ("mirror.lan", 80)),
+        ("http://127.0.0.1:8080/", ("127.0.0.1", 8080)),
+    ],
+)
+def test_the_probe_dials_the_endpoints_host_and_port(endpoint: str | None, address: tuple[str, int]) -> None:
+    assert hub.endpoint_address(endpoint) == address
+
+
+def test_a_hub_endpoint_that_accepts_a_connection_is_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{listener.getsockname()[1]}")
+        assert hub.hub_reachable()
 
 
 def test_unreachable_hub_is_an_immediate_error(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -169,7 +191,11 @@ def test_an_id_the_hub_does_not_know_is_named_with_what_to_check(tmp_path: Path)
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env |= {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
-    code = "from spes import hub; print(hub.hub_reachable()); hub.resolve('org/absent', what='tokenizer.identifier')"
+    code = (
+        "from spes import hub\nprint(hub.hub_reachable())\n"
+        "try:\n    hub.resolve('org/absent', what='tokenizer.identifier')\n"
+        "except FileNotFoundError as err:\n    print(repr(str(err)))"
+    )
     try:
         out = subprocess.run(
             [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=100
@@ -177,12 +203,14 @@ def test_an_id_the_hub_does_not_know_is_named_with_what_to_check(tmp_path: Path)
     finally:
         server.shutdown()
         server.server_close()
-    assert out.stdout.strip() == "True" and out.returncode == 1
+    reachable, line = out.stdout.strip().splitlines()
+    assert reachable == "True" and out.returncode == 0, out.stderr
     asked = server.paths  # type: ignore[attr-defined]
     assert len(asked) == 1 and "org/absent" in asked[0], asked  # the cache is looked up offline first, then one ask
-    error = out.stderr.strip().splitlines()[-1]
+    error = ast.literal_eval(line)
+    assert "\n" not in error  # one line, the Hub's own first
     assert error.startswith(
-        "FileNotFoundError: tokenizer.identifier 'org/absent' is not a local path, not in the Hugging Face cache "
+        "tokenizer.identifier 'org/absent' is not a local path, not in the Hugging Face cache "
         f"{tmp_path / 'hf_home' / 'hub'}, and could not be downloaded (RepositoryNotFoundError: "
     ), error
     assert error.endswith("); check the id, your network and HF_TOKEN, or pass a local directory"), error
