@@ -66,6 +66,7 @@ def test_offline_and_not_cached_names_the_id(hf_home: Path) -> None:
         ("https://hf-mirror.com", ("hf-mirror.com", 443)),
         ("http://mirror.lan", ("mirror.lan", 80)),
         ("http://127.0.0.1:8080/", ("127.0.0.1", 8080)),
+        ("mirror.lan", ("huggingface.co", 443)),  # no scheme, so no host: not an endpoint huggingface_hub can use
     ],
 )
 def test_the_probe_dials_the_endpoints_host_and_port(endpoint: str | None, address: tuple[str, int]) -> None:
