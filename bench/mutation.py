@@ -74,6 +74,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/shards.py": ("tests/test_shards.py", "tests/test_data.py"),
     "spes/hub.py": ("tests/test_hub.py",),
     "spes/sync/retry.py": ("tests/sync/test_retry.py",),
+    "spes/sync/protocol.py": ("tests/sync/test_protocol.py", "tests/sync/test_retry.py"),
     "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
     "spes/sync/aggregate.py": ("tests/sync/test_aggregate.py", "tests/sync/test_coordinator.py"),
     "spes/sync/auth.py": (
