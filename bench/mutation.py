@@ -1017,6 +1017,7 @@ GPU_HEAD = "tests/test_head_loss.py::test_on_a_gpu_the_weight_gradient_is_accumu
 GPU_MOE = "tests/test_moe.py::test_on_a_gpu_auto_is_grouped_mm_and_a_peers_layer_runs_there"
 SERVER = "tests/sync/test_server.py::"
 FSDP_CKPT = "tests/test_checkpoint.py::test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly"
+GPU_PEAK_MEMORY = "tests/test_monitor.py::test_peak_gpu_memory_is_the_allocators_peak_in_megabytes"
 HUB_ONLINE = "tests/test_hub.py::test_an_id_the_hub_does_not_know_is_named_with_what_to_check"
 KILLED_BY: dict[str, str] = {
     # the state-dict options that only sharded (FSDP2) parameters read, on two gloo ranks (torchrun)
@@ -1080,6 +1081,8 @@ KILLED_BY: dict[str, str] = {
     **mutants(
         "spes.data.x_repetitive_instances", "5 8 26 28", "tests/test_data.py::test_the_repetition_filter_runs_on_a_gpu"
     ),
+    # the peak GPU memory a node logs, which only a GPU has
+    **mutants("spes.monitor.x_peak_memory_mb", "2 3 4 5 7 9 11 18", GPU_PEAK_MEMORY),
     # the online path, in a process of its own against a Hub endpoint on loopback (huggingface_hub reads HF_ENDPOINT
     # as it is imported): one ask after the offline lookup, the download's arguments, the one-line refusal
     **mutants("spes.hub.x_resolve", "13 16 17 30 31 34 37 38 39 40 41 42 43 44 45 46 47", HUB_ONLINE),

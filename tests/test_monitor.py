@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
+from spes import monitor
 from spes.distributed import DistInfo
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak_memory_mb, progress_bar
 
@@ -57,3 +59,82 @@ def test_truncate_keeps_each_step_once_after_a_resume(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert [r["loss"] for r in rows[4:6]] == [5.0, -6.0]
     MetricsLog(tmp_path / "fresh", enabled=True).truncate(0)  # nothing written yet: nothing to do
+
+
+def test_console_line_formats_every_metric_it_knows() -> None:
+    metrics = {
+        "loss": 2.123456,
+        "ce": 2.0,
+        "lb_loss": 0.0123456,
+        "z_loss": 0.000123456,
+        "lr": 0.00012345,
+        "grad_norm": 1.23456,
+        "tokens_per_s": 1234567.8,
+        "mfu": 0.18537,
+        "peak_gpu_mb": 14249.2,
+        "val_loss": 3.0,
+        "val_ppl": 20.0855,
+        "merged_val_loss": 2.9,
+        "sync_s": 1.234,
+        "sync_wait_s": 0.5,
+        "sync_upload_s": 0.25,
+        "sync_publish_s": 0.125,
+        "sync_download_s": 2.0,
+        "sync_mb_up": 70.56,
+        "sync_mb_down": 188.0,
+        "eta_min": 12.345,
+    }
+    assert format_line(1, 1, metrics) == (
+        "step 1/1 [####################] 100% | loss 2.1235 | ce 2.0000 | lb_loss 0.0123 | z_loss 0.00012 | "
+        "lr 1.23e-04 | grad_norm 1.235 | tokens_per_s 1,234,568 | mfu 18.5% | peak_gpu_mb 14,249 | val_loss 3.0000 | "
+        "val_ppl 20.09 | merged_val_loss 2.9000 | sync_s 1.23 | sync_wait_s 0.50 | sync_upload_s 0.25 | "
+        "sync_publish_s 0.12 | sync_download_s 2.00 | sync_mb_up 70.6 | sync_mb_down 188.0 | eta_min 12.3"
+    )
+
+
+def test_a_run_of_one_step_fills_its_bar() -> None:
+    assert progress_bar(1, 1, width=4) == "[####] 100%" and progress_bar(0, 0, width=2) == "[..]   0%"
+
+
+def test_speed_under_a_second_of_samples_is_still_a_rate() -> None:
+    speed = SpeedMonitor(window=4)
+    speed.record(100, 0.25)
+    assert speed.tokens_per_second() == 400.0
+
+
+def test_metrics_rows_carry_the_seconds_since_the_log_began(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([1000.0, 1012.34567])
+    monkeypatch.setattr(monitor.time, "time", lambda: next(clock))
+    log = MetricsLog(tmp_path / "a" / "b", enabled=True)  # a save folder not made yet
+    log.write(7, {"loss": 1.0})
+    assert json.loads(log.path.read_text()) == {"step": 7, "time": 12.346, "loss": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA L40S", 362e12),  # not the L4's: the longest product name the device's contains
+        ("NVIDIA L4", 121e12),
+        ("Tesla T4", None),
+    ],
+)
+def test_the_mfu_peak_is_the_datasheet_figure_of_the_devices_product(
+    name: str, peak: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU through a stand-in for the CUDA device's name (the only thing `peak_flops` reads of it)."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: asked.append(device) or name)
+    assert peak_flops(torch.device("cuda", 1)) == peak and asked == [torch.device("cuda", 1)]
+
+
+@pytest.mark.gpu
+def test_peak_gpu_memory_is_the_allocators_peak_in_megabytes() -> None:
+    device = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats(device)
+    block = torch.empty(50_000_000, dtype=torch.uint8, device=device)
+    peak = peak_memory_mb(DistInfo(rank=0, world_size=1, local_rank=0, device=device))
+    assert peak == torch.tensor(torch.cuda.max_memory_allocated(device) / 1e6).item() and 50 <= peak < 1000
+    del block
