@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,112 @@ def test_train_tokenizer_script_refuses_a_number_out_of_range(
 ) -> None:
     argv = ["--input", str(tmp_path / "x.txt"), "--output_dir", str(tmp_path / "t"), flag]
     assert usage_error(capsys, lambda: corpus.train_tokenizer_main(argv)).endswith(f": error: {rule}")
+
+
+def word_level(tmp_path: Path, vocab: list[str], *, added: Sequence[str] = (), config: object = None) -> Path:
+    """A tokenizer.json of a word-level vocabulary (ids in order), special tokens `added` on top of it, and a
+    tokenizer_config.json holding `config` when one is given."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=vocab[0]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(added))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    if config is not None:
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_a_trained_tokenizer_directory_is_what_transformers_reads(tmp_path: Path) -> None:
+    out = tmp_path / "a" / "tok"  # a folder not made yet
+    loaded = train_byte_level_bpe(["ab ab", "cd"], vocab_size=300, output_dir=out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    special = {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+    assert (out / "special_tokens_map.json").read_text() == json.dumps(special, indent=2)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 10**9}
+    assert (out / "tokenizer_config.json").read_text() == json.dumps(
+        {**config, "clean_up_tokenization_spaces": False, **special}, indent=2
+    )
+    assert (out / "tokenizer.json").read_text().startswith('{\n  "version"')  # pretty, as transformers saves it
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (0, 1)
+    assert "ab" in loaded.tokenizer.get_vocab()  # a pair seen twice is merged (min_frequency 2)
+    again = train_byte_level_bpe(["ab ab", "cd"], vocab_size=300, output_dir=out, min_frequency=3)
+    assert "ab" not in again.tokenizer.get_vocab()  # the same folder again, and a pair seen twice is not enough
+
+
+def test_the_smallest_byte_level_vocabulary_holds_every_byte_and_two_specials(tmp_path: Path) -> None:
+    assert train_byte_level_bpe(["x"], vocab_size=258, output_dir=tmp_path).vocab_size == 258
+    with pytest.raises(ValueError) as err:
+        train_byte_level_bpe(["x"], vocab_size=257, output_dir=tmp_path)
+    assert str(err.value) == "vocab_size=257 is too small: a byte-level BPE needs at least 258 (256 bytes + EOS + pad)"
+
+
+def test_text_is_encoded_without_specials_and_decoded_with_them(tmp_path: Path) -> None:
+    path = word_level(tmp_path, ["a", "</s>", "b"])
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    loaded = load_tokenizer(path)
+    assert loaded.encode_batch(["b a"]) == [[2, 0]]  # the template's </s> is the pipeline's to append, not here
+    assert loaded.decode([2, 1]) == "b </s>"  # a document's end stays visible
+
+
+def test_the_vocabulary_size_counts_added_special_tokens(tmp_path: Path) -> None:
+    loaded = load_tokenizer(word_level(tmp_path, ["a", "b"], added=["<|endoftext|>"]))
+    assert loaded.vocab_size == 3 and loaded.eos_token_id == 2 and loaded.pad_token_id == 2
+
+
+def test_the_config_names_eos_and_pad_as_strings_or_added_token_objects(tmp_path: Path) -> None:
+    config = {"eos_token": {"content": "<eod>", "lstrip": False}, "pad_token": "<pad>"}
+    loaded = load_tokenizer(word_level(tmp_path, ["a", "</s>", "<eod>", "<pad>"], config=config))
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (2, 3)
+
+
+def test_a_pad_token_the_vocabulary_lacks_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(word_level(tmp_path, ["a", "</s>"], config={"pad_token": "<pad>"}))
+    assert str(err.value) == (
+        f"tokenizer_config.json beside {tmp_path / 'tokenizer.json'} names pad token '<pad>', which is not in the "
+        "vocabulary"
+    )
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused_saying_how_to_name_one(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(word_level(tmp_path, ["a", "b"]))
+    assert str(err.value) == (
+        f"tokenizer {tmp_path / 'tokenizer.json'} defines no EOS token: add one of ['<|endoftext|>', "
+        "'<|end_of_text|>', '</s>', '<eos>'] or name it as 'eos_token' in a tokenizer_config.json beside it"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("tokenizer.json", "{not json", "is not a valid Hugging Face tokenizer.json: "),
+        ("tokenizer_config.json", "{not json", "is not valid JSON: "),
+        ("tokenizer_config.json", "[1]", "must hold a JSON object"),
+    ],
+)
+def test_a_damaged_tokenizer_file_is_refused_naming_it(tmp_path: Path, name: str, text: str, message: str) -> None:
+    word_level(tmp_path, ["a", "</s>"])
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / name} {message}"), err.value
+
+
+def test_a_path_that_is_neither_local_nor_an_id_says_how_to_get_a_tokenizer() -> None:
+    with pytest.raises(FileNotFoundError) as err:
+        load_tokenizer("./no/such/tokenizer")
+    assert str(err.value).startswith("tokenizer './no/such/tokenizer' is not a local file or directory")
+    assert "python data_process_scripts/train_tokenizer.py --input" in str(err.value)
+
+
+def test_an_embedding_as_large_as_the_vocabulary_is_accepted() -> None:
+    check_vocab(512, 512, 512)
