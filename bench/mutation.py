@@ -1008,6 +1008,12 @@ EQUIVALENT: dict[str, str] = {
         "8",
         "the value of an unset HF_HUB_OFFLINE: '' and 'xxxx' are both not among the true spellings",
     ),
+    **mutants(
+        "spes.tokenizer.x__read_tokenizer_config",
+        "4 6",
+        "the config's encoding, as a list file's (41 43 of spes.shards._resolve_entry)",
+    ),
+    **mutants("spes.tokenizer.x_load_tokenizer", "23", "'UTF-8' and 'utf-8' name one codec"),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 

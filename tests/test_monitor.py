@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,8 @@ def test_console_line_formats_every_metric_it_knows() -> None:
         "val_ppl 20.09 | merged_val_loss 2.9000 | sync_s 1.23 | sync_wait_s 0.50 | sync_upload_s 0.25 | "
         "sync_publish_s 0.12 | sync_download_s 2.00 | sync_mb_up 70.6 | sync_mb_down 188.0 | eta_min 12.3"
     )
+    nan = format_line(1, 1, dict.fromkeys(metrics, math.nan))  # a diverged step is shown as it is
+    assert nan.split(" | ")[1:] == [f"{key} {'nan%' if key == 'mfu' else 'nan'}" for key in metrics]
 
 
 def test_a_run_of_one_step_fills_its_bar() -> None:

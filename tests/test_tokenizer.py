@@ -161,9 +161,14 @@ def word_level(tmp_path: Path, vocab: list[str], *, added: Sequence[str] = (), c
     return tmp_path
 
 
-def test_a_trained_tokenizer_directory_is_what_transformers_reads(tmp_path: Path) -> None:
+def test_a_trained_tokenizer_directory_is_what_transformers_reads(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "a" / "tok"  # a folder not made yet
     loaded = train_byte_level_bpe(["ab ab", "cd"], vocab_size=300, output_dir=out)
+    assert capfd.readouterr() == ("", "")  # no progress bars in a tokenizing run's log
+    (ids,) = loaded.encode_batch([f"ab {EOS_TOKEN} cd"])
+    assert loaded.eos_token_id not in ids  # a literal end-of-text marker in a document is text
     assert sorted(p.name for p in out.iterdir()) == [
         "special_tokens_map.json",
         "tokenizer.json",
