@@ -76,6 +76,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/sync/retry.py": ("tests/sync/test_retry.py",),
     "spes/sync/protocol.py": ("tests/sync/test_protocol.py", "tests/sync/test_retry.py"),
     "spes/monitor.py": ("tests/test_monitor.py",),
+    "spes/sync/codecs/registry.py": ("tests/sync/codecs/test_registry.py",),
     "spes/tokenizer.py": ("tests/test_tokenizer.py",),
     "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
     "spes/sync/aggregate.py": ("tests/sync/test_aggregate.py", "tests/sync/test_coordinator.py"),
