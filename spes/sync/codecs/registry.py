@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from spes.sync.codecs import int8, sparse
 from spes.sync.codecs.base import Quantizer
@@ -43,38 +44,34 @@ class Codec:
     """Bytes of a tensor of n values sent as full values (a held-model codec's first round, a catch-up)."""
 
 
-def _raw(dtype: str) -> Callable[[dict[str, int]], Codec]:
-    def build(settings: dict[str, int]) -> Codec:
-        size = RAW_DTYPES[dtype].itemsize
-        count = size.__mul__
-        return Codec(dtype, {}, lambda: RawPeer(dtype), lambda: RawServer(dtype), count, count, count)
-
-    return build
+def raw_codec(dtype: str, settings: dict[str, int]) -> Codec:
+    """Values as `dtype` every way (a raw codec takes no `settings`): n values are n * itemsize bytes up, down and in
+    full."""
+    count = RAW_DTYPES[dtype].itemsize.__mul__
+    return Codec(dtype, {}, lambda: RawPeer(dtype), lambda: RawServer(dtype), count, count, count)
 
 
-def _held(make: type) -> Callable[[dict[str, int]], Codec]:
-    def build(settings: dict[str, int]) -> Codec:
-        quantizer: Quantizer = make(**settings)
-        full = RAW_DTYPES[VALUES_DTYPE].itemsize
-        filled = {f.name: getattr(quantizer, f.name) for f in dataclasses.fields(quantizer) if f.name != "name"}  # type: ignore[arg-type]
-        return Codec(
-            quantizer.name,
-            filled,
-            lambda: HeldPeer(quantizer),
-            lambda: HeldServer(quantizer),
-            quantizer.round_bytes,
-            quantizer.down.round_bytes,
-            full.__mul__,
-        )
-
-    return build
+def held_codec(make: type, settings: dict[str, int]) -> Codec:
+    """Deltas against the held model in the format of quantizer `make(**settings)`: up in its format, down in its
+    `down` format, full values as fp32 (`VALUES_DTYPE`)."""
+    quantizer: Quantizer = make(**settings)
+    filled = {f.name: getattr(quantizer, f.name) for f in dataclasses.fields(quantizer) if f.name != "name"}  # type: ignore[arg-type]
+    return Codec(
+        quantizer.name,
+        filled,
+        lambda: HeldPeer(quantizer),
+        lambda: HeldServer(quantizer),
+        quantizer.round_bytes,
+        quantizer.down.round_bytes,
+        RAW_DTYPES[VALUES_DTYPE].itemsize.__mul__,
+    )
 
 
 REGISTRY: dict[str, tuple[type | None, Callable[[dict[str, int]], Codec]]] = {
-    "fp32": (None, _raw("fp32")),
-    "bf16": (None, _raw("bf16")),
-    "int8": (int8.Int8, _held(int8.Int8)),
-    "sparse": (sparse.Sparse, _held(sparse.Sparse)),
+    "fp32": (None, partial(raw_codec, "fp32")),
+    "bf16": (None, partial(raw_codec, "bf16")),
+    "int8": (int8.Int8, partial(held_codec, int8.Int8)),
+    "sparse": (sparse.Sparse, partial(held_codec, sparse.Sparse)),
 }
 """name -> (the settings dataclass, None for a codec without settings; the builder)."""
 
