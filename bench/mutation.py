@@ -1015,6 +1015,11 @@ EQUIVALENT: dict[str, str] = {
         "the config's encoding, as a list file's (41 43 of spes.shards._resolve_entry)",
     ),
     **mutants("spes.tokenizer.x_load_tokenizer", "23", "'UTF-8' and 'utf-8' name one codec"),
+    **mutants(
+        "spes.sync.codecs.registry.x_build_codec",
+        "21 22",
+        "how many close matches difflib returns: only the best, the first, is named",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 

@@ -26,13 +26,16 @@ def test_int8_fills_its_defaults_and_moves_blockwise_deltas_and_full_fp32_values
     assert codec.settings == {"block": int8.DEFAULT_BLOCK}
     assert codec.round_bytes(1000) == codec.down_bytes(1000) == int8.payload_bytes(1000, int8.DEFAULT_BLOCK)
     assert codec.full_bytes(1000) == 4000  # a held-model codec's first round: fp32 values
-    assert isinstance(codec.peer(), HeldPeer) and isinstance(codec.server(), HeldServer)
+    peer, server = codec.peer(), codec.server()
+    assert isinstance(peer, HeldPeer) and isinstance(server, HeldServer) and codec.name == "int8"
+    assert peer.quantizer == server.quantizer == int8.Int8()  # both ends in the run's format
     assert build_codec("int8", {"block": 512}).round_bytes(1000) == int8.payload_bytes(1000, 512)
 
 
 def test_sparse_sends_up_in_its_format_and_down_in_the_servers() -> None:
     codec = build_codec("sparse", {"topk": 32})
     defaults = sparse.Sparse()
+    assert codec.name == "sparse" and codec.peer().quantizer == codec.server().quantizer == sparse.Sparse(topk=32)
     assert codec.settings == {
         "chunk": defaults.chunk,
         "topk": 32,
