@@ -175,7 +175,9 @@ def add_deploy_flags(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in fields(DeployConfig):
         meta = f.metadata
-        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        if meta["group"] not in groups:
+            groups[meta["group"]] = parser.add_argument_group(meta["group"])
+        group = groups[meta["group"]]
         flag = meta.get("flag", f"--{f.name}")
         default = None if f.default is MISSING else f.default
         if f.type in (bool, "bool"):

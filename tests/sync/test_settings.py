@@ -48,3 +48,78 @@ def test_a_limit_must_be_positive_and_finite(field: str) -> None:
 def test_the_open_files_its_limits_can_hold() -> None:
     assert DeployConfig().open_files() == 256 + 2 * 64 + FILE_RESERVE
     assert DeployConfig(max_connections=32, max_streams=16).open_files() == 32 + 32 + FILE_RESERVE
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"port": -1}, "--port must be in [0, 65535], got -1"),
+        ({"port": 65536}, "--port must be in [0, 65535], got 65536"),
+        ({"data_port": -2}, "--data_port must be -1 (disabled) or in [0, 65535], got -2"),
+        ({"data_port": 65536}, "--data_port must be -1 (disabled) or in [0, 65535], got 65536"),
+        ({"max_message_mb": 1}, "--max_message_mb must be >= 2 (chunks are 1 MiB), got 1"),
+        ({"tls_cert": "c.pem"}, "--tls_cert and --tls_key must be given together"),
+        ({"tls_key": "k.pem"}, "--tls_cert and --tls_key must be given together"),
+        ({"tls_client_ca": "ca.pem"}, "--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key"),
+        (
+            {"tls_peer_ids": True, "tls_cert": "c.pem", "tls_key": "k.pem"},
+            "--tls_peer_ids binds peer ids to client certificates: it needs mutual TLS (--tls_client_ca, --tls_cert, "
+            "--tls_key)",
+        ),
+        ({"token": ""}, "the auth token is empty: put a non-empty secret in SPES_TOKEN or --token_file"),
+    ],
+)
+def test_a_deployment_that_cannot_serve_is_refused_naming_the_flag(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        DeployConfig(**settings)
+    assert str(err.value) == message
+
+
+def test_the_edges_of_the_ports_and_the_smallest_message_are_accepted() -> None:
+    for port in (0, 65535):
+        assert DeployConfig(port=port, data_port=port).port == port
+    assert DeployConfig(data_port=-1, max_message_mb=2).max_message_mb == 2
+    mutual = {"tls_cert": "c.pem", "tls_key": "k.pem", "tls_client_ca": "ca.pem", "tls_peer_ids": True}
+    assert DeployConfig(**mutual).tls_peer_ids
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost"])
+def test_a_loopback_server_needs_no_token(host: str) -> None:
+    DeployConfig(host=host).check_exposure()
+
+
+def test_a_server_other_machines_reach_needs_a_token_and_tls_or_insecure() -> None:
+    with pytest.raises(ValueError) as err:
+        DeployConfig(host="0.0.0.0").check_exposure()
+    assert str(err.value) == (
+        "--host 0.0.0.0 is reachable from other machines and no token is set: anyone could join the run. Set "
+        "SPES_TOKEN or --token_file (with --tls_cert/--tls_key), bind --host 127.0.0.1, or pass --insecure on a "
+        "trusted network"
+    )
+    with pytest.raises(ValueError) as err:
+        DeployConfig(host="server.example.org", token="s").check_exposure()
+    assert str(err.value) == (
+        "--host server.example.org is reachable from other machines and the token would travel in clear text: add "
+        "--tls_cert/--tls_key, or pass --insecure on a trusted network"
+    )
+    DeployConfig(host="10.0.0.5", token="s", tls_cert="c.pem", tls_key="k.pem").check_exposure()
+    DeployConfig(host="0.0.0.0", insecure=True).check_exposure()
+
+
+def test_each_flag_stands_in_its_group_with_its_doc_and_default() -> None:
+    parser = argparse.ArgumentParser()
+    add_deploy_flags(parser)
+    titles = [g.title for g in parser._action_groups]
+    assert titles[-4:] == ["network", "run", "limits", "security"]  # each group once, none left empty
+    groups = {g.title: {a.dest: a for a in g._group_actions} for g in parser._action_groups}
+    for f in dataclasses.fields(DeployConfig):
+        action = groups[f.metadata["group"]][f.name]
+        assert action.help == f.metadata["doc"] and action.default == f.default, f.name
+        kind = {"int": int, "float": float}.get(str(f.type), str)
+        assert action.type is kind or isinstance(action, argparse._StoreTrueAction), f.name
+
+
+def test_a_token_file_the_flag_names_is_read_and_its_problems_name_the_flag(tmp_path: Path) -> None:
+    with pytest.raises((ValueError, FileNotFoundError)) as err:
+        parse("--token_file", str(tmp_path / "missing"))
+    assert "--token_file" in str(err.value)

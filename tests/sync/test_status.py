@@ -38,6 +38,25 @@ def test_the_line_names_the_open_round_who_is_in_and_when_the_missing_were_last_
     assert describe(joining) == "run abc: no round completed yet; 1 of 2 peers joined (peer 0 never joined)"
 
 
+def test_round_zero_counts_and_a_run_with_everyone_in_and_nothing_missing_names_nobody() -> None:
+    opened = pb.StatusReply(
+        run_id="r",
+        num_peers=2,
+        current_round=0,
+        open_round=0,
+        open_round_age_s=3,
+        peers_joined=[0, 1],
+        peers_uploaded=[1],
+        missing_peers=[0],
+        presence=[pb.PeerPresence(peer=0, last_seen_s=2.4, connected=True)],
+    )
+    assert describe(opened) == (
+        "run r: round 0 open for 3 s, uploaded by [1], waiting for [0] (peer 0 connected, last heard 2 s ago)"
+    )
+    idle = pb.StatusReply(run_id="r", num_peers=2, current_round=0, open_round=-1, peers_joined=[0, 1])
+    assert describe(idle) == "run r: round 0 complete; every peer joined, none has uploaded the next round yet"
+
+
 @pytest.mark.timeout(60)
 def test_the_status_command_asks_a_real_server(tmp_path: Path) -> None:
     spec = tiny_spec()
