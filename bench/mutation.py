@@ -1022,6 +1022,18 @@ EQUIVALENT: dict[str, str] = {
         "21 22",
         "how many close matches difflib returns: only the best, the first, is named",
     ),
+    **mutants(
+        "spes.sync.settings.x__is_loopback",
+        "7",
+        "'X' stripped from a host's ends too: no IP address (what is asked next) begins or ends with one",
+    ),
+    **mutants("spes.sync.settings.x_add_deploy_flags", "24", "every field of DeployConfig has a default"),
+    **mutants(
+        "spes.sync.settings.x_add_deploy_flags",
+        "31 35",
+        "a switch's dest left to argparse: it derives the field's own name from `--<name>` (only the token's flag, "
+        "no switch, is named otherwise)",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 
@@ -1032,6 +1044,7 @@ GPU_MOE = "tests/test_moe.py::test_on_a_gpu_auto_is_grouped_mm_and_a_peers_layer
 SERVER = "tests/sync/test_server.py::"
 FSDP_CKPT = "tests/test_checkpoint.py::test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly"
 GPU_PEAK_MEMORY = "tests/test_monitor.py::test_peak_gpu_memory_is_the_allocators_peak_in_megabytes"
+FLAG_GROUPS = "tests/sync/test_settings.py::test_each_flag_stands_in_its_group_with_its_doc_and_default"
 HUB_ONLINE = "tests/test_hub.py::test_an_id_the_hub_does_not_know_is_named_with_what_to_check"
 KILLED_BY: dict[str, str] = {
     # the state-dict options that only sharded (FSDP2) parameters read, on two gloo ranks (torchrun)
@@ -1097,6 +1110,8 @@ KILLED_BY: dict[str, str] = {
     ),
     # the peak GPU memory a node logs, which only a GPU has
     **mutants("spes.monitor.x_peak_memory_mb", "2 3 4 5 7 9 11 18", GPU_PEAK_MEMORY),
+    # the server's flags as DeployConfig's fields declare them: made when the module is imported, outside every test
+    **mutants("spes.sync.settings.x__flag", "1 2 3 4 5 6 7 8", FLAG_GROUPS),
     # the online path, in a process of its own against a Hub endpoint on loopback (huggingface_hub reads HF_ENDPOINT
     # as it is imported): one ask after the offline lookup, the download's arguments, the one-line refusal
     **mutants("spes.hub.x_resolve", "13 16 17 30 31 34 37 38 39 40 41 42 43 44 45 46 47", HUB_ONLINE),

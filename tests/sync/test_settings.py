@@ -120,6 +120,13 @@ def test_each_flag_stands_in_its_group_with_its_doc_and_default() -> None:
 
 
 def test_a_token_file_the_flag_names_is_read_and_its_problems_name_the_flag(tmp_path: Path) -> None:
-    with pytest.raises((ValueError, FileNotFoundError)) as err:
-        parse("--token_file", str(tmp_path / "missing"))
-    assert "--token_file" in str(err.value)
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    empty.chmod(0o600)
+    with pytest.raises(ValueError) as err:
+        parse("--token_file", str(empty))
+    assert str(err.value) == f"--token_file {str(empty)!r} is empty: write the run's shared secret into it"
+
+
+def test_a_limit_below_one_is_still_a_limit() -> None:
+    assert DeployConfig(stream_idle_timeout=0.5, handshake_timeout=0.25).handshake_timeout == 0.25
