@@ -33,7 +33,7 @@ def test_every_field_is_a_flag_with_its_default(tmp_path: Path, monkeypatch: pyt
     assert {f.metadata.get("flag", f"--{f.name}") for f in dataclasses.fields(DeployConfig)} <= flags
 
 
-LIMITS = [f.name for f in dataclasses.fields(DeployConfig) if f.metadata["group"] == "limits"]
+LIMITS = [f.name for f in dataclasses.fields(DeployConfig) if f.metadata.get("group") == "limits"]
 
 
 @pytest.mark.parametrize("field", LIMITS)
