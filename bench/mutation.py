@@ -79,6 +79,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/sync/codecs/registry.py": ("tests/sync/codecs/test_registry.py",),
     "spes/sync/settings.py": ("tests/sync/test_settings.py",),
     "spes/sync/status.py": ("tests/sync/test_status.py",),
+    "spes/sync/presence.py": ("tests/sync/test_presence.py",),
     "spes/tokenizer.py": ("tests/test_tokenizer.py",),
     "spes/sync/throttle.py": ("tests/sync/test_throttle.py",),
     "spes/sync/aggregate.py": ("tests/sync/test_aggregate.py", "tests/sync/test_coordinator.py"),
