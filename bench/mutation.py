@@ -1035,6 +1035,16 @@ EQUIVALENT: dict[str, str] = {
         "a switch's dest left to argparse: it derives the field's own name from `--<name>` (only the token's flag, "
         "no switch, is named otherwise)",
     ),
+    **mutants(
+        "spes.sync.presence.x_retry_wait",
+        "19",
+        "the exponent's bound 17 for 16: the wait reaches REFUSED_RETRY_MAX_S from the 6th refusal on either way",
+    ),
+    **mutants(
+        "spes.sync.presence.xǁPresenceǁ__init__",
+        "5",
+        "'' for None as the last refusal said: a refusal's details are never empty (the server words each one)",
+    ),
 }
 """Surviving mutants no test can kill, by mutmut's name, with the reason (the behaviour they change is none)."""
 

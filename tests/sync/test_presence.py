@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,3 +67,73 @@ def test_a_refused_presence_stream_is_reopened_ever_later_and_its_refusal_said_o
 def test_a_refused_stream_waits_doubling_to_its_cap_and_a_broken_one_the_retry_time() -> None:
     assert [retry_wait(n) for n in range(4)] == [RETRY_S, RETRY_S, 2 * RETRY_S, 4 * RETRY_S]
     assert retry_wait(10**6) == REFUSED_RETRY_MAX_S == max(retry_wait(n) for n in range(100))
+
+
+def serve_health(hook: object) -> tuple[grpc.Server, StreamGuard, int]:
+    """A real health service on loopback whose streams `hook(peer, session, run, address)` admits or refuses."""
+    guard = StreamGuard(idle_timeout_s=30, max_streams=4, max_per_peer=4)
+    server = grpc.server(ThreadPoolExecutor(8))
+    health_pb2_grpc.add_HealthServicer_to_server(GuardedHealth(guard, hook), server)  # type: ignore[arg-type]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, guard, port
+
+
+@pytest.mark.timeout(60)
+def test_a_held_stream_is_seen_and_close_cancels_it_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server keeps an admitted stream open: start returns once it is seen, and close cancels it, so the thread
+    ends at once instead of waiting out the stream."""
+    waits: list[int] = []
+    monkeypatch.setattr(presence_module, "retry_wait", lambda refusals: waits.append(refusals) or 0.01)
+    server, guard, port = serve_health(lambda *args: None)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            presence = Presence(channel, ((SESSION_KEY, "s"), (PEER_KEY, "3"), (RUN_KEY, "r")), peer_id=3)
+            assert presence._thread.name == "spes-presence-3" and presence._thread.daemon
+            Presence(channel, (), peer_id=4).close(timeout_s=1)  # never started: nothing to cancel or join
+            started = time.monotonic()
+            presence.start(wait_s=10)
+            assert presence._seen.is_set() and time.monotonic() - started < 5
+            closing = time.monotonic()
+            presence.close(timeout_s=10)
+            assert not presence._thread.is_alive() and time.monotonic() - closing < 5
+        assert waits in ([], [0])  # a cancelled stream is no refusal
+    finally:
+        server.stop(grace=None)
+        guard.stop()
+
+
+@pytest.mark.timeout(60)
+def test_refusals_are_counted_in_a_row_and_a_broken_stream_is_logged_as_such(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits: list[int] = []
+    monkeypatch.setattr(presence_module, "retry_wait", lambda refusals: waits.append(refusals) or 0.01)
+
+    def refuse(peer: int, session: str, run: str, address: str) -> None:
+        raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "another run", Reason.OTHER_RUN)
+
+    server, guard, port = serve_health(refuse)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            presence = Presence(channel, ((SESSION_KEY, "s"), (PEER_KEY, "1"), (RUN_KEY, "r")), peer_id=1)
+            presence.start(wait_s=0.1)
+            wait_until(lambda: len(waits) >= 4, "four refusals", 20)
+            presence.close(timeout_s=5)
+        assert waits[:4] == [1, 2, 3, 4]
+    finally:
+        server.stop(grace=None)
+        guard.stop()
+    waits.clear()
+    caplog.clear()
+    with socket.socket() as unused:  # nothing listens: each stream breaks (UNAVAILABLE), no refusal
+        unused.bind(("127.0.0.1", 0))
+        with grpc.insecure_channel(f"127.0.0.1:{unused.getsockname()[1]}") as channel:
+            presence = Presence(channel, (), peer_id=5)
+            with caplog.at_level(logging.DEBUG, logger="spes.client"):
+                presence.start(wait_s=0.1)
+                wait_until(lambda: len(waits) >= 2, "two broken streams", 20)
+                presence.close(timeout_s=5)
+    assert waits[:2] == [0, 0]
+    assert "presence stream of peer 5 ended: StatusCode.UNAVAILABLE" in caplog.messages
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
