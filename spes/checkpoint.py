@@ -38,12 +38,12 @@ from typing import Any, Literal, cast
 
 import torch
 import yaml
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spes.atomic import ASIDE, publish_dir, staging_dir, write_atomic
-from spes.distributed import all_ranks_ok, barrier, process_rank, process_world_size, unwrap
+from spes.distributed import all_ranks_ok, barrier, is_dtensor, process_rank, process_world_size, unwrap
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.schema import yaml_error_text
 
@@ -592,10 +592,11 @@ def restore(
     """Load a checkpoint of either kind into a parallelized (single, DDP or FSDP2) model and its optimizer
     (not its optimizer state when `with_optim` is false: OLMo's `reset_optimizer_state`).
 
-    A collective when a process group exists: every rank calls it. Sharded checkpoints are resharded to
-    this run's ranks by DCP; unsharded ones are read whole by every rank and sharded in place. The model
-    and optimizer must fit (same tensor names and shapes, same trainable set), else CheckpointError before
-    anything is loaded. Returns the checkpoint's path, trainer state and config (no tensors).
+    A collective when a process group exists: every rank calls it. Under FSDP each rank reads only its own
+    pieces of either kind (DCP slices the safetensors files: a rank's host memory never holds the whole
+    model); a single or DDP process reads an unsharded checkpoint whole, as it holds the whole model. The
+    model and optimizer must fit (same tensor names and shapes, same trainable set), else CheckpointError
+    before anything is loaded. Returns the checkpoint's path, trainer state and config (no tensors).
     """
     step_dir = resolve_checkpoint(path)
     meta = _read_meta(step_dir)
@@ -603,7 +604,7 @@ def restore(
     if meta.get("kind") == "sharded":
         trainer, reblocked = _restore_sharded(step_dir, meta, model, optimizer, with_optim), False
     else:
-        trainer, reblocked = _restore_unsharded(step_dir, model, optimizer, with_optim)
+        trainer, reblocked = _restore_unsharded(step_dir, meta, model, optimizer, with_optim)
     return Checkpoint(path=step_dir, model={}, optim=None, trainer=trainer, config=config, reblocked=reblocked)
 
 
@@ -611,31 +612,58 @@ def _restore_sharded(
     step_dir: Path, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, with_optim: bool
 ) -> dict[str, Any]:
     """This rank's shards of a sharded checkpoint, resharded by DCP to this run's ranks; its trainer state."""
-    shapes = _sharded_shapes(step_dir)
+    shapes = {k: s for k, (s, _) in _sharded_shapes(step_dir).items()}
+    _restore_sliced(step_dir, meta, shapes, model, optimizer, with_optim, file_key=str)
+    return meta["trainer"]
+
+
+def _restore_sliced(
+    step_dir: Path,
+    meta: dict[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    with_optim: bool,
+    *,
+    file_key: Callable[[str], str],
+) -> None:
+    """Load this rank's view of model + optimizer from `step_dir`'s safetensors files through DCP, which reads
+    only the slices each rank holds. `shapes`: the stored global shapes by `model/<fqn>` and `optim/<fqn>/<key>`;
+    `file_key`: the name such a tensor has in the files."""
     check_model_compatible(
-        {k[len(MODEL_KEY) :]: s for k, (s, _) in shapes.items() if k.startswith(MODEL_KEY)},
+        {k[len(MODEL_KEY) :]: s for k, s in shapes.items() if k.startswith(MODEL_KEY)},
         model_state_dict(model),
         step_dir,
     )
     optim_fqns = {k[len(OPTIM_KEY) :].rsplit("/", 1)[0] for k in shapes if k.startswith(OPTIM_KEY) and with_optim}
     _check_optim_compatible(optim_fqns, _trainable(model), step_dir)
     flat, _ = training_state(model, optimizer if optim_fqns else None)
-    _dcp_load(flat, step_dir)
+    _dcp_load({file_key(k): v for k, v in flat.items()}, step_dir)
     optim_tensors = {k[len(OPTIM_KEY) :]: v for k, v in flat.items() if k.startswith(OPTIM_KEY)}
     model_state = {k[len(MODEL_KEY) :]: v for k, v in flat.items() if k.startswith(MODEL_KEY)}
     optim_state = _unflatten_optim(optim_tensors, meta["optim_param_groups"]) if optim_fqns else None
     _load_state(model, optimizer, model_state, optim_state, full=False)
-    return meta["trainer"]
 
 
 def _restore_unsharded(
-    step_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, with_optim: bool
+    step_dir: Path, meta: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, with_optim: bool
 ) -> tuple[dict[str, Any], bool]:
-    """An unsharded checkpoint read whole by every rank and sharded in place: (its trainer state, whether its
-    experts had to be re-blocked: then only the weights carry over, and the trainer state is {})."""
+    """An unsharded checkpoint into this rank: (its trainer state, whether its experts had to be re-blocked: then
+    only the weights carry over, and the trainer state is {}).
+
+    Under FSDP each rank reads only its slices of the files (their tensors are named `<fqn>` and `<fqn>/<key>`);
+    otherwise, or to re-block, the files are read whole.
+    """
     model_state = model_state_dict(model)
+    stored = _header_shapes(step_dir / MODEL_FILE)
+    reblocked = set(stored) != set(model_state)  # another expert layout (e.g. centralized -> SPES)
+    if not reblocked and any(is_dtensor(t) for t in model_state.values()):
+        shapes = {MODEL_KEY + k: s for k, s in stored.items()}
+        if with_optim and (step_dir / OPTIM_FILE).is_file():
+            shapes |= {OPTIM_KEY + k: s for k, s in _header_shapes(step_dir / OPTIM_FILE).items()}
+        _restore_sliced(step_dir, meta, shapes, model, optimizer, with_optim, file_key=_unprefixed)
+        return meta["trainer"], False
     ckpt = load_checkpoint(step_dir, with_optim=with_optim)
-    reblocked = set(ckpt.model) != set(model_state)  # another expert layout (e.g. centralized -> SPES)
     if reblocked:
         ckpt = replace(ckpt, model=_reblock(ckpt.model, model_state), optim=None, trainer={})
     check_model_compatible(ckpt.model, model_state, step_dir)
@@ -643,6 +671,22 @@ def _restore_unsharded(
         _check_optim_compatible(set(ckpt.optim["state"]), _trainable(model), step_dir)
     _load_state(model, optimizer, ckpt.model, ckpt.optim, full=True)
     return ckpt.trainer, reblocked
+
+
+def _unprefixed(key: str) -> str:
+    """`model/<fqn>` -> `<fqn>`, `optim/<fqn>/<key>` -> `<fqn>/<key>`: a tensor's name in an unsharded checkpoint."""
+    return key.partition("/")[2]
+
+
+def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a safetensors file, from its header alone."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(
+            f"{path}: not a readable safetensors file ({e}); the checkpoint is corrupt, use an earlier one"
+        ) from None
 
 
 def _trainable(model: nn.Module) -> set[str]:

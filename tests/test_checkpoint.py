@@ -136,6 +136,29 @@ def test_sharded_and_unsharded_checkpoints_hold_the_same_state_and_restore_exact
             _assert_same_state(fresh_optim.state[p], optimizer.state[q])
 
 
+@pytest.mark.parametrize("with_optim", [True, False])
+def test_an_unsharded_checkpoint_read_slice_by_slice_as_fsdp_ranks_do_restores_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_optim: bool
+) -> None:
+    """FSDP ranks read an unsharded checkpoint through DCP, each its own slices (none reads a file whole): taken
+    here by a one-process model, the path restores what was saved, and without the optimizer leaves it alone."""
+    import spes.checkpoint
+
+    cfg, model, optimizer = _node(steps=2)
+    plain = _save_unsharded(tmp_path, 3, cfg, model, optimizer)
+    _, fresh, fresh_optim = _node(steps=0)
+    monkeypatch.setattr(spes.checkpoint, "is_dtensor", lambda t: True)
+    monkeypatch.setattr(spes.checkpoint, "load_file", lambda path: pytest.fail(f"{path} read whole"))
+    restored = restore(plain, fresh, fresh_optim, with_optim=with_optim)
+    assert restored.trainer == {"step": 3} and not restored.reblocked
+    _assert_same_state(fresh.state_dict(), model.state_dict())
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        if p.requires_grad:
+            assert fresh_optim.state[p].keys() == (optimizer.state[q].keys() if with_optim else set())
+            if with_optim:
+                _assert_same_state(fresh_optim.state[p], optimizer.state[q])
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_checkpoint_before_the_first_step_leaves_the_optimizer_untouched(tmp_path: Path, sharded: bool) -> None:
     """torch would create Adam's state with a zero-gradient step (advancing its step count) if asked for it."""
@@ -447,9 +470,13 @@ def test_resume_on_another_number_of_ranks_continues_the_loss_curve(tiny_corpus,
         torch.testing.assert_close(from_fsdp.model[name], t, rtol=0, atol=1e-5, msg=name)
 
 
-def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, bool]:
+def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     """FSDP2 x 2, one step, then a checkpoint of either kind restored into a fresh FSDP2 model and optimizer: does
-    each rank hold its shards of every weight and moment again, exactly?"""
+    each rank hold its shards of every weight and moment again, exactly, having read no file whole (its host
+    memory would hold the whole model and optimizer)?"""
+    from unittest import mock
+
+    import spes.checkpoint
     from spes.distributed import parallelize
 
     cfg = load_config(TINY, [*SMALL_NODE, *PEER0, "--distributed_strategy=fsdp"])[0]
@@ -469,13 +496,14 @@ def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, b
     logits = model(tokens[:, :-1]).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
-    same = {}
+    same: dict[str, Any] = {}
     for sharded in (True, False):
         folder = Path(args["folder"]) / str(sharded)
         save(folder, 1, model, optimizer, trainer_state={"step": 1}, config={"seed": 7}, sharded=sharded)
         torch.distributed.barrier()  # the main rank wrote an unsharded one alone
         fresh, fresh_optim = built()
-        restored = restore(folder, fresh, fresh_optim)
+        with mock.patch.object(spes.checkpoint, "load_file", wraps=spes.checkpoint.load_file) as whole:
+            restored = restore(folder, fresh, fresh_optim)
         pairs = list(zip(model.parameters(), fresh.parameters(), strict=True))
         moments = all(
             torch.equal(local(optimizer.state[p][k]), local(fresh_optim.state[q][k]))
@@ -487,6 +515,7 @@ def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, b
         same["sharded" if sharded else "unsharded"] = (
             weights and moments and restored.trainer == {"step": 1} and restored.config == {"seed": 7}
         )
+        same["read whole"] = same.get("read whole", []) + [Path(c.args[0]).name for c in whole.call_args_list]
     return {**same, "failed_save": _failing_sharded_save(Path(args["folder"]) / "True", model, optimizer)}
 
 
@@ -511,7 +540,7 @@ def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_
         "OSError: [Errno 28] No space left on device",
         f"CheckpointError: rank 0 failed to finish {tmp_path / 'ckpt' / 'True' / 'step2-sharded'}; see its log",
     ]
-    assert ranks == [{"sharded": True, "unsharded": True, "failed_save": f} for f in failed]
+    assert ranks == [{"sharded": True, "unsharded": True, "read whole": [], "failed_save": f} for f in failed]
 
 
 def test_a_kill_while_replacing_a_checkpoint_of_the_same_step_keeps_it_loadable(tmp_path: Path) -> None:
