@@ -128,18 +128,21 @@ class ModelConfig(Section):
             "model.d_model",
             self.d_model,
             f"must be divisible by model.n_heads={self.n_heads}",
+            given=("model.n_heads",),
         )
         _require(
             self.n_heads % self.n_kv_heads == 0,
             "model.n_kv_heads",
             self.n_kv_heads,
             f"must divide model.n_heads={self.n_heads}",
+            given=("model.n_heads",),
         )
         _require(
             (self.d_model // self.n_heads) % 2 == 0,
             "model.d_model",
             self.d_model,
             "head size d_model / n_heads must be even for RoPE",
+            given=("model.n_heads",),
         )
         _require(
             self.mlp_hidden_size % 2 == 0,
@@ -152,12 +155,14 @@ class ModelConfig(Section):
             "model.embedding_size",
             self.embedding_size,
             f"must be >= model.vocab_size={self.vocab_size}",
+            given=("model.vocab_size",),
         )
         _require(
             1 <= self.moe_top_k <= self.moe_num_experts,
             "model.moe_top_k",
             self.moe_top_k,
             f"must be in [1, moe_num_experts={self.moe_num_experts}]",
+            given=("model.moe_num_experts",),
         )
         for key, ok in (
             ("clip_qkv", self.clip_qkv is None),
@@ -259,6 +264,7 @@ class InstanceFilterConfig(Section):
             "data.instance_filter.repetition_max_period",
             self.repetition_max_period,
             f"must be >= repetition_min_period={self.repetition_min_period}",
+            given=("data.instance_filter.repetition_min_period",),
         )
 
 
@@ -586,6 +592,7 @@ class TrainConfig(Section):
             "global_train_batch_size",
             self.global_train_batch_size,
             f"must be divisible by device_train_microbatch_size={self.device_train_microbatch_size}",
+            given=("device_train_microbatch_size",),
         )
         for key in (
             "eval_subset_num_batches",
@@ -604,6 +611,7 @@ class TrainConfig(Section):
             "spes_config.peer_id",
             s.peer_id,
             f"must be in [0, num_peers={s.num_peers})",
+            given=("spes_config.num_peers",),
         )
         _require(
             is_host_port(s.server_addr),
@@ -616,12 +624,14 @@ class TrainConfig(Section):
             "spes_config.overlap_fragments",
             s.overlap_fragments,
             f"must be >= 1 and divide sync_steps={s.sync_steps}: a fragment's round comes every sync_steps / F steps",
+            given=("spes_config.sync_steps",),
         )
         _require(
             s.overlap_sync or s.overlap_fragments == 1,
             "spes_config.overlap_fragments",
             s.overlap_fragments,
             "needs spes_config.overlap_sync=true: fragments are for rounds that overlap training",
+            given=("spes_config.overlap_sync",),
         )
         _require(
             0 <= s.overlap_delay <= s.round_interval,
@@ -629,6 +639,7 @@ class TrainConfig(Section):
             s.overlap_steps,
             f"must be in [0, {s.round_interval}] (sync_steps / overlap_fragments): a round must land before the "
             "next one is uploaded",
+            given=("spes_config.sync_steps", "spes_config.overlap_fragments"),
         )
         _require(
             0.0 < s.overlap_correction <= 1.0,
@@ -641,6 +652,7 @@ class TrainConfig(Section):
             "server.min_peers",
             self.server.min_peers,
             f"must be <= spes_config.num_peers={s.num_peers}",
+            given=("spes_config.num_peers",),
         )
 
     def _check_ownership(self) -> None:
@@ -657,6 +669,7 @@ class TrainConfig(Section):
             f"has experts no peer owns: num_peers={s.num_peers} x num_train_experts_per_node={k} "
             f"covers only {s.num_peers * k} (e.g. set num_train_experts_per_node="
             f"{math.ceil(m.moe_num_experts / s.num_peers)})",
+            given=("spes_config.num_peers", "spes_config.num_train_experts_per_node"),
         )
 
     @property
@@ -769,12 +782,14 @@ def check_outer_optimizer(server: ServerSection, mode: RunMode) -> None:
         "server.outer_optimizer",
         server.outer_optimizer,
         f"applies to DiLoCo runs only (using_dilico: true) and this run is {mode}: set server.outer_optimizer=none",
+        given=("using_dilico", "using_spes"),
     )
 
 
-def _require(ok: bool, key: str, value: Any, what: str) -> None:
+def _require(ok: bool, key: str, value: Any, what: str, *, given: tuple[str, ...] = ()) -> None:
+    """Refuse `key`'s `value` unless `ok`; `given`: the other keys the check reads (an override of one is blamed)."""
     if not ok:
-        raise ConfigError(f"config key '{key}' = {value!r} {what}", key)
+        raise ConfigError(f"config key '{key}' = {value!r} {what}", key, given)
 
 
 _DURATION = re.compile(r"^\s*([0-9.eE+]+)\s*(st|T|ep)?\s*$")

@@ -29,11 +29,13 @@ from omegaconf.errors import OmegaConfBaseException
 class ConfigError(ValueError):
     """A user-fixable problem with a config file or override: the message names the key and what to do; `key` is
     that key (`model.n_heads`) where one key is the culprit, so a caller that filled it from elsewhere (the HF
-    import) can name its own source too."""
+    import) can name its own source too; `related`, the other keys a check between keys read (`model.d_model`
+    divisible by `model.n_heads`), so an override of any of them can be named as the source."""
 
-    def __init__(self, message: str, key: str | None = None) -> None:
+    def __init__(self, message: str, key: str | None = None, related: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.key = key
+        self.related = related
 
 
 @dataclass(frozen=True)
@@ -273,26 +275,30 @@ def from_dict(cls: type, data: dict[Any, Any], *, where: str = "config", prefix:
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        raise ConfigError(f"{where}: {e}", e.key) from None
+        raise ConfigError(f"{where}: {e}", e.key, e.related) from None
 
 
 def from_file_and_overrides(cls: type, raw: dict[str, Any], where: str, overrides: Sequence[str]) -> Any:
     """`from_dict(cls, raw)` for a mapping read from file `where` with `overrides` over it: a refusal of a key that an
-    override set names that override (`command line (--spes_config.sync_steps=0)`), not the file."""
+    override set names that override (`command line (--spes_config.sync_steps=0)`), not the file; a check between
+    keys whose refused key no override set names the last override of another key it reads (`--model.n_heads=5`
+    against the file's `model.d_model`)."""
     try:
         return from_dict(cls, raw, where=where)
     except ConfigError as e:
-        given = _override_setting(e.key, overrides)
+        given = _override_setting((e.key,) if e.key else (), overrides) or _override_setting(e.related, overrides)
         if given is None:
             raise
-        raise ConfigError(f"command line (--{given}): {str(e).removeprefix(f'{where}: ')}", e.key) from None
+        message = str(e).removeprefix(f"{where}: ")
+        raise ConfigError(f"command line (--{given}): {message}", e.key, e.related) from None
 
 
-def _override_setting(key: str | None, overrides: Sequence[str]) -> str | None:
-    """The last of `overrides` that sets config key `key` (itself, or a whole section holding it), as `key=value`."""
+def _override_setting(keys: Sequence[str], overrides: Sequence[str]) -> str | None:
+    """The last of `overrides` that sets one of config `keys` (itself, or a whole section holding it), as
+    `key=value`."""
     for item in reversed([override_to_dotlist(o) for o in overrides]):
         name = item.partition("=")[0]
-        if key is not None and (key == name or key.startswith(name + ".")):
+        if any(key == name or key.startswith(name + ".") for key in keys):
             return item
     return None
 

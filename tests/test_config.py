@@ -1098,9 +1098,21 @@ def test_a_refused_value_names_where_it_was_set_the_file_or_the_override(tmp_pat
         "command line (--model={d_model: 30, n_heads: 4}): config key 'model.d_model' = 30 must be divisible by "
         "model.n_heads=4"
     )
-    assert refusal(path, "--model.n_heads=5") == (  # a check of two keys names the one it refuses, set in no override
-        f"{path}: config key 'model.d_model' = {ModelConfig().d_model} must be divisible by model.n_heads=5"
+    d_model = ModelConfig().d_model
+    assert refusal(path, "--model.n_heads=5") == (  # a check of two keys names the override of the other one
+        f"command line (--model.n_heads=5): config key 'model.d_model' = {d_model} must be divisible by model.n_heads=5"
     )
+    assert refusal(path, "--model.n_heads=5", "--seed=3") == refusal(path, "--model.n_heads=5")  # not the last one
+    path.write_text("model:\n  n_heads: 5\n")
+    assert refusal(path, "--seed=3") == (  # set in the file alone: the file
+        f"{path}: config key 'model.d_model' = {d_model} must be divisible by model.n_heads=5"
+    )
+    path.write_text("using_spes: true\nspes_config:\n  peer_id: 1\n")
+    assert refusal(path, "--model.moe_num_experts=4", "--spes_config.num_peers=1") == (
+        "command line (--spes_config.num_peers=1): config key 'spes_config.peer_id' = 1 must be in [0, num_peers=1)"
+    )
+    both = ["--spes_config.peer_id=1", "--spes_config.num_peers=1"]  # the refused key's own override first
+    assert refusal(path, *both).startswith("command line (--spes_config.peer_id=1): ")
     with pytest.raises(ConfigError) as err:
         from_dict(TrainConfig, {"spes_config": {"sync_steps": 0}}, where="x")
     assert err.value.key == "spes_config.sync_steps"
