@@ -9,11 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 
+import spes.speed
 from conftest import littering
 from spes.config import TrainConfig, load_config
-from spes.model import Transformer
+from spes.model import Transformer, tflops_done_per_token, tflops_per_token
 from spes.objective import micro_batch_loss
-from spes.speed import SyncCounter, build_timed_node, random_batch, step_figures, time_steps, trained_expert_share
+from spes.speed import (
+    StepTimes,
+    SyncCounter,
+    build_timed_node,
+    describe,
+    random_batch,
+    step_figures,
+    time_steps,
+    trained_expert_share,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"
@@ -138,3 +148,65 @@ def test_time_steps_collects_garbage_as_training_does(tmp_path: Path, collection
     collections.clear()  # those of building the node
     time_steps(trainer, lambda n: random_batch(trainer.cfg, n), micro_batches=(1, 2), steps=2, warmup=2)
     assert collections == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "fit"),
+    [
+        ({1: [1.0, 1.3, 1.1], 4: [2.0, 2.3, 2.1]}, (1.1 - 1 / 3, 1 / 3)),  # the line through the medians
+        ({1: [0.1], 2: [1.0]}, (0.0, 0.9)),  # a negative fixed part is none
+        ({1: [2.0], 4: [1.0]}, (0.0, 0.25)),  # noise past the difference: the largest step alone, no fixed part
+        ({4: [2.0, 1.0, 3.0]}, (0.0, 0.5)),  # one size
+    ],
+)
+def test_step_times_fit_a_line_through_the_median_of_the_smallest_and_largest_step(
+    seconds: dict[int, list[float]], fit: tuple[float, float]
+) -> None:
+    times = StepTimes(micro_batch=2, seconds=seconds)
+    assert times.fit() == pytest.approx(fit)
+    assert times.projected_step_s(10) == pytest.approx(fit[0] + 10 * fit[1])
+
+
+def test_step_figures_of_given_times_and_a_datasheet_peak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the benchmark records and `preflight --gpu` prints, from step times given here: the config's step of 3
+    micro-batches of 2 x 32 tokens projected from steps of 1 and 2, and MFU against a peak of 1 TFLOP/s."""
+    cfg = tiny(tmp_path)
+    times = StepTimes(micro_batch=2, seconds={1: [0.5], 2: [0.8, 0.6, 1.0]}, warmup_seconds=[3.0], peak_memory_bytes=7)
+    monkeypatch.setattr(spes.speed, "peak_flops", lambda device: 1e12)
+    figures = step_figures(cfg, times, torch.device("cpu"), share=0.25)
+    tps = 192 / (0.2 + 3 * 0.3)
+    flops, done = tflops_per_token(cfg.model), tflops_done_per_token(cfg.model, 0.25)
+    assert figures.pop("timed_steps_s") == {"1": [0.5], "2": [0.8, 0.6, 1.0]}
+    assert figures.pop("warmup_s") == [3.0]
+    assert figures == pytest.approx(
+        {
+            "micro_batch": 2,
+            "micro_batches_per_step": 3,
+            "tokens_per_step": 192,
+            "step_s": 1.1,
+            "fixed_s": 0.2,
+            "per_micro_batch_s": 0.3,
+            "tokens_per_s": tps,
+            "measured_micro_batches": 2,
+            "measured_step_s": 0.8,
+            "measured_tokens_per_s": 128 / 0.8,
+            "timed_spread": 0.4 / 0.8,
+            "tflops_per_token": flops,
+            "trained_expert_share": 0.25,
+            "tflops_done_per_token": done,
+            "achieved_tflops": tps * flops,
+            "peak_memory_bytes": 7,
+            "peak_tflops": 1.0,
+            "mfu": tps * flops,
+            "mfu_done": tps * done,
+        }
+    )
+    assert describe(figures) == (
+        f"{tps:,.0f} tokens/s for a step of 3 micro-batches of 2 (1.1 s: 0.3 s per micro-batch + 0.2 s), MFU "
+        f"{tps * flops:.1%} by tflops_per_token ({tps * done:.1%} of the FLOPs done, 25% of routed copies trained; "
+        "peak 1 TFLOP/s)"
+    )
+    monkeypatch.setattr(spes.speed, "peak_flops", lambda device: None)
+    without_peak = step_figures(cfg, times, torch.device("cpu"), share=0.25)
+    assert without_peak.keys() == figures.keys() - {"peak_tflops", "mfu", "mfu_done"} | {"timed_steps_s", "warmup_s"}
+    assert describe(without_peak).endswith(f"+ 0.2 s), {tps * flops:.3g} TFLOP/s by tflops_per_token")
