@@ -164,6 +164,10 @@ class ModelConfig(Section):
             f"must be in [1, moe_num_experts={self.moe_num_experts}]",
             given=("model.moe_num_experts",),
         )
+        self._check_supported()
+
+    def _check_supported(self) -> None:
+        """Refuse the reference keys whose features the OLMoE-style model of spes does not have."""
         for key, ok in (
             ("clip_qkv", self.clip_qkv is None),
             ("moe_shared_expert", not self.moe_shared_expert),
