@@ -1113,6 +1113,12 @@ def test_a_refused_value_names_where_it_was_set_the_file_or_the_override(tmp_pat
     )
     both = ["--spes_config.peer_id=1", "--spes_config.num_peers=1"]  # the refused key's own override first
     assert refusal(path, *both).startswith("command line (--spes_config.peer_id=1): ")
+    with pytest.raises(ConfigError) as err:  # what was refused, for a caller that names its own source
+        load_config(path, ["--model.moe_num_experts=4", "--spes_config.num_peers=1"])
+    assert (err.value.key, err.value.related) == ("spes_config.peer_id", ("spes_config.num_peers",))
+    assert refusal(path, "--spes_config.server_addr=a=b").startswith(  # a value holding '=' names its key still
+        "command line (--spes_config.server_addr=a=b): config key 'spes_config.server_addr' = 'a=b' must be host:port"
+    )
     with pytest.raises(ConfigError) as err:
         from_dict(TrainConfig, {"spes_config": {"sync_steps": 0}}, where="x")
     assert err.value.key == "spes_config.sync_steps"
