@@ -98,7 +98,7 @@ def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[st
         ) from None
     cache = hub_cache_dir()
     try:
-        return Path(snapshot_download(name, cache_dir=cache, local_files_only=True))
+        return Path(snapshot_download(name, cache_dir=cache, allow_patterns=list(files), local_files_only=True))
     except Exception:  # noqa: BLE001  # LocalEntryNotFoundError, or an incomplete cache entry
         pass
     if hub_offline() or not hub_reachable():

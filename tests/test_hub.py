@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import hashlib
+import json
 import os
 import shutil
 import socket
@@ -216,3 +218,101 @@ def test_an_id_the_hub_does_not_know_is_named_with_what_to_check(tmp_path: Path)
     ), error
     assert error.endswith("); check the id, your network and HF_TOKEN, or pass a local directory"), error
     assert "404" in error.partition("(RepositoryNotFoundError: ")[2], error  # the Hub's own first line
+
+
+HUB_SHA = "0123456789abcdef0123456789abcdef01234567"
+HUB_FILES = {"tokenizer.json": b'{"version": "1.0"}', "config.json": b"{}", "pytorch_model.bin": b"pickled weights"}
+
+
+class _OneRepo(BaseHTTPRequestHandler):
+    """A Hub endpoint on loopback holding one repository, `org/tiny` at commit HUB_SHA, with HUB_FILES: the calls
+    huggingface_hub's snapshot_download makes (the revision's info, its file tree, each file's metadata and bytes)."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.server.paths.append(f"{self.command} {self.path}")  # type: ignore[attr-defined]
+        path = self.path.partition("?")[0]
+        if path == "/api/models/org/tiny/revision/main":
+            body = json.dumps({"id": "org/tiny", "sha": HUB_SHA, "siblings": [{"rfilename": f} for f in HUB_FILES]})
+            return self._send(body.encode(), "application/json")
+        if path == f"/api/models/org/tiny/tree/{HUB_SHA}":
+            tree = [{"type": "file", "oid": _digest(b), "size": len(b), "path": f} for f, b in HUB_FILES.items()]
+            return self._send(json.dumps(tree).encode(), "application/json")
+        name = path.removeprefix(f"/org/tiny/resolve/{HUB_SHA}/")
+        if name in HUB_FILES:
+            return self._send(HUB_FILES[name], "application/octet-stream", {"X-Repo-Commit": HUB_SHA})
+        self.send_error(404)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.do_GET()
+
+    def _send(self, body: bytes, kind: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("ETag", f'"{_digest(body)}"')
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _digest(body: bytes) -> str:
+    return hashlib.sha1(body).hexdigest()  # noqa: S324 (git's blob id scheme, not security)
+
+
+@pytest.mark.timeout(120)
+def test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_reads(tmp_path: Path) -> None:
+    """The online path's success, against a Hub endpoint on loopback (HF_ENDPOINT): the tokenizer's files land in
+    the Hugging Face cache under HF_HOME (never the pickled weights beside them); a second resolve reads the cache
+    without asking the Hub again, and so does one offline (HF_HUB_OFFLINE=1). With huggingface_hub 2.x the cache
+    lookup that named no files found the snapshot incomplete (the files spes does not read were never fetched),
+    so every later resolve asked the Hub, and offline the id was refused as not cached."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OneRepo)
+    server.paths = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env |= {
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    code = (
+        "import sys\nfrom spes import hub\n"
+        "for _ in range(int(sys.argv[1])):\n"
+        "    path = hub.resolve('org/tiny', what='tokenizer.identifier', files=hub.TOKENIZER_FILES)\n"
+        "    print(path, sorted(p.name for p in path.iterdir()))"
+    )
+
+    def resolved(times: int, **more: str) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(times)],
+            cwd=REPO,
+            env=env | more,
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    try:
+        online = resolved(2)
+        asked = list(server.paths)  # type: ignore[attr-defined]
+        offline = resolved(1, HF_HUB_OFFLINE="1")
+    finally:
+        server.shutdown()
+        server.server_close()
+    snapshot = tmp_path / "hf_home" / "hub" / "models--org--tiny" / "snapshots" / HUB_SHA
+    assert online + offline == [f"{snapshot} ['tokenizer.json']"] * 3
+    assert (snapshot / "tokenizer.json").read_bytes() == HUB_FILES["tokenizer.json"]
+    assert [p.partition("?")[0] for p in asked] == [
+        "GET /api/models/org/tiny/revision/main",
+        f"GET /api/models/org/tiny/tree/{HUB_SHA}",
+        f"HEAD /org/tiny/resolve/{HUB_SHA}/tokenizer.json",
+        f"GET /org/tiny/resolve/{HUB_SHA}/tokenizer.json",
+    ]
+    assert server.paths == asked  # type: ignore[attr-defined]  # nothing asked offline
