@@ -276,7 +276,11 @@ class InstanceFilterConfig(Section):
 class DataConfig(Section):
     KEY: ClassVar[str] = "data."
 
-    paths: list[str] = _f([], "token shards: .npy files, globs, or a .txt file listing them")
+    paths: list[str] = _f(
+        [],
+        "token shards: .npy files, globs, directories, http(s) URLs (downloaded once into SPES_DATA_CACHE) or a .txt "
+        "file listing them",
+    )
     validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
     seed: int | None = _f(
         None,

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from spes.atomic import write_atomic
+from spes.remote_files import fetched, is_url
 
 SIDECAR_SUFFIX = ".json"
 PARTIAL_SUFFIX = ".partial"
@@ -121,9 +122,10 @@ def resolve_paths(
 ) -> list[Path]:
     """Expand `data.paths` entries into shard files, in order.
 
-    An entry is a file, a glob (sorted matches, `**` allowed), a directory (its `*.npy`, sorted) or
-    a `.txt` list file with one path or glob per line (relative lines are relative to the list
-    file; what list_processed_files.sh writes). Relative entries are relative to `base_dir`
+    An entry is a file, a glob (sorted matches, `**` allowed), a directory (its `*.npy`, sorted), an
+    http(s) URL of a file (downloaded once into a local cache: `spes.remote_files`) or a `.txt` list file
+    with one path, glob or URL per line (relative lines are relative to the list file; what
+    list_processed_files.sh writes). Relative entries are relative to `base_dir`
     (default: the working directory). Repeats are kept, so listing a shard twice upsamples it.
     """
     entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
@@ -136,6 +138,8 @@ def resolve_paths(
 
 
 def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = None) -> list[Path]:
+    if is_url(entry):
+        return [fetched(entry)]
     path = Path(entry).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path

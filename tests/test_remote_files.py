@@ -1,0 +1,181 @@
+"""Token files named by URL (spes.remote_files), served by an HTTP server on loopback: downloaded once into the cache
+(`SPES_DATA_CACHE`), read as shards, resumed when cut short, waited for by a second process, refused in one line."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_fixtures import write_token_shard
+from spes.data import TokenSequenceDataset
+from spes.remote_files import cache_path, fetched, is_url
+from spes.shards import read_shard_info, resolve_paths
+
+
+@dataclass
+class Served:
+    """What the server holds (path -> bytes), what it was asked (method, path, Range header), and the paths whose
+    next answer stops halfway through the body."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    asked: list[tuple[str, str, str | None]] = field(default_factory=list)
+    cut: set[str] = field(default_factory=set)
+    url: str = ""
+
+
+class _Files(BaseHTTPRequestHandler):
+    """GET with `Range: bytes=N-` (206, or 416 past the end), as static file servers and CDNs answer."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        served: Served = self.server.served  # type: ignore[attr-defined]
+        ranged = self.headers.get("Range")
+        served.asked.append((self.command, self.path, ranged))
+        body = served.files.get(self.path)
+        if body is None:
+            return self.send_error(404)
+        start = int(ranged.removeprefix("bytes=").rstrip("-")) if ranged else 0
+        if start >= len(body):
+            return self.send_error(416)
+        self.send_response(206 if ranged else 200)
+        self.send_header("Content-Length", str(len(body) - start))
+        self.end_headers()
+        if self.path in served.cut:
+            served.cut.discard(self.path)
+            self.wfile.write(body[start : start + (len(body) - start) // 2])
+            self.close_connection = True
+            return
+        self.wfile.write(body[start:])
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    monkeypatch.setenv("SPES_DATA_CACHE", str(tmp_path / "cache"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Files)
+    server.served = Served(url=f"http://127.0.0.1:{server.server_address[1]}")  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.served  # type: ignore[attr-defined]
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+def _olmo_file(tokens: np.ndarray) -> bytes:
+    """A headerless token file as OLMo's are: the raw uint16 array."""
+    return tokens.astype(np.uint16).tobytes()
+
+
+@pytest.mark.timeout(60)
+def test_a_url_in_data_paths_is_downloaded_once_and_read_as_a_shard(served: Served, tmp_path: Path) -> None:
+    """OLMo's configs list their token files by URL: headerless files, read as data.memmap_dtype from the cache;
+    a second resolve reads the cache without asking again."""
+    tokens = np.arange(100) % 50
+    served.files["/preprocessed/part-0.npy"] = _olmo_file(tokens)
+    url = served.url + "/preprocessed/part-0.npy"
+    (first,) = resolve_paths([url])
+    port = served.url.rpartition(":")[2]
+    assert first == tmp_path / "cache" / f"127.0.0.1_{port}" / "preprocessed" / "part-0.npy"
+    assert resolve_paths([url]) == [first]
+    assert [(m, p) for m, p, _ in served.asked] == [
+        ("GET", "/preprocessed/part-0.npy.json"),
+        ("GET", "/preprocessed/part-0.npy"),
+    ]
+    dataset = TokenSequenceDataset([first], seq_len=10, memmap_dtype="uint16")
+    assert len(dataset) == 10 and dataset[3].tolist() == tokens[30:40].tolist()
+    assert sorted(p.name for p in first.parent.iterdir()) == ["part-0.npy", "part-0.npy.lock"]  # no partial left
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_of_spes_comes_with_its_sidecar(served: Served, tmp_path: Path) -> None:
+    shard = write_token_shard(tmp_path / "local.npy", np.arange(20, dtype=np.uint16), fingerprint="f" * 64)
+    served.files["/a/local.npy"] = shard.read_bytes()
+    served.files["/a/local.npy.json"] = (tmp_path / "local.npy.json").read_bytes()
+    (cached,) = resolve_paths([served.url + "/a/local.npy"])
+    assert read_shard_info(cached) == read_shard_info(shard)
+    assert np.array_equal(np.load(cached), np.arange(20))
+
+
+@pytest.mark.timeout(60)
+def test_a_download_cut_short_is_refused_and_resumed_where_it_stopped(served: Served) -> None:
+    body = bytes(range(256)) * 40
+    served.files["/x.npy"] = body
+    served.cut.add("/x.npy")
+    url = served.url + "/x.npy"
+    with pytest.raises(FileNotFoundError) as err:
+        fetched(url)
+    path = cache_path(url, Path(os.environ["SPES_DATA_CACHE"]))
+    assert str(err.value) == f"data path {url!r}: the download ended at 5,120 of 10,240 bytes; run again to resume it"
+    assert not path.exists() and path.with_name("x.npy.partial").stat().st_size == len(body) // 2
+    assert fetched(url) == path and path.read_bytes() == body
+    assert served.asked[-1] == ("GET", "/x.npy", f"bytes={len(body) // 2}-")  # only the missing half asked for
+
+
+@pytest.mark.timeout(60)
+def test_a_whole_leftover_partial_is_fetched_again(served: Served) -> None:
+    """A process killed between its download's last byte and the rename leaves a whole `.partial`: the server
+    refuses a range past its end (416), and the file is fetched again."""
+    served.files["/y.npy"] = b"\x01\x00" * 8
+    url = served.url + "/y.npy"
+    path = cache_path(url, Path(os.environ["SPES_DATA_CACHE"]))
+    path.parent.mkdir(parents=True)
+    path.with_name("y.npy.partial").write_bytes(b"\x01\x00" * 8)
+    assert fetched(url).read_bytes() == b"\x01\x00" * 8
+    assert [r for _, p, r in served.asked if p == "/y.npy"] == ["bytes=16-", None]
+
+
+@pytest.mark.timeout(60)
+def test_processes_sharing_the_cache_download_a_file_once(served: Served) -> None:
+    served.files["/z.npy"] = b"\x02\x00" * 50_000
+    url = served.url + "/z.npy"
+    got: list[Path] = []
+    threads = [threading.Thread(target=lambda: got.append(fetched(url))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(got) == 4 and len(set(got)) == 1
+    assert [p for _, p, _ in served.asked] == ["/z.npy.json", "/z.npy"]
+
+
+@pytest.mark.timeout(60)
+def test_a_url_the_server_does_not_have_is_named_with_what_to_do(served: Served) -> None:
+    url = served.url + "/absent.npy"
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_paths([url])
+    assert str(err.value) == (
+        f"data path {url!r} could not be downloaded (HTTPError: HTTP Error 404: Not Found); check the URL and the "
+        "network (run again to resume a download cut short), or download it yourself and list the local file in "
+        "data.paths"
+    )
+    assert not cache_path(url, Path(os.environ["SPES_DATA_CACHE"])).exists()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://host/",
+        "http://host/a/../../etc/passwd",
+        "http://host/a.npy?x=1",
+        "http://host/a.npy#f",
+        "https:///a.npy",
+    ],
+)
+def test_a_url_that_names_no_file_inside_the_cache_is_refused(url: str) -> None:
+    with pytest.raises(FileNotFoundError, match=r"is not a URL of a file \(http\(s\)://host/path/name.npy\)"):
+        cache_path(url, Path("/cache"))
+
+
+def test_urls_and_their_cache_paths() -> None:
+    assert is_url("https://olmo-data.org/a.npy") and is_url("http://h/a.npy") and not is_url("data/a.npy")
+    assert cache_path("https://olmo-data.org/p/v1/part-1.npy", Path("/c")) == Path("/c/olmo-data.org/p/v1/part-1.npy")
+    assert cache_path("http://mirror:8080/a.npy", Path("/c")) == Path("/c/mirror_8080/a.npy")
