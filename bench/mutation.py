@@ -107,6 +107,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/model.py": ("tests/test_model.py", "tests/test_hf.py::test_export_logits_match_transformers"),
     # the step timing and its figures (tokens/s, MFU) that the GPU benchmark and `preflight --gpu` share
     "spes/speed.py": ("tests/test_speed.py",),
+    # token files by URL, against an HTTP server on loopback in the test's own process
+    "spes/remote_files.py": ("tests/test_remote_files.py",),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
