@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import http.client
 import os
+import shutil
 import sys
 import time
 import urllib.error
@@ -78,6 +79,8 @@ def _download(url: str, path: Path, *, optional: bool = False) -> None:
         if optional and e.code == 404:
             return
         raise _unreadable(url, e) from None
+    except _NoSpace as e:
+        raise FileNotFoundError(str(e)) from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
         raise _unreadable(url, e) from None
     size = partial.stat().st_size
@@ -98,12 +101,22 @@ def _fetch_into(url: str, partial: Path) -> int | None:
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:  # noqa: S310 (http(s) URLs only)
         resumed = response.status == 206
         length = response.headers.get("Content-Length")
+        free = shutil.disk_usage(partial.parent).free
+        if length is not None and int(length) > free:
+            raise _NoSpace(
+                f"data path {url!r} needs {int(length):,} bytes more and the cache {partial.parent} has {free:,} "
+                "free: free some, or set SPES_DATA_CACHE to a larger disk"
+            )
         with open(partial, "ab" if resumed else "wb") as out:
             while chunk := response.read(_CHUNK):
                 out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
     return (have if resumed else 0) + int(length) if length is not None else None
+
+
+class _NoSpace(Exception):
+    """The cache's disk cannot hold what the server is about to send (checked before a byte is written)."""
 
 
 def _unreadable(url: str, error: Exception) -> FileNotFoundError:

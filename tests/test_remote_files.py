@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import spes.remote_files
 from data_fixtures import write_token_shard
 from spes.data import TokenSequenceDataset
 from spes.remote_files import cache_path, fetched, is_url
@@ -179,3 +181,20 @@ def test_urls_and_their_cache_paths() -> None:
     assert is_url("https://olmo-data.org/a.npy") and is_url("http://h/a.npy") and not is_url("data/a.npy")
     assert cache_path("https://olmo-data.org/p/v1/part-1.npy", Path("/c")) == Path("/c/olmo-data.org/p/v1/part-1.npy")
     assert cache_path("http://mirror:8080/a.npy", Path("/c")) == Path("/c/mirror_8080/a.npy")
+
+
+@pytest.mark.timeout(60)
+def test_a_file_larger_than_the_caches_free_space_is_refused_before_a_byte_is_written(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    served.files["/big.npy"] = b"\x00" * 4096
+    url = served.url + "/big.npy"
+    monkeypatch.setattr(spes.remote_files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 4095))
+    with pytest.raises(FileNotFoundError) as err:
+        fetched(url)
+    folder = cache_path(url, Path(os.environ["SPES_DATA_CACHE"])).parent
+    assert str(err.value) == (
+        f"data path {url!r} needs 4,096 bytes more and the cache {folder} has 4,095 free: free some, or set "
+        "SPES_DATA_CACHE to a larger disk"
+    )
+    assert sorted(p.name for p in folder.iterdir()) == ["big.npy.lock"]
