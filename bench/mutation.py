@@ -799,7 +799,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.config.xǁModelConfigǁ__post_init__",
-        "43",
+        "53",
         "`/` for `//` in the RoPE check: the check before it has made d_model a multiple of n_heads, so both are the "
         "same whole number",
     ),

@@ -37,6 +37,8 @@ TORCH_DIR = Path(torch.__file__).resolve().parent
 TORCH_WRAPPERS = {str(TORCH_DIR / f) for f in ("_tensor.py", "functional.py", "nn/functional.py", "overrides.py")}
 """torch's Python wrappers of its functions: a call through them is the caller's."""
 SPES_DIR = str(Path(__file__).resolve().parent)
+_PASSED = TORCH_WRAPPERS | {__file__}
+"""Frames between a counted call and its caller: the counter's own, and torch's wrappers."""
 _T = torch.Tensor
 SYNCING = {
     _T.item: "item",
@@ -82,9 +84,10 @@ class SyncCounter(TorchFunctionMode):
 
 
 def _spes_caller() -> str | None:
-    """`file:line` of the code that made the call (past torch's thin Python wrappers), if it is spes code."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in TORCH_WRAPPERS:
+    """`file:line` of the code that made the call (past this module's frames and torch's thin Python wrappers), if
+    it is spes code."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in _PASSED:
         frame = frame.f_back  # type: ignore[assignment]
     if frame is None or not frame.f_code.co_filename.startswith(SPES_DIR):
         return None

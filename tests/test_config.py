@@ -1124,6 +1124,67 @@ def test_a_refused_value_names_where_it_was_set_the_file_or_the_override(tmp_pat
     assert err.value.key == "spes_config.sync_steps"
 
 
+SPES_FILE = "using_spes: true\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "refused"),
+    [
+        ("", ["--model.n_heads=5"], "model.d_model"),
+        ("model:\n  n_kv_heads: 4\n", ["--model.n_heads=6"], "model.n_kv_heads"),
+        ("", ["--model.n_heads=256"], "model.d_model"),  # a head of 3: odd, for RoPE
+        ("model:\n  embedding_size: 50304\n", ["--model.vocab_size=60000"], "model.embedding_size"),
+        ("model:\n  moe_top_k: 2\n", ["--model.moe_num_experts=1"], "model.moe_top_k"),
+        (
+            "data:\n  instance_filter:\n    repetition_max_period: 5\n",
+            ["--data.instance_filter.repetition_min_period=6"],
+            "data.instance_filter.repetition_max_period",
+        ),
+        ("global_train_batch_size: 512\n", ["--device_train_microbatch_size=3"], "global_train_batch_size"),
+        (SPES_FILE + "spes_config:\n  peer_id: 3\n", ["--spes_config.num_peers=2"], "spes_config.peer_id"),
+        (
+            SPES_FILE + "spes_config:\n  overlap_sync: true\n  overlap_fragments: 4\n",
+            ["--spes_config.sync_steps=10"],
+            "spes_config.overlap_fragments",
+        ),
+        (
+            SPES_FILE + "spes_config:\n  overlap_sync: true\n  overlap_fragments: 2\n",
+            ["--spes_config.overlap_sync=false"],
+            "spes_config.overlap_fragments",
+        ),
+        (
+            SPES_FILE + "spes_config:\n  overlap_sync: true\n  overlap_steps: 40\n",
+            ["--spes_config.sync_steps=20"],
+            "spes_config.overlap_steps",
+        ),
+        (
+            SPES_FILE + "spes_config:\n  overlap_sync: true\n  overlap_steps: 40\n",
+            ["--spes_config.overlap_fragments=4"],
+            "spes_config.overlap_steps",
+        ),
+        (SPES_FILE + "server:\n  min_peers: 4\n", ["--spes_config.num_peers=3"], "server.min_peers"),
+        (SPES_FILE, ["--spes_config.num_peers=3"], "model.moe_num_experts"),
+        (SPES_FILE, ["--spes_config.num_train_experts_per_node=1"], "model.moe_num_experts"),
+        (
+            "using_dilico: true\n" + SPES_FILE + "server:\n  outer_optimizer: nesterov\n",
+            ["--using_dilico=false"],
+            "server.outer_optimizer",
+        ),
+        ("server:\n  outer_optimizer: nesterov\n", ["--using_spes=true"], "server.outer_optimizer"),
+    ],
+)
+def test_a_check_between_keys_names_the_override_of_the_key_it_was_not_refusing(
+    tmp_path: Path, text: str, overrides: list[str], refused: str
+) -> None:
+    """Every check that reads a second key: the refused key is set by the file (or its default), the other by an
+    override, and the refusal names that override (the file holds nothing wrong on its own)."""
+    path = write(tmp_path, text)
+    load_config(path)
+    assert refusal(path, "--seed=3", *overrides).startswith(
+        f"command line ({overrides[-1]}): config key '{refused}' = "
+    )
+
+
 def test_a_server_without_yaml_takes_defaults_for_the_sections_its_command_line_leaves_out() -> None:
     spes, server, mode = load_sync_sections(["--server.merge_interval=5"])
     assert spes == SpesConfig() and server.merge_interval == 5 and mode == "spes"
