@@ -1061,6 +1061,7 @@ FSDP_CKPT = "tests/test_checkpoint.py::test_fsdp_checkpoints_of_either_kind_rest
 GPU_PEAK_MEMORY = "tests/test_monitor.py::test_peak_gpu_memory_is_the_allocators_peak_in_megabytes"
 FLAG_GROUPS = "tests/sync/test_settings.py::test_each_flag_stands_in_its_group_with_its_doc_and_default"
 HUB_ONLINE = "tests/test_hub.py::test_an_id_the_hub_does_not_know_is_named_with_what_to_check"
+HUB_DOWNLOAD = "tests/test_hub.py::test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_reads"
 KILLED_BY: dict[str, str] = {
     # the state-dict options that only sharded (FSDP2) parameters read, on two gloo ranks (torchrun)
     **mutants("spes.checkpoint.x__options", "1 2 3 5 7", FSDP_CKPT),
@@ -1129,7 +1130,8 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.sync.settings.x__flag", "1 2 3 4 5 6 7 8", FLAG_GROUPS),
     # the online path, in a process of its own against a Hub endpoint on loopback (huggingface_hub reads HF_ENDPOINT
     # as it is imported): one ask after the offline lookup, the download's arguments, the one-line refusal
-    **mutants("spes.hub.x_resolve", "13 16 17 30 31 34 37 38 39 40 41 42 43 44 45 46 47", HUB_ONLINE),
+    **mutants("spes.hub.x_resolve", "14 18 20 33 34 37 40 41 42 43 44 45 46 47 48 49 50", HUB_ONLINE),
+    **mutants("spes.hub.x_resolve", "13 17 35 36 38 39", HUB_DOWNLOAD),
 }
 """Mutants killed by a test mutmut cannot credit (it starts processes, whose calls mutmut does not trace), by name:
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail

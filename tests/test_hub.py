@@ -81,6 +81,20 @@ def test_a_hub_endpoint_that_accepts_a_connection_is_reachable(monkeypatch: pyte
         assert hub.hub_reachable()
 
 
+def test_the_probe_waits_three_seconds_for_the_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blackholed address (a firewall dropping the SYN) answers nothing: the probe gives up after its timeout."""
+    dialed = []
+
+    def no_answer(address: tuple[str, int], timeout: float) -> socket.socket:
+        dialed.append((address, timeout))
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(hub.socket, "create_connection", no_answer)
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    assert not hub.hub_reachable()
+    assert dialed == [(("huggingface.co", 443), 3.0)]
+
+
 def test_unreachable_hub_is_an_immediate_error(hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # discard port: nothing listens
