@@ -282,7 +282,8 @@ def _digest(body: bytes) -> str:
 def test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_reads(tmp_path: Path) -> None:
     """The online path's success, against a Hub endpoint on loopback (HF_ENDPOINT): the tokenizer's files land in
     the Hugging Face cache under HF_HOME (never the pickled weights beside them); a second resolve reads the cache
-    without asking the Hub again, and so does one offline (HF_HUB_OFFLINE=1). With huggingface_hub 2.x the cache
+    without asking the Hub again, and so does one offline (HF_HUB_OFFLINE=1); the cache is the one HF_HOME names when
+    spes resolves, though huggingface_hub was imported before it was set. With huggingface_hub 2.x the cache
     lookup that named no files found the snapshot incomplete (the files spes does not read were never fetched),
     so every later resolve asked the Hub, and offline the id was refused as not cached."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _OneRepo)
@@ -291,11 +292,12 @@ def test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_rea
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     env |= {
         "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
-        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HOME": str(tmp_path / "decoy"),  # NOTE: read by huggingface_hub at its import, by spes when it resolves
         "HF_HUB_DISABLE_TELEMETRY": "1",
     }
     code = (
-        "import sys\nfrom spes import hub\n"
+        "import os, sys\nimport huggingface_hub.constants\nfrom spes import hub\n"
+        f"os.environ['HF_HOME'] = {str(tmp_path / 'hf_home')!r}  # as a launcher sets it, after the import\n"
         "for _ in range(int(sys.argv[1])):\n"
         "    path = hub.resolve('org/tiny', what='tokenizer.identifier', files=hub.TOKENIZER_FILES)\n"
         "    print(path, sorted(p.name for p in path.iterdir()))"
@@ -330,3 +332,4 @@ def test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_rea
         f"GET /org/tiny/resolve/{HUB_SHA}/tokenizer.json",
     ]
     assert server.paths == asked  # type: ignore[attr-defined]  # nothing asked offline
+    assert not (tmp_path / "decoy").exists()
