@@ -109,6 +109,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/speed.py": ("tests/test_speed.py",),
     # token files by URL, against an HTTP server on loopback in the test's own process
     "spes/remote_files.py": ("tests/test_remote_files.py",),
+    # the dashboards: OLMo's metric names, W&B offline and TensorBoard event files
+    "spes/tracking.py": ("tests/test_tracking.py",),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
