@@ -20,11 +20,14 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 from urllib.parse import urlparse
 
 SCHEMES = ("http://", "https://")
 TIMEOUT_S = 60.0
 """Seconds a connection or a read may stall before the download fails."""
+PROGRESS_EVERY_S = 30.0
+"""Seconds between a download's progress lines (a token file may take minutes)."""
 _CHUNK = 1 << 20
 
 
@@ -107,12 +110,23 @@ def _fetch_into(url: str, partial: Path) -> int | None:
                 f"data path {url!r} needs {int(length):,} bytes more and the cache {partial.parent} has {free:,} "
                 "free: free some, or set SPES_DATA_CACHE to a larger disk"
             )
+        total = (have if resumed else 0) + int(length) if length is not None else None
         with open(partial, "ab" if resumed else "wb") as out:
-            while chunk := response.read(_CHUNK):
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-    return (have if resumed else 0) + int(length) if length is not None else None
+            _copy(response, out, url, total)
+    return total
+
+
+def _copy(response: http.client.HTTPResponse, out: BinaryIO, url: str, total: int | None) -> None:
+    """The response's body into `out`, synced to disk; a progress line every `PROGRESS_EVERY_S` seconds."""
+    due = time.monotonic() + PROGRESS_EVERY_S
+    while chunk := response.read(_CHUNK):
+        out.write(chunk)
+        if time.monotonic() >= due:
+            of = f" of {total / 2**20:,.1f}" if total is not None else ""
+            print(f"downloading {url}: {out.tell() / 2**20:,.1f}{of} MiB", file=sys.stderr, flush=True)
+            due = time.monotonic() + PROGRESS_EVERY_S
+    out.flush()
+    os.fsync(out.fileno())
 
 
 class _NoSpace(Exception):

@@ -198,3 +198,16 @@ def test_a_file_larger_than_the_caches_free_space_is_refused_before_a_byte_is_wr
         "SPES_DATA_CACHE to a larger disk"
     )
     assert sorted(p.name for p in folder.iterdir()) == ["big.npy.lock"]
+
+
+@pytest.mark.timeout(60)
+def test_a_download_tells_its_progress(
+    served: Served, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    served.files["/p.npy"] = b"\x00" * (3 << 20)
+    url = served.url + "/p.npy"
+    monkeypatch.setattr(spes.remote_files, "PROGRESS_EVERY_S", 0.0)
+    path = fetched(url)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == [f"downloading {url}: {n:,.1f} of 3.0 MiB" for n in (1, 2, 3)]
+    assert lines[3].startswith(f"downloaded {url} -> {path} (3.0 MiB in ") and len(lines) == 4
