@@ -31,6 +31,15 @@ from typing import Any
 from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, write_results
 
 COMPILED_HEAD = "tests/test_head_loss.py::test_compiled_chunk_fns_compute_what_the_plain_ones_do"
+SYNC_COUNTED = tuple(
+    f"tests/test_speed.py::{name}"
+    for name in (
+        "test_a_grouped_mm_step_waits_for_the_device_once",
+        "test_the_loop_backend_waits_once_per_layer_and_micro_batch",
+        "test_logging_expert_counts_adds_one_sync_per_step",
+    )
+)
+"""The tests that count a step's host-device syncs through spes.speed.SyncCounter."""
 HANDLER_TESTS = (
     "tests/sync/test_coordinator.py",
     "tests/sync/test_joins.py",
@@ -105,8 +114,13 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/sync/closing.py": HANDLER_TESTS,
     # the forward's numerics against transformers' own models (RoPE, norms, QK-norm kinds, GQA, renormalization)
     "spes/model.py": ("tests/test_model.py", "tests/test_hf.py::test_export_logits_match_transformers"),
-    # the step timing and its figures (tokens/s, MFU) that the GPU benchmark and `preflight --gpu` share
-    "spes/speed.py": ("tests/test_speed.py",),
+    # the step timing and its figures (tokens/s, MFU) that the GPU benchmark and `preflight --gpu` share; the sync
+    # counter's tests fail in mutmut's runs whatever the mutant (it counts calls by their callers' frames, and mutmut
+    # puts its own between them): they are run on their own for the mutants they exist for (KILLED_BY)
+    "spes/speed.py": (
+        "tests/test_speed.py",
+        *(arg for test in SYNC_COUNTED for arg in ("--deselect", test)),
+    ),
     # token files by URL, against an HTTP server on loopback in the test's own process
     "spes/remote_files.py": ("tests/test_remote_files.py",),
     # the dashboards: OLMo's metric names, W&B offline and TensorBoard event files
