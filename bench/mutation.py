@@ -142,6 +142,21 @@ _CPU_OFFLOAD = (
 )
 EQUIVALENT: dict[str, str] = {
     **mutants(
+        "spes.speed.x_step_figures",
+        "24 30 65 71 76 89",
+        "1e12 + 1 for 1e12 (TFLOP): one part in a trillion, below every figure's precision",
+    ),
+    **mutants(
+        "spes.speed.x_random_batch",
+        "8",
+        "randint(high, size) is randint(0, high, size): the same draws, same generator",
+    ),
+    **mutants(
+        "spes.speed.x_build_timed_node",
+        "37 43 48",
+        "the timed node's log: `train_step` logs only a skipped non-finite step, and timed steps are finite",
+    ),
+    **mutants(
         "spes.guard.x_first_nonfinite_parameter",
         "2 4",
         "the shard check without `.to_local()`: torch's DTensor answers isfinite(...).all() of a sharded parameter "
@@ -1148,6 +1163,10 @@ KILLED_BY: dict[str, str] = {
     # as it is imported): one ask after the offline lookup, the download's arguments, the one-line refusal
     **mutants("spes.hub.x_resolve", "14 18 20 33 34 37 40 41 42 43 44 45 46 47 48 49 50", HUB_ONLINE),
     **mutants("spes.hub.x_resolve", "13 17 35 36 38 39", HUB_DOWNLOAD),
+    # the sync counter, run outside mutmut (whose frames sit between a counted call and its caller)
+    **mutants("spes.speed.xǁSyncCounterǁ__init__", "1", SYNC_COUNTED[0]),
+    **mutants("spes.speed.xǁSyncCounterǁ__torch_function__", "1 2 3 4 5 6 7 8 9", SYNC_COUNTED[0]),
+    **mutants("spes.speed.x__spes_caller", "1 2 3 4 5 6 7 8 9 10 11 12", SYNC_COUNTED[0]),
 }
 """Mutants killed by a test mutmut cannot credit (it starts processes, whose calls mutmut does not trace), by name:
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail

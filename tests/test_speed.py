@@ -4,7 +4,10 @@ plain one's, and the step timing and its figures."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch
 import spes.speed
 from conftest import littering
 from spes.config import TrainConfig, load_config
+from spes.distributed import DistInfo
 from spes.model import Transformer, tflops_done_per_token, tflops_per_token
 from spes.objective import micro_batch_loss
 from spes.speed import (
@@ -19,9 +23,11 @@ from spes.speed import (
     SyncCounter,
     build_timed_node,
     describe,
+    moe_backend_of,
     random_batch,
     step_figures,
     time_steps,
+    timed_step,
     trained_expert_share,
 )
 
@@ -157,6 +163,7 @@ def test_time_steps_collects_garbage_as_training_does(tmp_path: Path, collection
         ({1: [0.1], 2: [1.0]}, (0.0, 0.9)),  # a negative fixed part is none
         ({1: [2.0], 4: [1.0]}, (0.0, 0.25)),  # noise past the difference: the largest step alone, no fixed part
         ({4: [2.0, 1.0, 3.0]}, (0.0, 0.5)),  # one size
+        ({1: [1.0], 4: [1.0]}, (0.0, 0.25)),  # no difference at all: no fixed part either
     ],
 )
 def test_step_times_fit_a_line_through_the_median_of_the_smallest_and_largest_step(
@@ -210,3 +217,70 @@ def test_step_figures_of_given_times_and_a_datasheet_peak(tmp_path: Path, monkey
     without_peak = step_figures(cfg, times, torch.device("cpu"), share=0.25)
     assert without_peak.keys() == figures.keys() - {"peak_tflops", "mfu", "mfu_done"} | {"timed_steps_s", "warmup_s"}
     assert describe(without_peak).endswith(f"+ 0.2 s), {tps * flops:.3g} TFLOP/s by tflops_per_token")
+
+
+class _Trainer:
+    """What `time_steps` and `timed_step` use of a Trainer: its micro-batch, device and step; each step recorded."""
+
+    def __init__(self, device: torch.device, calls: list[tuple[str, Any]], pause_s: float = 0.0) -> None:
+        self.cfg = SimpleNamespace(device_train_microbatch_size=2, gen1_gc_interval=None)
+        self.info = SimpleNamespace(device=device)
+        self.step, self.calls, self.pause_s = 0, calls, pause_s
+
+    def train_step(self, batch: torch.Tensor) -> None:
+        time.sleep(self.pause_s)
+        self.step += 1
+        self.calls.append(("step", len(batch)))
+
+
+def test_time_steps_warms_up_on_the_largest_step_and_reads_cuda_peak_memory_of_the_timed_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA (its calls replaced by recorders here): each step between two synchronizations, the peak memory
+    counter reset after the warm-up and read after the timed steps, by default 2 warm-up steps and 5 of each size."""
+    calls: list[tuple[str, Any]] = []
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: calls.append(("sync", d)))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append(("peak", d)) or 123)
+    times = time_steps(_Trainer(device, calls), lambda n: torch.zeros(n, 3), micro_batches=(1, 4))  # type: ignore[arg-type]
+
+    def steps(sequences: int, count: int) -> list[tuple[str, Any]]:
+        return [("sync", device), ("step", sequences), ("sync", device)] * count
+
+    assert calls == [*steps(8, 2), ("reset", device), *steps(2, 5), *steps(8, 5), ("peak", device)]
+    assert times.micro_batch == 2 and times.peak_memory_bytes == 123
+    assert len(times.warmup_seconds) == 2 and {m: len(s) for m, s in times.seconds.items()} == {1: 5, 4: 5}
+
+
+def test_a_timed_step_is_the_seconds_its_step_took() -> None:
+    seconds = timed_step(_Trainer(torch.device("cpu"), [], pause_s=0.05), torch.zeros(2, 3))  # type: ignore[arg-type]
+    assert 0.05 <= seconds < 5
+
+
+def test_random_batches_are_windows_of_token_ids_drawn_from_their_seed(tmp_path: Path) -> None:
+    cfg = tiny(tmp_path)
+    want = torch.randint(0, cfg.model.vocab_size, (3, 33), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)  # the global generator draws what seed 0 would: the batch's own generator must be used
+    assert torch.equal(random_batch(cfg, 3), want)
+    assert not torch.equal(random_batch(cfg, 3, seed=1), want)
+
+
+def test_the_timed_node_is_the_one_process_node_spes_train_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Main rank of one process (its metrics are written), the config's device defaults settled for its device,
+    frozen experts held in bf16 under amp as a training node holds them, its experts' backend named as configured."""
+    settled = []
+    on_device = TrainConfig.on_device
+    monkeypatch.setattr(TrainConfig, "on_device", lambda cfg, kind: settled.append(kind) or on_device(cfg, kind))
+    trainer = build_timed_node(
+        tiny(tmp_path, "--precision=amp_bf16", "--model.moe_backend=grouped_mm"), torch.device("cpu")
+    )
+    assert settled == ["cpu"]
+    assert trainer.info == DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    frozen = {p.dtype for n, p in trainer.model.named_parameters() if ".experts." in n and not p.requires_grad}
+    assert frozen == {torch.bfloat16}
+    assert moe_backend_of(trainer.model) == "grouped_mm"
+    auto = build_timed_node(tiny(tmp_path / "auto"), torch.device("cpu"))
+    assert moe_backend_of(auto.model) == "torch"  # `auto` resolved: the per-expert loop on a CPU
