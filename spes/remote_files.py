@@ -60,14 +60,15 @@ def fetched(url: str) -> Path:
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # NOTE: released when the file closes, also when this process dies
         if not path.exists():  # NOTE: the sidecar first: a shard in the cache always has the sidecar it was served with
-            _download(url + ".json", path.with_name(path.name + ".json"), optional=True)
-            _download(url, path)
+            sidecar = path.with_name(path.name + ".json")
+            _download(url + ".json", sidecar, f"data path {url!r} (its sidecar {url}.json)", optional=True)
+            _download(url, path, f"data path {url!r}")
     return path
 
 
-def _download(url: str, path: Path, *, optional: bool = False) -> None:
+def _download(url: str, path: Path, label: str, *, optional: bool = False) -> None:
     """`url` into `path` through `<path>.partial` (resumed if a download was cut short), renamed when whole;
-    nothing when `optional` and the server has no such file."""
+    nothing when `optional` and the server has no such file. `label` names it in errors."""
     partial = path.with_name(path.name + ".partial")
     started = time.monotonic()
     try:
@@ -81,16 +82,17 @@ def _download(url: str, path: Path, *, optional: bool = False) -> None:
     except urllib.error.HTTPError as e:
         if optional and e.code == 404:
             return
-        raise _unreadable(url, e) from None
+        raise _unreadable(label, e) from None
     except _NoSpace as e:
-        raise FileNotFoundError(str(e)) from None
+        raise FileNotFoundError(
+            f"{label} needs {e.needed:,} bytes more and the cache {partial.parent} has {e.free:,} free: free some, or "
+            "set SPES_DATA_CACHE to a larger disk"
+        ) from None
     except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
-        raise _unreadable(url, e) from None
+        raise _unreadable(label, e) from None
     size = partial.stat().st_size
     if total is not None and size != total:
-        raise FileNotFoundError(
-            f"data path {url!r}: the download ended at {size:,} of {total:,} bytes; run again to resume it"
-        )
+        raise FileNotFoundError(f"{label}: the download ended at {size:,} of {total:,} bytes; run again to resume it")
     partial.rename(path)
     seconds = time.monotonic() - started
     print(f"downloaded {url} -> {path} ({size / 2**20:,.1f} MiB in {seconds:.1f} s)", file=sys.stderr, flush=True)
@@ -106,10 +108,7 @@ def _fetch_into(url: str, partial: Path) -> int | None:
         length = response.headers.get("Content-Length")
         free = shutil.disk_usage(partial.parent).free
         if length is not None and int(length) > free:
-            raise _NoSpace(
-                f"data path {url!r} needs {int(length):,} bytes more and the cache {partial.parent} has {free:,} "
-                "free: free some, or set SPES_DATA_CACHE to a larger disk"
-            )
+            raise _NoSpace(int(length), free)
         total = (have if resumed else 0) + int(length) if length is not None else None
         with open(partial, "ab" if resumed else "wb") as out:
             _copy(response, out, url, total)
@@ -132,10 +131,13 @@ def _copy(response: http.client.HTTPResponse, out: BinaryIO, url: str, total: in
 class _NoSpace(Exception):
     """The cache's disk cannot hold what the server is about to send (checked before a byte is written)."""
 
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(needed, free)
+        self.needed, self.free = needed, free
 
-def _unreadable(url: str, error: Exception) -> FileNotFoundError:
+
+def _unreadable(label: str, error: Exception) -> FileNotFoundError:
     return FileNotFoundError(
-        f"data path {url!r} could not be downloaded ({type(error).__name__}: {error}); check the URL and the "
-        "network (run again to resume a download cut short), or download it yourself and list the local file in "
-        "data.paths"
+        f"{label} could not be downloaded ({type(error).__name__}: {error}); check the URL and the network (run "
+        "again to resume a download cut short), or download it yourself and list the local file in data.paths"
     )

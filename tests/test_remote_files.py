@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ import pytest
 import spes.remote_files
 from data_fixtures import write_token_shard
 from spes.data import TokenSequenceDataset
-from spes.remote_files import cache_path, fetched, is_url
+from spes.remote_files import cache_path, data_cache_dir, fetched, is_url
 from spes.shards import read_shard_info, resolve_paths
 
 
@@ -29,6 +31,10 @@ class Served:
     files: dict[str, bytes] = field(default_factory=dict)
     asked: list[tuple[str, str, str | None]] = field(default_factory=list)
     cut: set[str] = field(default_factory=set)
+    whole: set[str] = field(default_factory=set)
+    """Paths answered whole whatever the range asked (a server without range requests)."""
+    unsized: set[str] = field(default_factory=set)
+    """Paths answered without a Content-Length (the body ends when the connection closes)."""
     url: str = ""
 
 
@@ -42,11 +48,14 @@ class _Files(BaseHTTPRequestHandler):
         body = served.files.get(self.path)
         if body is None:
             return self.send_error(404)
-        start = int(ranged.removeprefix("bytes=").rstrip("-")) if ranged else 0
-        if start >= len(body):
+        start = int(ranged.removeprefix("bytes=").rstrip("-")) if ranged and self.path not in served.whole else 0
+        if start and start >= len(body):
             return self.send_error(416)
-        self.send_response(206 if ranged else 200)
-        self.send_header("Content-Length", str(len(body) - start))
+        self.send_response(206 if start else 200)
+        if self.path in served.unsized:
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(len(body) - start))
         self.end_headers()
         if self.path in served.cut:
             served.cut.discard(self.path)
@@ -198,6 +207,8 @@ def test_a_file_larger_than_the_caches_free_space_is_refused_before_a_byte_is_wr
         "SPES_DATA_CACHE to a larger disk"
     )
     assert sorted(p.name for p in folder.iterdir()) == ["big.npy.lock"]
+    monkeypatch.setattr(spes.remote_files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 4096))
+    assert fetched(url).stat().st_size == 4096  # exactly the room it needs
 
 
 @pytest.mark.timeout(60)
@@ -211,3 +222,73 @@ def test_a_download_tells_its_progress(
     lines = capsys.readouterr().err.splitlines()
     assert lines[:3] == [f"downloading {url}: {n:,.1f} of 3.0 MiB" for n in (1, 2, 3)]
     assert lines[3].startswith(f"downloaded {url} -> {path} (3.0 MiB in ") and len(lines) == 4
+
+
+def test_a_server_without_ranges_or_sizes_still_gives_the_whole_file(served: Served) -> None:
+    """A leftover `.partial` met by a server that answers every request whole (200, no range) is replaced, not
+    appended to; a body of no announced size is taken as it comes."""
+    served.files["/w.npy"] = served.files["/u.npy"] = bytes(range(200))
+    served.whole.add("/w.npy")
+    served.unsized.add("/u.npy")
+    cache = Path(os.environ["SPES_DATA_CACHE"])
+    leftover = cache_path(served.url + "/w.npy", cache).with_name("w.npy.partial")
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"stale bytes")
+    assert fetched(served.url + "/w.npy").read_bytes() == bytes(range(200))
+    assert served.asked[-1] == ("GET", "/w.npy", "bytes=11-")
+    assert fetched(served.url + "/u.npy").read_bytes() == bytes(range(200))
+
+
+@pytest.mark.timeout(60)
+def test_progress_lines_come_every_progress_interval_by_the_clock(
+    served: Served, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A clock that moves 10 s at each reading, a line every 20 s: after the second, fourth and sixth MiB (the
+    reading of chunk 2 meets the interval exactly), and the whole download's seconds by the same clock."""
+    ticks = iter(range(10, 10_000, 10))
+    monkeypatch.setattr(spes.remote_files, "time", SimpleNamespace(monotonic=lambda: float(next(ticks))))
+    monkeypatch.setattr(spes.remote_files, "PROGRESS_EVERY_S", 20.0)
+    served.files["/q.npy"] = served.files["/r.npy"] = b"\x00" * (6 << 20)
+    served.unsized.add("/r.npy")
+    path = fetched(served.url + "/q.npy")
+    unsized = fetched(served.url + "/r.npy")
+    assert capsys.readouterr().err.splitlines() == [
+        *(f"downloading {served.url}/q.npy: {n}.0 of 6.0 MiB" for n in (2, 4, 6)),
+        f"downloaded {served.url}/q.npy -> {path} (6.0 MiB in 110.0 s)",
+        *(f"downloading {served.url}/r.npy: {n}.0 MiB" for n in (2, 4, 6)),
+        f"downloaded {served.url}/r.npy -> {unsized} (6.0 MiB in 110.0 s)",
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_a_server_that_accepts_and_never_answers_fails_the_download_at_the_timeout(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(spes.remote_files, "TIMEOUT_S", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/s.npy"
+        with pytest.raises(FileNotFoundError) as err:
+            fetched(url)
+    assert str(err.value).startswith(
+        f"data path {url!r} (its sidecar {url}.json) could not be downloaded (TimeoutError"
+    )
+
+
+def test_a_refused_connection_names_the_url() -> None:
+    url = "http://127.0.0.1:9/x.npy"  # the discard port: nothing listens
+    with pytest.raises(FileNotFoundError) as err:
+        fetched(url)
+    assert str(err.value).startswith(f"data path {url!r} (its sidecar {url}.json) could not be downloaded (URLError: ")
+
+
+def test_the_cache_is_spes_data_cache_else_under_the_xdg_cache_else_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPES_DATA_CACHE", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert data_cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("SPES_DATA_CACHE")
+    assert data_cache_dir() == tmp_path / "xdg" / "spes" / "data"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert data_cache_dir() == tmp_path / "home" / ".cache" / "spes" / "data"
