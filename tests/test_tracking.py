@@ -13,7 +13,7 @@ import pytest
 from conftest import tensorboard_scalars
 from spes.config import TensorBoardConfig, TrainConfig, WandbConfig
 from spes.schema import ConfigError
-from spes.tracking import Trackers, olmo_aliases
+from spes.tracking import TensorBoardTracker, Trackers, WandbTracker, olmo_aliases
 from spes.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,3 +191,68 @@ def test_wandb_without_an_account_is_a_clear_error(tmp_path: Path, monkeypatch: 
     cfg = TrainConfig(save_folder=str(tmp_path / "run"), wandb=WandbConfig(project="p"))
     with pytest.raises(ConfigError, match="W&B could not start: .*WANDB_MODE=offline"):
         Trackers(cfg, enabled=True)
+
+
+def test_perplexity_is_capped_where_exp_would_overflow_a_dashboard() -> None:
+    assert olmo_aliases({"ce": 60.0})["train/Perplexity"] == math.exp(50.0)
+
+
+class _Recorder:
+    """A dashboard (`log(step, metrics)`) or a W&B run (`log(metrics, step=)`) that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, float]]] = []
+        self.closed = 0
+
+    def log(self, *args: object, step: int | None = None) -> None:
+        self.logged.append((step, args[0]) if step is not None else args)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_trackers_log_olmos_names_per_device_and_close_once(tmp_path: Path) -> None:
+    """The node's tokens/s is divided among its ranks for OLMo's per-device figure; closing twice (a run's end,
+    then its error path) closes each dashboard once."""
+    cfg = TrainConfig(save_folder=str(tmp_path))
+    assert Trackers(cfg, enabled=True).world_size == 1
+    trackers, recorder = Trackers(cfg, enabled=True, world_size=4), _Recorder()
+    trackers.trackers.append(recorder)  # type: ignore[arg-type]
+    trackers.log(3, {"tokens_per_s": 800.0, "note": "text"})
+    assert recorder.logged == [(3, {"tokens_per_s": 800.0, "throughput/device/tokens_per_second": 200.0})]
+    trackers.close()
+    trackers.close()
+    assert recorder.closed == 1 and trackers.trackers == []
+
+
+def test_tensorboard_writes_under_the_save_folder_unless_told(tmp_path: Path) -> None:
+    tracker = TensorBoardTracker(TrainConfig(save_folder=str(tmp_path), tensorboard=TensorBoardConfig()))
+    tracker.close()
+    assert tracker.log_dir == tmp_path / "tensorboard" and any(tracker.log_dir.iterdir())
+
+
+def test_wandb_logs_every_log_interval_steps_and_every_evaluation() -> None:
+    tracker, run = object.__new__(WandbTracker), _Recorder()
+    tracker.log_interval, tracker.run = 10, run
+    for step, metrics in (
+        (3, {"loss": 1.0}),
+        (3, {"val_loss": 2.0}),
+        (4, {"eval/hellaswag/acc": 0.3}),
+        (10, {"loss": 3.0}),
+    ):
+        tracker.log(step, metrics)
+    assert run.logged == [(3, {"val_loss": 2.0}), (4, {"eval/hellaswag/acc": 0.3}), (10, {"loss": 3.0})]
+
+
+@pytest.mark.usefixtures("fresh_wandb")
+def test_wandb_starts_in_a_save_folder_not_made_yet_with_the_configs_entity_and_spes_as_project(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = WandbTracker(TrainConfig(save_folder=str(tmp_path / "a" / "b"), wandb=WandbConfig(entity="lab")))
+    try:
+        assert (tracker.run.project, tracker.run.entity) == ("spes", "lab")
+        assert (tmp_path / "a" / "b" / "wandb").is_dir()
+    finally:
+        tracker.close()
