@@ -1123,9 +1123,6 @@ FSDP_CKPT = "tests/test_checkpoint.py::test_fsdp_checkpoints_of_either_kind_rest
 GPU_PEAK_MEMORY = "tests/test_monitor.py::test_peak_gpu_memory_is_the_allocators_peak_in_megabytes"
 FLAG_GROUPS = "tests/sync/test_settings.py::test_each_flag_stands_in_its_group_with_its_doc_and_default"
 HUB_ONLINE = "tests/test_hub.py::test_an_id_the_hub_does_not_know_is_named_with_what_to_check"
-STALLED_DOWNLOAD = (
-    "tests/test_remote_files.py::test_a_server_that_accepts_and_never_answers_fails_the_download_at_the_timeout"
-)
 HUB_DOWNLOAD = "tests/test_hub.py::test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_reads"
 KILLED_BY: dict[str, str] = {
     # the state-dict options that only sharded (FSDP2) parameters read, on two gloo ranks (torchrun)
@@ -1197,8 +1194,6 @@ KILLED_BY: dict[str, str] = {
     # as it is imported): one ask after the offline lookup, the download's arguments, the one-line refusal
     **mutants("spes.hub.x_resolve", "14 18 20 33 34 37 40 41 42 43 44 45 46 47 48 49 50", HUB_ONLINE),
     **mutants("spes.hub.x_resolve", "13 17 35 36 38 39", HUB_DOWNLOAD),
-    # a stalled download without its timeout waits until the test's own timeout fails it (mutmut: "timeout")
-    **mutants("spes.remote_files.x__fetch_into", "16 18", STALLED_DOWNLOAD),
     # the sync counter, run outside mutmut (whose frames sit between a counted call and its caller)
     **mutants("spes.speed.xǁSyncCounterǁ__init__", "1", SYNC_COUNTED[0]),
     **mutants("spes.speed.xǁSyncCounterǁ__torch_function__", "1 2 3 4 5 6 7 8 9", SYNC_COUNTED[0]),
