@@ -782,8 +782,8 @@ EQUIVALENT: dict[str, str] = {
         "at its one '/' every way",
     ),
     **mutants(
-        "spes.checkpoint.x__restore_sharded",
-        "15 16 18",
+        "spes.checkpoint.x__restore_sliced",
+        "13 14 16",
         "how a flat optimizer key is split: a parameter's name is dotted and holds no '/', so '<name>/<key>' splits "
         "at its one '/' every way",
     ),
@@ -990,8 +990,8 @@ EQUIVALENT: dict[str, str] = {
         "unshard and an unsharded restore run in one process or read the unsharded kind)",
     ),
     **mutants(
-        "spes.checkpoint.x__restore_sharded",
-        "57 63",
+        "spes.checkpoint.x__restore_sliced",
+        "56 62",
         "full=None reads as False; full=True: torch's set_*_state_dict takes DTensor values as the shards they are "
         "(checked: the FSDP test passes with it)",
     ),
@@ -1000,10 +1000,9 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.checkpoint.x__optim_state_dict", "16 19", _CPU_OFFLOAD),
     **mutants("spes.checkpoint.x_model_state_dict", "14 17", _CPU_OFFLOAD),
     **mutants(
-        "spes.checkpoint.x_restore",
-        "8 9 10 12 13",
-        "a sharded checkpoint restored the unsharded way (read whole by every rank: load_checkpoint reads both "
-        "kinds, then sharded in place) ends in the same state",
+        "spes.checkpoint.x__restore_unsharded",
+        "16",
+        "the optimizer's shapes read with with_optim false: _restore_sliced drops them by with_optim itself",
     ),
     **mutants(
         "spes.checkpoint.x_save_checkpoint",
@@ -1130,7 +1129,7 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.checkpoint.x__load_state", "1 2 9 12 18 22", FSDP_CKPT),
     **mutants("spes.checkpoint.x_model_state_dict", "1 10 12 13", FSDP_CKPT),
     **mutants("spes.checkpoint.x__optim_state_dict", "1 11 14 15", FSDP_CKPT),
-    **mutants("spes.checkpoint.x__restore_unsharded", "45 51", FSDP_CKPT),
+    **mutants("spes.checkpoint.x__restore_unsharded", "10 13 78 84", FSDP_CKPT),  # reblocked, and read by slices
     **mutants("spes.checkpoint.x_save", "19 21 22 31 34 35", FSDP_CKPT),
     **mutants("spes.checkpoint.x_save_sharded_checkpoint", "72", FSDP_CKPT),  # the other ranks' message
     # what a whole in-process server keeps from round to round: buffers of the wire's dtype, verified checksums

@@ -3,12 +3,14 @@ checkpoint of another config, and resuming on a different number of ranks (2 -> 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -516,7 +518,29 @@ def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
             weights and moments and restored.trainer == {"step": 1} and restored.config == {"seed": 7}
         )
         same["read whole"] = same.get("read whole", []) + [Path(c.args[0]).name for c in whole.call_args_list]
+    same["reblocked"] = _fsdp_reblocked_restore(Path(args["folder"]) / "central", built)
     return {**same, "failed_save": _failing_sharded_save(Path(args["folder"]) / "True", model, optimizer)}
+
+
+def _fsdp_reblocked_restore(folder: Path, built: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]) -> bool:
+    """A centralized checkpoint (one block of every expert) restored into FSDP2 SPES peers: read whole, re-blocked
+    and sharded in place, does every rank's model hold its weights?"""
+    cfg = load_config(TINY, [*SMALL_NODE, "--model.moe_num_experts=4", "--using_spes=false"])[0]
+    central = Transformer.for_run(cfg)
+    central.init_weights(cfg.seed + 1)
+    if torch.distributed.get_rank() == 0:
+        save_checkpoint(folder, 1, model_state=central.state_dict(), optim_state=None, trainer_state={}, config={})
+    torch.distributed.barrier()
+    fresh, fresh_optim = built()
+    restored = restore(folder, fresh, fresh_optim)
+    saved = central.state_dict()
+    for name, param in fresh.named_parameters():
+        whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+        layer, _, block = name.rpartition(".")
+        want = saved[f"{layer}.0"][int(block) * 2 : (int(block) + 1) * 2] if ".experts." in name else saved[name]
+        if not torch.equal(whole.detach(), want):
+            return False
+    return restored.reblocked and not fresh_optim.state
 
 
 def _failing_sharded_save(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
@@ -540,7 +564,8 @@ def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_
         "OSError: [Errno 28] No space left on device",
         f"CheckpointError: rank 0 failed to finish {tmp_path / 'ckpt' / 'True' / 'step2-sharded'}; see its log",
     ]
-    assert ranks == [{"sharded": True, "unsharded": True, "read whole": [], "failed_save": f} for f in failed]
+    want = [{"sharded": True, "unsharded": True, "read whole": [], "reblocked": True, "failed_save": f} for f in failed]
+    assert ranks == want
 
 
 def test_a_kill_while_replacing_a_checkpoint_of_the_same_step_keeps_it_loadable(tmp_path: Path) -> None:
@@ -751,11 +776,13 @@ def test_unreadable_tensor_files_of_the_recorded_size_are_refused_naming_the_fil
         assert path is not None
         [tensors] = [p for p in path.iterdir() if p.name.endswith(".safetensors") and "optim" not in p.name]
         tensors.write_bytes(bytes(tensors.stat().st_size))  # zeros: the size meta.json recorded, no header
-        with pytest.raises(CheckpointError) as err:
-            load_checkpoint(path)
         what = f"{path}: unreadable shard files (" if sharded else f"{tensors}: not a readable safetensors file ("
-        assert str(err.value).startswith(what), err.value
-        assert str(err.value).endswith("); the checkpoint is corrupt, use an earlier one")
+        _, fresh, fresh_optim = _node(steps=0)
+        for read in (functools.partial(load_checkpoint, path), functools.partial(restore, path, fresh, fresh_optim)):
+            with pytest.raises(CheckpointError) as err:
+                read()
+            assert str(err.value).startswith(what), err.value
+            assert str(err.value).endswith("); the checkpoint is corrupt, use an earlier one")
 
 
 def test_the_model_alone_is_read_for_export_even_when_the_optimizer_file_is_unreadable(tmp_path: Path) -> None:
