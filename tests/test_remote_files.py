@@ -274,7 +274,8 @@ def test_a_server_that_accepts_and_never_answers_fails_the_download_at_the_timeo
     )
 
 
-def test_a_refused_connection_names_the_url() -> None:
+def test_a_refused_connection_names_the_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPES_DATA_CACHE", str(tmp_path / "cache"))
     url = "http://127.0.0.1:9/x.npy"  # the discard port: nothing listens
     with pytest.raises(FileNotFoundError) as err:
         fetched(url)
