@@ -581,9 +581,13 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(
-            f"{path}: not a readable safetensors file ({e}); the checkpoint is corrupt, use an earlier one"
-        ) from None
+        raise _unreadable(path, e) from None
+
+
+def _unreadable(path: Path, error: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: not a readable safetensors file ({error}); the checkpoint is corrupt, use an earlier one"
+    )
 
 
 def restore(
@@ -684,9 +688,7 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         with safe_open(path, framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(
-            f"{path}: not a readable safetensors file ({e}); the checkpoint is corrupt, use an earlier one"
-        ) from None
+        raise _unreadable(path, e) from None
 
 
 def _trainable(model: nn.Module) -> set[str]:
