@@ -23,6 +23,8 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 from urllib.parse import urlparse
 
+from spes.atomic import fsync_dir
+
 SCHEMES = ("http://", "https://")
 TIMEOUT_S = 60.0
 """Seconds a connection or a read may stall before the download fails."""
@@ -94,6 +96,7 @@ def _download(url: str, path: Path, label: str, *, optional: bool = False) -> No
     if total is not None and size != total:
         raise FileNotFoundError(f"{label}: the download ended at {size:,} of {total:,} bytes; run again to resume it")
     partial.rename(path)
+    fsync_dir(path.parent)  # NOTE: so the rename survives a power cut, as spes.atomic's writes do
     seconds = time.monotonic() - started
     print(f"downloaded {url} -> {path} ({size / 2**20:,.1f} MiB in {seconds:.1f} s)", file=sys.stderr, flush=True)
 
