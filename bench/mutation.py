@@ -125,6 +125,20 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/remote_files.py": ("tests/test_remote_files.py",),
     # the dashboards: OLMo's metric names, W&B offline and TensorBoard event files
     "spes/tracking.py": ("tests/test_tracking.py",),
+    # checkpoints to and from Hugging Face models: bit-exact round trips, logits against transformers' own models,
+    # the refusals; a Hub id through an endpoint on loopback
+    "spes/hf.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py"),
+    "spes/upcycle.py": ("tests/test_upcycle.py", "tests/test_hub.py"),
+    "spes/sync/codecs/lazy.py": ("tests/sync/codecs/test_lazy.py",),
+    # the node checks' report lines and matmul rate (the block smoke's compiled variant: see COMPILED_HEAD's note)
+    "spes/checks.py": (
+        "tests/test_preflight.py",
+        "tests/test_gpu_check.py",
+        "-m",
+        "not slow",
+        "--deselect",
+        "tests/test_gpu_check.py::test_the_block_smoke_compiles_the_block_when_the_config_does",
+    ),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
