@@ -278,8 +278,12 @@ class DataConfig(Section):
 
     paths: list[str] = _f(
         [],
-        "token shards: .npy files, globs, directories, http(s) URLs (downloaded once into SPES_DATA_CACHE) or a .txt "
-        "file listing them",
+        "token shards: .npy files, globs, directories, http(s) URLs (see url_reads) or a .txt file listing them",
+    )
+    url_reads: Literal["range", "download"] = _f(
+        "range",
+        "how shards at http(s) URLs are read: range (OLMo's way: each window a batch needs, by an HTTP range "
+        "request) or download (each file once into SPES_DATA_CACHE, then read locally)",
     )
     validation_paths: list[str] = _f([], "held-out shards for in-loop validation loss")
     seed: int | None = _f(

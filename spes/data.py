@@ -4,7 +4,8 @@
 sidecar `<shard>.npy.json` written last; headerless OLMo-format token files without a sidecar are
 read too (see `spes.shards`). The trainer reads them as
 
-    ds = TokenSequenceDataset(resolve_paths(cfg.data.paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype)
+    shards = resolve_paths(cfg.data.paths, ranged=cfg.data.url_reads == "range")
+    ds = TokenSequenceDataset(shards, cfg.model.max_sequence_length, cfg.data.memmap_dtype)
     loader = BatchLoader(ds, batch_size=cfg.global_train_batch_size, seed=cfg.data_seed, rank=r, world_size=w)
     batch = next(loader)  # LongTensor (global_batch // world_size, seq_len), this rank's slice
 
@@ -21,6 +22,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,20 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from spes.shards import PARTIAL_SUFFIX, ShardInfo, find_shard_info, open_token_array
+from spes.remote_files import is_url
+from spes.shards import (
+    PARTIAL_SUFFIX,
+    RangeTokenArray,
+    Shard,
+    ShardInfo,
+    find_shard_info,
+    open_token_array,
+    shard_name,
+)
+
+TokenArray = np.ndarray | RangeTokenArray
+OPEN_THREADS = 16
+"""Shards opened at once: a shard at a URL costs a round trip or two to open, and a list may name thousands."""
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +59,18 @@ def olmo_order(seed: int, epoch: int, num_windows: int) -> np.ndarray:
     return np.random.Generator(np.random.PCG64(seed + epoch)).permutation(num_windows)
 
 
-def check_shard_name(path: Path) -> None:
+def check_shard_name(path: Shard) -> None:
     """ValueError unless `path` names a finished `.npy` token shard (not tokenize_data.py's half-written file)."""
-    if path.name.endswith(PARTIAL_SUFFIX):
+    if shard_name(path).name.endswith(PARTIAL_SUFFIX):
         raise ValueError(
             f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
             f"and rerun tokenize_data.py, or leave it out of data.paths"
         )
-    if path.suffix != ".npy":
+    if shard_name(path).suffix != ".npy":
         raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
 
 
-def check_shard_array(path: Path, array: np.ndarray, info: ShardInfo | None, want_dtype: np.dtype | None) -> None:
+def check_shard_array(path: Shard, array: TokenArray, info: ShardInfo | None, want_dtype: np.dtype | None) -> None:
     """ValueError unless the shard at `path` is a 1-D array of unsigned token ids that matches its sidecar `info`
     (if any) and `want_dtype` (`data.memmap_dtype`, if set)."""
     if info is not None and (array.ndim != 1 or array.dtype != np.dtype(info.dtype) or len(array) != info.num_tokens):
@@ -74,7 +89,7 @@ def check_shard_array(path: Path, array: np.ndarray, info: ShardInfo | None, wan
         )
 
 
-def common_fingerprint(paths: Sequence[Path], infos: Sequence[ShardInfo | None]) -> str | None:
+def common_fingerprint(paths: Sequence[Shard], infos: Sequence[ShardInfo | None]) -> str | None:
     """The one tokenizer fingerprint the shards' sidecars record (None without sidecars); ValueError naming two
     shards of different tokenizers."""
     known = [(p, i) for p, i in zip(paths, infos) if i is not None]
@@ -94,14 +109,15 @@ class TokenSequenceDataset:
     """Fixed-length windows of `seq_len` tokens over memory-mapped token shards.
 
     Window `i` is a contiguous slice of one shard; windows never cross a shard's end and each
-    shard's last `num_tokens % seq_len` tokens are dropped. Shards are opened lazily per process
-    (so DataLoader workers map them themselves instead of receiving copies). With `vocab_size`, a window holding
-    a larger token id is refused as it is read (a shard of another tokenizer; OLMo's bare files name none).
+    shard's last `num_tokens % seq_len` tokens are dropped. Local shards are mapped again in each process
+    (so DataLoader workers map them themselves instead of receiving copies); a shard at a URL travels as its URL
+    and layout, read by byte ranges. With `vocab_size`, a window holding a larger token id is refused as it is read
+    (a shard of another tokenizer; OLMo's bare files name none).
     """
 
     def __init__(
         self,
-        paths: Sequence[str | os.PathLike[str]],
+        paths: Sequence[Shard | os.PathLike[str]],
         seq_len: int,
         memmap_dtype: str | None = None,
         *,
@@ -112,16 +128,17 @@ class TokenSequenceDataset:
         if not paths:
             raise ValueError("TokenSequenceDataset needs at least one token shard")
         self.seq_len, self.vocab_size = seq_len, vocab_size
-        self.paths = [Path(p) for p in paths]
+        self.paths: list[Shard] = [p if isinstance(p, str) and is_url(p) else Path(p) for p in paths]
         for path in self.paths:
             check_shard_name(path)
         want_dtype = np.dtype(memmap_dtype) if memmap_dtype is not None else None
         self.memmap_dtype = memmap_dtype
-        self.shard_infos = [find_shard_info(p) for p in self.paths]
-        self._arrays: list[np.ndarray | None] = [None] * len(self.paths)
+        with ThreadPoolExecutor(min(OPEN_THREADS, len(self.paths))) as pool:
+            self.shard_infos = list(pool.map(find_shard_info, self.paths))
+            self._arrays: list[TokenArray | None] = list(pool.map(self._open, self.paths))
         lengths = []
-        for index, (path, info) in enumerate(zip(self.paths, self.shard_infos)):
-            array = self._array(index)
+        for path, info, array in zip(self.paths, self.shard_infos, self._arrays):
+            assert array is not None
             check_shard_array(path, array, info, want_dtype)
             lengths.append(len(array))
         bare = [i for i, info in enumerate(self.shard_infos) if info is None]
@@ -129,7 +146,7 @@ class TokenSequenceDataset:
             more = f" (and {len(bare) - 1} more)" if len(bare) > 1 else ""
             log.warning(
                 f"note: token shard {self.paths[bare[0]]}{more} has no .npy.json sidecar (an OLMo-style "
-                f"file): read as {self._array(bare[0]).dtype} tokens; its tokenizer cannot be checked"
+                f"file): read as {self.shard_array(bare[0]).dtype} tokens; its tokenizer cannot be checked"
             )
         self.fingerprint = common_fingerprint(self.paths, self.shard_infos)
         """The tokenizer fingerprint the sidecars record; None when no shard has a sidecar."""
@@ -137,16 +154,19 @@ class TokenSequenceDataset:
         # window_starts[k] = index of shard k's first window; the last entry is the window count.
         self._window_starts = np.concatenate([[0], np.cumsum([n // seq_len for n in lengths])]).astype(np.int64)
 
-    def _array(self, index: int) -> np.ndarray:
+    def _open(self, path: Shard) -> TokenArray:
+        return open_token_array(path, self.memmap_dtype)
+
+    def shard_array(self, index: int) -> TokenArray:
+        """The tokens of shard `index` (opened again in a new process)."""
         array = self._arrays[index]
         if array is None:
-            array = open_token_array(self.paths[index], self.memmap_dtype)
-            self._arrays[index] = array
+            array = self._arrays[index] = self._open(self.paths[index])
         return array
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_arrays"] = [None] * len(self.paths)
+        state["_arrays"] = [a if isinstance(a, RangeTokenArray) else None for a in self._arrays]
         return state
 
     def __len__(self) -> int:
@@ -158,7 +178,7 @@ class TokenSequenceDataset:
         i %= len(self)
         shard = int(np.searchsorted(self._window_starts, i, side="right")) - 1
         start = (i - int(self._window_starts[shard])) * self.seq_len
-        window = self._array(shard)[start : start + self.seq_len]
+        window = self.shard_array(shard)[start : start + self.seq_len]
         if self.vocab_size is not None and int(window.max()) >= self.vocab_size:
             raise ValueError(
                 f"token shard {self.paths[shard]} holds token id {int(window.max())} (in tokens {start}.."

@@ -414,7 +414,7 @@ def check_disk(cfg: TrainConfig) -> Check:
 
 def check_data(cfg: TrainConfig) -> Check:
     from spes.data import TokenSequenceDataset
-    from spes.shards import open_token_array, resolve_paths
+    from spes.shards import resolve_paths
     from spes.tokenizer import check_vocab, load_tokenizer
 
     try:
@@ -427,15 +427,15 @@ def check_data(cfg: TrainConfig) -> Check:
     paths = []
     for entry in cfg.data.paths or [""]:
         try:
-            paths.extend(resolve_paths([entry] if entry else []))
+            paths.extend(resolve_paths([entry] if entry else [], ranged=cfg.data.url_reads == "range"))
         except (ValueError, FileNotFoundError) as exc:
             return fail("data", str(exc), "fix data.paths (files, globs, directories or .txt lists of .npy shards)")
     try:
         dataset = TokenSequenceDataset(paths, cfg.model.max_sequence_length, cfg.data.memmap_dtype)
     except (ValueError, OSError) as exc:
         return fail("data", str(exc), "fix or re-tokenize the shard named above")
-    for path, info in zip(dataset.paths, dataset.shard_infos):
-        tokens = open_token_array(path, cfg.data.memmap_dtype)[:SAMPLE_TOKENS]  # headerless OLMo files too
+    for index, (path, info) in enumerate(zip(dataset.paths, dataset.shard_infos)):
+        tokens = dataset.shard_array(index)[:SAMPLE_TOKENS]  # headerless OLMo files too
         top = int(tokens.max()) if len(tokens) else 0
         if (info is not None and info.vocab_size != tokenizer.vocab_size) or top >= tokenizer.vocab_size:
             # NOTE: a bare OLMo-style shard has no sidecar, so only its largest id can be checked
@@ -447,7 +447,7 @@ def check_data(cfg: TrainConfig) -> Check:
                 "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
             )
     same = dataset.fingerprint == tokenizer.fingerprint
-    dtype = open_token_array(dataset.paths[0], cfg.data.memmap_dtype).dtype  # as training reads it
+    dtype = dataset.shard_array(0).dtype  # as training reads it
     need = cfg.max_steps * cfg.global_train_batch_size
     detail = (
         f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dtype}, "

@@ -1,5 +1,6 @@
 """Token files named by URL (`data.paths: [https://olmo-data.org/.../part-000-00000.npy]`, as OLMo's configs list
-them), downloaded once into a local cache and read from there like any local shard.
+them) under `data.url_reads: download`: downloaded once into a local cache and read from there like any local shard
+(the default, `range`, reads them in place: `spes.remote_ranges`).
 
 The cache is `$SPES_DATA_CACHE`, else `$XDG_CACHE_HOME/spes/data`, else `~/.cache/spes/data`; a URL's file is kept
 at `<cache>/<host>/<path>`. A download lands as `<file>.partial` and is renamed only once it holds every byte

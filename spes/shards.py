@@ -8,23 +8,28 @@ Two formats are read:
 - OLMo's / Dolma's (and the first SPES implementation's `tokenize_data.py`): a headerless flat memmap
   named `.npy`, read with `data.memmap_dtype` (uint16 when unset, OLMo's default). Nothing about its
   tokenizer can be checked.
-A sidecar, when present, is always checked. This module is the format and the path resolution of
+A sidecar, when present, is always checked. A shard is a local `Path`, or the `str` of an http(s) URL read by
+byte ranges (`data.url_reads: range`: `RangeTokenArray`). This module is the format and the path resolution of
 `data.paths`; it imports no torch, so tokenization workers start light (the dataset lives in `spes.data`).
 """
 
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlparse
 
 import numpy as np
 
 from spes.atomic import write_atomic
 from spes.remote_files import fetched, is_url
+from spes.remote_ranges import RemoteFile, fetch_optional
 
 SIDECAR_SUFFIX = ".json"
 PARTIAL_SUFFIX = ".partial"
@@ -34,6 +39,20 @@ DEFAULT_MEMMAP_DTYPE = "uint16"
 MEMMAP_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int32", "int64")
 SHARD_FORMAT_VERSION = 1
 _GLOB_CHARS = frozenset("*?[")
+_NPY_HEAD = 4096
+"""Bytes read first from a shard at a URL: its `.npy` header, if it has one (numpy writes them of 128 bytes)."""
+
+_NPY_HEADER_LOCK = threading.Lock()
+"""numpy reads a `.npy` header with `ast.literal_eval`, and CPython 3.11's AST constructor fails when two threads
+run it at once ("AST constructor recursion depth mismatch", python/cpython#106905): shards open on a thread pool."""
+
+Shard = Path | str
+"""A token shard: a local file, or the URL of one read by byte ranges."""
+
+
+def shard_name(shard: Shard) -> PurePosixPath | Path:
+    """The shard's file name and suffix, for a local path or a URL."""
+    return PurePosixPath(urlparse(shard).path) if isinstance(shard, str) and is_url(shard) else Path(shard)
 
 
 @dataclass(frozen=True)
@@ -63,7 +82,7 @@ def write_shard_info(shard: Path, info: ShardInfo) -> None:
     write_atomic(sidecar_path(shard), json.dumps(asdict(info), indent=2) + "\n")
 
 
-def read_shard_info(shard: str | os.PathLike[str]) -> ShardInfo:
+def read_shard_info(shard: Shard) -> ShardInfo:
     """The sidecar of `shard`; ValueError naming the file when it is missing or malformed."""
     info = find_shard_info(shard)
     if info is None:
@@ -74,13 +93,18 @@ def read_shard_info(shard: str | os.PathLike[str]) -> ShardInfo:
     return info
 
 
-def find_shard_info(shard: str | os.PathLike[str]) -> ShardInfo | None:
+def find_shard_info(shard: Shard) -> ShardInfo | None:
     """The sidecar of `shard`, or None when it has none (an OLMo-format file); ValueError when malformed."""
-    path = sidecar_path(shard)
-    if not path.is_file():
+    if isinstance(shard, str) and is_url(shard):
+        path: Shard = shard + SIDECAR_SUFFIX
+        text = fetch_optional(shard + SIDECAR_SUFFIX)
+    else:
+        path = sidecar_path(shard)
+        text = path.read_bytes() if path.is_file() else None
+    if text is None:
         return None
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = json.loads(text.decode("utf-8"))
         raw["source_files"] = tuple(raw["source_files"])
         info = ShardInfo(**raw)
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
@@ -98,54 +122,117 @@ def has_npy_header(shard: str | os.PathLike[str]) -> bool:
         return f.read(len(NPY_MAGIC)) == NPY_MAGIC
 
 
-def open_token_array(shard: str | os.PathLike[str], memmap_dtype: str | None = None) -> np.ndarray:
-    """A read-only 1-D memory map of a shard's tokens: a real `.npy` as stored, a headerless file as a
-    flat array of `memmap_dtype` (uint16 when None)."""
+def open_token_array(shard: Shard, memmap_dtype: str | None = None) -> np.ndarray | RangeTokenArray:
+    """A read-only 1-D view of a shard's tokens: a real `.npy` as stored, a headerless file as a flat array of
+    `memmap_dtype` (uint16 when None); a memory map of a local file, a `RangeTokenArray` of a URL."""
+    if isinstance(shard, str) and is_url(shard):
+        return RangeTokenArray.open(shard, memmap_dtype)
     if has_npy_header(shard):
-        return np.load(shard, mmap_mode="r", allow_pickle=False)
+        with _NPY_HEADER_LOCK:
+            return np.load(shard, mmap_mode="r", allow_pickle=False)
+    dtype = _headerless_dtype(shard, memmap_dtype, os.path.getsize(shard))
+    if os.path.getsize(shard) == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(shard, dtype=dtype, mode="r")
+
+
+def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int) -> np.dtype:
+    """The dtype a headerless token file of `size` bytes is read as; ValueError unless it divides the file."""
     dtype = np.dtype(memmap_dtype or DEFAULT_MEMMAP_DTYPE)
     if dtype.name not in MEMMAP_DTYPES:
         raise ValueError(f"data.memmap_dtype={memmap_dtype!r} is not a token dtype; use one of {list(MEMMAP_DTYPES)}")
-    size = os.path.getsize(shard)
     if size % dtype.itemsize:
         raise ValueError(
             f"headerless token file {shard} has {size} bytes, not a multiple of {dtype.itemsize} "
             f"(data.memmap_dtype={dtype.name}); set data.memmap_dtype to the dtype it was written with"
         )
-    if size == 0:
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(shard, dtype=dtype, mode="r")
+    return dtype
+
+
+class RangeTokenArray:
+    """The tokens of a shard at a URL, as far as the dataset reads them: `dtype`, `shape`, `ndim`, `len` at hand,
+    and `array[a:b]` read by one HTTP range request (`spes.remote_ranges`). Pickles without a connection."""
+
+    def __init__(self, file: RemoteFile, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> None:
+        self.file, self.dtype, self.shape, self.offset = file, dtype, shape, offset
+        self.ndim = len(shape)
+
+    @classmethod
+    def open(cls, url: str, memmap_dtype: str | None) -> RangeTokenArray:
+        """The shard at `url`: its `.npy` header read (safely: no pickle) if it has one, else a headerless file."""
+        file, head = RemoteFile.open(url, _NPY_HEAD)
+        if not head.startswith(NPY_MAGIC):
+            dtype = _headerless_dtype(url, memmap_dtype, file.size)
+            return cls(file, dtype, (file.size // dtype.itemsize,), 0)
+        needed = _npy_header_bytes(head, url)
+        if len(head) < needed:
+            head = file.read(0, needed)
+        stream = io.BytesIO(head)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        with _NPY_HEADER_LOCK:
+            shape, _, dtype = read_header[np.lib.format.read_magic(stream)](stream)
+        if dtype.hasobject or needed + int(np.prod(shape)) * dtype.itemsize > file.size:
+            raise ValueError(
+                f"token shard {url} is not a whole array of token ids ({dtype} {shape} in {file.size:,} bytes); "
+                "rerun tokenize_data.py for it"
+            )
+        return cls(file, dtype, tuple(shape), needed)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise IndexError("a token shard at a URL is read by contiguous slices")
+        if stop <= start:
+            return np.zeros(0, dtype=self.dtype)
+        size = self.dtype.itemsize
+        return np.frombuffer(self.file.read(self.offset + start * size, (stop - start) * size), dtype=self.dtype)
+
+
+def _npy_header_bytes(head: bytes, url: str) -> int:
+    """Magic, version, header length field and header of a `.npy` file: where its data starts."""
+    version = head[6:8]
+    if version == b"\x01\x00" and len(head) >= 10:
+        return 10 + int.from_bytes(head[8:10], "little")
+    if version == b"\x02\x00" and len(head) >= 12:
+        return 12 + int.from_bytes(head[8:12], "little")
+    raise ValueError(f"token shard {url} has a .npy header of a version spes does not read (1.0 and 2.0 only)")
 
 
 def resolve_paths(
-    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], base_dir: Path | None = None
-) -> list[Path]:
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    base_dir: Path | None = None,
+    *,
+    ranged: bool = False,
+) -> list[Shard]:
     """Expand `data.paths` entries into shard files, in order.
 
     An entry is a file, a glob (sorted matches, `**` allowed), a directory (its `*.npy`, sorted), an
-    http(s) URL of a file (downloaded once into a local cache: `spes.remote_files`) or a `.txt` list file
-    with one path, glob or URL per line (relative lines are relative to the list file; what
-    list_processed_files.sh writes). Relative entries are relative to `base_dir`
+    http(s) URL of a file (kept as the URL, read by byte ranges, when `ranged`; else downloaded once into a local
+    cache: `spes.remote_files`) or a `.txt` list file with one path, glob or URL per line (relative lines are
+    relative to the list file; what list_processed_files.sh writes). Relative entries are relative to `base_dir`
     (default: the working directory). Repeats are kept, so listing a shard twice upsamples it.
     """
     entries = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not entries:
         raise ValueError("data.paths is empty: give token shard files, globs, directories or .txt list files")
-    resolved: list[Path] = []
+    resolved: list[Shard] = []
     for entry in entries:
-        resolved.extend(_resolve_entry(str(entry), base_dir))
+        resolved.extend(_resolve_entry(str(entry), base_dir, ranged=ranged))
     return resolved
 
 
-def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = None) -> list[Path]:
+def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = None, *, ranged: bool) -> list[Shard]:
     if is_url(entry):
-        return [fetched(entry)]
+        return [entry if ranged else fetched(entry)]
     path = Path(entry).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     where = f" (listed in {list_file})" if list_file else ""
     if _GLOB_CHARS & set(entry):
-        matches = [Path(m) for m in sorted(glob.glob(str(path), recursive=True)) if os.path.isfile(m)]
+        matches: list[Shard] = [Path(m) for m in sorted(glob.glob(str(path), recursive=True)) if os.path.isfile(m)]
         if not matches:
             raise FileNotFoundError(f"data path pattern {entry!r}{where} matches no file")
         return matches
@@ -158,7 +245,12 @@ def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = N
         raise FileNotFoundError(f"data path {entry!r}{where} does not exist")
     if path.suffix == ".txt" and list_file is None:
         lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines()]
-        listed = [p for ln in lines if ln and not ln.startswith("#") for p in _resolve_entry(ln, path.parent, path)]
+        listed = [
+            p
+            for ln in lines
+            if ln and not ln.startswith("#")
+            for p in _resolve_entry(ln, path.parent, path, ranged=ranged)
+        ]
         if not listed:
             raise ValueError(f"data list file {path} names no shards")
         return listed

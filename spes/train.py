@@ -412,7 +412,10 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
 def _dataset(cfg: TrainConfig, paths: list[str]) -> TokenSequenceDataset:
     """Windows of `model.max_sequence_length` tokens over the shards `paths` name."""
     return TokenSequenceDataset(
-        resolve_paths(paths), cfg.model.max_sequence_length, cfg.data.memmap_dtype, vocab_size=cfg.model.vocab_size
+        resolve_paths(paths, ranged=cfg.data.url_reads == "range"),
+        cfg.model.max_sequence_length,
+        cfg.data.memmap_dtype,
+        vocab_size=cfg.model.vocab_size,
     )
 
 

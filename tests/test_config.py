@@ -662,6 +662,7 @@ def test_first_implementation_key_set_is_complete() -> None:
     added = {
         "moe_backend",
         "validation_paths",
+        "url_reads",
         "entity",
         "codec",
         "codec_settings",

@@ -16,6 +16,7 @@ import torch
 
 from conftest import usage_error
 from data_fixtures import write_token_shard
+from http_fixtures import http_server
 from spes.config import load_config
 from spes.model import Transformer, count_params
 from spes.preflight import (
@@ -212,6 +213,29 @@ def test_a_bare_olmo_shard_is_checked_by_its_largest_id(
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{beyond}]")
     assert rc == 1 and lines["data"].startswith("FAIL")
     assert f"no sidecar (largest id seen {tokenizer.vocab_size})" in lines["data"]
+
+
+def test_a_shard_at_a_url_is_checked_by_range_reads_as_training_reads_it(
+    server: str,
+    node: list[str],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`data.url_reads: range` (the default): the check reads the shard's header, sidecar and first tokens from the
+    server; a download would have filled SPES_DATA_CACHE."""
+    monkeypatch.setenv("SPES_DATA_CACHE", str(tmp_path / "cache"))
+    with http_server() as served:
+        served.files["/train.npy"] = (tmp_path / "train.npy").read_bytes()
+        served.files["/train.npy.json"] = (tmp_path / "train.npy.json").read_bytes()
+        url = f"{served.url}/train.npy"
+        rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{url}]")
+        assert lines["data"].startswith("ok") and "8,192 tokens = 128 sequences" in lines["data"], lines["data"]
+        assert not (tmp_path / "cache").exists() and all(r for _, p, r in served.asked if p == "/train.npy")
+        rc, lines = preflight(
+            capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{url}]", "--data.url_reads=download"
+        )
+        assert lines["data"].startswith("ok") and (tmp_path / "cache").is_dir()
 
 
 def test_a_headerless_uint32_file_of_the_first_implementation_is_read_as_training_reads_it(

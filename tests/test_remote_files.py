@@ -8,8 +8,6 @@ import shutil
 import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,67 +16,17 @@ import pytest
 
 import spes.remote_files
 from data_fixtures import write_token_shard
+from http_fixtures import Served, http_server
 from spes.data import TokenSequenceDataset
 from spes.remote_files import cache_path, data_cache_dir, fetched, is_url
 from spes.shards import read_shard_info, resolve_paths
 
 
-@dataclass
-class Served:
-    """What the server holds (path -> bytes), what it was asked (method, path, Range header), and the paths whose
-    next answer stops halfway through the body."""
-
-    files: dict[str, bytes] = field(default_factory=dict)
-    asked: list[tuple[str, str, str | None]] = field(default_factory=list)
-    cut: set[str] = field(default_factory=set)
-    whole: set[str] = field(default_factory=set)
-    """Paths answered whole whatever the range asked (a server without range requests)."""
-    unsized: set[str] = field(default_factory=set)
-    """Paths answered without a Content-Length (the body ends when the connection closes)."""
-    url: str = ""
-
-
-class _Files(BaseHTTPRequestHandler):
-    """GET with `Range: bytes=N-` (206, or 416 past the end), as static file servers and CDNs answer."""
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        served: Served = self.server.served  # type: ignore[attr-defined]
-        ranged = self.headers.get("Range")
-        served.asked.append((self.command, self.path, ranged))
-        body = served.files.get(self.path)
-        if body is None:
-            return self.send_error(404)
-        start = int(ranged.removeprefix("bytes=").rstrip("-")) if ranged and self.path not in served.whole else 0
-        if start and start >= len(body):
-            return self.send_error(416)
-        self.send_response(206 if start else 200)
-        if self.path in served.unsized:
-            self.close_connection = True
-        else:
-            self.send_header("Content-Length", str(len(body) - start))
-        self.end_headers()
-        if self.path in served.cut:
-            served.cut.discard(self.path)
-            self.wfile.write(body[start : start + (len(body) - start) // 2])
-            self.close_connection = True
-            return
-        self.wfile.write(body[start:])
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
 @pytest.fixture
 def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
     monkeypatch.setenv("SPES_DATA_CACHE", str(tmp_path / "cache"))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Files)
-    server.served = Served(url=f"http://127.0.0.1:{server.server_address[1]}")  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.served  # type: ignore[attr-defined]
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=10)
+    with http_server() as served:
+        yield served
 
 
 def _olmo_file(tokens: np.ndarray) -> bytes:

@@ -1,0 +1,159 @@
+"""Token files at URLs read by byte ranges (spes.remote_ranges, `data.url_reads: range`), from an HTTP server on
+loopback: the windows a batch needs and nothing else, the same batches as the files on disk give, retries, and the
+one-line refusals."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import spes.remote_ranges
+from data_fixtures import write_token_shard
+from http_fixtures import Served, http_server
+from spes.data import BatchLoader, TokenSequenceDataset
+from spes.remote_ranges import RemoteFile
+from spes.shards import RangeTokenArray, find_shard_info, open_token_array, resolve_paths
+
+
+@pytest.fixture
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Served]:
+    monkeypatch.setenv("SPES_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(spes.remote_ranges, "_pools", {})  # NOTE: a pool made now, with this test's settings
+    with http_server() as served:
+        yield served
+
+
+def _serve_shard(served: Served, tmp_path: Path, name: str, tokens: np.ndarray, *, sidecar: bool = True) -> str:
+    """`tokens` as a spes shard (numpy header, and a sidecar unless told otherwise) at `<url>/<name>`."""
+    local = write_token_shard(tmp_path / name, tokens, with_sidecar=sidecar)
+    served.files[f"/{name}"] = local.read_bytes()
+    if sidecar:
+        served.files[f"/{name}.json"] = (tmp_path / f"{name}.json").read_bytes()
+    return f"{served.url}/{name}"
+
+
+@pytest.mark.timeout(60)
+def test_a_headerless_olmo_file_is_read_a_window_at_a_time_and_nothing_is_downloaded(
+    served: Served, tmp_path: Path
+) -> None:
+    """OLMo's configs list bare uint16 files by URL: opening one asks for its size and first bytes, each window one
+    range of exactly its bytes; the cache folder is never made."""
+    tokens = (np.arange(1000) % 97).astype(np.uint16)
+    served.files["/olmo/part-0.npy"] = tokens.tobytes()
+    url = served.url + "/olmo/part-0.npy"
+    assert resolve_paths([url], ranged=True) == [url]
+    dataset = TokenSequenceDataset([url], seq_len=100, memmap_dtype="uint16")
+    assert len(dataset) == 10 and dataset.fingerprint is None
+    del served.asked[:]
+    assert dataset[7].tolist() == tokens[700:800].tolist()
+    assert served.asked == [("GET", "/olmo/part-0.npy", "bytes=1400-1599")]
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_spes_shard_at_a_url_gives_the_batches_its_local_copy_gives_in_worker_processes_too(
+    served: Served, tmp_path: Path
+) -> None:
+    """A real `.npy` with its sidecar, over two shards and two DataLoader workers (each pickled dataset reads
+    through its own connections, the shards' layout travelling with it)."""
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 60000, n).astype(np.uint16) for n in (6400, 3300)]
+    urls = [_serve_shard(served, tmp_path, f"s{i}.npy", p) for i, p in enumerate(parts)]
+    local = [tmp_path / f"s{i}.npy" for i in range(2)]
+    remote_set = TokenSequenceDataset(resolve_paths(urls, ranged=True), seq_len=64)
+    local_set = TokenSequenceDataset(local, seq_len=64)
+    assert remote_set.shard_infos == local_set.shard_infos and remote_set.fingerprint == "0" * 64
+    assert len(remote_set) == len(local_set) == 100 + 51
+    copy = pickle.loads(pickle.dumps(remote_set))
+    assert all(isinstance(a, RangeTokenArray) for a in copy._arrays)  # no reopening in a worker
+    batches = {}
+    for name, dataset, workers in (("local", local_set, 0), ("remote", remote_set, 2)):
+        loader = BatchLoader(dataset, batch_size=8, seed=5, num_workers=workers)
+        batches[name] = [next(loader) for _ in range(4)]
+        loader.close()
+    assert all(np.array_equal(a, b) for a, b in zip(batches["local"], batches["remote"], strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_a_long_npy_header_is_read_whole(served: Served, tmp_path: Path) -> None:
+    """A header past the first bytes read (a version 2.0 header, as numpy writes for large ones) is fetched whole."""
+    tokens = np.arange(300, dtype=np.uint32)
+    header = b"{'descr': '<u4', 'fortran_order': False, 'shape': (300,), }"
+    header += b" " * (-(12 + len(header) + 1) % 64 + 6016) + b"\n"  # past the first 4 KiB, data 64-byte aligned
+    served.files["/long.npy"] = b"\x93NUMPY\x02\x00" + len(header).to_bytes(4, "little") + header + tokens.tobytes()
+    array = open_token_array(served.url + "/long.npy")
+    assert isinstance(array, RangeTokenArray) and array.dtype == np.uint32 and array.shape == (300,)
+    assert array[290:300].tolist() == list(range(290, 300)) and array[5:5].size == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_ignores_ranges_is_refused_with_what_to_set(served: Served) -> None:
+    served.files["/w.npy"] = np.zeros(10, np.uint16).tobytes()
+    served.whole.add("/w.npy")
+    url = served.url + "/w.npy"
+    with pytest.raises(OSError, match=rf"^data path '{url}': the server sends the whole file .*url_reads=download"):
+        open_token_array(url)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_briefly_down_or_a_dropped_answer_is_retried(served: Served, tmp_path: Path) -> None:
+    url = _serve_shard(served, tmp_path, "r.npy", np.arange(50, dtype=np.uint16))
+    array = open_token_array(url)
+    served.failing["/r.npy"] = 2
+    del served.asked[:]
+    assert array[10:20].tolist() == list(range(10, 20))
+    first = array.offset + 10 * 2
+    assert [r for _, _, r in served.asked] == [f"bytes={first}-{first + 19}"] * 3 and not served.failing["/r.npy"]
+    served.cut.add("/r.npy")  # the connection drops halfway through the answer
+    del served.asked[:]
+    assert array[10:20].tolist() == list(range(10, 20)) and len(served.asked) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_server_gone_is_named_with_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spes.remote_ranges, "_pools", {})
+    monkeypatch.setattr(spes.remote_ranges, "TRIES", 2)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/gone.npy"
+    with pytest.raises(OSError, match=rf"^data path '{url}' could not be read after 2 tries \(.*\); check the URL"):
+        open_token_array(url)
+
+
+@pytest.mark.timeout(60)
+def test_missing_truncated_and_changed_files_are_refused_by_name(served: Served, tmp_path: Path) -> None:
+    missing = served.url + "/absent.npy"
+    with pytest.raises(OSError, match=rf"^data path '{missing}' could not be read \(HTTP 404\)"):
+        open_token_array(missing)
+    url = _serve_shard(served, tmp_path, "t.npy", np.arange(100, dtype=np.uint16), sidecar=False)
+    served.files["/t.npy"] = served.files["/t.npy"][:-10]
+    with pytest.raises(ValueError, match=rf"^token shard {url} is not a whole array .*rerun tokenize_data.py"):
+        open_token_array(url)
+    served.files["/odd.npy"] = b"\x00" * 7
+    with pytest.raises(ValueError, match=r"has 7 bytes, not a multiple of 2"):
+        open_token_array(served.url + "/odd.npy")
+    served.files["/e.npy"] = b""
+    assert len(open_token_array(served.url + "/e.npy")) == 0
+    remote = RemoteFile(served.url + "/absent.npy", 100)
+    with pytest.raises(OSError, match=r"could not be read \(HTTP 404\)"):
+        remote.read(0, 10)
+    shrunk = RemoteFile(served.url + "/t.npy", 1000)
+    with pytest.raises(OSError, match=r"asked for bytes 0..999 and got .* the file changed on the server"):
+        shrunk.read(0, 1000)
+
+
+@pytest.mark.timeout(60)
+def test_a_sidecar_is_read_from_the_server_and_a_missing_one_is_none(served: Served, tmp_path: Path) -> None:
+    with_sidecar = _serve_shard(served, tmp_path, "a.npy", np.arange(20, dtype=np.uint16))
+    bare = _serve_shard(served, tmp_path, "b.npy", np.arange(20, dtype=np.uint16), sidecar=False)
+    info = find_shard_info(with_sidecar)
+    assert info is not None and info.num_tokens == 20
+    assert find_shard_info(bare) is None
+    served.files["/a.npy.json"] = b"{"
+    with pytest.raises(ValueError, match=rf"^sidecar {with_sidecar}.json is malformed"):
+        find_shard_info(with_sidecar)
