@@ -52,7 +52,7 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
 
 def save_tiny_olmoe(path: Path, **options: Any) -> Path:
     """A one-layer, two-expert OLMoE as transformers saves it, with `options` set on its config."""
-    config = transformers.OlmoeConfig(
+    settings: dict[str, Any] = dict(
         vocab_size=64,
         hidden_size=16,
         intermediate_size=8,
@@ -61,8 +61,8 @@ def save_tiny_olmoe(path: Path, **options: Any) -> Path:
         num_experts=2,
         num_experts_per_tok=1,
         eos_token_id=0,
-        **options,
     )
+    config = transformers.OlmoeConfig(**{**settings, **options})
     transformers.OlmoeForCausalLM(config).save_pretrained(str(path))
     return path
 

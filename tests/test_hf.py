@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from torch.testing import assert_close
 
 from conftest import usage_error
 from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
 from spes import hf
 from spes.checkpoint import CheckpointError, load_model_state
-from spes.config import ModelConfig
+from spes.config import ModelConfig, TokenizerConfig
 from spes.model import Transformer
+from spes.schema import ConfigError
 from spes.tokenizer import LoadedTokenizer
 
 
@@ -233,3 +238,292 @@ def test_cli_export_from_run_dir_and_error_exit(
         argv = ["export", "--checkpoint", str(tmp_path / "run"), "--out", "x", "--max_shard_gb", size]
         rule = f"argument --max_shard_gb: {size} must be a finite number > 0"
         assert usage_error(capsys, lambda argv=argv: hf.main(argv)).endswith(f": error: {rule}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the exported and imported files hold, and the command line
+
+
+def test_exported_config_names_the_architecture_untied_and_with_plain_rope(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    out = hf.export_checkpoint(step_dir, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert config["architectures"] == ["OlmoeForCausalLM"] and config["tie_word_embeddings"] is False
+    assert config["bos_token_id"] is None and config["dtype"] == "float32"
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e5}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_a_tokenizer_without_its_config_gets_one_that_transformers_loads(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    """A bare tokenizer.json (spes's own tokenizers): the export writes tokenizer_config.json naming EOS and pad."""
+    bare = tmp_path / "bare_tok"
+    bare.mkdir()
+    shutil.copyfile(tokenizer.path, bare / "tokenizer.json")
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    out = hf.export_checkpoint(step_dir, tmp_path / "hf", tokenizer=bare)
+    written = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+    eos = tokenizer.tokenizer.id_to_token(tokenizer.eos_token_id)
+    assert written == {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": eos,
+        "pad_token": tokenizer.tokenizer.id_to_token(tokenizer.pad_token_id),
+    }
+    assert (out / "tokenizer_config.json").read_text(encoding="utf-8") == json.dumps(written, indent=2)
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert loaded.eos_token == eos and loaded.pad_token == written["pad_token"]
+    hf.copy_tokenizer(bare, tmp_path / "deep" / "new" / "tok")  # a folder made with its parents
+    assert (tmp_path / "deep" / "new" / "tok" / "tokenizer_config.json").is_file()
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    state, m = hf.load_model_state(step_dir), hf.load_step_config(step_dir).model
+    small = dataclasses.replace(m, vocab_size=tokenizer.vocab_size - 1, embedding_size=tokenizer.vocab_size + 20)
+    with pytest.raises(ValueError, match=f"{tokenizer.vocab_size}"):
+        hf.export_state(state, small, tmp_path / "hf", tokenizer=tokenizer.path.parent)
+    with pytest.raises(ValueError, match=r"^--dtype must be one of \['bfloat16', 'float32'\], got 'int8'$"):
+        hf.export_state(state, m, tmp_path / "hf", tokenizer=tokenizer.path.parent, dtype="int8")
+
+
+def test_shards_are_filled_up_to_their_bound_and_indexed_with_the_total_size(tmp_path: Path) -> None:
+    """Tensors of 400 bytes under a bound of 800: two to a shard exactly, named 1-of-N on, the index adding up."""
+    tensors = [(f"t{i}", torch.full((100,), float(i))) for i in range(5)]
+    names = hf.write_safetensors(iter(tensors), tmp_path, max_shard_bytes=800)
+    shards = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert names == [*shards, "model.safetensors.index.json"]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text(encoding="utf-8"))
+    assert index == {
+        "metadata": {"total_size": 2000},
+        "weight_map": {"t0": shards[0], "t1": shards[0], "t2": shards[1], "t3": shards[1], "t4": shards[2]},
+    }
+    assert (tmp_path / "model.safetensors.index.json").read_text(encoding="utf-8") == json.dumps(index, indent=2)
+    state = hf.read_hf_weights(tmp_path)
+    assert sorted(state) == [name for name, _ in tensors] and torch.equal(state["t3"], tensors[3][1])
+    single = tmp_path / "single"
+    single.mkdir()
+    assert hf.write_safetensors(iter(tensors[:2]), single, max_shard_bytes=800) == ["model.safetensors"]
+    assert hf.read_hf_weights(single)["t1"].dtype == torch.float32
+    (single / "model.safetensors").unlink()
+    (single / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError) as err:
+        hf.read_hf_weights(single)
+    assert str(err.value) == (
+        f"{single} has no model.safetensors or model.safetensors.index.json (pytorch_model.bin found: spes never "
+        "unpickles weights; re-save it with safetensors)"
+    )
+    (single / "pytorch_model.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"index.json$"):
+        hf.read_hf_weights(single)
+
+
+def test_hf_configs_spes_cannot_compute_are_refused_by_setting() -> None:
+    fixed = hf.OLMOE.fixed
+    plain = SimpleNamespace(hidden_size=32, num_attention_heads=4, rope_theta=1e4, **fixed)
+    assert hf.check_hf_config(plain, fixed, "cfg") == 1e4  # a config of before rope_parameters: its rope_theta
+    scaled = SimpleNamespace(**{**vars(plain), "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}})
+    with pytest.raises(ValueError) as err:
+        hf.check_hf_config(scaled, fixed, "cfg")
+    assert str(err.value) == "cfg: 'rope_parameters.rope_type' = 'yarn' is not supported by spes (plain RoPE only)"
+    untyped = SimpleNamespace(**{**vars(plain), "rope_parameters": {"rope_theta": 2e4}})
+    assert hf.check_hf_config(untyped, fixed, "cfg") == 2e4
+    odd_heads = SimpleNamespace(**{**vars(plain), "head_dim": 16})
+    with pytest.raises(ValueError) as err:
+        hf.check_hf_config(odd_heads, fixed, "cfg")
+    assert str(err.value) == (
+        "cfg: 'head_dim' = 16 with 4 heads != hidden_size 32; spes needs head_dim = hidden_size / num_attention_heads"
+    )
+    uneven = SimpleNamespace(**{**vars(plain), "hidden_size": 30})
+    with pytest.raises(ValueError, match=r"'head_dim' = 7 with 4 heads != hidden_size 30"):
+        hf.check_hf_config(uneven, fixed, "cfg")
+    assert hf.check_hf_config(SimpleNamespace(hidden_size=32, num_attention_heads=4, rope_theta=1.0), fixed, "x") == 1.0
+
+
+def test_token_ids_and_renormalization_are_read_as_transformers_writes_them(tmp_path: Path) -> None:
+    olmoe = save_tiny_olmoe(tmp_path / "a", eos_token_id=[5, 7], pad_token_id=None)
+    config, family = hf.read_hf_config(olmoe, hf.FAMILIES)
+    model = hf.model_config_from_hf(family, config)
+    assert (model["eos_token_id"], model["pad_token_id"], model["moe_normalize_expert_weights"]) == (5, 5, None)
+    settings = {k: v for k, v in config.to_dict().items() if k != "norm_topk_prob"}
+    bare = SimpleNamespace(**{**settings, "eos_token_id": None, "pad_token_id": []})  # as older files may hold
+    model = hf.model_config_from_hf(family, bare)
+    assert (model["eos_token_id"], model["pad_token_id"], model["moe_normalize_expert_weights"]) == (0, 0, None)
+    bare.norm_topk_prob = True
+    assert hf.model_config_from_hf(family, bare)["moe_normalize_expert_weights"] is True
+
+
+def test_hf_weights_spes_has_no_place_for_are_refused_and_rotary_tables_ignored(tmp_path: Path) -> None:
+    olmoe = save_tiny_olmoe(tmp_path / "a")
+    config, family = hf.read_hf_config(olmoe, hf.FAMILIES)
+    cfg = hf.run_config_for(hf.model_config_from_hf(family, config), experts_per_peer=2, run_name="t")
+    weights = dict(hf.read_hf_weights(olmoe))
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    assert set(hf.hf_to_spes(weights, family.key_map(), cfg.model, architecture="X")) >= {"lm_head.weight"}
+    extra = {f"model.layers.0.mlp.shared_expert.{i}.weight": torch.ones(2) for i in range(4)}
+    with pytest.raises(ValueError) as err:
+        hf.hf_to_spes({**weights, **extra}, family.key_map(), cfg.model, architecture="X")
+    assert str(err.value) == (
+        f"Hugging Face weights hold 4 tensors spes has no place for (e.g. {sorted(extra)[:3]}); biases, shared "
+        "experts and dense layers are not supported"
+    )
+    del weights["model.norm.weight"]
+    with pytest.raises(ValueError) as err:
+        hf.hf_to_spes(weights, family.key_map(), cfg.model, architecture="OlmoeForCausalLM")
+    assert str(err.value) == "Hugging Face weights have no tensor 'model.norm.weight' (expected for OlmoeForCausalLM)"
+
+
+def test_a_checkpoint_missing_a_tensor_is_named(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe_gqa_no_affine_normalized"][0])
+    state = dict(hf.load_model_state(step_dir))
+    m = hf.load_step_config(step_dir).model
+    ones = hf.implicit_norm_shapes(m)
+    assert ones["blocks.1.attn.q_norm.weight"] == (32,) and ones["blocks.1.attn.k_norm.weight"] == (16,)
+    per_head = dataclasses.replace(m, attention_layer_norm_over_head=True)
+    assert hf.implicit_norm_shapes(per_head)["blocks.0.attn.k_norm.weight"] == (8,)
+    affine = dataclasses.replace(m, attention_layer_norm_with_affine=True, layer_norm_with_affine=True)
+    assert hf.implicit_norm_shapes(affine) == {}
+    del state["embed.weight"]
+    with pytest.raises(ValueError) as err:
+        list(hf.spes_to_hf(state, hf.OLMOE.key_map(), m))
+    assert str(err.value) == (
+        "checkpoint has no tensor 'embed.weight' (expected for this model config); is it a checkpoint of this model?"
+    )
+    state["norm.weight"] = torch.full((32,), 2.0)  # a stored norm is exported as stored, not as ones
+    state["embed.weight"] = torch.zeros(1)
+    assert torch.equal(dict(hf.spes_to_hf(state, hf.OLMOE.key_map(), m))["model.norm.weight"], state["norm.weight"])
+
+
+def test_import_layouts_and_their_refusals(tmp_path: Path) -> None:
+    model = dict(BASE, vocab_size=64)
+    assert hf.run_config_for(model, experts_per_peer=3, run_name="r").spes_config.num_peers == 2  # ceil(4 / 3)
+    whole = hf.run_config_for(model, experts_per_peer=4, run_name="r")
+    assert whole.using_spes is False and whole.save_folder == "output/r" and whole.run_name == "r"
+    assert whole.tokenizer == TokenizerConfig()
+    for bad in (0, 5):
+        with pytest.raises(ValueError) as err:
+            hf.run_config_for(model, experts_per_peer=bad, run_name="r")
+        assert str(err.value) == f"--experts_per_peer must be in [1, 4] (the number of experts), got {bad}"
+    olmoe = save_tiny_olmoe(tmp_path / "a", num_experts_per_tok=0)
+    with pytest.raises(ConfigError) as cerr:
+        hf.import_hf(olmoe, tmp_path / "out" / "step0")
+    assert cerr.value.key == "model.moe_top_k"
+    with pytest.raises(ValueError) as err:
+        hf.write_step_dir(tmp_path / "out" / "init", {}, whole)
+    assert str(err.value) == (
+        f"--out {tmp_path / 'out' / 'init'} must be a checkpoint step directory named step<N>, e.g. "
+        "output/<run_name>/step0"
+    )
+    with pytest.raises(FileNotFoundError) as ferr:
+        hf.load_step_config(tmp_path)
+    assert str(ferr.value) == (
+        f"{tmp_path} is not a spes checkpoint: it has no config.yaml (expected a <save_folder>/step<N> directory "
+        "written by spes training)"
+    )
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ValueError) as err:
+        hf._read_json(tmp_path / "list.json")
+    assert str(err.value) == f"{tmp_path / 'list.json'}: a JSON object was expected, not list"
+    (tmp_path / "utf8.json").write_bytes('{"name": "Grüße"}'.encode())
+    assert hf._read_json(tmp_path / "utf8.json") == {"name": "Grüße"}
+
+
+def test_family_config_attributes_name_where_a_spes_key_came_from() -> None:
+    attrs = {k: hf.QWEN3_MOE.config_attr(k) for k in ("model.mlp_hidden_size", "moe_num_experts", "rope_theta")}
+    assert attrs == {
+        "model.mlp_hidden_size": "moe_intermediate_size",
+        "moe_num_experts": "num_experts",
+        "rope_theta": "rope_parameters.rope_theta",
+    }
+    assert hf.OLMOE.config_attr(None) is None and hf.OLMOE.config_attr("model.d_model") == "hidden_size"
+    with pytest.raises(ValueError) as err:
+        hf.choose_family(ModelConfig(**{**BASE, "attention_layer_norm": False}))
+    assert str(err.value) == (
+        "config key 'model.attention_layer_norm' = False with 'model.moe_normalize_expert_weights' unset has no exact "
+        "Hugging Face architecture: OLMoE and Qwen3-MoE always RMS-normalize queries and keys, Mixtral always "
+        "renormalizes the top-k weights. Train with attention_layer_norm: true (OLMoE) or "
+        "moe_normalize_expert_weights: true (Mixtral) to export"
+    )
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        hf.main([*argv, "--help"])
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_the_command_lines_help_names_each_flag_with_its_meaning(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    top = _help(capsys)
+    assert top.startswith("usage: python -m spes.hf [-h] {export,import} ...")
+    assert hf.__doc__ is not None and " ".join(hf.__doc__.split("\n\n")[0].split()) in top
+    assert "export spes checkpoint -> Hugging Face model directory" in top
+    assert "import Hugging Face MoE directory -> spes checkpoint step directory" in top
+    export = _help(capsys, "export")
+    for flag, meaning in {
+        "--checkpoint CHECKPOINT": "a checkpoint step directory (<save_folder>/step<N>), or a save folder (its "
+        "latest checkpoint)",
+        "--run_dir RUN_DIR": "a save folder; the step comes from --step",
+        "--step STEP": "with --run_dir: a step number or 'latest' (default)",
+        "--out OUT": "output Hugging Face model directory",
+        "--tokenizer TOKENIZER": "tokenizer directory (default: the run config's tokenizer.identifier)",
+        "--dtype {bfloat16,float32}": "weight dtype (default float32)",
+        "--max_shard_gb MAX_SHARD_GB": "largest safetensors shard in GiB (default 5)",
+        "--overwrite": "replace --out if it exists",
+    }.items():
+        assert f"{flag} {meaning}" in export, flag
+    assert "usage: python -m spes.hf export [-h] (--checkpoint CHECKPOINT | --run_dir RUN_DIR)" in export
+    imported = _help(capsys, "import")
+    for flag, meaning in {
+        "--hf HF": "HF model directory or Hub id (local cache first, see spes.hub), model_type one of ['mixtral', "
+        "'olmoe', 'qwen3_moe']",
+        "--out OUT": "output checkpoint step directory, e.g. output/myrun/step0 (the tokenizer goes to "
+        "output/myrun/tokenizer)",
+        "--experts_per_peer EXPERTS_PER_PEER, --block_size EXPERTS_PER_PEER": "experts per stored block: "
+        "num_train_experts_per_node of the SPES run (default: all experts in one block)",
+        "--overwrite": "replace --out if it exists",
+    }.items():
+        assert f"{flag} {meaning}" in imported, flag
+    assert "usage: python -m spes.hf import [-h] --hf HF --out OUT" in imported
+
+
+def test_the_command_line_exports_and_imports_with_every_flag(
+    tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "old").write_text("x")
+    export = ["export", "--checkpoint", str(step_dir), "--out", str(out), "--tokenizer", str(tokenizer.path.parent)]
+    assert hf.main(export) == 2 and "pass --overwrite" in capsys.readouterr().err
+    shard_gb = str(60_000 / 1024**3)  # 60,000 bytes a shard
+    assert hf.main([*export, "--dtype", "bfloat16", "--max_shard_gb", shard_gb, "--overwrite"]) == 0
+    assert capsys.readouterr().out == f"{out}\n" and not (out / "old").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text(encoding="utf-8"))
+    sizes = [p.stat().st_size for p in out.glob("model-*.safetensors")]
+    assert len(sizes) > 2 and max(sizes) < 60_000 + 2_000 and index["metadata"]["total_size"] < 60_000 * len(sizes)
+    assert {hf.read_hf_weights(out)[k].dtype for k in index["weight_map"]} == {torch.bfloat16}
+    step0 = tmp_path / "back" / "step0"
+    imported = ["import", "--hf", str(out), "--out", str(step0), "--block_size", "1"]
+    assert hf.main(imported) == 0 and capsys.readouterr().out == f"{step0}\n"
+    assert hf.load_step_config(step0).experts_per_peer == 1
+    assert hf.main(imported) == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert hf.main([*imported[:-2], "--experts_per_peer", "4", "--overwrite"]) == 0
+    assert hf.load_step_config(step0).using_spes is False
+    assert usage_error(capsys, lambda: hf.main(["export", "--out", "x"])).endswith(
+        "error: one of the arguments --checkpoint --run_dir is required"
+    )
+    assert usage_error(capsys, lambda: hf.main(["import", "--hf", "x"])).endswith(
+        "error: the following arguments are required: --out"
+    )
+    assert usage_error(capsys, lambda: hf.main(["import", "--out", "x"])).endswith(
+        "error: the following arguments are required: --hf"
+    )
+    assert usage_error(capsys, lambda: hf.main([])).endswith("error: the following arguments are required: command")
