@@ -80,7 +80,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/objective.py": ("tests/test_objective.py",),
     "spes/moe.py": ("tests/test_moe.py",),
     "spes/data.py": ("tests/test_data.py",),
-    "spes/shards.py": ("tests/test_shards.py", "tests/test_data.py", "tests/test_remote_files.py"),
+    "spes/shards.py": (
+        "tests/test_shards.py",
+        "tests/test_data.py",
+        "tests/test_remote_files.py",
+        "tests/test_remote_ranges.py",
+    ),
     "spes/hub.py": ("tests/test_hub.py",),
     "spes/sync/retry.py": ("tests/sync/test_retry.py",),
     "spes/sync/protocol.py": ("tests/sync/test_protocol.py", "tests/sync/test_retry.py"),
@@ -123,6 +128,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     # token files by URL, against an HTTP server on loopback in the test's own process
     "spes/remote_files.py": ("tests/test_remote_files.py",),
+    "spes/remote_ranges.py": ("tests/test_remote_ranges.py",),
     # the dashboards: OLMo's metric names, W&B offline and TensorBoard event files
     "spes/tracking.py": ("tests/test_tracking.py",),
     # checkpoints to and from Hugging Face models: bit-exact round trips, logits against transformers' own models,
