@@ -164,6 +164,10 @@ class TokenSequenceDataset:
             array = self._arrays[index] = self._open(self.paths[index])
         return array
 
+    def shard_windows(self, index: int) -> range:
+        """The windows that lie in shard `index`."""
+        return range(int(self._window_starts[index]), int(self._window_starts[index + 1]))
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_arrays"] = [a if isinstance(a, RangeTokenArray) else None for a in self._arrays]

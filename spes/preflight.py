@@ -9,7 +9,8 @@ config needs (model state + activations of one micro-batch) against what a devic
 (reachable, protocol, token and certificates accepted, run settings and model manifest match: a dry join that
 changes nothing on the server); the link (round-trip time and throughput each way over the plane the node will
 use, the predicted seconds per round and the fraction of time spent not training); free disk where checkpoints
-go; and the training data. Exit status: 0 all passed, 1 some failed (named, each with what to do), 2 bad config.
+go; the training data, and for shards at URLs how long a step's windows take to read. Exit status: 0 all
+passed, 1 some failed (named, each with what to do), 2 bad config.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import argparse
 import math
 import os
 import shutil
+import statistics
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +38,7 @@ from spes.schema import ConfigError, number_flag
 from spes.sync.auth import TOKEN_ENV
 
 if TYPE_CHECKING:
+    from spes.data import TokenSequenceDataset
     from spes.sync.client import SyncClient, SyncError
 
 FP32 = 4
@@ -48,6 +52,10 @@ USABLE_MEMORY = 0.9
 """Fraction of a device's memory a run may plan for (the rest: allocator slack, CUDA context, fragmentation)."""
 SAMPLE_TOKENS = 1 << 20
 """Tokens read from the start of each shard to check their ids against the vocabulary."""
+URL_SAMPLE_TOKENS = 1 << 14
+"""The same for a shard at a URL (a list may name thousands, each read over the network)."""
+URL_READ_SAMPLES = 8
+"""Windows timed from shards at URLs, spread over them."""
 TARGET_SYNC_FRACTION = 0.1
 
 
@@ -412,7 +420,8 @@ def check_disk(cfg: TrainConfig) -> Check:
     )
 
 
-def check_data(cfg: TrainConfig) -> Check:
+def check_data(cfg: TrainConfig) -> tuple[Check, TokenSequenceDataset | None]:
+    """The training data: shards found, tokenizer matched, enough sequences; and the dataset when it opened."""
     from spes.data import TokenSequenceDataset
     from spes.shards import resolve_paths
     from spes.tokenizer import check_vocab, load_tokenizer
@@ -423,19 +432,22 @@ def check_data(cfg: TrainConfig) -> Check:
     except (ValueError, FileNotFoundError, OSError) as exc:
         return fail(
             "data", f"tokenizer {cfg.tokenizer.identifier}: {exc}", "fix tokenizer.identifier / model.vocab_size"
-        )
+        ), None
     paths = []
     for entry in cfg.data.paths or [""]:
         try:
             paths.extend(resolve_paths([entry] if entry else [], ranged=cfg.data.url_reads == "range"))
         except (ValueError, FileNotFoundError) as exc:
-            return fail("data", str(exc), "fix data.paths (files, globs, directories or .txt lists of .npy shards)")
+            return fail(
+                "data", str(exc), "fix data.paths (files, globs, directories or .txt lists of .npy shards)"
+            ), None
     try:
         dataset = TokenSequenceDataset(paths, cfg.model.max_sequence_length, cfg.data.memmap_dtype)
     except (ValueError, OSError) as exc:
-        return fail("data", str(exc), "fix or re-tokenize the shard named above")
+        return fail("data", str(exc), "fix or re-tokenize the shard named above"), None
     for index, (path, info) in enumerate(zip(dataset.paths, dataset.shard_infos)):
-        tokens = dataset.shard_array(index)[:SAMPLE_TOKENS]  # headerless OLMo files too
+        sample = URL_SAMPLE_TOKENS if isinstance(path, str) else SAMPLE_TOKENS
+        tokens = dataset.shard_array(index)[:sample]  # headerless OLMo files too
         top = int(tokens.max()) if len(tokens) else 0
         if (info is not None and info.vocab_size != tokenizer.vocab_size) or top >= tokenizer.vocab_size:
             # NOTE: a bare OLMo-style shard has no sidecar, so only its largest id can be checked
@@ -445,7 +457,7 @@ def check_data(cfg: TrainConfig) -> Check:
                 f"{path}: {written} (largest id seen {top}), the "
                 f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
                 "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
-            )
+            ), dataset
     same = dataset.fingerprint == tokenizer.fingerprint
     dtype = dataset.shard_array(0).dtype  # as training reads it
     need = cfg.max_steps * cfg.global_train_batch_size
@@ -456,13 +468,55 @@ def check_data(cfg: TrainConfig) -> Check:
         + ("" if same else "; note: written with another tokenizer file of the same vocabulary size")
     )
     if len(dataset) >= need:
-        return ok("data", detail)
+        return ok("data", detail), dataset
     return fail(
         "data",
         detail,
         f"add shards to data.paths or shorten max_duration (the data would be read "
         f"{need / max(len(dataset), 1):.1f} times)",
+    ), dataset
+
+
+def check_url_reads(cfg: TrainConfig, dataset: TokenSequenceDataset, devices: Devices, step_s: float | None) -> Check:
+    """Whether the loaders read a step's windows from shards at URLs (one range request each) within the step:
+    the median time of a window read, times a rank's windows, over its `data.num_workers` loader processes."""
+    remote = [i for i, path in enumerate(dataset.paths) if isinstance(path, str) and dataset.shard_windows(i)]
+    shards = [remote[round(k)] for k in _spread(len(remote), URL_READ_SAMPLES)]
+    times = []
+    try:
+        for index in shards:
+            windows = dataset.shard_windows(index)
+            started = time.perf_counter()
+            dataset[windows[len(windows) // 2]]
+            times.append(time.perf_counter() - started)
+    except OSError as exc:
+        return fail("reads", str(exc), "check the URLs and the network, or set data.url_reads=download")
+    per_window = statistics.median(times)
+    loaders = max(1, cfg.data.num_workers)
+    rank_windows = cfg.global_train_batch_size // devices.nproc
+    read_s = rank_windows * per_window / loaders
+    how = "measured (--step_time_s)"
+    if step_s is None:
+        step_s, how = estimated_step_s(cfg, devices)
+    detail = (
+        f"a window reads from its URL in {per_window * 1e3:.1f} ms (median of {len(times)}); a step's "
+        f"{rank_windows} windows per rank take ~{read_s:.3g} s over {loaders} loader process(es); step ~{step_s:.3g} "
+        f"s ({how})"
     )
+    if read_s <= step_s:
+        return ok("reads", detail)
+    return fail(
+        "reads",
+        detail,
+        f"set data.num_workers={math.ceil(rank_windows * per_window / step_s)} (loader processes read in parallel), "
+        "or data.url_reads=download to read local copies",
+    )
+
+
+def _spread(n: int, k: int) -> list[float]:
+    """min(n, k) positions spread evenly over [0, n - 1]."""
+    count = min(n, k)
+    return [i * (n - 1) / max(count - 1, 1) for i in range(count)]
 
 
 # -- the report ---------------------------------------------------------------------------------------------------
@@ -492,7 +546,10 @@ def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
     elif cfg.sync_enabled:
         checks.append(skip("link", "not measured: the server check did not pass"))
     checks.append(check_disk(cfg))
-    checks.append(check_data(cfg))
+    data, dataset = check_data(cfg)
+    checks.append(data)
+    if dataset is not None and any(isinstance(path, str) for path in dataset.paths):
+        checks.append(check_url_reads(cfg, dataset, devices, args.step_time_s))
     return checks
 
 

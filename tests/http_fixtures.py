@@ -4,6 +4,7 @@ GET of whole files and of byte ranges (`Range: bytes=N-` and `bytes=N-M`, answer
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +31,11 @@ class Served:
 
 class _Files(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as real servers: a client reuses its connection
+
+    def setup(self) -> None:
+        super().setup()
+        # NOTE: headers and body leave in two writes; without this Nagle holds the body for the client's delayed ACK
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         served: Served = self.server.served  # type: ignore[attr-defined]

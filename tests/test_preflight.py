@@ -4,6 +4,7 @@ kind of mistake fails with its own line and exit 1, and the server's state is th
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -232,10 +233,29 @@ def test_a_shard_at_a_url_is_checked_by_range_reads_as_training_reads_it(
         rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{url}]")
         assert lines["data"].startswith("ok") and "8,192 tokens = 128 sequences" in lines["data"], lines["data"]
         assert not (tmp_path / "cache").exists() and all(r for _, p, r in served.asked if p == "/train.npy")
+        reads = re.fullmatch(
+            r"ok +reads +a window reads from its URL in ([\d.]+) ms \(median of 1\); a step's 16 windows per rank take "
+            r"~([\d.e-]+) s over 1 loader process\(es\); step ~10 s \(measured \(--step_time_s\)\)",
+            lines["reads"],
+        )
+        assert reads is not None and rc == 0, lines["reads"]
+        assert float(reads[2]) == pytest.approx(16 * float(reads[1]) / 1e3, abs=16 * 0.05e-3)  # printed to 0.1 ms
+        asked = [r for _, p, r in served.asked if p == "/train.npy"]
+        assert asked[-1] == f"bytes={128 + 64 * 64 * 2}-{128 + 65 * 64 * 2 - 1}"  # window 64 of 128, in the middle
+        rc, lines = preflight(
+            capsys,
+            *node,
+            f"--spes_config.server_addr={server}",
+            f"--data.paths=[{url}]",
+            "--data.num_workers=2",
+            "--step_time_s=1e-9",
+        )
+        assert rc == 1 and lines["reads"].startswith("FAIL") and "over 2 loader process(es)" in lines["reads"]
+        assert re.search(r"set data.num_workers=\d+ \(loader processes read in parallel\)", lines["reads"])
         rc, lines = preflight(
             capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{url}]", "--data.url_reads=download"
         )
-        assert lines["data"].startswith("ok") and (tmp_path / "cache").is_dir()
+        assert lines["data"].startswith("ok") and (tmp_path / "cache").is_dir() and "reads" not in lines
 
 
 def test_a_headerless_uint32_file_of_the_first_implementation_is_read_as_training_reads_it(
