@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from conftest import usage_error
 from hf_fixtures import save_tiny_olmoe
-from spes import upcycle
+from spes import hf, upcycle
 from spes.checkpoint import load_model_state
 from spes.config import ModelConfig, load_config
 from spes.hf import run_config_for
@@ -323,3 +323,148 @@ def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
     ) == (8, 2, 1.0, 4096, 151669, 151936)
     plan = upcycle.expert_plan(num_experts=8, top_k=2, normalize_p=1.0, partition=False, init_std=m.init_std)
     assert plan.exact and plan.router_std == 0.02 and not plan.tied
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan's edges, the files written, and the command line
+
+
+def test_a_stated_router_std_is_taken_in_every_mode() -> None:
+    """--router_std overrides the automatic choice in partition and in renormalized copy mode too; a zero router
+    makes partition exact only with every expert active."""
+    common = dict(num_experts=8, init_std=0.02, router_std=0.5)
+    part = upcycle.expert_plan(top_k=2, normalize_p=1.0, partition=True, **common)
+    copy = upcycle.expert_plan(top_k=2, normalize_p=1.0, partition=False, **common)
+    plain = upcycle.expert_plan(top_k=2, normalize_p=None, partition=False, **common)
+    assert (part.router_std, copy.router_std, plain.router_std) == (0.5, 0.5, 0.5)
+    assert part.partition is True and copy.partition is False and plain.partition is False
+    assert (copy.exact, copy.tied, plain.exact, plain.tied) == (True, False, False, False)
+    zero = upcycle.expert_plan(num_experts=8, top_k=2, normalize_p=1.0, partition=True, init_std=0.02, router_std=0.0)
+    assert not zero.exact and zero.router_std == 0.0
+
+
+def test_the_router_init_is_truncated_at_the_configs_cutoff(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
+    opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True, init_cutoff_factor=1.0)
+    dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
+    cfg = run_config_for(opts, experts_per_peer=4, run_name="up")
+    step, plan = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", router_std=1.0)
+    routers = torch.cat([load_model_state(step)[f"blocks.{i}.ffn.router.weight"] for i in range(2)])
+    assert plan.router_std == 1.0 and routers.abs().max() <= 1.0 and routers.std() > 0.4
+
+
+def test_what_an_upcycled_checkpoint_holds_and_where_its_tokenizer_goes(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
+    m = ModelConfig(**opts)
+    dense_dir, _ = dense_model(tmp_path, m, "qwen3", tokenizer)
+    config = transformers.AutoConfig.from_pretrained(str(dense_dir), local_files_only=True)
+    assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (m.eos_token_id, m.pad_token_id, None)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+    cfg = run_config_for(opts, experts_per_peer=2, run_name="up")
+    step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0")
+    assert load_config(step / "config.yaml")[0].tokenizer.identifier == str(tmp_path / "run" / "tokenizer")
+    assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        upcycle.upcycle(dense_dir, cfg, step)
+    (dense_dir / "tokenizer.json").unlink()  # a dense model without a tokenizer: the config's stays
+    bare, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "bare" / "step0")
+    assert load_config(bare / "config.yaml")[0].tokenizer.identifier == cfg.tokenizer.identifier
+    assert not (tmp_path / "bare" / "tokenizer").exists()
+    plain = upcycle.make_random_dense(m, tmp_path / "plain")
+    again = upcycle.make_random_dense(m, tmp_path / "again", model_type="qwen3", partition=False, seed=0)
+    assert not (plain / "tokenizer.json").exists()
+    assert (plain / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
+    assert transformers.AutoConfig.from_pretrained(str(plain), local_files_only=True).intermediate_size == 48
+    with pytest.raises(ValueError, match=f"model.vocab_size={tokenizer.vocab_size - 1}"):
+        upcycle.make_random_dense(
+            ModelConfig(**{**opts, "vocab_size": tokenizer.vocab_size - 1}), tmp_path / "v", tokenizer=tokenizer.path
+        )
+
+
+def test_refusals_name_the_dense_config_and_the_architecture(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
+    opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
+    dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
+    for change in (dict(layer_norm_with_affine=False), dict(attention_layer_norm_with_affine=False)):
+        ((key, value),) = change.items()
+        with pytest.raises(ValueError) as err:
+            upcycle.upcycle(dense_dir, run_config_for({**opts, **change}, experts_per_peer=2, run_name="x"), "step0")
+        assert str(err.value) == (
+            f"config key 'model.{key}' = {value!r} must be True to match the dense Hugging Face config (qwen3)"
+        )
+    longer = run_config_for({**opts, "max_sequence_length": 4096, "init_std": 0.5}, experts_per_peer=2, run_name="x")
+    upcycle.check_dense_match(
+        longer.model,
+        transformers.AutoConfig.from_pretrained(str(dense_dir)),
+        upcycle.DENSE_FAMILIES["qwen3"],
+        partition=False,
+    )  # the window and the init are the run's own
+    state = dict(hf.read_hf_weights(dense_dir))
+    del state["model.norm.weight"]
+    hf.write_safetensors(iter(state.items()), dense_dir)
+    with pytest.raises(
+        ValueError,
+        match=r"^Hugging Face weights have no tensor 'model.norm.weight' \(expected for "
+        r"Qwen3ForCausalLM\)$",
+    ):
+        upcycle.upcycle(dense_dir, run_config_for(opts, experts_per_peer=2, run_name="x"), tmp_path / "y" / "step0")
+    with pytest.raises(FileNotFoundError, match="--hf"):
+        upcycle.upcycle(tmp_path / "nowhere", run_config_for(opts, experts_per_peer=2, run_name="x"), "step0")
+
+
+def test_the_command_line_prints_the_plan_and_warns_of_tied_experts(
+    tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = str(REPO / "configs" / "upcycle_tiny.yaml")
+    overrides = [
+        f"--tokenizer.identifier={tokenizer.path.parent}",
+        f"--model.vocab_size={tokenizer.vocab_size}",
+        f"--model.embedding_size={tokenizer.vocab_size}",
+    ]
+    dense = str(tmp_path / "dense")
+    assert upcycle.main(["--config", config, "--hf", dense, "--make_random_dense", "qwen3", *overrides]) == 0
+    assert capsys.readouterr().out == f"{dense}\n" and (tmp_path / "dense" / "tokenizer.json").is_file()
+    out = tmp_path / "init" / "step0"
+    assert upcycle.main(["--config", config, "--hf", dense, "--out", str(out), "--router_std", "0", *overrides]) == 0
+    printed = capsys.readouterr()
+    assert printed.out == f"{out}  (router zeros, down projection x 1, equals the dense model at step 0)\n"
+    assert printed.err == (
+        "note: every expert and every router row starts identical, so they get identical gradients and stay tied; "
+        "for training, leave --router_std at its default\n"
+    )
+    assert torch.count_nonzero(load_model_state(out)["blocks.0.ffn.router.weight"]) == 0
+    argv = ["--config", config, "--hf", dense, "--out", str(out), "--partition", "--overwrite", "--router_std", "0.5"]
+    assert upcycle.main([*argv, *overrides, "--model.mlp_hidden_size=32"]) == 0
+    assert capsys.readouterr().out == (
+        f"{out}  (router random, std 0.5, down projection x 2, approximates the dense model)\n"
+    )
+    assert load_model_state(out)["blocks.0.ffn.experts.w1.0"].shape == (2, 64, 16)  # each expert one slice
+    assert upcycle.main(["--config", config, "--hf", dense, *overrides]) == 2
+    assert capsys.readouterr().err == (
+        "error: --out is required: the checkpoint step directory to write, e.g. output/run/init/step0\n"
+    )
+    assert usage_error(capsys, lambda: upcycle.main(["--hf", dense])).endswith(
+        "error: the following arguments are required: --config"
+    )
+    assert usage_error(capsys, lambda: upcycle.main(["--config", config])).endswith(
+        "error: the following arguments are required: --hf"
+    )
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        upcycle.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert shown.startswith("usage: python -m spes.upcycle [-h] --hf HF --config CONFIG [--out OUT] [--partition]")
+    assert upcycle.__doc__ is not None and " ".join(upcycle.__doc__.split()) in shown
+    for flag, meaning in {
+        "--hf HF": "dense HF model directory or Hub id (e.g. Qwen/Qwen3-1.7B; local cache first), model_type one of "
+        "['llama', 'qwen3']",
+        "--config CONFIG": "the spes run config (YAML) the MoE is built from",
+        "--out OUT": "output checkpoint step directory, e.g. output/run/init/step0; point the run's load_path at it",
+        "--partition": "split the dense intermediate dim across experts instead of copying it into each",
+        "--router_std ROUTER_STD": "router init std, overriding the automatic choice (see above); 0 = all zeros, the "
+        "exact start of the copy modes without sum-to-one top-k weights (experts then stay tied)",
+        "--overwrite": "replace --out if it exists",
+        "--make_random_dense {llama,qwen3}": "demo/testing only: write a random dense model of this type that "
+        "--config can upcycle to --hf (with the config's tokenizer when it exists), then exit",
+    }.items():
+        assert f"{flag} {meaning}" in shown, flag

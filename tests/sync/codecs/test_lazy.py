@@ -41,5 +41,6 @@ def test_an_overlay_reads_later_only_for_what_it_does_not_hold_and_only_its_name
     assert list(overlay) == ["b", "a", "c"] and len(overlay) == 3 and asked == []
     assert overlay["a"] == 1 and asked == []
     assert overlay["c"] == 2 and asked == ["c"]
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as err:
         overlay["x"]  # held, but not one of its names
+    assert err.value.args == ("x",)
