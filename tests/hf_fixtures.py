@@ -85,6 +85,18 @@ def make_checkpoint(
     return step_dir, model.eval()
 
 
+UPCYCLE_TINY = str(Path(__file__).resolve().parents[1] / "configs" / "upcycle_tiny.yaml")
+
+
+def tokenizer_overrides(tokenizer: LoadedTokenizer) -> list[str]:
+    """Overrides that fit a shipped config (configs/upcycle_tiny.yaml) to the test tokenizer."""
+    return [
+        f"--tokenizer.identifier={tokenizer.path.parent}",
+        f"--model.vocab_size={tokenizer.vocab_size}",
+        f"--model.embedding_size={tokenizer.vocab_size}",
+    ]
+
+
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 

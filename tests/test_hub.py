@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_fixtures import CASES, cache_repo, make_checkpoint
+from hf_fixtures import CASES, UPCYCLE_TINY, cache_repo, make_checkpoint, tokenizer_overrides
 from spes import hf, hub, upcycle
 from spes.checkpoint import load_model_state
 from spes.tokenizer import LoadedTokenizer, load_tokenizer
@@ -138,12 +138,8 @@ def test_hf_import_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: Loade
 def test_upcycle_from_a_hub_id(
     hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = str(REPO / "configs" / "upcycle_tiny.yaml")
-    overrides = [
-        f"--tokenizer.identifier={tokenizer.path.parent}",
-        f"--model.vocab_size={tokenizer.vocab_size}",
-        f"--model.embedding_size={tokenizer.vocab_size}",
-    ]
+    config = UPCYCLE_TINY
+    overrides = tokenizer_overrides(tokenizer)
     assert (
         upcycle.main(["--config", config, "--hf", str(tmp_path / "dense"), "--make_random_dense", "qwen3", *overrides])
         == 0

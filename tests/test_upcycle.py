@@ -13,7 +13,7 @@ import transformers
 from torch.testing import assert_close
 
 from conftest import usage_error
-from hf_fixtures import save_tiny_olmoe
+from hf_fixtures import UPCYCLE_TINY, save_tiny_olmoe, tokenizer_overrides
 from spes import hf, upcycle
 from spes.checkpoint import load_model_state
 from spes.config import ModelConfig, load_config
@@ -259,30 +259,26 @@ def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedT
 
 
 def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]) -> None:
-    config = REPO / "configs" / "upcycle_tiny.yaml"
-    overrides = [
-        f"--tokenizer.identifier={tokenizer.path.parent}",
-        f"--model.vocab_size={tokenizer.vocab_size}",
-        f"--model.embedding_size={tokenizer.vocab_size}",
-    ]
+    config = UPCYCLE_TINY
+    overrides = tokenizer_overrides(tokenizer)
     dense = str(tmp_path / "dense")
-    assert upcycle.main(["--config", str(config), "--hf", dense, "--make_random_dense", "qwen3", *overrides]) == 0
+    assert upcycle.main(["--config", config, "--hf", dense, "--make_random_dense", "qwen3", *overrides]) == 0
     out = tmp_path / "init" / "step0"
-    assert upcycle.main(["--config", str(config), "--hf", dense, "--out", str(out), *overrides]) == 0
+    assert upcycle.main(["--config", config, "--hf", dense, "--out", str(out), *overrides]) == 0
     assert "equals the dense model at step 0" in capsys.readouterr().out
     assert load_config(out / "config.yaml")[0].experts_per_peer == 2
-    assert upcycle.main(["--config", str(config), "--hf", dense, "--out", str(out), *overrides]) == 2
+    assert upcycle.main(["--config", config, "--hf", dense, "--out", str(out), *overrides]) == 2
     assert "--overwrite" in capsys.readouterr().err
     smaller_vocab = f"--model.vocab_size={tokenizer.vocab_size - 1}"
     assert (
         upcycle.main(
-            ["--config", str(config), "--hf", dense, "--out", str(tmp_path / "x" / "step0"), *overrides, smaller_vocab]
+            ["--config", config, "--hf", dense, "--out", str(tmp_path / "x" / "step0"), *overrides, smaller_vocab]
         )
         == 2
     )
     assert f"model.vocab_size={tokenizer.vocab_size - 1} but the tokenizer has" in capsys.readouterr().err
     for std in ("-0.1", "nan"):
-        bad = ["--config", str(config), "--hf", dense, "--out", str(tmp_path / "y" / "step0"), "--router_std", std]
+        bad = ["--config", config, "--hf", dense, "--out", str(tmp_path / "y" / "step0"), "--router_std", std]
         rule = f"argument --router_std: {std} must be a finite number >= 0"
         assert usage_error(capsys, lambda bad=bad: upcycle.main([*bad, *overrides])).endswith(f": error: {rule}")
 
@@ -415,12 +411,8 @@ def test_refusals_name_the_dense_config_and_the_architecture(tmp_path: Path, tok
 def test_the_command_line_prints_the_plan_and_warns_of_tied_experts(
     tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = str(REPO / "configs" / "upcycle_tiny.yaml")
-    overrides = [
-        f"--tokenizer.identifier={tokenizer.path.parent}",
-        f"--model.vocab_size={tokenizer.vocab_size}",
-        f"--model.embedding_size={tokenizer.vocab_size}",
-    ]
+    config = UPCYCLE_TINY
+    overrides = tokenizer_overrides(tokenizer)
     dense = str(tmp_path / "dense")
     assert upcycle.main(["--config", config, "--hf", dense, "--make_random_dense", "qwen3", *overrides]) == 0
     assert capsys.readouterr().out == f"{dense}\n" and (tmp_path / "dense" / "tokenizer.json").is_file()
