@@ -160,7 +160,45 @@ _CPU_OFFLOAD = (
     "cpu_offload of a whole (full_state_dict) state: where its tensors land and whether rank 0 alone holds them, "
     "on machines whose tensors are all on the CPU already; only the gather's memory differs, which no test measures"
 )
+_UTF8 = (
+    "the encoding of a JSON file: json.dumps writes ASCII (ensure_ascii), 'UTF-8' is 'utf-8', and Python reads "
+    "files as UTF-8 under a UTF-8 locale (the C locale is coerced to one, PEP 538)"
+)
 EQUIVALENT: dict[str, str] = {
+    **mutants("spes.hf.x__read_json", "3 5", _UTF8),
+    **mutants("spes.hf.x_copy_tokenizer", "44 46 56", _UTF8),
+    **mutants("spes.hf.x_write_safetensors", "74 76 86", _UTF8),
+    **mutants(
+        "spes.hf.x__layered",
+        "2",
+        "a key without a layer index taken once per layer: the same tensor under the same name each time",
+    ),
+    **mutants(
+        "spes.hf.x_check_hf_config",
+        "19 20",
+        "the rope_type of the stand-in for a config without rope_parameters: read with the default 'default' anyway",
+    ),
+    **mutants("spes.hf.x_main", "7", "the help formatter of a one-line description: nothing to re-wrap"),
+    **mutants("spes.hf.x_model_config_from_hf", "26", "bool(None) is bool(False)"),
+    **mutants(
+        "spes.hf.x_read_hf_config",
+        "22 24 26",
+        "local_files_only for a local directory: transformers reads its config.json there, never the network",
+    ),
+    **mutants("spes.hf.x_run_config_for", "27", "TokenizerConfig() is the field's default"),
+    **mutants("spes.hf.x_write_safetensors", "27", "tensor.to(None) is the tensor: nothing to convert"),
+    **mutants("spes.hf.xǁHFFamilyǁconfig_attr", "14", "no key: neither '' nor 'XXXX' is an attribute's name"),
+    **mutants(
+        "spes.upcycle.x_make_random_dense",
+        "34 41",
+        "the demo model's fixed options and BOS id as the config class has them already (SiLU, no biases; Qwen3 "
+        "sets no BOS, and nothing of spes reads a BOS id)",
+    ),
+    **mutants(
+        "spes.upcycle.x_upcycle",
+        "30",
+        "the tokenizer check's embedding size: ModelConfig refuses embedding_size < vocab_size itself",
+    ),
     **mutants(
         "spes.remote_files.x__copy",
         "17 20 25",

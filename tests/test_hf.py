@@ -21,6 +21,7 @@ from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
 from spes import hf
 from spes.checkpoint import CheckpointError, load_model_state
 from spes.config import ModelConfig, TokenizerConfig
+from spes.hub import TOKENIZER_FILES
 from spes.model import Transformer
 from spes.schema import ConfigError
 from spes.tokenizer import LoadedTokenizer
@@ -527,3 +528,105 @@ def test_the_command_line_exports_and_imports_with_every_flag(
         "error: the following arguments are required: --hf"
     )
     assert usage_error(capsys, lambda: hf.main([])).endswith("error: the following arguments are required: command")
+
+
+def test_what_the_command_line_passes_on_by_default(
+    tmp_path: Path, tokenizer: LoadedTokenizer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each flag's default as the functions receive it, and the tokenizer resolved as a tokenizer, files only."""
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(hf, "export_checkpoint", lambda *a, **k: calls.append((a, k)) or Path("x"))
+    monkeypatch.setattr(hf, "import_hf", lambda *a, **k: calls.append((a, k)) or Path("y"))
+    make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=3)
+    assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--out", "o"]) == 0
+    assert hf.main(["import", "--hf", "h", "--out", "o2"]) == 0
+    assert calls == [
+        (
+            (tmp_path / "run" / "step3", "o"),
+            dict(tokenizer=None, dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3),
+        ),
+        (("h", "o2"), dict(experts_per_peer=None, overwrite=False)),
+    ]
+    assert usage_error(capsys, lambda: hf.main(["export", "--checkpoint", "c"])).endswith(
+        "error: the following arguments are required: --out"
+    )
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        hf.main(["--help"])
+    assert hf.__doc__ is not None
+    assert capsys.readouterr().out.split("\n\n")[1] == hf.__doc__.split("\n\n")[0]  # its first paragraph, as written
+
+
+def test_the_export_resolves_its_tokenizer_as_one_and_names_the_config_it_came_from(
+    tmp_path: Path, tokenizer: LoadedTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    asked: list[tuple[Any, dict[str, Any]]] = []
+    real = hf.resolve
+    monkeypatch.setattr(hf, "resolve", lambda name, **k: asked.append((name, k)) or real(name, **k))
+    out = hf.export_checkpoint(step_dir, tmp_path / "deep" / "er" / "hf")  # its parents made too
+    assert asked == [
+        (hf.load_step_config(step_dir).tokenizer.identifier, dict(what="tokenizer", files=TOKENIZER_FILES))
+    ]
+    assert (out / "config.json").is_file()
+    (tmp_path / "gone").mkdir()
+    with pytest.raises(FileNotFoundError) as err:
+        hf.export_checkpoint(step_dir, tmp_path / "hf2", tokenizer=tmp_path / "gone" / "tok")
+    assert str(err.value).startswith(f"tokenizer '{tmp_path / 'gone' / 'tok'}' is not a local file or directory")
+    assert str(err.value).endswith(
+        f" (from config key 'tokenizer.identifier' of {step_dir / 'config.yaml'}); pass --tokenizer <dir> with the "
+        "run's tokenizer"
+    )
+
+
+def test_nothing_is_replaced_unless_asked_and_a_copied_tokenizer_config_is_kept(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    state, cfg = hf.load_model_state(step_dir), hf.load_step_config(step_dir)
+    out = hf.export_state(state, cfg.model, tmp_path / "hf", tokenizer=tokenizer.path.parent)
+    source = tokenizer.path.parent / "tokenizer_config.json"
+    assert source.is_file() and (out / "tokenizer_config.json").read_bytes() == source.read_bytes()
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        hf.export_state(state, cfg.model, out, tokenizer=tokenizer.path.parent)
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        hf.import_hf(out, step_dir)
+    with pytest.raises(FileExistsError, match="pass --overwrite"):
+        hf.write_step_dir(step_dir, state, cfg)
+    small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size - 1))
+    with pytest.raises(ValueError, match=f"but the tokenizer has {tokenizer.vocab_size} tokens"):
+        hf.write_step_dir(tmp_path / "r2" / "step0", state, small, tokenizer=tokenizer.path.parent)
+    m = cfg.model
+    values = hf.hf_config_dict(hf.OLMOE, m)
+    assert values["dtype"] == "float32" and values["tie_word_embeddings"] is False and values["bos_token_id"] is None
+    assert "bos_token_id" in values and values["architectures"] == ["OlmoeForCausalLM"]
+    per_head = dataclasses.replace(
+        m, attention_layer_norm_over_head=True, attention_layer_norm_with_affine=False, n_kv_heads=2
+    )
+    shapes = hf.implicit_norm_shapes(per_head)
+    assert shapes["blocks.0.attn.q_norm.weight"] == shapes["blocks.0.attn.k_norm.weight"] == (8,)
+
+
+def test_an_imported_model_without_a_tokenizer_or_a_model_type_or_token_ids(tmp_path: Path) -> None:
+    olmoe = save_tiny_olmoe(tmp_path / "a")
+    step = hf.import_hf(olmoe, tmp_path / "r" / "step0")
+    assert hf.load_step_config(step).tokenizer == TokenizerConfig() and not (tmp_path / "r" / "tokenizer").exists()
+    settings = json.loads((olmoe / "config.json").read_text(encoding="utf-8"))
+    del settings["model_type"]
+    (olmoe / "config.json").write_text(json.dumps(settings), encoding="utf-8")
+    with pytest.raises(ValueError) as err:
+        hf.read_hf_config(olmoe, hf.FAMILIES)
+    assert str(err.value) == (
+        f"{olmoe}: model_type '' is not supported here; expected one of ['mixtral', 'olmoe', 'qwen3_moe']"
+    )
+    config, family = hf.read_hf_config(save_tiny_olmoe(tmp_path / "b"), hf.FAMILIES)
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("eos_token_id", "pad_token_id")}
+    assert (hf.model_config_from_hf(family, SimpleNamespace(**settings))["pad_token_id"]) == 0
+    scaled = SimpleNamespace(**{**settings, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match=r"^Hugging Face config \(olmoe\): 'rope_parameters.rope_type' = 'linear'"):
+        hf.model_config_from_hf(family, scaled)
+    weights = dict(hf.read_hf_weights(tmp_path / "b"))
+    del weights["lm_head.weight"], weights["model.embed_tokens.weight"]
+    hf.write_safetensors(iter(weights.items()), tmp_path / "b")
+    with pytest.raises(ValueError, match=r"no tensor 'model.embed_tokens.weight' \(expected for OlmoeForCausalLM\)$"):
+        hf.import_hf(tmp_path / "b", tmp_path / "s" / "step0")

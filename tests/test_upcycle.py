@@ -3,6 +3,7 @@ end-to-end run of configs/upcycle_tiny.yaml is tests/test_shipped_commands.py's)
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -444,7 +445,9 @@ def test_the_command_line_prints_the_plan_and_warns_of_tied_experts(
     monkeypatch.setenv("COLUMNS", "200")
     with pytest.raises(SystemExit):
         upcycle.main(["--help"])
-    shown = " ".join(capsys.readouterr().out.split())
+    raw = capsys.readouterr().out
+    assert "\n    python -m spes.upcycle --hf path/to/Qwen3-1.7B --config configs/upcycled_9b/node_0.yaml \\\n" in raw
+    shown = " ".join(raw.split())
     assert shown.startswith("usage: python -m spes.upcycle [-h] --hf HF --config CONFIG [--out OUT] [--partition]")
     assert upcycle.__doc__ is not None and " ".join(upcycle.__doc__.split()) in shown
     for flag, meaning in {
@@ -460,3 +463,30 @@ def test_the_command_line_prints_the_plan_and_warns_of_tied_experts(
         "--config can upcycle to --hf (with the config's tokenizer when it exists), then exit",
     }.items():
         assert f"{flag} {meaning}" in shown, flag
+
+
+def test_the_random_dense_model_is_made_as_the_command_line_asks(
+    tmp_path: Path, tokenizer: LoadedTokenizer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    monkeypatch.setattr(upcycle, "make_random_dense", lambda *a, **k: made.append((a, k)) or "made")
+    overrides = tokenizer_overrides(tokenizer)
+    argv = ["--config", UPCYCLE_TINY, "--hf", "d", "--make_random_dense", "llama", "--partition", "--seed=7"]
+    assert upcycle.main([*argv, *overrides]) == 0 and capsys.readouterr().out == "made\n"
+    assert upcycle.main([*argv, *overrides[1:], f"--tokenizer.identifier={tmp_path / 'none'}"]) == 0
+    (model, out), kwargs = made[0]
+    assert isinstance(model, ModelConfig) and model.d_model == 64 and out == "d"
+    assert kwargs == dict(model_type="llama", partition=True, tokenizer=tokenizer.path.parent, seed=7)
+    assert made[1][1]["tokenizer"] is None  # the config's tokenizer does not exist: the model comes without one
+
+
+def test_refusals_name_the_dense_config_they_read(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
+    opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
+    dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
+    settings = json.loads((dense_dir / "config.json").read_text(encoding="utf-8"))
+    settings["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}
+    (dense_dir / "config.json").write_text(json.dumps(settings), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^dense Hugging Face config \(qwen3\): 'rope_parameters.rope_type' = 'yarn'"):
+        upcycle.upcycle(dense_dir, run_config_for(opts, experts_per_peer=2, run_name="x"), tmp_path / "s" / "step0")
+    with pytest.raises(FileNotFoundError, match=rf"^--hf '{tmp_path / 'nowhere'}' is not a local file or directory"):
+        upcycle.upcycle(tmp_path / "nowhere", run_config_for(opts, experts_per_peer=2, run_name="x"), "step0")
