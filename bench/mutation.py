@@ -138,6 +138,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/sync/codecs/lazy.py": ("tests/sync/codecs/test_lazy.py",),
     # the node checks' report lines and matmul rate (the block smoke's compiled variant: see COMPILED_HEAD's note)
     "spes/checks.py": (
+        "tests/test_checks.py",
         "tests/test_preflight.py",
         "tests/test_gpu_check.py",
         "-m",
