@@ -166,6 +166,17 @@ _UTF8 = (
     "files as UTF-8 under a UTF-8 locale (the C locale is coerced to one, PEP 538)"
 )
 EQUIVALENT: dict[str, str] = {
+    **mutants(
+        "spes.remote_ranges.x__get",
+        "8 12 13",
+        "the case of a method or header name: urllib3 sends the method upper-cased, and HTTP header names are "
+        "read without case",
+    ),
+    **mutants(
+        "spes.remote_ranges.x__total",
+        "8 9 15 16",
+        "the case of a header name: urllib3's response headers are looked up without case",
+    ),
     **mutants("spes.hf.x__read_json", "3 5", _UTF8),
     **mutants("spes.hf.x_copy_tokenizer", "44 46 56", _UTF8),
     **mutants("spes.hf.x_write_safetensors", "74 76 86", _UTF8),

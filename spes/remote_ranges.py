@@ -32,7 +32,9 @@ def _pool() -> urllib3.PoolManager:
     if pid not in _pools:
         _pools.clear()
         retries = Retry(total=TRIES - 1, backoff_factor=0.5, status_forcelist=_RETRY_STATUS, raise_on_status=False)
-        _pools[pid] = urllib3.PoolManager(num_pools=32, maxsize=16, retries=retries, timeout=Timeout(TIMEOUT_S))
+        _pools[pid] = urllib3.PoolManager(
+            num_pools=32, maxsize=16, retries=retries, timeout=Timeout(connect=TIMEOUT_S, read=TIMEOUT_S)
+        )
     return _pools[pid]
 
 
@@ -77,12 +79,14 @@ def fetch_optional(url: str) -> bytes | None:
 def _get(url: str, byte_range: str | None) -> urllib3.BaseHTTPResponse:
     try:
         return _pool().request("GET", url, headers={"Range": byte_range} if byte_range else None)
-    except urllib3.exceptions.HTTPError as e:
-        reason = getattr(e, "reason", None) or e
+    except urllib3.exceptions.MaxRetryError as e:
+        reason = e.reason or e
         raise OSError(
             f"data path {url!r} could not be read after {TRIES} tries ({type(reason).__name__}: {reason}); check "
             "the URL and the network, or set data.url_reads=download to read local copies"
         ) from None
+    except urllib3.exceptions.HTTPError as e:  # not a network failure: a URL urllib3 cannot parse, say
+        raise OSError(f"data path {url!r} could not be read ({type(e).__name__}: {e}); check the URL") from None
 
 
 def _require_range(url: str, response: urllib3.BaseHTTPResponse) -> None:

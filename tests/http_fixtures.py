@@ -24,6 +24,8 @@ class Served:
     """Paths answered whole whatever the range asked (a server without range requests)."""
     unsized: set[str] = field(default_factory=set)
     """Paths answered without a Content-Length (the body ends when the connection closes)."""
+    unsized_ranges: set[str] = field(default_factory=set)
+    """Paths whose range answers name no file size (no Content-Range)."""
     failing: dict[str, int] = field(default_factory=dict)
     """Paths whose next N answers are 503 (a server or CDN edge briefly down)."""
     url: str = ""
@@ -54,11 +56,12 @@ class _Files(BaseHTTPRequestHandler):
             start, end = int(first), min(int(last) if last else end, end)
             if start >= len(body):
                 self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(body)}")
+                if self.path not in served.unsized_ranges:
+                    self.send_header("Content-Range", f"bytes */{len(body)}")
                 self.send_header("Content-Length", "0")
                 return self.end_headers()
         self.send_response(206 if ranges else 200)
-        if ranges:
+        if ranges and self.path not in served.unsized_ranges:
             self.send_header("Content-Range", f"bytes {start}-{end}/{len(body)}")
         if self.path in served.unsized:
             self.close_connection = True

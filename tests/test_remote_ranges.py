@@ -16,7 +16,7 @@ import spes.remote_ranges
 from data_fixtures import write_token_shard
 from http_fixtures import Served, http_server
 from spes.data import BatchLoader, TokenSequenceDataset
-from spes.remote_ranges import RemoteFile
+from spes.remote_ranges import RemoteFile, fetch_optional
 from spes.shards import RangeTokenArray, find_shard_info, open_token_array, resolve_paths
 
 
@@ -96,8 +96,18 @@ def test_a_server_that_ignores_ranges_is_refused_with_what_to_set(served: Served
     served.files["/w.npy"] = np.zeros(10, np.uint16).tobytes()
     served.whole.add("/w.npy")
     url = served.url + "/w.npy"
-    with pytest.raises(OSError, match=rf"^data path '{url}': the server sends the whole file .*url_reads=download"):
+    with pytest.raises(OSError) as err:
         open_token_array(url)
+    assert str(err.value) == (
+        f"data path '{url}': the server sends the whole file for a range request; set data.url_reads=download to "
+        "read a local copy of it"
+    )
+    served.files["/r.npy"] = np.zeros(10, np.uint16).tobytes()
+    remote, head = RemoteFile.open(served.url + "/r.npy", 8)
+    assert head == bytes(8) and remote.size == 20 and served.asked[-1] == ("GET", "/r.npy", "bytes=0-7")
+    served.whole.add("/r.npy")  # the server changed its mind after the file was opened
+    with pytest.raises(OSError, match=rf"^data path '{remote.url}': the server sends the whole file"):
+        remote.read(2, 4)
 
 
 @pytest.mark.timeout(60)
@@ -121,8 +131,18 @@ def test_a_server_gone_is_named_with_what_to_do(monkeypatch: pytest.MonkeyPatch)
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}/gone.npy"
-    with pytest.raises(OSError, match=rf"^data path '{url}' could not be read after 2 tries \(.*\); check the URL"):
+    with pytest.raises(OSError) as err:
         open_token_array(url)
+    assert str(err.value).startswith(f"data path '{url}' could not be read after 2 tries (NewConnectionError: ")
+    assert str(err.value).endswith(
+        "); check the URL and the network, or set data.url_reads=download to read local copies"
+    )
+    with pytest.raises(OSError) as err:
+        open_token_array("http://[::1/x.npy")
+    assert str(err.value) == (
+        "data path 'http://[::1/x.npy' could not be read (LocationParseError: Failed to parse: '[::1' is not a valid "
+        "host or port); check the URL"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -157,3 +177,60 @@ def test_a_sidecar_is_read_from_the_server_and_a_missing_one_is_none(served: Ser
     served.files["/a.npy.json"] = b"{"
     with pytest.raises(ValueError, match=rf"^sidecar {with_sidecar}.json is malformed"):
         find_shard_info(with_sidecar)
+
+
+@pytest.mark.timeout(60)
+def test_a_range_answer_that_names_no_file_size_is_refused(served: Served) -> None:
+    served.files["/n.npy"] = np.zeros(10, np.uint16).tobytes()
+    served.files["/empty.npy"] = b""
+    served.unsized_ranges |= {"/n.npy", "/empty.npy"}
+    for name in ("/n.npy", "/empty.npy"):
+        url = served.url + name
+        with pytest.raises(OSError) as err:
+            RemoteFile.open(url, 16)
+        assert str(err.value) == (
+            f"data path '{url}': the server's range answer names no file size (Content-Range None); set "
+            "data.url_reads=download to read a local copy of it"
+        )
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_file_is_opened_from_its_416_answer(served: Served) -> None:
+    served.files["/e.npy"] = b""
+    remote, head = RemoteFile.open(served.url + "/e.npy", 16)
+    assert (remote.url, remote.size, head) == (served.url + "/e.npy", 0, b"")
+
+
+@pytest.mark.timeout(60)
+def test_answers_still_failing_after_every_try_are_named_with_their_status(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(spes.remote_ranges, "TRIES", 2)
+    served.files["/f.npy"] = np.zeros(10, np.uint16).tobytes()
+    served.files["/f.npy.json"] = b"{}"
+    served.failing["/f.npy"] = served.failing["/f.npy.json"] = 10
+    url = served.url + "/f.npy"
+    with pytest.raises(OSError) as err:
+        RemoteFile.open(url, 16)
+    assert str(err.value) == f"data path '{url}' could not be read (HTTP 503); check the URL and the server"
+    with pytest.raises(OSError) as err:
+        fetch_optional(url + ".json")
+    assert str(err.value) == f"data path '{url}.json' could not be read (HTTP 503); check the URL and the server"
+    assert [p for _, p, _ in served.asked] == ["/f.npy"] * 2 + ["/f.npy.json"] * 2
+
+
+def test_each_process_keeps_its_own_pool_with_the_documented_retries_and_timeouts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forked DataLoader worker must not share its parent's sockets; the pool's settings are the docstring's."""
+    monkeypatch.setattr(spes.remote_ranges, "_pools", {})
+    pool = spes.remote_ranges._pool()
+    assert spes.remote_ranges._pool() is pool
+    retries, timeout = pool.connection_pool_kw["retries"], pool.connection_pool_kw["timeout"]
+    assert (retries.total, retries.backoff_factor, retries.raise_on_status) == (5, 0.5, False)
+    assert set(retries.status_forcelist) == {429, 500, 502, 503, 504}
+    assert (timeout.connect_timeout, timeout.read_timeout, timeout.total) == (60.0, 60.0, None)
+    assert pool.connection_pool_kw["maxsize"] == 16 and pool.pools._maxsize == 32
+    monkeypatch.setattr(spes.remote_ranges.os, "getpid", lambda: -1)  # as a forked child sees itself
+    child = spes.remote_ranges._pool()
+    assert child is not pool and list(spes.remote_ranges._pools) == [-1]
