@@ -17,9 +17,9 @@ from urllib3.util import Retry, Timeout
 
 TIMEOUT_S = 60.0
 """Seconds a connection or a read may stall before a try fails."""
-TRIES = 6
-"""Tries of one request before it fails (backoff 0.5, 1, 2, 4, 8 s between them): a link that drops for half a
-minute costs a step some seconds, not the run."""
+TRIES = 8
+"""Tries of one request before it fails, waiting 0, 1, 2, 4, 8, 16 and 32 s between them (urllib3's backoff at a
+factor of 0.5): a link or server gone for up to a minute costs the steps that wait on it, not the run."""
 _RETRY_STATUS = (429, 500, 502, 503, 504)
 _CONTENT_RANGE = re.compile(r"bytes (?:\d+-\d+|\*)/(\d+)")
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from urllib3.util import Retry
 
 import spes.remote_ranges
 from data_fixtures import write_token_shard
@@ -227,7 +228,11 @@ def test_each_process_keeps_its_own_pool_with_the_documented_retries_and_timeout
     pool = spes.remote_ranges._pool()
     assert spes.remote_ranges._pool() is pool
     retries, timeout = pool.connection_pool_kw["retries"], pool.connection_pool_kw["timeout"]
-    assert (retries.total, retries.backoff_factor, retries.raise_on_status) == (5, 0.5, False)
+    assert (retries.total, retries.backoff_factor, retries.raise_on_status) == (7, 0.5, False)
+    waits = [Retry(total=7, backoff_factor=0.5).increment()]  # one error so far
+    for _ in range(6):
+        waits.append(waits[-1].increment())
+    assert [w.get_backoff_time() for w in waits] == [0, 1, 2, 4, 8, 16, 32]
     assert set(retries.status_forcelist) == {429, 500, 502, 503, 504}
     assert (timeout.connect_timeout, timeout.read_timeout, timeout.total) == (60.0, 60.0, None)
     assert pool.connection_pool_kw["maxsize"] == 16 and pool.pools._maxsize == 32
