@@ -23,7 +23,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -38,7 +38,6 @@ from spes.shards import (
     ShardInfo,
     find_shard_info,
     open_token_array,
-    shard_name,
 )
 
 TokenArray = np.ndarray | RangeTokenArray
@@ -61,12 +60,12 @@ def olmo_order(seed: int, epoch: int, num_windows: int) -> np.ndarray:
 
 def check_shard_name(path: Shard) -> None:
     """ValueError unless `path` names a finished `.npy` token shard (not tokenize_data.py's half-written file)."""
-    if shard_name(path).name.endswith(PARTIAL_SUFFIX):
+    if PurePosixPath(path).name.endswith(PARTIAL_SUFFIX):
         raise ValueError(
             f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
             f"and rerun tokenize_data.py, or leave it out of data.paths"
         )
-    if shard_name(path).suffix != ".npy":
+    if PurePosixPath(path).suffix != ".npy":
         raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import PurePosixPath
+from urllib.parse import urlparse
 
 import urllib3
 from urllib3.util import Retry, Timeout
@@ -36,6 +38,15 @@ def _pool() -> urllib3.PoolManager:
             num_pools=32, maxsize=16, retries=retries, timeout=Timeout(connect=TIMEOUT_S, read=TIMEOUT_S)
         )
     return _pools[pid]
+
+
+def checked_url(url: str) -> str:
+    """`url`, or FileNotFoundError naming it unless it names a file on a host with no query or fragment (its
+    sidecar is `<url>.json`, which a signed URL's query would not sign)."""
+    parsed = urlparse(url)
+    if not parsed.hostname or not PurePosixPath(parsed.path).name or parsed.query or parsed.fragment:
+        raise FileNotFoundError(f"data path {url!r} is not a URL of a file (http(s)://host/path/name.npy)")
+    return url
 
 
 class RemoteFile:

@@ -22,14 +22,13 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path, PurePosixPath
-from urllib.parse import urlparse
+from pathlib import Path
 
 import numpy as np
 
 from spes.atomic import write_atomic
 from spes.remote_files import fetched, is_url
-from spes.remote_ranges import RemoteFile, fetch_optional
+from spes.remote_ranges import RemoteFile, checked_url, fetch_optional
 
 SIDECAR_SUFFIX = ".json"
 PARTIAL_SUFFIX = ".partial"
@@ -48,11 +47,6 @@ run it at once ("AST constructor recursion depth mismatch", python/cpython#10690
 
 Shard = Path | str
 """A token shard: a local file, or the URL of one read by byte ranges."""
-
-
-def shard_name(shard: Shard) -> PurePosixPath | Path:
-    """The shard's file name and suffix, for a local path or a URL."""
-    return PurePosixPath(urlparse(shard).path) if isinstance(shard, str) and is_url(shard) else Path(shard)
 
 
 @dataclass(frozen=True)
@@ -165,6 +159,8 @@ class RangeTokenArray:
             dtype = _headerless_dtype(url, memmap_dtype, file.size)
             return cls(file, dtype, (file.size // dtype.itemsize,), 0)
         needed = _npy_header_bytes(head, url)
+        if needed > file.size:
+            raise ValueError(_cut_short(url, f"its .npy header of {needed:,} bytes in {file.size:,}"))
         if len(head) < needed:
             head = file.read(0, needed)
         stream = io.BytesIO(head)
@@ -172,10 +168,7 @@ class RangeTokenArray:
         with _NPY_HEADER_LOCK:
             shape, _, dtype = read_header[np.lib.format.read_magic(stream)](stream)
         if dtype.hasobject or needed + int(np.prod(shape)) * dtype.itemsize > file.size:
-            raise ValueError(
-                f"token shard {url} is not a whole array of token ids ({dtype} {shape} in {file.size:,} bytes); "
-                "rerun tokenize_data.py for it"
-            )
+            raise ValueError(_cut_short(url, f"{dtype} {shape} in {file.size:,} bytes"))
         return cls(file, dtype, tuple(shape), needed)
 
     def __len__(self) -> int:
@@ -193,12 +186,16 @@ class RangeTokenArray:
 
 def _npy_header_bytes(head: bytes, url: str) -> int:
     """Magic, version, header length field and header of a `.npy` file: where its data starts."""
-    version = head[6:8]
-    if version == b"\x01\x00" and len(head) >= 10:
-        return 10 + int.from_bytes(head[8:10], "little")
-    if version == b"\x02\x00" and len(head) >= 12:
-        return 12 + int.from_bytes(head[8:12], "little")
-    raise ValueError(f"token shard {url} has a .npy header of a version spes does not read (1.0 and 2.0 only)")
+    prefix = {b"\x01\x00": 10, b"\x02\x00": 12}.get(head[6:8])
+    if prefix is None:
+        raise ValueError(f"token shard {url} has a .npy header of a version spes does not read (1.0 and 2.0 only)")
+    if len(head) < prefix:
+        raise ValueError(_cut_short(url, f"{len(head)} bytes"))
+    return prefix + int.from_bytes(head[8:prefix], "little")
+
+
+def _cut_short(url: str, what: str) -> str:
+    return f"token shard {url} is not a whole array of token ids ({what}); rerun tokenize_data.py for it"
 
 
 def resolve_paths(
@@ -226,7 +223,7 @@ def resolve_paths(
 
 def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = None, *, ranged: bool) -> list[Shard]:
     if is_url(entry):
-        return [entry if ranged else fetched(entry)]
+        return [checked_url(entry) if ranged else fetched(entry)]
     path = Path(entry).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path

@@ -54,7 +54,9 @@ class _Files(BaseHTTPRequestHandler):
         if ranges:
             first, _, last = ranged.removeprefix("bytes=").partition("-")
             start, end = int(first), min(int(last) if last else end, end)
-            if start >= len(body):
+            ranges = not last or int(last) >= start  # NOTE: an invalid range is ignored (RFC 9110): the whole file
+            start, end = (start, end) if ranges else (0, len(body) - 1)
+            if ranges and start >= len(body):
                 self.send_response(416)
                 if self.path not in served.unsized_ranges:
                     self.send_header("Content-Range", f"bytes */{len(body)}")

@@ -89,7 +89,11 @@ def test_a_long_npy_header_is_read_whole(served: Served, tmp_path: Path) -> None
     served.files["/long.npy"] = b"\x93NUMPY\x02\x00" + len(header).to_bytes(4, "little") + header + tokens.tobytes()
     array = open_token_array(served.url + "/long.npy")
     assert isinstance(array, RangeTokenArray) and array.dtype == np.uint32 and array.shape == (300,)
-    assert array[290:300].tolist() == list(range(290, 300)) and array[5:5].size == 0
+    assert array[290:300].tolist() == list(range(290, 300))
+    assert array[5:5].size == 0 and array[5:5].dtype == np.uint32 and array[7:3].size == 0
+    with pytest.raises(IndexError) as err:
+        array[::2]
+    assert err.value.args == ("a token shard at a URL is read by contiguous slices",)
 
 
 @pytest.mark.timeout(60)
@@ -153,11 +157,36 @@ def test_missing_truncated_and_changed_files_are_refused_by_name(served: Served,
         open_token_array(missing)
     url = _serve_shard(served, tmp_path, "t.npy", np.arange(100, dtype=np.uint16), sidecar=False)
     served.files["/t.npy"] = served.files["/t.npy"][:-10]
-    with pytest.raises(ValueError, match=rf"^token shard {url} is not a whole array .*rerun tokenize_data.py"):
+    with pytest.raises(ValueError) as err:
         open_token_array(url)
+    assert str(err.value) == (
+        f"token shard {url} is not a whole array of token ids (uint16 (100,) in 318 bytes); rerun tokenize_data.py "
+        "for it"
+    )
+    header = served.files["/t.npy"][:128]
+    for name, body, what in (
+        ("/h10.npy", header[:10], "its .npy header of 128 bytes in 10"),
+        ("/h9.npy", header[:9], "9 bytes"),
+        ("/v2.npy", b"\x93NUMPY\x02\x00\x00", "9 bytes"),
+    ):
+        served.files[name] = body
+        with pytest.raises(ValueError) as err:
+            open_token_array(served.url + name)
+        assert str(err.value) == (
+            f"token shard {served.url}{name} is not a whole array of token ids ({what}); rerun tokenize_data.py for it"
+        )
+    served.files["/v3.npy"] = b"\x93NUMPY\x03\x00" + header[8:]
+    with pytest.raises(ValueError) as err:
+        open_token_array(served.url + "/v3.npy")
+    assert str(err.value) == (
+        f"token shard {served.url}/v3.npy has a .npy header of a version spes does not read (1.0 and 2.0 only)"
+    )
     served.files["/odd.npy"] = b"\x00" * 7
-    with pytest.raises(ValueError, match=r"has 7 bytes, not a multiple of 2"):
+    with pytest.raises(ValueError, match=rf"^headerless token file {served.url}/odd.npy has 7 bytes, not a multiple"):
         open_token_array(served.url + "/odd.npy")
+    served.files["/wide.npy"] = np.arange(6, dtype=np.uint32).tobytes()
+    wide = open_token_array(served.url + "/wide.npy", "uint32")
+    assert wide.dtype == np.uint32 and wide[:6].tolist() == list(range(6))
     served.files["/e.npy"] = b""
     assert len(open_token_array(served.url + "/e.npy")) == 0
     remote = RemoteFile(served.url + "/absent.npy", 100)
@@ -239,3 +268,15 @@ def test_each_process_keeps_its_own_pool_with_the_documented_retries_and_timeout
     monkeypatch.setattr(spes.remote_ranges.os, "getpid", lambda: -1)  # as a forked child sees itself
     child = spes.remote_ranges._pool()
     assert child is not pool and list(spes.remote_ranges._pools) == [-1]
+
+
+def test_a_url_of_no_file_is_refused_as_it_is_listed(served: Served, tmp_path: Path) -> None:
+    """A query or fragment (a signed URL) could not name the sidecar beside it; a list file's URLs stay URLs."""
+    for bad in (served.url + "/x.npy?sig=1", served.url + "/x.npy#a", served.url + "/", "http:///x.npy"):
+        with pytest.raises(FileNotFoundError) as err:
+            resolve_paths([bad], ranged=True)
+        assert str(err.value) == f"data path {bad!r} is not a URL of a file (http(s)://host/path/name.npy)"
+    listed = tmp_path / "list.txt"
+    listed.write_text(f"{served.url}/a.npy\n{served.url}/b.npy\n")
+    assert resolve_paths([listed], ranged=True) == [f"{served.url}/a.npy", f"{served.url}/b.npy"]
+    assert served.asked == [] and not (tmp_path / "cache").exists()

@@ -142,3 +142,10 @@ def test_tokenization_imports_no_torch() -> None:
     code = "import sys, spes.corpus, spes.default_corpus; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_a_relative_entry_is_relative_to_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = write_token_shard(tmp_path / "rel.npy", np.arange(4, dtype=np.uint16))
+    monkeypatch.chdir(tmp_path)
+    assert resolve_paths(["rel.npy"]) == [Path("rel.npy")] and Path("rel.npy").resolve() == shard
+    assert resolve_paths([str(shard)], base_dir=tmp_path / "elsewhere") == [shard]  # an absolute entry as it is
