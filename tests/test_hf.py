@@ -539,12 +539,14 @@ def test_what_the_command_line_passes_on_by_default(
     monkeypatch.setattr(hf, "import_hf", lambda *a, **k: calls.append((a, k)) or Path("y"))
     make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=3)
     assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--out", "o"]) == 0
+    assert hf.main(["export", "--checkpoint", "c", "--out", "o", "--tokenizer", "t"]) == 0
     assert hf.main(["import", "--hf", "h", "--out", "o2"]) == 0
     assert calls == [
         (
             (tmp_path / "run" / "step3", "o"),
             dict(tokenizer=None, dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3),
         ),
+        ((Path("c"), "o"), dict(tokenizer="t", dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3)),
         (("h", "o2"), dict(experts_per_peer=None, overwrite=False)),
     ]
     assert usage_error(capsys, lambda: hf.main(["export", "--checkpoint", "c"])).endswith(
@@ -554,7 +556,9 @@ def test_what_the_command_line_passes_on_by_default(
     with pytest.raises(SystemExit):
         hf.main(["--help"])
     assert hf.__doc__ is not None
-    assert capsys.readouterr().out.split("\n\n")[1] == hf.__doc__.split("\n\n")[0]  # its first paragraph, as written
+    shown = capsys.readouterr().out
+    assert shown.split("\n\n")[1] == hf.__doc__.split("\n\n")[0]  # its first paragraph, as written
+    assert hf.__doc__.split("\n\n")[1] not in shown  # and no more of the module's docstring
 
 
 def test_the_export_resolves_its_tokenizer_as_one_and_names_the_config_it_came_from(
