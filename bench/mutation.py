@@ -177,6 +177,11 @@ EQUIVALENT: dict[str, str] = {
         "8 9 15 16",
         "the case of a header name: urllib3's response headers are looked up without case",
     ),
+    **mutants(
+        "spes.remote_ranges.x__total",
+        "10",
+        "the stand-in for an absent Content-Range: '' or 'XXXX', the pattern matches neither (the same refusal)",
+    ),
     **mutants("spes.hf.x__read_json", "3 5", _UTF8),
     **mutants("spes.hf.x_copy_tokenizer", "44 46 56", _UTF8),
     **mutants("spes.hf.x_write_safetensors", "74 76 86", _UTF8),

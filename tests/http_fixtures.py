@@ -25,7 +25,7 @@ class Served:
     unsized: set[str] = field(default_factory=set)
     """Paths answered without a Content-Length (the body ends when the connection closes)."""
     unsized_ranges: set[str] = field(default_factory=set)
-    """Paths whose range answers name no file size (no Content-Range)."""
+    """Paths whose range answers name no file size (`bytes 0-9/*`, and no Content-Range on a 416)."""
     failing: dict[str, int] = field(default_factory=dict)
     """Paths whose next N answers are 503 (a server or CDN edge briefly down)."""
     url: str = ""
@@ -63,8 +63,9 @@ class _Files(BaseHTTPRequestHandler):
                 self.send_header("Content-Length", "0")
                 return self.end_headers()
         self.send_response(206 if ranges else 200)
-        if ranges and self.path not in served.unsized_ranges:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{len(body)}")
+        if ranges:
+            size = "*" if self.path in served.unsized_ranges else len(body)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
         if self.path in served.unsized:
             self.close_connection = True
         else:
