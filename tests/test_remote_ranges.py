@@ -189,6 +189,8 @@ def test_missing_truncated_and_changed_files_are_refused_by_name(served: Served,
     assert wide.dtype == np.uint32 and wide[:6].tolist() == list(range(6))
     served.files["/e.npy"] = b""
     assert len(open_token_array(served.url + "/e.npy")) == 0
+    _serve_shard(served, tmp_path, "none.npy", np.zeros(0, dtype=np.uint16), sidecar=False)  # a header, no token
+    assert open_token_array(served.url + "/none.npy").shape == (0,)
     remote = RemoteFile(served.url + "/absent.npy", 100)
     with pytest.raises(OSError, match=r"could not be read \(HTTP 404\)"):
         remote.read(0, 10)
