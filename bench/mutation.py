@@ -146,6 +146,13 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect",
         "tests/test_gpu_check.py::test_the_block_smoke_compiles_the_block_when_the_config_does",
     ),
+    # tokenizing into shards and training a tokenizer, on real files with a real tokenizer; not the killed CLI run
+    # (a process of its own, which mutmut credits nothing; the in-process interrupted run covers the same writer)
+    "spes/corpus.py": ("tests/test_tokenize_data.py", "tests/test_tokenizer.py", "-m", "not slow"),
+    # the `evaluators:` entries and the lm-eval runs; not the training run that scores real tasks (minutes a mutant)
+    "spes/evaluators.py": ("tests/test_evaluators.py", "-m", "not slow"),
+    # signals sent to the test's own process; not the interrupted multi-node runs (processes of their own)
+    "spes/interrupt.py": ("tests/test_interrupt.py", "-m", "not slow"),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
