@@ -194,6 +194,17 @@ EQUIVALENT: dict[str, str] = {
         "10",
         "the stand-in for an absent Content-Range: '' or 'XXXX', the pattern matches neither (the same refusal)",
     ),
+    **mutants("spes.evaluators.x_lm_eval_scores", "17 21", _UTF8),
+    **mutants(
+        "spes.evaluators.x_lm_eval_scores",
+        "26",
+        "the metric split at the last comma: lm-eval's keys are `<metric>,<filter>`, one comma, so the same split",
+    ),
+    **mutants(
+        "spes.interrupt.xǁStopRequestǁ__init__",
+        "4 5",
+        "the first signal's time before any signal: read only once a request was made, and the request sets it",
+    ),
     **mutants("spes.hf.x__read_json", "3 5", _UTF8),
     **mutants("spes.hf.x_copy_tokenizer", "44 46 56", _UTF8),
     **mutants("spes.hf.x_write_safetensors", "74 76 86", _UTF8),

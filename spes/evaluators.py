@@ -129,8 +129,8 @@ class DownstreamEvals:
     def due(self, step: int) -> bool:
         """Whether `step` is an evaluation step: a multiple of `eval_interval` (not the last step otherwise: a
         short trial run of a config with a long interval evaluates nothing)."""
-        interval = self.cfg.eval_interval
-        return bool(self.evaluators) and interval is not None and interval > 0 and step % interval == 0
+        interval = self.cfg.eval_interval  # set whenever evaluators are (refused otherwise), and >= 1 (its range)
+        return bool(self.evaluators) and interval is not None and step % interval == 0
 
     def check_data(self) -> None:
         """Once, at start, on the main rank: leave out the tasks lm-eval does not know or has no data for here, named

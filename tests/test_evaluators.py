@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import tensorboard_scalars
+from peer_nodes import CPU
+from spes import evaluators
 from spes.config import TrainConfig, load_config
-from spes.evaluators import DownstreamEvals, Evaluator, lm_eval_scores, parse_evaluators
+from spes.distributed import DistInfo
+from spes.evaluators import DownstreamEvals, Evaluator, evaluators_of, lm_eval_scores, parse_evaluators
+from spes.model import Transformer
 from spes.schema import ConfigError
+from spes.tokenizer import LoadedTokenizer
 from spes.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,8 +61,24 @@ def test_downstream_evals_need_an_exportable_model_and_an_interval(tmp_path: Pat
         DownstreamEvals(no_qk_norm, is_main=True, device=None, log=print)  # type: ignore[arg-type]
     no_interval = TrainConfig(evaluators=[{"label": "piqa"}], eval_interval=None)
     no_interval.model.attention_layer_norm = True
-    with pytest.raises(ConfigError, match="'eval_interval' is not"):
+    with pytest.raises(ConfigError) as refused:
         DownstreamEvals(no_interval, is_main=True, device=None, log=print)  # type: ignore[arg-type]
+    assert str(refused.value) == (
+        "config key 'evaluators' is set but 'eval_interval' is not: set how many steps apart the downstream tasks run"
+    )
+
+
+def test_only_the_local_suite_needs_validation_data_and_only_evaluators_make_steps_due(tmp_path: Path) -> None:
+    def evals(*overrides: str) -> DownstreamEvals:
+        cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", "--data.validation_paths=[]", *overrides])
+        return DownstreamEvals(cfg, is_main=True, device=None, log=print)  # type: ignore[arg-type]
+
+    with pytest.raises(ConfigError) as refused:
+        evals("--evaluators=[{label: piqa}, {label: spes_local}]", "--eval_interval=5")
+    assert str(refused.value) == "evaluator 'spes_local' builds its tasks from data.validation_paths, which is empty"
+    every_step = evals("--evaluators=[{label: piqa}]", "--eval_interval=1")
+    assert all(every_step.due(step) for step in range(1, 4))
+    assert not any(evals("--evaluators=[{label: c4, type: lm}]", "--eval_interval=5").due(step) for step in (5, 10))
 
 
 def test_scores_are_read_from_the_newest_lm_eval_results(tmp_path: Path) -> None:
@@ -67,6 +90,246 @@ def test_scores_are_read_from_the_newest_lm_eval_results(tmp_path: Path) -> None
     )
     assert lm_eval_scores(tmp_path) == {"eval/piqa/acc": 0.5, "eval/piqa/acc_norm": 0.25}
     assert lm_eval_scores(tmp_path / "m" / "none") == {}
+
+
+def test_scores_are_the_numbers_of_metric_and_filter_keys_of_the_newest_file_by_time(tmp_path: Path) -> None:
+    """Newest by time, not by name; the alias, the stderrs and a metric that is not a number are not scores."""
+    newer, older = tmp_path / "results_1.json", tmp_path / "a" / "results_9.json"
+    older.parent.mkdir()
+    older.write_text(json.dumps({"results": {"piqa": {"acc,none": 0.1}}}))
+    metrics = {"alias": "piqa", "acc,none": 1, "acc_stderr,none": 0.1, "note,none": "n/a"}
+    newer.write_text(json.dumps({"results": {"piqa": metrics, "arc_easy": {"acc_norm,none": 0.5}}}))
+    os.utime(older, (1_000, 1_000))
+    scores = lm_eval_scores(tmp_path)
+    assert scores == {"eval/piqa/acc": 1.0, "eval/arc_easy/acc_norm": 0.5} and type(scores["eval/piqa/acc"]) is float
+    (tmp_path / "results_0.json").write_text(json.dumps({"config": {}}))  # newest, and without results
+    assert lm_eval_scores(tmp_path) == {}
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (
+            {"label": "piqa", "zz": 1, "aa": 2},
+            "config key 'evaluators[1].aa' is unknown; an evaluator has ['label', 'type', 'limit']",
+        ),
+        ({"label": ""}, "config key 'evaluators[1].label' = '' must name a task, e.g. piqa or spes_local"),
+        ({"label": "piqa", "type": "icl"}, "config key 'evaluators[1].type' = 'icl' must be downstream or lm"),
+        (
+            {"label": "piqa", "limit": True},
+            "config key 'evaluators[1].limit' = True must be a positive integer or null",
+        ),
+        ({"label": "piqa", "limit": 2.5}, "config key 'evaluators[1].limit' = 2.5 must be a positive integer or null"),
+    ],
+)
+def test_a_bad_entry_is_named_by_its_index_and_key_in_full(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_evaluators([{"label": "piqa", "type": "lm", "limit": 1}, entry])
+    assert str(refused.value) == message
+
+
+STAND_IN = r"""
+import json, os, sys
+from pathlib import Path
+
+program = "lm_eval" if Path(sys.argv[0]).name == "__main__.py" else Path(sys.argv[0]).name
+args = sys.argv[1:]
+call = {"program": program, "args": args, "cwd": os.getcwd(), "pythonpath": os.environ["PYTHONPATH"]}
+with open(os.environ["STAND_IN_CALLS"], "a") as calls:
+    calls.write(json.dumps(call) + "\n")
+value = lambda flag: args[args.index(flag) + 1]
+if program == "eval_tools.py":
+    missing = os.environ.get("STAND_IN_MISSING", "").split(",")
+    status = {t: {"available": t not in missing, "reason": f"no data set x/{t}"} for t in value("--tasks").split(",")}
+    Path(value("--status")).write_text(json.dumps(status))
+elif program == "build_local_tasks.py":
+    tasks = os.environ.get("STAND_IN_LOCAL_TASKS", "spes_next_text,spes_heldout_ppl").split(",")
+    manifest = {"tasks": [t for t in tasks if t], "skipped_tasks": {"spes_long": "the window is too short"}}
+    Path(value("--out")).mkdir(parents=True, exist_ok=True)
+    (Path(value("--out")) / "manifest.json").write_text(json.dumps(manifest))
+else:
+    results = {t: {"alias": t, "acc,none": len(t) / 100} for t in value("--tasks").split(",")}
+    (Path(value("--output_path")) / "model").mkdir()
+    (Path(value("--output_path")) / "model" / "results_1.json").write_text(json.dumps({"results": results}))
+if (value("--tasks") if program == "lm_eval" else program) in os.environ.get("STAND_IN_FAILS", "").split(","):
+    sys.exit("stand-in failed")  # after writing its results, as a run that crashes at its end
+"""
+"""eval_scripts' two scripts and lm-eval in one: it records each call (program, arguments, working directory,
+PYTHONPATH) and answers as the real one would; the environment says which tasks lack data (STAND_IN_MISSING), what
+the local suite holds (STAND_IN_LOCAL_TASKS) and what fails (STAND_IN_FAILS: a script's name or lm-eval's tasks)."""
+
+
+@pytest.fixture
+def stand_ins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder of the stand-ins, as eval_scripts/ and ahead of lm-eval on PYTHONPATH; the test's working
+    directory is `tmp_path`. lm-eval takes minutes a task: these tests hold what spes asks of it and reads back."""
+    root = tmp_path / "stand_ins"
+    (root / "lm_eval").mkdir(parents=True)
+    for path in (root / "eval_tools.py", root / "build_local_tasks.py", root / "lm_eval" / "__main__.py"):
+        path.write_text(STAND_IN)
+    (root / "lm_eval" / "__init__.py").write_text("")  # a package, not a namespace one: found before lm-eval's own
+    monkeypatch.setattr(evaluators, "EVAL_SCRIPTS", root)
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    monkeypatch.setenv("STAND_IN_CALLS", str(root / "calls.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    return root
+
+
+def calls(stand_ins: Path) -> list[tuple[str, list[str], str]]:
+    """(program, arguments, working directory) of each stand-in run so far; each found spes on its PYTHONPATH."""
+    path = stand_ins / "calls.jsonl"
+    found = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    assert all(c["pythonpath"] == os.pathsep.join([str(evaluators.REPO), str(stand_ins)]) for c in found)
+    return [(c["program"], c["args"], c["cwd"]) for c in found]
+
+
+def evals_config(tmp_path: Path, tokenizer: LoadedTokenizer, entries: str) -> TrainConfig:
+    """configs/tiny.yaml with these `evaluators:`, the session's tokenizer and a save folder `run` relative to the
+    working directory."""
+    cfg, _ = load_config(
+        TINY,
+        [
+            "--save_folder=run",
+            f"--tokenizer.identifier={tokenizer.path.parent}",
+            "--model.vocab_size=512",
+            "--model.embedding_size=512",
+            "--device_eval_batch_size=3",
+            "--eval_interval=5",
+            f"--data.validation_paths=[{tmp_path / 'a.npy'}, {tmp_path / 'b.npy'}]",
+            f"--evaluators={entries}",
+        ],
+    )
+    return cfg
+
+
+def test_tasks_without_data_are_left_out_at_start_by_label_in_one_note(
+    stand_ins: Path, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAND_IN_MISSING", "cb")
+    entries = "[{label: piqa}, {label: commitment_bank}, {label: cb}, {label: spes_local}, {label: openbook_qa}]"
+    said: list[str] = []
+    evals = evaluators_of(evals_config(tmp_path, tokenizer, entries), CPU, said.append)
+    assert evals is not None and evals.disabled == {"commitment_bank", "cb"}
+    folder = tmp_path / "run" / "downstream"
+    status = ["available", "--tasks", "cb,openbookqa,piqa", "--status", str(folder / "task_status.json")]
+    assert calls(stand_ins) == [("eval_tools.py", status, str(tmp_path))]
+    assert said == [
+        "note: downstream evaluators left out of this run: cb (no data set x/cb); a data set must be in the Hugging "
+        "Face cache (HF_HOME) or downloadable from here (not HF_HUB_OFFLINE=1)"
+    ]
+    assert (folder / "task_status.log").is_file()
+
+
+def test_the_data_check_runs_on_the_main_rank_for_lm_evals_own_tasks_only(
+    stand_ins: Path, tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    other_rank = DistInfo(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"))
+    assert evaluators_of(evals_config(tmp_path, tokenizer, "[{label: piqa}]"), other_rank, print) is not None
+    assert evaluators_of(evals_config(tmp_path, tokenizer, "[{label: spes_local}]"), CPU, print) is not None
+    assert evaluators_of(evals_config(tmp_path, tokenizer, "[{label: c4, type: lm}]"), CPU, print) is None
+    assert calls(stand_ins) == []
+
+
+def test_a_data_check_that_fails_is_noted_with_its_log_and_leaves_every_task_in(
+    stand_ins: Path, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAND_IN_FAILS", "eval_tools.py")
+    said: list[str] = []
+    evals = evaluators_of(evals_config(tmp_path, tokenizer, "[{label: piqa}]"), CPU, said.append)
+    log = tmp_path / "run" / "downstream" / "task_status.log"
+    assert evals is not None and evals.disabled == set()
+    assert said == [f"note: could not check the downstream tasks' data (log: {log})"]
+    assert "stand-in failed" in log.read_text()
+
+
+def lm_eval_args(stand_ins: Path, step: int, label: str, tasks: str, *limit: str) -> list[str]:
+    """What spes asks of lm-eval for one evaluator at `step` (the model of evals_config, exported to run/)."""
+    folder = stand_ins.parent / "run" / "downstream"
+    return [
+        *("--model", "hf", "--model_args", f"pretrained={folder / 'hf'},dtype=float32", "--tasks", tasks),
+        *("--num_fewshot", "0", "--include_path", str(stand_ins / "tasks"), "--batch_size", "3"),
+        *("--output_path", str(folder / "raw" / f"step{step}" / label), "--device", "cpu", *limit),
+    ]
+
+
+def test_each_task_runs_in_lm_eval_on_the_exported_model_and_one_that_fails_is_left_out(
+    stand_ins: Path, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAND_IN_FAILS", "cb")
+    cfg = evals_config(tmp_path, tokenizer, "[{label: piqa, limit: 3}, {label: spes_local}, {label: commitment_bank}]")
+    said: list[str] = []
+    evals = DownstreamEvals(cfg, is_main=True, device=torch.device("cpu"), log=said.append)
+    model = Transformer(cfg.model)
+    folder = tmp_path / "run" / "downstream"
+    stale = folder / "raw" / "step7" / "piqa" / "before" / "results_1.json"  # an earlier try at this step
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps({"results": {"piqa": {"acc,none": 0.99}}}))
+    os.utime(stale, (2**31, 2**31))  # newer than what this run writes: read, were it left there
+
+    scores = evals.run(model, 7)
+    assert scores == {"eval/piqa/acc": 0.04, "eval/spes_next_text/acc": 0.14, "eval/spes_heldout_ppl/acc": 0.16}
+    assert (folder / "hf" / "config.json").is_file() and (folder / "hf" / "tokenizer.json").is_file()
+    build = [
+        *("--shards", str(tmp_path / "a.npy"), str(tmp_path / "b.npy"), "--tokenizer", str(tokenizer.path.parent)),
+        *("--out", str(folder / "tasks"), "--max_tokens", "64", "--window_tokenizer", str(folder / "hf")),
+    ]
+    local = "spes_next_text,spes_heldout_ppl"
+    assert calls(stand_ins) == [
+        ("lm_eval", lm_eval_args(stand_ins, 7, "piqa", "piqa", "--limit", "3"), str(tmp_path)),
+        ("build_local_tasks.py", build, str(tmp_path)),
+        ("lm_eval", lm_eval_args(stand_ins, 7, "spes_local", local), str(folder / "tasks")),
+        ("lm_eval", lm_eval_args(stand_ins, 7, "commitment_bank", "cb"), str(tmp_path)),
+    ]
+    failed = folder / "raw" / "step7" / "commitment_bank" / "lm_eval.log"
+    assert said == [
+        "note: downstream task spes_long skipped: the window is too short",
+        f"note: downstream evaluator commitment_bank skipped for the rest of the run: lm_eval failed (log: {failed})",
+        "step 7 downstream: piqa/acc 0.0400, spes_heldout_ppl/acc 0.1600, spes_next_text/acc 0.1400",
+    ]
+    assert "stand-in failed" in failed.read_text()
+
+    assert evals.run(model, 14) == scores
+    assert [(program, args[-1]) for program, args, _ in calls(stand_ins)[4:]] == [
+        ("lm_eval", "3"),
+        ("build_local_tasks.py", str(folder / "hf")),
+        ("lm_eval", "cpu"),
+    ]
+
+
+def test_off_the_main_rank_a_run_exports_and_evaluates_nothing(
+    stand_ins: Path, tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    cfg = evals_config(tmp_path, tokenizer, "[{label: piqa}, {label: spes_local}]")
+    evals = DownstreamEvals(cfg, is_main=False, device=torch.device("cpu"), log=print)
+    assert evals.run(Transformer(cfg.model), 5) == {}
+    assert calls(stand_ins) == [] and not (tmp_path / "run").exists()
+
+
+def test_a_local_suite_that_cannot_be_built_is_left_out_and_one_of_no_task_runs_nothing(
+    stand_ins: Path, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = evals_config(tmp_path, tokenizer, "[{label: spes_local}]")
+    model = Transformer(cfg.model)
+    said: list[str] = []
+    evals = DownstreamEvals(cfg, is_main=True, device=torch.device("cpu"), log=said.append)
+    monkeypatch.setenv("STAND_IN_LOCAL_TASKS", "")
+    assert evals.run(model, 5) == {} and evals.disabled == set()  # built again at the next step: nothing to disable
+    assert said == [
+        "note: downstream task spes_long skipped: the window is too short",
+        "step 5 downstream: no task ran",
+    ]
+    monkeypatch.setenv("STAND_IN_FAILS", "build_local_tasks.py")
+    said.clear()
+    assert evals.run(model, 10) == {} and evals.run(model, 15) == {}
+    log = tmp_path / "run" / "downstream" / "build_local_tasks.log"
+    assert said == [
+        f"note: downstream evaluator spes_local skipped for the rest of the run: its task data could not be built "
+        f"(log: {log})",
+        "step 10 downstream: no task ran",
+        "step 15 downstream: no task ran",
+    ]
+    assert [program for program, _, _ in calls(stand_ins)] == ["build_local_tasks.py"] * 2
+    assert "stand-in failed" in log.read_text()
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,17 +25,74 @@ from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 
 
+def aborts(sig: signal.Signals) -> bool:
+    """Whether signalling this process raised KeyboardInterrupt (a StopRequest's abort): a result the test asserts
+    on, not an interrupt of the test session (as mutmut would take it)."""
+    try:
+        os.kill(os.getpid(), sig)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+class Clock:
+    """A stand-in for spes.interrupt's clock: time.monotonic() reads `now`."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    stand_in = Clock()
+    monkeypatch.setattr(spes.interrupt, "time", stand_in)
+    return stand_in
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture
+def outer() -> Iterator[list[int]]:
+    """The signals that reached the handlers in place before a StopRequest: recorders, so that a signal a StopRequest
+    fails to catch neither ends the test's process nor interrupts its session."""
+    reached: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: reached.append(signum)) for sig in SIGNALS}
+    yield reached
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 def test_a_signal_echoed_by_the_launcher_is_the_same_request_and_a_later_one_aborts(
-    monkeypatch: pytest.MonkeyPatch,
+    outer: list[int], clock: Clock
 ) -> None:
     said: list[str] = []
-    with StopRequest(said.append) as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGTERM)  # torchrun / srun passing it on
-        assert stop.requested and len(said) == 1 and "saving a checkpoint" in said[0]
-        monkeypatch.setattr(spes.interrupt, "ECHO_S", 0.0)
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+    stop = StopRequest(said.append)
+    assert stop.requested is False
+    with stop:
+        first = clock.now
+        assert not aborts(signal.SIGINT)
+        clock.now = first + spes.interrupt.ECHO_S - 0.001
+        assert not aborts(signal.SIGTERM)  # torchrun / srun passing it on
+        assert stop.requested is True
+        assert said == [
+            "received SIGINT: saving a checkpoint after this step (press Ctrl-C again after 2 s to abort without "
+            "saving)"
+        ]
+        clock.now = first + spes.interrupt.ECHO_S  # ECHO_S after the first: another request, an abort
+        assert aborts(signal.SIGTERM)
+    assert outer == []
+    assert [aborts(sig) for sig in SIGNALS] == [False, False] and outer == list(SIGNALS)  # the handlers before, back
+
+
+def test_off_the_main_thread_a_stop_request_changes_no_handler(outer: list[int]) -> None:
+    """Python sets signal handlers from the main thread only: a StopRequest entered elsewhere leaves them."""
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(lambda: StopRequest(print).__enter__().previous).result() == {}
+    assert [aborts(sig) for sig in SIGNALS] == [False, False] and outer == list(SIGNALS)
 
 
 @pytest.fixture(scope="module")
