@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import gc
 import gzip
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import zstandard
 
+from conftest import usage_error
 from data_fixtures import (
     INPUT_FORMATS,
     REPO_ROOT,
@@ -252,19 +259,42 @@ def test_cli_error_names_the_glob_that_matches_nothing(tmp_path: Path, capsys: p
     assert code == 2 and f"{tmp_path / '*.jsonl'}" in capsys.readouterr().err
 
 
-def test_cli_help_lists_every_flag() -> None:
-    text = corpus.tokenize_parser().format_help()
-    for flag in (
-        "--file_glob",
-        "--tokenizer_name_or_path",
-        "--output_prefix",
-        "--text_field",
-        "--processes",
-        "--batch_size",
-        "--max_shard_bytes",
-        "--dtype",
-    ):
-        assert flag in text
+def test_cli_help_names_each_flag_with_its_meaning_and_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "300")
+    shown = " ".join(corpus.tokenize_parser().format_help().split())
+    assert (
+        "--file_glob FILE_GLOB [FILE_GLOB ...] --tokenizer_name_or_path TOKENIZER_NAME_OR_PATH --output_prefix "
+        "OUTPUT_PREFIX [--text_field TEXT_FIELD]" in shown
+    )
+    assert (
+        "Tokenize .jsonl / .jsonl.gz / .jsonl.zst / .parquet text into flat .npy token shards (EOS after each "
+        "document) with JSON sidecars, for spes training." in shown
+    )
+    for flag, meaning in {
+        "--file_glob FILE_GLOB [FILE_GLOB ...]": "input files: one or more globs (quote them; '**' recurses), each "
+        "sorted",
+        "--tokenizer_name_or_path TOKENIZER_NAME_OR_PATH": "tokenizer directory (with tokenizer.json), tokenizer.json "
+        "file or Hugging Face Hub id such as Qwen/Qwen2.5-0.5B (the local Hub cache first; or train one with "
+        "data_process_scripts/train_tokenizer.py)",
+        "--output_prefix OUTPUT_PREFIX": "shards are written as <output_prefix>_00000.npy, ... plus <shard>.json "
+        "sidecars",
+        "--text_field TEXT_FIELD": "JSON field / parquet column holding each document (default: text)",
+        "--processes PROCESSES": "tokenizer processes (1 = in this process, using the tokenizer's own threads) "
+        "(default: 1)",
+        "--files_per_process FILES_PER_PROCESS": "the first implementation's flag, accepted and ignored: documents, "
+        "not files, are spread over --processes here, and the shards are the same for any split",
+        "--batch_size BATCH_SIZE": "documents per unit of work (default: 1000)",
+        "--max_shard_bytes MAX_SHARD_BYTES": "maximum bytes of token data per shard (a shard is buffered in memory) "
+        f"(default: {512 * 2**20})",
+        "--dtype {uint16,uint32}": "token dtype (default: uint16 if the vocabulary fits, else uint32)",
+    }.items():
+        assert f"{flag} {meaning}" in shown, flag
+    argv = ["--file_glob", "x", "--tokenizer_name_or_path", "t", "--output_prefix", "p", "--files_per_process=all"]
+    assert usage_error(capsys, lambda: corpus.tokenize_main(argv)).endswith(
+        "error: argument --files_per_process: invalid int value: 'all'"
+    )
 
 
 def test_the_first_implementations_command_runs_and_files_per_process_changes_nothing(
@@ -329,3 +359,151 @@ def test_list_processed_files_lists_every_token_file_training_reads_sorted(
     assert f"listed {len(expected)} shard(s)" in result.stderr and "1 without a sidecar" in result.stderr
     assert resolve_paths([str(listing)]) == sorted(Path(p) for p in expected)
     assert not os.path.exists(str(listing) + ".tmp")
+
+
+def test_globs_recurse_expand_home_match_files_only_and_drop_repeats(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    top, deep = tmp_path / "in" / "a.jsonl", tmp_path / "in" / "sub" / "deeper" / "b.jsonl"
+    deep.parent.mkdir(parents=True)
+    for path in (top, deep):
+        write_documents(path, ["a document"])
+    (tmp_path / "in" / "folder.jsonl").mkdir()  # matched by the glob, and not a file
+    assert corpus.resolve_input_files([str(tmp_path / "in" / "**" / "*.jsonl")]) == [top, deep]
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert corpus.resolve_input_files(["~/in/*.jsonl", str(top)]) == [top]
+    notes = tmp_path / "in" / "notes.txt"
+    notes.write_text("not a record format")
+    with pytest.raises(ValueError) as refused:
+        corpus.resolve_input_files([str(tmp_path / "in" / "*")])
+    assert (
+        str(refused.value)
+        == f"{notes}: unsupported input format; expected one of .jsonl, .jsonl.gz, .jsonl.zst, .parquet"
+    )
+
+
+def test_a_plain_jsonl_line_that_is_not_utf8_is_reported_and_the_rest_read(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    path = write_lines(tmp_path / "docs.jsonl", b'{"text": "caf\xe9"}\n{"text": "fine"}\n')
+    summary = _tokenize([path], tokenizer, tmp_path / "out" / "part")
+    assert summary.num_documents == 1 and summary.malformed_examples[0].startswith(f"{path}:1: bad JSON (")
+
+
+def test_a_zstd_file_of_several_frames_is_read_whole_and_closed(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
+    frames = [zstandard.ZstdCompressor().compress(b'{"text": "%s"}\n' % word) for word in (b"one", b"two")]
+    path = tmp_path / "docs.jsonl.zst"
+    path.write_bytes(b"".join(frames))  # as `zstdcat a b | ...` or a parallel compressor writes
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        chunks = list(corpus.iter_file_chunks(path, "text", 10))
+        gc.collect()
+    assert [record for chunk in chunks for _, record in chunk.records] == [b'{"text": "one"}\n', b'{"text": "two"}\n']
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)]
+
+
+def test_parquet_is_read_by_its_column_in_batches_numbering_rows_across_them(tmp_path: Path) -> None:
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": ["i1", "i2", "i3", "i4", "i5"], "body": ["a", "b", "c", None, "e"]}), path)
+    chunks = list(corpus.iter_file_chunks(path, "body", 2))
+    assert [chunk.records for chunk in chunks] == [[(1, "a"), (2, "b")], [(3, "c"), (4, None)], [(5, "e")]]
+    assert not any(chunk.json_lines for chunk in chunks)
+
+
+def test_an_encoded_chunk_holds_the_shard_dtype(tokenizer: LoadedTokenizer) -> None:
+    """What worker processes send back: tokens already in the shard's dtype, not int64 (four times the bytes)."""
+    chunk = corpus.TextChunk("s", [(1, "one"), (2, "two")], json_lines=False)
+    encoded = corpus.Encoder(tokenizer, "text", np.dtype(np.uint16))(chunk)
+    assert encoded.tokens.dtype == np.uint16
+    assert split_documents(encoded.tokens, tokenizer.eos_token_id) == tokenizer.encode_batch(["one", "two"])
+
+
+def test_a_worker_loads_the_tokenizer_single_threaded_and_refuses_one_rewritten_since(
+    tokenizer: LoadedTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What each tokenizer process does first, here in this process (mutmut traces no other)."""
+    monkeypatch.setattr(corpus, "_WORKER_ENCODER", None)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    chunk = corpus.TextChunk("s", [(1, b'{"body": "one"}')], json_lines=True)
+    with pytest.raises(AssertionError, match="worker used before _init_worker"):
+        corpus._encode_in_worker(chunk)
+    corpus._init_worker(str(tokenizer.path), tokenizer.fingerprint, "body", np.dtype(np.uint16).str)
+    assert os.environ["TOKENIZERS_PARALLELISM"].lower() == "false"  # as tokenizers reads it
+    encoded = corpus._encode_in_worker(chunk)
+    assert encoded.tokens.dtype == np.uint16 and encoded.tokens.tolist() == [*tokenizer.encode_batch(["one"])[0], 0]
+    with pytest.raises(ValueError) as refused:
+        corpus._init_worker(str(tokenizer.path), "0" * 64, "body", "<u2")
+    assert str(refused.value) == (
+        f"{tokenizer.path} changed while tokenizing; rerun with a tokenizer nobody is rewriting"
+    )
+
+
+def test_processes_are_as_many_as_asked_with_two_chunks_each_in_flight(tokenizer: LoadedTokenizer) -> None:
+    pulled: list[int] = []
+
+    def chunks() -> Iterator[corpus.TextChunk]:
+        for i in range(20):
+            pulled.append(i)
+            yield corpus.TextChunk("s", [(i, f"document {i}")], json_lines=False)
+
+    before = set(psutil.Process().children())
+    encoded = corpus._encode_all(chunks(), corpus.Encoder(tokenizer, "text", np.dtype(np.uint16)), processes=3)
+    first = next(encoded)
+    workers = set(psutil.Process().children()) - before
+    assert len(pulled) == 6 and len(workers) == 3
+    assert [first.doc_lengths.tolist(), *(e.doc_lengths.tolist() for e in encoded)] == [
+        [len(ids) + 1] for ids in tokenizer.encode_batch([f"document {i}" for i in range(20)])
+    ]
+
+
+def test_the_library_shows_progress_unless_told_not_to_and_checks_its_numbers(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    corpus.tokenize_files([path], tokenizer=tokenizer, output_prefix=tmp_path / "shown" / "part")
+    assert f"{len(SAMPLE_TEXTS)}doc" in capsys.readouterr().err  # tqdm's bar: documents counted
+    one_by_one = _tokenize([path], tokenizer, tmp_path / "quiet" / "part", batch_size=1)
+    assert one_by_one.num_documents == len(SAMPLE_TEXTS) and capsys.readouterr().err == ""
+    for flag, value in (("batch_size", 0), ("processes", 0)):
+        with pytest.raises(ValueError) as refused:
+            _tokenize([path], tokenizer, tmp_path / "refused" / "part", **{flag: value})
+        assert str(refused.value) == f"--{flag} must be >= 1, got 0"
+
+
+def test_a_text_field_is_read_from_every_format_and_a_missing_column_refused_before_any_work(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    jsonl = write_documents(tmp_path / "a.jsonl", SAMPLE_TEXTS, text_field="body")
+    summary = _tokenize([jsonl], tokenizer, tmp_path / "out" / "part", text_field="body")
+    assert summary.num_documents == len(SAMPLE_TEXTS) and summary.num_malformed == 0
+    parquet = write_documents(tmp_path / "b.parquet", SAMPLE_TEXTS)  # column "text"
+    with pytest.raises(ValueError, match="no column 'body'"):
+        _tokenize([jsonl, parquet], tokenizer, tmp_path / "none" / "part", text_field="body", max_shard_bytes=100)
+    assert not (tmp_path / "none").exists()
+
+
+def test_the_summary_counts_with_separators_and_a_rate() -> None:
+    summary = corpus.TokenizeSummary(
+        shards=[Path("a"), Path("b")], num_documents=1234, num_tokens=5000, num_malformed=1001, seconds=2.0
+    )
+    assert corpus.format_summary(summary) == (
+        "documents: 1,234  tokens: 5,000  shards: 2  (2.0 s, 2,500 tokens/s)\nmalformed records skipped: 1,001"
+    )
+    assert "(0.0 s, 0 tokens/s)" in corpus.format_summary(corpus.TokenizeSummary(num_tokens=5))
+
+
+def test_the_cli_passes_its_flags_on_says_what_it_wrote_and_fails_when_no_document_was_read(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_documents(tmp_path / "docs.jsonl", ["only one document"], text_field="body")
+    prefix = tmp_path / "out" / "part"
+    common = ["--file_glob", str(path), "--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix"]
+    assert corpus.tokenize_main([*common, str(prefix), "--text_field", "body", "--max_shard_bytes", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"tokenized 1 file(s) into {prefix}_*.npy" and out[1].startswith("documents: 1  tokens: ")
+    assert out[2] == "malformed records skipped: 0" and len(list(prefix.parent.glob("*.npy"))) > 1  # 1 token a shard
+    assert corpus.tokenize_main([*common, str(tmp_path / "none" / "part")]) == 1
+    assert capsys.readouterr().err.endswith("error: no document could be tokenized; check --text_field 'text'\n")
+    for flag in ("--processes", "--batch_size"):
+        assert corpus.tokenize_main([*common, str(tmp_path / "refused" / "part"), flag, "0"]) == 2
+        assert capsys.readouterr().err == f"error: {flag} must be >= 1, got 0\n"

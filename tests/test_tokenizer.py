@@ -148,6 +148,67 @@ def test_train_tokenizer_script_refuses_a_number_out_of_range(
     assert usage_error(capsys, lambda: corpus.train_tokenizer_main(argv)).endswith(f": error: {rule}")
 
 
+def test_train_tokenizer_help_names_each_flag_with_its_meaning_and_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "300")
+    shown = " ".join(corpus.train_tokenizer_parser().format_help().split())
+    assert "[-h] --input INPUT [INPUT ...] --output_dir OUTPUT_DIR [--vocab_size VOCAB_SIZE]" in shown
+    assert "Train a byte-level BPE tokenizer on local text; writes a Hugging Face tokenizer directory." in shown
+    for flag, meaning in {
+        "--input INPUT [INPUT ...]": "input files: globs (quote them; '**' recurses); jsonl/parquet give one text per "
+        "record",
+        "--output_dir OUTPUT_DIR": "directory to write tokenizer.json and its configs to",
+        "--vocab_size VOCAB_SIZE": "vocabulary size, EOS and pad included (default: 4096)",
+        "--min_frequency MIN_FREQUENCY": "minimum count of a pair to be merged (default: 2)",
+        "--text_field TEXT_FIELD": "JSON field / parquet column of the text (default: text)",
+        "--max_mb MAX_MB": "train on at most this many MB of text",
+    }.items():
+        assert f"{flag} {meaning}" in shown, flag
+
+
+def test_train_tokenizer_reads_the_text_field_says_what_it_trained_and_notes_a_vocabulary_cut_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_documents(tmp_path / "docs.jsonl", tokenizer_training_texts(), text_field="body")
+    out = tmp_path / "tok"
+    argv = ["--input", str(tmp_path / "docs.jsonl"), "--output_dir", str(out), "--vocab_size", "300"]
+    assert corpus.train_tokenizer_main([*argv, "--text_field", "body"]) == 0
+    loaded = load_tokenizer(out)
+    assert capsys.readouterr().out == (
+        f"trained a byte-level BPE of 300 tokens on 1 file(s); saved to {out} (eos id 0, pad id 1, fingerprint "
+        f"{loaded.fingerprint[:12]})\n"
+    )
+    assert corpus.train_tokenizer_main([*argv, "--text_field", "body", "--min_frequency", str(10**9)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "note: fewer tokens than --vocab_size 300: the text has too few distinct pairs; set model.vocab_size=258"
+    )
+    assert corpus.train_tokenizer_main([*argv[:-1], "10"]) == 2
+    assert capsys.readouterr().err.startswith("error: vocab_size=10 is too small: ")
+
+
+def test_train_tokenizer_stops_once_max_mb_of_text_was_read(tmp_path: Path) -> None:
+    """Exactly 1 MB in the first file: --max_mb 1 trains on it alone (the second's pairs make no merge)."""
+    (tmp_path / "a.txt").write_text("ab " * 333_333 + "a")
+    (tmp_path / "b.txt").write_text("zqxj " * 50)
+    argv = ["--input", str(tmp_path / "*.txt"), "--output_dir", str(tmp_path / "tok"), "--vocab_size", "300"]
+    assert corpus.train_tokenizer_main([*argv, "--max_mb", "1"]) == 0
+    assert load_tokenizer(tmp_path / "tok").vocab_size == 260  # byte-level 256, EOS, pad, and "ab", " ab"
+
+
+def test_texts_are_read_by_field_and_counted_in_utf8_bytes_up_to_the_limit(tmp_path: Path) -> None:
+    jsonl = write_documents(tmp_path / "a.jsonl", ["é", "ab", "cd"], text_field="body")
+    notes = tmp_path / "b.txt"
+    notes.write_bytes(b"caf\xe9")  # not UTF-8: read anyway, the byte replaced
+    files = [jsonl, notes]
+    assert list(corpus.iter_texts(files, "body", None)) == ["é", "ab", "cd", "caf\ufffd"]
+    assert list(corpus.iter_texts(files, "body", 2)) == ["é"]  # 2 bytes, 1 character
+    assert list(corpus.iter_texts(files, "body", 3)) == ["é", "ab"]
+    assert list(corpus.iter_texts(files, "body", 4)) == ["é", "ab"]
+    assert list(corpus.iter_texts([write_documents(tmp_path / "c.parquet", ["x", None, "y"])], "text", None)) == [
+        "x",
+        "y",
+    ]
+
+
 def word_level(tmp_path: Path, vocab: list[str], *, added: Sequence[str] = (), config: object = None) -> Path:
     """A tokenizer.json of a word-level vocabulary (ids in order), special tokens `added` on top of it, and a
     tokenizer_config.json holding `config` when one is given."""
