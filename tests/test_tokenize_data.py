@@ -54,7 +54,8 @@ def test_text_round_trips_through_shards(fmt: str, tokenizer: LoadedTokenizer, t
     decoded = [tokenizer.decode(ids) for ids in split_documents(tokens, tokenizer.eos_token_id)]
     assert decoded == SAMPLE_TEXTS
     info = read_shard_info(summary.shards[0])
-    assert info.tokenizer_fingerprint == tokenizer.fingerprint
+    assert info.tokenizer_fingerprint == tokenizer.fingerprint and info.dtype == "uint16"
+    assert (info.vocab_size, info.eos_token_id) == (tokenizer.vocab_size, tokenizer.eos_token_id)
     assert (info.num_tokens, info.num_documents, info.source_files) == (len(tokens), len(SAMPLE_TEXTS), (str(path),))
 
 
@@ -104,8 +105,10 @@ def test_malformed_lines_are_reported_with_file_and_line_and_counted(
     summary = _tokenize([path], tokenizer, tmp_path / "out" / "part")
     assert summary.num_documents == 2 and summary.num_malformed == 6
     assert [m.split(": ")[0] for m in summary.malformed_examples] == [f"{path}:{n}" for n in (2, 3, 4, 5, 7, 8)]
-    assert "missing field 'text'" in summary.malformed_examples[1]
-    assert "int, not a string" in summary.malformed_examples[2]
+    reasons = [m.split(": ", 1)[1] for m in summary.malformed_examples]
+    assert reasons[0].startswith("bad JSON (") and reasons[5].startswith("bad JSON (")
+    assert reasons[1:4] == ["missing field 'text'", "field 'text' is int, not a string", "not a JSON object but list"]
+    assert reasons[4].startswith("text cannot be tokenized, invalid Unicode? (")
     docs = split_documents(_all_tokens(summary.shards), tokenizer.eos_token_id)
     assert [tokenizer.decode(d) for d in docs] == ["good one", "good two"]
 
@@ -146,8 +149,12 @@ def test_dtype_defaults_to_smallest_and_too_small_is_an_error() -> None:
 def test_existing_output_is_never_overwritten(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
     _tokenize([path], tokenizer, tmp_path / "out" / "part")
-    with pytest.raises(FileExistsError, match="part_00000.npy"):
+    with pytest.raises(FileExistsError) as refused:
         _tokenize([path], tokenizer, tmp_path / "out" / "part")
+    assert str(refused.value) == (
+        f"{tmp_path / 'out' / 'part_00000.npy'} (and 1 more) already exist for --output_prefix "
+        f"{tmp_path / 'out' / 'part'}; delete them or choose another prefix"
+    )
 
 
 def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
@@ -462,6 +469,9 @@ def test_the_library_shows_progress_unless_told_not_to_and_checks_its_numbers(
     path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
     corpus.tokenize_files([path], tokenizer=tokenizer, output_prefix=tmp_path / "shown" / "part")
     assert f"{len(SAMPLE_TEXTS)}doc" in capsys.readouterr().err  # tqdm's bar: documents counted
+    chunks = corpus.iter_file_chunks(path, "text", 1000)
+    corpus.tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=tmp_path / "chunks" / "part")
+    assert f"{len(SAMPLE_TEXTS)}doc" in capsys.readouterr().err
     one_by_one = _tokenize([path], tokenizer, tmp_path / "quiet" / "part", batch_size=1)
     assert one_by_one.num_documents == len(SAMPLE_TEXTS) and capsys.readouterr().err == ""
     for flag, value in (("batch_size", 0), ("processes", 0)):
@@ -507,3 +517,35 @@ def test_the_cli_passes_its_flags_on_says_what_it_wrote_and_fails_when_no_docume
     for flag in ("--processes", "--batch_size"):
         assert corpus.tokenize_main([*common, str(tmp_path / "refused" / "part"), flag, "0"]) == 2
         assert capsys.readouterr().err == f"error: {flag} must be >= 1, got 0\n"
+
+
+def test_a_shard_is_buffered_in_its_dtype_growing_by_doubling_from_a_small_start(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """The memory --max_shard_bytes bounds: a buffer of the shard's dtype, at first 2**20 tokens however large a shard
+    may be (a small corpus does not take 512 MB), doubled as tokens come, never past one shard."""
+    writer = corpus.ShardWriter(
+        tmp_path / "part", dtype=np.dtype(np.uint16), max_shard_bytes=2**23, tokenizer=tokenizer
+    )  # a shard of 2**22 tokens
+    tokens = np.arange(2**22 + 7, dtype=np.uint16)  # ids wrap around: the writer reads no id
+    lengths = []
+    for start, end in ((0, 2**20), (2**20, 2**20 + 1), (2**20 + 1, 2**22 + 7)):
+        writer.write(corpus.EncodedChunk("s", tokens[start:end], np.array([end - start]), []))
+        lengths.append(len(writer._buffer))
+        assert writer._buffer.dtype == np.uint16
+    assert lengths == [2**20, 2**21, 2**22]
+    shards = writer.close()
+    assert [len(np.load(p)) for p in shards] == [2**22, 7]
+    np.testing.assert_array_equal(_all_tokens(shards), tokens)
+    assert [read_shard_info(p).num_documents for p in shards] == [2, 1]  # the third document ends in the second
+
+
+def test_a_shard_holds_at_least_one_token(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as refused:
+        corpus.ShardWriter(tmp_path / "part", dtype=np.dtype(np.uint32), max_shard_bytes=3, tokenizer=tokenizer)
+    assert str(refused.value) == "--max_shard_bytes 3 cannot hold one uint32 token"
+    writer = corpus.ShardWriter(tmp_path / "part", dtype=np.dtype(np.uint32), max_shard_bytes=4, tokenizer=tokenizer)
+    writer.write(corpus.EncodedChunk("s", np.array([5, 0, 6, 0], dtype=np.uint32), np.array([2, 2]), []))
+    shards = writer.close()
+    assert [np.load(p).tolist() for p in shards] == [[5], [0], [6], [0]]
+    assert [read_shard_info(p).num_documents for p in shards] == [0, 1, 0, 1]
