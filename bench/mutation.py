@@ -172,6 +172,7 @@ _UTF8 = (
     "the encoding of a JSON file: json.dumps writes ASCII (ensure_ascii), 'UTF-8' is 'utf-8', and Python reads "
     "files as UTF-8 under a UTF-8 locale (the C locale is coerced to one, PEP 538)"
 )
+_SETDEFAULT = "setdefault(key) stores None, as setdefault(key, None): the dict is an ordered set"
 EQUIVALENT: dict[str, str] = {
     **mutants(
         "spes.remote_ranges.x__get",
@@ -204,6 +205,56 @@ EQUIVALENT: dict[str, str] = {
         "spes.interrupt.xǁStopRequestǁ__init__",
         "4 5",
         "the first signal's time before any signal: read only once a request was made, and the request sets it",
+    ),
+    **mutants(
+        "spes.corpus.x_record_text",
+        "3 5 8 11",
+        "the text of a malformed record: its callers read the text only when the reason is None",
+    ),
+    **mutants("spes.corpus.x_resolve_input_files", "13", _SETDEFAULT),
+    **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
+    **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
+    **mutants(
+        "spes.corpus.x__open_binary",
+        "15 18 26",
+        "zstandard's read_across_frames off: a read then stops at a frame's end and the next read goes on into the "
+        "next frame, so the BufferedReader over it reads every frame all the same (tested on a file of two frames)",
+    ),
+    **mutants("spes.corpus.x__open_binary", "19", "stream_reader's closefd defaults to True"),
+    **mutants("spes.corpus.x__iter_parquet_chunks", "17", "json_lines=None is falsy as False: the records are texts"),
+    **mutants(
+        "spes.corpus.x_file_texts",
+        "3 5 8",
+        "the encoding of a text file read whole: 'UTF-8' is 'utf-8', and Python reads files as UTF-8 under a UTF-8 "
+        "locale (the C locale is coerced to one, PEP 538)",
+    ),
+    **mutants(
+        "spes.corpus.x_file_texts",
+        "17",
+        "the records per chunk read: file_texts yields them one by one, whatever the chunks' size",
+    ),
+    **mutants("spes.corpus.xǁEncoderǁ__call__", "28", "np.fromiter's count: only a hint of the length it finds anyway"),
+    **mutants(
+        "spes.corpus.xǁEncoderǁ_encode",
+        "1",
+        "the batch encode failing every time: the one-by-one fallback gives the same ids, only slower",
+    ),
+    **mutants(
+        "spes.corpus.x__init_worker",
+        "5",
+        "TOKENIZERS_PARALLELISM=FALSE: tokenizers reads the variable lower-cased",
+    ),
+    **mutants(
+        "spes.corpus.x_tokenize_files",
+        "3 4",
+        "the library's default documents per unit of work and processes: the shards are the same for any (tested); "
+        "only the CPU use differs",
+    ),
+    **mutants(
+        "spes.corpus.x__encode_all",
+        "26 28 30",
+        "the futures still queued left to run when a run stops early: their chunks are dropped either way (those "
+        "already handed to a worker run to their end anyway); only the time to stop differs",
     ),
     **mutants("spes.hf.x__read_json", "3 5", _UTF8),
     **mutants("spes.hf.x_copy_tokenizer", "44 46 56", _UTF8),

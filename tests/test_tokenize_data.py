@@ -461,6 +461,17 @@ def test_processes_are_as_many_as_asked_with_two_chunks_each_in_flight(tokenizer
     assert [first.doc_lengths.tolist(), *(e.doc_lengths.tolist() for e in encoded)] == [
         [len(ids) + 1] for ids in tokenizer.encode_batch([f"document {i}" for i in range(20)])
     ]
+    assert not any(w.is_running() for w in workers)  # gone once the last chunk is back
+
+
+def test_a_run_stopped_early_leaves_no_tokenizer_process(tokenizer: LoadedTokenizer) -> None:
+    chunks = (corpus.TextChunk("s", [(i, f"document {i}")], json_lines=False) for i in range(20))
+    before = set(psutil.Process().children())
+    encoded = corpus._encode_all(chunks, corpus.Encoder(tokenizer, "text", np.dtype(np.uint16)), processes=2)
+    next(encoded)
+    workers = set(psutil.Process().children()) - before
+    encoded.close()  # as a KeyboardInterrupt in the writer, or a consumer that stops
+    assert len(workers) == 2 and not any(w.is_running() for w in workers)
 
 
 def test_the_library_shows_progress_unless_told_not_to_and_checks_its_numbers(
