@@ -172,6 +172,7 @@ _UTF8 = (
     "the encoding of a JSON file: json.dumps writes ASCII (ensure_ascii), 'UTF-8' is 'utf-8', and Python reads "
     "files as UTF-8 under a UTF-8 locale (the C locale is coerced to one, PEP 538)"
 )
+_NONE_DEFAULT = "an optional flag's default=None: argparse's default already"
 _SETDEFAULT = "setdefault(key) stores None, as setdefault(key, None): the dict is an ordered set"
 EQUIVALENT: dict[str, str] = {
     **mutants(
@@ -196,6 +197,18 @@ EQUIVALENT: dict[str, str] = {
         "the stand-in for an absent Content-Range: '' or 'XXXX', the pattern matches neither (the same refusal)",
     ),
     **mutants("spes.evaluators.x_lm_eval_scores", "17 21", _UTF8),
+    **mutants("spes.evaluators.xǁDownstreamEvalsǁcheck_data", "41 43", _UTF8),
+    **mutants("spes.evaluators.xǁDownstreamEvalsǁ_local_tasks", "41 46", _UTF8),
+    **mutants(
+        "spes.evaluators.xǁDownstreamEvalsǁcheck_data",
+        "24",
+        "a subprocess's cwd=None: it runs in this process's working directory, Path.cwd()",
+    ),
+    **mutants(
+        "spes.evaluators.xǁDownstreamEvalsǁ_local_tasks",
+        "29",
+        "a subprocess's cwd=None: it runs in this process's working directory, Path.cwd()",
+    ),
     **mutants(
         "spes.evaluators.x_lm_eval_scores",
         "26",
@@ -214,6 +227,8 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.x_resolve_input_files", "13", _SETDEFAULT),
     **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
     **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
+    **mutants("spes.corpus.x_tokenize_parser", "83 121", _NONE_DEFAULT),
+    **mutants("spes.corpus.x_train_tokenizer_parser", "84", _NONE_DEFAULT),
     **mutants(
         "spes.corpus.x__open_binary",
         "15 18 26",
@@ -1275,6 +1290,12 @@ FLAG_GROUPS = "tests/sync/test_settings.py::test_each_flag_stands_in_its_group_w
 HUB_ONLINE = "tests/test_hub.py::test_an_id_the_hub_does_not_know_is_named_with_what_to_check"
 HUB_DOWNLOAD = "tests/test_hub.py::test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_reads"
 KILLED_BY: dict[str, str] = {
+    # the evaluated model gathered whole from its FSDP2 shards, on two gloo ranks (torchrun)
+    **mutants(
+        "spes.evaluators.xǁDownstreamEvalsǁrun",
+        "3 5 6",
+        "tests/test_evaluators.py::test_an_fsdp_model_is_gathered_whole_for_its_evaluation",
+    ),
     # the state-dict options that only sharded (FSDP2) parameters read, on two gloo ranks (torchrun)
     **mutants("spes.checkpoint.x__options", "1 2 3 5 7", FSDP_CKPT),
     **mutants("spes.checkpoint.x__load_state", "1 2 9 12", FSDP_CKPT),

@@ -22,6 +22,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from tqdm import tqdm
 
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
@@ -32,6 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 # they start use one torch thread unless OMP_NUM_THREADS says otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# NOTE: tqdm's default lock is a process-shared semaphore made once: a process that dies holding it (a bar that raised
+# while drawing leaves it held) blocks every process forked later from the same parent. mutmut forks each mutant's
+# tests from one process: after a mutant of a bar's arguments, every later one hung until its timeout. Bars in tests
+# need no lock across processes; a thread lock is each process's own.
+tqdm.set_lock(threading.RLock())
 GPU_SKIPPED = "gpu tests skipped: no CUDA"
 """The summary line's count of GPU tests this machine could not run ("= 480 passed, 3 gpu tests skipped: no CUDA
 in ... ="), so a CI run that checked nothing on a GPU says so where it is read."""

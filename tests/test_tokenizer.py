@@ -152,7 +152,10 @@ def test_train_tokenizer_help_names_each_flag_with_its_meaning_and_default(monke
     monkeypatch.setenv("COLUMNS", "300")
     shown = " ".join(corpus.train_tokenizer_parser().format_help().split())
     assert "[-h] --input INPUT [INPUT ...] --output_dir OUTPUT_DIR [--vocab_size VOCAB_SIZE]" in shown
-    assert "Train a byte-level BPE tokenizer on local text; writes a Hugging Face tokenizer directory." in shown
+    assert (
+        "[--max_mb MAX_MB] Train a byte-level BPE tokenizer on local text; writes a Hugging Face tokenizer directory. "
+        "options:" in shown
+    )
     for flag, meaning in {
         "--input INPUT [INPUT ...]": "input files: globs (quote them; '**' recurses); jsonl/parquet give one text per "
         "record",
