@@ -227,6 +227,13 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.x_resolve_input_files", "13", _SETDEFAULT),
     **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
     **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
+    **mutants("spes.corpus.x_tokenize_chunks", "40 43", "tqdm's file=None is sys.stderr, read when the bar is made"),
+    **mutants(
+        "spes.corpus.x_tokenize_chunks",
+        "84 87 88",
+        "the bar redrawn at each chunk's postfix (refresh=None is False): the same lines, only drawn more often than "
+        "tqdm's own clock draws them",
+    ),
     **mutants("spes.corpus.x_tokenize_parser", "83 121", _NONE_DEFAULT),
     **mutants("spes.corpus.x_train_tokenizer_parser", "84", _NONE_DEFAULT),
     **mutants(

@@ -139,11 +139,17 @@ def test_parquet_null_rows_are_reported_and_missing_column_fails_early(
 
 def test_dtype_defaults_to_smallest_and_too_small_is_an_error() -> None:
     assert corpus.choose_dtype(4096) == np.uint16
-    assert corpus.choose_dtype(65536) == np.uint16
+    assert corpus.choose_dtype(65536) == np.uint16 and corpus.choose_dtype(65536, "uint16") == np.uint16
+    assert corpus.choose_dtype(65537) == np.uint32
     assert corpus.choose_dtype(151665) == np.uint32
     assert corpus.choose_dtype(4096, "uint32") == np.uint32
     with pytest.raises(ValueError, match="cannot hold token ids up to 151664"):
         corpus.choose_dtype(151665, "uint16")
+    with pytest.raises(ValueError, match="cannot hold token ids up to 65536"):
+        corpus.choose_dtype(65537, "uint16")
+    with pytest.raises(ValueError) as refused:
+        corpus.choose_dtype(4096, "int32")
+    assert str(refused.value) == "--dtype int32 must be an unsigned integer type (uint16 or uint32)"
 
 
 def test_existing_output_is_never_overwritten(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
@@ -475,17 +481,42 @@ def test_a_run_stopped_early_leaves_no_tokenizer_process(tokenizer: LoadedTokeni
     assert len(workers) == 2 and not any(w.is_running() for w in workers)
 
 
+def test_malformed_records_are_printed_on_stderr_up_to_a_hundred_and_every_one_counted(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [b"{bad %d" % i for i in range(corpus.MAX_REPORTED_ERRORS + 2)] + [b'{"text": "good"}']
+    path = write_lines(tmp_path / "docs.jsonl", b"\n".join(lines) + b"\n")
+    summary = _tokenize([path], tokenizer, tmp_path / "out" / "part", batch_size=7)
+    assert (summary.num_malformed, summary.num_documents) == (corpus.MAX_REPORTED_ERRORS + 2, 1)
+    assert len(summary.malformed_examples) == corpus.MAX_REPORTED_ERRORS
+    printed = capsys.readouterr()
+    shown = [line for line in printed.err.splitlines() if line.startswith("malformed: ")]
+    assert shown[:-1] == [f"malformed: {m}" for m in summary.malformed_examples] and printed.out == ""
+    assert shown[-1] == "malformed: further malformed records are counted but not printed"
+
+
+def test_the_summary_counts_every_chunks_tokens_and_the_time_it_took(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    started = time.perf_counter()
+    summary = _tokenize([path], tokenizer, tmp_path / "out" / "part", batch_size=3)
+    took = time.perf_counter() - started
+    assert summary.num_tokens == len(_all_tokens(summary.shards)) and 0 < summary.seconds <= took
+
+
 def test_the_library_shows_progress_unless_told_not_to_and_checks_its_numbers(
     tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
-    corpus.tokenize_files([path], tokenizer=tokenizer, output_prefix=tmp_path / "shown" / "part")
-    assert f"{len(SAMPLE_TEXTS)}doc" in capsys.readouterr().err  # tqdm's bar: documents counted
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS + [42])
+    shown = corpus.tokenize_files([path], tokenizer=tokenizer, output_prefix=tmp_path / "shown" / "part")
+    bar = capsys.readouterr().err.splitlines()[-1]  # tqdm's last line: records read, tokens, malformed
+    assert f"{len(SAMPLE_TEXTS) + 1}doc" in bar and f"malformed=1, tokens={shown.num_tokens}]" in bar
     chunks = corpus.iter_file_chunks(path, "text", 1000)
     corpus.tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=tmp_path / "chunks" / "part")
-    assert f"{len(SAMPLE_TEXTS)}doc" in capsys.readouterr().err
+    assert f"{len(SAMPLE_TEXTS) + 1}doc" in capsys.readouterr().err
     one_by_one = _tokenize([path], tokenizer, tmp_path / "quiet" / "part", batch_size=1)
-    assert one_by_one.num_documents == len(SAMPLE_TEXTS) and capsys.readouterr().err == ""
+    assert one_by_one.num_documents == len(SAMPLE_TEXTS) and "doc/s" not in capsys.readouterr().err
     for flag, value in (("batch_size", 0), ("processes", 0)):
         with pytest.raises(ValueError) as refused:
             _tokenize([path], tokenizer, tmp_path / "refused" / "part", **{flag: value})
@@ -541,15 +572,15 @@ def test_a_shard_is_buffered_in_its_dtype_growing_by_doubling_from_a_small_start
     )  # a shard of 2**22 tokens
     tokens = np.arange(2**22 + 7, dtype=np.uint16)  # ids wrap around: the writer reads no id
     lengths = []
-    for start, end in ((0, 2**20), (2**20, 2**20 + 1), (2**20 + 1, 2**22 + 7)):
+    for start, end in ((0, 10), (10, 2**20), (2**20, 2**20 + 1), (2**20 + 1, 2**22 + 7)):
         writer.write(corpus.EncodedChunk("s", tokens[start:end], np.array([end - start]), []))
         lengths.append(len(writer._buffer))
         assert writer._buffer.dtype == np.uint16
-    assert lengths == [2**20, 2**21, 2**22]
+    assert lengths == [2**20, 2**20, 2**21, 2**22]
     shards = writer.close()
     assert [len(np.load(p)) for p in shards] == [2**22, 7]
     np.testing.assert_array_equal(_all_tokens(shards), tokens)
-    assert [read_shard_info(p).num_documents for p in shards] == [2, 1]  # the third document ends in the second
+    assert [read_shard_info(p).num_documents for p in shards] == [3, 1]  # the fourth document ends in the second
 
 
 def test_a_shard_holds_at_least_one_token(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
