@@ -227,6 +227,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.x_resolve_input_files", "13", _SETDEFAULT),
     **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
     **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
+    **mutants("spes.corpus.x__encode_all", "27", "ProcessPoolExecutor.shutdown's wait defaults to True"),
     **mutants("spes.corpus.x_tokenize_chunks", "40 43", "tqdm's file=None is sys.stderr, read when the bar is made"),
     **mutants(
         "spes.corpus.x_tokenize_chunks",

@@ -120,7 +120,15 @@ def test_truncated_compressed_file_is_reported_and_the_run_goes_on(tokenizer: Lo
     good = write_documents(tmp_path / "b_good.jsonl", ["after the broken file"])
     summary = _tokenize([broken, good], tokenizer, tmp_path / "out" / "part")
     assert summary.num_malformed == 1 and "file unreadable" in summary.malformed_examples[0]
-    assert summary.malformed_examples[0].startswith(f"{broken}:")
+    chunks = list(corpus.iter_file_chunks(broken, "text", 500))
+    read = sum(len(chunk.records) for chunk in chunks)  # the lines before the break, each a record
+    assert 0 < read < 2000 and all(chunk.source == str(broken) for chunk in chunks)
+    assert summary.malformed_examples[0].startswith(f"{broken}:{read + 1}: file unreadable from here on (EOFError: ")
+    assert read_shard_info(summary.shards[0]).source_files == (str(broken), str(good))
+    junk = tmp_path / "c_junk.jsonl.gz"
+    junk.write_bytes(b"not gzip at all")  # unreadable from its first line
+    (chunk,) = corpus.iter_file_chunks(junk, "text", 10)
+    assert chunk.records == [] and chunk.errors[0].startswith(f"{junk}:1: file unreadable from here on (BadGzipFile: ")
     docs = split_documents(_all_tokens(summary.shards), tokenizer.eos_token_id)
     assert tokenizer.decode(docs[-1]) == "after the broken file"
 
