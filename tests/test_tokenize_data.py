@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -469,13 +470,14 @@ def test_processes_are_as_many_as_asked_with_two_chunks_each_in_flight(tokenizer
             yield corpus.TextChunk("s", [(i, f"document {i}")], json_lines=False)
 
     before = set(psutil.Process().children())
-    encoded = corpus._encode_all(chunks(), corpus.Encoder(tokenizer, "text", np.dtype(np.uint16)), processes=3)
-    first = next(encoded)
-    workers = set(psutil.Process().children()) - before
-    assert len(pulled) == 6 and len(workers) == 3
-    assert [first.doc_lengths.tolist(), *(e.doc_lengths.tolist() for e in encoded)] == [
-        [len(ids) + 1] for ids in tokenizer.encode_batch([f"document {i}" for i in range(20)])
-    ]
+    encoder = corpus.Encoder(tokenizer, "text", np.dtype(np.uint16))
+    with closing(corpus._encode_all(chunks(), encoder, processes=3)) as encoded:  # no worker left if a check fails
+        first = next(encoded)
+        workers = set(psutil.Process().children()) - before
+        assert len(pulled) == 6 and len(workers) == 3
+        assert [first.doc_lengths.tolist(), *(e.doc_lengths.tolist() for e in encoded)] == [
+            [len(ids) + 1] for ids in tokenizer.encode_batch([f"document {i}" for i in range(20)])
+        ]
     assert not any(w.is_running() for w in workers)  # gone once the last chunk is back
 
 
