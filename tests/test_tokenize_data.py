@@ -494,15 +494,15 @@ def test_a_run_stopped_early_leaves_no_tokenizer_process(tokenizer: LoadedTokeni
 def test_malformed_records_are_printed_on_stderr_up_to_a_hundred_and_every_one_counted(
     tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    lines = [b"{bad %d" % i for i in range(corpus.MAX_REPORTED_ERRORS + 2)] + [b'{"text": "good"}']
+    lines = [b"{bad %d" % i for i in range(corpus.MAX_REPORTED_ERRORS + 3)] + [b'{"text": "good"}']
     path = write_lines(tmp_path / "docs.jsonl", b"\n".join(lines) + b"\n")
     summary = _tokenize([path], tokenizer, tmp_path / "out" / "part", batch_size=7)
-    assert (summary.num_malformed, summary.num_documents) == (corpus.MAX_REPORTED_ERRORS + 2, 1)
+    assert (summary.num_malformed, summary.num_documents) == (corpus.MAX_REPORTED_ERRORS + 3, 1)
     assert len(summary.malformed_examples) == corpus.MAX_REPORTED_ERRORS
     printed = capsys.readouterr()
     shown = [line for line in printed.err.splitlines() if line.startswith("malformed: ")]
     assert shown[:-1] == [f"malformed: {m}" for m in summary.malformed_examples] and printed.out == ""
-    assert shown[-1] == "malformed: further malformed records are counted but not printed"
+    assert shown[-1] == "malformed: further malformed records are counted but not printed"  # once, not per record
 
 
 def test_the_summary_counts_every_chunks_tokens_and_the_time_it_took(
