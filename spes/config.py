@@ -157,6 +157,14 @@ class ModelConfig(Section):
             f"must be >= model.vocab_size={self.vocab_size}",
             given=("model.vocab_size",),
         )
+        for key in ("eos_token_id", "pad_token_id"):
+            _require(
+                getattr(self, key) < self.vocab_size,
+                f"model.{key}",
+                getattr(self, key),
+                f"must be a token id below model.vocab_size={self.vocab_size} (the tokenizer's)",
+                given=("model.vocab_size",),
+            )
         _require(
             1 <= self.moe_top_k <= self.moe_num_experts,
             "model.moe_top_k",

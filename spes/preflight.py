@@ -422,7 +422,7 @@ def check_disk(cfg: TrainConfig) -> Check:
 
 def check_data(cfg: TrainConfig) -> tuple[Check, TokenSequenceDataset | None]:
     """The training data: shards found, tokenizer matched, enough sequences; and the dataset when it opened."""
-    from spes.data import TokenSequenceDataset
+    from spes.data import TokenSequenceDataset, check_eos
     from spes.shards import resolve_paths
     from spes.tokenizer import check_vocab, load_tokenizer
 
@@ -458,6 +458,10 @@ def check_data(cfg: TrainConfig) -> tuple[Check, TokenSequenceDataset | None]:
                 f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
                 "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
             ), dataset
+    try:
+        check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
+    except ValueError as exc:
+        return fail("data", str(exc), "set model.eos_token_id to the EOS the shards were written with"), dataset
     same = dataset.fingerprint == tokenizer.fingerprint
     dtype = dataset.shard_array(0).dtype  # as training reads it
     need = cfg.max_steps * cfg.global_train_batch_size

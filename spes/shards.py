@@ -90,8 +90,9 @@ def read_shard_info(shard: Shard) -> ShardInfo:
 def find_shard_info(shard: Shard) -> ShardInfo | None:
     """The sidecar of `shard`, or None when it has none (an OLMo-format file); ValueError when malformed."""
     if isinstance(shard, str) and is_url(shard):
-        path: Shard = shard + SIDECAR_SUFFIX
-        text = fetch_optional(shard + SIDECAR_SUFFIX)
+        url = shard + SIDECAR_SUFFIX
+        path: Shard = url
+        text = fetch_optional(url)
     else:
         path = sidecar_path(shard)
         text = path.read_bytes() if path.is_file() else None

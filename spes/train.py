@@ -37,7 +37,7 @@ from torch import nn
 
 from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
 from spes.config import TrainConfig, changed_settings, load_config
-from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
+from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.guard import NonFiniteError, check_weights_finite
@@ -239,6 +239,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     dataset = _dataset(cfg, cfg.data.paths)
     assert cfg.model.embedding_size is not None  # set from vocab_size in ModelConfig.__post_init__
     check_shard_vocab(dataset, cfg.model.embedding_size)
+    check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
     if dataset.fingerprint is not None and dataset.fingerprint != tokenizer.fingerprint:
         log(
             f"warning: the training shards were written with another tokenizer "

@@ -920,6 +920,16 @@ BOUNDS = [
     (["--model.layer_norm_eps=0"], "'model.layer_norm_eps' = 0.0 must be > 0", []),
     (["--model.rope_theta=nan"], "'model.rope_theta' = nan must be a finite number", []),
     (["--model.pad_token_id=-1"], "'model.pad_token_id' = -1 must be >= 0", ["--model.pad_token_id=0"]),
+    (
+        ["--model.eos_token_id=4096"],
+        "'model.eos_token_id' = 4096 must be a token id below model.vocab_size=4096 (the tokenizer's)",
+        ["--model.eos_token_id=4095"],
+    ),
+    (
+        ["--model.pad_token_id=4096"],
+        "'model.pad_token_id' = 4096 must be a token id below model.vocab_size=4096 (the tokenizer's)",
+        ["--model.pad_token_id=4095"],
+    ),
     (["--optimizer.learning_rate=-1"], "'optimizer.learning_rate' = -1.0 must be >= 0", []),
     (["--optimizer.eps=0"], "'optimizer.eps' = 0.0 must be > 0", []),
     (
@@ -1136,6 +1146,8 @@ SPES_FILE = "using_spes: true\n"
         ("", ["--model.n_heads=256"], "model.d_model"),  # a head of 3: odd, for RoPE
         ("model:\n  embedding_size: 50304\n", ["--model.vocab_size=60000"], "model.embedding_size"),
         ("model:\n  moe_top_k: 2\n", ["--model.moe_num_experts=1"], "model.moe_top_k"),
+        ("", ["--model.vocab_size=1"], "model.pad_token_id"),
+        ("model:\n  eos_token_id: 1\n", ["--model.vocab_size=1"], "model.eos_token_id"),
         (
             "data:\n  instance_filter:\n    repetition_max_period: 5\n",
             ["--data.instance_filter.repetition_min_period=6"],

@@ -46,6 +46,9 @@ def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ..
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model:\n  d_model: 64\n n_heads: [4\n")
     big_vocab = write_token_shard(tmp_path / "big_vocab.npy", np.arange(4096, dtype=np.uint16))
+    other_eos = write_token_shard(
+        tmp_path / "eos.npy", np.arange(4096, dtype=np.uint16), vocab_size=4096, eos_token_id=7
+    )
     data = corpus.overrides(tmp_path / "out")
     return [
         ([str(tmp_path / "missing.yaml")], ("config file not found",)),
@@ -57,6 +60,7 @@ def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ..
         ([TINY, *data, *FAST, f"--data.paths=[{tmp_path}/nothing/*.npy]"], ("matches no file",)),
         ([TINY, *data, *FAST, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("no_tokenizer",)),
         ([TINY, *data, *FAST, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.embedding_size")),
+        ([TINY, *data, *FAST, f"--data.paths=[{other_eos}]"], ("eos.npy", "token 7", "model.eos_token_id=7")),
     ]
 
 
