@@ -290,12 +290,14 @@ def test_node_commands_pass_the_preflight_settings_check(
 
 
 def run_python(command: str, scratch: Path, *extra: str, timeout: float = 380) -> subprocess.CompletedProcess[str]:
-    """A `python -m ...` command as written (with this interpreter), `extra` appended, run in `scratch`."""
+    """A `python -m ...` command as written (with this interpreter and the `VAR=value` words before it in its
+    environment), `extra` appended, run in `scratch`."""
     words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words[: words.index("-m")] if re.fullmatch(r"[A-Z_]+=\S*", w))
     proc = subprocess.run(
         [sys.executable, *words[words.index("-m") :], *extra],
         cwd=scratch,
-        env=child_env(),
+        env=child_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -330,6 +332,21 @@ def test_launch_commands_run(command: str, scratch: Path, tiny_corpus, request: 
             command, scratch, "--out", str(scratch / "run"), "--timeout", "360", *one_step(tiny_corpus)
         ).stdout
     assert "SPES run summary" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", [c for c in of_kind("-m spes.train ") if " configs/tiny.yaml " in c])
+def test_tiny_train_commands_run_as_written(command: str, scratch: Path, tiny_corpus) -> None:
+    """A doc's `spes.train configs/tiny.yaml ...` trains two steps as written, on the test corpus (as a node of a
+    SPES run it would wait for a server no command of it starts), and its dashboards write where the docs say:
+    tensorboard in its log_dir, wandb where the docs' `wandb sync` reads."""
+    data = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]"]
+    run_python(command, scratch, *data, "--max_duration=2st", "--eval_interval=null", timeout=240)
+    for log_dir in re.findall(r"--tensorboard.log_dir=(\S+)", command):
+        assert list((scratch / log_dir).iterdir()), f"{command}: nothing in {log_dir}"
+    synced = [c.split()[2] for _, c in COMMANDS if c.startswith("wandb sync ")]
+    assert synced and all(list(scratch.glob(p)) for p in synced if "--wandb." in command), synced
 
 
 @pytest.mark.slow
