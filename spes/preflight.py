@@ -462,14 +462,17 @@ def check_data(cfg: TrainConfig) -> tuple[Check, TokenSequenceDataset | None]:
         check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
     except ValueError as exc:
         return fail("data", str(exc), "set model.eos_token_id to the EOS the shards were written with"), dataset
-    same = dataset.fingerprint == tokenizer.fingerprint
+    note = ""
+    if dataset.fingerprint is None:
+        note = "; note: no shard has a sidecar, so the tokenizer they were written with cannot be checked"
+    elif dataset.fingerprint != tokenizer.fingerprint:
+        note = "; note: written with another tokenizer file of the same vocabulary size"
     dtype = dataset.shard_array(0).dtype  # as training reads it
     need = cfg.max_steps * cfg.global_train_batch_size
     detail = (
         f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dtype}, "
         f"{dataset.num_tokens:,} tokens = {len(dataset):,} sequences of {cfg.model.max_sequence_length}; the run "
-        f"reads {need:,} (max_duration x global_train_batch_size)"
-        + ("" if same else "; note: written with another tokenizer file of the same vocabulary size")
+        f"reads {need:,} (max_duration x global_train_batch_size)" + note
     )
     if len(dataset) >= need:
         return ok("data", detail), dataset

@@ -119,6 +119,7 @@ def test_every_check_passes_for_a_matching_node_and_the_server_is_unchanged(
     assert all(line.startswith("ok") for line in lines.values()), lines
     assert "tcp plane" in lines["link"] and "RTT" in lines["link"] and "MiB/s" in lines["link"]
     assert "no peer has joined yet" in lines["settings"]
+    assert "note" not in lines["data"]  # the shard's sidecar names this tokenizer
     assert status(server) == before
 
 
@@ -213,6 +214,12 @@ def test_a_bare_olmo_shard_is_checked_by_its_largest_id(
     bare = write_token_shard(tmp_path / "bare.npy", tokens, with_sidecar=False)
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{bare}]")
     assert "uint16, 8,192 tokens = 128 sequences" in lines["data"]
+    assert lines["data"].endswith(
+        "; note: no shard has a sidecar, so the tokenizer they were written with cannot be checked"
+    )
+    other = write_token_shard(tmp_path / "other.npy", tokens, vocab_size=tokenizer.vocab_size)  # another fingerprint
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{other}]")
+    assert lines["data"].endswith("; note: written with another tokenizer file of the same vocabulary size")
     tokens[-1] = tokenizer.vocab_size
     beyond = write_token_shard(tmp_path / "beyond.npy", tokens, with_sidecar=False)
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{beyond}]")
