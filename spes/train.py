@@ -236,7 +236,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     """
     tokenizer = load_tokenizer(cfg.tokenizer.identifier)
     check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
-    dataset = _dataset(cfg, cfg.data.paths)
+    dataset = _dataset(cfg, "paths")
     assert cfg.model.embedding_size is not None  # set from vocab_size in ModelConfig.__post_init__
     check_shard_vocab(dataset, cfg.model.embedding_size)
     check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
@@ -410,10 +410,15 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     return trainer, syncer
 
 
-def _dataset(cfg: TrainConfig, paths: list[str]) -> TokenSequenceDataset:
-    """Windows of `model.max_sequence_length` tokens over the shards `paths` name."""
+def _dataset(cfg: TrainConfig, key: str) -> TokenSequenceDataset:
+    """Windows of `model.max_sequence_length` tokens over the shards `data.<key>` names (a path that names nothing
+    is refused naming the key: the training data's and the validation data's look alike)."""
+    try:
+        shards = resolve_paths(getattr(cfg.data, key), ranged=cfg.data.url_reads == "range")
+    except (FileNotFoundError, ValueError) as exc:
+        raise type(exc)(f"data.{key}: {exc}") from None
     return TokenSequenceDataset(
-        resolve_paths(paths, ranged=cfg.data.url_reads == "range"),
+        shards,
         cfg.model.max_sequence_length,
         cfg.data.memmap_dtype,
         vocab_size=cfg.model.vocab_size,
@@ -424,7 +429,7 @@ def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None
     """A callable returning a fresh iterator of validation batches, or None without validation data."""
     if not cfg.data.validation_paths or not cfg.eval_interval:
         return None
-    dataset = _dataset(cfg, cfg.data.validation_paths)
+    dataset = _dataset(cfg, "validation_paths")
     if len(dataset) == 0:  # NOTE: else every evaluation reports a loss of 0 over no tokens
         raise ValueError(
             f"data.validation_paths hold no sequence of {dataset.seq_len} tokens: add validation data, or set "

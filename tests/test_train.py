@@ -57,7 +57,11 @@ def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ..
         ([TINY, "--model.d_model=abc"], ("command line (--model.d_model=abc)", "expected int")),
         ([TINY, "--data.paths=x.npy"], ("command line", "--data.paths=[x.npy]")),
         ([TINY, "--resume=yes"], ("--resume=auto",)),
-        ([TINY, *data, *FAST, f"--data.paths=[{tmp_path}/nothing/*.npy]"], ("matches no file",)),
+        ([TINY, *data, *FAST, f"--data.paths=[{tmp_path}/nothing/*.npy]"], ("data.paths: ", "matches no file")),
+        (
+            [TINY, *data, *FAST, "--eval_interval=1", "--data.validation_paths=[nope.npy]"],
+            ("data.validation_paths: data path 'nope.npy' does not exist",),
+        ),
         ([TINY, *data, *FAST, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("no_tokenizer",)),
         ([TINY, *data, *FAST, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.embedding_size")),
         ([TINY, *data, *FAST, f"--data.paths=[{other_eos}]"], ("eos.npy", "token 7", "model.eos_token_id=7")),
