@@ -372,3 +372,34 @@ def test_the_upcycle_tiny_header_runs_in_order(scratch: Path, tiny_corpus) -> No
     for peer in range(cfg.num_peers):
         trained = load_model_state(run / f"node{peer}" / "step2")
         assert not torch.equal(trained["blocks.0.ffn.experts.w1.0"], start["blocks.0.ffn.experts.w1.0"])
+
+
+SCRIPTS = sorted(
+    str(p.relative_to(REPO))
+    for d in ("run_scripts", "eval_scripts", "data_process_scripts")
+    for p in (REPO / d).glob("*.sh")
+)
+
+
+DELEGATED_HELP = {
+    "run_scripts/run_parameter_server.sh": "usage: python -m spes.server",
+    "run_scripts/test.sh": "usage: python -m pytest",
+}
+"""Scripts whose `--help` is the help of the command they run."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_and_does_nothing_else(script: str, tmp_path: Path) -> None:
+    """`--help` prints how to use the script and exits 0 (it ran the quickstart, or took `--help` for a model)."""
+    proc = subprocess.run(
+        ["bash", str(REPO / script), "--help"],
+        cwd=tmp_path,
+        env=child_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    expected = DELEGATED_HELP.get(script, f"{script} ")  # a line of the header showing how to run it
+    assert proc.returncode == 0 and expected in proc.stdout, proc.stdout + proc.stderr
+    assert not list(tmp_path.iterdir()), "it wrote files"
