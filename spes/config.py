@@ -816,19 +816,19 @@ _DURATION = re.compile(r"^\s*([0-9.eE+]+)\s*(st|T|ep)?\s*$")
 
 
 def parse_duration(value: str | int) -> tuple[int, Literal["steps", "tokens"]]:
-    """`1000`/`'1000st'` -> (1000, 'steps'); `'2e9T'` -> (2000000000, 'tokens')."""
+    """`1000`/`'1000st'` -> (1000, 'steps'); `'2e9T'` -> (2000000000, 'tokens'). A refusal (another unit, a
+    fraction of a step or token) carries its key, so a value from the command line is blamed on the override."""
     if isinstance(value, int):
         return value, "steps"
     match = _DURATION.match(str(value))
     try:
-        if match is None or match.group(2) == "ep":
-            raise ValueError(value)
-        amount = int(float(match.group(1)))
-    except (ValueError, OverflowError):  # OverflowError: a number past a float's range ('1e999T')
-        raise ConfigError(
-            f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')"
-        ) from None
-    return amount, "tokens" if match.group(2) == "T" else "steps"
+        amount = float(match.group(1)) if match and match.group(2) != "ep" else math.nan
+    except ValueError:  # what the pattern lets through but is no number ('1.2.3st')
+        amount = math.nan
+    _require(math.isfinite(amount), "max_duration", value, "must be steps ('1000st') or tokens ('2e9T')")
+    whole = "must be a whole number of steps or tokens ('1000st', '2e9T')"
+    _require(amount.is_integer(), "max_duration", value, whole)
+    return int(amount), "tokens" if match and match.group(2) == "T" else "steps"
 
 
 # ---------------------------------------------------------------------------------------------------------------

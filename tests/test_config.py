@@ -391,6 +391,9 @@ def test_choice_outside_the_allowed_values(
         (["--spes_config.overlap_correction=1.5"], "spes_config.overlap_correction", "must be in (0, 1]"),
         (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
         (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
+        (["--max_duration=100steps"], "max_duration", "steps ('1000st') or tokens"),
+        (["--max_duration=-5st"], "max_duration", "steps ('1000st') or tokens"),
+        (["--max_duration=2e9t"], "max_duration", "steps ('1000st') or tokens"),
         (["--data.instance_filter.repetition_max_count=1"], "data.instance_filter.repetition_max_count", ">= 2"),
         (["--data.instance_filter.repetition_min_period=0"], "data.instance_filter.repetition_min_period", ">= 1"),
     ],
@@ -399,7 +402,7 @@ def test_inconsistent_settings_are_caught(overrides: list[str], key: str, hint: 
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "tiny.yaml", overrides)
     message = str(err.value)
-    assert f"'{key}'" in message and hint in message
+    assert message.startswith("command line (--") and f"'{key}'" in message and hint in message
 
 
 def test_ownership_is_not_checked_when_every_expert_trains() -> None:
@@ -728,11 +731,20 @@ def test_a_duration_is_steps_or_tokens(value: str | int, parsed: tuple[int, str]
     assert parse_duration(value) == parsed
 
 
-@pytest.mark.parametrize("value", ["3ep", "ten", "5min", "1e999T"])
-def test_a_duration_of_epochs_or_another_unit_is_refused(value: str) -> None:
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        *((v, "must be steps ('1000st') or tokens ('2e9T')") for v in ["3ep", "ten", "5min", "1e999T", "100steps"]),
+        *((v, "must be steps ('1000st') or tokens ('2e9T')") for v in ["-5st", "10ep", "2e9t", "1.2.3st"]),
+        *((v, "must be a whole number of steps or tokens ('1000st', '2e9T')") for v in ["10.5st", "2.5T", "0.5"]),
+    ],
+)
+def test_a_duration_of_epochs_another_unit_or_a_fraction_is_refused_naming_its_key(value: str, problem: str) -> None:
+    """The key lets a refusal name the override that set it (`command line (--max_duration=...)`), not the file."""
     with pytest.raises(ConfigError) as err:
         parse_duration(value)
-    assert str(err.value) == f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')"
+    assert str(err.value) == f"config key 'max_duration' = {value!r} {problem}"
+    assert err.value.key == "max_duration"
 
 
 def test_help_gives_each_key_its_default_type_and_doc_and_each_section_a_heading() -> None:
@@ -939,7 +951,17 @@ BOUNDS = [
     ),
     (["--max_duration=0st"], "'max_duration' = '0st' must be at least one step", ["--max_duration=1st"]),
     (["--max_duration=-5"], "'max_duration' = -5 must be at least one step", ["--max_duration=1"]),
-    (["--max_duration=0.4T"], "'max_duration' = '0.4T' must be at least one step", ["--max_duration=1T"]),
+    (["--max_duration=0T"], "'max_duration' = '0T' must be at least one step", ["--max_duration=1T"]),
+    (
+        ["--max_duration=10.5st"],
+        "'max_duration' = '10.5st' must be a whole number of steps or tokens ('1000st', '2e9T')",
+        ["--max_duration=1e1st"],
+    ),
+    (
+        ["--max_duration=0.4T"],
+        "'max_duration' = '0.4T' must be a whole number of steps or tokens ('1000st', '2e9T')",
+        ["--max_duration=4.0T"],
+    ),
     (["--stop_at=0"], "'stop_at' = 0 must be >= 1 or null", ["--stop_at=1"]),
     (["--optimizer.betas=[0.9]"], "'optimizer.betas' = [0.9] must be two numbers in [0, 1)", []),
     (["--max_grad_norm=0"], "'max_grad_norm' = 0.0 must be > 0 or null", ["--max_grad_norm=null"]),
@@ -964,7 +986,7 @@ def test_every_bound_refuses_one_past_its_edge_in_full_and_takes_the_edge(
     if past:
         with pytest.raises(ConfigError) as err:
             load_config(CONFIGS / "tiny.yaml", past)
-        assert str(err.value).endswith(f"config key {message}"), str(err.value)
+        assert str(err.value) in [f"command line ({given}): config key {message}" for given in past]  # blamed
     if edge:
         load_config(CONFIGS / "tiny.yaml", edge)
 
