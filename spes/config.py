@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,11 @@ from spes.schema import (
 
 RunMode = Literal["centralized", "spes", "diloco"]
 """What a node does: train alone, train its experts under SPES, or train everything for DiLoCo averaging."""
+
+CodecName = Literal["fp32", "bf16", "int8", "sparse"]
+"""The codecs of `spes.sync.codecs.registry` by name, so an unknown `spes_config.codec` is refused as the config loads
+(the registry needs torch; tests/sync/codecs/test_registry.py holds the two lists equal)."""
+CODECS: tuple[str, ...] = typing.get_args(CodecName)
 
 
 def _f(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
@@ -383,7 +389,7 @@ class SpesConfig(Section):
         500, "refresh interval of the decayed load-balancing factor (1.0 before it)", ge=1
     )
     quant_non_local_trainable_experts: bool = _f(False, "inert (the first implementation read it and did nothing)")
-    codec: str = _f(
+    codec: CodecName = _f(
         "fp32",
         "how tensors travel (run-wide: the server and every node; spes.sync.codecs): fp32 or bf16 values; int8 = "
         "int8 deltas against the last global model every node holds, with error feedback (~1/4 of fp32's bytes); "

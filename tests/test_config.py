@@ -345,6 +345,7 @@ def test_wrong_type_names_key_value_and_expected_type(
     [
         ("precision: fp16\n", "precision", "'fp16'", "['fp32', 'amp_bf16']"),
         ("model:\n  moe_backend: cuda\n", "model.moe_backend", "'cuda'", "'grouped_mm'"),
+        ("spes_config:\n  codec: int4\n", "spes_config.codec", "'int4'", "['fp32', 'bf16', 'int8', 'sparse']"),
     ],
 )
 def test_choice_outside_the_allowed_values(
