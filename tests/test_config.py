@@ -280,10 +280,14 @@ def test_missing_file() -> None:
 @pytest.mark.parametrize(
     ("yaml_text", "wrong", "suggested"),
     [
-        ("model:\n  d_modle: 64\n", "model.d_modle", "model.d_model"),
-        ("sav_folder: out\n", "sav_folder", "save_folder"),
-        ("spes_config:\n  sync_step: 10\n", "spes_config.sync_step", "spes_config.sync_steps"),
-        ("data:\n  seeds: 1\n", "data.seeds", "data.seed"),
+        ("model:\n  d_modle: 64\n", "model.d_modle", "'model.d_model'"),
+        ("sav_folder: out\n", "sav_folder", "'save_folder'"),
+        ("spes_config:\n  sync_step: 10\n", "spes_config.sync_step", "'spes_config.sync_steps'"),
+        ("data:\n  seeds: 1\n", "data.seeds", "'data.seed'"),
+        # in another section (or in none): the keys of the whole config that end the same, or closest to it
+        ("learning_rate: 0.001\n", "learning_rate", "'optimizer.learning_rate'"),
+        ("model:\n  learning_rate: 0.001\n", "model.learning_rate", "'optimizer.learning_rate'"),
+        ("optimizer:\n  t_warmup: 10\n", "optimizer.t_warmup", "'scheduler.t_warmup'"),
     ],
 )
 def test_unknown_key_in_file_names_the_closest_valid_key(
@@ -292,8 +296,7 @@ def test_unknown_key_in_file_names_the_closest_valid_key(
     path = write(tmp_path, yaml_text)
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    message = str(err.value)
-    assert str(path) in message and f"'{wrong}'" in message and f"did you mean '{suggested}'" in message
+    assert str(err.value) == f"{path}: unknown config key '{wrong}'; did you mean {suggested}?"
 
 
 def test_a_numeric_key_in_file_is_an_unknown_key(tmp_path: Path) -> None:
@@ -305,17 +308,23 @@ def test_a_numeric_key_in_file_is_an_unknown_key(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "wrong", "suggested"),
     [
-        ("--spes_config.peer_ID=1", "spes_config.peer_ID", "spes_config.peer_id"),
-        ("--model.moe_topk=4", "model.moe_topk", "model.moe_top_k"),
-        ("--learning_rate=1e-3", "learning_rate", None),
+        ("--spes_config.peer_ID=1", "spes_config.peer_ID", "'spes_config.peer_id'"),
+        ("--model.moe_topk=4", "model.moe_topk", "'model.moe_top_k'"),
+        ("--zzzzzzzz=1", "zzzzzzzz", None),
+        # in another section (or in none): the keys of the whole config that end the same, or closest to it
+        ("--learning_rate=1e-3", "learning_rate", "'optimizer.learning_rate'"),
+        ("--spes.peer_id=1", "spes", "'spes_config.peer_id'"),
+        ("--model.learnig_rate=1e-3", "model.learnig_rate", "'optimizer.learning_rate'"),
+        ("--optimizer.log_dir=tb", "optimizer.log_dir", "'tensorboard.log_dir'"),  # an optional section's too
+        ("--model.seed=1", "model.seed", "'seed' or 'data.seed'"),
     ],
 )
 def test_unknown_key_in_override(override: str, wrong: str, suggested: str | None) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "tiny.yaml", [override])
     message = str(err.value)
-    assert "command line" in message and override in message and f"'{wrong}'" in message
-    assert (f"did you mean '{suggested}'" in message) if suggested else ("valid keys here: run_name" in message)
+    assert message.startswith(f"command line ({override}): unknown config key '{wrong}'; ")
+    assert message.endswith(f"; did you mean {suggested}?") if suggested else ("; valid keys here: run_name" in message)
 
 
 @pytest.mark.parametrize(
