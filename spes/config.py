@@ -887,8 +887,16 @@ def _flat_keys(d: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-LAUNCH_KEYS = ("load_path", "try_load_latest_save", "save_overwrite", "dry_run")
-"""Keys that say how a process was started, not what the run is: a resume sets them anew."""
+LAUNCH_KEYS = (
+    "load_path",
+    "try_load_latest_save",
+    "save_overwrite",
+    "dry_run",
+    "spes_config.server_addr",
+    "spes_config.run_id",
+)
+"""Keys that say how a process was started, not what the run is: a resume sets them anew (`spes.launch` gives its
+peers the server's new port and the run's id at each resume)."""
 
 
 def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -897,7 +905,7 @@ def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: s
     spes) is not a change."""
     changes = []
     for key, value in now.items():
-        if key not in saved or (not prefix and key in LAUNCH_KEYS):
+        if key not in saved or f"{prefix}{key}" in LAUNCH_KEYS:
             continue
         if isinstance(value, Mapping) and isinstance(saved[key], Mapping):
             changes += changed_settings(saved[key], value, f"{prefix}{key}.")

@@ -1256,7 +1256,12 @@ def test_help_lists_every_section_and_key_with_its_doc() -> None:
 
 def test_changed_settings_name_each_key_a_resume_changes_but_not_how_it_was_launched() -> None:
     saved = to_dict(TrainConfig())
-    now = to_dict(TrainConfig(load_path="out", dry_run=True, max_duration="2000st", model=ModelConfig(n_layers=3)))
+    launched = SpesConfig(server_addr="127.0.0.1:35993", run_id="87dad67f")  # what spes.launch sets at each resume
+    now = to_dict(
+        TrainConfig(
+            load_path="out", dry_run=True, max_duration="2000st", model=ModelConfig(n_layers=3), spes_config=launched
+        )
+    )
     assert changed_settings(saved, now) == ["max_duration: '1000st' -> '2000st'", "model.n_layers: 12 -> 3"]
     del saved["model"]["n_layers"], saved["max_duration"]  # a key an earlier spes did not save is no change
     assert changed_settings(saved, now) == []
