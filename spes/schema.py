@@ -393,15 +393,19 @@ def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
     raise _type_error(key, value, hint, where)
 
 
-def _type_name(hint: Any) -> str:
-    """`int`, `str | None`, `Literal['a', 'b']`, `WandbConfig | None`: a type as a user reads it."""
-    if typing.get_origin(hint) is None and hasattr(hint, "__name__"):
-        return hint.__name__
-    text = str(hint).replace("typing.", "")
-    for arg in typing.get_args(hint):
-        if isinstance(arg, type):  # a section: named as its class, not by its module
-            text = text.replace(f"{arg.__module__}.{arg.__qualname__}", arg.__qualname__)
-    return text
+def _type_name(hint: Any, allowed: Range | None = None) -> str:
+    """`int`, `str | None`, `'a' | 'b' | None`, `list[float]`, `WandbConfig | None`: a type as a user reads it, in
+    one style however it was written (`Optional[Literal[...]]` reads as the `X | None` beside it in `--help`);
+    `allowed`, a number's range, right after the number it bounds (`int >= 1 | None`, not `int | None >= 1`)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(arg, allowed if arg in (int, float) else None) for arg in args)
+    if origin is Literal:
+        return " | ".join(map(repr, args))
+    if origin is not None:  # list[float]
+        return f"{origin.__name__}[{', '.join(map(_type_name, args))}]"
+    name = "None" if hint is type(None) else hint.__name__  # a section by its class, not by its module
+    return name if allowed is None else f"{name} {allowed}"
 
 
 def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:
@@ -429,8 +433,6 @@ def config_help(cls: type, prefix: str = "") -> list[str]:
             lines.extend(config_help(sub, prefix + f.name + "."))
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        allowed = f" {f.metadata['range']}" if "range" in f.metadata else ""
-        lines.append(
-            f"  --{prefix}{f.name}={default!r}  [{_type_name(hints[f.name])}{allowed}]  {f.metadata.get('doc', '')}"
-        )
+        kind = _type_name(hints[f.name], f.metadata.get("range"))
+        lines.append(f"  --{prefix}{f.name}={default!r}  [{kind}]  {f.metadata.get('doc', '')}")
     return lines

@@ -1071,7 +1071,7 @@ def test_a_wrong_type_names_the_key_the_value_and_the_type_a_user_reads() -> Non
         )
     settings = "spes_config.codec_settings"
     assert refusal(None, f"--{settings}=5") == wrong(f"{settings}=5", settings, "5", "dict")
-    strategies = "Optional[Literal['single', 'ddp', 'fsdp']]"  # typing's own spelling, without 'typing.'
+    strategies = "'single' | 'ddp' | 'fsdp' | None"  # an Optional[Literal[...]], read as `int | None` is
     assert refusal(None, "--distributed_strategy=5") == wrong(
         "distributed_strategy=5", "distributed_strategy", "5", strategies
     )
@@ -1251,7 +1251,12 @@ def test_help_lists_every_section_and_key_with_its_doc() -> None:
     d_model = model["d_model"]
     assert f"  --model.d_model={d_model.default!r}  [int >= 1]  {d_model.metadata['doc']}" in lines
     save = fields["save_interval"]
-    assert f"  --save_interval={save.default!r}  [int | None >= 1]  {save.metadata['doc']}" in lines
+    assert f"  --save_interval={save.default!r}  [int >= 1 | None]  {save.metadata['doc']}" in lines
+    # one style for every type however it is written (Optional[...], Union[...], X | None), a range on its number
+    kinds = [line.split("  [", 1)[1].split("]  ", 1)[0] for line in lines if line.startswith("  --")]
+    assert "'single' | 'ddp' | 'fsdp' | None" in kinds and "float > 0 | bool | None" in kinds
+    assert "'whole_layer' | 'fine_grained' | 'one_in_two' | 'one_in_four' | bool | None" in kinds
+    assert not [k for k in kinds if any(typing in k for typing in ("Optional", "Union", "Literal", "NoneType"))]
 
 
 def test_changed_settings_name_each_key_a_resume_changes_but_not_how_it_was_launched() -> None:
