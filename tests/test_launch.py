@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from conftest import LaunchedRun, usage_error
+from spes.config import CODECS
 from spes.launch import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,6 +72,26 @@ def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) 
     )
     assert proc.returncode == 2 and "--eval_peers=5 must be between 1 and the run's 4 peers" in proc.stderr
     assert not (tmp_path / "server.log").exists()
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--", "--spes_config.codec=int4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr == (
+        "error: command line (--spes_config.codec=int4): config key 'spes_config.codec' = 'int4' must be one of "
+        "['fp32', 'bf16', 'int8', 'sparse']\n"
+    )
+    assert not (tmp_path / "server.log").exists()
+
+
+def test_the_codec_flag_takes_only_a_codec(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's wording of the choices differs between Python versions: the flag, the value and each codec."""
+    line = usage_error(capsys, lambda: parse_args([TINY, "--codec=int4"]))
+    assert line.startswith("python -m spes.launch: error: argument --codec: invalid choice: 'int4' (choose from ")
+    assert all(name in line for name in CODECS)
+    assert parse_args([TINY, "--codec=sparse"])[0].codec == "sparse"
 
 
 @pytest.mark.slow
