@@ -183,6 +183,13 @@ def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
         if list_checkpoints(cfg.save_folder):
             return cfg.save_folder
         log(f"no checkpoint in {cfg.save_folder} yet: starting {'from ' + cfg.load_path if cfg.load_path else 'fresh'}")
+    folder = Path(cfg.save_folder)
+    resuming = cfg.load_path is not None and Path(cfg.load_path).resolve() == folder.resolve()
+    if resuming and not (folder / LATEST).is_file() and not list_checkpoints(folder):
+        raise ValueError(
+            f"nothing to resume: save_folder {folder} holds no checkpoint yet (--resume, or load_path naming it); "
+            "use --resume=auto, which starts afresh when there is none, or drop --resume"
+        )
     return cfg.load_path
 
 
@@ -357,6 +364,13 @@ def _load(
             f"with --load_path={ckpt.path}"
         )
     check_weights_finite(model, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
+    if ckpt.reblocked:
+        log(
+            f"loaded only the weights of {ckpt.path}: it has another expert layout, re-blocked to this run's; its "
+            "optimizer and trainer state fit only its own layout, so this run starts at step 0 with a fresh optimizer, "
+            "the data from the start and the learning-rate schedule (warm-up included) from its beginning"
+        )
+        return ckpt
     log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
     if changes:
         log(f"resuming with {len(changes)} setting(s) changed since that checkpoint: {'; '.join(changes)}")

@@ -66,6 +66,7 @@ def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ..
         ([TINY, *data, *FAST, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("no_tokenizer",)),
         ([TINY, *data, *FAST, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.embedding_size")),
         ([TINY, *data, *FAST, f"--data.paths=[{other_eos}]"], ("eos.npy", "token 7", "model.eos_token_id=7")),
+        ([TINY, *data, *FAST, "--resume"], ("nothing to resume", "holds no checkpoint yet", "--resume=auto")),
     ]
 
 
