@@ -38,12 +38,20 @@ def centralized(corpus, folder: Path, *extra: str) -> list[str]:  # type: ignore
 def test_resume_reproduces_the_uninterrupted_run(  # type: ignore[no-untyped-def]
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """... and names the settings changed since the checkpoint it continues (here the stop it was given)."""
+    """... and names the settings changed since the checkpoint it continues (here the stop it was given); a resume
+    with nothing left to do names the setting that says so."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ["--max_duration=12st", "--save_interval=6", "--log_interval=1"]
     assert main(centralized(tiny_corpus, straight, *common)) == 0
     assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6")) == 0
-    capsys.readouterr()
+    assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6", "--resume")) == 0
+    assert "nothing to do: checkpoint is at step 6, stop_at is 6 (max_duration is 12 steps); raise stop_at\n" in (
+        capsys.readouterr().out
+    )
+    assert main(centralized(tiny_corpus, resumed, "--max_duration=6st", "--resume")) == 0
+    assert "nothing to do: checkpoint is at step 6, max_duration is 6 steps; raise max_duration\n" in (
+        capsys.readouterr().out
+    )
     assert main(centralized(tiny_corpus, resumed, *common, "--resume")) == 0
     assert "resuming with 1 setting(s) changed since that checkpoint: stop_at: 6 -> None\n" in capsys.readouterr().out
     a, b = metrics(straight), metrics(resumed)
