@@ -192,7 +192,9 @@ def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path, dead_port: int)
         "--save_interval=null",
     ]
     code, out = train(tmp_path, *node, f"--spes_config.server_addr=127.0.0.1:{dead_port}", name="nobody.log")
-    assert_one_line(code, out, "127.0.0.1")
+    assert_one_line(
+        code, out, f"spes_config.server_addr=127.0.0.1:{dead_port}", "is the parameter server running there"
+    )
     two = [
         "--spes_config.num_peers=2",
         "--spes_config.num_train_experts_per_node=4",
