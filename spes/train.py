@@ -21,10 +21,12 @@ sync client -> trainer (`start_node`) -> fit, torn down in `finally`.
 
 from __future__ import annotations
 
+import dis
 import gc
 import os
 import shutil
 import sys
+import sysconfig
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
@@ -77,8 +79,13 @@ USER_ERRORS: dict[type[BaseException], int] = {
 }
 HINTS: dict[type[BaseException], str] = {
     torch.OutOfMemoryError: "lower device_train_microbatch_size or set activation_checkpointing",
-    KeyboardInterrupt: "interrupted without saving; resume from the last checkpoint with --resume",
+    KeyboardInterrupt: "interrupted without saving; start again with --resume=auto: it continues from save_folder's "
+    "last checkpoint, or starts afresh when there is none yet",
 }
+DEBUG_ENV = "SPES_DEBUG"
+"""Set to 1, a failure's full traceback is printed above its error line."""
+LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+"""Where Python's and the installed packages' code lives: a frame there is not where a failure of ours lies."""
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], str | None]:
@@ -113,14 +120,61 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(e: BaseException) -> int:
-    """Print the failure as one line (and leave it for `spes.torchrun`); its exit code."""
+    """Print the failure as one line (and leave it for `spes.torchrun`); its exit code.
+
+    The traceback is never lost: SPES_DEBUG=1 prints it above the line; without it, a failure spes did not raise on
+    purpose (a bug, or an error of a library or of the system that spes passes on) is named with its type and where it
+    was raised, and its traceback is kept in a file the line names.
+    """
+    debug = os.environ.get(DEBUG_ENV) == "1"
+    if debug:
+        traceback.print_exception(e, file=sys.stderr)
     hint = next((h for kind, h in HINTS.items() if isinstance(e, kind)), None)
-    line = "error: " + "; ".join(" ".join(part.split()) for part in (str(e), hint) if part)
+    message = str(e)
+    if hint is None and not _raised_by_spes(e):
+        kept = "traceback above" if debug else _keep_traceback(e)
+        message = f"{type(e).__name__}: {message} (at {_raised_at(e)}; {kept})"
+    line = "error: " + "; ".join(" ".join(part.split()) for part in (message, hint) if part)
     print(line, file=sys.stderr, flush=True)
     if os.environ.get(ERROR_DIR_ENV):
         with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
             f.write(line + "\n")
     return next(code for kind, code in USER_ERRORS.items() if isinstance(e, kind))
+
+
+def _raised_by_spes(e: BaseException) -> bool:
+    """Whether a `raise` statement of the spes package raised `e`: a refusal whose message names the culprit and
+    the fix (any other error's message may name neither)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    code = tb.tb_frame.f_code
+    in_spes = Path(code.co_filename).resolve().is_relative_to(Path(__file__).resolve().parent)
+    return in_spes and dis.opname[code.co_code[tb.tb_lasti]] == "RAISE_VARARGS"
+
+
+def _raised_at(e: BaseException) -> str:
+    """`file:line` of the innermost frame of `e` outside Python and the installed packages (the call of ours that
+    failed), relative to the working directory when under it."""
+    frames = traceback.extract_tb(e.__traceback__)  # NOTE: a caught exception has at least the catcher's frame
+    where = next((f for f in reversed(frames) if not f.filename.startswith(LIBRARIES)), frames[-1])
+    path = Path(where.filename)
+    return f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}:{where.lineno}"
+
+
+def _keep_traceback(e: BaseException) -> str:
+    """Write the traceback of `e` to a temporary file; says where (or prints it when no file can be written)."""
+    text = "".join(traceback.format_exception(e))
+    try:
+        fd, path = tempfile.mkstemp(prefix="spes-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError:
+        print(text, end="", file=sys.stderr)
+        return "traceback above"
+    return f"traceback in {path}"
 
 
 def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
@@ -129,6 +183,13 @@ def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
         if list_checkpoints(cfg.save_folder):
             return cfg.save_folder
         log(f"no checkpoint in {cfg.save_folder} yet: starting {'from ' + cfg.load_path if cfg.load_path else 'fresh'}")
+    folder = Path(cfg.save_folder)
+    resuming = cfg.load_path is not None and Path(cfg.load_path).resolve() == folder.resolve()
+    if resuming and not (folder / LATEST).is_file() and not list_checkpoints(folder):
+        raise ValueError(
+            f"nothing to resume: save_folder {folder} holds no checkpoint yet (--resume, or load_path naming it); "
+            "use --resume=auto, which starts afresh when there is none, or drop --resume"
+        )
     return cfg.load_path
 
 
@@ -303,6 +364,13 @@ def _load(
             f"with --load_path={ckpt.path}"
         )
     check_weights_finite(model, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
+    if ckpt.reblocked:
+        log(
+            f"loaded only the weights of {ckpt.path}: it has another expert layout, re-blocked to this run's; its "
+            "optimizer and trainer state fit only its own layout, so this run starts at step 0 with a fresh optimizer, "
+            "the data from the start and the learning-rate schedule (warm-up included) from its beginning"
+        )
+        return ckpt
     log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
     if changes:
         log(f"resuming with {len(changes)} setting(s) changed since that checkpoint: {'; '.join(changes)}")
