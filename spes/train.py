@@ -328,6 +328,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     with torch.device("meta"):
         transformer = Transformer.for_run(cfg, training=True)
     log(count_params(transformer).describe())
+    log(describe_experts(cfg))
     model: nn.Module = transformer  # wrapped by parallelize below
     sharded = uses_fsdp(cfg, info)
     if sharded:
@@ -476,6 +477,22 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
             syncer.close()
         raise
     return trainer, syncer
+
+
+def describe_experts(cfg: TrainConfig) -> str:
+    """Which experts this node trains: a SPES peer a range of every MoE layer's (a layout may leave a peer none,
+    which is legal but worth saying), any other node all of them."""
+    owned, n = cfg.owned_experts(), cfg.model.moe_num_experts
+    if owned is None:
+        return f"experts: trains all {n} of every MoE layer"
+    peer = f"peer {cfg.spes_config.peer_id} of {cfg.num_peers}"
+    lo, hi = owned
+    if lo == hi:
+        return (
+            f"experts: trains none ({peer}: {cfg.experts_per_peer} per peer leave it none of {n}), only the shared "
+            "parameters"
+        )
+    return f"experts: trains {lo}..{hi - 1} of {n} in every MoE layer ({peer}), the others frozen"
 
 
 def _dataset(cfg: TrainConfig, key: str) -> TokenSequenceDataset:

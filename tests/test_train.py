@@ -21,7 +21,8 @@ import pytest
 import spes.train
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
-from spes.train import USER_ERRORS, main, parse_args
+from spes.config import load_config
+from spes.train import USER_ERRORS, describe_experts, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -45,6 +46,21 @@ def test_resume_flags_are_parsed() -> None:
     assert parse_args(["c.yaml", "--resume"])[2] == "always"
     assert parse_args(["c.yaml", "--resume=auto", "--seed=1"]) == ("c.yaml", ["--seed=1"], "auto")
     assert parse_args(["c.yaml"])[2] is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["--spes_config.peer_id=1"], "experts: trains 2..3 of 8 in every MoE layer (peer 1 of 4), the others frozen"),
+        (
+            ["--spes_config.peer_id=3", "--spes_config.num_train_experts_per_node=3"],
+            "experts: trains none (peer 3 of 4: 3 per peer leave it none of 8), only the shared parameters",
+        ),
+        (["--using_spes=false"], "experts: trains all 8 of every MoE layer"),
+    ],
+)
+def test_a_node_says_which_experts_it_trains(overrides: list[str], said: str) -> None:
+    assert describe_experts(load_config(TINY, overrides)[0]) == said
 
 
 def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ...]]]:  # type: ignore[no-untyped-def]
