@@ -181,4 +181,4 @@ def test_a_failing_peer_ends_the_local_run_with_its_error_line(tiny_corpus, tmp_
         timeout=170,
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: data path pattern"), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.paths: data path pattern"), proc.stderr
