@@ -408,9 +408,16 @@ def test_a_dry_run_checks_what_a_start_checks_and_writes_nothing(  # type: ignor
     assert "error: unknown config key 'spes_config.codec_settings.zip'; the fp32 codec takes none" in (
         capsys.readouterr().err
     )
-    assert main([*args, "--evaluators=[{label: nosuchtask}]", "--eval_interval=5"]) == 0
+    assert main([*args, "--evaluators=[{label: nosuchtask}, {label: piqa_typo}]", "--eval_interval=5"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "error: config key 'evaluators' names tasks lm-eval does not have: nosuchtask, piqa_typo; check their "
+        "spelling (python -m lm_eval --tasks list names them all)\n"
+    )
+    assert main([*args, "--evaluators=[{label: piqa}]", "--eval_interval=5"]) == 0
     out = capsys.readouterr().out
-    assert "left out of this run: nosuchtask" in out and "checked its save folder, run spec and evaluators" in out
+    assert (
+        "left out of this run: piqa (no data set" in out and "checked its save folder, run spec and evaluators" in out
+    )
     np.save(tmp_path / "short.npy", np.arange(10, dtype=np.uint16))  # not one window: every loss would read 0
     assert main([*args, f"--data.validation_paths=[{tmp_path / 'short.npy'}]", "--eval_interval=5"]) == 2
     assert capsys.readouterr().err.endswith(
