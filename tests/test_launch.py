@@ -52,37 +52,27 @@ def test_a_launcher_flag_out_of_its_range_is_refused_naming_it(
     assert usage_error(capsys, lambda: parse_args([TINY, flag])) == f"python -m spes.launch: error: {rule}"
 
 
-def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (["--", "--spes_config.num_peerz=2"], "did you mean 'spes_config.num_peers'"),
+        (["--eval_peers", "5"], "--eval_peers=5 must be between 1 and the run's 4 peers"),
+        (
+            ["--", "--spes_config.codec=int4"],
+            "error: command line (--spes_config.codec=int4): config key 'spes_config.codec' = 'int4' must be one of "
+            "['fp32', 'bf16', 'int8', 'sparse']\n",
+        ),
+    ],
+)
+def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path, args: list[str], refusal: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--", "--spes_config.num_peerz=2"],
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2
-    assert "did you mean 'spes_config.num_peers'" in proc.stderr
-    assert not (tmp_path / "server.log").exists()
-    proc = subprocess.run(
-        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--eval_peers", "5"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "--eval_peers=5 must be between 1 and the run's 4 peers" in proc.stderr
-    assert not (tmp_path / "server.log").exists()
-    proc = subprocess.run(
-        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--", "--spes_config.codec=int4"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and proc.stderr == (
-        "error: command line (--spes_config.codec=int4): config key 'spes_config.codec' = 'int4' must be one of "
-        "['fp32', 'bf16', 'int8', 'sparse']\n"
-    )
+    assert proc.returncode == 2 and refusal in proc.stderr, proc.stderr
     assert not (tmp_path / "server.log").exists()
 
 
