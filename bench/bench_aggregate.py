@@ -28,6 +28,7 @@ from common import (
     manifest_bytes,
     parser,
     server_overrides,
+    vocabulary,
     write_results,
 )
 from spes.config import ServerSection
@@ -37,7 +38,7 @@ from spes.sync.spec import RunSpec
 
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 # The paper's 1B widths (d_model 768, 16 experts of 2048) with 3 layers and a 50k vocabulary: 1.24 GB in fp32.
-FULL_MODEL = ["--model.n_layers=3", "--model.vocab_size=50304", "--model.embedding_size=50304"]
+FULL_MODEL = ["--model.n_layers=3", *vocabulary(50304)]
 QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
 MERGE = ServerSection(merge_interval=100, merge_alpha_start=0.05, merge_decay_steps=10000, merge_topk=4)
 

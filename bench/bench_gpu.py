@@ -60,7 +60,7 @@ import torch
 
 import spes.head_loss
 import spes.model
-from common import REPO_ROOT, format_table, git_commit, machine_info, parser
+from common import REPO_ROOT, format_table, git_commit, machine_info, parser, vocabulary
 from records import CUDA_DEFAULTS, PROFILED_MICRO_BATCHES
 from spes import speed
 from spes.atomic import write_atomic
@@ -76,8 +76,7 @@ CUT = [  # --quick / the CPU: the 1B layout (16 experts, top-2, 4 peers) at a sh
     "--model.n_layers=2",
     "--model.mlp_hidden_size=128",
     "--model.max_sequence_length=32",
-    "--model.vocab_size=512",
-    "--model.embedding_size=512",
+    *vocabulary(512),
     "--precision=fp32",
 ]
 TOP_KERNELS = 20

@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import torch
 
-from common import MIB, REPO_ROOT, format_table, machine_info, parser, run_child, write_results
+from common import MIB, REPO_ROOT, format_table, machine_info, parser, run_child, vocabulary, write_results
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer, count_params
 from spes.objective import language_model_loss
@@ -42,8 +42,7 @@ MINIATURE = [
     "--model.n_heads=2",
     "--model.n_layers=1",
     "--model.mlp_hidden_size=16",
-    "--model.vocab_size=64",
-    "--model.embedding_size=64",
+    *vocabulary(64),
     "--model.max_sequence_length=8",
 ]
 

@@ -49,6 +49,7 @@ from common import (
     manifest_bytes,
     manifest_of,
     parser,
+    vocabulary,
     write_results,
 )
 from spes.config import TrainConfig, load_config
@@ -60,8 +61,7 @@ from spes.sync.spec import RunSpec, run_spec
 PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 FULL_MODEL = [
     "--model.n_layers=3",
-    "--model.vocab_size=50304",
-    "--model.embedding_size=50304",
+    *vocabulary(50304),
     "--spes_config.num_peers=2",
     "--spes_config.num_train_experts_per_node=8",
 ]

@@ -57,6 +57,7 @@ from common import (
     manifest_bytes,
     manifest_of,
     parser,
+    vocabulary,
     write_results,
 )
 from spes.config import load_config
@@ -66,30 +67,27 @@ PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 RELAY = Path(__file__).resolve().parent / "link_relay.py"
 # scale -> overrides of the 1B config keeping its ratios (see the module docstring)
 SCALES = {
-    12: ["--model.n_layers=1", "--model.vocab_size=12639", "--model.embedding_size=12639"],
+    12: ["--model.n_layers=1", *vocabulary(12639)],
     48: [
         "--model.n_layers=1",
         "--model.d_model=384",
         "--model.n_heads=6",
         "--model.mlp_hidden_size=2048",
-        "--model.vocab_size=6320",
-        "--model.embedding_size=6320",
+        *vocabulary(6320),
     ],
     192: [
         "--model.n_layers=1",
         "--model.d_model=192",
         "--model.n_heads=3",
         "--model.mlp_hidden_size=1024",
-        "--model.vocab_size=3160",
-        "--model.embedding_size=3160",
+        *vocabulary(3160),
     ],
     768: [
         "--model.n_layers=1",
         "--model.d_model=96",
         "--model.n_heads=3",
         "--model.mlp_hidden_size=512",
-        "--model.vocab_size=1580",
-        "--model.embedding_size=1580",
+        *vocabulary(1580),
     ],
 }
 SPEEDS = {1000.0: 12, 100.0: 192, 20.0: 768}  # Mbit/s -> bf16's model scale

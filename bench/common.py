@@ -100,6 +100,17 @@ def git_commit() -> str:
         return "unknown"
 
 
+def vocabulary(size: int) -> list[str]:
+    """Overrides that shrink a config's vocabulary and embedding to `size` ids, with EOS and pad at ids 0 and 1: the
+    tokenizer's ids lie past a shrunk vocabulary (the benchmarks train on random tokens, so no tokenizer is read)."""
+    return [
+        f"--model.vocab_size={size}",
+        f"--model.embedding_size={size}",
+        "--model.eos_token_id=0",
+        "--model.pad_token_id=1",
+    ]
+
+
 def command_line(argv: Sequence[str] | None = None) -> str:
     """How a record names the command that produced it: the interpreter's name and `argv` (default: this one's)."""
     return " ".join([Path(sys.executable).name, *(sys.argv if argv is None else argv)])

@@ -301,7 +301,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants("spes.hf.x_run_config_for", "27", "TokenizerConfig() is the field's default"),
     **mutants("spes.hf.x_write_safetensors", "27", "tensor.to(None) is the tensor: nothing to convert"),
-    **mutants("spes.hf.xǁHFFamilyǁconfig_attr", "14", "no key: neither '' nor 'XXXX' is an attribute's name"),
+    **mutants("spes.hf.xǁHFFamilyǁconfig_attr", "22", "no key: neither '' nor 'XXXX' is an attribute's name"),
     **mutants(
         "spes.upcycle.x_make_random_dense",
         "34 41",

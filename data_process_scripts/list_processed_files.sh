@@ -8,6 +8,7 @@
 # unchecked; counted on stderr). A shard tokenize_data.py is still writing is named <shard>.npy.partial and is not
 # listed. The list is written atomically and is what data.paths accepts as a .txt list file.
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
 if [[ $# -ne 2 ]]; then
   echo "usage: $0 <dir> <file_list.txt>" >&2

@@ -11,6 +11,7 @@
 #
 # Env: PYTHON (default .venv/bin/python of this repo, else python3), HF_ROOT.
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
 if [ "$#" -lt 3 ]; then
   echo "usage: $0 <RUN_DIR> <SAVE_STEP|latest> <MODEL_SIZE> [spes.hf export flags...]" >&2

@@ -28,9 +28,11 @@
 # (1 when NPROC > 1): run lm_eval as `accelerate launch --num_processes NPROC --main_process_port PORT -m lm_eval`,
 # data-parallel over NPROC GPUs as the first implementation did (PORT: 20503).
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
 if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
-  echo "usage: $0 <MODEL_PATH> [MODEL_NAME]   (results in eval_output/<MODEL_NAME>, or OUT_DIR)" >&2
+  echo "usage: $0 <MODEL_PATH> [MODEL_NAME]   (results in OUT_DIR, else eval_output/<MODEL_NAME>, else" \
+    "<MODEL_PATH>/eval; --help for more)" >&2
   exit 2
 fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

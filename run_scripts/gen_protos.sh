@@ -3,6 +3,7 @@
 # Usage: run_scripts/gen_protos.sh [OUT_DIR]      (PYTHON=... picks the interpreter)
 # The generated *_grpc.py is patched to import its sibling module package-relatively.
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${1:-$ROOT/spes/sync/proto}"

@@ -4,6 +4,7 @@
 #   bash run_scripts/lint.sh --fix    # first format the tree and apply ruff's safe fixes, then check
 # Settings (line length, rules, mypy strictness, excluded files) live in pyproject.toml.
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   "" | --fix) ;;

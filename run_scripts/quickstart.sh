@@ -6,7 +6,12 @@
 # continues it (the server from its state, every peer from its latest checkpoint); pick another OUT for a new run.
 # Each stage says what it does and how long it took on a fresh clone (bench/results/bench_quickstart.json,
 # written by bench/bench_quickstart.py).
+#
+#   bash run_scripts/quickstart.sh [--section.key=value ...]
+#   Env (defaults): OUT (output/quickstart), RESUME (unset; 1 continues OUT), STEPS (400), MERGE_INTERVAL (20),
+#   MERGE_ALPHA_START (0.05), MERGE_DECAY_STEPS (200)
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
 
 stage() {  # stage NUMBER NAME WHAT: one line, with the stage's measured time when a record has it

@@ -34,6 +34,7 @@
 # A requeued (or resubmitted) job continues where it stopped: the server restores its last round from
 # STATE_DIR and every node resumes from its save_folder's latest checkpoint (or starts fresh if it has none).
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
 ROOT=${SPES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
 cd "$ROOT"

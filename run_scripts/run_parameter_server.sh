@@ -9,7 +9,7 @@
 # --tls_key, --state_dir, --host ...). The shared secret is read from SPES_TOKEN (or --token_file); it is never
 # logged. Env: PORT [50051]: the gRPC port; DATA_PORT [0]: the raw-TCP data plane for tensor payloads (0:
 # OS-chosen, advertised to the peers at Join; set a fixed port when a firewall sits between them; -1: disabled,
-# everything over gRPC); PYTHON [.venv/bin/python, else python3].
+# everything over gRPC); PYTHON [the repository's .venv/bin/python, else python3].
 # The environment of earlier versions still works (TOTAL_PEERS and NUM_TRAIN_EXPERTS_PER_NODE, checked against the
 # YAML or, without one, the run's layout; MERGE_INTERVAL, MERGE_ALPHA_START, MERGE_DECAY_STEPS, MERGE_TOPK: the
 # server section's keys).
@@ -17,7 +17,9 @@ set -euo pipefail
 
 PORT=${PORT:-50051}
 DATA_PORT=${DATA_PORT:-0}
-PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+# NOTE: no cd to the repository: the YAML, --token_file and --state_dir are paths from where it is started
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}
 ARGS=()
 if [ $# -gt 0 ] && [[ "$1" != -* ]]; then ARGS+=("$1"); shift; fi
 [ -n "${TOTAL_PEERS:-}" ] && ARGS+=(--total_peers "$TOTAL_PEERS")

@@ -11,6 +11,7 @@
 # Extra arguments are passed through as overrides and win over the defaults set here. spes.torchrun is torchrun
 # that ends a failed run with the failing node's one-line error instead of a ChildFailedError traceback.
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || ! [[ "$1" =~ ^[0-9]+$ ]]; then
   echo "usage: $0 <node_id> [--resume | --preflight] [--section.key=value ...]" >&2

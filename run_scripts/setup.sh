@@ -2,7 +2,10 @@
 # Create .venv and install spes with its test extras. Idempotent: re-running with everything installed
 # takes about a second (a stamp keyed on pyproject.toml). torch is installed first and pinned, so no other
 # package can pull a multi-GB CUDA build on CPU machines.
+#
+#   bash run_scripts/setup.sh      Env (defaults): VENV (.venv), TORCH_VERSION (2.13.0), PYTHON (python3)
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,11 @@ from spes.schema import (
 
 RunMode = Literal["centralized", "spes", "diloco"]
 """What a node does: train alone, train its experts under SPES, or train everything for DiLoCo averaging."""
+
+CodecName = Literal["fp32", "bf16", "int8", "sparse"]
+"""The codecs of `spes.sync.codecs.registry` by name, so an unknown `spes_config.codec` is refused as the config loads
+(the registry needs torch; tests/sync/codecs/test_registry.py holds the two lists equal)."""
+CODECS: tuple[str, ...] = typing.get_args(CodecName)
 
 
 def _f(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
@@ -157,6 +163,14 @@ class ModelConfig(Section):
             f"must be >= model.vocab_size={self.vocab_size}",
             given=("model.vocab_size",),
         )
+        for key in ("eos_token_id", "pad_token_id"):
+            _require(
+                getattr(self, key) < self.vocab_size,
+                f"model.{key}",
+                getattr(self, key),
+                f"must be a token id below model.vocab_size={self.vocab_size} (the tokenizer's)",
+                given=("model.vocab_size",),
+            )
         _require(
             1 <= self.moe_top_k <= self.moe_num_experts,
             "model.moe_top_k",
@@ -375,7 +389,7 @@ class SpesConfig(Section):
         500, "refresh interval of the decayed load-balancing factor (1.0 before it)", ge=1
     )
     quant_non_local_trainable_experts: bool = _f(False, "inert (the first implementation read it and did nothing)")
-    codec: str = _f(
+    codec: CodecName = _f(
         "fp32",
         "how tensors travel (run-wide: the server and every node; spes.sync.codecs): fp32 or bf16 values; int8 = "
         "int8 deltas against the last global model every node holds, with error feedback (~1/4 of fp32's bytes); "
@@ -808,19 +822,19 @@ _DURATION = re.compile(r"^\s*([0-9.eE+]+)\s*(st|T|ep)?\s*$")
 
 
 def parse_duration(value: str | int) -> tuple[int, Literal["steps", "tokens"]]:
-    """`1000`/`'1000st'` -> (1000, 'steps'); `'2e9T'` -> (2000000000, 'tokens')."""
+    """`1000`/`'1000st'` -> (1000, 'steps'); `'2e9T'` -> (2000000000, 'tokens'). A refusal (another unit, a
+    fraction of a step or token) carries its key, so a value from the command line is blamed on the override."""
     if isinstance(value, int):
         return value, "steps"
     match = _DURATION.match(str(value))
     try:
-        if match is None or match.group(2) == "ep":
-            raise ValueError(value)
-        amount = int(float(match.group(1)))
-    except (ValueError, OverflowError):  # OverflowError: a number past a float's range ('1e999T')
-        raise ConfigError(
-            f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')"
-        ) from None
-    return amount, "tokens" if match.group(2) == "T" else "steps"
+        amount = float(match.group(1)) if match and match.group(2) != "ep" else math.nan
+    except ValueError:  # what the pattern lets through but is no number ('1.2.3st')
+        amount = math.nan
+    _require(math.isfinite(amount), "max_duration", value, "must be steps ('1000st') or tokens ('2e9T')")
+    whole = "must be a whole number of steps or tokens ('1000st', '2e9T')"
+    _require(amount.is_integer(), "max_duration", value, whole)
+    return int(amount), "tokens" if match and match.group(2) == "T" else "steps"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -873,8 +887,16 @@ def _flat_keys(d: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-LAUNCH_KEYS = ("load_path", "try_load_latest_save", "save_overwrite", "dry_run")
-"""Keys that say how a process was started, not what the run is: a resume sets them anew."""
+LAUNCH_KEYS = (
+    "load_path",
+    "try_load_latest_save",
+    "save_overwrite",
+    "dry_run",
+    "spes_config.server_addr",
+    "spes_config.run_id",
+)
+"""Keys that say how a process was started, not what the run is: a resume sets them anew (`spes.launch` gives its
+peers the server's new port and the run's id at each resume)."""
 
 
 def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -883,7 +905,7 @@ def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: s
     spes) is not a change."""
     changes = []
     for key, value in now.items():
-        if key not in saved or (not prefix and key in LAUNCH_KEYS):
+        if key not in saved or f"{prefix}{key}" in LAUNCH_KEYS:
             continue
         if isinstance(value, Mapping) and isinstance(saved[key], Mapping):
             changes += changed_settings(saved[key], value, f"{prefix}{key}.")

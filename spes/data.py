@@ -88,6 +88,17 @@ def check_shard_array(path: Shard, array: TokenArray, info: ShardInfo | None, wa
         )
 
 
+def check_eos(paths: Sequence[Shard], infos: Sequence[ShardInfo | None], eos_token_id: int) -> None:
+    """ValueError naming the first shard whose sidecar records another EOS than `eos_token_id` (`model.eos_token_id`:
+    what an exported model stops at, so it must be the token that ended the documents it learned from)."""
+    for path, info in zip(paths, infos):
+        if info is not None and info.eos_token_id != eos_token_id:  # NOTE: a bare OLMo file records none
+            raise ValueError(
+                f"token shard {path} ends its documents with token {info.eos_token_id} but model.eos_token_id is "
+                f"{eos_token_id}; set model.eos_token_id={info.eos_token_id} (its tokenizer's EOS) or re-tokenize it"
+            )
+
+
 def common_fingerprint(paths: Sequence[Shard], infos: Sequence[ShardInfo | None]) -> str | None:
     """The one tokenizer fingerprint the shards' sidecars record (None without sidecars); ValueError naming two
     shards of different tokenizers."""

@@ -133,8 +133,9 @@ class DownstreamEvals:
         return bool(self.evaluators) and interval is not None and step % interval == 0
 
     def check_data(self) -> None:
-        """Once, at start, on the main rank: leave out the tasks lm-eval does not know or has no data for here, named
-        in one line (instead of each failing at its first evaluation)."""
+        """Once, at start, on the main rank: refuse a task lm-eval does not know (a misspelled name, as an unknown
+        config key is refused); leave out, named in one line, the tasks it has no data for here (instead of each
+        failing at its first evaluation)."""
         tasks = sorted({e.task for e in self.evaluators if e.task != LOCAL_SUITE})
         if not self.is_main or not tasks:
             return
@@ -144,6 +145,12 @@ class DownstreamEvals:
             self.log(f"note: could not check the downstream tasks' data (log: {self.folder / 'task_status.log'})")
             return
         status = json.loads(status_file.read_text(encoding="utf-8"))
+        unknown = [task for task, s in status.items() if s["dataset"] is None]  # NOTE: what eval_tools says of no task
+        if unknown:
+            raise ConfigError(
+                f"config key 'evaluators' names tasks lm-eval does not have: {', '.join(unknown)}; check their "
+                "spelling (python -m lm_eval --tasks list names them all)"
+            )
         missing = {task: s["reason"] for task, s in status.items() if not s["available"]}
         for ev in self.evaluators:
             if ev.task in missing:

@@ -141,6 +141,8 @@ class HFFamily:
             "mlp_hidden_size": self.expert_width_attr,
             "moe_num_experts": self.num_experts_attr,
             "rope_theta": "rope_parameters.rope_theta",
+            "eos_token_id": "eos_token_id",
+            "pad_token_id": "pad_token_id",
         }
         return attrs.get((spes_key or "").removeprefix("model."))
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.config import TrainConfig, load_config, node_data_seed
+from spes.config import CODECS, TrainConfig, load_config, node_data_seed
 from spes.schema import ConfigError, number_flag
 
 STOP_GRACE_S = 10.0
@@ -61,9 +61,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
     p.add_argument("--port", type=number_flag(int, ge=0, le=65535), default=0, help="server port (default: a free one)")
-    p.add_argument(
-        "--codec", default=None, help="how tensors travel: fp32, bf16, int8, sparse (default: spes_config.codec)"
-    )
+    p.add_argument("--codec", choices=CODECS, default=None, help="how tensors travel (default: spes_config.codec)")
     p.add_argument("--threads", type=number_flag(int, ge=1), default=1, help="torch threads per peer")
     p.add_argument(
         "--eval_peers",

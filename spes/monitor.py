@@ -75,7 +75,8 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
-    """`step 120/1000 [##.....]  12% | loss 5.4321 | lb 0.0101 | ...` from whatever metrics are present."""
+    """`step 120/1000 [##.....]  12% | loss 5.4321 | lb 0.0101 | ...` from whatever metrics are present; the merge
+    warm-up's alpha only on the rounds it ran (`merged`)."""
     parts = [f"step {step}/{max_steps} {progress_bar(step, max_steps)}"]
     fmt = {
         "loss": ".4f",
@@ -97,10 +98,11 @@ def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
         "sync_download_s": ".2f",
         "sync_mb_up": ".1f",
         "sync_mb_down": ".1f",
+        "merge_alpha": ".3f",
         "eta_min": ".1f",
     }
     for key, spec in fmt.items():
-        if key in metrics and metrics[key] is not None:
+        if metrics.get(key) is not None and (key != "merge_alpha" or metrics.get("merged")):
             parts.append(f"{key} {format(metrics[key], spec)}")
     return " | ".join(parts)
 

@@ -422,7 +422,7 @@ def check_disk(cfg: TrainConfig) -> Check:
 
 def check_data(cfg: TrainConfig) -> tuple[Check, TokenSequenceDataset | None]:
     """The training data: shards found, tokenizer matched, enough sequences; and the dataset when it opened."""
-    from spes.data import TokenSequenceDataset
+    from spes.data import TokenSequenceDataset, check_eos
     from spes.shards import resolve_paths
     from spes.tokenizer import check_vocab, load_tokenizer
 
@@ -458,14 +458,21 @@ def check_data(cfg: TrainConfig) -> tuple[Check, TokenSequenceDataset | None]:
                 f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
                 "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
             ), dataset
-    same = dataset.fingerprint == tokenizer.fingerprint
+    try:
+        check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
+    except ValueError as exc:
+        return fail("data", str(exc), "set model.eos_token_id to the EOS the shards were written with"), dataset
+    note = ""
+    if dataset.fingerprint is None:
+        note = "; note: no shard has a sidecar, so the tokenizer they were written with cannot be checked"
+    elif dataset.fingerprint != tokenizer.fingerprint:
+        note = "; note: written with another tokenizer file of the same vocabulary size"
     dtype = dataset.shard_array(0).dtype  # as training reads it
     need = cfg.max_steps * cfg.global_train_batch_size
     detail = (
         f"{len(paths)} shard(s) from {len(cfg.data.paths)} data.paths entries, {dtype}, "
         f"{dataset.num_tokens:,} tokens = {len(dataset):,} sequences of {cfg.model.max_sequence_length}; the run "
-        f"reads {need:,} (max_duration x global_train_batch_size)"
-        + ("" if same else "; note: written with another tokenizer file of the same vocabulary size")
+        f"reads {need:,} (max_duration x global_train_batch_size)" + note
     )
     if len(dataset) >= need:
         return ok("data", detail), dataset

@@ -209,7 +209,7 @@ def check_overrides(cls: type, dotlist: list[str]) -> None:
     for item in dotlist:
         key, _, text = item.partition("=")
         where = f"command line (--{item})"
-        hint = _lookup_field(cls, key.split("."), where=where)
+        hint = _lookup_field(cls, key.split("."), where=where, root=cls)
         try:
             value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
         except yaml.YAMLError as e:
@@ -222,18 +222,20 @@ def check_overrides(cls: type, dotlist: list[str]) -> None:
             _coerce(value, hint, key, where)
 
 
-def _lookup_field(cls: type, parts: list[str], *, where: str, prefix: str = "") -> Any:
-    """The type of the field a dotted key names (None below a free-form dict field); ConfigError if none."""
+def _lookup_field(cls: type, parts: list[str], *, where: str, root: type, prefix: str = "") -> Any:
+    """The type of the field a dotted key names (None below a free-form dict field); ConfigError if none, with
+    the keys of `root` (the whole config) it may have meant."""
     names = [f.name for f in dataclasses.fields(cls)]
     head = parts[0]
     if head not in names:
-        raise ConfigError(_unknown_key_message(cls, prefix, head, names, where))
+        given = prefix + ".".join(parts)
+        raise ConfigError(_unknown_key_message(cls, prefix, head, names, where, given=given, root=root))
     hint = typing.get_type_hints(cls)[head]
     if len(parts) == 1:
         return hint
     sub = _dataclass_in(hint)
     if sub is not None:
-        return _lookup_field(sub, parts[1:], where=where, prefix=f"{prefix}{head}.")
+        return _lookup_field(sub, parts[1:], where=where, root=root, prefix=f"{prefix}{head}.")
     if dict in (hint, typing.get_origin(hint)):
         return None
     raise ConfigError(
@@ -242,13 +244,36 @@ def _lookup_field(cls: type, parts: list[str], *, where: str, prefix: str = "") 
     )
 
 
-def _unknown_key_message(cls: type, prefix: str, key: str, valid: list[str], where: str) -> str:
+def _unknown_key_message(
+    cls: type, prefix: str, key: str, valid: list[str], where: str, *, given: str, root: type
+) -> str:
+    """The refusal of `key` (one part of `given`, the dotted key as written) in section `cls`: the closest key of the
+    section, else the keys of `root` that `given` may have meant in another section, else every key of the section."""
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys here: {', '.join(valid)}"
+    meant = [f"{prefix}{close[0]}"] if close else _keys_ending_like(root, given.rpartition(".")[2])
+    hint = f"; did you mean {' or '.join(map(repr, meant))}?" if meant else f"; valid keys here: {', '.join(valid)}"
     renamed = getattr(cls, "RENAMED", {})
     if key in renamed:
         hint = f"; it is now '{prefix}{renamed[key]}' (same values)"
     return f"{where}: unknown config key '{prefix}{key}'{hint}"
+
+
+def _keys_ending_like(root: type, name: str) -> list[str]:
+    """The dotted keys of config class `root` whose last part is `name`, else the closest one (difflib): where a key
+    written in the wrong section, or in none, lives (`learning_rate` -> `optimizer.learning_rate`)."""
+    keys = _dotted_keys(root)
+    best = difflib.get_close_matches(name, sorted({k.rpartition(".")[2] for k in keys}), n=1)
+    return [k for k in keys if k.rpartition(".")[2] in best]
+
+
+def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every key a `cls` config holds, as a user writes it (`optimizer.learning_rate`), sections walked into."""
+    hints = typing.get_type_hints(cls)
+    keys: list[str] = []
+    for f in dataclasses.fields(cls):
+        sub = _dataclass_in(hints[f.name])
+        keys += [f"{prefix}{f.name}"] if sub is None else _dotted_keys(sub, f"{prefix}{f.name}.")
+    return keys
 
 
 def _dataclass_in(hint: Any) -> type | None:
@@ -261,17 +286,26 @@ def _dataclass_in(hint: Any) -> type | None:
     return None
 
 
-def from_dict(cls: type, data: dict[Any, Any], *, where: str = "config", prefix: str = "") -> Any:
-    """Build dataclass `cls` from a plain dict, checking every key (YAML's may be numbers too) and type."""
+def from_dict(
+    cls: type, data: dict[Any, Any], *, where: str = "config", prefix: str = "", root: type | None = None
+) -> Any:
+    """Build dataclass `cls` from a plain dict, checking every key (YAML's may be numbers too) and type; `root`: the
+    whole config `cls` is a section of (None: `cls`), whose keys an unknown one may have meant."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: config key '{prefix.rstrip('.') or '<root>'}' must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    whole = root or cls
     kwargs = {}
     for key, value in data.items():
+        given = prefix + str(key)
         if key not in hints:
-            raise ConfigError(_unknown_key_message(cls, prefix, str(key), names, where))
-        kwargs[key] = _coerce(value, hints[key], prefix + str(key), where)
+            raise ConfigError(_unknown_key_message(cls, prefix, str(key), names, where, given=given, root=whole))
+        sub = _dataclass_in(hints[key])
+        if sub is not None and isinstance(value, dict):
+            kwargs[key] = from_dict(sub, value, where=where, prefix=given + ".", root=whole)
+        else:
+            kwargs[key] = _coerce(value, hints[key], given, where)
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -304,10 +338,8 @@ def _override_setting(keys: Sequence[str], overrides: Sequence[str]) -> str | No
 
 
 def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
-    """Check `value` against type `hint`, converting only where it is lossless (int -> float, '1e-3' -> float)."""
-    sub = _dataclass_in(hint)
-    if sub is not None and isinstance(value, dict):
-        return from_dict(sub, value, where=where, prefix=key + ".")
+    """Check `value` against type `hint`, converting only where it is lossless (int -> float, '1e-3' -> float); a
+    section's mapping is `from_dict`'s."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -361,15 +393,19 @@ def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
     raise _type_error(key, value, hint, where)
 
 
-def _type_name(hint: Any) -> str:
-    """`int`, `str | None`, `Literal['a', 'b']`, `WandbConfig | None`: a type as a user reads it."""
-    if typing.get_origin(hint) is None and hasattr(hint, "__name__"):
-        return hint.__name__
-    text = str(hint).replace("typing.", "")
-    for arg in typing.get_args(hint):
-        if isinstance(arg, type):  # a section: named as its class, not by its module
-            text = text.replace(f"{arg.__module__}.{arg.__qualname__}", arg.__qualname__)
-    return text
+def _type_name(hint: Any, allowed: Range | None = None) -> str:
+    """`int`, `str | None`, `'a' | 'b' | None`, `list[float]`, `WandbConfig | None`: a type as a user reads it, in
+    one style however it was written (`Optional[Literal[...]]` reads as the `X | None` beside it in `--help`);
+    `allowed`, a number's range, right after the number it bounds (`int >= 1 | None`, not `int | None >= 1`)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(arg, allowed if arg in (int, float) else None) for arg in args)
+    if origin is Literal:
+        return " | ".join(map(repr, args))
+    if origin is not None:  # list[float]
+        return f"{origin.__name__}[{', '.join(map(_type_name, args))}]"
+    name = "None" if hint is type(None) else hint.__name__  # a section by its class, not by its module
+    return name if allowed is None else f"{name} {allowed}"
 
 
 def _type_error(key: str, value: Any, hint: Any, where: str) -> ConfigError:
@@ -397,8 +433,6 @@ def config_help(cls: type, prefix: str = "") -> list[str]:
             lines.extend(config_help(sub, prefix + f.name + "."))
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        allowed = f" {f.metadata['range']}" if "range" in f.metadata else ""
-        lines.append(
-            f"  --{prefix}{f.name}={default!r}  [{_type_name(hints[f.name])}{allowed}]  {f.metadata.get('doc', '')}"
-        )
+        kind = _type_name(hints[f.name], f.metadata.get("range"))
+        lines.append(f"  --{prefix}{f.name}={default!r}  [{kind}]  {f.metadata.get('doc', '')}")
     return lines

@@ -90,8 +90,9 @@ def read_shard_info(shard: Shard) -> ShardInfo:
 def find_shard_info(shard: Shard) -> ShardInfo | None:
     """The sidecar of `shard`, or None when it has none (an OLMo-format file); ValueError when malformed."""
     if isinstance(shard, str) and is_url(shard):
-        path: Shard = shard + SIDECAR_SUFFIX
-        text = fetch_optional(shard + SIDECAR_SUFFIX)
+        url = shard + SIDECAR_SUFFIX
+        path: Shard = url
+        text = fetch_optional(url)
     else:
         path = sidecar_path(shard)
         text = path.read_bytes() if path.is_file() else None
@@ -124,14 +125,17 @@ def open_token_array(shard: Shard, memmap_dtype: str | None = None) -> np.ndarra
     if has_npy_header(shard):
         with _NPY_HEADER_LOCK:
             return np.load(shard, mmap_mode="r", allow_pickle=False)
-    dtype = _headerless_dtype(shard, memmap_dtype, os.path.getsize(shard))
+    with open(shard, "rb") as f:
+        head = f.read(_NPY_HEAD)
+    dtype = _headerless_dtype(shard, memmap_dtype, os.path.getsize(shard), head)
     if os.path.getsize(shard) == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(shard, dtype=dtype, mode="r")
 
 
-def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int) -> np.dtype:
-    """The dtype a headerless token file of `size` bytes is read as; ValueError unless it divides the file."""
+def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int, head: bytes) -> np.dtype:
+    """The dtype a headerless token file of `size` bytes starting with `head` is read as; ValueError unless it
+    divides the file, or when the default uint16 would read uint32 ids (`_looks_uint32`)."""
     dtype = np.dtype(memmap_dtype or DEFAULT_MEMMAP_DTYPE)
     if dtype.name not in MEMMAP_DTYPES:
         raise ValueError(f"data.memmap_dtype={memmap_dtype!r} is not a token dtype; use one of {list(MEMMAP_DTYPES)}")
@@ -140,7 +144,20 @@ def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int) -> np.d
             f"headerless token file {shard} has {size} bytes, not a multiple of {dtype.itemsize} "
             f"(data.memmap_dtype={dtype.name}); set data.memmap_dtype to the dtype it was written with"
         )
+    if memmap_dtype is None and _looks_uint32(head):
+        raise ValueError(
+            f"headerless token file {shard} holds uint32 token ids by the look of its first {len(head):,} bytes "
+            f"(every second 16-bit half is 0) but is read as uint16 (data.memmap_dtype unset); set "
+            f"data.memmap_dtype=uint32"
+        )
     return dtype
+
+
+def _looks_uint32(head: bytes) -> bool:
+    """Whether `head` holds little-endian uint32 ids below 65,536 (OLMo's uint32 files): every odd 16-bit half 0,
+    some even one not, over at least 32 ids (as uint16 such a file reads a token id, a 0, an id, ...)."""
+    halves = np.frombuffer(head[: len(head) // 4 * 4], dtype="<u2")
+    return len(halves) >= 64 and not halves[1::2].any() and bool(halves[0::2].any())
 
 
 class RangeTokenArray:
@@ -156,7 +173,7 @@ class RangeTokenArray:
         """The shard at `url`: its `.npy` header read (safely: no pickle) if it has one, else a headerless file."""
         file, head = RemoteFile.open(url, _NPY_HEAD)
         if not head.startswith(NPY_MAGIC):
-            dtype = _headerless_dtype(url, memmap_dtype, file.size)
+            dtype = _headerless_dtype(url, memmap_dtype, file.size, head)
             return cls(file, dtype, (file.size // dtype.itemsize,), 0)
         needed = _npy_header_bytes(head, url)
         if needed > file.size:

@@ -37,17 +37,16 @@ from torch import nn
 
 from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
 from spes.config import TrainConfig, changed_settings, load_config
-from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches
+from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
-from spes.guard import NonFiniteError, check_weights_finite
+from spes.failures import USER_ERRORS, report
+from spes.guard import check_weights_finite
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
 from spes.schema import ConfigError, config_help, to_dict
 from spes.shards import resolve_paths
-from spes.sync.client import SyncError
 from spes.tokenizer import check_vocab, load_tokenizer
-from spes.torchrun import ERROR_DIR_ENV
 from spes.trainer import Trainer, scheduler_in_steps
 
 if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync
@@ -62,23 +61,6 @@ Train one node of a SPES run (or a centralized / DiLoCo run) described by an OLM
   --resume=auto        continue from it if it exists, else start fresh (same as --try_load_latest_save=true)
   --help               this text and every config key with its default
 """
-
-
-# What a user can cause or meet: each ends the run with its message as one line and this exit code (the first
-# that matches). OSError: a full disk or an unwritable save_folder; KeyboardInterrupt: a second Ctrl-C.
-USER_ERRORS: dict[type[BaseException], int] = {
-    ValueError: 2,
-    FileNotFoundError: 2,
-    SyncError: 3,
-    NonFiniteError: 4,
-    torch.OutOfMemoryError: 5,
-    OSError: 6,
-    KeyboardInterrupt: 130,
-}
-HINTS: dict[type[BaseException], str] = {
-    torch.OutOfMemoryError: "lower device_train_microbatch_size or set activation_checkpointing",
-    KeyboardInterrupt: "interrupted without saving; resume from the last checkpoint with --resume",
-}
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], str | None]:
@@ -109,18 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.try_load_latest_save |= resume == "auto"
         return run(cfg, inert)
     except tuple(USER_ERRORS) as e:
-        return _report(e)
-
-
-def _report(e: BaseException) -> int:
-    """Print the failure as one line (and leave it for `spes.torchrun`); its exit code."""
-    hint = next((h for kind, h in HINTS.items() if isinstance(e, kind)), None)
-    line = "error: " + "; ".join(" ".join(part.split()) for part in (str(e), hint) if part)
-    print(line, file=sys.stderr, flush=True)
-    if os.environ.get(ERROR_DIR_ENV):
-        with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
-            f.write(line + "\n")
-    return next(code for kind, code in USER_ERRORS.items() if isinstance(e, kind))
+        return report(e)
 
 
 def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
@@ -129,6 +100,13 @@ def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
         if list_checkpoints(cfg.save_folder):
             return cfg.save_folder
         log(f"no checkpoint in {cfg.save_folder} yet: starting {'from ' + cfg.load_path if cfg.load_path else 'fresh'}")
+    folder = Path(cfg.save_folder)
+    resuming = cfg.load_path is not None and Path(cfg.load_path).resolve() == folder.resolve()
+    if resuming and not (folder / LATEST).is_file() and not list_checkpoints(folder):
+        raise ValueError(
+            f"nothing to resume: save_folder {folder} holds no checkpoint yet (--resume, or load_path naming it); "
+            "use --resume=auto, which starts afresh when there is none, or drop --resume"
+        )
     return cfg.load_path
 
 
@@ -236,9 +214,10 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     """
     tokenizer = load_tokenizer(cfg.tokenizer.identifier)
     check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
-    dataset = _dataset(cfg, cfg.data.paths)
+    dataset = _dataset(cfg, "paths")
     assert cfg.model.embedding_size is not None  # set from vocab_size in ModelConfig.__post_init__
     check_shard_vocab(dataset, cfg.model.embedding_size)
+    check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
     if dataset.fingerprint is not None and dataset.fingerprint != tokenizer.fingerprint:
         log(
             f"warning: the training shards were written with another tokenizer "
@@ -266,6 +245,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     with torch.device("meta"):
         transformer = Transformer.for_run(cfg, training=True)
     log(count_params(transformer).describe())
+    log(describe_experts(cfg))
     model: nn.Module = transformer  # wrapped by parallelize below
     sharded = uses_fsdp(cfg, info)
     if sharded:
@@ -302,6 +282,13 @@ def _load(
             f"with --load_path={ckpt.path}"
         )
     check_weights_finite(model, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
+    if ckpt.reblocked:
+        log(
+            f"loaded only the weights of {ckpt.path}: it has another expert layout, re-blocked to this run's; its "
+            "optimizer and trainer state fit only its own layout, so this run starts at step 0 with a fresh optimizer, "
+            "the data from the start and the learning-rate schedule (warm-up included) from its beginning"
+        )
+        return ckpt
     log(f"loaded {ckpt.path} (step {ckpt.trainer.get('step', 0)})")
     if changes:
         log(f"resuming with {len(changes)} setting(s) changed since that checkpoint: {'; '.join(changes)}")
@@ -409,10 +396,31 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     return trainer, syncer
 
 
-def _dataset(cfg: TrainConfig, paths: list[str]) -> TokenSequenceDataset:
-    """Windows of `model.max_sequence_length` tokens over the shards `paths` name."""
+def describe_experts(cfg: TrainConfig) -> str:
+    """Which experts this node trains: a SPES peer a range of every MoE layer's (a layout may leave a peer none,
+    which is legal but worth saying), any other node all of them."""
+    owned, n = cfg.owned_experts(), cfg.model.moe_num_experts
+    if owned is None:
+        return f"experts: trains all {n} of every MoE layer"
+    peer = f"peer {cfg.spes_config.peer_id} of {cfg.num_peers}"
+    lo, hi = owned
+    if lo == hi:
+        return (
+            f"experts: trains none ({peer}: {cfg.experts_per_peer} per peer leave it none of {n}), only the shared "
+            "parameters"
+        )
+    return f"experts: trains {lo}..{hi - 1} of {n} in every MoE layer ({peer}), the others frozen"
+
+
+def _dataset(cfg: TrainConfig, key: str) -> TokenSequenceDataset:
+    """Windows of `model.max_sequence_length` tokens over the shards `data.<key>` names (a path that names nothing
+    is refused naming the key: the training data's and the validation data's look alike)."""
+    try:
+        shards = resolve_paths(getattr(cfg.data, key), ranged=cfg.data.url_reads == "range")
+    except (FileNotFoundError, ValueError) as exc:
+        raise type(exc)(f"data.{key}: {exc}") from None
     return TokenSequenceDataset(
-        resolve_paths(paths, ranged=cfg.data.url_reads == "range"),
+        shards,
         cfg.model.max_sequence_length,
         cfg.data.memmap_dtype,
         vocab_size=cfg.model.vocab_size,
@@ -423,7 +431,7 @@ def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None
     """A callable returning a fresh iterator of validation batches, or None without validation data."""
     if not cfg.data.validation_paths or not cfg.eval_interval:
         return None
-    dataset = _dataset(cfg, cfg.data.validation_paths)
+    dataset = _dataset(cfg, "validation_paths")
     if len(dataset) == 0:  # NOTE: else every evaluation reports a loss of 0 over no tokens
         raise ValueError(
             f"data.validation_paths hold no sequence of {dataset.seq_len} tokens: add validation data, or set "

@@ -167,13 +167,19 @@ class Trainer:
         self.metrics.write(self.step, metrics)
         self.trackers.log(self.step, metrics)
 
+    def _limit(self) -> str:
+        """The setting `max_steps` comes from, and how to train on past it."""
+        if self.max_steps < self.cfg.duration_steps:
+            return f"stop_at is {self.max_steps} (max_duration is {self.cfg.duration_steps} steps); raise stop_at"
+        return f"max_duration is {self.max_steps} steps; raise max_duration"
+
     # -- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
         """Train to `max_steps`; returns the logged metric records."""
         batches = iter(self.loader)
         self.metrics.truncate(self.step)  # rows of an earlier attempt past this step are history that did not happen
         if self.step >= self.max_steps:
-            self.log(f"nothing to do: checkpoint is at step {self.step}, max_duration is {self.max_steps} steps")
+            self.log(f"nothing to do: checkpoint is at step {self.step}, {self._limit()}")
             return self.history
         if self.step == 0 and not self.cfg.no_pre_train_checkpoint:
             self.save()  # the initial weights, e.g. to compare runs that start from them

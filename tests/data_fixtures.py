@@ -62,9 +62,16 @@ def write_lines(path: Path, payload: bytes) -> Path:
 
 
 def write_token_shard(
-    path: Path, tokens: np.ndarray, *, fingerprint: str = "0" * 64, with_sidecar: bool = True
+    path: Path,
+    tokens: np.ndarray,
+    *,
+    fingerprint: str = "0" * 64,
+    with_sidecar: bool = True,
+    vocab_size: int | None = None,
+    eos_token_id: int = 0,
 ) -> Path:
-    """A shard holding exactly `tokens` (dtype kept), with a sidecar unless told otherwise."""
+    """A shard holding exactly `tokens` (dtype kept), with a sidecar unless told otherwise (recording the dtype's
+    range as its vocabulary unless given)."""
     array = np.lib.format.open_memmap(path, mode="w+", dtype=tokens.dtype, shape=tokens.shape)
     array[:] = tokens
     array.flush()
@@ -72,8 +79,8 @@ def write_token_shard(
     if with_sidecar:
         info = ShardInfo(
             tokenizer_fingerprint=fingerprint,
-            vocab_size=int(np.iinfo(tokens.dtype).max) + 1,
-            eos_token_id=0,
+            vocab_size=vocab_size or int(np.iinfo(tokens.dtype).max) + 1,
+            eos_token_id=eos_token_id,
             dtype=tokens.dtype.name,
             num_tokens=len(tokens),
             num_documents=1,

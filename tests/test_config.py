@@ -280,10 +280,14 @@ def test_missing_file() -> None:
 @pytest.mark.parametrize(
     ("yaml_text", "wrong", "suggested"),
     [
-        ("model:\n  d_modle: 64\n", "model.d_modle", "model.d_model"),
-        ("sav_folder: out\n", "sav_folder", "save_folder"),
-        ("spes_config:\n  sync_step: 10\n", "spes_config.sync_step", "spes_config.sync_steps"),
-        ("data:\n  seeds: 1\n", "data.seeds", "data.seed"),
+        ("model:\n  d_modle: 64\n", "model.d_modle", "'model.d_model'"),
+        ("sav_folder: out\n", "sav_folder", "'save_folder'"),
+        ("spes_config:\n  sync_step: 10\n", "spes_config.sync_step", "'spes_config.sync_steps'"),
+        ("data:\n  seeds: 1\n", "data.seeds", "'data.seed'"),
+        # in another section (or in none): the keys of the whole config that end the same, or closest to it
+        ("learning_rate: 0.001\n", "learning_rate", "'optimizer.learning_rate'"),
+        ("model:\n  learning_rate: 0.001\n", "model.learning_rate", "'optimizer.learning_rate'"),
+        ("optimizer:\n  t_warmup: 10\n", "optimizer.t_warmup", "'scheduler.t_warmup'"),
     ],
 )
 def test_unknown_key_in_file_names_the_closest_valid_key(
@@ -292,8 +296,7 @@ def test_unknown_key_in_file_names_the_closest_valid_key(
     path = write(tmp_path, yaml_text)
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    message = str(err.value)
-    assert str(path) in message and f"'{wrong}'" in message and f"did you mean '{suggested}'" in message
+    assert str(err.value) == f"{path}: unknown config key '{wrong}'; did you mean {suggested}?"
 
 
 def test_a_numeric_key_in_file_is_an_unknown_key(tmp_path: Path) -> None:
@@ -305,17 +308,23 @@ def test_a_numeric_key_in_file_is_an_unknown_key(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("override", "wrong", "suggested"),
     [
-        ("--spes_config.peer_ID=1", "spes_config.peer_ID", "spes_config.peer_id"),
-        ("--model.moe_topk=4", "model.moe_topk", "model.moe_top_k"),
-        ("--learning_rate=1e-3", "learning_rate", None),
+        ("--spes_config.peer_ID=1", "spes_config.peer_ID", "'spes_config.peer_id'"),
+        ("--model.moe_topk=4", "model.moe_topk", "'model.moe_top_k'"),
+        ("--zzzzzzzz=1", "zzzzzzzz", None),
+        # in another section (or in none): the keys of the whole config that end the same, or closest to it
+        ("--learning_rate=1e-3", "learning_rate", "'optimizer.learning_rate'"),
+        ("--spes.peer_id=1", "spes", "'spes_config.peer_id'"),
+        ("--model.learnig_rate=1e-3", "model.learnig_rate", "'optimizer.learning_rate'"),
+        ("--optimizer.log_dir=tb", "optimizer.log_dir", "'tensorboard.log_dir'"),  # an optional section's too
+        ("--model.seed=1", "model.seed", "'seed' or 'data.seed'"),
     ],
 )
 def test_unknown_key_in_override(override: str, wrong: str, suggested: str | None) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "tiny.yaml", [override])
     message = str(err.value)
-    assert "command line" in message and override in message and f"'{wrong}'" in message
-    assert (f"did you mean '{suggested}'" in message) if suggested else ("valid keys here: run_name" in message)
+    assert message.startswith(f"command line ({override}): unknown config key '{wrong}'; ")
+    assert message.endswith(f"; did you mean {suggested}?") if suggested else ("; valid keys here: run_name" in message)
 
 
 @pytest.mark.parametrize(
@@ -345,6 +354,7 @@ def test_wrong_type_names_key_value_and_expected_type(
     [
         ("precision: fp16\n", "precision", "'fp16'", "['fp32', 'amp_bf16']"),
         ("model:\n  moe_backend: cuda\n", "model.moe_backend", "'cuda'", "'grouped_mm'"),
+        ("spes_config:\n  codec: int4\n", "spes_config.codec", "'int4'", "['fp32', 'bf16', 'int8', 'sparse']"),
     ],
 )
 def test_choice_outside_the_allowed_values(
@@ -391,6 +401,9 @@ def test_choice_outside_the_allowed_values(
         (["--spes_config.overlap_correction=1.5"], "spes_config.overlap_correction", "must be in (0, 1]"),
         (["--spes_config.decayed_factor_update_steps=0"], "spes_config.decayed_factor_update_steps", ">= 1"),
         (["--max_duration=3ep"], "max_duration", "steps ('1000st') or tokens"),
+        (["--max_duration=100steps"], "max_duration", "steps ('1000st') or tokens"),
+        (["--max_duration=-5st"], "max_duration", "steps ('1000st') or tokens"),
+        (["--max_duration=2e9t"], "max_duration", "steps ('1000st') or tokens"),
         (["--data.instance_filter.repetition_max_count=1"], "data.instance_filter.repetition_max_count", ">= 2"),
         (["--data.instance_filter.repetition_min_period=0"], "data.instance_filter.repetition_min_period", ">= 1"),
     ],
@@ -399,7 +412,7 @@ def test_inconsistent_settings_are_caught(overrides: list[str], key: str, hint: 
     with pytest.raises(ConfigError) as err:
         load_config(CONFIGS / "tiny.yaml", overrides)
     message = str(err.value)
-    assert f"'{key}'" in message and hint in message
+    assert message.startswith("command line (--") and f"'{key}'" in message and hint in message
 
 
 def test_ownership_is_not_checked_when_every_expert_trains() -> None:
@@ -728,11 +741,20 @@ def test_a_duration_is_steps_or_tokens(value: str | int, parsed: tuple[int, str]
     assert parse_duration(value) == parsed
 
 
-@pytest.mark.parametrize("value", ["3ep", "ten", "5min", "1e999T"])
-def test_a_duration_of_epochs_or_another_unit_is_refused(value: str) -> None:
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        *((v, "must be steps ('1000st') or tokens ('2e9T')") for v in ["3ep", "ten", "5min", "1e999T", "100steps"]),
+        *((v, "must be steps ('1000st') or tokens ('2e9T')") for v in ["-5st", "10ep", "2e9t", "1.2.3st"]),
+        *((v, "must be a whole number of steps or tokens ('1000st', '2e9T')") for v in ["10.5st", "2.5T", "0.5"]),
+    ],
+)
+def test_a_duration_of_epochs_another_unit_or_a_fraction_is_refused_naming_its_key(value: str, problem: str) -> None:
+    """The key lets a refusal name the override that set it (`command line (--max_duration=...)`), not the file."""
     with pytest.raises(ConfigError) as err:
         parse_duration(value)
-    assert str(err.value) == f"config key 'max_duration' = {value!r} must be steps ('1000st') or tokens ('2e9T')"
+    assert str(err.value) == f"config key 'max_duration' = {value!r} {problem}"
+    assert err.value.key == "max_duration"
 
 
 def test_help_gives_each_key_its_default_type_and_doc_and_each_section_a_heading() -> None:
@@ -920,6 +942,16 @@ BOUNDS = [
     (["--model.layer_norm_eps=0"], "'model.layer_norm_eps' = 0.0 must be > 0", []),
     (["--model.rope_theta=nan"], "'model.rope_theta' = nan must be a finite number", []),
     (["--model.pad_token_id=-1"], "'model.pad_token_id' = -1 must be >= 0", ["--model.pad_token_id=0"]),
+    (
+        ["--model.eos_token_id=4096"],
+        "'model.eos_token_id' = 4096 must be a token id below model.vocab_size=4096 (the tokenizer's)",
+        ["--model.eos_token_id=4095"],
+    ),
+    (
+        ["--model.pad_token_id=4096"],
+        "'model.pad_token_id' = 4096 must be a token id below model.vocab_size=4096 (the tokenizer's)",
+        ["--model.pad_token_id=4095"],
+    ),
     (["--optimizer.learning_rate=-1"], "'optimizer.learning_rate' = -1.0 must be >= 0", []),
     (["--optimizer.eps=0"], "'optimizer.eps' = 0.0 must be > 0", []),
     (
@@ -929,7 +961,17 @@ BOUNDS = [
     ),
     (["--max_duration=0st"], "'max_duration' = '0st' must be at least one step", ["--max_duration=1st"]),
     (["--max_duration=-5"], "'max_duration' = -5 must be at least one step", ["--max_duration=1"]),
-    (["--max_duration=0.4T"], "'max_duration' = '0.4T' must be at least one step", ["--max_duration=1T"]),
+    (["--max_duration=0T"], "'max_duration' = '0T' must be at least one step", ["--max_duration=1T"]),
+    (
+        ["--max_duration=10.5st"],
+        "'max_duration' = '10.5st' must be a whole number of steps or tokens ('1000st', '2e9T')",
+        ["--max_duration=1e1st"],
+    ),
+    (
+        ["--max_duration=0.4T"],
+        "'max_duration' = '0.4T' must be a whole number of steps or tokens ('1000st', '2e9T')",
+        ["--max_duration=4.0T"],
+    ),
     (["--stop_at=0"], "'stop_at' = 0 must be >= 1 or null", ["--stop_at=1"]),
     (["--optimizer.betas=[0.9]"], "'optimizer.betas' = [0.9] must be two numbers in [0, 1)", []),
     (["--max_grad_norm=0"], "'max_grad_norm' = 0.0 must be > 0 or null", ["--max_grad_norm=null"]),
@@ -954,7 +996,7 @@ def test_every_bound_refuses_one_past_its_edge_in_full_and_takes_the_edge(
     if past:
         with pytest.raises(ConfigError) as err:
             load_config(CONFIGS / "tiny.yaml", past)
-        assert str(err.value).endswith(f"config key {message}"), str(err.value)
+        assert str(err.value) in [f"command line ({given}): config key {message}" for given in past]  # blamed
     if edge:
         load_config(CONFIGS / "tiny.yaml", edge)
 
@@ -1029,7 +1071,7 @@ def test_a_wrong_type_names_the_key_the_value_and_the_type_a_user_reads() -> Non
         )
     settings = "spes_config.codec_settings"
     assert refusal(None, f"--{settings}=5") == wrong(f"{settings}=5", settings, "5", "dict")
-    strategies = "Optional[Literal['single', 'ddp', 'fsdp']]"  # typing's own spelling, without 'typing.'
+    strategies = "'single' | 'ddp' | 'fsdp' | None"  # an Optional[Literal[...]], read as `int | None` is
     assert refusal(None, "--distributed_strategy=5") == wrong(
         "distributed_strategy=5", "distributed_strategy", "5", strategies
     )
@@ -1136,6 +1178,8 @@ SPES_FILE = "using_spes: true\n"
         ("", ["--model.n_heads=256"], "model.d_model"),  # a head of 3: odd, for RoPE
         ("model:\n  embedding_size: 50304\n", ["--model.vocab_size=60000"], "model.embedding_size"),
         ("model:\n  moe_top_k: 2\n", ["--model.moe_num_experts=1"], "model.moe_top_k"),
+        ("", ["--model.vocab_size=1"], "model.pad_token_id"),
+        ("model:\n  eos_token_id: 1\n", ["--model.vocab_size=1"], "model.eos_token_id"),
         (
             "data:\n  instance_filter:\n    repetition_max_period: 5\n",
             ["--data.instance_filter.repetition_min_period=6"],
@@ -1207,12 +1251,22 @@ def test_help_lists_every_section_and_key_with_its_doc() -> None:
     d_model = model["d_model"]
     assert f"  --model.d_model={d_model.default!r}  [int >= 1]  {d_model.metadata['doc']}" in lines
     save = fields["save_interval"]
-    assert f"  --save_interval={save.default!r}  [int | None >= 1]  {save.metadata['doc']}" in lines
+    assert f"  --save_interval={save.default!r}  [int >= 1 | None]  {save.metadata['doc']}" in lines
+    # one style for every type however it is written (Optional[...], Union[...], X | None), a range on its number
+    kinds = [line.split("  [", 1)[1].split("]  ", 1)[0] for line in lines if line.startswith("  --")]
+    assert "'single' | 'ddp' | 'fsdp' | None" in kinds and "float > 0 | bool | None" in kinds
+    assert "'whole_layer' | 'fine_grained' | 'one_in_two' | 'one_in_four' | bool | None" in kinds
+    assert not [k for k in kinds if any(typing in k for typing in ("Optional", "Union", "Literal", "NoneType"))]
 
 
 def test_changed_settings_name_each_key_a_resume_changes_but_not_how_it_was_launched() -> None:
     saved = to_dict(TrainConfig())
-    now = to_dict(TrainConfig(load_path="out", dry_run=True, max_duration="2000st", model=ModelConfig(n_layers=3)))
+    launched = SpesConfig(server_addr="127.0.0.1:35993", run_id="87dad67f")  # what spes.launch sets at each resume
+    now = to_dict(
+        TrainConfig(
+            load_path="out", dry_run=True, max_duration="2000st", model=ModelConfig(n_layers=3), spes_config=launched
+        )
+    )
     assert changed_settings(saved, now) == ["max_duration: '1000st' -> '2000st'", "model.n_layers: 12 -> 3"]
     del saved["model"]["n_layers"], saved["max_duration"]  # a key an earlier spes did not save is no change
     assert changed_settings(saved, now) == []

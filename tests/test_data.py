@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from data_fixtures import write_token_shard
-from spes.data import BatchLoader, TokenSequenceDataset, iterate_eval_batches, olmo_order, repetitive_instances
+from spes.data import (
+    BatchLoader,
+    TokenSequenceDataset,
+    check_eos,
+    iterate_eval_batches,
+    olmo_order,
+    repetitive_instances,
+)
 from spes.shards import sidecar_path
 
 SEQ_LEN = 4
@@ -163,6 +170,20 @@ def test_dataset_refuses_shards_from_different_tokenizers(tmp_path: Path) -> Non
     b = write_token_shard(tmp_path / "b.npy", np.arange(10, dtype=np.uint16), fingerprint="b" * 64)
     with pytest.raises(ValueError, match="different tokenizers"):
         TokenSequenceDataset([a, b], SEQ_LEN)
+
+
+def test_the_first_shard_of_another_eos_is_named_and_bare_shards_pass(tmp_path: Path) -> None:
+    tokens = np.arange(10, dtype=np.uint16)
+    bare = write_token_shard(tmp_path / "bare.npy", tokens, with_sidecar=False)
+    shards = [bare, *(write_token_shard(tmp_path / f"{e}.npy", tokens, eos_token_id=e) for e in (3, 5, 6))]
+    ds = TokenSequenceDataset(shards, SEQ_LEN)
+    check_eos(ds.paths[:2], ds.shard_infos[:2], 3)
+    with pytest.raises(ValueError) as err:
+        check_eos(ds.paths, ds.shard_infos, 3)
+    assert str(err.value) == (
+        f"token shard {shards[2]} ends its documents with token 5 but model.eos_token_id is 3; "
+        "set model.eos_token_id=5 (its tokenizer's EOS) or re-tokenize it"
+    )
 
 
 def test_pickled_dataset_maps_its_shards_again_instead_of_copying(dataset: TokenSequenceDataset) -> None:

@@ -223,6 +223,14 @@ def test_import_refuses_unsupported_options(tmp_path: Path) -> None:
         ValueError, match=r"'model.moe_top_k' = 0 must be in \[1, moe_num_experts=2\] \(its 'num_experts_per_tok'\)$"
     ):
         hf.import_hf(olmoe, tmp_path / "out")
+    (olmoe / "config.json").write_text(json.dumps({**settings, "clip_qkv": None, "vocab_size": 0}))
+    with pytest.raises(ValueError) as err:  # a key of no attribute of its own (spes reads a tokenizer's first)
+        hf.import_hf(olmoe, tmp_path / "out")
+    assert str(err.value) == f"{olmoe / 'config.json'}: importing it, config key 'model.vocab_size' = 0 must be >= 1"
+    for attr in ("eos_token_id", "pad_token_id"):  # ids past the vocabulary: an export would never stop or pad
+        (olmoe / "config.json").write_text(json.dumps({**settings, "clip_qkv": None, attr: 64}))
+        with pytest.raises(ValueError, match=rf"'model.{attr}' = 64 must be a token id below .*\(its '{attr}'\)$"):
+            hf.import_hf(olmoe, tmp_path / "out")
 
 
 def test_cli_export_from_run_dir_and_error_exit(

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from conftest import LaunchedRun, usage_error
+from spes.config import CODECS
 from spes.launch import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,26 +52,36 @@ def test_a_launcher_flag_out_of_its_range_is_refused_naming_it(
     assert usage_error(capsys, lambda: parse_args([TINY, flag])) == f"python -m spes.launch: error: {rule}"
 
 
-def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (["--", "--spes_config.num_peerz=2"], "did you mean 'spes_config.num_peers'"),
+        (["--eval_peers", "5"], "--eval_peers=5 must be between 1 and the run's 4 peers"),
+        (
+            ["--", "--spes_config.codec=int4"],
+            "error: command line (--spes_config.codec=int4): config key 'spes_config.codec' = 'int4' must be one of "
+            "['fp32', 'bf16', 'int8', 'sparse']\n",
+        ),
+    ],
+)
+def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path, args: list[str], refusal: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--", "--spes_config.num_peerz=2"],
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 2
-    assert "did you mean 'spes_config.num_peers'" in proc.stderr
+    assert proc.returncode == 2 and refusal in proc.stderr, proc.stderr
     assert not (tmp_path / "server.log").exists()
-    proc = subprocess.run(
-        [sys.executable, "-m", "spes.launch", TINY, "--out", str(tmp_path), "--eval_peers", "5"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2 and "--eval_peers=5 must be between 1 and the run's 4 peers" in proc.stderr
-    assert not (tmp_path / "server.log").exists()
+
+
+def test_the_codec_flag_takes_only_a_codec(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's wording of the choices differs between Python versions: the flag, the value and each codec."""
+    line = usage_error(capsys, lambda: parse_args([TINY, "--codec=int4"]))
+    assert line.startswith("python -m spes.launch: error: argument --codec: invalid choice: 'int4' (choose from ")
+    assert all(name in line for name in CODECS)
+    assert parse_args([TINY, "--codec=sparse"])[0].codec == "sparse"
 
 
 @pytest.mark.slow
@@ -160,4 +171,4 @@ def test_a_failing_peer_ends_the_local_run_with_its_error_line(tiny_corpus, tmp_
         timeout=170,
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: data path pattern"), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.paths: data path pattern"), proc.stderr

@@ -401,14 +401,23 @@ def test_time_limit_saves_and_stops_and_dry_run_trains_nothing(tiny_corpus, tmp_
 def test_a_dry_run_checks_what_a_start_checks_and_writes_nothing(  # type: ignore[no-untyped-def]
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The run spec (a SPES node's codec), and the evaluators' tasks, as a real start checks them: not in the
-    save folder, and without asking the server."""
+    """The run spec (a SPES node's codec settings), and the evaluators' tasks, as a real start checks them: not in
+    the save folder, and without asking the server."""
     args = [TINY, *_tiny_corpus(tiny_corpus, tmp_path / "dry"), "--dry_run=true", "--spes_config.server_addr=h:1"]
-    assert main([*args, "--spes_config.codec=zip"]) == 2
-    assert "error: config key 'spes_config.codec' = 'zip' is not a codec" in capsys.readouterr().err
-    assert main([*args, "--evaluators=[{label: nosuchtask}]", "--eval_interval=5"]) == 0
+    assert main([*args, "--spes_config.codec_settings.zip=1"]) == 2
+    assert "error: unknown config key 'spes_config.codec_settings.zip'; the fp32 codec takes none" in (
+        capsys.readouterr().err
+    )
+    assert main([*args, "--evaluators=[{label: nosuchtask}, {label: piqa_typo}]", "--eval_interval=5"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "error: config key 'evaluators' names tasks lm-eval does not have: nosuchtask, piqa_typo; check their "
+        "spelling (python -m lm_eval --tasks list names them all)\n"
+    )
+    assert main([*args, "--evaluators=[{label: piqa}]", "--eval_interval=5"]) == 0
     out = capsys.readouterr().out
-    assert "left out of this run: nosuchtask" in out and "checked its save folder, run spec and evaluators" in out
+    assert (
+        "left out of this run: piqa (no data set" in out and "checked its save folder, run spec and evaluators" in out
+    )
     np.save(tmp_path / "short.npy", np.arange(10, dtype=np.uint16))  # not one window: every loss would read 0
     assert main([*args, f"--data.validation_paths=[{tmp_path / 'short.npy'}]", "--eval_interval=5"]) == 2
     assert capsys.readouterr().err.endswith(

@@ -83,15 +83,18 @@ def test_console_line_formats_every_metric_it_knows() -> None:
         "sync_download_s": 2.0,
         "sync_mb_up": 70.56,
         "sync_mb_down": 188.0,
+        "merge_alpha": 0.04567,
         "eta_min": 12.345,
     }
-    assert format_line(1, 1, metrics) == (
+    assert format_line(1, 1, {**metrics, "merged": True}) == (
         "step 1/1 [####################] 100% | loss 2.1235 | ce 2.0000 | lb_loss 0.0123 | z_loss 0.00012 | "
         "lr 1.23e-04 | grad_norm 1.235 | tokens_per_s 1,234,568 | mfu 18.5% | peak_gpu_mb 14,249 | val_loss 3.0000 | "
         "val_ppl 20.09 | merged_val_loss 2.9000 | sync_s 1.23 | sync_wait_s 0.50 | sync_upload_s 0.25 | "
-        "sync_publish_s 0.12 | sync_download_s 2.00 | sync_mb_up 70.6 | sync_mb_down 188.0 | eta_min 12.3"
+        "sync_publish_s 0.12 | sync_download_s 2.00 | sync_mb_up 70.6 | sync_mb_down 188.0 | merge_alpha 0.046 | "
+        "eta_min 12.3"
     )
-    nan = format_line(1, 1, dict.fromkeys(metrics, math.nan))  # a diverged step is shown as it is
+    assert "merge_alpha" not in format_line(1, 1, {**metrics, "merged": False})  # a round without the warm-up
+    nan = format_line(1, 1, {**dict.fromkeys(metrics, math.nan), "merged": True})  # a diverged step as it is
     assert nan.split(" | ")[1:] == [f"{key} {'nan%' if key == 'mfu' else 'nan'}" for key in metrics]
 
 

@@ -41,8 +41,8 @@ RUN = spec_of_run(None, ["--spes_config.num_peers=4", "--spes_config.num_train_e
 """The spec of a server started without the run's YAML: it learns the model from the first node to join."""
 
 
-def shard_for(path: Path, tokenizer: LoadedTokenizer, vocab_size: int) -> Path:
-    """128 sequences of 64 random ids below `vocab_size`, recorded as written with `tokenizer`."""
+def shard_for(path: Path, tokenizer: LoadedTokenizer, vocab_size: int, eos_token_id: int = 0) -> Path:
+    """128 sequences of 64 random ids below `vocab_size`, recorded as written with `tokenizer` and its EOS."""
     tokens = np.random.default_rng(0).integers(0, vocab_size, 64 * 128).astype(np.uint16)
     shard = write_token_shard(path, tokens, with_sidecar=False)
     write_shard_info(
@@ -50,7 +50,7 @@ def shard_for(path: Path, tokenizer: LoadedTokenizer, vocab_size: int) -> Path:
         ShardInfo(
             tokenizer_fingerprint=tokenizer.fingerprint,
             vocab_size=vocab_size,
-            eos_token_id=0,
+            eos_token_id=eos_token_id,
             dtype="uint16",
             num_tokens=len(tokens),
             num_documents=1,
@@ -119,6 +119,7 @@ def test_every_check_passes_for_a_matching_node_and_the_server_is_unchanged(
     assert all(line.startswith("ok") for line in lines.values()), lines
     assert "tcp plane" in lines["link"] and "RTT" in lines["link"] and "MiB/s" in lines["link"]
     assert "no peer has joined yet" in lines["settings"]
+    assert "note" not in lines["data"]  # the shard's sidecar names this tokenizer
     assert status(server) == before
 
 
@@ -200,6 +201,10 @@ def test_too_few_tokens_or_another_vocabulary_fail_the_data_check(
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{other}]")
     assert rc == 1 and lines["data"].startswith("FAIL")
     assert "written for a vocabulary of 1000" in lines["data"] and "re-tokenize" in lines["data"]
+    other = shard_for(tmp_path / "other_eos.npy", tokenizer, tokenizer.vocab_size, eos_token_id=1)
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{other}]")
+    assert rc == 1 and lines["data"].startswith("FAIL")
+    assert f"{other} ends its documents with token 1 but model.eos_token_id is 0" in lines["data"]
 
 
 def test_a_bare_olmo_shard_is_checked_by_its_largest_id(
@@ -209,6 +214,12 @@ def test_a_bare_olmo_shard_is_checked_by_its_largest_id(
     bare = write_token_shard(tmp_path / "bare.npy", tokens, with_sidecar=False)
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{bare}]")
     assert "uint16, 8,192 tokens = 128 sequences" in lines["data"]
+    assert lines["data"].endswith(
+        "; note: no shard has a sidecar, so the tokenizer they were written with cannot be checked"
+    )
+    other = write_token_shard(tmp_path / "other.npy", tokens, vocab_size=tokenizer.vocab_size)  # another fingerprint
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{other}]")
+    assert lines["data"].endswith("; note: written with another tokenizer file of the same vocabulary size")
     tokens[-1] = tokenizer.vocab_size
     beyond = write_token_shard(tmp_path / "beyond.npy", tokens, with_sidecar=False)
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--data.paths=[{beyond}]")

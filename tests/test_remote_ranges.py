@@ -54,6 +54,9 @@ def test_a_headerless_olmo_file_is_read_a_window_at_a_time_and_nothing_is_downlo
     assert dataset[7].tolist() == tokens[700:800].tolist()
     assert served.asked == [("GET", "/olmo/part-0.npy", "bytes=1400-1599")]
     assert not (tmp_path / "cache").exists()
+    served.files["/olmo/wide.npy"] = (np.arange(1000) % 97 + 1).astype(np.uint32).tobytes()
+    with pytest.raises(ValueError, match=r"/olmo/wide.npy holds uint32 token ids .* set data.memmap_dtype=uint32$"):
+        open_token_array(served.url + "/olmo/wide.npy")
 
 
 @pytest.mark.timeout(60)

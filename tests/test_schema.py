@@ -101,7 +101,7 @@ def test_any_dataclass_is_built_and_its_unknown_keys_named() -> None:
 def test_help_names_each_key_with_its_type_range_and_doc_and_each_section_a_heading() -> None:
     assert config_help(Outer) == [
         "  --name='run'  [str]  a name",
-        "  --kind='a'  [Literal['a', 'b']]  a choice",
+        "  --kind='a'  ['a' | 'b']  a choice",
         "  --steps=[]  [list[int]]  steps",
         "  inner.*  -- a section",
         "  --inner.rate=0.5  [float in (0, 1]]  a rate",

@@ -3,6 +3,7 @@ spec comes from its YAML and `--section.key=value` overrides, the flags are the 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,33 @@ def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section() -> None
         "--token_file",
     ):
         assert key in help_text
+
+
+@pytest.mark.timeout(60)
+def test_the_server_script_started_from_elsewhere_runs_its_repositorys_interpreter(tmp_path: Path) -> None:
+    """Without PYTHON, run_parameter_server.sh takes the .venv beside its own run_scripts/ (not one in the current
+    directory, nor a python3 on PATH that may lack spes), and reads the YAML from the caller's directory."""
+    repo = tmp_path / "repo"
+    (repo / "run_scripts").mkdir(parents=True)
+    script = repo / "run_scripts" / "run_parameter_server.sh"
+    script.write_text((REPO / "run_scripts" / "run_parameter_server.sh").read_text())
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / "bin").mkdir()
+    for path, text in (
+        (repo / ".venv" / "bin" / "python", f'exec {sys.executable} "$@"'),  # a venv's python, wherever it lies
+        (tmp_path / "bin" / "python3", "echo 'not the repository interpreter' >&2; exit 97"),
+    ):
+        path.write_text(f"#!/bin/sh\n{text}\n")
+        path.chmod(0o755)
+    (tmp_path / "run.yaml").write_text((CONFIGS / "tiny.yaml").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env["PATH"] = f"{tmp_path / 'bin'}:/usr/bin:/bin"
+
+    def server(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = ["/bin/bash", str(script), *args]
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+
+    helped = server("--help")
+    assert helped.returncode == 0 and "usage: python -m spes.server" in helped.stdout, helped.stderr
+    refused = server("run.yaml", "--server.merge_topk=0")
+    assert refused.returncode == 2 and "config key 'server.merge_topk' = 0 must be >= 1" in refused.stderr

@@ -80,6 +80,28 @@ def test_a_headerless_file_is_read_as_memmap_dtype_and_refused_when_it_cannot_be
     assert open_token_array(flat, "uint32").shape == (0,) and open_token_array(flat, "uint32").dtype == np.uint32
 
 
+def test_uint32_ids_read_as_the_default_uint16_are_refused_and_taken_when_named(tmp_path: Path) -> None:
+    """OLMo writes uint32 files for its larger vocabularies; read as uint16, every second token would be a 0."""
+    flat = tmp_path / "flat.npy"
+    (np.arange(32, dtype=np.uint32) + 60000).tofile(flat)
+    with pytest.raises(ValueError) as err:
+        open_token_array(flat)
+    assert str(err.value) == (
+        f"headerless token file {flat} holds uint32 token ids by the look of its first 128 bytes (every second "
+        "16-bit half is 0) but is read as uint16 (data.memmap_dtype unset); set data.memmap_dtype=uint32"
+    )
+    assert open_token_array(flat, "uint32").tolist() == list(range(60000, 60032))
+    assert len(open_token_array(flat, "uint16")) == 64  # named: taken as told
+    (np.arange(31, dtype=np.uint32) + 1).tofile(flat)  # too few ids to tell
+    assert len(open_token_array(flat)) == 62
+    np.zeros(32, dtype=np.uint32).tofile(flat)  # nothing but zeros: nothing to tell by
+    assert len(open_token_array(flat)) == 64
+    tokens = np.arange(64, dtype=np.uint16) + 1
+    tokens[-1] = 0  # uint16 ids whose odd halves are not all 0
+    tokens.tofile(flat)
+    assert open_token_array(flat).tolist() == tokens.tolist()
+
+
 def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: list[Path], tmp_path: Path) -> None:
     listing = tmp_path / "lists" / "files.txt"
     listing.parent.mkdir()

@@ -290,12 +290,14 @@ def test_node_commands_pass_the_preflight_settings_check(
 
 
 def run_python(command: str, scratch: Path, *extra: str, timeout: float = 380) -> subprocess.CompletedProcess[str]:
-    """A `python -m ...` command as written (with this interpreter), `extra` appended, run in `scratch`."""
+    """A `python -m ...` command as written (with this interpreter and the `VAR=value` words before it in its
+    environment), `extra` appended, run in `scratch`."""
     words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words[: words.index("-m")] if re.fullmatch(r"[A-Z_]+=\S*", w))
     proc = subprocess.run(
         [sys.executable, *words[words.index("-m") :], *extra],
         cwd=scratch,
-        env=child_env(),
+        env=child_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -333,6 +335,21 @@ def test_launch_commands_run(command: str, scratch: Path, tiny_corpus, request: 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", [c for c in of_kind("-m spes.train ") if " configs/tiny.yaml " in c])
+def test_tiny_train_commands_run_as_written(command: str, scratch: Path, tiny_corpus) -> None:
+    """A doc's `spes.train configs/tiny.yaml ...` trains two steps as written, on the test corpus (as a node of a
+    SPES run it would wait for a server no command of it starts), and its dashboards write where the docs say:
+    tensorboard in its log_dir, wandb where the docs' `wandb sync` reads."""
+    data = [f"--tokenizer.identifier={tiny_corpus.tokenizer}", f"--data.paths=[{tiny_corpus.train}]"]
+    run_python(command, scratch, *data, "--max_duration=2st", "--eval_interval=null", timeout=240)
+    for log_dir in re.findall(r"--tensorboard.log_dir=(\S+)", command):
+        assert list((scratch / log_dir).iterdir()), f"{command}: nothing in {log_dir}"
+    synced = [c.split()[2] for _, c in COMMANDS if c.startswith("wandb sync ")]
+    assert synced and all(list(scratch.glob(p)) for p in synced if "--wandb." in command), synced
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_upcycle_tiny_header_runs_in_order(scratch: Path, tiny_corpus) -> None:
     """Make a random dense Qwen3 model, upcycle it into the run's load_path, launch the run (4 peers + server)
@@ -355,3 +372,34 @@ def test_the_upcycle_tiny_header_runs_in_order(scratch: Path, tiny_corpus) -> No
     for peer in range(cfg.num_peers):
         trained = load_model_state(run / f"node{peer}" / "step2")
         assert not torch.equal(trained["blocks.0.ffn.experts.w1.0"], start["blocks.0.ffn.experts.w1.0"])
+
+
+SCRIPTS = sorted(
+    str(p.relative_to(REPO))
+    for d in ("run_scripts", "eval_scripts", "data_process_scripts")
+    for p in (REPO / d).glob("*.sh")
+)
+
+
+DELEGATED_HELP = {
+    "run_scripts/run_parameter_server.sh": "usage: python -m spes.server",
+    "run_scripts/test.sh": "usage: python -m pytest",
+}
+"""Scripts whose `--help` is the help of the command they run."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_answers_help_and_does_nothing_else(script: str, tmp_path: Path) -> None:
+    """`--help` prints how to use the script and exits 0 (it ran the quickstart, or took `--help` for a model)."""
+    proc = subprocess.run(
+        ["bash", str(REPO / script), "--help"],
+        cwd=tmp_path,
+        env=child_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    expected = DELEGATED_HELP.get(script, f"{script} ")  # a line of the header showing how to run it
+    assert proc.returncode == 0 and expected in proc.stdout, proc.stdout + proc.stderr
+    assert not list(tmp_path.iterdir()), "it wrote files"

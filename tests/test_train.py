@@ -1,5 +1,6 @@
-"""`python -m spes.train` as users meet it: every failure ends in one line and a non-zero exit (no traceback),
-also under torchrun through the project's scripts; `--resume=auto` continues a killed run where it stopped."""
+"""`python -m spes.train` as users meet it: every failure ends in one line and a non-zero exit (no traceback on
+screen, yet none lost: docs/running.md's exit codes and tracebacks), also under torchrun through the project's scripts;
+`--resume=auto` continues a killed run where it stopped."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
-from spes.train import main, parse_args
+from spes.config import load_config
+from spes.train import describe_experts, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -42,10 +44,28 @@ def test_resume_flags_are_parsed() -> None:
     assert parse_args(["c.yaml"])[2] is None
 
 
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["--spes_config.peer_id=1"], "experts: trains 2..3 of 8 in every MoE layer (peer 1 of 4), the others frozen"),
+        (
+            ["--spes_config.peer_id=3", "--spes_config.num_train_experts_per_node=3"],
+            "experts: trains none (peer 3 of 4: 3 per peer leave it none of 8), only the shared parameters",
+        ),
+        (["--using_spes=false"], "experts: trains all 8 of every MoE layer"),
+    ],
+)
+def test_a_node_says_which_experts_it_trains(overrides: list[str], said: str) -> None:
+    assert describe_experts(load_config(TINY, overrides)[0]) == said
+
+
 def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ...]]]:  # type: ignore[no-untyped-def]
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model:\n  d_model: 64\n n_heads: [4\n")
     big_vocab = write_token_shard(tmp_path / "big_vocab.npy", np.arange(4096, dtype=np.uint16))
+    other_eos = write_token_shard(
+        tmp_path / "eos.npy", np.arange(4096, dtype=np.uint16), vocab_size=4096, eos_token_id=7
+    )
     data = corpus.overrides(tmp_path / "out")
     return [
         ([str(tmp_path / "missing.yaml")], ("config file not found",)),
@@ -54,9 +74,15 @@ def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ..
         ([TINY, "--model.d_model=abc"], ("command line (--model.d_model=abc)", "expected int")),
         ([TINY, "--data.paths=x.npy"], ("command line", "--data.paths=[x.npy]")),
         ([TINY, "--resume=yes"], ("--resume=auto",)),
-        ([TINY, *data, *FAST, f"--data.paths=[{tmp_path}/nothing/*.npy]"], ("matches no file",)),
+        ([TINY, *data, *FAST, f"--data.paths=[{tmp_path}/nothing/*.npy]"], ("data.paths: ", "matches no file")),
+        (
+            [TINY, *data, *FAST, "--eval_interval=1", "--data.validation_paths=[nope.npy]"],
+            ("data.validation_paths: data path 'nope.npy' does not exist",),
+        ),
         ([TINY, *data, *FAST, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("no_tokenizer",)),
         ([TINY, *data, *FAST, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.embedding_size")),
+        ([TINY, *data, *FAST, f"--data.paths=[{other_eos}]"], ("eos.npy", "token 7", "model.eos_token_id=7")),
+        ([TINY, *data, *FAST, "--resume"], ("nothing to resume", "holds no checkpoint yet", "--resume=auto")),
     ]
 
 
@@ -92,7 +118,9 @@ def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path, dead_port: int)
         "--save_interval=null",
     ]
     code, out = train(tmp_path, *node, f"--spes_config.server_addr=127.0.0.1:{dead_port}", name="nobody.log")
-    assert_one_line(code, out, "127.0.0.1")
+    assert_one_line(
+        code, out, f"spes_config.server_addr=127.0.0.1:{dead_port}", "is the parameter server running there"
+    )
     two = [
         "--spes_config.num_peers=2",
         "--spes_config.num_train_experts_per_node=4",

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -37,12 +38,20 @@ def centralized(corpus, folder: Path, *extra: str) -> list[str]:  # type: ignore
 def test_resume_reproduces_the_uninterrupted_run(  # type: ignore[no-untyped-def]
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """... and names the settings changed since the checkpoint it continues (here the stop it was given)."""
+    """... and names the settings changed since the checkpoint it continues (here the stop it was given); a resume
+    with nothing left to do names the setting that says so."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ["--max_duration=12st", "--save_interval=6", "--log_interval=1"]
     assert main(centralized(tiny_corpus, straight, *common)) == 0
     assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6")) == 0
-    capsys.readouterr()
+    assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6", "--resume")) == 0
+    assert "nothing to do: checkpoint is at step 6, stop_at is 6 (max_duration is 12 steps); raise stop_at\n" in (
+        capsys.readouterr().out
+    )
+    assert main(centralized(tiny_corpus, resumed, "--max_duration=6st", "--resume")) == 0
+    assert "nothing to do: checkpoint is at step 6, max_duration is 6 steps; raise max_duration\n" in (
+        capsys.readouterr().out
+    )
     assert main(centralized(tiny_corpus, resumed, *common, "--resume")) == 0
     assert "resuming with 1 setting(s) changed since that checkpoint: stop_at: 6 -> None\n" in capsys.readouterr().out
     a, b = metrics(straight), metrics(resumed)
@@ -53,9 +62,9 @@ def test_resume_reproduces_the_uninterrupted_run(  # type: ignore[no-untyped-def
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def _node(corpus, tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
+def _node(corpus, tmp_path: Path, *extra: str, log: Callable[[str], None] = lambda _m: None):  # type: ignore[no-untyped-def]
     cfg, _ = load_config(TINY, [*corpus.overrides(tmp_path), *QUIET, "--save_interval=null", *extra])
-    node = build_node(cfg, CPU, log=lambda _m: None)
+    node = build_node(cfg, CPU, log=log)
     trainer = Trainer(
         cfg=cfg, model=node.model, optimizer=node.optimizer, loader=node.loader, info=CPU, log=lambda _m: None
     )
@@ -242,10 +251,19 @@ def test_corrupt_checkpoint_is_refused_and_older_ones_untouched(
 
 
 def test_a_centralized_checkpoint_seeds_a_spes_node(tiny_corpus, tmp_path: Path) -> None:
-    """Expert blocks are re-blocked across layouts; the SPES node starts at step 0 from those weights."""
+    """Expert blocks are re-blocked across layouts; the SPES node starts at step 0 from those weights, and says
+    that only the weights came along."""
     central = tmp_path / "central"
     assert main(centralized(tiny_corpus, central, "--max_duration=2st", "--save_interval=2")) == 0
-    cfg, node, trainer = _node(tiny_corpus, tmp_path / "spes", f"--load_path={central}", "--max_duration=1st")
+    logged: list[str] = []
+    extra = (f"--load_path={central}", "--max_duration=1st")
+    cfg, node, trainer = _node(tiny_corpus, tmp_path / "spes", *extra, log=logged.append)
+    assert (
+        f"loaded only the weights of {central / 'step2'}: it has another expert layout, re-blocked to this run's; its "
+        "optimizer and trainer state fit only its own layout, so this run starts at step 0 with a fresh optimizer, "
+        "the data from the start and the learning-rate schedule (warm-up included) from its beginning"
+    ) in logged and not any(m.startswith("loaded ") and "(step" in m for m in logged), logged
+    assert node.optimizer.state == {}
     saved = load_file(central / "step2" / "model.safetensors")
     assert torch.equal(torch.cat(list(node.model.blocks[0].ffn.experts.w1)), saved["blocks.0.ffn.experts.w1.0"])
     assert node.checkpoint is not None and node.checkpoint.trainer == {}

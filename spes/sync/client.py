@@ -123,6 +123,10 @@ class ServerStatus:
         )
 
 
+SERVER_SETTING = "spes_config.server_addr"
+"""The config key naming the server a client connects to: what a user checks when it cannot be reached."""
+
+
 class SyncClient:
     """A peer's side of the rounds: join, sync, catch up, recover (thread-compatible, not thread-safe).
 
@@ -311,8 +315,8 @@ class SyncClient:
         )
 
     def _join(self, request: pb.JoinRequest) -> int:
-        reply = self._retrying(
-            "join",
+        reply = self._retrying(  # NOTE: its retries name the setting to check when the server cannot be reached
+            f"join of the parameter server at {SERVER_SETTING}={self.connection.settings.server_addr}",
             lambda timeout: self.connection.stub.Join(request, timeout=timeout, metadata=self.connection.metadata),
             per_attempt_s=self.rpc_timeout_s,
         )

@@ -40,7 +40,7 @@ from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.interrupt import Interrupted
 from spes.sync.auth import read_token
-from spes.sync.client import RoundPhases, SyncClient, SyncStats
+from spes.sync.client import SERVER_SETTING, RoundPhases, SyncClient, SyncStats
 from spes.sync.fragments import WHOLE
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, SyncError, Tensors
@@ -422,9 +422,9 @@ class PeerSync:
             if flag.item() == 1 and error is None:
                 raise SyncError(f"rank 0 failed to {what}; its error line says why")
         if isinstance(error, SyncError) and error.code == grpc.StatusCode.UNAVAILABLE:
+            where = "there" if SERVER_SETTING in str(error) else f"at {SERVER_SETTING}={self.server_addr}"
             raise SyncError(
-                f"{error}; is the parameter server running at spes_config.server_addr={self.server_addr} "
-                f"and reachable from this node?",
+                f"{error}; is the parameter server running {where} and reachable from this node?",
                 error.code,
             ) from None
         if error is not None:

@@ -190,7 +190,8 @@ def free_port() -> int:
 
 
 @pytest.mark.timeout(60)
-def test_client_retries_until_the_server_comes_up() -> None:
+def test_client_retries_until_the_server_comes_up(caplog: pytest.LogCaptureFixture) -> None:
+    """... and its first retry line says what it tries and the setting that names the server."""
     port = free_port()
     spec = tiny_spec()
     started: list = []
@@ -202,12 +203,18 @@ def test_client_retries_until_the_server_comes_up() -> None:
     thread = threading.Thread(target=start_later)
     thread.start()
     try:
-        with make_client(f"127.0.0.1:{port}", spec, 0, rpc_timeout_s=2, max_retries=6) as client:
+        with (
+            caplog.at_level("WARNING", logger="spes.client"),
+            make_client(f"127.0.0.1:{port}", spec, 0, rpc_timeout_s=2, max_retries=6) as client,
+        ):
             assert client.join() == -1
     finally:
         thread.join()
         for server in started:
             server.stop(grace_s=0)
+    first = caplog.messages[0]
+    assert first.startswith(f"join of the parameter server at spes_config.server_addr=127.0.0.1:{port} failed ("), first
+    assert "; retry 1/6 in " in first, first
 
 
 def test_client_checks_its_own_inputs() -> None:

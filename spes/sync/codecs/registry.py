@@ -2,7 +2,8 @@
 
 A codec is chosen run-wide in the run spec (`spes.sync.spec`); the client, the coordinator and both planes use it
 through the interfaces of `spes.sync.codecs.base` and never branch on which one it is. Adding a codec is its own
-module, its tests and one line in `REGISTRY` below:
+module, its tests, one line in `REGISTRY` below and its name in `spes.config.CodecName` (what a config accepts, checked
+as it loads without importing torch):
 
 - `fp32`, `bf16`: raw values (`spes.sync.codecs.raw`);
 - `int8`: blockwise int8 deltas against the held model with error feedback (`int8` over `held`);

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from spes.config import CODECS
 from spes.sync.codecs import int8, sparse
 from spes.sync.codecs.held import HeldPeer, HeldServer
 from spes.sync.codecs.raw import RawPeer, RawServer
@@ -48,8 +49,9 @@ def test_sparse_sends_up_in_its_format_and_down_in_the_servers() -> None:
     assert codec.down_bytes(n) == sparse.payload_bytes(n, defaults.chunk, defaults.down_topk, defaults.down_bits)
 
 
-def test_the_registry_is_the_four_codecs() -> None:
+def test_the_registry_is_the_four_codecs_a_config_accepts() -> None:
     assert sorted(REGISTRY) == ["bf16", "fp32", "int8", "sparse"]
+    assert list(REGISTRY) == list(CODECS)  # spes.config's names, which refuse another codec as a config loads
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,103 @@
+"""How a run that fails ends: one line `error: ...` naming the culprit and the fix, and an exit code by kind.
+
+A user's bad input, a dead server or a diverged loss is refused by a `raise` of spes whose message says what to do;
+anything else (a bug, or a library's or the system's error passed on) is named with its type and the line of ours it
+came through, its traceback kept in a file the line names (`SPES_DEBUG=1`: printed above it). `spes.torchrun` reads
+the line from `$SPES_ERROR_DIR` and prints it last. docs/running.md has the exit codes' table (held to USER_ERRORS
+by its test).
+"""
+
+from __future__ import annotations
+
+import dis
+import os
+import sys
+import sysconfig
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+from spes.guard import NonFiniteError
+from spes.sync.protocol import SyncError
+from spes.torchrun import ERROR_DIR_ENV
+
+# What a user can cause or meet: each ends the run with its message as one line and this exit code (the first
+# that matches). OSError: a full disk or an unwritable save_folder; KeyboardInterrupt: a second Ctrl-C.
+USER_ERRORS: dict[type[BaseException], int] = {
+    ValueError: 2,
+    FileNotFoundError: 2,
+    SyncError: 3,
+    NonFiniteError: 4,
+    torch.OutOfMemoryError: 5,
+    OSError: 6,
+    KeyboardInterrupt: 130,
+}
+HINTS: dict[type[BaseException], str] = {
+    torch.OutOfMemoryError: "lower device_train_microbatch_size or set activation_checkpointing",
+    KeyboardInterrupt: "interrupted without saving; start again with --resume=auto: it continues from save_folder's "
+    "last checkpoint, or starts afresh when there is none yet",
+}
+DEBUG_ENV = "SPES_DEBUG"
+"""Set to 1, a failure's full traceback is printed above its error line."""
+LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+"""Where Python's and the installed packages' code lives: a frame there is not where a failure of ours lies."""
+
+
+def report(e: BaseException) -> int:
+    """Print the failure as one line (and leave it for `spes.torchrun`); its exit code.
+
+    The traceback is never lost: SPES_DEBUG=1 prints it above the line; without it, a failure spes did not raise on
+    purpose (a bug, or an error of a library or of the system that spes passes on) is named with its type and where it
+    was raised, and its traceback is kept in a file the line names.
+    """
+    debug = os.environ.get(DEBUG_ENV) == "1"
+    if debug:
+        traceback.print_exception(e, file=sys.stderr)
+    hint = next((h for kind, h in HINTS.items() if isinstance(e, kind)), None)
+    message = str(e)
+    if hint is None and not _raised_by_spes(e):
+        kept = "traceback above" if debug else _keep_traceback(e)
+        message = f"{type(e).__name__}: {message} (at {_raised_at(e)}; {kept})"
+    line = "error: " + "; ".join(" ".join(part.split()) for part in (message, hint) if part)
+    print(line, file=sys.stderr, flush=True)
+    if os.environ.get(ERROR_DIR_ENV):
+        with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+            f.write(line + "\n")
+    return next(code for kind, code in USER_ERRORS.items() if isinstance(e, kind))
+
+
+def _raised_by_spes(e: BaseException) -> bool:
+    """Whether a `raise` statement of the spes package raised `e`: a refusal whose message names the culprit and
+    the fix (any other error's message may name neither)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    code = tb.tb_frame.f_code
+    in_spes = Path(code.co_filename).resolve().is_relative_to(Path(__file__).resolve().parent)
+    return in_spes and dis.opname[code.co_code[tb.tb_lasti]] == "RAISE_VARARGS"
+
+
+def _raised_at(e: BaseException) -> str:
+    """`file:line` of the innermost frame of `e` outside Python and the installed packages (the call of ours that
+    failed), relative to the working directory when under it."""
+    frames = traceback.extract_tb(e.__traceback__)  # NOTE: a caught exception has at least the catcher's frame
+    where = next((f for f in reversed(frames) if not f.filename.startswith(LIBRARIES)), frames[-1])
+    path = Path(where.filename)
+    return f"{path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}:{where.lineno}"
+
+
+def _keep_traceback(e: BaseException) -> str:
+    """Write the traceback of `e` to a temporary file; says where (or prints it when no file can be written)."""
+    text = "".join(traceback.format_exception(e))
+    try:
+        fd, path = tempfile.mkstemp(prefix="spes-traceback-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError:
+        print(text, end="", file=sys.stderr)
+        return "traceback above"
+    return f"traceback in {path}"

@@ -1,0 +1,110 @@
+"""How a failed run ends (spes.failures), through `spes.train`'s main: a refusal of spes is its one line; any other
+failure names its type and where it came through, its traceback kept in a file (or printed with SPES_DEBUG=1); the
+exit codes are those docs/running.md tabulates."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import spes.train
+from spes.failures import DEBUG_ENV, USER_ERRORS
+from spes.train import main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny.yaml")
+
+
+def _plant_bug(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str]:
+    """A bug in spes's own code, no refusal of its: `main` unpacks what a changed `load_config` returns.
+    Returns (the error, where it is raised, its source line)."""
+    monkeypatch.setattr(spes.train, "load_config", lambda path, overrides: (1, 2, 3))
+    lines, first = inspect.getsourcelines(main)
+    where = f"spes/train.py:{first + next(i for i, line in enumerate(lines) if '= load_config(' in line)}"
+    return "ValueError: too many values to unpack (expected 2)", where, "cfg, inert = load_config("
+
+
+def _plant_raise(monkeypatch: pytest.MonkeyPatch) -> tuple[str, str, str]:
+    """A ValueError raised on purpose but not by spes, as a library raises one that spes passes on."""
+
+    def run(cfg: object, inert: object = None) -> int:
+        raise ValueError("planted")
+
+    monkeypatch.setattr(spes.train, "run", run)
+    return "ValueError: planted", f"test_failures.py:{run.__code__.co_firstlineno + 1}", 'raise ValueError("planted")'
+
+
+@pytest.fixture
+def kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder a failure's traceback file goes to (the temporary directory), here empty at first."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    return tmp_path
+
+
+@pytest.mark.parametrize("plant", [_plant_bug, _plant_raise])
+def test_a_failure_spes_did_not_raise_names_where_and_keeps_its_traceback_in_a_file(
+    plant: Callable[[pytest.MonkeyPatch], tuple[str, str, str]],
+    kept: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    message, where, source = plant(monkeypatch)
+    assert main([TINY]) == 2
+    err = capsys.readouterr().err
+    found = re.fullmatch(rf"error: {re.escape(message)} \(at (\S+); traceback in (\S+)\)\n", err)
+    assert found and found[1].endswith(where) and Path(found[2]).parent == kept, err
+    text = Path(found[2]).read_text()
+    assert text.startswith("Traceback (most recent call last):") and source in text, text
+
+
+def test_a_refusal_is_its_line_alone_and_spes_debug_prints_every_traceback(
+    kept: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    refusal = (
+        "error: command line (--model.d_mdoel=3): unknown config key 'model.d_mdoel'; did you mean 'model.d_model'?\n"
+    )
+    assert main([TINY, "--model.d_mdoel=3"]) == 2
+    assert capsys.readouterr().err == refusal and not any(kept.iterdir())
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    assert main([TINY, "--model.d_mdoel=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):") and err.endswith("\n" + refusal), err
+    _, _, source = _plant_bug(monkeypatch)
+    assert main([TINY]) == 2
+    err = capsys.readouterr().err
+    assert source in err and err.endswith("; traceback above)\n") and not any(kept.iterdir()), err
+
+
+def test_ctrl_c_before_any_checkpoint_points_to_a_resume_that_works(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second Ctrl-C, or one while the node is still being built, ends without saving: there may be no
+    checkpoint yet, where --resume would fail; --resume=auto continues or starts afresh."""
+
+    def interrupted(cfg: object, inert: object = None) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(spes.train, "run", interrupted)
+    assert main([TINY]) == 130
+    assert capsys.readouterr().err == (
+        "error: interrupted without saving; start again with --resume=auto: it continues from save_folder's last "
+        "checkpoint, or starts afresh when there is none yet\n"
+    )
+
+
+def test_the_exit_codes_table_is_the_codes_of_the_code() -> None:
+    """docs/running.md's table, row by row: the exit code of each kind of failure `spes.train` reports."""
+    doc = (REPO / "docs" / "running.md").read_text()
+    table = doc[doc.index("**Exit codes.**") : doc.index("**Tracebacks.**")]
+    documented = {
+        kind: int(code)
+        for code, kinds in re.findall(r"^\| (\d+) \|.*\| ([^|]*) \|$", table, flags=re.M)
+        for kind in re.findall(r"`(\w+)`", kinds)
+    }
+    assert documented == {kind.__name__: code for kind, code in USER_ERRORS.items()}
