@@ -142,8 +142,13 @@ with open(os.environ["STAND_IN_CALLS"], "a") as calls:
     calls.write(json.dumps(call) + "\n")
 value = lambda flag: args[args.index(flag) + 1]
 if program == "eval_tools.py":
-    missing = os.environ.get("STAND_IN_MISSING", "").split(",")
-    status = {t: {"available": t not in missing, "reason": f"no data set x/{t}"} for t in value("--tasks").split(",")}
+    missing, unknown = (os.environ.get(f"STAND_IN_{what}", "").split(",") for what in ("MISSING", "UNKNOWN"))
+    status = {
+        t: {"dataset": None, "available": False, "reason": "lm-eval has no such task"}
+        if t in unknown
+        else {"dataset": f"x/{t}", "available": t not in missing, "reason": f"no data set x/{t}"}
+        for t in value("--tasks").split(",")
+    }
     Path(value("--status")).write_text(json.dumps(status))
 elif program == "build_local_tasks.py":
     tasks = os.environ.get("STAND_IN_LOCAL_TASKS", "spes_next_text,spes_heldout_ppl").split(",")
@@ -160,7 +165,8 @@ if (value("--tasks") if program == "lm_eval" else program) in os.environ.get("ST
     sys.exit("stand-in failed")  # after writing its results, as a run that crashes at its end
 """
 """eval_scripts' two scripts and lm-eval in one: it records each call (program, arguments, working directory,
-PYTHONPATH) and answers as the real one would; the environment says which tasks lack data (STAND_IN_MISSING), what
+PYTHONPATH) and answers as the real one would; the environment says which tasks lm-eval does not have
+(STAND_IN_UNKNOWN) and which lack data (STAND_IN_MISSING), what
 the local suite holds (STAND_IN_LOCAL_TASKS) and what fails (STAND_IN_FAILS: a script's name or lm-eval's tasks)."""
 
 
@@ -230,6 +236,20 @@ def test_tasks_without_data_are_left_out_at_start_by_label_in_one_note(
         "Face cache (HF_HOME) or downloadable from here (not HF_HUB_OFFLINE=1)"
     ]
     assert (folder / "task_status.log").is_file()
+
+
+def test_tasks_lm_eval_does_not_have_are_refused_at_start_by_name(
+    stand_ins: Path, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAND_IN_UNKNOWN", "piqa_typo,zz")
+    monkeypatch.setenv("STAND_IN_MISSING", "cb")
+    entries = "[{label: zz}, {label: piqa}, {label: piqa_typo}, {label: commitment_bank}]"
+    with pytest.raises(ConfigError) as refused:
+        evaluators_of(evals_config(tmp_path, tokenizer, entries), CPU, print)
+    assert str(refused.value) == (
+        "config key 'evaluators' names tasks lm-eval does not have: piqa_typo, zz; check their spelling "
+        "(python -m lm_eval --tasks list names them all)"
+    )
 
 
 def test_the_data_check_runs_on_the_main_rank_for_lm_evals_own_tasks_only(
