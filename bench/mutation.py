@@ -153,6 +153,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/evaluators.py": ("tests/test_evaluators.py", "-m", "not slow"),
     # signals sent to the test's own process; not the interrupted multi-node runs (processes of their own)
     "spes/interrupt.py": ("tests/test_interrupt.py", "-m", "not slow"),
+    # a failed run's line, exit code and kept traceback, through spes.train's main in the test's own process
+    "spes/failures.py": ("tests/test_failures.py",),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""
