@@ -317,6 +317,11 @@ def test_a_numeric_key_in_file_is_an_unknown_key(tmp_path: Path) -> None:
         ("--model.learnig_rate=1e-3", "model.learnig_rate", "'optimizer.learning_rate'"),
         ("--optimizer.log_dir=tb", "optimizer.log_dir", "'tensorboard.log_dir'"),  # an optional section's too
         ("--model.seed=1", "model.seed", "'seed' or 'data.seed'"),
+        (  # a key two sections deep, by its last part
+            "--repetition_max_periodd=5",
+            "repetition_max_periodd",
+            "'data.instance_filter.repetition_max_period'",
+        ),
     ],
 )
 def test_unknown_key_in_override(override: str, wrong: str, suggested: str | None) -> None:

@@ -10,7 +10,17 @@ from typing import ClassVar, Literal
 
 import pytest
 
-from spes.schema import ConfigError, Range, Section, config_help, from_dict, number_flag, read_mapping, to_dict
+from spes.schema import (
+    ConfigError,
+    Range,
+    Section,
+    config_help,
+    from_dict,
+    from_file_and_overrides,
+    number_flag,
+    read_mapping,
+    to_dict,
+)
 
 
 @dataclass(kw_only=True)
@@ -108,6 +118,25 @@ def test_help_names_each_key_with_its_type_range_and_doc_and_each_section_a_head
         "  extra.*  -- an optional section",
         "  --extra.rate=0.5  [float in (0, 1]]  a rate",
     ]
+
+
+@dataclass(kw_only=True)
+class Weights(Section):
+    weights: dict[str, float] = field(default_factory=dict, metadata={"doc": "per-source weights"})
+
+    def __post_init__(self) -> None:
+        if sum(self.weights.values()) > 1:
+            raise ConfigError("the weights sum past 1")  # a check that names no key
+
+
+def test_a_type_of_two_arguments_reads_as_written() -> None:
+    assert config_help(Weights) == ["  --weights={}  [dict[str, float]]  per-source weights"]
+
+
+def test_a_refusal_naming_no_key_is_passed_on_as_it_is_beside_overrides() -> None:
+    with pytest.raises(ConfigError) as err:
+        from_file_and_overrides(Weights, {"weights": {"a": 0.75, "b": 0.5}}, "run.yaml", ["--weights.b=0.5"])
+    assert str(err.value) == "run.yaml: the weights sum past 1" and err.value.key is None
 
 
 def test_a_range_is_worded_as_a_user_reads_it() -> None:

@@ -100,6 +100,17 @@ def test_uint32_ids_read_as_the_default_uint16_are_refused_and_taken_when_named(
     tokens[-1] = 0  # uint16 ids whose odd halves are not all 0
     tokens.tofile(flat)
     assert open_token_array(flat).tolist() == tokens.tolist()
+    lone = np.zeros(32, dtype=np.uint32)
+    lone[1] = 7  # one id in the first 32 not 0: still uint32's every second half 0
+    lone.tofile(flat)
+    with pytest.raises(ValueError, match="holds uint32 token ids by the look of its first 128 bytes"):
+        open_token_array(flat)
+    np.append(np.zeros(64, dtype=np.uint16), np.uint16(5)).tofile(flat)  # 32 zero ids and half of one more
+    assert len(open_token_array(flat)) == 65  # the odd half is no uint32 of its own: nothing to tell by
+    wide = np.concatenate([np.arange(1024, dtype=np.uint32) + 1, np.full(1024, 2**17 + 1, dtype=np.uint32)])
+    wide.tofile(flat)  # judged by its first 4 KiB: what follows is not read for it
+    with pytest.raises(ValueError, match="holds uint32 token ids by the look of its first 4,096 bytes"):
+        open_token_array(flat)
 
 
 def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: list[Path], tmp_path: Path) -> None:
