@@ -79,7 +79,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/head_loss.py": ("tests/test_head_loss.py", "--deselect", COMPILED_HEAD),
     "spes/objective.py": ("tests/test_objective.py",),
     "spes/moe.py": ("tests/test_moe.py",),
-    "spes/data.py": ("tests/test_data.py",),
+    # shards at URLs too: opened from a loopback HTTP server, pickled to loader workers
+    "spes/data.py": ("tests/test_data.py", "tests/test_remote_ranges.py"),
     "spes/shards.py": (
         "tests/test_shards.py",
         "tests/test_data.py",
@@ -187,6 +188,11 @@ EQUIVALENT: dict[str, str] = {
         "spes.remote_ranges.x__total",
         "8 9 15 16",
         "the case of a header name: urllib3's response headers are looked up without case",
+    ),
+    **mutants(
+        "spes.data.xǁTokenSequenceDatasetǁ__init__",
+        "23",
+        "how many threads open the shards (the pool's default instead of one per shard up to 16): the same shards",
     ),
     **mutants(
         "spes.shards.xǁRangeTokenArrayǁopen",

@@ -58,6 +58,7 @@ def test_windows_stay_inside_shards_and_drop_remainders(dataset: TokenSequenceDa
     assert all(torch.equal(w, torch.arange(int(w[0]), int(w[0]) + SEQ_LEN)) for w in windows)
     starts = [int(w[0]) for w in windows]
     assert starts[24] == 96 and starts[25] == 103 and starts[36] == 103 + 44 and starts[37] == 153
+    assert [dataset.shard_windows(i) for i in range(3)] == [range(0, 25), range(25, 37), range(37, 38)]
     assert torch.equal(dataset[-1], windows[-1])
     with pytest.raises(IndexError):
         dataset[len(dataset)]
