@@ -33,6 +33,7 @@ from spes.schema import (
     from_file_and_overrides,
     override_to_dotlist,
     read_mapping,
+    texts_as_written,
 )
 
 RunMode = Literal["centralized", "spes", "diloco"]
@@ -868,6 +869,7 @@ def load_sync_sections(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Spe
                 f"command line (--{item}): without the run's YAML only --spes_config.*, --server.*, --using_spes and "
                 "--using_dilico apply; give the run's YAML first (python -m spes.server RUN.yaml ...)"
             )
+    dotlist = texts_as_written(TrainConfig, dotlist)
     check_overrides(TrainConfig, dotlist)
     raw = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))
     assert isinstance(raw, dict)

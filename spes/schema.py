@@ -111,7 +111,7 @@ def read_mapping(cls: type, path: str | Path | None, overrides: Sequence[str], w
     override at fault (`where` names the file in messages)."""
     try:
         base = OmegaConf.create({}) if path is None else _load_mapping(path)
-        dotlist = [override_to_dotlist(o) for o in overrides]
+        dotlist = texts_as_written(cls, [override_to_dotlist(o) for o in overrides])
         check_overrides(cls, dotlist)
         raw = _resolve_against_defaults(cls, _merge_overrides(cls, base, dotlist, where))
     except OmegaConfBaseException as e:
@@ -189,6 +189,30 @@ def override_to_dotlist(arg: str) -> str:
     if "=" not in body:
         raise ConfigError(f"override {arg!r} must look like --section.key=value")
     return body
+
+
+def texts_as_written(cls: type, dotlist: list[str]) -> list[str]:
+    """`dotlist` with the value of each text key (`str`, `str | None`) quoted: OmegaConf reads a bare value as YAML,
+    so a run id `66e7320945644684` would become the float inf and `0123` a number. Left as they are: a value quoted
+    already, null, a list or mapping (refused as the wrong type), an interpolation, a key of no field."""
+    quoted = []
+    for item in dotlist:
+        key, _, text = item.partition("=")
+        try:
+            hint = _lookup_field(cls, key.split("."), where="", root=cls)
+        except ConfigError:  # check_overrides names it
+            hint = None
+        plain = text[:1] not in ("'", '"', "[", "{") and text not in ("null", "~") and "${" not in text
+        escaped = text.replace("'", "''")  # YAML's single-quoted scalar
+        quoted.append(f"{key}='{escaped}'" if _is_text(hint) and plain else item)
+    return quoted
+
+
+def _is_text(hint: Any) -> bool:
+    """Whether a key of type `hint` holds text: `str` or `str | None`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return set(typing.get_args(hint)) - {type(None)} == {str}
+    return hint is str
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:

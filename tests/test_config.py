@@ -305,6 +305,19 @@ def test_a_numeric_key_in_file_is_an_unknown_key(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_text_key_takes_its_override_as_written() -> None:
+    """OmegaConf reads a bare value as YAML: a run id of hex digits like `66e7320945644684` (what the server makes,
+    and spes.launch passes on at a resume) was the float inf, and the run refused its own id."""
+    cfg, _ = load_config(
+        CONFIGS / "tiny.yaml",
+        ["--spes_config.run_id=66e7320945644684", "--run_name=0123", "--wandb.entity=it's"],
+    )
+    assert (cfg.spes_config.run_id, cfg.run_name) == ("66e7320945644684", "0123")
+    assert cfg.wandb is not None and cfg.wandb.entity == "it's"
+    assert load_config(CONFIGS / "tiny.yaml", ["--spes_config.run_id=null"])[0].spes_config.run_id is None
+    assert load_sync_sections(["--spes_config.run_id=1e5"])[0].run_id == "1e5"
+
+
 @pytest.mark.parametrize(
     ("override", "wrong", "suggested"),
     [
