@@ -59,6 +59,8 @@ def test_windows_stay_inside_shards_and_drop_remainders(dataset: TokenSequenceDa
     starts = [int(w[0]) for w in windows]
     assert starts[24] == 96 and starts[25] == 103 and starts[36] == 103 + 44 and starts[37] == 153
     assert [dataset.shard_windows(i) for i in range(3)] == [range(0, 25), range(25, 37), range(37, 38)]
+    as_text = TokenSequenceDataset([str(p) for p in dataset.paths], SEQ_LEN)  # a local path as text is a Path
+    assert as_text.paths == dataset.paths and all(isinstance(p, Path) for p in as_text.paths)
     assert torch.equal(dataset[-1], windows[-1])
     with pytest.raises(IndexError):
         dataset[len(dataset)]
