@@ -1391,7 +1391,7 @@ KILLED_BY: dict[str, str] = {
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail
 (a test marked gpu is not run without CUDA, and the mutant is recorded as unverified)."""
 
-COPIED = ("spes", "tests", "configs", "data_process_scripts", "run_scripts")
+COPIED = ("spes", "tests", "configs", "data_process_scripts", "run_scripts", "docs")
 """What the scratch copy holds besides pyproject.toml: the package, its tests and what the tests read."""
 PYTEST_ARGS = ("-p", "no:cacheprovider", "-n", "0", "-q")
 
