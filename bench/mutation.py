@@ -190,6 +190,26 @@ EQUIVALENT: dict[str, str] = {
         "the case of a header name: urllib3's response headers are looked up without case",
     ),
     **mutants(
+        "spes.failures.x_report",
+        "6 8",
+        "traceback.print_exception's file=None is sys.stderr, where the traceback goes",
+    ),
+    **mutants(
+        "spes.failures.x_report",
+        "38 41 42",
+        "flushing the error line: Python's sys.stderr is line-buffered, and the line ends with its newline",
+    ),
+    **mutants(
+        "spes.failures.x__raised_at",
+        "5 7",
+        "the fallback frame: a caught exception's traceback holds the catching frame of spes.train, never a library's",
+    ),
+    **mutants(
+        "spes.failures.x__raised_by_spes",
+        "7",
+        "an exception without a traceback: every failure reported was raised (and caught by spes.train's main)",
+    ),
+    **mutants(
         "spes.data.xǁTokenSequenceDatasetǁ__init__",
         "23",
         "how many threads open the shards (the pool's default instead of one per shard up to 16): the same shards",

@@ -5,15 +5,18 @@ exit codes are those docs/running.md tabulates."""
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 import spes.train
 from spes.failures import DEBUG_ENV, USER_ERRORS
+from spes.torchrun import ERROR_DIR_ENV
 from spes.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +64,70 @@ def test_a_failure_spes_did_not_raise_names_where_and_keeps_its_traceback_in_a_f
     assert found and found[1].endswith(where) and Path(found[2]).parent == kept, err
     text = Path(found[2]).read_text()
     assert text.startswith("Traceback (most recent call last):") and source in text, text
+    assert text.endswith(f"{message}\n") and all(
+        line.startswith(("Traceback", "  ", message)) for line in text.splitlines()
+    )
+    assert Path(found[2]).name.startswith("spes-traceback-") and found[2].endswith(".txt")
+
+
+def test_the_place_is_relative_under_the_working_directory_and_whole_outside_it(
+    kept: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, where, _ = _plant_bug(monkeypatch)
+    monkeypatch.chdir(REPO)
+    assert main([TINY]) == 2 and f"(at {where}; " in capsys.readouterr().err
+    monkeypatch.chdir(kept)
+    assert main([TINY]) == 2 and f"(at {REPO / where}; " in capsys.readouterr().err
+
+
+def test_an_error_raised_inside_a_library_is_placed_at_the_line_that_called_it(
+    kept: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(cfg: object, inert: object = None) -> int:
+        return int(json.loads("{"))  # raised in the standard library's json
+
+    monkeypatch.setattr(spes.train, "run", run)
+    assert main([TINY]) == 2
+    place = re.search(r"\(at (\S+); ", capsys.readouterr().err)
+    assert place and place[1].endswith(f"test_failures.py:{run.__code__.co_firstlineno + 1}"), place
+
+
+def test_a_traceback_no_file_can_hold_is_printed_above_the_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "gone"))
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    message, _, source = _plant_raise(monkeypatch)
+    assert main([TINY]) == 2
+    head, _, last = capsys.readouterr().err.rstrip("\n").rpartition("\n")
+    assert head.startswith("Traceback (most recent call last):") and source in head and head.endswith(message), head
+    assert last.startswith(f"error: {message} (at ") and last.endswith("; traceback above)"), last
+
+
+def test_a_hint_follows_its_message_in_the_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run(cfg: object, inert: object = None) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(spes.train, "run", run)
+    assert main([TINY]) == 5
+    assert capsys.readouterr().err == (
+        "error: CUDA out of memory. Tried to allocate 2.00 GiB; lower device_train_microbatch_size or set "
+        "activation_checkpointing\n"
+    )
+
+
+def test_the_line_is_left_for_spes_torchrun_under_the_ranks_number(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    assert main([TINY, "--model.d_mdoel=3"]) == 2
+    assert (tmp_path / "rank0.txt").read_text() == capsys.readouterr().err
+    monkeypatch.setenv("RANK", "3")
+    assert main([TINY, "--model.d_mdoel=3"]) == 2
+    assert (tmp_path / "rank3.txt").read_text() == capsys.readouterr().err
 
 
 def test_a_refusal_is_its_line_alone_and_spes_debug_prints_every_traceback(
