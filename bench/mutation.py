@@ -1166,7 +1166,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants(
         "spes.config.x_load_sync_sections",
         "29 33 34 41 42 43 44 53 62 63",
-        "from_dict here reads only keys and values `check_overrides` has already checked, and a prefix is named "
+        "from_dict here reads only keys and values `checked_overrides` has already checked, and a prefix is named "
         "only in unknown-key and type errors; the place, in the checks of the section itself, which SpesConfig "
         "does not have (ServerSection's are named by test_config)",
     ),

@@ -28,12 +28,11 @@ from spes.schema import (
     ConfigError,
     Range,
     Section,
-    check_overrides,
+    checked_overrides,
     from_dict,
     from_file_and_overrides,
     override_to_dotlist,
     read_mapping,
-    texts_as_written,
 )
 
 RunMode = Literal["centralized", "spes", "diloco"]
@@ -869,8 +868,7 @@ def load_sync_sections(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Spe
                 f"command line (--{item}): without the run's YAML only --spes_config.*, --server.*, --using_spes and "
                 "--using_dilico apply; give the run's YAML first (python -m spes.server RUN.yaml ...)"
             )
-    dotlist = texts_as_written(TrainConfig, dotlist)
-    check_overrides(TrainConfig, dotlist)
+    dotlist = checked_overrides(TrainConfig, dotlist)
     raw = OmegaConf.to_container(OmegaConf.from_dotlist(dotlist))
     assert isinstance(raw, dict)
     spes = from_dict(SpesConfig, raw.get("spes_config", {}), where="command line", prefix="spes_config.")

@@ -111,8 +111,7 @@ def read_mapping(cls: type, path: str | Path | None, overrides: Sequence[str], w
     override at fault (`where` names the file in messages)."""
     try:
         base = OmegaConf.create({}) if path is None else _load_mapping(path)
-        dotlist = texts_as_written(cls, [override_to_dotlist(o) for o in overrides])
-        check_overrides(cls, dotlist)
+        dotlist = checked_overrides(cls, [override_to_dotlist(o) for o in overrides])
         raw = _resolve_against_defaults(cls, _merge_overrides(cls, base, dotlist, where))
     except OmegaConfBaseException as e:
         raise ConfigError(f"{where}: cannot read config: {str(e).splitlines()[0]}") from None
@@ -191,23 +190,6 @@ def override_to_dotlist(arg: str) -> str:
     return body
 
 
-def texts_as_written(cls: type, dotlist: list[str]) -> list[str]:
-    """`dotlist` with the value of each text key (`str`, `str | None`) quoted: OmegaConf reads a bare value as YAML,
-    so a run id `66e7320945644684` would become the float inf and `0123` a number. Left as they are: a value quoted
-    already, null, a list or mapping (refused as the wrong type), an interpolation, a key of no field."""
-    quoted = []
-    for item in dotlist:
-        key, _, text = item.partition("=")
-        try:
-            hint = _lookup_field(cls, key.split("."), where="", root=cls)
-        except ConfigError:  # check_overrides names it
-            hint = None
-        plain = text[:1] not in ("'", '"', "[", "{") and text not in ("null", "~") and "${" not in text
-        escaped = text.replace("'", "''")  # YAML's single-quoted scalar
-        quoted.append(f"{key}='{escaped}'" if _is_text(hint) and plain else item)
-    return quoted
-
-
 def _is_text(hint: Any) -> bool:
     """Whether a key of type `hint` holds text: `str` or `str | None`."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -227,23 +209,35 @@ def yaml_error_text(e: Exception) -> str:
     return " ".join(str(getattr(e, "problem", None) or e).split())
 
 
-def check_overrides(cls: type, dotlist: list[str]) -> None:
-    """Every override names a key and has a value of its type, so a bad one blames the command line (a mapping
-    for a whole section is checked with the rest of its section, when the config is built)."""
-    for item in dotlist:
-        key, _, text = item.partition("=")
-        where = f"command line (--{item})"
-        hint = _lookup_field(cls, key.split("."), where=where, root=cls)
-        try:
-            value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where}: the value is not valid YAML ({yaml_error_text(e)}); quote it") from None
-        if hint is None or "${" in text:
-            continue
-        for part in key.split("."):
-            value = value[part]
-        if _dataclass_in(hint) is None or not isinstance(value, dict):
-            _coerce(value, hint, key, where)
+def checked_overrides(cls: type, dotlist: list[str]) -> list[str]:
+    """`dotlist` with every override checked, so a bad one blames the command line: it names a key and has a value of
+    its type (a mapping for a whole section is checked with the rest of its section, when the config is built).
+    Returned with each text key's value (`str`, `str | None`) quoted: OmegaConf reads a bare value as YAML, so a run
+    id `66e7320945644684` would become the float inf and `0123` a number."""
+    return [_checked_override(cls, item) for item in dotlist]
+
+
+def _checked_override(cls: type, item: str) -> str:
+    """One override `key=value`, checked, with a text key's value taken as written. Left as they are: a value quoted
+    already, null, a list or mapping (refused as the wrong type), an interpolation."""
+    key, _, text = item.partition("=")
+    where = f"command line (--{item})"
+    hint = _lookup_field(cls, key.split("."), where=where, root=cls)
+    plain = text[:1] not in ("'", '"', "[", "{") and text not in ("null", "~") and "${" not in text
+    if _is_text(hint) and plain:
+        escaped = text.replace("'", "''")  # YAML's single-quoted scalar
+        item = f"{key}='{escaped}'"
+    try:
+        value: Any = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: the value is not valid YAML ({yaml_error_text(e)}); quote it") from None
+    if hint is None or "${" in text:
+        return item
+    for part in key.split("."):
+        value = value[part]
+    if _dataclass_in(hint) is None or not isinstance(value, dict):
+        _coerce(value, hint, key, where)
+    return item
 
 
 def _lookup_field(cls: type, parts: list[str], *, where: str, root: type, prefix: str = "") -> Any:

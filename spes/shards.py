@@ -111,24 +111,18 @@ def find_shard_info(shard: Shard) -> ShardInfo | None:
     return info
 
 
-def has_npy_header(shard: str | os.PathLike[str]) -> bool:
-    """Whether `shard` starts with the numpy `.npy` magic (else it is a headerless flat memmap)."""
-    with open(shard, "rb") as f:
-        return f.read(len(NPY_MAGIC)) == NPY_MAGIC
-
-
 def open_token_array(shard: Shard, memmap_dtype: str | None = None) -> np.ndarray | RangeTokenArray:
     """A read-only 1-D view of a shard's tokens: a real `.npy` as stored, a headerless file as a flat array of
     `memmap_dtype` (uint16 when None); a memory map of a local file, a `RangeTokenArray` of a URL."""
     if isinstance(shard, str) and is_url(shard):
         return RangeTokenArray.open(shard, memmap_dtype)
-    if has_npy_header(shard):
-        with _NPY_HEADER_LOCK:
-            return np.load(shard, mmap_mode="r", allow_pickle=False)
     with open(shard, "rb") as f:
         head = f.read(_NPY_HEAD)
+    if head.startswith(NPY_MAGIC):
+        with _NPY_HEADER_LOCK:
+            return np.load(shard, mmap_mode="r", allow_pickle=False)
     dtype = _headerless_dtype(shard, memmap_dtype, os.path.getsize(shard), head)
-    if os.path.getsize(shard) == 0:
+    if not head:  # numpy maps no empty file
         return np.zeros(0, dtype=dtype)
     return np.memmap(shard, dtype=dtype, mode="r")
 
