@@ -168,10 +168,10 @@ class DownstreamEvals:
         if not self.is_main:
             return {}
         from spes.hf import export_state
-        from spes.hub import TOKENIZER_FILES, resolve
+        from spes.hub import resolve_tokenizer
 
         hf_dir = self.folder / "hf"
-        tokenizer = resolve(self.cfg.tokenizer.identifier, what="tokenizer", files=TOKENIZER_FILES)
+        tokenizer = resolve_tokenizer(self.cfg.tokenizer.identifier)
         export_state(state, self.cfg.model, hf_dir, tokenizer=tokenizer, overwrite=True)
         del state
         scores: dict[str, float] = {}

@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 from spes.atomic import staging_dir
 from spes.checkpoint import CONFIG_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
-from spes.hub import TOKENIZER_FILES, resolve
+from spes.hub import TOKENIZER_FILES, resolve, resolve_tokenizer
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.schema import ConfigError, number_flag, to_dict
 from spes.tokenizer import check_vocab, load_tokenizer
@@ -592,9 +592,7 @@ def export_checkpoint(
     cfg = load_step_config(step)
     choose_family(cfg.model)  # refuse an unexportable model before reading any weights
     try:
-        tok = resolve(
-            tokenizer if tokenizer is not None else cfg.tokenizer.identifier, what="tokenizer", files=TOKENIZER_FILES
-        )
+        tok = resolve_tokenizer(tokenizer if tokenizer is not None else cfg.tokenizer.identifier)
     except FileNotFoundError as err:
         raise FileNotFoundError(
             f"{err} (from config key 'tokenizer.identifier' of {step / 'config.yaml'}); pass "

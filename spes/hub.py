@@ -116,3 +116,8 @@ def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[st
             f"downloaded ({type(err).__name__}: {first_line}); check the id, your network and HF_TOKEN, or pass a "
             "local directory"
         ) from None
+
+
+def resolve_tokenizer(identifier: str | os.PathLike[str]) -> Path:
+    """`resolve` for a tokenizer: only its own files are downloaded, never the weights beside them in a model repo."""
+    return resolve(identifier, what="tokenizer", files=TOKENIZER_FILES)

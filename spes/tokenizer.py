@@ -18,7 +18,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from spes.atomic import write_atomic
-from spes.hub import TOKENIZER_FILES, resolve
+from spes.hub import resolve_tokenizer
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|padding|>"
@@ -66,7 +66,7 @@ def load_tokenizer(identifier: str | os.PathLike[str]) -> LoadedTokenizer:
     well-known token names; a tokenizer without a pad token pads with EOS.
     """
     try:
-        path = resolve(identifier, what="tokenizer", files=TOKENIZER_FILES)
+        path = resolve_tokenizer(identifier)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err}. {_TRAIN_HINT}") from None
     if path.is_dir():

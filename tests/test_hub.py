@@ -295,7 +295,7 @@ def test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_rea
         "import os, sys\nimport huggingface_hub.constants\nfrom spes import hub\n"
         f"os.environ['HF_HOME'] = {str(tmp_path / 'hf_home')!r}  # as a launcher sets it, after the import\n"
         "for _ in range(int(sys.argv[1])):\n"
-        "    path = hub.resolve('org/tiny', what='tokenizer.identifier', files=hub.TOKENIZER_FILES)\n"
+        "    path = hub.resolve_tokenizer('org/tiny')\n"
         "    print(path, sorted(p.name for p in path.iterdir()))"
     )
 
