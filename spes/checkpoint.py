@@ -391,8 +391,15 @@ def list_checkpoints(save_folder: str | Path, kind: Kind | None = None) -> list[
     return [p for *_, p in sorted(found)]
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory as given, or the one a save folder's `latest` names."""
+CHECKPOINT_PATHS = (
+    f"a checkpoint directory such as output/<run_name>/node0/step100, or a save folder holding '{LATEST}'"
+)
+"""What `resolve_checkpoint` takes, as a refusal tells the user."""
+
+
+def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
+    """A checkpoint directory as given, or the one a save folder's `latest` names; a refusal names the path as
+    `what` (the key or flag it came from) and what it could name instead."""
     p = Path(path)
     if (p / META_FILE).is_file():
         return p
@@ -408,8 +415,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
             )
         return target
     if not p.exists():
-        raise FileNotFoundError(f"checkpoint not found: {p}")
-    raise CheckpointError(f"{p} is neither a checkpoint directory (no {META_FILE}) nor a save folder (no {LATEST})")
+        raise FileNotFoundError(f"{what} {p}: no such directory (point it at {CHECKPOINT_PATHS})")
+    if not p.is_dir():
+        raise CheckpointError(f"{what} {p}: a file, not a directory (point it at {CHECKPOINT_PATHS})")
+    inside = sorted(c.name for c in p.iterdir() if (c / META_FILE).is_file() or (c / LATEST).is_file())
+    if inside:  # e.g. a save folder whose latest is gone, or the run directory above the nodes' save folders
+        raise CheckpointError(
+            f"{what} {p} is no checkpoint itself (no {META_FILE}, no '{LATEST}'); point it at one it holds: "
+            + ", ".join(str(p / name) for name in inside)
+        )
+    raise CheckpointError(
+        f"{what} {p} holds no checkpoint: neither a checkpoint directory (no {META_FILE}) nor a save folder (no "
+        f"'{LATEST}'); point it at {CHECKPOINT_PATHS}"
+    )
 
 
 def resolve_step(run_dir: str | Path, step: str | int) -> Path:

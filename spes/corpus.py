@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 import zstandard
 from tqdm import tqdm
 
+from spes.cli import DefaultsHelpFormatter
 from spes.schema import number_flag
 from spes.shards import PARTIAL_SUFFIX, ShardInfo, write_shard_info
 from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe
@@ -476,7 +477,7 @@ def tokenize_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Tokenize .jsonl / .jsonl.gz / .jsonl.zst / .parquet text into flat .npy token shards "
         "(EOS after each document) with JSON sidecars, for spes training.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
         "--file_glob",
@@ -557,7 +558,7 @@ def tokenize_main(argv: Sequence[str] | None = None) -> int:
 def train_tokenizer_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Train a byte-level BPE tokenizer on local text; writes a Hugging Face tokenizer directory.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
         "--input",
@@ -571,7 +572,12 @@ def train_tokenizer_parser() -> argparse.ArgumentParser:
         "--min_frequency", type=number_flag(int, ge=1), default=2, help="minimum count of a pair to be merged"
     )
     parser.add_argument("--text_field", default="text", help="JSON field / parquet column of the text")
-    parser.add_argument("--max_mb", type=number_flag(gt=0), default=None, help="train on at most this many MB of text")
+    parser.add_argument(
+        "--max_mb",
+        type=number_flag(gt=0),
+        default=None,
+        help="train on at most this many MB of text (default: all of it)",
+    )
     return parser
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spes.atomic import write_atomic
+from spes.cli import DefaultsHelpFormatter
 from spes.corpus import Record, TextChunk, TokenizeSummary, tokenize_chunks
 from spes.schema import number_flag
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
@@ -371,7 +372,7 @@ def format_corpus(corpus: dict[str, object], output_dir: Path) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Build the default corpus (Python stdlib sources + man pages): tokenizer, train and valid shards.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--output_dir", type=Path, default=Path("data/default"), help="where to build the corpus")
     parser.add_argument("--max_mb", type=number_flag(gt=0), default=24.0, help="megabytes of text to take in all")

@@ -26,7 +26,7 @@ directories are written in the per-expert layout of the published checkpoints (w
 Commands (see `--help`):
     python -m spes.hf export --checkpoint output/run/node0/step1000 --out hf/run-step1000
     python -m spes.hf export --run_dir output/run/node0 --step latest --out hf/run-latest
-    python -m spes.hf import --hf path/to/OLMoE-1B-7B --out output/olmoe-init/step0 --experts_per_peer 16
+    python -m spes.hf import --hf path/to/OLMoE-1B-7B --out output/olmoe-init/step0 --num_train_experts_per_node 16
     python -m spes.hf import --hf allenai/OLMoE-1B-7B-0924 --out output/olmoe-init/step0   # a Hub id
 """
 
@@ -552,22 +552,26 @@ def write_step_dir(
     )
 
 
-def run_config_for(model: dict[str, Any], *, experts_per_peer: int, run_name: str) -> TrainConfig:
-    """A TrainConfig for a model imported from elsewhere, with experts stored in blocks of `experts_per_peer`.
+def run_config_for(model: dict[str, Any], *, num_train_experts_per_node: int, run_name: str) -> TrainConfig:
+    """A TrainConfig for a model imported from elsewhere, with experts stored in blocks of `num_train_experts_per_node`.
 
-    Blocks smaller than E mean a SPES layout of ceil(E / experts_per_peer) peers; E means one block
+    Blocks smaller than E mean a SPES layout of ceil(E / num_train_experts_per_node) peers; E means one block
     (centralized). A run that starts from it may use its own layout.
     """
     num_experts = model["moe_num_experts"]
-    if not 1 <= experts_per_peer <= num_experts:
+    if not 1 <= num_train_experts_per_node <= num_experts:
         raise ValueError(
-            f"--experts_per_peer must be in [1, {num_experts}] (the number of experts), got {experts_per_peer}"
+            f"--num_train_experts_per_node must be in [1, {num_experts}] (the number of experts), "
+            f"got {num_train_experts_per_node}"
         )
-    spes = SpesConfig(num_peers=math.ceil(num_experts / experts_per_peer), num_train_experts_per_node=experts_per_peer)
+    spes = SpesConfig(
+        num_peers=math.ceil(num_experts / num_train_experts_per_node),
+        num_train_experts_per_node=num_train_experts_per_node,
+    )
     return TrainConfig(
         run_name=run_name,
         save_folder=f"output/{run_name}",
-        using_spes=experts_per_peer < num_experts,
+        using_spes=num_train_experts_per_node < num_experts,
         model=ModelConfig(**model),
         spes_config=spes,
         tokenizer=TokenizerConfig(),
@@ -645,7 +649,7 @@ def export_state(
 
 
 def import_hf(
-    hf_dir: str | Path, out: str | Path, *, experts_per_peer: int | None = None, overwrite: bool = False
+    hf_dir: str | Path, out: str | Path, *, num_train_experts_per_node: int | None = None, overwrite: bool = False
 ) -> Path:
     """HF OLMoE / Qwen3-MoE / Mixtral directory or Hub id -> spes checkpoint step directory (bit-exact in fp32)."""
     src = resolve(hf_dir, what="--hf")
@@ -656,7 +660,7 @@ def import_hf(
     try:
         cfg = run_config_for(
             model,
-            experts_per_peer=experts_per_peer or model["moe_num_experts"],
+            num_train_experts_per_node=num_train_experts_per_node or model["moe_num_experts"],
             run_name=f"import-{Path(hf_dir).absolute().name}",
         )
     except ConfigError as e:  # a value spes cannot take: the spes key it becomes, and where it came from
@@ -701,10 +705,13 @@ def main(argv: list[str] | None = None) -> int:
         help="output checkpoint step directory, e.g. output/myrun/step0 (the tokenizer goes to output/myrun/tokenizer)",
     )
     imp.add_argument(
-        "--experts_per_peer",
-        "--block_size",
+        "--num_train_experts_per_node",
         type=int,
-        help="experts per stored block: num_train_experts_per_node of the SPES run (default: all experts in one block)",
+        help="experts per stored block: spes_config.num_train_experts_per_node of the SPES run (default: all experts "
+        "in one block)",
+    )
+    imp.add_argument(  # former names, still accepted; one name in --help
+        "--experts_per_peer", "--block_size", dest="num_train_experts_per_node", type=int, help=argparse.SUPPRESS
     )
     imp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
@@ -720,7 +727,12 @@ def main(argv: list[str] | None = None) -> int:
                 max_shard_bytes=int(args.max_shard_gb * 1024**3),
             )
         else:
-            out = import_hf(args.hf, args.out, experts_per_peer=args.experts_per_peer, overwrite=args.overwrite)
+            out = import_hf(
+                args.hf,
+                args.out,
+                num_train_experts_per_node=args.num_train_experts_per_node,
+                overwrite=args.overwrite,
+            )
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

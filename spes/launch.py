@@ -59,7 +59,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="continue the run --out holds: the server from its state, every peer from its latest checkpoint (a "
         "folder that holds a run is refused without it: two runs are never mixed)",
     )
-    p.add_argument("--dilico", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything")
+    p.add_argument(  # --dilico: the reference's spelling (its key using_dilico); --diloco: the paper's
+        "--dilico", "--diloco", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything"
+    )
     p.add_argument("--port", type=number_flag(int, ge=0, le=65535), default=0, help="server port (default: a free one)")
     p.add_argument("--codec", choices=CODECS, default=None, help="how tensors travel (default: spes_config.codec)")
     p.add_argument("--threads", type=number_flag(int, ge=1), default=1, help="torch threads per peer")

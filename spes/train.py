@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
+from spes.checkpoint import LATEST, Checkpoint, list_checkpoints, resolve_checkpoint, restore
 from spes.config import TrainConfig, changed_settings, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
@@ -94,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return report(e)
 
 
-def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
-    """The checkpoint to load: save_folder's latest under `try_load_latest_save` when it has one, else load_path."""
+def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> Path | None:
+    """The checkpoint to load: save_folder's latest under `try_load_latest_save` when it has one, else load_path's;
+    resolved here, so that a path naming no checkpoint fails before the model is built."""
     if cfg.try_load_latest_save:
         if list_checkpoints(cfg.save_folder):
-            return cfg.save_folder
+            return resolve_checkpoint(cfg.save_folder, what="save_folder")
         log(f"no checkpoint in {cfg.save_folder} yet: starting {'from ' + cfg.load_path if cfg.load_path else 'fresh'}")
     folder = Path(cfg.save_folder)
     resuming = cfg.load_path is not None and Path(cfg.load_path).resolve() == folder.resolve()
@@ -107,17 +108,12 @@ def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> str | None:
             f"nothing to resume: save_folder {folder} holds no checkpoint yet (--resume, or load_path naming it); "
             "use --resume=auto, which starts afresh when there is none, or drop --resume"
         )
-    return cfg.load_path
+    return resolve_checkpoint(cfg.load_path, what="load_path") if cfg.load_path else None
 
 
-def _continues_run(cfg: TrainConfig, load_path: str | None) -> bool:
-    """Whether loading `load_path` continues the run of `save_folder` (OLMo: the checkpoint lives in it)."""
-    if load_path is None:
-        return False
-    try:
-        return resolve_checkpoint(load_path).resolve().parent == Path(cfg.save_folder).resolve()
-    except (CheckpointError, FileNotFoundError):
-        return False  # restore names the problem
+def _continues_run(cfg: TrainConfig, load_path: Path | None) -> bool:
+    """Whether loading checkpoint `load_path` continues the run of `save_folder` (OLMo: the checkpoint lives in it)."""
+    return load_path is not None and load_path.resolve().parent == Path(cfg.save_folder).resolve()
 
 
 RUN_FILES = ("metrics.jsonl", LATEST)
@@ -261,7 +257,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
 
 def _load(
     cfg: TrainConfig,
-    load_path: str | None,
+    load_path: Path | None,
     continuing: bool,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -72,7 +72,7 @@ def make_checkpoint(
 ) -> tuple[Path, Transformer]:
     """A spes step directory of a random model whose norms are not all ones (so their mapping is tested)."""
     model_cfg = {**BASE, **options, "vocab_size": tokenizer.vocab_size, "embedding_size": tokenizer.vocab_size + 20}
-    cfg = hf.run_config_for(model_cfg, experts_per_peer=block_size, run_name="t")
+    cfg = hf.run_config_for(model_cfg, num_train_experts_per_node=block_size, run_name="t")
     model = Transformer.for_run(cfg)
     model.init_weights(0)
     with torch.no_grad():

@@ -675,12 +675,41 @@ def test_latest_resolves_to_a_moved_aside_copy_only_when_the_replacement_never_a
     _fake_checkpoint(run / "step4")
     assert resolve_checkpoint(run) == run / "step4"  # the new copy arrived: it wins
     assert resolve_checkpoint(run / "step2") == run / "step2"
-    with pytest.raises(FileNotFoundError, match=f"^checkpoint not found: {tmp_path / 'nope'}$"):
-        resolve_checkpoint(tmp_path / "nope")
-    with pytest.raises(
-        CheckpointError, match=r"is neither a checkpoint directory \(no meta.json\) nor a save folder \("
-    ):
-        resolve_checkpoint(tmp_path)
+
+
+def test_a_path_that_names_no_checkpoint_is_refused_with_what_to_name_instead(tmp_path: Path) -> None:
+    """Missing, a file, an empty directory, a directory holding checkpoints: the path under the name it came by."""
+    fix = (
+        "point it at a checkpoint directory such as output/<run_name>/node0/step100, or a save folder holding 'latest'"
+    )
+
+    def refusal(path: Path, what: str = "checkpoint") -> str:
+        with pytest.raises((FileNotFoundError, CheckpointError)) as err:
+            resolve_checkpoint(path, what=what)
+        return f"{type(err.value).__name__}: {err.value}"
+
+    assert refusal(tmp_path / "nope") == f"FileNotFoundError: checkpoint {tmp_path / 'nope'}: no such directory ({fix})"
+    (tmp_path / "file").write_text("x")
+    assert refusal(tmp_path / "file", "load_path") == (
+        f"CheckpointError: load_path {tmp_path / 'file'}: a file, not a directory ({fix})"
+    )
+    run = tmp_path / "run"
+    (run / "node0" / "step6").mkdir(parents=True)  # incomplete: no meta.json
+    assert refusal(run / "node0") == (
+        f"CheckpointError: checkpoint {run / 'node0'} holds no checkpoint: neither a checkpoint directory (no "
+        f"meta.json) nor a save folder (no 'latest'); {fix}"
+    )
+    _fake_checkpoint(run / "node0" / "step2")
+    _fake_checkpoint(run / "node0" / "step4")
+    assert refusal(run / "node0") == (  # a save folder that lost its latest
+        f"CheckpointError: checkpoint {run / 'node0'} is no checkpoint itself (no meta.json, no 'latest'); point it "
+        f"at one it holds: {run / 'node0' / 'step2'}, {run / 'node0' / 'step4'}"
+    )
+    (run / "node0" / LATEST).write_text("step4\n")
+    assert refusal(run) == (  # the run directory above the nodes' save folders
+        f"CheckpointError: checkpoint {run} is no checkpoint itself (no meta.json, no 'latest'); point it at one it "
+        f"holds: {run / 'node0'}"
+    )
 
 
 def test_what_a_killed_save_left_is_removed_and_an_old_copy_without_its_replacement_restored(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,7 +58,7 @@ def test_export_logits_match_transformers(case: str, tmp_path: Path, tokenizer: 
 def test_round_trip_spes_hf_spes_is_bit_exact(case: str, tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES[case][0])
     out = hf.export_checkpoint(step_dir, tmp_path / "hf")
-    back = hf.import_hf(out, tmp_path / "back" / "step0", experts_per_peer=2)
+    back = hf.import_hf(out, tmp_path / "back" / "step0", num_train_experts_per_node=2)
     before, after = load_model_state(step_dir), load_model_state(back)
     assert set(before) == set(after)
     for key in before:
@@ -120,7 +121,7 @@ def test_import_model_saved_by_transformers(family: str, tmp_path: Path, tokeniz
     model.save_pretrained(str(tmp_path / "hf"))
     for path in tokenizer.path.parent.iterdir():
         (tmp_path / "hf" / path.name).write_bytes(path.read_bytes())
-    step_dir = hf.import_hf(tmp_path / "hf", tmp_path / "run" / "step0", experts_per_peer=1)
+    step_dir = hf.import_hf(tmp_path / "hf", tmp_path / "run" / "step0", num_train_experts_per_node=1)
     cfg = hf.load_step_config(step_dir)
     assert cfg.spes_config.num_peers == 4 and cfg.experts_per_peer == 1
     assert Path(cfg.tokenizer.identifier) == step_dir.parent / "tokenizer"
@@ -369,7 +370,7 @@ def test_token_ids_and_renormalization_are_read_as_transformers_writes_them(tmp_
 def test_hf_weights_spes_has_no_place_for_are_refused_and_rotary_tables_ignored(tmp_path: Path) -> None:
     olmoe = save_tiny_olmoe(tmp_path / "a")
     config, family = hf.read_hf_config(olmoe, hf.FAMILIES)
-    cfg = hf.run_config_for(hf.model_config_from_hf(family, config), experts_per_peer=2, run_name="t")
+    cfg = hf.run_config_for(hf.model_config_from_hf(family, config), num_train_experts_per_node=2, run_name="t")
     weights = dict(hf.read_hf_weights(olmoe))
     weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
     assert set(hf.hf_to_spes(weights, family.key_map(), cfg.model, architecture="X")) >= {"lm_head.weight"}
@@ -409,14 +410,16 @@ def test_a_checkpoint_missing_a_tensor_is_named(tmp_path: Path, tokenizer: Loade
 
 def test_import_layouts_and_their_refusals(tmp_path: Path) -> None:
     model = dict(BASE, vocab_size=64)
-    assert hf.run_config_for(model, experts_per_peer=3, run_name="r").spes_config.num_peers == 2  # ceil(4 / 3)
-    whole = hf.run_config_for(model, experts_per_peer=4, run_name="r")
+    assert (
+        hf.run_config_for(model, num_train_experts_per_node=3, run_name="r").spes_config.num_peers == 2
+    )  # ceil(4 / 3)
+    whole = hf.run_config_for(model, num_train_experts_per_node=4, run_name="r")
     assert whole.using_spes is False and whole.save_folder == "output/r" and whole.run_name == "r"
     assert whole.tokenizer == TokenizerConfig()
     for bad in (0, 5):
         with pytest.raises(ValueError) as err:
-            hf.run_config_for(model, experts_per_peer=bad, run_name="r")
-        assert str(err.value) == f"--experts_per_peer must be in [1, 4] (the number of experts), got {bad}"
+            hf.run_config_for(model, num_train_experts_per_node=bad, run_name="r")
+        assert str(err.value) == f"--num_train_experts_per_node must be in [1, 4] (the number of experts), got {bad}"
     olmoe = save_tiny_olmoe(tmp_path / "a", num_experts_per_tok=0)
     with pytest.raises(ConfigError) as cerr:
         hf.import_hf(olmoe, tmp_path / "out" / "step0")
@@ -495,12 +498,28 @@ def test_the_command_lines_help_names_each_flag_with_its_meaning(
         "'olmoe', 'qwen3_moe']",
         "--out OUT": "output checkpoint step directory, e.g. output/myrun/step0 (the tokenizer goes to "
         "output/myrun/tokenizer)",
-        "--experts_per_peer EXPERTS_PER_PEER, --block_size EXPERTS_PER_PEER": "experts per stored block: "
-        "num_train_experts_per_node of the SPES run (default: all experts in one block)",
+        "--num_train_experts_per_node NUM_TRAIN_EXPERTS_PER_NODE": "experts per stored block: "
+        "spes_config.num_train_experts_per_node of the SPES run (default: all experts in one block)",
         "--overwrite": "replace --out if it exists",
     }.items():
         assert f"{flag} {meaning}" in imported, flag
     assert "usage: python -m spes.hf import [-h] --hf HF --out OUT" in imported
+    assert "--experts_per_peer" not in imported and "--block_size" not in imported  # former names, hidden
+
+
+def test_the_written_hf_commands_use_the_flags_help_shows(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's, the docs' and the module docstring's commands name each setting as --help does."""
+    monkeypatch.setenv("COLUMNS", "200")
+    root = Path(__file__).resolve().parents[1]
+    texts = [hf.__doc__ or "", *(p.read_text() for p in [root / "README.md", *sorted(root.glob("docs/*.md"))])]
+    written = [c for text in texts for c in re.findall(r"python -m spes\.hf (export|import)\b([^`#\n]*)", text)]
+    assert {command for command, _ in written} == {"export", "import"}
+    shown = {command: _help(capsys, command) for command in ("export", "import")}
+    for command, rest in written:
+        for flag in re.findall(r"--\w+", rest):
+            assert f" {flag} " in shown[command], f"spes.hf {command}{rest}"
 
 
 def test_the_command_line_exports_and_imports_with_every_flag(
@@ -520,7 +539,7 @@ def test_the_command_line_exports_and_imports_with_every_flag(
     assert len(sizes) > 2 and max(sizes) < 60_000 + 2_000 and index["metadata"]["total_size"] < 60_000 * len(sizes)
     assert {hf.read_hf_weights(out)[k].dtype for k in index["weight_map"]} == {torch.bfloat16}
     step0 = tmp_path / "back" / "step0"
-    imported = ["import", "--hf", str(out), "--out", str(step0), "--block_size", "1"]
+    imported = ["import", "--hf", str(out), "--out", str(step0), "--num_train_experts_per_node", "1"]
     assert hf.main(imported) == 0 and capsys.readouterr().out == f"{step0}\n"
     assert hf.load_step_config(step0).experts_per_peer == 1
     assert hf.main(imported) == 2 and "pass --overwrite" in capsys.readouterr().err
@@ -549,13 +568,16 @@ def test_what_the_command_line_passes_on_by_default(
     assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--out", "o"]) == 0
     assert hf.main(["export", "--checkpoint", "c", "--out", "o", "--tokenizer", "t"]) == 0
     assert hf.main(["import", "--hf", "h", "--out", "o2"]) == 0
+    for former in ("--experts_per_peer", "--block_size"):  # former names of --num_train_experts_per_node
+        assert hf.main(["import", "--hf", "h", "--out", "o3", former, "2"]) == 0
     assert calls == [
         (
             (tmp_path / "run" / "step3", "o"),
             dict(tokenizer=None, dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3),
         ),
         ((Path("c"), "o"), dict(tokenizer="t", dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3)),
-        (("h", "o2"), dict(experts_per_peer=None, overwrite=False)),
+        (("h", "o2"), dict(num_train_experts_per_node=None, overwrite=False)),
+        *[(("h", "o3"), dict(num_train_experts_per_node=2, overwrite=False))] * 2,
     ]
     assert usage_error(capsys, lambda: hf.main(["export", "--checkpoint", "c"])).endswith(
         "error: the following arguments are required: --out"

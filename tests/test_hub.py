@@ -130,7 +130,7 @@ def test_hf_import_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: Loade
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
     exported = hf.export_checkpoint(step_dir, tmp_path / "exported")
     cache_repo(hf_home, "allenai/Tiny-OLMoE", exported)
-    back = hf.import_hf("allenai/Tiny-OLMoE", tmp_path / "back" / "step0", experts_per_peer=2)
+    back = hf.import_hf("allenai/Tiny-OLMoE", tmp_path / "back" / "step0", num_train_experts_per_node=2)
     before, after = load_model_state(step_dir), load_model_state(back)
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
 

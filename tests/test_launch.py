@@ -15,7 +15,7 @@ import yaml
 
 from conftest import LaunchedRun, usage_error
 from spes.config import CODECS
-from spes.launch import parse_args
+from spes.launch import load_run, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -82,6 +82,22 @@ def test_the_codec_flag_takes_only_a_codec(capsys: pytest.CaptureFixture[str]) -
     assert line.startswith("python -m spes.launch: error: argument --codec: invalid choice: 'int4' (choose from ")
     assert all(name in line for name in CODECS)
     assert parse_args([TINY, "--codec=sparse"])[0].codec == "sparse"
+
+
+def test_the_baseline_flag_takes_the_papers_spelling_too(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dilico (the reference's using_dilico) and --diloco (the paper's DiLoCo) both run the baseline."""
+    for flag in ("--dilico", "--diloco"):
+        args, overrides = parse_args([TINY, flag])
+        assert args.dilico is True and load_run(args, overrides)[1] == ["--using_dilico=true"], flag
+    assert parse_args([TINY])[0].dilico is False
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([TINY, "--help"])
+    assert exit_.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--dilico, --diloco DiLoCo/FedAvg baseline: peers train and average everything" in shown
 
 
 @pytest.mark.slow

@@ -144,6 +144,7 @@ def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section() -> None
         "--token_file",
     ):
         assert key in help_text
+    assert "(default: 50051)" in help_text and "(default: None)" not in help_text  # a default only where there is one
 
 
 @pytest.mark.timeout(60)

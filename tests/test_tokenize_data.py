@@ -313,6 +313,7 @@ def test_cli_help_names_each_flag_with_its_meaning_and_default(
         "--dtype {uint16,uint32}": "token dtype (default: uint16 if the vocabulary fits, else uint32)",
     }.items():
         assert f"{flag} {meaning}" in shown, flag
+    assert "(default: None)" not in shown  # after a required flag, or one whose help says what unset means
     argv = ["--file_glob", "x", "--tokenizer_name_or_path", "t", "--output_prefix", "p", "--files_per_process=all"]
     assert usage_error(capsys, lambda: corpus.tokenize_main(argv)).endswith(
         "error: argument --files_per_process: invalid int value: 'all'"

@@ -163,9 +163,10 @@ def test_train_tokenizer_help_names_each_flag_with_its_meaning_and_default(monke
         "--vocab_size VOCAB_SIZE": "vocabulary size, EOS and pad included (default: 4096)",
         "--min_frequency MIN_FREQUENCY": "minimum count of a pair to be merged (default: 2)",
         "--text_field TEXT_FIELD": "JSON field / parquet column of the text (default: text)",
-        "--max_mb MAX_MB": "train on at most this many MB of text",
+        "--max_mb MAX_MB": "train on at most this many MB of text (default: all of it)",
     }.items():
         assert f"{flag} {meaning}" in shown, flag
+    assert "(default: None)" not in shown  # nothing after the required --input and --output_dir
 
 
 def test_train_tokenizer_reads_the_text_field_says_what_it_trained_and_notes_a_vocabulary_cut_short(

@@ -104,6 +104,29 @@ def test_config_data_and_tokenizer_failures_are_one_line(
         assert "parameters" not in out, "the model was built before the data was checked"
 
 
+@pytest.mark.timeout(120)
+def test_a_load_path_that_names_no_checkpoint_is_one_line_before_the_model_is_built(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Missing, a file, an empty directory: the key, the path and what it should name, through `main`."""
+    fix = (
+        "point it at a checkpoint directory such as output/<run_name>/node0/step100, or a save folder holding 'latest'"
+    )
+    nowhere, file, empty = tmp_path / "nowhere" / "step100", tmp_path / "file", tmp_path / "empty"
+    file.write_text("x")
+    empty.mkdir()
+    for path, refusal in {
+        nowhere: f"load_path {nowhere}: no such directory ({fix})",
+        file: f"load_path {file}: a file, not a directory ({fix})",
+        empty: f"load_path {empty} holds no checkpoint: neither a checkpoint directory (no meta.json) nor a save "
+        f"folder (no 'latest'); {fix}",
+    }.items():
+        code = main([TINY, *tiny_corpus.overrides(tmp_path / "out"), *FAST, f"--load_path={path}"])
+        captured = capsys.readouterr()
+        assert assert_one_line(code, captured.out + captured.err) == f"error: {refusal}" and code == 2
+        assert "parameters" not in captured.out, "the model was built before load_path was checked"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path, dead_port: int) -> None:

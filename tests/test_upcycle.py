@@ -72,7 +72,7 @@ def upcycled_logits(
     partition: bool = False,
     router_std: float | None = None,
 ) -> torch.Tensor:
-    cfg = run_config_for(options, experts_per_peer=2, run_name="up")
+    cfg = run_config_for(options, num_train_experts_per_node=2, run_name="up")
     step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", partition=partition, router_std=router_std)
     model = Transformer.for_run(cfg)
     model.load_state_dict(load_model_state(step))
@@ -137,7 +137,7 @@ def test_zero_router_keeps_copies_tied_and_the_default_separates_them(
     """Unnormalized copies: with a zero router, experts and router rows stay in identical pairs under training."""
     opts = model_options(tokenizer, moe_normalize_expert_weights=None)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "llama", tokenizer)
-    cfg = run_config_for(opts, experts_per_peer=4, run_name="up")
+    cfg = run_config_for(opts, num_train_experts_per_node=4, run_name="up")
     step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", router_std=router_std)
     model = Transformer.for_run(cfg)
     model.load_state_dict(load_model_state(step))
@@ -171,7 +171,7 @@ def test_partition_with_every_expert_active_equals_dense(
 def test_partition_slices_the_dense_mlp(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, **QWEN3, mlp_hidden_size=24, moe_normalize_expert_weights=True)
     dense_dir, dense = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer, partition=True)
-    cfg = run_config_for(opts, experts_per_peer=4, run_name="up")
+    cfg = run_config_for(opts, num_train_experts_per_node=4, run_name="up")
     step, plan = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", partition=True)
     assert not plan.exact and plan.down_scale == 2.0
     state = load_model_state(step)
@@ -185,7 +185,7 @@ def test_untied_copy_of_tied_embeddings(tmp_path: Path, tokenizer: LoadedTokeniz
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, dense = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     assert dense.config.tie_word_embeddings
-    cfg = run_config_for(opts, experts_per_peer=2, run_name="up")
+    cfg = run_config_for(opts, num_train_experts_per_node=2, run_name="up")
     step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "r" / "step0")
     state = load_model_state(step)
     assert torch.equal(state["lm_head.weight"], state["embed.weight"])
@@ -213,7 +213,9 @@ def test_mismatched_config_is_refused(
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     with pytest.raises(ValueError, match=message):
         upcycle.upcycle(
-            dense_dir, run_config_for({**opts, **change}, experts_per_peer=2, run_name="x"), tmp_path / "step0"
+            dense_dir,
+            run_config_for({**opts, **change}, num_train_experts_per_node=2, run_name="x"),
+            tmp_path / "step0",
         )
 
 
@@ -223,19 +225,22 @@ def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer
     with pytest.raises(ValueError, match="intermediate_size 48 does not split into model.moe_num_experts=5"):
         upcycle.upcycle(
             dense_dir,
-            run_config_for({**opts, "moe_num_experts": 5}, experts_per_peer=5, run_name="x"),
+            run_config_for({**opts, "moe_num_experts": 5}, num_train_experts_per_node=5, run_name="x"),
             tmp_path / "step0",
             partition=True,
         )
     with pytest.raises(ValueError, match=r"'model.mlp_hidden_size' = 96 must be 24: .* 2 \* 48 / 4"):
         upcycle.upcycle(
-            dense_dir, run_config_for(opts, experts_per_peer=2, run_name="x"), tmp_path / "step0", partition=True
+            dense_dir,
+            run_config_for(opts, num_train_experts_per_node=2, run_name="x"),
+            tmp_path / "step0",
+            partition=True,
         )
 
 
 def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, moe_normalize_expert_weights=True)
-    cfg = run_config_for(opts, experts_per_peer=2, run_name="x")
+    cfg = run_config_for(opts, num_train_experts_per_node=2, run_name="x")
     config = transformers.LlamaConfig(
         vocab_size=opts["embedding_size"],
         hidden_size=32,
@@ -343,7 +348,7 @@ def test_a_stated_router_std_is_taken_in_every_mode() -> None:
 def test_the_router_init_is_truncated_at_the_configs_cutoff(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True, init_cutoff_factor=1.0)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
-    cfg = run_config_for(opts, experts_per_peer=4, run_name="up")
+    cfg = run_config_for(opts, num_train_experts_per_node=4, run_name="up")
     step, plan = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", router_std=1.0)
     routers = torch.cat([load_model_state(step)[f"blocks.{i}.ffn.router.weight"] for i in range(2)])
     assert plan.router_std == 1.0 and routers.abs().max() <= 1.0 and routers.std() > 0.4
@@ -358,7 +363,7 @@ def test_what_an_upcycled_checkpoint_holds_and_where_its_tokenizer_goes(
     config = transformers.AutoConfig.from_pretrained(str(dense_dir), local_files_only=True)
     assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (m.eos_token_id, m.pad_token_id, None)
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
-    cfg = run_config_for(opts, experts_per_peer=2, run_name="up")
+    cfg = run_config_for(opts, num_train_experts_per_node=2, run_name="up")
     step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0")
     assert load_config(step / "config.yaml")[0].tokenizer.identifier == str(tmp_path / "run" / "tokenizer")
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
@@ -385,11 +390,15 @@ def test_refusals_name_the_dense_config_and_the_architecture(tmp_path: Path, tok
     for change in (dict(layer_norm_with_affine=False), dict(attention_layer_norm_with_affine=False)):
         ((key, value),) = change.items()
         with pytest.raises(ValueError) as err:
-            upcycle.upcycle(dense_dir, run_config_for({**opts, **change}, experts_per_peer=2, run_name="x"), "step0")
+            upcycle.upcycle(
+                dense_dir, run_config_for({**opts, **change}, num_train_experts_per_node=2, run_name="x"), "step0"
+            )
         assert str(err.value) == (
             f"config key 'model.{key}' = {value!r} must be True to match the dense Hugging Face config (qwen3)"
         )
-    longer = run_config_for({**opts, "max_sequence_length": 4096, "init_std": 0.5}, experts_per_peer=2, run_name="x")
+    longer = run_config_for(
+        {**opts, "max_sequence_length": 4096, "init_std": 0.5}, num_train_experts_per_node=2, run_name="x"
+    )
     upcycle.check_dense_match(
         longer.model,
         transformers.AutoConfig.from_pretrained(str(dense_dir)),
@@ -404,9 +413,11 @@ def test_refusals_name_the_dense_config_and_the_architecture(tmp_path: Path, tok
         match=r"^Hugging Face weights have no tensor 'model.norm.weight' \(expected for "
         r"Qwen3ForCausalLM\)$",
     ):
-        upcycle.upcycle(dense_dir, run_config_for(opts, experts_per_peer=2, run_name="x"), tmp_path / "y" / "step0")
+        upcycle.upcycle(
+            dense_dir, run_config_for(opts, num_train_experts_per_node=2, run_name="x"), tmp_path / "y" / "step0"
+        )
     with pytest.raises(FileNotFoundError, match="--hf"):
-        upcycle.upcycle(tmp_path / "nowhere", run_config_for(opts, experts_per_peer=2, run_name="x"), "step0")
+        upcycle.upcycle(tmp_path / "nowhere", run_config_for(opts, num_train_experts_per_node=2, run_name="x"), "step0")
 
 
 def test_the_command_line_prints_the_plan_and_warns_of_tied_experts(
@@ -487,6 +498,8 @@ def test_refusals_name_the_dense_config_they_read(tmp_path: Path, tokenizer: Loa
     settings["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}
     (dense_dir / "config.json").write_text(json.dumps(settings), encoding="utf-8")
     with pytest.raises(ValueError, match=r"^dense Hugging Face config \(qwen3\): 'rope_parameters.rope_type' = 'yarn'"):
-        upcycle.upcycle(dense_dir, run_config_for(opts, experts_per_peer=2, run_name="x"), tmp_path / "s" / "step0")
+        upcycle.upcycle(
+            dense_dir, run_config_for(opts, num_train_experts_per_node=2, run_name="x"), tmp_path / "s" / "step0"
+        )
     with pytest.raises(FileNotFoundError, match=rf"^--hf '{tmp_path / 'nowhere'}' is not a local file or directory"):
-        upcycle.upcycle(tmp_path / "nowhere", run_config_for(opts, experts_per_peer=2, run_name="x"), "step0")
+        upcycle.upcycle(tmp_path / "nowhere", run_config_for(opts, num_train_experts_per_node=2, run_name="x"), "step0")

@@ -40,6 +40,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from spes.cli import DefaultsHelpFormatter
 from spes.config import ServerSection, load_config, load_sync_sections
 from spes.schema import config_help
 from spes.sync import plane_tcp
@@ -230,7 +231,7 @@ class _ServerParser(argparse.ArgumentParser):
         return parsed, [a for a in rest if a not in parsed.overrides]
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class _HelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Flag defaults shown, the epilog's list of config keys kept as written."""
 
 
