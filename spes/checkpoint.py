@@ -398,8 +398,9 @@ CHECKPOINT_PATHS = (
 
 
 def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
-    """A checkpoint directory as given, or the one a save folder's `latest` names; a refusal names the path as
-    `what` (the key or flag it came from) and what it could name instead."""
+    """A checkpoint directory as given, or the one a save folder's `latest` names (without `latest`, its newest
+    complete checkpoint: a save killed after publishing its checkpoint, before pointing `latest` at it, loses
+    nothing); a refusal names the path as `what` (the key or flag it came from) and what it could name instead."""
     p = Path(path)
     if (p / META_FILE).is_file():
         return p
@@ -418,8 +419,11 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
         raise FileNotFoundError(f"{what} {p}: no such directory (point it at {CHECKPOINT_PATHS})")
     if not p.is_dir():
         raise CheckpointError(f"{what} {p}: a file, not a directory (point it at {CHECKPOINT_PATHS})")
+    complete = [c for c in list_checkpoints(p) if (c / META_FILE).is_file()]
+    if complete:
+        return complete[-1]
     inside = sorted(c.name for c in p.iterdir() if (c / META_FILE).is_file() or (c / LATEST).is_file())
-    if inside:  # e.g. a save folder whose latest is gone, or the run directory above the nodes' save folders
+    if inside:  # e.g. the run directory above the nodes' save folders
         raise CheckpointError(
             f"{what} {p} is no checkpoint itself (no {META_FILE}, no '{LATEST}'); point it at one it holds: "
             + ", ".join(str(p / name) for name in inside)

@@ -248,7 +248,7 @@ def _steps(folder: Path) -> list[int]:
 @pytest.mark.timeout(240)
 def test_a_requeued_run_continues_from_its_last_checkpoint(tiny_corpus, tmp_path: Path) -> None:
     """Kill -9 mid-run and launch the same command again (what a SLURM requeue does): it resumes from the last
-    checkpoint, and metrics.jsonl holds every step once, in order."""
+    checkpoint (`latest` or not), and metrics.jsonl holds every step once, in order."""
     out = tmp_path / "run"
     cmd = [
         sys.executable,
@@ -271,6 +271,7 @@ def test_a_requeued_run_continues_from_its_last_checkpoint(tiny_corpus, tmp_path
     assert "no checkpoint in" in first and "starting fresh" in first
     saved = int((out / "latest").read_text().strip().removeprefix("step"))
     assert 5 <= saved < 60 and max(_steps(out)) > saved  # rows past the checkpoint: they must go
+    (out / "latest").unlink()  # as if killed after publishing step<saved>, before pointing `latest` at it
     again = run_logged(cmd, tmp_path / "second.log", timeout=150)
     assert again.returncode == 0, again.stdout[-3000:]
     assert f"loaded {out / f'step{saved}'} (step {saved})" in again.stdout
