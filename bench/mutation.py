@@ -88,6 +88,7 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_remote_ranges.py",
     ),
     "spes/hub.py": ("tests/test_hub.py",),
+    "spes/cli.py": ("tests/test_cli.py",),
     "spes/sync/retry.py": ("tests/sync/test_retry.py",),
     "spes/sync/protocol.py": ("tests/sync/test_protocol.py", "tests/sync/test_retry.py"),
     "spes/monitor.py": ("tests/test_monitor.py",),
