@@ -1155,9 +1155,10 @@ EQUIVALENT: dict[str, str] = {
         "every dict-typed key is a plain `dict`, which the hint itself matches: its origin is never consulted",
     ),
     **mutants(
-        "spes.schema.x__coerce",
-        "52",
-        "every dict-typed key is a plain `dict` (its origin is None): `isinstance(value, dict)` decides the same",
+        "spes.schema.x__checked_override",
+        "30",
+        "an interpolation quoted: YAML reads `${...}` bare or single-quoted as the same text, which OmegaConf resolves "
+        "all the same (a text key's value is a string either way)",
     ),
     **mutants(
         "spes.config.x_load_sync_sections",
@@ -1166,7 +1167,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.config.x_load_sync_sections",
-        "29 33 34 41 42 43 44 53 62 63",
+        "30 34 35 42 43 44 45 54 63 64",
         "from_dict here reads only keys and values `checked_overrides` has already checked, and a prefix is named "
         "only in unknown-key and type errors; the place, in the checks of the section itself, which SpesConfig "
         "does not have (ServerSection's are named by test_config)",
@@ -1262,7 +1263,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.shards.x_open_token_array",
-        "10 13 16",
+        "18 21 24",
         "allow_pickle with mmap_mode='r': numpy refuses to map an object array whatever the flag says ('Array can't "
         "be memory-mapped: Python objects in dtype', checked); the flag states the rule where a mutant drops the map",
     ),
@@ -1286,7 +1287,7 @@ EQUIVALENT: dict[str, str] = {
         "4 6",
         "the config's encoding, as a list file's (41 43 of spes.shards._resolve_entry)",
     ),
-    **mutants("spes.tokenizer.x_load_tokenizer", "23", "'UTF-8' and 'utf-8' name one codec"),
+    **mutants("spes.tokenizer.x_load_tokenizer", "16", "'UTF-8' and 'utf-8' name one codec"),
     **mutants(
         "spes.sync.codecs.registry.x_build_codec",
         "21 22",
@@ -1403,6 +1404,7 @@ KILLED_BY: dict[str, str] = {
     # as it is imported): one ask after the offline lookup, the download's arguments, the one-line refusal
     **mutants("spes.hub.x_resolve", "14 18 20 33 34 37 40 41 42 43 44 45 46 47 48 49 50", HUB_ONLINE),
     **mutants("spes.hub.x_resolve", "13 17 35 36 38 39", HUB_DOWNLOAD),
+    **mutants("spes.hub.x_resolve_tokenizer", "6", HUB_DOWNLOAD),
     # the sync counter, run outside mutmut (whose frames sit between a counted call and its caller)
     **mutants("spes.speed.xǁSyncCounterǁ__init__", "1", SYNC_COUNTED[0]),
     **mutants("spes.speed.xǁSyncCounterǁ__torch_function__", "1 2 3 4 5 6 7 8 9", SYNC_COUNTED[0]),

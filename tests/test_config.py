@@ -316,6 +316,16 @@ def test_a_text_key_takes_its_override_as_written() -> None:
     assert cfg.wandb is not None and cfg.wandb.entity == "it's"
     assert load_config(CONFIGS / "tiny.yaml", ["--spes_config.run_id=null"])[0].spes_config.run_id is None
     assert load_sync_sections(["--spes_config.run_id=1e5"])[0].run_id == "1e5"
+    # quoted already, null, an interpolation: read as YAML reads them
+    for text, value in [("'0123'", "0123"), ('"0123"', "0123"), ("~", None), ("x${run_name}", "xspes_tiny")]:
+        assert load_config(CONFIGS / "tiny.yaml", [f"--spes_config.run_id={text}"])[0].spes_config.run_id == value
+    for text, given in [("[a, b]", "['a', 'b']"), ("{a: 1}", "{'a': 1}")]:  # a list or mapping: not text
+        with pytest.raises(ConfigError) as refused:
+            load_config(CONFIGS / "tiny.yaml", [f"--spes_config.run_id={text}"])
+        assert str(refused.value) == (
+            f"command line (--spes_config.run_id={text}): config key 'spes_config.run_id' = {given} has the wrong "
+            "type: expected str | None"
+        )
 
 
 @pytest.mark.parametrize(
