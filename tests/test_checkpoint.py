@@ -683,14 +683,14 @@ def test_a_path_that_names_no_checkpoint_is_refused_with_what_to_name_instead(tm
         "point it at a checkpoint directory such as output/<run_name>/node0/step100, or a save folder holding 'latest'"
     )
 
-    def refusal(path: Path, what: str = "checkpoint") -> str:
+    def refusal(path: Path, **what: str) -> str:  # `what` left out: "checkpoint"
         with pytest.raises((FileNotFoundError, CheckpointError)) as err:
-            resolve_checkpoint(path, what=what)
+            resolve_checkpoint(path, **what)
         return f"{type(err.value).__name__}: {err.value}"
 
     assert refusal(tmp_path / "nope") == f"FileNotFoundError: checkpoint {tmp_path / 'nope'}: no such directory ({fix})"
     (tmp_path / "file").write_text("x")
-    assert refusal(tmp_path / "file", "load_path") == (
+    assert refusal(tmp_path / "file", what="load_path") == (
         f"CheckpointError: load_path {tmp_path / 'file'}: a file, not a directory ({fix})"
     )
     run = tmp_path / "run"
@@ -699,14 +699,16 @@ def test_a_path_that_names_no_checkpoint_is_refused_with_what_to_name_instead(tm
         f"CheckpointError: checkpoint {run / 'node0'} holds no checkpoint: neither a checkpoint directory (no "
         f"meta.json) nor a save folder (no 'latest'); {fix}"
     )
-    _fake_checkpoint(run / "node0" / "step2")
-    _fake_checkpoint(run / "node0" / "step4")
+    for step in (2, 4, 8):
+        _fake_checkpoint(run / "node0" / f"step{step}")
     (run / "node0" / "step10").mkdir()  # incomplete
-    assert resolve_checkpoint(run / "node0") == run / "node0" / "step4"  # killed before `latest` was written
-    (run / "node0" / LATEST).write_text("step4\n")
+    assert resolve_checkpoint(run / "node0") == run / "node0" / "step8"  # killed before `latest` was written
+    for node in ("node0", "node1"):
+        (run / node).mkdir(exist_ok=True)
+        (run / node / LATEST).write_text("step8\n")
     assert refusal(run) == (  # the run directory above the nodes' save folders
         f"CheckpointError: checkpoint {run} is no checkpoint itself (no meta.json, no 'latest'); point it at one it "
-        f"holds: {run / 'node0'}"
+        f"holds: {run / 'node0'}, {run / 'node1'}"
     )
 
 
