@@ -1414,8 +1414,9 @@ KILLED_BY: dict[str, str] = {
 the test that kills each. Every run checks it: the mutant is applied to the scratch copy and the test must fail
 (a test marked gpu is not run without CUDA, and the mutant is recorded as unverified)."""
 
-COPIED = ("spes", "tests", "configs", "data_process_scripts", "run_scripts", "docs")
-"""What the scratch copy holds besides pyproject.toml: the package, its tests and what the tests read."""
+COPIED = ("spes", "tests", "configs", "data_process_scripts", "run_scripts", "docs", "README.md")
+"""What the scratch copy holds besides pyproject.toml: the package, its tests and what the tests read (the commands
+the README and docs write)."""
 PYTEST_ARGS = ("-p", "no:cacheprovider", "-n", "0", "-q")
 
 
@@ -1435,7 +1436,10 @@ def mutmut_settings(module: str, tests: tuple[str, ...]) -> str:
 def scratch_copy(module: str, tests: tuple[str, ...], into: Path) -> None:
     """The repository's package, tests and configs in `into`, with a pyproject.toml that configures mutmut."""
     for name in COPIED:
-        shutil.copytree(REPO_ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__"))
+        if (REPO_ROOT / name).is_file():
+            shutil.copy2(REPO_ROOT / name, into / name)
+        else:
+            shutil.copytree(REPO_ROOT / name, into / name, ignore=shutil.ignore_patterns("__pycache__"))
     text = (REPO_ROOT / "pyproject.toml").read_text()
     (into / "pyproject.toml").write_text(text + mutmut_settings(module, tests))
 

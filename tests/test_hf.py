@@ -22,7 +22,6 @@ from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
 from spes import hf
 from spes.checkpoint import CheckpointError, load_model_state
 from spes.config import ModelConfig, TokenizerConfig
-from spes.hub import TOKENIZER_FILES
 from spes.model import Transformer
 from spes.schema import ConfigError
 from spes.tokenizer import LoadedTokenizer
@@ -595,13 +594,11 @@ def test_the_export_resolves_its_tokenizer_as_one_and_names_the_config_it_came_f
     tmp_path: Path, tokenizer: LoadedTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
-    asked: list[tuple[Any, dict[str, Any]]] = []
-    real = hf.resolve
-    monkeypatch.setattr(hf, "resolve", lambda name, **k: asked.append((name, k)) or real(name, **k))
+    asked: list[Any] = []
+    real = hf.resolve_tokenizer
+    monkeypatch.setattr(hf, "resolve_tokenizer", lambda name: asked.append(name) or real(name))
     out = hf.export_checkpoint(step_dir, tmp_path / "deep" / "er" / "hf")  # its parents made too
-    assert asked == [
-        (hf.load_step_config(step_dir).tokenizer.identifier, dict(what="tokenizer", files=TOKENIZER_FILES))
-    ]
+    assert asked == [hf.load_step_config(step_dir).tokenizer.identifier]
     assert (out / "config.json").is_file()
     (tmp_path / "gone").mkdir()
     with pytest.raises(FileNotFoundError) as err:
