@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     print(
         f"model: {manifest_bytes(manifest) / 1e9:.2f} GB fp32, {len(manifest)} tensors, "
-        f"{cfg.spes_config.num_peers} peers x {cfg.experts_per_peer} experts; "
+        f"{cfg.spes_config.num_peers} peers x {cfg.experts_per_block} experts; "
         f"{args.warmup} untimed + {args.rounds} timed round(s) each"
     )
     codecs = ["fp32"] if args.quick else ["fp32", "bf16"]

@@ -758,7 +758,7 @@ class TrainConfig(Section):
         return min(p * k, e), min((p + 1) * k, e)
 
     @property
-    def experts_per_peer(self) -> int:
+    def experts_per_block(self) -> int:
         """Experts per ownership block (the YAML's `num_train_experts_per_node`) under SPES; all of them otherwise,
         where the model is stored as one block."""
         owned = self.owned_experts()

@@ -77,7 +77,7 @@ def check_block(cfg: object, device: torch.device) -> Check:
     m = cfg.model
     owned = cfg.owned_experts()
     block = Block(
-        m, block_size=cfg.experts_per_peer, trainable_block=None if owned is None else cfg.spes_config.peer_id
+        m, block_size=cfg.experts_per_block, trainable_block=None if owned is None else cfg.spes_config.peer_id
     ).to(device)
     compiled = compile_kwargs(cfg.compile)
     if compiled is not None:

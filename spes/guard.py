@@ -9,6 +9,7 @@ collective the others left).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,3 +46,31 @@ def check_weights_finite(model: nn.Module, what: str, fix: str) -> None:
     if not all_ranks_ok(bad is None):
         where = f" ({bad})" if bad is not None else " (on another rank)"
         raise NonFiniteError(f"{what}: the model weights hold NaN/inf{where}; {fix}")
+
+
+@dataclass
+class NonFiniteSkips:
+    """Steps whose loss or gradient norm is NaN/inf have their update dropped; more than `allowed` of them in a
+    row stop the run, before anything non-finite reaches weights or disk."""
+
+    allowed: int
+    save_folder: str
+    in_a_row: int = 0
+
+    def check(self, step: int, loss: float, grad_norm: float, finite: bool) -> str | None:
+        """Count optimizer step `step`: the warning to log when its update is skipped, None when it is finite
+        (NonFiniteError past the allowance, naming what to do)."""
+        if finite:
+            self.in_a_row = 0
+            return None
+        self.in_a_row += 1
+        what = f"step {step}: loss {loss} / grad_norm {grad_norm} is not finite"
+        if self.in_a_row > self.allowed:
+            in_a_row = f" ({self.in_a_row} steps in a row)" if self.allowed else ""
+            raise NonFiniteError(
+                f"{what}{in_a_row}; stopped without applying it or saving (the newest checkpoint in "
+                f"{self.save_folder} is untouched). Resume from an earlier checkpoint with a lower "
+                f"optimizer.learning_rate or a max_grad_norm, or set skip_nonfinite_steps=N to skip up to N bad "
+                f"steps in a row"
+            )
+        return f"warning: {what}; its update is skipped ({self.in_a_row} of at most {self.allowed} in a row)"

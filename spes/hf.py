@@ -541,7 +541,7 @@ def write_step_dir(
         with staging_dir(out.parent / "tokenizer") as tmp:
             copy_tokenizer(tokenizer, tmp, vocab_size=cfg.model.vocab_size)
         cfg = replace(cfg, tokenizer=replace(cfg.tokenizer, identifier=str(out.parent / "tokenizer")))
-    blocks = split_expert_blocks(state, cfg.experts_per_peer)
+    blocks = split_expert_blocks(state, cfg.experts_per_block)
     return save_checkpoint(
         out.parent,
         int(match.group(1)),

@@ -224,7 +224,7 @@ class Transformer(nn.Module):
         owned = cfg.owned_experts()
         trainable = None if owned is None else cfg.spes_config.peer_id
         frozen_dtype = torch.bfloat16 if training and cfg.precision == "amp_bf16" else None
-        return cls(cfg.model, block_size=cfg.experts_per_peer, trainable_block=trainable, frozen_dtype=frozen_dtype)
+        return cls(cfg.model, block_size=cfg.experts_per_block, trainable_block=trainable, frozen_dtype=frozen_dtype)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

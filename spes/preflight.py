@@ -258,7 +258,7 @@ def check_server(
     except (ValueError, FileNotFoundError) as exc:
         return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
     settings = (
-        f"mode {cfg.mode}, {cfg.num_peers} peers, {cfg.experts_per_peer} experts per block, peer {s.peer_id}, "
+        f"mode {cfg.mode}, {cfg.num_peers} peers, {cfg.experts_per_block} experts per block, peer {s.peer_id}, "
         f"manifest of {len(shapes)} tensors"
     )
     try:

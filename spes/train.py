@@ -402,7 +402,7 @@ def describe_experts(cfg: TrainConfig) -> str:
     lo, hi = owned
     if lo == hi:
         return (
-            f"experts: trains none ({peer}: {cfg.experts_per_peer} per peer leave it none of {n}), only the shared "
+            f"experts: trains none ({peer}: {cfg.experts_per_block} per peer leave it none of {n}), only the shared "
             "parameters"
         )
     return f"experts: trains {lo}..{hi - 1} of {n} in every MoE layer ({peer}), the others frozen"

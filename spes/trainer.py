@@ -24,7 +24,7 @@ from spes.config import SchedulerConfig, TrainConfig, parse_duration
 from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
 from spes.gc_schedule import scheduled_collection
-from spes.guard import NonFiniteError, all_finite, check_weights_finite
+from spes.guard import NonFiniteSkips, all_finite, check_weights_finite
 from spes.interrupt import Interrupted, StopRequest
 from spes.model import tflops_per_token
 from spes.moe import decayed_lb_factor
@@ -128,7 +128,7 @@ class Trainer:
         self.peak = peak_flops(info.device)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.last_saved = -1
-        self.nonfinite_in_a_row = 0
+        self.skips = NonFiniteSkips(cfg.skip_nonfinite_steps, cfg.save_folder)
         self.history: list[dict[str, Any]] = []
         self.lr_rewarm: tuple[int, int] | None = None
         """(start, end) of a warm-up bolted on after `reset_optimizer_state` (`spes.optim.rewarmed_lr`), if any."""
@@ -161,11 +161,8 @@ class Trainer:
         step's row with the round's figures (the interrupted process saved before it could; the step's training
         figures went with it)."""
         self.step = result.step
-        metrics = result.metrics()
         self.metrics.truncate(self.step - 1)
-        self.history.append({"step": self.step, **metrics})
-        self.metrics.write(self.step, metrics)
-        self.trackers.log(self.step, metrics)
+        self._record(self.step, result.metrics())
 
     def _limit(self) -> str:
         """The setting `max_steps` comes from, and how to train on past it."""
@@ -248,10 +245,9 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         finite, (ce, lb, z, norm) = all_finite(torch.cat([sums, grad_norm.reshape(1).to(sums)]), self.info)
-        if finite:
-            self.nonfinite_in_a_row = 0
-        else:
-            self._skip_nonfinite(ce + lb + z, norm)
+        warning = self.skips.check(self.step + 1, ce + lb + z, norm, finite)
+        if warning is not None:
+            self.log(warning)
         self.step += 1
         self.tokens += self.cfg.tokens_per_step
         lr = self.lr(self.step)
@@ -282,22 +278,6 @@ class Trainer:
         mean = all_reduce_mean(counts.double(), self.info)
         return (mean * self.info.world_size).round().long().tolist()
 
-    def _skip_nonfinite(self, loss: float, grad_norm: float) -> None:
-        """Drop the update of a step whose loss or gradient norm is NaN/inf; stop after `skip_nonfinite_steps`
-        such steps in a row (by default at the first), before anything non-finite reaches weights or disk."""
-        self.nonfinite_in_a_row += 1
-        allowed = self.cfg.skip_nonfinite_steps
-        what = f"step {self.step + 1}: loss {loss} / grad_norm {grad_norm} is not finite"
-        if self.nonfinite_in_a_row > allowed:
-            in_a_row = f" ({self.nonfinite_in_a_row} steps in a row)" if allowed else ""
-            raise NonFiniteError(
-                f"{what}{in_a_row}; stopped without applying it or saving (the newest checkpoint in "
-                f"{self.cfg.save_folder} is untouched). Resume from an earlier checkpoint with a lower "
-                f"optimizer.learning_rate or a max_grad_norm, or set skip_nonfinite_steps=N to skip up to N bad "
-                f"steps in a row"
-            )
-        self.log(f"warning: {what}; its update is skipped ({self.nonfinite_in_a_row} of at most {allowed} in a row)")
-
     def _apply_decayed_aux_factor(self) -> None:
         spes = self.cfg.spes_config
         if spes.using_decayed_aux_loss and self.cfg.owned_experts() is not None:
@@ -312,25 +292,13 @@ class Trainer:
             and cfg.eval_interval
             and (step % cfg.eval_interval == 0 or step == self.max_steps)
         )
-        sync_now = self.syncer is not None and self.syncer.syncs_at(step)
         if eval_now:
             metrics["val_loss"] = self.evaluate()
             metrics["val_ppl"] = math.exp(min(metrics["val_loss"], 50.0))
-        synced = None
-        if sync_now:
-            assert self.syncer is not None
-            check_weights_finite(
-                self.model,
-                f"not uploading the weights of step {step}",
-                "the server keeps the last good round; resume from an earlier checkpoint",
-            )
-            synced = self.syncer.sync(step)
-        elif self.syncer is not None:  # an overlapped round lands at a fixed step, maybe between sync steps
-            synced = self.syncer.land(step)
+        synced = self._sync_round(step)
         if synced is not None:
             metrics.update(synced.metrics())
-            if synced.step != step:  # this node had fallen behind: continue at the run's step
-                self.step = step = synced.step
+            step = self.step
             if eval_now and cfg.spes_config.eval_after_sync and synced.rounds:
                 metrics["merged_val_loss"] = self.evaluate()
         downstream_now = self.downstream is not None and self.downstream.due(step)
@@ -339,11 +307,38 @@ class Trainer:
             metrics.update(self.downstream.run(self.model, step))
         metrics.update(self._throughput(step))
         if step % cfg.log_interval == 0 or step == self.max_steps or eval_now or synced is not None or downstream_now:
-            self.history.append({"step": step, **metrics})
-            self.metrics.write(step, metrics)
-            self.trackers.log(step, metrics)
+            self._record(step, metrics)
             if self.info.is_main:
                 self.log(format_line(step, self.max_steps, metrics))
+        self._save_due(step)
+
+    def _sync_round(self, step: int) -> SyncResult | None:
+        """The round of step `step`, if any: a sync step's (its weights checked finite before they leave), or an
+        overlapped round landing now. A node that had fallen behind continues at the round's step."""
+        if self.syncer is None:
+            return None
+        if self.syncer.syncs_at(step):
+            check_weights_finite(
+                self.model,
+                f"not uploading the weights of step {step}",
+                "the server keeps the last good round; resume from an earlier checkpoint",
+            )
+            synced: SyncResult | None = self.syncer.sync(step)
+        else:  # an overlapped round lands at a fixed step, maybe between sync steps
+            synced = self.syncer.land(step)
+        if synced is not None:
+            self.step = synced.step
+        return synced
+
+    def _record(self, step: int, metrics: dict[str, Any]) -> None:
+        """Step `step`'s row: kept in the history, metrics.jsonl and the trackers."""
+        self.history.append({"step": step, **metrics})
+        self.metrics.write(step, metrics)
+        self.trackers.log(step, metrics)
+
+    def _save_due(self, step: int) -> None:
+        """The checkpoints `save_interval` and `save_interval_unsharded` ask for at step `step`."""
+        cfg = self.cfg
         if cfg.save_interval and step % cfg.save_interval == 0:
             self.save()
         if (

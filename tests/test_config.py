@@ -260,7 +260,7 @@ def test_overrides_without_a_file() -> None:
     cfg, _ = load_config(
         None, ["--using_spes=true", "--model.moe_num_experts=8", "--spes_config.num_train_experts_per_node=2"]
     )
-    assert cfg.owned_experts() == (0, 2) and cfg.experts_per_peer == 2
+    assert cfg.owned_experts() == (0, 2) and cfg.experts_per_block == 2
 
 
 def test_override_must_have_a_value() -> None:
@@ -446,7 +446,7 @@ def test_inconsistent_settings_are_caught(overrides: list[str], key: str, hint: 
 def test_ownership_is_not_checked_when_every_expert_trains() -> None:
     for mode in (["--using_dilico=true"], ["--using_spes=false"]):
         cfg, _ = load_config(CONFIGS / "tiny.yaml", [*mode, "--spes_config.num_train_experts_per_node=16"])
-        assert cfg.owned_experts() is None and cfg.experts_per_peer == 8
+        assert cfg.owned_experts() is None and cfg.experts_per_block == 8
 
 
 def test_inert_keys_are_reported(tmp_path: Path) -> None:

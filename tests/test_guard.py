@@ -16,7 +16,7 @@ from dist_helpers import SMALL_NODE, run_logged, run_ranks
 from peer_nodes import peer_config, start_peer
 from spes.config import load_config
 from spes.distributed import DistInfo
-from spes.guard import NonFiniteError, all_finite, check_weights_finite, first_nonfinite_parameter
+from spes.guard import NonFiniteError, NonFiniteSkips, all_finite, check_weights_finite, first_nonfinite_parameter
 from spes.sync.server import spec_of_run
 from spes.train import build_node, main
 from spes.trainer import Trainer
@@ -106,6 +106,24 @@ def test_skip_nonfinite_steps_skips_that_many_in_a_row_then_stops(tiny_corpus, t
     assert [m.split(":")[0] for m in skipped] == ["warning", "warning"] and "step 2:" in skipped[1]
 
 
+def test_skips_count_only_bad_steps_in_a_row() -> None:
+    skips = NonFiniteSkips(allowed=1, save_folder="runs/x")
+    assert skips.check(1, 2.0, 1.0, finite=True) is None
+    assert skips.check(2, math.nan, 1.0, finite=False) == (
+        "warning: step 2: loss nan / grad_norm 1.0 is not finite; its update is skipped (1 of at most 1 in a row)"
+    )
+    assert skips.check(3, 2.0, 1.0, finite=True) is None and skips.in_a_row == 0  # a good step ends the streak
+    assert skips.check(4, 2.0, math.inf, finite=False) is not None
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^step 5: loss nan / grad_norm inf is not finite \(2 steps in a row\); "
+        r"stopped without applying it or saving \(the newest checkpoint in runs/x is untouched\)",
+    ):
+        skips.check(5, math.nan, math.inf, finite=False)
+    with pytest.raises(NonFiniteError, match=r"^step 1: loss nan / grad_norm 1.0 is not finite; stopped"):
+        NonFiniteSkips(allowed=0, save_folder="runs/x").check(1, math.nan, 1.0, finite=False)
+
+
 def test_a_skipped_step_leaves_the_weights_unchanged(tiny_corpus, tmp_path: Path) -> None:
     trainer, _ = _trainer(
         tiny_corpus, tmp_path, "--max_duration=10st", "--save_interval=null", "--skip_nonfinite_steps=1"
@@ -115,7 +133,7 @@ def test_a_skipped_step_leaves_the_weights_unchanged(tiny_corpus, tmp_path: Path
         head[0, 0] = float("inf")  # every logit row meets it: the loss is NaN, the weights stay finite elsewhere
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     metrics = trainer.train_step(next(iter(trainer.loader)))
-    assert metrics["loss"] != metrics["loss"] and trainer.step == 1 and trainer.nonfinite_in_a_row == 1
+    assert metrics["loss"] != metrics["loss"] and trainer.step == 1 and trainer.skips.in_a_row == 1
     after = trainer.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 

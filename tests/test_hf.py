@@ -122,7 +122,7 @@ def test_import_model_saved_by_transformers(family: str, tmp_path: Path, tokeniz
         (tmp_path / "hf" / path.name).write_bytes(path.read_bytes())
     step_dir = hf.import_hf(tmp_path / "hf", tmp_path / "run" / "step0", num_train_experts_per_node=1)
     cfg = hf.load_step_config(step_dir)
-    assert cfg.spes_config.num_peers == 4 and cfg.experts_per_peer == 1
+    assert cfg.spes_config.num_peers == 4 and cfg.experts_per_block == 1
     assert Path(cfg.tokenizer.identifier) == step_dir.parent / "tokenizer"
     assert (step_dir.parent / "latest").read_text().strip() == "step0"
     spes_model = Transformer.for_run(cfg)
@@ -540,7 +540,7 @@ def test_the_command_line_exports_and_imports_with_every_flag(
     step0 = tmp_path / "back" / "step0"
     imported = ["import", "--hf", str(out), "--out", str(step0), "--num_train_experts_per_node", "1"]
     assert hf.main(imported) == 0 and capsys.readouterr().out == f"{step0}\n"
-    assert hf.load_step_config(step0).experts_per_peer == 1
+    assert hf.load_step_config(step0).experts_per_block == 1
     assert hf.main(imported) == 2 and "pass --overwrite" in capsys.readouterr().err
     assert hf.main([*imported[:-2], "--experts_per_peer", "4", "--overwrite"]) == 0
     assert hf.load_step_config(step0).using_spes is False

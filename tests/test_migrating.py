@@ -112,7 +112,7 @@ def test_its_9b_model_options_and_diloco_settings_carry_over() -> None:
     m = nine.model
     assert (m.d_model, m.n_layers, m.n_heads, m.mlp_hidden_size, m.rope_theta) == (2048, 28, 16, 12288, 1e6)
     assert m.attention_layer_norm_over_head and m.normalize_expert_weights_p == 1.0
-    assert (nine.spes_config.num_peers, nine.experts_per_peer, m.moe_num_experts, m.moe_top_k) == (8, 2, 8, 2)
+    assert (nine.spes_config.num_peers, nine.experts_per_block, m.moe_num_experts, m.moe_top_k) == (8, 2, 8, 2)
     diloco = load_config(FIRST / DILOCO_1B.format(2))[0]
     assert (diloco.model.rope_theta, diloco.spes_config.sync_steps, diloco.distributed_strategy) == (32000, 50, "ddp")
     assert diloco.wandb is None  # its nodes 1-3 have the section commented out

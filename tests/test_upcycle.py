@@ -272,7 +272,7 @@ def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureF
     out = tmp_path / "init" / "step0"
     assert upcycle.main(["--config", config, "--hf", dense, "--out", str(out), *overrides]) == 0
     assert "equals the dense model at step 0" in capsys.readouterr().out
-    assert load_config(out / "config.yaml")[0].experts_per_peer == 2
+    assert load_config(out / "config.yaml")[0].experts_per_block == 2
     assert upcycle.main(["--config", config, "--hf", dense, "--out", str(out), *overrides]) == 2
     assert "--overwrite" in capsys.readouterr().err
     smaller_vocab = f"--model.vocab_size={tokenizer.vocab_size - 1}"

@@ -277,7 +277,7 @@ def _owner_block(
     owner: int,
     uploads: Mapping[int, Mapping[str, torch.Tensor]],
     previous: Mapping[str, torch.Tensor],
-    experts_per_peer: int,
+    experts_per_block: int,
     take: Callable[[int, str], torch.Tensor],
 ) -> torch.Tensor:
     """Expert block `name` as its owner uploaded it, or its last global value when the owner did not arrive."""
@@ -287,9 +287,10 @@ def _owner_block(
         return previous[name]
     else:
         raise ValueError(f"expert block {name!r} has no upload from its owner, peer {owner}")
-    if block.shape[0] > experts_per_peer:
+    if block.shape[0] > experts_per_block:
         raise ValueError(
-            f"expert block {name!r} holds {block.shape[0]} experts, more than experts_per_peer={experts_per_peer}"
+            f"expert block {name!r} from peer {owner} holds {block.shape[0]} experts, more than the run's "
+            f"num_train_experts_per_node={experts_per_block}"
         )
     return block
 

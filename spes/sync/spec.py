@@ -257,11 +257,11 @@ def run_spec(cfg: TrainConfig, manifest: Mapping[str, tuple[int, ...]] | None, *
         )
     s = cfg.spes_config
     mode: Mode = "diloco" if cfg.mode == "diloco" else "spes"
-    owners = uniform_owners(cfg.model.moe_num_experts, cfg.experts_per_peer) if mode == "spes" else ()
+    owners = uniform_owners(cfg.model.moe_num_experts, cfg.experts_per_block) if mode == "spes" else ()
     return RunSpec(
         mode=mode,
         num_peers=s.num_peers,
-        experts_per_block=cfg.experts_per_peer,
+        experts_per_block=cfg.experts_per_block,
         block_owners=owners,
         sync_steps=s.sync_steps,
         last_step=cfg.duration_steps,

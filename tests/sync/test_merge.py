@@ -397,7 +397,9 @@ def test_bad_layers_and_blocks_are_refused_naming_them() -> None:
         build_global(uploads, names=without_v1_1, **MERGE_ROUND)  # type: ignore[arg-type]
     uploads[1]["blocks.0.ffn.experts.w1.1"] = torch.randn(3, 8, 4)  # 3 experts in a block of 2
     with pytest.raises(
-        ValueError, match=r"^expert block 'blocks.0.ffn.experts.w1.1' holds 3 experts, more than experts_per_peer=2$"
+        ValueError,
+        match=r"^expert block 'blocks.0.ffn.experts.w1.1' from peer 1 holds 3 experts, more than the run's "
+        r"num_train_experts_per_node=2$",
     ):
         build_global(uploads, **MERGE_ROUND)  # type: ignore[arg-type]
     w1, v1, w2 = random_layer(3, seed=7)
