@@ -51,6 +51,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/guard.py": (
         "tests/test_guard.py::test_all_finite_and_the_first_bad_parameter",
         "tests/test_guard.py::test_non_finite_weights_are_refused_naming_the_first_and_what_was_refused",
+        "tests/test_guard.py::test_skips_count_only_bad_steps_in_a_row",
     ),
     "spes/optim.py": ("tests/test_optim.py",),
     # the held model through its production classes, the wire and a server's handlers in-process: every test of
