@@ -671,7 +671,7 @@ def import_hf(
     return write_step_dir(out, state, cfg, tokenizer=src if has_tokenizer else None, overwrite=overwrite)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m spes.hf",
         description=__doc__.split("\n\n")[0],
@@ -714,7 +714,11 @@ def main(argv: list[str] | None = None) -> int:
         "--experts_per_peer", "--block_size", dest="num_train_experts_per_node", type=int, help=argparse.SUPPRESS
     )
     imp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         if args.command == "export":
             step = Path(args.checkpoint) if args.checkpoint else resolve_step(args.run_dir, args.step)

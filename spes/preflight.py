@@ -445,19 +445,9 @@ def check_data(cfg: TrainConfig) -> tuple[Check, TokenSequenceDataset | None]:
         dataset = TokenSequenceDataset(paths, cfg.model.max_sequence_length, cfg.data.memmap_dtype)
     except (ValueError, OSError) as exc:
         return fail("data", str(exc), "fix or re-tokenize the shard named above"), None
-    for index, (path, info) in enumerate(zip(dataset.paths, dataset.shard_infos)):
-        sample = URL_SAMPLE_TOKENS if isinstance(path, str) else SAMPLE_TOKENS
-        tokens = dataset.shard_array(index)[:sample]  # headerless OLMo files too
-        top = int(tokens.max()) if len(tokens) else 0
-        if (info is not None and info.vocab_size != tokenizer.vocab_size) or top >= tokenizer.vocab_size:
-            # NOTE: a bare OLMo-style shard has no sidecar, so only its largest id can be checked
-            written = f"written for a vocabulary of {info.vocab_size}" if info is not None else "no sidecar"
-            return fail(
-                "data",
-                f"{path}: {written} (largest id seen {top}), the "
-                f"tokenizer {cfg.tokenizer.identifier} has {tokenizer.vocab_size}",
-                "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
-            ), dataset
+    mismatch = _vocab_mismatch(cfg, dataset, tokenizer.vocab_size)
+    if mismatch is not None:
+        return mismatch, dataset
     try:
         check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
     except ValueError as exc:
@@ -482,6 +472,23 @@ def check_data(cfg: TrainConfig) -> tuple[Check, TokenSequenceDataset | None]:
         f"add shards to data.paths or shorten max_duration (the data would be read "
         f"{need / max(len(dataset), 1):.1f} times)",
     ), dataset
+
+
+def _vocab_mismatch(cfg: TrainConfig, dataset: TokenSequenceDataset, vocab_size: int) -> Check | None:
+    """A failed check for the first shard written for another vocabulary than the tokenizer's, or None."""
+    for index, (path, info) in enumerate(zip(dataset.paths, dataset.shard_infos)):
+        sample = URL_SAMPLE_TOKENS if isinstance(path, str) else SAMPLE_TOKENS
+        tokens = dataset.shard_array(index)[:sample]  # headerless OLMo files too
+        top = int(tokens.max()) if len(tokens) else 0
+        if (info is not None and info.vocab_size != vocab_size) or top >= vocab_size:
+            # NOTE: a bare OLMo-style shard has no sidecar, so only its largest id can be checked
+            written = f"written for a vocabulary of {info.vocab_size}" if info is not None else "no sidecar"
+            return fail(
+                "data",
+                f"{path}: {written} (largest id seen {top}), the tokenizer {cfg.tokenizer.identifier} has {vocab_size}",
+                "re-tokenize the data with this tokenizer or point tokenizer.identifier at the one it used",
+            )
+    return None
 
 
 def check_url_reads(cfg: TrainConfig, dataset: TokenSequenceDataset, devices: Devices, step_s: float | None) -> Check:
