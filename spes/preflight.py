@@ -57,6 +57,7 @@ URL_SAMPLE_TOKENS = 1 << 14
 URL_READ_SAMPLES = 8
 """Windows timed from shards at URLs, spread over them."""
 TARGET_SYNC_FRACTION = 0.1
+"""The link share the failed link check's sync_steps advice aims at (--max_sync_fraction when that is lower)."""
 
 
 # -- devices ------------------------------------------------------------------------------------------------------
@@ -372,13 +373,14 @@ def check_link(
     )
     if fraction <= max_fraction:
         return ok("link", detail)
-    steps_needed = math.ceil(round_s * (1 - TARGET_SYNC_FRACTION) / (TARGET_SYNC_FRACTION * step_s))
+    # NOTE: advice aimed above a stricter --max_sync_fraction would fail this same check again
+    target = min(TARGET_SYNC_FRACTION, max_fraction)
+    steps_needed = math.ceil(round_s * (1 - target) / (target * step_s))
     return fail(
         "link",
         detail,
-        f"raise spes_config.sync_steps to {steps_needed} (link time <= "
-        f"{TARGET_SYNC_FRACTION:.0%}), use spes_config.codec=bf16, int8 or sparse (1/2, about 1/4 or about 1/100 "
-        "of the fp32 bytes), or a faster link"
+        f"raise spes_config.sync_steps to {steps_needed} (link time <= {target * 100:.3g}%), use "
+        "spes_config.codec=bf16, int8 or sparse (1/2, about 1/4 or about 1/100 of the fp32 bytes), or a faster link"
         + (
             "; open the server's --data_port to this node (gRPC is several times slower)"
             if stats.plane == "grpc"

@@ -313,6 +313,11 @@ def test_a_slow_link_at_these_sync_steps_fails_the_link_check(
     )
     assert rc == 1
     assert lines["link"].startswith("FAIL") and "-> raise spes_config.sync_steps to" in lines["link"]
+    # the advice meets the stated --max_sync_fraction, not only the default 10%: followed, the check passes
+    assert "(link time <= 1%)" in lines["link"], lines["link"]
+    round_s = float(re.search(r"~([0-9.e+-]+) s; step", lines["link"]).group(1))
+    advised = int(re.search(r"sync_steps to (\d+)", lines["link"]).group(1))
+    assert round_s / (advised * 1e-7 + round_s) <= 0.01 * 1.01, lines["link"]
 
 
 def test_an_unreachable_server_fails_in_seconds(
@@ -614,3 +619,4 @@ def test_a_number_flag_out_of_its_range_is_refused_naming_it(
     capsys: pytest.CaptureFixture[str], flag: str, rule: str
 ) -> None:
     assert usage_error(capsys, lambda: main([TINY, flag])) == f"python -m spes.preflight: error: {rule}"
+
