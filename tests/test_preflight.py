@@ -620,3 +620,21 @@ def test_a_number_flag_out_of_its_range_is_refused_naming_it(
 ) -> None:
     assert usage_error(capsys, lambda: main([TINY, flag])) == f"python -m spes.preflight: error: {rule}"
 
+
+def test_the_sample_output_in_running_md_is_what_this_version_prints() -> None:
+    """docs/running.md's sample preflight of configs/tiny.yaml: its protocol version, manifest size and the launch
+    script's first line are this version's (they had gone stale: v5, 41 tensors, a 'data seed' the script no longer
+    prints)."""
+    from spes.preflight import manifest
+    from spes.sync.protocol import PROTOCOL_VERSION
+
+    doc = (REPO / "docs" / "running.md").read_text()
+    sample = doc.split("Sample output (`configs/tiny.yaml`", 1)[1].split("```", 2)[1]
+    shapes, _ = manifest(load_config(TINY)[0])
+    assert f"protocol v{PROTOCOL_VERSION}," in sample
+    assert f"manifest of {len(shapes)} tensors" in sample
+    script = (REPO / "run_scripts" / "run_single_node.sh").read_text()
+    echo = re.search(r'echo "(node \$NODE_ID: .*)"', script).group(1)
+    assert echo.endswith(", config $CONFIG")
+    first = sample.strip().splitlines()[0]
+    assert re.fullmatch(r"node 0: 1 process\(es\) on .+, config configs/tiny\.yaml", first), first
