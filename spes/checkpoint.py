@@ -410,9 +410,15 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
         if not target.exists() and moved_aside:  # killed while replacing it: the old copy is complete
             return moved_aside[0].parent
         if not (target / META_FILE).is_file():
+            usable = [str(c) for c in list_checkpoints(p) if (c / META_FILE).is_file()]
             raise CheckpointError(
                 f"{p / LATEST} names {target.name}, which is missing or incomplete; "
-                f"pass one of {[c.name for c in list_checkpoints(p)]} explicitly"
+                + (
+                    f"load a complete one by its path ({', '.join(usable)}) or write its name into {p / LATEST}"
+                    if usable
+                    else f"{p} holds no complete checkpoint: point {what} at another one, or remove {p / LATEST} "
+                    "to start that save folder afresh"
+                )
             )
         return target
     if not p.exists():

@@ -668,13 +668,31 @@ def test_latest_resolves_to_a_moved_aside_copy_only_when_the_replacement_never_a
     run = tmp_path / "node0"
     _fake_checkpoint(run / "step2")
     (run / LATEST).write_text("step4\n")
-    with pytest.raises(CheckpointError, match=r"latest names step4, which is missing or incomplete; pass one of \['st"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"latest names step4, which is missing or incomplete; load a complete one by its path "
+        f"\\({run / 'step2'}\\) or write its name into {run / LATEST}$",
+    ):
         resolve_checkpoint(run)
     aside = _fake_checkpoint(run / ".step4.old-123")
     assert resolve_checkpoint(run) == aside  # killed between moving the old copy aside and publishing the new one
     _fake_checkpoint(run / "step4")
     assert resolve_checkpoint(run) == run / "step4"  # the new copy arrived: it wins
     assert resolve_checkpoint(run / "step2") == run / "step2"
+
+
+def test_latest_naming_a_missing_checkpoint_in_a_folder_without_others_says_what_to_do(tmp_path: Path) -> None:
+    """It advised "pass one of [] explicitly": no checkpoint to pass, and no setting named."""
+    run = tmp_path / "node0"
+    run.mkdir()
+    (run / LATEST).write_text("step9\n")
+    (run / "step8").mkdir()  # a save cut short: no meta.json
+    with pytest.raises(CheckpointError) as refused:
+        resolve_checkpoint(run, what="load_path")
+    assert str(refused.value) == (
+        f"{run / LATEST} names step9, which is missing or incomplete; {run} holds no complete checkpoint: point "
+        f"load_path at another one, or remove {run / LATEST} to start that save folder afresh"
+    )
 
 
 def test_a_path_that_names_no_checkpoint_is_refused_with_what_to_name_instead(tmp_path: Path) -> None:
