@@ -7,6 +7,7 @@ missing and when each peer was last heard from.
 from __future__ import annotations
 
 import argparse
+import ssl
 import sys
 import time
 
@@ -19,6 +20,7 @@ from spes.sync.connection import open_channel
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.status import describe
+from spes.sync.wire import read_file
 
 FIXES = {
     "UNAVAILABLE": "is the parameter server running there (python -m spes.server), its port open to this machine, "
@@ -28,6 +30,29 @@ FIXES = {
     "PERMISSION_DENIED": "this server wants a client certificate it accepts (--tls_cert, --tls_key)",
 }
 """What to do when the server does not answer Status, or refuses it, by gRPC status code."""
+
+
+def check_tls_files(args: argparse.Namespace) -> None:
+    """The TLS flags' files, checked before gRPC sees them: its core aborts the process (SIGABRT) on a certificate
+    without its key, and meets a file that is no PEM with log lines naming neither the file nor the flag."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls_cert and --tls_key (mutual TLS) must be given together")
+    for path, flag in ((args.tls_ca, "--tls_ca"), (args.tls_cert, "--tls_cert"), (args.tls_key, "--tls_key")):
+        if path is not None:
+            read_file(path, flag)
+    try:
+        if args.tls_ca is not None:
+            ssl.create_default_context(cafile=args.tls_ca)
+    except ssl.SSLError as e:
+        raise ValueError(f"--tls_ca {args.tls_ca!r}: not a usable PEM certificate ({e.reason or e})") from None
+    try:
+        if args.tls_cert is not None:
+            ssl.create_default_context().load_cert_chain(args.tls_cert, args.tls_key)
+    except ssl.SSLError as e:
+        raise ValueError(
+            f"--tls_cert {args.tls_cert!r} and --tls_key {args.tls_key!r}: not a usable PEM certificate and its key "
+            f"({e.reason or e})"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         token = read_token(args.token_file, "--token_file")
+        check_tls_files(args)
         settings = SpesConfig(server_addr=args.addr, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
         channel = open_channel(settings)
     except (ValueError, FileNotFoundError) as exc:

@@ -13,7 +13,7 @@ from conftest import usage_error
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.status import describe
 from spes.sync.wire import upload_digest
-from sync_helpers import TOKEN, make_client, peer_upload, running_server, tiny_spec
+from sync_helpers import TOKEN, make_client, peer_upload, running_server, tiny_spec, write_pki
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,3 +119,31 @@ def test_the_status_command_refuses_seconds_out_of_range(
     from spes.status import main
 
     assert usage_error(capsys, lambda: main(["127.0.0.1:50051", flag])) == f"python -m spes.status: error: {rule}"
+
+
+def test_the_status_command_names_a_tls_flag_whose_files_cannot_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A certificate without its key aborted the process in gRPC's core (SIGABRT, a C stack trace); a file that is
+    no PEM gave gRPC log lines and UNAVAILABLE naming no file. Each is now one line naming the flag, exit 2."""
+    from spes.status import main
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    pki = write_pki(tmp_path)
+    cases = [
+        (["--tls_ca", str(tmp_path / "none.crt")], f"error: --tls_ca {str(tmp_path / 'none.crt')!r}: file not found"),
+        (["--tls_cert", pki.server["tls_cert"]], "error: --tls_cert and --tls_key (mutual TLS) must be given together"),
+        (["--tls_ca", str(junk)], f"error: --tls_ca {str(junk)!r}: not a usable PEM certificate ("),
+        (
+            ["--tls_cert", str(junk), "--tls_key", pki.server["tls_key"]],
+            f"error: --tls_cert {str(junk)!r} and --tls_key {pki.server['tls_key']!r}: not a usable PEM certificate",
+        ),
+    ]
+    for flags, line in cases:
+        assert main(["127.0.0.1:1", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert err.startswith(line) and len(err.splitlines()) == 1, err
+    with running_server(tiny_spec(), **pki.server) as (server, addr):
+        assert main([addr, "--tls_ca", pki.ca, "--timeout", "10"]) == 0  # good files still pass
+    assert f"run {server.service.run_id}: " in capsys.readouterr().out
