@@ -68,7 +68,10 @@ class Connection:
             *((("authorization", f"Bearer {token}"),) if token else ()),
         )
         """Sent with every call: the session, the peer id and the token (never logged)."""
-        self._data_tls = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key) if s.data_plane != "grpc" else None
+        # NOTE: checked under data_plane grpc too: gRPC's core meets a file that is no PEM with log lines naming no
+        # file, then UNAVAILABLE, which is retried for minutes as if the server were down
+        tls = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key)
+        self._data_tls = tls if s.data_plane != "grpc" else None
         self._channel = open_channel(s)
         self.stub = pb_grpc.ParameterServerStub(self._channel)
         self._grpc = GrpcPlane(
