@@ -149,8 +149,8 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
     if found is not None:
         name, ours, theirs = found
         raise ValueError(
-            f"{state_path}: written by a run with {name}={theirs!r}, this server has {name}={ours!r}; restart with "
-            "the same settings or use a fresh --state_dir"
+            f"{state_path}: written by a run with {name}={theirs!r}, this server has {name}={ours!r}; restart it "
+            f"with {FIELD_KEYS[name]} as that run had it, or use a fresh --state_dir for a new run"
         )
     global_model, momentum, codec_state = _read_tensors(directory, state_path, tensor_name, record)
     codec_state.update({n: global_model[n] for n in codec_is_global if n in global_model})

@@ -95,9 +95,16 @@ def test_state_of_another_run_is_refused_naming_the_field(tmp_path: Path) -> Non
     with pytest.raises(
         ValueError,
         match=r"state.json: written by a run with num_peers=2, this server has "
-        r"num_peers=4; restart with the same settings or use a fresh --state_dir",
+        r"num_peers=4; restart it with spes_config.num_peers as that run had it, or use a fresh --state_dir for a new "
+        r"run$",
     ):
         load_round(tmp_path, tiny_spec(num_peers=4, num_blocks=2))
+    # the run's length is a setting of the run: named by its key (it said only "the same settings")
+    save_round(tmp_path / "long", dataclasses.replace(saved(10), spec=dataclasses.replace(SPEC, last_step=40)))
+    with pytest.raises(
+        ValueError, match=r"last_step=40, this server has last_step=80; restart it with max_duration as"
+    ):
+        load_round(tmp_path / "long", dataclasses.replace(SPEC, last_step=80))
     with pytest.raises(ValueError, match="mode='spes', this server has mode='diloco'"):
         load_round(tmp_path, tiny_spec(mode="diloco"))
     with pytest.raises(ValueError, match="codec='fp32', this server has codec='int8'"):
