@@ -4,6 +4,7 @@ spec comes from its YAML and `--section.key=value` overrides, the flags are the 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,27 @@ def test_mistakes_name_the_key_or_flag(
         return
     with pytest.raises(ValueError, match=pattern):
         server_config(*argv)
+
+
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_one_line_naming_the_flag() -> None:
+    """grpc's core logged its own line (`add_port.cc ... Address already in use`) above the error line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = subprocess.run(
+            [sys.executable, "-m", "spes.server", "configs/tiny.yaml", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert busy.returncode == 2
+    assert busy.stderr.strip().splitlines() == [
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use): stop the process using it or pick "
+        "another --port"
+    ]
 
 
 def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section() -> None:

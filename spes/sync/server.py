@@ -30,6 +30,7 @@ import ctypes
 import logging
 import resource
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -138,8 +139,10 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
             root_certificates=read_file(deploy.tls_client_ca, "--tls_client_ca") if deploy.tls_client_ca else None,
             require_client_auth=deploy.tls_client_ca is not None,
         )
+        _port_free(deploy.host, deploy.port, "--port")
         port = _bind(lambda: server.add_secure_port(address, credentials), address, "--port")
     else:
+        _port_free(deploy.host, deploy.port, "--port")
         port = _bind(lambda: server.add_insecure_port(address), address, "--port")
     data_plane = None
     if deploy.data_port >= 0:
@@ -189,6 +192,25 @@ def ensure_open_files(deploy: DeployConfig) -> None:
         )
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     log.info("raised the open-file limit from %d to %d (--max_connections, --max_streams)", soft, needed)
+
+
+def _port_free(host: str, port: int, flag: str) -> None:
+    """ValueError naming `flag` when `host:port` is taken, tried with a plain socket before grpc binds it: grpc's
+    core logs a line of its own (`add_port.cc ... Address already in use`) above the one-line error."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, IndexError):
+        return  # NOTE: an address this cannot resolve is grpc's to report
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc: a port in TIME_WAIT is free
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({exc.strerror}): stop the process using it or pick another {flag}"
+            ) from None
 
 
 def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
