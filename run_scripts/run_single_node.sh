@@ -22,6 +22,11 @@ CONFIG_DIR=${CONFIG_DIR:-configs/spes_1b}
 CONFIG=${CONFIG:-$CONFIG_DIR/node_${NODE_ID}.yaml}
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 [ -f "$CONFIG" ] || { echo "error: config $CONFIG not found (set CONFIG or CONFIG_DIR)" >&2; exit 2; }
+if [ -n "${NPROC_PER_NODE:-}" ] && ! [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then  # else blamed on the interpreter
+  echo "error: NPROC_PER_NODE='$NPROC_PER_NODE' must be a positive integer (processes on this node), or unset (every" \
+    "GPU, else 1)" >&2
+  exit 2
+fi
 # NOTE: the devices are counted by the interpreter that trains: another one (the system python3) may lack torch.
 DEVICES=$(NPROC_PER_NODE=${NPROC_PER_NODE:-} "$PYTHON" -m spes.preflight --devices) || {
   echo "error: $PYTHON could not count this machine's devices (see above): run run_scripts/setup.sh, set PYTHON to" \

@@ -455,6 +455,19 @@ def test_run_single_node_refuses_to_guess_when_its_interpreter_cannot_count(tmp_
     assert "RUN" not in proc.stdout
 
 
+def test_run_single_node_names_an_nproc_per_node_that_is_no_count(tmp_path: Path) -> None:
+    """It said its interpreter could not count the devices and advised setting NPROC_PER_NODE, the culprit."""
+    python = stand_in_python(tmp_path, 'echo "2 2 CUDA GPU(s) (stand-in)"; exit 0')
+    for bad in ("abc", "0", "-1"):
+        proc = launch(tmp_path, python, "0", NPROC_PER_NODE=bad)
+        assert proc.returncode == 2 and "RUN" not in proc.stdout
+        assert proc.stderr.splitlines() == [
+            f"error: NPROC_PER_NODE='{bad}' must be a positive integer (processes on this node), or unset (every GPU, "
+            "else 1)"
+        ]
+    assert "RUN -m spes.torchrun --standalone --nproc_per_node=2 " in launch(tmp_path, python, "0").stdout
+
+
 @pytest.mark.slow
 def test_run_single_node_preflight_for_real(server: str, node: list[str]) -> None:
     """The script's --preflight end to end with the project's interpreter (no stand-in)."""
