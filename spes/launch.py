@@ -244,7 +244,11 @@ def _wait(procs: dict[str, subprocess.Popen], follow: Path, timeout: float) -> i
             _echo_new(follow, offset)
             return 0
         if time.time() > deadline:
-            print(f"error: run did not finish within {timeout:.0f}s", file=sys.stderr)
+            print(
+                f"error: run did not finish within --timeout={timeout:g} s: the peers save a checkpoint and stop, then "
+                "the server; continue with --resume (and a longer --timeout)",
+                file=sys.stderr,
+            )
             return 1
         time.sleep(0.5)
 

@@ -15,7 +15,7 @@ import yaml
 
 from conftest import LaunchedRun, usage_error
 from spes.config import CODECS
-from spes.launch import load_run, parse_args
+from spes.launch import _wait, load_run, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -74,6 +74,23 @@ def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path, 
     )
     assert proc.returncode == 2 and refusal in proc.stderr, proc.stderr
     assert not (tmp_path / "server.log").exists()
+
+
+def test_a_run_past_its_timeout_says_what_was_kept_and_how_to_continue(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said only "run did not finish within 15s", though the peers are then stopped with a checkpoint each."""
+    procs = {name: subprocess.Popen(["sleep", "30"]) for name in ("server", "peer0")}
+    try:
+        assert _wait(procs, tmp_path / "peer0.log", 0.01) == 1
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    assert capsys.readouterr().err.splitlines() == [
+        "error: run did not finish within --timeout=0.01 s: the peers save a checkpoint and stop, then the server; "
+        "continue with --resume (and a longer --timeout)"
+    ]
 
 
 def test_the_codec_flag_takes_only_a_codec(capsys: pytest.CaptureFixture[str]) -> None:
