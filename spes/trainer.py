@@ -205,7 +205,8 @@ class Trainer:
                     stop, limit is not None and time.monotonic() - fit_started >= limit
                 )
                 if waited_out or interrupted:
-                    self.save()
+                    if self.last_saved != self.step:  # NOTE: a save of this step holds its round in flight already
+                        self.save()
                     self.log(f"stopped at step {self.step}; resume with --resume (or load_path={self.cfg.save_folder})")
                     raise SystemExit(130)
                 if out_of_time:

@@ -214,6 +214,23 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(tiny_corpus, tmp_path: Path) -> 
     assert (tmp_path / f"step{step + 1}").is_dir()
 
 
+@pytest.mark.parametrize("save_interval", [2, 3])
+def test_a_stop_saves_its_step_once(tiny_corpus, tmp_path: Path, save_interval: int) -> None:
+    """A stop request on a `save_interval` step does not write that checkpoint a second time."""
+    _, _, trainer = _node(
+        tiny_corpus, tmp_path, "--using_spes=false", "--max_duration=10st", "--no_pre_train_checkpoint=true"
+    )
+    trainer.cfg.save_interval = save_interval
+    saved: list[int] = []
+    save = trainer.save
+    trainer.save = lambda unsharded=False: (saved.append(trainer.step), save(unsharded))[1]  # type: ignore[method-assign]
+    trainer._stop_requested = lambda _stop, _late: (trainer.step == 2, False)  # type: ignore[method-assign]
+    with pytest.raises(SystemExit) as stopped:
+        trainer.fit()
+    assert stopped.value.code == 130 and saved == [2]
+    assert (tmp_path / "latest").read_text().strip() == "step2"
+
+
 def test_bad_inputs_exit_2_with_one_line(tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cases = [
         ([str(tmp_path / "missing.yaml")], "config file not found"),
