@@ -4,6 +4,7 @@
 # merge warm-up rounds, and a summary table. Extra args go to every peer as overrides (--key=value).
 # A run lives in OUT (default output/quickstart): a second start with the same OUT is refused unless RESUME=1
 # continues it (the server from its state, every peer from its latest checkpoint); pick another OUT for a new run.
+# RESUME=1 with an OUT that holds no run is refused too: unset it to start one.
 # Each stage says what it does and how long it took on a fresh clone (bench/results/bench_quickstart.json,
 # written by bench/bench_quickstart.py).
 #

@@ -57,7 +57,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--resume",
         action="store_true",
         help="continue the run --out holds: the server from its state, every peer from its latest checkpoint (a "
-        "folder that holds a run is refused without it: two runs are never mixed)",
+        "folder that holds a run is refused without it, one that holds none with it: two runs are never mixed)",
     )
     p.add_argument(  # --dilico: the reference's spelling (its key using_dilico); --diloco: the paper's
         "--dilico", "--diloco", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything"
@@ -148,12 +148,18 @@ def check_eval_peers(eval_peers: int | None, peers: int) -> int:
 
 def resume_flags(out: Path, resume: bool) -> list[str]:
     """The peers' flags to continue the run `out` holds (none without `--resume`); refuses a run held there
-    without it, so a new run never lands on an old one."""
+    without it, so a new run never lands on an old one, and `--resume` where none is held (the peers' `--resume=auto`
+    would start a fresh run: a mistyped --out must not look like a resumed run)."""
     held = previous_run(out)
     if held and not resume:
         raise ConfigError(
             f"{out} holds {held}: pass --resume (quickstart: RESUME=1) to continue it, or another --out "
             "(quickstart: OUT=...) for a new run"
+        )
+    if not held and resume:
+        raise ConfigError(
+            f"nothing to resume: --out {out} holds no run (no server state, no node checkpoint); drop --resume "
+            "(quickstart: unset RESUME) to start a new run there, or pass the --out (quickstart: OUT=...) of the run"
         )
     if not resume:
         return []
@@ -199,7 +205,10 @@ def previous_run(out: Path) -> str:
     state = out / "server_state" / "run.json"
     if state.is_file():
         return f"the run {held_run_id(out)} (its server state, {state.parent})"
-    nodes = sorted(p.parent.name for p in out.glob("node*/latest"))
+    from spes.checkpoint import LATEST, list_checkpoints  # NOTE: lazy: it imports torch, which the rest never needs
+
+    # NOTE: as spes.train decides it: `latest`, or a checkpoint a save killed before pointing `latest` at it
+    nodes = sorted(p.name for p in out.glob("node*") if (p / LATEST).is_file() or list_checkpoints(p))
     return f"the checkpoints of {', '.join(nodes)}" if nodes else ""
 
 

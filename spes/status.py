@@ -15,7 +15,7 @@ import grpc
 
 from spes.config import SpesConfig, is_host_port
 from spes.schema import number_flag
-from spes.sync.auth import TOKEN_ENV, read_token
+from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
 from spes.sync.connection import open_channel
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -29,7 +29,15 @@ FIXES = {
     "UNAUTHENTICATED": f"pass the run's shared secret (--token_file, or env {TOKEN_ENV})",
     "PERMISSION_DENIED": "this server wants a client certificate it accepts (--tls_cert, --tls_key)",
 }
-"""What to do when the server does not answer Status, or refuses it, by gRPC status code."""
+"""What to do when the server does not answer Status, or refuses it, by gRPC status code (unless its answer says)."""
+
+
+def refusal(addr: str, err: grpc.RpcError) -> str:
+    """The one line of a Status call that failed: the server's answer, then what to do (`FIXES`) unless the answer
+    already says it, as a spes server's wrong-token refusal does (printing both gave the fix twice)."""
+    code, details = err.code().name, err.details() or ""
+    fix = None if details == WRONG_TOKEN else FIXES.get(code)
+    return f"error: {addr}: {code}" + (f": {details}" if details else "") + (f"; {fix}" if fix else "")
 
 
 def check_tls_files(args: argparse.Namespace) -> None:
@@ -85,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
             except grpc.RpcError as err:
-                fix = FIXES.get(err.code().name)
-                print(
-                    f"error: {args.addr}: {err.code().name}: {err.details()}" + (f"; {fix}" if fix else ""),
-                    file=sys.stderr,
-                )
+                print(refusal(args.addr, err), file=sys.stderr)
                 return 1
             print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
             if not args.watch:

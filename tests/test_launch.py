@@ -15,7 +15,8 @@ import yaml
 
 from conftest import LaunchedRun, usage_error
 from spes.config import CODECS
-from spes.launch import _wait, load_run, parse_args
+from spes.launch import _wait, load_run, parse_args, resume_flags
+from spes.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -74,6 +75,38 @@ def test_launcher_rejects_a_bad_config_before_starting_anything(tmp_path: Path, 
     )
     assert proc.returncode == 2 and refusal in proc.stderr, proc.stderr
     assert not (tmp_path / "server.log").exists()
+
+
+def test_resume_on_an_out_that_holds_no_run_is_refused_before_starting_anything(tmp_path: Path) -> None:
+    """It passed --resume=auto to the peers, which started a fresh run: a mistyped --out (or quickstart's RESUME=1
+    on a new OUT) looked like a resumed run."""
+    out = tmp_path / "nothing" / "here"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spes.launch", TINY, "--out", str(out), "--resume"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        f"error: nothing to resume: --out {out} holds no run (no server state, no node checkpoint); drop --resume "
+        "(quickstart: unset RESUME) to start a new run there, or pass the --out (quickstart: OUT=...) of the run"
+    ]
+    assert not out.exists()
+
+
+def test_a_run_is_a_server_state_or_a_nodes_checkpoint_as_the_nodes_see_it(tmp_path: Path) -> None:
+    """A node's save folder whose save was killed before `latest` named its checkpoint still holds a run
+    (spes.train resumes from it): --resume continues it, and a start without --resume is refused."""
+    assert resume_flags(tmp_path, False) == []
+    (tmp_path / "node1" / "step4").mkdir(parents=True)  # no `latest`
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of node1: pass --resume"):
+        resume_flags(tmp_path, False)
+    assert resume_flags(tmp_path, True) == ["--resume=auto"]
+    (tmp_path / "server_state").mkdir()
+    (tmp_path / "server_state" / "run.json").write_text(json.dumps({"run_id": "abc"}))
+    assert resume_flags(tmp_path, True) == ["--resume=auto", "--spes_config.run_id=abc"]
 
 
 def test_a_run_past_its_timeout_says_what_was_kept_and_how_to_continue(

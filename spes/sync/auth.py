@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import ssl
+import sys
 from collections.abc import Callable
 from typing import Any, NoReturn, cast
 
@@ -28,16 +29,24 @@ from spes.sync.wire import read_file
 log = logging.getLogger("spes.server")
 
 TOKEN_ENV = "SPES_TOKEN"
+WRONG_TOKEN = "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret"
+"""What the server answers a call (either plane) without the run's token: the reason and what to do."""
 PEER_NAME = re.compile(r"peer-(\d+)")
 """The common name of a node certificate under `--tls_peer_ids`: `peer-<id>`."""
 
 
-def read_token(token_file: str | None, what: str) -> str | None:
-    """The run's shared secret from `token_file` (named `what` in errors), else $SPES_TOKEN, else None."""
+def print_warning(message: str) -> None:
+    """A command's warning as the project prints them: one line `warning: ...` on stderr."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def read_token(token_file: str | None, what: str, warn: Callable[[str], None] = print_warning) -> str | None:
+    """The run's shared secret from `token_file` (named `what` in errors), else $SPES_TOKEN, else None; a file
+    others can read is a `warn`ing (the server passes its log's)."""
     if token_file:
         token = read_file(token_file, what).decode().strip()
         if os.stat(token_file).st_mode & 0o077:
-            log.warning("%s %s is readable by group or others: run `chmod 600 %s`", what, token_file, token_file)
+            warn(f"{what} {token_file} is readable by group or others: run `chmod 600 {token_file}`")
         if not token:
             raise ValueError(f"{what} {token_file!r} is empty: write the run's shared secret into it")
         return token
@@ -83,10 +92,7 @@ def _deny_like(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind as `handler` that only answers UNAUTHENTICATED (no deserializing)."""
 
     def deny(_request: Any, context: grpc.ServicerContext) -> NoReturn:
-        context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret",
-        )
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, WRONG_TOKEN)
         raise AssertionError("unreachable: context.abort raises")
 
     kinds = {

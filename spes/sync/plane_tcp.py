@@ -39,7 +39,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 
 from spes.sync.admission import PendingSlots, Ticket
-from spes.sync.auth import tls_common_name, token_matches
+from spes.sync.auth import WRONG_TOKEN, tls_common_name, token_matches
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import (
@@ -522,11 +522,7 @@ class DataHandler:
             self._warn.warning("wrong token", "refused a data-plane connection: missing or wrong token")
             close_after_error(
                 sock,
-                error_reply(
-                    "UNAUTHENTICATED",
-                    "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret",
-                    Reason.UNAUTHENTICATED,
-                ),
+                error_reply("UNAUTHENTICATED", WRONG_TOKEN, Reason.UNAUTHENTICATED),
             )
             return
         try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import resource
 import signal
 import socket
@@ -52,6 +53,7 @@ from spes.sync.plane_grpc import SpesServicer
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.settings import DeployConfig, ServerConfig, add_deploy_flags, deploy_from_args
 from spes.sync.spec import RunSpec, run_spec
+from spes.sync.state import lock_state_dir
 from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, grpc_options, read_file
 
 log = logging.getLogger("spes.server")
@@ -81,9 +83,10 @@ class ParameterServer:
         port: int,
         executor: futures.ThreadPoolExecutor,
         data_plane: plane_tcp.DataPlaneListener | None = None,
+        state_lock: int | None = None,
     ) -> None:
         self.server, self.service, self.health, self.port = server, service, health_servicer, port
-        self._executor, self._data_plane = executor, data_plane
+        self._executor, self._data_plane, self._state_lock = executor, data_plane, state_lock
         self.data_port = data_plane.port if data_plane is not None else 0
         """The raw data plane's port (0: disabled)."""
 
@@ -98,20 +101,35 @@ class ParameterServer:
             self._data_plane.stop()
         self.server.stop(grace_s).wait()
         self._executor.shutdown(wait=False)  # NOTE: grpc leaves its handler threads running otherwise
+        _release(self._state_lock)  # NOTE: last: no round can be saved after it
+        self._state_lock = None
 
 
 def start_server(cfg: ServerConfig) -> ParameterServer:
-    """Restore `--state_dir` if it holds a round, then bind and start the server (non-blocking)."""
+    """Claim `--state_dir` (refused while another server holds it), restore it if it holds a round, then bind and
+    start the server (non-blocking)."""
     cfg.deploy.check_exposure()
-    service = Coordinator(cfg)
+    lock = lock_state_dir(cfg.deploy.state_dir) if cfg.deploy.state_dir else None
     try:
-        return _serve(cfg, service)
+        service = Coordinator(cfg)
+    except BaseException:
+        _release(lock)
+        raise
+    try:
+        return _serve(cfg, service, lock)
     except BaseException:
         service.guard.stop()
+        _release(lock)
         raise
 
 
-def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
+def _release(lock: int | None) -> None:
+    """Let go of the `--state_dir` lock (`lock_state_dir`), if held."""
+    if lock is not None:
+        os.close(lock)
+
+
+def _serve(cfg: ServerConfig, service: Coordinator, lock: int | None) -> ParameterServer:
     deploy = cfg.deploy
     ensure_open_files(deploy)
     interceptors = [TokenAuthInterceptor(deploy.token, service.warn)] if deploy.token is not None else []
@@ -164,7 +182,7 @@ def _serve(cfg: ServerConfig, service: Coordinator) -> ParameterServer:
     server.start()
     for service_name in ("", SERVICE_NAME):
         health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
-    return ParameterServer(server, service, health_servicer, port, executor, data_plane)
+    return ParameterServer(server, service, health_servicer, port, executor, data_plane, lock)
 
 
 def connection_limits(deploy: DeployConfig) -> list[tuple[str, int]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -188,7 +189,8 @@ def add_deploy_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def deploy_from_args(args: argparse.Namespace) -> DeployConfig:
-    """The `DeployConfig` of parsed flags; the token is read from `--token_file` or SPES_TOKEN."""
+    """The `DeployConfig` of parsed flags; the token is read from `--token_file` or SPES_TOKEN (a file others can
+    read is a warning in the server's log)."""
     values = {f.name: getattr(args, f.name) for f in fields(DeployConfig)}
-    values["token"] = read_token(values["token"], "--token_file")
+    values["token"] = read_token(values["token"], "--token_file", logging.getLogger("spes.server").warning)
     return DeployConfig(**values)

@@ -15,12 +15,15 @@ is the commit point, so a server killed at any moment (SIGKILL included) leaves 
 the new one, never a mix. A restarted server with the same `--state_dir` resumes from that round if its run spec
 agrees (the open fields of a server started without the run's YAML are taken from the state); the peers' retries
 (re-join, re-upload) then complete the round that was open. Nothing is unpickled: tensors are read with
-safetensors, the rest is JSON.
+safetensors, the rest is JSON. One server at a time: it holds `server.lock` there for its whole life
+(`lock_state_dir`), and a second one on the same directory is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import time
 import uuid
@@ -39,6 +42,8 @@ from spes.sync.spec import FIELD_KEYS, RunSpec
 STATE_FILE = "state.json"
 RUN_FILE = "run.json"
 """The run's identity, written when a server first starts with this --state_dir (before any round)."""
+LOCK_FILE = "server.lock"
+"""Held (flock) by the one server that uses this --state_dir, with its pid in it (`lock_state_dir`)."""
 FORMAT = 2
 """2: the run spec and the codec's tensors (`codec/`); 1: wire dtype and int8 held model (`held/`)."""
 MOMENTUM_PREFIX = "momentum/"
@@ -78,6 +83,33 @@ def run_id_of(state_dir: str | Path) -> str:
     run_id = new_run_id()
     write_atomic(path, (json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n").encode())
     return run_id
+
+
+def lock_state_dir(state_dir: str | Path) -> int:
+    """Claim `state_dir` for this process: an exclusive `flock` on its `server.lock`, held on the returned
+    descriptor until it is closed (`os.close`, or the process's exit, a crash or SIGKILL included, so a dead
+    server never blocks its restart). The holder's pid is written into the file for the refusal to name.
+
+    Why: two servers on one state directory would each write their rounds over the other's, and a run must never
+    be mixed. ValueError naming `--state_dir` (and the holder's pid) when another process holds it."""
+    directory = Path(state_dir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ValueError(f"--state_dir {state_dir}: cannot use it ({exc.strerror}); pick another --state_dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise ValueError(
+            f"--state_dir {state_dir} is in use by another parameter server (pid {holder or 'unknown'}); stop it or "
+            "pass another --state_dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def new_run_id() -> str:

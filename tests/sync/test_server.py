@@ -545,6 +545,60 @@ def test_a_restarted_server_resumes_from_its_state_dir(tmp_path: Path) -> None:
             pass
 
 
+@pytest.mark.timeout(60)
+def test_a_second_server_on_a_state_dir_in_use_is_refused_and_a_stopped_servers_is_free(tmp_path: Path) -> None:
+    """Two servers sharing one --state_dir would write their rounds over each other's: the second is refused before
+    it touches the directory or binds a port, the first serves on; once it stops, a server restarts there."""
+    state_dir = str(tmp_path / "state")
+    with running_server(SPEC10, state_dir=state_dir) as (first, addr), stub_for(addr) as stub:
+        with pytest.raises(ValueError) as refused:
+            with running_server(SPEC10, state_dir=state_dir):
+                pass
+        assert str(refused.value) == (
+            f"--state_dir {state_dir} is in use by another parameter server (pid {os.getpid()}); stop it or pass "
+            "another --state_dir"
+        )
+        for peer in range(2):
+            stub.Join(join_request(peer, spec=SPEC10), timeout=10)
+        finish_round(addr, 10)
+        run_id = first.service.run_id
+    with running_server(SPEC10, state_dir=state_dir) as (again, addr), stub_for(addr) as stub:
+        assert again.service.run_id == run_id and stub.Status(pb.StatusRequest(), timeout=10).current_round == 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_server_process_on_a_state_dir_in_use_exits_in_one_line_and_a_killed_ones_restarts(tmp_path: Path) -> None:
+    """The lock is the process's: a second `python -m spes.server` on a live server's --state_dir exits 2 with one
+    line naming the first one's pid; the first one SIGKILLed, the system has released it and a restart serves."""
+    state_dir = str(tmp_path / "state")
+    command = [sys.executable, "-m", "spes.server", "--total_peers", "2", "--num_train_experts_per_node", "2"]
+    command += ["--host", "127.0.0.1", "--state_dir", state_dir, "--port", "0"]
+    first, _ = start_subprocess_server({}, command)
+    procs = [first]
+    try:
+        second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=30)
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [
+            f"error: --state_dir {state_dir} is in use by another parameter server (pid {first.pid}); stop it or "
+            "pass another --state_dir"
+        ]
+        assert first.poll() is None
+        first.kill()  # SIGKILL: the server releases nothing itself
+        first.wait(timeout=10)
+        restarted, port = start_subprocess_server({}, command)
+        procs.append(restarted)
+        with stub_for(f"127.0.0.1:{port}") as stub:
+            assert stub.Status(pb.StatusRequest(), timeout=10).persistent
+        restarted.send_signal(signal.SIGTERM)
+        assert restarted.wait(timeout=10) == 0
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def start_subprocess_server(env_extra: dict[str, str], args: list[str]) -> tuple[subprocess.Popen[str], int]:
     env = {**os.environ, "PYTHON": sys.executable, **env_extra}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

@@ -128,5 +128,18 @@ def test_a_token_file_the_flag_names_is_read_and_its_problems_name_the_flag(tmp_
     assert str(err.value) == f"--token_file {str(empty)!r} is empty: write the run's shared secret into it"
 
 
+def test_a_token_file_others_can_read_is_a_warning_in_the_servers_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret = tmp_path / "token"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o644)
+    assert parse("--token_file", str(secret)).token == "s3cret"
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("spes.server", "WARNING", f"--token_file {secret} is readable by group or others: run `chmod 600 {secret}`")
+    ]
+    assert capsys.readouterr().err == ""
+
+
 def test_a_limit_below_one_is_still_a_limit() -> None:
     assert DeployConfig(stream_idle_timeout=0.5, handshake_timeout=0.25).handshake_timeout == 0.25

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from spes.sync.state import RUN_FILE, STATE_FILE, SavedRound, load_round, new_run_id, run_id_of, save_round
+from spes.sync.state import (
+    LOCK_FILE,
+    RUN_FILE,
+    STATE_FILE,
+    SavedRound,
+    load_round,
+    lock_state_dir,
+    new_run_id,
+    run_id_of,
+    save_round,
+)
 from sync_helpers import tiny_spec
 
 SPEC = tiny_spec()
@@ -150,6 +161,32 @@ def test_a_run_id_is_made_once_per_state_dir_and_a_damaged_record_refused(tmp_pa
         (state_dir / RUN_FILE).write_text(damaged)
         with pytest.raises(ValueError, match=r"run.json: not a spes run record \(.*\); move it away or pick another "):
             run_id_of(state_dir)
+
+
+def test_a_state_dir_is_held_by_one_server_at_a_time_and_free_again_once_it_lets_go(tmp_path: Path) -> None:
+    """Two servers on one --state_dir would write their rounds over each other's: while one holds its lock (its pid
+    in the lock file) another is refused, naming it; once the first lets go (closing the descriptor, as its exit or
+    death does) the directory is free, and a round saved meanwhile leaves the lock file alone."""
+    state_dir = tmp_path / "new" / "state"
+    held = lock_state_dir(state_dir)  # the directory made as needed
+    try:
+        assert (state_dir / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        for _ in range(2):  # a refusal leaves the holder's lock (and pid) as it was
+            with pytest.raises(ValueError) as refused:
+                lock_state_dir(state_dir)
+            assert str(refused.value) == (
+                f"--state_dir {state_dir} is in use by another parameter server (pid {os.getpid()}); stop it or pass "
+                "another --state_dir"
+            )
+        save_round(state_dir, saved(1))
+        assert (state_dir / LOCK_FILE).is_file()
+    finally:
+        os.close(held)
+    again = lock_state_dir(state_dir)
+    os.close(again)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"^--state_dir .*/file: cannot use it \(.*\); pick another --state_dir$"):
+        lock_state_dir(tmp_path / "file")
 
 
 def test_the_whole_spec_round_trips_and_completes_a_server_started_without_yaml(tmp_path: Path) -> None:

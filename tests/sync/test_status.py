@@ -80,8 +80,33 @@ def test_the_status_command_asks_a_real_server(tmp_path: Path) -> None:
         refused = subprocess.run(
             [sys.executable, "-m", "spes.status", addr], cwd=REPO, capture_output=True, text=True, timeout=60
         )
-        assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
-        assert refused.stderr.strip().endswith("; pass the run's shared secret (--token_file, or env SPES_TOKEN)")
+        assert refused.returncode == 1
+        assert refused.stderr.splitlines() == [
+            f"error: {addr}: UNAUTHENTICATED: missing or wrong token: set SPES_TOKEN (or token_file) to this run's "
+            "shared secret"
+        ]
+
+
+@pytest.mark.timeout(60)
+def test_the_status_command_says_a_wrong_token_and_a_token_file_others_can_read_once_each(tmp_path: Path) -> None:
+    """The wrong token's fix came twice (the server's, then status's own), and the warning had no `warning:`."""
+    wrong = tmp_path / "token"
+    wrong.write_text("not-the-token")
+    wrong.chmod(0o644)
+    with running_server(tiny_spec(), token=TOKEN) as (_, addr):
+        refused = subprocess.run(
+            [sys.executable, "-m", "spes.status", addr, "--token_file", str(wrong)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert refused.returncode == 1
+    assert refused.stderr.splitlines() == [
+        f"warning: --token_file {wrong} is readable by group or others: run `chmod 600 {wrong}`",
+        f"error: {addr}: UNAUTHENTICATED: missing or wrong token: set SPES_TOKEN (or token_file) to this run's "
+        "shared secret",
+    ]
 
 
 @pytest.mark.timeout(60)
