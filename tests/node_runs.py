@@ -42,11 +42,12 @@ def start(argv: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=f, stderr=subprocess.STDOUT)
 
 
-def start_server(corpus: Corpus, out: Path, port: int = 0) -> tuple[subprocess.Popen, int]:
-    """The run's server (data plane on a free port, state in `out/server_state`) and the port it listens on."""
+def start_server(corpus: Corpus, out: Path, port: int = 0, *flags: str) -> tuple[subprocess.Popen, int]:
+    """The run's server (data plane on a free port, state in `out/server_state`; `flags` override the run's
+    settings) and the port it listens on."""
     log = out / "server.log"
     mark = log.stat().st_size if log.exists() else 0
-    argv = [sys.executable, "-m", "spes.server", TINY, *corpus_args(corpus), *RUN, "--host", "127.0.0.1"]
+    argv = [sys.executable, "-m", "spes.server", TINY, *corpus_args(corpus), *RUN, *flags, "--host", "127.0.0.1"]
     proc = start([*argv, "--port", str(port), "--data_port", "0", "--state_dir", str(out / "server_state")], log)
     wait_until(lambda: "listening on 127.0.0.1:" in log.read_text()[mark:] or proc.poll() is not None, "the server", 90)
     text = log.read_text()[mark:]

@@ -64,6 +64,13 @@ class RoundCloser:
             saved.step,
             list(saved.peers),
         )
+        if saved.length_was is not None:
+            log.warning(
+                "max_duration changed: the run now ends at step %d (it was to end at step %d); every node must resume "
+                "with this max_duration",
+                saved.spec.last_step,
+                saved.length_was,
+            )
         return saved.spec
 
     def close(self, step: int, spec: RunSpec) -> None:

@@ -67,6 +67,8 @@ class SavedRound:
     """`ServerCodec.persisted`: empty for a raw codec."""
     spec: RunSpec
     """The server's spec, its open fields (manifest, sync_steps) completed from the state."""
+    length_was: int | None = None
+    """The run's last step as the state recorded it, when this restart changed it (`with_length`)."""
 
 
 def run_id_of(state_dir: str | Path) -> str:
@@ -177,7 +179,14 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
         raise ValueError(
             f"{state_path}: not a spes server state of this version ({exc}); move it away or pick another --state_dir"
         ) from None
-    found = spec.first_difference(recorded)
+    resized = with_length(recorded, spec.last_step, step)
+    found = spec.first_difference(resized)
+    if found is not None and found[0] == "last_step":
+        raise ValueError(
+            f"{state_path}: the run has completed round {step}, this server's max_duration ends it at step "
+            f"{spec.last_step}; restart it with a max_duration past step {step}, or use a fresh --state_dir for a "
+            "new run"
+        )
     if found is not None:
         name, ours, theirs = found
         raise ValueError(
@@ -195,8 +204,19 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
         raise ValueError(f"{directory / tensor_name}: its tensors do not match the manifest in {state_path}")
     ordered = {name: global_model[name] for name in manifest if name in global_model}  # the order served before
     codec_state = {name: codec_state[name] for name in manifest if name in codec_state}
-    complete = spec.completed_by(recorded)
-    return SavedRound(step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete)
+    complete = spec.completed_by(resized)
+    length_was = recorded.last_step if resized.last_step != recorded.last_step else None
+    return SavedRound(step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete, length_was)
+
+
+def with_length(recorded: RunSpec, last_step: int | None, step: int) -> RunSpec:
+    """`recorded` (a saved run's spec, at round `step`) with the run length `last_step` a restarted server was given,
+    when the run has not reached it: as in OLMo, `max_duration` may grow (or shrink) between a stop and a resume.
+    Every node must then resume with it too: one with the old length is refused when it joins. A length at or before
+    the saved round is left a difference (the run has already passed it)."""
+    if last_step is None or recorded.last_step is None or last_step <= step:
+        return recorded
+    return replace(recorded, last_step=last_step)
 
 
 def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest) -> RunSpec:

@@ -44,3 +44,33 @@ def test_nodes_find_a_restarted_server_on_its_new_data_port_and_finish_with_ever
     assert "resumed from" in text
     for peer in (0, 1):
         assert [r.get("sync_round") for r in _rounds(tmp_path / f"node{peer}")] == [4, 8, 12]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_finished_run_trains_on_when_its_server_and_nodes_resume_with_a_longer_max_duration(
+    tiny_corpus: Corpus, tmp_path: Path
+) -> None:
+    server, port = start_server(tiny_corpus, tmp_path)
+    procs = [server]
+    try:
+        first = [start_node(tiny_corpus, tmp_path, peer, port) for peer in (0, 1)]
+        procs += first
+        assert [p.wait(timeout=240) for p in first] == [0, 0]
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        server, port = start_server(tiny_corpus, tmp_path, 0, "--max_duration=16st")
+        procs.append(server)
+        log = (tmp_path / "server.log").read_text()
+        assert "max_duration changed: the run now ends at step 16 (it was to end at step 12)" in log, log[-2000:]
+        longer = [start_node(tiny_corpus, tmp_path, peer, port, "--resume", "--max_duration=16st") for peer in (0, 1)]
+        procs += longer
+        codes = [p.wait(timeout=240) for p in longer]
+        assert codes == [0, 0], [(tmp_path / f"node{p}.log").read_text()[-2000:] for p in (0, 1)]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for peer in (0, 1):
+        assert [r["step"] for r in _rounds(tmp_path / f"node{peer}")] == [4, 8, 12, 16]
+        assert (tmp_path / f"node{peer}" / "latest").read_text().strip() == "step16"

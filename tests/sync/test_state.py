@@ -110,16 +110,29 @@ def test_state_of_another_run_is_refused_naming_the_field(tmp_path: Path) -> Non
         r"run$",
     ):
         load_round(tmp_path, tiny_spec(num_peers=4, num_blocks=2))
-    # the run's length is a setting of the run: named by its key (it said only "the same settings")
+    # the run's length may change at a restart, but not to a step the run has passed
     save_round(tmp_path / "long", dataclasses.replace(saved(10), spec=dataclasses.replace(SPEC, last_step=40)))
     with pytest.raises(
-        ValueError, match=r"last_step=40, this server has last_step=80; restart it with max_duration as"
+        ValueError,
+        match=r"state.json: the run has completed round 10, this server's max_duration ends it at step 10; restart it "
+        r"with a max_duration past step 10, or use a fresh --state_dir for a new run$",
     ):
-        load_round(tmp_path / "long", dataclasses.replace(SPEC, last_step=80))
+        load_round(tmp_path / "long", dataclasses.replace(SPEC, last_step=10))
     with pytest.raises(ValueError, match="mode='spes', this server has mode='diloco'"):
         load_round(tmp_path, tiny_spec(mode="diloco"))
     with pytest.raises(ValueError, match="codec='fp32', this server has codec='int8'"):
         load_round(tmp_path, tiny_spec(codec="int8"))
+
+
+def test_a_restart_may_change_the_runs_length_while_the_run_has_not_reached_it(tmp_path: Path) -> None:
+    save_round(tmp_path, dataclasses.replace(saved(10), spec=dataclasses.replace(SPEC, last_step=40)))
+    for length in (80, 11):  # longer, or sooner but past the saved round
+        loaded = load_round(tmp_path, dataclasses.replace(SPEC, last_step=length))
+        assert loaded is not None and loaded.spec.last_step == length and loaded.length_was == 40
+    same = load_round(tmp_path, dataclasses.replace(SPEC, last_step=40))
+    assert same is not None and same.spec.last_step == 40 and same.length_was is None
+    unset = load_round(tmp_path, dataclasses.replace(SPEC, last_step=None))  # a server started without the YAML
+    assert unset is not None and unset.spec.last_step == 40 and unset.length_was is None
 
 
 def test_a_server_without_the_runs_yaml_takes_its_open_fields_from_the_state(tmp_path: Path) -> None:
