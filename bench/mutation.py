@@ -850,7 +850,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.auth.x__deny_like",
-        "8 9 10",
+        "5 6 7",
         "the message of the AssertionError after context.abort, which raises: the line never runs",
     ),
     **mutants(
@@ -942,6 +942,17 @@ EQUIVALENT: dict[str, str] = {
         "72 73",
         "unlinking a stale round file listed a moment before without missing_ok: only another process removing it "
         "in between would tell",
+    ),
+    **mutants(
+        "spes.sync.state.x_lock_state_dir",
+        "33",
+        "33 bytes of the lock file read rather than 32: a pid has at most 7 digits",
+    ),
+    **mutants(
+        "spes.sync.state.x_lock_state_dir",
+        "48",
+        "the lock file cut to 1 byte rather than 0 before the pid is written from byte 0: the pid and its newline "
+        "overwrite that byte, and the file held only an earlier pid's line, no longer than this one's plus a byte",
     ),
     **mutants(
         "spes.sync.state.x_spec_record",

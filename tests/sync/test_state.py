@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,23 @@ def test_a_state_dir_is_held_by_one_server_at_a_time_and_free_again_once_it_lets
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"^--state_dir .*/file: cannot use it \(.*\); pick another --state_dir$"):
         lock_state_dir(tmp_path / "file")
+
+
+def test_a_refusal_names_the_holder_its_lock_file_names_and_anyone_may_read_it(tmp_path: Path) -> None:
+    umask = os.umask(0o022)
+    try:
+        held = lock_state_dir(tmp_path)
+    finally:
+        os.umask(umask)
+    try:
+        assert stat.S_IMODE((tmp_path / LOCK_FILE).stat().st_mode) == 0o644
+        for written, named in ((b"", "unknown"), (b"\xff12\n", "\ufffd12")):  # none written yet, or not text
+            os.ftruncate(held, 0)
+            os.pwrite(held, written, 0)
+            with pytest.raises(ValueError, match=rf"in use by another parameter server \(pid {named}\); stop it"):
+                lock_state_dir(tmp_path)
+    finally:
+        os.close(held)
 
 
 def test_the_whole_spec_round_trips_and_completes_a_server_started_without_yaml(tmp_path: Path) -> None:
