@@ -57,6 +57,13 @@ def test_round_zero_counts_and_a_run_with_everyone_in_and_nothing_missing_names_
     assert describe(idle) == "run r: round 0 complete; every peer joined, none has uploaded the next round yet"
 
 
+def _status(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m spes.status ARGS` as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "spes.status", *args], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+
+
 @pytest.mark.timeout(60)
 def test_the_status_command_asks_a_real_server(tmp_path: Path) -> None:
     spec = tiny_spec()
@@ -66,20 +73,12 @@ def test_the_status_command_asks_a_real_server(tmp_path: Path) -> None:
         client.join()
         upload = peer_upload(spec, 0, seed=1)
         client.plane.upload(1, upload, timeout=10, digest=upload_digest(upload, "fp32"))
-        out = subprocess.run(
-            [sys.executable, "-m", "spes.status", addr, "--token_file", str(secret)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        out = _status(addr, "--token_file", str(secret))
         assert out.returncode == 0, out.stderr
         line = out.stdout.strip()
         assert f"run {server.service.run_id}: round 1 open" in line and "uploaded by [0], waiting for [1]" in line
         assert "peer 1 never joined" in line
-        refused = subprocess.run(
-            [sys.executable, "-m", "spes.status", addr], cwd=REPO, capture_output=True, text=True, timeout=60
-        )
+        refused = _status(addr)
         assert refused.returncode == 1
         assert refused.stderr.splitlines() == [
             f"error: {addr}: UNAUTHENTICATED: missing or wrong token: set SPES_TOKEN (or token_file) to this run's "
@@ -94,13 +93,7 @@ def test_the_status_command_says_a_wrong_token_and_a_token_file_others_can_read_
     wrong.write_text("not-the-token")
     wrong.chmod(0o644)
     with running_server(tiny_spec(), token=TOKEN) as (_, addr):
-        refused = subprocess.run(
-            [sys.executable, "-m", "spes.status", addr, "--token_file", str(wrong)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        refused = _status(addr, "--token_file", str(wrong))
     assert refused.returncode == 1
     assert refused.stderr.splitlines() == [
         f"warning: --token_file {wrong} is readable by group or others: run `chmod 600 {wrong}`",
