@@ -322,7 +322,7 @@ EQUIVALENT: dict[str, str] = {
         "19 20",
         "the rope_type of the stand-in for a config without rope_parameters: read with the default 'default' anyway",
     ),
-    **mutants("spes.hf.x_main", "7", "the help formatter of a one-line description: nothing to re-wrap"),
+    **mutants("spes.hf.x__parser", "7", "the help formatter of a one-line description: nothing to re-wrap"),
     **mutants("spes.hf.x_model_config_from_hf", "26", "bool(None) is bool(False)"),
     **mutants(
         "spes.hf.x_read_hf_config",
