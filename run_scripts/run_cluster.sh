@@ -28,6 +28,10 @@
 #   LOG_DIR [output/slurm-<job id>, or output/cluster]: where the server log goes
 #   STATE_DIR [the parent of node 0's save_folder, /server_state]: the server's rounds, kept across jobs
 #   SERVER_LINGER [120]: outside SLURM, seconds node 0 keeps the server up after its own trainer is done
+#   SERVER_ARGS []: flags for the parameter server only, split at spaces, e.g. "--tls_cert server.crt --tls_key
+#     server.key" (the extra arguments also reach every trainer, which takes only --section.key=value overrides);
+#     with TLS the nodes need --spes_config.tls_ca=ca.crt as an extra argument, and SERVER_HOST must be a name
+#     the server's certificate holds. SPES_TOKEN, when set, is the run's token for the server and every node.
 # Per node: --spes_config.peer_id=<id> and its data.seed (run_single_node.sh: a node file's own, or with CONFIG, the
 # file's + 1000 * id), --spes_config.server_addr=<host>:<port>, --resume=auto; extra arguments are passed to every
 # node's trainer (and, but --resume, to the server) after these and win over them.
@@ -86,10 +90,12 @@ STATE_DIR=${STATE_DIR:-$CFG_STATE_DIR}
 start_server() {  # the parameter server in the background, on this machine; returns once it listens
   mkdir -p "$LOG_DIR"
   echo "parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log, state $STATE_DIR)"
-  # NOTE: --insecure: the nodes reach the server over the cluster network; set SPES_TOKEN and pass TLS files
-  # (run_parameter_server.sh arguments) to protect it.
+  # NOTE: --insecure: the nodes reach the server over the cluster network; set SPES_TOKEN and give TLS files in
+  # SERVER_ARGS to protect it.
+  local server_args
+  read -r -a server_args <<< "${SERVER_ARGS:-}"
   PYTHON=$PYTHON PORT=$PORT bash run_scripts/run_parameter_server.sh "$CFG0" "${OVERRIDES[@]}" --state_dir "$STATE_DIR" \
-    --insecure > "$LOG_DIR/server.log" 2>&1 &
+    --insecure "${server_args[@]}" > "$LOG_DIR/server.log" 2>&1 &
   SERVER_PID=$!
   trap 'kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true' EXIT
   for _ in $(seq 1 120); do

@@ -287,7 +287,7 @@ def _security(cfg: TrainConfig) -> str:
 
 
 _JOIN_FIXES = {
-    "UNAVAILABLE": "start the server, or check spes_config.server_addr, the firewall and spes_config.tls_ca",
+    "UNAVAILABLE": "start the server, or check spes_config.server_addr and the firewall; ",
     "DEADLINE_EXCEEDED": "the server does not answer in time: check spes_config.server_addr and the network",
     "UNAUTHENTICATED": "set SPES_TOKEN (or spes_config.token_file) to the run's shared secret",
     "PERMISSION_DENIED": "use the client certificate issued for this peer (common name peer-<peer_id>) "
@@ -299,13 +299,19 @@ _JOIN_FIXES = {
 def _refused_join(cfg: TrainConfig, exc: SyncError) -> list[Check]:
     """The server and settings checks of a dry join the server refused: the link or the credentials, the version,
     or (the server reachable and the credentials accepted) the settings."""
+    from spes.sync.connection import tls_fix
     from spes.sync.protocol import Reason
 
-    addr = cfg.spes_config.server_addr
+    s = cfg.spes_config
+    addr = s.server_addr
     code = exc.code.name if exc.code is not None else ""
     if code in _JOIN_FIXES:
         return [
-            fail("server", f"{addr}: {exc}", _JOIN_FIXES[code]),
+            fail(
+                "server",
+                f"{addr}: {exc}",
+                _JOIN_FIXES[code] + (tls_fix(s.tls_ca, s.tls_cert) if code == "UNAVAILABLE" else ""),
+            ),
             skip("settings", "not checked: the server refused or did not answer"),
         ]
     if exc.reason == Reason.OLD_SERVER:

@@ -16,15 +16,14 @@ import grpc
 from spes.config import SpesConfig, is_host_port
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
-from spes.sync.connection import open_channel
+from spes.sync.connection import open_channel, tls_fix
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.status import describe
 from spes.sync.wire import read_file
 
 FIXES = {
-    "UNAVAILABLE": "is the parameter server running there (python -m spes.server), its port open to this machine, "
-    "and --tls_ca given if it serves TLS?",
+    "UNAVAILABLE": "is the parameter server running there (python -m spes.server) and its port open to this machine? ",
     "DEADLINE_EXCEEDED": "no answer within --timeout: check the address and the network, or raise --timeout",
     "UNAUTHENTICATED": f"pass the run's shared secret (--token_file, or env {TOKEN_ENV})",
     "PERMISSION_DENIED": "this server wants a client certificate it accepts (--tls_cert, --tls_key)",
@@ -32,11 +31,14 @@ FIXES = {
 """What to do when the server does not answer Status, or refuses it, by gRPC status code (unless its answer says)."""
 
 
-def refusal(addr: str, err: grpc.RpcError) -> str:
-    """The one line of a Status call that failed: the server's answer, then what to do (`FIXES`) unless the answer
-    already says it, as a spes server's wrong-token refusal does (printing both gave the fix twice)."""
+def refusal(addr: str, err: grpc.RpcError, tls: tuple[str | None, str | None] = (None, None)) -> str:
+    """The one line of a Status call that failed: the server's answer, then what to do (`FIXES`; unreachable, what
+    TLS needs of `tls`, the --tls_ca and --tls_cert given) unless the answer already says it, as a spes server's
+    wrong-token refusal does (printing both gave the fix twice)."""
     code, details = err.code().name, err.details() or ""
     fix = None if details == WRONG_TOKEN else FIXES.get(code)
+    if code == "UNAVAILABLE":
+        fix = f"{fix}({tls_fix(*tls, names=('--tls_ca', '--tls_cert/--tls_key'))})"
     return f"error: {addr}: {code}" + (f": {details}" if details else "") + (f"; {fix}" if fix else "")
 
 
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
             except grpc.RpcError as err:
-                print(refusal(args.addr, err), file=sys.stderr)
+                print(refusal(args.addr, err, (args.tls_ca, args.tls_cert)), file=sys.stderr)
                 return 1
             print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
             if not args.watch:

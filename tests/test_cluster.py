@@ -134,6 +134,43 @@ def test_outside_a_slurm_job_the_script_says_how_to_submit(tmp_path: Path) -> No
     assert proc.returncode == 2 and "RANK=4 must be a node id in [0, 4)" in proc.stdout
 
 
+@pytest.mark.timeout(60)
+def test_server_args_reach_the_server_only(tmp_path: Path) -> None:
+    """The TLS files of a protected run: the extra arguments reach the server and every trainer, and a trainer takes
+    only --section.key=value overrides (`--tls_cert server.crt` ended it: "expected one config file"), so the
+    server's own flags come in SERVER_ARGS. Checked with a PYTHON that records what each command gets."""
+    calls = tmp_path / "calls"
+    python = tmp_path / "python"
+    python.write_text(
+        f"""#!/bin/bash
+case "$1 $2" in
+  "-m spes.server") echo "server $*" >> {calls}; echo listening; exec sleep 30 ;;
+  "-m spes.preflight") echo "1 the CPU" ;;
+  "-m spes.torchrun") echo "node $*" >> {calls} ;;
+  *) exec {sys.executable} "$@" ;;
+esac
+"""
+    )
+    python.chmod(0o755)
+    env = {k: v for k, v in child_env().items() if not k.startswith("SLURM_")}
+    env.update(
+        RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        CONFIG="configs/tiny.yaml",
+        PYTHON=str(python),
+        LOG_DIR=str(tmp_path / "logs"),
+        STATE_DIR=str(tmp_path / "state"),
+        SERVER_LINGER="0",
+        SERVER_ARGS="--tls_cert server.crt --tls_key server.key",
+    )
+    proc = run_logged(["bash", str(SCRIPT), "--spes_config.tls_ca=ca.crt"], tmp_path / "out.log", timeout=50, env=env)
+    assert proc.returncode == 0, proc.stdout
+    server, node = calls.read_text().splitlines()
+    assert server.startswith("server -m spes.server configs/tiny.yaml ") and "--spes_config.tls_ca=ca.crt" in server
+    assert server.endswith("--insecure --tls_cert server.crt --tls_key server.key")
+    assert "--spes_config.tls_ca=ca.crt" in node and "--tls_cert" not in node
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_rank_master_addr_contract_runs_a_two_node_run_without_slurm(tiny_corpus, tmp_path: Path) -> None:

@@ -197,3 +197,45 @@ def test_the_server_script_started_from_elsewhere_runs_its_repositorys_interpret
     assert helped.returncode == 0 and "usage: python -m spes.server" in helped.stdout, helped.stderr
     refused = server("run.yaml", "--server.merge_topk=0")
     assert refused.returncode == 2 and "config key 'server.merge_topk' = 0 must be >= 1" in refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_failed_tls_handshakes_leave_no_grpc_core_lines(tmp_path: Path) -> None:
+    """gRPC's core logged a line of its own (`I... ssl_transport_security.cc ... Handshake failed`) for every
+    connection to a TLS server that did not speak TLS: anyone who reached the port wrote one line per connection
+    into the server's log, past its throttled warnings; and a `spes.status` with the wrong CA printed it above its
+    one-line error."""
+    from sync_helpers import write_pki
+
+    pki = write_pki(tmp_path)
+    (tmp_path / "other").mkdir()
+    other_ca = write_pki(tmp_path / "other").ca
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    tls = ["--tls_cert", pki.server["tls_cert"], "--tls_key", pki.server["tls_key"]]
+    argv = [sys.executable, "-m", "spes.server", "configs/tiny.yaml", "--host", "127.0.0.1", "--port", "0", *tls]
+    server = subprocess.Popen(argv, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        first = server.stderr.readline()
+        assert "listening on 127.0.0.1:" in first, first
+        port = int(first.split("listening on 127.0.0.1:")[1].split()[0])
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as plain:
+                plain.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                plain.recv(100)  # the server closes it: not TLS
+        status = subprocess.run(
+            [sys.executable, "-m", "spes.status", f"localhost:{port}", "--tls_ca", other_ca],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 1 and len(status.stderr.strip().splitlines()) == 1, status.stderr
+        assert status.stderr.startswith(f"error: localhost:{port}: UNAVAILABLE")
+    finally:
+        server.terminate()
+        _, log = server.communicate(timeout=30)
+    assert server.returncode == 0
+    assert "Handshake failed" not in log and "ssl_transport_security" not in log, log

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health
@@ -274,9 +275,17 @@ class GuardedHealth(health.HealthServicer):
     streams; its slot in the guard bounds those threads.
     """
 
-    def __init__(self, guard: StreamGuard, on_presence: Callable[[int, str, str, str], Callable[[], None]]) -> None:
+    def __init__(
+        self,
+        guard: StreamGuard,
+        on_presence: Callable[[int, str, str, str, Callable[[], str | None]], Callable[[], None]],
+        common_name: Callable[[grpc.ServicerContext], str | None],
+    ) -> None:
+        """`on_presence(peer, session, run, address, common_name)`: a presence stream opened (`common_name()`: of
+        the caller's client certificate, for --tls_peer_ids); returns what to call when it ends, or raises Refused.
+        `common_name(context)`: a call's (`spes.sync.auth.grpc_common_name`)."""
         super().__init__(experimental_non_blocking=False)
-        self._guard, self._on_presence = guard, on_presence
+        self._guard, self._on_presence, self._common_name = guard, on_presence, common_name
 
     def Watch(self, request: object, context: grpc.ServicerContext, send_response_callback: object = None) -> object:
         metadata = dict(context.invocation_metadata() or ())
@@ -286,7 +295,10 @@ class GuardedHealth(health.HealthServicer):
             if peer.isdigit() and session:
                 try:
                     ticket.claim(int(peer))
-                    _when_ended(context, self._on_presence(int(peer), session, run, context.peer()))
+                    ended = self._on_presence(
+                        int(peer), session, run, context.peer(), partial(self._common_name, context)
+                    )
+                    _when_ended(context, ended)
                 except Refused:
                     ticket.close()
                     raise

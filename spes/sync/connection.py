@@ -147,6 +147,21 @@ def open_channel(settings: SpesConfig) -> grpc.Channel:
     return grpc.secure_channel(s.server_addr, credentials, options=options)
 
 
+def tls_fix(
+    ca: str | None, cert: str | None, names: tuple[str, str] = ("spes_config.tls_ca", "spes_config.tls_cert/tls_key")
+) -> str:
+    """What to check when a server cannot be reached and TLS may be why (`names`: the CA's and the client
+    certificate's settings). gRPC's core says only `Socket closed` when a mutual-TLS server refused the client's
+    certificate, or its lack of one: the line named only the address and the firewall."""
+    ca_name, cert_name = names
+    if ca is None and cert is None:
+        return f"a server that serves TLS needs {ca_name}"
+    return (
+        f"over TLS, {ca_name} must be the CA that signed the server's certificate for the host in the address, and a "
+        f"server started with --tls_client_ca (mutual TLS) needs {cert_name} signed by that CA"
+    )
+
+
 def data_plane(
     s: SpesConfig,
     reply: pb.JoinReply,

@@ -181,11 +181,16 @@ class Coordinator:
             if waiting:
                 log.info("waiting: %s", describe(self.status()))
 
-    def presence(self, peer: int, session: str, run: str, address: str) -> Callable[[], None]:
+    def presence(
+        self, peer: int, session: str, run: str, address: str, common_name: Callable[[], str | None]
+    ) -> Callable[[], None]:
         """A peer process's presence stream of run `run` opened (see `spes.sync.admission`); returns what to call
-        when it ends. Refused (reason other_run) for another run: a process left over from it holds no peer id."""
+        when it ends. Refused (reason other_run) for another run: a process left over from it holds no peer id;
+        with --tls_peer_ids, refused (PERMISSION_DENIED) unless its certificate names `peer`: a presence holds the
+        peer id, so another node's certificate could otherwise keep the peer out (ALREADY_EXISTS) or take it over."""
         with self._cond:
             try:
+                self.check_identity(peer, common_name)
                 check_run(peer, run, self.run_id, self.state.completed_round)
             except Refused as exc:
                 self.warn.warning("presence", "refused a presence stream from %s: %s", address, exc)

@@ -41,6 +41,7 @@ from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.interrupt import Interrupted
 from spes.sync.auth import read_token
 from spes.sync.client import SERVER_SETTING, RoundPhases, SyncClient, SyncStats
+from spes.sync.connection import tls_fix
 from spes.sync.fragments import WHOLE
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, SyncError, Tensors
@@ -187,6 +188,7 @@ class PeerSync:
         self.spec = node_spec(cfg, shapes)
         assert self.trainable == self.spec.trainable(s.peer_id), "the model trains other tensors than the run spec"
         self.layout, self.server_addr, self.last_step = self.spec.layout, s.server_addr, cfg.duration_steps
+        self.tls_files = s.tls_ca, s.tls_cert
         self.overlap_steps = s.overlap_delay if s.overlap_sync else 0
         self.correction = s.overlap_correction if s.overlap_sync else 1.0
         # NOTE: `load_full` copies every result into the model at once, so the client may reuse its buffers
@@ -424,7 +426,8 @@ class PeerSync:
         if isinstance(error, SyncError) and error.code == grpc.StatusCode.UNAVAILABLE:
             where = "there" if SERVER_SETTING in str(error) else f"at {SERVER_SETTING}={self.server_addr}"
             raise SyncError(
-                f"{error}; is the parameter server running {where} and reachable from this node?",
+                f"{error}; is the parameter server running {where} and reachable from this node? "
+                f"({tls_fix(*self.tls_files)})",
                 error.code,
             ) from None
         if error is not None:

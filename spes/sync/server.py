@@ -47,7 +47,7 @@ from spes.config import ServerSection, load_config, load_sync_sections
 from spes.schema import config_help
 from spes.sync import plane_tcp
 from spes.sync.admission import UNARY_RESERVE, GuardedHealth
-from spes.sync.auth import TokenAuthInterceptor
+from spes.sync.auth import TokenAuthInterceptor, grpc_common_name
 from spes.sync.coordinator import Coordinator
 from spes.sync.plane_grpc import SpesServicer
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -147,7 +147,7 @@ def _serve(cfg: ServerConfig, service: Coordinator, lock: int | None) -> Paramet
         ],
     )
     pb_grpc.add_ParameterServerServicer_to_server(SpesServicer(service), server)
-    health_servicer = GuardedHealth(service.guard, service.presence)
+    health_servicer = GuardedHealth(service.guard, service.presence, grpc_common_name)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{deploy.host}:{deploy.port}"
     tls = plane_tcp.server_tls(deploy.tls_cert, deploy.tls_key, deploy.tls_client_ca)

@@ -224,7 +224,7 @@ def guarded_server(guard: StreamGuard, presence: list) -> Iterator[str]:
     """A gRPC server with `GuardedHealth` (presences recorded in `presence`) and a stream method that holds a
     `grpc_ticket` until the watchdog ends it; its address."""
 
-    def on_presence(peer: int, session: str, run: str, address: str) -> Callable[[], None]:
+    def on_presence(peer: int, session: str, run: str, address: str, _cn: object) -> Callable[[], None]:
         if run != RUN:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"run {run!r} is not this one", Reason.OTHER_RUN)
         presence.append(("present", peer, session, address))
@@ -237,7 +237,7 @@ def guarded_server(guard: StreamGuard, presence: list) -> Iterator[str]:
             yield b"never sent: the call was ended"
 
     server = grpc.server(ThreadPoolExecutor(8))
-    health = GuardedHealth(guard, on_presence)
+    health = GuardedHealth(guard, on_presence, lambda _: None)
     health.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     handler = grpc.unary_stream_rpc_method_handler(held)

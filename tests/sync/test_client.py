@@ -12,10 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import wait_until
 from spes.config import ServerSection
 from spes.sync import plane_tcp
+from spes.sync.admission import PEER_KEY, RUN_KEY, SESSION_KEY
 from spes.sync.client import SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
 from spes.sync.proto import spes_pb2 as pb
@@ -168,6 +170,34 @@ def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: s
         assert server.service.state.snapshot().open_round is None
     with pytest.raises(ValueError, match="--tls_peer_ids .* needs mutual TLS"):
         DeployConfig(tls_peer_ids=True)
+
+
+@pytest.mark.timeout(60)
+def test_tls_peer_ids_bind_a_presence_stream_to_its_certificate(tmp_path: Path) -> None:
+    """A presence stream holds its peer id: one opened with peer 1's certificate for peer 0 kept peer 0 out
+    (ALREADY_EXISTS, "already joined by a live process") though --tls_peer_ids promises a node cannot act as
+    another."""
+    pki = write_pki(tmp_path)
+    certs = {p: pki.issue(f"peer-{p}") for p in range(2)}
+    spec = tiny_spec(server=NO_MERGE)
+    tls = {**pki.server, "tls_client_ca": pki.ca, "tls_peer_ids": True, "token": TOKEN}
+    with running_server(spec, **tls) as (server, addr):
+        files = [Path(f).read_bytes() for f in (pki.ca, certs[1]["tls_key"], certs[1]["tls_cert"])]
+        with grpc.secure_channel(addr, grpc.ssl_channel_credentials(*files)) as channel:
+            metadata = (
+                ("authorization", f"Bearer {TOKEN}"),
+                (PEER_KEY, "0"),
+                (SESSION_KEY, "impostor"),
+                (RUN_KEY, server.service.run_id),
+            )
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), metadata=metadata)
+            with pytest.raises(grpc.RpcError) as err:
+                next(watch)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "a call for peer 0 came with a certificate for 'peer-1'" in (err.value.details() or "")
+        assert server.service.sessions.presence() == []
+        with make_client(addr, spec, 0, tls_ca=pki.ca, token=TOKEN, rpc_timeout_s=5, max_retries=0, **certs[0]) as c:
+            c.join()
 
 
 @pytest.mark.timeout(60)

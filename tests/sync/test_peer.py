@@ -353,7 +353,9 @@ def test_a_failed_overlapped_round_raises_at_the_step_it_was_due(tiny_corpus: An
             "--spes_config.rpc_timeout_s=5",
         )
         trainer = start_peer(cfg)
-    with pytest.raises(SyncError, match=f"is the parameter server running at spes_config.server_addr={addr}"):
+    # the line also says what TLS needs: a TLS server shows a client without its CA only `Socket closed`
+    running = f"is the parameter server running at spes_config.server_addr={addr} and reachable from this node\\? "
+    with pytest.raises(SyncError, match=running + r"\(a server that serves TLS needs spes_config.tls_ca\)"):
         fit(trainer)  # the server is gone: the round uploaded at step 2 fails in the background
     assert trainer.step == 3
 

@@ -30,14 +30,14 @@ def test_a_refused_presence_stream_is_reopened_ever_later_and_its_refusal_said_o
     knocks: list[str] = []
     times: list[float] = []
 
-    def refuse(peer: int, session: str, run: str, address: str) -> None:
+    def refuse(peer: int, session: str, run: str, address: str, _cn: object) -> None:
         knocks.append(run)
         times.append(time.monotonic())
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"peer {peer} belongs to run {run}", Reason.OTHER_RUN)
 
     guard = StreamGuard(idle_timeout_s=5, max_streams=4, max_per_peer=4)
     server = grpc.server(ThreadPoolExecutor(8))
-    health_pb2_grpc.add_HealthServicer_to_server(GuardedHealth(guard, refuse), server)  # type: ignore[arg-type]
+    health_pb2_grpc.add_HealthServicer_to_server(GuardedHealth(guard, refuse, lambda _: None), server)  # type: ignore[arg-type]
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     presence = None
@@ -70,10 +70,11 @@ def test_a_refused_stream_waits_doubling_to_its_cap_and_a_broken_one_the_retry_t
 
 
 def serve_health(hook: object) -> tuple[grpc.Server, StreamGuard, int]:
-    """A real health service on loopback whose streams `hook(peer, session, run, address)` admits or refuses."""
+    """A real health service on loopback whose streams `hook(peer, session, run, address, common_name)` admits or
+    refuses."""
     guard = StreamGuard(idle_timeout_s=30, max_streams=4, max_per_peer=4)
     server = grpc.server(ThreadPoolExecutor(8))
-    health_pb2_grpc.add_HealthServicer_to_server(GuardedHealth(guard, hook), server)  # type: ignore[arg-type]
+    health_pb2_grpc.add_HealthServicer_to_server(GuardedHealth(guard, hook, lambda _: None), server)  # type: ignore[arg-type]
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, guard, port
@@ -110,7 +111,7 @@ def test_refusals_are_counted_in_a_row_and_a_broken_stream_is_logged_as_such(
     waits: list[int] = []
     monkeypatch.setattr(presence_module, "retry_wait", lambda refusals: waits.append(refusals) or 0.01)
 
-    def refuse(peer: int, session: str, run: str, address: str) -> None:
+    def refuse(peer: int, session: str, run: str, address: str, _cn: object) -> None:
         raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "another run", Reason.OTHER_RUN)
 
     server, guard, port = serve_health(refuse)

@@ -115,6 +115,20 @@ def test_the_status_command_says_what_to_check_when_nothing_answers(capsys: pyte
     assert "is the parameter server running there (python -m spes.server)" in err
 
 
+@pytest.mark.timeout(60)
+def test_a_mutual_tls_server_refusing_the_client_certificate_is_blamed_on_the_tls_flags(tmp_path: Path) -> None:
+    """A mutual-TLS server that refuses the client's certificate (or its lack of one) shows the client only
+    `Socket closed`: the line named the address, the firewall and --tls_ca, never --tls_cert."""
+    pki = write_pki(tmp_path)
+    with running_server(tiny_spec(), tls_client_ca=pki.ca, **pki.server) as (_, addr):
+        refused = _status(f"localhost:{addr.split(':')[1]}", "--tls_ca", pki.ca, "--timeout", "5")
+    assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert "UNAVAILABLE" in refused.stderr
+    assert "a server started with --tls_client_ca (mutual TLS) needs --tls_cert/--tls_key signed by that CA" in (
+        refused.stderr
+    )
+
+
 def test_the_status_command_refuses_an_address_without_a_port(capsys: pytest.CaptureFixture[str]) -> None:
     from spes.status import main
 
