@@ -105,7 +105,10 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/sync/test_client.py::test_tls_peer_ids_bind_each_peer_to_its_certificate",
     ),
     "spes/sync/spec.py": ("tests/sync/test_spec.py",),
-    "spes/sync/admission.py": ("tests/sync/test_admission.py",),
+    "spes/sync/admission.py": (
+        "tests/sync/test_admission.py",
+        "tests/sync/test_client.py::test_tls_peer_ids_bind_a_presence_stream_to_its_certificate",
+    ),
     "spes/atomic.py": ("tests/test_atomic.py",),
     "spes/sync/codecs/raw.py": ("tests/sync/codecs/test_raw.py",),
     "spes/sync/buffers.py": ("tests/sync/test_buffers.py",),
@@ -1008,7 +1011,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.admission.xǁGuardedHealthǁWatch",
-        "42 45",
+        "49 52",
         "the send callback passed on: the service runs in blocking mode, where grpcio calls Watch without one, so "
         "it is None either way",
     ),
