@@ -151,16 +151,15 @@ def _serve(cfg: ServerConfig, service: Coordinator, lock: int | None) -> Paramet
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{deploy.host}:{deploy.port}"
     tls = plane_tcp.server_tls(deploy.tls_cert, deploy.tls_key, deploy.tls_client_ca)
+    _port_free(deploy.host, deploy.port, "--port")
     if deploy.tls_cert is not None and deploy.tls_key is not None:
         credentials = grpc.ssl_server_credentials(
             [(read_file(deploy.tls_key, "--tls_key"), read_file(deploy.tls_cert, "--tls_cert"))],
             root_certificates=read_file(deploy.tls_client_ca, "--tls_client_ca") if deploy.tls_client_ca else None,
             require_client_auth=deploy.tls_client_ca is not None,
         )
-        _port_free(deploy.host, deploy.port, "--port")
         port = _bind(lambda: server.add_secure_port(address, credentials), address, "--port")
     else:
-        _port_free(deploy.host, deploy.port, "--port")
         port = _bind(lambda: server.add_insecure_port(address), address, "--port")
     data_plane = None
     if deploy.data_port >= 0:
