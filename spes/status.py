@@ -7,7 +7,6 @@ missing and when each peer was last heard from.
 from __future__ import annotations
 
 import argparse
-import ssl
 import sys
 import time
 
@@ -17,10 +16,10 @@ from spes.config import SpesConfig, is_host_port
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
 from spes.sync.connection import open_channel, tls_fix
+from spes.sync.plane_tcp import client_tls
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.status import describe
-from spes.sync.wire import read_file
 
 FIXES = {
     "UNAVAILABLE": "is the parameter server running there (python -m spes.server) and its port open to this machine? ",
@@ -47,22 +46,7 @@ def check_tls_files(args: argparse.Namespace) -> None:
     without its key, and meets a file that is no PEM with log lines naming neither the file nor the flag."""
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls_cert and --tls_key (mutual TLS) must be given together")
-    for path, flag in ((args.tls_ca, "--tls_ca"), (args.tls_cert, "--tls_cert"), (args.tls_key, "--tls_key")):
-        if path is not None:
-            read_file(path, flag)
-    try:
-        if args.tls_ca is not None:
-            ssl.create_default_context(cafile=args.tls_ca)
-    except ssl.SSLError as e:
-        raise ValueError(f"--tls_ca {args.tls_ca!r}: not a usable PEM certificate ({e.reason or e})") from None
-    try:
-        if args.tls_cert is not None:
-            ssl.create_default_context().load_cert_chain(args.tls_cert, args.tls_key)
-    except ssl.SSLError as e:
-        raise ValueError(
-            f"--tls_cert {args.tls_cert!r} and --tls_key {args.tls_key!r}: not a usable PEM certificate and its key "
-            f"({e.reason or e})"
-        ) from None
+    client_tls(args.tls_ca, args.tls_cert, args.tls_key, names=("--tls_ca", "--tls_cert", "--tls_key"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -289,16 +289,25 @@ def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> ssl.
     return context
 
 
-def client_tls(ca: str | None, cert: str | None, key: str | None) -> ssl.SSLContext | None:
-    """The client's TLS context from the same files as its gRPC channel (system roots when `ca` is None)."""
+CONFIG_TLS_NAMES = tuple(f"config key 'spes_config.{name}'" for name in ("tls_ca", "tls_cert", "tls_key"))
+"""How a node's errors name its TLS files: by the YAML keys they come from."""
+
+
+def client_tls(
+    ca: str | None, cert: str | None, key: str | None, names: tuple[str, ...] = CONFIG_TLS_NAMES
+) -> ssl.SSLContext | None:
+    """The client's TLS context from the same files as its gRPC channel (system roots when `ca` is None); the
+    files are checked here, before gRPC, whose core names neither file nor setting. `names`: the settings `ca`,
+    `cert` and `key` come from (a node's YAML keys, or a command's flags)."""
     if ca is None and cert is None:
         return None
-    for path, name in ((ca, "tls_ca"), (cert, "tls_cert"), (key, "tls_key")):
+    ca_name, cert_name, key_name = names
+    for path, name in ((ca, ca_name), (cert, cert_name), (key, key_name)):
         if path is not None:
-            read_file(path, f"config key 'spes_config.{name}'")
-    context = _pem(lambda: ssl.create_default_context(cafile=ca), f"config key 'spes_config.tls_ca' {ca!r}")
+            read_file(path, name)
+    context = _pem(lambda: ssl.create_default_context(cafile=ca), f"{ca_name} {ca!r}")
     if cert is not None and key is not None:
-        _pem(lambda: context.load_cert_chain(cert, key), f"config keys 'spes_config.tls_cert' {cert!r} and tls_key")
+        _pem(lambda: context.load_cert_chain(cert, key), f"{cert_name} {cert!r} and {key_name} {key!r}")
     return context
 
 

@@ -250,7 +250,10 @@ def test_a_pem_file_ssl_cannot_use_is_refused_naming_it(tmp_path: Path) -> None:
         (lambda: plane_tcp.server_tls(str(bad), key, None), f"--tls_cert {str(bad)!r} and --tls_key {key!r}"),
         (lambda: plane_tcp.server_tls(cert, key, str(bad)), f"--tls_client_ca {str(bad)!r}"),
         (lambda: plane_tcp.client_tls(str(bad), None, None), f"config key 'spes_config.tls_ca' {str(bad)!r}"),
-        (lambda: plane_tcp.client_tls(pki.ca, str(bad), key), f"config keys 'spes_config.tls_cert' {str(bad)!r} and"),
+        (
+            lambda: plane_tcp.client_tls(pki.ca, str(bad), key),
+            f"config key 'spes_config.tls_cert' {str(bad)!r} and config key 'spes_config.tls_key' {key!r}",
+        ),
     ]
     for build, files in refused:
         with pytest.raises(ValueError) as err:

@@ -166,10 +166,10 @@ def test_the_status_command_names_a_tls_flag_whose_files_cannot_serve(
     cases = [
         (["--tls_ca", str(tmp_path / "none.crt")], f"error: --tls_ca {str(tmp_path / 'none.crt')!r}: file not found"),
         (["--tls_cert", pki.server["tls_cert"]], "error: --tls_cert and --tls_key (mutual TLS) must be given together"),
-        (["--tls_ca", str(junk)], f"error: --tls_ca {str(junk)!r}: not a usable PEM certificate ("),
+        (["--tls_ca", str(junk)], f"error: --tls_ca {str(junk)!r}: not a usable PEM certificate or key ("),
         (
             ["--tls_cert", str(junk), "--tls_key", pki.server["tls_key"]],
-            f"error: --tls_cert {str(junk)!r} and --tls_key {pki.server['tls_key']!r}: not a usable PEM certificate",
+            f"error: --tls_cert {str(junk)!r} and --tls_key {pki.server['tls_key']!r}: not a usable PEM certificate or key (",
         ),
     ]
     for flags, line in cases:
