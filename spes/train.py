@@ -86,12 +86,28 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
         cfg, inert = load_config(path, overrides)
-        if resume == "always":
-            cfg.load_path = cfg.save_folder
-        cfg.try_load_latest_save |= resume == "auto"
-        return run(cfg, inert)
+        notes = [f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}"] if inert else []
+        return run(cfg, notes + _apply_resume(cfg, resume))
     except tuple(USER_ERRORS) as e:
         return report(e)
+
+
+def _apply_resume(cfg: TrainConfig, resume: str | None) -> list[str]:
+    """`--resume` as config keys (load_path <- save_folder; `auto`: try_load_latest_save), and a note when that
+    passes over the YAML's own load_path (the weights the run started from): OLMo does so without a word."""
+    cfg.try_load_latest_save |= resume == "auto"
+    if resume != "always":
+        return []
+    note = _passed_over(cfg)
+    cfg.load_path = cfg.save_folder
+    return [note] if note else []
+
+
+def _passed_over(cfg: TrainConfig) -> str | None:
+    """The note for a resume of save_folder when load_path names other weights (read only by a fresh start)."""
+    if cfg.load_path is None or Path(cfg.load_path).resolve() == Path(cfg.save_folder).resolve():
+        return None
+    return f"note: resuming save_folder {cfg.save_folder}; load_path {cfg.load_path} is not read"
 
 
 def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> Path | None:
@@ -99,6 +115,8 @@ def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> Path | None:
     resolved here, so that a path naming no checkpoint fails before the model is built."""
     if cfg.try_load_latest_save:
         if list_checkpoints(cfg.save_folder):
+            if note := _passed_over(cfg):
+                log(note)
             return resolve_checkpoint(cfg.save_folder, what="save_folder")
         log(f"no checkpoint in {cfg.save_folder} yet: starting {'from ' + cfg.load_path if cfg.load_path else 'fresh'}")
     folder = Path(cfg.save_folder)
@@ -291,12 +309,13 @@ def _load(
     return replace(ckpt, trainer=_trainer_state(cfg, ckpt, continuing, log))
 
 
-def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:
+def run(cfg: TrainConfig, notes: list[str] | None = None) -> int:
+    """Train `cfg` on this process (one rank of a torchrun job); `notes` are logged once, by the main rank."""
     info = init_distributed(cfg)
     cfg = cfg.on_device(info.device.type)
     finished = False
     try:
-        _train(cfg, info, inert)
+        _train(cfg, info, notes or [])
         finished = True
         return 0
     except BaseException as e:
@@ -310,12 +329,12 @@ def run(cfg: TrainConfig, inert: list[str] | None = None) -> int:
         gc.freeze()  # NOTE: else the interpreter's exit scans the ~300k objects left again: seconds on a busy host
 
 
-def _train(cfg: TrainConfig, info: DistInfo, inert: list[str] | None) -> None:
+def _train(cfg: TrainConfig, info: DistInfo, notes: list[str]) -> None:
     """Build the node and fit it (or only build it: dry_run); every reference to the wrapped model dies with this
     frame."""
     log = print if info.is_main else (lambda _msg: None)
-    if inert:
-        log(f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}")
+    for note in notes:
+        log(note)
     if info.world_size == 1 and cfg.distributed_strategy in ("fsdp", "ddp"):
         log(
             f"note: distributed_strategy={cfg.distributed_strategy} on one process: the model is not wrapped (one "

@@ -18,7 +18,8 @@ import pytest
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
 from spes.config import load_config
-from spes.train import describe_experts, main, parse_args
+from spes.checkpoint import META_FILE
+from spes.train import _apply_resume, _start_from, describe_experts, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -42,6 +43,24 @@ def test_resume_flags_are_parsed() -> None:
     assert parse_args(["c.yaml", "--resume"])[2] == "always"
     assert parse_args(["c.yaml", "--resume=auto", "--seed=1"]) == ("c.yaml", ["--seed=1"], "auto")
     assert parse_args(["c.yaml"])[2] is None
+
+
+def test_a_resume_says_when_it_passes_over_the_yamls_load_path(tmp_path: Path) -> None:
+    """--resume (and --resume=auto finding a checkpoint) continues save_folder and reads no load_path; a YAML whose
+    load_path names the run's starting weights used to be passed over without a word."""
+    save, start = tmp_path / "run", tmp_path / "start"
+    for checkpoint in (save / "step4", start):
+        checkpoint.mkdir(parents=True)
+        (checkpoint / META_FILE).write_text("{}")
+    note = f"note: resuming save_folder {save}; load_path {start} is not read"
+    cfg, _ = load_config(TINY, [f"--save_folder={save}", f"--load_path={start}"])
+    assert _apply_resume(cfg, "always") == [note] and cfg.load_path == str(save)
+    assert _apply_resume(cfg, "always") == []  # load_path is save_folder already: nothing passed over
+    for resume, loaded, said in ((None, start, []), ("auto", save / "step4", [note])):
+        cfg, _ = load_config(TINY, [f"--save_folder={save}", f"--load_path={start}"])
+        assert _apply_resume(cfg, resume) == []
+        logged: list[str] = []
+        assert _start_from(cfg, logged.append) == loaded and logged == said, (resume, logged)
 
 
 @pytest.mark.parametrize(
