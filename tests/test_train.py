@@ -17,8 +17,8 @@ import pytest
 
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
-from spes.config import load_config
 from spes.checkpoint import META_FILE
+from spes.config import load_config
 from spes.train import _apply_resume, _start_from, describe_experts, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]

@@ -169,7 +169,8 @@ def test_the_status_command_names_a_tls_flag_whose_files_cannot_serve(
         (["--tls_ca", str(junk)], f"error: --tls_ca {str(junk)!r}: not a usable PEM certificate or key ("),
         (
             ["--tls_cert", str(junk), "--tls_key", pki.server["tls_key"]],
-            f"error: --tls_cert {str(junk)!r} and --tls_key {pki.server['tls_key']!r}: not a usable PEM certificate or key (",
+            f"error: --tls_cert {str(junk)!r} and --tls_key {pki.server['tls_key']!r}: not a usable PEM certificate "
+            "or key (",
         ),
     ]
     for flags, line in cases:
