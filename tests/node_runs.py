@@ -3,9 +3,11 @@ kill or restart their processes: the nodes as `python -m spes.train` children, t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,6 +36,19 @@ def corpus_args(corpus: Corpus) -> list[str]:
         f"--data.paths=[{corpus.train}]",
         "--data.validation_paths=[]",
     ]
+
+
+@contextlib.contextmanager
+def reaped(*started: subprocess.Popen) -> Iterator[list[subprocess.Popen]]:
+    """A list of a test's child processes (`started`, and whatever it appends): each is killed and waited for on
+    the way out, so that a failing assertion leaves no server or node running."""
+    procs = list(started)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def start(argv: list[str], log: Path) -> subprocess.Popen:

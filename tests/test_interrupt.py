@@ -17,7 +17,7 @@ import torch
 
 import spes.interrupt
 from conftest import Corpus, wait_until
-from node_runs import assert_same_models, launch, node_models, start_node, start_server
+from node_runs import assert_same_models, launch, node_models, reaped, start_node, start_server
 from spes.config import SpesConfig
 from spes.interrupt import StopRequest
 from spes.sync.connection import open_channel
@@ -111,8 +111,7 @@ def test_a_node_stopped_while_waiting_for_a_round_keeps_it_in_its_checkpoint_and
     tiny_corpus: Corpus, reference: list[dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:
     server, port = start_server(tiny_corpus, tmp_path)
-    procs = [server]
-    try:
+    with reaped(server) as procs:
 
         def node(peer: int, *flags: str) -> subprocess.Popen:
             procs.append(start_node(tiny_corpus, tmp_path, peer, port, *flags))
@@ -137,10 +136,6 @@ def test_a_node_stopped_while_waiting_for_a_round_keeps_it_in_its_checkpoint_and
         rows = [json.loads(line) for line in (tmp_path / "node0" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, 13)), "each step logged once"
         assert [r["step"] for r in rows if "sync_s" in r] == [4, 8, 12], "the resumed round's row too"
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
     assert_same_models(node_models(tmp_path), reference)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Corpus, wait_until
-from node_runs import start_node, start_server
+from node_runs import reaped, start_node, start_server
 
 
 def _rounds(node: Path) -> list[dict]:
@@ -24,8 +24,7 @@ def test_nodes_find_a_restarted_server_on_its_new_data_port_and_finish_with_ever
     tiny_corpus: Corpus, tmp_path: Path
 ) -> None:
     server, port = start_server(tiny_corpus, tmp_path)
-    procs = [server]
-    try:
+    with reaped(server) as procs:
         procs += [start_node(tiny_corpus, tmp_path, peer, port) for peer in (0, 1)]
         log = tmp_path / "server.log"
         wait_until(lambda: "round 4 complete" in log.read_text(), "the first round", timeout_s=180)
@@ -36,10 +35,6 @@ def test_nodes_find_a_restarted_server_on_its_new_data_port_and_finish_with_ever
         assert again == port
         codes = [p.wait(timeout=240) for p in procs[1:3]]
         assert codes == [0, 0], [(tmp_path / f"node{p}.log").read_text()[-2000:] for p in (0, 1)]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
     text = log.read_text()
     assert "resumed from" in text
     for peer in (0, 1):
@@ -52,8 +47,7 @@ def test_a_finished_run_trains_on_when_its_server_and_nodes_resume_with_a_longer
     tiny_corpus: Corpus, tmp_path: Path
 ) -> None:
     server, port = start_server(tiny_corpus, tmp_path)
-    procs = [server]
-    try:
+    with reaped(server) as procs:
         first = [start_node(tiny_corpus, tmp_path, peer, port) for peer in (0, 1)]
         procs += first
         assert [p.wait(timeout=240) for p in first] == [0, 0]
@@ -67,10 +61,6 @@ def test_a_finished_run_trains_on_when_its_server_and_nodes_resume_with_a_longer
         procs += longer
         codes = [p.wait(timeout=240) for p in longer]
         assert codes == [0, 0], [(tmp_path / f"node{p}.log").read_text()[-2000:] for p in (0, 1)]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
     for peer in (0, 1):
         assert [r["step"] for r in _rounds(tmp_path / f"node{peer}")] == [4, 8, 12, 16]
         assert (tmp_path / f"node{peer}" / "latest").read_text().strip() == "step16"
