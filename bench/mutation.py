@@ -161,10 +161,6 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/interrupt.py": ("tests/test_interrupt.py", "-m", "not slow"),
     # a failed run's line, exit code and kept traceback, through spes.train's main in the test's own process
     "spes/failures.py": ("tests/test_failures.py",),
-    # the collector's schedule, counted by gc's own callbacks (the training run's too: it runs in-process)
-    "spes/gc_schedule.py": ("tests/test_gc_schedule.py",),
-    # the profiler over a trainer's steps in-process; not the whole training run (a process of its own)
-    "spes/profiling.py": ("tests/test_profiling.py", "-m", "not slow"),
     # `python -m spes.status` through its main, against real servers on loopback (TLS files, tokens, refusals)
     "spes/status.py": ("tests/sync/test_status.py",),
 }
