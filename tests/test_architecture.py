@@ -1,7 +1,7 @@
 """The package's structure: no import cycle anywhere in spes (grimp's graph of every import, function-level and
-type-only ones included), and the sync wing's floors ([tool.importlinter] in pyproject.toml, `lint-imports` in CI);
-in tests/, no test module imports another (what tests share lives in helper modules and conftest.py); every module
-has its row in docs/architecture.md's table of concerns."""
+type-only ones included), and the sync wing's floors ([tool.importlinter] in pyproject.toml, `lint-imports` in CI),
+every sync module on one; in tests/, no test module imports another (what tests share lives in helper modules and
+conftest.py); every module has its row in docs/architecture.md's table of concerns."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import grimp
+import pytest
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -119,3 +120,19 @@ def test_every_module_has_its_row_in_the_architecture_document() -> None:
         "spes/sync/b.py",
         "spes/c/",
     }
+
+
+def test_every_sync_module_is_on_a_floor_of_the_layers_contract() -> None:
+    """lint-imports checks only the modules its `layers` contract names: a sync module left off it could import any
+    other, above it or beside it, and the floors docs/architecture.md states would not hold."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib reads pyproject.toml")
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    floors = next(c["layers"] for c in config if c["type"] == "layers")
+    layered = {m.strip() for floor in floors for m in floor.split("|")}
+    modules = {
+        ".".join(p.relative_to(REPO).with_suffix("").parts)
+        for p in (REPO / "spes" / "sync").rglob("*.py")
+        if p.name != "__init__.py" and "proto" not in p.parts
+    }
+    assert sorted(modules - layered) == [], "sync modules on no floor of pyproject.toml's [tool.importlinter] layers"
+    assert sorted(layered - modules) == [], "floors of pyproject.toml's [tool.importlinter] naming no module"

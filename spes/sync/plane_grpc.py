@@ -191,7 +191,7 @@ def failure_of(what: str, err: grpc.RpcError) -> SyncError:
 
 
 class GrpcPlane:
-    """The client's end: tensor payloads as gRPC streams on its channel (see `spes.sync.protocol.Plane`)."""
+    """The client's end: tensor payloads as gRPC streams on its channel (see `spes.sync.plane.Plane`)."""
 
     name = "grpc"
 

@@ -16,7 +16,7 @@ A preamble of another version is refused naming both versions; a peer of version
 as the JSON error frame it reads (`LEGACY_JSON_VERSION`).
 
 The server's end is `DataHandler` (one operation per connection, over the `Coordinator`, accepted by
-`DataPlaneListener`); the client's is `TcpPlane` (`spes.sync.protocol.Plane`).
+`DataPlaneListener`); the client's is `TcpPlane` (`spes.sync.plane.Plane`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Everything both ends must agree on, and nothing that moves bytes: the protocol version, the machine-readable
 reasons a refusal carries (trailing metadata `spes-reason` over gRPC, the error frame's `reason` over the raw-TCP
 data plane), the errors on either side, and the type aliases of the sync wing. It imports nothing of the sync
-wing but the generated messages, so every other module may import it. protos/spes.proto describes the messages.
+wing (nor the generated messages), so every other module may import it. protos/spes.proto describes the messages.
 """
 
 from __future__ import annotations
