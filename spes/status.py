@@ -75,16 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     with channel:
         stub = pb_grpc.ParameterServerStub(channel)
-        while True:
-            try:
-                reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
-            except grpc.RpcError as err:
-                print(refusal(args.addr, err, (args.tls_ca, args.tls_cert)), file=sys.stderr)
-                return 1
-            print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
-            if not args.watch:
-                return 0
-            time.sleep(args.watch)
+        try:
+            while True:
+                try:
+                    reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
+                except grpc.RpcError as err:
+                    print(refusal(args.addr, err, (args.tls_ca, args.tls_cert)), file=sys.stderr)
+                    return 1
+                print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
+                if not args.watch:
+                    return 0
+                time.sleep(args.watch)
+        except KeyboardInterrupt:  # how a --watch ends: no traceback
+            return 0
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ ELSEWHERE = {
     "AutoModelForCausalLM": ("tests/test_eval.py", "AutoModelForCausalLM"),
     "tensorboard --logdir": ("tests/test_tracking.py", "tensorboard"),
     "run_cluster.sh": ("tests/test_cluster.py", "run_cluster.sh"),
-    "-m spes.status ": ("tests/sync/test_status.py", '"spes.status"'),
+    "-m spes.status ": ("tests/test_status_cli.py", '"spes.status"'),
 }
 """Commands run by another test: a fragment of the command -> the test file that runs it and what it calls."""
 DOCS = ("README.md", "docs/migrating.md", "docs/running.md", "docs/architecture.md")
