@@ -549,7 +549,9 @@ class TrainConfig(Section):
         None, "recompute activations: whole_layer, fine_grained (attention + experts), one_in_N layers"
     )
     max_grad_norm: float | None = _f(1.0, "clip the global gradient norm (null: no clipping)", gt=0)
-    max_grad_norm_ratio: float | None = _f(None, "inert")
+    max_grad_norm_ratio: float | None = _f(
+        None, "inert when null (OLMo's adaptive clipping is not implemented: null only)"
+    )
     skip_nonfinite_steps: int = _f(
         0,
         "skip the update of up to this many steps in a row whose loss or gradient norm is NaN/inf (0: stop at "
@@ -565,7 +567,9 @@ class TrainConfig(Section):
         "unless true; true replaces them",
     )
     save_interval: int | None = _f(1000, "steps between (sharded under FSDP) checkpoints (null: none)", ge=1)
-    save_interval_ephemeral: int | None = _f(None, "inert")
+    save_interval_ephemeral: int | None = _f(
+        None, "inert when null (OLMo's ephemeral checkpoints are not implemented: null only)"
+    )
     save_num_checkpoints_to_keep: int = _f(-1, "keep this many recent checkpoints (-1: all)")
     sharded_checkpointer: str | None = _f(None, "inert: torch.distributed.checkpoint is used")
     save_interval_unsharded: int | None = _f(None, "steps between unsharded (single-file) checkpoints", ge=1)
@@ -605,11 +609,29 @@ class TrainConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self._check_supported()
         self._check_batches_and_duration()
         if self.sync_enabled:
             self._check_sync()
         if self.mode == "spes":
             self._check_ownership()
+
+    def _check_supported(self) -> None:
+        """Refuse OLMo trainer features that spes does not have when set: ignoring them would train otherwise, or
+        keep fewer checkpoints, than the file says."""
+        _require(
+            self.max_grad_norm_ratio is None,
+            "max_grad_norm_ratio",
+            self.max_grad_norm_ratio,
+            "is not supported (OLMo's adaptive clipping): remove it; max_grad_norm clips the global gradient norm",
+        )
+        _require(
+            self.save_interval_ephemeral is None,
+            "save_interval_ephemeral",
+            self.save_interval_ephemeral,
+            "is not supported (OLMo's ephemeral checkpoints): remove it; save_interval with "
+            "save_num_checkpoints_to_keep bounds the checkpoints kept",
+        )
 
     def _check_batches_and_duration(self) -> None:
         """Batch sizes that divide, a duration of at least one step, counts that keep something."""

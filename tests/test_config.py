@@ -954,6 +954,18 @@ BOUNDS = [
         [],
     ),
     (
+        ["--max_grad_norm_ratio=0.5"],
+        "'max_grad_norm_ratio' = 0.5 is not supported (OLMo's adaptive clipping): remove it; max_grad_norm clips the "
+        "global gradient norm",
+        ["--max_grad_norm_ratio=null"],
+    ),
+    (
+        ["--save_interval_ephemeral=100"],
+        "'save_interval_ephemeral' = 100 is not supported (OLMo's ephemeral checkpoints): remove it; save_interval "
+        "with save_num_checkpoints_to_keep bounds the checkpoints kept",
+        ["--save_interval_ephemeral=null"],
+    ),
+    (
         ["--model.embedding_size=4095"],
         "'model.embedding_size' = 4095 must be >= model.vocab_size=4096",
         ["--model.embedding_size=4096"],
