@@ -29,6 +29,7 @@ from spes.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_model_state,
+    prune,
     remove_stale_temporaries,
     resolve_checkpoint,
     resolve_step,
@@ -260,6 +261,25 @@ def test_latest_follows_the_newest_save_of_either_kind_and_pruning_is_per_kind(t
     _save_sharded(tmp_path, 6, cfg, model, optimizer, keep=2)
     assert resolve_checkpoint(tmp_path).name == "step6-sharded"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step3-sharded", "step5", "step6-sharded"]
+
+
+def test_two_schedules_of_one_kind_each_keep_their_own_newest(tmp_path: Path) -> None:
+    """Off FSDP, the first implementation's save_interval 10000 (keep 1) and save_interval_unsharded 5000 (keep 5)
+    both write step<N>/: counted together, the keep 1 deleted the unsharded schedule's checkpoints at every save."""
+    for step in (5, 10, 15, 20, 25, 30):
+        (tmp_path / f"step{step}").mkdir()
+    (tmp_path / "step20-sharded").mkdir()  # another kind: not this prune's
+    prune(tmp_path, "unsharded", [(10, 1), (5, 5)])
+    assert [p.name for p in list_checkpoints(tmp_path)] == [f"step{s}" for s in (10, 15, 20)] + [
+        "step20-sharded",
+        "step25",
+        "step30",
+    ]
+    (tmp_path / "step33").mkdir()  # off both schedules (a last step's save): the newest of each
+    prune(tmp_path, "unsharded", [(10, 1), (5, 5)])
+    assert [p.name for p in list_checkpoints(tmp_path, "unsharded")] == [f"step{s}" for s in (15, 20, 25, 30, 33)]
+    prune(tmp_path, "unsharded", [(None, 2)])  # one schedule: the newest two, as a plain keep=2
+    assert [p.name for p in list_checkpoints(tmp_path, "unsharded")] == ["step30", "step33"]
 
 
 def test_unshard_command_writes_the_unsharded_layout(tmp_path: Path) -> None:
