@@ -463,10 +463,27 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
             f"{what} {p} is no checkpoint itself (no {META_FILE}, no '{LATEST}'); point it at one it holds: "
             + ", ".join(str(p / name) for name in inside)
         )
+    foreign = _foreign_checkpoint(p)
+    if foreign is not None:
+        raise CheckpointError(
+            f"{what} {p} is {foreign}, which spes does not read (its checkpoints are its own, pickle-free): write one "
+            f"from Hugging Face weights with python -m spes.hf import --hf <HF model dir> --out <dir>/step0 "
+            f"--num_train_experts_per_node K and point {what} at it (docs/migrating.md)"
+        )
     raise CheckpointError(
         f"{what} {p} holds no checkpoint: neither a checkpoint directory (no {META_FILE}) nor a save folder (no "
         f"'{LATEST}'); point it at {CHECKPOINT_PATHS}"
     )
+
+
+def _foreign_checkpoint(directory: Path) -> str | None:
+    """What another trainer's checkpoint `directory` is, by its files, or None. The first implementation's launcher
+    passed its OLMo checkpoint as `--load_path`; spes said only that the directory held no checkpoint."""
+    if any(directory.glob("*.pt")) or (directory / "model_and_optim").is_dir():
+        return "an OLMo checkpoint (the first implementation's: convert it to Hugging Face with its converter first)"
+    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors*")):
+        return "a Hugging Face model directory (a dense one is upcycled instead: python -m spes.upcycle)"
+    return None
 
 
 def resolve_step(run_dir: str | Path, step: str | int) -> Path:
