@@ -11,7 +11,8 @@
 # waits until it listens, then `srun`s this script once per task; each task is node <SLURM_PROCID> of the run.
 # When every node is done the server is stopped.
 # Outside SLURM (the first implementation's contract: any scheduler that sets RANK, MASTER_ADDR and NPROC_PER_NODE,
-# or none: run it on every machine by hand), this script runs once per node: node <RANK>; node 0 also starts the
+# or none: run it on every machine by hand; RANK set wins inside a SLURM job too, as when a wrapper `srun`s this
+# script with each node's RANK), this script runs once per node: node <RANK>; node 0 also starts the
 # server, reached by the others at MASTER_ADDR:PORT, and stops it SERVER_LINGER seconds after its own trainer is
 # done (the others' last download). RANK, MASTER_ADDR, MASTER_PORT and WORLD_SIZE are cleared before the trainer
 # starts, so a node's DDP/FSDP process group stays on the node.
@@ -106,8 +107,10 @@ start_server() {  # the parameter server in the background, on this machine; ret
   die "the parameter server did not start within 60 s"
 }
 
-if [ -z "${SLURM_JOB_ID:-}" ]; then
-  # ---- outside SLURM: this machine is node RANK ----
+if [ -n "${RANK:-}" ]; then
+  # ---- RANK given: this machine is node RANK ----
+  # NOTE: before the SLURM branch: under a wrapper that `srun`s this with RANK per node, every task took it as the
+  # batch step, started a server and `srun`ed the whole run again inside its own step (which waits for CPUs forever)
   NODE_ID=$RANK
   [[ "$NODE_ID" =~ ^[0-9]+$ ]] && [ "$NODE_ID" -lt "$CFG_PEERS" ] || die "RANK=$NODE_ID must be a node id in \
 [0, $CFG_PEERS) (the config's spes_config.num_peers)"

@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -60,6 +60,11 @@ _STEP_DIR = re.compile(r"^step(\d+)(-sharded)?$")
 Kind = Literal["unsharded", "sharded"]
 Extra = Mapping[str, Callable[[Path], None]]
 """More files of a checkpoint, by name: each function writes its file to the path it is given."""
+Schedule = tuple[int | None, int]
+"""A save schedule and what it keeps: (its interval in steps, None: every checkpoint; its newest to keep, -1: all)."""
+Keep = int | Sequence[Schedule]
+"""How many checkpoints of a kind to keep: the newest N (-1: all), or what each schedule that writes it keeps
+(`prune`)."""
 # NOTE: torch.distributed.checkpoint is imported where it is used, not above: with the DTensor and sympy it pulls
 # in, it costs over a second of start-up that a trainer which never saves, restores or shards should not pay.
 
@@ -150,7 +155,7 @@ def save_checkpoint(
     optim_state: dict[str, Any] | None,
     trainer_state: dict[str, Any],
     config: dict[str, Any],
-    keep: int = -1,
+    keep: Keep = -1,
     extra: Extra | None = None,
 ) -> Path:
     """Write the unsharded `step<step>/` atomically, point `latest` at it, keep the `keep` newest (-1: all)."""
@@ -205,14 +210,33 @@ def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any], e
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
 
 
-def _point_latest(final: Path, kind: Kind, keep: int) -> Path:
-    """Point `latest` at a published checkpoint, then prune its kind to the `keep` newest."""
+def _point_latest(final: Path, kind: Kind, keep: Keep) -> Path:
+    """Point `latest` at a published checkpoint, then prune its kind to what `keep` keeps."""
     folder = final.parent
     write_atomic(folder / LATEST, f"{final.name}\n")
-    if keep > 0:
-        for old in list_checkpoints(folder, kind)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    prune(folder, kind, [(None, keep)] if isinstance(keep, int) else keep)
     return final
+
+
+def prune(save_folder: Path, kind: Kind, schedules: Sequence[Schedule]) -> None:
+    """Delete the checkpoints of `kind` that no schedule keeps. A schedule keeps the newest of its own: those whose
+    step is a multiple of its interval, or of no schedule's (saved off schedule: a last step's, a time limit's).
+
+    NOTE: off FSDP, `save_interval` and `save_interval_unsharded` both write `step<N>/` (OLMo: two kinds); counted
+    together, the first implementation's keep 1 of the one deleted the keep 5 of the other."""
+    found = _checkpoint_steps(save_folder, kind)
+    intervals = [interval for interval, _ in schedules if interval]
+    kept: set[Path] = set()
+    for interval, keep in schedules:
+        own = [
+            path
+            for step, path in found
+            if interval is None or step % interval == 0 or all(step % other for other in intervals)
+        ]
+        kept.update(own[-keep:] if keep > 0 else own)
+    for _, path in found:
+        if path not in kept:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 _TEMPORARY = re.compile(r"^\.(step\d+(-sharded)?)\.(tmp|old)|^\.latest\.")
@@ -257,7 +281,7 @@ def save_sharded_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     config: dict[str, Any],
-    keep: int = -1,
+    keep: Keep = -1,
     extra: Extra | None = None,
 ) -> Path:
     """Write `step<step>-sharded/` from every rank (a collective), point `latest` at it, keep `keep` newest.
@@ -316,7 +340,7 @@ def save(
     trainer_state: dict[str, Any],
     config: dict[str, Any],
     sharded: bool,
-    keep: int = -1,
+    keep: Keep = -1,
     extra: Extra | None = None,
 ) -> Path | None:
     """Save a parallelized (single, DDP or FSDP2) model and its optimizer: the counterpart of `restore`.
@@ -377,6 +401,11 @@ def _single_process_quiet() -> Iterator[None]:
 
 def list_checkpoints(save_folder: str | Path, kind: Kind | None = None) -> list[Path]:
     """Complete-looking checkpoint directories (of one kind, or both), oldest first."""
+    return [p for _, p in _checkpoint_steps(save_folder, kind)]
+
+
+def _checkpoint_steps(save_folder: str | Path, kind: Kind | None) -> list[tuple[int, Path]]:
+    """(step, directory) of each of `list_checkpoints`, oldest first."""
     folder = Path(save_folder)
     if not folder.is_dir():
         return []
@@ -388,7 +417,7 @@ def list_checkpoints(save_folder: str | Path, kind: Kind | None = None) -> list[
         sharded = m.group(2) is not None
         if kind is None or sharded == (kind == "sharded"):
             found.append((int(m.group(1)), sharded, p))
-    return [p for *_, p in sorted(found)]
+    return [(step, p) for step, _, p in sorted(found)]
 
 
 CHECKPOINT_PATHS = (
@@ -434,10 +463,27 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
             f"{what} {p} is no checkpoint itself (no {META_FILE}, no '{LATEST}'); point it at one it holds: "
             + ", ".join(str(p / name) for name in inside)
         )
+    foreign = _foreign_checkpoint(p)
+    if foreign is not None:
+        raise CheckpointError(
+            f"{what} {p} is {foreign}, which spes does not read (its checkpoints are its own, pickle-free): write one "
+            f"from Hugging Face weights with python -m spes.hf import --hf <HF model dir> --out <dir>/step0 "
+            f"--num_train_experts_per_node K and point {what} at it (docs/migrating.md)"
+        )
     raise CheckpointError(
         f"{what} {p} holds no checkpoint: neither a checkpoint directory (no {META_FILE}) nor a save folder (no "
         f"'{LATEST}'); point it at {CHECKPOINT_PATHS}"
     )
+
+
+def _foreign_checkpoint(directory: Path) -> str | None:
+    """What another trainer's checkpoint `directory` is, by its files, or None. The first implementation's launcher
+    passed its OLMo checkpoint as `--load_path`; spes said only that the directory held no checkpoint."""
+    if any(directory.glob("*.pt")) or (directory / "model_and_optim").is_dir():
+        return "an OLMo checkpoint (the first implementation's: convert it to Hugging Face with its converter first)"
+    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors*")):
+        return "a Hugging Face model directory (a dense one is upcycled instead: python -m spes.upcycle)"
+    return None
 
 
 def resolve_step(run_dir: str | Path, step: str | int) -> Path:

@@ -129,7 +129,8 @@ def open_token_array(shard: Shard, memmap_dtype: str | None = None) -> np.ndarra
 
 def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int, head: bytes) -> np.dtype:
     """The dtype a headerless token file of `size` bytes starting with `head` is read as; ValueError unless it
-    divides the file, or when the default uint16 would read uint32 ids (`_looks_uint32`)."""
+    divides the file, or when uint16 (the default, or named: configs/tiny.yaml names it) would read uint32 ids
+    (`_looks_uint32`)."""
     dtype = np.dtype(memmap_dtype or DEFAULT_MEMMAP_DTYPE)
     if dtype.name not in MEMMAP_DTYPES:
         raise ValueError(f"data.memmap_dtype={memmap_dtype!r} is not a token dtype; use one of {list(MEMMAP_DTYPES)}")
@@ -138,20 +139,27 @@ def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int, head: b
             f"headerless token file {shard} has {size} bytes, not a multiple of {dtype.itemsize} "
             f"(data.memmap_dtype={dtype.name}); set data.memmap_dtype to the dtype it was written with"
         )
-    if memmap_dtype is None and _looks_uint32(head):
+    if dtype == np.uint16 and _looks_uint32(head):
+        named = " unset" if memmap_dtype is None else f"={memmap_dtype}"
         raise ValueError(
             f"headerless token file {shard} holds uint32 token ids by the look of its first {len(head):,} bytes "
-            f"(every second 16-bit half is 0) but is read as uint16 (data.memmap_dtype unset); set "
-            f"data.memmap_dtype=uint32"
+            f"(every second 16-bit half is below {_UINT32_HIGH_HALF}) but is read as uint16 (data.memmap_dtype"
+            f"{named}); set data.memmap_dtype=uint32"
         )
     return dtype
 
 
+_UINT32_HIGH_HALF = 4
+"""uint32 token ids below 4 * 65,536 (any tokenizer's: Qwen's 151,665) have a high 16-bit half below this."""
+
+
 def _looks_uint32(head: bytes) -> bool:
-    """Whether `head` holds little-endian uint32 ids below 65,536 (OLMo's uint32 files): every odd 16-bit half 0,
-    some even one not, over at least 32 ids (as uint16 such a file reads a token id, a 0, an id, ...)."""
+    """Whether `head` holds little-endian uint32 token ids (OLMo's and the first implementation's uint32 files): every
+    odd 16-bit half below `_UINT32_HIGH_HALF`, some even one not, over at least 32 ids (as uint16 such a file reads
+    an id's low half, its high half 0..3, ...). Qwen's ids from 65,536 up (most CJK text) have a high half of 1 or 2:
+    a test for 0 alone read them as uint16."""
     halves = np.frombuffer(head[: len(head) // 4 * 4], dtype="<u2")
-    return len(halves) >= 64 and not halves[1::2].any() and bool(halves[0::2].any())
+    return len(halves) >= 64 and int(halves[1::2].max()) < _UINT32_HIGH_HALF <= int(halves[0::2].max())
 
 
 class RangeTokenArray:

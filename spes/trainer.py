@@ -376,6 +376,18 @@ class Trainer:
         self.model.train()
         return float(total / max(count, 1))
 
+    def _keep(self, unsharded: bool) -> checkpoint.Keep:
+        """What a save prunes its kind to: under FSDP each schedule writes its own kind and keeps its own count; off
+        it both write `step<N>/`, and each schedule keeps its own newest (`checkpoint.prune`)."""
+        cfg = self.cfg
+        if uses_fsdp(cfg, self.info) or cfg.save_interval_unsharded is None:
+            return cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
+        schedules = (
+            (cfg.save_interval, cfg.save_num_checkpoints_to_keep),
+            (cfg.save_interval_unsharded, cfg.save_num_unsharded_checkpoints_to_keep),
+        )
+        return [(interval, keep) for interval, keep in schedules if interval]
+
     def save(self, unsharded: bool = False) -> None:
         """A checkpoint (a collective): sharded under FSDP, every rank writing its shards; else (or when
         `unsharded`) the whole state gathered to the main rank, which writes it."""
@@ -386,7 +398,6 @@ class Trainer:
             f"the newest checkpoint in {cfg.save_folder} is kept; resume from it with a lower optimizer.learning_rate",
         )
         sharded = uses_fsdp(cfg, self.info) and not unsharded
-        keep = cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
         path = checkpoint.save(
             cfg.save_folder,
             self.step,
@@ -395,7 +406,7 @@ class Trainer:
             trainer_state=self.state_dict(),
             config=to_dict(cfg),
             sharded=sharded,
-            keep=keep,
+            keep=self._keep(unsharded),
             extra=self.syncer.checkpoint_files() if self.syncer is not None else None,
         )
         if path is not None:

@@ -29,6 +29,7 @@ from spes.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_model_state,
+    prune,
     remove_stale_temporaries,
     resolve_checkpoint,
     resolve_step,
@@ -260,6 +261,51 @@ def test_latest_follows_the_newest_save_of_either_kind_and_pruning_is_per_kind(t
     _save_sharded(tmp_path, 6, cfg, model, optimizer, keep=2)
     assert resolve_checkpoint(tmp_path).name == "step6-sharded"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step3-sharded", "step5", "step6-sharded"]
+
+
+def test_an_olmo_or_hugging_face_directory_as_load_path_is_named_with_the_way_in(tmp_path: Path) -> None:
+    """The first implementation's launcher passed its OLMo checkpoint as --load_path; spes said the directory held
+    no checkpoint, leaving the user to find docs/migrating.md's conversion."""
+    olmo, hf, empty = tmp_path / "step1000-unsharded", tmp_path / "hf", tmp_path / "empty"
+    for directory, files in (
+        (olmo, ("model.pt", "optim.pt", "train.pt", "config.yaml")),
+        (hf, ("config.json", "model.safetensors")),
+        (empty, ()),
+    ):
+        directory.mkdir()
+        for name in files:
+            (directory / name).touch()
+    with pytest.raises(CheckpointError) as err:
+        resolve_checkpoint(olmo, what="load_path")
+    assert str(err.value) == (
+        f"load_path {olmo} is an OLMo checkpoint (the first implementation's: convert it to Hugging Face with its "
+        "converter first), which spes does not read (its checkpoints are its own, pickle-free): write one from "
+        "Hugging Face weights with python -m spes.hf import --hf <HF model dir> --out <dir>/step0 "
+        "--num_train_experts_per_node K and point load_path at it (docs/migrating.md)"
+    )
+    with pytest.raises(CheckpointError, match=r"is a Hugging Face model directory \(a dense one is upcycled"):
+        resolve_checkpoint(hf, what="load_path")
+    with pytest.raises(CheckpointError, match="holds no checkpoint: neither a checkpoint directory"):
+        resolve_checkpoint(empty, what="load_path")
+
+
+def test_two_schedules_of_one_kind_each_keep_their_own_newest(tmp_path: Path) -> None:
+    """Off FSDP, the first implementation's save_interval 10000 (keep 1) and save_interval_unsharded 5000 (keep 5)
+    both write step<N>/: counted together, the keep 1 deleted the unsharded schedule's checkpoints at every save."""
+    for step in (5, 10, 15, 20, 25, 30):
+        (tmp_path / f"step{step}").mkdir()
+    (tmp_path / "step20-sharded").mkdir()  # another kind: not this prune's
+    prune(tmp_path, "unsharded", [(10, 1), (5, 5)])
+    assert [p.name for p in list_checkpoints(tmp_path)] == [f"step{s}" for s in (10, 15, 20)] + [
+        "step20-sharded",
+        "step25",
+        "step30",
+    ]
+    (tmp_path / "step33").mkdir()  # off both schedules (a last step's save): the newest of each
+    prune(tmp_path, "unsharded", [(10, 1), (5, 5)])
+    assert [p.name for p in list_checkpoints(tmp_path, "unsharded")] == [f"step{s}" for s in (15, 20, 25, 30, 33)]
+    prune(tmp_path, "unsharded", [(None, 2)])  # one schedule: the newest two, as a plain keep=2
+    assert [p.name for p in list_checkpoints(tmp_path, "unsharded")] == ["step30", "step33"]
 
 
 def test_unshard_command_writes_the_unsharded_layout(tmp_path: Path) -> None:

@@ -134,6 +134,15 @@ def test_outside_a_slurm_job_the_script_says_how_to_submit(tmp_path: Path) -> No
     assert proc.returncode == 2 and "RANK=4 must be a node id in [0, 4)" in proc.stdout
 
 
+def test_rank_set_inside_a_slurm_job_is_the_first_implementations_contract(tmp_path: Path) -> None:
+    """A wrapper that `srun`s the script with each node's RANK (the first implementation's way under SLURM): every
+    task took the SLURM branch, as if it were the batch step, and `srun`ed the whole run again."""
+    env = {k: v for k, v in child_env().items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_JOB_NODELIST="n0", RANK="4")
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env=env)
+    assert proc.returncode == 2 and "RANK=4 must be a node id in [0, 4)" in proc.stdout
+
+
 @pytest.mark.timeout(60)
 def test_server_args_reach_the_server_only(tmp_path: Path) -> None:
     """The TLS files of a protected run: the extra arguments reach the server and every trainer, and a trainer takes

@@ -472,6 +472,25 @@ def test_run_single_node_names_an_nproc_per_node_that_is_no_count(tmp_path: Path
     assert "RUN -m spes.torchrun --standalone --nproc_per_node=2 " in launch(tmp_path, python, "0").stdout
 
 
+def test_run_single_node_tells_a_nodes_own_file_by_its_peer_id_not_its_path(tmp_path: Path) -> None:
+    """CONFIG=./configs/spes_1b/node_1.yaml (or its absolute path, or a copy) gave node 1 the file's data.seed +
+    1000, node 2's order: the script took every CONFIG but the literal default path for one file for every node."""
+    real = f'exec {sys.executable} "$@"'  # the seed is read by the project's interpreter
+    python = stand_in_python(tmp_path, f'echo "1 the CPU (stand-in)"; exit 0\nfi\nif [ "$1" = -c ]; then\n  {real}')
+    own = REPO / "configs" / "spes_1b" / "node_1.yaml"
+    (tmp_path / "mine").mkdir()
+    copy = tmp_path / "mine" / "node_1.yaml"
+    copy.write_text(own.read_text())
+    for config in ("./configs/spes_1b/node_1.yaml", str(own), str(copy)):
+        proc = launch(tmp_path, python, "1", CONFIG=config)
+        assert proc.returncode == 0, proc.stderr
+        assert "--spes_config.peer_id=1 --data.seed=7198" in proc.stdout, config  # the file's own
+    for config, node, seed in (("configs/spes_1b/node_0.yaml", "1", 7198), (TINY, "2", 8198)):  # one for every node
+        proc = launch(tmp_path, python, node, CONFIG=config)
+        assert proc.returncode == 0, proc.stderr
+        assert f"--spes_config.peer_id={node} --data.seed={seed}" in proc.stdout, config
+
+
 @pytest.mark.slow
 def test_run_single_node_preflight_for_real(server: str, node: list[str]) -> None:
     """The script's --preflight end to end with the project's interpreter (no stand-in)."""

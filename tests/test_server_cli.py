@@ -87,6 +87,26 @@ def test_the_first_implementations_flags_spell_overrides() -> None:
     assert tiny.server.merge_interval == 0
 
 
+def test_the_first_implementations_layout_flags_are_checked_against_the_runs_yaml() -> None:
+    """TOTAL_PEERS=8 run_parameter_server.sh RUN.yaml (a 4-peer YAML) started a server for 8 peers, which then
+    refused every node of the run; with the YAML its layout flags (and so the script's variables) must agree."""
+    tiny = str(CONFIGS / "tiny.yaml")  # 4 peers x 2 experts
+    spec = server_config(tiny, "--total_peers", "4", "--num_train_experts_per_node=2").spec
+    assert (spec.num_peers, spec.experts_per_block) == (4, 2)
+    with pytest.raises(ValueError) as refused:
+        server_config(tiny, "--total_peers", "8")
+    assert str(refused.value) == (
+        f"--total_peers 8 (TOTAL_PEERS of run_parameter_server.sh) disagrees with {tiny}: spes_config.num_peers=4; "
+        "unset it (the YAML sets the run's layout), or give --spes_config.num_peers=8 to the server and every node "
+        "alike"
+    )
+    with pytest.raises(ValueError, match=r"--num_train_experts_per_node 1 \(NUM_TRAIN_EXPERTS_PER_NODE of"):
+        server_config(tiny, "--num_train_experts_per_node", "1")
+    both = ("--spes_config.num_peers=8", "--spes_config.num_train_experts_per_node=1")  # as every node is given
+    spec = server_config(tiny, *both, "--total_peers", "8", "--num_train_experts_per_node", "1").spec
+    assert (spec.num_peers, spec.experts_per_block) == (8, 1)
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

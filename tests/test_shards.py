@@ -78,7 +78,7 @@ def test_a_headerless_file_is_read_as_memmap_dtype_and_refused_when_it_cannot_be
     assert open_token_array(flat, "uint32").shape == (0,) and open_token_array(flat, "uint32").dtype == np.uint32
 
 
-def test_uint32_ids_read_as_the_default_uint16_are_refused_and_taken_when_named(tmp_path: Path) -> None:
+def test_uint32_ids_read_as_the_default_uint16_are_refused(tmp_path: Path) -> None:
     """OLMo writes uint32 files for its larger vocabularies; read as uint16, every second token would be a 0."""
     flat = tmp_path / "flat.npy"
     (np.arange(32, dtype=np.uint32) + 60000).tofile(flat)
@@ -86,10 +86,9 @@ def test_uint32_ids_read_as_the_default_uint16_are_refused_and_taken_when_named(
         open_token_array(flat)
     assert str(err.value) == (
         f"headerless token file {flat} holds uint32 token ids by the look of its first 128 bytes (every second "
-        "16-bit half is 0) but is read as uint16 (data.memmap_dtype unset); set data.memmap_dtype=uint32"
+        "16-bit half is below 4) but is read as uint16 (data.memmap_dtype unset); set data.memmap_dtype=uint32"
     )
     assert open_token_array(flat, "uint32").tolist() == list(range(60000, 60032))
-    assert len(open_token_array(flat, "uint16")) == 64  # named: taken as told
     (np.arange(31, dtype=np.uint32) + 1).tofile(flat)  # too few ids to tell
     assert len(open_token_array(flat)) == 62
     np.zeros(32, dtype=np.uint32).tofile(flat)  # nothing but zeros: nothing to tell by
@@ -109,6 +108,25 @@ def test_uint32_ids_read_as_the_default_uint16_are_refused_and_taken_when_named(
     wide.tofile(flat)  # judged by its first 4 KiB: what follows is not read for it
     with pytest.raises(ValueError, match="holds uint32 token ids by the look of its first 4,096 bytes"):
         open_token_array(flat)
+
+
+def test_uint32_ids_above_65535_or_read_as_a_named_uint16_are_refused_too(tmp_path: Path) -> None:
+    """Qwen's ids from 65,536 up (a high half of 1 or 2: most CJK text) passed the test for 0, and a named uint16
+    (configs/tiny.yaml names it; a user's copy pointed at the first implementation's files) skipped it: both read
+    the first implementation's uint32 files as twice as many garbage tokens, all within the vocabulary."""
+    flat = tmp_path / "flat.npy"
+    (np.arange(64, dtype=np.uint32) * 2300 + 5000).tofile(flat)  # 5,000 .. 149,900: the high halves 0, 1, 2
+    for named in (None, "uint16"):
+        with pytest.raises(ValueError) as err:
+            open_token_array(flat, named)
+        assert str(err.value) == (
+            f"headerless token file {flat} holds uint32 token ids by the look of its first 256 bytes (every second "
+            f"16-bit half is below 4) but is read as uint16 (data.memmap_dtype{'=uint16' if named else ' unset'}); "
+            "set data.memmap_dtype=uint32"
+        )
+    assert open_token_array(flat, "uint32").tolist() == list(range(5000, 5000 + 64 * 2300, 2300))
+    np.tile(np.arange(4, dtype=np.uint16), 32).tofile(flat)  # uint16 ids of a 4-token vocabulary: no uint32 look
+    assert len(open_token_array(flat, "uint16")) == 128
 
 
 def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: list[Path], tmp_path: Path) -> None:

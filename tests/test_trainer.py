@@ -231,6 +231,25 @@ def test_a_stop_saves_its_step_once(tiny_corpus, tmp_path: Path, save_interval: 
     assert (tmp_path / "latest").read_text().strip() == "step2"
 
 
+def test_off_fsdp_save_interval_keeps_do_not_prune_the_unsharded_schedules_checkpoints(
+    tiny_corpus, tmp_path: Path
+) -> None:
+    """The first implementation's node files keep 1 of save_interval's and 5 of save_interval_unsharded's; on one
+    process both write step<N>/, and each save_interval save deleted every unsharded one but itself."""
+    _, _, trainer = _node(
+        tiny_corpus,
+        tmp_path,
+        "--using_spes=false",
+        "--max_duration=6st",
+        "--save_interval=4",
+        "--save_num_checkpoints_to_keep=1",
+        "--save_interval_unsharded=2",
+        "--save_num_unsharded_checkpoints_to_keep=3",
+    )
+    trainer.fit()
+    assert sorted(p.name for p in tmp_path.glob("step*")) == ["step2", "step4", "step6"]
+
+
 def test_bad_inputs_exit_2_with_one_line(tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cases = [
         ([str(tmp_path / "missing.yaml")], "config file not found"),

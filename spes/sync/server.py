@@ -43,7 +43,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from spes.cli import DefaultsHelpFormatter
-from spes.config import ServerSection, load_config, load_sync_sections
+from spes.config import ServerSection, SpesConfig, load_config, load_sync_sections
 from spes.schema import config_help
 from spes.sync import plane_tcp
 from spes.sync.admission import UNARY_RESERVE, GuardedHealth
@@ -68,6 +68,9 @@ FIRST_IMPLEMENTATION_FLAGS = {
     "--merge_decay_steps": "server.merge_decay_steps",
 }
 """The first SPES implementation's server flags, each a spelling of the run-config override it names."""
+CHECKED_FLAGS = {"--total_peers": "TOTAL_PEERS", "--num_train_experts_per_node": "NUM_TRAIN_EXPERTS_PER_NODE"}
+"""Those of them that set the run's layout, with run_parameter_server.sh's variable for each. With the run's YAML they
+are checked against it, not applied: a server given another layout than its nodes' YAML refused every node."""
 
 
 class ParameterServer:
@@ -249,25 +252,32 @@ def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
 
 class _ServerParser(argparse.ArgumentParser):
     """The deployment flags; every other `--key=value` word is an override of the run's config (`args.overrides`),
-    and the first implementation's flags are spellings of such overrides (`FIRST_IMPLEMENTATION_FLAGS`)."""
+    and the first implementation's flags are spellings of such overrides (`FIRST_IMPLEMENTATION_FLAGS`), but its
+    layout flags given with RUN.yaml, kept in `args.checked_flags` to be checked against it (`CHECKED_FLAGS`)."""
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
         words = list(sys.argv[1:] if args is None else args)
-        aliased = []
+        joined = []  # NOTE: each first-implementation flag as one `--flag=value` word, which argparse leaves in `rest`
         while words:
             word = words.pop(0)
-            flag, eq, value = word.partition("=")
-            if flag in FIRST_IMPLEMENTATION_FLAGS:
-                if not eq:
-                    if not words:
-                        self.error(f"{flag} needs a value")
-                    value = words.pop(0)
-                aliased.append(f"--{FIRST_IMPLEMENTATION_FLAGS[flag]}={value}")
+            if word in FIRST_IMPLEMENTATION_FLAGS:
+                if not words:
+                    self.error(f"{word} needs a value")
+                word = f"{word}={words.pop(0)}"
+            joined.append(word)
+        parsed, rest = super().parse_known_args(joined, namespace)
+        parsed.overrides, parsed.checked_flags, other = [], {}, []
+        for word in rest:
+            flag, _, value = word.partition("=")
+            if flag in CHECKED_FLAGS and parsed.run is not None:
+                parsed.checked_flags[flag] = value
+            elif flag in FIRST_IMPLEMENTATION_FLAGS:
+                parsed.overrides.append(f"--{FIRST_IMPLEMENTATION_FLAGS[flag]}={value}")
+            elif word.startswith("--") and "=" in word:
+                parsed.overrides.append(word)
             else:
-                aliased.append(word)
-        parsed, rest = super().parse_known_args(aliased, namespace)
-        parsed.overrides = [a for a in rest if a.startswith("--") and "=" in a]
-        return parsed, [a for a in rest if a not in parsed.overrides]
+                other.append(word)
+        return parsed, other
 
 
 class _HelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -290,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
         epilog="the run's `server:` section (key, default, meaning):\n"
         + "\n".join(config_help(ServerSection, "server."))
-        + f"\n\nthe first SPES implementation's flags are accepted as spellings of overrides: {aliases}"
+        + f"\n\nthe first SPES implementation's flags are accepted as spellings of overrides: {aliases}; with "
+        "RUN.yaml, --total_peers and --num_train_experts_per_node are checked against it instead"
         + "\n\nexample: SPES_TOKEN=$(cat secret) python -m spes.server configs/spes_1b/node_0.yaml --port 50051 "
         "--tls_cert server.crt --tls_key server.key --state_dir server_state\nstop with SIGTERM or Ctrl-C (exit 0); "
         "restart with the same --state_dir to resume. See docs/running.md (TLS, tokens, ports).",
@@ -308,18 +319,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def spec_of_run(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> RunSpec:
+def spec_of_run(
+    path: str | None, overrides: list[str] | tuple[str, ...] = (), checked_flags: dict[str, str] | None = None
+) -> RunSpec:
     """The run spec of a node YAML and its overrides, with the manifest of the model it builds (on the meta device);
     without a YAML, of the defaults and the overrides (a SPES run unless they say otherwise), manifest and
-    sync_steps and block owners left to the first node to join. ValueError (ConfigError) naming the key or file."""
+    sync_steps and block owners left to the first node to join. `checked_flags`: the first implementation's layout
+    flags given with the YAML (`CHECKED_FLAGS`), which must agree with it. ValueError (ConfigError) naming the key or
+    file."""
     if path is None:
         return legacy_spec(overrides)
     from spes.model import Transformer  # NOTE: lazy, so a server without RUN.yaml never imports the model
 
     cfg, _ = load_config(path, overrides)
+    for flag, value in (checked_flags or {}).items():
+        check_first_implementation_flag(flag, value, cfg.spes_config, path)
     with torch.device("meta"):
         model = Transformer.for_run(cfg)
     return run_spec(cfg, {n: tuple(p.shape) for n, p in model.named_parameters()}, origin=path)
+
+
+def check_first_implementation_flag(flag: str, value: str, section: SpesConfig, path: str) -> None:
+    """ValueError unless the first implementation's layout flag `flag` (`CHECKED_FLAGS`) says what the run's YAML at
+    `path` (its `spes_config` section, overrides applied) says."""
+    key = FIRST_IMPLEMENTATION_FLAGS[flag]
+    have = getattr(section, key.split(".")[1])
+    if value.strip() != str(have):
+        raise ValueError(
+            f"{flag} {value} ({CHECKED_FLAGS[flag]} of run_parameter_server.sh) disagrees with {path}: {key}={have}; "
+            f"unset it (the YAML sets the run's layout), or give --{key}={value} to the server and every node alike"
+        )
 
 
 def legacy_spec(overrides: list[str] | tuple[str, ...]) -> RunSpec:
@@ -346,7 +375,7 @@ def legacy_spec(overrides: list[str] | tuple[str, ...]) -> RunSpec:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(spec_of_run(args.run, args.overrides), deploy_from_args(args))
+    return ServerConfig(spec_of_run(args.run, args.overrides, args.checked_flags), deploy_from_args(args))
 
 
 def limit_malloc_arenas(arenas: int = 2) -> None:
