@@ -102,6 +102,18 @@ def _decode_rng(state: dict[str, str]) -> None:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
 
 
+def retention(cfg: TrainConfig, sharded: bool, unsharded: bool) -> checkpoint.Keep:
+    """What a save prunes its kind to: with `sharded` (FSDP) checkpoints each schedule writes its own kind and keeps
+    its own count; off FSDP both write `step<N>/`, and each schedule keeps its own newest (`checkpoint.prune`)."""
+    if sharded or cfg.save_interval_unsharded is None:
+        return cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
+    schedules = (
+        (cfg.save_interval, cfg.save_num_checkpoints_to_keep),
+        (cfg.save_interval_unsharded, cfg.save_num_unsharded_checkpoints_to_keep),
+    )
+    return [(interval, keep) for interval, keep in schedules if interval]
+
+
 class Trainer:
     def __init__(
         self,
@@ -376,18 +388,6 @@ class Trainer:
         self.model.train()
         return float(total / max(count, 1))
 
-    def _keep(self, unsharded: bool) -> checkpoint.Keep:
-        """What a save prunes its kind to: under FSDP each schedule writes its own kind and keeps its own count; off
-        it both write `step<N>/`, and each schedule keeps its own newest (`checkpoint.prune`)."""
-        cfg = self.cfg
-        if uses_fsdp(cfg, self.info) or cfg.save_interval_unsharded is None:
-            return cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
-        schedules = (
-            (cfg.save_interval, cfg.save_num_checkpoints_to_keep),
-            (cfg.save_interval_unsharded, cfg.save_num_unsharded_checkpoints_to_keep),
-        )
-        return [(interval, keep) for interval, keep in schedules if interval]
-
     def save(self, unsharded: bool = False) -> None:
         """A checkpoint (a collective): sharded under FSDP, every rank writing its shards; else (or when
         `unsharded`) the whole state gathered to the main rank, which writes it."""
@@ -406,7 +406,7 @@ class Trainer:
             trainer_state=self.state_dict(),
             config=to_dict(cfg),
             sharded=sharded,
-            keep=self._keep(unsharded),
+            keep=retention(self.cfg, uses_fsdp(self.cfg, self.info), unsharded),
             extra=self.syncer.checkpoint_files() if self.syncer is not None else None,
         )
         if path is not None:
