@@ -12,6 +12,7 @@ import time
 
 import grpc
 
+from spes.cli import DefaultsHelpFormatter
 from spes.config import SpesConfig, is_host_port
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
@@ -50,7 +51,9 @@ def check_tls_files(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spes.status", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m spes.status", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
+    )
     parser.add_argument("addr", metavar="HOST:PORT", help="the parameter server (spes_config.server_addr)")
     parser.add_argument("--token_file", default=None, help=f"the run's shared secret (default: env {TOKEN_ENV})")
     parser.add_argument("--tls_ca", default=None, help="CA certificate to verify the server (TLS)")

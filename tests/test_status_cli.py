@@ -4,7 +4,10 @@ one run as a user types it."""
 
 from __future__ import annotations
 
+import os
 import re
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -186,6 +189,32 @@ def test_watch_asks_again_until_ctrl_c_which_ends_it_quietly(
     assert len(out) == 2 and all(f"run {server.service.run_id}: no round completed yet" in line for line in out)
 
 
+@pytest.mark.timeout(60)
+def test_watch_through_a_pipe_prints_each_line_as_it_asks_and_sigint_ends_it_with_exit_0() -> None:
+    """What `--watch 30 | tee status.log` shows: each line when it is asked (a pipe's output is block-buffered,
+    so lines held back until exit would show nothing for hours), and Ctrl-C (SIGINT) ends it without a traceback."""
+    with running_server(tiny_spec()) as (server, addr):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spes.status", addr, "--watch", "30"],
+            cwd=REPO,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},  # a user's shell sets none
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert proc.stdout is not None
+            shown, _, _ = select.select([proc.stdout], [], [], 20)
+            first = proc.stdout.readline() if shown else ""
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert f"run {server.service.run_id}: " in first, "the first line did not come through the pipe while it ran"
+    assert proc.returncode == 0 and err == "", err
+
+
+@pytest.mark.timeout(60)
 def test_the_status_command_refuses_an_address_without_a_port(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["server.example.org"]) == 2  # gRPC would dial a guessed port and say only UNAVAILABLE
     assert capsys.readouterr().err == "error: 'server.example.org' is not HOST:PORT (e.g. server.example.org:50051)\n"
@@ -215,8 +244,9 @@ def test_help_names_each_flag_with_its_meaning(
     assert exit_.value.code == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert shown.startswith("usage: python -m spes.status [-h] [--token_file TOKEN_FILE]")
-    assert "HOST:PORT Where a SPES run stands, asked of its parameter server from anywhere: the run, its rounds, " in (
-        shown
+    assert (
+        "HOST:PORT Where a SPES run stands, asked of its parameter server from anywhere: the run, its rounds, who is "
+        "in, who is missing and when each peer was last heard from. positional arguments:" in shown
     )
     for flag, meaning in {
         "HOST:PORT": "the parameter server (spes_config.server_addr)",
@@ -224,8 +254,8 @@ def test_help_names_each_flag_with_its_meaning(
         "--tls_ca TLS_CA": "CA certificate to verify the server (TLS)",
         "--tls_cert TLS_CERT": "client certificate (mutual TLS)",
         "--tls_key TLS_KEY": "client key (mutual TLS)",
-        "--watch WATCH": "ask again every this many seconds (0: once)",
-        "--timeout TIMEOUT": "seconds to wait for the server's answer",
+        "--watch WATCH": "ask again every this many seconds (0: once) (default: 0)",
+        "--timeout TIMEOUT": "seconds to wait for the server's answer (default: 10)",
     }.items():
         assert f"{flag} {meaning}" in shown, flag
 
