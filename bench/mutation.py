@@ -272,6 +272,13 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants("spes.corpus.x_tokenize_parser", "83 121", _NONE_DEFAULT),
     **mutants("spes.corpus.x_train_tokenizer_parser", "84", _NONE_DEFAULT),
+    **mutants("spes.status.x_main", "28 35 45 55", _NONE_DEFAULT),
+    **mutants(
+        "spes.status.x_main",
+        "127",
+        "the authorization header without a token (`Bearer None`): a server without a token reads no header, and "
+        "one with a token refuses None as it refuses no header, with the same answer",
+    ),
     **mutants(
         "spes.corpus.x__open_binary",
         "15 18 26",
@@ -1346,6 +1353,18 @@ FLAG_GROUPS = "tests/sync/test_settings.py::test_each_flag_stands_in_its_group_w
 HUB_ONLINE = "tests/test_hub.py::test_an_id_the_hub_does_not_know_is_named_with_what_to_check"
 HUB_DOWNLOAD = "tests/test_hub.py::test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_reads"
 KILLED_BY: dict[str, str] = {
+    # a client certificate without its key (or the reverse) handed to gRPC aborts mutmut's child in gRPC's core
+    **mutants(
+        "spes.status.x_main",
+        "112 113 116 117",
+        "tests/test_status_cli.py::test_a_mutual_tls_server_refusing_the_client_certificate_is_blamed_on_the_tls_flags",
+    ),
+    # a --watch's line through a pipe while the command runs: a process of its own
+    **mutants(
+        "spes.status.x_main",
+        "152 154 159",
+        "tests/test_status_cli.py::test_watch_through_a_pipe_prints_each_line_as_it_asks_and_sigint_ends_it_with_exit_0",
+    ),
     # the evaluated model gathered whole from its FSDP2 shards, on two gloo ranks (torchrun)
     **mutants(
         "spes.evaluators.xǁDownstreamEvalsǁrun",
