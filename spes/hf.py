@@ -518,6 +518,17 @@ def _refuse_existing(target: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{target} already exists and is not empty; pass --overwrite to replace it")
 
 
+def _refuse_holding(target: Path, source: Path) -> None:
+    """ValueError when `target` is `source` or a folder above it: --overwrite replaces `target` whole, so the export
+    would delete the checkpoint it reads (or its whole save folder)."""
+    target, source = Path(target).resolve(), Path(source).resolve()
+    if target == source or target in source.parents:
+        raise ValueError(
+            f"--out {target} holds the checkpoint being exported ({source}): writing there would delete it; "
+            f"choose another --out, e.g. {source.parent / 'hf' / source.name}"
+        )
+
+
 def write_step_dir(
     out: str | Path,
     state: Mapping[str, torch.Tensor],
@@ -593,6 +604,7 @@ def export_checkpoint(
 ) -> Path:
     """spes checkpoint (a step directory, or a save folder meaning its latest) -> HF model directory."""
     step = resolve_checkpoint(step_dir)
+    _refuse_holding(Path(out_dir), step)
     cfg = load_step_config(step)
     choose_family(cfg.model)  # refuse an unexportable model before reading any weights
     try:

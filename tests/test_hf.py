@@ -182,6 +182,20 @@ def test_missing_tokenizer_and_existing_output(tmp_path: Path, tokenizer: Loaded
     assert not (tmp_path / "hf" / "keep").exists() and (tmp_path / "hf" / "config.json").is_file()
 
 
+def test_an_export_over_its_own_checkpoint_or_save_folder_is_refused_and_deletes_nothing(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (step_dir, tmp_path / "run", tmp_path):
+        with pytest.raises(ValueError, match=rf"^--out {out} holds the checkpoint being exported .*choose another"):
+            hf.export_checkpoint(step_dir, out, overwrite=True)
+    with pytest.raises(ValueError, match="holds the checkpoint being exported"):  # a save folder: its latest
+        hf.export_checkpoint(tmp_path / "run", tmp_path / "run", overwrite=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert hf.export_checkpoint(step_dir, step_dir / "hf") == step_dir / "hf"  # inside it: nothing replaced
+
+
 def test_import_refuses_unsupported_architecture(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
