@@ -480,14 +480,19 @@ def _read_json(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def read_hf_config(hf_dir: Path, supported: Mapping[str, Any]) -> tuple[Any, Any]:
-    """(transformers config, the matching entry of `supported`) of an HF directory, or a clear error."""
+def read_hf_config(
+    hf_dir: Path, supported: Mapping[str, Any], *, elsewhere: Mapping[str, str] | None = None
+) -> tuple[Any, Any]:
+    """(transformers config, the matching entry of `supported`) of an HF directory, or a clear error; `elsewhere`
+    maps a model_type another command takes (a dense model given to import, an MoE to upcycling) to what to run."""
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory: it has no config.json")
     model_type = _read_json(hf_dir / "config.json").get("model_type", "")
     if model_type not in supported:
+        instead = (elsewhere or {}).get(model_type)
         raise ValueError(
             f"{hf_dir}: model_type {model_type!r} is not supported here; expected one of {sorted(supported)}"
+            + (f"; {instead.format(hf=hf_dir)}" if instead else "")
         )
     from transformers import AutoConfig  # optional dependency (pip install -e .[hf])
 
@@ -664,8 +669,13 @@ def import_hf(
     hf_dir: str | Path, out: str | Path, *, num_train_experts_per_node: int | None = None, overwrite: bool = False
 ) -> Path:
     """HF OLMoE / Qwen3-MoE / Mixtral directory or Hub id -> spes checkpoint step directory (bit-exact in fp32)."""
+    from spes.upcycle import DENSE_FAMILIES  # NOTE: spes.upcycle imports this module
+
     src = resolve(hf_dir, what="--hf")
-    hf_config, family = read_hf_config(src, FAMILIES)
+    upcycle = (
+        "it is a dense model: upcycle it with python -m spes.upcycle --hf {hf} --config <run.yaml> --out <dir>/step0"
+    )
+    hf_config, family = read_hf_config(src, FAMILIES, elsewhere=dict.fromkeys(DENSE_FAMILIES, upcycle))
     has_tokenizer = (src / "tokenizer.json").is_file()
     vocab = load_tokenizer(src).vocab_size if has_tokenizer else None
     model = model_config_from_hf(family, hf_config, vocab_size=vocab)

@@ -51,6 +51,7 @@ import torch
 from spes.config import ModelConfig, TrainConfig, load_config
 from spes.hf import (
     CONFIG_KEYS,
+    FAMILIES,
     QK_NORM_KEYS,
     SHARED_KEYS,
     check_hf_config,
@@ -258,7 +259,8 @@ def upcycle(
 ) -> tuple[Path, ExpertPlan]:
     """Dense HF directory (or Hub id) + spes run config -> spes checkpoint step directory `out`."""
     src = resolve(hf_dir, what="--hf")
-    hf_config, family = read_hf_config(src, DENSE_FAMILIES)
+    moe = "it is an MoE already: start a run from it with python -m spes.hf import --hf {hf} --out <dir>/step0"
+    hf_config, family = read_hf_config(src, DENSE_FAMILIES, elsewhere=dict.fromkeys(FAMILIES, moe))
     m = cfg.model
     check_dense_match(m, hf_config, family, partition=partition)
     has_tokenizer = (src / "tokenizer.json").is_file()

@@ -258,10 +258,17 @@ def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedT
     moe = save_tiny_olmoe(tmp_path / "moe")
     with pytest.raises(
         ValueError,
-        match=r"model_type 'olmoe' is not supported here; expected one of \['llama', "
-        r"'qwen3'\]",
+        match=r"model_type 'olmoe' is not supported here; expected one of \['llama', 'qwen3'\]; it is an MoE "
+        rf"already: start a run from it with python -m spes.hf import --hf {moe} --out <dir>/step0$",
     ):
         upcycle.upcycle(moe, cfg, tmp_path / "b" / "step0")
+    with pytest.raises(  # the other way round: a dense model given to the import
+        ValueError,
+        match=r"model_type 'llama' is not supported here; expected one of \['mixtral', 'olmoe', 'qwen3_moe'\]; it is "
+        rf"a dense model: upcycle it with python -m spes.upcycle --hf {tmp_path / 'biased'} --config <run.yaml>",
+    ):
+        hf.import_hf(tmp_path / "biased", tmp_path / "c" / "step0")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
 def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]) -> None:
