@@ -592,6 +592,13 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
             print(f"error: --input {pattern!r} matches no file", file=sys.stderr)
             return 2
         files.extend(matches)
+    if (Path(args.output_dir) / "tokenizer.json").exists():  # NOTE: the shards written with it would not match
+        print(
+            f"error: --output_dir {args.output_dir} already holds a tokenizer (tokenizer.json), which the shards "
+            "tokenized with it need; choose another --output_dir, or delete it first",
+            file=sys.stderr,
+        )
+        return 2
     max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
     try:
         tokenizer = train_byte_level_bpe(
