@@ -382,6 +382,12 @@ def test_list_processed_files_lists_every_token_file_training_reads_sorted(
     assert f"listed {len(expected)} shard(s)" in result.stderr and "1 without a sidecar" in result.stderr
     assert resolve_paths([str(listing)]) == sorted(Path(p) for p in expected)
     assert not os.path.exists(str(listing) + ".tmp")
+    script = str(REPO_ROOT / "data_process_scripts" / "list_processed_files.sh")
+    nowhere = tmp_path / "nodir" / "files.txt"
+    result = subprocess.run(["bash", script, str(tmp_path / "out"), str(nowhere)], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: {nowhere.parent} (the folder of {nowhere}) does not exist; create it or choose another list file\n"
+    )
 
 
 def test_globs_recurse_expand_home_match_files_only_and_drop_repeats(
