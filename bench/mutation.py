@@ -329,7 +329,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.hf.x_model_config_from_hf", "26", "bool(None) is bool(False)"),
     **mutants(
         "spes.hf.x_read_hf_config",
-        "22 24 26",
+        "30 32 34",
         "local_files_only for a local directory: transformers reads its config.json there, never the network",
     ),
     **mutants("spes.hf.x_run_config_for", "27", "TokenizerConfig() is the field's default"),
@@ -343,7 +343,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.upcycle.x_upcycle",
-        "30",
+        "40",
         "the tokenizer check's embedding size: ModelConfig refuses embedding_size < vocab_size itself",
     ),
     **mutants(
