@@ -49,7 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
-from spes.checkpoint import CONFIG_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
+from spes.checkpoint import CONFIG_FILE, LATEST, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
 from spes.hub import TOKENIZER_FILES, resolve, resolve_tokenizer
 from spes.moe import fuse_expert_blocks, split_expert_blocks
@@ -534,6 +534,18 @@ def _refuse_holding(target: Path, source: Path) -> None:
         )
 
 
+def _refuse_other_latest(out: Path) -> None:
+    """ValueError when `out`'s folder is a run's save folder whose `latest` names another checkpoint: writing `out`
+    there would make it the run's latest (a resume would start from it) and replace the run's tokenizer copy."""
+    latest = out.parent / LATEST
+    named = latest.read_text().strip() if latest.is_file() else out.name
+    if named != out.name:
+        raise ValueError(
+            f"--out {out}: {out.parent} is a run's save folder (its latest is {named}); writing there would make "
+            f"{out.name} its latest: choose a folder of its own, e.g. {out.parent / 'init' / out.name}"
+        )
+
+
 def write_step_dir(
     out: str | Path,
     state: Mapping[str, torch.Tensor],
@@ -553,6 +565,7 @@ def write_step_dir(
     if match is None:
         raise ValueError(f"--out {out} must be a checkpoint step directory named step<N>, e.g. output/<run_name>/step0")
     _refuse_existing(out, overwrite)
+    _refuse_other_latest(out)
     if tokenizer is not None:
         with staging_dir(out.parent / "tokenizer") as tmp:
             copy_tokenizer(tokenizer, tmp, vocab_size=cfg.model.vocab_size)

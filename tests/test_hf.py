@@ -196,6 +196,21 @@ def test_an_export_over_its_own_checkpoint_or_save_folder_is_refused_and_deletes
     assert hf.export_checkpoint(step_dir, step_dir / "hf") == step_dir / "hf"  # inside it: nothing replaced
 
 
+def test_an_import_into_a_runs_save_folder_is_refused_and_leaves_its_latest(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=5)
+    exported = hf.export_checkpoint(step_dir, tmp_path / "hf")
+    with pytest.raises(ValueError) as err:
+        hf.import_hf(exported, tmp_path / "run" / "step0")
+    assert str(err.value) == (
+        f"--out {tmp_path / 'run' / 'step0'}: {tmp_path / 'run'} is a run's save folder (its latest is step5); "
+        f"writing there would make step0 its latest: choose a folder of its own, e.g. {tmp_path / 'run/init/step0'}"
+    )
+    assert (tmp_path / "run" / "latest").read_text() == "step5\n" and not (tmp_path / "run" / "step0").exists()
+    assert hf.import_hf(exported, tmp_path / "run" / "step5", overwrite=True) == step_dir  # its latest, as asked
+
+
 def test_import_refuses_unsupported_architecture(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
