@@ -695,7 +695,9 @@ def import_hf(
     try:
         cfg = run_config_for(
             model,
-            num_train_experts_per_node=num_train_experts_per_node or model["moe_num_experts"],
+            num_train_experts_per_node=(
+                model["moe_num_experts"] if num_train_experts_per_node is None else num_train_experts_per_node
+            ),
             run_name=f"import-{Path(hf_dir).absolute().name}",
         )
     except ConfigError as e:  # a value spes cannot take: the spes key it becomes, and where it came from
@@ -741,12 +743,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     imp.add_argument(
         "--num_train_experts_per_node",
-        type=int,
+        type=number_flag(int, ge=1),
         help="experts per stored block: spes_config.num_train_experts_per_node of the SPES run (default: all experts "
         "in one block)",
     )
     imp.add_argument(  # former names, still accepted; one name in --help
-        "--experts_per_peer", "--block_size", dest="num_train_experts_per_node", type=int, help=argparse.SUPPRESS
+        "--experts_per_peer",
+        "--block_size",
+        dest="num_train_experts_per_node",
+        type=number_flag(int, ge=1),
+        help=argparse.SUPPRESS,
     )
     imp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return parser

@@ -276,6 +276,14 @@ def test_cli_export_from_run_dir_and_error_exit(
         argv = ["export", "--checkpoint", str(tmp_path / "run"), "--out", "x", "--max_shard_gb", size]
         rule = f"argument --max_shard_gb: {size} must be a finite number > 0"
         assert usage_error(capsys, lambda argv=argv: hf.main(argv)).endswith(f": error: {rule}")
+    exported = tmp_path / "hf"
+    for flag in ("--num_train_experts_per_node", "--experts_per_peer"):  # 0 was taken as "all in one block"
+        argv = ["import", "--hf", str(exported), "--out", str(tmp_path / "imp" / "step0"), flag, "0"]
+        line = usage_error(capsys, lambda argv=argv: hf.main(argv))
+        assert f": error: argument {flag}" in line and line.endswith(": 0 must be an integer >= 1")
+    with pytest.raises(ValueError, match=r"^--num_train_experts_per_node must be in \[1, 4\] .*got 0$"):
+        hf.import_hf(exported, tmp_path / "imp" / "step0", num_train_experts_per_node=0)
+    assert not (tmp_path / "imp").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
