@@ -337,7 +337,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.hf.xǁHFFamilyǁconfig_attr", "22", "no key: neither '' nor 'XXXX' is an attribute's name"),
     **mutants(
         "spes.upcycle.x_make_random_dense",
-        "34 41",
+        "35 42",
         "the demo model's fixed options and BOS id as the config class has them already (SiLU, no biases; Qwen3 "
         "sets no BOS, and nothing of spes reads a BOS id)",
     ),

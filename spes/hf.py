@@ -518,7 +518,8 @@ def copy_tokenizer(src: Path, dst: Path, *, vocab_size: int | None = None) -> No
         (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def _refuse_existing(target: Path, overwrite: bool) -> None:
+def refuse_existing(target: Path, overwrite: bool) -> None:
+    """FileExistsError for a non-empty `target` unless `overwrite` (--overwrite): nothing is replaced unasked."""
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(f"{target} already exists and is not empty; pass --overwrite to replace it")
 
@@ -564,7 +565,7 @@ def write_step_dir(
     match = re.fullmatch(r"step(\d+)", out.name)
     if match is None:
         raise ValueError(f"--out {out} must be a checkpoint step directory named step<N>, e.g. output/<run_name>/step0")
-    _refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite)
     _refuse_other_latest(out)
     if tokenizer is not None:
         with staging_dir(out.parent / "tokenizer") as tmp:
@@ -670,7 +671,7 @@ def export_state(
 
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    _refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite)
     with staging_dir(out) as tmp:
         copy_tokenizer(tokenizer, tmp, vocab_size=m.vocab_size)
         write_safetensors(tensors(), tmp, max_shard_bytes=max_shard_bytes, dtype=_DTYPES[dtype])
