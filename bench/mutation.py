@@ -261,10 +261,10 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
     **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
     **mutants("spes.corpus.x__encode_all", "27", "ProcessPoolExecutor.shutdown's wait defaults to True"),
-    **mutants("spes.corpus.x_tokenize_chunks", "40 43", "tqdm's file=None is sys.stderr, read when the bar is made"),
+    **mutants("spes.corpus.x_tokenize_chunks", "48 51", "tqdm's file=None is sys.stderr, read when the bar is made"),
     **mutants(
         "spes.corpus.x_tokenize_chunks",
-        "84 87 88",
+        "92 95 96",
         "the bar redrawn at each chunk's postfix (refresh=None is False): the same lines, only drawn more often than "
         "tqdm's own clock draws them",
     ),

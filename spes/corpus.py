@@ -401,6 +401,11 @@ def tokenize_chunks(
     if processes < 1:
         raise ValueError(f"--processes must be >= 1, got {processes}")
     prefix = Path(output_prefix)
+    if str(output_prefix).endswith(("/", os.sep)) or prefix.is_dir():  # NOTE: Path drops a trailing separator
+        raise ValueError(
+            f"--output_prefix {output_prefix} names a directory, not a file-name prefix (the shards would be "
+            f"{prefix.name}_00000.npy, ... beside it); give a prefix inside it, e.g. {prefix / 'part'}"
+        )
     leftovers = existing_outputs(prefix)
     if leftovers:
         raise FileExistsError(

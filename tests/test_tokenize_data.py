@@ -172,6 +172,21 @@ def test_existing_output_is_never_overwritten(tokenizer: LoadedTokenizer, tmp_pa
     )
 
 
+def test_a_directory_given_as_the_output_prefix_is_refused(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
+    """`--output_prefix tokens/` wrote tokens_00000.npy beside tokens/ and said it wrote tokens/_*.npy."""
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    (tmp_path / "made").mkdir()
+    for given in (f"{tmp_path / 'tokens'}/", str(tmp_path / "made")):
+        name = Path(given).name
+        with pytest.raises(ValueError) as refused:
+            _tokenize([path], tokenizer, given)  # type: ignore[arg-type]
+        assert str(refused.value) == (
+            f"--output_prefix {given} names a directory, not a file-name prefix (the shards would be {name}_00000.npy, "
+            f"... beside it); give a prefix inside it, e.g. {tmp_path / name / 'part'}"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "made"]
+
+
 def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     files = [write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 4)]
 
