@@ -180,7 +180,7 @@ def _trainer_state(cfg: TrainConfig, ckpt: Checkpoint, continuing: bool, log: Ca
     return state
 
 
-def check_shard_vocab(dataset: TokenSequenceDataset, vocab_size: int) -> None:
+def check_shard_vocab(dataset: TokenSequenceDataset, vocab_size: int, key: str = "data.paths") -> None:
     """Refuse shards written for another vocabulary than the tokenizer's (another tokenizer: its ids mean other text,
     and a larger one's would crash mid-step), naming the first; preflight refuses the same."""
     for path, info in zip(dataset.paths, dataset.shard_infos):
@@ -188,7 +188,7 @@ def check_shard_vocab(dataset: TokenSequenceDataset, vocab_size: int) -> None:
             raise ValueError(
                 f"token shard {path} was written with a vocabulary of {info.vocab_size} but the tokenizer has "
                 f"{vocab_size} (model.vocab_size); re-tokenize it with tokenizer.identifier's tokenizer or drop it "
-                f"from data.paths"
+                f"from {key}"
             )
 
 
@@ -428,6 +428,8 @@ def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None
     if not cfg.data.validation_paths or not cfg.eval_interval:
         return None
     dataset = _dataset(cfg, "validation_paths")
+    check_shard_vocab(dataset, cfg.model.vocab_size, "data.validation_paths")  # its loss would be of other text
+    check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
     if len(dataset) == 0:  # NOTE: else every evaluation reports a loss of 0 over no tokens
         raise ValueError(
             f"data.validation_paths hold no sequence of {dataset.seq_len} tokens: add validation data, or set "

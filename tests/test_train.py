@@ -115,6 +115,13 @@ def test_a_shard_of_a_smaller_vocabulary_is_refused_as_preflight_refuses_it(
     captured = capsys.readouterr()
     last = assert_one_line(code, captured.out + captured.err, "small.npy", "vocabulary of 300", "has 4096")
     assert "tokenizer.identifier" in last and "parameters" not in captured.out
+    data = tiny_corpus.overrides(tmp_path / "out")[:2]
+    valid = ["--eval_interval=1", f"--data.validation_paths=[{shard}]", f"--save_folder={tmp_path / 'out'}"]
+    code = main([TINY, *data, *FAST, *valid])  # held-out shards too: the validation loss would be of other text
+    captured = capsys.readouterr()
+    assert assert_one_line(code, captured.out + captured.err, "small.npy", "vocabulary of 300").endswith(
+        "or drop it from data.validation_paths"
+    )
 
 
 @pytest.mark.timeout(120)
