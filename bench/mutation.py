@@ -263,10 +263,10 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
     **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
     **mutants("spes.corpus.x__encode_all", "27", "ProcessPoolExecutor.shutdown's wait defaults to True"),
-    **mutants("spes.corpus.x_tokenize_chunks", "40 43", "tqdm's file=None is sys.stderr, read when the bar is made"),
+    **mutants("spes.corpus.x_tokenize_chunks", "48 51", "tqdm's file=None is sys.stderr, read when the bar is made"),
     **mutants(
         "spes.corpus.x_tokenize_chunks",
-        "84 87 88",
+        "92 95 96",
         "the bar redrawn at each chunk's postfix (refresh=None is False): the same lines, only drawn more often than "
         "tqdm's own clock draws them",
     ),
@@ -338,7 +338,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.hf.x_model_config_from_hf", "26", "bool(None) is bool(False)"),
     **mutants(
         "spes.hf.x_read_hf_config",
-        "22 24 26",
+        "30 32 34",
         "local_files_only for a local directory: transformers reads its config.json there, never the network",
     ),
     **mutants("spes.hf.x_run_config_for", "27", "TokenizerConfig() is the field's default"),
@@ -346,13 +346,13 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.hf.xǁHFFamilyǁconfig_attr", "22", "no key: neither '' nor 'XXXX' is an attribute's name"),
     **mutants(
         "spes.upcycle.x_make_random_dense",
-        "34 41",
+        "35 42",
         "the demo model's fixed options and BOS id as the config class has them already (SiLU, no biases; Qwen3 "
         "sets no BOS, and nothing of spes reads a BOS id)",
     ),
     **mutants(
         "spes.upcycle.x_upcycle",
-        "30",
+        "40",
         "the tokenizer check's embedding size: ModelConfig refuses embedding_size < vocab_size itself",
     ),
     **mutants(

@@ -20,6 +20,10 @@ if [[ ! -d "$dir" ]]; then
   echo "error: $dir is not a directory" >&2
   exit 2
 fi
+if [[ ! -d "$(dirname "$out")" ]]; then
+  echo "error: $(dirname "$out") (the folder of $out) does not exist; create it or choose another list file" >&2
+  exit 2
+fi
 
 tmp=$(mktemp "$(dirname "$out")/.$(basename "$out").XXXXXX")
 trap 'rm -f "$tmp"' EXIT

@@ -401,6 +401,11 @@ def tokenize_chunks(
     if processes < 1:
         raise ValueError(f"--processes must be >= 1, got {processes}")
     prefix = Path(output_prefix)
+    if str(output_prefix).endswith(("/", os.sep)) or prefix.is_dir():  # NOTE: Path drops a trailing separator
+        raise ValueError(
+            f"--output_prefix {output_prefix} names a directory, not a file-name prefix (the shards would be "
+            f"{prefix.name}_00000.npy, ... beside it); give a prefix inside it, e.g. {prefix / 'part'}"
+        )
     leftovers = existing_outputs(prefix)
     if leftovers:
         raise FileExistsError(
@@ -592,6 +597,13 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
             print(f"error: --input {pattern!r} matches no file", file=sys.stderr)
             return 2
         files.extend(matches)
+    if (Path(args.output_dir) / "tokenizer.json").exists():  # NOTE: the shards written with it would not match
+        print(
+            f"error: --output_dir {args.output_dir} already holds a tokenizer (tokenizer.json), which the shards "
+            "tokenized with it need; choose another --output_dir, or delete it first",
+            file=sys.stderr,
+        )
+        return 2
     max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
     try:
         tokenizer = train_byte_level_bpe(

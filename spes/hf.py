@@ -49,7 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
-from spes.checkpoint import CONFIG_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
+from spes.checkpoint import CONFIG_FILE, LATEST, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
 from spes.hub import TOKENIZER_FILES, resolve, resolve_tokenizer
 from spes.moe import fuse_expert_blocks, split_expert_blocks
@@ -480,14 +480,19 @@ def _read_json(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def read_hf_config(hf_dir: Path, supported: Mapping[str, Any]) -> tuple[Any, Any]:
-    """(transformers config, the matching entry of `supported`) of an HF directory, or a clear error."""
+def read_hf_config(
+    hf_dir: Path, supported: Mapping[str, Any], *, elsewhere: Mapping[str, str] | None = None
+) -> tuple[Any, Any]:
+    """(transformers config, the matching entry of `supported`) of an HF directory, or a clear error; `elsewhere`
+    maps a model_type another command takes (a dense model given to import, an MoE to upcycling) to what to run."""
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory: it has no config.json")
     model_type = _read_json(hf_dir / "config.json").get("model_type", "")
     if model_type not in supported:
+        instead = (elsewhere or {}).get(model_type)
         raise ValueError(
             f"{hf_dir}: model_type {model_type!r} is not supported here; expected one of {sorted(supported)}"
+            + (f"; {instead.format(hf=hf_dir)}" if instead else "")
         )
     from transformers import AutoConfig  # optional dependency (pip install -e .[hf])
 
@@ -513,9 +518,33 @@ def copy_tokenizer(src: Path, dst: Path, *, vocab_size: int | None = None) -> No
         (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def _refuse_existing(target: Path, overwrite: bool) -> None:
+def refuse_existing(target: Path, overwrite: bool) -> None:
+    """FileExistsError for a non-empty `target` unless `overwrite` (--overwrite): nothing is replaced unasked."""
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise FileExistsError(f"{target} already exists and is not empty; pass --overwrite to replace it")
+
+
+def _refuse_holding(target: Path, source: Path) -> None:
+    """ValueError when `target` is `source` or a folder above it: --overwrite replaces `target` whole, so the export
+    would delete the checkpoint it reads (or its whole save folder)."""
+    target, source = Path(target).resolve(), Path(source).resolve()
+    if target == source or target in source.parents:
+        raise ValueError(
+            f"--out {target} holds the checkpoint being exported ({source}): writing there would delete it; "
+            f"choose another --out, e.g. {source.parent / 'hf' / source.name}"
+        )
+
+
+def _refuse_other_latest(out: Path) -> None:
+    """ValueError when `out`'s folder is a run's save folder whose `latest` names another checkpoint: writing `out`
+    there would make it the run's latest (a resume would start from it) and replace the run's tokenizer copy."""
+    latest = out.parent / LATEST
+    named = latest.read_text().strip() if latest.is_file() else out.name
+    if named != out.name:
+        raise ValueError(
+            f"--out {out}: {out.parent} is a run's save folder (its latest is {named}); writing there would make "
+            f"{out.name} its latest: choose a folder of its own, e.g. {out.parent / 'init' / out.name}"
+        )
 
 
 def write_step_dir(
@@ -536,7 +565,8 @@ def write_step_dir(
     match = re.fullmatch(r"step(\d+)", out.name)
     if match is None:
         raise ValueError(f"--out {out} must be a checkpoint step directory named step<N>, e.g. output/<run_name>/step0")
-    _refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite)
+    _refuse_other_latest(out)
     if tokenizer is not None:
         with staging_dir(out.parent / "tokenizer") as tmp:
             copy_tokenizer(tokenizer, tmp, vocab_size=cfg.model.vocab_size)
@@ -593,6 +623,7 @@ def export_checkpoint(
 ) -> Path:
     """spes checkpoint (a step directory, or a save folder meaning its latest) -> HF model directory."""
     step = resolve_checkpoint(step_dir)
+    _refuse_holding(Path(out_dir), step)
     cfg = load_step_config(step)
     choose_family(cfg.model)  # refuse an unexportable model before reading any weights
     try:
@@ -640,7 +671,7 @@ def export_state(
 
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    _refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite)
     with staging_dir(out) as tmp:
         copy_tokenizer(tokenizer, tmp, vocab_size=m.vocab_size)
         write_safetensors(tensors(), tmp, max_shard_bytes=max_shard_bytes, dtype=_DTYPES[dtype])
@@ -652,15 +683,22 @@ def import_hf(
     hf_dir: str | Path, out: str | Path, *, num_train_experts_per_node: int | None = None, overwrite: bool = False
 ) -> Path:
     """HF OLMoE / Qwen3-MoE / Mixtral directory or Hub id -> spes checkpoint step directory (bit-exact in fp32)."""
+    from spes.upcycle import DENSE_FAMILIES  # NOTE: spes.upcycle imports this module
+
     src = resolve(hf_dir, what="--hf")
-    hf_config, family = read_hf_config(src, FAMILIES)
+    upcycle = (
+        "it is a dense model: upcycle it with python -m spes.upcycle --hf {hf} --config <run.yaml> --out <dir>/step0"
+    )
+    hf_config, family = read_hf_config(src, FAMILIES, elsewhere=dict.fromkeys(DENSE_FAMILIES, upcycle))
     has_tokenizer = (src / "tokenizer.json").is_file()
     vocab = load_tokenizer(src).vocab_size if has_tokenizer else None
     model = model_config_from_hf(family, hf_config, vocab_size=vocab)
     try:
         cfg = run_config_for(
             model,
-            num_train_experts_per_node=num_train_experts_per_node or model["moe_num_experts"],
+            num_train_experts_per_node=(
+                model["moe_num_experts"] if num_train_experts_per_node is None else num_train_experts_per_node
+            ),
             run_name=f"import-{Path(hf_dir).absolute().name}",
         )
     except ConfigError as e:  # a value spes cannot take: the spes key it becomes, and where it came from
@@ -706,12 +744,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     imp.add_argument(
         "--num_train_experts_per_node",
-        type=int,
+        type=number_flag(int, ge=1),
         help="experts per stored block: spes_config.num_train_experts_per_node of the SPES run (default: all experts "
         "in one block)",
     )
     imp.add_argument(  # former names, still accepted; one name in --help
-        "--experts_per_peer", "--block_size", dest="num_train_experts_per_node", type=int, help=argparse.SUPPRESS
+        "--experts_per_peer",
+        "--block_size",
+        dest="num_train_experts_per_node",
+        type=number_flag(int, ge=1),
+        help=argparse.SUPPRESS,
     )
     imp.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     return parser

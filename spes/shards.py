@@ -130,7 +130,7 @@ def open_token_array(shard: Shard, memmap_dtype: str | None = None) -> np.ndarra
 def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int, head: bytes) -> np.dtype:
     """The dtype a headerless token file of `size` bytes starting with `head` is read as; ValueError unless it
     divides the file, or when uint16 (the default, or named: configs/tiny.yaml names it) would read uint32 ids
-    (`_looks_uint32`)."""
+    (`_looks_uint32`), or uint32 would read uint16 ones (`_looks_uint16`)."""
     dtype = np.dtype(memmap_dtype or DEFAULT_MEMMAP_DTYPE)
     if dtype.name not in MEMMAP_DTYPES:
         raise ValueError(f"data.memmap_dtype={memmap_dtype!r} is not a token dtype; use one of {list(MEMMAP_DTYPES)}")
@@ -146,11 +146,27 @@ def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int, head: b
             f"(every second 16-bit half is below {_UINT32_HIGH_HALF}) but is read as uint16 (data.memmap_dtype"
             f"{named}); set data.memmap_dtype=uint32"
         )
+    if dtype == np.uint32 and _looks_uint16(head):
+        raise ValueError(
+            f"headerless token file {shard} holds uint16 token ids by the look of its first {len(head):,} bytes "
+            f"(read as uint32, most of its ids pass {NO_VOCABULARY:,}) but data.memmap_dtype is uint32; set "
+            f"data.memmap_dtype=uint16"
+        )
     return dtype
 
 
 _UINT32_HIGH_HALF = 4
 """uint32 token ids below 4 * 65,536 (any tokenizer's: Qwen's 151,665) have a high 16-bit half below this."""
+NO_VOCABULARY = 2**24
+"""A token id no tokenizer reaches: a uint16 file read as uint32 pairs its ids into values past it."""
+
+
+def _looks_uint16(head: bytes) -> bool:
+    """Whether `head`, read as little-endian uint32 ids, is two uint16 ids at a time (OLMo's default files, read with
+    data.memmap_dtype=uint32): most of its values, over at least 32, pass NO_VOCABULARY (their high half, an id,
+    is 256 or more)."""
+    ids = np.frombuffer(head[: len(head) // 4 * 4], dtype="<u4")
+    return len(ids) >= 32 and int((ids >= NO_VOCABULARY).sum()) * 2 > len(ids)
 
 
 def _looks_uint32(head: bytes) -> bool:

@@ -198,14 +198,15 @@ def _trainer_state(cfg: TrainConfig, ckpt: Checkpoint, continuing: bool, log: Ca
     return state
 
 
-def check_shard_vocab(dataset: TokenSequenceDataset, embedding_size: int) -> None:
-    """Refuse shards whose token ids may exceed the embedding (they would crash mid-step), naming the first."""
+def check_shard_vocab(dataset: TokenSequenceDataset, vocab_size: int, key: str = "data.paths") -> None:
+    """Refuse shards written for another vocabulary than the tokenizer's (another tokenizer: its ids mean other text,
+    and a larger one's would crash mid-step), naming the first; preflight refuses the same."""
     for path, info in zip(dataset.paths, dataset.shard_infos):
-        if info is not None and info.vocab_size > embedding_size:  # NOTE: a bare OLMo file records none
+        if info is not None and info.vocab_size != vocab_size:  # NOTE: a bare OLMo file records none
             raise ValueError(
-                f"token shard {path} was written with a vocabulary of {info.vocab_size} but the model "
-                f"embeds only {embedding_size} ids (model.embedding_size); re-tokenize it with "
-                f"tokenizer.identifier's tokenizer or drop it from data.paths"
+                f"token shard {path} was written with a vocabulary of {info.vocab_size} but the tokenizer has "
+                f"{vocab_size} (model.vocab_size); re-tokenize it with tokenizer.identifier's tokenizer or drop it "
+                f"from {key}"
             )
 
 
@@ -229,8 +230,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     tokenizer = load_tokenizer(cfg.tokenizer.identifier)
     check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
     dataset = _dataset(cfg, "paths")
-    assert cfg.model.embedding_size is not None  # set from vocab_size in ModelConfig.__post_init__
-    check_shard_vocab(dataset, cfg.model.embedding_size)
+    check_shard_vocab(dataset, tokenizer.vocab_size)
     check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
     if dataset.fingerprint is not None and dataset.fingerprint != tokenizer.fingerprint:
         log(
@@ -447,6 +447,8 @@ def _validation(cfg: TrainConfig) -> Callable[[], Iterator[torch.Tensor]] | None
     if not cfg.data.validation_paths or not cfg.eval_interval:
         return None
     dataset = _dataset(cfg, "validation_paths")
+    check_shard_vocab(dataset, cfg.model.vocab_size, "data.validation_paths")  # its loss would be of other text
+    check_eos(dataset.paths, dataset.shard_infos, cfg.model.eos_token_id)
     if len(dataset) == 0:  # NOTE: else every evaluation reports a loss of 0 over no tokens
         raise ValueError(
             f"data.validation_paths hold no sequence of {dataset.seq_len} tokens: add validation data, or set "

@@ -48,9 +48,11 @@ from typing import Any, Literal
 
 import torch
 
+from spes.atomic import staging_dir
 from spes.config import ModelConfig, TrainConfig, load_config
 from spes.hf import (
     CONFIG_KEYS,
+    FAMILIES,
     QK_NORM_KEYS,
     SHARED_KEYS,
     check_hf_config,
@@ -58,6 +60,7 @@ from spes.hf import (
     hf_to_spes,
     read_hf_config,
     read_hf_weights,
+    refuse_existing,
     write_step_dir,
 )
 from spes.hub import resolve
@@ -220,8 +223,10 @@ def make_random_dense(
     partition: bool = False,
     tokenizer: Path | None = None,
     seed: int = 0,
+    overwrite: bool = False,
 ) -> Path:
-    """Write a randomly initialized dense HF model that `m` can upcycle (demos and tests; no download needed)."""
+    """Write a randomly initialized dense HF model that `m` can upcycle (demos and tests; no download needed); `out`
+    is --hf, elsewhere the model read, so a directory holding one is replaced only when asked."""
     import transformers  # optional dependency (pip install -e .[hf])
 
     family = DENSE_FAMILIES[model_type]
@@ -241,9 +246,11 @@ def make_random_dense(
     torch.manual_seed(seed)
     model = getattr(transformers, family.architecture)(config)
     path = Path(out)
-    model.save_pretrained(str(path))
-    if tokenizer is not None:
-        copy_tokenizer(tokenizer, path, vocab_size=m.vocab_size)
+    refuse_existing(path, overwrite)
+    with staging_dir(path) as tmp:
+        model.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, tmp, vocab_size=m.vocab_size)
     return path
 
 
@@ -258,7 +265,8 @@ def upcycle(
 ) -> tuple[Path, ExpertPlan]:
     """Dense HF directory (or Hub id) + spes run config -> spes checkpoint step directory `out`."""
     src = resolve(hf_dir, what="--hf")
-    hf_config, family = read_hf_config(src, DENSE_FAMILIES)
+    moe = "it is an MoE already: start a run from it with python -m spes.hf import --hf {hf} --out <dir>/step0"
+    hf_config, family = read_hf_config(src, DENSE_FAMILIES, elsewhere=dict.fromkeys(FAMILIES, moe))
     m = cfg.model
     check_dense_match(m, hf_config, family, partition=partition)
     has_tokenizer = (src / "tokenizer.json").is_file()
@@ -303,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="router init std, overriding the automatic choice (see above); 0 = all zeros, the exact "
         "start of the copy modes without sum-to-one top-k weights (experts then stay tied)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace --out (with --make_random_dense: --hf) if it exists"
+    )
     parser.add_argument(
         "--make_random_dense",
         choices=sorted(DENSE_FAMILIES),
@@ -327,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                     partition=args.partition,
                     tokenizer=tokenizer if tokenizer.exists() else None,
                     seed=cfg.seed,
+                    overwrite=args.overwrite,
                 )
             )
             return 0

@@ -182,6 +182,35 @@ def test_missing_tokenizer_and_existing_output(tmp_path: Path, tokenizer: Loaded
     assert not (tmp_path / "hf" / "keep").exists() and (tmp_path / "hf" / "config.json").is_file()
 
 
+def test_an_export_over_its_own_checkpoint_or_save_folder_is_refused_and_deletes_nothing(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (step_dir, tmp_path / "run", tmp_path):
+        with pytest.raises(ValueError, match=rf"^--out {out} holds the checkpoint being exported .*choose another"):
+            hf.export_checkpoint(step_dir, out, overwrite=True)
+    with pytest.raises(ValueError, match="holds the checkpoint being exported"):  # a save folder: its latest
+        hf.export_checkpoint(tmp_path / "run", tmp_path / "run", overwrite=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert hf.export_checkpoint(step_dir, step_dir / "hf") == step_dir / "hf"  # inside it: nothing replaced
+
+
+def test_an_import_into_a_runs_save_folder_is_refused_and_leaves_its_latest(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=5)
+    exported = hf.export_checkpoint(step_dir, tmp_path / "hf")
+    with pytest.raises(ValueError) as err:
+        hf.import_hf(exported, tmp_path / "run" / "step0")
+    assert str(err.value) == (
+        f"--out {tmp_path / 'run' / 'step0'}: {tmp_path / 'run'} is a run's save folder (its latest is step5); "
+        f"writing there would make step0 its latest: choose a folder of its own, e.g. {tmp_path / 'run/init/step0'}"
+    )
+    assert (tmp_path / "run" / "latest").read_text() == "step5\n" and not (tmp_path / "run" / "step0").exists()
+    assert hf.import_hf(exported, tmp_path / "run" / "step5", overwrite=True) == step_dir  # its latest, as asked
+
+
 def test_import_refuses_unsupported_architecture(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
@@ -247,6 +276,14 @@ def test_cli_export_from_run_dir_and_error_exit(
         argv = ["export", "--checkpoint", str(tmp_path / "run"), "--out", "x", "--max_shard_gb", size]
         rule = f"argument --max_shard_gb: {size} must be a finite number > 0"
         assert usage_error(capsys, lambda argv=argv: hf.main(argv)).endswith(f": error: {rule}")
+    exported = tmp_path / "hf"
+    for flag in ("--num_train_experts_per_node", "--experts_per_peer"):  # 0 was taken as "all in one block"
+        argv = ["import", "--hf", str(exported), "--out", str(tmp_path / "imp" / "step0"), flag, "0"]
+        line = usage_error(capsys, lambda argv=argv: hf.main(argv))
+        assert f": error: argument {flag}" in line and line.endswith(": 0 must be an integer >= 1")
+    with pytest.raises(ValueError, match=r"^--num_train_experts_per_node must be in \[1, 4\] .*got 0$"):
+        hf.import_hf(exported, tmp_path / "imp" / "step0", num_train_experts_per_node=0)
+    assert not (tmp_path / "imp").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

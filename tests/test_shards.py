@@ -129,6 +129,25 @@ def test_uint32_ids_above_65535_or_read_as_a_named_uint16_are_refused_too(tmp_pa
     assert len(open_token_array(flat, "uint16")) == 128
 
 
+def test_uint16_ids_read_as_uint32_are_refused_at_open(tmp_path: Path) -> None:
+    """OLMo's default files are uint16; told uint32, each pair of ids read as one would fail only mid-run, blamed on
+    another tokenizer."""
+    flat = tmp_path / "flat.npy"
+    tokens = np.arange(64, dtype=np.uint16) + 300
+    tokens.tofile(flat)
+    with pytest.raises(ValueError) as err:
+        open_token_array(flat, "uint32")
+    assert str(err.value) == (
+        f"headerless token file {flat} holds uint16 token ids by the look of its first 128 bytes (read as uint32, "
+        "most of its ids pass 16,777,216) but data.memmap_dtype is uint32; set data.memmap_dtype=uint16"
+    )
+    assert open_token_array(flat).tolist() == tokens.tolist()
+    (np.arange(64, dtype=np.uint32) + 200_000).tofile(flat)  # uint32 ids of a large vocabulary: taken
+    assert open_token_array(flat, "uint32").tolist() == list(range(200_000, 200_064))
+    (np.arange(64, dtype=np.uint16) % 200).tofile(flat)  # ids below 256 pair into small values: nothing to tell by
+    assert len(open_token_array(flat, "uint32")) == 32
+
+
 def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: list[Path], tmp_path: Path) -> None:
     listing = tmp_path / "lists" / "files.txt"
     listing.parent.mkdir()

@@ -125,6 +125,28 @@ def test_every_written_command_is_exercised() -> None:
     assert of_kind("run_parameter_server.sh") and of_kind("run_single_node.sh") and of_kind("-m spes.launch ")
 
 
+def test_the_readmes_python_commands_run_the_interpreter_the_quickstart_installs() -> None:
+    """run_scripts/setup.sh installs spes and torch into .venv and nothing says to activate it: a bare `python`
+    (the system's) ends in `No module named 'spes'` (or 'torch')."""
+    bare = [c for where, c in COMMANDS if where == "README.md" and re.match(r"(\S+=\S+\s+)*python3?\s", c)]
+    assert not bare, "README commands of a bare python:\n" + "\n".join(bare)
+
+
+def test_written_node_commands_that_name_a_secure_server_carry_its_credentials() -> None:
+    """A node command that names the server of a multi-node run (token and TLS on, as its server command is written)
+    names the token and the CA too: copied as written, a preflight without them fails to connect. (The tests below
+    append the credentials to every node command, so they cannot see one left out.)"""
+    bare = [
+        f"{where}: {command}"
+        for where, command in COMMANDS
+        if kind(command) == "run_single_node.sh"
+        and "--spes_config.server_addr=" in command
+        and secure(config_of(node_command(command)))
+        and not all(f"--spes_config.{key}=" in command for key in ("token_file", "tls_ca"))
+    ]
+    assert not bare, "node commands without the token or the CA of their server:\n" + "\n".join(bare)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Running them
 

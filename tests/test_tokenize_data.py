@@ -172,6 +172,21 @@ def test_existing_output_is_never_overwritten(tokenizer: LoadedTokenizer, tmp_pa
     )
 
 
+def test_a_directory_given_as_the_output_prefix_is_refused(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
+    """`--output_prefix tokens/` wrote tokens_00000.npy beside tokens/ and said it wrote tokens/_*.npy."""
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    (tmp_path / "made").mkdir()
+    for given in (f"{tmp_path / 'tokens'}/", str(tmp_path / "made")):
+        name = Path(given).name
+        with pytest.raises(ValueError) as refused:
+            _tokenize([path], tokenizer, given)  # type: ignore[arg-type]
+        assert str(refused.value) == (
+            f"--output_prefix {given} names a directory, not a file-name prefix (the shards would be {name}_00000.npy, "
+            f"... beside it); give a prefix inside it, e.g. {tmp_path / name / 'part'}"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "made"]
+
+
 def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     files = [write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 4)]
 
@@ -382,6 +397,12 @@ def test_list_processed_files_lists_every_token_file_training_reads_sorted(
     assert f"listed {len(expected)} shard(s)" in result.stderr and "1 without a sidecar" in result.stderr
     assert resolve_paths([str(listing)]) == sorted(Path(p) for p in expected)
     assert not os.path.exists(str(listing) + ".tmp")
+    script = str(REPO_ROOT / "data_process_scripts" / "list_processed_files.sh")
+    nowhere = tmp_path / "nodir" / "files.txt"
+    result = subprocess.run(["bash", script, str(tmp_path / "out"), str(nowhere)], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr == (
+        f"error: {nowhere.parent} (the folder of {nowhere}) does not exist; create it or choose another list file\n"
+    )
 
 
 def test_globs_recurse_expand_home_match_files_only_and_drop_repeats(

@@ -181,10 +181,19 @@ def test_train_tokenizer_reads_the_text_field_says_what_it_trained_and_notes_a_v
         f"trained a byte-level BPE of 300 tokens on 1 file(s); saved to {out} (eos id 0, pad id 1, fingerprint "
         f"{loaded.fingerprint[:12]})\n"
     )
+    tokenizer_json = (out / "tokenizer.json").read_bytes()
+    assert corpus.train_tokenizer_main([*argv, "--text_field", "body"]) == 2  # a tokenizer there: kept
+    assert capsys.readouterr().err == (
+        f"error: --output_dir {out} already holds a tokenizer (tokenizer.json), which the shards tokenized with it "
+        "need; choose another --output_dir, or delete it first\n"
+    )
+    assert (out / "tokenizer.json").read_bytes() == tokenizer_json
+    argv[3] = str(tmp_path / "tok2")
     assert corpus.train_tokenizer_main([*argv, "--text_field", "body", "--min_frequency", str(10**9)]) == 0
     assert capsys.readouterr().out.splitlines()[1] == (
         "note: fewer tokens than --vocab_size 300: the text has too few distinct pairs; set model.vocab_size=258"
     )
+    argv[3] = str(tmp_path / "tok3")
     assert corpus.train_tokenizer_main([*argv[:-1], "10"]) == 2
     assert capsys.readouterr().err.startswith("error: vocab_size=10 is too small: ")
 

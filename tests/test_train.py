@@ -99,7 +99,7 @@ def _config_cases(tmp_path: Path, corpus) -> list[tuple[list[str], tuple[str, ..
             ("data.validation_paths: data path 'nope.npy' does not exist",),
         ),
         ([TINY, *data, *FAST, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("no_tokenizer",)),
-        ([TINY, *data, *FAST, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.embedding_size")),
+        ([TINY, *data, *FAST, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.vocab_size")),
         ([TINY, *data, *FAST, f"--data.paths=[{other_eos}]"], ("eos.npy", "token 7", "model.eos_token_id=7")),
         ([TINY, *data, *FAST, "--resume"], ("nothing to resume", "holds no checkpoint yet", "--resume=auto")),
     ]
@@ -121,6 +121,26 @@ def test_config_data_and_tokenizer_failures_are_one_line(
             out = captured.out + captured.err  # the error line goes to stderr, so it comes last
         assert_one_line(code, out, *expected)
         assert "parameters" not in out, "the model was built before the data was checked"
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_of_a_smaller_vocabulary_is_refused_as_preflight_refuses_it(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its ids fit the embedding, so only its sidecar tells it came from another tokenizer: it was a warning, and
+    the node trained on text its tokenizer reads as other words."""
+    shard = write_token_shard(tmp_path / "small.npy", np.arange(4096, dtype=np.uint16) % 300, vocab_size=300)
+    code = main([TINY, *tiny_corpus.overrides(tmp_path / "out"), *FAST, f"--data.paths=[{shard}]"])
+    captured = capsys.readouterr()
+    last = assert_one_line(code, captured.out + captured.err, "small.npy", "vocabulary of 300", "has 4096")
+    assert "tokenizer.identifier" in last and "parameters" not in captured.out
+    data = tiny_corpus.overrides(tmp_path / "out")[:2]
+    valid = ["--eval_interval=1", f"--data.validation_paths=[{shard}]", f"--save_folder={tmp_path / 'out'}"]
+    code = main([TINY, *data, *FAST, *valid])  # held-out shards too: the validation loss would be of other text
+    captured = capsys.readouterr()
+    assert assert_one_line(code, captured.out + captured.err, "small.npy", "vocabulary of 300").endswith(
+        "or drop it from data.validation_paths"
+    )
 
 
 @pytest.mark.timeout(120)

@@ -258,10 +258,17 @@ def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedT
     moe = save_tiny_olmoe(tmp_path / "moe")
     with pytest.raises(
         ValueError,
-        match=r"model_type 'olmoe' is not supported here; expected one of \['llama', "
-        r"'qwen3'\]",
+        match=r"model_type 'olmoe' is not supported here; expected one of \['llama', 'qwen3'\]; it is an MoE "
+        rf"already: start a run from it with python -m spes.hf import --hf {moe} --out <dir>/step0$",
     ):
         upcycle.upcycle(moe, cfg, tmp_path / "b" / "step0")
+    with pytest.raises(  # the other way round: a dense model given to the import
+        ValueError,
+        match=r"model_type 'llama' is not supported here; expected one of \['mixtral', 'olmoe', 'qwen3_moe'\]; it is "
+        rf"a dense model: upcycle it with python -m spes.upcycle --hf {tmp_path / 'biased'} --config <run.yaml>",
+    ):
+        hf.import_hf(tmp_path / "biased", tmp_path / "c" / "step0")
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
 def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]) -> None:
@@ -469,7 +476,7 @@ def test_the_command_line_prints_the_plan_and_warns_of_tied_experts(
         "--partition": "split the dense intermediate dim across experts instead of copying it into each",
         "--router_std ROUTER_STD": "router init std, overriding the automatic choice (see above); 0 = all zeros, the "
         "exact start of the copy modes without sum-to-one top-k weights (experts then stay tied)",
-        "--overwrite": "replace --out if it exists",
+        "--overwrite": "replace --out (with --make_random_dense: --hf) if it exists",
         "--make_random_dense {llama,qwen3}": "demo/testing only: write a random dense model of this type that "
         "--config can upcycle to --hf (with the config's tokenizer when it exists), then exit",
     }.items():
@@ -487,8 +494,27 @@ def test_the_random_dense_model_is_made_as_the_command_line_asks(
     assert upcycle.main([*argv, *overrides[1:], f"--tokenizer.identifier={tmp_path / 'none'}"]) == 0
     (model, out), kwargs = made[0]
     assert isinstance(model, ModelConfig) and model.d_model == 64 and out == "d"
-    assert kwargs == dict(model_type="llama", partition=True, tokenizer=tokenizer.path.parent, seed=7)
+    assert kwargs == dict(model_type="llama", partition=True, tokenizer=tokenizer.path.parent, seed=7, overwrite=False)
     assert made[1][1]["tokenizer"] is None  # the config's tokenizer does not exist: the model comes without one
+
+
+def test_a_random_dense_model_replaces_a_model_at_hf_only_when_asked(
+    tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--hf names the model read everywhere else: --make_random_dense added to a real model's command would have
+    written random weights over it."""
+    argv = ["--config", UPCYCLE_TINY, "--hf", str(tmp_path / "dense"), *tokenizer_overrides(tokenizer)]
+    assert upcycle.main([*argv, "--make_random_dense", "qwen3"]) == 0
+    weights = (tmp_path / "dense" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert upcycle.main([*argv, "--make_random_dense", "qwen3", "--seed=1"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'dense'} already exists and is not empty; pass --overwrite to replace it\n"
+    )
+    assert (tmp_path / "dense" / "model.safetensors").read_bytes() == weights
+    assert upcycle.main([*argv, "--make_random_dense", "qwen3", "--seed=1", "--overwrite"]) == 0
+    assert (tmp_path / "dense" / "model.safetensors").read_bytes() != weights
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]  # no staging directory left
 
 
 def test_refusals_name_the_dense_config_they_read(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:

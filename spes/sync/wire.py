@@ -89,9 +89,12 @@ def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
 
 
 def read_file(path: str, what: str) -> bytes:
-    """The bytes of a certificate, key or secret file; FileNotFoundError naming the flag or key `what`."""
+    """The bytes of a certificate, key or secret file; FileNotFoundError naming the flag or key `what` and, for a
+    relative path, the directory it was looked for in (run_single_node.sh runs from the repository, not the caller's
+    directory)."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"{what} {path!r}: file not found")
+        where = "" if Path(path).is_absolute() else f" in {Path.cwd()} (give an absolute path)"
+        raise FileNotFoundError(f"{what} {path!r}: file not found{where}")
     return Path(path).read_bytes()
 
 

@@ -318,7 +318,7 @@ def test_an_encoded_model_reads_an_item_only_when_asked_and_sends_a_verified_one
 # and the exact words of the refusals.
 
 
-def test_channel_options_and_secret_files(tmp_path: Path) -> None:
+def test_channel_options_and_secret_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert wire.grpc_options(4) == [
         ("grpc.max_send_message_length", 4 << 20),
         ("grpc.max_receive_message_length", 4 << 20),
@@ -334,6 +334,11 @@ def test_channel_options_and_secret_files(tmp_path: Path) -> None:
     assert wire.read_file(str(secret), "--token_file") == b"s3cret\n"
     with pytest.raises(FileNotFoundError, match=rf"^--tls_cert '{tmp_path}/nope.pem': file not found$"):
         wire.read_file(str(tmp_path / "nope.pem"), "--tls_cert")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        FileNotFoundError, match=rf"^--tls_ca 'ca.crt': file not found in {tmp_path} \(give an absolute"
+    ):
+        wire.read_file("ca.crt", "--tls_ca")
     with pytest.raises(ValueError, match=r"^unknown wire dtype 'fp16': use one of \['bf16', 'fp32'\]$"):
         wire.wire_torch_dtype("fp16")
 
