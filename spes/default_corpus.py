@@ -1,6 +1,6 @@
 """Build spes's default training corpus from text found on every machine (data_process_scripts/ runs `main`).
 
-    python data_process_scripts/build_default_corpus.py --output_dir data/default [--max_mb 24] [--force]
+    python data_process_scripts/build_default_corpus.py --output_dir data/default [--max_mb 24] [--overwrite]
 
 Documents are the Python standard library's `.py` sources and the English man pages under
 /usr/share/man (roff markup stripped), one file per document, about half of the text budget
@@ -14,7 +14,8 @@ then both splits are tokenized with `spes.corpus`:
     <output_dir>/valid/part_NNNNN.npy(.json) validation shards
     <output_dir>/corpus.json                 sizes per split and source; written last (marks the build complete)
 
-A complete build is left alone unless `--force` is given.
+A complete build is left alone unless `--overwrite` is given; a `--max_mb` or `--vocab_size` it was not built with
+is refused (it would be kept, unlike what the flag asks).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from spes.atomic import write_atomic
 from spes.cli import DefaultsHelpFormatter
@@ -322,6 +324,7 @@ def build_corpus(
     corpus = {
         "max_mb": max_mb,
         "vocab_size": tokenizer.vocab_size,
+        "vocab_size_asked": vocab_size,
         "tokenizer_fingerprint": tokenizer.fingerprint,
         "sources": sources,
         "splits": {
@@ -369,34 +372,58 @@ def format_corpus(corpus: dict[str, object], output_dir: Path) -> str:
     return "\n".join(lines)
 
 
+MAX_MB, VOCAB_SIZE = 24.0, 4096
+"""What a build takes when its flags are not given."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Build the default corpus (Python stdlib sources + man pages): tokenizer, train and valid shards.",
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--output_dir", type=Path, default=Path("data/default"), help="where to build the corpus")
-    parser.add_argument("--max_mb", type=number_flag(gt=0), default=24.0, help="megabytes of text to take in all")
-    parser.add_argument("--vocab_size", type=int, default=4096, help="vocabulary size of the trained tokenizer")
-    parser.add_argument("--force", action="store_true", help="rebuild even when a complete build exists")
+    parser.add_argument(
+        "--max_mb", type=number_flag(gt=0), default=None, help=f"megabytes of text to take in all (default: {MAX_MB:g})"
+    )
+    parser.add_argument(
+        "--vocab_size", type=int, default=None, help=f"vocabulary size of the trained tokenizer (default: {VOCAB_SIZE})"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="rebuild even when a complete build exists")
+    parser.add_argument("--force", dest="overwrite", action="store_true", help=argparse.SUPPRESS)  # its former name
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     return parser
+
+
+def built_otherwise(corpus: dict[str, Any], max_mb: float | None, vocab_size: int | None) -> list[str]:
+    """The flags given that the complete build `corpus` (its corpus.json) was not built with; those not given
+    (None) take what it was built with."""
+    built = {"max_mb": corpus["max_mb"], "vocab_size": corpus.get("vocab_size_asked", corpus["vocab_size"])}
+    asked = {"max_mb": max_mb, "vocab_size": vocab_size}
+    return [f"--{k} {asked[k]:g} (it was built with {v:g})" for k, v in built.items() if asked[k] not in (None, v)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     marker = args.output_dir / "corpus.json"
-    if marker.is_file() and not args.force:
+    if marker.is_file() and not args.overwrite:
         corpus = json.loads(marker.read_text(encoding="utf-8"))
+        if otherwise := built_otherwise(corpus, args.max_mb, args.vocab_size):
+            print(
+                f"error: {args.output_dir} holds a complete corpus, not the one asked for: {'; '.join(otherwise)}; "
+                "pass --overwrite to rebuild it, or choose another --output_dir",
+                file=sys.stderr,
+            )
+            return 2
         print(format_corpus(corpus, args.output_dir))
-        print("already built; pass --force to rebuild")
+        print("already built; pass --overwrite to rebuild")
         return 0
     args.output_dir.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
     try:
         corpus = build_corpus(
             args.output_dir,
-            max_mb=args.max_mb,
-            vocab_size=args.vocab_size,
+            max_mb=args.max_mb or MAX_MB,
+            vocab_size=args.vocab_size or VOCAB_SIZE,
             stdlib_root=Path(sysconfig.get_paths()["stdlib"]),
             progress=not args.quiet,
         )

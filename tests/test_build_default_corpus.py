@@ -79,6 +79,15 @@ def test_small_build_loads_in_the_dataset_and_is_idempotent(tmp_path: Path, caps
 
     assert default_corpus.main(["--output_dir", str(out), "--max_mb", "1", "--quiet"]) == 0
     assert "already built" in capsys.readouterr().out
+    assert default_corpus.main(["--output_dir", str(out)]) == 0  # flags not given: what it was built with
+    assert "already built; pass --overwrite to rebuild" in capsys.readouterr().out
+    # another size or vocabulary used to say "already built" too, exit 0, and keep the corpus it was not asked for
+    assert default_corpus.main(["--output_dir", str(out), "--max_mb", "2", "--vocab_size", "512"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {out} holds a complete corpus, not the one asked for: --max_mb 2 (it was built with 1); "
+        f"--vocab_size 512 (it was built with {corpus['vocab_size_asked']}); pass --overwrite to rebuild it, or "
+        "choose another --output_dir\n"
+    )
     assert json.loads((out / "corpus.json").read_text()) == corpus
 
 
