@@ -408,9 +408,10 @@ def tokenize_chunks(
         )
     leftovers = existing_outputs(prefix)
     if leftovers:
+        more = f" (and {len(leftovers) - 1} more) already exist" if len(leftovers) > 1 else " already exists"
         raise FileExistsError(
-            f"{leftovers[0]} (and {len(leftovers) - 1} more) already exist for --output_prefix "
-            f"{prefix}; delete them or choose another prefix"
+            f"{leftovers[0]}{more} for --output_prefix {prefix}; delete {'them' if len(leftovers) > 1 else 'it'} or "
+            "choose another prefix"
         )
     prefix.parent.mkdir(parents=True, exist_ok=True)
     shard_dtype = choose_dtype(tokenizer.vocab_size, dtype)

@@ -170,6 +170,13 @@ def test_existing_output_is_never_overwritten(tokenizer: LoadedTokenizer, tmp_pa
         f"{tmp_path / 'out' / 'part_00000.npy'} (and 1 more) already exist for --output_prefix "
         f"{tmp_path / 'out' / 'part'}; delete them or choose another prefix"
     )
+    (tmp_path / "out" / "part_00000.npy.json").unlink()  # one left: it was "(and 0 more) already exist ... them"
+    with pytest.raises(FileExistsError) as refused:
+        _tokenize([path], tokenizer, tmp_path / "out" / "part")
+    assert str(refused.value) == (
+        f"{tmp_path / 'out' / 'part_00000.npy'} already exists for --output_prefix {tmp_path / 'out' / 'part'}; "
+        "delete it or choose another prefix"
+    )
 
 
 def test_a_directory_given_as_the_output_prefix_is_refused(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
