@@ -42,14 +42,6 @@ def refusal(addr: str, err: grpc.RpcError, tls: tuple[str | None, str | None] = 
     return f"error: {addr}: {code}" + (f": {details}" if details else "") + (f"; {fix}" if fix else "")
 
 
-def check_tls_files(args: argparse.Namespace) -> None:
-    """The TLS flags' files, checked before gRPC sees them: its core aborts the process (SIGABRT) on a certificate
-    without its key, and meets a file that is no PEM with log lines naming neither the file nor the flag."""
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise ValueError("--tls_cert and --tls_key (mutual TLS) must be given together")
-    client_tls(args.tls_ca, args.tls_cert, args.tls_key, names=("--tls_ca", "--tls_cert", "--tls_key"))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m spes.status", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
@@ -69,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         token = read_token(args.token_file, "--token_file")
-        check_tls_files(args)
+        # NOTE: before gRPC sees them: its core aborts the process on a certificate without its key, and meets a
+        # file that is no PEM with log lines naming neither the file nor the flag
+        client_tls(args.tls_ca, args.tls_cert, args.tls_key, names=("--tls_ca", "--tls_cert", "--tls_key"))
         settings = SpesConfig(server_addr=args.addr, tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key)
         channel = open_channel(settings)
     except (ValueError, FileNotFoundError) as exc:

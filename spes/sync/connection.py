@@ -58,8 +58,6 @@ class Connection:
     def __init__(self, settings: SpesConfig, peer_id: int, wire_dtype: str, token: str | None) -> None:
         """`wire_dtype`: the raw dtype of the run's codec; `token`: the run's secret (None: no authentication)."""
         s = settings
-        if (s.tls_cert is None) != (s.tls_key is None):
-            raise ValueError("spes_config.tls_cert and tls_key (mutual TLS) must be given together")
         self.settings, self.peer_id, self._wire_dtype, self._token = s, peer_id, wire_dtype, token
         self._session = secrets.token_hex(8)  # this process, told apart from another claiming the same peer id
         self.metadata: tuple[tuple[str, str], ...] = (

@@ -299,9 +299,11 @@ def client_tls(
     """The client's TLS context from the same files as its gRPC channel (system roots when `ca` is None); the
     files are checked here, before gRPC, whose core names neither file nor setting. `names`: the settings `ca`,
     `cert` and `key` come from (a node's YAML keys, or a command's flags)."""
+    ca_name, cert_name, key_name = names
+    if (cert is None) != (key is None):  # NOTE: gRPC's core aborts the process (SIGABRT) on one without the other
+        raise ValueError(f"{cert_name} and {key_name} (mutual TLS) must be given together")
     if ca is None and cert is None:
         return None
-    ca_name, cert_name, key_name = names
     for path, name in ((ca, ca_name), (cert, cert_name), (key, key_name)):
         if path is not None:
             read_file(path, name)

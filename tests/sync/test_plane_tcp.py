@@ -261,6 +261,12 @@ def test_a_pem_file_ssl_cannot_use_is_refused_naming_it(tmp_path: Path) -> None:
         assert str(err.value).startswith(f"{files}") and ": not a usable PEM certificate or key (" in str(err.value)
     with pytest.raises(FileNotFoundError, match=r"^config key 'spes_config.tls_ca' '/nope.pem': file not found$"):
         plane_tcp.client_tls("/nope.pem", None, None)
+    for one in ((cert, None), (None, key)):  # gRPC's core aborted the node's process (SIGABRT) on either
+        with pytest.raises(ValueError) as err:
+            plane_tcp.client_tls(None, *one)
+        assert str(err.value) == (
+            "config key 'spes_config.tls_cert' and config key 'spes_config.tls_key' (mutual TLS) must be given together"
+        )
 
 
 def test_a_server_with_an_unusable_certificate_says_so_rather_than_blaming_the_port(tmp_path: Path) -> None:
