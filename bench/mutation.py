@@ -275,7 +275,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.status.x_main", "28 35 45 55", _NONE_DEFAULT),
     **mutants(
         "spes.status.x_main",
-        "127",
+        "140",
         "the authorization header without a token (`Bearer None`): a server without a token reads no header, and "
         "one with a token refuses None as it refuses no header, with the same answer",
     ),
@@ -1356,13 +1356,13 @@ KILLED_BY: dict[str, str] = {
     # a client certificate without its key (or the reverse) handed to gRPC aborts the test's process in gRPC's core
     **mutants(
         "spes.status.x_main",
-        "112 113 116 117",
+        "125 126 129 130",
         "tests/test_status_cli.py::test_a_mutual_tls_server_refusing_the_client_certificate_is_blamed_on_the_tls_flags",
     ),
     # a --watch's line through a pipe while the command runs: a process of its own
     **mutants(
         "spes.status.x_main",
-        "152 154 159",
+        "165 167 172",
         "tests/test_status_cli.py::test_watch_through_a_pipe_prints_each_line_as_it_asks_and_sigint_ends_it_with_exit_0",
     ),
     # the evaluated model gathered whole from its FSDP2 shards, on two gloo ranks (torchrun)
