@@ -1286,6 +1286,12 @@ EQUIVALENT: dict[str, str] = {
         "spes.shards.x_find_shard_info", "18", "the sidecar's encoding, as the list file's (46 48 of _resolve_entry)"
     ),
     **mutants(
+        "spes.shards.x__looks_uint16",
+        "9",
+        "the head cut to whole uint32 values: read as uint32, the file's size is a multiple of 4 (checked first) and "
+        "its head is the whole file or its first 4,096 bytes, so there is nothing to cut",
+    ),
+    **mutants(
         "spes.shards.x_open_token_array",
         "18 21 24",
         "allow_pickle with mmap_mode='r': numpy refuses to map an object array whatever the flag says ('Array can't "

@@ -148,6 +148,23 @@ def test_uint16_ids_read_as_uint32_are_refused_at_open(tmp_path: Path) -> None:
     assert len(open_token_array(flat, "uint32")) == 32
 
 
+def test_the_dtype_checks_draw_their_lines_where_their_docstrings_say(tmp_path: Path) -> None:
+    """Read as uint32, a file is uint16 ids when more than half of its values reach NO_VOCABULARY (2**24); read as
+    uint16, it is uint32 ids when every high half is below 4 and some low half reaches 4."""
+    flat = tmp_path / "flat.npy"
+    small = [5] * 15
+    np.array([2**24] * 17 + small, dtype=np.uint32).tofile(flat)  # 17 of 32 reach it: more than half
+    with pytest.raises(ValueError, match="holds uint16 token ids"):
+        open_token_array(flat, "uint32")
+    np.array([2**24] * 16 + small + [5], dtype=np.uint32).tofile(flat)  # half exactly: taken as uint32
+    assert len(open_token_array(flat, "uint32")) == 32
+    np.tile(np.arange(5, dtype=np.uint32), 7)[:32].tofile(flat)  # ids 0..4: high halves 0, a low half of 4
+    with pytest.raises(ValueError, match="holds uint32 token ids"):
+        open_token_array(flat)
+    (np.arange(32, dtype=np.uint32) + 4 * 65536).tofile(flat)  # every high half 4: no longer below it
+    assert len(open_token_array(flat)) == 64
+
+
 def test_resolve_paths_expands_files_globs_directories_and_list_files(shards: list[Path], tmp_path: Path) -> None:
     listing = tmp_path / "lists" / "files.txt"
     listing.parent.mkdir()
