@@ -189,6 +189,9 @@ MIXTRAL = HFFamily(
     extra={"head_dim": "head_dim"},
 )
 FAMILIES: dict[str, HFFamily] = {f.model_type: f for f in (OLMOE, QWEN3_MOE, MIXTRAL)}
+DENSE_MODEL_TYPES = ("llama", "qwen3")
+"""The dense families spes.upcycle takes (its DENSE_FAMILIES): an import given one names that command instead.
+Named here because spes.upcycle builds on this module."""
 
 
 def choose_family(m: ModelConfig) -> HFFamily:
@@ -683,13 +686,11 @@ def import_hf(
     hf_dir: str | Path, out: str | Path, *, num_train_experts_per_node: int | None = None, overwrite: bool = False
 ) -> Path:
     """HF OLMoE / Qwen3-MoE / Mixtral directory or Hub id -> spes checkpoint step directory (bit-exact in fp32)."""
-    from spes.upcycle import DENSE_FAMILIES  # NOTE: spes.upcycle imports this module
-
     src = resolve(hf_dir, what="--hf")
     upcycle = (
         "it is a dense model: upcycle it with python -m spes.upcycle --hf {hf} --config <run.yaml> --out <dir>/step0"
     )
-    hf_config, family = read_hf_config(src, FAMILIES, elsewhere=dict.fromkeys(DENSE_FAMILIES, upcycle))
+    hf_config, family = read_hf_config(src, FAMILIES, elsewhere=dict.fromkeys(DENSE_MODEL_TYPES, upcycle))
     has_tokenizer = (src / "tokenizer.json").is_file()
     vocab = load_tokenizer(src).vocab_size if has_tokenizer else None
     model = model_config_from_hf(family, hf_config, vocab_size=vocab)

@@ -238,6 +238,10 @@ def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer
         )
 
 
+def test_the_import_names_the_dense_families_upcycling_takes() -> None:
+    assert sorted(hf.DENSE_MODEL_TYPES) == sorted(upcycle.DENSE_FAMILIES)
+
+
 def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, moe_normalize_expert_weights=True)
     cfg = run_config_for(opts, num_train_experts_per_node=2, run_name="x")
