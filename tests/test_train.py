@@ -250,7 +250,7 @@ def test_under_torchrun_the_scripts_end_with_the_error_line(tiny_corpus, tmp_pat
 def test_the_readme_single_process_command_runs(tiny_corpus, tmp_path: Path) -> None:
     readme = (REPO / "README.md").read_text()
     command = next(line for line in readme.splitlines() if line.startswith("Single process:")).split("`")[1]
-    assert command.startswith("python -m spes.train ")
+    assert command.startswith(".venv/bin/python -m spes.train ")
     argv = command.split()[3:]
     code, out = train(
         tmp_path,

@@ -771,8 +771,10 @@ def test_the_runs_yaml_gives_the_spec_and_the_manifest() -> None:
     spec = config_from_args(build_parser().parse_args([config])).spec
     assert (spec.num_peers, spec.experts_per_block, spec.mode, spec.sync_steps) == (4, 2, "spes", 10)
     assert spec == spec_of_run(config) and spec.manifest is not None and "lm_head.weight" in spec.manifest
-    eight = config_from_args(build_parser().parse_args([config, "--total_peers", "8"])).spec  # an override like any
+    eight = config_from_args(build_parser().parse_args([config, "--spes_config.num_peers=8"])).spec
     assert eight.num_peers == 8 and eight.block_owners == (0, 1, 2, 3)  # peers past the last block train shared
+    agreeing = config_from_args(build_parser().parse_args([config, "--total_peers", "4"])).spec  # checked, not set
+    assert agreeing == spec
     legacy = config_from_args(build_parser().parse_args([])).spec  # the defaults: a server for a 4-peer SPES run
     assert (legacy.mode, legacy.num_peers, legacy.manifest, legacy.sync_steps) == ("spes", 4, None, None)
 
