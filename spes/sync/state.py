@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 
 from spes.atomic import write_atomic
 from spes.sync.fragments import WHOLE
+from spes.sync.joins import manifest_differences
 from spes.sync.protocol import Manifest, Tensors
 from spes.sync.spec import FIELD_KEYS, RunSpec
 
@@ -193,6 +194,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
             f"{state_path}: written by a run with {name}={theirs!r}, this server has {name}={ours!r}; restart it "
             f"with {FIELD_KEYS[name]} as that run had it, or use a fresh --state_dir for a new run"
         )
+    _check_model(state_path, manifest, spec)
     global_model, momentum, codec_state = _read_tensors(directory, state_path, tensor_name, record)
     codec_state.update({n: global_model[n] for n in codec_is_global if n in global_model})
     shapes = {name: tuple(t.shape) for name, t in global_model.items()}
@@ -207,6 +209,18 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
     complete = spec.completed_by(resized)
     length_was = recorded.last_step if resized.last_step != recorded.last_step else None
     return SavedRound(step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete, length_was)
+
+
+def _check_model(state_path: Path, manifest: Manifest, spec: RunSpec) -> None:
+    """Refuse a state whose model is not the one this server's YAML builds: it would serve the run's tensors to nodes
+    of another shape, and refuse the run's own nodes as if theirs were the wrong model."""
+    diff = "" if spec.manifest is None else manifest_differences(manifest, spec.manifest)
+    if diff:
+        where = f" ({spec.origin})" if spec.origin else ""
+        raise ValueError(
+            f"{state_path}: written by a run with another model than this server's{where}: {diff}; restart it with "
+            "the model settings that run had, or use a fresh --state_dir for a new run"
+        )
 
 
 def with_length(recorded: RunSpec, last_step: int | None, step: int) -> RunSpec:
