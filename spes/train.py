@@ -21,6 +21,7 @@ sync client -> trainer (`start_node`) -> fit, torn down in `finally`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from spes.atomic import LockHeld, hold_lock
 from spes.checkpoint import LATEST, Checkpoint, list_checkpoints, resolve_checkpoint, restore
 from spes.config import TrainConfig, changed_settings, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
@@ -143,12 +145,7 @@ def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Ca
     (then the main rank removes them: an old run's later checkpoints would otherwise outrank the new run's; a dry
     run says so and removes nothing). An unusable folder fails here, before the model is built (minutes for a large
     node)."""
-    folder = Path(cfg.save_folder)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"save_folder {folder} is a file, not a folder; choose another save_folder (or run_name)")
-    nearest = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise ValueError(f"save_folder {folder}: {nearest} is not writable here; choose another save_folder")
+    folder = _usable_folder(cfg)
     saves = [*list_checkpoints(folder), *(p for p in map(folder.joinpath, RUN_FILES) if p.exists())]
     if continuing or not saves:
         return
@@ -168,6 +165,50 @@ def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Ca
             else:
                 path.unlink()
     log(f"save_overwrite: removed the earlier run's saves in {folder} ({names})")
+
+
+def _usable_folder(cfg: TrainConfig) -> Path:
+    """save_folder, refused (ValueError) when it is a file or cannot be written here."""
+    folder = Path(cfg.save_folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"save_folder {folder} is a file, not a folder; choose another save_folder (or run_name)")
+    nearest = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"save_folder {folder}: {nearest} is not writable here; choose another save_folder")
+    return folder
+
+
+SAVE_FOLDER_LOCK = "node.lock"
+"""Held (flock) in a save folder by the main rank of the one node that writes it, with its pid in it."""
+
+
+@contextlib.contextmanager
+def holding_save_folder(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None]) -> Iterator[None]:
+    """Claim save_folder for this node while it runs (its main rank, which writes it; a dry run writes nothing).
+
+    Why: two nodes given one save_folder (a YAML whose save_folder lacks the peer id, a copied command, a node
+    started again while it still runs) would delete each other's half-written checkpoints, interleave their metrics
+    and leave `latest` naming the other node's weights."""
+    if not info.is_main or cfg.dry_run:
+        yield
+        return
+    folder = _usable_folder(cfg)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = hold_lock(folder / SAVE_FOLDER_LOCK)
+    except LockHeld as held:
+        raise ValueError(
+            f"save_folder {folder} is in use by another node (pid {held.holder or 'unknown'}): give each node its own "
+            "save_folder (e.g. output/${run_name}/node${spes_config.peer_id}), or stop that process first"
+        ) from None
+    except OSError as exc:  # NOTE: a filesystem without flock (some Lustre mounts) must not stop a run
+        log(f"warning: cannot lock save_folder {folder} ({exc.strerror}): nothing keeps a second node out of it")
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def _trainer_state(cfg: TrainConfig, ckpt: Checkpoint, continuing: bool, log: Callable[[str], None]) -> dict[str, Any]:
@@ -315,7 +356,8 @@ def run(cfg: TrainConfig, notes: list[str] | None = None) -> int:
     cfg = cfg.on_device(info.device.type)
     finished = False
     try:
-        _train(cfg, info, notes or [])
+        with holding_save_folder(cfg, info, print):
+            _train(cfg, info, notes or [])
         finished = True
         return 0
     except BaseException as e:

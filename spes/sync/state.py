@@ -21,9 +21,7 @@ safetensors, the rest is JSON. One server at a time: it holds `server.lock` ther
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import time
 import uuid
@@ -34,7 +32,7 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from spes.atomic import write_atomic
+from spes.atomic import LockHeld, hold_lock, write_atomic
 from spes.sync.fragments import WHOLE
 from spes.sync.joins import manifest_differences
 from spes.sync.protocol import Manifest, Tensors
@@ -95,24 +93,16 @@ def lock_state_dir(state_dir: str | Path) -> int:
 
     Why: two servers on one state directory would each write their rounds over the other's, and a run must never
     be mixed. ValueError naming `--state_dir` (and the holder's pid) when another process holds it."""
-    directory = Path(state_dir)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        return hold_lock(Path(state_dir) / LOCK_FILE)
+    except LockHeld as held:
+        raise ValueError(
+            f"--state_dir {state_dir} is in use by another parameter server (pid {held.holder or 'unknown'}); stop it "
+            "or pass another --state_dir"
+        ) from None
     except OSError as exc:
         raise ValueError(f"--state_dir {state_dir}: cannot use it ({exc.strerror}); pick another --state_dir") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise ValueError(
-            f"--state_dir {state_dir} is in use by another parameter server (pid {holder or 'unknown'}); stop it or "
-            "pass another --state_dir"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def new_run_id() -> str:
