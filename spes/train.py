@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from spes.atomic import LockHeld, hold_lock
+from spes.atomic import LockHeld, hold_lock, write_atomic
 from spes.checkpoint import LATEST, Checkpoint, list_checkpoints, resolve_checkpoint, restore
 from spes.config import TrainConfig, changed_settings, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
@@ -211,6 +211,25 @@ def holding_save_folder(cfg: TrainConfig, info: DistInfo, log: Callable[[str], N
         os.close(fd)
 
 
+def _name_latest(folder: Path, loaded: Path, is_main: bool, log: Callable[[str], None]) -> None:
+    """Point `latest` at the checkpoint this run continues from when it names another (a rewind to an older one).
+
+    Why: else a crash before this run's first save resumed the abandoned checkpoint `latest` still named, its
+    metrics (cut back to the loaded step) then skipping that checkpoint's steps. The newer checkpoints stay (a
+    rewind may be a mistake) until this run saves their steps over them."""
+    found = list_checkpoints(folder)
+    named = (folder / LATEST).read_text().strip() if (folder / LATEST).is_file() else None
+    if loaded not in found or named == loaded.name:  # NOTE: not a copy a killed save moved aside
+        return
+    if is_main:
+        write_atomic(folder / LATEST, f"{loaded.name}\n")
+    newer = [p.name for p in found[found.index(loaded) + 1 :]]
+    log(
+        f"note: {folder / LATEST} now names {loaded.name}, which this run continues"
+        + (f"; {', '.join(newer)} (from before it) stay until this run saves those steps" if newer else "")
+    )
+
+
 def _trainer_state(cfg: TrainConfig, ckpt: Checkpoint, continuing: bool, log: Callable[[str], None]) -> dict[str, Any]:
     """The part of a checkpoint's trainer state this start takes up (OLMo's reset_* and restore_dataloader keys)."""
     asked = cfg.reset_optimizer_state or cfg.reset_trainer_state or not cfg.restore_dataloader
@@ -311,6 +330,8 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         model = parallelize(model, cfg, info)
     optimizer = build_optimizer(model, cfg.optimizer)
     ckpt = _load(cfg, load_path, continuing, model, optimizer, log)
+    if ckpt is not None and continuing and not cfg.dry_run:
+        _name_latest(Path(cfg.save_folder), ckpt.path, info.is_main, log)
     return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)
 
 

@@ -173,6 +173,26 @@ def test_a_save_folder_another_node_is_using_is_refused_naming_its_pid(
     os.close(hold_lock(folder / SAVE_FOLDER_LOCK))  # released when the node ended
 
 
+@pytest.mark.timeout(120)
+def test_a_run_continued_from_an_older_checkpoint_of_its_save_folder_names_it_latest(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rewind (load_path naming an older checkpoint of the save folder) left `latest` naming the newer one, so a
+    crash before the rewound run's first save resumed the abandoned checkpoint, its metrics skipping steps."""
+    folder = tmp_path / "out"
+    node = [TINY, *tiny_corpus.overrides(folder), *FAST]
+    assert main([*node, "--max_duration=8st", "--save_interval=4"]) == 0
+    assert main([*node, "--max_duration=6st", f"--load_path={folder / 'step4'}"]) == 0  # ends as a crash would: unsaved
+    assert (folder / "latest").read_text() == "step4\n" and (folder / "step8").is_dir()
+    assert (
+        f"note: {folder / 'latest'} now names step4, which this run continues; step8 (from before it) stay until this "
+        "run saves those steps"
+    ) in capsys.readouterr().out
+    assert main([*node, "--max_duration=8st", "--resume"]) == 0
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path, dead_port: int) -> None:
