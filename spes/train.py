@@ -217,13 +217,13 @@ def _name_latest(folder: Path, loaded: Path, is_main: bool, log: Callable[[str],
     Why: else a crash before this run's first save resumed the abandoned checkpoint `latest` still named, its
     metrics (cut back to the loaded step) then skipping that checkpoint's steps. The newer checkpoints stay (a
     rewind may be a mistake) until this run saves their steps over them."""
-    found = list_checkpoints(folder)
+    found = [p.name for p in list_checkpoints(folder)]  # NOTE: by name: load_path may be relative, save_folder not
     named = (folder / LATEST).read_text().strip() if (folder / LATEST).is_file() else None
-    if loaded not in found or named == loaded.name:  # NOTE: not a copy a killed save moved aside
+    if loaded.name not in found or named == loaded.name:  # NOTE: not a copy a killed save moved aside
         return
     if is_main:
         write_atomic(folder / LATEST, f"{loaded.name}\n")
-    newer = [p.name for p in found[found.index(loaded) + 1 :]]
+    newer = found[found.index(loaded.name) + 1 :]
     log(
         f"note: {folder / LATEST} now names {loaded.name}, which this run continues"
         + (f"; {', '.join(newer)} (from before it) stay until this run saves those steps" if newer else "")
