@@ -13,6 +13,7 @@ key and certificate files are the user's own).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -104,3 +105,31 @@ def staging_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
+
+
+class LockHeld(Exception):
+    """Another live process holds a `hold_lock` lock; `holder` is the pid it wrote there ('' when unknown)."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
+def hold_lock(path: str | os.PathLike[str]) -> int:
+    """An exclusive `flock` on the file `path` (created as needed) for one process that must be alone in a directory,
+    held on the returned descriptor until it is closed or the process ends (SIGKILL included: a dead holder never
+    blocks a restart); this process's pid is written in it for a refusal to name. LockHeld when another process holds
+    it; OSError when the file cannot be opened or the filesystem cannot lock."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise LockHeld(holder) from None
+    except OSError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

@@ -18,6 +18,7 @@ mid-epoch without reading skipped data.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import math
 import os
@@ -164,6 +165,14 @@ class TokenSequenceDataset:
         # window_starts[k] = index of shard k's first window; the last entry is the window count.
         self._window_starts = np.concatenate([[0], np.cumsum([n // seq_len for n in lengths])]).astype(np.int64)
 
+    def layout(self) -> str:
+        """A digest of the shards in their order, by file name and window count: what a data position is a place in,
+        whatever directory or URL they are read from (the window count alone missed reordered data.paths)."""
+        digest = hashlib.sha256()
+        for i, path in enumerate(self.paths):
+            digest.update(f"{str(path).rstrip('/').rsplit('/', 1)[-1]}\t{len(self.shard_windows(i))}\n".encode())
+        return digest.hexdigest()[:16]
+
     def _open(self, path: Shard) -> TokenArray:
         return open_token_array(path, self.memmap_dtype)
 
@@ -278,7 +287,8 @@ class BatchLoader:
 
     def state_dict(self) -> dict[str, int | str]:
         """Where the next batch comes from: everything needed to resume exactly, and the data it is a place in
-        (window length and count), so that a resume over other data is refused rather than silently re-shuffled."""
+        (window length and count, the shards in order), so that a resume over other data is refused rather than
+        silently re-shuffled."""
         return {
             "epoch": self.epoch,
             "position": self.position,
@@ -286,6 +296,7 @@ class BatchLoader:
             "order": self.order,
             "seq_len": self.dataset.seq_len,
             "windows": len(self.dataset),
+            "shards": self.dataset.layout(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -322,6 +333,11 @@ class BatchLoader:
             raise ValueError(
                 f"data loader state was saved over {state['windows']} windows of data but this run's data.paths "
                 f"hold {len(self.dataset)}: {fix}"
+            )
+        if "shards" in state and state["shards"] != self.dataset.layout():
+            raise ValueError(
+                "data loader state was saved over other shards than this run's data.paths hold, or the same ones in "
+                f"another order (as many windows, {len(self.dataset)}, but window i is another one): {fix}"
             )
 
     def close(self) -> None:

@@ -94,20 +94,22 @@ def main(argv: list[str] | None = None) -> int:
     procs: dict[str, subprocess.Popen] = {}
     sigterm_as_interrupt()
     started = time.time()
+    followed = out / "peer0.log"
+    shown = followed.stat().st_size if args.resume and followed.is_file() else 0  # NOTE: echo only this start's lines
     try:
-        procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env)
+        procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env, args.resume)
         for i, seed in enumerate(seeds):
             peer_cmd = [
                 *peer_command(args.config, run, i, seed, port, out),
                 *(["--eval_interval=null"] if i >= eval_peers else []),
                 *resume,
             ]
-            procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env)
+            procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env, args.resume)
         print(
             f"started server on 127.0.0.1:{port} and {cfg.num_peers} peers (data seeds {seeds}); logs in {out}/ "
             "(following peer0.log)"
         )
-        code = _wait(procs, out / "peer0.log", args.timeout)
+        code = _wait(procs, followed, shown, args.timeout)
     except KeyboardInterrupt:
         print(
             "interrupted: the peers save a checkpoint and stop, then the server; continue with --resume",
@@ -228,16 +230,17 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def _spawn(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
-    log = open(log_path, "w")
+def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], resume: bool) -> subprocess.Popen:
+    """Start `cmd` in its own session, its output into `log_path`: appended to on a resume, which keeps the earlier
+    starts' lines (the run's history), else a new log."""
+    log = open(log_path, "a" if resume else "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _wait(procs: dict[str, subprocess.Popen], follow: Path, timeout: float) -> int:
-    """Follow one peer's log until every peer exits; stop early on the first failure."""
+def _wait(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout: float) -> int:
+    """Follow one peer's log from byte `offset` until every peer exits; stop early on the first failure."""
     deadline = time.time() + timeout
     peers = {k: p for k, p in procs.items() if k != "server"}
-    offset = 0
     while True:
         offset = _echo_new(follow, offset)
         failed = [k for k, p in procs.items() if p.poll() not in (None, 0)]

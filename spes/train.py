@@ -21,6 +21,7 @@ sync client -> trainer (`start_node`) -> fit, torn down in `finally`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from spes.atomic import LockHeld, hold_lock, write_atomic
 from spes.checkpoint import LATEST, Checkpoint, list_checkpoints, resolve_checkpoint, restore
 from spes.config import TrainConfig, changed_settings, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
@@ -143,12 +145,7 @@ def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Ca
     (then the main rank removes them: an old run's later checkpoints would otherwise outrank the new run's; a dry
     run says so and removes nothing). An unusable folder fails here, before the model is built (minutes for a large
     node)."""
-    folder = Path(cfg.save_folder)
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"save_folder {folder} is a file, not a folder; choose another save_folder (or run_name)")
-    nearest = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        raise ValueError(f"save_folder {folder}: {nearest} is not writable here; choose another save_folder")
+    folder = _usable_folder(cfg)
     saves = [*list_checkpoints(folder), *(p for p in map(folder.joinpath, RUN_FILES) if p.exists())]
     if continuing or not saves:
         return
@@ -168,6 +165,69 @@ def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Ca
             else:
                 path.unlink()
     log(f"save_overwrite: removed the earlier run's saves in {folder} ({names})")
+
+
+def _usable_folder(cfg: TrainConfig) -> Path:
+    """save_folder, refused (ValueError) when it is a file or cannot be written here."""
+    folder = Path(cfg.save_folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"save_folder {folder} is a file, not a folder; choose another save_folder (or run_name)")
+    nearest = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        raise ValueError(f"save_folder {folder}: {nearest} is not writable here; choose another save_folder")
+    return folder
+
+
+SAVE_FOLDER_LOCK = "node.lock"
+"""Held (flock) in a save folder by the main rank of the one node that writes it, with its pid in it."""
+
+
+@contextlib.contextmanager
+def holding_save_folder(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None]) -> Iterator[None]:
+    """Claim save_folder for this node while it runs (its main rank, which writes it; a dry run writes nothing).
+
+    Why: two nodes given one save_folder (a YAML whose save_folder lacks the peer id, a copied command, a node
+    started again while it still runs) would delete each other's half-written checkpoints, interleave their metrics
+    and leave `latest` naming the other node's weights."""
+    if not info.is_main or cfg.dry_run:
+        yield
+        return
+    folder = _usable_folder(cfg)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = hold_lock(folder / SAVE_FOLDER_LOCK)
+    except LockHeld as held:
+        raise ValueError(
+            f"save_folder {folder} is in use by another node (pid {held.holder or 'unknown'}): give each node its own "
+            "save_folder (e.g. output/${run_name}/node${spes_config.peer_id}), or stop that process first"
+        ) from None
+    except OSError as exc:  # NOTE: a filesystem without flock (some Lustre mounts) must not stop a run
+        log(f"warning: cannot lock save_folder {folder} ({exc.strerror}): nothing keeps a second node out of it")
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _name_latest(folder: Path, loaded: Path, is_main: bool, log: Callable[[str], None]) -> None:
+    """Point `latest` at the checkpoint this run continues from when it names another (a rewind to an older one).
+
+    Why: else a crash before this run's first save resumed the abandoned checkpoint `latest` still named, its
+    metrics (cut back to the loaded step) then skipping that checkpoint's steps. The newer checkpoints stay (a
+    rewind may be a mistake) until this run saves their steps over them."""
+    found = [p.name for p in list_checkpoints(folder)]  # NOTE: by name: load_path may be relative, save_folder not
+    named = (folder / LATEST).read_text().strip() if (folder / LATEST).is_file() else None
+    if loaded.name not in found or named == loaded.name:  # NOTE: not a copy a killed save moved aside
+        return
+    if is_main:
+        write_atomic(folder / LATEST, f"{loaded.name}\n")
+    newer = found[found.index(loaded.name) + 1 :]
+    log(
+        f"note: {folder / LATEST} now names {loaded.name}, which this run continues"
+        + (f"; {', '.join(newer)} (from before it) stay until this run saves those steps" if newer else "")
+    )
 
 
 def _trainer_state(cfg: TrainConfig, ckpt: Checkpoint, continuing: bool, log: Callable[[str], None]) -> dict[str, Any]:
@@ -270,6 +330,8 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         model = parallelize(model, cfg, info)
     optimizer = build_optimizer(model, cfg.optimizer)
     ckpt = _load(cfg, load_path, continuing, model, optimizer, log)
+    if ckpt is not None and continuing and not cfg.dry_run:
+        _name_latest(Path(cfg.save_folder), ckpt.path, info.is_main, log)
     return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)
 
 
@@ -315,7 +377,8 @@ def run(cfg: TrainConfig, notes: list[str] | None = None) -> int:
     cfg = cfg.on_device(info.device.type)
     finished = False
     try:
-        _train(cfg, info, notes or [])
+        with holding_save_folder(cfg, info, print):
+            _train(cfg, info, notes or [])
         finished = True
         return 0
     except BaseException as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,8 @@ from spes.data import (
 from spes.shards import sidecar_path
 
 SEQ_LEN = 4
+LAYOUT = "dd89179a226bfbb5"
+"""`TokenSequenceDataset.layout()` of the `shards` fixture: their names and window counts, in order."""
 
 
 @pytest.fixture
@@ -37,6 +40,19 @@ def shards(tmp_path: Path) -> list[Path]:
 @pytest.fixture
 def dataset(shards: list[Path]) -> TokenSequenceDataset:
     return TokenSequenceDataset(shards, SEQ_LEN)
+
+
+def loader_state(epoch: int, position: int, seed: int) -> dict[str, int | str]:
+    """A loader's state over the `shards` fixture's 38 windows of SEQ_LEN tokens."""
+    return {
+        "epoch": epoch,
+        "position": position,
+        "seed": seed,
+        "order": "olmo",
+        "seq_len": 4,
+        "windows": 38,
+        "shards": LAYOUT,
+    }
 
 
 def _take(loader: BatchLoader, n: int) -> list[torch.Tensor]:
@@ -214,7 +230,7 @@ def test_each_epoch_is_a_new_permutation_and_epochs_roll_over(dataset: TokenSequ
     for starts in epochs:
         assert len(set(starts)) == 36 and set(starts) <= all_starts
     assert epochs[0] != epochs[1] != epochs[2]
-    assert loader.state_dict() == {"epoch": 3, "position": 0, "seed": 0, "order": "olmo", "seq_len": 4, "windows": 38}
+    assert loader.state_dict() == loader_state(3, 0, 0)
 
 
 def test_ranks_take_disjoint_slices_of_the_same_global_batch(dataset: TokenSequenceDataset) -> None:
@@ -230,7 +246,7 @@ def test_resume_mid_epoch_yields_the_same_batches(dataset: TokenSequenceDataset)
     first = BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2)
     head = _take(first, 3)
     state = first.state_dict()
-    assert state == {"epoch": 0, "position": 18, "seed": 11, "order": "olmo", "seq_len": 4, "windows": 38}
+    assert state == loader_state(0, 18, 11)
     resumed = BatchLoader(dataset, batch_size=6, seed=11, rank=1, world_size=2)
     resumed.load_state_dict(state)
     assert _same(head + _take(resumed, 17), uninterrupted)
@@ -240,7 +256,7 @@ def test_resume_at_an_epoch_boundary_and_after_reloading_state(dataset: TokenSeq
     uninterrupted = _take(BatchLoader(dataset, batch_size=19, seed=5), 7)
     loader = BatchLoader(dataset, batch_size=19, seed=5)
     _take(loader, 2)
-    assert loader.state_dict() == {"epoch": 1, "position": 0, "seed": 5, "order": "olmo", "seq_len": 4, "windows": 38}
+    assert loader.state_dict() == loader_state(1, 0, 5)
     _take(loader, 3)
     loader.load_state_dict({"epoch": 1, "position": 0, "seed": 5, "order": "olmo"})  # rewind a live loader
     assert _same(_take(loader, 5), uninterrupted[2:])
@@ -313,6 +329,27 @@ def test_a_state_saved_over_other_data_is_refused_naming_what_changed(shards: li
         )
         BatchLoader(other, batch_size=4, seed=1).load_state_dict({"epoch": 0, "position": 4, "seed": 1})
     BatchLoader(TokenSequenceDataset(shards, SEQ_LEN), batch_size=4, seed=1).load_state_dict(state)
+
+
+def test_a_state_saved_over_the_shards_in_another_order_is_refused(shards: list[Path], tmp_path: Path) -> None:
+    """Reordered data.paths hold as many windows, but window i is another one: the window count let it through, to
+    repeat and skip data. The same shards read from another directory are the same data."""
+    state = BatchLoader(TokenSequenceDataset(shards, SEQ_LEN), batch_size=4, seed=1).state_dict()
+    reordered = TokenSequenceDataset([shards[1], shards[0], shards[2]], SEQ_LEN)
+    with pytest.raises(ValueError) as err:
+        BatchLoader(reordered, batch_size=4, seed=1).load_state_dict(state)
+    assert str(err.value) == (
+        "data loader state was saved over other shards than this run's data.paths hold, or the same ones in another "
+        "order (as many windows, 38, but window i is another one): resume with the data.paths and "
+        "model.max_sequence_length it was saved with, or load it into a new save_folder with restore_dataloader=false "
+        "to read this data from its beginning"
+    )
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    copies = [Path(shutil.copy(p, moved)) for p in shards]
+    for p in shards:
+        shutil.copy(sidecar_path(p), moved)
+    BatchLoader(TokenSequenceDataset(copies, SEQ_LEN), batch_size=4, seed=1).load_state_dict(state)
 
 
 @pytest.mark.timeout(60)

@@ -165,3 +165,8 @@ def test_ctrl_c_on_the_launcher_saves_every_node_within_seconds_and_resume_finis
     stdout, stderr = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, stdout[-2000:] + stderr[-2000:]
     assert_same_models(node_models(out), reference)
+    for peer in (0, 1):  # the resume's lines follow the first start's in the same log, echoed once
+        log = (out / f"peer{peer}.log").read_text()
+        assert log.index("stopped at step") < log.index("loaded ") < log.index("done: step 12"), log[-2000:]
+    assert "stopped at step" not in stdout and "[peer0] loaded " in stdout
+    assert (out / "server.log").read_text().count("listening on") == 2

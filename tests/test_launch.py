@@ -115,7 +115,7 @@ def test_a_run_past_its_timeout_says_what_was_kept_and_how_to_continue(
     """It said only "run did not finish within 15s", though the peers are then stopped with a checkpoint each."""
     procs = {name: subprocess.Popen(["sleep", "30"]) for name in ("server", "peer0")}
     try:
-        assert _wait(procs, tmp_path / "peer0.log", 0.01) == 1
+        assert _wait(procs, tmp_path / "peer0.log", 0, 0.01) == 1
     finally:
         for proc in procs.values():
             proc.kill()

@@ -5,6 +5,7 @@ screen, yet none lost: docs/running.md's exit codes and tracebacks), also under 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,9 +18,10 @@ import pytest
 
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
+from spes.atomic import hold_lock
 from spes.checkpoint import META_FILE
 from spes.config import load_config
-from spes.train import _apply_resume, _start_from, describe_experts, main, parse_args
+from spes.train import SAVE_FOLDER_LOCK, _apply_resume, _start_from, describe_experts, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -164,6 +166,52 @@ def test_a_load_path_that_names_no_checkpoint_is_one_line_before_the_model_is_bu
         captured = capsys.readouterr()
         assert assert_one_line(code, captured.out + captured.err) == f"error: {refusal}" and code == 2
         assert "parameters" not in captured.out, "the model was built before load_path was checked"
+
+
+@pytest.mark.timeout(120)
+def test_a_save_folder_another_node_is_using_is_refused_naming_its_pid(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two nodes given one save_folder deleted each other's half-written checkpoints (one died on its vanished
+    temporary directory) and interleaved their metrics; the second is now refused before the model is built, and a
+    node that has finished lets the next one in."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    node = [TINY, *tiny_corpus.overrides(folder), *FAST]
+    held = hold_lock(folder / SAVE_FOLDER_LOCK)  # another open file: to flock, another node
+    try:
+        code = main(node)
+    finally:
+        os.close(held)
+    captured = capsys.readouterr()
+    assert assert_one_line(code, captured.out + captured.err) == (
+        f"error: save_folder {folder} is in use by another node (pid {os.getpid()}): give each node its own "
+        "save_folder (e.g. output/${run_name}/node${spes_config.peer_id}), or stop that process first"
+    )
+    assert "parameters" not in captured.out and not list(folder.glob("step*"))
+    assert main([*node, "--max_duration=1st"]) == 0
+    os.close(hold_lock(folder / SAVE_FOLDER_LOCK))  # released when the node ended
+
+
+@pytest.mark.timeout(120)
+def test_a_run_continued_from_an_older_checkpoint_of_its_save_folder_names_it_latest(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rewind (load_path naming an older checkpoint of the save folder) left `latest` naming the newer one, so a
+    crash before the rewound run's first save resumed the abandoned checkpoint, its metrics skipping steps."""
+    folder = tmp_path / "out"
+    node = [TINY, *tiny_corpus.overrides(folder), *FAST]
+    assert main([*node, "--max_duration=8st", "--save_interval=4"]) == 0
+    rewind = f"--load_path={os.path.relpath(folder / 'step4')}"  # relative, as typed; save_folder absolute
+    assert main([*node, "--max_duration=6st", rewind]) == 0  # it ends as a crash would: unsaved
+    assert (folder / "latest").read_text() == "step4\n" and (folder / "step8").is_dir()
+    assert (
+        f"note: {folder / 'latest'} now names step4, which this run continues; step8 (from before it) stay until this "
+        "run saves those steps"
+    ) in capsys.readouterr().out
+    assert main([*node, "--max_duration=8st", "--resume"]) == 0
+    steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
 
 
 @pytest.mark.slow

@@ -21,9 +21,7 @@ safetensors, the rest is JSON. One server at a time: it holds `server.lock` ther
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import re
 import time
 import uuid
@@ -34,8 +32,9 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from spes.atomic import write_atomic
+from spes.atomic import LockHeld, hold_lock, write_atomic
 from spes.sync.fragments import WHOLE
+from spes.sync.joins import manifest_differences
 from spes.sync.protocol import Manifest, Tensors
 from spes.sync.spec import FIELD_KEYS, RunSpec
 
@@ -94,24 +93,16 @@ def lock_state_dir(state_dir: str | Path) -> int:
 
     Why: two servers on one state directory would each write their rounds over the other's, and a run must never
     be mixed. ValueError naming `--state_dir` (and the holder's pid) when another process holds it."""
-    directory = Path(state_dir)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        return hold_lock(Path(state_dir) / LOCK_FILE)
+    except LockHeld as held:
+        raise ValueError(
+            f"--state_dir {state_dir} is in use by another parameter server (pid {held.holder or 'unknown'}); stop it "
+            "or pass another --state_dir"
+        ) from None
     except OSError as exc:
         raise ValueError(f"--state_dir {state_dir}: cannot use it ({exc.strerror}); pick another --state_dir") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        os.close(fd)
-        raise ValueError(
-            f"--state_dir {state_dir} is in use by another parameter server (pid {holder or 'unknown'}); stop it or "
-            "pass another --state_dir"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def new_run_id() -> str:
@@ -193,6 +184,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
             f"{state_path}: written by a run with {name}={theirs!r}, this server has {name}={ours!r}; restart it "
             f"with {FIELD_KEYS[name]} as that run had it, or use a fresh --state_dir for a new run"
         )
+    _check_model(state_path, manifest, spec)
     global_model, momentum, codec_state = _read_tensors(directory, state_path, tensor_name, record)
     codec_state.update({n: global_model[n] for n in codec_is_global if n in global_model})
     shapes = {name: tuple(t.shape) for name, t in global_model.items()}
@@ -207,6 +199,18 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
     complete = spec.completed_by(resized)
     length_was = recorded.last_step if resized.last_step != recorded.last_step else None
     return SavedRound(step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete, length_was)
+
+
+def _check_model(state_path: Path, manifest: Manifest, spec: RunSpec) -> None:
+    """Refuse a state whose model is not the one this server's YAML builds: it would serve the run's tensors to nodes
+    of another shape, and refuse the run's own nodes as if theirs were the wrong model."""
+    diff = "" if spec.manifest is None else manifest_differences(manifest, spec.manifest)
+    if diff:
+        where = f" ({spec.origin})" if spec.origin else ""
+        raise ValueError(
+            f"{state_path}: written by a run with another model than this server's{where}: {diff}; restart it with "
+            "the model settings that run had, or use a fresh --state_dir for a new run"
+        )
 
 
 def with_length(recorded: RunSpec, last_step: int | None, step: int) -> RunSpec:

@@ -125,6 +125,20 @@ def test_state_of_another_run_is_refused_naming_the_field(tmp_path: Path) -> Non
         load_round(tmp_path, tiny_spec(codec="int8"))
 
 
+def test_state_of_another_model_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    """A restart whose YAML builds another model than the state's (a mixed-up --state_dir, an edited config) would
+    serve the state's tensors to nodes of the YAML's shapes and refuse the run's own nodes as the wrong model."""
+    save_round(tmp_path, saved(10))
+    with pytest.raises(
+        ValueError,
+        match=r"state.json: written by a run with another model than this server's: 'blocks.0.attn.qkv.weight' has "
+        r"shape \[48, 16\], the run's is \[24, 8\]; .*restart it with the model settings that run had, or use a "
+        r"fresh --state_dir for a new run$",
+    ):
+        load_round(tmp_path, tiny_spec(d=16))
+    assert load_round(tmp_path, dataclasses.replace(SPEC, manifest=None)) is not None  # no YAML: the state's model
+
+
 def test_a_restart_may_change_the_runs_length_while_the_run_has_not_reached_it(tmp_path: Path) -> None:
     save_round(tmp_path, dataclasses.replace(saved(10), spec=dataclasses.replace(SPEC, last_step=40)))
     for length in (80, 11):  # longer, or sooner but past the saved round
