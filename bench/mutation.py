@@ -263,10 +263,16 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
     **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
     **mutants("spes.corpus.x__encode_all", "27", "ProcessPoolExecutor.shutdown's wait defaults to True"),
-    **mutants("spes.corpus.x_tokenize_chunks", "48 51", "tqdm's file=None is sys.stderr, read when the bar is made"),
+    **mutants("spes.corpus.x_tokenize_chunks", "65 68", "tqdm's file=None is sys.stderr, read when the bar is made"),
     **mutants(
         "spes.corpus.x_tokenize_chunks",
-        "92 95 96",
+        "13",
+        "a prefix ending in the path separator: os.sep is '/' on the POSIX systems spes runs on, so the tuple's '/' "
+        "and os.sep are one test",
+    ),
+    **mutants(
+        "spes.corpus.x_tokenize_chunks",
+        "109 112 113",
         "the bar redrawn at each chunk's postfix (refresh=None is False): the same lines, only drawn more often than "
         "tqdm's own clock draws them",
     ),
