@@ -516,6 +516,9 @@ def test_a_random_dense_model_replaces_a_model_at_hf_only_when_asked(
         f"error: {tmp_path / 'dense'} already exists and is not empty; pass --overwrite to replace it\n"
     )
     assert (tmp_path / "dense" / "model.safetensors").read_bytes() == weights
+    model = load_config(UPCYCLE_TINY, tokenizer_overrides(tokenizer))[0].model
+    with pytest.raises(FileExistsError):  # the function's own default: nothing replaced unasked
+        upcycle.make_random_dense(model, tmp_path / "dense", seed=1)
     assert upcycle.main([*argv, "--make_random_dense", "qwen3", "--seed=1", "--overwrite"]) == 0
     assert (tmp_path / "dense" / "model.safetensors").read_bytes() != weights
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]  # no staging directory left
