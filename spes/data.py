@@ -22,6 +22,7 @@ import hashlib
 import logging
 import math
 import os
+import posixpath
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -170,7 +171,7 @@ class TokenSequenceDataset:
         whatever directory or URL they are read from (the window count alone missed reordered data.paths)."""
         digest = hashlib.sha256()
         for i, path in enumerate(self.paths):
-            digest.update(f"{str(path).rstrip('/').rsplit('/', 1)[-1]}\t{len(self.shard_windows(i))}\n".encode())
+            digest.update(f"{posixpath.basename(str(path))}\t{len(self.shard_windows(i))}\n".encode())
         return digest.hexdigest()[:16]
 
     def _open(self, path: Shard) -> TokenArray:

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from spes.atomic import staging_dir, write_atomic
+from spes.atomic import LockHeld, hold_lock, staging_dir, write_atomic
 
 
 def test_bytes_text_and_writer_functions_all_land_whole(tmp_path: Path) -> None:
@@ -74,3 +74,46 @@ def test_a_staged_directory_replaces_the_old_one_whole_or_not_at_all(tmp_path: P
     assert (target / "sub" / "c.bin").stat().st_mode & 0o777 == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no temporary or moved-aside copy left
     assert (target / "b.txt").stat().st_mode & 0o777 == 0o644
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_lock_is_one_holders_who_writes_its_pid_and_a_second_is_refused_naming_it(tmp_path: Path) -> None:
+    """flock is per open file: a second `hold_lock` of the same file, in this process too, is refused while the
+    first descriptor is open; closing it (or the holder's death) frees the lock."""
+    lock = tmp_path / "server.lock"
+    lock.write_text("x" * 40)  # a longer pid of a holder long gone
+    fd = hold_lock(lock)
+    assert lock.read_text() == f"{os.getpid()}\n"
+    os.pwrite(fd, b"\xff" + b"7" * 40, 0)  # what a refusal reads: 32 bytes at most, undecodable ones replaced
+    before = _open_fds()
+    with pytest.raises(LockHeld) as refused:
+        hold_lock(lock)
+    assert refused.value.holder == "\ufffd" + "7" * 31 and str(refused.value) == refused.value.holder
+    assert _open_fds() == before  # the refused attempt's descriptor closed
+    os.close(fd)
+    os.close(hold_lock(lock))  # free again
+
+
+def test_a_fresh_lock_file_is_created_and_a_filesystem_that_cannot_lock_raises_without_leaking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    umask = os.umask(0o022)  # the usual one, under which the mode asked for shows
+    try:
+        fd = hold_lock(tmp_path / "new.lock")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "new.lock").read_text() == f"{os.getpid()}\n"
+    assert (tmp_path / "new.lock").stat().st_mode & 0o777 == 0o644
+    os.close(fd)
+
+    def unlockable(_fd: int, _op: int) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr("spes.atomic.fcntl.flock", unlockable)
+    before = _open_fds()
+    with pytest.raises(OSError, match="No locks available"):
+        hold_lock(tmp_path / "nfs.lock")
+    assert _open_fds() == before

@@ -136,6 +136,8 @@ def test_state_of_another_model_is_refused_naming_the_tensor(tmp_path: Path) -> 
         r"fresh --state_dir for a new run$",
     ):
         load_round(tmp_path, tiny_spec(d=16))
+    with pytest.raises(ValueError, match=r"another model than this server's \(configs/other.yaml\): 'blocks"):
+        load_round(tmp_path, dataclasses.replace(tiny_spec(d=16), origin="configs/other.yaml"))  # the YAML named
     assert load_round(tmp_path, dataclasses.replace(SPEC, manifest=None)) is not None  # no YAML: the state's model
 
 
