@@ -1292,6 +1292,12 @@ EQUIVALENT: dict[str, str] = {
         "spes.shards.x_find_shard_info", "18", "the sidecar's encoding, as the list file's (46 48 of _resolve_entry)"
     ),
     **mutants(
+        "spes.atomic.x_hold_lock",
+        "34",
+        "the lock file truncated to one byte before the pid's line is written over it from byte 0: that line is "
+        "longer than one byte, so the file holds just it either way",
+    ),
+    **mutants(
         "spes.shards.x__looks_uint16",
         "9",
         "the head cut to whole uint32 values: read as uint32, the file's size is a multiple of 4 (checked first) and "
