@@ -461,17 +461,26 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         )
         if node.checkpoint is not None:
             trainer.load_state_dict(node.checkpoint.trainer)
-            landed = None
-            if syncer is not None and node.checkpoint.trainer.get("step"):  # NOTE: not when its step is reset
-                landed = syncer.resume(node.checkpoint.path, trainer.step)
-            if landed is not None:
-                trainer.resumed_round(landed)  # NOTE: moves on when this node had fallen behind the run
-                log(f"step {trainer.step}: applied the round the interrupted run was waiting for")
+        if syncer is not None:
+            rejoin(trainer, syncer, node.checkpoint, log)
     except BaseException:
         if syncer is not None:
             syncer.close()
         raise
     return trainer, syncer
+
+
+def rejoin(trainer: Trainer, syncer: PeerSync, checkpoint: Checkpoint | None, log: Callable[[str], None]) -> None:
+    """Where a joined node continues: at its checkpoint's step, with the round the interrupted run held in flight
+    (applied when due); or, when the run has moved past that step, at the run's latest round."""
+    if checkpoint is not None and checkpoint.trainer.get("step"):  # NOTE: not when its step is reset
+        landed = syncer.resume(checkpoint.path, trainer.step)
+        if landed is not None:
+            trainer.resumed_round(landed)  # NOTE: moves on when this node had fallen behind the run
+            log(f"step {trainer.step}: applied the round the interrupted run was waiting for")
+    behind = syncer.catch_up(trainer.step)
+    if behind is not None:
+        trainer.resumed_round(behind)
 
 
 def describe_experts(cfg: TrainConfig) -> str:

@@ -169,11 +169,11 @@ class Trainer:
         return rewarmed_lr(step, *self.lr_rewarm, lambda s: lr_at(s, sched, peak, self.t_max))
 
     def resumed_round(self, result: SyncResult) -> None:
-        """The round an interrupted run was waiting for, applied at resume: continue from its step and log that
-        step's row with the round's figures (the interrupted process saved before it could; the step's training
-        figures went with it)."""
+        """A round applied at start (the one an interrupted run was waiting for, or the run's latest when it has
+        moved past this node): continue from its step and log that step's row with the round's figures (the
+        interrupted process saved before it could; the step's training figures went with it)."""
+        self.metrics.truncate(min(self.step, result.step - 1))  # NOTE: rows past the checkpoint's step did not happen
         self.step = result.step
-        self.metrics.truncate(self.step - 1)
         self._record(self.step, result.metrics())
 
     def _limit(self) -> str:

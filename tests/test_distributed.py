@@ -437,7 +437,18 @@ def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     )
     trainer.fit()
     peer_sync.close()
-    return record
+    return {**record, "run_id": peer_sync.client.run_id if peer_sync.client is not None else ""}
+
+
+def _replacement_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
+    """A fresh node of the run started as `python -m spes.train` starts it: every rank's step and whole model."""
+    from spes.train import start_node
+
+    cfg = load_config(TINY, [*SMALL_NODE, *args["overrides"]])[0]
+    trainer, syncer = start_node(cfg, info, log=lambda _msg: None)
+    assert syncer is not None
+    syncer.close()
+    return {"step": trainer.step, "digests": _digests(trainer.model)}
 
 
 @pytest.mark.slow
@@ -446,7 +457,7 @@ def test_two_nodes_of_two_ranks_hold_the_same_global_model_after_every_round(tin
     """Server + node 0 (DDP x 2) + node 1 (FSDP2 x 2): 5 processes, 2 rounds; after each round all four ranks
     hold bit-identical whole models, though the nodes trained different experts on different data."""
 
-    def node(addr: str, peer: int, strategy: str) -> list[Any]:
+    def node(addr: str, peer: int, strategy: str, worker: str = "_sync_node_worker", *extra: str) -> list[Any]:
         overrides = [
             *SPES_PEER,
             f"--spes_config.peer_id={peer}",
@@ -459,9 +470,10 @@ def test_two_nodes_of_two_ranks_hold_the_same_global_model_after_every_round(tin
             f"--distributed_strategy={strategy}",
             *tiny_corpus.overrides(tmp_path / f"node{peer}"),
             "--data.validation_paths=[]",
+            *extra,
         ]
         return run_ranks(
-            2, "test_distributed:_sync_node_worker", {"overrides": overrides}, tmp_path / f"ranks{peer}", timeout=300
+            2, f"test_distributed:{worker}", {"overrides": overrides}, tmp_path / f"{worker}{peer}", timeout=300
         )
 
     with ThreadPoolExecutor(2) as pool:
@@ -478,9 +490,14 @@ def test_two_nodes_of_two_ranks_hold_the_same_global_model_after_every_round(tin
         ) as addr:
             futures = [pool.submit(node, addr, 0, "ddp"), pool.submit(node, addr, 1, "fsdp")]
             wait(futures, timeout=360, return_when=FIRST_EXCEPTION)
+            ranks = [r for f in futures for r in f.result()]
+            run_id = f"--spes_config.run_id={[r.pop('run_id') for r in ranks][0]}"
+            # a fresh node replacing node 1 catches up with the run's last round before it trains a step
+            replaced = node(addr, 1, "fsdp", "_replacement_worker", run_id, f"--save_folder={tmp_path / 'new1'}")
         # the server is gone: a node still waiting for a failed one gives up after its retries
-        ranks = [r for f in futures for r in f.result()]
     assert all(sorted(r) == ["2", "4"] for r in ranks)
+    assert [r["step"] for r in replaced] == [4, 4]
+    assert all(r["digests"] == ranks[0]["4"]["after"] for r in replaced)
     for step in ("2", "4"):
         after = [r[step]["after"] for r in ranks]
         assert all(a == after[0] for a in after), f"ranks differ after the round at step {step}"

@@ -16,7 +16,8 @@ a server restart:
 told it has not joined, it joins again; told the server holds no upload of it for the round, it uploads
 again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed
 without it) catches up: `sync` returns the latest global model, every tensor of it, with
-`SyncStats.caught_up` set and `round` the server's step, and the caller continues from there. Other failures
+`SyncStats.caught_up` set and `round` the server's step, and the caller continues from there (`catch_up` does the
+same at start, before a node trains on from a step the run has passed). Other failures
 raise `SyncError` carrying the gRPC status code and the server's explanation. The token is never logged. The
 channel, the plane payloads take (falling back to gRPC when the data plane fails) and the presence stream are the
 client's `spes.sync.connection.Connection`.
@@ -84,6 +85,30 @@ class SyncStats:
     """True when this peer had fallen behind: the result is the whole global model of round `round`."""
     phases: RoundPhases | None = None
     """Where the seconds went (None on a catch-up)."""
+
+    @classmethod
+    def of(
+        cls,
+        info: pb.RoundInfo,
+        start: float,
+        sent: int,
+        received: int,
+        *,
+        caught_up: bool,
+        phases: RoundPhases | None = None,
+    ) -> SyncStats:
+        """The stats of a round announced by `info`, begun at `time.perf_counter()` `start`."""
+        return cls(
+            time.perf_counter() - start,
+            sent,
+            received,
+            info.round,
+            info.merged,
+            info.alpha,
+            tuple(info.peers),
+            caught_up,
+            phases,
+        )
 
 
 @dataclass(frozen=True)
@@ -248,18 +273,18 @@ class SyncClient:
             log.warning("peer %d is behind the run (%s): loading the latest global model", self.peer_id, err)
             sent, (info, downloaded, received), caught_up = 0, self._latest(step, manifest, deadline), True
             phases = None
-        stats = SyncStats(
-            seconds=time.perf_counter() - start,
-            bytes_up=sent,
-            bytes_down=received,
-            round=info.round,
-            merged=info.merged,
-            alpha=info.alpha,
-            peers=tuple(info.peers),
-            caught_up=caught_up,
-            phases=phases,
-        )
-        return downloaded, stats
+        return downloaded, SyncStats.of(info, start, sent, received, caught_up=caught_up, phases=phases)
+
+    def catch_up(self, step: int) -> tuple[Tensors, SyncStats] | None:
+        """The whole global model of the server's latest round when the run has completed one past `step` (a node
+        joining ahead of its checkpoint: a replacement, or one resumed from an older save), `caught_up` set; None
+        when it has not. Trained on from `step`, the node would be refused as stale only a whole interval later."""
+        manifest = self._require_joined()
+        if self.status().current_round <= step:
+            return None
+        start = time.perf_counter()
+        info, downloaded, received = self._latest(step, manifest, time.monotonic() + self.round_timeout_s)
+        return downloaded, SyncStats.of(info, start, 0, received, caught_up=True)
 
     def _exchange(
         self, step: int, ordered: Tensors, manifest: Manifest, fragment: int, deadline: float

@@ -296,6 +296,28 @@ class PeerSync:
             return None
         return self.sync(step) if int(taken.item()) < step and self.syncs_at(step) else self._land(step)
 
+    def catch_up(self, step: int) -> SyncResult | None:
+        """At start, with no round in flight: when the run has completed a round past `step` (this node replaces a
+        lost one, or resumed from an older checkpoint), its whole global model, loaded on every rank; the node
+        continues from that round's step. Trained on from `step`, it would be refused as stale a whole interval
+        later. None when the run has not moved past it."""
+        if self._taken is not None:  # the round in flight catches up when it lands
+            return None
+        got, error = None, None
+        if self.client is not None:
+            try:
+                got = self.client.catch_up(step)
+            except SyncError as e:
+                error = e
+        self._agree(error, "catch up with the run")
+        behind = torch.tensor([int(got is not None)], device=self.info.device)
+        if self.distributed:
+            dist.broadcast(behind, src=0)
+        if not behind.item():
+            return None
+        downloaded, stats = got if got is not None else ({}, None)
+        return self._load(step, downloaded, stats, snapshot=None, trained=[])
+
     def close(self) -> None:
         if self.client is not None:
             self.client.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +16,7 @@ from spes.config import load_config
 from spes.sync.peer import PeerSync, SyncResult, read_run_id
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
-from spes.train import build_node
+from spes.train import build_node, rejoin
 from spes.trainer import Trainer
 from sync_helpers import running_server
 
@@ -54,7 +55,13 @@ class Recording:
         self.results: dict[int, SyncResult] = {}
 
     def sync(self, step: int) -> SyncResult:
-        result = self.inner.sync(step)
+        return self._kept(step, self.inner.sync(step))
+
+    def catch_up(self, step: int) -> SyncResult | None:
+        result = self.inner.catch_up(step)
+        return result if result is None else self._kept(step, result)
+
+    def _kept(self, step: int, result: SyncResult) -> SyncResult:
         self.results[step] = result
         self.after[step] = {n: t.detach().clone() for n, t in self.inner.model.state_dict().items()}
         return result
@@ -84,11 +91,19 @@ def server_spec(corpus: Any, tmp_path: Path) -> RunSpec:
 
 
 def node(
-    corpus: Any, tmp_path: Path, addr: str, peer: int, *, load_path: str | None = None, crash_at: int | None = None
+    corpus: Any,
+    tmp_path: Path,
+    addr: str,
+    peer: int,
+    *,
+    load_path: str | None = None,
+    crash_at: int | None = None,
+    run_id: str | None = None,
 ) -> tuple[Trainer, Recording]:
-    """One peer as `python -m spes.train configs/tiny.yaml` would build it (--resume: `load_path`)."""
+    """One peer as `python -m spes.train configs/tiny.yaml` would build it (--resume: `load_path`; a fresh node of a
+    running run: `run_id`)."""
     cfg, _ = load_config(TINY, overrides(corpus, tmp_path, addr, peer))
-    cfg.load_path = load_path
+    cfg.load_path, cfg.spes_config.run_id = load_path, run_id
     built = build_node(cfg, CPU, log=lambda _m: None)
     run_id = read_run_id(built.checkpoint.path) if built.checkpoint is not None else None  # as spes.train does
     sync = PeerSync(cfg, built.model, CPU, log=lambda _m: None, run_id=run_id)
@@ -106,6 +121,7 @@ def node(
     )
     if built.checkpoint is not None:
         trainer.load_state_dict(built.checkpoint.trainer)
+    rejoin(trainer, recording, built.checkpoint, log=lambda _m: None)  # type: ignore[arg-type]
     return trainer, recording
 
 
@@ -160,12 +176,33 @@ def test_a_peer_resumed_from_an_older_checkpoint_catches_up_with_the_run(tiny_co
         restarted = pool.submit(crash_then_resume, tiny_corpus, tmp_path, addr, 6, "step2")
         trainer1, recording1 = restarted.result(timeout=240)
         steady.result(timeout=240)
-    caught_up = recording1.results[4]
+    caught_up = recording1.results[2]  # at start: the run had moved on to round 6
     assert (caught_up.step, caught_up.caught_up, caught_up.metrics()["caught_up_to"]) == (6, True, 6)
-    assert sorted(recording1.results) == [4, 8]
+    assert sorted(recording1.results) == [2, 8]
     assert trainer1.step == STEPS
     for name, tensor in recording0.after[6].items():  # peer 0 holds the whole global model after round 6
-        assert torch.equal(recording1.after[4][name], tensor), name
+        assert torch.equal(recording1.after[2][name], tensor), name
     weights = [final_weights(trainer0), final_weights(trainer1)]
     shared = [n for n in weights[0] if ".experts." not in n]
     assert shared and all(torch.equal(weights[0][n], weights[1][n]) for n in shared)
+    rows = [json.loads(line) for line in (tmp_path / "node1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 6, 7, 8]  # the crashed attempt's steps 3..6 did not happen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_fresh_node_replacing_a_lost_one_starts_from_the_runs_latest_round(tiny_corpus: Any, tmp_path: Path) -> None:
+    with running_server(server_spec(tiny_corpus, tmp_path)) as (_, addr), ThreadPoolExecutor(1) as pool:
+        trainer0, recording0 = node(tiny_corpus, tmp_path, addr, 0)
+        steady = pool.submit(run, trainer0, recording0)
+        with pytest.raises(Crash):  # peer 1 is lost before step 7, after round 6, with its save folder
+            run(*node(tiny_corpus, tmp_path, addr, 1, crash_at=6))
+        run_id = read_run_id(tmp_path / "node1" / "step6")
+        trainer1, recording1 = node(tiny_corpus, tmp_path / "new", addr, 1, run_id=run_id)
+        run(trainer1, recording1)
+        steady.result(timeout=240)
+    assert sorted(recording1.results) == [0, 8]
+    assert (recording1.results[0].step, recording1.results[0].caught_up) == (6, True)
+    for name, tensor in recording0.after[6].items():
+        assert torch.equal(recording1.after[0][name], tensor), name
+    assert trainer1.step == STEPS and trainer1.tokens == 2 * trainer0.tokens // STEPS  # it trained steps 7 and 8

@@ -328,6 +328,23 @@ def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None
 
 
 @pytest.mark.timeout(60)
+def test_catch_up_at_start_loads_the_latest_round_only_when_the_run_is_past_the_step() -> None:
+    spec = tiny_spec(sync_steps=10, server=ServerSection(merge_interval=0))
+    with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
+        assert clients[0].catch_up(0) is None  # no round yet
+        uploads = {p: peer_upload(spec, p, seed=10) for p in range(2)}
+        served = sync_all(clients, 10, uploads)[0][0]
+        assert clients[1].catch_up(10) is None and clients[1].catch_up(11) is None
+        got = clients[1].catch_up(0)
+        assert got is not None
+        tensors, stats = got
+        assert (stats.caught_up, stats.round, stats.bytes_up, stats.phases) == (True, 10, 0, None)
+        assert sorted(tensors) == sorted(spec.manifest or {})  # every tensor, its own experts included
+        for name, tensor in served.items():
+            assert torch.equal(tensors[name], tensor), name
+
+
+@pytest.mark.timeout(60)
 def test_the_first_quorum_round_needs_every_expert_owner() -> None:
     spec = tiny_spec(server=ServerSection(dead_peer_policy="quorum", min_peers=1, round_timeout_s=0.5))
     with running_server(spec) as (_, addr):
