@@ -71,6 +71,12 @@ class RoundCloser:
                 saved.spec.last_step,
                 saved.length_was,
             )
+        if saved.server_changed:
+            log.warning(
+                "the server: section differs from the one the run's rounds so far had, the next rounds use this "
+                "server's: %s",
+                "; ".join(saved.server_changed),
+            )
         return saved.spec
 
     def close(self, step: int, spec: RunSpec) -> None:

@@ -8,12 +8,13 @@ After every completed round, before any peer may download it, the server writes
                                state.json)
     state.json                 the round (step, peers that built it, fragment, merge alpha), the run spec it was
                                written under (`spes.sync.spec.RunSpec`: mode, peers, ownership, schedule, codec),
-                               the model manifest, and the name and size of the tensor file
+                               its `server:` section, the model manifest, and the name and size of the tensor file
 
 each through a temporary file in the same directory, fsync and `os.replace`; `state.json` is replaced last and
 is the commit point, so a server killed at any moment (SIGKILL included) leaves either the previous round or
 the new one, never a mix. A restarted server with the same `--state_dir` resumes from that round if its run spec
-agrees (the open fields of a server started without the run's YAML are taken from the state); the peers' retries
+agrees (the open fields of a server started without the run's YAML are taken from the state; a `server:` setting
+it changed is named in its log); the peers' retries
 (re-join, re-upload) then complete the round that was open. Nothing is unpickled: tensors are read with
 safetensors, the rest is JSON. One server at a time: it holds `server.lock` there for its whole life
 (`lock_state_dir`), and a second one on the same directory is refused.
@@ -25,7 +26,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import LockHeld, hold_lock, write_atomic
+from spes.config import ServerSection
 from spes.sync.fragments import WHOLE
 from spes.sync.joins import manifest_differences
 from spes.sync.protocol import Manifest, Tensors
@@ -68,6 +70,8 @@ class SavedRound:
     """The server's spec, its open fields (manifest, sync_steps) completed from the state."""
     length_was: int | None = None
     """The run's last step as the state recorded it, when this restart changed it (`with_length`)."""
+    server_changed: tuple[str, ...] = ()
+    """The `server:` settings this restart changed (`server_changes`)."""
 
 
 def run_id_of(state_dir: str | Path) -> str:
@@ -135,6 +139,7 @@ def save_round(state_dir: str | Path, saved: SavedRound) -> Path:
         "fragment": saved.fragment,
         "alpha": saved.alpha,
         "spec": spec_record(saved.spec),
+        "server": asdict(saved.spec.server),
         "manifest": {name: list(shape) for name, shape in saved.spec.manifest.items()},
         "codec_is_global": shared,
         "tensor_file": tensor_file.name,
@@ -166,6 +171,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
         recorded = _recorded_spec(spec, record["spec"], manifest)
         codec_is_global = [str(n) for n in record.get("codec_is_global", [])]
         fragment, alpha = int(record.get("fragment", WHOLE)), float(record["alpha"])
+        server_changed = tuple(server_changes(dict(record.get("server", {})), spec.server))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{state_path}: not a spes server state of this version ({exc}); move it away or pick another --state_dir"
@@ -198,7 +204,17 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
     codec_state = {name: codec_state[name] for name in manifest if name in codec_state}
     complete = spec.completed_by(resized)
     length_was = recorded.last_step if resized.last_step != recorded.last_step else None
-    return SavedRound(step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete, length_was)
+    return SavedRound(
+        step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete, length_was, server_changed
+    )
+
+
+def server_changes(recorded: dict[str, Any], now: ServerSection) -> list[str]:
+    """`server.<key>: <was> -> <now>` for each setting of the `server:` section that differs from the one a state
+    recorded. They may change at a restart (they are the server's alone, as a learning rate may change at an OLMo
+    resume), but the nodes' logs would not show it."""
+    current = asdict(now)
+    return [f"server.{k}: {recorded[k]!r} -> {v!r}" for k, v in current.items() if k in recorded and recorded[k] != v]
 
 
 def _check_model(state_path: Path, manifest: Manifest, spec: RunSpec) -> None:

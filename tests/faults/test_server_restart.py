@@ -53,10 +53,11 @@ def test_a_finished_run_trains_on_when_its_server_and_nodes_resume_with_a_longer
         assert [p.wait(timeout=240) for p in first] == [0, 0]
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
-        server, port = start_server(tiny_corpus, tmp_path, 0, "--max_duration=16st")
+        server, port = start_server(tiny_corpus, tmp_path, 0, "--max_duration=16st", "--server.merge_topk=3")
         procs.append(server)
         log = (tmp_path / "server.log").read_text()
         assert "max_duration changed: the run now ends at step 16 (it was to end at step 12)" in log, log[-2000:]
+        assert "the next rounds use this server's: server.merge_topk: 4 -> 3" in log, log[-2000:]
         longer = [start_node(tiny_corpus, tmp_path, peer, port, "--resume", "--max_duration=16st") for peer in (0, 1)]
         procs += longer
         codes = [p.wait(timeout=240) for p in longer]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spes.config import ServerSection
 from spes.sync.state import (
     LOCK_FILE,
     RUN_FILE,
@@ -150,6 +151,25 @@ def test_a_restart_may_change_the_runs_length_while_the_run_has_not_reached_it(t
     assert same is not None and same.spec.last_step == 40 and same.length_was is None
     unset = load_round(tmp_path, dataclasses.replace(SPEC, last_step=None))  # a server started without the YAML
     assert unset is not None and unset.spec.last_step == 40 and unset.length_was is None
+
+
+def test_a_restart_names_each_server_setting_it_changed(tmp_path: Path) -> None:
+    section = ServerSection(merge_alpha_start=0.05, dead_peer_policy="quorum")
+    save_round(tmp_path, dataclasses.replace(saved(10), spec=dataclasses.replace(SPEC, server=section)))
+    assert json.loads((tmp_path / STATE_FILE).read_text())["server"]["merge_alpha_start"] == 0.05
+    same = load_round(tmp_path, dataclasses.replace(SPEC, server=section))
+    assert same is not None and same.server_changed == ()
+    other = dataclasses.replace(section, merge_alpha_start=0.1, min_peers=2)
+    changed = load_round(tmp_path, dataclasses.replace(SPEC, server=other))
+    assert changed is not None and changed.server_changed == (
+        "server.merge_alpha_start: 0.05 -> 0.1",
+        "server.min_peers: None -> 2",
+    )
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    del record["server"]  # a state written before the section was recorded: nothing to compare
+    (tmp_path / STATE_FILE).write_text(json.dumps(record))
+    older = load_round(tmp_path, dataclasses.replace(SPEC, server=other))
+    assert older is not None and older.server_changed == ()
 
 
 def test_a_server_without_the_runs_yaml_takes_its_open_fields_from_the_state(tmp_path: Path) -> None:
