@@ -16,6 +16,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -107,8 +108,18 @@ def staging_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
         raise
 
 
+HOLDER_BYTES = 128
+"""The most of a lock file a refusal reads: "pid <pid> on <host>" with a host name of up to 64 bytes fits."""
+
+
+def lock_holder() -> str:
+    """What `hold_lock` writes in its file: this process as a refusal names it."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
 class LockHeld(Exception):
-    """Another live process holds a `hold_lock` lock; `holder` is the pid it wrote there ('' when unknown)."""
+    """Another live process holds a `hold_lock` lock; `holder` is what it wrote there ("pid <pid> on <host>"; ''
+    when unknown)."""
 
     def __init__(self, holder: str) -> None:
         super().__init__(holder)
@@ -118,18 +129,19 @@ class LockHeld(Exception):
 def hold_lock(path: str | os.PathLike[str]) -> int:
     """An exclusive `flock` on the file `path` (created as needed) for one process that must be alone in a directory,
     held on the returned descriptor until it is closed or the process ends (SIGKILL included: a dead holder never
-    blocks a restart); this process's pid is written in it for a refusal to name. LockHeld when another process holds
-    it; OSError when the file cannot be opened or the filesystem cannot lock."""
+    blocks a restart); this process's pid and host are written in it for a refusal to name (on a shared filesystem
+    the holder may be another machine). LockHeld when another process holds it; OSError when the file cannot be
+    opened or the filesystem cannot lock."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        holder = os.pread(fd, HOLDER_BYTES, 0).decode(errors="replace").strip()
         os.close(fd)
         raise LockHeld(holder) from None
     except OSError:
         os.close(fd)
         raise
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{lock_holder()}\n".encode()[:HOLDER_BYTES], 0)
     return fd

@@ -198,7 +198,7 @@ def holding_save_folder(cfg: TrainConfig, info: DistInfo, log: Callable[[str], N
         fd = hold_lock(folder / SAVE_FOLDER_LOCK)
     except LockHeld as held:
         raise ValueError(
-            f"save_folder {folder} is in use by another node (pid {held.holder or 'unknown'}): give each node its own "
+            f"save_folder {folder} is in use by another node ({held.holder or 'pid unknown'}): give each node its own "
             "save_folder (e.g. output/${run_name}/node${spes_config.peer_id}), or stop that process first"
         ) from None
     except OSError as exc:  # NOTE: a filesystem without flock (some Lustre mounts) must not stop a run

@@ -1,9 +1,10 @@
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
-from spes.atomic import LockHeld, hold_lock, staging_dir, write_atomic
+from spes.atomic import LockHeld, hold_lock, lock_holder, staging_dir, write_atomic
 
 
 def test_bytes_text_and_writer_functions_all_land_whole(tmp_path: Path) -> None:
@@ -84,14 +85,14 @@ def test_a_lock_is_one_holders_who_writes_its_pid_and_a_second_is_refused_naming
     """flock is per open file: a second `hold_lock` of the same file, in this process too, is refused while the
     first descriptor is open; closing it (or the holder's death) frees the lock."""
     lock = tmp_path / "server.lock"
-    lock.write_text("x" * 40)  # a longer pid of a holder long gone
+    lock.write_text("x" * 200)  # a longer line of a holder long gone
     fd = hold_lock(lock)
-    assert lock.read_text() == f"{os.getpid()}\n"
-    os.pwrite(fd, b"\xff" + b"7" * 40, 0)  # what a refusal reads: 32 bytes at most, undecodable ones replaced
+    assert lock.read_text() == f"pid {os.getpid()} on {socket.gethostname()}\n" == f"{lock_holder()}\n"
+    os.pwrite(fd, b"\xff" + b"7" * 200, 0)  # what a refusal reads: 128 bytes at most, undecodable ones replaced
     before = _open_fds()
     with pytest.raises(LockHeld) as refused:
         hold_lock(lock)
-    assert refused.value.holder == "\ufffd" + "7" * 31 and str(refused.value) == refused.value.holder
+    assert refused.value.holder == "\ufffd" + "7" * 127 and str(refused.value) == refused.value.holder
     assert _open_fds() == before  # the refused attempt's descriptor closed
     os.close(fd)
     os.close(hold_lock(lock))  # free again
@@ -105,7 +106,7 @@ def test_a_fresh_lock_file_is_created_and_a_filesystem_that_cannot_lock_raises_w
         fd = hold_lock(tmp_path / "new.lock")
     finally:
         os.umask(umask)
-    assert (tmp_path / "new.lock").read_text() == f"{os.getpid()}\n"
+    assert (tmp_path / "new.lock").read_text() == f"{lock_holder()}\n"
     assert (tmp_path / "new.lock").stat().st_mode & 0o777 == 0o644
     os.close(fd)
 

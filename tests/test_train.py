@@ -18,7 +18,7 @@ import pytest
 
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
-from spes.atomic import hold_lock
+from spes.atomic import hold_lock, lock_holder
 from spes.checkpoint import META_FILE
 from spes.config import load_config
 from spes.train import SAVE_FOLDER_LOCK, _apply_resume, _start_from, describe_experts, main, parse_args
@@ -185,7 +185,7 @@ def test_a_save_folder_another_node_is_using_is_refused_naming_its_pid(
         os.close(held)
     captured = capsys.readouterr()
     assert assert_one_line(code, captured.out + captured.err) == (
-        f"error: save_folder {folder} is in use by another node (pid {os.getpid()}): give each node its own "
+        f"error: save_folder {folder} is in use by another node ({lock_holder()}): give each node its own "
         "save_folder (e.g. output/${run_name}/node${spes_config.peer_id}), or stop that process first"
     )
     assert "parameters" not in captured.out and not list(folder.glob("step*"))

@@ -102,7 +102,7 @@ def lock_state_dir(state_dir: str | Path) -> int:
         return hold_lock(Path(state_dir) / LOCK_FILE)
     except LockHeld as held:
         raise ValueError(
-            f"--state_dir {state_dir} is in use by another parameter server (pid {held.holder or 'unknown'}); stop it "
+            f"--state_dir {state_dir} is in use by another parameter server ({held.holder or 'pid unknown'}); stop it "
             "or pass another --state_dir"
         ) from None
     except OSError as exc:

@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import wait_until
+from spes.atomic import lock_holder
 from spes.config import ServerSection
 from spes.moe import parse_expert_block
 from spes.sync import downloads, wire
@@ -555,7 +557,7 @@ def test_a_second_server_on_a_state_dir_in_use_is_refused_and_a_stopped_servers_
             with running_server(SPEC10, state_dir=state_dir):
                 pass
         assert str(refused.value) == (
-            f"--state_dir {state_dir} is in use by another parameter server (pid {os.getpid()}); stop it or pass "
+            f"--state_dir {state_dir} is in use by another parameter server ({lock_holder()}); stop it or pass "
             "another --state_dir"
         )
         for peer in range(2):
@@ -580,8 +582,8 @@ def test_a_server_process_on_a_state_dir_in_use_exits_in_one_line_and_a_killed_o
         second = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=30)
         assert second.returncode == 2
         assert second.stderr.strip().splitlines() == [
-            f"error: --state_dir {state_dir} is in use by another parameter server (pid {first.pid}); stop it or "
-            "pass another --state_dir"
+            f"error: --state_dir {state_dir} is in use by another parameter server "
+            f"(pid {first.pid} on {socket.gethostname()}); stop it or pass another --state_dir"
         ]
         assert first.poll() is None
         first.kill()  # SIGKILL: the server releases nothing itself

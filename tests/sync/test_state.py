@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spes.atomic import lock_holder
 from spes.config import ServerSection
 from spes.sync.state import (
     LOCK_FILE,
@@ -220,12 +221,12 @@ def test_a_state_dir_is_held_by_one_server_at_a_time_and_free_again_once_it_lets
     state_dir = tmp_path / "new" / "state"
     held = lock_state_dir(state_dir)  # the directory made as needed
     try:
-        assert (state_dir / LOCK_FILE).read_text() == f"{os.getpid()}\n"
+        assert (state_dir / LOCK_FILE).read_text() == f"{lock_holder()}\n"
         for _ in range(2):  # a refusal leaves the holder's lock (and pid) as it was
             with pytest.raises(ValueError) as refused:
                 lock_state_dir(state_dir)
             assert str(refused.value) == (
-                f"--state_dir {state_dir} is in use by another parameter server (pid {os.getpid()}); stop it or pass "
+                f"--state_dir {state_dir} is in use by another parameter server ({lock_holder()}); stop it or pass "
                 "another --state_dir"
             )
         save_round(state_dir, saved(1))
@@ -247,10 +248,10 @@ def test_a_refusal_names_the_holder_its_lock_file_names_and_anyone_may_read_it(t
         os.umask(umask)
     try:
         assert stat.S_IMODE((tmp_path / LOCK_FILE).stat().st_mode) == 0o644
-        for written, named in ((b"", "unknown"), (b"\xff12\n", "\ufffd12")):  # none written yet, or not text
+        for written, named in ((b"", "pid unknown"), (b"\xff12\n", "\ufffd12")):  # none written yet, or not text
             os.ftruncate(held, 0)
             os.pwrite(held, written, 0)
-            with pytest.raises(ValueError, match=rf"in use by another parameter server \(pid {named}\); stop it"):
+            with pytest.raises(ValueError, match=rf"in use by another parameter server \({named}\); stop it"):
                 lock_state_dir(tmp_path)
     finally:
         os.close(held)
