@@ -34,7 +34,7 @@
 #     with TLS the nodes need --spes_config.tls_ca=ca.crt as an extra argument, and SERVER_HOST must be a name
 #     the server's certificate holds. SPES_TOKEN, when set, is the run's token for the server and every node.
 # Per node: --spes_config.peer_id=<id> and its data.seed (run_single_node.sh: a node file's own, or with CONFIG, the
-# file's + 1000 * id), --spes_config.server_addr=<host>:<port>, --resume=auto; extra arguments are passed to every
+# run's + 1000 * id), --spes_config.server_addr=<host>:<port>, --resume=auto; extra arguments are passed to every
 # node's trainer (and, but --resume, to the server) after these and win over them.
 # A requeued (or resubmitted) job continues where it stopped: the server restores its last round from
 # STATE_DIR and every node resumes from its save_folder's latest checkpoint (or starts fresh if it has none).

@@ -7,8 +7,9 @@
 #      .venv/bin/python, else python3), DATA_SEED (see below).
 # Data order: a node reads in the order of its data.seed. Node files (node_<id>.yaml) carry their own (6198, 7198,
 # ... as the first implementation's), and so does a CONFIG whose spes_config.peer_id is <id> (the node's own file,
-# by any path); any other CONFIG is one file for every node, and node <id> gets --data.seed=<the file's data.seed +
-# 1000 * id> (the first implementation's launchers' rule). DATA_SEED, when set, wins.
+# by any path); any other CONFIG is one file for every node, and node <id> gets --data.seed=<the run's seed +
+# 1000 * id> (the first implementation's launchers' rule; the run's seed is the file's data.seed - 1000 * its
+# spes_config.peer_id). DATA_SEED, when set, wins.
 # Extra arguments are passed through as overrides and win over the defaults set here. spes.torchrun is torchrun
 # that ends a failed run with the failing node's one-line error instead of a ChildFailedError traceback.
 set -euo pipefail
@@ -38,12 +39,11 @@ if [ -n "${DATA_SEED:-}" ]; then
   ARGS+=(--data.seed="$DATA_SEED")
 elif [ "$CONFIG" != "$CONFIG_DIR/node_${NODE_ID}.yaml" ]; then
   # NOTE: a node's own file is told by its peer_id, not its path: ./configs/spes_1b/node_1.yaml gave node 1 node 2's
-  # data order (7198 + 1000)
+  # data order (7198 + 1000); another node's seed is the run's (node_1.yaml's 7198 - 1000) + 1000 * its id
   SEED=$("$PYTHON" -c 'import sys
-from spes.config import load_config, node_data_seed
+from spes.config import load_config, run_data_seed
 try:
-    cfg, node = load_config(sys.argv[1])[0], int(sys.argv[2])
-    print(cfg.data_seed if cfg.spes_config.peer_id == node else node_data_seed(cfg.data_seed, node))
+    print(run_data_seed(load_config(sys.argv[1])[0], int(sys.argv[2])))
 except (ValueError, FileNotFoundError) as e:
     sys.exit(f"error: {e}")' "$CONFIG" "$NODE_ID") || exit 2
   ARGS+=(--data.seed="$SEED")

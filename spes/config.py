@@ -823,6 +823,23 @@ def node_data_seed(base_seed: int, peer_id: int) -> int:
     return base_seed + NODE_SEED_STRIDE * peer_id
 
 
+def run_data_seed(cfg: TrainConfig, node: int) -> int:
+    """The `data.seed` of node `node` of the run whose node `spes_config.peer_id` the YAML `cfg` is: that node's own
+    `data_seed`, the others' from the base it implies (`data_seed - 1000 * peer_id`): launched from node_1.yaml
+    (7198), node 0 reads in the order of 6198 as the run's node 0 does, not of 7198 (node 1's)."""
+    own, peer = cfg.data_seed, cfg.spes_config.peer_id
+    if node == peer:
+        return own
+    if own < NODE_SEED_STRIDE * peer:
+        raise ConfigError(
+            f"config key 'data.seed' = {own} of spes_config.peer_id={peer} implies no seed for node {node} "
+            f"(it is not {NODE_SEED_STRIDE} * {peer} + a run's seed): launch from node 0's YAML, or give the node its "
+            "data.seed",
+            "data.seed",
+        )
+    return node_data_seed(own - NODE_SEED_STRIDE * peer, node)
+
+
 def check_outer_optimizer(server: ServerSection, mode: RunMode) -> None:
     """Refuse an outer optimizer the round would not apply: the outer step is DiLoCo's, a SPES round has none."""
     _require(

@@ -5,8 +5,9 @@
     python -m spes.launch configs/tiny.yaml -- --max_duration=200st   # overrides for every peer
 
 This is the quickstart's engine and a way to try a configuration before renting nodes: each peer is the
-same `python -m spes.train` a real node runs (with its own `peer_id` and `data.seed`: the config's + 1000 * peer_id,
-as the first implementation's launchers gave its nodes 6198, 7198, ...), the server is
+same `python -m spes.train` a real node runs (with its own `peer_id` and `data.seed`: the run's + 1000 * peer_id,
+as the first implementation's launchers gave its nodes 6198, 7198, ...; the run's is the YAML's own node's data seed
+less 1000 * its peer_id), the server is
 the same `python -m spes.server` given the same YAML and overrides (so its `server:` section, e.g.
 `-- --server.merge_interval=20`). At the end it prints a summary table and exits 0 with every child gone; if
 any process fails, the others are stopped and the exit code is non-zero. Ctrl-C or SIGTERM stops the peers (each
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.config import CODECS, TrainConfig, load_config, node_data_seed
+from spes.config import CODECS, TrainConfig, load_config, run_data_seed
 from spes.schema import ConfigError, number_flag
 
 STOP_GRACE_S = 10.0
@@ -49,7 +50,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument(
         "config",
-        help="node config (YAML); peer_id, data seed (the config's + 1000 * peer_id), server address and save folder "
+        help="node config (YAML); peer_id, data seed (the run's + 1000 * peer_id), server address and save folder "
         "are set here",
     )
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
@@ -84,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg, run = load_run(args, overrides)
         eval_peers = check_eval_peers(args.eval_peers, cfg.num_peers)
         resume = resume_flags(out, args.resume)
+        seeds = [run_data_seed(cfg, i) for i in range(cfg.num_peers)]  # as the first implementation's launchers
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     port = args.port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-    seeds = [node_data_seed(cfg.data_seed, i) for i in range(cfg.num_peers)]  # as the first implementation's launchers
     procs: dict[str, subprocess.Popen] = {}
     sigterm_as_interrupt()
     started = time.time()

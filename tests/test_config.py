@@ -23,6 +23,7 @@ from spes.config import (
     load_sync_sections,
     node_data_seed,
     parse_duration,
+    run_data_seed,
 )
 from spes.schema import ConfigError, _yaml_problem, config_help, from_dict, to_dict
 
@@ -86,6 +87,23 @@ def test_a_node_reads_in_the_order_of_its_data_seed_else_of_seed(tmp_path: Path)
     assert load_config(CONFIGS / "tiny.yaml", ["--data.seed=100", "--spes_config.peer_id=1"])[0].data_seed == 100
     assert load_config(write(tmp_path, "seed: 42\n"))[0].data_seed == 42
     assert [node_data_seed(6198, p) for p in range(4)] == [6198, 7198, 8198, 9198]
+
+
+@pytest.mark.parametrize("family", ["spes_1b", "diloco_1b", "upcycled_9b"])
+def test_from_any_node_file_every_node_gets_its_own_files_data_seed(family: str) -> None:
+    """A launcher started from node_k.yaml gives node n the seed of node_n.yaml: the run's, not node_k's + 1000 n."""
+    paths = sorted((CONFIGS / family).glob("node_*.yaml"))
+    configs = [load_config(path)[0] for path in paths]
+    own = [cfg.data_seed for cfg in configs]
+    for cfg in configs:
+        assert [run_data_seed(cfg, n) for n in range(len(configs))] == own
+
+
+def test_a_data_seed_that_implies_no_run_seed_is_refused(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "data:\n  seed: 5\nspes_config:\n  peer_id: 1\n  num_peers: 2\n"))[0]
+    assert run_data_seed(cfg, 1) == 5  # its own, as given
+    with pytest.raises(ConfigError, match=r"^config key 'data.seed' = 5 of spes_config.peer_id=1 implies no seed for"):
+        run_data_seed(cfg, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
