@@ -179,7 +179,7 @@ def _usable_folder(cfg: TrainConfig) -> Path:
 
 
 SAVE_FOLDER_LOCK = "node.lock"
-"""Held (flock) in a save folder by the main rank of the one node that writes it, with its pid in it."""
+"""Held (flock) in a save folder by the main rank of the one node that writes it, with its pid and host in it."""
 
 
 @contextlib.contextmanager
