@@ -39,7 +39,7 @@ from spes.sync.auth import TOKEN_ENV
 
 if TYPE_CHECKING:
     from spes.data import TokenSequenceDataset
-    from spes.sync.client import SyncClient, SyncError
+    from spes.sync.client import ServerStatus, SyncClient, SyncError
 
 FP32 = 4
 BF16 = 2
@@ -264,6 +264,7 @@ def check_server(
     )
     try:
         checked = client.check_join()
+        position = run_position(client.status())
     except SyncError as exc:
         client.close()
         return _refused_join(cfg, exc), None
@@ -271,8 +272,19 @@ def check_server(
     reached = f"{s.server_addr} reachable, protocol v{PROTOCOL_VERSION}"
     return [
         ok("server", f"{reached}, credentials accepted ({_security(cfg)})"),
-        ok("settings", f"{settings}: the server accepts them; the manifest {known}"),
+        ok("settings", f"{settings}: the server accepts them; the manifest {known}; {position}"),
     ], client
+
+
+def run_position(status: ServerStatus) -> str:
+    """Where the server's run stands, for a node about to join it: one that starts behind it catches up at once."""
+    run = f"run {status.run_id}" if status.run_id else "the run"
+    if status.current_round < 0:
+        return f"{run}: no round completed yet"
+    return (
+        f"{run} at round {status.current_round} (a node starting before that step loads its global model as soon as "
+        "it joins)"
+    )
 
 
 def _security(cfg: TrainConfig) -> str:

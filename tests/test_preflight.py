@@ -3,6 +3,7 @@ kind of mistake fails with its own line and exit 1, and the server's state is th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
@@ -27,6 +28,7 @@ from spes.preflight import (
     main,
     memory_need,
     model_state_bytes,
+    run_position,
 )
 from spes.shards import ShardInfo, write_shard_info
 from spes.sync.client import ServerStatus
@@ -119,6 +121,7 @@ def test_every_check_passes_for_a_matching_node_and_the_server_is_unchanged(
     assert all(line.startswith("ok") for line in lines.values()), lines
     assert "tcp plane" in lines["link"] and "RTT" in lines["link"] and "MiB/s" in lines["link"]
     assert "no peer has joined yet" in lines["settings"]
+    assert re.search(r"; run [0-9a-f]{16}: no round completed yet$", lines["settings"]), lines["settings"]
     assert "note" not in lines["data"]  # the shard's sidecar names this tokenizer
     assert status(server) == before
 
@@ -674,3 +677,12 @@ def test_the_sample_output_in_running_md_is_what_this_version_prints() -> None:
     assert echo.endswith(", config $CONFIG")
     first = sample.strip().splitlines()[0]
     assert re.fullmatch(r"node 0: 1 process\(es\) on .+, config configs/tiny\.yaml", first), first
+
+
+def test_the_settings_line_says_where_the_run_stands() -> None:
+    status = ServerStatus(12, -1, 2, (0, 1), (), 0, 0, "spes", run_id="0123456789abcdef")
+    assert run_position(status) == (
+        "run 0123456789abcdef at round 12 (a node starting before that step loads its global model as soon as it "
+        "joins)"
+    )
+    assert run_position(dataclasses.replace(status, current_round=-1, run_id="")) == "the run: no round completed yet"
