@@ -297,10 +297,9 @@ class PeerSync:
         return self.sync(step) if int(taken.item()) < step and self.syncs_at(step) else self._land(step)
 
     def catch_up(self, step: int) -> SyncResult | None:
-        """At start, with no round in flight: when the run has completed a round past `step` (this node replaces a
-        lost one, or resumed from an older checkpoint), its whole global model, loaded on every rank; the node
-        continues from that round's step. Trained on from `step`, it would be refused as stale a whole interval
-        later. None when the run has not moved past it."""
+        """At start, with no round in flight: the run's whole global model when it has completed a round past `step`
+        (a replacement node, or one resumed from an older checkpoint), loaded on every rank to continue from that
+        round's step (else None). Trained on from `step`, it would be refused as stale a whole interval later."""
         if self._taken is not None:  # the round in flight catches up when it lands
             return None
         got, error = None, None
