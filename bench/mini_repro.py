@@ -499,13 +499,14 @@ def measured_tokens_line(curves: dict[str, Any]) -> str:
 
 def config_facts(setup: Setup, params: dict[str, int] | None = None) -> dict[str, Any]:
     """What a report states of the runs' config beyond `setup`, read from configs/tiny.yaml under the setup's
-    overrides, not typed; refused where `params` (the runs' recorded counts) differ from what that config gives now
-    (it changed since the runs, so its facts are not theirs)."""
+    overrides, not typed; `drift` says so where `params` (the runs' recorded counts) differ from what that config
+    gives now (it changed since the runs, so its facts may not be theirs)."""
     common = setup.overrides("tokenizer", "train", "valid", DEFAULT_SEED)
+    drift = None
     if params is not None and (now := param_counts(common)) != {key: params.get(key) for key in now}:
-        raise SystemExit(
-            f"error: {CONFIG} under this setup now gives the parameter counts {now}, the runs recorded {params}: "
-            "the config changed since they ran; re-run them. No report written."
+        drift = (
+            f"{CONFIG} now gives {now['total']:,} parameters under this setup, the runs recorded {params['total']:,}: "
+            "it changed since they ran, so the facts above read from it may not be theirs; re-run to refresh"
         )
     cfg, _ = load_config(REPO_ROOT / CONFIG, common)
     start = cfg.scheduler.warmup_min_lr
@@ -519,6 +520,7 @@ def config_facts(setup: Setup, params: dict[str, int] | None = None) -> dict[str
         "alpha_f": cfg.scheduler.alpha_f,
         "codec": cfg.spes_config.codec,
         "merge_topk": cfg.server.merge_topk,
+        "drift": drift,
     }
 
 
@@ -547,6 +549,7 @@ def setup_table(setup: Setup, params: dict[str, int], machine: dict[str, Any]) -
         f"{setup.eval_interval} steps (SPES/DiLoCo: the merged model right after the sync) |",
         f"| machine | {machine['cpus']} CPU cores, load average {machine['load_avg_1_5_15'][0]} at the end; "
         f"torch {machine['torch']} |",
+        *([f"| config | {f['drift']} |"] if f["drift"] else []),
         "",
     ]
 

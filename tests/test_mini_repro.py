@@ -359,13 +359,19 @@ def test_run_arms_resumes_reruns_what_changed_and_keeps_foreign_folders(
     assert ran == [] and (tmp_path / "spes" / "mine.txt").exists()
 
 
-def test_the_setup_table_states_the_config_of_the_runs_or_refuses(tmp_path: Path) -> None:
-    """The setup's facts come from the config; a record whose parameter counts the config no longer gives (the
-    config changed since the runs) is refused instead of described with today's config."""
+def test_the_setup_table_states_the_config_of_the_runs_or_its_drift(tmp_path: Path) -> None:
+    """The setup's facts come from the config; for a record whose parameter counts the config no longer gives (the
+    config changed since the runs) the table says so instead of silently describing today's config."""
     from mini_repro import FULL, config_facts, param_counts
 
     params = param_counts(FULL.overrides("tok", "t/*.npy", "v/*.npy", 6198))
     facts = config_facts(FULL, params)
-    assert (facts["experts"], facts["top_k"], facts["vocab"], facts["codec"]) == (8, 2, 4096, "fp32")
-    with pytest.raises(SystemExit, match="the config changed since they ran"):
-        config_facts(FULL, {**params, "total": params["total"] + 1})
+    assert (facts["experts"], facts["top_k"], facts["vocab"], facts["codec"], facts["drift"]) == (
+        8,
+        2,
+        4096,
+        "fp32",
+        None,
+    )
+    drift = config_facts(FULL, {**params, "total": params["total"] + 1})["drift"]
+    assert f"the runs recorded {params['total'] + 1:,}: it changed since they ran" in drift
