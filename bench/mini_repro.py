@@ -733,7 +733,7 @@ def premises(cmd: list[str]) -> dict[str, Any]:
         cfg, _ = load_run(argparse.Namespace(**{**vars(args), "config": str(REPO_ROOT / args.config)}), overrides)
     else:
         cfg, _ = load_config(REPO_ROOT / CONFIG, cmd[cmd.index(CONFIG) + 1 :])
-    sections = {"model": cfg.model, "scheduler": cfg.scheduler, "optimizer": cfg.optimizer}
+    sections: dict[str, Any] = {"model": cfg.model, "scheduler": cfg.scheduler, "optimizer": cfg.optimizer}
     return {
         "seed": cfg.seed,
         "data.seed": cfg.data.seed,
