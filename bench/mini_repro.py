@@ -18,12 +18,15 @@ entry points, with the same model, initialization, learning-rate schedule and nu
 
 Each peer's `global_train_batch_size` is a quarter of the centralized one, so every run sees the same number of
 tokens per step and in total; the counts are read back from the trainers' own `tokens` metric and the report
-is refused unless they are equal. The SPES and DiLoCo curves are the
-validation loss of the merged global model right after a sync (what every peer holds then); their
+is refused unless they are equal, and unless the runs ran to the end at one commit with the same seeds, model,
+steps, schedule, optimizer and data (each run's `run.json` keeps what its own command resolves to). The SPES and
+DiLoCo curves are the validation loss of the merged global model right after a sync (what every peer holds then); their
 pre-sync local losses are kept too. Bytes communicated are the payload bytes every peer sent and received
-(the client's counters), summed over peers. Outputs: `<out>/<run>/` (logs, metrics.jsonl), `<out>/run.json`
-(command, commit, machine), `bench/results/<name>.json` (the committed record), and in `--docs`:
-`mini_repro.png` and `mini_repro.md`.
+(the client's counters), summed over peers. Outputs: `<runs>/<run>/` (logs, metrics.jsonl, and run.json: the
+command, commit, machine and premises), `<runs>/walls.json`, the record (`--out`, default
+`bench/results/<name>.json`, committed for the full runs), and in `--docs`: `mini_repro.png` and `mini_repro.md`.
+A run already complete in `--runs` at this (clean) commit with the same command is read instead of run again, so
+an interrupted comparison resumes; an interrupted or outdated run starts over in a fresh folder.
 
 `--seed S` sets the model initialization seed and the data-order seeds (S for the centralized run and peer 0,
 S + 1000 * i for peer i) and runs into `bench/results/mini_repro_seed<S>/` with its report there; the default
@@ -40,9 +43,7 @@ overlapped schedule.
 round applied D steps after its sync step, with the local progress made meanwhile; default D = sync_steps), into
 `bench/results/mini_repro_overlap[_seed<S>]/<arm>/`, refuses unequal tokens as above, and records every arm's
 final validation loss in `bench/results/mini_repro_overlap*.json` (the figures in docs/benchmarks.md). `--only
-ARM...` records the base arm and just those arms. Each arm keeps its command, commit and machine in
-`<arm>/run.json`; an arm whose directory already holds a complete run at this (clean) commit is read instead of
-run again, so an interrupted comparison resumes, and a record whose arms ran at different commits is refused.
+ARM...` records the base arm and just those arms. Each arm is run, resumed and checked as the three runs above.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +75,8 @@ from common import (
 )
 from spes.atomic import write_atomic
 from spes.config import load_config
-from spes.launch import sigterm_as_interrupt
+from spes.launch import load_run, sigterm_as_interrupt
+from spes.launch import parse_args as parse_launch_args
 from spes.model import analytic_param_counts
 
 CONFIG = "configs/tiny.yaml"
@@ -210,9 +213,12 @@ def run_commands(setup: Setup, common: list[str], out: Path) -> Commands:
 Commands = dict[str, tuple[list[str], dict[str, str]]]
 
 
-def run_all(commands: Commands, out: Path, lanes: int = 1) -> dict[str, float]:
-    """Run the trainings, at most `lanes` at a time; wall seconds each. One at a time shares the CPU fairly
-    between a run's processes; two one-process runs at once fill the two cores. A failed run stops the rest."""
+def run_all(
+    commands: Commands, out: Path, lanes: int = 1, done: Callable[[str, float], None] | None = None
+) -> dict[str, float]:
+    """Run the trainings, at most `lanes` at a time; wall seconds each, also given to `done` as each ends well (so
+    an interrupted schedule keeps the runs it finished). One at a time shares the CPU fairly between a run's
+    processes; two one-process runs at once fill the two cores. A failed run stops the rest."""
     sigterm_as_interrupt()
     walls: dict[str, float] = {}
     pending = list(commands.items())
@@ -244,6 +250,8 @@ def run_all(commands: Commands, out: Path, lanes: int = 1) -> dict[str, float]:
                         f"error: the {name} run failed with exit code {proc.returncode}; see {out / f'{name}.log'}"
                     )
                 print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
+                if done:
+                    done(name, walls[name])
     finally:
         for proc, _ in running.values():
             proc.terminate()
@@ -437,18 +445,26 @@ def final_losses(curves: dict[str, Any]) -> dict[str, float]:
     return {name: curves[name]["val_loss"][-1] for name in RUNS}
 
 
-def other_seeds(seed: int) -> dict[int, dict[str, float]]:
-    """Final losses of the full runs of every other seed found in bench/results/ (each checked for equal tokens)."""
+def other_seeds(seed: int, commit: str) -> dict[int, dict[str, float]]:
+    """Final losses of the full runs of every other seed found in bench/results/ that pass the checks of this seed's
+    runs (`checked_runs`) at its `commit`; each seed left out is named with the reason."""
     found = {DEFAULT_SEED: RESULTS_DIR / "mini_repro"}
     found.update(
         {int(d.name.removeprefix("mini_repro_seed")): d for d in RESULTS_DIR.glob("mini_repro_seed*") if d.is_dir()}
     )
     finals = {}
     for other, runs in sorted(found.items()):
-        if other != seed and (runs / "walls.json").is_file():
-            curves = collect(runs)
-            check_equal_tokens(curves, runs)
-            finals[other] = final_losses(curves)
+        if other == seed or not (runs / "walls.json").is_file():
+            continue
+        try:
+            curves, info = checked_runs(runs, other)
+        except SystemExit as refused:
+            print(f"seed {other} left out of the seeds table: {refused}", flush=True)
+            continue
+        if info["commit"] != commit:
+            print(f"seed {other} left out of the seeds table: it ran at {info['commit']}, not {commit}", flush=True)
+            continue
+        finals[other] = final_losses(curves)
     return finals
 
 
@@ -481,28 +497,59 @@ def measured_tokens_line(curves: dict[str, Any]) -> str:
     return "Tokens trained on, as logged by the trainers (`tokens` metric): " + "; ".join(parts) + "."
 
 
+def config_facts(setup: Setup, params: dict[str, int] | None = None) -> dict[str, Any]:
+    """What a report states of the runs' config beyond `setup`, read from configs/tiny.yaml under the setup's
+    overrides, not typed; `drift` says so where `params` (the runs' recorded counts) differ from what that config
+    gives now (it changed since the runs, so its facts may not be theirs)."""
+    common = setup.overrides("tokenizer", "train", "valid", DEFAULT_SEED)
+    drift = None
+    if params is not None and (now := param_counts(common)) != {key: params.get(key) for key in now}:
+        drift = (
+            f"{CONFIG} now gives {now['total']:,} parameters under this setup, the runs recorded {params['total']:,}: "
+            "it changed since they ran, so the facts above read from it may not be theirs; re-run to refresh"
+        )
+    cfg, _ = load_config(REPO_ROOT / CONFIG, common)
+    start = cfg.scheduler.warmup_min_lr
+    return {
+        "experts": cfg.model.moe_num_experts,
+        "top_k": cfg.model.moe_top_k,
+        "vocab": cfg.model.vocab_size,
+        "optimizer": cfg.optimizer.name,
+        "warmup_from": "10%" if start is None else f"lr {start:g}",  # None: 10% of the peak (SchedulerConfig)
+        "schedule": cfg.scheduler.name.removesuffix("_with_warmup"),
+        "alpha_f": cfg.scheduler.alpha_f,
+        "codec": cfg.spes_config.codec,
+        "merge_topk": cfg.server.merge_topk,
+        "drift": drift,
+    }
+
+
 def setup_table(setup: Setup, params: dict[str, int], machine: dict[str, Any]) -> list[str]:
-    """The report's "Setup" section: what was trained, how, and on what machine."""
+    """The report's "Setup" section: what was trained, how, and on what machine (each fact from the setup, the
+    config or the record, see `config_facts`)."""
+    f = config_facts(setup, params)
     return [
         "## Setup",
         "",
         "| | |",
         "|---|---|",
-        f"| model | d_model {setup.d_model}, {setup.n_layers} layers, {setup.n_heads} heads, 8 experts top-2 "
-        f"(expert width {setup.mlp_hidden_size // 2}), vocab 4096, sequence {setup.seq_len} |",
+        f"| model | d_model {setup.d_model}, {setup.n_layers} layers, {setup.n_heads} heads, {f['experts']} experts "
+        f"top-{f['top_k']} (expert width {setup.mlp_hidden_size // 2}), vocab {f['vocab']}, sequence {setup.seq_len} |",
         f"| parameters | {params['total'] / 1e6:.2f}M total, {params['active'] / 1e6:.2f}M active per token, "
         f"{params['spes_trainable'] / 1e6:.2f}M trained per SPES peer |",
         f"| batch | peer {setup.peer_batch} x {setup.seq_len} tokens; centralized {PEERS * setup.peer_batch} x "
         f"{setup.seq_len} |",
-        f"| optimizer | AdamW, peak lr {setup.learning_rate}, linear warm-up from 10% over {setup.warmup} steps, "
-        "cosine to 10% |",
-        f"| sync | every {setup.sync_steps} steps ({setup.steps // setup.sync_steps} rounds), fp32 on the wire |",
+        f"| optimizer | {f['optimizer']}, peak lr {setup.learning_rate}, linear warm-up from {f['warmup_from']} over "
+        f"{setup.warmup} steps, {f['schedule']} to {f['alpha_f']:.0%} |",
+        f"| sync | every {setup.sync_steps} steps ({setup.steps // setup.sync_steps} rounds), {f['codec']} on the "
+        "wire |",
         f"| SPES merge warm-up | every {setup.merge_interval} steps, alpha {setup.merge_alpha_start} decaying to 0 "
-        f"at step {setup.merge_decay_steps}, top-4 |",
-        f"| validation | first {setup.eval_batches * setup.eval_batch_size} windows of data/default/valid every "
+        f"at step {setup.merge_decay_steps}, top-{f['merge_topk']} |",
+        f"| validation | first {setup.eval_batches * setup.eval_batch_size} windows of the validation shards every "
         f"{setup.eval_interval} steps (SPES/DiLoCo: the merged model right after the sync) |",
-        f"| machine | {machine['cpus']} CPU cores shared with other users, load average "
-        f"{machine['load_avg_1_5_15'][0]} at the end; torch {machine['torch']} |",
+        f"| machine | {machine['cpus']} CPU cores, load average {machine['load_avg_1_5_15'][0]} at the end; "
+        f"torch {machine['torch']} |",
+        *([f"| config | {f['drift']} |"] if f["drift"] else []),
         "",
     ]
 
@@ -587,7 +634,8 @@ def report(
         "Generated by `bench/mini_repro.py` (re-run it to refresh this file and the plot). "
         "All three runs use the same model, initialization, data order seeds, learning-rate schedule and "
         f"number of steps ({setup.steps}); the centralized batch is {PEERS} x the peer batch, so every run "
-        f"trains on {tokens_total:,} tokens of the default local corpus (Python stdlib + man pages).",
+        f"trains on {tokens_total:,} tokens of the same corpus (by default the local one that "
+        "`data_process_scripts/build_default_corpus.py` builds).",
         "",
         measured_tokens_line(curves),
         "",
@@ -660,10 +708,14 @@ def arm_commands(base: str, setup: Setup, common: list[str], out: Path, variants
     return arms
 
 
+RUN_KEYS = ("command", "commit", "machine")
+"""What a comparison's record keeps of each arm's run.json (its argv and premises stay in the run folder)."""
+
+
 def arm_commit(run: Path) -> str | None:
-    """The commit the arm in `run` ran at, if it ran to the end (its `run.json` is written last)."""
-    info = run / "run.json"
-    return json.loads(info.read_text())["commit"] if info.is_file() else None
+    """The commit the arm in `run` ran at, if it ran to the end (its `run.json` says so once the arm has ended)."""
+    info = read_json(run / "run.json", {})
+    return info["commit"] if info.get("complete") else None
 
 
 def rendered_from(commit: str | None) -> dict[str, str]:
@@ -672,26 +724,107 @@ def rendered_from(commit: str | None) -> dict[str, str]:
     return {"command": command_line([a for a in sys.argv if a != "--report-only"]), "commit": commit or "unknown"}
 
 
-def run_arms(commands: Commands, runs: Path) -> dict[str, float]:
-    """Run the arms, one at a time, each with its own record of what ran it, except those already run to the end
-    at this clean commit; wall seconds of every arm run so far in `runs`."""
+def premises(cmd: list[str]) -> dict[str, Any]:
+    """What the arms of one report must share, as the arm's own command resolves it (configs/tiny.yaml and the
+    overrides, read as spes.launch or spes.train reads them): seeds, model shape, steps, learning-rate schedule,
+    optimizer, corpus and validation. The batch is not here: the logged tokens are checked instead."""
+    if "spes.launch" in cmd:  # as the launcher resolves it, its own flags (--dilico) folded in
+        args, overrides = parse_launch_args(cmd[cmd.index("spes.launch") + 1 :])
+        cfg, _ = load_run(argparse.Namespace(**{**vars(args), "config": str(REPO_ROOT / args.config)}), overrides)
+    else:
+        cfg, _ = load_config(REPO_ROOT / CONFIG, cmd[cmd.index(CONFIG) + 1 :])
+    sections: dict[str, Any] = {"model": cfg.model, "scheduler": cfg.scheduler, "optimizer": cfg.optimizer}
+    return {
+        "seed": cfg.seed,
+        "data.seed": cfg.data.seed,
+        "max_duration": cfg.max_duration,
+        "tokenizer": cfg.tokenizer.identifier,
+        "data.paths": cfg.data.paths,
+        "data.validation_paths": cfg.data.validation_paths,
+        "eval": [cfg.eval_interval, cfg.eval_subset_num_batches, cfg.device_eval_batch_size],
+        **{f"{name}.{key}": value for name, section in sections.items() for key, value in asdict(section).items()},
+    }
+
+
+def arm_record(cmd: list[str]) -> dict[str, Any]:
+    """An arm's `run.json`: the script's command and commit, the arm's own command and the premises it resolves to;
+    `complete` is added once the arm has ended (an arm without it was interrupted)."""
+    record = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "argv": cmd}
+    return {**record, "premises": json.loads(json.dumps(premises(cmd)))}
+
+
+def arms_to_run(commands: Commands, runs: Path, records: dict[str, dict[str, Any]]) -> Commands:
+    """The arms to (re-)run: all but those complete at this clean commit with the very same command. Refused, before
+    anything runs, where an arm's folder holds something this script did not write (it is replaced otherwise)."""
+    todo: Commands = {}
+    for arm, command in commands.items():
+        info = read_json(runs / arm / "run.json", None)
+        if info and info.get("complete") and "-dirty" not in info["commit"]:
+            if (info["commit"], info.get("argv")) == (records[arm]["commit"], records[arm]["argv"]):
+                print(f"{arm}: complete at {info['commit'][:7]} in {runs / arm}, read instead of run again", flush=True)
+                continue
+        if info is None and (runs / arm).is_dir() and any((runs / arm).iterdir()):
+            raise SystemExit(
+                f"error: {runs / arm} holds a run this script did not record (no run.json): delete it "
+                f"(rm -r {runs / arm}) or pass another --runs. Nothing was run."
+            )
+        todo[arm] = command
+    return todo
+
+
+def run_arms(commands: Commands, runs: Path, lanes: int = 1) -> list[str]:
+    """Run the arms, at most `lanes` at a time, each with its own record of what ran it, except those already run
+    to the end at this clean commit with the same command (an interrupted comparison resumes; an interrupted arm
+    starts over in a fresh folder); the arms run now."""
+    records = {arm: arm_record(cmd) for arm, (cmd, _) in commands.items()}
+    todo = arms_to_run(commands, runs, records)
+    for arm in todo:
+        shutil.rmtree(runs / arm, ignore_errors=True)
+        (runs / arm).mkdir(parents=True)
+        write_atomic(runs / arm / "run.json", json.dumps(records[arm], indent=1) + "\n")
     walls = read_json(runs / "walls.json", {})
-    info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit()}
-    for arm in commands:
-        if "-dirty" not in info["commit"] and arm_commit(runs / arm) == info["commit"]:
-            print(f"{arm}: complete at {info['commit'][:7]} in {runs / arm}, read instead of run again", flush=True)
-            continue
-        walls.update(run_all({arm: commands[arm]}, runs))
-        write_atomic(runs / arm / "run.json", json.dumps({**info, "machine": machine_info()}, indent=1) + "\n")
-        write_atomic(runs / "walls.json", json.dumps(walls))
-    return walls
+
+    def done(arm: str, wall: float) -> None:
+        walls[arm] = wall
+        info = {**records[arm], "machine": machine_info(), "complete": True}
+        write_atomic(runs / arm / "run.json", json.dumps(info, indent=1) + "\n")
+        write_atomic(runs / "walls.json", json.dumps(walls) + "\n")
+
+    run_all(todo, runs, lanes, done)
+    return list(todo)
+
+
+def check_arms_alike(runs: Path, expect: dict[str, dict[str, Any]], vary: Sequence[str] = ()) -> str:
+    """Refuse to report unless every arm of `expect` ran to the end at one commit, with the premises of the first
+    arm (but for the keys in `vary`) and its own expected ones; their commit."""
+    infos = {arm: read_json(runs / arm / "run.json", {}) for arm in expect}
+    if unfinished := [arm for arm, info in infos.items() if not info.get("complete") or "premises" not in info]:
+        raise SystemExit(
+            f"error: {', '.join(unfinished)} in {runs} did not run to the end, or ran before arms recorded what ran "
+            "them: run the script without --report-only (complete arms at this commit are kept). No report written."
+        )
+    if len({info["commit"] for info in infos.values()}) > 1:
+        commits = {arm: info["commit"] for arm, info in infos.items()}
+        raise SystemExit(f"error: the arms in {runs} ran at different commits ({commits}); run them at one commit")
+    first, shared = next(iter(infos)), next(iter(infos.values()))["premises"]
+    for arm, info in infos.items():
+        wanted = {k: (v, f"as {first}") for k, v in shared.items() if k not in vary}
+        wanted.update({k: (v, "as this report states") for k, v in expect[arm].items()})
+        for key, (want, why) in wanted.items():
+            if (got := info["premises"].get(key)) != want:
+                raise SystemExit(
+                    f"error: arm {arm} in {runs} ran with {key}={got!r}, not {want!r} ({why}); re-run it "
+                    f"(rm -r {runs / arm}, then the same command). No report written."
+                )
+    return next(iter(infos.values()))["commit"]
 
 
 def compare_arms(
-    commands: Commands, runs: Path, base: str, variants: dict[str, list[str]], vs: str, total_params: int
+    commands: Commands, runs: Path, base: str, variants: dict[str, list[str]], vs: str, total_params: int, seed: int
 ) -> dict[str, Any]:
     """Every arm's final validation loss (of the merged model, once the last round is applied) against the `base`
-    arm's as `vs` = (arm - base) / base, at equal tokens (refused otherwise), and its bytes per peer per round.
+    arm's as `vs` = (arm - base) / base, at equal tokens and premises, all at `seed` (refused otherwise), and its
+    bytes per peer per round.
 
     bits_per_param = 8 * (bytes up + bytes down) / `total_params`, per peer and round: over the whole run
     (`mean`, its first full-value round included) and in the last round (`last`, a codec's steady state).
@@ -699,8 +832,7 @@ def compare_arms(
     walls = read_json(runs / "walls.json", {})
     curves = {arm: peers_curve(runs / arm) for arm in commands}
     check_equal_tokens(curves, runs, base_run=base)
-    if len(set(commits := {arm: arm_commit(runs / arm) for arm in commands}.values())) > 1:
-        raise SystemExit(f"error: the arms in {runs} ran at different commits ({commits}); run them at one commit")
+    check_arms_alike(runs, dict.fromkeys(commands, {"seed": seed}))
     base_loss = curves[base]["val_loss"][-1]
     arms = {}
     for arm, c in curves.items():
@@ -713,7 +845,7 @@ def compare_arms(
             "within_target": abs(c["val_loss"][-1] - base_loss) / base_loss <= ARM_TARGET,
             "bits_per_param": {"mean": 8 * mean_bytes / total_params, "last": 8 * last_bytes / total_params},
             "wall_s": walls.get(arm),
-            "run": read_json(runs / arm / "run.json", None),
+            "run": {k: v for k, v in read_json(runs / arm / "run.json", {}).items() if k in RUN_KEYS},
         }
     return {
         "machine": machine_info(),
@@ -749,7 +881,7 @@ def compare(
     if not args.report_only:
         run_arms(commands, runs)
     vs = "vs_fp32" if args.codecs else "vs_blocking"
-    result = compare_arms(commands, runs, base, variants, vs, total_params)
+    result = compare_arms(commands, runs, base, variants, vs, total_params, args.seed)
     print(f"tokens trained on, as logged by the trainers: {result['tokens']}")
     for arm, r in result["arms"].items():
         print(
@@ -846,13 +978,14 @@ def param_counts(common: list[str]) -> dict[str, int]:
     }
 
 
-def run_three(setup: Setup, common: list[str], runs: Path) -> tuple[dict[str, float], dict[str, Any]]:
-    """Train the three runs, then keep their wall times and what ran them in `runs` for --report-only."""
-    walls = run_all(run_commands(setup, common, runs), runs)
-    write_atomic(runs / "walls.json", json.dumps(walls) + "\n")
-    run_info = {"command": " ".join([sys.executable, *sys.argv]), "commit": git_commit(), "machine": machine_info()}
-    write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
-    return walls, run_info
+def checked_runs(runs: Path, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The three runs' curves and what ran them (the last run's command, commit and machine at its end), refused
+    unless they trained on equal logged tokens and ran to the end at one commit with the same premises and `seed`."""
+    curves = collect(runs)
+    check_equal_tokens(curves, runs)
+    check_arms_alike(runs, dict.fromkeys(RUNS, {"seed": seed}))
+    info = read_json(runs / RUNS[-1] / "run.json", {})
+    return curves, {k: v for k, v in info.items() if k in RUN_KEYS}
 
 
 def print_summary(curves: dict[str, Any], walls: dict[str, float]) -> None:
@@ -908,12 +1041,10 @@ def main(argv: list[str] | None = None) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     if args.codecs or args.overlap:
         return compare(p, args, setup, common, runs, out_json, params["total"])
-    if args.report_only:
-        walls, run_info = read_json(runs / "walls.json", {}), read_json(runs / "run.json", None)
-    else:
-        walls, run_info = run_three(setup, common, runs)
-    curves = collect(runs)
-    check_equal_tokens(curves, runs)
+    if not args.report_only:
+        run_arms(run_commands(setup, common, runs), runs)
+    curves, run_info = checked_runs(runs, args.seed)
+    walls = read_json(runs / "walls.json", {})
     machine = recorded_machine(run_info)
     png = docs / "mini_repro.png"
     plot(
@@ -923,9 +1054,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{curves['centralized']['tokens_final'] / 1e6:.2f}M tokens per run (measured), "
         f"sync every {setup.sync_steps} steps",
     )
-    finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(args.seed))}
-    note = (run_info or {}).get("note")
-    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick, note=note)
+    finals = {args.seed: final_losses(curves), **({} if args.quick else other_seeds(args.seed, run_info["commit"]))}
+    md = report(setup, curves, walls, params, machine, png.name, finals, correction=not args.quick)
     write_atomic(docs / "mini_repro.md", md)
     print_summary(curves, walls)
     print(f"wrote {docs / 'mini_repro.md'} and {png}")

@@ -55,6 +55,8 @@ from mini_repro import (
     Commands,
     Setup,
     central_curve,
+    check_arms_alike,
+    config_facts,
     outputs,
     pct,
     peers_curve,
@@ -62,7 +64,7 @@ from mini_repro import (
     read_json,
     recorded_machine,
     rendered_from,
-    run_all,
+    run_arms,
 )
 from spes.atomic import write_atomic
 from spes.config import load_config
@@ -185,8 +187,8 @@ def arm_commands(setup: Setup, common: list[str], sizes: dict[str, Any], out: Pa
     return commands
 
 
-def run_schedule(setup: Setup, sizes: dict[str, Any], args: Any, seeds: Sequence[int], runs: Path) -> dict[str, float]:
-    """Every arm of every seed; wall seconds each, keyed `seed<S>/<arm>`.
+def run_schedule(setup: Setup, sizes: dict[str, Any], args: Any, seeds: Sequence[int], runs: Path) -> list[str]:
+    """Every arm of every seed (keyed `seed<S>/<arm>`) but those already complete (mini_repro.run_arms); the arms run.
 
     A SPES or DiLoCo arm (a server and 4 peers) fills both cores and runs alone; the one-process arms
     (centralized, single node) use one core each, so they run two at a time, across seeds.
@@ -199,7 +201,7 @@ def run_schedule(setup: Setup, sizes: dict[str, Any], args: Any, seeds: Sequence
     one_process = {arm.name for arm in ARMS if arm.mode in ("central", "single")}
     several = {k: v for k, v in jobs.items() if k.split("/")[1] not in one_process}
     single = {k: v for k, v in jobs.items() if k.split("/")[1] in one_process}
-    return {**run_all(several, runs), **run_all(single, runs, lanes=2)}
+    return [*run_arms(several, runs), *run_arms(single, runs, lanes=2)]
 
 
 def collect(out: Path) -> dict[str, Any]:
@@ -312,8 +314,9 @@ def sizes_section(sizes: dict[str, Any]) -> list[str]:
 
 def setup_lines(setup: Setup, seeds: list[int], machine: dict[str, Any], total_wall_s: float | None) -> list[str]:
     """The report's setup and schedule paragraphs: what every arm shares, and how long the whole comparison took."""
+    top_k = config_facts(setup)["top_k"]
     return [
-        f"Setup: mini_repro.py's model otherwise (d_model {setup.d_model}, {setup.n_layers} layers, top-2, "
+        f"Setup: mini_repro.py's model otherwise (d_model {setup.d_model}, {setup.n_layers} layers, top-{top_k}, "
         f"expert width {setup.mlp_hidden_size // 2}, sequence {setup.seq_len}), {setup.steps} steps, peer "
         f"batch {setup.peer_batch}, sync every {setup.sync_steps} steps, validation on "
         f"{setup.eval_batches * setup.eval_batch_size} windows; seeds {', '.join(map(str, seeds))}; "
@@ -325,7 +328,7 @@ def setup_lines(setup: Setup, seeds: list[int], machine: dict[str, Any], total_w
         + (
             f"**The whole comparison ({len(ARMS)} arms x {len(seeds)} seeds) took {total_wall_s / 60:.0f} min.**"
             if total_wall_s is not None
-            else "The whole comparison's wall time was not recorded."
+            else "The whole comparison's wall time was not measured in one go (it was resumed): see each arm's."
         ),
         "",
     ]
@@ -451,8 +454,8 @@ def arg_parser() -> argparse.ArgumentParser:
 def memory_setup(quick: bool) -> Setup:
     """The runs' sizes: mini_repro.py's, but validated on 256 windows every 50 steps (quick: mini_repro.py's own)."""
     # NOTE: 256 validation windows (4x mini_repro.py's) but every 50 steps instead of 20, so that the 14 runs stay
-    # near an hour on 2 cores (63 min measured on a quiet machine, docs/benchmarks.md 6b) with 25/50/100% on
-    # evaluated steps.
+    # under an hour on 2 cores (the record's run.total_wall_s, docs/benchmarks.md 6b) with 25/50/100% on evaluated
+    # steps.
     if quick:
         return QUICK
     return replace(FULL, eval_batches=VALIDATION_WINDOWS // FULL.eval_batch_size, eval_interval=EVAL_INTERVAL)
@@ -463,15 +466,15 @@ def run_and_record(
 ) -> None:
     """Run every arm of every seed, then keep the wall times and what ran them in `runs` for --report-only."""
     started, machine_before = time.time(), machine_info()
-    walls_s = run_schedule(setup, sizes, args, seeds, runs)
+    ran = run_schedule(setup, sizes, args, seeds, runs)
     run_info = {
         "command": " ".join([sys.executable, *sys.argv]),
         "commit": git_commit(),
         "machine": machine_before,
         "machine_after": machine_info(),
-        "total_wall_s": time.time() - started,
+        # NOTE: a resumed comparison's wall time is not the whole comparison's
+        "total_wall_s": time.time() - started if len(ran) == len(ARMS) * len(seeds) else None,
     }
-    write_atomic(runs / "walls.json", json.dumps(walls_s) + "\n")
     write_atomic(runs / "run.json", json.dumps(run_info, indent=1) + "\n")
 
 
@@ -483,14 +486,17 @@ def seed_walls(walls_s: dict[str, float], seeds: Sequence[int]) -> dict[int, dic
     }
 
 
-def collect_seeds(runs: Path, seeds: Sequence[int]) -> dict[int, dict[str, Any]]:
-    """Every seed's curves, each seed refused unless its arms trained on the tokens they should."""
+def collect_seeds(runs: Path, seeds: Sequence[int], sizes: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], str]:
+    """Every seed's curves and the arms' one commit, refused unless every arm trained on the tokens it should and
+    all ran to the end at one commit with the same premises but for their expert count (`sizes`) and seed."""
     per_seed: dict[int, dict[str, Any]] = {}
+    expect = {f"seed{s}/{a.name}": {"seed": s, "model.moe_num_experts": sizes[a.size]} for s in seeds for a in ARMS}
+    commit = check_arms_alike(runs, expect, vary=("seed", "data.seed", "model.moe_num_experts"))
     for seed in seeds:
         out = runs / f"seed{seed}"
         per_seed[seed] = collect(out)
         check_tokens(per_seed[seed], out)
-    return per_seed
+    return per_seed, commit
 
 
 def results_record(
@@ -543,8 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         run_and_record(setup, sizes, args, seeds, runs)
     walls = seed_walls(read_json(runs / "walls.json", {}), seeds)
-    per_seed = collect_seeds(runs, seeds)
-    run_info = read_json(runs / "run.json", None)
+    per_seed, commit = collect_seeds(runs, seeds, sizes)
+    run_info = {**read_json(runs / "run.json", {}), "commit": commit}
     machine = recorded_machine(run_info)
     means = {arm.name: mean_curve([per_seed[s][arm.name] for s in seeds]) for arm in ARMS}
     png = docs / "mini_repro_memory.png"
