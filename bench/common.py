@@ -47,6 +47,22 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     return p
 
 
+def config_file(text: str) -> Path:
+    """argparse's type of `--config`: the YAML as an absolute path (a benchmark's child processes run in the
+    repository root), refused in one line when it is not a file."""
+    path = Path(text).resolve()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file; pass a config YAML, e.g. configs/small.yaml")
+    return path
+
+
+def repo_path(path: Path) -> str:
+    """How a record names a file: relative to the repository root when inside it (the commit names its content),
+    else absolute."""
+    path = path.resolve()
+    return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
+
+
 def corpus_args(p: argparse.ArgumentParser, *, valid: bool = True) -> None:
     """--tokenizer, --train and (if `valid`) --valid: the local corpus a training benchmark reads (default: the one
     data_process_scripts/build_default_corpus.py writes; tests pass their own, made in a temporary folder)."""

@@ -938,3 +938,20 @@ def test_quickstart_says_each_stage_with_its_time_from_the_record(tmp_path: Path
         "quickstart [1/3] install: what it does; on a fresh clone: 4 min",
         "quickstart [3/3] train: what it does; on a fresh clone: 40 s",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_config_given_relative_to_the_working_directory(tmp_path: Path) -> None:
+    """`--config configs/tiny.yaml`, as a user types it in the repository root, is measured and named as typed (it
+    used to end in a traceback after the measurement); a config that is not a file is refused before measuring."""
+    results, _ = run_bench("bench_train", tmp_path, "--config", "configs/tiny.yaml")
+    assert results["config"] == "configs/tiny.yaml"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_memory.py"), "--quick", "--config", "configs/nope.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "'configs/nope.yaml' is not a file" in proc.stderr.splitlines()[-1]
