@@ -955,3 +955,45 @@ def test_bench_config_given_relative_to_the_working_directory(tmp_path: Path) ->
         timeout=120,
     )
     assert proc.returncode == 2 and "'configs/nope.yaml' is not a file" in proc.stderr.splitlines()[-1]
+
+
+def test_a_quick_run_never_overwrites_the_committed_record(tmp_path: Path) -> None:
+    """`--quick` without `--out` writes bench/results/<name>_quick.json (ignored by git), a full run <name>.json and
+    one with --device cuda <name>_gpu.json (the CPU's record stays); an explicit --out is taken as given, and a benchmark that names its own records (`--out` default None) keeps it."""
+    from common import RESULTS_DIR, parser
+
+    p = parser("bench_x", None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    assert p.parse_args(["--quick"]).out == RESULTS_DIR / "bench_x_quick.json"
+    assert p.parse_args([]).out == RESULTS_DIR / "bench_x.json"
+    assert p.parse_args(["--device", "cuda"]).out == RESULTS_DIR / "bench_x_gpu.json"
+    assert p.parse_args(["--device", "cuda", "--quick"]).out == RESULTS_DIR / "bench_x_gpu_quick.json"
+    assert p.parse_args(["--quick", "--out", str(tmp_path / "x.json")]).out == tmp_path / "x.json"
+    p.set_defaults(out=None)
+    assert p.parse_args(["--quick"]).out is None
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "bench/results/bench_memory_quick.json"], cwd=REPO, check=False
+    )
+    assert ignored.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_server_memory_quick(tmp_path: Path) -> None:
+    results, _ = run_bench("bench_server_memory", tmp_path)
+    (case,) = results["cases"]
+    assert results["mode"] == "quick" and (case["model_mb"], case["peers"], results["rounds"]) == (16, 2, 2)
+    assert case["peak_rss_mb"] >= case["idle_rss_mb"] > 0
+    assert case["bound_mb"] == case["model_mb"] + case["staged_mb"]
+
+
+def test_a_missing_corpus_names_only_the_flags_the_benchmark_has() -> None:
+    """bench_overlap reads no validation shards, so its refusal must not send the user to a --valid it lacks."""
+    import argparse
+
+    from common import check_corpus
+
+    with pytest.raises(SystemExit, match=r"pass --tokenizer and --train$"):
+        check_corpus(argparse.Namespace(tokenizer="/nonexistent/tokenizer", train="x/*.npy"))
+    with pytest.raises(SystemExit, match=r"pass --tokenizer, --train and --valid$"):
+        check_corpus(argparse.Namespace(tokenizer="/nonexistent/tokenizer", train="x/*.npy", valid="y/*.npy"))
