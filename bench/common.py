@@ -49,7 +49,9 @@ class BenchParser(argparse.ArgumentParser):
         super().__init__(prog=f"bench/{name}.py", **kwargs)
         self.bench_name = name
 
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(  # type: ignore[override]  # one signature for typeshed's overloads
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         ns, rest = super().parse_known_args(args, namespace)
         if getattr(ns, "out", None) is DEFAULT_OUT:
             gpu = getattr(ns, "device", None) == "cuda" and not self.bench_name.endswith("_gpu")

@@ -959,7 +959,8 @@ def test_bench_config_given_relative_to_the_working_directory(tmp_path: Path) ->
 
 def test_a_quick_run_never_overwrites_the_committed_record(tmp_path: Path) -> None:
     """`--quick` without `--out` writes bench/results/<name>_quick.json (ignored by git), a full run <name>.json and
-    one with --device cuda <name>_gpu.json (the CPU's record stays); an explicit --out is taken as given, and a benchmark that names its own records (`--out` default None) keeps it."""
+    one with --device cuda <name>_gpu.json (the CPU's record stays); an explicit --out is taken as given, and a
+    benchmark that names its own records (`--out` default None) keeps it."""
     from common import RESULTS_DIR, parser
 
     p = parser("bench_x", None)
@@ -997,3 +998,12 @@ def test_a_missing_corpus_names_only_the_flags_the_benchmark_has() -> None:
         check_corpus(argparse.Namespace(tokenizer="/nonexistent/tokenizer", train="x/*.npy"))
     with pytest.raises(SystemExit, match=r"pass --tokenizer, --train and --valid$"):
         check_corpus(argparse.Namespace(tokenizer="/nonexistent/tokenizer", train="x/*.npy", valid="y/*.npy"))
+
+
+def test_bench_wan_takes_codecs_as_the_other_benchmarks_name_them() -> None:
+    """bench_wire, bench_codec, bench_overlap and mini_repro take `--codecs`; bench_wan's `--wires` answers to it too
+    (the committed records' commands keep `--wires`)."""
+    from bench_wan import build_parser
+
+    assert build_parser().parse_args(["--codecs", "int8", "sparse"]).wires == ["int8", "sparse"]
+    assert build_parser().parse_args(["--wires", "bf16"]).wires == ["bf16"]
