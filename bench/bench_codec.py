@@ -47,9 +47,11 @@ from common import (
     CodecChoice,
     best_seconds,
     codec_choice,
+    config_file,
     machine_info,
     manifest_of,
     parser,
+    repo_path,
     run_child,
     write_results,
 )
@@ -258,7 +260,9 @@ def report(label: str, c: dict[str, Any], fourk: dict[str, Any] | None) -> None:
 def arguments() -> argparse.ArgumentParser:
     """The benchmark's flags; `--child` is the measuring process's (one per page size)."""
     p = parser("bench_codec", __doc__)
-    p.add_argument("--config", type=Path, default=None, help="the run's YAML (default: the paper's 1B; quick: tiny)")
+    p.add_argument(
+        "--config", type=config_file, default=None, help="the run's YAML (default: the paper's 1B; quick: tiny)"
+    )
     p.add_argument(
         "--codecs", type=codec_choice, nargs="+", default=None, metavar="CODEC", help="held-model codecs (NAME[:k=v])"
     )
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     print_pages(pages, huge)
     record = {
         "mode": "quick" if args.quick else "full",
-        "config": str(config.relative_to(REPO_ROOT)),
+        "config": repo_path(config),
         "threads": args.threads,
         "clock": args.clock,
         "repeats": repeats,

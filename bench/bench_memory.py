@@ -27,7 +27,18 @@ from typing import Any
 import psutil
 import torch
 
-from common import MIB, REPO_ROOT, format_table, machine_info, parser, run_child, vocabulary, write_results
+from common import (
+    MIB,
+    REPO_ROOT,
+    config_file,
+    format_table,
+    machine_info,
+    parser,
+    repo_path,
+    run_child,
+    vocabulary,
+    write_results,
+)
 from spes.config import TrainConfig, load_config
 from spes.model import Transformer, count_params
 from spes.objective import language_model_loss
@@ -206,7 +217,9 @@ def paper_1b() -> dict[str, dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_memory", __doc__)
     p.add_argument("--child", choices=sorted(KINDS), help=argparse.SUPPRESS)
-    p.add_argument("--config", type=Path, default=None, help="config measured for real (default: small, quick: tiny)")
+    p.add_argument(
+        "--config", type=config_file, default=None, help="config measured for real (default: small, quick: tiny)"
+    )
     args = p.parse_args(argv)
     config = args.config or REPO_ROOT / "configs" / ("tiny.yaml" if args.quick else "small.yaml")
     if args.child:
@@ -220,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = [c for kind, row in measured.items() for c in agreement(kind, row["measured"], row["analytic"])]
     s, f = (measured[k]["measured"] for k in ("spes", "full"))
     ratios = {key: s[key] / f[key] for key in RATIOS}
-    print(f"measured on {config.relative_to(REPO_ROOT)} (one micro-batch of {s['tokens_per_step']} tokens, fp32, CPU):")
+    print(f"measured on {repo_path(config)} (one micro-batch of {s['tokens_per_step']} tokens, fp32, CPU):")
     print(measured_table(measured))
     print("SPES / full: " + ", ".join(f"{k.replace('_bytes', '')} {v:.3f}" for k, v in ratios.items()))
     worst = max(c["rel_err"] for c in checks)
@@ -228,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "mode": "quick" if args.quick else "full",
         "machine": machine_info(),
-        "config": str(config.relative_to(REPO_ROOT)),
+        "config": repo_path(config),
         "measured": measured,
         "ratios_spes_over_full": ratios,
         "checks": checks,

@@ -124,9 +124,20 @@ def bench_case(model_mb: int, peers: int, rounds: int, workdir: Path) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_server_memory", __doc__)
-    p.add_argument("--sizes_mb", type=int, nargs="+", default=[256, 1024], help="model sizes (MiB of fp32)")
-    p.add_argument("--peers", type=int, nargs="+", default=[2, 4], help="peer counts")
-    p.add_argument("--rounds", type=int, default=3, help="rounds per case (the first has no previous global model)")
+    p.add_argument(
+        "--sizes_mb",
+        type=int,
+        nargs="+",
+        default=[256, 1024],
+        help="model sizes, MiB of fp32 (default 256 1024; quick 16)",
+    )
+    p.add_argument("--peers", type=int, nargs="+", default=[2, 4], help="peer counts (default 2 4; quick 2)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds per case, the first without a previous global model (default 3; quick 2)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.sizes_mb, args.peers, args.rounds = [16], [2], 2
@@ -164,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print("parameter server peak memory (bound = previous global model + every staged upload of a round)")
     print(format_table(headers, rows))
-    write_results(args.out, {"machine": machine_info(), "rounds": args.rounds, "cases": cases})
+    record = {"mode": "quick" if args.quick else "full", "machine": machine_info(), "rounds": args.rounds}
+    write_results(args.out, {**record, "cases": cases})
     return 0
 
 

@@ -326,9 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--chaos":
         return chaos(sys.argv[2], int(sys.argv[3]), Path(sys.argv[4]))
     p = parser("bench_soak", __doc__)
-    p.add_argument("--rounds", type=int, default=200, help="rounds to run (--quick: 20)")
+    p.add_argument("--rounds", type=int, default=200, help="rounds to run (default 200; quick 20)")
     p.add_argument("--no_chaos", action="store_true", help="the same rounds without the fifth process (baseline)")
-    p.add_argument("--pause", type=float, default=0.2, help="seconds between rounds (the peers' local training)")
+    p.add_argument(
+        "--pause", type=float, default=0.2, help="seconds between rounds, the peers' local training (default 0.2)"
+    )
     args = p.parse_args(argv)
     rounds = 20 if args.quick else args.rounds
     with tempfile.TemporaryDirectory(prefix="spes-soak-") as tmp:
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print("faults injected:", json.dumps(result["chaos"]))
-    write_results(args.out, {"machine": machine_info(), **result})
+    write_results(args.out, {"mode": "quick" if args.quick else "full", "machine": machine_info(), **result})
     return 0
 
 

@@ -522,7 +522,13 @@ def comparison(
     spes: list[RoundRecord], raw: list[RoundRecord], aggregation: list[float], profiles: dict[str, Any]
 ) -> dict[str, Any]:
     """One codec and plane's record: SPES's throughput over the raw socket's, also without the server's aggregation
-    (work the raw server does not do)."""
+    (work the raw server does not do); refused unless every timed round of both moved the same bytes per peer."""
+    moved = {(tuple(x["up_per_peer"]), tuple(x["down_per_peer"])) for x in [*spes, *raw]}
+    if len(moved) != 1:
+        raise SystemExit(
+            f"error: SPES and the raw socket moved different bytes per peer (up, down) in their timed rounds: "
+            f"{sorted(moved)}; no ratio written (a held-model codec's first round moves full values: raise --warmup)"
+        )
     spes_s, raw_s = fastest(spes)["seconds"], fastest(raw)["seconds"]
     return {
         "spes_rounds": spes,

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from common import REPO_ROOT, format_table, machine_info, parser, write_results
+from common import REPO_ROOT, config_file, format_table, machine_info, parser, repo_path, write_results
 from spes import speed
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
@@ -139,7 +139,7 @@ def results_table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_train", __doc__)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
-    p.add_argument("--config", type=Path, default=None, help="node config (default: small, quick: tiny)")
+    p.add_argument("--config", type=config_file, default=None, help="node config (default: small, quick: tiny)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 5, quick 1)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = peak_flops(device)
     results = [result(v, tokens, flops, peak, base, peaks) for v in variants]
     print(
-        f"{config.relative_to(REPO_ROOT)} on {device}: global batch {cfg.global_train_batch_size} x "
+        f"{repo_path(config)} on {device}: global batch {cfg.global_train_batch_size} x "
         f"{cfg.model.max_sequence_length} tokens, micro-batch {cfg.device_train_microbatch_size}, "
         f"{cfg.precision}, median of {steps} step(s), torch threads {torch.get_num_threads()}"
     )
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": "quick" if args.quick else "full",
         "machine": machine_info(),
         "device": str(device),
-        "config": str(config.relative_to(REPO_ROOT)),
+        "config": repo_path(config),
         "tokens_per_step": tokens,
         "tflops_per_token": flops / 1e12,
         "results": results,

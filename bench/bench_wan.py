@@ -299,10 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_prediction_options(p)
     p.add_argument(
         "--wires",
+        "--codecs",
+        dest="wires",
         nargs="+",
         choices=sorted(REGISTRY),
         default=None,
-        help=f"the codecs measured, each with its default settings (default {' '.join(WIRES)}; quick bf16)",
+        help=f"the codecs measured, each with its default settings (default {' '.join(WIRES)}; quick bf16); "
+        "--codecs, as the other benchmarks name it, is the same option",
     )
     p.add_argument(
         "--planes",

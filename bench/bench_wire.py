@@ -52,10 +52,12 @@ from common import (
     REPO_ROOT,
     CodecChoice,
     codec_choice,
+    config_file,
     format_table,
     machine_info,
     manifest_of,
     parser,
+    repo_path,
     server_overrides,
     spec_overrides,
     write_results,
@@ -441,7 +443,9 @@ def paper_targets(paper: dict[str, Any], codecs: Sequence[CodecChoice], measured
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, with the quick and full defaults of --config and --paper_codecs filled in."""
     p = parser("bench_wire", __doc__)
-    p.add_argument("--config", type=Path, default=None, help="config measured for real (default: small, quick: tiny)")
+    p.add_argument(
+        "--config", type=config_file, default=None, help="config measured for real (default: small, quick: tiny)"
+    )
     p.add_argument(
         "--codecs",
         nargs="+",
@@ -502,10 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     paper = analytic_table(PAPER_1B, PAPER_MERGE, args.codecs)
     small = analytic_table(args.config, PAPER_MERGE, args.codecs)
     print_scheme_table(f"paper 1B ({PAPER_1B.relative_to(REPO_ROOT)}), from shapes", paper)
-    print_scheme_table(f"{args.config.relative_to(REPO_ROOT)}, from shapes", small)
+    print_scheme_table(f"{repo_path(args.config)}, from shapes", small)
 
     measured, checks = measure_rounds(args.config, args.codecs)
-    print(f"\nmeasured through a real server on loopback ({args.config.relative_to(REPO_ROOT)}, 4 peers):")
+    print(f"\nmeasured through a real server on loopback ({repo_path(args.config)}, 4 peers):")
     print(check_table(checks))
     framing = {wire: framing_overhead(args.config, wire) for wire in ("fp32", "bf16")}
     print_framing(framing)
@@ -522,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "mode": "quick" if args.quick else "full",
             "machine": machine_info(),
-            "config": str(args.config.relative_to(REPO_ROOT)),
+            "config": repo_path(args.config),
             "codecs": [c.label for c in args.codecs],
             "paper_1b": paper,
             "measured_config": small,

@@ -35,16 +35,60 @@ GIB = 2**30
 MIB = 2**20
 
 
+DEFAULT_OUT = object()
+"""`--out`'s default until parsed: bench/results/<name>.json for a full run on the CPU, <name>_gpu.json for one with
+`--device cuda`, and either with `_quick` for --quick."""
+
+
+class BenchParser(argparse.ArgumentParser):
+    """A benchmark's parser: `--out` left at its default names a quick run's record `<name>_quick.json`, which git
+    ignores, so a smoke run never overwrites the committed record of a full one, and a run on a GPU `<name>_gpu.json`,
+    so it never overwrites the CPU's."""
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        super().__init__(prog=f"bench/{name}.py", **kwargs)
+        self.bench_name = name
+
+    def parse_known_args(  # type: ignore[override]  # one signature for typeshed's overloads
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, rest = super().parse_known_args(args, namespace)
+        if getattr(ns, "out", None) is DEFAULT_OUT:
+            gpu = getattr(ns, "device", None) == "cuda" and not self.bench_name.endswith("_gpu")
+            ns.out = RESULTS_DIR / f"{self.bench_name}{'_gpu' if gpu else ''}{'_quick' if ns.quick else ''}.json"
+        return ns, rest
+
+
 def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     """An argument parser with the options every benchmark has: --quick and --out."""
-    p = argparse.ArgumentParser(
-        prog=f"bench/{name}.py",
-        description=(doc or "").split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = BenchParser(
+        name, description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="a seconds-long smoke run (what CI runs)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{name}.json", help="where the JSON results go")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="where the JSON record goes (default: bench/results/, named after the benchmark, with _gpu for "
+        "--device cuda and with _quick, which git ignores, for --quick)",
+    )
     return p
+
+
+def config_file(text: str) -> Path:
+    """argparse's type of `--config`: the YAML as an absolute path (a benchmark's child processes run in the
+    repository root), refused in one line when it is not a file."""
+    path = Path(text).resolve()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file; pass a config YAML, e.g. configs/small.yaml")
+    return path
+
+
+def repo_path(path: Path) -> str:
+    """How a record names a file: relative to the repository root when inside it (the commit names its content),
+    else absolute."""
+    path = path.resolve()
+    return str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
 
 
 def corpus_args(p: argparse.ArgumentParser, *, valid: bool = True) -> None:
@@ -59,10 +103,11 @@ def corpus_args(p: argparse.ArgumentParser, *, valid: bool = True) -> None:
 def check_corpus(args: argparse.Namespace) -> None:
     """Stop with what to run when the tokenizer of `corpus_args` is missing (the default corpus is not built yet)."""
     if not (REPO_ROOT / args.tokenizer).exists() and not Path(args.tokenizer).exists():
+        flags = "--tokenizer, --train and --valid" if hasattr(args, "valid") else "--tokenizer and --train"
         raise SystemExit(
             f"error: tokenizer {args.tokenizer!r} not found; build the default corpus with "
-            "`python data_process_scripts/build_default_corpus.py --output_dir data/default`, or pass --tokenizer, "
-            "--train and --valid"
+            "`.venv/bin/python data_process_scripts/build_default_corpus.py --output_dir data/default`, or pass "
+            f"{flags}"
         )
 
 

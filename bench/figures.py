@@ -62,6 +62,16 @@ def rel(a: float, b: float) -> float:
     return (a - b) / b
 
 
+def premises(what: str, runs: dict[str, dict[str, Any]]) -> None:
+    """Refuse a figure that compares runs (by name: the premises each was measured under) unless every run has the
+    same premises: ValueError naming the first that differs and each run's value of it."""
+    first = next(iter(runs.values()))
+    for key in first:
+        values = {name: run.get(key) for name, run in runs.items()}
+        if any(v != first[key] for v in values.values()):
+            raise ValueError(f"{what}: the runs compared differ in {key}: {values}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 1. Memory (bench_memory)
 
@@ -318,8 +328,25 @@ def _fused_memory(r: Records) -> str:
     return f"{r('bench_fused_loss')['memory_ratio']:.2f}x"
 
 
-def _fused_ab(before: dict, after: dict) -> str:
-    """Two commits' `fused_loss` step, each as a ratio to the whole logits' step measured in its own run."""
+def _fused_ab(r: Records, names: tuple[str, str]) -> str:
+    """Two commits' `fused_loss` step, each as a ratio to the whole logits' step measured in its own run; refused
+    unless both runs trained the same node on the same tokens on the same kind of machine."""
+    before, after = (r(name) for name in names)
+    premises(
+        "fused_loss before and after",
+        {
+            name: {
+                "mode": x["mode"],
+                "device": x["device"],
+                "config": x["config"],
+                "overrides": x["overrides"],
+                "tokens_per_step": {arm: a["tokens_per_step"] for arm, a in x["arms"].items()},
+                "vocab": {arm: a["vocab"] for arm, a in x["arms"].items()},
+                "cpus": x["machine"]["cpus"],
+            }
+            for name, x in zip(names, (before, after))
+        },
+    )
     return (
         f"memory {before['memory_ratio']:.2f}x -> {after['memory_ratio']:.2f}x, step time "
         f"{before['step_time_ratio']:.2f}x -> {after['step_time_ratio']:.2f}x of the whole logits' "
@@ -329,12 +356,12 @@ def _fused_ab(before: dict, after: dict) -> str:
 
 @fig("fused.own_backward_ab")
 def _fused_own_backward(r: Records) -> str:
-    return _fused_ab(r("bench_fused_loss_c05659f"), r("bench_fused_loss_1680c42"))
+    return _fused_ab(r, ("bench_fused_loss_c05659f", "bench_fused_loss_1680c42"))
 
 
 @fig("fused.in_forward_ab")
 def _fused_in_forward(r: Records) -> str:
-    return _fused_ab(r("bench_fused_loss_1680c42"), r("bench_fused_loss"))
+    return _fused_ab(r, ("bench_fused_loss_1680c42", "bench_fused_loss"))
 
 
 @fig("fused.time_ratio")
@@ -947,11 +974,20 @@ def _wan_runs(r: Records, names: Sequence[str], wire: str, speed: float) -> str:
     """One wire at one speed in link records made one after the other (at commits A and B, in the order ABBA): its
     efficiency in each, with the commit that ran it."""
     records = [r(name) for name in names]
-    if {x["machine"]["cpus"] for x in records} != {2} or {x["rounds"] for x in records} != {records[0]["rounds"]}:
-        raise ValueError(f"{', '.join(names)}: the runs must be of one machine shape and as many rounds")
     found = [(x["commit"][:7], m) for x in records for m in x["measurements"] if m["peer_mbit"] == speed]
     if len(found) != len(records) or {m["wire"] for _, m in found} != {wire}:
         raise ValueError(f"{', '.join(names)}: each run must measure {wire} at {link(speed)} once")
+    premises(
+        f"{wire} at {link(speed)}",
+        {
+            name: {
+                **{key: x[key] for key in ("mode", "config", "rounds", "warmup_rounds")},
+                "cpus": x["machine"]["cpus"],
+                **{key: m[key] for key in ("scale", "plane", "server_mbit", "rtt_ms", "model_bytes_fp32")},
+            }
+            for name, x, (_, m) in zip(names, records, found)
+        },
+    )
     runs = ", ".join(f"{m['efficiency']:.0%} at {commit}" for commit, m in found)
     return f"{wire} at {link(speed)} (1/{found[0][1]['scale']}): {runs}"
 
@@ -1002,7 +1038,12 @@ def _overlap_whole_ratio(r: Records) -> str:
 
 @fig("overlap.f5_ratio")
 def _overlap_f5_ratio(r: Records) -> str:
-    ratios = [r(n)["ratio"] for n in ("bench_overlap_f5", "bench_overlap_f5_pair2")]
+    names = ("bench_overlap_f5", "bench_overlap_f5_pair2")
+    keys = ("mode", "config", "overrides", "overlap_flags", "fragments", "peers")
+    premises(
+        "the 5 fragments' pairs", {n: {**{k: r(n)[k] for k in keys}, "rtt_ms": r(n)["link"]["rtt_ms"]} for n in names}
+    )
+    ratios = [r(n)["ratio"] for n in names]
     return f"{median(ratios):.2f}x (median of 2 pairs, {' and '.join(f'{x:.2f}x' for x in ratios)})"
 
 

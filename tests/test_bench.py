@@ -700,3 +700,72 @@ def test_quickstart_says_each_stage_with_its_time_from_the_record(tmp_path: Path
         "quickstart [1/3] install: what it does; on a fresh clone: 4 min",
         "quickstart [3/3] train: what it does; on a fresh clone: 40 s",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_config_given_relative_to_the_working_directory(tmp_path: Path) -> None:
+    """`--config configs/tiny.yaml`, as a user types it in the repository root, is measured and named as typed (it
+    used to end in a traceback after the measurement); a config that is not a file is refused before measuring."""
+    results, _ = run_bench("bench_train", tmp_path, "--config", "configs/tiny.yaml")
+    assert results["config"] == "configs/tiny.yaml"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_memory.py"), "--quick", "--config", "configs/nope.yaml"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "'configs/nope.yaml' is not a file" in proc.stderr.splitlines()[-1]
+
+
+def test_a_quick_run_never_overwrites_the_committed_record(tmp_path: Path) -> None:
+    """`--quick` without `--out` writes bench/results/<name>_quick.json (ignored by git), a full run <name>.json and
+    one with --device cuda <name>_gpu.json (the CPU's record stays); an explicit --out is taken as given, and a
+    benchmark that names its own records (`--out` default None) keeps it."""
+    from common import RESULTS_DIR, parser
+
+    p = parser("bench_x", None)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    assert p.parse_args(["--quick"]).out == RESULTS_DIR / "bench_x_quick.json"
+    assert p.parse_args([]).out == RESULTS_DIR / "bench_x.json"
+    assert p.parse_args(["--device", "cuda"]).out == RESULTS_DIR / "bench_x_gpu.json"
+    assert p.parse_args(["--device", "cuda", "--quick"]).out == RESULTS_DIR / "bench_x_gpu_quick.json"
+    assert p.parse_args(["--quick", "--out", str(tmp_path / "x.json")]).out == tmp_path / "x.json"
+    p.set_defaults(out=None)
+    assert p.parse_args(["--quick"]).out is None
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "bench/results/bench_memory_quick.json"], cwd=REPO, check=False
+    )
+    assert ignored.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_server_memory_quick(tmp_path: Path) -> None:
+    results, _ = run_bench("bench_server_memory", tmp_path)
+    (case,) = results["cases"]
+    assert results["mode"] == "quick" and (case["model_mb"], case["peers"], results["rounds"]) == (16, 2, 2)
+    assert case["peak_rss_mb"] >= case["idle_rss_mb"] > 0
+    assert case["bound_mb"] == case["model_mb"] + case["staged_mb"]
+
+
+def test_a_missing_corpus_names_only_the_flags_the_benchmark_has() -> None:
+    """bench_overlap reads no validation shards, so its refusal must not send the user to a --valid it lacks."""
+    import argparse
+
+    from common import check_corpus
+
+    with pytest.raises(SystemExit, match=r"pass --tokenizer and --train$"):
+        check_corpus(argparse.Namespace(tokenizer="/nonexistent/tokenizer", train="x/*.npy"))
+    with pytest.raises(SystemExit, match=r"pass --tokenizer, --train and --valid$"):
+        check_corpus(argparse.Namespace(tokenizer="/nonexistent/tokenizer", train="x/*.npy", valid="y/*.npy"))
+
+
+def test_bench_wan_takes_codecs_as_the_other_benchmarks_name_them() -> None:
+    """bench_wire, bench_codec, bench_overlap and mini_repro take `--codecs`; bench_wan's `--wires` answers to it too
+    (the committed records' commands keep `--wires`)."""
+    from bench_wan import build_parser
+
+    assert build_parser().parse_args(["--codecs", "int8", "sparse"]).wires == ["int8", "sparse"]
+    assert build_parser().parse_args(["--wires", "bf16"]).wires == ["bf16"]

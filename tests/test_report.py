@@ -169,3 +169,10 @@ def test_an_equal_memory_effect_says_whether_its_seeds_agree_on_its_sign(
     text = render_text("<!--f:memrepro.large_diloco_vs_small-->?<!--/f-->", Records(tmp_path))
     each = ", ".join(f"{(f - 4.2) / 4.2:+.2%} (seed {s})" for f, s in zip(finals, ("7", "6198"), strict=True))
     assert text.endswith(f"{each}, {verdict}<!--/f-->"), text
+
+
+def test_no_committed_record_is_a_quick_run() -> None:
+    """The figures are full runs': a `--quick` record (its `mode`) under bench/results/ must not be published."""
+    records = Records(RESULTS)
+    quick = [name for name in records.names() if records(name).get("mode") == "quick"]
+    assert not quick, f"{quick} are --quick smoke runs: re-run them in full or remove them"
