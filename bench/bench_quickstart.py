@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,21 +29,34 @@ STAGE = re.compile(r"^quickstart \[(\d)/3\] (\w+):")
 
 
 def timed_stages(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[dict[str, float], str]:
-    """Run `cmd`, timing each stage from its line to the next; (seconds per stage, the output's tail)."""
-    started = time.monotonic()
+    """Run `cmd`, timing each stage from its line to the next; (seconds per stage, the output's tail). Past `timeout`
+    its whole process group is killed, printing or not (a silent hang must end too)."""
     marks: list[tuple[str, float]] = []
     tail: list[str] = []
-    with subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            tail = [*tail[-40:], line]
-            if match := STAGE.match(line):
-                marks.append((match[2], time.monotonic()))
-            if time.monotonic() - started > timeout:
-                proc.kill()
-                raise SystemExit(f"error: the quickstart ran past {timeout:.0f} s; see the output above")
-        code = proc.wait()
+    expired = threading.Event()
+    with subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    ) as proc:
+
+        def expire() -> None:
+            expired.set()
+            os.killpg(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                tail = [*tail[-40:], line]
+                if match := STAGE.match(line):
+                    marks.append((match[2], time.monotonic()))
+            code = proc.wait()
+        finally:
+            timer.cancel()
+    if expired.is_set():
+        raise SystemExit(f"error: the quickstart ran past {timeout:.0f} s; see the output above")
     if code != 0:
         raise SystemExit(f"error: the quickstart exited with {code}:\n{''.join(tail)}")
     ends = [t for _, t in marks[1:]] + [time.monotonic()]

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -682,6 +683,11 @@ def test_bench_quickstart_times_each_stage_from_its_line_to_the_next(tmp_path: P
     script.write_text("echo 'quickstart [1/3] install: x'; exit 3\n")
     with pytest.raises(SystemExit, match="exited with 3"):
         timed_stages(["bash", str(script)], tmp_path, dict(os.environ), timeout=60)
+    script.write_text("echo 'quickstart [1/3] install: x'; sleep 60 & wait\n")  # silent, its child holding stdout
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match="ran past 1 s"):
+        timed_stages(["bash", str(script)], tmp_path, dict(os.environ), timeout=1)
+    assert time.monotonic() - started < 20
 
 
 def test_quickstart_says_each_stage_with_its_time_from_the_record(tmp_path: Path) -> None:
