@@ -64,7 +64,9 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     p = BenchParser(
         name, description=(doc or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="a short smoke run of the same code (what CI runs; seconds to minutes)")
+    p.add_argument(
+        "--quick", action="store_true", help="a short smoke run of the same code (what CI runs; seconds to minutes)"
+    )
     p.add_argument(
         "--out",
         type=Path,
