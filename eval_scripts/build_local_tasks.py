@@ -235,7 +235,9 @@ def _own_manifest(path: Path) -> dict[str, object] | None:
     except (json.JSONDecodeError, UnicodeDecodeError):
         manifest = None
     if not isinstance(manifest, dict) or "documents_sha256" not in manifest:
-        raise ValueError(f"{path} was not written by build_local_tasks.py; choose an --out of its own for the task data")
+        raise ValueError(
+            f"{path} was not written by build_local_tasks.py; choose an --out of its own for the task data"
+        )
     return manifest
 
 

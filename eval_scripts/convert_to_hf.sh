@@ -58,7 +58,7 @@ fi
 if [ "$SAVE_STEP" = latest ]; then
   if [ ! -f "$RUN_DIR/latest" ]; then
     echo "error: $RUN_DIR has no latest file; name one of its steps instead of latest:" \
-      "$(cd "$RUN_DIR" && compgen -G "step[0-9]*" | sed 's/^step//; s/-sharded$//' | sort -n | tr '\n' ' ')" >&2
+      "$(cd "$RUN_DIR" && compgen -G "step[0-9]*" | sed 's/^step//; s/-sharded$//' | sort -n | paste -sd ' ')" >&2
     exit 2
   fi
   STEP_NAME=$(tr -d '[:space:]' < "$RUN_DIR/latest")

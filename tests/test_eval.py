@@ -106,6 +106,38 @@ def test_builder_cli_errors(tmp_path: Path) -> None:
     assert build.main(["--text", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")]) == 2
 
 
+def test_builder_names_the_file_line_or_folder_at_fault(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A line that is not JSON, a file that is not UTF-8, a corpus without its tokenizer, and an --out holding a
+    manifest.json of something else (a rebuild deletes it first): each a one-line error naming the culprit."""
+    build = script("build_local_tasks")
+    out = tmp_path / "out"
+
+    def error(*argv: str) -> str:
+        assert build.main([*argv, "--out", str(out)]) == 2
+        return capsys.readouterr().err
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\nnot json\n')
+    assert error("--text", str(bad)) == f"error: {bad}:2: expected a JSON object with a string 'text' field\n"
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "caf\xe9"}\n')
+    assert error("--text", str(latin1)).startswith(f"error: {latin1}: not UTF-8 text (invalid continuation byte")
+    (tmp_path / "corpus" / "valid").mkdir(parents=True)
+    assert error("--source", str(tmp_path / "corpus")) == (
+        f"error: {tmp_path / 'corpus'} has no tokenizer/ (the tokenizer of its valid/ shards): pass --shards "
+        f"{tmp_path / 'corpus' / 'valid'} --tokenizer <that tokenizer's directory> instead\n"
+    )
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    out.mkdir()
+    (out / "manifest.json").write_text('{"mine": 1}')
+    assert error("--text", str(docs), "--num_choice_items", "5") == (
+        f"error: {out / 'manifest.json'} was not written by build_local_tasks.py; choose an --out of its own for "
+        "the task data\n"
+    )
+    assert (out / "manifest.json").read_text() == '{"mine": 1}' and sorted(out.iterdir()) == [out / "manifest.json"]
+
+
 @pytest.mark.parametrize(
     ("flag", "rule"),
     [
@@ -113,6 +145,10 @@ def test_builder_cli_errors(tmp_path: Path) -> None:
         ("--context_chars=0", "--context_chars must be >= 1, got 0"),
         ("--ppl_max_chars=100", "--ppl_max_chars must be >= 200, got 100"),
         ("--max_tokens=-1", "--max_tokens must be >= 0, got -1"),
+        (
+            "--max_tokens=64",
+            "--max_tokens needs --window_tokenizer (the model's tokenizer, e.g. its HF model directory)",
+        ),
     ],
 )
 def test_builder_refuses_settings_that_make_no_task(
@@ -148,6 +184,20 @@ def test_summarize_lm_eval_results(tmp_path: Path) -> None:
     assert "| spes_heldout_ppl | 0 | bits_per_byte | 3.2500 |  |  |" in table
     assert "Not run (data set not available locally): sciq (allenai/sciq)" in table
     assert json.loads((tmp_path / "results.json").read_text())["tasks"]["spes_next_text"]["samples"] == 8
+
+
+def test_available_names_unknown_tasks_alone_and_writes_its_status_atomically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A task lm-eval does not know is not blamed on the data sets' cache; the status file is written whole."""
+    tools = script("eval_tools")
+    unknown = {"shots": None, "dataset": None, "available": False, "reason": "lm-eval has no such task"}
+    monkeypatch.setattr(tools, "reference_status", lambda tasks: {"nosuch": unknown})
+    written: list[Path] = []
+    monkeypatch.setattr(tools, "write_atomic", lambda path, text: written.append(path))
+    assert tools.available(tmp_path / "status.json", {"nosuch": None}) == 0
+    assert capsys.readouterr().err == "tasks skipped: nosuch (lm-eval has no such task)\n"
+    assert written == [tmp_path / "status.json"]
 
 
 @pytest.mark.timeout(120)
@@ -193,9 +243,7 @@ def test_shell_scripts_refuse_bad_input(tmp_path: Path) -> None:
 
 def run_script(name: str, *args: str, env: dict[str, str] = ENV, cwd: Path | None = None) -> tuple[int, str]:
     """Run one of the shell scripts; its exit status and stderr."""
-    done = subprocess.run(
-        [str(SCRIPTS / name), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([str(SCRIPTS / name), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
     return done.returncode, done.stderr
 
 
@@ -223,7 +271,10 @@ def test_convert_names_the_folder_a_user_passed_instead_of_a_save_folder(tmp_pat
         assert (code, err) == (2, f"error: RUN_DIR {run_dir} {why}\n")
     (run / "node1" / "latest").unlink()
     code, err = run_script("convert_to_hf.sh", str(run / "node1"), "latest", "1B")
-    assert code == 2 and err.startswith(f"error: {run / 'node1'} has no latest file; name one of its steps") and "20" in err
+    assert (code, err) == (
+        2,
+        f"error: {run / 'node1'} has no latest file; name one of its steps instead of latest: 20\n",
+    )
     code, err = run_script("convert_to_hf.sh", "--overwrite", str(run / "node0"), "latest", "1B")
     assert code == 2 and "flags go after <RUN_DIR> <SAVE_STEP|latest> <MODEL_SIZE> (got --overwrite" in err
 
@@ -245,8 +296,11 @@ def test_eval_full_refuses_what_would_lose_results_or_cannot_run(tmp_path: Path)
     written, with the culprit named."""
     model = fake_hf_dir(tmp_path / "hf" / "tiny-step20")
     code, err = run_script("eval_full.sh", str(model))
-    assert code == 2 and err == f"error: {model} has no tokenizer (tokenizer.json); export it again with " \
-        "eval_scripts/convert_to_hf.sh ... --overwrite --tokenizer <the run's tokenizer>\n"  # fmt: skip
+    assert (code, err) == (
+        2,
+        f"error: {model} has no tokenizer (tokenizer.json); export it again with eval_scripts/convert_to_hf.sh ... "
+        "--overwrite --tokenizer <the run's tokenizer>\n",
+    )
     (model / "tokenizer.json").write_text("{}")
     code, err = run_script("eval_full.sh", str(model), env={**ENV, "OUT_DIR": str(model / "eval")})
     assert code == 2 and err.startswith(f"error: OUT_DIR {model / 'eval'} is inside the model folder {model}")
