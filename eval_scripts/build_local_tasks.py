@@ -187,6 +187,26 @@ def documents_from_shards(shards: Sequence[str], tokenizer: str) -> list[str]:
     return [tok.decode(flat[a:b].tolist()) for a, b in zip(starts, ends, strict=True) if b > a]
 
 
+def _jsonl_texts(path: Path) -> list[str]:
+    """The "text" field of each line of a .jsonl file; ValueError naming the file and line that is not one."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); --text reads UTF-8") from None
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{number}: expected a JSON object with a string 'text' field")
+        texts.append(record["text"])
+    return texts
+
+
 def documents_from_text(files: Sequence[str]) -> list[str]:
     """Documents of .jsonl files (a "text" field per line) and .txt files (one document per file)."""
     docs = []
@@ -195,12 +215,7 @@ def documents_from_text(files: Sequence[str]) -> list[str]:
         if not path.is_file():
             raise FileNotFoundError(f"text file {path} not found")
         if path.suffix == ".jsonl":
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                        raise ValueError(f"{path}:{number}: expected a JSON object with a string 'text' field")
-                    docs.append(record["text"])
+            docs += _jsonl_texts(path)
         else:
             docs.append(path.read_text(encoding="utf-8", errors="replace"))
     return docs
@@ -208,6 +223,22 @@ def documents_from_text(files: Sequence[str]) -> list[str]:
 
 def _write_jsonl(path: Path, rows: Sequence[dict[str, object]]) -> None:
     write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
+def _own_manifest(path: Path) -> dict[str, object] | None:
+    """The manifest of an earlier build at `path` (None: no file); ValueError for a manifest.json this script did
+    not write, which a rebuild would delete."""
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        manifest = None
+    if not isinstance(manifest, dict) or "documents_sha256" not in manifest:
+        raise ValueError(
+            f"{path} was not written by build_local_tasks.py; choose an --out of its own for the task data"
+        )
+    return manifest
 
 
 def build(
@@ -228,8 +259,8 @@ def build(
         "window_tokenizer": tokenizer.fingerprint if tokenizer is not None and s.max_tokens else None,
     }
     manifest_path = out / MANIFEST_FILE
-    if manifest_path.is_file() and (out / NEXT_TEXT_FILE).is_file() and (out / PPL_FILE).is_file():
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest = _own_manifest(manifest_path)
+    if manifest and (out / NEXT_TEXT_FILE).is_file() and (out / PPL_FILE).is_file():
         if all(manifest.get(k) == v for k, v in wanted.items()):
             return {**manifest, "skipped": True}
     skipped = {}
@@ -286,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = TaskSettings(**{name: getattr(args, name) for name in defaults})
     except ValueError as e:
         parser.error(str(e))
+    if settings.max_tokens and not args.window_tokenizer:
+        parser.error("--max_tokens needs --window_tokenizer (the model's tokenizer, e.g. its HF model directory)")
     try:
         if args.source:
             corpus = Path(args.source)
@@ -293,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise FileNotFoundError(
                     f"{corpus} has no valid/ split: build the default corpus first with "
                     f"data_process_scripts/build_default_corpus.py, or pass --shards/--text"
+                )
+            if not (corpus / "tokenizer").is_dir():
+                raise FileNotFoundError(
+                    f"{corpus} has no tokenizer/ (the tokenizer of its valid/ shards): pass "
+                    f"--shards {corpus / 'valid'} --tokenizer <that tokenizer's directory> instead"
                 )
             docs, source = documents_from_shards([str(corpus / "valid")], str(corpus / "tokenizer")), str(corpus)
         elif args.shards:

@@ -5,7 +5,10 @@
 #
 # The first implementation's argument order: MODEL_PATH is a model directory (eval_scripts/convert_to_hf.sh makes
 # one) or a Hub id (the local Hub cache, else a download); results go to eval_output/<MODEL_NAME> as there (OUT_DIR
-# overrides; without a MODEL_NAME: <MODEL_PATH>/eval, or output/eval/<org>--<name> for a Hub id).
+# overrides; without a MODEL_NAME: <MODEL_PATH>-eval beside the model, or output/eval/<org>--<name> for a Hub id).
+# Never inside the model folder: a re-export (spes.hf export --overwrite) replaces that folder whole. An OUT_DIR
+# that holds earlier results is refused unless OVERWRITE=1; the run writes to <OUT_DIR>.partial and replaces
+# OUT_DIR only once it finishes, so an interrupted run loses nothing (a re-run starts over).
 #
 # 1. The local suite, when its corpus is here (EVAL_SOURCE, default data/default; skipped with a note when that
 #    default is absent): eval_scripts/tasks/ (tag spes_local) over held-out text -- spes_next_text (which of 4
@@ -24,22 +27,50 @@
 # a corpus with valid/ shards and tokenizer/), EVAL_DATA (data/eval_tasks/ctx<context length>), BUILD_ARGS (extra
 # flags of build_local_tasks.py, e.g. "--num_choice_items 100"), LIMIT (lm_eval --limit: examples per task),
 # BATCH_SIZE (8; auto as the first implementation), DEVICE (lm_eval's default), DTYPE (auto: the dtype in
-# config.json), REFERENCE (1; 0 skips the reference suite), NPROC (the GPUs $PYTHON sees, else 1) and ACCELERATE
-# (1 when NPROC > 1): run lm_eval as `accelerate launch --num_processes NPROC --main_process_port PORT -m lm_eval`,
-# data-parallel over NPROC GPUs as the first implementation did (PORT: 20503).
+# config.json), REFERENCE (1; 0 skips the reference suite), OVERWRITE (0; 1 replaces earlier results), NPROC (the
+# GPUs $PYTHON sees, else 1) and ACCELERATE (1 when NPROC > 1): run lm_eval as `accelerate launch --num_processes
+# NPROC --main_process_port PORT -m lm_eval`, data-parallel over NPROC GPUs as the first implementation did (PORT:
+# 20503).
 set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
 if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
   echo "usage: $0 <MODEL_PATH> [MODEL_NAME]   (results in OUT_DIR, else eval_output/<MODEL_NAME>, else" \
-    "<MODEL_PATH>/eval; --help for more)" >&2
+    "<MODEL_PATH>-eval; --help for more)" >&2
   exit 2
 fi
+for arg in "$@"; do
+  if [[ $arg == -* ]]; then
+    echo "error: $0 takes no flags (got $arg): its settings are environment variables, e.g. LIMIT=10 $0" \
+      "<MODEL_PATH>; --help lists them" >&2
+    exit 2
+  fi
+done
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
+fail() { echo "error: $*" >&2; exit 2; }
+check_out_dir() {  # OUT_DIR made absolute; refused inside the model folder and over anything but earlier results
+  OUT_DIR=$("$PYTHON" -c 'import os, sys; print(os.path.realpath(sys.argv[1]))' "$OUT_DIR")
+  case $OUT_DIR/ in "$(cd "$HF_DIR" && pwd -P)"/*)
+    fail "OUT_DIR $OUT_DIR is inside the model folder $HF_DIR, which a re-export (spes.hf export --overwrite)" \
+      "replaces whole; choose a folder beside it, e.g. $HF_DIR-eval" ;;
+  esac
+  if [ -e "$OUT_DIR" ] && { [ ! -d "$OUT_DIR" ] || [ -n "$(ls -A "$OUT_DIR")" ]; }; then
+    if [ ! -f "$OUT_DIR/results.json" ] && [ ! -d "$OUT_DIR/raw" ]; then
+      fail "OUT_DIR $OUT_DIR is not an empty folder and holds no eval_full.sh results; choose a new or empty one"
+    elif [ "${OVERWRITE:-0}" != 1 ]; then
+      fail "$OUT_DIR holds the results of an earlier evaluation; set OVERWRITE=1 to replace them once this run" \
+        "finishes, or choose another MODEL_NAME or OUT_DIR"
+    fi
+  fi
+  if [ -f "$HF_DIR/eval/results.json" ]; then
+    echo "note: $HF_DIR/eval holds an earlier evaluation inside the model folder; move it out before a" \
+      "re-export (spes.hf export --overwrite) replaces that folder" >&2
+  fi
+}
 MODEL=$1
-DEFAULT_OUT=$1/eval
+DEFAULT_OUT=
 if [ ! -e "$1" ]; then  # a Hub id: the local Hub cache first, then a download (spes.hub)
   MODEL=$(PYTHONPATH="$REPO" "$PYTHON" -c 'import sys
 from spes.hub import resolve
@@ -49,17 +80,18 @@ except FileNotFoundError as err:
     sys.exit(f"error: {err}")' "$1") || exit 2
   DEFAULT_OUT=$REPO/output/eval/${1//\//--}
 fi
-if [ ! -f "$MODEL/config.json" ]; then
-  echo "error: $1 is not a Hugging Face model directory (no config.json); make one with eval_scripts/convert_to_hf.sh" >&2
-  exit 2
-fi
+[ -f "$MODEL/config.json" ] ||
+  fail "$1 is not a Hugging Face model directory (no config.json); make one with eval_scripts/convert_to_hf.sh"
 HF_DIR=$(cd "$MODEL" && pwd)
+[ -f "$HF_DIR/tokenizer.json" ] || [ -f "$HF_DIR/tokenizer_config.json" ] || fail "$1 has no tokenizer" \
+  "(tokenizer.json); export it again with eval_scripts/convert_to_hf.sh ... --overwrite --tokenizer <the run's tokenizer>"
+case $HF_DIR in *,*) fail "$HF_DIR has a ',' in its path, which lm_eval's --model_args cannot carry; move it" ;; esac
 if [ -z "${OUT_DIR:-}" ]; then
   OUT_DIR=${2:+eval_output/$2}
-  OUT_DIR=${OUT_DIR:-$DEFAULT_OUT}
+  OUT_DIR=${OUT_DIR:-${DEFAULT_OUT:-$HF_DIR-eval}}
 fi
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
+check_out_dir
+STAGE=$OUT_DIR.partial  # NOTE: OUT_DIR is replaced only by a finished run: an interrupted one loses nothing
 BATCH_SIZE=${BATCH_SIZE:-8}
 DTYPE=${DTYPE:-auto}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -91,36 +123,43 @@ if [ -n "${EVAL_SOURCE:-}" ] || [ -d "$REPO/data/default" ]; then
 else
   echo "note: local suite skipped: no corpus at $REPO/data/default (build_default_corpus.py makes one; or set" \
     "EVAL_SOURCE)" >&2
-  EVAL_DATA=$OUT_DIR
+  EVAL_DATA=$STAGE
 fi
+[ -n "$LOCAL_TASKS" ] || [ "${REFERENCE:-1}" != 0 ] || fail "nothing to evaluate: REFERENCE=0 and no local suite"
+rm -rf "$STAGE"
+mkdir -p "$STAGE"
 FAILED=0
 
 run_lm_eval() {  # <run name> <tasks> <shots, or "default": lm-eval's> [required: a failure fails the script]
-  local extra=() log="$OUT_DIR/raw/$1.log"
+  local extra=() log="$STAGE/raw/$1.log"
   [ -n "${LIMIT:-}" ] && extra+=(--limit "$LIMIT")
   [ -n "${DEVICE:-}" ] && extra+=(--device "$DEVICE")
   [ "$3" != default ] && extra+=(--num_fewshot "$3")
   echo "== lm_eval: $2 ($3-shot)"
-  mkdir -p "$OUT_DIR/raw"
+  mkdir -p "$STAGE/raw"
   # NOTE: run inside the task data directory: the local task YAMLs name their data files relative to it.
   if ! (cd "$EVAL_DATA" && "${LM_EVAL[@]}" --model hf --model_args "pretrained=$HF_DIR,dtype=$DTYPE" \
       --tasks "$2" --include_path "$REPO/eval_scripts/tasks" --batch_size "$BATCH_SIZE" \
-      --output_path "$OUT_DIR/raw/$1" "${extra[@]}") > "$log" 2>&1; then
-    echo "skipped $2: lm_eval failed: $(grep -v '^\s*$' "$log" | tail -n 1) (log: $log)" >&2
+      --output_path "$STAGE/raw/$1" "${extra[@]}") > "$log" 2>&1; then
+    echo "skipped $2: lm_eval failed: $(grep -v '^\s*$' "$log" | tail -n 1) (log: $OUT_DIR/raw/$1.log)" >&2
     if [ -n "${4:-}" ]; then FAILED=1; fi
   else
     grep -A 100 '^|' "$log" || true
   fi
 }
 
-rm -rf "$OUT_DIR/raw" "$OUT_DIR/reference_status.json"
 if [ -n "$LOCAL_TASKS" ]; then run_lm_eval local "$LOCAL_TASKS" 0 required; fi
 if [ "${REFERENCE:-1}" != 0 ]; then
-  REFERENCE_RUNS=$("$PYTHON" "$REPO/eval_scripts/eval_tools.py" available --status "$OUT_DIR/reference_status.json")
+  REFERENCE_RUNS=$("$PYTHON" "$REPO/eval_scripts/eval_tools.py" available --status "$STAGE/reference_status.json")
   while read -r shots tasks; do
     if [ -n "$tasks" ]; then run_lm_eval "reference_${shots}shot" "$tasks" "$shots"; fi
   done <<< "$REFERENCE_RUNS"
 fi
-"$PYTHON" "$REPO/eval_scripts/eval_tools.py" summarize "$OUT_DIR"
+"$PYTHON" "$REPO/eval_scripts/eval_tools.py" summarize "$STAGE"
+# Earlier results (OVERWRITE=1) go only once the new ones are complete.
+rm -rf "$OUT_DIR.replaced"
+if [ -e "$OUT_DIR" ]; then mv "$OUT_DIR" "$OUT_DIR.replaced"; fi
+mv "$STAGE" "$OUT_DIR"
+rm -rf "$OUT_DIR.replaced"
 echo "results: $OUT_DIR/results.md $OUT_DIR/results.json"
 exit "$FAILED"

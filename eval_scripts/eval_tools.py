@@ -108,11 +108,12 @@ def reference_status(tasks: dict[str, int | None] = REFERENCE_TASKS) -> dict[str
 def available(status_path: Path | None, tasks: dict[str, int | None] = REFERENCE_TASKS) -> int:
     status = reference_status(tasks)
     if status_path is not None:
-        status_path.parent.mkdir(parents=True, exist_ok=True)
-        status_path.write_text(json.dumps(status, indent=2), encoding="utf-8")
+        write_atomic(status_path, json.dumps(status, indent=2))
     missing = [f"{t} ({s['reason']})" for t, s in status.items() if not s["available"]]
     if missing:
-        print(f"tasks skipped: {', '.join(missing)}; data sets are {why_missing()}", file=sys.stderr)
+        no_data = any(s["dataset"] for s in status.values() if not s["available"])
+        why = f"; data sets are {why_missing()}" if no_data else ""
+        print(f"tasks skipped: {', '.join(missing)}{why}", file=sys.stderr)
     by_shots: dict[str, list[str]] = {}
     for task, s in status.items():
         if s["available"]:

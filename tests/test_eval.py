@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from conftest import Corpus, LaunchedRun, usage_error
+from conftest import Corpus, LaunchedRun, usage_error, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "eval_scripts"
@@ -105,6 +106,38 @@ def test_builder_cli_errors(tmp_path: Path) -> None:
     assert build.main(["--text", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")]) == 2
 
 
+def test_builder_names_the_file_line_or_folder_at_fault(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A line that is not JSON, a file that is not UTF-8, a corpus without its tokenizer, and an --out holding a
+    manifest.json of something else (a rebuild deletes it first): each a one-line error naming the culprit."""
+    build = script("build_local_tasks")
+    out = tmp_path / "out"
+
+    def error(*argv: str) -> str:
+        assert build.main([*argv, "--out", str(out)]) == 2
+        return capsys.readouterr().err
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\nnot json\n')
+    assert error("--text", str(bad)) == f"error: {bad}:2: expected a JSON object with a string 'text' field\n"
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"text": "caf\xe9"}\n')
+    assert error("--text", str(latin1)).startswith(f"error: {latin1}: not UTF-8 text (invalid continuation byte")
+    (tmp_path / "corpus" / "valid").mkdir(parents=True)
+    assert error("--source", str(tmp_path / "corpus")) == (
+        f"error: {tmp_path / 'corpus'} has no tokenizer/ (the tokenizer of its valid/ shards): pass --shards "
+        f"{tmp_path / 'corpus' / 'valid'} --tokenizer <that tokenizer's directory> instead\n"
+    )
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    out.mkdir()
+    (out / "manifest.json").write_text('{"mine": 1}')
+    assert error("--text", str(docs), "--num_choice_items", "5") == (
+        f"error: {out / 'manifest.json'} was not written by build_local_tasks.py; choose an --out of its own for "
+        "the task data\n"
+    )
+    assert (out / "manifest.json").read_text() == '{"mine": 1}' and sorted(out.iterdir()) == [out / "manifest.json"]
+
+
 @pytest.mark.parametrize(
     ("flag", "rule"),
     [
@@ -112,6 +145,10 @@ def test_builder_cli_errors(tmp_path: Path) -> None:
         ("--context_chars=0", "--context_chars must be >= 1, got 0"),
         ("--ppl_max_chars=100", "--ppl_max_chars must be >= 200, got 100"),
         ("--max_tokens=-1", "--max_tokens must be >= 0, got -1"),
+        (
+            "--max_tokens=64",
+            "--max_tokens needs --window_tokenizer (the model's tokenizer, e.g. its HF model directory)",
+        ),
     ],
 )
 def test_builder_refuses_settings_that_make_no_task(
@@ -149,6 +186,20 @@ def test_summarize_lm_eval_results(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "results.json").read_text())["tasks"]["spes_next_text"]["samples"] == 8
 
 
+def test_available_names_unknown_tasks_alone_and_writes_its_status_atomically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A task lm-eval does not know is not blamed on the data sets' cache; the status file is written whole."""
+    tools = script("eval_tools")
+    unknown = {"shots": None, "dataset": None, "available": False, "reason": "lm-eval has no such task"}
+    monkeypatch.setattr(tools, "reference_status", lambda tasks: {"nosuch": unknown})
+    written: list[Path] = []
+    monkeypatch.setattr(tools, "write_atomic", lambda path, text: written.append(path))
+    assert tools.available(tmp_path / "status.json", {"nosuch": None}) == 0
+    assert capsys.readouterr().err == "tasks skipped: nosuch (lm-eval has no such task)\n"
+    assert written == [tmp_path / "status.json"]
+
+
 @pytest.mark.timeout(120)
 def test_reference_dataset_detection_is_offline(tmp_path: Path) -> None:
     """A local data set counts as available; a hub data set that is not cached does not (and nothing is fetched)."""
@@ -171,9 +222,9 @@ def test_shell_scripts_refuse_bad_input(tmp_path: Path) -> None:
 
     assert run(str(SCRIPTS / "convert_to_hf.sh"), "only_one_arg").returncode == 2
     done = run(str(SCRIPTS / "convert_to_hf.sh"), str(tmp_path), "latest", "1B")
-    assert done.returncode == 2 and "latest not found" in done.stderr
+    assert done.returncode == 2 and "holds no checkpoint (no latest file, no step<N> directory)" in done.stderr
     done = run(str(SCRIPTS / "convert_to_hf.sh"), str(tmp_path), "7", "1B")
-    assert done.returncode == 2 and "no step<N> directories: is it a spes run?" in done.stderr
+    assert done.returncode == 2 and "holds no checkpoint" in done.stderr
     done = run(str(SCRIPTS / "eval_full.sh"), str(tmp_path))
     assert done.returncode == 2 and "not a Hugging Face model directory" in done.stderr
     done = subprocess.run(
@@ -188,6 +239,153 @@ def test_shell_scripts_refuse_bad_input(tmp_path: Path) -> None:
         and "error: model 'org/not-cached' is not a local path and not in the Hugging Face cache" in done.stderr
         and "Traceback" not in done.stderr
     )
+
+
+def run_script(name: str, *args: str, env: dict[str, str] = ENV, cwd: Path | None = None) -> tuple[int, str]:
+    """Run one of the shell scripts; its exit status and stderr."""
+    done = subprocess.run([str(SCRIPTS / name), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stderr
+
+
+def test_convert_names_the_folder_a_user_passed_instead_of_a_save_folder(tmp_path: Path) -> None:
+    """A launch's output folder, the server's state, a checkpoint itself, a missing path: each is named for what it
+    is, with the folder to pass instead (before: 'is it a spes run?' for all of them)."""
+    run = tmp_path / "my run"
+    for node in ("node0", "node1"):
+        (run / node / "step20").mkdir(parents=True)
+        (run / node / "latest").write_text("step20")
+    (run / "node0" / "step20" / "meta.json").write_text("{}")
+    (run / "server_state").mkdir()
+    (run / "server_state" / "state.json").write_text("{}")
+    escaped = str(run / "node0").replace(" ", "\\ ")  # as bash's printf %q writes it: a command to paste
+    expected = {
+        run: f"holds the save folders of the nodes, not a checkpoint: pass one of them, e.g. {run / 'node0'}",
+        run / "server_state": f"is the parameter server's state, which holds no checkpoint: convert a node's save "
+        f"folder, e.g. {run / 'node0'}",
+        run / "node0" / "step20": f"is a checkpoint, not a save folder: run {SCRIPTS / 'convert_to_hf.sh'} "
+        f"{escaped} 20 1B",
+        tmp_path / "nope": f"does not exist (relative to {tmp_path})",
+    }
+    for run_dir, why in expected.items():
+        code, err = run_script("convert_to_hf.sh", str(run_dir), "latest", "1B", cwd=tmp_path)
+        assert (code, err) == (2, f"error: RUN_DIR {run_dir} {why}\n")
+    (run / "node1" / "latest").unlink()
+    code, err = run_script("convert_to_hf.sh", str(run / "node1"), "latest", "1B")
+    assert (code, err) == (
+        2,
+        f"error: {run / 'node1'} has no latest file; name one of its steps instead of latest: 20\n",
+    )
+    code, err = run_script("convert_to_hf.sh", "--overwrite", str(run / "node0"), "latest", "1B")
+    assert code == 2 and "flags go after <RUN_DIR> <SAVE_STEP|latest> <MODEL_SIZE> (got --overwrite" in err
+
+
+def fake_hf_dir(path: Path, tokenizer: Path | None = None) -> Path:
+    """A folder eval_full.sh takes for a model (config.json, the tokenizer's files): enough for what it checks
+    before lm_eval runs."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    if tokenizer is not None:
+        for f in tokenizer.iterdir():
+            (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+def test_eval_full_refuses_what_would_lose_results_or_cannot_run(tmp_path: Path) -> None:
+    """Results inside the model folder (a re-export replaces it whole), earlier results (unless OVERWRITE=1), a
+    folder of other files, a model without a tokenizer, a ',' in the path, and flags: refused before anything is
+    written, with the culprit named."""
+    model = fake_hf_dir(tmp_path / "hf" / "tiny-step20")
+    code, err = run_script("eval_full.sh", str(model))
+    assert (code, err) == (
+        2,
+        f"error: {model} has no tokenizer (tokenizer.json); export it again with eval_scripts/convert_to_hf.sh ... "
+        "--overwrite --tokenizer <the run's tokenizer>\n",
+    )
+    (model / "tokenizer.json").write_text("{}")
+    code, err = run_script("eval_full.sh", str(model), env={**ENV, "OUT_DIR": str(model / "eval")})
+    assert code == 2 and err.startswith(f"error: OUT_DIR {model / 'eval'} is inside the model folder {model}")
+    assert f"choose a folder beside it, e.g. {model}-eval" in err
+    beside = Path(f"{model}-eval")
+    (beside / "raw").mkdir(parents=True)
+    (beside / "results.json").write_text("{}")
+    code, err = run_script("eval_full.sh", str(model))  # the default folder: beside the model
+    assert code == 2 and err.startswith(f"error: {beside} holds the results of an earlier evaluation; set OVERWRITE=1")
+    code, err = run_script("eval_full.sh", str(model), env={**ENV, "OUT_DIR": str(tmp_path / "hf")})
+    assert code == 2 and "is not an empty folder and holds no eval_full.sh results" in err
+    comma = fake_hf_dir(tmp_path / "a,b", tokenizer=model)
+    code, err = run_script("eval_full.sh", str(comma))
+    assert code == 2 and "has a ',' in its path, which lm_eval's --model_args cannot carry" in err
+    code, err = run_script("eval_full.sh", str(model), "--limit")
+    assert code == 2 and "takes no flags (got --limit): its settings are environment variables" in err
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["tiny-step20", "tiny-step20-eval"]
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "tokenizer.json"]
+
+
+STAND_IN_LM_EVAL = """import json, os, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+if os.environ.get("STAND_IN_HANG"):
+    Path(os.environ["STAND_IN_HANG"]).write_text("started")
+    time.sleep(300)
+out = Path(args[args.index("--output_path") + 1]) / "model"
+out.mkdir(parents=True)
+results = {t: {"acc,none": float(os.environ["STAND_IN_ACC"])} for t in args[args.index("--tasks") + 1].split(",")}
+(out / "results_1.json").write_text(json.dumps({"results": results}))
+"""
+
+
+def test_eval_full_writes_beside_the_model_and_replaces_results_only_when_asked_and_finished(
+    tiny_corpus: Corpus, tmp_path: Path
+) -> None:
+    """Results go to <MODEL_PATH>-eval, not inside the model folder (which `spes.hf export --overwrite` replaces
+    whole); a second run into them is refused, OVERWRITE=1 replaces them, and an interrupted run (killed in
+    lm_eval) leaves the earlier results as they were. lm_eval is a stand-in here (the real one runs in the slow
+    tests)."""
+    stand_in = tmp_path / "stand_in"
+    (stand_in / "lm_eval").mkdir(parents=True)
+    (stand_in / "lm_eval" / "__init__.py").write_text("")
+    (stand_in / "lm_eval" / "__main__.py").write_text(STAND_IN_LM_EVAL)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "valid").symlink_to(Path(tiny_corpus.valid).parent)
+    (corpus / "tokenizer").symlink_to(tiny_corpus.tokenizer)
+    model = fake_hf_dir(tmp_path / "hf" / "tiny-step20", tokenizer=tiny_corpus.tokenizer)
+    env = {
+        **ENV,
+        "PYTHONPATH": str(stand_in),
+        "EVAL_SOURCE": str(corpus),
+        "EVAL_DATA": str(tmp_path / "tasks"),
+        "BUILD_ARGS": "--num_choice_items 5 --num_ppl_docs 2",
+        "REFERENCE": "0",
+        "NPROC": "1",
+    }
+
+    def accuracy() -> float:
+        return json.loads((tmp_path / "hf" / "tiny-step20-eval" / "results.json").read_text())["tasks"][
+            "spes_next_text"
+        ]["metrics"]["acc"]["value"]
+
+    assert run_script("eval_full.sh", str(model), env={**env, "STAND_IN_ACC": "0.25"})[0] == 0
+    assert accuracy() == 0.25 and not (model / "eval").exists()
+    code, err = run_script("eval_full.sh", str(model), env={**env, "STAND_IN_ACC": "0.5"})
+    assert code == 2 and "holds the results of an earlier evaluation; set OVERWRITE=1" in err and accuracy() == 0.25
+    started = tmp_path / "started"
+    interrupted = subprocess.Popen(
+        [str(SCRIPTS / "eval_full.sh"), str(model)],
+        env={**env, "STAND_IN_ACC": "0.5", "OVERWRITE": "1", "STAND_IN_HANG": str(started)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_until(started.exists, "the stand-in lm_eval to start", timeout_s=90)
+    finally:
+        os.killpg(interrupted.pid, signal.SIGKILL)
+        interrupted.wait(timeout=30)
+    assert accuracy() == 0.25  # the earlier results, whole
+    assert run_script("eval_full.sh", str(model), env={**env, "STAND_IN_ACC": "0.5", "OVERWRITE": "1"})[0] == 0
+    assert accuracy() == 0.5
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["tiny-step20", "tiny-step20-eval"]
 
 
 @pytest.mark.slow
