@@ -32,39 +32,14 @@ PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3
 HF_ROOT=${HF_ROOT:-$RUN_DIR/hf}
 
-not_a_save_folder() {  # <RUN_DIR>: what it is instead of a node's save folder, and what to pass; exits 2
-  local why node step="<N>"
-  node=$(compgen -G "$1/*/latest" | sort | head -n 1 || true)
-  [[ $(basename "$1") =~ ^step([0-9]+) ]] && step=${BASH_REMATCH[1]}
-  if [ ! -d "$1" ]; then
-    why="does not exist (relative to $PWD)"
-  elif [ -f "$1/meta.json" ]; then
-    why="is a checkpoint, not a save folder: run $0 $(printf %q "$(dirname "$1")") $step $MODEL_SIZE"
-  elif [ -f "$1/state.json" ]; then
-    why="is the parameter server's state, which holds no checkpoint: convert a node's save folder, e.g."
-    why+=" $(dirname "$1")/node0"
-  elif [ -n "$node" ]; then
-    why="holds the save folders of the nodes, not a checkpoint: pass one of them, e.g. $(dirname "$node")"
-  else
-    why="holds no checkpoint (no latest file, no step<N> directory): pass a node's save folder, e.g."
-    why+=" output/quickstart/node0"
-  fi
-  echo "error: RUN_DIR $1 $why" >&2
-  exit 2
-}
-if [ ! -f "$RUN_DIR/latest" ] && ! compgen -G "$RUN_DIR/step[0-9]*" > /dev/null; then
-  not_a_save_folder "$RUN_DIR"
-fi
-if [ "$SAVE_STEP" = latest ]; then
-  if [ ! -f "$RUN_DIR/latest" ]; then
-    echo "error: $RUN_DIR has no latest file; name one of its steps instead of latest:" \
-      "$(cd "$RUN_DIR" && compgen -G "step[0-9]*" | sed 's/^step//; s/-sharded$//' | sort -n | paste -sd ' ')" >&2
-    exit 2
-  fi
-  STEP_NAME=$(tr -d '[:space:]' < "$RUN_DIR/latest")
-else
-  STEP_NAME=step$SAVE_STEP
-fi
+# NOTE: the checkpoint's directory name, from spes's own lookup (a folder that is no save folder is named for what
+# it is: a run's output folder, the server's state, a checkpoint itself), before the export reads any weights
+STEP_NAME=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import sys
+from spes.checkpoint import resolve_step
+try:
+    print(resolve_step(sys.argv[1], sys.argv[2]).name.removesuffix("-sharded"))
+except (FileNotFoundError, ValueError) as e:
+    sys.exit(f"error: {e}")' "$RUN_DIR" "$SAVE_STEP") || exit 2
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 exec env PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m spes.hf export --run_dir "$RUN_DIR" \

@@ -486,15 +486,38 @@ def _foreign_checkpoint(directory: Path) -> str | None:
     return None
 
 
+def not_a_save_folder(folder: Path) -> str:
+    """What `folder`, which holds no checkpoint, is instead of a node's save folder, and which folder to pass: a run
+    directory passed for its nodes' folders is the usual slip."""
+    if (folder / META_FILE).is_file():
+        number = re.fullmatch(r"step(\d+)(?:-sharded)?", folder.name)
+        step = f" with step {number[1]}" if number else ""
+        return f"is a checkpoint, not a save folder: pass the save folder it is in, {folder.parent}{step}"
+    if (folder / "state.json").is_file():  # NOTE: spes.sync.state.STATE_FILE, beyond this layer
+        return (
+            "is the parameter server's state, which holds no checkpoint: pass a node's save folder, e.g. "
+            f"{folder.parent / 'node0'}"
+        )
+    nodes = sorted(p.parent for p in folder.glob(f"*/{LATEST}"))
+    if nodes:
+        return f"holds the save folders of the nodes, not a checkpoint: pass one of them, e.g. {nodes[0]}"
+    return (
+        "holds no checkpoint (no latest file, no step<N> directory): pass a node's save folder, e.g. output/<run>/node0"
+    )
+
+
 def resolve_step(run_dir: str | Path, step: str | int) -> Path:
     """The checkpoint of a save folder: `step<N>` (else `step<N>-sharded`) for an int, or what `latest` names."""
     run = Path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(
-            f"run directory {run} does not exist (expected a spes save_folder, e.g. output/<run_name>/node0)"
+            f"run directory {run} does not exist (relative to {Path.cwd()}; expected a spes save_folder, e.g. "
+            "output/<run_name>/node0)"
         )
     steps = [p.name for p in list_checkpoints(run)]
-    available = f"available: {', '.join(steps)}" if steps else "it holds no step<N> directories: is it a spes run?"
+    if not steps and not (run / LATEST).is_file():
+        raise FileNotFoundError(f"run directory {run} {not_a_save_folder(run)}")
+    available = f"available: {', '.join(steps) or 'none'}"
     if str(step) == "latest":
         if not (run / LATEST).is_file():
             raise FileNotFoundError(f"{run} has no '{LATEST}' file naming the latest checkpoint; {available}")

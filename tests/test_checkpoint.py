@@ -29,6 +29,7 @@ from spes.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_model_state,
+    not_a_save_folder,
     prune,
     remove_stale_temporaries,
     resolve_checkpoint,
@@ -688,12 +689,39 @@ def _fake_checkpoint(directory: Path, kind: str = "unsharded") -> Path:
     return directory
 
 
+def test_a_folder_that_is_no_save_folder_is_named_for_what_it_is(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for node in ("node1", "node0"):
+        _fake_checkpoint(run / node / "step20-sharded", "sharded")
+        (run / node / LATEST).write_text("step20-sharded")
+    (run / "server_state").mkdir()
+    (run / "server_state" / "state.json").write_text("{}")
+    (run / "empty").mkdir()
+    assert not_a_save_folder(run) == (
+        f"holds the save folders of the nodes, not a checkpoint: pass one of them, e.g. {run / 'node0'}"
+    )
+    assert not_a_save_folder(run / "server_state") == (
+        f"is the parameter server's state, which holds no checkpoint: pass a node's save folder, e.g. {run / 'node0'}"
+    )
+    assert not_a_save_folder(run / "node0" / "step20-sharded") == (
+        f"is a checkpoint, not a save folder: pass the save folder it is in, {run / 'node0'} with step 20"
+    )
+    (run / "node0" / "final").mkdir()
+    (run / "node0" / "final" / META_FILE).write_text("{}")
+    assert not_a_save_folder(run / "node0" / "final").endswith(f"pass the save folder it is in, {run / 'node0'}")
+    assert not_a_save_folder(run / "empty") == (
+        "holds no checkpoint (no latest file, no step<N> directory): pass a node's save folder, e.g. output/<run>/node0"
+    )
+    with pytest.raises(FileNotFoundError, match=r"^run directory .*server_state is the parameter server's state"):
+        resolve_step(run / "server_state", "latest")
+
+
 def test_a_step_is_found_by_number_unsharded_first_or_through_latest(tmp_path: Path) -> None:
     run = tmp_path / "node0"
-    with pytest.raises(FileNotFoundError, match=f"^run directory {run} does not exist \\(expected a spes save_fo"):
+    with pytest.raises(FileNotFoundError, match=f"^run directory {run} does not exist \\(relative to "):
         resolve_step(run, 1)
     run.mkdir()
-    with pytest.raises(FileNotFoundError, match=r"step5 does not exist; it holds no step<N> directories: is it a spes"):
+    with pytest.raises(FileNotFoundError, match=r"^run directory .*node0 holds no checkpoint \(no latest file, no st"):
         resolve_step(run, 5)
     for name, kind in (("step2", "unsharded"), ("step4-sharded", "sharded"), ("step4", "unsharded")):
         _fake_checkpoint(run / name, kind)

@@ -257,23 +257,23 @@ def test_convert_names_the_folder_a_user_passed_instead_of_a_save_folder(tmp_pat
     (run / "node0" / "step20" / "meta.json").write_text("{}")
     (run / "server_state").mkdir()
     (run / "server_state" / "state.json").write_text("{}")
-    escaped = str(run / "node0").replace(" ", "\\ ")  # as bash's printf %q writes it: a command to paste
     expected = {
         run: f"holds the save folders of the nodes, not a checkpoint: pass one of them, e.g. {run / 'node0'}",
-        run / "server_state": f"is the parameter server's state, which holds no checkpoint: convert a node's save "
+        run / "server_state": f"is the parameter server's state, which holds no checkpoint: pass a node's save "
         f"folder, e.g. {run / 'node0'}",
-        run / "node0" / "step20": f"is a checkpoint, not a save folder: run {SCRIPTS / 'convert_to_hf.sh'} "
-        f"{escaped} 20 1B",
-        tmp_path / "nope": f"does not exist (relative to {tmp_path})",
+        run / "node0" / "step20": f"is a checkpoint, not a save folder: pass the save folder it is in, {run / 'node0'} "
+        "with step 20",
+        tmp_path / "nope": f"does not exist (relative to {tmp_path}; expected a spes save_folder, e.g. "
+        "output/<run_name>/node0)",
     }
     for run_dir, why in expected.items():
         code, err = run_script("convert_to_hf.sh", str(run_dir), "latest", "1B", cwd=tmp_path)
-        assert (code, err) == (2, f"error: RUN_DIR {run_dir} {why}\n")
+        assert (code, err) == (2, f"error: run directory {run_dir} {why}\n")
     (run / "node1" / "latest").unlink()
     code, err = run_script("convert_to_hf.sh", str(run / "node1"), "latest", "1B")
     assert (code, err) == (
         2,
-        f"error: {run / 'node1'} has no latest file; name one of its steps instead of latest: 20\n",
+        f"error: {run / 'node1'} has no 'latest' file naming the latest checkpoint; available: step20\n",
     )
     code, err = run_script("convert_to_hf.sh", "--overwrite", str(run / "node0"), "latest", "1B")
     assert code == 2 and "flags go after <RUN_DIR> <SAVE_STEP|latest> <MODEL_SIZE> (got --overwrite" in err

@@ -166,7 +166,7 @@ def test_bad_checkpoint_paths(tmp_path: Path, tokenizer: LoadedTokenizer) -> Non
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="neither a checkpoint directory .* nor a save folder"):
         hf.export_checkpoint(tmp_path / "empty", tmp_path / "hf2")
-    with pytest.raises(FileNotFoundError, match="no step<N> directories: is it a spes run"):
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint \\(no latest file, no step<N> directory\\)"):
         hf.resolve_step(tmp_path / "empty", "3")
 
 
