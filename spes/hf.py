@@ -49,7 +49,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
-from spes.checkpoint import CONFIG_FILE, LATEST, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
+from spes.checkpoint import CONFIG_FILE, LATEST, META_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
 from spes.hub import TOKENIZER_FILES, resolve, resolve_tokenizer
 from spes.moe import fuse_expert_blocks, split_expert_blocks
@@ -521,10 +521,27 @@ def copy_tokenizer(src: Path, dst: Path, *, vocab_size: int | None = None) -> No
         (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
-def refuse_existing(target: Path, overwrite: bool) -> None:
-    """FileExistsError for a non-empty `target` unless `overwrite` (--overwrite): nothing is replaced unasked."""
-    if target.exists() and any(target.iterdir()) and not overwrite:
+def refuse_existing(target: Path, overwrite: bool, marker: str) -> None:
+    """FileExistsError for a non-empty `target` unless `overwrite` (--overwrite): nothing is replaced unasked. Nor
+    with it, when `target` is not what the command writes (no `marker` file in it) or holds folders it never writes
+    (evaluation results, a run): `--overwrite` replaces the folder whole."""
+    if target.is_file():
+        raise FileExistsError(f"{target} is a file; choose another --out")
+    if not target.exists() or not any(target.iterdir()):
+        return
+    if not overwrite:
         raise FileExistsError(f"{target} already exists and is not empty; pass --overwrite to replace it")
+    folders = sorted(p.name for p in target.iterdir() if p.is_dir())
+    if folders:
+        raise FileExistsError(
+            f"{target} holds folders this command does not write ({', '.join(folders)}): --overwrite would delete "
+            "them with it; move them out, or choose another --out"
+        )
+    if not (target / marker).is_file():
+        raise FileExistsError(
+            f"{target} is not a folder this command wrote (no {marker}): --overwrite would delete it whole; choose "
+            "another --out"
+        )
 
 
 def _refuse_holding(target: Path, source: Path) -> None:
@@ -568,7 +585,7 @@ def write_step_dir(
     match = re.fullmatch(r"step(\d+)", out.name)
     if match is None:
         raise ValueError(f"--out {out} must be a checkpoint step directory named step<N>, e.g. output/<run_name>/step0")
-    refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite, META_FILE)
     _refuse_other_latest(out)
     if tokenizer is not None:
         with staging_dir(out.parent / "tokenizer") as tmp:
@@ -674,7 +691,7 @@ def export_state(
 
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    refuse_existing(out, overwrite)
+    refuse_existing(out, overwrite, "config.json")
     with staging_dir(out) as tmp:
         copy_tokenizer(tokenizer, tmp, vocab_size=m.vocab_size)
         write_safetensors(tensors(), tmp, max_shard_bytes=max_shard_bytes, dtype=_DTYPES[dtype])

@@ -246,7 +246,7 @@ def make_random_dense(
     torch.manual_seed(seed)
     model = getattr(transformers, family.architecture)(config)
     path = Path(out)
-    refuse_existing(path, overwrite)
+    refuse_existing(path, overwrite, "config.json")
     with staging_dir(path) as tmp:
         model.save_pretrained(str(tmp))
         if tokenizer is not None:

@@ -174,12 +174,25 @@ def test_missing_tokenizer_and_existing_output(tmp_path: Path, tokenizer: Loaded
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
     with pytest.raises(FileNotFoundError, match="--tokenizer"):
         hf.export_checkpoint(step_dir, tmp_path / "hf", tokenizer=tmp_path / "no_tok")
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "keep").write_text("x")
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        hf.export_checkpoint(step_dir, tmp_path / "hf")
-    hf.export_checkpoint(step_dir, tmp_path / "hf", overwrite=True)
-    assert not (tmp_path / "hf" / "keep").exists() and (tmp_path / "hf" / "config.json").is_file()
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(FileExistsError, match="already exists and is not empty; pass --overwrite"):
+        hf.export_checkpoint(step_dir, out)
+    with pytest.raises(FileExistsError, match=r"is not a folder this command wrote \(no config.json\): --overwrite"):
+        hf.export_checkpoint(step_dir, out, overwrite=True)  # someone else's folder
+    (out / "keep").unlink()
+    hf.export_checkpoint(step_dir, out)  # an empty folder is written
+    (out / "eval").mkdir()  # results kept beside the weights
+    with pytest.raises(FileExistsError, match=r"holds folders this command does not write \(eval\): --overwrite wo"):
+        hf.export_checkpoint(step_dir, out, overwrite=True)
+    (out / "eval").rmdir()
+    (out / "model-00002-of-00002.safetensors").write_text("x")  # a file of an earlier export
+    hf.export_checkpoint(step_dir, out, overwrite=True)
+    assert not (out / "model-00002-of-00002.safetensors").exists() and (out / "config.json").is_file()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="file is a file; choose another --out"):
+        hf.export_checkpoint(step_dir, tmp_path / "file", overwrite=True)
 
 
 def test_an_export_over_its_own_checkpoint_or_save_folder_is_refused_and_deletes_nothing(
@@ -568,6 +581,7 @@ def test_the_command_line_exports_and_imports_with_every_flag(
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
     out = tmp_path / "hf"
     out.mkdir()
+    (out / "config.json").write_text("{}")  # an earlier export's
     (out / "old").write_text("x")
     export = ["export", "--checkpoint", str(step_dir), "--out", str(out), "--tokenizer", str(tokenizer.path.parent)]
     assert hf.main(export) == 2 and "pass --overwrite" in capsys.readouterr().err
