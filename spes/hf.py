@@ -49,7 +49,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
-from spes.checkpoint import CONFIG_FILE, LATEST, META_FILE, load_model_state, resolve_checkpoint, resolve_step, save_checkpoint
+from spes.checkpoint import (
+    CONFIG_FILE,
+    LATEST,
+    META_FILE,
+    load_model_state,
+    resolve_checkpoint,
+    resolve_step,
+    save_checkpoint,
+)
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
 from spes.hub import TOKENIZER_FILES, resolve, resolve_tokenizer
 from spes.moe import fuse_expert_blocks, split_expert_blocks
