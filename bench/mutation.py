@@ -368,7 +368,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.remote_files.x__download",
-        "45 48 53",
+        "46 49 54",
         "flush or not: stderr is line-buffered (Python 3.9+), so the line is written out at its newline",
     ),
     **mutants(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -187,6 +188,28 @@ def test_a_restarted_server_restores_the_round_it_saved_with_its_fragment_and_he
         r.getMessage() for r in caplog.records
     ]
     assert Closer(spec).closer.restore(spec) is spec  # no --state_dir: nothing to restore
+
+
+@pytest.mark.timeout(60)
+def test_a_restart_with_another_length_or_server_settings_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = dataclasses.replace(tiny_spec(sync_steps=2, server=NO_MERGE), last_step=40)
+    before = Closer(spec, tmp_path)
+    before.close(2)
+    before.wait()
+    caplog.set_level(logging.WARNING, "spes.server")
+    longer = dataclasses.replace(spec, last_step=80, server=dataclasses.replace(NO_MERGE, merge_topk=2, outer_lr=0.5))
+    assert Closer(longer, tmp_path).closer.restore(longer).last_step == 80
+    assert [r.getMessage() for r in caplog.records] == [
+        "max_duration changed: the run now ends at step 80 (it was to end at step 40); every node must resume with "
+        "this max_duration",
+        f"the server: section differs from the one the run's rounds so far had, the next rounds use this server's: "
+        f"server.merge_topk: {NO_MERGE.merge_topk} -> 2; server.outer_lr: {NO_MERGE.outer_lr} -> 0.5",
+    ]
+    caplog.clear()
+    Closer(spec, tmp_path).closer.restore(spec)
+    assert caplog.records == []  # the same run: nothing to say
 
 
 @pytest.mark.timeout(60)
