@@ -510,9 +510,9 @@ def resolve_step(run_dir: str | Path, step: str | int) -> Path:
     """The checkpoint of a save folder: `step<N>` (else `step<N>-sharded`) for an int, or what `latest` names."""
     run = Path(run_dir)
     if not run.is_dir():
+        where = "" if run.is_absolute() else f"relative to {Path.cwd()}; "
         raise FileNotFoundError(
-            f"run directory {run} does not exist (relative to {Path.cwd()}; expected a spes save_folder, e.g. "
-            "output/<run_name>/node0)"
+            f"run directory {run} does not exist ({where}expected a spes save_folder, e.g. output/<run_name>/node0)"
         )
     steps = [p.name for p in list_checkpoints(run)]
     if not steps and not (run / LATEST).is_file():

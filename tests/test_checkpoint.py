@@ -718,7 +718,7 @@ def test_a_folder_that_is_no_save_folder_is_named_for_what_it_is(tmp_path: Path)
 
 def test_a_step_is_found_by_number_unsharded_first_or_through_latest(tmp_path: Path) -> None:
     run = tmp_path / "node0"
-    with pytest.raises(FileNotFoundError, match=f"^run directory {run} does not exist \\(relative to "):
+    with pytest.raises(FileNotFoundError, match=f"^run directory {run} does not exist \\(expected a spes save_folder"):
         resolve_step(run, 1)
     run.mkdir()
     with pytest.raises(FileNotFoundError, match=r"^run directory .*node0 holds no checkpoint \(no latest file, no st"):

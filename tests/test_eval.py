@@ -263,7 +263,7 @@ def test_convert_names_the_folder_a_user_passed_instead_of_a_save_folder(tmp_pat
         f"folder, e.g. {run / 'node0'}",
         run / "node0" / "step20": f"is a checkpoint, not a save folder: pass the save folder it is in, {run / 'node0'} "
         "with step 20",
-        tmp_path / "nope": f"does not exist (relative to {tmp_path}; expected a spes save_folder, e.g. "
+        Path("nope"): f"does not exist (relative to {tmp_path}; expected a spes save_folder, e.g. "
         "output/<run_name>/node0)",
     }
     for run_dir, why in expected.items():
