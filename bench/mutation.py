@@ -952,25 +952,14 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.state.x_save_round",
-        "60 62 63",
+        "63 65 66",
         "state.json's indentation: the same JSON for json.loads",
     ),
     **mutants(
         "spes.sync.state.x_save_round",
-        "72 73",
+        "75 76",
         "unlinking a stale round file listed a moment before without missing_ok: only another process removing it "
         "in between would tell",
-    ),
-    **mutants(
-        "spes.sync.state.x_lock_state_dir",
-        "33",
-        "33 bytes of the lock file read rather than 32: a pid has at most 7 digits",
-    ),
-    **mutants(
-        "spes.sync.state.x_lock_state_dir",
-        "48",
-        "the lock file cut to 1 byte rather than 0 before the pid is written from byte 0: the pid and its newline "
-        "overwrite that byte, and the file held only an earlier pid's line, no longer than this one's plus a byte",
     ),
     **mutants(
         "spes.sync.state.x_spec_record",
@@ -1293,8 +1282,8 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.atomic.x_hold_lock",
-        "34",
-        "the lock file truncated to one byte before the pid's line is written over it from byte 0: that line is "
+        "33",
+        "the lock file truncated to one byte before the holder's line is written over it from byte 0: that line is "
         "longer than one byte, so the file holds just it either way",
     ),
     **mutants(
