@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench_helpers import corpus_flags, run_bench
 from conftest import Corpus
-from test_bench import corpus_flags, run_bench
 
 
 def _metrics(folder: Path, tokens_per_step: int, steps: int = 4) -> None:
