@@ -29,7 +29,10 @@ from spes.sync.wire import read_file
 log = logging.getLogger("spes.server")
 
 TOKEN_ENV = "SPES_TOKEN"
-WRONG_TOKEN = "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret"
+WRONG_TOKEN = (
+    "missing or wrong token: set SPES_TOKEN, or a node's spes_config.token_file (spes.status: --token_file), to this "
+    "run's shared secret"
+)
 """What the server answers a call (either plane) without the run's token: the reason and what to do."""
 PEER_NAME = re.compile(r"peer-(\d+)")
 """The common name of a node certificate under `--tls_peer_ids`: `peer-<id>`."""

@@ -212,7 +212,8 @@ def test_the_interceptor_refuses_a_missing_or_wrong_token_before_any_byte_is_rea
                 call(echo.port, kind, metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, case
             assert err.value.details() == (
-                "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret"
+                "missing or wrong token: set SPES_TOKEN, or a node's spes_config.token_file (spes.status: "
+                "--token_file), to this run's shared secret"
             ), case
     assert echo.ran == [] and echo.deserialized == []
     refused = f"refused /{SERVICE}/{kind}: missing or wrong token"
