@@ -22,7 +22,8 @@
 # Env (defaults in brackets):
 #   CONFIG_DIR [configs/spes_1b]  CONFIG [$CONFIG_DIR/node_<id>.yaml]: each node's config
 #   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else every GPU the node's $PYTHON sees, else 1]: processes per node
-#   PORT [50051]: server port on node 0; SERVER_HOST [first host of SLURM_JOB_NODELIST, or MASTER_ADDR]
+#   PORT [50051]: server port on node 0; SERVER_HOST [first host of SLURM_JOB_NODELIST, or MASTER_ADDR, which every
+#     node but 0 needs outside SLURM]
 #   The server's run settings (peers, experts per block, mode, the `server:` section) come from node 0's config
 #   with the same overrides, so they cannot disagree with the nodes'.
 #   SPES_ROOT [SLURM_SUBMIT_DIR, or this repository]; PYTHON [.venv/bin/python, else python3]
@@ -114,6 +115,9 @@ if [ -n "${RANK:-}" ]; then
   NODE_ID=$RANK
   [[ "$NODE_ID" =~ ^[0-9]+$ ]] && [ "$NODE_ID" -lt "$CFG_PEERS" ] || die "RANK=$NODE_ID must be a node id in \
 [0, $CFG_PEERS) (the config's spes_config.num_peers)"
+  # NOTE: node 0 runs the server itself; any other node on its loopback found no server and retried for minutes
+  [ "$NODE_ID" = 0 ] || [ -n "${SERVER_HOST:-}${MASTER_ADDR:-}" ] || die "RANK=$NODE_ID but MASTER_ADDR is not set: \
+set MASTER_ADDR=<node 0's host> (or SERVER_HOST), where node 0 runs the parameter server"
   SERVER_HOST=${SERVER_HOST:-${MASTER_ADDR:-127.0.0.1}}
   SERVER_ADDR="$SERVER_HOST:$PORT"
   LOG_DIR=${LOG_DIR:-output/cluster}
