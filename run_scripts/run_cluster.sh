@@ -22,7 +22,7 @@
 # Env (defaults in brackets):
 #   CONFIG_DIR [configs/spes_1b]  CONFIG [$CONFIG_DIR/node_<id>.yaml]: each node's config
 #   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else every GPU the node's $PYTHON sees, else 1]: processes per node
-#   PORT [50051]: server port on node 0; SERVER_HOST [first host of SLURM_JOB_NODELIST, or MASTER_ADDR, which every
+#   PORT [50051]: server port on node 0 (a fixed one); SERVER_HOST [first host of SLURM_JOB_NODELIST, or MASTER_ADDR, which every
 #     node but 0 needs outside SLURM]
 #   The server's run settings (peers, experts per block, mode, the `server:` section) come from node 0's config
 #   with the same overrides, so they cannot disagree with the nodes'.
@@ -50,6 +50,8 @@ PORT=${PORT:-50051}
 
 die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
 config_of() { echo "${CONFIG:-$CONFIG_DIR/node_$1.yaml}"; }
+[[ "$PORT" =~ ^[1-9][0-9]*$ ]] && [ "$PORT" -le 65535 ] || die "PORT=$PORT must be a fixed port in [1, 65535]: the nodes \
+are told it before the server starts (only DATA_PORT may be 0, chosen by the OS)"
 [ -n "${SLURM_JOB_ID:-}" ] || [ -n "${RANK:-}" ] || die "not inside a SLURM job and RANK is not set; submit with: \
 sbatch --nodes=N run_scripts/run_cluster.sh, or run it on every node with RANK=<node id> MASTER_ADDR=<node 0's host>"
 
