@@ -22,8 +22,8 @@
 # Env (defaults in brackets):
 #   CONFIG_DIR [configs/spes_1b]  CONFIG [$CONFIG_DIR/node_<id>.yaml]: each node's config
 #   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else every GPU the node's $PYTHON sees, else 1]: processes per node
-#   PORT [50051]: server port on node 0 (a fixed one); SERVER_HOST [first host of SLURM_JOB_NODELIST, or MASTER_ADDR, which every
-#     node but 0 needs outside SLURM]
+#   PORT [50051]: server port on node 0 (a fixed one); SERVER_HOST [first host of SLURM_JOB_NODELIST, or
+#     MASTER_ADDR, which every node but 0 needs outside SLURM]
 #   The server's run settings (peers, experts per block, mode, the `server:` section) come from node 0's config
 #   with the same overrides, so they cannot disagree with the nodes'.
 #   SPES_ROOT [SLURM_SUBMIT_DIR, or this repository]; PYTHON [.venv/bin/python, else python3]
