@@ -39,6 +39,10 @@ def test_read_token_from_file_then_environment(tmp_path: Path, monkeypatch: pyte
     assert read_token(None, "--token_file") is None
     monkeypatch.setenv("SPES_TOKEN", "from-env")
     assert read_token(None, "--token_file") == "from-env"
+    monkeypatch.setenv("SPES_TOKEN", "from-env\n")  # a secret store's value, as a file's is read
+    assert read_token(None, "--token_file") == "from-env"
+    monkeypatch.setenv("SPES_TOKEN", " ")
+    assert read_token(None, "--token_file") is None
     secret = tmp_path / "token"
     secret.write_text("from-file\n")
     assert read_token(str(secret), "--token_file") == "from-file"
