@@ -22,7 +22,8 @@
 # Env (defaults in brackets):
 #   CONFIG_DIR [configs/spes_1b]  CONFIG [$CONFIG_DIR/node_<id>.yaml]: each node's config
 #   NPROC_PER_NODE [SLURM_GPUS_ON_NODE, else every GPU the node's $PYTHON sees, else 1]: processes per node
-#   PORT [50051]: server port on node 0; SERVER_HOST [first host of SLURM_JOB_NODELIST, or MASTER_ADDR]
+#   PORT [50051]: server port on node 0 (a fixed one); SERVER_HOST [first host of SLURM_JOB_NODELIST, or
+#     MASTER_ADDR, which every node but 0 needs outside SLURM]
 #   The server's run settings (peers, experts per block, mode, the `server:` section) come from node 0's config
 #   with the same overrides, so they cannot disagree with the nodes'.
 #   SPES_ROOT [SLURM_SUBMIT_DIR, or this repository]; PYTHON [.venv/bin/python, else python3]
@@ -49,6 +50,8 @@ PORT=${PORT:-50051}
 
 die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
 config_of() { echo "${CONFIG:-$CONFIG_DIR/node_$1.yaml}"; }
+[[ "$PORT" =~ ^[1-9][0-9]*$ ]] && [ "$PORT" -le 65535 ] || die "PORT=$PORT must be a fixed port in [1, 65535]: the nodes \
+are told it before the server starts (only DATA_PORT may be 0, chosen by the OS)"
 [ -n "${SLURM_JOB_ID:-}" ] || [ -n "${RANK:-}" ] || die "not inside a SLURM job and RANK is not set; submit with: \
 sbatch --nodes=N run_scripts/run_cluster.sh, or run it on every node with RANK=<node id> MASTER_ADDR=<node 0's host>"
 
@@ -114,6 +117,9 @@ if [ -n "${RANK:-}" ]; then
   NODE_ID=$RANK
   [[ "$NODE_ID" =~ ^[0-9]+$ ]] && [ "$NODE_ID" -lt "$CFG_PEERS" ] || die "RANK=$NODE_ID must be a node id in \
 [0, $CFG_PEERS) (the config's spes_config.num_peers)"
+  # NOTE: node 0 runs the server itself; any other node on its loopback found no server and retried for minutes
+  [ "$NODE_ID" = 0 ] || [ -n "${SERVER_HOST:-}${MASTER_ADDR:-}" ] || die "RANK=$NODE_ID but MASTER_ADDR is not set: \
+set MASTER_ADDR=<node 0's host> (or SERVER_HOST), where node 0 runs the parameter server"
   SERVER_HOST=${SERVER_HOST:-${MASTER_ADDR:-127.0.0.1}}
   SERVER_ADDR="$SERVER_HOST:$PORT"
   LOG_DIR=${LOG_DIR:-output/cluster}

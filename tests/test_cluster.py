@@ -134,6 +134,25 @@ def test_outside_a_slurm_job_the_script_says_how_to_submit(tmp_path: Path) -> No
     assert proc.returncode == 2 and "RANK=4 must be a node id in [0, 4)" in proc.stdout
 
 
+def test_a_node_but_0_without_master_addr_or_a_port_of_0_is_refused_naming_it(tmp_path: Path) -> None:
+    """Node 1 took 127.0.0.1 for node 0's host: on its own machine it found no server and retried for minutes. PORT=0
+    (the OS's choice, as DATA_PORT=0) told every node port 0."""
+    env = {
+        k: v for k, v in child_env().items() if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "SERVER_HOST")
+    }
+    env.update(RANK="1", CONFIG="configs/tiny.yaml")
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env=env)
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines() == [
+        "run_cluster.sh: error: RANK=1 but MASTER_ADDR is not set: set MASTER_ADDR=<node 0's host> (or SERVER_HOST), "
+        "where node 0 runs the parameter server"
+    ]
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env={**env, "RANK": "0", "PORT": "0"})
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines() == [
+        "run_cluster.sh: error: PORT=0 must be a fixed port in [1, 65535]: the nodes are told it before the server "
+        "starts (only DATA_PORT may be 0, chosen by the OS)"
+    ]
+
+
 def test_rank_set_inside_a_slurm_job_is_the_first_implementations_contract(tmp_path: Path) -> None:
     """A wrapper that `srun`s the script with each node's RANK (the first implementation's way under SLURM): every
     task took the SLURM branch, as if it were the batch step, and `srun`ed the whole run again."""

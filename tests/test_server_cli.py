@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from spes.sync.server import build_parser, config_from_args
-from spes.sync.settings import ServerConfig
+from spes.sync.server import build_parser, config_from_args, exposure_warnings
+from spes.sync.settings import DeployConfig, ServerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -259,3 +259,18 @@ def test_failed_tls_handshakes_leave_no_grpc_core_lines(tmp_path: Path) -> None:
         _, log = server.communicate(timeout=30)
     assert server.returncode == 0
     assert "Handshake failed" not in log and "ssl_transport_security" not in log, log
+
+
+def test_a_token_sent_in_clear_text_under_insecure_is_a_warning() -> None:
+    """run_cluster.sh passes --insecure: a SPES_TOKEN without TLS files crossed the network in clear text unsaid."""
+    clear = exposure_warnings(DeployConfig(token="secret", insecure=True))
+    assert clear == [
+        "--insecure with a token but no --tls_cert/--tls_key: the token travels in clear text, and anyone on the "
+        "network path can read it and join the run; add --tls_cert/--tls_key to protect it"
+    ]
+    assert exposure_warnings(DeployConfig(insecure=True)) == [
+        "no SPES_TOKEN or --token_file: anyone who can reach this port can join the run"
+    ]
+    tls = {"tls_cert": "server.crt", "tls_key": "server.key"}
+    assert exposure_warnings(DeployConfig(token="secret", insecure=True, **tls)) == []
+    assert exposure_warnings(DeployConfig(token="secret", host="127.0.0.1")) == []

@@ -29,7 +29,10 @@ from spes.sync.wire import read_file
 log = logging.getLogger("spes.server")
 
 TOKEN_ENV = "SPES_TOKEN"
-WRONG_TOKEN = "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret"
+WRONG_TOKEN = (
+    "missing or wrong token: set SPES_TOKEN, or a node's spes_config.token_file (spes.status: --token_file), to this "
+    "run's shared secret"
+)
 """What the server answers a call (either plane) without the run's token: the reason and what to do."""
 PEER_NAME = re.compile(r"peer-(\d+)")
 """The common name of a node certificate under `--tls_peer_ids`: `peer-<id>`."""
@@ -41,8 +44,8 @@ def print_warning(message: str) -> None:
 
 
 def read_token(token_file: str | None, what: str, warn: Callable[[str], None] = print_warning) -> str | None:
-    """The run's shared secret from `token_file` (named `what` in errors), else $SPES_TOKEN, else None; a file
-    others can read is a `warn`ing (the server passes its log's)."""
+    """The run's shared secret from `token_file` (named `what` in errors), else $SPES_TOKEN, else None (either
+    stripped of surrounding whitespace); a file others can read is a `warn`ing (the server passes its log's)."""
     if token_file:
         token = read_file(token_file, what).decode().strip()
         if os.stat(token_file).st_mode & 0o077:
@@ -50,7 +53,9 @@ def read_token(token_file: str | None, what: str, warn: Callable[[str], None] = 
         if not token:
             raise ValueError(f"{what} {token_file!r} is empty: write the run's shared secret into it")
         return token
-    return os.environ.get(TOKEN_ENV) or None
+    # NOTE: stripped as a file is: a secret store's value often ends in a newline, and the node's token then
+    # differed from a server's read from the same secret's file (refused as a wrong token)
+    return os.environ.get(TOKEN_ENV, "").strip() or None
 
 
 def _digest(value: str) -> bytes:

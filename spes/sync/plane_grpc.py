@@ -184,10 +184,36 @@ def _watched(messages: Iterator[M], ticket: Ticket) -> Iterator[M]:
 
 
 # -- client -------------------------------------------------------------------------------------------------------
+NOT_SIGNED = "the server's TLS certificate is not signed by the CA this client was given"
+TLS_FAILURES = (
+    ("certificate has expired", "the server's TLS certificate has expired: renew it and restart the server"),
+    (
+        "certificate is not yet valid",
+        "the server's TLS certificate is not valid yet: check the clocks of the server and of this machine",
+    ),
+    (
+        "Hostname Verification Check failed",
+        "the server's TLS certificate does not name the host in the address: address the server by a name its "
+        "certificate's subjectAltName holds",
+    ),
+    *((words, NOT_SIGNED) for words in ("CERTIFICATE_VERIFY_FAILED", "certificate signature failure")),
+    (
+        "WRONG_VERSION_NUMBER",
+        "the server does not serve TLS: give this client no CA, or start the server with --tls_cert/--tls_key",
+    ),
+)
+"""What gRPC's core says of a TLS handshake this client refused (the first match wins), and what it means. No retry
+mends one: retried as an unreachable server, a wrong CA took the whole backoff (80 s) to end a node."""
+
+
 def failure_of(what: str, err: grpc.RpcError) -> SyncError:
     """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed."""
+    details = err.details() or ""
+    cause = next((meaning for words, meaning in TLS_FAILURES if words in details), None)
+    if err.code() == grpc.StatusCode.UNAVAILABLE and cause is not None:
+        return SyncError(f"{what} failed (UNAVAILABLE): {cause} ({details})", grpc.StatusCode.UNAVAILABLE)
     reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
-    return classify(what, err.code(), err.details(), reason)
+    return classify(what, err.code(), details, reason)
 
 
 class GrpcPlane:

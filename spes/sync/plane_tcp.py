@@ -21,6 +21,7 @@ The server's end is `DataHandler` (one operation per connection, over the `Coord
 
 from __future__ import annotations
 
+import _ssl
 import contextlib
 import json
 import logging
@@ -283,6 +284,7 @@ def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> ssl.
             read_file(path, flag)  # FileNotFoundError naming the flag
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     _pem(lambda: context.load_cert_chain(cert, key), f"--tls_cert {cert!r} and --tls_key {key!r}")
+    check_validity(cert, "--tls_cert")
     if client_ca is not None:
         _pem(lambda: context.load_verify_locations(cafile=client_ca), f"--tls_client_ca {client_ca!r}")
         context.verify_mode = ssl.CERT_REQUIRED
@@ -310,7 +312,27 @@ def client_tls(
     context = _pem(lambda: ssl.create_default_context(cafile=ca), f"{ca_name} {ca!r}")
     if cert is not None and key is not None:
         _pem(lambda: context.load_cert_chain(cert, key), f"{cert_name} {cert!r} and {key_name} {key!r}")
+        check_validity(cert, cert_name)
     return context
+
+
+def check_validity(path: str, name: str, now: float | None = None) -> None:
+    """ValueError naming `name` unless the (first) certificate of the PEM file `path` is valid at `now` (default:
+    the present). Why: gRPC serves an expired certificate without a word, and every handshake with it then fails
+    as if the peer were down."""
+    decode = getattr(_ssl, "_test_decode_cert", None)  # NOTE: CPython's; the stdlib has no public decoder
+    if decode is None:
+        return
+    fields = decode(path)
+    now = time.time() if now is None else now
+    if now < ssl.cert_time_to_seconds(fields["notBefore"]):
+        raise ValueError(
+            f"{name} {path!r} is not valid before {fields['notBefore']}: check this machine's clock, or issue it anew"
+        )
+    if now > ssl.cert_time_to_seconds(fields["notAfter"]):
+        raise ValueError(
+            f"{name} {path!r} expired on {fields['notAfter']}: issue a new one (docs/running.md, Security)"
+        )
 
 
 T = TypeVar("T")

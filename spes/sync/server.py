@@ -391,6 +391,21 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         pass
 
 
+def exposure_warnings(deploy: DeployConfig) -> list[str]:
+    """What the log says of a server anyone who reaches it may join, or whose token travels in clear text.
+
+    Why the second: `run_cluster.sh` always passes --insecure, so a SPES_TOKEN given without TLS files went over the
+    network in clear text without a word."""
+    if deploy.token is None:
+        return ["no SPES_TOKEN or --token_file: anyone who can reach this port can join the run"]
+    if deploy.insecure and deploy.tls_cert is None:
+        return [
+            "--insecure with a token but no --tls_cert/--tls_key: the token travels in clear text, and anyone on the "
+            "network path can read it and join the run; add --tls_cert/--tls_key to protect it"
+        ]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT, then shut down cleanly and return 0."""
     limit_malloc_arenas()
@@ -416,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         "mutual" if deploy.tls_client_ca else ("on" if deploy.tls_cert else "off"),
         cfg.spec,
     )
-    if deploy.token is None:
-        log.warning("no SPES_TOKEN or --token_file: anyone who can reach this port can join the run")
+    for warning in exposure_warnings(deploy):
+        log.warning(warning)
     try:
         stop.wait()
     finally:

@@ -39,6 +39,10 @@ def test_read_token_from_file_then_environment(tmp_path: Path, monkeypatch: pyte
     assert read_token(None, "--token_file") is None
     monkeypatch.setenv("SPES_TOKEN", "from-env")
     assert read_token(None, "--token_file") == "from-env"
+    monkeypatch.setenv("SPES_TOKEN", "from-env\n")  # a secret store's value, as a file's is read
+    assert read_token(None, "--token_file") == "from-env"
+    monkeypatch.setenv("SPES_TOKEN", " ")
+    assert read_token(None, "--token_file") is None
     secret = tmp_path / "token"
     secret.write_text("from-file\n")
     assert read_token(str(secret), "--token_file") == "from-file"
@@ -212,7 +216,8 @@ def test_the_interceptor_refuses_a_missing_or_wrong_token_before_any_byte_is_rea
                 call(echo.port, kind, metadata)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, case
             assert err.value.details() == (
-                "missing or wrong token: set SPES_TOKEN (or token_file) to this run's shared secret"
+                "missing or wrong token: set SPES_TOKEN, or a node's spes_config.token_file (spes.status: "
+                "--token_file), to this run's shared secret"
             ), case
     assert echo.ran == [] and echo.deserialized == []
     refused = f"refused /{SERVICE}/{kind}: missing or wrong token"

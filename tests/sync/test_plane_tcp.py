@@ -25,6 +25,7 @@ from spes.sync.wire import DIGEST, TensorDecoder, checksum, upload_digest
 from sync_helpers import (
     NO_MERGE,
     TOKEN,
+    Pki,
     check_round,
     join_request,
     joined_clients,
@@ -275,6 +276,46 @@ def test_a_server_with_an_unusable_certificate_says_so_rather_than_blaming_the_p
     with pytest.raises(ValueError, match=r"--tls_cert '.*bad.pem' and --tls_key '.*bad.pem': not a usable PEM"):
         with running_server(SPEC, tls_cert=str(bad), tls_key=str(bad)):
             pass
+
+
+def _expired_copy(pki: Pki, name: str) -> str:
+    """A certificate for `name`'s key (issued by `pki`) that expired yesterday."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    issued = x509.load_pem_x509_certificate(Path(pki.server["tls_cert"]).read_bytes())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder(extensions=list(issued.extensions))
+        .subject_name(issued.subject)
+        .issuer_name(issued.issuer)
+        .public_key(issued.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=10))
+        .not_valid_after(now - datetime.timedelta(days=1))
+        .sign(pki.ca_key, hashes.SHA256())
+    )
+    path = pki.directory / f"{name}-expired.crt"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return str(path)
+
+
+def test_an_expired_or_not_yet_valid_certificate_is_refused_at_start_naming_it(tmp_path: Path) -> None:
+    """gRPC served an expired --tls_cert without a word: the server started, and every node's handshake failed as if
+    the server were down. A node's own client certificate is checked alike."""
+    pki = write_pki(tmp_path)
+    expired, key = _expired_copy(pki, "server"), pki.server["tls_key"]
+    with pytest.raises(ValueError, match=rf"^--tls_cert {expired!r} expired on .* GMT: issue a new one"):
+        with running_server(SPEC, tls_cert=expired, tls_key=key):
+            pass
+    with pytest.raises(ValueError, match=r"^config key 'spes_config.tls_cert' '.*-expired.crt' expired on "):
+        plane_tcp.client_tls(pki.ca, expired, key)
+    valid = pki.server["tls_cert"]  # valid from 5 minutes ago for a day
+    plane_tcp.check_validity(valid, "--tls_cert")
+    with pytest.raises(ValueError, match=r"is not valid before .* GMT: check this machine's clock"):
+        plane_tcp.check_validity(valid, "--tls_cert", now=time.time() - 3600)
 
 
 @pytest.mark.timeout(60)
