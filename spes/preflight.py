@@ -317,6 +317,11 @@ def _refused_join(cfg: TrainConfig, exc: SyncError) -> list[Check]:
     s = cfg.spes_config
     addr = s.server_addr
     code = exc.code.name if exc.code is not None else ""
+    if code == "UNAVAILABLE" and not exc.retryable:  # a refused TLS handshake: its line says what it means
+        return [
+            fail("server", f"{addr}: {exc}", "fix what the line names (docs/running.md, Security)"),
+            skip("settings", "not checked: the TLS handshake failed"),
+        ]
     if code in _JOIN_FIXES:
         return [
             fail(

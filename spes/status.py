@@ -17,6 +17,7 @@ from spes.config import SpesConfig, is_host_port
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
 from spes.sync.connection import open_channel, tls_fix
+from spes.sync.plane_grpc import tls_cause
 from spes.sync.plane_tcp import client_tls
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -38,7 +39,8 @@ def refusal(addr: str, err: grpc.RpcError, tls: tuple[str | None, str | None] = 
     code, details = err.code().name, err.details() or ""
     fix = None if details == WRONG_TOKEN else FIXES.get(code)
     if code == "UNAVAILABLE":
-        fix = f"{fix}({tls_fix(*tls, names=('--tls_ca', '--tls_cert/--tls_key'))})"
+        cause = tls_cause(details)  # NOTE: a refused TLS handshake is no server down: say what it means instead
+        fix = cause or f"{fix}({tls_fix(*tls, names=('--tls_ca', '--tls_cert/--tls_key'))})"
     return f"error: {addr}: {code}" + (f": {details}" if details else "") + (f"; {fix}" if fix else "")
 
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -23,6 +24,7 @@ from spes.config import load_config
 from spes.model import Transformer, count_params
 from spes.preflight import (
     Devices,
+    _refused_join,
     activation_bytes_per_sequence,
     check_memory,
     main,
@@ -33,6 +35,7 @@ from spes.preflight import (
 from spes.shards import ShardInfo, write_shard_info
 from spes.sync.client import ServerStatus
 from spes.sync.peer import model_manifest, node_spec
+from spes.sync.protocol import SyncError
 from spes.sync.server import spec_of_run
 from spes.tokenizer import LoadedTokenizer
 from sync_helpers import TOKEN, make_client, running_server, tiny_spec, write_pki
@@ -685,3 +688,15 @@ def test_the_settings_line_says_where_the_run_stands() -> None:
         "run 0123456789abcdef at round 12 (a node starting before that step loads its global model as soon as it joins)"
     )
     assert run_position(dataclasses.replace(status, current_round=-1, run_id="")) == "the run: no round completed yet"
+
+
+def test_a_refused_tls_handshake_fails_the_server_check_with_what_it_means() -> None:
+    cfg = load_config(REPO / "configs" / "tiny.yaml")[0]
+    refused = SyncError(
+        "join failed (UNAVAILABLE): the server's TLS certificate has expired", grpc.StatusCode.UNAVAILABLE
+    )
+    server, settings = _refused_join(cfg, refused)
+    assert (server.status, server.fix) == ("FAIL", "fix what the line names (docs/running.md, Security)")
+    assert server.detail.endswith("certificate has expired") and settings.status == "skip"
+    down = SyncError("join failed (UNAVAILABLE): Connection refused", grpc.StatusCode.UNAVAILABLE, retryable=True)
+    assert _refused_join(cfg, down)[0].fix.startswith("start the server, or check spes_config.server_addr")

@@ -143,6 +143,13 @@ def test_a_mutual_tls_server_refusing_the_client_certificate_is_blamed_on_the_tl
             f"error: h:1: UNAUTHENTICATED; pass the run's shared secret (--token_file, or env {TOKEN_ENV})",
         ),
         ("NOT_FOUND", "no such method", (None, None), "error: h:1: NOT_FOUND: no such method"),
+        (  # a refused TLS handshake is no server down: what it means instead of the unreachable server's hint
+            "UNAVAILABLE",
+            "failed to connect: CERTIFICATE_VERIFY_FAILED",
+            ("ca.pem", None),
+            "error: h:1: UNAVAILABLE: failed to connect: CERTIFICATE_VERIFY_FAILED; the server's TLS certificate is "
+            "not signed by the CA this client was given",
+        ),
         (
             "UNAVAILABLE",
             "",

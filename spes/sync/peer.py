@@ -444,7 +444,7 @@ class PeerSync:
                 raise Interrupted(f"rank 0 stopped waiting to {what}")
             if flag.item() == 1 and error is None:
                 raise SyncError(f"rank 0 failed to {what}; its error line says why")
-        if isinstance(error, SyncError) and error.code == grpc.StatusCode.UNAVAILABLE:
+        if isinstance(error, SyncError) and error.code == grpc.StatusCode.UNAVAILABLE and error.retryable:
             where = "there" if SERVER_SETTING in str(error) else f"at {SERVER_SETTING}={self.server_addr}"
             raise SyncError(
                 f"{error}; is the parameter server running {where} and reachable from this node? "

@@ -206,10 +206,16 @@ TLS_FAILURES = (
 mends one: retried as an unreachable server, a wrong CA took the whole backoff (80 s) to end a node."""
 
 
+def tls_cause(details: str) -> str | None:
+    """What a refused TLS handshake means (`TLS_FAILURES`), from gRPC's details of an UNAVAILABLE error; None for
+    any other failure."""
+    return next((meaning for words, meaning in TLS_FAILURES if words in details), None)
+
+
 def failure_of(what: str, err: grpc.RpcError) -> SyncError:
     """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed."""
     details = err.details() or ""
-    cause = next((meaning for words, meaning in TLS_FAILURES if words in details), None)
+    cause = tls_cause(details)
     if err.code() == grpc.StatusCode.UNAVAILABLE and cause is not None:
         return SyncError(f"{what} failed (UNAVAILABLE): {cause} ({details})", grpc.StatusCode.UNAVAILABLE)
     reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")

@@ -7,8 +7,10 @@ import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -358,6 +360,21 @@ def test_a_failed_overlapped_round_raises_at_the_step_it_was_due(tiny_corpus: An
     with pytest.raises(SyncError, match=running + r"\(a server that serves TLS needs spes_config.tls_ca\)"):
         fit(trainer)  # the server is gone: the round uploaded at step 2 fails in the background
     assert trainer.step == 3
+
+
+def test_a_refused_tls_handshake_is_not_called_an_unreachable_server() -> None:
+    """A retried-out UNAVAILABLE gets the hint to check the server and the address; a TLS handshake the client
+    refused (not retried: `plane_grpc.failure_of` says what it means) is raised as it is."""
+    node = SimpleNamespace(distributed=False, server_addr="h:1", tls_files=("ca.pem", None))
+    refused = SyncError(
+        "join failed (UNAVAILABLE): the server's TLS certificate has expired", grpc.StatusCode.UNAVAILABLE
+    )
+    with pytest.raises(SyncError) as err:
+        PeerSync._agree(node, refused, "join the parameter server")  # type: ignore[arg-type]
+    assert err.value is refused
+    down = SyncError("join failed (UNAVAILABLE): Connection refused", grpc.StatusCode.UNAVAILABLE, retryable=True)
+    with pytest.raises(SyncError, match=r"Connection refused; is the parameter server running at spes_config.serve"):
+        PeerSync._agree(node, down, "join the parameter server")  # type: ignore[arg-type]
 
 
 def _full(model: torch.nn.Module) -> Tensors:
