@@ -106,8 +106,11 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
                 )
             except Refused as exc:
                 self._abort(context, exc)
-            if outgoing is None:
-                return
+            if outgoing is None:  # NOTE: a stream ended without a word read as a bad download, not as the deadline
+                context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.round} did not complete within the call's time"
+                )
+                raise AssertionError("unreachable: context.abort raises")
             ticket.wait_for_round(False)
             yield pb.DownloadMessage(info=outgoing.info)
             for chunk in encode_tensors(outgoing.tensors, outgoing.wire_dtype, encoded=outgoing.encoded):
