@@ -970,13 +970,13 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.checkpoint.x_model_state_dict", "2 6 7 8", "the type named to typing.cast: no run-time effect"),
     **mutants("spes.checkpoint.x__optim_state_dict", "2 6 7 8", "the type named to typing.cast: no run-time effect"),
     **mutants(
-        "spes.checkpoint.x__point_latest",
-        "7",
-        "`keep >= 0`: with keep 0, list[:-0] is empty, so nothing is pruned either way",
+        "spes.checkpoint.x_prune",
+        "21",
+        "`keep >= 0`: with keep 0, own[-0:] is the whole list, as the branch for keep <= 0 keeps it",
     ),
     **mutants(
-        "spes.checkpoint.x__point_latest",
-        "15 17 18",
+        "spes.checkpoint.x_prune",
+        "25 27 28",
         "an error deleting a pruned old checkpoint raised rather than ignored: no deletion fails in the tests (root)",
     ),
     **mutants(

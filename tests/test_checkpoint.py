@@ -286,6 +286,14 @@ def test_an_olmo_or_hugging_face_directory_as_load_path_is_named_with_the_way_in
     )
     with pytest.raises(CheckpointError, match=r"is a Hugging Face model directory \(a dense one is upcycled"):
         resolve_checkpoint(hf, what="load_path")
+    (tmp_path / "olmo_sharded" / "model_and_optim").mkdir(parents=True)  # OLMo's sharded layout: no *.pt beside it
+    with pytest.raises(CheckpointError, match="is an OLMo checkpoint"):
+        resolve_checkpoint(tmp_path / "olmo_sharded", what="load_path")
+    for name in ("config.json", "model.safetensors"):  # half of a Hugging Face directory is none
+        (tmp_path / name.split(".")[0]).mkdir()
+        (tmp_path / name.split(".")[0] / name).touch()
+        with pytest.raises(CheckpointError, match="holds no checkpoint: neither a checkpoint directory"):
+            resolve_checkpoint(tmp_path / name.split(".")[0], what="load_path")
     with pytest.raises(CheckpointError, match="holds no checkpoint: neither a checkpoint directory"):
         resolve_checkpoint(empty, what="load_path")
 
@@ -302,6 +310,12 @@ def test_two_schedules_of_one_kind_each_keep_their_own_newest(tmp_path: Path) ->
         "step25",
         "step30",
     ]
+    (tmp_path / "step35").mkdir()  # on the 5-step schedule only: the 10-step one keeps its own newest, step30
+    prune(tmp_path, "unsharded", [(10, 1), (5, 1)])
+    assert [p.name for p in list_checkpoints(tmp_path, "unsharded")] == ["step30", "step35"]
+    for step in (15, 20, 25):
+        (tmp_path / f"step{step}").mkdir()
+    (tmp_path / "step35").rmdir()
     (tmp_path / "step33").mkdir()  # off both schedules (a last step's save): the newest of each
     prune(tmp_path, "unsharded", [(10, 1), (5, 5)])
     assert [p.name for p in list_checkpoints(tmp_path, "unsharded")] == [f"step{s}" for s in (15, 20, 25, 30, 33)]
@@ -736,16 +750,28 @@ def test_a_step_is_found_by_number_unsharded_first_or_through_latest(tmp_path: P
         resolve_step(run, "latest")
     (run / LATEST).write_text("step4-sharded\n")
     assert resolve_step(run, "latest") == run / "step4-sharded" and is_sharded(run) and not is_sharded(run / "step2")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / LATEST).write_text("step9\n")  # a latest naming a checkpoint that is gone, and no other
+    with pytest.raises(FileNotFoundError, match=f"^checkpoint {empty / 'step9'} does not exist; available: none$"):
+        resolve_step(empty, 9)
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"^run directory nowhere does not exist \(relative to .*; expected a spes save_folder, "
+        r"e\.g\. output/<run_name>/node0\)$",
+    ):
+        resolve_step("nowhere", 1)
 
 
 def test_latest_resolves_to_a_moved_aside_copy_only_when_the_replacement_never_arrived(tmp_path: Path) -> None:
     run = tmp_path / "node0"
+    _fake_checkpoint(run / "step1")
     _fake_checkpoint(run / "step2")
     (run / LATEST).write_text("step4\n")
     with pytest.raises(
         CheckpointError,
         match=f"latest names step4, which is missing or incomplete; load a complete one by its path "
-        f"\\({run / 'step2'}\\) or write its name into {run / LATEST}$",
+        f"\\({run / 'step1'}, {run / 'step2'}\\) or write its name into {run / LATEST}$",
     ):
         resolve_checkpoint(run)
     aside = _fake_checkpoint(run / ".step4.old-123")
