@@ -102,8 +102,15 @@ def test_from_any_node_file_every_node_gets_its_own_files_data_seed(family: str)
 def test_a_data_seed_that_implies_no_run_seed_is_refused(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, "data:\n  seed: 5\nspes_config:\n  peer_id: 1\n  num_peers: 2\n"))[0]
     assert run_data_seed(cfg, 1) == 5  # its own, as given
-    with pytest.raises(ConfigError, match=r"^config key 'data.seed' = 5 of spes_config.peer_id=1 implies no seed for"):
+    with pytest.raises(ConfigError) as err:
         run_data_seed(cfg, 0)
+    assert str(err.value) == (
+        "config key 'data.seed' = 5 of spes_config.peer_id=1 implies no seed for node 0 (it is not 1000 * 1 + a "
+        "run's seed): launch from node 0's YAML, or give the node its data.seed"
+    )
+    assert err.value.key == "data.seed"
+    edge = load_config(write(tmp_path, "data:\n  seed: 1000\nspes_config:\n  peer_id: 1\n  num_peers: 2\n"))[0]
+    assert run_data_seed(edge, 0) == 0  # the run's seed 0, the smallest there is
 
 
 # ---------------------------------------------------------------------------------------------------------------
