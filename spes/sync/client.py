@@ -280,10 +280,11 @@ class SyncClient:
         joining ahead of its checkpoint: a replacement, or one resumed from an older save), `caught_up` set; None
         when it has not. Trained on from `step`, the node would be refused as stale only a whole interval later."""
         manifest = self._require_joined()
-        if self.status().current_round <= step:
+        latest = self.status().current_round
+        if latest <= step:
             return None
         start = time.perf_counter()
-        info, downloaded, received = self._latest(step, manifest, time.monotonic() + self.round_timeout_s)
+        info, downloaded, received = self._latest(step, manifest, time.monotonic() + self.round_timeout_s, latest)
         return downloaded, SyncStats.of(info, start, 0, received, caught_up=True)
 
     def _exchange(
@@ -385,9 +386,12 @@ class SyncClient:
             raise SyncError(f"round {step}: bad download from the server: {exc}") from None
         return info, tensors, received
 
-    def _latest(self, step: int, manifest: Manifest, deadline: float) -> tuple[pb.RoundInfo, Tensors, int]:
-        """Every tensor of the server's latest completed round, for a peer at `step` that fell behind."""
-        latest = self.status().current_round
+    def _latest(
+        self, step: int, manifest: Manifest, deadline: float, latest: int | None = None
+    ) -> tuple[pb.RoundInfo, Tensors, int]:
+        """Every tensor of the server's latest completed round (`latest`, when the caller has just asked the server),
+        for a peer at `step` that fell behind."""
+        latest = self.status().current_round if latest is None else latest
         if latest < step:
             raise SyncError(
                 f"round {step} was refused as old, yet the server's latest completed round is {latest}: "
