@@ -323,6 +323,16 @@ def test_two_schedules_of_one_kind_each_keep_their_own_newest(tmp_path: Path) ->
     assert [p.name for p in list_checkpoints(tmp_path, "unsharded")] == ["step30", "step33"]
 
 
+def test_a_save_prunes_by_the_schedules_it_is_handed(tmp_path: Path) -> None:
+    """The trainer hands save_checkpoint its schedules: a save of step 30 keeps the 10-step schedule's newest (30)
+    and the 5-step schedule's newest two (25, 30), not one keep for both."""
+    for step in (5, 10, 15, 20, 25):
+        (tmp_path / f"step{step}").mkdir()
+    save_checkpoint(tmp_path, 30, model_state={}, optim_state=None, trainer_state={}, config={}, keep=[(10, 1), (5, 2)])
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step25", "step30"]
+    assert (tmp_path / LATEST).read_text() == "step30\n"
+
+
 def test_unshard_command_writes_the_unsharded_layout(tmp_path: Path) -> None:
     cfg, model, optimizer = _node(steps=2)
     _save_sharded(tmp_path / "run", 2, cfg, model, optimizer)
