@@ -724,8 +724,27 @@ def _wan_gpu_grouped(r: Records) -> str:
 
 @fig("wan.gpu_grouped_speedup")
 def _wan_gpu_grouped_speedup(r: Records) -> str:
-    run = next(x for x in r("bench_wan_gpu_steps")["runs"] if x["moe_backend"] == "grouped_mm")
-    return f"{r('bench_wan_gpu')['step_s_1b'] / run['step_s']:.2f}x"
+    """The default backend's 1B step (bench_wan_gpu) over grouped_mm's (bench_wan_gpu_steps): refused unless both
+    stepped the same node on the same GPU at the same batch, micro-batch and precision."""
+    default, steps = r("bench_wan_gpu"), r("bench_wan_gpu_steps")
+    run = next(x for x in steps["runs"] if x["moe_backend"] == "grouped_mm")
+    measured = default["step_measurement_1b"]
+    premises(
+        "grouped_mm against the default backend",
+        {
+            "bench_wan_gpu": {"config": default["config"], **{k: measured[k] for k in _GPU_STEP_PREMISES}},
+            "bench_wan_gpu_steps": {
+                "config": steps["config"],
+                "device": steps["device"],
+                "precision": steps["precision"],
+                **{k: run[k] for k in ("sequences_per_step", "microbatch")},
+            },
+        },
+    )
+    return f"{default['step_s_1b'] / run['step_s']:.2f}x"
+
+
+_GPU_STEP_PREMISES = ("device", "precision", "sequences_per_step", "microbatch")
 
 
 @fig("wan.gpu_train_share_1g_bf16_100")
@@ -1266,13 +1285,29 @@ def _own_blocks(r: Records) -> str:
             if not suffix:
                 raise Missing(OWN_BLOCKS)
             continue
+        arms = [(arm, label, r(f"{old}{suffix}")) for arm, (label, old) in before.items() if arm in after[0]["arms"]]
+        for arm, label, old in arms:
+            premises(
+                f"{label} before and after", {"before": _arm_premises(old, arm), "after": _arm_premises(after[0], arm)}
+            )
         gaps = [
-            f"{label} {r(f'{old}{suffix}')['arms'][arm]['vs_fp32']:+.2%} -> {after[0]['arms'][arm]['vs_fp32']:+.2%}"
-            for arm, (label, old) in before.items()
-            if arm in after[0]["arms"]
+            f"{label} {old['arms'][arm]['vs_fp32']:+.2%} -> {after[0]['arms'][arm]['vs_fp32']:+.2%}"
+            for arm, label, old in arms
         ]
         parts.append(f"seed {seed}: " + ", ".join(gaps))
     return "; ".join(parts)
+
+
+def _arm_premises(record: dict[str, Any], arm: str) -> dict[str, Any]:
+    """What one arm of a mini-reproduction was measured under: its flags, seed, setup and tokens, and its fp32 arm's."""
+    return {
+        "mode": record["mode"],
+        "seed": record["seed"],
+        "setup": record["setup"],
+        "flags": record["arms"][arm]["flags"],
+        "tokens": record["tokens"][arm],
+        "fp32_tokens": record["tokens"]["spes"],
+    }
 
 
 @fig("codec.sparse_vs_fp32_diloco")

@@ -78,6 +78,20 @@ def changed(tmp_path: Path, figure: str, records: list[str], edit: dict[str, obj
             "overrides",
         ),
         ("overlap.f5_ratio", ["bench_overlap_f5", "bench_overlap_f5_pair2"], {"fragments": 2}, "fragments"),
+        ("wan.gpu_grouped_speedup", ["bench_wan_gpu", "bench_wan_gpu_steps"], {"runs/0/microbatch": 4}, "microbatch"),
+        ("wan.gpu_grouped_speedup", ["bench_wan_gpu", "bench_wan_gpu_steps"], {"device": "NVIDIA H100"}, "device"),
+        (
+            "codec.own_blocks",
+            ["mini_repro_codecs", "mini_repro_codecs_f5_held", "mini_repro_codecs_own"],
+            {"setup/steps": 200},
+            "setup",
+        ),
+        (
+            "codec.own_blocks",
+            ["mini_repro_codecs", "mini_repro_codecs_f5_held", "mini_repro_codecs_own"],
+            {"arms/codec_sparse/flags": ["--spes_config.codec=sparse:topk=256"]},
+            "flags",
+        ),
     ],
 )
 def test_a_figure_comparing_runs_refuses_runs_of_other_premises(
