@@ -722,6 +722,9 @@ def _wan_gpu_grouped(r: Records) -> str:
     return f"{run['step_s']:.1f} s"
 
 
+_GPU_STEP_PREMISES = ("device", "precision", "sequences_per_step", "microbatch")  # what both GPU step records share
+
+
 @fig("wan.gpu_grouped_speedup")
 def _wan_gpu_grouped_speedup(r: Records) -> str:
     """The default backend's 1B step (bench_wan_gpu) over grouped_mm's (bench_wan_gpu_steps): refused unless both
@@ -742,9 +745,6 @@ def _wan_gpu_grouped_speedup(r: Records) -> str:
         },
     )
     return f"{default['step_s_1b'] / run['step_s']:.2f}x"
-
-
-_GPU_STEP_PREMISES = ("device", "precision", "sequences_per_step", "microbatch")
 
 
 @fig("wan.gpu_train_share_1g_bf16_100")
