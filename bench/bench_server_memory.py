@@ -124,23 +124,15 @@ def bench_case(model_mb: int, peers: int, rounds: int, workdir: Path) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench_server_memory", __doc__)
+    p.add_argument("--sizes_mb", type=int, nargs="+", help="model sizes, MiB of fp32 (default 256 1024; quick 16)")
+    p.add_argument("--peers", type=int, nargs="+", help="peer counts (default 2 4; quick 2)")
     p.add_argument(
-        "--sizes_mb",
-        type=int,
-        nargs="+",
-        default=[256, 1024],
-        help="model sizes, MiB of fp32 (default 256 1024; quick 16)",
-    )
-    p.add_argument("--peers", type=int, nargs="+", default=[2, 4], help="peer counts (default 2 4; quick 2)")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="rounds per case, the first without a previous global model (default 3; quick 2)",
+        "--rounds", type=int, help="rounds per case, the first without a previous global model (default 3; quick 2)"
     )
     args = p.parse_args(argv)
-    if args.quick:
-        args.sizes_mb, args.peers, args.rounds = [16], [2], 2
+    args.sizes_mb = args.sizes_mb or ([16] if args.quick else [256, 1024])
+    args.peers = args.peers or ([2] if args.quick else [2, 4])
+    args.rounds = args.rounds or (2 if args.quick else 3)
     workdir = Path(tempfile.mkdtemp(prefix="bench_server_memory-"))
     try:
         cases = [bench_case(size, peers, args.rounds, workdir) for size in args.sizes_mb for peers in args.peers]
