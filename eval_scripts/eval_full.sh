@@ -8,7 +8,8 @@
 # overrides; without a MODEL_NAME: <MODEL_PATH>-eval beside the model, or output/eval/<org>--<name> for a Hub id).
 # Never inside the model folder: a re-export (spes.hf export --overwrite) replaces that folder whole. An OUT_DIR
 # that holds earlier results is refused unless OVERWRITE=1; the run writes to <OUT_DIR>.partial and replaces
-# OUT_DIR only once it finishes, so an interrupted run loses nothing (a re-run starts over).
+# OUT_DIR only once it finishes, so an interrupted run loses nothing (a re-run starts over). A run into an OUT_DIR
+# another run is writing is refused.
 #
 # 1. The local suite, when its corpus is here (EVAL_SOURCE, default data/default; skipped with a note when that
 #    default is absent): eval_scripts/tasks/ (tag spes_local) over held-out text -- spes_next_text (which of 4
@@ -92,6 +93,14 @@ if [ -z "${OUT_DIR:-}" ]; then
 fi
 check_out_dir
 STAGE=$OUT_DIR.partial  # NOTE: OUT_DIR is replaced only by a finished run: an interrupted one loses nothing
+mkdir -p "$STAGE"
+# NOTE: a second run into the same OUT_DIR would clear this one's results; the lock goes with the process.
+if command -v flock > /dev/null; then
+  exec 9> "$STAGE/.lock"
+  flock -n 9 || fail "another eval_full.sh is evaluating into $OUT_DIR (it holds $STAGE/.lock); wait for it to" \
+    "finish or choose another MODEL_NAME or OUT_DIR"
+  trap 'rm -f "$STAGE/.lock"; rmdir "$STAGE" 2> /dev/null || true' EXIT
+fi
 BATCH_SIZE=${BATCH_SIZE:-8}
 DTYPE=${DTYPE:-auto}
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -126,8 +135,7 @@ else
   EVAL_DATA=$STAGE
 fi
 [ -n "$LOCAL_TASKS" ] || [ "${REFERENCE:-1}" != 0 ] || fail "nothing to evaluate: REFERENCE=0 and no local suite"
-rm -rf "$STAGE"
-mkdir -p "$STAGE"
+find "$STAGE" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf {} +  # an interrupted run's leftovers
 FAILED=0
 
 run_lm_eval() {  # <run name> <tasks> <shots, or "default": lm-eval's> [required: a failure fails the script]
@@ -159,6 +167,7 @@ fi
 # Earlier results (OVERWRITE=1) go only once the new ones are complete.
 rm -rf "$OUT_DIR.replaced"
 if [ -e "$OUT_DIR" ]; then mv "$OUT_DIR" "$OUT_DIR.replaced"; fi
+rm -f "$STAGE/.lock"
 mv "$STAGE" "$OUT_DIR"
 rm -rf "$OUT_DIR.replaced"
 echo "results: $OUT_DIR/results.md $OUT_DIR/results.json"

@@ -338,8 +338,8 @@ def test_eval_full_writes_beside_the_model_and_replaces_results_only_when_asked_
     tiny_corpus: Corpus, tmp_path: Path
 ) -> None:
     """Results go to <MODEL_PATH>-eval, not inside the model folder (which `spes.hf export --overwrite` replaces
-    whole); a second run into them is refused, OVERWRITE=1 replaces them, and an interrupted run (killed in
-    lm_eval) leaves the earlier results as they were. lm_eval is a stand-in here (the real one runs in the slow
+    whole); a second run into them is refused, OVERWRITE=1 replaces them, a run into a folder another run is
+    writing is refused, and an interrupted run (killed in lm_eval) leaves the earlier results as they were. lm_eval is a stand-in here (the real one runs in the slow
     tests)."""
     stand_in = tmp_path / "stand_in"
     (stand_in / "lm_eval").mkdir(parents=True)
@@ -365,7 +365,8 @@ def test_eval_full_writes_beside_the_model_and_replaces_results_only_when_asked_
             "spes_next_text"
         ]["metrics"]["acc"]["value"]
 
-    assert run_script("eval_full.sh", str(model), env={**env, "STAND_IN_ACC": "0.25"})[0] == 0
+    code, err = run_script("eval_full.sh", str(model), env={**env, "STAND_IN_ACC": "0.25"})
+    assert code == 0, err
     assert accuracy() == 0.25 and not (model / "eval").exists()
     code, err = run_script("eval_full.sh", str(model), env={**env, "STAND_IN_ACC": "0.5"})
     assert code == 2 and "holds the results of an earlier evaluation; set OVERWRITE=1" in err and accuracy() == 0.25
@@ -379,6 +380,8 @@ def test_eval_full_writes_beside_the_model_and_replaces_results_only_when_asked_
     )
     try:
         wait_until(started.exists, "the stand-in lm_eval to start", timeout_s=90)
+        code, err = run_script("eval_full.sh", str(model), env={**env, "STAND_IN_ACC": "0.75", "OVERWRITE": "1"})
+        assert code == 2 and f"another eval_full.sh is evaluating into {model}-eval (it holds" in err, err
     finally:
         os.killpg(interrupted.pid, signal.SIGKILL)
         interrupted.wait(timeout=30)
