@@ -339,8 +339,8 @@ def test_eval_full_writes_beside_the_model_and_replaces_results_only_when_asked_
 ) -> None:
     """Results go to <MODEL_PATH>-eval, not inside the model folder (which `spes.hf export --overwrite` replaces
     whole); a second run into them is refused, OVERWRITE=1 replaces them, a run into a folder another run is
-    writing is refused, and an interrupted run (killed in lm_eval) leaves the earlier results as they were. lm_eval is a stand-in here (the real one runs in the slow
-    tests)."""
+    writing is refused, and an interrupted run (killed in lm_eval) leaves the earlier results as they were.
+    lm_eval is a stand-in here (the real one runs in the slow tests)."""
     stand_in = tmp_path / "stand_in"
     (stand_in / "lm_eval").mkdir(parents=True)
     (stand_in / "lm_eval" / "__init__.py").write_text("")
