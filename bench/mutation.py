@@ -1653,7 +1653,7 @@ def module_prefix(module: str) -> str:
     return module.removesuffix(".py").replace("/", ".") + "."
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="bench/mutation.py", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("modules", nargs="*", help=f"modules to run (default: all of {', '.join(MODULES)})")
     p.add_argument("--timeout_min", type=float, default=60.0, help="stop a module's run after this many minutes")
@@ -1664,30 +1664,69 @@ def main() -> None:
         action="store_true",
         help="run only the mutants the record lists as not killed (after adding tests; the module itself unchanged)",
     )
-    args = p.parse_args()
-    unknown = sorted(set(args.modules) - set(MODULES))
-    if unknown:
-        p.error(f"no covering tests listed for {unknown}: add the module to MODULES in bench/mutation.py")
+    args = p.parse_args(argv)
+    chosen = chosen_modules(p, args.modules)
     if args.list:
-        for module, tests in MODULES.items():
-            print(f"{module}: {' '.join(tests)}")
+        for module in chosen:
+            print(f"{module}: {' '.join(MODULES[module])}")
         return
-    record = json.loads(args.out.read_text()) if args.out.exists() else {}
-    modules = dict(record.get("modules", {}))
-    for module in args.modules or list(MODULES):
+    if not args.timeout_min > 0:
+        p.error(f"--timeout_min must be a number of minutes above 0, got {args.timeout_min:g}")
+    modules = dict(read_record(p, args.out).get("modules", {}))
+    # every module's refusal before any runs: a module takes minutes to an hour
+    rechecks = {module: rechecked(modules.get(module), module) for module in chosen} if args.recheck else {}
+    for module in chosen:
+        if args.recheck and not rechecks[module]:
+            print(f"{module}: nothing to recheck, its record has every mutant killed", flush=True)
+            continue
         print(f"{module}: mutating, tests {' '.join(MODULES[module])}", flush=True)
         commit, previous = git_commit(), modules.get(module)
-        recheck = rechecked(previous, module) if args.recheck else ()
-        result = run_module(module, MODULES[module], args.timeout_min * 60, recheck)
+        result = run_module(module, MODULES[module], args.timeout_min * 60, rechecks.get(module, ()))
         modules[module] = {"commit": commit, "machine": machine_info(), **result}
-        if recheck and previous is not None:
-            modules[module]["rechecked_from"] = {"commit": previous["commit"], "mutants": list(recheck)}
+        if args.recheck and previous is not None:
+            modules[module]["rechecked_from"] = {"commit": previous["commit"], "mutants": list(rechecks[module])}
         print(
             f"{module}: {result['score']} of {result['mutants']} mutants killed, {result['score_without_equivalent']} "
             f"of those not equivalent ({result['by_status']})"
         )
         # after each module: a later module's failure does not lose what the earlier ones took minutes to find
         write_results(args.out, {"tool": f"mutmut {mutmut_version()}", "modules": dict(sorted(modules.items()))})
+
+
+def chosen_modules(p: argparse.ArgumentParser, names: list[str]) -> list[str]:
+    """The modules named, as MODULES names them (each once; every module when none is named). A name is a path from
+    the repository's root or from here (`./spes/sync/merge.py`, an absolute path); refuses one that is no file, or
+    a module without covering tests."""
+    chosen = list(dict.fromkeys(module_name(name) for name in names)) or list(MODULES)
+    missing = [module for module in chosen if not (REPO_ROOT / module).is_file()]
+    if missing:
+        p.error(f"no such module: {', '.join(missing)} (name it as --list does, e.g. spes/sync/merge.py)")
+    unknown = [module for module in chosen if module not in MODULES]
+    if unknown:
+        p.error(f"no covering tests listed for {unknown}: add the module to MODULES in bench/mutation.py")
+    return chosen
+
+
+def module_name(name: str) -> str:
+    """`name` as a path from the repository's root: as given when it is one, else resolved from here."""
+    path = Path(name)
+    if not path.is_absolute() and (REPO_ROOT / path).is_file():
+        return path.as_posix()
+    path = path.resolve()
+    return path.relative_to(REPO_ROOT).as_posix() if path.is_relative_to(REPO_ROOT) else name
+
+
+def read_record(p: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
+    """The record at `path` ({} when there is none yet); refuses one that is not a JSON object."""
+    if not path.exists():
+        return {}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        p.error(f"--out {path} is not a readable JSON record ({exc}): give another --out, or move that file away")
+    if not isinstance(record, dict):
+        p.error(f"--out {path} holds no record (a JSON object): give another --out, or move that file away")
+    return record
 
 
 def rechecked(previous: dict[str, Any] | None, module: str) -> tuple[str, ...]:

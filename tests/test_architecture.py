@@ -1,7 +1,9 @@
 """The package's structure: no import cycle anywhere in spes (grimp's graph of every import, function-level and
 type-only ones included), and the sync wing's floors ([tool.importlinter] in pyproject.toml, `lint-imports` in CI),
 every sync module on one; in tests/, no test module imports another (what tests share lives in helper modules and
-conftest.py); every module has its row in docs/architecture.md's table of concerns."""
+conftest.py). And the documents that map it: every module has its row in docs/architecture.md's table of concerns,
+and the table names no module that is gone; docs/testing.md names every test helper module, every test file with a
+GPU test and every module bench/mutation.py mutates."""
 
 from __future__ import annotations
 
@@ -115,6 +117,8 @@ def test_every_module_has_its_row_in_the_architecture_document() -> None:
         m for m in modules if m not in named and not any(m.startswith(d) for d in named if d.endswith("/"))
     )
     assert not missing, f"modules without a row in docs/architecture.md's 'Where each concern lives': {missing}"
+    gone = sorted(m for m in named if not (REPO / m).exists())
+    assert not gone, f"docs/architecture.md's 'Where each concern lives' names what is not there: {gone}"
     assert concern_table_modules("## Where each concern lives\n| x | `spes/sync/{a,b}.py`, `spes/c/` |\n## next") == {
         "spes/sync/a.py",
         "spes/sync/b.py",
@@ -136,3 +140,37 @@ def test_every_sync_module_is_on_a_floor_of_the_layers_contract() -> None:
     }
     assert sorted(modules - layered) == [], "sync modules on no floor of pyproject.toml's [tool.importlinter] layers"
     assert sorted(layered - modules) == [], "floors of pyproject.toml's [tool.importlinter] naming no module"
+
+
+def mutated_modules() -> list[str]:
+    """The keys of bench/mutation.py's `MODULES`, read from its source (importing it would import torch)."""
+    tree = ast.parse((REPO / "bench" / "mutation.py").read_text())
+    found = next(
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "MODULES"
+    )
+    assert isinstance(found, ast.Dict)
+    return [key.value for key in found.keys if isinstance(key, ast.Constant)]
+
+
+def test_the_testing_document_names_every_helper_gpu_test_file_and_mutated_module() -> None:
+    """docs/testing.md is where a contributor learns what the suite shares, what only a GPU checks and which modules
+    are under mutation testing: each list there is the whole list (a module may be named by its file name where the
+    text names its folder just before)."""
+    named = set(re.findall(r"`([\w/.]+\.py)`", (REPO / "docs" / "testing.md").read_text()))
+    files = sorted(TESTS.rglob("*.py"))
+    helpers = [p.name for p in files if not p.name.startswith("test_") and p.name not in ("conftest.py", "__init__.py")]
+    gpu = [
+        p.relative_to(REPO).as_posix()
+        for p in files
+        if re.search(r"\bpytest\.mark\.gpu\b", p.read_text()) and p.name != "conftest.py"
+    ]
+    mutated = mutated_modules()
+    assert len(mutated) > 40 and "spes/sync/merge.py" in mutated
+    unnamed = {
+        "test helper modules": [name for name in helpers if name not in named],
+        "test files with GPU tests": [path for path in gpu if path not in named],
+        "modules under mutation testing": [m for m in mutated if m not in named and Path(m).name not in named],
+    }
+    assert {what: names for what, names in unnamed.items() if names} == {}, "docs/testing.md does not name these"
