@@ -40,6 +40,7 @@ s = 1/u): each token sees k of the E slices.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,8 +67,9 @@ from spes.hf import (
 from spes.hub import resolve
 from spes.moe import init_truncated_normal_
 from spes.schema import number_flag
-from spes.tokenizer import check_vocab, load_tokenizer
+from spes.tokenizer import LoadedTokenizer, check_vocab, load_tokenizer
 
+log = logging.getLogger(__name__)
 TIE_BREAKING_STD = 1e-4
 DENSE_MLP_KEYS: dict[str, str] = {
     "blocks.{l}.mlp.gate": "model.layers.{l}.mlp.gate_proj.weight",
@@ -254,6 +256,20 @@ def make_random_dense(
     return path
 
 
+def check_dense_tokenizer(tokenizer: LoadedTokenizer, m: ModelConfig) -> None:
+    """Refuse a dense tokenizer of another vocabulary; warn of another EOS than `model.eos_token_id`, which training
+    refuses in the shards tokenized with it (a post-trained model's tokenizer may name its end of turn)."""
+    check_vocab(tokenizer.vocab_size, m.vocab_size, m.embedding_size)
+    if tokenizer.eos_token_id != m.eos_token_id:
+        theirs, ours = (tokenizer.tokenizer.id_to_token(i) for i in (tokenizer.eos_token_id, m.eos_token_id))
+        log.warning(
+            f"note: the dense model's tokenizer ends documents with {theirs!r} (id {tokenizer.eos_token_id}) but "
+            f"model.eos_token_id is {m.eos_token_id} ({ours!r}), and training refuses shards of another EOS: "
+            f"tokenize with eos_token {ours!r} in the tokenizer's tokenizer_config.json, or set "
+            f"model.eos_token_id={tokenizer.eos_token_id}"
+        )
+
+
 def upcycle(
     hf_dir: str | Path,
     cfg: TrainConfig,
@@ -271,7 +287,7 @@ def upcycle(
     check_dense_match(m, hf_config, family, partition=partition)
     has_tokenizer = (src / "tokenizer.json").is_file()
     if has_tokenizer:
-        check_vocab(load_tokenizer(src).vocab_size, m.vocab_size, m.embedding_size)
+        check_dense_tokenizer(load_tokenizer(src), m)
     dense = hf_to_spes(read_hf_weights(src), family.key_map(), m, architecture=family.architecture)
     plan = expert_plan(
         num_experts=m.moe_num_experts,

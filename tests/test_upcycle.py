@@ -4,6 +4,7 @@ end-to-end run of configs/upcycle_tiny.yaml is tests/test_shipped_commands.py's)
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,31 @@ def test_untied_copy_of_tied_embeddings(tmp_path: Path, tokenizer: LoadedTokeniz
     state = load_model_state(step)
     assert torch.equal(state["lm_head.weight"], state["embed.weight"])
     assert state["lm_head.weight"].data_ptr() != state["embed.weight"].data_ptr()
+
+
+def test_a_dense_tokenizer_of_another_eos_is_named(
+    tmp_path: Path, tokenizer: LoadedTokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 9B config ends documents with Qwen3's <|endoftext|>, while a post-trained model's tokenizer may name its
+    end of turn: the shards tokenized with it are refused at the start of training, so upcycling, which reads that
+    tokenizer first, says so and what to set."""
+    opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
+    dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
+    eos = tokenizer.eos_token_id
+    other = eos + 1
+    token, other_token = (tokenizer.tokenizer.id_to_token(i) for i in (eos, other))
+    with caplog.at_level(logging.WARNING, logger="spes.upcycle"):
+        upcycle.upcycle(
+            dense_dir, run_config_for(opts, num_train_experts_per_node=2, run_name="up"), tmp_path / "a" / "step0"
+        )
+        assert caplog.messages == []
+        cfg = run_config_for({**opts, "eos_token_id": other}, num_train_experts_per_node=2, run_name="up")
+        upcycle.upcycle(dense_dir, cfg, tmp_path / "b" / "step0")
+    assert caplog.messages == [
+        f"note: the dense model's tokenizer ends documents with {token!r} (id {eos}) but model.eos_token_id is "
+        f"{other} ({other_token!r}), and training refuses shards of another EOS: tokenize with eos_token "
+        f"{other_token!r} in the tokenizer's tokenizer_config.json, or set model.eos_token_id={eos}"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
