@@ -171,18 +171,18 @@ def check_dense_match(m: ModelConfig, hf: Any, family: DenseFamily, *, partition
         if dense_width % num_experts != 0:
             raise ValueError(
                 f"--partition: the dense intermediate_size {dense_width} does not split into "
-                f"model.moe_num_experts={num_experts} equal slices"
+                f"model.moe_num_experts={num_experts} equal slices; choose a number of experts that divides it, "
+                "or upcycle without --partition (every expert a full copy)"
             )
-        width, how = (
-            dense_width // num_experts,
-            f"2 * intermediate_size / moe_num_experts = 2 * {dense_width} / {num_experts}",
-        )
+        width = dense_width // num_experts
+        how = f"2 * intermediate_size / moe_num_experts = 2 * {dense_width} / {num_experts}: each expert is a slice"
     else:
-        width, how = dense_width, f"2 * intermediate_size = 2 * {dense_width} (each expert is a full copy)"
+        width, how = dense_width, f"2 * intermediate_size = 2 * {dense_width}: each expert is a full copy"
     if m.expert_hidden_size != width:
         raise ValueError(
-            f"config key 'model.mlp_hidden_size' = {m.mlp_hidden_size} must be {2 * width}: experts are "
-            f"mlp_hidden_size / 2 wide and must be {how}; set it (or mlp_ratio) accordingly"
+            f"config key 'model.mlp_hidden_size' = {m.mlp_hidden_size} must be {2 * width} = {how} of the dense "
+            f"{family.model_type} model's MLP, mlp_hidden_size / 2 wide; set model.mlp_hidden_size={2 * width} "
+            "(or model.mlp_ratio)"
         )
 
 

@@ -227,7 +227,12 @@ def test_a_dense_tokenizer_of_another_eos_is_named(
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(mlp_hidden_size=48), r"'model.mlp_hidden_size' = 48 must be 96: .* 2 \* intermediate_size = 2 \* 48"),
+        (
+            dict(mlp_hidden_size=48),
+            r"^config key 'model.mlp_hidden_size' = 48 must be 96 = 2 \* intermediate_size = 2 \* 48: each expert is a "
+            r"full copy of the dense qwen3 model's MLP, mlp_hidden_size / 2 wide; set "
+            r"model.mlp_hidden_size=96 \(or model.mlp_ratio\)$",
+        ),
         (dict(attention_layer_norm=False), r"'model.attention_layer_norm' = False must be True"),
         (dict(attention_layer_norm_over_head=False), r"'model.attention_layer_norm_over_head' = False must be True"),
         (dict(n_kv_heads=4), r"'model.n_kv_heads' = 4 must be 2"),
@@ -250,14 +255,24 @@ def test_mismatched_config_is_refused(
 def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
-    with pytest.raises(ValueError, match="intermediate_size 48 does not split into model.moe_num_experts=5"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--partition: the dense intermediate_size 48 does not split into model.moe_num_experts=5 equal "
+        r"slices; choose a number of experts that divides it, or upcycle without --partition \(every expert a full "
+        r"copy\)$",
+    ):
         upcycle.upcycle(
             dense_dir,
             run_config_for({**opts, "moe_num_experts": 5}, num_train_experts_per_node=5, run_name="x"),
             tmp_path / "step0",
             partition=True,
         )
-    with pytest.raises(ValueError, match=r"'model.mlp_hidden_size' = 96 must be 24: .* 2 \* 48 / 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"^config key 'model.mlp_hidden_size' = 96 must be 24 = 2 \* intermediate_size / moe_num_experts = "
+        r"2 \* 48 / 4: each expert is a slice of the dense qwen3 model's MLP, mlp_hidden_size / 2 "
+        r"wide; set model.mlp_hidden_size=24 \(or model.mlp_ratio\)$",
+    ):
         upcycle.upcycle(
             dense_dir,
             run_config_for(opts, num_train_experts_per_node=2, run_name="x"),
