@@ -347,6 +347,51 @@ def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureF
 # Shipped configs
 
 
+def test_the_9b_config_shrunk_upcycles_a_qwen3_into_the_same_model(
+    tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 9B run's own settings (renormalized top-2 of 8, per-head QK-norm, GQA, RoPE 1e6, untied head from a tied
+    embedding), shrunk by --section.key=value as a user without the 1.7B model would: the upcycled MoE's logits
+    are a transformers Qwen3's, laid out by transformers itself (not spes's make_random_dense)."""
+    dense_config = transformers.Qwen3Config(
+        vocab_size=tokenizer.vocab_size + 8,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(3)
+    dense = transformers.Qwen3ForCausalLM(dense_config).eval()
+    with torch.no_grad():
+        for p in dense.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    dense.save_pretrained(str(tmp_path / "dense"))
+    shrink = "d_model=32 n_heads=4 n_kv_heads=2 n_layers=2 mlp_hidden_size=80 max_sequence_length=64"
+    argv = [f"--model.{kv}" for kv in shrink.split()] + [
+        f"--model.vocab_size={tokenizer.vocab_size}",
+        f"--model.embedding_size={tokenizer.vocab_size + 8}",
+        f"--model.eos_token_id={tokenizer.eos_token_id}",
+        f"--model.pad_token_id={tokenizer.pad_token_id}",
+        f"--tokenizer.identifier={tokenizer.path.parent}",
+    ]
+    config = str(REPO / "configs" / "upcycled_9b" / "node_0.yaml")
+    step = tmp_path / "init" / "step0"
+    assert upcycle.main(["--hf", str(tmp_path / "dense"), "--config", config, "--out", str(step), *argv]) == 0
+    assert "equals the dense model at step 0" in capsys.readouterr().out
+    cfg = load_config(step / "config.yaml")[0]
+    model = Transformer.for_run(cfg)
+    model.load_state_dict(load_model_state(step))
+    ids = torch.randint(0, tokenizer.vocab_size, (2, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(model.eval()(ids).logits, dense(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
     """configs/upcycled_9b matches the published Qwen3-1.7B config (shapes only, no weights)."""
     qwen3_1_7b = transformers.Qwen3Config(
