@@ -5,7 +5,8 @@ Hub id such as `Qwen/Qwen2.5-0.5B`, resolved the way `transformers` users expect
 
 1. a local file or directory of that name;
 2. the local Hub cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), laid out
-   as `models--<org>--<name>/{refs/main, snapshots/<rev>/...}`;
+   as `models--<org>--<name>/{refs/main, snapshots/<rev>/...}`, when its snapshot holds what is read (a model's
+   config.json and safetensors weights, a tokenizer's tokenizer.json: another tool may have fetched only a part);
 3. a download into that cache, unless `HF_HUB_OFFLINE=1` (or the Hub does not answer).
 
 Only the files spes reads are fetched (JSON, safetensors, tokenizer files: never pickled weights).
