@@ -5,7 +5,8 @@ Hub id such as `Qwen/Qwen2.5-0.5B`, resolved the way `transformers` users expect
 
 1. a local file or directory of that name;
 2. the local Hub cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`), laid out
-   as `models--<org>--<name>/{refs/main, snapshots/<rev>/...}`;
+   as `models--<org>--<name>/{refs/main, snapshots/<rev>/...}`, when its snapshot holds what is read (a model's
+   config.json and safetensors weights, a tokenizer's tokenizer.json: another tool may have fetched only a part);
 3. a download into that cache, unless `HF_HUB_OFFLINE=1` (or the Hub does not answer).
 
 Only the files spes reads are fetched (JSON, safetensors, tokenizer files: never pickled weights).
@@ -14,10 +15,11 @@ The environment is read at call time, so a test or a launcher may set `HF_HOME` 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -75,11 +77,39 @@ def looks_like_repo_id(identifier: str) -> bool:
     return bool(_REPO_ID.match(identifier)) and not identifier.startswith((".", "~")) and ".." not in identifier
 
 
-def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[str] = MODEL_FILES) -> Path:
+def missing_model_file(snapshot: Path) -> str | None:
+    """The first file a model directory lacks for spes to read it (config.json, then its safetensors weights), or
+    None: a cached snapshot that another tool filled only partly (a tokenizer, a config) is not the model."""
+    if not (snapshot / "config.json").is_file():
+        return "config.json"
+    index = snapshot / "model.safetensors.index.json"
+    if not index.is_file():
+        return None if (snapshot / "model.safetensors").is_file() else "model.safetensors"
+    try:
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None  # read_hf_weights names what is wrong with the index
+    return next((shard for shard in shards if not (snapshot / shard).is_file()), None)
+
+
+def missing_tokenizer_file(snapshot: Path) -> str | None:
+    """tokenizer.json when a tokenizer directory lacks it (spes reads fast tokenizers only), else None."""
+    return None if (snapshot / "tokenizer.json").is_file() else "tokenizer.json"
+
+
+def resolve(
+    identifier: str | os.PathLike[str],
+    *,
+    what: str,
+    files: Sequence[str] = MODEL_FILES,
+    missing: Callable[[Path], str | None] = missing_model_file,
+) -> Path:
     """A local path for `identifier`: the path itself, its Hub cache snapshot, or a fresh download.
 
     `what` names the thing in errors (e.g. "tokenizer.identifier"); `files` are the glob patterns
-    downloaded. FileNotFoundError naming the id and the cache when it is neither local, cached nor reachable.
+    downloaded; a cached snapshot for which `missing` names a file is completed by a download (huggingface_hub
+    returns a snapshot that holds any of the repository's files). FileNotFoundError naming the id and the cache
+    when it is neither local, cached (whole) nor reachable.
     """
     path = Path(identifier).expanduser()
     if path.exists():
@@ -98,13 +128,19 @@ def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[st
         ) from None
     cache = hub_cache_dir()
     try:
-        return Path(snapshot_download(name, cache_dir=cache, allow_patterns=list(files), local_files_only=True))
+        cached: Path | None = Path(
+            snapshot_download(name, cache_dir=cache, allow_patterns=list(files), local_files_only=True)
+        )
     except Exception:  # noqa: BLE001  # LocalEntryNotFoundError, or an incomplete cache entry
-        pass
+        cached = None
+    lacking = missing(cached) if cached is not None else None
+    if cached is not None and lacking is None:
+        return cached
     if hub_offline() or not hub_reachable():
         why = "HF_HUB_OFFLINE=1 forbids downloading it" if hub_offline() else "the Hub is not reachable from here"
+        where = f"not in the Hugging Face cache {cache}" if cached is None else f"cached without {lacking} ({cached})"
         raise FileNotFoundError(
-            f"{what} {name!r} is not a local path and not in the Hugging Face cache {cache}, and {why}: run once "
+            f"{what} {name!r} is not a local path and {where}, and {why}: run once "
             f"online (or `hf download {name}`), set HF_HOME to the cache that holds it, or pass a local directory"
         )
     try:
@@ -120,4 +156,4 @@ def resolve(identifier: str | os.PathLike[str], *, what: str, files: Sequence[st
 
 def resolve_tokenizer(identifier: str | os.PathLike[str]) -> Path:
     """`resolve` for a tokenizer: only its own files are downloaded, never the weights beside them in a model repo."""
-    return resolve(identifier, what="tokenizer", files=TOKENIZER_FILES)
+    return resolve(identifier, what="tokenizer", files=TOKENIZER_FILES, missing=missing_tokenizer_file)

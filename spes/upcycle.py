@@ -40,6 +40,7 @@ s = 1/u): each token sees k of the E slices.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,8 +67,9 @@ from spes.hf import (
 from spes.hub import resolve
 from spes.moe import init_truncated_normal_
 from spes.schema import number_flag
-from spes.tokenizer import check_vocab, load_tokenizer
+from spes.tokenizer import LoadedTokenizer, check_vocab, load_tokenizer
 
+log = logging.getLogger(__name__)
 TIE_BREAKING_STD = 1e-4
 DENSE_MLP_KEYS: dict[str, str] = {
     "blocks.{l}.mlp.gate": "model.layers.{l}.mlp.gate_proj.weight",
@@ -169,18 +171,18 @@ def check_dense_match(m: ModelConfig, hf: Any, family: DenseFamily, *, partition
         if dense_width % num_experts != 0:
             raise ValueError(
                 f"--partition: the dense intermediate_size {dense_width} does not split into "
-                f"model.moe_num_experts={num_experts} equal slices"
+                f"model.moe_num_experts={num_experts} equal slices; choose a number of experts that divides it, "
+                "or upcycle without --partition (every expert a full copy)"
             )
-        width, how = (
-            dense_width // num_experts,
-            f"2 * intermediate_size / moe_num_experts = 2 * {dense_width} / {num_experts}",
-        )
+        width = dense_width // num_experts
+        how = f"2 * intermediate_size / moe_num_experts = 2 * {dense_width} / {num_experts}: each expert is a slice"
     else:
-        width, how = dense_width, f"2 * intermediate_size = 2 * {dense_width} (each expert is a full copy)"
+        width, how = dense_width, f"2 * intermediate_size = 2 * {dense_width}: each expert is a full copy"
     if m.expert_hidden_size != width:
         raise ValueError(
-            f"config key 'model.mlp_hidden_size' = {m.mlp_hidden_size} must be {2 * width}: experts are "
-            f"mlp_hidden_size / 2 wide and must be {how}; set it (or mlp_ratio) accordingly"
+            f"config key 'model.mlp_hidden_size' = {m.mlp_hidden_size} must be {2 * width} = {how} of the dense "
+            f"{family.model_type} model's MLP, mlp_hidden_size / 2 wide; set model.mlp_hidden_size={2 * width} "
+            "(or model.mlp_ratio)"
         )
 
 
@@ -254,6 +256,20 @@ def make_random_dense(
     return path
 
 
+def check_dense_tokenizer(tokenizer: LoadedTokenizer, m: ModelConfig) -> None:
+    """Refuse a dense tokenizer of another vocabulary; warn of another EOS than `model.eos_token_id`, which training
+    refuses in the shards tokenized with it (a post-trained model's tokenizer may name its end of turn)."""
+    check_vocab(tokenizer.vocab_size, m.vocab_size, m.embedding_size)
+    if tokenizer.eos_token_id != m.eos_token_id:
+        theirs, ours = (tokenizer.tokenizer.id_to_token(i) for i in (tokenizer.eos_token_id, m.eos_token_id))
+        log.warning(
+            f"note: the dense model's tokenizer ends documents with {theirs!r} (id {tokenizer.eos_token_id}) but "
+            f"model.eos_token_id is {m.eos_token_id} ({ours!r}), and training refuses shards of another EOS: "
+            f"tokenize with eos_token {ours!r} in the tokenizer's tokenizer_config.json, or set "
+            f"model.eos_token_id={tokenizer.eos_token_id}"
+        )
+
+
 def upcycle(
     hf_dir: str | Path,
     cfg: TrainConfig,
@@ -271,7 +287,7 @@ def upcycle(
     check_dense_match(m, hf_config, family, partition=partition)
     has_tokenizer = (src / "tokenizer.json").is_file()
     if has_tokenizer:
-        check_vocab(load_tokenizer(src).vocab_size, m.vocab_size, m.embedding_size)
+        check_dense_tokenizer(load_tokenizer(src), m)
     dense = hf_to_spes(read_hf_weights(src), family.key_map(), m, architecture=family.architecture)
     plan = expert_plan(
         num_experts=m.moe_num_experts,

@@ -60,6 +60,33 @@ def test_offline_and_not_cached_names_the_id(hf_home: Path) -> None:
         hf.import_hf("org/missing-model", hf_home / "out" / "step0")
 
 
+def test_a_cached_tokenizer_is_not_taken_for_the_model(
+    hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A snapshot another tool filled partly (the tokenizer of Qwen/Qwen3-1.7B, as tokenizer.identifier fetches it,
+    or transformers' AutoTokenizer) was returned as the model: `spes.upcycle --hf` then said the cache's snapshot
+    "is not a Hugging Face model directory" and never downloaded the rest, online too."""
+    snapshot = cache_repo(hf_home, "Qwen/Qwen3-1.7B", tokenizer.path.parent)
+    assert hub.resolve_tokenizer("Qwen/Qwen3-1.7B") == snapshot
+    argv = ["--hf", "Qwen/Qwen3-1.7B", "--config", UPCYCLE_TINY, "--out", str(tmp_path / "init" / "step0")]
+    assert upcycle.main([*argv, *tokenizer_overrides(tokenizer)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --hf 'Qwen/Qwen3-1.7B' is not a local path and cached without config.json ({snapshot}), and "
+        "HF_HUB_OFFLINE=1 forbids downloading it: run once online (or `hf download Qwen/Qwen3-1.7B`), set HF_HOME "
+        "to the cache that holds it, or pass a local directory\n"
+    )
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
+    (snapshot / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"cached without model-00002-of-00002\.safetensors \("):
+        hub.resolve("Qwen/Qwen3-1.7B", what="--hf")
+    (snapshot / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert hub.resolve("Qwen/Qwen3-1.7B", what="--hf") == snapshot
+    assert hub.missing_model_file(tmp_path) == "config.json"
+
+
 @pytest.mark.parametrize(
     ("endpoint", "address"),
     [
@@ -329,3 +356,39 @@ def test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_rea
     ]
     assert server.paths == asked  # type: ignore[attr-defined]  # nothing asked offline
     assert not (tmp_path / "decoy").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_model_cached_in_part_is_completed_from_the_hub(hf_home: Path) -> None:
+    """Online, a snapshot holding only the tokenizer (laid out by another tool, so huggingface_hub keeps no file
+    list to find it incomplete) gets the model's files downloaded into it, instead of being returned without them."""
+    snapshot = cache_repo(hf_home, "org/tiny", _tokenizer_only(hf_home.parent / "tok"))
+    assert snapshot.name == HUB_SHA
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OneRepo)
+    server.paths = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env |= {
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        "HF_HOME": str(hf_home),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    code = "from spes import hub\nprint(hub.resolve('org/tiny', what='--hf'))"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=100
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(snapshot)
+    assert (snapshot / "config.json").read_bytes() == HUB_FILES["config.json"]
+    assert not (snapshot / "pytorch_model.bin").exists()
+
+
+def _tokenizer_only(folder: Path) -> Path:
+    """A folder holding HUB_FILES' tokenizer.json alone."""
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(HUB_FILES["tokenizer.json"])
+    return folder

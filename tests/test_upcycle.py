@@ -4,7 +4,9 @@ end-to-end run of configs/upcycle_tiny.yaml is tests/test_shipped_commands.py's)
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from spes.config import ModelConfig, load_config
 from spes.hf import run_config_for
 from spes.model import Transformer
 from spes.tokenizer import LoadedTokenizer
+from test_shipped_commands import written_commands
 
 REPO = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = dict(
@@ -192,6 +195,31 @@ def test_untied_copy_of_tied_embeddings(tmp_path: Path, tokenizer: LoadedTokeniz
     assert state["lm_head.weight"].data_ptr() != state["embed.weight"].data_ptr()
 
 
+def test_a_dense_tokenizer_of_another_eos_is_named(
+    tmp_path: Path, tokenizer: LoadedTokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 9B config ends documents with Qwen3's <|endoftext|>, while a post-trained model's tokenizer may name its
+    end of turn: the shards tokenized with it are refused at the start of training, so upcycling, which reads that
+    tokenizer first, says so and what to set."""
+    opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
+    dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
+    eos = tokenizer.eos_token_id
+    other = eos + 1
+    token, other_token = (tokenizer.tokenizer.id_to_token(i) for i in (eos, other))
+    with caplog.at_level(logging.WARNING, logger="spes.upcycle"):
+        upcycle.upcycle(
+            dense_dir, run_config_for(opts, num_train_experts_per_node=2, run_name="up"), tmp_path / "a" / "step0"
+        )
+        assert caplog.messages == []
+        cfg = run_config_for({**opts, "eos_token_id": other}, num_train_experts_per_node=2, run_name="up")
+        upcycle.upcycle(dense_dir, cfg, tmp_path / "b" / "step0")
+    assert caplog.messages == [
+        f"note: the dense model's tokenizer ends documents with {token!r} (id {eos}) but model.eos_token_id is "
+        f"{other} ({other_token!r}), and training refuses shards of another EOS: tokenize with eos_token "
+        f"{other_token!r} in the tokenizer's tokenizer_config.json, or set model.eos_token_id={eos}"
+    ]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Refusals
 
@@ -199,7 +227,12 @@ def test_untied_copy_of_tied_embeddings(tmp_path: Path, tokenizer: LoadedTokeniz
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(mlp_hidden_size=48), r"'model.mlp_hidden_size' = 48 must be 96: .* 2 \* intermediate_size = 2 \* 48"),
+        (
+            dict(mlp_hidden_size=48),
+            r"^config key 'model.mlp_hidden_size' = 48 must be 96 = 2 \* intermediate_size = 2 \* 48: each expert is a "
+            r"full copy of the dense qwen3 model's MLP, mlp_hidden_size / 2 wide; set "
+            r"model.mlp_hidden_size=96 \(or model.mlp_ratio\)$",
+        ),
         (dict(attention_layer_norm=False), r"'model.attention_layer_norm' = False must be True"),
         (dict(attention_layer_norm_over_head=False), r"'model.attention_layer_norm_over_head' = False must be True"),
         (dict(n_kv_heads=4), r"'model.n_kv_heads' = 4 must be 2"),
@@ -222,14 +255,24 @@ def test_mismatched_config_is_refused(
 def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
-    with pytest.raises(ValueError, match="intermediate_size 48 does not split into model.moe_num_experts=5"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--partition: the dense intermediate_size 48 does not split into model.moe_num_experts=5 equal "
+        r"slices; choose a number of experts that divides it, or upcycle without --partition \(every expert a full "
+        r"copy\)$",
+    ):
         upcycle.upcycle(
             dense_dir,
             run_config_for({**opts, "moe_num_experts": 5}, num_train_experts_per_node=5, run_name="x"),
             tmp_path / "step0",
             partition=True,
         )
-    with pytest.raises(ValueError, match=r"'model.mlp_hidden_size' = 96 must be 24: .* 2 \* 48 / 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"^config key 'model.mlp_hidden_size' = 96 must be 24 = 2 \* intermediate_size / moe_num_experts = "
+        r"2 \* 48 / 4: each expert is a slice of the dense qwen3 model's MLP, mlp_hidden_size / 2 "
+        r"wide; set model.mlp_hidden_size=24 \(or model.mlp_ratio\)$",
+    ):
         upcycle.upcycle(
             dense_dir,
             run_config_for(opts, num_train_experts_per_node=2, run_name="x"),
@@ -304,6 +347,51 @@ def test_cli(tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureF
 # Shipped configs
 
 
+def test_the_9b_config_shrunk_upcycles_a_qwen3_into_the_same_model(
+    tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The 9B run's own settings (renormalized top-2 of 8, per-head QK-norm, GQA, RoPE 1e6, untied head from a tied
+    embedding), shrunk by --section.key=value as a user without the 1.7B model would: the upcycled MoE's logits
+    are a transformers Qwen3's, laid out by transformers itself (not spes's make_random_dense)."""
+    dense_config = transformers.Qwen3Config(
+        vocab_size=tokenizer.vocab_size + 8,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(3)
+    dense = transformers.Qwen3ForCausalLM(dense_config).eval()
+    with torch.no_grad():
+        for p in dense.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    dense.save_pretrained(str(tmp_path / "dense"))
+    shrink = "d_model=32 n_heads=4 n_kv_heads=2 n_layers=2 mlp_hidden_size=80 max_sequence_length=64"
+    argv = [f"--model.{kv}" for kv in shrink.split()] + [
+        f"--model.vocab_size={tokenizer.vocab_size}",
+        f"--model.embedding_size={tokenizer.vocab_size + 8}",
+        f"--model.eos_token_id={tokenizer.eos_token_id}",
+        f"--model.pad_token_id={tokenizer.pad_token_id}",
+        f"--tokenizer.identifier={tokenizer.path.parent}",
+    ]
+    config = str(REPO / "configs" / "upcycled_9b" / "node_0.yaml")
+    step = tmp_path / "init" / "step0"
+    assert upcycle.main(["--hf", str(tmp_path / "dense"), "--config", config, "--out", str(step), *argv]) == 0
+    assert "equals the dense model at step 0" in capsys.readouterr().out
+    cfg = load_config(step / "config.yaml")[0]
+    model = Transformer.for_run(cfg)
+    model.load_state_dict(load_model_state(step))
+    ids = torch.randint(0, tokenizer.vocab_size, (2, 23), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(model.eval()(ids).logits, dense(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
     """configs/upcycled_9b matches the published Qwen3-1.7B config (shapes only, no weights)."""
     qwen3_1_7b = transformers.Qwen3Config(
@@ -336,6 +424,25 @@ def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
     ) == (8, 2, 1.0, 4096, 151669, 151936)
     plan = upcycle.expert_plan(num_experts=8, top_k=2, normalize_p=1.0, partition=False, init_std=m.init_std)
     assert plan.exact and plan.router_std == 0.02 and not plan.tied
+
+
+def test_documented_upcycling_writes_where_the_run_loads() -> None:
+    """Every documented `spes.upcycle --config C --out D` writes the checkpoint C's load_path names, and a
+    documented node of that run given --load_path is given D: the README's Hub example wrote output/up9b/init/step0,
+    which configs/upcycled_9b's nodes (load_path output/spes_upcycled_9b/init/step0) never read."""
+    commands = [shlex.split(command) for _, command in written_commands()]
+    upcycles = [argv for argv in commands if "spes.upcycle" in argv and "--out" in argv]
+    assert len(upcycles) >= 4
+    load_paths = {}
+    for argv in upcycles:
+        config = argv[argv.index("--config") + 1]
+        load_paths[str(Path(config).parent)] = load_config(REPO / config)[0].load_path
+        assert argv[argv.index("--out") + 1] == load_paths[str(Path(config).parent)], shlex.join(argv)
+    for argv in commands:
+        given = [a.partition("=")[2] for a in argv if a.startswith("--load_path=")]
+        run = [a.partition("=")[2] for a in argv if a.startswith("CONFIG_DIR=")]
+        if given and run:
+            assert given == [load_paths[run[0]]], shlex.join(argv)
 
 
 # ---------------------------------------------------------------------------------------------------------------
