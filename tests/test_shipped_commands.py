@@ -161,6 +161,25 @@ def test_written_node_commands_that_name_a_secure_server_carry_its_credentials()
 # Running them
 
 
+def test_documented_upcycling_writes_where_the_run_loads() -> None:
+    """Every documented `spes.upcycle --config C --out D` writes the checkpoint C's load_path names, and a
+    documented node of that run given --load_path is given D: the README's Hub example wrote output/up9b/init/step0,
+    which configs/upcycled_9b's nodes (load_path output/spes_upcycled_9b/init/step0) never read."""
+    commands = [shlex.split(command) for _, command in COMMANDS]
+    upcycles = [argv for argv in commands if "spes.upcycle" in argv and "--out" in argv]
+    assert len(upcycles) >= 4
+    load_paths = {}
+    for argv in upcycles:
+        config = argv[argv.index("--config") + 1]
+        load_paths[str(Path(config).parent)] = load_config(REPO / config)[0].load_path
+        assert argv[argv.index("--out") + 1] == load_paths[str(Path(config).parent)], shlex.join(argv)
+    for argv in commands:
+        given = [a.partition("=")[2] for a in argv if a.startswith("--load_path=")]
+        run = [a.partition("=")[2] for a in argv if a.startswith("CONFIG_DIR=")]
+        if given and run:
+            assert given == [load_paths[run[0]]], shlex.join(argv)
+
+
 SECRETS = ("spes.token", "ca.crt", "server.crt", "server.key")
 """The files the headers name: the run's token, the CA, the server's certificate and key."""
 
