@@ -468,7 +468,14 @@ def read_hf_weights(hf_dir: Path) -> SafetensorsState:
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index}: no 'weight_map' of tensor names to files; the download is incomplete")
-        return SafetensorsState(hf_dir / f for f in sorted(set(weight_map.values())))
+        shards = sorted(set(weight_map.values()))
+        lacking = next((shard for shard in shards if not (hf_dir / shard).is_file()), None)
+        if lacking is not None:
+            raise FileNotFoundError(
+                f"{hf_dir} lacks {lacking}, a shard its model.safetensors.index.json lists: the download is "
+                "incomplete; fetch the model again (hf download <id> --local-dir ...) or copy the shard beside it"
+            )
+        return SafetensorsState(hf_dir / f for f in shards)
     single = hf_dir / "model.safetensors"
     if single.is_file():
         return SafetensorsState([single])
@@ -497,7 +504,11 @@ def read_hf_config(
     """(transformers config, the matching entry of `supported`) of an HF directory, or a clear error; `elsewhere`
     maps a model_type another command takes (a dense model given to import, an MoE to upcycling) to what to run."""
     if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory: it has no config.json")
+        spes = (hf_dir / META_FILE).is_file() or (hf_dir / LATEST).is_file()
+        raise FileNotFoundError(
+            f"{hf_dir} is not a Hugging Face model directory: it has no config.json"
+            + ("; it is a spes checkpoint: export it first (python -m spes.hf export --checkpoint ...)" if spes else "")
+        )
     model_type = _read_json(hf_dir / "config.json").get("model_type", "")
     if model_type not in supported:
         instead = (elsewhere or {}).get(model_type)

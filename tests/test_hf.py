@@ -368,6 +368,10 @@ def test_shards_are_filled_up_to_their_bound_and_indexed_with_the_total_size(tmp
     assert (tmp_path / "model.safetensors.index.json").read_text(encoding="utf-8") == json.dumps(index, indent=2)
     state = hf.read_hf_weights(tmp_path)
     assert sorted(state) == [name for name, _ in tensors] and torch.equal(state["t3"], tensors[3][1])
+    (tmp_path / shards[1]).rename(tmp_path / "aside")
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path} lacks {shards[1]}, a shard its model.safetensors.index"):
+        hf.read_hf_weights(tmp_path)  # a raw 'No such file or directory' before
+    (tmp_path / "aside").rename(tmp_path / shards[1])
     single = tmp_path / "single"
     single.mkdir()
     assert hf.write_safetensors(iter(tensors[:2]), single, max_shard_bytes=800) == ["model.safetensors"]
@@ -705,6 +709,10 @@ def test_an_imported_model_without_a_tokenizer_or_a_model_type_or_token_ids(tmp_
     assert str(err.value) == (
         f"{olmoe}: model_type '' is not supported here; expected one of ['mixtral', 'olmoe', 'qwen3_moe']"
     )
+    with pytest.raises(FileNotFoundError, match="; it is a spes checkpoint: export it first"):
+        hf.read_hf_config(step, hf.FAMILIES)  # a spes checkpoint given where a Hugging Face model goes
+    with pytest.raises(FileNotFoundError, match="it has no config.json$"):
+        hf.read_hf_config(tmp_path, hf.FAMILIES)
     config, family = hf.read_hf_config(save_tiny_olmoe(tmp_path / "b"), hf.FAMILIES)
     settings = {k: v for k, v in config.to_dict().items() if k not in ("eos_token_id", "pad_token_id")}
     assert (hf.model_config_from_hf(family, SimpleNamespace(**settings))["pad_token_id"]) == 0
