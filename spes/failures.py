@@ -46,7 +46,7 @@ LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "p
 
 
 def report(e: BaseException) -> int:
-    """Print the failure as one line (and leave it for `spes.torchrun`); its exit code.
+    """Print the failure as one line (under `spes.torchrun`, leave it for the launcher to print); its exit code.
 
     The traceback is never lost: SPES_DEBUG=1 prints it above the line; without it, a failure spes did not raise on
     purpose (a bug, or an error of a library or of the system that spes passes on) is named with its type and where it
@@ -61,10 +61,11 @@ def report(e: BaseException) -> int:
         kept = "traceback above" if debug else _keep_traceback(e)
         message = f"{type(e).__name__}: {message} (at {_raised_at(e)}; {kept})"
     line = "error: " + "; ".join(" ".join(part.split()) for part in (message, hint) if part)
-    print(line, file=sys.stderr, flush=True)
-    if os.environ.get(ERROR_DIR_ENV):
+    if os.environ.get(ERROR_DIR_ENV):  # under spes.torchrun, which prints the lowest failed rank's line last
         with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
             f.write(line + "\n")
+    else:
+        print(line, file=sys.stderr, flush=True)
     return next(code for kind, code in USER_ERRORS.items() if isinstance(e, kind))
 
 

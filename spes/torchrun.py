@@ -4,12 +4,14 @@
 
 Takes torchrun's arguments unchanged. Plain torchrun follows a child's clean `error: ...` line with a ~35-line
 `ChildFailedError` traceback; here each rank of `spes.train` leaves its line in a temporary directory
-(`SPES_ERROR_DIR`) and the lowest rank's line (rank 0 talks to the server and writes checkpoints: its line
-names the culprit, the others' say that rank 0 failed) is printed last, with the first failure's exit code.
+(`SPES_ERROR_DIR`), printing nothing, and the lowest rank's line (rank 0 talks to the server and writes
+checkpoints: its line names the culprit, the others' say that rank 0 failed) is printed last, with the first
+failure's exit code.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -25,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # NOTE: its "failed (exitcode ...) local_rank ..." line would stand between the rank's output and the line below
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="spes-errors-") as errors:
         os.environ[ERROR_DIR_ENV] = errors
         try:

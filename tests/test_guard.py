@@ -160,7 +160,7 @@ def test_a_checkpoint_of_nan_weights_is_refused_at_start_in_one_line(
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_every_rank_stops_at_the_same_bad_step(strategy: str, tiny_corpus, tmp_path: Path) -> None:
     """An absurd learning rate overflows the weights at step 1; under DDP/FSDP both ranks agree that step 3 is
-    the second bad one in a row (none hangs in a collective) and spes.torchrun ends with that one line."""
+    the second bad one in a row (none hangs in a collective) and spes.torchrun ends with that one line, said once."""
     cmd = [
         sys.executable,
         "-m",
@@ -183,6 +183,8 @@ def test_every_rank_stops_at_the_same_bad_step(strategy: str, tiny_corpus, tmp_p
     last = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 4 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
     assert last.startswith("error: step 3: ") and "(2 steps in a row)" in last, last
+    said = [line for line in proc.stdout.splitlines() if line.startswith("error: ") or "failed (exitcode" in line]
+    assert said == [last], said  # the ranks leave their lines to spes.torchrun, and torchrun's own is silenced
     saved = sorted(p.name for p in tmp_path.glob("step*"))
     assert saved == (["step1-sharded", "step2-sharded"] if strategy == "fsdp" else ["step1", "step2"]), saved
 
