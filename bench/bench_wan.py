@@ -5,11 +5,11 @@
     .venv/bin/python bench/bench_wan.py --quick      # 100 Mbit/s, a 1/768 model, bf16 over the data plane, one round
 
 Each peer reaches `python -m spes.server` through bench/link_relay.py: its own link of the speed measured
-(`--speeds`) each way plus the server's link, shared by all peers, of the same speed (`--server_factor` scales
-it), and a one-way delay of RTT/2 (`--rtt_ms`). The round is the real one (bench/bench_sync.py's peer processes: `SyncClient.sync` with the
-paper's tensor names and shapes). The ideal round is what the link allows for the bytes the peers reported
-moving: `max(max_i up_i / peer_rate, sum_i up_i / server_rate) + RTT` for the uploads, the same for the
-downloads, so `bytes / bandwidth + 2 RTT`; efficiency = ideal / measured. A raw socket moving the same byte
+(`--speeds`) each way plus the server's link, shared by all peers, of the same speed (`--server_factor` scales it),
+and a one-way delay of RTT/2 (`--rtt_ms`). The round is the real one (bench/bench_sync.py's peer processes:
+`SyncClient.sync` with the paper's tensor names and shapes). The ideal round is what the link allows for the bytes
+the peers reported moving: `max(max_i up_i / peer_rate, sum_i up_i / server_rate) + RTT` for the uploads, the same
+for the downloads, so `bytes / bandwidth + 2 RTT`; efficiency = ideal / measured. A raw socket moving the same byte
 counts through the same relay, in the same run, shows what the emulated link itself delivers.
 
 Models: the paper's 1B layout (16 experts, 4 peers x 4) scaled down so a round takes seconds, with the

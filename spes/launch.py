@@ -48,11 +48,12 @@ class _HelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    summary, examples = __doc__.split("\n\n")[:2]
     p = argparse.ArgumentParser(
         prog="python -m spes.launch",
         usage="%(prog)s CONFIG [options] [-- --section.key=value ...]",
-        description=__doc__.split("\n\n")[0],
-        epilog=f"examples:\n{__doc__.split(chr(10) * 2)[1]}\n\nEverything after `--` goes to every peer and the server.",
+        description=summary,
+        epilog=f"examples:\n{examples}\n\nEverything after `--` goes to every peer and the server.",
         formatter_class=_HelpFormatter,
     )
     p.add_argument(

@@ -56,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls_cert", default=None, help="client certificate (mutual TLS)")
     parser.add_argument("--tls_key", default=None, help="client key (mutual TLS)")
     parser.add_argument(
-        "--watch", type=number_flag(ge=0), default=0, help="ask again every this many seconds, until Ctrl-C, through a server restart (0: once)"
+        "--watch",
+        type=number_flag(ge=0),
+        default=0,
+        help="ask again every this many seconds, until Ctrl-C, through a server restart (0: once)",
     )
     parser.add_argument("--timeout", type=number_flag(gt=0), default=10, help="seconds to wait for the server's answer")
     args = parser.parse_args(argv)

@@ -203,6 +203,7 @@ def test_watch_asks_again_until_ctrl_c_which_ends_it_quietly(
 def test_watch_outlives_a_server_restart(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A run's server restarted from its --state_dir, which its nodes ride out, ended a `--watch` with exit 1: it now
     says the server did not answer and asks again, and shows the run once the server is back on its port."""
+
     def serve(port: int) -> ParameterServer:
         for _ in range(50):  # NOTE: grpc's core lets go of a stopped server's port a moment after stop returns
             try:
@@ -306,7 +307,8 @@ def test_help_names_each_flag_with_its_meaning(
         "--tls_ca TLS_CA": "CA certificate to verify the server (TLS)",
         "--tls_cert TLS_CERT": "client certificate (mutual TLS)",
         "--tls_key TLS_KEY": "client key (mutual TLS)",
-        "--watch WATCH": "ask again every this many seconds, until Ctrl-C, through a server restart (0: once) (default: 0)",
+        "--watch WATCH": "ask again every this many seconds, until Ctrl-C, through a server restart (0: once) "
+        "(default: 0)",
         "--timeout TIMEOUT": "seconds to wait for the server's answer (default: 10)",
     }.items():
         assert f"{flag} {meaning}" in shown, flag
