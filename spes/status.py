@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m spes.status", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
     )
     parser.add_argument("addr", metavar="HOST:PORT", help="the parameter server (spes_config.server_addr)")
-    parser.add_argument("--token_file", default=None, help=f"the run's shared secret (default: env {TOKEN_ENV})")
+    parser.add_argument(
+        "--token_file", default=None, help=f"file holding the run's shared secret (default: env {TOKEN_ENV})"
+    )
     parser.add_argument("--tls_ca", default=None, help="CA certificate to verify the server (TLS)")
     parser.add_argument("--tls_cert", default=None, help="client certificate (mutual TLS)")
     parser.add_argument("--tls_key", default=None, help="client key (mutual TLS)")

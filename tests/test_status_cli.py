@@ -303,7 +303,7 @@ def test_help_names_each_flag_with_its_meaning(
     )
     for flag, meaning in {
         "HOST:PORT": "the parameter server (spes_config.server_addr)",
-        "--token_file TOKEN_FILE": f"the run's shared secret (default: env {TOKEN_ENV})",
+        "--token_file TOKEN_FILE": f"file holding the run's shared secret (default: env {TOKEN_ENV})",
         "--tls_ca TLS_CA": "CA certificate to verify the server (TLS)",
         "--tls_cert TLS_CERT": "client certificate (mutual TLS)",
         "--tls_key TLS_KEY": "client key (mutual TLS)",
