@@ -4,12 +4,12 @@
     .venv/bin/python bench/bench_wan.py              # 1000, 100 and 20 Mbit/s, RTT 50 ms, 4 peers (~15 min)
     .venv/bin/python bench/bench_wan.py --quick      # 100 Mbit/s, a 1/768 model, bf16 over the data plane, one round
 
-Each peer reaches `python -m spes.server` through bench/link_relay.py: its own link of `--peer_mbit` each way
-plus the server's link, shared by all peers, of the same speed (`--server_factor` scales it), and a one-way
-delay of RTT/2. The round is the real one (bench/bench_sync.py's peer processes: `SyncClient.sync` with the
-paper's tensor names and shapes). The ideal round is what the link allows for the bytes the peers reported
-moving: `max(max_i up_i / peer_rate, sum_i up_i / server_rate) + RTT` for the uploads, the same for the
-downloads, so `bytes / bandwidth + 2 RTT`; efficiency = ideal / measured. A raw socket moving the same byte
+Each peer reaches `python -m spes.server` through bench/link_relay.py: its own link of the speed measured
+(`--speeds`) each way plus the server's link, shared by all peers, of the same speed (`--server_factor` scales it),
+and a one-way delay of RTT/2 (`--rtt_ms`). The round is the real one (bench/bench_sync.py's peer processes:
+`SyncClient.sync` with the paper's tensor names and shapes). The ideal round is what the link allows for the bytes
+the peers reported moving: `max(max_i up_i / peer_rate, sum_i up_i / server_rate) + RTT` for the uploads, the same
+for the downloads, so `bytes / bandwidth + 2 RTT`; efficiency = ideal / measured. A raw socket moving the same byte
 counts through the same relay, in the same run, shows what the emulated link itself delivers.
 
 Models: the paper's 1B layout (16 experts, 4 peers x 4) scaled down so a round takes seconds, with the
@@ -27,7 +27,8 @@ optimizer step of that config: `--measure_step N --device cuda` times N real ste
 (bench/bench_train.py's node) at the config's own batch, micro-batch and amp_bf16 on one GPU; on the CPU
 (fp32) it times one-sequence steps and scales the median to the config's 256 sequences per step (the
 optimizer step is then counted once per sequence, which overstates it slightly); `--step_s` takes a figure
-measured elsewhere, and `--from_json` the links measured by an earlier run.
+measured elsewhere, and `--from_json` the links measured by an earlier run, as they were measured (the flags that
+shape a measurement are refused with it).
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ FRAGMENTS = (1, 5)
 """`spes_config.overlap_fragments` of the overlapped predictions."""
 WIRES = ("bf16", "fp32")
 PLANES = ("tcp", "grpc")
+RTT_MS = 50.0
+SERVER_FACTOR = 1.0
+MEASURING = ("rtt_ms", "server_factor", "speeds", "rounds", "warmup", "wires", "planes")
+"""The flags that shape a link measurement: with --from_json the record's links are taken as they were measured."""
 
 
 @dataclass(frozen=True)
@@ -285,14 +290,19 @@ def measure_step_1b(steps: int, device: torch.device, overrides: list[str]) -> d
 def build_parser() -> argparse.ArgumentParser:
     """The command line as a parser, not parsed, so that main can refuse a bad --device or --speeds with its usage."""
     p = parser("bench_wan", __doc__)
-    p.add_argument("--rtt_ms", type=float, default=50.0, help="round-trip time of every link")
-    p.add_argument("--server_factor", type=float, default=1.0, help="server link speed / peer link speed")
+    p.add_argument("--rtt_ms", type=float, default=None, help=f"round-trip time of every link (default {RTT_MS:g})")
+    p.add_argument(
+        "--server_factor",
+        type=float,
+        default=None,
+        help=f"server link speed / peer link speed (default {SERVER_FACTOR:g}: the server's link as fast as a peer's)",
+    )
     p.add_argument(
         "--speeds",
         type=float,
         nargs="+",
         default=None,
-        help=f"peer link speeds, Mbit/s (default {' '.join(str(int(s)) for s in SPEEDS)}; each must be one of those)",
+        help=f"peer link speeds, Mbit/s, each one of the default {' '.join(str(int(s)) for s in SPEEDS)} (quick 100)",
     )
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per measurement (default 2, quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 1, quick 0)")
@@ -337,16 +347,18 @@ def add_prediction_options(p: argparse.ArgumentParser) -> None:
         "--from_json",
         type=Path,
         default=None,
-        help="take the link measurements from this earlier result instead of measuring them",
+        help="take the link measurements from this earlier record instead of measuring them, as they were measured "
+        f"({', '.join(f'--{k}' for k in MEASURING)}: refused with it)",
     )
     p.add_argument(
         "--measure_step",
         type=int,
         default=0,
         metavar="N",
-        help="time N steps of the 1B SPES node here instead (CPU: one-sequence steps, ~16 GB of memory)",
+        help="time N steps of the 1B SPES node here instead (CPU: one-sequence steps, ~16 GB of memory; default 0: "
+        "none)",
     )
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where --measure_step trains (default cpu)")
 
 
 def step_line(step: dict[str, Any]) -> str:
@@ -377,24 +389,26 @@ def measure_links(args: argparse.Namespace, speeds: list[float], workdir: Path) 
     planes = args.planes or (["tcp"] if args.quick else list(PLANES))
     rounds = args.rounds or (1 if args.quick else 2)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    rtt_ms = RTT_MS if args.rtt_ms is None else args.rtt_ms
+    factor = SERVER_FACTOR if args.server_factor is None else args.server_factor
     measured: list[dict[str, Any]] = []
     run = {
         "mode": "quick" if args.quick else "full",
         "machine": machine_info(),
         "config": str(PAPER_1B.relative_to(REPO_ROOT)),
-        "rtt_ms": args.rtt_ms,
-        "server_factor": args.server_factor,
+        "rtt_ms": rtt_ms,
+        "server_factor": factor,
         "warmup_rounds": warmup,
         "rounds": rounds,
         "measurements": measured,
     }
     for speed in speeds:
-        link = LinkSpec(speed, speed * args.server_factor, args.rtt_ms)
+        link = LinkSpec(speed, speed * factor, rtt_ms)
         for wire in wires:
             scale = 768 if args.quick else scale_for(wire, link)
             print(
                 f"link: {speed:g} Mbit/s per peer, server {link.server_mbit:g} Mbit/s shared, RTT "
-                f"{args.rtt_ms:g} ms; {wire} on a model 1/{scale} of the 1B",
+                f"{rtt_ms:g} ms; {wire} on a model 1/{scale} of the 1B",
                 flush=True,
             )
             measured += measure(link, scale, [wire], planes, warmup, rounds, workdir)
@@ -463,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     speeds = args.speeds or ([100.0] if args.quick else list(SPEEDS))
     if unknown := [s for s in speeds if s not in SPEEDS]:  # NOTE: before the step's minutes, not after them
         p.error(f"--speeds {unknown}: each speed must be one of {list(SPEEDS)} (each has its model scale)")
+    if args.from_json is not None and (given := [f"--{k}" for k in MEASURING if getattr(args, k) is not None]):
+        p.error(
+            f"{', '.join(given)}: a flag of a new link measurement, but --from_json takes the links of "
+            f"{args.from_json} as they were measured; drop the flag, or drop --from_json to measure the links anew"
+        )
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     step = measure_step_1b(args.measure_step, device, args.step_override) if args.measure_step else None
     if step is not None:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from spes.cli import DefaultsHelpFormatter
 from spes.config import CODECS, TrainConfig, load_config, run_data_seed
 from spes.schema import ConfigError, number_flag
 
@@ -40,16 +41,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _HelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's default, and the examples as written."""
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
+    summary, examples = __doc__.split("\n\n")[:2]
     p = argparse.ArgumentParser(
         prog="python -m spes.launch",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s CONFIG [options] [-- --section.key=value ...]",
+        description=summary,
+        epilog=f"examples:\n{examples}\n\nEverything after `--` goes to every peer and the server.",
+        formatter_class=_HelpFormatter,
     )
     p.add_argument(
         "config",
+        metavar="CONFIG",
         help="node config (YAML); peer_id, data seed (the run's + 1000 * peer_id), server address and save folder "
         "are set here",
     )
@@ -63,7 +72,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(  # --dilico: the reference's spelling (its key using_dilico); --diloco: the paper's
         "--dilico", "--diloco", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything"
     )
-    p.add_argument("--port", type=number_flag(int, ge=0, le=65535), default=0, help="server port (default: a free one)")
+    p.add_argument("--port", type=number_flag(int, ge=0, le=65535), default=0, help="server port (0: a free one)")
     p.add_argument("--codec", choices=CODECS, default=None, help="how tensors travel (default: spes_config.codec)")
     p.add_argument("--threads", type=number_flag(int, ge=1), default=1, help="torch threads per peer")
     p.add_argument(
@@ -74,7 +83,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "peer holds the same global model, so one evaluating peer gives the run's merged curve for 1/N of the CPU",
     )
     p.add_argument("--timeout", type=number_flag(gt=0), default=1800, help="give up after this many seconds")
-    args = p.parse_args(argv)
+    args, unknown = p.parse_known_args(argv)
+    if unknown:  # NOTE: spes.train takes overrides as they are; here they would reach no process
+        p.error(
+            f"unrecognized arguments: {' '.join(unknown)} (an override of the run's config goes after `--`, e.g. "
+            f"python -m spes.launch {args.config} -- {' '.join(unknown)})"
+        )
     return args, overrides
 
 

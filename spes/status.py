@@ -30,6 +30,8 @@ FIXES = {
     "PERMISSION_DENIED": "this server wants a client certificate it accepts (--tls_cert, --tls_key)",
 }
 """What to do when the server does not answer Status, or refuses it, by gRPC status code (unless its answer says)."""
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+"""No answer, as from a server restarting: a `--watch` that has had an answer asks again."""
 
 
 def refusal(addr: str, err: grpc.RpcError, tls: tuple[str | None, str | None] = (None, None)) -> str:
@@ -49,12 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m spes.status", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
     )
     parser.add_argument("addr", metavar="HOST:PORT", help="the parameter server (spes_config.server_addr)")
-    parser.add_argument("--token_file", default=None, help=f"the run's shared secret (default: env {TOKEN_ENV})")
+    parser.add_argument(
+        "--token_file", default=None, help=f"file holding the run's shared secret (default: env {TOKEN_ENV})"
+    )
     parser.add_argument("--tls_ca", default=None, help="CA certificate to verify the server (TLS)")
     parser.add_argument("--tls_cert", default=None, help="client certificate (mutual TLS)")
     parser.add_argument("--tls_key", default=None, help="client key (mutual TLS)")
     parser.add_argument(
-        "--watch", type=number_flag(ge=0), default=0, help="ask again every this many seconds (0: once)"
+        "--watch",
+        type=number_flag(ge=0),
+        default=0,
+        help="ask again every this many seconds, until Ctrl-C, through a server restart (0: once)",
     )
     parser.add_argument("--timeout", type=number_flag(gt=0), default=10, help="seconds to wait for the server's answer")
     args = parser.parse_args(argv)
@@ -73,20 +80,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     with channel:
-        stub = pb_grpc.ParameterServerStub(channel)
         try:
-            while True:
-                try:
-                    reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
-                except grpc.RpcError as err:
-                    print(refusal(args.addr, err, (args.tls_ca, args.tls_cert)), file=sys.stderr)
-                    return 1
-                print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
-                if not args.watch:
-                    return 0
-                time.sleep(args.watch)
+            return ask(pb_grpc.ParameterServerStub(channel), args, metadata)
         except KeyboardInterrupt:  # how a --watch ends: no traceback
             return 0
+
+
+def ask(stub: pb_grpc.ParameterServerStub, args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> int:
+    """Ask the server once, or every `--watch` seconds. A watch outlives a server that stops answering once it has
+    answered (a restart, which the nodes ride out too): its line, then the next question; a refusal, or no answer
+    at the first question (a wrong address, port or flag), ends it with 1."""
+    answered = False
+    while True:
+        try:
+            reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            line = refusal(args.addr, err, (args.tls_ca, args.tls_cert))
+            if not (args.watch and answered and err.code() in TRANSIENT):
+                print(line, file=sys.stderr)
+                return 1
+            print(f"{time.strftime('%H:%M:%S')} {line} (asking again in {args.watch:g} s)", file=sys.stderr, flush=True)
+        else:
+            answered = True
+            print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
+            if not args.watch:
+                return 0
+        time.sleep(args.watch)
 
 
 if __name__ == "__main__":

@@ -289,6 +289,22 @@ def test_bench_wan_refuses_an_unknown_speed_before_timing_the_1b_step(tmp_path: 
     assert "1B SPES node" not in refused.stdout and not out.exists()
 
 
+@pytest.mark.parametrize("flag", [["--server_factor", "4"], ["--rtt_ms", "100"], ["--speeds", "20"]])
+def test_bench_wan_from_json_refuses_the_flags_of_a_new_measurement(
+    flag: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--from_json predicts from the record's links as measured: a --server_factor (docs/running.md's way to a
+    faster server link) or another flag of a measurement given beside it changed nothing, silently."""
+    from bench_wan import main
+
+    out = tmp_path / "x.json"
+    record = str(REPO / "bench" / "results" / "bench_wan.json")
+    with pytest.raises(SystemExit) as refused:
+        main(["--from_json", record, "--step_s", "4.76", "--out", str(out), *flag])
+    assert refused.value.code == 2 and not out.exists()
+    assert f"{flag[0]}: a flag of a new link measurement, but --from_json" in capsys.readouterr().err
+
+
 def test_idle_share_blocking_and_overlapped() -> None:
     from common import idle_share
 

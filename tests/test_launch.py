@@ -150,6 +150,32 @@ def test_the_baseline_flag_takes_the_papers_spelling_too(
     assert "--dilico, --diloco DiLoCo/FedAvg baseline: peers train and average everything" in shown
 
 
+def test_an_override_before_the_double_dash_is_refused_saying_where_it_goes(capsys: pytest.CaptureFixture[str]) -> None:
+    """spes.train takes `--max_duration=40st` as it is; the launcher takes it after `--`, and said only
+    'unrecognized arguments'."""
+    line = usage_error(capsys, lambda: parse_args([TINY, "--max_duration=40st"]))
+    assert line == (
+        "python -m spes.launch: error: unrecognized arguments: --max_duration=40st (an override of the run's config "
+        f"goes after `--`, e.g. python -m spes.launch {TINY} -- --max_duration=40st)"
+    )
+
+
+def test_the_help_says_where_overrides_go_and_each_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The module's examples and the flags' defaults were in the source only: --help showed neither the `--` that
+    overrides follow nor where the run lands without --out."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([TINY, "--help"])
+    assert exit_.value.code == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("usage: python -m spes.launch CONFIG [options] [-- --section.key=value ...]\n")
+    assert "python -m spes.launch configs/tiny.yaml -- --max_duration=200st" in shown
+    flat = " ".join(shown.split())
+    assert "summary.json (default: output/local_run)" in flat and "seconds (default: 1800)" in flat
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_sigterm_to_the_launcher_stops_the_server_and_every_peer(tiny_corpus, tmp_path: Path) -> None:

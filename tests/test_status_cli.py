@@ -11,14 +11,17 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
 import pytest
 
 from conftest import usage_error
-from spes.status import main, refusal
+from spes.status import describe, main, refusal
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN
+from spes.sync.server import ParameterServer, start_server
+from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.wire import upload_digest
 from sync_helpers import TOKEN, make_client, peer_upload, running_server, tiny_spec, write_pki
 
@@ -197,6 +200,49 @@ def test_watch_asks_again_until_ctrl_c_which_ends_it_quietly(
 
 
 @pytest.mark.timeout(60)
+def test_watch_outlives_a_server_restart(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's server restarted from its --state_dir, which its nodes ride out, ended a `--watch` with exit 1: it now
+    says the server did not answer and asks again, and shows the run once the server is back on its port."""
+
+    def serve(port: int) -> ParameterServer:
+        for _ in range(50):  # NOTE: grpc's core lets go of a stopped server's port a moment after stop returns
+            try:
+                return start_server(ServerConfig(tiny_spec(), DeployConfig(host="127.0.0.1", port=port)))
+            except ValueError:
+                pause(0.1)
+        raise AssertionError(f"port {port} still taken")
+
+    pause = time.sleep  # NOTE: the module's, which the test replaces for the watch
+    answers: list[str] = []
+    down: list[ParameterServer] = []
+    back: list[ParameterServer] = []
+
+    def sleep(seconds: float) -> None:  # the watch's pauses: the server goes, comes back, and Ctrl-C once it answers
+        if len(answers) == 2:
+            raise KeyboardInterrupt
+        if not down:
+            server.stop(grace_s=0.5)
+            down.append(server)
+        elif not back:
+            back.append(serve(server.port))
+        pause(0.2)  # NOTE: the channel reconnects after its backoff (about a second)
+
+    server = serve(0)
+    monkeypatch.setattr("spes.status.time.sleep", sleep)
+    monkeypatch.setattr("spes.status.describe", lambda reply: answers.append(describe(reply)) or answers[-1])
+    try:
+        assert main([f"127.0.0.1:{server.port}", "--watch", "1", "--timeout", "5"]) == 0
+    finally:
+        monkeypatch.undo()
+        for left in [*back, *([] if down else [server])]:
+            left.stop(grace_s=0.5)
+    out, err = _said(capsys)
+    assert len(out) == 2 and all("no round completed yet" in line for line in out), out
+    unanswered = rf"\d\d:\d\d:\d\d error: 127.0.0.1:{server.port}: UNAVAILABLE: .* \(asking again in 1 s\)"
+    assert err and all(re.fullmatch(unanswered, line) for line in err), err
+
+
+@pytest.mark.timeout(60)
 def test_watch_through_a_pipe_prints_each_line_as_it_asks_and_sigint_ends_it_with_exit_0() -> None:
     """What `--watch 30 | tee status.log` shows: each line when it is asked (a pipe's output is block-buffered,
     so lines held back until exit would show nothing for hours), and Ctrl-C (SIGINT) ends it without a traceback."""
@@ -257,11 +303,12 @@ def test_help_names_each_flag_with_its_meaning(
     )
     for flag, meaning in {
         "HOST:PORT": "the parameter server (spes_config.server_addr)",
-        "--token_file TOKEN_FILE": f"the run's shared secret (default: env {TOKEN_ENV})",
+        "--token_file TOKEN_FILE": f"file holding the run's shared secret (default: env {TOKEN_ENV})",
         "--tls_ca TLS_CA": "CA certificate to verify the server (TLS)",
         "--tls_cert TLS_CERT": "client certificate (mutual TLS)",
         "--tls_key TLS_KEY": "client key (mutual TLS)",
-        "--watch WATCH": "ask again every this many seconds (0: once) (default: 0)",
+        "--watch WATCH": "ask again every this many seconds, until Ctrl-C, through a server restart (0: once) "
+        "(default: 0)",
         "--timeout TIMEOUT": "seconds to wait for the server's answer (default: 10)",
     }.items():
         assert f"{flag} {meaning}" in shown, flag
