@@ -318,7 +318,7 @@ def from_dict(
     for key, value in data.items():
         given = prefix + str(key)
         if key not in hints:
-            raise ConfigError(_unknown_key_message(cls, prefix, str(key), names, where, given=given, root=whole))
+            raise ConfigError(_unknown_key_message(cls, prefix, str(key), names, where, given=given, root=whole), given)
         sub = _dataclass_in(hints[key])
         if sub is not None and isinstance(value, dict):
             kwargs[key] = from_dict(sub, value, where=where, prefix=given + ".", root=whole)

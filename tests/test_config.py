@@ -1206,6 +1206,15 @@ def test_a_refused_value_names_where_it_was_set_the_file_or_the_override(tmp_pat
         "command line (--model={d_model: 30, n_heads: 4}): config key 'model.d_model' = 30 must be divisible by "
         "model.n_heads=4"
     )
+    assert refusal(path, "--model={d_modl: 512}") == (  # an unknown key inside it: the override, not the file
+        "command line (--model={d_modl: 512}): unknown config key 'model.d_modl'; did you mean 'model.d_model'?"
+    )
+    path.write_text("model:\n  d_modl: 512\n")
+    assert (
+        refusal(path, "--model.n_heads=4")
+        == f"{path}: unknown config key 'model.d_modl'; did you mean 'model.d_model'?"
+    )
+    path.write_text("spes_config:\n  sync_steps: 5\n")
     d_model = ModelConfig().d_model
     assert refusal(path, "--model.n_heads=5") == (  # a check of two keys names the override of the other one
         f"command line (--model.n_heads=5): config key 'model.d_model' = {d_model} must be divisible by model.n_heads=5"
