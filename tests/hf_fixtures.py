@@ -67,6 +67,14 @@ def save_tiny_olmoe(path: Path, **options: Any) -> Path:
     return path
 
 
+def perturb_norms(model: torch.nn.Module) -> None:
+    """Move every 1-D parameter (the norms' weights, all ones at init) off its init, so its mapping is tested."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+
+
 def make_checkpoint(
     root: Path, tokenizer: LoadedTokenizer, options: dict[str, Any], *, block_size: int = 2, step: int = 5
 ) -> tuple[Path, Transformer]:
@@ -75,10 +83,7 @@ def make_checkpoint(
     cfg = hf.run_config_for(model_cfg, num_train_experts_per_node=block_size, run_name="t")
     model = Transformer.for_run(cfg)
     model.init_weights(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(model)
     step_dir = hf.write_step_dir(
         root / f"step{step}", hf.fuse_expert_blocks(model.state_dict()), cfg, tokenizer=tokenizer.path.parent
     )

@@ -15,7 +15,7 @@ import transformers
 from torch.testing import assert_close
 
 from conftest import usage_error
-from hf_fixtures import UPCYCLE_TINY, save_tiny_olmoe, tokenizer_overrides
+from hf_fixtures import UPCYCLE_TINY, perturb_norms, save_tiny_olmoe, tokenizer_overrides
 from spes import hf, upcycle
 from spes.checkpoint import load_model_state
 from spes.config import ModelConfig, load_config
@@ -56,10 +56,7 @@ def dense_model(
         m, tmp_path / "dense", model_type=model_type, partition=partition, tokenizer=tokenizer.path.parent
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(model)
     model.save_pretrained(str(path))
     return path, model.eval()
 
@@ -365,10 +362,7 @@ def test_the_9b_config_shrunk_upcycles_a_qwen3_into_the_same_model(
     )
     torch.manual_seed(3)
     dense = transformers.Qwen3ForCausalLM(dense_config).eval()
-    with torch.no_grad():
-        for p in dense.parameters():
-            if p.ndim == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    perturb_norms(dense)
     dense.save_pretrained(str(tmp_path / "dense"))
     shrink = "d_model=32 n_heads=4 n_kv_heads=2 n_layers=2 mlp_hidden_size=80 max_sequence_length=64"
     argv = [f"--model.{kv}" for kv in shrink.split()] + [
