@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -222,27 +224,44 @@ class _NoSuchRepo(BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def loopback_hub(
+    handler: type[BaseHTTPRequestHandler], hf_home: Path
+) -> Iterator[tuple[ThreadingHTTPServer, dict[str, str]]]:
+    """A Hub endpoint on loopback answering as `handler` (the paths asked in `server.paths`), and the environment of
+    a child process that asks it (HF_ENDPOINT) with its cache under `hf_home`."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.paths = []  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env |= {
+        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
+        "HF_HOME": str(hf_home),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    try:
+        yield server, env
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run_python(code: str, env: dict[str, str], *args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
 @pytest.mark.timeout(120)
 def test_an_id_the_hub_does_not_know_is_named_with_what_to_check(tmp_path: Path) -> None:
     """The online path, against a Hub endpoint on loopback (HF_ENDPOINT): reachable, the id unknown there."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepo)
-    server.paths = []  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env |= {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
     code = (
         "from spes import hub\nprint(hub.hub_reachable())\n"
         "try:\n    hub.resolve('org/absent', what='tokenizer.identifier')\n"
         "except FileNotFoundError as err:\n    print(repr(str(err)))"
     )
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=100
-        )
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_hub(_NoSuchRepo, tmp_path / "hf_home") as (server, env):
+        out = run_python(code, env)
     reachable, line = out.stdout.strip().splitlines()
     assert reachable == "True" and out.returncode == 0, out.stderr
     asked = server.paths  # type: ignore[attr-defined]
@@ -309,15 +328,6 @@ def test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_rea
     spes resolves, though huggingface_hub was imported before it was set. With huggingface_hub 2.x the cache
     lookup that named no files found the snapshot incomplete (the files spes does not read were never fetched),
     so every later resolve asked the Hub, and offline the id was refused as not cached."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _OneRepo)
-    server.paths = []  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env |= {
-        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
-        "HF_HOME": str(tmp_path / "decoy"),  # NOTE: read by huggingface_hub at its import, by spes when it resolves
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
     code = (
         "import os, sys\nimport huggingface_hub.constants\nfrom spes import hub\n"
         f"os.environ['HF_HOME'] = {str(tmp_path / 'hf_home')!r}  # as a launcher sets it, after the import\n"
@@ -326,25 +336,17 @@ def test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_rea
         "    print(path, sorted(p.name for p in path.iterdir()))"
     )
 
-    def resolved(times: int, **more: str) -> list[str]:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(times)],
-            cwd=REPO,
-            env=env | more,
-            capture_output=True,
-            text=True,
-            timeout=50,
-        )
-        assert out.returncode == 0, out.stderr
-        return out.stdout.splitlines()
+    # NOTE: HF_HOME is read by huggingface_hub at its import, by spes when it resolves
+    with loopback_hub(_OneRepo, tmp_path / "decoy") as (server, env):
 
-    try:
+        def resolved(times: int, **more: str) -> list[str]:
+            out = run_python(code, env | more, str(times), timeout=50)
+            assert out.returncode == 0, out.stderr
+            return out.stdout.splitlines()
+
         online = resolved(2)
         asked = list(server.paths)  # type: ignore[attr-defined]
         offline = resolved(1, HF_HUB_OFFLINE="1")
-    finally:
-        server.shutdown()
-        server.server_close()
     snapshot = tmp_path / "hf_home" / "hub" / "models--org--tiny" / "snapshots" / HUB_SHA
     assert online + offline == [f"{snapshot} ['tokenizer.json']"] * 3
     assert (snapshot / "tokenizer.json").read_bytes() == HUB_FILES["tokenizer.json"]
@@ -364,23 +366,8 @@ def test_a_model_cached_in_part_is_completed_from_the_hub(hf_home: Path) -> None
     list to find it incomplete) gets the model's files downloaded into it, instead of being returned without them."""
     snapshot = cache_repo(hf_home, "org/tiny", _tokenizer_only(hf_home.parent / "tok"))
     assert snapshot.name == HUB_SHA
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _OneRepo)
-    server.paths = []  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    env |= {
-        "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}",
-        "HF_HOME": str(hf_home),
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
-    code = "from spes import hub\nprint(hub.resolve('org/tiny', what='--hf'))"
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=100
-        )
-    finally:
-        server.shutdown()
-        server.server_close()
+    with loopback_hub(_OneRepo, hf_home) as (_, env):
+        out = run_python("from spes import hub\nprint(hub.resolve('org/tiny', what='--hf'))", env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(snapshot)
     assert (snapshot / "config.json").read_bytes() == HUB_FILES["config.json"]
