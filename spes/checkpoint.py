@@ -551,6 +551,12 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
     return meta
 
 
+def trainer_state(path: str | Path) -> dict[str, Any]:
+    """The trainer state a checkpoint (a step directory, or a save folder: its latest) recorded: step, tokens, the
+    data loader's place."""
+    return dict(_read_meta(resolve_checkpoint(path))["trainer"])
+
+
 def _read_config(step_dir: Path) -> dict[str, Any]:
     """The run config saved with a checkpoint ({} for one written without it)."""
     path = step_dir / CONFIG_FILE

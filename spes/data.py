@@ -289,7 +289,7 @@ class BatchLoader:
     def state_dict(self) -> dict[str, int | str]:
         """Where the next batch comes from: everything needed to resume exactly, and the data it is a place in
         (window length and count, the shards in order), so that a resume over other data is refused rather than
-        silently re-shuffled."""
+        silently re-shuffled; and the tokenizer its shards were written with (an export checks its tokenizer)."""
         return {
             "epoch": self.epoch,
             "position": self.position,
@@ -298,6 +298,7 @@ class BatchLoader:
             "seq_len": self.dataset.seq_len,
             "windows": len(self.dataset),
             "shards": self.dataset.layout(),
+            **({"tokenizer_fingerprint": self.dataset.fingerprint} if self.dataset.fingerprint else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
@@ -57,6 +58,7 @@ from spes.checkpoint import (
     resolve_checkpoint,
     resolve_step,
     save_checkpoint,
+    trainer_state,
 )
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
 from spes.hub import TOKENIZER_FILES, resolve, resolve_tokenizer
@@ -65,6 +67,7 @@ from spes.schema import ConfigError, number_flag, to_dict
 from spes.tokenizer import check_vocab, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 MAX_SHARD_BYTES = 5 * 1024**3
 
 
@@ -672,6 +675,7 @@ def export_checkpoint(
             f"{err} (from config key 'tokenizer.identifier' of {step / 'config.yaml'}); pass "
             f"--tokenizer <dir> with the run's tokenizer"
         ) from None
+    _check_trained_tokenizer(step, tok)
     return export_state(
         load_model_state(step),
         cfg.model,
@@ -681,6 +685,20 @@ def export_checkpoint(
         overwrite=overwrite,
         max_shard_bytes=max_shard_bytes,
     )
+
+
+def _check_trained_tokenizer(step: Path, tokenizer: Path) -> None:
+    """Warn when the tokenizer exported is not the one the run's shards were written with (the fingerprint the data
+    loader's state records): a tokenizer of the same size but other ids passes every other check, and the model
+    reads its text as other tokens."""
+    trained = trainer_state(step).get("data", {}).get("tokenizer_fingerprint")
+    exported = load_tokenizer(tokenizer)
+    if trained and exported.fingerprint != trained:
+        log.warning(
+            f"warning: the tokenizer exported, {exported.path} (fingerprint {exported.fingerprint[:12]}), is not the "
+            f"one the run's shards were written with ({trained[:12]}): pass --tokenizer with the run's tokenizer, "
+            "unless this one is it saved again"
+        )
 
 
 def export_state(

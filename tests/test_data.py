@@ -52,6 +52,7 @@ def loader_state(epoch: int, position: int, seed: int) -> dict[str, int | str]:
         "seq_len": 4,
         "windows": 38,
         "shards": LAYOUT,
+        "tokenizer_fingerprint": "0" * 64,  # write_token_shard's default
     }
 
 
@@ -122,6 +123,8 @@ def test_real_npy_without_sidecar_and_mixed_with_spes_shards(shards: list[Path],
     ds = TokenSequenceDataset([shards[0], plain, olmo], SEQ_LEN, memmap_dtype="uint16")
     assert ds.fingerprint is not None and len(ds) == 25 + 2 + 2
     assert int(ds[25][0]) == 500 and int(ds[27][0]) == 900
+    # the tokenizer the shards were written with travels in the loader's state, for an export to check
+    assert BatchLoader(ds, batch_size=4, seed=1).state_dict()["tokenizer_fingerprint"] == ds.fingerprint
 
 
 def test_dataset_refuses_a_half_written_shard(tmp_path: Path) -> None:

@@ -344,6 +344,25 @@ def test_a_tokenizer_without_its_config_gets_one_that_transformers_loads(
     assert (tmp_path / "deep" / "new" / "tok" / "tokenizer_config.json").is_file()
 
 
+def test_an_export_with_another_tokenizer_than_the_shards_were_written_with_warns(
+    tmp_path: Path, tokenizer: LoadedTokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tokenizer of the run's size but other ids passes every size check; the fingerprint the data loader's state
+    records (that of the tokenizer the shards were written with) tells it apart."""
+    step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    meta_path = step_dir / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    for fingerprint, warned in ((tokenizer.fingerprint, False), ("f" * 64, True)):
+        meta["trainer"] = {"step": 5, "data": {"tokenizer_fingerprint": fingerprint}}
+        meta_path.write_text(json.dumps(meta))
+        caplog.clear()
+        hf.export_checkpoint(step_dir, tmp_path / "hf", overwrite=True)
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(said) == warned, said
+    assert said[0].startswith(f"warning: the tokenizer exported, {step_dir.parent / 'tokenizer' / 'tokenizer.json'} ")
+    assert "is not the one the run's shards were written with (ffffffffffff): pass --tokenizer" in said[0]
+
+
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
     state, m = hf.load_model_state(step_dir), hf.load_step_config(step_dir).model
