@@ -74,10 +74,19 @@ def schedule_length(cfg: TrainConfig) -> int:
     amount, unit = parse_duration(cfg.max_duration)
     t_max = cfg.scheduler.t_max or (amount if unit == "steps" and cfg.scheduler.units == "steps" else None)
     if t_max is None:
-        return cfg.max_steps
+        return cfg.duration_steps  # NOTE: not stop_at's: a launch that stops early follows the run's schedule
     if cfg.scheduler.units == "tokens":
         return math.ceil(t_max / cfg.tokens_per_step)
     return t_max
+
+
+def aux_loss_factor(cfg: TrainConfig, step: int) -> float | None:
+    """A SPES node's decayed load-balancing factor at `step` (None: not decayed), ramped over the run's length
+    (`max_duration`), as the reference: a launch that stops early (`stop_at`) follows the run's ramp."""
+    spes = cfg.spes_config
+    if not spes.using_decayed_aux_loss or cfg.owned_experts() is None:
+        return None
+    return decayed_lb_factor(step, cfg.duration_steps, spes.decayed_factor_update_steps)
 
 
 def scheduler_in_steps(cfg: TrainConfig) -> SchedulerConfig:
@@ -292,9 +301,8 @@ class Trainer:
         return (mean * self.info.world_size).round().long().tolist()
 
     def _apply_decayed_aux_factor(self) -> None:
-        spes = self.cfg.spes_config
-        if spes.using_decayed_aux_loss and self.cfg.owned_experts() is not None:
-            factor = decayed_lb_factor(self.step, self.max_steps, spes.decayed_factor_update_steps)
+        factor = aux_loss_factor(self.cfg, self.step)
+        if factor is not None:
             unwrap(self.model).set_own_count_scale(factor)  # type: ignore[operator]
 
     def after_step(self, metrics: dict[str, Any]) -> None:

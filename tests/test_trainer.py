@@ -19,7 +19,7 @@ from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.optim import lr_at, optimizer_state_bytes
 from spes.train import build_node, main
-from spes.trainer import Trainer, schedule_length, scheduler_in_steps
+from spes.trainer import Trainer, aux_loss_factor, schedule_length, scheduler_in_steps
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -164,6 +164,18 @@ def test_a_schedule_in_tokens_warms_up_over_that_many_tokens() -> None:
     assert scheduler_in_steps(steps) is steps.scheduler
     peak = cfg.optimizer.learning_rate
     assert [lr_at(s, sched, peak, 10) for s in range(11)] == [lr_at(s, steps.scheduler, peak, 10) for s in range(11)]
+
+
+def test_a_launch_stopped_early_follows_the_runs_schedules(tmp_path: Path) -> None:
+    """stop_at ends a launch, not the run (OLMo): the learning rate's cosine (t_max unset, tokens) and the decayed
+    load-balancing ramp (20% of the run) span max_duration; they spanned stop_at's steps."""
+    tokens = ["--scheduler.units=tokens", "--max_duration=102400T", "--stop_at=10"]
+    cfg, _ = load_config(TINY, tokens)
+    assert (cfg.max_steps, cfg.duration_steps, schedule_length(cfg)) == (10, 100, 100)
+    spes = ["--spes_config.using_decayed_aux_loss=true", "--spes_config.decayed_factor_update_steps=5"]
+    cfg, _ = load_config(TINY, ["--max_duration=100st", "--stop_at=10", *spes])
+    assert [aux_loss_factor(cfg, s) for s in (4, 10, 20)] == [1.0, pytest.approx(0.85), 1.0]
+    assert aux_loss_factor(load_config(TINY, ["--using_spes=false", *spes])[0], 10) is None
 
 
 def test_validation_loss_is_logged_before_and_after_nothing_else(tiny_corpus, tmp_path: Path) -> None:
