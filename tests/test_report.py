@@ -10,6 +10,7 @@ measured yet" with the command that measures it.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -176,3 +177,38 @@ def test_no_committed_record_is_a_quick_run() -> None:
     records = Records(RESULTS)
     quick = [name for name in records.names() if records(name).get("mode") == "quick"]
     assert not quick, f"{quick} are --quick smoke runs: re-run them in full or remove them"
+
+
+DIFFERENCES = REPO / "docs" / "differences.md"
+NAMED_RECORD = re.compile(r"`([\w.*-]+)\.json`")
+
+
+def difference_rows() -> list[list[str]]:
+    """The cells of each row of docs/differences.md's table, its header and rule left out."""
+    lines = [line for line in DIFFERENCES.read_text().splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines[2:]]
+
+
+def test_every_difference_says_its_measured_effect_or_that_none_measures_it() -> None:
+    """A row of docs/differences.md is a change to the numerics (the rule: each has a row): one that now matches the
+    reference says "same"; any other names its effect's figure, rendered from a record, or says it is not measured."""
+    rows = difference_rows()
+    assert rows and all(len(row) == 5 for row in rows), [row[0] for row in rows if len(row) != 5]
+    silent = [
+        row[0]
+        for row in rows
+        if not (row[1].startswith("same") or row[2].startswith("same"))
+        and "<!--f:" not in row[4]
+        and "not measured" not in row[4]
+        and not row[4].startswith("none")
+    ]
+    assert not silent, (
+        f"rows of docs/differences.md that neither give a rendered figure nor say 'not measured': {silent}"
+    )
+
+
+def test_every_record_a_difference_names_is_committed() -> None:
+    """The records a row of docs/differences.md cites (`name.json`, `name*.json` for a record's seeds) exist."""
+    named = {m for row in difference_rows() for m in NAMED_RECORD.findall(row[3] + row[4])}
+    missing = sorted(name for name in named if not list(RESULTS.glob(f"{name}.json")))
+    assert named and not missing, f"docs/differences.md cites records not under bench/results/: {missing}"
