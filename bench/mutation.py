@@ -1310,6 +1310,11 @@ EQUIVALENT: dict[str, str] = {
         "the '.' and '~' a path starts with: the id pattern already wants a letter or digit first",
     ),
     **mutants(
+        "spes.hub.x_missing_model_file",
+        "23 25",
+        _UTF8,
+    ),
+    **mutants(
         "spes.hub.x_hub_offline",
         "8",
         "the value of an unset HF_HUB_OFFLINE: '' and 'xxxx' are both not among the true spellings",
@@ -1446,9 +1451,9 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.sync.settings.x__flag", "1 2 3 4 5 6 7 8", FLAG_GROUPS),
     # the online path, in a process of its own against a Hub endpoint on loopback (huggingface_hub reads HF_ENDPOINT
     # as it is imported): one ask after the offline lookup, the download's arguments, the one-line refusal
-    **mutants("spes.hub.x_resolve", "14 18 20 33 34 37 40 41 42 43 44 45 46 47 48 49 50", HUB_ONLINE),
-    **mutants("spes.hub.x_resolve", "13 17 35 36 38 39", HUB_DOWNLOAD),
-    **mutants("spes.hub.x_resolve_tokenizer", "6", HUB_DOWNLOAD),
+    **mutants("spes.hub.x_resolve", "15 19 21 55 56 57 58 59 60 61 62 63 64", HUB_ONLINE),
+    **mutants("spes.hub.x_resolve", "14 18 47 48 49 50 51 52 53 54", HUB_DOWNLOAD),
+    **mutants("spes.hub.x_resolve_tokenizer", "7", HUB_DOWNLOAD),
     # the sync counter, run outside mutmut (whose frames sit between a counted call and its caller)
     **mutants("spes.speed.xǁSyncCounterǁ__init__", "1", SYNC_COUNTED[0]),
     **mutants("spes.speed.xǁSyncCounterǁ__torch_function__", "1 2 3 4 5 6 7 8 9", SYNC_COUNTED[0]),

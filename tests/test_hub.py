@@ -78,6 +78,14 @@ def test_a_cached_tokenizer_is_not_taken_for_the_model(
         "to the cache that holds it, or pass a local directory\n"
     )
     (snapshot / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"cached without model\.safetensors \("):
+        hub.resolve("Qwen/Qwen3-1.7B", what="--hf")  # a config without weights
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text("{}")
+    cache_repo(hf_home, "org/config-only", config_only)
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer 'org/config-only' .* cached without tokenizer\.json \("):
+        hub.resolve_tokenizer("org/config-only")
     (snapshot / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
     )
