@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -16,7 +17,7 @@ from spes.cli import DefaultsHelpFormatter
 from spes.config import SpesConfig, is_host_port
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
-from spes.sync.connection import open_channel, tls_fix
+from spes.sync.connection import certificate_refusal, open_channel, tls_fix
 from spes.sync.plane_grpc import tls_cause
 from spes.sync.plane_tcp import client_tls
 from spes.sync.proto import spes_pb2 as pb
@@ -30,18 +31,26 @@ FIXES = {
     "PERMISSION_DENIED": "this server wants a client certificate it accepts (--tls_cert, --tls_key)",
 }
 """What to do when the server does not answer Status, or refuses it, by gRPC status code (unless its answer says)."""
+CLIENT = ("this client", "--tls_cert/--tls_key")
+"""The client and its certificate's flags, as a refused client certificate's line names them."""
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 """No answer, as from a server restarting: a `--watch` that has had an answer asks again."""
 
 
-def refusal(addr: str, err: grpc.RpcError, tls: tuple[str | None, str | None] = (None, None)) -> str:
+def refusal(
+    addr: str,
+    err: grpc.RpcError,
+    tls: tuple[str | None, str | None] = (None, None),
+    refused: Callable[[], str | None] | None = None,
+) -> str:
     """The one line of a Status call that failed: the server's answer, then what to do (`FIXES`; unreachable, what
     TLS needs of `tls`, the --tls_ca and --tls_cert given) unless the answer already says it, as a spes server's
-    wrong-token refusal does (printing both gave the fix twice)."""
+    wrong-token refusal does (printing both gave the fix twice). `refused`: whether the server hung up on the
+    client certificate (`spes.sync.connection.certificate_refusal`)."""
     code, details = err.code().name, err.details() or ""
     fix = None if details == WRONG_TOKEN else FIXES.get(code)
     if code == "UNAVAILABLE":
-        cause = tls_cause(details)  # NOTE: a refused TLS handshake is no server down: say what it means instead
+        cause = tls_cause(details, refused)  # NOTE: a refused TLS handshake is no server down: what it means instead
         fix = cause or f"{fix}({tls_fix(*tls, names=('--tls_ca', '--tls_cert/--tls_key'))})"
     return f"error: {addr}: {code}" + (f": {details}" if details else "") + (f"; {fix}" if fix else "")
 
@@ -81,21 +90,26 @@ def main(argv: list[str] | None = None) -> int:
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     with channel:
         try:
-            return ask(pb_grpc.ParameterServerStub(channel), args, metadata)
+            return ask(pb_grpc.ParameterServerStub(channel), args, metadata, settings)
         except KeyboardInterrupt:  # how a --watch ends: no traceback
             return 0
 
 
-def ask(stub: pb_grpc.ParameterServerStub, args: argparse.Namespace, metadata: tuple[tuple[str, str], ...]) -> int:
+def ask(
+    stub: pb_grpc.ParameterServerStub,
+    args: argparse.Namespace,
+    metadata: tuple[tuple[str, str], ...],
+    settings: SpesConfig,
+) -> int:
     """Ask the server once, or every `--watch` seconds. A watch outlives a server that stops answering once it has
     answered (a restart, which the nodes ride out too): its line, then the next question; a refusal, or no answer
-    at the first question (a wrong address, port or flag), ends it with 1."""
+    at the first question (a wrong address, port or flag), ends it with 1. `settings`: the address and TLS files."""
     answered = False
     while True:
         try:
             reply = stub.Status(pb.StatusRequest(), timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as err:
-            line = refusal(args.addr, err, (args.tls_ca, args.tls_cert))
+            line = refusal(args.addr, err, (args.tls_ca, args.tls_cert), lambda: certificate_refusal(settings, CLIENT))
             if not (args.watch and answered and err.code() in TRANSIENT):
                 print(line, file=sys.stderr)
                 return 1

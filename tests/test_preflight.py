@@ -352,10 +352,13 @@ def test_a_certificate_for_another_peer_fails_the_server_check(
         assert rc == 1
         assert lines["server"].startswith("FAIL") and "PERMISSION_DENIED" in lines["server"]
         assert "common name peer-<peer_id>" in lines["server"]
-        # no client certificate: the client sees only `Socket closed`; the fix names the setting
+        # no client certificate: gRPC says only `Socket closed`; the probe's handshake says why, and the setting
         rc, lines = preflight(capsys, *node, *tls)
         assert rc == 1 and "UNAVAILABLE" in lines["server"]
-        assert "(mutual TLS) needs spes_config.tls_cert/tls_key signed by that CA" in lines["server"]
+        assert (
+            "the server requires a client certificate (mutual TLS): give this node spes_config.tls_cert/tls_key "
+            "signed by the server's --tls_client_ca (" in lines["server"]
+        )
         own = pki.issue("peer-0")
         rc, lines = preflight(
             capsys, *node, *tls, f"--spes_config.tls_cert={own['tls_cert']}", f"--spes_config.tls_key={own['tls_key']}"

@@ -118,17 +118,24 @@ def test_a_mutual_tls_server_refusing_the_client_certificate_is_blamed_on_the_tl
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A mutual-TLS server that refuses the client's certificate (or its lack of one) shows the client only
-    `Socket closed`: the line named the address, the firewall and --tls_ca, never --tls_cert."""
-    pki = write_pki(tmp_path)
+    `Socket closed`: the line named the address, the firewall and --tls_ca, never --tls_cert. Now a probe handshake,
+    which the server hangs up on, says which it is."""
+    (tmp_path / "run").mkdir(), (tmp_path / "other").mkdir()
+    pki, stranger = write_pki(tmp_path / "run"), write_pki(tmp_path / "other").client
+    fix = "give this client --tls_cert/--tls_key signed by the server's --tls_client_ca"
     with running_server(tiny_spec(), tls_client_ca=pki.ca, **pki.server) as (server, addr):
         named = f"localhost:{addr.split(':')[1]}"  # the host the server's certificate is for
-        assert main([named, "--tls_ca", pki.ca, "--timeout", "5"]) == 1
-        _, err = _said(capsys)
-        assert len(err) == 1 and err[0].startswith(f"error: {named}: UNAVAILABLE"), err
-        assert err[0].endswith(
-            "(over TLS, --tls_ca must be the CA that signed the server's certificate for the host in the address, "
-            "and a server started with --tls_client_ca (mutual TLS) needs --tls_cert/--tls_key signed by that CA)"
-        ), err
+        for flags, cause in (
+            ([], "the server requires a client certificate (mutual TLS)"),
+            (
+                ["--tls_cert", stranger["tls_cert"], "--tls_key", stranger["tls_key"]],
+                f"the server refused the client certificate {stranger['tls_cert']!r}",
+            ),
+        ):
+            assert main([named, "--tls_ca", pki.ca, "--timeout", "5", *flags]) == 1
+            _, err = _said(capsys)
+            assert len(err) == 1 and err[0].startswith(f"error: {named}: UNAVAILABLE"), err
+            assert err[0].endswith(f"Socket closed; {cause}: {fix}"), err
         cert = pki.client
         assert main([named, "--tls_ca", pki.ca, "--tls_cert", cert["tls_cert"], "--tls_key", cert["tls_key"]]) == 0
     out, err = _said(capsys)

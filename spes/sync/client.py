@@ -36,9 +36,10 @@ import grpc
 import torch
 
 from spes.config import SpesConfig
-from spes.sync.connection import Connection
+from spes.sync.connection import Connection, certificate_refusal
 from spes.sync.fragments import WHOLE
 from spes.sync.plane import Plane
+from spes.sync.plane_grpc import failure_of
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Manifest, Reason, SyncError, Tensors
 from spes.sync.retry import retrying, time_left
@@ -438,10 +439,18 @@ class SyncClient:
         deadline: float | None = None,
         recover: Callable[[SyncError], bool] | None = None,
     ) -> T:
-        """`spes.sync.retry.retrying` with this client's retries and round timeout."""
+        """`spes.sync.retry.retrying` with this client's retries and round timeout; a server refusing this client's
+        certificate, which gRPC reports as one going down, ends it at once (`certificate_refusal`)."""
+
+        def vetted(timeout: float) -> T:
+            try:
+                return attempt(timeout)
+            except grpc.RpcError as err:
+                raise failure_of(what, err, lambda: certificate_refusal(self.connection.settings)) from None
+
         return retrying(
             what,
-            attempt,
+            vetted,
             max_retries=self.max_retries,
             per_attempt_s=per_attempt_s,
             deadline=None if deadline is None else (deadline, self.round_timeout_s),

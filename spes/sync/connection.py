@@ -4,13 +4,16 @@ A `SyncClient` holds one `Connection`. It opens the channel (TLS when the settin
 call with the peer id, this process's session and the run's token, and after each Join keeps the presence stream
 open (`spes.sync.presence`) and picks the plane: the raw-TCP data plane (`spes.sync.plane_tcp`) at the port the
 server advertised, or gRPC (`spes.sync.plane_grpc`) when `data_plane` says so, no port is advertised or (`auto`) it
-does not answer. A data plane that fails mid-run is left for gRPC until the next Join finds it again.
+does not answer. A data plane that fails mid-run is left for gRPC until the next Join finds it again. A server that
+hangs up on the client's certificate (`certificate_refusal`) is told from one going down by a handshake of its own.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import socket
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -160,6 +163,78 @@ def tls_fix(
     )
 
 
+def host_port(addr: str) -> tuple[str, int]:
+    """The host (an IPv6 address without its brackets) and port of a HOST:PORT address."""
+    host, port = addr.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+CERTIFICATE_REFUSED = "hung up after the handshake"
+"""What `probe_handshake` says of a server that closed the connection before HTTP/2's first frame: gRPC's way of
+refusing a client certificate, checked after a TLS 1.3 handshake has completed on the client."""
+CERTIFICATE_ALERTS = frozenset(
+    {
+        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+        "TLSV1_ALERT_UNKNOWN_CA",
+        "SSLV3_ALERT_BAD_CERTIFICATE",
+        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+        "TLSV1_ALERT_ACCESS_DENIED",
+    }
+)
+"""The alerts (OpenSSL's reasons) with which other TLS servers (a proxy before the server) refuse a client
+certificate, or its lack of one."""
+NODE = ("this node", "spes_config.tls_cert/tls_key")
+"""The client and its certificate's settings, as a node's refused certificate's line names them."""
+
+
+def certificate_refusal(s: SpesConfig, names: tuple[str, str] = NODE) -> str | None:
+    """Whether the server at `s.server_addr` refuses the client certificate of `s` (or its lack of one): what that
+    means (`client_refusal` of `probe_handshake`), or None (no TLS; a server down or restarting). Asked when gRPC's
+    core said `Socket closed`, which was retried for the whole backoff (80 s) as a server down."""
+    if s.tls_ca is None and s.tls_cert is None:
+        return None
+    try:
+        context = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key)
+    except (ValueError, OSError):  # NOTE: files changed since the channel read them (which keeps its copy): no evidence
+        return None
+    assert context is not None
+    said = probe_handshake(s.server_addr, context, min(s.rpc_timeout_s, PROBE_TIMEOUT_S))
+    return client_refusal(said, s.tls_cert, names)
+
+
+def client_refusal(said: str | None, cert: str | None, names: tuple[str, str] = NODE) -> str | None:
+    """What the server's answer to `probe_handshake` means for a client holding certificate `cert` (None: none),
+    or None when it shows no refusal of it. `names`: the client and its certificate's settings."""
+    if said != CERTIFICATE_REFUSED and said not in CERTIFICATE_ALERTS:
+        return None
+    client, cert_name = names
+    fix = f"give {client} {cert_name} signed by the server's --tls_client_ca"
+    if cert is None:
+        return f"the server requires a client certificate (mutual TLS): {fix}"
+    return f"the server refused the client certificate {cert!r}: {fix}"
+
+
+def probe_handshake(addr: str, context: ssl.SSLContext, timeout: float) -> str | None:
+    """What the TLS server at `addr` (HOST:PORT) does after a handshake as gRPC's (TLS 1.3, ALPN h2) with `context`:
+    `CERTIFICATE_REFUSED` when it hangs up before sending a byte (an HTTP/2 server speaks first), the reason of a
+    TLS alert it sends, None when it answers or no handshake completes (a server down, or one going down: no
+    evidence). Why: gRPC's core says `Socket closed` of both a mutual-TLS refusal and a server that went away."""
+    host, port = host_port(addr)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3  # NOTE: with TLS 1.2 a refusal fails the handshake itself
+    context.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            with context.wrap_socket(raw, server_hostname=host) as tls:
+                try:
+                    return None if tls.recv(1) else CERTIFICATE_REFUSED
+                except (ssl.SSLEOFError, ConnectionResetError):
+                    return CERTIFICATE_REFUSED
+    except ssl.SSLError as exc:
+        return exc.reason if exc.reason in CERTIFICATE_ALERTS else None
+    except OSError:
+        return None
+
+
 def data_plane(
     s: SpesConfig,
     reply: pb.JoinReply,
@@ -179,7 +254,7 @@ def data_plane(
         )
     if s.data_plane == "grpc" or not reply.data_port:
         return None
-    host = s.server_addr.rsplit(":", 1)[0].strip("[]")
+    host, _ = host_port(s.server_addr)
     tcp = plane_tcp.TcpPlane(
         host,
         reply.data_port,

@@ -209,17 +209,26 @@ TLS_FAILURES = (
 mends one: retried as an unreachable server, a wrong CA took the whole backoff (80 s) to end a node."""
 
 
-def tls_cause(details: str) -> str | None:
+HUNG_UP = "Socket closed"
+"""What gRPC's core says of a connection the server closed: one going down, or a mutual-TLS server refusing this
+client's certificate (or its lack of one), which it ends without a word (no TLS alert)."""
+
+
+def tls_cause(details: str, refusal: Callable[[], str | None] | None = None) -> str | None:
     """What a refused TLS handshake means (`TLS_FAILURES`), from gRPC's details of an UNAVAILABLE error; None for
-    any other failure."""
-    return next((meaning for words, meaning in TLS_FAILURES if words in details), None)
+    any other failure. `refusal` tells a server that refused the client certificate from one going down, when the
+    server hung up (`HUNG_UP`): the meaning of the one, None for the other."""
+    cause = next((meaning for words, meaning in TLS_FAILURES if words in details), None)
+    if cause is None and refusal is not None and HUNG_UP in details:
+        return refusal()
+    return cause
 
 
-def failure_of(what: str, err: grpc.RpcError) -> SyncError:
-    """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed."""
+def failure_of(what: str, err: grpc.RpcError, refusal: Callable[[], str | None] | None = None) -> SyncError:
+    """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed (none mends a refused
+    TLS handshake: `tls_cause`, with `refusal`)."""
     details = err.details() or ""
-    cause = tls_cause(details)
-    if err.code() == grpc.StatusCode.UNAVAILABLE and cause is not None:
+    if err.code() == grpc.StatusCode.UNAVAILABLE and (cause := tls_cause(details, refusal)) is not None:
         return SyncError(f"{what} failed (UNAVAILABLE): {cause} ({details})", grpc.StatusCode.UNAVAILABLE)
     reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
     return classify(what, err.code(), details, reason)

@@ -139,9 +139,10 @@ def test_tls_and_mutual_tls(tmp_path: Path) -> None:
         with joined_clients(addr, spec, tls_ca=pki.ca, **pki.client) as clients:
             assert sync_all(clients, 1, uploads)[0][1].round == 1
         with make_client(addr, spec, 0, tls_ca=pki.ca, rpc_timeout_s=3, max_retries=0) as anonymous:
-            with pytest.raises(SyncError) as err:  # no client certificate: the handshake fails
+            with pytest.raises(SyncError) as err:  # no client certificate: the handshake fails, and says so
                 anonymous.status()
-            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE and not err.value.retryable
+            assert "the server requires a client certificate (mutual TLS)" in str(err.value)
 
 
 @pytest.mark.timeout(90)

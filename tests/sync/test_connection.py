@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+import ssl
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
+from spes.sync.connection import CERTIFICATE_REFUSED, client_refusal, probe_handshake
 from spes.sync.plane_grpc import failure_of
+from spes.sync.plane_tcp import client_tls
 from spes.sync.protocol import SyncError
 from sync_helpers import make_client, running_server, tiny_spec, write_pki
 
@@ -94,3 +102,149 @@ def test_each_tls_handshake_failure_is_named_and_not_retried(said: str, meaning:
     assert not failure.retryable and meaning in str(failure) and str(failure).endswith(f"({details})")
     down = failure_of("join", _Failed(grpc.StatusCode.UNAVAILABLE, "ipv4:127.0.0.1:1: Socket closed"))
     assert down.retryable and str(down) == "join failed (UNAVAILABLE): ipv4:127.0.0.1:1: Socket closed"
+
+
+@pytest.mark.timeout(60)
+def test_a_mutual_tls_server_refusing_the_client_certificate_ends_the_join_at_once(tmp_path: Path) -> None:
+    """gRPC's core says only `Socket closed` of a mutual-TLS server refusing a node's certificate, or its lack of
+    one: the join was retried as a server down for the whole backoff (80 s), then ended with the generic line. Now
+    a probe handshake sees the server hang up on it, and the join ends at once saying which setting to give."""
+    (tmp_path / "server").mkdir(), (tmp_path / "other").mkdir()
+    pki, other = write_pki(tmp_path / "server"), write_pki(tmp_path / "other")
+    stranger = other.client
+    with running_server(tiny_spec(), tls_client_ca=pki.ca, **pki.server) as (_, addr):
+        for cert, said in (
+            ({}, "the server requires a client certificate (mutual TLS): "),
+            (stranger, f"the server refused the client certificate {stranger['tls_cert']!r}: "),
+        ):
+            start = time.monotonic()
+            with make_client(addr, tiny_spec(), 0, tls_ca=pki.ca, **cert) as client, pytest.raises(SyncError) as err:
+                client.join()
+            assert time.monotonic() - start < 10
+            assert not err.value.retryable and err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert f"{said}give this node spes_config.tls_cert/tls_key signed by the server's --tls_client_ca (" in str(
+                err.value
+            )
+        with make_client(addr, tiny_spec(), 0, tls_ca=pki.ca, **pki.client) as client:
+            assert client.join() == -1
+
+
+@contextlib.contextmanager
+def _listening(serve: Callable[[socket.socket], None]) -> Iterator[int]:
+    """A loopback port whose every connection `serve` handles on a thread, until the block ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                conn, _ = listener.accept()
+                with conn, contextlib.suppress(OSError):
+                    conn.settimeout(5)
+                    serve(conn)
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def _hang_up_mid_handshake(conn: socket.socket) -> None:
+    conn.recv(4096)  # the ClientHello, then the server goes away
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_hangs_up_while_it_restarts_is_still_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server going down mid-handshake is also `Socket closed` to gRPC: the probe finds no completed handshake to
+    judge, and the join retries until the server, started again on that port, answers."""
+    pki = write_pki(tmp_path)
+    with _listening(_hang_up_mid_handshake) as port:
+        client = make_client(f"127.0.0.1:{port}", tiny_spec(), 0, tls_ca=pki.ca, rpc_timeout_s=5, max_retries=20)
+        joined: list[int] = []
+        thread = threading.Thread(target=lambda: joined.append(client.join()), daemon=True)
+        with caplog.at_level(logging.WARNING, "spes.client"):
+            thread.start()
+            deadline = time.monotonic() + 20
+            while "Socket closed); retry 2/" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.1)
+    assert "Socket closed); retry 2/" in caplog.text  # what a mutual-TLS refusal says too: probed, then retried
+    with client, running_server(tiny_spec(), port=port, **pki.server):
+        thread.join(40)
+        assert joined == [-1]
+
+
+def _require_a_certificate(pki_ca: str, server: dict[str, str]) -> Callable[[socket.socket], None]:
+    """A TLS server (not gRPC's) that refuses a client without a certificate with an alert, as a proxy does."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(server["tls_cert"], server["tls_key"])
+    context.load_verify_locations(pki_ca)
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.set_alpn_protocols(["h2"])
+
+    def serve(conn: socket.socket) -> None:
+        context.wrap_socket(conn, server_side=True).sendall(b"\0")
+
+    return serve
+
+
+@pytest.mark.timeout(60)
+def test_the_probe_tells_a_refused_client_certificate_from_every_other_server(tmp_path: Path) -> None:
+    """Only a completed handshake the server then hangs up on, or a certificate alert, is evidence; a server that
+    answers, a closed port or a hang-up mid-handshake (a server going down) is none."""
+    pki = write_pki(tmp_path)
+
+    def probe(port: int) -> str | None:
+        context = client_tls(pki.ca, None, None)
+        assert context is not None
+        return probe_handshake(f"localhost:{port}", context, 5)
+
+    with running_server(tiny_spec(), tls_client_ca=pki.ca, **pki.server) as (_, addr):
+        assert probe(int(addr.rsplit(":", 1)[1])) == CERTIFICATE_REFUSED
+    with running_server(tiny_spec(), **pki.server) as (_, addr):
+        port = int(addr.rsplit(":", 1)[1])
+        assert probe(port) is None
+    assert probe(port) is None  # stopped: nothing listens there
+    with _listening(_hang_up_mid_handshake) as port:
+        assert probe(port) is None
+    with _listening(_require_a_certificate(pki.ca, pki.server)) as port:
+        assert probe(port) == "TLSV13_ALERT_CERTIFICATE_REQUIRED"
+
+
+@pytest.mark.parametrize(
+    ("said", "cert", "line"),
+    [
+        (CERTIFICATE_REFUSED, None, "the server requires a client certificate (mutual TLS): give this node "
+         "spes_config.tls_cert/tls_key signed by the server's --tls_client_ca"),
+        ("TLSV13_ALERT_CERTIFICATE_REQUIRED", None, "the server requires a client certificate (mutual TLS): give "
+         "this node spes_config.tls_cert/tls_key signed by the server's --tls_client_ca"),
+        ("TLSV1_ALERT_UNKNOWN_CA", "a.crt", "the server refused the client certificate 'a.crt': give this node "
+         "spes_config.tls_cert/tls_key signed by the server's --tls_client_ca"),
+        (None, None, None),
+        ("UNEXPECTED_EOF_WHILE_READING", "a.crt", None),
+    ],
+)  # fmt: skip
+def test_what_the_probe_saw_is_a_refusal_only_of_the_client_certificate(
+    said: str | None, cert: str | None, line: str | None
+) -> None:
+    assert client_refusal(said, cert) == line
+
+
+def test_a_hang_up_is_asked_about_only_when_no_other_tls_failure_explains_it() -> None:
+    """`Socket closed` asks the probe (a refusal: not retried); any other failure never does."""
+    closed = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed"
+    refused = failure_of("join", _Failed(grpc.StatusCode.UNAVAILABLE, closed), lambda: "the server refused it")
+    assert not refused.retryable and str(refused) == f"join failed (UNAVAILABLE): the server refused it ({closed})"
+    assert failure_of("join", _Failed(grpc.StatusCode.UNAVAILABLE, closed), lambda: None).retryable
+
+    def unasked() -> str | None:
+        raise AssertionError("probed")
+
+    refused_port = "ipv4:127.0.0.1:1: Failed to connect to remote host: Connection refused"
+    assert failure_of("join", _Failed(grpc.StatusCode.UNAVAILABLE, refused_port), unasked).retryable
