@@ -39,7 +39,6 @@ from spes.config import SpesConfig
 from spes.sync.connection import Connection, certificate_refusal
 from spes.sync.fragments import WHOLE
 from spes.sync.plane import Plane
-from spes.sync.plane_grpc import failure_of
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Manifest, Reason, SyncError, Tensors
 from spes.sync.retry import retrying, time_left
@@ -441,20 +440,14 @@ class SyncClient:
     ) -> T:
         """`spes.sync.retry.retrying` with this client's retries and round timeout; a server refusing this client's
         certificate, which gRPC reports as one going down, ends it at once (`certificate_refusal`)."""
-
-        def vetted(timeout: float) -> T:
-            try:
-                return attempt(timeout)
-            except grpc.RpcError as err:
-                raise failure_of(what, err, lambda: certificate_refusal(self.connection.settings)) from None
-
         return retrying(
             what,
-            vetted,
+            attempt,
             max_retries=self.max_retries,
             per_attempt_s=per_attempt_s,
             deadline=None if deadline is None else (deadline, self.round_timeout_s),
             recover=recover,
+            refusal=lambda: certificate_refusal(self.connection.settings),
         )
 
     def _until(self, deadline: float) -> float:

@@ -55,12 +55,14 @@ def retrying(
     per_attempt_s: float | None = None,
     deadline: tuple[float, float] | None = None,
     recover: Callable[[SyncError], bool] | None = None,
+    refusal: Callable[[], str | None] | None = None,
 ) -> T:
     """Run `attempt(timeout)`; retry transient failures up to `max_retries` times with backoff before `deadline`
     (time.monotonic(), and the round timeout it stands for, for the message).
 
     `recover(failure)` may repair the cause of a non-transient failure and return True to try again at once (at
-    most MAX_RECOVERIES times). A gRPC error becomes a `SyncError` naming `what`.
+    most MAX_RECOVERIES times). A gRPC error becomes a `SyncError` naming `what` (`failure_of`, with `refusal`:
+    what a server that hung up meant, when it refused the client's certificate).
     """
     failures = recoveries = 0
     duplicate_since: float | None = None
@@ -71,7 +73,7 @@ def retrying(
         try:
             return attempt(timeout)
         except grpc.RpcError as err:
-            failure = failure_of(what, err)
+            failure = failure_of(what, err, refusal)
         except SyncError as err:
             failure = err
         if recover is not None and recoveries < MAX_RECOVERIES and recover(failure):
