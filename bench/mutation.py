@@ -358,8 +358,8 @@ EQUIVALENT: dict[str, str] = {
         "sets no BOS, and nothing of spes reads a BOS id)",
     ),
     **mutants(
-        "spes.upcycle.x_upcycle",
-        "40",
+        "spes.upcycle.x_check_dense_tokenizer",
+        "3",
         "the tokenizer check's embedding size: ModelConfig refuses embedding_size < vocab_size itself",
     ),
     **mutants(
