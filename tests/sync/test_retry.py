@@ -111,15 +111,28 @@ def test_a_grpc_error_is_named_and_classified(monkeypatch: pytest.MonkeyPatch) -
         def code(self) -> grpc.StatusCode:
             return grpc.StatusCode.UNAVAILABLE
 
-        def details(self) -> str:
-            return "socket closed"
-
         def trailing_metadata(self) -> tuple:
             return ()
 
+        def details(self) -> str:
+            return "Socket closed"
+
     with pytest.raises(SyncError) as err:
         retrying("status", failing([Unavailable()] * 2), max_retries=1)
-    assert str(err.value) == "status failed (UNAVAILABLE): socket closed" and err.value.retryable
+    assert str(err.value) == "status failed (UNAVAILABLE): Socket closed" and err.value.retryable
+    asked = []
+
+    def refusal() -> str:
+        asked.append("refusal")
+        return "the server refused this client's certificate"
+
+    with pytest.raises(SyncError) as err:  # the server hung up: what that meant is asked, and it ends at once
+        retrying("join", failing([Unavailable()] * 2), max_retries=1, refusal=refusal)
+    assert (
+        str(err.value) == ("join failed (UNAVAILABLE): the server refused this client's certificate (Socket closed)")
+        and not err.value.retryable
+    )
+    assert asked == ["refusal"]
 
 
 def test_each_attempt_gets_the_per_attempt_timeout_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
