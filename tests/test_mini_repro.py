@@ -168,21 +168,17 @@ def test_mini_repro_codecs_name_an_arm_per_codec_and_schedule_and_count_bits(tmp
     assert arm["bits_per_param"] == {"mean": 8 * 2**21 / 1000, "last": 8 * 2**21 / 1000}
 
 
+def _run_quick(name: str, tmp_path: Path, corpus: Corpus, *flags: str, timeout: float) -> tuple[dict, str]:
+    """`bench/<name>.py --quick` on the test corpus, its runs and rendered docs under `tmp_path`: its JSON and
+    stdout."""
+    folders = ["--runs", str(tmp_path / "runs"), "--docs", str(tmp_path / "docs")]
+    return run_bench(name, tmp_path, *folders, *corpus_flags(corpus), *flags, timeout=timeout)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
-    results, stdout = run_bench(
-        "mini_repro",
-        tmp_path,
-        "--runs",
-        str(tmp_path / "runs"),
-        "--docs",
-        str(tmp_path / "docs"),
-        *corpus_flags(tiny_corpus),
-        "--seed",
-        "7",
-        timeout=580,
-    )
+    results, stdout = _run_quick("mini_repro", tmp_path, tiny_corpus, "--seed", "7", timeout=580)
     assert (tmp_path / "docs" / "mini_repro.png").stat().st_size > 0
     report = (tmp_path / "docs" / "mini_repro.md").read_text()
     assert "| SPES (4 peers) |" in report and "## Seeds" in report and "\n| 7 | " in report
@@ -208,16 +204,7 @@ def test_mini_repro_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_mini_repro_memory_quick(tmp_path: Path, tiny_corpus: Corpus) -> None:
-    results, stdout = run_bench(
-        "mini_repro_memory",
-        tmp_path,
-        "--runs",
-        str(tmp_path / "runs"),
-        "--docs",
-        str(tmp_path / "docs"),
-        *corpus_flags(tiny_corpus),
-        timeout=880,
-    )
+    results, stdout = _run_quick("mini_repro_memory", tmp_path, tiny_corpus, timeout=880)
     sizes = results["sizes"]
     budget = sizes["budget"]["total"]
     # measured: the SPES node at the large size fits the budget, the next size up and DiLoCo at the large size do not

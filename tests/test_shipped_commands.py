@@ -17,6 +17,7 @@ test suite's own command is CI's). What the tests here prove:
   data of a 1B run, fail on this machine.)
 - Commands mapped in ELSEWHERE are only linked to a test that runs the same script or module, not always with
   the same arguments (e.g. the README's 1B `spes.train` line: tests/test_train.py trains configs/tiny.yaml).
+- The GPU tests' command (`pytest -m gpu`) is run as written, collecting only: it selects every file's GPU tests.
 - A launch command (`python -m spes.launch CONFIG`) runs as written for one step per peer on the test corpus and
   ends with its summary (configs/tiny.yaml's is the session's longer quickstart run, conftest.quickstart_run);
   configs/upcycle_tiny.yaml's three commands (random dense model, upcycling, launch) run in order, so its launch
@@ -65,9 +66,11 @@ ELSEWHERE = {
     "tensorboard --logdir": ("tests/test_tracking.py", "tensorboard"),
     "run_cluster.sh": ("tests/test_cluster.py", "run_cluster.sh"),
     "-m spes.status ": ("tests/test_status_cli.py", '"spes.status"'),
+    "bench/mutation.py": ("tests/test_mutation.py", "mutation.main("),
+    "SPES_RECORD_LOSS_CURVE=1 ": ("tests/test_loss_curve.py", 'os.environ.get("SPES_RECORD_LOSS_CURVE")'),
 }
 """Commands run by another test: a fragment of the command -> the test file that runs it and what it calls."""
-DOCS = ("README.md", "docs/migrating.md", "docs/running.md", "docs/architecture.md")
+DOCS = ("README.md", "docs/migrating.md", "docs/running.md", "docs/architecture.md", "docs/testing.md")
 """The documents whose ```bash blocks hold commands a user runs."""
 NOT_SPES = ("openssl ", "pip install", "import secrets", "wandb sync ", "iptables ")
 """Commands of other tools, shown for the user's setup (certificates, a token, optional extras, a firewall)."""
@@ -100,7 +103,7 @@ def written_commands() -> list[tuple[str, str]]:
 
 
 def kind(command: str) -> str:
-    for name in ("run_parameter_server.sh", "run_single_node.sh", "-m spes.launch "):
+    for name in ("run_parameter_server.sh", "run_single_node.sh", "-m spes.launch ", "-m pytest -m gpu "):
         if name in command + " ":
             return name
     fragment = next((f for f in ELSEWHERE if f in command), None)
@@ -423,6 +426,22 @@ def test_the_upcycle_tiny_header_runs_in_order(scratch: Path, tiny_corpus) -> No
     for peer in range(cfg.num_peers):
         trained = load_model_state(run / f"node{peer}" / "step2")
         assert not torch.equal(trained["blocks.0.ffn.experts.w1.0"], start["blocks.0.ffn.experts.w1.0"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("command", of_kind("-m pytest -m gpu "))
+def test_the_gpu_test_command_selects_the_gpu_tests_and_no_other(command: str) -> None:
+    """Run as written but only collecting (this machine may have no CUDA to run them on): it selects the tests of
+    every file holding a test marked `gpu`, and nothing from any other file."""
+    proc = run_python(command, REPO, "--collect-only", timeout=200)
+    selected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line}
+    marked = {
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "tests").rglob("test_*.py")
+        if re.search(r"\bpytest\.mark\.gpu\b", p.read_text())
+    }
+    assert marked and selected == marked, proc.stdout[-3000:]
 
 
 SCRIPTS = sorted(
