@@ -204,7 +204,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.failures.x_report",
-        "38 41 42",
+        "59 62 63",
         "flushing the error line: Python's sys.stderr is line-buffered, and the line ends with its newline",
     ),
     **mutants(
