@@ -345,7 +345,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.hf.x_model_config_from_hf", "26", "bool(None) is bool(False)"),
     **mutants(
         "spes.hf.x_read_hf_config",
-        "30 32 34",
+        "40 42 44",
         "local_files_only for a local directory: transformers reads its config.json there, never the network",
     ),
     **mutants("spes.hf.x_run_config_for", "27", "TokenizerConfig() is the field's default"),
