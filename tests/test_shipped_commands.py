@@ -22,6 +22,12 @@ test suite's own command is CI's). What the tests here prove:
   ends with its summary (configs/tiny.yaml's is the session's longer quickstart run, conftest.quickstart_run);
   configs/upcycle_tiny.yaml's three commands (random dense model, upcycling, launch) run in order, so its launch
   starts from the checkpoint the upcycling wrote, and trains two rounds away from it.
+- A benchmark command (`bench/X.py ...`, docs/benchmarks.md's list among them) gives only flags X parses; its run is
+  tests/test_bench.py's `--quick` one (ELSEWHERE). A `bench/report.py` command runs as written with `--check`: every
+  document is as its records render it.
+- The device scripts (`bench/prepare_gpu.sh` here, `bench/run_gpu.sh` and `bench/run_wan_cores.sh` on the lent
+  machine) run as written with a `python` that only logs what it would run: the wheels' pins are this machine's, the
+  commit file is the benchmarks' commit, and each benchmark's flags are its own, its record under the device's $OUT.
 """
 
 from __future__ import annotations
