@@ -22,11 +22,20 @@ test suite's own command is CI's). What the tests here prove:
   ends with its summary (configs/tiny.yaml's is the session's longer quickstart run, conftest.quickstart_run);
   configs/upcycle_tiny.yaml's three commands (random dense model, upcycling, launch) run in order, so its launch
   starts from the checkpoint the upcycling wrote, and trains two rounds away from it.
+- A benchmark command (`bench/X.py ...`, docs/benchmarks.md's list among them) gives only flags X parses; its run is
+  tests/test_bench.py's `--quick` one (ELSEWHERE). A `bench/report.py` command runs as written with `--check`: every
+  document is as its records render it.
+- The device scripts (`bench/prepare_gpu.sh` here, `bench/run_gpu.sh` and `bench/run_wan_cores.sh` on the lent
+  machine) run as written with a `python` that only logs what it would run: the wheels' pins are this machine's, the
+  commit file is the benchmarks' commit, and each benchmark's flags are its own, its record under the device's $OUT.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib
+import importlib.metadata
 import json
 import re
 import shlex
@@ -35,6 +44,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -68,9 +78,28 @@ ELSEWHERE = {
     "-m spes.status ": ("tests/test_status_cli.py", '"spes.status"'),
     "bench/mutation.py": ("tests/test_mutation.py", "mutation.main("),
     "SPES_RECORD_LOSS_CURVE=1 ": ("tests/test_loss_curve.py", 'os.environ.get("SPES_RECORD_LOSS_CURVE")'),
+    "run_scripts/lint.sh": (".ci/run", "bash run_scripts/lint.sh"),
+    "bench/bench_soak.py": ("tests/faults/test_soak.py", '"bench_soak.py"'),
+    "bench/bench_overlap.py": ("tests/test_bench.py", '"bench_overlap",'),
+    "bench/mini_repro.py": ("tests/test_mini_repro.py", '_run_quick("mini_repro",'),
+    "bench/mini_repro_memory.py": ("tests/test_mini_repro.py", '_run_quick("mini_repro_memory",'),
+    # its quick run installs a fresh clone from the package registry: only its timing of the stages is tested
+    "bench/bench_quickstart.py": ("tests/test_bench.py", "from bench_quickstart import timed_stages"),
+    **{
+        f"bench/{name}.py": ("tests/test_bench.py", f'run_bench("{name}"')
+        for name in ("bench_aggregate", "bench_codec", "bench_fused_loss", "bench_memory", "bench_server_memory")
+        + ("bench_sync", "bench_train", "bench_wan", "bench_wire")
+    },
 }
 """Commands run by another test: a fragment of the command -> the test file that runs it and what it calls."""
-DOCS = ("README.md", "docs/migrating.md", "docs/running.md", "docs/architecture.md", "docs/testing.md")
+DOCS = (
+    "README.md",
+    "docs/migrating.md",
+    "docs/running.md",
+    "docs/architecture.md",
+    "docs/testing.md",
+    "docs/benchmarks.md",
+)
 """The documents whose ```bash blocks hold commands a user runs."""
 NOT_SPES = ("openssl ", "pip install", "import secrets", "wandb sync ", "iptables ")
 """Commands of other tools, shown for the user's setup (certificates, a token, optional extras, a firewall)."""
@@ -102,8 +131,13 @@ def written_commands() -> list[tuple[str, str]]:
     return sorted(set(found))
 
 
+RUN_HERE = ("run_parameter_server.sh", "run_single_node.sh", "-m spes.launch ", "-m pytest -m gpu ")
+DEVICE_SCRIPTS = ("bench/prepare_gpu.sh", "bench/run_gpu.sh", "bench/run_wan_cores.sh")
+"""The scripts a session with a lent GPU runs: the first here, the others on the device."""
+
+
 def kind(command: str) -> str:
-    for name in ("run_parameter_server.sh", "run_single_node.sh", "-m spes.launch ", "-m pytest -m gpu "):
+    for name in (*RUN_HERE, *DEVICE_SCRIPTS, "bench/report.py"):
         if name in command + " ":
             return name
     fragment = next((f for f in ELSEWHERE if f in command), None)
@@ -125,7 +159,7 @@ def test_every_written_command_is_exercised() -> None:
     assert not unknown, "commands no test runs (add them to a test here or to ELSEWHERE):\n" + "\n".join(unknown)
     for test, call in ELSEWHERE.values():
         assert call in (REPO / test).read_text(), f"{test} does not run {call}"
-    assert of_kind("run_parameter_server.sh") and of_kind("run_single_node.sh") and of_kind("-m spes.launch ")
+    assert all(of_kind(name) for name in (*RUN_HERE, *DEVICE_SCRIPTS, "bench/report.py"))
 
 
 def test_the_written_python_commands_run_the_interpreter_the_quickstart_installs() -> None:
@@ -473,3 +507,125 @@ def test_every_script_answers_help_and_does_nothing_else(script: str, tmp_path: 
     expected = DELEGATED_HELP.get(script, f"{script} ")  # a line of the header showing how to run it
     assert proc.returncode == 0 and expected in proc.stdout, proc.stdout + proc.stderr
     assert not list(tmp_path.iterdir()), "it wrote files"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Benchmarks: their written flags, the report, the device scripts
+
+
+class Parsed(Exception):
+    """Raised with a benchmark's parsed arguments, before it runs anything."""
+
+
+def parsed(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
+    """`argv` as `bench/<script>` parses it, without running it (every benchmark parses its arguments first; the
+    smoke tests run it with `--quick`, not with the flags the docs write)."""
+    monkeypatch.syspath_prepend(REPO / "bench")
+    module = importlib.import_module(Path(script).stem)
+    parse = argparse.ArgumentParser.parse_args
+
+    def stop(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        raise Parsed(parse(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    try:
+        module.main(argv)
+    except Parsed as done:
+        return done.args[0]
+    except SystemExit as exc:
+        raise AssertionError(f"{script} refused {shlex.join(argv)} (exit {exc.code})") from None
+    raise AssertionError(f"{script} parsed no arguments")
+
+
+BENCH_SCRIPT = re.compile(r"(?:^|\s)bench/(\w+\.py)(?:\s|$)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", sorted({c for _, c in COMMANDS if BENCH_SCRIPT.search(c)}))
+def test_written_benchmark_flags_are_the_benchmarks_own(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    words = shlex.split(command)
+    script = next(w for w in words if BENCH_SCRIPT.fullmatch(w))
+    parsed(script, words[words.index(script) + 1 :], monkeypatch)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", of_kind("bench/report.py"))
+def test_written_report_commands_find_every_document_as_its_records_render_it(command: str) -> None:
+    """Run as written with `--check` appended (as written, a stale document would be rewritten in the checkout)."""
+    words = shlex.split(command)
+    proc = subprocess.run(
+        [sys.executable, *words[1:], "--check"], cwd=REPO, capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def stub_python(directory: Path) -> tuple[Path, Path]:
+    """A `python` that runs `-c` code with this interpreter and only logs any other call (a pip download or install,
+    the GPU tests, a benchmark): its path, and the log's, one line of tab-separated arguments per call."""
+    stub, log = directory / "python", directory / "calls.tsv"
+    stub.write_text(
+        "#!/usr/bin/env bash\n"
+        f'[ "$1" = -c ] && exec {shlex.quote(sys.executable)} "$@"\n'
+        f'printf "%s\\t" "$@" >> {shlex.quote(str(log))}; echo >> {shlex.quote(str(log))}\n'
+    )
+    stub.chmod(0o755)
+    return stub, log
+
+
+def calls(log: Path) -> list[list[str]]:
+    return [line.removesuffix("\t").split("\t") for line in log.read_text().splitlines()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", of_kind("bench/run_gpu.sh") + of_kind("bench/run_wan_cores.sh"))
+def test_written_device_commands_run_their_benchmark_with_its_own_flags(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run as written, with a python that only logs what it is asked to run (this machine has no GPU): the
+    benchmark's arguments are ones it takes and its record goes to the device's $OUT, which the session gets back; a
+    flag the benchmark renamed would otherwise fail on the lent GPU, whose time is short."""
+    stub, log = stub_python(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(
+        ["bash", "-c", command],
+        cwd=REPO,
+        env=child_env(PYTHON=str(stub), OUT=str(out)),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (bench,) = [argv for argv in calls(log) if BENCH_SCRIPT.fullmatch(argv[0])]
+    args = parsed(bench[0], bench[1:], monkeypatch)
+    assert args.out.parent == out and list(out.glob("*.log")), (bench, sorted(out.iterdir()))
+    if "run_gpu.sh" in command:
+        assert any(argv[:4] == ["-m", "pytest", "-m", "gpu"] for argv in calls(log)), calls(log)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", of_kind("bench/prepare_gpu.sh"))
+def test_written_gpu_preparation_downloads_this_machines_pins_and_names_the_commit(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run as written from a copy of the checkout's bench/ (it writes .whl/ beside it), with a python that only
+    logs its pip downloads: one per wheel, for the device's CPython 3.12, pinned to this machine's versions (the
+    generated gRPC code needs them), and .whl/COMMIT the commit every record of the device run will name."""
+    (tmp_path / "bench").mkdir()
+    for path in (REPO / "bench").iterdir():
+        (tmp_path / "bench" / path.name).symlink_to(path)
+    stub, log = stub_python(tmp_path)
+    env = {k: v for k, v in child_env(PYTHON=str(stub)).items() if k != "SPES_COMMIT"}
+    proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0 and "bash bench/run_gpu.sh" in proc.stdout, proc.stdout + proc.stderr
+    downloads = calls(log)
+    assert downloads and all(argv[:3] == ["-m", "pip", "download"] for argv in downloads), downloads
+    for argv in downloads:
+        assert argv[argv.index("--python-version") + 1] == "3.12" and argv[argv.index("-d") + 1] == ".whl", argv
+        name, _, version = argv[-1].partition("==")
+        assert name == "liger-kernel" or version == importlib.metadata.version(name), argv
+    monkeypatch.delenv("SPES_COMMIT", raising=False)
+    monkeypatch.syspath_prepend(REPO / "bench")
+    from common import git_commit
+
+    assert (tmp_path / ".whl" / "COMMIT").read_text().strip() == git_commit()
