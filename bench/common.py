@@ -46,7 +46,7 @@ class BenchParser(argparse.ArgumentParser):
     so it never overwrites the CPU's."""
 
     def __init__(self, name: str, **kwargs: Any) -> None:
-        super().__init__(prog=f"bench/{name}.py", **kwargs)
+        super().__init__(prog=f"bench/{name}.py", allow_abbrev=False, **kwargs)  # a written flag is the flag itself
         self.bench_name = name
 
     def parse_known_args(  # type: ignore[override]  # one signature for typeshed's overloads

@@ -31,41 +31,42 @@ from here."""
 
 COMMANDS = {
     "bench_gpu": "bash bench/prepare_gpu.sh, then bash bench/run_gpu.sh on a GPU",
-    "bench_fused_loss_gpu": "python bench/bench_fused_loss.py --device cuda",
-    "bench_quickstart": "python bench/bench_quickstart.py",
-    "bench_codec": "python bench/bench_codec.py",
-    "mini_repro_codecs": "python bench/mini_repro.py --codecs int8 bf16 sparse",
-    "mini_repro_codecs_seed7": "python bench/mini_repro.py --codecs bf16 sparse --seed 7",
-    "mini_repro_codecs_diloco": "python bench/mini_repro.py --codecs sparse --dilico",
-    "bench_wire_sparse": "python bench/bench_wire.py",
+    "bench_fused_loss_gpu": ".venv/bin/python bench/bench_fused_loss.py --device cuda",
+    "bench_quickstart": ".venv/bin/python bench/bench_quickstart.py",
+    "bench_codec": ".venv/bin/python bench/bench_codec.py",
+    "mini_repro_codecs": ".venv/bin/python bench/mini_repro.py --codecs int8 bf16 sparse",
+    "mini_repro_codecs_seed7": ".venv/bin/python bench/mini_repro.py --codecs bf16 sparse --seed 7",
+    "mini_repro_codecs_diloco": ".venv/bin/python bench/mini_repro.py --codecs sparse --dilico",
+    "bench_wire_sparse": ".venv/bin/python bench/bench_wire.py",
     "bench_overlap_f5_same_shape": (
-        "python bench/bench_overlap.py --shape mini_repro --fragments 5 --codecs fp32 int8 --repeats 2 --steps 200 "
-        "--out bench/results/bench_overlap_f5_same_shape.json"
+        ".venv/bin/python bench/bench_overlap.py --shape mini_repro --fragments 5 --codecs fp32 int8 --repeats 2 "
+        "--steps 200 --out bench/results/bench_overlap_f5_same_shape.json"
     ),
     "mini_repro_codecs_f5": (
-        "python bench/mini_repro.py --codecs bf16 --overlap --overlap_fragments 5 --only spes_overlap_d2_f5 "
+        ".venv/bin/python bench/mini_repro.py --codecs bf16 --overlap --overlap_fragments 5 --only spes_overlap_d2_f5 "
         "codec_bf16 --runs bench/results/mini_repro_codecs_f5 --out bench/results/mini_repro_codecs_f5.json"
     ),
     "mini_repro_codecs_f5_seed7": (
-        "python bench/mini_repro.py --codecs bf16 --overlap --overlap_fragments 5 --only spes_overlap_d2_f5 "
+        ".venv/bin/python bench/mini_repro.py --codecs bf16 --overlap --overlap_fragments 5 --only spes_overlap_d2_f5 "
         "codec_bf16 --seed 7 --runs bench/results/mini_repro_codecs_f5_seed7 "
         "--out bench/results/mini_repro_codecs_f5_seed7.json"
     ),
     "mini_repro_codecs_f5_held": (
-        "python bench/mini_repro.py --codecs int8 sparse --overlap --overlap_fragments 5 --only "
+        ".venv/bin/python bench/mini_repro.py --codecs int8 sparse --overlap --overlap_fragments 5 --only "
         "codec_int8_spes_overlap_d2_f5 codec_sparse_spes_overlap_d2_f5 --runs bench/results/mini_repro_codecs_f5_held "
         "--out bench/results/mini_repro_codecs_f5_held.json"
     ),
     "mini_repro_codecs_f5_held_seed7": (
-        "python bench/mini_repro.py --codecs int8 sparse --overlap --overlap_fragments 5 --only "
+        ".venv/bin/python bench/mini_repro.py --codecs int8 sparse --overlap --overlap_fragments 5 --only "
         "codec_int8_spes_overlap_d2_f5 --seed 7 --runs bench/results/mini_repro_codecs_f5_held_seed7 "
         "--out bench/results/mini_repro_codecs_f5_held_seed7.json"
     ),
     "bench_wan_codecs": (
-        "python bench/bench_wan.py --wires bf16 int8 sparse --planes tcp --out bench/results/bench_wan_codecs.json"
+        ".venv/bin/python bench/bench_wan.py --wires bf16 int8 sparse --planes tcp "
+        "--out bench/results/bench_wan_codecs.json"
     ),
     "wan_sparse_phases": (
-        "python bench/bench_wan.py --speeds 1000 100 20 --wires sparse --planes tcp --rounds 3 "
+        ".venv/bin/python bench/bench_wan.py --speeds 1000 100 20 --wires sparse --planes tcp --rounds 3 "
         "--out bench/results/wan_sparse_phases.json"
     ),
 }

@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(difflib.unified_diff(old, new, str(path), "rendered", lineterm="", n=1)))
         if stale:
             print(
-                f"error: {len(stale)} document(s) differ from the records: run python bench/report.py", file=sys.stderr
+                f"error: {len(stale)} document(s) differ from the records: run .venv/bin/python bench/report.py",
+                file=sys.stderr,
             )
         return 1 if stale else 0
     for path in stale:

@@ -98,7 +98,7 @@ def test_figures_are_filled_from_record_paths_and_a_missing_record_says_how_to_m
     assert render_text(text, Records(tmp_path)) == (
         "<!--f:bench_x/bytes|mib:.1f-->3.0<!--/f--> MiB, <!--f:bench_x/runs/0/ratio:.0%-->50%<!--/f-->; "
         "<!--f:mini_repro_codecs_seed7/arms/spes/final_val_loss-->not measured yet "
-        "(run: `python bench/mini_repro.py --codecs bf16 sparse --seed 7`)<!--/f-->"
+        "(run: `.venv/bin/python bench/mini_repro.py --codecs bf16 sparse --seed 7`)<!--/f-->"
     )
     # a named figure and a block whose record is missing say the same
     assert "not measured yet (run: `the benchmark that writes bench/results/bench_sync.json`)" in render_text(
