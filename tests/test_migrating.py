@@ -398,6 +398,7 @@ def test_time_limit_saves_and_stops_and_dry_run_trains_nothing(tiny_corpus, tmp_
     assert not (tmp_path / "dry").exists()
 
 
+@pytest.mark.timeout(300)  # NOTE: each evaluators check runs lm-eval's task index in a process: 40 s each under load
 def test_a_dry_run_checks_what_a_start_checks_and_writes_nothing(  # type: ignore[no-untyped-def]
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
