@@ -12,6 +12,7 @@ the same `python -m spes.server` given the same YAML and overrides (so its `serv
 `-- --server.merge_interval=20`). At the end it prints a summary table and exits 0 with every child gone; if
 any process fails, the others are stopped and the exit code is non-zero. Ctrl-C or SIGTERM stops the peers (each
 saves a checkpoint of its last step), then the server (it persists its state), and exits 130: `--resume` continues.
+Another signal while they stop (`ECHO_S` or more after the first) kills them all at once, without saving.
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ from typing import Any
 
 from spes.cli import DefaultsHelpFormatter
 from spes.config import CODECS, TrainConfig, load_config, run_data_seed
+from spes.interrupt import ECHO_S
 from spes.schema import ConfigError, number_flag
 
 STOP_GRACE_S = 10.0
 """How long a stopped peer (then the server) has to save and exit before it is killed."""
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -126,13 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         code = _wait(procs, followed, shown, args.timeout)
     except KeyboardInterrupt:
-        print(
-            "interrupted: the peers save a checkpoint and stop, then the server; continue with --resume",
-            file=sys.stderr,
-        )
+        print("interrupted: the peers save a checkpoint and stop, then the server", file=sys.stderr)
         code = 130
     finally:
         _stop_all(procs)
+    if code == 130:
+        print(how_to_continue(out), file=sys.stderr)
     if code != 0:
         return code
     summary = summarize(out, cfg.num_peers, time.time() - started)
@@ -229,6 +232,13 @@ def previous_run(out: Path) -> str:
     return f"the checkpoints of {', '.join(nodes)}" if nodes else ""
 
 
+def how_to_continue(out: Path) -> str:
+    """What an interrupted start left in `out`, and the command that follows on from it."""
+    if previous_run(out):
+        return "continue with --resume (quickstart: RESUME=1), given the same overrides after `--`"
+    return f"nothing was saved yet in {out}: start the run again without --resume"  # NOTE: --resume is refused
+
+
 def held_run_id(out: Path) -> str:
     """The id of the run whose server state `out` holds ('' for none)."""
     state = out / "server_state" / "run.json"
@@ -237,12 +247,20 @@ def held_run_id(out: Path) -> str:
 
 def sigterm_as_interrupt() -> None:
     """Handle SIGTERM as Ctrl-C, so `finally` blocks stop the children of a process killed by a scheduler or
-    `kill`. Children started in their own sessions (as here) would otherwise keep running."""
+    `kill`. Children started in their own sessions (as here) would otherwise keep running. As on a node, a second
+    signal within `ECHO_S` of the first is the same request (a scheduler signalling every process, a key pressed
+    twice); a later one interrupts again, which `_stop_all` takes as "stop at once, without saving"."""
+    first: list[float] = []
 
     def interrupt(signum: int, frame: object) -> None:
+        now = time.monotonic()
+        if first and now - first[0] < ECHO_S:
+            return
+        first[:] = first or [now]
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
+    for sig in SIGNALS:
+        signal.signal(sig, interrupt)
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], resume: bool) -> subprocess.Popen:
@@ -302,20 +320,38 @@ def _echo_new(path: Path, offset: int) -> int:
 def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
     """SIGTERM the peers first (each saves a checkpoint at its next step and exits; one waiting for a round stops
     waiting and keeps it in that checkpoint), then the server (it persists its state); SIGKILL what is left after
-    `STOP_GRACE_S`."""
+    `STOP_GRACE_S`, or at once on another interrupt (a second Ctrl-C must neither leave children running nor end
+    in a traceback)."""
     peers = [p for k, p in procs.items() if k != "server"]
     server = [p for k, p in procs.items() if k == "server"]
-    for group in (peers, server):
-        for p in group:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for p in group:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    try:
+        for group in (peers, server):
+            for p in group:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for p in group:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _kill(p)
+    except KeyboardInterrupt:
+        for sig in SIGNALS:  # NOTE: what is left takes a moment to kill; a third signal would leave it running
+            signal.signal(sig, signal.SIG_IGN)
+        print(
+            "error: interrupted while stopping: the server and the peers are killed without saving; --resume "
+            "continues from each peer's last checkpoint and the server's last round",
+            file=sys.stderr,
+        )
+        for p in procs.values():
+            _kill(p)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`'s process group (its session: torchrun's ranks, a server's threads) and reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def summarize(out: Path, peers: int, seconds: float) -> dict[str, Any]:

@@ -283,7 +283,8 @@ class Node:
 
 def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> Node:
     """Data (checked first: a wrong path or vocabulary fails in seconds) -> model on meta -> weights ->
-    parallelize -> optimizer -> checkpoint (either kind, any rank count).
+    parallelize -> optimizer -> checkpoint (either kind, any rank count), its data position checked against this
+    data: a resume over other data is refused before the node joins a server.
 
     Under FSDP2 the model is sharded while still on meta and each rank allocates only its shards.
     """
@@ -330,6 +331,8 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         model = parallelize(model, cfg, info)
     optimizer = build_optimizer(model, cfg.optimizer)
     ckpt = _load(cfg, load_path, continuing, model, optimizer, log)
+    if ckpt is not None and "data" in ckpt.trainer:  # NOTE: refused here, not after a join (or its minutes of retries)
+        loader.load_state_dict(ckpt.trainer["data"])
     if ckpt is not None and continuing and not cfg.dry_run:
         _name_latest(Path(cfg.save_folder), ckpt.path, info.is_main, log)
     return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)

@@ -7,15 +7,28 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 
+import spes.launch
 from conftest import LaunchedRun, usage_error
 from spes.config import CODECS
-from spes.launch import _wait, load_run, parse_args, resume_flags
+from spes.launch import (
+    SIGNALS,
+    _stop_all,
+    _wait,
+    how_to_continue,
+    load_run,
+    parse_args,
+    resume_flags,
+    sigterm_as_interrupt,
+)
 from spes.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,6 +139,75 @@ def test_a_run_past_its_timeout_says_what_was_kept_and_how_to_continue(
     ]
 
 
+@pytest.fixture
+def launcher_signals() -> Iterator[None]:
+    """The test process's own SIGINT and SIGTERM handlers, put back after a test installs the launcher's."""
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def interrupts(sig: signal.Signals) -> bool:
+    """Whether signalling this process raised KeyboardInterrupt: a result to assert on, not the session's end."""
+    try:
+        os.kill(os.getpid(), sig)
+        time.sleep(0.01)  # NOTE: the handler runs at the main thread's next bytecode
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def test_the_launcher_takes_a_signal_soon_after_the_first_for_the_same_request(
+    launcher_signals: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a node does: a scheduler signalling every process, or a key pressed twice, is one request to stop."""
+    sigterm_as_interrupt()
+    assert interrupts(signal.SIGTERM)
+    assert not interrupts(signal.SIGINT)
+    monkeypatch.setattr(spes.launch, "ECHO_S", 0.0)
+    assert interrupts(signal.SIGINT)
+
+
+def test_an_interrupt_while_stopping_kills_every_child_at_once_and_ends_without_a_traceback(
+    launcher_signals: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second Ctrl-C while the peers saved ended spes.launch in a KeyboardInterrupt traceback and left the server
+    (its own session) running, holding its state directory against the --resume it told the user to run."""
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    procs = {
+        name: subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE, start_new_session=True)
+        for name in ("server", "peer0")
+    }
+    for proc in procs.values():
+        assert proc.stdout is not None and proc.stdout.readline() == b"\n"  # SIGTERM is ignored from here on
+    sigterm_as_interrupt()
+    again = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.monotonic()
+    again.start()
+    try:
+        _stop_all(procs)
+        escaped = False
+    except KeyboardInterrupt:
+        escaped = True
+    finally:
+        again.cancel()
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    assert not escaped
+    assert time.monotonic() - started < spes.launch.STOP_GRACE_S / 2
+    assert [proc.returncode for proc in procs.values()] == [-signal.SIGKILL] * 2
+    assert capsys.readouterr().err.startswith("error: interrupted while stopping: the server and the peers are killed")
+
+
+def test_an_interrupted_start_says_how_to_continue_from_what_it_saved(tmp_path: Path) -> None:
+    """It said "continue with --resume" even when stopped before any save, and --resume was then refused."""
+    assert how_to_continue(tmp_path) == f"nothing was saved yet in {tmp_path}: start the run again without --resume"
+    (tmp_path / "node0" / "step0").mkdir(parents=True)
+    assert how_to_continue(tmp_path).startswith("continue with --resume (quickstart: RESUME=1)")
+
+
 def test_the_codec_flag_takes_only_a_codec(capsys: pytest.CaptureFixture[str]) -> None:
     """argparse's wording of the choices differs between Python versions: the flag, the value and each codec."""
     line = usage_error(capsys, lambda: parse_args([TINY, "--codec=int4"]))
@@ -204,7 +286,7 @@ def test_a_sigterm_to_the_launcher_stops_the_server_and_every_peer(tiny_corpus, 
     finally:
         proc.kill()
     assert proc.returncode == 130
-    assert "interrupted: the peers save a checkpoint and stop, then the server; continue with --resume" in stderr
+    assert "interrupted: the peers save a checkpoint and stop, then the server\n" in stderr
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
 

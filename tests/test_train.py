@@ -18,10 +18,11 @@ import pytest
 
 from data_fixtures import write_token_shard
 from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
+from peer_nodes import CPU
 from spes.atomic import hold_lock, lock_holder
 from spes.checkpoint import META_FILE
 from spes.config import load_config
-from spes.train import SAVE_FOLDER_LOCK, _apply_resume, _start_from, describe_experts, main, parse_args
+from spes.train import SAVE_FOLDER_LOCK, _apply_resume, _start_from, build_node, describe_experts, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -212,6 +213,18 @@ def test_a_run_continued_from_an_older_checkpoint_of_its_save_folder_names_it_la
     assert main([*node, "--max_duration=8st", "--resume"]) == 0
     steps = [json.loads(line)["step"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9))
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_over_other_windows_is_refused_before_the_node_joins_a_server(tiny_corpus, tmp_path: Path) -> None:
+    """The loader's refusal came only from the trainer, after the join: a node resumed with another
+    model.max_sequence_length joined the run first, or waited out its retries for a restarting server."""
+    node = [*tiny_corpus.overrides(tmp_path / "out"), *FAST, "--save_interval=2"]
+    assert main([TINY, *node]) == 0
+    cfg, _ = load_config(TINY, [*node, "--model.max_sequence_length=32"])
+    _apply_resume(cfg, "always")
+    with pytest.raises(ValueError, match="saved with windows of 64 tokens but this run's model.max_sequence_length"):
+        build_node(cfg, CPU, log=lambda _m: None)
 
 
 @pytest.mark.slow
