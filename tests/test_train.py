@@ -308,22 +308,6 @@ def test_under_torchrun_the_scripts_end_with_the_error_line(tiny_corpus, tmp_pat
     assert_one_line(bad.returncode, bad.stdout, "command line (--model.d_model=abc)")
 
 
-def test_the_readme_single_process_command_runs(tiny_corpus, tmp_path: Path) -> None:
-    readme = (REPO / "README.md").read_text()
-    command = next(line for line in readme.splitlines() if line.startswith("Single process:")).split("`")[1]
-    assert command.startswith(".venv/bin/python -m spes.train ")
-    argv = command.split()[3:]
-    code, out = train(
-        tmp_path,
-        *argv,
-        *tiny_corpus.overrides(tmp_path / "out"),
-        "--max_duration=2st",
-        "--eval_interval=null",
-        "--save_interval=null",
-    )
-    assert code == 0 and "done: step 2" in out, out[-3000:]
-
-
 def start_until(cmd: list[str], log: Path, ready: Callable[[], bool]) -> subprocess.Popen:
     """Start `cmd` in its own session, logging to `log`, and wait (120 s at most) until `ready()`."""
     with open(log, "w") as out:
