@@ -281,8 +281,16 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.x_train_tokenizer_parser", "84", _NONE_DEFAULT),
     **mutants("spes.status.x_main", "28 35 45 55", _NONE_DEFAULT),
     **mutants(
+        "spes.status.x_ask", "1", "`answered` None for False: both are false, and it is only read as a truth value"
+    ),
+    **mutants(
+        "spes.status.x_ask",
+        "36 39 43",
+        "flushing the watch's unanswered line: sys.stderr is line-buffered, and the line ends with its newline",
+    ),
+    **mutants(
         "spes.status.x_main",
-        "140",
+        "141",
         "the authorization header without a token (`Bearer None`): a server without a token reads no header, and "
         "one with a token refuses None as it refuses no header, with the same answer",
     ),
@@ -1369,13 +1377,13 @@ KILLED_BY: dict[str, str] = {
     # a client certificate without its key (or the reverse) handed to gRPC aborts the test's process in gRPC's core
     **mutants(
         "spes.status.x_main",
-        "125 126 129 130",
+        "126 127 130 131",
         "tests/test_status_cli.py::test_a_mutual_tls_server_refusing_the_client_certificate_is_blamed_on_the_tls_flags",
     ),
     # a --watch's line through a pipe while the command runs: a process of its own
     **mutants(
-        "spes.status.x_main",
-        "165 167 172",
+        "spes.status.x_ask",
+        "47 49 54",
         "tests/test_status_cli.py::test_watch_through_a_pipe_prints_each_line_as_it_asks_and_sigint_ends_it_with_exit_0",
     ),
     # the evaluated model gathered whole from its FSDP2 shards, on two gloo ranks (torchrun)

@@ -207,6 +207,24 @@ def test_watch_asks_again_until_ctrl_c_which_ends_it_quietly(
 
 
 @pytest.mark.timeout(60)
+def test_a_watch_whose_first_question_finds_no_server_ends_with_the_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No answer to the first question is a wrong address, port or flag, not a restart: --watch ends at once."""
+
+    def sleep(seconds: float) -> None:  # asking again would end in a Ctrl-C: exit 0
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("spes.status.time.sleep", sleep)
+    with socket.socket() as unused:  # bound, never listening: a connection to it is refused
+        unused.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{unused.getsockname()[1]}"
+        assert main([addr, "--watch", "1", "--timeout", "5"]) == 1
+    out, err = _said(capsys)
+    assert out == [] and len(err) == 1 and err[0].startswith(f"error: {addr}: UNAVAILABLE: "), err
+
+
+@pytest.mark.timeout(60)
 def test_watch_outlives_a_server_restart(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A run's server restarted from its --state_dir, which its nodes ride out, ended a `--watch` with exit 1: it now
     says the server did not answer and asks again, and shows the run once the server is back on its port."""
