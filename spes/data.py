@@ -303,10 +303,7 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` (from `state_dict()`); skipped batches are not read."""
-        missing = {"epoch", "position", "seed"} - set(state)
-        if missing:
-            raise ValueError(f"data loader state lacks {sorted(missing)}")
-        self._check_same_data(state)
+        self.check_same_data(state)
         if int(state["epoch"]) < 0 or int(state["position"]) < 0:
             raise ValueError(f"data loader state {state} has a negative epoch or position")
         self.close()
@@ -315,10 +312,14 @@ class BatchLoader:
             raise ValueError(f"data loader state has order {self.order!r}, which this spes does not know")
         self.epoch, self.position = self._normalize(int(state["epoch"]), int(state["position"]))
 
-    def _check_same_data(self, state: dict[str, Any]) -> None:
+    def check_same_data(self, state: dict[str, Any]) -> None:
         """Refuse a state saved over another order or other data: its position would be a place in another
         permutation, repeating and skipping windows here (as OLMo-core refuses another seed or a dataset of another
-        fingerprint). A state from an earlier spes names no data and is taken as it is."""
+        fingerprint). A state from an earlier spes names no data and is taken as it is. Public: a node checks its
+        checkpoint's state when it is built, before it joins a server."""
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing:
+            raise ValueError(f"data loader state lacks {sorted(missing)}")
         fresh = "or load it into a new save_folder with restore_dataloader=false to read this data from its beginning"
         if int(state["seed"]) != self.seed:
             raise ValueError(

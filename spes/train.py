@@ -332,7 +332,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     optimizer = build_optimizer(model, cfg.optimizer)
     ckpt = _load(cfg, load_path, continuing, model, optimizer, log)
     if ckpt is not None and "data" in ckpt.trainer:  # NOTE: refused here, not after a join (or its minutes of retries)
-        loader.load_state_dict(ckpt.trainer["data"])
+        loader.check_same_data(ckpt.trainer["data"])  # the trainer loads it
     if ckpt is not None and continuing and not cfg.dry_run:
         _name_latest(Path(cfg.save_folder), ckpt.path, info.is_main, log)
     return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)
