@@ -7,7 +7,7 @@ Layout of a save folder:
         meta.json           kind, step, optimizer param groups, trainer state (step, tokens, data, RNG), file sizes
         config.yaml         the resolved run config
         (extra files)       whatever else the run's state needs, named in meta.json's `extra` (an overlapped SPES
-                            node's round in flight: spes.sync.peer.PENDING_FILE)
+                            node's round in flight: spes.sync.node_files.PENDING_FILE)
     step<N>-sharded/   sharded (FSDP): every rank writes its shards through torch.distributed.checkpoint
         shard-<r>-model-00001-of-00001.safetensors   rank r's pieces of `model/<fqn>` and `optim/<fqn>/<key>`,
                                                      with their offsets in the safetensors header

@@ -445,7 +445,8 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     node = build_node(cfg, info, log)
     syncer = None
     if cfg.sync_enabled:
-        from spes.sync.peer import PeerSync, read_run_id
+        from spes.sync.node_files import read_run_id
+        from spes.sync.peer import PeerSync
 
         run_id = read_run_id(node.checkpoint.path) if node.checkpoint is not None else None
         syncer = PeerSync(cfg, node.model, info, log=log, run_id=run_id)

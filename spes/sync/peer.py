@@ -17,7 +17,6 @@ training goes on.
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
@@ -31,11 +30,8 @@ from typing import Any, TypeVar
 import grpc
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from spes.atomic import write_atomic
 from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.interrupt import Interrupted
@@ -43,20 +39,20 @@ from spes.sync.auth import read_token
 from spes.sync.client import SERVER_SETTING, RoundPhases, SyncClient, SyncStats
 from spes.sync.connection import tls_fix
 from spes.sync.fragments import WHOLE
+from spes.sync.node_files import (
+    CODEC_FILE,
+    PENDING_FILE,
+    RUN_FILE,
+    load_codec_state,
+    read_pending,
+    save_codec_state,
+    write_run_id,
+)
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, SyncError, Tensors
 from spes.sync.spec import RunSpec, run_spec
 from spes.sync.status import REPORT_S, describe
 
-PENDING_FILE = "pending_round.st"
-"""The checkpoint file (safetensors) holding an overlapped round still in flight when the checkpoint was taken.
-
-NOTE: not named `*.safetensors`: a sharded checkpoint's reader takes every such file of the directory for a shard."""
-RUN_FILE = "run.json"
-"""The checkpoint file naming the run the node belongs to (`read_run_id`): a resumed node joins only that run."""
-CODEC_FILE = "codec_state.st"
-"""The checkpoint file (safetensors) holding the codec's state on rank 0 (a held-model codec's held model and
-error feedback, as of the last round applied), so a resumed node sends what the uninterrupted one would."""
 POLL_S = 0.2
 """How often rank 0, waiting for a round, looks whether a stop was requested."""
 T = TypeVar("T")
@@ -139,17 +135,6 @@ def sync_client(cfg: TrainConfig, spec: RunSpec, run_id: str | None = None, **se
     s = replace(cfg.spes_config, **settings)
     token = read_token(s.token_file, "config key 'spes_config.token_file'")
     return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True, run_id=run_id)
-
-
-def read_run_id(checkpoint: Path) -> str | None:
-    """The run a node checkpoint belongs to (None: it names none, a centralized or older one)."""
-    path = checkpoint / RUN_FILE
-    if not path.is_file():
-        return None
-    try:
-        return str(json.loads(path.read_text())["run_id"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a run record ({exc}): the checkpoint is damaged") from None
 
 
 class PeerSync:
@@ -254,13 +239,13 @@ class PeerSync:
         if any, and the codec's state before it."""
         files: dict[str, Callable[[Path], None]] = {}
         if self.client is not None and self.client.run_id:
-            record = (json.dumps({"run_id": self.client.run_id}) + "\n").encode()
-            files[RUN_FILE] = lambda path: write_atomic(path, record)
+            run_id = self.client.run_id
+            files[RUN_FILE] = lambda path: write_run_id(path, run_id)
         if self._pending is not None:
             files[PENDING_FILE] = self._pending.save
         metadata, tensors = self._codec_before if self._pending is not None else self._codec_state()
         if metadata:
-            files[CODEC_FILE] = lambda path: _save_state(path, metadata, tensors)
+            files[CODEC_FILE] = lambda path: save_codec_state(path, metadata, tensors)
         return files
 
     def resume(self, checkpoint: Path, step: int) -> SyncResult | None:
@@ -268,20 +253,13 @@ class PeerSync:
         again and applied when due). A round already due was being waited for when a stop request saved the
         checkpoint: it is applied now, with what that step had still to do (the upload of a sync step), as the
         uninterrupted run did; its result is returned."""
-        path, codec_path = checkpoint / PENDING_FILE, checkpoint / CODEC_FILE
+        codec_path = checkpoint / CODEC_FILE
         pending, error = None, None
         if self.client is not None:
             try:
                 if codec_path.is_file():
-                    self.client.codec.load_state_dict(*_load_state(codec_path))
-                if path.is_file():
-                    pending = PendingRound.load(path, self.spec.manifest)
-                    if sorted(pending.snapshot) != sorted(self._trained_at(pending.step)):
-                        raise ValueError(
-                            f"pending round {path}: its snapshot is not of the tensors this node trains at step "
-                            f"{pending.step} (was it written by another spes_config.peer_id, mode, sync_steps or "
-                            "overlap_fragments?)"
-                        )
+                    self.client.codec.load_state_dict(*load_codec_state(codec_path))
+                pending = read_pending(checkpoint, self.spec.manifest, self._trained_at)
             except (OSError, ValueError) as e:
                 error = e
         self._agree(error, f"read {checkpoint}")
@@ -453,20 +431,6 @@ class PeerSync:
             ) from None
         if error is not None:
             raise error
-
-
-def _save_state(path: Path, metadata: dict[str, str], tensors: Tensors) -> None:
-    """The codec's state as safetensors (metadata in the header; never pickled), written atomically."""
-    contiguous = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
-    write_atomic(path, lambda tmp: save_file(contiguous, tmp, metadata=metadata))
-
-
-def _load_state(path: Path) -> tuple[dict[str, str], Tensors]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return dict(f.metadata() or {}), {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
-    except SafetensorError as exc:
-        raise ValueError(f"codec state {path}: not a readable safetensors file ({exc})") from None
 
 
 def _in_background(fn: Callable[[], T], name: str) -> Future[T]:

@@ -13,7 +13,8 @@ import torch
 
 from peer_nodes import CPU, MERGE, TINY, peer_overrides
 from spes.config import load_config
-from spes.sync.peer import PeerSync, SyncResult, read_run_id
+from spes.sync.node_files import read_run_id
+from spes.sync.peer import PeerSync, SyncResult
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
 from spes.train import build_node, rejoin

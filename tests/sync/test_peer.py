@@ -21,8 +21,9 @@ from spes.distributed import DistInfo
 from spes.sync.client import RoundPhases, SyncStats
 from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, parse_expert_block, round_alpha
+from spes.sync.node_files import CODEC_FILE, PENDING_FILE, RUN_FILE
 from spes.sync.overlap import apply_overlapped
-from spes.sync.peer import CODEC_FILE, PENDING_FILE, RUN_FILE, PeerSync, SyncResult
+from spes.sync.peer import PeerSync, SyncResult
 from spes.sync.protocol import SyncError, Tensors
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
