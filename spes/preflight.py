@@ -311,7 +311,7 @@ _JOIN_FIXES = {
 def _refused_join(cfg: TrainConfig, exc: SyncError) -> list[Check]:
     """The server and settings checks of a dry join the server refused: the link or the credentials, the version,
     or (the server reachable and the credentials accepted) the settings."""
-    from spes.sync.connection import tls_fix
+    from spes.sync.channel import tls_fix
     from spes.sync.protocol import Reason
 
     s = cfg.spes_config

@@ -17,9 +17,7 @@ from spes.cli import DefaultsHelpFormatter
 from spes.config import SpesConfig, is_host_port
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
-from spes.sync.connection import certificate_refusal, open_channel, tls_fix
-from spes.sync.plane_grpc import tls_cause
-from spes.sync.plane_tcp import client_tls
+from spes.sync.channel import certificate_refusal, client_tls, open_channel, tls_cause, tls_fix
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.status import describe
@@ -46,7 +44,7 @@ def refusal(
     """The one line of a Status call that failed: the server's answer, then what to do (`FIXES`; unreachable, what
     TLS needs of `tls`, the --tls_ca and --tls_cert given) unless the answer already says it, as a spes server's
     wrong-token refusal does (printing both gave the fix twice). `refused`: whether the server hung up on the
-    client certificate (`spes.sync.connection.certificate_refusal`)."""
+    client certificate (`spes.sync.channel.certificate_refusal`)."""
     code, details = err.code().name, err.details() or ""
     fix = None if details == WRONG_TOKEN else FIXES.get(code)
     if code == "UNAVAILABLE":

@@ -20,7 +20,7 @@ from conftest import Corpus, wait_until
 from node_runs import assert_same_models, launch, node_models, reaped, start_node, start_server
 from spes.config import SpesConfig
 from spes.interrupt import StopRequest
-from spes.sync.connection import open_channel
+from spes.sync.channel import open_channel
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 

@@ -394,9 +394,13 @@ class Sessions:
         current.last_seen = time.monotonic()
 
     def presence(self) -> list[tuple[int, float, bool]]:
-        """(peer, seconds since last heard from, presence stream open) of every peer id a process joined as."""
+        """(peer, seconds since last heard from, presence stream open) of every peer id a process joined as. A
+        process with its stream open is heard from now (the stream is alive): `last_seen` counts only its calls,
+        and a node training between rounds read as one silent for minutes."""
         now = time.monotonic()
-        return [(p, now - s.last_seen, s.presence > 0) for p, s in sorted(self._by_peer.items())]
+        return [
+            (p, 0.0 if s.presence > 0 else now - s.last_seen, s.presence > 0) for p, s in sorted(self._by_peer.items())
+        ]
 
     def forget(self) -> None:
         self._by_peer.clear()

@@ -22,9 +22,9 @@ from typing import Any, NoReturn, cast
 
 import grpc
 
+from spes.sync.channel import read_file
 from spes.sync.protocol import Refused
 from spes.sync.throttle import ThrottledLog
-from spes.sync.wire import read_file
 
 log = logging.getLogger("spes.server")
 

@@ -36,7 +36,8 @@ import grpc
 import torch
 
 from spes.config import SpesConfig
-from spes.sync.connection import Connection, certificate_refusal
+from spes.sync.channel import certificate_refusal
+from spes.sync.connection import Connection
 from spes.sync.fragments import WHOLE
 from spes.sync.plane import Plane
 from spes.sync.proto import spes_pb2 as pb

@@ -4,16 +4,14 @@ A `SyncClient` holds one `Connection`. It opens the channel (TLS when the settin
 call with the peer id, this process's session and the run's token, and after each Join keeps the presence stream
 open (`spes.sync.presence`) and picks the plane: the raw-TCP data plane (`spes.sync.plane_tcp`) at the port the
 server advertised, or gRPC (`spes.sync.plane_grpc`) when `data_plane` says so, no port is advertised or (`auto`) it
-does not answer. A data plane that fails mid-run is left for gRPC until the next Join finds it again. A server that
-hangs up on the client's certificate (`certificate_refusal`) is told from one going down by a handshake of its own.
+does not answer. A data plane that fails mid-run is left for gRPC until the next Join finds it again. The channel
+itself, and telling a server that refuses the client's certificate from one going down, are `spes.sync.channel`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-import socket
-import ssl
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -23,26 +21,19 @@ import grpc
 from spes.config import SpesConfig
 from spes.sync import plane_tcp
 from spes.sync.admission import PEER_KEY, RUN_KEY, SESSION_KEY
+from spes.sync.channel import PROBE_TIMEOUT_S, client_tls, host_port, open_channel
 from spes.sync.plane import Plane
 from spes.sync.plane_grpc import GrpcPlane, failure_of
 from spes.sync.presence import Presence
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
-from spes.sync.wire import grpc_options, read_file
 
 log = logging.getLogger("spes.client")
 
-PROBE_TIMEOUT_S = 10.0  # how long `auto` waits for the data plane to answer at join
 TCP_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Data-plane failures after which a round goes over gRPC instead (a busy, unreachable or stalled data plane; a
 server restarted on another data port is found again at the re-join its gRPC refusal asks for)."""
-MAX_MESSAGE_MB = 64
-"""The client's gRPC message limit: chunks are 1 MiB, the control messages a few KiB."""
-OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
-"""Each channel keeps its connection state to itself. In gRPC's process-wide pool, a new channel to a server restarted
-on the same address took over an older channel's failed connection: refused at once, for as long as that one's
-reconnect backoff ran."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +62,7 @@ class Connection:
         """Sent with every call: the session, the peer id and the token (never logged)."""
         # NOTE: checked under data_plane grpc too: gRPC's core meets a file that is no PEM with log lines naming no
         # file, then UNAVAILABLE, which is retried for minutes as if the server were down
-        tls = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key)
+        tls = client_tls(s.tls_ca, s.tls_cert, s.tls_key)
         self._data_tls = tls if s.data_plane != "grpc" else None
         self._channel = open_channel(s)
         self.stub = pb_grpc.ParameterServerStub(self._channel)
@@ -133,106 +124,6 @@ class Connection:
         if self._presence is not None:
             self._presence.close(self.settings.rpc_timeout_s)
         self._channel.close()
-
-
-def open_channel(settings: SpesConfig) -> grpc.Channel:
-    """The gRPC channel to `settings.server_addr`: TLS (and a client certificate) when the settings name them."""
-    s, options = settings, [*grpc_options(MAX_MESSAGE_MB), OWN_CONNECTION]
-    if s.tls_ca is None and s.tls_cert is None:
-        return grpc.insecure_channel(s.server_addr, options=options)
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=read_file(s.tls_ca, "spes_config.tls_ca") if s.tls_ca else None,
-        private_key=read_file(s.tls_key, "spes_config.tls_key") if s.tls_key else None,
-        certificate_chain=read_file(s.tls_cert, "spes_config.tls_cert") if s.tls_cert else None,
-    )
-    return grpc.secure_channel(s.server_addr, credentials, options=options)
-
-
-def tls_fix(
-    ca: str | None, cert: str | None, names: tuple[str, str] = ("spes_config.tls_ca", "spes_config.tls_cert/tls_key")
-) -> str:
-    """What to check when a server cannot be reached and TLS may be why (`names`: the CA's and the client
-    certificate's settings). gRPC's core says only `Socket closed` when a mutual-TLS server refused the client's
-    certificate, or its lack of one: the line named only the address and the firewall."""
-    ca_name, cert_name = names
-    if ca is None and cert is None:
-        return f"a server that serves TLS needs {ca_name}"
-    return (
-        f"over TLS, {ca_name} must be the CA that signed the server's certificate for the host in the address, and a "
-        f"server started with --tls_client_ca (mutual TLS) needs {cert_name} signed by that CA"
-    )
-
-
-def host_port(addr: str) -> tuple[str, int]:
-    """The host (an IPv6 address without its brackets) and port of a HOST:PORT address."""
-    host, port = addr.rsplit(":", 1)
-    return host.strip("[]"), int(port)
-
-
-CERTIFICATE_REFUSED = "hung up after the handshake"
-"""What `probe_handshake` says of a server that closed the connection before HTTP/2's first frame: gRPC's way of
-refusing a client certificate, checked after a TLS 1.3 handshake has completed on the client."""
-CERTIFICATE_ALERTS = frozenset(
-    {
-        "TLSV13_ALERT_CERTIFICATE_REQUIRED",
-        "TLSV1_ALERT_UNKNOWN_CA",
-        "SSLV3_ALERT_BAD_CERTIFICATE",
-        "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
-        "TLSV1_ALERT_ACCESS_DENIED",
-    }
-)
-"""The alerts (OpenSSL's reasons) with which other TLS servers (a proxy before the server) refuse a client
-certificate, or its lack of one."""
-NODE = ("this node", "spes_config.tls_cert/tls_key")
-"""The client and its certificate's settings, as a node's refused certificate's line names them."""
-
-
-def certificate_refusal(s: SpesConfig, names: tuple[str, str] = NODE) -> str | None:
-    """Whether the server at `s.server_addr` refuses the client certificate of `s` (or its lack of one): what that
-    means (`client_refusal` of `probe_handshake`), or None (no TLS; a server down or restarting). Asked when gRPC's
-    core said `Socket closed`, which was retried for the whole backoff (80 s) as a server down."""
-    if s.tls_ca is None and s.tls_cert is None:
-        return None
-    try:
-        context = plane_tcp.client_tls(s.tls_ca, s.tls_cert, s.tls_key)
-    except (ValueError, OSError):  # NOTE: files changed since the channel read them (which keeps its copy): no evidence
-        return None
-    assert context is not None
-    said = probe_handshake(s.server_addr, context, min(s.rpc_timeout_s, PROBE_TIMEOUT_S))
-    return client_refusal(said, s.tls_cert, names)
-
-
-def client_refusal(said: str | None, cert: str | None, names: tuple[str, str] = NODE) -> str | None:
-    """What the server's answer to `probe_handshake` means for a client holding certificate `cert` (None: none),
-    or None when it shows no refusal of it. `names`: the client and its certificate's settings."""
-    if said != CERTIFICATE_REFUSED and said not in CERTIFICATE_ALERTS:
-        return None
-    client, cert_name = names
-    fix = f"give {client} {cert_name} signed by the server's --tls_client_ca"
-    if cert is None:
-        return f"the server requires a client certificate (mutual TLS): {fix}"
-    return f"the server refused the client certificate {cert!r}: {fix}"
-
-
-def probe_handshake(addr: str, context: ssl.SSLContext, timeout: float) -> str | None:
-    """What the TLS server at `addr` (HOST:PORT) does after a handshake as gRPC's (TLS 1.3, ALPN h2) with `context`:
-    `CERTIFICATE_REFUSED` when it hangs up before sending a byte (an HTTP/2 server speaks first), the reason of a
-    TLS alert it sends, None when it answers or no handshake completes (a server down, or one going down: no
-    evidence). Why: gRPC's core says `Socket closed` of both a mutual-TLS refusal and a server that went away."""
-    host, port = host_port(addr)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3  # NOTE: with TLS 1.2 a refusal fails the handshake itself
-    context.set_alpn_protocols(["h2"])
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as raw:
-            with context.wrap_socket(raw, server_hostname=host) as tls:
-                try:
-                    return None if tls.recv(1) else CERTIFICATE_REFUSED
-                except (ssl.SSLEOFError, ConnectionResetError):
-                    return CERTIFICATE_REFUSED
-    except ssl.SSLError as exc:
-        return exc.reason if exc.reason in CERTIFICATE_ALERTS else None
-    except OSError:
-        return None
 
 
 def data_plane(

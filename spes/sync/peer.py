@@ -36,8 +36,8 @@ from spes.config import TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.interrupt import Interrupted
 from spes.sync.auth import read_token
+from spes.sync.channel import tls_fix
 from spes.sync.client import SERVER_SETTING, RoundPhases, SyncClient, SyncStats
-from spes.sync.connection import tls_fix
 from spes.sync.fragments import WHOLE
 from spes.sync.node_files import (
     CODEC_FILE,

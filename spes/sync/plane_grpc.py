@@ -19,6 +19,7 @@ import grpc
 
 from spes.sync.admission import SESSION_KEY, Ticket
 from spes.sync.auth import grpc_common_name
+from spes.sync.channel import tls_cause
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -187,43 +188,6 @@ def _watched(messages: Iterator[M], ticket: Ticket) -> Iterator[M]:
 
 
 # -- client -------------------------------------------------------------------------------------------------------
-NOT_SIGNED = "the server's TLS certificate is not signed by the CA this client was given"
-TLS_FAILURES = (
-    ("certificate has expired", "the server's TLS certificate has expired: renew it and restart the server"),
-    (
-        "certificate is not yet valid",
-        "the server's TLS certificate is not valid yet: check the clocks of the server and of this machine",
-    ),
-    (
-        "Hostname Verification Check failed",
-        "the server's TLS certificate does not name the host in the address: address the server by a name its "
-        "certificate's subjectAltName holds",
-    ),
-    *((words, NOT_SIGNED) for words in ("CERTIFICATE_VERIFY_FAILED", "certificate signature failure")),
-    (
-        "WRONG_VERSION_NUMBER",
-        "the server does not serve TLS: give this client no CA, or start the server with --tls_cert/--tls_key",
-    ),
-)
-"""What gRPC's core says of a TLS handshake this client refused (the first match wins), and what it means. No retry
-mends one: retried as an unreachable server, a wrong CA took the whole backoff (80 s) to end a node."""
-
-
-HUNG_UP = "Socket closed"
-"""What gRPC's core says of a connection the server closed: one going down, or a mutual-TLS server refusing this
-client's certificate (or its lack of one), which it ends without a word (no TLS alert)."""
-
-
-def tls_cause(details: str, refusal: Callable[[], str | None] | None = None) -> str | None:
-    """What a refused TLS handshake means (`TLS_FAILURES`), from gRPC's details of an UNAVAILABLE error; None for
-    any other failure. `refusal` tells a server that refused the client certificate from one going down, when the
-    server hung up (`HUNG_UP`): the meaning of the one, None for the other."""
-    cause = next((meaning for words, meaning in TLS_FAILURES if words in details), None)
-    if cause is None and refusal is not None and HUNG_UP in details:
-        return refusal()
-    return cause
-
-
 def failure_of(what: str, err: grpc.RpcError, refusal: Callable[[], str | None] | None = None) -> SyncError:
     """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed (none mends a refused
     TLS handshake: `tls_cause`, with `refusal`)."""

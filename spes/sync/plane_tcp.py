@@ -21,7 +21,6 @@ The server's end is `DataHandler` (one operation per connection, over the `Coord
 
 from __future__ import annotations
 
-import _ssl
 import contextlib
 import json
 import logging
@@ -41,6 +40,7 @@ from google.protobuf.message import DecodeError, Message
 
 from spes.sync.admission import PendingSlots, Ticket
 from spes.sync.auth import WRONG_TOKEN, tls_common_name, token_matches
+from spes.sync.channel import KEEPALIVE_S, KEEPALIVE_TIMEOUT_S
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import (
@@ -57,13 +57,10 @@ from spes.sync.protocol import (
 from spes.sync.throttle import ThrottledLog
 from spes.sync.wire import (
     DIGEST,
-    KEEPALIVE_S,
-    KEEPALIVE_TIMEOUT_S,
     Encoded,
     Item,
     TensorDecoder,
     header_for,
-    read_file,
     write_raw,
 )
 
@@ -271,79 +268,6 @@ def serve_probe(sock: socket.socket, hello: pb.DataHello, ticket: Ticket) -> Non
     recv_discard(sock, up, ticket.moved)
     send_frame(sock, pb.DataReply(ok=True))
     send_zeros(sock, down)
-
-
-# -- TLS ----------------------------------------------------------------------------------------------------------
-def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
-    """The data plane's TLS context from the server's PEM files (mutual TLS with `client_ca`); None without TLS.
-    The server builds it before its gRPC port: gRPC reports an unusable file only as a port it cannot bind."""
-    if cert is None or key is None:
-        return None
-    for path, flag in ((cert, "--tls_cert"), (key, "--tls_key"), (client_ca, "--tls_client_ca")):
-        if path is not None:
-            read_file(path, flag)  # FileNotFoundError naming the flag
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    _pem(lambda: context.load_cert_chain(cert, key), f"--tls_cert {cert!r} and --tls_key {key!r}")
-    check_validity(cert, "--tls_cert")
-    if client_ca is not None:
-        _pem(lambda: context.load_verify_locations(cafile=client_ca), f"--tls_client_ca {client_ca!r}")
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
-
-
-CONFIG_TLS_NAMES = tuple(f"config key 'spes_config.{name}'" for name in ("tls_ca", "tls_cert", "tls_key"))
-"""How a node's errors name its TLS files: by the YAML keys they come from."""
-
-
-def client_tls(
-    ca: str | None, cert: str | None, key: str | None, names: tuple[str, ...] = CONFIG_TLS_NAMES
-) -> ssl.SSLContext | None:
-    """The client's TLS context from the same files as its gRPC channel (system roots when `ca` is None); the
-    files are checked here, before gRPC, whose core names neither file nor setting. `names`: the settings `ca`,
-    `cert` and `key` come from (a node's YAML keys, or a command's flags)."""
-    ca_name, cert_name, key_name = names
-    if (cert is None) != (key is None):  # NOTE: gRPC's core aborts the process (SIGABRT) on one without the other
-        raise ValueError(f"{cert_name} and {key_name} (mutual TLS) must be given together")
-    if ca is None and cert is None:
-        return None
-    for path, name in ((ca, ca_name), (cert, cert_name), (key, key_name)):
-        if path is not None:
-            read_file(path, name)
-    context = _pem(lambda: ssl.create_default_context(cafile=ca), f"{ca_name} {ca!r}")
-    if cert is not None and key is not None:
-        _pem(lambda: context.load_cert_chain(cert, key), f"{cert_name} {cert!r} and {key_name} {key!r}")
-        check_validity(cert, cert_name)
-    return context
-
-
-def check_validity(path: str, name: str, now: float | None = None) -> None:
-    """ValueError naming `name` unless the (first) certificate of the PEM file `path` is valid at `now` (default:
-    the present). Why: gRPC serves an expired certificate without a word, and every handshake with it then fails
-    as if the peer were down."""
-    decode = getattr(_ssl, "_test_decode_cert", None)  # NOTE: CPython's; the stdlib has no public decoder
-    if decode is None:
-        return
-    fields = decode(path)
-    now = time.time() if now is None else now
-    if now < ssl.cert_time_to_seconds(fields["notBefore"]):
-        raise ValueError(
-            f"{name} {path!r} is not valid before {fields['notBefore']}: check this machine's clock, or issue it anew"
-        )
-    if now > ssl.cert_time_to_seconds(fields["notAfter"]):
-        raise ValueError(
-            f"{name} {path!r} expired on {fields['notAfter']}: issue a new one (docs/running.md, Security)"
-        )
-
-
-T = TypeVar("T")
-
-
-def _pem(load: Callable[[], T], files: str) -> T:
-    """`load()` of PEM files; ValueError naming them (ssl's own error names no file)."""
-    try:
-        return load()
-    except ssl.SSLError as e:
-        raise ValueError(f"{files}: not a usable PEM certificate or key ({e.reason or e})") from None
 
 
 def tune(sock: socket.socket) -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import enum
 import sys
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import grpc
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 PROTOCOL_VERSION = 6
 """6: a run spec in every Join (`spes.sync.spec`) and codecs on the wire (`spes.sync.codecs`); 5: rounds over
@@ -28,7 +30,7 @@ PROBE_CHUNK_BYTES = 1 << 20
 Mode = Literal["spes", "diloco"]
 """The run modes that meet a parameter server (`spes.config.RunMode` less `centralized`)."""
 Shape = tuple[int, ...]
-Tensors = dict[str, torch.Tensor]
+Tensors = dict[str, "torch.Tensor"]  # NOTE: a name, not torch itself: spes.status imports this module, not torch
 """Tensors by parameter name (an upload, a download, a global model)."""
 Manifest = dict[str, Shape]
 """Every tensor of the model: name -> shape."""

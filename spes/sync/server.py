@@ -48,13 +48,13 @@ from spes.schema import config_help
 from spes.sync import plane_tcp
 from spes.sync.admission import UNARY_RESERVE, GuardedHealth
 from spes.sync.auth import TokenAuthInterceptor, grpc_common_name
+from spes.sync.channel import KEEPALIVE_SERVER_OPTIONS, grpc_options, read_file, server_tls
 from spes.sync.coordinator import Coordinator
 from spes.sync.plane_grpc import SpesServicer
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.settings import DeployConfig, ServerConfig, add_deploy_flags, deploy_from_args
 from spes.sync.spec import RunSpec, run_spec
 from spes.sync.state import lock_state_dir
-from spes.sync.wire import KEEPALIVE_SERVER_OPTIONS, grpc_options, read_file
 
 log = logging.getLogger("spes.server")
 T = TypeVar("T")
@@ -153,7 +153,7 @@ def _serve(cfg: ServerConfig, service: Coordinator, lock: int | None) -> Paramet
     health_servicer = GuardedHealth(service.guard, service.presence, grpc_common_name)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{deploy.host}:{deploy.port}"
-    tls = plane_tcp.server_tls(deploy.tls_cert, deploy.tls_key, deploy.tls_client_ca)
+    tls = server_tls(deploy.tls_cert, deploy.tls_key, deploy.tls_client_ca)
     _port_free(deploy.host, deploy.port, "--port")
     if deploy.tls_cert is not None and deploy.tls_key is not None:
         credentials = grpc.ssl_server_credentials(

@@ -15,9 +15,11 @@ def describe(status: pb.StatusReply) -> str:
     missing = [p for p in range(status.num_peers) if p not in status.peers_joined]
     latest = "no round completed yet" if status.current_round < 0 else f"round {status.current_round} complete"
     if status.open_round >= 0:
+        # NOTE: an open round that waits for no peer is being merged and served: "waiting for []" read as a stall
+        waiting = f"waiting for {list(status.missing_peers)}" if status.missing_peers else "merging and serving it"
         what = (
             f"round {status.open_round} open for {status.open_round_age_s:.0f} s, uploaded by "
-            f"{list(status.peers_uploaded)}, waiting for {list(status.missing_peers)}"
+            f"{list(status.peers_uploaded)}, {waiting}"
         )
         absent = list(status.missing_peers)
     elif missing:
@@ -29,7 +31,10 @@ def describe(status: pb.StatusReply) -> str:
 
 
 def _seen(peer: int, presence: pb.PeerPresence | None) -> str:
+    """A missing peer: connected (its presence stream is open: alive, training towards its upload), or when it was
+    last heard from."""
     if presence is None:
         return f"peer {peer} never joined"
-    state = "connected" if presence.connected else "disconnected"
-    return f"peer {peer} {state}, last heard {presence.last_seen_s:.0f} s ago"
+    if presence.connected:
+        return f"peer {peer} connected (training)"
+    return f"peer {peer} disconnected, last heard {presence.last_seen_s:.0f} s ago"

@@ -11,7 +11,7 @@ manifest expects and only copies validated bytes into it.
 
 `TensorDecoder` is the incremental form used by the gRPC handlers (one `feed` per chunk) and, with
 `feed_raw`, by the raw-TCP data plane (`spes.sync.plane_tcp`), so both share the same header checks. The transport
-settings both ends share live here too: gRPC channel options and reading the PEM/secret files.
+settings both ends share (gRPC channel options, the PEM and secret files) are `spes.sync.channel`'s.
 
 A tensor may instead travel coded (`Coded`): a codec's payload (`spes.sync.codecs`) and the round of the held model
 it applies to, under the same framing and checksums (header `codec`, `params`, `base_round`). The wire knows no
@@ -26,7 +26,6 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 import xxhash
@@ -59,43 +58,6 @@ class Coded:
 
 Item = torch.Tensor | Coded
 """What travels for one name: its values (raw, in the wire dtype) or a `Coded` payload."""
-
-
-KEEPALIVE_S = 20
-"""Seconds between HTTP/2 keepalive pings (both ends, also on idle connections)."""
-KEEPALIVE_TIMEOUT_S = 10
-"""A ping unanswered this long closes the connection: a vanished peer or server is noticed within 30 s."""
-KEEPALIVE_SERVER_OPTIONS = [
-    # NOTE: grpc servers by default refuse pings more often than every 5 minutes (GOAWAY too_many_pings).
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-
-
-def grpc_options(max_message_mb: int) -> list[tuple[str, int]]:
-    """Channel options shared by server and client: message limits and keepalive for long round waits."""
-    limit = max_message_mb * 2**20
-    return [
-        ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_S * 1000),
-        ("grpc.http2.max_pings_without_data", 0),
-        # NOTE: grpc's default reconnect backoff grows to 120 s, longer than our own retry schedule.
-        ("grpc.max_reconnect_backoff_ms", 5_000),
-    ]
-
-
-def read_file(path: str, what: str) -> bytes:
-    """The bytes of a certificate, key or secret file; FileNotFoundError naming the flag or key `what` and, for a
-    relative path, the directory it was looked for in (run_single_node.sh runs from the repository, not the caller's
-    directory)."""
-    if not Path(path).is_file():
-        where = "" if Path(path).is_absolute() else f" in {Path.cwd()} (give an absolute path)"
-        raise FileNotFoundError(f"{what} {path!r}: file not found{where}")
-    return Path(path).read_bytes()
 
 
 def wire_torch_dtype(wire_dtype: str) -> torch.dtype:

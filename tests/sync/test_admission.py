@@ -203,6 +203,12 @@ def test_presence_streams_say_which_process_is_a_peer() -> None:
     sessions.present(3, "b", "ipv4:10.0.0.2:2")  # two streams of one process: it stays present until both end
     sessions.absent(3, "b")
     assert sessions.presence()[0][2] is True
+    sessions._by_peer[3].last_seen -= 63  # heard by no call for a minute: its open stream is what it is heard by
+    assert sessions.presence() == [(3, 0.0, True)]
+    sessions.absent(3, "b")  # its last stream ends: heard from then on, counting from now
+    [(_, since, present)] = sessions.presence()
+    assert not present and 0 <= since < 1
+    sessions.present(3, "b", "ipv4:10.0.0.2:2")
     stale = Sessions(liveness_s=0)  # a joined process never watched, not heard from within liveness_s: replaced
     stale.join(4, "a", "ipv4:10.0.0.1:1")
     stale.present(4, "b", "ipv4:10.0.0.2:2")

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import wait_until
 from spes.config import ServerSection
-from spes.sync import plane_tcp
+from spes.sync import channel, plane_tcp
 from spes.sync.admission import PEER_KEY, RUN_KEY, SESSION_KEY
 from spes.sync.client import SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
@@ -164,7 +164,7 @@ def test_tls_peer_ids_bind_each_peer_to_its_certificate(tmp_path: Path, plane: s
             with pytest.raises(SyncError) as err:
                 impostor.join()
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "'peer-1'" in str(err.value)
-        context = plane_tcp.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
+        context = channel.client_tls(pki.ca, **{k.removeprefix("tls_"): v for k, v in certs[0].items()})
         with plane_tcp.connect("127.0.0.1", server.data_port, context, 5) as sock:  # the data plane checks too
             plane_tcp.send_hello(sock, pb.DataHello(op=pb.DATA_OP_UPLOAD, peer_id=1, step=2, token=TOKEN))
             assert plane_tcp.recv_reply(sock).error.code == "PERMISSION_DENIED"

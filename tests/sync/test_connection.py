@@ -14,9 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from spes.sync.connection import CERTIFICATE_REFUSED, client_refusal, probe_handshake
+from spes.sync.channel import CERTIFICATE_REFUSED, client_refusal, client_tls, probe_handshake
 from spes.sync.plane_grpc import failure_of
-from spes.sync.plane_tcp import client_tls
 from spes.sync.protocol import SyncError
 from sync_helpers import make_client, running_server, tiny_spec, write_pki
 

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from spes.sync import plane_tcp
+from spes.sync import channel, plane_tcp
 from spes.sync.codecs.lazy import Lazy
 from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
@@ -246,13 +246,13 @@ def test_a_pem_file_ssl_cannot_use_is_refused_naming_it(tmp_path: Path) -> None:
     pki, bad = write_pki(tmp_path), tmp_path / "bad.pem"
     bad.write_text("not a certificate\n")
     cert, key = pki.server["tls_cert"], pki.server["tls_key"]
-    assert plane_tcp.server_tls(cert, key, pki.ca) is not None and plane_tcp.client_tls(pki.ca, None, None) is not None
+    assert channel.server_tls(cert, key, pki.ca) is not None and channel.client_tls(pki.ca, None, None) is not None
     refused = [
-        (lambda: plane_tcp.server_tls(str(bad), key, None), f"--tls_cert {str(bad)!r} and --tls_key {key!r}"),
-        (lambda: plane_tcp.server_tls(cert, key, str(bad)), f"--tls_client_ca {str(bad)!r}"),
-        (lambda: plane_tcp.client_tls(str(bad), None, None), f"config key 'spes_config.tls_ca' {str(bad)!r}"),
+        (lambda: channel.server_tls(str(bad), key, None), f"--tls_cert {str(bad)!r} and --tls_key {key!r}"),
+        (lambda: channel.server_tls(cert, key, str(bad)), f"--tls_client_ca {str(bad)!r}"),
+        (lambda: channel.client_tls(str(bad), None, None), f"config key 'spes_config.tls_ca' {str(bad)!r}"),
         (
-            lambda: plane_tcp.client_tls(pki.ca, str(bad), key),
+            lambda: channel.client_tls(pki.ca, str(bad), key),
             f"config key 'spes_config.tls_cert' {str(bad)!r} and config key 'spes_config.tls_key' {key!r}",
         ),
     ]
@@ -261,10 +261,10 @@ def test_a_pem_file_ssl_cannot_use_is_refused_naming_it(tmp_path: Path) -> None:
             build()
         assert str(err.value).startswith(f"{files}") and ": not a usable PEM certificate or key (" in str(err.value)
     with pytest.raises(FileNotFoundError, match=r"^config key 'spes_config.tls_ca' '/nope.pem': file not found$"):
-        plane_tcp.client_tls("/nope.pem", None, None)
+        channel.client_tls("/nope.pem", None, None)
     for one in ((cert, None), (None, key)):  # gRPC's core aborted the node's process (SIGABRT) on either
         with pytest.raises(ValueError) as err:
-            plane_tcp.client_tls(None, *one)
+            channel.client_tls(None, *one)
         assert str(err.value) == (
             "config key 'spes_config.tls_cert' and config key 'spes_config.tls_key' (mutual TLS) must be given together"
         )
@@ -311,11 +311,11 @@ def test_an_expired_or_not_yet_valid_certificate_is_refused_at_start_naming_it(t
         with running_server(SPEC, tls_cert=expired, tls_key=key):
             pass
     with pytest.raises(ValueError, match=r"^config key 'spes_config.tls_cert' '.*-expired.crt' expired on "):
-        plane_tcp.client_tls(pki.ca, expired, key)
+        channel.client_tls(pki.ca, expired, key)
     valid = pki.server["tls_cert"]  # valid from 5 minutes ago for a day
-    plane_tcp.check_validity(valid, "--tls_cert")
+    channel.check_validity(valid, "--tls_cert")
     with pytest.raises(ValueError, match=r"is not valid before .* GMT: check this machine's clock"):
-        plane_tcp.check_validity(valid, "--tls_cert", now=time.time() - 3600)
+        channel.check_validity(valid, "--tls_cert", now=time.time() - 3600)
 
 
 @pytest.mark.timeout(60)

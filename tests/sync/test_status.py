@@ -38,8 +38,22 @@ def test_round_zero_counts_and_a_run_with_everyone_in_and_nothing_missing_names_
         missing_peers=[0],
         presence=[pb.PeerPresence(peer=0, last_seen_s=2.4, connected=True)],
     )
-    assert describe(opened) == (
-        "run r: round 0 open for 3 s, uploaded by [1], waiting for [0] (peer 0 connected, last heard 2 s ago)"
+    assert (
+        describe(opened)
+        == "run r: round 0 open for 3 s, uploaded by [1], waiting for [0] (peer 0 connected (training))"
     )
     idle = pb.StatusReply(run_id="r", num_peers=2, current_round=0, open_round=-1, peers_joined=[0, 1])
     assert describe(idle) == "run r: round 0 complete; every peer joined, none has uploaded the next round yet"
+
+
+def test_an_open_round_every_peer_uploaded_is_being_merged_not_waiting_for_nobody() -> None:
+    merging = pb.StatusReply(
+        run_id="r",
+        num_peers=2,
+        current_round=4,
+        open_round=5,
+        open_round_age_s=9,
+        peers_joined=[0, 1],
+        peers_uploaded=[0, 1],
+    )
+    assert describe(merging) == "run r: round 5 open for 9 s, uploaded by [0, 1], merging and serving it"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from spes.sync import wire
+from spes.sync import channel, wire
 from spes.sync.codecs import int8
 from spes.sync.codecs.base import Payload
 from spes.sync.codecs.lazy import Lazy
@@ -319,7 +319,7 @@ def test_an_encoded_model_reads_an_item_only_when_asked_and_sends_a_verified_one
 
 
 def test_channel_options_and_secret_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert wire.grpc_options(4) == [
+    assert channel.grpc_options(4) == [
         ("grpc.max_send_message_length", 4 << 20),
         ("grpc.max_receive_message_length", 4 << 20),
         ("grpc.keepalive_time_ms", 20_000),
@@ -331,14 +331,14 @@ def test_channel_options_and_secret_files(tmp_path: Path, monkeypatch: pytest.Mo
     ]
     secret = tmp_path / "token"
     secret.write_bytes(b"s3cret\n")
-    assert wire.read_file(str(secret), "--token_file") == b"s3cret\n"
+    assert channel.read_file(str(secret), "--token_file") == b"s3cret\n"
     with pytest.raises(FileNotFoundError, match=rf"^--tls_cert '{tmp_path}/nope.pem': file not found$"):
-        wire.read_file(str(tmp_path / "nope.pem"), "--tls_cert")
+        channel.read_file(str(tmp_path / "nope.pem"), "--tls_cert")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
         FileNotFoundError, match=rf"^--tls_ca 'ca.crt': file not found in {tmp_path} \(give an absolute"
     ):
-        wire.read_file("ca.crt", "--tls_ca")
+        channel.read_file("ca.crt", "--tls_ca")
     with pytest.raises(ValueError, match=r"^unknown wire dtype 'fp16': use one of \['bf16', 'fp32'\]$"):
         wire.wire_torch_dtype("fp16")
 
