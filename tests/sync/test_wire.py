@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from spes.sync import channel, wire
+from spes.sync import wire
 from spes.sync.codecs import int8
 from spes.sync.codecs.base import Payload
 from spes.sync.codecs.lazy import Lazy
@@ -318,27 +318,7 @@ def test_an_encoded_model_reads_an_item_only_when_asked_and_sends_a_verified_one
 # and the exact words of the refusals.
 
 
-def test_channel_options_and_secret_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert channel.grpc_options(4) == [
-        ("grpc.max_send_message_length", 4 << 20),
-        ("grpc.max_receive_message_length", 4 << 20),
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 20_000),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.max_reconnect_backoff_ms", 5_000),
-    ]
-    secret = tmp_path / "token"
-    secret.write_bytes(b"s3cret\n")
-    assert channel.read_file(str(secret), "--token_file") == b"s3cret\n"
-    with pytest.raises(FileNotFoundError, match=rf"^--tls_cert '{tmp_path}/nope.pem': file not found$"):
-        channel.read_file(str(tmp_path / "nope.pem"), "--tls_cert")
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(
-        FileNotFoundError, match=rf"^--tls_ca 'ca.crt': file not found in {tmp_path} \(give an absolute"
-    ):
-        channel.read_file("ca.crt", "--tls_ca")
+def test_an_unknown_wire_dtype_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match=r"^unknown wire dtype 'fp16': use one of \['bf16', 'fp32'\]$"):
         wire.wire_torch_dtype("fp16")
 
