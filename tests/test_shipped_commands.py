@@ -603,6 +603,35 @@ def test_written_device_commands_run_their_benchmark_with_its_own_flags(
         assert any(argv[:4] == ["-m", "pytest", "-m", "gpu"] for argv in calls(log)), calls(log)
 
 
+def linked_bench(directory: Path) -> None:
+    """`directory`/bench: the checkout's bench/ file by file, so what a script writes beside it lands in `directory`."""
+    (directory / "bench").mkdir()
+    for path in (REPO / "bench").iterdir():
+        (directory / "bench" / path.name).symlink_to(path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script", ["bench/prepare_gpu.sh", "bench/run_gpu.sh"])
+def test_device_scripts_answer_help_and_do_nothing_else(script: str, tmp_path: Path) -> None:
+    """`--help` prints the header, which shows how to run the script, and exits 0 before any work: it downloaded
+    the wheels (prepare_gpu.sh), or installed them and ran the GPU tests and the benchmark (run_gpu.sh)."""
+    linked_bench(tmp_path)
+    stub, log = stub_python(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(
+        ["bash", str(tmp_path / script), "--help"],
+        cwd=tmp_path,
+        env=child_env(PYTHON=str(stub), OUT=str(out)),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0 and f"bash {script}" in proc.stdout, proc.stdout + proc.stderr
+    assert not log.exists(), calls(log)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench", "out", "python"] and not list(out.iterdir())
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", of_kind("bench/prepare_gpu.sh"))
 def test_written_gpu_preparation_downloads_this_machines_pins_and_names_the_commit(
@@ -611,9 +640,7 @@ def test_written_gpu_preparation_downloads_this_machines_pins_and_names_the_comm
     """Run as written from a copy of the checkout's bench/ (it writes .whl/ beside it), with a python that only
     logs its pip downloads: one per wheel, for the device's CPython 3.12, pinned to this machine's versions (the
     generated gRPC code needs them), and .whl/COMMIT the commit every record of the device run will name."""
-    (tmp_path / "bench").mkdir()
-    for path in (REPO / "bench").iterdir():
-        (tmp_path / "bench" / path.name).symlink_to(path)
+    linked_bench(tmp_path)
     stub, log = stub_python(tmp_path)
     env = {k: v for k, v in child_env(PYTHON=str(stub)).items() if k != "SPES_COMMIT"}
     proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
