@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run HERE (a machine with the package registry), before `bash bench/run_gpu.sh` on the lent GPU machine.
 #
+#   bash bench/prepare_gpu.sh     Env: PYTHON (default .venv/bin/python), whose pip downloads the wheels
+#
 # The lent GPU machine (docs of the device tool: KINDS.md) reaches no network. Its image has python3 3.12 with a
 # CUDA torch (2.11.0+cu130 when last seen), numpy, pyyaml, safetensors, tokenizers, grpcio, protobuf, psutil,
 # pytest, pytest-timeout and pytest-xdist, but not omegaconf (spes.config), grpcio-health-checking (the sync
@@ -12,6 +14,7 @@
 # the diff> when the tree differs), since the device gets the working tree without .git; bench/run_gpu.sh exports it
 # as SPES_COMMIT, which every benchmark's record then names. Carry .whl with the run: carry [".whl"].
 set -euo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 mkdir -p .whl

@@ -2,6 +2,7 @@
 # The one command a session with the lent GPU runs (issue 29), after `bash bench/prepare_gpu.sh` here:
 #
 #   device run: command "bash bench/run_gpu.sh", carry [".whl"], timeout_s 600
+#   bash bench/run_gpu.sh [bench/bench_gpu.py flags]
 #
 # Arguments go on to bench/bench_gpu.py (a rerun of some variants: --only NAME,NAME --no-preflight).
 # Time: the tests at most 60 s, variants started until 270 s, each in a process of its own stopped after 120 s,
@@ -17,6 +18,7 @@
 # and leaves $OUT/bench_gpu.json (commit it as bench/results/bench_gpu.json), $OUT/gpu_tests.xml and the log
 # $OUT/run_gpu.log. Off the device (no $OUT) it writes to bench/results/.
 set -uo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
 GPU_TESTS_S=${GPU_TESTS_S:-60}
 BUDGET_S=${BUDGET_S:-270}

@@ -683,6 +683,21 @@ def test_bench_quickstart_times_each_stage_from_its_line_to_the_next(tmp_path: P
     assert time.monotonic() - started < 20
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_quickstart_quick_times_the_three_stages_of_a_fresh_clone(tmp_path: Path) -> None:
+    """main() as `--quick` runs it, on a clone lent this interpreter's environment and a 1 MB corpus (so nothing is
+    downloaded): the clone's quickstart ends with its summary and the record names the three stages."""
+    corpus = tmp_path / "corpus"
+    build = [sys.executable, str(REPO / "data_process_scripts" / "build_default_corpus.py"), "--max_mb", "1"]
+    subprocess.run([*build, "--output_dir", str(corpus), "--quiet"], check=True, timeout=120, capture_output=True)
+    venv = Path(sys.executable).parents[1]
+    record, stdout = run_bench("bench_quickstart", tmp_path, "--venv", str(venv), "--corpus", str(corpus), timeout=560)
+    assert list(record["stages"]) == ["install", "corpus", "train"] and "SPES run summary" in stdout
+    assert record["mode"] == "quick" and record["lent"] == {".venv": str(venv), "data/default": str(corpus)}
+    assert "already built" in stdout and "started server" in stdout
+
+
 def test_quickstart_says_each_stage_with_its_time_from_the_record(tmp_path: Path) -> None:
     """The stage lines of run_scripts/quickstart.sh, with and without a committed record of a fresh clone."""
     text = (REPO / "run_scripts" / "quickstart.sh").read_text()

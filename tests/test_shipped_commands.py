@@ -25,6 +25,10 @@ test suite's own command is CI's). What the tests here prove:
 - A benchmark command (`bench/X.py ...`, docs/benchmarks.md's list among them) gives only flags X parses; its run is
   tests/test_bench.py's `--quick` one (ELSEWHERE). A `bench/report.py` command runs as written with `--check`: every
   document is as its records render it.
+- An inline command of the prose of docs/running.md and docs/migrating.md (`.venv/bin/python -m spes.server
+  --help`, `bash run_scripts/...`), its placeholders filled, names a module or script that exists, and its flags
+  parse with that entry point's own parser (a forwarding script's with the one it runs), config overrides checked
+  against the config's keys; the first implementation's column of their tables names its scripts, not spes's.
 - The device scripts (`bench/prepare_gpu.sh` here, `bench/run_gpu.sh` and `bench/run_wan_cores.sh` on the lent
   machine) run as written with a `python` that only logs what it would run: the wheels' pins are this machine's, the
   commit file is the benchmarks' commit, and each benchmark's flags are its own, its record under the device's $OUT.
@@ -36,6 +40,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import re
 import shlex
@@ -52,9 +57,10 @@ import torch
 from conftest import QUICKSTART
 from dist_helpers import _kill_group, _tail, child_env, run_logged
 from spes.checkpoint import load_model_state
-from spes.config import load_config
+from spes.config import TrainConfig, load_config
 from spes.launch import free_port
 from spes.preflight import check_server, manifest
+from spes.schema import checked_overrides, override_to_dotlist
 from sync_helpers import write_pki
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,8 +89,8 @@ ELSEWHERE = {
     "bench/bench_overlap.py": ("tests/test_bench.py", '"bench_overlap",'),
     "bench/mini_repro.py": ("tests/test_mini_repro.py", '_run_quick("mini_repro",'),
     "bench/mini_repro_memory.py": ("tests/test_mini_repro.py", '_run_quick("mini_repro_memory",'),
-    # its quick run installs a fresh clone from the package registry: only its timing of the stages is tested
-    "bench/bench_quickstart.py": ("tests/test_bench.py", "from bench_quickstart import timed_stages"),
+    # its quick run on a clone lent an installed environment and a small corpus (a fresh one installs from the registry)
+    "bench/bench_quickstart.py": ("tests/test_bench.py", 'run_bench("bench_quickstart"'),
     **{
         f"bench/{name}.py": ("tests/test_bench.py", f'run_bench("{name}"')
         for name in ("bench_aggregate", "bench_codec", "bench_fused_loss", "bench_memory", "bench_server_memory")
@@ -164,10 +170,10 @@ def test_every_written_command_is_exercised() -> None:
 
 def test_the_written_python_commands_run_the_interpreter_the_quickstart_installs() -> None:
     """run_scripts/setup.sh installs spes and torch into .venv and nothing says to activate it: a bare `python`
-    (the system's) ends in `No module named 'spes'` (or 'torch')."""
+    (the system's) ends in `No module named 'spes'` (or 'torch'). The inline commands of PROSE_DOCS too."""
     bare = [
         f"{where}: {c}"
-        for where, c in COMMANDS
+        for where, c in [*COMMANDS, *PROSE]
         if re.match(r"(\S+=\S+\s+)*python3?\s", c) and not any(other in c for other in NOT_SPES)
     ]
     assert not bare, "written commands of a bare python:\n" + "\n".join(bare)
@@ -514,27 +520,51 @@ def test_every_script_answers_help_and_does_nothing_else(script: str, tmp_path: 
 
 
 class Parsed(Exception):
-    """Raised with a benchmark's parsed arguments, before it runs anything."""
+    """Raised with an entry point's parsed arguments and the words it left to the config, before it runs anything."""
+
+
+def parsed_by(main: Callable[[list[str]], Any], argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Parsed:
+    """`argv` as `main`'s argument parser reads it, without running `main` (every entry point parses its arguments
+    first): the namespace and the words left over, which the entry point takes as config overrides. A parse_args
+    runs in full (a subparser's or subclass's parse_known_args within it included); a parse_known_args called
+    directly leaves its rest to the caller."""
+    parse, known = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+
+    def stop(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> argparse.Namespace:
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", known)
+        raise Parsed(parse(self, args, namespace), [])
+
+    def stop_known(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        raise Parsed(*known(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", stop_known)
+    name = getattr(main, "__module__", main)
+    try:
+        main(argv)
+    except Parsed as done:
+        return done
+    except SystemExit as exc:
+        raise AssertionError(f"{name} refused {shlex.join(argv)} (exit {exc.code})") from None
+    finally:
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse)
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", known)
+    raise AssertionError(f"{name} parsed no arguments")
+
+
+def script_main(script: str, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], Any]:
+    """The `main` of the Python script at `script` (a path in the repository), imported beside its own folder's
+    modules."""
+    monkeypatch.syspath_prepend(REPO / Path(script).parent)
+    return importlib.import_module(Path(script).stem).main
 
 
 def parsed(script: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:
-    """`argv` as `bench/<script>` parses it, without running it (every benchmark parses its arguments first; the
-    smoke tests run it with `--quick`, not with the flags the docs write)."""
-    monkeypatch.syspath_prepend(REPO / "bench")
-    module = importlib.import_module(Path(script).stem)
-    parse = argparse.ArgumentParser.parse_args
-
-    def stop(self: argparse.ArgumentParser, args: Any = None, namespace: Any = None) -> argparse.Namespace:
-        raise Parsed(parse(self, args, namespace))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
-    try:
-        module.main(argv)
-    except Parsed as done:
-        return done.args[0]
-    except SystemExit as exc:
-        raise AssertionError(f"{script} refused {shlex.join(argv)} (exit {exc.code})") from None
-    raise AssertionError(f"{script} parsed no arguments")
+    """`argv` as `bench/<script>` parses it, without running it (the smoke tests run it with `--quick`, not with the
+    flags the docs write)."""
+    done = parsed_by(script_main(f"bench/{Path(script).name}", monkeypatch), argv, monkeypatch)
+    assert not done.args[1], f"{script} refused {done.args[1]}"
+    return done.args[0]
 
 
 BENCH_SCRIPT = re.compile(r"(?:^|\s)bench/(\w+\.py)(?:\s|$)")
@@ -546,6 +576,124 @@ def test_written_benchmark_flags_are_the_benchmarks_own(command: str, monkeypatc
     words = shlex.split(command)
     script = next(w for w in words if BENCH_SCRIPT.fullmatch(w))
     parsed(script, words[words.index(script) + 1 :], monkeypatch)
+
+
+PROSE_DOCS = ("docs/running.md", "docs/migrating.md")
+"""The documents whose prose writes commands inline (`python -m spes.server --help`), beside their ```bash blocks."""
+COMMAND_START = re.compile(r"([A-Z_]+=\S+ )*(\.venv/bin/python|python3?|bash|sbatch) |spes\.\w+ .*-|[\w/]+\.(py|sh) ")
+"""How an inline command span begins: an interpreter or a launcher, a script followed by its arguments, or a module
+followed by flags (`spes.hf import` names a subcommand)."""
+SCRIPT_DIRS = ("run_scripts", "eval_scripts", "data_process_scripts", "bench")
+FORWARDED = {
+    "run_scripts/run_single_node.sh": ("spes.train", 1),
+    "run_scripts/run_cluster.sh": ("spes.train", 0),
+    "run_scripts/quickstart.sh": ("spes.train", 0),
+    "run_scripts/run_parameter_server.sh": ("spes.server", 0),
+}
+"""Scripts that pass their arguments on: to which entry point, after how many of their own (run_single_node.sh's
+node id)."""
+
+
+def _prose(text: str) -> str:
+    """`text` without its code blocks and without the cells of a table's column of the first implementation, which
+    names its scripts (`run_scripts/wandb_sync.sh`), not spes's."""
+    lines, column = [], None
+    for line in re.sub(r"```.*?```", "", text, flags=re.S).splitlines():
+        cells = line.strip().strip("|").split("|")
+        if not line.startswith("|"):
+            column = None
+        elif column is None and "the first implementation" in [c.strip() for c in cells]:
+            column = [c.strip() for c in cells].index("the first implementation")
+        if column is not None and column < len(cells):
+            cells[column] = ""
+            line = "|".join(cells)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def prose_commands(doc: str) -> list[str]:
+    """The command spans of `doc`'s prose, each on one line."""
+    spans = (" ".join(span.split()) for span in re.findall(r"`([^`]+)`", _prose((REPO / doc).read_text())))
+    return [span for span in spans if COMMAND_START.match(span)]
+
+
+PROSE = sorted({(doc, command) for doc in PROSE_DOCS for command in prose_commands(doc)})
+
+
+def _concrete(command: str) -> list[str]:
+    """The words of `command` with its placeholders filled: `<what ... flags>` or `<... overrides>` (arguments)
+    dropped, any other `<...>` or a value `...` one word, `[--optional]` given."""
+    command = re.sub(r"\s*<[^>]*(flags|overrides)>", "", command)
+    command = re.sub(r"<[^>]*>|(?<=[= ])\.\.\.(?= |$)", "1", re.sub(r"\[([^]]*)\]", r"\1", command))
+    return shlex.split(command)
+
+
+def entry_point(command: str) -> tuple[str, list[str]]:
+    """(entry point, its arguments) of an inline command: a module `spes.X` or a script's path in the repository
+    (a bare script name is looked for in SCRIPT_DIRS); the environment words and a launcher's options dropped."""
+    words = _concrete(command)
+    words = words[next(i for i, w in enumerate(words) if not re.fullmatch(r"[A-Z_]+=\S*", w)) :]
+    if re.fullmatch(r"(\.venv/bin/)?python3?", words[0]):
+        words = words[1:]
+    if words[0] == "-m":
+        return words[1], words[2:]
+    if words[0] in ("bash", "sbatch"):
+        words = words[next(i for i, w in enumerate(words[1:], 1) if not w.startswith("-")) :]
+    if words[0].startswith("spes."):
+        return words[0], words[1:]
+    found = [f"{d}/{words[0]}" for d in SCRIPT_DIRS if (REPO / d / words[0]).is_file()]
+    return (found[0] if "/" not in words[0] and len(found) == 1 else words[0]), words[1:]
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Every override names a config key and holds a value of its type (as spes.train checks them)."""
+    checked_overrides(TrainConfig, [override_to_dotlist(o) for o in overrides])
+
+
+def parse_module(module: str, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`argv` parsed as `python -m module` parses it, its config overrides checked; `--help` may end it (exit 0)."""
+    assert importlib.util.find_spec(module) is not None, f"no module {module}"
+    main = importlib.import_module(module).main
+    if "--help" in argv:
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert done.value.code == 0, f"{module} refused {shlex.join(argv)}"
+        return None
+    if module in ("spes.train", "spes.launch"):  # their own parse_args splits the overrides off: (..., overrides, ...)
+        return check_overrides(importlib.import_module(module).parse_args(argv)[1])
+    namespace, rest = parsed_by(main, argv, monkeypatch).args
+    check_overrides([*rest, *getattr(namespace, "overrides", [])])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", sorted({c for _, c in PROSE}))
+def test_inline_commands_name_an_entry_point_that_parses_their_flags(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An inline command of PROSE_DOCS names a module or script that exists and gives it only what it takes: a
+    module's flags its parser's, a Python script's its main's, a forwarding script's (FORWARDED) those of the entry
+    point it runs; any other script takes no flags."""
+    entry, argv = entry_point(command)
+    if entry.startswith("spes."):
+        return parse_module(entry, argv, monkeypatch)
+    assert (REPO / entry).is_file(), f"{command}: no script {entry}"
+    if entry.endswith(".py"):
+        namespace, rest = parsed_by(script_main(entry, monkeypatch), argv, monkeypatch).args
+        assert not rest, f"{entry} refused {rest}"
+    elif entry in FORWARDED:
+        module, own = FORWARDED[entry]
+        parse_module(module, argv[own:], monkeypatch)
+    else:
+        assert not [w for w in argv if w.startswith("-")], f"{entry} takes no flags"
+
+
+def test_the_inline_commands_are_found() -> None:
+    """The spans of both documents' prose, but none of the first implementation's own commands."""
+    found = {doc for doc, _ in PROSE}
+    commands = " ".join(c for _, c in PROSE)
+    assert found == set(PROSE_DOCS) and len(PROSE) > 20, PROSE
+    assert "python -m spes.unshard" in commands and "bash eval_scripts/convert_to_hf.sh" in commands
+    assert "wandb_sync.sh" not in commands and "convet_model" not in commands
 
 
 @pytest.mark.timeout(120)
@@ -603,6 +751,35 @@ def test_written_device_commands_run_their_benchmark_with_its_own_flags(
         assert any(argv[:4] == ["-m", "pytest", "-m", "gpu"] for argv in calls(log)), calls(log)
 
 
+def linked_bench(directory: Path) -> None:
+    """`directory`/bench: the checkout's bench/ file by file, so what a script writes beside it lands in `directory`."""
+    (directory / "bench").mkdir()
+    for path in (REPO / "bench").iterdir():
+        (directory / "bench" / path.name).symlink_to(path)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script", ["bench/prepare_gpu.sh", "bench/run_gpu.sh"])
+def test_device_scripts_answer_help_and_do_nothing_else(script: str, tmp_path: Path) -> None:
+    """`--help` prints the header, which shows how to run the script, and exits 0 before any work: it downloaded
+    the wheels (prepare_gpu.sh), or installed them and ran the GPU tests and the benchmark (run_gpu.sh)."""
+    linked_bench(tmp_path)
+    stub, log = stub_python(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.run(
+        ["bash", str(tmp_path / script), "--help"],
+        cwd=tmp_path,
+        env=child_env(PYTHON=str(stub), OUT=str(out)),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0 and f"bash {script}" in proc.stdout, proc.stdout + proc.stderr
+    assert not log.exists(), calls(log)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench", "out", "python"] and not list(out.iterdir())
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("command", of_kind("bench/prepare_gpu.sh"))
 def test_written_gpu_preparation_downloads_this_machines_pins_and_names_the_commit(
@@ -611,9 +788,7 @@ def test_written_gpu_preparation_downloads_this_machines_pins_and_names_the_comm
     """Run as written from a copy of the checkout's bench/ (it writes .whl/ beside it), with a python that only
     logs its pip downloads: one per wheel, for the device's CPython 3.12, pinned to this machine's versions (the
     generated gRPC code needs them), and .whl/COMMIT the commit every record of the device run will name."""
-    (tmp_path / "bench").mkdir()
-    for path in (REPO / "bench").iterdir():
-        (tmp_path / "bench" / path.name).symlink_to(path)
+    linked_bench(tmp_path)
     stub, log = stub_python(tmp_path)
     env = {k: v for k, v in child_env(PYTHON=str(stub)).items() if k != "SPES_COMMIT"}
     proc = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
