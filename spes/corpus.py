@@ -28,6 +28,7 @@ import argparse
 import glob
 import gzip
 import io
+import itertools
 import json
 import os
 import signal
@@ -652,9 +653,17 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
+    texts = iter_texts(files, args.text_field, max_bytes)
+    first = next(texts, None)  # NOTE: no text at all trained a bytes-only tokenizer, told as too few distinct pairs
+    if first is None:
+        print(
+            f"error: --input {' '.join(args.input)} holds no text (check --text_field {args.text_field!r})",
+            file=sys.stderr,
+        )
+        return 2
     try:
         tokenizer = train_byte_level_bpe(
-            iter_texts(files, args.text_field, max_bytes),
+            itertools.chain([first], texts),
             vocab_size=args.vocab_size,
             output_dir=args.output_dir,
             min_frequency=args.min_frequency,
