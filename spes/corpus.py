@@ -28,13 +28,17 @@ import argparse
 import glob
 import gzip
 import io
+import itertools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -275,6 +279,9 @@ def _init_worker(tokenizer_path: str, fingerprint: str, text_field: str, dtype: 
     global _WORKER_ENCODER
     # NOTE: one single-threaded tokenizer per process; --processes sets the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # NOTE: a terminal's Ctrl-C reaches the whole process group; the main process stops the pool (a worker's own
+    # KeyboardInterrupt printed a traceback each and broke the pool under it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.fingerprint != fingerprint:
         raise ValueError(f"{tokenizer_path} changed while tokenizing; rerun with a tokenizer nobody is rewriting")
@@ -532,33 +539,73 @@ def tokenize_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (`kill`, `timeout`, a scheduler) raises KeyboardInterrupt while entered, as Ctrl-C does: the pool is
+    shut down and the interruption told, where SIGTERM's default left the tokenizer processes running forever."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupted_message(output_prefix: str) -> str:
+    """What an interrupted run left and what to do: its complete shards hold only the start of the input."""
+    kept = [p for p in existing_outputs(Path(output_prefix)) if p.suffix == ".npy"]
+    if not kept:
+        return "interrupted before the first shard was complete: nothing written"
+    names = kept[0].name if len(kept) == 1 else f"{kept[0].name} .. {kept[-1].name}"
+    return (
+        f"interrupted: {len(kept)} complete shard(s) ({names}) hold the start of the input only; delete "
+        f"{output_prefix}_* and rerun (a rerun refuses this --output_prefix while they exist)"
+    )
+
+
 def tokenize_main(argv: Sequence[str] | None = None) -> int:
     """data_process_scripts/tokenize_data.py."""
     args = tokenize_parser().parse_args(argv)
     if args.files_per_process is not None:
         print(f"note: --files_per_process {args.files_per_process} changes nothing here (see --help)", file=sys.stderr)
     try:
-        files = resolve_input_files(args.file_glob)
-        tokenizer = load_tokenizer(args.tokenizer_name_or_path)
-        summary = tokenize_files(
-            files,
-            text_field=args.text_field,
-            batch_size=args.batch_size,
-            tokenizer=tokenizer,
-            output_prefix=args.output_prefix,
-            dtype=args.dtype,
-            max_shard_bytes=args.max_shard_bytes,
-            processes=args.processes,
-        )
+        with _sigterm_interrupts():
+            files, summary = _tokenize_cli(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(interrupted_message(args.output_prefix), file=sys.stderr)
+        return 130
     print(f"tokenized {len(files)} file(s) into {args.output_prefix}_*.npy")
     print(format_summary(summary))
     if summary.num_documents == 0:
-        print(f"error: no document could be tokenized; check --text_field {args.text_field!r}", file=sys.stderr)
+        why = f"check --text_field {args.text_field!r}" if summary.num_malformed else "the input files hold no record"
+        print(f"error: no document could be tokenized; {why}", file=sys.stderr)
         return 1
     return 0
+
+
+def _tokenize_cli(args: argparse.Namespace) -> tuple[list[Path], TokenizeSummary]:
+    """The input files and what tokenizing them with the CLI's flags produced."""
+    files = resolve_input_files(args.file_glob)
+    summary = tokenize_files(
+        files,
+        text_field=args.text_field,
+        batch_size=args.batch_size,
+        tokenizer=load_tokenizer(args.tokenizer_name_or_path),
+        output_prefix=args.output_prefix,
+        dtype=args.dtype,
+        max_shard_bytes=args.max_shard_bytes,
+        processes=args.processes,
+    )
+    return files, summary
 
 
 def train_tokenizer_parser() -> argparse.ArgumentParser:
@@ -606,9 +653,17 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
+    texts = iter_texts(files, args.text_field, max_bytes)
+    first = next(texts, None)  # NOTE: no text at all trained a bytes-only tokenizer, told as too few distinct pairs
+    if first is None:
+        print(
+            f"error: --input {' '.join(args.input)} holds no text (check --text_field {args.text_field!r})",
+            file=sys.stderr,
+        )
+        return 2
     try:
         tokenizer = train_byte_level_bpe(
-            iter_texts(files, args.text_field, max_bytes),
+            itertools.chain([first], texts),
             vocab_size=args.vocab_size,
             output_dir=args.output_dir,
             min_frequency=args.min_frequency,

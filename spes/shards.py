@@ -20,7 +20,7 @@ import io
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -116,15 +116,21 @@ def open_token_array(shard: Shard, memmap_dtype: str | None = None) -> np.ndarra
     `memmap_dtype` (uint16 when None); a memory map of a local file, a `RangeTokenArray` of a URL."""
     if isinstance(shard, str) and is_url(shard):
         return RangeTokenArray.open(shard, memmap_dtype)
-    with open(shard, "rb") as f:
-        head = f.read(_NPY_HEAD)
+    head = _file_head(shard, _NPY_HEAD)
     if head.startswith(NPY_MAGIC):
+        _npy_layout(shard, head, os.path.getsize(shard), lambda n: _file_head(shard, n))
         with _NPY_HEADER_LOCK:
             return np.load(shard, mmap_mode="r", allow_pickle=False)
     dtype = _headerless_dtype(shard, memmap_dtype, os.path.getsize(shard), head)
     if not head:  # numpy maps no empty file
         return np.zeros(0, dtype=dtype)
     return np.memmap(shard, dtype=dtype, mode="r")
+
+
+def _file_head(path: str | os.PathLike[str], size: int) -> bytes:
+    """The first `size` bytes of a local file (fewer when it is shorter)."""
+    with open(path, "rb") as f:
+        return f.read(size)
 
 
 def _headerless_dtype(shard: Shard, memmap_dtype: str | None, size: int, head: bytes) -> np.dtype:
@@ -193,18 +199,8 @@ class RangeTokenArray:
         if not head.startswith(NPY_MAGIC):
             dtype = _headerless_dtype(url, memmap_dtype, file.size, head)
             return cls(file, dtype, (file.size // dtype.itemsize,), 0)
-        needed = _npy_header_bytes(head, url)
-        if needed > file.size:
-            raise ValueError(_cut_short(url, f"its .npy header of {needed:,} bytes in {file.size:,}"))
-        if len(head) < needed:
-            head = file.read(0, needed)
-        stream = io.BytesIO(head)
-        read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-        with _NPY_HEADER_LOCK:
-            shape, _, dtype = read_header[np.lib.format.read_magic(stream)](stream)
-        if dtype.hasobject or needed + int(np.prod(shape)) * dtype.itemsize > file.size:
-            raise ValueError(_cut_short(url, f"{dtype} {shape} in {file.size:,} bytes"))
-        return cls(file, dtype, tuple(shape), needed)
+        dtype, shape, offset = _npy_layout(url, head, file.size, lambda n: file.read(0, n))
+        return cls(file, dtype, shape, offset)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -219,18 +215,41 @@ class RangeTokenArray:
         return np.frombuffer(self.file.read(self.offset + start * size, (stop - start) * size), dtype=self.dtype)
 
 
-def _npy_header_bytes(head: bytes, url: str) -> int:
+def _npy_layout(
+    shard: Shard, head: bytes, size: int, read_head: Callable[[int], bytes]
+) -> tuple[np.dtype, tuple[int, ...], int]:
+    """Dtype, shape and data offset of the `.npy` shard of `size` bytes that starts with `head` (`read_head(n)`: its
+    first n bytes); ValueError naming it when it is cut short (a copy or download that stopped early): numpy's own
+    error names neither the file nor the fix."""
+    needed = _npy_header_bytes(head, shard)
+    if needed > size:
+        raise ValueError(_cut_short(shard, f"its .npy header of {needed:,} bytes in {size:,}"))
+    if len(head) < needed:
+        head = read_head(needed)
+    stream = io.BytesIO(head)
+    read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    try:
+        with _NPY_HEADER_LOCK:
+            shape, _, dtype = read_header[np.lib.format.read_magic(stream)](stream)
+    except ValueError as err:
+        raise ValueError(_cut_short(shard, f"an unreadable .npy header: {err}")) from None
+    if dtype.hasobject or needed + int(np.prod(shape)) * dtype.itemsize > size:
+        raise ValueError(_cut_short(shard, f"{dtype} {shape} in {size:,} bytes"))
+    return dtype, tuple(shape), needed
+
+
+def _npy_header_bytes(head: bytes, shard: Shard) -> int:
     """Magic, version, header length field and header of a `.npy` file: where its data starts."""
     prefix = {b"\x01\x00": 10, b"\x02\x00": 12}.get(head[6:8])
     if prefix is None:
-        raise ValueError(f"token shard {url} has a .npy header of a version spes does not read (1.0 and 2.0 only)")
+        raise ValueError(f"token shard {shard} has a .npy header of a version spes does not read (1.0 and 2.0 only)")
     if len(head) < prefix:
-        raise ValueError(_cut_short(url, f"{len(head)} bytes"))
+        raise ValueError(_cut_short(shard, f"{len(head)} bytes"))
     return prefix + int.from_bytes(head[8:prefix], "little")
 
 
-def _cut_short(url: str, what: str) -> str:
-    return f"token shard {url} is not a whole array of token ids ({what}); rerun tokenize_data.py for it"
+def _cut_short(shard: Shard, what: str) -> str:
+    return f"token shard {shard} is not a whole array of token ids ({what}); rerun tokenize_data.py for it"
 
 
 def resolve_paths(

@@ -234,3 +234,18 @@ def test_a_relative_entry_is_relative_to_the_working_directory(tmp_path: Path, m
     monkeypatch.chdir(tmp_path)
     assert resolve_paths(["rel.npy"]) == [Path("rel.npy")] and Path("rel.npy").resolve() == shard
     assert resolve_paths([str(shard)], base_dir=tmp_path / "elsewhere") == [shard]  # an absolute entry as it is
+
+
+@pytest.mark.parametrize("keep", [0.5, 60 / 148], ids=["data", "header"])
+def test_a_local_npy_cut_short_is_refused_naming_it(keep: float, tmp_path: Path) -> None:
+    """A copy or download that stopped early: numpy's own error ("mmap length is greater than file size") named
+    neither the file nor the fix."""
+    shard = write_token_shard(tmp_path / "part_00000.npy", np.arange(10, dtype=np.uint16), with_sidecar=False)
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: int(len(whole) * keep)])
+    with pytest.raises(
+        ValueError,
+        match=rf"token shard {re.escape(str(shard))} is not a whole array of token ids .*"
+        r"rerun tokenize_data.py for it",
+    ):
+        open_token_array(shard)

@@ -475,12 +475,15 @@ def test_a_worker_loads_the_tokenizer_single_threaded_and_refuses_one_rewritten_
     """What each tokenizer process does first, here in this process (mutmut traces no other)."""
     monkeypatch.setattr(corpus, "_WORKER_ENCODER", None)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    handlers: list[tuple[int, object]] = []  # NOTE: not this process's: a SIGINT ignored here is the test runs' too
+    monkeypatch.setattr(corpus.signal, "signal", lambda sig, handler: handlers.append((sig, handler)))
     chunk = corpus.TextChunk("s", [(1, b'{"body": "one"}')], json_lines=True)
     with pytest.raises(AssertionError) as unset:
         corpus._encode_in_worker(chunk)
     assert str(unset.value) == "worker used before _init_worker"
     corpus._init_worker(str(tokenizer.path), tokenizer.fingerprint, "body", np.dtype(np.uint16).str)
     assert os.environ["TOKENIZERS_PARALLELISM"].lower() == "false"  # as tokenizers reads it
+    assert handlers == [(signal.SIGINT, signal.SIG_IGN)]  # a terminal's Ctrl-C is the main process's to handle
     encoded = corpus._encode_in_worker(chunk)
     assert encoded.tokens.dtype == np.uint16 and encoded.tokens.tolist() == [*tokenizer.encode_batch(["one"])[0], 0]
     with pytest.raises(ValueError) as refused:
@@ -631,3 +634,71 @@ def test_a_shard_holds_at_least_one_token(tokenizer: LoadedTokenizer, tmp_path: 
     shards = writer.close()
     assert [np.load(p).tolist() for p in shards] == [[5], [0], [6], [0]]
     assert [read_shard_info(p).num_documents for p in shards] == [0, 1, 0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["kill", "ctrl-c"])
+def test_a_stopped_cli_run_says_what_it_kept_and_leaves_no_tokenizer_process(
+    sig: signal.Signals, group: bool, tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """SIGTERM to the script alone (`kill`, `timeout`) left its tokenizer processes running forever; Ctrl-C (SIGINT to
+    the whole group) ended in a traceback from every process."""
+    write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 4000)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS_DIR / "tokenize_data.py"), "--file_glob", str(tmp_path / "*.jsonl")]
+        + ["--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix", str(out / "part")]
+        + ["--max_shard_bytes", "4000", "--batch_size", "50", "--processes", "2"],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120  # NOTE: the imports alone can take 30 s on a loaded 2-core host
+        while not list(out.glob("*.npy")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        workers = psutil.Process(proc.pid).children()
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert len(workers) == 2 and proc.returncode == 130, err
+    kept = sorted(out.glob("*.npy"))
+    assert err.splitlines()[-1] == (
+        f"interrupted: {len(kept)} complete shard(s) (part_00000.npy{f' .. {kept[-1].name}' if len(kept) > 1 else ''})"
+        f" hold the start of the input only; delete {out / 'part'}_* and rerun (a rerun refuses this --output_prefix "
+        "while they exist)"
+    )
+    assert "Traceback" not in err
+    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_an_interrupted_cli_run_says_what_it_kept_or_that_it_wrote_nothing(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    prefix = tmp_path / "out" / "part"
+    args = ["--file_glob", str(path), "--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix"]
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(corpus, "tokenize_files", interrupted)
+    assert corpus.tokenize_main([*args, str(prefix)]) == 130
+    assert capsys.readouterr().err == "interrupted before the first shard was complete: nothing written\n"
+    prefix.parent.mkdir()
+    for name in ("part_00000.npy", "part_00000.npy.json", "part_00001.npy", "part_00001.npy.json"):
+        (prefix.parent / name).touch()
+    assert corpus.tokenize_main([*args, str(prefix)]) == 130
+    assert capsys.readouterr().err.startswith("interrupted: 2 complete shard(s) (part_00000.npy .. part_00001.npy) ")
+
+
+def test_an_input_without_any_record_is_told_as_such_not_as_a_wrong_text_field(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"\n\n")
+    args = ["--file_glob", str(empty), "--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix"]
+    assert corpus.tokenize_main([*args, str(tmp_path / "out" / "part")]) == 1
+    assert capsys.readouterr().err.endswith("error: no document could be tokenized; the input files hold no record\n")

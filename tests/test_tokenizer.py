@@ -194,7 +194,7 @@ def test_train_tokenizer_reads_the_text_field_says_what_it_trained_and_notes_a_v
         "note: fewer tokens than --vocab_size 300: the text has too few distinct pairs; set model.vocab_size=258"
     )
     argv[3] = str(tmp_path / "tok3")
-    assert corpus.train_tokenizer_main([*argv[:-1], "10"]) == 2
+    assert corpus.train_tokenizer_main([*argv[:-1], "10", "--text_field", "body"]) == 2
     assert capsys.readouterr().err.startswith("error: vocab_size=10 is too small: ")
 
 
@@ -334,3 +334,15 @@ def test_a_path_that_is_neither_local_nor_an_id_says_how_to_get_a_tokenizer() ->
 
 def test_an_embedding_as_large_as_the_vocabulary_is_accepted() -> None:
     check_vocab(512, 512, 512)
+
+
+def test_train_tokenizer_refuses_an_input_of_no_text_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty file trained a bytes-only tokenizer, exit 0, with a note blaming too few distinct pairs."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"\n")
+    out = tmp_path / "tok"
+    assert corpus.train_tokenizer_main(["--input", str(empty), "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --input {empty} holds no text (check --text_field 'text')\n"
+    assert not out.exists()
