@@ -2,7 +2,7 @@
 """The README's first command, timed stage by stage on a fresh clone: install, corpus, training.
 
     .venv/bin/python bench/bench_quickstart.py            # clone HEAD into a temporary folder, run quickstart.sh
-    .venv/bin/python bench/bench_quickstart.py --quick    # the same with a 6-step run (what CI runs)
+    .venv/bin/python bench/bench_quickstart.py --quick    # the same with a 10-step run, one round (what CI runs)
     .venv/bin/python bench/bench_quickstart.py --quick --venv .venv --corpus data/default   # no install, no corpus
 
 The clone is of the committed HEAD (`git clone`), so it has no .venv, no corpus and no outputs: the run pays every
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         clone = Path(tmp) / "spes"
         subprocess.run(["git", "clone", "-q", str(REPO_ROOT), str(clone)], check=True)
         env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-        steps = {"STEPS": "6"} if args.quick else {}
+        steps = {"STEPS": "10"} if args.quick else {}  # configs/tiny.yaml syncs every 10 steps
         env.update(steps)
         lent = _lend(clone, args.venv, args.corpus)
         if args.venv is not None:  # NOTE: its spes may be another checkout's (the clone's first), and setup.sh

@@ -10,6 +10,7 @@
 # About 4 minutes (the first round sends the 1/12 model's full values down); arguments replace `--speeds 100`.
 # Leaves $OUT/bench_wan_sparse_cores.json (commit it as bench/results/bench_wan_sparse_cores.json) and the log.
 set -uo pipefail
+[[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
 exec > >(tee "${OUT:-bench/results}/run_wan_cores.log") 2>&1
 source bench/device_env.sh

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -696,6 +697,8 @@ def test_bench_quickstart_quick_times_the_three_stages_of_a_fresh_clone(tmp_path
     assert list(record["stages"]) == ["install", "corpus", "train"] and "SPES run summary" in stdout
     assert record["mode"] == "quick" and record["lent"] == {".venv": str(venv), "data/default": str(corpus)}
     assert "already built" in stdout and "started server" in stdout
+    peers = [row.split() for row in stdout.splitlines() if re.match(r"\s*\d+\s+10\s", row)]  # peer, steps, ...
+    assert len(peers) == 4 and all(row[-5] == "1" for row in peers), stdout  # each peer's rounds: one sync
 
 
 def test_quickstart_says_each_stage_with_its_time_from_the_record(tmp_path: Path) -> None:

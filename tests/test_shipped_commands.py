@@ -578,7 +578,7 @@ def test_written_benchmark_flags_are_the_benchmarks_own(command: str, monkeypatc
     parsed(script, words[words.index(script) + 1 :], monkeypatch)
 
 
-PROSE_DOCS = ("docs/running.md", "docs/migrating.md")
+PROSE_DOCS = ("README.md", "docs/running.md", "docs/migrating.md")
 """The documents whose prose writes commands inline (`python -m spes.server --help`), beside their ```bash blocks."""
 COMMAND_START = re.compile(r"([A-Z_]+=\S+ )*(\.venv/bin/python|python3?|bash|sbatch) |spes\.\w+ .*-|[\w/]+\.(py|sh) ")
 """How an inline command span begins: an interpreter or a launcher, a script followed by its arguments, or a module
@@ -672,7 +672,7 @@ def test_inline_commands_name_an_entry_point_that_parses_their_flags(
 ) -> None:
     """An inline command of PROSE_DOCS names a module or script that exists and gives it only what it takes: a
     module's flags its parser's, a Python script's its main's, a forwarding script's (FORWARDED) those of the entry
-    point it runs; any other script takes no flags."""
+    point it runs; any other script no flag but `--help`, which prints its header."""
     entry, argv = entry_point(command)
     if entry.startswith("spes."):
         return parse_module(entry, argv, monkeypatch)
@@ -683,8 +683,11 @@ def test_inline_commands_name_an_entry_point_that_parses_their_flags(
     elif entry in FORWARDED:
         module, own = FORWARDED[entry]
         parse_module(module, argv[own:], monkeypatch)
+    elif argv == ["--help"]:  # a script's header is its help
+        done = subprocess.run(["bash", str(REPO / entry), "--help"], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0 and entry in done.stdout, done.stdout + done.stderr
     else:
-        assert not [w for w in argv if w.startswith("-")], f"{entry} takes no flags"
+        assert not [w for w in argv if w.startswith("-")], f"{entry} takes no flags but --help"
 
 
 def test_the_inline_commands_are_found() -> None:
@@ -759,7 +762,7 @@ def linked_bench(directory: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("script", ["bench/prepare_gpu.sh", "bench/run_gpu.sh"])
+@pytest.mark.parametrize("script", ["bench/prepare_gpu.sh", "bench/run_gpu.sh", "bench/run_wan_cores.sh"])
 def test_device_scripts_answer_help_and_do_nothing_else(script: str, tmp_path: Path) -> None:
     """`--help` prints the header, which shows how to run the script, and exits 0 before any work: it downloaded
     the wheels (prepare_gpu.sh), or installed them and ran the GPU tests and the benchmark (run_gpu.sh)."""
