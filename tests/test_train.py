@@ -160,8 +160,8 @@ def test_a_load_path_that_names_no_checkpoint_is_one_line_before_the_model_is_bu
     for path, refusal in {
         nowhere: f"load_path {nowhere}: no such directory ({fix})",
         file: f"load_path {file}: a file, not a directory ({fix})",
-        empty: f"load_path {empty} holds no checkpoint: neither a checkpoint directory (no meta.json) nor a save "
-        f"folder (no 'latest'); {fix}",
+        empty: f"load_path {empty} holds no checkpoint: neither a checkpoint directory (a step<N> directory spes "
+        f"saved) nor a save folder (holding such directories or a 'latest' file); {fix}",
     }.items():
         code = main([TINY, *tiny_corpus.overrides(tmp_path / "out"), *FAST, f"--load_path={path}"])
         captured = capsys.readouterr()
