@@ -78,7 +78,7 @@ def test_on_a_signal_spes_torchrun_says_what_the_lowest_rank_did_in_one_line(
         logging.getLogger("torch.distributed.elastic.agent.server.api").warning("Received 15 death signal")
         raise SignalException("got signal: 15", sigval=signal.SIGTERM)
 
-    monkeypatch.delenv(spes.torchrun.ERROR_DIR_ENV, raising=False)  # NOTE: restored once main has set it
+    monkeypatch.setenv(spes.torchrun.ERROR_DIR_ENV, "")  # NOTE: main sets it; the test's end takes it away again
     monkeypatch.setattr(torch.distributed.run, "run", signalled)
     assert spes.torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "spes.train", TINY]) == 143
     assert capsys.readouterr().err == f"error: stopped by SIGTERM: {said}\n" and "death signal" not in caplog.text
