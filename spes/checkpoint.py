@@ -460,7 +460,7 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
     inside = sorted(c.name for c in p.iterdir() if (c / META_FILE).is_file() or (c / LATEST).is_file())
     if inside:  # e.g. the run directory above the nodes' save folders
         raise CheckpointError(
-            f"{what} {p} is no checkpoint itself (no {META_FILE}, no '{LATEST}'); point it at one it holds: "
+            f"{what} {p} is neither a checkpoint nor a save folder itself, but holds them; point it at one: "
             + ", ".join(str(p / name) for name in inside)
         )
     foreign = _foreign_checkpoint(p)
@@ -470,9 +470,12 @@ def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
             f"from Hugging Face weights with python -m spes.hf import --hf <HF model dir> --out <dir>/step0 "
             f"--num_train_experts_per_node K and point {what} at it (docs/migrating.md)"
         )
+    incomplete = [c.name for c in list_checkpoints(p)]  # NOTE: none of them is complete here
     raise CheckpointError(
-        f"{what} {p} holds no checkpoint: neither a checkpoint directory (no {META_FILE}) nor a save folder (no "
-        f"'{LATEST}'); point it at {CHECKPOINT_PATHS}"
+        f"{what} {p} holds no checkpoint: neither a checkpoint directory (a step<N> directory spes saved) nor a save "
+        f"folder (holding such directories or a '{LATEST}' file)"
+        + (f"; {', '.join(incomplete)} lack(s) the {META_FILE} a complete checkpoint holds" if incomplete else "")
+        + f"; point it at {CHECKPOINT_PATHS}"
     )
 
 

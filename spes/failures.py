@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from spes.guard import NonFiniteError
+from spes.interrupt import Unsaved
 from spes.sync.protocol import SyncError
 from spes.torchrun import ERROR_DIR_ENV
 
@@ -34,8 +35,9 @@ USER_ERRORS: dict[type[BaseException], int] = {
     OSError: 6,
     KeyboardInterrupt: 130,
 }
-HINTS: dict[type[BaseException], str] = {
+HINTS: dict[type[BaseException], str | None] = {  # None: the message says what to do
     torch.OutOfMemoryError: "lower device_train_microbatch_size or set activation_checkpointing",
+    Unsaved: None,
     KeyboardInterrupt: "interrupted without saving; start again with --resume=auto: it continues from save_folder's "
     "last checkpoint, or starts afresh when there is none yet",
 }
@@ -55,18 +57,26 @@ def report(e: BaseException) -> int:
     debug = os.environ.get(DEBUG_ENV) == "1"
     if debug:
         traceback.print_exception(e, file=sys.stderr)
-    hint = next((h for kind, h in HINTS.items() if isinstance(e, kind)), None)
+    kind = next((kind for kind in HINTS if isinstance(e, kind)), None)
+    hint = None if kind is None else HINTS[kind]
     message = str(e)
-    if hint is None and not _raised_by_spes(e):
+    if kind is None and not _raised_by_spes(e):
         kept = "traceback above" if debug else _keep_traceback(e)
         message = f"{type(e).__name__}: {message} (at {_raised_at(e)}; {kept})"
     line = "error: " + "; ".join(" ".join(part.split()) for part in (message, hint) if part)
-    if os.environ.get(ERROR_DIR_ENV):  # under spes.torchrun, which prints the lowest failed rank's line last
-        with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
-            f.write(line + "\n")
-    else:
+    if not leave_for_launcher(line):
         print(line, file=sys.stderr, flush=True)
     return next(code for kind, code in USER_ERRORS.items() if isinstance(e, kind))
+
+
+def leave_for_launcher(line: str) -> bool:
+    """Under `spes.torchrun`, leave `line` in this rank's file of `$SPES_ERROR_DIR`, which it prints (the lowest
+    rank's) after the ranks have ended; whether it did (else there is no launcher to leave it for)."""
+    if not os.environ.get(ERROR_DIR_ENV):
+        return False
+    with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+        f.write(line + "\n")
+    return True
 
 
 def _raised_by_spes(e: BaseException) -> bool:

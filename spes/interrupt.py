@@ -3,7 +3,9 @@
 The first signal asks the trainer to save a checkpoint at its next step boundary and stop (exit 130); a node waiting
 for a round stops waiting (`Interrupted`) and keeps the round in flight in that checkpoint, so `--resume` continues
 exactly. A second signal aborts without saving, unless it arrives within `ECHO_S` of the first: torchrun and srun
-pass the terminal's Ctrl-C (or the scheduler's SIGTERM) on to ranks that have already received it.
+pass the terminal's Ctrl-C (or the scheduler's SIGTERM) on to ranks that have already received it. Outside the
+training loop (`Interruptible`: building the node, joining the server) either signal interrupts at once, and the
+node says what its save folder holds (`spes.train`).
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ class Interrupted(Exception):
     """A wait cut short by a stop request; the trainer saves (the round in flight kept) and exits 130."""
 
 
-class StopRequest:
-    """While entered, SIGINT and SIGTERM set `requested` (the first, and its echoes) or abort (a later one)."""
+class Unsaved(KeyboardInterrupt):
+    """An interrupt that stopped a node before it saved; its message says what its save folder holds to continue."""
 
-    def __init__(self, announce: Callable[[str], None]) -> None:
-        self.requested = False
-        self.announce = announce
-        self.first_at = 0.0
+
+class _Handling:
+    """While entered, SIGINT and SIGTERM go to `_handle` (from the main thread only: signals reach it alone)."""
+
+    def __init__(self) -> None:
+        self.first_at: float | None = None
         self.previous: dict[int, Any] = {}
 
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+    def __enter__(self) -> _Handling:
+        if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -40,13 +44,52 @@ class StopRequest:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+            outer = getattr(handler, "__self__", None)
+            if isinstance(outer, _Handling) and outer.first_at is None:  # NOTE: a launcher's echo of our signal
+                outer.first_at = self.first_at  # may arrive after we are gone; the handler back in place ignores it
+
+    def _echo(self) -> bool:
+        """Whether this signal is a launcher's echo of the first (recorded now when it is the first)."""
+        if self.first_at is not None:
+            return time.monotonic() - self.first_at < ECHO_S
+        self.first_at = time.monotonic()
+        return False
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.requested:
-            if time.monotonic() - self.first_at < ECHO_S:
-                return
+        raise NotImplementedError
+
+
+class Interruptible(_Handling):
+    """While entered, SIGTERM interrupts as Ctrl-C does (KeyboardInterrupt), and a launcher's echo of either is
+    ignored. Why: by default SIGTERM (a scheduler's, torchrun's) kills a node that has not reached its training loop
+    outright, leaving no word of what it saved, and the echo interrupted the node's unwinding of the first signal."""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if not self._echo():
             raise KeyboardInterrupt
-        self.requested, self.first_at = True, time.monotonic()
+
+
+class StopRequest(_Handling):
+    """While entered, SIGINT and SIGTERM set `requested` (the first, and its echoes) or abort (a later one)."""
+
+    def __init__(self, announce: Callable[[str], None]) -> None:
+        super().__init__()
+        self.announce = announce
+
+    @property
+    def requested(self) -> bool:
+        return self.first_at is not None
+
+    def __enter__(self) -> StopRequest:
+        super().__enter__()
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        first = not self.requested
+        if self._echo():
+            return
+        if not first:
+            raise KeyboardInterrupt
         self.announce(
             f"received {signal.Signals(signum).name}: saving a checkpoint after this step "
             f"(press Ctrl-C again after {ECHO_S:.0f} s to abort without saving)"

@@ -12,8 +12,9 @@ Any key can be overridden as `--section.key=value`; `--resume` continues from `<
 `--resume=auto` (`try_load_latest_save: true`) does when a checkpoint exists there and starts fresh otherwise.
 OLMo's start from another run's weights: `--load_path=DIR --reset_optimizer_state=true --reset_trainer_state=true`
 (`--restore_dataloader=false` keeps the trainer state but restarts the data at step 0). A fresh start into a
-save_folder holding another run's checkpoints or metrics is refused unless `save_overwrite: true`.
-A failure the user can cause or meet ends in one line `error: ...` on stderr and a non-zero exit.
+save_folder already holding a run's checkpoints or metrics is refused unless `save_overwrite: true`.
+A failure the user can cause or meet ends in one line `error: ...` on stderr and a non-zero exit; so does Ctrl-C or
+SIGTERM before the training loop (exit 130), naming the checkpoint a restart continues from, if any.
 Order of construction: config -> process group -> data (checked before any model exists) -> model on meta ->
 weights -> parallelize (under FSDP2: parallelize, then each rank's shards of the weights) -> optimizer ->
 sync client -> trainer (`start_node`) -> fit, torn down in `finally`.
@@ -37,13 +38,14 @@ import torch
 from torch import nn
 
 from spes.atomic import LockHeld, hold_lock, write_atomic
-from spes.checkpoint import LATEST, Checkpoint, list_checkpoints, resolve_checkpoint, restore
+from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
 from spes.config import TrainConfig, changed_settings, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
-from spes.failures import USER_ERRORS, report
+from spes.failures import USER_ERRORS, leave_for_launcher, report
 from spes.guard import check_weights_finite
+from spes.interrupt import Interruptible, Unsaved
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
 from spes.schema import ConfigError, config_help, to_dict
@@ -83,15 +85,16 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str], str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        path, overrides, resume = parse_args(argv)
-        if path is None:
-            raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
-        cfg, inert = load_config(path, overrides)
-        notes = [f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}"] if inert else []
-        return run(cfg, notes + _apply_resume(cfg, resume))
-    except tuple(USER_ERRORS) as e:
-        return report(e)
+    with Interruptible():
+        try:
+            path, overrides, resume = parse_args(argv)
+            if path is None:
+                raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
+            cfg, inert = load_config(path, overrides)
+            ignored = f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}"
+            return run(cfg, ([ignored] if inert else []) + _apply_resume(cfg, resume))
+        except tuple(USER_ERRORS) as e:
+            return report(e)
 
 
 def _apply_resume(cfg: TrainConfig, resume: str | None) -> list[str]:
@@ -141,19 +144,19 @@ RUN_FILES = ("metrics.jsonl", LATEST)
 
 
 def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Callable[[str], None]) -> None:
-    """Refuse a start that is not a resume into a save folder holding another run's saves, unless save_overwrite
-    (then the main rank removes them: an old run's later checkpoints would otherwise outrank the new run's; a dry
-    run says so and removes nothing). An unusable folder fails here, before the model is built (minutes for a large
-    node)."""
-    folder = _usable_folder(cfg)
+    """Refuse a start that is not a resume into a save folder holding a run's saves (another run's, or this one's
+    started again without --resume), unless save_overwrite (then the main rank removes them: an old run's later
+    checkpoints would otherwise outrank the new run's; a dry run says so and removes nothing). An unusable folder
+    was refused already (`holding_save_folder`)."""
+    folder = Path(cfg.save_folder)
     saves = [*list_checkpoints(folder), *(p for p in map(folder.joinpath, RUN_FILES) if p.exists())]
     if continuing or not saves:
         return
     names = ", ".join(p.name for p in saves[:4]) + (f" and {len(saves) - 4} more" if len(saves) > 4 else "")
     if not cfg.save_overwrite:
         raise ValueError(
-            f"save_folder {folder} already holds another run's saves ({names}); resume it with --resume, choose "
-            "another save_folder (or run_name), or set save_overwrite=true to replace them"
+            f"save_folder {folder} already holds a run's saves ({names}): continue that run with --resume, or set "
+            "save_overwrite=true to start over (it removes them), or choose another save_folder (or run_name)"
         )
     if cfg.dry_run:
         log(f"dry run: save_overwrite would remove the earlier run's saves in {folder} ({names})")
@@ -184,15 +187,16 @@ SAVE_FOLDER_LOCK = "node.lock"
 
 @contextlib.contextmanager
 def holding_save_folder(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None]) -> Iterator[None]:
-    """Claim save_folder for this node while it runs (its main rank, which writes it; a dry run writes nothing).
+    """Claim save_folder for this node while it runs (its main rank, which writes it; a dry run writes nothing),
+    every rank refusing an unusable one first: before the model is built (minutes for a large node).
 
     Why: two nodes given one save_folder (a YAML whose save_folder lacks the peer id, a copied command, a node
     started again while it still runs) would delete each other's half-written checkpoints, interleave their metrics
     and leave `latest` naming the other node's weights."""
+    folder = _usable_folder(cfg)
     if not info.is_main or cfg.dry_run:
         yield
         return
-    folder = _usable_folder(cfg)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd = hold_lock(folder / SAVE_FOLDER_LOCK)
@@ -388,6 +392,8 @@ def run(cfg: TrainConfig, notes: list[str] | None = None) -> int:
         # NOTE: the traceback's frames still hold the DDP wrapper; freed after the process group is gone, its
         # C++ reducer would tear gloo down with the GIL held (see shutdown_distributed). Drop them first.
         traceback.clear_frames(e.__traceback__)
+        if isinstance(e, KeyboardInterrupt):  # NOTE: a signal before the training loop, or a second one in it
+            raise Unsaved(f"interrupted without saving; {_what_is_saved(Path(cfg.save_folder))}") from None
         raise
     finally:
         gc.collect()  # and the reference cycles that may hold it
@@ -422,9 +428,28 @@ def _train(cfg: TrainConfig, info: DistInfo, notes: list[str]) -> None:
             f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
             f"{optimizer_state_bytes(trainer.optimizer) / 2**20:.1f} MiB"
         )
+    except SystemExit as stop:
+        if stop.code == 130:  # the trainer's stop on a signal, its last step saved: the word spes.torchrun prints
+            leave_for_launcher(
+                f"error: saved step {trainer.step}'s checkpoint in {cfg.save_folder} and stopped; continue with "
+                "--resume (or --resume=auto)"
+            )
+        raise
     finally:
         if syncer is not None:
             syncer.close()
+
+
+def _what_is_saved(folder: Path) -> str:
+    """What a start after an interrupt that saved nothing continues from: the save folder's latest checkpoint (this
+    run's earlier saves included), or none yet (then a plain start again may meet this start's metrics)."""
+    if not list_checkpoints(folder) and not (folder / LATEST).is_file():
+        return f"save_folder {folder} holds no checkpoint yet: start again with --resume=auto (it starts afresh then)"
+    try:
+        latest = resolve_checkpoint(folder, what="save_folder")
+    except CheckpointError as e:
+        return str(e)
+    return f"save_folder {folder}'s latest checkpoint is {latest.name}: continue from it with --resume or --resume=auto"
 
 
 def _check_start(cfg: TrainConfig, node: Node, info: DistInfo, log: Callable[[str], None]) -> None:

@@ -824,8 +824,9 @@ def test_a_path_that_names_no_checkpoint_is_refused_with_what_to_name_instead(tm
     run = tmp_path / "run"
     (run / "node0" / "step6").mkdir(parents=True)  # incomplete: no meta.json
     assert refusal(run / "node0") == (
-        f"CheckpointError: checkpoint {run / 'node0'} holds no checkpoint: neither a checkpoint directory (no "
-        f"meta.json) nor a save folder (no 'latest'); {fix}"
+        f"CheckpointError: checkpoint {run / 'node0'} holds no checkpoint: neither a checkpoint directory (a step<N> "
+        "directory spes saved) nor a save folder (holding such directories or a 'latest' file); step6 lack(s) the "
+        f"meta.json a complete checkpoint holds; {fix}"
     )
     for step in (2, 4, 8):
         _fake_checkpoint(run / "node0" / f"step{step}")
@@ -835,8 +836,8 @@ def test_a_path_that_names_no_checkpoint_is_refused_with_what_to_name_instead(tm
         (run / node).mkdir(exist_ok=True)
         (run / node / LATEST).write_text("step8\n")
     assert refusal(run) == (  # the run directory above the nodes' save folders
-        f"CheckpointError: checkpoint {run} is no checkpoint itself (no meta.json, no 'latest'); point it at one it "
-        f"holds: {run / 'node0'}, {run / 'node1'}"
+        f"CheckpointError: checkpoint {run} is neither a checkpoint nor a save folder itself, but holds them; point it "
+        f"at one: {run / 'node0'}, {run / 'node1'}"
     )
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import os
+import signal
 import sys
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -34,6 +37,51 @@ SPES_PEER = [
 
 def _cfg(*overrides: str) -> TrainConfig:
     return load_config(TINY, [*SMALL_NODE, *overrides])[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# spes.torchrun's line on a signal (torchrun's run stood in for: the ranks' words planted)
+
+
+@pytest.mark.parametrize(
+    ("left", "said"),
+    [
+        (
+            {"rank1.txt": "error: interrupted without saving; rank 1", "rank0.txt": "error: saved step 7's checkpoint"},
+            "saved step 7's checkpoint",
+        ),
+        (
+            {},
+            "no rank said what it saved (torchrun kills a rank still running after its shutdown timeout, 30 s by "
+            "default); --resume=auto continues from save_folder's latest checkpoint, or starts afresh when there is "
+            "none",
+        ),
+    ],
+)
+def test_on_a_signal_spes_torchrun_says_what_the_lowest_rank_did_in_one_line(
+    left: dict[str, str],
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It said every rank had been asked to save a checkpoint, also when none had reached a step or saved anything,
+    after torch's warning "Received 15 death signal, shutting down workers"."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    import spes.torchrun
+
+    def signalled(args: object) -> None:
+        for name, line in left.items():
+            (Path(os.environ[spes.torchrun.ERROR_DIR_ENV]) / name).write_text(line + "\n")
+        logging.getLogger("torch.distributed.elastic.agent.server.api").warning("Received 15 death signal")
+        raise SignalException("got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setenv(spes.torchrun.ERROR_DIR_ENV, "")  # NOTE: main sets it; the test's end takes it away again
+    monkeypatch.setattr(torch.distributed.run, "run", signalled)
+    assert spes.torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "spes.train", TINY]) == 143
+    assert capsys.readouterr().err == f"error: stopped by SIGTERM: {said}\n" and "death signal" not in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import spes.interrupt
 from conftest import Corpus, wait_until
 from node_runs import assert_same_models, launch, node_models, reaped, start_node, start_server
 from spes.config import SpesConfig
-from spes.interrupt import StopRequest
+from spes.interrupt import ECHO_S, Interruptible, StopRequest
 from spes.sync.channel import open_channel
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -93,6 +93,38 @@ def test_off_the_main_thread_a_stop_request_changes_no_handler(outer: list[int])
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(lambda: StopRequest(print).__enter__().previous).result() == {}
     assert [aborts(sig) for sig in SIGNALS] == [False, False] and outer == list(SIGNALS)
+
+
+def test_outside_the_training_loop_sigterm_interrupts_as_ctrl_c_and_a_launchers_echo_does_not(
+    outer: list[int], clock: Clock
+) -> None:
+    """SIGTERM killed a node still being built outright, leaving no word of what its save folder held; and torchrun's
+    echo of the terminal's Ctrl-C interrupted the node's unwinding of the first."""
+    with Interruptible():
+        first = clock.now
+        assert aborts(signal.SIGTERM)
+        clock.now = first + ECHO_S - 0.001
+        assert not aborts(signal.SIGINT)
+        clock.now = first + ECHO_S  # another request: it interrupts the unwinding too
+        assert aborts(signal.SIGINT)
+    assert outer == []
+    assert [aborts(sig) for sig in SIGNALS] == [False, False] and outer == list(SIGNALS)
+
+
+def test_the_echo_of_a_stop_request_arriving_after_the_training_loop_is_ignored_too(
+    outer: list[int], clock: Clock
+) -> None:
+    """A loop that saved and ended within ECHO_S of the signal: its echo reached the handler back in place, which
+    took it for a new interrupt and the node said it ended without saving."""
+    with Interruptible():
+        with StopRequest(lambda _said: None) as stop:
+            first = clock.now
+            assert not aborts(signal.SIGINT) and stop.requested
+        clock.now = first + ECHO_S - 0.001
+        assert not aborts(signal.SIGINT)
+        clock.now = first + ECHO_S
+        assert aborts(signal.SIGTERM)
+    assert outer == []
 
 
 @pytest.fixture(scope="module")
