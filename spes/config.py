@@ -38,6 +38,9 @@ from spes.schema import (
 RunMode = Literal["centralized", "spes", "diloco"]
 """What a node does: train alone, train its experts under SPES, or train everything for DiLoCo averaging."""
 
+MODE_TITLES: dict[RunMode, str] = {"centralized": "centralized", "spes": "SPES", "diloco": "DiLoCo"}
+"""How logs and summaries name each mode, so a baseline's output never reads as a SPES run's."""
+
 CodecName = Literal["fp32", "bf16", "int8", "sparse"]
 """The codecs of `spes.sync.codecs.registry` by name, so an unknown `spes_config.codec` is refused as the config loads
 (the registry needs torch; tests/sync/codecs/test_registry.py holds the two lists equal)."""
