@@ -38,6 +38,9 @@ from spes.schema import (
 RunMode = Literal["centralized", "spes", "diloco"]
 """What a node does: train alone, train its experts under SPES, or train everything for DiLoCo averaging."""
 
+MODE_TITLES: dict[RunMode, str] = {"centralized": "centralized", "spes": "SPES", "diloco": "DiLoCo"}
+"""How logs and summaries name each mode, so a baseline's output never reads as a SPES run's."""
+
 CodecName = Literal["fp32", "bf16", "int8", "sparse"]
 """The codecs of `spes.sync.codecs.registry` by name, so an unknown `spes_config.codec` is refused as the config loads
 (the registry needs torch; tests/sync/codecs/test_registry.py holds the two lists equal)."""
@@ -609,6 +612,7 @@ class TrainConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_mode(self.using_spes, self.using_dilico)
         self._check_supported()
         self._check_batches_and_duration()
         if self.sync_enabled:
@@ -840,6 +844,19 @@ def run_data_seed(cfg: TrainConfig, node: int) -> int:
     return node_data_seed(own - NODE_SEED_STRIDE * peer, node)
 
 
+def check_mode(using_spes: bool, using_dilico: bool) -> None:
+    """Refuse `using_dilico` without `using_spes`: one key asks for a parameter server and the other for none, and
+    reading either as the winner would train a baseline other than the one the file names."""
+    _require(
+        using_spes or not using_dilico,
+        "using_dilico",
+        using_dilico,
+        "asks for the DiLoCo baseline, which meets a parameter server, but using_spes is false (no server): set "
+        "using_spes=true for DiLoCo (as configs/diloco_1b does), or using_dilico=false for centralized training",
+        given=("using_spes",),
+    )
+
+
 def check_outer_optimizer(server: ServerSection, mode: RunMode) -> None:
     """Refuse an outer optimizer the round would not apply: the outer step is DiLoCo's, a SPES round has none."""
     _require(
@@ -912,7 +929,9 @@ def load_sync_sections(overrides: list[str] | tuple[str, ...] = ()) -> tuple[Spe
     assert isinstance(raw, dict)
     spes = from_dict(SpesConfig, raw.get("spes_config", {}), where="command line", prefix="spes_config.")
     server = from_dict(ServerSection, raw.get("server", {}), where="command line", prefix="server.")
-    mode: RunMode = "diloco" if raw.get("using_dilico") else "spes" if raw.get("using_spes", True) else "centralized"
+    using_spes, using_dilico = raw.get("using_spes", True), raw.get("using_dilico", False)
+    check_mode(using_spes, using_dilico)
+    mode: RunMode = "diloco" if using_dilico else "spes" if using_spes else "centralized"
     check_outer_optimizer(server, mode)
     return spes, server, mode
 

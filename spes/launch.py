@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from spes.cli import DefaultsHelpFormatter
-from spes.config import CODECS, TrainConfig, load_config, run_data_seed
+from spes.config import CODECS, MODE_TITLES, RunMode, TrainConfig, load_config, run_data_seed
 from spes.interrupt import ECHO_S
 from spes.schema import ConfigError, number_flag
 
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             ]
             procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env, args.resume)
         print(
-            f"started server on 127.0.0.1:{port} and {cfg.num_peers} peers (data seeds {seeds}); logs in {out}/ "
+            f"started server on 127.0.0.1:{port} and {cfg.num_peers} peers ({MODE_TITLES[cfg.mode]} run, data seeds "
+            f"{seeds}); logs in {out}/ "
             "(following peer0.log)"
         )
         code = _wait(procs, followed, shown, args.timeout)
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(how_to_continue(out), file=sys.stderr)
     if code != 0:
         return code
-    summary = summarize(out, cfg.num_peers, time.time() - started)
+    summary = summarize(out, cfg.num_peers, time.time() - started, cfg.mode)
     print(format_summary(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
@@ -354,8 +355,9 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def summarize(out: Path, peers: int, seconds: float) -> dict[str, Any]:
-    """Per-peer figures read back from each node's metrics.jsonl."""
+def summarize(out: Path, peers: int, seconds: float, mode: RunMode) -> dict[str, Any]:
+    """Per-peer figures read back from each node's metrics.jsonl, with the run's mode (a baseline's summary must not
+    read as a SPES run's)."""
     rows = []
     for i in range(peers):
         records = [json.loads(line) for line in (out / f"node{i}" / "metrics.jsonl").read_text().splitlines()]
@@ -378,7 +380,7 @@ def summarize(out: Path, peers: int, seconds: float) -> dict[str, Any]:
                 "tokens": records[-1].get("tokens"),
             }
         )
-    return {"peers": rows, "wall_s": seconds}
+    return {"mode": mode, "peers": rows, "wall_s": seconds}
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -391,7 +393,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     )
     lines = [
         "",
-        "SPES run summary (val = validation loss; merged val at the first and the last sync)",
+        f"{MODE_TITLES[summary['mode']]} run summary (val = validation loss; merged val at the first and the last "
+        "sync)",
         head,
         "-" * len(head),
     ]

@@ -121,6 +121,7 @@ def test_the_server_section_loads_with_the_run(tmp_path: Path) -> None:
     path = write(
         tmp_path,
         """\
+        using_spes: true
         using_dilico: true
         server:
           outer_optimizer: nesterov
@@ -177,6 +178,26 @@ def test_an_outer_optimizer_in_a_spes_run_is_refused(tmp_path: Path) -> None:
     assert load_sync_sections(["--using_dilico=true", "--server.outer_optimizer=nesterov"])[1].outer_optimizer == (
         "nesterov"
     )
+
+
+def test_dilico_without_spes_is_refused_before_any_work(tmp_path: Path) -> None:
+    """using_dilico asks for a parameter server and using_spes: false for none: whichever won, the run would be a
+    baseline other than the one the file names, so the pair is refused naming the key and both ways out, from a
+    node's YAML, its command line and a server's command line alike."""
+    expected = (
+        "config key 'using_dilico' = True asks for the DiLoCo baseline, which meets a parameter server, but "
+        "using_spes is false (no server): set using_spes=true for DiLoCo (as configs/diloco_1b does), or "
+        "using_dilico=false for centralized training"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, "using_dilico: true\nusing_spes: false\n"))
+    assert str(err.value).endswith(expected) and "\n" not in str(err.value)
+    assert refusal(CONFIGS / "diloco_1b" / "node_0.yaml", "--using_spes=false") == (
+        f"command line (--using_spes=false): {expected}"
+    )
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_sync_sections(["--using_spes=false", "--using_dilico=true"])
+    assert load_config(CONFIGS / "tiny.yaml", ["--using_dilico=true"])[0].mode == "diloco"
 
 
 def test_help_lists_the_server_keys() -> None:

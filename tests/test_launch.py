@@ -23,11 +23,13 @@ from spes.launch import (
     SIGNALS,
     _stop_all,
     _wait,
+    format_summary,
     how_to_continue,
     load_run,
     parse_args,
     resume_flags,
     sigterm_as_interrupt,
+    summarize,
 )
 from spes.schema import ConfigError
 
@@ -256,6 +258,48 @@ def test_the_help_says_where_overrides_go_and_each_default(
     assert "python -m spes.launch configs/tiny.yaml -- --max_duration=200st" in shown
     flat = " ".join(shown.split())
     assert "summary.json (default: output/local_run)" in flat and "seconds (default: 1800)" in flat
+
+
+def test_the_summary_names_the_runs_mode(tmp_path: Path) -> None:
+    """A DiLoCo run's summary was headed "SPES run summary": a baseline's figures read as SPES's."""
+    (tmp_path / "node0").mkdir()
+    records = [{"step": 5, "loss": 7.0, "tokens": 80, "sync_s": 0.1, "sync_mb_up": 2.0, "sync_mb_down": 2.0}]
+    (tmp_path / "node0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for mode, title in (("diloco", "DiLoCo"), ("spes", "SPES")):
+        summary = summarize(tmp_path, 1, 3.0, mode)
+        assert summary["mode"] == mode and summary["peers"][0]["rounds"] == 1
+        assert format_summary(summary).splitlines()[1].startswith(f"{title} run summary (val = validation loss")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_diloco_run_says_so_and_averages_everything(tiny_corpus, tmp_path: Path) -> None:
+    """`spes.launch --dilico` as running.md shows it, with the outer Nesterov step: every peer trains every expert,
+    the start line and the summary name the baseline, and after the last round both peers hold the same model."""
+    out = tmp_path / "run"
+    overrides = [
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        f"--data.validation_paths=[{tiny_corpus.valid}]",
+        "--spes_config.num_peers=2",
+        "--spes_config.sync_steps=5",
+        "--server.outer_optimizer=nesterov",
+        "--max_duration=10st",
+        "--eval_interval=10",
+        "--eval_subset_num_batches=1",
+    ]
+    argv = [sys.executable, "-m", "spes.launch", TINY, "--dilico", "--out", str(out), "--", *overrides]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 peers (DiLoCo run, data seeds [6198, 7198])" in done.stdout
+    assert "\nDiLoCo run summary (val = validation loss" in done.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "diloco"
+    assert [(r["rounds"], r["merge_rounds"]) for r in summary["peers"]] == [(2, 0)] * 2
+    assert len({r["val_merged_last"] for r in summary["peers"]}) == 1
+    for peer in (0, 1):
+        assert "experts: trains all 8 of every MoE layer" in (out / f"peer{peer}.log").read_text()
 
 
 @pytest.mark.slow
