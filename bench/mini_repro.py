@@ -75,7 +75,8 @@ from common import (
 )
 from spes.atomic import write_atomic
 from spes.config import load_config
-from spes.launch import load_run, sigterm_as_interrupt
+from spes.interrupt import Interruptible
+from spes.launch import load_run
 from spes.launch import parse_args as parse_launch_args
 from spes.model import analytic_param_counts
 
@@ -219,43 +220,43 @@ def run_all(
     """Run the trainings, at most `lanes` at a time; wall seconds each, also given to `done` as each ends well (so
     an interrupted schedule keeps the runs it finished). One at a time shares the CPU fairly between a run's
     processes; two one-process runs at once fill the two cores. A failed run stops the rest."""
-    sigterm_as_interrupt()
     walls: dict[str, float] = {}
     pending = list(commands.items())
     running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
-    try:
-        while pending or running:
-            while pending and len(running) < lanes:
-                name, (cmd, env) = pending.pop(0)
-                (out / name).mkdir(parents=True, exist_ok=True)
-                (out / name / "metrics.jsonl").unlink(missing_ok=True)
-                print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
-                with open(out / f"{name}.log", "w") as log:  # NOTE: the child keeps its own copy of the descriptor
-                    proc = subprocess.Popen(
-                        cmd,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        cwd=REPO_ROOT,
-                        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-                    )
-                running[name] = (proc, time.time())
-            time.sleep(0.5)
-            for name, (proc, started) in list(running.items()):
-                if proc.poll() is None:
-                    continue
-                del running[name]
-                walls[name] = time.time() - started
-                if proc.returncode != 0:
-                    raise SystemExit(
-                        f"error: the {name} run failed with exit code {proc.returncode}; see {out / f'{name}.log'}"
-                    )
-                print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
-                if done:
-                    done(name, walls[name])
-    finally:
-        for proc, _ in running.values():
-            proc.terminate()
-            proc.wait()
+    with Interruptible():  # SIGTERM too: `finally` stops the runs
+        try:
+            while pending or running:
+                while pending and len(running) < lanes:
+                    name, (cmd, env) = pending.pop(0)
+                    (out / name).mkdir(parents=True, exist_ok=True)
+                    (out / name / "metrics.jsonl").unlink(missing_ok=True)
+                    print(f"[{time.strftime('%H:%M:%S')}] {name}: {' '.join(cmd)}", flush=True)
+                    with open(out / f"{name}.log", "w") as log:  # NOTE: the child keeps its own copy of the descriptor
+                        proc = subprocess.Popen(
+                            cmd,
+                            stdout=log,
+                            stderr=subprocess.STDOUT,
+                            cwd=REPO_ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                        )
+                    running[name] = (proc, time.time())
+                time.sleep(0.5)
+                for name, (proc, started) in list(running.items()):
+                    if proc.poll() is None:
+                        continue
+                    del running[name]
+                    walls[name] = time.time() - started
+                    if proc.returncode != 0:
+                        raise SystemExit(
+                            f"error: the {name} run failed with exit code {proc.returncode}; see {out / f'{name}.log'}"
+                        )
+                    print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {walls[name]:.0f} s", flush=True)
+                    if done:
+                        done(name, walls[name])
+        finally:
+            for proc, _ in running.values():
+                proc.terminate()
+                proc.wait()
     return walls
 
 

@@ -164,8 +164,8 @@ def gpu_block(records: Records) -> str:
         lines += _gpu_variants(name, run)
     lines += [
         f"What to set, by GPU memory: the fastest measured setting (at its newest measurement) whose peak is at most "
-        f"{USABLE:.0%} of the card's memory (`spes.preflight`'s margin); `.venv/bin/python -m spes.preflight CONFIG` estimates "
-        "the largest micro-batch of any other setting.",
+        f"{USABLE:.0%} of the card's memory (`spes.preflight`'s margin); `.venv/bin/python -m spes.preflight CONFIG` "
+        "estimates the largest micro-batch of any other setting.",
         "",
     ]
     lines += ["| GPU | setting | tokens/s | peak GiB | measured on |", "|---|---|---|---|---|"]

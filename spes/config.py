@@ -566,7 +566,7 @@ class TrainConfig(Section):
     save_folder: str = _f("output/${run_name}", "where checkpoints and metrics go")
     save_overwrite: bool = _f(
         False,
-        "a fresh start (not a resume) into a save_folder holding another run's checkpoints or metrics is refused "
+        "a fresh start (not a resume) into a save_folder already holding a run's checkpoints or metrics is refused "
         "unless true; true replaces them",
     )
     save_interval: int | None = _f(1000, "steps between (sharded under FSDP) checkpoints (null: none)", ge=1)

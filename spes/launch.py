@@ -30,7 +30,7 @@ from typing import Any
 
 from spes.cli import DefaultsHelpFormatter
 from spes.config import CODECS, MODE_TITLES, RunMode, TrainConfig, load_config, run_data_seed
-from spes.interrupt import ECHO_S
+from spes.interrupt import Interruptible
 from spes.schema import ConfigError, number_flag
 
 STOP_GRACE_S = 10.0
@@ -111,30 +111,29 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port or free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
     procs: dict[str, subprocess.Popen] = {}
-    sigterm_as_interrupt()
     started = time.time()
     followed = out / "peer0.log"
     shown = followed.stat().st_size if args.resume and followed.is_file() else 0  # NOTE: echo only this start's lines
-    try:
-        procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env, args.resume)
-        for i, seed in enumerate(seeds):
-            peer_cmd = [
-                *peer_command(args.config, run, i, seed, port, out),
-                *(["--eval_interval=null"] if i >= eval_peers else []),
-                *resume,
-            ]
-            procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env, args.resume)
-        print(
-            f"started server on 127.0.0.1:{port} and {cfg.num_peers} peers ({MODE_TITLES[cfg.mode]} run, data seeds "
-            f"{seeds}); logs in {out}/ "
-            "(following peer0.log)"
-        )
-        code = _wait(procs, followed, shown, args.timeout)
-    except KeyboardInterrupt:
-        print("interrupted: the peers save a checkpoint and stop, then the server", file=sys.stderr)
-        code = 130
-    finally:
-        _stop_all(procs)
+    with Interruptible():  # SIGTERM too: `finally` stops the children (own sessions) of a killed launcher
+        try:
+            procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env, args.resume)
+            for i, seed in enumerate(seeds):
+                peer_cmd = [
+                    *peer_command(args.config, run, i, seed, port, out),
+                    *(["--eval_interval=null"] if i >= eval_peers else []),
+                    *resume,
+                ]
+                procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env, args.resume)
+            print(
+                f"started server on 127.0.0.1:{port} and {cfg.num_peers} peers ({MODE_TITLES[cfg.mode]} run, data "
+                f"seeds {seeds}); logs in {out}/ (following peer0.log)"
+            )
+            code = _wait(procs, followed, shown, args.timeout)
+        except KeyboardInterrupt:
+            print("interrupted: the peers save a checkpoint and stop, then the server", file=sys.stderr)
+            code = 130
+        finally:
+            _stop_all(procs)
     if code == 130:
         print(how_to_continue(out), file=sys.stderr)
     if code != 0:
@@ -244,24 +243,6 @@ def held_run_id(out: Path) -> str:
     """The id of the run whose server state `out` holds ('' for none)."""
     state = out / "server_state" / "run.json"
     return str(json.loads(state.read_text()).get("run_id", "")) if state.is_file() else ""
-
-
-def sigterm_as_interrupt() -> None:
-    """Handle SIGTERM as Ctrl-C, so `finally` blocks stop the children of a process killed by a scheduler or
-    `kill`. Children started in their own sessions (as here) would otherwise keep running. As on a node, a second
-    signal within `ECHO_S` of the first is the same request (a scheduler signalling every process, a key pressed
-    twice); a later one interrupts again, which `_stop_all` takes as "stop at once, without saving"."""
-    first: list[float] = []
-
-    def interrupt(signum: int, frame: object) -> None:
-        now = time.monotonic()
-        if first and now - first[0] < ECHO_S:
-            return
-        first[:] = first or [now]
-        raise KeyboardInterrupt
-
-    for sig in SIGNALS:
-        signal.signal(sig, interrupt)
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], resume: bool) -> subprocess.Popen:

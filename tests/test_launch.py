@@ -19,6 +19,7 @@ import yaml
 import spes.launch
 from conftest import LaunchedRun, usage_error
 from spes.config import CODECS
+from spes.interrupt import Interruptible
 from spes.launch import (
     SIGNALS,
     _stop_all,
@@ -28,7 +29,6 @@ from spes.launch import (
     load_run,
     parse_args,
     resume_flags,
-    sigterm_as_interrupt,
     summarize,
 )
 from spes.schema import ConfigError
@@ -150,27 +150,6 @@ def launcher_signals() -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-def interrupts(sig: signal.Signals) -> bool:
-    """Whether signalling this process raised KeyboardInterrupt: a result to assert on, not the session's end."""
-    try:
-        os.kill(os.getpid(), sig)
-        time.sleep(0.01)  # NOTE: the handler runs at the main thread's next bytecode
-    except KeyboardInterrupt:
-        return True
-    return False
-
-
-def test_the_launcher_takes_a_signal_soon_after_the_first_for_the_same_request(
-    launcher_signals: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """As a node does: a scheduler signalling every process, or a key pressed twice, is one request to stop."""
-    sigterm_as_interrupt()
-    assert interrupts(signal.SIGTERM)
-    assert not interrupts(signal.SIGINT)
-    monkeypatch.setattr(spes.launch, "ECHO_S", 0.0)
-    assert interrupts(signal.SIGINT)
-
-
 def test_an_interrupt_while_stopping_kills_every_child_at_once_and_ends_without_a_traceback(
     launcher_signals: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -183,12 +162,12 @@ def test_an_interrupt_while_stopping_kills_every_child_at_once_and_ends_without_
     }
     for proc in procs.values():
         assert proc.stdout is not None and proc.stdout.readline() == b"\n"  # SIGTERM is ignored from here on
-    sigterm_as_interrupt()
     again = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     started = time.monotonic()
     again.start()
     try:
-        _stop_all(procs)
+        with Interruptible():  # as spes.launch's main stops its children
+            _stop_all(procs)
         escaped = False
     except KeyboardInterrupt:
         escaped = True

@@ -363,7 +363,8 @@ def test_save_overwrite_guards_another_runs_saves(
     ]
     assert main(again) == 2
     err = capsys.readouterr().err
-    assert f"error: save_folder {first_run} already holds another run's saves (step4, metrics.jsonl, latest)" in err
+    saves = "(step4, metrics.jsonl, latest): continue that run with --resume"
+    assert f"error: save_folder {first_run} already holds a run's saves {saves}" in err
     assert "set save_overwrite=true" in err
     assert main([*again, "--max_duration=5st", "--resume"]) == 0
     assert main([*again, "--save_overwrite=true"]) == 0
