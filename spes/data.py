@@ -326,6 +326,7 @@ class BatchLoader:
                 f"data loader state was saved with data.seed={state['seed']} but this run uses data.seed={self.seed}: "
                 f"resume with the seed it was saved with, {fresh}"
             )
+        self._check_same_tokenizer(state)
         fix = f"resume with the data.paths and model.max_sequence_length it was saved with, {fresh}"
         if "seq_len" in state and int(state["seq_len"]) != self.dataset.seq_len:
             raise ValueError(
@@ -341,6 +342,17 @@ class BatchLoader:
             raise ValueError(
                 "data loader state was saved over other shards than this run's data.paths hold, or the same ones in "
                 f"another order (as many windows, {len(self.dataset)}, but window i is another one): {fix}"
+            )
+
+    def _check_same_tokenizer(self, state: dict[str, Any]) -> None:
+        """Refuse a state saved over shards of another tokenizer: the model learned its token ids, so even the same
+        file names and window counts are other data. A state or shards without a fingerprint are not checked."""
+        saved, here = state.get("tokenizer_fingerprint"), self.dataset.fingerprint
+        if saved is not None and here is not None and saved != here:
+            raise ValueError(
+                f"data loader state was saved over shards of tokenizer {str(saved)[:12]} but this run's data.paths "
+                f"hold shards of tokenizer {here[:12]}: resume with the run's own shards (tokenized with "
+                f"{str(saved)[:12]}), or start a new run (a new save_folder) to train on these"
             )
 
     def close(self) -> None:
