@@ -25,7 +25,7 @@ import os
 import posixpath
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,10 +34,10 @@ from torch.utils.data import DataLoader
 
 from spes.remote_files import is_url
 from spes.shards import (
-    PARTIAL_SUFFIX,
     RangeTokenArray,
     Shard,
     ShardInfo,
+    check_shard_name,
     find_shard_info,
     open_token_array,
 )
@@ -58,17 +58,6 @@ def olmo_order(seed: int, epoch: int, num_windows: int) -> np.ndarray:
     generator seeded with `seed + epoch`. With the same shards, window length and seed, a node reads the same
     windows in the same order as there (global batch k = positions [k*B, (k+1)*B) of it)."""
     return np.random.Generator(np.random.PCG64(seed + epoch)).permutation(num_windows)
-
-
-def check_shard_name(path: Shard) -> None:
-    """ValueError unless `path` names a finished `.npy` token shard (not tokenize_data.py's half-written file)."""
-    if PurePosixPath(path).name.endswith(PARTIAL_SUFFIX):
-        raise ValueError(
-            f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
-            f"and rerun tokenize_data.py, or leave it out of data.paths"
-        )
-    if PurePosixPath(path).suffix != ".npy":
-        raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
 
 
 def check_shard_array(path: Shard, array: TokenArray, info: ShardInfo | None, want_dtype: np.dtype | None) -> None:
