@@ -393,6 +393,18 @@ def existing_outputs(output_prefix: Path) -> list[Path]:
     return sorted(output_prefix.parent.glob(f"{output_prefix.name}_[0-9][0-9][0-9][0-9][0-9].npy*"))
 
 
+def _make_output_folder(prefix: Path) -> None:
+    """The folder of `prefix`, made now; OSError naming --output_prefix when it cannot be (errno's own message named
+    only the path)."""
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(
+            f"--output_prefix {prefix}: its folder {prefix.parent} cannot be created ({err.strerror or err}); "
+            "give a prefix in a folder you can write to"
+        ) from None
+
+
 def tokenize_chunks(
     chunks: Iterable[TextChunk],
     *,
@@ -420,7 +432,7 @@ def tokenize_chunks(
             f"{leftovers[0]}{more} for --output_prefix {prefix}; delete {'them' if len(leftovers) > 1 else 'it'} or "
             "choose another prefix"
         )
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    _make_output_folder(prefix)
     shard_dtype = choose_dtype(tokenizer.vocab_size, dtype)
     writer = ShardWriter(prefix, dtype=shard_dtype, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer)
     summary = TokenizeSummary()

@@ -194,6 +194,21 @@ def test_a_directory_given_as_the_output_prefix_is_refused(tokenizer: LoadedToke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "made"]
 
 
+def test_an_output_prefix_whose_folder_cannot_be_made_is_named_with_the_fix(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI printed errno's bare `[Errno 2] No such file or directory: '/proc/x'`, naming neither flag nor fix."""
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    (tmp_path / "file").touch()
+    args = ["--file_glob", str(path), "--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix"]
+    for folder, why in ((Path("/proc/x"), "No such file or directory"), (tmp_path / "file" / "sub", "Not a directory")):
+        assert corpus.tokenize_main([*args, str(folder / "part")]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --output_prefix {folder / 'part'}: its folder {folder} cannot be created ({why}); give a prefix "
+            "in a folder you can write to\n"
+        )
+
+
 def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
     files = [write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 4)]
 
