@@ -25,11 +25,13 @@ is `<|padding|>` (id 1).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import gzip
 import io
 import itertools
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -273,6 +275,21 @@ class Encoder:
 
 
 _WORKER_ENCODER: Encoder | None = None
+_PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option: the signal this process gets when its parent dies."""
+
+
+def _exit_with_parent() -> None:
+    """Have the kernel kill this tokenizer process when the process that made it dies (Linux's PR_SET_PDEATHSIG):
+    a SIGKILLed tokenize_data.py ran no shutdown, and its workers waited for work forever. Elsewhere, or when
+    prctl is refused, nothing is done: such workers outlive their parent as before."""
+    parent = multiprocessing.parent_process()
+    if parent is None or not sys.platform.startswith("linux"):  # NOTE: None: called in the main process (a test)
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if not parent.is_alive():  # NOTE: it died before prctl: no signal will come
+        os._exit(1)
 
 
 def _init_worker(tokenizer_path: str, fingerprint: str, text_field: str, dtype: str) -> None:
@@ -282,6 +299,7 @@ def _init_worker(tokenizer_path: str, fingerprint: str, text_field: str, dtype: 
     # NOTE: a terminal's Ctrl-C reaches the whole process group; the main process stops the pool (a worker's own
     # KeyboardInterrupt printed a traceback each and broke the pool under it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.fingerprint != fingerprint:
         raise ValueError(f"{tokenizer_path} changed while tokenizing; rerun with a tokenizer nobody is rewriting")
