@@ -467,8 +467,8 @@ def tokenize_chunks(
             writer.write(encoded)
             summary.num_documents += len(encoded.doc_lengths)
             summary.num_tokens += len(encoded.tokens)
-            bar.update(len(encoded.doc_lengths) + len(encoded.errors))
             bar.set_postfix(tokens=summary.num_tokens, malformed=summary.num_malformed, refresh=False)
+            bar.update(len(encoded.doc_lengths) + len(encoded.errors))  # NOTE: after: update draws the postfix
     summary.shards = writer.close()
     summary.seconds = time.perf_counter() - started
     return summary

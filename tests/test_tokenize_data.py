@@ -580,6 +580,27 @@ def test_the_library_shows_progress_unless_told_not_to_and_checks_its_numbers(
         assert str(refused.value) == f"--{flag} must be >= 1, got 0"
 
 
+def test_each_drawing_of_the_progress_bar_counts_the_tokens_of_the_documents_it_counts(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token count was set after the bar was drawn: each drawing showed the tokens of one chunk less."""
+
+    class EveryUpdate(corpus.tqdm):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, mininterval=0, miniters=1, **kwargs)
+
+    monkeypatch.setattr(corpus, "tqdm", EveryUpdate)
+    texts = ["one", "two words", "three more words"]
+    chunks = (corpus.TextChunk("s", [(i, t)], json_lines=False) for i, t in enumerate(texts))
+    corpus.tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=tmp_path / "out" / "part")
+    totals = np.cumsum([len(ids) + 1 for ids in tokenizer.encode_batch(texts)]).tolist()
+    drawn = [frame for frame in capsys.readouterr().err.split("\r") if "doc [" in frame and not frame.startswith("0doc")]
+    assert len(drawn) >= len(texts)
+    for frame in drawn:
+        docs = int(frame.split("doc [")[0])
+        assert frame.rstrip().endswith(f"tokens={totals[docs - 1]}]"), frame
+
+
 def test_a_text_field_is_read_from_every_format_and_a_missing_column_refused_before_any_work(
     tokenizer: LoadedTokenizer, tmp_path: Path
 ) -> None:
