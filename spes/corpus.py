@@ -52,7 +52,7 @@ from tqdm import tqdm
 from spes.cli import DefaultsHelpFormatter
 from spes.schema import number_flag
 from spes.shards import PARTIAL_SUFFIX, ShardInfo, write_shard_info
-from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe
+from spes.tokenizer import LoadedTokenizer, check_bpe_vocab_size, load_tokenizer, train_byte_level_bpe
 
 SUPPORTED_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 DEFAULT_MAX_SHARD_BYTES = 512 * 2**20
@@ -666,38 +666,10 @@ def train_tokenizer_parser() -> argparse.ArgumentParser:
 
 def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
     """data_process_scripts/train_tokenizer.py."""
-    parser = train_tokenizer_parser()
-    args = parser.parse_args(argv)
-    files: list[Path] = []
-    for pattern in args.input:
-        matches = matching_files(pattern)
-        if not matches:
-            print(f"error: --input {pattern!r} matches no file", file=sys.stderr)
-            return 2
-        files.extend(matches)
-    if (Path(args.output_dir) / "tokenizer.json").exists():  # NOTE: the shards written with it would not match
-        print(
-            f"error: --output_dir {args.output_dir} already holds a tokenizer (tokenizer.json), which the shards "
-            "tokenized with it need; choose another --output_dir, or delete it first",
-            file=sys.stderr,
-        )
-        return 2
-    max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
-    texts = iter_texts(files, args.text_field, max_bytes)
-    first = next(texts, None)  # NOTE: no text at all trained a bytes-only tokenizer, told as too few distinct pairs
-    if first is None:
-        print(
-            f"error: --input {' '.join(args.input)} holds no text (check --text_field {args.text_field!r})",
-            file=sys.stderr,
-        )
-        return 2
+    args = train_tokenizer_parser().parse_args(argv)
     try:
-        tokenizer = train_byte_level_bpe(
-            itertools.chain([first], texts),
-            vocab_size=args.vocab_size,
-            output_dir=args.output_dir,
-            min_frequency=args.min_frequency,
-        )
+        files = _tokenizer_inputs(args)
+        tokenizer = _train_tokenizer_cli(args, files)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -712,3 +684,63 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
             f"set model.vocab_size={tokenizer.vocab_size}"
         )
     return 0
+
+
+def _tokenizer_inputs(args: argparse.Namespace) -> list[Path]:
+    """The files of --input; refused when a pattern matches none or --output_dir already holds a tokenizer."""
+    files: list[Path] = []
+    for pattern in args.input:
+        matches = matching_files(pattern)
+        if not matches:
+            raise FileNotFoundError(f"--input {pattern!r} matches no file")
+        files.extend(matches)
+    if (Path(args.output_dir) / "tokenizer.json").exists():  # NOTE: the shards written with it would not match
+        raise FileExistsError(
+            f"--output_dir {args.output_dir} already holds a tokenizer (tokenizer.json), which the shards "
+            "tokenized with it need; choose another --output_dir, or delete it first"
+        )
+    return files
+
+
+@dataclass
+class _TextTally:
+    """Texts and UTF-8 bytes that went by."""
+
+    texts: int = 0
+    bytes: int = 0
+
+    def counted(self, texts: Iterable[str]) -> Iterator[str]:
+        for text in texts:
+            self.texts += 1
+            self.bytes += len(text.encode("utf-8"))
+            yield text
+
+
+def _train_tokenizer_cli(args: argparse.Namespace, files: list[Path]) -> LoadedTokenizer:
+    """The tokenizer trained on `files` with the CLI's flags. Training shows no progress of its own off a terminal
+    (the library's bars draw only on one): a line at its start and one at its end, with sizes and seconds."""
+    check_bpe_vocab_size(args.vocab_size)  # NOTE: before the start line, so a refusal is one line
+    max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
+    texts = iter_texts(files, args.text_field, max_bytes)
+    first = next(texts, None)  # NOTE: no text at all trained a bytes-only tokenizer, told as too few distinct pairs
+    if first is None:
+        raise ValueError(f"--input {' '.join(args.input)} holds no text (check --text_field {args.text_field!r})")
+    terminal, tally = sys.stderr.isatty(), _TextTally()
+    if not terminal:
+        size = sum(path.stat().st_size for path in files)
+        limit = f", reading at most --max_mb {args.max_mb:g} MB of text" if max_bytes is not None else ""
+        print(f"training on {len(files)} file(s) of {size:,} bytes{limit} ...", file=sys.stderr)
+    started = time.perf_counter()
+    tokenizer = train_byte_level_bpe(
+        tally.counted(itertools.chain([first], texts)),
+        vocab_size=args.vocab_size,
+        output_dir=args.output_dir,
+        min_frequency=args.min_frequency,
+        progress=terminal,
+    )
+    if not terminal:
+        print(
+            f"trained on {tally.texts:,} texts of {tally.bytes:,} bytes in {time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
+    return tokenizer
