@@ -594,7 +594,8 @@ def test_each_drawing_of_the_progress_bar_counts_the_tokens_of_the_documents_it_
     chunks = (corpus.TextChunk("s", [(i, t)], json_lines=False) for i, t in enumerate(texts))
     corpus.tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=tmp_path / "out" / "part")
     totals = np.cumsum([len(ids) + 1 for ids in tokenizer.encode_batch(texts)]).tolist()
-    drawn = [frame for frame in capsys.readouterr().err.split("\r") if "doc [" in frame and not frame.startswith("0doc")]
+    frames = capsys.readouterr().err.split("\r")
+    drawn = [frame for frame in frames if "doc [" in frame and not frame.startswith("0doc")]
     assert len(drawn) >= len(texts)
     for frame in drawn:
         docs = int(frame.split("doc [")[0])

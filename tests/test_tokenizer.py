@@ -364,7 +364,8 @@ def test_training_tells_its_progress_a_line_at_each_end_off_a_terminal_and_by_th
     argv = ["--input", str(path), "--vocab_size", "300", "--output_dir"]
     assert corpus.train_tokenizer_main([*argv, str(tmp_path / "tok"), "--max_mb", "0.5"]) == 0
     start, end = capsys.readouterr().err.splitlines()
-    assert start == f"training on 1 file(s) of {path.stat().st_size:,} bytes, reading at most --max_mb 0.5 MB of text ..."
+    size = path.stat().st_size
+    assert start == f"training on 1 file(s) of {size:,} bytes, reading at most --max_mb 0.5 MB of text ..."
     assert end.startswith("trained on 3 texts of 9 bytes in ") and end.endswith(" s")
     monkeypatch.setattr(corpus.sys.stderr, "isatty", lambda: True)
     assert corpus.train_tokenizer_main([*argv, str(tmp_path / "tok2")]) == 0
