@@ -25,11 +25,13 @@ is `<|padding|>` (id 1).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import glob
 import gzip
 import io
 import itertools
 import json
+import multiprocessing
 import os
 import signal
 import sys
@@ -50,7 +52,7 @@ from tqdm import tqdm
 from spes.cli import DefaultsHelpFormatter
 from spes.schema import number_flag
 from spes.shards import PARTIAL_SUFFIX, ShardInfo, write_shard_info
-from spes.tokenizer import LoadedTokenizer, load_tokenizer, train_byte_level_bpe
+from spes.tokenizer import LoadedTokenizer, check_bpe_vocab_size, load_tokenizer, train_byte_level_bpe
 
 SUPPORTED_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 DEFAULT_MAX_SHARD_BYTES = 512 * 2**20
@@ -273,6 +275,21 @@ class Encoder:
 
 
 _WORKER_ENCODER: Encoder | None = None
+_PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option: the signal this process gets when its parent dies."""
+
+
+def _exit_with_parent() -> None:
+    """Have the kernel kill this tokenizer process when the process that made it dies (Linux's PR_SET_PDEATHSIG):
+    a SIGKILLed tokenize_data.py ran no shutdown, and its workers waited for work forever. Elsewhere, or when
+    prctl is refused, nothing is done: such workers outlive their parent as before."""
+    parent = multiprocessing.parent_process()
+    if parent is None or not sys.platform.startswith("linux"):  # NOTE: None: called in the main process (a test)
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if not parent.is_alive():  # NOTE: it died before prctl: no signal will come
+        os._exit(1)
 
 
 def _init_worker(tokenizer_path: str, fingerprint: str, text_field: str, dtype: str) -> None:
@@ -282,6 +299,7 @@ def _init_worker(tokenizer_path: str, fingerprint: str, text_field: str, dtype: 
     # NOTE: a terminal's Ctrl-C reaches the whole process group; the main process stops the pool (a worker's own
     # KeyboardInterrupt printed a traceback each and broke the pool under it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer.fingerprint != fingerprint:
         raise ValueError(f"{tokenizer_path} changed while tokenizing; rerun with a tokenizer nobody is rewriting")
@@ -393,6 +411,18 @@ def existing_outputs(output_prefix: Path) -> list[Path]:
     return sorted(output_prefix.parent.glob(f"{output_prefix.name}_[0-9][0-9][0-9][0-9][0-9].npy*"))
 
 
+def _make_output_folder(prefix: Path) -> None:
+    """The folder of `prefix`, made now; OSError naming --output_prefix when it cannot be (errno's own message named
+    only the path)."""
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OSError(
+            f"--output_prefix {prefix}: its folder {prefix.parent} cannot be created ({err.strerror or err}); "
+            "give a prefix in a folder you can write to"
+        ) from None
+
+
 def tokenize_chunks(
     chunks: Iterable[TextChunk],
     *,
@@ -420,7 +450,7 @@ def tokenize_chunks(
             f"{leftovers[0]}{more} for --output_prefix {prefix}; delete {'them' if len(leftovers) > 1 else 'it'} or "
             "choose another prefix"
         )
-    prefix.parent.mkdir(parents=True, exist_ok=True)
+    _make_output_folder(prefix)
     shard_dtype = choose_dtype(tokenizer.vocab_size, dtype)
     writer = ShardWriter(prefix, dtype=shard_dtype, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer)
     summary = TokenizeSummary()
@@ -437,8 +467,8 @@ def tokenize_chunks(
             writer.write(encoded)
             summary.num_documents += len(encoded.doc_lengths)
             summary.num_tokens += len(encoded.tokens)
-            bar.update(len(encoded.doc_lengths) + len(encoded.errors))
             bar.set_postfix(tokens=summary.num_tokens, malformed=summary.num_malformed, refresh=False)
+            bar.update(len(encoded.doc_lengths) + len(encoded.errors))  # NOTE: after: update draws the postfix
     summary.shards = writer.close()
     summary.seconds = time.perf_counter() - started
     return summary
@@ -636,38 +666,10 @@ def train_tokenizer_parser() -> argparse.ArgumentParser:
 
 def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
     """data_process_scripts/train_tokenizer.py."""
-    parser = train_tokenizer_parser()
-    args = parser.parse_args(argv)
-    files: list[Path] = []
-    for pattern in args.input:
-        matches = matching_files(pattern)
-        if not matches:
-            print(f"error: --input {pattern!r} matches no file", file=sys.stderr)
-            return 2
-        files.extend(matches)
-    if (Path(args.output_dir) / "tokenizer.json").exists():  # NOTE: the shards written with it would not match
-        print(
-            f"error: --output_dir {args.output_dir} already holds a tokenizer (tokenizer.json), which the shards "
-            "tokenized with it need; choose another --output_dir, or delete it first",
-            file=sys.stderr,
-        )
-        return 2
-    max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
-    texts = iter_texts(files, args.text_field, max_bytes)
-    first = next(texts, None)  # NOTE: no text at all trained a bytes-only tokenizer, told as too few distinct pairs
-    if first is None:
-        print(
-            f"error: --input {' '.join(args.input)} holds no text (check --text_field {args.text_field!r})",
-            file=sys.stderr,
-        )
-        return 2
+    args = train_tokenizer_parser().parse_args(argv)
     try:
-        tokenizer = train_byte_level_bpe(
-            itertools.chain([first], texts),
-            vocab_size=args.vocab_size,
-            output_dir=args.output_dir,
-            min_frequency=args.min_frequency,
-        )
+        files = _tokenizer_inputs(args)
+        tokenizer = _train_tokenizer_cli(args, files)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -682,3 +684,63 @@ def train_tokenizer_main(argv: Sequence[str] | None = None) -> int:
             f"set model.vocab_size={tokenizer.vocab_size}"
         )
     return 0
+
+
+def _tokenizer_inputs(args: argparse.Namespace) -> list[Path]:
+    """The files of --input; refused when a pattern matches none or --output_dir already holds a tokenizer."""
+    files: list[Path] = []
+    for pattern in args.input:
+        matches = matching_files(pattern)
+        if not matches:
+            raise FileNotFoundError(f"--input {pattern!r} matches no file")
+        files.extend(matches)
+    if (Path(args.output_dir) / "tokenizer.json").exists():  # NOTE: the shards written with it would not match
+        raise FileExistsError(
+            f"--output_dir {args.output_dir} already holds a tokenizer (tokenizer.json), which the shards "
+            "tokenized with it need; choose another --output_dir, or delete it first"
+        )
+    return files
+
+
+@dataclass
+class _TextTally:
+    """Texts and UTF-8 bytes that went by."""
+
+    texts: int = 0
+    bytes: int = 0
+
+    def counted(self, texts: Iterable[str]) -> Iterator[str]:
+        for text in texts:
+            self.texts += 1
+            self.bytes += len(text.encode("utf-8"))
+            yield text
+
+
+def _train_tokenizer_cli(args: argparse.Namespace, files: list[Path]) -> LoadedTokenizer:
+    """The tokenizer trained on `files` with the CLI's flags. Training shows no progress of its own off a terminal
+    (the library's bars draw only on one): a line at its start and one at its end, with sizes and seconds."""
+    check_bpe_vocab_size(args.vocab_size)  # NOTE: before the start line, so a refusal is one line
+    max_bytes = int(args.max_mb * 1e6) if args.max_mb is not None else None
+    texts = iter_texts(files, args.text_field, max_bytes)
+    first = next(texts, None)  # NOTE: no text at all trained a bytes-only tokenizer, told as too few distinct pairs
+    if first is None:
+        raise ValueError(f"--input {' '.join(args.input)} holds no text (check --text_field {args.text_field!r})")
+    terminal, tally = sys.stderr.isatty(), _TextTally()
+    if not terminal:
+        size = sum(path.stat().st_size for path in files)
+        limit = f", reading at most --max_mb {args.max_mb:g} MB of text" if max_bytes is not None else ""
+        print(f"training on {len(files)} file(s) of {size:,} bytes{limit} ...", file=sys.stderr)
+    started = time.perf_counter()
+    tokenizer = train_byte_level_bpe(
+        tally.counted(itertools.chain([first], texts)),
+        vocab_size=args.vocab_size,
+        output_dir=args.output_dir,
+        min_frequency=args.min_frequency,
+        progress=terminal,
+    )
+    if not terminal:
+        print(
+            f"trained on {tally.texts:,} texts of {tally.bytes:,} bytes in {time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
+    return tokenizer

@@ -25,7 +25,7 @@ import os
 import posixpath
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,10 +34,10 @@ from torch.utils.data import DataLoader
 
 from spes.remote_files import is_url
 from spes.shards import (
-    PARTIAL_SUFFIX,
     RangeTokenArray,
     Shard,
     ShardInfo,
+    check_shard_name,
     find_shard_info,
     open_token_array,
 )
@@ -58,17 +58,6 @@ def olmo_order(seed: int, epoch: int, num_windows: int) -> np.ndarray:
     generator seeded with `seed + epoch`. With the same shards, window length and seed, a node reads the same
     windows in the same order as there (global batch k = positions [k*B, (k+1)*B) of it)."""
     return np.random.Generator(np.random.PCG64(seed + epoch)).permutation(num_windows)
-
-
-def check_shard_name(path: Shard) -> None:
-    """ValueError unless `path` names a finished `.npy` token shard (not tokenize_data.py's half-written file)."""
-    if PurePosixPath(path).name.endswith(PARTIAL_SUFFIX):
-        raise ValueError(
-            f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
-            f"and rerun tokenize_data.py, or leave it out of data.paths"
-        )
-    if PurePosixPath(path).suffix != ".npy":
-        raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
 
 
 def check_shard_array(path: Shard, array: TokenArray, info: ShardInfo | None, want_dtype: np.dtype | None) -> None:
@@ -326,6 +315,7 @@ class BatchLoader:
                 f"data loader state was saved with data.seed={state['seed']} but this run uses data.seed={self.seed}: "
                 f"resume with the seed it was saved with, {fresh}"
             )
+        self._check_same_tokenizer(state)
         fix = f"resume with the data.paths and model.max_sequence_length it was saved with, {fresh}"
         if "seq_len" in state and int(state["seq_len"]) != self.dataset.seq_len:
             raise ValueError(
@@ -341,6 +331,17 @@ class BatchLoader:
             raise ValueError(
                 "data loader state was saved over other shards than this run's data.paths hold, or the same ones in "
                 f"another order (as many windows, {len(self.dataset)}, but window i is another one): {fix}"
+            )
+
+    def _check_same_tokenizer(self, state: dict[str, Any]) -> None:
+        """Refuse a state saved over shards of another tokenizer: the model learned its token ids, so even the same
+        file names and window counts are other data. A state or shards without a fingerprint are not checked."""
+        saved, here = state.get("tokenizer_fingerprint"), self.dataset.fingerprint
+        if saved is not None and here is not None and saved != here:
+            raise ValueError(
+                f"data loader state was saved over shards of tokenizer {str(saved)[:12]} but this run's data.paths "
+                f"hold shards of tokenizer {here[:12]}: resume with the run's own shards (tokenized with "
+                f"{str(saved)[:12]}), or start a new run (a new save_folder) to train on these"
             )
 
     def close(self) -> None:

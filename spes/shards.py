@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 
@@ -252,6 +252,17 @@ def _cut_short(shard: Shard, what: str) -> str:
     return f"token shard {shard} is not a whole array of token ids ({what}); rerun tokenize_data.py for it"
 
 
+def check_shard_name(path: Shard) -> None:
+    """ValueError unless `path` names a finished `.npy` token shard (not tokenize_data.py's half-written file)."""
+    if PurePosixPath(path).name.endswith(PARTIAL_SUFFIX):
+        raise ValueError(
+            f"token shard {path} is half-written (tokenize_data.py was interrupted): delete it "
+            f"and rerun tokenize_data.py, or leave it out of data.paths"
+        )
+    if PurePosixPath(path).suffix != ".npy":
+        raise ValueError(f"token shard {path} is not a .npy file (tokenize_data.py writes .npy shards)")
+
+
 def resolve_paths(
     paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     base_dir: Path | None = None,
@@ -276,8 +287,9 @@ def resolve_paths(
 
 
 def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = None, *, ranged: bool) -> list[Shard]:
-    if is_url(entry):
-        return [checked_url(entry) if ranged else fetched(entry)]
+    if is_url(entry):  # NOTE: named before a byte is fetched: a download mode read a refused file whole first
+        check_shard_name(checked_url(entry))
+        return [entry if ranged else fetched(entry)]
     path = Path(entry).expanduser()
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path

@@ -159,22 +159,33 @@ def check_vocab(tokenizer_vocab_size: int, model_vocab_size: int, embedding_size
         )
 
 
-def train_byte_level_bpe(
-    texts: Iterable[str], *, vocab_size: int, output_dir: str | os.PathLike[str], min_frequency: int = 2
-) -> LoadedTokenizer:
-    """Train a byte-level BPE on `texts` and save it as a Hugging Face tokenizer directory.
-
-    Ids 0 and 1 are EOS (`<|endoftext|>`) and pad (`<|padding|>`). Byte-level means every string
-    round-trips exactly, whatever its script. The directory holds tokenizer.json,
-    tokenizer_config.json and special_tokens_map.json, which is what
-    `transformers.AutoTokenizer.from_pretrained(output_dir)` needs, offline.
-    """
+def check_bpe_vocab_size(vocab_size: int) -> None:
+    """ValueError unless a byte-level BPE of `vocab_size` tokens holds every byte, EOS and pad."""
     num_bytes = len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < num_bytes + 2:
         raise ValueError(
             f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
             f"{num_bytes + 2} (256 bytes + EOS + pad)"
         )
+
+
+def train_byte_level_bpe(
+    texts: Iterable[str],
+    *,
+    vocab_size: int,
+    output_dir: str | os.PathLike[str],
+    min_frequency: int = 2,
+    progress: bool = False,
+) -> LoadedTokenizer:
+    """Train a byte-level BPE on `texts` and save it as a Hugging Face tokenizer directory.
+
+    Ids 0 and 1 are EOS (`<|endoftext|>`) and pad (`<|padding|>`). Byte-level means every string
+    round-trips exactly, whatever its script. The directory holds tokenizer.json,
+    tokenizer_config.json and special_tokens_map.json, which is what
+    `transformers.AutoTokenizer.from_pretrained(output_dir)` needs, offline. `progress` draws the tokenizers
+    library's own bars on stderr (they draw only on a terminal).
+    """
+    check_bpe_vocab_size(vocab_size)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -183,7 +194,7 @@ def train_byte_level_bpe(
         min_frequency=min_frequency,
         special_tokens=[EOS_TOKEN, PAD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress,
     )
     tokenizer.train_from_iterator(texts, trainer)
     out = Path(output_dir)

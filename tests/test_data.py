@@ -355,6 +355,30 @@ def test_a_state_saved_over_the_shards_in_another_order_is_refused(shards: list[
     BatchLoader(TokenSequenceDataset(copies, SEQ_LEN), batch_size=4, seed=1).load_state_dict(state)
 
 
+def test_a_state_saved_over_shards_of_another_tokenizer_is_refused(tmp_path: Path) -> None:
+    """Shards retokenized under the same names (as many windows) are other data to a model that learned the first
+    tokenizer's ids: the resume went on. A state or shards naming no tokenizer are not checked."""
+    retokenized = tmp_path / "retokenized"
+    retokenized.mkdir()
+    runs = {
+        f: [write_token_shard(d / "part_00000.npy", np.arange(40, dtype=np.uint16), fingerprint=f)]
+        for f, d in (("a" * 64, tmp_path), ("b" * 64, retokenized))
+    }
+    state = BatchLoader(TokenSequenceDataset(runs["a" * 64], SEQ_LEN), batch_size=4, seed=1).state_dict()
+    with pytest.raises(ValueError) as err:
+        BatchLoader(TokenSequenceDataset(runs["b" * 64], SEQ_LEN), batch_size=4, seed=1).load_state_dict(state)
+    assert str(err.value) == (
+        "data loader state was saved over shards of tokenizer aaaaaaaaaaaa but this run's data.paths hold shards of "
+        "tokenizer bbbbbbbbbbbb: resume with the run's own shards (tokenized with aaaaaaaaaaaa), or start a new run "
+        "(a new save_folder) to train on these"
+    )
+    BatchLoader(TokenSequenceDataset(runs["a" * 64], SEQ_LEN), batch_size=4, seed=1).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "tokenizer_fingerprint"}
+    BatchLoader(TokenSequenceDataset(runs["b" * 64], SEQ_LEN), batch_size=4, seed=1).load_state_dict(older)
+    sidecar_path(runs["b" * 64][0]).unlink()
+    BatchLoader(TokenSequenceDataset(runs["b" * 64], SEQ_LEN), batch_size=4, seed=1).load_state_dict(state)
+
+
 @pytest.mark.timeout(60)
 def test_worker_processes_yield_the_same_batches(dataset: TokenSequenceDataset) -> None:
     expected = _take(BatchLoader(dataset, batch_size=4, seed=9), 15)

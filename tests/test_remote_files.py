@@ -119,6 +119,19 @@ def test_a_url_the_server_does_not_have_is_named_with_what_to_do(served: Served)
     assert not cache_path(url, Path(os.environ["SPES_DATA_CACHE"])).exists()
 
 
+@pytest.mark.timeout(60)
+def test_a_url_of_a_half_written_or_other_file_is_refused_by_name_before_a_byte_is_fetched(served: Served) -> None:
+    """The download mode fetched such a file whole (and its sidecar) before the dataset refused it, naming the cache
+    path instead of the URL."""
+    served.files["/part_00000.npy.partial"] = served.files["/tokens.bin"] = bytes(1000)
+    for name, why in (("part_00000.npy.partial", "is half-written"), ("tokens.bin", "is not a .npy file")):
+        url = f"{served.url}/{name}"
+        with pytest.raises(ValueError) as err:
+            resolve_paths([url])
+        assert str(err.value).startswith(f"token shard {url} {why} (tokenize_data.py ")
+    assert served.asked == [] and not Path(os.environ["SPES_DATA_CACHE"]).exists()
+
+
 @pytest.mark.parametrize(
     "url",
     [

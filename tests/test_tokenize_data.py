@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +192,21 @@ def test_a_directory_given_as_the_output_prefix_is_refused(tokenizer: LoadedToke
             f"... beside it); give a prefix inside it, e.g. {tmp_path / name / 'part'}"
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "made"]
+
+
+def test_an_output_prefix_whose_folder_cannot_be_made_is_named_with_the_fix(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The CLI printed errno's bare `[Errno 2] No such file or directory: '/proc/x'`, naming neither flag nor fix."""
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    (tmp_path / "file").touch()
+    args = ["--file_glob", str(path), "--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix"]
+    for folder, why in ((Path("/proc/x"), "No such file or directory"), (tmp_path / "file" / "sub", "Not a directory")):
+        assert corpus.tokenize_main([*args, str(folder / "part")]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --output_prefix {folder / 'part'}: its folder {folder} cannot be created ({why}); give a prefix "
+            "in a folder you can write to\n"
+        )
 
 
 def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
@@ -565,6 +580,28 @@ def test_the_library_shows_progress_unless_told_not_to_and_checks_its_numbers(
         assert str(refused.value) == f"--{flag} must be >= 1, got 0"
 
 
+def test_each_drawing_of_the_progress_bar_counts_the_tokens_of_the_documents_it_counts(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The token count was set after the bar was drawn: each drawing showed the tokens of one chunk less."""
+
+    class EveryUpdate(corpus.tqdm):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, mininterval=0, miniters=1, **kwargs)
+
+    monkeypatch.setattr(corpus, "tqdm", EveryUpdate)
+    texts = ["one", "two words", "three more words"]
+    chunks = (corpus.TextChunk("s", [(i, t)], json_lines=False) for i, t in enumerate(texts))
+    corpus.tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=tmp_path / "out" / "part")
+    totals = np.cumsum([len(ids) + 1 for ids in tokenizer.encode_batch(texts)]).tolist()
+    frames = capsys.readouterr().err.split("\r")
+    drawn = [frame for frame in frames if "doc [" in frame and not frame.startswith("0doc")]
+    assert len(drawn) >= len(texts)
+    for frame in drawn:
+        docs = int(frame.split("doc [")[0])
+        assert frame.rstrip().endswith(f"tokens={totals[docs - 1]}]"), frame
+
+
 def test_a_text_field_is_read_from_every_format_and_a_missing_column_refused_before_any_work(
     tokenizer: LoadedTokenizer, tmp_path: Path
 ) -> None:
@@ -636,14 +673,10 @@ def test_a_shard_holds_at_least_one_token(tokenizer: LoadedTokenizer, tmp_path: 
     assert [read_shard_info(p).num_documents for p in shards] == [0, 1, 0, 1]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["kill", "ctrl-c"])
-def test_a_stopped_cli_run_says_what_it_kept_and_leaves_no_tokenizer_process(
-    sig: signal.Signals, group: bool, tokenizer: LoadedTokenizer, tmp_path: Path
-) -> None:
-    """SIGTERM to the script alone (`kill`, `timeout`) left its tokenizer processes running forever; Ctrl-C (SIGINT to
-    the whole group) ended in a traceback from every process."""
+@contextmanager
+def _cli_run_under_way(tokenizer: LoadedTokenizer, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list]]:
+    """tokenize_data.py --processes 2 on a large input into tmp_path/out, once its first shard is written (its
+    tokenizer processes at work): the run and its tokenizer processes, killed when the block ends."""
     write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 4000)
     out = tmp_path / "out"
     proc = subprocess.Popen(
@@ -654,16 +687,44 @@ def test_a_stopped_cli_run_says_what_it_kept_and_leaves_no_tokenizer_process(
         text=True,
         start_new_session=True,
     )
+    workers: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 120  # NOTE: the imports alone can take 30 s on a loaded 2-core host
         while not list(out.glob("*.npy")) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.01)
         workers = psutil.Process(proc.pid).children()
-        (os.killpg if group else os.kill)(proc.pid, sig)
-        _, err = proc.communicate(timeout=60)
+        yield proc, workers
     finally:
         proc.kill()
+        for worker in _running(workers):
+            worker.kill()
+
+
+def _running(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those of `processes` still running (a zombie waiting for its reaper is not)."""
+    running = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["kill", "ctrl-c"])
+def test_a_stopped_cli_run_says_what_it_kept_and_leaves_no_tokenizer_process(
+    sig: signal.Signals, group: bool, tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """SIGTERM to the script alone (`kill`, `timeout`) left its tokenizer processes running forever; Ctrl-C (SIGINT to
+    the whole group) ended in a traceback from every process."""
+    with _cli_run_under_way(tokenizer, tmp_path) as (proc, workers):
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
     assert len(workers) == 2 and proc.returncode == 130, err
+    out = tmp_path / "out"
     kept = sorted(out.glob("*.npy"))
     assert err.splitlines()[-1] == (
         f"interrupted: {len(kept)} complete shard(s) (part_00000.npy{f' .. {kept[-1].name}' if len(kept) > 1 else ''})"
@@ -671,7 +732,20 @@ def test_a_stopped_cli_run_says_what_it_kept_and_leaves_no_tokenizer_process(
         "while they exist)"
     )
     assert "Traceback" not in err
-    assert not [w for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    assert not _running(workers)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_run_killed_outright_leaves_no_tokenizer_process(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
+    """SIGKILL (`kill -9`, the OOM killer) runs no shutdown: its tokenizer processes waited for work forever."""
+    with _cli_run_under_way(tokenizer, tmp_path) as (proc, workers):
+        proc.kill()
+        proc.wait(timeout=60)  # NOTE: not communicate(): its stderr stays open while a tokenizer process holds it
+        deadline = time.monotonic() + 10
+        while _running(workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(workers) == 2 and not _running(workers)
 
 
 def test_an_interrupted_cli_run_says_what_it_kept_or_that_it_wrote_nothing(

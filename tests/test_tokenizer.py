@@ -346,3 +346,27 @@ def test_train_tokenizer_refuses_an_input_of_no_text_and_writes_nothing(
     assert corpus.train_tokenizer_main(["--input", str(empty), "--output_dir", str(out)]) == 2
     assert capsys.readouterr().err == f"error: --input {empty} holds no text (check --text_field 'text')\n"
     assert not out.exists()
+
+
+def test_training_tells_its_progress_a_line_at_each_end_off_a_terminal_and_by_the_librarys_bars_on_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training printed nothing until it was done, however long it took."""
+    texts = ["ab ab", "cd", "é"]
+    path = write_documents(tmp_path / "docs.jsonl", texts)
+    asked: list[bool] = []
+
+    def train(texts: object, **kwargs: object) -> LoadedTokenizer:
+        asked.append(bool(kwargs["progress"]))
+        return train_byte_level_bpe(texts, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(corpus, "train_byte_level_bpe", train)
+    argv = ["--input", str(path), "--vocab_size", "300", "--output_dir"]
+    assert corpus.train_tokenizer_main([*argv, str(tmp_path / "tok"), "--max_mb", "0.5"]) == 0
+    start, end = capsys.readouterr().err.splitlines()
+    size = path.stat().st_size
+    assert start == f"training on 1 file(s) of {size:,} bytes, reading at most --max_mb 0.5 MB of text ..."
+    assert end.startswith("trained on 3 texts of 9 bytes in ") and end.endswith(" s")
+    monkeypatch.setattr(corpus.sys.stderr, "isatty", lambda: True)
+    assert corpus.train_tokenizer_main([*argv, str(tmp_path / "tok2")]) == 0
+    assert asked == [False, True] and capsys.readouterr().err == ""
