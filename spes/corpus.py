@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -412,13 +413,21 @@ def existing_outputs(output_prefix: Path) -> list[Path]:
 
 
 def _make_output_folder(prefix: Path) -> None:
-    """The folder of `prefix`, made now; OSError naming --output_prefix when it cannot be (errno's own message named
-    only the path)."""
+    """The folder of `prefix`, made now and written to once (a read-only or foreign folder would otherwise fail at
+    the first shard, after minutes of work); OSError naming --output_prefix when it cannot be (errno's own message
+    named only the path)."""
     try:
         prefix.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise OSError(
             f"--output_prefix {prefix}: its folder {prefix.parent} cannot be created ({err.strerror or err}); "
+            "give a prefix in a folder you can write to"
+        ) from None
+    try:
+        tempfile.TemporaryFile(dir=prefix.parent).close()
+    except OSError as err:
+        raise OSError(
+            f"--output_prefix {prefix}: its folder {prefix.parent} cannot be written to ({err.strerror or err}); "
             "give a prefix in a folder you can write to"
         ) from None
 

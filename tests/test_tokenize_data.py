@@ -207,6 +207,10 @@ def test_an_output_prefix_whose_folder_cannot_be_made_is_named_with_the_fix(
             f"error: --output_prefix {folder / 'part'}: its folder {folder} cannot be created ({why}); give a prefix "
             "in a folder you can write to\n"
         )
+    assert corpus.tokenize_main([*args, "/proc/part"]) == 2  # there, but no file can be made in it (root's too)
+    assert capsys.readouterr().err.startswith(
+        "error: --output_prefix /proc/part: its folder /proc cannot be written to ("
+    )
 
 
 def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
