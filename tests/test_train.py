@@ -448,19 +448,25 @@ def test_a_requeued_run_continues_from_its_last_checkpoint(tiny_corpus, tmp_path
     assert _steps(out) == list(range(1, 61))
 
 
+ONE_RANK_TORCHRUN = [
+    sys.executable,
+    "-m",
+    "spes.torchrun",
+    "--standalone",
+    "--nproc_per_node=1",
+    "-m",
+    "spes.train",
+    TINY,
+]
+"""A node of one rank under spes.torchrun (its config's overrides follow)."""
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_to_spes_torchrun_saves_and_ends_in_one_line(tiny_corpus, tmp_path: Path) -> None:
     """What SLURM sends at a preemption: the rank saves at its next step, the launcher says so in one line."""
     cmd = [
-        sys.executable,
-        "-m",
-        "spes.torchrun",
-        "--standalone",
-        "--nproc_per_node=1",
-        "-m",
-        "spes.train",
-        TINY,
+        *ONE_RANK_TORCHRUN,
         *tiny_corpus.overrides(tmp_path),
         "--using_spes=false",
         "--eval_interval=null",
@@ -491,14 +497,7 @@ def test_sigterm_to_spes_torchrun_before_the_first_step_says_nothing_was_saved(
     """A node still waiting for its server: its ranks were killed outright and the launcher said each had been asked
     to save a checkpoint."""
     cmd = [
-        sys.executable,
-        "-m",
-        "spes.torchrun",
-        "--standalone",
-        "--nproc_per_node=1",
-        "-m",
-        "spes.train",
-        TINY,
+        *ONE_RANK_TORCHRUN,
         *tiny_corpus.overrides(tmp_path),
         *SMALL_NODE,
         f"--spes_config.server_addr=127.0.0.1:{dead_port}",
