@@ -39,7 +39,7 @@ from torch import nn
 
 from spes.atomic import LockHeld, hold_lock, write_atomic
 from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
-from spes.config import TrainConfig, changed_settings, load_config
+from spes.config import MODE_TITLES, TrainConfig, changed_settings, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
@@ -513,19 +513,21 @@ def rejoin(trainer: Trainer, syncer: PeerSync, checkpoint: Checkpoint | None, lo
 
 
 def describe_experts(cfg: TrainConfig) -> str:
-    """Which experts this node trains: a SPES peer a range of every MoE layer's (a layout may leave a peer none,
-    which is legal but worth saying), any other node all of them."""
+    """The node's mode (a DiLoCo baseline's log must not read as a SPES node's) and which experts it trains: a SPES
+    peer a range of every MoE layer's (a layout may leave a peer none, which is legal but worth saying), any other
+    node all of them."""
     owned, n = cfg.owned_experts(), cfg.model.moe_num_experts
+    node = f"{MODE_TITLES[cfg.mode]} node, peer {cfg.spes_config.peer_id} of {cfg.num_peers}"
     if owned is None:
-        return f"experts: trains all {n} of every MoE layer"
-    peer = f"peer {cfg.spes_config.peer_id} of {cfg.num_peers}"
+        who = node if cfg.sync_enabled else "centralized run"
+        return f"{who}; experts: trains all {n} of every MoE layer"
     lo, hi = owned
     if lo == hi:
         return (
-            f"experts: trains none ({peer}: {cfg.experts_per_block} per peer leave it none of {n}), only the shared "
+            f"{node}; experts: trains none ({cfg.experts_per_block} per peer leave it none of {n}), only the shared "
             "parameters"
         )
-    return f"experts: trains {lo}..{hi - 1} of {n} in every MoE layer ({peer}), the others frozen"
+    return f"{node}; experts: trains {lo}..{hi - 1} of {n} in every MoE layer, the others frozen"
 
 
 def _dataset(cfg: TrainConfig, key: str) -> TokenSequenceDataset:

@@ -82,15 +82,23 @@ def test_a_resume_says_when_it_passes_over_the_yamls_load_path(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (["--spes_config.peer_id=1"], "experts: trains 2..3 of 8 in every MoE layer (peer 1 of 4), the others frozen"),
+        (
+            ["--spes_config.peer_id=1"],
+            "SPES node, peer 1 of 4; experts: trains 2..3 of 8 in every MoE layer, the others frozen",
+        ),
         (
             ["--spes_config.peer_id=3", "--spes_config.num_train_experts_per_node=3"],
-            "experts: trains none (peer 3 of 4: 3 per peer leave it none of 8), only the shared parameters",
+            "SPES node, peer 3 of 4; experts: trains none (3 per peer leave it none of 8), only the shared parameters",
         ),
-        (["--using_spes=false"], "experts: trains all 8 of every MoE layer"),
+        (
+            ["--using_dilico=true", "--spes_config.peer_id=2"],
+            "DiLoCo node, peer 2 of 4; experts: trains all 8 of every MoE layer",
+        ),
+        (["--using_spes=false"], "centralized run; experts: trains all 8 of every MoE layer"),
     ],
 )
-def test_a_node_says_which_experts_it_trains(overrides: list[str], said: str) -> None:
+def test_a_node_says_its_mode_and_which_experts_it_trains(overrides: list[str], said: str) -> None:
+    """A DiLoCo node's log said only that it trains every expert, as a centralized run's does: never its mode."""
     assert describe_experts(load_config(TINY, overrides)[0]) == said
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spes.config import TrainConfig
+from spes.config import MODE_TITLES, TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.interrupt import Interrupted
 from spes.sync.auth import read_token
@@ -196,9 +196,10 @@ class PeerSync:
         if self.client is not None:
             try:
                 current = self.client.join()
+                title, total = MODE_TITLES[self.spec.mode], len(self.spec.manifest or {})
                 self.log(
-                    f"joined parameter server (current round: step {current}); uploading "
-                    f"{len(self.trainable)} of {len(self.spec.manifest or {})} tensors per round ({self.spec.codec})"
+                    f"joined parameter server as a {title} node (current round: step {current}); uploading "
+                    f"{len(self.trainable)} of {total} tensors per round ({self.spec.codec})"
                 )
             except SyncError as e:
                 error = e
