@@ -320,6 +320,48 @@ def test_a_resume_over_other_windows_is_refused_before_the_node_joins_a_server(t
         build_node(cfg, CPU, log=lambda _m: None)
 
 
+def _never_built(*_args: object) -> None:
+    raise AssertionError("the node built its model before the server was asked")
+
+
+@pytest.mark.timeout(120)
+def test_a_node_the_server_would_refuse_stops_before_building_its_model(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DiLoCo node, or one of another model size, against a SPES run's server was refused only at its join, after
+    allocating its weights (and loading its checkpoint): minutes for a 1B node. Its dry join now ends it first, with
+    the server's line and the join's exit code."""
+    from spes.sync.server import spec_of_run
+    from sync_helpers import running_server
+
+    monkeypatch.setattr(spes.train, "parallelize", _never_built)
+    run = [*tiny_corpus.overrides(tmp_path / "node"), *SMALL_NODE, "--spes_config.num_peers=1"]
+    run += ["--spes_config.num_train_experts_per_node=8", "--max_duration=2st", "--save_interval=null"]
+    with running_server(spec_of_run(TINY, run)) as (_, addr):
+        for other, said in ((["--using_dilico=true"], "mode"), (["--model.n_layers=3"], "model differs")):
+            started = time.monotonic()
+            code = main([TINY, *run, f"--spes_config.server_addr={addr}", *other])
+            captured = capsys.readouterr()
+            assert_one_line(code, captured.out + captured.err, "(before building the model)", said)
+            assert code == 3 and "experts:" not in captured.out and time.monotonic() - started < 30, captured.out
+
+
+@pytest.mark.timeout(120)
+def test_a_node_started_before_its_server_builds_and_leaves_the_wait_to_its_join(
+    tiny_corpus, tmp_path: Path, dead_port: int
+) -> None:
+    """Nodes may start before the server: the dry join that finds none says so and the node builds on."""
+    addr = f"127.0.0.1:{dead_port}"
+    cfg, _ = load_config(TINY, [*tiny_corpus.overrides(tmp_path / "node"), f"--spes_config.server_addr={addr}"])
+    logged: list[str] = []
+    build_node(cfg, CPU, logged.append)
+    notes = [line for line in logged if line.startswith("note: dry join of the parameter server")]
+    asked = f"at spes_config.server_addr={addr} (before building the model) failed (UNAVAILABLE)"
+    assert len(notes) == 1 and asked in notes[0], logged
+    assert notes[0].endswith("building the model, then joining (waiting for the server as a join does)")
+    assert any(line.startswith("SPES node, peer 0 of 4; experts:") for line in logged)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sync_failures_are_one_line(tiny_corpus, tmp_path: Path, dead_port: int) -> None:
