@@ -328,22 +328,32 @@ def _never_built(*_args: object) -> None:
 def test_a_node_the_server_would_refuse_stops_before_building_its_model(
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A DiLoCo node, or one of another model size, against a SPES run's server was refused only at its join, after
+    """A DiLoCo node, one of another model size or one with a wrong token was refused only at its join, after
     allocating its weights (and loading its checkpoint): minutes for a 1B node. Its dry join now ends it first, with
     the server's line and the join's exit code."""
+    from spes.sync.auth import TOKEN_ENV
     from spes.sync.server import spec_of_run
-    from sync_helpers import running_server
+    from sync_helpers import TOKEN, running_server
 
     monkeypatch.setattr(spes.train, "parallelize", _never_built)
     run = [*tiny_corpus.overrides(tmp_path / "node"), *SMALL_NODE, "--spes_config.num_peers=1"]
     run += ["--spes_config.num_train_experts_per_node=8", "--max_duration=2st", "--save_interval=null"]
-    with running_server(spec_of_run(TINY, run)) as (_, addr):
-        for other, said in ((["--using_dilico=true"], "mode"), (["--model.n_layers=3"], "model differs")):
-            started = time.monotonic()
-            code = main([TINY, *run, f"--spes_config.server_addr={addr}", *other])
-            captured = capsys.readouterr()
-            assert_one_line(code, captured.out + captured.err, "(before building the model)", said)
-            assert code == 3 and "experts:" not in captured.out and time.monotonic() - started < 30, captured.out
+
+    def refusal(addr: str, *other: str) -> str:
+        started = time.monotonic()
+        code = main([TINY, *run, f"--spes_config.server_addr={addr}", *other])
+        captured = capsys.readouterr()
+        last = assert_one_line(code, captured.out + captured.err, "(before building the model)")
+        assert code == 3 and "experts:" not in captured.out and time.monotonic() - started < 30, captured.out
+        return last
+
+    spec = spec_of_run(TINY, run)
+    with running_server(spec) as (_, addr):
+        assert "peer 0 has mode = 'diloco' but the run has mode = 'spes'" in refusal(addr, "--using_dilico=true")
+        assert "peer 0's model differs from the run's" in refusal(addr, "--model.n_layers=3")
+    monkeypatch.setenv(TOKEN_ENV, "not-the-runs-token")
+    with running_server(spec, token=TOKEN) as (_, addr):
+        assert "failed (UNAUTHENTICATED)" in refusal(addr)
 
 
 @pytest.mark.timeout(120)

@@ -171,7 +171,7 @@ def _refusal(
     try:
         run_id = read_run_id(checkpoint) if checkpoint is not None else None
         client = dry_join_client(cfg, model_manifest(model)[0], run_id)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # NOTE: on rank 0 alone: the other ranks hear of it from `_share_failure`
         return exc
     addr = cfg.spes_config.server_addr
     try:
