@@ -248,14 +248,14 @@ def check_server(
 ) -> tuple[list[Check], SyncClient | None]:
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
     from spes.sync.client import SyncError
-    from spes.sync.peer import node_spec, sync_client
+    from spes.sync.peer import dry_join_client
     from spes.sync.protocol import PROTOCOL_VERSION
 
     s = cfg.spes_config
     if not cfg.sync_enabled:
         return [skip("server", "centralized run (using_spes=false): no parameter server")], None
     try:
-        client = sync_client(cfg, node_spec(cfg, shapes), max_retries=0, rpc_timeout_s=min(s.rpc_timeout_s, 15.0))
+        client = dry_join_client(cfg, shapes)
     except (ValueError, FileNotFoundError) as exc:
         return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
     settings = (

@@ -16,8 +16,9 @@ save_folder already holding a run's checkpoints or metrics is refused unless `sa
 A failure the user can cause or meet ends in one line `error: ...` on stderr and a non-zero exit; so does Ctrl-C or
 SIGTERM before the training loop (exit 130), naming the checkpoint a restart continues from, if any.
 Order of construction: config -> process group -> data (checked before any model exists) -> model on meta ->
-weights -> parallelize (under FSDP2: parallelize, then each rank's shards of the weights) -> optimizer ->
-sync client -> trainer (`start_node`) -> fit, torn down in `finally`.
+the server's answer to a dry join (a node it would refuse stops here, in seconds) -> weights -> parallelize (under
+FSDP2: parallelize, then each rank's shards of the weights) -> optimizer -> sync client -> trainer (`start_node`) ->
+fit, torn down in `finally`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch import nn
 
 from spes.atomic import LockHeld, hold_lock, write_atomic
 from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
-from spes.config import TrainConfig, changed_settings, load_config
+from spes.config import MODE_TITLES, TrainConfig, changed_settings, load_config
 from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
 from spes.evaluators import evaluators_of
@@ -286,12 +287,47 @@ class Node:
 
 
 def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> Node:
-    """Data (checked first: a wrong path or vocabulary fails in seconds) -> model on meta -> weights ->
+    """Data (checked first: a wrong path or vocabulary fails in seconds) -> model on meta -> the server asked
+    whether it admits this node (`check_admitted`: a refusal in seconds, not after the weights exist) -> weights ->
     parallelize -> optimizer -> checkpoint (either kind, any rank count), its data position checked against this
     data: a resume over other data is refused before the node joins a server.
 
     Under FSDP2 the model is sharded while still on meta and each rank allocates only its shards.
     """
+    loader = _training_loader(cfg, info, log)
+    eval_batches = _validation(cfg)
+    load_path = _start_from(cfg, log)
+    continuing = _continues_run(cfg, load_path)
+    # NOTE: --resume=auto claims the folder as this run's even before its first checkpoint; a dry run only checks it
+    claim_save_folder(cfg, continuing or cfg.try_load_latest_save, info.is_main, log)
+    torch.manual_seed(cfg.seed)
+    with torch.device("meta"):
+        transformer = Transformer.for_run(cfg, training=True)
+    if cfg.sync_enabled and not cfg.dry_run:  # NOTE: a dry run meets no server
+        from spes.sync.peer import check_admitted
+
+        check_admitted(cfg, transformer, info, load_path, log)
+    log(count_params(transformer).describe())
+    log(describe_experts(cfg))
+    model: nn.Module = transformer  # wrapped by parallelize below
+    sharded = uses_fsdp(cfg, info)
+    if sharded:
+        model = parallelize(model, cfg, info)
+    model.to_empty(device=info.device)
+    cast(Transformer, unwrap(model)).init_weights(cfg.seed)
+    if not sharded:  # NOTE: DDP broadcasts rank 0's weights at wrapping, so they must exist first
+        model = parallelize(model, cfg, info)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    ckpt = _load(cfg, load_path, continuing, model, optimizer, log)
+    if ckpt is not None and "data" in ckpt.trainer:  # NOTE: refused here, not after a join (or its minutes of retries)
+        loader.check_same_data(ckpt.trainer["data"])  # the trainer loads it
+    if ckpt is not None and continuing and not cfg.dry_run:
+        _name_latest(Path(cfg.save_folder), ckpt.path, info.is_main, log)
+    return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)
+
+
+def _training_loader(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None]) -> BatchLoader:
+    """This rank's loader of the training data, its tokenizer, vocabulary and EOS checked first."""
     tokenizer = load_tokenizer(cfg.tokenizer.identifier)
     check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
     dataset = _dataset(cfg, "paths")
@@ -315,31 +351,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     )
     source = "data.seed" if cfg.data.seed is not None else "seed (data.seed unset)"
     log(f"data order seed {cfg.data_seed} ({source})")
-    eval_batches = _validation(cfg)
-    load_path = _start_from(cfg, log)
-    continuing = _continues_run(cfg, load_path)
-    # NOTE: --resume=auto claims the folder as this run's even before its first checkpoint; a dry run only checks it
-    claim_save_folder(cfg, continuing or cfg.try_load_latest_save, info.is_main, log)
-    torch.manual_seed(cfg.seed)
-    with torch.device("meta"):
-        transformer = Transformer.for_run(cfg, training=True)
-    log(count_params(transformer).describe())
-    log(describe_experts(cfg))
-    model: nn.Module = transformer  # wrapped by parallelize below
-    sharded = uses_fsdp(cfg, info)
-    if sharded:
-        model = parallelize(model, cfg, info)
-    model.to_empty(device=info.device)
-    cast(Transformer, unwrap(model)).init_weights(cfg.seed)
-    if not sharded:  # NOTE: DDP broadcasts rank 0's weights at wrapping, so they must exist first
-        model = parallelize(model, cfg, info)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    ckpt = _load(cfg, load_path, continuing, model, optimizer, log)
-    if ckpt is not None and "data" in ckpt.trainer:  # NOTE: refused here, not after a join (or its minutes of retries)
-        loader.check_same_data(ckpt.trainer["data"])  # the trainer loads it
-    if ckpt is not None and continuing and not cfg.dry_run:
-        _name_latest(Path(cfg.save_folder), ckpt.path, info.is_main, log)
-    return Node(model=model, optimizer=optimizer, loader=loader, eval_batches=eval_batches, checkpoint=ckpt)
+    return loader
 
 
 def _load(
@@ -513,19 +525,21 @@ def rejoin(trainer: Trainer, syncer: PeerSync, checkpoint: Checkpoint | None, lo
 
 
 def describe_experts(cfg: TrainConfig) -> str:
-    """Which experts this node trains: a SPES peer a range of every MoE layer's (a layout may leave a peer none,
-    which is legal but worth saying), any other node all of them."""
+    """The node's mode (a DiLoCo baseline's log must not read as a SPES node's) and which experts it trains: a SPES
+    peer a range of every MoE layer's (a layout may leave a peer none, which is legal but worth saying), any other
+    node all of them."""
     owned, n = cfg.owned_experts(), cfg.model.moe_num_experts
+    node = f"{MODE_TITLES[cfg.mode]} node, peer {cfg.spes_config.peer_id} of {cfg.num_peers}"
     if owned is None:
-        return f"experts: trains all {n} of every MoE layer"
-    peer = f"peer {cfg.spes_config.peer_id} of {cfg.num_peers}"
+        who = node if cfg.sync_enabled else "centralized run"
+        return f"{who}; experts: trains all {n} of every MoE layer"
     lo, hi = owned
     if lo == hi:
         return (
-            f"experts: trains none ({peer}: {cfg.experts_per_block} per peer leave it none of {n}), only the shared "
+            f"{node}; experts: trains none ({cfg.experts_per_block} per peer leave it none of {n}), only the shared "
             "parameters"
         )
-    return f"experts: trains {lo}..{hi - 1} of {n} in every MoE layer ({peer}), the others frozen"
+    return f"{node}; experts: trains {lo}..{hi - 1} of {n} in every MoE layer, the others frozen"
 
 
 def _dataset(cfg: TrainConfig, key: str) -> TokenSequenceDataset:

@@ -82,15 +82,23 @@ def test_a_resume_says_when_it_passes_over_the_yamls_load_path(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (["--spes_config.peer_id=1"], "experts: trains 2..3 of 8 in every MoE layer (peer 1 of 4), the others frozen"),
+        (
+            ["--spes_config.peer_id=1"],
+            "SPES node, peer 1 of 4; experts: trains 2..3 of 8 in every MoE layer, the others frozen",
+        ),
         (
             ["--spes_config.peer_id=3", "--spes_config.num_train_experts_per_node=3"],
-            "experts: trains none (peer 3 of 4: 3 per peer leave it none of 8), only the shared parameters",
+            "SPES node, peer 3 of 4; experts: trains none (3 per peer leave it none of 8), only the shared parameters",
         ),
-        (["--using_spes=false"], "experts: trains all 8 of every MoE layer"),
+        (
+            ["--using_dilico=true", "--spes_config.peer_id=2"],
+            "DiLoCo node, peer 2 of 4; experts: trains all 8 of every MoE layer",
+        ),
+        (["--using_spes=false"], "centralized run; experts: trains all 8 of every MoE layer"),
     ],
 )
-def test_a_node_says_which_experts_it_trains(overrides: list[str], said: str) -> None:
+def test_a_node_says_its_mode_and_which_experts_it_trains(overrides: list[str], said: str) -> None:
+    """A DiLoCo node's log said only that it trains every expert, as a centralized run's does: never its mode."""
     assert describe_experts(load_config(TINY, overrides)[0]) == said
 
 
@@ -310,6 +318,58 @@ def test_a_resume_over_other_windows_is_refused_before_the_node_joins_a_server(t
     _apply_resume(cfg, "always")
     with pytest.raises(ValueError, match="saved with windows of 64 tokens but this run's model.max_sequence_length"):
         build_node(cfg, CPU, log=lambda _m: None)
+
+
+def _never_built(*_args: object) -> None:
+    raise AssertionError("the node built its model before the server was asked")
+
+
+@pytest.mark.timeout(120)
+def test_a_node_the_server_would_refuse_stops_before_building_its_model(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DiLoCo node, one of another model size or one with a wrong token was refused only at its join, after
+    allocating its weights (and loading its checkpoint): minutes for a 1B node. Its dry join now ends it first, with
+    the server's line and the join's exit code."""
+    from spes.sync.auth import TOKEN_ENV
+    from spes.sync.server import spec_of_run
+    from sync_helpers import TOKEN, running_server
+
+    monkeypatch.setattr(spes.train, "parallelize", _never_built)
+    run = [*tiny_corpus.overrides(tmp_path / "node"), *SMALL_NODE, "--spes_config.num_peers=1"]
+    run += ["--spes_config.num_train_experts_per_node=8", "--max_duration=2st", "--save_interval=null"]
+
+    def refusal(addr: str, *other: str) -> str:
+        started = time.monotonic()
+        code = main([TINY, *run, f"--spes_config.server_addr={addr}", *other])
+        captured = capsys.readouterr()
+        last = assert_one_line(code, captured.out + captured.err, "(before building the model)")
+        assert code == 3 and "experts:" not in captured.out and time.monotonic() - started < 30, captured.out
+        return last
+
+    spec = spec_of_run(TINY, run)
+    with running_server(spec) as (_, addr):
+        assert "peer 0 has mode = 'diloco' but the run has mode = 'spes'" in refusal(addr, "--using_dilico=true")
+        assert "peer 0's model differs from the run's" in refusal(addr, "--model.n_layers=3")
+    monkeypatch.setenv(TOKEN_ENV, "not-the-runs-token")
+    with running_server(spec, token=TOKEN) as (_, addr):
+        assert "failed (UNAUTHENTICATED)" in refusal(addr)
+
+
+@pytest.mark.timeout(120)
+def test_a_node_started_before_its_server_builds_and_leaves_the_wait_to_its_join(
+    tiny_corpus, tmp_path: Path, dead_port: int
+) -> None:
+    """Nodes may start before the server: the dry join that finds none says so and the node builds on."""
+    addr = f"127.0.0.1:{dead_port}"
+    cfg, _ = load_config(TINY, [*tiny_corpus.overrides(tmp_path / "node"), f"--spes_config.server_addr={addr}"])
+    logged: list[str] = []
+    build_node(cfg, CPU, logged.append)
+    notes = [line for line in logged if line.startswith("note: dry join of the parameter server")]
+    asked = f"at spes_config.server_addr={addr} (before building the model) failed (UNAVAILABLE)"
+    assert len(notes) == 1 and asked in notes[0], logged
+    assert notes[0].endswith("building the model, then joining (waiting for the server as a join does)")
+    assert any(line.startswith("SPES node, peer 0 of 4; experts:") for line in logged)
 
 
 @pytest.mark.slow

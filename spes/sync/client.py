@@ -210,16 +210,17 @@ class SyncClient:
         self._joined = True
         return current
 
-    def check_join(self) -> bool:
+    def check_join(self, what: str = "preflight join") -> bool:
         """Preflight: the server runs every check of `join` (token, certificate, protocol, spec, manifest) and
-        registers nothing. Afterwards `Connection.measure_link` uses the plane `sync` would.
+        registers nothing. Afterwards `Connection.measure_link` uses the plane `sync` would. `what` names the call
+        in its errors.
 
         Returns whether the manifest was compared with the run's (False: a server without the run's YAML that no
         peer has joined yet).
         """
         request = self._request(dry_run=True)
         reply = self._retrying(
-            "preflight join",
+            what,
             lambda timeout: self.connection.stub.Join(request, timeout=timeout, metadata=self.connection.metadata),
             per_attempt_s=self.rpc_timeout_s,
         )

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spes.config import TrainConfig
+from spes.config import MODE_TITLES, TrainConfig
 from spes.distributed import DistInfo, gather_full, load_full, unwrap
 from spes.interrupt import Interrupted
 from spes.sync.auth import read_token
@@ -45,16 +45,19 @@ from spes.sync.node_files import (
     RUN_FILE,
     load_codec_state,
     read_pending,
+    read_run_id,
     save_codec_state,
     write_run_id,
 )
 from spes.sync.overlap import PendingRound, apply_overlapped
-from spes.sync.protocol import Manifest, SyncError, Tensors
+from spes.sync.protocol import Manifest, Reason, SyncError, Tensors
 from spes.sync.spec import RunSpec, run_spec
 from spes.sync.status import REPORT_S, describe
 
 POLL_S = 0.2
 """How often rank 0, waiting for a round, looks whether a stop was requested."""
+DRY_JOIN_RPC_S = 15.0
+"""The longest a dry join waits for the server's answer (less when spes_config.rpc_timeout_s is): it asks once."""
 T = TypeVar("T")
 Exchange = tuple[Tensors, SyncStats | None, Exception | None]
 """What rank 0's exchange with the server gave: the download, its statistics, or the failure."""
@@ -137,6 +140,51 @@ def sync_client(cfg: TrainConfig, spec: RunSpec, run_id: str | None = None, **se
     return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True, run_id=run_id)
 
 
+def dry_join_client(cfg: TrainConfig, manifest: Manifest, run_id: str | None = None) -> SyncClient:
+    """A client for one dry join (`SyncClient.check_join`) of this node with `manifest`: asked once, no retries, a
+    short deadline; what preflight and a node about to build its model ask the server."""
+    s = cfg.spes_config
+    spec = node_spec(cfg, manifest)
+    return sync_client(cfg, spec, run_id, max_retries=0, rpc_timeout_s=min(s.rpc_timeout_s, DRY_JOIN_RPC_S))
+
+
+def check_admitted(
+    cfg: TrainConfig, model: nn.Module, info: DistInfo, checkpoint: Path | None, log: Callable[[str], None]
+) -> None:
+    """Ask the server whether it would admit this node (a dry join of `model`, built on the meta device, as the
+    node resuming `checkpoint`) before the node allocates its weights and loads its checkpoint: a node of another
+    mode, model, codec or credentials is refused in seconds, not after minutes of building. Raises on every rank
+    on the server's definite refusal; a server not up yet (or too old to answer) is left to the real join, which
+    waits for it."""
+    error = _refusal(cfg, model, checkpoint, log) if info.is_main else None
+    if info.world_size > 1:
+        _share_failure(error, "be admitted by the parameter server", info)
+    if error is not None:
+        raise error
+
+
+def _refusal(
+    cfg: TrainConfig, model: nn.Module, checkpoint: Path | None, log: Callable[[str], None]
+) -> Exception | None:
+    """Rank 0's dry join: the server's definite refusal, or a setting no client can be made from; None when the
+    server admits the node or did not answer."""
+    try:
+        run_id = read_run_id(checkpoint) if checkpoint is not None else None
+        client = dry_join_client(cfg, model_manifest(model)[0], run_id)
+    except (ValueError, OSError) as exc:  # NOTE: on rank 0 alone: the other ranks hear of it from `_share_failure`
+        return exc
+    addr = cfg.spes_config.server_addr
+    try:
+        client.check_join(f"dry join of the parameter server at {SERVER_SETTING}={addr} (before building the model)")
+    except SyncError as exc:
+        if not exc.retryable and exc.reason != Reason.OLD_SERVER:
+            return exc
+        log(f"note: {exc}; building the model, then joining (waiting for the server as a join does)")
+    finally:
+        client.close()
+    return None
+
+
 class PeerSync:
     """Pushes this node's trained tensors and applies the global model: every `round_interval` steps a round is
     uploaded, and applied `overlap_steps` steps later (0 without `overlap_sync`).
@@ -196,9 +244,10 @@ class PeerSync:
         if self.client is not None:
             try:
                 current = self.client.join()
+                title, total = MODE_TITLES[self.spec.mode], len(self.spec.manifest or {})
                 self.log(
-                    f"joined parameter server (current round: step {current}); uploading "
-                    f"{len(self.trainable)} of {len(self.spec.manifest or {})} tensors per round ({self.spec.codec})"
+                    f"joined parameter server as a {title} node (current round: step {current}); uploading "
+                    f"{len(self.trainable)} of {total} tensors per round ({self.spec.codec})"
                 )
             except SyncError as e:
                 error = e
@@ -412,16 +461,10 @@ class PeerSync:
         return SyncResult(step=step, stats=stats)
 
     def _agree(self, error: Exception | None, what: str) -> None:
-        """Raise on every rank when rank 0's exchange with the server failed: the other ranks would otherwise wait
-        in the next collective until torchrun kills them, with a traceback instead of the reason."""
+        """Raise on every rank when rank 0's exchange with the server failed (`_share_failure`); rank 0's own line
+        asks whether the server runs when it could not be reached."""
         if self.distributed:
-            code = 0 if error is None else 2 if isinstance(error, Interrupted) else 1
-            flag = torch.tensor([code], device=self.info.device)
-            dist.broadcast(flag, src=0)
-            if flag.item() == 2 and error is None:
-                raise Interrupted(f"rank 0 stopped waiting to {what}")
-            if flag.item() == 1 and error is None:
-                raise SyncError(f"rank 0 failed to {what}; its error line says why")
+            _share_failure(error, what, self.info)
         if isinstance(error, SyncError) and error.code == grpc.StatusCode.UNAVAILABLE and error.retryable:
             where = "there" if SERVER_SETTING in str(error) else f"at {SERVER_SETTING}={self.server_addr}"
             raise SyncError(
@@ -431,6 +474,18 @@ class PeerSync:
             ) from None
         if error is not None:
             raise error
+
+
+def _share_failure(error: Exception | None, what: str, info: DistInfo) -> None:
+    """Rank 0 tells the others whether its call to the server failed (a collective); they raise then: else they
+    would wait in the next collective until torchrun kills them, with a traceback instead of the reason."""
+    code = 0 if error is None else 2 if isinstance(error, Interrupted) else 1
+    flag = torch.tensor([code], device=info.device)
+    dist.broadcast(flag, src=0)
+    if flag.item() == 2 and error is None:
+        raise Interrupted(f"rank 0 stopped waiting to {what}")
+    if flag.item() == 1 and error is None:
+        raise SyncError(f"rank 0 failed to {what}; its error line says why")
 
 
 def _in_background(fn: Callable[[], T], name: str) -> Future[T]:

@@ -363,6 +363,48 @@ def test_a_failed_overlapped_round_raises_at_the_step_it_was_due(tiny_corpus: An
     assert trainer.step == 3
 
 
+@pytest.mark.timeout(120)
+def test_a_node_admitted_by_its_dry_join_says_its_mode_when_it_joins(tiny_corpus: Any, tmp_path: Path) -> None:
+    """The join line never named the mode: a DiLoCo baseline's log read as a SPES node's."""
+    alone = (*run_args(True), "--spes_config.num_peers=1")
+    logged: list[str] = []
+    with running_server(server_spec(tiny_corpus, tmp_path, *run_args(True), num_peers=1)) as (_, addr):
+        trainer = start_peer(peer_config(tiny_corpus, tmp_path, addr, 0, *alone), logged.append)
+        assert trainer.syncer is not None
+        trainer.syncer.close()
+    assert not [line for line in logged if "dry join" in line], logged  # admitted: nothing to say
+    assert "DiLoCo node, peer 0 of 1; experts: trains all 8 of every MoE layer" in logged
+    joined = "joined parameter server as a DiLoCo node (current round: step -1); uploading"
+    assert any(line.startswith(joined) for line in logged), logged
+
+
+def _admission_worker(args: dict[str, Any], info: DistInfo) -> str:
+    """`check_admitted` on this torchrun's ranks: what each raised."""
+    from spes.model import Transformer
+    from spes.sync.peer import check_admitted
+
+    cfg = load_config(TINY, args["overrides"])[0]
+    with torch.device("meta"):
+        model = Transformer.for_run(cfg)
+    try:
+        check_admitted(cfg, model, info, None, QUIET)
+    except SyncError as exc:
+        return str(exc)
+    return "admitted"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_refusal_before_the_build_stops_every_rank_of_the_node(tiny_corpus: Any, tmp_path: Path) -> None:
+    """Rank 0 asks the server; the other ranks, which would go on to build and wait in a collective until torchrun
+    killed them, stop too."""
+    with running_server(server_spec(tiny_corpus, tmp_path, *run_args(False))) as (_, addr):
+        overrides = peer_overrides(tiny_corpus, tmp_path, addr, 0, *run_args(True))
+        said = run_ranks(2, "sync.test_peer:_admission_worker", {"overrides": overrides}, tmp_path / "ranks")
+    assert "failed (FAILED_PRECONDITION): peer 0 has mode = 'diloco' but the run has mode = 'spes'" in said[0]
+    assert said[1] == "rank 0 failed to be admitted by the parameter server; its error line says why"
+
+
 def test_a_refused_tls_handshake_is_not_called_an_unreachable_server() -> None:
     """A retried-out UNAVAILABLE gets the hint to check the server and the address; a TLS handshake the client
     refused (not retried: `plane_grpc.failure_of` says what it means) is raised as it is."""
