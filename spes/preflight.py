@@ -248,14 +248,21 @@ def check_server(
 ) -> tuple[list[Check], SyncClient | None]:
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
     from spes.sync.client import SyncError
+    from spes.sync.node_files import read_run_id
     from spes.sync.peer import dry_join_client
     from spes.sync.protocol import PROTOCOL_VERSION
+    from spes.train import start_checkpoint
 
     s = cfg.spes_config
     if not cfg.sync_enabled:
         return [skip("server", "centralized run (using_spes=false): no parameter server")], None
+    try:  # NOTE: as the node joins: a resumed one in the run its checkpoint names
+        start = start_checkpoint(cfg, log=lambda note: None)
+        run_id = read_run_id(start) if start is not None else None
+    except (ValueError, FileNotFoundError) as exc:
+        return [fail("server", f"the node's checkpoint: {exc}", "fix load_path, or the resume flags")], None
     try:
-        client = dry_join_client(cfg, shapes)
+        client = dry_join_client(cfg, shapes, run_id)
     except (ValueError, FileNotFoundError) as exc:
         return [fail("server", f"cannot set up a client: {exc}", "fix the spes_config keys named above")], None
     settings = (

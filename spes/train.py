@@ -116,7 +116,7 @@ def _passed_over(cfg: TrainConfig) -> str | None:
     return f"note: resuming save_folder {cfg.save_folder}; load_path {cfg.load_path} is not read"
 
 
-def _start_from(cfg: TrainConfig, log: Callable[[str], None]) -> Path | None:
+def start_checkpoint(cfg: TrainConfig, log: Callable[[str], None]) -> Path | None:
     """The checkpoint to load: save_folder's latest under `try_load_latest_save` when it has one, else load_path's;
     resolved here, so that a path naming no checkpoint fails before the model is built."""
     if cfg.try_load_latest_save:
@@ -288,7 +288,8 @@ class Node:
 
 def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> Node:
     """Data (checked first: a wrong path or vocabulary fails in seconds) -> model on meta -> the server asked
-    whether it admits this node (`check_admitted`: a refusal in seconds, not after the weights exist) -> weights ->
+    whether it admits this node (`check_admitted`: a refusal in seconds, not after the weights exist, nor after
+    `save_overwrite` removed an earlier run's saves) -> the save folder claimed -> weights ->
     parallelize -> optimizer -> checkpoint (either kind, any rank count), its data position checked against this
     data: a resume over other data is refused before the node joins a server.
 
@@ -296,10 +297,8 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     """
     loader = _training_loader(cfg, info, log)
     eval_batches = _validation(cfg)
-    load_path = _start_from(cfg, log)
+    load_path = start_checkpoint(cfg, log)
     continuing = _continues_run(cfg, load_path)
-    # NOTE: --resume=auto claims the folder as this run's even before its first checkpoint; a dry run only checks it
-    claim_save_folder(cfg, continuing or cfg.try_load_latest_save, info.is_main, log)
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
         transformer = Transformer.for_run(cfg, training=True)
@@ -307,6 +306,9 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
         from spes.sync.peer import check_admitted
 
         check_admitted(cfg, transformer, info, load_path, log)
+    # NOTE: after the server admitted the node (save_overwrite removes saves); --resume=auto claims the folder as this
+    # run's even before its first checkpoint; a dry run only checks it
+    claim_save_folder(cfg, continuing or cfg.try_load_latest_save, info.is_main, log)
     log(count_params(transformer).describe())
     log(describe_experts(cfg))
     model: nn.Module = transformer  # wrapped by parallelize below

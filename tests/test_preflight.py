@@ -705,3 +705,24 @@ def test_a_refused_tls_handshake_fails_the_server_check_with_what_it_means() -> 
     assert server.detail.endswith("certificate has expired") and settings.status == "skip"
     down = SyncError("join failed (UNAVAILABLE): Connection refused", grpc.StatusCode.UNAVAILABLE, retryable=True)
     assert _refused_join(cfg, down)[0].fix.startswith("start the server, or check spes_config.server_addr")
+
+
+@pytest.mark.timeout(120)
+def test_a_node_resuming_a_checkpoint_is_asked_about_as_the_run_its_checkpoint_names(
+    server: str, node: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Preflight's dry join named no run: a node about to resume a run with completed rounds was refused as a fresh
+    node, and one resuming another run's checkpoint passed."""
+    from spes.sync.node_files import RUN_FILE, write_run_id
+    from spes.train import main as train
+
+    config = [*node[:7], "--max_duration=1st"]
+    assert train([*config, "--using_spes=false", "--save_interval=1", "--eval_interval=null"]) == 0
+    checkpoint = tmp_path / "out" / "step1"
+    write_run_id(checkpoint / RUN_FILE, "0123456789abcdef")
+    capsys.readouterr()
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--load_path={checkpoint}")
+    assert rc == 1 and lines["settings"].startswith("FAIL"), lines
+    assert "belongs to run 0123456789abcdef (its checkpoint or spes_config.run_id)" in lines["settings"]
+    rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--load_path={tmp_path / 'none'}")
+    assert rc == 1 and re.match(r"FAIL +server +the node's checkpoint: .*none", lines["server"]), lines

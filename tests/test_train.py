@@ -28,13 +28,13 @@ from spes.torchrun import ERROR_DIR_ENV
 from spes.train import (
     SAVE_FOLDER_LOCK,
     _apply_resume,
-    _start_from,
     build_node,
     claim_save_folder,
     describe_experts,
     holding_save_folder,
     main,
     parse_args,
+    start_checkpoint,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_a_resume_says_when_it_passes_over_the_yamls_load_path(tmp_path: Path) -
         cfg, _ = load_config(TINY, [f"--save_folder={save}", f"--load_path={start}"])
         assert _apply_resume(cfg, resume) == []
         logged: list[str] = []
-        assert _start_from(cfg, logged.append) == loaded and logged == said, (resume, logged)
+        assert start_checkpoint(cfg, logged.append) == loaded and logged == said, (resume, logged)
 
 
 @pytest.mark.parametrize(
@@ -330,7 +330,7 @@ def test_a_node_the_server_would_refuse_stops_before_building_its_model(
 ) -> None:
     """A DiLoCo node, one of another model size or one with a wrong token was refused only at its join, after
     allocating its weights (and loading its checkpoint): minutes for a 1B node. Its dry join now ends it first, with
-    the server's line and the join's exit code."""
+    the server's line and the join's exit code, before `save_overwrite` removes an earlier run's saves."""
     from spes.sync.auth import TOKEN_ENV
     from spes.sync.server import spec_of_run
     from sync_helpers import TOKEN, running_server
@@ -347,10 +347,14 @@ def test_a_node_the_server_would_refuse_stops_before_building_its_model(
         assert code == 3 and "experts:" not in captured.out and time.monotonic() - started < 30, captured.out
         return last
 
+    earlier = tmp_path / "node" / "metrics.jsonl"  # an earlier run's saves: a refused node must not remove them
+    earlier.parent.mkdir()
+    earlier.write_text('{"step": 1}\n')
     spec = spec_of_run(TINY, run)
     with running_server(spec) as (_, addr):
         assert "peer 0 has mode = 'diloco' but the run has mode = 'spes'" in refusal(addr, "--using_dilico=true")
-        assert "peer 0's model differs from the run's" in refusal(addr, "--model.n_layers=3")
+        assert "peer 0's model differs from the run's" in refusal(addr, "--model.n_layers=3", "--save_overwrite=true")
+    assert earlier.read_text() == '{"step": 1}\n'
     monkeypatch.setenv(TOKEN_ENV, "not-the-runs-token")
     with running_server(spec, token=TOKEN) as (_, addr):
         assert "failed (UNAUTHENTICATED)" in refusal(addr)
