@@ -429,8 +429,13 @@ def test_a_rounds_log_line_says_what_its_bytes_are_and_since_when(caplog: pytest
             with service.downloads.serve(0, step, False, lambda: True, 30.0) as outgoing:
                 assert outgoing is not None
                 outgoing.sent = 3 * 2**20
+
+        def completes() -> list[str]:
+            return [m for m in caplog.messages if " complete: " in m]
+
+        wait_until(lambda: len(completes()) == 2, "both rounds' lines (logged once they are published)")
         upload = sum(t.numel() * 4 for t in peer_upload(spec, 0, seed=1).values()) * 2 / 2**20
-        lines = [m.split(": peers 2, aggregation ")[1] for m in caplog.messages if " complete: " in m]
+        lines = [m.split(": peers 2, aggregation ")[1] for m in completes()]
         assert [line.split(" s, ", 1)[1] for line in lines] == [
             f"merged no; since the server started: {upload:.1f} MiB in (uploads), 0.0 MiB out (downloads)",
             f"merged yes (alpha {round_alpha(2, 'spes', merge):.6g}); since round 1: {upload:.1f} MiB in (uploads), "

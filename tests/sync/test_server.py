@@ -869,7 +869,9 @@ def test_the_start_line_names_the_run_by_its_settings_not_a_python_repr() -> Non
     """It read `run RunSpec(mode='spes', ..., codec_settings=(), origin=...)` and left out the merge warm-up the
     server applies; an open setting (a server started without the run's YAML) reads `open`."""
     merge = ServerSection(merge_interval=20, merge_alpha_start=0.05, merge_decay_steps=200)
-    spes = dataclasses.replace(tiny_spec(num_peers=4, sync_steps=10, server=merge), last_step=400, origin="configs/tiny.yaml")
+    spes = dataclasses.replace(
+        tiny_spec(num_peers=4, sync_steps=10, server=merge), last_step=400, origin="configs/tiny.yaml"
+    )
     assert describe_run(spes) == (
         "mode spes, num_peers 4, experts per block 2, sync_steps 10, last step 400, codec fp32, merge warm-up every "
         "20 steps, alpha 0.05 decaying to 0 at step 200 (from configs/tiny.yaml)"
