@@ -74,36 +74,49 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
     return "[" + "#" * filled + "." * (width - filled) + f"] {100 * done / max(total, 1):3.0f}%"
 
 
-def format_line(step: int, max_steps: int, metrics: dict[str, Any]) -> str:
-    """`step 120/1000 [##.....]  12% | loss 5.4321 | lb 0.0101 | ...` from whatever metrics are present; the merge
-    warm-up's alpha only on the rounds it ran (`merged`)."""
-    parts = [f"step {step}/{max_steps} {progress_bar(step, max_steps)}"]
-    fmt = {
-        "loss": ".4f",
-        "ce": ".4f",
-        "lb_loss": ".4f",
-        "z_loss": ".5f",
-        "lr": ".2e",
-        "grad_norm": ".3f",
-        "tokens_per_s": ",.0f",
-        "mfu": ".1%",
-        "peak_gpu_mb": ",.0f",
-        "val_loss": ".4f",
-        "val_ppl": ".2f",
-        "merged_val_loss": ".4f",
-        "sync_s": ".2f",
-        "sync_wait_s": ".2f",
-        "sync_upload_s": ".2f",
-        "sync_publish_s": ".2f",
-        "sync_download_s": ".2f",
-        "sync_mb_up": ".1f",
-        "sync_mb_down": ".1f",
-        "merge_alpha": ".3f",
-        "eta_min": ".1f",
-    }
-    for key, spec in fmt.items():
+def clock(minutes: float) -> str:
+    """`minutes` as H:MM:SS, what an ETA reads as (a run of hours, or of seconds)."""
+    seconds = round(minutes * 60)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+FORMATS = {
+    "loss": ".4f",
+    "ce": ".4f",
+    "lb_loss": ".4f",
+    "z_loss": ".5f",
+    "lr": ".2e",
+    "grad_norm": ".3f",
+    "tokens_per_s": ",.0f",
+    "mfu": ".1%",
+    "peak_gpu_mb": ",.0f",
+    "val_loss": ".4f",
+    "val_ppl": ".2f",
+    "merged_val_loss": ".4f",
+    "sync_s": ".2f",
+    "sync_wait_s": ".2f",
+    "sync_upload_s": ".2f",
+    "sync_publish_s": ".2f",
+    "sync_download_s": ".2f",
+    "sync_mb_up": ".1f",
+    "sync_mb_down": ".1f",
+    "merge_alpha": ".3f",
+}
+"""The metrics the console line shows, in its order, each under its metrics.jsonl name with its format."""
+
+
+def format_line(step: int, total: int, metrics: dict[str, Any], stop: int | None = None) -> str:
+    """`step 120/1000 [##.....]  12% | loss 5.4321 | ... | eta 0:12:34` from whatever metrics are present: the
+    bar counts the run's `total` steps, a launch that ends before them (`stop_at`) says where; the merge warm-up's
+    alpha only on the rounds it ran (`merged`); `eta_min` as H:MM:SS."""
+    head = f"step {step}/{total} {progress_bar(step, total)}"
+    parts = [head if stop is None or stop >= total else f"{head} (stop_at {stop})"]
+    for key, spec in FORMATS.items():
         if metrics.get(key) is not None and (key != "merge_alpha" or metrics.get("merged")):
             parts.append(f"{key} {format(metrics[key], spec)}")
+    eta = metrics.get("eta_min")
+    if eta is not None:
+        parts.append(f"eta {clock(eta) if math.isfinite(eta) else eta}")
     return " | ".join(parts)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from spes import monitor
 from spes.distributed import DistInfo
-from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak_memory_mb, progress_bar
+from spes.monitor import MetricsLog, SpeedMonitor, clock, format_line, peak_flops, peak_memory_mb, progress_bar
 
 
 def test_console_line_shows_present_metrics_in_a_fixed_order() -> None:
@@ -84,18 +84,34 @@ def test_console_line_formats_every_metric_it_knows() -> None:
         "sync_mb_up": 70.56,
         "sync_mb_down": 188.0,
         "merge_alpha": 0.04567,
-        "eta_min": 12.345,
+        "eta_min": 72.345,
     }
     assert format_line(1, 1, {**metrics, "merged": True}) == (
         "step 1/1 [####################] 100% | loss 2.1235 | ce 2.0000 | lb_loss 0.0123 | z_loss 0.00012 | "
         "lr 1.23e-04 | grad_norm 1.235 | tokens_per_s 1,234,568 | mfu 18.5% | peak_gpu_mb 14,249 | val_loss 3.0000 | "
         "val_ppl 20.09 | merged_val_loss 2.9000 | sync_s 1.23 | sync_wait_s 0.50 | sync_upload_s 0.25 | "
         "sync_publish_s 0.12 | sync_download_s 2.00 | sync_mb_up 70.6 | sync_mb_down 188.0 | merge_alpha 0.046 | "
-        "eta_min 12.3"
+        "eta 1:12:21"
     )
     assert "merge_alpha" not in format_line(1, 1, {**metrics, "merged": False})  # a round without the warm-up
     nan = format_line(1, 1, {**dict.fromkeys(metrics, math.nan), "merged": True})  # a diverged step as it is
-    assert nan.split(" | ")[1:] == [f"{key} {'nan%' if key == 'mfu' else 'nan'}" for key in metrics]
+    names = [key if key != "eta_min" else "eta" for key in metrics]
+    assert nan.split(" | ")[1:] == [f"{key} {'nan%' if key == 'mfu' else 'nan'}" for key in names]
+
+
+def test_a_launch_cut_short_counts_the_runs_steps_and_says_where_it_stops() -> None:
+    """With stop_at 6 of a 12-step run the line reads 6/12, as the lr and schedules do, not 6/6 (100%)."""
+    assert format_line(6, 12, {}, stop=6) == "step 6/12 [##########..........]  50% (stop_at 6)"
+    assert format_line(6, 12, {}, stop=12) == format_line(6, 12, {}) == "step 6/12 [##########..........]  50%"
+
+
+@pytest.mark.parametrize(
+    ("minutes", "shown"), [(0.04, "0:00:02"), (0.0, "0:00:00"), (59.999, "1:00:00"), (1501.5, "25:01:30")]
+)
+def test_the_eta_reads_as_a_clock_down_to_the_second(minutes: float, shown: str) -> None:
+    """A short run's ETA was `eta_min 0.0` from start to end; a long run's reads in hours."""
+    assert clock(minutes) == shown
+    assert format_line(1, 2, {"eta_min": minutes}).endswith(f" | eta {shown}")
 
 
 def test_a_run_of_one_step_fills_its_bar() -> None:

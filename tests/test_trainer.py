@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -418,3 +419,21 @@ def test_a_run_resumed_on_cuda_continues_the_cuda_random_stream(tiny_corpus, tmp
     resumed = trainer_on_cuda("--max_duration=4st", "--save_interval=null", f"--load_path={tmp_path}")
     assert resumed.step == 2
     assert torch.equal(torch.rand(1000, device=cuda.device), next_draw)
+
+
+def test_the_console_counts_the_runs_steps_and_paces_its_eta_by_the_wall_clock(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch cut short by stop_at reads `step 2/4 ... (stop_at 2)`, not `step 2/2` (lr and schedules span the
+    run's 4); the ETA counts the time outside the training steps (here a slow evaluation, over the internet a
+    round), which tokens/s leaves out."""
+    pause = 0.25
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: time.sleep(pause) or 1.0)
+    args = ["--max_duration=4st", "--stop_at=3", "--eval_interval=1", "--log_interval=1", "--save_interval=null"]
+    assert main([TINY, "--using_spes=false", *tiny_corpus.overrides(tmp_path), *args]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split(" [")[0] for line in lines] == ["step 1/4", "step 2/4", "step 3/4"]
+    assert lines[-1].split(" | ")[0] == "step 3/4 [###############.....]  75% (stop_at 3)"
+    assert all(re.search(r" \| eta \d+:\d\d:\d\d$", line) for line in lines) and lines[-1].endswith(" 0:00:00")
+    eta = [r["eta_min"] * 60 for r in metrics(tmp_path)]
+    assert eta[0] >= 2 * pause and eta[1] >= pause and eta[2] == 0.0

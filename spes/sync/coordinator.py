@@ -46,7 +46,8 @@ class Coordinator:
         self.memory = RoundMemory()
         self.joined: set[int] = set()
         self._logged_in = self._logged_out = 0
-        """The traffic counters at the last round's log line."""
+        self._logged_round: int | None = None
+        """The traffic counters and the round at the last round's log line (None: none logged yet)."""
         self._rounds_completed = 0
         self._shutting_down = False
         self.data_port = 0
@@ -118,26 +119,28 @@ class Coordinator:
             self.sessions.heard(peer, session)
 
     def _published(self, done: Completed, seconds: float) -> None:
-        """Round `done` is the latest (`spes.sync.closing`): count it and log what it did and moved."""
+        """Round `done` is the latest (`spes.sync.closing`): count it and log what it did, and the bytes moved since
+        the previous line: this round's uploads in, the previous round's downloads out."""
         with self._cond:
             self._rounds_completed += 1
             received, sent = self.uploads.bytes_in, self.downloads.bytes_out
             bytes_in, bytes_out = received - self._logged_in, sent - self._logged_out
-            self._logged_in, self._logged_out = received, sent
+            since = "the server started" if self._logged_round is None else f"round {self._logged_round}"
+            self._logged_in, self._logged_out, self._logged_round = received, sent, done.round
         missing = sorted(set(range(self.spec.num_peers)) - done.peers)
         log.info(
-            "round %d%s complete: peers %d%s, in %.1f MiB, out %.1f MiB (since last round), aggregation %.2f s%s, "
-            "merged %s, alpha %.6g",
+            "round %d%s complete: peers %d%s, aggregation %.2f s%s, %s; since %s: %.1f MiB in (uploads), "
+            "%.1f MiB out (downloads)",
             done.round,
             f" (fragment {done.fragment} of {self.spec.overlap_fragments})" if done.fragment != WHOLE else "",
             len(done.peers),
             f" (quorum, missing {missing})" if missing else "",
-            bytes_in / 2**20,
-            bytes_out / 2**20,
             seconds,
             ", persisted" if self.deploy.state_dir else "",
-            "yes" if done.merged else "no",
-            done.alpha,
+            f"merged yes (alpha {done.alpha:.6g})" if done.merged else "merged no",
+            since,
+            bytes_in / 2**20,
+            bytes_out / 2**20,
         )
 
     def wake(self) -> None:

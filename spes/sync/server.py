@@ -406,6 +406,32 @@ def exposure_warnings(deploy: DeployConfig) -> list[str]:
     return []
 
 
+def describe_run(spec: RunSpec) -> str:
+    """The run the server holds, under its config keys, for the start line (a setting still open: `open`, taken
+    from the first node to join); the merge warm-up or the outer step the server applies, by mode."""
+    server, open_ = spec.server, "open"
+    parts = [
+        f"mode {spec.mode}",
+        f"num_peers {spec.num_peers}",
+        f"experts per block {open_ if spec.experts_per_block is None else spec.experts_per_block}",
+        f"sync_steps {open_ if spec.sync_steps is None else spec.sync_steps}",
+        f"last step {open_ if spec.last_step is None else spec.last_step}",
+        f"codec {spec.codec}" + "".join(f" {k}={v}" for k, v in spec.codec_settings),
+    ]
+    if spec.overlap_fragments > 1:
+        parts.append(f"overlap_fragments {spec.overlap_fragments}")
+    if spec.mode == "spes":
+        parts.append(
+            f"merge warm-up every {server.merge_interval} steps, alpha {server.merge_alpha_start:g} decaying to 0 at "
+            f"step {server.merge_decay_steps}"
+            if server.merge_interval and server.merge_alpha_start > 0
+            else "no merge warm-up"
+        )
+    else:
+        parts.append(f"outer_optimizer {server.outer_optimizer}")
+    return ", ".join(parts) + (f" (from {spec.origin})" if spec.origin else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the server until SIGTERM/SIGINT, then shut down cleanly and return 0."""
     limit_malloc_arenas()
@@ -423,13 +449,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     deploy = cfg.deploy  # NOTE: its token field is repr=False: never logged
     log.info(
-        "spes parameter server listening on %s:%d (data plane %s, auth %s, tls %s); run %s",
+        "spes parameter server listening on %s:%d (data plane %s, auth %s, tls %s); run: %s",
         deploy.host,
         server.port,
         server.data_port or "off",
         "on" if deploy.token else "OFF",
         "mutual" if deploy.tls_client_ca else ("on" if deploy.tls_cert else "off"),
-        cfg.spec,
+        describe_run(cfg.spec),
     )
     for warning in exposure_warnings(deploy):
         log.warning(warning)

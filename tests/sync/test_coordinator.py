@@ -413,3 +413,31 @@ def test_a_download_waiting_past_the_round_timeout_closes_a_quorum_round_with_th
         assert 0.4 < time.monotonic() - start < 10
         assert "round 2 timed out: closing it with peers [0] (server.dead_peer_policy quorum)" in caplog.messages
         assert service.status().current_round == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_rounds_log_line_says_what_its_bytes_are_and_since_when(caplog: pytest.LogCaptureFixture) -> None:
+    """Round 1's line read `in 4.6 MiB, out 0.0 MiB (since last round)`, as if it had served nothing: what goes out
+    between two lines is the previous round's downloads. And `merged no, alpha 0`: the alpha only where it ran."""
+    merge = ServerSection(merge_interval=2, merge_alpha_start=0.5, merge_decay_steps=100)
+    spec = tiny_spec(server=merge)
+    with joined(spec) as service:
+        caplog.set_level(logging.INFO, "spes.server")
+        for step in (1, 2):
+            for peer in range(2):
+                service.uploads.receive(peer, step, feeding(peer_upload(spec, peer, seed=step)))
+            with service.downloads.serve(0, step, False, lambda: True, 30.0) as outgoing:
+                assert outgoing is not None
+                outgoing.sent = 3 * 2**20
+
+        def completes() -> list[str]:
+            return [m for m in caplog.messages if " complete: " in m]
+
+        wait_until(lambda: len(completes()) == 2, "both rounds' lines (logged once they are published)")
+        upload = sum(t.numel() * 4 for t in peer_upload(spec, 0, seed=1).values()) * 2 / 2**20
+        lines = [m.split(": peers 2, aggregation ")[1] for m in completes()]
+        assert [line.split(" s, ", 1)[1] for line in lines] == [
+            f"merged no; since the server started: {upload:.1f} MiB in (uploads), 0.0 MiB out (downloads)",
+            f"merged yes (alpha {round_alpha(2, 'spes', merge):.6g}); since round 1: {upload:.1f} MiB in (uploads), "
+            "3.0 MiB out (downloads)",
+        ]

@@ -31,7 +31,7 @@ from spes.sync.client import SyncError
 from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.server import build_parser, config_from_args, spec_of_run, start_server
+from spes.sync.server import build_parser, config_from_args, describe_run, spec_of_run, start_server
 from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.wire import checksum, encode_tensors
 from sync_helpers import (
@@ -863,3 +863,21 @@ def test_a_rounds_tensors_are_freed_with_it_not_left_to_the_cycle_collector(code
 
 def _made_here_or_tensor(obj: object) -> bool:
     return isinstance(obj, torch.Tensor) or type(obj).__module__.startswith("spes.")
+
+
+def test_the_start_line_names_the_run_by_its_settings_not_a_python_repr() -> None:
+    """It read `run RunSpec(mode='spes', ..., codec_settings=(), origin=...)` and left out the merge warm-up the
+    server applies; an open setting (a server started without the run's YAML) reads `open`."""
+    merge = ServerSection(merge_interval=20, merge_alpha_start=0.05, merge_decay_steps=200)
+    spes = dataclasses.replace(
+        tiny_spec(num_peers=4, sync_steps=10, server=merge), last_step=400, origin="configs/tiny.yaml"
+    )
+    assert describe_run(spes) == (
+        "mode spes, num_peers 4, experts per block 2, sync_steps 10, last step 400, codec fp32, merge warm-up every "
+        "20 steps, alpha 0.05 decaying to 0 at step 200 (from configs/tiny.yaml)"
+    )
+    diloco = tiny_spec(mode="diloco", codec="int8", codec_settings={"block": 256}, overlap_fragments=2, sync_steps=4)
+    assert describe_run(dataclasses.replace(diloco, sync_steps=None)).endswith(
+        "sync_steps open, last step open, codec int8 block=256, overlap_fragments 2, outer_optimizer none"
+    )
+    assert describe_run(tiny_spec(server=ServerSection(merge_interval=0))).endswith(", no merge warm-up")
