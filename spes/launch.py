@@ -358,6 +358,7 @@ def summarize(out: Path, peers: int, seconds: float, mode: RunMode) -> dict[str,
                 "mb_up": sum(r["sync_mb_up"] for r in syncs),
                 "mb_down": sum(r["sync_mb_down"] for r in syncs),
                 "sync_s": sum(r["sync_s"] for r in syncs),
+                "wait_s": sum(r.get("sync_wait_s", 0.0) for r in syncs),
                 "tokens": records[-1].get("tokens"),
             }
         )
@@ -370,12 +371,12 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     head = (
         f"{'peer':>4} {'steps':>6} {'loss':>8} {'val local':>10} {'merged val':>11} {'-> last':>8} "
-        f"{'rounds':>7} {'merges':>7} {'MB up':>8} {'MB down':>8} {'sync s':>7}"
+        f"{'rounds':>7} {'merges':>7} {'MiB up':>8} {'MiB down':>8} {'sync s':>7} {'wait s':>7}"
     )
     lines = [
         "",
         f"{MODE_TITLES[summary['mode']]} run summary (val = validation loss; merged val at the first and the last "
-        "sync)",
+        "sync; sync s: time exchanging, wait s: time training stood still)",
         head,
         "-" * len(head),
     ]
@@ -384,7 +385,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{r['peer']:>4} {r['steps']:>6} {f(r['final_loss'], '.4f'):>8} {f(r['val_local_last'], '.4f'):>10} "
             f"{f(r['val_merged_first'], '.4f'):>11} {f(r['val_merged_last'], '.4f'):>8} "
             f"{r['rounds']:>7} {r['merge_rounds']:>7} {r['mb_up']:>8.2f} {r['mb_down']:>8.2f} "
-            f"{r['sync_s']:>7.2f}"
+            f"{r['sync_s']:>7.2f} {r.get('wait_s', 0.0):>7.2f}"
         )
     lines.append(f"wall time {summary['wall_s']:.0f}s; every process exited cleanly")
     return "\n".join(lines)

@@ -56,10 +56,16 @@ def peak_memory_mb(info: DistInfo) -> float | None:
 
 
 class SpeedMonitor:
-    """Tokens/s over the last `window` steps (excluding time spent in sync and evaluation)."""
+    """Tokens/s over the last `window` steps (excluding time spent in sync and evaluation), and the pace of the
+    whole launch for its ETA."""
 
     def __init__(self, window: int) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.paced_from: tuple[float, int] | None = None
+        """(`time.monotonic()`, step) where this launch began training (`start`)."""
+
+    def start(self, step: int, now: float | None = None) -> None:
+        self.paced_from = (time.monotonic() if now is None else now, step)
 
     def record(self, tokens: int, seconds: float) -> None:
         self.samples.append((tokens, seconds))
@@ -67,6 +73,15 @@ class SpeedMonitor:
     def tokens_per_second(self) -> float:
         seconds = sum(s for _, s in self.samples)
         return sum(t for t, _ in self.samples) / seconds if seconds > 0 else 0.0
+
+    def eta_minutes(self, step: int, last: int, now: float | None = None) -> float | None:
+        """Minutes from `step` to `last` at the pace since `start` (None before a step past it): by the wall clock,
+        so the rounds, evaluations and checkpoints to come count too, which tokens/s leaves out."""
+        if self.paced_from is None or step <= self.paced_from[1]:
+            return None
+        started, first = self.paced_from
+        now = time.monotonic() if now is None else now
+        return max(last - step, 0) * (now - started) / (step - first) / 60
 
 
 def progress_bar(done: int, total: int, width: int = 20) -> str:

@@ -153,8 +153,6 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.lr_rewarm: tuple[int, int] | None = None
         """(start, end) of a warm-up bolted on after `reset_optimizer_state` (`spes.optim.rewarmed_lr`), if any."""
-        self.paced_from: tuple[float, int] | None = None
-        """(`time.monotonic()`, step) where this launch's training began: the ETA's pace counts from there."""
 
     # -- state ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -204,7 +202,7 @@ class Trainer:
         if self.step == 0 and not self.cfg.no_pre_train_checkpoint:
             self.save()  # the initial weights, e.g. to compare runs that start from them
         fit_started = time.monotonic()
-        self.paced_from = (fit_started, self.step)
+        self.speed.start(self.step, fit_started)
         profiling = self.cfg.torch_profiling and self.info.is_main
         with (
             StopRequest(self.log) as stop,
@@ -373,10 +371,8 @@ class Trainer:
             self.save(unsharded=True)
 
     def _throughput(self, step: int) -> dict[str, float]:
-        """Tokens/s, tokens so far, MFU (on a GPU of known peak) and the minutes left to `max_steps`.
-
-        Tokens/s times the training steps alone (OLMo's throughput); the ETA is paced by the wall clock since this
-        launch began, so it counts the rounds, evaluations and checkpoints that will come too."""
+        """Tokens/s (of the training steps alone: OLMo's throughput), tokens so far, MFU (on a GPU of known peak)
+        and the minutes left to `max_steps` (`SpeedMonitor.eta_minutes`)."""
         tps = self.speed.tokens_per_second()
         out = {"tokens_per_s": tps, "tokens": self.tokens}
         if self.peak is not None:
@@ -384,9 +380,8 @@ class Trainer:
         peak_mb = peak_memory_mb(self.info)
         if peak_mb is not None:
             out["peak_gpu_mb"] = peak_mb
-        if self.paced_from is not None and step > self.paced_from[1]:
-            started, first = self.paced_from
-            out["eta_min"] = max(self.max_steps - step, 0) * (time.monotonic() - started) / (step - first) / 60
+        if (eta := self.speed.eta_minutes(step, self.max_steps)) is not None:
+            out["eta_min"] = eta
         return out
 
     @torch.no_grad()

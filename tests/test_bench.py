@@ -698,7 +698,7 @@ def test_bench_quickstart_quick_times_the_three_stages_of_a_fresh_clone(tmp_path
     assert record["mode"] == "quick" and record["lent"] == {".venv": str(venv), "data/default": str(corpus)}
     assert "already built" in stdout and "started server" in stdout
     peers = [row.split() for row in stdout.splitlines() if re.match(r"\s*\d+\s+10\s", row)]  # peer, steps, ...
-    assert len(peers) == 4 and all(row[-5] == "1" for row in peers), stdout  # each peer's rounds: one sync
+    assert len(peers) == 4 and all(row[-6] == "1" for row in peers), stdout  # each peer's rounds: one sync
 
 
 def test_quickstart_says_each_stage_with_its_time_from_the_record(tmp_path: Path) -> None:

@@ -242,12 +242,17 @@ def test_the_help_says_where_overrides_go_and_each_default(
 def test_the_summary_names_the_runs_mode(tmp_path: Path) -> None:
     """A DiLoCo run's summary was headed "SPES run summary": a baseline's figures read as SPES's."""
     (tmp_path / "node0").mkdir()
-    records = [{"step": 5, "loss": 7.0, "tokens": 80, "sync_s": 0.1, "sync_mb_up": 2.0, "sync_mb_down": 2.0}]
+    round_ = {"sync_s": 0.1, "sync_wait_s": 0.25, "sync_mb_up": 2.0, "sync_mb_down": 2.0}
+    records = [{"step": 5, "loss": 7.0, "tokens": 80, **round_}, {"step": 6, "loss": 6.0, "tokens": 96}]
     (tmp_path / "node0" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     for mode, title in (("diloco", "DiLoCo"), ("spes", "SPES")):
         summary = summarize(tmp_path, 1, 3.0, mode)
         assert summary["mode"] == mode and summary["peers"][0]["rounds"] == 1
-        assert format_summary(summary).splitlines()[1].startswith(f"{title} run summary (val = validation loss")
+        table = format_summary(summary).splitlines()
+        assert table[1].startswith(f"{title} run summary (val = validation loss")
+        assert table[2].endswith("MiB up MiB down  sync s  wait s") and table[4].split()[-2:] == ["0.10", "0.25"]
+    readme = (REPO / "README.md").read_text()
+    assert "\n".join(table[1:3]) + "\n" in readme  # the quickstart's table as the README shows it
 
 
 @pytest.mark.slow

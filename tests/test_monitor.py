@@ -160,3 +160,13 @@ def test_peak_gpu_memory_is_the_allocators_peak_in_megabytes() -> None:
     peak = peak_memory_mb(DistInfo(rank=0, world_size=1, local_rank=0, device=device))
     assert peak == torch.tensor(torch.cuda.max_memory_allocated(device) / 1e6).item() and 50 <= peak < 1000
     del block
+
+
+def test_the_eta_is_paced_by_the_wall_clock_since_the_launch_began() -> None:
+    """Steps 10 to 20 took 50 s with everything between them (rounds, evaluations): 30 steps more take 150 s."""
+    speed = SpeedMonitor(window=4)
+    assert speed.eta_minutes(20, 50) is None  # not started
+    speed.start(10, now=100.0)
+    assert speed.eta_minutes(10, 50, now=120.0) is None  # no step done yet in this launch
+    assert speed.eta_minutes(20, 50, now=150.0) == 150 / 60
+    assert speed.eta_minutes(60, 50, now=150.0) == 0.0

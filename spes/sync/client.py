@@ -211,13 +211,9 @@ class SyncClient:
         return current
 
     def check_join(self, what: str = "preflight join") -> bool:
-        """Preflight: the server runs every check of `join` (token, certificate, protocol, spec, manifest) and
-        registers nothing. Afterwards `Connection.measure_link` uses the plane `sync` would. `what` names the call
-        in its errors.
-
-        Returns whether the manifest was compared with the run's (False: a server without the run's YAML that no
-        peer has joined yet).
-        """
+        """A dry join (`what` in its errors): the server runs every check of `join` (token, certificate, protocol,
+        spec, manifest) and registers nothing; then `Connection.measure_link` uses the plane `sync` would. Whether
+        the manifest was compared with the run's (False: a server without the run's YAML no peer has joined yet)."""
         request = self._request(dry_run=True)
         reply = self._retrying(
             what,

@@ -140,6 +140,11 @@ def sync_client(cfg: TrainConfig, spec: RunSpec, run_id: str | None = None, **se
     return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True, run_id=run_id)
 
 
+def latest_round(step: int) -> str:
+    """The run's latest completed round (the step a Join answers with; -1: none yet), in words."""
+    return "no round completed yet" if step < 0 else f"the run's latest round: step {step}"
+
+
 def dry_join_client(cfg: TrainConfig, manifest: Manifest, run_id: str | None = None) -> SyncClient:
     """A client for one dry join (`SyncClient.check_join`) of this node with `manifest`: asked once, no retries, a
     short deadline; what preflight and a node about to build its model ask the server."""
@@ -246,7 +251,7 @@ class PeerSync:
                 current = self.client.join()
                 title, total = MODE_TITLES[self.spec.mode], len(self.spec.manifest or {})
                 self.log(
-                    f"joined parameter server as a {title} node (current round: step {current}); uploading "
+                    f"joined parameter server as a {title} node ({latest_round(current)}); uploading "
                     f"{len(self.trainable)} of {total} tensors per round ({self.spec.codec})"
                 )
             except SyncError as e:

@@ -23,7 +23,7 @@ from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, parse_expert_block, round_alpha
 from spes.sync.node_files import CODEC_FILE, PENDING_FILE, RUN_FILE
 from spes.sync.overlap import apply_overlapped
-from spes.sync.peer import PeerSync, SyncResult
+from spes.sync.peer import PeerSync, SyncResult, latest_round
 from spes.sync.protocol import SyncError, Tensors
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
@@ -374,7 +374,7 @@ def test_a_node_admitted_by_its_dry_join_says_its_mode_when_it_joins(tiny_corpus
         trainer.syncer.close()
     assert not [line for line in logged if "dry join" in line], logged  # admitted: nothing to say
     assert "DiLoCo node, peer 0 of 1; experts: trains all 8 of every MoE layer" in logged
-    joined = "joined parameter server as a DiLoCo node (current round: step -1); uploading"
+    joined = "joined parameter server as a DiLoCo node (no round completed yet); uploading"
     assert any(line.startswith(joined) for line in logged), logged
 
 
@@ -524,3 +524,8 @@ def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_aft
             assert main[step]["others_kept"] and (main[step]["others"] > 0) == (step != "4"), step
             assert all(other[step]["digest"] == main[step]["digest"] for other in ranks[1:]), step
             assert main[step]["served"] == nodes[0][0][step]["served"], step  # every node: the same held model
+
+
+def test_the_join_line_says_where_the_run_stands_in_words() -> None:
+    """It read "current round: step -1" before the first round."""
+    assert latest_round(-1) == "no round completed yet" and latest_round(20) == "the run's latest round: step 20"
