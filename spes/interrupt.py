@@ -24,6 +24,15 @@ class Interrupted(Exception):
     """A wait cut short by a stop request; the trainer saves (the round in flight kept) and exits 130."""
 
 
+class Stopped(SystemExit):
+    """The trainer's stop on a signal at `step`, that step saved: exit 130 (a SystemExit, so nothing on the way out
+    takes it for a failure)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(130)
+        self.step = step
+
+
 class Unsaved(KeyboardInterrupt):
     """An interrupt that stopped a node before it saved; its message says what its save folder holds to continue."""
 

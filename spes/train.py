@@ -46,7 +46,7 @@ from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_d
 from spes.evaluators import evaluators_of
 from spes.failures import USER_ERRORS, leave_for_launcher, report
 from spes.guard import check_weights_finite
-from spes.interrupt import Interruptible, Unsaved
+from spes.interrupt import Interruptible, Stopped, Unsaved
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
 from spes.schema import ConfigError, config_help, to_dict
@@ -442,12 +442,11 @@ def _train(cfg: TrainConfig, info: DistInfo, notes: list[str]) -> None:
             f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
             f"{optimizer_state_bytes(trainer.optimizer) / 2**20:.1f} MiB"
         )
-    except SystemExit as stop:
-        if stop.code == 130:  # the trainer's stop on a signal, its last step saved: the word spes.torchrun prints
-            leave_for_launcher(
-                f"error: saved step {trainer.step}'s checkpoint in {cfg.save_folder} and stopped; continue with "
-                "--resume (or --resume=auto)"
-            )
+    except Stopped as stop:  # its last step saved: the word spes.torchrun prints
+        leave_for_launcher(
+            f"error: saved step {stop.step}'s checkpoint in {cfg.save_folder} and stopped; continue with --resume (or "
+            "--resume=auto)"
+        )
         raise
     finally:
         if syncer is not None:

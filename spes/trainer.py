@@ -25,7 +25,7 @@ from spes.distributed import DistInfo, all_reduce_mean, grad_sync, unwrap, uses_
 from spes.evaluators import evaluators_of
 from spes.gc_schedule import scheduled_collection
 from spes.guard import NonFiniteSkips, all_finite, check_weights_finite
-from spes.interrupt import Interrupted, StopRequest
+from spes.interrupt import Interrupted, Stopped, StopRequest
 from spes.model import tflops_per_token
 from spes.moe import decayed_lb_factor
 from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak_memory_mb
@@ -230,7 +230,7 @@ class Trainer:
                     if self.last_saved != self.step:  # NOTE: a save of this step holds its round in flight already
                         self.save()
                     self.log(f"stopped at step {self.step}; resume with --resume (or load_path={self.cfg.save_folder})")
-                    raise SystemExit(130)
+                    raise Stopped(self.step)
                 if out_of_time:
                     self.log(f"time_limit of {limit} s reached at step {self.step}: saving; resume with --resume")
                     break

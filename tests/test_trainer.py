@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from spes.config import load_config
 from spes.distributed import DistInfo
+from spes.interrupt import Stopped
 from spes.optim import lr_at, optimizer_state_bytes
 from spes.train import build_node, main
 from spes.trainer import Trainer, aux_loss_factor, schedule_length, scheduler_in_steps
@@ -238,9 +239,9 @@ def test_a_stop_saves_its_step_once(tiny_corpus, tmp_path: Path, save_interval: 
     save = trainer.save
     trainer.save = lambda unsharded=False: (saved.append(trainer.step), save(unsharded))[1]  # type: ignore[method-assign]
     trainer._stop_requested = lambda _stop, _late: (trainer.step == 2, False)  # type: ignore[method-assign]
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(Stopped) as stopped:
         trainer.fit()
-    assert stopped.value.code == 130 and saved == [2]
+    assert stopped.value.code == 130 and stopped.value.step == 2 and saved == [2]
     assert (tmp_path / "latest").read_text().strip() == "step2"
 
 
