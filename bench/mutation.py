@@ -206,7 +206,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.failures.x_report",
-        "59 62 63",
+        "44 47 48",
         "flushing the error line: Python's sys.stderr is line-buffered, and the line ends with its newline",
     ),
     **mutants(
