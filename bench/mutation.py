@@ -899,6 +899,23 @@ EQUIVALENT: dict[str, str] = {
         "token_matches refuses the call as it refuses ''",
     ),
     **mutants(
+        "spes.sync.channel.x_server_tls",
+        "1",
+        "a certificate without its key, or the reverse: DeployConfig refuses either (--tls_cert and --tls_key must "
+        "be given together) before the server, server_tls's one caller, passes its files on",
+    ),
+    **mutants(
+        "spes.sync.channel.x_client_tls",
+        "21",
+        "`cert is not None or key is not None`: the line above refuses one without the other, so both are given or "
+        "neither",
+    ),
+    **mutants(
+        "spes.sync.channel.x_probe_handshake",
+        "18",
+        "recv(2) for recv(1): either returns the first bytes the server sends, or b'' only when it hung up",
+    ),
+    **mutants(
         "spes.sync.admission.xǁPendingSlotsǁ__init__",
         "8",
         "`total / 4`: the per-address bound a float of the same value, compared with whole counts alike",

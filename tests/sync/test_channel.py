@@ -3,14 +3,19 @@ they refuse, each naming the file and the key or flag that gave it."""
 
 from __future__ import annotations
 
+import _ssl
 import datetime
+import re
+import ssl
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
+from spes.config import SpesConfig
 from spes.sync import channel
 from sync_helpers import Pki, running_server, tiny_spec, write_pki
 
@@ -46,19 +51,22 @@ def test_a_pem_file_ssl_cannot_use_is_refused_naming_it(tmp_path: Path) -> None:
     bad.write_text("not a certificate\n")
     cert, key = pki.server["tls_cert"], pki.server["tls_key"]
     assert channel.server_tls(cert, key, pki.ca) is not None and channel.client_tls(pki.ca, None, None) is not None
+    # ssl's reason, or its whole message where it gives no reason
+    no_pem, no_ca = r"\[SSL\] PEM lib \(_ssl\.c:\d+\)", "NO_CERTIFICATE_OR_CRL_FOUND"
     refused = [
-        (lambda: channel.server_tls(str(bad), key, None), f"--tls_cert {str(bad)!r} and --tls_key {key!r}"),
-        (lambda: channel.server_tls(cert, key, str(bad)), f"--tls_client_ca {str(bad)!r}"),
-        (lambda: channel.client_tls(str(bad), None, None), f"config key 'spes_config.tls_ca' {str(bad)!r}"),
+        (lambda: channel.server_tls(str(bad), key, None), f"--tls_cert {str(bad)!r} and --tls_key {key!r}", no_pem),
+        (lambda: channel.server_tls(cert, key, str(bad)), f"--tls_client_ca {str(bad)!r}", no_ca),
+        (lambda: channel.client_tls(str(bad), None, None), f"config key 'spes_config.tls_ca' {str(bad)!r}", no_ca),
         (
             lambda: channel.client_tls(pki.ca, str(bad), key),
             f"config key 'spes_config.tls_cert' {str(bad)!r} and config key 'spes_config.tls_key' {key!r}",
+            no_pem,
         ),
     ]
-    for build, files in refused:
+    for build, files, why in refused:
         with pytest.raises(ValueError) as err:
             build()
-        assert str(err.value).startswith(f"{files}") and ": not a usable PEM certificate or key (" in str(err.value)
+        assert re.fullmatch(rf"{re.escape(files)}: not a usable PEM certificate or key \({why}\)", str(err.value))
     with pytest.raises(FileNotFoundError, match=r"^config key 'spes_config.tls_ca' '/nope.pem': file not found$"):
         channel.client_tls("/nope.pem", None, None)
     for one in ((cert, None), (None, key)):  # gRPC's core aborted the node's process (SIGABRT) on either
@@ -67,6 +75,24 @@ def test_a_pem_file_ssl_cannot_use_is_refused_naming_it(tmp_path: Path) -> None:
         assert str(err.value) == (
             "config key 'spes_config.tls_cert' and config key 'spes_config.tls_key' (mutual TLS) must be given together"
         )
+    assert channel.client_tls(None, None, None) is None  # no TLS
+    client = pki.client
+    assert channel.client_tls(None, client["tls_cert"], client["tls_key"]) is not None  # the system's roots
+
+
+def test_the_servers_tls_context_serves_and_names_each_missing_file_by_its_flag(tmp_path: Path) -> None:
+    pki, nope = write_pki(tmp_path), str(tmp_path / "nope.pem")
+    cert, key = pki.server["tls_cert"], pki.server["tls_key"]
+    for files, flag in (
+        ((nope, key, None), "--tls_cert"),
+        ((cert, nope, None), "--tls_key"),
+        ((cert, key, nope), "--tls_client_ca"),
+    ):
+        with pytest.raises(FileNotFoundError, match=rf"^{flag} '{nope}': file not found$"):
+            channel.server_tls(*files)
+    for client_ca, verify in ((None, ssl.CERT_NONE), (pki.ca, ssl.CERT_REQUIRED)):
+        context = channel.server_tls(cert, key, client_ca)
+        assert context is not None and (context.protocol, context.verify_mode) == (ssl.PROTOCOL_TLS_SERVER, verify)
 
 
 def _expired_copy(pki: Pki, name: str) -> str:
@@ -102,3 +128,72 @@ def test_an_expired_or_not_yet_valid_certificate_is_refused_at_start_naming_it(t
     channel.check_validity(valid, "--tls_cert")
     with pytest.raises(ValueError, match=r"is not valid before .* GMT: check this machine's clock"):
         channel.check_validity(valid, "--tls_cert", now=time.time() - 3600)
+
+
+def test_a_certificate_is_valid_from_its_first_to_its_last_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RFC 5280: the validity period includes both of its dates. On a Python without CPython's certificate decoder
+    the check is left to the handshake (no error at start)."""
+    valid = write_pki(tmp_path).server["tls_cert"]
+    issued = x509.load_pem_x509_certificate(Path(valid).read_bytes())
+    first, last = issued.not_valid_before_utc.timestamp(), issued.not_valid_after_utc.timestamp()
+    for now in (first, last):
+        channel.check_validity(valid, "--tls_cert", now=now)
+    with pytest.raises(ValueError, match=r"is not valid before "):
+        channel.check_validity(valid, "--tls_cert", now=first - 1)
+    with pytest.raises(ValueError, match=r"expired on "):
+        channel.check_validity(valid, "--tls_cert", now=last + 1)
+    monkeypatch.delattr(_ssl, "_test_decode_cert")
+    channel.check_validity(valid, "--tls_cert", now=last + 1)
+
+
+def test_open_channel_hands_grpc_the_files_and_options_its_settings_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file as the credentials' own argument (a certificate without its key aborts gRPC's core), the system's
+    roots where no CA is given, and the same options (message limits, keepalive, a connection of its own) either
+    way."""
+    pki = write_pki(tmp_path)
+    client = pki.client
+    ca, cert, key = (Path(path).read_bytes() for path in (pki.ca, client["tls_cert"], client["tls_key"]))
+    opened: list[tuple[str, tuple[object, ...], dict[str, object]]] = []
+    monkeypatch.setattr(grpc, "insecure_channel", lambda *args, **kw: opened.append(("insecure", args, kw)))
+    monkeypatch.setattr(grpc, "ssl_channel_credentials", lambda **files: files)
+    monkeypatch.setattr(grpc, "secure_channel", lambda *args, **kw: opened.append(("secure", args, kw)))
+    addr = "server.example.org:50051"
+    for tls in ({}, {"tls_ca": pki.ca}, {"tls_ca": pki.ca, **client}, client):
+        channel.open_channel(SpesConfig(server_addr=addr, **tls))
+    options = {"options": [*channel.grpc_options(channel.MAX_MESSAGE_MB), channel.OWN_CONNECTION]}
+    assert opened == [
+        ("insecure", (addr,), options),
+        ("secure", (addr, {"root_certificates": ca, "private_key": None, "certificate_chain": None}), options),
+        ("secure", (addr, {"root_certificates": ca, "private_key": key, "certificate_chain": cert}), options),
+        ("secure", (addr, {"root_certificates": None, "private_key": key, "certificate_chain": cert}), options),
+    ]
+    nope = str(tmp_path / "nope.pem")
+    for name in ("tls_ca", "tls_cert", "tls_key"):
+        with pytest.raises(FileNotFoundError, match=rf"^spes_config.{name} '{nope}': file not found$"):
+            channel.open_channel(SpesConfig(server_addr=addr, **{"tls_ca": pki.ca, **client, name: nope}))
+
+
+def test_what_to_check_when_a_server_that_may_serve_tls_cannot_be_reached() -> None:
+    assert channel.tls_fix(None, None) == "a server that serves TLS needs spes_config.tls_ca"
+    assert (
+        channel.tls_fix(None, None, ("--tls_ca", "--tls_cert/--tls_key")) == "a server that serves TLS needs --tls_ca"
+    )
+    over_tls = (
+        "over TLS, --tls_ca must be the CA that signed the server's certificate for the host in the address, and a "
+        "server started with --tls_client_ca (mutual TLS) needs --tls_cert/--tls_key signed by that CA"
+    )
+    for ca, cert in (("ca.crt", None), (None, "a.crt"), ("ca.crt", "a.crt")):
+        assert channel.tls_fix(ca, cert, ("--tls_ca", "--tls_cert/--tls_key")) == over_tls
+    assert channel.tls_fix("ca.crt", None).startswith("over TLS, spes_config.tls_ca must be the CA ")
+    assert channel.tls_fix("ca.crt", None).endswith(" needs spes_config.tls_cert/tls_key signed by that CA")
+
+
+def test_host_port_keeps_the_host_whole_and_drops_only_an_ipv6_addresss_brackets() -> None:
+    assert channel.host_port("127.0.0.1:50051") == ("127.0.0.1", 50051)
+    assert channel.host_port("[::1]:50051") == ("::1", 50051)
+    assert channel.host_port("[2001:db8::7]:443") == ("2001:db8::7", 443)
+    assert channel.host_port("NODE-X:7") == ("NODE-X", 7)

@@ -14,7 +14,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from spes.sync.channel import CERTIFICATE_REFUSED, client_refusal, client_tls, probe_handshake
+from spes.config import SpesConfig
+from spes.sync.channel import (
+    CERTIFICATE_REFUSED,
+    certificate_refusal,
+    client_refusal,
+    client_tls,
+    probe_handshake,
+)
 from spes.sync.plane_grpc import failure_of
 from spes.sync.protocol import SyncError
 from sync_helpers import make_client, running_server, tiny_spec, write_pki
@@ -214,6 +221,50 @@ def test_the_probe_tells_a_refused_client_certificate_from_every_other_server(tm
         assert probe(port) is None
     with _listening(_require_a_certificate(pki.ca, pki.server)) as port:
         assert probe(port) == "TLSV13_ALERT_CERTIFICATE_REQUIRED"
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_certificate_is_told_in_the_names_of_whoever_asks(tmp_path: Path) -> None:
+    """`python -m spes.status` names itself and its flags where a node names its YAML keys; a client without TLS is
+    not probed (nothing to refuse), and a certificate the server accepts is no refusal."""
+    (tmp_path / "server").mkdir(), (tmp_path / "other").mkdir()
+    pki, other = write_pki(tmp_path / "server"), write_pki(tmp_path / "other")
+    stranger, fix = other.client, "give this command --tls_cert/--tls_key signed by the server's --tls_client_ca"
+    with running_server(tiny_spec(), tls_client_ca=pki.ca, **pki.server) as (_, addr):
+
+        def refusal(**tls: str) -> str | None:
+            return certificate_refusal(SpesConfig(server_addr=addr, **tls), ("this command", "--tls_cert/--tls_key"))
+
+        assert refusal() is None
+        assert refusal(tls_ca=pki.ca) == f"the server requires a client certificate (mutual TLS): {fix}"
+        assert refusal(tls_ca=pki.ca, **stranger) == (
+            f"the server refused the client certificate {stranger['tls_cert']!r}: {fix}"
+        )
+        assert refusal(tls_ca=pki.ca, **pki.client) is None
+
+
+@pytest.mark.timeout(60)
+def test_the_probe_waits_for_a_silent_server_no_longer_than_its_timeout(tmp_path: Path) -> None:
+    """A server that takes the connection and never answers the handshake (hung) is no evidence either: the probe a
+    failed join asks gives up on it within the node's rpc_timeout_s, not when the server at last lets go."""
+    pki, released = write_pki(tmp_path), threading.Event()
+
+    def hold(conn: socket.socket) -> None:
+        released.wait(5)
+
+    with _listening(hold) as port:
+        addr, context = f"127.0.0.1:{port}", client_tls(pki.ca, None, None)
+        assert context is not None
+        try:
+            for ask in (
+                lambda: probe_handshake(addr, context, 0.5),
+                lambda: certificate_refusal(SpesConfig(server_addr=addr, tls_ca=pki.ca, rpc_timeout_s=0.5)),
+            ):
+                start = time.monotonic()
+                assert ask() is None
+                assert time.monotonic() - start < 3
+        finally:
+            released.set()
 
 
 @pytest.mark.parametrize(
