@@ -13,8 +13,9 @@ Reads `.jsonl`, `.jsonl.gz`, `.jsonl.zst` (one JSON object per line, text in `--
 concatenated into shards `<output_prefix>_00000.npy`, ... (1-D numpy arrays of at most
 `--max_shard_bytes` bytes; a document may continue in the next shard). Each shard appears under
 its final name only once complete and described (it is written as `<shard>.partial`, which spes refuses,
-then its JSON sidecar `<shard>.npy.json`, recording the tokenizer, then it is renamed). Malformed lines are reported as
-`file:line: reason`, counted and skipped; the output is the same for any `--processes`.
+then its JSON sidecar `<shard>.npy.json`, recording the tokenizer and where the shard ends in the input, then it is
+renamed). Malformed lines are reported as `file:line: reason`, counted and skipped; the output is the same for any
+`--processes`. `--resume` continues an interrupted run after its last complete shard, to the same shards.
 
 A tokenizer is trained on the same formats (one text per record; any other file is read whole as one UTF-8
 text) and saved as a Hugging Face tokenizer directory that works with `spes.tokenizer.load_tokenizer`,
@@ -28,6 +29,7 @@ import argparse
 import ctypes
 import glob
 import gzip
+import hashlib
 import io
 import itertools
 import json
@@ -39,7 +41,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -52,7 +54,7 @@ from tqdm import tqdm
 
 from spes.cli import DefaultsHelpFormatter
 from spes.schema import number_flag
-from spes.shards import PARTIAL_SUFFIX, ShardInfo, write_shard_info
+from spes.shards import PARTIAL_SUFFIX, ShardInfo, read_shard_info, sidecar_path, write_shard_info
 from spes.tokenizer import LoadedTokenizer, check_bpe_vocab_size, load_tokenizer, train_byte_level_bpe
 
 SUPPORTED_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -98,6 +100,8 @@ class TokenizeSummary:
     malformed_examples: list[str] = field(default_factory=list)
     """The first MAX_REPORTED_ERRORS malformed-record messages."""
     seconds: float = 0.0
+    resumed_shards: int = 0
+    """Shards of an interrupted run that --resume kept (first in `shards`); the counts above are of the rest."""
 
 
 def choose_dtype(vocab_size: int, requested: str | None = None) -> np.dtype:
@@ -331,6 +335,31 @@ def _encode_all(chunks: Iterable[TextChunk], encoder: Encoder, processes: int) -
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts writing: after the complete shards `shards` a run before it kept, at token `token` of input
+    chunk `chunk` (counted from 0 over the whole input)."""
+
+    shards: tuple[Path, ...] = ()
+    chunk: int = 0
+    token: int = 0
+
+
+FRESH_START = ResumePoint()
+
+
+def _drop_written(encoded: Iterator[EncodedChunk], start: ResumePoint) -> Iterator[EncodedChunk]:
+    """`encoded` (the chunks from `start.chunk` on) without the first `start.token` tokens, which earlier shards hold,
+    nor the documents that end among them."""
+    first = next(encoded, None) if start.token else None
+    if first is not None:
+        ends = np.cumsum(first.doc_lengths)
+        kept = ends > start.token
+        lengths = ends[kept] - np.maximum(ends[kept] - first.doc_lengths[kept], start.token)
+        yield EncodedChunk(first.source, first.tokens[start.token :], lengths, first.errors)
+    yield from encoded
+
+
 class ShardWriter:
     """Cuts a token stream into shards of `max_shard_bytes`, each written atomically with its sidecar.
 
@@ -338,18 +367,32 @@ class ShardWriter:
     is written next, and only then is the shard renamed to `<shard>`, so a shard never appears without it.
     """
 
-    def __init__(self, output_prefix: Path, *, dtype: np.dtype, max_shard_bytes: int, tokenizer: LoadedTokenizer):
+    def __init__(
+        self,
+        output_prefix: Path,
+        *,
+        dtype: np.dtype,
+        max_shard_bytes: int,
+        tokenizer: LoadedTokenizer,
+        input_settings: Mapping[str, str | int] | None = None,
+        start: ResumePoint = FRESH_START,
+    ):
         self.capacity = max_shard_bytes // dtype.itemsize
         if self.capacity < 1:
             raise ValueError(f"--max_shard_bytes {max_shard_bytes} cannot hold one {dtype} token")
         self.output_prefix = output_prefix
         self.dtype = dtype
         self.tokenizer = tokenizer
-        self.shards: list[Path] = []
+        self.input_settings = None if input_settings is None else dict(input_settings)
+        """Recorded in each sidecar with where its shard ends in the input, when given (see ShardInfo.input_end)."""
+        self.shards: list[Path] = list(start.shards)
         self._buffer = np.empty(min(self.capacity, 2**20), dtype=dtype)
         self._filled = 0
         self._documents = 0
         self._sources: dict[str, None] = {}
+        self._chunk, self._first_token = start.chunk, start.token
+        """The input chunk the next write() gets, and which of its tokens it starts at (a resumed run's first)."""
+        self._end = (start.chunk, start.token)
 
     def write(self, chunk: EncodedChunk) -> None:
         """Append a chunk's tokens, starting new shards as they fill up."""
@@ -365,8 +408,10 @@ class ShardWriter:
             self._sources.setdefault(chunk.source, None)
             self._filled += take
             start += take
+            self._end = (self._chunk, self._first_token + start)
             if self._filled == self.capacity:
                 self._flush()
+        self._chunk, self._first_token = self._chunk + 1, 0
 
     def _reserve(self, size: int) -> None:
         """Grow the buffer (by doubling, up to one shard) so it holds `size` tokens."""
@@ -398,6 +443,8 @@ class ShardWriter:
                 num_tokens=self._filled,
                 num_documents=self._documents,
                 source_files=tuple(self._sources),
+                input_end=None if self.input_settings is None else self._end,
+                input_settings=self.input_settings,
             )
             write_shard_info(path, info)  # first: a run killed between the two leaves no shard without its sidecar
             os.replace(tmp, path)
@@ -442,37 +489,40 @@ def tokenize_chunks(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     processes: int = 1,
     progress: bool = True,
+    input_settings: Mapping[str, str | int] | None = None,
+    resume: bool = False,
 ) -> TokenizeSummary:
-    """Tokenize `chunks` into shards `<output_prefix>_NNNNN.npy` (what tokenize_data.py does with files)."""
+    """Tokenize `chunks` into shards `<output_prefix>_NNNNN.npy` (what tokenize_data.py does with files).
+
+    `input_settings` (what, beside the arguments here, decides `chunks`: tokenize_files' files and --batch_size) makes
+    each sidecar record it and where its shard ends in `chunks`; `resume` then continues after the last complete
+    shard of a run with the same settings, skipping the chunks before it unencoded (see `_resume_point`)."""
     if processes < 1:
         raise ValueError(f"--processes must be >= 1, got {processes}")
-    prefix = Path(output_prefix)
-    if str(output_prefix).endswith(("/", os.sep)) or prefix.is_dir():  # NOTE: Path drops a trailing separator
-        raise ValueError(
-            f"--output_prefix {output_prefix} names a directory, not a file-name prefix (the shards would be "
-            f"{prefix.name}_00000.npy, ... beside it); give a prefix inside it, e.g. {prefix / 'part'}"
-        )
-    leftovers = existing_outputs(prefix)
-    if leftovers:
-        more = f" (and {len(leftovers) - 1} more) already exist" if len(leftovers) > 1 else " already exists"
-        raise FileExistsError(
-            f"{leftovers[0]}{more} for --output_prefix {prefix}; delete {'them' if len(leftovers) > 1 else 'it'} or "
-            "choose another prefix"
-        )
-    _make_output_folder(prefix)
+    prefix = _checked_prefix(output_prefix)
     shard_dtype = choose_dtype(tokenizer.vocab_size, dtype)
-    writer = ShardWriter(prefix, dtype=shard_dtype, max_shard_bytes=max_shard_bytes, tokenizer=tokenizer)
-    summary = TokenizeSummary()
+    settings = None
+    if input_settings is not None:
+        settings = {**input_settings, "text_field": text_field, "max_shard_bytes": max_shard_bytes}
+    start = _resume_point(prefix, tokenizer, shard_dtype, settings) if resume else _fresh_start(prefix)
+    _make_output_folder(prefix)
+    writer = ShardWriter(
+        prefix,
+        dtype=shard_dtype,
+        max_shard_bytes=max_shard_bytes,
+        tokenizer=tokenizer,
+        input_settings=settings,
+        start=start,
+    )
+    remaining = itertools.islice(chunks, start.chunk, None)  # NOTE: read, not encoded: earlier shards hold them
+    encoded_chunks = _drop_written(
+        _encode_all(remaining, Encoder(tokenizer, text_field, shard_dtype), processes), start
+    )
+    summary = TokenizeSummary(resumed_shards=len(start.shards))
     started = time.perf_counter()
     with tqdm(unit="doc", disable=not progress, file=sys.stderr) as bar:
-        for encoded in _encode_all(chunks, Encoder(tokenizer, text_field, shard_dtype), processes):
-            for message in encoded.errors:
-                if summary.num_malformed < MAX_REPORTED_ERRORS:
-                    summary.malformed_examples.append(message)
-                    tqdm.write(f"malformed: {message}", file=sys.stderr)
-                elif summary.num_malformed == MAX_REPORTED_ERRORS:
-                    tqdm.write("malformed: further malformed records are counted but not printed", file=sys.stderr)
-                summary.num_malformed += 1
+        for encoded in encoded_chunks:
+            _report_malformed(summary, encoded.errors)
             writer.write(encoded)
             summary.num_documents += len(encoded.doc_lengths)
             summary.num_tokens += len(encoded.tokens)
@@ -481,6 +531,106 @@ def tokenize_chunks(
     summary.shards = writer.close()
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _report_malformed(summary: TokenizeSummary, messages: list[str]) -> None:
+    """Count `messages` in `summary`, printing (and keeping) the first MAX_REPORTED_ERRORS of the run."""
+    for message in messages:
+        if summary.num_malformed < MAX_REPORTED_ERRORS:
+            summary.malformed_examples.append(message)
+            tqdm.write(f"malformed: {message}", file=sys.stderr)
+        elif summary.num_malformed == MAX_REPORTED_ERRORS:
+            tqdm.write("malformed: further malformed records are counted but not printed", file=sys.stderr)
+        summary.num_malformed += 1
+
+
+def _checked_prefix(output_prefix: str | os.PathLike[str]) -> Path:
+    """`output_prefix` as a Path; ValueError when it names a directory."""
+    prefix = Path(output_prefix)
+    if str(output_prefix).endswith(("/", os.sep)) or prefix.is_dir():  # NOTE: Path drops a trailing separator
+        raise ValueError(
+            f"--output_prefix {output_prefix} names a directory, not a file-name prefix (the shards would be "
+            f"{prefix.name}_00000.npy, ... beside it); give a prefix inside it, e.g. {prefix / 'part'}"
+        )
+    return prefix
+
+
+def _fresh_start(prefix: Path) -> ResumePoint:
+    """FRESH_START; FileExistsError when an earlier run with this prefix left files."""
+    leftovers = existing_outputs(prefix)
+    if leftovers:
+        more = f" (and {len(leftovers) - 1} more) already exist" if len(leftovers) > 1 else " already exists"
+        raise FileExistsError(
+            f"{leftovers[0]}{more} for --output_prefix {prefix}; add --resume to continue the run that wrote "
+            f"{'them' if len(leftovers) > 1 else 'it'}, delete {'them' if len(leftovers) > 1 else 'it'} or choose "
+            "another prefix"
+        )
+    return FRESH_START
+
+
+_RESUME_SETTINGS = {
+    "input_files": "the input files (--file_glob: their paths, order and sizes)",
+    "tokenizer_fingerprint": "the tokenizer (--tokenizer_name_or_path: its tokenizer.json)",
+    "dtype": "--dtype",
+    "text_field": "--text_field",
+    "batch_size": "--batch_size",
+    "max_shard_bytes": "--max_shard_bytes",
+}
+"""Each setting --resume checks, as its refusal names it."""
+
+
+def _resume_point(
+    prefix: Path, tokenizer: LoadedTokenizer, dtype: np.dtype, settings: Mapping[str, str | int] | None
+) -> ResumePoint:
+    """Where `--resume` continues: after the last complete shard of `prefix` (FRESH_START when there is none), once
+    its sidecar shows the same tokenizer, dtype and `settings`; ValueError naming what differs, or why the shards
+    cannot be continued, and the fix. A killed run's unfinished shard (`.partial`, perhaps its sidecar) is rewritten
+    by the resumed run, as it holds tokens of the same stream."""
+    shards = _complete_shards(prefix)
+    if not shards:
+        return FRESH_START
+    info = read_shard_info(shards[-1])
+    if info.input_end is None or info.input_settings is None:
+        raise ValueError(
+            f"--resume: {shards[-1]} does not record where it ends in the input (it was written by an earlier spes, "
+            f"or not from files); delete {prefix}_* and rerun without --resume"
+        )
+    recorded = {"tokenizer_fingerprint": info.tokenizer_fingerprint, "dtype": info.dtype, **info.input_settings}
+    wanted = {"tokenizer_fingerprint": tokenizer.fingerprint, "dtype": dtype.name, **(settings or {})}
+    _check_same_settings(recorded, wanted, shards[-1])
+    return ResumePoint(tuple(shards), *info.input_end)
+
+
+def _check_same_settings(recorded: Mapping[str, object], wanted: Mapping[str, object], shard: Path) -> None:
+    """ValueError naming the first setting of `wanted` that differs from what `shard`'s sidecar `recorded`."""
+    for key in {**recorded, **wanted}:
+        was, now = recorded.get(key), wanted.get(key)
+        if was != now:
+            shown = "" if key in ("input_files", "tokenizer_fingerprint") else f" ({was} then, {now} now)"
+            raise ValueError(
+                f"--resume: {_RESUME_SETTINGS.get(key, key)} changed since the run that wrote {shard}{shown}; rerun "
+                "with the same, or without --resume into another --output_prefix"
+            )
+
+
+def _complete_shards(prefix: Path) -> list[Path]:
+    """The complete shards of `prefix`, numbered from 0; ValueError when one is missing or has no sidecar."""
+    shards = [path for path in existing_outputs(prefix) if path.suffix == ".npy"]
+    for number, shard in enumerate(shards):
+        expected = prefix.parent / f"{prefix.name}_{number:05d}.npy"
+        if shard != expected or not sidecar_path(shard).is_file():
+            missing = expected if shard != expected else sidecar_path(shard)
+            raise ValueError(
+                f"--resume: {missing} is missing, so the shards of --output_prefix {prefix} are not one interrupted "
+                f"run's; delete {prefix}_* and rerun without --resume"
+            )
+    return shards
+
+
+def _input_files_digest(files: Sequence[Path]) -> str:
+    """sha256 of the absolute paths and sizes of `files`, in order: --resume's check that the input is the same."""
+    listed = [(os.path.abspath(path), path.stat().st_size) for path in files]
+    return hashlib.sha256(json.dumps(listed).encode("utf-8")).hexdigest()
 
 
 def tokenize_files(
@@ -494,8 +644,10 @@ def tokenize_files(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     processes: int = 1,
     progress: bool = True,
+    resume: bool = False,
 ) -> TokenizeSummary:
-    """Tokenize input files (see SUPPORTED_SUFFIXES) into shards, in file order."""
+    """Tokenize input files (see SUPPORTED_SUFFIXES) into shards, in file order; `resume` continues an interrupted
+    run of the same arguments (`tokenize_chunks`)."""
     if batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
     for path in files:  # a wrong --text_field fails before any work, not hours in
@@ -511,6 +663,8 @@ def tokenize_files(
         max_shard_bytes=max_shard_bytes,
         processes=processes,
         progress=progress,
+        input_settings={"input_files": _input_files_digest(files), "batch_size": batch_size},
+        resume=resume,
     )
 
 
@@ -522,6 +676,11 @@ def format_summary(summary: TokenizeSummary) -> str:
         f"({summary.seconds:.1f} s, {rate:,.0f} tokens/s)",
         f"malformed records skipped: {summary.num_malformed:,}",
     ]
+    if summary.resumed_shards:
+        lines.append(
+            f"resumed: the first {summary.resumed_shards} shard(s) were kept from the interrupted run; the counts "
+            "above are of the rest"
+        )
     return "\n".join(lines)
 
 
@@ -575,6 +734,12 @@ def tokenize_parser() -> argparse.ArgumentParser:
         default=None,
         help="token dtype (default: uint16 if the vocabulary fits, else uint32)",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run of the same flags after its last complete shard (the shards end the same as "
+        "an uninterrupted run's); with no shard written yet, start",
+    )
     return parser
 
 
@@ -603,8 +768,8 @@ def interrupted_message(output_prefix: str) -> str:
         return "interrupted before the first shard was complete: nothing written"
     names = kept[0].name if len(kept) == 1 else f"{kept[0].name} .. {kept[-1].name}"
     return (
-        f"interrupted: {len(kept)} complete shard(s) ({names}) hold the start of the input only; delete "
-        f"{output_prefix}_* and rerun (a rerun refuses this --output_prefix while they exist)"
+        f"interrupted: {len(kept)} complete shard(s) ({names}) hold the start of the input only; rerun the same "
+        "command with --resume to continue after them"
     )
 
 
@@ -624,7 +789,7 @@ def tokenize_main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(f"tokenized {len(files)} file(s) into {args.output_prefix}_*.npy")
     print(format_summary(summary))
-    if summary.num_documents == 0:
+    if not summary.shards:
         why = f"check --text_field {args.text_field!r}" if summary.num_malformed else "the input files hold no record"
         print(f"error: no document could be tokenized; {why}", file=sys.stderr)
         return 1
@@ -643,6 +808,7 @@ def _tokenize_cli(args: argparse.Namespace) -> tuple[list[Path], TokenizeSummary
         dtype=args.dtype,
         max_shard_bytes=args.max_shard_bytes,
         processes=args.processes,
+        resume=args.resume,
     )
     return files, summary
 

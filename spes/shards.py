@@ -21,7 +21,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -63,6 +63,16 @@ class ShardInfo:
     """Documents whose EOS lies in this shard (a document may start in the previous shard)."""
     source_files: tuple[str, ...]
     format_version: int = SHARD_FORMAT_VERSION
+    input_end: tuple[int, int] | None = None
+    """(chunk, token): the shard ends before token `token` of input chunk `chunk` (chunks of --batch_size records,
+    counted from 0 over all input files), where `tokenize_data.py --resume` continues; None when not from files."""
+    input_settings: dict[str, str | int] | None = None
+    """What decides the token stream besides the tokenizer and dtype (the input files' digest, --text_field,
+    --batch_size, --max_shard_bytes): --resume continues only a run of the same settings."""
+
+
+_SHARD_INFO_KEYS = frozenset(f.name for f in fields(ShardInfo))
+"""The keys a sidecar is read by: others (a later spes's optional fields) are passed over."""
 
 
 def sidecar_path(shard: str | os.PathLike[str]) -> Path:
@@ -72,8 +82,10 @@ def sidecar_path(shard: str | os.PathLike[str]) -> Path:
 
 
 def write_shard_info(shard: Path, info: ShardInfo) -> None:
-    """Write the sidecar of a finished shard atomically (temp file in the same dir + rename)."""
-    write_atomic(sidecar_path(shard), json.dumps(asdict(info), indent=2) + "\n")
+    """Write the sidecar of a finished shard atomically (temp file in the same dir + rename); fields that are None
+    are left out (a sidecar not written from files reads as before they existed)."""
+    recorded = {key: value for key, value in asdict(info).items() if value is not None}
+    write_atomic(sidecar_path(shard), json.dumps(recorded, indent=2) + "\n")
 
 
 def read_shard_info(shard: Shard) -> ShardInfo:
@@ -101,8 +113,11 @@ def find_shard_info(shard: Shard) -> ShardInfo | None:
     try:
         raw = json.loads(text.decode("utf-8"))
         raw["source_files"] = tuple(raw["source_files"])
-        info = ShardInfo(**raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        if raw.get("input_end") is not None:
+            chunk, token = raw["input_end"]  # NOTE: ValueError or TypeError unless a pair
+            raw["input_end"] = (chunk, token)
+        info = ShardInfo(**{key: value for key, value in raw.items() if key in _SHARD_INFO_KEYS})
+    except (ValueError, KeyError, TypeError) as err:  # NOTE: ValueError: JSONDecodeError and UnicodeDecodeError too
         raise ValueError(f"sidecar {path} is malformed ({err}); rerun tokenize_data.py for this shard") from err
     if info.format_version != SHARD_FORMAT_VERSION:
         raise ValueError(

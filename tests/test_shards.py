@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from spes.shards import (
     read_shard_info,
     resolve_paths,
     sidecar_path,
+    write_shard_info,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,12 +48,34 @@ def test_a_sidecar_is_read_back_as_written_and_its_absence_is_none_or_named(shar
 @pytest.mark.parametrize(
     "sidecar",
     [b"{not json", b"[1, 2]", b'{"dtype": "uint16"}', b'{"source_files": [], "nonsense": 1}', b"\xff\xfe\x00"],
-    ids=["not JSON", "a list", "keys missing", "an unknown key", "not UTF-8"],
+    ids=["not JSON", "a list", "keys missing", "keys missing beside an unknown one", "not UTF-8"],
 )
 def test_a_malformed_sidecar_is_refused_naming_it(shards: list[Path], sidecar: bytes) -> None:
     sidecar_path(shards[0]).write_bytes(sidecar)
     with pytest.raises(ValueError, match=f"^sidecar {sidecar_path(shards[0])} is malformed .*; rerun tokenize_data"):
         find_shard_info(shards[0])
+
+
+@pytest.mark.parametrize("end", [[3], [1, 2, 3], 7], ids=["one number", "three numbers", "a number"])
+def test_an_input_end_that_is_not_a_pair_is_malformed(shards: list[Path], end: object) -> None:
+    path = sidecar_path(shards[0])
+    path.write_text(json.dumps({**json.loads(path.read_text()), "input_end": end}))
+    with pytest.raises(ValueError, match=f"^sidecar {path} is malformed .*; rerun tokenize_data"):
+        find_shard_info(shards[0])
+
+
+def test_the_input_position_reads_back_and_unknown_keys_are_passed_over(shards: list[Path]) -> None:
+    """tokenize_data.py's sidecars record where each shard ends in the input (for --resume); a reader refused any key
+    it did not know as malformed, so a sidecar with a field added later failed to train."""
+    path = sidecar_path(shards[0])
+    assert "input_end" not in path.read_text()  # None fields are left out: such sidecars read as before
+    settings = {"input_files": "ab12", "batch_size": 3, "text_field": "text", "max_shard_bytes": 20}
+    recorded = {**json.loads(path.read_text()), "input_end": [4, 17], "input_settings": settings, "later": {"x": 1}}
+    path.write_text(json.dumps(recorded))
+    info = read_shard_info(shards[0])
+    assert (info.input_end, info.input_settings, info.num_tokens) == ((4, 17), settings, 10)
+    write_shard_info(shards[1], info)
+    assert read_shard_info(shards[1]) == info
 
 
 def test_a_sidecar_of_another_format_version_is_refused(shards: list[Path]) -> None:

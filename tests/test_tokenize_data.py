@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import gzip
+import json
 import os
 import signal
 import subprocess
@@ -34,7 +35,7 @@ from data_fixtures import (
 from spes import corpus
 from spes.data import TokenSequenceDataset
 from spes.shards import read_shard_info, resolve_paths, sidecar_path
-from spes.tokenizer import LoadedTokenizer
+from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 
 def _tokenize(files: list[Path], tokenizer: LoadedTokenizer, prefix: Path, **kwargs: object):
@@ -168,14 +169,15 @@ def test_existing_output_is_never_overwritten(tokenizer: LoadedTokenizer, tmp_pa
         _tokenize([path], tokenizer, tmp_path / "out" / "part")
     assert str(refused.value) == (
         f"{tmp_path / 'out' / 'part_00000.npy'} (and 1 more) already exist for --output_prefix "
-        f"{tmp_path / 'out' / 'part'}; delete them or choose another prefix"
+        f"{tmp_path / 'out' / 'part'}; add --resume to continue the run that wrote them, delete them or choose "
+        "another prefix"
     )
     (tmp_path / "out" / "part_00000.npy.json").unlink()  # one left: it was "(and 0 more) already exist ... them"
     with pytest.raises(FileExistsError) as refused:
         _tokenize([path], tokenizer, tmp_path / "out" / "part")
     assert str(refused.value) == (
         f"{tmp_path / 'out' / 'part_00000.npy'} already exists for --output_prefix {tmp_path / 'out' / 'part'}; "
-        "delete it or choose another prefix"
+        "add --resume to continue the run that wrote it, delete it or choose another prefix"
     )
 
 
@@ -272,6 +274,7 @@ def test_killed_cli_run_leaves_nothing_that_looks_complete(tokenizer: LoadedToke
     for shard in shards:  # every shard that appeared has its sidecar (written before the rename) and matches it
         assert sidecar_path(shard).is_file(), f"{shard.name} appeared without its sidecar"
         assert read_shard_info(shard).num_tokens == len(np.load(shard, mmap_mode="r"))
+    _resumed_as_whole(tokenizer, tmp_path, ["--max_shard_bytes", "4000", "--batch_size", "50"])
 
 
 def test_cli_reports_malformed_lines_and_writes_shards(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
@@ -677,6 +680,17 @@ def test_a_shard_holds_at_least_one_token(tokenizer: LoadedTokenizer, tmp_path: 
     assert [read_shard_info(p).num_documents for p in shards] == [0, 1, 0, 1]
 
 
+UNDER_WAY_FLAGS = ["--max_shard_bytes", "4000", "--batch_size", "50", "--processes", "2"]
+
+
+def _resumed_as_whole(tokenizer: LoadedTokenizer, tmp_path: Path, flags: list[str]) -> None:
+    """tokenize_data.py `flags` --resume into tmp_path/out ends with what an uninterrupted run writes."""
+    common = ["--file_glob", str(tmp_path / "*.jsonl"), "--tokenizer_name_or_path", str(tokenizer.path.parent), *flags]
+    assert corpus.tokenize_main([*common, "--output_prefix", str(tmp_path / "out" / "part"), "--resume"]) == 0
+    assert corpus.tokenize_main([*common, "--output_prefix", str(tmp_path / "whole" / "part")]) == 0
+    assert _outputs(tmp_path / "out") == _outputs(tmp_path / "whole")
+
+
 @contextmanager
 def _cli_run_under_way(tokenizer: LoadedTokenizer, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], list]]:
     """tokenize_data.py --processes 2 on a large input into tmp_path/out, once its first shard is written (its
@@ -686,7 +700,7 @@ def _cli_run_under_way(tokenizer: LoadedTokenizer, tmp_path: Path) -> Iterator[t
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPTS_DIR / "tokenize_data.py"), "--file_glob", str(tmp_path / "*.jsonl")]
         + ["--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix", str(out / "part")]
-        + ["--max_shard_bytes", "4000", "--batch_size", "50", "--processes", "2"],
+        + UNDER_WAY_FLAGS,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -732,11 +746,11 @@ def test_a_stopped_cli_run_says_what_it_kept_and_leaves_no_tokenizer_process(
     kept = sorted(out.glob("*.npy"))
     assert err.splitlines()[-1] == (
         f"interrupted: {len(kept)} complete shard(s) (part_00000.npy{f' .. {kept[-1].name}' if len(kept) > 1 else ''})"
-        f" hold the start of the input only; delete {out / 'part'}_* and rerun (a rerun refuses this --output_prefix "
-        "while they exist)"
+        " hold the start of the input only; rerun the same command with --resume to continue after them"
     )
     assert "Traceback" not in err
     assert not _running(workers)
+    _resumed_as_whole(tokenizer, tmp_path, UNDER_WAY_FLAGS)
 
 
 @pytest.mark.slow
@@ -780,3 +794,178 @@ def test_an_input_without_any_record_is_told_as_such_not_as_a_wrong_text_field(
     args = ["--file_glob", str(empty), "--tokenizer_name_or_path", str(tokenizer.path.parent), "--output_prefix"]
     assert corpus.tokenize_main([*args, str(tmp_path / "out" / "part")]) == 1
     assert capsys.readouterr().err.endswith("error: no document could be tokenized; the input files hold no record\n")
+
+
+def _outputs(folder: Path) -> dict[str, bytes]:
+    """Every file in `folder` by name: shards and sidecars, byte for byte."""
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+@contextmanager
+def _stopped_after(shards: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A run raises KeyboardInterrupt (as Ctrl-C does) once shard number `shards` (from 1) is complete, in the midst
+    of writing a chunk."""
+    flush = corpus.ShardWriter._flush
+
+    def flush_then_stop(writer: corpus.ShardWriter) -> None:
+        flush(writer)
+        if len(writer.shards) == shards:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(corpus.ShardWriter, "_flush", flush_then_stop)
+        yield
+
+
+def _two_files(tmp_path: Path) -> list[Path]:
+    return [
+        write_documents(tmp_path / "a.jsonl", SAMPLE_TEXTS * 3 + ["{bad"]),
+        write_documents(tmp_path / "b.jsonl.gz", SAMPLE_TEXTS[::-1] * 2),
+    ]
+
+
+RESUMABLE = {"batch_size": 3, "max_shard_bytes": 20}
+"""Chunks of 3 documents (48 to 122 tokens), shards of 10 uint16 tokens: several shards end inside one chunk, and
+inside documents."""
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.parametrize("stop", [7, 30])
+def test_an_interrupted_run_resumed_writes_what_an_uninterrupted_run_writes(
+    processes: int, stop: int, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupted run could not be continued: a rerun was refused while its shards existed."""
+    files = _two_files(tmp_path)
+    whole = _tokenize(files, tokenizer, tmp_path / "whole" / "part", processes=processes, **RESUMABLE)
+    prefix = tmp_path / "out" / "part"
+    with _stopped_after(stop, monkeypatch), pytest.raises(KeyboardInterrupt):
+        _tokenize(files, tokenizer, prefix, processes=processes, **RESUMABLE)
+    kept = sorted(prefix.parent.glob("*.npy"))
+    end = read_shard_info(kept[-1]).input_end
+    assert kept and end is not None and end[1] > 0  # the resumed run starts inside a chunk
+    assert np.load(kept[-1])[-1] != tokenizer.eos_token_id  # ... and inside a document
+    with _stopped_after(stop + 20, monkeypatch), pytest.raises(KeyboardInterrupt):  # the resumed run stopped too
+        _tokenize(files, tokenizer, prefix, processes=processes, resume=True, **RESUMABLE)
+    kept = sorted(prefix.parent.glob("*.npy"))
+    resumed = _tokenize(files, tokenizer, prefix, processes=processes, resume=True, **RESUMABLE)
+    assert _outputs(prefix.parent) == _outputs(whole.shards[0].parent)
+    assert resumed.shards == [prefix.parent / p.name for p in whole.shards] and resumed.resumed_shards == len(kept)
+    new = [read_shard_info(p) for p in resumed.shards[len(kept) :]]
+    assert (resumed.num_tokens, resumed.num_documents) == (
+        sum(info.num_tokens for info in new),
+        sum(info.num_documents for info in new),
+    )
+
+
+def test_a_resumed_runs_first_chunk_loses_the_tokens_written_and_the_documents_ending_in_them() -> None:
+    chunk = corpus.EncodedChunk("s", np.arange(9, dtype=np.uint16), np.array([3, 2, 4]), ["s:1: bad JSON"])
+    for token, lengths in ((0, [3, 2, 4]), (4, [1, 4]), (5, [4]), (9, [])):
+        start = corpus.ResumePoint((), 0, token)
+        (first, later) = corpus._drop_written(iter([chunk, chunk]), start)
+        assert first.doc_lengths.tolist() == lengths and first.tokens.tolist() == list(range(token, 9))
+        assert first.errors == chunk.errors and later is chunk
+
+
+def test_resuming_a_finished_run_changes_nothing_and_one_that_wrote_nothing_starts(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    files = _two_files(tmp_path)
+    prefix = tmp_path / "out" / "part"
+    nothing = _tokenize(files, tokenizer, tmp_path / "nothing" / "part", resume=True, **RESUMABLE)
+    assert nothing.resumed_shards == 0 and len(nothing.shards) > 100
+    prefix.parent.mkdir()
+    for name in ("part_00000.npy.partial", "part_00000.npy.json"):  # what a run killed outright may leave
+        (prefix.parent / name).write_bytes(b"half")
+    first = _tokenize(files, tokenizer, prefix, resume=True, **RESUMABLE)
+    done = _outputs(prefix.parent)
+    assert done == _outputs(tmp_path / "nothing")  # the leftovers gone
+    again = _tokenize(files, tokenizer, prefix, resume=True, **RESUMABLE)
+    assert _outputs(prefix.parent) == done and again.shards == first.shards
+    assert (again.num_tokens, again.resumed_shards) == (0, len(first.shards))
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        ({"batch_size": 4}, "--batch_size changed since the run that wrote {shard} (3 then, 4 now)"),
+        ({"max_shard_bytes": 22}, "--max_shard_bytes changed since the run that wrote {shard} (20 then, 22 now)"),
+        ({"dtype": "uint32"}, "--dtype changed since the run that wrote {shard} (uint16 then, uint32 now)"),
+        ({"text_field": "body"}, "--text_field changed since the run that wrote {shard} (text then, body now)"),
+        (
+            {"tokenizer": "other"},
+            "the tokenizer (--tokenizer_name_or_path: its tokenizer.json) changed since the run that wrote {shard}",
+        ),
+        (
+            {"files": "grown"},
+            "the input files (--file_glob: their paths, order and sizes) changed since the run that wrote {shard}",
+        ),
+    ],
+    ids=["batch_size", "max_shard_bytes", "dtype", "text_field", "tokenizer", "files"],
+)
+def test_resuming_with_a_changed_setting_is_refused_naming_it(
+    change: dict[str, object], refusal: str, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = _two_files(tmp_path)
+    prefix = tmp_path / "out" / "part"
+    with _stopped_after(4, monkeypatch), pytest.raises(KeyboardInterrupt):
+        _tokenize(files, tokenizer, prefix, **RESUMABLE)
+    before = _outputs(prefix.parent)
+    if change.pop("files", None):
+        with files[0].open("a") as f:
+            f.write('{"text": "one more"}\n')
+    if change.pop("tokenizer", None):
+        tokenizer = train_byte_level_bpe(SAMPLE_TEXTS, vocab_size=300, output_dir=tmp_path / "other")
+    with pytest.raises(ValueError) as refused:
+        _tokenize(files, tokenizer, prefix, resume=True, **{**RESUMABLE, **change})
+    shard = sorted(prefix.parent.glob("*.npy"))[-1]
+    assert str(refused.value) == (
+        f"--resume: {refusal.format(shard=shard)}; rerun with the same, or without --resume into another "
+        "--output_prefix"
+    )
+    assert _outputs(prefix.parent) == before
+
+
+def test_resuming_shards_without_their_input_position_or_with_one_missing_is_refused(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    files = _two_files(tmp_path)
+    prefix = tmp_path / "out" / "part"
+    shards = _tokenize(files, tokenizer, prefix, **RESUMABLE).shards
+    last = sidecar_path(shards[-1])
+    old = {k: v for k, v in json.loads(last.read_text()).items() if k not in ("input_end", "input_settings")}
+    last.write_text(json.dumps(old))  # what spes wrote before --resume existed
+    with pytest.raises(ValueError) as refused:
+        _tokenize(files, tokenizer, prefix, resume=True, **RESUMABLE)
+    assert str(refused.value) == (
+        f"--resume: {shards[-1]} does not record where it ends in the input (it was written by an earlier spes, or "
+        f"not from files); delete {prefix}_* and rerun without --resume"
+    )
+    shards[1].unlink()
+    with pytest.raises(ValueError) as refused:
+        _tokenize(files, tokenizer, prefix, resume=True, **RESUMABLE)
+    assert str(refused.value) == (
+        f"--resume: {shards[1]} is missing, so the shards of --output_prefix {prefix} are not one interrupted run's; "
+        f"delete {prefix}_* and rerun without --resume"
+    )
+
+
+def test_the_cli_resumes_a_stopped_run_as_its_interrupted_line_says(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = _two_files(tmp_path)
+    args = ["--file_glob", str(tmp_path / "*.jsonl*"), "--tokenizer_name_or_path", str(tokenizer.path.parent)]
+    args += ["--batch_size", "3", "--max_shard_bytes", "20", "--output_prefix"]
+    assert corpus.tokenize_main([*args, str(tmp_path / "whole" / "part")]) == 0
+    prefix = tmp_path / "out" / "part"
+    with _stopped_after(5, monkeypatch):
+        assert corpus.tokenize_main([*args, str(prefix)]) == 130
+    kept = sorted(prefix.parent.glob("*.npy"))
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"interrupted: {len(kept)} complete shard(s) (part_00000.npy .. {kept[-1].name}) hold the start of the input "
+        "only; rerun the same command with --resume to continue after them"
+    )
+    assert corpus.tokenize_main([*args, str(prefix), "--resume"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"resumed: the first {len(kept)} shard(s) were kept from the interrupted run; the counts above are of the rest"
+    )
+    assert _outputs(prefix.parent) == _outputs(tmp_path / "whole") and files
