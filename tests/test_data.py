@@ -125,6 +125,9 @@ def test_real_npy_without_sidecar_and_mixed_with_spes_shards(shards: list[Path],
     assert int(ds[25][0]) == 500 and int(ds[27][0]) == 900
     # the tokenizer the shards were written with travels in the loader's state, for an export to check
     assert BatchLoader(ds, batch_size=4, seed=1).state_dict()["tokenizer_fingerprint"] == ds.fingerprint
+    bare = TokenSequenceDataset([plain, olmo], SEQ_LEN, memmap_dtype="uint16")  # no sidecar names a tokenizer
+    assert bare.fingerprint is None
+    assert "tokenizer_fingerprint" not in BatchLoader(bare, batch_size=4, seed=1).state_dict()
 
 
 def test_dataset_refuses_a_half_written_shard(tmp_path: Path) -> None:
