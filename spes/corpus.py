@@ -38,12 +38,10 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +51,7 @@ import zstandard
 from tqdm import tqdm
 
 from spes.cli import DefaultsHelpFormatter
+from spes.interrupt import Interruptible
 from spes.schema import number_flag
 from spes.shards import PARTIAL_SUFFIX, ShardInfo, read_shard_info, sidecar_path, write_shard_info
 from spes.tokenizer import LoadedTokenizer, check_bpe_vocab_size, load_tokenizer, train_byte_level_bpe
@@ -743,24 +742,6 @@ def tokenize_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (`kill`, `timeout`, a scheduler) raises KeyboardInterrupt while entered, as Ctrl-C does: the pool is
-    shut down and the interruption told, where SIGTERM's default left the tokenizer processes running forever."""
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def interrupted_message(output_prefix: str) -> str:
     """What an interrupted run left and what to do: its complete shards hold only the start of the input."""
     kept = [p for p in existing_outputs(Path(output_prefix)) if p.suffix == ".npy"]
@@ -779,7 +760,7 @@ def tokenize_main(argv: Sequence[str] | None = None) -> int:
     if args.files_per_process is not None:
         print(f"note: --files_per_process {args.files_per_process} changes nothing here (see --help)", file=sys.stderr)
     try:
-        with _sigterm_interrupts():
+        with Interruptible():  # SIGTERM (`kill`, a scheduler) too: the pool is shut down and the stop told
             files, summary = _tokenize_cli(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
