@@ -19,7 +19,7 @@ import spes.interrupt
 from conftest import Corpus, wait_until
 from node_runs import assert_same_models, launch, node_models, reaped, start_node, start_server
 from spes.config import SpesConfig
-from spes.interrupt import ECHO_S, Interruptible, StopRequest
+from spes.interrupt import ECHO_S, Interruptible, Stopped, StopRequest
 from spes.sync.channel import open_channel
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
@@ -202,3 +202,9 @@ def test_ctrl_c_on_the_launcher_saves_every_node_within_seconds_and_resume_finis
         assert log.index("stopped at step") < log.index("loaded ") < log.index("done: step 12"), log[-2000:]
     assert "stopped at step" not in stdout and "[peer0] loaded " in stdout
     assert (out / "server.log").read_text().count("listening on") == 2
+
+
+def test_a_trainers_stop_exits_130_and_names_the_step_it_saved() -> None:
+    """A SystemExit (nothing on the way out takes it for a failure) that `spes.train` reads the saved step from."""
+    stopped = Stopped(7)
+    assert isinstance(stopped, SystemExit) and stopped.code == 130 and stopped.step == 7
