@@ -259,8 +259,8 @@ def check_server(
     try:  # NOTE: as the node joins: a resumed one in the run its checkpoint names
         start = start_checkpoint(cfg, log=lambda note: None)
         run_id = read_run_id(start) if start is not None else None
-    except (ValueError, FileNotFoundError) as exc:
-        return [fail("server", f"the node's checkpoint: {exc}", "fix load_path, or the resume flags")], None
+    except (ValueError, FileNotFoundError):  # not made yet (an upcycled start): the node names it when it starts
+        run_id = None
     try:
         client = dry_join_client(cfg, shapes, run_id)
     except (ValueError, FileNotFoundError) as exc:

@@ -725,4 +725,4 @@ def test_a_node_resuming_a_checkpoint_is_asked_about_as_the_run_its_checkpoint_n
     assert rc == 1 and lines["settings"].startswith("FAIL"), lines
     assert "belongs to run 0123456789abcdef (its checkpoint or spes_config.run_id)" in lines["settings"]
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--load_path={tmp_path / 'none'}")
-    assert rc == 1 and re.match(r"FAIL +server +the node's checkpoint: .*none", lines["server"]), lines
+    assert rc == 0, lines  # a checkpoint not made yet (an upcycled start): asked as a fresh node
