@@ -910,6 +910,7 @@ def test_resuming_with_a_changed_setting_is_refused_naming_it(
     with _stopped_after(4, monkeypatch), pytest.raises(KeyboardInterrupt):
         _tokenize(files, tokenizer, prefix, **RESUMABLE)
     before = _outputs(prefix.parent)
+    change = dict(change)  # NOTE: the parameter itself is shared by every run of this test in the process
     if change.pop("files", None):
         with files[0].open("a") as f:
             f.write('{"text": "one more"}\n')
