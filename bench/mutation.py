@@ -230,6 +230,11 @@ EQUIVALENT: dict[str, str] = {
         "the header read again when the first bytes end exactly where it ends: one request more, the same bytes",
     ),
     **mutants(
+        "spes.shards.x__npy_layout",
+        "12",
+        "the header read again when the first bytes end exactly where it ends: one read more, the same bytes",
+    ),
+    **mutants(
         "spes.remote_ranges.x__total",
         "10",
         "the stand-in for an absent Content-Range: '' or 'XXXX', the pattern matches neither (the same refusal)",
@@ -1301,12 +1306,12 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.shards.x__resolve_entry",
-        "46 48",
+        "47 49",
         "encoding 'UTF-8' or the locale's: Python reads the C locale as UTF-8 (PEP 538), so no machine these tests "
         "run on tells them apart; the explicit encoding keeps a list file readable under any other locale",
     ),
     **mutants(
-        "spes.shards.x_find_shard_info", "18", "the sidecar's encoding, as the list file's (46 48 of _resolve_entry)"
+        "spes.shards.x_find_shard_info", "18", "the sidecar's encoding, as the list file's (47 49 of _resolve_entry)"
     ),
     **mutants(
         "spes.atomic.x_hold_lock",
@@ -1322,7 +1327,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.shards.x_open_token_array",
-        "18 21 24",
+        "29 32 35",
         "allow_pickle with mmap_mode='r': numpy refuses to map an object array whatever the flag says ('Array can't "
         "be memory-mapped: Python objects in dtype', checked); the flag states the rule where a mutant drops the map",
     ),

@@ -273,3 +273,28 @@ def test_a_local_npy_cut_short_is_refused_naming_it(keep: float, tmp_path: Path)
         r"rerun tokenize_data.py for it",
     ):
         open_token_array(shard)
+
+
+def test_a_local_npy_of_an_unreadable_header_is_refused_naming_it(tmp_path: Path) -> None:
+    """Its magic and length intact, its header dict garbled: the line names the file, what is wrong and the fix."""
+    shard = write_token_shard(tmp_path / "part_00000.npy", np.arange(10, dtype=np.uint16), with_sidecar=False)
+    whole = bytearray(shard.read_bytes())
+    whole[10:20] = b"#" * 10  # inside the header's dict
+    shard.write_bytes(bytes(whole))
+    with pytest.raises(ValueError) as refused:
+        open_token_array(shard)
+    assert str(refused.value).startswith(
+        f"token shard {shard} is not a whole array of token ids (an unreadable .npy header: "
+    ) and str(refused.value).endswith("); rerun tokenize_data.py for it")
+
+
+def test_a_local_npy_whose_header_is_longer_than_the_first_read_is_read_whole(tmp_path: Path) -> None:
+    """A version 2.0 header past the first 4 KiB read is read again in full before the array is checked."""
+    shard = tmp_path / "long.npy"
+    tokens = np.arange(6, dtype=np.uint16)
+    header = (repr({"descr": "<u2", "fortran_order": False, "shape": (6,)}) + " " * 5000 + "\n").encode("latin1")
+    shard.write_bytes(b"\x93NUMPY\x02\x00" + len(header).to_bytes(4, "little") + header + tokens.tobytes())
+    assert np.array_equal(np.asarray(open_token_array(shard)), tokens)
+    shard.write_bytes(shard.read_bytes()[:-2])  # the last token cut off: found only with the whole header read
+    with pytest.raises(ValueError, match=rf"token shard {re.escape(str(shard))} is not a whole array"):
+        open_token_array(shard)
