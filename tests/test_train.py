@@ -525,6 +525,17 @@ ONE_RANK_TORCHRUN = [
 """A node of one rank under spes.torchrun (its config's overrides follow)."""
 
 
+def _sigterm_once_under_way(cmd: list[str], log: Path, ready: Callable[[], bool]) -> tuple[int, str]:
+    """Start `cmd` (its output to `log`), SIGTERM it once `ready()`: its exit code and its output."""
+    proc = start_until(cmd, log, ready)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    return proc.returncode, log.read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_to_spes_torchrun_saves_and_ends_in_one_line(tiny_corpus, tmp_path: Path) -> None:
@@ -538,19 +549,13 @@ def test_sigterm_to_spes_torchrun_saves_and_ends_in_one_line(tiny_corpus, tmp_pa
         "--save_interval=null",
         "--max_duration=100000st",
     ]
-    proc = start_until(cmd, tmp_path / "run.log", (tmp_path / "metrics.jsonl").exists)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    out = (tmp_path / "run.log").read_text()
+    code, out = _sigterm_once_under_way(cmd, tmp_path / "run.log", (tmp_path / "metrics.jsonl").exists)
     saved = (tmp_path / "latest").read_text().strip()
-    assert assert_one_line(proc.returncode, out) == (
+    assert assert_one_line(code, out) == (
         f"error: stopped by SIGTERM: saved step {saved.removeprefix('step')}'s checkpoint in {tmp_path} and "
         "stopped; continue with --resume (or --resume=auto)"
     )
-    assert proc.returncode == 128 + signal.SIGTERM and "death signal" not in out
+    assert code == 128 + signal.SIGTERM and "death signal" not in out
 
 
 @pytest.mark.slow
@@ -567,15 +572,10 @@ def test_sigterm_to_spes_torchrun_before_the_first_step_says_nothing_was_saved(
         f"--spes_config.server_addr=127.0.0.1:{dead_port}",
         "--spes_config.max_retries=8",
     ]
-    proc = start_until(cmd, tmp_path / "run.log", lambda: "retry 1/8" in (tmp_path / "run.log").read_text())
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    out = (tmp_path / "run.log").read_text()
-    assert assert_one_line(proc.returncode, out) == (
+    log = tmp_path / "run.log"
+    code, out = _sigterm_once_under_way(cmd, log, lambda: "retry 1/8" in log.read_text())
+    assert assert_one_line(code, out) == (
         f"error: stopped by SIGTERM: interrupted without saving; save_folder {tmp_path} holds no checkpoint yet: "
         "start again with --resume=auto (it starts afresh then)"
     )
-    assert proc.returncode == 128 + signal.SIGTERM and "death signal" not in out
+    assert code == 128 + signal.SIGTERM and "death signal" not in out
