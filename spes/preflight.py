@@ -258,7 +258,7 @@ def check_server(
         return [skip("server", "centralized run (using_spes=false): no parameter server")], None
     try:  # NOTE: as the node joins: a resumed one in the run its checkpoint names
         start = start_checkpoint(cfg, log=lambda note: None)
-        run_id = read_run_id(start) if start is not None else None
+        run_id = read_run_id(start)
     except (ValueError, FileNotFoundError):  # not made yet (an upcycled start): the node names it when it starts
         run_id = None
     try:

@@ -26,8 +26,10 @@ CODEC_FILE = "codec_state.st"
 error feedback, as of the last round applied), so a resumed node sends what the uninterrupted one would."""
 
 
-def read_run_id(checkpoint: Path) -> str | None:
-    """The run a node checkpoint belongs to (None: it names none, a centralized or older one)."""
+def read_run_id(checkpoint: Path | None) -> str | None:
+    """The run a node checkpoint belongs to (None: no checkpoint, or one naming none, a centralized or older one)."""
+    if checkpoint is None:
+        return None
     path = checkpoint / RUN_FILE
     if not path.is_file():
         return None

@@ -174,7 +174,7 @@ def _refusal(
     """Rank 0's dry join: the server's definite refusal, or a setting no client can be made from; None when the
     server admits the node or did not answer."""
     try:
-        run_id = read_run_id(checkpoint) if checkpoint is not None else None
+        run_id = read_run_id(checkpoint)
         client = dry_join_client(cfg, model_manifest(model)[0], run_id)
     except (ValueError, OSError) as exc:  # NOTE: on rank 0 alone: the other ranks hear of it from `_share_failure`
         return exc

@@ -24,7 +24,7 @@ MANIFEST = {"a": (2, 3), "b": (4,)}
 
 
 def test_run_id_round_trips_and_is_none_without_a_record(tmp_path: Path) -> None:
-    assert read_run_id(tmp_path) is None
+    assert read_run_id(None) is None and read_run_id(tmp_path) is None
     write_run_id(tmp_path / RUN_FILE, "run-7")
     assert read_run_id(tmp_path) == "run-7"
 
