@@ -1,4 +1,4 @@
-"""The parameter server's command line (`spes.sync.server.build_parser`, `config_from_args`, `main`): the run's
+"""The parameter server's command line (`spes.sync.settings.build_parser`, `command_from_args`, `main`): the run's
 spec comes from its YAML and `--section.key=value` overrides, the flags are the deployment's."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from spes.sync.server import build_parser, config_from_args, exposure_warnings
-from spes.sync.settings import DeployConfig, ServerConfig
+from spes.sync.server import config_of, exposure_warnings
+from spes.sync.settings import DeployConfig, ServerConfig, build_parser, command_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
 def server_config(*argv: str) -> ServerConfig:
-    return config_from_args(build_parser().parse_args(list(argv)))
+    return config_of(command_from_args(build_parser().parse_args(list(argv))))
 
 
 @pytest.mark.parametrize(

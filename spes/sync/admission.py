@@ -47,6 +47,11 @@ from spes.sync.protocol import Reason, Refused
 
 log = logging.getLogger("spes.server")
 
+MAX_MODEL_GB = 48.0
+"""Default --max_model_gb, the largest model (fp32) a Join to a server without the run's YAML may declare: the paper's
+largest config (configs/upcycled_9b, 9.4B parameters) is 37.7 GB in fp32."""
+MAX_TENSORS = 16384
+"""Default --max_tensors, the most tensors a Join's manifest may declare: configs/upcycled_9b has 591 tensors."""
 UNARY_RESERVE = 16
 """Handler threads beyond the stream slots: Join, Status and the health check never wait behind streams."""
 SESSION_KEY = "spes-session"

@@ -15,14 +15,10 @@ from collections.abc import Mapping
 import grpc
 
 from spes.moe import parse_expert_block
+from spes.sync.admission import MAX_MODEL_GB, MAX_TENSORS
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Manifest, Reason, Refused, Shape, version_refusal
 from spes.sync.spec import RunSpec
-
-MAX_MODEL_GB = 48.0
-"""Default --max_model_gb: the paper's largest config (configs/upcycled_9b, 9.4B parameters) is 37.7 GB in fp32."""
-MAX_TENSORS = 16384
-"""Default --max_tensors: configs/upcycled_9b has 591 tensors."""
 
 
 def check_run(peer: int, theirs: str, run_id: str, completed_round: int | None) -> None:

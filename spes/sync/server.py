@@ -1,4 +1,4 @@
-"""The SPES parameter server: its command line, and the assembly of the round service and its two planes.
+"""The SPES parameter server: the assembly of the round service and its two planes, from a checked command line.
 
 Each round (keyed by the global step) collects one verified upload per peer, builds the global model
 (`spes.sync.aggregate`: SPES round or DiLoCo average, outer optimizer, quorum) on its own thread, persists it under
@@ -10,6 +10,8 @@ Each round (keyed by the global step) collects one verified upload per peer, bui
 The run (`spes.sync.spec.RunSpec`: peers, ownership, mode, schedule, codec, the `server:` section) comes from the
 run's YAML, any node's file, with the nodes' `--section.key=value` overrides (`--server.merge_interval=200`),
 through the same `run_spec` every node calls; the flags are the deployment's (`spes.sync.settings.DeployConfig`).
+The command line is parsed and checked in `spes.sync.settings`, without torch: `python -m spes.server` imports this
+module only for a command that holds.
 Without a YAML (the first implementation's habit: `--total_peers 4 --num_train_experts_per_node 4`, or
 `TOTAL_PEERS=4 run_scripts/run_parameter_server.sh`) the spec is built from the defaults and the overrides, and the
 model's manifest and `sync_steps` are taken from the first node to join.
@@ -25,26 +27,20 @@ a server started without one, are bounded by --max_tensors and --max_model_gb).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
 import resource
-import signal
 import socket
-import sys
-import threading
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from spes.cli import DefaultsHelpFormatter
-from spes.config import ServerSection, SpesConfig, load_config, load_sync_sections
-from spes.schema import config_help
+from spes.config import TrainConfig
 from spes.sync import plane_tcp
 from spes.sync.admission import UNARY_RESERVE, GuardedHealth
 from spes.sync.auth import TokenAuthInterceptor, grpc_common_name
@@ -52,7 +48,7 @@ from spes.sync.channel import KEEPALIVE_SERVER_OPTIONS, grpc_options, read_file,
 from spes.sync.coordinator import Coordinator
 from spes.sync.plane_grpc import SpesServicer
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.settings import DeployConfig, ServerConfig, add_deploy_flags, deploy_from_args
+from spes.sync.settings import DeployConfig, LegacyRun, ServerCommand, ServerConfig, read_run
 from spes.sync.spec import RunSpec, run_spec
 from spes.sync.state import lock_state_dir
 
@@ -60,17 +56,6 @@ log = logging.getLogger("spes.server")
 T = TypeVar("T")
 
 SERVICE_NAME = "spes.v1.ParameterServer"
-FIRST_IMPLEMENTATION_FLAGS = {
-    "--total_peers": "spes_config.num_peers",
-    "--num_train_experts_per_node": "spes_config.num_train_experts_per_node",
-    "--merge_interval": "server.merge_interval",
-    "--merge_alpha_start": "server.merge_alpha_start",
-    "--merge_decay_steps": "server.merge_decay_steps",
-}
-"""The first SPES implementation's server flags, each a spelling of the run-config override it names."""
-CHECKED_FLAGS = {"--total_peers": "TOTAL_PEERS", "--num_train_experts_per_node": "NUM_TRAIN_EXPERTS_PER_NODE"}
-"""Those of them that set the run's layout, with run_parameter_server.sh's variable for each. With the run's YAML they
-are checked against it, not applied: a server given another layout than its nodes' YAML refused every node."""
 
 
 class ParameterServer:
@@ -250,134 +235,6 @@ def _bind(listen: Callable[[], T], address: str, flag: str) -> T:
     return bound
 
 
-class _ServerParser(argparse.ArgumentParser):
-    """The deployment flags; every other `--key=value` word is an override of the run's config (`args.overrides`),
-    and the first implementation's flags are spellings of such overrides (`FIRST_IMPLEMENTATION_FLAGS`), but its
-    layout flags given with RUN.yaml, kept in `args.checked_flags` to be checked against it (`CHECKED_FLAGS`)."""
-
-    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
-        words = list(sys.argv[1:] if args is None else args)
-        joined = []  # NOTE: each first-implementation flag as one `--flag=value` word, which argparse leaves in `rest`
-        while words:
-            word = words.pop(0)
-            if word in FIRST_IMPLEMENTATION_FLAGS:
-                if not words:
-                    self.error(f"{word} needs a value")
-                word = f"{word}={words.pop(0)}"
-            joined.append(word)
-        parsed, rest = super().parse_known_args(joined, namespace)
-        parsed.overrides, parsed.checked_flags, other = [], {}, []
-        for word in rest:
-            flag, _, value = word.partition("=")
-            if flag in CHECKED_FLAGS and parsed.run is not None:
-                parsed.checked_flags[flag] = value
-            elif flag in FIRST_IMPLEMENTATION_FLAGS:
-                parsed.overrides.append(f"--{FIRST_IMPLEMENTATION_FLAGS[flag]}={value}")
-            elif word.startswith("--") and "=" in word:
-                parsed.overrides.append(word)
-            else:
-                other.append(word)
-        return parsed, other
-
-
-class _HelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Flag defaults shown, the epilog's list of config keys kept as written."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    aliases = ", ".join(f"{flag} N = --{key}=N" for flag, key in FIRST_IMPLEMENTATION_FLAGS.items())
-    parser = _ServerParser(
-        prog="python -m spes.server",
-        usage="python -m spes.server [RUN.yaml] [--section.key=value ...] [flags]",
-        description="SPES parameter server: collects every peer's trained tensors each round, takes each expert\n"
-        "block from its owner, averages the shared parameters (DiLoCo: everything), applies the expert-merging\n"
-        "warm-up on merge rounds, persists the result (--state_dir) and serves the global model back.\n"
-        "The run's settings come from its YAML (any node's file: peers, experts per block, mode, sync_steps, codec,\n"
-        "and the `server:` section below, overridable as --server.key=value, like every key); the flags are the\n"
-        "deployment's. Without a YAML, the run is the defaults plus the overrides (e.g. --spes_config.num_peers=4),\n"
-        "and the model and sync_steps are taken from the first node to join.",
-        formatter_class=_HelpFormatter,
-        allow_abbrev=False,
-        epilog="the run's `server:` section (key, default, meaning):\n"
-        + "\n".join(config_help(ServerSection, "server."))
-        + f"\n\nthe first SPES implementation's flags are accepted as spellings of overrides: {aliases}; with "
-        "RUN.yaml, --total_peers and --num_train_experts_per_node are checked against it instead"
-        + "\n\nexample: SPES_TOKEN=$(cat secret) python -m spes.server configs/spes_1b/node_0.yaml --port 50051 "
-        "--tls_cert server.crt --tls_key server.key --state_dir server_state\nstop with SIGTERM or Ctrl-C (exit 0); "
-        "restart with the same --state_dir to resume. See docs/running.md (TLS, tokens, ports).",
-    )
-    parser.add_argument(
-        "run",
-        nargs="?",
-        metavar="RUN.yaml",
-        default=None,
-        help="a node YAML of the run: the server builds the run spec from it (with the same --section.key=value "
-        "overrides as the nodes), including the model's manifest, and refuses any node whose spec or model differs",
-    )
-    add_deploy_flags(parser)
-    parser.add_argument("--log_level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    return parser
-
-
-def spec_of_run(
-    path: str | None, overrides: list[str] | tuple[str, ...] = (), checked_flags: dict[str, str] | None = None
-) -> RunSpec:
-    """The run spec of a node YAML and its overrides, with the manifest of the model it builds (on the meta device);
-    without a YAML, of the defaults and the overrides (a SPES run unless they say otherwise), manifest and
-    sync_steps and block owners left to the first node to join. `checked_flags`: the first implementation's layout
-    flags given with the YAML (`CHECKED_FLAGS`), which must agree with it. ValueError (ConfigError) naming the key or
-    file."""
-    if path is None:
-        return legacy_spec(overrides)
-    from spes.model import Transformer  # NOTE: lazy, so a server without RUN.yaml never imports the model
-
-    cfg, _ = load_config(path, overrides)
-    for flag, value in (checked_flags or {}).items():
-        check_first_implementation_flag(flag, value, cfg.spes_config, path)
-    with torch.device("meta"):
-        model = Transformer.for_run(cfg)
-    return run_spec(cfg, {n: tuple(p.shape) for n, p in model.named_parameters()}, origin=path)
-
-
-def check_first_implementation_flag(flag: str, value: str, section: SpesConfig, path: str) -> None:
-    """ValueError unless the first implementation's layout flag `flag` (`CHECKED_FLAGS`) says what the run's YAML at
-    `path` (its `spes_config` section, overrides applied) says."""
-    key = FIRST_IMPLEMENTATION_FLAGS[flag]
-    have = getattr(section, key.split(".")[1])
-    if value.strip() != str(have):
-        raise ValueError(
-            f"{flag} {value} ({CHECKED_FLAGS[flag]} of run_parameter_server.sh) disagrees with {path}: {key}={have}; "
-            f"unset it (the YAML sets the run's layout), or give --{key}={value} to the server and every node alike"
-        )
-
-
-def legacy_spec(overrides: list[str] | tuple[str, ...]) -> RunSpec:
-    """The spec of a server without the run's YAML (the first implementation's habit): peers, experts per block,
-    mode, codec and `server:` section from the overrides; what depends on the model (its manifest, block owners,
-    DiLoCo's experts per block) and an unset `sync_steps` left open for the first node to join."""
-    s, server, mode = load_sync_sections(overrides)
-    if mode == "centralized":
-        raise ValueError("--using_spes=false is a centralized run, which has no parameter server")
-    given = any(o.startswith("--spes_config.sync_steps=") for o in overrides)
-    return RunSpec(
-        mode=mode,
-        num_peers=s.num_peers,
-        experts_per_block=s.num_train_experts_per_node if mode == "spes" else None,
-        block_owners=None,
-        sync_steps=s.sync_steps if given else None,
-        last_step=None,
-        overlap_fragments=s.overlap_fragments,
-        codec=s.codec,
-        codec_settings=tuple(sorted(s.codec_settings.items())),
-        server=server,
-        origin="the server's command line",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(spec_of_run(args.run, args.overrides, args.checked_flags), deploy_from_args(args))
-
-
 def limit_malloc_arenas(arenas: int = 2) -> None:
     """Cap glibc's malloc arenas (as MALLOC_ARENA_MAX would) for a long-lived server process.
 
@@ -432,21 +289,49 @@ def describe_run(spec: RunSpec) -> str:
     return ", ".join(parts) + (f" (from {spec.origin})" if spec.origin else "")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the server until SIGTERM/SIGINT, then shut down cleanly and return 0."""
+def spec_of_run(
+    path: str | None, overrides: list[str] | tuple[str, ...] = (), checked_flags: dict[str, str] | None = None
+) -> RunSpec:
+    """The run spec of a node YAML and its overrides, or without a YAML of the overrides alone (`read_run`, which
+    names a key or flag the command gets wrong)."""
+    return spec_of(read_run(path, overrides, checked_flags), path)
+
+
+def spec_of(run: TrainConfig | LegacyRun, path: str | None) -> RunSpec:
+    """The run spec of a node YAML's config (read from `path`), with the manifest of the model it builds (on the meta
+    device); of a `LegacyRun`, a SPES run unless it says otherwise, what depends on the model (its manifest, block
+    owners, DiLoCo's experts per block) and an unset `sync_steps` left open for the first node to join."""
+    if isinstance(run, LegacyRun):
+        s = run.spes_config
+        return RunSpec(
+            mode=run.mode,
+            num_peers=s.num_peers,
+            experts_per_block=s.num_train_experts_per_node if run.mode == "spes" else None,
+            block_owners=None,
+            sync_steps=s.sync_steps if run.sync_steps_given else None,
+            last_step=None,
+            overlap_fragments=s.overlap_fragments,
+            codec=s.codec,
+            codec_settings=tuple(sorted(s.codec_settings.items())),
+            server=run.server,
+            origin="the server's command line",
+        )
+    from spes.model import Transformer  # NOTE: lazy, so a server without RUN.yaml never imports the model
+
+    with torch.device("meta"):
+        model = Transformer.for_run(run)
+    return run_spec(run, {n: tuple(p.shape) for n, p in model.named_parameters()}, origin=path or "")
+
+
+def config_of(command: ServerCommand) -> ServerConfig:
+    return ServerConfig(spec_of(command.run, command.path), command.deploy)
+
+
+def start_command(command: ServerCommand) -> ParameterServer:
+    """Start the server `command` describes (`start_server`) and log what it serves, and how safely."""
     limit_malloc_arenas()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stop.set())
-    try:
-        cfg = config_from_args(args)
-        server = start_server(cfg)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    cfg = config_of(command)
+    server = start_server(cfg)
     deploy = cfg.deploy  # NOTE: its token field is repr=False: never logged
     log.info(
         "spes parameter server listening on %s:%d (data plane %s, auth %s, tls %s); run: %s",
@@ -459,13 +344,4 @@ def main(argv: list[str] | None = None) -> int:
     )
     for warning in exposure_warnings(deploy):
         log.warning(warning)
-    try:
-        stop.wait()
-    finally:
-        log.info("shutting down")
-        server.stop(grace_s=2.0)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return server

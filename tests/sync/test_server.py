@@ -31,8 +31,8 @@ from spes.sync.client import SyncError
 from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
-from spes.sync.server import build_parser, config_from_args, describe_run, spec_of_run, start_server
-from spes.sync.settings import DeployConfig, ServerConfig
+from spes.sync.server import config_of, describe_run, spec_of_run, start_server
+from spes.sync.settings import DeployConfig, ServerConfig, build_parser, command_from_args
 from spes.sync.wire import checksum, encode_tensors
 from sync_helpers import (
     NO_MERGE,
@@ -681,13 +681,16 @@ def test_sigint_also_exits_0_and_help_works() -> None:
         assert flag in help_text
 
 
+def server_config(*argv: str) -> ServerConfig:
+    """What `python -m spes.server ARGV` serves: its command read (without torch), then its run spec built."""
+    return config_of(command_from_args(build_parser().parse_args(list(argv))))
+
+
 def test_command_line_builds_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first implementation's flags are spellings of config overrides; spes's own run settings are overrides."""
     base = ["--total_peers", "4", "--num_train_experts_per_node=2"]
     monkeypatch.setenv("SPES_TOKEN", "from-env")
-    cfg = config_from_args(
-        build_parser().parse_args(base + ["--server.merge_topk=2", "--using_dilico=true", "--merge_interval", "7"])
-    )
+    cfg = server_config(*base, "--server.merge_topk=2", "--using_dilico=true", "--merge_interval", "7")
     spec = cfg.spec  # a DiLoCo run: its block holds every expert of the model, which the first node says
     assert (spec.num_peers, spec.experts_per_block, spec.mode, spec.server.merge_topk, cfg.deploy.token) == (
         4,
@@ -700,14 +703,14 @@ def test_command_line_builds_the_config(tmp_path: Path, monkeypatch: pytest.Monk
     assert "from-env" not in repr(cfg)
     secret = tmp_path / "secret"
     secret.write_text("from-file\n")
-    assert config_from_args(build_parser().parse_args(base + ["--token_file", str(secret)])).deploy.token == "from-file"
+    assert server_config(*base, "--token_file", str(secret)).deploy.token == "from-file"
     secret.write_text("  \n")
     with pytest.raises(ValueError, match="is empty"):
-        config_from_args(build_parser().parse_args(base + ["--token_file", str(secret)]))
+        server_config(*base, "--token_file", str(secret))
     with pytest.raises(FileNotFoundError, match="--token_file"):
-        config_from_args(build_parser().parse_args(base + ["--token_file", str(tmp_path / "nope")]))
+        server_config(*base, "--token_file", str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="--tls_cert and --tls_key"):
-        config_from_args(build_parser().parse_args(base + ["--tls_cert", "x.crt"]))
+        server_config(*base, "--tls_cert", "x.crt")
 
 
 @pytest.mark.timeout(60)
@@ -770,14 +773,14 @@ def test_off_loopback_needs_a_token_and_tls_unless_insecure(tmp_path: Path) -> N
 
 def test_the_runs_yaml_gives_the_spec_and_the_manifest() -> None:
     config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
-    spec = config_from_args(build_parser().parse_args([config])).spec
+    spec = server_config(config).spec
     assert (spec.num_peers, spec.experts_per_block, spec.mode, spec.sync_steps) == (4, 2, "spes", 10)
     assert spec == spec_of_run(config) and spec.manifest is not None and "lm_head.weight" in spec.manifest
-    eight = config_from_args(build_parser().parse_args([config, "--spes_config.num_peers=8"])).spec
+    eight = server_config(config, "--spes_config.num_peers=8").spec
     assert eight.num_peers == 8 and eight.block_owners == (0, 1, 2, 3)  # peers past the last block train shared
-    agreeing = config_from_args(build_parser().parse_args([config, "--total_peers", "4"])).spec  # checked, not set
+    agreeing = server_config(config, "--total_peers", "4").spec  # checked, not set
     assert agreeing == spec
-    legacy = config_from_args(build_parser().parse_args([])).spec  # the defaults: a server for a 4-peer SPES run
+    legacy = server_config().spec  # the defaults: a server for a 4-peer SPES run
     assert (legacy.mode, legacy.num_peers, legacy.manifest, legacy.sync_steps) == ("spes", 4, None, None)
 
 
