@@ -59,9 +59,24 @@ def read_file(path: str, what: str) -> bytes:
 
 
 # -- TLS ----------------------------------------------------------------------------------------------------------
+def check_key_pair(cert: str | None, key: str | None, names: tuple[str, str], what: str = "") -> None:
+    """ValueError naming both settings (`names`: the certificate's and the key's) and the fix unless a certificate
+    and its key are given together. Why: gRPC's core aborts the process (SIGABRT) on one without the other, and
+    `server_tls` took one for no TLS at all (a data plane in clear text)."""
+    if (cert is None) == (key is None):
+        return
+    cert_name, key_name = names
+    given, missing = (cert_name, key_name) if key is None else (key_name, cert_name)
+    raise ValueError(
+        f"{cert_name} and {key_name}{what} must be given together: give {missing} too, or leave out {given}"
+    )
+
+
 def server_tls(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
-    """The data plane's TLS context from the server's PEM files (mutual TLS with `client_ca`); None without TLS.
-    The server builds it before its gRPC port: gRPC reports an unusable file only as a port it cannot bind."""
+    """The data plane's TLS context from the server's PEM files (mutual TLS with `client_ca`); None without TLS
+    (neither file; one without the other is a ValueError). The server builds it before its gRPC port: gRPC reports
+    an unusable file only as a port it cannot bind."""
+    check_key_pair(cert, key, ("--tls_cert", "--tls_key"))
     if cert is None or key is None:
         return None
     for path, flag in ((cert, "--tls_cert"), (key, "--tls_key"), (client_ca, "--tls_client_ca")):
@@ -87,8 +102,7 @@ def client_tls(
     files are checked here, before gRPC, whose core names neither file nor setting. `names`: the settings `ca`,
     `cert` and `key` come from (a node's YAML keys, or a command's flags)."""
     ca_name, cert_name, key_name = names
-    if (cert is None) != (key is None):  # NOTE: gRPC's core aborts the process (SIGABRT) on one without the other
-        raise ValueError(f"{cert_name} and {key_name} (mutual TLS) must be given together")
+    check_key_pair(cert, key, (cert_name, key_name), " (mutual TLS)")
     if ca is None and cert is None:
         return None
     for path, name in ((ca, ca_name), (cert, cert_name), (key, key_name)):
@@ -142,14 +156,17 @@ reconnect backoff ran."""
 
 
 def open_channel(settings: SpesConfig) -> grpc.Channel:
-    """The gRPC channel to `settings.server_addr`: TLS (and a client certificate) when the settings name them."""
+    """The gRPC channel to `settings.server_addr`: TLS (and a client certificate) when the settings name them; a
+    file not found or a certificate without its key is an error naming the config key (`CONFIG_TLS_NAMES`)."""
     s, options = settings, [*grpc_options(MAX_MESSAGE_MB), OWN_CONNECTION]
+    ca_name, cert_name, key_name = CONFIG_TLS_NAMES
+    check_key_pair(s.tls_cert, s.tls_key, (cert_name, key_name), " (mutual TLS)")
     if s.tls_ca is None and s.tls_cert is None:
         return grpc.insecure_channel(s.server_addr, options=options)
     credentials = grpc.ssl_channel_credentials(
-        root_certificates=read_file(s.tls_ca, "spes_config.tls_ca") if s.tls_ca else None,
-        private_key=read_file(s.tls_key, "spes_config.tls_key") if s.tls_key else None,
-        certificate_chain=read_file(s.tls_cert, "spes_config.tls_cert") if s.tls_cert else None,
+        root_certificates=read_file(s.tls_ca, ca_name) if s.tls_ca else None,
+        private_key=read_file(s.tls_key, key_name) if s.tls_key else None,
+        certificate_chain=read_file(s.tls_cert, cert_name) if s.tls_cert else None,
     )
     return grpc.secure_channel(s.server_addr, credentials, options=options)
 

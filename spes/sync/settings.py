@@ -25,6 +25,7 @@ from spes.config import ServerSection, SpesConfig, TrainConfig, load_config, loa
 from spes.schema import config_help
 from spes.sync.admission import MAX_MODEL_GB, MAX_TENSORS
 from spes.sync.auth import TOKEN_ENV, read_token
+from spes.sync.channel import check_key_pair
 from spes.sync.protocol import Mode
 
 if TYPE_CHECKING:
@@ -128,8 +129,7 @@ class DeployConfig:
             raise ValueError(f"--data_port must be -1 (disabled) or in [0, 65535], got {self.data_port}")
         if self.max_message_mb < 2:
             raise ValueError(f"--max_message_mb must be >= 2 (chunks are 1 MiB), got {self.max_message_mb}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("--tls_cert and --tls_key must be given together")
+        check_key_pair(self.tls_cert, self.tls_key, ("--tls_cert", "--tls_key"))
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key")
         if self.tls_peer_ids and self.tls_client_ca is None:

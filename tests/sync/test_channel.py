@@ -69,11 +69,15 @@ def test_a_pem_file_ssl_cannot_use_is_refused_naming_it(tmp_path: Path) -> None:
         assert re.fullmatch(rf"{re.escape(files)}: not a usable PEM certificate or key \({why}\)", str(err.value))
     with pytest.raises(FileNotFoundError, match=r"^config key 'spes_config.tls_ca' '/nope.pem': file not found$"):
         channel.client_tls("/nope.pem", None, None)
-    for one in ((cert, None), (None, key)):  # gRPC's core aborted the node's process (SIGABRT) on either
+    for one, fix in (
+        ((cert, None), "give config key 'spes_config.tls_key' too, or leave out config key 'spes_config.tls_cert'"),
+        ((None, key), "give config key 'spes_config.tls_cert' too, or leave out config key 'spes_config.tls_key'"),
+    ):  # gRPC's core aborted the node's process (SIGABRT) on either
         with pytest.raises(ValueError) as err:
             channel.client_tls(None, *one)
         assert str(err.value) == (
-            "config key 'spes_config.tls_cert' and config key 'spes_config.tls_key' (mutual TLS) must be given together"
+            "config key 'spes_config.tls_cert' and config key 'spes_config.tls_key' (mutual TLS) must be given "
+            f"together: {fix}"
         )
     assert channel.client_tls(None, None, None) is None  # no TLS
     client = pki.client
@@ -93,6 +97,25 @@ def test_the_servers_tls_context_serves_and_names_each_missing_file_by_its_flag(
     for client_ca, verify in ((None, ssl.CERT_NONE), (pki.ca, ssl.CERT_REQUIRED)):
         context = channel.server_tls(cert, key, client_ca)
         assert context is not None and (context.protocol, context.verify_mode) == (ssl.PROTOCOL_TLS_SERVER, verify)
+    assert channel.server_tls(None, None, None) is None  # no TLS
+
+
+@pytest.mark.parametrize(
+    ("files", "fix"),
+    [
+        (("server.crt", None, None), "give --tls_key too, or leave out --tls_cert"),
+        ((None, "server.key", None), "give --tls_cert too, or leave out --tls_key"),
+        (("server.crt", None, "ca.crt"), "give --tls_key too, or leave out --tls_cert"),
+    ],
+)
+def test_the_servers_certificate_without_its_key_is_refused_not_served_in_clear(
+    files: tuple[str | None, str | None, str | None], fix: str
+) -> None:
+    """server_tls took half a pair for no TLS: its data plane served in clear text without a word (DeployConfig
+    refuses it first, with the same line)."""
+    with pytest.raises(ValueError) as err:
+        channel.server_tls(*files)
+    assert str(err.value) == f"--tls_cert and --tls_key must be given together: {fix}"
 
 
 def _expired_copy(pki: Pki, name: str) -> str:
@@ -172,9 +195,15 @@ def test_open_channel_hands_grpc_the_files_and_options_its_settings_name(
         ("secure", (addr, {"root_certificates": None, "private_key": key, "certificate_chain": cert}), options),
     ]
     nope = str(tmp_path / "nope.pem")
-    for name in ("tls_ca", "tls_cert", "tls_key"):
-        with pytest.raises(FileNotFoundError, match=rf"^spes_config.{name} '{nope}': file not found$"):
+    for name in ("tls_ca", "tls_cert", "tls_key"):  # named as every other error names a config key
+        with pytest.raises(FileNotFoundError, match=rf"^config key 'spes_config.{name}' '{nope}': file not found$"):
             channel.open_channel(SpesConfig(server_addr=addr, **{"tls_ca": pki.ca, **client, name: nope}))
+    for name in ("tls_cert", "tls_key"):  # half a pair, refused before gRPC's core aborts the process on it
+        with pytest.raises(
+            ValueError, match=r"^config key 'spes_config.tls_cert' and config key 'spes_config.tls_key'"
+        ):
+            channel.open_channel(SpesConfig(server_addr=addr, tls_ca=pki.ca, **{name: client[name]}))
+    assert len(opened) == 4  # neither reached gRPC
 
 
 def test_what_to_check_when_a_server_that_may_serve_tls_cannot_be_reached() -> None:

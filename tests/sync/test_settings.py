@@ -58,8 +58,14 @@ def test_the_open_files_its_limits_can_hold() -> None:
         ({"data_port": -2}, "--data_port must be -1 (disabled) or in [0, 65535], got -2"),
         ({"data_port": 65536}, "--data_port must be -1 (disabled) or in [0, 65535], got 65536"),
         ({"max_message_mb": 1}, "--max_message_mb must be >= 2 (chunks are 1 MiB), got 1"),
-        ({"tls_cert": "c.pem"}, "--tls_cert and --tls_key must be given together"),
-        ({"tls_key": "k.pem"}, "--tls_cert and --tls_key must be given together"),
+        (
+            {"tls_cert": "c.pem"},
+            "--tls_cert and --tls_key must be given together: give --tls_key too, or leave out --tls_cert",
+        ),
+        (
+            {"tls_key": "k.pem"},
+            "--tls_cert and --tls_key must be given together: give --tls_cert too, or leave out --tls_key",
+        ),
         ({"tls_client_ca": "ca.pem"}, "--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key"),
         (
             {"tls_peer_ids": True, "tls_cert": "c.pem", "tls_key": "k.pem"},
