@@ -258,9 +258,15 @@ def check_server(
         return [skip("server", "centralized run (using_spes=false): no parameter server")], None
     try:  # NOTE: as the node joins: a resumed one in the run its checkpoint names
         start = start_checkpoint(cfg, log=lambda note: None)
-        run_id = read_run_id(start)
     except (ValueError, FileNotFoundError):  # not made yet (an upcycled start): the node names it when it starts
-        run_id = None
+        start = None
+    try:  # NOTE: a damaged run record was asked about as a fresh node's, which the node refuses to start as
+        run_id = read_run_id(start)
+    except ValueError as exc:
+        return [
+            skip("server", "not asked: the node would refuse to start before it joins"),
+            fail("settings", str(exc), "fix it as the line says: until then the node refuses to start (exit 2)"),
+        ], None
     try:
         client = dry_join_client(cfg, shapes, run_id)
     except (ValueError, FileNotFoundError) as exc:
