@@ -290,14 +290,15 @@ def check_server(
 
 
 def run_position(status: ServerStatus) -> str:
-    """Where the server's run stands, for a node about to join it: one that starts behind it catches up at once."""
-    run = f"run {status.run_id}" if status.run_id else "the run"
+    """Where the server's run stands, for a node about to join it (its latest round named as `spes.status` and the
+    join line name it): one that starts behind it catches up at once."""
+    from spes.sync.status import completed
+
+    latest = f"run {status.run_id}" if status.run_id else "the run"
+    latest += f": {completed(status.current_round)}"
     if status.current_round < 0:
-        return f"{run}: no round completed yet"
-    return (
-        f"{run} at round {status.current_round} (a node starting before that step loads its global model as soon as "
-        "it joins)"
-    )
+        return latest
+    return f"{latest} (a node starting before that step loads its global model as soon as it joins)"
 
 
 def _security(cfg: TrainConfig) -> str:

@@ -690,7 +690,8 @@ def test_the_sample_output_in_running_md_is_what_this_version_prints() -> None:
 def test_the_settings_line_says_where_the_run_stands() -> None:
     status = ServerStatus(12, -1, 2, (0, 1), (), 0, 0, "spes", run_id="0123456789abcdef")
     assert run_position(status) == (
-        "run 0123456789abcdef at round 12 (a node starting before that step loads its global model as soon as it joins)"
+        "run 0123456789abcdef: round 12 complete (a node starting before that step loads its global model as soon as "
+        "it joins)"
     )
     assert run_position(dataclasses.replace(status, current_round=-1, run_id="")) == "the run: no round completed yet"
 
