@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                     said.removeprefix("error: ")
                     if said
                     else f"no rank said what it saved (a rank still running {args.shutdown_timeout} s after the "
-                    "signal is killed: --shutdown_timeout gives it longer); --resume=auto continues from "
-                    "save_folder's latest checkpoint, or starts afresh when there is none"
+                    "signal is killed: --shutdown_timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT gives it longer); "
+                    "--resume=auto continues from save_folder's latest checkpoint, or starts afresh when there is "
+                    "none"
                 ),
                 file=sys.stderr,
                 flush=True,

@@ -54,9 +54,9 @@ def _cfg(*overrides: str) -> TrainConfig:
         ),
         (
             {},
-            "no rank said what it saved (a rank still running 300 s after the signal is killed: --shutdown_timeout "
-            "gives it longer); --resume=auto continues from save_folder's latest checkpoint, or starts afresh when "
-            "there is none",
+            "no rank said what it saved (a rank still running 300 s after the signal is killed: --shutdown_timeout or "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT gives it longer); --resume=auto continues from save_folder's latest "
+            "checkpoint, or starts afresh when there is none",
         ),
     ],
 )
