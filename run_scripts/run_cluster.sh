@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 #SBATCH --job-name=spes
 #SBATCH --ntasks-per-node=1
+#SBATCH --signal=TERM@420
 # A whole SPES run over several machines: each node an independent DDP/FSDP trainer over its own GPUs, the
 # parameter server on node 0. Two ways to start it, from the repository root:
 #
@@ -39,6 +40,10 @@
 # node's trainer (and, but --resume, to the server) after these and win over them.
 # A requeued (or resubmitted) job continues where it stopped: the server restores its last round from
 # STATE_DIR and every node resumes from its save_folder's latest checkpoint (or starts fresh if it has none).
+# Stopping: 420 s before the time limit (#SBATCH --signal) SLURM sends SIGTERM to the nodes' step: each node saves
+# at its next step and stops, within spes.torchrun's shutdown timeout (300 s; a longer one, set with
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT, needs a longer --signal lead), and the job ends with the server's state persisted.
+# `scancel --signal=TERM <job>` does the same now; a plain scancel gives the nodes only the cluster's KillWait.
 set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
@@ -67,8 +72,16 @@ if [ "${SPES_CLUSTER_ROLE:-batch}" = node ]; then
   # ---- under SLURM: one task per node ----
   NODE_ID=${SLURM_PROCID:?SLURM_PROCID is not set: this part runs under srun}
   echo "node $NODE_ID on $(hostname), server $SERVER_ADDR"
-  run_node "$NODE_ID" "$@"
-  exit
+  # NOTE: SLURM's signal reaches this shell too: killed by it, it ended the task and SLURM killed the node mid-save;
+  # trapped, it waits for the node. A node stopped by it exits 0, or srun's --kill-on-bad-exit signalled the nodes
+  # still saving again (a second signal aborts a save).
+  trap 'SIGNALLED=1' TERM INT
+  STATUS=0
+  run_node "$NODE_ID" "$@" || STATUS=$?
+  if [ -n "${SIGNALLED:-}" ] && { [ "$STATUS" = 130 ] || [ "$STATUS" = 143 ]; }; then
+    exit 0
+  fi
+  exit "$STATUS"
 fi
 
 CFG0=$(config_of 0)

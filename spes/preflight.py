@@ -258,9 +258,15 @@ def check_server(
         return [skip("server", "centralized run (using_spes=false): no parameter server")], None
     try:  # NOTE: as the node joins: a resumed one in the run its checkpoint names
         start = start_checkpoint(cfg, log=lambda note: None)
-        run_id = read_run_id(start)
     except (ValueError, FileNotFoundError):  # not made yet (an upcycled start): the node names it when it starts
-        run_id = None
+        start = None
+    try:  # NOTE: a damaged run record was asked about as a fresh node's, which the node refuses to start as
+        run_id = read_run_id(start)
+    except ValueError as exc:
+        return [
+            skip("server", "not asked: the node would refuse to start before it joins"),
+            fail("settings", str(exc), "fix it as the line says: until then the node refuses to start (exit 2)"),
+        ], None
     try:
         client = dry_join_client(cfg, shapes, run_id)
     except (ValueError, FileNotFoundError) as exc:
@@ -284,14 +290,15 @@ def check_server(
 
 
 def run_position(status: ServerStatus) -> str:
-    """Where the server's run stands, for a node about to join it: one that starts behind it catches up at once."""
-    run = f"run {status.run_id}" if status.run_id else "the run"
+    """Where the server's run stands, for a node about to join it (its latest round named as `spes.status` and the
+    join line name it): one that starts behind it catches up at once."""
+    from spes.sync.status import completed
+
+    latest = f"run {status.run_id}" if status.run_id else "the run"
+    latest += f": {completed(status.current_round)}"
     if status.current_round < 0:
-        return f"{run}: no round completed yet"
-    return (
-        f"{run} at round {status.current_round} (a node starting before that step loads its global model as soon as "
-        "it joins)"
-    )
+        return latest
+    return f"{latest} (a node starting before that step loads its global model as soon as it joins)"
 
 
 def _security(cfg: TrainConfig) -> str:

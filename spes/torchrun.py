@@ -8,6 +8,13 @@ Takes torchrun's arguments unchanged. Plain torchrun follows a child's clean `er
 checkpoints: its line names the culprit, the others' say that rank 0 failed) is printed last, with the first
 failure's exit code. A signal (Ctrl-C, a scheduler's SIGTERM) ends in one line too, with the lowest rank's word of
 what it did: saved a checkpoint and stopped, or stopped before saving and what its save folder holds.
+
+On a signal torchrun passes it on and SIGKILLs any rank still running after its shutdown timeout; a stopped rank
+saves a checkpoint at its next step boundary, and torch's 30 s killed a 1B node mid-save (the steps since its last
+checkpoint lost). Here the ranks get `SHUTDOWN_TIMEOUT_S` unless `--shutdown_timeout` (`PET_SHUTDOWN_TIMEOUT`) or
+`TORCH_ELASTIC_SHUTDOWN_TIMEOUT` says otherwise; a scheduler's signal must come at least that long before its time
+limit (run_scripts/run_cluster.sh). The price: a rank that hangs after another failed (a collective whose peer died)
+holds the launch that long too.
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ import tempfile
 from pathlib import Path
 
 ERROR_DIR_ENV = "SPES_ERROR_DIR"
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+SHUTDOWN_TIMEOUT_S = 300
+"""Seconds the ranks get to stop (a step and a checkpoint) after a signal passed on, before torchrun kills them."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.shutdown_timeout = shutdown_timeout(args.shutdown_timeout)
     # NOTE: its "failed (exitcode ...) local_rank ..." line would stand between the rank's output and the line below
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     # NOTE: its warnings are "Received 15 death signal, shutting down workers" and "Got termination signal", which
@@ -53,14 +64,32 @@ def main(argv: list[str] | None = None) -> int:
                 + (
                     said.removeprefix("error: ")
                     if said
-                    else "no rank said what it saved (torchrun kills a rank still running after its shutdown "
-                    "timeout, 30 s by default); --resume=auto continues from save_folder's latest checkpoint, or "
-                    "starts afresh when there is none"
+                    else f"no rank said what it saved (a rank still running {args.shutdown_timeout} s after the "
+                    "signal is killed: --shutdown_timeout or TORCH_ELASTIC_SHUTDOWN_TIMEOUT gives it longer); "
+                    "--resume=auto continues from save_folder's latest checkpoint, or starts afresh when there is "
+                    "none"
                 ),
                 file=sys.stderr,
                 flush=True,
             )
             return 128 + e.sigval
+
+
+def shutdown_timeout(given: int | None) -> int:
+    """The seconds the ranks get to stop after a signal: `given` (--shutdown_timeout, or PET_SHUTDOWN_TIMEOUT), else
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else `SHUTDOWN_TIMEOUT_S` (torch's own default, 30 s, is too short for a save)."""
+    if given is not None:
+        return given
+    value = os.environ.get(SHUTDOWN_TIMEOUT_ENV, "").strip()
+    if not value:
+        return SHUTDOWN_TIMEOUT_S
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(
+            f"error: {SHUTDOWN_TIMEOUT_ENV}={value!r} is not a number of seconds: set it to one (the time the ranks "
+            f"get to save and stop after a signal), or unset it for {SHUTDOWN_TIMEOUT_S} s"
+        ) from None
 
 
 def _lowest_ranks_line(errors: str) -> str | None:

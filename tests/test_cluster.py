@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import pytest
 
 from dist_helpers import REPO, SMALL_NODE, child_env, run_logged
 from spes.launch import free_port
+from spes.torchrun import SHUTDOWN_TIMEOUT_S
 
 SCRIPT = REPO / "run_scripts" / "run_cluster.sh"
 SLURM_BINARIES = ("sbatch", "scontrol", "slurmctld", "slurmd")
@@ -360,3 +362,61 @@ def test_sbatch_runs_a_two_node_spes_run_and_a_killed_job_submitted_again_contin
         records = [json.loads(line) for line in (run / f"node{node}" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == list(range(1, 31))
         assert [r["step"] for r in records if "sync_s" in r] == list(range(2, 31, 2)), f"node {node}'s rounds"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stopped by SLURM before the time limit (its #SBATCH --signal): every node saves its last step, none is killed
+
+
+def test_slurms_signal_comes_before_the_time_limit_by_more_than_the_nodes_shutdown_timeout() -> None:
+    """torchrun kills a rank still saving after its shutdown timeout; SLURM kills the job at its time limit."""
+    lead = re.search(r"^#SBATCH --signal=TERM@(\d+)$", SCRIPT.read_text(), re.MULTILINE)
+    assert lead is not None and int(lead.group(1)) >= SHUTDOWN_TIMEOUT_S + 60  # NOTE: + the server's persist
+
+
+def _squeued(cluster: Slurm, job: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], env=cluster.env(), capture_output=True, text=True, timeout=30)
+    return job in out.stdout.split()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_slurms_signal_stops_every_node_with_its_last_step_saved(slurm: Slurm, tiny_corpus, tmp_path: Path) -> None:
+    """The scheduler's SIGTERM reached the task's shell too, which died, ending the task: SLURM killed the nodes
+    mid-save. And a node that stopped first (exit 143) made srun's --kill-on-bad-exit signal the others again."""
+    overrides = [
+        *SMALL_NODE,
+        "--spes_config.num_peers=2",
+        "--spes_config.num_train_experts_per_node=4",
+        "--spes_config.sync_steps=2",
+        "--max_duration=100000st",
+        "--save_interval=null",
+        f"--tokenizer.identifier={tiny_corpus.tokenizer}",
+        f"--data.paths=[{tiny_corpus.train}]",
+        "--data.validation_paths=[]",
+        f"--save_folder={tmp_path}/node${{spes_config.peer_id}}",
+    ]
+    env = slurm.env(CONFIG="configs/tiny.yaml", NPROC_PER_NODE="1", PORT=str(free_port()), PYTHON=sys.executable)
+    env["LOG_DIR"] = str(tmp_path / "logs")
+    out = tmp_path / "job.out"
+    submit = ["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "--ntasks-per-node=2", f"--output={out}"]
+    job = subprocess.run(
+        [*submit, str(SCRIPT), *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout.strip()
+    metrics = [tmp_path / f"node{node}" / "metrics.jsonl" for node in (0, 1)]
+    deadline = time.time() + 180
+    while not all(m.is_file() and len(m.read_text().splitlines()) >= 3 for m in metrics):
+        assert time.time() < deadline and _squeued(slurm, job), out.read_text()[-3000:] if out.exists() else job
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=TERM", job], env=slurm.env(), check=True, timeout=30)  # as at --signal's time
+    deadline = time.time() + 90
+    while _squeued(slurm, job):
+        assert time.time() < deadline, out.read_text()[-3000:]
+        time.sleep(0.5)
+    log = out.read_text()
+    for node in (0, 1):
+        folder = tmp_path / f"node{node}"
+        step = (folder / "latest").read_text().strip().removeprefix("step")
+        said = f"{node}: error: stopped by SIGTERM: saved step {step}'s checkpoint in {folder} and stopped"
+        assert said in log, log[-3000:]
+    assert "exit code" not in log and "Terminating" not in log, log[-3000:]  # srun killed no node

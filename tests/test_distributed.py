@@ -12,7 +12,9 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
+import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -52,9 +54,9 @@ def _cfg(*overrides: str) -> TrainConfig:
         ),
         (
             {},
-            "no rank said what it saved (torchrun kills a rank still running after its shutdown timeout, 30 s by "
-            "default); --resume=auto continues from save_folder's latest checkpoint, or starts afresh when there is "
-            "none",
+            "no rank said what it saved (a rank still running 300 s after the signal is killed: --shutdown_timeout or "
+            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT gives it longer); --resume=auto continues from save_folder's latest "
+            "checkpoint, or starts afresh when there is none",
         ),
     ],
 )
@@ -82,6 +84,97 @@ def test_on_a_signal_spes_torchrun_says_what_the_lowest_rank_did_in_one_line(
     monkeypatch.setattr(torch.distributed.run, "run", signalled)
     assert spes.torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "spes.train", TINY]) == 143
     assert capsys.readouterr().err == f"error: stopped by SIGTERM: {said}\n" and "death signal" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "timeout"),
+    [
+        ([], {}, 300),
+        (["--shutdown_timeout=45"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}, 45),
+        ([], {"PET_SHUTDOWN_TIMEOUT": "45"}, 45),
+        ([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60"}, 60),
+    ],
+)
+def test_spes_torchrun_gives_the_ranks_minutes_to_save_unless_the_user_says_otherwise(
+    flags: list[str], env: dict[str, str], timeout: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's 30 s SIGKILLed a 1B node stopped by a signal mid-save: its step and its checkpoint take longer."""
+    import torch.distributed.run
+
+    import spes.torchrun
+
+    for name in ("PET_SHUTDOWN_TIMEOUT", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    seen = []
+
+    def launch(config: Any, entrypoint: object) -> Any:
+        seen.append(config.shutdown_timeout)  # NOTE: what the agent waits before its SIGKILL
+        return lambda *args: {}
+
+    monkeypatch.setenv(spes.torchrun.ERROR_DIR_ENV, "")  # NOTE: main sets it; the test's end takes it away again
+    monkeypatch.setattr(torch.distributed.run, "elastic_launch", launch)
+    assert spes.torchrun.main([*flags, "--standalone", "--nproc_per_node=2", "-m", "spes.train", TINY]) == 0
+    assert seen == [timeout] and spes.torchrun.SHUTDOWN_TIMEOUT_S == 300
+
+
+def test_a_shutdown_timeout_in_the_environment_that_is_no_number_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import spes.torchrun
+
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "5m")
+    with pytest.raises(SystemExit, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT='5m' is not a number of seconds"):
+        spes.torchrun.shutdown_timeout(None)
+
+
+SLOW_SAVER = """import os, signal, sys, time
+from pathlib import Path
+from spes.failures import leave_for_launcher
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+Path(sys.argv[1]).touch()
+while not stop:
+    time.sleep(0.02)
+time.sleep(float(sys.argv[2]))  # its step and its save
+leave_for_launcher("error: saved step 7's checkpoint and stopped")
+sys.exit(130)
+"""
+"""A rank that takes argv[2] seconds to save after SIGTERM (argv[1]: the file it makes once started)."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_saving_within_the_shutdown_timeout_is_heard_and_one_past_it_is_killed(tmp_path: Path) -> None:
+    """Real spes.torchrun on SIGTERM: the timeout reaches torch's agent (a rank past it is killed, and the line says
+    after how long and how to give it longer); a rank within it saves and its line is the launcher's."""
+    script = tmp_path / "saver.py"
+    script.write_text(SLOW_SAVER)
+    lines = {}
+    for timeout in (1, 10):
+        started, log = tmp_path / f"started{timeout}", tmp_path / f"run{timeout}.log"
+        cmd = [sys.executable, "-m", "spes.torchrun", f"--shutdown_timeout={timeout}", "--standalone"]
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                [*cmd, "--nproc_per_node=1", str(script), str(started), "3"],
+                env=child_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            deadline = time.monotonic() + 60
+            while not started.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 128 + signal.SIGTERM, log.read_text()
+        finally:
+            proc.kill()
+        lines[timeout] = log.read_text().strip().splitlines()[-1]
+    assert lines[1].startswith("error: stopped by SIGTERM: no rank said what it saved (a rank still running 1 s ")
+    assert lines[10] == "error: stopped by SIGTERM: saved step 7's checkpoint and stopped"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -690,7 +690,8 @@ def test_the_sample_output_in_running_md_is_what_this_version_prints() -> None:
 def test_the_settings_line_says_where_the_run_stands() -> None:
     status = ServerStatus(12, -1, 2, (0, 1), (), 0, 0, "spes", run_id="0123456789abcdef")
     assert run_position(status) == (
-        "run 0123456789abcdef at round 12 (a node starting before that step loads its global model as soon as it joins)"
+        "run 0123456789abcdef: round 12 complete (a node starting before that step loads its global model as soon as "
+        "it joins)"
     )
     assert run_position(dataclasses.replace(status, current_round=-1, run_id="")) == "the run: no round completed yet"
 
@@ -712,7 +713,8 @@ def test_a_node_resuming_a_checkpoint_is_asked_about_as_the_run_its_checkpoint_n
     server: str, node: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Preflight's dry join named no run: a node about to resume a run with completed rounds was refused as a fresh
-    node, and one resuming another run's checkpoint passed."""
+    node, and one resuming another run's checkpoint passed; one whose run record is damaged, which the node refuses
+    to start on, was asked about as a fresh node and passed."""
     from spes.sync.node_files import RUN_FILE, write_run_id
     from spes.train import main as train
 
@@ -726,3 +728,11 @@ def test_a_node_resuming_a_checkpoint_is_asked_about_as_the_run_its_checkpoint_n
     assert "belongs to run 0123456789abcdef (its checkpoint or spes_config.run_id)" in lines["settings"]
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--load_path={tmp_path / 'none'}")
     assert rc == 0, lines  # a checkpoint not made yet (an upcycled start): asked as a fresh node
+    (checkpoint / RUN_FILE).write_text('{"run_id": "0123')
+    joining = [f"--spes_config.server_addr={server}", f"--load_path={checkpoint}"]
+    rc, lines = preflight(capsys, *node, *joining)
+    damaged = f"{checkpoint / RUN_FILE}: not a run record"
+    assert rc == 1 and lines["settings"].startswith("FAIL") and damaged in lines["settings"], lines
+    assert "python -m spes.status names the run" in lines["settings"] and "refuses to start" in lines["settings"]
+    assert train([*config, "--eval_interval=null", *joining]) == 2
+    assert damaged in capsys.readouterr().err

@@ -36,7 +36,11 @@ def read_run_id(checkpoint: Path | None) -> str | None:
     try:
         return str(json.loads(path.read_text())["run_id"])
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a run record ({exc}): the checkpoint is damaged") from None
+        raise ValueError(
+            f"{path}: not a run record ({exc}): the checkpoint is damaged; write the run's id into it as "
+            '{"run_id": "<id>"} (python -m spes.status names the run), or load an older checkpoint with '
+            "--load_path=<save_folder>/step<N>"
+        ) from None
 
 
 def write_run_id(path: Path, run_id: str) -> None:

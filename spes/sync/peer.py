@@ -52,7 +52,7 @@ from spes.sync.node_files import (
 from spes.sync.overlap import PendingRound, apply_overlapped
 from spes.sync.protocol import Manifest, Reason, SyncError, Tensors
 from spes.sync.spec import RunSpec, run_spec
-from spes.sync.status import REPORT_S, describe
+from spes.sync.status import REPORT_S, completed, describe
 
 POLL_S = 0.2
 """How often rank 0, waiting for a round, looks whether a stop was requested."""
@@ -138,11 +138,6 @@ def sync_client(cfg: TrainConfig, spec: RunSpec, run_id: str | None = None, **se
     s = replace(cfg.spes_config, **settings)
     token = read_token(s.token_file, "config key 'spes_config.token_file'")
     return SyncClient(spec, s.peer_id, s, token=token, reuse_buffers=True, run_id=run_id)
-
-
-def latest_round(step: int) -> str:
-    """The run's latest completed round (the step a Join answers with; -1: none yet), in words."""
-    return "no round completed yet" if step < 0 else f"the run's latest round: step {step}"
 
 
 def dry_join_client(cfg: TrainConfig, manifest: Manifest, run_id: str | None = None) -> SyncClient:
@@ -251,7 +246,7 @@ class PeerSync:
                 current = self.client.join()
                 title, total = MODE_TITLES[self.spec.mode], len(self.spec.manifest or {})
                 self.log(
-                    f"joined parameter server as a {title} node ({latest_round(current)}); uploading "
+                    f"joined parameter server as a {title} node ({completed(current)}); uploading "
                     f"{len(self.trainable)} of {total} tensors per round ({self.spec.codec})"
                 )
             except SyncError as e:

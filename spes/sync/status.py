@@ -9,11 +9,17 @@ REPORT_S = 30.0
 """How often the server and a waiting node say what they wait for."""
 
 
+def completed(current_round: int) -> str:
+    """The server's latest completed round (named by its step; -1: none yet) in the words the server's log, a node's
+    join line and `python -m spes.status` share: one concept, one name."""
+    return "no round completed yet" if current_round < 0 else f"round {current_round} complete"
+
+
 def describe(status: pb.StatusReply) -> str:
     """The run's state from its Status: the open round, who is in, who is missing and when each was last seen."""
     seen = {p.peer: p for p in status.presence}
     missing = [p for p in range(status.num_peers) if p not in status.peers_joined]
-    latest = "no round completed yet" if status.current_round < 0 else f"round {status.current_round} complete"
+    latest = completed(status.current_round)
     if status.open_round >= 0:
         # NOTE: an open round that waits for no peer is being merged and served: "waiting for []" read as a stall
         waiting = f"waiting for {list(status.missing_peers)}" if status.missing_peers else "merging and serving it"

@@ -32,7 +32,7 @@ def test_run_id_round_trips_and_is_none_without_a_record(tmp_path: Path) -> None
 @pytest.mark.parametrize("damaged", ["{", "[]", '{"id": 1}'])
 def test_a_damaged_run_record_is_named(tmp_path: Path, damaged: str) -> None:
     (tmp_path / RUN_FILE).write_text(damaged)
-    with pytest.raises(ValueError, match=f"{RUN_FILE}: not a run record .*the checkpoint is damaged"):
+    with pytest.raises(ValueError, match=f"{RUN_FILE}: not a run record .*damaged; write the run's id into it"):
         read_run_id(tmp_path)
 
 

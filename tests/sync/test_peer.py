@@ -23,10 +23,12 @@ from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, parse_expert_block, round_alpha
 from spes.sync.node_files import CODEC_FILE, PENDING_FILE, RUN_FILE
 from spes.sync.overlap import apply_overlapped
-from spes.sync.peer import PeerSync, SyncResult, latest_round
+from spes.sync.peer import PeerSync, SyncResult
+from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import SyncError, Tensors
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
+from spes.sync.status import describe
 from spes.train import build_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
@@ -526,6 +528,20 @@ def test_four_int8_nodes_over_fragments_and_overlap_hold_the_same_held_model_aft
             assert main[step]["served"] == nodes[0][0][step]["served"], step  # every node: the same held model
 
 
-def test_the_join_line_says_where_the_run_stands_in_words() -> None:
-    """It read "current round: step -1" before the first round."""
-    assert latest_round(-1) == "no round completed yet" and latest_round(20) == "the run's latest round: step 20"
+@pytest.mark.parametrize("current", [-1, 20])
+def test_the_join_line_names_the_servers_latest_round_as_spes_status_does(current: int) -> None:
+    """It read "current round: step -1" before the first round, then "the run's latest round: step 20" where
+    `python -m spes.status` (and the server's log) read "round 20 complete"."""
+    logged: list[str] = []
+    node = SimpleNamespace(
+        client=SimpleNamespace(join=lambda: current),
+        spec=SimpleNamespace(mode="spes", manifest={}, codec="fp32"),
+        trainable=[],
+        layout=SimpleNamespace(overlap_fragments=1),
+        log=logged.append,
+        _agree=lambda error, what: None,
+    )
+    PeerSync.join(node)  # type: ignore[arg-type]
+    status = describe(pb.StatusReply(run_id="r", num_peers=1, current_round=current, open_round=-1, peers_joined=[0]))
+    latest = status.removeprefix("run r: ").split(";")[0]
+    assert logged[0].startswith(f"joined parameter server as a SPES node ({latest}); uploading"), (logged, status)
