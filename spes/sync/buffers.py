@@ -7,7 +7,8 @@ largest single cost of a round on loopback. The shapes never change during a run
 A buffer is free again only when nothing reads it: the global model is built in the uploads' own buffers
 (an owner's expert blocks as they are, shared means summed into the first peer's upload), so the server
 gives a round's tensors back once the round is superseded and its last download has finished, keeping any
-tensor the current global model or outer momentum still holds (`give(..., keep=...)`).
+tensor the current global model or outer momentum still holds (`give(..., keep=...)`). The same holds for the
+copies its downloads send of what travels in a narrower dtype than it is held in (a bf16 wire's fp32 means).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
+from functools import partial
 
 import torch
 
@@ -84,13 +86,13 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
 
 
 def round_limits(spec: RunSpec, joined: Collection[int], dtype: torch.dtype) -> Counter[Key]:
-    """What one round takes from the pool: every joined peer's uploads in the codec's raw `dtype`, and the fp32 sums
-    of shared tensors uploaded narrower than fp32."""
+    """What one round takes from the pool: every joined peer's uploads in the codec's raw `dtype`, and for shared
+    tensors uploaded narrower than fp32 the fp32 sums and the copies of them in `dtype` that the downloads send."""
     manifest = spec.manifest or {}
     limits = Counter((manifest[n], dtype) for peer in joined for n in spec.trainable(peer))
     if dtype != torch.float32:
         averaged = {n for peer in joined for n in spec.trainable(peer) if spec.owner(n) is None}
-        limits.update((manifest[n], torch.float32) for n in averaged)
+        limits.update((manifest[n], wide) for n in averaged for wide in (torch.float32, dtype))
     return limits
 
 
@@ -106,10 +108,12 @@ class RoundMemory:
         """Of every staged upload: downloads send the experts taken from it verbatim without hashing them again."""
         self._readers: dict[int, int] = {}
         """Readers per completed round: its tensors are reused only once none reads them."""
-        self._retired: dict[int, list[torch.Tensor]] = {}
-        """Superseded rounds' tensors that readers still read, by round."""
+        self._retired: dict[int, list[list[torch.Tensor]]] = {}
+        """Superseded rounds' tensors that readers still read, by round: the round's own, and its wire copies."""
         self._encoded: dict[str, EncodedModel] = {}
         """The latest round's downloads by selection key (`spes.sync.codecs.base.Selection.key`)."""
+        self._copies: list[torch.Tensor] = []
+        """The tensors the latest round's downloads were converted into (from the pool, back with the round)."""
         self._current: Completed | None = None
 
     def pin(self, step: int) -> None:
@@ -126,20 +130,31 @@ class RoundMemory:
     def publish(self, done: Completed) -> None:
         """`done` supersedes the current round: its tensors go back to the pool once nobody reads them."""
         if self._current is not None:
-            self._retired[self._current.round] = self._current.tensors()
-        self._current, self._encoded = done, {}
+            # NOTE: the list of copies itself: a download still reading this round may add to it
+            self._retired[self._current.round] = [self._current.tensors(), self._copies]
+        self._current, self._encoded, self._copies = done, {}, []
         self._release()
 
     def encoded(self, key: str, items: Mapping[str, Item], dtype: str) -> EncodedModel:
-        """The shared encoded form of one kind of download of the current round (made by the first to ask)."""
+        """The shared encoded form of one kind of download of the current round (made by the first to ask); what
+        is converted (a bf16 wire's fp32 means) is converted into buffers of the pool, given back with the round."""
         if key not in self._encoded:
-            self._encoded[key] = EncodedModel(items, dtype, self.checksums)
+            empty = partial(_take_noted, self.pool, self._copies)
+            self._encoded[key] = EncodedModel(items, dtype, self.checksums, empty)
         return self._encoded[key]
 
     def _release(self) -> None:
         """Give the pool the superseded rounds no reader reads any more."""
         current = self._current.tensors() if self._current is not None else []
-        read = [t for step, tensors in self._retired.items() if step in self._readers for t in tensors]
+        read = [t for step, parts in self._retired.items() if step in self._readers for part in parts for t in part]
         # NOTE: one `give`: a tensor a fragment's rounds carried over sits in several retired rounds, given once
-        done = [t for step in [s for s in self._retired if s not in self._readers] for t in self._retired.pop(step)]
+        unread = [s for s in self._retired if s not in self._readers]
+        done = [t for step in unread for part in self._retired.pop(step) for t in part]
         self.pool.give(done, keep=[*current, *read])
+
+
+def _take_noted(pool: BufferPool, taken: list[torch.Tensor], shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer of the pool, noted in `taken` (list.append is atomic: downloads convert in threads of their own)."""
+    tensor = pool.take(shape, dtype)
+    taken.append(tensor)
+    return tensor

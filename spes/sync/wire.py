@@ -46,6 +46,8 @@ RAW_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloa
 """The dtypes raw values travel in, by their wire name."""
 
 Encoded = tuple[torch.Tensor, int]  # a tensor's wire form (contiguous CPU tensor of its wire bytes) and its checksum
+Empty = Callable[[Shape, torch.dtype], torch.Tensor]
+"""Where a tensor's wire form is converted into: a (not zero-filled) CPU tensor of this shape and dtype."""
 
 
 @dataclass(frozen=True)
@@ -97,18 +99,25 @@ def _require_little_endian() -> None:
         raise RuntimeError("spes.sync.wire needs a little-endian host (x86-64/aarch64); this one is big-endian")
 
 
-def _wire_pieces(tensor: torch.Tensor, wire_dtype: str, elems: int = _CONVERT_ELEMS) -> Iterator[memoryview]:
+def _wire_pieces(
+    tensor: torch.Tensor, wire_dtype: str, elems: int = _CONVERT_ELEMS, into: torch.Tensor | None = None
+) -> Iterator[memoryview]:
     """The tensor's little-endian wire bytes, converted `elems` elements at a time.
 
-    A CPU tensor already in the wire dtype is viewed, not copied; any other is cast one piece at a time,
-    so encoding never holds a second full copy of a large tensor.
+    A CPU tensor already in the wire dtype is viewed, not copied (unless `into` is given); any other is cast one
+    piece at a time, so encoding never holds a second full copy of a large tensor. With `into` (flat, in the wire
+    dtype), every piece is cast into it, at its own offset.
     """
     _require_little_endian()
     flat = tensor.detach().reshape(-1)
     dtype = RAW_DTYPES[wire_dtype]
     for start in range(0, flat.numel(), elems):
-        piece = flat[start : start + elems].to(device="cpu", dtype=dtype).contiguous()
-        yield piece.view(torch.uint8).numpy().data
+        part = flat[start : start + elems]
+        if into is None:
+            piece = part.to(device="cpu", dtype=dtype).contiguous()
+        else:
+            piece = into[start : start + part.numel()].copy_(part)
+        yield byte_view(piece)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -132,14 +141,30 @@ def header_for(name: str, item: Item, wire_dtype: str) -> pb.TensorHeader:
     return pb.TensorHeader(name=name, dtype=wire_dtype, shape=list(shape), num_bytes=payload_bytes(shape, wire_dtype))
 
 
-def encode_whole(item: Item, wire_dtype: str) -> Encoded:
-    """An item's whole wire form and its checksum: a view when it already is a contiguous CPU wire-dtype tensor."""
+def encode_whole(item: Item, wire_dtype: str, empty: Empty | None = None) -> Encoded:
+    """An item's whole wire form and its checksum: a view when it already is a contiguous CPU wire-dtype tensor.
+
+    Any other raw tensor is converted into `empty(shape, dtype)` (default: a new tensor; a server passes its kept
+    buffers, whose memory is already touched) piece by piece, each piece hashed right after it is converted, while
+    in the CPU's cache: one pass over the memory instead of a conversion pass and a hash pass.
+    """
     _require_little_endian()
+    dtype = wire_torch_dtype(wire_dtype)
     if isinstance(item, Coded):
         flat = item.payload.pack()
+    elif item.device.type == "cpu" and item.dtype == dtype and item.is_contiguous():
+        flat = item.detach().reshape(-1)
     else:
-        flat = item.detach().reshape(-1).to(device="cpu", dtype=wire_torch_dtype(wire_dtype)).contiguous()
+        flat = (empty or _new)(tuple(item.shape), dtype).reshape(-1)
+        digest = Checksum()
+        for piece in _wire_pieces(item, wire_dtype, PIECE_BYTES // _ITEMSIZE[wire_dtype], into=flat):
+            digest.update(piece)
+        return flat, digest.intdigest()
     return flat, checksum(byte_view(flat))
+
+
+def _new(shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
 
 
 class EncodedModel(Lazy[Encoded]):
@@ -149,20 +174,25 @@ class EncodedModel(Lazy[Encoded]):
     it (in its own thread, so peers wanting different tensors work in parallel), later and concurrent ones
     reuse the result instead of converting and checksumming the same bytes again. A tensor that `checksums`
     holds unchanged is sent as it is, with the checksum recorded (`VerifiedChecksums.known`). An item is read
-    only when first asked for: a codec may make it then (`spes.sync.codecs.lazy`).
+    only when first asked for: a codec may make it then (`spes.sync.codecs.lazy`). A converted tensor lands in
+    `empty`'s tensor (`encode_whole`).
     """
 
     def __init__(
-        self, tensors: Mapping[str, Item], wire_dtype: str, checksums: VerifiedChecksums | None = None
+        self,
+        tensors: Mapping[str, Item],
+        wire_dtype: str,
+        checksums: VerifiedChecksums | None = None,
+        empty: Empty | None = None,
     ) -> None:
         wire_torch_dtype(wire_dtype)
         # NOTE: a function of the parts, not a bound method: `self` -> make -> `self` would be a reference cycle,
         # and a round's encoded tensors would wait for the cycle collector instead of going with the round
-        super().__init__(tensors, partial(_encode_item, tensors, wire_dtype, checksums))
+        super().__init__(tensors, partial(_encode_item, tensors, wire_dtype, checksums, empty))
 
 
 def _encode_item(
-    tensors: Mapping[str, Item], wire_dtype: str, checksums: VerifiedChecksums | None, name: str
+    tensors: Mapping[str, Item], wire_dtype: str, checksums: VerifiedChecksums | None, empty: Empty | None, name: str
 ) -> Encoded:
     """`tensors[name]` on the wire: as received when `checksums` vouch for it, else converted and checksummed."""
     item = tensors[name]
@@ -170,7 +200,7 @@ def _encode_item(
         known = checksums.known({name: item}, wire_dtype).get(name)
         if known is not None:
             return known
-    return encode_whole(item, wire_dtype)
+    return encode_whole(item, wire_dtype, empty)
 
 
 class VerifiedChecksums:

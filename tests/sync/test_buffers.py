@@ -86,7 +86,25 @@ def test_each_kind_of_download_of_a_round_is_encoded_once() -> None:
     assert memory.encoded("raw", items, "fp32") is not encoded  # a new round: made again
 
 
-def test_one_round_takes_every_joined_peers_uploads_and_the_fp32_sums_of_narrower_shared_tensors() -> None:
+def test_a_rounds_wire_copies_come_from_the_pool_and_go_back_with_the_round() -> None:
+    """A bf16 wire's copies of fp32 means are converted into kept buffers (no fresh memory to fault in), given back
+    once the round is superseded and no download reads it."""
+    memory = RoundMemory()
+    memory.pool.set_limits({((4,), torch.bfloat16): 1})
+    kept = torch.zeros(4, dtype=torch.bfloat16)
+    memory.pool.give([kept])
+    mean = torch.arange(4.0) / 3
+    memory.publish(completed(1, model={"a": mean}))
+    memory.pin(1)
+    data, _ = memory.encoded("raw", {"a": mean}, "bf16")["a"]
+    assert data.data_ptr() == kept.data_ptr() and torch.equal(data, mean.bfloat16())
+    memory.publish(completed(2, model={"a": torch.ones(4)}))
+    assert memory.pool.nbytes == 0  # a download still reads round 1
+    memory.unpin(1)
+    assert memory.pool.take((4,), torch.bfloat16) is kept
+
+
+def test_one_round_takes_every_joined_peers_uploads_and_the_fp32_sums_and_copies_of_narrower_shared_tensors() -> None:
     spec = tiny_spec(num_peers=3)
     manifest = spec.manifest or {}
     shared = [n for n in manifest if spec.owner(n) is None]
@@ -97,6 +115,7 @@ def test_one_round_takes_every_joined_peers_uploads_and_the_fp32_sums_of_narrowe
 
     joined = [0, 2]
     uploads = shapes([n for p in joined for n in spec.trainable(p)], torch.bfloat16)
-    assert round_limits(spec, joined, torch.bfloat16) == uploads + shapes(shared, torch.float32)
+    wide_and_copied = shapes(shared, torch.float32) + shapes(shared, torch.bfloat16)
+    assert round_limits(spec, joined, torch.bfloat16) == uploads + wide_and_copied
     fp32 = shapes([n for p in joined for n in spec.trainable(p)], torch.float32)
     assert round_limits(spec, joined, torch.float32) == fp32

@@ -720,7 +720,7 @@ def test_downloads_hash_again_only_what_the_round_changed(plane: str, monkeypatc
     merged tensors are hashed anew. Every peer's download is still checked against its checksums."""
     hashed: list[torch.Tensor] = []
     encode_whole = wire.encode_whole
-    monkeypatch.setattr(wire, "encode_whole", lambda t, dtype: hashed.append(t) or encode_whole(t, dtype))
+    monkeypatch.setattr(wire, "encode_whole", lambda t, *args: hashed.append(t) or encode_whole(t, *args))
     spec = tiny_spec(server=ServerSection(merge_interval=100, merge_alpha_start=0.5, merge_topk=2), sync_steps=50)
     manifest = spec.manifest or {}
     experts = {n for n in manifest if parse_expert_block(n) is not None}

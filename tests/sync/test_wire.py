@@ -32,6 +32,7 @@ from spes.sync.wire import (
     decode_tensors,
     encode_tensor,
     encode_tensors,
+    encode_whole,
     finite,
     payload_bytes,
     upload_digest,
@@ -568,3 +569,18 @@ def test_a_cuda_tensor_is_sent_as_its_host_bytes() -> None:
     write_raw(tensor, "fp32", sent.extend)
     assert bytes(sent[:-8]) == tensor.cpu().numpy().tobytes()
     assert wire.encode_whole(tensor, "fp32")[0].device.type == "cpu"
+
+
+def test_a_converted_wire_form_is_the_casts_bytes_hashed_piece_by_piece_into_the_given_buffer() -> None:
+    """fp32 -> bf16 piece by piece, each piece hashed as it is converted, into a kept buffer (old contents in it):
+    the very bytes and checksum of one whole `.to(bf16)`, ties to even, subnormals and overflow included."""
+    values = torch.randn(3 * wire.PIECE_BYTES // 2 + 123)  # three bf16 pieces and a part
+    values[:6] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 2**-130, -3.4e38, 3.3895e38, -0.0])
+    kept = torch.full((values.numel(),), 7.0, dtype=torch.bfloat16)
+    asked: list[tuple] = []
+    flat, digest = encode_whole(values, "bf16", lambda shape, dtype: asked.append((shape, dtype)) or kept)
+    want = values.to(torch.bfloat16)
+    assert asked == [((values.numel(),), torch.bfloat16)] and flat.data_ptr() == kept.data_ptr()
+    assert torch.equal(flat.view(torch.int16), want.view(torch.int16))
+    assert digest == checksum(byte_view(want))
+    assert encode_whole(want, "bf16", lambda *_: pytest.fail("converted"))[0].data_ptr() == want.data_ptr()
