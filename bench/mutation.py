@@ -96,7 +96,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/sync/protocol.py": ("tests/sync/test_protocol.py", "tests/sync/test_retry.py"),
     "spes/monitor.py": ("tests/test_monitor.py",),
     "spes/sync/codecs/registry.py": ("tests/sync/codecs/test_registry.py",),
-    "spes/sync/settings.py": ("tests/sync/test_settings.py",),
+    "spes/sync/settings.py": ("tests/sync/test_settings.py", "tests/test_server_cli.py"),
     "spes/sync/status.py": ("tests/sync/test_status.py",),
     "spes/sync/presence.py": ("tests/sync/test_presence.py",),
     "spes/tokenizer.py": ("tests/test_tokenizer.py",),
