@@ -119,7 +119,8 @@ def find_shard_info(shard: Shard) -> ShardInfo | None:
             chunk, token = raw["input_end"]  # NOTE: ValueError or TypeError unless a pair
             raw["input_end"] = (chunk, token)
         info = _typed(ShardInfo(**{key: value for key, value in raw.items() if key in _SHARD_INFO_KEYS}))
-    except (ValueError, KeyError, TypeError) as err:  # NOTE: ValueError: JSONDecodeError and UnicodeDecodeError too
+    # NOTE: ValueError: JSONDecodeError and UnicodeDecodeError too; RecursionError: JSON nested too deep
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise ValueError(f"sidecar {path} is malformed ({err}); rerun tokenize_data.py for this shard") from err
     if info.format_version != SHARD_FORMAT_VERSION:
         raise ValueError(

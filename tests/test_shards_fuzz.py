@@ -149,3 +149,10 @@ def test_a_npy_shape_whose_size_wraps_around_is_refused() -> None:
         path.write_bytes(b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(600))
         with pytest.raises(ValueError, match="not a whole array"):
             open_token_array(path)
+
+
+def test_a_sidecar_nested_too_deep_is_refused() -> None:
+    with _shard() as path:
+        sidecar_path(path).write_bytes(b"[" * 100_000)
+        with pytest.raises(ValueError, match="is malformed"):
+            find_shard_info(path)

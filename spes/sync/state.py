@@ -83,7 +83,7 @@ def run_id_of(state_dir: str | Path) -> str:
     if path.is_file():
         try:
             return str(json.loads(path.read_text())["run_id"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # NOTE: RecursionError: JSON nested too deep
             raise ValueError(
                 f"{path}: not a spes run record ({exc}); move it away or pick another --state_dir"
             ) from None
@@ -179,7 +179,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
         if not math.isfinite(alpha):
             raise ValueError(f"merge alpha {alpha} is not a number")
         server_changed = tuple(server_changes(dict(record.get("server", {})), spec.server))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ValueError(
             f"{state_path}: not a spes server state of this version ({exc}); move it away or pick another --state_dir"
         ) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 
+import grpc
 import pytest
 import torch
 from hypothesis import given
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from fuzz_helpers import FUZZ, hostile_ints, memory_cap, mutated, refused_only
 from spes.sync import plane_tcp, wire
 from spes.sync.proto import spes_pb2 as pb
+from spes.sync.protocol import Reason, classify
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,3 +91,13 @@ def test_damaged_tensor_streams_are_refused(data: st.DataObject, shape: list[int
     expected = {n: tuple(t.shape) for n, t in tensors.items()}
     with memory_cap():
         _read(damaged, lambda s: plane_tcp.recv_tensors(s, wire.TensorDecoder(expected, "fp32"), len(tensors)))
+
+
+@FUZZ
+@given(st.text(max_size=20), st.text(max_size=40), st.text(max_size=20))
+def test_any_error_frame_is_classified(code: str, message: str, reason: str) -> None:
+    """A server's `DataError` carries a gRPC status name, a message and a reason, each any text on the wire: the
+    client maps an unknown status or reason to UNKNOWN / NONE (`spes.sync.protocol.classify`), never raises."""
+    known = grpc.StatusCode.__members__.get(code, grpc.StatusCode.UNKNOWN)
+    error = classify("upload", known, message, reason)
+    assert error.reason in set(Reason) and isinstance(error.retryable, bool)

@@ -114,3 +114,11 @@ def test_a_round_file_holding_nan_or_inf_is_refused(bad: float) -> None:
         tensor_file.write_bytes(bytes(raw))
         with pytest.raises(ValueError, match="NaN or Inf"):
             load_round(state, SPEC)
+
+
+@pytest.mark.parametrize("name", [RUN_FILE, STATE_FILE])
+def test_json_nested_too_deep_is_refused(name: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / name).write_bytes(b"[" * 100_000)
+        with pytest.raises(ValueError, match=name):
+            run_id_of(tmp) if name == RUN_FILE else load_round(tmp, SPEC)
