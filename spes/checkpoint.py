@@ -134,7 +134,11 @@ def _flatten_optim(optim_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor]
 def _unflatten_optim(tensors: Mapping[str, torch.Tensor], groups: list[dict]) -> dict[str, Any]:
     state: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
-        fqn, name = key.rsplit("/", 1)
+        fqn, slash, name = key.rpartition("/")
+        if not slash:
+            raise CheckpointError(
+                f"optimizer tensor {key!r} is not named <param>/<state key>: the checkpoint is corrupt"
+            )
         state.setdefault(fqn, {})[name] = t
     groups = [dict(g) for g in groups]
     for g in groups:
@@ -541,9 +545,9 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
     meta_path = step_dir / META_FILE
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # NOTE: ValueError: not UTF-8 or not JSON; too deep: recursion
         raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({e}); use an earlier checkpoint") from None
-    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), t) for k, t in _META_FIELDS.items()):
+    if not _is_meta(meta):
         raise CheckpointError(f"{meta_path}: not a checkpoint's metadata; use an earlier checkpoint")
     for name, size in meta["files"].items():
         f = step_dir / name
@@ -552,6 +556,24 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
                 f"{f}: missing or truncated (expected {size} bytes); the checkpoint is corrupt, use an earlier one"
             )
     return meta
+
+
+def _is_meta(meta: Any) -> bool:
+    """Whether `meta` has every field of a save's meta.json, of its type: the files plain names with byte sizes, the
+    optimizer's param groups mappings (AdamW's betas a pair), so a damaged file is refused here, naming it."""
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), t) for k, t in _META_FIELDS.items()):
+        return False
+    files = all(
+        isinstance(size, int) and name == Path(name).name and name not in ("", ".", "..") and "\x00" not in name
+        for name, size in meta["files"].items()
+    )
+    groups = meta["optim_param_groups"]
+    betas = [g["betas"] for g in groups if isinstance(g, dict) and "betas" in g]
+    pairs = all(
+        isinstance(b, list) and len(b) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b)
+        for b in betas
+    )
+    return files and pairs and all(isinstance(g, dict) for g in groups)
 
 
 def trainer_state(path: str | Path) -> dict[str, Any]:

@@ -306,6 +306,7 @@ class BatchLoader:
         permutation, repeating and skipping windows here (as OLMo-core refuses another seed or a dataset of another
         fingerprint). A state from an earlier spes names no data and is taken as it is. Public: a node checks its
         checkpoint's state when it is built, before it joins a server."""
+        _check_counts(state)
         missing = {"epoch", "position", "seed"} - set(state)
         if missing:
             raise ValueError(f"data loader state lacks {sorted(missing)}")
@@ -417,6 +418,21 @@ class BatchLoader:
 
     def _maybe_pin(self, batch: torch.Tensor) -> torch.Tensor:
         return batch.pin_memory() if self.pin_memory else batch
+
+
+_STATE_COUNTS = ("epoch", "position", "seed", "seq_len", "windows")
+
+
+def _check_counts(state: Any) -> None:
+    """ValueError unless `state` is a mapping whose counts are integers: a checkpoint's meta.json may hold any JSON
+    there, and int() of it would pass a string, truncate a float, or raise a TypeError or OverflowError."""
+    if not isinstance(state, dict):
+        raise ValueError(f"data loader state {state!r} is not a mapping; the checkpoint's meta.json is damaged")
+    for key in _STATE_COUNTS:
+        if key in state and (not isinstance(state[key], int) or isinstance(state[key], bool)):
+            raise ValueError(
+                f"data loader state has {key}={state[key]!r}, not an integer; the checkpoint's meta.json is damaged"
+            )
 
 
 class _IndexStream:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import glob
 import io
 import json
+import math
 import os
 import threading
+import tokenize
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path, PurePosixPath
@@ -116,13 +118,37 @@ def find_shard_info(shard: Shard) -> ShardInfo | None:
         if raw.get("input_end") is not None:
             chunk, token = raw["input_end"]  # NOTE: ValueError or TypeError unless a pair
             raw["input_end"] = (chunk, token)
-        info = ShardInfo(**{key: value for key, value in raw.items() if key in _SHARD_INFO_KEYS})
-    except (ValueError, KeyError, TypeError) as err:  # NOTE: ValueError: JSONDecodeError and UnicodeDecodeError too
+        info = _typed(ShardInfo(**{key: value for key, value in raw.items() if key in _SHARD_INFO_KEYS}))
+    # NOTE: ValueError: JSONDecodeError and UnicodeDecodeError too; RecursionError: JSON nested too deep
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise ValueError(f"sidecar {path} is malformed ({err}); rerun tokenize_data.py for this shard") from err
     if info.format_version != SHARD_FORMAT_VERSION:
         raise ValueError(
             f"sidecar {path} has format_version {info.format_version}; this spes reads version {SHARD_FORMAT_VERSION}"
         )
+    return info
+
+
+_COUNTS = ("vocab_size", "eos_token_id", "num_tokens", "num_documents", "format_version")
+
+
+def _typed(info: ShardInfo) -> ShardInfo:
+    """`info` when each field holds what its type says (JSON may hold any value anywhere), else TypeError naming it:
+    a sidecar's dtype or count reaches numpy, whose own errors name neither the field nor the file."""
+    for key in ("tokenizer_fingerprint", "dtype"):
+        if not isinstance(getattr(info, key), str):
+            raise TypeError(f"{key} {getattr(info, key)!r} is not a string")
+    counts = {key: getattr(info, key) for key in _COUNTS}
+    counts.update({f"input_end[{i}]": value for i, value in enumerate(info.input_end or ())})
+    for key, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TypeError(f"{key} {value!r} is not a count")
+    if info.dtype not in MEMMAP_DTYPES:
+        raise TypeError(f"dtype {info.dtype!r} is not a token dtype ({', '.join(MEMMAP_DTYPES)})")
+    if not all(isinstance(name, str) for name in info.source_files):
+        raise TypeError(f"source_files {list(info.source_files)!r} are not file names")
+    if not isinstance(info.input_settings, (dict, type(None))):
+        raise TypeError(f"input_settings {info.input_settings!r} is not a mapping")
     return info
 
 
@@ -246,9 +272,9 @@ def _npy_layout(
     try:
         with _NPY_HEADER_LOCK:
             shape, _, dtype = read_header[np.lib.format.read_magic(stream)](stream)
-    except ValueError as err:
+    except (ValueError, tokenize.TokenError) as err:  # NOTE: numpy lets the tokenizer's error of a damaged header out
         raise ValueError(_cut_short(shard, f"an unreadable .npy header: {err}")) from None
-    if dtype.hasobject or needed + int(np.prod(shape)) * dtype.itemsize > size:
+    if dtype.hasobject or needed + math.prod(shape) * dtype.itemsize > size:  # NOTE: np.prod wraps past 2^63
         raise ValueError(_cut_short(shard, f"{dtype} {shape} in {size:,} bytes"))
     return dtype, tuple(shape), needed
 

@@ -75,11 +75,13 @@ def check_join(
         theirs.layout  # noqa: B018 (cuts the model into its fragments: ValueError when it cannot be)
     except ValueError as exc:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer}: {exc}") from None
-    size_gb = 4 * sum(math.prod(shape) for shape in shapes.values()) / 1e9
-    if run.manifest is None and size_gb > max_model_gb:
+    # NOTE: an int, compared exactly: a float of the dims a peer may send (17 of 2^62) overflows
+    num_bytes = 4 * sum(math.prod(shape) for shape in shapes.values())
+    if run.manifest is None and num_bytes > max_model_gb * 1e9:
+        shown = f"{num_bytes / 1e9:.4g} GB" if num_bytes < 1 << 1000 else f"over 2^{num_bytes.bit_length() - 1} bytes"
         raise Refused(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"peer {peer}'s manifest declares a model of {size_gb:.4g} GB in fp32, more than "
+            f"peer {peer}'s manifest declares a model of {shown} in fp32, more than "
             f"--max_model_gb={max_model_gb:g} (start the server with the run's YAML, or raise the limit)",
         )
     if run.manifest is not None:

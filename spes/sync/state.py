@@ -23,6 +23,7 @@ safetensors, the rest is JSON. One server at a time: it holds `server.lock` ther
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
@@ -81,7 +83,7 @@ def run_id_of(state_dir: str | Path) -> str:
     if path.is_file():
         try:
             return str(json.loads(path.read_text())["run_id"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # NOTE: RecursionError: JSON nested too deep
             raise ValueError(
                 f"{path}: not a spes run record ({exc}); move it away or pick another --state_dir"
             ) from None
@@ -167,12 +169,17 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
         if record.get("format") != FORMAT:
             raise ValueError(f"format {record.get('format')!r}, this spes reads format {FORMAT}")
         step, peers, tensor_name = int(record["round"]), [int(p) for p in record["peers"]], record["tensor_file"]
+        tensor_bytes = int(record["tensor_file_bytes"])
+        if not isinstance(tensor_name, str):
+            raise TypeError(f"tensor_file {tensor_name!r} is not a file name")
         manifest = {str(n): tuple(int(d) for d in shape) for n, shape in record["manifest"].items()}
         recorded = _recorded_spec(spec, record["spec"], manifest)
         codec_is_global = [str(n) for n in record.get("codec_is_global", [])]
         fragment, alpha = int(record.get("fragment", WHOLE)), float(record["alpha"])
+        if not math.isfinite(alpha):
+            raise ValueError(f"merge alpha {alpha} is not a number")
         server_changed = tuple(server_changes(dict(record.get("server", {})), spec.server))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ValueError(
             f"{state_path}: not a spes server state of this version ({exc}); move it away or pick another --state_dir"
         ) from None
@@ -191,7 +198,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
             f"with {FIELD_KEYS[name]} as that run had it, or use a fresh --state_dir for a new run"
         )
     _check_model(state_path, manifest, spec)
-    global_model, momentum, codec_state = _read_tensors(directory, state_path, tensor_name, record)
+    global_model, momentum, codec_state = _read_tensors(directory, state_path, tensor_name, tensor_bytes)
     codec_state.update({n: global_model[n] for n in codec_is_global if n in global_model})
     shapes = {name: tuple(t.shape) for name, t in global_model.items()}
     mismatched = any(manifest.get(name) != shape for name, shape in shapes.items())
@@ -257,16 +264,16 @@ def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest) ->
 
 
 def _read_tensors(
-    directory: Path, state_path: Path, tensor_name: str, record: dict[str, Any]
+    directory: Path, state_path: Path, tensor_name: str, tensor_bytes: int
 ) -> tuple[Tensors, Tensors, Tensors]:
     """The global model, momentum and codec tensors of the file `state.json` names, size-checked first."""
     tensor_path = directory / Path(tensor_name).name
     if not tensor_path.is_file():
         raise FileNotFoundError(f"{state_path} names {tensor_path}, which is missing: the state directory is damaged")
-    if tensor_path.stat().st_size != record["tensor_file_bytes"]:
+    if tensor_path.stat().st_size != tensor_bytes:
         raise ValueError(
             f"{tensor_path} has {tensor_path.stat().st_size} bytes, {STATE_FILE} recorded "
-            f"{record['tensor_file_bytes']}: the state directory is damaged"
+            f"{tensor_bytes}: the state directory is damaged"
         )
     global_model: Tensors = {}
     momentum: Tensors = {}
@@ -276,8 +283,19 @@ def _read_tensors(
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 for prefix, into in ((MOMENTUM_PREFIX, momentum), (CODEC_PREFIX, codec_state), ("", global_model)):
                     if name.startswith(prefix):
-                        into[name[len(prefix) :]] = f.get_tensor(name)
+                        into[name[len(prefix) :]] = _checked(tensor_path, name, f.get_tensor(name))
                         break
     except SafetensorError as exc:
         raise ValueError(f"{tensor_path}: unreadable ({exc}): the state directory is damaged") from None
     return global_model, momentum, codec_state
+
+
+def _checked(tensor_path: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of the state as the server wrote it, fp32 and finite (it publishes only such rounds), or ValueError:
+    a damaged file must not become the model every peer downloads."""
+    if tensor.dtype != torch.float32 or not bool(torch.isfinite(tensor).all()):
+        raise ValueError(
+            f"{tensor_path}: tensor {name!r} is {tensor.dtype} holding NaN or Inf, or not fp32: the state directory "
+            "is damaged"
+        )
+    return tensor
