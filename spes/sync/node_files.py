@@ -35,7 +35,7 @@ def read_run_id(checkpoint: Path | None) -> str | None:
         return None
     try:
         return str(json.loads(path.read_text())["run_id"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ValueError(
             f"{path}: not a run record ({exc}): the checkpoint is damaged; write the run's id into it as "
             '{"run_id": "<id>"} (python -m spes.status names the run), or load an older checkpoint with '

@@ -672,5 +672,5 @@ class TcpPlane:
 
 def refusal_of(what: str, error: pb.DataError) -> SyncError:
     """A data-plane error frame as a SyncError (an unknown code counts as UNKNOWN)."""
-    code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN)
+    code = grpc.StatusCode.__members__.get(error.code, grpc.StatusCode.UNKNOWN)  # NOTE: a peer's text: members only
     return classify(what, code, error.message, error.reason)

@@ -90,3 +90,10 @@ def test_hostile_pending_metadata_is_refused(metadata: dict[str, str]) -> None:
         path = Path(tmp) / PENDING_FILE
         save_file({n: torch.ones(s) for n, s in MANIFEST.items()}, str(path), metadata=metadata)
         refused_only(lambda: PendingRound.load(path, MANIFEST), ValueError)
+
+
+def test_a_run_record_nested_too_deep_is_refused(tmp_path: Path) -> None:
+    """JSON nested deeper than the interpreter's recursion limit raises RecursionError in `json.loads`."""
+    (tmp_path / RUN_FILE).write_bytes(b"[" * 100_000)
+    with pytest.raises(ValueError, match="not a run record"):
+        read_run_id(tmp_path)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fuzz_helpers import FUZZ, hostile_ints, memory_cap, mutated, refused_only
 from spes.sync import plane_tcp, wire
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import Reason, classify
+from spes.sync.protocol import Reason, SyncError, classify
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -101,3 +101,17 @@ def test_any_error_frame_is_classified(code: str, message: str, reason: str) -> 
     known = grpc.StatusCode.__members__.get(code, grpc.StatusCode.UNKNOWN)
     error = classify("upload", known, message, reason)
     assert error.reason in set(Reason) and isinstance(error.retryable, bool)
+
+
+@FUZZ
+@given(
+    st.one_of(
+        st.sampled_from(["__class__", "mro", "__init__", "_member_map_", "OK", "UNAVAILABLE"]), st.text(max_size=12)
+    ),
+    st.text(max_size=12),
+)
+def test_any_error_frame_code_is_a_sync_error(code: str, reason: str) -> None:
+    """A server's data-plane error frame names its gRPC status as text: an attribute of `grpc.StatusCode` that is
+    not a member ("__class__", "mro", "_member_map_") made `classify` raise AttributeError or TypeError."""
+    error = plane_tcp.refusal_of("upload", pb.DataError(code=code, message="refused", reason=reason))
+    assert isinstance(error, SyncError) and isinstance(error.code, grpc.StatusCode)

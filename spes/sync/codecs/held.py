@@ -392,9 +392,19 @@ class HeldPeer:
             return
         if metadata.get("codec") != self.quantizer.name:
             raise ValueError(f"codec state of {metadata.get('codec')!r}, this run's codec is {self.quantizer.name!r}")
-        self.round, self._spare = int(metadata["round"]), {}
+        self.round, self._spare = _held_round(metadata.get("round")), {}
         self.held = {n.removeprefix("held/"): t for n, t in tensors.items() if n.startswith("held/")}
         self.carried = {n.removeprefix("carried/"): t for n, t in tensors.items() if n.startswith("carried/")}
+
+
+def _held_round(value: str | None) -> int:
+    """The round a saved codec state holds its model of: a number >= 0, else the state is damaged (ValueError)."""
+    if value is None or not value.isdecimal():
+        raise ValueError(
+            f"codec state: held round {value!r} is not a round number: the checkpoint is damaged; load an older one "
+            "with --load_path=<save_folder>/step<N>"
+        )
+    return int(value)
 
 
 class HeldServer:

@@ -15,6 +15,7 @@ from fuzz_helpers import FUZZ, hostile_ints, memory_cap, refused_only
 from spes.sync.codecs.held import HeldServer
 from spes.sync.codecs.int8 import Int8
 from spes.sync.codecs.interface import Served, UploadBase
+from spes.sync.codecs.registry import build_codec
 from spes.sync.codecs.sparse import Sparse
 
 pytestmark = pytest.mark.timeout(120)
@@ -93,3 +94,23 @@ def test_the_server_refuses_what_a_payload_makes_not_finite(quantizer: Int8 | Sp
         value = refused_only(lambda: HeldServer(quantizer)._applied(base, {}, payload), ValueError)  # type: ignore[arg-type]
     if value is not None:
         assert bool(torch.isfinite(value).all())
+
+
+@FUZZ
+@given(
+    st.sampled_from(["int8", "sparse"]),
+    st.dictionaries(st.sampled_from(["codec", "round"]), st.sampled_from(["int8", "sparse", "x", "", "-7", "3"])),
+)
+def test_a_damaged_codec_state_is_refused_with_a_value_error(codec: str, metadata: dict[str, str]) -> None:
+    """`HeldPeer.load_state_dict` reads `codec_state.st`'s header metadata, which a damaged checkpoint holds;
+    `PeerSync.resume` takes only OSError and ValueError (a state without its round raised KeyError, a negative round
+    was taken as the held model's)."""
+    peer = build_codec(codec).peer()
+    refused_only(lambda: peer.load_state_dict(metadata, {"held/w": torch.ones(2)}), ValueError)
+    assert peer.base_round >= -1
+
+
+def test_a_codec_state_without_its_round_is_refused() -> None:
+    peer = build_codec("int8").peer()
+    with pytest.raises(ValueError, match="round"):
+        peer.load_state_dict({"codec": "int8"}, {"held/w": torch.ones(2)})
