@@ -40,6 +40,13 @@ CHUNK_BYTES = 1 << 20
 # while in the core's L2 cache: measured on loopback, 1 MiB pieces check at 62-68 GB/s against 26-37 for 8 MiB.
 PIECE_BYTES = 1 << 20
 _CONVERT_ELEMS = 1 << 20
+DIVERGED = "this peer's training diverged"
+"""What NaN or Inf in a peer's upload means (`TensorDecoder`'s `non_finite`, on the server)."""
+NOT_PUBLISHED = (
+    "a spes server never publishes such a model: check that spes_config.server_addr is this run's server (and give "
+    "it TLS, spes_config.tls_ca, on an open network)"
+)
+"""What NaN or Inf in a download means (`TensorDecoder`'s `non_finite`, on a node)."""
 DIGEST = struct.Struct("<Q")  # a raw stream's trailer: the payload's XXH3-64, little-endian
 _ITEMSIZE: dict[str, int] = {"fp32": 4, "bf16": 2}
 RAW_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -364,9 +371,10 @@ class TensorDecoder:
     refused before anything is copied. Errors are `ValueError`s naming the tensor and what differs
     (`CorruptChunk` for checksum failures).
 
-    With `require_finite`, a tensor holding NaN or Inf is refused (a diverged peer), checked piece by piece as
-    it arrives. With `into`, tensors are received into its buffers (and new ones are added to it), so a receiver that
-    keeps `into` across rounds touches no fresh memory: the returned tensors are valid until its next use.
+    With `non_finite` (what such values mean where they come from, e.g. `DIVERGED`), a tensor holding NaN or Inf is
+    refused, checked piece by piece as it arrives. With `into`, tensors are received into its buffers (and new ones
+    are added to it), so a receiver that keeps `into` across rounds touches no fresh memory: the returned tensors are
+    valid until its next use.
 
     With `coded` (the `Format` of the run's codec) and `base_round`, a name may come as that codec's payload (in
     `coded`, not in what `finish` returns) instead of raw values: the header must name that codec, its parameters
@@ -383,13 +391,13 @@ class TensorDecoder:
         wire_dtype: str,
         into: MutableMapping[str, torch.Tensor] | None = None,
         *,
-        require_finite: bool = False,
+        non_finite: str | None = None,
         coded: Format | None = None,
         base_round: int = -1,
         apply: Callable[[Payload], torch.Tensor] | None = None,
     ) -> None:
         self._expected = {name: tuple(int(d) for d in shape) for name, shape in expected.items()}
-        self._into, self._require_finite = into, require_finite
+        self._into, self._non_finite = into, non_finite
         self._format, self._base_round, self._apply = coded, base_round, apply
         self._params: dict[str, int] | None = None
         """The parameters of the coded payload being received (None: raw values)."""
@@ -480,14 +488,14 @@ class TensorDecoder:
         self._finish_current()
 
     def _check_finite(self) -> None:
-        """With `require_finite`: no NaN/Inf among the whole elements received since the last check."""
+        """With `non_finite`: no NaN/Inf among the whole elements received since the last check."""
         end = self._filled - self._filled % self._itemsize
-        if not self._require_finite or self._params is not None or end == self._checked:
+        if self._non_finite is None or self._params is not None or end == self._checked:
             return
         elements = self._tensor.reshape(-1)[self._checked // self._itemsize : end // self._itemsize]
         self._checked = end
         if not finite(elements):
-            raise ValueError(f"tensor {self._name!r} holds NaN or Inf values: this peer's training diverged")
+            raise ValueError(f"tensor {self._name!r} holds NaN or Inf values: {self._non_finite}")
 
     def _open(self, header: pb.TensorHeader) -> None:
         name = header.name

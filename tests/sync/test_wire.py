@@ -133,16 +133,16 @@ def decode_tensors_into(tensors: dict[str, torch.Tensor], expected: dict, kept: 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
-def test_require_finite_refuses_nan_and_inf_wherever_they_are(bad: float, wire_dtype: str) -> None:
+def test_non_finite_refuses_nan_and_inf_wherever_they_are_with_its_reason(bad: float, wire_dtype: str) -> None:
     t = torch.randn(1000, 7)
     t[999, 6] = bad  # the very last element, in a chunk that splits elements
-    for require in (False, True):
-        decoder = TensorDecoder({"w": (1000, 7)}, wire_dtype, require_finite=require)
+    for reason in (None, "the reason"):
+        decoder = TensorDecoder({"w": (1000, 7)}, wire_dtype, non_finite=reason)
         feed = lambda d=decoder: [d.feed(c) for c in encode_tensor("w", t, wire_dtype, chunk_bytes=333)]  # noqa: E731
-        if not require:
+        if reason is None:
             feed()
             continue
-        with pytest.raises(ValueError, match="'w' holds NaN or Inf values"):
+        with pytest.raises(ValueError, match="'w' holds NaN or Inf values: the reason$"):
             feed()
 
 
@@ -167,7 +167,7 @@ def test_raw_stream_is_checked_piece_by_piece(monkeypatch: pytest.MonkeyPatch) -
 
         return read_into
 
-    decoder = TensorDecoder({"w": (50, 3)}, "fp32", require_finite=True)
+    decoder = TensorDecoder({"w": (50, 3)}, "fp32", non_finite="diverged")
     decoder.feed_raw(header, source(raw(t)))
     assert torch.equal(decoder.finish()["w"], t) and decoder.bytes_received == 600
     for flip in (300, 603):  # a bit flipped in the payload, or in the trailing checksum
@@ -177,7 +177,7 @@ def test_raw_stream_is_checked_piece_by_piece(monkeypatch: pytest.MonkeyPatch) -
             TensorDecoder({"w": (50, 3)}, "fp32").feed_raw(header, source(flipped))
     t[40, 0] = float("nan")
     with pytest.raises(ValueError, match="'w' holds NaN or Inf"):
-        TensorDecoder({"w": (50, 3)}, "fp32", require_finite=True).feed_raw(header, source(raw(t)))
+        TensorDecoder({"w": (50, 3)}, "fp32", non_finite="diverged").feed_raw(header, source(raw(t)))
 
 
 def test_decoder_counts_bytes_and_accepts_subset_via_finish_names() -> None:
@@ -487,7 +487,7 @@ def test_the_edges_of_a_stream_a_mutation_run_found() -> None:
     with pytest.raises(ValueError, match=r"^tensor 't': empty chunk at offset 0 \(only an empty tensor has one\)$"):
         TensorDecoder({"t": (3,)}, "fp32").feed(pb.TensorChunk(header=header, offset=0, checksum=checksum(b"")))
     kept = {"t": torch.full((5,), float("nan"))}
-    decoder = TensorDecoder({"t": (5,)}, "fp32", into=kept, require_finite=True)
+    decoder = TensorDecoder({"t": (5,)}, "fp32", into=kept, non_finite="diverged")
     for chunk in encode_tensors({"t": torch.arange(5.0)}, "fp32", chunk_bytes=7):
         decoder.feed(chunk)
     assert torch.equal(decoder.finish()["t"], torch.arange(5.0))

@@ -51,7 +51,7 @@ def test_valid_streams_round_trip(manifest: dict[str, tuple[int, ...]], dtype: s
 
 
 def _feed_all(frames: list[bytes], dtype: str, fmt: object | None = None) -> None:
-    decoder = wire.TensorDecoder(MANIFEST, dtype, require_finite=True, coded=fmt, base_round=3)  # type: ignore[arg-type]
+    decoder = wire.TensorDecoder(MANIFEST, dtype, non_finite="diverged", coded=fmt, base_round=3)  # type: ignore[arg-type]
     for frame in frames:
         try:
             chunk = pb.TensorChunk.FromString(frame)
@@ -109,8 +109,8 @@ class _Stream:
 @FUZZ
 @given(hostile_headers(), st.sampled_from(FORMATS), st.binary(max_size=256))
 def test_hostile_headers_are_refused_before_allocating(header: pb.TensorHeader, fmt: object, rest: bytes) -> None:
-    raw = wire.TensorDecoder(MANIFEST, "fp32", require_finite=True, coded=fmt, base_round=3)  # type: ignore[arg-type]
-    chunked = wire.TensorDecoder(MANIFEST, "fp32", require_finite=True, coded=fmt, base_round=3)  # type: ignore[arg-type]
+    raw = wire.TensorDecoder(MANIFEST, "fp32", non_finite="diverged", coded=fmt, base_round=3)  # type: ignore[arg-type]
+    chunked = wire.TensorDecoder(MANIFEST, "fp32", non_finite="diverged", coded=fmt, base_round=3)  # type: ignore[arg-type]
     chunk = pb.TensorChunk(header=header, offset=0, data=rest[:64], checksum=wire.checksum(rest[:64]))
     with memory_cap():
         refused_only(lambda: raw.feed_raw(header, _Stream(rest).read_into), ValueError, ConnectionError)
@@ -126,7 +126,7 @@ def test_damaged_raw_streams_are_refused(data: st.DataObject, dtype: str) -> Non
         headers.append(wire.header_for(name, tensor, dtype))
         wire.write_raw(tensor, dtype, stream.extend)
     damaged = data.draw(mutated(bytes(stream)))
-    decoder = wire.TensorDecoder(MANIFEST, dtype, require_finite=True)
+    decoder = wire.TensorDecoder(MANIFEST, dtype, non_finite="diverged")
     source = _Stream(damaged)
 
     def decode() -> None:
@@ -141,6 +141,6 @@ def test_nan_in_a_raw_payload_is_refused() -> None:
     tensor = torch.tensor([1.0, float("nan")])
     stream = bytearray()
     wire.write_raw(tensor, "fp32", stream.extend)
-    decoder = wire.TensorDecoder({"x": (2,)}, "fp32", require_finite=True)
+    decoder = wire.TensorDecoder({"x": (2,)}, "fp32", non_finite="diverged")
     with pytest.raises(ValueError, match="NaN or Inf"):
         decoder.feed_raw(wire.header_for("x", tensor, "fp32"), _Stream(bytes(stream)).read_into)

@@ -43,7 +43,7 @@ from spes.sync.codecs.interface import Selection, Served, UploadBase
 from spes.sync.codecs.lazy import Lazy, Overlay
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
-from spes.sync.wire import Coded, Item, TensorDecoder, finite, upload_digest
+from spes.sync.wire import DIVERGED, NOT_PUBLISHED, Coded, Item, TensorDecoder, finite, upload_digest
 
 REENCODE_LIMIT = 2.0**100
 """Largest magnitude the server re-encodes (`headroom`); a model's values are many orders of magnitude below."""
@@ -94,6 +94,21 @@ def _add(out: torch.Tensor, delta: Delta, sign: int) -> torch.Tensor:
         out.view(-1).index_add_(0, delta.positions.to(out.device), delta.values.to(out.device), alpha=sign)
         return out
     return out.add_(delta.to(out.device), alpha=sign)
+
+
+def apply_finite(
+    base: torch.Tensor, payload: Payload, quantizer: Quantizer, out: torch.Tensor | None, non_finite: str
+) -> torch.Tensor:
+    """`apply_delta` of a finite `base`, refused when the result holds NaN or Inf (ValueError naming the tensor and
+    `non_finite`, what such values mean where the payload came from); only the entries the delta changed are
+    checked."""
+    delta = quantizer.delta(payload)
+    value = _apply(base, payload, delta, out)
+    if not finite(changed(value, delta)):
+        raise ValueError(
+            f"tensor {payload.name!r} holds NaN or Inf values once its {quantizer.name} delta is applied: {non_finite}"
+        )
+    return value
 
 
 def changed(value: torch.Tensor, delta: Delta) -> torch.Tensor:
@@ -320,6 +335,7 @@ class HeldPeer:
         return TensorDecoder(
             expected,
             VALUES_DTYPE,
+            non_finite=NOT_PUBLISHED,
             coded=self.quantizer,
             base_round=self.base_round,
             apply=partial(self._applied, spare),
@@ -331,7 +347,7 @@ class HeldPeer:
         base = self.held.get(payload.name)
         if base is None:
             raise ValueError(f"tensor {payload.name!r}: a delta against a held model that does not hold it")
-        return apply_delta(base, payload, self.quantizer, spare.get(payload.name))
+        return apply_finite(base, payload, self.quantizer, spare.get(payload.name), NOT_PUBLISHED)
 
     def whole(self, info: pb.RoundInfo) -> bool:
         if info.base_round != NO_BASE and info.base_round != self.base_round:
@@ -424,7 +440,7 @@ class HeldServer:
             expected,
             VALUES_DTYPE,
             into=into,
-            require_finite=True,
+            non_finite=DIVERGED,
             coded=self.quantizer,
             base_round=NO_BASE if base.served is None else base.served.round,
             apply=partial(self._applied, base, into),
@@ -439,14 +455,7 @@ class HeldServer:
         model = base.served.tensors if payload.name in base.verbatim else base.global_model
         if payload.name not in model:
             raise ValueError(f"tensor {payload.name!r}: a delta against a model that does not hold it")
-        delta = self.quantizer.delta(payload)
-        value = _apply(model[payload.name], payload, delta, into.get(payload.name))
-        if not finite(changed(value, delta)):
-            raise ValueError(
-                f"tensor {payload.name!r} holds NaN or Inf values once its {self.quantizer.name} delta is applied: "
-                "this peer's training diverged"
-            )
-        return value
+        return apply_finite(model[payload.name], payload, self.quantizer, into.get(payload.name), DIVERGED)
 
     def upload_values(
         self, decoder: TensorDecoder, raw: Tensors, base: UploadBase

@@ -15,7 +15,7 @@ from spes.sync.codecs.base import NO_BASE, Payload
 from spes.sync.codecs.interface import Selection, Served, UploadBase
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Shape, Tensors
-from spes.sync.wire import RAW_DTYPES, Item, TensorDecoder, upload_digest
+from spes.sync.wire import DIVERGED, NOT_PUBLISHED, RAW_DTYPES, Item, TensorDecoder, upload_digest
 
 
 class RawPeer:
@@ -41,7 +41,7 @@ class RawPeer:
         return upload_digest(trained, "fp32")
 
     def decoder(self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor] | None) -> TensorDecoder:
-        return TensorDecoder(expected, self.raw_dtype, into=into)
+        return TensorDecoder(expected, self.raw_dtype, into=into, non_finite=NOT_PUBLISHED)
 
     def whole(self, info: pb.RoundInfo) -> bool:
         return False
@@ -71,7 +71,7 @@ class RawServer:
     def upload_decoder(
         self, expected: Mapping[str, Shape], into: dict[str, torch.Tensor], base: UploadBase
     ) -> TensorDecoder:
-        return TensorDecoder(expected, self.raw_dtype, into=into, require_finite=True)
+        return TensorDecoder(expected, self.raw_dtype, into=into, non_finite=DIVERGED)
 
     def upload_values(
         self, decoder: TensorDecoder, raw: Tensors, base: UploadBase

@@ -484,6 +484,18 @@ def test_a_taken_upload_answered_with_full_values_leaves_its_error_carried() -> 
     assert peer.carried.keys() == {"a"} and peer.carried["a"] is error
 
 
+def test_a_download_that_is_not_finite_is_refused_naming_the_server_address() -> None:
+    """Full values holding Inf, and a finite delta that overflows once applied to the held model (3e38 + 3e38): a
+    spes server publishes only finite rounds, so they come from a damaged or hostile one."""
+    peer = holding({"w": torch.full(SHAPE, 3e38)}, 10)
+    with pytest.raises(ValueError, match="'w' holds NaN or Inf values: .*spes_config.server_addr"):
+        through({"w": torch.full(SHAPE, float("inf"))}, peer.decoder({"w": SHAPE}, None))
+    delta = holding({"w": torch.zeros(SHAPE)}, 10).upload({"w": torch.full(SHAPE, 3e38)}, own=[])
+    want = "'w' holds NaN or Inf values once its int8 delta is applied: .*spes_config.server_addr"
+    with pytest.raises(ValueError, match=want):
+        through(delta, peer.decoder({"w": SHAPE}, None)).finish()
+
+
 def test_an_upload_is_refused_when_it_is_not_finite_naming_the_tensor() -> None:
     """Full values holding NaN, and a finite delta that overflows once applied to the global model (3e38 + 3e38)."""
     server, big = HeldServer(QUANTIZER), torch.full(SHAPE, 3e38)

@@ -98,3 +98,14 @@ def test_a_round_travels_as_the_values_in_the_wire_dtype_both_ways(dtype: str) -
         download.feed(chunk)
     got = peer.receive(info, download, caught_up=True)
     assert got.keys() == values.keys() and all(got[n] is into[n] and torch.equal(got[n], received[n]) for n in values)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_download_that_is_not_finite_is_refused_naming_the_server_address(dtype: str) -> None:
+    """A spes server publishes only finite rounds: NaN or Inf in a download comes from a damaged or hostile server,
+    and would end the node's training in NaN."""
+    values = {**trained(), "b": torch.tensor([1.0, float("inf")])}
+    download = RawPeer(dtype).decoder({name: tuple(t.shape) for name, t in values.items()}, None)
+    with pytest.raises(ValueError, match="'b' holds NaN or Inf values: .*spes_config.server_addr"):
+        for chunk in wire.encode_tensors(values, dtype):
+            download.feed(chunk)
