@@ -41,6 +41,7 @@ from spes.sync.fragments import WHOLE
 from spes.sync.joins import manifest_differences
 from spes.sync.protocol import Manifest, Tensors
 from spes.sync.spec import FIELD_KEYS, RunSpec
+from spes.sync.wire import RAW_DTYPES, finite
 
 STATE_FILE = "state.json"
 RUN_FILE = "run.json"
@@ -291,11 +292,14 @@ def _read_tensors(
 
 
 def _checked(tensor_path: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor of the state as the server wrote it, fp32 and finite (it publishes only such rounds), or ValueError:
-    a damaged file must not become the model every peer downloads."""
-    if tensor.dtype != torch.float32 or not bool(torch.isfinite(tensor).all()):
+    """A tensor of the state as the server wrote it, in a wire dtype (a bf16 run keeps its experts in bf16) and
+    finite (it publishes only such rounds), or ValueError: a damaged file must not become the model every peer
+    downloads."""
+    if tensor.dtype not in RAW_DTYPES.values():
         raise ValueError(
-            f"{tensor_path}: tensor {name!r} is {tensor.dtype} holding NaN or Inf, or not fp32: the state directory "
-            "is damaged"
+            f"{tensor_path}: tensor {name!r} is {tensor.dtype}, not one of the wire's dtypes: the state directory is "
+            "damaged"
         )
+    if not finite(tensor):
+        raise ValueError(f"{tensor_path}: tensor {name!r} holds NaN or Inf: the state directory is damaged")
     return tensor

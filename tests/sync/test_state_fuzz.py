@@ -122,3 +122,20 @@ def test_json_nested_too_deep_is_refused(name: str) -> None:
         (Path(tmp) / name).write_bytes(b"[" * 100_000)
         with pytest.raises(ValueError, match=name):
             run_id_of(tmp) if name == RUN_FILE else load_round(tmp, SPEC)
+
+
+def test_a_bf16_runs_round_with_its_experts_in_bf16_loads_back(tmp_path: Path) -> None:
+    """A bf16 run's server keeps the experts as they arrived, in bf16 (what a restarted server of that run reads);
+    another dtype is refused."""
+    spec = tiny_spec(codec="bf16")
+    manifest = spec.manifest or {}
+    model = {n: torch.ones(s, dtype=torch.bfloat16 if ".experts." in n else torch.float32) for n, s in manifest.items()}
+    save_round(tmp_path, SavedRound(4, (0, 1), 0, 0.5, model, {}, {}, spec))
+    loaded = load_round(tmp_path, spec)
+    assert loaded is not None and {n: t.dtype for n, t in loaded.global_model.items()} == {
+        n: t.dtype for n, t in model.items()
+    }
+    assert any(t.dtype == torch.bfloat16 for t in model.values())
+    save_round(tmp_path, SavedRound(5, (0, 1), 0, 0.5, {n: t.half() for n, t in model.items()}, {}, {}, spec))
+    with pytest.raises(ValueError, match="is torch.float16, not one of the wire's dtypes"):
+        load_round(tmp_path, spec)
