@@ -285,6 +285,17 @@ EQUIVALENT: dict[str, str] = {
         "it",
     ),
     **mutants(
+        "spes.corpus.xǁShardWriterǁ_input_record",
+        "7",
+        "a sidecar with input settings but no position: tokenize_files gives the settings, and its chunks all carry "
+        "their position",
+    ),
+    **mutants(
+        "spes.corpus.x__skip",
+        "2",
+        "reading on at offset 0: read(0) reads nothing, which ends the loop as the test before it did",
+    ),
+    **mutants(
         "spes.corpus.x__tokenize",
         "87 90 91",
         "the bar redrawn at each chunk's postfix (refresh=None is False): the same lines, only drawn more often than "

@@ -198,6 +198,10 @@ def iter_file_chunks(
         yield TextChunk(str(path), records, json_lines=True, position=chunk_start)
 
 
+_SKIP_BLOCK = 2**20
+"""Bytes read at a time where a stream that cannot seek is read up to a resumed run's offset."""
+
+
 def _skip(stream: io.BufferedIOBase, offset: int) -> None:
     """Move `stream` to byte `offset` of its text: a seek, which a compressed stream does by decompressing up to it
     (gzip's), or by reading up to it where it cannot seek (zstd's)."""
@@ -205,7 +209,7 @@ def _skip(stream: io.BufferedIOBase, offset: int) -> None:
         stream.seek(offset)
         return
     while offset > 0:
-        skipped = len(stream.read(min(offset, 2**20)))
+        skipped = len(stream.read(min(offset, _SKIP_BLOCK)))
         if not skipped:
             return
         offset -= skipped

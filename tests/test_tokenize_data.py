@@ -6,6 +6,7 @@ import ctypes
 import errno
 import gc
 import gzip
+import io
 import json
 import os
 import signal
@@ -1047,6 +1048,15 @@ def test_a_resumed_run_reads_no_input_before_where_its_last_shard_ends(
         == whole.malformed_examples
         == [f"{files[1]}:{3 * len(SAMPLE_TEXTS) + 1}: field 'text' is NoneType, not a string"]
     )
+
+
+def test_a_stream_that_cannot_seek_is_read_up_to_the_offset_a_block_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(corpus, "_SKIP_BLOCK", 4)
+    for offset, then in ((0, b"\x00"), (9, b"\x09"), (12, b""), (40, b"")):  # the last ones: at and past the end
+        stream = io.BufferedReader(io.BytesIO(bytes(range(12))))
+        monkeypatch.setattr(stream, "seekable", lambda: False)
+        corpus._skip(stream, offset)
+        assert stream.read(1) == then, offset
 
 
 def test_a_folder_holding_shards_of_two_runs_is_refused_naming_the_first_of_the_other(
