@@ -271,16 +271,33 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
     **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
     **mutants("spes.corpus.x__encode_all", "27", "ProcessPoolExecutor.shutdown's wait defaults to True"),
-    **mutants("spes.corpus.x_tokenize_chunks", "65 68", "tqdm's file=None is sys.stderr, read when the bar is made"),
+    **mutants("spes.corpus.x__tokenize", "69 72", "tqdm's file=None is sys.stderr, read when the bar is made"),
     **mutants(
-        "spes.corpus.x_tokenize_chunks",
-        "13",
+        "spes.corpus.x__checked_prefix",
+        "6",
         "a prefix ending in the path separator: os.sep is '/' on the POSIX systems spes runs on, so the tuple's '/' "
         "and os.sep are one test",
     ),
     **mutants(
-        "spes.corpus.x_tokenize_chunks",
-        "109 112 113",
+        "spes.corpus.xǁShardWriterǁ__init__",
+        "34",
+        "where the tokens end before any write(): a shard is flushed only once a write() buffered tokens, which sets "
+        "it",
+    ),
+    **mutants(
+        "spes.corpus.xǁShardWriterǁ_input_record",
+        "7",
+        "a sidecar with input settings but no position: tokenize_files gives the settings, and its chunks all carry "
+        "their position",
+    ),
+    **mutants(
+        "spes.corpus.x__skip",
+        "2",
+        "reading on at offset 0: read(0) reads nothing, which ends the loop as the test before it did",
+    ),
+    **mutants(
+        "spes.corpus.x__tokenize",
+        "87 90 91",
         "the bar redrawn at each chunk's postfix (refresh=None is False): the same lines, only drawn more often than "
         "tqdm's own clock draws them",
     ),
@@ -308,7 +325,7 @@ EQUIVALENT: dict[str, str] = {
         "next frame, so the BufferedReader over it reads every frame all the same (tested on a file of two frames)",
     ),
     **mutants("spes.corpus.x__open_binary", "19", "stream_reader's closefd defaults to True"),
-    **mutants("spes.corpus.x__iter_parquet_chunks", "17", "json_lines=None is falsy as False: the records are texts"),
+    **mutants("spes.corpus.x__iter_parquet_chunks", "58", "json_lines=None is falsy as False: the records are texts"),
     **mutants(
         "spes.corpus.x_file_texts",
         "3 5 8",

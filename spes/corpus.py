@@ -15,7 +15,8 @@ concatenated into shards `<output_prefix>_00000.npy`, ... (1-D numpy arrays of a
 its final name only once complete and described (it is written as `<shard>.partial`, which spes refuses,
 then its JSON sidecar `<shard>.npy.json`, recording the tokenizer and where the shard ends in the input, then it is
 renamed). Malformed lines are reported as `file:line: reason`, counted and skipped; the output is the same for any
-`--processes`. `--resume` continues an interrupted run after its last complete shard, to the same shards.
+`--processes`. `--resume` continues an interrupted run after its last complete shard, to the same shards, reading the
+input from where that shard ends (the files before it unopened).
 
 A tokenizer is trained on the same formats (one text per record; any other file is read whole as one UTF-8
 text) and saved as a Hugging Face tokenizer directory that works with `spes.tokenizer.load_tokenizer`,
@@ -40,10 +41,11 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -64,6 +66,17 @@ Record = bytes | str | None
 
 
 @dataclass(frozen=True)
+class InputPosition:
+    """Where a chunk starts in the input files: file number `file` (from 0, in --file_glob's order), after byte
+    `offset` of its text (decompressed) and `line` lines before it (rows, for parquet, where `offset` stays 0). A
+    sidecar records the one of the chunk its shard ends in, so --resume reads on from there."""
+
+    file: int = 0
+    offset: int = 0
+    line: int = 0
+
+
+@dataclass(frozen=True)
 class TextChunk:
     """A batch of documents from one source, the unit of work of the tokenizer processes."""
 
@@ -74,6 +87,8 @@ class TextChunk:
     """Whether records are raw JSON lines still to be parsed (else texts)."""
     errors: tuple[str, ...] = ()
     """Problems met while reading the source (e.g. a truncated compressed file)."""
+    position: InputPosition | None = None
+    """Where the chunk starts in the input files; None for documents not read from files."""
 
 
 @dataclass
@@ -86,6 +101,8 @@ class EncodedChunk:
     """Token count of each document, its EOS included."""
     errors: list[str]
     """`source:line: reason` of each record that was skipped."""
+    position: InputPosition | None = None
+    """The TextChunk's."""
 
 
 @dataclass
@@ -137,32 +154,65 @@ def resolve_input_files(patterns: Sequence[str]) -> list[Path]:
     return list(files)
 
 
-def iter_file_chunks(path: Path, text_field: str, batch_size: int) -> Iterator[TextChunk]:
-    """Chunks of at most `batch_size` records of one input file, in file order.
+def iter_input_chunks(
+    files: Sequence[Path], text_field: str, batch_size: int, start: InputPosition = InputPosition()
+) -> Iterator[TextChunk]:
+    """The chunks of `files` in order, from the chunk that starts at `start` on: the files before it are not opened
+    and its own is read from there (what lets --resume skip the input its shards hold)."""
+    for number in range(start.file, len(files)):
+        first = start if number == start.file else InputPosition(number)
+        yield from iter_file_chunks(files[number], text_field, batch_size, first)
+
+
+def iter_file_chunks(
+    path: Path, text_field: str, batch_size: int, start: InputPosition = InputPosition()
+) -> Iterator[TextChunk]:
+    """Chunks of at most `batch_size` records of one input file, in file order, from the chunk at `start` on (one
+    that a chunk of this file started at; `start.file` only labels the chunks).
 
     A file that breaks off (truncated or corrupt compression) ends with a chunk carrying the
     error, so the run reports it and goes on with the next file.
     """
     if path.name.endswith(".parquet"):
-        yield from _iter_parquet_chunks(path, text_field, batch_size)
+        yield from _iter_parquet_chunks(path, text_field, batch_size, start)
         return
     records: list[tuple[int, Record]] = []
-    line_number = 0
+    offset, line_number = start.offset, start.line
+    chunk_start = start
     try:
         with _open_binary(path) as stream:
-            for line_number, line in enumerate(stream, start=1):
+            _skip(stream, offset)
+            for line in stream:
+                offset, line_number = offset + len(line), line_number + 1
                 if not line.strip():
                     continue  # blank lines separate nothing in JSON lines; not a record
                 records.append((line_number, line))
                 if len(records) == batch_size:
-                    yield TextChunk(str(path), records, json_lines=True)
-                    records = []
+                    yield TextChunk(str(path), records, json_lines=True, position=chunk_start)
+                    records, chunk_start = [], InputPosition(start.file, offset, line_number)
     except (OSError, EOFError, zstandard.ZstdError) as err:
         error = f"{path}:{line_number + 1}: file unreadable from here on ({type(err).__name__}: {err})"
-        yield TextChunk(str(path), records, json_lines=True, errors=(error,))
+        yield TextChunk(str(path), records, json_lines=True, errors=(error,), position=chunk_start)
         return
     if records:
-        yield TextChunk(str(path), records, json_lines=True)
+        yield TextChunk(str(path), records, json_lines=True, position=chunk_start)
+
+
+_SKIP_BLOCK = 2**20
+"""Bytes read at a time where a stream that cannot seek is read up to a resumed run's offset."""
+
+
+def _skip(stream: io.BufferedIOBase, offset: int) -> None:
+    """Move `stream` to byte `offset` of its text: a seek, which a compressed stream does by decompressing up to it
+    (gzip's), or by reading up to it where it cannot seek (zstd's)."""
+    if stream.seekable():
+        stream.seek(offset)
+        return
+    while offset > 0:
+        skipped = len(stream.read(min(offset, _SKIP_BLOCK)))
+        if not skipped:
+            return
+        offset -= skipped
 
 
 def _open_binary(path: Path) -> io.BufferedIOBase:
@@ -187,13 +237,23 @@ def _open_parquet(path: Path, text_field: str) -> pq.ParquetFile:
     return parquet
 
 
-def _iter_parquet_chunks(path: Path, text_field: str, batch_size: int) -> Iterator[TextChunk]:
+def _iter_parquet_chunks(path: Path, text_field: str, batch_size: int, start: InputPosition) -> Iterator[TextChunk]:
+    """Chunks of `batch_size` rows (the last one fewer) from row `start.line` on, reading from its row group on."""
     parquet = _open_parquet(path, text_field)
-    row = 1
-    for batch in parquet.iter_batches(batch_size=batch_size, columns=[text_field]):
-        texts = batch.column(0).to_pylist()
-        yield TextChunk(str(path), list(enumerate(texts, start=row)), json_lines=False)
-        row += len(texts)
+    group, row = 0, 0
+    while group < parquet.num_row_groups and row + parquet.metadata.row_group(group).num_rows <= start.line:
+        row += parquet.metadata.row_group(group).num_rows
+        group += 1
+    groups = range(group, parquet.num_row_groups)
+    batches = parquet.iter_batches(batch_size=batch_size, row_groups=groups, columns=[text_field])
+    texts = itertools.islice(
+        itertools.chain.from_iterable(batch.column(0).to_pylist() for batch in batches), start.line - row, None
+    )
+    row = start.line
+    while chunk := list(itertools.islice(texts, batch_size)):
+        position = InputPosition(start.file, 0, row)
+        yield TextChunk(str(path), list(enumerate(chunk, start=row + 1)), json_lines=False, position=position)
+        row += len(chunk)
 
 
 def record_text(record: Record, json_line: bool, text_field: str) -> tuple[str, str | None]:
@@ -261,7 +321,7 @@ class Encoder:
         for doc, length in zip(ids, doc_lengths):
             tokens[start : start + length - 1] = doc
             start += int(length)
-        return EncodedChunk(chunk.source, tokens, doc_lengths, messages)
+        return EncodedChunk(chunk.source, tokens, doc_lengths, messages, chunk.position)
 
     def _encode(self, good: list[tuple[int, str]], errors: list[tuple[int, str]]) -> list[list[int]]:
         """Token ids of each (line, text); texts the tokenizer rejects go to `errors` and are left out."""
@@ -290,7 +350,7 @@ def _exit_with_parent() -> None:
     parent = multiprocessing.parent_process()
     if parent is None or not sys.platform.startswith("linux"):  # NOTE: None: called in the main process (a test)
         return
-    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:  # NOTE: the kernel reads no other argument
         return
     if not parent.is_alive():  # NOTE: it died before prctl: no signal will come
         os._exit(1)
@@ -337,11 +397,12 @@ def _encode_all(chunks: Iterable[TextChunk], encoder: Encoder, processes: int) -
 @dataclass(frozen=True)
 class ResumePoint:
     """Where a run starts writing: after the complete shards `shards` a run before it kept, at token `token` of input
-    chunk `chunk` (counted from 0 over the whole input)."""
+    chunk `chunk` (counted from 0 over the whole input), which starts at `position`."""
 
     shards: tuple[Path, ...] = ()
     chunk: int = 0
     token: int = 0
+    position: InputPosition = InputPosition()
 
 
 FRESH_START = ResumePoint()
@@ -350,12 +411,12 @@ FRESH_START = ResumePoint()
 def _drop_written(encoded: Iterator[EncodedChunk], start: ResumePoint) -> Iterator[EncodedChunk]:
     """`encoded` (the chunks from `start.chunk` on) without the first `start.token` tokens, which earlier shards hold,
     nor the documents that end among them."""
-    first = next(encoded, None) if start.token else None
+    first = next(encoded, None)
     if first is not None:
         ends = np.cumsum(first.doc_lengths)
         kept = ends > start.token
         lengths = ends[kept] - np.maximum(ends[kept] - first.doc_lengths[kept], start.token)
-        yield EncodedChunk(first.source, first.tokens[start.token :], lengths, first.errors)
+        yield EncodedChunk(first.source, first.tokens[start.token :], lengths, first.errors, first.position)
     yield from encoded
 
 
@@ -391,7 +452,8 @@ class ShardWriter:
         self._sources: dict[str, None] = {}
         self._chunk, self._first_token = start.chunk, start.token
         """The input chunk the next write() gets, and which of its tokens it starts at (a resumed run's first)."""
-        self._end = (start.chunk, start.token)
+        self._end: tuple[int, int, InputPosition | None] = (start.chunk, start.token, start.position)
+        """Where the tokens buffered end: (chunk, token) and where that chunk starts; set by each write()."""
 
     def write(self, chunk: EncodedChunk) -> None:
         """Append a chunk's tokens, starting new shards as they fill up."""
@@ -407,7 +469,7 @@ class ShardWriter:
             self._sources.setdefault(chunk.source, None)
             self._filled += take
             start += take
-            self._end = (self._chunk, self._first_token + start)
+            self._end = (self._chunk, self._first_token + start, chunk.position)
             if self._filled == self.capacity:
                 self._flush()
         self._chunk, self._first_token = self._chunk + 1, 0
@@ -423,6 +485,18 @@ class ShardWriter:
         """Write the last, partly filled shard; the list of all shards written."""
         self._flush()
         return self.shards
+
+    def _input_record(self) -> dict[str, Any]:
+        """The sidecar's fields that --resume reads (where the shard ends in the input, and the settings), when the
+        writer was given input settings."""
+        if self.input_settings is None:
+            return {}
+        chunk, token, position = self._end
+        return {
+            "input_end": (chunk, token),
+            "input_position": None if position is None else asdict(position),
+            "input_settings": self.input_settings,
+        }
 
     def _flush(self) -> None:
         if self._filled == 0:
@@ -442,8 +516,7 @@ class ShardWriter:
                 num_tokens=self._filled,
                 num_documents=self._documents,
                 source_files=tuple(self._sources),
-                input_end=None if self.input_settings is None else self._end,
-                input_settings=self.input_settings,
+                **self._input_record(),
             )
             write_shard_info(path, info)  # first: a run killed between the two leaves no shard without its sidecar
             os.replace(tmp, path)
@@ -478,6 +551,10 @@ def _make_output_folder(prefix: Path) -> None:
         ) from None
 
 
+ChunksFrom = Callable[[InputPosition], Iterable[TextChunk]]
+"""The input's chunks from the one that starts at a position on (`iter_input_chunks` of some files)."""
+
+
 def tokenize_chunks(
     chunks: Iterable[TextChunk],
     *,
@@ -488,14 +565,38 @@ def tokenize_chunks(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     processes: int = 1,
     progress: bool = True,
+) -> TokenizeSummary:
+    """Tokenize `chunks` into shards `<output_prefix>_NNNNN.npy` (what tokenize_data.py does with files, which
+    `tokenize_files` can resume; these cannot be, as no sidecar records where in `chunks` its shard ends)."""
+    return _tokenize(
+        lambda _: chunks,
+        tokenizer=tokenizer,
+        output_prefix=output_prefix,
+        text_field=text_field,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        processes=processes,
+        progress=progress,
+    )
+
+
+def _tokenize(
+    chunks_from: ChunksFrom,
+    *,
+    tokenizer: LoadedTokenizer,
+    output_prefix: str | os.PathLike[str],
+    text_field: str,
+    dtype: str | None,
+    max_shard_bytes: int,
+    processes: int,
+    progress: bool,
     input_settings: Mapping[str, str | int] | None = None,
     resume: bool = False,
 ) -> TokenizeSummary:
-    """Tokenize `chunks` into shards `<output_prefix>_NNNNN.npy` (what tokenize_data.py does with files).
-
-    `input_settings` (what, beside the arguments here, decides `chunks`: tokenize_files' files and --batch_size) makes
-    each sidecar record it and where its shard ends in `chunks`; `resume` then continues after the last complete
-    shard of a run with the same settings, skipping the chunks before it unencoded (see `_resume_point`)."""
+    """tokenize_chunks of `chunks_from`'s chunks. `input_settings` (what, beside the arguments here, decides the chunks:
+    tokenize_files' files and --batch_size) makes each sidecar record it and where its shard ends in the input;
+    `resume` then continues after the last complete shard of a run with the same settings, reading the input from
+    where that shard ends (see `_resume_point`)."""
     if processes < 1:
         raise ValueError(f"--processes must be >= 1, got {processes}")
     prefix = _checked_prefix(output_prefix)
@@ -513,10 +614,8 @@ def tokenize_chunks(
         input_settings=settings,
         start=start,
     )
-    remaining = itertools.islice(chunks, start.chunk, None)  # NOTE: read, not encoded: earlier shards hold them
-    encoded_chunks = _drop_written(
-        _encode_all(remaining, Encoder(tokenizer, text_field, shard_dtype), processes), start
-    )
+    encoder = Encoder(tokenizer, text_field, shard_dtype)
+    encoded_chunks = _drop_written(_encode_all(chunks_from(start.position), encoder, processes), start)
     summary = TokenizeSummary(resumed_shards=len(start.shards))
     started = time.perf_counter()
     with tqdm(unit="doc", disable=not progress, file=sys.stderr) as bar:
@@ -568,7 +667,7 @@ def _fresh_start(prefix: Path) -> ResumePoint:
 
 
 _RESUME_SETTINGS = {
-    "input_files": "the input files (--file_glob: their paths, order and sizes)",
+    "input_files": "the input files (--file_glob: their paths, order, sizes and modification times)",
     "tokenizer_fingerprint": "the tokenizer (--tokenizer_name_or_path: its tokenizer.json)",
     "dtype": "--dtype",
     "text_field": "--text_field",
@@ -581,23 +680,36 @@ _RESUME_SETTINGS = {
 def _resume_point(
     prefix: Path, tokenizer: LoadedTokenizer, dtype: np.dtype, settings: Mapping[str, str | int] | None
 ) -> ResumePoint:
-    """Where `--resume` continues: after the last complete shard of `prefix` (FRESH_START when there is none), once
-    its sidecar shows the same tokenizer, dtype and `settings`; ValueError naming what differs, or why the shards
-    cannot be continued, and the fix. A killed run's unfinished shard (`.partial`, perhaps its sidecar) is rewritten
-    by the resumed run, as it holds tokens of the same stream."""
-    shards = _complete_shards(prefix)
-    if not shards:
-        return FRESH_START
-    info = read_shard_info(shards[-1])
-    if info.input_end is None or info.input_settings is None:
-        raise ValueError(
-            f"--resume: {shards[-1]} does not record where it ends in the input (it was written by an earlier spes, "
-            f"or not from files); delete {prefix}_* and rerun without --resume"
-        )
-    recorded = {"tokenizer_fingerprint": info.tokenizer_fingerprint, "dtype": info.dtype, **info.input_settings}
+    """Where `--resume` continues: after the last complete shard of `prefix` (FRESH_START when there is none), at the
+    input position its sidecar records, once every shard's sidecar shows the same tokenizer, dtype and `settings`;
+    ValueError naming the shard and what differs, or why the shards cannot be continued, and the fix. A killed run's
+    unfinished shard (`.partial`, perhaps its sidecar) is rewritten by the resumed run, as it holds tokens of the same
+    stream."""
     wanted = {"tokenizer_fingerprint": tokenizer.fingerprint, "dtype": dtype.name, **(settings or {})}
-    _check_same_settings(recorded, wanted, shards[-1])
-    return ResumePoint(tuple(shards), *info.input_end)
+    shards = _complete_shards(prefix)
+    start = FRESH_START
+    for shard in shards:  # NOTE: each one, not the last alone: a folder holding shards of two runs is refused
+        info = read_shard_info(shard)
+        if info.input_end is None or info.input_settings is None or info.input_position is None:
+            raise ValueError(
+                f"--resume: {shard} does not record where it ends in the input (it was written by an earlier spes, "
+                f"or not from files); delete {prefix}_* and rerun without --resume"
+            )
+        recorded = {"tokenizer_fingerprint": info.tokenizer_fingerprint, "dtype": info.dtype, **info.input_settings}
+        _check_same_settings(recorded, wanted, shard)
+        start = ResumePoint(tuple(shards), *info.input_end, _recorded_position(info.input_position, shard, prefix))
+    return start
+
+
+def _recorded_position(recorded: Mapping[str, int], shard: Path, prefix: Path) -> InputPosition:
+    """The InputPosition the sidecar of `shard` records; ValueError naming the shard when it is malformed."""
+    try:
+        return InputPosition(*(int(recorded[f.name]) for f in fields(InputPosition)))
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"--resume: the sidecar of {shard} records a malformed input_position ({err!r}); delete {prefix}_* and "
+            "rerun without --resume"
+        ) from None
 
 
 def _check_same_settings(recorded: Mapping[str, object], wanted: Mapping[str, object], shard: Path) -> None:
@@ -627,9 +739,13 @@ def _complete_shards(prefix: Path) -> list[Path]:
 
 
 def _input_files_digest(files: Sequence[Path]) -> str:
-    """sha256 of the absolute paths and sizes of `files`, in order: --resume's check that the input is the same."""
-    listed = [(os.path.abspath(path), path.stat().st_size) for path in files]
-    return hashlib.sha256(json.dumps(listed).encode("utf-8")).hexdigest()
+    """sha256 of the absolute paths, sizes and modification times of `files`, in order: --resume's check that the
+    input is the same (a file rewritten in place keeps its size, not its time), at the cost of a stat each."""
+    listed = []
+    for path in files:
+        stat = path.stat()
+        listed.append((os.path.abspath(path), stat.st_size, stat.st_mtime_ns))
+    return hashlib.sha256(json.dumps(listed).encode()).hexdigest()
 
 
 def tokenize_files(
@@ -646,15 +762,14 @@ def tokenize_files(
     resume: bool = False,
 ) -> TokenizeSummary:
     """Tokenize input files (see SUPPORTED_SUFFIXES) into shards, in file order; `resume` continues an interrupted
-    run of the same arguments (`tokenize_chunks`)."""
+    run of the same arguments, reading the input from where its last shard ends (`_tokenize`)."""
     if batch_size < 1:
         raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
     for path in files:  # a wrong --text_field fails before any work, not hours in
         if path.name.endswith(".parquet"):
             _open_parquet(path, text_field)
-    chunks = (chunk for path in files for chunk in iter_file_chunks(path, text_field, batch_size))
-    return tokenize_chunks(
-        chunks,
+    return _tokenize(
+        lambda start: iter_input_chunks(files, text_field, batch_size, start),
         tokenizer=tokenizer,
         output_prefix=output_prefix,
         text_field=text_field,

@@ -68,6 +68,9 @@ class ShardInfo:
     input_end: tuple[int, int] | None = None
     """(chunk, token): the shard ends before token `token` of input chunk `chunk` (chunks of --batch_size records,
     counted from 0 over all input files), where `tokenize_data.py --resume` continues; None when not from files."""
+    input_position: dict[str, int] | None = None
+    """Where chunk `input_end[0]` starts (`spes.corpus.InputPosition`: the index of its input file, the byte of that
+    file's text and the lines or rows before it): --resume reads on from there, not from the start."""
     input_settings: dict[str, str | int] | None = None
     """What decides the token stream besides the tokenizer and dtype (the input files' digest, --text_field,
     --batch_size, --max_shard_bytes): --resume continues only a run of the same settings."""

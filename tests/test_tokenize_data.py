@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 import gzip
+import io
 import json
 import os
 import signal
@@ -11,9 +14,10 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -172,6 +176,9 @@ def test_existing_output_is_never_overwritten(tokenizer: LoadedTokenizer, tmp_pa
         f"{tmp_path / 'out' / 'part'}; add --resume to continue the run that wrote them, delete them or choose "
         "another prefix"
     )
+    chunks = corpus.iter_file_chunks(path, "text", 1000)
+    with pytest.raises(FileExistsError):  # documents not read from files: never resumed either
+        corpus.tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=tmp_path / "out" / "part", progress=False)
     (tmp_path / "out" / "part_00000.npy.json").unlink()  # one left: it was "(and 0 more) already exist ... them"
     with pytest.raises(FileExistsError) as refused:
         _tokenize([path], tokenizer, tmp_path / "out" / "part")
@@ -197,7 +204,7 @@ def test_a_directory_given_as_the_output_prefix_is_refused(tokenizer: LoadedToke
 
 
 def test_an_output_prefix_whose_folder_cannot_be_made_is_named_with_the_fix(
-    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CLI printed errno's bare `[Errno 2] No such file or directory: '/proc/x'`, naming neither flag nor fix."""
     path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
@@ -212,6 +219,17 @@ def test_an_output_prefix_whose_folder_cannot_be_made_is_named_with_the_fix(
     assert corpus.tokenize_main([*args, "/proc/part"]) == 2  # there, but no file can be made in it (root's too)
     assert capsys.readouterr().err.startswith(
         "error: --output_prefix /proc/part: its folder /proc cannot be written to ("
+    )
+
+    def refused(dir: Path) -> None:  # NOTE: a folder root cannot write to; errno's own words, not its [Errno 13]
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dir))
+
+    monkeypatch.setattr(corpus.tempfile, "TemporaryFile", refused)
+    folder = tmp_path / "read-only"
+    assert corpus.tokenize_main([*args, str(folder / "part")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --output_prefix {folder / 'part'}: its folder {folder} cannot be written to (Permission denied); "
+        "give a prefix in a folder you can write to\n"
     )
 
 
@@ -235,6 +253,8 @@ def test_interrupted_run_leaves_only_complete_shards(tokenizer: LoadedTokenizer,
     assert not [p for p in written if p.name.endswith(".partial")]
     dataset = TokenSequenceDataset(shards, seq_len=8)
     assert dataset.num_tokens == 500 * len(shards)  # only full 1000-byte shards were completed
+    infos = [read_shard_info(p) for p in shards]  # chunks not from files: no place in them is recorded
+    assert {(i.input_end, i.input_position, i.input_settings) for i in infos} == {(None, None, None)}
 
 
 @pytest.mark.slow
@@ -355,6 +375,8 @@ def test_cli_help_names_each_flag_with_its_meaning_and_default(
         "--max_shard_bytes MAX_SHARD_BYTES": "maximum bytes of token data per shard (a shard is buffered in memory) "
         f"(default: {512 * 2**20})",
         "--dtype {uint16,uint32}": "token dtype (default: uint16 if the vocabulary fits, else uint32)",
+        "--resume": "continue an interrupted run of the same flags after its last complete shard (the shards end the "
+        "same as an uninterrupted run's); with no shard written yet, start",
     }.items():
         assert f"{flag} {meaning}" in shown, flag
     assert "(default: None)" not in shown  # after a required flag, or one whose help says what unset means
@@ -780,10 +802,12 @@ def test_an_interrupted_cli_run_says_what_it_kept_or_that_it_wrote_nothing(
     assert corpus.tokenize_main([*args, str(prefix)]) == 130
     assert capsys.readouterr().err == "interrupted before the first shard was complete: nothing written\n"
     prefix.parent.mkdir()
-    for name in ("part_00000.npy", "part_00000.npy.json", "part_00001.npy", "part_00001.npy.json"):
-        (prefix.parent / name).touch()
-    assert corpus.tokenize_main([*args, str(prefix)]) == 130
-    assert capsys.readouterr().err.startswith("interrupted: 2 complete shard(s) (part_00000.npy .. part_00001.npy) ")
+    for number in (0, 1):
+        for name in (f"part_0000{number}.npy", f"part_0000{number}.npy.json"):
+            (prefix.parent / name).touch()
+        assert corpus.tokenize_main([*args, str(prefix)]) == 130
+        names = "part_00000.npy" + (" .. part_00001.npy" if number else "")
+        assert capsys.readouterr().err.startswith(f"interrupted: {number + 1} complete shard(s) ({names}) ")
 
 
 def test_an_input_without_any_record_is_told_as_such_not_as_a_wrong_text_field(
@@ -884,6 +908,12 @@ def test_resuming_a_finished_run_changes_nothing_and_one_that_wrote_nothing_star
     assert (again.num_tokens, again.resumed_shards) == (0, len(first.shards))
 
 
+INPUT_CHANGED = (
+    "the input files (--file_glob: their paths, order, sizes and modification times) changed since the run that wrote "
+    "{shard}"
+)
+
+
 @pytest.mark.parametrize(
     "change, refusal",
     [
@@ -895,12 +925,10 @@ def test_resuming_a_finished_run_changes_nothing_and_one_that_wrote_nothing_star
             {"tokenizer": "other"},
             "the tokenizer (--tokenizer_name_or_path: its tokenizer.json) changed since the run that wrote {shard}",
         ),
-        (
-            {"files": "grown"},
-            "the input files (--file_glob: their paths, order and sizes) changed since the run that wrote {shard}",
-        ),
+        ({"files": "grown"}, INPUT_CHANGED),
+        ({"files": "rewritten"}, INPUT_CHANGED),
     ],
-    ids=["batch_size", "max_shard_bytes", "dtype", "text_field", "tokenizer", "files"],
+    ids=["batch_size", "max_shard_bytes", "dtype", "text_field", "tokenizer", "files grown", "files rewritten"],
 )
 def test_resuming_with_a_changed_setting_is_refused_naming_it(
     change: dict[str, object], refusal: str, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -911,14 +939,19 @@ def test_resuming_with_a_changed_setting_is_refused_naming_it(
         _tokenize(files, tokenizer, prefix, **RESUMABLE)
     before = _outputs(prefix.parent)
     change = dict(change)  # NOTE: the parameter itself is shared by every run of this test in the process
-    if change.pop("files", None):
+    files_change = change.pop("files", None)
+    if files_change == "grown":
         with files[0].open("a") as f:
             f.write('{"text": "one more"}\n')
+    elif files_change == "rewritten":  # only paths and sizes were compared: it resumed over other data
+        stat = files[0].stat()
+        files[0].write_bytes(files[0].read_bytes().replace(b"quick", b"QUICK"))
+        os.utime(files[0], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # NOTE: a test edits within a clock tick
     if change.pop("tokenizer", None):
         tokenizer = train_byte_level_bpe(SAMPLE_TEXTS, vocab_size=300, output_dir=tmp_path / "other")
     with pytest.raises(ValueError) as refused:
         _tokenize(files, tokenizer, prefix, resume=True, **{**RESUMABLE, **change})
-    shard = sorted(prefix.parent.glob("*.npy"))[-1]
+    shard = sorted(prefix.parent.glob("*.npy"))[0]  # each shard's sidecar is checked, the first first
     assert str(refused.value) == (
         f"--resume: {refusal.format(shard=shard)}; rerun with the same, or without --resume into another "
         "--output_prefix"
@@ -970,3 +1003,165 @@ def test_the_cli_resumes_a_stopped_run_as_its_interrupted_line_says(
         f"resumed: the first {len(kept)} shard(s) were kept from the interrupted run; the counts above are of the rest"
     )
     assert _outputs(prefix.parent) == _outputs(tmp_path / "whole") and files
+
+
+def _stop_inside(shards: list[Path], file: int) -> int:
+    """The number (from 1) of the first of `shards` that ends in input file `file` after its first chunk."""
+    for number, shard in enumerate(shards, start=1):
+        position = read_shard_info(shard).input_position
+        if position is not None and position["file"] == file and position["line"] > 0:
+            return number
+    raise AssertionError(f"no shard ends inside input file {file}")
+
+
+def _garbled(path: Path, end: int) -> None:
+    """Bytes before `end` of `path` overwritten, its size and modification time kept: input a run must not read."""
+    stat = path.stat()
+    with path.open("r+b") as f:
+        f.write(b"\xff" * end)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.mark.parametrize("fmt", INPUT_FORMATS)
+def test_a_resumed_run_reads_no_input_before_where_its_last_shard_ends(
+    fmt: str, tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume read the whole input up to where its shards end (hours of a large input): the files before are not
+    opened now, and a plain file is read from the byte its chunk starts at, so garbling those changes nothing."""
+    files = [
+        write_documents(tmp_path / "a.jsonl.gz", SAMPLE_TEXTS * 2),
+        write_documents(tmp_path / f"b.{fmt}", SAMPLE_TEXTS[::-1] * 3 + [None] + SAMPLE_TEXTS),
+    ]
+    whole = _tokenize(files, tokenizer, tmp_path / "whole" / "part", **RESUMABLE)
+    prefix = tmp_path / "out" / "part"
+    with _stopped_after(_stop_inside(whole.shards, 1), monkeypatch), pytest.raises(KeyboardInterrupt):
+        _tokenize(files, tokenizer, prefix, **RESUMABLE)
+    position = read_shard_info(sorted(prefix.parent.glob("*.npy"))[-1]).input_position
+    assert position is not None and position["line"] > 0
+    _garbled(files[0], files[0].stat().st_size)
+    if fmt == "jsonl":
+        _garbled(files[1], position["offset"])
+    resumed = _tokenize(files, tokenizer, prefix, resume=True, **RESUMABLE)
+    assert _outputs(prefix.parent) == _outputs(tmp_path / "whole")
+    assert (
+        resumed.malformed_examples
+        == whole.malformed_examples
+        == [f"{files[1]}:{3 * len(SAMPLE_TEXTS) + 1}: field 'text' is NoneType, not a string"]
+    )
+
+
+def test_a_stream_that_cannot_seek_is_read_up_to_the_offset_a_block_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(corpus, "_SKIP_BLOCK", 4)
+    for offset, then in ((0, b"\x00"), (9, b"\x09"), (12, b""), (40, b"")):  # the last ones: at and past the end
+        stream = io.BufferedReader(io.BytesIO(bytes(range(12))))
+        monkeypatch.setattr(stream, "seekable", lambda: False)
+        corpus._skip(stream, offset)
+        assert stream.read(1) == then, offset
+
+
+def test_a_folder_holding_shards_of_two_runs_is_refused_naming_the_first_of_the_other(
+    tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the last shard's sidecar was checked: a run resumed after shards another run had written."""
+    ours = _two_files(tmp_path)
+    theirs = [write_documents(tmp_path / "theirs.jsonl", SAMPLE_TEXTS[::-1])]
+    for files, folder, stop in ((ours, "out", 6), (theirs, "theirs", 3)):
+        with _stopped_after(stop, monkeypatch), pytest.raises(KeyboardInterrupt):
+            _tokenize(files, tokenizer, tmp_path / folder / "part", **RESUMABLE)
+    for path in (tmp_path / "theirs").iterdir():
+        path.replace(tmp_path / "out" / path.name)
+    with pytest.raises(ValueError) as refused:
+        _tokenize(ours, tokenizer, tmp_path / "out" / "part", resume=True, **RESUMABLE)
+    assert str(refused.value) == (
+        f"--resume: {INPUT_CHANGED.format(shard=tmp_path / 'out' / 'part_00000.npy')}; rerun with the same, or "
+        "without --resume into another --output_prefix"
+    )
+
+
+NOT_RECORDED = (
+    "{shard} does not record where it ends in the input (it was written by an earlier spes, or not from files); "
+    "delete {prefix}_* and rerun without --resume"
+)
+
+
+def _without(key: str) -> Callable[[dict[str, Any]], object]:
+    return lambda recorded: recorded.pop(key)
+
+
+@pytest.mark.parametrize(
+    "damage, refusal",
+    [
+        (_without("input_end"), NOT_RECORDED),
+        (_without("input_position"), NOT_RECORDED),
+        (_without("input_settings"), NOT_RECORDED),
+        (
+            lambda recorded: recorded["input_position"].pop("offset"),
+            "the sidecar of {shard} records a malformed input_position (KeyError('offset')); delete {prefix}_* and "
+            "rerun without --resume",
+        ),
+        (
+            lambda recorded: recorded["input_settings"].update(later_flag=7),
+            "later_flag changed since the run that wrote {shard} (7 then, None now); rerun with the same, or without "
+            "--resume into another --output_prefix",
+        ),
+        (
+            lambda recorded: None,
+            "{sidecar} is missing, so the shards of --output_prefix {prefix} are not one interrupted run's; delete "
+            "{prefix}_* and rerun without --resume",
+        ),
+    ],
+    ids=["input_end", "input_position", "input_settings", "malformed position", "unknown setting", "no sidecar"],
+)
+def test_a_shard_whose_sidecar_cannot_say_where_to_resume_is_refused_naming_it(
+    damage: Callable[[dict[str, Any]], object], refusal: str, tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """Each shard's sidecar is read, not the last one's alone; a setting a later spes records is named by its key."""
+    files = _two_files(tmp_path)
+    prefix = tmp_path / "out" / "part"
+    shards = _tokenize(files, tokenizer, prefix, **RESUMABLE).shards
+    sidecar = sidecar_path(shards[1])
+    recorded = json.loads(sidecar.read_text())
+    damage(recorded)
+    sidecar.write_text(json.dumps(recorded))
+    if refusal.startswith("{sidecar}"):
+        sidecar.unlink()
+    with pytest.raises(ValueError) as refused:
+        _tokenize(files, tokenizer, prefix, resume=True, **RESUMABLE)
+    assert str(refused.value) == "--resume: " + refusal.format(shard=shards[1], sidecar=sidecar, prefix=prefix)
+
+
+class _Parent:
+    """multiprocessing.parent_process() of a tokenizer process, as it reads it."""
+
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+@pytest.mark.parametrize("alive", [True, False], ids=["parent alive", "parent gone"])
+def test_a_tokenizer_process_has_the_kernel_kill_it_with_its_parent_and_exits_if_it_is_gone_already(
+    alive: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What each tokenizer process asks first (a SIGKILLed run left them waiting for work forever), here in this
+    process with a stand-in parent (mutmut traces no other): PR_GET_PDEATHSIG reads what the kernel was told."""
+    libc = ctypes.CDLL(None)
+
+    def death_signal() -> int:
+        got = ctypes.c_int(-1)
+        assert libc.prctl(2, ctypes.byref(got)) == 0  # PR_GET_PDEATHSIG
+        return got.value
+
+    before, exits = death_signal(), []
+    monkeypatch.setattr(corpus.os, "_exit", exits.append)
+    monkeypatch.setattr(corpus.multiprocessing, "parent_process", lambda: None)
+    corpus._exit_with_parent()  # the main process: nothing to ask
+    assert (death_signal(), exits) == (before, [])
+    monkeypatch.setattr(corpus.multiprocessing, "parent_process", lambda: _Parent(alive))
+    try:
+        corpus._exit_with_parent()
+        told = death_signal()
+    finally:
+        libc.prctl(corpus._PR_SET_PDEATHSIG, before)  # NOTE: this test process's own: as it was
+    assert told == signal.SIGKILL and exits == ([] if alive else [1])

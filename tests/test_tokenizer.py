@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -340,11 +342,12 @@ def test_train_tokenizer_refuses_an_input_of_no_text_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An empty file trained a bytes-only tokenizer, exit 0, with a note blaming too few distinct pairs."""
-    empty = tmp_path / "empty.jsonl"
+    empty, blank = tmp_path / "empty.jsonl", tmp_path / "blank.jsonl"
     empty.write_bytes(b"\n")
+    blank.write_bytes(b"\n\n")
     out = tmp_path / "tok"
-    assert corpus.train_tokenizer_main(["--input", str(empty), "--output_dir", str(out)]) == 2
-    assert capsys.readouterr().err == f"error: --input {empty} holds no text (check --text_field 'text')\n"
+    assert corpus.train_tokenizer_main(["--input", str(empty), str(blank), "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: --input {empty} {blank} holds no text (check --text_field 'text')\n"
     assert not out.exists()
 
 
@@ -367,6 +370,12 @@ def test_training_tells_its_progress_a_line_at_each_end_off_a_terminal_and_by_th
     size = path.stat().st_size
     assert start == f"training on 1 file(s) of {size:,} bytes, reading at most --max_mb 0.5 MB of text ..."
     assert end.startswith("trained on 3 texts of 9 bytes in ") and end.endswith(" s")
+    monkeypatch.setattr(corpus, "time", SimpleNamespace(perf_counter=itertools.count(1000, 2.5).__next__))
+    assert corpus.train_tokenizer_main([*argv, str(tmp_path / "whole")]) == 0  # no --max_mb: all of it
+    assert capsys.readouterr().err.splitlines() == [
+        f"training on 1 file(s) of {size:,} bytes ...",
+        "trained on 3 texts of 9 bytes in 2.5 s",
+    ]
     monkeypatch.setattr(corpus.sys.stderr, "isatty", lambda: True)
     assert corpus.train_tokenizer_main([*argv, str(tmp_path / "tok2")]) == 0
-    assert asked == [False, True] and capsys.readouterr().err == ""
+    assert asked == [False, False, True] and capsys.readouterr().err == ""
