@@ -143,6 +143,9 @@ def _typed(info: ShardInfo) -> ShardInfo:
             raise TypeError(f"{key} {getattr(info, key)!r} is not a string")
     counts = {key: getattr(info, key) for key in _COUNTS}
     counts.update({f"input_end[{i}]": value for i, value in enumerate(info.input_end or ())})
+    if not isinstance(info.input_position, (dict, type(None))):
+        raise TypeError(f"input_position {info.input_position!r} is not a mapping")
+    counts.update({f"input_position[{k!r}]": value for k, value in (info.input_position or {}).items()})
     for key, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise TypeError(f"{key} {value!r} is not a count")

@@ -121,7 +121,15 @@ def test_headerless_files_open_or_are_refused(raw: bytes, memmap_dtype: str | No
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("dtype", None), ("dtype", "float32"), ("num_tokens", "300"), ("input_end", [1, None])]
+    ("field", "value"),
+    [
+        ("dtype", None),
+        ("dtype", "float32"),
+        ("num_tokens", "300"),
+        ("input_end", [1, None]),
+        ("input_position", [0, 0, 0]),
+        ("input_position", {"file": 0, "byte": -1, "line": 0}),
+    ],
 )
 def test_a_sidecar_field_of_another_type_is_refused(field: str, value: object) -> None:
     with _shard() as path:
