@@ -48,6 +48,12 @@ def follow_umask(directory: str | os.PathLike[str]) -> None:
             os.chmod(p, mode)
 
 
+def leftover_temps(folder: Path, name_glob: str) -> list[Path]:
+    """The temp files `write_atomic` leaves in `folder` for targets whose names match `name_glob` when its process is
+    killed mid-write (hidden, so a listing of the targets never shows them)."""
+    return sorted(folder.glob(f".{name_glob}.*.tmp"))
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[str], None]) -> None:
     """Give `path` the contents `data` (bytes, UTF-8 text, or a function that writes the temp path it is given)."""
     path = Path(path)

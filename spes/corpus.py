@@ -52,6 +52,7 @@ import pyarrow.parquet as pq
 import zstandard
 from tqdm import tqdm
 
+from spes.atomic import leftover_temps
 from spes.cli import DefaultsHelpFormatter
 from spes.interrupt import Interruptible
 from spes.schema import number_flag
@@ -606,6 +607,8 @@ def _tokenize(
         settings = {**input_settings, "text_field": text_field, "max_shard_bytes": max_shard_bytes}
     start = _resume_point(prefix, tokenizer, shard_dtype, settings) if resume else _fresh_start(prefix)
     _make_output_folder(prefix)
+    for stale in leftover_temps(prefix.parent, f"{prefix.name}_[0-9][0-9][0-9][0-9][0-9].npy.json"):
+        stale.unlink(missing_ok=True)  # NOTE: a sidecar being written when a run was killed outright
     writer = ShardWriter(
         prefix,
         dtype=shard_dtype,

@@ -1,10 +1,12 @@
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from spes.atomic import LockHeld, hold_lock, lock_holder, staging_dir, write_atomic
+from spes.atomic import LockHeld, hold_lock, leftover_temps, lock_holder, staging_dir, write_atomic
 
 
 def test_bytes_text_and_writer_functions_all_land_whole(tmp_path: Path) -> None:
@@ -44,6 +46,16 @@ def test_the_temporary_file_is_hidden_beside_the_target(tmp_path: Path) -> None:
     write_atomic(tmp_path / "run" / "state.json", lambda tmp: seen.append(Path(tmp)))
     [tmp] = seen
     assert tmp.parent == tmp_path / "run" and tmp.name.startswith(".state.json.") and tmp.name.endswith(".tmp")
+
+
+def test_a_write_killed_outright_leaves_its_temp_file_which_leftover_temps_finds(tmp_path: Path) -> None:
+    """A process killed mid-write runs no cleanup: its temp file stays, found by the target's name pattern only."""
+    target = tmp_path / "part_00001.json"
+    killed = "import os, sys; from spes.atomic import write_atomic; write_atomic(sys.argv[1], lambda tmp: os._exit(9))"
+    assert subprocess.run([sys.executable, "-c", killed, str(target)], timeout=60).returncode == 9  # as SIGKILL
+    (left,) = tmp_path.iterdir()
+    assert not target.exists() and leftover_temps(tmp_path, "part_0000[0-9].json") == [left]
+    assert leftover_temps(tmp_path, "part_0000[0-9].npy") == [] == leftover_temps(tmp_path, "other")
 
 
 def test_files_get_the_umask_mode_like_open(tmp_path: Path) -> None:

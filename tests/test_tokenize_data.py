@@ -898,7 +898,8 @@ def test_resuming_a_finished_run_changes_nothing_and_one_that_wrote_nothing_star
     nothing = _tokenize(files, tokenizer, tmp_path / "nothing" / "part", resume=True, **RESUMABLE)
     assert nothing.resumed_shards == 0 and len(nothing.shards) > 100
     prefix.parent.mkdir()
-    for name in ("part_00000.npy.partial", "part_00000.npy.json"):  # what a run killed outright may leave
+    # what a run killed outright may leave: a shard and its sidecar written (renamed into place) or being written
+    for name in ("part_00000.npy.partial", "part_00000.npy.json", ".part_00001.npy.json.k1ll3d.tmp"):
         (prefix.parent / name).write_bytes(b"half")
     first = _tokenize(files, tokenizer, prefix, resume=True, **RESUMABLE)
     done = _outputs(prefix.parent)
