@@ -1,0 +1,138 @@
+"""Every run kind survives a restart bit for bit: a parameter server stopped after a round and started again on the
+same --state_dir serves every later round exactly as an uninterrupted server does over the same uploads.
+
+What a server persists differs by run kind: the global model in the codec's dtype (bf16 keeps its experts in bf16),
+a held-model codec's held model (int8, sparse), DiLoCo's outer momentum, a fragmented run's partial model and
+its fragment, the merge warm-up's rounds. Each kind runs the same rounds twice, once on one server and once with a
+restart in the middle; every peer must download the same bits, with the same round facts, in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from spes.config import ServerSection
+from spes.sync.client import SyncClient
+from spes.sync.protocol import Mode
+from spes.sync.spec import RunSpec
+from sync_helpers import joined_clients, peer_upload, running_server, tiny_spec
+
+SERVER = ServerSection(merge_interval=2, merge_alpha_start=0.5, merge_decay_steps=1000, merge_topk=1)
+"""Even steps merge (SPES: with 2 fragments every round does, for the whole round it stands in for); DiLoCo takes
+the Nesterov outer step instead, whose momentum a restart must keep."""
+SETTINGS = {"fp32": {}, "bf16": {}, "int8": {"block": 128}, "sparse": {"chunk": 16, "topk": 4}}
+"""Each codec, with settings that make several blocks or chunks per tensor of the tiny model."""
+STEPS = (1, 2, 3, 4, 5)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A run kind: its codec, mode and fragments, and the round after which its server is restarted."""
+
+    codec: str
+    mode: Mode
+    fragments: int = 1
+    stop_after: int = 3
+    """The last round the first server completes: 3, between merge rounds, so one merges on either side (and a bf16
+    run's state holds its experts as uploaded, in bf16); 2, a merge round (its merged experts are fp32); with
+    fragments 1, when the global model holds only the first fragment."""
+
+    @property
+    def spec(self) -> RunSpec:
+        server = SERVER if self.mode == "spes" else ServerSection(merge_interval=0, outer_optimizer="nesterov")
+        return tiny_spec(
+            mode=self.mode,
+            codec=self.codec,
+            codec_settings=SETTINGS[self.codec],
+            server=server,
+            sync_steps=self.fragments,
+            overlap_fragments=self.fragments,
+        )
+
+
+KINDS = [Kind(codec, mode) for codec in SETTINGS for mode in ("spes", "diloco")]
+KINDS += [Kind("bf16", "spes", stop_after=2), Kind("int8", "spes", fragments=2, stop_after=1)]
+KINDS += [Kind("sparse", "spes", fragments=2), Kind("fp32", "diloco", fragments=2)]
+
+
+def kind_id(kind: Kind) -> str:
+    return f"{kind.codec}-{kind.mode}-stop{kind.stop_after}" + (f"-{kind.fragments}fragments" * (kind.fragments > 1))
+
+
+Downloads = dict[int, dict[int, tuple[dict[str, torch.Tensor], tuple[object, ...], tuple[int, int]]]]
+"""step -> peer -> (what it downloaded, the round's facts as it saw them, the bytes it sent and received)."""
+
+
+def run_rounds(clients: Sequence[SyncClient], spec: RunSpec, steps: Sequence[int], first_peer: int = 0) -> Downloads:
+    """Peers `first_peer`, ... (`clients`) sync `steps` (each its fragment's round), uploading `peer_upload` of the
+    step: the same uploads in every run, whatever the server did before."""
+    got: Downloads = {}
+    for step in steps:
+        fragment = spec.layout.fragment_at(step, -1)
+        with ThreadPoolExecutor(len(clients)) as pool:
+            futures = {}
+            for peer, client in enumerate(clients, start=first_peer):
+                upload = peer_upload(spec, peer, seed=step)
+                trained = {n: upload[n] for n in spec.layout.names(fragment, upload)}
+                futures[peer] = pool.submit(client.sync, step, trained, fragment)
+            results = {peer: future.result(timeout=60) for peer, future in futures.items()}
+        got[step] = {
+            peer: (
+                {n: t.clone() for n, t in model.items()},
+                (s.round, s.merged, s.alpha, s.peers, s.caught_up),
+                (s.bytes_up, s.bytes_down),
+            )
+            for peer, (model, s) in results.items()
+        }
+    return got
+
+
+def uninterrupted(spec: RunSpec) -> Downloads:
+    with running_server(spec) as (_, addr), joined_clients(addr, spec) as clients:
+        return run_rounds(clients, spec, STEPS)
+
+
+def restarted(spec: RunSpec, state_dir: Path, stop_after: int) -> Downloads:
+    """The rounds up to `stop_after` on one server, the rest on another started on its --state_dir; the peers live
+    on (their codec's state: a held model, carried errors) and re-join the restarted server with the run's id."""
+    before, after = STEPS[:stop_after], STEPS[stop_after:]
+    with running_server(spec, state_dir=str(state_dir)) as (_, addr), joined_clients(addr, spec) as clients:
+        got = run_rounds(clients, spec, before)
+        codecs, run_id = [client.codec for client in clients], clients[0].run_id
+    with running_server(spec, state_dir=str(state_dir)) as (server, addr):
+        assert server.service.state.completed_round == before[-1]
+        with joined_clients(addr, spec, run_id=run_id) as clients:
+            for client, codec in zip(clients, codecs, strict=True):
+                client.codec = codec
+            return {**got, **run_rounds(clients, spec, after)}
+
+
+def assert_same_bits(got: Downloads, want: Downloads, *, retried: tuple[int, int] | None = None) -> None:
+    """Every peer downloaded the same bits with the same round facts and bytes in both runs (but the bytes of the
+    `retried` (step, peer): its upload was a duplicate, its download maybe full values)."""
+    assert sorted(got) == sorted(want)
+    for step, peers in want.items():
+        for peer, (model, facts, moved) in peers.items():
+            their_model, their_facts, their_moved = got[step][peer]
+            assert their_facts == facts, (step, peer)
+            assert their_moved == moved or (step, peer) == retried, (step, peer)
+            assert sorted(their_model) == sorted(model), (step, peer)
+            for name, tensor in model.items():
+                other = their_model[name]
+                assert other.dtype == tensor.dtype, (step, peer, name)
+                assert torch.equal(other.view(torch.uint8), tensor.view(torch.uint8)), (step, peer, name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_a_server_restarted_on_its_state_dir_serves_every_round_as_an_uninterrupted_one(
+    tmp_path: Path, kind: Kind
+) -> None:
+    spec = kind.spec
+    assert_same_bits(restarted(spec, tmp_path / "state", kind.stop_after), uninterrupted(spec))
