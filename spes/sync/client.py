@@ -378,8 +378,9 @@ class SyncClient:
         info, _, received = self.plane.download(
             step, timeout, full=full, base_round=self.codec.base_round, decoder_for=decoder_for
         )
+        serves = None if full else round_downloads(self.spec, self.peer_id, fragment, merged=info.merged)
         try:
-            tensors = self.codec.receive(info, decoders[-1], caught_up=full)
+            tensors = self.codec.receive(info, decoders[-1], caught_up=full, serves=serves)
         except ValueError as exc:
             raise SyncError(f"round {step}: bad download from the server: {exc}") from None
         return info, tensors, received
@@ -459,7 +460,7 @@ def announced(
     (every tensor for a catch-up); when the codec's full values come (`whole`), every tensor the served model
     holds (with fragments, part of the model until each has had a round), the round's among them."""
     names, manifest = list(info.names), list(spec.manifest or {})
-    expected = manifest if full else spec.downloads(peer, spec.layout.names(fragment, manifest), merged=info.merged)
+    expected = manifest if full else round_downloads(spec, peer, fragment, merged=info.merged)
     if whole and set(expected) <= set(names) <= set(manifest):
         expected = names
     if info.round != step or sorted(names) != sorted(expected):
@@ -468,6 +469,11 @@ def announced(
             f"expected round {step} with {len(expected)}"
         )
     return names
+
+
+def round_downloads(spec: RunSpec, peer: int, fragment: int, *, merged: bool) -> list[str]:
+    """What a download of `peer`'s round over `fragment` carries (its own blocks only when the round merged)."""
+    return spec.downloads(peer, spec.layout.names(fragment, list(spec.manifest or {})), merged=merged)
 
 
 def check_upload(tensors: Mapping[str, torch.Tensor], manifest: Manifest, trained: list[str]) -> None:

@@ -9,6 +9,7 @@ restart in the middle; every peer must download the same bits, with the same rou
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -98,18 +99,26 @@ def uninterrupted(spec: RunSpec) -> Downloads:
         return run_rounds(clients, spec, STEPS)
 
 
-def restarted(spec: RunSpec, state_dir: Path, stop_after: int) -> Downloads:
+def restarted(spec: RunSpec, state_dir: Path, stop_after: int, *, late: bool = False) -> Downloads:
     """The rounds up to `stop_after` on one server, the rest on another started on its --state_dir; the peers live
-    on (their codec's state: a held model, carried errors) and re-join the restarted server with the run's id."""
+    on (their codec's state: a held model, carried errors) and re-join the restarted server with the run's id.
+    `late`: the server stopped before peer 1 downloaded the last round (it had uploaded it), so peer 1 syncs that
+    round again, its upload a duplicate, its download from the restarted server."""
     before, after = STEPS[:stop_after], STEPS[stop_after:]
     with running_server(spec, state_dir=str(state_dir)) as (_, addr), joined_clients(addr, spec) as clients:
-        got = run_rounds(clients, spec, before)
-        codecs, run_id = [client.codec for client in clients], clients[0].run_id
+        got = run_rounds(clients, spec, before[:-1])
+        codecs = [client.codec for client in clients]
+        if late:
+            codecs[1] = copy.deepcopy(codecs[1])  # what peer 1 held before the last round's download
+        got.update(run_rounds(clients, spec, before[-1:]))
+        run_id = clients[0].run_id
     with running_server(spec, state_dir=str(state_dir)) as (server, addr):
         assert server.service.state.completed_round == before[-1]
         with joined_clients(addr, spec, run_id=run_id) as clients:
             for client, codec in zip(clients, codecs, strict=True):
                 client.codec = codec
+            if late:
+                got[before[-1]][1] = run_rounds(clients[1:], spec, before[-1:], first_peer=1)[before[-1]][1]
             return {**got, **run_rounds(clients, spec, after)}
 
 
@@ -136,3 +145,16 @@ def test_a_server_restarted_on_its_state_dir_serves_every_round_as_an_uninterrup
 ) -> None:
     spec = kind.spec
     assert_same_bits(restarted(spec, tmp_path / "state", kind.stop_after), uninterrupted(spec))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_a_peer_that_had_not_downloaded_the_last_round_before_the_restart_gets_it_as_if_never_stopped(
+    tmp_path: Path, kind: Kind
+) -> None:
+    """The server stops after publishing a round that one peer has uploaded but not yet downloaded: that peer's retry
+    downloads it from the restarted server, which holds no deltas for it (`HeldServer.restore`: full values), and
+    must load and hold what the uninterrupted peer did."""
+    spec = kind.spec
+    late = restarted(spec, tmp_path / "state", kind.stop_after, late=True)
+    assert_same_bits(late, uninterrupted(spec), retried=(kind.stop_after, 1))

@@ -357,11 +357,16 @@ class HeldPeer:
             )
         return info.base_round == NO_BASE
 
-    def receive(self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool) -> Tensors:
+    def receive(
+        self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool, serves: Collection[str] | None = None
+    ) -> Tensors:
         """The new held model of the tensors the round served, as a raw codec returns what it downloaded: with
         fragments a round serves one fragment, and the node's other tensors keep their local progress. Full values
-        (no base) are the whole held model. A peer that caught up drops its carried error (its upload was not
-        taken); otherwise the upload's errors replace those of the tensors it coded, and every other tensor's (a
+        (no base) are the whole held model, loaded whole by a peer that held none or catches up (`serves` None). A
+        peer that held a model and took part in the round gets them from a restarted server (its restored round
+        holds no deltas): it loads only `serves` and commits the rest as deltas would have brought it, so its run
+        goes on as if the server had never stopped. A peer that caught up drops its carried error (its upload was
+        not taken); otherwise the upload's errors replace those of the tensors it coded, and every other tensor's (a
         fragment not synchronized this round) stays carried until its own round.
 
         The peer's own blocks that the server took verbatim (not served back: a round without merging) are held
@@ -369,17 +374,19 @@ class HeldPeer:
         them, as on a raw wire. What the upload left out then stays in theta - H', so their carried error e stays
         as it was: what the node still owes is theta - H + e before the round and theta - H' + e after it.
         """
-        values = decoder.finish()
+        values = {**decoder.finish(), **decoder.applied}
         if self._upload is not None and not caught_up:
             self._upload.complete()  # NOTE: a duplicate's items were never read, but the server took them
+        whole = info.base_round == NO_BASE
         relayed: Tensors = {}
-        if info.base_round == NO_BASE:
-            held = served = dict(values)
+        if whole and (self.round is None or serves is None):
+            held, served = values, dict(values)
         else:
-            # NOTE: the client checked the announced names; a tensor the round did not change keeps its held value
-            served = {**values, **decoder.applied}
+            # NOTE: the client checked the announced names; a tensor the round did not change keeps its held value.
+            # Full values hold this peer's own blocks as the server took them: its upload's reconstructions, bit for bit
+            served = {n: values[n] for n in serves or () if n in values} if whole else values
             relayed = {n: t for n, t in self._pending[1].items() if n not in served}
-            held = {**self.held, **relayed, **served}
+            held = values if whole else {**self.held, **relayed, **served}
         errors = {n: e for n, e in self._pending[0].items() if n not in relayed}
         self._spare, self.held, self.round = self.held, held, info.round
         self.carried = {} if caught_up else {**self.carried, **errors}

@@ -126,10 +126,13 @@ class PeerCodec(Protocol):
         announces deltas against a model this peer does not hold."""
         ...
 
-    def receive(self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool) -> Tensors:
+    def receive(
+        self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool, serves: Collection[str] | None = None
+    ) -> Tensors:
         """Commit the round from its finished download; what the node loads: the tensors the round served (a
         held-model codec: their held values, and this peer's own uploaded blocks as reconstructed; with full values
-        every tensor)."""
+        every tensor, but only `serves` when this peer took part in the round with a held model). `serves`: the
+        tensors a download of this peer's round carries (None: every tensor downloaded, a catch-up)."""
         ...
 
     def forget(self) -> bool:

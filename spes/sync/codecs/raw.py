@@ -46,7 +46,9 @@ class RawPeer:
     def whole(self, info: pb.RoundInfo) -> bool:
         return False
 
-    def receive(self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool) -> Tensors:
+    def receive(
+        self, info: pb.RoundInfo, decoder: TensorDecoder, *, caught_up: bool, serves: Collection[str] | None = None
+    ) -> Tensors:
         return decoder.finish()
 
     def forget(self) -> bool:
