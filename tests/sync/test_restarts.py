@@ -4,11 +4,14 @@ same --state_dir serves every later round exactly as an uninterrupted server doe
 What a server persists differs by run kind: the global model in the codec's dtype (bf16 keeps its experts in bf16),
 a held-model codec's held model (int8, sparse), DiLoCo's outer momentum, a fragmented run's partial model and
 its fragment, the merge warm-up's rounds. Each kind runs the same rounds twice, once on one server and once with a
-restart in the middle; every peer must download the same bits, with the same round facts, in both.
+restart in the middle; every peer must download the same bits, with the same round facts, in both. So must a peer
+whose download of the last round the stop cut off, and nodes resumed from their checkpoints (the codec's state read
+back from its file) with the server running on or restarted too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +23,8 @@ import torch
 
 from spes.config import ServerSection
 from spes.sync.client import SyncClient
+from spes.sync.codecs.interface import PeerCodec
+from spes.sync.node_files import CODEC_FILE, load_codec_state, save_codec_state
 from spes.sync.protocol import Mode
 from spes.sync.spec import RunSpec
 from sync_helpers import joined_clients, peer_upload, running_server, tiny_spec
@@ -60,6 +65,8 @@ class Kind:
 KINDS = [Kind(codec, mode) for codec in SETTINGS for mode in ("spes", "diloco")]
 KINDS += [Kind("bf16", "spes", stop_after=2), Kind("int8", "spes", fragments=2, stop_after=1)]
 KINDS += [Kind("sparse", "spes", fragments=2), Kind("fp32", "diloco", fragments=2)]
+HELD = [Kind("int8", "spes"), Kind("sparse", "spes"), Kind("sparse", "spes", fragments=2)]
+"""The kinds whose nodes keep a codec state between rounds."""
 
 
 def kind_id(kind: Kind) -> str:
@@ -99,27 +106,45 @@ def uninterrupted(spec: RunSpec) -> Downloads:
         return run_rounds(clients, spec, STEPS)
 
 
-def restarted(spec: RunSpec, state_dir: Path, stop_after: int, *, late: bool = False) -> Downloads:
-    """The rounds up to `stop_after` on one server, the rest on another started on its --state_dir; the peers live
-    on (their codec's state: a held model, carried errors) and re-join the restarted server with the run's id.
-    `late`: the server stopped before peer 1 downloaded the last round (it had uploaded it), so peer 1 syncs that
-    round again, its upload a duplicate, its download from the restarted server."""
+def restarted(
+    spec: RunSpec, folder: Path, stop_after: int, *, server: bool = True, nodes: bool = False, late: bool = False
+) -> Downloads:
+    """The rounds up to `stop_after`, then the rest after a restart: of the `server`, started again on its
+    --state_dir, and of the `nodes`, resumed from their checkpoints (`checkpointed`); nodes that live on keep their
+    codec's state (a held model, carried errors). Either way they re-join with the run's id. `late`: the server
+    stopped before peer 1 downloaded the last round (it had uploaded it), so peer 1 syncs that round again, its
+    upload a duplicate, its download from the restarted server."""
     before, after = STEPS[:stop_after], STEPS[stop_after:]
-    with running_server(spec, state_dir=str(state_dir)) as (_, addr), joined_clients(addr, spec) as clients:
-        got = run_rounds(clients, spec, before[:-1])
-        codecs = [client.codec for client in clients]
-        if late:
-            codecs[1] = copy.deepcopy(codecs[1])  # what peer 1 held before the last round's download
-        got.update(run_rounds(clients, spec, before[-1:]))
-        run_id = clients[0].run_id
-    with running_server(spec, state_dir=str(state_dir)) as (server, addr):
-        assert server.service.state.completed_round == before[-1]
+    with contextlib.ExitStack() as stack:
+        _, addr = stack.enter_context(running_server(spec, state_dir=str(folder / "state")))
+        with joined_clients(addr, spec) as clients:
+            got = run_rounds(clients, spec, before[:-1])
+            codecs = [client.codec for client in clients]
+            if late:
+                codecs[1] = copy.deepcopy(codecs[1])  # what peer 1 held before the last round's download
+            got.update(run_rounds(clients, spec, before[-1:]))
+            if nodes:
+                codecs = [checkpointed(spec, client, folder / f"node{p}") for p, client in enumerate(clients)]
+            run_id = clients[0].run_id
+        if server:
+            stack.close()
+            _, addr = stack.enter_context(running_server(spec, state_dir=str(folder / "state")))
         with joined_clients(addr, spec, run_id=run_id) as clients:
             for client, codec in zip(clients, codecs, strict=True):
                 client.codec = codec
             if late:
                 got[before[-1]][1] = run_rounds(clients[1:], spec, before[-1:], first_peer=1)[before[-1]][1]
             return {**got, **run_rounds(clients, spec, after)}
+
+
+def checkpointed(spec: RunSpec, client: SyncClient, checkpoint: Path) -> PeerCodec:
+    """The codec of a node resumed from a checkpoint of `client`'s node: its state written to the checkpoint's file
+    and read back into a fresh one, as `spes.sync.peer.PeerSync` does."""
+    checkpoint.mkdir(parents=True)
+    save_codec_state(checkpoint / CODEC_FILE, *client.codec.state_dict())
+    codec = spec.codec_impl.peer()
+    codec.load_state_dict(*load_codec_state(checkpoint / CODEC_FILE))
+    return codec
 
 
 def assert_same_bits(got: Downloads, want: Downloads, *, retried: tuple[int, int] | None = None) -> None:
@@ -144,7 +169,7 @@ def test_a_server_restarted_on_its_state_dir_serves_every_round_as_an_uninterrup
     tmp_path: Path, kind: Kind
 ) -> None:
     spec = kind.spec
-    assert_same_bits(restarted(spec, tmp_path / "state", kind.stop_after), uninterrupted(spec))
+    assert_same_bits(restarted(spec, tmp_path, kind.stop_after), uninterrupted(spec))
 
 
 @pytest.mark.timeout(60)
@@ -156,5 +181,18 @@ def test_a_peer_that_had_not_downloaded_the_last_round_before_the_restart_gets_i
     downloads it from the restarted server, which holds no deltas for it (`HeldServer.restore`: full values), and
     must load and hold what the uninterrupted peer did."""
     spec = kind.spec
-    late = restarted(spec, tmp_path / "state", kind.stop_after, late=True)
+    late = restarted(spec, tmp_path, kind.stop_after, late=True)
     assert_same_bits(late, uninterrupted(spec), retried=(kind.stop_after, 1))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("server", [False, True], ids=["server-on", "server-restarted"])
+@pytest.mark.parametrize("kind", HELD, ids=kind_id)
+def test_nodes_resumed_from_their_checkpoints_between_rounds_go_on_as_if_never_stopped(
+    tmp_path: Path, kind: Kind, server: bool
+) -> None:
+    """Every node stops after a round and resumes from its checkpoint, its codec's state read back from the file
+    (the held model, the carried errors: with fragments, also of the fragment whose round is next), while the server
+    runs on or is restarted too (a whole run stopped and resumed): every later round is the uninterrupted one's."""
+    spec = kind.spec
+    assert_same_bits(restarted(spec, tmp_path, kind.stop_after, server=server, nodes=True), uninterrupted(spec))
