@@ -62,9 +62,10 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_thirty_int8_rounds_within_one_step_of_the_lossless_sum",
         "tests/sync/codecs/test_int8.py",
         "tests/sync/codecs/test_sparse.py",
+        "tests/sync/codecs/test_codecs_fuzz.py",
     ),
-    "spes/sync/codecs/int8.py": ("tests/sync/codecs/test_int8.py",),
-    "spes/sync/codecs/sparse.py": ("tests/sync/codecs/test_sparse.py",),
+    "spes/sync/codecs/int8.py": ("tests/sync/codecs/test_int8.py", "tests/sync/codecs/test_codecs_fuzz.py"),
+    "spes/sync/codecs/sparse.py": ("tests/sync/codecs/test_sparse.py", "tests/sync/codecs/test_codecs_fuzz.py"),
     "spes/sync/fragments.py": ("tests/sync/test_fragments.py",),
     "spes/sync/merge.py": ("tests/sync/test_merge.py",),
     "spes/sync/overlap.py": ("tests/sync/test_overlap.py",),
@@ -74,6 +75,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/sync/channel.py": ("tests/sync/test_channel.py", "tests/sync/test_connection.py"),
     "spes/sync/wire.py": (
         "tests/sync/test_wire.py",
+        "tests/sync/test_wire_fuzz.py",
         "--deselect",
         "tests/sync/test_wire.py::test_committed_stubs_are_up_to_date",
     ),
@@ -83,9 +85,10 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/objective.py": ("tests/test_objective.py",),
     "spes/moe.py": ("tests/test_moe.py",),
     # shards at URLs too: opened from a loopback HTTP server, pickled to loader workers
-    "spes/data.py": ("tests/test_data.py", "tests/test_remote_ranges.py"),
+    "spes/data.py": ("tests/test_data.py", "tests/test_remote_ranges.py", "tests/test_checkpoint_fuzz.py"),
     "spes/shards.py": (
         "tests/test_shards.py",
+        "tests/test_shards_fuzz.py",
         "tests/test_data.py",
         "tests/test_remote_files.py",
         "tests/test_remote_ranges.py",
@@ -114,14 +117,18 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/atomic.py": ("tests/test_atomic.py",),
     "spes/sync/codecs/raw.py": ("tests/sync/codecs/test_raw.py",),
     "spes/sync/buffers.py": ("tests/sync/test_buffers.py",),
-    "spes/sync/state.py": ("tests/sync/test_state.py",),
+    "spes/sync/state.py": ("tests/sync/test_state.py", "tests/sync/test_state_fuzz.py"),
     # the kill-during-save and resume-on-other-ranks runs are processes of their own (mutmut credits none of them)
-    "spes/checkpoint.py": ("tests/test_checkpoint.py", "-m", "not slow"),
+    "spes/checkpoint.py": ("tests/test_checkpoint.py", "tests/test_checkpoint_fuzz.py", "-m", "not slow"),
     "spes/config.py": ("tests/test_config.py",),
     "spes/schema.py": ("tests/test_schema.py", "tests/test_config.py"),
     # the coordinator's handlers, driven in-process: straight, and through in-process servers on loopback (the gRPC
     # plane's handlers, and the held-model codecs whose uploads apply to the latest round)
-    "spes/sync/joins.py": ("tests/sync/test_joins.py", "tests/sync/test_coordinator.py"),
+    "spes/sync/joins.py": (
+        "tests/sync/test_joins.py",
+        "tests/sync/test_joins_fuzz.py",
+        "tests/sync/test_coordinator.py",
+    ),
     "spes/sync/uploads.py": HANDLER_TESTS,
     "spes/sync/downloads.py": HANDLER_TESTS,
     "spes/sync/closing.py": HANDLER_TESTS,
