@@ -929,13 +929,12 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.channel.x_server_tls",
-        "1",
-        "a certificate without its key, or the reverse: DeployConfig refuses either (--tls_cert and --tls_key must "
-        "be given together) before the server, server_tls's one caller, passes its files on",
+        "11",
+        "`cert is None and key is None`: the line above refuses one without the other, so both are given or neither",
     ),
     **mutants(
         "spes.sync.channel.x_client_tls",
-        "21",
+        "28",
         "`cert is not None or key is not None`: the line above refuses one without the other, so both are given or "
         "neither",
     ),
@@ -1392,6 +1391,8 @@ EQUIVALENT: dict[str, str] = {
         "'X' stripped from a host's ends too: no IP address (what is asked next) begins or ends with one",
     ),
     **mutants("spes.sync.settings.x_add_deploy_flags", "24", "every field of DeployConfig has a default"),
+    **mutants("spes.sync.settings.x_build_parser", "9", "allow_abbrev=None: argparse tests it for truth, as False"),
+    **mutants("spes.sync.settings.x_build_parser", "73", "RUN.yaml's default=None: argparse's default already"),
     **mutants(
         "spes.sync.settings.x_add_deploy_flags",
         "31 35",

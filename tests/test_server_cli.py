@@ -3,6 +3,7 @@ spec comes from its YAML and `--section.key=value` overrides, the flags are the 
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
@@ -11,11 +12,38 @@ from pathlib import Path
 
 import pytest
 
+from spes.config import ServerSection
+from spes.schema import config_help
 from spes.sync.server import config_of, exposure_warnings
-from spes.sync.settings import DeployConfig, ServerConfig, build_parser, command_from_args
+from spes.sync.settings import DeployConfig, LegacyRun, ServerConfig, build_parser, command_from_args
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+USAGE = "usage: python -m spes.server [RUN.yaml] [--section.key=value ...] [flags]\n"
+DESCRIPTION = """\
+SPES parameter server: collects every peer's trained tensors each round, takes each expert
+block from its owner, averages the shared parameters (DiLoCo: everything), applies the expert-merging
+warm-up on merge rounds, persists the result (--state_dir) and serves the global model back.
+The run's settings come from its YAML (any node's file: peers, experts per block, mode, sync_steps, codec,
+and the `server:` section below, overridable as --server.key=value, like every key); the flags are the
+deployment's. Without a YAML, the run is the defaults plus the overrides (e.g. --spes_config.num_peers=4),
+and the model and sync_steps are taken from the first node to join.
+"""
+ALIASES = (
+    "--total_peers N = --spes_config.num_peers=N, --num_train_experts_per_node N = "
+    "--spes_config.num_train_experts_per_node=N, --merge_interval N = --server.merge_interval=N, "
+    "--merge_alpha_start N = --server.merge_alpha_start=N, --merge_decay_steps N = --server.merge_decay_steps=N"
+)
+EPILOG = (
+    "the run's `server:` section (key, default, meaning):\n"
+    + "\n".join(config_help(ServerSection, "server."))
+    + f"\n\nthe first SPES implementation's flags are accepted as spellings of overrides: {ALIASES}; with RUN.yaml, "
+    "--total_peers and --num_train_experts_per_node are checked against it instead\n\n"
+    "example: SPES_TOKEN=$(cat secret) python -m spes.server configs/spes_1b/node_0.yaml --port 50051 --tls_cert "
+    "server.crt --tls_key server.key --state_dir server_state\nstop with SIGTERM or Ctrl-C (exit 0); restart with the "
+    "same --state_dir to resume. See docs/running.md (TLS, tokens, ports).\n"
+)
+"""The help's text around the flags, as a user reads it (kept as written, lines and all)."""
 
 
 def server_config(*argv: str) -> ServerConfig:
@@ -87,6 +115,79 @@ def test_the_first_implementations_flags_spell_overrides() -> None:
     assert tiny.server.merge_interval == 0
 
 
+def test_a_run_without_its_yaml_says_whether_it_set_sync_steps_and_is_never_centralized() -> None:
+    """Without `--spes_config.sync_steps=N` the server takes the first node's (`sync_steps_given`); a centralized run
+    has no server to start."""
+
+    def legacy(*argv: str) -> LegacyRun:
+        run = command_from_args(build_parser().parse_args(list(argv))).run
+        assert isinstance(run, LegacyRun)
+        return run
+
+    assert legacy("--total_peers", "2").sync_steps_given is False
+    assert legacy("--total_peers", "2", "--spes_config.sync_steps=5").sync_steps_given is True
+    with pytest.raises(ValueError) as refused:
+        legacy("--total_peers", "2", "--using_spes=false")
+    assert str(refused.value) == "--using_spes=false is a centralized run, which has no parameter server"
+
+
+def test_the_words_argparse_leaves_are_overrides_layout_flags_or_left_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first-implementation flag is one override whether its value is the next word or follows `=` (a value holding
+    `=` passed on whole); with RUN.yaml its layout flags are kept to be checked; any other `--key=value` is an override
+    as given; what is neither is left over, for parse_args to refuse. No words given: sys.argv's."""
+    parser = build_parser()
+    words = ["run.yaml", "--merge_interval", "7=8", "--merge_decay_steps=9", "--server.round_timeout_s=3"]
+    parsed, other = parser.parse_known_args([*words, "--total_peers", "4", "--bogus", "extra=word"])
+    assert parsed.run == "run.yaml" and other == ["--bogus", "extra=word"]
+    assert parsed.overrides == [
+        "--server.merge_interval=7=8",
+        "--server.merge_decay_steps=9",
+        "--server.round_timeout_s=3",
+    ]
+    assert parsed.checked_flags == {"--total_peers": "4"}
+    monkeypatch.setattr(sys, "argv", ["spes/server.py", "--total_peers=2", "--spes_config.sync_steps=5"])
+    kept = argparse.Namespace(kept=True)
+    parsed, other = parser.parse_known_args(namespace=kept)
+    assert parsed is kept and (kept.run, kept.checked_flags, other) == (None, {}, [])
+    assert kept.overrides == ["--spes_config.num_peers=2", "--spes_config.sync_steps=5"]
+
+
+def test_the_help_reads_as_written_around_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The usage, the description and the epilog word for word, their lines kept; RUN.yaml's own help; a flag's
+    default where it has one."""
+    monkeypatch.setenv("COLUMNS", "120")
+    parser = build_parser()
+    help_text = parser.format_help()
+    assert help_text.startswith(f"{USAGE}\n{DESCRIPTION}\n") and help_text.endswith(f"\n\n{EPILOG}")
+    assert "(default: 50051)" in help_text and "(default: None)" not in help_text
+    run = next(action for action in parser._actions if action.dest == "run")
+    assert (run.metavar, run.nargs, run.default, run.help) == (
+        "RUN.yaml",
+        "?",
+        None,
+        "a node YAML of the run: the server builds the run spec from it (with the same --section.key=value overrides "
+        "as the nodes), including the model's manifest, and refuses any node whose spec or model differs",
+    )
+
+
+def test_log_levels_are_the_four_names_and_no_flag_is_taken_from_its_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--insec` is no `--insecure` (an override such as `--state=...` must never set a flag it begins): refused,
+    naming the command as it is typed."""
+    parser = build_parser()
+    assert parser.parse_args([]).log_level == "INFO"
+    for level in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        assert parser.parse_args(["--log_level", level]).log_level == level
+    choices = "(choose from 'DEBUG', 'INFO', 'WARNING', 'ERROR')"
+    for argv, error in (
+        (["--log_level", "info"], f"argument --log_level: invalid choice: 'info' {choices}"),
+        (["--insec"], "unrecognized arguments: --insec"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(argv)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err == f"{USAGE}python -m spes.server: error: {error}\n"
+
+
 def test_the_first_implementations_layout_flags_are_checked_against_the_runs_yaml() -> None:
     """TOTAL_PEERS=8 run_parameter_server.sh RUN.yaml (a 4-peer YAML) started a server for 8 peers, which then
     refused every node of the run; with the YAML its layout flags (and so the script's variables) must agree."""
@@ -156,7 +257,7 @@ def test_a_port_in_use_is_one_line_naming_the_flag() -> None:
     ]
 
 
-def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section() -> None:
+def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section(monkeypatch: pytest.MonkeyPatch) -> None:
     bad = subprocess.run(
         [sys.executable, "-m", "spes.server", "configs/tiny.yaml", "--server.merge_intervall=3"],
         cwd=REPO,
@@ -169,6 +270,7 @@ def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section() -> None
         "error: command line (--server.merge_intervall=3): unknown config key 'server.merge_intervall'; did you mean "
         "'server.merge_interval'?"
     ]
+    monkeypatch.setenv("COLUMNS", "120")
     help_text = subprocess.run(
         [sys.executable, "-m", "spes.server", "--help"],
         cwd=REPO,
@@ -177,16 +279,9 @@ def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section() -> None
         timeout=60,
         check=True,
     ).stdout
-    for key in (
-        "--server.merge_interval=500",
-        "--server.outer_optimizer='none'",
-        "--server.dead_peer_policy='wait'",
-        "--total_peers N = --spes_config.num_peers=N",
-        "--stream_idle_timeout",
-        "--token_file",
-    ):
+    assert help_text == build_parser().format_help()
+    for key in ("--server.merge_interval=500", "--server.dead_peer_policy='wait'", "--stream_idle_timeout"):
         assert key in help_text
-    assert "(default: 50051)" in help_text and "(default: None)" not in help_text  # a default only where there is one
 
 
 @pytest.mark.timeout(60)

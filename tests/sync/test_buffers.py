@@ -76,6 +76,7 @@ def test_each_kind_of_download_of_a_round_is_encoded_once() -> None:
     items = {"a": torch.ones(3)}
     memory.checksums.record(items, {"a": 12345}, "fp32")  # a verified upload's buffer: its checksum is not redone
     assert memory.encoded("first", items, "fp32").get("a")[1] == 12345
+    assert torch.equal(memory.encoded("narrow", items, "bf16").get("a")[0], items["a"].bfloat16())  # a wire copy
     memory.publish(completed(1, model=items))
     encoded = memory.encoded("raw", items, "bf16")
     assert memory.encoded("raw", {"a": torch.zeros(3)}, "fp32") is encoded  # the first to ask made it

@@ -198,11 +198,13 @@ def test_open_channel_hands_grpc_the_files_and_options_its_settings_name(
     for name in ("tls_ca", "tls_cert", "tls_key"):  # named as every other error names a config key
         with pytest.raises(FileNotFoundError, match=rf"^config key 'spes_config.{name}' '{nope}': file not found$"):
             channel.open_channel(SpesConfig(server_addr=addr, **{"tls_ca": pki.ca, **client, name: nope}))
-    for name in ("tls_cert", "tls_key"):  # half a pair, refused before gRPC's core aborts the process on it
-        with pytest.raises(
-            ValueError, match=r"^config key 'spes_config.tls_cert' and config key 'spes_config.tls_key'"
-        ):
+    for name, other in (("tls_cert", "tls_key"), ("tls_key", "tls_cert")):  # half a pair, before gRPC's core aborts
+        with pytest.raises(ValueError) as err:
             channel.open_channel(SpesConfig(server_addr=addr, tls_ca=pki.ca, **{name: client[name]}))
+        assert str(err.value) == (
+            "config key 'spes_config.tls_cert' and config key 'spes_config.tls_key' (mutual TLS) must be given "
+            f"together: give config key 'spes_config.{other}' too, or leave out config key 'spes_config.{name}'"
+        )
     assert len(opened) == 4  # neither reached gRPC
 
 
