@@ -13,8 +13,8 @@ On a signal torchrun passes it on and SIGKILLs any rank still running after its 
 saves a checkpoint at its next step boundary, and torch's 30 s killed a 1B node mid-save (the steps since its last
 checkpoint lost). Here the ranks get `SHUTDOWN_TIMEOUT_S` unless `--shutdown_timeout` (`PET_SHUTDOWN_TIMEOUT`) or
 `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` says otherwise; a scheduler's signal must come at least that long before its time
-limit (run_scripts/run_cluster.sh). The price: a rank that hangs after another failed (a collective whose peer died)
-holds the launch that long too.
+limit (run_scripts/run_cluster.sh). A failed rank's peers are stopped as before (torch stops a failed group with its
+own 30 s), so a rank hung in a collective whose peer died does not hold the launch longer.
 """
 
 from __future__ import annotations
