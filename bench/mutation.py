@@ -1127,12 +1127,6 @@ EQUIVALENT: dict[str, str] = {
         "'' for None as what OmegaConf refused: neither is a mapping or a list, so both are 'a single value'",
     ),
     **mutants(
-        "spes.sync.joins.x_check_join",
-        "62",
-        "1e9 + 1 bytes to the GB: the size off by one part in a billion, below what any bound or the message's four "
-        "digits can tell",
-    ),
-    **mutants(
         "spes.sync.joins.x_check_manifest", "6 7", "the message of an assertion that holds (a peer's spec is complete)"
     ),
     **mutants(

@@ -137,6 +137,48 @@ def test_a_manifest_is_bounded_in_tensors_before_anything_else_and_in_size_when_
     assert str(err.value).startswith(f"peer 0's manifest declares a model of {size_gb:.4g} GB in fp32, more than ")
 
 
+def sized(values: int) -> pb.JoinRequest:
+    """Peer 0's Join with tensors added so that its manifest holds `values` values in all: the remainder past the
+    run's own tensors in base-2^62 digits, one tensor each (a dim is an int64)."""
+    request = join(0)
+    rest = values - sum(math.prod(shape) for shape in MANIFEST.values())
+    for power in range(rest.bit_length() // 62 + 1):
+        digit = rest >> (62 * power) & (2**62 - 1)
+        if digit:
+            request.manifest.append(pb.TensorSpec(name=f"lm_head.pad{power}", shape=[digit] + [2**62] * power))
+    return request
+
+
+def test_the_size_bound_and_the_size_shown_hold_to_four_bytes_of_a_terabyte() -> None:
+    """1000.5 GB and 4 bytes against --max_model_gb=1000.5: the bound is exact to the value (an int, no rounding),
+    and the size shown is rounded from the exact GB (1000.5 would show as 1000)."""
+    open_spec = replace(SPEC, manifest=None)
+    request = sized(250_125_000_001)
+    with pytest.raises(Refused) as err:
+        check_join(request, open_spec, max_model_gb=1000.5)
+    assert str(err.value) == (
+        "peer 0's manifest declares a model of 1001 GB in fp32, more than --max_model_gb=1000.5 (start the server "
+        "with the run's YAML, or raise the limit)"
+    )
+    check_join(request, open_spec, max_model_gb=1000.500000004)  # exactly its size: admitted
+
+
+@pytest.mark.parametrize(
+    "values, shown",
+    [
+        (2**998 - 1, "1.072e+292 GB"),  # 4 bytes short of 2^1000: still a float
+        (2**998, "over 2^1000 bytes"),
+        (2**1001 - 1, "over 2^1002 bytes"),
+        (2**1054, "over 2^1056 bytes"),  # seventeen dims of 2^62: past a float's range
+    ],
+    ids=["2^1000 less 4 bytes", "2^1000 bytes", "2^1003 less 4 bytes", "2^1056 bytes"],
+)
+def test_a_model_too_large_for_a_float_is_shown_as_a_power_of_two(values: int, shown: str) -> None:
+    with pytest.raises(Refused) as err:
+        check_join(sized(values), replace(SPEC, manifest=None))
+    assert str(err.value).startswith(f"peer 0's manifest declares a model of {shown} in fp32, more than ")
+
+
 def test_refusals_name_the_peer_and_where_the_runs_model_came_from() -> None:
     with pytest.raises(Refused) as err:
         check_join(join(0, protocol=5), SPEC)
