@@ -7,6 +7,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -320,3 +321,47 @@ def test_a_damaged_tensor_file_of_the_recorded_size_is_refused_as_unreadable(tmp
     tensor_file.unlink()
     with pytest.raises(FileNotFoundError, match=f"^{tmp_path / STATE_FILE} names {tensor_file}, which is missing"):
         load_round(tmp_path, SPEC)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "why"),
+    [
+        ("tensor_file", 7, "tensor_file 7 is not a file name"),
+        ("alpha", float("nan"), "merge alpha nan is not a number"),
+    ],
+)
+def test_a_hostile_field_is_refused_saying_what_it_holds(tmp_path: Path, field: str, value: object, why: str) -> None:
+    save_round(tmp_path, saved(10))
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    (tmp_path / STATE_FILE).write_text(json.dumps({**record, field: value}))
+    with pytest.raises(ValueError) as refused:
+        load_round(tmp_path, SPEC)
+    assert str(refused.value) == (
+        f"{tmp_path / STATE_FILE}: not a spes server state of this version ({why}); move it away or pick another "
+        "--state_dir"
+    )
+
+
+@pytest.mark.parametrize(
+    ("prefix", "spoil", "what"),
+    [
+        ("", lambda t: t.half(), "is torch.float16, not one of the wire's dtypes"),
+        ("momentum/", lambda t: torch.full_like(t, float("inf")), "holds NaN or Inf"),
+    ],
+    ids=["a model tensor in fp16", "a momentum buffer of Inf"],
+)
+def test_a_round_file_tensor_of_another_dtype_or_not_finite_is_refused_naming_it(
+    tmp_path: Path, prefix: str, spoil: Callable[[torch.Tensor], torch.Tensor], what: str
+) -> None:
+    """The file and the tensor as the file holds it (a momentum buffer under its prefix) are named."""
+    good = saved(10)
+    spoilt = {"embed.weight": spoil(good.global_model["embed.weight"])}
+    bad = (
+        dataclasses.replace(good, momentum=spoilt)
+        if prefix
+        else dataclasses.replace(good, global_model={**good.global_model, **spoilt})
+    )
+    tensor_file = save_round(tmp_path, bad)
+    with pytest.raises(ValueError) as refused:
+        load_round(tmp_path, SPEC)
+    assert str(refused.value) == f"{tensor_file}: tensor '{prefix}embed.weight' {what}: the state directory is damaged"
