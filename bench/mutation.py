@@ -232,11 +232,6 @@ EQUIVALENT: dict[str, str] = {
         "how many threads open the shards (the pool's default instead of one per shard up to 16): the same shards",
     ),
     **mutants(
-        "spes.shards.xǁRangeTokenArrayǁopen",
-        "38",
-        "the header read again when the first bytes end exactly where it ends: one request more, the same bytes",
-    ),
-    **mutants(
         "spes.shards.x__npy_layout",
         "12",
         "the header read again when the first bytes end exactly where it ends: one read more, the same bytes",

@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from data_fixtures import write_token_shard
+from fuzz_helpers import memory_cap
 from spes.shards import (
     SHARD_FORMAT_VERSION,
+    RangeTokenArray,
     find_shard_info,
     open_token_array,
     read_shard_info,
@@ -289,7 +291,8 @@ def test_a_local_npy_of_an_unreadable_header_is_refused_naming_it(tmp_path: Path
 
 
 def test_a_local_npy_whose_header_is_longer_than_the_first_read_is_read_whole(tmp_path: Path) -> None:
-    """A version 2.0 header past the first 4 KiB read is read again in full before the array is checked."""
+    """A version 2.0 header past the first 4 KiB read is read again in full before the array is checked, and only
+    the header: a shard of 8 GiB (sparse, past its array) opens within an address space of 2 GiB more."""
     shard = tmp_path / "long.npy"
     tokens = np.arange(6, dtype=np.uint16)
     header = (repr({"descr": "<u2", "fortran_order": False, "shape": (6,)}) + " " * 5000 + "\n").encode("latin1")
@@ -298,3 +301,29 @@ def test_a_local_npy_whose_header_is_longer_than_the_first_read_is_read_whole(tm
     shard.write_bytes(shard.read_bytes()[:-2])  # the last token cut off: found only with the whole header read
     with pytest.raises(ValueError, match=rf"token shard {re.escape(str(shard))} is not a whole array"):
         open_token_array(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(8 << 30)
+    with memory_cap():
+        assert np.asarray(open_token_array(shard)).tolist() == [0, 1, 2, 3, 4, 0]  # the cut token's bytes zeros now
+
+
+class _Served:
+    """A stand-in for a RemoteFile: `read(start, size)` of `data`, each range asked for recorded."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.asked = data, []
+
+    def read(self, start: int, size: int) -> bytes:
+        self.asked.append((start, size))
+        return self.data[start : start + size]
+
+
+def test_a_shard_at_a_url_reads_each_slice_as_one_range_of_exactly_its_bytes() -> None:
+    tokens = np.arange(100, dtype=np.uint32)
+    file = _Served(b"h" * 16 + tokens.tobytes())
+    array = RangeTokenArray(file, np.dtype(np.uint32), (100,), 16)  # type: ignore[arg-type]
+    assert array[10:13].tolist() == [10, 11, 12] and file.asked == [(56, 12)]
+    assert array[95:].tolist() == [95, 96, 97, 98, 99] and file.asked[-1] == (396, 20)
+    assert array[7:7].tolist() == [] and len(file.asked) == 2
+    with pytest.raises(IndexError, match="contiguous slices"):
+        array[::2]

@@ -121,22 +121,33 @@ def test_headerless_files_open_or_are_refused(raw: bytes, memmap_dtype: str | No
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
+    ("field", "value", "why"),
     [
-        ("dtype", None),
-        ("dtype", "float32"),
-        ("num_tokens", "300"),
-        ("input_end", [1, None]),
-        ("input_position", [0, 0, 0]),
-        ("input_position", {"file": 0, "byte": -1, "line": 0}),
+        ("tokenizer_fingerprint", 7, "tokenizer_fingerprint 7 is not a string"),
+        ("dtype", None, "dtype None is not a string"),
+        ("dtype", "float32", "dtype 'float32' is not a token dtype (uint8, uint16, uint32, uint64, int32, int64)"),
+        ("num_tokens", "300", "num_tokens '300' is not a count"),
+        ("num_documents", True, "num_documents True is not a count"),
+        ("vocab_size", -1, "vocab_size -1 is not a count"),
+        ("input_end", [1, None], "input_end[1] None is not a count"),
+        ("input_position", [0, 0, 0], "input_position [0, 0, 0] is not a mapping"),
+        ("input_position", {"file": 0, "byte": -1}, "input_position['byte'] -1 is not a count"),
+        ("source_files", ["a.txt", 3], "source_files ['a.txt', 3] are not file names"),
+        ("input_settings", ["text"], "input_settings ['text'] is not a mapping"),
     ],
 )
-def test_a_sidecar_field_of_another_type_is_refused(field: str, value: object) -> None:
+def test_a_sidecar_field_of_another_type_is_refused_naming_it(field: str, value: object, why: str) -> None:
+    """Each field's refusal names the field and what it holds (numpy's own errors name neither)."""
     with _shard() as path:
         record = json.loads(sidecar_path(path).read_text())
         record[field] = value
         sidecar_path(path).write_text(json.dumps(record))
-        with pytest.raises(ValueError, match=f"sidecar {sidecar_path(path)} is malformed.*{field}"):
+        with pytest.raises(ValueError) as refused:
+            find_shard_info(path)
+        assert str(refused.value) == (
+            f"sidecar {sidecar_path(path)} is malformed ({why}); rerun tokenize_data.py for this shard"
+        )
+        with pytest.raises(ValueError, match=f"sidecar {sidecar_path(path)} is malformed"):
             TokenSequenceDataset([path], 16)
 
 
