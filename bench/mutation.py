@@ -63,6 +63,8 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/sync/codecs/test_int8.py",
         "tests/sync/codecs/test_sparse.py",
         "tests/sync/codecs/test_codecs_fuzz.py",
+        # a peer taking full values of a round it took part in, from a restarted server
+        "tests/sync/test_restarts.py::test_a_peer_that_had_not_downloaded_the_last_round_before_the_restart_gets_it_as_if_never_stopped",
     ),
     "spes/sync/codecs/int8.py": ("tests/sync/codecs/test_int8.py", "tests/sync/codecs/test_codecs_fuzz.py"),
     "spes/sync/codecs/sparse.py": ("tests/sync/codecs/test_sparse.py", "tests/sync/codecs/test_codecs_fuzz.py"),
@@ -564,6 +566,13 @@ EQUIVALENT: dict[str, str] = {
         "model, and `receive` and `load_state_dict`, which give one, set them first",
     ),
     **mutants(
+        "spes.sync.codecs.held.xǁHeldPeerǁreceive",
+        "23",
+        "a restarted server's full values of a round the peer took part in held as its old held model with what the "
+        "round served and its own reconstructions instead of whole: the same tensors (the round changed no others), "
+        "what the restart tests compare round after round",
+    ),
+    **mutants(
         "spes.sync.codecs.held.x__add",
         "19",
         "a dense delta left where it is: `_add` gets one only from `encode_delta`, which subtracts it from the target "
@@ -577,10 +586,10 @@ EQUIVALENT: dict[str, str] = {
         "server's models and the payloads it decodes are all on the CPU)",
     ),
     **mutants(
-        "spes.sync.codecs.held.xǁHeldServerǁ_applied",
-        "23",
-        "every entry checked instead of the delta's: the base is finite (a round is published only so), so the "
-        "same verdict, at more cost",
+        "spes.sync.codecs.held.x_apply_finite",
+        "15",
+        "every entry checked instead of the delta's: the base is finite (a round is published only so, and a node "
+        "holds only finite downloads), so the same verdict, at more cost",
     ),
     **mutants(
         "spes.sync.codecs.held.xǁHeldServerǁselect",
