@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import subprocess
@@ -152,8 +153,9 @@ def test_raw_stream_is_checked_piece_by_piece(monkeypatch: pytest.MonkeyPatch) -
     header = next(encode_tensor("w", t, "fp32")).header
 
     def raw(tensor: torch.Tensor) -> bytearray:
-        stream = bytearray()
-        assert write_raw(tensor, "fp32", stream.extend) == 600
+        stream, writes = bytearray(), []
+        assert write_raw(tensor, "fp32", lambda data: writes.append(len(data)) or stream.extend(data)) == 600
+        assert writes == [64] * 9 + [24, 8]  # each piece written right after it is hashed, then the checksum
         assert stream[600:] == DIGEST.pack(checksum(stream[:600]))  # the payload, then its checksum
         return stream
 
@@ -398,15 +400,17 @@ def test_the_refusals_say_what_went_wrong() -> None:
 
 
 def test_pieces_are_regrouped_into_whole_chunks() -> None:
+    """Each chunk read one at a time, at most one more than expected: a regrouping that never moved past a piece, or
+    a chunk size of 0 let through, would otherwise loop forever instead of failing."""
     pieces = [b"ab", b"cdefghij", b"", b"k", b"lmnopqrstuvwxyz", b"0"]
-    chunks = list(wire._rechunk([memoryview(p) for p in pieces], 4))  # noqa: SLF001 (the regrouping itself)
-    assert chunks == [b"abcd", b"efgh", b"ijkl", b"mnop", b"qrst", b"uvwx", b"yz0"]
+    chunks = wire._rechunk([memoryview(p) for p in pieces], 4)  # noqa: SLF001 (the regrouping itself)
+    assert list(itertools.islice(chunks, 8)) == [b"abcd", b"efgh", b"ijkl", b"mnop", b"qrst", b"uvwx", b"yz0"]
     for chunk_bytes in (1, 3):  # 1 byte is the smallest chunk; 0 is refused
         tensor = torch.arange(5.0)
         got = decode_tensors(encode_tensors({"t": tensor}, "fp32", chunk_bytes=chunk_bytes), {"t": (5,)}, "fp32")
         assert torch.equal(got["t"], tensor)
     with pytest.raises(ValueError, match=r"^chunk_bytes must be positive, got 0$"):
-        list(encode_tensor("t", torch.ones(2), "fp32", chunk_bytes=0))
+        next(encode_tensor("t", torch.ones(2), "fp32", chunk_bytes=0))
 
 
 def test_an_int8_delta_travels_as_a_raw_stream_too() -> None:
@@ -584,3 +588,41 @@ def test_a_converted_wire_form_is_the_casts_bytes_hashed_piece_by_piece_into_the
     assert torch.equal(flat.view(torch.int16), want.view(torch.int16))
     assert digest == checksum(byte_view(want))
     assert encode_whole(want, "bf16", lambda *_: pytest.fail("converted"))[0].data_ptr() == want.data_ptr()
+
+
+@pytest.mark.parametrize("checksums", [None, VerifiedChecksums()], ids=["unverified", "verified"])
+def test_an_encoded_models_conversions_land_in_the_buffers_its_empty_gives(checksums: VerifiedChecksums | None) -> None:
+    """A server hands its encoded rounds its pool's kept buffers (`spes.sync.buffers`): a bf16 download's copy of an
+    fp32 mean is converted into one of them (not into fresh memory), with checksums to consult or without."""
+    mean = torch.arange(5.0) / 3
+    kept = torch.full((5,), 7.0, dtype=torch.bfloat16)
+    asked: list[tuple] = []
+    encoded = EncodedModel({"a": mean}, "bf16", checksums, lambda shape, dtype: asked.append((shape, dtype)) or kept)
+    data, digest = encoded["a"]
+    assert asked == [((5,), torch.bfloat16)] and data.data_ptr() == kept.data_ptr()
+    assert torch.equal(data, mean.bfloat16()) and digest == checksum(byte_view(mean.bfloat16()))
+
+
+def test_a_conversion_is_hashed_piece_by_piece_of_piece_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each converted piece is hashed while it is still in the CPU's cache (`PIECE_BYTES`, sized for L2), never the
+    whole tensor after its conversion."""
+    hashed: list[int] = []
+    xxh3 = wire.Checksum
+
+    class Hashed:
+        def __init__(self) -> None:
+            self._hash = xxh3()
+
+        def update(self, piece: memoryview) -> None:
+            hashed.append(len(piece))
+            self._hash.update(piece)
+
+        def intdigest(self) -> int:
+            return self._hash.intdigest()
+
+    monkeypatch.setattr(wire, "PIECE_BYTES", 64)
+    monkeypatch.setattr(wire, "Checksum", Hashed)
+    values = torch.randn(100)
+    flat, digest = encode_whole(values, "bf16")
+    assert hashed == [64, 64, 64, 8] and digest == checksum(byte_view(values.bfloat16()))
+    assert torch.equal(flat, values.bfloat16())
