@@ -208,6 +208,9 @@ def test_presence_streams_say_which_process_is_a_peer() -> None:
     sessions.absent(3, "b")  # its last stream ends: heard from then on, counting from now
     [(_, since, present)] = sessions.presence()
     assert not present and 0 <= since < 1
+    sessions._by_peer[3].last_seen -= 63  # and with no stream open, its silence counts
+    [(_, since, present)] = sessions.presence()
+    assert not present and 63 <= since < 64
     sessions.present(3, "b", "ipv4:10.0.0.2:2")
     stale = Sessions(liveness_s=0)  # a joined process never watched, not heard from within liveness_s: replaced
     stale.join(4, "a", "ipv4:10.0.0.1:1")
