@@ -275,7 +275,13 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.xǁShardWriterǁwrite", "41", _SETDEFAULT),
     **mutants("spes.corpus.x__open_binary", "7", "gzip.open's default mode is 'rb'"),
     **mutants("spes.corpus.x__encode_all", "27", "ProcessPoolExecutor.shutdown's wait defaults to True"),
-    **mutants("spes.corpus.x__tokenize", "69 72", "tqdm's file=None is sys.stderr, read when the bar is made"),
+    **mutants("spes.corpus.x__tokenize", "75 78", "tqdm's file=None is sys.stderr, read when the bar is made"),
+    **mutants(
+        "spes.corpus.x__tokenize",
+        "36 37",
+        "missing_ok of a leftover temp file the glob has just listed: nothing else removes it meanwhile (one run per "
+        "prefix)",
+    ),
     **mutants(
         "spes.corpus.x__checked_prefix",
         "6",
@@ -301,7 +307,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.corpus.x__tokenize",
-        "87 90 91",
+        "93",
         "the bar redrawn at each chunk's postfix (refresh=None is False): the same lines, only drawn more often than "
         "tqdm's own clock draws them",
     ),
@@ -330,6 +336,12 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants("spes.corpus.x__open_binary", "19", "stream_reader's closefd defaults to True"),
     **mutants("spes.corpus.x__iter_parquet_chunks", "58", "json_lines=None is falsy as False: the records are texts"),
+    **mutants(
+        "spes.corpus.x__iter_parquet_chunks",
+        "29",
+        "pyarrow's own batch size for the row groups read: the chunks are cut from the rows in order by `batch_size` "
+        "whatever the batches",
+    ),
     **mutants(
         "spes.corpus.x_file_texts",
         "3 5 8",

@@ -505,6 +505,30 @@ def test_parquet_is_read_by_its_column_in_batches_numbering_rows_across_them(tmp
     assert not any(chunk.json_lines for chunk in chunks)
 
 
+@pytest.mark.parametrize("line", [0, 2, 3, 4, 7, 9, 10])
+def test_parquet_read_from_a_row_skips_the_row_groups_before_it(tmp_path: Path, line: int) -> None:
+    """A resume of a parquet file starts at row `line`: the row groups before it are not read (10 rows in groups of 3:
+    a start on a group's edge, inside one, in the last one and at the very end), and each chunk says where it starts
+    (its rows; the offset stays 0)."""
+    path = tmp_path / "docs.parquet"
+    texts = [f"t{i}" for i in range(10)]
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=3)
+    assert pq.ParquetFile(path).num_row_groups == 4
+    read: list[list[int]] = []
+    real = pq.ParquetFile.iter_batches
+
+    def recorded(self: pq.ParquetFile, *args: Any, row_groups: Any = None, **kwargs: Any) -> Any:
+        read.append(list(row_groups))
+        return real(self, *args, row_groups=row_groups, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pq.ParquetFile, "iter_batches", recorded)
+        chunks = list(corpus.iter_file_chunks(path, "text", 2, corpus.InputPosition(5, 0, line)))
+    assert [record for chunk in chunks for record in chunk.records] == list(enumerate(texts, start=1))[line:]
+    assert [chunk.position for chunk in chunks] == [corpus.InputPosition(5, 0, row) for row in range(line, 10, 2)]
+    assert read == [list(range(min(line // 3, 3) if line < 10 else 4, 4))]
+
+
 def test_an_encoded_chunk_holds_the_shard_dtype(tokenizer: LoadedTokenizer) -> None:
     """What worker processes send back: tokens already in the shard's dtype, not int64 (four times the bytes)."""
     chunk = corpus.TextChunk("s", [(1, "one"), (2, "two")], json_lines=False)
