@@ -52,7 +52,7 @@ from spes.optim import build_optimizer, optimizer_state_bytes
 from spes.schema import ConfigError, config_help, to_dict
 from spes.shards import resolve_paths
 from spes.tokenizer import check_vocab, load_tokenizer
-from spes.trainer import Trainer, scheduler_in_steps
+from spes.trainer import Syncer, Trainer, scheduler_in_steps
 
 if TYPE_CHECKING:  # the sync wing (grpc) is imported only by runs that sync
     from spes.sync.peer import PeerSync
@@ -476,6 +476,23 @@ def _check_start(cfg: TrainConfig, node: Node, info: DistInfo, log: Callable[[st
         PeerSync(cfg, node.model, info, log=log).close()
 
 
+def node_trainer(
+    cfg: TrainConfig, node: Node, info: DistInfo, *, syncer: Syncer | None, log: Callable[[str], None]
+) -> Trainer:
+    """The trainer of a built node (its model, optimizer, data and validation), its rounds through `syncer`: one
+    place, so a test's node trains as `python -m spes.train`'s does."""
+    return Trainer(
+        cfg=cfg,
+        model=node.model,
+        optimizer=node.optimizer,
+        loader=node.loader,
+        info=info,
+        eval_batches=node.eval_batches,
+        syncer=syncer,
+        log=log,
+    )
+
+
 def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = print) -> tuple[Trainer, PeerSync | None]:
     """What `python -m spes.train` fits: the node built, its side of the rounds joined to the server (None for a
     centralized run), the trainer resumed from the node's checkpoint with the round it held in flight, if any.
@@ -491,16 +508,7 @@ def start_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
     try:
         if syncer is not None:
             syncer.join()
-        trainer = Trainer(
-            cfg=cfg,
-            model=node.model,
-            optimizer=node.optimizer,
-            loader=node.loader,
-            info=info,
-            eval_batches=node.eval_batches,
-            syncer=syncer,
-            log=log,
-        )
+        trainer = node_trainer(cfg, node, info, syncer=syncer, log=log)
         if node.checkpoint is not None:
             trainer.load_state_dict(node.checkpoint.trainer)
         if syncer is not None:

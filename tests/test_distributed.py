@@ -547,8 +547,7 @@ def _digests(model: torch.nn.Module) -> dict[str, str]:
 def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     """One SPES node on this torchrun's ranks; records every rank's whole model before and after each round."""
     from spes.sync.peer import PeerSync, SyncResult
-    from spes.train import build_node
-    from spes.trainer import Trainer
+    from spes.train import build_node, node_trainer
 
     cfg = load_config(TINY, [*SMALL_NODE, *args["overrides"]])[0]
     quiet = lambda _msg: None  # noqa: E731
@@ -567,15 +566,7 @@ def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
         def __getattr__(self, name: str) -> object:  # the rest of the Syncer: PeerSync's own
             return getattr(peer_sync, name)
 
-    trainer = Trainer(
-        cfg=cfg,
-        model=node.model,
-        optimizer=node.optimizer,
-        loader=node.loader,
-        info=info,
-        syncer=Recording(),
-        log=quiet,
-    )
+    trainer = node_trainer(cfg, node, info, syncer=Recording(), log=quiet)
     trainer.fit()
     peer_sync.close()
     return {**record, "run_id": peer_sync.client.run_id if peer_sync.client is not None else ""}
