@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 from common import (
+    PAPER_1B,
     REPO_ROOT,
     best_seconds,
     format_table,
-    machine_info,
     manifest_bytes,
+    model_record,
     parser,
     server_overrides,
     vocabulary,
@@ -36,7 +37,6 @@ from spes.sync.merge import build_global
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
 
-PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 # The paper's 1B widths (d_model 768, 16 experts of 2048) with 3 layers and a 50k vocabulary: 1.24 GB in fp32.
 FULL_MODEL = ["--model.n_layers=3", *vocabulary(50304)]
 QUICK_CONFIG = REPO_ROOT / "configs" / "tiny.yaml"
@@ -134,10 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(
         args.out,
         {
-            "mode": "quick" if args.quick else "full",
-            "machine": machine_info(),
-            "config": str(config.relative_to(REPO_ROOT)),
-            "overrides": overrides,
+            **model_record(args.quick, config, overrides),
             "peers": peers,
             "experts_per_peer": k,
             "model_bytes_fp32": manifest_bytes(spes_manifest),

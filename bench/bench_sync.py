@@ -42,12 +42,13 @@ from typing import IO, Any, Literal, TypedDict
 import torch
 
 from common import (
+    PAPER_1B,
     REPO_ROOT,
     RESULTS_DIR,
     format_table,
-    machine_info,
     manifest_bytes,
     manifest_of,
+    model_record,
     parser,
     vocabulary,
     write_results,
@@ -58,7 +59,6 @@ from spes.sync.client import SyncClient
 from spes.sync.codecs.registry import REGISTRY
 from spes.sync.spec import RunSpec, run_spec
 
-PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 FULL_MODEL = [
     "--model.n_layers=3",
     *vocabulary(50304),
@@ -622,10 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     write_results(
         args.out,
         {
-            "mode": "quick" if args.quick else "full",
-            "machine": machine_info(),
-            "config": str(config.relative_to(REPO_ROOT)),
-            "overrides": overrides,
+            **model_record(args.quick, config, overrides),
             "model_bytes_fp32": manifest_bytes(manifest),
             "warmup_rounds": args.warmup,
             "rounds": args.rounds,

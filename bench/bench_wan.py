@@ -50,6 +50,7 @@ from bench_sync import bench_raw, bench_spes, expect_line, fastest, node_run, ro
 from bench_train import build_variant, timed_step
 from bench_wire import round_bytes as peer_round_bytes
 from common import (
+    PAPER_1B,
     REPO_ROOT,
     RESULTS_DIR,
     format_table,
@@ -64,7 +65,6 @@ from common import (
 from spes.config import load_config
 from spes.sync.codecs.registry import REGISTRY
 
-PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 RELAY = Path(__file__).resolve().parent / "link_relay.py"
 # scale -> overrides of the 1B config keeping its ratios (see the module docstring)
 SCALES = {

@@ -31,6 +31,8 @@ from spes.sync.spec import RunSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
+PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
+"""The paper's 1B node config, which the full runs measure (some with fewer layers or a scaled-down width)."""
 GIB = 2**30
 MIB = 2**20
 
@@ -123,6 +125,17 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "load_avg_1_5_15": [round(load1, 2), round(load5, 2), round(load15, 2)],
+    }
+
+
+def model_record(quick: bool, config: Path, overrides: Sequence[str]) -> dict[str, Any]:
+    """How a record of a benchmark measuring a config's model begins: the mode, the machine, and the model (the
+    config file in the repository and the overrides on it)."""
+    return {
+        "mode": "quick" if quick else "full",
+        "machine": machine_info(),
+        "config": str(config.relative_to(REPO_ROOT)),
+        "overrides": list(overrides),
     }
 
 
