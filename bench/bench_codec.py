@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from common import (
+    PAPER_1B,
     REPO_ROOT,
     CodecChoice,
     best_seconds,
@@ -63,7 +64,6 @@ from spes.sync.codecs.registry import REGISTRY
 from spes.sync.protocol import Shape
 from spes.sync.spec import RunSpec, run_spec
 
-PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 LINKS_MBIT = (1000, 100)
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}

@@ -29,6 +29,7 @@ import torch
 
 from common import (
     MIB,
+    PAPER_1B,
     REPO_ROOT,
     config_file,
     format_table,
@@ -46,7 +47,6 @@ from spes.optim import build_optimizer, optimizer_state_bytes
 from spes.preflight import FP32, memory_need, model_state_bytes
 
 TOLERANCE = 0.05
-PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 KINDS = {"spes": [], "full": ["--using_spes=false"]}
 MINIATURE = [
     "--model.d_model=16",

@@ -49,6 +49,7 @@ import torch
 import common
 from common import (
     MIB,
+    PAPER_1B,
     REPO_ROOT,
     CodecChoice,
     codec_choice,
@@ -76,7 +77,6 @@ from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.spec import RunSpec, run_spec
 from spes.sync.wire import encode_tensors, header_for, payload_bytes
 
-PAPER_1B = REPO_ROOT / "configs" / "spes_1b" / "node_0.yaml"
 PAPER_MERGE = ServerSection(merge_interval=500, merge_alpha_start=0.05, merge_decay_steps=10000, merge_topk=4)
 """The paper's launch settings of the merge warm-up (what the amortized figures weight merge rounds by)."""
 MERGE = ServerSection(merge_interval=2, merge_alpha_start=0.05, merge_decay_steps=1000)
