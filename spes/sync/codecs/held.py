@@ -362,12 +362,13 @@ class HeldPeer:
     ) -> Tensors:
         """The new held model of the tensors the round served, as a raw codec returns what it downloaded: with
         fragments a round serves one fragment, and the node's other tensors keep their local progress. Full values
-        (no base) are the whole held model, loaded whole by a peer that held none or catches up (`serves` None). A
-        peer that held a model and took part in the round gets them from a restarted server (its restored round
-        holds no deltas): it loads only `serves` and commits the rest as deltas would have brought it, so its run
-        goes on as if the server had never stopped. A peer that caught up drops its carried error (its upload was
-        not taken); otherwise the upload's errors replace those of the tensors it coded, and every other tensor's (a
-        fragment not synchronized this round) stays carried until its own round.
+        (no base) are the whole held model, loaded whole by a peer that catches up (`serves` None). A peer that took
+        part in the round gets them when it held no model (its first round, or after `forget`) or from a restarted
+        server (its restored round holds no deltas): it holds them all but loads only `serves`, as on a raw wire
+        (the other fragments keep their local progress); a peer that held a model commits the rest as deltas would
+        have brought it, so its run goes on as if the server had never stopped. A peer that caught up drops its
+        carried error (its upload was not taken); otherwise the upload's errors replace those of the tensors it coded,
+        and every other tensor's (a fragment not synchronized this round) stays carried until its own round.
 
         The peer's own blocks that the server took verbatim (not served back: a round without merging) are held
         as their upload's reconstruction H' = H + decode(p) but not returned, so the node keeps them as it trained
@@ -379,7 +380,7 @@ class HeldPeer:
             self._upload.complete()  # NOTE: a duplicate's items were never read, but the server took them
         whole = info.base_round == NO_BASE
         relayed: Tensors = {}
-        if whole and (self.round is None or serves is None):
+        if whole and serves is None:
             held, served = values, dict(values)
         else:
             # NOTE: the client checked the announced names; a tensor the round did not change keeps its held value.

@@ -353,6 +353,27 @@ def test_a_fragments_round_keeps_the_error_the_other_fragments_carry() -> None:
     assert set(peer.carried) == {"a", "b"} and torch.equal(peer.carried["b"], carried_b)
 
 
+def test_a_fragments_first_round_loads_its_fragment_and_holds_the_whole_model() -> None:
+    """A peer holding no model (its first round, or after `forget`) gets full values of every tensor, but with
+    fragments the round serves one: it loads that fragment and nothing else, so the other fragments keep their
+    local progress as on a raw wire (loading everything set them back to the server's model once), and it holds
+    the whole model, so the other fragments' next rounds are deltas against the server's copy."""
+    gen = torch.Generator().manual_seed(8)
+    server_model = {n: torch.randn(SHAPE, generator=gen) for n in ("a", "b")}
+    peer, server = HeldPeer(QUANTIZER), HeldServer(QUANTIZER)
+    peer.upload({"a": server_model["a"] + 1e-3}, own=[])  # fragment a's round: full values
+    selection = server.select(Served(10, server_model), full=False, base_round=peer.base_round)
+    info = pb.RoundInfo(round=10, names=["a", "b"], base_round=selection.base_round)
+    assert peer.whole(info)
+    decoder = through({n: selection.items[n] for n in ("a", "b")}, peer.decoder({"a": SHAPE, "b": SHAPE}, None))
+    loaded = peer.receive(info, decoder, caught_up=False, serves=["a"])
+    assert list(loaded) == ["a"] and torch.equal(loaded["a"], server_model["a"])
+    assert_bit_identical(peer.held, server_model) and peer.base_round == 10
+    local_b = server_model["b"] + 1e-3  # fragment b's local progress, kept
+    coded = peer.upload({"b": local_b}, own=[])["b"]
+    assert isinstance(coded, Coded) and coded.base_round == 10
+
+
 def test_an_upload_is_made_as_a_plane_reads_it_and_its_digest_before(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each tensor is encoded when a plane first reads it (its first bytes go while the rest is encoded), once; the
     digest the server tells a retry by is made from the inputs: equal for a retry, different for other values,
@@ -630,8 +651,9 @@ def held_run(
 @pytest.mark.parametrize("plane", ["grpc", "tcp"])
 def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec: str, plane: str) -> None:
     """Two peers, four rounds (the third a merge round): the first moves full values, the others coded deltas
-    of exactly the analytic size; every peer's result is the server's held model, bit for bit, but for its own
-    blocks on a round without merging: those it keeps as it trained them."""
+    of exactly the analytic size; every peer holds the server's held model bit for bit, and what it loads is that
+    model but for its own blocks on a round without merging (the first included): those it keeps as it trained
+    them, as on a raw wire."""
     with held_run(codec, plane, seed=0) as (spec, init, server, clients):
         assert spec.manifest is not None
         models = [init, init]
@@ -640,9 +662,10 @@ def test_every_peer_holds_the_servers_model_bit_for_bit_after_every_round(codec:
             results = sync_all(clients, step, theta)
             merged = step == 30
             for p in range(2):
-                kept = [] if step == 10 or merged else spec.own(p)
+                kept = [] if merged else spec.own(p)
                 assert sorted(results[p][0]) == sorted(n for n in spec.manifest if n not in kept)
                 assert_on_held(results[p][0], server)
+                assert_bit_identical(clients[p].codec.held, held_of(server))  # type: ignore[attr-defined]
                 models[p] = {**models[p], **theta[p], **results[p][0]}
             for p, (_, stats) in results.items():
                 up = spec.trainable(p)
@@ -675,16 +698,18 @@ def test_a_diverged_peer_stops_naming_the_tensor_though_its_upload_is_made_while
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("codec", CODECS)
 def test_a_new_peer_and_a_peer_holding_another_model_get_full_values(codec: str) -> None:
-    """A restarted peer holds no model: it uploads and downloads full values once, then deltas again. A peer whose
-    held model is of another round has its deltas refused (base_mismatch) and sends full values instead."""
+    """A restarted peer holds no model: it uploads and downloads full values once (holding them all, loading what a
+    raw wire would bring), then deltas again. A peer whose held model is of another round has its deltas refused
+    (base_mismatch) and sends full values instead."""
     spec = spec_of(codec)
     assert spec.manifest is not None
     gen = torch.Generator().manual_seed(1)
     init = {n: torch.randn(s, generator=gen) for n, s in spec.manifest.items()}
     everything = 4 * sum(math.prod(s) for s in spec.manifest.values())
     with running_server(spec, data_port=0) as (server, addr), joined_clients(addr, spec) as clients:
-        results = sync_all(clients, 10, {p: trained(init, spec, p, 10) for p in range(2)})
-        model = results[0][0]
+        first = trained(init, spec, 0, 10)
+        results = sync_all(clients, 10, {0: first, 1: trained(init, spec, 1, 10)})
+        model = {**first, **results[0][0]}
         clients[1].close()
         with make_client(addr, spec, 1, run_id=server.service.run_id) as fresh:  # a replacement node of this run
             fresh.join()
@@ -692,7 +717,8 @@ def test_a_new_peer_and_a_peer_holding_another_model_get_full_values(codec: str)
             theta = {p: trained(model, spec, p, 20) for p in range(2)}
             results = sync_all(peers, 20, theta)
             assert results[1][1].bytes_down == everything and results[0][1].bytes_down < everything / 3
-            assert len(results[1][0]) == len(spec.manifest)
+            assert sorted(results[1][0]) == sorted(spec.downloads(1, merged=False))  # its own blocks as it trained them
+            assert_bit_identical(fresh.codec.held, held_of(server))  # type: ignore[attr-defined]
             for p in range(2):
                 assert_on_held(results[p][0], server)
             codec_state = clients[0].codec
