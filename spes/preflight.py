@@ -247,11 +247,11 @@ def check_server(
     cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable: list[str]
 ) -> tuple[list[Check], SyncClient | None]:
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
+    from spes.node import start_checkpoint
     from spes.sync.client import SyncError
     from spes.sync.node_files import read_run_id
     from spes.sync.peer import dry_join_client
     from spes.sync.protocol import PROTOCOL_VERSION
-    from spes.train import start_checkpoint
 
     s = cfg.spes_config
     if not cfg.sync_enabled:
