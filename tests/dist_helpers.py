@@ -197,7 +197,7 @@ def _rank_main(out_dir: Path) -> None:
         (out_dir / f"result{info.rank}.json").write_text(json.dumps(result))
         ok = True
     finally:
-        gc.collect()  # NOTE: as spes.train.run: a DDP wrapper a reference cycle holds goes before its group does
+        gc.collect()  # NOTE: as spes.node.run: a DDP wrapper a reference cycle holds goes before its group does
         shutdown_distributed(clean=ok)
 
 
