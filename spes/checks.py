@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 GIB = 2**30
 
 
@@ -62,7 +60,10 @@ def report(checks: list[Check], out: Callable[[str], None] = print) -> int:
 
 
 def matmul_flops_per_s(kind: str, seconds: float = 0.3) -> float:
-    """The device's dense matmul rate (bf16 on CUDA, fp32 on the CPU), measured for about `seconds`."""
+    """The device's dense matmul rate (bf16 on CUDA, fp32 on the CPU), measured for about `seconds`; torch imported
+    here, so that the report lines cost `python -m spes.preflight --help` and a bad config nothing."""
+    import torch
+
     n = 4096 if kind == "cuda" else 512
     dtype = torch.bfloat16 if kind == "cuda" else torch.float32
     a = torch.randn(n, n, device=kind, dtype=dtype)

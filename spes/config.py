@@ -970,3 +970,11 @@ def changed_settings(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: s
         elif saved[key] != value:
             changes.append(f"{prefix}{key}: {saved[key]!r} -> {value!r}")
     return changes
+
+
+def passed_over(cfg: TrainConfig) -> str | None:
+    """The note for a resume of save_folder when load_path names other weights (read only by a fresh start): OLMo
+    passes over them without a word. Here, not in `spes.node`, because `spes.train` notes it before torch."""
+    if cfg.load_path is None or Path(cfg.load_path).resolve() == Path(cfg.save_folder).resolve():
+        return None
+    return f"note: resuming save_folder {cfg.save_folder}; load_path {cfg.load_path} is not read"

@@ -116,7 +116,7 @@ def shutdown_distributed(clean: bool) -> None:
     NOTE: gloo's worker threads free finished work (tensors with Python objects: they need the GIL) a moment
     after `wait()` returns, and freeing the process group joins those threads. The Python handle frees it with
     the GIL released; DDP's C++ reducer, if it holds the last reference, does not, and the process hangs at
-    exit. So the caller drops every DDP wrapper first (spes.train.run), and on a clean exit the ranks meet at a
+    exit. So the caller drops every DDP wrapper first (spes.node.run), and on a clean exit the ranks meet at a
     barrier so no rank leaves while another still talks to it.
     """
     if not dist.is_initialized():

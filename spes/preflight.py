@@ -11,6 +11,10 @@ changes nothing on the server); the link (round-trip time and throughput each wa
 use, the predicted seconds per round and the fraction of time spent not training); free disk where checkpoints
 go; the training data, and for shards at URLs how long a step's windows take to read. Exit status: 0 all
 passed, 1 some failed (named, each with what to do), 2 bad config.
+
+torch (and the model, the sync wing and the data modules) is imported by the checks that need it, so `--help`, a
+mistyped flag or key and a config that does not load are answered in a fraction of a second; `--devices` and `--gpu`
+import it.
 """
 
 from __future__ import annotations
@@ -27,15 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
-import torch
 
 from spes.checks import GIB, Check, fail, gib, matmul_flops_per_s, ok, report, skip
 from spes.config import TrainConfig, load_config
-from spes.distributed import check_launch
-from spes.head_loss import LOSS_CHUNK_ELEMENTS
-from spes.model import Transformer, analytic_param_counts, tflops_per_token
 from spes.schema import ConfigError, number_flag
-from spes.sync.auth import TOKEN_ENV
 
 if TYPE_CHECKING:
     from spes.data import TokenSequenceDataset
@@ -74,6 +73,8 @@ class Devices:
 
 def find_devices(nproc: int | None) -> Devices:
     """The devices of this machine and how many processes the launch scripts start (NPROC_PER_NODE or all GPUs)."""
+    import torch
+
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if num_gpus:
         props = [torch.cuda.get_device_properties(i) for i in range(num_gpus)]
@@ -98,6 +99,10 @@ def find_devices(nproc: int | None) -> Devices:
 
 
 def check_devices(cfg: TrainConfig, devices: Devices) -> Check:
+    import torch
+
+    from spes.distributed import check_launch
+
     num_gpus = torch.cuda.device_count() if devices.kind == "cuda" else 0
     env = {
         "WORLD_SIZE": str(devices.nproc),
@@ -132,6 +137,8 @@ class StateBytes:
 
 def model_state_bytes(cfg: TrainConfig) -> StateBytes:
     """From the config alone (`spes.model.analytic_param_counts`); bench/bench_memory.py checks it against a run."""
+    from spes.model import analytic_param_counts
+
     owned = cfg.owned_experts()
     counts = analytic_param_counts(cfg.model, None if owned is None else owned[1] - owned[0])
     return StateBytes(
@@ -177,6 +184,8 @@ def memory_need(cfg: TrainConfig, nproc: int) -> tuple[int, int]:
     """(model-state bytes one process holds, activation bytes per sequence): FSDP2 shards the state over the
     node's processes, DDP adds gradient buckets as large as the gradients, and under `amp_bf16` autocast keeps a
     bf16 copy of every weight it casts for the step."""
+    from spes.head_loss import LOSS_CHUNK_ELEMENTS
+
     state = model_state_bytes(cfg)
     per_rank = state.total
     if nproc > 1 and cfg.distributed_strategy == "fsdp" and cfg.fsdp.sharding_strategy != "NO_SHARD":
@@ -237,6 +246,9 @@ def check_memory(cfg: TrainConfig, devices: Devices, budget_bytes: int | None) -
 # -- server and link ----------------------------------------------------------------------------------------------
 def manifest(cfg: TrainConfig) -> tuple[dict[str, tuple[int, ...]], list[str]]:
     """The manifest this node would announce at Join, read off the model built on the meta device."""
+    import torch
+
+    from spes.model import Transformer
     from spes.sync.peer import model_manifest
 
     with torch.device("meta"):
@@ -247,11 +259,11 @@ def check_server(
     cfg: TrainConfig, shapes: dict[str, tuple[int, ...]], trainable: list[str]
 ) -> tuple[list[Check], SyncClient | None]:
     """The server and run-settings checks (a dry join); returns the checks and the client for the link test."""
+    from spes.node import start_checkpoint
     from spes.sync.client import SyncError
     from spes.sync.node_files import read_run_id
     from spes.sync.peer import dry_join_client
     from spes.sync.protocol import PROTOCOL_VERSION
-    from spes.train import start_checkpoint
 
     s = cfg.spes_config
     if not cfg.sync_enabled:
@@ -303,6 +315,8 @@ def run_position(status: ServerStatus) -> str:
 
 def _security(cfg: TrainConfig) -> str:
     """How this node authenticates to the server, in words."""
+    from spes.sync.auth import TOKEN_ENV
+
     s = cfg.spes_config
     parts = (
         "token" if s.token_file or os.environ.get(TOKEN_ENV) else "",
@@ -369,6 +383,8 @@ def _refused_join(cfg: TrainConfig, exc: SyncError) -> list[Check]:
 
 def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
     """Seconds per optimizer step from the config's FLOPs and this device's measured matmul rate (MFU 40% on GPU)."""
+    from spes.model import tflops_per_token
+
     flops = tflops_per_token(cfg.model) * 1e12 * cfg.global_train_batch_size * cfg.model.max_sequence_length
     # NOTE: each GPU adds its rate; CPU processes share the cores one measurement already used
     rate = matmul_flops_per_s(devices.kind) * (devices.nproc if devices.kind == "cuda" else 1)

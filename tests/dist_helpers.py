@@ -16,6 +16,7 @@ import gc
 import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -85,6 +86,25 @@ def run_logged(
         finally:
             _kill_group(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, log.read_text(), "")
+
+
+def without_torch(cwd: Path, module: str, *argv: str) -> tuple[int, str, list[str]]:
+    """`python -m MODULE ARGV` in a fresh interpreter: its exit code, stdout and stderr's lines, having checked
+    (`-X importtime` names every import) that it never imported torch."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", module, *argv],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert not re.search(r"\| torch$", proc.stderr, flags=re.M), f"{module} {argv} imported torch"
+    return (
+        proc.returncode,
+        proc.stdout,
+        [line for line in proc.stderr.splitlines() if not line.startswith("import time:")],
+    )
 
 
 def torchrun(
@@ -177,7 +197,7 @@ def _rank_main(out_dir: Path) -> None:
         (out_dir / f"result{info.rank}.json").write_text(json.dumps(result))
         ok = True
     finally:
-        gc.collect()  # NOTE: as spes.train.run: a DDP wrapper a reference cycle holds goes before its group does
+        gc.collect()  # NOTE: as spes.node.run: a DDP wrapper a reference cycle holds goes before its group does
         shutdown_distributed(clean=ok)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo
-from spes.train import start_node
+from spes.node import start_node
 from spes.trainer import Trainer
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")

@@ -287,13 +287,13 @@ def _frozen_comm_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
 
 
 def _teardown_worker(args: dict[str, Any], info: DistInfo) -> list[int]:
-    """`spes.train.run` under DDP, once to the end and once failing mid-fit: how many DDP wrappers are alive when
+    """`spes.node.run` under DDP, once to the end and once failing mid-fit: how many DDP wrappers are alive when
     it leaves the process group (the harness leaves it afterwards)."""
     import gc
 
     from torch.nn.parallel import DistributedDataParallel
 
-    import spes.train as train
+    import spes.node as train
 
     alive: list[int] = []
     train.shutdown_distributed = lambda clean: alive.append(  # type: ignore[assignment]
@@ -546,8 +546,8 @@ def _digests(model: torch.nn.Module) -> dict[str, str]:
 
 def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     """One SPES node on this torchrun's ranks; records every rank's whole model before and after each round."""
+    from spes.node import build_node, node_trainer
     from spes.sync.peer import PeerSync, SyncResult
-    from spes.train import build_node, node_trainer
 
     cfg = load_config(TINY, [*SMALL_NODE, *args["overrides"]])[0]
     quiet = lambda _msg: None  # noqa: E731
@@ -574,7 +574,7 @@ def _sync_node_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
 
 def _replacement_worker(args: dict[str, Any], info: DistInfo) -> dict[str, Any]:
     """A fresh node of the run started as `python -m spes.train` starts it: every rank's step and whole model."""
-    from spes.train import start_node
+    from spes.node import start_node
 
     cfg = load_config(TINY, [*SMALL_NODE, *args["overrides"]])[0]
     trainer, syncer = start_node(cfg, info, log=lambda _msg: None)

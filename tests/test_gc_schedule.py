@@ -12,8 +12,8 @@ from conftest import littering, make_garbage
 from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.gc_schedule import scheduled_collection
+from spes.node import build_node
 from spes.schema import ConfigError
-from spes.train import build_node
 from spes.trainer import Trainer
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")

@@ -17,8 +17,9 @@ from peer_nodes import peer_config, start_peer
 from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.guard import NonFiniteError, NonFiniteSkips, all_finite, check_weights_finite, first_nonfinite_parameter
+from spes.node import build_node
 from spes.sync.server import spec_of_run
-from spes.train import build_node, main
+from spes.train import main
 from spes.trainer import Trainer
 from sync_helpers import running_server
 

@@ -24,8 +24,9 @@ from safetensors.torch import load_file
 
 from spes.config import INERT_KEYS, TrainConfig, load_config
 from spes.distributed import DistInfo
+from spes.node import build_node
 from spes.shards import resolve_paths
-from spes.train import build_node, main
+from spes.train import main
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST = Path(__file__).resolve().parent / "data" / "first_implementation"
@@ -383,7 +384,7 @@ def test_a_save_folder_that_cannot_be_one_fails_before_the_model_is_built(  # ty
     out, err = capsys.readouterr()
     assert err == f"error: save_folder {afile} is a file, not a folder; choose another save_folder (or run_name)\n"
     assert "parameters:" not in out  # the model was not built
-    monkeypatch.setattr("spes.train.os.access", lambda path, mode: path != tmp_path)  # root may write anywhere
+    monkeypatch.setattr("spes.node.os.access", lambda path, mode: path != tmp_path)  # root may write anywhere
     args = [TINY, "--using_spes=false", *_tiny_corpus(tiny_corpus, tmp_path / "new" / "run"), "--max_duration=2st"]
     assert main(args) == 2
     assert capsys.readouterr().err == (

@@ -19,6 +19,7 @@ import torch
 
 from conftest import usage_error
 from data_fixtures import write_token_shard
+from dist_helpers import without_torch
 from http_fixtures import http_server
 from spes.config import load_config
 from spes.model import Transformer, count_params
@@ -371,6 +372,25 @@ def test_a_certificate_for_another_peer_fails_the_server_check(
 def test_a_bad_override_is_a_config_error(node: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*node, "--spes_config.num_peerz=3"]) == 2
     assert "did you mean 'spes_config.num_peers'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_help_and_a_refused_config_are_answered_without_torch(tmp_path: Path) -> None:
+    """Importing torch (and the model, the sync wing) took most of the two seconds `--help` or a mistyped key took:
+    the checks import it, once the config holds; the lines and exit codes are as before."""
+    code, out, err = without_torch(tmp_path, "spes.preflight", "--help")
+    assert code == 0 and out.startswith("usage: python -m spes.preflight") and "--memory_budget_gb" in out and not err
+    (tmp_path / "typo.yaml").write_text("model:\n  d_modle: 64\n")
+    refused = {
+        ("typo.yaml",): "error: typo.yaml: unknown config key 'model.d_modle'; did you mean 'model.d_model'?",
+        (TINY, "--spes_config.num_peerz=3"): "error: command line (--spes_config.num_peerz=3): unknown config key "
+        "'spes_config.num_peerz'; did you mean 'spes_config.num_peers'?",
+        ("gone.yaml",): "error: config file not found: gone.yaml (pass a YAML file, e.g. configs/tiny.yaml)",
+        (TINY, "--nproc=0"): "python -m spes.preflight: error: argument --nproc: 0 must be an integer >= 1",
+    }
+    for argv, line in refused.items():
+        code, out, err = without_torch(tmp_path, "spes.preflight", *argv)
+        assert (code, out, err[-1]) == (2, "", line), argv
 
 
 def test_model_state_bytes_count_what_the_node_builds(node: list[str]) -> None:

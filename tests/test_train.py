@@ -17,25 +17,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import spes.train
+import spes.node
 from data_fixtures import write_token_shard
-from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
+from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged, without_torch
 from peer_nodes import CPU
 from spes.atomic import hold_lock, lock_holder
 from spes.checkpoint import META_FILE
 from spes.config import load_config
-from spes.torchrun import ERROR_DIR_ENV
-from spes.train import (
+from spes.node import (
     SAVE_FOLDER_LOCK,
-    _apply_resume,
     build_node,
     claim_save_folder,
     describe_experts,
     holding_save_folder,
-    main,
-    parse_args,
     start_checkpoint,
 )
+from spes.torchrun import ERROR_DIR_ENV
+from spes.train import _apply_resume, main, parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -53,6 +51,27 @@ def assert_one_line(code: int, out: str, *expected: str) -> str:
     assert code != 0 and "Traceback" not in out and last.startswith("error: "), out[-3000:]
     assert all(e in last for e in expected), last
     return last
+
+
+@pytest.mark.timeout(120)
+def test_help_and_a_refused_command_line_or_config_are_answered_without_torch(tmp_path: Path) -> None:
+    """Importing torch took most of the two seconds `--help` or a mistyped key took (longer on a busy host): the
+    command line and the config are read and refused before it, with the same lines and exit codes."""
+    code, out, err = without_torch(tmp_path, "spes.train", "--help")
+    assert code == 0 and out.startswith("usage: python -m spes.train") and "--model.d_model=" in out and not err
+    (tmp_path / "typo.yaml").write_text("model:\n  d_modle: 64\n")
+    refused = {
+        ("typo.yaml",): "error: typo.yaml: unknown config key 'model.d_modle'; did you mean 'model.d_model'?",
+        (TINY, "--seed=-1"): "error: command line (--seed=-1): config key 'seed' = -1 must be >= 0",
+        (TINY, "--seed"): "error: override '--seed' must look like --section.key=value",
+        ("gone.yaml",): "error: config file not found: gone.yaml (pass a YAML file, e.g. configs/tiny.yaml)",
+        (
+            TINY,
+            "--resume=always",
+        ): "error: command line: '--resume=always' is not an option; use --resume or --resume=auto",
+    }
+    for argv, line in refused.items():
+        assert without_torch(tmp_path, "spes.train", *argv) == (2, "", [line]), argv
 
 
 def test_resume_flags_are_parsed() -> None:
@@ -236,8 +255,8 @@ def test_the_main_rank_checks_its_save_folder_once_and_an_unusable_one_is_still_
     """Holding the folder checked it, and claiming it checked it again; every rank (a dry run too) still refuses an
     unusable one before the model is built."""
     checked: list[str] = []
-    check = spes.train._usable_folder
-    monkeypatch.setattr(spes.train, "_usable_folder", lambda cfg: checked.append(cfg.save_folder) or check(cfg))
+    check = spes.node._usable_folder
+    monkeypatch.setattr(spes.node, "_usable_folder", lambda cfg: checked.append(cfg.save_folder) or check(cfg))
     cfg, _ = load_config(TINY, [f"--save_folder={tmp_path / 'out'}"])
     with holding_save_folder(cfg, CPU, print):
         claim_save_folder(cfg, continuing=False, is_main=True, log=print)
@@ -265,7 +284,7 @@ def test_a_signal_before_the_training_loop_ends_in_a_line_naming_what_the_save_f
     Under spes.torchrun the line is left for it."""
     folder = tmp_path / "out"
     node = [TINY, *tiny_corpus.overrides(folder), *FAST]
-    monkeypatch.setattr(spes.train, "start_node", _sigterm)
+    monkeypatch.setattr(spes.node, "start_node", _sigterm)
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: None)  # NOTE: without the fix, no kill of pytest
     try:
         assert main(node) == 130
@@ -335,7 +354,7 @@ def test_a_node_the_server_would_refuse_stops_before_building_its_model(
     from spes.sync.server import spec_of_run
     from sync_helpers import TOKEN, running_server
 
-    monkeypatch.setattr(spes.train, "parallelize", _never_built)
+    monkeypatch.setattr(spes.node, "parallelize", _never_built)
     run = [*tiny_corpus.overrides(tmp_path / "node"), *SMALL_NODE, "--spes_config.num_peers=1"]
     run += ["--spes_config.num_train_experts_per_node=8", "--max_duration=2st", "--save_interval=null"]
 

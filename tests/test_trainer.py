@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 from spes.config import load_config
 from spes.distributed import DistInfo
 from spes.interrupt import Stopped
+from spes.node import build_node
 from spes.optim import lr_at, optimizer_state_bytes
-from spes.train import build_node, main
+from spes.train import main
 from spes.trainer import Trainer, aux_loss_factor, schedule_length, scheduler_in_steps
 
 REPO = Path(__file__).resolve().parents[1]

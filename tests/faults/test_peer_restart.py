@@ -13,11 +13,11 @@ import torch
 
 from peer_nodes import CPU, MERGE, TINY, peer_overrides
 from spes.config import load_config
+from spes.node import build_node, rejoin
 from spes.sync.node_files import read_run_id
 from spes.sync.peer import PeerSync, SyncResult
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
-from spes.train import build_node, rejoin
 from spes.trainer import Trainer
 from sync_helpers import running_server
 

@@ -18,6 +18,7 @@ from dist_helpers import run_ranks
 from peer_nodes import MERGE, QUIET, TINY, peer_config, peer_overrides, start_peer
 from spes.config import load_config
 from spes.distributed import DistInfo
+from spes.node import build_node
 from spes.sync.client import RoundPhases, SyncStats
 from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, parse_expert_block, round_alpha
@@ -29,7 +30,6 @@ from spes.sync.protocol import SyncError, Tensors
 from spes.sync.server import spec_of_run
 from spes.sync.spec import RunSpec
 from spes.sync.status import describe
-from spes.train import build_node
 from spes.trainer import Trainer
 from sync_helpers import running_server
 
