@@ -203,15 +203,17 @@ def test_tls_peer_ids_bind_a_presence_stream_to_its_certificate(tmp_path: Path) 
 
 @pytest.mark.timeout(60)
 def test_download_honours_round_deadline_when_a_peer_never_comes() -> None:
+    """The sync ends at its round_timeout_s, not at the rpc_timeout_s of an attempt (made 30 s here, far enough
+    past the round's deadline for a slow machine not to blur the two)."""
     spec = tiny_spec()
     with running_server(spec) as (_, addr):
-        with make_client(addr, spec, 0, rpc_timeout_s=5, round_timeout_s=1.5, max_retries=1) as client:
+        with make_client(addr, spec, 0, rpc_timeout_s=30, round_timeout_s=1.5, max_retries=1) as client:
             client.join()
             start = time.monotonic()
             with pytest.raises(SyncError) as err:
                 client.sync(1, peer_upload(spec, 0, seed=4))
             assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert time.monotonic() - start < 6
+            assert time.monotonic() - start < 15  # half the rpc timeout
 
 
 def free_port() -> int:
@@ -311,7 +313,7 @@ def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None
         uploads = {p: peer_upload(spec, p, seed=20) for p in range(2)}
         start = time.monotonic()
         results = sync_all(clients[:2], 20, uploads)  # peer 2 is "dead"
-        assert 0.9 < time.monotonic() - start < 10
+        assert 0.9 < time.monotonic() - start < 15  # closed by the server's 1 s timeout, not the clients' 30 s one
         want = oracle_quorum(uploads, previous, spec)
         for got, stats in results.values():
             assert stats.peers == (0, 1) and not stats.caught_up

@@ -385,7 +385,7 @@ def test_a_download_says_its_round_and_peers_and_ends_when_the_server_stops_or_t
         start = time.monotonic()
         with service.downloads.serve(0, 2, False, lambda: True, 0.3) as late:  # peer 1's upload never comes
             assert late is None
-        assert 0.3 <= time.monotonic() - start < 5
+        assert 0.3 <= time.monotonic() - start < 30  # its own time, not the round it waits for, which never ends
         service.shutdown(grace_s=1.0)
         with pytest.raises(Refused) as err, service.downloads.serve(0, 2, False, lambda: True, 5.0):
             pass
@@ -410,7 +410,7 @@ def test_a_download_waiting_past_the_round_timeout_closes_a_quorum_round_with_th
         start = time.monotonic()
         with service.downloads.serve(0, 2, False, lambda: True, 30.0) as outgoing:
             assert outgoing is not None and outgoing.info.round == 2 and list(outgoing.info.peers) == [0]
-        assert 0.4 < time.monotonic() - start < 10
+        assert 0.4 < time.monotonic() - start < 15  # the round's 0.5 s timeout, not the download's own 30 s
         assert "round 2 timed out: closing it with peers [0] (server.dead_peer_policy quorum)" in caplog.messages
         assert service.status().current_round == 2
 

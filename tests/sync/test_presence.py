@@ -83,9 +83,11 @@ def serve_health(hook: object) -> tuple[grpc.Server, StreamGuard, int]:
 @pytest.mark.timeout(60)
 def test_a_held_stream_is_seen_and_close_cancels_it_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server keeps an admitted stream open: start returns once it is seen, and close cancels it, so the thread
-    ends at once instead of waiting out the stream."""
+    ends at once instead of waiting out the stream. Each may wait 30 s here (start's cap raised to it): far enough
+    past the prompt outcome for a slow machine not to blur the two."""
     waits: list[int] = []
     monkeypatch.setattr(presence_module, "retry_wait", lambda refusals: waits.append(refusals) or 0.01)
+    monkeypatch.setattr(presence_module, "SEEN_WAIT_S", 30.0)
     server, guard, port = serve_health(lambda *args: None)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -93,11 +95,11 @@ def test_a_held_stream_is_seen_and_close_cancels_it_at_once(monkeypatch: pytest.
             assert presence._thread.name == "spes-presence-3" and presence._thread.daemon
             Presence(channel, (), peer_id=4).close(timeout_s=1)  # never started: nothing to cancel or join
             started = time.monotonic()
-            presence.start(wait_s=10)
-            assert presence._seen.is_set() and time.monotonic() - started < 5
+            presence.start(wait_s=30)
+            assert presence._seen.is_set() and time.monotonic() - started < 15  # half its wait
             closing = time.monotonic()
-            presence.close(timeout_s=10)
-            assert not presence._thread.is_alive() and time.monotonic() - closing < 5
+            presence.close(timeout_s=30)
+            assert not presence._thread.is_alive() and time.monotonic() - closing < 15  # half its timeout
         assert waits in ([], [0])  # a cancelled stream is no refusal
     finally:
         server.stop(grace=None)

@@ -319,7 +319,8 @@ def test_download_waits_then_times_out_on_the_server_round_timeout() -> None:
 @pytest.mark.timeout(60)
 def test_shutdown_wakes_waiting_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
     """The waiting download ends at once: woken by the shutdown, not by its own re-check (made 30 s here) nor by
-    the end of the 1 s grace period."""
+    the end of the grace period (made 20 s here, so that a download cancelled only then cannot pass for a woken
+    one on a slow machine)."""
     monkeypatch.setattr(downloads, "WAIT_POLL_S", 30.0)
     with running_server() as (server, addr), stub_for(addr) as stub:
         for peer in range(2):
@@ -338,9 +339,9 @@ def test_shutdown_wakes_waiting_downloads(monkeypatch: pytest.MonkeyPatch) -> No
         wait_until(lambda: server.service.guard.open_streams == 1, "the download's stream to be admitted", 10)
         assert waiter.is_alive() and not codes  # it waits for round 1, which peer 1 never uploads
         start = time.monotonic()
-        server.stop(grace_s=1.0)
+        server.stop(grace_s=20.0)
         waiter.join(timeout=10)
-        assert codes == [StatusCode.UNAVAILABLE] and time.monotonic() - start < 0.5
+        assert codes == [StatusCode.UNAVAILABLE] and time.monotonic() - start < 10  # half the grace
 
 
 @pytest.mark.timeout(60)
@@ -363,10 +364,9 @@ def test_a_health_watcher_that_never_reads_blocks_neither_health_nor_stop() -> N
             watch = health.Watch(request, timeout=5)
             assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             watch.cancel()
-        start = time.monotonic()
         threading.Thread(target=lambda: (server.stop(grace_s=0.5), stopped.set()), daemon=True).start()
-        assert stopped.wait(10), "ParameterServer.stop() hung on a health watcher that never reads"
-        assert time.monotonic() - start < 5
+        # the alternative is a stop that never returns: any bound well inside the test's timeout tells them apart
+        assert stopped.wait(30), "ParameterServer.stop() hung on a health watcher that never reads"
         with pytest.raises(grpc.RpcError):
             next(never_read)
     finally:
@@ -593,7 +593,7 @@ def test_a_server_process_on_a_state_dir_in_use_exits_in_one_line_and_a_killed_o
         with stub_for(f"127.0.0.1:{port}") as stub:
             assert stub.Status(pb.StatusRequest(), timeout=10).persistent
         restarted.send_signal(signal.SIGTERM)
-        assert restarted.wait(timeout=10) == 0
+        assert restarted.wait(timeout=30) == 0
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -634,10 +634,8 @@ def test_real_server_process_serves_a_round_and_exits_0_on_sigterm() -> None:
         assert results[0][1].merged and results[0][1].alpha == pytest.approx(0.01 * (1 - 500 / 10000))
         for client in clients:
             client.close()
-        start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-        assert time.monotonic() - start < 5
+        assert proc.wait(timeout=30) == 0  # the alternative, a server that does not stop, never exits
         assert proc.stderr is not None
         log = proc.stderr.read()
         assert "round 500 complete: peers 2" in log and "merged yes" in log
@@ -669,7 +667,7 @@ def test_sigint_also_exits_0_and_help_works() -> None:
     )
     try:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
