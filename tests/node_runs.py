@@ -84,14 +84,19 @@ def launch(corpus: Corpus, out: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+LAUNCH_STOP_GRACE_S = 120.0
+"""The launcher's grace for its children's stop in these runs (`spes.launch.STOP_GRACE_S`, 10 s in use): long enough
+that a child it had to kill after the grace cannot pass for one that stopped by itself on a slow machine."""
+
 CTRL_C_PRELUDE = (
-    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-    "sys.argv[0] = 'spes.launch'; runpy.run_module('spes.launch', run_name='__main__', alter_sys=True)"
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); import spes.launch; "
+    f"spes.launch.STOP_GRACE_S = {LAUNCH_STOP_GRACE_S}; sys.argv[0] = 'spes.launch'; "
+    "raise SystemExit(spes.launch.main())"
 )
-"""`python -m spes.launch` taking Ctrl-C as from a terminal: a suite run in the background (`cmd &` without job
-control) has SIGINT ignored and a child inherits that, so the launcher would not stop; the child's own interpreter
-gives it Python's handler back. (Not a `preexec_fn`: Python code between fork and exec of a process that uses gRPC
-can crash the child in gRPC's poller.)"""
+"""`python -m spes.launch` taking Ctrl-C as from a terminal, its grace `LAUNCH_STOP_GRACE_S`: a suite run in the
+background (`cmd &` without job control) has SIGINT ignored and a child inherits that, so the launcher would not
+stop; the child's own interpreter gives it Python's handler back. (Not a `preexec_fn`: Python code between fork and
+exec of a process that uses gRPC can crash the child in gRPC's poller.)"""
 
 
 def node_models(out: Path) -> list[dict[str, torch.Tensor]]:

@@ -681,7 +681,7 @@ def test_bench_quickstart_times_each_stage_from_its_line_to_the_next(tmp_path: P
     started = time.monotonic()
     with pytest.raises(SystemExit, match="ran past 1 s"):
         timed_stages(["bash", str(script)], tmp_path, dict(os.environ), timeout=1)
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 30  # half the 60 s its child holds stdout: not waited out
 
 
 @pytest.mark.slow

@@ -151,10 +151,12 @@ def launcher_signals() -> Iterator[None]:
 
 
 def test_an_interrupt_while_stopping_kills_every_child_at_once_and_ends_without_a_traceback(
-    launcher_signals: None, capsys: pytest.CaptureFixture[str]
+    launcher_signals: None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A second Ctrl-C while the peers saved ended spes.launch in a KeyboardInterrupt traceback and left the server
-    (its own session) running, holding its state directory against the --resume it told the user to run."""
+    (its own session) running, holding its state directory against the --resume it told the user to run. The
+    grace is 40 s here: far enough past "at once" for a slow machine not to blur the two."""
+    monkeypatch.setattr(spes.launch, "STOP_GRACE_S", 40.0)
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
     procs = {
         name: subprocess.Popen([sys.executable, "-c", stubborn], stdout=subprocess.PIPE, start_new_session=True)
