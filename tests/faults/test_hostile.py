@@ -453,7 +453,7 @@ def test_a_hello_dribbled_byte_by_byte_loses_its_slot(run: Run) -> None:
     def dribble(sock: socket.socket) -> float:
         start = time.monotonic()
         with contextlib.suppress(OSError):
-            for byte in hello(token=None):
+            for byte in hello(token="t" * 50):  # 66 bytes: over a minute when dribbled in full
                 if stop.wait(1.0):
                     break
                 sock.sendall(bytes([byte]))
@@ -468,7 +468,7 @@ def test_a_hello_dribbled_byte_by_byte_loses_its_slot(run: Run) -> None:
         stop.set()
         seconds = [f.result(timeout=30) for f in held]
     assert codes <= {"DEADLINE_EXCEEDED", "closed"}, codes
-    assert max(seconds) < HANDSHAKE_S + 5, seconds  # cut off, not left to dribble its whole hello (~30 s)
+    assert max(seconds) < 30, seconds  # cut off, not left to dribble its whole hello (half of that)
     run.check_healthy()
 
 
@@ -491,7 +491,7 @@ def test_a_slow_grpc_upload_is_closed_and_superseded(run: Run) -> None:
     started = time.monotonic()
     slow = upload_stub(run.probe).future(trickle(), timeout=60)
     assert rpc_code(slow) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
-    assert time.monotonic() - started < 20  # closed by the rate floor, not by its own 60 s deadline
+    assert time.monotonic() - started < 30  # closed by the rate floor, not by its own 60 s deadline (half of it)
     assert "under --min_stream_rate" in run.server.log_text()
     assert not run.status().peers_uploaded  # nothing of it was kept
     stalled = upload_stub(run.probe).future(trickle(), timeout=60)
