@@ -153,6 +153,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/hf.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py"),
     "spes/upcycle.py": ("tests/test_upcycle.py", "tests/test_hub.py"),
     "spes/sync/codecs/lazy.py": ("tests/sync/codecs/test_lazy.py",),
+    # what a node checkpoint holds for the sync wing (the run record, a round in flight, the codec's state), its
+    # readers fuzzed; not the peer's restarts that write them (servers and training loops, minutes a mutant)
+    "spes/sync/node_files.py": ("tests/sync/test_node_files.py", "tests/sync/test_node_files_fuzz.py"),
     # the node checks' report lines and matmul rate (the block smoke's compiled variant: see COMPILED_HEAD's note)
     "spes/checks.py": (
         "tests/test_checks.py",

@@ -21,6 +21,10 @@ from spes.data import (
 )
 from spes.shards import sidecar_path
 
+# NOTE: a loader test takes a second at most; one whose loader never yields (an epoch that never starts, a loop over
+# epochs without a batch) fails in 30 s, before mutmut's deadline for the module's tests counts it a timeout
+pytestmark = pytest.mark.timeout(30)
+
 SEQ_LEN = 4
 LAYOUT = "dd89179a226bfbb5"
 """`TokenSequenceDataset.layout()` of the `shards` fixture: their names and window counts, in order."""
@@ -640,3 +644,18 @@ def test_pin_memory_without_an_accelerator_is_said_and_not_done(
     assert [r.getMessage() for r in caplog.records] == [
         "data.pin_memory is set but no accelerator is available; batches are not pinned"
     ]
+
+
+@pytest.mark.timeout(60)
+def test_by_default_batches_are_read_in_this_process(
+    dataset: TokenSequenceDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker process unless data.num_workers asks for one: a worker costs a process per loader and its memory."""
+    read: list[int] = []
+    get_batch = dataset.get_batch
+    monkeypatch.setattr(dataset, "get_batch", lambda indices: read.append(len(indices)) or get_batch(indices))
+    loader = BatchLoader(dataset, batch_size=4, seed=0)
+    try:
+        assert next(loader).shape == (4, SEQ_LEN) and read == [4]
+    finally:
+        loader.close()
