@@ -1070,6 +1070,12 @@ EQUIVALENT: dict[str, str] = {
         "at its one '/' every way",
     ),
     **mutants(
+        "spes.sync.node_files.x_save_codec_state",
+        "2",
+        "the codec state's tensors moved to the CPU before saving: safetensors' save_file moves a tensor on another "
+        "device to the CPU itself, so the file is the same",
+    ),
+    **mutants(
         "spes.checkpoint.x__is_meta",
         "15",
         "a file named '.' in meta.json: `name == Path(name).name` refuses it already (Path('.').name is '')",
