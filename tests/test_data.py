@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -20,6 +21,10 @@ from spes.data import (
     repetitive_instances,
 )
 from spes.shards import sidecar_path
+
+# NOTE: a loader test takes a second at most; one whose loader never yields (an epoch that never starts, a loop over
+# epochs without a batch) fails in 30 s, before mutmut's deadline for the module's tests counts it a timeout
+pytestmark = pytest.mark.timeout(30)
 
 SEQ_LEN = 4
 LAYOUT = "dd89179a226bfbb5"
@@ -640,3 +645,19 @@ def test_pin_memory_without_an_accelerator_is_said_and_not_done(
     assert [r.getMessage() for r in caplog.records] == [
         "data.pin_memory is set but no accelerator is available; batches are not pinned"
     ]
+
+
+@pytest.mark.timeout(60)
+def test_by_default_batches_are_read_in_this_process(
+    dataset: TokenSequenceDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker process unless data.num_workers asks for one: a worker costs a process per loader and its memory."""
+    readers: list[int] = []
+    window = TokenSequenceDataset._window
+    monkeypatch.setattr(TokenSequenceDataset, "_window", lambda self, i: readers.append(os.getpid()) or window(self, i))
+    loader = BatchLoader(dataset, batch_size=4, seed=0)
+    try:
+        assert next(loader).shape == (4, SEQ_LEN)
+    finally:
+        loader.close()
+    assert readers and set(readers) == {os.getpid()}  # a forked worker's reads land in its own copy of the list

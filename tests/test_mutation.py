@@ -115,3 +115,15 @@ def test_a_name_that_is_no_module_is_told_apart_from_a_module_without_tests(
         "no covering tests listed for ['spes/gc_schedule.py']: add the module to MODULES in bench/mutation.py"
     )
     assert runs == []
+
+
+def test_an_equivalent_mutant_that_timed_out_is_left_out_of_the_score_without_equivalents() -> None:
+    """A timeout counts as caught, and an equivalent mutant is left out of the total: one that timed out under load
+    was both, scoring the other mutants above 1."""
+    found = {"m.x_f__mutmut_1": "killed", "m.x_f__mutmut_2": "timeout", "m.x_f__mutmut_3": "survived"}
+    survivors = [
+        {"name": "m.x_f__mutmut_2", "status": "timeout", "equivalent": "no behaviour changes"},
+        {"name": "m.x_f__mutmut_3", "status": "survived", "equivalent": None},
+    ]
+    result = mutation.summary("m.py", (), found, survivors, 1.0, True)
+    assert (result["score"], result["score_without_equivalent"]) == (round(2 / 3, 4), 0.5)

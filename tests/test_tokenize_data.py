@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -1190,3 +1191,44 @@ def test_a_tokenizer_process_has_the_kernel_kill_it_with_its_parent_and_exits_if
     finally:
         libc.prctl(corpus._PR_SET_PDEATHSIG, before)  # NOTE: this test process's own: as it was
     assert told == signal.SIGKILL and exits == ([] if alive else [1])
+
+
+def test_a_chunk_cut_short_by_a_broken_file_starts_where_its_records_do(tmp_path: Path) -> None:
+    """The chunk that carries a file's break carries its position too, as every other chunk does: a shard ending in
+    it records where --resume reads on from."""
+    lines = [b'{"text": "doc %d"}\n' % i for i in range(2000)]
+    whole = gzip.compress(b"".join(lines))
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(whole[: len(whole) // 2])
+    *whole_chunks, cut = corpus.iter_file_chunks(broken, "text", 300, corpus.InputPosition(3))
+    before = 300 * len(whole_chunks)
+    assert cut.errors and 0 < len(cut.records) < 300
+    assert cut.position == corpus.InputPosition(3, len(b"".join(lines[:before])), before)
+    junk = tmp_path / "junk.jsonl.gz"
+    junk.write_bytes(b"not gzip at all")
+    (chunk,) = corpus.iter_file_chunks(junk, "text", 10, corpus.InputPosition(1))
+    assert chunk.errors and chunk.position == corpus.InputPosition(1)
+
+
+def test_chunks_are_tokenized_into_the_dtype_asked_for(tokenizer: LoadedTokenizer, tmp_path: Path) -> None:
+    """A vocabulary that fits uint16 is written as uint16 unless uint32 is asked for."""
+    for dtype, want in ((None, np.uint16), ("uint32", np.uint32)):
+        chunks = [corpus.TextChunk("s", [(1, "some words")], json_lines=False)]
+        prefix = tmp_path / str(dtype) / "part"
+        summary = corpus.tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=prefix, dtype=dtype, progress=False)
+        assert _all_tokens(summary.shards).dtype == want
+
+
+def test_each_sidecar_names_the_input_chunk_and_token_its_shard_ends_before(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """input_end counts the chunks written, one by one: a shard of three tokens over chunks of two."""
+    writer = corpus.ShardWriter(
+        tmp_path / "part", dtype=np.dtype(np.uint32), max_shard_bytes=12, tokenizer=tokenizer, input_settings={"x": 1}
+    )
+    positions = [corpus.InputPosition(0, 10 * n, 2 * n) for n in range(4)]
+    for n, position in enumerate(positions):
+        writer.write(corpus.EncodedChunk("s", np.array([n + 5, 0], dtype=np.uint32), np.array([2]), [], position))
+    infos = [read_shard_info(path) for path in writer.close()]
+    assert [info.input_end for info in infos] == [(1, 1), (2, 2), (3, 2)]
+    assert [info.input_position for info in infos] == [asdict(position) for position in positions[1:]]

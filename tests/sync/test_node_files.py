@@ -64,3 +64,35 @@ def test_a_damaged_codec_state_is_named(tmp_path: Path) -> None:
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage")
     with pytest.raises(ValueError, match=f"codec state {path}: not a readable safetensors file"):
         load_codec_state(path)
+
+
+def test_a_damaged_run_record_is_named_with_what_to_do(tmp_path: Path) -> None:
+    (tmp_path / RUN_FILE).write_text('{"id": 1}')
+    with pytest.raises(ValueError) as err:
+        read_run_id(tmp_path)
+    assert str(err.value) == (
+        f"{tmp_path / RUN_FILE}: not a run record ('run_id'): the checkpoint is damaged; write the run's id into it as "
+        '{"run_id": "<id>"} (python -m spes.status names the run), or load an older checkpoint with '
+        "--load_path=<save_folder>/step<N>"
+    )
+
+
+def test_a_pending_round_of_other_tensors_is_refused_naming_what_may_have_written_it(tmp_path: Path) -> None:
+    PendingRound(round_id=4, step=4, snapshot={"a": torch.ones(2, 3)}).save(tmp_path / PENDING_FILE)
+    with pytest.raises(ValueError) as err:
+        read_pending(tmp_path, MANIFEST, lambda step: ["b"])
+    assert str(err.value) == (
+        f"pending round {tmp_path / PENDING_FILE}: its snapshot is not of the tensors this node trains at step 4 (was "
+        "it written by another spes_config.peer_id, mode, sync_steps or overlap_fragments?)"
+    )
+
+
+def test_a_pending_round_is_held_to_the_models_shapes(tmp_path: Path) -> None:
+    """The same names but another model's shapes (another model.* config): refused before any round is applied."""
+    PendingRound(round_id=4, step=4, snapshot={"a": torch.ones(3, 2)}).save(tmp_path / PENDING_FILE)
+    with pytest.raises(ValueError) as err:
+        read_pending(tmp_path, MANIFEST, lambda step: ["a"])
+    assert (
+        str(err.value)
+        == f"pending round {tmp_path / PENDING_FILE}: tensor 'a' has shape [3, 2], this model's is [2, 3]"
+    )

@@ -42,6 +42,11 @@ from spes.sync.wire import (
 
 REPO = Path(__file__).resolve().parents[2]
 
+# NOTE: each test here takes a second at most; a framing bug that loops forever (a regrouping that never moves past a
+# piece, its buffer growing by the piece each turn) fails in 30 s instead of running until mutmut's deadline, which
+# counted it a timeout, or pytest's default 120 s with gigabytes held
+pytestmark = pytest.mark.timeout(30)
+
 INT8 = int8.Int8(block=128)
 """The int8 format of the tests' payloads."""
 
@@ -273,6 +278,7 @@ def test_pickle_payload_is_never_deserialized(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.timeout(120)  # protoc in a child process, given 60 s
 def test_committed_stubs_are_up_to_date(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
     subprocess.run(
