@@ -38,6 +38,7 @@ from spes.checkpoint import (
     save,
     save_checkpoint,
     save_sharded_checkpoint,
+    trainer_state,
     unshard,
 )
 from spes.config import TrainConfig, load_config
@@ -1014,3 +1015,52 @@ def test_a_sharded_checkpoint_of_an_amp_node_reads_back_its_bf16_frozen_experts_
     ckpt = load_checkpoint(path, with_optim=False)
     _assert_same_state(ckpt.model, model.state_dict())
     assert ckpt.model[frozen].dtype == torch.bfloat16 and ckpt.optim is None
+
+
+def test_meta_listing_a_file_named_empty_or_parent_or_betas_not_numbers_is_refused(tmp_path: Path) -> None:
+    """A file named '' or '..' names the step directory or its parent, not a file in it; booleans and strings are
+    no Adam betas: each is damaged metadata, refused as such before any file is looked at."""
+    step = _fake_checkpoint(tmp_path / "step1")
+    meta = json.loads((step / META_FILE).read_text())
+    damaged = [
+        {**meta, "files": {"": 0}},
+        {**meta, "files": {"..": 0}},
+        {**meta, "optim_param_groups": [{"betas": [True, 0.95]}]},
+        {**meta, "optim_param_groups": [{"betas": ["0.9", "0.95"]}]},
+    ]
+    for other in damaged:
+        (step / META_FILE).write_text(json.dumps(other))
+        with pytest.raises(CheckpointError) as err:
+            is_sharded(step)
+        assert str(err.value) == f"{step / META_FILE}: not a checkpoint's metadata; use an earlier checkpoint"
+    (step / META_FILE).write_text(json.dumps({**meta, "optim_param_groups": [{"betas": [0.9, 1]}]}))
+    assert not is_sharded(step)  # floats and ints are betas
+
+
+def test_a_folder_without_a_complete_checkpoint_names_each_incomplete_one_or_none(tmp_path: Path) -> None:
+    fix = (
+        "point it at a checkpoint directory such as output/<run_name>/node0/step100, or a save folder holding 'latest'"
+    )
+    head = "holds no checkpoint: neither a checkpoint directory (a step<N> directory spes saved) nor a save folder"
+    with pytest.raises(CheckpointError) as err:
+        resolve_checkpoint(tmp_path)
+    assert str(err.value) == f"checkpoint {tmp_path} {head} (holding such directories or a 'latest' file); {fix}"
+    for step in (3, 5):
+        (tmp_path / f"step{step}").mkdir()  # no meta.json: incomplete
+    with pytest.raises(CheckpointError) as err:
+        resolve_checkpoint(tmp_path)
+    assert str(err.value) == (
+        f"checkpoint {tmp_path} {head} (holding such directories or a 'latest' file); step3, step5 lack(s) the "
+        f"meta.json a complete checkpoint holds; {fix}"
+    )
+
+
+def test_trainer_state_reads_what_the_latest_save_recorded(tmp_path: Path) -> None:
+    for step in (2, 4):
+        _fake_checkpoint(tmp_path / f"step{step}")
+        meta = json.loads((tmp_path / f"step{step}" / META_FILE).read_text())
+        trainer = {"step": step, "tokens": 100 * step, "data": {"epoch": 0}}
+        (tmp_path / f"step{step}" / META_FILE).write_text(json.dumps({**meta, "trainer": trainer}))
+    (tmp_path / LATEST).write_text("step2")
+    assert trainer_state(tmp_path) == {"step": 2, "tokens": 200, "data": {"epoch": 0}}
+    assert trainer_state(tmp_path / "step4") == {"step": 4, "tokens": 400, "data": {"epoch": 0}}
