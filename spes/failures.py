@@ -15,31 +15,29 @@ import sys
 import sysconfig
 import tempfile
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 
-import torch
-
-from spes.guard import NonFiniteError
-from spes.interrupt import Unsaved
-from spes.sync.protocol import SyncError
 from spes.torchrun import ERROR_DIR_ENV
 
-# What a user can cause or meet: each ends the run with its message as one line and this exit code (the first
-# that matches). OSError: a full disk or an unwritable save_folder; KeyboardInterrupt: a second Ctrl-C.
-USER_ERRORS: dict[type[BaseException], int] = {
-    ValueError: 2,
-    FileNotFoundError: 2,
-    SyncError: 3,
-    NonFiniteError: 4,
-    torch.OutOfMemoryError: 5,
-    OSError: 6,
-    KeyboardInterrupt: 130,
+# What a user can cause or meet, by the import path of its class: each ends the run with its message as one line and
+# this exit code (the first that matches). OSError: a full disk or an unwritable save_folder; KeyboardInterrupt: a
+# second Ctrl-C. Named, not imported: a refused config is answered before torch or the sync wing is loaded (see
+# `kind_of`).
+USER_ERRORS: dict[str, int] = {
+    "builtins.ValueError": 2,
+    "builtins.FileNotFoundError": 2,
+    "spes.sync.protocol.SyncError": 3,
+    "spes.guard.NonFiniteError": 4,
+    "torch.OutOfMemoryError": 5,
+    "builtins.OSError": 6,
+    "builtins.KeyboardInterrupt": 130,
 }
-HINTS: dict[type[BaseException], str | None] = {  # None: the message says what to do
-    torch.OutOfMemoryError: "lower device_train_microbatch_size or set activation_checkpointing",
-    Unsaved: None,
-    KeyboardInterrupt: "interrupted without saving; start again with --resume=auto: it continues from save_folder's "
-    "last checkpoint, or starts afresh when there is none yet",
+HINTS: dict[str, str | None] = {  # None: the message says what to do
+    "torch.OutOfMemoryError": "lower device_train_microbatch_size or set activation_checkpointing",
+    "spes.interrupt.Unsaved": None,
+    "builtins.KeyboardInterrupt": "interrupted without saving; start again with --resume=auto: it continues from "
+    "save_folder's last checkpoint, or starts afresh when there is none yet",
 }
 DEBUG_ENV = "SPES_DEBUG"
 """Set to 1, a failure's full traceback is printed above its error line."""
@@ -48,7 +46,8 @@ LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "p
 
 
 def report(e: BaseException) -> int:
-    """Print the failure as one line (under `spes.torchrun`, leave it for the launcher to print); its exit code.
+    """Print the failure as one line (under `spes.torchrun`, leave it for the launcher to print); its exit code
+    (1, Python's own, for a kind USER_ERRORS does not hold).
 
     The traceback is never lost: SPES_DEBUG=1 prints it above the line; without it, a failure spes did not raise on
     purpose (a bug, or an error of a library or of the system that spes passes on) is named with its type and where it
@@ -57,7 +56,7 @@ def report(e: BaseException) -> int:
     debug = os.environ.get(DEBUG_ENV) == "1"
     if debug:
         traceback.print_exception(e, file=sys.stderr)
-    kind = next((kind for kind in HINTS if isinstance(e, kind)), None)
+    kind = kind_of(e, HINTS)
     hint = None if kind is None else HINTS[kind]
     message = str(e)
     if kind is None and not _raised_by_spes(e):
@@ -66,7 +65,26 @@ def report(e: BaseException) -> int:
     line = "error: " + "; ".join(" ".join(part.split()) for part in (message, hint) if part)
     if not leave_for_launcher(line):
         print(line, file=sys.stderr, flush=True)
-    return next(code for kind, code in USER_ERRORS.items() if isinstance(e, kind))
+    return exit_code(e) or 1
+
+
+def exit_code(e: BaseException) -> int | None:
+    """The exit code a failure a user can cause or meet ends the run with (USER_ERRORS); None for any other."""
+    kind = kind_of(e, USER_ERRORS)
+    return None if kind is None else USER_ERRORS[kind]
+
+
+def kind_of(e: BaseException, kinds: Iterable[str]) -> str | None:
+    """The first of `kinds` (import paths of exception classes) that `e` is an instance of, or None.
+
+    A kind whose module is not loaded is passed over without importing it: nothing of it can have been raised.
+    """
+    for kind in kinds:
+        module, _, name = kind.rpartition(".")
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and isinstance(e, cls):
+            return kind
+    return None
 
 
 def leave_for_launcher(line: str) -> bool:

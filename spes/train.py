@@ -23,13 +23,12 @@ data, model, checkpoint and the order they are built in) imports torch, and is i
 
 from __future__ import annotations
 
-import os
 import sys
 
 from spes.config import TrainConfig, load_config, passed_over
+from spes.failures import exit_code, report
 from spes.interrupt import Interruptible
 from spes.schema import ConfigError, config_help
-from spes.torchrun import ERROR_DIR_ENV
 
 USAGE = """usage: python -m spes.train CONFIG.yaml [--section.key=value ...] [--resume[=auto]]
 
@@ -62,34 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with Interruptible():
         try:
-            try:
-                path, overrides, resume = parse_args(argv)
-                if path is None:
-                    raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
-                cfg, inert = load_config(path, overrides)
-            except (ConfigError, FileNotFoundError) as e:  # NOTE: the config file's absence is spes.schema's refusal
-                return refuse(e)
+            path, overrides, resume = parse_args(argv)
+            if path is None:
+                raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
+            cfg, inert = load_config(path, overrides)
             ignored = f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}"
             return run(cfg, ([ignored] if inert else []) + _apply_resume(cfg, resume))
         except (Exception, KeyboardInterrupt) as e:  # NOTE: not --help's SystemExit
-            from spes.failures import USER_ERRORS, report  # NOTE: imports torch (see `refuse`)
-
-            if not isinstance(e, tuple(USER_ERRORS)):
+            if exit_code(e) is None:
                 raise
             return report(e)
-
-
-def refuse(e: ConfigError | FileNotFoundError) -> int:
-    """End a command line or config refused before the run as `spes.failures.report` ends every refusal of spes:
-    its one line, exit code 2. The line alone is printed here: that module imports torch (its table of failures holds
-    torch's out-of-memory error), which a mistyped key must not wait for. What report does besides, it does:
-    SPES_DEBUG=1's traceback above the line, and under `spes.torchrun` the line left for the launcher to print."""
-    if os.environ.get(ERROR_DIR_ENV) or os.environ.get("SPES_DEBUG") == "1":  # NOTE: spes.failures.DEBUG_ENV
-        from spes.failures import report
-
-        return report(e)
-    print("error: " + " ".join(str(e).split()), file=sys.stderr, flush=True)
-    return 2
 
 
 def _apply_resume(cfg: TrainConfig, resume: str | None) -> list[str]:

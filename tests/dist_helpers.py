@@ -88,13 +88,13 @@ def run_logged(
     return subprocess.CompletedProcess(cmd, proc.returncode, log.read_text(), "")
 
 
-def without_torch(cwd: Path, module: str, *argv: str) -> tuple[int, str, list[str]]:
-    """`python -m MODULE ARGV` in a fresh interpreter: its exit code, stdout and stderr's lines, having checked
-    (`-X importtime` names every import) that it never imported torch."""
+def without_torch(cwd: Path, module: str, *argv: str, **env: str) -> tuple[int, str, list[str]]:
+    """`python -m MODULE ARGV` in a fresh interpreter (`env` added to its environment): its exit code, stdout and
+    stderr's lines, having checked (`-X importtime` names every import) that it never imported torch."""
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", module, *argv],
         cwd=cwd,
-        env=child_env(),
+        env=child_env(**env),
         capture_output=True,
         text=True,
         timeout=60,

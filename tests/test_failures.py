@@ -4,9 +4,11 @@ exit codes are those docs/running.md tabulates."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import re
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 import spes.train
-from spes.failures import DEBUG_ENV, USER_ERRORS
+from spes.failures import DEBUG_ENV, HINTS, USER_ERRORS, kind_of
 from spes.torchrun import ERROR_DIR_ENV
 from spes.train import main
 
@@ -178,4 +180,17 @@ def test_the_exit_codes_table_is_the_codes_of_the_code() -> None:
         for code, kinds in re.findall(r"^\| (\d+) \|.*\| ([^|]*) \|$", table, flags=re.M)
         for kind in re.findall(r"`(\w+)`", kinds)
     }
-    assert documented == {kind.__name__: code for kind, code in USER_ERRORS.items()}
+    assert documented == {kind.rpartition(".")[2]: code for kind, code in USER_ERRORS.items()}
+
+
+def test_every_kind_of_the_tables_is_an_exception_class_and_one_not_loaded_is_passed_over() -> None:
+    """The tables name their classes by import path, so that matching a refused config's error imports neither torch
+    nor the sync wing: a misspelt path would match nothing, silently, so each is imported here."""
+    for kind in {**USER_ERRORS, **HINTS}:
+        module, _, name = kind.rpartition(".")
+        assert issubclass(getattr(importlib.import_module(module), name), BaseException), kind
+    assert kind_of(ValueError("x"), ["spes_never_imported.ValueError", "builtins.ValueError"]) == "builtins.ValueError"
+    assert "spes_never_imported" not in sys.modules
+    assert kind_of(FileNotFoundError("x"), ["builtins.OSError", "builtins.FileNotFoundError"]) == "builtins.OSError"
+    assert kind_of(KeyboardInterrupt(), USER_ERRORS) == "builtins.KeyboardInterrupt"
+    assert kind_of(KeyboardInterrupt(), ["builtins.Exception"]) is None

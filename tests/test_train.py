@@ -72,6 +72,12 @@ def test_help_and_a_refused_command_line_or_config_are_answered_without_torch(tm
     }
     for argv, line in refused.items():
         assert without_torch(tmp_path, "spes.train", *argv) == (2, "", [line]), argv
+    typo = refused[("typo.yaml",)]
+    code, out, err = without_torch(tmp_path, "spes.train", "typo.yaml", SPES_DEBUG="1")
+    assert (code, out, err[0], err[-1]) == (2, "", "Traceback (most recent call last):", typo), err
+    (tmp_path / "errors").mkdir()
+    left = without_torch(tmp_path, "spes.train", "typo.yaml", SPES_ERROR_DIR=str(tmp_path / "errors"), RANK="1")
+    assert left == (2, "", []) and (tmp_path / "errors" / "rank1.txt").read_text() == typo + "\n"
 
 
 def test_resume_flags_are_parsed() -> None:
