@@ -218,7 +218,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.failures.x_report",
-        "44 47 48",
+        "45 48 49",
         "flushing the error line: Python's sys.stderr is line-buffered, and the line ends with its newline",
     ),
     **mutants(

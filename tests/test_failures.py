@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import spes.train
-from spes.failures import DEBUG_ENV, HINTS, USER_ERRORS, kind_of
+from spes.failures import DEBUG_ENV, HINTS, USER_ERRORS, exit_code, kind_of, report
 from spes.torchrun import ERROR_DIR_ENV
 from spes.train import main
 
@@ -188,9 +188,23 @@ def test_every_kind_of_the_tables_is_an_exception_class_and_one_not_loaded_is_pa
     nor the sync wing: a misspelt path would match nothing, silently, so each is imported here."""
     for kind in {**USER_ERRORS, **HINTS}:
         module, _, name = kind.rpartition(".")
-        assert issubclass(getattr(importlib.import_module(module), name), BaseException), kind
+        cls = getattr(importlib.import_module(module), name)
+        assert issubclass(cls, BaseException) and kind_of(cls.__new__(cls), [kind]) == kind, kind
     assert kind_of(ValueError("x"), ["spes_never_imported.ValueError", "builtins.ValueError"]) == "builtins.ValueError"
     assert "spes_never_imported" not in sys.modules
     assert kind_of(FileNotFoundError("x"), ["builtins.OSError", "builtins.FileNotFoundError"]) == "builtins.OSError"
     assert kind_of(KeyboardInterrupt(), USER_ERRORS) == "builtins.KeyboardInterrupt"
     assert kind_of(KeyboardInterrupt(), ["builtins.Exception"]) is None
+
+
+def test_a_kind_the_table_does_not_hold_has_no_exit_code_of_its_own_and_ends_as_python_would(
+    kept: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`main` re-raises what `exit_code` does not know (Python's traceback, exit 1); `report` given one anyway
+    says it in its line and returns Python's 1, not a user error's code."""
+    assert exit_code(RuntimeError("x")) is None and exit_code(FileNotFoundError("x")) == 2
+    try:
+        raise RuntimeError("planted")
+    except RuntimeError as e:
+        assert report(e) == 1
+    assert capsys.readouterr().err.startswith("error: RuntimeError: planted (at ")
