@@ -1,5 +1,6 @@
-"""Real runs of configs/tiny.yaml shortened to 2 peers and 12 steps (rounds at 4, 8 and 12), for the tests that stop,
-kill or restart their processes: the nodes as `python -m spes.train` children, the launcher, their weights."""
+"""Real runs of configs/tiny.yaml: shortened to 2 peers and 12 steps (rounds at 4, 8 and 12), for the tests that stop,
+kill or restart their processes (the nodes as `python -m spes.train` children, the launcher, their weights); and a
+`python -m spes.train` child run to its end, its last line read as users read a failure (`train`, `assert_one_line`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Corpus, wait_until
+from dist_helpers import run_logged
 from spes.config import node_data_seed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +28,8 @@ RUN = [
     "--eval_interval=null",
     "--save_interval=12",
 ]
+FAST = ["--using_spes=false", "--eval_interval=null", "--log_interval=1", "--save_interval=null", "--max_duration=2st"]
+"""Overrides that make configs/tiny.yaml a centralized run of 2 steps that saves nothing."""
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
@@ -36,6 +40,20 @@ def corpus_args(corpus: Corpus) -> list[str]:
         f"--data.paths=[{corpus.train}]",
         "--data.validation_paths=[]",
     ]
+
+
+def train(tmp_path: Path, *args: str, timeout: float = 90, name: str = "train.log") -> tuple[int, str]:
+    """`python -m spes.train *args` run to its end, its output logged to `tmp_path / name`: exit code, output."""
+    proc = run_logged([sys.executable, "-m", "spes.train", *args], tmp_path / name, timeout=timeout)
+    return proc.returncode, proc.stdout
+
+
+def assert_one_line(code: int, out: str, *expected: str) -> str:
+    """A non-zero exit, no traceback, and the last line the error naming `expected`."""
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    assert code != 0 and "Traceback" not in out and last.startswith("error: "), out[-3000:]
+    assert all(e in last for e in expected), last
+    return last
 
 
 @contextlib.contextmanager
