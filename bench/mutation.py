@@ -179,10 +179,16 @@ MODULES: dict[str, tuple[str, ...]] = {
     # NOTE: the pipe test runs the command in a child process, which mutmut cannot credit (`KILLED_BY` runs it)
     "spes/status.py": ("tests/test_status_cli.py", "-k", "not through_a_pipe"),
     # the node's decisions called directly (save folder, checkpoint to start from, trainer state, data checks, the
-    # rounds a rejoin takes) and its in-process runs through spes.train's main (refusals, a rewind, a signal before the
-    # loop, a server's dry join on loopback); not the `python -m spes.train` children or torchrun runs (slow: mutmut
-    # credits no process of their own)
-    "spes/node.py": ("tests/test_node.py", "-m", "not slow"),
+    # rounds a rejoin takes) and its in-process runs through spes.train's main (refusals, a rewind, a dry run, a signal
+    # before the loop, a server's dry join on loopback), and a checkpoint of another expert layout (test_trainer.py's);
+    # not the `python -m spes.train` children or torchrun runs (slow: mutmut credits no process of their own)
+    "spes/node.py": (
+        "tests/test_node.py",
+        "tests/test_trainer.py::test_a_centralized_checkpoint_seeds_a_spes_node",
+        "tests/test_trainer.py::test_a_resume_into_another_expert_layout_is_refused",
+        "-m",
+        "not slow",
+    ),
 }
 """Each core pure module and the pytest arguments that select its covering tests: fast, in-process, no corpus to
 build (the tests mutmut runs for a mutant are those of these that called the mutated function)."""

@@ -8,6 +8,7 @@ tests/test_train.py's."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -40,6 +41,7 @@ from spes.node import (
     _load,
     _name_latest,
     _trainer_state,
+    _training_loader,
     _validation,
     _what_is_saved,
     build_node,
@@ -50,6 +52,7 @@ from spes.node import (
     rejoin,
     start_checkpoint,
 )
+from spes.tokenizer import load_tokenizer
 from spes.torchrun import ERROR_DIR_ENV
 from spes.train import _apply_resume, main
 
@@ -115,6 +118,8 @@ def test_the_checkpoint_a_start_loads_and_what_it_says_of_it(tmp_path: Path) -> 
     _checkpoints(save, "step4", "step8")
     assert begin(f"--load_path={save}") == (save / "step4", [])
     assert begin("--try_load_latest_save=true") == (save / "step4", [])
+    passed_over = f"note: resuming save_folder {save}; load_path {start} is not read"
+    assert begin("--try_load_latest_save=true", f"--load_path={start}") == (save / "step4", [passed_over])
     (save / "latest").unlink()  # killed after publishing step8, before naming it: its newest
     assert begin(f"--load_path={save}") == (save / "step8", [])
 
@@ -182,6 +187,33 @@ def test_the_main_rank_holds_its_save_folder_while_it_runs_and_the_others_hold_n
             with holding_save_folder(cfg, CPU, print):
                 pass
     os.close(hold_lock(folder / SAVE_FOLDER_LOCK))
+
+
+def test_a_save_folder_no_rank_can_write_is_refused_and_one_that_cannot_be_locked_is_warned_of(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The nearest existing folder above it must be writable and searchable here (checked by every rank); a
+    filesystem without flock (some Lustre mounts) must not stop a run."""
+    folder = tmp_path / "new" / "run"
+    cfg, _ = load_config(TINY, [f"--save_folder={folder}"])
+    writable = os.access
+    monkeypatch.setattr(spes.node.os, "access", lambda path, mode: path != tmp_path or mode != os.W_OK | os.X_OK)
+    with pytest.raises(ValueError, match=re.escape(f"save_folder {folder}: {tmp_path} is not writable here; choose")):
+        with holding_save_folder(cfg, replace(CPU, rank=1, world_size=2, local_rank=1), print):
+            pass
+    monkeypatch.setattr(spes.node.os, "access", writable)
+
+    def no_flock(path: Path) -> int:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(spes.node, "hold_lock", no_flock)
+    logged: list[str] = []
+    with holding_save_folder(cfg, CPU, logged.append):
+        logged.append("ran")
+    assert logged == [
+        f"warning: cannot lock save_folder {folder} (No locks available): nothing keeps a second node out of it",
+        "ran",
+    ]
 
 
 def test_a_rewind_points_latest_at_the_checkpoint_it_continues_and_names_the_newer_ones_kept(tmp_path: Path) -> None:
@@ -299,6 +331,31 @@ def test_shards_of_another_vocabulary_are_refused_naming_the_first_and_its_key(t
         check_shard_vocab(TokenSequenceDataset([same, large], 64), 4096)
 
 
+def test_the_training_loader_says_its_data_seed_and_warns_of_shards_of_another_tokenizer(
+    tiny_corpus, tmp_path: Path
+) -> None:
+    """This rank's share of the global batch, in the order of `data.seed` (else `seed`, said so); shards whose
+    sidecar records another tokenizer's fingerprint are trained on with a warning (their vocabulary fits)."""
+    other = write_token_shard(tmp_path / "other.npy", np.arange(4096, dtype=np.uint16), vocab_size=4096)
+    cfg, _ = load_config(TINY, [*tiny_corpus.overrides(tmp_path / "out"), "--data.seed=7", "--data.drop_last=false"])
+    logged: list[str] = []
+    loader = _training_loader(cfg, replace(CPU, rank=1, world_size=2), logged.append)
+    assert logged == ["data order seed 7 (data.seed)"]
+    assert (loader.batch_size, loader.seed, loader.rank, loader.world_size) == (cfg.global_train_batch_size, 7, 1, 2)
+    assert (loader.drop_last, loader.num_workers, loader.dataset.seq_len) == (False, cfg.data.num_workers, 64)
+    cfg, _ = load_config(
+        TINY, [*tiny_corpus.overrides(tmp_path / "out"), f"--data.paths=[{other}]", "--data.seed=null"]
+    )
+    logged.clear()
+    _training_loader(cfg, CPU, logged.append)
+    fingerprint = load_tokenizer(str(tiny_corpus.tokenizer)).fingerprint[:12]
+    assert logged == [
+        f"warning: the training shards were written with another tokenizer (fingerprint 000000000000) than "
+        f"{tiny_corpus.tokenizer} ({fingerprint}); check data.paths and tokenizer.identifier",
+        "data order seed 6198 (seed (data.seed unset))",
+    ]
+
+
 def test_validation_batches_come_from_data_validation_paths_or_not_at_all(tmp_path: Path) -> None:
     """None without validation data or evaluations; a fresh iterator of `eval_subset_num_batches` batches (-1: all)
     each call; held-out data of no full window, or a path naming nothing, refused naming data.validation_paths."""
@@ -378,6 +435,25 @@ def test_a_joined_node_takes_the_round_it_held_in_flight_then_the_runs_latest(
     assert all(call[1] == path for call in syncer.asked if call[0] == "resume") and trainer.rounds == rounds
     applied = ["step 4: applied the round the interrupted run was waiting for"] if landed and step else []
     assert logged == applied
+
+
+@pytest.mark.timeout(120)
+def test_a_dry_run_builds_the_node_says_its_notes_and_trains_nothing(
+    tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command line's notes come first; a strategy that wraps nothing on one process is said to; a dry run
+    checks what a start checks and leaves no save folder."""
+    args = [*tiny_corpus.overrides(tmp_path / "out"), *FAST, "--dry_run=true", "--distributed_strategy=ddp"]
+    cfg, _ = load_config(TINY, args)
+    assert spes.node.run(cfg, ["note: from the command line"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "note: from the command line"
+    assert out[1].startswith("note: distributed_strategy=ddp on one process: the model is not wrapped (one rank ")
+    assert out[-1] == (
+        "dry run: built the node (Transformer, data, optimizer) and checked its save folder, run spec and evaluators; "
+        "not training (dry_run=true)"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.timeout(300)
