@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_helpers import parameter_server, run_logged
 from spes.config import ServerSection
 from spes.schema import config_help
 from spes.sync.server import config_of, exposure_warnings
@@ -255,6 +256,21 @@ def test_a_port_in_use_is_one_line_naming_the_flag() -> None:
         f"error: cannot listen on 127.0.0.1:{port} (Address already in use): stop the process using it or pick "
         "another --port"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_port_another_spes_server_listens_on_is_one_line(tmp_path: Path) -> None:
+    """gRPC listens with SO_REUSEPORT by default, under which a second server would share the first one's port."""
+    with parameter_server(tmp_path / "first.log", "--total_peers", "1", "--num_train_experts_per_node", "8") as addr:
+        port = addr.rsplit(":", 1)[1]
+        args = ["--host", "127.0.0.1", "--port", port, "--total_peers", "1", "--num_train_experts_per_node", "8"]
+        second = run_logged([sys.executable, "-m", "spes.server", *args], tmp_path / "second.log", timeout=60)
+    assert second.returncode == 2
+    assert second.stdout.strip().splitlines()[-1] == (
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use): stop the process using it or pick "
+        "another --port"
+    )
 
 
 def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged, without_torch
+from dist_helpers import SMALL_NODE, child_env, run_logged, without_torch
 from node_runs import REPO, TINY, assert_one_line, train
 from spes.checkpoint import META_FILE
 from spes.config import load_config
@@ -89,31 +89,6 @@ def test_config_failures_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixt
         captured = capsys.readouterr()
         assert_one_line(code, captured.out + captured.err, *expected)  # the error line goes to stderr: it comes last
         assert "parameters" not in captured.out, argv
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_busy_port_is_one_line(tmp_path: Path) -> None:
-    with parameter_server(tmp_path / "first.log", "--total_peers", "1", "--num_train_experts_per_node", "8") as addr:
-        port = addr.rsplit(":", 1)[1]
-        proc = run_logged(
-            [
-                sys.executable,
-                "-m",
-                "spes.server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                port,
-                "--total_peers",
-                "1",
-                "--num_train_experts_per_node",
-                "8",
-            ],
-            tmp_path / "second.log",
-            timeout=60,
-        )
-    assert_one_line(proc.returncode, proc.stdout, f"127.0.0.1:{port}", "--port")
 
 
 @pytest.mark.slow
