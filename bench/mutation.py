@@ -1276,6 +1276,12 @@ EQUIVALENT: dict[str, str] = {
         "does not have (ServerSection's are named by test_config)",
     ),
     **mutants(
+        "spes.config.x_load_sync_sections",
+        "74 76",
+        "using_dilico's default when the command line leaves it out: None reads as False wherever it is read (the "
+        "mode, check_mode's `or not using_dilico`)",
+    ),
+    **mutants(
         "spes.schema.x__lookup_field",
         "10",
         "the unknown key as written is read only for its last part, which 'XX.XX' joins prefix with 'XX': among the "

@@ -23,6 +23,7 @@ from spes.config import (
     load_sync_sections,
     node_data_seed,
     parse_duration,
+    passed_over,
     run_data_seed,
 )
 from spes.schema import ConfigError, _yaml_problem, config_help, from_dict, to_dict
@@ -1352,6 +1353,17 @@ def test_help_lists_every_section_and_key_with_its_doc() -> None:
     assert "'single' | 'ddp' | 'fsdp' | None" in kinds and "float > 0 | bool | None" in kinds
     assert "'whole_layer' | 'fine_grained' | 'one_in_two' | 'one_in_four' | bool | None" in kinds
     assert not [k for k in kinds if any(typing in k for typing in ("Optional", "Union", "Literal", "NoneType"))]
+
+
+def test_a_resume_notes_a_load_path_it_passes_over_and_only_that() -> None:
+    """A resume reads save_folder; the YAML's load_path (other weights, read only by a fresh start) is named, one
+    naming save_folder itself (however spelt) is not, nor is no load_path."""
+    cfg = TrainConfig(save_folder="out/run")
+    assert passed_over(cfg) is None
+    cfg.load_path = "out/./run/"
+    assert passed_over(cfg) is None
+    cfg.load_path = "init/step0"
+    assert passed_over(cfg) == "note: resuming save_folder out/run; load_path init/step0 is not read"
 
 
 def test_changed_settings_name_each_key_a_resume_changes_but_not_how_it_was_launched() -> None:
