@@ -170,3 +170,6 @@ def test_the_eta_is_paced_by_the_wall_clock_since_the_launch_began() -> None:
     assert speed.eta_minutes(10, 50, now=120.0) is None  # no step done yet in this launch
     assert speed.eta_minutes(20, 50, now=150.0) == 150 / 60
     assert speed.eta_minutes(60, 50, now=150.0) == 0.0
+    running = SpeedMonitor(window=4)  # as the trainer calls it: by the monotonic clock
+    running.start(10)
+    assert 0 <= running.eta_minutes(11, 50) < 1
