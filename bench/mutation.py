@@ -1457,12 +1457,6 @@ FLAG_GROUPS = "tests/sync/test_settings.py::test_each_flag_stands_in_its_group_w
 HUB_ONLINE = "tests/test_hub.py::test_an_id_the_hub_does_not_know_is_named_with_what_to_check"
 HUB_DOWNLOAD = "tests/test_hub.py::test_a_hub_id_is_downloaded_once_into_the_cache_with_only_the_files_spes_reads"
 KILLED_BY: dict[str, str] = {
-    # a client certificate without its key (or the reverse) handed to gRPC aborts the test's process in gRPC's core
-    **mutants(
-        "spes.status.x_main",
-        "126 127 130 131",
-        "tests/test_status_cli.py::test_a_mutual_tls_server_refusing_the_client_certificate_is_blamed_on_the_tls_flags",
-    ),
     # a --watch's line through a pipe while the command runs: a process of its own
     **mutants(
         "spes.status.x_ask",
