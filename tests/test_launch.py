@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -199,6 +200,21 @@ def test_an_interrupted_start_says_how_to_continue_from_what_it_saved(tmp_path: 
     assert how_to_continue(tmp_path).startswith(
         f"kept in {tmp_path}: node0 step106, node2 step105, node10 step105 and the server state; continue with"
     )
+
+
+def test_the_readmes_quickstart_commands_run_one_after_another(tmp_path: Path) -> None:
+    """The README showed `STEPS=800 bash run_scripts/quickstart.sh` as "a longer run": after the quickstart above it,
+    that start was refused (output/quickstart holds a run). Each quickstart command the README gives after the
+    first, run on the folder that first one left, must be admitted: a new run into its own OUT, or RESUME=1."""
+    readme = (REPO / "README.md").read_text()
+    written = re.findall(r"^((?:[A-Z_]+=\S+ )*)bash run_scripts/quickstart\.sh", readme, flags=re.MULTILINE)
+    assert written[0] == "" and len(written) > 2  # the plain quickstart first, then its variants
+    first = tmp_path / "output" / "quickstart"
+    (first / "server_state").mkdir(parents=True)
+    (first / "server_state" / "run.json").write_text(json.dumps({"run_id": "abc"}))
+    for assignments in written[1:]:
+        env = dict(a.split("=", 1) for a in assignments.split())
+        resume_flags(tmp_path / env.get("OUT", "output/quickstart"), bool(env.get("RESUME")))
 
 
 FAKE_SERVER = (
