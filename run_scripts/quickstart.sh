@@ -31,7 +31,12 @@ stage 1 install "torch (CPU) and spes[dev] into .venv, the first time only"
 bash run_scripts/setup.sh
 stage 2 corpus "the local corpus and tokenizer in data/default, the first time only"
 .venv/bin/python data_process_scripts/build_default_corpus.py --output_dir data/default
-stage 3 train "a server and 4 peers on loopback, ${STEPS:-400} steps (progress below: peer 0's log)"
+if [ -n "${RESUME:-}" ]; then
+  run="the run in ${OUT:-output/quickstart} continued from its last checkpoint to step ${STEPS:-400}"
+else
+  run="${STEPS:-400} steps into ${OUT:-output/quickstart}"
+fi
+stage 3 train "a server and 4 peers on loopback, $run (progress below: peer 0's log)"
 exec .venv/bin/python -m spes.launch configs/tiny.yaml --out "${OUT:-output/quickstart}" \
   $( [ -n "${RESUME:-}" ] && echo --resume ) -- \
   --server.merge_interval="${MERGE_INTERVAL:-20}" --server.merge_alpha_start="${MERGE_ALPHA_START:-0.05}" \
