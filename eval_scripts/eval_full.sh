@@ -111,7 +111,7 @@ if [ "$ACCELERATE" = 1 ]; then
   LM_EVAL=("$PYTHON" -m accelerate.commands.launch --num_processes "$NPROC" --main_process_port "${PORT:-20503}"
     -m lm_eval)
 fi
-echo "results: $OUT_DIR; lm_eval: ${LM_EVAL[*]:1}"
+echo "results: $OUT_DIR; lm_eval: ${LM_EVAL[*]}"
 # NOTE: without a reachable Hub, offline mode turns minutes of retries inside datasets/lm_eval into cache reads.
 if ! "$PYTHON" -c 'import sys; from spes.hub import hub_offline, hub_reachable
 sys.exit(0 if not hub_offline() and hub_reachable() else 1)'; then
@@ -139,7 +139,7 @@ find "$STAGE" -mindepth 1 -maxdepth 1 ! -name .lock -exec rm -rf {} +  # an inte
 FAILED=0
 
 run_lm_eval() {  # <run name> <tasks> <shots, or "default": lm-eval's> [required: a failure fails the script]
-  local extra=() log="$STAGE/raw/$1.log"
+  local extra=() log="$STAGE/raw/$1.log" started=$SECONDS
   [ -n "${LIMIT:-}" ] && extra+=(--limit "$LIMIT")
   [ -n "${DEVICE:-}" ] && extra+=(--device "$DEVICE")
   [ "$3" != default ] && extra+=(--num_fewshot "$3")
@@ -149,10 +149,12 @@ run_lm_eval() {  # <run name> <tasks> <shots, or "default": lm-eval's> [required
   if ! (cd "$EVAL_DATA" && "${LM_EVAL[@]}" --model hf --model_args "pretrained=$HF_DIR,dtype=$DTYPE" \
       --tasks "$2" --include_path "$REPO/eval_scripts/tasks" --batch_size "$BATCH_SIZE" \
       --output_path "$STAGE/raw/$1" "${extra[@]}") > "$log" 2>&1; then
-    echo "skipped $2: lm_eval failed: $(grep -v '^\s*$' "$log" | tail -n 1) (log: $OUT_DIR/raw/$1.log)" >&2
+    echo "skipped $2: lm_eval failed after $((SECONDS - started)) s: $(grep -v '^\s*$' "$log" | tail -n 1) (log:" \
+      "$OUT_DIR/raw/$1.log)" >&2
     if [ -n "${4:-}" ]; then FAILED=1; fi
   else
     grep -A 100 '^|' "$log" || true
+    echo "== lm_eval: $2 took $((SECONDS - started)) s"
   fi
 }
 
@@ -170,5 +172,5 @@ if [ -e "$OUT_DIR" ]; then mv "$OUT_DIR" "$OUT_DIR.replaced"; fi
 rm -f "$STAGE/.lock"
 mv "$STAGE" "$OUT_DIR"
 rm -rf "$OUT_DIR.replaced"
-echo "results: $OUT_DIR/results.md $OUT_DIR/results.json"
+echo "results: $OUT_DIR/results.md $OUT_DIR/results.json ($SECONDS s in all)"
 exit "$FAILED"

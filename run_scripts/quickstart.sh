@@ -15,7 +15,7 @@ set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
 
-stage() {  # stage NUMBER NAME WHAT: one line, with the stage's measured time when a record has it
+stage() {  # stage NUMBER NAME WHAT [FOR]: one line, with the measured time (FOR: of what) when a record has it
   local took
   took=$(python3 - "$2" 2>/dev/null <<'PY' || true
 import json, sys
@@ -24,14 +24,21 @@ seconds = record["stages"][sys.argv[1]]
 print(f"; on a fresh clone: {seconds:.0f} s" if seconds < 90 else f"; on a fresh clone: {seconds / 60:.0f} min")
 PY
 )
-  echo "quickstart [$1/3] $2: $3$took"
+  echo "quickstart [$1/3] $2: $3$took${took:+${4:-}}"
 }
 
 stage 1 install "torch (CPU) and spes[dev] into .venv, the first time only"
 bash run_scripts/setup.sh
 stage 2 corpus "the local corpus and tokenizer in data/default, the first time only"
 .venv/bin/python data_process_scripts/build_default_corpus.py --output_dir data/default
-stage 3 train "a server and 4 peers on loopback, ${STEPS:-400} steps (progress below: peer 0's log)"
+if [ -n "${RESUME:-}" ]; then
+  run="the run in ${OUT:-output/quickstart} continued from its last checkpoint to step ${STEPS:-400}"
+else
+  run="${STEPS:-400} steps into ${OUT:-output/quickstart}"
+fi
+timed=""  # NOTE: the record times a new run of the default length, not a longer one nor the rest of one
+if [ -n "${RESUME:-}" ] || [ "${STEPS:-400}" != 400 ]; then timed=" for a new run of 400 steps"; fi
+stage 3 train "a server and 4 peers on loopback, $run (progress below: peer 0's log)" "$timed"
 exec .venv/bin/python -m spes.launch configs/tiny.yaml --out "${OUT:-output/quickstart}" \
   $( [ -n "${RESUME:-}" ] && echo --resume ) -- \
   --server.merge_interval="${MERGE_INTERVAL:-20}" --server.merge_alpha_start="${MERGE_ALPHA_START:-0.05}" \

@@ -414,8 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        print(format_corpus(corpus, args.output_dir))
-        print("already built; pass --overwrite to rebuild")
+        print(f"{args.output_dir} is already built; pass --overwrite to rebuild")  # NOTE: first: the lines below
+        print(format_corpus(corpus, args.output_dir))  # describe that earlier build, its time included
         return 0
     args.output_dir.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)

@@ -36,6 +36,9 @@ from spes.schema import ConfigError, number_flag
 STOP_GRACE_S = 10.0
 """How long a stopped peer (then the server) has to save and exit before it is killed."""
 
+SERVER_START_S = 60.0
+"""How long the launcher waits for the server to listen before it starts the peers anyway (they retry their join)."""
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     with Interruptible():  # SIGTERM too: `finally` stops the children (own sessions) of a killed launcher
         try:
             procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env, args.resume)
+            _await_listening(procs["server"], port, SERVER_START_S)
             for i, seed in enumerate(seeds):
                 peer_cmd = [
                     *peer_command(args.config, run, i, seed, port, out),
@@ -233,16 +237,41 @@ def previous_run(out: Path) -> str:
 
 
 def how_to_continue(out: Path) -> str:
-    """What an interrupted start left in `out`, and the command that follows on from it."""
-    if previous_run(out):
-        return "continue with --resume (quickstart: RESUME=1), given the same overrides after `--`"
-    return f"nothing was saved yet in {out}: start the run again without --resume"  # NOTE: --resume is refused
+    """What an interrupted start left in `out` (the step each peer goes on from), and the command that follows on
+    from it."""
+    if not previous_run(out):
+        return f"nothing was saved yet in {out}: start the run again without --resume"  # NOTE: --resume is refused
+    return (
+        f"kept in {out}: {kept_checkpoints(out) or 'no node checkpoint'}"
+        f"{' and the server state' if (out / 'server_state' / 'run.json').is_file() else ''}; continue with --resume "
+        "and the same overrides after `--` (quickstart: RESUME=1 and the same settings)"
+    )
+
+
+def kept_checkpoints(out: Path) -> str:
+    """Each node's newest checkpoint in `out`, the one --resume goes on from (e.g. "node0 step106, node1 step105")."""
+    from spes.checkpoint import list_checkpoints
+
+    nodes = sorted(out.glob("node*"), key=lambda p: (len(p.name), p.name))  # NOTE: node2 before node10
+    return ", ".join(f"{p.name} {saved[-1].name}" for p in nodes if (saved := list_checkpoints(p)))
 
 
 def held_run_id(out: Path) -> str:
     """The id of the run whose server state `out` holds ('' for none)."""
     state = out / "server_state" / "run.json"
     return str(json.loads(state.read_text()).get("run_id", "")) if state.is_file() else ""
+
+
+def _await_listening(server: subprocess.Popen, port: int, timeout: float) -> None:
+    """Return once the server accepts connections on loopback `port`, has exited, or `timeout` s have passed: a peer
+    started before it listens prints a refused join and each retry of it, noise in a run where nothing failed."""
+    deadline = time.monotonic() + timeout
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], resume: bool) -> subprocess.Popen:

@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -334,13 +335,9 @@ results = {t: {"acc,none": float(os.environ["STAND_IN_ACC"])} for t in args[args
 """
 
 
-def test_eval_full_writes_beside_the_model_and_replaces_results_only_when_asked_and_finished(
-    tiny_corpus: Corpus, tmp_path: Path
-) -> None:
-    """Results go to <MODEL_PATH>-eval, not inside the model folder (which `spes.hf export --overwrite` replaces
-    whole); a second run into them is refused, OVERWRITE=1 replaces them, a run into a folder another run is
-    writing is refused, and an interrupted run (killed in lm_eval) leaves the earlier results as they were.
-    lm_eval is a stand-in here (the real one runs in the slow tests)."""
+def stand_in_evaluation(tiny_corpus: Corpus, tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A model folder and the environment that evaluates it on the local suite alone with the stand-in lm_eval
+    (STAND_IN_LM_EVAL: the accuracy it reports is the environment's STAND_IN_ACC)."""
     stand_in = tmp_path / "stand_in"
     (stand_in / "lm_eval").mkdir(parents=True)
     (stand_in / "lm_eval" / "__init__.py").write_text("")
@@ -359,6 +356,40 @@ def test_eval_full_writes_beside_the_model_and_replaces_results_only_when_asked_
         "REFERENCE": "0",
         "NPROC": "1",
     }
+    return model, env
+
+
+def test_eval_full_prints_the_lm_eval_command_it_runs_and_how_long_each_run_took(
+    tiny_corpus: Corpus, tmp_path: Path
+) -> None:
+    """Its first line said "lm_eval: -m lm_eval" (the command less its Python), and nothing said how long an
+    evaluation took (the quickstart's model takes minutes on a CPU)."""
+    model, env = stand_in_evaluation(tiny_corpus, tmp_path)
+    done = subprocess.run(
+        [str(SCRIPTS / "eval_full.sh"), str(model)],
+        env={**env, "STAND_IN_ACC": "0.25"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    out = os.path.realpath(f"{model}-eval")
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"results: {out}; lm_eval: {sys.executable} -m lm_eval"
+    assert any(re.fullmatch(r"== lm_eval: spes_next_text,spes_heldout_ppl took \d+ s", line) for line in lines), lines
+    assert re.fullmatch(
+        rf"results: {re.escape(out)}/results\.md {re.escape(out)}/results\.json \(\d+ s in all\)", lines[-1]
+    )
+
+
+def test_eval_full_writes_beside_the_model_and_replaces_results_only_when_asked_and_finished(
+    tiny_corpus: Corpus, tmp_path: Path
+) -> None:
+    """Results go to <MODEL_PATH>-eval, not inside the model folder (which `spes.hf export --overwrite` replaces
+    whole); a second run into them is refused, OVERWRITE=1 replaces them, a run into a folder another run is
+    writing is refused, and an interrupted run (killed in lm_eval) leaves the earlier results as they were.
+    lm_eval is a stand-in here (the real one runs in the slow tests)."""
+    model, env = stand_in_evaluation(tiny_corpus, tmp_path)
 
     def accuracy() -> float:
         return json.loads((tmp_path / "hf" / "tiny-step20-eval" / "results.json").read_text())["tasks"][

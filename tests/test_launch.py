@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -185,10 +186,79 @@ def test_an_interrupt_while_stopping_kills_every_child_at_once_and_ends_without_
 
 
 def test_an_interrupted_start_says_how_to_continue_from_what_it_saved(tmp_path: Path) -> None:
-    """It said "continue with --resume" even when stopped before any save, and --resume was then refused."""
+    """It said "continue with --resume" even when stopped before any save, and --resume was then refused; and it
+    never said which step each peer saved (the followed log stops at the Ctrl-C, before the peers' last saves)."""
     assert how_to_continue(tmp_path) == f"nothing was saved yet in {tmp_path}: start the run again without --resume"
-    (tmp_path / "node0" / "step0").mkdir(parents=True)
-    assert how_to_continue(tmp_path).startswith("continue with --resume (quickstart: RESUME=1)")
+    for node, step in (("node0", 90), ("node0", 106), ("node10", 105), ("node2", 105)):
+        (tmp_path / node / f"step{step}").mkdir(parents=True)
+    assert how_to_continue(tmp_path) == (
+        f"kept in {tmp_path}: node0 step106, node2 step105, node10 step105; continue with --resume and the same "
+        "overrides after `--` (quickstart: RESUME=1 and the same settings)"
+    )
+    (tmp_path / "server_state").mkdir()
+    (tmp_path / "server_state" / "run.json").write_text(json.dumps({"run_id": "abc"}))
+    assert how_to_continue(tmp_path).startswith(
+        f"kept in {tmp_path}: node0 step106, node2 step105, node10 step105 and the server state; continue with"
+    )
+
+
+def test_the_readmes_quickstart_commands_run_one_after_another(tmp_path: Path) -> None:
+    """The README showed `STEPS=800 bash run_scripts/quickstart.sh` as "a longer run": after the quickstart above it,
+    that start was refused (output/quickstart holds a run). Each quickstart command the README gives after the
+    first, run on the folder that first one left, must be admitted: a new run into its own OUT, or RESUME=1."""
+    readme = (REPO / "README.md").read_text()
+    written = re.findall(r"^((?:[A-Z_]+=\S+ )*)bash run_scripts/quickstart\.sh", readme, flags=re.MULTILINE)
+    assert written[0] == "" and len(written) > 2  # the plain quickstart first, then its variants
+    first = tmp_path / "output" / "quickstart"
+    (first / "server_state").mkdir(parents=True)
+    (first / "server_state" / "run.json").write_text(json.dumps({"run_id": "abc"}))
+    for assignments in written[1:]:
+        env = dict(a.split("=", 1) for a in assignments.split())
+        resume_flags(tmp_path / env.get("OUT", "output/quickstart"), bool(env.get("RESUME")))
+
+
+FAKE_SERVER = (
+    "import socket, sys, time; time.sleep(1.5); s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); "
+    "s.listen(); time.sleep(60)"
+)
+FAKE_PEER = """import socket, sys
+try:
+    socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5).close()
+    print('joined')
+except OSError as err:
+    print(f'refused: {err}')
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_peers_start_once_the_server_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], launcher_signals: None
+) -> None:
+    """Peers started beside a server still importing torch each printed a refused join and its retries, noise in
+    every quickstart on a machine where nothing failed."""
+    python = sys.executable
+    monkeypatch.setattr(
+        spes.launch, "server_command", lambda config, run, port, out: [python, "-c", FAKE_SERVER, f"{port}"]
+    )
+    monkeypatch.setattr(
+        spes.launch, "peer_command", lambda config, run, peer, seed, port, out: [python, "-c", FAKE_PEER, f"{port}"]
+    )
+
+    def peers_exited(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout: float) -> int:
+        return max(p.wait(30) for name, p in procs.items() if name != "server") + 1  # 1: no summary to read
+
+    monkeypatch.setattr(spes.launch, "_wait", peers_exited)
+    assert spes.launch.main([TINY, "--out", str(tmp_path)]) == 1
+    assert [(tmp_path / f"peer{i}.log").read_text() for i in range(4)] == ["joined\n"] * 4
+
+
+def test_waiting_for_a_server_ends_when_it_exits() -> None:
+    """A server that fails at its start must not hold the launcher for the whole wait (its failure is reported)."""
+    server = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    started = time.monotonic()
+    spes.launch._await_listening(server, spes.launch.free_port(), 30.0)
+    assert time.monotonic() - started < 10
+    assert server.wait() == 3
 
 
 def test_the_codec_flag_takes_only_a_codec(capsys: pytest.CaptureFixture[str]) -> None:
