@@ -250,7 +250,7 @@ def how_to_continue(out: Path) -> str:
 
 def kept_checkpoints(out: Path) -> str:
     """Each node's newest checkpoint in `out`, the one --resume goes on from (e.g. "node0 step106, node1 step105")."""
-    from spes.checkpoint import list_checkpoints
+    from spes.checkpoint import list_checkpoints  # NOTE: imports torch, which the launcher needs only once stopped
 
     nodes = sorted(out.glob("node*"), key=lambda p: (len(p.name), p.name))  # NOTE: node2 before node10
     return ", ".join(f"{p.name} {saved[-1].name}" for p in nodes if (saved := list_checkpoints(p)))
