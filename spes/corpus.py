@@ -120,6 +120,10 @@ class TokenizeSummary:
     resumed_shards: int = 0
     """Shards of an interrupted run that --resume kept (first in `shards`); the counts above are of the rest."""
 
+    def progress(self) -> dict[str, str]:
+        """The counts the progress bar shows, written out: tqdm shows a round number such as 1000000 as `1e+6`."""
+        return {"tokens": f"{self.num_tokens:,}", "malformed": f"{self.num_malformed:,}"}
+
 
 def choose_dtype(vocab_size: int, requested: str | None = None) -> np.dtype:
     """The shard dtype: `requested` if it can hold every token id, else the smallest unsigned that can."""
@@ -627,7 +631,7 @@ def _tokenize(
             writer.write(encoded)
             summary.num_documents += len(encoded.doc_lengths)
             summary.num_tokens += len(encoded.tokens)
-            bar.set_postfix(tokens=summary.num_tokens, malformed=summary.num_malformed, refresh=False)
+            bar.set_postfix(summary.progress(), refresh=False)
             bar.update(len(encoded.doc_lengths) + len(encoded.errors))  # NOTE: after: update draws the postfix
     summary.shards = writer.close()
     summary.seconds = time.perf_counter() - started

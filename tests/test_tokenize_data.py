@@ -653,7 +653,7 @@ def test_each_drawing_of_the_progress_bar_counts_the_tokens_of_the_documents_it_
     assert len(drawn) >= len(texts)
     for frame in drawn:
         docs = int(frame.split("doc [")[0])
-        assert frame.rstrip().endswith(f"tokens={totals[docs - 1]}]"), frame
+        assert frame.rstrip().endswith(f"tokens={totals[docs - 1]:,}, malformed=0]"), frame
 
 
 def test_a_text_field_is_read_from_every_format_and_a_missing_column_refused_before_any_work(
@@ -676,6 +676,21 @@ def test_the_summary_counts_with_separators_and_a_rate() -> None:
         "documents: 1,234  tokens: 5,000  shards: 2  (2.0 s, 2,500 tokens/s)\nmalformed records skipped: 1,001"
     )
     assert "(0.0 s, 0 tokens/s)" in corpus.format_summary(corpus.TokenizeSummary(num_tokens=5))
+
+
+def test_the_progress_bar_writes_its_counts_out(
+    tokenizer: LoadedTokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tqdm shows a number as the shorter of it and its `.3g` form (10000 as `1e+4`): the bar gets the counts
+    written out with separators, as the summary line writes them."""
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 40)
+    summary = corpus.tokenize_files([path], tokenizer=tokenizer, output_prefix=tmp_path / "out" / "part", progress=True)
+    assert summary.num_tokens >= 1000
+    assert f"tokens={summary.num_tokens:,}, malformed=0" in capsys.readouterr().err
+    assert corpus.TokenizeSummary(num_tokens=10_000, num_malformed=1000).progress() == {
+        "tokens": "10,000",
+        "malformed": "1,000",
+    }
 
 
 def test_the_cli_passes_its_flags_on_says_what_it_wrote_and_fails_when_no_document_was_read(
