@@ -622,7 +622,7 @@ def test_the_library_shows_progress_unless_told_not_to_and_checks_its_numbers(
     path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS + [42])
     shown = corpus.tokenize_files([path], tokenizer=tokenizer, output_prefix=tmp_path / "shown" / "part")
     bar = capsys.readouterr().err.splitlines()[-1]  # tqdm's last line: records read, tokens, malformed
-    assert f"{len(SAMPLE_TEXTS) + 1}doc" in bar and f"malformed=1, tokens={shown.num_tokens}]" in bar
+    assert f"{len(SAMPLE_TEXTS) + 1}doc" in bar and f"tokens={shown.num_tokens:,}, malformed=1]" in bar
     chunks = corpus.iter_file_chunks(path, "text", 1000)
     corpus.tokenize_chunks(chunks, tokenizer=tokenizer, output_prefix=tmp_path / "chunks" / "part")
     assert f"{len(SAMPLE_TEXTS) + 1}doc" in capsys.readouterr().err
