@@ -383,6 +383,100 @@ def test_validation_batches_come_from_data_validation_paths_or_not_at_all(tmp_pa
         _dataset(load_config(TINY, ["--data.paths=[]"])[0], "paths")
 
 
+def test_a_save_folder_holding_only_an_incomplete_checkpoint_is_refused_naming_save_folder(tmp_path: Path) -> None:
+    """`--resume=auto`, and the line after an unsaved interrupt, over a folder whose `latest` names a checkpoint
+    that never completed tell the user to point save_folder (the key they set) elsewhere; a plain resume of an
+    empty folder says how to start afresh instead."""
+    save = tmp_path / "run"
+    (save / "step4").mkdir(parents=True)  # killed before its metadata was written
+    (save / "latest").write_text("step4\n")
+    refusal = (
+        f"{save / 'latest'} names step4, which is missing or incomplete; {save} holds no complete checkpoint: point "
+        f"save_folder at another one, or remove {save / 'latest'} to start that save folder afresh"
+    )
+    cfg, _ = load_config(TINY, [f"--save_folder={save}", "--try_load_latest_save=true"])
+    with pytest.raises(ValueError) as refused:
+        start_checkpoint(cfg, print)
+    assert str(refused.value) == refusal and _what_is_saved(save) == refusal
+    empty = tmp_path / "empty"
+    cfg, _ = load_config(TINY, [f"--save_folder={empty}", f"--load_path={empty}"])
+    with pytest.raises(ValueError) as refused:
+        start_checkpoint(cfg, print)
+    assert str(refused.value) == (
+        f"nothing to resume: save_folder {empty} holds no checkpoint yet (--resume, or load_path naming it); "
+        "use --resume=auto, which starts afresh when there is none, or drop --resume"
+    )
+
+
+def test_validation_data_of_no_full_window_is_refused_saying_how_to_train_without_it(tmp_path: Path) -> None:
+    """The refusal names the exact setting that drops validation, as the user would type it."""
+    short = write_token_shard(tmp_path / "short.npy", np.arange(63, dtype=np.uint16), vocab_size=4096)
+    cfg, _ = load_config(TINY, [f"--data.validation_paths=[{short}]"])
+    with pytest.raises(ValueError) as refused:
+        _validation(cfg)
+    assert str(refused.value) == (
+        "data.validation_paths hold no sequence of 64 tokens: add validation data, or set "
+        "data.validation_paths=[] to train without validation"
+    )
+
+
+@pytest.mark.parametrize(("url_reads", "ranged"), [("range", True), ("download", False)])
+def test_a_dataset_reads_urls_as_data_url_reads_says_with_the_configured_dtype_and_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url_reads: str, ranged: bool
+) -> None:
+    """url_reads=download must fetch whole files (a server without range requests), range must not; the windows
+    are read as memmap_dtype and checked against model.vocab_size."""
+    shard = write_token_shard(tmp_path / "train.npy", np.arange(256, dtype=np.uint16), vocab_size=4096)
+    asked: list[dict[str, Any]] = []
+    resolve = spes.node.resolve_paths
+
+    def recording(paths: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs)
+        return resolve(paths, **kwargs)
+
+    monkeypatch.setattr(spes.node, "resolve_paths", recording)
+    cfg, _ = load_config(TINY, [f"--data.paths=[{shard}]", f"--data.url_reads={url_reads}"])
+    dataset = _dataset(cfg, "paths")
+    assert asked == [{"ranged": ranged}]
+    assert (dataset.memmap_dtype, dataset.vocab_size) == ("uint16", 4096)
+
+
+def test_the_training_loader_takes_its_workers_and_pinning_from_data(
+    tiny_corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """data.num_workers and data.pin_memory reach the loader (pinning is dropped, and said so, without an
+    accelerator)."""
+    overrides = [*tiny_corpus.overrides(tmp_path / "out"), "--data.num_workers=2", "--data.pin_memory=true"]
+    with caplog.at_level("INFO", logger="spes.data"):
+        loader = _training_loader(load_config(TINY, overrides)[0], CPU, lambda _msg: None)
+    assert loader.num_workers == 2
+    accelerated = torch.accelerator.is_available()
+    assert loader.pin_memory == accelerated
+    assert ("batches are not pinned" in caplog.text) != accelerated
+
+
+def test_a_nodes_trainer_evaluates_its_validation_data_and_syncs_through_its_syncer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer `python -m spes.train` fits gets the node's validation batches, its syncer and its log: without
+    them a node would never evaluate, or never sync a round."""
+    monkeypatch.setattr(spes.node, "Trainer", lambda **kwargs: kwargs)
+    parts: dict[str, Any] = {"model": "model", "optimizer": "opt", "loader": "loader", "eval_batches": "evals"}
+    given = spes.node.node_trainer(
+        cast(Any, "cfg"), spes.node.Node(**parts, checkpoint=None), CPU, syncer=cast(Any, "syncer"), log=print
+    )
+    assert given == {
+        "cfg": "cfg",
+        "model": "model",
+        "optimizer": "opt",
+        "loader": "loader",
+        "info": CPU,
+        "eval_batches": "evals",
+        "syncer": "syncer",
+        "log": print,
+    }
+
+
 class _Trainer:
     """What `rejoin` reads and calls of a trainer: its step and the rounds it is handed."""
 
