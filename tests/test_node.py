@@ -531,6 +531,63 @@ def test_a_joined_node_takes_the_round_it_held_in_flight_then_the_runs_latest(
     assert logged == applied
 
 
+class _Joined:
+    """A node's side of the rounds as `start_node` builds it: what it was built with, and whether it joined."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs, self.joined = args, kwargs, False
+
+    def join(self) -> None:
+        self.joined = True
+
+
+class _Fitted:
+    """The trainer `start_node` returns: the trainer state it was handed."""
+
+    def __init__(self) -> None:
+        self.loaded = cast(list[dict[str, Any]], [])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded.append(state)
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_started_node_joins_under_its_checkpoints_run_id_and_resumes_its_trainer_and_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved: bool
+) -> None:
+    """The syncer is built for this node's model under the run id its checkpoint recorded (none for a fresh start),
+    joins, and the trainer syncing through it takes up the checkpoint's state and then its round in flight."""
+    ckpt = Checkpoint(path=tmp_path / "step4", model={}, optim=None, trainer={"step": 4}, config={}) if saved else None
+    node = spes.node.Node(
+        model=torch.nn.Linear(2, 2),
+        optimizer=cast(Any, "opt"),
+        loader=cast(Any, "loader"),
+        eval_batches=None,
+        checkpoint=ckpt,
+    )
+    trainer, calls = _Fitted(), cast(list[tuple[Any, ...]], [])
+    monkeypatch.setattr(spes.node, "build_node", lambda *args: calls.append(("build", *args)) or node)
+    monkeypatch.setattr("spes.sync.node_files.read_run_id", lambda path: f"run of {path.name}")
+    monkeypatch.setattr("spes.sync.peer.PeerSync", _Joined)
+    monkeypatch.setattr(
+        spes.node, "node_trainer", lambda *args, **kwargs: calls.append(("trainer", *args, kwargs)) or trainer
+    )
+    monkeypatch.setattr(spes.node, "rejoin", lambda *args: calls.append(("rejoin", *args)))
+    cfg, log = load_config(TINY, [f"--save_folder={tmp_path}"])[0], cast(list[str], []).append
+    fitted, syncer = spes.node.start_node(cfg, CPU, log)
+    assert fitted is trainer and isinstance(syncer, _Joined) and syncer.joined
+    assert syncer.args == (cfg, node.model, CPU) and syncer.kwargs == {
+        "log": log,
+        "run_id": "run of step4" if saved else None,
+    }
+    assert calls == [
+        ("build", cfg, CPU, log),
+        ("trainer", cfg, node, CPU, {"syncer": syncer, "log": log}),
+        ("rejoin", trainer, syncer, ckpt, log),
+    ]
+    assert trainer.loaded == ([{"step": 4}] if saved else [])
+
+
 @pytest.mark.timeout(120)
 def test_a_dry_run_builds_the_node_says_its_notes_and_trains_nothing(
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
