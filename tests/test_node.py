@@ -34,6 +34,7 @@ from spes.atomic import LockHeld, hold_lock, lock_holder
 from spes.checkpoint import META_FILE, Checkpoint
 from spes.config import load_config
 from spes.data import TokenSequenceDataset
+from spes.guard import NonFiniteError
 from spes.node import (
     SAVE_FOLDER_LOCK,
     _continues_run,
@@ -311,6 +312,52 @@ def test_reset_flags_without_a_load_path_are_noted_and_nothing_is_loaded(tmp_pat
         cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", *overrides])
         logged: list[str] = []
         assert _load(cfg, None, False, model, optimizer, logged.append) is None and logged == said, overrides
+
+
+@pytest.mark.parametrize(
+    ("continuing", "overrides", "with_optim", "trainer"),
+    [
+        (False, [], True, {"step": 4}),
+        (False, ["--reset_optimizer_state=true"], False, {"step": 4}),
+        (False, ["--reset_trainer_state=true"], True, {"step": 4}),
+        (True, ["--reset_optimizer_state=true"], True, {"step": 4}),
+        (True, [], True, {}),
+    ],
+)
+def test_a_load_reads_the_optimizer_unless_a_new_run_resets_it_and_says_the_step_and_changes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    continuing: bool,
+    overrides: list[str],
+    with_optim: bool,
+    trainer: dict[str, Any],
+) -> None:
+    """reset_optimizer_state skips the saved optimizer only for a new run (a resume keeps it, as OLMo); the start
+    says the step it loaded (0 for a checkpoint recording none) and, on a resume alone, each setting changed since;
+    the trainer state returned is what that start takes up."""
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", "--seed=5", "--data.seed=7", *overrides])
+    saved = {**spes.node.to_dict(cfg), "seed": 4, "data": {**spes.node.to_dict(cfg)["data"], "seed": 6}}
+    asked: list[bool] = []
+
+    def restore(path: Path, model: Any, optimizer: Any, *, with_optim: bool) -> Checkpoint:
+        asked.append(with_optim)
+        return Checkpoint(path=path, model={}, optim=None, trainer=dict(trainer), config=saved)
+
+    monkeypatch.setattr(spes.node, "restore", restore)
+    model, logged = torch.nn.Linear(2, 2), cast(list[str], [])
+    ckpt = _load(cfg, tmp_path / "step4", continuing, model, torch.optim.SGD(model.parameters()), logged.append)
+    assert asked == [with_optim] and ckpt is not None
+    assert ckpt.trainer == _trainer_state(cfg, replace(ckpt, trainer=dict(trainer)), continuing, lambda _msg: None)
+    changed = "resuming with 2 setting(s) changed since that checkpoint: seed: 4 -> 5; data.seed: 6 -> 7"
+    assert logged[0] == f"loaded {tmp_path / 'step4'} (step {trainer.get('step', 0)})"
+    assert (changed in logged) == continuing
+    model.weight.data[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError) as refused:
+        _load(cfg, tmp_path / "step4", continuing, model, torch.optim.SGD(model.parameters()), logged.append)
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path / 'step4'}: the model weights hold NaN/inf (weight); pass an earlier checkpoint as "
+        "load_path"
+    )
 
 
 def test_shards_of_another_vocabulary_are_refused_naming_the_first_and_its_key(tmp_path: Path) -> None:
