@@ -614,8 +614,10 @@ def test_a_started_node_joins_under_its_checkpoints_run_id_and_resumes_its_train
     )
     trainer, calls = _Fitted(), cast(list[tuple[Any, ...]], [])
     monkeypatch.setattr(spes.node, "build_node", lambda *args: calls.append(("build", *args)) or node)
+    monkeypatch.setattr(
+        "spes.sync.peer.PeerSync", _Joined
+    )  # NOTE: first: importing spes.sync.peer binds the real read_run_id
     monkeypatch.setattr("spes.sync.node_files.read_run_id", lambda path: f"run of {path.name}")
-    monkeypatch.setattr("spes.sync.peer.PeerSync", _Joined)
     monkeypatch.setattr(
         spes.node, "node_trainer", lambda *args, **kwargs: calls.append(("trainer", *args, kwargs)) or trainer
     )
