@@ -637,6 +637,23 @@ def test_a_started_node_joins_under_its_checkpoints_run_id_and_resumes_its_train
     assert trainer.loaded == ([{"step": 4}] if saved else [])
 
 
+def test_a_dry_runs_start_checks_evaluators_in_scratch_and_builds_then_closes_its_syncer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run writes nothing into save_folder: the evaluators are checked against a scratch folder; the syncer
+    is built as a real start builds it (config, model, info, log) and closed at once."""
+    seen: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(spes.node, "evaluators_of", lambda cfg, info, log: seen.append((cfg.save_folder, info, log)))
+    monkeypatch.setattr("spes.sync.peer.PeerSync", _Joined)
+    monkeypatch.setattr(_Joined, "close", lambda self: seen.append(("closed", *self.args, self.kwargs)), raising=False)
+    cfg, log = load_config(TINY, [f"--save_folder={tmp_path}"])[0], cast(list[str], []).append
+    node = spes.node.Node(cast(Any, "model"), cast(Any, "opt"), cast(Any, "loader"), None, None)
+    spes.node._check_start(cfg, node, CPU, log)
+    (scratch, info, logged), closed = seen
+    assert scratch != str(tmp_path) and not Path(scratch).exists() and (info, logged) == (CPU, log)
+    assert closed == ("closed", cfg, "model", CPU, {"log": log})
+
+
 @pytest.mark.timeout(120)
 def test_a_dry_run_builds_the_node_says_its_notes_and_trains_nothing(
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
