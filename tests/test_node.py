@@ -654,6 +654,34 @@ def test_a_dry_runs_start_checks_evaluators_in_scratch_and_builds_then_closes_it
     assert closed == ("closed", cfg, "model", CPU, {"log": log})
 
 
+class _Done:
+    """A trainer whose fit ends at once: the step, tokens and optimizer state the last line says."""
+
+    def __init__(self) -> None:
+        self.step, self.tokens = 12, 3072
+        self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2**18))], momentum=0.9)
+        self.optimizer.state[self.optimizer.param_groups[0]["params"][0]]["momentum_buffer"] = torch.zeros(3 * 2**18)
+
+    def fit(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("strategy", "noted"), [("fsdp", True), ("ddp", True), ("single", False)])
+def test_a_one_process_run_notes_an_unwrapped_strategy_and_ends_saying_its_step_and_optimizer_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], strategy: str, noted: bool
+) -> None:
+    """fsdp or ddp on one process wraps nothing (said, with how to shard); the last line of a fit names its step,
+    tokens and optimizer state in MiB."""
+    monkeypatch.setattr(spes.node, "start_node", lambda *_args: (_Done(), None))
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", f"--distributed_strategy={strategy}"])
+    spes.node._train(cfg, CPU, [])
+    note = (
+        f"note: distributed_strategy={strategy} on one process: the model is not wrapped (one rank holds all of it "
+        "either way) and checkpoints are unsharded; launch with torchrun --nproc_per_node=N to shard or replicate it\n"
+    )
+    assert capsys.readouterr().out == (note if noted else "") + "done: step 12, 3,072 tokens, optimizer state 3.0 MiB\n"
+
+
 @pytest.mark.timeout(120)
 def test_a_dry_run_builds_the_node_says_its_notes_and_trains_nothing(
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
