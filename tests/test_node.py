@@ -34,6 +34,7 @@ from spes.atomic import LockHeld, hold_lock, lock_holder
 from spes.checkpoint import META_FILE, Checkpoint
 from spes.config import load_config
 from spes.data import TokenSequenceDataset
+from spes.guard import NonFiniteError
 from spes.node import (
     SAVE_FOLDER_LOCK,
     _continues_run,
@@ -313,6 +314,52 @@ def test_reset_flags_without_a_load_path_are_noted_and_nothing_is_loaded(tmp_pat
         assert _load(cfg, None, False, model, optimizer, logged.append) is None and logged == said, overrides
 
 
+@pytest.mark.parametrize(
+    ("continuing", "overrides", "with_optim", "trainer"),
+    [
+        (False, [], True, {"step": 4}),
+        (False, ["--reset_optimizer_state=true"], False, {"step": 4}),
+        (False, ["--reset_trainer_state=true"], True, {"step": 4}),
+        (True, ["--reset_optimizer_state=true"], True, {"step": 4}),
+        (True, [], True, {}),
+    ],
+)
+def test_a_load_reads_the_optimizer_unless_a_new_run_resets_it_and_says_the_step_and_changes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    continuing: bool,
+    overrides: list[str],
+    with_optim: bool,
+    trainer: dict[str, Any],
+) -> None:
+    """reset_optimizer_state skips the saved optimizer only for a new run (a resume keeps it, as OLMo); the start
+    says the step it loaded (0 for a checkpoint recording none) and, on a resume alone, each setting changed since;
+    the trainer state returned is what that start takes up."""
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", "--seed=5", "--data.seed=7", *overrides])
+    saved = {**spes.node.to_dict(cfg), "seed": 4, "data": {**spes.node.to_dict(cfg)["data"], "seed": 6}}
+    asked: list[bool] = []
+
+    def restore(path: Path, model: Any, optimizer: Any, *, with_optim: bool) -> Checkpoint:
+        asked.append(with_optim)
+        return Checkpoint(path=path, model={}, optim=None, trainer=dict(trainer), config=saved)
+
+    monkeypatch.setattr(spes.node, "restore", restore)
+    model, logged = torch.nn.Linear(2, 2), cast(list[str], [])
+    ckpt = _load(cfg, tmp_path / "step4", continuing, model, torch.optim.SGD(model.parameters()), logged.append)
+    assert asked == [with_optim] and ckpt is not None
+    assert ckpt.trainer == _trainer_state(cfg, replace(ckpt, trainer=dict(trainer)), continuing, lambda _msg: None)
+    changed = "resuming with 2 setting(s) changed since that checkpoint: seed: 4 -> 5; data.seed: 6 -> 7"
+    assert logged[0] == f"loaded {tmp_path / 'step4'} (step {trainer.get('step', 0)})"
+    assert (changed in logged) == continuing
+    model.weight.data[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError) as refused:
+        _load(cfg, tmp_path / "step4", continuing, model, torch.optim.SGD(model.parameters()), logged.append)
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path / 'step4'}: the model weights hold NaN/inf (weight); pass an earlier checkpoint as "
+        "load_path"
+    )
+
+
 def test_shards_of_another_vocabulary_are_refused_naming_the_first_and_its_key(tmp_path: Path) -> None:
     """A bare OLMo file records no vocabulary and passes; the refusal names the key the shard came from."""
     tokens = np.arange(256, dtype=np.uint16)
@@ -383,6 +430,100 @@ def test_validation_batches_come_from_data_validation_paths_or_not_at_all(tmp_pa
         _dataset(load_config(TINY, ["--data.paths=[]"])[0], "paths")
 
 
+def test_a_save_folder_holding_only_an_incomplete_checkpoint_is_refused_naming_save_folder(tmp_path: Path) -> None:
+    """`--resume=auto`, and the line after an unsaved interrupt, over a folder whose `latest` names a checkpoint
+    that never completed tell the user to point save_folder (the key they set) elsewhere; a plain resume of an
+    empty folder says how to start afresh instead."""
+    save = tmp_path / "run"
+    (save / "step4").mkdir(parents=True)  # killed before its metadata was written
+    (save / "latest").write_text("step4\n")
+    refusal = (
+        f"{save / 'latest'} names step4, which is missing or incomplete; {save} holds no complete checkpoint: point "
+        f"save_folder at another one, or remove {save / 'latest'} to start that save folder afresh"
+    )
+    cfg, _ = load_config(TINY, [f"--save_folder={save}", "--try_load_latest_save=true"])
+    with pytest.raises(ValueError) as refused:
+        start_checkpoint(cfg, print)
+    assert str(refused.value) == refusal and _what_is_saved(save) == refusal
+    empty = tmp_path / "empty"
+    cfg, _ = load_config(TINY, [f"--save_folder={empty}", f"--load_path={empty}"])
+    with pytest.raises(ValueError) as refused:
+        start_checkpoint(cfg, print)
+    assert str(refused.value) == (
+        f"nothing to resume: save_folder {empty} holds no checkpoint yet (--resume, or load_path naming it); "
+        "use --resume=auto, which starts afresh when there is none, or drop --resume"
+    )
+
+
+def test_validation_data_of_no_full_window_is_refused_saying_how_to_train_without_it(tmp_path: Path) -> None:
+    """The refusal names the exact setting that drops validation, as the user would type it."""
+    short = write_token_shard(tmp_path / "short.npy", np.arange(63, dtype=np.uint16), vocab_size=4096)
+    cfg, _ = load_config(TINY, [f"--data.validation_paths=[{short}]"])
+    with pytest.raises(ValueError) as refused:
+        _validation(cfg)
+    assert str(refused.value) == (
+        "data.validation_paths hold no sequence of 64 tokens: add validation data, or set "
+        "data.validation_paths=[] to train without validation"
+    )
+
+
+@pytest.mark.parametrize(("url_reads", "ranged"), [("range", True), ("download", False)])
+def test_a_dataset_reads_urls_as_data_url_reads_says_with_the_configured_dtype_and_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url_reads: str, ranged: bool
+) -> None:
+    """url_reads=download must fetch whole files (a server without range requests), range must not; the windows
+    are read as memmap_dtype and checked against model.vocab_size."""
+    shard = write_token_shard(tmp_path / "train.npy", np.arange(256, dtype=np.uint16), vocab_size=4096)
+    asked: list[dict[str, Any]] = []
+    resolve = spes.node.resolve_paths
+
+    def recording(paths: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs)
+        return resolve(paths, **kwargs)
+
+    monkeypatch.setattr(spes.node, "resolve_paths", recording)
+    cfg, _ = load_config(TINY, [f"--data.paths=[{shard}]", f"--data.url_reads={url_reads}"])
+    dataset = _dataset(cfg, "paths")
+    assert asked == [{"ranged": ranged}]
+    assert (dataset.memmap_dtype, dataset.vocab_size) == ("uint16", 4096)
+
+
+def test_the_training_loader_takes_its_workers_and_pinning_from_data(
+    tiny_corpus, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """data.num_workers and data.pin_memory reach the loader (pinning is dropped, and said so, without an
+    accelerator)."""
+    overrides = [*tiny_corpus.overrides(tmp_path / "out"), "--data.num_workers=2", "--data.pin_memory=true"]
+    with caplog.at_level("INFO", logger="spes.data"):
+        loader = _training_loader(load_config(TINY, overrides)[0], CPU, lambda _msg: None)
+    assert loader.num_workers == 2
+    accelerated = torch.accelerator.is_available()
+    assert loader.pin_memory == accelerated
+    assert ("batches are not pinned" in caplog.text) != accelerated
+
+
+def test_a_nodes_trainer_evaluates_its_validation_data_and_syncs_through_its_syncer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer `python -m spes.train` fits gets the node's validation batches, its syncer and its log: without
+    them a node would never evaluate, or never sync a round."""
+    monkeypatch.setattr(spes.node, "Trainer", lambda **kwargs: kwargs)
+    parts: dict[str, Any] = {"model": "model", "optimizer": "opt", "loader": "loader", "eval_batches": "evals"}
+    given = spes.node.node_trainer(
+        cast(Any, "cfg"), spes.node.Node(**parts, checkpoint=None), CPU, syncer=cast(Any, "syncer"), log=print
+    )
+    assert given == {
+        "cfg": "cfg",
+        "model": "model",
+        "optimizer": "opt",
+        "loader": "loader",
+        "info": CPU,
+        "eval_batches": "evals",
+        "syncer": "syncer",
+        "log": print,
+    }
+
+
 class _Trainer:
     """What `rejoin` reads and calls of a trainer: its step and the rounds it is handed."""
 
@@ -435,6 +576,110 @@ def test_a_joined_node_takes_the_round_it_held_in_flight_then_the_runs_latest(
     assert all(call[1] == path for call in syncer.asked if call[0] == "resume") and trainer.rounds == rounds
     applied = ["step 4: applied the round the interrupted run was waiting for"] if landed and step else []
     assert logged == applied
+
+
+class _Joined:
+    """A node's side of the rounds as `start_node` builds it: what it was built with, and whether it joined."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs, self.joined = args, kwargs, False
+
+    def join(self) -> None:
+        self.joined = True
+
+
+class _Fitted:
+    """The trainer `start_node` returns: the trainer state it was handed."""
+
+    def __init__(self) -> None:
+        self.loaded = cast(list[dict[str, Any]], [])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded.append(state)
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_started_node_joins_under_its_checkpoints_run_id_and_resumes_its_trainer_and_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved: bool
+) -> None:
+    """The syncer is built for this node's model under the run id its checkpoint recorded (none for a fresh start),
+    joins, and the trainer syncing through it takes up the checkpoint's state and then its round in flight."""
+    ckpt = Checkpoint(path=tmp_path / "step4", model={}, optim=None, trainer={"step": 4}, config={}) if saved else None
+    node = spes.node.Node(
+        model=torch.nn.Linear(2, 2),
+        optimizer=cast(Any, "opt"),
+        loader=cast(Any, "loader"),
+        eval_batches=None,
+        checkpoint=ckpt,
+    )
+    trainer, calls = _Fitted(), cast(list[tuple[Any, ...]], [])
+    monkeypatch.setattr(spes.node, "build_node", lambda *args: calls.append(("build", *args)) or node)
+    monkeypatch.setattr(
+        "spes.sync.peer.PeerSync", _Joined
+    )  # NOTE: first: importing spes.sync.peer binds the real read_run_id
+    monkeypatch.setattr("spes.sync.node_files.read_run_id", lambda path: f"run of {path.name}")
+    monkeypatch.setattr(
+        spes.node, "node_trainer", lambda *args, **kwargs: calls.append(("trainer", *args, kwargs)) or trainer
+    )
+    monkeypatch.setattr(spes.node, "rejoin", lambda *args: calls.append(("rejoin", *args)))
+    cfg, log = load_config(TINY, [f"--save_folder={tmp_path}"])[0], cast(list[str], []).append
+    fitted, syncer = spes.node.start_node(cfg, CPU, log)
+    assert fitted is trainer and isinstance(syncer, _Joined) and syncer.joined
+    assert syncer.args == (cfg, node.model, CPU) and syncer.kwargs == {
+        "log": log,
+        "run_id": "run of step4" if saved else None,
+    }
+    assert calls == [
+        ("build", cfg, CPU, log),
+        ("trainer", cfg, node, CPU, {"syncer": syncer, "log": log}),
+        ("rejoin", trainer, syncer, ckpt, log),
+    ]
+    assert trainer.loaded == ([{"step": 4}] if saved else [])
+
+
+def test_a_dry_runs_start_checks_evaluators_in_scratch_and_builds_then_closes_its_syncer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dry run writes nothing into save_folder: the evaluators are checked against a scratch folder; the syncer
+    is built as a real start builds it (config, model, info, log) and closed at once."""
+    seen: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(spes.node, "evaluators_of", lambda cfg, info, log: seen.append((cfg.save_folder, info, log)))
+    monkeypatch.setattr("spes.sync.peer.PeerSync", _Joined)
+    monkeypatch.setattr(_Joined, "close", lambda self: seen.append(("closed", *self.args, self.kwargs)), raising=False)
+    cfg, log = load_config(TINY, [f"--save_folder={tmp_path}"])[0], cast(list[str], []).append
+    node = spes.node.Node(cast(Any, "model"), cast(Any, "opt"), cast(Any, "loader"), None, None)
+    spes.node._check_start(cfg, node, CPU, log)
+    (scratch, info, logged), closed = seen
+    assert scratch != str(tmp_path) and not Path(scratch).exists() and (info, logged) == (CPU, log)
+    assert closed == ("closed", cfg, "model", CPU, {"log": log})
+
+
+class _Done:
+    """A trainer whose fit ends at once: the step, tokens and optimizer state the last line says."""
+
+    def __init__(self) -> None:
+        self.step, self.tokens = 12, 3072
+        self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2**18))], momentum=0.9)
+        self.optimizer.state[self.optimizer.param_groups[0]["params"][0]]["momentum_buffer"] = torch.zeros(3 * 2**18)
+
+    def fit(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("strategy", "noted"), [("fsdp", True), ("ddp", True), ("single", False)])
+def test_a_one_process_run_notes_an_unwrapped_strategy_and_ends_saying_its_step_and_optimizer_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], strategy: str, noted: bool
+) -> None:
+    """fsdp or ddp on one process wraps nothing (said, with how to shard); the last line of a fit names its step,
+    tokens and optimizer state in MiB."""
+    monkeypatch.setattr(spes.node, "start_node", lambda *_args: (_Done(), None))
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", f"--distributed_strategy={strategy}"])
+    spes.node._train(cfg, CPU, [])
+    note = (
+        f"note: distributed_strategy={strategy} on one process: the model is not wrapped (one rank holds all of it "
+        "either way) and checkpoints are unsharded; launch with torchrun --nproc_per_node=N to shard or replicate it\n"
+    )
+    assert capsys.readouterr().out == (note if noted else "") + "done: step 12, 3,072 tokens, optimizer state 3.0 MiB\n"
 
 
 @pytest.mark.timeout(120)
