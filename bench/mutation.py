@@ -1282,6 +1282,23 @@ EQUIVALENT: dict[str, str] = {
         "mode, check_mode's `or not using_dilico`)",
     ),
     **mutants(
+        "spes.node.x__validation",
+        "33 34",
+        "the validation limit's comparison with 0 or 1: the config refuses eval_subset_num_batches 0 (-1 for all, or "
+        ">= 1), and the three agree on every other value",
+    ),
+    **mutants(
+        "spes.node.x__training_loader",
+        "5",
+        "check_vocab without the embedding size: the config fills embedding_size with vocab_size and refuses it "
+        "smaller, so the embedding check it feeds never fires",
+    ),
+    **mutants(
+        "spes.node.x_run", "5", "`finished` None for False before the run: read only as a truth value, on failure"
+    ),
+    **mutants("spes.node.x__train", "4", "the log function's return value: nothing reads it"),
+    **mutants("spes.node.x_build_node", "70", "typing.cast's type: it does nothing at run time"),
+    **mutants(
         "spes.schema.x__lookup_field",
         "10",
         "the unknown key as written is read only for its last part, which 'XX.XX' joins prefix with 'XX': among the "
