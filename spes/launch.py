@@ -229,11 +229,17 @@ def previous_run(out: Path) -> str:
     state = out / "server_state" / "run.json"
     if state.is_file():
         return f"the run {held_run_id(out)} (its server state, {state.parent})"
+    nodes = saved_nodes(out)
+    return f"the checkpoints of {', '.join(p.name for p in nodes)}" if nodes else ""
+
+
+def saved_nodes(out: Path) -> list[Path]:
+    """The node save folders in `out` holding a checkpoint (node2 before node10): as spes.train decides it, `latest`,
+    or a checkpoint a save killed before pointing `latest` at it."""
     from spes.checkpoint import LATEST, list_checkpoints  # NOTE: lazy: it imports torch, which the rest never needs
 
-    # NOTE: as spes.train decides it: `latest`, or a checkpoint a save killed before pointing `latest` at it
-    nodes = sorted(p.name for p in out.glob("node*") if (p / LATEST).is_file() or list_checkpoints(p))
-    return f"the checkpoints of {', '.join(nodes)}" if nodes else ""
+    nodes = [p for p in out.glob("node*") if (p / LATEST).is_file() or list_checkpoints(p)]
+    return sorted(nodes, key=lambda p: (len(p.name), p.name))
 
 
 def how_to_continue(out: Path) -> str:
@@ -249,11 +255,17 @@ def how_to_continue(out: Path) -> str:
 
 
 def kept_checkpoints(out: Path) -> str:
-    """Each node's newest checkpoint in `out`, the one --resume goes on from (e.g. "node0 step106, node1 step105")."""
-    from spes.checkpoint import list_checkpoints  # NOTE: imports torch, which the launcher needs only once stopped
+    """Each node's checkpoint in `out` that --resume goes on from, resolved as a resume resolves it (e.g. "node0
+    step106, node1 step105")."""
+    from spes.checkpoint import CheckpointError, resolve_checkpoint  # NOTE: imports torch (see `saved_nodes`)
 
-    nodes = sorted(out.glob("node*"), key=lambda p: (len(p.name), p.name))  # NOTE: node2 before node10
-    return ", ".join(f"{p.name} {saved[-1].name}" for p in nodes if (saved := list_checkpoints(p)))
+    kept = []
+    for node in saved_nodes(out):
+        try:
+            kept.append(f"{node.name} {resolve_checkpoint(node).name}")
+        except CheckpointError:  # NOTE: a resume refuses it, naming what to do
+            kept.append(f"{node.name} none complete")
+    return ", ".join(kept)
 
 
 def held_run_id(out: Path) -> str:

@@ -19,6 +19,7 @@ import yaml
 
 import spes.launch
 from conftest import LaunchedRun, usage_error
+from spes.checkpoint import LATEST, META_FILE
 from spes.config import CODECS
 from spes.interrupt import Interruptible
 from spes.launch import (
@@ -191,6 +192,7 @@ def test_an_interrupted_start_says_how_to_continue_from_what_it_saved(tmp_path: 
     assert how_to_continue(tmp_path) == f"nothing was saved yet in {tmp_path}: start the run again without --resume"
     for node, step in (("node0", 90), ("node0", 106), ("node10", 105), ("node2", 105)):
         (tmp_path / node / f"step{step}").mkdir(parents=True)
+        (tmp_path / node / f"step{step}" / META_FILE).write_text("{}")
     assert how_to_continue(tmp_path) == (
         f"kept in {tmp_path}: node0 step106, node2 step105, node10 step105; continue with --resume and the same "
         "overrides after `--` (quickstart: RESUME=1 and the same settings)"
@@ -200,6 +202,8 @@ def test_an_interrupted_start_says_how_to_continue_from_what_it_saved(tmp_path: 
     assert how_to_continue(tmp_path).startswith(
         f"kept in {tmp_path}: node0 step106, node2 step105, node10 step105 and the server state; continue with"
     )
+    (tmp_path / "node0" / LATEST).write_text("step90")  # a run continued from an older checkpoint names it latest
+    assert how_to_continue(tmp_path).startswith(f"kept in {tmp_path}: node0 step90, node2 step105")
 
 
 def test_the_readmes_quickstart_commands_run_one_after_another(tmp_path: Path) -> None:
