@@ -14,6 +14,7 @@
 set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 cd "$(dirname "$0")/.."
+OUT=${OUT:-output/quickstart} STEPS=${STEPS:-400}
 
 stage() {  # stage NUMBER NAME WHAT [FOR]: one line, with the measured time (FOR: of what) when a record has it
   local took
@@ -32,15 +33,15 @@ bash run_scripts/setup.sh
 stage 2 corpus "the local corpus and tokenizer in data/default, the first time only"
 .venv/bin/python data_process_scripts/build_default_corpus.py --output_dir data/default
 if [ -n "${RESUME:-}" ]; then
-  run="the run in ${OUT:-output/quickstart} continued from its last checkpoint to step ${STEPS:-400}"
+  run="the run in $OUT continued from its last checkpoint to step $STEPS"
 else
-  run="${STEPS:-400} steps into ${OUT:-output/quickstart}"
+  run="$STEPS steps into $OUT"
 fi
 timed=""  # NOTE: the record times a new run of the default length, not a longer one nor the rest of one
-if [ -n "${RESUME:-}" ] || [ "${STEPS:-400}" != 400 ]; then timed=" for a new run of 400 steps"; fi
+if [ -n "${RESUME:-}" ] || [ "$STEPS" != 400 ]; then timed=" for a new run of 400 steps"; fi
 stage 3 train "a server and 4 peers on loopback, $run (progress below: peer 0's log)" "$timed"
-exec .venv/bin/python -m spes.launch configs/tiny.yaml --out "${OUT:-output/quickstart}" \
+exec .venv/bin/python -m spes.launch configs/tiny.yaml --out "$OUT" \
   $( [ -n "${RESUME:-}" ] && echo --resume ) -- \
   --server.merge_interval="${MERGE_INTERVAL:-20}" --server.merge_alpha_start="${MERGE_ALPHA_START:-0.05}" \
   --server.merge_decay_steps="${MERGE_DECAY_STEPS:-200}" \
-  --max_duration="${STEPS:-400}st" --eval_interval=20 --log_interval=10 "$@"
+  --max_duration="${STEPS}st" --eval_interval=20 --log_interval=10 "$@"
