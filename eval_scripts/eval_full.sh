@@ -113,8 +113,8 @@ if [ "$ACCELERATE" = 1 ]; then
 fi
 echo "results: $OUT_DIR; lm_eval: ${LM_EVAL[*]}"
 # NOTE: without a reachable Hub, offline mode turns minutes of retries inside datasets/lm_eval into cache reads.
-if ! "$PYTHON" -c 'import sys; from spes.hub import hub_offline, hub_reachable
-sys.exit(0 if not hub_offline() and hub_reachable() else 1)'; then
+HUB_OFF=$("$PYTHON" "$REPO/eval_scripts/eval_tools.py" hub_off)
+if [ -n "$HUB_OFF" ]; then
   export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 fi
 CONTEXT=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("max_position_embeddings") or 0)' \
@@ -160,7 +160,8 @@ run_lm_eval() {  # <run name> <tasks> <shots, or "default": lm-eval's> [required
 
 if [ -n "$LOCAL_TASKS" ]; then run_lm_eval local "$LOCAL_TASKS" 0 required; fi
 if [ "${REFERENCE:-1}" != 0 ]; then
-  REFERENCE_RUNS=$("$PYTHON" "$REPO/eval_scripts/eval_tools.py" available --status "$STAGE/reference_status.json")
+  REFERENCE_RUNS=$("$PYTHON" "$REPO/eval_scripts/eval_tools.py" available --status "$STAGE/reference_status.json" \
+    --hub_off "$HUB_OFF")
   while read -r shots tasks; do
     if [ -n "$tasks" ]; then run_lm_eval "reference_${shots}shot" "$tasks" "$shots"; fi
   done <<< "$REFERENCE_RUNS"

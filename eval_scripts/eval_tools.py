@@ -1,12 +1,15 @@
 #!/usr/bin/env python
 """Helpers of eval_scripts/eval_full.sh: which reference benchmarks are on this machine, and the results table.
 
-    python eval_scripts/eval_tools.py available [--tasks a,b,...] [--status status.json]
+    python eval_scripts/eval_tools.py available [--tasks a,b,...] [--status status.json] [--hub_off REASON]
         Prints one line "<shots> <task,task,...>" per few-shot setting ("default": lm-eval's own), for the
         reference tasks (or --tasks) whose data sets are in the local Hugging Face datasets cache or, when
         HF_HUB_OFFLINE is not 1 and the Hub answers, can be downloaded; a group (mmlu) needs every one of its
         tasks' data sets. The missing ones are named on stderr with the reason (and in --status, for the report
-        and for the trainer's in-loop evaluators, which check their tasks this way once at start).
+        and for the trainer's in-loop evaluators, which check their tasks this way once at start). --hub_off
+        says why the Hub is off when a caller already decided it and set HF_HUB_OFFLINE itself.
+    python eval_scripts/eval_tools.py hub_off
+        Prints why downloads from the Hub are off here (nothing when they are on).
     python eval_scripts/eval_tools.py summarize <out_dir>
         Collects the lm_eval result files under <out_dir>/raw into <out_dir>/results.json and
         <out_dir>/results.md (a markdown table), and prints the table.
@@ -90,10 +93,18 @@ def task_status(index: dict[str, Any], task: str, shots: int | None) -> dict[str
     return status if missing is None else {**status, "reason": f"no data set {missing}"}
 
 
-def why_missing() -> str:
-    """Why a data set counts as missing here."""
+def hub_off_reason() -> str:
+    """Why downloads from the Hub are off here, '' when they are on. Asked once, before anything sets
+    HF_HUB_OFFLINE for speed, so that a skipped data set is blamed on the user's setting or on the network."""
     if hub_offline():
-        return "not in the local Hugging Face cache (HF_HUB_OFFLINE=1 or the Hub is unreachable)"
+        return "HF_HUB_OFFLINE=1 is set"
+    return "" if hub_reachable() else "the Hub is unreachable"
+
+
+def why_missing(hub_off: str) -> str:
+    """Why a data set counts as missing here, `hub_off` being `hub_off_reason()`."""
+    if hub_off:
+        return f"not in the local Hugging Face cache ({hub_off})"
     return "neither in the local Hugging Face cache nor downloadable"
 
 
@@ -105,14 +116,14 @@ def reference_status(tasks: dict[str, int | None] = REFERENCE_TASKS) -> dict[str
     return {task: task_status(index, task, shots) for task, shots in tasks.items()}
 
 
-def available(status_path: Path | None, tasks: dict[str, int | None] = REFERENCE_TASKS) -> int:
+def available(status_path: Path | None, tasks: dict[str, int | None] = REFERENCE_TASKS, hub_off: str = "") -> int:
     status = reference_status(tasks)
     if status_path is not None:
         write_atomic(status_path, json.dumps(status, indent=2))
     missing = [f"{t} ({s['reason']})" for t, s in status.items() if not s["available"]]
     if missing:
         no_data = any(s["dataset"] for s in status.values() if not s["available"])
-        why = f"; data sets are {why_missing()}" if no_data else ""
+        why = f"; data sets are {why_missing(hub_off)}" if no_data else ""
         print(f"tasks skipped: {', '.join(missing)}{why}", file=sys.stderr)
     by_shots: dict[str, list[str]] = {}
     for task, s in status.items():
@@ -191,17 +202,23 @@ def main(argv: list[str] | None = None) -> int:
     avail = sub.add_parser("available", help="reference tasks whose data sets are available locally")
     avail.add_argument("--tasks", help="comma-separated lm-eval tasks or groups to check instead (lm-eval's shots)")
     avail.add_argument("--status", type=Path, help="also write the per-task status here (JSON)")
+    avail.add_argument("--hub_off", help="why the Hub is off, as `hub_off` printed it (default: asked now)")
+    sub.add_parser("hub_off", help="why downloads from the Hub are off here (nothing when they are on)")
     summ = sub.add_parser("summarize", help="lm_eval results -> results.json + results.md")
     summ.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
     # NOTE: read by huggingface_hub/datasets when they are imported, so set before any of them is. Without
     # a reachable Hub, offline mode turns minutes of retries into an immediate "not cached".
-    if args.command == "available" and (hub_offline() or not hub_reachable()):
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     if args.command == "summarize":
         return summarize(args.out_dir)
+    hub_off = hub_off_reason() if args.command == "hub_off" or args.hub_off is None else args.hub_off
+    if args.command == "hub_off":
+        print(hub_off)
+        return 0
+    if hub_off:
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
     tasks = dict.fromkeys(filter(None, args.tasks.split(",")), None) if args.tasks else REFERENCE_TASKS
-    return available(args.status, tasks)
+    return available(args.status, tasks, hub_off)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,44 @@ def test_available_names_unknown_tasks_alone_and_writes_its_status_atomically(
     assert written == [tmp_path / "status.json"]
 
 
+@pytest.mark.parametrize(
+    ("hub_off", "why"),
+    [
+        ("HF_HUB_OFFLINE=1 is set", "not in the local Hugging Face cache (HF_HUB_OFFLINE=1 is set)"),
+        ("the Hub is unreachable", "not in the local Hugging Face cache (the Hub is unreachable)"),
+        ("", "neither in the local Hugging Face cache nor downloadable"),
+    ],
+)
+def test_available_blames_a_missing_data_set_on_what_turned_the_hub_off(
+    hub_off: str, why: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The reason given is the one decided before eval_full.sh set HF_HUB_OFFLINE itself, not a guess at both."""
+    tools = script("eval_tools")
+    missing = {"shots": 0, "dataset": "allenai/sciq", "available": False, "reason": "no data set allenai/sciq"}
+    monkeypatch.setattr(tools, "reference_status", lambda tasks: {"sciq": missing})
+    assert tools.available(None, {"sciq": 0}, hub_off) == 0
+    assert capsys.readouterr().err == f"tasks skipped: sciq (no data set allenai/sciq); data sets are {why}\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("env", "said"),
+    [
+        ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE=1 is set"),
+        ({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}, "the Hub is unreachable"),
+    ],
+)
+def test_hub_off_says_whether_the_user_or_the_network_turned_the_hub_off(env: dict[str, str], said: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "eval_tools.py"), "hub_off"],
+        env={**ENV, **env},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert (done.returncode, done.stdout) == (0, said + "\n"), done.stderr[-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_reference_dataset_detection_is_offline(tmp_path: Path) -> None:
     """A local data set counts as available; a hub data set that is not cached does not (and nothing is fetched)."""
@@ -477,6 +515,7 @@ def test_quickstart_model_converts_loads_generates_and_evaluates(
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr
     assert "tasks skipped: sciq (no data set allenai/sciq)" in done.stderr and "Retrying" not in done.stderr
+    assert "data sets are not in the local Hugging Face cache (HF_HUB_OFFLINE=1 is set)" in done.stderr
     results = json.loads((tmp_path / "eval" / "results.json").read_text())
     tasks = results["tasks"]
     assert tasks["spes_next_text"]["samples"] == 6 and 0.0 <= tasks["spes_next_text"]["metrics"]["acc"]["value"] <= 1
