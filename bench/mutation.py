@@ -150,7 +150,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/tracking.py": ("tests/test_tracking.py",),
     # checkpoints to and from Hugging Face models: bit-exact round trips, logits against transformers' own models,
     # the refusals; a Hub id through an endpoint on loopback
-    "spes/hf.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py"),
+    "spes/hf_map.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py"),
+    "spes/hf_convert.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py"),
+    "spes/upcycling.py": ("tests/test_upcycle.py", "tests/test_hub.py"),
+    # their command lines, through main in the test's own process (not the torch-free children: mutmut credits none)
+    "spes/hf.py": ("tests/test_hf.py",),
     "spes/upcycle.py": ("tests/test_upcycle.py", "tests/test_hub.py"),
     "spes/sync/codecs/lazy.py": ("tests/sync/codecs/test_lazy.py",),
     # what a node checkpoint holds for the sync wing (the run record, a round in flight, the codec's state), its
@@ -390,37 +394,37 @@ EQUIVALENT: dict[str, str] = {
         "the futures still queued left to run when a run stops early: their chunks are dropped either way (those "
         "already handed to a worker run to their end anyway); only the time to stop differs",
     ),
-    **mutants("spes.hf.x__read_json", "3 5", _UTF8),
-    **mutants("spes.hf.x_copy_tokenizer", "44 46 56", _UTF8),
-    **mutants("spes.hf.x_write_safetensors", "74 76 86", _UTF8),
+    **mutants("spes.hf_convert.x__read_json", "3 5", _UTF8),
+    **mutants("spes.hf_convert.x_copy_tokenizer", "44 46 56", _UTF8),
+    **mutants("spes.hf_convert.x_write_safetensors", "74 76 86", _UTF8),
     **mutants(
-        "spes.hf.x__layered",
+        "spes.hf_convert.x__layered",
         "2",
         "a key without a layer index taken once per layer: the same tensor under the same name each time",
     ),
     **mutants(
-        "spes.hf.x_check_hf_config",
+        "spes.hf_map.x_check_hf_config",
         "19 20",
         "the rope_type of the stand-in for a config without rope_parameters: read with the default 'default' anyway",
     ),
     **mutants("spes.hf.x__parser", "7", "the help formatter of a one-line description: nothing to re-wrap"),
-    **mutants("spes.hf.x_model_config_from_hf", "26", "bool(None) is bool(False)"),
+    **mutants("spes.hf_map.x_model_config_from_hf", "26", "bool(None) is bool(False)"),
     **mutants(
-        "spes.hf.x_read_hf_config",
+        "spes.hf_convert.x_read_hf_config",
         "40 42 44",
         "local_files_only for a local directory: transformers reads its config.json there, never the network",
     ),
-    **mutants("spes.hf.x_run_config_for", "27", "TokenizerConfig() is the field's default"),
-    **mutants("spes.hf.x_write_safetensors", "27", "tensor.to(None) is the tensor: nothing to convert"),
-    **mutants("spes.hf.xǁHFFamilyǁconfig_attr", "22", "no key: neither '' nor 'XXXX' is an attribute's name"),
+    **mutants("spes.hf_convert.x_run_config_for", "27", "TokenizerConfig() is the field's default"),
+    **mutants("spes.hf_convert.x_write_safetensors", "27", "tensor.to(None) is the tensor: nothing to convert"),
+    **mutants("spes.hf_map.xǁHFFamilyǁconfig_attr", "22", "no key: neither '' nor 'XXXX' is an attribute's name"),
     **mutants(
-        "spes.upcycle.x_make_random_dense",
+        "spes.upcycling.x_make_random_dense",
         "35 42",
         "the demo model's fixed options and BOS id as the config class has them already (SiLU, no biases; Qwen3 "
         "sets no BOS, and nothing of spes reads a BOS id)",
     ),
     **mutants(
-        "spes.upcycle.x_check_dense_tokenizer",
+        "spes.upcycling.x_check_dense_tokenizer",
         "3",
         "the tokenizer check's embedding size: ModelConfig refuses embedding_size < vocab_size itself",
     ),

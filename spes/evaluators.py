@@ -10,7 +10,7 @@
 
 Every `eval_interval` steps (only at its multiples; on SPES/DiLoCo runs right after the sync, so on the merged
 global model), every rank gathers the full weights, and the main rank writes them as a Hugging Face
-directory (`spes.hf.export_state`) and runs `python -m lm_eval` on it in a subprocess (lm-eval's
+directory (`spes.hf_convert.export_state`) and runs `python -m lm_eval` on it in a subprocess (lm-eval's
 global state and memory stay out of the trainer). The local suite's data is built once per run by
 `eval_scripts/build_local_tasks.py` from `data.validation_paths`, cut to the model's context length,
 exactly the files `eval_full.sh` uses. Scores go to the metrics record as `eval/<task>/<metric>`, so
@@ -108,7 +108,7 @@ class DownstreamEvals:
         self.folder = Path(cfg.save_folder).absolute() / "downstream"
         self.disabled: set[str] = set()
         if self.evaluators:
-            from spes.hf import choose_family
+            from spes.hf_map import choose_family
 
             try:
                 choose_family(cfg.model)
@@ -167,7 +167,7 @@ class DownstreamEvals:
         state = model_state_dict(model, full=True)
         if not self.is_main:
             return {}
-        from spes.hf import export_state
+        from spes.hf_convert import export_state
         from spes.hub import resolve_tokenizer
 
         hf_dir = self.folder / "hf"

@@ -1,7 +1,7 @@
 """The OLMoE-style decoder: pre-norm blocks of RoPE attention (optional QK-norm, GQA) and a dropless MoE.
 
 The model is plain PyTorch: data/tensor parallelism is applied from outside (`spes.distributed`),
-and its Hugging Face mapping lives in `spes.hf`. Build it on the meta device and materialize with
+and its Hugging Face mapping lives in `spes.hf_map`. Build it on the meta device and materialize with
 `init_weights`, so a large config costs nothing until it is placed:
 
     with torch.device("meta"):

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from spes.checkpoint import CheckpointError, unshard
-
 
 def main(argv: list[str] | None = None) -> int:
     summary, details = __doc__.split("\n\n", 1)
@@ -27,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sharded", help="a step<N>-sharded directory, or a save folder whose `latest` is one")
     parser.add_argument("out_dir", help="where to write the unsharded checkpoint (must not exist yet)")
     args = parser.parse_args(argv)
+    # NOTE: imports torch: only once the command line holds (`--help` and a usage error are answered without it)
+    from spes.checkpoint import CheckpointError, unshard
+
     try:
         out = unshard(args.sharded, args.out_dir)
     except (CheckpointError, FileNotFoundError, FileExistsError) as e:

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 import transformers
 
-from spes import hf
+from spes import hf_convert
 from spes.model import Transformer
+from spes.moe import fuse_expert_blocks
 from spes.tokenizer import LoadedTokenizer
 
 BASE: dict[str, Any] = dict(
@@ -80,12 +81,12 @@ def make_checkpoint(
 ) -> tuple[Path, Transformer]:
     """A spes step directory of a random model whose norms are not all ones (so their mapping is tested)."""
     model_cfg = {**BASE, **options, "vocab_size": tokenizer.vocab_size, "embedding_size": tokenizer.vocab_size + 20}
-    cfg = hf.run_config_for(model_cfg, num_train_experts_per_node=block_size, run_name="t")
+    cfg = hf_convert.run_config_for(model_cfg, num_train_experts_per_node=block_size, run_name="t")
     model = Transformer.for_run(cfg)
     model.init_weights(0)
     perturb_norms(model)
-    step_dir = hf.write_step_dir(
-        root / f"step{step}", hf.fuse_expert_blocks(model.state_dict()), cfg, tokenizer=tokenizer.path.parent
+    step_dir = hf_convert.write_step_dir(
+        root / f"step{step}", fuse_expert_blocks(model.state_dict()), cfg, tokenizer=tokenizer.path.parent
     )
     return step_dir, model.eval()
 

@@ -1,9 +1,9 @@
 """The package's structure: no import cycle anywhere in spes (grimp's graph of every import, function-level and
-type-only ones included), and the sync wing's floors ([tool.importlinter] in pyproject.toml, `lint-imports` in CI),
-every sync module on one; in tests/, no test module imports another (what tests share lives in helper modules and
-conftest.py). And the documents that map it: every module has its row in docs/architecture.md's table of concerns,
-and the table names no module that is gone; docs/testing.md names every test helper module, every test file with a
-GPU test and every module bench/mutation.py mutates."""
+type-only ones included), and the floors of the sync wing and of the Hugging Face wing ([tool.importlinter] in
+pyproject.toml, `lint-imports` in CI), every module of each wing on one; in tests/, no test module imports another
+(what tests share lives in helper modules and conftest.py). And the documents that map it: every module has its row
+in docs/architecture.md's table of concerns, and the table names no module that is gone; docs/testing.md names every
+test helper module, every test file with a GPU test and every module bench/mutation.py mutates."""
 
 from __future__ import annotations
 
@@ -126,20 +126,26 @@ def test_every_module_has_its_row_in_the_architecture_document() -> None:
     }
 
 
-def test_every_sync_module_is_on_a_floor_of_the_layers_contract() -> None:
-    """lint-imports checks only the modules its `layers` contract names: a sync module left off it could import any
-    other, above it or beside it, and the floors docs/architecture.md states would not hold."""
+@pytest.mark.parametrize(
+    ("contract", "globs"),
+    [("sync wing floors", ("sync/**/*.py",)), ("Hugging Face wing floors", ("hf*.py", "upcycl*.py"))],
+)
+def test_every_module_of_a_wing_is_on_a_floor_of_its_layers_contract(contract: str, globs: tuple[str, ...]) -> None:
+    """lint-imports checks only the modules a `layers` contract names: a module of the wing left off it could import
+    any other, above it or beside it, and the floors docs/architecture.md states would not hold (in the Hugging Face
+    wing: a command line's `--help` would import torch through the key map)."""
     tomllib = pytest.importorskip("tomllib", reason="Python 3.11's tomllib reads pyproject.toml")
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    floors = next(c["layers"] for c in config if c["type"] == "layers")
+    floors = next(c["layers"] for c in config if c["type"] == "layers" and c["name"] == contract)
     layered = {m.strip() for floor in floors for m in floor.split("|")}
     modules = {
         ".".join(p.relative_to(REPO).with_suffix("").parts)
-        for p in (REPO / "spes" / "sync").rglob("*.py")
+        for glob in globs
+        for p in (REPO / "spes").glob(glob)
         if p.name != "__init__.py" and "proto" not in p.parts
     }
-    assert sorted(modules - layered) == [], "sync modules on no floor of pyproject.toml's [tool.importlinter] layers"
-    assert sorted(layered - modules) == [], "floors of pyproject.toml's [tool.importlinter] naming no module"
+    assert sorted(modules - layered) == [], f"modules on no floor of pyproject.toml's {contract!r}"
+    assert sorted(layered - modules) == [], f"floors of pyproject.toml's {contract!r} naming no module"
 
 
 def mutated_modules() -> list[str]:

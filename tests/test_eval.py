@@ -580,7 +580,7 @@ def tiny_hf_model(corpus: Corpus, out: Path) -> Path:
     import torch
 
     from spes.config import load_config
-    from spes.hf import export_state
+    from spes.hf_convert import export_state
     from spes.model import Transformer
 
     cfg, _ = load_config(REPO / "configs" / "tiny.yaml", ["--using_spes=false"])

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_fixtures import CASES, UPCYCLE_TINY, cache_repo, make_checkpoint, tokenizer_overrides
-from spes import hf, hub, upcycle
+from spes import hf_convert, hub, upcycle
 from spes.checkpoint import load_model_state
 from spes.tokenizer import LoadedTokenizer, load_tokenizer
 
@@ -59,7 +59,7 @@ def test_offline_and_not_cached_names_the_id(hf_home: Path) -> None:
     ):
         load_tokenizer("Qwen/NotCached")
     with pytest.raises(FileNotFoundError, match=r"--hf 'org/missing-model'.*HF_HUB_OFFLINE=1"):
-        hf.import_hf("org/missing-model", hf_home / "out" / "step0")
+        hf_convert.import_hf("org/missing-model", hf_home / "out" / "step0")
 
 
 def test_a_cached_tokenizer_is_not_taken_for_the_model(
@@ -165,9 +165,9 @@ def test_an_id_without_huggingface_hub_installed_says_which_extra_to_install(
 def test_hf_import_from_a_hub_id(hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
 
     step_dir, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
-    exported = hf.export_checkpoint(step_dir, tmp_path / "exported")
+    exported = hf_convert.export_checkpoint(step_dir, tmp_path / "exported")
     cache_repo(hf_home, "allenai/Tiny-OLMoE", exported)
-    back = hf.import_hf("allenai/Tiny-OLMoE", tmp_path / "back" / "step0", num_train_experts_per_node=2)
+    back = hf_convert.import_hf("allenai/Tiny-OLMoE", tmp_path / "back" / "step0", num_train_experts_per_node=2)
     before, after = load_model_state(step_dir), load_model_state(back)
     assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)
 

@@ -15,11 +15,12 @@ import transformers
 from torch.testing import assert_close
 
 from conftest import usage_error
+from dist_helpers import without_torch
 from hf_fixtures import UPCYCLE_TINY, perturb_norms, save_tiny_olmoe, tokenizer_overrides
-from spes import hf, upcycle
+from spes import hf_convert, hf_map, upcycle, upcycling
 from spes.checkpoint import load_model_state
 from spes.config import ModelConfig, load_config
-from spes.hf import run_config_for
+from spes.hf_convert import run_config_for
 from spes.model import Transformer
 from spes.tokenizer import LoadedTokenizer
 
@@ -52,7 +53,7 @@ def dense_model(
     tmp_path: Path, m: ModelConfig, model_type: str, tokenizer: LoadedTokenizer, *, partition: bool = False
 ) -> tuple[Path, torch.nn.Module]:
     """A random dense HF model whose norms are not ones (so their copying is tested), saved and reloaded."""
-    path = upcycle.make_random_dense(
+    path = upcycling.make_random_dense(
         m, tmp_path / "dense", model_type=model_type, partition=partition, tokenizer=tokenizer.path.parent
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
@@ -71,7 +72,7 @@ def upcycled_logits(
     router_std: float | None = None,
 ) -> torch.Tensor:
     cfg = run_config_for(options, num_train_experts_per_node=2, run_name="up")
-    step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", partition=partition, router_std=router_std)
+    step, _ = upcycling.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", partition=partition, router_std=router_std)
     model = Transformer.for_run(cfg)
     model.load_state_dict(load_model_state(step))
     with torch.no_grad():
@@ -98,12 +99,12 @@ def test_expert_plan(
     exact: bool,
     tied: bool,
 ) -> None:
-    plan = upcycle.expert_plan(
+    plan = upcycling.expert_plan(
         num_experts=8, top_k=2, normalize_p=normalize_p, partition=partition, init_std=0.02, router_std=router_std
     )
     assert (plan.router_std, plan.exact, plan.tied) == (std, exact, tied)
     assert math.isclose(plan.down_scale, scale)
-    every = upcycle.expert_plan(num_experts=8, top_k=8, normalize_p=normalize_p, partition=True, init_std=0.02)
+    every = upcycling.expert_plan(num_experts=8, top_k=8, normalize_p=normalize_p, partition=True, init_std=0.02)
     assert every.exact and every.router_std == 0.0 and not every.tied
 
 
@@ -136,7 +137,7 @@ def test_zero_router_keeps_copies_tied_and_the_default_separates_them(
     opts = model_options(tokenizer, moe_normalize_expert_weights=None)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "llama", tokenizer)
     cfg = run_config_for(opts, num_train_experts_per_node=4, run_name="up")
-    step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", router_std=router_std)
+    step, _ = upcycling.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", router_std=router_std)
     model = Transformer.for_run(cfg)
     model.load_state_dict(load_model_state(step))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -170,7 +171,7 @@ def test_partition_slices_the_dense_mlp(tmp_path: Path, tokenizer: LoadedTokeniz
     opts = model_options(tokenizer, **QWEN3, mlp_hidden_size=24, moe_normalize_expert_weights=True)
     dense_dir, dense = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer, partition=True)
     cfg = run_config_for(opts, num_train_experts_per_node=4, run_name="up")
-    step, plan = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", partition=True)
+    step, plan = upcycling.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", partition=True)
     assert not plan.exact and plan.down_scale == 2.0
     state = load_model_state(step)
     mlp = dense.model.layers[1].mlp
@@ -184,7 +185,7 @@ def test_untied_copy_of_tied_embeddings(tmp_path: Path, tokenizer: LoadedTokeniz
     dense_dir, dense = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     assert dense.config.tie_word_embeddings
     cfg = run_config_for(opts, num_train_experts_per_node=2, run_name="up")
-    step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "r" / "step0")
+    step, _ = upcycling.upcycle(dense_dir, cfg, tmp_path / "r" / "step0")
     state = load_model_state(step)
     assert torch.equal(state["lm_head.weight"], state["embed.weight"])
     assert state["lm_head.weight"].data_ptr() != state["embed.weight"].data_ptr()
@@ -201,13 +202,13 @@ def test_a_dense_tokenizer_of_another_eos_is_named(
     eos = tokenizer.eos_token_id
     other = eos + 1
     token, other_token = (tokenizer.tokenizer.id_to_token(i) for i in (eos, other))
-    with caplog.at_level(logging.WARNING, logger="spes.upcycle"):
-        upcycle.upcycle(
+    with caplog.at_level(logging.WARNING, logger="spes.upcycling"):
+        upcycling.upcycle(
             dense_dir, run_config_for(opts, num_train_experts_per_node=2, run_name="up"), tmp_path / "a" / "step0"
         )
         assert caplog.messages == []
         cfg = run_config_for({**opts, "eos_token_id": other}, num_train_experts_per_node=2, run_name="up")
-        upcycle.upcycle(dense_dir, cfg, tmp_path / "b" / "step0")
+        upcycling.upcycle(dense_dir, cfg, tmp_path / "b" / "step0")
     assert caplog.messages == [
         f"note: the dense model's tokenizer ends documents with {token!r} (id {eos}) but model.eos_token_id is "
         f"{other} ({other_token!r}), and training refuses shards of another EOS: tokenize with eos_token "
@@ -240,7 +241,7 @@ def test_mismatched_config_is_refused(
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     with pytest.raises(ValueError, match=message):
-        upcycle.upcycle(
+        upcycling.upcycle(
             dense_dir,
             run_config_for({**opts, **change}, num_train_experts_per_node=2, run_name="x"),
             tmp_path / "step0",
@@ -256,7 +257,7 @@ def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer
         r"slices; choose a number of experts that divides it, or upcycle without --partition \(every expert a full "
         r"copy\)$",
     ):
-        upcycle.upcycle(
+        upcycling.upcycle(
             dense_dir,
             run_config_for({**opts, "moe_num_experts": 5}, num_train_experts_per_node=5, run_name="x"),
             tmp_path / "step0",
@@ -268,7 +269,7 @@ def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer
         r"2 \* 48 / 4: each expert is a slice of the dense qwen3 model's MLP, mlp_hidden_size / 2 "
         r"wide; set model.mlp_hidden_size=24 \(or model.mlp_ratio\)$",
     ):
-        upcycle.upcycle(
+        upcycling.upcycle(
             dense_dir,
             run_config_for(opts, num_train_experts_per_node=2, run_name="x"),
             tmp_path / "step0",
@@ -277,7 +278,7 @@ def test_partition_needs_equal_slices(tmp_path: Path, tokenizer: LoadedTokenizer
 
 
 def test_the_import_names_the_dense_families_upcycling_takes() -> None:
-    assert sorted(hf.DENSE_MODEL_TYPES) == sorted(upcycle.DENSE_FAMILIES)
+    assert sorted(hf_map.DENSE_MODEL_TYPES) == sorted(upcycling.DENSE_FAMILIES)
 
 
 def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedTokenizer) -> None:
@@ -296,20 +297,20 @@ def test_unsupported_dense_models_are_refused(tmp_path: Path, tokenizer: LoadedT
     )
     transformers.LlamaForCausalLM(config).save_pretrained(str(tmp_path / "biased"))
     with pytest.raises(ValueError, match="'attention_bias' = True is not supported"):
-        upcycle.upcycle(tmp_path / "biased", cfg, tmp_path / "a" / "step0")
+        upcycling.upcycle(tmp_path / "biased", cfg, tmp_path / "a" / "step0")
     moe = save_tiny_olmoe(tmp_path / "moe")
     with pytest.raises(
         ValueError,
         match=r"model_type 'olmoe' is not supported here; expected one of \['llama', 'qwen3'\]; it is an MoE "
         rf"already: start a run from it with python -m spes.hf import --hf {moe} --out <dir>/step0$",
     ):
-        upcycle.upcycle(moe, cfg, tmp_path / "b" / "step0")
+        upcycling.upcycle(moe, cfg, tmp_path / "b" / "step0")
     with pytest.raises(  # the other way round: a dense model given to the import
         ValueError,
         match=r"model_type 'llama' is not supported here; expected one of \['mixtral', 'olmoe', 'qwen3_moe'\]; it is "
         rf"a dense model: upcycle it with python -m spes.upcycle --hf {tmp_path / 'biased'} --config <run.yaml>",
     ):
-        hf.import_hf(tmp_path / "biased", tmp_path / "c" / "step0")
+        hf_convert.import_hf(tmp_path / "biased", tmp_path / "c" / "step0")
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
 
 
@@ -401,7 +402,7 @@ def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
     )
     configs = [load_config(REPO / "configs" / "upcycled_9b" / f"node_{n}.yaml")[0] for n in range(8)]
     for n, cfg in enumerate(configs):
-        upcycle.check_dense_match(cfg.model, qwen3_1_7b, upcycle.DENSE_FAMILIES["qwen3"], partition=False)
+        upcycling.check_dense_match(cfg.model, qwen3_1_7b, upcycling.DENSE_FAMILIES["qwen3"], partition=False)
         assert cfg.spes_config.peer_id == n and cfg.data_seed == 6198 + 1000 * n
         assert cfg.owned_experts() == (min(2 * n, 8), min(2 * n + 2, 8))  # nodes 4..7 own no expert
         assert cfg.model == configs[0].model and cfg.load_path == configs[0].load_path
@@ -414,7 +415,7 @@ def test_9b_config_upcycles_qwen3_1_7b_shapes() -> None:
         m.vocab_size,
         m.embedding_size,
     ) == (8, 2, 1.0, 4096, 151669, 151936)
-    plan = upcycle.expert_plan(num_experts=8, top_k=2, normalize_p=1.0, partition=False, init_std=m.init_std)
+    plan = upcycling.expert_plan(num_experts=8, top_k=2, normalize_p=1.0, partition=False, init_std=m.init_std)
     assert plan.exact and plan.router_std == 0.02 and not plan.tied
 
 
@@ -426,13 +427,13 @@ def test_a_stated_router_std_is_taken_in_every_mode() -> None:
     """--router_std overrides the automatic choice in partition and in renormalized copy mode too; a zero router
     makes partition exact only with every expert active."""
     common = dict(num_experts=8, init_std=0.02, router_std=0.5)
-    part = upcycle.expert_plan(top_k=2, normalize_p=1.0, partition=True, **common)
-    copy = upcycle.expert_plan(top_k=2, normalize_p=1.0, partition=False, **common)
-    plain = upcycle.expert_plan(top_k=2, normalize_p=None, partition=False, **common)
+    part = upcycling.expert_plan(top_k=2, normalize_p=1.0, partition=True, **common)
+    copy = upcycling.expert_plan(top_k=2, normalize_p=1.0, partition=False, **common)
+    plain = upcycling.expert_plan(top_k=2, normalize_p=None, partition=False, **common)
     assert (part.router_std, copy.router_std, plain.router_std) == (0.5, 0.5, 0.5)
     assert part.partition is True and copy.partition is False and plain.partition is False
     assert (copy.exact, copy.tied, plain.exact, plain.tied) == (True, False, False, False)
-    zero = upcycle.expert_plan(num_experts=8, top_k=2, normalize_p=1.0, partition=True, init_std=0.02, router_std=0.0)
+    zero = upcycling.expert_plan(num_experts=8, top_k=2, normalize_p=1.0, partition=True, init_std=0.02, router_std=0.0)
     assert not zero.exact and zero.router_std == 0.0
 
 
@@ -440,7 +441,7 @@ def test_the_router_init_is_truncated_at_the_configs_cutoff(tmp_path: Path, toke
     opts = model_options(tokenizer, **QWEN3, moe_normalize_expert_weights=True, init_cutoff_factor=1.0)
     dense_dir, _ = dense_model(tmp_path, ModelConfig(**opts), "qwen3", tokenizer)
     cfg = run_config_for(opts, num_train_experts_per_node=4, run_name="up")
-    step, plan = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", router_std=1.0)
+    step, plan = upcycling.upcycle(dense_dir, cfg, tmp_path / "run" / "step0", router_std=1.0)
     routers = torch.cat([load_model_state(step)[f"blocks.{i}.ffn.router.weight"] for i in range(2)])
     assert plan.router_std == 1.0 and routers.abs().max() <= 1.0 and routers.std() > 0.4
 
@@ -455,22 +456,22 @@ def test_what_an_upcycled_checkpoint_holds_and_where_its_tokenizer_goes(
     assert (config.eos_token_id, config.pad_token_id, config.bos_token_id) == (m.eos_token_id, m.pad_token_id, None)
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
     cfg = run_config_for(opts, num_train_experts_per_node=2, run_name="up")
-    step, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "run" / "step0")
+    step, _ = upcycling.upcycle(dense_dir, cfg, tmp_path / "run" / "step0")
     assert load_config(step / "config.yaml")[0].tokenizer.identifier == str(tmp_path / "run" / "tokenizer")
     assert (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
     with pytest.raises(FileExistsError, match="pass --overwrite"):
-        upcycle.upcycle(dense_dir, cfg, step)
+        upcycling.upcycle(dense_dir, cfg, step)
     (dense_dir / "tokenizer.json").unlink()  # a dense model without a tokenizer: the config's stays
-    bare, _ = upcycle.upcycle(dense_dir, cfg, tmp_path / "bare" / "step0")
+    bare, _ = upcycling.upcycle(dense_dir, cfg, tmp_path / "bare" / "step0")
     assert load_config(bare / "config.yaml")[0].tokenizer.identifier == cfg.tokenizer.identifier
     assert not (tmp_path / "bare" / "tokenizer").exists()
-    plain = upcycle.make_random_dense(m, tmp_path / "plain")
-    again = upcycle.make_random_dense(m, tmp_path / "again", model_type="qwen3", partition=False, seed=0)
+    plain = upcycling.make_random_dense(m, tmp_path / "plain")
+    again = upcycling.make_random_dense(m, tmp_path / "again", model_type="qwen3", partition=False, seed=0)
     assert not (plain / "tokenizer.json").exists()
     assert (plain / "model.safetensors").read_bytes() == (again / "model.safetensors").read_bytes()
     assert transformers.AutoConfig.from_pretrained(str(plain), local_files_only=True).intermediate_size == 48
     with pytest.raises(ValueError, match=f"model.vocab_size={tokenizer.vocab_size - 1}"):
-        upcycle.make_random_dense(
+        upcycling.make_random_dense(
             ModelConfig(**{**opts, "vocab_size": tokenizer.vocab_size - 1}), tmp_path / "v", tokenizer=tokenizer.path
         )
 
@@ -481,7 +482,7 @@ def test_refusals_name_the_dense_config_and_the_architecture(tmp_path: Path, tok
     for change in (dict(layer_norm_with_affine=False), dict(attention_layer_norm_with_affine=False)):
         ((key, value),) = change.items()
         with pytest.raises(ValueError) as err:
-            upcycle.upcycle(
+            upcycling.upcycle(
                 dense_dir, run_config_for({**opts, **change}, num_train_experts_per_node=2, run_name="x"), "step0"
             )
         assert str(err.value) == (
@@ -490,25 +491,27 @@ def test_refusals_name_the_dense_config_and_the_architecture(tmp_path: Path, tok
     longer = run_config_for(
         {**opts, "max_sequence_length": 4096, "init_std": 0.5}, num_train_experts_per_node=2, run_name="x"
     )
-    upcycle.check_dense_match(
+    upcycling.check_dense_match(
         longer.model,
         transformers.AutoConfig.from_pretrained(str(dense_dir)),
-        upcycle.DENSE_FAMILIES["qwen3"],
+        upcycling.DENSE_FAMILIES["qwen3"],
         partition=False,
     )  # the window and the init are the run's own
-    state = dict(hf.read_hf_weights(dense_dir))
+    state = dict(hf_convert.read_hf_weights(dense_dir))
     del state["model.norm.weight"]
-    hf.write_safetensors(iter(state.items()), dense_dir)
+    hf_convert.write_safetensors(iter(state.items()), dense_dir)
     with pytest.raises(
         ValueError,
         match=r"^Hugging Face weights have no tensor 'model.norm.weight' \(expected for "
         r"Qwen3ForCausalLM\)$",
     ):
-        upcycle.upcycle(
+        upcycling.upcycle(
             dense_dir, run_config_for(opts, num_train_experts_per_node=2, run_name="x"), tmp_path / "y" / "step0"
         )
     with pytest.raises(FileNotFoundError, match="--hf"):
-        upcycle.upcycle(tmp_path / "nowhere", run_config_for(opts, num_train_experts_per_node=2, run_name="x"), "step0")
+        upcycling.upcycle(
+            tmp_path / "nowhere", run_config_for(opts, num_train_experts_per_node=2, run_name="x"), "step0"
+        )
 
 
 def test_the_command_line_prints_the_plan_and_warns_of_tied_experts(
@@ -567,11 +570,36 @@ def test_the_command_line_prints_the_plan_and_warns_of_tied_experts(
         assert f"{flag} {meaning}" in shown, flag
 
 
+@pytest.mark.timeout(180)
+def test_help_and_a_refused_command_line_or_config_are_answered_without_torch(tmp_path: Path) -> None:
+    """Importing torch took most of the two seconds `--help` took (longer on a busy host): the command line and the
+    run config are read, and refused, before it, with the same lines and exit codes."""
+    code, out, err = without_torch(tmp_path, "spes.upcycle", "--help")
+    assert code == 0 and out.startswith("usage: python -m spes.upcycle [-h] --hf HF --config CONFIG") and not err
+    config = UPCYCLE_TINY
+    refused = {
+        (): "python -m spes.upcycle: error: the following arguments are required: --hf, --config",
+        ("--hf", "h", "--config", config, "--router_std", "-1"): "python -m spes.upcycle: error: argument "
+        "--router_std: -1 must be a finite number >= 0",
+        ("--hf", "h", "--config", config, "--make_random_dense", "gpt2"): "python -m spes.upcycle: error: argument "
+        "--make_random_dense: invalid choice: 'gpt2' (choose from 'llama', 'qwen3')",
+        ("--hf", "h", "--config", "gone.yaml", "--out", "o/step0"): "error: config file not found: gone.yaml (pass a "
+        "YAML file, e.g. configs/tiny.yaml)",
+        ("--hf", "h", "--config", config, "--out", "o/step0", "--model.d_modle=3"): "error: command line "
+        "(--model.d_modle=3): unknown config key 'model.d_modle'; did you mean 'model.d_model'?",
+        ("--hf", "h", "--config", config): "error: --out is required: the checkpoint step directory to write, e.g. "
+        "output/run/init/step0",
+    }
+    for argv, line in refused.items():
+        code, out, err = without_torch(tmp_path, "spes.upcycle", *argv)
+        assert (code, out, err[-1]) == (2, "", line), argv
+
+
 def test_the_random_dense_model_is_made_as_the_command_line_asks(
     tmp_path: Path, tokenizer: LoadedTokenizer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     made: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-    monkeypatch.setattr(upcycle, "make_random_dense", lambda *a, **k: made.append((a, k)) or "made")
+    monkeypatch.setattr(upcycling, "make_random_dense", lambda *a, **k: made.append((a, k)) or "made")
     overrides = tokenizer_overrides(tokenizer)
     argv = ["--config", UPCYCLE_TINY, "--hf", "d", "--make_random_dense", "llama", "--partition", "--seed=7"]
     assert upcycle.main([*argv, *overrides]) == 0 and capsys.readouterr().out == "made\n"
@@ -598,7 +626,7 @@ def test_a_random_dense_model_replaces_a_model_at_hf_only_when_asked(
     assert (tmp_path / "dense" / "model.safetensors").read_bytes() == weights
     model = load_config(UPCYCLE_TINY, tokenizer_overrides(tokenizer))[0].model
     with pytest.raises(FileExistsError):  # the function's own default: nothing replaced unasked
-        upcycle.make_random_dense(model, tmp_path / "dense", seed=1)
+        upcycling.make_random_dense(model, tmp_path / "dense", seed=1)
     assert upcycle.main([*argv, "--make_random_dense", "qwen3", "--seed=1", "--overwrite"]) == 0
     assert (tmp_path / "dense" / "model.safetensors").read_bytes() != weights
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]  # no staging directory left
@@ -611,8 +639,10 @@ def test_refusals_name_the_dense_config_they_read(tmp_path: Path, tokenizer: Loa
     settings["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}
     (dense_dir / "config.json").write_text(json.dumps(settings), encoding="utf-8")
     with pytest.raises(ValueError, match=r"^dense Hugging Face config \(qwen3\): 'rope_parameters.rope_type' = 'yarn'"):
-        upcycle.upcycle(
+        upcycling.upcycle(
             dense_dir, run_config_for(opts, num_train_experts_per_node=2, run_name="x"), tmp_path / "s" / "step0"
         )
     with pytest.raises(FileNotFoundError, match=rf"^--hf '{tmp_path / 'nowhere'}' is not a local file or directory"):
-        upcycle.upcycle(tmp_path / "nowhere", run_config_for(opts, num_train_experts_per_node=2, run_name="x"), "step0")
+        upcycling.upcycle(
+            tmp_path / "nowhere", run_config_for(opts, num_train_experts_per_node=2, run_name="x"), "step0"
+        )
