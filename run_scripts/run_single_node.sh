@@ -53,10 +53,8 @@ for arg in "$@"; do
   if [ "$arg" = --preflight ]; then PREFLIGHT=1; else ARGS+=("$arg"); fi
 done
 echo "node $NODE_ID: $NPROC_PER_NODE process(es) on ${DEVICES#* }, config $CONFIG"
-if [ "$PREFLIGHT" = 1 ]; then  # NOTE: the checks are the same for a resumed node: --resume is the trainer's
-  CHECK=()
-  for arg in "${ARGS[@]}"; do [[ "$arg" == --resume* ]] || CHECK+=("$arg"); done
-  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${CHECK[@]}"
+if [ "$PREFLIGHT" = 1 ]; then  # NOTE: --resume too: a resumed node joins (and takes its save folder) as its run's
+  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${ARGS[@]}"
 fi
 exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m spes.train "$CONFIG" \
   "${ARGS[@]}"
