@@ -373,15 +373,15 @@ def _refused_join(cfg: TrainConfig, exc: SyncError) -> list[Check]:
             fail("server", f"{addr}: {exc}", "run the same spes version on the server and every node"),
             skip("settings", "not checked: the server speaks another protocol"),
         ]
-    return [
-        ok("server", f"{addr} reachable, credentials accepted ({_security(cfg)})"),
-        fail(
-            "settings",
-            str(exc),
-            "make this node's config match the run's (the YAML the server was started with and the other nodes' "
-            "configs)",
-        ),
-    ]
+    # NOTE: another run's node is no config to match: its line names the three ways in
+    fix = (
+        "the node and the server hold different runs: resume, join or restart as the line says (docs/running.md, "
+        "Run identity)"
+        if exc.reason == Reason.OTHER_RUN
+        else "make this node's config match the run's (the YAML the server was started with and the other nodes' "
+        "configs)"
+    )
+    return [ok("server", f"{addr} reachable, credentials accepted ({_security(cfg)})"), fail("settings", str(exc), fix)]
 
 
 def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:

@@ -764,6 +764,24 @@ def test_a_refused_tls_handshake_fails_the_server_check_with_what_it_means() -> 
     assert _refused_join(cfg, down)[0].fix.startswith("start the server, or check spes_config.server_addr")
 
 
+def test_a_node_of_another_run_is_not_told_to_match_its_config() -> None:
+    """A requeued node asked about as a fresh one was told to make its config match the run's: its config did,
+    its run did not (resume it, join with the run's id, or give the server a fresh --state_dir)."""
+    from spes.sync.protocol import Reason
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")[0]
+    line = "preflight join failed (FAILED_PRECONDITION): peer 2 starts a fresh run, but this server holds run 0123"
+    other = SyncError(line, grpc.StatusCode.FAILED_PRECONDITION, reason=Reason.OTHER_RUN)
+    server, settings = _refused_join(cfg, other)
+    assert server.status == "ok" and (settings.status, settings.detail) == ("FAIL", line)
+    assert settings.fix == (
+        "the node and the server hold different runs: resume, join or restart as the line says (docs/running.md, "
+        "Run identity)"
+    )
+    mismatch = SyncError("peer 2 has 3 experts per block", grpc.StatusCode.FAILED_PRECONDITION)
+    assert _refused_join(cfg, mismatch)[1].fix.startswith("make this node's config match the run's")
+
+
 @pytest.mark.timeout(120)
 def test_a_node_resuming_a_checkpoint_is_asked_about_as_the_run_its_checkpoint_names(
     server: str, node: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
