@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch one SPES node: torchrun over this machine's devices with configs/.../node_<id>.yaml.
 #   run_scripts/run_single_node.sh <node_id> [--resume[=auto]] [--section.key=value ...]
-#   run_scripts/run_single_node.sh <node_id> --preflight [--section.key=value ...]   # check the node, train nothing
+#   run_scripts/run_single_node.sh <node_id> --preflight [--resume[=auto]] [--section.key=value ...]   # check the
+#     node as that start would take it, train nothing
 # Env: CONFIG_DIR (default configs/spes_1b), CONFIG (default $CONFIG_DIR/node_<id>.yaml),
 #      NPROC_PER_NODE (default: every GPU, or 1 on a CPU machine, counted by $PYTHON), PYTHON (default
 #      .venv/bin/python, else python3), DATA_SEED (see below).
