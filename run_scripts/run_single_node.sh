@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch one SPES node: torchrun over this machine's devices with configs/.../node_<id>.yaml.
 #   run_scripts/run_single_node.sh <node_id> [--resume[=auto]] [--section.key=value ...]
-#   run_scripts/run_single_node.sh <node_id> --preflight [--section.key=value ...]   # check the node, train nothing
+#   run_scripts/run_single_node.sh <node_id> --preflight [--resume[=auto]] [--section.key=value ...]   # check the
+#     node as that start would take it, train nothing
 # Env: CONFIG_DIR (default configs/spes_1b), CONFIG (default $CONFIG_DIR/node_<id>.yaml),
 #      NPROC_PER_NODE (default: every GPU, or 1 on a CPU machine, counted by $PYTHON), PYTHON (default
 #      .venv/bin/python, else python3), DATA_SEED (see below).
@@ -53,10 +54,8 @@ for arg in "$@"; do
   if [ "$arg" = --preflight ]; then PREFLIGHT=1; else ARGS+=("$arg"); fi
 done
 echo "node $NODE_ID: $NPROC_PER_NODE process(es) on ${DEVICES#* }, config $CONFIG"
-if [ "$PREFLIGHT" = 1 ]; then  # NOTE: the checks are the same for a resumed node: --resume is the trainer's
-  CHECK=()
-  for arg in "${ARGS[@]}"; do [[ "$arg" == --resume* ]] || CHECK+=("$arg"); done
-  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${CHECK[@]}"
+if [ "$PREFLIGHT" = 1 ]; then  # NOTE: --resume too: a resumed node joins (and takes its save folder) as its run's
+  exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${ARGS[@]}"
 fi
 exec "$PYTHON" -m spes.torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m spes.train "$CONFIG" \
   "${ARGS[@]}"

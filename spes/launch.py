@@ -154,10 +154,11 @@ def load_run(args: argparse.Namespace, overrides: list[str]) -> tuple[TrainConfi
     codec = [f"--spes_config.codec={args.codec}"] if args.codec else []
     run = [*overrides, *(["--using_dilico=true"] if args.dilico else []), *codec]
     cfg, _ = load_config(args.config, run)
-    if not cfg.sync_enabled:
+    if not cfg.sync_enabled:  # NOTE: with the overrides that made it so: tiny.yaml itself is a SPES run
+        given = f"{args.config} with {' '.join(run)}" if run else args.config
         raise ConfigError(
-            f"{args.config} is a centralized run (using_spes: false): train it with "
-            "python -m spes.train, which needs no server"
+            f"{given} is a centralized run (using_spes: false): train it with "
+            f"python -m spes.train {args.config}{''.join(' ' + o for o in run)}, which needs no server"
         )
     return cfg, run
 

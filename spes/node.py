@@ -98,6 +98,19 @@ def claim_save_folder(cfg: TrainConfig, continuing: bool, is_main: bool, log: Ca
     log(f"save_overwrite: removed the earlier run's saves in {folder} ({names})")
 
 
+def check_save_folder(cfg: TrainConfig) -> None:
+    """Refuse (ValueError) what a start of `cfg` would refuse in its save folder, writing nothing: for
+    `spes.preflight`, whose passing node must not then stop at start over another run's saves or a `--resume` of
+    nothing. A `load_path` not made yet (an upcycled start) counts as a fresh start: the node names it at start."""
+    try:
+        load_path = start_checkpoint(cfg, log=lambda note: None)
+    except FileNotFoundError:
+        load_path = None
+    _usable_folder(cfg)
+    continuing = _continues_run(cfg, load_path) or cfg.try_load_latest_save
+    claim_save_folder(replace(cfg, dry_run=True), continuing, is_main=False, log=lambda note: None)
+
+
 def _usable_folder(cfg: TrainConfig) -> Path:
     """save_folder, refused (ValueError) when it is a file or cannot be written here."""
     folder = Path(cfg.save_folder)

@@ -9,8 +9,9 @@ config needs (model state + activations of one micro-batch) against what a devic
 (reachable, protocol, token and certificates accepted, run settings and model manifest match: a dry join that
 changes nothing on the server); the link (round-trip time and throughput each way over the plane the node will
 use, the predicted seconds per round and the fraction of time spent not training); free disk where checkpoints
-go; the training data, and for shards at URLs how long a step's windows take to read. Exit status: 0 all
-passed, 1 some failed (named, each with what to do), 2 bad config.
+go, and a save folder the node would refuse to start in; the training data, and for shards at URLs how long a
+step's windows take to read. `--resume[=auto]` is taken as the node takes it. Exit status: 0 all passed, 1 some
+failed (named, each with what to do), 2 bad config.
 
 torch (and the model, the sync wing and the data modules) is imported by the checks that need it, so `--help`, a
 mistyped flag or key and a config that does not load are answered in a fraction of a second; `--devices` and `--gpu`
@@ -35,6 +36,8 @@ import psutil
 from spes.checks import GIB, Check, fail, gib, matmul_flops_per_s, ok, report, skip
 from spes.config import TrainConfig, load_config
 from spes.schema import ConfigError, number_flag
+from spes.train import apply_resume
+from spes.train import parse_args as train_args
 
 if TYPE_CHECKING:
     from spes.data import TokenSequenceDataset
@@ -370,15 +373,15 @@ def _refused_join(cfg: TrainConfig, exc: SyncError) -> list[Check]:
             fail("server", f"{addr}: {exc}", "run the same spes version on the server and every node"),
             skip("settings", "not checked: the server speaks another protocol"),
         ]
-    return [
-        ok("server", f"{addr} reachable, credentials accepted ({_security(cfg)})"),
-        fail(
-            "settings",
-            str(exc),
-            "make this node's config match the run's (the YAML the server was started with and the other nodes' "
-            "configs)",
-        ),
-    ]
+    # NOTE: another run's node is no config to match: its line names the three ways in
+    fix = (
+        "the node and the server hold different runs: resume, join or restart as the line says (docs/running.md, "
+        "Run identity)"
+        if exc.reason == Reason.OTHER_RUN
+        else "make this node's config match the run's (the YAML the server was started with and the other nodes' "
+        "configs)"
+    )
+    return [ok("server", f"{addr} reachable, credentials accepted ({_security(cfg)})"), fail("settings", str(exc), fix)]
 
 
 def estimated_step_s(cfg: TrainConfig, devices: Devices) -> tuple[float, str]:
@@ -452,6 +455,10 @@ def saves(max_steps: int, interval: int | None, keep: int, final: bool) -> int:
 
 
 def check_disk(cfg: TrainConfig) -> Check:
+    """Free disk for the checkpoints the run keeps, and the save folder as a start takes it (another run's saves,
+    a `--resume` of nothing: refused by the node at start, so failed here)."""
+    from spes.node import check_save_folder
+
     folder = Path(cfg.save_folder).expanduser().absolute()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     free = shutil.disk_usage(existing).free
@@ -466,6 +473,10 @@ def check_disk(cfg: TrainConfig) -> Check:
         f"{cfg.save_folder}: {gib(free)} free; checkpoints of {gib(size)} (weights + AdamW), {kept} kept + 1 being "
         f"written = {gib(need)}"
     )
+    try:
+        check_save_folder(cfg)
+    except ValueError as exc:
+        return fail("disk", detail, f"the node would refuse to start: {exc}")
     if need <= free:
         return ok("disk", detail)
     return fail(
@@ -625,11 +636,13 @@ def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m spes.preflight",
-        usage="python -m spes.preflight CONFIG.yaml [--section.key=value ...] [options] | --gpu [CONFIG.yaml]",
+        usage="python -m spes.preflight CONFIG.yaml [--section.key=value ...] [--resume[=auto]] [options] "
+        "| --gpu [CONFIG.yaml]",
         description="Check that this node can take part in the run CONFIG.yaml describes: devices, memory, the "
         "parameter server (a dry join: nothing changes on the server), the link, disk and data. One line per check; "
         "exit 1 naming the failed checks, 2 for a bad config.",
-        epilog="Config keys are overridden as --section.key=value, exactly as for spes.train.",
+        epilog="Config keys are overridden as --section.key=value, and --resume[=auto] given, exactly as for "
+        "spes.train.",
     )
     parser.add_argument("config", nargs="?", help="the node's YAML config")
     parser.add_argument(
@@ -692,8 +705,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.config is None:
         parser.error("no config file given, e.g. python -m spes.preflight configs/tiny.yaml")
-    try:
+    try:  # NOTE: --resume[=auto] as the node takes it: a resumed node joins, and claims its save folder, as its run's
+        _, overrides, resume = train_args(overrides)
         cfg, _ = load_config(args.config, overrides)
+        apply_resume(cfg, resume)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

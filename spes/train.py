@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
             cfg, inert = load_config(path, overrides)
             ignored = f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}"
-            return run(cfg, ([ignored] if inert else []) + _apply_resume(cfg, resume))
+            return run(cfg, ([ignored] if inert else []) + apply_resume(cfg, resume))
         except (Exception, KeyboardInterrupt) as e:  # NOTE: not --help's SystemExit
             if exit_code(e) is None:
                 raise
             return report(e)
 
 
-def _apply_resume(cfg: TrainConfig, resume: str | None) -> list[str]:
+def apply_resume(cfg: TrainConfig, resume: str | None) -> list[str]:
     """`--resume` as config keys (load_path <- save_folder; `auto`: try_load_latest_save), and a note when that
     passes over the YAML's own load_path (the weights the run started from): OLMo does so without a word."""
     cfg.try_load_latest_save |= resume == "auto"

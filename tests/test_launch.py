@@ -289,6 +289,17 @@ def test_the_baseline_flag_takes_the_papers_spelling_too(
     assert "--dilico, --diloco DiLoCo/FedAvg baseline: peers train and average everything" in shown
 
 
+def test_a_centralized_run_is_refused_naming_what_made_it_one() -> None:
+    """`spes.launch configs/tiny.yaml -- --using_spes=false` said "configs/tiny.yaml is a centralized run", of a
+    file that sets using_spes: true."""
+    with pytest.raises(ConfigError) as refused:
+        load_run(*parse_args([TINY, "--", "--using_spes=false", "--max_duration=5st"]))
+    assert str(refused.value) == (
+        f"{TINY} with --using_spes=false --max_duration=5st is a centralized run (using_spes: false): train it with "
+        f"python -m spes.train {TINY} --using_spes=false --max_duration=5st, which needs no server"
+    )
+
+
 def test_an_override_before_the_double_dash_is_refused_saying_where_it_goes(capsys: pytest.CaptureFixture[str]) -> None:
     """spes.train takes `--max_duration=40st` as it is; the launcher takes it after `--`, and said only
     'unrecognized arguments'."""

@@ -55,7 +55,7 @@ from spes.node import (
 )
 from spes.tokenizer import load_tokenizer
 from spes.torchrun import ERROR_DIR_ENV
-from spes.train import _apply_resume, main
+from spes.train import apply_resume, main
 
 
 def _checkpoints(folder: Path, *names: str, latest: str | None = None) -> Path:
@@ -897,7 +897,7 @@ def test_a_resume_over_other_windows_is_refused_before_the_node_joins_a_server(t
     node = [*tiny_corpus.overrides(tmp_path / "out"), *FAST, "--save_interval=2"]
     assert main([TINY, *node]) == 0
     cfg, _ = load_config(TINY, [*node, "--model.max_sequence_length=32"])
-    _apply_resume(cfg, "always")
+    apply_resume(cfg, "always")
     with pytest.raises(ValueError, match="saved with windows of 64 tokens but this run's model.max_sequence_length"):
         build_node(cfg, CPU, log=lambda _m: None)
 

@@ -27,6 +27,7 @@ from spes.preflight import (
     Devices,
     _refused_join,
     activation_bytes_per_sequence,
+    check_disk,
     check_memory,
     main,
     memory_need,
@@ -393,6 +394,37 @@ def test_help_and_a_refused_config_are_answered_without_torch(tmp_path: Path) ->
         assert (code, out, err[-1]) == (2, "", line), argv
 
 
+def test_a_save_folder_the_node_would_refuse_to_start_in_fails_the_disk_check(tmp_path: Path) -> None:
+    """Preflight passed a node whose save folder held an earlier run's saves (a quickstart, a centralized try), and
+    the node then stopped at start: continue that run with --resume, or save_overwrite=true."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg, _ = load_config(TINY, [f"--save_folder={out}"])
+    disk = check_disk(cfg)
+    assert disk.failed and f"save_folder {out} already holds a run's saves (metrics.jsonl)" in disk.fix, disk
+    assert disk.fix.startswith("the node would refuse to start: ")
+    for taken in ("--try_load_latest_save=true", "--save_overwrite=true"):  # --resume=auto; a start over them
+        assert not check_disk(load_config(TINY, [f"--save_folder={out}", taken])[0]).failed, taken
+    assert (out / "metrics.jsonl").exists()  # save_overwrite is checked, never carried out
+    empty, _ = load_config(TINY, [f"--save_folder={tmp_path / 'empty'}", f"--load_path={tmp_path / 'empty'}"])
+    assert "nothing to resume" in check_disk(empty).fix  # --resume of a folder without a checkpoint
+    upcycled, _ = load_config(TINY, [f"--save_folder={tmp_path / 'new'}", f"--load_path={tmp_path / 'init'}"])
+    assert not check_disk(upcycled).failed  # its load_path is made before the node starts, which names it if not
+
+
+def test_resume_is_taken_as_the_node_takes_it(node: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """`run_single_node.sh N --preflight --resume=auto` checked a requeued node as a fresh one: the script dropped
+    --resume (preflight took it for a config key), so the dry join was refused as a fresh node's in a run with
+    completed rounds, naming --resume=auto, the flag the user had given."""
+    centralized = [*node, "--using_spes=false"]
+    rc, lines = preflight(capsys, *centralized, "--resume")
+    assert rc == 1 and "nothing to resume" in lines["disk"] and "--resume=auto" in lines["disk"], lines
+    assert preflight(capsys, *centralized, "--resume=auto")[0] == 0
+    assert main([*centralized, "--resume=always"]) == 2
+    assert "'--resume=always' is not an option; use --resume or --resume=auto" in capsys.readouterr().err
+
+
 def test_model_state_bytes_count_what_the_node_builds(node: list[str]) -> None:
     cfg, _ = load_config(node[0], node[1:3])
     with torch.device("meta"):
@@ -480,6 +512,10 @@ def test_run_single_node_preflight_runs_the_checks_instead_of_training(tmp_path:
         proc.stdout
     )
     assert "torch.distributed.run" not in proc.stdout
+    resumed = launch(tmp_path, python, "1", "--resume=auto", "--preflight", DATA_SEED="7198")  # a requeued node's
+    assert f"RUN -m spes.preflight {TINY} --nproc 4 --spes_config.peer_id=1 --data.seed=7198 --resume=auto" in (
+        resumed.stdout
+    )
 
 
 def test_run_single_node_refuses_to_guess_when_its_interpreter_cannot_count(tmp_path: Path) -> None:
@@ -728,6 +764,24 @@ def test_a_refused_tls_handshake_fails_the_server_check_with_what_it_means() -> 
     assert _refused_join(cfg, down)[0].fix.startswith("start the server, or check spes_config.server_addr")
 
 
+def test_a_node_of_another_run_is_not_told_to_match_its_config() -> None:
+    """A requeued node asked about as a fresh one was told to make its config match the run's: its config did,
+    its run did not (resume it, join with the run's id, or give the server a fresh --state_dir)."""
+    from spes.sync.protocol import Reason
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml")[0]
+    line = "preflight join failed (FAILED_PRECONDITION): peer 2 starts a fresh run, but this server holds run 0123"
+    other = SyncError(line, grpc.StatusCode.FAILED_PRECONDITION, reason=Reason.OTHER_RUN)
+    server, settings = _refused_join(cfg, other)
+    assert server.status == "ok" and (settings.status, settings.detail) == ("FAIL", line)
+    assert settings.fix == (
+        "the node and the server hold different runs: resume, join or restart as the line says (docs/running.md, "
+        "Run identity)"
+    )
+    mismatch = SyncError("peer 2 has 3 experts per block", grpc.StatusCode.FAILED_PRECONDITION)
+    assert _refused_join(cfg, mismatch)[1].fix.startswith("make this node's config match the run's")
+
+
 @pytest.mark.timeout(120)
 def test_a_node_resuming_a_checkpoint_is_asked_about_as_the_run_its_checkpoint_names(
     server: str, node: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -747,7 +801,8 @@ def test_a_node_resuming_a_checkpoint_is_asked_about_as_the_run_its_checkpoint_n
     assert rc == 1 and lines["settings"].startswith("FAIL"), lines
     assert "belongs to run 0123456789abcdef (its checkpoint or spes_config.run_id)" in lines["settings"]
     rc, lines = preflight(capsys, *node, f"--spes_config.server_addr={server}", f"--load_path={tmp_path / 'none'}")
-    assert rc == 0, lines  # a checkpoint not made yet (an upcycled start): asked as a fresh node
+    assert lines["settings"].startswith("ok"), lines  # a checkpoint not made yet (an upcycled start): a fresh node
+    assert rc == 1 and "already holds a run's saves (step1" in lines["disk"]  # where the first train saved
     (checkpoint / RUN_FILE).write_text('{"run_id": "0123')
     joining = [f"--spes_config.server_addr={server}", f"--load_path={checkpoint}"]
     rc, lines = preflight(capsys, *node, *joining)

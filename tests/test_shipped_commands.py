@@ -107,7 +107,7 @@ DOCS = (
     "docs/benchmarks.md",
 )
 """The documents whose ```bash blocks hold commands a user runs."""
-NOT_SPES = ("openssl ", "pip install", "import secrets", "wandb sync ", "iptables ")
+NOT_SPES = ("openssl ", "pip install", "import secrets", ".venv/bin/wandb sync ", "iptables ")
 """Commands of other tools, shown for the user's setup (certificates, a token, optional extras, a firewall)."""
 
 
@@ -439,7 +439,7 @@ def test_tiny_train_commands_run_as_written(command: str, scratch: Path, tiny_co
     run_python(command, scratch, *data, "--max_duration=2st", "--eval_interval=null", timeout=240)
     for log_dir in re.findall(r"--tensorboard.log_dir=(\S+)", command):
         assert list((scratch / log_dir).iterdir()), f"{command}: nothing in {log_dir}"
-    synced = [c.split()[2] for _, c in COMMANDS if c.startswith("wandb sync ")]
+    synced = [c.split()[2] for _, c in COMMANDS if c.startswith(".venv/bin/wandb sync ")]
     assert synced and all(list(scratch.glob(p)) for p in synced if "--wandb." in command), synced
 
 

@@ -15,7 +15,7 @@ from node_runs import REPO, TINY, assert_one_line, train
 from spes.checkpoint import META_FILE
 from spes.config import load_config
 from spes.node import start_checkpoint
-from spes.train import _apply_resume, main, parse_args
+from spes.train import apply_resume, main, parse_args
 
 
 @pytest.mark.timeout(120)
@@ -60,11 +60,11 @@ def test_a_resume_says_when_it_passes_over_the_yamls_load_path(tmp_path: Path) -
         (checkpoint / META_FILE).write_text("{}")
     note = f"note: resuming save_folder {save}; load_path {start} is not read"
     cfg, _ = load_config(TINY, [f"--save_folder={save}", f"--load_path={start}"])
-    assert _apply_resume(cfg, "always") == [note] and cfg.load_path == str(save)
-    assert _apply_resume(cfg, "always") == []  # load_path is save_folder already: nothing passed over
+    assert apply_resume(cfg, "always") == [note] and cfg.load_path == str(save)
+    assert apply_resume(cfg, "always") == []  # load_path is save_folder already: nothing passed over
     for resume, loaded, said in ((None, start, []), ("auto", save / "step4", [note])):
         cfg, _ = load_config(TINY, [f"--save_folder={save}", f"--load_path={start}"])
-        assert _apply_resume(cfg, resume) == []
+        assert apply_resume(cfg, resume) == []
         logged: list[str] = []
         assert start_checkpoint(cfg, logged.append) == loaded and logged == said, (resume, logged)
 
