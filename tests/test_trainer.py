@@ -325,15 +325,17 @@ def test_a_resume_into_another_expert_layout_is_refused(  # type: ignore[no-unty
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Resuming a centralized run's folder as a SPES node would start a new run at step 0 among the old run's
-    checkpoints (a later resume would pick the old run's): refused, naming what changed, and nothing written."""
+    checkpoints (a later resume would pick the old run's): refused, naming the layout's settings that changed and the
+    layout (not a longer max_duration, which a resume may set), and nothing written."""
     args = centralized(tiny_corpus, tmp_path, "--max_duration=2st", "--save_interval=2")
     assert main(args) == 0
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main([*args, "--using_spes=true", "--max_duration=4st", "--resume"]) == 2
     assert capsys.readouterr().err.startswith(
         f"error: {tmp_path / 'step2'} holds this save_folder's run with another expert layout (using_spes: False -> "
-        "True; max_duration: '2st' -> '4st'): a resume continues that run as it was saved; to start this layout from "
-        f"its weights, choose another save_folder with --load_path={tmp_path / 'step2'}"
+        "True: this run stores each MoE layer's 8 experts in blocks of 2): a resume continues that run as it was "
+        f"saved; to start this layout from its weights, choose another save_folder with --load_path="
+        f"{tmp_path / 'step2'}"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
