@@ -393,7 +393,7 @@ def _train(cfg: TrainConfig, info: DistInfo, notes: list[str]) -> None:
         trainer.fit()
         log(
             f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
-            f"{optimizer_state_bytes(trainer.optimizer) / 2**20:.1f} MiB"
+            f"{optimizer_state_bytes(trainer.optimizer) / 2**20:.1f} MiB{unfinished(cfg, trainer.step)}"
         )
     except Stopped as stop:  # its last step saved: the word spes.torchrun prints
         leave_for_launcher(
@@ -404,6 +404,17 @@ def _train(cfg: TrainConfig, info: DistInfo, notes: list[str]) -> None:
     finally:
         if syncer is not None:
             syncer.close()
+
+
+def unfinished(cfg: TrainConfig, step: int) -> str:
+    """What a node's last line adds when `stop_at` ended its launch before the run's end (max_duration): only the
+    progress bar said so, and `done:` read as a finished run."""
+    if step >= cfg.duration_steps:
+        return ""
+    return (
+        f"; stopped at step {step} of {cfg.duration_steps} (stop_at): the run is unfinished, continue with --resume "
+        "and a larger stop_at or none"
+    )
 
 
 def _what_is_saved(folder: Path) -> str:

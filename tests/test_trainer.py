@@ -42,11 +42,19 @@ def test_resume_reproduces_the_uninterrupted_run(  # type: ignore[no-untyped-def
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """... and names the settings changed since the checkpoint it continues (here the stop it was given); a resume
-    with nothing left to do names the setting that says so."""
+    with nothing left to do names the setting that says so. A launch that stop_at ended says in its last line that
+    the run is unfinished (its `done:` read as a finished run's)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ["--max_duration=12st", "--save_interval=6", "--log_interval=1"]
     assert main(centralized(tiny_corpus, straight, *common)) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("done: step 12, ") and last.endswith(" MiB"), last
     assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6")) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("done: step 6, ") and last.endswith(
+        " MiB; stopped at step 6 of 12 (stop_at): the run is unfinished, continue with --resume and a larger stop_at "
+        "or none"
+    ), last
     assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6", "--resume")) == 0
     assert "nothing to do: checkpoint is at step 6, stop_at is 6 (max_duration is 12 steps); raise stop_at\n" in (
         capsys.readouterr().out
