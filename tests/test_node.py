@@ -692,7 +692,7 @@ def test_a_one_process_run_notes_an_unwrapped_strategy_and_ends_saying_its_step_
     """fsdp or ddp on one process wraps nothing (said, with how to shard); the last line of a fit names its step,
     tokens and optimizer state in MiB."""
     monkeypatch.setattr(spes.node, "start_node", lambda *_args: (_Done(), None))
-    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", f"--distributed_strategy={strategy}"])
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", f"--distributed_strategy={strategy}", "--max_duration=12"])
     spes.node._train(cfg, CPU, [])
     note = (
         f"note: distributed_strategy={strategy} on one process: the model is not wrapped (one rank holds all of it "
