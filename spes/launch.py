@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         return code
     summary = summarize(out, cfg.num_peers, time.time() - started, cfg.mode)
+    summary |= {"run_steps": cfg.duration_steps, "stop_at": cfg.stop_at if cfg.max_steps < cfg.duration_steps else None}
     print(format_summary(summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
@@ -430,6 +431,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{r['sync_s']:>7.2f} {r.get('wait_s', 0.0):>7.2f}"
         )
     lines.append(f"wall time {summary['wall_s']:.0f}s; every process exited cleanly")
+    if summary.get("stop_at") is not None:  # NOTE: only the progress bar said so; the table read as a finished run
+        lines.append(
+            f"stopped at step {summary['stop_at']} of {summary['run_steps']} (stop_at): the run is unfinished, "
+            "continue with --resume and the same overrides after `--`, stop_at larger or left out"
+        )
     return "\n".join(lines)
 
 

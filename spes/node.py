@@ -313,11 +313,7 @@ def _load(
     ckpt = restore(load_path, model, optimizer, with_optim=not (cfg.reset_optimizer_state and not continuing))
     changes = changed_settings(ckpt.config, to_dict(cfg)) if continuing else []
     if continuing and ckpt.reblocked:  # NOTE: step 0 of a new run among the old run's saves: two runs mixed
-        raise ValueError(
-            f"{ckpt.path} holds this save_folder's run with another expert layout ({'; '.join(changes)}): a resume "
-            f"continues that run as it was saved; to start this layout from its weights, choose another save_folder "
-            f"with --load_path={ckpt.path}"
-        )
+        raise ValueError(_another_layout(cfg, ckpt.path, changes))
     check_weights_finite(model, f"checkpoint {ckpt.path}", "pass an earlier checkpoint as load_path")
     if ckpt.reblocked:
         log(
@@ -330,6 +326,23 @@ def _load(
     if changes:
         log(f"resuming with {len(changes)} setting(s) changed since that checkpoint: {'; '.join(changes)}")
     return replace(ckpt, trainer=_trainer_state(cfg, ckpt, continuing, log))
+
+
+LAYOUT_KEYS = ("using_spes", "using_dilico", "spes_config.num_train_experts_per_node", "model.moe_num_experts")
+"""The settings that decide how a node stores each MoE layer's experts in blocks (`TrainConfig.experts_per_block`)."""
+
+
+def _another_layout(cfg: TrainConfig, path: Path, changes: list[str]) -> str:
+    """The refusal of a resume into another expert layout than its checkpoint's: the layout's settings that changed
+    and this run's layout, not every change (a longer max_duration or another token file is a resume's right)."""
+    layout = "; ".join(c for c in changes if c.partition(": ")[0] in LAYOUT_KEYS)
+    n, block = cfg.model.moe_num_experts, cfg.experts_per_block
+    blocks = f"blocks of {block}" if block < n else "one block"
+    return (
+        f"{path} holds this save_folder's run with another expert layout ({f'{layout}: ' if layout else ''}this run "
+        f"stores each MoE layer's {n} experts in {blocks}): a resume continues that run as it was saved; to start "
+        f"this layout from its weights, choose another save_folder with --load_path={path}"
+    )
 
 
 def run(cfg: TrainConfig, notes: list[str] | None = None) -> int:
@@ -380,7 +393,7 @@ def _train(cfg: TrainConfig, info: DistInfo, notes: list[str]) -> None:
         trainer.fit()
         log(
             f"done: step {trainer.step}, {trainer.tokens:,} tokens, optimizer state "
-            f"{optimizer_state_bytes(trainer.optimizer) / 2**20:.1f} MiB"
+            f"{optimizer_state_bytes(trainer.optimizer) / 2**20:.1f} MiB{unfinished(cfg, trainer.step)}"
         )
     except Stopped as stop:  # its last step saved: the word spes.torchrun prints
         leave_for_launcher(
@@ -391,6 +404,17 @@ def _train(cfg: TrainConfig, info: DistInfo, notes: list[str]) -> None:
     finally:
         if syncer is not None:
             syncer.close()
+
+
+def unfinished(cfg: TrainConfig, step: int) -> str:
+    """What a node's last line adds when `stop_at` ended its launch before the run's end (max_duration): only the
+    progress bar said so, and `done:` read as a finished run."""
+    if step >= cfg.duration_steps:
+        return ""
+    return (
+        f"; stopped at step {step} of {cfg.duration_steps} (stop_at): the run is unfinished, continue with --resume "
+        "and a larger stop_at or none"
+    )
 
 
 def _what_is_saved(folder: Path) -> str:

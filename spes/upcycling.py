@@ -7,8 +7,9 @@ projection's scale are chosen so that the MoE starts out computing the dense mod
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -210,11 +211,26 @@ def make_random_dense(
     model = getattr(transformers, family.architecture)(config)
     path = Path(out)
     refuse_existing(path, overwrite, "config.json")
-    with staging_dir(path) as tmp:
+    with staging_dir(path) as tmp, _no_progress_bars():
         model.save_pretrained(str(tmp))
         if tokenizer is not None:
             copy_tokenizer(tokenizer, tmp, vocab_size=m.vocab_size)
     return path
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off while it writes a model (its `Writing model shards` bar of a tiny model on
+    stderr reads like output of spes's), as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def check_dense_tokenizer(tokenizer: LoadedTokenizer, m: ModelConfig) -> None:

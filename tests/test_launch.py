@@ -342,6 +342,34 @@ def test_the_summary_names_the_runs_mode(tmp_path: Path) -> None:
     assert "\n".join(table[1:3]) + "\n" in readme  # the quickstart's table as the README shows it
 
 
+@pytest.mark.parametrize(("overrides", "said"), [([], None), (["--stop_at=6"], 6), (["--stop_at=12"], None)])
+def test_a_launch_that_stop_at_ended_says_the_run_is_unfinished(
+    overrides: list[str],
+    said: int | None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only peer0's progress bar said `(stop_at 6)`: the summary, the launch's last word, read as a finished run's.
+    (Its processes are stubs: what is tested is the launcher's account of a run that went well.)"""
+    monkeypatch.setattr(spes.launch, "_spawn", lambda *args: None)
+    monkeypatch.setattr(spes.launch, "_await_listening", lambda *args: None)
+    monkeypatch.setattr(spes.launch, "_wait", lambda *args: 0)
+    monkeypatch.setattr(spes.launch, "_stop_all", lambda procs: None)
+    monkeypatch.setattr(spes.launch, "summarize", lambda *args: {"mode": "spes", "peers": [], "wall_s": 0.0})
+    assert spes.launch.main([TINY, "--out", str(tmp_path), "--", "--max_duration=12st", *overrides]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["stop_at"], summary["run_steps"]) == (said, 12)
+    if said is None:
+        assert last == "wall time 0s; every process exited cleanly"
+    else:
+        assert last == (
+            "stopped at step 6 of 12 (stop_at): the run is unfinished, continue with --resume and the same overrides "
+            "after `--`, stop_at larger or left out"
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_diloco_run_says_so_and_averages_everything(tiny_corpus, tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
+import subprocess
 import typing
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from data_fixtures import SAMPLE_TEXTS, write_documents
 from spes.config import INERT_KEYS, TrainConfig, load_config
+from spes.corpus import tokenize_main
 from spes.distributed import DistInfo
 from spes.node import build_node
 from spes.shards import resolve_paths
+from spes.tokenizer import LoadedTokenizer
 from spes.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -435,3 +440,42 @@ def test_a_dry_run_checks_what_a_start_checks_and_writes_nothing(  # type: ignor
     assert main([*args, "--save_overwrite=true"]) == 0
     assert "dry run: save_overwrite would remove the earlier run's saves" in capsys.readouterr().out
     assert (tmp_path / "dry" / "metrics.jsonl").read_text() == "{}\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data: the guide's tokenize command and the listing after it
+
+
+def _data_commands() -> tuple[list[str], list[str]]:
+    """The guide's tokenize command's arguments and its list_processed_files.sh command (the block under "## Data")."""
+    section = (REPO / "docs" / "migrating.md").read_text().split("\n## Data\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    tokenize, listing = (shlex.split(line) for line in block.splitlines())
+    return tokenize[2:], listing
+
+
+@pytest.mark.timeout(120)
+def test_the_guides_tokenize_command_writes_the_shards_the_next_command_lists(
+    tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its `--output_prefix tokenized/tokenized_` wrote tokenized__00000.npy (spes adds `_00000.npy`): the guide's
+    prefix names the shards as spes names its own, and its listing then names them. Run from a scratch folder as
+    written, but for the input, a local tokenizer and 2 processes (this machine's)."""
+    args, listing = _data_commands()
+    machine = {"--file_glob": "raw/*.jsonl", "--tokenizer_name_or_path": str(tokenizer.path.parent), "--processes": "2"}
+    for flag, value in machine.items():
+        args[args.index(flag) + 1] = value
+    prefix = args[args.index("--output_prefix") + 1]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raw").mkdir()
+    write_documents(tmp_path / "raw" / "a.jsonl", SAMPLE_TEXTS)
+    assert tokenize_main(args) == 0
+    shards = sorted(str(p) for p in tmp_path.glob("tokenized/*.npy"))
+    named = re.escape(str(tmp_path / prefix)) + r"_\d{5}\.npy"
+    assert shards and all(re.fullmatch(named, p) and "__" not in Path(p).name for p in shards), shards
+    assert listing[:2] == ["bash", "data_process_scripts/list_processed_files.sh"]
+    done = subprocess.run(
+        ["bash", str(REPO / listing[1]), *listing[2:]], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / listing[3]).read_text().splitlines() == shards

@@ -37,6 +37,7 @@ from spes.data import TokenSequenceDataset
 from spes.guard import NonFiniteError
 from spes.node import (
     SAVE_FOLDER_LOCK,
+    _another_layout,
     _continues_run,
     _dataset,
     _load,
@@ -90,6 +91,24 @@ def _checkpoints(folder: Path, *names: str, latest: str | None = None) -> Path:
 def test_a_node_says_its_mode_and_which_experts_it_trains(overrides: list[str], said: str) -> None:
     """A DiLoCo node's log said only that it trains every expert, as a centralized run's does: never its mode."""
     assert describe_experts(load_config(TINY, overrides)[0]) == said
+
+
+def test_a_resume_into_another_expert_layout_names_only_the_layouts_settings(tmp_path: Path) -> None:
+    """A SPES run's folder resumed as a DiLoCo node: the refusal named every change since the checkpoint as the expert
+    layout (a longer max_duration, a token file); only the layout's settings and this run's layout are named."""
+    cfg = load_config(TINY, ["--using_dilico=true"])[0]
+    changes = [
+        "using_dilico: False -> True",
+        "max_duration: '5st' -> '60st'",
+        "spes_config.token_file: None -> 'token'",
+        "spes_config.num_train_experts_per_node: 4 -> 2",
+    ]
+    assert _another_layout(cfg, tmp_path / "step5", changes) == (
+        f"{tmp_path / 'step5'} holds this save_folder's run with another expert layout (using_dilico: False -> True; "
+        "spes_config.num_train_experts_per_node: 4 -> 2: this run stores each MoE layer's 8 experts in one block): a "
+        "resume continues that run as it was saved; to start this layout from its weights, choose another "
+        f"save_folder with --load_path={tmp_path / 'step5'}"
+    )
 
 
 def test_the_checkpoint_a_start_loads_and_what_it_says_of_it(tmp_path: Path) -> None:
@@ -673,7 +692,7 @@ def test_a_one_process_run_notes_an_unwrapped_strategy_and_ends_saying_its_step_
     """fsdp or ddp on one process wraps nothing (said, with how to shard); the last line of a fit names its step,
     tokens and optimizer state in MiB."""
     monkeypatch.setattr(spes.node, "start_node", lambda *_args: (_Done(), None))
-    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", f"--distributed_strategy={strategy}"])
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", f"--distributed_strategy={strategy}", "--max_duration=12"])
     spes.node._train(cfg, CPU, [])
     note = (
         f"note: distributed_strategy={strategy} on one process: the model is not wrapped (one rank holds all of it "

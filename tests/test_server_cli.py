@@ -330,6 +330,75 @@ def test_the_server_script_started_from_elsewhere_runs_its_repositorys_interpret
     assert refused.returncode == 2 and "config key 'server.merge_topk' = 0 must be >= 1" in refused.stderr
 
 
+SCRIPT_VARIABLES = ("TOTAL_PEERS", "NUM_TRAIN_EXPERTS_PER_NODE", "MERGE_INTERVAL", "MERGE_ALPHA_START")
+SCRIPT_VARIABLES += ("MERGE_DECAY_STEPS", "MERGE_TOPK", "PORT", "DATA_PORT")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("variable", "value", "run", "refused"),
+    [
+        (
+            "MERGE_ALPHA_START",
+            "abc",
+            "configs/tiny.yaml",
+            "error: MERGE_ALPHA_START=abc (run_parameter_server.sh's environment, as --server.merge_alpha_start=abc): "
+            "config key 'server.merge_alpha_start' = 'abc' has the wrong type: expected float",
+        ),
+        (
+            "MERGE_TOPK",
+            "0",
+            None,
+            "error: MERGE_TOPK=0 (run_parameter_server.sh's environment, as --server.merge_topk=0): config key "
+            "'server.merge_topk' = 0 must be >= 1",
+        ),
+        (
+            "TOTAL_PEERS",
+            "abc",
+            None,
+            "error: TOTAL_PEERS=abc (run_parameter_server.sh's environment, as --total_peers=abc): config key "
+            "'spes_config.num_peers' = 'abc' has the wrong type: expected int",
+        ),
+        (
+            "PORT",
+            "abc",
+            "configs/tiny.yaml",
+            "python -m spes.server: error: argument --port: invalid int value: 'abc' (PORT=abc in "
+            "run_parameter_server.sh's environment)",
+        ),
+        (
+            "DATA_PORT",
+            "70000",
+            "configs/tiny.yaml",
+            "error: --data_port must be -1 (disabled) or in [0, 65535], got 70000 (DATA_PORT=70000 in "
+            "run_parameter_server.sh's environment)",
+        ),
+    ],
+)
+def test_the_server_scripts_refusal_of_a_variable_names_it(
+    variable: str, value: str, run: str | None, refused: str
+) -> None:
+    """`MERGE_ALPHA_START=abc run_parameter_server.sh RUN.yaml` was refused as `command line
+    (--server.merge_alpha_start=abc)`, a command line the user never typed: the refusal names the variable set."""
+    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARIABLES} | {"PYTHON": sys.executable}
+    argv = ["/bin/bash", str(REPO / "run_scripts" / "run_parameter_server.sh"), *([run] if run else [])]
+    done = subprocess.run(
+        argv, cwd=REPO, env={**env, variable: value}, capture_output=True, text=True, timeout=100, check=False
+    )
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == refused, done.stderr
+
+
+def test_an_override_given_after_the_scripts_variable_is_blamed_on_the_command_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A refusal of the command line's own override of a key a variable also set names the command line."""
+    from spes.server import FROM_ENV, named_from_env
+
+    monkeypatch.setenv(FROM_ENV, "MERGE_TOPK\t--server.merge_topk=3\nPORT\t--port=99999\n")
+    message = "command line (--server.merge_topk=0): config key 'server.merge_topk' = 0 must be >= 1"
+    assert named_from_env(message) == message
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_failed_tls_handshakes_leave_no_grpc_core_lines(tmp_path: Path) -> None:

@@ -42,11 +42,19 @@ def test_resume_reproduces_the_uninterrupted_run(  # type: ignore[no-untyped-def
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """... and names the settings changed since the checkpoint it continues (here the stop it was given); a resume
-    with nothing left to do names the setting that says so."""
+    with nothing left to do names the setting that says so. A launch that stop_at ended says in its last line that
+    the run is unfinished (its `done:` read as a finished run's)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = ["--max_duration=12st", "--save_interval=6", "--log_interval=1"]
     assert main(centralized(tiny_corpus, straight, *common)) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("done: step 12, ") and last.endswith(" MiB"), last
     assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6")) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("done: step 6, ") and last.endswith(
+        " MiB; stopped at step 6 of 12 (stop_at): the run is unfinished, continue with --resume and a larger stop_at "
+        "or none"
+    ), last
     assert main(centralized(tiny_corpus, resumed, *common, "--stop_at=6", "--resume")) == 0
     assert "nothing to do: checkpoint is at step 6, stop_at is 6 (max_duration is 12 steps); raise stop_at\n" in (
         capsys.readouterr().out
@@ -325,15 +333,17 @@ def test_a_resume_into_another_expert_layout_is_refused(  # type: ignore[no-unty
     tiny_corpus, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Resuming a centralized run's folder as a SPES node would start a new run at step 0 among the old run's
-    checkpoints (a later resume would pick the old run's): refused, naming what changed, and nothing written."""
+    checkpoints (a later resume would pick the old run's): refused, naming the layout's settings that changed and the
+    layout (not a longer max_duration, which a resume may set), and nothing written."""
     args = centralized(tiny_corpus, tmp_path, "--max_duration=2st", "--save_interval=2")
     assert main(args) == 0
     before = sorted(p.name for p in tmp_path.iterdir())
     assert main([*args, "--using_spes=true", "--max_duration=4st", "--resume"]) == 2
     assert capsys.readouterr().err.startswith(
         f"error: {tmp_path / 'step2'} holds this save_folder's run with another expert layout (using_spes: False -> "
-        "True; max_duration: '2st' -> '4st'): a resume continues that run as it was saved; to start this layout from "
-        f"its weights, choose another save_folder with --load_path={tmp_path / 'step2'}"
+        "True: this run stores each MoE layer's 8 experts in blocks of 2): a resume continues that run as it was "
+        f"saved; to start this layout from its weights, choose another save_folder with --load_path="
+        f"{tmp_path / 'step2'}"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
