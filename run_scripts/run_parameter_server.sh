@@ -15,30 +15,18 @@
 # server section's keys).
 set -euo pipefail
 
+PORT=${PORT:-50051}
+DATA_PORT=${DATA_PORT:-0}
 # NOTE: no cd to the repository: the YAML, --token_file and --state_dir are paths from where it is started
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}
 ARGS=()
 if [ $# -gt 0 ] && [[ "$1" != -* ]]; then ARGS+=("$1"); shift; fi
-FROM_ENV=""  # NOTE: `VAR<tab>--flag=value` a line per argument made from the environment: spes.server's refusal names VAR
-from_env() {  # VAR FLAG [DEFAULT]: FLAG=$VAR, or FLAG=DEFAULT when VAR is unset (or nothing without a default)
-  local value=${!1:-}
-  if [ -n "$value" ]; then
-    FROM_ENV+="$1"$'\t'"$2=$value"$'\n'
-  elif [ -n "${3:-}" ]; then
-    value=$3
-  else
-    return 0
-  fi
-  ARGS+=("$2=$value")
-}
-from_env TOTAL_PEERS --total_peers
-from_env NUM_TRAIN_EXPERTS_PER_NODE --num_train_experts_per_node
-from_env MERGE_INTERVAL --server.merge_interval
-from_env MERGE_ALPHA_START --server.merge_alpha_start
-from_env MERGE_DECAY_STEPS --server.merge_decay_steps
-from_env MERGE_TOPK --server.merge_topk
-from_env PORT --port 50051
-from_env DATA_PORT --data_port 0
+[ -n "${TOTAL_PEERS:-}" ] && ARGS+=(--total_peers "$TOTAL_PEERS")
+[ -n "${NUM_TRAIN_EXPERTS_PER_NODE:-}" ] && ARGS+=(--num_train_experts_per_node "$NUM_TRAIN_EXPERTS_PER_NODE")
+[ -n "${MERGE_INTERVAL:-}" ] && ARGS+=(--server.merge_interval="$MERGE_INTERVAL")
+[ -n "${MERGE_ALPHA_START:-}" ] && ARGS+=(--server.merge_alpha_start="$MERGE_ALPHA_START")
+[ -n "${MERGE_DECAY_STEPS:-}" ] && ARGS+=(--server.merge_decay_steps="$MERGE_DECAY_STEPS")
+[ -n "${MERGE_TOPK:-}" ] && ARGS+=(--server.merge_topk="$MERGE_TOPK")
 
-exec env SPES_SERVER_FROM_ENV="$FROM_ENV" "$PYTHON" -m spes.server "${ARGS[@]}" "$@"
+exec "$PYTHON" -m spes.server "${ARGS[@]}" --port "$PORT" --data_port "$DATA_PORT" "$@"
