@@ -295,7 +295,7 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.corpus.x__encode_all", "27", "ProcessPoolExecutor.shutdown's wait defaults to True"),
     **mutants("spes.corpus.x__tokenize", "75 78", "tqdm's file=None is sys.stderr, read when the bar is made"),
     **mutants(
-        "spes.corpus.x__tokenize", "92", "set_postfix's refresh=None is falsy as False: the update after it draws the bar"
+        "spes.corpus.x__tokenize", "92", "set_postfix's refresh=None is falsy as False; the update after it draws"
     ),
     **mutants(
         "spes.corpus.x__tokenize",

@@ -12,21 +12,33 @@
 # everything over gRPC); PYTHON [the repository's .venv/bin/python, else python3].
 # The environment of earlier versions still works (TOTAL_PEERS and NUM_TRAIN_EXPERTS_PER_NODE, checked against the
 # YAML or, without one, the run's layout; MERGE_INTERVAL, MERGE_ALPHA_START, MERGE_DECAY_STEPS, MERGE_TOPK: the
-# server section's keys).
+# server section's keys); a line on stderr names the variables taken, so that a refusal of one is traced to it.
 set -euo pipefail
 
-PORT=${PORT:-50051}
-DATA_PORT=${DATA_PORT:-0}
 # NOTE: no cd to the repository: the YAML, --token_file and --state_dir are paths from where it is started
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3 )}
 ARGS=()
 if [ $# -gt 0 ] && [[ "$1" != -* ]]; then ARGS+=("$1"); shift; fi
-[ -n "${TOTAL_PEERS:-}" ] && ARGS+=(--total_peers "$TOTAL_PEERS")
-[ -n "${NUM_TRAIN_EXPERTS_PER_NODE:-}" ] && ARGS+=(--num_train_experts_per_node "$NUM_TRAIN_EXPERTS_PER_NODE")
-[ -n "${MERGE_INTERVAL:-}" ] && ARGS+=(--server.merge_interval="$MERGE_INTERVAL")
-[ -n "${MERGE_ALPHA_START:-}" ] && ARGS+=(--server.merge_alpha_start="$MERGE_ALPHA_START")
-[ -n "${MERGE_DECAY_STEPS:-}" ] && ARGS+=(--server.merge_decay_steps="$MERGE_DECAY_STEPS")
-[ -n "${MERGE_TOPK:-}" ] && ARGS+=(--server.merge_topk="$MERGE_TOPK")
+TAKEN=""
+from_env() {  # VAR FLAG [DEFAULT]: FLAG=$VAR when VAR is set (noted for the line below), else FLAG=DEFAULT if given
+  local value=${!1:-}
+  if [ -n "$value" ]; then
+    ARGS+=("$2=$value")
+    TAKEN+="${TAKEN:+; }$1=$value as $2=$value"
+  elif [ $# -gt 2 ]; then
+    ARGS+=("$2=$3")
+  fi
+}
+from_env TOTAL_PEERS --total_peers
+from_env NUM_TRAIN_EXPERTS_PER_NODE --num_train_experts_per_node
+from_env MERGE_INTERVAL --server.merge_interval
+from_env MERGE_ALPHA_START --server.merge_alpha_start
+from_env MERGE_DECAY_STEPS --server.merge_decay_steps
+from_env MERGE_TOPK --server.merge_topk
+from_env PORT --port 50051
+from_env DATA_PORT --data_port 0
+# NOTE: a refusal of one of these names its flag; this line names the variable the user set
+if [ -n "$TAKEN" ]; then echo "run_parameter_server.sh: from the environment: $TAKEN" >&2; fi
 
-exec "$PYTHON" -m spes.server "${ARGS[@]}" --port "$PORT" --data_port "$DATA_PORT" "$@"
+exec "$PYTHON" -m spes.server "${ARGS[@]}" "$@"

@@ -301,6 +301,36 @@ def test_main_reports_a_bad_run_in_one_line_and_help_lists_the_section(monkeypat
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("env", "taken", "refusal"),
+    [
+        (
+            {"MERGE_ALPHA_START": "abc"},
+            "MERGE_ALPHA_START=abc as --server.merge_alpha_start=abc",
+            "error: command line (--server.merge_alpha_start=abc): config key 'server.merge_alpha_start' = 'abc' has "
+            "the wrong type: expected float",
+        ),
+        ({"PORT": "abc"}, "PORT=abc as --port=abc", "python -m spes.server: error: argument --port: invalid int value"),
+    ],
+)
+def test_the_server_script_names_the_variable_a_refused_flag_came_from(
+    env: dict[str, str], taken: str, refusal: str
+) -> None:
+    """The server refuses a flag, which the user never typed when the script made it from a variable: the script's
+    line before names the variable."""
+    done = subprocess.run(
+        ["/bin/bash", str(REPO / "run_scripts" / "run_parameter_server.sh"), str(CONFIGS / "tiny.yaml")],
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and lines[0] == f"run_parameter_server.sh: from the environment: {taken}", done.stderr
+    assert lines[-1].startswith(refusal), done.stderr
+
+
+@pytest.mark.timeout(60)
 def test_the_server_script_started_from_elsewhere_runs_its_repositorys_interpreter(tmp_path: Path) -> None:
     """Without PYTHON, run_parameter_server.sh takes the .venv beside its own run_scripts/ (not one in the current
     directory, nor a python3 on PATH that may lack spes), and reads the YAML from the caller's directory."""
