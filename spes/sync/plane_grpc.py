@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import grpc
 
-from spes.sync.admission import SESSION_KEY, Ticket
+from spes.sync.admission import SESSION_KEY, Ticket, caller_address
 from spes.sync.auth import grpc_common_name
 from spes.sync.channel import tls_cause
 from spes.sync.fragments import WHOLE
@@ -54,7 +54,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
             return self.service.join(
-                request, _metadata(context, SESSION_KEY), context.peer(), lambda: grpc_common_name(context)
+                request, _metadata(context, SESSION_KEY), caller_address(context), lambda: grpc_common_name(context)
             )
         except Refused as exc:
             self._abort(context, exc)
