@@ -211,7 +211,7 @@ def failure_of(
             retryable=True,
         )
     reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
-    return classify(what, err.code(), details, reason)
+    return classify(what, code, details, reason)
 
 
 def _cancelled_here(err: grpc.RpcError, closed: Callable[[], bool] | None) -> bool:
