@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import partial
@@ -71,6 +72,12 @@ def require_joined(joined: Collection[int], peer: int) -> None:
             f"peer {peer} has not joined this server: call Join first",
             Reason.NOT_JOINED,
         )
+
+
+def caller_address(context: grpc.ServicerContext) -> str:
+    """Where a gRPC call comes from, as the logs and refusals name it: gRPC URL-encodes its peer string
+    (`ipv6:%5B::1%5D:35836`), decoded here once (`ipv6:[::1]:35836`)."""
+    return urllib.parse.unquote(context.peer())
 
 
 def cancel_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
@@ -301,7 +308,7 @@ class GuardedHealth(health.HealthServicer):
                 try:
                     ticket.claim(int(peer))
                     ended = self._on_presence(
-                        int(peer), session, run, context.peer(), partial(self._common_name, context)
+                        int(peer), session, run, caller_address(context), partial(self._common_name, context)
                     )
                     _when_ended(context, ended)
                 except Refused:

@@ -7,20 +7,18 @@ One rank per node owns a `SyncClient`; the trainer broadcasts what `sync` return
         client.join()                                    # the server compares the spec and the manifest
         global_tensors, stats = client.sync(step, {n: params[n] for n in spec.trainable(0)})
 
-Every RPC carries a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, bytes that fail their
-checksum in either direction) are retried with exponential backoff and jitter, which is safe because the server
-treats a repeated (peer, round) upload as a no-op. What travels is the run's codec's (`spes.sync.codecs`): the
-client holds its peer end (`PeerCodec`: a held-model codec's held model and error feedback), and a payload the
-server refuses for its base (it holds another) is sent again as full values. `sync` also recovers on its own from
-a server restart:
-told it has not joined, it joins again; told the server holds no upload of it for the round, it uploads
-again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed
-without it) catches up: `sync` returns the latest global model, every tensor of it, with
-`SyncStats.caught_up` set and `round` the server's step, and the caller continues from there (`catch_up` does the
-same at start, before a node trains on from a step the run has passed). Other failures
-raise `SyncError` carrying the gRPC status code and the server's explanation. The token is never logged. The
-channel, the plane payloads take (falling back to gRPC when the data plane fails) and the presence stream are the
-client's `spes.sync.connection.Connection`.
+Every RPC carries a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, a call a stopping server cancelled,
+bytes that fail their checksum in either direction) are retried with exponential backoff and jitter, which is safe
+because the server treats a repeated (peer, round) upload as a no-op. What travels is the run's codec's
+(`spes.sync.codecs`): the client holds its peer end (`PeerCodec`: a held-model codec's held model and error feedback),
+and a payload the server refuses for its base (it holds another) is sent again as full values. `sync` also recovers on
+its own from a server restart: told it has not joined, it joins again; told the server holds no upload of it for the
+round, it uploads again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed
+without it) catches up: `sync` returns the latest global model, every tensor of it, with `SyncStats.caught_up` set and
+`round` the server's step, and the caller continues from there (`catch_up` does the same at start, before a node trains
+on from a step the run has passed). Other failures raise `SyncError` carrying the gRPC status code and the server's
+explanation. The token is never logged. The channel, the plane payloads take (falling back to gRPC when the data plane
+fails) and the presence stream are the client's `spes.sync.connection.Connection`.
 """
 
 from __future__ import annotations
@@ -447,6 +445,7 @@ class SyncClient:
             deadline=None if deadline is None else (deadline, self.round_timeout_s),
             recover=recover,
             refusal=lambda: certificate_refusal(self.connection.settings),
+            closed=lambda: self.connection.closed,
         )
 
     def _until(self, deadline: float) -> float:

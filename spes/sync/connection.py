@@ -66,8 +66,15 @@ class Connection:
         self._data_tls = tls if s.data_plane != "grpc" else None
         self._channel = open_channel(s)
         self.stub = pb_grpc.ParameterServerStub(self._channel)
+        self.closed = False
+        """Set by `close`: a call cancelled from then on was cancelled by this node (its stop), never retried."""
         self._grpc = GrpcPlane(
-            self.stub, peer_id=peer_id, wire_dtype=wire_dtype, metadata=self.metadata, rpc_timeout_s=s.rpc_timeout_s
+            self.stub,
+            peer_id=peer_id,
+            wire_dtype=wire_dtype,
+            metadata=self.metadata,
+            rpc_timeout_s=s.rpc_timeout_s,
+            closed=lambda: self.closed,
         )
         self.plane: Plane = self._grpc
         """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
@@ -89,8 +96,11 @@ class Connection:
         self.plane = self._grpc if tcp is None else tcp
 
     def fall_back(self, failure: SyncError) -> bool:
-        """Whether `failure` of the data plane (busy, unreachable, stalled) sends payloads over gRPC from now on."""
-        if self.plane is self._grpc or not (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
+        """Whether `failure` of the data plane (busy, unreachable, stalled) sends payloads over gRPC from now on; not
+        a server that said it is shutting down: gRPC goes with it, the node waits for it to come back."""
+        if self.plane is self._grpc or failure.reason == Reason.SHUTTING_DOWN:
+            return False
+        if not (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
             return False
         log.warning(
             "the server's data plane failed (%s): payloads go over gRPC until the next join finds it again", failure
@@ -111,7 +121,7 @@ class Connection:
                 self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
                 rtts.append(time.perf_counter() - start)
         except grpc.RpcError as err:
-            raise failure_of("link test", err) from None
+            raise failure_of("link test", err, closed=lambda: self.closed) from None
         up_s, down_s = self.plane.probe(num_bytes)
         return LinkStats(
             plane="tcp" if self.plane.name == "tcp" else "grpc",
@@ -121,6 +131,7 @@ class Connection:
         )
 
     def close(self) -> None:
+        self.closed = True
         if self._presence is not None:
             self._presence.close(self.settings.rpc_timeout_s)
         self._channel.close()

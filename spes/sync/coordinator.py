@@ -23,7 +23,7 @@ from spes.sync.downloads import Downloads
 from spes.sync.fragments import WHOLE
 from spes.sync.joins import check_join, check_run
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import Refused
+from spes.sync.protocol import Refused, shutting_down
 from spes.sync.rounds import Completed, RoundState
 from spes.sync.settings import ServerConfig
 from spes.sync.state import new_run_id, run_id_of
@@ -63,7 +63,7 @@ class Coordinator:
         """What a client can make this server warn about (a wrong token, a refused call), at a bounded rate."""
         parts = RoundParts(self._cond, self.state, self.memory, self.codec)
         self.closer = RoundCloser(parts, self.deploy.state_dir, self._published)
-        self.uploads = Uploads(parts, self.closer, self.joined, lambda: self.spec)
+        self.uploads = Uploads(parts, self.closer, self.joined, lambda: self.spec, lambda: self._shutting_down)
         self.downloads = Downloads(parts, self.closer, self.joined, lambda: self.spec, lambda: self._shutting_down)
         self.spec = self.closer.restore(self.spec)
         self._reporter = threading.Thread(target=self._report, name="spes-status-report", daemon=True)
@@ -112,10 +112,14 @@ class Coordinator:
         )
 
     def open_stream(self, ticket: Ticket, peer: int, session: str, common_name: Callable[[], str | None]) -> None:
-        """An Upload/Download stream of either plane names `peer`: check who calls, bound its streams, note it."""
+        """An Upload/Download stream of either plane names `peer`: check who calls, bound its streams, note it.
+        Refused once the server is shutting down (`shutting_down`): a stream admitted then could outlast the grace,
+        and gRPC's end of it would reach the node as a cancellation."""
         self.check_identity(peer, common_name)
         ticket.claim(peer)
         with self._cond:
+            if self._shutting_down:
+                raise shutting_down()
             self.sessions.heard(peer, session)
 
     def _published(self, done: Completed, seconds: float) -> None:
@@ -206,13 +210,19 @@ class Coordinator:
 
         return ended
 
+    @property
+    def stopping(self) -> bool:
+        """Whether `shutdown` has begun: no new Upload or Download is served from then on."""
+        return self._shutting_down
+
     def check_identity(self, peer: int, common_name: Callable[[], str | None]) -> None:
         """With --tls_peer_ids: the caller's certificate (its common name, from either plane) must name `peer`."""
         if self.deploy.tls_peer_ids:
             check_peer_identity(peer, common_name())
 
     def shutdown(self, grace_s: float) -> None:
-        """Wake every waiting download so it ends with UNAVAILABLE; let a running aggregation finish."""
+        """Refuse every new upload and download from now on, and wake every waiting download, with UNAVAILABLE (reason
+        shutting_down); let a running aggregation finish."""
         with self._cond:
             self._shutting_down = True
             self._cond.notify_all()

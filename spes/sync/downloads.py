@@ -21,7 +21,7 @@ from spes.sync.admission import require_joined
 from spes.sync.closing import RoundCloser, RoundParts
 from spes.sync.codecs.lazy import Overlay
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import Refused
+from spes.sync.protocol import Refused, shutting_down
 from spes.sync.rounds import RoundState
 from spes.sync.spec import RunSpec
 from spes.sync.wire import EncodedModel, Item
@@ -138,7 +138,7 @@ class Downloads:
         give_up = math.inf if time_left_s is None else time.monotonic() + time_left_s
         while True:
             if self._stopping():
-                raise Refused(grpc.StatusCode.UNAVAILABLE, "the parameter server is shutting down")
+                raise shutting_down()
             if not is_active() or time.monotonic() >= give_up:
                 return False
             if state.check_download(peer, step, full):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 import grpc
 
-from spes.sync.admission import SESSION_KEY, Ticket
+from spes.sync.admission import SESSION_KEY, Ticket, caller_address
 from spes.sync.auth import grpc_common_name
 from spes.sync.channel import tls_cause
 from spes.sync.fragments import WHOLE
@@ -54,7 +54,7 @@ class SpesServicer(pb_grpc.ParameterServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:
             return self.service.join(
-                request, _metadata(context, SESSION_KEY), context.peer(), lambda: grpc_common_name(context)
+                request, _metadata(context, SESSION_KEY), caller_address(context), lambda: grpc_common_name(context)
             )
         except Refused as exc:
             self._abort(context, exc)
@@ -188,14 +188,35 @@ def _watched(messages: Iterator[M], ticket: Ticket) -> Iterator[M]:
 
 
 # -- client -------------------------------------------------------------------------------------------------------
-def failure_of(what: str, err: grpc.RpcError, refusal: Callable[[], str | None] | None = None) -> SyncError:
+def failure_of(
+    what: str,
+    err: grpc.RpcError,
+    refusal: Callable[[], str | None] | None = None,
+    closed: Callable[[], bool] | None = None,
+) -> SyncError:
     """Classify a gRPC error: its code, the server's reason, and whether a retry may succeed (none mends a refused
-    TLS handshake: `tls_cause`, with `refusal`)."""
+    TLS handshake: `tls_cause`, with `refusal`).
+
+    A call cancelled by the server is retried like an unreachable one: gRPC's core cancels a call that reaches a
+    server as it stops. One this client cancelled (`closed()`: it closed its channel, the node is stopping) is not.
+    """
     details = err.details() or ""
-    if err.code() == grpc.StatusCode.UNAVAILABLE and (cause := tls_cause(details, refusal)) is not None:
+    code = err.code()
+    if code == grpc.StatusCode.UNAVAILABLE and (cause := tls_cause(details, refusal)) is not None:
         return SyncError(f"{what} failed (UNAVAILABLE): {cause} ({details})", grpc.StatusCode.UNAVAILABLE)
+    if code == grpc.StatusCode.CANCELLED and not _cancelled_here(err, closed):
+        return SyncError(
+            f"{what} failed (CANCELLED): the server ended the call ({details}), as a stopping server does",
+            code,
+            retryable=True,
+        )
     reason = next((str(v) for k, v in (err.trailing_metadata() or ()) if k == REASON_KEY), "")
-    return classify(what, err.code(), details, reason)
+    return classify(what, code, details, reason)
+
+
+def _cancelled_here(err: grpc.RpcError, closed: Callable[[], bool] | None) -> bool:
+    """Whether this client cancelled the call: it cancelled the call itself, or closed its channel (`closed()`)."""
+    return (isinstance(err, grpc.Future) and err.cancelled()) or (closed is not None and closed())
 
 
 class GrpcPlane:
@@ -211,9 +232,11 @@ class GrpcPlane:
         wire_dtype: str,
         metadata: tuple[tuple[str, str], ...],
         rpc_timeout_s: float,
+        closed: Callable[[], bool] | None = None,
     ) -> None:
+        """`closed()`: whether the client closed the channel (a call it cancelled so is not retried)."""
         self._stub, self.peer_id, self.wire_dtype = stub, peer_id, wire_dtype
-        self._metadata, self.rpc_timeout_s = metadata, rpc_timeout_s
+        self._metadata, self.rpc_timeout_s, self._closed = metadata, rpc_timeout_s, closed
 
     def upload(
         self, step: int, tensors: Mapping[str, Item], timeout: float, fragment: int = WHOLE, *, digest: int
@@ -237,7 +260,7 @@ class GrpcPlane:
         except grpc.RpcError as err:
             if failed:
                 raise failed[0] from None
-            raise failure_of(f"upload of round {step}", err) from None
+            raise failure_of(f"upload of round {step}", err, closed=self._closed) from None
         return sent, reply.duplicate
 
     def download(
@@ -263,7 +286,7 @@ class GrpcPlane:
                 decoder.feed(message.chunk)
             tensors = decoder.finish()
         except grpc.RpcError as err:
-            raise failure_of(f"download of round {step}", err) from None
+            raise failure_of(f"download of round {step}", err, closed=self._closed) from None
         except ValueError as exc:  # damaged or cut short in transit: fetching it again may succeed
             raise SyncError(f"round {step}: bad download from the server: {exc}", retryable=True) from None
         finally:
@@ -285,7 +308,7 @@ class GrpcPlane:
             start = time.perf_counter()
             received = sum(len(message.data) for message in responses)
         except grpc.RpcError as err:
-            raise failure_of("link test", err) from None
+            raise failure_of("link test", err, closed=self._closed) from None
         finally:
             responses.cancel()
         if received != num_bytes:

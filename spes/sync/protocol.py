@@ -82,6 +82,8 @@ class Reason(StrEnum):
     """A coded payload against a held model other than the receiver's: send full values instead."""
     OTHER_RUN = "other_run"
     """The node belongs to another run than the server holds, or starts fresh against one in progress."""
+    SHUTTING_DOWN = "shutting_down"
+    """The server is stopping (UNAVAILABLE): wait for it to come back (then join again); no reason to leave a plane."""
 
 
 RETRY_REASONS = frozenset({Reason.CORRUPT, Reason.BUSY, Reason.DUPLICATE_PEER})
@@ -96,6 +98,16 @@ class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, reason: Reason = Reason.NONE) -> None:
         super().__init__(message)
         self.code, self.reason = code, Reason(reason)
+
+
+def shutting_down() -> Refused:
+    """The refusal of an Upload or Download (either plane) by a server that has begun to stop: retried with backoff
+    until the server is back, its restarted self then asks for a new Join."""
+    return Refused(
+        grpc.StatusCode.UNAVAILABLE,
+        "the parameter server is shutting down: nodes retry until it is back",
+        Reason.SHUTTING_DOWN,
+    )
 
 
 def version_refusal(who: str, version: int) -> Refused:

@@ -1,7 +1,7 @@
 """How a client retries: exponential backoff with jitter for transient failures, repairs for the rest, deadlines.
 
-A call is retried when sending the same request again may succeed (`SyncError.retryable`: an unreachable server,
-a deadline, damaged bytes, a busy server); a `recover` hook may repair the cause of another failure (join again,
+A call is retried when sending the same request again may succeed (`SyncError.retryable`: an unreachable or stopping
+server, a deadline, damaged bytes, a busy server); a `recover` hook may repair the cause of another failure (join again,
 upload again) and have the call tried at once. Every wait respects the round's deadline.
 """
 
@@ -56,13 +56,15 @@ def retrying(
     deadline: tuple[float, float] | None = None,
     recover: Callable[[SyncError], bool] | None = None,
     refusal: Callable[[], str | None] | None = None,
+    closed: Callable[[], bool] | None = None,
 ) -> T:
     """Run `attempt(timeout)`; retry transient failures up to `max_retries` times with backoff before `deadline`
     (time.monotonic(), and the round timeout it stands for, for the message).
 
     `recover(failure)` may repair the cause of a non-transient failure and return True to try again at once (at
     most MAX_RECOVERIES times). A gRPC error becomes a `SyncError` naming `what` (`failure_of`, with `refusal`:
-    what a server that hung up meant, when it refused the client's certificate).
+    what a server that hung up meant, when it refused the client's certificate; `closed`: whether the client closed
+    its channel, so that a call cancelled then is not retried).
     """
     failures = recoveries = 0
     duplicate_since: float | None = None
@@ -73,7 +75,7 @@ def retrying(
         try:
             return attempt(timeout)
         except grpc.RpcError as err:
-            failure = failure_of(what, err, refusal)
+            failure = failure_of(what, err, refusal, closed)
         except SyncError as err:
             failure = err
         if recover is not None and recoveries < MAX_RECOVERIES and recover(failure):

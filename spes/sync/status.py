@@ -32,15 +32,26 @@ def describe(status: pb.StatusReply) -> str:
         what, absent = f"{latest}; {len(status.peers_joined)} of {status.num_peers} peers joined", missing
     else:
         what, absent = f"{latest}; every peer joined, none has uploaded the next round yet", []
-    notes = [_seen(p, seen.get(p)) for p in absent]
+    notes = [_seen(p, seen.get(p), status) for p in absent]
     return f"run {status.run_id}: {what}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def _seen(peer: int, presence: pb.PeerPresence | None) -> str:
-    """A missing peer: connected (its presence stream is open: alive, training towards its upload), or when it was
-    last heard from."""
+def _seen(peer: int, presence: pb.PeerPresence | None, status: pb.StatusReply) -> str:
+    """A missing peer: connected (its presence stream is open: alive, training towards its upload), when it was
+    last heard from, or not joined to this server process (`_not_joined`)."""
     if presence is None:
-        return f"peer {peer} never joined"
+        return f"peer {peer} {_not_joined(status)}"
     if presence.connected:
         return f"peer {peer} connected (training)"
     return f"peer {peer} disconnected, last heard {presence.last_seen_s:.0f} s ago"
+
+
+def _not_joined(status: pb.StatusReply) -> str:
+    """Why a server process knows nothing of a peer. One that resumed a round from --state_dir (it holds a round and
+    has completed none itself) restarted: its peers joined the one before and are re-joining (a node backs off while
+    the server is down). Once it has completed rounds of its own, whether it restarted is no longer known."""
+    if not status.persistent or status.current_round < 0:
+        return "never joined"
+    if status.rounds_completed == 0:
+        return "not joined since the server restarted"
+    return "not joined since the server started"

@@ -19,7 +19,7 @@ from spes.sync.codecs.base import Payload
 from spes.sync.codecs.interface import UploadBase
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
-from spes.sync.protocol import Reason, Refused, Tensors
+from spes.sync.protocol import Reason, Refused, Tensors, shutting_down
 from spes.sync.rounds import Completed
 from spes.sync.spec import RunSpec
 from spes.sync.wire import BaseMismatch, CorruptChunk, TensorDecoder, wire_torch_dtype
@@ -30,14 +30,21 @@ log = logging.getLogger("spes.server")
 class Uploads:
     """The uploads of one run; `cond` (the coordinator's) guards `state`, `memory`, `joined` and `bytes_in`.
 
-    `spec` reads the coordinator's current run spec (a Join may complete it).
+    `spec` reads the coordinator's current run spec (a Join may complete it), `stopping` whether the server is
+    shutting down: an upload received then is refused, not staged (the round it completed would be aggregated and
+    persisted after the server let go of its --state_dir).
     """
 
     def __init__(
-        self, parts: RoundParts, closer: RoundCloser, joined: Collection[int], spec: Callable[[], RunSpec]
+        self,
+        parts: RoundParts,
+        closer: RoundCloser,
+        joined: Collection[int],
+        spec: Callable[[], RunSpec],
+        stopping: Callable[[], bool],
     ) -> None:
         self._cond, self._state, self._memory, self._codec = parts.cond, parts.state, parts.memory, parts.codec
-        self._closer, self._joined, self._spec = closer, joined, spec
+        self._closer, self._joined, self._spec, self._stopping = closer, joined, spec, stopping
         self._uploading: dict[int, Ticket] = {}
         """Per peer, the stream of its upload being received (a newer one supersedes it)."""
         self.bytes_in = 0
@@ -90,6 +97,9 @@ class Uploads:
             return pb.UploadReply()  # the peer went away mid-upload: nothing was kept
         tensors, checksums, relayed = received
         with self._cond:
+            if self._stopping():
+                self._memory.pool.give(tensors.values())
+                raise shutting_down()
             if self._state.admit(peer, step, fragment, digest):  # a concurrent retry of this upload won the race
                 self._memory.pool.give(tensors.values())
                 return self._upload_reply(step, duplicate=True)

@@ -4,6 +4,8 @@ process is a peer id."""
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,7 +27,9 @@ from spes.sync.admission import (
     StreamGuard,
     require_joined,
 )
+from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import Reason, Refused
+from sync_helpers import join_request, running_server
 
 
 def test_stream_slots_total_and_per_peer() -> None:
@@ -318,3 +322,23 @@ def test_a_process_is_live_while_a_presence_stream_is_open_or_else_for_liveness_
     assert not watched.live(100.0, liveness_s=5)  # its stream ended: gone at once
     watched.presence = 1
     assert watched.live(10_000.0, liveness_s=5)
+
+
+@pytest.mark.timeout(60)
+def test_a_callers_address_is_named_decoded_in_the_log_and_in_refusals(caplog: pytest.LogCaptureFixture) -> None:
+    """gRPC URL-encodes an IPv6 caller (`ipv6:%5B::1%5D:35836`): the join line, and a refusal naming the process
+    whose presence stream holds the peer id, say `ipv6:[::1]:35836`."""
+    caplog.set_level(logging.INFO, "spes.server")
+    ipv6 = r"ipv6:\[::1\]:\d+"
+    with running_server(host="[::1]") as (server, _), grpc.insecure_channel(f"[::1]:{server.port}") as channel:
+        stub, health = pb_grpc.ParameterServerStub(channel), health_pb2_grpc.HealthStub(channel)
+        held = ((PEER_KEY, "0"), (SESSION_KEY, "first"), (RUN_KEY, server.service.run_id))
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""), metadata=held, timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Join(join_request(0), metadata=((SESSION_KEY, "second"),), timeout=10)
+        assert re.search(f"live process at {ipv6}; this join came from {ipv6}:", err.value.details()), err.value
+        stub.Join(join_request(1), timeout=10)
+        watch.cancel()
+    assert any(re.fullmatch(f"peer 1 joined from {ipv6} \\(codec fp32\\)", m) for m in caplog.messages), caplog.messages
+    assert not [m for m in caplog.messages if "%5B" in m]

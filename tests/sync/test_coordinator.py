@@ -389,10 +389,16 @@ def test_a_download_says_its_round_and_peers_and_ends_when_the_server_stops_or_t
         service.shutdown(grace_s=1.0)
         with pytest.raises(Refused) as err, service.downloads.serve(0, 2, False, lambda: True, 5.0):
             pass
-        assert (err.value.code, str(err.value)) == (
+        going_away = (
             grpc.StatusCode.UNAVAILABLE,
-            "the parameter server is shutting down",
+            "the parameter server is shutting down: nodes retry until it is back",
+            Reason.SHUTTING_DOWN,
         )
+        assert (err.value.code, str(err.value), err.value.reason) == going_away
+        with pytest.raises(Refused) as err:  # nor is an upload staged: its round would close after the server stopped
+            service.uploads.receive(1, 2, feeding(uploads[1]))
+        assert (err.value.code, str(err.value), err.value.reason) == going_away
+        assert service.status().peers_uploaded == [0]
 
 
 @pytest.mark.timeout(60)

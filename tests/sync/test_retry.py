@@ -135,6 +135,39 @@ def test_a_grpc_error_is_named_and_classified(monkeypatch: pytest.MonkeyPatch) -
     assert asked == ["refusal"]
 
 
+class Cancelled(grpc.RpcError):
+    """A call that ended CANCELLED (gRPC's text for a server that cancelled it)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+    def details(self) -> str:
+        return "CANCELLED"
+
+
+def test_a_call_the_server_cancelled_is_retried_and_one_the_client_cancelled_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC's core cancels a call that reaches a server as it stops: the node rides that out within its retries.
+    A client that closed its channel (the node stopping) cancelled its calls itself: that ends at once."""
+    clock = Clock(monkeypatch)
+    attempt = failing([Cancelled(), Cancelled()])
+    assert retrying("upload of round 40", attempt, max_retries=2, closed=lambda: False) == "done"
+    assert len(clock.slept) == 2
+    with pytest.raises(SyncError) as err:
+        retrying("upload of round 40", failing([Cancelled()] * 4), max_retries=2)
+    assert err.value.code == grpc.StatusCode.CANCELLED and err.value.retryable
+    assert str(err.value).startswith("upload of round 40 failed (CANCELLED): the server ended the call (CANCELLED)")
+    clock.slept.clear()
+    with pytest.raises(SyncError) as err:
+        retrying("upload of round 40", failing([Cancelled()]), max_retries=2, closed=lambda: True)
+    assert str(err.value) == "upload of round 40 failed (CANCELLED): CANCELLED" and not err.value.retryable
+    assert clock.slept == []
+
+
 def test_each_attempt_gets_the_per_attempt_timeout_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
     Clock(monkeypatch)
     bounded = failing([UNAVAILABLE])

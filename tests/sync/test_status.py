@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.status import describe
+from sync_helpers import joined_clients, make_client, peer_upload, running_server, sync_all, tiny_spec
 
 
 def test_the_line_names_the_open_round_who_is_in_and_when_the_missing_were_last_heard() -> None:
@@ -57,3 +62,37 @@ def test_an_open_round_every_peer_uploaded_is_being_merged_not_waiting_for_nobod
         peers_uploaded=[0, 1],
     )
     assert describe(merging) == "run r: round 5 open for 9 s, uploaded by [0, 1], merging and serving it"
+
+
+def test_a_peer_a_restarted_server_has_not_seen_is_not_joined_since_the_restart_not_never_joined() -> None:
+    """After a restart from --state_dir (a round resumed, none completed since) every node is backing off and
+    re-joining: "never joined" sent users looking for a node that was never started."""
+    fresh = pb.StatusReply(run_id="r", num_peers=2, current_round=-1, open_round=-1, persistent=True)
+    assert describe(fresh).endswith("(peer 0 never joined; peer 1 never joined)")
+    resumed = pb.StatusReply(
+        run_id="r", num_peers=2, current_round=40, open_round=-1, peers_joined=[0], persistent=True
+    )
+    assert (
+        describe(resumed)
+        == "run r: round 40 complete; 1 of 2 peers joined (peer 1 not joined since the server restarted)"
+    )
+    going_on = pb.StatusReply(
+        run_id="r", num_peers=2, current_round=48, open_round=-1, peers_joined=[0], persistent=True, rounds_completed=2
+    )
+    assert describe(going_on).endswith("(peer 1 not joined since the server started)")  # restarted or not: unknown
+    in_memory = pb.StatusReply(run_id="r", num_peers=2, current_round=48, open_round=-1, peers_joined=[0])
+    assert describe(in_memory).endswith("(peer 1 never joined)")  # nothing to resume: it never restarted
+
+
+@pytest.mark.timeout(60)
+def test_a_server_restarted_on_its_state_dir_waits_for_peers_not_joined_since_the_restart(tmp_path: Path) -> None:
+    spec = tiny_spec()
+    state = str(tmp_path / "state")
+    with running_server(spec, state_dir=state) as (_, addr), joined_clients(addr, spec) as clients:
+        sync_all(clients, 1, {p: peer_upload(spec, p, seed=1) for p in range(2)})
+        run_id = clients[0].run_id
+    with running_server(spec, state_dir=state) as (server, addr), make_client(addr, spec, 0, run_id=run_id) as node:
+        node.join()
+        assert describe(server.service.status()) == (
+            f"run {run_id}: round 1 complete; 1 of 2 peers joined (peer 1 not joined since the server restarted)"
+        )
