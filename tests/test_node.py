@@ -8,6 +8,7 @@ tests/test_train.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,9 +17,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import numpy as np
@@ -32,9 +35,10 @@ from node_runs import FAST, REPO, TINY, assert_one_line, train
 from peer_nodes import CPU
 from spes.atomic import LockHeld, hold_lock, lock_holder
 from spes.checkpoint import META_FILE, Checkpoint
-from spes.config import load_config
+from spes.config import TrainConfig, load_config
 from spes.data import TokenSequenceDataset
 from spes.guard import NonFiniteError
+from spes.interrupt import Stopped
 from spes.node import (
     SAVE_FOLDER_LOCK,
     _another_layout,
@@ -699,6 +703,189 @@ def test_a_one_process_run_notes_an_unwrapped_strategy_and_ends_saying_its_step_
         "either way) and checkpoints are unsharded; launch with torchrun --nproc_per_node=N to shard or replicate it\n"
     )
     assert capsys.readouterr().out == (note if noted else "") + "done: step 12, 3,072 tokens, optimizer state 3.0 MiB\n"
+
+
+class _Stopping(_Done):
+    """A trainer stopped by a signal once its step 8 was saved."""
+
+    def fit(self) -> None:
+        raise Stopped(8)
+
+
+class _Closing:
+    """A node's side of the rounds that records its close."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_node_stopped_by_a_signal_leaves_spes_torchrun_its_line_and_closes_its_syncer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The line spes.torchrun prints for a stopped node names the step saved, where, and both ways to continue."""
+    syncer = _Closing()
+    monkeypatch.setattr(spes.node, "start_node", lambda *_args: (_Stopping(), syncer))
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path / 'out'}"])
+    with pytest.raises(Stopped):
+        spes.node._train(cfg, CPU, [])
+    assert syncer.closed and (tmp_path / "rank0.txt").read_text() == (
+        f"error: saved step 8's checkpoint in {tmp_path / 'out'} and stopped; continue with --resume (or "
+        "--resume=auto)\n"
+    )
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_dry_run_checks_the_node_it_built_and_only_the_main_rank_speaks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rank: int
+) -> None:
+    """Notes, the build's and the start check's lines and the dry run's last line come from the main rank alone
+    (each rank of a node builds it); the start is checked on the node just built."""
+    node = spes.node.Node(cast(Any, "model"), cast(Any, "opt"), cast(Any, "loader"), None, None)
+
+    def build(cfg: Any, info: Any, log: Callable[[str], None] = print) -> spes.node.Node:
+        log("built")
+        return node
+
+    def check(cfg: Any, built: spes.node.Node, info: Any, log: Callable[[str], None]) -> None:
+        assert built is node
+        log("checked")
+
+    monkeypatch.setattr(spes.node, "build_node", build)
+    monkeypatch.setattr(spes.node, "_check_start", check)
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", "--dry_run=true"])
+    spes.node._train(cfg, replace(CPU, rank=rank, world_size=2, local_rank=rank), ["note: from the command line"])
+    said = [
+        "note: from the command line",
+        "built",
+        "checked",
+        "dry run: built the node (str, data, optimizer) and checked its save folder, run spec and evaluators; not "
+        "training (dry_run=true)",
+    ]
+    assert capsys.readouterr().out.splitlines() == (said if rank == 0 else [])
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_run_shuts_its_process_group_down_cleanly_only_when_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failed: bool
+) -> None:
+    """The run settles its device defaults for the device its process group chose and holds its save folder
+    (its refusals printed); a clean shutdown only after a finished run, and after a failure only once the failing
+    frames' references (the DDP wrapper) are gone."""
+    cuda, seen = replace(CPU, device=torch.device("cuda")), cast(list[tuple[Any, ...]], [])
+    held: list[weakref.ref[torch.nn.Module]] = []
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}"])
+    monkeypatch.setattr(spes.node, "init_distributed", lambda given: seen.append(("init", given)) or cuda)
+
+    @contextlib.contextmanager
+    def holding(given: TrainConfig, info: Any, log: Callable[[str], None]) -> Iterator[None]:
+        seen.append(("hold", given.fused_loss, info, log))
+        yield
+
+    def train(*_args: Any) -> None:
+        model = torch.nn.Linear(1, 1)
+        held.append(weakref.ref(model))
+        if failed:
+            raise RuntimeError("the step failed")
+
+    monkeypatch.setattr(spes.node, "holding_save_folder", holding)
+    monkeypatch.setattr(spes.node, "_train", train)
+    monkeypatch.setattr(spes.node, "shutdown_distributed", lambda clean: seen.append(("shut", clean, held[0]())))
+    with pytest.raises(RuntimeError) if failed else contextlib.nullcontext():
+        assert spes.node.run(cfg) == 0
+    assert seen == [("init", cfg), ("hold", True, cuda, print), ("shut", not failed, None)]
+
+
+class _Meta(torch.nn.Linear):
+    """A model built on meta whose weights `init_weights` makes: the order of its wrapping and weights is seen."""
+
+    def __init__(self, calls: list[tuple[Any, ...]]) -> None:
+        super().__init__(2, 2, device="meta")
+        self.calls = calls
+
+    def init_weights(self, seed: int) -> None:
+        self.calls.append(("init", seed))
+
+
+class _Wrapper(torch.nn.Module):
+    """What `parallelize` returns: a DDP-like wrapper holding the model as `module`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+@pytest.mark.parametrize(("sharded", "continuing"), [(True, False), (False, True)])
+def test_a_node_is_built_from_its_parts_in_order_and_hands_each_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharded: bool, continuing: bool
+) -> None:
+    """The server asked about the training model and the checkpoint to load; the folder claimed for this run by the
+    main rank; an FSDP model wrapped before its weights exist, a DDP one after; the wrapped model optimized and
+    loaded into; `latest` named only by a resume; the validation batches kept for the trainer."""
+    calls: list[tuple[Any, ...]] = []
+
+    def record(name: str, result: Any = None) -> Callable[..., Any]:
+        return lambda *args, **kwargs: calls.append((name, *args, *kwargs.items())) or result
+
+    folder = tmp_path / "out"
+    load_path = (folder if continuing else tmp_path / "other") / "step4"
+    ckpt = Checkpoint(path=load_path, model={}, optim=None, trainer={}, config={})
+    model, evals = _Meta(calls), cast(Any, "validation batches")
+    wrapped = _Wrapper(model)
+    monkeypatch.setattr(spes.node, "_training_loader", lambda *_args: "loader")
+    monkeypatch.setattr(spes.node, "_validation", lambda _cfg: evals)
+    monkeypatch.setattr(spes.node, "start_checkpoint", record("start", load_path))
+    monkeypatch.setattr(spes.node.Transformer, "for_run", record("for_run", model))
+    monkeypatch.setattr("spes.sync.peer.check_admitted", record("admitted"))
+    monkeypatch.setattr(spes.node, "claim_save_folder", record("claim"))
+    monkeypatch.setattr(spes.node, "count_params", lambda _model: SimpleNamespace(describe=lambda: "parameters"))
+    monkeypatch.setattr(spes.node, "uses_fsdp", record("uses_fsdp", sharded))
+    monkeypatch.setattr(spes.node, "parallelize", record("parallelize", wrapped))
+    monkeypatch.setattr(spes.node, "build_optimizer", record("optimizer", "opt"))
+    monkeypatch.setattr(spes.node, "_load", record("load", ckpt))
+    monkeypatch.setattr(spes.node, "_name_latest", record("latest"))
+    cfg, log = load_config(TINY, [f"--save_folder={folder}"])[0], cast(list[str], []).append
+    node = build_node(cfg, CPU, log)
+    wrap = [("parallelize", model, cfg, CPU)]
+    assert calls == [
+        ("start", cfg, log),
+        ("for_run", cfg, ("training", True)),
+        ("admitted", cfg, model, CPU, load_path, log),
+        ("claim", cfg, continuing, True, log),
+        ("uses_fsdp", cfg, CPU),
+        *(wrap if sharded else []),
+        ("init", cfg.seed),
+        *([] if sharded else wrap),
+        ("optimizer", wrapped, cfg.optimizer),
+        ("load", cfg, load_path, continuing, wrapped, "opt", log),
+        *([("latest", folder, load_path, True, log)] if continuing else []),
+    ]
+    assert node == spes.node.Node(wrapped, cast(Any, "opt"), cast(Any, "loader"), evals, ckpt)
+
+
+def _no_trainer(*_args: Any, **_kwargs: Any) -> None:
+    raise RuntimeError("no trainer")
+
+
+@pytest.mark.parametrize("synced", [True, False])
+def test_a_start_that_fails_after_joining_closes_its_syncer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, synced: bool
+) -> None:
+    """A failure after the join leaves the server no half-joined peer; a centralized start has nothing to close."""
+    node = spes.node.Node(torch.nn.Linear(2, 2), cast(Any, "opt"), cast(Any, "loader"), None, None)
+    closed: list[bool] = []
+    monkeypatch.setattr(spes.node, "build_node", lambda *_args: node)
+    monkeypatch.setattr("spes.sync.peer.PeerSync", _Joined)
+    monkeypatch.setattr(_Joined, "close", lambda self: closed.append(self.joined), raising=False)
+    monkeypatch.setattr(spes.node, "node_trainer", _no_trainer)
+    cfg, _ = load_config(TINY, [f"--save_folder={tmp_path}", f"--using_spes={synced}"])
+    with pytest.raises(RuntimeError, match="no trainer"):
+        spes.node.start_node(cfg, CPU, print)
+    assert closed == ([True] if synced else [])
 
 
 @pytest.mark.timeout(120)
