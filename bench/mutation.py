@@ -1112,7 +1112,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.admission.xǁGuardedHealthǁWatch",
-        "49 52",
+        "50 53",
         "the send callback passed on: the service runs in blocking mode, where grpcio calls Watch without one, so "
         "it is None either way",
     ),

@@ -14,6 +14,7 @@ from spes.sync.protocol import (
     SyncError,
     classify,
     reason_of,
+    shutting_down,
     version_refusal,
 )
 
@@ -76,3 +77,13 @@ def test_another_protocol_version_is_refused_naming_both() -> None:
         f"peer 2 speaks wire protocol v{PROTOCOL_VERSION - 1} but this server speaks v{PROTOCOL_VERSION}: run the "
         "same spes version on the server and every node"
     )
+
+
+def test_a_stopping_server_says_so_as_a_retryable_refusal_that_keeps_the_node_on_its_plane() -> None:
+    refused = shutting_down()
+    assert (refused.code, refused.reason, str(refused)) == (
+        CODE.UNAVAILABLE,
+        Reason.SHUTTING_DOWN,
+        "the parameter server is shutting down: nodes retry until it is back",
+    )
+    assert classify("upload of round 2", refused.code, str(refused), refused.reason).retryable

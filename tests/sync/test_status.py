@@ -69,6 +69,8 @@ def test_a_peer_a_restarted_server_has_not_seen_is_not_joined_since_the_restart_
     re-joining: "never joined" sent users looking for a node that was never started."""
     fresh = pb.StatusReply(run_id="r", num_peers=2, current_round=-1, open_round=-1, persistent=True)
     assert describe(fresh).endswith("(peer 0 never joined; peer 1 never joined)")
+    first = pb.StatusReply(run_id="r", num_peers=2, current_round=0, open_round=-1, peers_joined=[0], persistent=True)
+    assert describe(first).endswith("(peer 1 not joined since the server restarted)")  # round 0 resumed is a round
     resumed = pb.StatusReply(
         run_id="r", num_peers=2, current_round=40, open_round=-1, peers_joined=[0], persistent=True
     )
