@@ -1247,7 +1247,7 @@ EQUIVALENT: dict[str, str] = {
         "content for every such call",
     ),
     **mutants(
-        "spes.sync.uploads.xǁUploadsǁreceive", "93", "duplicate=None leaves the protobuf bool unset, which reads False"
+        "spes.sync.uploads.xǁUploadsǁreceive", "94", "duplicate=None leaves the protobuf bool unset, which reads False"
     ),
     **mutants(
         "spes.schema.x__unknown_key_message",
@@ -1369,12 +1369,12 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.downloads.xǁDownloadsǁ_await_round",
-        "16",
+        "10",
         "> for >= against the monotonic clock: equal only at one instant, and the next poll gives up",
     ),
     **mutants(
         "spes.sync.downloads.xǁDownloadsǁ_await_round",
-        "48 49 51",
+        "42 43 45",
         "a wait bounded by WAIT_POLL_S anyway: the download re-checks its round and deadline at the next poll "
         "(a quorum close or a give-up at most that much later)",
     ),
@@ -1509,7 +1509,7 @@ KILLED_BY: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.uploads.xǁUploadsǁreceive",
-        "72",
+        "73",
         f"{SERVER}test_downloads_hash_again_only_what_the_round_changed[grpc]",
     ),
     **mutants(
