@@ -47,6 +47,16 @@ HANDLER_TESTS = (
     "tests/sync/test_plane_grpc.py",
     "tests/sync/codecs/test_held.py",
 )
+TORCH_FREE_CHILDREN = tuple(
+    f"--deselect=tests/{test}"
+    for test in (
+        "test_hf.py::test_help_and_a_refused_command_line_are_answered_without_torch",
+        "test_upcycle.py::test_help_and_a_refused_command_line_or_config_are_answered_without_torch",
+    )
+)
+"""Tests of a command line in a fresh interpreter (`without_torch`): under mutmut's trampolines the child fails
+the check, and mutmut credits no child process's calls anyway."""
+
 MODULES: dict[str, tuple[str, ...]] = {
     "spes/guard.py": (
         "tests/test_guard.py::test_all_finite_and_the_first_bad_parameter",
@@ -150,12 +160,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/tracking.py": ("tests/test_tracking.py",),
     # checkpoints to and from Hugging Face models: bit-exact round trips, logits against transformers' own models,
     # the refusals; a Hub id through an endpoint on loopback
-    "spes/hf_map.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py"),
-    "spes/hf_convert.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py"),
-    "spes/upcycling.py": ("tests/test_upcycle.py", "tests/test_hub.py"),
+    "spes/hf_map.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py", *TORCH_FREE_CHILDREN),
+    "spes/hf_convert.py": ("tests/test_hf.py", "tests/test_upcycle.py", "tests/test_hub.py", *TORCH_FREE_CHILDREN),
+    "spes/upcycling.py": ("tests/test_upcycle.py", "tests/test_hub.py", *TORCH_FREE_CHILDREN),
     # their command lines, through main in the test's own process (not the torch-free children: mutmut credits none)
-    "spes/hf.py": ("tests/test_hf.py",),
-    "spes/upcycle.py": ("tests/test_upcycle.py", "tests/test_hub.py"),
+    "spes/hf.py": ("tests/test_hf.py", *TORCH_FREE_CHILDREN),
+    "spes/upcycle.py": ("tests/test_upcycle.py", "tests/test_hub.py", *TORCH_FREE_CHILDREN),
     "spes/sync/codecs/lazy.py": ("tests/sync/codecs/test_lazy.py",),
     # what a node checkpoint holds for the sync wing (the run record, a round in flight, the codec's state), its
     # readers fuzzed; not the peer's restarts that write them (servers and training loops, minutes a mutant)
