@@ -427,19 +427,20 @@ def test_a_rounds_log_line_says_what_its_bytes_are_and_since_when(caplog: pytest
     between two lines is the previous round's downloads. And `merged no, alpha 0`: the alpha only where it ran."""
     merge = ServerSection(merge_interval=2, merge_alpha_start=0.5, merge_decay_steps=100)
     spec = tiny_spec(server=merge)
+
+    def completes() -> list[str]:
+        return [m for m in caplog.messages if " complete: " in m]
+
     with joined(spec) as service:
         caplog.set_level(logging.INFO, "spes.server")
         for step in (1, 2):
             for peer in range(2):
                 service.uploads.receive(peer, step, feeding(peer_upload(spec, peer, seed=step)))
+            # NOTE: the line is logged on the closer's thread once published: a download may finish first
+            wait_until(lambda n=step: len(completes()) == n, f"round {step}'s line (logged once it is published)")
             with service.downloads.serve(0, step, False, lambda: True, 30.0) as outgoing:
                 assert outgoing is not None
                 outgoing.sent = 3 * 2**20
-
-        def completes() -> list[str]:
-            return [m for m in caplog.messages if " complete: " in m]
-
-        wait_until(lambda: len(completes()) == 2, "both rounds' lines (logged once they are published)")
         upload = sum(t.numel() * 4 for t in peer_upload(spec, 0, seed=1).values()) * 2 / 2**20
         lines = [m.split(": peers 2, aggregation ")[1] for m in completes()]
         assert [line.split(" s, ", 1)[1] for line in lines] == [
