@@ -5,7 +5,9 @@ for a round stops waiting (`Interrupted`) and keeps the round in flight in that 
 exactly. A second signal aborts without saving, unless it arrives within `ECHO_S` of the first: torchrun and srun
 pass the terminal's Ctrl-C (or the scheduler's SIGTERM) on to ranks that have already received it. Outside the
 training loop (`Interruptible`: building the node, joining the server) either signal interrupts at once, and the
-node says what its save folder holds (`spes.train`).
+node says what its save folder holds (`spes.train`); once the loop has ended on an error, the first signal is ignored:
+the rank is leaving already, and under torchrun it is the launcher stopping the ranks of a failed group (every rank
+agrees on a non-finite step, and the first to exit has the others signalled while they unwind).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class _Handling:
 
     def __init__(self) -> None:
         self.first_at: float | None = None
+        self.leaving = False
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> _Handling:
@@ -50,12 +53,15 @@ class _Handling:
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, error: type[BaseException] | None, *exc: object) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
             outer = getattr(handler, "__self__", None)
-            if isinstance(outer, _Handling) and outer.first_at is None:  # NOTE: a launcher's echo of our signal
-                outer.first_at = self.first_at  # may arrive after we are gone; the handler back in place ignores it
+            if not isinstance(outer, _Handling):
+                continue
+            outer.leaving |= error is not None
+            if outer.first_at is None:  # NOTE: a launcher's echo of our signal may arrive after we are gone; the
+                outer.first_at = self.first_at  # handler back in place ignores it
 
     def _echo(self) -> bool:
         """Whether this signal is a launcher's echo of the first (recorded now when it is the first)."""
@@ -71,10 +77,13 @@ class _Handling:
 class Interruptible(_Handling):
     """While entered, SIGTERM interrupts as Ctrl-C does (KeyboardInterrupt), and a launcher's echo of either is
     ignored. Why: by default SIGTERM (a scheduler's, torchrun's) kills a node that has not reached its training loop
-    outright, leaving no word of what it saved, and the echo interrupted the node's unwinding of the first signal."""
+    outright, leaving no word of what it saved, and the echo interrupted the node's unwinding of the first signal.
+    Once an inner handling ended on an error (`leaving`), the first signal is ignored too: torchrun's stop of a failed
+    group interrupted a rank's unwinding of the error all ranks agreed on (an `Exception ignored` traceback)."""
 
     def _handle(self, signum: int, frame: object) -> None:
-        if not self._echo():
+        already_leaving = self.leaving and self.first_at is None
+        if not self._echo() and not already_leaving:
             raise KeyboardInterrupt
 
 
