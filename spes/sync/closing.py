@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from spes.sync.aggregate import build_round
@@ -39,11 +39,18 @@ class RoundParts:
     codec: ServerCodec
 
 
-class RoundCloser:
+class RoundJob:
+    """One of the coordinator's jobs on its rounds, holding their shared parts (all guarded by `cond`)."""
+
+    def __init__(self, parts: RoundParts) -> None:
+        self._cond, self._state, self._memory, self._codec = parts.cond, parts.state, parts.memory, parts.codec
+
+
+class RoundCloser(RoundJob):
     """Builds, persists and publishes rounds for the coordinator, whose condition guards `state` and `memory`."""
 
     def __init__(self, parts: RoundParts, state_dir: str | None, published: Callable[[Completed, float], None]) -> None:
-        self._cond, self._state, self._memory, self._codec = parts.cond, parts.state, parts.memory, parts.codec
+        super().__init__(parts)
         self._state_dir, self._published = state_dir, published
         self._thread: threading.Thread | None = None
 
@@ -154,3 +161,24 @@ class RoundCloser:
             log.exception("round %d: making what its downloads send failed", step)
             return
         log.debug("round %d: what its downloads send made %.2f s after it began", step, time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class CallParts:
+    """What the jobs answering peers' calls (uploads, downloads) share beyond `RoundParts`: the closer of the rounds
+    they complete or wait for, the peers `joined`, `spec` reading the coordinator's current run spec (a Join may
+    complete it) and `stopping` whether the server is shutting down (a call then is refused)."""
+
+    rounds: RoundParts
+    closer: RoundCloser
+    joined: Collection[int]
+    spec: Callable[[], RunSpec]
+    stopping: Callable[[], bool]
+
+
+class PeerCalls(RoundJob):
+    """A job answering peers' calls (`Uploads`, `Downloads`), holding their shared parts."""
+
+    def __init__(self, parts: CallParts) -> None:
+        super().__init__(parts.rounds)
+        self._closer, self._joined, self._spec, self._stopping = parts.closer, parts.joined, parts.spec, parts.stopping

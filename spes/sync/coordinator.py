@@ -18,7 +18,7 @@ from collections.abc import Callable
 from spes.sync.admission import Sessions, StreamGuard, Ticket
 from spes.sync.auth import check_peer_identity
 from spes.sync.buffers import RoundMemory, round_limits
-from spes.sync.closing import RoundCloser, RoundParts
+from spes.sync.closing import CallParts, RoundCloser, RoundParts
 from spes.sync.downloads import Downloads
 from spes.sync.fragments import WHOLE
 from spes.sync.joins import check_join, check_run
@@ -63,8 +63,8 @@ class Coordinator:
         """What a client can make this server warn about (a wrong token, a refused call), at a bounded rate."""
         parts = RoundParts(self._cond, self.state, self.memory, self.codec)
         self.closer = RoundCloser(parts, self.deploy.state_dir, self._published)
-        self.uploads = Uploads(parts, self.closer, self.joined, lambda: self.spec, lambda: self._shutting_down)
-        self.downloads = Downloads(parts, self.closer, self.joined, lambda: self.spec, lambda: self._shutting_down)
+        calls = CallParts(parts, self.closer, self.joined, lambda: self.spec, lambda: self._shutting_down)
+        self.uploads, self.downloads = Uploads(calls), Downloads(calls)
         self.spec = self.closer.restore(self.spec)
         self._reporter = threading.Thread(target=self._report, name="spes-status-report", daemon=True)
         self._reporter.start()

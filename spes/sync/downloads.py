@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
 
 from spes.sync.admission import require_joined
-from spes.sync.closing import RoundCloser, RoundParts
+from spes.sync.closing import CallParts, PeerCalls
 from spes.sync.codecs.lazy import Overlay
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Refused, shutting_down
@@ -44,23 +44,11 @@ class Outgoing:
     """Payload bytes the plane has sent so far (counted in the server's traffic once the download ends)."""
 
 
-class Downloads:
-    """The downloads of one run; `cond` (the coordinator's) guards `state`, `memory`, `joined` and `bytes_out`.
+class Downloads(PeerCalls):
+    """The downloads of one run; `cond` (the coordinator's) guards `state`, `memory`, `joined` and `bytes_out`."""
 
-    `spec` and `stopping` read the coordinator's current run spec (a Join may complete it) and whether the server
-    is shutting down.
-    """
-
-    def __init__(
-        self,
-        parts: RoundParts,
-        closer: RoundCloser,
-        joined: Collection[int],
-        spec: Callable[[], RunSpec],
-        stopping: Callable[[], bool],
-    ) -> None:
-        self._cond, self._state, self._memory, self._codec = parts.cond, parts.state, parts.memory, parts.codec
-        self._closer, self._joined, self._spec, self._stopping = closer, joined, spec, stopping
+    def __init__(self, parts: CallParts) -> None:
+        super().__init__(parts)
         self.bytes_out = 0
         """Payload bytes sent by every download that ended."""
 

@@ -9,42 +9,32 @@ served model, and staged; the one that completes the round has it closed (`spes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 import grpc
 
 from spes.sync.admission import Ticket, require_joined
-from spes.sync.closing import RoundCloser, RoundParts
+from spes.sync.closing import CallParts, PeerCalls
 from spes.sync.codecs.base import Payload
 from spes.sync.codecs.interface import UploadBase
 from spes.sync.fragments import WHOLE
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason, Refused, Tensors, shutting_down
 from spes.sync.rounds import Completed
-from spes.sync.spec import RunSpec
 from spes.sync.wire import BaseMismatch, CorruptChunk, TensorDecoder, wire_torch_dtype
 
 log = logging.getLogger("spes.server")
 
 
-class Uploads:
+class Uploads(PeerCalls):
     """The uploads of one run; `cond` (the coordinator's) guards `state`, `memory`, `joined` and `bytes_in`.
 
-    `spec` reads the coordinator's current run spec (a Join may complete it), `stopping` whether the server is
-    shutting down: an upload received then is refused, not staged (the round it completed would be aggregated and
-    persisted after the server let go of its --state_dir).
+    An upload received while the server is `stopping` is refused, not staged (the round it completed would be
+    aggregated and persisted after the server let go of its --state_dir).
     """
 
-    def __init__(
-        self,
-        parts: RoundParts,
-        closer: RoundCloser,
-        joined: Collection[int],
-        spec: Callable[[], RunSpec],
-        stopping: Callable[[], bool],
-    ) -> None:
-        self._cond, self._state, self._memory, self._codec = parts.cond, parts.state, parts.memory, parts.codec
-        self._closer, self._joined, self._spec, self._stopping = closer, joined, spec, stopping
+    def __init__(self, parts: CallParts) -> None:
+        super().__init__(parts)
         self._uploading: dict[int, Ticket] = {}
         """Per peer, the stream of its upload being received (a newer one supersedes it)."""
         self.bytes_in = 0
