@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spes.cli import DefaultsHelpFormatter
+from spes.cli import DefaultsHelpFormatter, print_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,3 +57,19 @@ def test_help_for_a_reader_that_stopped_reading_ends_quietly(tmp_path: Path) -> 
     finally:
         os.close(write_end)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_print_text_prints_it_and_points_a_closed_stdout_at_nothing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process (the test above runs it in a child): the text as print writes it; on a closed pipe no error, and
+    stdout's descriptor then writes to /dev/null, so the interpreter's flush at exit raises nothing either."""
+    print_text("usage\nkeys")
+    assert capsys.readouterr().out == "usage\nkeys\n"
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with capsys.disabled(), open(write_end, "w") as closed:  # noqa: PTH123  # a descriptor, not a path
+        monkeypatch.setattr(sys, "stdout", closed)
+        print_text("usage")  # its write meets the closed pipe
+        assert os.write(write_end, b"more") == 4
+        monkeypatch.undo()
