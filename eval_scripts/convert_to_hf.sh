@@ -4,7 +4,7 @@
 #
 #   eval_scripts/convert_to_hf.sh <RUN_DIR> <SAVE_STEP> <MODEL_SIZE> [export flags...]
 #     RUN_DIR     a save folder, e.g. output/spes_1b/node0
-#     SAVE_STEP   a step number (its step<N> directory) or "latest"
+#     SAVE_STEP   a step number or its step<N> directory's name, or "latest"
 #     MODEL_SIZE  a label for the output directory name, e.g. 1B
 #   writes $HF_ROOT/<MODEL_SIZE>-step<N> (HF_ROOT defaults to <RUN_DIR>/hf) and prints its path.
 #   Extra flags go to `python -m spes.hf export`, e.g. --dtype bfloat16 --tokenizer <dir> --overwrite.
@@ -25,6 +25,8 @@ for arg in "$1" "$2" "$3"; do
 done
 RUN_DIR=$1
 SAVE_STEP=$2
+# NOTE: step<N> is the checkpoint's folder name, as a refusal lists the available ones
+if [[ $SAVE_STEP =~ ^step([0-9]+)$ ]]; then SAVE_STEP=${BASH_REMATCH[1]}; fi
 MODEL_SIZE=$3
 shift 3
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -35,11 +35,7 @@
 set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
-if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
-  echo "usage: $0 <MODEL_PATH> [MODEL_NAME]   (results in OUT_DIR, else eval_output/<MODEL_NAME>, else" \
-    "<MODEL_PATH>-eval; --help for more)" >&2
-  exit 2
-fi
+# NOTE: flags first: `--limit 5` made three arguments, and the usage line did not say where a setting goes
 for arg in "$@"; do
   if [[ $arg == -* ]]; then
     echo "error: $0 takes no flags (got $arg): its settings are environment variables, e.g. LIMIT=10 $0" \
@@ -47,6 +43,11 @@ for arg in "$@"; do
     exit 2
   fi
 done
+if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
+  echo "usage: $0 <MODEL_PATH> [MODEL_NAME]   (results in OUT_DIR, else eval_output/<MODEL_NAME>, else" \
+    "<MODEL_PATH>-eval; --help for more)" >&2
+  exit 2
+fi
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -13,3 +15,14 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.required or action.default is None:
             return action.help
         return super()._get_help_string(action)
+
+
+def print_text(text: str) -> None:
+    """`print` for a command's long output (`--help`), ended quietly when its reader stops early (`| head`, quitting
+    `less`), as argparse does: otherwise the BrokenPipeError ends the command as a bug of spes (exit 6, a traceback
+    kept)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # NOTE: stdout now points at nothing, so Python's own flush at exit finds no closed pipe either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

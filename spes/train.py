@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 
+from spes.cli import print_text
 from spes.config import TrainConfig, load_config, passed_over
 from spes.failures import exit_code, report
 from spes.interrupt import Interruptible
@@ -44,7 +45,7 @@ Train one node of a SPES run (or a centralized / DiLoCo run) described by an OLM
 def parse_args(argv: list[str]) -> tuple[str | None, list[str], str | None]:
     """(config file, overrides, resume: None, "always" or "auto")."""
     if any(a in ("-h", "--help") for a in argv):
-        print(USAGE + "\nconfig keys:\n" + "\n".join(config_help(TrainConfig)))
+        print_text(USAGE + "\nconfig keys:\n" + "\n".join(config_help(TrainConfig)))
         raise SystemExit(0)
     positional = [a for a in argv if not a.startswith("--")]
     if len(positional) > 1:

@@ -314,6 +314,8 @@ def test_convert_names_the_folder_a_user_passed_instead_of_a_save_folder(tmp_pat
         2,
         f"error: {run / 'node1'} has no 'latest' file naming the latest checkpoint; available: step20\n",
     )
+    code, err = run_script("convert_to_hf.sh", str(run / "node1"), "step21", "1B")  # a name such a line lists
+    assert (code, err) == (2, f"error: checkpoint {run / 'node1' / 'step21'} does not exist; available: step20\n")
     code, err = run_script("convert_to_hf.sh", "--overwrite", str(run / "node0"), "latest", "1B")
     assert code == 2 and "flags go after <RUN_DIR> <SAVE_STEP|latest> <MODEL_SIZE> (got --overwrite" in err
 
@@ -354,8 +356,9 @@ def test_eval_full_refuses_what_would_lose_results_or_cannot_run(tmp_path: Path)
     comma = fake_hf_dir(tmp_path / "a,b", tokenizer=model)
     code, err = run_script("eval_full.sh", str(comma))
     assert code == 2 and "has a ',' in its path, which lm_eval's --model_args cannot carry" in err
-    code, err = run_script("eval_full.sh", str(model), "--limit")
-    assert code == 2 and "takes no flags (got --limit): its settings are environment variables" in err
+    for flags in (["--limit"], ["--limit", "5"]):  # the second was three arguments: only the usage line
+        code, err = run_script("eval_full.sh", str(model), *flags)
+        assert code == 2 and "takes no flags (got --limit): its settings are environment variables" in err
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["tiny-step20", "tiny-step20-eval"]
     assert sorted(p.name for p in model.iterdir()) == ["config.json", "tokenizer.json"]
 
