@@ -77,6 +77,15 @@ def looks_like_repo_id(identifier: str) -> bool:
     return bool(_REPO_ID.match(identifier)) and not identifier.startswith((".", "~")) and ".." not in identifier
 
 
+def mistyped_path(identifier: str) -> str:
+    """A hint for an id whose first part is a local folder (`output/tiny_densX`): likelier a mistyped path than a Hub
+    id, and told to download it from the Hub, the user looks in the wrong place."""
+    folder, _, rest = identifier.partition("/")
+    if not rest or not Path(folder).expanduser().is_dir():
+        return ""
+    return f" ({folder}/ is a local folder without {rest!r}: a mistyped path?)"
+
+
 def missing_model_file(snapshot: Path) -> str | None:
     """The first file a model directory lacks for spes to read it (config.json, then its safetensors weights), or
     None: a cached snapshot that another tool filled only partly (a tokenizer, a config) is not the model."""
@@ -140,7 +149,7 @@ def resolve(
         why = "HF_HUB_OFFLINE=1 forbids downloading it" if hub_offline() else "the Hub is not reachable from here"
         where = f"not in the Hugging Face cache {cache}" if cached is None else f"cached without {lacking} ({cached})"
         raise FileNotFoundError(
-            f"{what} {name!r} is not a local path and {where}, and {why}: run once "
+            f"{what} {name!r}{mistyped_path(name)} is not a local path and {where}, and {why}: run once "
             f"online (or `hf download {name}`), set HF_HOME to the cache that holds it, or pass a local directory"
         )
     try:
@@ -148,12 +157,12 @@ def resolve(
     except Exception as err:  # noqa: BLE001  # network, auth and not-found errors all mean the same to the user
         first_line = str(err).partition("\n")[0]
         raise FileNotFoundError(
-            f"{what} {name!r} is not a local path, not in the Hugging Face cache {cache}, and could not be "
-            f"downloaded ({type(err).__name__}: {first_line}); check the id, your network and HF_TOKEN, or pass a "
-            "local directory"
+            f"{what} {name!r}{mistyped_path(name)} is not a local path, not in the Hugging Face cache {cache}, and "
+            f"could not be downloaded ({type(err).__name__}: {first_line}); check the id, your network and HF_TOKEN, "
+            "or pass a local directory"
         ) from None
 
 
-def resolve_tokenizer(identifier: str | os.PathLike[str]) -> Path:
+def resolve_tokenizer(identifier: str | os.PathLike[str], what: str = "tokenizer") -> Path:
     """`resolve` for a tokenizer: only its own files are downloaded, never the weights beside them in a model repo."""
-    return resolve(identifier, what="tokenizer", files=TOKENIZER_FILES, missing=missing_tokenizer_file)
+    return resolve(identifier, what=what, files=TOKENIZER_FILES, missing=missing_tokenizer_file)

@@ -270,7 +270,7 @@ def build_node(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None] = pr
 
 def _training_loader(cfg: TrainConfig, info: DistInfo, log: Callable[[str], None]) -> BatchLoader:
     """This rank's loader of the training data, its tokenizer, vocabulary and EOS checked first."""
-    tokenizer = load_tokenizer(cfg.tokenizer.identifier)
+    tokenizer = load_tokenizer(cfg.tokenizer.identifier, "tokenizer.identifier")
     check_vocab(tokenizer.vocab_size, cfg.model.vocab_size, cfg.model.embedding_size)
     dataset = _dataset(cfg, "paths")
     check_shard_vocab(dataset, tokenizer.vocab_size)

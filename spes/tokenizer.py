@@ -59,14 +59,15 @@ class LoadedTokenizer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-def load_tokenizer(identifier: str | os.PathLike[str]) -> LoadedTokenizer:
-    """Load a tokenizer from a directory (with tokenizer.json), a tokenizer.json file or a Hub id.
+def load_tokenizer(identifier: str | os.PathLike[str], what: str = "tokenizer") -> LoadedTokenizer:
+    """Load a tokenizer from a directory (with tokenizer.json), a tokenizer.json file or a Hub id; `what` names it
+    where it is not found (the config key, the flag).
 
     EOS and pad come from the directory's tokenizer_config.json when it names them, else from
     well-known token names; a tokenizer without a pad token pads with EOS.
     """
     try:
-        path = resolve_tokenizer(identifier)
+        path = resolve_tokenizer(identifier, what)
     except FileNotFoundError as err:
         raise FileNotFoundError(f"{err}. {_TRAIN_HINT}") from None
     if path.is_dir():

@@ -62,6 +62,23 @@ def test_offline_and_not_cached_names_the_id(hf_home: Path) -> None:
         hf_convert.import_hf("org/missing-model", hf_home / "out" / "step0")
 
 
+def test_an_id_whose_first_part_is_a_local_folder_is_named_as_a_mistyped_path_too(
+    hf_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`output/tiny_densX` is a mistyped `output/tiny_dense` likelier than a Hub id: told only to download it from
+    the Hub, a user looked in the wrong place."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "output").mkdir()
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"^tokenizer 'output/tiny_densX' \(output/ is a local folder without 'tiny_densX': a mistyped path\?\) "
+        r"is not a local path and not in the Hugging Face cache ",
+    ):
+        load_tokenizer("output/tiny_densX")
+    assert hub.mistyped_path("Qwen/Qwen2.5") == "" and hub.mistyped_path("gpt2") == ""  # no folder `Qwen` here
+    assert hub.mistyped_path("output/a/b") == " (output/ is a local folder without 'a/b': a mistyped path?)"
+
+
 def test_a_cached_tokenizer_is_not_taken_for_the_model(
     hf_home: Path, tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -924,7 +924,7 @@ def test_data_tokenizer_and_resume_failures_are_one_line_before_the_model_is_bui
             [*node, "--eval_interval=1", "--data.validation_paths=[nope.npy]"],
             ("data.validation_paths: data path 'nope.npy' does not exist",),
         ),
-        ([*node, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("no_tokenizer",)),
+        ([*node, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("tokenizer.identifier '", "no_tokenizer")),
         ([*node, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.vocab_size")),
         ([*node, f"--data.paths=[{other_eos}]"], ("eos.npy", "token 7", "model.eos_token_id=7")),
         ([*node, "--resume"], ("nothing to resume", "holds no checkpoint yet", "--resume=auto")),
