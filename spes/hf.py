@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> Path:
     """Export or import as the command line says; spes.hf_convert (torch) is imported here, once it holds."""
-    from spes.checkpoint import resolve_step
     from spes.hf_convert import export_checkpoint, import_hf
+    from spes.save_folder import resolve_step
 
     if args.command == "export":
         step = Path(args.checkpoint) if args.checkpoint else resolve_step(args.run_dir, args.step)

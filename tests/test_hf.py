@@ -21,9 +21,10 @@ from conftest import usage_error
 from dist_helpers import without_torch
 from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
 from spes import hf, hf_convert, hf_map
-from spes.checkpoint import CheckpointError, load_model_state, resolve_step
+from spes.checkpoint import load_model_state
 from spes.config import ModelConfig, TokenizerConfig
 from spes.model import Transformer
+from spes.save_folder import CheckpointError, resolve_step
 from spes.schema import ConfigError
 from spes.tokenizer import LoadedTokenizer
 
