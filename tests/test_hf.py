@@ -722,7 +722,7 @@ def test_what_the_command_line_passes_on_by_default(
     monkeypatch.setattr(hf_convert, "import_hf", lambda *a, **k: calls.append((a, k)) or Path("y"))
     make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=3)
     assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--out", "o"]) == 0
-    assert hf.main(["export", "--checkpoint", "c", "--out", "o", "--tokenizer", "t"]) == 0
+    assert hf.main(["export", "--checkpoint", str(tmp_path / "run"), "--out", "o", "--tokenizer", "t"]) == 0
     assert hf.main(["import", "--hf", "h", "--out", "o2"]) == 0
     for former in ("--experts_per_peer", "--block_size"):  # former names of --num_train_experts_per_node
         assert hf.main(["import", "--hf", "h", "--out", "o3", former, "2"]) == 0
@@ -731,7 +731,10 @@ def test_what_the_command_line_passes_on_by_default(
             (tmp_path / "run" / "step3", "o"),
             dict(tokenizer=None, dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3),
         ),
-        ((Path("c"), "o"), dict(tokenizer="t", dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3)),
+        (  # a save folder: the checkpoint its `latest` names
+            (tmp_path / "run" / "step3", "o"),
+            dict(tokenizer="t", dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3),
+        ),
         (("h", "o2"), dict(num_train_experts_per_node=None, overwrite=False)),
         *[(("h", "o3"), dict(num_train_experts_per_node=2, overwrite=False))] * 2,
     ]
