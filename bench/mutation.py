@@ -132,6 +132,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/sync/state.py": ("tests/sync/test_state.py", "tests/sync/test_state_fuzz.py"),
     # the kill-during-save and resume-on-other-ranks runs are processes of their own (mutmut credits none of them)
     "spes/checkpoint.py": ("tests/test_checkpoint.py", "tests/test_checkpoint_fuzz.py", "-m", "not slow"),
+    "spes/save_folder.py": ("tests/test_save_folder.py", "tests/test_checkpoint.py", "-m", "not slow"),
     "spes/config.py": ("tests/test_config.py",),
     "spes/schema.py": ("tests/test_schema.py", "tests/test_config.py"),
     # the coordinator's handlers, driven in-process: straight, and through in-process servers on loopback (the gRPC
@@ -1065,17 +1066,17 @@ EQUIVALENT: dict[str, str] = {
     **mutants("spes.checkpoint.x_model_state_dict", "2 6 7 8", "the type named to typing.cast: no run-time effect"),
     **mutants("spes.checkpoint.x__optim_state_dict", "2 6 7 8", "the type named to typing.cast: no run-time effect"),
     **mutants(
-        "spes.checkpoint.x_prune",
+        "spes.save_folder.x_prune",
         "21",
         "`keep >= 0`: with keep 0, own[-0:] is the whole list, as the branch for keep <= 0 keeps it",
     ),
     **mutants(
-        "spes.checkpoint.x_prune",
+        "spes.save_folder.x_prune",
         "25 27 28",
         "an error deleting a pruned old checkpoint raised rather than ignored: no deletion fails in the tests (root)",
     ),
     **mutants(
-        "spes.checkpoint.x_remove_stale_temporaries",
+        "spes.save_folder.x_remove_stale_temporaries",
         "25 27 28 29 30",
         "an error deleting a killed save's leftover raised rather than ignored: no deletion fails in the tests (root), "
         "and one process writes a save folder at a time",

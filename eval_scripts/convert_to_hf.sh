@@ -37,7 +37,7 @@ HF_ROOT=${HF_ROOT:-$RUN_DIR/hf}
 # NOTE: the checkpoint's directory name, from spes's own lookup (a folder that is no save folder is named for what
 # it is: a run's output folder, the server's state, a checkpoint itself), before the export reads any weights
 STEP_NAME=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import sys
-from spes.checkpoint import resolve_step
+from spes.save_folder import resolve_step
 try:
     print(resolve_step(sys.argv[1], sys.argv[2]).name.removesuffix("-sharded"))
 except (FileNotFoundError, ValueError) as e:

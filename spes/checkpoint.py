@@ -20,6 +20,7 @@ then `latest` is replaced atomically. A crash at any moment leaves `latest` nami
 the safetensors headers, not from DCP's pickled `.metadata`. A sharded checkpoint loads into any number
 of ranks (DCP reshards on load) and `python -m spes.unshard` turns it into the unsharded layout.
 A trainer needs two calls, both collectives over a parallelized (single, DDP or FSDP2) model: `save` and `restore`.
+The layout's names, finding a checkpoint in a save folder and pruning it are `spes.save_folder`'s (torch-free).
 """
 
 from __future__ import annotations
@@ -27,14 +28,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
-import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import yaml
@@ -42,29 +41,26 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from spes.atomic import ASIDE, publish_dir, staging_dir, write_atomic
+from spes.atomic import publish_dir, staging_dir
 from spes.distributed import all_ranks_ok, barrier, is_dtensor, process_rank, process_world_size, unwrap
 from spes.moe import fuse_expert_blocks, split_expert_blocks
+from spes.save_folder import (
+    CONFIG_FILE,
+    META_FILE,
+    MODEL_FILE,
+    OPTIM_FILE,
+    SHARDED_SUFFIX,
+    CheckpointError,
+    Keep,
+    point_latest,
+    remove_stale_temporaries,
+    resolve_checkpoint,
+)
 from spes.schema import yaml_error_text
 
-MODEL_FILE, OPTIM_FILE, META_FILE, CONFIG_FILE, LATEST = (
-    "model.safetensors",
-    "optim.safetensors",
-    "meta.json",
-    "config.yaml",
-    "latest",
-)
-SHARDED_SUFFIX = "-sharded"
 MODEL_KEY, OPTIM_KEY = "model/", "optim/"  # prefixes of the tensors in a sharded checkpoint
-_STEP_DIR = re.compile(r"^step(\d+)(-sharded)?$")
-Kind = Literal["unsharded", "sharded"]
 Extra = Mapping[str, Callable[[Path], None]]
 """More files of a checkpoint, by name: each function writes its file to the path it is given."""
-Schedule = tuple[int | None, int]
-"""A save schedule and what it keeps: (its interval in steps, None: every checkpoint; its newest to keep, -1: all)."""
-Keep = int | Sequence[Schedule]
-"""How many checkpoints of a kind to keep: the newest N (-1: all), or what each schedule that writes it keeps
-(`prune`)."""
 # NOTE: torch.distributed.checkpoint is imported where it is used, not above: with the DTensor and sympy it pulls
 # in, it costs over a second of start-up that a trainer which never saves, restores or shards should not pay.
 
@@ -104,10 +100,6 @@ def _options(full: bool, *, cpu_offload: bool) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload) if full else None
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete or does not fit this run; the message says which file."""
 
 
 @dataclass
@@ -177,7 +169,7 @@ def save_checkpoint(
             config=config,
             extra=extra,
         )
-    return _point_latest(final, "unsharded", keep)
+    return point_latest(final, "unsharded", keep)
 
 
 def write_unsharded(
@@ -212,56 +204,6 @@ def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any], e
     sizes = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META_FILE}
     meta = {**meta, **({"extra": sorted(extra)} if extra else {}), "files": sizes}
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
-
-
-def _point_latest(final: Path, kind: Kind, keep: Keep) -> Path:
-    """Point `latest` at a published checkpoint, then prune its kind to what `keep` keeps."""
-    folder = final.parent
-    write_atomic(folder / LATEST, f"{final.name}\n")
-    prune(folder, kind, [(None, keep)] if isinstance(keep, int) else keep)
-    return final
-
-
-def prune(save_folder: Path, kind: Kind, schedules: Sequence[Schedule]) -> None:
-    """Delete the checkpoints of `kind` that no schedule keeps. A schedule keeps the newest of its own: those whose
-    step is a multiple of its interval, or of no schedule's (saved off schedule: a last step's, a time limit's).
-
-    NOTE: off FSDP, `save_interval` and `save_interval_unsharded` both write `step<N>/` (OLMo: two kinds); counted
-    together, the first implementation's keep 1 of the one deleted the keep 5 of the other."""
-    found = _checkpoint_steps(save_folder, kind)
-    intervals = [interval for interval, _ in schedules if interval]
-    kept: set[Path] = set()
-    for interval, keep in schedules:
-        own = [
-            path
-            for step, path in found
-            if interval is None or step % interval == 0 or all(step % other for other in intervals)
-        ]
-        kept.update(own[-keep:] if keep > 0 else own)
-    for _, path in found:
-        if path not in kept:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-_TEMPORARY = re.compile(r"^\.(step\d+(-sharded)?)\.(tmp|old)|^\.latest\.")
-
-
-def remove_stale_temporaries(save_folder: Path) -> None:
-    """Delete what saves killed midway left behind (one process writes a save folder at a time).
-
-    A checkpoint moved aside to be replaced (`.<name>.old-<pid>`) goes back in place if the kill came
-    before its replacement arrived.
-    """
-    for p in save_folder.iterdir():
-        m = _TEMPORARY.match(p.name)
-        if m is None:
-            continue
-        if m.group(3) == "old" and not (save_folder / m.group(1)).exists() and (p / META_FILE).is_file():
-            os.replace(p, save_folder / m.group(1))
-        elif p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
 
 
 def training_state(
@@ -325,7 +267,7 @@ def save_sharded_checkpoint(
                 extra,
             )
             publish_dir(tmp, final)
-            _point_latest(final, "sharded", keep)
+            point_latest(final, "sharded", keep)
         except Exception as e:  # noqa: BLE001 -- re-raised below after telling the other ranks
             ok, error = False, e
     if not all_ranks_ok(ok):
@@ -400,141 +342,7 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Finding and validating
-
-
-def list_checkpoints(save_folder: str | Path, kind: Kind | None = None) -> list[Path]:
-    """Complete-looking checkpoint directories (of one kind, or both), oldest first."""
-    return [p for _, p in _checkpoint_steps(save_folder, kind)]
-
-
-def _checkpoint_steps(save_folder: str | Path, kind: Kind | None) -> list[tuple[int, Path]]:
-    """(step, directory) of each of `list_checkpoints`, oldest first."""
-    folder = Path(save_folder)
-    if not folder.is_dir():
-        return []
-    found = []
-    for p in folder.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m is None or not p.is_dir():
-            continue
-        sharded = m.group(2) is not None
-        if kind is None or sharded == (kind == "sharded"):
-            found.append((int(m.group(1)), sharded, p))
-    return [(step, p) for step, _, p in sorted(found)]
-
-
-CHECKPOINT_PATHS = (
-    f"a checkpoint directory such as output/<run_name>/node0/step100, or a save folder holding '{LATEST}'"
-)
-"""What `resolve_checkpoint` takes, as a refusal tells the user."""
-
-
-def resolve_checkpoint(path: str | Path, *, what: str = "checkpoint") -> Path:
-    """A checkpoint directory as given, or the one a save folder's `latest` names (without `latest`, its newest
-    complete checkpoint: a save killed after publishing its checkpoint, before pointing `latest` at it, loses
-    nothing); a refusal names the path as `what` (the key or flag it came from) and what it could name instead."""
-    p = Path(path)
-    if (p / META_FILE).is_file():
-        return p
-    if (p / LATEST).is_file():
-        target = p / (p / LATEST).read_text().strip()
-        moved_aside = sorted(p.glob(f".{target.name}{ASIDE}*/{META_FILE}"))
-        if not target.exists() and moved_aside:  # killed while replacing it: the old copy is complete
-            return moved_aside[0].parent
-        if not (target / META_FILE).is_file():
-            usable = [str(c) for c in list_checkpoints(p) if (c / META_FILE).is_file()]
-            raise CheckpointError(
-                f"{p / LATEST} names {target.name}, which is missing or incomplete; "
-                + (
-                    f"load a complete one by its path ({', '.join(usable)}) or write its name into {p / LATEST}"
-                    if usable
-                    else f"{p} holds no complete checkpoint: point {what} at another one, or remove {p / LATEST} "
-                    "to start that save folder afresh"
-                )
-            )
-        return target
-    if not p.exists():
-        raise FileNotFoundError(f"{what} {p}: no such directory (point it at {CHECKPOINT_PATHS})")
-    if not p.is_dir():
-        raise CheckpointError(f"{what} {p}: a file, not a directory (point it at {CHECKPOINT_PATHS})")
-    complete = [c for c in list_checkpoints(p) if (c / META_FILE).is_file()]
-    if complete:
-        return complete[-1]
-    inside = sorted(c.name for c in p.iterdir() if (c / META_FILE).is_file() or (c / LATEST).is_file())
-    if inside:  # e.g. the run directory above the nodes' save folders
-        raise CheckpointError(
-            f"{what} {p} is neither a checkpoint nor a save folder itself, but holds them; point it at one: "
-            + ", ".join(str(p / name) for name in inside)
-        )
-    foreign = _foreign_checkpoint(p)
-    if foreign is not None:
-        raise CheckpointError(
-            f"{what} {p} is {foreign}, which spes does not read (its checkpoints are its own, pickle-free): write one "
-            f"from Hugging Face weights with python -m spes.hf import --hf <HF model dir> --out <dir>/step0 "
-            f"--num_train_experts_per_node K and point {what} at it (docs/migrating.md)"
-        )
-    incomplete = [c.name for c in list_checkpoints(p)]  # NOTE: none of them is complete here
-    raise CheckpointError(
-        f"{what} {p} holds no checkpoint: neither a checkpoint directory (a step<N> directory spes saved) nor a save "
-        f"folder (holding such directories or a '{LATEST}' file)"
-        + (f"; {', '.join(incomplete)} lack(s) the {META_FILE} a complete checkpoint holds" if incomplete else "")
-        + f"; point it at {CHECKPOINT_PATHS}"
-    )
-
-
-def _foreign_checkpoint(directory: Path) -> str | None:
-    """What another trainer's checkpoint `directory` is, by its files, or None. The first implementation's launcher
-    passed its OLMo checkpoint as `--load_path`; spes said only that the directory held no checkpoint."""
-    if any(directory.glob("*.pt")) or (directory / "model_and_optim").is_dir():
-        return "an OLMo checkpoint (the first implementation's: convert it to Hugging Face with its converter first)"
-    if (directory / "config.json").is_file() and any(directory.glob("*.safetensors*")):
-        return "a Hugging Face model directory (a dense one is upcycled instead: python -m spes.upcycle)"
-    return None
-
-
-def not_a_save_folder(folder: Path) -> str:
-    """What `folder`, which holds no checkpoint, is instead of a node's save folder, and which folder to pass: a run
-    directory passed for its nodes' folders is the usual slip."""
-    if (folder / META_FILE).is_file():
-        number = re.fullmatch(r"step(\d+)(?:-sharded)?", folder.name)
-        step = f" with step {number[1]}" if number else ""
-        return f"is a checkpoint, not a save folder: pass the save folder it is in, {folder.parent}{step}"
-    if (folder / "state.json").is_file():  # NOTE: spes.sync.state.STATE_FILE, beyond this layer
-        return (
-            "is the parameter server's state, which holds no checkpoint: pass a node's save folder, e.g. "
-            f"{folder.parent / 'node0'}"
-        )
-    nodes = sorted(p.parent for p in folder.glob(f"*/{LATEST}"))
-    if nodes:
-        return f"holds the save folders of the nodes, not a checkpoint: pass one of them, e.g. {nodes[0]}"
-    return (
-        "holds no checkpoint (no latest file, no step<N> directory): pass a node's save folder, e.g. output/<run>/node0"
-    )
-
-
-def resolve_step(run_dir: str | Path, step: str | int) -> Path:
-    """The checkpoint of a save folder: `step<N>` (else `step<N>-sharded`) for an int, or what `latest` names."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        where = "" if run.is_absolute() else f"relative to {Path.cwd()}; "
-        raise FileNotFoundError(
-            f"run directory {run} does not exist ({where}expected a spes save_folder, e.g. output/<run_name>/node0)"
-        )
-    steps = [p.name for p in list_checkpoints(run)]
-    if not steps and not (run / LATEST).is_file():
-        raise FileNotFoundError(f"run directory {run} {not_a_save_folder(run)}")
-    available = f"available: {', '.join(steps) or 'none'}"
-    if str(step) == "latest":
-        if not (run / LATEST).is_file():
-            raise FileNotFoundError(f"{run} has no '{LATEST}' file naming the latest checkpoint; {available}")
-        return resolve_checkpoint(run)
-    if not re.fullmatch(r"\d+", str(step)):
-        raise ValueError(f"checkpoint step must be an integer or 'latest', got {step!r}")
-    for path in (run / f"step{int(step)}", run / f"step{int(step)}{SHARDED_SUFFIX}"):  # unsharded preferred
-        if path.is_dir():
-            return path
-    raise FileNotFoundError(f"checkpoint {run / f'step{int(step)}'} does not exist; {available}")
+# Validating
 
 
 _META_FIELDS = {"kind": str, "step": int, "trainer": dict, "optim_param_groups": list, "files": dict}  # every save's

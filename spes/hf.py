@@ -1,7 +1,9 @@
 """Hugging Face export and import of spes checkpoints, through one declarative key map.
 
 The command line: `--help`, a usage error or a bad flag value is answered without torch; the key map is
-`spes.hf_map`, and the conversion (`spes.hf_convert`, which imports torch) is imported once the arguments hold.
+`spes.hf_map`, and the conversion (`spes.hf_convert`, which imports torch) is imported once the arguments hold and,
+for an export, name a checkpoint (found by `spes.save_folder`, torch-free: a missing folder or step is refused
+without torch too).
 
 Commands (see `--help`):
     python -m spes.hf export --checkpoint output/run/node0/step1000 --out hf/run-step1000
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 from spes.hf_map import EXPORT_DTYPES, FAMILIES
+from spes.save_folder import resolve_checkpoint, resolve_step
 from spes.schema import number_flag
 
 
@@ -82,12 +85,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> Path:
-    """Export or import as the command line says; spes.hf_convert (torch) is imported here, once it holds."""
-    from spes.checkpoint import resolve_step
-    from spes.hf_convert import export_checkpoint, import_hf
-
+    """Export or import as the command line says; spes.hf_convert (torch) is imported here, once it holds (for an
+    export, once it names a checkpoint)."""
     if args.command == "export":
-        step = Path(args.checkpoint) if args.checkpoint else resolve_step(args.run_dir, args.step)
+        step = resolve_checkpoint(args.checkpoint) if args.checkpoint else resolve_step(args.run_dir, args.step)
+        from spes.hf_convert import export_checkpoint
+
         return export_checkpoint(
             step,
             args.out,
@@ -96,6 +99,8 @@ def run(args: argparse.Namespace) -> Path:
             overwrite=args.overwrite,
             max_shard_bytes=int(args.max_shard_gb * 1024**3),
         )
+    from spes.hf_convert import import_hf
+
     return import_hf(
         args.hf,
         args.out,

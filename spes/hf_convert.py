@@ -21,15 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
-from spes.checkpoint import (
-    CONFIG_FILE,
-    LATEST,
-    META_FILE,
-    load_model_state,
-    resolve_checkpoint,
-    save_checkpoint,
-    trainer_state,
-)
+from spes.checkpoint import load_model_state, save_checkpoint, trainer_state
 from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
 from spes.hf_map import (
     DENSE_MODEL_TYPES,
@@ -42,6 +34,7 @@ from spes.hf_map import (
 )
 from spes.hub import TOKENIZER_FILES, resolve, resolve_tokenizer
 from spes.moe import fuse_expert_blocks, split_expert_blocks
+from spes.save_folder import CONFIG_FILE, LATEST, META_FILE, resolve_checkpoint
 from spes.schema import ConfigError, to_dict
 from spes.tokenizer import check_vocab, load_tokenizer
 

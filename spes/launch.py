@@ -31,6 +31,7 @@ from typing import Any
 from spes.cli import DefaultsHelpFormatter
 from spes.config import CODECS, MODE_TITLES, RunMode, TrainConfig, load_config, run_data_seed
 from spes.interrupt import Interruptible
+from spes.save_folder import LATEST, CheckpointError, list_checkpoints, resolve_checkpoint
 from spes.schema import ConfigError, number_flag
 
 STOP_GRACE_S = 10.0
@@ -238,8 +239,6 @@ def previous_run(out: Path) -> str:
 def saved_nodes(out: Path) -> list[Path]:
     """The node save folders in `out` holding a checkpoint (node2 before node10): as spes.train decides it, `latest`,
     or a checkpoint a save killed before pointing `latest` at it."""
-    from spes.checkpoint import LATEST, list_checkpoints  # NOTE: lazy: it imports torch, which the rest never needs
-
     nodes = [p for p in out.glob("node*") if (p / LATEST).is_file() or list_checkpoints(p)]
     return sorted(nodes, key=lambda p: (len(p.name), p.name))
 
@@ -259,8 +258,6 @@ def how_to_continue(out: Path) -> str:
 def kept_checkpoints(out: Path) -> str:
     """Each node's checkpoint in `out` that --resume goes on from, resolved as a resume resolves it (e.g. "node0
     step106, node1 step105")."""
-    from spes.checkpoint import CheckpointError, resolve_checkpoint  # NOTE: imports torch (see `saved_nodes`)
-
     kept = []
     for node in saved_nodes(out):
         try:

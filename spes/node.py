@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from spes.atomic import LockHeld, hold_lock, write_atomic
-from spes.checkpoint import LATEST, Checkpoint, CheckpointError, list_checkpoints, resolve_checkpoint, restore
+from spes.checkpoint import Checkpoint, restore
 from spes.config import MODE_TITLES, TrainConfig, changed_settings, passed_over
 from spes.data import BatchLoader, TokenSequenceDataset, check_eos, iterate_eval_batches
 from spes.distributed import DistInfo, init_distributed, parallelize, shutdown_distributed, unwrap, uses_fsdp
@@ -34,6 +34,7 @@ from spes.guard import check_weights_finite
 from spes.interrupt import Stopped, Unsaved
 from spes.model import Transformer, count_params
 from spes.optim import build_optimizer, optimizer_state_bytes
+from spes.save_folder import LATEST, CheckpointError, list_checkpoints, resolve_checkpoint
 from spes.schema import to_dict
 from spes.shards import resolve_paths
 from spes.tokenizer import check_vocab, load_tokenizer

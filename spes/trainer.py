@@ -32,6 +32,7 @@ from spes.monitor import MetricsLog, SpeedMonitor, format_line, peak_flops, peak
 from spes.objective import micro_batch_loss, validation_loss
 from spes.optim import lr_at, rewarmed_lr, set_lr
 from spes.profiling import step_profiler
+from spes.save_folder import Keep
 from spes.schema import to_dict
 from spes.tracking import Trackers
 
@@ -111,9 +112,9 @@ def _decode_rng(state: dict[str, str]) -> None:
         torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
 
 
-def retention(cfg: TrainConfig, sharded: bool, unsharded: bool) -> checkpoint.Keep:
+def retention(cfg: TrainConfig, sharded: bool, unsharded: bool) -> Keep:
     """What a save prunes its kind to: with `sharded` (FSDP) checkpoints each schedule writes its own kind and keeps
-    its own count; off FSDP both write `step<N>/`, and each schedule keeps its own newest (`checkpoint.prune`)."""
+    its own count; off FSDP both write `step<N>/`, and each schedule keeps its own newest (`save_folder.prune`)."""
     if sharded or cfg.save_interval_unsharded is None:
         return cfg.save_num_unsharded_checkpoints_to_keep if unsharded else cfg.save_num_checkpoints_to_keep
     schedules = (

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from spes.save_folder import CheckpointError, resolve_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,16 +28,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sharded", help="a step<N>-sharded directory, or a save folder whose `latest` is one")
     parser.add_argument("out_dir", help="where to write the unsharded checkpoint (must not exist yet)")
     args = parser.parse_args(argv)
-    # NOTE: imports torch: only once the command line holds (`--help` and a usage error are answered without it)
-    from spes.checkpoint import CheckpointError, unshard
-
     try:
-        out = unshard(args.sharded, args.out_dir)
+        out = _unshard(args.sharded, args.out_dir)
     except (CheckpointError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote unsharded checkpoint {out}")
     return 0
+
+
+def _unshard(sharded: str, out_dir: str) -> Path:
+    """`spes.checkpoint.unshard`, which imports torch: only once the command line holds and `sharded` names a
+    checkpoint (`--help`, a usage error and a path that names none are answered without it)."""
+    src = resolve_checkpoint(sharded)
+    from spes.checkpoint import unshard
+
+    return unshard(src, out_dir)
 
 
 if __name__ == "__main__":

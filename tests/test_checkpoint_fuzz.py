@@ -18,16 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fuzz_helpers import FEW, FUZZ, hostile_json, memory_cap, mutated, mutated_json, refused_only
-from spes.checkpoint import (
-    CONFIG_FILE,
-    META_FILE,
-    MODEL_FILE,
-    OPTIM_FILE,
-    CheckpointError,
-    load_checkpoint,
-    write_unsharded,
-)
+from spes.checkpoint import load_checkpoint, write_unsharded
 from spes.data import BatchLoader, TokenSequenceDataset
+from spes.save_folder import CONFIG_FILE, META_FILE, MODEL_FILE, OPTIM_FILE, CheckpointError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,9 +21,10 @@ from conftest import usage_error
 from dist_helpers import without_torch
 from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
 from spes import hf, hf_convert, hf_map
-from spes.checkpoint import CheckpointError, load_model_state, resolve_step
+from spes.checkpoint import load_model_state
 from spes.config import ModelConfig, TokenizerConfig
 from spes.model import Transformer
+from spes.save_folder import LATEST, META_FILE, CheckpointError, resolve_step
 from spes.schema import ConfigError
 from spes.tokenizer import LoadedTokenizer
 
@@ -614,7 +615,9 @@ def test_the_command_lines_help_names_each_flag_with_its_meaning(
 @pytest.mark.timeout(180)
 def test_help_and_a_refused_command_line_are_answered_without_torch(tmp_path: Path) -> None:
     """Importing torch took most of the two seconds `--help` took (longer on a busy host): the command line is read,
-    and refused, before it, with the same text and exit codes; the conversion is imported only once it holds."""
+    and refused, before it, with the same text and exit codes; the conversion is imported only once it holds, and
+    for an export once it names a checkpoint (a missing or foreign folder, a bad or absent step: torch was imported
+    to say so)."""
     for command in ("", "export", "import"):
         code, out, err = without_torch(tmp_path, "spes.hf", *command.split(), "--help")
         assert code == 0 and out.startswith(f"usage: python -m spes.hf {command}".strip() + " [-h]") and not err
@@ -632,6 +635,31 @@ def test_help_and_a_refused_command_line_are_answered_without_torch(tmp_path: Pa
     for argv, line in refused.items():
         code, out, err = without_torch(tmp_path, "spes.hf", *argv)
         assert (code, out, err[-1]) == (2, "", line), argv
+    for folder in ("empty", "run/node0/step3"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "run" / "node0" / LATEST).write_text("step3\n")
+    (tmp_path / "run" / "node0" / "step3" / META_FILE).write_text("{}")
+    fix = (
+        "point it at a checkpoint directory such as output/<run_name>/node0/step100, or a save folder holding 'latest'"
+    )
+    no_checkpoint = {
+        ("--run_dir", "missing"): f"run directory missing does not exist (relative to {tmp_path.resolve()}; expected "
+        "a spes save_folder, e.g. output/<run_name>/node0)",
+        ("--run_dir", "empty"): "run directory empty holds no checkpoint (no latest file, no step<N> directory): pass "
+        "a node's save folder, e.g. output/<run>/node0",
+        ("--run_dir", "run"): "run directory run holds the save folders of the nodes, not a checkpoint: pass one of "
+        "them, e.g. run/node0",
+        ("--run_dir", "run/node0", "--step", "last"): "checkpoint step must be an integer or 'latest', got 'last'",
+        ("--run_dir", "run/node0", "--step", "7"): "checkpoint run/node0/step7 does not exist; available: step3",
+        ("--run_dir", "run/node0/step3"): "run directory run/node0/step3 is a checkpoint, not a save folder: pass the "
+        "save folder it is in, run/node0 with step 3",
+        ("--checkpoint", "missing"): f"checkpoint missing: no such directory ({fix})",
+        ("--checkpoint", "run"): "checkpoint run is neither a checkpoint nor a save folder itself, but holds them; "
+        "point it at one: run/node0",
+    }
+    for argv, line in no_checkpoint.items():
+        code, out, err = without_torch(tmp_path, "spes.hf", "export", *argv, "--out", "o")
+        assert (code, out, err[-1]) == (2, "", f"error: {line}"), argv
 
 
 def test_the_written_hf_commands_use_the_flags_help_shows(
@@ -694,7 +722,7 @@ def test_what_the_command_line_passes_on_by_default(
     monkeypatch.setattr(hf_convert, "import_hf", lambda *a, **k: calls.append((a, k)) or Path("y"))
     make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=3)
     assert hf.main(["export", "--run_dir", str(tmp_path / "run"), "--out", "o"]) == 0
-    assert hf.main(["export", "--checkpoint", "c", "--out", "o", "--tokenizer", "t"]) == 0
+    assert hf.main(["export", "--checkpoint", str(tmp_path / "run"), "--out", "o", "--tokenizer", "t"]) == 0
     assert hf.main(["import", "--hf", "h", "--out", "o2"]) == 0
     for former in ("--experts_per_peer", "--block_size"):  # former names of --num_train_experts_per_node
         assert hf.main(["import", "--hf", "h", "--out", "o3", former, "2"]) == 0
@@ -703,7 +731,10 @@ def test_what_the_command_line_passes_on_by_default(
             (tmp_path / "run" / "step3", "o"),
             dict(tokenizer=None, dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3),
         ),
-        ((Path("c"), "o"), dict(tokenizer="t", dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3)),
+        (  # a save folder: the checkpoint its `latest` names
+            (tmp_path / "run" / "step3", "o"),
+            dict(tokenizer="t", dtype="float32", overwrite=False, max_shard_bytes=5 * 1024**3),
+        ),
         (("h", "o2"), dict(num_train_experts_per_node=None, overwrite=False)),
         *[(("h", "o3"), dict(num_train_experts_per_node=2, overwrite=False))] * 2,
     ]

@@ -19,7 +19,6 @@ import yaml
 
 import spes.launch
 from conftest import LaunchedRun, usage_error
-from spes.checkpoint import LATEST, META_FILE
 from spes.config import CODECS
 from spes.interrupt import Interruptible
 from spes.launch import (
@@ -33,6 +32,7 @@ from spes.launch import (
     resume_flags,
     summarize,
 )
+from spes.save_folder import LATEST, META_FILE
 from spes.schema import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

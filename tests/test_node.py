@@ -34,7 +34,7 @@ from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged
 from node_runs import FAST, REPO, TINY, assert_one_line, train
 from peer_nodes import CPU
 from spes.atomic import LockHeld, hold_lock, lock_holder
-from spes.checkpoint import META_FILE, Checkpoint
+from spes.checkpoint import Checkpoint
 from spes.config import TrainConfig, load_config
 from spes.data import TokenSequenceDataset
 from spes.guard import NonFiniteError
@@ -58,6 +58,7 @@ from spes.node import (
     rejoin,
     start_checkpoint,
 )
+from spes.save_folder import META_FILE
 from spes.tokenizer import load_tokenizer
 from spes.torchrun import ERROR_DIR_ENV
 from spes.train import apply_resume, main

@@ -12,9 +12,9 @@ import pytest
 
 from dist_helpers import SMALL_NODE, child_env, run_logged, without_torch
 from node_runs import REPO, TINY, assert_one_line, train
-from spes.checkpoint import META_FILE
 from spes.config import load_config
 from spes.node import start_checkpoint
+from spes.save_folder import META_FILE
 from spes.train import apply_resume, main, parse_args
 
 
