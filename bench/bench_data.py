@@ -13,7 +13,6 @@ and writes bench/results/bench_data.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from spes.atomic import write_atomic
+from spes.cli import ArgumentParser
 from spes.corpus import tokenize_files
 from spes.data import BatchLoader, TokenSequenceDataset
 from spes.default_corpus import collect_documents
@@ -80,7 +80,7 @@ def bench_read(shards: list[Path], *, seq_len: int, batch_size: int, num_workers
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 MB of text and fewer read steps")
     args = parser.parse_args(argv)
     text_mb, read_steps = (2, 200) if args.quick else (16, 2000)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from spes.atomic import write_atomic
+from spes.cli import ArgumentParser
 from spes.config import ServerSection, TrainConfig
 from spes.model import Transformer
 from spes.sync.codecs.registry import build_codec
@@ -42,7 +43,7 @@ DEFAULT_OUT = object()
 `--device cuda`, and either with `_quick` for --quick."""
 
 
-class BenchParser(argparse.ArgumentParser):
+class BenchParser(ArgumentParser):
     """A benchmark's parser: `--out` left at its default names a quick run's record `<name>_quick.json`, which git
     ignores, so a smoke run never overwrites the committed record of a full one, and a run on a GPU `<name>_gpu.json`,
     so it never overwrites the CPU's."""

@@ -24,7 +24,6 @@ tokens/s per MoE backend. A panel whose JSON is missing says so instead of faili
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import json
 import re
@@ -37,6 +36,7 @@ from common import REPO_ROOT, RESULTS_DIR
 from figures import FIGURES
 from records import Missing, Records, not_measured
 from spes.atomic import write_atomic
+from spes.cli import ArgumentParser
 from tables import BLOCKS, GPU_MARKERS, WHOLE_FILES
 
 GIB, MIB = 2**30, 2**20
@@ -248,7 +248,7 @@ def gpu_section(results: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", type=Path, default=RESULTS_DIR, help="directory of the benchmarks' JSON")
     p.add_argument("--png", type=Path, default=REPO_ROOT / "docs" / "benchmarks.png", help="output image")
     p.add_argument("--check", action="store_true", help="change nothing: exit 1 if a document is not as rendered")

@@ -39,6 +39,7 @@ from typing import cast
 import numpy as np
 
 from spes.atomic import write_atomic
+from spes.cli import ArgumentParser
 from spes.shards import read_shard_info, resolve_paths
 from spes.tokenizer import LoadedTokenizer, load_tokenizer
 
@@ -298,7 +299,7 @@ def build(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--source", help="a corpus directory with valid/ token shards and tokenizer/ (data/default)")
     src.add_argument("--shards", nargs="+", help="held-out token shards (files, globs, dirs or .txt lists)")

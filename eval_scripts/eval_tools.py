@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from spes.atomic import write_atomic
+from spes.cli import ArgumentParser
 from spes.hub import hub_offline, hub_reachable
 
 REFERENCE_TASKS: dict[str, int | None] = {
@@ -197,7 +198,7 @@ def summarize(out_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     avail = sub.add_parser("available", help="reference tasks whose data sets are available locally")
     avail.add_argument("--tasks", help="comma-separated lm-eval tasks or groups to check instead (lm-eval's shots)")

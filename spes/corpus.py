@@ -53,7 +53,7 @@ import zstandard
 from tqdm import tqdm
 
 from spes.atomic import leftover_temps
-from spes.cli import DefaultsHelpFormatter
+from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.interrupt import Interruptible
 from spes.schema import number_flag
 from spes.shards import PARTIAL_SUFFIX, ShardInfo, read_shard_info, sidecar_path, write_shard_info
@@ -806,7 +806,7 @@ def format_summary(summary: TokenizeSummary) -> str:
 
 
 def tokenize_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Tokenize .jsonl / .jsonl.gz / .jsonl.zst / .parquet text into flat .npy token shards "
         "(EOS after each document) with JSON sidecars, for spes training.",
         formatter_class=DefaultsHelpFormatter,
@@ -917,7 +917,7 @@ def _tokenize_cli(args: argparse.Namespace) -> tuple[list[Path], TokenizeSummary
 
 
 def train_tokenizer_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Train a byte-level BPE tokenizer on local text; writes a Hugging Face tokenizer directory.",
         formatter_class=DefaultsHelpFormatter,
     )

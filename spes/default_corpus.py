@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from spes.atomic import write_atomic
-from spes.cli import DefaultsHelpFormatter
+from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.corpus import Record, TextChunk, TokenizeSummary, tokenize_chunks
 from spes.schema import number_flag
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
@@ -377,7 +377,7 @@ MAX_MB, VOCAB_SIZE = 24.0, 4096
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description="Build the default corpus (Python stdlib sources + man pages): tokenizer, train and valid shards.",
         formatter_class=DefaultsHelpFormatter,
     )

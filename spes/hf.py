@@ -18,13 +18,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from spes.cli import ArgumentParser
 from spes.hf_map import EXPORT_DTYPES, FAMILIES
 from spes.save_folder import resolve_checkpoint, resolve_step
 from spes.schema import number_flag
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m spes.hf",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.cli import DefaultsHelpFormatter
+from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.config import CODECS, MODE_TITLES, RunMode, TrainConfig, load_config, run_data_seed
 from spes.interrupt import Interruptible
 from spes.save_folder import LATEST, CheckpointError, list_checkpoints, resolve_checkpoint
@@ -57,7 +57,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     summary, examples = __doc__.split("\n\n")[:2]
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m spes.launch",
         usage="%(prog)s CONFIG [options] [-- --section.key=value ...]",
         description=summary,

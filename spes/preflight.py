@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from spes.checks import GIB, Check, fail, gib, matmul_flops_per_s, ok, report, skip
+from spes.cli import ArgumentParser
 from spes.config import TrainConfig, load_config
 from spes.schema import ConfigError, number_flag
 from spes.train import apply_resume
@@ -634,7 +635,7 @@ def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m spes.preflight",
         usage="python -m spes.preflight CONFIG.yaml [--section.key=value ...] [--resume[=auto]] [options] "
         "| --gpu [CONFIG.yaml]",

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
-from spes.cli import DefaultsHelpFormatter
+from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.config import SpesConfig, is_host_port
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
@@ -54,7 +54,7 @@ def refusal(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m spes.status", description=__doc__.split("\n\n")[0], formatter_class=DefaultsHelpFormatter
     )
     parser.add_argument("addr", metavar="HOST:PORT", help="the parameter server (spes_config.server_addr)")

@@ -14,12 +14,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from spes.cli import ArgumentParser
 from spes.save_folder import CheckpointError, resolve_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     summary, details = __doc__.split("\n\n", 1)
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m spes.unshard",
         description=summary,
         epilog=details,

@@ -43,13 +43,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from spes.cli import ArgumentParser
 from spes.config import load_config
 from spes.hf_map import DENSE_MODEL_TYPES
 from spes.schema import number_flag
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m spes.upcycle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

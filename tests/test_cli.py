@@ -1,4 +1,5 @@
-"""spes.cli: the entry points' help shows a flag's default only where it has one."""
+"""spes.cli: a mistyped flag is answered with the flag it likely meant; the entry points' help shows a flag's default
+only where it has one."""
 
 from __future__ import annotations
 
@@ -10,9 +11,33 @@ from pathlib import Path
 
 import pytest
 
-from spes.cli import DefaultsHelpFormatter, print_text
+from spes.cli import ArgumentParser, DefaultsHelpFormatter, meant_flags, parser_flags, print_text
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_mistyped_flag_is_refused_naming_the_flag_it_likely_meant(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tokenfile x` got only "unrecognized arguments"; a subcommand's flag is found too (`hf export`'s)."""
+    parser = ArgumentParser(prog="p")
+    parser.add_argument("--token_file")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("export").add_argument("--checkpoint")
+    assert parser_flags(parser) == {"-h", "--help", "--token_file", "-v", "--verbose", "--checkpoint"}
+    for argv, said in [
+        (["export", "--tokenfile", "t"], "unrecognized arguments: --tokenfile t; did you mean --token_file?"),
+        (
+            ["export", "--chekpoint=c", "--tokn_file=t"],
+            "unrecognized arguments: --chekpoint=c --tokn_file=t; did you mean --checkpoint or --token_file?",
+        ),
+        (["export", "--zzz"], "unrecognized arguments: --zzz"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(argv)
+        assert exited.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"p: error: {said}", argv
+    assert parser.parse_args(["--token_file", "t"]).token_file == "t"
+    assert meant_flags(["--verbos", "--verbse", "-x"], ["--verbose", "-v"]) == "; did you mean --verbose?"
 
 
 def test_help_shows_real_defaults_and_none_after_a_required_or_unset_flag(monkeypatch: pytest.MonkeyPatch) -> None:

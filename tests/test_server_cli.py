@@ -181,7 +181,7 @@ def test_log_levels_are_the_four_names_and_no_flag_is_taken_from_its_prefix(caps
     choices = "(choose from 'DEBUG', 'INFO', 'WARNING', 'ERROR')"
     for argv, error in (
         (["--log_level", "info"], f"argument --log_level: invalid choice: 'info' {choices}"),
-        (["--insec"], "unrecognized arguments: --insec"),
+        (["--insec"], "unrecognized arguments: --insec; did you mean --insecure?"),
     ):
         with pytest.raises(SystemExit) as exited:
             parser.parse_args(argv)

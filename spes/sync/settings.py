@@ -20,7 +20,7 @@ import sys
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from spes.cli import DefaultsHelpFormatter
+from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.config import ServerSection, SpesConfig, TrainConfig, load_config, load_sync_sections
 from spes.schema import config_help
 from spes.sync.admission import MAX_MODEL_GB, MAX_TENSORS
@@ -221,7 +221,7 @@ CHECKED_FLAGS = {"--total_peers": "TOTAL_PEERS", "--num_train_experts_per_node":
 are checked against it, not applied: a server given another layout than its nodes' YAML refused every node."""
 
 
-class _ServerParser(argparse.ArgumentParser):
+class _ServerParser(ArgumentParser):
     """The deployment flags; every other `--key=value` word is an override of the run's config (`args.overrides`),
     and the first implementation's flags are spellings of such overrides (`FIRST_IMPLEMENTATION_FLAGS`), but its
     layout flags given with RUN.yaml, kept in `args.checked_flags` to be checked against it (`CHECKED_FLAGS`)."""
