@@ -291,11 +291,6 @@ EQUIVALENT: dict[str, str] = {
         "the metric split at the last comma: lm-eval's keys are `<metric>,<filter>`, one comma, so the same split",
     ),
     **mutants(
-        "spes.interrupt.xǁStopRequestǁ__init__",
-        "4 5",
-        "the first signal's time before any signal: read only once a request was made, and the request sets it",
-    ),
-    **mutants(
         "spes.corpus.x_record_text",
         "3 5 8 11",
         "the text of a malformed record: its callers read the text only when the reason is None",

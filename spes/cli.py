@@ -31,7 +31,7 @@ def meant_flags(words: Iterable[str], flags: Iterable[str]) -> str:
     meant = [
         close[0]
         for word in words
-        if word.startswith("--") and (close := difflib.get_close_matches(word.partition("=")[0], known, n=1))
+        if word.startswith("--") and (close := difflib.get_close_matches(word.partition("=")[0], known))
     ]
     return f"; did you mean {' or '.join(dict.fromkeys(meant))}?" if meant else ""
 

@@ -31,12 +31,22 @@ def test_a_mistyped_flag_is_refused_naming_the_flag_it_likely_meant(capsys: pyte
             "unrecognized arguments: --chekpoint=c --tokn_file=t; did you mean --checkpoint or --token_file?",
         ),
         (["export", "--zzz"], "unrecognized arguments: --zzz"),
+        (
+            ["--tokn_file=/a/long/path/to/the/token"],
+            "unrecognized arguments: --tokn_file=/a/long/path/to/the/token; did you mean --token_file?",
+        ),
     ]:
         with pytest.raises(SystemExit) as exited:
             parser.parse_args(argv)
         assert exited.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1] == f"p: error: {said}", argv
-    assert parser.parse_args(["--token_file", "t"]).token_file == "t"
+    given = argparse.Namespace(token_file="default", kept=1)
+    assert parser.parse_args(["--verbose"], given) is given and vars(given) == {
+        "token_file": "default",
+        "kept": 1,
+        "verbose": True,
+        "command": None,
+    }
     assert meant_flags(["--verbos", "--verbse", "-x"], ["--verbose", "-v"]) == "; did you mean --verbose?"
 
 

@@ -142,6 +142,13 @@ def test_a_node_leaving_on_an_error_ignores_the_first_signal_and_a_later_one_int
         clock.now = first + ECHO_S  # a user's Ctrl-C on a node stuck on its way out still interrupts it
         assert aborts(signal.SIGINT)
     assert outer == []
+    with Interruptible():
+        with pytest.raises(RuntimeError), StopRequest(lambda _said: None):
+            raise RuntimeError("step 3: loss nan")
+        with StopRequest(lambda _said: None):  # a clean handling after it leaves the node leaving
+            pass
+        assert not aborts(signal.SIGTERM)
+    assert outer == []
     with Interruptible():  # a loop that ended cleanly leaves the handler interrupting at once
         with StopRequest(lambda _said: None):
             pass
