@@ -19,9 +19,11 @@ TORCH_FREE = (
     "spes.sync.status",
     "spes.server",
     "spes.sync.settings",
+    "spes.save_folder",
 )
-"""The modules that import no torch: the status command and what it stands on, the launcher, and the server's entry
-point and the command line it reads (`spes.sync.server`, imported only for a command that holds, does)."""
+"""The modules that import no torch: the status command and what it stands on, the launcher, the server's entry
+point and the command line it reads (`spes.sync.server`, imported only for a command that holds, does), and a save
+folder's layout (what the launcher and the checkpoint commands' refusals read)."""
 
 
 def imports_torch(code: str) -> bool:
