@@ -1563,9 +1563,9 @@ KILLED_BY: dict[str, str] = {
     **mutants("spes.sync.settings.x__flag", "1 2 3 4 5 6 7 8", FLAG_GROUPS),
     # the online path, in a process of its own against a Hub endpoint on loopback (huggingface_hub reads HF_ENDPOINT
     # as it is imported): one ask after the offline lookup, the download's arguments, the one-line refusal
-    **mutants("spes.hub.x_resolve", "15 19 21 55 56 57 58 59 60 61 62 63 64", HUB_ONLINE),
-    **mutants("spes.hub.x_resolve", "14 18 47 48 49 50 51 52 53 54", HUB_DOWNLOAD),
-    **mutants("spes.hub.x_resolve_tokenizer", "7", HUB_DOWNLOAD),
+    **mutants("spes.hub.x_resolve", "15 19 21 56 57 58 59 60 61 62 63 64 65 66", HUB_ONLINE),
+    **mutants("spes.hub.x_resolve", "14 18 48 49 50 51 52 53 54 55", HUB_DOWNLOAD),
+    **mutants("spes.hub.x_resolve_tokenizer", "9", HUB_DOWNLOAD),
     # the sync counter, run outside mutmut (whose frames sit between a counted call and its caller)
     **mutants("spes.speed.xǁSyncCounterǁ__init__", "1", SYNC_COUNTED[0]),
     **mutants("spes.speed.xǁSyncCounterǁ__torch_function__", "1 2 3 4 5 6 7 8 9", SYNC_COUNTED[0]),
