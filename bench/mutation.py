@@ -1443,7 +1443,7 @@ EQUIVALENT: dict[str, str] = {
         "4 6",
         "the config's encoding, as a list file's (41 43 of spes.shards._resolve_entry)",
     ),
-    **mutants("spes.tokenizer.x_load_tokenizer", "16", "'UTF-8' and 'utf-8' name one codec"),
+    **mutants("spes.tokenizer.x_load_tokenizer", "21", "'UTF-8' and 'utf-8' name one codec"),
     **mutants(
         "spes.sync.codecs.registry.x_build_codec",
         "21 22",

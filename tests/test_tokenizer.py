@@ -61,6 +61,8 @@ def test_uncached_hub_id_offline_gives_a_clear_error(tmp_path: Path, monkeypatch
         FileNotFoundError, match="'Qwen/Qwen2.5-0.5B' is not a local path.*HF_HUB_OFFLINE=1.*train_tokenizer.py"
     ):
         load_tokenizer("Qwen/Qwen2.5-0.5B")
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer.identifier 'Qwen/Qwen2.5-0.5B' is not a local path"):
+        load_tokenizer("Qwen/Qwen2.5-0.5B", "tokenizer.identifier")  # a node names the key that holds it
 
 
 def test_directory_without_tokenizer_json_is_refused(tmp_path: Path) -> None:
