@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from spes.cli import ArgumentParser, DefaultsHelpFormatter
+from spes.cli import ArgumentParser, DefaultsHelpFormatter, meant_flags, parser_flags
 from spes.config import CODECS, MODE_TITLES, RunMode, TrainConfig, load_config, run_data_seed
 from spes.interrupt import Interruptible
 from spes.save_folder import LATEST, CheckpointError, list_checkpoints, resolve_checkpoint
@@ -94,8 +94,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, unknown = p.parse_known_args(argv)
     if unknown:  # NOTE: spes.train takes overrides as they are; here they would reach no process
         p.error(
-            f"unrecognized arguments: {' '.join(unknown)} (an override of the run's config goes after `--`, e.g. "
-            f"python -m spes.launch {args.config} -- {' '.join(unknown)})"
+            f"unrecognized arguments: {' '.join(unknown)}{meant_flags(unknown, parser_flags(p))} (an override of the "
+            f"run's config goes after `--`, e.g. python -m spes.launch {args.config} -- {' '.join(unknown)})"
         )
     return args, overrides
 

@@ -308,6 +308,10 @@ def test_an_override_before_the_double_dash_is_refused_saying_where_it_goes(caps
         "python -m spes.launch: error: unrecognized arguments: --max_duration=40st (an override of the run's config "
         f"goes after `--`, e.g. python -m spes.launch {TINY} -- --max_duration=40st)"
     )
+    line = usage_error(capsys, lambda: parse_args([TINY, "--eval_peres=1"]))  # a mistyped flag of the launcher's
+    assert line.startswith(
+        "python -m spes.launch: error: unrecognized arguments: --eval_peres=1; did you mean --eval_peers? (an override"
+    ), line
 
 
 def test_the_help_says_where_overrides_go_and_each_default(
