@@ -1302,12 +1302,15 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.node.x__training_loader",
-        "5",
+        "10",
         "check_vocab without the embedding size: the config fills embedding_size with vocab_size and refuses it "
         "smaller, so the embedding check it feeds never fires",
     ),
     **mutants(
-        "spes.node.x_run", "5", "`finished` None for False before the run: read only as a truth value, on failure"
+        "spes.node.x__another_layout",
+        "5",
+        "a change's key split off at its last ': ' (rpartition): a layout key's values are numbers and truth values "
+        "(one ': '), and the text before a later ': ' of any other change starts with that key and ': ', no layout key",
     ),
     **mutants("spes.node.x__train", "4", "the log function's return value: nothing reads it"),
     **mutants("spes.node.x_build_node", "70", "typing.cast's type: it does nothing at run time"),

@@ -51,12 +51,14 @@ from spes.node import (
     _validation,
     _what_is_saved,
     build_node,
+    check_save_folder,
     check_shard_vocab,
     claim_save_folder,
     describe_experts,
     holding_save_folder,
     rejoin,
     start_checkpoint,
+    unfinished,
 )
 from spes.save_folder import META_FILE
 from spes.tokenizer import load_tokenizer
@@ -113,6 +115,9 @@ def test_a_resume_into_another_expert_layout_names_only_the_layouts_settings(tmp
         "spes_config.num_train_experts_per_node: 4 -> 2: this run stores each MoE layer's 8 experts in one block): a "
         "resume continues that run as it was saved; to start this layout from its weights, choose another "
         f"save_folder with --load_path={tmp_path / 'step5'}"
+    )
+    assert _another_layout(cfg, tmp_path / "step5", changes[1:3]).startswith(  # the layout's keys unchanged
+        f"{tmp_path / 'step5'} holds this save_folder's run with another expert layout (this run stores each MoE "
     )
 
 
@@ -1016,6 +1021,44 @@ def test_a_fresh_start_into_a_folder_holding_saves_says_how_to_continue_that_run
     assert str(refused.value) == (
         f"save_folder {folder} already holds a run's saves (step4, metrics.jsonl): continue that run with --resume, "
         "or set save_overwrite=true to start over (it removes them), or choose another save_folder (or run_name)"
+    )
+
+
+def test_the_preflights_save_folder_check_refuses_what_a_start_would_and_writes_nothing(tmp_path: Path) -> None:
+    """`check_save_folder` (spes.preflight's): a passing preflight's node must not stop at start over its folder."""
+
+    def check(folder: Path, *overrides: str, resume: str | None = None) -> str:
+        cfg = load_config(TINY, [f"--save_folder={folder}", *overrides])[0]
+        apply_resume(cfg, resume)
+        try:
+            check_save_folder(cfg)
+        except ValueError as refused:
+            return str(refused)
+        return "ok"
+
+    assert check(tmp_path / "new") == "ok" and not (tmp_path / "new").exists()
+    assert check(tmp_path / "new", resume="always").startswith(
+        f"nothing to resume: save_folder {tmp_path / 'new'} holds no checkpoint yet"
+    )
+    (tmp_path / "file").write_text("")
+    assert check(tmp_path / "file") == (
+        f"save_folder {tmp_path / 'file'} is a file, not a folder; choose another save_folder (or run_name)"
+    )
+    held = tmp_path / "held"
+    (held / "step4").mkdir(parents=True)
+    said = f"save_folder {held} already holds a run's saves (step4): continue that run with --resume"
+    assert check(held).startswith(said)
+    assert check(held, f"--load_path={tmp_path / 'not_made_yet'}").startswith(said)  # an upcycled start, to come
+    assert check(held, "--save_overwrite=true") == "ok" and (held / "step4").is_dir()  # removed at start, not here
+    assert check(held, resume="auto").startswith(f"save_folder {held} holds no checkpoint: ")  # step4 incomplete
+
+
+def test_a_run_that_stop_at_ended_says_so_in_its_last_line(tmp_path: Path) -> None:
+    cfg = load_config(TINY, ["--max_duration=12st"])[0]
+    assert unfinished(cfg, 12) == "" and unfinished(cfg, 13) == ""
+    assert unfinished(cfg, 6) == (
+        "; stopped at step 6 of 12 (stop_at): the run is unfinished, continue with --resume and a larger stop_at or "
+        "none"
     )
 
 
