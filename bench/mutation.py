@@ -1307,6 +1307,17 @@ EQUIVALENT: dict[str, str] = {
         "smaller, so the embedding check it feeds never fires",
     ),
     **mutants(
+        "spes.node.x_check_save_folder",
+        "6 29",
+        "the return value of the check's silent log function: nothing reads it",
+    ),
+    **mutants(
+        "spes.node.x_check_save_folder",
+        "17 24 26 27 28",
+        "the check claims the folder as a dry run of a rank that is not the main one: either alone removes nothing, "
+        "and what it would say goes to a log function that says nothing",
+    ),
+    **mutants(
         "spes.node.x__another_layout",
         "5",
         "a change's key split off at its last ': ' (rpartition): a layout key's values are numbers and truth values "

@@ -1051,6 +1051,15 @@ def test_the_preflights_save_folder_check_refuses_what_a_start_would_and_writes_
     assert check(held, f"--load_path={tmp_path / 'not_made_yet'}").startswith(said)  # an upcycled start, to come
     assert check(held, "--save_overwrite=true") == "ok" and (held / "step4").is_dir()  # removed at start, not here
     assert check(held, resume="auto").startswith(f"save_folder {held} holds no checkpoint: ")  # step4 incomplete
+    assert check(tmp_path / "new", resume="auto") == "ok"  # a fresh start, said at start
+    saved = _checkpoints(tmp_path / "saved", "step4", latest="step4")
+    assert check(saved, resume="always") == "ok" and check(saved, resume="auto") == "ok"  # the run continued
+    assert check(saved, f"--load_path={saved / 'step4'}") == "ok"  # a rewind: its own checkpoint
+    assert check(saved, f"--load_path={held / 'step4'}").startswith(f"load_path {held / 'step4'} ")  # incomplete
+    other = _checkpoints(tmp_path / "other", "step2", latest="step2")
+    assert check(saved, f"--load_path={other / 'step2'}").startswith(
+        f"save_folder {saved} already holds a run's saves (step4, latest): "
+    )  # another run's checkpoint, started in a folder this run holds
 
 
 def test_a_run_that_stop_at_ended_says_so_in_its_last_line(tmp_path: Path) -> None:
