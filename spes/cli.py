@@ -6,14 +6,24 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, whose refusal of an unknown flag names the flag it likely meant, as an unknown config key is
-    answered (`spes.schema`): `--tokenfile x` got only "unrecognized arguments"."""
+    answered (`spes.schema`): `--tokenfile x` got only "unrecognized arguments". A refusal for a missing required
+    argument names the unknown flags too: argparse checks those first, so `--chekpoint x` was answered only with
+    "--checkpoint is required", a flag the user believed given. `takes_overrides`: its caller reads each unknown
+    `--key=value` word as an override of the run's config, so such a word is named in no refusal of the parser.
+    `words`: those of the latest parse, for its refusal (a subcommand's parser gets the words after its name)."""
+
+    def __init__(self, *args: Any, takes_overrides: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.takes_overrides = takes_overrides
+        self.words: list[str] = []
 
     def parse_args(  # type: ignore[override]  # one signature for typeshed's overloads
         self, args: Sequence[str] | None = None, namespace: Any = None
@@ -22,6 +32,49 @@ class ArgumentParser(argparse.ArgumentParser):
         if rest:
             self.error(f"unrecognized arguments: {' '.join(rest)}{meant_flags(rest, parser_flags(self))}")
         return parsed
+
+    def parse_known_args(  # type: ignore[override]  # one signature for typeshed's overloads
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self.words, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        # NOTE: argparse refuses a missing required argument through `error` with its own text, and has no other sign
+        if message.startswith("the following arguments are required: ") or re.fullmatch(
+            "one of the arguments .* is required", message
+        ):
+            message += unknown_flags_hint(self.unknown_flags(), parser_flags(self))
+        super().error(message)
+
+    def unknown_flags(self) -> list[str]:
+        """The flags in the latest parse's words that are none of this parser's (each once, without its `=value`):
+        not a word after `--` (a positional value), nor one with a space that names no flag (argparse takes it for
+        a value), nor an abbreviation of a flag where argparse takes those, nor an override where the parser takes
+        them. A word that looks like a flag is never a flag's value: argparse then refuses that flag first."""
+        words = self.words[: self.words.index("--")] if "--" in self.words else self.words
+        flags = [f for f in parser_flags(self) if f.startswith("--")]
+        unknown = []
+        for word in words:
+            flag, is_set, _ = word.partition("=")
+            if (
+                not word.startswith("--")
+                or " " in word
+                or (is_set and self.takes_overrides)
+                or any(f == flag or (self.allow_abbrev and f.startswith(flag)) for f in flags)
+            ):
+                continue
+            unknown.append(flag)
+        return list(dict.fromkeys(unknown))
+
+
+def unknown_flags_hint(unknown: Sequence[str], flags: Iterable[str]) -> str:
+    """ " (--x is not a flag of this command; did you mean --y?)" after a refusal that came before argparse handed
+    back the unknown flags, else "" when there are none."""
+    if not unknown:
+        return ""
+    are = "is not a flag" if len(unknown) == 1 else "are not flags"
+    return f" ({' and '.join(unknown)} {are} of this command{meant_flags(unknown, flags)})"
 
 
 def meant_flags(words: Iterable[str], flags: Iterable[str]) -> str:

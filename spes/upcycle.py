@@ -51,7 +51,10 @@ from spes.schema import number_flag
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(
-        prog="python -m spes.upcycle", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m spes.upcycle",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        takes_overrides=True,  # every other word: an override of the config
     )
     parser.add_argument(
         "--hf",

@@ -50,6 +50,58 @@ def test_a_mistyped_flag_is_refused_naming_the_flag_it_likely_meant(capsys: pyte
     assert meant_flags(["--verbos", "--verbse", "-x"], ["--verbose", "-v"]) == "; did you mean --verbose?"
 
 
+def test_a_missing_required_argument_is_refused_naming_the_mistyped_flag_given_for_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """argparse refuses a missing required argument before it hands back the unknown words: `export --chekpoint c`
+    was told only that --checkpoint is required, a flag the user believed given. A subcommand's own parser (of the
+    same class: `add_subparsers` makes them so) names the words given after its name; a word after `--`, one with a
+    space (a value to argparse), an abbreviation argparse takes, and a parser's config overrides are not named."""
+    parser = ArgumentParser(prog="p")
+    sub = parser.add_subparsers(dest="command", required=True)
+    export = sub.add_parser("export")
+    assert type(export) is ArgumentParser
+    where = export.add_mutually_exclusive_group(required=True)
+    where.add_argument("--checkpoint")
+    where.add_argument("--run_dir")
+    export.add_argument("--out", required=True)
+    export.add_argument("--verbose", action="store_true")
+    export.add_argument("names", nargs="*")
+    group = "one of the arguments --checkpoint --run_dir is required"
+    for argv, said in [
+        (
+            ["export", "--chekpoint", "c", "--out", "o"],
+            f"{group} (--chekpoint is not a flag of this command; did you mean --checkpoint?)",
+        ),
+        (
+            ["export", "--run_dir=r", "--ot=o", "--zzz", "--ot"],
+            "the following arguments are required: --out (--ot and --zzz are not flags of this command; did you mean "
+            "--out?)",
+        ),
+        (["export", "--out", "o", "--verb", "-x", "--", "--chekpoint"], group),  # an abbreviation; after `--`
+        (["export", "--out", "o", "--chekpoint=my dir"], group),  # argparse takes it for a name
+        (["export", "--out", "o"], group),
+        (
+            ["--chekpoint=c"],
+            "the following arguments are required: command (--chekpoint is not a flag of this command; did you mean "
+            "--checkpoint?)",
+        ),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args(argv)
+        assert exited.value.code == 2
+        prog = "p export" if argv[0] == "export" else "p"
+        assert capsys.readouterr().err.splitlines()[-1] == f"{prog}: error: {said}", argv
+    overrides = ArgumentParser(prog="o", takes_overrides=True, allow_abbrev=False)
+    overrides.add_argument("--config", required=True)
+    with pytest.raises(SystemExit):  # `--model.d_model=8` and `--cofig=c` are overrides there; `--conf` is no flag
+        overrides.parse_known_args(["--model.d_model=8", "--cofig=c", "--conf"])
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "o: error: the following arguments are required: --config (--conf is not a flag of this command; did you "
+        "mean --config?)"
+    )
+
+
 def test_help_shows_real_defaults_and_none_after_a_required_or_unset_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")
     parser = argparse.ArgumentParser(prog="p", formatter_class=DefaultsHelpFormatter)

@@ -831,3 +831,16 @@ def test_an_imported_model_without_a_tokenizer_or_a_model_type_or_token_ids(tmp_
     hf_convert.write_safetensors(iter(weights.items()), tmp_path / "b")
     with pytest.raises(ValueError, match=r"no tensor 'model.embed_tokens.weight' \(expected for OlmoeForCausalLM\)$"):
         hf_convert.import_hf(tmp_path / "b", tmp_path / "s" / "step0")
+
+
+@pytest.mark.timeout(120)
+def test_a_mistyped_flag_is_named_in_the_refusal_for_the_flag_it_meant(tmp_path: Path) -> None:
+    """`export --chekpoint x --out y` was told only that one of --checkpoint and --run_dir is required: argparse
+    checks required flags before it refuses unknown ones."""
+    code, out, err = without_torch(tmp_path, "spes.hf", "export", "--chekpoint", "output/x", "--out", "y")
+    assert (code, out, err[-1]) == (
+        2,
+        "",
+        "python -m spes.hf export: error: one of the arguments --checkpoint --run_dir is required (--chekpoint is not "
+        "a flag of this command; did you mean --checkpoint?)",
+    )

@@ -269,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and the model and sync_steps are taken from the first node to join.",
         formatter_class=_HelpFormatter,
         allow_abbrev=False,
+        takes_overrides=True,
         epilog="the run's `server:` section (key, default, meaning):\n"
         + "\n".join(config_help(ServerSection, "server."))
         + f"\n\nthe first SPES implementation's flags are accepted as spellings of overrides: {aliases}; with "
