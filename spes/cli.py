@@ -47,6 +47,13 @@ class ArgumentParser(argparse.ArgumentParser):
             message += unknown_flags_hint(self.unknown_flags(), parser_flags(self))
         super().error(message)
 
+    def refuse_unknown_flags(self, allowed: Iterable[str] = ()) -> None:
+        """For a parser that takes overrides, after its `parse_known_args`: refuse, as `parse_args` does, the unknown
+        flags its caller would take for overrides but those in `allowed`, naming the flag each likely meant. No
+        override is written without `=value`, so `--partiton` was refused only as a malformed override."""
+        if unknown := [flag for flag in self.unknown_flags() if flag not in allowed]:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}{meant_flags(unknown, parser_flags(self))}")
+
     def unknown_flags(self) -> list[str]:
         """The flags in the latest parse's words that are none of this parser's (each once, without its `=value`):
         not a word after `--` (a positional value), nor one with a space that names no flag (argparse takes it for

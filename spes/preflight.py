@@ -634,9 +634,10 @@ def run_checks(cfg: TrainConfig, args: argparse.Namespace) -> list[Check]:
     return checks
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m spes.preflight",
+        takes_overrides=True,
         usage="python -m spes.preflight CONFIG.yaml [--section.key=value ...] [--resume[=auto]] [options] "
         "| --gpu [CONFIG.yaml]",
         description="Check that this node can take part in the run CONFIG.yaml describes: devices, memory, the "
@@ -688,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)  # NOTE: every other --key=value is a config override
+    parser.refuse_unknown_flags(allowed=["--resume"])  # as spes.train takes it
     stray = [a for a in overrides if not a.startswith("--")]
     if stray:
         parser.error(f"unexpected arguments {stray}: give one config file; overrides look like --section.key=value")

@@ -49,7 +49,7 @@ from spes.hf_map import DENSE_MODEL_TYPES
 from spes.schema import number_flag
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         prog="python -m spes.upcycle",
         description=__doc__,
@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, overrides = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    parser.refuse_unknown_flags()
     try:
         cfg, _ = load_config(args.config, overrides)
         if args.out is None and not args.make_random_dense:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import usage_error
 from spes.cli import ArgumentParser, DefaultsHelpFormatter, meant_flags, parser_flags, print_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +100,24 @@ def test_a_missing_required_argument_is_refused_naming_the_mistyped_flag_given_f
     assert capsys.readouterr().err.splitlines()[-1] == (
         "o: error: the following arguments are required: --config (--conf is not a flag of this command; did you "
         "mean --config?)"
+    )
+
+
+def test_a_parser_that_takes_overrides_refuses_a_flag_no_override_looks_like(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """spes.upcycle and spes.preflight hand every unknown word to the config loader, which refused `--partiton` only
+    as a malformed override: no override is written without `=value`, so such a word is a mistyped flag, unless the
+    caller takes it (spes.preflight's `--resume`, as spes.train takes it)."""
+    parser = ArgumentParser(prog="o", takes_overrides=True)
+    parser.add_argument("--partition", action="store_true")
+    parser.add_argument("--out")
+    parsed, rest = parser.parse_known_args(["--model.d_model=8", "--part", "--resume", "--", "--x"])
+    assert parsed.partition and rest == ["--model.d_model=8", "--resume", "--", "--x"]
+    parser.refuse_unknown_flags(allowed=["--resume"])
+    parser.parse_known_args(["--partiton", "--resume", "--ot", "o"])
+    assert usage_error(capsys, parser.refuse_unknown_flags) == (
+        "o: error: unrecognized arguments: --partiton --resume --ot; did you mean --partition or --out?"
     )
 
 

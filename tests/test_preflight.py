@@ -388,6 +388,8 @@ def test_help_and_a_refused_config_are_answered_without_torch(tmp_path: Path) ->
         "'spes_config.num_peerz'; did you mean 'spes_config.num_peers'?",
         ("gone.yaml",): "error: config file not found: gone.yaml (pass a YAML file, e.g. configs/tiny.yaml)",
         (TINY, "--nproc=0"): "python -m spes.preflight: error: argument --nproc: 0 must be an integer >= 1",
+        (TINY, "--link_mbb", "16"): "python -m spes.preflight: error: unrecognized arguments: --link_mbb; did you "
+        "mean --link_mb?",  # was: "unexpected arguments ['16']"
     }
     for argv, line in refused.items():
         code, out, err = without_torch(tmp_path, "spes.preflight", *argv)

@@ -591,6 +591,10 @@ def test_help_and_a_refused_command_line_or_config_are_answered_without_torch(tm
         "(--model.d_modle=3): unknown config key 'model.d_modle'; did you mean 'model.d_model'?",
         ("--hf", "h", "--config", config): "error: --out is required: the checkpoint step directory to write, e.g. "
         "output/run/init/step0",
+        ("--hf", "h", "--cofig", config): "python -m spes.upcycle: error: the following arguments are required: "
+        "--config (--cofig is not a flag of this command; did you mean --config?)",
+        ("--hf", "h", "--config", config, "--out", "o/step0", "--partiton"): "python -m spes.upcycle: error: "
+        "unrecognized arguments: --partiton; did you mean --partition?",  # was: a malformed override
     }
     for argv, line in refused.items():
         code, out, err = without_torch(tmp_path, "spes.upcycle", *argv)
