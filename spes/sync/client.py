@@ -35,7 +35,7 @@ import torch
 
 from spes.config import SpesConfig
 from spes.sync.channel import certificate_refusal
-from spes.sync.connection import Connection
+from spes.sync.connection import Connection, Lost
 from spes.sync.fragments import WHOLE
 from spes.sync.plane import Plane
 from spes.sync.proto import spes_pb2 as pb
@@ -404,9 +404,11 @@ class SyncClient:
         )
 
     def _recover(self, failure: SyncError) -> bool:
-        """React to what the server said: join again after a restart, upload again when it lost the round, full
-        values for another base, gRPC when the data plane is busy or gone (one warning each time)."""
-        if failure.reason == Reason.NOT_JOINED:
+        """React to what the server said: join again after a restart (told so, or its data plane gone and its gRPC
+        side not knowing this peer), upload again when it lost the round, full values for another base; gRPC when
+        the data plane is busy or gone while gRPC lives (one warning each time), nothing while the server is down."""
+        lost = self.connection.why_lost(failure)
+        if failure.reason == Reason.NOT_JOINED or lost == Lost.RESTARTED:
             log.warning("the server does not know peer %d (restarted?): joining again", self.peer_id)
             self._join(self._request(dry_run=False))
             return True
@@ -418,7 +420,7 @@ class SyncClient:
                 "the server holds another model than peer %d's (%s): sending full values", self.peer_id, failure
             )
             return True
-        return self.connection.fall_back(failure)
+        return lost != Lost.SERVER_DOWN and self.connection.fall_back(failure)
 
     # -- helpers ------------------------------------------------------------------------------
     def _require_joined(self) -> Manifest:

@@ -4,8 +4,11 @@ A `SyncClient` holds one `Connection`. It opens the channel (TLS when the settin
 call with the peer id, this process's session and the run's token, and after each Join keeps the presence stream
 open (`spes.sync.presence`) and picks the plane: the raw-TCP data plane (`spes.sync.plane_tcp`) at the port the
 server advertised, or gRPC (`spes.sync.plane_grpc`) when `data_plane` says so, no port is advertised or (`auto`) it
-does not answer. A data plane that fails mid-run is left for gRPC until the next Join finds it again. The channel
-itself, and telling a server that refuses the client's certificate from one going down, are `spes.sync.channel`'s.
+does not answer. A data plane that stops answering mid-run is asked about over gRPC (`Connection.why_lost`): a server
+that no longer knows this peer restarted, and the client joins it again, which finds its new data port; one whose gRPC
+is gone too is down as a whole and waited for; only a data plane down (or busy, or stalled) while gRPC lives is left
+for gRPC until the next Join finds it again. The channel itself, and telling a server that refuses the client's
+certificate from one going down, are `spes.sync.channel`'s.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Literal
 
 import grpc
@@ -32,8 +36,22 @@ from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
 log = logging.getLogger("spes.client")
 
 TCP_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-"""Data-plane failures after which a round goes over gRPC instead (a busy, unreachable or stalled data plane; a
-server restarted on another data port is found again at the re-join its gRPC refusal asks for)."""
+"""Data-plane failures after which a round goes over gRPC instead (a busy, unreachable or stalled data plane); an
+unreachable one only once `Connection.why_lost` found gRPC alive and the server still knowing this peer (a restarted
+server is joined again, on the data port it advertises then; one down as a whole is waited for)."""
+
+
+class Lost(Enum):
+    """Why the data plane stopped answering, as the server's gRPC side tells (`Connection.why_lost`)."""
+
+    RESTARTED = "restarted"
+    """gRPC answers but the server does not know this peer: a new process (it forgets every join), maybe on another
+    data port. Join again: the Join says where its data plane is now."""
+    SERVER_DOWN = "server down"
+    """gRPC does not answer either: the server is down or restarting. gRPC goes with it, so wait on this plane; the
+    re-join a restarted server asks for finds its data plane."""
+    PLANE_DOWN = "plane down"
+    """gRPC answers and the server knows this peer: its data plane alone is gone (a firewall, the port closed)."""
 
 
 @dataclass(frozen=True)
@@ -95,9 +113,27 @@ class Connection:
         )
         self.plane = self._grpc if tcp is None else tcp
 
+    def why_lost(self, failure: SyncError) -> Lost | None:
+        """Why the data plane did not answer (`failure`: UNAVAILABLE on it without a word from the server), asked with
+        one Status call over gRPC; None for any other failure, or once `close`d. A server stopped and started again
+        is unreachable at its old data port exactly like a data plane that is down while gRPC lives: only gRPC tells
+        them apart, and falling back on a restart would send the round's payloads over the slow plane until a
+        re-join."""
+        if self.closed or self.plane is self._grpc:
+            return None
+        if failure.code != grpc.StatusCode.UNAVAILABLE or failure.reason != Reason.NONE:
+            return None
+        timeout = min(self.settings.rpc_timeout_s, PROBE_TIMEOUT_S)
+        try:
+            reply = self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
+        except grpc.RpcError:
+            return Lost.SERVER_DOWN
+        return Lost.PLANE_DOWN if self.peer_id in reply.peers_joined else Lost.RESTARTED
+
     def fall_back(self, failure: SyncError) -> bool:
         """Whether `failure` of the data plane (busy, unreachable, stalled) sends payloads over gRPC from now on; not
-        a server that said it is shutting down: gRPC goes with it, the node waits for it to come back."""
+        a server that said it is shutting down: gRPC goes with it, the node waits for it to come back. An unreachable
+        data plane is the caller's to ask `why_lost` about first: this falls back whatever the cause."""
         if self.plane is self._grpc or failure.reason == Reason.SHUTTING_DOWN:
             return False
         if not (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):

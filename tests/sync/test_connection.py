@@ -9,11 +9,13 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
+from conftest import wait_until
 from spes.config import SpesConfig
 from spes.sync.channel import (
     CERTIFICATE_REFUSED,
@@ -22,9 +24,21 @@ from spes.sync.channel import (
     client_tls,
     probe_handshake,
 )
-from spes.sync.plane_grpc import failure_of
-from spes.sync.protocol import SyncError
-from sync_helpers import make_client, running_server, tiny_spec, write_pki
+from spes.sync.connection import Lost
+from spes.sync.plane_grpc import GrpcPlane, failure_of
+from spes.sync.protocol import Reason, SyncError
+from spes.sync.server import ParameterServer, start_server
+from spes.sync.settings import DeployConfig, ServerConfig
+from sync_helpers import (
+    check_round,
+    joined_clients,
+    make_client,
+    peer_upload,
+    running_server,
+    sync_all,
+    tiny_spec,
+    write_pki,
+)
 
 
 @pytest.mark.timeout(60)
@@ -44,6 +58,109 @@ def test_a_new_client_of_a_server_restarted_on_the_same_port_connects_at_once() 
         port = int(addr.rsplit(":", 1)[1])
         with running_server(spec, port=port) as (_, again), make_client(again, spec, 1, max_retries=0) as new:
             assert new.join() == -1
+
+
+FELL_BACK = "payloads go over gRPC until the next join finds it again"
+UNREACHABLE = SyncError(
+    "upload round 2: data plane 127.0.0.1:1 unreachable", grpc.StatusCode.UNAVAILABLE, retryable=True
+)
+
+
+@pytest.fixture
+def grpc_payloads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every upload or download a client starts over gRPC (refused ones too), as "upload 2" or "download 2"."""
+    calls: list[str] = []
+
+    def recording(op: str) -> Callable[..., object]:
+        original = getattr(GrpcPlane, op)
+
+        def recorded(plane: GrpcPlane, step: int, *args: object, **kwargs: object) -> object:
+            calls.append(f"{op} {step}")
+            return original(plane, step, *args, **kwargs)
+
+        return recorded
+
+    for op in ("upload", "download"):
+        monkeypatch.setattr(GrpcPlane, op, recording(op))
+    return calls
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plane", ["auto", "tcp"])
+def test_a_node_mid_round_on_the_data_plane_finds_a_restarted_server_s_new_data_port(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, grpc_payloads: list[str], plane: str
+) -> None:
+    """Peer 0 waits for round 2 on the data plane when the server stops and starts again on its --state_dir, its
+    data plane on another port. The old port is unreachable, as a data plane down while gRPC lives is: the node fell
+    back to gRPC and began the round there (refused: not joined) before the re-join found the new port. Now it asks
+    gRPC why first: every payload of the round, peer 1's too, goes over the restarted server's data plane."""
+    spec = tiny_spec()
+    uploads = {step: {p: peer_upload(spec, p, seed=step) for p in range(2)} for step in (1, 2)}
+
+    def server(port: int) -> ParameterServer:
+        deploy = DeployConfig(host="127.0.0.1", port=port, data_port=0, state_dir=str(tmp_path))
+        return start_server(ServerConfig(spec, deploy))
+
+    running = server(0)
+    port = running.port
+    try:
+        with joined_clients(f"127.0.0.1:{port}", spec, data_plane=plane, max_retries=8) as clients:
+            check_round(sync_all(clients, 1, uploads[1]), uploads[1], spec, step=1)
+            with caplog.at_level(logging.WARNING, "spes.client"), ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(clients[0].sync, 2, uploads[2][0])
+                wait_until(lambda: clients[1].status().peers_uploaded == (0,), "peer 0's upload of round 2")
+                running.stop(grace_s=0)
+                running = server(port)  # a new process: resumes round 1, its data plane on a port of its own
+                results = {1: clients[1].sync(2, uploads[2][1]), 0: waiting.result(timeout=30)}
+            check_round(results, uploads[2], spec, step=2)
+            assert [(c.plane.name, getattr(c.plane, "port", None)) for c in clients] == [("tcp", running.data_port)] * 2
+    finally:
+        running.stop(grace_s=0)
+    assert grpc_payloads == [] and FELL_BACK not in caplog.text
+    assert "the server does not know peer 0 (restarted?): joining again" in caplog.text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("plane", ["auto", "tcp"])
+def test_a_data_plane_gone_while_grpc_lives_leaves_the_round_to_grpc(
+    caplog: pytest.LogCaptureFixture, grpc_payloads: list[str], plane: str
+) -> None:
+    """The fall-back a restart must not take: peer 0's data port stops answering (a firewall closed it) while the
+    server, which knows the peer, answers on gRPC. The round goes over gRPC, said once; under `tcp` too, as before
+    (it demands a data port at join, and a node does not stop mid-run for a data plane gRPC stands in for)."""
+    spec = tiny_spec()
+    uploads = {p: peer_upload(spec, p, seed=1) for p in range(2)}
+    with running_server(spec, data_port=0) as (_, addr), joined_clients(addr, spec, data_plane=plane) as clients:
+        with socket.socket() as closed, caplog.at_level(logging.WARNING, "spes.client"):
+            closed.bind(("127.0.0.1", 0))  # bound, never listening: connections to it are refused
+            clients[0].plane.port = closed.getsockname()[1]  # type: ignore[attr-defined]
+            check_round(sync_all(clients, 1, uploads), uploads, spec, step=1)
+    assert [c.plane.name for c in clients] == ["grpc", "tcp"]
+    assert grpc_payloads == ["upload 1", "download 1"] and caplog.text.count(FELL_BACK) == 1
+
+
+@pytest.mark.timeout(60)
+def test_grpc_tells_why_the_data_plane_is_unreachable() -> None:
+    """The server knows the peer: its data plane alone is gone; gRPC does not answer: the server is down; a server
+    that answers and does not know the peer is a new process. Any other failure, or one on gRPC, is not asked."""
+    spec = tiny_spec()
+    with running_server(spec, data_port=0) as (_, addr):
+        client = make_client(addr, spec, 0, rpc_timeout_s=5)
+        client.join()
+        connection = client.connection
+        assert connection.why_lost(UNREACHABLE) is Lost.PLANE_DOWN
+        for other in (
+            SyncError("shutting down", grpc.StatusCode.UNAVAILABLE, reason=Reason.SHUTTING_DOWN, retryable=True),
+            SyncError("stalled", grpc.StatusCode.DEADLINE_EXCEEDED, retryable=True),
+            SyncError("busy", grpc.StatusCode.RESOURCE_EXHAUSTED, reason=Reason.BUSY, retryable=True),
+        ):
+            assert connection.why_lost(other) is None
+    with client:
+        assert connection.why_lost(UNREACHABLE) is Lost.SERVER_DOWN
+        with running_server(spec, port=int(addr.rsplit(":", 1)[1]), data_port=0):
+            client.status()  # NOTE: retried until the channel has reconnected; a probe does not wait for that
+            assert connection.why_lost(UNREACHABLE) is Lost.RESTARTED
+            assert connection.fall_back(UNREACHABLE) and connection.why_lost(UNREACHABLE) is None  # on gRPC now
 
 
 def test_a_ca_file_that_is_no_pem_is_refused_naming_its_key_on_either_plane(tmp_path: Path) -> None:
