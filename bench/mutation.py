@@ -47,6 +47,11 @@ HANDLER_TESTS = (
     "tests/sync/test_plane_grpc.py",
     "tests/sync/codecs/test_held.py",
 )
+HELD_30_ROUNDS = (
+    "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_what_was_not_sent_over_30_rounds[sparse]",
+    "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_thirty_int8_rounds_within_one_step_of_the_lossless_sum",
+)
+"""Two of test_held.py's 30-round runs: they triple a mutant's time and run the same lines as the int8 one."""
 TORCH_FREE_CHILDREN = tuple(
     f"--deselect=tests/{test}"
     for test in (
@@ -68,8 +73,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     # test_held.py but two of the 30-round ones (they triple a mutant's time and run the same lines as the int8 one)
     "spes/sync/codecs/held.py": (
         "tests/sync/codecs/test_held.py",
-        "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_what_was_not_sent_over_30_rounds[sparse]",
-        "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_thirty_int8_rounds_within_one_step_of_the_lossless_sum",
+        *HELD_30_ROUNDS,
         "tests/sync/codecs/test_int8.py",
         "tests/sync/codecs/test_sparse.py",
         "tests/sync/codecs/test_codecs_fuzz.py",
@@ -141,6 +145,22 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/sync/test_joins.py",
         "tests/sync/test_joins_fuzz.py",
         "tests/sync/test_coordinator.py",
+    ),
+    # the round service itself (joins, streams, status, presence, shutdown, the rounds' log line): straight, through
+    # the handlers' tests and in-process servers on loopback; not the server processes (slow: mutmut credits none), the
+    # held model's 30-round runs, the gRPC ride-out of a stop (the TCP one runs the same lines), a throughput figure
+    # and the client's retries before a server is up (neither asks the coordinator anything)
+    "spes/sync/coordinator.py": (
+        *HANDLER_TESTS,
+        "tests/sync/test_server.py",
+        "tests/sync/test_shutdown.py",
+        "tests/sync/test_client.py",
+        "-m",
+        "not slow",
+        *HELD_30_ROUNDS,
+        "--deselect=tests/sync/test_shutdown.py::test_a_peer_rides_out_a_server_stopped_mid_round_and_the_run_goes_on[grpc]",
+        "--deselect=tests/sync/test_client.py::test_loopback_throughput",
+        "--deselect=tests/sync/test_client.py::test_client_retries_until_the_server_comes_up",
     ),
     "spes/sync/uploads.py": HANDLER_TESTS,
     "spes/sync/downloads.py": HANDLER_TESTS,
