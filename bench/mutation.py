@@ -7,9 +7,9 @@
 Not run in CI: a module takes minutes to an hour on 2 cores. mutmut (the `dev` extra) mutates one module in a scratch
 copy of the repository and runs, for each mutant, the tests of MODULES[module] that exercised the mutated function,
 one mutant at a time (the machine is shared); a module's run stops after --timeout_min. The record
-(bench/results/mutation.json) holds per module its score (killed / mutants), the mutants per status, and every mutant
-not killed with its location and diff; those in EQUIVALENT carry the reason no test can kill them. docs/testing.md
-says how to read it and when to run it.
+(bench/results/mutation.json) holds per module the run that produced it (command, commit, machine), its score
+(killed / mutants), the mutants per status, and every mutant not killed with its location and diff; those in
+EQUIVALENT carry the reason no test can kill them. docs/testing.md says how to read it and when to run it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, write_results
+from common import REPO_ROOT, RESULTS_DIR, command_line, git_commit, machine_info
+from spes.atomic import write_atomic
 
 COMPILED_HEAD = "tests/test_head_loss.py::test_compiled_chunk_fns_compute_what_the_plain_ones_do"
 SYNC_COUNTED = tuple(
@@ -1835,6 +1836,7 @@ def main(argv: list[str] | None = None) -> None:
     modules = dict(read_record(p, args.out).get("modules", {}))
     # every module's refusal before any runs: a module takes minutes to an hour
     rechecks = {module: rechecked(modules.get(module), module) for module in chosen} if args.recheck else {}
+    command = command_line(None if argv is None else [p.prog, *argv])
     for module in chosen:
         if args.recheck and not rechecks[module]:
             print(f"{module}: nothing to recheck, its record has every mutant killed", flush=True)
@@ -1842,7 +1844,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{module}: mutating, tests {' '.join(MODULES[module])}", flush=True)
         commit, previous = git_commit(), modules.get(module)
         result = run_module(module, MODULES[module], args.timeout_min * 60, rechecks.get(module, ()))
-        modules[module] = {"commit": commit, "machine": machine_info(), **result}
+        modules[module] = {"command": command, "commit": commit, "machine": machine_info(), **result}
         if args.recheck and previous is not None:
             modules[module]["rechecked_from"] = {"commit": previous["commit"], "mutants": list(rechecks[module])}
         print(
@@ -1850,7 +1852,15 @@ def main(argv: list[str] | None = None) -> None:
             f"of those not equivalent ({result['by_status']})"
         )
         # after each module: a later module's failure does not lose what the earlier ones took minutes to find
-        write_results(args.out, {"tool": f"mutmut {mutmut_version()}", "modules": dict(sorted(modules.items()))})
+        write_record(args.out, modules)
+
+
+def write_record(path: Path, modules: dict[str, Any]) -> None:
+    """Write the record atomically: the tool, and per module the run that produced its part (command, commit,
+    machine). No command or commit of its own: the record is many runs', each module's from the last run of it."""
+    record = {"tool": f"mutmut {mutmut_version()}", "modules": dict(sorted(modules.items()))}
+    write_atomic(path, json.dumps(record, indent=1) + "\n")
+    print(f"saved {path}")
 
 
 def chosen_modules(p: argparse.ArgumentParser, names: list[str]) -> list[str]:
