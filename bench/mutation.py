@@ -1198,6 +1198,18 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.joins.x_check_manifest", "6 7", "the message of an assertion that holds (a peer's spec is complete)"
     ),
     **mutants(
+        "spes.sync.coordinator.xǁCoordinatorǁ__init__",
+        "20",
+        "the shutdown flag's first value None for False: every reader tests its truth (`if`, the status reporter's "
+        "`wait_for` predicate, the callers of `stopping` and of the downloads' `stopping` callback)",
+    ),
+    **mutants(
+        "spes.sync.coordinator.xǁCoordinatorǁ__init__",
+        "22",
+        "the advertised data port None for 0 until a data plane starts: a JoinReply field given None is left unset, "
+        "which reads 0 (no data plane) as 0 does, and it is read nowhere else (start_server sets it before serving)",
+    ),
+    **mutants(
         "spes.config.xǁModelConfigǁ__post_init__",
         "53",
         "`/` for `//` in the RoPE check: the check before it has made d_model a multiple of n_heads, so both are the "

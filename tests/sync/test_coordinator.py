@@ -440,29 +440,32 @@ def test_a_download_waiting_past_the_round_timeout_closes_a_quorum_round_with_th
 @pytest.mark.timeout(60)
 def test_a_rounds_log_line_says_what_its_bytes_are_and_since_when(caplog: pytest.LogCaptureFixture) -> None:
     """Round 1's line read `in 4.6 MiB, out 0.0 MiB (since last round)`, as if it had served nothing: what goes out
-    between two lines is the previous round's downloads. And `merged no, alpha 0`: the alpha only where it ran."""
+    between two lines is the previous round's downloads. And `merged no, alpha 0`: the alpha only where it ran.
+    A model of half a MiB an upload, so that each line's bytes in show (a tiny one's read 0.0 whatever they were)."""
     merge = ServerSection(merge_interval=2, merge_alpha_start=0.5, merge_decay_steps=100)
-    spec = tiny_spec(server=merge)
+    spec = tiny_spec(server=merge, d=64, f=64)
 
     def completes() -> list[str]:
         return [m for m in caplog.messages if " complete: " in m]
 
     with joined(spec) as service:
         caplog.set_level(logging.INFO, "spes.server")
-        for step in (1, 2):
+        for step in (1, 2, 3):
             for peer in range(2):
                 service.uploads.receive(peer, step, feeding(peer_upload(spec, peer, seed=step)))
             # NOTE: the line is logged on the closer's thread once published: a download may finish first
             wait_until(lambda n=step: len(completes()) == n, f"round {step}'s line (logged once it is published)")
             with service.downloads.serve(0, step, False, lambda: True, 30.0) as outgoing:
                 assert outgoing is not None
-                outgoing.sent = 3 * 2**20
+                outgoing.sent = step * 2**20
         upload = sum(t.numel() * 4 for t in peer_upload(spec, 0, seed=1).values()) * 2 / 2**20
+        assert upload > 0.5
         lines = [m.split(": peers 2, aggregation ")[1] for m in completes()]
         assert [line.split(" s, ", 1)[1] for line in lines] == [
             f"merged no; since the server started: {upload:.1f} MiB in (uploads), 0.0 MiB out (downloads)",
             f"merged yes (alpha {round_alpha(2, 'spes', merge):.6g}); since round 1: {upload:.1f} MiB in (uploads), "
-            "3.0 MiB out (downloads)",
+            "1.0 MiB out (downloads)",
+            f"merged no; since round 2: {upload:.1f} MiB in (uploads), 2.0 MiB out (downloads)",
         ]
 
 
@@ -628,6 +631,17 @@ def test_a_presence_stream_holds_its_peer_id_until_it_ends_and_one_of_another_ru
         )
         assert f"refused a presence stream from node-c:3: {err.value}" in caplog.messages
         assert [p.peer for p in service.status().presence] == [0]
+        for _ in range(10):  # a leftover process retrying: 10 lines a window, then a count of what was left out
+            with pytest.raises(Refused):
+                service.presence(1, "s1", "another-run", "node-c:3", lambda: None)
+        service.join(join_request(1, SPEC), session="s1", address="x", common_name=lambda: None)
+        for peer in range(2):
+            service.uploads.receive(peer, 1, feeding(peer_upload(SPEC, peer, seed=1)))
+        completed_round(service, 1)
+        with pytest.raises(Refused, match=f"peer 1 starts a fresh run, but this server holds run {service.run_id} at "):
+            service.presence(1, "s1", "", "node-d:4", lambda: None)  # a fresh node, once the run has a round
+    refused = [m for m in caplog.messages if m.startswith("refused a presence stream from ")]
+    assert len(refused) == 10 and caplog.messages[-1].startswith("2 more 'presence' warnings left out in ")
 
 
 @pytest.mark.timeout(60)
