@@ -163,6 +163,16 @@ MODULES: dict[str, tuple[str, ...]] = {
         "--deselect=tests/sync/test_client.py::test_loopback_throughput",
         "--deselect=tests/sync/test_client.py::test_client_retries_until_the_server_comes_up",
     ),
+    # what a codec serves after a round (`Served`: the tensors it keeps alive, its deferred items made): the codecs
+    # that serve through it, straight and through in-process servers, and the round state that holds it
+    "spes/sync/codecs/interface.py": (
+        "tests/sync/codecs/test_held.py",
+        *HELD_30_ROUNDS,
+        "tests/sync/codecs/test_raw.py",
+        "tests/sync/codecs/test_lazy.py",
+        "tests/sync/test_rounds.py",
+        "tests/sync/test_closing.py",
+    ),
     "spes/sync/uploads.py": HANDLER_TESTS,
     "spes/sync/downloads.py": HANDLER_TESTS,
     "spes/sync/closing.py": HANDLER_TESTS,
