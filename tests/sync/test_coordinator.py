@@ -17,6 +17,7 @@ import torch
 
 from conftest import wait_until
 from spes.config import ServerSection
+from spes.sync import closing
 from spes.sync.coordinator import Coordinator
 from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, round_alpha
@@ -692,3 +693,31 @@ def test_the_stream_limits_are_the_deploys_flags_with_the_rate_floor_in_bytes() 
     with running(coordinator(SPEC, **limits)) as service:
         guard = service.guard
         assert (guard.idle_timeout_s, guard.max_streams, guard.max_per_peer, guard.min_rate) == (7.0, 5, 3, 2048.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopping_server_waits_for_a_running_aggregation_no_longer_than_its_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round whose aggregation hangs (a stalled disk, a huge model) must not hold the server's stop past its
+    grace: the process has to end within what its supervisor allows."""
+    release, building = threading.Event(), threading.Event()
+    build_round = closing.build_round
+
+    def stalled(*args, **kwargs):  # type: ignore[no-untyped-def]
+        building.set()
+        release.wait(30)
+        return build_round(*args, **kwargs)
+
+    monkeypatch.setattr(closing, "build_round", stalled)
+    with joined() as service:
+        for peer in range(2):
+            service.uploads.receive(peer, 1, feeding(peer_upload(SPEC, peer, seed=1)))
+        assert building.wait(10)
+        stop = threading.Thread(target=service.shutdown, args=(0.2,))
+        stop.start()
+        stop.join(10)
+        stopped = not stop.is_alive()
+        release.set()
+        stop.join(30)
+        assert stopped, "the stop waited for the aggregation past its grace"
