@@ -582,13 +582,14 @@ def test_the_server_says_what_it_waits_for_while_it_waits_and_stops_saying_it_wh
             f"waiting: run {service.run_id}: no round completed yet; 1 of 2 peers joined (peer 1 never joined)"
         )
         service.join(join_request(1, SPEC), session="s1", address="test", common_name=lambda: None)
-        time.sleep(0.1)  # a line being written as peer 1 joined
+        time.sleep(0.3)  # a line being written as peer 1 joined
         caplog.clear()
         time.sleep(0.3)
         assert waiting() == []
         service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)))
         wait_until(lambda: len(waiting()) >= 2, "two lines while round 1 is open")
         assert waiting()[-1].startswith(f"waiting: run {service.run_id}: round 1 open for 0 s, uploaded by [0], ")
+    time.sleep(0.3)  # a line being written as the server stopped
     caplog.clear()
     time.sleep(0.3)
     assert waiting() == []
