@@ -1708,17 +1708,18 @@ def location(module: str, name: str, diff: str) -> str:
     tree = ast.parse(source)
     classes: list[ast.AST] = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == owner]
     scopes = classes or [tree]
+    # NOTE: mutmut's diff shows a method dedented out of its class: its lines are matched at the def's indentation
     spans = [
-        (node.lineno, node.end_lineno or node.lineno)
+        (node.lineno, node.end_lineno or node.lineno, " " * node.col_offset)
         for scope in scopes
         for node in ast.iter_child_nodes(scope)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function
     ]
     removed = next((line[1:] for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")), "")
     lines = source.splitlines()
-    for start, end in spans:
+    for start, end, indent in spans:
         for number in range(start, end + 1):
-            if removed and lines[number - 1] == removed:
+            if removed and lines[number - 1] == indent + removed:
                 return f"{module}:{number} ({function})"
     return f"{module}:{spans[0][0] if spans else '?'} ({function})"
 

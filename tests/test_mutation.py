@@ -148,3 +148,18 @@ def test_each_module_names_the_command_that_ran_it_and_one_from_before_keeps_its
     assert record["modules"][ROUNDS] == older
     assert sorted(record) == ["modules", "tool"] and out.read_text() == json.dumps(record, indent=1) + "\n"
     assert provenance_gap(record) is None
+
+
+def test_a_mutants_location_is_the_line_it_changes_in_a_method_as_in_a_function(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """mutmut shows a method's mutant dedented out of its class: matched as it was, every method's mutant was placed
+    at its def line."""
+    (tmp_path / "m.py").write_text(
+        "class C:\n    def f(self):\n        x = 1\n        return x\n\n\ndef g():\n    x = 1\n    return x\n"
+    )
+    monkeypatch.setattr(mutation, "REPO_ROOT", tmp_path)
+    dedented = "--- m.py\n+++ m.py\n@@ -1 +1 @@\n def f(self):\n-    x = 1\n+    x = 2\n     return x"
+    assert mutation.location("m.py", "m.xǁCǁf__mutmut_1", dedented) == "m.py:3 (f)"
+    function = "--- m.py\n+++ m.py\n@@ -1 +1 @@\n def g():\n-    x = 1\n+    x = 2\n     return x"
+    assert mutation.location("m.py", "m.x_g__mutmut_1", function) == "m.py:8 (g)"
