@@ -7,9 +7,9 @@
 Not run in CI: a module takes minutes to an hour on 2 cores. mutmut (the `dev` extra) mutates one module in a scratch
 copy of the repository and runs, for each mutant, the tests of MODULES[module] that exercised the mutated function,
 one mutant at a time (the machine is shared); a module's run stops after --timeout_min. The record
-(bench/results/mutation.json) holds per module its score (killed / mutants), the mutants per status, and every mutant
-not killed with its location and diff; those in EQUIVALENT carry the reason no test can kill them. docs/testing.md
-says how to read it and when to run it.
+(bench/results/mutation.json) holds per module the run that produced it (command, commit, machine), its score
+(killed / mutants), the mutants per status, and every mutant not killed with its location and diff; those in
+EQUIVALENT carry the reason no test can kill them. docs/testing.md says how to read it and when to run it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, RESULTS_DIR, git_commit, machine_info, write_results
+from common import REPO_ROOT, RESULTS_DIR, command_line, git_commit, machine_info
+from spes.atomic import write_atomic
 
 COMPILED_HEAD = "tests/test_head_loss.py::test_compiled_chunk_fns_compute_what_the_plain_ones_do"
 SYNC_COUNTED = tuple(
@@ -47,6 +48,11 @@ HANDLER_TESTS = (
     "tests/sync/test_plane_grpc.py",
     "tests/sync/codecs/test_held.py",
 )
+HELD_30_ROUNDS = (
+    "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_what_was_not_sent_over_30_rounds[sparse]",
+    "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_thirty_int8_rounds_within_one_step_of_the_lossless_sum",
+)
+"""Two of test_held.py's 30-round runs: they triple a mutant's time and run the same lines as the int8 one."""
 TORCH_FREE_CHILDREN = tuple(
     f"--deselect=tests/{test}"
     for test in (
@@ -68,8 +74,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     # test_held.py but two of the 30-round ones (they triple a mutant's time and run the same lines as the int8 one)
     "spes/sync/codecs/held.py": (
         "tests/sync/codecs/test_held.py",
-        "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_what_was_not_sent_over_30_rounds[sparse]",
-        "--deselect=tests/sync/codecs/test_held.py::test_error_feedback_keeps_thirty_int8_rounds_within_one_step_of_the_lossless_sum",
+        *HELD_30_ROUNDS,
         "tests/sync/codecs/test_int8.py",
         "tests/sync/codecs/test_sparse.py",
         "tests/sync/codecs/test_codecs_fuzz.py",
@@ -141,6 +146,32 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/sync/test_joins.py",
         "tests/sync/test_joins_fuzz.py",
         "tests/sync/test_coordinator.py",
+    ),
+    # the round service itself (joins, streams, status, presence, shutdown, the rounds' log line): straight, through
+    # the handlers' tests and in-process servers on loopback; not the server processes (slow: mutmut credits none), the
+    # held model's 30-round runs, the gRPC ride-out of a stop (the TCP one runs the same lines), a throughput figure
+    # and the client's retries before a server is up (neither asks the coordinator anything)
+    "spes/sync/coordinator.py": (
+        *HANDLER_TESTS,
+        "tests/sync/test_server.py",
+        "tests/sync/test_shutdown.py",
+        "tests/sync/test_client.py",
+        "-m",
+        "not slow",
+        *HELD_30_ROUNDS,
+        "--deselect=tests/sync/test_shutdown.py::test_a_peer_rides_out_a_server_stopped_mid_round_and_the_run_goes_on[grpc]",
+        "--deselect=tests/sync/test_client.py::test_loopback_throughput",
+        "--deselect=tests/sync/test_client.py::test_client_retries_until_the_server_comes_up",
+    ),
+    # what a codec serves after a round (`Served`: the tensors it keeps alive, its deferred items made): the codecs
+    # that serve through it, straight and through in-process servers, and the round state that holds it
+    "spes/sync/codecs/interface.py": (
+        "tests/sync/codecs/test_held.py",
+        *HELD_30_ROUNDS,
+        "tests/sync/codecs/test_raw.py",
+        "tests/sync/codecs/test_lazy.py",
+        "tests/sync/test_rounds.py",
+        "tests/sync/test_closing.py",
     ),
     "spes/sync/uploads.py": HANDLER_TESTS,
     "spes/sync/downloads.py": HANDLER_TESTS,
@@ -1177,6 +1208,18 @@ EQUIVALENT: dict[str, str] = {
         "spes.sync.joins.x_check_manifest", "6 7", "the message of an assertion that holds (a peer's spec is complete)"
     ),
     **mutants(
+        "spes.sync.coordinator.xǁCoordinatorǁ__init__",
+        "20",
+        "the shutdown flag's first value None for False: every reader tests its truth (`if`, the status reporter's "
+        "`wait_for` predicate, the callers of `stopping` and of the downloads' `stopping` callback)",
+    ),
+    **mutants(
+        "spes.sync.coordinator.xǁCoordinatorǁ__init__",
+        "22",
+        "the advertised data port None for 0 until a data plane starts: a JoinReply field given None is left unset, "
+        "which reads 0 (no data plane) as 0 does, and it is read nowhere else (start_server sets it before serving)",
+    ),
+    **mutants(
         "spes.config.xǁModelConfigǁ__post_init__",
         "53",
         "`/` for `//` in the RoPE check: the check before it has made d_model a multiple of n_heads, so both are the "
@@ -1665,17 +1708,18 @@ def location(module: str, name: str, diff: str) -> str:
     tree = ast.parse(source)
     classes: list[ast.AST] = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == owner]
     scopes = classes or [tree]
+    # NOTE: mutmut's diff shows a method dedented out of its class: its lines are matched at the def's indentation
     spans = [
-        (node.lineno, node.end_lineno or node.lineno)
+        (node.lineno, node.end_lineno or node.lineno, " " * node.col_offset)
         for scope in scopes
         for node in ast.iter_child_nodes(scope)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == function
     ]
     removed = next((line[1:] for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")), "")
     lines = source.splitlines()
-    for start, end in spans:
+    for start, end, indent in spans:
         for number in range(start, end + 1):
-            if removed and lines[number - 1] == removed:
+            if removed and lines[number - 1] == indent + removed:
                 return f"{module}:{number} ({function})"
     return f"{module}:{spans[0][0] if spans else '?'} ({function})"
 
@@ -1815,6 +1859,7 @@ def main(argv: list[str] | None = None) -> None:
     modules = dict(read_record(p, args.out).get("modules", {}))
     # every module's refusal before any runs: a module takes minutes to an hour
     rechecks = {module: rechecked(modules.get(module), module) for module in chosen} if args.recheck else {}
+    command = command_line(None if argv is None else [p.prog, *argv])
     for module in chosen:
         if args.recheck and not rechecks[module]:
             print(f"{module}: nothing to recheck, its record has every mutant killed", flush=True)
@@ -1822,7 +1867,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{module}: mutating, tests {' '.join(MODULES[module])}", flush=True)
         commit, previous = git_commit(), modules.get(module)
         result = run_module(module, MODULES[module], args.timeout_min * 60, rechecks.get(module, ()))
-        modules[module] = {"commit": commit, "machine": machine_info(), **result}
+        modules[module] = {"command": command, "commit": commit, "machine": machine_info(), **result}
         if args.recheck and previous is not None:
             modules[module]["rechecked_from"] = {"commit": previous["commit"], "mutants": list(rechecks[module])}
         print(
@@ -1830,7 +1875,15 @@ def main(argv: list[str] | None = None) -> None:
             f"of those not equivalent ({result['by_status']})"
         )
         # after each module: a later module's failure does not lose what the earlier ones took minutes to find
-        write_results(args.out, {"tool": f"mutmut {mutmut_version()}", "modules": dict(sorted(modules.items()))})
+        write_record(args.out, modules)
+
+
+def write_record(path: Path, modules: dict[str, Any]) -> None:
+    """Write the record atomically: the tool, and per module the run that produced its part (command, commit,
+    machine). No command or commit of its own: the record is many runs', each module's from the last run of it."""
+    record = {"tool": f"mutmut {mutmut_version()}", "modules": dict(sorted(modules.items()))}
+    write_atomic(path, json.dumps(record, indent=1) + "\n")
+    print(f"saved {path}")
 
 
 def chosen_modules(p: argparse.ArgumentParser, names: list[str]) -> list[str]:

@@ -139,10 +139,31 @@ UNITS = {"mib": 2**20, "gib": 2**30, "mb": 1e6, "gb": 1e9, "k": 1e3, "pct": 1e-2
 
 
 def provenance_gap(record: dict[str, Any]) -> str | None:
-    """What of its command, commit and machine a record lacks ("dirty tree, diff not kept", ...), None if nothing."""
+    """What of its command, commit and machine a record lacks ("dirty tree, diff not kept", ...), None if nothing.
+    A record of parts run apart (mutation testing: `modules`, each naming its commit) names them per part, each part
+    its own run's."""
+    parts = runs_of_parts(record)
+    if not parts:
+        return run_gap(record)
+    found = [run_gap(p, command_needed=False) for p in parts]
+    return "; ".join(sorted({gap for gaps in found if gaps for gap in gaps.split("; ")})) or None
+
+
+def runs_of_parts(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The parts of a record of parts run apart (mutation testing: `modules`, each naming its commit), [] for any
+    other record."""
+    parts = record.get("modules")
+    if isinstance(parts, dict) and parts and all(isinstance(p, dict) and "commit" in p for p in parts.values()):
+        return list(parts.values())
+    return []
+
+
+def run_gap(run: dict[str, Any], *, command_needed: bool = True) -> str | None:
+    """What of its command, commit and machine one run's record lacks, None if nothing. A part of a record of parts
+    need not name its command: those written before each part named its own have none (a command found is checked)."""
     gaps = []
-    command, commit, machine = record.get("command"), record.get("commit"), record.get("machine")
-    if not isinstance(command, str) or not command:
+    command, commit, machine = run.get("command"), run.get("commit"), run.get("machine")
+    if (command_needed or "command" in run) and (not isinstance(command, str) or not command):
         gaps.append("no command")
     if not isinstance(commit, str) or not commit:
         gaps.append("no commit")
@@ -150,11 +171,7 @@ def provenance_gap(record: dict[str, Any]) -> str | None:
         gaps.append("dirty tree, diff not kept")
     elif not (CLEAN_COMMIT.fullmatch(commit) or DIRTY_COMMIT.fullmatch(commit)):
         gaps.append("commit not a full hash")
-    parts = record.get("modules")  # a record of parts run apart (mutation testing): each part names its machine
-    per_part = (
-        isinstance(parts, dict) and parts and all(isinstance(p, dict) and p.get("machine") for p in parts.values())
-    )
-    if not (isinstance(machine, dict) and machine) and not per_part:
+    if not (isinstance(machine, dict) and machine):
         gaps.append("no machine")
     return "; ".join(gaps) or None
 

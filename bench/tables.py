@@ -925,17 +925,21 @@ def overlap_throughput_table(records: Records) -> str:
 @block("records")
 def records_table(records: Records) -> str:
     """Every committed record: what made it (command, commit, machine) and, for older ones, what it lacks."""
-    from records import KNOWN_GAPS
+    from records import KNOWN_GAPS, runs_of_parts
 
     rows = []
     for name in records.names():
         x = records(name)
-        m = x.get("machine") or {}
-        machine = m.get("name") or (f"{m['cpus']} CPU cores, load {m['load_avg_1_5_15'][0]}" if "cpus" in m else "")
-        when = m.get("when", x.get("when", ""))
         gap = KNOWN_GAPS.get(name, "")
         if x.get("provenance_note"):
             gap += " (see its provenance_note)"
+        if parts := runs_of_parts(x):  # each part its own run: the record last changed with its newest part
+            when = max(str((p.get("machine") or {}).get("when", "")) for p in parts)
+            rows.append([f"`{name}.json`", "per part (its `modules`)", "per part", "per part", when[:16], gap])
+            continue
+        m = x.get("machine") or {}
+        machine = m.get("name") or (f"{m['cpus']} CPU cores, load {m['load_avg_1_5_15'][0]}" if "cpus" in m else "")
+        when = m.get("when", x.get("when", ""))
         command = x.get("command", "")
         rows.append(
             [

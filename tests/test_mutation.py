@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 import mutation  # noqa: E402
+from records import provenance_gap  # noqa: E402
 
 MERGE, ROUNDS = "spes/sync/merge.py", "spes/sync/rounds.py"
 
@@ -127,3 +128,38 @@ def test_an_equivalent_mutant_that_timed_out_is_left_out_of_the_score_without_eq
     ]
     result = mutation.summary("m.py", (), found, survivors, 1.0, True)
     assert (result["score"], result["score_without_equivalent"]) == (round(2 / 3, 4), 0.5)
+
+
+def test_each_module_names_the_command_that_ran_it_and_one_from_before_keeps_its_record(
+    runs: list, tmp_path: Path
+) -> None:
+    """The record holds many runs: each module's part names its own (the file's one `command` named the last run
+    only). A part written before parts named their command keeps none: which command wrote it is not known."""
+    out = tmp_path / "mutation.json"
+    older = {"commit": "a" * 40, "machine": {"cpus": 2}, "complete": True, "survivors": []}
+    out.write_text(
+        json.dumps({"command": "python bench/mutation.py x", "commit": "b" * 40, "modules": {ROUNDS: older}})
+    )
+    mutation.main([MERGE, "--timeout_min", "5", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["modules"][MERGE]["command"] == (
+        f"{Path(sys.executable).name} bench/mutation.py {MERGE} --timeout_min 5 --out {out}"
+    )
+    assert record["modules"][ROUNDS] == older
+    assert sorted(record) == ["modules", "tool"] and out.read_text() == json.dumps(record, indent=1) + "\n"
+    assert provenance_gap(record) is None
+
+
+def test_a_mutants_location_is_the_line_it_changes_in_a_method_as_in_a_function(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """mutmut shows a method's mutant dedented out of its class: matched as it was, every method's mutant was placed
+    at its def line."""
+    (tmp_path / "m.py").write_text(
+        "class C:\n    def f(self):\n        x = 1\n        return x\n\n\ndef g():\n    x = 1\n    return x\n"
+    )
+    monkeypatch.setattr(mutation, "REPO_ROOT", tmp_path)
+    dedented = "--- m.py\n+++ m.py\n@@ -1 +1 @@\n def f(self):\n-    x = 1\n+    x = 2\n     return x"
+    assert mutation.location("m.py", "m.xǁCǁf__mutmut_1", dedented) == "m.py:3 (f)"
+    function = "--- m.py\n+++ m.py\n@@ -1 +1 @@\n def g():\n-    x = 1\n+    x = 2\n     return x"
+    assert mutation.location("m.py", "m.x_g__mutmut_1", function) == "m.py:8 (g)"

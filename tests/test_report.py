@@ -55,6 +55,9 @@ def test_every_record_names_its_command_commit_and_machine() -> None:
     assert gaps == KNOWN_GAPS
 
 
+RUN = {"command": "python bench/x.py", "commit": "a" * 40, "machine": {"cpus": 2}}
+
+
 @pytest.mark.parametrize(
     ("record", "gap"),
     [
@@ -67,6 +70,15 @@ def test_every_record_names_its_command_commit_and_machine() -> None:
         ({"commit": "a" * 40, "machine": {"cpus": 2}}, "no command"),
         ({"command": "x", "commit": "58a7846 + a change", "machine": {}}, "commit not a full hash; no machine"),
         ({"command": "x", "machine": {"cpus": 2}}, "no commit"),
+        # a record of parts run apart (mutation testing): each part its own run's; one from before parts named their
+        # command has none
+        ({"modules": {"a": {"commit": "a" * 40, "machine": {"cpus": 2}}, "b": {**RUN}}}, None),
+        (
+            {"modules": {"a": {**RUN, "command": ""}, "b": {**RUN, "commit": "a" * 40 + "-dirty"}}},
+            ("dirty tree, diff not kept; no command"),
+        ),
+        ({"modules": {"a": {**RUN, "machine": {}}, "b": {"commit": "x"}}}, "commit not a full hash; no machine"),
+        ({"command": "x", "commit": "a" * 40, "modules": {"a": {"lines": 3}}}, "no machine"),  # parts, not runs
     ],
 )
 def test_a_record_without_its_provenance_is_named(record: dict, gap: str | None) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from conftest import wait_until
 from spes.config import ServerSection
+from spes.sync import closing
 from spes.sync.coordinator import Coordinator
 from spes.sync.fragments import WHOLE, merge_step
 from spes.sync.merge import build_global, round_alpha
@@ -93,11 +94,14 @@ def test_a_round_through_the_coordinator_alone() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keeps_the_rest() -> None:
+def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keeps_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Rounds every 2 steps over 2 fragments (sync_steps 4), then a whole round: each round's download is the
     aggregate of its fragment's uploads only, merged with the warm-up of the whole round it stands in for (the
     whole round merges only fragment 2, whose turn step 6 is), and the server's global model keeps the other
     fragment's values of the round before."""
+    caplog.set_level(logging.INFO, "spes.server")
     merge = ServerSection(merge_interval=4, merge_alpha_start=0.5, merge_decay_steps=100)
     spec = tiny_spec(overlap_fragments=2, sync_steps=4, server=merge)
     layout = spec.layout
@@ -134,6 +138,11 @@ def test_a_fragments_round_covers_its_tensors_merges_as_its_whole_round_and_keep
                 assert whole is not None and sorted(whole.info.names) == sorted(held)
                 assert all(torch.equal(whole.tensors[n], held[n]) for n in held)
         assert sorted(held) == sorted(MANIFEST)
+    assert [m.split(", aggregation ")[0] for m in caplog.messages if " complete: " in m] == [
+        "round 2 (fragment 1 of 2) complete: peers 2",
+        "round 4 (fragment 2 of 2) complete: peers 2",
+        "round 6 complete: peers 2",
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -215,6 +224,7 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
     """The round's file cannot be written (here `--state_dir` became a file): the waiting peers are told where and
     what to do, nothing is published, round 1 stays the latest on disk and in memory; once the directory is
     writable again the same uploads complete the round, which is then persisted."""
+    caplog.set_level(logging.INFO, "spes.server")
     state_dir = tmp_path / "state"
     with joined(state_dir=str(state_dir)) as service:
         for step in (1, 2):
@@ -239,7 +249,8 @@ def test_a_round_that_cannot_be_saved_is_refused_naming_the_state_dir_and_can_be
         with service.downloads.serve(0, 2, False, lambda: True, 30.0) as second:
             assert second is not None
         assert load_round(state_dir, service.spec).step == 2  # type: ignore[union-attr]
-    caplog.set_level(logging.INFO, "spes.server")
+    persisted = [m for m in caplog.messages if m.startswith("round 2 complete: ")]
+    assert len(persisted) == 1 and ", persisted, merged no; since round 1: " in persisted[0]
     with running(coordinator(SPEC, state_dir=str(state_dir))) as restarted:  # a restarted server resumes from round 2
         assert (
             restarted.status().current_round == 2
@@ -405,6 +416,7 @@ def test_a_download_says_its_round_and_peers_and_ends_when_the_server_stops_or_t
 def test_a_download_waiting_past_the_round_timeout_closes_a_quorum_round_with_the_peers_that_came(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, "spes.server")
     quorum = ServerSection(merge_interval=0, dead_peer_policy="quorum", round_timeout_s=0.5, min_peers=1)
     spec = replace(SPEC, server=quorum)
     with joined(spec) as service:
@@ -419,32 +431,294 @@ def test_a_download_waiting_past_the_round_timeout_closes_a_quorum_round_with_th
         assert 0.4 < time.monotonic() - start < 15  # the round's 0.5 s timeout, not the download's own 30 s
         assert "round 2 timed out: closing it with peers [0] (server.dead_peer_policy quorum)" in caplog.messages
         assert service.status().current_round == 2
+    lines = [m.split(" s, ", 1) for m in caplog.messages if " complete: " in m]
+    assert [(head.split(", aggregation ")[0], tail.split(";")[0]) for head, tail in lines] == [
+        ("round 1 complete: peers 2", "merged no"),
+        ("round 2 complete: peers 1 (quorum, missing [1])", "merged no"),
+    ]
 
 
 @pytest.mark.timeout(60)
 def test_a_rounds_log_line_says_what_its_bytes_are_and_since_when(caplog: pytest.LogCaptureFixture) -> None:
     """Round 1's line read `in 4.6 MiB, out 0.0 MiB (since last round)`, as if it had served nothing: what goes out
-    between two lines is the previous round's downloads. And `merged no, alpha 0`: the alpha only where it ran."""
+    between two lines is the previous round's downloads. And `merged no, alpha 0`: the alpha only where it ran.
+    A model of half a MiB an upload, so that each line's bytes in show (a tiny one's read 0.0 whatever they were)."""
     merge = ServerSection(merge_interval=2, merge_alpha_start=0.5, merge_decay_steps=100)
-    spec = tiny_spec(server=merge)
+    spec = tiny_spec(server=merge, d=64, f=64)
 
     def completes() -> list[str]:
         return [m for m in caplog.messages if " complete: " in m]
 
     with joined(spec) as service:
         caplog.set_level(logging.INFO, "spes.server")
-        for step in (1, 2):
+        for step in (1, 2, 3):
             for peer in range(2):
                 service.uploads.receive(peer, step, feeding(peer_upload(spec, peer, seed=step)))
             # NOTE: the line is logged on the closer's thread once published: a download may finish first
             wait_until(lambda n=step: len(completes()) == n, f"round {step}'s line (logged once it is published)")
             with service.downloads.serve(0, step, False, lambda: True, 30.0) as outgoing:
                 assert outgoing is not None
-                outgoing.sent = 3 * 2**20
+                outgoing.sent = step * 2**20
         upload = sum(t.numel() * 4 for t in peer_upload(spec, 0, seed=1).values()) * 2 / 2**20
+        assert upload > 0.5
         lines = [m.split(": peers 2, aggregation ")[1] for m in completes()]
         assert [line.split(" s, ", 1)[1] for line in lines] == [
             f"merged no; since the server started: {upload:.1f} MiB in (uploads), 0.0 MiB out (downloads)",
             f"merged yes (alpha {round_alpha(2, 'spes', merge):.6g}); since round 1: {upload:.1f} MiB in (uploads), "
-            "3.0 MiB out (downloads)",
+            "1.0 MiB out (downloads)",
+            f"merged no; since round 2: {upload:.1f} MiB in (uploads), 2.0 MiB out (downloads)",
         ]
+
+
+@pytest.mark.timeout(60)
+def test_a_dry_join_checks_the_run_and_registers_nothing_and_a_join_says_where_the_run_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A preflight's Join is answered as one (no round, the data port, whether the model was checked against the
+    run's manifest) and leaves no peer joined; a real Join gets the run's rounds, its data port and its run id."""
+    caplog.set_level(logging.INFO, "spes.server")
+    with running(coordinator(SPEC)) as service:
+        assert service.join(join_request(0, SPEC), **JOIN).data_port == 0  # type: ignore[arg-type]  # no data plane
+        service.data_port = 4567
+        dry = join_request(1, SPEC)
+        dry.dry_run = True
+        reply = service.join(dry, session="s1", address="there", common_name=lambda: None)
+        assert (reply.current_round, reply.open_round, reply.data_port, reply.run_id) == (-1, -1, 4567, service.run_id)
+        assert reply.dry_run and reply.manifest_checked and list(service.status().peers_joined) == [0]
+        assert "preflight of peer 1: its settings and model match the run" in caplog.messages
+        assert "peer 0 joined from test (codec fp32)" in caplog.messages
+        service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)))
+        again = service.join(join_request(1, SPEC), session="s1", address="there", common_name=lambda: None)
+        assert (again.current_round, again.open_round, again.data_port, again.run_id) == (-1, 1, 4567, service.run_id)
+        service.uploads.receive(1, 1, feeding(peer_upload(SPEC, 1, seed=1)))
+        completed_round(service, 1)
+        later = service.join(join_request(0, SPEC, run_id=service.run_id), **JOIN)  # type: ignore[arg-type]
+        assert (later.current_round, later.open_round) == (1, -1)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_without_the_runs_manifest_takes_the_first_joins_and_a_dry_join_says_it_had_none(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "spes.server")
+    bare = replace(SPEC, manifest=None)
+    with running(coordinator(bare)) as service:
+        dry = join_request(0, SPEC)
+        dry.dry_run = True
+        assert not service.join(dry, **JOIN).manifest_checked  # type: ignore[arg-type]
+        assert service.spec.manifest is None  # a dry run takes nothing either
+        service.join(join_request(0, SPEC), **JOIN)  # type: ignore[arg-type]
+        assert service.spec.manifest == MANIFEST
+        took = f"took the model manifest ({len(MANIFEST)} tensors) and sync_steps from peer 0"
+        assert caplog.messages.count(took) == 1
+        service.join(join_request(1, SPEC), session="s1", address="test", common_name=lambda: None)
+        assert caplog.messages.count(took) == 1 and service.spec.manifest == MANIFEST
+
+
+@pytest.mark.timeout(60)
+def test_status_says_the_run_its_open_round_and_who_is_there(tmp_path: Path) -> None:
+    """Every field of Status a dashboard or `spes.status` reads, through a round: the run, its mode and policy, the
+    open round's age and missing peers, the rounds completed, and each peer's presence."""
+    with running(coordinator(SPEC)) as service:
+        fresh = service.status()
+        assert (fresh.mode, fresh.run_id, fresh.persistent, fresh.rounds_completed) == (
+            "spes",
+            service.run_id,
+            False,
+            0,
+        )
+        assert fresh.run_id and fresh.dead_peer_policy == SPEC.server.dead_peer_policy and list(fresh.presence) == []
+        for peer in range(2):
+            service.join(join_request(peer, SPEC), session=f"s{peer}", address="test", common_name=lambda: None)
+        ended = service.presence(1, "s1", service.run_id, "there", lambda: None)
+        service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)))
+        time.sleep(0.05)
+        waiting = service.status()
+        assert (waiting.open_round, list(waiting.missing_peers), list(waiting.peers_uploaded)) == (1, [1], [0])
+        assert waiting.open_round_age_s >= 0.05
+        heard, present = waiting.presence  # peer 0 was last heard from at its join; peer 1's stream is open
+        assert (heard.peer, heard.connected, present.peer, present.last_seen_s, present.connected) == (
+            0,
+            False,
+            1,
+            0,
+            True,
+        )
+        assert heard.last_seen_s >= 0.05
+        ended()
+        time.sleep(0.05)
+        [gone] = [p for p in service.status().presence if p.peer == 1]
+        assert not gone.connected and gone.last_seen_s >= 0.05
+        service.uploads.receive(1, 1, feeding(peer_upload(SPEC, 1, seed=1)))
+        completed_round(service, 1)
+        done = service.status()
+        assert (done.rounds_completed, done.open_round, list(done.missing_peers)) == (1, -1, [])
+        for peer in range(2):
+            service.uploads.receive(peer, 2, feeding(peer_upload(SPEC, peer, seed=2)))
+        completed_round(service, 2)
+        assert service.status().rounds_completed == 2
+    with running(coordinator(SPEC, state_dir=str(tmp_path))) as kept:
+        assert kept.status().persistent and kept.status().run_id == kept.run_id
+
+
+@pytest.mark.timeout(60)
+def test_the_server_says_what_it_waits_for_while_it_waits_and_stops_saying_it_when_stopped(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every REPORT_S while peers are yet to join or a round is open, a `waiting:` line saying for what and whom;
+    none while every peer is in and no round is open, and none once the server stops."""
+    monkeypatch.setattr("spes.sync.coordinator.REPORT_S", 0.05)
+    caplog.set_level(logging.INFO, "spes.server")
+
+    def waiting() -> list[str]:
+        return [m for m in caplog.messages if m.startswith("waiting: ")]
+
+    before = set(threading.enumerate())
+    service = coordinator(SPEC)
+    with running(service):
+        service.join(join_request(0, SPEC), **JOIN)  # type: ignore[arg-type]
+        wait_until(lambda: len(waiting()) >= 2, "two lines while peer 1 is yet to join")
+        assert waiting()[-1] == (
+            f"waiting: run {service.run_id}: no round completed yet; 1 of 2 peers joined (peer 1 never joined)"
+        )
+        service.join(join_request(1, SPEC), session="s1", address="test", common_name=lambda: None)
+        time.sleep(0.3)  # a line being written as peer 1 joined
+        caplog.clear()
+        time.sleep(0.3)
+        assert waiting() == []
+        service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)))
+        wait_until(lambda: len(waiting()) >= 2, "two lines while round 1 is open")
+        assert waiting()[-1].startswith(f"waiting: run {service.run_id}: round 1 open for 0 s, uploaded by [0], ")
+    time.sleep(0.3)  # a line being written as the server stopped
+    caplog.clear()
+    time.sleep(0.3)
+    assert waiting() == []
+    assert [t for t in set(threading.enumerate()) - before if t.name == "spes-status-report"] == []
+
+
+@pytest.mark.timeout(60)
+def test_the_status_reporter_is_a_named_daemon_thread() -> None:
+    """A server left running (a test that fails, an embedding process) must not keep its process alive; the name says
+    in a thread dump what it is."""
+    before = set(threading.enumerate())
+    with running(coordinator(SPEC)):
+        [reporter] = [t for t in set(threading.enumerate()) - before if t.name == "spes-status-report"]
+        assert reporter.daemon
+
+
+@pytest.mark.timeout(60)
+def test_a_presence_stream_holds_its_peer_id_until_it_ends_and_one_of_another_run_is_refused_and_told(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A presence stream registers its process as the peer (a Join of another process is refused naming where it
+    runs) until it ends; one of another run is refused (other_run) and the server warns from where."""
+    with running(coordinator(SPEC, peer_liveness=0.2)) as service:
+        ended = service.presence(0, "s0", service.run_id, "node-a:1", lambda: None)
+        assert [(p.peer, p.connected) for p in service.status().presence] == [(0, True)]
+        time.sleep(0.3)  # past the liveness: only the open stream keeps the peer id
+        with pytest.raises(Refused, match="peer_id 0 is already joined by a live process at node-a:1; this join came "):
+            service.join(join_request(0, SPEC), session="other", address="node-b:2", common_name=lambda: None)
+        service.join(join_request(0, SPEC), session="s0", address="node-a:1", common_name=lambda: None)
+        ended()
+        assert [(p.peer, p.connected) for p in service.status().presence] == [(0, False)]
+        time.sleep(0.3)
+        service.join(join_request(0, SPEC), session="other", address="node-b:2", common_name=lambda: None)
+        with pytest.raises(Refused) as err:
+            service.presence(1, "s1", "another-run", "node-c:3", lambda: None)
+        assert (err.value.reason, str(err.value)) == (
+            Reason.OTHER_RUN,
+            f"peer 1 belongs to run another-run (its checkpoint or spes_config.run_id), but this server holds run "
+            f"{service.run_id} (no round yet): restart the server with that run's --state_dir, or start the node "
+            "fresh (without --resume) for this one",
+        )
+        assert f"refused a presence stream from node-c:3: {err.value}" in caplog.messages
+        assert [p.peer for p in service.status().presence] == [0]
+        for _ in range(10):  # a leftover process retrying: 10 lines a window, then a count of what was left out
+            with pytest.raises(Refused):
+                service.presence(1, "s1", "another-run", "node-c:3", lambda: None)
+        service.join(join_request(1, SPEC), session="s1", address="x", common_name=lambda: None)
+        for peer in range(2):
+            service.uploads.receive(peer, 1, feeding(peer_upload(SPEC, peer, seed=1)))
+        completed_round(service, 1)
+        with pytest.raises(Refused, match=f"peer 1 starts a fresh run, but this server holds run {service.run_id} at "):
+            service.presence(1, "s1", "", "node-d:4", lambda: None)  # a fresh node, once the run has a round
+    refused = [m for m in caplog.messages if m.startswith("refused a presence stream from ")]
+    assert len(refused) == 10 and caplog.messages[-1].startswith("2 more 'presence' warnings left out in ")
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_is_counted_against_its_peer_and_refused_once_its_process_was_replaced() -> None:
+    """Each Upload/Download stream takes one of its peer's `--max_streams_per_peer` slots; a stream of a process
+    whose peer id another process has since taken is refused (superseded), as is any once the server stops."""
+    with joined(max_streams_per_peer=1) as service:
+        service.open_stream(service.guard.admit(None), 0, "s0", lambda: None)
+        service.open_stream(service.guard.admit(None), 1, "s1", lambda: None)
+        with pytest.raises(Refused, match="peer 0 already has --max_streams_per_peer=1 streams open") as err:
+            service.open_stream(service.guard.admit(None), 0, "s0", lambda: None)
+        assert err.value.reason == Reason.BUSY
+    with joined(peer_liveness=0.1) as service:
+        time.sleep(0.2)
+        service.join(join_request(0, SPEC), session="new", address="elsewhere", common_name=lambda: None)
+        with pytest.raises(Refused, match="peer_id 0 has been taken over by another process at elsewhere") as err:
+            service.open_stream(service.guard.admit(None), 0, "s0", lambda: None)
+        assert err.value.reason == Reason.SUPERSEDED
+        service.open_stream(service.guard.admit(None), 0, "new", lambda: None)
+        service.shutdown(grace_s=1.0)
+        with pytest.raises(Refused) as err:
+            service.open_stream(service.guard.admit(None), 1, "s1", lambda: None)
+        assert err.value.reason == Reason.SHUTTING_DOWN
+
+
+@pytest.mark.timeout(60)
+def test_with_tls_peer_ids_every_call_must_come_with_its_peers_certificate() -> None:
+    """A Join, a stream and a presence stream naming a peer other than the caller's certificate's are refused."""
+    tls = {"tls_cert": "c.pem", "tls_key": "k.pem", "tls_client_ca": "ca.pem", "tls_peer_ids": True}
+    with running(coordinator(SPEC, **tls)) as service:
+        for call in (
+            lambda: service.join(join_request(0, SPEC), session="s0", address="a", common_name=lambda: "peer-1"),
+            lambda: service.open_stream(service.guard.admit(None), 0, "s0", lambda: "peer-1"),
+            lambda: service.presence(0, "s0", service.run_id, "a", lambda: "peer-1"),
+        ):
+            with pytest.raises(Refused, match="a call for peer 0 came with ") as err:
+                call()
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        service.join(join_request(0, SPEC), session="s0", address="a", common_name=lambda: "peer-0")
+        service.open_stream(service.guard.admit(None), 0, "s0", lambda: "peer-0")
+        service.presence(0, "s0", service.run_id, "a", lambda: "peer-0")()
+
+
+@pytest.mark.timeout(60)
+def test_the_stream_limits_are_the_deploys_flags_with_the_rate_floor_in_bytes() -> None:
+    """--min_stream_rate is KiB/s; the stream guard counts bytes."""
+    limits = {"stream_idle_timeout": 7.0, "max_streams": 5, "max_streams_per_peer": 3, "min_stream_rate": 2.0}
+    with running(coordinator(SPEC, **limits)) as service:
+        guard = service.guard
+        assert (guard.idle_timeout_s, guard.max_streams, guard.max_per_peer, guard.min_rate) == (7.0, 5, 3, 2048.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_stopping_server_waits_for_a_running_aggregation_no_longer_than_its_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A round whose aggregation hangs (a stalled disk, a huge model) must not hold the server's stop past its
+    grace: the process has to end within what its supervisor allows."""
+    release, building = threading.Event(), threading.Event()
+    build_round = closing.build_round
+
+    def stalled(*args, **kwargs):  # type: ignore[no-untyped-def]
+        building.set()
+        release.wait(30)
+        return build_round(*args, **kwargs)
+
+    monkeypatch.setattr(closing, "build_round", stalled)
+    with joined() as service:
+        for peer in range(2):
+            service.uploads.receive(peer, 1, feeding(peer_upload(SPEC, peer, seed=1)))
+        assert building.wait(10)
+        stop = threading.Thread(target=service.shutdown, args=(0.2,))
+        stop.start()
+        stop.join(10)
+        stopped = not stop.is_alive()
+        release.set()
+        stop.join(30)
+        assert stopped, "the stop waited for the aggregation past its grace"
