@@ -3,6 +3,7 @@ checkpoint of another config, and resuming on a different number of ranks (2 -> 
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -844,3 +845,46 @@ def test_trainer_state_reads_what_the_latest_save_recorded(tmp_path: Path) -> No
     (tmp_path / LATEST).write_text("step2")
     assert trainer_state(tmp_path) == {"step": 2, "tokens": 200, "data": {"epoch": 0}}
     assert trainer_state(tmp_path / "step4") == {"step": 4, "tokens": 400, "data": {"epoch": 0}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A disk that fills up
+
+
+def _save_into_a_filling_disk(folder: str, sharded: bool) -> None:
+    """Child of the test below: a first checkpoint, then a second one that finds no room (a file-size limit)."""
+    from disk_helpers import cap_file_size, print_failure
+
+    cfg, model, optimizer = _node()
+    kwargs: dict[str, Any] = {"trainer_state": {"step": 1}, "config": to_dict(cfg), "sharded": sharded, "keep": 1}
+    save(folder, 1, model, optimizer, **kwargs)
+    cap_file_size(4096)  # every checkpoint has a bigger file
+    try:
+        save(folder, 2, model, optimizer, **kwargs)
+    except BaseException as e:  # noqa: BLE001 -- the test judges it
+        print_failure(e)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_save_that_finds_no_room_fails_in_one_line_keeping_the_last_checkpoint(tmp_path: Path, sharded: bool) -> None:
+    """A full disk (here: a file-size limit, EFBIG; ENOSPC alike) fails the save as one OSError naming the save folder,
+    the checkpoint `latest` still names and the fix; nothing of the failed save is left. Safetensors reported it as its
+    own SafetensorError (a traceback, exit 1), DCP as a CheckpointException (leaving its temporary directory)."""
+    from disk_helpers import run_child
+
+    folder = tmp_path / "run"
+    proc, failure = run_child(
+        f"import test_checkpoint; test_checkpoint._save_into_a_filling_disk({str(folder)!r}, {sharded})"
+    )
+    assert failure is not None, proc.stderr
+    first = "step1-sharded" if sharded else "step1"
+    assert failure["type"] == "OutOfRoom" and failure["errno"] == errno.EFBIG
+    assert failure["message"] == (
+        f"cannot save the checkpoint of step 2 in {folder}: file too large; nothing of this save was kept "
+        f"({folder / LATEST} still names {first}); free space on that disk or point save_folder at another one, then "
+        "continue with --resume=auto"
+    )
+    assert sorted(p.name for p in folder.iterdir()) == [LATEST, first]
+    assert load_checkpoint(folder).path == folder / first
