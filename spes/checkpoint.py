@@ -689,7 +689,8 @@ def unshard(sharded: str | Path, out_dir: str | Path) -> Path:
     """Turn a sharded checkpoint (or a save folder whose `latest` is one) into an unsharded checkpoint at `out_dir`.
 
     The result has the same model, optimizer and trainer state, loads with `load_checkpoint` and resumes
-    training with any number of ranks. `out_dir` must not exist yet; it appears complete or not at all.
+    training with any number of ranks. `out_dir` must not exist yet; it appears complete or not at all (OutOfRoom
+    naming it when its disk fills up).
     """
     src = resolve_checkpoint(sharded)
     out = Path(out_dir)
@@ -700,7 +701,8 @@ def unshard(sharded: str | Path, out_dir: str | Path) -> Path:
         suggestion = src.parent / src.name.removesuffix(SHARDED_SUFFIX)
         raise FileExistsError(f"{out} already exists; choose a new directory (e.g. {suggestion})")
     ckpt = load_checkpoint(src)
-    with staging_dir(out) as tmp:
+    fix = "nothing half-written is left; free space on that disk or choose another directory"
+    with room_for(f"cannot write the unsharded checkpoint {out}", fix), staging_dir(out) as tmp:
         write_unsharded(
             tmp,
             int(meta["step"]),

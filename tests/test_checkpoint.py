@@ -888,3 +888,23 @@ def test_a_save_that_finds_no_room_fails_in_one_line_keeping_the_last_checkpoint
     )
     assert sorted(p.name for p in folder.iterdir()) == [LATEST, first]
     assert load_checkpoint(folder).path == folder / first
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_unsharding_into_a_disk_that_fills_up_fails_in_one_line_leaving_nothing(tmp_path: Path) -> None:
+    """`python -m spes.unshard` into a full disk (a file-size limit here): one line naming the directory, exit 2, no
+    half-written one (it was safetensors' traceback, exit 1)."""
+    from disk_helpers import run_child
+
+    cfg, model, optimizer = _node()
+    _save_sharded(tmp_path / "run", 1, cfg, model, optimizer)
+    out = tmp_path / "unsharded"
+    code = "import sys, disk_helpers, spes.unshard; disk_helpers.cap_file_size(4096); "
+    proc, _ = run_child(code + f"sys.exit(spes.unshard.main([{str(tmp_path / 'run')!r}, {str(out)!r}]))")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: cannot write the unsharded checkpoint {out}: file too large; nothing half-written is left; free space "
+        "on that disk or choose another directory"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
