@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from disk_helpers import cap_file_size, print_failure, run_child
 from spes.atomic import (
     LockHeld,
     OutOfRoom,
@@ -163,8 +164,6 @@ def _write_past_a_size_limit(target: str) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from disk_helpers import cap_file_size, print_failure
-
     cap_file_size(4096)
     try:
         write_atomic(target, lambda tmp: save_file({"x": np.zeros(4096)}, tmp))
@@ -177,8 +176,6 @@ def _write_past_a_size_limit(target: str) -> None:
 def test_a_library_writer_that_finds_no_room_fails_as_an_oserror_of_the_target(tmp_path: Path) -> None:
     """A writer function whose library reports a full disk in its own exception (safetensors' SafetensorError) fails
     `write_atomic` as the OSError it stands for, so callers that handle a full disk (the server's round) handle it."""
-    from disk_helpers import run_child
-
     target = tmp_path / "round-10.safetensors"
     proc, failure = run_child(f"import test_atomic; test_atomic._write_past_a_size_limit({str(target)!r})")
     assert failure == {

@@ -37,6 +37,7 @@ from data_fixtures import (
     write_documents,
     write_lines,
 )
+from disk_helpers import cap_file_size, run_child
 from spes import corpus
 from spes.data import TokenSequenceDataset
 from spes.shards import read_shard_info, resolve_paths, sidecar_path
@@ -1251,8 +1252,6 @@ def test_each_sidecar_names_the_input_chunk_and_token_its_shard_ends_before(
 
 def _tokenize_past_a_size_limit(argv: list[str]) -> None:
     """Child of the test below: tokenize_data.py whose files cannot grow past 256 bytes (a shard here has 400)."""
-    from disk_helpers import cap_file_size
-
     cap_file_size(256)
     sys.exit(corpus.tokenize_main(argv))
 
@@ -1265,8 +1264,6 @@ def test_a_shard_that_finds_no_room_fails_in_one_line_and_a_resume_with_room_com
     """A full disk (here a file-size limit, EFBIG) is named with --output_prefix, the shard, what is kept and the fix,
     no partial shard is left, and --resume once there is room writes what an uninterrupted run writes. Shards used to
     be written through a memmap, which a really full disk answers with SIGBUS: the process died without a word."""
-    from disk_helpers import run_child
-
     _two_files(tmp_path)
     args = ["--file_glob", str(tmp_path / "*.jsonl*"), "--tokenizer_name_or_path", str(tokenizer.path.parent)]
     args += ["--batch_size", "3", "--max_shard_bytes", "400", "--output_prefix"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tensorboard_scalars
+from disk_helpers import cap_file_size, print_failure, run_child
 from spes.config import TensorBoardConfig, TrainConfig, WandbConfig
 from spes.schema import ConfigError
 from spes.tracking import TensorBoardTracker, Trackers, WandbTracker, olmo_aliases
@@ -261,8 +262,6 @@ def test_wandb_starts_in_a_save_folder_not_made_yet_with_the_configs_entity_and_
 
 def _log_to_tensorboard_past_a_size_limit(log_dir: str) -> None:
     """Child of the test below: TensorBoard event files that stop growing at 1 KiB; the error the logging meets."""
-    from disk_helpers import cap_file_size, print_failure
-
     tracker = TensorBoardTracker(TrainConfig(tensorboard=TensorBoardConfig(log_dir=log_dir)))
     cap_file_size(1024)
     try:
@@ -283,8 +282,6 @@ def test_tensorboard_on_a_disk_that_fills_up_fails_in_one_line_naming_its_folder
     OutOfRoom naming the event files' folder and the fix, with no thread traceback printed above it (there was one,
     then `OSError: [Errno 28] No space left on device` named nothing)."""
     pytest.importorskip("tensorboard")
-    from disk_helpers import run_child
-
     log_dir = tmp_path / "tb"
     proc, failure = run_child(
         f"import test_tracking; test_tracking._log_to_tensorboard_past_a_size_limit({str(log_dir)!r})"
