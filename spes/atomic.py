@@ -13,8 +13,10 @@ key and certificate files are the user's own).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -22,6 +24,49 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ASIDE = ".old-"  # `.<name>.old-<pid>`: a published directory's previous copy while it is being replaced
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""A write refused for want of room: a full disk, a full quota, a file-size limit (`ulimit -f`)."""
+_LIBRARY_ERRNO = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors) name the errno of an I/O error
+
+
+def os_errno(error: BaseException) -> int | None:
+    """The errno behind `error`: an OSError's, or the one a library's own I/O error names only in its text
+    (safetensors: `I/O error: No space left on device (os error 28)`); None when it names none."""
+    if isinstance(error, OSError):
+        return error.errno
+    found = _LIBRARY_ERRNO.search(str(error))
+    return int(found[1]) if found else None
+
+
+def library_os_error(error: BaseException, path: str | os.PathLike[str]) -> OSError | None:
+    """The OSError of `path` that a library's own I/O error stands for (its errno kept), so that a caller handling
+    OSError handles it too; None when `error` is an OSError already or names no errno."""
+    code = os_errno(error)
+    if isinstance(error, OSError) or code is None:
+        return None
+    return OSError(code, os.strerror(code), str(path))
+
+
+class OutOfRoom(OSError):
+    """A write that found no room (NO_ROOM); its message names what was being written, where, and what to do."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+@contextlib.contextmanager
+def room_for(what: str, fix: str) -> Iterator[None]:
+    """Turn running out of room in the block (any of NO_ROOM, raised by Python or by a library) into one OutOfRoom
+    saying `<what>: <the errno's text>; <fix>`: the one line a user needs, where the errno alone names no file."""
+    try:
+        yield
+    except OutOfRoom:
+        raise
+    except Exception as e:
+        code = os_errno(e)
+        if code not in NO_ROOM:
+            raise
+        raise OutOfRoom(code, f"{what}: {os.strerror(code).lower()}; {fix}") from e
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:
@@ -64,7 +109,12 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str | Callable[[str
             if not callable(data):
                 f.write(data.encode() if isinstance(data, str) else data)
         if callable(data):
-            data(tmp)
+            try:
+                data(tmp)
+            except Exception as e:
+                if (os_error := library_os_error(e, path)) is None:
+                    raise
+                raise os_error from e
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.chmod(tmp, umask_mode())  # NOTE: mkstemp creates 0600 files, hidden from the cluster's other users

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -41,7 +42,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from spes.atomic import publish_dir, staging_dir
+from spes.atomic import NO_ROOM, os_errno, publish_dir, room_for, staging_dir
 from spes.distributed import all_ranks_ok, barrier, is_dtensor, process_rank, process_world_size, unwrap
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.save_folder import (
@@ -52,6 +53,7 @@ from spes.save_folder import (
     SHARDED_SUFFIX,
     CheckpointError,
     Keep,
+    no_room_fix,
     point_latest,
     remove_stale_temporaries,
     resolve_checkpoint,
@@ -246,10 +248,12 @@ def save_sharded_checkpoint(
         tmp.mkdir()
     barrier()
     flat, groups = training_state(model, _stepped(optimizer))
-    import torch.distributed.checkpoint as dcp
-
-    with _single_process_quiet():
-        dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    try:
+        _write_shards(flat, tmp)
+    except BaseException:
+        if main:  # NOTE: DCP fails a save on every rank at once: no rank writes into `tmp` any more
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     del flat
     ok, error = True, None
     if main:
@@ -277,6 +281,23 @@ def save_sharded_checkpoint(
     return final
 
 
+def _write_shards(flat: dict[str, torch.Tensor], tmp: Path) -> None:
+    """This rank's shards of `flat` into `tmp` (a collective). A rank that finds no room fails the save on every
+    rank as the OSError it met, not as DCP's exception that wraps every rank's traceback."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _single_process_quiet():
+            dcp.save(flat, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
+    except CheckpointException as e:
+        codes = [os_errno(error) for error, _ in e.failures.values()]
+        code = next((c for c in codes if c in NO_ROOM), None)
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(tmp)) from e
+
+
 def save(
     save_folder: str | Path,
     step: int,
@@ -294,8 +315,25 @@ def save(
     A collective when a process group exists: every rank calls it. `sharded`: every rank writes its shards
     (`step<N>-sharded/`); else the whole state is gathered to the main rank, which writes `step<N>/`. The main
     rank writes the `extra` files into either kind. The checkpoint's path, or None on the ranks that wrote no
-    unsharded checkpoint.
+    unsharded checkpoint. A full disk (or quota, or file-size limit) fails it as one OutOfRoom naming the save folder,
+    what it still holds and what to do.
     """
+    with room_for(f"cannot save the checkpoint of step {step} in {save_folder}", no_room_fix(save_folder)):
+        return _save(save_folder, step, model, optimizer, trainer_state, config, sharded, keep, extra)
+
+
+def _save(
+    save_folder: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+    sharded: bool,
+    keep: Keep,
+    extra: Extra | None,
+) -> Path | None:
+    """`save`, its full disk not yet named."""
     if sharded:
         return save_sharded_checkpoint(
             save_folder,
@@ -651,7 +689,8 @@ def unshard(sharded: str | Path, out_dir: str | Path) -> Path:
     """Turn a sharded checkpoint (or a save folder whose `latest` is one) into an unsharded checkpoint at `out_dir`.
 
     The result has the same model, optimizer and trainer state, loads with `load_checkpoint` and resumes
-    training with any number of ranks. `out_dir` must not exist yet; it appears complete or not at all.
+    training with any number of ranks. `out_dir` must not exist yet; it appears complete or not at all (OutOfRoom
+    naming it when its disk fills up).
     """
     src = resolve_checkpoint(sharded)
     out = Path(out_dir)
@@ -662,7 +701,8 @@ def unshard(sharded: str | Path, out_dir: str | Path) -> Path:
         suggestion = src.parent / src.name.removesuffix(SHARDED_SUFFIX)
         raise FileExistsError(f"{out} already exists; choose a new directory (e.g. {suggestion})")
     ckpt = load_checkpoint(src)
-    with staging_dir(out) as tmp:
+    fix = "nothing half-written is left; free space on that disk or choose another directory"
+    with room_for(f"cannot write the unsharded checkpoint {out}", fix), staging_dir(out) as tmp:
         write_unsharded(
             tmp,
             int(meta["step"]),

@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 import zstandard
 from tqdm import tqdm
 
-from spes.atomic import leftover_temps
+from spes.atomic import leftover_temps, room_for
 from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.interrupt import Interruptible
 from spes.schema import number_flag
@@ -508,27 +508,38 @@ class ShardWriter:
             return
         path = Path(f"{self.output_prefix}_{len(self.shards):05d}.npy")
         tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+        kept = f"the {len(self.shards)} complete shard(s) before it are kept" if self.shards else "no shard is complete"
         try:
-            array = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(self._filled,))
-            array[:] = self._buffer[: self._filled]
-            array.flush()
-            del array
-            info = ShardInfo(
-                tokenizer_fingerprint=self.tokenizer.fingerprint,
-                vocab_size=self.tokenizer.vocab_size,
-                eos_token_id=self.tokenizer.eos_token_id,
-                dtype=self.dtype.name,
-                num_tokens=self._filled,
-                num_documents=self._documents,
-                source_files=tuple(self._sources),
-                **self._input_record(),
-            )
-            write_shard_info(path, info)  # first: a run killed between the two leaves no shard without its sidecar
-            os.replace(tmp, path)
+            with room_for(
+                f"--output_prefix {self.output_prefix}: cannot write {path.name}",
+                f"{kept}; free space there, then rerun the same command with --resume to continue",
+            ):
+                self._write(path, tmp)
         finally:
             tmp.unlink(missing_ok=True)
         self.shards.append(path)
         self._filled, self._documents, self._sources = 0, 0, {}
+
+    def _write(self, path: Path, tmp: Path) -> None:
+        """The buffered tokens as shard `path`, by way of `tmp`: the shard, its sidecar, the rename."""
+        tokens = self._buffer[: self._filled]
+        with open(tmp, "wb") as f:
+            # NOTE: written, not memmapped (a full disk kills a process writing a memmap with SIGBUS), nor `tofile`d
+            # (its OSError carries no errno); the header is the one np.save and open_memmap write
+            np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(tokens))
+            f.write(tokens.data)
+        info = ShardInfo(
+            tokenizer_fingerprint=self.tokenizer.fingerprint,
+            vocab_size=self.tokenizer.vocab_size,
+            eos_token_id=self.tokenizer.eos_token_id,
+            dtype=self.dtype.name,
+            num_tokens=self._filled,
+            num_documents=self._documents,
+            source_files=tuple(self._sources),
+            **self._input_record(),
+        )
+        write_shard_info(path, info)  # first: a run killed between the two leaves no shard without its sidecar
+        os.replace(tmp, path)
 
 
 def existing_outputs(output_prefix: Path) -> list[Path]:

@@ -64,7 +64,10 @@ def report(e: BaseException) -> int:
         message = f"{type(e).__name__}: {message} (at {_raised_at(e)}; {kept})"
     line = "error: " + "; ".join(" ".join(part.split()) for part in (message, hint) if part)
     if not leave_for_launcher(line):
-        print(line, file=sys.stderr, flush=True)
+        try:
+            print(line, file=sys.stderr, flush=True)
+        except OSError:  # NOTE: stderr is a log on the disk that filled up: the exit code still tells the kind
+            pass
     return exit_code(e) or 1
 
 

@@ -18,6 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from spes.atomic import OutOfRoom, room_for
 from spes.cli import ArgumentParser
 from spes.hf_map import EXPORT_DTYPES, FAMILIES
 from spes.save_folder import resolve_checkpoint, resolve_step
@@ -77,8 +78,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        out = run(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        with room_for(
+            f"--out {args.out}: cannot write the {args.command}",
+            "nothing half-written is left (what --out held before is untouched); free space on that disk or choose "
+            "another --out",
+        ):
+            out = run(args)
+    except (ValueError, FileNotFoundError, FileExistsError, OutOfRoom) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(out)

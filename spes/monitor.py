@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from spes.atomic import write_atomic
+from spes.atomic import room_for, write_atomic
+from spes.save_folder import free_space_fix
 
 if TYPE_CHECKING:
     from spes.distributed import DistInfo
@@ -149,8 +150,11 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"step": step, "time": round(time.time() - self.start, 3), **metrics}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        with (
+            room_for(f"cannot append step {step} to {self.path}", free_space_fix("save_folder")),
+            open(self.path, "a") as f,
+        ):
+            f.write(json.dumps(record) + "\n")  # NOTE: a row a full disk cuts short is dropped by a resume's truncate
 
     def truncate(self, step: int) -> None:
         """Drop the rows past `step`: a resumed (or restarted) run logs those steps again, each step once."""

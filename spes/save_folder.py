@@ -49,6 +49,19 @@ def point_latest(final: Path, kind: Kind, keep: Keep) -> Path:
     return final
 
 
+def free_space_fix(key: str) -> str:
+    """What to do when the disk of the folder config key `key` names fills during a run."""
+    return f"free space on that disk or point {key} at another one, then continue with --resume=auto"
+
+
+def no_room_fix(save_folder: str | Path) -> str:
+    """What a save that found no room in `save_folder` left, and what to do: the checkpoint a restart continues from
+    is named (a failed save publishes nothing, so `latest` still names a complete one)."""
+    latest = Path(save_folder) / LATEST
+    kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no checkpoint was saved yet"
+    return f"nothing of this save was kept ({kept}); {free_space_fix('save_folder')}"
+
+
 def prune(save_folder: Path, kind: Kind, schedules: Sequence[Schedule]) -> None:
     """Delete the checkpoints of `kind` that no schedule keeps. A schedule keeps the newest of its own: those whose
     step is a multiple of its interval, or of no schedule's (saved off schedule: a last step's, a time limit's).

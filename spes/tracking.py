@@ -20,11 +20,14 @@ for those runs shows spes runs unchanged.
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
+from spes.atomic import room_for
 from spes.config import TrainConfig
 from spes.evaluators import TASK_NAMES
+from spes.save_folder import free_space_fix
 from spes.schema import ConfigError, to_dict
 
 # Records holding these keys are logged even between `wandb.log_interval` steps (evaluations are rare).
@@ -131,16 +134,44 @@ class TensorBoardTracker:
         except ImportError:
             raise _missing_extra("tensorboard", "tensorboard", "tensorboard") from None
         self.log_dir = Path(cfg.tensorboard.log_dir or Path(cfg.save_folder) / "tensorboard")
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        self.key = "tensorboard.log_dir" if cfg.tensorboard.log_dir else "save_folder"
+        with self._room():
+            self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        _quiet_writer_threads()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            if math.isfinite(value):
-                self.writer.add_scalar(key, value, global_step=step)
-        self.writer.flush()  # NOTE: so a crash or a kill loses at most the line being written
+        with self._room():
+            for key, value in metrics.items():
+                if math.isfinite(value):
+                    self.writer.add_scalar(key, value, global_step=step)
+            self.writer.flush()  # NOTE: so a crash or a kill loses at most the line being written
 
     def close(self) -> None:
-        self.writer.close()
+        with self._room():
+            self.writer.close()
+
+    def _room(self) -> Any:
+        """A full disk under the event files as one line naming them (the writer's thread met it; `flush` raises it)."""
+        return room_for(f"cannot write the TensorBoard event files in {self.log_dir}", free_space_fix(self.key))
+
+
+def _quiet_writer_threads() -> None:
+    """Leave the error of TensorBoard's writer thread to the call that raises it again (`flush`, named there as one
+    line), instead of a thread traceback printed above that line; other threads' errors print as before.
+
+    NOTE: the writer thread (`_AsyncWriterThread`) keeps what it raised in its `exception`, which the writer's next
+    call raises in the caller's thread."""
+    previous = threading.excepthook
+    if getattr(previous, "spes_quiet_writers", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        writer = type(args.thread).__module__.startswith("tensorboard.")
+        if not writer or args.exc_value is None or getattr(args.thread, "exception", None) is not args.exc_value:
+            previous(args)
+
+    hook.spes_quiet_writers = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class Trackers:

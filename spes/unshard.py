@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = _unshard(args.sharded, args.out_dir)
-    except (CheckpointError, FileNotFoundError, FileExistsError) as e:
+    except (CheckpointError, OSError) as e:  # NOTE: OSError: a missing or existing path, a full disk
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote unsharded checkpoint {out}")

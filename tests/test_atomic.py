@@ -1,3 +1,4 @@
+import errno
 import os
 import socket
 import subprocess
@@ -6,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from spes.atomic import LockHeld, hold_lock, leftover_temps, lock_holder, staging_dir, write_atomic
+from disk_helpers import cap_file_size, print_failure, run_child
+from spes.atomic import (
+    LockHeld,
+    OutOfRoom,
+    hold_lock,
+    leftover_temps,
+    lock_holder,
+    room_for,
+    staging_dir,
+    write_atomic,
+)
 
 
 def test_bytes_text_and_writer_functions_all_land_whole(tmp_path: Path) -> None:
@@ -130,3 +141,46 @@ def test_a_fresh_lock_file_is_created_and_a_filesystem_that_cannot_lock_raises_w
     with pytest.raises(OSError, match="No locks available"):
         hold_lock(tmp_path / "nfs.lock")
     assert _open_fds() == before
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_running_out_of_room_becomes_one_error_naming_what_and_the_fix(code: int) -> None:
+    """Any errno of no room, raised by Python or named in a library's own error text (safetensors': a Rust I/O error),
+    becomes one OutOfRoom whose message is the whole line a user needs; its errno is kept."""
+    library = RuntimeError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
+    for error in (OSError(code, os.strerror(code)), library):
+        with pytest.raises(OutOfRoom) as caught, room_for("cannot write x in /d", "free space there"):
+            raise error
+        assert caught.value.errno == code and isinstance(caught.value, OSError)
+        assert str(caught.value) == f"cannot write x in /d: {os.strerror(code).lower()}; free space there"
+    for other in (PermissionError(errno.EACCES, "Permission denied"), RuntimeError("(os error 13)"), ValueError("x")):
+        with pytest.raises(type(other)) as passed, room_for("cannot write x", "free space"):
+            raise other
+        assert passed.value is other
+
+
+def _write_past_a_size_limit(target: str) -> None:
+    """Child of the test below: safetensors writes a file past this process's file-size limit."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    cap_file_size(4096)
+    try:
+        write_atomic(target, lambda tmp: save_file({"x": np.zeros(4096)}, tmp))
+    except BaseException as e:  # noqa: BLE001 -- the test judges it
+        print_failure(e)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_library_writer_that_finds_no_room_fails_as_an_oserror_of_the_target(tmp_path: Path) -> None:
+    """A writer function whose library reports a full disk in its own exception (safetensors' SafetensorError) fails
+    `write_atomic` as the OSError it stands for, so callers that handle a full disk (the server's round) handle it."""
+    target = tmp_path / "round-10.safetensors"
+    proc, failure = run_child(f"import test_atomic; test_atomic._write_past_a_size_limit({str(target)!r})")
+    assert failure == {
+        "type": "OSError",
+        "errno": errno.EFBIG,
+        "message": f"[Errno {errno.EFBIG}] File too large: '{target}'",
+    }, proc.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -3,6 +3,7 @@ checkpoint of another config, and resuming on a different number of ranks (2 -> 
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -18,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from disk_helpers import cap_file_size, print_failure, run_child
 from dist_helpers import SMALL_NODE, child_env, run_logged, run_ranks, torchrun
 from spes.checkpoint import (
     check_model_compatible,
@@ -564,9 +566,12 @@ def _failing_sharded_save(folder: Path, model: torch.nn.Module, optimizer: torch
 @pytest.mark.timeout(240)
 def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_path: Path) -> None:
     ranks = run_ranks(2, "test_checkpoint:_fsdp_checkpoint_worker", {"folder": str(tmp_path / "ckpt")}, tmp_path)
-    failed = [
-        "OSError: [Errno 28] No space left on device",
-        f"CheckpointError: rank 0 failed to finish {tmp_path / 'ckpt' / 'True' / 'step2-sharded'}; see its log",
+    folder = tmp_path / "ckpt" / "True"
+    failed = [  # rank 0 names the full disk and what to do; rank 1 points to rank 0's log
+        f"OutOfRoom: cannot save the checkpoint of step 2 in {folder}: no space left on device; nothing of this save "
+        f"was kept ({folder / LATEST} still names step1-sharded); free space on that disk or point save_folder at "
+        "another one, then continue with --resume=auto",
+        f"CheckpointError: rank 0 failed to finish {folder / 'step2-sharded'}; see its log",
     ]
     want = [{"sharded": True, "unsharded": True, "read whole": [], "reblocked": True, "failed_save": f} for f in failed]
     assert ranks == want
@@ -630,7 +635,7 @@ def test_a_sharded_save_whose_last_files_fail_raises_that_error_and_keeps_latest
     def full_disk(path: Path) -> None:
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError, match="No space left on device"):
+    with pytest.raises(OSError, match="no space left on device"):
         save(tmp_path, 2, model, optimizer, trainer_state={}, config={}, sharded=True, extra={"x": full_disk})
     assert resolve_checkpoint(tmp_path) == first
 
@@ -844,3 +849,60 @@ def test_trainer_state_reads_what_the_latest_save_recorded(tmp_path: Path) -> No
     (tmp_path / LATEST).write_text("step2")
     assert trainer_state(tmp_path) == {"step": 2, "tokens": 200, "data": {"epoch": 0}}
     assert trainer_state(tmp_path / "step4") == {"step": 4, "tokens": 400, "data": {"epoch": 0}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A disk that fills up
+
+
+def _save_into_a_filling_disk(folder: str, sharded: bool) -> None:
+    """Child of the test below: a first checkpoint, then a second one that finds no room (a file-size limit)."""
+    cfg, model, optimizer = _node()
+    kwargs: dict[str, Any] = {"trainer_state": {"step": 1}, "config": to_dict(cfg), "sharded": sharded, "keep": 1}
+    save(folder, 1, model, optimizer, **kwargs)
+    cap_file_size(4096)  # every checkpoint has a bigger file
+    try:
+        save(folder, 2, model, optimizer, **kwargs)
+    except BaseException as e:  # noqa: BLE001 -- the test judges it
+        print_failure(e)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_save_that_finds_no_room_fails_in_one_line_keeping_the_last_checkpoint(tmp_path: Path, sharded: bool) -> None:
+    """A full disk (here: a file-size limit, EFBIG; ENOSPC alike) fails the save as one OSError naming the save folder,
+    the checkpoint `latest` still names and the fix; nothing of the failed save is left. Safetensors reported it as its
+    own SafetensorError (a traceback, exit 1), DCP as a CheckpointException (leaving its temporary directory)."""
+    folder = tmp_path / "run"
+    proc, failure = run_child(
+        f"import test_checkpoint; test_checkpoint._save_into_a_filling_disk({str(folder)!r}, {sharded})"
+    )
+    assert failure is not None, proc.stderr
+    first = "step1-sharded" if sharded else "step1"
+    assert failure["type"] == "OutOfRoom" and failure["errno"] == errno.EFBIG
+    assert failure["message"] == (
+        f"cannot save the checkpoint of step 2 in {folder}: file too large; nothing of this save was kept "
+        f"({folder / LATEST} still names {first}); free space on that disk or point save_folder at another one, then "
+        "continue with --resume=auto"
+    )
+    assert sorted(p.name for p in folder.iterdir()) == [LATEST, first]
+    assert load_checkpoint(folder).path == folder / first
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_unsharding_into_a_disk_that_fills_up_fails_in_one_line_leaving_nothing(tmp_path: Path) -> None:
+    """`python -m spes.unshard` into a full disk (a file-size limit here): one line naming the directory, exit 2, no
+    half-written one (it was safetensors' traceback, exit 1)."""
+    cfg, model, optimizer = _node()
+    _save_sharded(tmp_path / "run", 1, cfg, model, optimizer)
+    out = tmp_path / "unsharded"
+    code = "import sys, disk_helpers, spes.unshard; disk_helpers.cap_file_size(4096); "
+    proc, _ = run_child(code + f"sys.exit(spes.unshard.main([{str(tmp_path / 'run')!r}, {str(out)!r}]))")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: cannot write the unsharded checkpoint {out}: file too large; nothing half-written is left; free space "
+        "on that disk or choose another directory"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -4,6 +4,8 @@ exit codes are those docs/running.md tabulates."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib
 import inspect
 import json
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 import spes.train
+from spes.atomic import OutOfRoom, room_for
 from spes.failures import DEBUG_ENV, HINTS, USER_ERRORS, exit_code, kind_of, report
 from spes.torchrun import ERROR_DIR_ENV
 from spes.train import main
@@ -208,3 +211,33 @@ def test_a_kind_the_table_does_not_hold_has_no_exit_code_of_its_own_and_ends_as_
     except RuntimeError as e:
         assert report(e) == 1
     assert capsys.readouterr().err.startswith("error: RuntimeError: planted (at ")
+
+
+def test_a_full_disk_is_its_line_alone_with_the_exit_code_of_oserrors(
+    kept: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`spes.atomic.room_for`'s OutOfRoom already names the file and the fix: printed as it is (no type, no traceback
+    file), exit 6."""
+    with pytest.raises(OutOfRoom) as caught, room_for("cannot append step 3 to run/metrics.jsonl", "free space"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert report(caught.value) == 6
+    assert (
+        capsys.readouterr().err
+        == "error: cannot append step 3 to run/metrics.jsonl: no space left on device; free space\n"
+    )
+    assert list(kept.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_line_that_stderr_has_no_room_for_still_ends_with_the_failures_exit_code(
+    kept: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stderr redirected to a log on the disk that filled up: the line cannot be written, the exit code still tells
+    (it ended as an uncaught OSError, exit 1)."""
+    with pytest.raises(OSError) as caught:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    full = open("/dev/full", "w")  # closed below, where it fails as the report's print did
+    monkeypatch.setattr(sys, "stderr", full)
+    assert report(caught.value) == 6
+    with contextlib.suppress(OSError):  # NOTE: it still holds the line it had no room for
+        full.close()

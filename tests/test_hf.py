@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.testing import assert_close
 
 from conftest import usage_error
@@ -844,3 +844,27 @@ def test_a_mistyped_flag_is_named_in_the_refusal_for_the_flag_it_meant(tmp_path:
         "python -m spes.hf export: error: one of the arguments --checkpoint --run_dir is required (--chekpoint is not "
         "a flag of this command; did you mean --checkpoint?)",
     )
+
+
+def test_an_export_that_finds_the_disk_full_fails_in_one_line_and_keeps_the_last_export(
+    tmp_path: Path, tokenizer: LoadedTokenizer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports a full disk as its own SafetensorError: the command ended in its traceback (exit 1). Now one
+    line naming --out and the fix, exit 2, and an earlier export an --overwrite was replacing is kept whole."""
+    step, _ = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=3)
+    out = tmp_path / "hf"
+    assert hf.main(["export", "--checkpoint", str(step), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(hf_convert, "save_file", full_disk)
+    assert hf.main(["export", "--checkpoint", str(step), "--out", str(out), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {out}: cannot write the export: no space left on device; nothing half-written is left (what "
+        "--out held before is untouched); free space on that disk or choose another --out\n"
+    )
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from spes import monitor
+from spes.atomic import OutOfRoom
 from spes.distributed import DistInfo
 from spes.monitor import MetricsLog, SpeedMonitor, clock, format_line, peak_flops, peak_memory_mb, progress_bar
 
@@ -173,3 +175,18 @@ def test_the_eta_is_paced_by_the_wall_clock_since_the_launch_began() -> None:
     running = SpeedMonitor(window=4)  # as the trainer calls it: by the monotonic clock
     running.start(10)
     assert 0 <= running.eta_minutes(11, 50) < 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_metrics_row_that_finds_the_disk_full_fails_in_one_line_naming_the_file(tmp_path: Path) -> None:
+    """A real ENOSPC without a full disk: metrics.jsonl is /dev/full, where every write finds no room. The run ends in
+    one line naming the file and what to do (it was `OSError: [Errno 28] No space left on device`, naming neither)."""
+    log = MetricsLog(tmp_path, enabled=True)
+    log.path.symlink_to("/dev/full")
+    with pytest.raises(OutOfRoom) as caught:
+        log.write(7, {"loss": 1.5})
+    assert caught.value.errno == errno.ENOSPC
+    assert str(caught.value) == (
+        f"cannot append step 7 to {log.path}: no space left on device; free space on that disk or point save_folder "
+        "at another one, then continue with --resume=auto"
+    )

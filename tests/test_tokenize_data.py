@@ -37,6 +37,7 @@ from data_fixtures import (
     write_documents,
     write_lines,
 )
+from disk_helpers import cap_file_size, run_child
 from spes import corpus
 from spes.data import TokenSequenceDataset
 from spes.shards import read_shard_info, resolve_paths, sidecar_path
@@ -1247,3 +1248,39 @@ def test_each_sidecar_names_the_input_chunk_and_token_its_shard_ends_before(
     infos = [read_shard_info(path) for path in writer.close()]
     assert [info.input_end for info in infos] == [(1, 1), (2, 2), (3, 2)]
     assert [info.input_position for info in infos] == [asdict(position) for position in positions[1:]]
+
+
+def _tokenize_past_a_size_limit(argv: list[str]) -> None:
+    """Child of the test below: tokenize_data.py whose files cannot grow past 256 bytes (a shard here has 400)."""
+    cap_file_size(256)
+    sys.exit(corpus.tokenize_main(argv))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_shard_that_finds_no_room_fails_in_one_line_and_a_resume_with_room_completes_the_run(
+    tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """A full disk (here a file-size limit, EFBIG) is named with --output_prefix, the shard, what is kept and the fix,
+    no partial shard is left, and --resume once there is room writes what an uninterrupted run writes. Shards used to
+    be written through a memmap, which a really full disk answers with SIGBUS: the process died without a word."""
+    _two_files(tmp_path)
+    args = ["--file_glob", str(tmp_path / "*.jsonl*"), "--tokenizer_name_or_path", str(tokenizer.path.parent)]
+    args += ["--batch_size", "3", "--max_shard_bytes", "400", "--output_prefix"]
+    assert corpus.tokenize_main([*args, str(tmp_path / "whole" / "part")]) == 0
+    prefix = tmp_path / "out" / "part"
+    proc, _ = run_child(
+        f"import test_tokenize_data; test_tokenize_data._tokenize_past_a_size_limit({[*args, str(prefix)]!r})"
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"error: --output_prefix {prefix}: cannot write part_00000.npy: file too large; no shard is complete; free "
+        "space there, then rerun the same command with --resume to continue"
+    )
+    assert list(prefix.parent.iterdir()) == []
+    assert corpus.tokenize_main([*args, str(prefix), "--resume"]) == 0
+    assert _outputs(prefix.parent) == _outputs(tmp_path / "whole")
+    for shard in prefix.parent.glob("*.npy"):  # written, not memmapped: still the bytes np.save writes
+        saved = io.BytesIO()
+        np.save(saved, np.load(shard))
+        assert shard.read_bytes() == saved.getvalue()

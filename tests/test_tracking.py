@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tensorboard_scalars
+from disk_helpers import cap_file_size, print_failure, run_child
 from spes.config import TensorBoardConfig, TrainConfig, WandbConfig
 from spes.schema import ConfigError
 from spes.tracking import TensorBoardTracker, Trackers, WandbTracker, olmo_aliases
@@ -256,3 +258,38 @@ def test_wandb_starts_in_a_save_folder_not_made_yet_with_the_configs_entity_and_
         assert (tmp_path / "a" / "b" / "wandb").is_dir()
     finally:
         tracker.close()
+
+
+def _log_to_tensorboard_past_a_size_limit(log_dir: str) -> None:
+    """Child of the test below: TensorBoard event files that stop growing at 1 KiB; the error the logging meets."""
+    tracker = TensorBoardTracker(TrainConfig(tensorboard=TensorBoardConfig(log_dir=log_dir)))
+    cap_file_size(1024)
+    try:
+        for step in range(1, 1000):
+            tracker.log(step, {"loss": 1.0 / step, "lr": 1e-3})
+    except OSError as e:
+        print_failure(e)
+    try:
+        tracker.close()  # after the failure: neither hangs nor prints a traceback
+    except OSError as e:
+        print(f"close: {e}", file=sys.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tensorboard_on_a_disk_that_fills_up_fails_in_one_line_naming_its_folder(tmp_path: Path) -> None:
+    """The writer thread meets the full disk (here a file-size limit, EFBIG); the next `flush` raises it again: one
+    OutOfRoom naming the event files' folder and the fix, with no thread traceback printed above it (there was one,
+    then `OSError: [Errno 28] No space left on device` named nothing)."""
+    pytest.importorskip("tensorboard")
+    log_dir = tmp_path / "tb"
+    proc, failure = run_child(
+        f"import test_tracking; test_tracking._log_to_tensorboard_past_a_size_limit({str(log_dir)!r})"
+    )
+    assert failure == {
+        "type": "OutOfRoom",
+        "errno": errno.EFBIG,
+        "message": f"cannot write the TensorBoard event files in {log_dir}: file too large; free space on that disk "
+        "or point tensorboard.log_dir at another one, then continue with --resume=auto",
+    }, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr

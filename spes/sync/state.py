@@ -89,7 +89,14 @@ def run_id_of(state_dir: str | Path) -> str:
                 f"{path}: not a spes run record ({exc}); move it away or pick another --state_dir"
             ) from None
     run_id = new_run_id()
-    write_atomic(path, (json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n").encode())
+    record = json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n"
+    try:
+        write_atomic(path, record.encode())
+    except OSError as exc:  # NOTE: a full disk, as the server starts: refused as the lock's failure is
+        raise ValueError(
+            f"--state_dir {state_dir}: cannot write {RUN_FILE} ({exc.strerror}); free space there or pick another "
+            "--state_dir"
+        ) from None
     return run_id
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from spes.atomic import lock_holder
 from spes.config import ServerSection
@@ -365,3 +367,39 @@ def test_a_round_file_tensor_of_another_dtype_or_not_finite_is_refused_naming_it
     with pytest.raises(ValueError) as refused:
         load_round(tmp_path, SPEC)
     assert str(refused.value) == f"{tensor_file}: tensor '{prefix}embed.weight' {what}: the state directory is damaged"
+
+
+def test_a_round_that_finds_no_room_fails_as_an_oserror_and_the_last_round_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors reports a full disk as its own SafetensorError: raised as the OSError it stands for, the server's
+    failed round carries its fix ("free space there ... --resume=auto"; RoundCloser words it for OSErrors only)."""
+    save_round(tmp_path, saved(10, seed=1))
+
+    def full_disk(tensors: object, path: str) -> None:
+        Path(path).write_bytes(b"part of a round")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("spes.sync.state.save_file", full_disk)
+    with pytest.raises(OSError) as caught:
+        save_round(tmp_path, saved(20, seed=2))
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(tmp_path / "round-20.safetensors")
+    assert_equal(load_round(tmp_path, SPEC), saved(10, seed=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-10.safetensors", STATE_FILE]
+
+
+def test_a_state_dir_without_room_for_the_run_record_is_refused_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server starting on a full disk: refused in one line naming --state_dir (was a traceback)."""
+
+    def full_disk(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("spes.sync.state.write_atomic", full_disk)
+    with pytest.raises(ValueError) as caught:
+        run_id_of(tmp_path)
+    assert str(caught.value) == (
+        f"--state_dir {tmp_path}: cannot write {RUN_FILE} (No space left on device); free space there or pick another "
+        "--state_dir"
+    )
