@@ -7,7 +7,8 @@ server advertised, or gRPC (`spes.sync.plane_grpc`) when `data_plane` says so, n
 does not answer. A data plane that stops answering mid-run is asked about over gRPC (`Connection.why_lost`): a server
 that no longer knows this peer restarted, and the client joins it again, which finds its new data port; one whose gRPC
 is gone too is down as a whole and waited for; only a data plane down (or busy, or stalled) while gRPC lives is left
-for gRPC until the next Join finds it again. The channel itself, and telling a server that refuses the client's
+for gRPC until the next Join finds it again, not one that still answers a ping (the connection alone was lost: this
+process or the server was frozen). The channel itself, and telling a server that refuses the client's
 certificate from one going down, are `spes.sync.channel`'s.
 """
 
@@ -38,7 +39,10 @@ log = logging.getLogger("spes.client")
 TCP_FALLBACK_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 """Data-plane failures after which a round goes over gRPC instead (a busy, unreachable or stalled data plane); an
 unreachable one only once `Connection.why_lost` found gRPC alive and the server still knowing this peer (a restarted
-server is joined again, on the data port it advertises then; one down as a whole is waited for)."""
+server is joined again, on the data port it advertises then; one down as a whole is waited for), and neither unless
+the data plane fails a ping too (a connection lost while this process or the server was frozen is retried on it)."""
+KEEP_WINDOW = 3
+"""A lost connection is retried on a data plane that answers pings at most once in this many rpc timeouts."""
 
 
 class Lost(Enum):
@@ -97,6 +101,8 @@ class Connection:
         self.plane: Plane = self._grpc
         """The plane tensor payloads travel on, chosen at join from `data_plane` and what the server offers."""
         self._presence: Presence | None = None
+        self._kept_at: float | None = None
+        """When a lost connection last left payloads on the data plane (`_lost_only_the_connection`)."""
 
     def joined(self, reply: pb.JoinReply) -> None:
         """A Join was answered: open the presence stream of the run it joined (once; it reopens itself) and pick
@@ -138,10 +144,30 @@ class Connection:
             return False
         if not (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
             return False
+        if failure.reason != Reason.BUSY and self._lost_only_the_connection():
+            return False
         log.warning(
             "the server's data plane failed (%s): payloads go over gRPC until the next join finds it again", failure
         )
         self.plane = self._grpc
+        return True
+
+    def _lost_only_the_connection(self) -> bool:
+        """Whether the data plane answers a ping now, so that only the failed call's connection was lost: this process
+        or the server was frozen (a VM paused, SIGSTOP, a swap storm) and the server closed the connection idle, or
+        the call timed out meanwhile. The call is then retried on the data plane, not sent to gRPC for the rest of the
+        run; a second such loss within `KEEP_WINDOW` rpc timeouts falls back (a plane that answers pings but keeps
+        losing payloads)."""
+        assert isinstance(self.plane, plane_tcp.TcpPlane)
+        now = time.monotonic()
+        if self._kept_at is not None and now - self._kept_at < KEEP_WINDOW * self.settings.rpc_timeout_s:
+            return False
+        try:
+            self.plane.ping(min(self.settings.rpc_timeout_s, PROBE_TIMEOUT_S))
+        except (SyncError, OSError):
+            return False
+        log.debug("the data plane answers: only peer %d's connection was lost, the call retries on it", self.peer_id)
+        self._kept_at = now
         return True
 
     def measure_link(self, num_bytes: int, pings: int = 5) -> LinkStats:

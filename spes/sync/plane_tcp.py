@@ -531,10 +531,16 @@ class DataHandler:
             if outgoing is None:
                 return
             send_frame(sock, pb.DataReply(round=outgoing.info))
-            for name, tensor in outgoing.tensors.items():
-                sent = send_tensor(sock, name, tensor, outgoing.wire_dtype, outgoing.encoded[name])
-                outgoing.sent += sent
-                ticket.moved(sent)
+            try:
+                for name, tensor in outgoing.tensors.items():
+                    sent = send_tensor(sock, name, tensor, outgoing.wire_dtype, outgoing.encoded[name])
+                    outgoing.sent += sent
+                    ticket.moved(sent)
+            except TimeoutError:  # NOTE: not the idle line's error frame, which would land inside a tensor's bytes
+                raise TransportError(
+                    f"peer {peer} stopped reading its download of round {step}: nothing went out for "
+                    f"--stream_idle_timeout={sock.gettimeout():g} s (a frozen or overloaded node?)"
+                ) from None
 
 
 # -- the client's end ---------------------------------------------------------------------------------------------

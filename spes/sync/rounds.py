@@ -16,11 +16,15 @@ enough peers are in:
   of an expert block (`close_blocker` says so, and the waiting downloads fail with that message); with fragments
   (`spes.sync.fragments`), neither can the first round of each fragment.
 
-Under `wait` (the reference behaviour) a round closes only with every peer.
+Under `wait` (the reference behaviour) a round closes only with every peer. Time the server itself did not run (its
+process stopped or starved: a paused VM, SIGSTOP, a swap storm) does not count toward a round's timeout
+(`RoundState.tick`): the peers could not reach it then, and on waking it would close the round before their retries
+arrive.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -33,6 +37,12 @@ from spes.sync.codecs.base import Payload
 from spes.sync.codecs.interface import Served
 from spes.sync.fragments import WHOLE
 from spes.sync.protocol import Reason, Refused, Tensors
+
+log = logging.getLogger("spes.server")
+
+STALL_S = 2.0
+"""A gap this long between two `RoundState.tick`s (the coordinator ticks every fraction of it) is time the server did
+not run."""
 
 
 def quorum(server: ServerSection, num_peers: int) -> int:
@@ -91,6 +101,9 @@ class RoundState:
         """`next_round(after)`: the round the schedule expects after round `after` (None: before any)."""
         self.open_round: int | None = None
         self.opened_at = 0.0
+        self.excused = 0.0
+        """Seconds since the open round opened during which the server did not run (`tick`): not counted."""
+        self._ticked = time.monotonic()
         self.uploaded: set[int] = set()
         self.staged: dict[int, Tensors] = {}
         self.digests: dict[int, int] = {}
@@ -186,6 +199,7 @@ class RoundState:
         relay); opens the round if needed. True when every peer is in."""
         if self.open_round is None:
             self.open_round, self.opened_at, self.failure, self.fragment = step, time.monotonic(), None, fragment
+            self.excused, self._ticked = 0.0, self.opened_at
         assert step == self.open_round and peer not in self.uploaded and not self.aggregating
         self.failure = None
         self.uploaded.add(peer)
@@ -221,13 +235,33 @@ class RoundState:
         if self.open_round is None or self.aggregating:
             return float("inf")
         now = time.monotonic() if now is None else now
-        return max(0.0, self.opened_at + self.server.round_timeout_s - now)
+        return max(0.0, self.opened_at + self.excused + self.server.round_timeout_s - now)
+
+    def tick(self, now: float | None = None) -> float:
+        """The server runs at `now`. A gap of `STALL_S` or more since the last tick is time it did not run (its
+        process stopped or starved), which the open round's timeout does not count: the peers could not reach it.
+        Returns that gap (0: none)."""
+        now = time.monotonic() if now is None else now
+        gap, self._ticked = now - self._ticked, now
+        if gap < STALL_S or self.open_round is None or self.aggregating:
+            return 0.0
+        self.excused += gap
+        log.warning(
+            "the server did not run for %.1f s (its process stopped or starved: a paused VM, SIGSTOP, swapping): "
+            "round %d's server.round_timeout_s does not count that time",
+            gap,
+            self.open_round,
+        )
+        return gap
 
     def must_close(self, owners: frozenset[int], now: float | None = None) -> bool:
-        """True when the open round timed out and may close with the peers in (quorum).
+        """True when the open round timed out and may close with the peers in (quorum); at the present time (`now`
+        None), a stall of the server just ended is not counted first (`tick`).
 
         Raises Refused (reason `round_timeout`, naming the missing peers) when it timed out and may not.
         """
+        if now is None:
+            self.tick()
         if self.seconds_left(now) > 0:
             return False
         blocker = self.close_blocker(owners)

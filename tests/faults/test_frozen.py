@@ -1,0 +1,185 @@
+"""A peer frozen (SIGSTOP) past the server's deadlines, then continued (SIGCONT): a laptop lid closed, a VM paused, a
+swap storm. Its sockets stay open but it answers nothing; when it wakes it believes no time passed. The run stays
+exact, the others do not wait for it, and the woken peer carries on where the run is now, on the plane it used."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from fault_helpers import REPO, assert_exact, fault_free, server_process, spec_overrides
+from safetensors.torch import load_file
+
+from conftest import wait_until
+from spes.config import ServerSection
+from spes.sync.client import SyncClient
+from spes.sync.merge import build_global
+from spes.sync.spec import RunSpec
+from sync_helpers import TOKEN, make_client, peer_upload, tiny_spec
+
+FELL_BACK = "payloads go over gRPC until the next join finds it again"
+QUORUM = ServerSection(dead_peer_policy="quorum", round_timeout_s=1.0, min_peers=1)
+
+
+def _peer(addr: str, peer: int, steps: list[int], out: Path, width: int) -> subprocess.Popen[bytes]:
+    """tests/faults/peer_process.py as peer `peer` of a run of two, logging to `out`/log."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(REPO / "tests/faults/peer_process.py"), "--addr", addr, "--peer", str(peer)]
+    command += ["--width", str(width), "--steps", *map(str, steps), "--out", str(out)]
+    with open(out / "log", "wb") as log:
+        return subprocess.Popen(
+            command, cwd=REPO, env={**os.environ, "SPES_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+@contextmanager
+def _frozen_later(victim: subprocess.Popen[bytes]) -> Iterator[None]:
+    """Whatever the block does, the victim is continued and killed on the way out (a stopped child outlives a
+    failed test otherwise)."""
+    try:
+        yield
+    finally:
+        victim.send_signal(signal.SIGCONT)
+        victim.kill()
+        victim.wait(timeout=10)
+
+
+def _client(addr: str, peer: int, spec: RunSpec) -> SyncClient:
+    return make_client(addr, spec, peer, token=TOKEN, rpc_timeout_s=10, round_timeout_s=60, max_retries=8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_peer_frozen_while_its_download_is_sent_goes_on_over_the_data_plane(tmp_path: Path) -> None:
+    """Peer 1 waits for round 2 on the data plane and is frozen; peer 0 completes the round, and the server's send of
+    peer 1's download (larger than the sockets' buffers) stalls until --stream_idle_timeout closes it. Woken, peer 1
+    finds its connection gone while gRPC answers: it took that for a data plane down and sent every later payload
+    over gRPC (and, before, read the server's idle error frame inside a tensor: "bad download", a checksum
+    mismatch). Now it pings the data plane, which answers, and gets round 2 there again, exact."""
+    width = 512
+    spec = tiny_spec(d=width, f=width // 2)
+    uploads = {s: {p: peer_upload(spec, p, seed=s) for p in range(2)} for s in (1, 2, 3)}
+    args = [*spec_overrides(spec), "--data_port", "0", "--stream_idle_timeout", "2"]
+    with (
+        server_process(tmp_path / "server.log", args, env={"SPES_TOKEN": TOKEN}) as server,
+        _client(server.addr, 0, spec) as peer0,
+    ):
+        peer0.join()
+        victim = _peer(server.addr, 1, [1, 2, 3], tmp_path / "victim", width)
+        with _frozen_later(victim):
+            peer0.sync(1, uploads[1][0])
+            wait_until(lambda: peer0.status().peers_uploaded == (1,), "peer 1's upload of round 2", timeout_s=30)
+            victim.send_signal(signal.SIGSTOP)
+            peer0.sync(2, uploads[2][0])
+            wait_until(lambda: "idle" in server.log_text() or "dropped" in server.log_text(), "the send to stall")
+            victim.send_signal(signal.SIGCONT)
+            peer0.sync(3, uploads[3][0])
+            assert victim.wait(timeout=60) == 0, (tmp_path / "victim/log").read_text()
+    log = (tmp_path / "victim/log").read_text()
+    assert "download of round 2 broke off" in log and "bad download" not in log, log  # no error frame mid-tensor
+    assert FELL_BACK not in log and "Traceback" not in log, log
+    assert "peer 1 stopped reading its download of round 2" in server.log_text()
+    for step in (2, 3):
+        want = fault_free({s: uploads[s] for s in uploads if s <= step}, spec)
+        assert_exact(load_file(str(tmp_path / f"victim/round-{step}.safetensors")), want)
+
+
+def _quorum_rounds(
+    uploads: dict[int, dict[int, dict[str, torch.Tensor]]], spec: RunSpec
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Each round's global model when round `s` took the uploads `uploads[s]` (peer -> tensors): a missing owner's
+    experts kept from the round before, as a quorum round keeps them."""
+    names, models = sorted(spec.manifest or {}), {}
+    model: dict[str, torch.Tensor] = {}
+    momentum: dict[str, torch.Tensor] = {}
+    for step in sorted(uploads):
+        built = build_global(uploads[step], spec=spec, step=step, names=names, previous=model, momentum=momentum)
+        models[step], model, momentum = built.tensors, built.tensors, built.momentum
+    return models
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_peer_frozen_past_the_round_timeout_catches_up_and_the_rounds_are_exact(tmp_path: Path) -> None:
+    """Peer 1 is frozen waiting for round 1; peer 0 goes on alone, rounds 2 and 3 closing without peer 1 at
+    server.round_timeout_s (quorum). Woken, peer 1 takes round 1 and uploads round 2 as if no time had passed: that
+    upload is refused as old and peer 1 loads the latest global model (round 3), as a node after a crash would; its
+    round 3 is refused the same way, and round 4 is built by both. Every round any peer got is the exact one."""
+    spec = tiny_spec(server=QUORUM)
+    taken = {1: (0, 1), 2: (0,), 3: (0,), 4: (0, 1)}
+    uploads = {s: {p: peer_upload(spec, p, seed=s) for p in peers} for s, peers in taken.items()}
+    want = _quorum_rounds(uploads, spec)
+    got: dict[int, dict[str, torch.Tensor]] = {}
+    with (
+        server_process(tmp_path / "server.log", spec_overrides(spec), env={"SPES_TOKEN": TOKEN}) as server,
+        _client(server.addr, 0, spec) as peer0,
+    ):
+        peer0.join()
+        victim = _peer(server.addr, 1, [1, 2, 3, 4], tmp_path / "victim", 8)
+        log = tmp_path / "victim/log"
+        with _frozen_later(victim), ThreadPoolExecutor(1) as pool:
+            wait_until(lambda: peer0.status().peers_uploaded == (1,), "peer 1's upload of round 1", timeout_s=30)
+            victim.send_signal(signal.SIGSTOP)
+            for step in (1, 2, 3):
+                got[step], stats = peer0.sync(step, uploads[step][0])
+                assert stats.peers == taken[step]
+            victim.send_signal(signal.SIGCONT)
+            wait_until(lambda: "(it was at step 3)" in log.read_text(), "peer 1 to catch up twice")
+            waiting = pool.submit(peer0.sync, 4, uploads[4][0])
+            assert victim.wait(timeout=60) == 0, log.read_text()
+            got[4], stats = waiting.result(timeout=30)
+            assert stats.peers == (0, 1)
+    text = log.read_text()
+    assert "round 2 is old: round 3 has already completed" in text and "Traceback" not in text, text
+    assert server.log_text().count("(quorum, missing [1])") == 2
+    for step, model in got.items():
+        assert_exact(model, want[step])
+    # what peer 1 saved for its steps 2 and 3 is round 3's whole global model; for step 4, round 4's download
+    for step, round_ in ((1, 1), (2, 3), (3, 3), (4, 4)):
+        assert_exact(load_file(str(tmp_path / f"victim/round-{step}.safetensors")), want[round_])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_server_frozen_mid_round_does_not_count_its_stall_against_the_peers(tmp_path: Path) -> None:
+    """Round 2 is open with peer 0's upload when the server is frozen for longer than server.round_timeout_s; peers
+    1 and 2 upload meanwhile. Woken, the server judged the round timed out before their uploads arrived: fewer than
+    server.min_peers were in, and peer 0's wait failed (round_timeout), ending that node. Now the time it did not
+    run is not counted (one line says so): the round waits and is built by all three, exact."""
+    spec = tiny_spec(num_peers=3, server=ServerSection(dead_peer_policy="quorum", round_timeout_s=3.0, min_peers=2))
+    uploads = {s: {p: peer_upload(spec, p, seed=s) for p in range(3)} for s in (1, 2)}
+    with (
+        server_process(tmp_path / "server.log", spec_overrides(spec), env={"SPES_TOKEN": TOKEN}) as server,
+        ExitStack() as stack,
+        ThreadPoolExecutor(3) as pool,
+    ):
+        peers = [stack.enter_context(_client(server.addr, p, spec)) for p in range(3)]
+        for peer in peers:
+            peer.join()
+        first = [pool.submit(peer.sync, 1, uploads[1][p]) for p, peer in enumerate(peers)]
+        for future in first:
+            future.result(timeout=30)
+        waiting = [pool.submit(peers[0].sync, 2, uploads[2][0])]
+        wait_until(lambda: peers[1].status().peers_uploaded == (0,), "peer 0's upload of round 2")
+        try:
+            server.proc.send_signal(signal.SIGSTOP)
+            waiting += [pool.submit(peer.sync, 2, uploads[2][p]) for p, peer in enumerate(peers) if p]
+            time.sleep(5)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        results = [future.result(timeout=30) for future in waiting]
+        log = server.log_text()
+    assert "the server did not run for" in log and "round 2's server.round_timeout_s does not count" in log, log
+    want = fault_free(uploads, spec)
+    for got, stats in results:
+        assert stats.peers == (0, 1, 2) and not stats.caught_up
+        assert_exact(got, want)
