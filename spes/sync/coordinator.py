@@ -188,7 +188,7 @@ class Coordinator:
         reported = time.monotonic()
         while True:
             with self._cond:
-                if self._cond.wait_for(lambda: self._shutting_down, timeout=TICK_S):
+                if self._cond.wait_for(lambda: self._shutting_down, timeout=min(TICK_S, REPORT_S)):
                     return
                 self.state.tick()
                 due = time.monotonic() - reported >= REPORT_S
