@@ -10,8 +10,10 @@ as the first implementation's launchers gave its nodes 6198, 7198, ...; the run'
 less 1000 * its peer_id), the server is
 the same `python -m spes.server` given the same YAML and overrides (so its `server:` section, e.g.
 `-- --server.merge_interval=20`). At the end it prints a summary table and exits 0 with every child gone; if
-any process fails, the others are stopped and the exit code is non-zero. Ctrl-C or SIGTERM stops the peers (each
-saves a checkpoint of its last step), then the server (it persists its state), and exits 130: `--resume` continues.
+any process fails, the others are stopped and the launcher exits with that process's code (docs/running.md's exit
+codes: 2 a config or data error, 6 a full disk, ...), after what was kept and how to continue. Ctrl-C or SIGTERM
+stops the peers (each saves a checkpoint of its last step), then the server (it persists its state), and exits 130:
+`--resume` continues.
 Another signal while they stop (`ECHO_S` or more after the first) kills them all at once, without saving.
 """
 
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             code = 130
         finally:
             _stop_all(procs)
-    if code == 130:
+    if code == 130 or (code != 0 and previous_run(out)):
         print(how_to_continue(out), file=sys.stderr)
     if code != 0:
         return code
@@ -293,7 +295,8 @@ def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], resume: bool) ->
 
 
 def _wait(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout: float) -> int:
-    """Follow one peer's log from byte `offset` until every peer exits; stop early on the first failure."""
+    """Follow one peer's log from byte `offset` until every peer exits; stop early on the first failure. The exit
+    code: 0, the first failed process's (1 if a signal ended it), or 1 past `timeout`."""
     deadline = time.time() + timeout
     peers = {k: p for k, p in procs.items() if k != "server"}
     while True:
@@ -306,7 +309,7 @@ def _wait(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout
                     file=sys.stderr,
                 )
             print(_last_line(follow.parent / f"{failed[0]}.log") or f"error: {failed[0]} failed", file=sys.stderr)
-            return 1
+            return max(procs[failed[0]].returncode, 1)  # NOTE: its kind, as spes.failures numbers it; killed: 1
         if all(p.poll() == 0 for p in peers.values()):
             _echo_new(follow, offset)
             return 0

@@ -256,6 +256,45 @@ def test_the_peers_start_once_the_server_listens(
     assert [(tmp_path / f"peer{i}.log").read_text() for i in range(4)] == ["joined\n"] * 4
 
 
+FAILING_PEER = """import pathlib, sys
+step = pathlib.Path(sys.argv[1]) / 'node0' / 'step4'
+step.mkdir(parents=True)
+(step / sys.argv[2]).write_text('{}')
+print('error: cannot save the checkpoint of step 8: no space left on device', flush=True)
+sys.exit(6)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_peer_ends_the_launch_with_its_exit_code_and_how_to_continue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], launcher_signals: None
+) -> None:
+    """A peer that ended on a full disk (exit 6) ended the launch with exit 1, its kind lost, and its line's advice
+    (`--resume=auto`, a node's flag) was the last word, not the launcher's own way to continue (`--resume`)."""
+    python = sys.executable
+    listening = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); "
+    monkeypatch.setattr(
+        spes.launch,
+        "server_command",
+        lambda config, run, port, out: [python, "-c", listening + "time.sleep(60)", f"{port}"],
+    )
+    monkeypatch.setattr(
+        spes.launch,
+        "peer_command",
+        lambda config, run, peer, seed, port, out: (
+            [python, "-c", FAILING_PEER, str(out), META_FILE] if peer == 0 else ["sleep", "60"]
+        ),
+    )
+    assert spes.launch.main([TINY, "--out", str(tmp_path)]) == 6
+    err = capsys.readouterr().err.splitlines()
+    assert err[-3:] == [
+        f"peer0 exited with code 6; its log: {tmp_path / 'peer0.log'}",
+        "error: cannot save the checkpoint of step 8: no space left on device",
+        f"kept in {tmp_path}: node0 step4; continue with --resume and the same overrides after `--` (quickstart: "
+        "RESUME=1 and the same settings)",
+    ]
+
+
 def test_waiting_for_a_server_ends_when_it_exits() -> None:
     """A server that fails at its start must not hold the launcher for the whole wait (its failure is reported)."""
     server = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
@@ -491,5 +530,9 @@ def test_a_failing_peer_ends_the_local_run_with_its_error_line(tiny_corpus, tmp_
         text=True,
         timeout=170,
     )
-    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: data.paths: data path pattern"), proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr  # the peer's: a data error
+    *_, error, how = proc.stderr.strip().splitlines()
+    assert error.startswith("error: data.paths: data path pattern"), proc.stderr
+    assert how.startswith(
+        f"kept in {tmp_path / 'run'}: no node checkpoint and the server state; continue with --resume"
+    )
