@@ -117,9 +117,10 @@ class RoundCloser(RoundJob):
             )
             save_round(self._state_dir, saved)
 
-    def _fail(self, step: int, message: str) -> None:
-        """Round `step` is not published: the waiting peers get `message`, and may upload it again."""
-        log.exception("%s", message)
+    def _fail(self, step: int, message: str, traced: bool = True) -> None:
+        """Round `step` is not published: the waiting peers get `message`, and may upload it again. `traced`: the
+        log keeps the traceback of the error being handled (not for a cause the message names whole, a full disk)."""
+        log.error("%s", message, exc_info=traced)
         with self._cond:
             self._state.fail(step, message)
             self._cond.notify_all()
@@ -148,7 +149,8 @@ class RoundCloser(RoundJob):
                 if isinstance(exc, OSError)
                 else ""
             )
-            self._fail(step, f"the server could not save round {step} under --state_dir {self._state_dir} ({exc}){fix}")
+            message = f"the server could not save round {step} under --state_dir {self._state_dir} ({exc}){fix}"
+            self._fail(step, message, traced=not isinstance(exc, OSError))
             return
         with self._cond:
             self._state.complete(done)

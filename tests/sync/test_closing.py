@@ -138,8 +138,10 @@ def test_a_failed_aggregation_is_logged_and_left_to_the_peers_to_upload_again(
 
 @pytest.mark.timeout(60)
 def test_a_round_that_cannot_be_saved_is_not_published_and_says_how_to_go_on(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A state dir the system refuses (a full disk, a file in its place) is logged as its one line, not with a
+    traceback in server.log; any other error of the save keeps its traceback."""
     not_a_dir = tmp_path / "state"
     not_a_dir.write_text("")
     run = Closer(SPEC, not_a_dir)
@@ -152,6 +154,9 @@ def test_a_round_that_cannot_be_saved_is_not_published_and_says_how_to_go_on(
         "round is still the one before, and the nodes upload this one again"
     )
     assert run.published == [] and run.parts.state.completed is None
+    [record] = of_round(caplog, 1)
+    assert (record.getMessage(), record.levelno, record.exc_info) == (message, logging.ERROR, False)
+    caplog.clear()
 
     def refuses(directory: str, saved: object) -> None:
         raise ValueError("no")
@@ -164,6 +169,8 @@ def test_a_round_that_cannot_be_saved_is_not_published_and_says_how_to_go_on(
         1,
         f"the server could not save round 1 under --state_dir {tmp_path}/elsewhere (no)",
     )
+    [record] = of_round(caplog, 1)
+    assert record.exc_info is not None
 
 
 @pytest.mark.timeout(60)
