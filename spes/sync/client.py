@@ -7,18 +7,20 @@ One rank per node owns a `SyncClient`; the trainer broadcasts what `sync` return
         client.join()                                    # the server compares the spec and the manifest
         global_tensors, stats = client.sync(step, {n: params[n] for n in spec.trainable(0)})
 
-Every RPC carries a deadline. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, a call a stopping server cancelled,
-bytes that fail their checksum in either direction) are retried with exponential backoff and jitter, which is safe
-because the server treats a repeated (peer, round) upload as a no-op. What travels is the run's codec's
-(`spes.sync.codecs`): the client holds its peer end (`PeerCodec`: a held-model codec's held model and error feedback),
-and a payload the server refuses for its base (it holds another) is sent again as full values. `sync` also recovers on
-its own from a server restart: told it has not joined, it joins again; told the server holds no upload of it for the
-round, it uploads again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum round closed
-without it) catches up: `sync` returns the latest global model, every tensor of it, with `SyncStats.caught_up` set and
-`round` the server's step, and the caller continues from there (`catch_up` does the same at start, before a node trains
-on from a step the run has passed). Other failures raise `SyncError` carrying the gRPC status code and the server's
-explanation. The token is never logged. The channel, the plane payloads take (falling back to gRPC when the data plane
-fails) and the presence stream are the client's `spes.sync.connection.Connection`.
+Every RPC carries a deadline, and a round ends at `round_timeout_s` of this process's running time: time it did not run
+(a laptop suspended mid-round, SIGSTOP) is not counted (`spes.sync.retry.Deadline`), so a node that wakes past its
+deadline asks the server again and catches up rather than ending. Transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, a
+call a stopping server cancelled, bytes that fail their checksum in either direction) are retried with exponential
+backoff and jitter, which is safe because the server treats a repeated (peer, round) upload as a no-op. What travels is
+the run's codec's (`spes.sync.codecs`): the client holds its peer end (`PeerCodec`: a held-model codec's held model and
+error feedback), and a payload the server refuses for its base (it holds another) is sent again as full values. `sync`
+also recovers on its own from a server restart: told it has not joined, it joins again; told the server holds no upload
+of it for the round, it uploads again. A peer the run has moved past (it restarted from an older checkpoint, or a quorum
+round closed without it) catches up: `sync` returns the latest global model, every tensor of it, with
+`SyncStats.caught_up` set and `round` the server's step, and the caller continues from there (`catch_up` does the same
+at start, before a node trains on from a step the run has passed). Other failures raise `SyncError` carrying the gRPC
+status code and the server's explanation. The token is never logged. The channel, the plane payloads take (falling back
+to gRPC when the data plane fails) and the presence stream are the client's `spes.sync.connection.Connection`.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from spes.sync.fragments import WHOLE
 from spes.sync.plane import Plane
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import PROTOCOL_VERSION, Manifest, Reason, SyncError, Tensors
-from spes.sync.retry import retrying, time_left
+from spes.sync.retry import Deadline, retrying
 from spes.sync.spec import RunSpec
 from spes.sync.wire import TensorDecoder
 
@@ -252,7 +254,7 @@ class SyncClient:
         trained = layout.names(fragment, self._trainable)
         check_upload(tensors, manifest, trained)
         start = time.perf_counter()
-        deadline = time.monotonic() + self.round_timeout_s
+        deadline = Deadline(self.round_timeout_s)
         ordered = {name: tensors[name] for name in trained}
 
         def exchange(_timeout: float) -> tuple[int, tuple[pb.RoundInfo, Tensors, int], RoundPhases | None]:
@@ -280,21 +282,21 @@ class SyncClient:
         if latest <= step:
             return None
         start = time.perf_counter()
-        info, downloaded, received = self._latest(step, manifest, time.monotonic() + self.round_timeout_s, latest)
+        info, downloaded, received = self._latest(step, manifest, Deadline(self.round_timeout_s), latest)
         return downloaded, SyncStats.of(info, start, 0, received, caught_up=True)
 
     def _exchange(
-        self, step: int, ordered: Tensors, manifest: Manifest, fragment: int, deadline: float
+        self, step: int, ordered: Tensors, manifest: Manifest, fragment: int, deadline: Deadline
     ) -> tuple[int, tuple[pb.RoundInfo, Tensors, int], RoundPhases | None]:
         """One attempt at round `step`: the upload, then the download; and where its seconds went."""
         began = time.perf_counter()
         upload, digest = self.codec.upload(ordered, self._own), self.codec.digest(ordered)
-        sent, duplicate = self.plane.upload(step, upload, self._until(deadline), fragment, digest=digest)
+        sent, duplicate = self.plane.upload(step, upload, deadline.left(), fragment, digest=digest)
         if duplicate:
             log.info("round %d: upload of peer %d was already committed", step, self.peer_id)
         uploaded = time.perf_counter()
         announced: list[float] = []
-        got = self._download(step, manifest, self._until(deadline), full=False, fragment=fragment, at=announced)
+        got = self._download(step, manifest, deadline.left(), full=False, fragment=fragment, at=announced)
         phases = None
         if announced:
             phases = RoundPhases(uploaded - began, announced[-1] - uploaded, time.perf_counter() - announced[-1])
@@ -384,7 +386,7 @@ class SyncClient:
         return info, tensors, received
 
     def _latest(
-        self, step: int, manifest: Manifest, deadline: float, latest: int | None = None
+        self, step: int, manifest: Manifest, deadline: Deadline, latest: int | None = None
     ) -> tuple[pb.RoundInfo, Tensors, int]:
         """Every tensor of the server's latest completed round (`latest`, when the caller has just asked the server),
         for a peer at `step` that fell behind."""
@@ -434,7 +436,7 @@ class SyncClient:
         attempt: Callable[[float], T],
         *,
         per_attempt_s: float | None = None,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
         recover: Callable[[SyncError], bool] | None = None,
     ) -> T:
         """`spes.sync.retry.retrying` with this client's retries and round timeout; a server refusing this client's
@@ -444,14 +446,11 @@ class SyncClient:
             attempt,
             max_retries=self.max_retries,
             per_attempt_s=per_attempt_s,
-            deadline=None if deadline is None else (deadline, self.round_timeout_s),
+            deadline=deadline,
             recover=recover,
             refusal=lambda: certificate_refusal(self.connection.settings),
             closed=lambda: self.connection.closed,
         )
-
-    def _until(self, deadline: float) -> float:
-        return time_left(deadline, self.round_timeout_s)
 
 
 def announced(

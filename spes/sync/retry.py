@@ -2,7 +2,10 @@
 
 A call is retried when sending the same request again may succeed (`SyncError.retryable`: an unreachable or stopping
 server, a deadline, damaged bytes, a busy server); a `recover` hook may repair the cause of another failure (join again,
-upload again) and have the call tried at once. Every wait respects the round's deadline.
+upload again) and have the call tried at once. Every wait respects the round's deadline (`Deadline`), which does not
+count time this process did not run (`Stalls`): a node frozen mid-round (a laptop lid closed, a paused VM, SIGSTOP)
+wakes with the round time it had left, asks the server again and catches up with the run, as the server's round
+timeout does not count its own stalls.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -37,14 +41,93 @@ def backoff_s(attempt: int) -> float:
     return random.uniform(delay / 2, delay)
 
 
-def time_left(deadline: float, round_timeout_s: float) -> float:
-    """Seconds until `deadline` (time.monotonic()); SyncError DEADLINE_EXCEEDED once it has passed."""
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise SyncError(
-            f"the round did not finish within round_timeout_s={round_timeout_s}", grpc.StatusCode.DEADLINE_EXCEEDED
+TICK_S = 0.25
+"""How often the `Stalls` thread looks whether this process runs."""
+STALL_S = 2.0
+"""A gap this long between two of its looks (each a few microseconds) is time the process did not run, or ran
+without letting any other thread take the GIL: either way no time a round's wait had."""
+
+
+class Stalls:
+    """Seconds this process did not run (stopped, suspended, starved), measured by a daemon thread that looks every
+    `TICK_S`: a gap of `STALL_S` or more between two looks is counted whole (`note`). Thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._seen = clock()
+        self._total = 0.0
+        self._thread: threading.Thread | None = None
+
+    def note(self) -> float:
+        """The process runs now: count the gap since the last look if it is a stall; returns that gap (0: none)."""
+        with self._lock:
+            now = self.clock()
+            gap, self._seen = now - self._seen, now
+            if gap < STALL_S:
+                return 0.0
+            self._total += gap
+        log.warning(
+            "this process did not run for %.1f s (stopped, suspended or starved): a round's round_timeout_s does "
+            "not count that time",
+            gap,
         )
-    return left
+        return gap
+
+    def total(self) -> float:
+        """Seconds not run so far, a stall not yet noted by the thread included (the thread may wake after the
+        caller does)."""
+        self.note()
+        with self._lock:
+            return self._total
+
+    def watch(self) -> Stalls:
+        """Start the looking thread (once)."""
+        with self._lock:
+            if self._thread is None:
+                self._seen = self.clock()
+                self._thread = threading.Thread(target=self._run, name="spes-stalls", daemon=True)
+                self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        tick = threading.Event()
+        while not tick.wait(TICK_S):
+            self.note()
+
+
+STALLS = Stalls()
+"""This process's stalls, which every client's deadlines share."""
+
+
+class Deadline:
+    """A round's deadline: `round_timeout_s` from its start, not counting time this process did not run (`Stalls`).
+
+    The rule: a deadline is extended by every stall of the process since it was set, so a node frozen past its own
+    round timeout wakes with the time it had left when it froze; its next call asks the server where the run is
+    (refused as old, it catches up; the server restarted, it joins again). A round the server really did not close
+    in `round_timeout_s` of this process's running time still ends the wait.
+    """
+
+    def __init__(self, round_timeout_s: float, stalls: Stalls | None = None) -> None:
+        self.round_timeout_s = round_timeout_s
+        self.stalls = STALLS.watch() if stalls is None else stalls
+        self._end = time.monotonic() + round_timeout_s
+        self._stalled = self.stalls.total()
+
+    def remaining(self) -> float:
+        """Seconds until the deadline (0 once it has passed)."""
+        return max(0.0, self._end + self.stalls.total() - self._stalled - time.monotonic())
+
+    def left(self) -> float:
+        """Seconds until the deadline; SyncError DEADLINE_EXCEEDED once it has passed."""
+        left = self.remaining()
+        if left <= 0:
+            raise SyncError(
+                f"the round did not finish within round_timeout_s={self.round_timeout_s}",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        return left
 
 
 def retrying(
@@ -53,13 +136,12 @@ def retrying(
     *,
     max_retries: int,
     per_attempt_s: float | None = None,
-    deadline: tuple[float, float] | None = None,
+    deadline: Deadline | None = None,
     recover: Callable[[SyncError], bool] | None = None,
     refusal: Callable[[], str | None] | None = None,
     closed: Callable[[], bool] | None = None,
 ) -> T:
-    """Run `attempt(timeout)`; retry transient failures up to `max_retries` times with backoff before `deadline`
-    (time.monotonic(), and the round timeout it stands for, for the message).
+    """Run `attempt(timeout)`; retry transient failures up to `max_retries` times with backoff before `deadline`.
 
     `recover(failure)` may repair the cause of a non-transient failure and return True to try again at once (at
     most MAX_RECOVERIES times). A gRPC error becomes a `SyncError` naming `what` (`failure_of`, with `refusal`:
@@ -71,7 +153,7 @@ def retrying(
     while True:
         timeout = per_attempt_s if per_attempt_s is not None else math.inf
         if deadline is not None:
-            timeout = min(timeout, time_left(*deadline))
+            timeout = min(timeout, deadline.left())
         try:
             return attempt(timeout)
         except grpc.RpcError as err:
@@ -89,7 +171,7 @@ def retrying(
             raise failure
         delay = backoff_s(failures)
         if deadline is not None:
-            delay = min(delay, max(0.0, deadline[0] - time.monotonic()))
+            delay = min(delay, deadline.remaining())
         failures += 1
         log.warning("%s; retry %d/%d in %.1f s", failure, failures, max_retries, delay)
         time.sleep(delay)

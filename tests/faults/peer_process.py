@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, nargs="+", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--run_id", default=None, help="the run this peer belongs to (default: it starts fresh)")
+    parser.add_argument("--round_timeout_s", type=float, default=60, help="spes_config.round_timeout_s")
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = tiny_spec(mode=args.mode, num_peers=args.num_peers, d=args.width, f=max(1, args.width // 2))
@@ -44,7 +45,7 @@ def main() -> int:
         args.peer,
         token=os.environ.get("SPES_TOKEN"),
         rpc_timeout_s=10,
-        round_timeout_s=60,
+        round_timeout_s=args.round_timeout_s,
         max_retries=8,
         run_id=args.run_id,
     ) as client:

@@ -30,11 +30,11 @@ FELL_BACK = "payloads go over gRPC until the next join finds it again"
 QUORUM = ServerSection(dead_peer_policy="quorum", round_timeout_s=1.0, min_peers=1)
 
 
-def _peer(addr: str, peer: int, steps: list[int], out: Path, width: int) -> subprocess.Popen[bytes]:
-    """tests/faults/peer_process.py as peer `peer` of a run of two, logging to `out`/log."""
+def _peer(addr: str, peer: int, steps: list[int], out: Path, width: int, *extra: str) -> subprocess.Popen[bytes]:
+    """tests/faults/peer_process.py as peer `peer` of a run of two, logging to `out`/log (`extra`: its options)."""
     out.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(REPO / "tests/faults/peer_process.py"), "--addr", addr, "--peer", str(peer)]
-    command += ["--width", str(width), "--steps", *map(str, steps), "--out", str(out)]
+    command += ["--width", str(width), "--steps", *map(str, steps), "--out", str(out), *extra]
     with open(out / "log", "wb") as log:
         return subprocess.Popen(
             command, cwd=REPO, env={**os.environ, "SPES_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT
@@ -183,3 +183,40 @@ def test_a_server_frozen_mid_round_does_not_count_its_stall_against_the_peers(tm
     for got, stats in results:
         assert stats.peers == (0, 1, 2) and not stats.caught_up
         assert_exact(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_peer_frozen_past_its_own_round_timeout_catches_up_instead_of_ending(tmp_path: Path) -> None:
+    """Peer 1 (spes_config.round_timeout_s=4) has uploaded round 1 and waits for it when it is frozen for 6 s (a
+    laptop lid closed mid-sync); peer 0 goes on, round 2 closing without peer 1 (quorum). Woken, peer 1 found its
+    own deadline expired and ended ("the round did not finish within round_timeout_s=4.0"). The time it did not run
+    is not a round that timed out: it tries round 1 again, is told it is old, loads round 3, as a peer frozen
+    mid-training does, and round 4 is built by both."""
+    spec = tiny_spec(server=QUORUM)
+    taken = {1: (0, 1), 2: (0,), 3: (0,), 4: (0, 1)}
+    uploads = {s: {p: peer_upload(spec, p, seed=s) for p in peers} for s, peers in taken.items()}
+    want = _quorum_rounds(uploads, spec)
+    with (
+        server_process(tmp_path / "server.log", spec_overrides(spec), env={"SPES_TOKEN": TOKEN}) as server,
+        _client(server.addr, 0, spec) as peer0,
+    ):
+        peer0.join()
+        victim = _peer(server.addr, 1, [1, 2, 3, 4], tmp_path / "victim", 8, "--round_timeout_s", "4")
+        log = tmp_path / "victim/log"
+        with _frozen_later(victim), ThreadPoolExecutor(1) as pool:
+            wait_until(lambda: peer0.status().peers_uploaded == (1,), "peer 1's upload of round 1", timeout_s=30)
+            victim.send_signal(signal.SIGSTOP)
+            frozen = time.monotonic()
+            for step in (1, 2, 3):
+                assert peer0.sync(step, uploads[step][0])[1].peers == taken[step]
+            time.sleep(max(0.0, frozen + 6 - time.monotonic()))
+            victim.send_signal(signal.SIGCONT)
+            wait_until(lambda: "(it was at step 3)" in log.read_text() or victim.poll() is not None, "peer 1 to go on")
+            waiting = pool.submit(peer0.sync, 4, uploads[4][0])
+            assert victim.wait(timeout=30) == 0, log.read_text()
+            assert waiting.result(timeout=30)[1].peers == (0, 1)
+    text = log.read_text()
+    assert "did not run for" in text and "(it was at step 1)" in text and "Traceback" not in text, text
+    for step, round_ in ((1, 3), (2, 3), (3, 3), (4, 4)):  # woken, its round 1 was old: it loaded round 3
+        assert_exact(load_file(str(tmp_path / f"victim/round-{step}.safetensors")), want[round_])

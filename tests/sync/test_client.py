@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import wait_until
 from spes.config import ServerSection
-from spes.sync import channel, plane_tcp
+from spes.sync import channel, plane_tcp, retry
 from spes.sync.admission import PEER_KEY, RUN_KEY, SESSION_KEY
 from spes.sync.client import SyncError
 from spes.sync.merge import build_global, mean_over_peers, outer_nesterov_step
@@ -328,6 +328,50 @@ def test_quorum_round_closes_without_a_dead_peer_which_then_catches_up() -> None
         assert torch.equal(late["blocks.0.ffn.experts.w1.2"], uploads_10[2]["blocks.0.ffn.experts.w1.2"])
         uploads = {p: peer_upload(spec, p, seed=30) for p in range(3)}
         assert all(s.peers == (0, 1, 2) for _, s in sync_all(clients, 30, uploads).values())
+
+
+class Stalled:
+    """This process's stalls (`spes.sync.retry.Stalls`) as a test sets them: `seconds` it did not run."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def watch(self) -> Stalled:
+        return self
+
+    def total(self) -> float:
+        return self.seconds
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_whose_process_stalled_mid_upload_past_its_round_timeout_finishes_the_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Peer 0 (round_timeout_s=1) did not run for 1.5 s in the middle of its upload (a laptop suspended): woken past
+    its deadline, it ended ("the round did not finish within round_timeout_s=1"). The time it did not run is not
+    counted: it waits for the round, which both peers build."""
+    spec = tiny_spec()
+    stalled = Stalled()
+    monkeypatch.setattr(retry, "STALLS", stalled)
+    with (
+        running_server(spec) as (_, addr),
+        make_client(addr, spec, 0, rpc_timeout_s=30, round_timeout_s=1, max_retries=0) as sleeper,
+        make_client(addr, spec, 1, rpc_timeout_s=30) as other,
+    ):
+        sleeper.join()
+        other.join()
+        upload = sleeper.plane.upload
+
+        def suspended(*args: object, **kwargs: object) -> tuple[int, bool]:
+            time.sleep(1.5)
+            stalled.seconds += 1.5
+            return upload(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(sleeper.plane, "upload", suspended)
+        uploads = {p: peer_upload(spec, p, seed=1) for p in range(2)}
+        results = sync_all([sleeper, other], 1, uploads)
+    assert all(stats.peers == (0, 1) and not stats.caught_up for _, stats in results.values())
+    check_round(results, uploads, spec, step=1)
 
 
 @pytest.mark.timeout(60)

@@ -1,5 +1,6 @@
 """How a client retries (`spes.sync.retry`), on its own: backoff, which failures are retried and how often, repairs
-tried at once, the round's deadline, and a peer id held by another process."""
+tried at once, the round's deadline (which time the process did not run does not use up), and a peer id held by
+another process."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from spes.sync import retry
 from spes.sync.protocol import Reason, SyncError, classify
-from spes.sync.retry import MAX_RECOVERIES, backoff_s, retrying, time_left
+from spes.sync.retry import MAX_RECOVERIES, STALL_S, Deadline, Stalls, backoff_s, retrying
 
 UNAVAILABLE = classify("upload of round 3", grpc.StatusCode.UNAVAILABLE, "connection refused", "")
 REFUSED = classify("upload of round 3", grpc.StatusCode.FAILED_PRECONDITION, "round 3 is closed", "")
@@ -87,12 +88,71 @@ def test_every_attempt_and_wait_keeps_to_the_rounds_deadline(monkeypatch: pytest
     clock = Clock(monkeypatch)
     attempt = failing([UNAVAILABLE] * 10)
     with pytest.raises(SyncError, match="did not finish within round_timeout_s=3") as err:
-        retrying("download", attempt, max_retries=10, per_attempt_s=10, deadline=(clock.now + 3, 3))
+        retrying("download", attempt, max_retries=10, per_attempt_s=10, deadline=Deadline(3, RUNNING))
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert attempt.timeouts[0] == 3 and all(t <= 3 for t in attempt.timeouts)  # type: ignore[attr-defined]
     assert sum(clock.slept) == pytest.approx(3)  # the last wait ends at the deadline, not past it
+    deadline = Deadline(60, RUNNING)
+    clock.now += 60
+    assert deadline.remaining() == 0
     with pytest.raises(SyncError, match="round_timeout_s=60"):
-        time_left(clock.now, 60)
+        deadline.left()
+
+
+RUNNING = Stalls(lambda: 0.0)
+"""A process that never stops."""
+
+
+def test_a_gap_between_looks_of_stall_s_or_more_is_counted_whole_and_a_shorter_one_not() -> None:
+    now = [0.0]
+    stalls = Stalls(lambda: now[0])
+    for step in (0.25, STALL_S - 0.01, 0.25):
+        now[0] += step
+        assert stalls.note() == 0.0
+    now[0] += 6.0
+    assert stalls.total() == 6.0  # a caller that wakes before the looking thread counts the stall itself
+    assert stalls.note() == 0.0 and stalls.total() == 6.0  # once
+
+
+def test_a_deadline_does_not_count_time_the_process_did_not_run(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Frozen 6 s into a 4 s deadline after 1 s of it, the process wakes with the 3 s it had left; time it runs (its
+    looks every TICK_S) counts, and then the deadline passes."""
+    clock = Clock(monkeypatch)
+    deadline = Deadline(4, Stalls(clock.monotonic))
+    clock.now += 1
+    deadline.stalls.note()
+    clock.now += 6
+    with caplog.at_level("WARNING", logger="spes.client"):
+        assert deadline.left() == pytest.approx(3)
+    assert "did not run for 6.0 s" in caplog.text
+    while clock.now < 110:
+        clock.now += retry.TICK_S
+        deadline.stalls.note()
+    assert deadline.remaining() == 0
+    with pytest.raises(SyncError, match="did not finish within round_timeout_s=4"):
+        deadline.left()
+
+
+def test_a_round_frozen_past_its_deadline_is_tried_again_on_waking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attempt (a download waiting for the round) frozen past the round's deadline fails as timed out when the
+    process wakes: it is tried again with the time the round had left, where the server says where the run is."""
+    clock = Clock(monkeypatch)
+    frozen = classify("download of round 3", grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", "")
+
+    def attempt(timeout: float) -> str:
+        attempt.timeouts.append(timeout)  # type: ignore[attr-defined]
+        if len(attempt.timeouts) == 1:  # type: ignore[attr-defined]
+            clock.now += 10
+            raise frozen
+        return "caught up"
+
+    attempt.timeouts = []  # type: ignore[attr-defined]
+    monkeypatch.setattr(retry, "backoff_s", lambda attempt: 0.5)
+    deadline = Deadline(4, Stalls(clock.monotonic))
+    assert retrying("sync", attempt, max_retries=3, deadline=deadline) == "caught up"
+    assert attempt.timeouts == [4, 3.5] and clock.slept == [0.5]  # type: ignore[attr-defined]
 
 
 def test_a_peer_id_held_by_another_process_is_retried_for_a_while_only(monkeypatch: pytest.MonkeyPatch) -> None:
