@@ -319,47 +319,32 @@ def save(
     what it still holds and what to do.
     """
     with room_for(f"cannot save the checkpoint of step {step} in {save_folder}", no_room_fix(save_folder)):
-        return _save(save_folder, step, model, optimizer, trainer_state, config, sharded, keep, extra)
-
-
-def _save(
-    save_folder: str | Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
-    config: dict[str, Any],
-    sharded: bool,
-    keep: Keep,
-    extra: Extra | None,
-) -> Path | None:
-    """`save`, its full disk not yet named."""
-    if sharded:
-        return save_sharded_checkpoint(
+        if sharded:
+            return save_sharded_checkpoint(
+                save_folder,
+                step,
+                model=model,
+                optimizer=optimizer,
+                trainer_state=trainer_state,
+                config=config,
+                keep=keep,
+                extra=extra,
+            )
+        model_state = model_state_dict(model, full=True)
+        stepped = _stepped(optimizer)
+        optim_state = None if stepped is None else _optim_state_dict(model, stepped, full=True)
+        if process_rank() != 0:
+            return None
+        return save_checkpoint(
             save_folder,
             step,
-            model=model,
-            optimizer=optimizer,
+            model_state=model_state,
+            optim_state=optim_state,
             trainer_state=trainer_state,
             config=config,
             keep=keep,
             extra=extra,
         )
-    model_state = model_state_dict(model, full=True)
-    stepped = _stepped(optimizer)
-    optim_state = None if stepped is None else _optim_state_dict(model, stepped, full=True)
-    if process_rank() != 0:
-        return None
-    return save_checkpoint(
-        save_folder,
-        step,
-        model_state=model_state,
-        optim_state=optim_state,
-        trainer_state=trainer_state,
-        config=config,
-        keep=keep,
-        extra=extra,
-    )
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
