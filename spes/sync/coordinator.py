@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from spes.sync.admission import Sessions, StreamGuard, Ticket
@@ -34,9 +33,6 @@ from spes.sync.uploads import Uploads
 from spes.sync.wire import wire_torch_dtype
 
 log = logging.getLogger("spes.server")
-
-TICK_S = 0.5
-"""How often the round rules hear that this process runs (`RoundState.tick`; a longer gap is a stall of it)."""
 
 
 class Coordinator:
@@ -183,20 +179,14 @@ class Coordinator:
             )
 
     def _report(self) -> None:
-        """Every `REPORT_S` while the run waits (a round open, peers yet to join), log what for and whom; every
-        `TICK_S`, tell the round rules that this process runs."""
-        reported = time.monotonic()
+        """Every `REPORT_S` while the run waits (a round open, peers yet to join), log what for and whom."""
         while True:
             with self._cond:
-                if self._cond.wait_for(lambda: self._shutting_down, timeout=min(TICK_S, REPORT_S)):
+                if self._cond.wait_for(lambda: self._shutting_down, timeout=REPORT_S):
                     return
-                self.state.tick()
-                due = time.monotonic() - reported >= REPORT_S
                 waiting = self.state.open_round is not None or len(self.joined) < self.spec.num_peers
-            if due:
-                reported = time.monotonic()
-                if waiting:
-                    log.info("waiting: %s", describe(self.status()))
+            if waiting:
+                log.info("waiting: %s", describe(self.status()))
 
     def presence(
         self, peer: int, session: str, run: str, address: str, common_name: Callable[[], str | None]

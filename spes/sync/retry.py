@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -22,6 +21,7 @@ import grpc
 
 from spes.sync.plane_grpc import failure_of
 from spes.sync.protocol import Reason, SyncError
+from spes.sync.stalls import STALLS, Stalls
 
 log = logging.getLogger("spes.client")
 T = TypeVar("T")
@@ -39,65 +39,6 @@ def backoff_s(attempt: int) -> float:
     """Exponential backoff with jitter: uniform in [d/2, d] with d = min(cap, base * 2**attempt)."""
     delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt)
     return random.uniform(delay / 2, delay)
-
-
-TICK_S = 0.25
-"""How often the `Stalls` thread looks whether this process runs."""
-STALL_S = 2.0
-"""A gap this long between two of its looks (each a few microseconds) is time the process did not run, or ran
-without letting any other thread take the GIL: either way no time a round's wait had."""
-
-
-class Stalls:
-    """Seconds this process did not run (stopped, suspended, starved), measured by a daemon thread that looks every
-    `TICK_S`: a gap of `STALL_S` or more between two looks is counted whole (`note`). Thread-safe."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self._lock = threading.Lock()
-        self._seen = clock()
-        self._total = 0.0
-        self._thread: threading.Thread | None = None
-
-    def note(self) -> float:
-        """The process runs now: count the gap since the last look if it is a stall; returns that gap (0: none)."""
-        with self._lock:
-            now = self.clock()
-            gap, self._seen = now - self._seen, now
-            if gap < STALL_S:
-                return 0.0
-            self._total += gap
-        log.warning(
-            "this process did not run for %.1f s (stopped, suspended or starved): a round's round_timeout_s does "
-            "not count that time",
-            gap,
-        )
-        return gap
-
-    def total(self) -> float:
-        """Seconds not run so far, a stall not yet noted by the thread included (the thread may wake after the
-        caller does)."""
-        self.note()
-        with self._lock:
-            return self._total
-
-    def watch(self) -> Stalls:
-        """Start the looking thread (once)."""
-        with self._lock:
-            if self._thread is None:
-                self._seen = self.clock()
-                self._thread = threading.Thread(target=self._run, name="spes-stalls", daemon=True)
-                self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        tick = threading.Event()
-        while not tick.wait(TICK_S):
-            self.note()
-
-
-STALLS = Stalls()
-"""This process's stalls, which every client's deadlines share."""
 
 
 class Deadline:

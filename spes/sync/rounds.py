@@ -18,13 +18,12 @@ enough peers are in:
 
 Under `wait` (the reference behaviour) a round closes only with every peer. Time the server itself did not run (its
 process stopped or starved: a paused VM, SIGSTOP, a swap storm) does not count toward a round's timeout
-(`RoundState.tick`): the peers could not reach it then, and on waking it would close the round before their retries
+(`spes.sync.stalls`): the peers could not reach it then, and on waking it would close the round before their retries
 arrive.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -37,12 +36,7 @@ from spes.sync.codecs.base import Payload
 from spes.sync.codecs.interface import Served
 from spes.sync.fragments import WHOLE
 from spes.sync.protocol import Reason, Refused, Tensors
-
-log = logging.getLogger("spes.server")
-
-STALL_S = 2.0
-"""A gap this long between two `RoundState.tick`s (the coordinator ticks every fraction of it) is time the server did
-not run."""
+from spes.sync.stalls import STALLS, Stalls
 
 
 def quorum(server: ServerSection, num_peers: int) -> int:
@@ -96,14 +90,20 @@ class RoundState:
     and the committed uploads of the open round, handed to the aggregator (and dropped from here) when it closes.
     """
 
-    def __init__(self, num_peers: int, server: ServerSection, next_round: Callable[[int | None], int | None]) -> None:
+    def __init__(
+        self,
+        num_peers: int,
+        server: ServerSection,
+        next_round: Callable[[int | None], int | None],
+        stalls: Stalls | None = None,
+    ) -> None:
         self.num_peers, self.server, self.next_round = num_peers, server, next_round
         """`next_round(after)`: the round the schedule expects after round `after` (None: before any)."""
+        self.stalls = STALLS.watch() if stalls is None else stalls
+        """The time this process did not run, which a round's timeout does not count."""
         self.open_round: int | None = None
         self.opened_at = 0.0
-        self.excused = 0.0
-        """Seconds since the open round opened during which the server did not run (`tick`): not counted."""
-        self._ticked = time.monotonic()
+        self._stalled_at_open = 0.0
         self.uploaded: set[int] = set()
         self.staged: dict[int, Tensors] = {}
         self.digests: dict[int, int] = {}
@@ -199,7 +199,7 @@ class RoundState:
         relay); opens the round if needed. True when every peer is in."""
         if self.open_round is None:
             self.open_round, self.opened_at, self.failure, self.fragment = step, time.monotonic(), None, fragment
-            self.excused, self._ticked = 0.0, self.opened_at
+            self._stalled_at_open = self.stalls.total()
         assert step == self.open_round and peer not in self.uploaded and not self.aggregating
         self.failure = None
         self.uploaded.add(peer)
@@ -231,37 +231,19 @@ class RoundState:
         return False
 
     def seconds_left(self, now: float | None = None) -> float:
-        """Seconds until the open round times out (0 once it has; inf while it is aggregating)."""
+        """Seconds until the open round times out (0 once it has; inf while it is aggregating), not counting the
+        time since it opened that this process did not run."""
         if self.open_round is None or self.aggregating:
             return float("inf")
         now = time.monotonic() if now is None else now
-        return max(0.0, self.opened_at + self.excused + self.server.round_timeout_s - now)
-
-    def tick(self, now: float | None = None) -> float:
-        """The server runs at `now`. A gap of `STALL_S` or more since the last tick is time it did not run (its
-        process stopped or starved), which the open round's timeout does not count: the peers could not reach it.
-        Returns that gap (0: none)."""
-        now = time.monotonic() if now is None else now
-        gap, self._ticked = now - self._ticked, now
-        if gap < STALL_S or self.open_round is None or self.aggregating:
-            return 0.0
-        self.excused += gap
-        log.warning(
-            "the server did not run for %.1f s (its process stopped or starved: a paused VM, SIGSTOP, swapping): "
-            "round %d's server.round_timeout_s does not count that time",
-            gap,
-            self.open_round,
-        )
-        return gap
+        stalled = self.stalls.total() - self._stalled_at_open
+        return max(0.0, self.opened_at + stalled + self.server.round_timeout_s - now)
 
     def must_close(self, owners: frozenset[int], now: float | None = None) -> bool:
-        """True when the open round timed out and may close with the peers in (quorum); at the present time (`now`
-        None), a stall of the server just ended is not counted first (`tick`).
+        """True when the open round timed out and may close with the peers in (quorum).
 
         Raises Refused (reason `round_timeout`, naming the missing peers) when it timed out and may not.
         """
-        if now is None:
-            self.tick()
         if self.seconds_left(now) > 0:
             return False
         blocker = self.close_blocker(owners)

@@ -12,7 +12,8 @@ import pytest
 
 from spes.sync import retry
 from spes.sync.protocol import Reason, SyncError, classify
-from spes.sync.retry import MAX_RECOVERIES, STALL_S, Deadline, Stalls, backoff_s, retrying
+from spes.sync.retry import MAX_RECOVERIES, Deadline, backoff_s, retrying
+from spes.sync.stalls import TICK_S, Stalls
 
 UNAVAILABLE = classify("upload of round 3", grpc.StatusCode.UNAVAILABLE, "connection refused", "")
 REFUSED = classify("upload of round 3", grpc.StatusCode.FAILED_PRECONDITION, "round 3 is closed", "")
@@ -103,17 +104,6 @@ RUNNING = Stalls(lambda: 0.0)
 """A process that never stops."""
 
 
-def test_a_gap_between_looks_of_stall_s_or_more_is_counted_whole_and_a_shorter_one_not() -> None:
-    now = [0.0]
-    stalls = Stalls(lambda: now[0])
-    for step in (0.25, STALL_S - 0.01, 0.25):
-        now[0] += step
-        assert stalls.note() == 0.0
-    now[0] += 6.0
-    assert stalls.total() == 6.0  # a caller that wakes before the looking thread counts the stall itself
-    assert stalls.note() == 0.0 and stalls.total() == 6.0  # once
-
-
 def test_a_deadline_does_not_count_time_the_process_did_not_run(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -124,11 +114,11 @@ def test_a_deadline_does_not_count_time_the_process_did_not_run(
     clock.now += 1
     deadline.stalls.note()
     clock.now += 6
-    with caplog.at_level("WARNING", logger="spes.client"):
+    with caplog.at_level("WARNING", logger="spes.sync"):
         assert deadline.left() == pytest.approx(3)
     assert "did not run for 6.0 s" in caplog.text
     while clock.now < 110:
-        clock.now += retry.TICK_S
+        clock.now += TICK_S
         deadline.stalls.note()
     assert deadline.remaining() == 0
     with pytest.raises(SyncError, match="did not finish within round_timeout_s=4"):
@@ -255,6 +245,6 @@ def test_each_retry_is_logged_with_the_failure_and_the_wait(
 ) -> None:
     Clock(monkeypatch)
     monkeypatch.setattr(retry, "backoff_s", lambda attempt: 1.25)
-    with caplog.at_level("WARNING", logger="spes.client"):
+    with caplog.at_level("WARNING", logger="spes.sync"):
         retrying("upload", failing([UNAVAILABLE]), max_retries=3)
     assert caplog.messages == [f"{UNAVAILABLE}; retry 1/3 in 1.2 s"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import grpc
@@ -11,7 +10,8 @@ import torch
 
 from spes.config import ServerSection
 from spes.sync.protocol import Refused
-from spes.sync.rounds import STALL_S, RoundState, quorum
+from spes.sync.rounds import RoundState, quorum
+from spes.sync.stalls import STALL_S, Stalls
 from sync_helpers import completed
 
 
@@ -92,19 +92,23 @@ def test_policy_wait_fails_after_the_timeout_naming_missing_peers() -> None:
 
 
 def test_time_the_server_did_not_run_is_not_counted_toward_the_round_timeout() -> None:
-    """A gap of STALL_S or more between ticks is a stall of the server (a frozen process): the open round's timeout
-    is pushed back by it; ticks closer together, and gaps with no round open, change nothing."""
-    state = RoundState(3, ServerSection(round_timeout_s=10), every(1))
-    assert state.tick(time.monotonic() + STALL_S + 5) == 0  # no round open: nothing to excuse
+    """A stall of the server (`Stalls`: a frozen process) while a round is open pushes its timeout back by that long;
+    a stall before the round opened changes nothing (a server frozen mid-round closed it on waking, before the
+    retries of the peers that could not reach it arrived)."""
+    clock = [0.0]
+    stalls = Stalls(lambda: clock[0])
+    state = RoundState(3, ServerSection(round_timeout_s=10), every(1), stalls)
+    clock[0] += STALL_S + 5  # no round open: nothing to excuse
     state.stage_upload(0, 1, {})
     opened = state.opened_at
-    assert state.tick(opened + 1) == 0 and state.tick(opened + 1 + STALL_S * 0.9) == 0
-    assert state.tick(opened + 20) == pytest.approx(19 - STALL_S * 0.9)
-    assert state.seconds_left(now=opened + 20) == pytest.approx(10 - 1 - STALL_S * 0.9)
-    assert not state.must_close(frozenset(), now=opened + 20)
+    clock[0] += 1
+    assert state.seconds_left(now=opened + 1) == pytest.approx(9)
+    clock[0] += 20
+    assert state.seconds_left(now=opened + 21) == pytest.approx(9)
+    assert not state.must_close(frozenset(), now=opened + 21)
     state.restore(completed(1, {0, 1, 2}))
-    state.stage_upload(0, 2, {})
-    assert state.excused == 0  # a new round starts with nothing excused
+    state.stage_upload(0, 2, {})  # a new round counts from its own opening
+    assert state.seconds_left(now=state.opened_at + 10) == 0
 
 
 def test_policy_quorum_closes_with_enough_peers_once_a_global_model_exists() -> None:
