@@ -52,8 +52,8 @@ class Lost(Enum):
     """gRPC answers but the server does not know this peer: a new process (it forgets every join), maybe on another
     data port. Join again: the Join says where its data plane is now."""
     SERVER_DOWN = "server down"
-    """gRPC does not answer either: the server is down or restarting. gRPC goes with it, so wait on this plane; the
-    re-join a restarted server asks for finds its data plane."""
+    """gRPC does not answer either, or says the server is stopping: it is down or restarting. gRPC goes with it, so
+    wait on this plane; the re-join a restarted server asks for finds its data plane."""
     PLANE_DOWN = "plane down"
     """gRPC answers and the server knows this peer: its data plane alone is gone (a firewall, the port closed)."""
 
@@ -133,6 +133,8 @@ class Connection:
         try:
             reply = self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
         except grpc.RpcError:
+            return Lost.SERVER_DOWN
+        if reply.shutting_down:  # NOTE: a stopping server closes its data plane before its gRPC side
             return Lost.SERVER_DOWN
         return Lost.PLANE_DOWN if self.peer_id in reply.peers_joined else Lost.RESTARTED
 

@@ -172,6 +172,7 @@ class Coordinator:
                 rounds_completed=self._rounds_completed,
                 persistent=self.deploy.state_dir is not None,
                 run_id=self.run_id,
+                shutting_down=self._shutting_down,
                 presence=[
                     pb.PeerPresence(peer=p, last_seen_s=age, connected=live)
                     for p, age, live in self.sessions.presence()

@@ -144,7 +144,7 @@ def test_grpc_tells_why_the_data_plane_is_unreachable() -> None:
     """The server knows the peer: its data plane alone is gone; gRPC does not answer: the server is down; a server
     that answers and does not know the peer is a new process. Any other failure, or one on gRPC, is not asked."""
     spec = tiny_spec()
-    with running_server(spec, data_port=0) as (_, addr):
+    with running_server(spec, data_port=0) as (server, addr):
         client = make_client(addr, spec, 0, rpc_timeout_s=5)
         client.join()
         connection = client.connection
@@ -155,6 +155,8 @@ def test_grpc_tells_why_the_data_plane_is_unreachable() -> None:
             SyncError("busy", grpc.StatusCode.RESOURCE_EXHAUSTED, reason=Reason.BUSY, retryable=True),
         ):
             assert connection.why_lost(other) is None
+        server.service.shutdown(0)  # a stopping server closes its data plane before its gRPC side: it goes
+        assert connection.why_lost(UNREACHABLE) is Lost.SERVER_DOWN
     with client:
         assert connection.why_lost(UNREACHABLE) is Lost.SERVER_DOWN
         with running_server(spec, port=int(addr.rsplit(":", 1)[1]), data_port=0):

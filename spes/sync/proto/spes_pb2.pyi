@@ -207,7 +207,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("current_round", "open_round", "num_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent", "run_id", "presence")
+    __slots__ = ("current_round", "open_round", "num_peers", "peers_joined", "peers_uploaded", "bytes_in", "bytes_out", "mode", "round_peers", "missing_peers", "open_round_age_s", "dead_peer_policy", "rounds_completed", "persistent", "run_id", "presence", "shutting_down")
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     OPEN_ROUND_FIELD_NUMBER: _ClassVar[int]
     NUM_PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class StatusReply(_message.Message):
     PERSISTENT_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_FIELD_NUMBER: _ClassVar[int]
+    SHUTTING_DOWN_FIELD_NUMBER: _ClassVar[int]
     current_round: int
     open_round: int
     num_peers: int
@@ -240,7 +241,8 @@ class StatusReply(_message.Message):
     persistent: bool
     run_id: str
     presence: _containers.RepeatedCompositeFieldContainer[PeerPresence]
-    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ..., run_id: _Optional[str] = ..., presence: _Optional[_Iterable[_Union[PeerPresence, _Mapping]]] = ...) -> None: ...
+    shutting_down: bool
+    def __init__(self, current_round: _Optional[int] = ..., open_round: _Optional[int] = ..., num_peers: _Optional[int] = ..., peers_joined: _Optional[_Iterable[int]] = ..., peers_uploaded: _Optional[_Iterable[int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., mode: _Optional[str] = ..., round_peers: _Optional[_Iterable[int]] = ..., missing_peers: _Optional[_Iterable[int]] = ..., open_round_age_s: _Optional[float] = ..., dead_peer_policy: _Optional[str] = ..., rounds_completed: _Optional[int] = ..., persistent: _Optional[bool] = ..., run_id: _Optional[str] = ..., presence: _Optional[_Iterable[_Union[PeerPresence, _Mapping]]] = ..., shutting_down: _Optional[bool] = ...) -> None: ...
 
 class PeerPresence(_message.Message):
     __slots__ = ("peer", "last_seen_s", "connected")
