@@ -729,9 +729,9 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.rounds.xǁRoundStateǁ__init__",
-        "3 4 9 13",
-        "the state of the round before any opens: stage_upload sets opened_at and fragment when one opens, and "
-        "nothing reads them before; aggregating=None reads as False",
+        "3 4 5 6 12 16",
+        "the state of the round before any opens: stage_upload sets opened_at, excused and fragment when one opens, "
+        "and nothing reads them before; aggregating=None reads as False",
     ),
     **mutants(
         "spes.sync.rounds.xǁRoundStateǁ_admit_open",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -246,3 +247,31 @@ def test_a_snapshot_tells_the_open_round_its_age_and_the_last_rounds_merge() -> 
     done = state.snapshot()
     assert (done.open_round, done.completed_round, done.merged, done.alpha) == (None, 5, True, 0.25)
     assert done.open_age_s == 0.0
+
+
+def test_stalls_from_exactly_stall_s_add_up_and_each_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A gap of exactly STALL_S is a stall; a round's stalls add up, each logged with its length and the round."""
+    state = RoundState(3, ServerSection(round_timeout_s=10), every(1))
+    state.stage_upload(0, 1, {})
+    base = float(round(state.opened_at) + 1)  # a whole number of seconds, so that the gaps below are exact
+    assert state.tick(base) == 0
+    with caplog.at_level(logging.WARNING, logger="spes.server"):
+        assert state.tick(base + STALL_S) == STALL_S
+        assert state.tick(base + STALL_S + 3) == 3
+    assert state.excused == STALL_S + 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the server did not run for {gap:.1f} s (its process stopped or starved: a paused VM, SIGSTOP, swapping): "
+        "round 1's server.round_timeout_s does not count that time"
+        for gap in (STALL_S, 3)
+    ]
+
+
+def test_a_timeout_check_at_the_present_time_excuses_a_stall_that_just_ended_first() -> None:
+    """must_close without `now` ticks first: a server that wakes from a freeze past the round's timeout does not close
+    the round (nor fail it) before the peers could reach it again."""
+    state = RoundState(3, ServerSection(round_timeout_s=10), every(1))
+    state.stage_upload(0, 1, {})
+    state.opened_at -= 30  # opened 30 s ago, and the server last ran then
+    assert state.tick(state.opened_at) == 0
+    assert not state.must_close(frozenset())
+    assert state.excused >= 30 and 0 < state.seconds_left() <= 10
