@@ -1064,7 +1064,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.atomic.x_write_atomic",
-        "34",
+        "39",
         "the temporary file opened read-only instead of for update: fsync takes its descriptor either way",
     ),
     **mutants(
