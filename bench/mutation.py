@@ -58,6 +58,7 @@ TORCH_FREE_CHILDREN = tuple(
     for test in (
         "test_hf.py::test_help_and_a_refused_command_line_are_answered_without_torch",
         "test_upcycle.py::test_help_and_a_refused_command_line_or_config_are_answered_without_torch",
+        "test_hf.py::test_a_mistyped_flag_is_named_in_the_refusal_for_the_flag_it_meant",
     )
 )
 """Tests of a command line in a fresh interpreter (`without_torch`): under mutmut's trampolines the child fails

@@ -722,3 +722,24 @@ def test_a_stopping_server_waits_for_a_running_aggregation_no_longer_than_its_gr
         release.set()
         stop.join(30)
         assert stopped, "the stop waited for the aggregation past its grace"
+
+
+@pytest.mark.timeout(60)
+def test_the_report_thread_ticks_the_round_rules_often_yet_says_it_waits_only_every_report_s(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The status reporter wakes every min(TICK_S, REPORT_S) to tell the round rules that the process runs (a longer
+    gap is a stall of it); its `waiting:` line still comes only every REPORT_S, however often it wakes."""
+    monkeypatch.setattr("spes.sync.coordinator.TICK_S", 0.01)
+    monkeypatch.setattr("spes.sync.coordinator.REPORT_S", 0.25)
+    caplog.set_level(logging.INFO, "spes.server")
+    start = time.monotonic()
+    with running(coordinator(SPEC)) as service:
+        ticks: list[float] = []
+        tick = service.state.tick
+        monkeypatch.setattr(service.state, "tick", lambda: ticks.append(tick()))
+        service.join(join_request(0, SPEC), **JOIN)  # type: ignore[arg-type]
+        wait_until(lambda: len(ticks) >= 40, "forty ticks")
+        elapsed = time.monotonic() - start
+    waiting = [m for m in caplog.messages if m.startswith("waiting: ")]
+    assert 1 <= len(waiting) <= elapsed / 0.25 + 1, (len(waiting), elapsed)
