@@ -491,6 +491,12 @@ EQUIVALENT: dict[str, str] = {
         "the exception's args: it is caught inside the module, which words its message from its fields",
     ),
     **mutants(
+        "spes.tracking.x__quiet_writer_threads",
+        "4",
+        "getattr's default None for False: a hook without the flag is taken for not spes's either way (only its truth "
+        "is read)",
+    ),
+    **mutants(
         "spes.tracking.x_olmo_aliases",
         "38",
         "the divisor of a layer whose experts got no token: every share is 0 whatever it is",
