@@ -58,6 +58,7 @@ TORCH_FREE_CHILDREN = tuple(
     for test in (
         "test_hf.py::test_help_and_a_refused_command_line_are_answered_without_torch",
         "test_upcycle.py::test_help_and_a_refused_command_line_or_config_are_answered_without_torch",
+        "test_hf.py::test_a_mistyped_flag_is_named_in_the_refusal_for_the_flag_it_meant",
     )
 )
 """Tests of a command line in a fresh interpreter (`without_torch`): under mutmut's trampolines the child fails
@@ -490,6 +491,12 @@ EQUIVALENT: dict[str, str] = {
         "the exception's args: it is caught inside the module, which words its message from its fields",
     ),
     **mutants(
+        "spes.tracking.x__quiet_writer_threads",
+        "4",
+        "getattr's default None for False: a hook without the flag is taken for not spes's either way (only its truth "
+        "is read)",
+    ),
+    **mutants(
         "spes.tracking.x_olmo_aliases",
         "38",
         "the divisor of a layer whose experts got no token: every share is 0 whatever it is",
@@ -729,9 +736,9 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.rounds.xǁRoundStateǁ__init__",
-        "3 4 9 13",
-        "the state of the round before any opens: stage_upload sets opened_at and fragment when one opens, and "
-        "nothing reads them before; aggregating=None reads as False",
+        "3 4 5 6 12 16",
+        "the state of the round before any opens: stage_upload sets opened_at, excused and fragment when one opens, "
+        "and nothing reads them before; aggregating=None reads as False",
     ),
     **mutants(
         "spes.sync.rounds.xǁRoundStateǁ_admit_open",
@@ -1064,7 +1071,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.atomic.x_write_atomic",
-        "34",
+        "39",
         "the temporary file opened read-only instead of for update: fsync takes its descriptor either way",
     ),
     **mutants(

@@ -184,3 +184,31 @@ def test_a_library_writer_that_finds_no_room_fails_as_an_oserror_of_the_target(t
         "message": f"[Errno {errno.EFBIG}] File too large: '{target}'",
     }, proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_writer_functions_library_error_naming_an_errno_is_raised_as_the_targets_oserror(tmp_path: Path) -> None:
+    """In process (the test above meets a real limit in a child): a library's error that names an errno in its text
+    becomes the OSError of the target with that errno and its text, caused by the library's error; an OSError, or an
+    error naming no errno, is raised as it was."""
+    target = tmp_path / "round-10.safetensors"
+    library = RuntimeError(f"I/O error: {os.strerror(errno.ENOSPC)} (os error {errno.ENOSPC})")
+
+    def fails_with(error: BaseException):  # type: ignore[no-untyped-def]
+        def writer(tmp: str) -> None:
+            raise error
+
+        return writer
+
+    with pytest.raises(OSError) as caught:
+        write_atomic(target, fails_with(library))
+    assert type(caught.value) is OSError and caught.value.__cause__ is library
+    assert (caught.value.errno, caught.value.strerror, caught.value.filename) == (
+        errno.ENOSPC,
+        os.strerror(errno.ENOSPC),
+        str(target),
+    )
+    for other in (OSError(errno.ENOSPC, "No space left on device"), RuntimeError("safetensors: bad dtype")):
+        with pytest.raises(type(other)) as passed:
+            write_atomic(target, fails_with(other))
+        assert passed.value is other
+    assert list(tmp_path.iterdir()) == []

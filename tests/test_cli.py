@@ -179,3 +179,18 @@ def test_print_text_prints_it_and_points_a_closed_stdout_at_nothing(
         print_text("usage")  # its write meets the closed pipe
         assert os.write(write_end, b"more") == 4
         monkeypatch.undo()
+
+
+def test_the_command_line_words_are_read_from_sys_argv_and_a_fresh_parser_has_none(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """argparse's own arguments reach it positionally too (`ArgumentParser("p")`); with no words given, the refusal
+    reads the process's own (sys.argv past the program's name) for its hint; before any parse, no flag is unknown."""
+    parser = ArgumentParser("p")
+    parser.add_argument("--checkpoint", required=True)
+    assert parser.prog == "p" and parser.unknown_flags() == []
+    monkeypatch.setattr(sys, "argv", ["spes-x", "--chekpoint", "c"])
+    assert usage_error(capsys, parser.parse_args) == (
+        "p: error: the following arguments are required: --checkpoint "
+        "(--chekpoint is not a flag of this command; did you mean --checkpoint?)"
+    )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,9 +15,10 @@ import pytest
 
 from conftest import tensorboard_scalars
 from disk_helpers import cap_file_size, print_failure, run_child
+from spes.atomic import OutOfRoom
 from spes.config import TensorBoardConfig, TrainConfig, WandbConfig
 from spes.schema import ConfigError
-from spes.tracking import TensorBoardTracker, Trackers, WandbTracker, olmo_aliases
+from spes.tracking import TensorBoardTracker, Trackers, WandbTracker, _quiet_writer_threads, olmo_aliases
 from spes.train import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,3 +296,82 @@ def test_tensorboard_on_a_disk_that_fills_up_fails_in_one_line_naming_its_folder
         "or point tensorboard.log_dir at another one, then continue with --resume=auto",
     }, proc.stderr
     assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+
+
+def test_tensorboard_out_of_room_is_one_error_naming_its_folder_and_the_key_that_sets_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process (the test above meets a real limit in a child): the writer's full disk met by `log` or `close` is
+    one OutOfRoom naming the event files' folder, and the fix names the config key that chose it."""
+    pytest.importorskip("tensorboard")
+    told = TensorBoardTracker(TrainConfig(tensorboard=TensorBoardConfig(log_dir=str(tmp_path / "tb"))))
+    default = TensorBoardTracker(TrainConfig(save_folder=str(tmp_path / "run"), tensorboard=TensorBoardConfig()))
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def no_room(*args: object) -> None:
+        raise full
+
+    for tracker, key in ((told, "tensorboard.log_dir"), (default, "save_folder")):
+        said = (
+            f"cannot write the TensorBoard event files in {tracker.log_dir}: no space left on device; free space on "
+            f"that disk or point {key} at another one, then continue with --resume=auto"
+        )
+        monkeypatch.setattr(tracker.writer, "flush", no_room)
+        with pytest.raises(OutOfRoom) as logged:
+            tracker.log(1, {"loss": 1.0})
+        assert (str(logged.value), logged.value.errno, logged.value.__cause__) == (said, errno.ENOSPC, full)
+        monkeypatch.undo()
+        close = tracker.writer.close
+        monkeypatch.setattr(tracker.writer, "close", no_room)
+        with pytest.raises(OutOfRoom, match="^cannot write the TensorBoard event files in "):
+            tracker.close()
+        monkeypatch.undo()
+        close()
+
+
+class _FakeWriterThread:
+    """Stands for TensorBoard's writer thread: its class's module, and the error it keeps for the writer's next call."""
+
+    def __init__(self, exception: BaseException | None) -> None:
+        self.exception = exception
+
+
+_FakeWriterThread.__module__ = "tensorboard.summary.writer.event_file_writer"
+
+
+class _FakeOtherThread:
+    """Stands for a thread of TensorBoard's that keeps no error."""
+
+
+_FakeOtherThread.__module__ = "tensorboard.other"
+
+
+def test_only_the_error_a_tensorboard_writer_thread_keeps_for_its_caller_is_left_unprinted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hook passes every other thread's error to the hook before it (which prints it): another thread's, a writer
+    thread's error it does not keep, an error-less call, a TensorBoard thread that keeps none; installing it twice
+    keeps one."""
+    seen: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)
+    _quiet_writer_threads()
+    hook = threading.excepthook
+    _quiet_writer_threads()
+    assert threading.excepthook is hook and hook is not seen.append
+    error = OSError(errno.ENOSPC, "No space left on device")
+
+    def args(thread: object, value: BaseException | None) -> threading.ExceptHookArgs:
+        return threading.ExceptHookArgs([type(value) if value else None, value, None, thread])  # type: ignore[call-arg]
+
+    kept = args(_FakeWriterThread(error), error)
+    hook(kept)
+    assert seen == []
+    others = [
+        args(threading.Thread(), error),
+        args(_FakeWriterThread(OSError("another")), error),
+        args(_FakeWriterThread(None), None),
+        args(_FakeOtherThread(), error),
+    ]
+    for other in others:
+        hook(other)
+    assert seen == others

@@ -250,3 +250,15 @@ def test_a_snapshot_tells_the_open_round_its_age_and_the_last_rounds_merge() -> 
     done = state.snapshot()
     assert (done.open_round, done.completed_round, done.merged, done.alpha) == (None, 5, True, 0.25)
     assert done.open_age_s == 0.0
+
+
+def test_a_timeout_check_at_the_present_time_counts_a_stall_that_just_ended_first() -> None:
+    """must_close at the present time counts a stall its looking thread has not seen yet: a server that wakes from a
+    freeze past the round's timeout does not close the round (nor fail it) before the peers could reach it again."""
+    clock = [0.0]
+    state = RoundState(3, ServerSection(round_timeout_s=10), every(1), Stalls(lambda: clock[0]))
+    state.stage_upload(0, 1, {})
+    state.opened_at -= 30  # opened 30 s ago, and the server last ran then
+    clock[0] += 30
+    assert not state.must_close(frozenset())
+    assert 0 < state.seconds_left() <= 10

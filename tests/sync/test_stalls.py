@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
+import pytest
+
 from spes.sync.stalls import STALL_S, Stalls
 
 
@@ -14,3 +18,20 @@ def test_a_gap_between_looks_of_stall_s_or_more_is_counted_whole_and_a_shorter_o
     now[0] += 6.0
     assert stalls.total() == 6.0  # a caller that wakes before the looking thread counts the stall itself
     assert stalls.note() == 0.0 and stalls.total() == 6.0  # once
+
+
+def test_a_stall_of_exactly_stall_s_counts_and_each_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A gap of exactly STALL_S is a stall; stalls add up, each logged with its length."""
+    now = [0.0]
+    stalls = Stalls(lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="spes.sync"):
+        now[0] += STALL_S
+        assert stalls.note() == STALL_S
+        now[0] += 3
+        assert stalls.note() == 3
+    assert stalls.total() == STALL_S + 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"this process did not run for {gap:.1f} s (stopped, suspended or starved): round timeouts do not count that "
+        "time"
+        for gap in (STALL_S, 3)
+    ]
