@@ -114,6 +114,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "spes/hub.py": ("tests/test_hub.py",),
     "spes/cli.py": ("tests/test_cli.py",),
     "spes/sync/retry.py": ("tests/sync/test_retry.py",),
+    "spes/sync/stalls.py": ("tests/sync/test_stalls.py", "tests/sync/test_retry.py", "tests/sync/test_rounds.py"),
     "spes/sync/protocol.py": ("tests/sync/test_protocol.py", "tests/sync/test_retry.py"),
     "spes/monitor.py": ("tests/test_monitor.py",),
     "spes/sync/codecs/registry.py": ("tests/sync/codecs/test_registry.py",),
