@@ -737,9 +737,9 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.rounds.xǁRoundStateǁ__init__",
-        "3 4 5 6 12 16",
-        "the state of the round before any opens: stage_upload sets opened_at, excused and fragment when one opens, "
-        "and nothing reads them before; aggregating=None reads as False",
+        "7 8 9 10 15 19",
+        "the state of the round before any opens: stage_upload sets opened_at, the stalls counted at its opening and "
+        "fragment when one opens, and nothing reads them before; aggregating=None reads as False",
     ),
     **mutants(
         "spes.sync.rounds.xǁRoundStateǁ_admit_open",
@@ -1430,7 +1430,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.sync.closing.xǁRoundCloserǁ_fail",
-        "3",
+        "5",
         "logging formats a message with % only when it has arguments: without any it is logged as it is",
     ),
     **mutants(

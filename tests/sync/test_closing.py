@@ -133,7 +133,7 @@ def test_a_failed_aggregation_is_logged_and_left_to_the_peers_to_upload_again(
     message = "aggregation of round 61 failed: the aggregate of 'embed.weight' is not finite"
     assert run.parts.state.failure == (61, message) and run.published == [] and not run.parts.state.uploaded
     [record] = of_round(caplog, 61)
-    assert (record.getMessage(), record.levelno, record.exc_info is not None) == (message, logging.ERROR, True)
+    assert (record.getMessage(), record.levelno, bool(record.exc_info)) == (message, logging.ERROR, True)
 
 
 @pytest.mark.timeout(60)
@@ -170,7 +170,7 @@ def test_a_round_that_cannot_be_saved_is_not_published_and_says_how_to_go_on(
         f"the server could not save round 1 under --state_dir {tmp_path}/elsewhere (no)",
     )
     [record] = of_round(caplog, 1)
-    assert record.exc_info is not None
+    assert record.exc_info
 
 
 @pytest.mark.timeout(60)

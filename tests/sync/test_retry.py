@@ -248,3 +248,21 @@ def test_each_retry_is_logged_with_the_failure_and_the_wait(
     with caplog.at_level("WARNING", logger="spes.sync"):
         retrying("upload", failing([UNAVAILABLE]), max_retries=3)
     assert caplog.messages == [f"{UNAVAILABLE}; retry 1/3 in 1.2 s"]
+
+
+def test_a_deadline_counts_only_the_stalls_after_it_was_set_and_runs_to_its_last_instant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stall before the deadline was set gives it no time; it expires at 0 left, not a second before; without
+    stalls of its own it takes this process's (`STALLS`, whose thread it starts)."""
+    clock = Clock(monkeypatch)
+    stalls = Stalls(clock.monotonic)
+    clock.now += 6
+    stalls.note()  # a stall of 6 s, before the round began
+    deadline = Deadline(4, stalls)
+    assert deadline.remaining() == pytest.approx(4)
+    for _ in range(7):  # running: its thread looks every TICK_S
+        clock.now += 0.5
+        stalls.note()
+    assert deadline.left() == pytest.approx(0.5)
+    assert Deadline(4).stalls is retry.STALLS

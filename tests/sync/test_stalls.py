@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 
@@ -35,3 +37,23 @@ def test_a_stall_of_exactly_stall_s_counts_and_each_is_logged(caplog: pytest.Log
         "time"
         for gap in (STALL_S, 3)
     ]
+
+
+@pytest.mark.timeout(30)
+def test_its_looking_thread_notes_a_stall_on_its_own(caplog: pytest.LogCaptureFixture) -> None:
+    """The process's daemon thread, started once, notes a stall though nobody asks for the total (a server frozen
+    while no download waits still has its round's timeout pushed back)."""
+    now = [0.0]
+    stalls = Stalls(lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="spes.sync"):
+        assert stalls.watch() is stalls and stalls.watch() is stalls
+        thread = stalls._thread
+        assert thread is not None and thread.daemon and thread.name == "spes-stalls"
+        assert [t for t in threading.enumerate() if t is thread] == [thread]
+        now[0] += 5
+        deadline = time.monotonic() + 10
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+    [record] = caplog.records
+    assert record.threadName == "spes-stalls" and record.getMessage().startswith("this process did not run for 5.0 s")
+    assert stalls._thread is thread  # started once
