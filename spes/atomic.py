@@ -55,9 +55,10 @@ class OutOfRoom(OSError):
 
 
 @contextlib.contextmanager
-def room_for(what: str, fix: str) -> Iterator[None]:
+def room_for(what: str, fix: str | Callable[[], str]) -> Iterator[None]:
     """Turn running out of room in the block (any of NO_ROOM, raised by Python or by a library) into one OutOfRoom
-    saying `<what>: <the errno's text>; <fix>`: the one line a user needs, where the errno alone names no file."""
+    saying `<what>: <the errno's text>; <fix>`: the one line a user needs, where the errno alone names no file. A
+    callable `fix` is asked only then (what it says may need reading the disk)."""
     try:
         yield
     except OutOfRoom:
@@ -66,7 +67,7 @@ def room_for(what: str, fix: str) -> Iterator[None]:
         code = os_errno(e)
         if code not in NO_ROOM:
             raise
-        raise OutOfRoom(code, f"{what}: {os.strerror(code).lower()}; {fix}") from e
+        raise OutOfRoom(code, f"{what}: {os.strerror(code).lower()}; {fix() if callable(fix) else fix}") from e
 
 
 def fsync_dir(directory: str | os.PathLike[str]) -> None:

@@ -318,7 +318,7 @@ def save(
     unsharded checkpoint. A full disk (or quota, or file-size limit) fails it as one OutOfRoom naming the save folder,
     what it still holds and what to do.
     """
-    with room_for(f"cannot save the checkpoint of step {step} in {save_folder}", no_room_fix(save_folder)):
+    with room_for(f"cannot save the checkpoint of step {step} in {save_folder}", lambda: no_room_fix(save_folder)):
         if sharded:
             return save_sharded_checkpoint(
                 save_folder,

@@ -140,8 +140,9 @@ class Connection:
 
     def fall_back(self, failure: SyncError) -> bool:
         """Whether `failure` of the data plane (busy, unreachable, stalled) sends payloads over gRPC from now on; not
-        a server that said it is shutting down: gRPC goes with it, the node waits for it to come back. An unreachable
-        data plane is the caller's to ask `why_lost` about first: this falls back whatever the cause."""
+        a server that said it is shutting down: gRPC goes with it, the node waits for it to come back; nor a data plane
+        that still answers a ping (`_lost_only_the_connection`). Whether an unreachable data plane's server restarted
+        or is down is the caller's to ask `why_lost` first."""
         if self.plane is self._grpc or failure.reason == Reason.SHUTTING_DOWN:
             return False
         if not (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
