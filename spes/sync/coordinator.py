@@ -66,11 +66,11 @@ class Coordinator:
         calls = CallParts(parts, self.closer, self.joined, lambda: self.spec, lambda: self._shutting_down)
         self.uploads, self.downloads = Uploads(calls), Downloads(calls)
         self.spec = self.closer.restore(self.spec)
-        self._reporter = threading.Thread(target=self._report, name="spes-status-report", daemon=True)
-        self._reporter.start()
         self.run_id = run_id_of(self.deploy.state_dir) if self.deploy.state_dir else new_run_id()
         """This run's identity (kept under --state_dir): a node of another run, or a fresh node against a run in
         progress, is refused at Join."""
+        self._reporter = threading.Thread(target=self._report, name="spes-status-report", daemon=True)
+        self._reporter.start()  # NOTE: last: a constructor that raises leaves no thread, and a report names the run
 
     # -- Join ---------------------------------------------------------------------------------
     def join(

@@ -106,7 +106,7 @@ def start_server(cfg: ServerConfig) -> ParameterServer:
     try:
         return _serve(cfg, service, lock)
     except BaseException:
-        service.guard.stop()
+        service.shutdown(grace_s=0.0)  # NOTE: its status reporter too: a server that failed to start says nothing
         _release(lock)
         raise
 

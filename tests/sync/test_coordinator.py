@@ -570,11 +570,12 @@ def test_the_server_says_what_it_waits_for_while_it_waits_and_stops_saying_it_wh
     monkeypatch.setattr("spes.sync.coordinator.REPORT_S", 0.05)
     caplog.set_level(logging.INFO, "spes.server")
 
-    def waiting() -> list[str]:
-        return [m for m in caplog.messages if m.startswith("waiting: ")]
-
     before = set(threading.enumerate())
     service = coordinator(SPEC)
+
+    def waiting() -> list[str]:  # NOTE: this run's only: another test's server may log in this process too
+        return [m for m in caplog.messages if m.startswith(f"waiting: run {service.run_id}: ")]
+
     with running(service):
         service.join(join_request(0, SPEC), **JOIN)  # type: ignore[arg-type]
         wait_until(lambda: len(waiting()) >= 2, "two lines while peer 1 is yet to join")

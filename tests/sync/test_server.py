@@ -568,6 +568,23 @@ def test_a_second_server_on_a_state_dir_in_use_is_refused_and_a_stopped_servers_
         assert again.service.run_id == run_id and stub.Status(pb.StatusRequest(), timeout=10).current_round == 10
 
 
+@pytest.mark.timeout(60)
+def test_a_server_that_cannot_bind_leaves_no_thread_behind() -> None:
+    """A failed start (a port in use, a TLS file missing) undoes the coordinator whole: a status reporter left
+    running logged `waiting:` lines for a server that never served, into whatever ran next in the process."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        before = set(threading.enumerate())
+        with pytest.raises(ValueError, match="cannot listen on"):
+            start_server(ServerConfig(SPEC, DeployConfig(host="127.0.0.1", port=taken.getsockname()[1])))
+
+    def left() -> list[str]:
+        return [t.name for t in set(threading.enumerate()) - before if t.name.startswith("spes-")]
+
+    wait_until(lambda: left() in ([], ["spes-stalls"]), "no thread but the process's one stall watch", 5.0)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_server_process_on_a_state_dir_in_use_exits_in_one_line_and_a_killed_ones_restarts(tmp_path: Path) -> None:
