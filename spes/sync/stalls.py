@@ -5,7 +5,8 @@ A frozen process holds its sockets open but answers nothing; waking, it sees its
 the jump would give up on a round its retry could still finish (it asks the server and catches up), and a server
 would close a round before the retries of the peers that could not reach it arrive. Both measure the jump here, once
 per process, with a daemon thread that looks every `TICK_S`: a gap of `STALL_S` or more between two looks is counted
-whole.
+whole. The server's other clocks (a stream's idle time, a peer's silence) run on `Stalls.awake` for the same reason:
+woken, it would end every open stream and hand every quiet peer's id to the next process that asks.
 """
 
 from __future__ import annotations
@@ -57,6 +58,14 @@ class Stalls:
         with self._lock:
             return self._total
 
+    def awake(self) -> float:
+        """This process's clock less its stalls so far: the seconds it ran, on which an age it keeps (a stream's
+        silence, a peer's) grows only while it runs. A server frozen past its idle timeouts would otherwise wake to
+        find every peer silent too long, though the peers were fine and only it was away. Never goes back."""
+        self.note()
+        with self._lock:
+            return self._seen - self._total
+
     def watch(self) -> Stalls:
         """Start the looking thread (once)."""
         with self._lock:
@@ -73,4 +82,5 @@ class Stalls:
 
 
 STALLS = Stalls()
-"""This process's stalls, which every round timeout of it shares (a node's deadlines, the server's open round)."""
+"""This process's stalls, which every round timeout of it shares (a node's deadlines, the server's open round), and
+the server's stream and peer ages (`spes.sync.admission`)."""

@@ -57,3 +57,17 @@ def test_its_looking_thread_notes_a_stall_on_its_own(caplog: pytest.LogCaptureFi
     [record] = caplog.records
     assert record.threadName == "spes-stalls" and record.getMessage().startswith("this process did not run for 5.0 s")
     assert stalls._thread is thread  # started once
+
+
+def test_awake_seconds_run_with_the_clock_but_not_over_a_stall_and_never_go_back() -> None:
+    """`awake` is the clock less the stalls: a look's gap under STALL_S counts, one of STALL_S or more does not (even
+    when `awake` is the first to see it), and no later look takes any of it back."""
+    now = [100.0]
+    stalls = Stalls(lambda: now[0])
+    assert stalls.awake() == 100.0
+    now[0] += STALL_S - 0.5
+    assert stalls.awake() == 100.0 + STALL_S - 0.5
+    now[0] += 30
+    assert stalls.awake() == 100.0 + STALL_S - 0.5 and stalls.total() == 30
+    now[0] += 1
+    assert stalls.note() == 0.0 and stalls.awake() == 101.0 + STALL_S - 0.5
