@@ -29,13 +29,18 @@ opened one, was heard from within `liveness_s`) is refused with ALREADY_EXISTS n
 otherwise the new process replaces the old one, whose later calls are refused (reason `superseded`). A
 presence stream names its run too (metadata `spes-run`): one of another run is refused (reason `other_run`),
 so a process left over from an earlier run on the same address never holds a peer id of this one.
+
+Every age here (a stream's silence and byte rate, a handshake's deadline, a peer's silence) is measured on
+`Stalls.awake`, which does not count the time this process did not run: a server frozen (SIGSTOP, a paused VM) past
+--stream_idle_timeout or --peer_liveness would otherwise wake to end every open stream and give every quiet peer's id
+to the next process asking for it, though only the server was away. A peer really gone is still found gone: its
+silence counts while the server runs.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -45,6 +50,7 @@ import grpc
 from grpc_health.v1 import health
 
 from spes.sync.protocol import Reason, Refused
+from spes.sync.stalls import STALLS, Stalls
 
 log = logging.getLogger("spes.server")
 
@@ -96,29 +102,29 @@ class Ticket:
     def __init__(self, guard: StreamGuard, cancel: Callable[[str], None] | None, deadline: float | None = None) -> None:
         self._guard, self._cancel = guard, cancel
         self.peer: int | None = None
-        self.last_active = time.monotonic()
+        self.last_active = guard.clock()
         self.waiting = False
         self.expired = False
         self.deadline = deadline
-        """time.monotonic() at which the stream ends, whatever it does (None: none)."""
+        """`guard.clock()` at which the stream ends, whatever it does (None: none)."""
         self.moving_since: float | None = None
         """When the stream started moving bytes under the rate floor (None: not yet)."""
         self.moved_bytes = 0
 
     def touch(self) -> None:
         """A message went in or out: the stream is alive."""
-        self.last_active = time.monotonic()
+        self.last_active = self._guard.clock()
 
     def moved(self, num_bytes: int) -> None:
         """`num_bytes` of payload went in or out: the stream is alive, and held to the rate floor from its first
         byte on."""
-        self.last_active = now = time.monotonic()
+        self.last_active = now = self._guard.clock()
         if self.moving_since is None:
             self.moving_since = now
         self.moved_bytes += num_bytes
 
     def too_slow(self, now: float) -> str:
-        """Why the watchdog ends this stream now ('' when it may go on)."""
+        """Why the watchdog ends this stream at `now` (`StreamGuard.clock`; '' when it may go on)."""
         guard = self._guard
         if self.deadline is not None and now > self.deadline:
             return "its handshake did not complete in time"
@@ -166,10 +172,21 @@ class StreamGuard:
     """Stream slots (total and per peer) and the watchdog of idle, slow and overdue streams; thread-safe. Stop with
     `stop()`."""
 
-    def __init__(self, *, idle_timeout_s: float, max_streams: int, max_per_peer: int, min_rate: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        idle_timeout_s: float,
+        max_streams: int,
+        max_per_peer: int,
+        min_rate: float = 0.0,
+        stalls: Stalls | None = None,
+    ) -> None:
+        """`stalls`: whose time not run the streams' ages leave out (default: this process's, `STALLS`)."""
         self.idle_timeout_s, self.max_streams, self.max_per_peer = idle_timeout_s, max_streams, max_per_peer
         self.min_rate = min_rate
         """Bytes/s a stream that moves bytes must average once `idle_timeout_s` has passed."""
+        self.clock = (STALLS.watch() if stalls is None else stalls).awake
+        """Seconds this process ran (`Stalls.awake`), on which every ticket's ages are kept."""
         self._lock = threading.Lock()
         self._tickets: set[Ticket] = set()
         """Every watched stream; `_counted` of them count against `max_streams`."""
@@ -195,7 +212,7 @@ class StreamGuard:
                     f"the server already serves --max_streams={self.max_streams} streams: retry shortly",
                     Reason.BUSY,
                 )
-            deadline = None if deadline_s is None else time.monotonic() + deadline_s
+            deadline = None if deadline_s is None else self.clock() + deadline_s
             ticket = Ticket(self, cancel, deadline)
             self._tickets.add(ticket)
             if total:
@@ -237,7 +254,7 @@ class StreamGuard:
     def _watch(self) -> None:
         period = min(0.5, self.idle_timeout_s / 4)
         while not self._stopping.wait(period):
-            now = time.monotonic()
+            now = self.clock()
             with self._lock:
                 ending = [(t, why) for t in self._tickets if not t.expired and (why := t.too_slow(now))]
             for ticket, why in ending:
@@ -330,8 +347,8 @@ def _when_ended(context: grpc.ServicerContext, callback: Callable[[], None]) -> 
 
 @dataclass
 class Session:
-    """The process currently acting as a peer id: its session id, address, when it was last heard from and
-    how many presence streams it holds open."""
+    """The process currently acting as a peer id: its session id, address, when it was last heard from (on
+    `Sessions.clock`) and how many presence streams it holds open."""
 
     session: str
     address: str
@@ -347,8 +364,11 @@ class Session:
 class Sessions:
     """Which process is each joined peer id; not thread-safe (the server calls it under its lock)."""
 
-    def __init__(self, liveness_s: float) -> None:
+    def __init__(self, liveness_s: float, stalls: Stalls | None = None) -> None:
+        """`stalls`: whose time not run a peer's silence leaves out (default: this process's, `STALLS`)."""
         self.liveness_s = liveness_s
+        self.clock = (STALLS.watch() if stalls is None else stalls).awake
+        """Seconds this process ran (`Stalls.awake`): every session's `last_seen` is on it."""
         self._by_peer: dict[int, Session] = {}
 
     def join(self, peer: int, session: str, address: str) -> str:
@@ -356,7 +376,7 @@ class Sessions:
 
         Returns a note for the join log ('' for a first join or the same process joining again).
         """
-        now = time.monotonic()
+        now = self.clock()
         current = self._by_peer.get(peer)
         note = ""
         if current is not None and current.session == session:
@@ -377,19 +397,20 @@ class Sessions:
 
     def present(self, peer: int, session: str, address: str) -> None:
         """A presence stream of `session` opened (a process that is not, or no longer, joined may re-register)."""
+        now = self.clock()
         current = self._by_peer.get(peer)
-        if current is None or (current.session != session and not current.live(time.monotonic(), self.liveness_s)):
-            current = self._by_peer[peer] = Session(session, address, time.monotonic())
+        if current is None or (current.session != session and not current.live(now, self.liveness_s)):
+            current = self._by_peer[peer] = Session(session, address, now)
         if current.session == session:
             current.presence += 1
-            current.watched, current.last_seen = True, time.monotonic()
+            current.watched, current.last_seen = True, now
 
     def absent(self, peer: int, session: str) -> None:
         """A presence stream of `session` ended."""
         current = self._by_peer.get(peer)
         if current is not None and current.session == session:
             current.presence -= 1
-            current.last_seen = time.monotonic()
+            current.last_seen = self.clock()
 
     def heard(self, peer: int, session: str) -> None:
         """A call of `session` for `peer` arrived; refuses a session another process of that peer replaced."""
@@ -403,13 +424,13 @@ class Sessions:
                 f"stops; give every node its own spes_config.peer_id",
                 Reason.SUPERSEDED,
             )
-        current.last_seen = time.monotonic()
+        current.last_seen = self.clock()
 
     def presence(self) -> list[tuple[int, float, bool]]:
         """(peer, seconds since last heard from, presence stream open) of every peer id a process joined as. A
         process with its stream open is heard from now (the stream is alive): `last_seen` counts only its calls,
-        and a node training between rounds read as one silent for minutes."""
-        now = time.monotonic()
+        and a node training between rounds read as one silent for minutes. The age leaves out this server's stalls."""
+        now = self.clock()
         return [
             (p, 0.0 if s.presence > 0 else now - s.last_seen, s.presence > 0) for p, s in sorted(self._by_peer.items())
         ]

@@ -8,12 +8,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from fault_helpers import REPO, assert_exact, fault_free, server_process, spec_overrides
@@ -21,10 +23,13 @@ from safetensors.torch import load_file
 
 from conftest import wait_until
 from spes.config import ServerSection
+from spes.sync.admission import SESSION_KEY
 from spes.sync.client import SyncClient
 from spes.sync.merge import build_global
+from spes.sync.proto import spes_pb2 as pb
 from spes.sync.spec import RunSpec
-from sync_helpers import TOKEN, make_client, peer_upload, tiny_spec
+from spes.sync.wire import encode_tensors
+from sync_helpers import TOKEN, join_request, make_client, peer_upload, stub_for, tiny_spec
 
 FELL_BACK = "payloads go over gRPC until the next join finds it again"
 QUORUM = ServerSection(dead_peer_policy="quorum", round_timeout_s=1.0, min_peers=1)
@@ -220,3 +225,73 @@ def test_a_peer_frozen_past_its_own_round_timeout_catches_up_instead_of_ending(t
     assert "did not run for" in text and "(it was at step 1)" in text and "Traceback" not in text, text
     for step, round_ in ((1, 3), (2, 3), (3, 3), (4, 4)):  # woken, its round 1 was old: it loaded round 3
         assert_exact(load_file(str(tmp_path / f"victim/round-{step}.safetensors")), want[round_])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_server_frozen_past_its_idle_and_liveness_timeouts_ends_no_stream_and_keeps_every_peer(
+    tmp_path: Path,
+) -> None:
+    """Peer 1 (a raw client without a presence stream) has sent its upload's first chunk and peer 0 waits for the
+    round when the server is frozen for 4 s, past --stream_idle_timeout=2 and --peer_liveness=3. Woken, the server
+    ended peer 1's upload as idle and judged peer 1 gone: another process took its peer id, and Status said it was
+    silent for the whole freeze. Now only the time the server ran counts: the upload goes on and the round is built
+    by both, exact, and the other process is refused until peer 1 has been silent for 3 s of the server's time."""
+    spec = tiny_spec()
+    uploads = {1: {p: peer_upload(spec, p, seed=1) for p in range(2)}}
+    chunks = list(encode_tensors(uploads[1][1], "fp32"))
+    resumed = threading.Event()
+
+    def trickle() -> Iterator[pb.UploadMessage]:
+        """Peer 1's upload: its first chunk, then the rest once the server is awake again."""
+        yield pb.UploadMessage(meta=pb.UploadMeta(peer_id=1, round=1))
+        yield pb.UploadMessage(chunk=chunks[0])
+        resumed.wait(30)
+        yield from (pb.UploadMessage(chunk=chunk) for chunk in chunks[1:])
+
+    def as_(session: str) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {TOKEN}"), (SESSION_KEY, session))
+
+    args = [*spec_overrides(spec), "--stream_idle_timeout", "2", "--peer_liveness", "3"]
+    with ExitStack() as stack:  # on the way out: peer 1's upload let go, the calls closed, then the threads joined
+        pool = stack.enter_context(ThreadPoolExecutor(2))
+        server = stack.enter_context(server_process(tmp_path / "server.log", args, env={"SPES_TOKEN": TOKEN}))
+        peer0 = stack.enter_context(_client(server.addr, 0, spec))
+        stub = stack.enter_context(stub_for(server.addr))
+        stack.callback(resumed.set)
+        peer0.join()
+        stub.Join(join_request(1, spec), metadata=as_("old"), timeout=10)
+        waiting = pool.submit(peer0.sync, 1, uploads[1][0])
+        sent = pool.submit(stub.Upload, trickle(), metadata=as_("old"), timeout=30)
+        wait_until(lambda: peer0.status().peers_uploaded == (0,), "peer 0's upload of round 1")
+        time.sleep(0.3)  # peer 1's first chunk in
+        try:
+            server.proc.send_signal(signal.SIGSTOP)
+            time.sleep(4)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        [(peer, silent)] = [(p.peer, p.last_seen_s) for p in peer0.status_reply().presence if not p.connected]
+        assert peer == 1 and silent < 3
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Join(join_request(1, spec), metadata=as_("new"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        resumed.set()
+        assert sorted(sent.result(timeout=30).uploaded_peers) == [0, 1]
+        got, stats = waiting.result(timeout=30)
+        assert stats.peers == (0, 1)
+        assert_exact(got, fault_free(uploads, spec))
+
+        def taken_over() -> bool:  # peer 1's process is silent from here on: gone once the server ran 3 s
+            try:
+                stub.Join(join_request(1, spec, run_id=run), metadata=as_("new"), timeout=10)
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.ALREADY_EXISTS, exc
+                return False
+            return True
+
+        run = peer0.status_reply().run_id
+
+        wait_until(taken_over, "peer 1's silence to pass --peer_liveness", timeout_s=10)
+        log = server.log_text()
+    assert "this process did not run for" in log and "stream of peer" not in log, log
+    assert "peer 1 joined from" in log and "(replaces the process at" in log, log

@@ -29,6 +29,7 @@ from spes.sync.admission import (
 )
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import Reason, Refused
+from spes.sync.stalls import Stalls
 from sync_helpers import join_request, running_server
 
 
@@ -342,3 +343,59 @@ def test_a_callers_address_is_named_decoded_in_the_log_and_in_refusals(caplog: p
         watch.cancel()
     assert any(re.fullmatch(f"peer 1 joined from {ipv6} \\(codec fp32\\)", m) for m in caplog.messages), caplog.messages
     assert not [m for m in caplog.messages if "%5B" in m]
+
+
+def test_a_streams_ages_leave_out_the_servers_own_stalls() -> None:
+    """A server frozen for a minute (a fake `Stalls`) wakes with its streams as it left them: not idle, not overdue,
+    not under the rate floor. From then on their time counts again, so a stream that is really idle, slow or overdue
+    is still ended."""
+    now = [0.0]
+    guard = StreamGuard(idle_timeout_s=10, max_streams=4, max_per_peer=4, min_rate=100.0, stalls=Stalls(lambda: now[0]))
+
+    def reasons_after(seconds: float) -> list[str]:
+        """Run the server `seconds` more, looking every 0.25 s (no stall), the moving stream sending all along."""
+        for _ in range(round(seconds / 0.25)):
+            now[0] += 0.25
+            moving.touch()
+        return [t.too_slow(guard.clock()) for t in (idle, overdue, moving)]
+
+    try:
+        idle, overdue, moving = guard.admit(None), guard.admit(None, deadline_s=5), guard.admit(None)
+        moving.moved(600)
+        now[0] += 60
+        assert [t.too_slow(guard.clock()) for t in (idle, overdue, moving)] == ["", "", ""]
+        assert reasons_after(5) == ["", "", ""]
+        assert reasons_after(0.25) == ["", "its handshake did not complete in time", ""]
+        assert reasons_after(4.75)[0] == ""
+        assert reasons_after(0.25)[0] == "no message for --stream_idle_timeout=10 s"
+        assert reasons_after(5.75)[2] == ""  # 600 bytes in 16 s: 100/s past the first 10 s
+        assert reasons_after(0.25)[2] == "it moved 600 bytes in 16 s, under --min_stream_rate"
+    finally:
+        guard.stop()
+
+
+def test_a_peers_silence_leaves_out_the_servers_own_stalls() -> None:
+    """A peer without a presence stream, heard from just before the server was frozen for a minute, is still live
+    when the server wakes: its peer id is not given to another process, and its reported silence is the time the
+    server ran. Once it stays silent for --peer_liveness of the server's running time, it is gone."""
+    now = [0.0]
+    stalls = Stalls(lambda: now[0])
+    sessions = Sessions(liveness_s=5, stalls=stalls)
+    sessions.join(0, "a", "ipv4:10.0.0.1:1")
+    now[0] += 0.5
+    sessions.heard(0, "a")
+    now[0] += 60
+    with pytest.raises(Refused, match="already joined by a live process at ipv4:10.0.0.1:1"):
+        sessions.join(0, "b", "ipv4:10.0.0.2:2")
+    sessions.present(0, "c", "ipv4:10.0.0.3:3")  # nor does a presence stream of another process take it over
+    sessions.heard(0, "a")
+    assert sessions.presence() == [(0, 0.0, False)]
+    for _ in range(6):  # the server runs 4.5 s, its stalls' thread looking every 0.75 s
+        now[0] += 0.75
+        stalls.note()
+    [(_, since, present)] = sessions.presence()
+    assert since == pytest.approx(4.5) and not present
+    with pytest.raises(Refused):
+        sessions.join(0, "b", "ipv4:10.0.0.2:2")
+    now[0] += 0.75
+    assert "replaces the process at ipv4:10.0.0.1:1" in sessions.join(0, "b", "ipv4:10.0.0.2:2")
