@@ -263,7 +263,7 @@ class SyncClient:
         caught_up = False
         try:
             sent, (info, downloaded, received), phases = self._retrying(
-                "sync", exchange, deadline=deadline, recover=self._recover
+                "sync", exchange, deadline=deadline, recover=lambda failure: self._recover(failure, deadline)
             )
         except SyncError as err:
             if err.reason != Reason.STALE_ROUND:
@@ -338,11 +338,13 @@ class SyncClient:
             run_id=self.run_id,
         )
 
-    def _join(self, request: pb.JoinRequest) -> int:
+    def _join(self, request: pb.JoinRequest, deadline: Deadline | None = None) -> int:
+        """Join (again, within the round's `deadline` when a round asks)."""
         reply = self._retrying(  # NOTE: its retries name the setting to check when the server cannot be reached
             f"join of the parameter server at {SERVER_SETTING}={self.connection.settings.server_addr}",
             lambda timeout: self.connection.stub.Join(request, timeout=timeout, metadata=self.connection.metadata),
             per_attempt_s=self.rpc_timeout_s,
+            deadline=deadline,
         )
         self.run_id = reply.run_id or self.run_id
         self.connection.joined(reply)
@@ -402,17 +404,18 @@ class SyncClient:
             "catch-up download",
             lambda timeout: self._download(latest, manifest, timeout, full=True),
             deadline=deadline,
-            recover=self._recover,
+            recover=lambda failure: self._recover(failure, deadline),
         )
 
-    def _recover(self, failure: SyncError) -> bool:
+    def _recover(self, failure: SyncError, deadline: Deadline) -> bool:
         """React to what the server said: join again after a restart (told so, or its data plane gone and its gRPC
         side not knowing this peer), upload again when it lost the round, full values for another base; gRPC when
-        the data plane is busy or gone while gRPC lives (one warning each time), nothing while the server is down."""
-        lost = self.connection.why_lost(failure)
+        the data plane is busy or gone while gRPC lives (one warning each time), nothing while the server is down.
+        What the data plane's failure lost is asked once (`Connection.why_lost`), within the round's `deadline`."""
+        lost = self.connection.why_lost(failure, deadline)
         if failure.reason == Reason.NOT_JOINED or lost == Lost.RESTARTED:
             log.warning("the server does not know peer %d (restarted?): joining again", self.peer_id)
-            self._join(self._request(dry_run=False))
+            self._join(self._request(dry_run=False), deadline)
             return True
         if failure.reason == Reason.UNKNOWN_ROUND:
             log.warning("the server holds no upload of peer %d for this round: uploading again", self.peer_id)
@@ -422,7 +425,7 @@ class SyncClient:
                 "the server holds another model than peer %d's (%s): sending full values", self.peer_id, failure
             )
             return True
-        return lost != Lost.SERVER_DOWN and self.connection.fall_back(failure)
+        return self.connection.fall_back(failure, lost)
 
     # -- helpers ------------------------------------------------------------------------------
     def _require_joined(self) -> Manifest:

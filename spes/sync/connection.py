@@ -33,6 +33,7 @@ from spes.sync.presence import Presence
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
 from spes.sync.protocol import PROBE_MAX_BYTES, Reason, SyncError
+from spes.sync.retry import Deadline
 
 log = logging.getLogger("spes.client")
 
@@ -46,16 +47,21 @@ KEEP_WINDOW = 3
 
 
 class Lost(Enum):
-    """Why the data plane stopped answering, as the server's gRPC side tells (`Connection.why_lost`)."""
+    """What a failure of the data plane lost, as `Connection.why_lost` finds: the one answer both the re-join and the
+    fall-back to gRPC act on."""
 
+    CONNECTION = "connection"
+    """The data plane answers a ping: only the failed call's connection was lost (this process or the server was
+    frozen). Retry on the data plane."""
     RESTARTED = "restarted"
     """gRPC answers but the server does not know this peer: a new process (it forgets every join), maybe on another
     data port. Join again: the Join says where its data plane is now."""
     SERVER_DOWN = "server down"
-    """gRPC does not answer either, or says the server is stopping: it is down or restarting. gRPC goes with it, so
+    """gRPC does not answer either, or the server says it is stopping: it is down or restarting. gRPC goes with it, so
     wait on this plane; the re-join a restarted server asks for finds its data plane."""
     PLANE_DOWN = "plane down"
-    """gRPC answers and the server knows this peer: its data plane alone is gone (a firewall, the port closed)."""
+    """The data plane is busy, or fails a ping while the server is not known to be down (gRPC answers and knows this
+    peer, or was not asked: a stalled call), or lost a second connection within `KEEP_WINDOW`: leave it for gRPC."""
 
 
 @dataclass(frozen=True)
@@ -119,35 +125,42 @@ class Connection:
         )
         self.plane = self._grpc if tcp is None else tcp
 
-    def why_lost(self, failure: SyncError) -> Lost | None:
-        """Why the data plane did not answer (`failure`: UNAVAILABLE on it without a word from the server), asked with
-        one Status call over gRPC; None for any other failure, or once `close`d. A server stopped and started again
-        is unreachable at its old data port exactly like a data plane that is down while gRPC lives: only gRPC tells
-        them apart, and falling back on a restart would send the round's payloads over the slow plane until a
-        re-join."""
+    def why_lost(self, failure: SyncError, deadline: Deadline | None = None) -> Lost | None:
+        """What `failure` of a call on the data plane lost (None: no loss of it: on gRPC already, `close`d, or a
+        failure of another kind). An unreachable data plane (UNAVAILABLE without a word from the server) is asked
+        about over gRPC first: a server stopped and started again is unreachable at its old data port exactly like a
+        data plane down while gRPC lives, and falling back on a restart would send the round's payloads over the slow
+        plane until a re-join. Then, as for a stalled call, the data plane is pinged (`_lost_only_the_connection`).
+
+        Each probe waits at most `PROBE_TIMEOUT_S`, the rpc timeout and what `deadline` (the round's, when given) has
+        left: a silent host would otherwise hold the round past its end by a probe's whole timeout. A round with no
+        time left, or whose end came during a probe that failed (cut short, it tells nothing), ends with its timeout
+        error."""
         if self.closed or self.plane is self._grpc:
             return None
-        if failure.code != grpc.StatusCode.UNAVAILABLE or failure.reason != Reason.NONE:
+        if failure.reason == Reason.SHUTTING_DOWN:
+            return Lost.SERVER_DOWN
+        if failure.reason == Reason.BUSY:
+            return Lost.PLANE_DOWN
+        if failure.code not in TCP_FALLBACK_CODES:
             return None
-        timeout = min(self.settings.rpc_timeout_s, PROBE_TIMEOUT_S)
-        try:
-            reply = self.stub.Status(pb.StatusRequest(), timeout=timeout, metadata=self.metadata)
-        except grpc.RpcError:
-            return Lost.SERVER_DOWN
-        if reply.shutting_down:  # NOTE: a stopping server closes its data plane before its gRPC side
-            return Lost.SERVER_DOWN
-        return Lost.PLANE_DOWN if self.peer_id in reply.peers_joined else Lost.RESTARTED
+        if failure.code == grpc.StatusCode.UNAVAILABLE and failure.reason == Reason.NONE:
+            try:
+                reply = self.stub.Status(pb.StatusRequest(), timeout=self._probe_s(deadline), metadata=self.metadata)
+            except grpc.RpcError:
+                _probe_failed(deadline)
+                return Lost.SERVER_DOWN
+            if reply.shutting_down:  # NOTE: a stopping server closes its data plane before its gRPC side
+                return Lost.SERVER_DOWN
+            if self.peer_id not in reply.peers_joined:
+                return Lost.RESTARTED
+        return Lost.CONNECTION if self._lost_only_the_connection(deadline) else Lost.PLANE_DOWN
 
-    def fall_back(self, failure: SyncError) -> bool:
-        """Whether `failure` of the data plane (busy, unreachable, stalled) sends payloads over gRPC from now on; not
-        a server that said it is shutting down: gRPC goes with it, the node waits for it to come back; nor a data plane
-        that still answers a ping (`_lost_only_the_connection`). Whether an unreachable data plane's server restarted
-        or is down is the caller's to ask `why_lost` first."""
-        if self.plane is self._grpc or failure.reason == Reason.SHUTTING_DOWN:
-            return False
-        if not (failure.reason == Reason.BUSY or failure.code in TCP_FALLBACK_CODES):
-            return False
-        if failure.reason != Reason.BUSY and self._lost_only_the_connection():
+    def fall_back(self, failure: SyncError, lost: Lost | None) -> bool:
+        """Whether payloads go over gRPC from now on: when `why_lost` found the data plane down, busy or stalled
+        (`lost`) after `failure`; never for a server down (gRPC goes with it: the node waits for it), one restarted
+        (the re-join finds its data plane) or a connection lost alone (retried on the data plane)."""
+        if lost is not Lost.PLANE_DOWN:
             return False
         log.warning(
             "the server's data plane failed (%s): payloads go over gRPC until the next join finds it again", failure
@@ -155,7 +168,7 @@ class Connection:
         self.plane = self._grpc
         return True
 
-    def _lost_only_the_connection(self) -> bool:
+    def _lost_only_the_connection(self, deadline: Deadline | None) -> bool:
         """Whether the data plane answers a ping now, so that only the failed call's connection was lost: this process
         or the server was frozen (a VM paused, SIGSTOP, a swap storm) and the server closed the connection idle, or
         the call timed out meanwhile. The call is then retried on the data plane, not sent to gRPC for the rest of the
@@ -166,12 +179,19 @@ class Connection:
         if self._kept_at is not None and now - self._kept_at < KEEP_WINDOW * self.settings.rpc_timeout_s:
             return False
         try:
-            self.plane.ping(min(self.settings.rpc_timeout_s, PROBE_TIMEOUT_S))
+            self.plane.ping(self._probe_s(deadline))
         except (SyncError, OSError):
+            _probe_failed(deadline)
             return False
         log.debug("the data plane answers: only peer %d's connection was lost, the call retries on it", self.peer_id)
         self._kept_at = now
         return True
+
+    def _probe_s(self, deadline: Deadline | None) -> float:
+        """How long one probe of `why_lost` may wait: `PROBE_TIMEOUT_S`, the rpc timeout and what `deadline` has left
+        (its round-timeout error when nothing)."""
+        cap = min(self.settings.rpc_timeout_s, PROBE_TIMEOUT_S)
+        return cap if deadline is None else min(cap, deadline.left())
 
     def measure_link(self, num_bytes: int, pings: int = 5) -> LinkStats:
         """Round-trip time (fastest of `pings` Status calls) and throughput of `num_bytes` each way over the
@@ -244,3 +264,10 @@ def data_plane(
             )
             return None
     return tcp
+
+
+def _probe_failed(deadline: Deadline | None) -> None:
+    """A probe of `why_lost` failed: once the round's deadline has passed, it may have been cut short by it and tells
+    nothing, and the round ends with its timeout error (not a verdict acted on for the rest of the run)."""
+    if deadline is not None:
+        deadline.left()

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import wait_until
 from spes.config import SpesConfig
+from spes.sync import connection as connection_module
 from spes.sync.channel import (
     CERTIFICATE_REFUSED,
     certificate_refusal,
@@ -24,11 +25,16 @@ from spes.sync.channel import (
     client_tls,
     probe_handshake,
 )
+from spes.sync.client import SyncClient
 from spes.sync.connection import Lost
 from spes.sync.plane_grpc import GrpcPlane, failure_of
+from spes.sync.plane_tcp import TcpPlane
+from spes.sync.proto import spes_pb2 as pb
 from spes.sync.protocol import Reason, SyncError
+from spes.sync.retry import Deadline
 from spes.sync.server import ParameterServer, start_server
 from spes.sync.settings import DeployConfig, ServerConfig
+from spes.sync.stalls import Stalls
 from sync_helpers import (
     check_round,
     joined_clients,
@@ -64,6 +70,8 @@ FELL_BACK = "payloads go over gRPC until the next join finds it again"
 UNREACHABLE = SyncError(
     "upload round 2: data plane 127.0.0.1:1 unreachable", grpc.StatusCode.UNAVAILABLE, retryable=True
 )
+STALLED = SyncError("download of round 2: timed out", grpc.StatusCode.DEADLINE_EXCEEDED, retryable=True)
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @pytest.fixture
@@ -140,21 +148,29 @@ def test_a_data_plane_gone_while_grpc_lives_leaves_the_round_to_grpc(
 
 
 @pytest.mark.timeout(60)
-def test_grpc_tells_why_the_data_plane_is_unreachable() -> None:
-    """The server knows the peer: its data plane alone is gone; gRPC does not answer: the server is down; a server
-    that answers and does not know the peer is a new process. Any other failure, or one on gRPC, is not asked."""
+def test_one_question_tells_what_a_failure_of_the_data_plane_lost() -> None:
+    """The server knows the peer and its data plane answers a ping: only the connection was lost; a second loss
+    soon after, or a data port that is closed, or busy: the data plane; gRPC gone too, or the server stopping: the
+    server; a server that answers and does not know the peer is a new process. A failure of another kind, or one
+    on gRPC, loses nothing of the data plane. The fall-back to gRPC acts on this answer only."""
     spec = tiny_spec()
     with running_server(spec, data_port=0) as (server, addr):
         client = make_client(addr, spec, 0, rpc_timeout_s=5)
         client.join()
-        connection = client.connection
-        assert connection.why_lost(UNREACHABLE) is Lost.PLANE_DOWN
-        for other in (
-            SyncError("shutting down", grpc.StatusCode.UNAVAILABLE, reason=Reason.SHUTTING_DOWN, retryable=True),
-            SyncError("stalled", grpc.StatusCode.DEADLINE_EXCEEDED, retryable=True),
-            SyncError("busy", grpc.StatusCode.RESOURCE_EXHAUSTED, reason=Reason.BUSY, retryable=True),
-        ):
-            assert connection.why_lost(other) is None
+        connection, tcp = client.connection, client.plane
+        assert isinstance(tcp, TcpPlane)
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))  # bound, never listening: its data plane alone is gone
+            port, tcp.port = tcp.port, closed.getsockname()[1]
+            assert connection.why_lost(UNREACHABLE) is Lost.PLANE_DOWN
+            tcp.port = port
+        assert connection.why_lost(UNREACHABLE) is Lost.CONNECTION
+        assert connection.why_lost(STALLED) is Lost.PLANE_DOWN  # a second loss within KEEP_WINDOW rpc timeouts
+        assert connection.why_lost(SyncError("busy", BUSY, reason=Reason.BUSY, retryable=True)) is Lost.PLANE_DOWN
+        assert connection.why_lost(SyncError("no", grpc.StatusCode.FAILED_PRECONDITION)) is None
+        assert not connection.fall_back(UNREACHABLE, Lost.CONNECTION) and client.plane is tcp
+        stopping = SyncError("shutting down", grpc.StatusCode.UNAVAILABLE, reason=Reason.SHUTTING_DOWN)
+        assert connection.why_lost(stopping) is Lost.SERVER_DOWN
         server.service.shutdown(0)  # a stopping server closes its data plane before its gRPC side: it goes
         assert connection.why_lost(UNREACHABLE) is Lost.SERVER_DOWN
     with client:
@@ -162,7 +178,156 @@ def test_grpc_tells_why_the_data_plane_is_unreachable() -> None:
         with running_server(spec, port=int(addr.rsplit(":", 1)[1]), data_port=0):
             client.status()  # NOTE: retried until the channel has reconnected; a probe does not wait for that
             assert connection.why_lost(UNREACHABLE) is Lost.RESTARTED
-            assert connection.fall_back(UNREACHABLE) and connection.why_lost(UNREACHABLE) is None  # on gRPC now
+            assert not connection.fall_back(UNREACHABLE, Lost.RESTARTED) and client.plane is tcp
+            assert connection.fall_back(UNREACHABLE, Lost.PLANE_DOWN) and connection.why_lost(UNREACHABLE) is None
+
+
+class _Left(Deadline):
+    """A round's deadline with `left_s` seconds left whenever asked: no clock, no stall counted."""
+
+    def __init__(self, left_s: float) -> None:
+        super().__init__(3600.0, Stalls())
+        self.left_s = left_s
+
+    def remaining(self) -> float:
+        return self.left_s
+
+
+class _Stub:
+    """A server's gRPC side that notes every call's timeout and answers a Status with `status`: a reply, an error it
+    raises, or a function it calls for either; a Join times out."""
+
+    def __init__(self, status: object) -> None:
+        self.status, self.timeouts = status, []
+
+    def Status(self, _request: object, *, timeout: float, metadata: object) -> object:  # noqa: N802 (gRPC's name)
+        self.timeouts.append(("status", timeout))
+        if isinstance(self.status, BaseException):
+            raise self.status
+        return self.status() if callable(self.status) else self.status
+
+    def Join(self, _request: object, *, timeout: float, metadata: object) -> object:  # noqa: N802
+        self.timeouts.append(("join", timeout))
+        raise _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+@contextlib.contextmanager
+def _on_a_data_plane(stub: _Stub, data_port: int, **settings: object) -> Iterator[SyncClient]:
+    """A client whose data plane is at `data_port` and whose gRPC side is `stub` (nothing joined; no server)."""
+    own = {"rpc_timeout_s": 60, "round_timeout_s": 3600, "data_plane": "tcp", **settings}
+    with make_client("127.0.0.1:1", tiny_spec(), 0, **own) as client:  # type: ignore[arg-type]
+        client.connection.use_data_plane(pb.JoinReply(data_port=data_port))
+        client.connection.stub = stub  # type: ignore[assignment]
+        yield client
+
+
+@pytest.fixture
+def pings(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The timeout of every data-plane ping (each then refused as a closed port would refuse it)."""
+    timeouts: list[float] = []
+
+    def ping(_plane: TcpPlane, timeout: float) -> None:
+        timeouts.append(timeout)
+        raise ConnectionRefusedError("refused")
+
+    monkeypatch.setattr(TcpPlane, "ping", ping)
+    return timeouts
+
+
+@pytest.mark.timeout(60)
+def test_what_was_lost_is_asked_within_what_the_round_has_left(pings: list[float]) -> None:
+    """Each probe waited min(rpc_timeout_s, 10 s) whatever the round had left: against a silent host the round ran
+    a whole probe past round_timeout_s. Now each waits at most what the round has left (and the cap)."""
+    joined = pb.StatusReply(peers_joined=[0])
+    for left_s, want in ((0.25, 0.25), (3600.0, 10.0)):
+        with _on_a_data_plane(stub := _Stub(joined), data_port=1) as client:
+            assert client.connection.why_lost(UNREACHABLE, _Left(left_s)) is Lost.PLANE_DOWN
+            assert stub.timeouts == [("status", want)] and pings[-1:] == [want]
+    with _on_a_data_plane(stub := _Stub(joined), data_port=1, rpc_timeout_s=2) as client:
+        assert client.connection.why_lost(STALLED, _Left(3600.0)) is Lost.PLANE_DOWN
+        assert stub.timeouts == [] and pings[-1:] == [2]  # a stalled call pings only
+
+
+@pytest.mark.timeout(60)
+def test_a_round_with_no_time_left_to_ask_ends_with_its_timeout_and_keeps_its_plane(
+    monkeypatch: pytest.MonkeyPatch, pings: list[float]
+) -> None:
+    """Nothing left: nothing is asked. A probe that failed as the round's end came during it was cut short by it and
+    tells nothing: no verdict on the plane for the rest of the run, the round's one-line timeout instead."""
+    timed_out = "the round did not finish within round_timeout_s=3600.0"
+    with _on_a_data_plane(stub := _Stub(pb.StatusReply(peers_joined=[0])), data_port=1) as client:
+        for failure in (UNREACHABLE, STALLED):
+            with pytest.raises(SyncError, match=timed_out) as err:
+                client.connection.why_lost(failure, _Left(0.0))
+            assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert stub.timeouts == [] and pings == []
+    round_ = _Left(0.25)
+
+    def status_cut_short() -> pb.StatusReply:
+        round_.left_s = 0.0
+        raise _Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    def ping_cut_short(_plane: TcpPlane, _timeout: float) -> None:
+        round_.left_s = 0.0
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(TcpPlane, "ping", ping_cut_short)
+    for status in (status_cut_short, pb.StatusReply(peers_joined=[0])):  # the Status cut short; then the ping
+        round_.left_s = 0.25
+        with _on_a_data_plane(_Stub(status), data_port=1) as client, pytest.raises(SyncError, match=timed_out):
+            client.connection.why_lost(UNREACHABLE, round_)
+        assert client.plane.name == "tcp"
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_server_is_joined_again_within_what_the_round_has_left() -> None:
+    """The re-join a restart asks for waited rpc_timeout_s per try whatever the round had left."""
+    with _on_a_data_plane(stub := _Stub(pb.StatusReply()), data_port=1, max_retries=0) as client:
+        with pytest.raises(SyncError, match="DEADLINE_EXCEEDED"):
+            client._recover(UNREACHABLE, _Left(0.25))
+        assert stub.timeouts == [("status", 0.25), ("join", 0.25)]
+
+
+@contextlib.contextmanager
+def _silent() -> Iterator[int]:
+    """A loopback port that takes connections (the kernel's backlog) and never answers: a host that drops packets
+    is as silent."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as listener:
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("silent", ["grpc", "data plane"])
+def test_a_round_whose_server_went_silent_ends_at_its_deadline_with_its_timeout(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, silent: str
+) -> None:
+    """round_timeout_s=1 and a probe cap as long as the rpc timeout (30 s), so that only the round can end a probe.
+    gRPC silent, the data port closed: the Status asked why waited its whole timeout past the round's end; gRPC
+    alive, the data plane silent: the ping after the upload's timeout did, then left the plane for gRPC. Now the
+    round ends near its deadline (the margin is generous: the probe alone took 30 s), on its plane."""
+    monkeypatch.setattr(connection_module, "PROBE_TIMEOUT_S", 30.0)
+    spec = tiny_spec()
+    with contextlib.ExitStack() as stack:
+        if silent == "grpc":
+            refused = stack.enter_context(socket.socket())
+            refused.bind(("127.0.0.1", 0))
+            stub = stack.enter_context(_silent())
+            client = stack.enter_context(make_client(f"127.0.0.1:{stub}", spec, 0, data_plane="tcp"))
+            client.connection.use_data_plane(pb.JoinReply(data_port=refused.getsockname()[1]))
+            client._joined = True
+        else:
+            _, addr = stack.enter_context(running_server(spec, data_port=0))
+            client = stack.enter_context(make_client(addr, spec, 0, data_plane="tcp"))
+            client.join()
+            client.plane.port = stack.enter_context(_silent())  # type: ignore[attr-defined]
+        client.round_timeout_s, client.connection.settings.rpc_timeout_s = 1.0, 30.0
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, "spes.client"), pytest.raises(SyncError) as err:
+            client.sync(1, peer_upload(spec, 0, seed=1))
+        took = time.monotonic() - start
+    assert str(err.value) == "the round did not finish within round_timeout_s=1.0"
+    assert took < 15, took
+    assert client.plane.name == "tcp" and FELL_BACK not in caplog.text
 
 
 def test_a_ca_file_that_is_no_pem_is_refused_naming_its_key_on_either_plane(tmp_path: Path) -> None:

@@ -144,7 +144,8 @@ def test_a_server_shutting_down_refuses_new_uploads_and_downloads_on_either_plan
                     Reason.SHUTTING_DOWN,
                     True,
                 )
-                assert not clients[0].connection.fall_back(err.value) and clients[0].plane is tcp
+                connection = clients[0].connection
+                assert not connection.fall_back(err.value, connection.why_lost(err.value)) and connection.plane is tcp
             assert server.service.status().peers_uploaded == []
 
 
