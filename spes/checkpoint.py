@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spes.atomic import NO_ROOM, os_errno, publish_dir, room_for, staging_dir
-from spes.distributed import all_ranks_ok, barrier, is_dtensor, process_rank, process_world_size, unwrap
+from spes.distributed import all_ranks_min, all_ranks_ok, barrier, is_dtensor, process_rank, process_world_size, unwrap
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.save_folder import (
     CONFIG_FILE,
@@ -415,18 +415,21 @@ def _corrupt(step_dir: Path) -> str:
 
 def _damaged_file(step_dir: Path, meta: dict[str, Any], *, with_optim: bool, share: bool) -> CheckpointError | None:
     """The first file a load reads whose bytes differ from the SHA-256 meta.json recorded, as the error to raise, or
-    None (`share`: only this rank's share of the files is hashed, each rank hashing its own)."""
+    None. `share` (a collective): each rank hashes its share of the files, and every rank learns the first damaged
+    one, so that each names it (torchrun may stop the rank that found it before it prints)."""
     digests = meta.get("sha256", {})
     names = sorted(n for n in digests if with_optim or n != OPTIM_FILE)
+    mine = range(len(names))[process_rank() :: process_world_size()] if share else range(len(names))
+    sums = sha256_of([step_dir / names[i] for i in mine])
+    first = min((i for i, digest in zip(mine, sums, strict=True) if digest != digests[names[i]]), default=len(names))
     if share:
-        names = names[process_rank() :: process_world_size()]
-    for name, digest in zip(names, sha256_of([step_dir / n for n in names]), strict=True):
-        if digest != digests[name]:
-            return CheckpointError(
-                f"{step_dir / name}: its bytes differ from the SHA-256 meta.json recorded (changed on disk since "
-                f"the save); {_corrupt(step_dir)}"
-            )
-    return None
+        first = all_ranks_min(first)
+    if first == len(names):
+        return None
+    return CheckpointError(
+        f"{step_dir / names[first]}: its bytes differ from the SHA-256 meta.json recorded (changed on disk since the "
+        f"save); {_corrupt(step_dir)}"
+    )
 
 
 def _is_meta(meta: Any) -> bool:
@@ -611,9 +614,9 @@ def restore(
     """
     step_dir = resolve_checkpoint(path)
     meta = _read_meta(step_dir)
-    damaged = _damaged_file(step_dir, meta, with_optim=with_optim, share=True)  # every rank hashes its share
-    if not all_ranks_ok(damaged is None):
-        raise damaged or CheckpointError(f"{step_dir}: another rank found a damaged file (its log names it)")
+    damaged = _damaged_file(step_dir, meta, with_optim=with_optim, share=True)
+    if damaged is not None:
+        raise damaged
     config = _read_config(step_dir)
     if meta.get("kind") == "sharded":
         trainer, reblocked = _restore_sharded(step_dir, meta, model, optimizer, with_optim), False

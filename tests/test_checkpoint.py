@@ -525,7 +525,28 @@ def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
         )
         same["read whole"] = same.get("read whole", []) + [Path(c.args[0]).name for c in whole.call_args_list]
     same["reblocked"] = _fsdp_reblocked_restore(Path(args["folder"]) / "central", built)
+    same["damaged"] = _fsdp_damaged_restore(Path(args["folder"]) / "damaged", model, optimizer, built)
     return {**same, "failed_save": _failing_sharded_save(Path(args["folder"]) / "True", model, optimizer)}
+
+
+def _fsdp_damaged_restore(
+    folder: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    built: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
+) -> str:
+    """A byte flipped in the shard file rank 1 hashes (each rank hashes its share): what each rank's restore says."""
+    path = save(folder, 1, model, optimizer, trainer_state={}, config={}, sharded=True)
+    assert path is not None
+    if torch.distributed.get_rank() == 0:
+        _flip_byte(path / "shard-00001-model-00001-of-00001.safetensors", 7)
+    torch.distributed.barrier()
+    fresh, fresh_optim = built()
+    try:
+        restore(folder, fresh, fresh_optim)
+    except CheckpointError as e:
+        return str(e)
+    return "restored"
 
 
 def _fsdp_reblocked_restore(folder: Path, built: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]) -> bool:
@@ -573,7 +594,15 @@ def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_
         "another one, then continue with --resume=auto",
         f"CheckpointError: rank 0 failed to finish {folder / 'step2-sharded'}; see its log",
     ]
-    want = [{"sharded": True, "unsharded": True, "read whole": [], "reblocked": True, "failed_save": f} for f in failed]
+    damaged = (  # every rank names the file rank 1 found damaged: torchrun may stop rank 1 before it prints
+        f"{tmp_path / 'ckpt' / 'damaged' / 'step1-sharded' / 'shard-00001-model-00001-of-00001.safetensors'}: its bytes "
+        "differ from the SHA-256 meta.json recorded (changed on disk since the save); the checkpoint is corrupt, use an "
+        f"earlier checkpoint (there is none in {tmp_path / 'ckpt' / 'damaged'})"
+    )
+    want = [
+        {"sharded": True, "unsharded": True, "read whole": [], "reblocked": True, "damaged": damaged, "failed_save": f}
+        for f in failed
+    ]
     assert ranks == want
 
 
