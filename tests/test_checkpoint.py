@@ -594,10 +594,10 @@ def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_
         "another one, then continue with --resume=auto",
         f"CheckpointError: rank 0 failed to finish {folder / 'step2-sharded'}; see its log",
     ]
+    shard = tmp_path / "ckpt" / "damaged" / "step1-sharded" / "shard-00001-model-00001-of-00001.safetensors"
     damaged = (  # every rank names the file rank 1 found damaged: torchrun may stop rank 1 before it prints
-        f"{tmp_path / 'ckpt' / 'damaged' / 'step1-sharded' / 'shard-00001-model-00001-of-00001.safetensors'}: its bytes "
-        "differ from the SHA-256 meta.json recorded (changed on disk since the save); the checkpoint is corrupt, use an "
-        f"earlier checkpoint (there is none in {tmp_path / 'ckpt' / 'damaged'})"
+        f"{shard}: its bytes differ from the SHA-256 meta.json recorded (changed on disk since the save); the "
+        f"checkpoint is corrupt, use an earlier checkpoint (there is none in {shard.parent.parent})"
     )
     want = [
         {"sharded": True, "unsharded": True, "read whole": [], "reblocked": True, "damaged": damaged, "failed_save": f}
