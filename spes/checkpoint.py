@@ -5,7 +5,7 @@ Layout of a save folder:
         model.safetensors   the full model state, fp32
         optim.safetensors   optimizer state tensors, keyed `<param fqn>/<state key>`
         meta.json           kind, step, optimizer param groups, trainer state (step, tokens, data, RNG), the size and
-                            SHA-256 of every file (a load refuses a file changed since the save), its own SHA-256
+                            XXH3-128 checksum of every file (a load refuses a file changed since the save), its own
         config.yaml         the resolved run config
         (extra files)       whatever else the run's state needs, named in meta.json's `extra` (an overlapped SPES
                             node's round in flight: spes.sync.node_files.PENDING_FILE)
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import xxhash
 import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -55,12 +55,12 @@ from spes.save_folder import (
     SHARDED_SUFFIX,
     CheckpointError,
     Keep,
+    checksums_of,
     earlier_checkpoint_fix,
     no_room_fix,
     point_latest,
     remove_stale_temporaries,
     resolve_checkpoint,
-    sha256_of,
 )
 from spes.schema import yaml_error_text
 
@@ -203,23 +203,23 @@ def write_unsharded(
 
 
 def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any], extra: Extra | None) -> None:
-    """The `extra` files, config.yaml, then meta.json with the size (the completeness check on load) and SHA-256 (the
+    """The `extra` files, config.yaml, then meta.json with the size (the completeness check on load) and XXH3-128 (the
     integrity check: a flipped byte is refused, not trained on) of every file, and a checksum of its own."""
     for name, write in (extra or {}).items():
         write(directory / name)
     (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
     files = [p for p in sorted(directory.iterdir()) if p.name != META_FILE]
     sizes = {p.name: p.stat().st_size for p in files}
-    digests = dict(zip(sizes, sha256_of(files), strict=True))
-    meta = {**meta, **({"extra": sorted(extra)} if extra else {}), "files": sizes, "sha256": digests}
+    digests = dict(zip(sizes, checksums_of(files), strict=True))
+    meta = {**meta, **({"extra": sorted(extra)} if extra else {}), "files": sizes, _FILE_DIGESTS: digests}
     meta[_META_DIGEST] = _meta_digest(meta)
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
 
 
 def _meta_digest(meta: dict[str, Any]) -> str:
-    """The SHA-256 of meta.json's content but this checksum itself (its keys sorted, so the layout does not count)."""
+    """The XXH3-128 of meta.json's content but this checksum itself (its keys sorted, so the layout does not count)."""
     content = {k: v for k, v in meta.items() if k != _META_DIGEST}
-    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+    return xxhash.xxh3_128_hexdigest(json.dumps(content, sort_keys=True).encode())
 
 
 def training_state(
@@ -383,8 +383,9 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 _META_FIELDS = {"kind": str, "step": int, "trainer": dict, "optim_param_groups": list, "files": dict}  # every save's
-_META_DIGEST = "meta_sha256"
-"""meta.json's checksum of itself; it and the files' `sha256` are absent from checkpoints saved before them."""
+_FILE_DIGESTS, _META_DIGEST = "xxh3_128", "meta_xxh3_128"
+"""meta.json's checksums of the files and of itself (`spes.save_folder.checksums_of`), absent from checkpoints saved
+before them."""
 
 
 def _read_meta(step_dir: Path) -> dict[str, Any]:
@@ -414,20 +415,20 @@ def _corrupt(step_dir: Path) -> str:
 
 
 def _damaged_file(step_dir: Path, meta: dict[str, Any], *, with_optim: bool, share: bool) -> CheckpointError | None:
-    """The first file a load reads whose bytes differ from the SHA-256 meta.json recorded, as the error to raise, or
+    """The first file a load reads whose bytes differ from the checksum meta.json recorded, as the error to raise, or
     None. `share` (a collective): each rank hashes its share of the files, and every rank learns the first damaged
     one, so that each names it (torchrun may stop the rank that found it before it prints)."""
-    digests = meta.get("sha256", {})
+    digests = meta.get(_FILE_DIGESTS, {})
     names = sorted(n for n in digests if with_optim or n != OPTIM_FILE)
     mine = range(len(names))[process_rank() :: process_world_size()] if share else range(len(names))
-    sums = sha256_of([step_dir / names[i] for i in mine])
+    sums = checksums_of([step_dir / names[i] for i in mine])
     first = min((i for i, digest in zip(mine, sums, strict=True) if digest != digests[names[i]]), default=len(names))
     if share:
         first = all_ranks_min(first)
     if first == len(names):
         return None
     return CheckpointError(
-        f"{step_dir / names[first]}: its bytes differ from the SHA-256 meta.json recorded (changed on disk since the "
+        f"{step_dir / names[first]}: its bytes differ from the checksum meta.json recorded (changed on disk since the "
         f"save); {_corrupt(step_dir)}"
     )
 
@@ -447,7 +448,7 @@ def _is_meta(meta: Any) -> bool:
         isinstance(b, list) and len(b) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b)
         for b in betas
     )
-    digests = meta.get("sha256", {})
+    digests = meta.get(_FILE_DIGESTS, {})
     sums = isinstance(digests, dict) and all(isinstance(d, str) for d in digests.values())
     return files and pairs and sums and all(isinstance(g, dict) for g in groups)
 
@@ -609,7 +610,7 @@ def restore(
     pieces of either kind (DCP slices the safetensors files: a rank's host memory never holds the whole
     model); a single or DDP process reads an unsharded checkpoint whole, as it holds the whole model. The
     model and optimizer must fit (same tensor names and shapes, same trainable set), and the files' bytes the
-    SHA-256 meta.json recorded, else CheckpointError before anything is loaded. Returns the checkpoint's path,
+    checksums meta.json recorded, else CheckpointError before anything is loaded. Returns the checkpoint's path,
     trainer state and config (no tensors).
     """
     step_dir = resolve_checkpoint(path)

@@ -11,7 +11,6 @@ names and files only. They live here, apart from the tensors, so that a command 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -19,6 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
+
+import xxhash
 
 from spes.atomic import ASIDE, write_atomic
 
@@ -224,15 +225,17 @@ def earlier_checkpoint_fix(step_dir: Path) -> str:
     )
 
 
-def sha256_of(paths: Sequence[Path]) -> list[str]:
-    """The SHA-256 of each file (as `sha256sum` prints it), hashed in parallel threads (hashlib lets go of the GIL):
-    the checksums that tell a checkpoint's or a server state's flipped bytes from the ones that were written."""
+def checksums_of(paths: Sequence[Path]) -> list[str]:
+    """The XXH3-128 of each file (hex, as `xxh128sum` prints it), hashed in parallel threads (xxhash lets go of the
+    GIL): the checksums that tell a checkpoint's or a server state's flipped bytes from the ones that were written.
+    XXH3, not SHA-256: damage, not an adversary, is what it finds, and it hashes about ten times faster (a 1B node's
+    checkpoint is GiBs, the server's round file is hashed before any peer may download the round)."""
     with ThreadPoolExecutor(max_workers=min(len(paths), os.cpu_count() or 1) or 1) as pool:
-        return list(pool.map(_sha256, paths))
+        return list(pool.map(_checksum, paths))
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def _checksum(path: Path) -> str:
+    digest = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             digest.update(chunk)

@@ -42,5 +42,5 @@ def drop_checksums(step_dir: Path) -> None:
     test's damage reaches the reader behind the checksum check."""
     meta_path = step_dir / "meta.json"
     meta = json.loads(meta_path.read_text())
-    meta.pop("sha256"), meta.pop("meta_sha256")
+    meta.pop("xxh3_128"), meta.pop("meta_xxh3_128")
     meta_path.write_text(json.dumps(meta))

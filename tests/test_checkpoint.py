@@ -596,7 +596,7 @@ def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_
     ]
     shard = tmp_path / "ckpt" / "damaged" / "step1-sharded" / "shard-00001-model-00001-of-00001.safetensors"
     damaged = (  # every rank names the file rank 1 found damaged: torchrun may stop rank 1 before it prints
-        f"{shard}: its bytes differ from the SHA-256 meta.json recorded (changed on disk since the save); the "
+        f"{shard}: its bytes differ from the checksum meta.json recorded (changed on disk since the save); the "
         f"checkpoint is corrupt, use an earlier checkpoint (there is none in {shard.parent.parent})"
     )
     want = [
@@ -814,7 +814,7 @@ def test_a_flipped_byte_in_any_file_is_refused_naming_it_and_the_checkpoint_to_g
             with pytest.raises(CheckpointError) as err:
                 read(tmp_path)
             assert str(err.value) == (
-                f"{damaged}: its bytes differ from the SHA-256 meta.json recorded (changed on disk since the save); "
+                f"{damaged}: its bytes differ from the checksum meta.json recorded (changed on disk since the save); "
                 f"{fix} {tmp_path / LATEST} to resume from it)"
             )
         damaged.write_bytes(original)
@@ -837,7 +837,7 @@ def test_the_model_alone_is_read_for_export_even_when_the_optimizer_file_is_unre
     (optim,) = path.glob("optim*.safetensors")
     optim.write_bytes(bytes(optim.stat().st_size))
     _assert_same_state(load_model_state(path), model.state_dict())
-    with pytest.raises(CheckpointError, match="optim.safetensors: its bytes differ from the SHA-256 meta.json rec"):
+    with pytest.raises(CheckpointError, match="optim.safetensors: its bytes differ from the checksum meta.json rec"):
         load_checkpoint(path)
 
 

@@ -106,7 +106,7 @@ def test_a_round_file_holding_nan_or_inf_is_refused(bad: float) -> None:
     its checksum, which refuses any flipped bit)."""
     with _saved_state() as state:
         record = json.loads((state / STATE_FILE).read_text())
-        del record["tensor_file_sha256"]
+        del record["tensor_file_xxh3_128"]
         (state / STATE_FILE).write_text(json.dumps(record))
         (tensor_file,) = state.glob("round-*.safetensors")
         raw = bytearray(tensor_file.read_bytes())
