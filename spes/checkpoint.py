@@ -4,7 +4,8 @@ Layout of a save folder:
     step<N>/           unsharded: the main rank writes the whole state
         model.safetensors   the full model state, fp32
         optim.safetensors   optimizer state tensors, keyed `<param fqn>/<state key>`
-        meta.json           kind, step, optimizer param groups, trainer state (step, tokens, data, RNG), file sizes
+        meta.json           kind, step, optimizer param groups, trainer state (step, tokens, data, RNG), the size and
+                            XXH3-128 checksum of every file (a load refuses a file changed since the save), its own
         config.yaml         the resolved run config
         (extra files)       whatever else the run's state needs, named in meta.json's `extra` (an overlapped SPES
                             node's round in flight: spes.sync.node_files.PENDING_FILE)
@@ -37,13 +38,14 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import xxhash
 import yaml
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from spes.atomic import NO_ROOM, os_errno, publish_dir, room_for, staging_dir
-from spes.distributed import all_ranks_ok, barrier, is_dtensor, process_rank, process_world_size, unwrap
+from spes.distributed import all_ranks_min, all_ranks_ok, barrier, is_dtensor, process_rank, process_world_size, unwrap
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.save_folder import (
     CONFIG_FILE,
@@ -53,6 +55,8 @@ from spes.save_folder import (
     SHARDED_SUFFIX,
     CheckpointError,
     Keep,
+    checksums_of,
+    earlier_checkpoint_fix,
     no_room_fix,
     point_latest,
     remove_stale_temporaries,
@@ -199,13 +203,23 @@ def write_unsharded(
 
 
 def _write_meta(directory: Path, meta: dict[str, Any], config: dict[str, Any], extra: Extra | None) -> None:
-    """The `extra` files, config.yaml, then meta.json with the sizes of every file (the completeness check on load)."""
+    """The `extra` files, config.yaml, then meta.json with the size (the completeness check on load) and XXH3-128 (the
+    integrity check: a flipped byte is refused, not trained on) of every file, and a checksum of its own."""
     for name, write in (extra or {}).items():
         write(directory / name)
     (directory / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
-    sizes = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META_FILE}
-    meta = {**meta, **({"extra": sorted(extra)} if extra else {}), "files": sizes}
+    files = [p for p in sorted(directory.iterdir()) if p.name != META_FILE]
+    sizes = {p.name: p.stat().st_size for p in files}
+    digests = dict(zip(sizes, checksums_of(files), strict=True))
+    meta = {**meta, **({"extra": sorted(extra)} if extra else {}), "files": sizes, _FILE_DIGESTS: digests}
+    meta[_META_DIGEST] = _meta_digest(meta)
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
+
+
+def _meta_digest(meta: dict[str, Any]) -> str:
+    """The XXH3-128 of meta.json's content but this checksum itself (its keys sorted, so the layout does not count)."""
+    content = {k: v for k, v in meta.items() if k != _META_DIGEST}
+    return xxhash.xxh3_128_hexdigest(json.dumps(content, sort_keys=True).encode())
 
 
 def training_state(
@@ -369,6 +383,9 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 _META_FIELDS = {"kind": str, "step": int, "trainer": dict, "optim_param_groups": list, "files": dict}  # every save's
+_FILE_DIGESTS, _META_DIGEST = "xxh3_128", "meta_xxh3_128"
+"""meta.json's checksums of the files and of itself (`spes.save_folder.checksums_of`), absent from checkpoints saved
+before them."""
 
 
 def _read_meta(step_dir: Path) -> dict[str, Any]:
@@ -377,16 +394,43 @@ def _read_meta(step_dir: Path) -> dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError, RecursionError) as e:  # NOTE: ValueError: not UTF-8 or not JSON; too deep: recursion
-        raise CheckpointError(f"{meta_path}: unreadable checkpoint metadata ({e}); use an earlier checkpoint") from None
+        raise CheckpointError(
+            f"{meta_path}: unreadable checkpoint metadata ({e}); {earlier_checkpoint_fix(step_dir)}"
+        ) from None
     if not _is_meta(meta):
-        raise CheckpointError(f"{meta_path}: not a checkpoint's metadata; use an earlier checkpoint")
+        raise CheckpointError(f"{meta_path}: not a checkpoint's metadata; {earlier_checkpoint_fix(step_dir)}")
+    if _META_DIGEST in meta and meta[_META_DIGEST] != _meta_digest(meta):
+        raise CheckpointError(
+            f"{meta_path}: damaged (its content does not match the checksum it was saved with); {_corrupt(step_dir)}"
+        )
     for name, size in meta["files"].items():
         f = step_dir / name
         if not f.is_file() or f.stat().st_size != size:
-            raise CheckpointError(
-                f"{f}: missing or truncated (expected {size} bytes); the checkpoint is corrupt, use an earlier one"
-            )
+            raise CheckpointError(f"{f}: missing or truncated (expected {size} bytes); {_corrupt(step_dir)}")
     return meta
+
+
+def _corrupt(step_dir: Path) -> str:
+    return f"the checkpoint is corrupt, {earlier_checkpoint_fix(step_dir)}"
+
+
+def _damaged_file(step_dir: Path, meta: dict[str, Any], *, with_optim: bool, share: bool) -> CheckpointError | None:
+    """The first file a load reads whose bytes differ from the checksum meta.json recorded, as the error to raise, or
+    None. `share` (a collective): each rank hashes its share of the files, and every rank learns the first damaged
+    one, so that each names it (torchrun may stop the rank that found it before it prints)."""
+    digests = meta.get(_FILE_DIGESTS, {})
+    names = sorted(n for n in digests if with_optim or n != OPTIM_FILE)
+    mine = range(len(names))[process_rank() :: process_world_size()] if share else range(len(names))
+    sums = checksums_of([step_dir / names[i] for i in mine])
+    first = min((i for i, digest in zip(mine, sums, strict=True) if digest != digests[names[i]]), default=len(names))
+    if share:
+        first = all_ranks_min(first)
+    if first == len(names):
+        return None
+    return CheckpointError(
+        f"{step_dir / names[first]}: its bytes differ from the checksum meta.json recorded (changed on disk since the "
+        f"save); {_corrupt(step_dir)}"
+    )
 
 
 def _is_meta(meta: Any) -> bool:
@@ -404,7 +448,9 @@ def _is_meta(meta: Any) -> bool:
         isinstance(b, list) and len(b) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b)
         for b in betas
     )
-    return files and pairs and all(isinstance(g, dict) for g in groups)
+    digests = meta.get(_FILE_DIGESTS, {})
+    sums = isinstance(digests, dict) and all(isinstance(d, str) for d in digests.values())
+    return files and pairs and sums and all(isinstance(g, dict) for g in groups)
 
 
 def trainer_state(path: str | Path) -> dict[str, Any]:
@@ -421,9 +467,11 @@ def _read_config(step_dir: Path) -> dict[str, Any]:
     try:
         config = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid YAML ({yaml_error_text(e)}); use an earlier checkpoint") from None
+        raise CheckpointError(
+            f"{path}: not valid YAML ({yaml_error_text(e)}); {earlier_checkpoint_fix(step_dir)}"
+        ) from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: not a run config (a YAML mapping); use an earlier checkpoint")
+        raise CheckpointError(f"{path}: not a run config (a YAML mapping); {earlier_checkpoint_fix(step_dir)}")
     return config
 
 
@@ -439,9 +487,7 @@ def _sharded_shapes(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dt
     try:
         metadata = HuggingFaceStorageReader(str(step_dir)).read_metadata()
     except (SafetensorError, OSError, ValueError, KeyError) as e:
-        raise CheckpointError(
-            f"{step_dir}: unreadable shard files ({e}); the checkpoint is corrupt, use an earlier one"
-        ) from None
+        raise CheckpointError(f"{step_dir}: unreadable shard files ({e}); {_corrupt(step_dir)}") from None
     entries = metadata.state_dict_metadata.items()
     return {k: (tuple(md.size), md.properties.dtype) for k, md in entries}  # type: ignore[union-attr]
 
@@ -493,6 +539,14 @@ def load_checkpoint(path: str | Path, *, with_optim: bool = True) -> Checkpoint:
     """
     step_dir = resolve_checkpoint(path)
     meta = _read_meta(step_dir)
+    damaged = _damaged_file(step_dir, meta, with_optim=with_optim, share=False)
+    if damaged is not None:
+        raise damaged
+    return _read_whole(step_dir, meta, with_optim=with_optim)
+
+
+def _read_whole(step_dir: Path, meta: dict[str, Any], *, with_optim: bool) -> Checkpoint:
+    """The tensors, trainer state and config of a checkpoint whose meta.json has been read (and files verified)."""
     config = _read_config(step_dir)
     if meta.get("kind") == "sharded":
         model, optim_tensors = _read_sharded(step_dir, with_optim)
@@ -531,8 +585,7 @@ def _dcp_load(target: dict[str, Any], step_dir: Path, *, no_dist: bool = False) 
             dcp.load(target, storage_reader=dcp.HuggingFaceStorageReader(str(step_dir)), no_dist=no_dist)
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise CheckpointError(
-            f"{step_dir}: cannot read the shards ({str(e).splitlines()[0]}); the checkpoint is "
-            f"corrupt or incomplete, use an earlier one"
+            f"{step_dir}: cannot read the shards ({str(e).splitlines()[0]}); {_corrupt(step_dir)}"
         ) from None
 
 
@@ -544,9 +597,7 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _unreadable(path: Path, error: Exception) -> CheckpointError:
-    return CheckpointError(
-        f"{path}: not a readable safetensors file ({error}); the checkpoint is corrupt, use an earlier one"
-    )
+    return CheckpointError(f"{path}: not a readable safetensors file ({error}); {_corrupt(path.parent)}")
 
 
 def restore(
@@ -558,11 +609,15 @@ def restore(
     A collective when a process group exists: every rank calls it. Under FSDP each rank reads only its own
     pieces of either kind (DCP slices the safetensors files: a rank's host memory never holds the whole
     model); a single or DDP process reads an unsharded checkpoint whole, as it holds the whole model. The
-    model and optimizer must fit (same tensor names and shapes, same trainable set), else CheckpointError
-    before anything is loaded. Returns the checkpoint's path, trainer state and config (no tensors).
+    model and optimizer must fit (same tensor names and shapes, same trainable set), and the files' bytes the
+    checksums meta.json recorded, else CheckpointError before anything is loaded. Returns the checkpoint's path,
+    trainer state and config (no tensors).
     """
     step_dir = resolve_checkpoint(path)
     meta = _read_meta(step_dir)
+    damaged = _damaged_file(step_dir, meta, with_optim=with_optim, share=True)
+    if damaged is not None:
+        raise damaged
     config = _read_config(step_dir)
     if meta.get("kind") == "sharded":
         trainer, reblocked = _restore_sharded(step_dir, meta, model, optimizer, with_optim), False
@@ -626,7 +681,7 @@ def _restore_unsharded(
             shapes |= {OPTIM_KEY + k: s for k, s in _header_shapes(step_dir / OPTIM_FILE).items()}
         _restore_sliced(step_dir, meta, shapes, model, optimizer, with_optim, file_key=_unprefixed)
         return meta["trainer"], False
-    ckpt = load_checkpoint(step_dir, with_optim=with_optim)
+    ckpt = _read_whole(step_dir, meta, with_optim=with_optim)
     if reblocked:
         ckpt = replace(ckpt, model=_reblock(ckpt.model, model_state), optim=None, trainer={})
     check_model_compatible(ckpt.model, model_state, step_dir)

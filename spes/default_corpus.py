@@ -406,8 +406,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     marker = args.output_dir / "corpus.json"
     if marker.is_file() and not args.overwrite:
-        corpus = json.loads(marker.read_text(encoding="utf-8"))
-        if otherwise := built_otherwise(corpus, args.max_mb, args.vocab_size):
+        try:  # NOTE: the summary is formatted here so that a damaged field is refused as the rest is
+            corpus = json.loads(marker.read_text(encoding="utf-8"))
+            otherwise, summary = (
+                built_otherwise(corpus, args.max_mb, args.vocab_size),
+                format_corpus(corpus, args.output_dir),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, AssertionError, RecursionError) as err:
+            print(f"error: {marker} is damaged ({err!r}); pass --overwrite to rebuild the corpus", file=sys.stderr)
+            return 2
+        if otherwise:
             print(
                 f"error: {args.output_dir} holds a complete corpus, not the one asked for: {'; '.join(otherwise)}; "
                 "pass --overwrite to rebuild it, or choose another --output_dir",
@@ -415,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         print(f"{args.output_dir} is already built; pass --overwrite to rebuild")  # NOTE: first: the lines below
-        print(format_corpus(corpus, args.output_dir))  # describe that earlier build, its time included
+        print(summary)  # describe that earlier build, its time included
         return 0
     args.output_dir.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)

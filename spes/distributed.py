@@ -292,11 +292,16 @@ def barrier() -> None:
 
 def all_ranks_ok(ok: bool) -> bool:
     """Whether every rank reports ok (a collective)."""
+    return bool(all_ranks_min(int(ok)))
+
+
+def all_ranks_min(value: int) -> int:
+    """The smallest of every rank's `value` (a collective; int64)."""
     if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        return value
+    flag = torch.tensor([value], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return int(flag.item())
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -92,6 +92,23 @@ def test_small_build_loads_in_the_dataset_and_is_idempotent(tmp_path: Path, caps
     assert json.loads((out / "corpus.json").read_text()) == corpus
 
 
+@pytest.mark.parametrize(
+    "damage", [b"\xfa\x00garbage", b"", b"[]", b'{"max_mb": 24.0}', b'{"max_mb": "x", "vocab_size": 1}']
+)
+def test_a_damaged_corpus_json_is_refused_in_one_line_naming_it_and_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: bytes
+) -> None:
+    """corpus.json marks a complete build; rerunning the build over a damaged one was a traceback."""
+    marker = tmp_path / "corpus.json"
+    marker.write_bytes(damage)
+    assert default_corpus.main(["--output_dir", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {marker} is damaged (") and err.endswith(
+        "); pass --overwrite to rebuild the corpus\n"
+    )
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("size", ["0", "nan", "inf"])
 def test_a_size_that_is_not_a_finite_positive_number_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], size: str

@@ -19,7 +19,7 @@ import pytest
 import torch
 import yaml
 
-from disk_helpers import cap_file_size, print_failure, run_child
+from disk_helpers import cap_file_size, drop_checksums, print_failure, run_child
 from dist_helpers import SMALL_NODE, child_env, run_logged, run_ranks, torchrun
 from spes.checkpoint import (
     check_model_compatible,
@@ -525,7 +525,28 @@ def _fsdp_checkpoint_worker(args: dict[str, Any], info: DistInfo) -> dict[str, A
         )
         same["read whole"] = same.get("read whole", []) + [Path(c.args[0]).name for c in whole.call_args_list]
     same["reblocked"] = _fsdp_reblocked_restore(Path(args["folder"]) / "central", built)
+    same["damaged"] = _fsdp_damaged_restore(Path(args["folder"]) / "damaged", model, optimizer, built)
     return {**same, "failed_save": _failing_sharded_save(Path(args["folder"]) / "True", model, optimizer)}
+
+
+def _fsdp_damaged_restore(
+    folder: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    built: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
+) -> str:
+    """A byte flipped in the shard file rank 1 hashes (each rank hashes its share): what each rank's restore says."""
+    path = save(folder, 1, model, optimizer, trainer_state={}, config={}, sharded=True)
+    assert path is not None
+    if torch.distributed.get_rank() == 0:
+        _flip_byte(path / "shard-00001-model-00001-of-00001.safetensors", 7)
+    torch.distributed.barrier()
+    fresh, fresh_optim = built()
+    try:
+        restore(folder, fresh, fresh_optim)
+    except CheckpointError as e:
+        return str(e)
+    return "restored"
 
 
 def _fsdp_reblocked_restore(folder: Path, built: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]) -> bool:
@@ -573,7 +594,15 @@ def test_fsdp_checkpoints_of_either_kind_restore_every_ranks_shards_exactly(tmp_
         "another one, then continue with --resume=auto",
         f"CheckpointError: rank 0 failed to finish {folder / 'step2-sharded'}; see its log",
     ]
-    want = [{"sharded": True, "unsharded": True, "read whole": [], "reblocked": True, "failed_save": f} for f in failed]
+    shard = tmp_path / "ckpt" / "damaged" / "step1-sharded" / "shard-00001-model-00001-of-00001.safetensors"
+    damaged = (  # every rank names the file rank 1 found damaged: torchrun may stop rank 1 before it prints
+        f"{shard}: its bytes differ from the checksum meta.json recorded (changed on disk since the save); the "
+        f"checkpoint is corrupt, use an earlier checkpoint (there is none in {shard.parent.parent})"
+    )
+    want = [
+        {"sharded": True, "unsharded": True, "read whole": [], "reblocked": True, "damaged": damaged, "failed_save": f}
+        for f in failed
+    ]
     assert ranks == want
 
 
@@ -685,13 +714,16 @@ def test_unreadable_metadata_is_refused_naming_the_file(tmp_path: Path) -> None:
         (step / META_FILE).write_text(other)
         with pytest.raises(CheckpointError) as err:
             is_sharded(step)
-        assert str(err.value) == f"{step / META_FILE}: not a checkpoint's metadata; use an earlier checkpoint"
+        assert str(err.value) == (
+            f"{step / META_FILE}: not a checkpoint's metadata; use an earlier checkpoint (there is none in {tmp_path})"
+        )
 
 
 def test_an_unreadable_saved_config_of_the_recorded_size_is_refused_naming_the_file(tmp_path: Path) -> None:
     cfg, model, optimizer = _node(steps=1)
     path = save(tmp_path, 1, model, optimizer, trainer_state={}, config=to_dict(cfg), sharded=False)
     assert path is not None
+    drop_checksums(path)  # a checkpoint saved before checksums: the YAML reader is what refuses it
     saved = path / CONFIG_FILE
     size = saved.stat().st_size
     saved.write_text("{" + " " * (size - 1))  # cut-short YAML, the size meta.json recorded
@@ -699,12 +731,15 @@ def test_an_unreadable_saved_config_of_the_recorded_size_is_refused_naming_the_f
         load_checkpoint(path)
     assert (
         str(err.value)
-        == f"{saved}: not valid YAML (expected the node content, but found '<stream end>'); use an earlier checkpoint"
+        == f"{saved}: not valid YAML (expected the node content, but found '<stream end>'); use an earlier checkpoint "
+        f"(there is none in {tmp_path})"
     )
     saved.write_text("- 1" + " " * (size - 3))
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(path)
-    assert str(err.value) == f"{saved}: not a run config (a YAML mapping); use an earlier checkpoint"
+    assert str(err.value) == (
+        f"{saved}: not a run config (a YAML mapping); use an earlier checkpoint (there is none in {tmp_path})"
+    )
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -737,6 +772,7 @@ def test_unreadable_tensor_files_of_the_recorded_size_are_refused_naming_the_fil
         path = save(tmp_path / str(sharded), 1, model, optimizer, trainer_state={}, config={}, sharded=sharded)
         assert path is not None
         [tensors] = [p for p in path.iterdir() if p.name.endswith(".safetensors") and "optim" not in p.name]
+        drop_checksums(path)
         tensors.write_bytes(bytes(tensors.stat().st_size))  # zeros: the size meta.json recorded, no header
         what = f"{path}: unreadable shard files (" if sharded else f"{tensors}: not a readable safetensors file ("
         _, fresh, fresh_optim = _node(steps=0)
@@ -744,8 +780,49 @@ def test_unreadable_tensor_files_of_the_recorded_size_are_refused_naming_the_fil
             with pytest.raises(CheckpointError) as err:
                 read()
             assert str(err.value).startswith(what), err.value
-            assert str(err.value).endswith("); the checkpoint is corrupt, use an earlier one")
+            assert str(err.value).endswith(
+                f"); the checkpoint is corrupt, use an earlier checkpoint (there is none in {tmp_path / str(sharded)})"
+            )
             assert "deserializing header" in str(err.value), "the reader's reason is named"
+
+
+def _flip_byte(path: Path, at: int) -> None:
+    """One bit of the byte `at` bytes from the end flipped: the file keeps its size (a disk's or a copy's error)."""
+    data = bytearray(path.read_bytes())
+    data[-at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_flipped_byte_in_any_file_is_refused_naming_it_and_the_checkpoint_to_go_back_to(
+    tmp_path: Path, sharded: bool
+) -> None:
+    """A byte flipped in a tensor's data keeps every size and header: without the checksums meta.json records, the
+    wrong number was trained on (and a SPES node published it to the server)."""
+    cfg, model, optimizer = _node(steps=1)
+    first = save(tmp_path, 1, model, optimizer, trainer_state={"step": 1}, config=to_dict(cfg), sharded=sharded)
+    path = save(tmp_path, 2, model, optimizer, trainer_state={"step": 2}, config=to_dict(cfg), sharded=sharded)
+    assert first is not None and path is not None
+    fix = (
+        f"the checkpoint is corrupt, use an earlier checkpoint: the newest is step 1, {first} (write {first.name} into"
+    )
+    for damaged in sorted(p for p in path.iterdir() if p.name != META_FILE):
+        original = damaged.read_bytes()
+        _flip_byte(damaged, 7)
+        _, fresh, fresh_optim = _node(steps=0)
+        for read in (load_checkpoint, functools.partial(restore, model=fresh, optimizer=fresh_optim)):
+            with pytest.raises(CheckpointError) as err:
+                read(tmp_path)
+            assert str(err.value) == (
+                f"{damaged}: its bytes differ from the checksum meta.json recorded (changed on disk since the save); "
+                f"{fix} {tmp_path / LATEST} to resume from it)"
+            )
+        damaged.write_bytes(original)
+    meta = json.loads((path / META_FILE).read_text())
+    (path / META_FILE).write_text(json.dumps({**meta, "trainer": {"step": 3}}, indent=1))  # still a meta.json
+    with pytest.raises(CheckpointError, match=f"^{path / META_FILE}: damaged \\(its content does not match the check"):
+        load_checkpoint(path)
+    assert load_checkpoint(first).trainer == {"step": 1}
 
 
 def test_the_model_alone_is_read_for_export_even_when_the_optimizer_file_is_unreadable(tmp_path: Path) -> None:
@@ -760,7 +837,7 @@ def test_the_model_alone_is_read_for_export_even_when_the_optimizer_file_is_unre
     (optim,) = path.glob("optim*.safetensors")
     optim.write_bytes(bytes(optim.stat().st_size))
     _assert_same_state(load_model_state(path), model.state_dict())
-    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+    with pytest.raises(CheckpointError, match="optim.safetensors: its bytes differ from the checksum meta.json rec"):
         load_checkpoint(path)
 
 
@@ -781,7 +858,7 @@ def test_a_failure_inside_dcps_read_is_refused_naming_the_checkpoint(
     monkeypatch.setattr(dcp, "load", fail)
     want = (
         f"{path}: cannot read the shards (no storage data for 'model/embeddings.weight'); the checkpoint is "
-        f"corrupt or incomplete, use an earlier one"
+        f"corrupt, use an earlier checkpoint (there is none in {tmp_path})"
     )
     _, fresh, fresh_optim = _node(steps=0)
     for read in (load_checkpoint, lambda p: restore(p, fresh, fresh_optim)):
@@ -794,6 +871,7 @@ def test_a_checkpoint_written_without_its_config_reads_as_an_empty_one(tmp_path:
     cfg, model, optimizer = _node(steps=1)
     path = save(tmp_path, 1, model, optimizer, trainer_state={"step": 1}, config=to_dict(cfg), sharded=False)
     assert path is not None
+    drop_checksums(path)
     meta = json.loads((path / META_FILE).read_text())
     del meta["files"][CONFIG_FILE]
     (path / META_FILE).write_text(json.dumps(meta))
@@ -835,7 +913,9 @@ def test_meta_listing_a_file_named_empty_or_parent_or_betas_not_numbers_is_refus
         (step / META_FILE).write_text(json.dumps(other))
         with pytest.raises(CheckpointError) as err:
             is_sharded(step)
-        assert str(err.value) == f"{step / META_FILE}: not a checkpoint's metadata; use an earlier checkpoint"
+        assert str(err.value) == (
+            f"{step / META_FILE}: not a checkpoint's metadata; use an earlier checkpoint (there is none in {tmp_path})"
+        )
     (step / META_FILE).write_text(json.dumps({**meta, "optim_param_groups": [{"betas": [0.9, 1]}]}))
     assert not is_sharded(step)  # floats and ints are betas
 

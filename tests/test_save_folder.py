@@ -12,6 +12,7 @@ from spes.save_folder import (
     LATEST,
     META_FILE,
     CheckpointError,
+    earlier_checkpoint_fix,
     list_checkpoints,
     not_a_save_folder,
     prune,
@@ -164,6 +165,45 @@ def test_latest_resolves_to_a_moved_aside_copy_only_when_the_replacement_never_a
     _checkpoint(run / "step4")
     assert resolve_checkpoint(run) == run / "step4"  # the new copy arrived: it wins
     assert resolve_checkpoint(run / "step2") == run / "step2"
+
+
+@pytest.mark.parametrize("content", [b"", b"\n", b"\xcc\xcc garbage", b"../elsewhere\n", b"step2\x00"])
+def test_a_latest_emptied_or_garbled_is_refused_in_one_line_naming_the_checkpoint_to_resume_from(
+    tmp_path: Path, content: bytes
+) -> None:
+    """A crash on a filesystem without data journaling empties `latest`; a bad copy garbles it. Read, the first gave
+    "latest names node0" (the folder itself), the second a UnicodeDecodeError traceback."""
+    run = tmp_path / "node0"
+    _checkpoint(run / "step1")
+    _checkpoint(run / "step2")
+    (run / LATEST).write_bytes(content)
+    with pytest.raises(CheckpointError) as err:
+        resolve_checkpoint(run)
+    assert str(err.value) == (
+        f"{run / LATEST}: damaged (it holds {content!r}, not a checkpoint's name); remove it to resume from the "
+        f"newest complete checkpoint, {run / 'step2'}, or write another one's name into it"
+    )
+    (run / LATEST).unlink()
+    assert resolve_checkpoint(run) == run / "step2"  # what the advice leads to
+    for step in ("step1", "step2"):
+        (run / step / META_FILE).unlink()
+    (run / LATEST).write_bytes(content)
+    with pytest.raises(CheckpointError, match=f"; {run} holds no complete checkpoint: remove it to start that save"):
+        resolve_checkpoint(run)
+
+
+def test_the_checkpoint_to_go_back_to_from_a_damaged_one_is_the_newest_complete_before_it(tmp_path: Path) -> None:
+    run = tmp_path / "node0"
+    for name in ("step5", "step10-sharded", "step20", "step30"):
+        _checkpoint(run / name)
+    (run / "step25").mkdir()  # incomplete: no meta.json
+    assert earlier_checkpoint_fix(run / "step30") == (
+        f"use an earlier checkpoint: the newest is step 20, {run / 'step20'} (write step20 into {run / LATEST} to "
+        "resume from it)"
+    )
+    assert earlier_checkpoint_fix(run / "step20").startswith(f"use an earlier checkpoint: the newest is step 10, {run}")
+    assert earlier_checkpoint_fix(run / "step5") == f"use an earlier checkpoint (there is none in {run})"
+    assert earlier_checkpoint_fix(tmp_path / "exported") == f"use an earlier checkpoint (there is none in {tmp_path})"
 
 
 def test_latest_naming_a_missing_checkpoint_in_a_folder_without_others_says_what_to_do(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ After every completed round, before any peer may download it, the server writes
                                state.json)
     state.json                 the round (step, peers that built it, fragment, merge alpha), the run spec it was
                                written under (`spes.sync.spec.RunSpec`: mode, peers, ownership, schedule, codec),
-                               its `server:` section, the model manifest, and the name and size of the tensor file
+                               its `server:` section, the model manifest, and the name, size and XXH3-128 of the
+                               tensor file (a restart refuses a file whose bytes changed)
 
 each through a temporary file in the same directory, fsync and `os.replace`; `state.json` is replaced last and
 is the commit point, so a server killed at any moment (SIGKILL included) leaves either the previous round or
@@ -37,6 +38,7 @@ from safetensors.torch import save_file
 
 from spes.atomic import LockHeld, hold_lock, write_atomic
 from spes.config import ServerSection
+from spes.save_folder import checksums_of
 from spes.sync.fragments import WHOLE
 from spes.sync.joins import manifest_differences
 from spes.sync.protocol import Manifest, Tensors
@@ -154,6 +156,7 @@ def save_round(state_dir: str | Path, saved: SavedRound) -> Path:
         "codec_is_global": shared,
         "tensor_file": tensor_file.name,
         "tensor_file_bytes": tensor_file.stat().st_size,
+        "tensor_file_xxh3_128": checksums_of([tensor_file])[0],
     }
     write_atomic(directory / STATE_FILE, (json.dumps(record, indent=1) + "\n").encode())
     for old in directory.iterdir():
@@ -177,9 +180,11 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
         if record.get("format") != FORMAT:
             raise ValueError(f"format {record.get('format')!r}, this spes reads format {FORMAT}")
         step, peers, tensor_name = int(record["round"]), [int(p) for p in record["peers"]], record["tensor_file"]
-        tensor_bytes = int(record["tensor_file_bytes"])
+        tensor_bytes, tensor_checksum = int(record["tensor_file_bytes"]), record.get("tensor_file_xxh3_128")
         if not isinstance(tensor_name, str):
             raise TypeError(f"tensor_file {tensor_name!r} is not a file name")
+        if not isinstance(tensor_checksum, (str, type(None))):
+            raise TypeError(f"tensor_file_xxh3_128 {tensor_checksum!r} is not a checksum")
         manifest = {str(n): tuple(int(d) for d in shape) for n, shape in record["manifest"].items()}
         recorded = _recorded_spec(spec, record["spec"], manifest)
         codec_is_global = [str(n) for n in record.get("codec_is_global", [])]
@@ -206,7 +211,9 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
             f"with {FIELD_KEYS[name]} as that run had it, or use a fresh --state_dir for a new run"
         )
     _check_model(state_path, manifest, spec)
-    global_model, momentum, codec_state = _read_tensors(directory, state_path, tensor_name, tensor_bytes)
+    global_model, momentum, codec_state = _read_tensors(
+        directory, state_path, tensor_name, tensor_bytes, tensor_checksum
+    )
     codec_state.update({n: global_model[n] for n in codec_is_global if n in global_model})
     shapes = {name: tuple(t.shape) for name, t in global_model.items()}
     mismatched = any(manifest.get(name) != shape for name, shape in shapes.items())
@@ -272,9 +279,10 @@ def _recorded_spec(spec: RunSpec, fields: dict[str, Any], manifest: Manifest) ->
 
 
 def _read_tensors(
-    directory: Path, state_path: Path, tensor_name: str, tensor_bytes: int
+    directory: Path, state_path: Path, tensor_name: str, tensor_bytes: int, tensor_checksum: str | None
 ) -> tuple[Tensors, Tensors, Tensors]:
-    """The global model, momentum and codec tensors of the file `state.json` names, size-checked first."""
+    """The global model, momentum and codec tensors of the file `state.json` names, its size and checksum (absent from
+    a state saved before it) checked first: a flipped byte would otherwise become the model every peer downloads."""
     tensor_path = directory / Path(tensor_name).name
     if not tensor_path.is_file():
         raise FileNotFoundError(f"{state_path} names {tensor_path}, which is missing: the state directory is damaged")
@@ -282,6 +290,11 @@ def _read_tensors(
         raise ValueError(
             f"{tensor_path} has {tensor_path.stat().st_size} bytes, {STATE_FILE} recorded "
             f"{tensor_bytes}: the state directory is damaged"
+        )
+    if tensor_checksum is not None and checksums_of([tensor_path])[0] != tensor_checksum:
+        raise ValueError(
+            f"{tensor_path}: its bytes differ from the checksum {STATE_FILE} recorded (changed on disk since the "
+            "round was saved): the state directory is damaged"
         )
     global_model: Tensors = {}
     momentum: Tensors = {}

@@ -313,8 +313,29 @@ def test_momentum_must_be_of_model_tensors_and_every_tensor_of_its_shape(tmp_pat
         load_round(tmp_path / "shape", SPEC)
 
 
+def test_a_byte_flipped_in_the_round_files_tensors_is_refused_not_served(tmp_path: Path) -> None:
+    """A flipped bit in a tensor's bytes keeps the file's size, header and finiteness: a restarted server served
+    the damaged global model to every peer."""
+    tensor_file = save_round(tmp_path, saved(10))
+    data = bytearray(tensor_file.read_bytes())
+    data[-5] ^= 0x10
+    tensor_file.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as refused:
+        load_round(tmp_path, SPEC)
+    assert str(refused.value) == (
+        f"{tensor_file}: its bytes differ from the checksum state.json recorded (changed on disk since the round was "
+        "saved): the state directory is damaged"
+    )
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    (tmp_path / STATE_FILE).write_text(json.dumps({**record, "tensor_file_xxh3_128": None}))  # saved before checksums
+    assert load_round(tmp_path, SPEC) is not None
+
+
 def test_a_damaged_tensor_file_of_the_recorded_size_is_refused_as_unreadable(tmp_path: Path) -> None:
     tensor_file = save_round(tmp_path, saved(10))
+    record = json.loads((tmp_path / STATE_FILE).read_text())
+    del record["tensor_file_xxh3_128"]  # a state saved before checksums: the safetensors reader is what refuses it
+    (tmp_path / STATE_FILE).write_text(json.dumps(record))
     data = bytearray(tensor_file.read_bytes())
     data[8:24] = b"\xff" * 16  # the header's JSON
     tensor_file.write_bytes(bytes(data))
@@ -330,6 +351,7 @@ def test_a_damaged_tensor_file_of_the_recorded_size_is_refused_as_unreadable(tmp
     [
         ("tensor_file", 7, "tensor_file 7 is not a file name"),
         ("alpha", float("nan"), "merge alpha nan is not a number"),
+        ("tensor_file_xxh3_128", 7, "tensor_file_xxh3_128 7 is not a checksum"),
     ],
 )
 def test_a_hostile_field_is_refused_saying_what_it_holds(tmp_path: Path, field: str, value: object, why: str) -> None:
