@@ -47,13 +47,18 @@
 set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
+die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
 ROOT=${SPES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
+# NOTE: sbatch runs a copy of this script, so the repository is where sbatch was run: from another folder the run
+# failed with a traceback (no spes there) or a config "not found" that was there all along
+[ -f "$ROOT/run_scripts/run_single_node.sh" ] || die "$ROOT ($( [ -n "${SPES_ROOT:-}" ] && echo SPES_ROOT \
+  || echo "SLURM_SUBMIT_DIR, where sbatch was run" )) is not the spes repository: submit from the repository's root \
+(cd <repository> && sbatch ... run_scripts/run_cluster.sh) or set SPES_ROOT=<repository>"
 cd "$ROOT"
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 CONFIG_DIR=${CONFIG_DIR:-configs/spes_1b}
 PORT=${PORT:-50051}
 
-die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
 config_of() { echo "${CONFIG:-$CONFIG_DIR/node_$1.yaml}"; }
 [[ "$PORT" =~ ^[1-9][0-9]*$ ]] && [ "$PORT" -le 65535 ] || die "PORT=$PORT must be a fixed port in [1, 65535]: the nodes \
 are told it before the server starts (only DATA_PORT may be 0, chosen by the OS)"

@@ -164,6 +164,24 @@ def test_rank_set_inside_a_slurm_job_is_the_first_implementations_contract(tmp_p
     assert proc.returncode == 2 and "RANK=4 must be a node id in [0, 4)" in proc.stdout
 
 
+def test_a_job_submitted_from_another_folder_is_refused_saying_where_to_submit_from(tmp_path: Path) -> None:
+    """sbatch runs a copy of the script, so the repository is the folder sbatch was run in: submitted from another
+    one, the job ended in a traceback (no spes importable there) or a config "not found" that was there."""
+    elsewhere = tmp_path / "my runs ü"
+    elsewhere.mkdir()
+    env = {k: v for k, v in child_env().items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n0", SLURM_SUBMIT_DIR=str(elsewhere))
+    env.update(CONFIG=str(REPO / "configs" / "tiny.yaml"))
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env=env)
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines() == [
+        f"run_cluster.sh: error: {elsewhere} (SLURM_SUBMIT_DIR, where sbatch was run) is not the spes repository: "
+        "submit from the repository's root (cd <repository> && sbatch ... run_scripts/run_cluster.sh) or set "
+        "SPES_ROOT=<repository>"
+    ]
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env={**env, "SPES_ROOT": str(REPO)})
+    assert "is not the spes repository" not in proc.stdout  # SPES_ROOT names the repository
+
+
 @pytest.mark.timeout(60)
 def test_server_args_reach_the_server_only(tmp_path: Path) -> None:
     """The TLS files of a protected run: the extra arguments reach the server and every trainer, and a trainer takes
