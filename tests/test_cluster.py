@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -193,10 +194,10 @@ def _node_0_recorded(
     python.write_text(
         f"""#!/bin/bash
 case "$1 $2" in
-  "-m spes.server") printf '%s\\n' "$@" > {tmp_path}/server.args; echo listening; exec sleep 30 ;;
+  "-m spes.server") printf '%s\\n' "$@" > {shlex.quote(str(tmp_path / "server.args"))}; echo listening; exec sleep 30 ;;
   "-m spes.preflight") echo "1 the CPU" ;;
-  "-m spes.torchrun") printf '%s\\n' "$@" > {tmp_path}/node.args ;;
-  *) exec {sys.executable} "$@" ;;
+  "-m spes.torchrun") printf '%s\\n' "$@" > {shlex.quote(str(tmp_path / "node.args"))} ;;
+  *) exec {shlex.quote(sys.executable)} "$@" ;;
 esac
 """
     )

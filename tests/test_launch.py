@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -524,8 +525,8 @@ def test_run_single_node_started_elsewhere_takes_a_relative_config_from_there_an
         f"""#!/bin/bash
 case "$1 $2" in
   "-m spes.preflight") echo "1 the CPU" ;;
-  "-m spes.torchrun") printf '%s\\n' "$@" > '{args}' ;;
-  *) exec {sys.executable} "$@" ;;
+  "-m spes.torchrun") printf '%s\\n' "$@" > {shlex.quote(str(args))} ;;
+  *) exec {shlex.quote(sys.executable)} "$@" ;;
 esac
 """
     )
