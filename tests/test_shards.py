@@ -234,6 +234,22 @@ def test_a_path_with_glob_characters_that_is_there_is_taken_as_written(tmp_path:
         assert resolve_paths([str(entry)]) == [shard], entry
 
 
+def test_a_relative_path_not_found_says_from_which_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started in another folder, configs/tiny.yaml's data/default/train/*.npy "matches no file", not saying where."""
+    elsewhere = tmp_path / "else where ü"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for entry, kind, why in (
+        ("data/*.npy", "data path pattern", "matches no file"),
+        ("a.npy", "data path", "does not exist"),
+    ):
+        with pytest.raises(FileNotFoundError) as err:
+            resolve_paths([entry])
+        assert str(err.value) == f"{kind} {entry!r} (from the working directory {elsewhere}) {why}"
+
+
 def test_a_glob_reaches_into_subdirectories_with_two_stars(tmp_path: Path) -> None:
     for d in ("a", "b/c"):
         (tmp_path / d).mkdir(parents=True)
