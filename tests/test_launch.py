@@ -114,6 +114,15 @@ def test_resume_on_an_out_that_holds_no_run_is_refused_before_starting_anything(
     assert not out.exists()
 
 
+def test_an_out_from_home_is_the_home_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shell leaves --out=~/run as written: the run went into a folder named ~ where the launcher ran."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home ü"))
+    assert spes.launch.main([TINY, "--out=~/my run", "--resume"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: nothing to resume: --out {tmp_path}/home ü/my run holds no run")
+
+
 def test_a_run_is_a_server_state_or_a_nodes_checkpoint_as_the_nodes_see_it(tmp_path: Path) -> None:
     """A node's save folder whose save was killed before `latest` named its checkpoint still holds a run
     (spes.train resumes from it): --resume continues it, and a start without --resume is refused."""
