@@ -2,8 +2,10 @@
 # The main job: install, build the default corpus + tokenizer if missing, then a real SPES run on the CPU:
 # one parameter server and 4 peers (8 experts, 2 per peer) on loopback, several sync rounds including
 # merge warm-up rounds, and a summary table. Extra args go to every peer as overrides (--key=value).
-# A run lives in OUT (default output/quickstart): a second start with the same OUT is refused unless RESUME=1
-# continues it (the server from its state, every peer from its latest checkpoint); pick another OUT for a new run.
+# A run lives in OUT (default output/quickstart in the repository; a relative OUT is from the folder the script is
+# started in, the run's own relative paths and the overrides' from the repository): a second start with the same OUT
+# is refused unless RESUME=1 continues it (the server from its state, every peer from its latest checkpoint); pick
+# another OUT for a new run.
 # RESUME=1 with an OUT that holds no run is refused too: unset it to start one.
 # Each stage says what it does and how long it took on a fresh clone (bench/results/bench_quickstart.json,
 # written by bench/bench_quickstart.py).
@@ -13,7 +15,10 @@
 #   MERGE_ALPHA_START (0.05), MERGE_DECAY_STEPS (200)
 set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
+CALLER=$PWD
 cd "$(dirname "$0")/.."
+# NOTE: started from another folder, OUT=runs/a went into the repository's runs/a, named as runs/a
+if [ -n "${OUT:-}" ] && [[ $OUT != /* ]] && ! [ "$PWD" -ef "$CALLER" ]; then OUT=$CALLER/$OUT; fi
 OUT=${OUT:-output/quickstart} STEPS=${STEPS:-400}
 
 stage() {  # stage NUMBER NAME WHAT [FOR]: one line, with the measured time (FOR: of what) when a record has it

@@ -28,11 +28,13 @@
 #   The server's run settings (peers, experts per block, mode, the `server:` section) come from node 0's config
 #   with the same overrides, so they cannot disagree with the nodes'.
 #   SPES_ROOT [SLURM_SUBMIT_DIR, or this repository]; PYTHON [.venv/bin/python, else python3]
+#   It runs in SPES_ROOT: relative paths of the configs, CONFIG_DIR and the overrides are read from there; a relative
+#   LOG_DIR or STATE_DIR is from the folder it is started in, and so is a relative CONFIG when it is there.
 #   LOG_DIR [output/slurm-<job id>, or output/cluster]: where the server log goes
 #   STATE_DIR [the parent of node 0's save_folder, /server_state]: the server's rounds, kept across jobs
 #   SERVER_LINGER [120]: outside SLURM, seconds node 0 keeps the server up after its own trainer is done
-#   SERVER_ARGS []: flags for the parameter server only, split at spaces, e.g. "--tls_cert server.crt --tls_key
-#     server.key" (the extra arguments also reach every trainer, which takes only --section.key=value overrides);
+#   SERVER_ARGS []: flags for the parameter server only, split into words as a shell splits them (quote a path with
+#     spaces), e.g. "--tls_cert server.crt --tls_key '/etc/spes certs/server.key'" (the extra arguments also reach every trainer, which takes only --section.key=value overrides);
 #     with TLS the nodes need --spes_config.tls_ca=ca.crt as an extra argument, and SERVER_HOST must be a name
 #     the server's certificate holds. SPES_TOKEN, when set, is the run's token for the server and every node.
 # Per node: --spes_config.peer_id=<id> and its data.seed (run_single_node.sh: a node file's own, or with CONFIG, the
@@ -47,13 +49,27 @@
 set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
 
+die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
+CALLER=$PWD
 ROOT=${SPES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
+# NOTE: sbatch runs a copy of this script, so the repository is where sbatch was run: from another folder the run
+# failed with a traceback (no spes there) or a config "not found" that was there all along
+[ -f "$ROOT/run_scripts/run_single_node.sh" ] || die "$ROOT ($( [ -n "${SPES_ROOT:-}" ] && echo SPES_ROOT \
+  || echo "SLURM_SUBMIT_DIR, where sbatch was run" )) is not the spes repository: submit from the repository's root \
+(cd <repository> && sbatch ... run_scripts/run_cluster.sh) or set SPES_ROOT=<repository>"
 cd "$ROOT"
+# NOTE: started by hand from another folder, LOG_DIR=logs went into the repository's logs, named as logs, and
+# CONFIG=run.yaml beside the user was "not found"
+if ! [ "$PWD" -ef "$CALLER" ]; then
+  for var in LOG_DIR STATE_DIR; do
+    if [ -n "${!var:-}" ] && [[ ${!var} != /* ]]; then printf -v "$var" '%s' "$CALLER/${!var}"; fi
+  done
+  if [ -n "${CONFIG:-}" ] && [[ $CONFIG != /* ]] && [ -f "$CALLER/$CONFIG" ]; then CONFIG=$CALLER/$CONFIG; fi
+fi
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 CONFIG_DIR=${CONFIG_DIR:-configs/spes_1b}
 PORT=${PORT:-50051}
 
-die() { echo "run_cluster.sh: error: $*" >&2; exit 2; }
 config_of() { echo "${CONFIG:-$CONFIG_DIR/node_$1.yaml}"; }
 [[ "$PORT" =~ ^[1-9][0-9]*$ ]] && [ "$PORT" -le 65535 ] || die "PORT=$PORT must be a fixed port in [1, 65535]: the nodes \
 are told it before the server starts (only DATA_PORT may be 0, chosen by the OS)"
@@ -109,8 +125,17 @@ start_server() {  # the parameter server in the background, on this machine; ret
   echo "parameter server on $SERVER_HOST:$PORT (log $LOG_DIR/server.log, state $STATE_DIR)"
   # NOTE: --insecure: the nodes reach the server over the cluster network; set SPES_TOKEN and give TLS files in
   # SERVER_ARGS to protect it.
-  local server_args
-  read -r -a server_args <<< "${SERVER_ARGS:-}"
+  # NOTE: split at spaces, --tls_cert '/etc/spes certs/server.crt' reached the server as two paths
+  local server_args=() words
+  words=$("$PYTHON" - "${SERVER_ARGS:-}" 2>&1 <<'PY'
+import shlex, sys
+try:
+    print("\n".join(shlex.split(sys.argv[1])))
+except ValueError as e:
+    sys.exit(f"SERVER_ARGS={sys.argv[1]} cannot be split into words ({e}): quote each path as in a shell")
+PY
+) || die "$words"
+  [ -z "$words" ] || mapfile -t server_args <<< "$words"
   PYTHON=$PYTHON PORT=$PORT bash run_scripts/run_parameter_server.sh "$CFG0" "${OVERRIDES[@]}" --state_dir "$STATE_DIR" \
     --insecure "${server_args[@]}" > "$LOG_DIR/server.log" 2>&1 &
   SERVER_PID=$!

@@ -11,10 +11,13 @@
 # by any path); any other CONFIG is one file for every node, and node <id> gets --data.seed=<the run's seed +
 # 1000 * id> (the first implementation's launchers' rule; the run's seed is the file's data.seed - 1000 * its
 # spes_config.peer_id). DATA_SEED, when set, wins.
+# It runs in the repository: relative paths in the config and the overrides are read from there; a relative CONFIG is
+# the file in the folder it is started in when there is one, else the repository's.
 # Extra arguments are passed through as overrides and win over the defaults set here. spes.torchrun is torchrun
 # that ends a failed run with the failing node's one-line error instead of a ChildFailedError traceback.
 set -euo pipefail
 [[ "${1:-}" =~ ^(-h|--help)$ ]] && { sed -n '2,/^[^#]/{/^#SBATCH/d;s/^# \{0,1\}//p;}' "$0"; exit 0; }  # the header above is the help
+CALLER=$PWD
 cd "$(dirname "$0")/.."
 if [ $# -lt 1 ] || ! [[ "$1" =~ ^[0-9]+$ ]]; then
   echo "usage: $0 <node_id> [--resume | --preflight] [--section.key=value ...]" >&2
@@ -24,7 +27,14 @@ NODE_ID=$1; shift
 CONFIG_DIR=${CONFIG_DIR:-configs/spes_1b}
 CONFIG=${CONFIG:-$CONFIG_DIR/node_${NODE_ID}.yaml}
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-[ -f "$CONFIG" ] || { echo "error: config $CONFIG not found (set CONFIG or CONFIG_DIR)" >&2; exit 2; }
+ELSEWHERE=  # NOTE: started from another folder, a relative CONFIG there was "not found" and --save_folder=x went into
+# the repository unsaid: the caller's file is taken, and the start line says where relative paths are read from
+if ! [ "$PWD" -ef "$CALLER" ]; then
+  ELSEWHERE="; relative paths in it and in the overrides are read from the repository, $PWD"
+  if [[ $CONFIG != /* ]] && [ -f "$CALLER/$CONFIG" ]; then CONFIG=$CALLER/$CONFIG; fi
+fi
+[ -f "$CONFIG" ] || { echo "error: config $CONFIG not found${ELSEWHERE:+ in $CALLER nor in the repository $PWD}" \
+  "(set CONFIG or CONFIG_DIR)" >&2; exit 2; }
 if [ -n "${NPROC_PER_NODE:-}" ] && ! [[ "$NPROC_PER_NODE" =~ ^[1-9][0-9]*$ ]]; then  # else blamed on the interpreter
   echo "error: NPROC_PER_NODE='$NPROC_PER_NODE' must be a positive integer (processes on this node), or unset (every" \
     "GPU, else 1)" >&2
@@ -53,7 +63,7 @@ PREFLIGHT=0
 for arg in "$@"; do
   if [ "$arg" = --preflight ]; then PREFLIGHT=1; else ARGS+=("$arg"); fi
 done
-echo "node $NODE_ID: $NPROC_PER_NODE process(es) on ${DEVICES#* }, config $CONFIG"
+echo "node $NODE_ID: $NPROC_PER_NODE process(es) on ${DEVICES#* }, config $CONFIG$ELSEWHERE"
 if [ "$PREFLIGHT" = 1 ]; then  # NOTE: --resume too: a resumed node joins (and takes its save folder) as its run's
   exec "$PYTHON" -m spes.preflight "$CONFIG" --nproc "$NPROC_PER_NODE" "${ARGS[@]}"
 fi

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import typing
 from collections.abc import Mapping
@@ -612,6 +613,10 @@ class TrainConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # NOTE: the shell leaves --save_folder=~/runs as written: training wrote into a folder named ~ where it ran,
+        # while preflight checked the home folder's disk
+        self.save_folder = os.path.expanduser(self.save_folder)
+        self.load_path = None if self.load_path is None else os.path.expanduser(self.load_path)
         check_mode(self.using_spes, self.using_dilico)
         self._check_supported()
         self._check_batches_and_duration()

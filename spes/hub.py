@@ -125,8 +125,9 @@ def resolve(
         return path
     name = str(identifier)
     if not looks_like_repo_id(name):
+        where = "" if path.is_absolute() else f" under the working directory {Path.cwd()}"  # NOTE: started elsewhere
         raise FileNotFoundError(
-            f"{what} {name!r} is not a local file or directory (and not a Hugging Face Hub id like 'org/name')"
+            f"{what} {name!r} is not a local file or directory{where} (and not a Hugging Face Hub id like 'org/name')"
         )
     try:
         from huggingface_hub import snapshot_download

@@ -104,7 +104,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    out = Path(args.out)
+    out = Path(args.out).expanduser()  # NOTE: --out=~/run reaches here as written
     try:
         cfg, run = load_run(args, overrides)
         eval_peers = check_eval_peers(args.eval_peers, cfg.num_peers)

@@ -341,7 +341,9 @@ def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = N
     if not path.is_absolute() and base_dir is not None:
         path = base_dir / path
     where = f" (listed in {list_file})" if list_file else ""
-    if _GLOB_CHARS & set(entry):
+    if not where and not path.is_absolute():  # NOTE: started elsewhere, "not found" said not where it looked
+        where = f" (from the working directory {Path.cwd()})"
+    if _GLOB_CHARS & set(entry) and not path.exists():  # NOTE: a path that is there is as written: "run [v2]/"
         matches: list[Shard] = [Path(m) for m in sorted(glob.glob(str(path), recursive=True)) if os.path.isfile(m)]
         if not matches:
             raise FileNotFoundError(f"data path pattern {entry!r}{where} matches no file")

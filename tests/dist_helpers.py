@@ -63,14 +63,14 @@ def child_env(*, gpus: bool = False, **extra: str) -> dict[str, str]:
 
 
 def run_logged(
-    cmd: list[str], log: Path, *, timeout: float, env: dict[str, str] | None = None
+    cmd: list[str], log: Path, *, timeout: float, env: dict[str, str] | None = None, cwd: Path = REPO
 ) -> subprocess.CompletedProcess[str]:
-    """Run `cmd` in its own session with output to `log`; on timeout kill the whole group and fail."""
+    """Run `cmd` in `cwd` in its own session with output to `log`; on timeout kill the whole group and fail."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(
             cmd,
-            cwd=REPO,
+            cwd=cwd,
             env=env or child_env(),
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -164,20 +165,39 @@ def test_rank_set_inside_a_slurm_job_is_the_first_implementations_contract(tmp_p
     assert proc.returncode == 2 and "RANK=4 must be a node id in [0, 4)" in proc.stdout
 
 
-@pytest.mark.timeout(60)
-def test_server_args_reach_the_server_only(tmp_path: Path) -> None:
-    """The TLS files of a protected run: the extra arguments reach the server and every trainer, and a trainer takes
-    only --section.key=value overrides (`--tls_cert server.crt` ended it: "expected one config file"), so the
-    server's own flags come in SERVER_ARGS. Checked with a PYTHON that records what each command gets."""
-    calls = tmp_path / "calls"
+def test_a_job_submitted_from_another_folder_is_refused_saying_where_to_submit_from(tmp_path: Path) -> None:
+    """sbatch runs a copy of the script, so the repository is the folder sbatch was run in: submitted from another
+    one, the job ended in a traceback (no spes importable there) or a config "not found" that was there."""
+    elsewhere = tmp_path / "my runs ü"
+    elsewhere.mkdir()
+    env = {k: v for k, v in child_env().items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n0", SLURM_SUBMIT_DIR=str(elsewhere))
+    env.update(CONFIG=str(REPO / "configs" / "tiny.yaml"))
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env=env)
+    assert proc.returncode == 2 and proc.stdout.strip().splitlines() == [
+        f"run_cluster.sh: error: {elsewhere} (SLURM_SUBMIT_DIR, where sbatch was run) is not the spes repository: "
+        "submit from the repository's root (cd <repository> && sbatch ... run_scripts/run_cluster.sh) or set "
+        "SPES_ROOT=<repository>"
+    ]
+    proc = run_logged(["bash", str(SCRIPT)], tmp_path / "out.log", timeout=30, env={**env, "SPES_ROOT": str(REPO)})
+    assert "is not the spes repository" not in proc.stdout  # SPES_ROOT names the repository
+
+
+def _node_0_recorded(
+    tmp_path: Path, server_args: str, *extra: str, cwd: Path = REPO, **settings: str
+) -> tuple[int, str, list[str], list[str]]:
+    """Node 0 of a RANK-started run, started in `cwd` with `settings` over the test's, with a PYTHON that records
+    what the server and the trainer are started with: the script's exit code and output, the server's arguments and
+    the trainer's."""
+    tmp_path.mkdir(exist_ok=True)
     python = tmp_path / "python"
     python.write_text(
         f"""#!/bin/bash
 case "$1 $2" in
-  "-m spes.server") echo "server $*" >> {calls}; echo listening; exec sleep 30 ;;
+  "-m spes.server") printf '%s\\n' "$@" > {shlex.quote(str(tmp_path / "server.args"))}; echo listening; exec sleep 30 ;;
   "-m spes.preflight") echo "1 the CPU" ;;
-  "-m spes.torchrun") echo "node $*" >> {calls} ;;
-  *) exec {sys.executable} "$@" ;;
+  "-m spes.torchrun") printf '%s\\n' "$@" > {shlex.quote(str(tmp_path / "node.args"))} ;;
+  *) exec {shlex.quote(sys.executable)} "$@" ;;
 esac
 """
     )
@@ -191,14 +211,58 @@ esac
         LOG_DIR=str(tmp_path / "logs"),
         STATE_DIR=str(tmp_path / "state"),
         SERVER_LINGER="0",
-        SERVER_ARGS="--tls_cert server.crt --tls_key server.key",
+        SERVER_ARGS=server_args,
     )
-    proc = run_logged(["bash", str(SCRIPT), "--spes_config.tls_ca=ca.crt"], tmp_path / "out.log", timeout=50, env=env)
-    assert proc.returncode == 0, proc.stdout
-    server, node = calls.read_text().splitlines()
-    assert server.startswith("server -m spes.server configs/tiny.yaml ") and "--spes_config.tls_ca=ca.crt" in server
-    assert server.endswith("--insecure --tls_cert server.crt --tls_key server.key")
+    env.update(settings)
+    proc = run_logged(["bash", str(SCRIPT), *extra], tmp_path / "out.log", timeout=50, env=env, cwd=cwd)
+    recorded = [(tmp_path / f"{name}.args") for name in ("server", "node")]
+    server, node = (f.read_text().splitlines() if f.is_file() else [] for f in recorded)
+    return proc.returncode, proc.stdout, server, node
+
+
+@pytest.mark.timeout(60)
+def test_server_args_reach_the_server_only(tmp_path: Path) -> None:
+    """The TLS files of a protected run: the extra arguments reach the server and every trainer, and a trainer takes
+    only --section.key=value overrides (`--tls_cert server.crt` ended it: "expected one config file"), so the
+    server's own flags come in SERVER_ARGS."""
+    code, out, server, node = _node_0_recorded(
+        tmp_path, "--tls_cert server.crt --tls_key server.key", "--spes_config.tls_ca=ca.crt"
+    )
+    assert code == 0, out
+    assert server[:3] == ["-m", "spes.server", "configs/tiny.yaml"] and "--spes_config.tls_ca=ca.crt" in server
+    assert server[-5:] == ["--insecure", "--tls_cert", "server.crt", "--tls_key", "server.key"]
     assert "--spes_config.tls_ca=ca.crt" in node and "--tls_cert" not in node
+
+
+@pytest.mark.timeout(60)
+def test_server_args_hold_paths_with_spaces_quoted_as_in_a_shell(tmp_path: Path) -> None:
+    """SERVER_ARGS was split at every space: a TLS file under "/etc/spes certs" reached the server as two paths."""
+    certs = tmp_path / "spes certs ü"
+    code, out, server, _ = _node_0_recorded(tmp_path, f"--tls_cert '{certs}/server.crt' --tls_key \"{certs}/s k.key\"")
+    assert code == 0, out
+    assert server[-5:] == ["--insecure", "--tls_cert", f"{certs}/server.crt", "--tls_key", f"{certs}/s k.key"]
+    code, out, server, _ = _node_0_recorded(tmp_path / "unbalanced", f"--tls_cert '{certs}/server.crt")
+    assert code == 2 and out.strip().splitlines()[-1] == (
+        f"run_cluster.sh: error: SERVER_ARGS=--tls_cert '{certs}/server.crt cannot be split into words (No closing "
+        "quotation): quote each path as in a shell"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_started_from_another_folder_its_relative_settings_are_from_there(tmp_path: Path) -> None:
+    """Started by hand in another folder, LOG_DIR=logs went into the repository's logs (named as logs), and CONFIG
+    beside the user was "not found"."""
+    here = tmp_path / "my runs ü"
+    here.mkdir()
+    (here / "node ü.yaml").write_text((REPO / "configs" / "tiny.yaml").read_text())
+    code, out, server, node = _node_0_recorded(
+        tmp_path, "", cwd=here, CONFIG="node ü.yaml", LOG_DIR="logs ü", STATE_DIR="state ü"
+    )
+    assert code == 0, out
+    assert f"(log {here}/logs ü/server.log, state {here}/state ü)" in out
+    assert (here / "logs ü" / "server.log").is_file() and not (REPO / "logs ü").exists()
+    assert server[2] == f"{here}/node ü.yaml" and server[server.index("--state_dir") + 1] == f"{here}/state ü"
+    assert f"{here}/node ü.yaml" in node
 
 
 @pytest.mark.slow

@@ -281,6 +281,17 @@ def test_save_folder_defaults_to_the_run_name(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, "run_name: abc\n"))[0].save_folder == "output/abc"
 
 
+def test_a_save_folder_or_load_path_from_home_is_the_home_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shell leaves --save_folder=~/runs as written: training wrote into a folder named ~ where it ran, while
+    preflight checked the home folder's disk."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home ü"))
+    cfg, _ = load_config(CONFIGS / "tiny.yaml", ["--save_folder=~/runs ü/a", "--load_path=~/w/step3"])
+    assert (cfg.save_folder, cfg.load_path) == (f"{tmp_path}/home ü/runs ü/a", f"{tmp_path}/home ü/w/step3")
+    assert load_config(CONFIGS / "tiny.yaml")[0].save_folder == "output/spes_tiny/node0"  # relative as written
+
+
 def test_overrides_are_typed(tmp_path: Path) -> None:
     cfg, _ = load_config(
         CONFIGS / "tiny.yaml",

@@ -167,6 +167,24 @@ def test_paths_that_are_not_ids_are_named(hf_home: Path) -> None:
     assert not hub.looks_like_repo_id("org/a..b")  # the Hub allows no '..' in a name: a path, then
 
 
+def test_a_relative_path_not_found_says_from_which_working_directory(
+    hf_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started in another folder, configs/tiny.yaml's data/default/tokenizer "is not a local file or directory", not
+    saying where it was looked for; an absolute path needs no word of it."""
+    elsewhere = tmp_path / "else where ü"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    with pytest.raises(FileNotFoundError) as err:
+        hub.resolve("data/default/tokenizer", what="tokenizer.identifier")
+    assert str(err.value).startswith(
+        f"tokenizer.identifier 'data/default/tokenizer' is not a local file or directory under the working directory "
+        f"{elsewhere} (and not a Hugging Face Hub id"
+    )
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer '/no/such/tok' is not a local file or directory \(and"):
+        hub.resolve("/no/such/tok", what="tokenizer")
+
+
 def test_an_id_without_huggingface_hub_installed_says_which_extra_to_install(
     hf_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

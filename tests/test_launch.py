@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -111,6 +112,15 @@ def test_resume_on_an_out_that_holds_no_run_is_refused_before_starting_anything(
         "(quickstart: unset RESUME) to start a new run there, or pass the --out (quickstart: OUT=...) of the run"
     ]
     assert not out.exists()
+
+
+def test_an_out_from_home_is_the_home_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The shell leaves --out=~/run as written: the run went into a folder named ~ where the launcher ran."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home ü"))
+    assert spes.launch.main([TINY, "--out=~/my run", "--resume"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: nothing to resume: --out {tmp_path}/home ü/my run holds no run")
 
 
 def test_a_run_is_a_server_state_or_a_nodes_checkpoint_as_the_nodes_see_it(tmp_path: Path) -> None:
@@ -507,6 +517,40 @@ def test_run_single_node_reads_in_its_peers_data_order_and_saves_the_run_config(
     assert config["server"]["merge_interval"] == 7  # the merge schedule is saved with the run's config
     meta = json.loads((tmp_path / "step2" / "meta.json").read_text())
     assert meta["trainer"]["data"]["seed"] == 8198  # the loader read in node 2's order
+
+
+@pytest.mark.timeout(60)
+def test_run_single_node_started_elsewhere_takes_a_relative_config_from_there_and_says_where_paths_go(
+    tmp_path: Path,
+) -> None:
+    """From another folder, CONFIG=node.yaml beside the user was "not found" (the script runs in the repository), and
+    relative paths in the config and the overrides went into the repository unsaid. Checked with a PYTHON that
+    records what the node is started with."""
+    here = tmp_path / "my runs ü"
+    here.mkdir()
+    (here / "node ü.yaml").write_text((REPO / "configs" / "tiny.yaml").read_text())
+    python, args = tmp_path / "python", tmp_path / "args"
+    python.write_text(
+        f"""#!/bin/bash
+case "$1 $2" in
+  "-m spes.preflight") echo "1 the CPU" ;;
+  "-m spes.torchrun") printf '%s\\n' "$@" > {shlex.quote(str(args))} ;;
+  *) exec {shlex.quote(sys.executable)} "$@" ;;
+esac
+"""
+    )
+    python.chmod(0o755)
+    env = {**os.environ, "CONFIG": "node ü.yaml", "PYTHON": str(python), "PYTHONPATH": str(REPO)}
+    script = str(REPO / "run_scripts" / "run_single_node.sh")
+    proc = subprocess.run(["bash", script, "0"], cwd=here, env=env, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        f"node 0: 1 process(es) on the CPU, config {here}/node ü.yaml; relative paths in it and in the overrides are "
+        f"read from the repository, {REPO}"
+    )
+    assert f"{here}/node ü.yaml" in args.read_text().splitlines()
+    proc = subprocess.run(["bash", script, "0"], cwd=REPO, env=env, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2 and proc.stderr == "error: config node ü.yaml not found (set CONFIG or CONFIG_DIR)\n"
 
 
 def test_run_single_node_needs_a_node_id() -> None:

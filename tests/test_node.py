@@ -928,7 +928,7 @@ def test_data_tokenizer_and_resume_failures_are_one_line_before_the_model_is_bui
         ([*node, f"--data.paths=[{tmp_path}/nothing/*.npy]"], ("data.paths: ", "matches no file")),
         (
             [*node, "--eval_interval=1", "--data.validation_paths=[nope.npy]"],
-            ("data.validation_paths: data path 'nope.npy' does not exist",),
+            ("data.validation_paths: data path 'nope.npy' (from the working directory ", ") does not exist"),
         ),
         ([*node, f"--tokenizer.identifier={tmp_path}/no_tokenizer"], ("tokenizer.identifier '", "no_tokenizer")),
         ([*node, f"--data.paths=[{big_vocab}]"], ("big_vocab.npy", "65536", "model.vocab_size")),

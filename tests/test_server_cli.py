@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -341,7 +342,8 @@ def test_the_server_script_started_from_elsewhere_runs_its_repositorys_interpret
     (repo / ".venv" / "bin").mkdir(parents=True)
     (tmp_path / "bin").mkdir()
     for path, text in (
-        (repo / ".venv" / "bin" / "python", f'exec {sys.executable} "$@"'),  # a venv's python, wherever it lies
+        # a venv's python, wherever it lies
+        (repo / ".venv" / "bin" / "python", f'exec {shlex.quote(sys.executable)} "$@"'),
         (tmp_path / "bin" / "python3", "echo 'not the repository interpreter' >&2; exit 97"),
     ):
         path.write_text(f"#!/bin/sh\n{text}\n")

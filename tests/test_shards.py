@@ -223,6 +223,33 @@ def test_resolve_paths_names_the_entry_that_matches_nothing(entry: str, kind: st
         resolve_paths([listing])
 
 
+def test_a_path_with_glob_characters_that_is_there_is_taken_as_written(tmp_path: Path) -> None:
+    """A folder "run [v2]" (a glob's character class) matched nothing in any form, the list file
+    list_processed_files.sh writes there included."""
+    run = tmp_path / "my run [v2] ü"
+    run.mkdir()
+    shard = write_token_shard(run / "part.npy", np.arange(4, dtype=np.uint16))
+    (run / "files.txt").write_text(f"{shard}\n")
+    for entry in (shard, run, run / "files.txt"):
+        assert resolve_paths([str(entry)]) == [shard], entry
+
+
+def test_a_relative_path_not_found_says_from_which_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started in another folder, configs/tiny.yaml's data/default/train/*.npy "matches no file", not saying where."""
+    elsewhere = tmp_path / "else where ü"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for entry, kind, why in (
+        ("data/*.npy", "data path pattern", "matches no file"),
+        ("a.npy", "data path", "does not exist"),
+    ):
+        with pytest.raises(FileNotFoundError) as err:
+            resolve_paths([entry])
+        assert str(err.value) == f"{kind} {entry!r} (from the working directory {elsewhere}) {why}"
+
+
 def test_a_glob_reaches_into_subdirectories_with_two_stars(tmp_path: Path) -> None:
     for d in ("a", "b/c"):
         (tmp_path / d).mkdir(parents=True)
