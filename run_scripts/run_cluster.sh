@@ -34,7 +34,8 @@
 #   STATE_DIR [the parent of node 0's save_folder, /server_state]: the server's rounds, kept across jobs
 #   SERVER_LINGER [120]: outside SLURM, seconds node 0 keeps the server up after its own trainer is done
 #   SERVER_ARGS []: flags for the parameter server only, split into words as a shell splits them (quote a path with
-#     spaces), e.g. "--tls_cert server.crt --tls_key '/etc/spes certs/server.key'" (the extra arguments also reach every trainer, which takes only --section.key=value overrides);
+#     spaces), e.g. "--tls_cert server.crt --tls_key '/etc/spes certs/server.key'" (the extra arguments also reach
+#     every trainer, which takes only --section.key=value overrides);
 #     with TLS the nodes need --spes_config.tls_ca=ca.crt as an extra argument, and SERVER_HOST must be a name
 #     the server's certificate holds. SPES_TOKEN, when set, is the run's token for the server and every node.
 # Per node: --spes_config.peer_id=<id> and its data.seed (run_single_node.sh: a node file's own, or with CONFIG, the
