@@ -17,11 +17,16 @@ as the JSON error frame it reads (`LEGACY_JSON_VERSION`).
 
 The server's end is `DataHandler` (one operation per connection, over the `Coordinator`, accepted by
 `DataPlaneListener`); the client's is `TcpPlane` (`spes.sync.plane.Plane`).
+
+Every wait (a socket's timeout on each receive and each send, the server's handshake deadline) counts only the time
+this process ran (`unstalled`, on `Stalls.awake`): a server frozen past them would otherwise wake to close the
+connections of peers that were fine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -54,6 +59,7 @@ from spes.sync.protocol import (
     classify,
     version_refusal,
 )
+from spes.sync.stalls import STALLS
 from spes.sync.throttle import ThrottledLog
 from spes.sync.wire import (
     DIGEST,
@@ -80,6 +86,7 @@ _RECV_PIECE = 8 << 20
 SERVER_MAX_FRAME_BYTES = 1 << 20
 """Largest control frame the server reads (a hello or a tensor header: a few hundred bytes)."""
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 
 class TransportError(ConnectionError):
@@ -98,19 +105,70 @@ class WrongVersion(TransportError):
         self.version = version
 
 
+# -- waits --------------------------------------------------------------------------------------------------------
+def unstalled(wait: Callable[[float], T], timeout_s: float) -> T:
+    """`wait(seconds)`, a wait that raises TimeoutError once `seconds` have passed, bounded by `timeout_s` of the time
+    this process ran (`Stalls.awake` of its `STALLS`) rather than of the wall clock: a wait that times out is tried
+    again for what is left of `timeout_s` on that clock.
+
+    Why: a server frozen (SIGSTOP, a paused VM) past a connection's timeout wakes to find it expired, and would close
+    a download it was sending, an upload mid-flight or a connection in its handshake, blaming a peer that was fine:
+    only the server was away. Every data-plane wait that ends a connection goes through here (a socket's through
+    `_on_socket`); a peer
+    really silent that long still times out once the process has run `timeout_s`."""
+    stalls = STALLS.watch()
+    start, left = stalls.awake(), timeout_s
+    while True:
+        try:
+            return wait(left)
+        except TimeoutError:
+            left = timeout_s - (stalls.awake() - start)
+            if left <= 0:
+                raise
+
+
+def _on_socket(sock: socket.socket, call: Callable[[], T]) -> T:
+    """`call()`, one blocking call on `sock` (a `recv_into`, a `send`: on a timeout it moved nothing, so it can be
+    made again), bounded by the socket's timeout on the awake clock (`unstalled`)."""
+    timeout = sock.gettimeout()
+    if not timeout:  # blocking, or non-blocking: no timeout to keep
+        return call()
+
+    def attempt(left: float) -> T:
+        if left < timeout:
+            sock.settimeout(left)
+        return call()
+
+    try:
+        return unstalled(attempt, timeout)
+    finally:
+        if sock.gettimeout() != timeout:
+            sock.settimeout(timeout)
+
+
 # -- frames -------------------------------------------------------------------------------------------------------
 def recv_exactly(sock: socket.socket, buf: memoryview) -> None:
-    """Fill `buf` from the socket (each `recv_into` bounded by the socket's timeout); EOF is a TransportError."""
+    """Fill `buf` from the socket (each `recv_into` bounded by the socket's timeout, `_on_socket`); EOF is a
+    TransportError."""
     filled = 0
     while filled < len(buf):
-        got = sock.recv_into(buf[filled : filled + _RECV_PIECE])
+        got = _on_socket(sock, functools.partial(sock.recv_into, buf[filled : filled + _RECV_PIECE]))
         if got == 0:
             raise TransportError(f"connection closed after {filled} of {len(buf)} bytes")
         filled += got
 
 
+def send_all(sock: socket.socket, data: bytes | memoryview) -> None:
+    """`sock.sendall(data)`, but the socket's timeout bounds each wait for the other end to take more bytes
+    (`_on_socket`), as it bounds each receive, not the whole send: `sendall` gave up on a large tensor a peer kept
+    reading once the server had been frozen past the timeout while sending it."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[_on_socket(sock, functools.partial(sock.send, view)) :]
+
+
 def _send_bytes(sock: socket.socket, data: bytes) -> None:
-    sock.sendall(_LENGTH.pack(len(data)) + data)
+    send_all(sock, _LENGTH.pack(len(data)) + data)
 
 
 def send_frame(sock: socket.socket, message: Message) -> None:
@@ -150,7 +208,7 @@ def refusal_reply(exc: Refused) -> pb.DataReply:
 
 def send_hello(sock: socket.socket, hello: pb.DataHello, version: int = VERSION) -> None:
     """The client's handshake: the preamble (`version` other than this protocol's only in tests), then `hello`."""
-    sock.sendall(_PREAMBLE.pack(MAGIC, version))
+    send_all(sock, _PREAMBLE.pack(MAGIC, version))
     send_frame(sock, hello)
 
 
@@ -187,12 +245,12 @@ def send_tensors(sock: socket.socket, tensors: Mapping[str, Item], wire_dtype: s
 
 def send_tensor(sock: socket.socket, name: str, item: Item, wire_dtype: str, encoded: Encoded | None = None) -> int:
     """Send an item as a header frame (`header_for`: its checksum trails the payload, so the header's field stays
-    0), its payload (zero-copy `sendall`) and checksum; returns payload bytes.
+    0), its payload (zero-copy `send_all`) and checksum; returns payload bytes.
 
     `encoded` is its wire form and checksum computed once for several receivers (`EncodedModel`).
     """
     send_frame(sock, header_for(name, item, wire_dtype))
-    return write_raw(item, wire_dtype, sock.sendall, encoded)
+    return write_raw(item, wire_dtype, functools.partial(send_all, sock), encoded)
 
 
 def framing_bytes(header: pb.TensorHeader) -> int:
@@ -243,7 +301,7 @@ def send_zeros(sock: socket.socket, num_bytes: int) -> None:
     """Send `num_bytes` zero bytes (link-test payload)."""
     chunk = bytes(min(num_bytes, PROBE_CHUNK_BYTES))
     for offset in range(0, num_bytes, PROBE_CHUNK_BYTES):
-        sock.sendall(memoryview(chunk)[: min(PROBE_CHUNK_BYTES, num_bytes - offset)])
+        send_all(sock, memoryview(chunk)[: min(PROBE_CHUNK_BYTES, num_bytes - offset)])
 
 
 def recv_discard(sock: socket.socket, num_bytes: int, moved: Callable[[int], None] | None = None) -> None:
@@ -298,13 +356,14 @@ class DataPlaneListener:
     """Accepts data-plane connections on its own thread, one bounded handler thread per connection.
 
     A connection holds nothing but a pending slot until it is authenticated: at most `max_connections` pending
-    ones (a quarter of them from one address, `PendingSlots`), each ended `handshake_s` after it was accepted unless
-    its handler has authenticated it by then (its TLS handshake and hello included, however slowly a client sends
-    them). `handle(sock, authenticated)` owns the (TLS-wrapped) socket for one operation and enters
-    `authenticated()` once the hello's token checks out: that trades the pending slot for one of `max_connections`
-    operation slots (refused RESOURCE_EXHAUSTED, reason "busy", when none is free; the client retries, then falls
-    back to gRPC). Every receive is bounded by `io_timeout_s`; a connection that sends nothing for that long is
-    answered DEADLINE_EXCEEDED and closed. `warn`: the server's throttled warnings (its own when not given).
+    ones (a quarter of them from one address, `PendingSlots`), each ended `handshake_s` (of the server's running
+    time, `unstalled`) after it was accepted unless its handler has authenticated it by then (its TLS handshake and
+    hello included, however slowly a client sends them). `handle(sock, authenticated)` owns the (TLS-wrapped) socket
+    for one operation and enters `authenticated()` once the hello's token checks out: that trades the pending slot
+    for one of `max_connections` operation slots (refused RESOURCE_EXHAUSTED, reason "busy", when none is free; the
+    client retries, then falls back to gRPC). Every receive and send waits at most `io_timeout_s` of the server's
+    running time for the other end; a connection that sends nothing for that long is answered DEADLINE_EXCEEDED and
+    closed. `warn`: the server's throttled warnings (its own when not given).
     """
 
     def __init__(
@@ -357,12 +416,15 @@ class DataPlaneListener:
 
     def _serve(self, conn: socket.socket, address: str) -> None:
         pending = [True]
-        deadline = threading.Timer(self._handshake_s, _shut, args=(conn,))
-        deadline.start()
+        done = threading.Event()
+        """Set once the handshake is over (authenticated, or the connection ended): its deadline is off."""
+        threading.Thread(
+            target=_shut_unless, args=(conn, done, self._handshake_s), name="spes-data-handshake", daemon=True
+        ).start()
 
         @contextlib.contextmanager
         def authenticated() -> Iterator[None]:
-            deadline.cancel()
+            done.set()
             self._pending.release(address)
             pending[0] = False
             if not self._active.acquire(blocking=False):
@@ -376,7 +438,8 @@ class DataPlaneListener:
 
         try:
             if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True)
+                conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                _on_socket(conn, conn.do_handshake)  # NOTE: a handshake that timed out resumes where it stopped
             self._handle(conn, authenticated)
         except TimeoutError:
             self._warn.warning(
@@ -396,7 +459,7 @@ class DataPlaneListener:
         except (OSError, TransportError) as exc:
             self._warn.warning("dropped connection", "data-plane connection dropped: %s", exc)
         finally:
-            deadline.cancel()
+            done.set()
             conn.close()
             if pending[0]:
                 self._pending.release(address)
@@ -420,6 +483,20 @@ class DataPlaneListener:
         self._stopping.set()
         self._sock.close()
         self._thread.join(timeout=2.0)
+
+
+def _shut_unless(sock: socket.socket, done: threading.Event, seconds: float) -> None:
+    """End `sock` (`_shut`) unless `done` is set within `seconds` of this process's running time (`unstalled`): a
+    connection's handshake deadline, which a server frozen past it must not find expired on waking."""
+
+    def wait(left: float) -> None:
+        if not done.wait(left):
+            raise TimeoutError
+
+    try:
+        unstalled(wait, seconds)
+    except TimeoutError:
+        _shut(sock)
 
 
 def _shut(sock: socket.socket) -> None:
@@ -457,8 +534,9 @@ class DataHandler:
     def __call__(
         self, sock: socket.socket, authenticated: Callable[[], contextlib.AbstractContextManager[None]]
     ) -> None:
-        """Every receive is bounded by --stream_idle_timeout (the socket's timeout, set by the listener), the
-        handshake by the listener's deadline; `authenticated()` is entered once the token checks out."""
+        """Every receive and send is bounded by --stream_idle_timeout (the socket's timeout, set by the listener),
+        the handshake by the listener's deadline, both on the server's running time (`unstalled`);
+        `authenticated()` is entered once the token checks out."""
         try:
             hello = recv_hello(sock, SERVER_MAX_FRAME_BYTES)
         except WrongVersion as exc:

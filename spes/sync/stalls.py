@@ -5,8 +5,9 @@ A frozen process holds its sockets open but answers nothing; waking, it sees its
 the jump would give up on a round its retry could still finish (it asks the server and catches up), and a server
 would close a round before the retries of the peers that could not reach it arrive. Both measure the jump here, once
 per process, with a daemon thread that looks every `TICK_S`: a gap of `STALL_S` or more between two looks is counted
-whole. The server's other clocks (a stream's idle time, a peer's silence) run on `Stalls.awake` for the same reason:
-woken, it would end every open stream and hand every quiet peer's id to the next process that asks.
+whole. The server's other clocks (a stream's idle time, a peer's silence, its data plane's socket timeouts and
+handshake deadlines) run on `Stalls.awake` for the same reason: woken, it would end every open stream and connection
+and hand every quiet peer's id to the next process that asks.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class Stalls:
                 return 0.0
             self._total += gap
         log.warning(
-            "this process did not run for %.1f s (stopped, suspended or starved): round timeouts do not count that "
-            "time",
+            "this process did not run for %.1f s (stopped, suspended or starved): round timeouts, and on a server its "
+            "streams' and peers' silence, do not count that time",
             gap,
         )
         return gap
@@ -83,4 +84,4 @@ class Stalls:
 
 STALLS = Stalls()
 """This process's stalls, which every round timeout of it shares (a node's deadlines, the server's open round), and
-the server's stream and peer ages (`spes.sync.admission`)."""
+the server's stream and peer ages (`spes.sync.admission`) and its data plane's waits (`spes.sync.plane_tcp`)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,12 +24,13 @@ from safetensors.torch import load_file
 
 from conftest import wait_until
 from spes.config import ServerSection
+from spes.sync import plane_tcp
 from spes.sync.admission import SESSION_KEY
 from spes.sync.client import SyncClient
 from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.spec import RunSpec
-from spes.sync.wire import encode_tensors
+from spes.sync.wire import DIGEST, checksum, encode_tensors, upload_digest
 from sync_helpers import TOKEN, join_request, make_client, peer_upload, stub_for, tiny_spec
 
 FELL_BACK = "payloads go over gRPC until the next join finds it again"
@@ -183,7 +185,7 @@ def test_a_server_frozen_mid_round_does_not_count_its_stall_against_the_peers(tm
             server.proc.send_signal(signal.SIGCONT)
         results = [future.result(timeout=30) for future in waiting]
         log = server.log_text()
-    assert "this process did not run for" in log and "round timeouts do not count that time" in log, log
+    assert "this process did not run for" in log and "peers' silence, do not count that time" in log, log
     want = fault_free(uploads, spec)
     for got, stats in results:
         assert stats.peers == (0, 1, 2) and not stats.caught_up
@@ -295,3 +297,78 @@ def test_a_server_frozen_past_its_idle_and_liveness_timeouts_ends_no_stream_and_
         log = server.log_text()
     assert "this process did not run for" in log and "stream of peer" not in log, log
     assert "peer 1 joined from" in log and "(replaces the process at" in log, log
+
+
+def _data_plane(port: int, op: pb.DataOp, peer: int, step: int, **extra: int) -> socket.socket:
+    """A hand-driven data-plane connection of `peer` (no session: any process of it), its hello sent."""
+    sock = plane_tcp.connect("127.0.0.1", port, None, timeout_s=30)
+    plane_tcp.send_hello(sock, pb.DataHello(op=op, peer_id=peer, step=step, token=TOKEN, **extra))
+    return sock
+
+
+def _read_download(sock: socket.socket, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of a data-plane download whose `RoundInfo` was read, each checked against its trailing XXH3."""
+    got = {}
+    for name in names:
+        header = plane_tcp.recv_frame(sock, pb.TensorHeader)
+        payload = bytearray(header.num_bytes + DIGEST.size)
+        plane_tcp.recv_exactly(sock, memoryview(payload))
+        assert header.name == name and DIGEST.unpack_from(payload, header.num_bytes)[0] == checksum(payload[:-8])
+        got[name] = torch.frombuffer(payload[:-8], dtype=torch.float32).reshape(tuple(header.shape))
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_server_frozen_past_its_data_planes_timeouts_ends_none_of_its_connections(tmp_path: Path) -> None:
+    """The server is sending peer 1 a download (a 12 MiB tensor, more than the sockets hold), has peer 0's upload
+    of round 2 half in, and a connection in its handshake, when it is frozen for 4 s, past --stream_idle_timeout=2
+    and --handshake_timeout=2. Woken, it blamed each peer for its own stall: "peer 1 stopped reading its download"
+    (sendall's timeout bounds the whole tensor), the upload broke off as silent though its bytes came right after
+    the wake, the handshake was shut. Now only the time the server ran counts: all three go on, and round 2 is
+    built from the upload, exact."""
+    spec = tiny_spec(d=1024, f=64)
+    uploads = {s: {p: peer_upload(spec, p, seed=s) for p in range(2)} for s in (1, 2)}
+    args = [*spec_overrides(spec), "--data_port", "0", "--stream_idle_timeout", "2", "--handshake_timeout", "2"]
+    with (
+        server_process(tmp_path / "server.log", args, env={"SPES_TOKEN": TOKEN}) as server,
+        ExitStack() as stack,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        peers = [stack.enter_context(_client(server.addr, p, spec)) for p in range(2)]
+        for peer in peers:
+            peer.join()
+        for future in [pool.submit(peer.sync, 1, uploads[1][p]) for p, peer in enumerate(peers)]:
+            future.result(timeout=30)
+        port = peers[0].plane.port  # type: ignore[attr-defined]
+        download = stack.enter_context(_data_plane(port, pb.DATA_OP_DOWNLOAD, 1, 1, full=True))
+        names = list(plane_tcp.recv_reply(download).round.names)
+        upload = stack.enter_context(
+            _data_plane(port, pb.DATA_OP_UPLOAD, 0, 2, digest=upload_digest(uploads[2][0], "fp32"))
+        )
+        assert plane_tcp.recv_reply(upload).send
+        first, *rest = uploads[2][0].items()
+        plane_tcp.send_tensor(upload, *first, "fp32")
+        handshake = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
+        time.sleep(0.3)  # the download's send blocked on full buffers, the upload's first tensor in
+        try:
+            server.proc.send_signal(signal.SIGSTOP)
+            received = pool.submit(_read_download, download, names)  # peer 1 reads what the sockets hold meanwhile
+            time.sleep(4)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        for name, tensor in rest:
+            plane_tcp.send_tensor(upload, name, tensor, "fp32")
+        plane_tcp.send_hello(handshake, pb.DataHello(op=pb.DATA_OP_PING, peer_id=1, step=-1, token=TOKEN))
+        assert plane_tcp.recv_reply(handshake).ok
+        assert plane_tcp.recv_reply(upload).HasField("uploaded")
+        got = received.result(timeout=30)
+        round2, stats = peers[1].sync(2, uploads[2][1])
+        log = server.log_text()
+    assert "this process did not run for" in log and "peers' silence, do not count that time" in log, log
+    assert "dropped" not in log and "broke off" not in log and "idle" not in log, log
+    want = fault_free({1: uploads[1]}, spec)
+    assert sorted(got) == sorted(want)
+    assert_exact(got, want)
+    assert stats.peers == (0, 1)
+    assert_exact(round2, {n: t for n, t in fault_free(uploads, spec).items() if n in round2})

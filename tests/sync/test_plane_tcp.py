@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -9,13 +10,14 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
-from spes.sync import plane_tcp
+from spes.sync import channel, plane_tcp
 from spes.sync.codecs.lazy import Lazy
 from spes.sync.merge import build_global
 from spes.sync.proto import spes_pb2 as pb
@@ -392,3 +394,115 @@ def test_the_listener_outlives_failed_accepts(
     assert [r.message for r in caplog.records].count(
         "data plane: accept failed ([Errno 24] Too many open files): retrying every 0.1 s"
     ) == 1
+
+
+class _Frozen:
+    """`plane_tcp.STALLS` of a process frozen for `seconds` from now on: `awake` is `time.monotonic` less the part of
+    the freeze that has passed (the process runs meanwhile: its waits are what the tests watch)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.start, self.seconds = time.monotonic(), seconds
+
+    def watch(self) -> _Frozen:
+        return self
+
+    def awake(self) -> float:
+        now = time.monotonic()
+        return now - min(max(0.0, now - self.start), self.seconds)
+
+
+def _later(seconds: float, action: Callable[[], object]) -> threading.Thread:
+    """`action()` on a thread `seconds` from now (a peer that sends or reads late)."""
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), action()), daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(30)
+def test_a_receive_leaves_out_the_servers_own_stall_and_a_silent_peer_still_times_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Frozen for 0.45 s of a 0.5 s timeout, the server still takes bytes sent 0.8 s after its receive began (0.35 s
+    of its time); it used to time out at 0.5 s, blaming the peer. A peer silent through a freeze still times out,
+    once the server has run the timeout's 0.5 s; the socket keeps its timeout."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(0.5)
+        buf = bytearray(4)
+        monkeypatch.setattr(plane_tcp, "STALLS", _Frozen(0.45))
+        late = _later(0.8, lambda: a.sendall(b"late"))
+        plane_tcp.recv_exactly(b, memoryview(buf))
+        late.join()
+        assert buf == b"late" and b.gettimeout() == 0.5
+        monkeypatch.setattr(plane_tcp, "STALLS", _Frozen(0.45))
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            plane_tcp.recv_exactly(b, memoryview(buf))
+        assert 0.9 <= time.monotonic() - start < 2.0 and b.gettimeout() == 0.5
+
+
+@pytest.mark.timeout(30)
+def test_a_send_leaves_out_the_servers_own_stall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send of more than the sockets hold to a peer that starts reading 0.8 s later goes through when 0.45 s of it
+    was the server's own freeze (a 0.5 s timeout); `sendall` timed out, as if the peer had stopped reading."""
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(0.5)
+        b.settimeout(10)
+        data, got = bytes(range(256)) * (32 << 10), bytearray(8 << 20)
+        monkeypatch.setattr(plane_tcp, "STALLS", _Frozen(0.45))
+        reader = _later(0.8, lambda: plane_tcp.recv_exactly(b, memoryview(got)))
+        plane_tcp.send_all(a, data)
+        reader.join()
+    assert got == data
+
+
+def _answer_ok(sock: socket.socket, authenticated: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+    """A listener's handler for its own tests: one byte of hello, then "ok" once authenticated."""
+    plane_tcp.recv_exactly(sock, memoryview(bytearray(1)))
+    with authenticated():
+        plane_tcp.send_all(sock, b"ok")
+
+
+@pytest.mark.timeout(30)
+def test_a_handshake_deadline_leaves_out_the_servers_own_stall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection whose hello arrives 0.8 s after it was accepted is served when 0.45 s of that was the server's
+    own freeze (--handshake_timeout 0.5): the deadline's timer shut it on waking. One silent through a freeze is still
+    shut, once the server has run 0.5 s."""
+    listener = plane_tcp.DataPlaneListener(
+        "127.0.0.1", 0, _answer_ok, tls=None, max_connections=4, io_timeout_s=10, handshake_s=0.5
+    )
+    try:
+        monkeypatch.setattr(plane_tcp, "STALLS", _Frozen(0.45))
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+            _later(0.8, lambda: sock.sendall(b"h")).join()
+            assert sock.recv(2) == b"ok"
+        monkeypatch.setattr(plane_tcp, "STALLS", _Frozen(0.45))
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+            assert sock.recv(2) == b""
+        assert 0.9 <= time.monotonic() - start < 2.0
+    finally:
+        listener.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_tls_handshake_leaves_out_the_servers_own_stall(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A client that starts its TLS handshake 0.8 s after connecting is served when 0.45 s of that was the server's
+    own freeze (a 0.5 s socket timeout): the server's handshake timed out on waking and closed the connection."""
+    pki = write_pki(tmp_path)
+    server_tls = channel.server_tls(pki.server["tls_cert"], pki.server["tls_key"], None)
+    client_tls = channel.client_tls(pki.ca, None, None)
+    assert server_tls is not None and client_tls is not None
+    listener = plane_tcp.DataPlaneListener(
+        "127.0.0.1", 0, _answer_ok, tls=server_tls, max_connections=4, io_timeout_s=0.5, handshake_s=10
+    )
+    try:
+        monkeypatch.setattr(plane_tcp, "STALLS", _Frozen(0.45))
+        with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as raw:
+            time.sleep(0.8)
+            with client_tls.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+                sock.sendall(b"h")
+                assert sock.recv(2) == b"ok"
+    finally:
+        listener.stop()

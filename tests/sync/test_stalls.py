@@ -33,8 +33,8 @@ def test_a_stall_of_exactly_stall_s_counts_and_each_is_logged(caplog: pytest.Log
         assert stalls.note() == 3
     assert stalls.total() == STALL_S + 3
     assert [r.getMessage() for r in caplog.records] == [
-        f"this process did not run for {gap:.1f} s (stopped, suspended or starved): round timeouts do not count that "
-        "time"
+        f"this process did not run for {gap:.1f} s (stopped, suspended or starved): round timeouts, and on a server "
+        "its streams' and peers' silence, do not count that time"
         for gap in (STALL_S, 3)
     ]
 
