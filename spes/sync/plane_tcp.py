@@ -114,8 +114,7 @@ def unstalled(wait: Callable[[float], T], timeout_s: float) -> T:
     Why: a server frozen (SIGSTOP, a paused VM) past a connection's timeout wakes to find it expired, and would close
     a download it was sending, an upload mid-flight or a connection in its handshake, blaming a peer that was fine:
     only the server was away. Every data-plane wait that ends a connection goes through here (a socket's through
-    `_on_socket`); a peer
-    really silent that long still times out once the process has run `timeout_s`."""
+    `_on_socket`); a peer really silent that long still times out once the process has run `timeout_s`."""
     stalls = STALLS.watch()
     start, left = stalls.awake(), timeout_s
     while True:
