@@ -233,7 +233,11 @@ def previous_run(out: Path) -> str:
     """What run `out` holds ('' for none): its server's state, or a node's checkpoint."""
     state = out / "server_state" / "run.json"
     if state.is_file():
-        return f"the run {held_run_id(out)} (its server state, {state.parent})"
+        try:
+            run = f"the run {held_run_id(out)}"
+        except ConfigError:  # NOTE: a resume names the damage; what a run holds is all this says
+            run = "a run"
+        return f"{run} (its server state, {state.parent})"
     nodes = saved_nodes(out)
     return f"the checkpoints of {', '.join(p.name for p in nodes)}" if nodes else ""
 
@@ -264,15 +268,20 @@ def kept_checkpoints(out: Path) -> str:
     for node in saved_nodes(out):
         try:
             kept.append(f"{node.name} {resolve_checkpoint(node).name}")
-        except CheckpointError:  # NOTE: a resume refuses it, naming what to do
-            kept.append(f"{node.name} none complete")
+        except CheckpointError as exc:  # NOTE: a resume refuses it, naming what to do (a `latest` damaged)
+            kept.append(f"{node.name} none a resume takes ({exc})")
     return ", ".join(kept)
 
 
 def held_run_id(out: Path) -> str:
-    """The id of the run whose server state `out` holds ('' for none)."""
-    state = out / "server_state" / "run.json"
-    return str(json.loads(state.read_text()).get("run_id", "")) if state.is_file() else ""
+    """The id of the run whose server state `out` holds ('' for none); ConfigError naming its record when damaged
+    (it was a traceback)."""
+    from spes.sync.state import recorded_run_id  # NOTE: lazy: torch, only for a run that holds a server state
+
+    try:
+        return recorded_run_id(out / "server_state", fix="pick another --out for a new run") or ""
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _await_listening(server: subprocess.Popen, port: int, timeout: float) -> None:

@@ -216,6 +216,25 @@ def test_an_interrupted_start_says_how_to_continue_from_what_it_saved(tmp_path: 
     assert how_to_continue(tmp_path).startswith(f"kept in {tmp_path}: node0 step90, node2 step105")
 
 
+def test_a_damaged_run_record_or_latest_is_named_not_a_traceback_nor_none_complete(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An emptied server_state/run.json was a JSONDecodeError traceback at --resume (and after a failed run), and a
+    node whose `latest` was damaged read "none complete" beside a complete checkpoint the resume then refused."""
+    (tmp_path / "server_state").mkdir()
+    (tmp_path / "server_state" / "run.json").write_text("")
+    with pytest.raises(ConfigError, match=r"server_state/run.json: not a spes run record \(.*\); pick another --out"):
+        resume_flags(tmp_path, True)
+    assert spes.launch.main([TINY, f"--out={tmp_path}", "--resume"]) == 2
+    assert "not a spes run record" in capsys.readouterr().err
+    (tmp_path / "node0" / "step20").mkdir(parents=True)
+    (tmp_path / "node0" / "step20" / META_FILE).write_text("{}")
+    (tmp_path / "node0" / LATEST).write_bytes(b"\xff\xfe")
+    assert how_to_continue(tmp_path).startswith(
+        f"kept in {tmp_path}: node0 none a resume takes ({tmp_path}/node0/latest: damaged"
+    )
+
+
 def test_the_readmes_quickstart_commands_run_one_after_another(tmp_path: Path) -> None:
     """The README showed `STEPS=800 bash run_scripts/quickstart.sh` as "a longer run": after the quickstart above it,
     that start was refused (output/quickstart holds a run). Each quickstart command the README gives after the

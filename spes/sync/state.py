@@ -82,14 +82,10 @@ class SavedRound:
 def run_id_of(state_dir: str | Path) -> str:
     """The id of the run whose state lives in `state_dir`: the one recorded there, or a new one (recorded at once, so
     nodes that join before the first round completes belong to the run a restarted server resumes)."""
+    recorded = recorded_run_id(state_dir)
+    if recorded is not None:
+        return recorded
     path = Path(state_dir) / RUN_FILE
-    if path.is_file():
-        try:
-            return str(json.loads(path.read_text())["run_id"])
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # NOTE: RecursionError: JSON nested too deep
-            raise ValueError(
-                f"{path}: not a spes run record ({exc}); move it away or pick another --state_dir"
-            ) from None
     run_id = new_run_id()
     record = json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n"
     try:
@@ -100,6 +96,18 @@ def run_id_of(state_dir: str | Path) -> str:
             "--state_dir"
         ) from None
     return run_id
+
+
+def recorded_run_id(state_dir: str | Path, fix: str = "move it away or pick another --state_dir") -> str | None:
+    """The id of the run recorded in `state_dir` (None: none recorded); ValueError naming the file and `fix` when it
+    is not a run record (emptied by a crash, edited by hand)."""
+    path = Path(state_dir) / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        return str(json.loads(path.read_text())["run_id"])
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # NOTE: RecursionError: JSON nested too deep
+        raise ValueError(f"{path}: not a spes run record ({exc}); {fix}") from None
 
 
 def lock_state_dir(state_dir: str | Path) -> int:

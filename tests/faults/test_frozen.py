@@ -17,6 +17,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 import torch
 from fault_helpers import REPO, assert_exact, fault_free, server_process, spec_overrides
@@ -46,6 +47,32 @@ def _peer(addr: str, peer: int, steps: list[int], out: Path, width: int, *extra:
         return subprocess.Popen(
             command, cwd=REPO, env={**os.environ, "SPES_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT
         )
+
+
+def _download_waiting(victim: subprocess.Popen[bytes], grpc_port: int, steady_s: float = 1.0) -> None:
+    """Return once `victim` has waited `steady_s` on one data-plane connection (one not to `grpc_port`) with its main
+    thread blocked in poll(2): its download is asked for and waits. Frozen earlier (under load, its upload's reply
+    still in flight, or its download's hello not yet sent), the server closed the handshake, not the download."""
+    poll = 7  # NOTE: x86-64's poll(2), where a socket's timed receive waits
+
+    def waiting() -> bool:
+        try:
+            data = [
+                c for c in psutil.Process(victim.pid).net_connections("tcp") if c.raddr and c.status == "ESTABLISHED"
+            ]
+            syscall = Path(f"/proc/{victim.pid}/task/{victim.pid}/syscall").read_text().split()[0]
+        except (psutil.Error, OSError):
+            return False
+        return len([c for c in data if c.raddr.port != grpc_port]) == 1 and syscall == str(poll)
+
+    since = [time.monotonic()]
+
+    def steady() -> bool:
+        if not waiting():
+            since[0] = time.monotonic()
+        return time.monotonic() - since[0] >= steady_s
+
+    wait_until(steady, "peer 1's download of round 2 to wait on the data plane")
 
 
 @contextmanager
@@ -85,6 +112,7 @@ def test_a_peer_frozen_while_its_download_is_sent_goes_on_over_the_data_plane(tm
         with _frozen_later(victim):
             peer0.sync(1, uploads[1][0])
             wait_until(lambda: peer0.status().peers_uploaded == (1,), "peer 1's upload of round 2", timeout_s=30)
+            _download_waiting(victim, int(server.addr.rsplit(":", 1)[1]))
             victim.send_signal(signal.SIGSTOP)
             peer0.sync(2, uploads[2][0])
             wait_until(lambda: "idle" in server.log_text() or "dropped" in server.log_text(), "the send to stall")
