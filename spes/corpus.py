@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import gzip
 import hashlib
 import io
@@ -56,7 +55,7 @@ from spes.atomic import leftover_temps, room_for
 from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.interrupt import Interruptible
 from spes.schema import number_flag
-from spes.shards import PARTIAL_SUFFIX, ShardInfo, read_shard_info, sidecar_path, write_shard_info
+from spes.shards import PARTIAL_SUFFIX, ShardInfo, glob_files, read_shard_info, sidecar_path, write_shard_info
 from spes.tokenizer import LoadedTokenizer, check_bpe_vocab_size, load_tokenizer, train_byte_level_bpe
 
 SUPPORTED_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -140,16 +139,11 @@ def choose_dtype(vocab_size: int, requested: str | None = None) -> np.dtype:
     return dtype
 
 
-def matching_files(pattern: str) -> list[Path]:
-    """The files a glob matches, sorted ('**' recurses, '~' expands)."""
-    return sorted(Path(m) for m in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(m))
-
-
 def resolve_input_files(patterns: Sequence[str]) -> list[Path]:
     """Files matching `patterns` (each sorted, duplicates dropped); errors name the empty pattern."""
     files: dict[Path, None] = {}
     for pattern in patterns:
-        matches = matching_files(pattern)
+        matches = glob_files(pattern)
         if not matches:
             raise FileNotFoundError(f"--file_glob {pattern!r} matches no file")
         for path in matches:
@@ -979,7 +973,7 @@ def _tokenizer_inputs(args: argparse.Namespace) -> list[Path]:
     """The files of --input; refused when a pattern matches none or --output_dir already holds a tokenizer."""
     files: list[Path] = []
     for pattern in args.input:
-        matches = matching_files(pattern)
+        matches = glob_files(pattern)
         if not matches:
             raise FileNotFoundError(f"--input {pattern!r} matches no file")
         files.extend(matches)

@@ -333,6 +333,18 @@ def resolve_paths(
     return resolved
 
 
+def glob_files(pattern: str) -> list[Path]:
+    """The files the glob `pattern` matches, sorted ('**' recurses, '~' expands). Its leading folders that exist are
+    taken as written: a run kept under `runs [v2]/` matched nothing, `[v2]` read as a set of characters."""
+    path = Path(os.path.expanduser(pattern))
+    literal = 0
+    while literal < len(path.parts) - 1 and Path(*path.parts[: literal + 1]).is_dir():
+        literal += 1
+    if literal:
+        pattern = os.path.join(glob.escape(str(Path(*path.parts[:literal]))), *path.parts[literal:])
+    return sorted(Path(m) for m in glob.glob(pattern if literal else str(path), recursive=True) if os.path.isfile(m))
+
+
 def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = None, *, ranged: bool) -> list[Shard]:
     if is_url(entry):  # NOTE: named before a byte is fetched: a download mode read a refused file whole first
         check_shard_name(checked_url(entry))
@@ -344,7 +356,7 @@ def _resolve_entry(entry: str, base_dir: Path | None, list_file: Path | None = N
     if not where and not path.is_absolute():  # NOTE: started elsewhere, "not found" said not where it looked
         where = f" (from the working directory {Path.cwd()})"
     if _GLOB_CHARS & set(entry) and not path.exists():  # NOTE: a path that is there is as written: "run [v2]/"
-        matches: list[Shard] = [Path(m) for m in sorted(glob.glob(str(path), recursive=True)) if os.path.isfile(m)]
+        matches: list[Shard] = list(glob_files(str(path)))
         if not matches:
             raise FileNotFoundError(f"data path pattern {entry!r}{where} matches no file")
         return matches

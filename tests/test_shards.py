@@ -17,6 +17,7 @@ from spes.shards import (
     SHARD_FORMAT_VERSION,
     RangeTokenArray,
     find_shard_info,
+    glob_files,
     open_token_array,
     read_shard_info,
     resolve_paths,
@@ -230,8 +231,9 @@ def test_a_path_with_glob_characters_that_is_there_is_taken_as_written(tmp_path:
     run.mkdir()
     shard = write_token_shard(run / "part.npy", np.arange(4, dtype=np.uint16))
     (run / "files.txt").write_text(f"{shard}\n")
-    for entry in (shard, run, run / "files.txt"):
+    for entry in (shard, run, run / "files.txt", run / "*.npy"):  # NOTE: the pattern's folder is taken as written too
         assert resolve_paths([str(entry)]) == [shard], entry
+    assert glob_files(f"{tmp_path}/my*/*.npy") == [shard]
 
 
 def test_a_relative_path_not_found_says_from_which_working_directory(

@@ -469,6 +469,10 @@ def test_globs_recurse_expand_home_match_files_only_and_drop_repeats(
     assert corpus.resolve_input_files([str(tmp_path / "in" / "**" / "*.jsonl")]) == [top, deep]
     monkeypatch.setenv("HOME", str(tmp_path))
     assert corpus.resolve_input_files(["~/in/*.jsonl", str(top)]) == [top]
+    kept = tmp_path / "raw [v2]" / "c.jsonl"  # NOTE: a folder a glob reads as a set of characters matched nothing
+    kept.parent.mkdir()
+    write_documents(kept, ["a document"])
+    assert corpus.resolve_input_files([f"{kept.parent}/*.jsonl"]) == [kept]
     notes = tmp_path / "in" / "notes.txt"
     notes.write_text("not a record format")
     with pytest.raises(ValueError) as refused:
