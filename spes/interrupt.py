@@ -76,10 +76,11 @@ class _Handling:
             if outer.first_at is None:  # NOTE: a launcher's echo of our signal may arrive after we are gone; the
                 outer.first_at = self.first_at  # handler back in place ignores it
 
-    def _echo(self) -> bool:
-        """Whether this signal is a launcher's echo of the first (recorded now when it is the first)."""
+    def _echo(self, signum: int) -> bool:
+        """Whether this signal repeats the first (recorded now when it is the first): a launcher's echo of it, or a
+        hangup, which asks for no abort: the terminal closed on a stop under way (Ctrl-C, then the laptop shut)."""
         if self.first_at is not None:
-            return time.monotonic() - self.first_at < ECHO_S
+            return signum == signal.SIGHUP or time.monotonic() - self.first_at < ECHO_S
         self.first_at = time.monotonic()
         return False
 
@@ -96,7 +97,7 @@ class Interruptible(_Handling):
 
     def _handle(self, signum: int, frame: object) -> None:
         already_leaving = self.leaving and self.first_at is None
-        if not self._echo() and not already_leaving:
+        if not self._echo(signum) and not already_leaving:
             raise KeyboardInterrupt
 
 
@@ -117,7 +118,7 @@ class StopRequest(_Handling):
 
     def _handle(self, signum: int, frame: object) -> None:
         first = not self.requested
-        if self._echo():
+        if self._echo(signum):
             return
         if not first:
             raise KeyboardInterrupt
