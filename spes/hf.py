@@ -21,6 +21,7 @@ from pathlib import Path
 from spes.atomic import OutOfRoom, room_for
 from spes.cli import ArgumentParser
 from spes.hf_map import EXPORT_DTYPES, FAMILIES
+from spes.interrupt import outliving_readers
 from spes.save_folder import resolve_checkpoint, resolve_step
 from spes.schema import number_flag
 
@@ -117,4 +118,5 @@ def run(args: argparse.Namespace) -> Path:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with outliving_readers(None):  # NOTE: `| head` ended a finished export in a BrokenPipeError traceback
+        raise SystemExit(main())

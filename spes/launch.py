@@ -13,8 +13,9 @@ the same `python -m spes.server` given the same YAML and overrides (so its `serv
 any process fails, the others are stopped and the launcher exits with that process's code (docs/running.md's exit
 codes: 2 a config or data error, 6 a full disk, ...), after what was kept and how to continue. Ctrl-C or SIGTERM
 stops the peers (each saves a checkpoint of its last step), then the server (it persists its state), and exits 130:
-`--resume` continues.
-Another signal while they stop (`ECHO_S` or more after the first) kills them all at once, without saving.
+`--resume` continues; so does SIGHUP (a closed terminal), unless started under `nohup`.
+Another signal while they stop (`ECHO_S` or more after the first) kills them all at once, without saving; so does
+SIGQUIT (Ctrl-\\), exit 131. A launcher whose output nobody reads any more (`| head`) goes on, the logs in --out.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 from spes.cli import ArgumentParser, DefaultsHelpFormatter, meant_flags, parser_flags
 from spes.config import CODECS, MODE_TITLES, RunMode, TrainConfig, load_config, run_data_seed
-from spes.interrupt import Interruptible
+from spes.interrupt import Interruptible, outliving_readers
 from spes.save_folder import LATEST, CheckpointError, list_checkpoints, resolve_checkpoint
 from spes.schema import ConfigError, number_flag
 
@@ -42,7 +43,12 @@ STOP_GRACE_S = 10.0
 SERVER_START_S = 60.0
 """How long the launcher waits for the server to listen before it starts the peers anyway (they retry their join)."""
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+KILLED = (
+    "the server and the peers are killed without saving; --resume continues from each peer's last checkpoint and the "
+    "server's last round"
+)
 
 
 def free_port() -> int:
@@ -120,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     followed = out / "peer0.log"
     shown = followed.stat().st_size if args.resume and followed.is_file() else 0  # NOTE: echo only this start's lines
-    with Interruptible():  # SIGTERM too: `finally` stops the children (own sessions) of a killed launcher
+    with Interruptible():  # SIGTERM, SIGHUP too: `finally` stops the children (own sessions) of a killed launcher
+        if signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL:  # NOTE: not where the shell has it ignored (`cmd &`)
+            signal.signal(signal.SIGQUIT, lambda _signum, _frame: _quit(procs))
         try:
             procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env, args.resume)
             _await_listening(procs["server"], port, SERVER_START_S)
@@ -372,13 +380,20 @@ def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
     except KeyboardInterrupt:
         for sig in SIGNALS:  # NOTE: what is left takes a moment to kill; a third signal would leave it running
             signal.signal(sig, signal.SIG_IGN)
-        print(
-            "error: interrupted while stopping: the server and the peers are killed without saving; --resume "
-            "continues from each peer's last checkpoint and the server's last round",
-            file=sys.stderr,
-        )
+        print(f"error: interrupted while stopping: {KILLED}", file=sys.stderr)
         for p in procs.values():
             _kill(p)
+
+
+def _quit(procs: dict[str, subprocess.Popen]) -> None:
+    """SIGQUIT (Ctrl-\\): kill every child now, without saving, and exit 131. Why: the children, in sessions of their
+    own, do not get the terminal's signal, and the launcher's default death (a core dump) left them all running."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    print(f"error: quit (SIGQUIT): {KILLED}", file=sys.stderr)
+    for p in procs.values():
+        _kill(p)
+    raise SystemExit(128 + signal.SIGQUIT)
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -448,5 +463,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+UNREAD = "note: nobody reads the launcher's output any more: the run goes on, its logs in its --out folder"
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with outliving_readers(UNREAD):
+        raise SystemExit(main())

@@ -36,6 +36,7 @@ import psutil
 from spes.checks import GIB, Check, fail, gib, matmul_flops_per_s, ok, report, skip
 from spes.cli import ArgumentParser
 from spes.config import TrainConfig, load_config
+from spes.interrupt import outliving_readers
 from spes.schema import ConfigError, number_flag
 from spes.train import apply_resume
 from spes.train import parse_args as train_args
@@ -725,4 +726,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # NOTE: `| head` ended it in a BrokenPipeError traceback; its exit code is the verdict
+    with outliving_readers(None):
+        raise SystemExit(main())

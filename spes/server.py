@@ -12,18 +12,19 @@ import signal
 import sys
 import threading
 
+from spes.interrupt import stop_signals
 from spes.sync.settings import build_parser, command_from_args
 
 log = logging.getLogger("spes.server")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the server until SIGTERM/SIGINT, then shut down cleanly and return 0; 2, with one line on stderr, for a
-    command that cannot serve."""
+    """Run the server until SIGTERM, SIGINT or SIGHUP (a closed terminal; not under `nohup`), then shut down cleanly
+    and return 0; 2, with one line on stderr, for a command that cannot serve."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
         signal.signal(sig, lambda signum, _frame: stop.set())
     try:
         command = command_from_args(args)

@@ -15,6 +15,7 @@ import grpc
 
 from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.config import SpesConfig, is_host_port
+from spes.interrupt import silence
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
 from spes.sync.channel import certificate_refusal, client_tls, open_channel, tls_cause, tls_fix
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return ask(pb_grpc.ParameterServerStub(channel), args, metadata, settings)
         except KeyboardInterrupt:  # how a --watch ends: no traceback
+            return 0
+        except BrokenPipeError:  # NOTE: its reader stopped early (`| head -n 3`, `less` quit): ended as Ctrl-C ends it
+            for stream in (sys.stdout, sys.stderr):
+                silence(stream)
             return 0
 
 

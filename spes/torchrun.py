@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from spes.interrupt import outliving_readers
+
 ERROR_DIR_ENV = "SPES_ERROR_DIR"
 SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 SHUTDOWN_TIMEOUT_S = 300
@@ -100,4 +102,5 @@ def _lowest_ranks_line(errors: str) -> str | None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with outliving_readers(None):  # NOTE: the line on a SIGHUP of a closed terminal died of EIO (exit 1, not 129)
+        raise SystemExit(main())

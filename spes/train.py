@@ -13,8 +13,9 @@ Any key can be overridden as `--section.key=value`; `--resume` continues from `<
 OLMo's start from another run's weights: `--load_path=DIR --reset_optimizer_state=true --reset_trainer_state=true`
 (`--restore_dataloader=false` keeps the trainer state but restarts the data at step 0). A fresh start into a
 save_folder already holding a run's checkpoints or metrics is refused unless `save_overwrite: true`.
-A failure the user can cause or meet ends in one line `error: ...` on stderr and a non-zero exit; so does Ctrl-C or
-SIGTERM before the training loop (exit 130), naming the checkpoint a restart continues from, if any.
+A failure the user can cause or meet ends in one line `error: ...` on stderr and a non-zero exit; so does Ctrl-C,
+SIGTERM or SIGHUP before the training loop (exit 130), naming the checkpoint a restart continues from, if any. A node
+whose output nobody reads any more (`| head`, a closed terminal) trains on, its progress in its metrics.jsonl.
 
 The command line and the config are read and checked here without torch: `--help`, a mistyped key (with its "did you
 mean"), a bad override or a missing file are answered in a fraction of a second. The node itself (`spes.node`: its
@@ -28,7 +29,7 @@ import sys
 from spes.cli import print_text
 from spes.config import TrainConfig, load_config, passed_over
 from spes.failures import exit_code, report
-from spes.interrupt import Interruptible
+from spes.interrupt import Interruptible, outliving_readers
 from spes.schema import ConfigError, config_help
 
 USAGE = """usage: python -m spes.train CONFIG.yaml [--section.key=value ...] [--resume[=auto]]
@@ -67,11 +68,20 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("no config file given; try: python -m spes.train configs/tiny.yaml (or --help)")
             cfg, inert = load_config(path, overrides)
             ignored = f"note: these config keys change nothing in spes and are ignored: {', '.join(inert)}"
-            return run(cfg, ([ignored] if inert else []) + apply_resume(cfg, resume))
+            with outliving_readers(unread(cfg)):
+                return run(cfg, ([ignored] if inert else []) + apply_resume(cfg, resume))
         except (Exception, KeyboardInterrupt) as e:  # NOTE: not --help's SystemExit
             if exit_code(e) is None:
                 raise
             return report(e)
+
+
+def unread(cfg: TrainConfig) -> str:
+    """What a node says when its output's reader goes away (`| head`, `less` quit, a closed terminal): it trains on."""
+    return (
+        f"note: nobody reads this node's output any more: it trains on, its progress in {cfg.save_folder}/"
+        "metrics.jsonl; Ctrl-C or SIGTERM saves a checkpoint and stops it"
+    )
 
 
 def apply_resume(cfg: TrainConfig, resume: str | None) -> list[str]:

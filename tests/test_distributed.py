@@ -26,6 +26,7 @@ from dist_helpers import SMALL_NODE, child_env, parameter_server, run_logged, ru
 from spes.config import TrainConfig, load_config
 from spes.distributed import DistInfo, check_launch
 from spes.schema import ConfigError
+from terminal_helpers import on_a_terminal, read_until
 
 TINY = "configs/tiny.yaml"
 # Peer 1 of 2 owns experts 2..3 of 4: half the experts of every layer are frozen.
@@ -175,6 +176,26 @@ def test_a_rank_saving_within_the_shutdown_timeout_is_heard_and_one_past_it_is_k
         lines[timeout] = log.read_text().strip().splitlines()[-1]
     assert lines[1].startswith("error: stopped by SIGTERM: no rank said what it saved (a rank still running 1 s ")
     assert lines[10] == "error: stopped by SIGTERM: saved step 7's checkpoint and stopped"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_closed_terminal_stops_spes_torchrun_as_sigterm_does_its_rank_saved(tiny_corpus, tmp_path: Path) -> None:
+    """A dropped SSH session: torchrun passes the SIGHUP on, and the rank, which died of it, now saves; the
+    launcher's line, written to the terminal gone, ended it with EIO (exit 1, not 129)."""
+    save = tmp_path / "node"
+    node = [TINY, *tiny_corpus.overrides(save), "--using_spes=false", "--eval_interval=null", "--save_interval=1000"]
+    argv = ["-m", "spes.torchrun", "--standalone", "--nproc_per_node=1", "-m", "spes.train", *node]
+    proc, master = on_a_terminal([*argv, "--max_duration=1000st"], child_env())
+    try:
+        seen = read_until(master, b"step 3/", 90)
+        assert b"step 3/" in seen, seen[-2000:]
+        os.close(master)
+        assert proc.wait(timeout=60) == 128 + signal.SIGHUP
+    finally:
+        proc.kill()
+        proc.wait()
+    assert (save / "latest").is_file()
 
 
 # ---------------------------------------------------------------------------------------------------------------

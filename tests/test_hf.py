@@ -7,6 +7,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,7 +19,7 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from torch.testing import assert_close
 
-from conftest import usage_error
+from conftest import REPO, usage_error
 from disk_helpers import drop_checksums
 from dist_helpers import without_torch
 from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
@@ -316,6 +318,38 @@ def test_cli_export_from_run_dir_and_error_exit(
     with pytest.raises(ValueError, match=r"^--num_train_experts_per_node must be in \[1, 4\] .*got 0$"):
         hf_convert.import_hf(exported, tmp_path / "imp" / "step0", num_train_experts_per_node=0)
     assert not (tmp_path / "imp").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_export_whose_reader_stopped_early_ends_without_a_traceback(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    """`spes.hf export ... | head -n 1`: the export finished, then its last line ended it in a BrokenPipeError
+    traceback, exit 1."""
+    make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=3)
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "wb") as closed:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spes.hf",
+                "export",
+                "--run_dir",
+                str(tmp_path / "run"),
+                "--out",
+                str(tmp_path / "hf"),
+            ],
+            cwd=REPO,
+            stdout=closed,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=100,
+        )
+    assert (proc.returncode, proc.stderr) == (0, "")
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
 # ---------------------------------------------------------------------------------------------------------------

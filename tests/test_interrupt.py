@@ -3,10 +3,12 @@ exactly; a launcher's echo of the signal is not a second Ctrl-C."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,12 +19,25 @@ import torch
 
 import spes.interrupt
 from conftest import Corpus, wait_until
-from node_runs import LAUNCH_STOP_GRACE_S, assert_same_models, launch, node_models, reaped, start_node, start_server
+from node_runs import (
+    ENV,
+    LAUNCH_STOP_GRACE_S,
+    REPO,
+    TINY,
+    assert_same_models,
+    launch,
+    node_models,
+    reaped,
+    start_node,
+    start_server,
+)
 from spes.config import SpesConfig
-from spes.interrupt import ECHO_S, Interruptible, Stopped, StopRequest
+from spes.interrupt import ECHO_S, Interruptible, Stopped, StopRequest, outliving_readers, stop_signals
+from spes.save_folder import META_FILE
 from spes.sync.channel import open_channel
 from spes.sync.proto import spes_pb2 as pb
 from spes.sync.proto import spes_pb2_grpc as pb_grpc
+from terminal_helpers import on_a_terminal, read_until
 
 
 def aborts(sig: signal.Signals) -> bool:
@@ -235,3 +250,94 @@ def test_a_trainers_stop_exits_130_and_names_the_step_it_saved() -> None:
     """A SystemExit (nothing on the way out takes it for a failure) that `spes.train` reads the saved step from."""
     stopped = Stopped(7)
     assert isinstance(stopped, SystemExit) and stopped.code == 130 and stopped.step == 7
+
+
+def test_a_hangup_asks_to_stop_unless_the_process_was_started_to_ignore_it(outer: list[int]) -> None:
+    """A closed terminal's SIGHUP killed a node outright, its steps since the last checkpoint lost (torchrun takes
+    it as SIGTERM); under `nohup` it must stay ignored."""
+    previous = signal.signal(signal.SIGHUP, lambda _signum, _frame: None)  # NOTE: a hangup missed ends no test run
+    try:
+        assert stop_signals() == (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        with Interruptible():
+            assert aborts(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        assert stop_signals() == (signal.SIGINT, signal.SIGTERM)
+        with Interruptible():
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+def test_a_hangup_during_a_stop_under_way_aborts_nothing(outer: list[int], clock: Clock) -> None:
+    """Ctrl-C, then the terminal closed (a laptop shut) more than ECHO_S later: its SIGHUP was taken for a second
+    Ctrl-C, and the node (the launcher: its children) stopped without saving."""
+    previous = signal.signal(signal.SIGHUP, lambda _signum, _frame: None)  # NOTE: a hangup missed ends no test run
+    try:
+        with StopRequest(lambda _said: None) as stop:
+            assert not aborts(signal.SIGINT) and stop.requested
+            clock.now += 10 * ECHO_S
+            assert not aborts(signal.SIGHUP)
+            assert aborts(signal.SIGINT)
+        with Interruptible():
+            assert aborts(signal.SIGINT)
+            clock.now += 10 * ECHO_S
+            assert not aborts(signal.SIGHUP)
+            assert aborts(signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert outer == []
+
+
+def test_output_nobody_reads_any_more_is_dropped_and_said_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python ignores SIGPIPE: a node piped into `head` died of a BrokenPipeError at its next progress line."""
+    read, write = os.pipe()
+    os.close(read)
+    closed = open(write, "w")
+    said = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", closed)
+    monkeypatch.setattr(sys, "stderr", said)
+    with outliving_readers("note: nobody reads"):
+        for _ in range(3):
+            print("step 1", flush=True)
+    assert sys.stdout is closed and said.getvalue() == "note: nobody reads\n"
+    closed.close()  # NOTE: its buffer went to /dev/null: no error left to raise
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_node_whose_terminal_hangs_up_saves_its_last_step_and_stops(tiny_corpus: Corpus, tmp_path: Path) -> None:
+    """A closed terminal (SIGHUP, then EIO on every write to it) killed a training node at once: no checkpoint, its
+    steps since the last one lost. Now it saves as on SIGTERM (exit 130), its last words to a terminal gone."""
+    argv = ["-m", "spes.train", TINY, *tiny_corpus.overrides(tmp_path / "node"), "--using_spes=false"]
+    proc, master = on_a_terminal([*argv, "--eval_interval=null", "--max_duration=1000st", "--save_interval=1000"], ENV)
+    with reaped(proc):
+        seen = read_until(master, b"step 3/", 90)
+        assert b"step 3/" in seen, seen[-2000:]
+        os.close(master)
+        assert proc.wait(timeout=60) == 130
+    saved = tmp_path / "node" / (tmp_path / "node" / "latest").read_text().strip()
+    assert (saved / META_FILE).is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_node_piped_into_a_reader_that_stops_early_trains_on_to_its_end(tiny_corpus: Corpus, tmp_path: Path) -> None:
+    """`spes.train ... | head` ended the run at its next progress line in a BrokenPipeError (exit 6, nothing saved)."""
+    argv = [sys.executable, "-m", "spes.train", TINY, *tiny_corpus.overrides(tmp_path / "node"), "--using_spes=false"]
+    read, write = os.pipe()
+    os.close(read)  # `| head -n 0`: the reader has gone before the first line
+    with open(write, "wb") as stdout:
+        proc = subprocess.Popen(
+            [*argv, "--eval_interval=null", "--max_duration=4st", "--save_interval=null"],
+            cwd=REPO,
+            env=ENV,
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    with reaped(proc):
+        _, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "Traceback" not in stderr and stderr.count("note: nobody reads this node's output any more") == 1, stderr
+    rows = (tmp_path / "node" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(row)["step"] for row in rows] == [1, 2, 3, 4]

@@ -285,6 +285,59 @@ def test_the_peers_start_once_the_server_listens(
     assert [(tmp_path / f"peer{i}.log").read_text() for i in range(4)] == ["joined\n"] * 4
 
 
+STOPPING_CHILD = """import os, signal, socket, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(print('stopped on SIGTERM', flush=True)))
+if sys.argv[2] == 'server':
+    s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()
+print('up', os.getpid(), flush=True)
+time.sleep(60)
+"""
+LAUNCHER_ON_A_TERMINAL = f"""import signal, sys
+for sig in (signal.SIGHUP, signal.SIGQUIT):  # as in a terminal's foreground job, whatever the test runner ignores
+    signal.signal(sig, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+import spes.launch
+child = [sys.executable, '-c', {STOPPING_CHILD!r}]
+spes.launch.server_command = lambda config, run, port, out: [*child, str(port), 'server']
+spes.launch.peer_command = lambda config, run, peer, seed, port, out: [*child, str(port), 'peer']
+raise SystemExit(spes.launch.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("sig", "code", "last_word"), [(signal.SIGHUP, 130, "stopped"), (signal.SIGQUIT, 131, "up")])
+def test_a_hangup_stops_every_child_and_a_quit_kills_them_none_left_running(
+    tmp_path: Path, sig: signal.Signals, code: int, last_word: str
+) -> None:
+    """The launcher died of a closed terminal's SIGHUP or of Ctrl-\\ (SIGQUIT) at once, and its server and peers, in
+    sessions of their own that the terminal's signal never reaches, trained on with nobody to stop them. A SIGHUP
+    stops them as SIGTERM does (each saves); a SIGQUIT kills them now."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER_ON_A_TERMINAL, TINY, "--out", str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("started server on 127.0.0.1:")
+        logs = [tmp_path / f"{name}.log" for name in ("server", "peer0", "peer1", "peer2", "peer3")]
+        deadline = time.monotonic() + 30
+        while not all(log.is_file() and "up" in log.read_text() for log in logs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == code, stderr
+    said = [log.read_text().splitlines() for log in logs]
+    assert [lines[-1].split()[0] for lines in said] == [last_word] * 5
+    assert [pid for lines in said if psutil.pid_exists(pid := int(lines[0].split()[1]))] == []
+
+
 FAILING_PEER = """import pathlib, sys
 step = pathlib.Path(sys.argv[1]) / 'node0' / 'step4'
 step.mkdir(parents=True)

@@ -814,3 +814,24 @@ def test_a_node_resuming_a_checkpoint_is_asked_about_as_the_run_its_checkpoint_n
     assert "python -m spes.status names the run" in lines["settings"] and "refuses to start" in lines["settings"]
     assert train([*config, "--eval_interval=null", *joining]) == 2
     assert damaged in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_reader_that_stops_early_costs_preflight_neither_its_verdict_nor_a_traceback(
+    tiny_corpus, tmp_path: Path
+) -> None:
+    """`preflight ... | head -n 2`: each line after the reader had gone ended it in a BrokenPipeError traceback
+    (exit 1, whatever the checks found)."""
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "wb") as closed:
+        proc = subprocess.run(
+            [sys.executable, "-m", "spes.preflight", TINY, *tiny_corpus.overrides(tmp_path), "--using_spes=false"],
+            cwd=REPO,
+            stdout=closed,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=50,
+        )
+    assert (proc.returncode, proc.stderr) == (0, "")

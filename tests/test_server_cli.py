@@ -6,14 +6,16 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from dist_helpers import parameter_server, run_logged
+from dist_helpers import child_env, parameter_server, run_logged
 from spes.config import ServerSection
 from spes.schema import config_help
 from spes.sync.server import config_of, exposure_warnings
@@ -417,3 +419,31 @@ def test_a_token_sent_in_clear_text_under_insecure_is_a_warning() -> None:
     tls = {"tls_cert": "server.crt", "tls_key": "server.key"}
     assert exposure_warnings(DeployConfig(token="secret", insecure=True, **tls)) == []
     assert exposure_warnings(DeployConfig(token="secret", host="127.0.0.1")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_a_closed_terminals_hangup_stops_the_server_as_sigterm_does(tmp_path: Path) -> None:
+    """SIGHUP (the terminal it ran in closed) killed the server at once: no shutdown, its streams cut, exit -1."""
+    log = tmp_path / "server.log"
+    argv = [sys.executable, "-m", "spes.server", "--host", "127.0.0.1", "--port", "0", "--total_peers", "1"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*argv, "--num_train_experts_per_node", "8", "--state_dir", str(tmp_path / "state")],
+            cwd=REPO,
+            env=child_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while "listening" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "listening" in log.read_text(), log.read_text()
+        os.killpg(proc.pid, signal.SIGHUP)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "shutting down" in log.read_text()

@@ -293,6 +293,25 @@ def test_watch_through_a_pipe_prints_each_line_as_it_asks_and_sigint_ends_it_wit
 
 
 @pytest.mark.timeout(60)
+def test_a_watch_whose_reader_stops_early_ends_quietly_with_exit_0() -> None:
+    """`--watch 1 | head -n 3`: the fourth line met a closed pipe and ended the watch in a BrokenPipeError traceback
+    (exit 1)."""
+    with running_server(tiny_spec()) as (_server, addr):
+        read, write = os.pipe()
+        os.close(read)  # the reader has gone before the first line
+        with open(write, "wb") as closed:
+            proc = subprocess.run(
+                [sys.executable, "-m", "spes.status", addr, "--watch", "1"],
+                cwd=REPO,
+                stdout=closed,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=40,
+            )
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.timeout(60)
 def test_the_status_command_refuses_an_address_without_a_port(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["server.example.org"]) == 2  # gRPC would dial a guessed port and say only UNAVAILABLE
     assert capsys.readouterr().err == "error: 'server.example.org' is not HOST:PORT (e.g. server.example.org:50051)\n"
