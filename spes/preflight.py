@@ -722,7 +722,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.sync_enabled
         else f"preflight of {args.config} (centralized run)"
     )
-    return report(run_checks(cfg, args))
+    try:
+        return report(run_checks(cfg, args))
+    except KeyboardInterrupt:  # NOTE: Ctrl-C during a check (the link test) was a traceback; nothing is kept
+        print("preflight interrupted: nothing was changed; run it again to check", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -835,3 +835,16 @@ def test_a_reader_that_stops_early_costs_preflight_neither_its_verdict_nor_a_tra
             timeout=50,
         )
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+def test_ctrl_c_during_a_check_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during the link test (seconds against a far server) ended preflight in a KeyboardInterrupt traceback."""
+
+    def interrupted(*_args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("spes.preflight.run_checks", interrupted)
+    assert main([TINY, "--using_spes=false"]) == 130
+    assert capsys.readouterr().err == "preflight interrupted: nothing was changed; run it again to check\n"
