@@ -42,3 +42,14 @@ def read_until(master: int, text: bytes, timeout_s: float) -> bytes:
         except OSError:  # NOTE: the job has gone: the terminal shows nothing more
             break
     return seen
+
+
+def with_reader_gone(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`python argv` whose stdout is a pipe whose reader has gone before the first line (`| head -n 0`, `less` quit
+    at once); stderr captured."""
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "wb") as closed:
+        return subprocess.run(
+            [sys.executable, *argv], cwd=REPO, stdout=closed, stderr=subprocess.PIPE, text=True, timeout=timeout_s
+        )

@@ -7,8 +7,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +17,7 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from torch.testing import assert_close
 
-from conftest import REPO, usage_error
+from conftest import usage_error
 from disk_helpers import drop_checksums
 from dist_helpers import without_torch
 from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
@@ -30,6 +28,7 @@ from spes.model import Transformer
 from spes.save_folder import LATEST, META_FILE, CheckpointError, resolve_step
 from spes.schema import ConfigError
 from spes.tokenizer import LoadedTokenizer
+from terminal_helpers import with_reader_gone
 
 
 def hf_logits(hf_dir: Path, ids: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -328,26 +327,8 @@ def test_an_export_whose_reader_stopped_early_ends_without_a_traceback(
     """`spes.hf export ... | head -n 1`: the export finished, then its last line ended it in a BrokenPipeError
     traceback, exit 1."""
     make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0], step=3)
-    read, write = os.pipe()
-    os.close(read)
-    with open(write, "wb") as closed:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "spes.hf",
-                "export",
-                "--run_dir",
-                str(tmp_path / "run"),
-                "--out",
-                str(tmp_path / "hf"),
-            ],
-            cwd=REPO,
-            stdout=closed,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=100,
-        )
+    argv = ["-m", "spes.hf", "export", "--run_dir", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]
+    proc = with_reader_gone(argv, 100)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert (tmp_path / "hf" / "config.json").is_file()
 

@@ -42,6 +42,7 @@ from spes.sync.protocol import SyncError
 from spes.sync.server import spec_of_run
 from spes.tokenizer import LoadedTokenizer
 from sync_helpers import TOKEN, make_client, running_server, tiny_spec, write_pki
+from terminal_helpers import with_reader_gone
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -823,17 +824,8 @@ def test_a_reader_that_stops_early_costs_preflight_neither_its_verdict_nor_a_tra
 ) -> None:
     """`preflight ... | head -n 2`: each line after the reader had gone ended it in a BrokenPipeError traceback
     (exit 1, whatever the checks found)."""
-    read, write = os.pipe()
-    os.close(read)
-    with open(write, "wb") as closed:
-        proc = subprocess.run(
-            [sys.executable, "-m", "spes.preflight", TINY, *tiny_corpus.overrides(tmp_path), "--using_spes=false"],
-            cwd=REPO,
-            stdout=closed,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=50,
-        )
+    argv = ["-m", "spes.preflight", TINY, *tiny_corpus.overrides(tmp_path), "--using_spes=false"]
+    proc = with_reader_gone(argv, 50)
     assert (proc.returncode, proc.stderr) == (0, "")
 
 

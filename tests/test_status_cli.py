@@ -24,6 +24,7 @@ from spes.sync.server import ParameterServer, start_server
 from spes.sync.settings import DeployConfig, ServerConfig
 from spes.sync.wire import upload_digest
 from sync_helpers import TOKEN, make_client, peer_upload, running_server, tiny_spec, write_pki
+from terminal_helpers import with_reader_gone
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -297,17 +298,7 @@ def test_a_watch_whose_reader_stops_early_ends_quietly_with_exit_0() -> None:
     """`--watch 1 | head -n 3`: the fourth line met a closed pipe and ended the watch in a BrokenPipeError traceback
     (exit 1)."""
     with running_server(tiny_spec()) as (_server, addr):
-        read, write = os.pipe()
-        os.close(read)  # the reader has gone before the first line
-        with open(write, "wb") as closed:
-            proc = subprocess.run(
-                [sys.executable, "-m", "spes.status", addr, "--watch", "1"],
-                cwd=REPO,
-                stdout=closed,
-                stderr=subprocess.PIPE,
-                text=True,
-                timeout=40,
-            )
+        proc = with_reader_gone(["-m", "spes.status", addr, "--watch", "1"], 40)
     assert (proc.returncode, proc.stderr) == (0, "")
 
 
