@@ -36,6 +36,7 @@ import ssl
 import struct
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
@@ -417,9 +418,6 @@ class DataPlaneListener:
         pending = [True]
         done = threading.Event()
         """Set once the handshake is over (authenticated, or the connection ended): its deadline is off."""
-        threading.Thread(
-            target=_shut_unless, args=(conn, done, self._handshake_s), name="spes-data-handshake", daemon=True
-        ).start()
 
         @contextlib.contextmanager
         def authenticated() -> Iterator[None]:
@@ -436,8 +434,12 @@ class DataPlaneListener:
                 self._active.release()
 
         try:
-            if self._tls is not None:
-                conn = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            if self._tls is not None:  # NOTE: wrapped first (no I/O yet): the TLS socket takes over the descriptor
+                conn = _tls_server_side(self._tls, conn)
+            threading.Thread(
+                target=_shut_unless, args=(conn, done, self._handshake_s), name="spes-data-handshake", daemon=True
+            ).start()
+            if isinstance(conn, ssl.SSLSocket):
                 _on_socket(conn, conn.do_handshake)  # NOTE: a handshake that timed out resumes where it stopped
             self._handle(conn, authenticated)
         except TimeoutError:
@@ -484,6 +486,20 @@ class DataPlaneListener:
         self._thread.join(timeout=2.0)
 
 
+def _tls_server_side(tls: ssl.SSLContext, conn: socket.socket) -> ssl.SSLSocket:
+    """`conn` as the server's end of a TLS connection, its handshake not begun (`do_handshake` does it).
+
+    A connection reset before it was wrapped fails in `wrap_socket` after the TLS socket has taken over its
+    descriptor: left unclosed, held only by the error's traceback (a reference cycle), the descriptor stayed open
+    until the garbage collector ran, or for as long as a log record kept the error. Clearing the traceback's frames
+    frees that socket, which closes the descriptor now."""
+    try:
+        return tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+    except OSError as exc:
+        traceback.clear_frames(exc.__traceback__)
+        raise
+
+
 def _shut_unless(sock: socket.socket, done: threading.Event, seconds: float) -> None:
     """End `sock` (`_shut`) unless `done` is set within `seconds` of this process's running time (`unstalled`): a
     connection's handshake deadline, which a server frozen past it must not find expired on waking."""
@@ -499,9 +515,12 @@ def _shut_unless(sock: socket.socket, done: threading.Event, seconds: float) -> 
 
 
 def _shut(sock: socket.socket) -> None:
-    """End a connection from another thread: its blocked receive returns at once (the handler then ends it)."""
+    """End a connection from another thread: its blocked receive returns at once (the handler then ends it).
+
+    NOTE: the descriptor's shutdown, also under a TLS socket, whose own `shutdown` would drop its TLS state while
+    the handler's thread is still using it."""
     with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 def close_after_error(sock: socket.socket, reply: pb.DataReply | bytes, drain_s: float = 5.0) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import pickle
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -504,5 +506,73 @@ def test_a_tls_handshake_leaves_out_the_servers_own_stall(monkeypatch: pytest.Mo
             with client_tls.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
                 sock.sendall(b"h")
                 assert sock.recv(2) == b"ok"
+    finally:
+        listener.stop()
+
+
+def _tls_pair(tmp_path: Path) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """The server's and a client's TLS contexts over a fresh test PKI."""
+    pki = write_pki(tmp_path)
+    server_tls = channel.server_tls(pki.server["tls_cert"], pki.server["tls_key"], None)
+    client_tls = channel.client_tls(pki.ca, None, None)
+    assert server_tls is not None and client_tls is not None
+    return server_tls, client_tls
+
+
+@pytest.mark.timeout(60)
+def test_a_tls_connection_silent_after_its_tls_handshake_is_shut_at_the_handshake_deadline(tmp_path: Path) -> None:
+    """--handshake_timeout bounds a TLS connection's hello too: the deadline shut the plain socket the TLS one had
+    taken over (a closed descriptor, the error ignored), so a client done with TLS that sent nothing held its pending
+    slot until the idle timeout, and one sending a byte now and then held it for good."""
+    server_tls, client_tls = _tls_pair(tmp_path)
+    listener = plane_tcp.DataPlaneListener(
+        "127.0.0.1", 0, _answer_ok, tls=server_tls, max_connections=4, io_timeout_s=60, handshake_s=0.2
+    )
+    try:
+        raw = socket.create_connection(("127.0.0.1", listener.port), timeout=10)
+        with client_tls.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+            with contextlib.suppress(ssl.SSLEOFError, ConnectionResetError):
+                assert sock.recv(2) == b""
+    finally:
+        listener.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_every_connection_leaves_no_thread_or_descriptor_behind(tls: bool, tmp_path: Path) -> None:
+    """A connection has a handler thread and, until it authenticates or ends, a handshake-deadline thread: after
+    connections served, closed mid-hello and reset before their hello (or their TLS handshake), neither thread is
+    left, long before the deadline would have ended it, nor a descriptor (a reset before the TLS socket was made
+    left its descriptor to the garbage collector)."""
+    server_tls, client_tls = _tls_pair(tmp_path) if tls else (None, None)
+    listener = plane_tcp.DataPlaneListener(
+        "127.0.0.1", 0, _answer_ok, tls=server_tls, max_connections=128, io_timeout_s=60, handshake_s=60
+    )
+
+    def connect() -> socket.socket:
+        raw = socket.create_connection(("127.0.0.1", listener.port), timeout=10)
+        return client_tls.wrap_socket(raw, server_hostname="127.0.0.1") if client_tls else raw
+
+    def connections() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name in ("spes-data-conn", "spes-data-handshake")]
+
+    try:
+        descriptors = len(os.listdir("/proc/self/fd"))
+        for _ in range(6):  # NOTE: 18 connections, fewer than the 32 pending ones one address may hold
+            with connect() as sock:
+                sock.sendall(b"h")
+                assert sock.recv(2) == b"ok"
+            with connect():
+                pass  # closed before its hello
+            with socket.create_connection(("127.0.0.1", listener.port), timeout=10) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a FIN
+        with connect() as sock:  # served once every connection before it was accepted, its threads started
+            sock.sendall(b"h")
+            assert sock.recv(2) == b"ok"
+        deadline = time.monotonic() + 20
+        while connections() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert connections() == []
+        assert len(os.listdir("/proc/self/fd")) == descriptors
     finally:
         listener.stop()
