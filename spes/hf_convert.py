@@ -11,8 +11,9 @@ import math
 import os
 import re
 import shutil
+import typing
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 
 from spes.atomic import staging_dir
 from spes.checkpoint import load_model_state, save_checkpoint, trainer_state
-from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig, load_config
+from spes.config import ModelConfig, SpesConfig, TokenizerConfig, TrainConfig
 from spes.hf_map import (
     DENSE_MODEL_TYPES,
     EXPORT_DTYPES,
@@ -35,7 +36,7 @@ from spes.hf_map import (
 from spes.hub import TOKENIZER_FILES, resolve, resolve_tokenizer
 from spes.moe import fuse_expert_blocks, split_expert_blocks
 from spes.save_folder import CONFIG_FILE, LATEST, META_FILE, resolve_checkpoint
-from spes.schema import ConfigError, to_dict
+from spes.schema import ConfigError, from_dict, read_mapping, to_dict
 from spes.tokenizer import check_vocab, load_tokenizer
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in EXPORT_DTYPES}
@@ -148,8 +149,19 @@ def load_step_config(step_dir: Path) -> TrainConfig:
             f"{step_dir} is not a spes checkpoint: it has no {CONFIG_FILE} (expected a "
             f"<save_folder>/step<N> directory written by spes training)"
         )
-    cfg, _ = load_config(path)
-    return cfg
+    raw = read_mapping(TrainConfig, path, (), str(path))
+    return from_dict(TrainConfig, _keys_of_now(TrainConfig, raw), where=str(path))
+
+
+def _keys_of_now(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A config an earlier spes saved, each key a section renamed since (its `RENAMED`) under its name of now: a
+    checkpoint's config.yaml is not the user's to edit (meta.json records its size and checksum)."""
+    renamed, hints = getattr(cls, "RENAMED", {}), typing.get_type_hints(cls)
+    now = {renamed.get(key, key): value for key, value in raw.items()}
+    return {
+        key: _keys_of_now(hints[key], value) if isinstance(value, Mapping) and is_dataclass(hints.get(key)) else value
+        for key, value in now.items()
+    }
 
 
 def write_safetensors(

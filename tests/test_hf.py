@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+import yaml
 from safetensors import SafetensorError, safe_open
 from torch.testing import assert_close
 
@@ -22,10 +23,10 @@ from disk_helpers import drop_checksums
 from dist_helpers import without_torch
 from hf_fixtures import BASE, CASES, make_checkpoint, save_tiny_olmoe
 from spes import hf, hf_convert, hf_map
-from spes.checkpoint import load_model_state
+from spes.checkpoint import load_model_state, save_checkpoint
 from spes.config import ModelConfig, TokenizerConfig
 from spes.model import Transformer
-from spes.save_folder import LATEST, META_FILE, CheckpointError, resolve_step
+from spes.save_folder import CONFIG_FILE, LATEST, META_FILE, CheckpointError, resolve_step
 from spes.schema import ConfigError
 from spes.tokenizer import LoadedTokenizer
 from terminal_helpers import with_reader_gone
@@ -78,6 +79,22 @@ def test_export_sharded_with_index_loads(tmp_path: Path, tokenizer: LoadedTokeni
     umask = os.umask(0o022)
     os.umask(umask)  # the files get what open() would give them: readable by the cluster's other users under 022
     assert {p.stat().st_mode & 0o777 for p in out.rglob("*") if p.is_file()} == {0o666 & ~umask}
+    ids = torch.randint(0, tokenizer.vocab_size, (1, 9))
+    with torch.no_grad():
+        assert_close(hf_logits(out, ids)[1], model(ids).logits, atol=1e-4, rtol=0)
+
+
+def test_a_checkpoint_an_earlier_spes_saved_exports_with_the_config_keys_renamed_since(
+    tmp_path: Path, tokenizer: LoadedTokenizer
+) -> None:
+    """spes before 2026-11-27 saved spes_config.wire_dtype (now codec): its checkpoints resumed, but their export
+    was refused naming the key to rename in the checkpoint's config.yaml, whose size meta.json records."""
+    step_dir, model = make_checkpoint(tmp_path / "run", tokenizer, CASES["olmoe"][0])
+    config = yaml.safe_load((step_dir / CONFIG_FILE).read_text())
+    config["spes_config"]["wire_dtype"] = config["spes_config"].pop("codec")
+    state = load_model_state(step_dir)
+    old = save_checkpoint(tmp_path / "old", 5, model_state=state, optim_state=None, trainer_state={}, config=config)
+    out = hf_convert.export_checkpoint(old, tmp_path / "hf")
     ids = torch.randint(0, tokenizer.vocab_size, (1, 9))
     with torch.no_grad():
         assert_close(hf_logits(out, ids)[1], model(ids).logits, atol=1e-4, rtol=0)

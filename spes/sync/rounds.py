@@ -140,6 +140,15 @@ class RoundState:
                 Reason.STALE_ROUND,
             )
         expected = self.next_round(None if done is None else done.round)
+        if done is None and expected is not None and step > expected and self.next_round(step - 1) == step:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"peer {peer} resumes at round {step}, but this server holds no completed round of the run (its first "
+                f"round is {expected}): its state.json is gone, or it was started on another --state_dir; restart it "
+                "on the --state_dir that holds the run's state.json, or start a new run (a fresh --state_dir, every "
+                "node without --resume)",
+                Reason.FUTURE_ROUND,
+            )
         if step != expected:
             after = "before any round" if done is None else f"after round {done.round}"
             raise Refused(

@@ -185,8 +185,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
         return None
     try:
         record = json.loads(state_path.read_text())
-        if record.get("format") != FORMAT:
-            raise ValueError(f"format {record.get('format')!r}, this spes reads format {FORMAT}")
+        _check_format(state_path, record.get("format"))
         step, peers, tensor_name = int(record["round"]), [int(p) for p in record["peers"]], record["tensor_file"]
         tensor_bytes, tensor_checksum = int(record["tensor_file_bytes"]), record.get("tensor_file_xxh3_128")
         if not isinstance(tensor_name, str):
@@ -200,6 +199,8 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
         if not math.isfinite(alpha):
             raise ValueError(f"merge alpha {alpha} is not a number")
         server_changed = tuple(server_changes(dict(record.get("server", {})), spec.server))
+    except _OtherFormat:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise ValueError(
             f"{state_path}: not a spes server state of this version ({exc}); move it away or pick another --state_dir"
@@ -236,6 +237,29 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
     length_was = recorded.last_step if resized.last_step != recorded.last_step else None
     return SavedRound(
         step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete, length_was, server_changed
+    )
+
+
+class _OtherFormat(ValueError):
+    """A state.json another spes version wrote: `load_round` raises it as it is, what to do said."""
+
+
+def _check_format(state_path: Path, found: Any) -> None:
+    """Raises for a `format` other than FORMAT; one an earlier or a later spes wrote, as what to do: moving it away
+    would start the run again at its first round, where its resuming nodes are refused."""
+    if found == FORMAT:
+        return
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise ValueError(f"format {found!r}, this spes reads format {FORMAT}")
+    if found > FORMAT:
+        raise _OtherFormat(
+            f"{state_path}: written by a later spes (server state format {found}, this one reads format {FORMAT}); "
+            "run the spes version that wrote it on the server and every node"
+        )
+    raise _OtherFormat(
+        f"{state_path}: written by an earlier spes (server state format {found}, this one reads format {FORMAT}); "
+        "finish this run with the spes version that started it (server and every node), or start a new run (a fresh "
+        "--state_dir, every node without --resume)"
     )
 
 

@@ -53,9 +53,9 @@ def test_only_the_round_the_schedule_expects_next_may_open() -> None:
     run expects, and the honest round opens as usual."""
     state = RoundState(2, ServerSection(), every(10))
     with pytest.raises(
-        Refused, match=r"uploads round 1000000000000, but the run's next round is 10 \(before any"
+        Refused, match=r"uploads round 1000000000001, but the run's next round is 10 \(before any"
     ) as err:
-        state.admit(1, 10**12)
+        state.admit(1, 10**12 + 1)
     assert (err.value.code, err.value.reason) == (grpc.StatusCode.FAILED_PRECONDITION, "future_round")
     with pytest.raises(Refused, match="next round is 10"):
         state.admit(1, 5)  # off the schedule
@@ -66,6 +66,23 @@ def test_only_the_round_the_schedule_expects_next_may_open() -> None:
     ended = RoundState(2, ServerSection(), lambda after: None)
     with pytest.raises(Refused, match="next round is none: it ended before any round"):
         ended.admit(0, 10)
+
+
+def test_a_peer_resuming_a_later_round_on_a_server_without_any_says_its_state_is_likely_lost() -> None:
+    """A --state_dir whose state.json was deleted (or another --state_dir) restarts the run at its first round: the
+    resuming peers' round, on the schedule, was refused asking whether they use the run's sync_steps."""
+    state = RoundState(2, ServerSection(), every(10))
+    resumed = refusal(state.admit, 0, 30)
+    assert (resumed.code, resumed.reason, str(resumed)) == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "future_round",
+        "peer 0 resumes at round 30, but this server holds no completed round of the run (its first round is 10): "
+        "its state.json is gone, or it was started on another --state_dir; restart it on the --state_dir that holds "
+        "the run's state.json, or start a new run (a fresh --state_dir, every node without --resume)",
+    )
+    assert "sync_steps" in str(refusal(state.admit, 0, 35))  # off the schedule: the peers' settings differ
+    state.restore(completed(10, {0, 1}))
+    assert "next round is 20 (after round 10)" in str(refusal(state.admit, 0, 30))
 
 
 def test_a_round_closed_without_a_peer_is_stale_for_it() -> None:

@@ -194,8 +194,8 @@ def test_damaged_or_older_state_is_refused_with_the_file_named(tmp_path: Path) -
     (tmp_path / STATE_FILE).write_text("[1, 2]")
     with pytest.raises(ValueError, match="not a spes server state of this version"):
         load_round(tmp_path, SPEC)
-    (tmp_path / STATE_FILE).write_text(json.dumps({"format": 1, "round": 3}))
-    with pytest.raises(ValueError, match="format 1, this spes reads format 2"):
+    (tmp_path / STATE_FILE).write_text(json.dumps({"format": "2", "round": 3}))
+    with pytest.raises(ValueError, match="of this version \\(format '2', this spes reads format 2\\)"):
         load_round(tmp_path, SPEC)
     other = tmp_path / "other"
     bad = saved(10)
@@ -344,6 +344,33 @@ def test_a_damaged_tensor_file_of_the_recorded_size_is_refused_as_unreadable(tmp
     tensor_file.unlink()
     with pytest.raises(FileNotFoundError, match=f"^{tmp_path / STATE_FILE} names {tensor_file}, which is missing"):
         load_round(tmp_path, SPEC)
+
+
+@pytest.mark.parametrize(
+    ("found", "refusal"),
+    [
+        (
+            1,
+            "written by an earlier spes (server state format 1, this one reads format 2); finish this run with the "
+            "spes version that started it (server and every node), or start a new run (a fresh --state_dir, every "
+            "node without --resume)",
+        ),
+        (
+            3,
+            "written by a later spes (server state format 3, this one reads format 2); run the spes version that wrote "
+            "it on the server and every node",
+        ),
+    ],
+)
+def test_a_state_of_another_spes_version_says_which_and_what_to_do(tmp_path: Path, found: int, refusal: str) -> None:
+    """A format 1 state (spes before 2026-11-27, as it wrote it) was 'not a spes server state of this version ...;
+    move it away': the restarted server then holds no round, and the run's resuming nodes are refused."""
+    record = {"format": found, "round": 20, "peers": [0, 1], "merged": False, "alpha": 0.0, "sync_steps": 0}
+    record |= {"run": {"num_peers": 2, "experts_per_peer": 2, "mode": "spes"}, "held_is_global": [], "fragment": 0}
+    (tmp_path / STATE_FILE).write_text(json.dumps({**record, "tensor_file": "round-20.safetensors"}))
+    with pytest.raises(ValueError) as refused:
+        load_round(tmp_path, SPEC)
+    assert str(refused.value) == f"{tmp_path / STATE_FILE}: {refusal}"
 
 
 @pytest.mark.parametrize(
