@@ -206,19 +206,7 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
             f"{state_path}: not a spes server state of this version ({exc}); move it away or pick another --state_dir"
         ) from None
     resized = with_length(recorded, spec.last_step, step)
-    found = spec.first_difference(resized)
-    if found is not None and found[0] == "last_step":
-        raise ValueError(
-            f"{state_path}: the run has completed round {step}, this server's max_duration ends it at step "
-            f"{spec.last_step}; restart it with a max_duration past step {step}, or use a fresh --state_dir for a "
-            "new run"
-        )
-    if found is not None:
-        name, ours, theirs = found
-        raise ValueError(
-            f"{state_path}: written by a run with {name}={theirs!r}, this server has {name}={ours!r}; restart it "
-            f"with {FIELD_KEYS[name]} as that run had it, or use a fresh --state_dir for a new run"
-        )
+    _check_spec(state_path, step, spec, resized)
     _check_model(state_path, manifest, spec)
     global_model, momentum, codec_state = _read_tensors(
         directory, state_path, tensor_name, tensor_bytes, tensor_checksum
@@ -238,6 +226,24 @@ def load_round(state_dir: str | Path, spec: RunSpec) -> SavedRound | None:
     return SavedRound(
         step, tuple(peers), fragment, alpha, ordered, momentum, codec_state, complete, length_was, server_changed
     )
+
+
+def _check_spec(state_path: Path, step: int, spec: RunSpec, recorded: RunSpec) -> None:
+    """Raises ValueError naming the first setting in which this server's `spec` differs from the one the state at
+    round `step` was written under (`recorded`, its length that of `spec`), and what to do."""
+    found = spec.first_difference(recorded)
+    if found is not None and found[0] == "last_step":
+        raise ValueError(
+            f"{state_path}: the run has completed round {step}, this server's max_duration ends it at step "
+            f"{spec.last_step}; restart it with a max_duration past step {step}, or use a fresh --state_dir for a "
+            "new run"
+        )
+    if found is not None:
+        name, ours, theirs = found
+        raise ValueError(
+            f"{state_path}: written by a run with {name}={theirs!r}, this server has {name}={ours!r}; restart it "
+            f"with {FIELD_KEYS[name]} as that run had it, or use a fresh --state_dir for a new run"
+        )
 
 
 class _OtherFormat(ValueError):
