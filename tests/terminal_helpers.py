@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,9 +11,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OWN_TERMINAL = (
-    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); os.execv(sys.argv[1], sys.argv[1:])"
+    "import fcntl, os, signal, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "signal.signal(signal.SIGHUP, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
 )
-"""Take stdin's pty as the controlling terminal of this new session, then become the command."""
+"""Take stdin's pty as the controlling terminal of this new session, with SIGHUP as a terminal's job has it (not
+ignored, whatever the test runner was started under: `nohup`), then become the command."""
 
 
 def on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, int]:
@@ -30,6 +33,12 @@ def on_a_terminal(argv: list[str], env: dict[str, str]) -> tuple[subprocess.Pope
     )
     os.close(slave)
     return proc, master
+
+
+def hangup_as_in_a_terminal() -> None:
+    """A child's `preexec_fn`: SIGHUP at its default, as in a terminal's job, though the test runner may have been
+    started under `nohup` (an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def read_until(master: int, text: bytes, timeout_s: float) -> bytes:

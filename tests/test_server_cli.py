@@ -20,6 +20,7 @@ from spes.config import ServerSection
 from spes.schema import config_help
 from spes.sync.server import config_of, exposure_warnings
 from spes.sync.settings import DeployConfig, LegacyRun, ServerConfig, build_parser, command_from_args
+from terminal_helpers import hangup_as_in_a_terminal
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -435,6 +436,7 @@ def test_a_closed_terminals_hangup_stops_the_server_as_sigterm_does(tmp_path: Pa
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=hangup_as_in_a_terminal,
         )
     try:
         deadline = time.monotonic() + 60
