@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Iterable
 from pathlib import Path
 
-from spes.torchrun import ERROR_DIR_ENV
+from spes.torchrun import ERROR_DIR_ENV, rank_file
 
 # What a user can cause or meet, by the import path of its class: each ends the run with its message as one line and
 # this exit code (the first that matches). OSError: a full disk or an unwritable save_folder; KeyboardInterrupt: a
@@ -63,7 +63,7 @@ def report(e: BaseException) -> int:
         kept = "traceback above" if debug else _keep_traceback(e)
         message = f"{type(e).__name__}: {message} (at {_raised_at(e)}; {kept})"
     line = "error: " + "; ".join(" ".join(part.split()) for part in (message, hint) if part)
-    if not leave_for_launcher(line):
+    if not leave_for_launcher(line, stopped=isinstance(e, KeyboardInterrupt)):
         try:
             print(line, file=sys.stderr, flush=True)
         except OSError:  # NOTE: stderr is a log on the disk that filled up: the exit code still tells the kind
@@ -90,12 +90,14 @@ def kind_of(e: BaseException, kinds: Iterable[str]) -> str | None:
     return None
 
 
-def leave_for_launcher(line: str) -> bool:
+def leave_for_launcher(line: str, *, stopped: bool) -> bool:
     """Under `spes.torchrun`, leave `line` in this rank's file of `$SPES_ERROR_DIR`, which it prints (the lowest
-    rank's) after the ranks have ended; whether it did (else there is no launcher to leave it for)."""
+    rank's; after a failure, a failed rank's before a `stopped` one's) after the ranks have ended; whether it did
+    (else there is no launcher to leave it for)."""
     if not os.environ.get(ERROR_DIR_ENV):
         return False
-    with open(os.path.join(os.environ[ERROR_DIR_ENV], f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+    name = rank_file(os.environ.get("RANK", "0"), stopped=stopped)
+    with open(os.path.join(os.environ[ERROR_DIR_ENV], name), "w") as f:
         f.write(line + "\n")
     return True
 

@@ -399,7 +399,8 @@ def _train(cfg: TrainConfig, info: DistInfo, notes: list[str]) -> None:
     except Stopped as stop:  # its last step saved: the word spes.torchrun prints
         leave_for_launcher(
             f"error: saved step {stop.step}'s checkpoint in {cfg.save_folder} and stopped; continue with --resume (or "
-            "--resume=auto)"
+            "--resume=auto)",
+            stopped=True,
         )
         raise
     finally:

@@ -6,8 +6,10 @@ Takes torchrun's arguments unchanged. Plain torchrun follows a child's clean `er
 `ChildFailedError` traceback; here each rank of `spes.train` leaves its line in a temporary directory
 (`SPES_ERROR_DIR`), printing nothing, and the lowest rank's line (rank 0 talks to the server and writes
 checkpoints: its line names the culprit, the others' say that rank 0 failed) is printed last, with the first
-failure's exit code. A signal (Ctrl-C, a scheduler's SIGTERM) ends in one line too, with the lowest rank's word of
-what it did: saved a checkpoint and stopped, or stopped before saving and what its save folder holds.
+failure's exit code; a rank that failed of itself comes before one that torchrun stopped because another had failed
+(its line says it was interrupted, which is not why the run ended). A signal (Ctrl-C, a scheduler's SIGTERM) ends
+in one line too, with the lowest rank's word of what it did: saved a checkpoint and stopped, or stopped before saving
+and what its save folder holds.
 
 On a signal torchrun passes it on and SIGKILLs any rank still running after its shutdown timeout; a stopped rank
 saves a checkpoint at its next step boundary, and torch's 30 s killed a 1B node mid-save (the steps since its last
@@ -53,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
-            line = _lowest_ranks_line(errors) or (
+            line = _lowest_ranks_line(errors, failed=True) or (
                 f"error: rank {rank} of {args.training_script} exited with code {failure.exitcode}; see its output "
                 "above"
             )
             print(line, file=sys.stderr, flush=True)
             return failure.exitcode if failure.exitcode > 0 else 1
         except SignalException as e:  # torchrun has passed the signal on to the ranks and waited for them
-            said = _lowest_ranks_line(errors)
+            said = _lowest_ranks_line(errors, failed=False)
             print(
                 f"error: stopped by {signal.Signals(e.sigval).name}: "
                 + (
@@ -94,11 +96,25 @@ def shutdown_timeout(given: int | None) -> int:
         ) from None
 
 
-def _lowest_ranks_line(errors: str) -> str | None:
+def rank_file(rank: str, *, stopped: bool) -> str:
+    """The name of the file in `$SPES_ERROR_DIR` that holds rank `rank`'s line; `stopped`: the rank ended on a
+    signal (its line says what it saved), not of a failure of its own."""
+    return f"rank{rank}{'.stopped' if stopped else ''}.txt"
+
+
+def _lowest_ranks_line(errors: str, *, failed: bool) -> str | None:
     """The line the lowest rank left in `errors` (rank 0 talks to the server and writes the checkpoints: its line
-    names the culprit, or what it saved), if any rank left one."""
-    lines = sorted(Path(errors).glob("rank*.txt"), key=lambda p: int(p.stem.removeprefix("rank")))
-    return lines[0].read_text().strip() if lines else None
+    names the culprit, or what it saved), if any rank left one. After a rank `failed`, a rank that failed of itself
+    comes first: the others were stopped by torchrun's signal (a slow rank 0 still reading its config among them)."""
+    left = list(Path(errors).glob("rank*.txt"))
+    if not left:
+        return None
+
+    def order(path: Path) -> tuple[bool, int]:
+        rank, *stopped = path.name.removesuffix(".txt").removeprefix("rank").split(".")
+        return (failed and bool(stopped), int(rank))
+
+    return min(left, key=order).read_text().strip()
 
 
 if __name__ == "__main__":

@@ -88,6 +88,42 @@ def test_on_a_signal_spes_torchrun_says_what_the_lowest_rank_did_in_one_line(
 
 
 @pytest.mark.parametrize(
+    ("left", "said"),
+    [
+        (
+            {"rank0.stopped.txt": "error: interrupted without saving", "rank1.txt": "error: command line (--x=abc)"},
+            "error: command line (--x=abc)",
+        ),
+        (
+            {"rank0.txt": "error: server 127.0.0.1:1 unreachable", "rank1.txt": "error: rank 0 failed"},
+            "error: server 127.0.0.1:1 unreachable",
+        ),
+        ({"rank1.stopped.txt": "error: interrupted", "rank0.stopped.txt": "error: saved"}, "error: saved"),
+        ({}, "error: rank 1 of spes.train exited with code 2; see its output above"),
+    ],
+)
+def test_after_a_failure_spes_torchrun_prints_a_failed_ranks_line_before_a_stopped_ones(
+    left: dict[str, str], said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 refused a command line while a loaded rank 0 was still starting: torchrun's SIGTERM made rank 0 say
+    "interrupted without saving", which was printed as why the run ended."""
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    import spes.torchrun
+
+    def failed(args: object) -> None:
+        for name, line in left.items():
+            (Path(os.environ[spes.torchrun.ERROR_DIR_ENV]) / name).write_text(line + "\n")
+        raise ChildFailedError("spes.train", {1: ProcessFailure(1, 4321, 2, "<N/A>")})
+
+    monkeypatch.setenv(spes.torchrun.ERROR_DIR_ENV, "")  # NOTE: main sets it; the test's end takes it away again
+    monkeypatch.setattr(torch.distributed.run, "run", failed)
+    assert spes.torchrun.main(["--standalone", "--nproc_per_node=2", "-m", "spes.train", TINY]) == 2
+    assert capsys.readouterr().err == said + "\n"
+
+
+@pytest.mark.parametrize(
     ("flags", "env", "timeout"),
     [
         ([], {}, 300),
@@ -139,7 +175,7 @@ Path(sys.argv[1]).touch()
 while not stop:
     time.sleep(0.02)
 time.sleep(float(sys.argv[2]))  # its step and its save
-leave_for_launcher("error: saved step 7's checkpoint and stopped")
+leave_for_launcher("error: saved step 7's checkpoint and stopped", stopped=True)
 sys.exit(130)
 """
 """A rank that takes argv[2] seconds to save after SIGTERM (argv[1]: the file it makes once started)."""

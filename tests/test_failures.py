@@ -139,6 +139,14 @@ def test_the_line_is_left_for_spes_torchrun_under_the_ranks_number(
     assert (tmp_path / "rank3.txt").read_text() == line and capsys.readouterr().err == ""  # the launcher prints it
 
 
+def test_a_rank_ended_by_a_signal_leaves_its_line_as_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """spes.torchrun prints a rank that failed of itself before one its signal stopped (tests/test_distributed)."""
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    assert report(KeyboardInterrupt()) == 130
+    assert [p.name for p in tmp_path.iterdir()] == ["rank2.stopped.txt"]
+
+
 def test_a_refusal_is_its_line_alone_and_spes_debug_prints_every_traceback(
     kept: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

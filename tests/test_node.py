@@ -739,7 +739,7 @@ def test_a_node_stopped_by_a_signal_leaves_spes_torchrun_its_line_and_closes_its
     cfg, _ = load_config(TINY, [f"--save_folder={tmp_path / 'out'}"])
     with pytest.raises(Stopped):
         spes.node._train(cfg, CPU, [])
-    assert syncer.closed and (tmp_path / "rank0.txt").read_text() == (
+    assert syncer.closed and (tmp_path / "rank0.stopped.txt").read_text() == (
         f"error: saved step 8's checkpoint in {tmp_path / 'out'} and stopped; continue with --resume (or "
         "--resume=auto)\n"
     )
@@ -1122,7 +1122,7 @@ def test_a_signal_before_the_training_loop_ends_in_a_line_naming_what_the_save_f
         assert main(node) == 130 and capsys.readouterr().err == ""
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert (tmp_path / "rank0.txt").read_text() == (
+    assert (tmp_path / "rank0.stopped.txt").read_text() == (
         f"error: interrupted without saving; save_folder {folder}'s latest checkpoint is step4: continue from it "
         "with --resume or --resume=auto\n"
     )
