@@ -148,6 +148,12 @@ def outliving_readers(note: str | None) -> Iterator[None]:
         sys.stdout, sys.stderr = streams
 
 
+def still_read(stream: TextIO) -> bool:
+    """Whether `stream` has a reader as far as `outliving_readers` knows (outside it: always). Why: output that is a
+    command's only product (`spes.status --watch`) ends with its reader instead of going on into /dev/null."""
+    return not getattr(stream, "unread", False)
+
+
 def silence(stream: TextIO) -> None:
     """Point `stream`'s file descriptor at /dev/null: what is still buffered for a reader gone, Python's flush at
     exit included, is dropped instead of raising again."""
@@ -162,6 +168,7 @@ class _Unread:
     def __init__(self, stream: TextIO, note: str | None) -> None:
         self._stream = stream
         self._note = note
+        self.unread = False
 
     def write(self, text: str) -> int:
         self._quietly(lambda: self._stream.write(text))
@@ -180,6 +187,7 @@ class _Unread:
             if e.errno not in NOBODY_READS:
                 raise
             silence(self._stream)
+            self.unread = True
             if self._note is not None:
                 note, self._note = self._note, None
                 print(note, file=sys.stderr, flush=True)

@@ -11,9 +11,9 @@ less 1000 * its peer_id), the server is
 the same `python -m spes.server` given the same YAML and overrides (so its `server:` section, e.g.
 `-- --server.merge_interval=20`). At the end it prints a summary table and exits 0 with every child gone; if
 any process fails, the others are stopped and the launcher exits with that process's code (docs/running.md's exit
-codes: 2 a config or data error, 6 a full disk, ...), after what was kept and how to continue. Ctrl-C or SIGTERM
-stops the peers (each saves a checkpoint of its last step), then the server (it persists its state), and exits 130:
-`--resume` continues; so does SIGHUP (a closed terminal), unless started under `nohup`.
+codes: 2 a config or data error, 6 a full disk, ...), saying what was kept, then that process's own line, the last.
+Ctrl-C or SIGTERM stops the peers (each saves a checkpoint of its last step), then the server (it persists its
+state), and exits 130: `--resume` continues; so does SIGHUP (a closed terminal), unless started under `nohup`.
 Another signal while they stop (`ECHO_S` or more after the first) kills them all at once, without saving; so does
 SIGQUIT (Ctrl-\\), exit 131. A launcher whose output nobody reads any more (`| head`) goes on, the logs in --out.
 """
@@ -143,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"started server on 127.0.0.1:{port} and {cfg.num_peers} peers ({MODE_TITLES[cfg.mode]} run, data "
                 f"seeds {seeds}); logs in {out}/ (following peer0.log)"
             )
-            code = _wait(procs, followed, shown, args.timeout)
+            code, culprit = _wait(procs, followed, shown, args.timeout)
         except KeyboardInterrupt:
             print("interrupted: the peers save a checkpoint and stop, then the server", file=sys.stderr)
-            code = 130
+            code, culprit = 130, None
         finally:
             _stop_all(procs)
-    if code == 130 or (code != 0 and previous_run(out)):
-        print(how_to_continue(out), file=sys.stderr)
     if code != 0:
+        for line in ending(out, culprit):
+            print(line, file=sys.stderr)
         return code
     summary = summarize(out, cfg.num_peers, time.time() - started, cfg.mode)
     summary |= {"run_steps": cfg.duration_steps, "stop_at": cfg.stop_at if cfg.max_steps < cfg.duration_steps else None}
@@ -257,16 +257,38 @@ def saved_nodes(out: Path) -> list[Path]:
     return sorted(nodes, key=lambda p: (len(p.name), p.name))
 
 
+RESUME = "--resume and the same overrides after `--` (quickstart: RESUME=1 and the same settings)"
+"""How the launcher continues the run its --out holds."""
+
+
+def ending(out: Path, culprit: str | None) -> list[str]:
+    """The last lines of a launch that did not finish: with no culprit (Ctrl-C, SIGTERM), what it kept and how to
+    continue; else what it kept (if anything), then the culprit's own line, the last: the project's one line naming
+    what failed and what to do. Why: "continue with --resume" after that line contradicted a refusal that the kept
+    state cannot simply be resumed (a server state an older spes wrote, a state.json gone)."""
+    if culprit is None:
+        return [how_to_continue(out)]
+    if not previous_run(out):
+        return [culprit]
+    return [
+        f"{kept(out)}; once the error below is dealt with, {RESUME} continue from there, or another --out (quickstart: "
+        "OUT=...) starts a new run",
+        culprit,
+    ]
+
+
 def how_to_continue(out: Path) -> str:
     """What an interrupted start left in `out` (the step each peer goes on from), and the command that follows on
     from it."""
     if not previous_run(out):
         return f"nothing was saved yet in {out}: start the run again without --resume"  # NOTE: --resume is refused
-    return (
-        f"kept in {out}: {kept_checkpoints(out) or 'no node checkpoint'}"
-        f"{' and the server state' if (out / 'server_state' / 'run.json').is_file() else ''}; continue with --resume "
-        "and the same overrides after `--` (quickstart: RESUME=1 and the same settings)"
-    )
+    return f"{kept(out)}; continue with {RESUME}"
+
+
+def kept(out: Path) -> str:
+    """What `out` keeps of a run: each node's checkpoint a resume goes on from, and whether the server's state."""
+    server = " and the server state" if (out / "server_state" / "run.json").is_file() else ""
+    return f"kept in {out}: {kept_checkpoints(out) or 'no node checkpoint'}{server}"
 
 
 def kept_checkpoints(out: Path) -> str:
@@ -311,9 +333,10 @@ def _spawn(cmd: list[str], log_path: Path, env: dict[str, str], resume: bool) ->
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def _wait(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout: float) -> int:
-    """Follow one peer's log from byte `offset` until every peer exits; stop early on the first failure. The exit
-    code: 0, the first failed process's (1 if a signal ended it), or 1 past `timeout`."""
+def _wait(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout: float) -> tuple[int, str | None]:
+    """Follow one peer's log from byte `offset` until every peer exits; stop early on the first failure, saying at
+    once who failed. The exit code and the culprit's line (said last, once the others are stopped): 0 and none, the
+    first failed process's code (1 if a signal ended it) and its own line, or 1 and the timeout's past `timeout`."""
     deadline = time.time() + timeout
     peers = {k: p for k, p in procs.items() if k != "server"}
     while True:
@@ -325,18 +348,17 @@ def _wait(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout
                     f"{k} exited with code {procs[k].returncode}; its log: {follow.parent / f'{k}.log'}",
                     file=sys.stderr,
                 )
-            print(_last_line(follow.parent / f"{failed[0]}.log") or f"error: {failed[0]} failed", file=sys.stderr)
-            return max(procs[failed[0]].returncode, 1)  # NOTE: its kind, as spes.failures numbers it; killed: 1
+            first = procs[failed[0]].returncode
+            log = follow.parent / f"{failed[0]}.log"
+            said = _last_line(log) or f"error: {failed[0]} failed (exit code {first}) without saying why; see {log}"
+            return max(first, 1), said  # NOTE: its kind, as spes.failures numbers it; killed: 1
         if all(p.poll() == 0 for p in peers.values()):
             _echo_new(follow, offset)
-            return 0
+            return 0, None
         if time.time() > deadline:
-            print(
-                f"error: run did not finish within --timeout={timeout:g} s: the peers save a checkpoint and stop, then "
-                "the server; continue with --resume (and a longer --timeout)",
-                file=sys.stderr,
-            )
-            return 1
+            late = f"run did not finish within --timeout={timeout:g} s"
+            print(f"{late}: the peers save a checkpoint and stop, then the server", file=sys.stderr)
+            return 1, f"error: {late}; continue with --resume and a longer --timeout"
         time.sleep(0.5)
 
 

@@ -15,7 +15,7 @@ import grpc
 
 from spes.cli import ArgumentParser, DefaultsHelpFormatter
 from spes.config import SpesConfig, is_host_port
-from spes.interrupt import silence
+from spes.interrupt import outliving_readers, still_read
 from spes.schema import number_flag
 from spes.sync.auth import TOKEN_ENV, WRONG_TOKEN, read_token
 from spes.sync.channel import certificate_refusal, client_tls, open_channel, tls_cause, tls_fix
@@ -92,10 +92,6 @@ def main(argv: list[str] | None = None) -> int:
             return ask(pb_grpc.ParameterServerStub(channel), args, metadata, settings)
         except KeyboardInterrupt:  # how a --watch ends: no traceback
             return 0
-        except BrokenPipeError:  # NOTE: its reader stopped early (`| head -n 3`, `less` quit): ended as Ctrl-C ends it
-            for stream in (sys.stdout, sys.stderr):
-                silence(stream)
-            return 0
 
 
 def ask(
@@ -106,7 +102,8 @@ def ask(
 ) -> int:
     """Ask the server once, or every `--watch` seconds. A watch outlives a server that stops answering once it has
     answered (a restart, which the nodes ride out too): its line, then the next question; a refusal, or no answer
-    at the first question (a wrong address, port or flag), ends it with 1. `settings`: the address and TLS files."""
+    at the first question (a wrong address, port or flag), ends it with 1. A watch whose reader has gone (`| head -n
+    3`, `less` quit) ends with 0, as Ctrl-C ends it. `settings`: the address and TLS files."""
     answered = False
     while True:
         try:
@@ -120,10 +117,11 @@ def ask(
         else:
             answered = True
             print(f"{time.strftime('%H:%M:%S')} {describe(reply)}", flush=True)
-            if not args.watch:
+            if not args.watch or not still_read(sys.stdout):
                 return 0
         time.sleep(args.watch)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with outliving_readers(None):  # NOTE: a reader gone (`| head`, a closed terminal) loses lines, not the exit code
+        raise SystemExit(main())

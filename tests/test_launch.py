@@ -23,9 +23,11 @@ from conftest import LaunchedRun, usage_error
 from spes.config import CODECS
 from spes.interrupt import Interruptible
 from spes.launch import (
+    RESUME,
     SIGNALS,
     _stop_all,
     _wait,
+    ending,
     format_summary,
     how_to_continue,
     load_run,
@@ -139,18 +141,22 @@ def test_a_run_is_a_server_state_or_a_nodes_checkpoint_as_the_nodes_see_it(tmp_p
 def test_a_run_past_its_timeout_says_what_was_kept_and_how_to_continue(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """It said only "run did not finish within 15s", though the peers are then stopped with a checkpoint each."""
+    """It said only "run did not finish within 15s", though the peers are then stopped with a checkpoint each. What
+    happens now is said at once; the error line, what to do, is the launch's last (after what was kept)."""
     procs = {name: subprocess.Popen(["sleep", "30"]) for name in ("server", "peer0")}
     try:
-        assert _wait(procs, tmp_path / "peer0.log", 0, 0.01) == 1
+        code, culprit = _wait(procs, tmp_path / "peer0.log", 0, 0.01)
     finally:
         for proc in procs.values():
             proc.kill()
             proc.wait()
     assert capsys.readouterr().err.splitlines() == [
-        "error: run did not finish within --timeout=0.01 s: the peers save a checkpoint and stop, then the server; "
-        "continue with --resume (and a longer --timeout)"
+        "run did not finish within --timeout=0.01 s: the peers save a checkpoint and stop, then the server"
     ]
+    assert (code, culprit) == (
+        1,
+        "error: run did not finish within --timeout=0.01 s; continue with --resume and a longer --timeout",
+    )
 
 
 @pytest.fixture
@@ -216,6 +222,23 @@ def test_an_interrupted_start_says_how_to_continue_from_what_it_saved(tmp_path: 
     assert how_to_continue(tmp_path).startswith(f"kept in {tmp_path}: node0 step90, node2 step105")
 
 
+def test_a_failed_launch_ends_with_the_culprits_line_after_what_was_kept(tmp_path: Path) -> None:
+    """The culprit's line is the last (the project's one line naming what failed and what to do); what was kept is
+    said before it, never as "continue with --resume", which contradicted a refusal that the kept state cannot simply
+    be resumed. Ctrl-C, which has no culprit, still ends with how to continue."""
+    culprit = "error: state.json: written by an earlier spes; ... or start a new run"
+    assert ending(tmp_path, culprit) == [culprit]  # nothing kept: nothing to say of it
+    assert ending(tmp_path, None) == [how_to_continue(tmp_path)]
+    (tmp_path / "node0" / "step4").mkdir(parents=True)
+    (tmp_path / "node0" / "step4" / META_FILE).write_text("{}")
+    assert ending(tmp_path, culprit) == [
+        f"kept in {tmp_path}: node0 step4; once the error below is dealt with, {RESUME} continue from there, or "
+        "another --out (quickstart: OUT=...) starts a new run",
+        culprit,
+    ]
+    assert ending(tmp_path, None) == [f"kept in {tmp_path}: node0 step4; continue with {RESUME}"]
+
+
 def test_a_damaged_run_record_or_latest_is_named_not_a_traceback_nor_none_complete(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -277,8 +300,9 @@ def test_the_peers_start_once_the_server_listens(
         spes.launch, "peer_command", lambda config, run, peer, seed, port, out: [python, "-c", FAKE_PEER, f"{port}"]
     )
 
-    def peers_exited(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout: float) -> int:
-        return max(p.wait(30) for name, p in procs.items() if name != "server") + 1  # 1: no summary to read
+    def peers_exited(procs: dict[str, subprocess.Popen], follow: Path, offset: int, timeout: float) -> tuple[int, str]:
+        code = max(p.wait(30) for name, p in procs.items() if name != "server") + 1  # 1: no summary to read
+        return code, "error: no summary to read"
 
     monkeypatch.setattr(spes.launch, "_wait", peers_exited)
     assert spes.launch.main([TINY, "--out", str(tmp_path)]) == 1
@@ -348,11 +372,11 @@ sys.exit(6)
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_peer_ends_the_launch_with_its_exit_code_and_how_to_continue(
+def test_a_failed_peer_ends_the_launch_with_its_exit_code_and_its_line_last(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], launcher_signals: None
 ) -> None:
-    """A peer that ended on a full disk (exit 6) ended the launch with exit 1, its kind lost, and its line's advice
-    (`--resume=auto`, a node's flag) was the last word, not the launcher's own way to continue (`--resume`)."""
+    """A peer that ended on a full disk (exit 6) ended the launch with exit 1, its kind lost; its line, what failed
+    and what to do, is the last, what was kept before it with the launcher's own way to continue (`--resume`)."""
     python = sys.executable
     listening = "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); "
     monkeypatch.setattr(
@@ -371,10 +395,32 @@ def test_a_failed_peer_ends_the_launch_with_its_exit_code_and_how_to_continue(
     err = capsys.readouterr().err.splitlines()
     assert err[-3:] == [
         f"peer0 exited with code 6; its log: {tmp_path / 'peer0.log'}",
+        f"kept in {tmp_path}: node0 step4; once the error below is dealt with, --resume and the same overrides after "
+        "`--` (quickstart: RESUME=1 and the same settings) continue from there, or another --out (quickstart: "
+        "OUT=...) starts a new run",
         "error: cannot save the checkpoint of step 8: no space left on device",
-        f"kept in {tmp_path}: node0 step4; continue with --resume and the same overrides after `--` (quickstart: "
-        "RESUME=1 and the same settings)",
     ]
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_the_server_refuses_ends_with_its_refusal_not_continue_with_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], launcher_signals: None
+) -> None:
+    """A real server on a state an earlier spes wrote refuses to resume it ("finish this run with the spes version
+    that started it ... or start a new run"); the launch then said "continue with --resume" after that line, the
+    last word contradicting the refusal. The peers here only wait."""
+    state = tmp_path / "server_state"
+    state.mkdir()
+    (state / "run.json").write_text(json.dumps({"run_id": "abc"}))
+    (state / "state.json").write_text(json.dumps({"format": 1}))
+    waiting = ["sh", "-c", "sleep 60", "peer"]  # NOTE: the resume flags come after it, as $1 ...
+    monkeypatch.setattr(spes.launch, "peer_command", lambda config, run, peer, seed, port, out: waiting)
+    assert spes.launch.main([TINY, "--out", str(tmp_path), "--resume"]) == 2
+    *_, exited, kept, refusal = capsys.readouterr().err.splitlines()
+    assert exited == f"server exited with code 2; its log: {tmp_path / 'server.log'}"
+    assert kept.startswith(f"kept in {tmp_path}: no node checkpoint and the server state; once the error below is ")
+    assert refusal.startswith(f"error: {state / 'state.json'}: written by an earlier spes (server state format 1")
+    assert refusal.endswith("or start a new run (a fresh --state_dir, every node without --resume)")
 
 
 def test_waiting_for_a_server_ends_when_it_exits() -> None:
@@ -479,7 +525,7 @@ def test_a_launch_that_stop_at_ended_says_the_run_is_unfinished(
     (Its processes are stubs: what is tested is the launcher's account of a run that went well.)"""
     monkeypatch.setattr(spes.launch, "_spawn", lambda *args: None)
     monkeypatch.setattr(spes.launch, "_await_listening", lambda *args: None)
-    monkeypatch.setattr(spes.launch, "_wait", lambda *args: 0)
+    monkeypatch.setattr(spes.launch, "_wait", lambda *args: (0, None))
     monkeypatch.setattr(spes.launch, "_stop_all", lambda procs: None)
     monkeypatch.setattr(spes.launch, "summarize", lambda *args: {"mode": "spes", "peers": [], "wall_s": 0.0})
     assert spes.launch.main([TINY, "--out", str(tmp_path), "--", "--max_duration=12st", *overrides]) == 0
@@ -647,8 +693,8 @@ def test_a_failing_peer_ends_the_local_run_with_its_error_line(tiny_corpus, tmp_
         timeout=170,
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr  # the peer's: a data error
-    *_, error, how = proc.stderr.strip().splitlines()
+    *_, kept, error = proc.stderr.strip().splitlines()
     assert error.startswith("error: data.paths: data path pattern"), proc.stderr
-    assert how.startswith(
-        f"kept in {tmp_path / 'run'}: no node checkpoint and the server state; continue with --resume"
+    assert kept.startswith(
+        f"kept in {tmp_path / 'run'}: no node checkpoint and the server state; once the error below is dealt with, "
     )

@@ -294,12 +294,34 @@ def test_watch_through_a_pipe_prints_each_line_as_it_asks_and_sigint_ends_it_wit
 
 
 @pytest.mark.timeout(60)
-def test_a_watch_whose_reader_stops_early_ends_quietly_with_exit_0() -> None:
+@pytest.mark.parametrize("watch", [["--watch", "1"], []])
+def test_a_watch_whose_reader_stops_early_ends_quietly_with_exit_0(watch: list[str]) -> None:
     """`--watch 1 | head -n 3`: the fourth line met a closed pipe and ended the watch in a BrokenPipeError traceback
-    (exit 1)."""
+    (exit 1). Nobody reads it any more, so it ends (it must not watch on into /dev/null), as one question does."""
     with running_server(tiny_spec()) as (_server, addr):
-        proc = with_reader_gone(["-m", "spes.status", addr, "--watch", "1"], 40)
+        proc = with_reader_gone(["-m", "spes.status", addr, *watch], 40)
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_nobody_reads_still_ends_with_its_code() -> None:
+    """`spes.status ... 2>&1 | head -n 0`: a refusal (no server there) met the closed pipe and ended with 0, as if
+    the server had answered; a wrong address ended with 1, not 2. The lines are lost, the exit codes kept."""
+    read, write = os.pipe()
+    os.close(read)
+    with socket.socket() as unused, open(write, "wb") as closed:  # bound, never listening: a connection is refused
+        unused.bind(("127.0.0.1", 0))
+        codes = [
+            subprocess.run(
+                [sys.executable, "-m", "spes.status", addr, "--timeout", "5"],
+                cwd=REPO,
+                stdout=closed,
+                stderr=closed,
+                timeout=40,
+            ).returncode
+            for addr in (f"127.0.0.1:{unused.getsockname()[1]}", "no-port")
+        ]
+    assert codes == [1, 2]
 
 
 @pytest.mark.timeout(60)
