@@ -524,6 +524,10 @@ class ShardWriter:
                 f"{kept}; free space there, then rerun the same command with --resume to continue",
             ):
                 self._write(path, tmp)
+        except BaseException:
+            if not path.exists():  # NOTE: stopped before the rename (Ctrl-C): no shard for its sidecar to describe
+                sidecar_path(path).unlink(missing_ok=True)
+            raise
         finally:
             tmp.unlink(missing_ok=True)
         self.shards.append(path)

@@ -42,7 +42,7 @@ from disk_helpers import cap_file_size, run_child
 from dist_helpers import child_env
 from spes import corpus
 from spes.data import TokenSequenceDataset
-from spes.shards import read_shard_info, resolve_paths, sidecar_path
+from spes.shards import ShardInfo, read_shard_info, resolve_paths, sidecar_path
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 
@@ -902,6 +902,31 @@ def test_a_stopped_cli_run_does_not_wait_for_its_chunks_in_flight(
     assert sorted(out.iterdir()) == sorted([*kept, *map(sidecar_path, kept)])  # no .partial, no lone sidecar
     assert all(read_shard_info(shard).num_tokens == len(np.load(shard)) for shard in kept)
     _resumed_as_whole(tokenizer, tmp_path, STUCK_FLAGS)
+
+
+@pytest.mark.parametrize(
+    "stopped_after, left",
+    [("write_shard_info", []), ("replace", ["part_00000.npy", "part_00000.npy.json"])],
+    ids=["sidecar", "rename"],
+)
+def test_a_stop_while_a_shard_is_written_leaves_it_whole_or_nothing_of_it(
+    stopped_after: str, left: list[str], tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop between a shard's sidecar and its rename left the sidecar of a shard never written beside the complete
+    ones; one just after the rename must keep both."""
+    owner = corpus if stopped_after == "write_shard_info" else corpus.os
+    call = getattr(owner, stopped_after)
+
+    def called_then_stopped(first: Path, second: Any) -> None:
+        call(first, second)
+        if str(second).endswith(".npy") or isinstance(second, ShardInfo):
+            raise KeyboardInterrupt  # as Ctrl-C does
+
+    monkeypatch.setattr(owner, stopped_after, called_then_stopped)
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    with pytest.raises(KeyboardInterrupt):
+        _tokenize([path], tokenizer, tmp_path / "out" / "part")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == left
 
 
 def _half_sent(chunk: corpus.TextChunk) -> None:
