@@ -389,8 +389,23 @@ def _encode_all(chunks: Iterable[TextChunk], encoder: Encoder, processes: int) -
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+    except BaseException:  # NOTE: GeneratorExit too: the run stopped taking chunks on an error of its own
+        _kill_workers(pool)
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill the pool's tokenizer processes at once: after a stop (Ctrl-C, SIGTERM) or an error their chunks in flight
+    are thrown away, and shutdown waited for each of them (tens of seconds for large --batch_size chunks, long past a
+    scheduler's grace before its SIGKILL). SIGKILL, as SIGTERM runs the handler they inherit only once the chunk in
+    hand is encoded. The pool's own copy of its result pipe's writing end is closed too: a worker killed while
+    sending a chunk back left a message cut short that the pool's result thread waited for forever, and shutdown
+    with it; once closed, that wait ends (end of file) and the pool gives up as on any worker's death."""
+    for process in list((pool._processes or {}).values()):  # NOTE: Python 3.14's kill_workers() is this loop
+        process.kill()
+    pool._result_queue._writer.close()  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -509,6 +524,10 @@ class ShardWriter:
                 f"{kept}; free space there, then rerun the same command with --resume to continue",
             ):
                 self._write(path, tmp)
+        except BaseException:
+            if not path.exists():  # NOTE: stopped before the rename (Ctrl-C): no shard for its sidecar to describe
+                sidecar_path(path).unlink(missing_ok=True)
+            raise
         finally:
             tmp.unlink(missing_ok=True)
         self.shards.append(path)
@@ -887,7 +906,7 @@ def tokenize_main(argv: Sequence[str] | None = None) -> int:
     if args.files_per_process is not None:
         print(f"note: --files_per_process {args.files_per_process} changes nothing here (see --help)", file=sys.stderr)
     try:
-        with Interruptible():  # SIGTERM (`kill`, a scheduler) too: the pool is shut down and the stop told
+        with Interruptible():  # SIGTERM (`kill`, a scheduler) too: the tokenizer processes are killed, the stop told
             files, summary = _tokenize_cli(args)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from conftest import usage_error
+from conftest import usage_error, wait_until
 from data_fixtures import (
     INPUT_FORMATS,
     REPO_ROOT,
@@ -38,9 +39,10 @@ from data_fixtures import (
     write_lines,
 )
 from disk_helpers import cap_file_size, run_child
+from dist_helpers import child_env
 from spes import corpus
 from spes.data import TokenSequenceDataset
-from spes.shards import read_shard_info, resolve_paths, sidecar_path
+from spes.shards import ShardInfo, read_shard_info, resolve_paths, sidecar_path
 from spes.tokenizer import LoadedTokenizer, train_byte_level_bpe
 
 
@@ -831,6 +833,128 @@ def test_a_run_killed_outright_leaves_no_tokenizer_process(tokenizer: LoadedToke
         while _running(workers) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(workers) == 2 and not _running(workers)
+
+
+STUCK_AFTER_LINE = """
+import os, sys, time
+from pathlib import Path
+from spes import corpus
+
+busy, last_line = Path(sys.argv[1]), int(sys.argv[2])
+encode = corpus.Encoder.__call__
+
+
+def stuck(encoder, chunk):
+    if chunk.records[0][0] > last_line:  # NOTE: a chunk as long as a huge --batch_size one, on any machine
+        (busy / str(os.getpid())).touch()
+        time.sleep(600)
+    return encode(encoder, chunk)
+
+
+corpus.Encoder.__call__ = stuck
+sys.exit(corpus.tokenize_main(sys.argv[3:]))
+"""
+"""tokenize_data.py whose tokenizer processes encode the lines up to argv[2], then each stays 600 s on its next chunk
+(once it has touched its pid in folder argv[1]); its flags follow."""
+STOP_S = 15
+"""How soon a stopped run must have exited: the old wait for the chunks in flight was their 600 s here."""
+STUCK_FLAGS = ["--batch_size", "10", "--max_shard_bytes", "400", "--processes", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["kill", "ctrl-c"])
+def test_a_stopped_cli_run_does_not_wait_for_its_chunks_in_flight(
+    sig: signal.Signals, group: bool, tokenizer: LoadedTokenizer, tmp_path: Path
+) -> None:
+    """A stop waited for the chunks the tokenizer processes held, tens of seconds with large chunks (past a
+    scheduler's grace before its SIGKILL): they are killed at once, and only complete shards are left."""
+    write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS * 40)
+    busy, out = tmp_path / "busy", tmp_path / "out"
+    busy.mkdir()
+    flags = ["--file_glob", str(tmp_path / "*.jsonl"), "--tokenizer_name_or_path", str(tokenizer.path.parent)]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK_AFTER_LINE, str(busy), "100", *flags, "--output_prefix", str(out / "part")]
+        + STUCK_FLAGS,
+        env=child_env(),
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    workers: list[psutil.Process] = []
+    try:
+        wait_until(lambda: len(list(busy.iterdir())) == 2 or proc.poll() is not None, "both processes stuck", 120)
+        assert proc.poll() is None, proc.communicate()[1]
+        workers = psutil.Process(proc.pid).children()
+        (os.killpg if group else os.kill)(proc.pid, sig)
+        try:
+            _, err = proc.communicate(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"tokenize_data.py still ran {STOP_S} s after {sig.name}")
+    finally:
+        proc.kill()
+        for worker in _running(workers):
+            worker.kill()
+    assert len(workers) == 2 and not _running(workers)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    kept = sorted(out.glob("*.npy"))
+    assert err.splitlines()[-1].startswith(f"interrupted: {len(kept)} complete shard(s) (part_00000.npy .. ")
+    assert sorted(out.iterdir()) == sorted([*kept, *map(sidecar_path, kept)])  # no .partial, no lone sidecar
+    assert all(read_shard_info(shard).num_tokens == len(np.load(shard)) for shard in kept)
+    _resumed_as_whole(tokenizer, tmp_path, STUCK_FLAGS)
+
+
+@pytest.mark.parametrize(
+    "stopped_after, left",
+    [("write_shard_info", []), ("replace", ["part_00000.npy", "part_00000.npy.json"])],
+    ids=["sidecar", "rename"],
+)
+def test_a_stop_while_a_shard_is_written_leaves_it_whole_or_nothing_of_it(
+    stopped_after: str, left: list[str], tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop between a shard's sidecar and its rename left the sidecar of a shard never written beside the complete
+    ones; one just after the rename must keep both."""
+    owner = corpus if stopped_after == "write_shard_info" else corpus.os
+    call = getattr(owner, stopped_after)
+
+    def called_then_stopped(first: Path, second: Any) -> None:
+        call(first, second)
+        if str(second).endswith(".npy") or isinstance(second, ShardInfo):
+            raise KeyboardInterrupt  # as Ctrl-C does
+
+    monkeypatch.setattr(owner, stopped_after, called_then_stopped)
+    path = write_documents(tmp_path / "docs.jsonl", SAMPLE_TEXTS)
+    with pytest.raises(KeyboardInterrupt):
+        _tokenize([path], tokenizer, tmp_path / "out" / "part")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == left
+
+
+def _half_sent(chunk: corpus.TextChunk) -> None:
+    """A tokenizer process killed while sending its chunk back: the start of a message, never its end (the message
+    is told in `chunk.source`, once sent)."""
+    results = sys._getframe(1).f_locals["result_queue"]  # NOTE: concurrent.futures' worker loop's
+    os.write(results._writer.fileno(), struct.pack("!i", 2**20) + b"cut short")
+    Path(chunk.source).touch()
+    time.sleep(600)
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_ends_though_a_tokenizer_process_sent_half_a_chunk_back(
+    tokenizer: LoadedTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killing the tokenizer processes, one of them in the midst of sending its chunk back, left the pool's reader
+    waiting for the rest of that message, and the stop with it, forever."""
+    monkeypatch.setattr(corpus, "_encode_in_worker", _half_sent)
+    sent = tmp_path / "sent"
+
+    def stopped() -> Iterator[corpus.TextChunk]:
+        yield corpus.TextChunk(str(sent), [(1, "text")], json_lines=False)
+        wait_until(sent.exists, "half a chunk sent back")
+        raise KeyboardInterrupt  # as Ctrl-C does
+
+    encoder = corpus.Encoder(tokenizer, "text", np.dtype(np.uint16))
+    with pytest.raises(KeyboardInterrupt):
+        list(corpus._encode_all(stopped(), encoder, processes=2))
 
 
 def test_an_interrupted_cli_run_says_what_it_kept_or_that_it_wrote_nothing(
