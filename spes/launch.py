@@ -81,9 +81,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", default="output/local_run", help="run directory: logs, checkpoints, summary.json")
     p.add_argument(
         "--resume",
-        action="store_true",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=["auto"],
         help="continue the run --out holds: the server from its state, every peer from its latest checkpoint (a "
-        "folder that holds a run is refused without it, one that holds none with it: two runs are never mixed)",
+        "folder that holds a run is refused without it, one that holds none with it: two runs are never mixed); "
+        "--resume=auto: continue it, or start one when --out holds none (a job submitted again, as the nodes' own "
+        "--resume=auto)",
     )
     p.add_argument(  # --dilico: the reference's spelling (its key using_dilico); --diloco: the paper's
         "--dilico", "--diloco", action="store_true", help="DiLoCo/FedAvg baseline: peers train and average everything"
@@ -111,10 +116,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     out = Path(args.out).expanduser()  # NOTE: --out=~/run reaches here as written
+    resuming = args.resume is True or (args.resume == "auto" and bool(previous_run(out)))
     try:
         cfg, run = load_run(args, overrides)
         eval_peers = check_eval_peers(args.eval_peers, cfg.num_peers)
-        resume = resume_flags(out, args.resume)
+        resume = resume_flags(out, resuming)
         seeds = [run_data_seed(cfg, i) for i in range(cfg.num_peers)]  # as the first implementation's launchers
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -125,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     procs: dict[str, subprocess.Popen] = {}
     started = time.time()
     followed = out / "peer0.log"
-    shown = followed.stat().st_size if args.resume and followed.is_file() else 0  # NOTE: echo only this start's lines
+    shown = followed.stat().st_size if resuming and followed.is_file() else 0  # NOTE: echo only this start's lines
     with Interruptible():  # SIGTERM, SIGHUP too: `finally` stops the children (own sessions) of a killed launcher
         if signal.getsignal(signal.SIGQUIT) == signal.SIG_DFL:  # NOTE: not where the shell has it ignored (`cmd &`)
             signal.signal(signal.SIGQUIT, lambda _signum, _frame: _quit(procs))
         try:
-            procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env, args.resume)
+            procs["server"] = _spawn(server_command(args.config, run, port, out), out / "server.log", env, resuming)
             _await_listening(procs["server"], port, SERVER_START_S)
             for i, seed in enumerate(seeds):
                 peer_cmd = [
@@ -138,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     *(["--eval_interval=null"] if i >= eval_peers else []),
                     *resume,
                 ]
-                procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env, args.resume)
+                procs[f"peer{i}"] = _spawn(peer_cmd, out / f"peer{i}.log", env, resuming)
             print(
                 f"started server on 127.0.0.1:{port} and {cfg.num_peers} peers ({MODE_TITLES[cfg.mode]} run, data "
                 f"seeds {seeds}); logs in {out}/ (following peer0.log)"

@@ -541,6 +541,25 @@ def test_a_launch_that_stop_at_ended_says_the_run_is_unfinished(
         )
 
 
+def test_resume_auto_continues_the_run_out_holds_or_starts_one_when_it_holds_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's line ("continue with --resume=auto") ended a failed launch, whose --resume took no value: the user
+    who followed it got an argparse error. (Its processes are stubs: what is tested is what the peers are told.)"""
+    started: list[tuple[list[str], bool]] = []
+    monkeypatch.setattr(spes.launch, "_spawn", lambda cmd, log, env, resume: started.append((cmd, resume)))
+    monkeypatch.setattr(spes.launch, "_await_listening", lambda *args: None)
+    monkeypatch.setattr(spes.launch, "_wait", lambda *args: (2, "error: stub"))
+    monkeypatch.setattr(spes.launch, "_stop_all", lambda procs: None)
+    assert spes.launch.main([TINY, "--out", str(tmp_path), "--resume=auto"]) == 2
+    assert started and not any(resume or "--resume=auto" in cmd for cmd, resume in started)  # a fresh run
+    (tmp_path / "node0").mkdir()
+    (tmp_path / "node0" / LATEST).write_text("step20")
+    started.clear()
+    assert spes.launch.main([TINY, "--out", str(tmp_path), "--resume=auto"]) == 2
+    assert all(resume for _, resume in started) and all("--resume=auto" in cmd for cmd, _ in started[1:])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_diloco_run_says_so_and_averages_everything(tiny_corpus, tmp_path: Path) -> None:
