@@ -180,14 +180,15 @@ class Coordinator:
             )
 
     def _report(self) -> None:
-        """Every `REPORT_S` while the run waits (a round open, peers yet to join), log what for and whom."""
+        """Every `REPORT_S` while the run waits (a round open, peers yet to join), log what for and whom. Decided and
+        logged under the lock: a line decided before a join and logged after it said a peer that had joined was
+        awaited."""
         while True:
             with self._cond:
                 if self._cond.wait_for(lambda: self._shutting_down, timeout=REPORT_S):
                     return
-                waiting = self.state.open_round is not None or len(self.joined) < self.spec.num_peers
-            if waiting:
-                log.info("waiting: %s", describe(self.status()))
+                if self.state.open_round is not None or len(self.joined) < self.spec.num_peers:
+                    log.info("waiting: %s", describe(self.status()))
 
     def presence(
         self, peer: int, session: str, run: str, address: str, common_name: Callable[[], str | None]
@@ -223,10 +224,11 @@ class Coordinator:
 
     def shutdown(self, grace_s: float) -> None:
         """Refuse every new upload and download from now on, and wake every waiting download, with UNAVAILABLE (reason
-        shutting_down); let a running aggregation finish."""
+        shutting_down); let a running aggregation finish. The status reporter has ended when it returns."""
         with self._cond:
             self._shutting_down = True
             self._cond.notify_all()
+        self._reporter.join()  # NOTE: no `waiting:` line once stopped (a line it was writing came after)
         self.closer.join(grace_s)
         self.guard.stop()
         self.warn.flush()

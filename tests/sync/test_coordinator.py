@@ -583,18 +583,55 @@ def test_the_server_says_what_it_waits_for_while_it_waits_and_stops_saying_it_wh
             f"waiting: run {service.run_id}: no round completed yet; 1 of 2 peers joined (peer 1 never joined)"
         )
         service.join(join_request(1, SPEC), session="s1", address="test", common_name=lambda: None)
-        time.sleep(0.3)  # a line being written as peer 1 joined
-        caplog.clear()
+        caplog.clear()  # NOTE: a line is decided and written under the lock the join took: none after it is stale
         time.sleep(0.3)
         assert waiting() == []
         service.uploads.receive(0, 1, feeding(peer_upload(SPEC, 0, seed=1)))
         wait_until(lambda: len(waiting()) >= 2, "two lines while round 1 is open")
         assert waiting()[-1].startswith(f"waiting: run {service.run_id}: round 1 open for 0 s, uploaded by [0], ")
-    time.sleep(0.3)  # a line being written as the server stopped
+    assert [t for t in set(threading.enumerate()) - before if t.name == "spes-status-report"] == []  # joined
     caplog.clear()
     time.sleep(0.3)
     assert waiting() == []
-    assert [t for t in set(threading.enumerate()) - before if t.name == "spes-status-report"] == []
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_line_decided_before_a_join_is_written_before_the_join_returns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reporter decided under the lock and wrote after it: a reporter held between the two wrote, after peer 1's
+    join had returned, that peer 1 never joined. Its writing is held here (a log handler waiting) while peer 1 joins."""
+    monkeypatch.setattr("spes.sync.coordinator.REPORT_S", 0.05)
+    caplog.set_level(logging.INFO, "spes.server")
+    held, release, events = threading.Event(), threading.Event(), []
+
+    class Holding(logging.Handler):  # NOTE: held in its filter, which runs outside the handler's own lock
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.getMessage().startswith("waiting:") and not held.is_set():
+                held.set()
+                release.wait(10)
+                events.append("line")
+            return True
+
+        def emit(self, record: logging.LogRecord) -> None:
+            pass
+
+    handler = Holding()
+    logging.getLogger("spes.server").addHandler(handler)
+    try:
+        with running(coordinator(SPEC)) as service:
+            service.join(join_request(0, SPEC), **JOIN)  # type: ignore[arg-type]
+            assert held.wait(10)
+            joiner = threading.Thread(
+                target=lambda: (service.join(join_request(1, SPEC), **{**JOIN, "session": "s1"}), events.append("join"))
+            )
+            joiner.start()
+            time.sleep(0.3)  # NOTE: the join's time to return, were the line written outside the lock
+            release.set()
+            joiner.join(10)
+    finally:
+        logging.getLogger("spes.server").removeHandler(handler)
+    assert events == ["line", "join"]
 
 
 @pytest.mark.timeout(60)
