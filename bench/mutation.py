@@ -277,8 +277,18 @@ EQUIVALENT: dict[str, str] = {
     ),
     **mutants(
         "spes.failures.x_report",
-        "45 48 49",
+        "48 51 52",
         "flushing the error line: Python's sys.stderr is line-buffered, and the line ends with its newline",
+    ),
+    **mutants(
+        "spes.interrupt.xǁ_Unreadǁ__init__",
+        "3",
+        "a stream not yet found unread: None reads as False, as still_read takes it",
+    ),
+    **mutants(
+        "spes.interrupt.xǁ_Unreadǁ_quietly",
+        "9 12 13",
+        "flushing the note: Python's sys.stderr is line-buffered, and the note ends with its newline",
     ),
     **mutants(
         "spes.failures.x__raised_at",

@@ -32,7 +32,15 @@ from node_runs import (
     start_server,
 )
 from spes.config import SpesConfig
-from spes.interrupt import ECHO_S, Interruptible, Stopped, StopRequest, outliving_readers, stop_signals
+from spes.interrupt import (
+    ECHO_S,
+    Interruptible,
+    Stopped,
+    StopRequest,
+    outliving_readers,
+    still_read,
+    stop_signals,
+)
 from spes.save_folder import META_FILE
 from spes.sync.channel import open_channel
 from spes.sync.proto import spes_pb2 as pb
@@ -296,10 +304,13 @@ def test_output_nobody_reads_any_more_is_dropped_and_said_once(monkeypatch: pyte
     said = io.StringIO()
     monkeypatch.setattr(sys, "stdout", closed)
     monkeypatch.setattr(sys, "stderr", said)
+    assert still_read(sys.stdout)
     with outliving_readers("note: nobody reads"):
+        assert still_read(sys.stdout) and sys.stdout.fileno() == write  # NOTE: what it does not wrap is the stream's
         for _ in range(3):
             print("step 1", flush=True)
-    assert sys.stdout is closed and said.getvalue() == "note: nobody reads\n"
+        assert not still_read(sys.stdout) and still_read(sys.stderr)  # NOTE: a `--watch` ends on it
+    assert sys.stdout is closed and said.getvalue() == "note: nobody reads\n" and still_read(sys.stdout)
     closed.close()  # NOTE: its buffer went to /dev/null: no error left to raise
 
 

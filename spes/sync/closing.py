@@ -152,11 +152,11 @@ class RoundCloser(RoundJob):
             message = f"the server could not save round {step} under --state_dir {self._state_dir} ({exc}){fix}"
             self._fail(step, message, traced=not isinstance(exc, OSError))
             return
-        with self._cond:
+        with self._cond:  # NOTE: counted with it: a status between the two said round N of N - 1 rounds completed
             self._state.complete(done)
             self._memory.publish(done)
             self._cond.notify_all()
-        self._published(done, time.perf_counter() - start)
+            self._published(done, time.perf_counter() - start)
         try:
             done.served.complete()  # NOTE: what no download has made yet: the downloads find it made
         except Exception:  # a bug: `serve` checked what could fail; the downloads will fail on it too

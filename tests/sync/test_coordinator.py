@@ -596,6 +596,27 @@ def test_the_server_says_what_it_waits_for_while_it_waits_and_stops_saying_it_wh
 
 
 @pytest.mark.timeout(60)
+def test_a_status_never_shows_a_round_completed_before_it_is_counted() -> None:
+    """The closer published round 1, then counted it outside the lock: a status between the two (a loaded machine)
+    said round 1 was the latest with 0 rounds completed. The counting is held here while a status is asked."""
+    with running(coordinator(SPEC)) as service:
+        counting, count = threading.Event(), service.closer._published
+
+        def slow_count(done: object, seconds: float) -> None:
+            counting.set()
+            time.sleep(0.3)
+            count(done, seconds)  # type: ignore[arg-type]
+
+        service.closer._published = slow_count
+        for peer in range(2):
+            service.join(join_request(peer, SPEC), session=f"s{peer}", address="test", common_name=lambda: None)
+            service.uploads.receive(peer, 1, feeding(peer_upload(SPEC, peer, seed=1)))
+        assert counting.wait(10)
+        status = service.status()
+        assert (status.current_round, status.rounds_completed) == (1, 1)
+
+
+@pytest.mark.timeout(60)
 def test_a_waiting_line_decided_before_a_join_is_written_before_the_join_returns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

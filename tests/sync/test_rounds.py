@@ -83,6 +83,8 @@ def test_a_peer_resuming_a_later_round_on_a_server_without_any_says_its_state_is
     assert "sync_steps" in str(refusal(state.admit, 0, 35))  # off the schedule: the peers' settings differ
     state.restore(completed(10, {0, 1}))
     assert "next round is 20 (after round 10)" in str(refusal(state.admit, 0, 30))
+    every_step = RoundState(2, ServerSection(), every(1))  # NOTE: sync_steps=1: every step is on the schedule
+    assert "holds no completed round of the run (its first round is 1)" in str(refusal(every_step.admit, 0, 3))
 
 
 def test_a_round_closed_without_a_peer_is_stale_for_it() -> None:
