@@ -281,6 +281,11 @@ EQUIVALENT: dict[str, str] = {
         "flushing the error line: Python's sys.stderr is line-buffered, and the line ends with its newline",
     ),
     **mutants(
+        "spes.interrupt.x_still_read",
+        "4",
+        "the default of a stream never wrapped: None reads as False, a reader still there",
+    ),
+    **mutants(
         "spes.interrupt.xǁ_Unreadǁ__init__",
         "3",
         "a stream not yet found unread: None reads as False, as still_read takes it",
